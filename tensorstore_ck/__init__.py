@@ -1,0 +1,25 @@
+"""tensorstore_ck: a content-addressed snapshot store for the state of ML training jobs.
+
+Layers, top to bottom (nothing calls upward):
+
+    store.py      Store facade, open_store(): publication order, targets, log
+    state.py      state tree <-> manifest values; parallel block jobs
+    assets.py     typed, verified object I/O (blocks, nodes, commits); owns the keys
+    format/       bytes <-> objects (frame header, codecs, msgpack nodes); no I/O
+    storage/      BlockStore backends (local with fsync, any fsspec URL)
+    refs/         RefTable backends (LMDB, in-memory): CAS, reflog, catalog, tags, pins
+    chunker.py    tensor bytes -> element-aligned blocks
+"""
+
+from . import errors
+from .errors import (AmbiguousTarget, CheckoutMismatch, FormatError, IntegrityError, InvalidName, NotAStore,
+                     RefConflict, RefNotFound, SnapshotAborted, TsckError, UnsupportedType)
+from .store import SnapshotInfo, Store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "open_store", "Store", "SnapshotInfo", "errors", "TsckError", "RefConflict", "RefNotFound",
+    "IntegrityError", "FormatError", "UnsupportedType", "InvalidName", "NotAStore", "CheckoutMismatch",
+    "AmbiguousTarget", "SnapshotAborted", "__version__",
+]

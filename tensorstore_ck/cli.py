@@ -1,0 +1,137 @@
+"""`tsck`: the command line. Exit codes: 0 ok, 1 problems found, 2 user error.
+
+Every command takes --json. A user mistake (bad arguments, unknown target,
+a path that is not a store) prints one line, "tsck: error: ...", and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+
+from .errors import TsckError
+from .store import SnapshotInfo, open_store
+
+__all__ = ["main"]
+
+
+class _Usage(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise _Usage(message)
+
+
+def _human(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _when(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _line(info: SnapshotInfo) -> str:
+    m = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.metrics.items())
+    return (f"{info.root[:16]}  step {info.step if info.step is not None else '-':>8}  {_when(info.time)}  "
+            f"{_human(info.bytes_total):>10} ({_human(info.bytes_new)} new)  {m}").rstrip()
+
+
+def _out(args, obj, text: str) -> None:
+    if args.json:
+        print(json.dumps(obj, indent=2, sort_keys=False))
+    else:
+        print(text)
+
+
+def cmd_refs(store, args):
+    refs = store.refs()
+    tags = store.tags()
+    obj = {"refs": {k: v.to_json() for k, v in refs.items()}, "tags": {k: v.to_json() for k, v in tags.items()}}
+    lines = [f"{name:<32} {_line(info)}" for name, info in refs.items()]
+    lines += [f"tag {name:<28} {_line(info)}" for name, info in tags.items()]
+    _out(args, obj, "\n".join(lines) if lines else "(no refs)")
+    return 0
+
+
+def cmd_log(store, args):
+    infos = store.log(args.ref)
+    _out(args, [i.to_json() for i in infos], "\n".join(_line(i) for i in infos) or "(empty)")
+    return 0
+
+
+def cmd_show(store, args):
+    i = store.show(args.target)
+    text = "\n".join([
+        f"root      {i.root}", f"ref       {i.ref}", f"job       {i.job}", f"step      {i.step}",
+        f"time      {_when(i.time)}", f"parent    {i.parent or '-'}",
+        f"metrics   {json.dumps(i.metrics)}", f"meta      {json.dumps(i.meta)}",
+        f"bytes     {_human(i.bytes_total)} in {i.blocks_total} blocks; "
+        f"{_human(i.bytes_new)} in {i.blocks_new} blocks were new",
+    ])
+    _out(args, i.to_json(), text)
+    return 0
+
+
+def cmd_du(store, args):
+    d = store.du()
+    lines = [
+        f"store      {d['store']}",
+        f"snapshots  {d['snapshots']}",
+        f"logical    {_human(d['logical_bytes'])}  (what the snapshots hold)",
+        f"physical   {_human(d['physical_bytes'])}  ({d['blocks']} blocks, {d['nodes']} nodes, "
+        f"{d['commits']} commits)",
+        f"dedup      {d['dedup_ratio']:.2f}x" if d["dedup_ratio"] else "dedup      -",
+    ]
+    for job, j in sorted(d["jobs"].items()):
+        lines.append(f"  job {job:<20} {j['snapshots']:>5} snapshots  logical {_human(j['logical_bytes']):>10}"
+                     f"  written {_human(j['new_bytes']):>10}  latest step {j['latest_step']}")
+    _out(args, d, "\n".join(lines))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    def add(name, fn, help, *pos):
+        s = sub.add_parser(name, help=help)
+        s.add_argument("store", help="store path or URL")
+        for a in pos:
+            s.add_argument(a)
+        s.add_argument("--json", action="store_true", help="machine-readable output")
+        s.set_defaults(fn=fn)
+        return s
+
+    add("refs", cmd_refs, "list refs and tags")
+    add("log", cmd_log, "snapshots of a ref, newest first", "ref")
+    add("show", cmd_show, "one snapshot", "target")
+    add("du", cmd_du, "logical vs physical bytes, per job")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _Usage as e:
+        print(f"tsck: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with open_store(args.store, create=False) as store:
+            return args.fn(store, args)
+    except TsckError as e:
+        print(f"tsck: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tsck: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,110 @@
+"""The tensorstore_ck error tree.
+
+    TsckError                    base of everything this package raises on purpose
+    ├── RefConflict              a compare-and-swap lost: carries .expected and .actual
+    ├── RefNotFound (KeyError)   no such ref, tag, REF@STEP or root
+    ├── IntegrityError           a missing or corrupt object: .snapshot, .path, .expected, .got
+    ├── FormatError              stored bytes that cannot be decoded or are hostile
+    ├── UnsupportedType (TypeError)  a value in the state we cannot store: .path
+    ├── InvalidName (ValueError)     a bad ref/tag name or target string
+    ├── NotAStore                the location exists but holds no tensorstore_ck store
+    ├── CheckoutMismatch (ValueError) checkout(into=...) does not fit the snapshot
+    ├── AmbiguousTarget (LookupError) a root-hash prefix that matches several snapshots
+    └── SnapshotAborted          a collective snapshot was abandoned; nothing published
+
+Every class has a stable ``kind`` code used by ``--json`` output; codes are
+append-only and never renamed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TsckError",
+    "RefConflict",
+    "RefNotFound",
+    "IntegrityError",
+    "FormatError",
+    "UnsupportedType",
+    "InvalidName",
+    "NotAStore",
+    "CheckoutMismatch",
+    "SnapshotAborted",
+]
+
+
+class TsckError(Exception):
+    kind = "error"
+
+    def __str__(self) -> str:  # KeyError's repr-quoting of the message is unhelpful
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class RefConflict(TsckError):
+    kind = "ref_conflict"
+
+    def __init__(self, name: str, expected: str | None, actual: str | None, what: str = "ref"):
+        self.name = name
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"{what} {name!r} conflict: expected {expected or '<absent>'}, found {actual or '<absent>'}"
+        )
+
+
+class RefNotFound(TsckError, KeyError):
+    kind = "ref_not_found"
+
+
+class IntegrityError(TsckError):
+    kind = "integrity"
+
+    def __init__(self, message: str, *, snapshot: str | None = None, path: str | None = None,
+                 key: str | None = None, expected: str | None = None, got: str | None = None):
+        self.snapshot = snapshot
+        self.path = path
+        self.key = key
+        self.expected = expected
+        self.got = got
+        where = []
+        if snapshot:
+            where.append(f"snapshot {snapshot[:16]}")
+        if path:
+            where.append(f"at {path}")
+        if key:
+            where.append(f"object {key}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+class FormatError(TsckError):
+    kind = "format"
+
+
+class UnsupportedType(TsckError, TypeError):
+    kind = "unsupported_type"
+
+    def __init__(self, message: str, path: str = ""):
+        self.path = path
+        super().__init__(f"{message} at state{path}" if path else message)
+
+
+class InvalidName(TsckError, ValueError):
+    kind = "invalid_name"
+
+
+class NotAStore(TsckError):
+    kind = "not_a_store"
+
+
+class CheckoutMismatch(TsckError, ValueError):
+    kind = "checkout_mismatch"
+
+
+class SnapshotAborted(TsckError):
+    kind = "snapshot_aborted"
+
+
+class AmbiguousTarget(TsckError, LookupError):
+    kind = "ambiguous_target"
+
+
+__all__.append("AmbiguousTarget")

@@ -1,0 +1,1 @@
+"""Bytes <-> objects for everything stored. No I/O happens in this package."""

@@ -1,0 +1,207 @@
+"""The RefTable interface, and its logic written once over a small
+transactional key-value layer that LMDB and the in-memory twin both provide.
+
+Sub-tables (each a sorted key-value space):
+
+    refs      name                    -> root (32 bytes)
+    reflog    name \\0 seq (u64 BE)    -> msgpack {t, old, new, msg}
+    catalog   root                    -> msgpack row (job, ref, step, time, metrics, sizes, ...)
+    tags      name                    -> root
+    pins      root                    -> b""
+    meta      key                     -> value (the reflog sequence counter)
+
+Every conditional operation reads and writes inside one write transaction, so
+the check and the update cannot be separated by another writer.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import msgpack
+
+from ..errors import FormatError, RefConflict, RefNotFound
+
+__all__ = ["RefTable", "KvRefTable", "ReflogEntry", "Txn"]
+
+TABLES = ("refs", "reflog", "catalog", "tags", "pins", "meta")
+_SEQ = struct.Struct(">Q")
+
+
+@dataclass(frozen=True, slots=True)
+class ReflogEntry:
+    name: str
+    time: float
+    old: bytes | None
+    new: bytes
+    message: str
+
+
+class Txn(ABC):
+    @abstractmethod
+    def get(self, table: str, key: bytes) -> bytes | None: ...
+    @abstractmethod
+    def put(self, table: str, key: bytes, value: bytes) -> None: ...
+    @abstractmethod
+    def delete(self, table: str, key: bytes) -> None: ...
+    @abstractmethod
+    def items(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        """Sorted by key."""
+
+
+def _hex(b: bytes | None) -> str | None:
+    return b.hex() if b is not None else None
+
+
+def _unpack_row(data: bytes, what: str) -> dict:
+    try:
+        row = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:
+        raise FormatError(f"undecodable {what} record: {e}") from None
+    if not isinstance(row, dict):
+        raise FormatError(f"{what} record is not a map")
+    return row
+
+
+class RefTable(ABC):
+    """name -> root with compare-and-swap; reflog; catalog; tags; pins."""
+
+    @abstractmethod
+    def get_or_none(self, name: str) -> bytes | None: ...
+
+    def get(self, name: str) -> bytes:
+        root = self.get_or_none(name)
+        if root is None:
+            raise RefNotFound(f"no ref named {name!r}")
+        return root
+
+    @abstractmethod
+    def compare_and_swap(self, name: str, expected: bytes | None, new: bytes, *,
+                         message: str, catalog_row: dict | None = None) -> None:
+        """Point `name` at `new` if it now points at `expected` (None: absent).
+        Appends to the reflog and stores `catalog_row` for `new` in the same
+        transaction. RefConflict(expected, actual) otherwise."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[tuple[str, bytes]]: ...
+    @abstractmethod
+    def reflog(self, name: str) -> list[ReflogEntry]:
+        """Oldest first."""
+    @abstractmethod
+    def catalog_get(self, root: bytes) -> dict | None: ...
+    @abstractmethod
+    def catalog_iter(self) -> Iterator[tuple[bytes, dict]]: ...
+    @abstractmethod
+    def catalog_prefix(self, prefix: bytes) -> list[bytes]: ...
+    @abstractmethod
+    def tag_get(self, name: str) -> bytes | None: ...
+    @abstractmethod
+    def tag_create(self, name: str, root: bytes) -> None:
+        """Tags are immutable: RefConflict if `name` exists as a tag or a ref."""
+    @abstractmethod
+    def tags(self) -> list[tuple[str, bytes]]: ...
+    @abstractmethod
+    def pin(self, root: bytes) -> None: ...
+    @abstractmethod
+    def unpin(self, root: bytes) -> None: ...
+    @abstractmethod
+    def pins(self) -> set[bytes]: ...
+
+    def close(self) -> None:
+        pass
+
+
+class KvRefTable(RefTable):
+    """RefTable logic over `_read(fn)` / `_write(fn)`, each running fn(txn) in one transaction."""
+
+    @abstractmethod
+    def _read(self, fn: Callable[[Txn], object]): ...
+    @abstractmethod
+    def _write(self, fn: Callable[[Txn], object]): ...
+
+    # docstring inherited
+    def get_or_none(self, name: str) -> bytes | None:
+        return self._read(lambda t: t.get("refs", name.encode()))
+
+    def compare_and_swap(self, name, expected, new, *, message, catalog_row=None):
+        key = name.encode()
+
+        def txn(t: Txn):
+            actual = t.get("refs", key)
+            if actual != expected:
+                raise RefConflict(name, _hex(expected), _hex(actual))
+            if actual is None and t.get("tags", key) is not None:
+                raise RefConflict(name, None, _hex(t.get("tags", key)), what="ref (a tag has this name)")
+            t.put("refs", key, new)
+            seq_raw = t.get("meta", b"reflog_seq")
+            seq = _SEQ.unpack(seq_raw)[0] + 1 if seq_raw else 1
+            t.put("meta", b"reflog_seq", _SEQ.pack(seq))
+            entry = {"t": time.time(), "old": expected, "new": new, "msg": message}
+            t.put("reflog", key + b"\0" + _SEQ.pack(seq), msgpack.packb(entry))
+            if catalog_row is not None:
+                t.put("catalog", new, msgpack.packb(catalog_row))
+
+        self._write(txn)
+
+    def list(self, prefix=""):
+        return self._read(lambda t: [(k.decode(), v) for k, v in t.items("refs", prefix.encode())])
+
+    def reflog(self, name):
+        key = name.encode() + b"\0"
+
+        def txn(t):
+            out = []
+            for _k, v in t.items("reflog", key):
+                e = _unpack_row(v, "reflog")
+                out.append(ReflogEntry(name, float(e.get("t", 0.0)), e.get("old"), e["new"], str(e.get("msg", ""))))
+            return out
+
+        return self._read(txn)
+
+    def catalog_get(self, root):
+        data = self._read(lambda t: t.get("catalog", root))
+        return None if data is None else _unpack_row(data, "catalog")
+
+    def catalog_put(self, root: bytes, row: dict) -> None:
+        self._write(lambda t: t.put("catalog", root, msgpack.packb(row)))
+
+    def catalog_iter(self):
+        rows = self._read(lambda t: list(t.items("catalog")))
+        for k, v in rows:
+            yield k, _unpack_row(v, "catalog")
+
+    def catalog_prefix(self, prefix):
+        return self._read(lambda t: [k for k, _ in t.items("catalog", prefix)])
+
+    def tag_get(self, name):
+        return self._read(lambda t: t.get("tags", name.encode()))
+
+    def tag_create(self, name, root):
+        key = name.encode()
+
+        def txn(t):
+            cur = t.get("tags", key)
+            if cur is not None:
+                raise RefConflict(name, None, _hex(cur), what="tag")
+            ref = t.get("refs", key)
+            if ref is not None:
+                raise RefConflict(name, None, _hex(ref), what="tag (a ref has this name)")
+            t.put("tags", key, root)
+
+        self._write(txn)
+
+    def tags(self):
+        return self._read(lambda t: [(k.decode(), v) for k, v in t.items("tags")])
+
+    def pin(self, root):
+        self._write(lambda t: t.put("pins", root, b""))
+
+    def unpin(self, root):
+        self._write(lambda t: t.delete("pins", root))
+
+    def pins(self):
+        return self._read(lambda t: {k for k, _ in t.items("pins")})

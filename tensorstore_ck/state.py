@@ -1,0 +1,503 @@
+"""The state tree <-> manifest values: planning (validate the whole tree and
+cut tensors into block jobs before anything is written) and reading back.
+
+No storage keys here; block and node I/O goes through assets.Assets.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections import OrderedDict
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import torch
+
+from . import chunker
+from .assets import Assets, PutResult
+from .errors import CheckoutMismatch, FormatError, UnsupportedType
+from .format.manifest import MAX_DEPTH, decode_node, encode_node
+
+__all__ = ["Planner", "Plan", "Reader", "format_path", "TORCH_DTYPES"]
+
+# Every dense dtype this torch build knows, by name. Decoding looks names up
+# here and nowhere else: a stored string never reaches getattr(torch, ...).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+# Containers whose encoding grows past this become nodes of their own, so an
+# unchanged subtree is stored once and shared by later snapshots.
+NODE_SPLIT = 4096
+MAX_DIMS = 64
+
+
+def format_path(parts) -> str:
+    return "".join(f"[{p!r}]" for p in parts)
+
+
+def _int_to_bytes(x: int) -> bytes:
+    return x.to_bytes((x.bit_length() + 8) // 8, "big", signed=True)
+
+
+# -- planning (write side) ---------------------------------------------------------
+
+@dataclass
+class _Leaf:
+    """A tensor/array whose blocks are still to be written."""
+    tag: str                 # "T" or "A"
+    meta: dict               # dt, sh, n, bs, and tensor extras
+    raw: object              # flat uint8 numpy view of the bytes (keeps them alive)
+    itemsize: int
+    ranges: list             # [(start, stop)]
+    results: list = field(default_factory=list)  # PutResult per block, filled by run()
+
+
+@dataclass
+class Plan:
+    value: object            # the manifest value with _Leaf placeholders
+    leaves: list
+    inline_bytes: int = 0
+
+    def stage(self) -> None:
+        """Copy every leaf's bytes into memory of our own, so the caller may
+        change its tensors while the blocks are written in the background."""
+        for leaf in self.leaves:
+            leaf.raw = leaf.raw.copy()
+
+
+class Planner:
+    def __init__(self, *, block_size: int, inline_threshold: int, allow_pickle: bool = False):
+        self.block_size = block_size
+        self.inline_threshold = inline_threshold
+        self.allow_pickle = allow_pickle
+
+    def plan(self, state) -> Plan:
+        self._leaves: list[_Leaf] = []
+        self._inline = 0
+        value = self._plan(state, (), 0)
+        return Plan(value, self._leaves, self._inline)
+
+    def _unsupported(self, obj, path, why=None):
+        if self.allow_pickle and why is None:
+            try:
+                return {"P": pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)}
+            except Exception as e:
+                raise UnsupportedType(f"cannot pickle {type(obj).__name__}: {e}", format_path(path)) from None
+        raise UnsupportedType(why or f"unsupported type {type(obj).__module__}.{type(obj).__qualname__}",
+                              format_path(path))
+
+    def _plan(self, obj, path, depth):
+        if depth > MAX_DEPTH:
+            raise UnsupportedType(f"state nested deeper than {MAX_DEPTH} levels", format_path(path))
+        t = type(obj)
+        if obj is None or t is bool or t is str or t is bytes or t is float:
+            return obj
+        if t is int:
+            return obj if _INT64_MIN <= obj <= _UINT64_MAX else {"i": _int_to_bytes(obj)}
+        if t is dict or t is OrderedDict:
+            items = []
+            for k, v in obj.items():
+                if type(k) is str:
+                    ek = k
+                elif type(k) is int:
+                    ek = k if _INT64_MIN <= k <= _UINT64_MAX else {"i": _int_to_bytes(k)}
+                else:
+                    raise UnsupportedType(f"dict key of type {type(k).__name__} (only str and int keys)",
+                                          format_path(path))
+                items.append([ek, self._plan(v, path + (k,), depth + 1)])
+            return {"d" if t is dict else "o": items}
+        if t is list or t is tuple:
+            return {"l" if t is list else "t": [self._plan(v, path + (i,), depth + 1) for i, v in enumerate(obj)]}
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            return self._plan_tensor(obj, path)
+        if t is np.ndarray:
+            return self._plan_array(obj, path)
+        if isinstance(obj, np.generic):
+            if obj.dtype.hasobject:
+                return self._unsupported(obj, path)
+            return {"S": [obj.dtype.str, obj.tobytes()]}
+        return self._unsupported(obj, path)
+
+    def _leaf(self, tag, meta, raw, itemsize, shape):
+        n = raw.nbytes
+        meta["n"] = n
+        layout = chunker.plan_blocks(n, itemsize, shape, self.block_size, self.inline_threshold)
+        if layout.block_size == 0:
+            meta["x"] = raw.tobytes()
+            self._inline += n
+            return {tag: meta}
+        meta["bs"] = layout.block_size
+        leaf = _Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)])
+        self._leaves.append(leaf)
+        return leaf
+
+    def _plan_tensor(self, obj: torch.Tensor, path):
+        if obj.layout != torch.strided:
+            return self._unsupported(obj, path, f"{obj.layout} tensors are not supported (only dense)")
+        if obj.is_quantized:
+            return self._unsupported(obj, path, "quantized tensors are not supported")
+        if obj.device.type == "meta":
+            return self._unsupported(obj, path, "meta tensors have no data")
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        try:
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+        except Exception as e:
+            return self._unsupported(obj, path, f"tensor of dtype {t.dtype} cannot be viewed as bytes: {e}")
+        meta = {"dt": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)}
+        if type(obj) is torch.nn.Parameter:
+            meta["p"] = True
+        if obj.requires_grad:
+            meta["rg"] = True
+        if obj.device.type != "cpu":
+            meta["dev"] = str(obj.device)
+        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape))
+
+    def _plan_array(self, a: np.ndarray, path):
+        if a.dtype.hasobject or a.dtype.fields is not None:
+            return self._unsupported(a, path, f"numpy arrays of dtype {a.dtype} are not supported")
+        meta = {"dt": a.dtype.str, "sh": list(a.shape)}
+        if a.flags.f_contiguous and not a.flags.c_contiguous:
+            meta["fo"] = True
+            body = a.T  # C-contiguous view of the same memory
+        else:
+            body = np.ascontiguousarray(a)
+        raw = body.reshape(-1).view(np.uint8)
+        return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape))
+
+
+def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor) -> None:
+    """Hash, compress and write every block of the plan in parallel."""
+    futs: list[tuple[_Leaf, Future]] = []
+    try:
+        for leaf in plan.leaves:
+            for a, b in leaf.ranges:
+                futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize)))
+        wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
+        for _, f in futs:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+    except BaseException:
+        for _, f in futs:
+            f.cancel()
+        raise
+    for leaf, f in futs:
+        leaf.results.append(f.result())
+
+
+@dataclass
+class BuildStats:
+    bytes_total: int = 0
+    blocks_total: int = 0
+    bytes_new: int = 0
+    blocks_new: int = 0
+
+
+def build_tree(plan: Plan, assets: Assets) -> tuple[bytes, BuildStats]:
+    """Replace leaves by their block ids, split big containers into nodes,
+    write the nodes bottom-up and return the top node's address."""
+    stats = BuildStats(bytes_total=plan.inline_bytes)
+
+    def fin(v, depth):
+        if isinstance(v, _Leaf):
+            meta = dict(v.meta)
+            meta["b"] = [r.digest for r in v.results]
+            for r in v.results:
+                stats.blocks_total += 1
+                stats.bytes_total += r.raw_len
+                if r.new:
+                    stats.blocks_new += 1
+                    stats.bytes_new += r.raw_len
+            return {v.tag: meta}, 64 + 34 * len(v.results)
+        if isinstance(v, dict) and len(v) == 1:
+            (tag, body), = v.items()
+            if tag in ("d", "o"):
+                out, size = [], 8
+                for k, x in body:
+                    fx, s = fin(x, depth + 1)
+                    out.append([k, fx])
+                    size += s + (len(k) + 4 if isinstance(k, str) else 10)
+                return split({tag: out}, size, depth)
+            if tag in ("l", "t"):
+                out, size = [], 8
+                for x in body:
+                    fx, s = fin(x, depth + 1)
+                    out.append(fx)
+                    size += s
+                return split({tag: out}, size, depth)
+            return v, len(msgpack.packb(v))  # inline tensor, scalar, big int, pickle: small
+        if isinstance(v, (str, bytes)):
+            return v, len(v) + 5
+        return v, 9
+
+    def split(v, size, depth):
+        if depth > 0 and size > NODE_SPLIT:
+            r = assets.put_node(encode_node(v))
+            return {"r": r.digest}, 40
+        return v, size
+
+    top, _ = fin(plan.value, 0)
+    return assets.put_node(encode_node(top)).digest, stats
+
+
+# -- reading -----------------------------------------------------------------------
+
+_MISSING = object()
+
+
+class Reader:
+    """Decode a manifest tree back into a state, reading blocks in parallel.
+
+    Stored bytes are untrusted: every field is type- and size-checked before
+    use, and nothing from a manifest is executed (pickle only if allowed)."""
+
+    def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
+                 allow_pickle: bool = False, max_tensor_bytes: int = 1 << 40):
+        self.assets = assets
+        self.pool = pool
+        self.snapshot = snapshot
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        self.max_tensor_bytes = max_tensor_bytes
+        self._jobs: list[tuple[bytes, object, str]] = []
+        self._after: list = []
+
+    def read(self, tree: bytes, into=_MISSING):
+        value = self._node(tree, (), 0)
+        out = self._value(value, (), 1, into)
+        self._run_jobs()
+        for fn in self._after:
+            fn()
+        return out
+
+    def _fmt(self, msg, path):
+        return FormatError(f"{msg} at {format_path(path) or 'top'} of snapshot {self.snapshot[:16]}")
+
+    def _node(self, d, path, depth):
+        data = self.assets.get_node(d, verify=self.verify, snapshot=self.snapshot, path=format_path(path))
+        try:
+            return decode_node(data)
+        except FormatError as e:
+            raise self._fmt(str(e), path) from None
+
+    def _run_jobs(self):
+        if not self._jobs:
+            return
+        futs = [self.pool.submit(self.assets.read_block_into, d, out, verify=self.verify,
+                                 snapshot=self.snapshot, path=p) for d, out, p in self._jobs]
+        wait(futs, return_when=FIRST_EXCEPTION)
+        for f in futs:
+            if f.done() and f.exception() is not None:
+                for g in futs:
+                    g.cancel()
+                wait(futs)
+                raise f.exception()
+        for f in futs:
+            f.result()
+
+    def _value(self, v, path, depth, into=_MISSING):
+        if depth > MAX_DEPTH:
+            raise self._fmt(f"manifest nested deeper than {MAX_DEPTH}", path)
+        if v is None or isinstance(v, (bool, int, float, str, bytes)):
+            return v
+        if not isinstance(v, dict) or len(v) != 1:
+            raise self._fmt(f"unexpected manifest value of type {type(v).__name__}", path)
+        (tag, body), = v.items()
+        if tag == "r":
+            if not isinstance(body, bytes) or len(body) != 32:
+                raise self._fmt("bad node reference", path)
+            return self._value(self._node(body, path, depth), path, depth + 1, into)
+        if tag in ("d", "o"):
+            return self._dict(tag, body, path, depth, into)
+        if tag in ("l", "t"):
+            if not isinstance(body, list):
+                raise self._fmt("sequence body is not an array", path)
+            if tag == "l" and type(into) is list:
+                if len(into) != len(body):
+                    raise CheckoutMismatch(f"list at {format_path(path)} has {len(into)} items, "
+                                           f"snapshot has {len(body)}")
+                for i, x in enumerate(body):
+                    into[i] = self._value(x, path + (i,), depth + 1, into[i])
+                return into
+            sub = into if type(into) is tuple and len(into) == len(body) else None
+            items = [self._value(x, path + (i,), depth + 1, sub[i] if sub else _MISSING)
+                     for i, x in enumerate(body)]
+            return items if tag == "l" else tuple(items)
+        if tag == "i":
+            if not isinstance(body, bytes) or len(body) > 1 << 16:
+                raise self._fmt("bad big int", path)
+            return int.from_bytes(body, "big", signed=True)
+        if tag == "T":
+            return self._tensor(body, path, into)
+        if tag == "A":
+            return self._array(body, path, into)
+        if tag == "S":
+            return self._scalar(body, path)
+        if tag == "P":
+            if not self.allow_pickle:
+                raise UnsupportedType("snapshot holds a pickled object; pass allow_pickle=True to "
+                                      "checkout to load it (only for snapshots you trust)", format_path(path))
+            if not isinstance(body, bytes):
+                raise self._fmt("bad pickle body", path)
+            try:
+                return pickle.loads(body)
+            except Exception as e:
+                raise self._fmt(f"pickled object does not load: {e}", path) from None
+        raise self._fmt(f"unknown manifest tag {tag!r}", path)
+
+    def _dict(self, tag, body, path, depth, into):
+        if not isinstance(body, list):
+            raise self._fmt("dict body is not an array", path)
+        target = into if isinstance(into, dict) else (dict() if tag == "d" else OrderedDict())
+        for pair in body:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise self._fmt("dict entry is not a pair", path)
+            k, x = pair
+            if isinstance(k, dict) and len(k) == 1 and isinstance(k.get("i"), bytes):
+                k = int.from_bytes(k["i"], "big", signed=True)
+            elif not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise self._fmt("dict key is not a str or int", path)
+            target[k] = self._value(x, path + (k,), depth + 1, target.get(k, _MISSING) if into is not _MISSING
+                                    and isinstance(into, dict) else _MISSING)
+        return target
+
+    def _leaf_common(self, body, path, itemsize_of):
+        if not isinstance(body, dict):
+            raise self._fmt("tensor leaf is not a map", path)
+        sh = body.get("sh")
+        if not isinstance(sh, list) or len(sh) > MAX_DIMS or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 48 for s in sh):
+            raise self._fmt("bad tensor shape", path)
+        n = body.get("n")
+        itemsize = itemsize_of(body.get("dt"))
+        if not isinstance(n, int) or n != math.prod(sh) * itemsize:
+            raise self._fmt(f"tensor size {n!r} does not match shape {sh} of {body.get('dt')}", path)
+        if n > self.max_tensor_bytes:
+            raise self._fmt(f"tensor of {n} bytes exceeds the cap {self.max_tensor_bytes}", path)
+        if "x" in body:
+            if not isinstance(body["x"], bytes) or len(body["x"]) != n:
+                raise self._fmt("inline tensor bytes do not match its size", path)
+            return sh, n, None
+        bs, blocks = body.get("bs"), body.get("b")
+        if not isinstance(bs, int) or not 1 <= bs <= chunker.MAX_BLOCK_SIZE or not isinstance(blocks, list):
+            raise self._fmt("bad block layout", path)
+        if len(blocks) != math.ceil(n / bs) or not all(isinstance(b, bytes) and len(b) == 32 for b in blocks):
+            raise self._fmt("block list does not match the tensor size", path)
+        return sh, n, (bs, blocks)
+
+    def _fill(self, flat_u8, n, layout, inline, path):
+        """Schedule the reads that fill `flat_u8` (a writable uint8 buffer of n bytes)."""
+        if layout is None:
+            flat_u8[:] = np.frombuffer(inline, dtype=np.uint8)
+            return
+        bs, blocks = layout
+        p = format_path(path)
+        for i, d in enumerate(blocks):
+            self._jobs.append((d, flat_u8[i * bs:min(n, (i + 1) * bs)], p))
+
+    def _tensor(self, body, path, into):
+        def itemsize_of(dt):
+            if not isinstance(dt, str) or dt not in TORCH_DTYPES:
+                raise self._fmt(f"unknown torch dtype {dt!r}", path)
+            return TORCH_DTYPES[dt].itemsize
+        sh, n, layout = self._leaf_common(body, path, itemsize_of)
+        dtype = TORCH_DTYPES[body["dt"]]
+        inline = body.get("x")
+        rg = body.get("rg") is True
+        if isinstance(into, torch.Tensor):
+            if into.dtype != dtype or list(into.shape) != sh:
+                raise CheckoutMismatch(f"tensor at {format_path(path)} is {into.dtype} {list(into.shape)}, "
+                                       f"snapshot has {dtype} {sh}")
+            if into.device.type == "cpu" and into.is_contiguous() and not into.is_conj() and not into.is_neg():
+                dst = into.detach()
+            else:
+                dst = torch.empty(sh, dtype=dtype)
+                self._after.append(lambda: _copy_into(into, dst))
+            if n:
+                self._fill(dst.reshape(-1).view(torch.uint8).numpy(), n, layout, inline, path)
+            return into
+        try:
+            t = torch.empty(sh, dtype=dtype)
+            flat = t.reshape(-1).view(torch.uint8).numpy() if n else None
+        except Exception as e:
+            raise self._fmt(f"cannot allocate tensor of {body['dt']} {sh}: {e}", path) from None
+        dev = body.get("dev")
+        on_cuda = isinstance(dev, str) and dev.startswith("cuda") and torch.cuda.is_available()
+        if n:
+            if on_cuda:
+                # Fill this one now so it can be moved to its device before it is placed.
+                pending, self._jobs = self._jobs, []
+                self._fill(flat, n, layout, inline, path)
+                self._run_jobs()
+                self._jobs = pending
+            else:
+                self._fill(flat, n, layout, inline, path)
+        if on_cuda:
+            try:
+                t = t.to(dev)
+            except Exception:  # e.g. fewer devices than when written: stay on the CPU
+                pass
+        if body.get("p") is True:
+            return torch.nn.Parameter(t, requires_grad=rg)
+        if rg and (t.dtype.is_floating_point or t.dtype.is_complex):
+            t.requires_grad_(True)
+        return t
+
+    def _array(self, body, path, into):
+        def itemsize_of(dt):
+            if not isinstance(dt, str) or len(dt) > 64:
+                raise self._fmt("bad numpy dtype", path)
+            try:
+                d = np.dtype(dt)
+            except Exception:
+                raise self._fmt(f"unknown numpy dtype {dt!r}", path) from None
+            if d.hasobject or d.fields is not None:
+                raise self._fmt(f"numpy dtype {dt!r} is not allowed", path)
+            return d.itemsize
+        sh, n, layout = self._leaf_common(body, path, itemsize_of)
+        dtype = np.dtype(body["dt"])
+        fo = body.get("fo") is True
+        if isinstance(into, np.ndarray) and into.dtype == dtype and list(into.shape) == sh \
+                and into.flags.writeable:
+            dst = np.empty(sh, dtype=dtype, order="F" if fo else "C")
+            if n:
+                body_view = dst.T if fo else dst
+                self._fill(body_view.reshape(-1).view(np.uint8), n, layout, body.get("x"), path)
+            self._after.append(lambda: np.copyto(into, dst))
+            return into
+        if isinstance(into, np.ndarray):
+            raise CheckoutMismatch(f"array at {format_path(path)} is {into.dtype} {list(into.shape)}, "
+                                   f"snapshot has {dtype} {sh}")
+        a = np.empty(sh, dtype=dtype, order="F" if fo else "C")
+        if n:
+            body_view = a.T if fo else a
+            self._fill(body_view.reshape(-1).view(np.uint8), n, layout, body.get("x"), path)
+        return a
+
+    def _scalar(self, body, path):
+        if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str) \
+                or not isinstance(body[1], bytes) or len(body[0]) > 64:
+            raise self._fmt("bad numpy scalar", path)
+        try:
+            d = np.dtype(body[0])
+        except Exception:
+            raise self._fmt(f"unknown numpy dtype {body[0]!r}", path) from None
+        if d.hasobject or len(body[1]) != d.itemsize:
+            raise self._fmt("numpy scalar bytes do not match its dtype", path)
+        return np.frombuffer(body[1], dtype=d)[0]
+
+
+def _copy_into(into: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.no_grad():
+        into.copy_(src)

@@ -1,0 +1,7 @@
+"""Object storage backends: immutable objects under one root."""
+
+from .base import BlockStore, ObjectInfo
+from .fsspec import FsspecBlockStore
+from .local import LocalBlockStore
+
+__all__ = ["BlockStore", "ObjectInfo", "LocalBlockStore", "FsspecBlockStore"]

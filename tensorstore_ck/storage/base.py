@@ -1,0 +1,65 @@
+"""The BlockStore interface: immutable objects under one root.
+
+Implementations may assume a key is never rewritten with different bytes
+(keys are content addresses). Call order for a writer:
+
+    put_if_absent(key, bufs)   ... any number, from any thread
+    sync()                     every put before it is durable once it returns
+    (only then may anything that references those keys be published)
+
+A missing object is always reported as FileNotFoundError, whatever the
+backend calls it; the layer above turns that into IntegrityError.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import BinaryIO, ClassVar, Iterator, Sequence
+
+__all__ = ["BlockStore", "ObjectInfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float
+
+
+class BlockStore(ABC):
+    supports_deletes: ClassVar[bool] = True
+    url: str
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object. FileNotFoundError if absent."""
+
+    @abstractmethod
+    def open_read(self, key: str) -> BinaryIO:
+        """A readable binary file object (supports read and readinto)."""
+
+    @abstractmethod
+    def put_if_absent(self, key: str, bufs: Sequence) -> bool:
+        """Store the concatenation of `bufs` under `key` unless it exists.
+
+        Returns True if this call created the object. The object is never
+        visible half-written; its bytes are durable before this returns, its
+        name once sync() returns."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove `key`; absent is not an error."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix` (a folder, ending in '/')."""
+
+    def sync(self) -> None:
+        """Make every completed put durable (directory entries included)."""
+
+    def close(self) -> None:
+        pass

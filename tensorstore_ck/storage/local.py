@@ -1,0 +1,144 @@
+"""A local-filesystem BlockStore: atomic, durable writes with plain os calls.
+
+fsspec's LocalFileSystem cannot fsync, so local stores use os directly (as
+zarr's LocalStore does); every other URL goes through FsspecBlockStore.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from typing import BinaryIO, Iterator, Sequence
+
+from .base import BlockStore, ObjectInfo
+
+__all__ = ["LocalBlockStore"]
+
+TMP_DIR = "tmp"
+
+
+def _write_all(fd: int, bufs: Sequence) -> None:
+    for b in bufs:
+        mv = memoryview(b).cast("B")
+        while mv:
+            n = os.write(fd, mv)
+            mv = mv[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalBlockStore(BlockStore):
+    def __init__(self, root: str, *, fsync: bool = True):
+        self.root = os.path.abspath(root)
+        self.url = "file://" + self.root
+        self._fsync = fsync
+        self._dirs: set[str] = set()
+        self._dirty: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def _ensure_dir(self, d: str) -> None:
+        if d in self._dirs:
+            return
+        # Record every directory we create so sync() makes its entry durable too.
+        missing = []
+        p = d
+        while not os.path.isdir(p):
+            missing.append(p)
+            p = os.path.dirname(p)
+        for m in reversed(missing):
+            try:
+                os.mkdir(m)
+            except FileExistsError:
+                pass
+            with self._lock:
+                self._dirty.add(os.path.dirname(m))
+        with self._lock:
+            self._dirs.add(d)
+
+    # docstring inherited
+    def get(self, key: str) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def open_read(self, key: str) -> BinaryIO:
+        return open(self._path(key), "rb", buffering=0)
+
+    def put_if_absent(self, key: str, bufs: Sequence) -> bool:
+        path = self._path(key)
+        if os.path.exists(path):
+            return False
+        d = os.path.dirname(path)
+        self._ensure_dir(d)
+        tmpdir = os.path.join(self.root, TMP_DIR)
+        self._ensure_dir(tmpdir)
+        tmp = os.path.join(tmpdir, f"{uuid.uuid4().hex}.partial")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, bufs)
+            if self._fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            # link() never replaces: a racing writer of the same content wins cleanly,
+            # and readers only ever see a complete file under the final name.
+            os.link(tmp, path)
+            created = True
+        except FileExistsError:
+            created = False
+        finally:
+            os.unlink(tmp)
+        if created:
+            with self._lock:
+                self._dirty.add(d)
+        return created
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            self._dirty.add(os.path.dirname(self._path(key)))
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = self._path(prefix.rstrip("/"))
+        if not os.path.isdir(base):
+            return
+        for dirpath, _dirnames, filenames in os.walk(base):
+            rel = os.path.relpath(dirpath, self.root)
+            for fn in filenames:
+                try:
+                    st = os.stat(os.path.join(dirpath, fn))
+                except FileNotFoundError:
+                    continue
+                key = fn if rel == "." else f"{rel}/{fn}".replace(os.sep, "/")
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def sync(self) -> None:
+        if not self._fsync:
+            return
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        # Deepest first, so a new directory's own entries are durable before its name.
+        for d in sorted(dirty, key=len, reverse=True):
+            try:
+                _fsync_dir(d)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,410 @@
+"""The Store facade and open_store().
+
+    Store ──> Planner/Reader (state.py) ──> Assets (assets.py) ──> BlockStore (storage/)
+      └────> RefTable (refs/)
+
+Publication order, always: blocks -> manifest nodes -> commit object ->
+storage sync -> compare-and-swap of the ref (with reflog and catalog row in
+the same ref-table transaction). A crash anywhere before the CAS leaves only
+unreferenced objects behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from . import chunker
+from .assets import Assets
+from .errors import (AmbiguousTarget, FormatError, InvalidName, NotAStore, RefConflict, RefNotFound,
+                     TsckError)
+from .format.manifest import decode_commit, encode_commit
+from .ids import is_hex_prefix, parse_hex
+from .refs import LmdbRefTable, MemoryRefTable, RefTable
+from .refs.names import parse_target, validate_component, validate_name
+from .state import Planner, Reader, build_tree, run_block_jobs
+from .storage import BlockStore, FsspecBlockStore, LocalBlockStore
+
+__all__ = ["open_store", "Store", "SnapshotInfo"]
+
+STORE_MARKER = "tsck.json"
+STORE_VERSION = 1
+MIN_STORE_VERSION = 1
+MAX_STORE_VERSION = 1
+_UNSET = object()
+_MEMORY_REFS: dict[str, MemoryRefTable] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    root: str
+    ref: str
+    job: str
+    step: int | None
+    time: float
+    metrics: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    parent: str | None = None
+    bytes_total: int = 0
+    bytes_new: int = 0
+    blocks_total: int = 0
+    blocks_new: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _row_to_info(root: bytes, row: dict) -> SnapshotInfo:
+    parent = row.get("parent")
+    return SnapshotInfo(
+        root=root.hex(), ref=str(row.get("ref", "")), job=str(row.get("job", "")), step=row.get("step"),
+        time=float(row.get("time", 0.0)), metrics=dict(row.get("metrics") or {}),
+        meta=dict(row.get("meta") or {}), parent=parent.hex() if isinstance(parent, bytes) else None,
+        bytes_total=int(row.get("bytes_total", 0)), bytes_new=int(row.get("bytes_new", 0)),
+        blocks_total=int(row.get("blocks_total", 0)), blocks_new=int(row.get("blocks_new", 0)))
+
+
+def _check_plain(obj, what: str, depth: int = 0) -> None:
+    """metrics/meta hold JSON-like values only: they are shown by the CLI and kept in the catalog."""
+    if depth > 32:
+        raise InvalidName(f"{what} nested too deeply")
+    if obj is None or type(obj) in (bool, int, float, str):
+        if type(obj) is int and not -(2**63) <= obj < 2**64:
+            raise InvalidName(f"{what}: int {obj} is out of the 64-bit range")
+        return
+    if type(obj) is list:
+        for x in obj:
+            _check_plain(x, what, depth + 1)
+        return
+    if type(obj) is dict:
+        for k, v in obj.items():
+            if type(k) is not str:
+                raise InvalidName(f"{what}: keys must be str, got {type(k).__name__}")
+            _check_plain(v, what, depth + 1)
+        return
+    raise InvalidName(f"{what}: values must be None, bool, int, float, str, list or dict, "
+                      f"got {type(obj).__name__}")
+
+
+class Store:
+    """A content-addressed snapshot store. Thread-safe; use one per process."""
+
+    def __init__(self, storage: BlockStore, refs: RefTable, *, config: dict, workers: int | None = None,
+                 verify: bool = True, compress: bool = True, shuffle: bool = False,
+                 block_size: int | None = None, inline_threshold: int | None = None):
+        self.storage = storage
+        self.reftable = refs
+        self.config = config
+        self.verify = verify
+        self.block_size = int(block_size or config.get("block_size") or chunker.DEFAULT_BLOCK_SIZE)
+        self.inline_threshold = int(inline_threshold if inline_threshold is not None
+                                    else config.get("inline_threshold", chunker.DEFAULT_INLINE_THRESHOLD))
+        if not chunker.MIN_BLOCK_SIZE <= self.block_size <= chunker.MAX_BLOCK_SIZE:
+            raise InvalidName(f"block_size must be within {chunker.MIN_BLOCK_SIZE}..{chunker.MAX_BLOCK_SIZE}")
+        if not 0 <= self.inline_threshold <= self.block_size:
+            raise InvalidName("inline_threshold must be within 0..block_size")
+        self.assets = Assets(storage, compress=compress, shuffle=shuffle)
+        self.workers = workers or min(8, 2 * (os.cpu_count() or 2))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._bg.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        self.reftable.close()
+        self.storage.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    # -- writing ---------------------------------------------------------------
+    def put_snapshot(self, state, ref: str, *, step: int | None = None, metrics: dict | None = None,
+                     meta: dict | None = None, job: str | None = None, expected=_UNSET,
+                     blocking: bool = True, allow_pickle: bool = False):
+        """Snapshot `state` and move `ref` to it.
+
+        expected: unset moves the ref whatever it points at (retrying if another
+        writer moves it meanwhile, so both snapshots stay in its history);
+        a root hex makes the move conditional on the ref pointing there; None
+        requires the ref not to exist. RefConflict otherwise.
+
+        blocking=False returns a Future once the state is staged (copied), so
+        the caller may mutate it at once; the rest runs in the background."""
+        validate_name(ref)
+        job = validate_component(job if job is not None else ref.split("/", 1)[0], "job name")
+        if step is not None and (type(step) is not int or not -(2**63) <= step < 2**63):
+            raise InvalidName(f"step must be an int, got {step!r}")
+        metrics = dict(metrics or {})
+        for k, v in metrics.items():
+            if type(k) is not str or type(v) not in (int, float):
+                raise InvalidName(f"metrics must map str to int/float, got {k!r}: {v!r}")
+        meta = dict(meta or {})
+        _check_plain(meta, "meta")
+        exp: bytes | None | object = _UNSET
+        if expected is not _UNSET:
+            exp = None if expected is None else parse_hex(expected)
+        planner = Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
+                          allow_pickle=allow_pickle)
+        plan = planner.plan(state)  # validates the whole tree before anything is written
+        args = (plan, ref, job, step, metrics, meta, exp)
+        if blocking:
+            return self._publish(*args)
+        plan.stage()
+        return self._bg.submit(self._publish, *args)
+
+    def _publish(self, plan, ref, job, step, metrics, meta, exp) -> SnapshotInfo:
+        run_block_jobs(plan, self.assets, self._pool)
+        tree, stats = build_tree(plan, self.assets)
+        st = {"bytes_total": stats.bytes_total, "bytes_new": stats.bytes_new,
+              "blocks_total": stats.blocks_total, "blocks_new": stats.blocks_new}
+        for _attempt in range(1000):
+            parent = self.reftable.get_or_none(ref) if exp is _UNSET else exp
+            now = time.time()
+            body = encode_commit(job=job, ref=ref, step=step, time=now, metrics=metrics, meta=meta,
+                                 parent=parent, tree=tree, stats=st)
+            root = self.assets.put_commit(body).digest
+            self.assets.sync()  # everything the commit references is durable before the ref moves
+            row = {"job": job, "ref": ref, "step": step, "time": now, "metrics": metrics, "meta": meta,
+                   "parent": parent, "tree": tree, **st}
+            try:
+                self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {step}",
+                                               catalog_row=row)
+            except RefConflict:
+                if exp is not _UNSET:
+                    raise
+                continue  # another writer moved the ref: chain onto its snapshot and retry
+            return _row_to_info(root, row)
+        raise RefConflict(ref, None, None)
+
+    # -- reading ---------------------------------------------------------------
+    def resolve(self, target: str) -> str:
+        """A target (ref, tag, REF@STEP, root hex or unique prefix >= 8) -> root hex."""
+        kind, text, step = parse_target(target)
+        if kind == "step":
+            for info in self.log(text):
+                if info.step == step:
+                    return info.root
+            raise RefNotFound(f"ref {text!r} has no kept snapshot at step {step}")
+        r = self.reftable.get_or_none(text)
+        if r is not None:
+            return r.hex()
+        r = self.reftable.tag_get(text)
+        if r is not None:
+            return r.hex()
+        if is_hex_prefix(text):
+            even = text[: len(text) // 2 * 2]
+            found = [x for x in self.reftable.catalog_prefix(bytes.fromhex(even)) if x.hex().startswith(text)]
+            if len(found) == 1:
+                return found[0].hex()
+            if len(found) > 1:
+                raise AmbiguousTarget(f"root prefix {text!r} matches {len(found)} snapshots; give more digits")
+        raise RefNotFound(f"no ref, tag or snapshot named {target!r}")
+
+    def _info(self, root: bytes) -> SnapshotInfo:
+        row = self.reftable.catalog_get(root)
+        if row is None:
+            c = decode_commit(self.assets.get_commit(root, verify=self.verify))
+            row = {**c, **c["stats"]}
+        return _row_to_info(root, row)
+
+    def show(self, target: str) -> SnapshotInfo:
+        return self._info(bytes.fromhex(self.resolve(target)))
+
+    def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False):
+        """The state of a snapshot, verified against its root hash (unless verify=False).
+
+        into=: an existing tree whose tensors/arrays/lists/dicts are updated in
+        place (dtype and shape must match: CheckoutMismatch); it is returned."""
+        root_hex = self.resolve(target)
+        root = bytes.fromhex(root_hex)
+        verify = self.verify if verify is None else verify
+        c = decode_commit(self.assets.get_commit(root, verify=verify))
+        reader = Reader(self.assets, self._pool, snapshot=root_hex, verify=verify, allow_pickle=allow_pickle)
+        if into is None:
+            return reader.read(c["tree"])
+        return reader.read(c["tree"], into)
+
+    def log(self, ref: str) -> list[SnapshotInfo]:
+        """Snapshots `ref` has pointed at that still exist, newest first."""
+        validate_name(ref)
+        entries = self.reftable.reflog(ref)
+        if not entries and self.reftable.get_or_none(ref) is None:
+            raise RefNotFound(f"no ref named {ref!r}")
+        seen, out = set(), []
+        for e in reversed(entries):
+            if e.new in seen:
+                continue
+            seen.add(e.new)
+            row = self.reftable.catalog_get(e.new)
+            if row is not None:
+                out.append(_row_to_info(e.new, row))
+        return out
+
+    def refs(self, prefix: str = "") -> dict[str, SnapshotInfo]:
+        return {name: self._info(root) for name, root in self.reftable.list(prefix)}
+
+    def tags(self) -> dict[str, SnapshotInfo]:
+        return {name: self._info(root) for name, root in self.reftable.tags()}
+
+    def tag(self, name: str, target: str) -> SnapshotInfo:
+        """Create an immutable tag; RefConflict if the name is taken."""
+        validate_name(name, "tag name")
+        root = bytes.fromhex(self.resolve(target))
+        self.reftable.tag_create(name, root)
+        return self._info(root)
+
+    def pin(self, target: str) -> str:
+        root = self.resolve(target)
+        self.reftable.pin(bytes.fromhex(root))
+        return root
+
+    def unpin(self, target: str) -> str:
+        root = self.resolve(target)
+        self.reftable.unpin(bytes.fromhex(root))
+        return root
+
+    def du(self) -> dict:
+        """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
+        jobs: dict[str, dict] = {}
+        logical = 0
+        for root, row in self.reftable.catalog_iter():
+            info = _row_to_info(root, row)
+            j = jobs.setdefault(info.job, {"snapshots": 0, "logical_bytes": 0, "new_bytes": 0,
+                                           "latest_step": None, "latest_time": 0.0})
+            j["snapshots"] += 1
+            j["logical_bytes"] += info.bytes_total
+            j["new_bytes"] += info.bytes_new
+            if info.time >= j["latest_time"]:
+                j["latest_time"], j["latest_step"] = info.time, info.step
+            logical += info.bytes_total
+        phys = {"blocks": [0, 0], "nodes": [0, 0], "commits": [0, 0]}
+        for kind in phys:
+            for o in self.storage.list(kind + "/"):
+                phys[kind][0] += 1
+                phys[kind][1] += o.size
+        physical = sum(v[1] for v in phys.values())
+        return {
+            "store": self.url, "snapshots": sum(j["snapshots"] for j in jobs.values()),
+            "logical_bytes": logical, "physical_bytes": physical,
+            "block_bytes": phys["blocks"][1], "blocks": phys["blocks"][0],
+            "nodes": phys["nodes"][0], "commits": phys["commits"][0],
+            "dedup_ratio": (logical / phys["blocks"][1]) if phys["blocks"][1] else None,
+            "jobs": jobs,
+        }
+
+
+# -- opening ---------------------------------------------------------------------------
+
+def _split_url(url: str) -> tuple[str, str]:
+    if not isinstance(url, (str, os.PathLike)):
+        raise InvalidName(f"store location must be a str or path, got {type(url).__name__}")
+    url = os.fspath(url)
+    if "://" in url:
+        proto, rest = url.split("://", 1)
+        return proto, rest
+    return "file", url
+
+
+def _open_refs(refs, proto: str, root: str, create: bool) -> RefTable:
+    if isinstance(refs, RefTable):
+        return refs
+    if refs is None:
+        if proto == "file":
+            return LmdbRefTable(os.path.join(root, "refs.lmdb"), create=create)
+        if proto == "memory":
+            refs = f"memory://{root}"
+        else:
+            raise InvalidName(f"a {proto}:// store needs a shared ref table: pass refs='postgresql://...' "
+                              "or refs='/local/path/refs.lmdb' for a single host")
+    if not isinstance(refs, str):
+        raise InvalidName(f"refs must be a str or RefTable, got {type(refs).__name__}")
+    if refs.startswith("memory://"):
+        with _MEMORY_LOCK:
+            return _MEMORY_REFS.setdefault(refs, MemoryRefTable())
+    if refs.startswith(("postgresql://", "postgres://")):
+        raise NotAStore("PostgreSQL ref tables are not available in this version")
+    path = refs[len("lmdb://"):] if refs.startswith("lmdb://") else refs
+    return LmdbRefTable(path, create=create)
+
+
+def _read_config(storage: BlockStore) -> dict | None:
+    try:
+        data = storage.get(STORE_MARKER)
+    except FileNotFoundError:
+        return None
+    try:
+        cfg = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise NotAStore(f"{storage.url}/{STORE_MARKER} is not a tensorstore_ck store marker") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != "tensorstore_ck":
+        raise NotAStore(f"{storage.url} is not a tensorstore_ck store")
+    v = cfg.get("version")
+    if not isinstance(v, int) or not MIN_STORE_VERSION <= v <= MAX_STORE_VERSION:
+        raise FormatError(f"store format version {v!r} is not readable by this build "
+                          f"(reads {MIN_STORE_VERSION}..{MAX_STORE_VERSION})")
+    return cfg
+
+
+def open_store(url, *, refs=None, storage_options: dict | None = None, create: bool = True,
+               block_size: int | None = None, inline_threshold: int | None = None,
+               workers: int | None = None, verify: bool = True, compress: bool = True,
+               shuffle: bool = False) -> Store:
+    """Open (or create, if `create` and the location is empty) a store.
+
+    url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
+    refs: None (LMDB beside local data; in-process table for memory://), a path
+    or lmdb:// URL, memory://name, or a RefTable."""
+    proto, rest = _split_url(url)
+    if proto == "file":
+        root = os.path.abspath(rest)
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise NotAStore(f"{root} is a file, not a store")
+        if not os.path.isdir(root):
+            if not create:
+                raise NotAStore(f"no store at {root}")
+            try:
+                os.makedirs(root)
+            except OSError as e:
+                raise NotAStore(f"cannot create a store at {root}: {e.strerror}") from None
+        storage: BlockStore = LocalBlockStore(root)
+        rest = root
+    else:
+        try:
+            storage = FsspecBlockStore(f"{proto}://{rest}", storage_options)
+        except (ImportError, ValueError) as e:
+            raise NotAStore(f"cannot open {proto}:// storage: {e}") from None
+    cfg = _read_config(storage)
+    if cfg is None:
+        existing = next(iter(storage.list("")), None)
+        if existing is not None:
+            raise NotAStore(f"{storage.url} is not empty and holds no {STORE_MARKER}: not a store")
+        if not create:
+            raise NotAStore(f"no store at {storage.url}")
+        cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
+               "block_size": int(block_size or chunker.DEFAULT_BLOCK_SIZE),
+               "inline_threshold": int(inline_threshold if inline_threshold is not None
+                                       else chunker.DEFAULT_INLINE_THRESHOLD)}
+        storage.put_if_absent(STORE_MARKER, [json.dumps(cfg, indent=1).encode() + b"\n"])
+        storage.sync()
+        cfg = _read_config(storage) or cfg
+    reftable = _open_refs(refs, proto, rest, create=True)
+    return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
+                 shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold)
