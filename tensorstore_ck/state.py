@@ -39,6 +39,62 @@ def format_path(parts) -> str:
     return "".join(f"[{p!r}]" for p in parts)
 
 
+# Quantized dtypes stored as their integer representation plus affine parameters.
+_QUANT_REPR = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
+_QUANT_BY_NAME = {str(k).removeprefix("torch."): (k, v) for k, v in _QUANT_REPR.items()}
+
+
+def _quant_params(t: torch.Tensor):
+    if t.dtype not in _QUANT_REPR:
+        return None
+    scheme = t.qscheme()
+    name = str(t.dtype).removeprefix("torch.")
+    if scheme == torch.per_tensor_affine:
+        return name, {"s": "pt", "scale": float(t.q_scale()), "zp": int(t.q_zero_point())}
+    if scheme == torch.per_channel_affine:
+        return name, {"s": "pc", "scales": t.q_per_channel_scales().tolist(),
+                      "zps": t.q_per_channel_zero_points().tolist(), "axis": int(t.q_per_channel_axis())}
+    return None
+
+
+def _dtype_out(d: np.dtype):
+    """numpy dtype -> a msgpack-able description (dtype.str, or the structured descr)."""
+    return d.str if d.fields is None else np.lib.format.dtype_to_descr(d)
+
+
+def _descr_in(x, depth=0):
+    """The msgpack form of a numpy descr (lists for tuples) back to what numpy expects."""
+    if depth > 8:
+        raise ValueError("dtype description nested too deeply")
+    if isinstance(x, str):
+        if len(x) > 64:
+            raise ValueError("dtype string too long")
+        return x
+    if not isinstance(x, list) or not 0 < len(x) <= 1024:
+        raise ValueError("bad dtype description")
+    fields = []
+    for f in x:
+        if not isinstance(f, list) or len(f) not in (2, 3):
+            raise ValueError("bad structured dtype field")
+        name = f[0] if isinstance(f[0], str) else tuple(f[0]) if isinstance(f[0], list) else None
+        if name is None or (isinstance(name, tuple) and not all(isinstance(n, str) for n in name)):
+            raise ValueError("bad structured dtype field name")
+        entry = (name, _descr_in(f[1], depth + 1))
+        if len(f) == 3:
+            if not isinstance(f[2], list) or not all(isinstance(n, int) and 0 <= n < 1 << 20 for n in f[2]):
+                raise ValueError("bad subarray shape")
+            entry += (tuple(f[2]),)
+        fields.append(entry)
+    return fields
+
+
+def _np_dtype(desc) -> np.dtype:
+    d = np.lib.format.descr_to_dtype(_descr_in(desc))
+    if d.hasobject:
+        raise ValueError(f"numpy dtype {d} holds Python objects")
+    return d
+
+
 def _int_to_bytes(x: int) -> bytes:
     return x.to_bytes((x.bit_length() + 8) // 8, "big", signed=True)
 
@@ -119,7 +175,7 @@ class Planner:
         if isinstance(obj, np.generic):
             if obj.dtype.hasobject:
                 return self._unsupported(obj, path)
-            return {"S": [obj.dtype.str, obj.tobytes()]}
+            return {"S": [_dtype_out(obj.dtype), obj.tobytes()]}
         return self._unsupported(obj, path)
 
     def _leaf(self, tag, meta, raw, itemsize, shape):
@@ -138,8 +194,13 @@ class Planner:
     def _plan_tensor(self, obj: torch.Tensor, path):
         if obj.layout != torch.strided:
             return self._unsupported(obj, path, f"{obj.layout} tensors are not supported (only dense)")
+        quant = None
         if obj.is_quantized:
-            return self._unsupported(obj, path, "quantized tensors are not supported")
+            quant = _quant_params(obj)
+            if quant is None:
+                return self._unsupported(obj, path, f"quantized tensors of {obj.dtype} / {obj.qscheme()} "
+                                                    "are not supported")
+            obj = obj.int_repr()  # the stored bytes; "q" says how to re-quantize
         if obj.device.type == "meta":
             return self._unsupported(obj, path, "meta tensors have no data")
         t = obj.detach()
@@ -156,6 +217,8 @@ class Planner:
         except Exception as e:
             return self._unsupported(obj, path, f"tensor of dtype {t.dtype} cannot be viewed as bytes: {e}")
         meta = {"dt": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)}
+        if quant is not None:
+            meta["dt"], meta["q"] = quant
         if type(obj) is torch.nn.Parameter:
             meta["p"] = True
         if obj.requires_grad:
@@ -165,9 +228,9 @@ class Planner:
         return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape))
 
     def _plan_array(self, a: np.ndarray, path):
-        if a.dtype.hasobject or a.dtype.fields is not None:
+        if a.dtype.hasobject:
             return self._unsupported(a, path, f"numpy arrays of dtype {a.dtype} are not supported")
-        meta = {"dt": a.dtype.str, "sh": list(a.shape)}
+        meta = {"dt": _dtype_out(a.dtype), "sh": list(a.shape)}
         if a.flags.f_contiguous and not a.flags.c_contiguous:
             meta["fo"] = True
             body = a.T  # C-contiguous view of the same memory
@@ -406,6 +469,14 @@ class Reader:
         for i, d in enumerate(blocks):
             self._jobs.append((d, flat_u8[i * bs:min(n, (i + 1) * bs)], p))
 
+    def _fill_now(self, flat_u8, n, layout, inline, path):
+        pending, self._jobs = self._jobs, []
+        try:
+            self._fill(flat_u8, n, layout, inline, path)
+            self._run_jobs()
+        finally:
+            self._jobs = pending
+
     def _tensor(self, body, path, into):
         def itemsize_of(dt):
             if not isinstance(dt, str) or dt not in TORCH_DTYPES:
@@ -413,6 +484,8 @@ class Reader:
             return TORCH_DTYPES[dt].itemsize
         sh, n, layout = self._leaf_common(body, path, itemsize_of)
         dtype = TORCH_DTYPES[body["dt"]]
+        if "q" in body or body["dt"] in _QUANT_BY_NAME or dtype in (torch.quint4x2, torch.quint2x4):
+            return self._quantized(body, sh, n, layout, path, into)
         inline = body.get("x")
         rg = body.get("rg") is True
         if isinstance(into, torch.Tensor):
@@ -435,14 +508,8 @@ class Reader:
         dev = body.get("dev")
         on_cuda = isinstance(dev, str) and dev.startswith("cuda") and torch.cuda.is_available()
         if n:
-            if on_cuda:
-                # Fill this one now so it can be moved to its device before it is placed.
-                pending, self._jobs = self._jobs, []
-                self._fill(flat, n, layout, inline, path)
-                self._run_jobs()
-                self._jobs = pending
-            else:
-                self._fill(flat, n, layout, inline, path)
+            # A CUDA tensor is filled now, so it can be moved before it is placed in the tree.
+            (self._fill_now if on_cuda else self._fill)(flat, n, layout, inline, path)
         if on_cuda:
             try:
                 t = t.to(dev)
@@ -454,19 +521,36 @@ class Reader:
             t.requires_grad_(True)
         return t
 
+    def _quantized(self, body, sh, n, layout, path, into):
+        qt, repr_dtype = _QUANT_BY_NAME.get(body["dt"], (None, None))
+        q = body.get("q")
+        if qt is None or not isinstance(q, dict):
+            raise self._fmt(f"quantized tensor of {body['dt']} without valid parameters", path)
+        if into is not _MISSING and isinstance(into, torch.Tensor):
+            raise CheckoutMismatch(f"checkout(into=) cannot fill the quantized tensor at {format_path(path)}")
+        rep = torch.empty(sh, dtype=repr_dtype)
+        if q.get("s") == "pt" and isinstance(q.get("scale"), float) and isinstance(q.get("zp"), int):
+            make = lambda: torch._make_per_tensor_quantized_tensor(rep, q["scale"], q["zp"])  # noqa: E731
+        elif q.get("s") == "pc" and isinstance(q.get("axis"), int) and 0 <= q["axis"] < max(1, len(sh)) \
+                and isinstance(q.get("scales"), list) and isinstance(q.get("zps"), list) \
+                and len(q["scales"]) == len(q["zps"]) == (sh[q["axis"]] if sh else 1) \
+                and all(isinstance(x, float) for x in q["scales"]) \
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in q["zps"]):
+            make = lambda: torch._make_per_channel_quantized_tensor(  # noqa: E731
+                rep, torch.tensor(q["scales"], dtype=torch.float64), torch.tensor(q["zps"], dtype=torch.int64),
+                q["axis"])
+        else:
+            raise self._fmt("bad quantization parameters", path)
+        if n:
+            self._fill_now(rep.reshape(-1).view(torch.uint8).numpy(), n, layout, body.get("x"), path)
+        try:
+            return make()
+        except Exception as e:
+            raise self._fmt(f"cannot rebuild quantized tensor: {e}", path) from None
+
     def _array(self, body, path, into):
-        def itemsize_of(dt):
-            if not isinstance(dt, str) or len(dt) > 64:
-                raise self._fmt("bad numpy dtype", path)
-            try:
-                d = np.dtype(dt)
-            except Exception:
-                raise self._fmt(f"unknown numpy dtype {dt!r}", path) from None
-            if d.hasobject or d.fields is not None:
-                raise self._fmt(f"numpy dtype {dt!r} is not allowed", path)
-            return d.itemsize
-        sh, n, layout = self._leaf_common(body, path, itemsize_of)
-        dtype = np.dtype(body["dt"])
+        dtype = self._np_dtype(body.get("dt") if isinstance(body, dict) else None, path)
+        sh, n, layout = self._leaf_common(body, path, lambda _dt: dtype.itemsize)
         fo = body.get("fo") is True
         if isinstance(into, np.ndarray) and into.dtype == dtype and list(into.shape) == sh \
                 and into.flags.writeable:
@@ -485,15 +569,17 @@ class Reader:
             self._fill(body_view.reshape(-1).view(np.uint8), n, layout, body.get("x"), path)
         return a
 
-    def _scalar(self, body, path):
-        if not isinstance(body, list) or len(body) != 2 or not isinstance(body[0], str) \
-                or not isinstance(body[1], bytes) or len(body[0]) > 64:
-            raise self._fmt("bad numpy scalar", path)
+    def _np_dtype(self, desc, path) -> np.dtype:
         try:
-            d = np.dtype(body[0])
-        except Exception:
-            raise self._fmt(f"unknown numpy dtype {body[0]!r}", path) from None
-        if d.hasobject or len(body[1]) != d.itemsize:
+            return _np_dtype(desc)
+        except Exception as e:
+            raise self._fmt(f"bad numpy dtype {str(desc)[:80]!r}: {e}", path) from None
+
+    def _scalar(self, body, path):
+        if not isinstance(body, list) or len(body) != 2 or not isinstance(body[1], bytes):
+            raise self._fmt("bad numpy scalar", path)
+        d = self._np_dtype(body[0], path)
+        if len(body[1]) != d.itemsize:
             raise self._fmt("numpy scalar bytes do not match its dtype", path)
         return np.frombuffer(body[1], dtype=d)[0]
 
