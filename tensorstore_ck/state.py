@@ -95,6 +95,14 @@ def _np_dtype(desc) -> np.dtype:
     return d
 
 
+def _check_utf8(s: str, path) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnsupportedType(f"string is not valid UTF-8 ({e.reason} at index {e.start})",
+                              format_path(path)) from None
+
+
 def _int_to_bytes(x: int) -> bytes:
     return x.to_bytes((x.bit_length() + 8) // 8, "big", signed=True)
 
@@ -150,7 +158,10 @@ class Planner:
         if depth > MAX_DEPTH:
             raise UnsupportedType(f"state nested deeper than {MAX_DEPTH} levels", format_path(path))
         t = type(obj)
-        if obj is None or t is bool or t is str or t is bytes or t is float:
+        if t is str:
+            _check_utf8(obj, path)
+            return obj
+        if obj is None or t is bool or t is bytes or t is float:
             return obj
         if t is int:
             return obj if _INT64_MIN <= obj <= _UINT64_MAX else {"i": _int_to_bytes(obj)}
@@ -158,6 +169,7 @@ class Planner:
             items = []
             for k, v in obj.items():
                 if type(k) is str:
+                    _check_utf8(k, path + (k,))
                     ek = k
                 elif type(k) is int:
                     ek = k if _INT64_MIN <= k <= _UINT64_MAX else {"i": _int_to_bytes(k)}
@@ -338,7 +350,7 @@ class Reader:
 
     def read(self, tree: bytes, into=_MISSING):
         value = self._node(tree, (), 0)
-        out = self._value(value, (), 1, into)
+        out = self._value(value, (), 0, into)
         self._run_jobs()
         for fn in self._after:
             fn()
@@ -380,7 +392,11 @@ class Reader:
         if tag == "r":
             if not isinstance(body, bytes) or len(body) != 32:
                 raise self._fmt("bad node reference", path)
-            return self._value(self._node(body, path, depth), path, depth + 1, into)
+            child = self._node(body, path, depth)
+            if isinstance(child, dict) and "r" in child:
+                raise self._fmt("a node that only points at another node", path)
+            # A node stands in for a container at the same level of the state tree.
+            return self._value(child, path, depth, into)
         if tag in ("d", "o"):
             return self._dict(tag, body, path, depth, into)
         if tag in ("l", "t"):

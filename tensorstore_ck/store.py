@@ -70,6 +70,13 @@ def _row_to_info(root: bytes, row: dict) -> SnapshotInfo:
         blocks_total=int(row.get("blocks_total", 0)), blocks_new=int(row.get("blocks_new", 0)))
 
 
+def _utf8(s: str, what: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidName(f"{what}: string {s!r} is not valid UTF-8") from None
+
+
 def _check_plain(obj, what: str, depth: int = 0) -> None:
     """metrics/meta hold JSON-like values only: they are shown by the CLI and kept in the catalog."""
     if depth > 32:
@@ -77,6 +84,8 @@ def _check_plain(obj, what: str, depth: int = 0) -> None:
     if obj is None or type(obj) in (bool, int, float, str):
         if type(obj) is int and not -(2**63) <= obj < 2**64:
             raise InvalidName(f"{what}: int {obj} is out of the 64-bit range")
+        if type(obj) is str:
+            _utf8(obj, what)
         return
     if type(obj) is list:
         for x in obj:
@@ -86,6 +95,7 @@ def _check_plain(obj, what: str, depth: int = 0) -> None:
         for k, v in obj.items():
             if type(k) is not str:
                 raise InvalidName(f"{what}: keys must be str, got {type(k).__name__}")
+            _utf8(k, what)
             _check_plain(v, what, depth + 1)
         return
     raise InvalidName(f"{what}: values must be None, bool, int, float, str, list or dict, "
@@ -156,6 +166,8 @@ class Store:
         for k, v in metrics.items():
             if type(k) is not str or type(v) not in (int, float):
                 raise InvalidName(f"metrics must map str to int/float, got {k!r}: {v!r}")
+            _utf8(k, "metrics")
+        _check_plain(metrics, "metrics")
         meta = dict(meta or {})
         _check_plain(meta, "meta")
         exp: bytes | None | object = _UNSET

@@ -1,0 +1,97 @@
+"""Shared helpers for the round-trip / bad-input / CLI tests.
+
+Nothing here touches tensorstore_ck internals: only the public API and the
+on-disk directory names documented in notes_tmp/API.md (blocks/ nodes/ commits/).
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+
+import numpy as np
+import torch
+
+OBJECT_DIRS = ("blocks", "nodes", "commits")
+
+
+# ---------------------------------------------------------------- comparison
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a tensor's logical content (row-major), bit-exact."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(a, b, path: str = "") -> None:
+    """Strict structural + bitwise equality (a: expected, b: actual)."""
+    where = path or "<root>"
+    assert type(a) is type(b), f"{where}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
+        assert tuple(a.shape) == tuple(b.shape), f"{where}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert tensor_bytes(a) == tensor_bytes(b), f"{where}: tensor bytes differ"
+        if isinstance(a, torch.nn.Parameter):
+            assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype!r} != {b.dtype!r}"
+        assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{where}: array bytes differ"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype!r} != {b.dtype!r}"
+        assert a.tobytes() == b.tobytes(), f"{where}: scalar bytes differ"
+    elif isinstance(a, dict):
+        ka, kb = list(a.keys()), list(b.keys())
+        assert [(type(k), k) for k in ka] == [(type(k), k) for k in kb], (
+            f"{where}: keys/order differ: {ka!r} != {kb!r}")
+        for k in ka:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: len {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), f"{where}: float bits {a!r} != {b!r}"
+    else:  # None, bool, int, str, bytes, picklable objects
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# ---------------------------------------------------------------- tensors
+def rand_tensor(dtype: torch.dtype, shape, seed: int = 0) -> torch.Tensor:
+    """A dense CPU tensor of `dtype` filled with random bytes (NaN payloads etc.)."""
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    n = math.prod(shape) * itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw % 2  # keep bools canonical
+    return raw.view(dtype).reshape(tuple(shape))
+
+
+def all_torch_dtypes():
+    return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+# ---------------------------------------------------------------- store listing
+def object_listing(store_path) -> dict:
+    """{relative path: size} for every file under blocks/ nodes/ commits/."""
+    out = {}
+    for d in OBJECT_DIRS:
+        base = os.path.join(str(store_path), d)
+        for root, _dirs, files in os.walk(base):
+            for f in files:
+                full = os.path.join(root, f)
+                out[os.path.relpath(full, str(store_path))] = os.path.getsize(full)
+    return out
+
+
+def refs_snapshot(store) -> dict:
+    return {name: info.root for name, info in store.refs().items()}
+
+
+def tags_snapshot(store) -> dict:
+    return {name: info.root for name, info in store.tags().items()}
