@@ -9,17 +9,22 @@ Layers, top to bottom (nothing calls upward):
     storage/      BlockStore backends (local with fsync, any fsspec URL)
     refs/         RefTable backends (LMDB, in-memory): CAS, reflog, catalog, tags, pins
     chunker.py    tensor bytes -> element-aligned blocks
+    retention.py  per-job rules -> snapshots to keep
+    gc.py         expire, mark, sweep (safe with concurrent writers)
+    fsck.py       verify kept snapshots; recover.py rebuilds the ref table from storage
+    walk.py       the Merkle DAG without tensor data (gc, fsck, diff)
 """
 
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, FormatError, IntegrityError, InvalidName, NotAStore,
                      RefConflict, RefNotFound, SnapshotAborted, TsckError, UnsupportedType)
+from .retention import Retention
 from .store import SnapshotInfo, Store, open_store
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "open_store", "Store", "SnapshotInfo", "errors", "TsckError", "RefConflict", "RefNotFound",
+    "open_store", "Store", "SnapshotInfo", "Retention", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidName", "NotAStore", "CheckoutMismatch",
     "AmbiguousTarget", "SnapshotAborted", "__version__",
 ]

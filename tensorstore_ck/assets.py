@@ -63,9 +63,10 @@ class Assets:
         new = self.storage.put_if_absent(key, bufs)
         return PutResult(d, new, mv.nbytes)
 
-    def put_block(self, raw, itemsize: int = 1) -> PutResult:
-        """Hash, maybe compress, and store one block (thread-safe; blake3 and lz4 drop the GIL)."""
-        return self._put(frame.KIND_BLOCK, raw, itemsize)
+    def put_block(self, raw, itemsize: int = 1, digest: bytes | None = None) -> PutResult:
+        """Hash (unless `digest` is known), maybe compress, and store one block
+        (thread-safe; blake3 and lz4 drop the GIL)."""
+        return self._put(frame.KIND_BLOCK, raw, itemsize, digest)
 
     def put_node(self, payload: bytes) -> PutResult:
         return self._put(frame.KIND_NODE, payload)
@@ -81,7 +82,7 @@ class Assets:
         try:
             f = self.storage.open_read(key)
         except FileNotFoundError:
-            raise IntegrityError("missing object", key=key, **ctx) from None
+            raise IntegrityError("missing object", key=key, reason="missing", **ctx) from None
         with f:
             head = f.read(frame.HEADER_SIZE)
             try:
@@ -93,6 +94,11 @@ class Assets:
             if expect_len is not None and hdr.raw_len != expect_len:
                 raise IntegrityError(f"object holds {hdr.raw_len} bytes, expected {expect_len}",
                                      key=key, **ctx)
+            if hdr.codec == frame.CODEC_RAW and out is None:
+                body = f.read(hdr.raw_len + 1)
+                if len(body) != hdr.raw_len:
+                    raise IntegrityError("truncated or oversized object", key=key, reason="truncated", **ctx)
+                return body
             if hdr.codec == frame.CODEC_RAW and out is not None:
                 mv = memoryview(out).cast("B")
                 got = 0
@@ -102,13 +108,36 @@ class Assets:
                         break
                     got += n
                 if got != hdr.raw_len or f.read(1):
-                    raise IntegrityError("truncated or oversized object", key=key, **ctx)
+                    raise IntegrityError("truncated or oversized object", key=key, reason="truncated", **ctx)
                 return out
             body = f.read(frame.MAX_RAW_LEN + 1)
         try:
             return frame.decode_payload(hdr, body, out)
         except FormatError as e:
             raise IntegrityError(f"corrupt object payload: {e}", key=key, **ctx) from None
+
+    def check_quick(self, kind: int, d: bytes, expect_len: int | None):
+        """Presence and size from the header and the object's length, without
+        reading the payload. Returns None or an IntegrityError."""
+        key = _key(KIND_PREFIX[kind], d)
+        try:
+            f = self.storage.open_read(key)
+        except FileNotFoundError:
+            return IntegrityError("missing object", key=key, reason="missing")
+        with f:
+            try:
+                hdr = frame.decode_header(f.read(frame.HEADER_SIZE))
+            except FormatError as e:
+                return IntegrityError(f"corrupt object header: {e}", key=key)
+            size = f.seek(0, 2)
+        if hdr.kind != kind:
+            return IntegrityError(f"object is of kind {hdr.kind}, expected {kind}", key=key)
+        if expect_len is not None and hdr.raw_len != expect_len:
+            return IntegrityError(f"object holds {hdr.raw_len} bytes, expected {expect_len}", key=key)
+        if hdr.codec == frame.CODEC_RAW and size != frame.HEADER_SIZE + hdr.raw_len:
+            return IntegrityError(f"object is {size} bytes, its header says {frame.HEADER_SIZE + hdr.raw_len}",
+                                  key=key, reason="truncated")
+        return None
 
     @staticmethod
     def _check(d: bytes, data, key: str, ctx: dict) -> None:

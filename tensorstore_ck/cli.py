@@ -2,6 +2,7 @@
 
 Every command takes --json. A user mistake (bad arguments, unknown target,
 a path that is not a store) prints one line, "tsck: error: ...", and exits 2.
+Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
 """
 
 from __future__ import annotations
@@ -99,6 +100,68 @@ def cmd_du(store, args):
     return 0
 
 
+def _bar(args) -> bool:
+    return not args.json and sys.stderr.isatty()
+
+
+def cmd_tag(store, args):
+    i = store.tag(args.name, args.target)
+    _out(args, {"tag": args.name, **i.to_json()}, f"tag {args.name} -> {i.root}")
+    return 0
+
+
+def cmd_pin(store, args):
+    root = store.pin(args.target) if args.cmd == "pin" else store.unpin(args.target)
+    _out(args, {args.cmd: root}, f"{args.cmd}ned {root}")
+    return 0
+
+
+def cmd_gc(store, args):
+    r = store.gc(dry_run=args.dry_run, progress=_bar(args))
+    verb = "would delete" if r.dry_run else "deleted"
+    lines = [f"expired {len(r.expired)} snapshots; kept {r.kept_snapshots}",
+             f"{verb} {r.deleted_objects} objects, {_human(r.deleted_bytes)} "
+             f"({', '.join(f'{v} {k}' for k, v in sorted(r.deleted_by_kind.items())) or 'nothing'})"]
+    if r.rescued:
+        lines.append(f"{r.rescued} candidates were reused by writers meanwhile and kept")
+    if r.dry_run:
+        lines += [f"  expire {x}" for x in r.expired] + [f"  delete {k}" for k in r.would_delete]
+    _out(args, r.to_json(), "\n".join(lines))
+    return 0
+
+
+def cmd_fsck(store, args):
+    r = store.fsck(full=not args.quick, progress=_bar(args))
+    lines = [str(f) for f in r.findings]
+    lines.append(f"{'ok' if r.ok else 'PROBLEMS'}: {r.snapshots_checked} snapshots, {r.objects_checked} objects, "
+                 f"{_human(r.bytes_checked)} {'re-hashed' if r.full else 'sized'}; {len(r.findings)} problems; "
+                 f"{r.orphans} orphans ({_human(r.orphan_bytes)}, gc removes them)")
+    _out(args, r.to_json(), "\n".join(lines))
+    return 0 if r.ok else 1
+
+
+def cmd_recover(store, args):
+    r = store.recover()
+    lines = [f"{r.commits_found} commits found, {r.catalog_rows_added} catalog rows added"]
+    lines += [f"  ref {k} -> {v}" for k, v in r.refs_restored.items()]
+    lines += [f"  tag {k} -> {v}" for k, v in r.tags_restored.items()]
+    lines += [f"  unreadable: {u}" for u in r.unreadable]
+    _out(args, r.to_json(), "\n".join(lines))
+    return 0
+
+
+def cmd_diff(store, args):
+    d = store.diff(args.a, args.b)
+    lines = [f"a {d['a'][:16]}  b {d['b'][:16]}"]
+    lines += [f"+ {p}" for p in d["added"]] + [f"- {p}" for p in d["removed"]]
+    lines += [f"~ {c['path']}: {c['blocks_differ']}/{c['blocks']} blocks differ"
+              + (f" ({c['a']} -> {c['b']})" if c["a"] != c["b"] else "") for c in d["changed"]]
+    lines.append(f"{len(d['changed'])} changed, {len(d['added'])} added, {len(d['removed'])} removed, "
+                 f"{d['unchanged']} unchanged")
+    _out(args, d, "\n".join(lines))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -116,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("log", cmd_log, "snapshots of a ref, newest first", "ref")
     add("show", cmd_show, "one snapshot", "target")
     add("du", cmd_du, "logical vs physical bytes, per job")
+    add("diff", cmd_diff, "which tensors and how many blocks differ", "a", "b")
+    add("tag", cmd_tag, "create an immutable tag", "name", "target")
+    add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
+    add("unpin", cmd_pin, "release a pin", "target")
+    add("gc", cmd_gc, "apply retention, then delete unreferenced objects").add_argument(
+        "--dry-run", action="store_true", help="list what would go and the bytes freed; change nothing")
+    add("fsck", cmd_fsck, "verify every kept snapshot (exit 1 on problems)").add_argument(
+        "--quick", action="store_true", help="presence and sizes only, no re-hashing")
+    add("recover", cmd_recover, "rebuild the catalog, refs and tags from storage")
     return p
 
 
@@ -135,3 +207,6 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("tsck: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `tsck ... | head`: the reader left; not an error of ours
+        sys.stdout = None
+        return 0

@@ -59,7 +59,9 @@ class IntegrityError(TsckError):
     kind = "integrity"
 
     def __init__(self, message: str, *, snapshot: str | None = None, path: str | None = None,
-                 key: str | None = None, expected: str | None = None, got: str | None = None):
+                 key: str | None = None, expected: str | None = None, got: str | None = None,
+                 reason: str = "corrupt"):
+        self.reason = reason  # "missing" | "truncated" | "corrupt"
         self.snapshot = snapshot
         self.path = path
         self.key = key

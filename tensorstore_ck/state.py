@@ -279,10 +279,16 @@ class BuildStats:
     blocks_new: int = 0
 
 
-def build_tree(plan: Plan, assets: Assets) -> tuple[bytes, BuildStats]:
+def build_tree(plan: Plan, assets: Assets) -> tuple[bytes, BuildStats, list]:
     """Replace leaves by their block ids, split big containers into nodes,
-    write the nodes bottom-up and return the top node's address."""
+    write the nodes bottom-up and return the top node's address, the stats and
+    the encoded nodes (kept so a fenced writer can re-validate them)."""
     stats = BuildStats(bytes_total=plan.inline_bytes)
+    nodes: list[bytes] = []
+
+    def put_node(payload: bytes) -> bytes:
+        nodes.append(payload)
+        return assets.put_node(payload).digest
 
     def fin(v, depth):
         if isinstance(v, _Leaf):
@@ -318,12 +324,11 @@ def build_tree(plan: Plan, assets: Assets) -> tuple[bytes, BuildStats]:
 
     def split(v, size, depth):
         if depth > 0 and size > NODE_SPLIT:
-            r = assets.put_node(encode_node(v))
-            return {"r": r.digest}, 40
+            return {"r": put_node(encode_node(v))}, 40
         return v, size
 
     top, _ = fin(plan.value, 0)
-    return assets.put_node(encode_node(top)).digest, stats
+    return put_node(encode_node(top)), stats, nodes
 
 
 # -- reading -----------------------------------------------------------------------

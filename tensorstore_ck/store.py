@@ -26,6 +26,9 @@ from .errors import (AmbiguousTarget, FormatError, InvalidName, NotAStore, RefCo
 from .format.manifest import decode_commit, encode_commit
 from .ids import is_hex_prefix, parse_hex
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
+from .recover import decode_tag, encode_tag, tag_key
+from .refs.base import Fenced
+from .retention import Retention
 from .refs.names import parse_target, validate_component, validate_name
 from .state import Planner, Reader, build_tree, run_block_jobs
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore
@@ -107,7 +110,10 @@ class Store:
 
     def __init__(self, storage: BlockStore, refs: RefTable, *, config: dict, workers: int | None = None,
                  verify: bool = True, compress: bool = True, shuffle: bool = False,
-                 block_size: int | None = None, inline_threshold: int | None = None):
+                 block_size: int | None = None, inline_threshold: int | None = None,
+                 gc_stale_after: float | None = None):
+        from .gc import DEFAULT_STALE_AFTER
+        self.gc_stale_after = float(gc_stale_after if gc_stale_after is not None else DEFAULT_STALE_AFTER)
         self.storage = storage
         self.reftable = refs
         self.config = config
@@ -183,8 +189,12 @@ class Store:
         return self._bg.submit(self._publish, *args)
 
     def _publish(self, plan, ref, job, step, metrics, meta, exp) -> SnapshotInfo:
+        # The gc deletion epoch is read before any object is found present: if a
+        # deletion phase starts or runs before the ref moves, the move is refused
+        # (Fenced) and everything this snapshot references is re-validated.
+        fence = self.reftable.gc_state()["epoch"]
         run_block_jobs(plan, self.assets, self._pool)
-        tree, stats = build_tree(plan, self.assets)
+        tree, stats, nodes = build_tree(plan, self.assets)
         st = {"bytes_total": stats.bytes_total, "bytes_new": stats.bytes_new,
               "blocks_total": stats.blocks_total, "blocks_new": stats.blocks_new}
         for _attempt in range(1000):
@@ -198,13 +208,61 @@ class Store:
                    "parent": parent, "tree": tree, **st}
             try:
                 self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {step}",
-                                               catalog_row=row)
+                                               catalog_row=row, fence=fence)
+            except Fenced:
+                fence = self._revalidate(plan, nodes, body)
+                continue
             except RefConflict:
                 if exp is not _UNSET:
                     raise
                 continue  # another writer moved the ref: chain onto its snapshot and retry
             return _row_to_info(root, row)
         raise RefConflict(ref, None, None)
+
+    def _revalidate(self, plan, nodes: list, commit_body: bytes) -> int:
+        """Wait out a gc deletion phase, then make sure every object this snapshot
+        references exists (writing again what gc removed). Returns the new fence."""
+        while True:
+            st = self.reftable.gc_state()
+            if st["epoch"] % 2 == 0:
+                break
+            now = time.time()
+            if now - float(st.get("heartbeat", 0.0)) >= self.gc_stale_after:
+                self.reftable.gc_abort_stale(now=now, stale_after=self.gc_stale_after)
+            else:
+                time.sleep(0.05)
+        fence = st["epoch"]
+        futs = [self._pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest)
+                for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
+        for f in futs:
+            f.result()
+        for payload in nodes:
+            self.assets.put_node(payload)
+        self.assets.put_commit(commit_body)
+        self.assets.sync()
+        return fence
+
+    # -- lifecycle: retention, gc, fsck ----------------------------------------
+    def set_retention(self, job: str, retention: "Retention | None") -> None:
+        """Set (or with None, clear) the retention rules of `job`; kept in the ref
+        table so an offline `tsck gc` applies each job's own rules."""
+        validate_component(job, "job name")
+        if retention is not None and not isinstance(retention, Retention):
+            raise InvalidName(f"retention must be a tsck.Retention, got {type(retention).__name__}")
+        self.reftable.retention_set(job, None if retention is None else retention.to_dict())
+
+    def retention(self) -> dict[str, Retention]:
+        return {job: Retention.from_dict(r) for job, r in self.reftable.retention_all().items()}
+
+    def gc(self, *, dry_run: bool = False, progress: bool = False):
+        """Apply retention, then mark and sweep. Safe while other processes write."""
+        from .gc import run_gc
+        return run_gc(self, dry_run=dry_run, progress=progress, stale_after=self.gc_stale_after)
+
+    def fsck(self, *, full: bool = True, progress: bool = False):
+        """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte."""
+        from .fsck import run_fsck
+        return run_fsck(self, full=full, progress=progress)
 
     # -- reading ---------------------------------------------------------------
     def resolve(self, target: str) -> str:
@@ -277,11 +335,56 @@ class Store:
         return {name: self._info(root) for name, root in self.reftable.tags()}
 
     def tag(self, name: str, target: str) -> SnapshotInfo:
-        """Create an immutable tag; RefConflict if the name is taken."""
+        """Create an immutable tag; RefConflict if the name is taken.
+
+        The tag is also written to storage (``tags/<hex>``), so `recover` can
+        rebuild it; that object is created exclusively, so it is the tag's
+        single source of truth across hosts."""
         validate_name(name, "tag name")
         root = bytes.fromhex(self.resolve(target))
+        cur = self.reftable.tag_get(name)
+        if cur is not None:
+            raise RefConflict(name, None, cur.hex(), what="tag")
+        key = tag_key(name)
+        if not self.storage.put_if_absent(key, [encode_tag(name, root, time.time())]):
+            try:
+                _n, stored, _t = decode_tag(self.storage.get(key))
+            except (FormatError, FileNotFoundError):
+                stored = None
+            if stored != root:  # another tag by this name exists in storage
+                raise RefConflict(name, None, stored.hex() if stored else None, what="tag")
+        self.storage.sync()
         self.reftable.tag_create(name, root)
         return self._info(root)
+
+    def recover(self):
+        """Rebuild catalog, refs (at their newest commits), reflog and tags from storage."""
+        from .recover import run_recover
+        return run_recover(self)
+
+    def diff(self, a: str, b: str) -> dict:
+        """Which tensors differ between two targets, and in how many blocks."""
+        from .walk import iter_leaves
+        ra, rb = self.resolve(a), self.resolve(b)
+        la = iter_leaves(self.assets, bytes.fromhex(ra), verify=self.verify)
+        lb = iter_leaves(self.assets, bytes.fromhex(rb), verify=self.verify)
+        out = {"a": ra, "b": rb, "added": [], "removed": [], "changed": [], "unchanged": 0}
+        for p in la.keys() - lb.keys():
+            out["removed"].append(p)
+        for p in lb.keys() - la.keys():
+            out["added"].append(p)
+        for p in la.keys() & lb.keys():
+            (da, ba), (db, bb) = la[p], lb[p]
+            if da == db and ba == bb:
+                out["unchanged"] += 1
+                continue
+            differ = sum(1 for x, y in zip(ba, bb) if x != y) + abs(len(ba) - len(bb))
+            out["changed"].append({"path": p, "a": da, "b": db, "blocks_differ": differ,
+                                   "blocks": max(len(ba), len(bb))})
+        for k in ("added", "removed"):
+            out[k].sort()
+        out["changed"].sort(key=lambda x: x["path"])
+        return out
 
     def pin(self, target: str) -> str:
         root = self.resolve(target)
@@ -378,7 +481,7 @@ def _read_config(storage: BlockStore) -> dict | None:
 def open_store(url, *, refs=None, storage_options: dict | None = None, create: bool = True,
                block_size: int | None = None, inline_threshold: int | None = None,
                workers: int | None = None, verify: bool = True, compress: bool = True,
-               shuffle: bool = False) -> Store:
+               shuffle: bool = False, gc_stale_after: float | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
@@ -419,4 +522,5 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         cfg = _read_config(storage) or cfg
     reftable = _open_refs(refs, proto, rest, create=True)
     return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
-                 shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold)
+                 shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
+                 gc_stale_after=gc_stale_after)

@@ -8,6 +8,8 @@ Sub-tables (each a sorted key-value space):
     catalog   root                    -> msgpack row (job, ref, step, time, metrics, sizes, ...)
     tags      name                    -> root
     pins      root                    -> b""
+    retention job                     -> msgpack Retention record
+    gc        b"state"                -> msgpack {epoch, phase, owner, heartbeat, ...}
     meta      key                     -> value (the reflog sequence counter)
 
 Every conditional operation reads and writes inside one write transaction, so
@@ -24,11 +26,23 @@ from typing import Callable, Iterator
 
 import msgpack
 
-from ..errors import FormatError, RefConflict, RefNotFound
+from ..errors import FormatError, RefConflict, RefNotFound, TsckError
 
-__all__ = ["RefTable", "KvRefTable", "ReflogEntry", "Txn"]
+__all__ = ["RefTable", "KvRefTable", "ReflogEntry", "Txn", "Fenced", "GcBusy"]
 
-TABLES = ("refs", "reflog", "catalog", "tags", "pins", "meta")
+
+class Fenced(TsckError):
+    """A gc deletion phase started or is running since the writer's fence was taken:
+    objects the writer found present may be gone. The writer re-validates and retries."""
+    kind = "fenced"
+
+
+class GcBusy(TsckError):
+    """Another gc holds the store (its heartbeat is fresh)."""
+    kind = "gc_busy"
+
+
+TABLES = ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta")
 _SEQ = struct.Struct(">Q")
 
 
@@ -81,7 +95,7 @@ class RefTable(ABC):
 
     @abstractmethod
     def compare_and_swap(self, name: str, expected: bytes | None, new: bytes, *,
-                         message: str, catalog_row: dict | None = None) -> None:
+                         message: str, catalog_row: dict | None = None, fence: int | None = None) -> None:
         """Point `name` at `new` if it now points at `expected` (None: absent).
         Appends to the reflog and stores `catalog_row` for `new` in the same
         transaction. RefConflict(expected, actual) otherwise."""
@@ -111,6 +125,32 @@ class RefTable(ABC):
     @abstractmethod
     def pins(self) -> set[bytes]: ...
 
+    # retention, catalog expiry and the gc protocol (see docs/ARCHITECTURE.md, "GC")
+    @abstractmethod
+    def retention_set(self, job: str, rule: dict | None) -> None: ...
+    @abstractmethod
+    def retention_all(self) -> dict[str, dict]: ...
+    @abstractmethod
+    def catalog_expire(self, roots: list[bytes]) -> list[bytes]:
+        """Drop the catalog rows of `roots` that are, at that moment, no ref's tip,
+        no tag's target and not pinned. Returns the roots dropped."""
+    @abstractmethod
+    def catalog_put_if_absent(self, root: bytes, row: dict) -> bool: ...
+    @abstractmethod
+    def gc_state(self) -> dict: ...
+    # gc state machine: idle -> marking -> deleting -> idle. The epoch is odd
+    # exactly while a deletion phase may be running.
+    @abstractmethod
+    def gc_begin(self, owner: str, *, now: float, stale_after: float) -> dict: ...
+    @abstractmethod
+    def gc_heartbeat(self, owner: str, *, now: float) -> dict: ...
+    @abstractmethod
+    def gc_freeze(self, owner: str, *, now: float) -> dict: ...
+    @abstractmethod
+    def gc_finish(self, owner: str, *, now: float, **fields) -> dict: ...
+    @abstractmethod
+    def gc_abort_stale(self, *, now: float, stale_after: float) -> dict: ...
+
     def close(self) -> None:
         pass
 
@@ -127,10 +167,17 @@ class KvRefTable(RefTable):
     def get_or_none(self, name: str) -> bytes | None:
         return self._read(lambda t: t.get("refs", name.encode()))
 
-    def compare_and_swap(self, name, expected, new, *, message, catalog_row=None):
+    def compare_and_swap(self, name, expected, new, *, message, catalog_row=None, fence=None):
+        """fence: the gc epoch the writer saw before it decided which objects exist
+        (None: unfenced). The move is refused with Fenced if a deletion phase
+        started since, or is running."""
         key = name.encode()
 
         def txn(t: Txn):
+            if fence is not None:
+                epoch = _gc_state(t).get("epoch", 0)
+                if epoch != fence or epoch % 2:
+                    raise Fenced(f"gc deletion epoch moved from {fence} to {epoch}")
             actual = t.get("refs", key)
             if actual != expected:
                 raise RefConflict(name, _hex(expected), _hex(actual))
@@ -205,3 +252,97 @@ class KvRefTable(RefTable):
 
     def pins(self):
         return self._read(lambda t: {k for k, _ in t.items("pins")})
+
+    def retention_set(self, job, rule):
+        if rule is None:
+            self._write(lambda t: t.delete("retention", job.encode()))
+        else:
+            self._write(lambda t: t.put("retention", job.encode(), msgpack.packb(rule)))
+
+    def retention_all(self):
+        rows = self._read(lambda t: list(t.items("retention")))
+        return {k.decode(): _unpack_row(v, "retention") for k, v in rows}
+
+    def catalog_expire(self, roots):
+        def txn(t):
+            protected = {v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} \
+                | {k for k, _ in t.items("pins")}
+            gone = []
+            for r in roots:
+                if r not in protected and t.get("catalog", r) is not None:
+                    t.delete("catalog", r)
+                    gone.append(r)
+            return gone
+        return self._write(txn)
+
+    def catalog_put_if_absent(self, root, row):
+        def txn(t):
+            if t.get("catalog", root) is not None:
+                return False
+            t.put("catalog", root, msgpack.packb(row))
+            return True
+        return self._write(txn)
+
+    def gc_state(self):
+        return self._read(_gc_state)
+
+    def gc_begin(self, owner, *, now, stale_after):
+        def txn(t):
+            st = _gc_state(t)
+            if st["phase"] != "idle":
+                age = now - float(st.get("heartbeat", 0.0))
+                if age < stale_after:
+                    raise GcBusy(f"another gc ({st.get('owner')}) is {st['phase']}; heartbeat {age:.1f}s ago")
+                if st["epoch"] % 2:  # a dead gc's deletion phase is over: close it
+                    st["epoch"] += 1
+            st.update(phase="marking", owner=owner, heartbeat=now, started=now)
+            t.put("gc", b"state", msgpack.packb(st))
+            return st
+        return self._write(txn)
+
+    def _gc_owned(self, owner, now, phases, fn):
+        def txn(t):
+            st = _gc_state(t)
+            if st.get("owner") != owner or st["phase"] not in phases:
+                raise GcBusy(f"this gc lost the store's gc lock (state {st['phase']} held by {st.get('owner')})")
+            st["heartbeat"] = now
+            fn(st)
+            t.put("gc", b"state", msgpack.packb(st))
+            return st
+        return self._write(txn)
+
+    def gc_heartbeat(self, owner, *, now):
+        return self._gc_owned(owner, now, ("marking", "deleting"), lambda st: None)
+
+    def gc_freeze(self, owner, *, now):
+        def fn(st):
+            st["phase"] = "deleting"
+            st["epoch"] += 1  # odd: writers that commit from now on re-validate first
+        return self._gc_owned(owner, now, ("marking",), fn)
+
+    def gc_finish(self, owner, *, now, **fields):
+        def fn(st):
+            if st["epoch"] % 2:
+                st["epoch"] += 1
+            st.update(fields, phase="idle", owner=None)
+        return self._gc_owned(owner, now, ("marking", "deleting"), fn)
+
+    def gc_abort_stale(self, *, now, stale_after):
+        """Writers call this when a deletion phase's owner stopped beating: a dead gc
+        deletes nothing more, so its epoch can be closed."""
+        def txn(t):
+            st = _gc_state(t)
+            if st["phase"] == "deleting" and now - float(st.get("heartbeat", 0.0)) >= stale_after:
+                st["epoch"] += 1
+                st.update(phase="idle", owner=None, aborted=now)
+                t.put("gc", b"state", msgpack.packb(st))
+            return st
+        return self._write(txn)
+
+
+def _gc_state(t: Txn) -> dict:
+    raw = t.get("gc", b"state")
+    st = {"epoch": 0, "phase": "idle"}
+    if raw is not None:
+        st.update(_unpack_row(raw, "gc state"))
+    return st

@@ -1,0 +1,155 @@
+"""fsck: check every kept snapshot and every ref, tag and pin; count orphans.
+
+Gathers every finding instead of stopping at the first. A block shared by
+several snapshots is read once, and a problem with it is reported once per
+snapshot (and tensor path) that references it.
+
+    full (default)  read every object and re-hash every byte
+    quick           presence, header and sizes only
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .errors import FormatError, IntegrityError, TsckError
+from .format import frame
+from .gc import KINDS, _key8, _Marked, _progress
+from .walk import walk_commit
+
+__all__ = ["Finding", "FsckReport", "run_fsck"]
+
+
+@dataclass
+class Finding:
+    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref
+    snapshot: str | None    # root hex
+    names: list             # refs / tags / pins pointing at the snapshot ("ref:x", "tag:y", "pin")
+    path: str | None        # tensor path in the state, when known
+    key: str | None         # storage key of the bad object
+    message: str
+
+    def __str__(self):
+        where = []
+        if self.snapshot:
+            where.append(f"snapshot {self.snapshot[:16]}")
+        if self.names:
+            where.append(", ".join(self.names))
+        if self.path:
+            where.append(f"at {self.path}")
+        if self.key:
+            where.append(self.key)
+        return f"{self.problem}: {self.message} ({'; '.join(where)})"
+
+
+@dataclass
+class FsckReport:
+    full: bool
+    snapshots_checked: int = 0
+    objects_checked: int = 0
+    bytes_checked: int = 0
+    findings: list = field(default_factory=list)
+    orphans: int = 0
+    orphan_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+def _names(store) -> dict[bytes, list[str]]:
+    out: dict[bytes, list[str]] = {}
+    for name, root in store.reftable.list():
+        out.setdefault(root, []).append(f"ref:{name}")
+    for name, root in store.reftable.tags():
+        out.setdefault(root, []).append(f"tag:{name}")
+    for root in store.reftable.pins():
+        out.setdefault(root, []).append("pin")
+    return out
+
+
+def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
+    t0 = time.time()
+    rep = FsckReport(full=full)
+    names = _names(store)
+    roots = sorted({r for r, _ in store.reftable.catalog_iter()} | set(names))
+    block_status: dict[bytes, IntegrityError | None] = {}
+    node_status: dict[bytes, IntegrityError | None] = {}
+    marked = _Marked()
+    pool = store._pool
+    bar = _progress(progress, "fsck", total=len(roots))
+
+    def check_block(d: bytes, n: int):
+        if full:
+            buf = bytearray(n)
+            try:
+                store.assets.read_block_into(d, buf, verify=True)
+            except IntegrityError as e:
+                return e
+            return None
+        return store.assets.check_quick(frame.KIND_BLOCK, d, n)
+
+    for root in roots:
+        rep.snapshots_checked += 1
+        snap, nm = root.hex(), names.get(root, [])
+        pending: list = []  # (digest, nbytes, path) of blocks this snapshot references
+        try:
+            for obj in walk_commit(store.assets, root, verify=full):
+                marked.add(obj.kind + "s", obj.digest)
+                if obj.kind == "block":
+                    pending.append((obj.digest, obj.nbytes, obj.path))
+                elif obj.kind == "node" and obj.digest not in node_status:
+                    node_status[obj.digest] = None
+                    rep.objects_checked += 1
+        except (IntegrityError, FormatError) as e:
+            problem = getattr(e, "reason", "undecodable") if isinstance(e, IntegrityError) else "undecodable"
+            if isinstance(e, IntegrityError) and e.key and e.key.startswith("commits/") and problem == "missing":
+                problem = "dangling_ref" if nm else "missing"
+            rep.findings.append(Finding(problem, snap, nm, getattr(e, "path", None) or None,
+                                        getattr(e, "key", None), str(e.args[0]) if e.args else str(e)))
+        todo = {}
+        for d, n, _p in pending:
+            if d not in block_status and d not in todo:
+                todo[d] = pool.submit(check_block, d, n)
+                rep.bytes_checked += n
+        for d, f in todo.items():
+            block_status[d] = f.result()
+            rep.objects_checked += 1
+        reported = set()
+        for d, n, p in pending:
+            err = block_status[d]
+            if err is not None and (d, p) not in reported:
+                reported.add((d, p))
+                rep.findings.append(Finding(err.reason, snap, nm, p, err.key,
+                                            str(err.args[0]).split(" (")[0] if err.args else "bad block"))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    # Orphans: stored objects no kept snapshot reaches. Counted, not errors (gc removes them).
+    marked.freeze()
+    for kind in KINDS:
+        batch = []
+        for o in store.storage.list(kind + "/"):
+            name = o.key.rsplit("/", 1)[-1]
+            if len(name) == 64:
+                batch.append(o)
+        if batch:
+            live = marked.contains(kind, np.array([_key8(o.key.rsplit("/", 1)[-1]) for o in batch],
+                                                  dtype=np.uint64))
+            for o, is_live in zip(batch, live):
+                if not is_live:
+                    rep.orphans += 1
+                    rep.orphan_bytes += o.size
+    rep.seconds = time.time() - t0
+    return rep
+

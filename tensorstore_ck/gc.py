@@ -1,0 +1,266 @@
+"""Garbage collection: expire what retention drops, mark, sweep. Safe while writers write.
+
+The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argument):
+
+1. begin    take the store's gc lock in the ref table (phase "marking", heartbeat).
+2. expire   drop the catalog rows retention no longer keeps (never a ref tip, tag or pin;
+            re-checked inside the ref-table transaction).
+3. mark     walk every kept commit's Merkle DAG; remember every reachable object.
+4. list     list storage; anything unreachable (and written before gc began) is a candidate.
+5. freeze   bump the deletion epoch to odd (phase "deleting"): from here on a writer's
+            ref move fenced on an older epoch is refused; it re-validates the objects
+            it references (re-uploading any that are gone) and retries.
+6. re-mark  walk the commits published since step 3: they may reuse candidates.
+7. sweep    delete candidates not re-marked: commits, then nodes, then blocks.
+8. finish   bump the epoch to even (phase "idle").
+
+Memory stays bounded: reachable objects are kept as the first 8 bytes of their
+address in a compact array (8 bytes each, sorted once; a prefix collision can
+only keep an unreachable object, never delete a reachable one), and candidates
+are spooled to a temporary file, not held in memory.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .assets import KIND_PREFIX
+from .errors import TsckError
+from .format import frame
+from .retention import Retention, SnapRow, select_kept
+from .walk import walk_commit
+
+__all__ = ["GCReport", "run_gc", "DEFAULT_STALE_AFTER"]
+
+DEFAULT_STALE_AFTER = 120.0  # seconds without a heartbeat before a gc counts as dead
+KINDS = ("commits", "nodes", "blocks")  # deletion order: a kill leaves no commit without its tree
+
+
+@dataclass
+class GCReport:
+    dry_run: bool
+    expired: list = field(default_factory=list)      # root hex of snapshots retention dropped
+    kept_snapshots: int = 0
+    reachable_objects: int = 0
+    candidates: int = 0
+    rescued: int = 0                                  # candidates re-marked (reused meanwhile)
+    deleted_objects: int = 0
+    deleted_bytes: int = 0
+    deleted_by_kind: dict = field(default_factory=dict)
+    temp_files_removed: int = 0
+    would_delete: list = field(default_factory=list)  # dry run: keys (capped at 10000)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _key8(hexname: str) -> int:
+    return int(hexname[:16], 16)
+
+
+class _Marked:
+    """Reachable objects as sorted 8-byte prefixes of their addresses."""
+
+    def __init__(self):
+        self._buf = {k: array.array("Q") for k in KINDS}
+        self._sorted: dict[str, np.ndarray] = {}
+
+    def add(self, kind: str, d: bytes) -> None:
+        self._buf[kind].append(int.from_bytes(d[:8], "big"))
+
+    def freeze(self) -> None:
+        for k, a in self._buf.items():
+            self._sorted[k] = np.unique(np.frombuffer(a, dtype=np.uint64)) if len(a) else \
+                np.empty(0, dtype=np.uint64)
+        self._buf = {k: array.array("Q") for k in KINDS}
+
+    def __len__(self):
+        return sum(len(v) for v in self._sorted.values())
+
+    def contains(self, kind: str, keys: np.ndarray) -> np.ndarray:
+        s = self._sorted[kind]
+        if not len(s):
+            return np.zeros(len(keys), dtype=bool)
+        i = np.searchsorted(s, keys).clip(0, len(s) - 1)
+        return s[i] == keys
+
+
+def _progress(enabled: bool, desc: str, total=None):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(total=total, desc=desc, unit="obj", leave=False, dynamic_ncols=True)
+
+
+def plan_expiry(store, now: float) -> list[bytes]:
+    """Roots that retention no longer keeps (before protection by refs/tags/pins)."""
+    rules = {job: Retention.from_dict(r) for job, r in store.reftable.retention_all().items()}
+    by_job: dict[str, list[SnapRow]] = {}
+    for root, row in store.reftable.catalog_iter():
+        by_job.setdefault(str(row.get("job", "")), []).append(
+            SnapRow(root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {})))
+    protected = {r for _, r in store.reftable.list()} | {r for _, r in store.reftable.tags()} \
+        | store.reftable.pins()
+    out = []
+    for job, rows in by_job.items():
+        rule = rules.get(job)
+        if rule is None:
+            continue
+        kept = select_kept(rows, rule, now) | protected
+        out.extend(r.root for r in rows if r.root not in kept)
+    return out
+
+
+def _kept_roots(store, exclude: set | None = None) -> set[bytes]:
+    roots = {r for r, _ in store.reftable.catalog_iter()}
+    if exclude:
+        roots -= exclude
+    roots |= {r for _, r in store.reftable.list()} | {r for _, r in store.reftable.tags()} | store.reftable.pins()
+    return roots
+
+
+def _mark(store, roots, marked: _Marked, visited: set, bar=None) -> int:
+    n = 0
+    for root in sorted(roots):
+        if not store.assets.has_commit(root) and root not in {r for _, r in store.reftable.list()}:
+            continue  # a catalog row whose commit is gone: fsck reports it; nothing to keep
+        for obj in walk_commit(store.assets, root, verify=True, skip_nodes=visited):
+            marked.add(obj.kind + "s", obj.digest)
+            n += 1
+            if bar is not None:
+                bar.update(1)
+    return n
+
+
+def run_gc(store, *, dry_run: bool = False, progress: bool = False,
+           stale_after: float = DEFAULT_STALE_AFTER, heartbeat_every: float = 5.0) -> GCReport:
+    t_start = time.time()
+    rep = GCReport(dry_run=dry_run)
+    refs = store.reftable
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    if not dry_run:
+        refs.gc_begin(owner, now=time.time(), stale_after=stale_after)
+    try:
+        t0 = time.time()
+        # 2. expire
+        doomed = plan_expiry(store, t0)
+        if dry_run:
+            expired = doomed
+        else:
+            expired = refs.catalog_expire(doomed)
+        rep.expired = [r.hex() for r in expired]
+        # 3. mark
+        k0 = _kept_roots(store, exclude=set(expired) if dry_run else None)
+        rep.kept_snapshots = len(k0)
+        marked, visited = _Marked(), set()
+        bar = _progress(progress, "gc: mark")
+        rep.reachable_objects = _mark(store, k0, marked, visited, bar)
+        if bar is not None:
+            bar.close()
+        marked.freeze()
+        last_beat = time.time()
+        # 4. list -> spool of candidates
+        spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-gc-")
+        bar = _progress(progress, "gc: list")
+        for kind in KINDS:
+            batch: list = []
+
+            def flush():
+                if not batch:
+                    return
+                keys = np.array([_key8(o.key.rsplit("/", 1)[-1]) for o in batch], dtype=np.uint64)
+                live = marked.contains(kind, keys)
+                for o, is_live in zip(batch, live):
+                    if not is_live:
+                        spool.write(f"{kind} {o.key} {o.size}\n")
+                        rep.candidates += 1
+                batch.clear()
+
+            for o in store.storage.list(kind + "/"):
+                if bar is not None:
+                    bar.update(1)
+                name = o.key.rsplit("/", 1)[-1]
+                if len(name) != 64 or o.mtime > t0:
+                    continue  # not ours, or written after gc began: a writer's, in flight
+                batch.append(o)
+                if len(batch) >= 65536:
+                    flush()
+            flush()
+            if not dry_run and time.time() - last_beat > heartbeat_every:
+                refs.gc_heartbeat(owner, now=time.time())
+                last_beat = time.time()
+        if bar is not None:
+            bar.close()
+        spool.seek(0)
+        if dry_run:
+            for line in spool:
+                kind, key, size = line.split()
+                rep.deleted_objects += 1
+                rep.deleted_bytes += int(size)
+                rep.deleted_by_kind[kind] = rep.deleted_by_kind.get(kind, 0) + 1
+                if len(rep.would_delete) < 10000:
+                    rep.would_delete.append(key)
+            rep.seconds = time.time() - t_start
+            return rep
+        # 5. freeze, 6. re-mark what was published meanwhile
+        refs.gc_freeze(owner, now=time.time())
+        k1 = _kept_roots(store)
+        extra, extra_visited = _Marked(), set(visited)
+        _mark(store, k1 - k0, extra, extra_visited)
+        extra.freeze()
+        # 7. sweep
+        bar = _progress(progress, "gc: sweep", total=rep.candidates)
+        rep.temp_files_removed = _sweep_temp(store, t0 - stale_after)
+        for line in spool:
+            kind, key, size = line.split()
+            if extra.contains(kind, np.array([_key8(key.rsplit("/", 1)[-1])], dtype=np.uint64))[0]:
+                rep.rescued += 1
+                continue
+            store.storage.delete(key)
+            rep.deleted_objects += 1
+            rep.deleted_bytes += int(size)
+            rep.deleted_by_kind[kind] = rep.deleted_by_kind.get(kind, 0) + 1
+            if bar is not None:
+                bar.update(1)
+            if time.time() - last_beat > heartbeat_every:
+                refs.gc_heartbeat(owner, now=time.time())  # raises if another gc took over
+                last_beat = time.time()
+        if bar is not None:
+            bar.close()
+        store.storage.sync()
+        rep.seconds = time.time() - t_start
+        refs.gc_finish(owner, now=time.time(), last_gc={"at": time.time(), "deleted": rep.deleted_objects})
+        return rep
+    except BaseException:
+        if not dry_run:
+            try:
+                refs.gc_finish(owner, now=time.time())
+            except TsckError:
+                pass
+        raise
+
+
+def _sweep_temp(store, before: float) -> int:
+    """Remove local temp files of writers that died (older than the stale limit)."""
+    n = 0
+    for o in store.storage.list("tmp/"):
+        if o.key.endswith(".partial") and o.mtime < before:
+            store.storage.delete(o.key)
+            n += 1
+    return n
+
+
+# Referenced so the frame kinds and prefixes stay in one place.
+assert set(KIND_PREFIX.values()) == set(KINDS) and frame.KIND_COMMIT == 2

@@ -1,0 +1,99 @@
+"""Per-job retention rules -> the set of snapshots to keep. Pure; no I/O.
+
+Each rule keeps some snapshots; a snapshot is kept if *any* rule keeps it
+(the union). Tags, pins and the tip of every ref are kept by gc whatever the
+rules say; a job with no rules keeps everything.
+
+- keep_last=N: the N newest snapshots of the job (by time, then step).
+- keep_best=K, metric=M, mode="min"|"max": the K snapshots with the best value
+  of metric M; snapshots without M (or with NaN) are not candidates; ties go
+  to the newer snapshot.
+- keep_every_steps=S: milestones: for every window [k*S, (k+1)*S) of steps,
+  the snapshot with the smallest step in it (the oldest on a tie), so a job
+  whose steps do not land exactly on multiples of S still keeps one per window.
+- max_age_days=D: every snapshot younger than D days.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+from .errors import InvalidName
+
+__all__ = ["Retention", "SnapRow", "select_kept"]
+
+
+@dataclass(frozen=True)
+class Retention:
+    keep_last: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    mode: str = "min"
+    keep_every_steps: int | None = None
+    max_age_days: float | None = None
+
+    def __post_init__(self):
+        for name in ("keep_last", "keep_best", "keep_every_steps"):
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 0 or (name == "keep_every_steps" and v == 0)):
+                raise InvalidName(f"Retention.{name} must be a non-negative int"
+                                  f"{' > 0' if name == 'keep_every_steps' else ''}, got {v!r}")
+        if self.mode not in ("min", "max"):
+            raise InvalidName(f"Retention.mode must be 'min' or 'max', got {self.mode!r}")
+        if self.keep_best and not (isinstance(self.metric, str) and self.metric):
+            raise InvalidName("Retention.keep_best needs metric=<name>")
+        if self.max_age_days is not None and (type(self.max_age_days) not in (int, float)
+                                              or not self.max_age_days >= 0):
+            raise InvalidName(f"Retention.max_age_days must be a number >= 0, got {self.max_age_days!r}")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Retention":
+        fields = {"keep_last", "keep_best", "metric", "mode", "keep_every_steps", "max_age_days"}
+        if not isinstance(d, dict) or not set(d) <= fields:
+            raise InvalidName(f"not a retention record: {d!r}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class SnapRow:
+    root: bytes
+    step: int | None
+    time: float
+    metrics: dict
+
+
+def select_kept(rows: Iterable[SnapRow], rule: Retention | None, now: float) -> set[bytes]:
+    rows = list(rows)
+    if rule is None:
+        return {r.root for r in rows}
+    kept: set[bytes] = set()
+    newest_first = sorted(rows, key=lambda r: (r.time, r.step if r.step is not None else -math.inf),
+                          reverse=True)
+    if rule.keep_last:
+        kept.update(r.root for r in newest_first[: rule.keep_last])
+    if rule.keep_best:
+        cands = []
+        for r in newest_first:
+            v = r.metrics.get(rule.metric)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v):
+                cands.append(r)
+        sign = 1 if rule.mode == "min" else -1
+        # sorted() is stable and cands is newest first, so ties go to the newer snapshot.
+        cands.sort(key=lambda r: sign * r.metrics[rule.metric])
+        kept.update(r.root for r in cands[: rule.keep_best])
+    if rule.keep_every_steps:
+        first: dict[int, SnapRow] = {}
+        for r in sorted(rows, key=lambda r: (r.step if r.step is not None else 0, r.time)):
+            if r.step is None:
+                continue
+            first.setdefault(r.step // rule.keep_every_steps, r)
+        kept.update(r.root for r in first.values())
+    if rule.max_age_days is not None:
+        cutoff = now - rule.max_age_days * 86400.0
+        kept.update(r.root for r in rows if r.time >= cutoff)
+    return kept
