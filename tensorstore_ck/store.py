@@ -496,7 +496,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             if not create:
                 raise NotAStore(f"no store at {root}")
             try:
-                os.makedirs(root)
+                os.makedirs(root, exist_ok=True)  # several processes may create one store at once
             except OSError as e:
                 raise NotAStore(f"cannot create a store at {root}: {e.strerror}") from None
         storage: BlockStore = LocalBlockStore(root)
@@ -508,15 +508,21 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             raise NotAStore(f"cannot open {proto}:// storage: {e}") from None
     cfg = _read_config(storage)
     if cfg is None:
-        existing = next(iter(storage.list("")), None)
+        # tmp/ holds only in-flight writes (a creator killed while writing the marker
+        # leaves one there); it does not make a folder "not empty".
+        existing = next((o for o in storage.list("") if not o.key.startswith("tmp/")), None)
         if existing is not None:
-            raise NotAStore(f"{storage.url} is not empty and holds no {STORE_MARKER}: not a store")
+            cfg = _read_config(storage)  # another process may have just created the store
+            if cfg is None:
+                raise NotAStore(f"{storage.url} is not empty and holds no {STORE_MARKER}: not a store")
+    if cfg is None:
         if not create:
             raise NotAStore(f"no store at {storage.url}")
         cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
                "block_size": int(block_size or chunker.DEFAULT_BLOCK_SIZE),
                "inline_threshold": int(inline_threshold if inline_threshold is not None
                                        else chunker.DEFAULT_INLINE_THRESHOLD)}
+        # Exclusive create: if another process won the race, its marker is the one we read.
         storage.put_if_absent(STORE_MARKER, [json.dumps(cfg, indent=1).encode() + b"\n"])
         storage.sync()
         cfg = _read_config(storage) or cfg

@@ -1,0 +1,67 @@
+"""Crash-test writer: loops put_snapshot until killed.
+
+    python writer.py STORE REF START_STEP [--steps N] [--block-size B] [--wait-go]
+
+With --wait-go the writer imports everything, prints "ready" and waits for a line
+"go [START]" on stdin (START overrides START_STEP) before it opens the store.
+
+Protocol on stdout (each line flushed):
+    ready                    imports done (and, with --wait-go, waiting for "go" on stdin)
+    opened                   store opened
+    committed <step> <root>  printed only after put_snapshot returned for that step
+    done                     clean exit after --steps puts
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import statelib  # noqa: E402
+
+import tensorstore_ck as tsck  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("store")
+    ap.add_argument("ref")
+    ap.add_argument("start", type=int)
+    ap.add_argument("--steps", type=int, default=-1, help="stop after N puts (default: never)")
+    ap.add_argument("--block-size", type=int, default=1 << 20)
+    ap.add_argument("--wait-go", action="store_true")
+    ap.add_argument("--seed", type=int, default=1234)
+    a = ap.parse_args()
+
+    print("ready", flush=True)
+    if a.wait_go:
+        words = sys.stdin.readline().split()
+        if not words or words[0] != "go":
+            return 3
+        if len(words) > 1:
+            a.start = int(words[1])
+    # Pre-build the first state so that the kill clock mostly measures store work.
+    step = a.start
+    state = statelib.crash_state(step, a.seed)
+    store = tsck.open_store(a.store, block_size=a.block_size, inline_threshold=4096)
+    print("opened", flush=True)
+    n = 0
+    while a.steps < 0 or n < a.steps:
+        info = store.put_snapshot(
+            state, ref=a.ref, step=step, meta={"digest": state["digest"], "writer_pid": os.getpid()}
+        )
+        sys.stdout.write(f"committed {step} {info.root}\n")
+        sys.stdout.flush()
+        n += 1
+        step += 1
+        state = statelib.crash_state(step, a.seed)
+    store.close()
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

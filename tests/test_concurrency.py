@@ -1,0 +1,271 @@
+"""Several writer processes snapshotting into one store at once.
+
+Workers (tests/helpers/conc_worker.py) meet at a file barrier before every
+round, so their puts really overlap. Each prints the roots it was told were
+committed; the test then checks that nothing acknowledged was lost, that every
+root checks out with the exact content its worker wrote, and (for compare-and-
+swap) that each round had exactly one winner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tensorstore_ck as tsck
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "helpers" / "conc_worker.py"
+BLOCK = 64 * 1024
+INLINE = 1024
+ROUNDS = 15
+
+
+def _load_statelib():
+    spec = importlib.util.spec_from_file_location("tsck_test_statelib", HERE / "helpers" / "statelib.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+statelib = _load_statelib()
+
+
+class Result:
+    def __init__(self, worker: int, out: str):
+        self.worker = worker
+        self.ok: dict[int, str] = {}
+        self.conflicts: dict[int, tuple[str, str]] = {}
+        self.new: dict[int, tuple[int, int]] = {}  # round -> (blocks_new, bytes_new)
+        self.done = False
+        for line in out.splitlines():
+            w = line.split()
+            if w and w[0] == "ok":
+                self.ok[int(w[1])] = w[2]
+                self.new[int(w[1])] = (int(w[3]), int(w[4]))
+            elif w and w[0] == "conflict":
+                self.conflicts[int(w[1])] = (w[2], w[3])
+            elif w == ["done"]:
+                self.done = True
+
+
+def run_workers(tmp_path: Path, store: Path, refs: list[str], mode: str, rounds: int = ROUNDS,
+                precreate: bool = True, during=None) -> list[Result]:
+    """Run one worker per ref; `during()` is called repeatedly while they run."""
+    if precreate:
+        open_store(store).close()
+    bar = tmp_path / "barrier"
+    bar.mkdir()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    procs = []
+    for w, ref in enumerate(refs):
+        err = open(tmp_path / f"worker{w}.err", "wb")
+        p = subprocess.Popen(
+            [sys.executable, str(WORKER), str(store), ref, str(w), str(len(refs)), str(rounds), mode, str(bar)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=REPO,
+            env=env,
+        )
+        procs.append((p, err))
+    deadline = time.monotonic() + 240
+    try:
+        # If one worker dies, the others would wait at the barrier: stop them all.
+        while None in [p.poll() for p, _ in procs]:
+            dead = [w for w, (p, _) in enumerate(procs) if p.returncode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                break
+            if during is not None:
+                during()
+            else:
+                time.sleep(0.05)
+        results = []
+        for w, (p, err) in enumerate(procs):
+            if p.poll() is None:
+                p.kill()
+            out, _ = p.communicate(timeout=60)
+            err.close()
+            msg = (tmp_path / f"worker{w}.err").read_text(errors="replace")[-4000:]
+            assert p.returncode == 0, f"worker {w} rc={p.returncode}: {msg}"
+            r = Result(w, out.decode())
+            assert r.done, f"worker {w} did not finish: {msg}"
+            results.append(r)
+    finally:
+        for p, err in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            err.close()
+    return results
+
+
+def open_store(path: Path):
+    return tsck.open_store(path, block_size=BLOCK, inline_threshold=INLINE)
+
+
+def check_content(s, root: str, worker: int, i: int) -> None:
+    got = s.checkout(root, verify=True)
+    assert statelib.same_bits(got, statelib.conc_state(worker, i)), (root, worker, i)
+    info = s.show(root)
+    assert info.root == root
+    assert info.step == worker * 100_000 + i
+
+
+@pytest.mark.slow
+def test_two_processes_different_refs(tmp_path):
+    store = tmp_path / "store"
+    refs = ["jobA/main", "jobB/main"]
+    results = run_workers(tmp_path, store, refs, "uncond")
+    with open_store(store) as s:
+        for r, ref in zip(results, refs):
+            assert sorted(r.ok) == list(range(ROUNDS)) and not r.conflicts
+            log = s.log(ref)
+            assert [e.root for e in log] == [r.ok[i] for i in reversed(range(ROUNDS))]
+            assert all(e.job == ref.split("/")[0] for e in log)
+            assert s.resolve(ref) == r.ok[ROUNDS - 1]
+            for i, root in r.ok.items():
+                check_content(s, root, r.worker, i)
+        assert set(s.refs()) >= set(refs)
+    # identical content written concurrently is stored once: the shared base
+    # (4 tensors x 4 blocks) plus one 256 KiB head (4 blocks) per snapshot
+    blocks = [p for p in (store / "blocks").rglob("*") if p.is_file() and len(p.name) == 64]
+    assert len(blocks) == 16 + 2 * ROUNDS * 4
+    # both raced to write the shared base in round 0: each block is counted new once
+    assert sum(b for r in results for b, _ in r.new.values()) == len(blocks)
+    raw = sum(int.from_bytes(p.read_bytes()[8:16], "little") for p in blocks)
+    assert sum(n for r in results for _, n in r.new.values()) == raw
+
+
+@pytest.mark.slow
+def test_two_processes_same_ref_unconditional(tmp_path):
+    store = tmp_path / "store"
+    ref = "shared/main"
+    seen: dict[str, tuple[int, int]] = {}
+
+    def read_while_writing():
+        # a reader in this process meanwhile: whatever the ref shows is complete
+        with open_store(store) as s:
+            try:
+                root = s.resolve(ref)
+            except tsck.RefNotFound:
+                return
+            got = s.checkout(root)
+        w, i = got["worker"], got["i"]
+        assert statelib.same_bits(got, statelib.conc_state(w, i)), (root, w, i)
+        seen[root] = (w, i)
+
+    results = run_workers(tmp_path, store, [ref, ref], "uncond", during=read_while_writing)
+    acked = {root: (r.worker, i) for r in results for i, root in r.ok.items()}
+    for r in results:
+        assert sorted(r.ok) == list(range(ROUNDS)) and not r.conflicts
+    assert len(acked) == 2 * ROUNDS
+    with open_store(store) as s:
+        log = s.log(ref)
+        roots = [e.root for e in log]
+        # nothing lost: every acknowledged put is in the ref's history, once
+        assert sorted(roots) == sorted(acked)
+        # one linear history: each commit's parent is the one before it
+        for e, older in zip(log, log[1:]):
+            assert e.parent == older.root, e
+        assert log[-1].parent is None
+        # each worker's own snapshots appear in the order it made them
+        pos = {root: n for n, root in enumerate(roots)}
+        for r in results:
+            order = [pos[r.ok[i]] for i in range(ROUNDS)]
+            assert order == sorted(order, reverse=True)
+        assert s.resolve(ref) == roots[0]
+        for root, (w, i) in acked.items():
+            check_content(s, root, w, i)
+    assert seen, "the reader never saw the ref"
+    assert all(acked.get(root) == wi for root, wi in seen.items())
+
+
+@pytest.mark.slow
+def test_two_processes_same_ref_compare_and_swap(tmp_path):
+    store = tmp_path / "store"
+    ref = "shared/main"
+    results = run_workers(tmp_path, store, [ref, ref], "cas")
+    winners = []
+    for i in range(ROUNDS):
+        won = [r for r in results if i in r.ok]
+        lost = [r for r in results if i in r.conflicts]
+        # both saw the same ref (or the loser a stale one): exactly one wins
+        assert len(won) == 1 and len(lost) == 1, f"round {i}: won {len(won)}, lost {len(lost)}"
+        winners.append((won[0].worker, won[0].ok[i]))
+    n_conflicts = sum(len(r.conflicts) for r in results)
+    assert n_conflicts == ROUNDS
+    committed = {root for _, root in winners}
+    with open_store(store) as s:
+        log = s.log(ref)
+        # every root a process was told succeeded is in the history, in round order
+        assert [e.root for e in log] == [root for _, root in reversed(winners)]
+        assert s.resolve(ref) == winners[-1][1]
+        for e, older in zip(log, log[1:]):
+            assert e.parent == older.root
+        for i, (w, root) in enumerate(winners):
+            check_content(s, root, w, i)
+    for r in results:
+        for i, (expected, actual) in r.conflicts.items():
+            # the conflict reports where the ref really was: a committed snapshot
+            assert actual in committed, (i, expected, actual)
+            assert actual != expected
+            if i == 0:
+                assert expected == "None"
+            else:
+                assert expected in committed
+
+
+@pytest.mark.slow
+def test_processes_creating_the_same_new_store_at_once(tmp_path):
+    """Writers started together on a store that does not exist yet all get to write."""
+    store = tmp_path / "new-store"
+    refs = [f"job{w}/main" for w in range(4)]
+    results = run_workers(tmp_path, store, refs, "uncond", rounds=2, precreate=False)
+    with open_store(store) as s:
+        for r, ref in zip(results, refs):
+            assert [e.root for e in s.log(ref)] == [r.ok[1], r.ok[0]]
+            for i, root in r.ok.items():
+                check_content(s, root, r.worker, i)
+
+
+def test_cas_in_process(tmp_path):
+    with tsck.open_store(tmp_path / "s", block_size=BLOCK, inline_threshold=INLINE) as s:
+        st0, st1, st2 = (statelib.conc_state(0, i) for i in range(3))
+        a = s.put_snapshot(st0, ref="jobA/main", expected=None)
+        with pytest.raises(tsck.RefConflict) as ei:
+            s.put_snapshot(st1, ref="jobA/main", expected=None)
+        e = ei.value
+        assert isinstance(e, tsck.TsckError)
+        assert e.expected is None
+        assert str(e.actual) == a.root
+        assert isinstance(e.kind, str) and e.kind
+        assert s.resolve("jobA/main") == a.root
+        assert [x.root for x in s.log("jobA/main")] == [a.root]
+
+        b = s.put_snapshot(st1, ref="jobA/main", expected=a.root)
+        assert b.parent == a.root
+        with pytest.raises(tsck.RefConflict) as ei:
+            s.put_snapshot(st2, ref="jobA/main", expected=a.root)  # stale
+        assert str(ei.value.expected) == a.root and str(ei.value.actual) == b.root
+        assert s.resolve("jobA/main") == b.root
+        assert [x.root for x in s.log("jobA/main")] == [b.root, a.root]
+
+        # expected=<root> on a ref that does not exist: conflict, actual is None
+        with pytest.raises(tsck.RefConflict) as ei:
+            s.put_snapshot(st2, ref="jobB/main", expected=a.root)
+        assert ei.value.actual is None
+        with pytest.raises(tsck.RefNotFound):
+            s.resolve("jobB/main")
+
+        c = s.put_snapshot(st2, ref="jobA/main")  # unconditional still works
+        assert c.parent == b.root
+        assert statelib.same_bits(s.checkout("jobA/main"), st2)
+        assert statelib.same_bits(s.checkout(a.root), st0)

@@ -1,0 +1,309 @@
+"""Dedup: identical content is stored once, across steps, tensors and jobs.
+
+The counters in SnapshotInfo (blocks_new / bytes_new) are checked against what
+actually appeared on disk: the test walks blocks/ before and after a put and
+reads the raw length out of each new block file's 16-byte header.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import blake3
+import numpy as np
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+
+KiB = 1024
+MiB = 1024 * 1024
+BLOCK = 64 * KiB
+TENSOR_SHAPE = (256, 256)  # float32: 256 KiB = 4 blocks of 64 KiB (64 rows each)
+TENSOR_BYTES = 256 * 256 * 4
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def all_files(d: Path) -> set[str]:
+    """Every regular file under d (relative paths), whatever its name."""
+    if not d.exists():
+        return set()
+    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
+
+
+def object_files(d: Path) -> dict[str, Path]:
+    """Object files under d keyed by their 64-hex address."""
+    if not d.exists():
+        return {}
+    return {p.name: p for p in d.rglob("*") if p.is_file() and HEX64.match(p.name)}
+
+
+def header(path: Path) -> tuple[int, int, int, int, int]:
+    """(version, codec, itemsize, kind, raw_len) from an object file's 16-byte header."""
+    with open(path, "rb") as f:
+        h = f.read(16)
+    assert len(h) == 16, path
+    assert h[:4] == b"TSKO", (path, h[:4])
+    version, codec, itemsize, kind = h[4], h[5], h[6], h[7]
+    (raw_len,) = struct.unpack_from("<Q", h, 8)
+    return version, codec, itemsize, kind, raw_len
+
+
+def raw_len(path: Path) -> int:
+    return header(path)[4]
+
+
+def physical_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in object_files(d).values())
+
+
+def rand_tensor(seed: int, shape=TENSOR_SHAPE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+def block_addrs(t: torch.Tensor, block: int = BLOCK) -> list[str]:
+    """BLAKE3 addresses of a contiguous tensor's fixed-size blocks."""
+    b = t.contiguous().numpy().tobytes()
+    return [blake3.blake3(b[i : i + block]).hexdigest() for i in range(0, len(b), block)]
+
+
+def same_tensor(a, b) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.contiguous().numpy().tobytes() == b.contiguous().numpy().tobytes()
+    )
+
+
+def model_state(n: int = 64, seed0: int = 0) -> dict:
+    return {"model": {f"layers.{i}.weight": rand_tensor(seed0 + i) for i in range(n)}, "step": 0}
+
+
+def assert_model_equal(got: dict, want: dict) -> None:
+    assert list(got["model"]) == list(want["model"])
+    for k in want["model"]:
+        assert same_tensor(got["model"][k], want["model"][k]), k
+
+
+class Snap:
+    """Block files before a put, so the put's additions can be measured."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.blocks = object_files(root / "blocks")
+        self.block_paths = all_files(root / "blocks")
+        self.nodes = all_files(root / "nodes")
+
+    def new_blocks(self) -> dict[str, Path]:
+        now = object_files(self.root / "blocks")
+        return {k: p for k, p in now.items() if k not in self.blocks}
+
+
+@pytest.fixture
+def bstore(tmp_path):
+    root = tmp_path / "s"
+    s = tsck.open_store(root, block_size=BLOCK, inline_threshold=1024)
+    yield s, root
+    s.close()
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_first_put_counts_match_disk(bstore):
+    s, root = bstore
+    state = model_state(16)
+    before = Snap(root)
+    info = s.put_snapshot(state, ref="jobA/main", step=1)
+    new = before.new_blocks()
+    assert info.blocks_new == info.blocks_total == 16 * 4 == len(new)
+    assert info.bytes_new == info.bytes_total == 16 * TENSOR_BYTES
+    assert sum(raw_len(p) for p in new.values()) == info.bytes_new
+    for p in new.values():
+        version, _codec, _itemsize, kind, _ = header(p)
+        assert version == 1 and kind == 0, p  # a block object
+    # addresses are BLAKE3 of the raw (uncompressed) block bytes
+    want = {a for t in state["model"].values() for a in block_addrs(t)}
+    assert set(new) == want
+
+
+def test_same_state_twice_writes_nothing(bstore):
+    s, root = bstore
+    state = model_state(16)
+    first = s.put_snapshot(state, ref="jobA/main", step=1)
+    assert first.blocks_new == 64
+    before = Snap(root)
+    second = s.put_snapshot(state, ref="jobA/main", step=1)
+    assert second.blocks_new == 0
+    assert second.bytes_new == 0
+    assert second.blocks_total == first.blocks_total
+    assert second.bytes_total == first.bytes_total
+    assert all_files(root / "blocks") == before.block_paths, "a second identical put created block files"
+    # unchanged subtrees are shared: an identical tree needs no new manifest node
+    assert all_files(root / "nodes") == before.nodes
+    assert second.parent == first.root
+    assert_model_equal(s.checkout("jobA/main"), state)
+
+
+def test_one_element_changed_writes_one_block(bstore):
+    s, root = bstore
+    state = model_state(64)
+    first = s.put_snapshot(state, ref="jobA/main", step=1)
+    assert first.blocks_new == first.blocks_total == 256
+    assert first.bytes_total == 64 * TENSOR_BYTES == 16 * MiB
+    old17 = state["model"]["layers.17.weight"].clone()
+
+    state["model"]["layers.17.weight"][100, 7] += 1.0  # row 100 -> second block of 4
+    before = Snap(root)
+    info = s.put_snapshot(state, ref="jobA/main", step=2)
+    new = before.new_blocks()
+    assert info.blocks_new == 1
+    assert len(new) == 1
+    (p,) = new.values()
+    assert info.bytes_new == raw_len(p) == BLOCK
+    assert info.blocks_total == 256 and info.bytes_total == 16 * MiB
+    t17 = state["model"]["layers.17.weight"]
+    assert set(new) == {block_addrs(t17)[1]}
+    assert set(block_addrs(t17)) - set(block_addrs(old17)) == set(new)
+
+    # both snapshots still give back their own bytes
+    assert_model_equal(s.checkout("jobA/main"), state)
+    old = s.checkout(first.root)
+    assert same_tensor(old["model"]["layers.17.weight"], old17)
+    assert not same_tensor(old["model"]["layers.17.weight"], t17)
+
+    # one element in each of three tensors: three blocks
+    for i, (r, c) in zip((3, 30, 63), ((0, 0), (255, 255), (130, 1))):
+        state["model"][f"layers.{i}.weight"][r, c] *= -1.0
+    before = Snap(root)
+    info3 = s.put_snapshot(state, ref="jobA/main", step=3)
+    new = before.new_blocks()
+    assert info3.blocks_new == len(new) == 3
+    assert info3.bytes_new == sum(raw_len(p) for p in new.values()) == 3 * BLOCK
+    assert_model_equal(s.checkout("jobA/main"), state)
+
+
+def test_whole_tensor_changed_writes_exactly_its_blocks(bstore):
+    s, root = bstore
+    state = model_state(64)
+    s.put_snapshot(state, ref="jobA/main", step=1)
+    state["model"]["layers.40.weight"] = rand_tensor(10_000)
+    before = Snap(root)
+    info = s.put_snapshot(state, ref="jobA/main", step=2)
+    new = before.new_blocks()
+    assert info.blocks_new == len(new) == 4
+    assert info.bytes_new == sum(raw_len(p) for p in new.values()) == TENSOR_BYTES
+    assert set(new) == set(block_addrs(state["model"]["layers.40.weight"]))
+    assert_model_equal(s.checkout("jobA/main"), state)
+
+
+def test_duplicate_tensors_in_one_snapshot_stored_once(bstore):
+    s, root = bstore
+    t = rand_tensor(5)
+    state = {"a": t, "b": t.clone(), "c": [t.clone(), t.clone()]}
+    before = Snap(root)
+    info = s.put_snapshot(state, ref="jobA/main")
+    new = before.new_blocks()
+    assert len(new) == 4
+    assert info.blocks_new == 4
+    assert info.bytes_new == sum(raw_len(p) for p in new.values()) == TENSOR_BYTES
+    got = s.checkout("jobA/main")
+    assert same_tensor(got["a"], t) and same_tensor(got["b"], t)
+    assert same_tensor(got["c"][0], t) and same_tensor(got["c"][1], t)
+
+
+def test_small_tensors_are_inlined_not_blocks(tmp_path):
+    root = tmp_path / "s"
+    with tsck.open_store(root, block_size=BLOCK, inline_threshold=16 * KiB) as s:
+        g = torch.Generator().manual_seed(3)
+        state = {f"p{i}": torch.randn(256, generator=g) for i in range(50)}  # 1 KiB each
+        info = s.put_snapshot(state, ref="jobA/main")
+        assert info.blocks_new == 0 and info.bytes_new == 0
+        assert object_files(root / "blocks") == {}
+        got = s.checkout("jobA/main")
+        for k, v in state.items():
+            assert same_tensor(got[k], v), k
+
+
+def test_numpy_arrays_dedup_too(bstore):
+    s, root = bstore
+    rng = np.random.default_rng(0)
+    state = {"x": rng.standard_normal((512, 128)).astype(np.float32)}  # 256 KiB
+    a = s.put_snapshot(state, ref="np/main")
+    assert a.blocks_new == 4
+    state["x"][511, 0] = 0.5  # last block
+    before = Snap(root)
+    b = s.put_snapshot(state, ref="np/main")
+    new = before.new_blocks()
+    assert b.blocks_new == len(new) == 1
+    assert b.bytes_new == raw_len(next(iter(new.values()))) == BLOCK
+    got = s.checkout("np/main")["x"]
+    assert isinstance(got, np.ndarray) and got.tobytes() == state["x"].tobytes()
+
+
+def test_two_jobs_share_base_weights(bstore):
+    s, root = bstore
+    base = {f"layers.{i}.weight": rand_tensor(i) for i in range(32)}  # 8 MiB, shared
+    base_bytes = 32 * TENSOR_BYTES
+
+    def job_state(tag: int) -> dict:
+        return {
+            "model": dict(base),
+            "head": {"w": rand_tensor(50_000 + tag), "b": rand_tensor(60_000 + tag)},
+        }
+
+    a_state, b_state = job_state(1), job_state(2)
+    head_bytes = 2 * TENSOR_BYTES
+
+    before = Snap(root)
+    phys0 = physical_bytes(root / "blocks")
+    a = s.put_snapshot(a_state, ref="jobA/main", step=0)
+    assert a.job == "jobA"
+    assert a.bytes_new == base_bytes + head_bytes
+    assert a.bytes_new == sum(raw_len(p) for p in before.new_blocks().values())
+    phys_a = physical_bytes(root / "blocks") - phys0
+
+    before = Snap(root)
+    b = s.put_snapshot(b_state, ref="jobB/main", step=0)
+    new = before.new_blocks()
+    assert b.job == "jobB"
+    assert b.parent is None
+    # only jobB's own tensors were new
+    assert b.blocks_new == len(new) == 8
+    assert b.bytes_new == head_bytes == sum(raw_len(p) for p in new.values())
+    assert set(new) == set(block_addrs(b_state["head"]["w"]) + block_addrs(b_state["head"]["b"]))
+    assert b.bytes_total == a.bytes_total == base_bytes + head_bytes
+    # and the disk grew by about the heads only, not by another copy of the base
+    phys_b = physical_bytes(root / "blocks") - phys0 - phys_a
+    assert 0 < phys_b <= head_bytes + 8 * 1024
+    assert phys_b < 0.25 * phys_a
+
+    # jobB fine-tunes its head only: the frozen base is never written again
+    b_state["head"]["w"][0, 0] += 1.0
+    before = Snap(root)
+    b2 = s.put_snapshot(b_state, ref="jobB/main", step=1)
+    assert b2.blocks_new == len(before.new_blocks()) == 1
+    assert b2.parent == b.root
+
+    got_a, got_b = s.checkout("jobA/main"), s.checkout("jobB/main")
+    for k in base:
+        assert same_tensor(got_a["model"][k], base[k]) and same_tensor(got_b["model"][k], base[k])
+    for k in ("w", "b"):
+        assert same_tensor(got_a["head"][k], a_state["head"][k])
+        assert same_tensor(got_b["head"][k], b_state["head"][k])
+    assert not same_tensor(got_a["head"]["w"], got_b["head"]["w"])
+    old_b = s.checkout(b.root)
+    assert not same_tensor(old_b["head"]["w"], b_state["head"]["w"])
+
+    du = s.du()
+    assert {"jobA", "jobB"} <= set(du["jobs"])
+    assert du["physical_bytes"] < du["logical_bytes"]
+    assert du["dedup_ratio"] > 1.0
