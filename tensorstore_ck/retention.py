@@ -11,7 +11,7 @@ rules say; a job with no rules keeps everything.
 - keep_every_steps=S: milestones: for every window [k*S, (k+1)*S) of steps,
   the snapshot with the smallest step in it (the oldest on a tie), so a job
   whose steps do not land exactly on multiples of S still keeps one per window.
-- max_age_days=D: every snapshot younger than D days.
+- max_age_days=D: every snapshot at most D days old (by commit time).
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class Retention:
         if self.max_age_days is not None and (type(self.max_age_days) not in (int, float)
                                               or not self.max_age_days >= 0):
             raise InvalidName(f"Retention.max_age_days must be a number >= 0, got {self.max_age_days!r}")
+        if all(getattr(self, k) is None for k in ("keep_last", "keep_best", "keep_every_steps", "max_age_days")):
+            # An empty rule set would keep nothing but the ref tips: almost surely a mistake.
+            raise InvalidName("Retention() sets no rule; give at least one (keep_last=0 keeps only "
+                              "ref tips, tags and pins) or set_retention(job, None) to keep everything")
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}

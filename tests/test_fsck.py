@@ -1,0 +1,317 @@
+"""fsck finds exactly the planted faults, with snapshot, names, tensor path and key.
+
+A pristine store is built once: jobA/main (4 snapshots), jobA/exp (2), jobB/main
+(3); a tag on one jobA snapshot and a pin on one jobB snapshot. A tensor (2 blocks)
+is shared by all 9 snapshots (under different paths in the two jobs) and a
+manifest subtree (['buffers']) by all jobA snapshots. Each fault test damages a
+fresh copy (shutil.copytree). The expected findings are computed from an
+independent walk of the pristine files (tests/_lifecycle_util.StoreWalker):
+which snapshots reach the damaged object, and at which path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+
+try:
+    from ._util import assert_same, rand_tensor
+    from ._lifecycle_util import StoreWalker, header_of, key_of, run_clis
+except ImportError:  # tests/ is not a package
+    from _util import assert_same, rand_tensor
+    from _lifecycle_util import StoreWalker, header_of, key_of, run_clis
+
+BLOCK = 4096
+INLINE = 256
+BASE_T = rand_tensor(torch.float32, (8, 256), seed=1)  # 8 KiB: 2 blocks, in every snapshot
+BUF = {f"bn.{k}.running_mean": torch.full((8,), float(k)) for k in range(100)}  # own node, shared
+
+
+def state_a(seed: int, step: int) -> dict:
+    return {"model": {"base": BASE_T, "w": rand_tensor(torch.float32, (4, 256), seed=seed)},
+            "buffers": BUF, "step": step}
+
+
+def state_b(seed: int, step: int) -> dict:
+    return {"backbone": BASE_T, "head": rand_tensor(torch.float32, (4, 256), seed=seed), "step": step}
+
+
+class Pristine:
+    pass
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Pristine:
+    p = Pristine()
+    p.path = tmp_path_factory.mktemp("fsck") / "store"
+    p.snaps = {}    # label -> (root hex, state)
+    with tsck.open_store(p.path, block_size=BLOCK, inline_threshold=INLINE) as s:
+        for i in range(4):
+            st = state_a(10 + i, 100 * (i + 1))
+            p.snaps[f"A{100 * (i + 1)}"] = (s.put_snapshot(st, ref="jobA/main", step=100 * (i + 1)).root, st)
+        for k in range(2):
+            st = state_a(50 + k, 250 + 10 * k)
+            p.snaps[f"X{250 + 10 * k}"] = (s.put_snapshot(st, ref="jobA/exp", step=250 + 10 * k).root, st)
+        for k in range(3):
+            st = state_b(70 + k, 10 * k)
+            p.snaps[f"B{10 * k}"] = (s.put_snapshot(st, ref="jobB/main", step=10 * k).root, st)
+        s.tag("golden", "jobA/main@200")
+        s.pin("jobB/main@0")
+        assert s.fsck().ok
+    p.root = {label: r for label, (r, _st) in p.snaps.items()}
+    p.names = {r: [] for r in p.root.values()}
+    for label, name in (("A400", "ref:jobA/main"), ("X260", "ref:jobA/exp"), ("B20", "ref:jobB/main"),
+                        ("A200", "tag:golden"), ("B0", "pin")):
+        p.names[p.root[label]].append(name)
+    walker = StoreWalker(p.path)
+    p.walks = {r: walker.walk(r) for r in p.root.values()}
+
+    def block_of(label, path, i=0):
+        ks = [k for k, pp in p.walks[p.root[label]].blocks if pp == path]
+        return ks[i]
+
+    p.base_blocks = [block_of("A100", "['model']['base']", 0), block_of("A100", "['model']['base']", 1)]
+    assert p.base_blocks == [block_of("B0", "['backbone']", 0), block_of("B0", "['backbone']", 1)]
+    p.w_a200 = block_of("A200", "['model']['w']")
+    p.w_a100 = block_of("A100", "['model']['w']")
+    p.head_b20 = block_of("B20", "['head']")
+    for k in p.base_blocks + [p.w_a200, p.w_a100, p.head_b20]:
+        assert header_of(p.path, k)[0] == 0, "fault tests want raw (uncompressed) blocks"
+    p.top_a300 = key_of("nodes", p.walks[p.root["A300"]].commit["tree"].hex())
+    buf_nodes = {k for label in p.root if label[0] in "AX"
+                 for k, pp in p.walks[p.root[label]].nodes if pp == "['buffers']"}
+    assert len(buf_nodes) == 1, "['buffers'] should be one node shared by every jobA snapshot"
+    p.buf_node = buf_nodes.pop()
+    assert not any(k == p.buf_node for label in ("B0", "B10", "B20") for k, _ in p.walks[p.root[label]].nodes)
+    return p
+
+
+# ------------------------------------------------------------------ helpers
+def copy(p: Pristine, tmp_path):
+    dst = tmp_path / "store"
+    shutil.copytree(p.path, dst)
+    return dst
+
+
+def flip(path, key, offset=16 + 100):
+    f = os.path.join(path, key)
+    data = bytearray(open(f, "rb").read())
+    data[offset] ^= 0xFF
+    with open(f, "wb") as fh:
+        fh.write(data)
+
+
+def truncate(path, key):
+    f = os.path.join(path, key)
+    _codec, raw_len = header_of(path, key)
+    os.truncate(f, 16 + raw_len // 2)
+
+
+def delete(path, key):
+    os.remove(os.path.join(path, key))
+
+
+def as_set(findings) -> set:
+    out = set()
+    for f in findings:
+        if not isinstance(f, dict):
+            f = {"problem": f.problem, "snapshot": f.snapshot, "names": f.names, "path": f.path, "key": f.key}
+        out.add((f["problem"], f["snapshot"], tuple(sorted(f["names"])), f["path"], f["key"]))
+    return out
+
+
+def block_faults(p: Pristine, problem, key, skip=()) -> set:
+    """One finding per (snapshot, path) that references block `key`."""
+    out = set()
+    for r, w in p.walks.items():
+        if r in skip:
+            continue
+        for k, path in w.blocks:
+            if k == key:
+                out.add((problem, r, tuple(sorted(p.names[r])), path, key))
+    return out
+
+
+def node_faults(p: Pristine, key) -> set:
+    out = set()
+    for r, w in p.walks.items():
+        for k, path in w.nodes:
+            if k == key:
+                out.add(("missing", r, tuple(sorted(p.names[r])), path, key))
+    return out
+
+
+def fsck_both(path):
+    with tsck.open_store(path, create=False) as s:
+        return s.fsck(full=True), s.fsck(full=False)
+
+
+def assert_exact(rep, want: set):
+    got = as_set(rep.findings)
+    assert got == want, f"unexpected: {got - want}\nmissed: {want - got}"
+    assert len(rep.findings) == len(want), "duplicate findings"
+    assert rep.ok is (not want)
+
+
+# ------------------------------------------------------------------ clean
+def test_clean_store(pristine):
+    full, quick = fsck_both(pristine.path)
+    for rep in (full, quick):
+        assert rep.ok and rep.findings == []
+        assert rep.snapshots_checked == 9
+        assert rep.orphans == 0 and rep.orphan_bytes == 0
+        assert rep.objects_checked > 0 and rep.bytes_checked > 0
+        assert rep.to_json()["ok"] is True
+    assert full.full is True and quick.full is False
+
+    text, js, qjs = run_clis(("fsck", pristine.path), ("fsck", pristine.path, "--json"),
+                             ("fsck", pristine.path, "--quick", "--json"))
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert js.returncode == 0 and qjs.returncode == 0, js.stderr + qjs.stderr
+    j, q = json.loads(js.stdout), json.loads(qjs.stdout)
+    assert j["ok"] is True and j["findings"] == [] and j["full"] is True and j["snapshots_checked"] == 9
+    assert q["ok"] is True and q["findings"] == [] and q["full"] is False
+
+
+# ------------------------------------------------------------------ single faults
+@pytest.mark.parametrize("which", ["unique", "shared"])
+def test_flipped_block_byte(pristine, tmp_path, which):
+    p = pristine
+    key = p.w_a200 if which == "unique" else p.base_blocks[0]
+    path = copy(p, tmp_path)
+    flip(path, key)
+    want = block_faults(p, "corrupt", key)
+    assert len(want) == (1 if which == "unique" else 9)
+    if which == "unique":
+        assert want == {("corrupt", p.root["A200"], ("tag:golden",), "['model']['w']", key)}
+    full, quick = fsck_both(path)
+    assert_exact(full, want)
+    # quick does not re-hash: it may miss the flip, but must not invent anything
+    assert as_set(quick.findings) <= want
+    # and checkout refuses the damaged snapshot
+    with tsck.open_store(path, create=False) as s:
+        with pytest.raises(tsck.IntegrityError):
+            s.checkout(p.root["A200"])
+
+
+@pytest.mark.parametrize("which", ["unique", "shared"])
+def test_truncated_block(pristine, tmp_path, which):
+    p = pristine
+    key = p.head_b20 if which == "unique" else p.base_blocks[1]
+    path = copy(p, tmp_path)
+    truncate(path, key)
+    want = block_faults(p, "truncated", key)
+    if which == "unique":
+        assert want == {("truncated", p.root["B20"], ("ref:jobB/main",), "['head']", key)}
+    else:
+        assert len(want) == 9
+    full, quick = fsck_both(path)
+    assert_exact(full, want)
+    assert_exact(quick, want)
+
+
+@pytest.mark.parametrize("which", ["unique", "shared"])
+def test_deleted_block(pristine, tmp_path, which):
+    p = pristine
+    key = p.w_a100 if which == "unique" else p.base_blocks[1]
+    path = copy(p, tmp_path)
+    delete(path, key)
+    want = block_faults(p, "missing", key)
+    if which == "unique":
+        assert want == {("missing", p.root["A100"], (), "['model']['w']", key)}
+    else:
+        assert len(want) == 9
+        assert {w[3] for w in want} == {"['model']['base']", "['backbone']"}
+    full, quick = fsck_both(path)
+    assert_exact(full, want)
+    assert_exact(quick, want)
+
+
+@pytest.mark.parametrize("which", ["top", "shared_subtree"])
+def test_deleted_manifest_node(pristine, tmp_path, which):
+    p = pristine
+    key = p.top_a300 if which == "top" else p.buf_node
+    path = copy(p, tmp_path)
+    delete(path, key)
+    want = node_faults(p, key)
+    if which == "top":
+        assert want == {("missing", p.root["A300"], (), None, key)}
+    else:
+        assert len(want) == 6 and {w[3] for w in want} == {"['buffers']"}
+    full, quick = fsck_both(path)
+    assert_exact(full, want)
+    assert_exact(quick, want)
+
+
+@pytest.mark.parametrize("which", ["ref_tip", "history"])
+def test_missing_commit(pristine, tmp_path, which):
+    p = pristine
+    root = p.root["X260"] if which == "ref_tip" else p.root["A300"]
+    key = key_of("commits", root)
+    path = copy(p, tmp_path)
+    delete(path, key)
+    full, quick = fsck_both(path)
+    if which == "ref_tip":
+        want = {("dangling_ref", root, ("ref:jobA/exp",), None, key)}
+    else:
+        want = {("missing", root, (), None, key)}
+    assert_exact(full, want)
+    assert_exact(quick, want)
+
+
+# ------------------------------------------------------------------ several at once + CLI
+def test_several_faults_and_cli(pristine, tmp_path):
+    p = pristine
+    path = copy(p, tmp_path)
+    tip_x = p.root["X260"]
+    flip(path, p.w_a100)                                  # corrupt, A100, ['model']['w']
+    truncate(path, p.head_b20)                            # truncated, B20, ['head']
+    delete(path, p.top_a300)                              # A300 unreadable from the top
+    delete(path, key_of("commits", tip_x))                # jobA/exp points at nothing
+    delete(path, p.base_blocks[0])                        # missing in every other snapshot
+    blind = {p.root["A300"], tip_x}                       # nothing below them can be reached
+    want = (block_faults(p, "corrupt", p.w_a100)
+            | block_faults(p, "truncated", p.head_b20)
+            | node_faults(p, p.top_a300)
+            | {("dangling_ref", tip_x, ("ref:jobA/exp",), None, key_of("commits", tip_x))}
+            | block_faults(p, "missing", p.base_blocks[0], skip=blind))
+    assert len(want) == 1 + 1 + 1 + 1 + 7
+    full, quick = fsck_both(path)
+    assert_exact(full, want)
+    corrupt = {w for w in want if w[0] == "corrupt"}
+    assert want - corrupt <= as_set(quick.findings) <= want
+
+    text, js = run_clis(("fsck", path), ("fsck", path, "--json"))
+    assert text.returncode == 1, text.stdout + text.stderr
+    out = text.stdout
+    for f in full.findings:
+        assert f.key in out and f.problem in out and f.snapshot[:16] in out
+    assert len([ln for ln in out.splitlines() if ln.split(":")[0] in
+                {"missing", "truncated", "corrupt", "undecodable", "dangling_ref"}]) == len(want)
+    assert js.returncode == 1, js.stderr
+    j = json.loads(js.stdout)
+    assert j["ok"] is False
+    assert as_set(j["findings"]) == want and len(j["findings"]) == len(want)
+
+
+# ------------------------------------------------------------------ orphans
+def test_orphans_are_counted_not_findings(pristine, tmp_path):
+    p = pristine
+    path = copy(p, tmp_path)
+    with tsck.open_store(path, create=False) as s:
+        b = s.assets.put_block(b"a leftover block nobody references " * 10)
+        n = s.assets.put_node(b"not even a valid node, but nobody reaches it")
+        assert b.new and n.new
+        keys = [key_of("blocks", b.digest.hex()), key_of("nodes", n.digest.hex())]
+        for rep in (s.fsck(full=True), s.fsck(full=False)):
+            assert rep.ok and rep.findings == []
+            assert rep.orphans == 2
+            assert rep.orphan_bytes == sum(os.path.getsize(os.path.join(path, k)) for k in keys)
+        # everything else still checks out
+        for label, (root, st) in p.snaps.items():
+            assert_same(st, s.checkout(root))
