@@ -13,6 +13,8 @@ Layers, top to bottom (nothing calls upward):
     gc.py         expire, mark, sweep (safe with concurrent writers)
     fsck.py       verify kept snapshots; recover.py rebuilds the ref table from storage
     walk.py       the Merkle DAG without tensor data (gc, fsck, diff)
+    train.py      TrainState, CheckpointManager, ResumableDataLoader (exact resume)
+    staging.py    reused host buffers for asynchronous snapshots
 """
 
 from . import errors
@@ -20,11 +22,13 @@ from .errors import (AmbiguousTarget, CheckoutMismatch, FormatError, IntegrityEr
                      RefConflict, RefNotFound, SnapshotAborted, TsckError, UnsupportedType)
 from .retention import Retention
 from .store import SnapshotInfo, Store, open_store
+from .train import CheckpointManager, ResumableDataLoader, TrainState
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "open_store", "Store", "SnapshotInfo", "Retention", "errors", "TsckError", "RefConflict", "RefNotFound",
+    "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager",
+    "ResumableDataLoader", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidName", "NotAStore", "CheckoutMismatch",
     "AmbiguousTarget", "SnapshotAborted", "__version__",
 ]

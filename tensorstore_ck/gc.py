@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .assets import KIND_PREFIX
-from .errors import TsckError
+from .errors import FormatError, IntegrityError, TsckError
 from .format import frame
 from .retention import Retention, SnapRow, select_kept
-from .walk import walk_commit
+from .walk import walk_commit, walk_tree
 
 __all__ = ["GCReport", "run_gc", "DEFAULT_STALE_AFTER"]
 
@@ -132,15 +132,28 @@ def _kept_roots(store, exclude: set | None = None) -> set[bytes]:
 
 
 def _mark(store, roots, marked: _Marked, visited: set, bar=None) -> int:
+    """Mark everything reachable from `roots`. An unreadable node aborts gc (its
+    children are unknown, so nothing could be deleted safely); a missing commit
+    object is marked through its catalog row's tree instead."""
     n = 0
     for root in sorted(roots):
-        if not store.assets.has_commit(root) and root not in {r for _, r in store.reftable.list()}:
-            continue  # a catalog row whose commit is gone: fsck reports it; nothing to keep
-        for obj in walk_commit(store.assets, root, verify=True, skip_nodes=visited):
-            marked.add(obj.kind + "s", obj.digest)
-            n += 1
-            if bar is not None:
-                bar.update(1)
+        if store.assets.has_commit(root):
+            objs = walk_commit(store.assets, root, verify=True, skip_nodes=visited)
+        else:
+            row = store.reftable.catalog_get(root) or {}
+            tree = row.get("tree")
+            if not isinstance(tree, bytes) or len(tree) != 32:
+                continue  # nothing known to keep for it; fsck reports the dangling name
+            objs = walk_tree(store.assets, tree, snapshot=root.hex(), verify=True, skip_nodes=visited)
+        try:
+            for obj in objs:
+                marked.add(obj.kind + "s", obj.digest)
+                n += 1
+                if bar is not None:
+                    bar.update(1)
+        except (IntegrityError, FormatError) as e:
+            raise TsckError(f"gc stopped before deleting anything: kept snapshot {root.hex()[:16]} "
+                            f"is damaged ({e}); run `tsck fsck`") from None
     return n
 
 

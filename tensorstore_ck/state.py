@@ -114,10 +114,16 @@ class _Leaf:
     """A tensor/array whose blocks are still to be written."""
     tag: str                 # "T" or "A"
     meta: dict               # dt, sh, n, bs, and tensor extras
-    raw: object              # flat uint8 numpy view of the bytes (keeps them alive)
+    raw: object              # flat uint8 numpy view of the bytes (keeps them alive); None until
+                             # staged for a device tensor
     itemsize: int
     ranges: list             # [(start, stop)]
     results: list = field(default_factory=list)  # PutResult per block, filled by run()
+    device_src: object = None  # flat uint8 view of a contiguous device tensor (async staging)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ranges[-1][1] if self.ranges else 0
 
 
 @dataclass
@@ -126,18 +132,43 @@ class Plan:
     leaves: list
     inline_bytes: int = 0
 
-    def stage(self) -> None:
-        """Copy every leaf's bytes into memory of our own, so the caller may
-        change its tensors while the blocks are written in the background."""
+    @property
+    def staged_bytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def stage(self, buf: torch.Tensor) -> None:
+        """Copy every leaf's bytes into `buf` (a reused uint8 host buffer of at
+        least staged_bytes), so the caller may change its tensors as soon as
+        this returns while the blocks are written in the background. Device
+        tensors go through non_blocking copies on a side stream (into pinned
+        memory when the pool pinned it), synchronised before returning."""
+        stream = None
+        if any(leaf.device_src is not None for leaf in self.leaves):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())  # see the tensors' final values
+        off = 0
         for leaf in self.leaves:
-            leaf.raw = leaf.raw.copy()
+            n = leaf.nbytes
+            dst = buf[off:off + n]
+            if leaf.device_src is not None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(leaf.device_src, non_blocking=True)
+                leaf.device_src = None
+            else:
+                dst.copy_(torch.from_numpy(leaf.raw))  # torch's copy runs on several threads
+            leaf.raw = dst.numpy()
+            off += n
+        if stream is not None:
+            stream.synchronize()
 
 
 class Planner:
-    def __init__(self, *, block_size: int, inline_threshold: int, allow_pickle: bool = False):
+    def __init__(self, *, block_size: int, inline_threshold: int, allow_pickle: bool = False,
+                 defer_device: bool = False):
         self.block_size = block_size
         self.inline_threshold = inline_threshold
         self.allow_pickle = allow_pickle
+        self.defer_device = defer_device  # leave device tensors for Plan.stage() to copy
 
     def plan(self, state) -> Plan:
         self._leaves: list[_Leaf] = []
@@ -190,16 +221,17 @@ class Planner:
             return {"S": [_dtype_out(obj.dtype), obj.tobytes()]}
         return self._unsupported(obj, path)
 
-    def _leaf(self, tag, meta, raw, itemsize, shape):
-        n = raw.nbytes
+    def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None):
+        n = raw.nbytes if raw is not None else device_src.numel()
         meta["n"] = n
         layout = chunker.plan_blocks(n, itemsize, shape, self.block_size, self.inline_threshold)
         if layout.block_size == 0:
-            meta["x"] = raw.tobytes()
+            meta["x"] = raw.tobytes() if raw is not None else device_src.cpu().numpy().tobytes()
             self._inline += n
             return {tag: meta}
         meta["bs"] = layout.block_size
-        leaf = _Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)])
+        leaf = _Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)],
+                     device_src=device_src)
         self._leaves.append(leaf)
         return leaf
 
@@ -216,8 +248,10 @@ class Planner:
         if obj.device.type == "meta":
             return self._unsupported(obj, path, "meta tensors have no data")
         t = obj.detach()
-        if t.device.type != "cpu":
+        on_device = t.device.type != "cpu"
+        if on_device and not self.defer_device:
             t = t.cpu()
+            on_device = False
         if t.is_conj():
             t = t.resolve_conj()
         if t.is_neg():
@@ -225,7 +259,8 @@ class Planner:
         if not t.is_contiguous():
             t = t.contiguous()
         try:
-            raw = t.reshape(-1).view(torch.uint8).numpy()
+            flat = t.reshape(-1).view(torch.uint8)
+            raw, device_src = (None, flat) if on_device else (flat.numpy(), None)
         except Exception as e:
             return self._unsupported(obj, path, f"tensor of dtype {t.dtype} cannot be viewed as bytes: {e}")
         meta = {"dt": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)}
@@ -237,7 +272,7 @@ class Planner:
             meta["rg"] = True
         if obj.device.type != "cpu":
             meta["dev"] = str(obj.device)
-        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape))
+        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape), device_src)
 
     def _plan_array(self, a: np.ndarray, path):
         if a.dtype.hasobject:

@@ -30,6 +30,7 @@ from .recover import decode_tag, encode_tag, tag_key
 from .refs.base import Fenced
 from .retention import Retention
 from .refs.names import parse_target, validate_component, validate_name
+from .staging import StagingPool
 from .state import Planner, Reader, build_tree, run_block_jobs
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore
 
@@ -111,7 +112,7 @@ class Store:
     def __init__(self, storage: BlockStore, refs: RefTable, *, config: dict, workers: int | None = None,
                  verify: bool = True, compress: bool = True, shuffle: bool = False,
                  block_size: int | None = None, inline_threshold: int | None = None,
-                 gc_stale_after: float | None = None):
+                 gc_stale_after: float | None = None, max_inflight: int = 2, when_busy: str = "wait"):
         from .gc import DEFAULT_STALE_AFTER
         self.gc_stale_after = float(gc_stale_after if gc_stale_after is not None else DEFAULT_STALE_AFTER)
         self.storage = storage
@@ -128,15 +129,30 @@ class Store:
         self.assets = Assets(storage, compress=compress, shuffle=shuffle)
         self.workers = workers or min(8, 2 * (os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
+        # One background publisher: asynchronous snapshots commit in the order they were taken.
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
+        if type(max_inflight) is not int or max_inflight < 1:
+            raise InvalidName(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        if when_busy not in ("wait", "skip"):
+            raise InvalidName(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        self.max_inflight = max_inflight
+        self.when_busy = when_busy
+        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._staging = StagingPool(max_inflight)
+        self._inflight: list[Future] = []
+        self._bg_lock = threading.Lock()
+        self._bg_error: BaseException | None = None
+        self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
+        """Finish every asynchronous snapshot in flight, then release everything."""
         if self._closed:
             return
         self._closed = True
         self._bg.shutdown(wait=True)
+        self._staging.clear()
         self._pool.shutdown(wait=True)
         self.reftable.close()
         self.storage.close()
@@ -154,7 +170,7 @@ class Store:
     # -- writing ---------------------------------------------------------------
     def put_snapshot(self, state, ref: str, *, step: int | None = None, metrics: dict | None = None,
                      meta: dict | None = None, job: str | None = None, expected=_UNSET,
-                     blocking: bool = True, allow_pickle: bool = False):
+                     blocking: bool = True, allow_pickle: bool = False, when_busy: str | None = None):
         """Snapshot `state` and move `ref` to it.
 
         expected: unset moves the ref whatever it points at (retrying if another
@@ -162,8 +178,17 @@ class Store:
         a root hex makes the move conditional on the ref pointing there; None
         requires the ref not to exist. RefConflict otherwise.
 
-        blocking=False returns a Future once the state is staged (copied), so
-        the caller may mutate it at once; the rest runs in the background."""
+        blocking=False returns a Future once the state is staged (copied into a
+        reused host buffer), so the caller may mutate it at once; hashing,
+        compression and IO run in the background, and snapshots commit in the
+        order they were taken. At most `max_inflight` are staged or running:
+        when_busy="wait" (default) blocks for a free slot, "skip" returns None
+        and counts it in `store.skipped`. A background failure is raised by its
+        future and again by the next put_snapshot call.
+
+        A blocking put first waits for the asynchronous ones in flight, so the
+        ref never moves back to an older snapshot."""
+        self.raise_pending_error()
         validate_name(ref)
         job = validate_component(job if job is not None else ref.split("/", 1)[0], "job name")
         if step is not None and (type(step) is not int or not -(2**63) <= step < 2**63):
@@ -179,14 +204,55 @@ class Store:
         exp: bytes | None | object = _UNSET
         if expected is not _UNSET:
             exp = None if expected is None else parse_hex(expected)
+        if when_busy is not None and when_busy not in ("wait", "skip"):
+            raise InvalidName(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         planner = Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
-                          allow_pickle=allow_pickle)
+                          allow_pickle=allow_pickle, defer_device=not blocking)
         plan = planner.plan(state)  # validates the whole tree before anything is written
         args = (plan, ref, job, step, metrics, meta, exp)
         if blocking:
+            self.wait()
             return self._publish(*args)
-        plan.stage()
-        return self._bg.submit(self._publish, *args)
+        if not self._slots.acquire(blocking=(when_busy or self.when_busy) == "wait"):
+            self.skipped += 1
+            return None
+        try:
+            buf = self._staging.take(plan.staged_bytes)
+            plan.stage(buf)
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._bg_lock:
+            fut = self._bg.submit(self._publish_staged, buf, *args)
+            self._inflight.append(fut)
+        return fut
+
+    def _publish_staged(self, buf, *args) -> SnapshotInfo:
+        try:
+            return self._publish(*args)
+        except BaseException as e:
+            self._bg_error = e
+            raise
+        finally:
+            self._staging.give(buf)
+            self._slots.release()
+
+    def raise_pending_error(self) -> None:
+        """Raise (once) the failure of an asynchronous snapshot, if one failed."""
+        err, self._bg_error = self._bg_error, None
+        if err is not None:
+            raise err
+
+    def wait(self) -> None:
+        """Block until every asynchronous snapshot in flight has committed or failed.
+        Failures are not raised here (they are on their futures and the next put)."""
+        with self._bg_lock:
+            futs, self._inflight = self._inflight, []
+        for f in futs:
+            try:
+                f.result()
+            except BaseException:
+                pass
 
     def _publish(self, plan, ref, job, step, metrics, meta, exp) -> SnapshotInfo:
         # The gc deletion epoch is read before any object is found present: if a
@@ -481,7 +547,8 @@ def _read_config(storage: BlockStore) -> dict | None:
 def open_store(url, *, refs=None, storage_options: dict | None = None, create: bool = True,
                block_size: int | None = None, inline_threshold: int | None = None,
                workers: int | None = None, verify: bool = True, compress: bool = True,
-               shuffle: bool = False, gc_stale_after: float | None = None) -> Store:
+               shuffle: bool = False, gc_stale_after: float | None = None, max_inflight: int = 2,
+               when_busy: str = "wait", wrap_storage=None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
@@ -527,6 +594,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         storage.sync()
         cfg = _read_config(storage) or cfg
     reftable = _open_refs(refs, proto, rest, create=True)
+    if wrap_storage is not None:  # cross-cutting behaviour (fault injection, limits) as a wrapper
+        storage = wrap_storage(storage)
     return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
                  shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
-                 gc_stale_after=gc_stale_after)
+                 gc_stale_after=gc_stale_after, max_inflight=max_inflight, when_busy=when_busy)

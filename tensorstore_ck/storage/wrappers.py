@@ -1,0 +1,116 @@
+"""BlockStore wrappers: cross-cutting behaviour without flags in the backends."""
+
+from __future__ import annotations
+
+import errno
+import random
+import threading
+import time
+from typing import Callable, Sequence
+
+from .base import BlockStore
+
+__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault"]
+
+
+class InjectedFault(OSError):
+    """An error raised on purpose by FaultInjectingStore."""
+
+
+class WrappedStore(BlockStore):
+    """Forwards everything to `inner`; subclasses override what they change."""
+
+    def __init__(self, inner: BlockStore):
+        self.inner = inner
+        self.url = inner.url
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def open_read(self, key):
+        return self.inner.open_read(key)
+
+    def put_if_absent(self, key, bufs):
+        return self.inner.put_if_absent(key, bufs)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def delete(self, key):
+        return self.inner.delete(key)
+
+    def list(self, prefix):
+        return self.inner.list(prefix)
+
+    def sync(self):
+        return self.inner.sync()
+
+    def close(self):
+        return self.inner.close()
+
+
+class FaultInjectingStore(WrappedStore):
+    """Fails, delays or truncates operations, at random or on demand.
+
+    rules: op name ("put", "get", "exists", "delete", "list", "sync") -> probability in [0, 1]
+    of failing; `when(op, key) -> bool` fails deterministically instead. A failing put
+    raises ENOSPC (or, with truncate=True, first stores a truncated copy under the key,
+    as a broken non-atomic backend would). `armed` switches all faults on and off.
+    """
+
+    def __init__(self, inner: BlockStore, *, rules: dict | None = None,
+                 when: Callable[[str, str], bool] | None = None, delay: float = 0.0,
+                 truncate: bool = False, seed: int = 0):
+        super().__init__(inner)
+        self.rules = dict(rules or {})
+        self.when = when
+        self.delay = delay
+        self.truncate = truncate
+        self.armed = True
+        self.faults = 0
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _fault(self, op: str, key: str) -> bool:
+        if not self.armed:
+            return False
+        if self.delay:
+            time.sleep(self._rng.random() * self.delay)
+        with self._lock:
+            hit = (self.when is not None and self.when(op, key)) or self._rng.random() < self.rules.get(op, 0.0)
+            if hit:
+                self.faults += 1
+        return hit
+
+    def put_if_absent(self, key: str, bufs: Sequence) -> bool:
+        if self._fault("put", key):
+            if self.truncate:
+                data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+                self.inner.put_if_absent(key, [data[: len(data) // 2]])
+            raise InjectedFault(errno.ENOSPC, f"injected: no space left writing {key}")
+        return self.inner.put_if_absent(key, bufs)
+
+    def get(self, key):
+        if self._fault("get", key):
+            raise InjectedFault(errno.EIO, f"injected: read error on {key}")
+        return self.inner.get(key)
+
+    def open_read(self, key):
+        if self._fault("get", key):
+            raise InjectedFault(errno.EIO, f"injected: read error on {key}")
+        return self.inner.open_read(key)
+
+    def exists(self, key):
+        if self._fault("exists", key):
+            raise InjectedFault(errno.ECONNRESET, f"injected: connection reset on {key}")
+        return self.inner.exists(key)
+
+    def delete(self, key):
+        if self._fault("delete", key):
+            raise InjectedFault(errno.EIO, f"injected: delete failed on {key}")
+        return self.inner.delete(key)
+
+    def sync(self):
+        if self._fault("sync", ""):
+            raise InjectedFault(errno.EIO, "injected: sync failed")
+        return self.inner.sync()
