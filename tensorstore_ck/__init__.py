@@ -21,6 +21,7 @@ from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, FormatError, IntegrityError, InvalidName, NotAStore,
                      RefConflict, RefNotFound, SnapshotAborted, TsckError, UnsupportedType)
 from .retention import Retention
+from .shard import Replicated, Sharded
 from .store import SnapshotInfo, Store, open_store
 from .train import CheckpointManager, ResumableDataLoader, TrainState
 
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager",
-    "ResumableDataLoader", "errors", "TsckError", "RefConflict", "RefNotFound",
+    "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidName", "NotAStore", "CheckoutMismatch",
     "AmbiguousTarget", "SnapshotAborted", "__version__",
 ]

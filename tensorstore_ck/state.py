@@ -20,6 +20,7 @@ from . import chunker
 from .assets import Assets, PutResult
 from .errors import CheckoutMismatch, FormatError, UnsupportedType
 from .format.manifest import MAX_DEPTH, decode_node, encode_node
+from .shard import Replicated, Sharded
 
 __all__ = ["Planner", "Plan", "Reader", "format_path", "TORCH_DTYPES"]
 
@@ -120,6 +121,7 @@ class _Leaf:
     ranges: list             # [(start, stop)]
     results: list = field(default_factory=list)  # PutResult per block, filled by run()
     device_src: object = None  # flat uint8 view of a contiguous device tensor (async staging)
+    replicated: bool = False   # the same bytes on every rank (a collective put spreads its blocks)
 
     @property
     def nbytes(self) -> int:
@@ -213,6 +215,15 @@ class Planner:
             return {"l" if t is list else "t": [self._plan(v, path + (i,), depth + 1) for i, v in enumerate(obj)]}
         if t is torch.Tensor or t is torch.nn.Parameter:
             return self._plan_tensor(obj, path)
+        if t is Sharded:
+            return self._plan_global(obj.local, obj.global_shape, obj.offsets, path)
+        if t is Replicated:
+            tt = obj.tensor
+            return self._plan_global(tt, tuple(tt.shape), (0,) * tt.dim(), path, replicated=True)
+        if getattr(t, "__name__", "") == "DTensor":
+            from .shard import from_dtensor
+            sh = from_dtensor(obj)
+            return self._plan_global(sh.local, sh.global_shape, sh.offsets, path)
         if t is np.ndarray:
             return self._plan_array(obj, path)
         if isinstance(obj, np.generic):
@@ -234,6 +245,26 @@ class Planner:
                      device_src=device_src)
         self._leaves.append(leaf)
         return leaf
+
+    def _plan_global(self, local, global_shape, offsets, path, replicated: bool = False):
+        """A piece of a global tensor: stored as {"G": {dt, sh, chunks: [chunk]}}; ranks'
+        chunks of one tensor are merged by path at checkout."""
+        if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.is_quantized:
+            raise UnsupportedType("a sharded tensor's local piece must be a dense tensor", format_path(path))
+        leaf = self._plan_tensor(local, path)
+        if isinstance(leaf, _Leaf):
+            leaf.tag = None  # finished as a bare chunk, not a {"T": ...} value
+            chunk = leaf
+        else:
+            chunk = leaf["T"]
+        meta = chunk.meta if isinstance(chunk, _Leaf) else chunk
+        meta["off"] = list(offsets)
+        g = {"dt": meta["dt"], "sh": list(global_shape), "chunks": [chunk]}
+        if replicated:
+            g["rep"] = True
+            if isinstance(chunk, _Leaf):
+                chunk.replicated = True
+        return {"G": g}
 
     def _plan_tensor(self, obj: torch.Tensor, path):
         if obj.layout != torch.strided:
@@ -335,9 +366,18 @@ def build_tree(plan: Plan, assets: Assets) -> tuple[bytes, BuildStats, list]:
                 if r.new:
                     stats.blocks_new += 1
                     stats.bytes_new += r.raw_len
+            if v.tag is None:  # a chunk of a global tensor
+                return meta, 64 + 34 * len(v.results)
             return {v.tag: meta}, 64 + 34 * len(v.results)
         if isinstance(v, dict) and len(v) == 1:
             (tag, body), = v.items()
+            if tag == "G":
+                chunks, size = [], 64
+                for c in body["chunks"]:
+                    fc, sz = fin(c, depth + 1) if isinstance(c, _Leaf) else (c, len(msgpack.packb(c)))
+                    chunks.append(fc)
+                    size += sz
+                return {"G": {**body, "chunks": chunks}}, size
             if tag in ("d", "o"):
                 out, size = [], 8
                 for k, x in body:
@@ -459,6 +499,8 @@ class Reader:
             return int.from_bytes(body, "big", signed=True)
         if tag == "T":
             return self._tensor(body, path, into)
+        if tag == "G":
+            return self._global(body, path, into)
         if tag == "A":
             return self._array(body, path, into)
         if tag == "S":
@@ -524,6 +566,108 @@ class Reader:
         p = format_path(path)
         for i, d in enumerate(blocks):
             self._jobs.append((d, flat_u8[i * bs:min(n, (i + 1) * bs)], p))
+
+    # -- global (sharded) tensors ------------------------------------------------
+    def _chunks(self, body, path):
+        """Validate a G leaf -> (dtype, global shape, [(offsets, shape, n, layout, inline)])."""
+        if not isinstance(body, dict) or not isinstance(body.get("chunks"), list) \
+                or len(body["chunks"]) > 1 << 20:
+            raise self._fmt("bad sharded tensor", path)
+        dt = body.get("dt")
+        if not isinstance(dt, str) or dt not in TORCH_DTYPES or dt in _QUANT_BY_NAME:
+            raise self._fmt(f"unknown torch dtype {dt!r}", path)
+        gs = body.get("sh")
+        if not isinstance(gs, list) or len(gs) > MAX_DIMS or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in gs):
+            raise self._fmt("bad global shape", path)
+        out, seen = [], set()
+        for c in body["chunks"]:
+            if not isinstance(c, dict) or c.get("dt") != dt:
+                raise self._fmt("bad chunk", path)
+            off = c.get("off")
+            if not isinstance(off, list) or len(off) != len(gs) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in off):
+                raise self._fmt("bad chunk offsets", path)
+            sh, n, layout = self._leaf_common(c, path, lambda d: TORCH_DTYPES[d].itemsize)
+            if len(sh) != len(gs) or any(o + k > g for o, k, g in zip(off, sh, gs)):
+                raise self._fmt("chunk outside its tensor", path)
+            key = (tuple(off), tuple(sh))
+            if key in seen:  # the same piece from several ranks (replicated): read it once
+                continue
+            seen.add(key)
+            out.append((tuple(off), tuple(sh), n, layout, c.get("x")))
+        return TORCH_DTYPES[dt], tuple(gs), out
+
+    def _global(self, body, path, into):
+        dtype, gs, chunks = self._chunks(body, path)
+        if isinstance(into, Sharded):
+            tgt, roff = into.local, into.offsets
+            if tgt.dtype != dtype or len(into.global_shape) != len(gs) or tuple(into.global_shape) != gs:
+                raise CheckoutMismatch(f"sharded tensor at {format_path(path)} is {dtype} {list(gs)}, "
+                                       f"target is {tgt.dtype} {list(into.global_shape)}")
+            self._fill_region(chunks, dtype, tgt, roff, path, require_full=True)
+            return into
+        if isinstance(into, torch.Tensor):
+            if into.dtype != dtype or tuple(into.shape) != gs:
+                raise CheckoutMismatch(f"tensor at {format_path(path)} is {into.dtype} {list(into.shape)}, "
+                                       f"snapshot has {dtype} {list(gs)}")
+            self._fill_region(chunks, dtype, into, (0,) * len(gs), path, require_full=True)
+            return into
+        covered = sum(math.prod(c[1]) for c in chunks)
+        if len(chunks) == 1 and covered < math.prod(gs):
+            off, sh, *_ = chunks[0]  # one rank's piece saved on its own: give the piece back
+            local = torch.empty(sh, dtype=dtype)
+            self._fill_region(chunks, dtype, local, off, path, require_full=True)
+            return Sharded(local, gs, off)
+        t = torch.empty(gs, dtype=dtype)
+        self._fill_region(chunks, dtype, t, (0,) * len(gs), path, require_full=True)
+        return t
+
+    def _fill_region(self, chunks, dtype, dst: torch.Tensor, roff, path, require_full: bool):
+        """Fill dst (the region of the global tensor at offsets roff) from the chunks
+        that intersect it, scheduling reads of only the blocks that overlap it."""
+        rshape = tuple(dst.shape)
+        itemsize = dtype.itemsize
+        filled = 0
+        for coff, cshape, n, layout, inline in chunks:
+            lo = [max(a, b) for a, b in zip(coff, roff)]
+            hi = [min(a + x, b + y) for a, x, b, y in zip(coff, cshape, roff, rshape)]
+            if any(a >= b for a, b in zip(lo, hi)) and len(cshape):
+                continue
+            filled += math.prod(b - a for a, b in zip(lo, hi))
+            src_box = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, coff))
+            dst_box = tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, roff))
+            if not n:
+                continue
+            if inline is not None:
+                src = torch.frombuffer(bytearray(inline), dtype=torch.uint8).view(dtype).reshape(cshape)
+                dst[dst_box].copy_(src[src_box])
+                continue
+            bs, blocks = layout
+            row = itemsize * math.prod(cshape[1:]) if len(cshape) else itemsize
+            r0, r1 = (lo[0] - coff[0], hi[0] - coff[0]) if len(cshape) else (0, 1)
+            b_lo, b_hi = r0 * row, r1 * row
+            i0, i1 = b_lo // bs, -(-b_hi // bs)
+            whole = all(s.start == 0 and s.stop == k for s, k in zip(src_box, cshape))
+            target = dst[dst_box]
+            if whole and target.is_contiguous() and dst.device.type == "cpu":
+                # The chunk lands whole in contiguous memory: read its blocks straight in.
+                self._fill(target.reshape(-1).view(torch.uint8).numpy(), n, layout, None, path)
+                continue
+            base = i0 * bs
+            tmp = torch.empty(min(n, i1 * bs) - base, dtype=torch.uint8)
+            flat = tmp.numpy()
+            p = format_path(path)
+            for i in range(i0, i1):
+                a, b = i * bs, min(n, (i + 1) * bs)
+                self._jobs.append((blocks[i], flat[a - base:b - base], p))
+            rows = tmp[b_lo - base:b_hi - base].view(dtype).reshape((r1 - r0,) + tuple(cshape[1:])) \
+                if len(cshape) else tmp.view(dtype).reshape(())
+            sub = rows[(slice(None),) + src_box[1:]] if len(cshape) else rows
+            self._after.append(lambda t=target, s=sub: t.copy_(s))
+        if require_full and filled < math.prod(rshape):
+            raise CheckoutMismatch(f"the snapshot does not hold all of the requested region of the tensor "
+                                   f"at {format_path(path)} ({filled} of {math.prod(rshape)} elements)")
 
     def _fill_now(self, flat_u8, n, layout, inline, path):
         pending, self._jobs = self._jobs, []

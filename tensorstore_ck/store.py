@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from . import chunker
 from .assets import Assets
 from .errors import (AmbiguousTarget, FormatError, InvalidName, NotAStore, RefConflict, RefNotFound,
-                     TsckError)
+                     SnapshotAborted, TsckError)
 from .format.manifest import decode_commit, encode_commit
 from .ids import is_hex_prefix, parse_hex
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
@@ -258,25 +258,43 @@ class Store:
         # The gc deletion epoch is read before any object is found present: if a
         # deletion phase starts or runs before the ref moves, the move is refused
         # (Fenced) and everything this snapshot references is re-validated.
-        fence = self.reftable.gc_state()["epoch"]
+        fence = self.gc_fence()
         run_block_jobs(plan, self.assets, self._pool)
         tree, stats, nodes = build_tree(plan, self.assets)
         st = {"bytes_total": stats.bytes_total, "bytes_new": stats.bytes_new,
               "blocks_total": stats.blocks_total, "blocks_new": stats.blocks_new}
+        return self.commit_tree(tree, ref=ref, job=job, step=step, metrics=metrics, meta=meta, stats=st,
+                                expected=exp, fence=fence,
+                                revalidate=lambda body: self._revalidate(plan, nodes, body))
+
+    def gc_fence(self) -> int:
+        """The gc deletion epoch; read it before looking at storage, pass it to commit_tree."""
+        return self.reftable.gc_state()["epoch"]
+
+    def commit_tree(self, tree: bytes, *, ref: str, job: str, step, metrics: dict, meta: dict, stats: dict,
+                    expected=_UNSET, fence: int | None = None, revalidate=None) -> SnapshotInfo:
+        """Publish a manifest tree whose objects are all written: commit object,
+        storage sync, then the fenced compare-and-swap of the ref. `revalidate(body)`
+        must make every object the snapshot references exist again and return a
+        new fence; without it a fenced move raises SnapshotAborted."""
+        exp = expected
         for _attempt in range(1000):
             parent = self.reftable.get_or_none(ref) if exp is _UNSET else exp
             now = time.time()
             body = encode_commit(job=job, ref=ref, step=step, time=now, metrics=metrics, meta=meta,
-                                 parent=parent, tree=tree, stats=st)
+                                 parent=parent, tree=tree, stats=stats)
             root = self.assets.put_commit(body).digest
             self.assets.sync()  # everything the commit references is durable before the ref moves
             row = {"job": job, "ref": ref, "step": step, "time": now, "metrics": metrics, "meta": meta,
-                   "parent": parent, "tree": tree, **st}
+                   "parent": parent, "tree": tree, **stats}
             try:
                 self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {step}",
                                                catalog_row=row, fence=fence)
             except Fenced:
-                fence = self._revalidate(plan, nodes, body)
+                if revalidate is None:
+                    raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
+                                          "published, take it again") from None
+                fence = revalidate(body)
                 continue
             except RefConflict:
                 if exp is not _UNSET:
