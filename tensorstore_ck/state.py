@@ -122,6 +122,7 @@ class _Leaf:
     results: list = field(default_factory=list)  # PutResult per block, filled by run()
     device_src: object = None  # flat uint8 view of a contiguous device tensor (async staging)
     replicated: bool = False   # the same bytes on every rank (a collective put spreads its blocks)
+    path: str = ""             # where in the state (spreads replicated blocks over ranks)
 
     @property
     def nbytes(self) -> int:
@@ -188,6 +189,7 @@ class Planner:
                               format_path(path))
 
     def _plan(self, obj, path, depth):
+        self._path = path
         if depth > MAX_DEPTH:
             raise UnsupportedType(f"state nested deeper than {MAX_DEPTH} levels", format_path(path))
         t = type(obj)
@@ -242,7 +244,7 @@ class Planner:
             return {tag: meta}
         meta["bs"] = layout.block_size
         leaf = _Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)],
-                     device_src=device_src)
+                     device_src=device_src, path=format_path(self._path))
         self._leaves.append(leaf)
         return leaf
 
@@ -318,13 +320,20 @@ class Planner:
         return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape))
 
 
-def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor) -> None:
-    """Hash, compress and write every block of the plan in parallel."""
+def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None) -> None:
+    """Hash, compress and write every block of the plan in parallel.
+
+    owns(leaf, i) -> bool, for replicated leaves of a collective snapshot: a
+    block another rank owns is only hashed here (its address goes into this
+    rank's manifest), so each replicated block is written exactly once."""
     futs: list[tuple[_Leaf, Future]] = []
     try:
         for leaf in plan.leaves:
-            for a, b in leaf.ranges:
-                futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize)))
+            for i, (a, b) in enumerate(leaf.ranges):
+                if owns is not None and leaf.replicated and not owns(leaf, i):
+                    futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
+                else:
+                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize)))
         wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
         for _, f in futs:
             if f.done() and f.exception() is not None:
@@ -418,7 +427,8 @@ class Reader:
     use, and nothing from a manifest is executed (pickle only if allowed)."""
 
     def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
-                 allow_pickle: bool = False, max_tensor_bytes: int = 1 << 40):
+                 allow_pickle: bool = False, max_tensor_bytes: int = 1 << 40, rank: int = 0):
+        self.rank = rank  # whose rank-local values a multi-rank snapshot yields
         self.assets = assets
         self.pool = pool
         self.snapshot = snapshot
@@ -477,6 +487,8 @@ class Reader:
                 raise self._fmt("a node that only points at another node", path)
             # A node stands in for a container at the same level of the state tree.
             return self._value(child, path, depth, into)
+        if tag == "W":
+            return self._value(self._merge_world(body, path, depth), path, depth, into)
         if tag in ("d", "o"):
             return self._dict(tag, body, path, depth, into)
         if tag in ("l", "t"):
@@ -566,6 +578,56 @@ class Reader:
         p = format_path(path)
         for i, d in enumerate(blocks):
             self._jobs.append((d, flat_u8[i * bs:min(n, (i + 1) * bs)], p))
+
+    # -- multi-rank snapshots ----------------------------------------------------
+    def _merge_world(self, body, path, depth):
+        """A collective snapshot holds one tree per rank. Merge them into this rank's
+        view: its own rank-local values (rank 0's for a rank the snapshot did not
+        have), with every sharded tensor's chunks gathered from all ranks."""
+        if path or not isinstance(body, dict) or not isinstance(body.get("ranks"), list) \
+                or not 0 < len(body["ranks"]) <= 1 << 20 or body.get("world") != len(body["ranks"]) \
+                or not all(isinstance(d, bytes) and len(d) == 32 for d in body["ranks"]):
+            raise self._fmt("bad multi-rank snapshot", path)
+        vals = [self._node(d, path, depth) for d in body["ranks"]]
+        sel = self.rank if self.rank < len(vals) else 0
+        return self._merge(vals, sel, path, depth)
+
+    def _deref(self, v, path, depth):
+        while isinstance(v, dict) and len(v) == 1 and "r" in v:
+            if not isinstance(v["r"], bytes) or len(v["r"]) != 32:
+                raise self._fmt("bad node reference", path)
+            v = self._node(v["r"], path, depth)
+        return v
+
+    def _merge(self, vals, sel, path, depth):
+        if depth > MAX_DEPTH:
+            raise self._fmt(f"manifest nested deeper than {MAX_DEPTH}", path)
+        vals = [self._deref(v, path, depth) for v in vals]
+        v0 = vals[sel]
+        if not isinstance(v0, dict) or len(v0) != 1:
+            return v0
+        (tag, body), = v0.items()
+        if tag == "G" and isinstance(body, dict):
+            chunks = []
+            for v in vals:
+                g = v.get("G") if isinstance(v, dict) else None
+                if isinstance(g, dict) and g.get("dt") == body.get("dt") and g.get("sh") == body.get("sh") \
+                        and isinstance(g.get("chunks"), list):
+                    chunks.extend(g["chunks"])
+            return {"G": {**body, "chunks": chunks}}
+        same = [v for v in vals if isinstance(v, dict) and len(v) == 1 and tag in v]
+        if len(same) != len(vals):
+            return v0  # the ranks' trees differ here: this rank's own view
+        bodies = [v[tag] for v in same]
+        if tag in ("d", "o") and all(isinstance(b, list) for b in bodies):
+            keys = [[p[0] if isinstance(p, list) and len(p) == 2 else None for p in b] for b in bodies]
+            if all(k == keys[sel] for k in keys):
+                return {tag: [[k, self._merge([b[i][1] for b in bodies], sel, path + (k,), depth + 1)]
+                              for i, k in enumerate(keys[sel])]}
+        if tag in ("l", "t") and all(isinstance(b, list) and len(b) == len(body) for b in bodies):
+            return {tag: [self._merge([b[i] for b in bodies], sel, path + (i,), depth + 1)
+                          for i in range(len(body))]}
+        return v0
 
     # -- global (sharded) tensors ------------------------------------------------
     def _chunks(self, body, path):

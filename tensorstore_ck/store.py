@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 from . import chunker
 from .assets import Assets
+from .dist import AUTO as _AUTO_GROUP
+from .dist import collective_checkout, collective_put, is_collective
 from .errors import (AmbiguousTarget, FormatError, InvalidName, NotAStore, RefConflict, RefNotFound,
                      SnapshotAborted, TsckError)
 from .format.manifest import decode_commit, encode_commit
@@ -143,6 +145,7 @@ class Store:
         self._bg_lock = threading.Lock()
         self._bg_error: BaseException | None = None
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
+        self._dist_seq: dict = {}  # per (group, op) call counter: the collective's key prefix
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -170,7 +173,8 @@ class Store:
     # -- writing ---------------------------------------------------------------
     def put_snapshot(self, state, ref: str, *, step: int | None = None, metrics: dict | None = None,
                      meta: dict | None = None, job: str | None = None, expected=_UNSET,
-                     blocking: bool = True, allow_pickle: bool = False, when_busy: str | None = None):
+                     blocking: bool = True, allow_pickle: bool = False, when_busy: str | None = None,
+                     group=_AUTO_GROUP, timeout: float = 300.0):
         """Snapshot `state` and move `ref` to it.
 
         expected: unset moves the ref whatever it points at (retrying if another
@@ -206,6 +210,13 @@ class Store:
             exp = None if expected is None else parse_hex(expected)
         if when_busy is not None and when_busy not in ("wait", "skip"):
             raise InvalidName(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        if is_collective(group):
+            if not blocking:
+                raise InvalidName("collective snapshots are blocking (use dcp.async_save with TsckWriter "
+                                  "for an asynchronous distributed save)")
+            self.wait()
+            return collective_put(self, state, ref=ref, job=job, step=step, metrics=metrics, meta=meta,
+                                  expected=exp, group=group, timeout=timeout, allow_pickle=allow_pickle)
         planner = Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
                           allow_pickle=allow_pickle, defer_device=not blocking)
         plan = planner.plan(state)  # validates the whole tree before anything is written
@@ -382,14 +393,18 @@ class Store:
     def show(self, target: str) -> SnapshotInfo:
         return self._info(bytes.fromhex(self.resolve(target)))
 
-    def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False):
+    def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False,
+                 group=_AUTO_GROUP, timeout: float = 300.0):
         """The state of a snapshot, verified against its root hash (unless verify=False).
 
         into=: an existing tree whose tensors/arrays/lists/dicts are updated in
         place (dtype and shape must match: CheckoutMismatch); it is returned."""
+        verify = self.verify if verify is None else verify
+        if is_collective(group):
+            return collective_checkout(self, target, into=into, verify=verify, allow_pickle=allow_pickle,
+                                       group=group, timeout=timeout)
         root_hex = self.resolve(target)
         root = bytes.fromhex(root_hex)
-        verify = self.verify if verify is None else verify
         c = decode_commit(self.assets.get_commit(root, verify=verify))
         reader = Reader(self.assets, self._pool, snapshot=root_hex, verify=verify, allow_pickle=allow_pickle)
         if into is None:
@@ -566,7 +581,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                block_size: int | None = None, inline_threshold: int | None = None,
                workers: int | None = None, verify: bool = True, compress: bool = True,
                shuffle: bool = False, gc_stale_after: float | None = None, max_inflight: int = 2,
-               when_busy: str = "wait", wrap_storage=None) -> Store:
+               when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
+               write_concurrency: int | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
@@ -612,6 +628,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         storage.sync()
         cfg = _read_config(storage) or cfg
     reftable = _open_refs(refs, proto, rest, create=True)
+    if write_bandwidth is not None or write_concurrency is not None:
+        from .storage.wrappers import ThrottledStore
+        try:
+            storage = ThrottledStore(storage, bytes_per_second=write_bandwidth, max_concurrent=write_concurrency)
+        except ValueError as e:
+            raise InvalidName(str(e)) from None
     if wrap_storage is not None:  # cross-cutting behaviour (fault injection, limits) as a wrapper
         storage = wrap_storage(storage)
     return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,

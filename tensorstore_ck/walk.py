@@ -88,6 +88,19 @@ def walk_tree(assets: Assets, tree: bytes, *, snapshot: str, verify: bool = True
             elif tag in ("T", "A"):
                 for _i, bd, nb in _leaf_blocks(body, p):
                     yield Obj("block", bd, format_path(p), nb)
+            elif tag == "G":
+                chunks = body.get("chunks") if isinstance(body, dict) else None
+                if not isinstance(chunks, list):
+                    raise FormatError(f"bad sharded tensor at {format_path(p)}")
+                for c in chunks:
+                    for _i, bd, nb in _leaf_blocks(c, p):
+                        yield Obj("block", bd, format_path(p), nb)
+            elif tag == "W":
+                ranks = body.get("ranks") if isinstance(body, dict) else None
+                if not isinstance(ranks, list) or not all(isinstance(d, bytes) and len(d) == 32 for d in ranks):
+                    raise FormatError("bad multi-rank snapshot")
+                for d in reversed(ranks):
+                    stack.append((d, p))
 
 
 def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes: set | None = None
@@ -122,6 +135,15 @@ def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True) -> dict[str
                 out[format_path(p)] = (desc, [bytes(body["x"])])
             else:
                 out[format_path(p)] = (desc, [d for _i, d, _n in _leaf_blocks(body, p)])
+        elif tag == "G" and isinstance(body, dict) and isinstance(body.get("chunks"), list):
+            key = format_path(p)
+            desc, blocks = out.get(key, (f"{body.get('dt')} {body.get('sh')} sharded", []))
+            for c in sorted(body["chunks"], key=lambda c: str(c.get("off"))):
+                blocks = blocks + ([bytes(c["x"])] if "x" in c else [d for _i, d, _n in _leaf_blocks(c, p)])
+            out[key] = (desc, blocks)
+        elif tag == "W" and isinstance(body, dict) and isinstance(body.get("ranks"), list):
+            for d in body["ranks"]:  # every rank's tree; sharded tensors gather their chunks by path
+                visit(decode_node(assets.get_node(d, verify=verify, snapshot=root.hex())), p, depth)
 
     visit(decode_node(assets.get_node(c["tree"], verify=verify, snapshot=root.hex())), (), 0)
     return out

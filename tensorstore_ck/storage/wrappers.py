@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 from .base import BlockStore
 
-__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault"]
+__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore"]
 
 
 class InjectedFault(OSError):
@@ -114,3 +114,43 @@ class FaultInjectingStore(WrappedStore):
         if self._fault("sync", ""):
             raise InjectedFault(errno.EIO, "injected: sync failed")
         return self.inner.sync()
+
+
+class ThrottledStore(WrappedStore):
+    """A per-process cap on write bandwidth (bytes/s, token bucket) and on concurrent
+    writes, so snapshots can be kept off the paths the data loaders use."""
+
+    def __init__(self, inner: BlockStore, *, bytes_per_second: float | None = None,
+                 max_concurrent: int | None = None, burst: float = 0.25):
+        super().__init__(inner)
+        if bytes_per_second is not None and not bytes_per_second > 0:
+            raise ValueError("bytes_per_second must be > 0")
+        self.rate = bytes_per_second
+        self.capacity = (bytes_per_second or 0) * burst  # tokens that may be spent at once
+        self._tokens = self.capacity
+        self._stamp = time.monotonic()
+        self._lock = threading.Lock()
+        self._sem = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None
+
+    def _take(self, n: int) -> None:
+        if self.rate is None:
+            return
+        with self._lock:  # one writer reserves at a time, so the bucket is never overdrawn twice
+            now = time.monotonic()
+            self._tokens = min(self.capacity, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._tokens -= n
+            debt = -self._tokens
+            if debt > 0:
+                time.sleep(debt / self.rate)
+                self._tokens = 0.0
+                self._stamp = time.monotonic()
+
+    def put_if_absent(self, key, bufs):
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if self._sem is None:
+            self._take(n)
+            return self.inner.put_if_absent(key, bufs)
+        with self._sem:
+            self._take(n)
+            return self.inner.put_if_absent(key, bufs)

@@ -1,0 +1,206 @@
+"""Collective snapshots under torch.distributed.
+
+put_snapshot and checkout are collective when torch.distributed is initialised
+(or a group= is given). No tensor data crosses ranks, ever:
+
+    every rank   plans (validates) its own state -> hello (step, ref, job)
+    rank 0       checks that all ranks agree, reads the gc fence -> go
+    every rank   hashes and writes its own blocks (a Replicated tensor's blocks
+                 are spread over the ranks: each is written by exactly one),
+                 writes its own manifest sub-tree, syncs -> done (32-byte root + stats)
+    rank 0       composes one commit {"W": [root of rank 0, ..., root of rank W-1]},
+                 moves the ref once -> result
+
+Coordination goes through the process group's c10d Store (set/add/check with
+our own deadlines), never through collectives, so a dead or stalled rank cannot
+poison the process group: when the deadline passes, rank 0 (or any rank that
+fails) writes an abort key, every live rank raises SnapshotAborted, nothing is
+published, and the group stays usable for training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import msgpack
+
+from .errors import SnapshotAborted, TsckError
+from .format.manifest import decode_commit, encode_node
+from .state import Planner, Reader, build_tree, run_block_jobs
+
+__all__ = ["collective_put", "collective_checkout", "is_collective"]
+
+AUTO = object()
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist
+
+
+def is_collective(group) -> bool:
+    if group is False:
+        return False
+    if group is not AUTO and group is not None:
+        return True
+    dist = _dist()
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class _Channel:
+    """Keys under one prefix in the c10d Store, waited on with a deadline."""
+
+    def __init__(self, store, group, op: str, timeout: float, kv=None):
+        dist = _dist()
+        g = None if group in (AUTO, None, True) else group
+        self.world = dist.get_world_size(g)
+        self.rank = dist.get_rank(g)
+        self.kv = kv if kv is not None else dist.distributed_c10d._get_default_store()
+        gid = "world" if g is None else "g" + "-".join(map(str, dist.get_process_group_ranks(g)))
+        key = (gid, op)
+        seq = store._dist_seq.get(key, 0) + 1  # every rank makes the same calls in the same order
+        store._dist_seq[key] = seq
+        self.pfx = f"tsck/{gid}/{op}/{seq}/"
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+
+    def set(self, k: str, v: bytes) -> None:
+        self.kv.set(self.pfx + k, v)
+
+    def get(self, k: str) -> bytes:
+        return self.kv.get(self.pfx + k)
+
+    def add(self, k: str, n: int = 1) -> int:
+        return self.kv.add(self.pfx + k, n)
+
+    def abort(self, why: str) -> None:
+        try:
+            self.kv.set(self.pfx + "abort", why.encode()[:4000])
+        except Exception:  # the store itself is gone: nothing more we can tell anyone
+            pass
+
+    def _check_abort(self) -> None:
+        if self.kv.check([self.pfx + "abort"]):
+            raise SnapshotAborted(f"snapshot aborted: {self.kv.get(self.pfx + 'abort').decode(errors='replace')}")
+
+    def _poll(self, ready, what: str):
+        delay = 0.001
+        while True:
+            self._check_abort()
+            out = ready()
+            if out is not None:
+                return out
+            if time.monotonic() > self.deadline:
+                why = f"rank {self.rank}: timed out after {self.timeout:g}s waiting for {what}"
+                self.abort(why)
+                raise SnapshotAborted(f"snapshot aborted: {why}")
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+
+    def wait_key(self, k: str, what: str) -> bytes:
+        return self._poll(lambda: self.get(k) if self.kv.check([self.pfx + k]) else None, what)
+
+    def wait_count(self, k: str, n: int, what: str) -> int:
+        return self._poll(lambda: (lambda c: c if c >= n else None)(self.add(k, 0)), what)
+
+
+def _owner(path: str, i: int, world: int) -> int:
+    h = int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little")
+    return (h + i) % world
+
+
+def _guard(ch: _Channel, fn):
+    """Run fn; any failure on this rank aborts the snapshot on every rank."""
+    try:
+        return fn()
+    except SnapshotAborted:
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        ch.abort(f"rank {ch.rank}: {type(e).__name__}: {e}")
+        if isinstance(e, TsckError) and not isinstance(e, SnapshotAborted):
+            raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: {e}") from e
+        dist_err = type(e).__module__.startswith("torch")
+        raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: {type(e).__name__}: {e}") from e \
+            if dist_err or isinstance(e, OSError) else e
+
+
+def collective_put(store, state, *, ref, job, step, metrics, meta, expected, group, timeout, allow_pickle,
+                   kv=None):
+    from .store import _UNSET  # noqa: circular at import time
+    try:
+        ch = _Channel(store, group, "put", timeout, kv)
+    except Exception as e:  # noqa: BLE001
+        raise SnapshotAborted(f"cannot reach the process group's store: {e}") from e
+    W, rank = ch.world, ch.rank
+
+    def plan():
+        p = Planner(block_size=store.block_size, inline_threshold=store.inline_threshold, allow_pickle=allow_pickle)
+        return p.plan(state)
+
+    plan_ = _guard(ch, plan)
+    exp_hex = None if expected is _UNSET else ("-" if expected is None else expected.hex())
+    _guard(ch, lambda: (ch.set(f"hello/{rank}", msgpack.packb([step, ref, job, exp_hex])), ch.add("hello_n")))
+    if rank == 0:
+        def agree():
+            ch.wait_count("hello_n", W, "every rank to be ready")
+            hellos = [msgpack.unpackb(ch.get(f"hello/{r}")) for r in range(W)]
+            for r, h in enumerate(hellos):
+                if h != hellos[0]:
+                    raise SnapshotAborted(
+                        f"ranks disagree: rank 0 has (step, ref, job) = {tuple(hellos[0][:3])}, rank {r} has "
+                        f"{tuple(h[:3])}")
+            fence = store.gc_fence()  # read before any rank looks at storage
+            ch.set("go", msgpack.packb(fence))
+            return fence
+        try:
+            fence = _guard(ch, agree)
+        except SnapshotAborted as e:
+            ch.abort(str(e).removeprefix("snapshot aborted: "))
+            raise
+    else:
+        _guard(ch, lambda: ch.wait_key("go", "rank 0 to start the snapshot"))
+
+    def write():
+        run_block_jobs(plan_, store.assets, store._pool, owns=lambda leaf, i: _owner(leaf.path, i, W) == rank)
+        tree, st, _nodes = build_tree(plan_, store.assets)
+        store.assets.sync()  # this rank's objects are durable before rank 0 publishes
+        ch.set(f"done/{rank}", msgpack.packb({"tree": tree, "stats": [st.bytes_total, st.bytes_new,
+                                                                        st.blocks_total, st.blocks_new]}))
+        ch.add("done_n")
+
+    _guard(ch, write)
+    if rank != 0:
+        root = _guard(ch, lambda: ch.wait_key("result", "rank 0 to publish")).decode()
+        return store.show(root)
+
+    def publish():
+        ch.wait_count("done_n", W, "every rank to finish writing")
+        dones = [msgpack.unpackb(ch.get(f"done/{r}")) for r in range(W)]
+        top = store.assets.put_node(encode_node({"W": {"world": W, "ranks": [d["tree"] for d in dones]}}))
+        sums = [sum(d["stats"][i] for d in dones) for i in range(4)]
+        stats = dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new"), sums))
+        return store.commit_tree(top.digest, ref=ref, job=job, step=step, metrics=metrics,
+                                 meta={**meta, "world": W}, stats=stats, expected=expected, fence=fence)
+
+    info = _guard(ch, publish)
+    ch.set("result", info.root.encode())
+    return info
+
+
+def collective_checkout(store, target, *, into, verify, allow_pickle, group, timeout, kv=None):
+    try:
+        ch = _Channel(store, group, "checkout", timeout, kv)
+    except Exception as e:  # noqa: BLE001
+        raise SnapshotAborted(f"cannot reach the process group's store: {e}") from e
+    if ch.rank == 0:
+        # One rank resolves, so every rank reads the same snapshot even if the ref moves meanwhile.
+        root = _guard(ch, lambda: store.resolve(target))
+        ch.set("root", root.encode())
+    else:
+        root = _guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target")).decode()
+    c = decode_commit(store.assets.get_commit(bytes.fromhex(root), verify=verify))
+    reader = Reader(store.assets, store._pool, snapshot=root, verify=verify, allow_pickle=allow_pickle,
+                    rank=ch.rank)
+    from .state import _MISSING
+    return reader.read(c["tree"], _MISSING if into is None else into)
