@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -537,7 +538,7 @@ def _split_url(url: str) -> tuple[str, str]:
     return "file", url
 
 
-def _open_refs(refs, proto: str, root: str, create: bool) -> RefTable:
+def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "default") -> RefTable:
     if isinstance(refs, RefTable):
         return refs
     if refs is None:
@@ -553,8 +554,9 @@ def _open_refs(refs, proto: str, root: str, create: bool) -> RefTable:
     if refs.startswith("memory://"):
         with _MEMORY_LOCK:
             return _MEMORY_REFS.setdefault(refs, MemoryRefTable())
-    if refs.startswith(("postgresql://", "postgres://")):
-        raise NotAStore("PostgreSQL ref tables are not available in this version")
+    if refs.startswith(("postgresql://", "postgres://")) or refs.startswith("host=") or " dbname=" in refs:
+        from .refs.postgres import PostgresRefTable
+        return PostgresRefTable(refs, namespace=store_id)
     path = refs[len("lmdb://"):] if refs.startswith("lmdb://") else refs
     return LmdbRefTable(path, create=create)
 
@@ -620,6 +622,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if not create:
             raise NotAStore(f"no store at {storage.url}")
         cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
+               "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
                "block_size": int(block_size or chunker.DEFAULT_BLOCK_SIZE),
                "inline_threshold": int(inline_threshold if inline_threshold is not None
                                        else chunker.DEFAULT_INLINE_THRESHOLD)}
@@ -627,7 +630,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         storage.put_if_absent(STORE_MARKER, [json.dumps(cfg, indent=1).encode() + b"\n"])
         storage.sync()
         cfg = _read_config(storage) or cfg
-    reftable = _open_refs(refs, proto, rest, create=True)
+    reftable = _open_refs(refs, proto, rest, create=True, store_id=str(cfg.get("id") or storage.url))
     if write_bandwidth is not None or write_concurrency is not None:
         from .storage.wrappers import ThrottledStore
         try:
