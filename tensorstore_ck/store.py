@@ -591,6 +591,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     refs: None (LMDB beside local data; in-process table for memory://), a path
     or lmdb:// URL, memory://name, or a RefTable."""
     proto, rest = _split_url(url)
+    if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
+        _open_refs(refs, proto, rest, create=False)
     if proto == "file":
         root = os.path.abspath(rest)
         if os.path.exists(root) and not os.path.isdir(root):
@@ -607,8 +609,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     else:
         try:
             storage = FsspecBlockStore(f"{proto}://{rest}", storage_options)
-        except (ImportError, ValueError) as e:
-            raise NotAStore(f"cannot open {proto}:// storage: {e}") from None
+        except (ImportError, ValueError, TypeError) as e:
+            raise NotAStore(f"cannot open {proto}:// storage: {type(e).__name__}: {e}") from None
+        if proto != "memory":
+            from .storage.wrappers import RetryingStore
+            storage = RetryingStore(storage)  # transient network errors are retried, not surfaced
     cfg = _read_config(storage)
     if cfg is None:
         # tmp/ holds only in-flight writes (a creator killed while writing the marker

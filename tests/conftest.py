@@ -66,3 +66,43 @@ def pg_dsn():
         subprocess.run(as_user + [f"{bindir}/pg_ctl", "-D", data, "-m", "fast", "-w", "stop"],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """storage_options for a real S3-compatible server on 127.0.0.1.
+
+    .ci/run starts Ceph's radosgw and exports TEST_S3_ENDPOINT (plus key and
+    secret); without it, a moto server is started in-process."""
+    if os.environ.get("TEST_S3_ENDPOINT"):
+        yield {"endpoint_url": os.environ["TEST_S3_ENDPOINT"], "key": os.environ.get("TEST_S3_KEY", "x"),
+               "secret": os.environ.get("TEST_S3_SECRET", "x")}
+        return
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        pytest.skip("no S3-compatible server: TEST_S3_ENDPOINT unset and moto not installed")
+    import logging
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    try:
+        yield {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server, request):
+    """A fresh bucket prefix on the session's S3 server."""
+    import uuid as _uuid
+
+    import s3fs
+    fs = s3fs.S3FileSystem(**s3_server, skip_instance_cache=True)
+    bucket = "tsck-tests"
+    try:
+        fs.mkdir(bucket)
+    except (FileExistsError, OSError):
+        pass
+    return f"s3://{bucket}/{_uuid.uuid4().hex}"

@@ -1,4 +1,11 @@
-"""A BlockStore over any fsspec filesystem (memory://, s3://, ...)."""
+"""A BlockStore over any fsspec filesystem (memory://, s3://, ...).
+
+Object stores: put-if-absent is one conditional PUT (If-None-Match: *, what
+s3fs sends for mode="create"), so two writers of one key cannot race a
+read-modify-write; a 412 from a server that does not label it (Ceph RGW) is
+recognised too. Listing caches are switched off: a cached "exists" could hide
+a gc deletion from a writer that re-validates its objects.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +19,30 @@ from .base import BlockStore, ObjectInfo
 __all__ = ["FsspecBlockStore"]
 
 
+def _is_precondition_failed(e: BaseException) -> bool:
+    """A conditional PUT refused because the key exists (HTTP 412), however the client reports it."""
+    if isinstance(e, FileExistsError):
+        return True
+    cause = e.__cause__ or e.__context__
+    resp = getattr(cause, "response", None)
+    if isinstance(resp, dict):
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = resp.get("Error", {}).get("Code")
+        return status == 412 or code == "PreconditionFailed"
+    return False
+
+
 class FsspecBlockStore(BlockStore):
     def __init__(self, url: str, storage_options: dict | None = None):
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        opts = dict(storage_options or {})
+        proto = url.split("://", 1)[0]
+        if proto in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
+            opts.setdefault("use_listings_cache", False)
+            opts.setdefault("skip_instance_cache", True)
+        fs, path = fsspec.core.url_to_fs(url, **opts)
         self.fs = fs
         self.root = path.rstrip("/")
-        self.url = url
+        self.url = url  # never the storage options: they may hold credentials
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -33,21 +58,35 @@ class FsspecBlockStore(BlockStore):
 
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:
         path = self._path(key)
-        if self.fs.exists(path):
+        if self.exists(key):
             return False
         # Joining copies the caller's memory: a later mutation of a staged tensor
         # must not rewrite a stored object (in-memory backends keep what they get).
         data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
         try:
             self.fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            return False
         except TypeError:  # backends without mode=: no atomic create; content-addressed, so benign
             self.fs.pipe_file(path, data)
+        except OSError as e:
+            if _is_precondition_failed(e):
+                return False
+            raise
         return True
 
+    def __repr__(self) -> str:
+        return f"FsspecBlockStore({self.url!r})"
+
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self._path(key))
+        path = self._path(key)
+        if type(self.fs).__name__ == "S3FileSystem":
+            # One HEAD: s3fs's exists() also lists the key as a "directory" when it is absent.
+            bucket, _, obj = path.partition("/")
+            try:
+                self.fs.call_s3("head_object", Bucket=bucket, Key=obj)
+                return True
+            except FileNotFoundError:
+                return False
+        return self.fs.exists(path)
 
     def delete(self, key: str) -> None:
         try:
@@ -66,7 +105,7 @@ class FsspecBlockStore(BlockStore):
             if not p.startswith(head):
                 continue
             key = p[len(head):]
-            mtime = info.get("mtime") or info.get("created") or 0.0
+            mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0.0
             if hasattr(mtime, "timestamp"):
                 mtime = mtime.timestamp()
             yield ObjectInfo(key, int(info.get("size") or 0), float(mtime))

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 from .base import BlockStore
 
-__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore"]
+__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore"]
 
 
 class InjectedFault(OSError):
@@ -154,3 +154,73 @@ class ThrottledStore(WrappedStore):
         with self._sem:
             self._take(n)
             return self.inner.put_if_absent(key, bufs)
+
+
+def _transient(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                      NotADirectoryError, InjectedFault)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, OSError):
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EINVAL):
+            return False
+        cause = e.__cause__ or e.__context__
+        resp = getattr(cause, "response", None)
+        if isinstance(resp, dict):  # botocore: retry 5xx and throttling, not 4xx
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = resp.get("Error", {}).get("Code", "")
+            return status >= 500 or code in ("SlowDown", "Throttling", "ThrottlingException",
+                                             "RequestTimeout", "RequestTimeTooSkewed")
+        return True
+    name = type(e).__name__
+    return any(w in name for w in ("Timeout", "Connection", "ServerDisconnected", "ClientPayloadError"))
+
+
+class RetryingStore(WrappedStore):
+    """Retries transient failures (5xx, throttling, connection resets, timeouts) with
+    exponential backoff and jitter. Safe for every operation because objects are
+    immutable and content-addressed: a put whose first attempt landed but whose
+    answer was lost is retried and reports "already there", which is true."""
+
+    def __init__(self, inner: BlockStore, *, attempts: int = 6, base_delay: float = 0.05,
+                 max_delay: float = 5.0, seed: int | None = None):
+        super().__init__(inner)
+        self.attempts = attempts
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self.retries = 0
+        self._rng = random.Random(seed)
+
+    def _call(self, fn, *args):
+        delay = self.base_delay
+        for attempt in range(self.attempts):
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001 - filtered by _transient
+                if attempt == self.attempts - 1 or not _transient(e):
+                    raise
+                self.retries += 1
+                time.sleep(delay * (0.5 + self._rng.random()))
+                delay = min(self.max_delay, delay * 2)
+
+    def get(self, key):
+        return self._call(self.inner.get, key)
+
+    def open_read(self, key):
+        return self._call(self.inner.open_read, key)
+
+    def put_if_absent(self, key, bufs):
+        return self._call(self.inner.put_if_absent, key, bufs)
+
+    def exists(self, key):
+        return self._call(self.inner.exists, key)
+
+    def delete(self, key):
+        return self._call(self.inner.delete, key)
+
+    def list(self, prefix):
+        return iter(self._call(lambda: list(self.inner.list(prefix))))
+
+    def sync(self):
+        return self._call(self.inner.sync)
