@@ -19,7 +19,7 @@ Layers, top to bottom (nothing calls upward):
 
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, FormatError, IntegrityError, InvalidName, NotAStore,
-                     RefConflict, RefNotFound, SnapshotAborted, TsckError, UnsupportedType)
+                     RefConflict, RefNotFound, SnapshotAborted, StorageError, TsckError, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
 from .store import SnapshotInfo, Store, open_store
@@ -31,5 +31,5 @@ __all__ = [
     "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager",
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidName", "NotAStore", "CheckoutMismatch",
-    "AmbiguousTarget", "SnapshotAborted", "__version__",
+    "AmbiguousTarget", "SnapshotAborted", "StorageError", "__version__",
 ]

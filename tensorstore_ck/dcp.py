@@ -50,9 +50,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import os
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass
 from typing import Any
@@ -622,35 +624,39 @@ class TsckWriter(StorageWriter):
 
 @dataclass(frozen=True)
 class _StoreHandle:
-    """How to open the same store in another process."""
+    """How to open the same store in another process (a store is opened once per
+    process: in the process that pickled it, unpickling gives the same Store)."""
     url: str
     options: tuple
 
     @staticmethod
     def of(store: Store) -> "_StoreHandle":
-        import os
         from .refs import LmdbRefTable
         url = store.url
         rt = store.reftable
         if not url.startswith("file://") or not isinstance(rt, LmdbRefTable) or \
                 os.path.abspath(rt.path) != os.path.join(url[len("file://"):], "refs.lmdb"):
-            raise TypeError("a TsckWriter/TsckReader can be pickled only with a store on a local folder whose "
-                            "ref table is beside it; use the default (thread) async checkpointer")
+            raise TypeError("a TsckWriter can be pickled only with a store on a local folder whose ref table "
+                            "is beside it; use the default (thread) async checkpointer")
         opts = (("block_size", store.block_size), ("inline_threshold", store.inline_threshold),
                 ("verify", store.verify), ("compress", store.assets.compress), ("shuffle", store.assets.shuffle))
-        return _StoreHandle(url, opts)
+        h = _StoreHandle(url, opts)
+        with _OPEN_LOCK:
+            _REGISTERED.setdefault((os.getpid(), url), store)
+        return h
 
     def open(self) -> Store:
         from .store import open_store
-        key = (self.url, self.options)
+        key = (os.getpid(), self.url)  # a store inherited through fork is not usable: open a new one
         with _OPEN_LOCK:
-            s = _OPENED.get(key)
+            s = _REGISTERED.get(key) or _OPENED.get(key)
             if s is None or s._closed:
                 s = _OPENED[key] = open_store(self.url[len("file://"):], create=False, **dict(self.options))
             return s
 
 
-_OPENED: dict = {}
+_REGISTERED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # stores of this process
+_OPENED: dict = {}  # stores opened by unpickling (kept open for the next request)
 _OPEN_LOCK = threading.Lock()
 
 

@@ -10,7 +10,8 @@
     ├── NotAStore                the location exists but holds no tensorstore_ck store
     ├── CheckoutMismatch (ValueError) checkout(into=...) does not fit the snapshot
     ├── AmbiguousTarget (LookupError) a root-hash prefix that matches several snapshots
-    └── SnapshotAborted          a collective snapshot was abandoned; nothing published
+    ├── SnapshotAborted          a collective snapshot was abandoned; nothing published
+    └── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
 
 Every class has a stable ``kind`` code used by ``--json`` output; codes are
 append-only and never renamed.
@@ -110,3 +111,11 @@ class AmbiguousTarget(TsckError, LookupError):
 
 
 __all__.append("AmbiguousTarget")
+
+
+class StorageError(TsckError, OSError):
+    kind = "storage"
+    __str__ = OSError.__str__
+
+
+__all__.append("StorageError")

@@ -11,6 +11,7 @@ unreferenced objects behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
 from .dist import collective_checkout, collective_put, is_collective
 from .errors import (AmbiguousTarget, FormatError, InvalidName, NotAStore, RefConflict, RefNotFound,
-                     SnapshotAborted, TsckError)
+                     SnapshotAborted, StorageError, TsckError)
 from .format.manifest import decode_commit, encode_commit
 from .ids import is_hex_prefix, parse_hex
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
@@ -109,6 +110,20 @@ def _check_plain(obj, what: str, depth: int = 0) -> None:
                       f"got {type(obj).__name__}")
 
 
+def _storage_errors(fn):
+    """A backend failure (full disk, network, permissions) reaches the caller as
+    StorageError, one of our types, with the backend's error chained."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TsckError:
+            raise
+        except OSError as e:
+            raise StorageError(e.errno, f"storage failed: {e.strerror or e}") from e
+    return wrapper
+
+
 class Store:
     """A content-addressed snapshot store. Thread-safe; use one per process."""
 
@@ -172,6 +187,7 @@ class Store:
         return self.storage.url
 
     # -- writing ---------------------------------------------------------------
+    @_storage_errors
     def put_snapshot(self, state, ref: str, *, step: int | None = None, metrics: dict | None = None,
                      meta: dict | None = None, job: str | None = None, expected=_UNSET,
                      blocking: bool = True, allow_pickle: bool = False, when_busy: str | None = None,
@@ -266,6 +282,7 @@ class Store:
             except BaseException:
                 pass
 
+    @_storage_errors
     def _publish(self, plan, ref, job, step, metrics, meta, exp) -> SnapshotInfo:
         # The gc deletion epoch is read before any object is found present: if a
         # deletion phase starts or runs before the ref moves, the move is refused
@@ -350,17 +367,20 @@ class Store:
     def retention(self) -> dict[str, Retention]:
         return {job: Retention.from_dict(r) for job, r in self.reftable.retention_all().items()}
 
+    @_storage_errors
     def gc(self, *, dry_run: bool = False, progress: bool = False):
         """Apply retention, then mark and sweep. Safe while other processes write."""
         from .gc import run_gc
         return run_gc(self, dry_run=dry_run, progress=progress, stale_after=self.gc_stale_after)
 
+    @_storage_errors
     def fsck(self, *, full: bool = True, progress: bool = False):
         """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte."""
         from .fsck import run_fsck
         return run_fsck(self, full=full, progress=progress)
 
     # -- reading ---------------------------------------------------------------
+    @_storage_errors
     def resolve(self, target: str) -> str:
         """A target (ref, tag, REF@STEP, root hex or unique prefix >= 8) -> root hex."""
         kind, text, step = parse_target(target)
@@ -391,9 +411,11 @@ class Store:
             row = {**c, **c["stats"]}
         return _row_to_info(root, row)
 
+    @_storage_errors
     def show(self, target: str) -> SnapshotInfo:
         return self._info(bytes.fromhex(self.resolve(target)))
 
+    @_storage_errors
     def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False,
                  group=_AUTO_GROUP, timeout: float = 300.0):
         """The state of a snapshot, verified against its root hash (unless verify=False).
@@ -412,6 +434,7 @@ class Store:
             return reader.read(c["tree"])
         return reader.read(c["tree"], into)
 
+    @_storage_errors
     def log(self, ref: str) -> list[SnapshotInfo]:
         """Snapshots `ref` has pointed at that still exist, newest first."""
         validate_name(ref)
@@ -428,12 +451,15 @@ class Store:
                 out.append(_row_to_info(e.new, row))
         return out
 
+    @_storage_errors
     def refs(self, prefix: str = "") -> dict[str, SnapshotInfo]:
         return {name: self._info(root) for name, root in self.reftable.list(prefix)}
 
+    @_storage_errors
     def tags(self) -> dict[str, SnapshotInfo]:
         return {name: self._info(root) for name, root in self.reftable.tags()}
 
+    @_storage_errors
     def tag(self, name: str, target: str) -> SnapshotInfo:
         """Create an immutable tag; RefConflict if the name is taken.
 
@@ -457,11 +483,13 @@ class Store:
         self.reftable.tag_create(name, root)
         return self._info(root)
 
+    @_storage_errors
     def recover(self):
         """Rebuild catalog, refs (at their newest commits), reflog and tags from storage."""
         from .recover import run_recover
         return run_recover(self)
 
+    @_storage_errors
     def diff(self, a: str, b: str) -> dict:
         """Which tensors differ between two targets, and in how many blocks."""
         from .walk import iter_leaves
@@ -486,16 +514,19 @@ class Store:
         out["changed"].sort(key=lambda x: x["path"])
         return out
 
+    @_storage_errors
     def pin(self, target: str) -> str:
         root = self.resolve(target)
         self.reftable.pin(bytes.fromhex(root))
         return root
 
+    @_storage_errors
     def unpin(self, target: str) -> str:
         root = self.resolve(target)
         self.reftable.unpin(bytes.fromhex(root))
         return root
 
+    @_storage_errors
     def du(self) -> dict:
         """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
         jobs: dict[str, dict] = {}

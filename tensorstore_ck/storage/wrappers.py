@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import io
 import random
 import threading
 import time
+import uuid
 from typing import Callable, Sequence
 
 from .base import BlockStore
@@ -52,10 +54,11 @@ class WrappedStore(BlockStore):
 class FaultInjectingStore(WrappedStore):
     """Fails, delays or truncates operations, at random or on demand.
 
-    rules: op name ("put", "get", "exists", "delete", "list", "sync") -> probability in [0, 1]
+    rules: op name ("put", "get", "exists", "delete", "sync") -> probability in [0, 1]
     of failing; `when(op, key) -> bool` fails deterministically instead. A failing put
-    raises ENOSPC (or, with truncate=True, first stores a truncated copy under the key,
-    as a broken non-atomic backend would). `armed` switches all faults on and off.
+    raises ENOSPC (with truncate=True, after leaving its partial bytes in tmp/, as a
+    write cut short does); a failing read raises EIO (with truncate=True, returns the
+    object one byte short). `armed` switches all faults on and off.
     """
 
     def __init__(self, inner: BlockStore, *, rules: dict | None = None,
@@ -84,19 +87,23 @@ class FaultInjectingStore(WrappedStore):
 
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:
         if self._fault("put", key):
-            if self.truncate:
+            if self.truncate:  # a write cut short: its partial bytes stay behind, never under `key`
                 data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
-                self.inner.put_if_absent(key, [data[: len(data) // 2]])
+                self.inner.put_if_absent(f"tmp/{uuid.uuid4().hex}.partial", [data[: len(data) // 2]])
             raise InjectedFault(errno.ENOSPC, f"injected: no space left writing {key}")
         return self.inner.put_if_absent(key, bufs)
 
     def get(self, key):
         if self._fault("get", key):
+            if self.truncate:  # a short read
+                return self.inner.get(key)[:-1]
             raise InjectedFault(errno.EIO, f"injected: read error on {key}")
         return self.inner.get(key)
 
     def open_read(self, key):
         if self._fault("get", key):
+            if self.truncate:
+                return io.BytesIO(self.inner.get(key)[:-1])
             raise InjectedFault(errno.EIO, f"injected: read error on {key}")
         return self.inner.open_read(key)
 
