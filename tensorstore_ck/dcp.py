@@ -63,8 +63,7 @@ import msgpack
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
                                                   SavePlanner, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -268,7 +267,8 @@ def decode_metadata(d) -> Metadata:
         cl = []
         for c in chunks:
             _need(isinstance(c, list) and len(c) == 2, f"chunk of {fqn!r}")
-            off, sz = _ints(c[0], f"chunk offsets of {fqn!r}", len(size)), _ints(c[1], f"chunk sizes of {fqn!r}", len(size))
+            off = _ints(c[0], f"chunk offsets of {fqn!r}", len(size))
+            sz = _ints(c[1], f"chunk sizes of {fqn!r}", len(size))
             _need(all(o + s <= g for o, s, g in zip(off, sz, size)), f"chunk bounds of {fqn!r}")
             cl.append(ChunkStorageMetadata(offsets=off, sizes=sz))
         props = TensorProperties(dtype=TORCH_DTYPES[dt], layout=_LAYOUTS[lay], requires_grad=m["requires_grad"],
@@ -509,6 +509,9 @@ class TsckWriter(StorageWriter):
         wait(p.futs, return_when=FIRST_EXCEPTION)
         for f in p.futs:
             if f.done() and not f.cancelled() and f.exception() is not None:
+                for g in p.futs:
+                    g.cancel()
+                wait(p.futs)
                 raise f.exception()
         res = [f.result() for f in p.futs]
         meta = dict(p.meta)
@@ -913,7 +916,6 @@ class TsckReader(StorageReader):
         batch = _ReadBatch(self.store, m, self.verify)
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO:
-                batch.flush()
                 planner.load_bytes(req, io.BytesIO(self._read_bytes(m, req.storage_index.fqn)))
                 continue
             batch.add(req, planner)

@@ -47,9 +47,13 @@ class RefConflict(TsckError):
         self.name = name
         self.expected = expected
         self.actual = actual
+        self.what = what
         super().__init__(
             f"{what} {name!r} conflict: expected {expected or '<absent>'}, found {actual or '<absent>'}"
         )
+
+    def __reduce__(self):  # crosses process boundaries (DCP sends errors between ranks)
+        return (type(self), (self.name, self.expected, self.actual, self.what))
 
 
 class RefNotFound(TsckError, KeyError):
@@ -63,6 +67,7 @@ class IntegrityError(TsckError):
                  key: str | None = None, expected: str | None = None, got: str | None = None,
                  reason: str = "corrupt"):
         self.reason = reason  # "missing" | "truncated" | "corrupt"
+        self.message = message
         self.snapshot = snapshot
         self.path = path
         self.key = key
@@ -77,6 +82,14 @@ class IntegrityError(TsckError):
             where.append(f"object {key}")
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
 
+    def __reduce__(self):
+        return (_rebuild_integrity, (self.message, self.snapshot, self.path, self.key, self.expected, self.got,
+                                     self.reason))
+
+
+def _rebuild_integrity(message, snapshot, path, key, expected, got, reason):
+    return IntegrityError(message, snapshot=snapshot, path=path, key=key, expected=expected, got=got, reason=reason)
+
 
 class FormatError(TsckError):
     kind = "format"
@@ -87,7 +100,11 @@ class UnsupportedType(TsckError, TypeError):
 
     def __init__(self, message: str, path: str = ""):
         self.path = path
+        self.message = message
         super().__init__(f"{message} at state{path}" if path else message)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.path))
 
 
 class InvalidName(TsckError, ValueError):
