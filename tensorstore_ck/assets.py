@@ -42,6 +42,7 @@ class PutResult:
     digest: bytes
     new: bool
     raw_len: int
+    counted: bool = True  # False: only hashed here (another rank owns the block)
 
 
 class Assets:
@@ -72,7 +73,7 @@ class Assets:
     def hash_block(raw) -> PutResult:
         """Only the address: for a replicated block another rank writes."""
         mv = memoryview(raw).cast("B")
-        return PutResult(blake3.blake3(mv).digest(), False, mv.nbytes)
+        return PutResult(blake3.blake3(mv).digest(), False, mv.nbytes, counted=False)
 
     def put_node(self, payload: bytes) -> PutResult:
         return self._put(frame.KIND_NODE, payload)

@@ -25,7 +25,7 @@ import time
 
 import msgpack
 
-from .errors import SnapshotAborted, TsckError
+from .errors import AmbiguousTarget, InvalidName, RefNotFound, SnapshotAborted, TsckError
 from .format.manifest import decode_commit, encode_node
 from .state import Planner, Reader, build_tree, run_block_jobs
 
@@ -62,6 +62,7 @@ class _Channel:
         seq = store._dist_seq.get(key, 0) + 1  # every rank makes the same calls in the same order
         store._dist_seq[key] = seq
         self.pfx = f"tsck/{gid}/{op}/{seq}/"
+        self.op = op
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
 
@@ -74,15 +75,42 @@ class _Channel:
     def add(self, k: str, n: int = 1) -> int:
         return self.kv.add(self.pfx + k, n)
 
-    def abort(self, why: str) -> None:
+    def abort(self, why: str, kind: str = "snapshot_aborted") -> None:
         try:
-            self.kv.set(self.pfx + "abort", why.encode()[:4000])
+            self.kv.set(self.pfx + "abort", msgpack.packb([kind, why[:4000]]))
         except Exception:  # the store itself is gone: nothing more we can tell anyone
             pass
 
     def _check_abort(self) -> None:
         if self.kv.check([self.pfx + "abort"]):
-            raise SnapshotAborted(f"snapshot aborted: {self.kv.get(self.pfx + 'abort').decode(errors='replace')}")
+            try:
+                kind, why = msgpack.unpackb(self.kv.get(self.pfx + "abort"))
+            except Exception:  # noqa: BLE001
+                kind, why = "snapshot_aborted", "unreadable abort record"
+            cls = _REraise.get(kind) if self.op == "checkout" else None
+            if cls is not None:  # the user's mistake, told to every rank as what it is
+                raise cls(why)
+            raise SnapshotAborted(f"snapshot aborted: {why}")
+
+    def missing(self, k: str) -> list[int]:
+        """Ranks that have not posted key k/{rank}."""
+        return [r for r in range(self.world) if not self.kv.check([self.pfx + f"{k}/{r}"])]
+
+    def cleanup_old(self) -> None:
+        """Delete this rank's keys of two calls ago (every rank has passed them), and
+        on rank 0 the shared ones, so the Store does not grow with every snapshot."""
+        seq = int(self.pfx.rstrip("/").rsplit("/", 1)[1]) - 2
+        if seq < 1:
+            return
+        old = self.pfx.rsplit("/", 2)[0] + f"/{seq}/"
+        keys = [f"hello/{self.rank}", f"done/{self.rank}"]
+        if self.rank == 0:
+            keys += ["hello_n", "done_n", "go", "result", "abort", "root"]
+        for k in keys:
+            try:
+                self.kv.delete_key(old + k)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
 
     def _poll(self, ready, what: str):
         delay = 0.001
@@ -101,8 +129,16 @@ class _Channel:
     def wait_key(self, k: str, what: str) -> bytes:
         return self._poll(lambda: self.get(k) if self.kv.check([self.pfx + k]) else None, what)
 
-    def wait_count(self, k: str, n: int, what: str) -> int:
-        return self._poll(lambda: (lambda c: c if c >= n else None)(self.add(k, 0)), what)
+    def wait_count(self, k: str, n: int, what: str, per_rank: str | None = None) -> int:
+        try:
+            return self._poll(lambda: (lambda c: c if c >= n else None)(self.add(k, 0)), what)
+        except SnapshotAborted as e:
+            if per_rank is None or "timed out" not in str(e):
+                raise
+            late = self.missing(per_rank)
+            why = f"rank {self.rank}: ranks {late} did not {what} within {self.timeout:g}s"
+            self.abort(why)
+            raise SnapshotAborted(f"snapshot aborted: {why}") from None
 
 
 def _owner(path: str, i: int, world: int) -> int:
@@ -110,29 +146,34 @@ def _owner(path: str, i: int, world: int) -> int:
     return (h + i) % world
 
 
+_REraise = {"ref_not_found": RefNotFound, "invalid_name": InvalidName, "ambiguous_target": AmbiguousTarget}
+
+
 def _guard(ch: _Channel, fn):
-    """Run fn; any failure on this rank aborts the snapshot on every rank."""
+    """Run fn; any failure on this rank aborts the snapshot on every rank. This
+    rank raises its own error (a TsckError as itself); the others SnapshotAborted,
+    or for a checkout the same user error (RefNotFound, InvalidName, ...)."""
     try:
         return fn()
     except SnapshotAborted:
         raise
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        ch.abort(f"rank {ch.rank}: {type(e).__name__}: {e}")
-        if isinstance(e, TsckError) and not isinstance(e, SnapshotAborted):
-            raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: {e}") from e
-        dist_err = type(e).__module__.startswith("torch")
-        raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: {type(e).__name__}: {e}") from e \
-            if dist_err or isinstance(e, OSError) else e
+        kind = getattr(e, "kind", "error") if isinstance(e, TsckError) else "error"
+        ch.abort(str(e) if kind in _REraise else f"rank {ch.rank}: {type(e).__name__}: {e}", kind)
+        if isinstance(e, TsckError):
+            raise
+        raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: {type(e).__name__}: {e}") from e
 
 
-def collective_put(store, state, *, ref, job, step, metrics, meta, expected, group, timeout, allow_pickle,
-                   kv=None):
+def collective_put(store, state, *, ref, step, prepare, group, timeout, allow_pickle, kv=None):
     from .store import _UNSET  # noqa: circular at import time
     try:
         ch = _Channel(store, group, "put", timeout, kv)
     except Exception as e:  # noqa: BLE001
         raise SnapshotAborted(f"cannot reach the process group's store: {e}") from e
     W, rank = ch.world, ch.rank
+    ch.cleanup_old()
+    job, metrics, meta, expected = _guard(ch, prepare)
 
     def plan():
         p = Planner(block_size=store.block_size, inline_threshold=store.inline_threshold, allow_pickle=allow_pickle)
@@ -143,7 +184,7 @@ def collective_put(store, state, *, ref, job, step, metrics, meta, expected, gro
     _guard(ch, lambda: (ch.set(f"hello/{rank}", msgpack.packb([step, ref, job, exp_hex])), ch.add("hello_n")))
     if rank == 0:
         def agree():
-            ch.wait_count("hello_n", W, "every rank to be ready")
+            ch.wait_count("hello_n", W, "arrive", per_rank="hello")
             hellos = [msgpack.unpackb(ch.get(f"hello/{r}")) for r in range(W)]
             for r, h in enumerate(hellos):
                 if h != hellos[0]:
@@ -175,7 +216,7 @@ def collective_put(store, state, *, ref, job, step, metrics, meta, expected, gro
         return store.show(root)
 
     def publish():
-        ch.wait_count("done_n", W, "every rank to finish writing")
+        ch.wait_count("done_n", W, "finish writing", per_rank="done")
         dones = [msgpack.unpackb(ch.get(f"done/{r}")) for r in range(W)]
         top = store.assets.put_node(encode_node({"W": {"world": W, "ranks": [d["tree"] for d in dones]}}))
         sums = [sum(d["stats"][i] for d in dones) for i in range(4)]
@@ -193,6 +234,7 @@ def collective_checkout(store, target, *, into, verify, allow_pickle, group, tim
         ch = _Channel(store, group, "checkout", timeout, kv)
     except Exception as e:  # noqa: BLE001
         raise SnapshotAborted(f"cannot reach the process group's store: {e}") from e
+    ch.cleanup_old()
     if ch.rank == 0:
         # One rank resolves, so every rank reads the same snapshot even if the ref moves meanwhile.
         root = _guard(ch, lambda: store.resolve(target))

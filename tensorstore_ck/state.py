@@ -370,6 +370,8 @@ def build_tree(plan: Plan, assets: Assets) -> tuple[bytes, BuildStats, list]:
             meta = dict(v.meta)
             meta["b"] = [r.digest for r in v.results]
             for r in v.results:
+                if not r.counted:  # a replicated block its owner rank counts
+                    continue
                 stats.blocks_total += 1
                 stats.bytes_total += r.raw_len
                 if r.new:

@@ -209,31 +209,41 @@ class Store:
 
         A blocking put first waits for the asynchronous ones in flight, so the
         ref never moves back to an older snapshot."""
-        self.raise_pending_error()
-        validate_name(ref)
-        job = validate_component(job if job is not None else ref.split("/", 1)[0], "job name")
-        if step is not None and (type(step) is not int or not -(2**63) <= step < 2**63):
-            raise InvalidName(f"step must be an int, got {step!r}")
-        metrics = dict(metrics or {})
-        for k, v in metrics.items():
-            if type(k) is not str or type(v) not in (int, float):
-                raise InvalidName(f"metrics must map str to int/float, got {k!r}: {v!r}")
-            _utf8(k, "metrics")
-        _check_plain(metrics, "metrics")
-        meta = dict(meta or {})
-        _check_plain(meta, "meta")
-        exp: bytes | None | object = _UNSET
-        if expected is not _UNSET:
-            exp = None if expected is None else parse_hex(expected)
-        if when_busy is not None and when_busy not in ("wait", "skip"):
-            raise InvalidName(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        def prepare():
+            self.raise_pending_error()
+            validate_name(ref)
+            j = validate_component(job if job is not None else ref.split("/", 1)[0], "job name")
+            if step is not None and (type(step) is not int or not -(2**63) <= step < 2**63):
+                raise InvalidName(f"step must be an int, got {step!r}")
+            m = dict(metrics or {})
+            for k, v in m.items():
+                if type(k) is not str or type(v) not in (int, float):
+                    raise InvalidName(f"metrics must map str to int/float, got {k!r}: {v!r}")
+                _utf8(k, "metrics")
+            _check_plain(m, "metrics")
+            mt = dict(meta or {})
+            _check_plain(mt, "meta")
+            e: bytes | None | object = _UNSET
+            if expected is not _UNSET:
+                e = None if expected is None else parse_hex(expected)
+            if when_busy is not None and when_busy not in ("wait", "skip"):
+                raise InvalidName(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+            return j, m, mt, e
+
         if is_collective(group):
-            if not blocking:
-                raise InvalidName("collective snapshots are blocking (use dcp.async_save with TsckWriter "
-                                  "for an asynchronous distributed save)")
-            self.wait()
-            return collective_put(self, state, ref=ref, job=job, step=step, metrics=metrics, meta=meta,
-                                  expected=exp, group=group, timeout=timeout, allow_pickle=allow_pickle)
+            def prepare_collective():
+                if not blocking:
+                    raise InvalidName("collective snapshots are blocking (use dcp.async_save with TsckWriter "
+                                      "for an asynchronous distributed save)")
+                out = prepare()
+                self.wait()
+                return out
+            # Every rank enters the collective before checking its arguments, so a bad
+            # argument on one rank aborts this snapshot everywhere instead of leaving
+            # that rank one collective behind the others.
+            return collective_put(self, state, ref=ref, step=step, prepare=prepare_collective, group=group,
+                                  timeout=timeout, allow_pickle=allow_pickle)
+        job, metrics, meta, exp = prepare()
         planner = Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
                           allow_pickle=allow_pickle, defer_device=not blocking)
         plan = planner.plan(state)  # validates the whole tree before anything is written

@@ -1,0 +1,234 @@
+"""Coordination overhead of a collective put_snapshot at 32 and 64 ranks.
+
+Simulates a data-parallel/FSDP job on one machine: W forked ranks (gloo on
+127.0.0.1, the c10d TCPStore hosted by this launcher), each holding a few
+hundred KB of state (a row shard of two global tensors, its share of a
+replicated tensor, rank-local values), all writing into one local store.
+
+What is measured, per snapshot, from outside the package (nothing in
+tensorstore_ck is edited; the ranks wrap two methods of their own Store object
+to take timestamps):
+
+  done_r      when rank r's last storage sync of its own writes returned
+              (store.assets.sync is called once per rank, right after its
+              blocks and manifest nodes are written; rank 0 calls it again
+              for the commit object, which is not counted here)
+  ref_moved   when rank 0's compare-and-swap of the ref returned
+  overhead    ref_moved - max_r done_r: from the slowest rank finishing its
+              writes to the ref moving (done/add keys in the c10d store, rank 0
+              polling for them, reading every rank's manifest root, writing the
+              top node and the commit, syncing, LMDB CAS)
+  gather      rank 0 entering commit_tree - max_r done_r (the coordination part)
+  returned    max_r (put_snapshot returned on rank r) - ref_moved (result fan-out)
+  total       max_r return - min_r entry of put_snapshot (the whole collective)
+
+Usage (about 2 minutes on 2 cores):
+    .venv/bin/python benches/bench_dist.py | tee benches/results/dist.txt
+    .venv/bin/python benches/bench_dist.py --ranks 8 --repeats 3     # smoke run
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tensorstore_ck as tsck  # noqa: E402
+
+REF = "bench/main"
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def make_state(rank: int, world: int, rep: int, args) -> dict:
+    g = torch.Generator()
+    g.manual_seed(rep * 100003 + rank)
+    cols = 256
+    rows_w = args.kb * 1024 // (4 * cols)      # the big shard: args.kb KiB of float32
+    rows_b = max(1, rows_w // 4)
+    emb = torch.Generator()
+    emb.manual_seed(rep)                       # the same on every rank
+    return {
+        "model": {
+            "w": tsck.Sharded(torch.randn(rows_w, cols, generator=g), (rows_w * world, cols), (rows_w * rank, 0)),
+            "b": tsck.Sharded(torch.randn(rows_b, cols, generator=g), (rows_b * world, cols), (rows_b * rank, 0)),
+            "emb": tsck.Replicated(torch.randn(args.kb * 1024 // (4 * 128), 128, generator=emb)),
+        },
+        "rng": torch.randn(2048, generator=g),
+        "rank": rank,
+        "step": rep,
+    }
+
+
+def rank_main(rank: int, world: int, port: int, args, out: str) -> None:
+    rec = {"rank": rank, "reps": []}
+    code = 1
+    try:
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        t0 = time.time()
+        kv = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group("gloo", store=kv, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        dist.barrier()
+        rec["init_s"] = time.time() - t0
+        store = tsck.open_store(os.path.join(out, "store"), block_size=args.block_kb * 1024, workers=2)
+        syncs: list[float] = []
+        orig_sync = store.assets.sync
+
+        def timed_sync():
+            orig_sync()
+            syncs.append(time.time())
+        store.assets.sync = timed_sync
+        marks: dict = {}
+        if rank == 0:
+            orig_cas, orig_commit = store.reftable.compare_and_swap, store.commit_tree
+
+            def timed_cas(*a, **k):
+                r = orig_cas(*a, **k)
+                marks["ref"] = time.time()
+                return r
+
+            def timed_commit(*a, **k):
+                marks["commit_in"] = time.time()
+                return orig_commit(*a, **k)
+            store.reftable.compare_and_swap = timed_cas
+            store.commit_tree = timed_commit
+        for rep in range(args.repeats + 1):  # repeat 0 is a warm-up
+            state = make_state(rank, world, rep, args)
+            dist.barrier()
+            syncs.clear()
+            marks.clear()
+            t_in = time.time()
+            info = store.put_snapshot(state, REF, step=rep, timeout=120)
+            t_out = time.time()
+            rec["reps"].append({"rep": rep, "in": t_in, "out": t_out, "done": syncs[0] if syncs else None,
+                                "ref": marks.get("ref"), "commit_in": marks.get("commit_in"), "root": info.root,
+                                "blocks_new": info.blocks_new, "bytes_new": info.bytes_new})
+        dist.barrier()
+        store.close()
+        code = 0
+    except BaseException:  # noqa: BLE001
+        rec["error"] = traceback.format_exc()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(rec, f)
+    os._exit(code)
+
+
+def run_world(world: int, args, base: str) -> dict:
+    from torch.distributed import TCPStore
+    out = os.path.join(base, f"w{world}")
+    os.makedirs(out)
+    port = free_port()
+    ctx = mp.get_context("fork")
+    t0 = time.time()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=300),
+                      wait_for_workers=False)
+    deadline = time.monotonic() + args.limit
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    wall = time.time() - t0
+    del master
+    recs = []
+    for r in range(world):
+        path = os.path.join(out, f"rank{r}.json")
+        if not os.path.exists(path):
+            raise SystemExit(f"{world} ranks: rank {r} left no result (exit code {procs[r].exitcode})")
+        d = json.load(open(path))
+        if "error" in d:
+            raise SystemExit(f"{world} ranks: rank {r} failed:\n{d['error']}")
+        recs.append(d)
+    rows = []
+    for i in range(1, args.repeats + 1):
+        reps = [d["reps"][i] for d in recs]
+        assert len({x["root"] for x in reps}) == 1, "ranks returned different roots"
+        r0 = reps[0]
+        slowest = max(x["done"] for x in reps)
+        rows.append({
+            "overhead": r0["ref"] - slowest,
+            "gather": r0["commit_in"] - slowest,
+            "returned": max(x["out"] for x in reps) - r0["ref"],
+            "total": max(x["out"] for x in reps) - min(x["in"] for x in reps),
+            "write_max": max(x["done"] - x["in"] for x in reps),
+            "blocks_new": r0["blocks_new"], "bytes_new": r0["bytes_new"],
+        })
+    shutil.rmtree(os.path.join(out, "store"), ignore_errors=True)
+    return {"world": world, "init_s": max(d["init_s"] for d in recs), "wall_s": wall, "reps": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--kb", type=int, default=256, help="KiB of the main shard per rank (default 256)")
+    ap.add_argument("--block-kb", type=int, default=64, help="store block size in KiB (default 64)")
+    ap.add_argument("--dir", default=None, help="where the stores go (default: a temp dir under /work)")
+    ap.add_argument("--limit", type=float, default=500.0, help="seconds before a world size is given up")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="bench_dist_", dir=args.dir or ("/work" if os.path.isdir("/work") else None))
+    print(f"# bench_dist: {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"tensorstore_ck {tsck.__version__}; per rank: {args.kb} KiB + {args.kb // 4} KiB shards, "
+          f"1/W of a {args.kb} KiB replicated tensor, 8 KiB rank-local; block {args.block_kb} KiB; "
+          f"{args.repeats} repeats after 1 warm-up; store under {base}")
+    results = []
+    try:
+        for w in args.ranks:
+            results.append(run_world(w, args, base))
+            print(f"# {w} ranks done: init {results[-1]['init_s']:.1f} s, wall {results[-1]['wall_s']:.1f} s",
+                  flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    ms = lambda xs: f"{1000 * statistics.median(xs):.0f}"  # noqa: E731
+    mx = lambda xs: f"{1000 * max(xs):.0f}"  # noqa: E731
+    print()
+    print("| ranks | ref moved − slowest rank done, median (max) ms | of which gather: median (max) ms "
+          "| ref moved → all ranks returned: median (max) ms | slowest rank's writes: median ms "
+          "| total put: median (max) ms | new blocks per put |")
+    print("|---|---|---|---|---|---|---|")
+    for res in results:
+        rs = res["reps"]
+        col = lambda k: [x[k] for x in rs]  # noqa: E731
+        print(f"| {res['world']} | {ms(col('overhead'))} ({mx(col('overhead'))}) | {ms(col('gather'))} "
+              f"({mx(col('gather'))}) | {ms(col('returned'))} ({mx(col('returned'))}) | {ms(col('write_max'))} "
+              f"| {ms(col('total'))} ({mx(col('total'))}) | {rs[0]['blocks_new']} |")
+    worst = max((x["overhead"] for res in results for x in res["reps"]), default=0.0)
+    print(f"\nworst ref-moved − slowest-done over all repeats: {1000 * worst:.0f} ms "
+          f"({'under' if worst < 1.0 else 'OVER'} the 1 s target)")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

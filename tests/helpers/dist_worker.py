@@ -1,0 +1,478 @@
+"""Multi-process torch.distributed scenarios for tests/test_dist.py.
+
+    python dist_worker.py SCENARIO OUTDIR [ARG]
+
+SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
+desync, notfound.
+The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
+(observations: roots, timings, block keys read or written, errors) and, for
+checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
+OUTDIR/<phase>_launcher.json (exit codes, kill time). The test judges; this
+script only observes, so the oracle (expected data, expected block sets) stays
+in the test.
+
+Ranks are forked (gloo on 127.0.0.1). The c10d TCPStore is hosted here, in the
+launcher, so any rank, rank 0 included, may be killed without taking the
+store down with it (see /work/shared/notes/servers.md, section 3).
+
+The shared data definitions (tensor specs, deterministic contents, row
+splits) are also imported by the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import datetime  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import zlib  # noqa: E402
+
+import torch  # noqa: E402
+
+BLOCK = 4096
+INLINE = 256
+REF = "j/m"
+
+# FSDP-style row-sharded 2-D tensors of different sizes, dtypes and row widths:
+# path -> (rows, cols, dtype). Rows of "proj" (6000 bytes) do not fit in a block,
+# so its blocks are element-aligned rather than row-aligned; "proj" also leaves
+# ranks 6 and 7 of an 8-rank checkout with an empty shard.
+SHARDED = {
+    ("model", "layers.0.w"): (203, 48, torch.float32),
+    ("model", "layers.0.b"): (37, 130, torch.bfloat16),
+    ("model", "embed"): (1000, 7, torch.int64),
+    ("model", "proj"): (6, 1500, torch.float32),
+    ("model", "moe.x"): (64, 1024, torch.float16),
+    ("optim", "layers.0.w", "exp_avg"): (203, 48, torch.float32),
+}
+LOCAL_NUMEL = 3000  # the rank-local tensor: 12000 bytes -> 3 blocks
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def global_tensor(path: tuple, version: int = 0) -> torch.Tensor:
+    rows, cols, dtype = SHARDED[path]
+    g = _gen(zlib.crc32("/".join(path).encode()) + 7919 * version)
+    if dtype.is_floating_point:
+        return torch.randn(rows, cols, generator=g).to(dtype)
+    return torch.randint(-(2 ** 40), 2 ** 40, (rows, cols), generator=g, dtype=dtype)
+
+
+def row_split(n: int, world: int, r: int) -> tuple[int, int]:
+    """Rows [a, b) of rank r when n rows are split over `world` ranks (torch.tensor_split)."""
+    q, m = divmod(n, world)
+    a = r * q + min(r, m)
+    return a, a + q + (1 if r < m else 0)
+
+
+def rank_local(r: int, version: int = 0) -> dict:
+    return {"rank": r, "name": f"rank-{r}", "rng": torch.randn(LOCAL_NUMEL, generator=_gen(1000 + r + 100 * version))}
+
+
+def _set(d: dict, path: tuple, v) -> None:
+    for k in path[:-1]:
+        d = d.setdefault(k, {})
+    d[path[-1]] = v
+
+
+def get_path(d, path: tuple):
+    for k in path:
+        d = d[k]
+    return d
+
+
+def sharded_state(r: int, world: int, version: int = 0) -> dict:
+    import tensorstore_ck as tsck
+    st: dict = {}
+    for path, (rows, cols, _dt) in SHARDED.items():
+        a, b = row_split(rows, world, r)
+        _set(st, path, tsck.Sharded(global_tensor(path, version)[a:b].clone(), (rows, cols), (a, 0)))
+    st["local"] = rank_local(r, version)
+    st["step"] = 100 + version
+    return st
+
+
+def replicated_tensors() -> dict:
+    # emb: 256-byte rows -> 16 rows per block, 32 blocks (the last one shorter);
+    # head: 20000-byte rows -> element-aligned 4096-byte blocks, 15 of them.
+    return {"emb": torch.randn(500, 64, generator=_gen(5)),
+            "head": torch.randn(3, 10000, generator=_gen(6)).to(torch.bfloat16)}
+
+
+# -- storage wrappers (instrumentation only: they forward every call) -----------
+
+def _wrapped_base():
+    from tensorstore_ck.storage.wrappers import WrappedStore
+    return WrappedStore
+
+
+def counting_store_class():
+    WrappedStore = _wrapped_base()
+
+    class Counting(WrappedStore):
+        """Records every blocks/ key this process reads, checks or writes."""
+
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.lock = threading.Lock()
+            self.reset()
+
+        def reset(self):
+            with self.lock:
+                self.reads, self.exists_calls, self.puts = [], [], []
+
+        def open_read(self, key):
+            if key.startswith("blocks/"):
+                with self.lock:
+                    self.reads.append(key)
+            return self.inner.open_read(key)
+
+        def get(self, key):
+            if key.startswith("blocks/"):
+                with self.lock:
+                    self.reads.append(key)
+            return self.inner.get(key)
+
+        def exists(self, key):
+            if key.startswith("blocks/"):
+                with self.lock:
+                    self.exists_calls.append(key)
+            return self.inner.exists(key)
+
+        def put_if_absent(self, key, bufs):
+            created = self.inner.put_if_absent(key, bufs)
+            if key.startswith("blocks/"):
+                with self.lock:
+                    self.puts.append([key, bool(created)])
+            return created
+
+    return Counting
+
+
+def trap_store_class():
+    WrappedStore = _wrapped_base()
+
+    class Trap(WrappedStore):
+        """When armed, the first block write announces itself (a marker file) and then
+        sleeps `stall` seconds: the rank is stuck in the middle of its snapshot writes
+        (the launcher SIGKILLs it there, or it wakes up late)."""
+
+        def __init__(self, inner, marker: str, stall: float):
+            super().__init__(inner)
+            self.marker, self.stall = marker, stall
+            self.armed = False
+            self.lock = threading.Lock()
+
+        def put_if_absent(self, key, bufs):
+            fire = False
+            if key.startswith("blocks/"):
+                with self.lock:
+                    fire, self.armed = self.armed, False
+            if fire:
+                with open(self.marker, "w") as f:
+                    f.write(str(time.time()))
+                time.sleep(self.stall)
+            return self.inner.put_if_absent(key, bufs)
+
+    return Trap
+
+
+# -- launcher ---------------------------------------------------------------------
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def _dump(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def _rank_main(rank, world, port, phase, body, out, arg):
+    res = {"rank": rank, "world": world, "phase": phase, "pid": os.getpid()}
+    code = 1
+    try:
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        kv = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=kv, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        body(rank, world, out, res, arg)
+        res["ok"] = True
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported to the test
+        res["ok"] = False
+        res["error"] = traceback.format_exc()
+    _dump(os.path.join(out, f"{phase}_rank{rank}.json"), res)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No teardown: after a peer was killed, gloo/c10d destructors may block on it.
+    os._exit(code)
+
+
+def launch(phase, world, body, out, arg=None, *, kill_rank=None, limit=60.0) -> dict:
+    """Fork `world` ranks running body(rank, world, out, res, arg) with the c10d
+    store hosted here. kill_rank: SIGKILL that rank as soon as its trap fires."""
+    from torch.distributed import TCPStore
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, phase, body, out, arg)) for r in range(world)]
+    for p in procs:
+        p.start()
+    # Created after the fork (no server thread is copied into the ranks); clients retry until it is up.
+    master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+                      wait_for_workers=False)
+    info = {"phase": phase, "world": world, "pids": [p.pid for p in procs]}
+    deadline = time.monotonic() + limit
+    if kill_rank is not None:
+        marker = os.path.join(out, f"trap_rank{kill_rank}")
+        while not os.path.exists(marker) and time.monotonic() < deadline and procs[kill_rank].is_alive():
+            time.sleep(0.005)
+        if os.path.exists(marker):
+            os.kill(procs[kill_rank].pid, signal.SIGKILL)
+            info["killed"] = kill_rank
+            info["kill_time"] = time.time()
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    info["timed_out"] = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    info["exitcodes"] = [p.exitcode for p in procs]
+    _dump(os.path.join(out, f"{phase}_launcher.json"), info)
+    del master
+    return info
+
+
+# -- rank bodies --------------------------------------------------------------------
+
+def _open(out, **kw):
+    import tensorstore_ck as tsck
+    return tsck.open_store(os.path.join(out, "store"), block_size=BLOCK, inline_threshold=INLINE, **kw)
+
+
+def sharded_save(rank, world, out, res, _arg):
+    with _open(out) as store:
+        info = store.put_snapshot(sharded_state(rank, world), REF, step=100, timeout=60)
+        res["root"] = info.root
+
+
+def sharded_load(rank, world, out, res, _arg):
+    import tensorstore_ck as tsck
+    holder = {}
+    Counting = counting_store_class()
+    with _open(out, wrap_storage=lambda s: holder.setdefault("w", Counting(s))) as store:
+        into: dict = {}
+        for path, (rows, cols, dtype) in SHARDED.items():
+            a, b = row_split(rows, world, rank)
+            _set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
+        holder["w"].reset()
+        t0 = time.monotonic()
+        got = store.checkout(REF, into=into, timeout=30)
+        res["elapsed"] = time.monotonic() - t0
+        res["reads"] = list(holder["w"].reads)
+        res["same_object"] = got is into
+        res["types"] = {"/".join(p): type(get_path(got, p)).__name__ for p in SHARDED}
+        dump = {"sharded": {"/".join(p): get_path(got, p).local for p in SHARDED},
+                "local": got["local"], "step": got["step"]}
+        if world == 2 and rank == 1:
+            # Non-collective read while the process group is up: must not wait for anyone
+            # (a collective one would wait for rank 0 and abort after 5 s).
+            t0 = time.monotonic()
+            full = store.checkout(REF, group=False, timeout=5)
+            res["full_elapsed"] = time.monotonic() - t0
+            res["full_types"] = {"/".join(p): type(get_path(full, p)).__name__ for p in SHARDED}
+            dump["full"] = {"/".join(p): get_path(full, p) for p in SHARDED}
+            dump["full_local"] = full["local"]
+        torch.save(dump, os.path.join(out, f"load{world}_rank{rank}.pt"))
+
+
+def replicated(rank, world, out, res, _arg):
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    holder = {}
+    Counting = counting_store_class()
+    with _open(out, wrap_storage=lambda s: holder.setdefault("w", Counting(s))) as store:
+        reps = replicated_tensors()
+        st = {"emb": tsck.Replicated(reps["emb"]), "head": tsck.Replicated(reps["head"]), "rank": rank}
+        holder["w"].reset()
+        info = store.put_snapshot(st, REF, step=7, timeout=60)
+        res["root"] = info.root
+        res["blocks_new"], res["blocks_total"] = info.blocks_new, info.blocks_total
+        res["puts"] = list(holder["w"].puts)
+        res["exists"] = list(holder["w"].exists_calls)
+        dist.barrier()
+        got = store.checkout(REF, timeout=30)
+        res["rank_view"] = got["rank"]
+        torch.save({"emb": got["emb"], "head": got["head"]}, os.path.join(out, f"rep_rank{rank}.pt"))
+
+
+def _failure_common(rank, world, out, res, victim, stall, aborting_put):
+    """First snapshot (step 1) succeeds; then a second one (step 2) during which `victim`
+    is trapped in its block writes for `stall` seconds (killed there by the launcher
+    when stall is long)."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    Trap = trap_store_class()
+    holder = {}
+    wrap = (lambda s: holder.setdefault("t", Trap(s, os.path.join(out, f"trap_rank{rank}"), stall))) \
+        if rank == victim else None
+    store = _open(out, wrap_storage=wrap)
+    res["root1"] = store.put_snapshot(sharded_state(rank, world, 0), REF, step=1, timeout=60).root
+    dist.barrier()
+    if rank == victim:
+        holder["t"].armed = True
+    res["t_start"] = time.time()
+    t0 = time.monotonic()
+    try:
+        aborting_put(store, rank)
+        res["second"] = "returned"
+    except tsck.SnapshotAborted as e:
+        res["second"] = "aborted"
+        res["message"] = str(e)
+    except Exception as e:  # noqa: BLE001
+        res["second"] = f"{type(e).__name__}: {e}"
+    res["elapsed"] = time.monotonic() - t0
+    res["t_end"] = time.time()
+    return store
+
+
+def kill_case(rank, world, out, res, victim):
+    import torch.distributed as dist
+    T = 4.0
+    res["timeout"] = T
+
+    def put2(store, r):
+        store.put_snapshot(sharded_state(r, world, 1), REF, step=2, timeout=T)
+
+    store = _failure_common(rank, world, out, res, victim, 120.0, put2)
+    survivors = [r for r in range(world) if r != victim]
+    t0 = time.monotonic()
+    g2 = dist.new_group(ranks=survivors, use_local_synchronization=True, timeout=datetime.timedelta(seconds=15))
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x, group=g2)
+    res["allreduce"] = x.item()
+    res["regroup_elapsed"] = time.monotonic() - t0
+    # The store is still usable collectively by the survivors (another ref).
+    info = store.put_snapshot({"x": torch.full((5000,), float(rank)), "rank": rank}, "j/after", step=3,
+                              group=g2, timeout=30)
+    res["root3"] = info.root
+    store.close()
+
+
+def stall_case(rank, world, out, res, victim):
+    import torch.distributed as dist
+    T = 3.0
+    stall = T + 3.0
+    res["timeout"], res["stall"] = T, stall
+
+    def put2(store, r):
+        store.put_snapshot(sharded_state(r, world, 1), REF, step=2, timeout=T)
+
+    store = _failure_common(rank, world, out, res, victim, stall, put2)
+    t0 = time.monotonic()
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)  # the whole group, the late rank included
+    res["allreduce"] = x.item()
+    res["allreduce_elapsed"] = time.monotonic() - t0
+    info = store.put_snapshot(sharded_state(rank, world, 2), REF, step=3, timeout=30)
+    res["root3"] = info.root
+    store.close()
+
+
+def mismatch_case(rank, world, out, res, odd):
+    import torch.distributed as dist
+
+    def put2(store, r):
+        store.put_snapshot(sharded_state(r, world, 1), REF, step=6 if r == odd else 5, timeout=30)
+
+    store = _failure_common(rank, world, out, res, -1, 0.0, put2)
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    res["allreduce"] = x.item()
+    store.close()
+
+
+def desync_case(rank, world, out, res, odd):
+    """Rank `odd` makes a put that fails its own argument checks; then every rank makes
+    the same valid put, which must succeed."""
+    import torch.distributed as dist
+    with _open(out) as store:
+        st = {"x": torch.full((3000,), float(rank)), "rank": rank}
+        res["root1"] = store.put_snapshot(st, REF, step=1, timeout=30).root
+        try:
+            store.put_snapshot(st, REF, step=2, metrics={"loss": "nan" if rank == odd else 1.0}, timeout=2)
+            res["second"] = "returned"
+        except Exception as e:  # noqa: BLE001
+            res["second"] = type(e).__name__
+        dist.barrier()
+        t0 = time.monotonic()
+        try:
+            res["root3"] = store.put_snapshot(st, REF, step=3, timeout=2).root
+            res["third"] = "returned"
+        except Exception as e:  # noqa: BLE001
+            res["third"] = f"{type(e).__name__}: {e}"
+        res["third_elapsed"] = time.monotonic() - t0
+
+
+def notfound_case(rank, world, out, res, _arg):
+    """A collective checkout of a ref that does not exist (a fresh job's resume)."""
+    import tensorstore_ck as tsck
+    with _open(out) as store:
+        try:
+            store.checkout("no/such", timeout=10)
+            res["checkout"] = "returned"
+        except tsck.RefNotFound:
+            res["checkout"] = "RefNotFound"
+        except Exception as e:  # noqa: BLE001
+            res["checkout"] = f"{type(e).__name__}: {e}"
+
+
+def main(argv) -> int:
+    scenario, out = argv[1], argv[2]
+    arg = int(argv[3]) if len(argv) > 3 else None
+    os.makedirs(out, exist_ok=True)
+    if scenario == "sharded":
+        infos = [launch("save", 4, sharded_save, out)]
+        for w in (4, 2, 8):
+            infos.append(launch(f"load{w}", w, sharded_load, out))
+    elif scenario == "replicated":
+        infos = [launch("rep", 4, replicated, out)]
+    elif scenario == "kill":
+        infos = [launch("kill", 4, kill_case, out, arg, kill_rank=arg)]
+    elif scenario == "stall":
+        infos = [launch("stall", 4, stall_case, out, 1 if arg is None else arg)]
+    elif scenario == "mismatch":
+        infos = [launch("mismatch", 4, mismatch_case, out, 2 if arg is None else arg)]
+    elif scenario == "desync":
+        infos = [launch("desync", 4, desync_case, out, 2 if arg is None else arg)]
+    elif scenario == "notfound":
+        infos = [launch("notfound", 4, notfound_case, out)]
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    print(json.dumps(infos))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,356 @@
+"""Collective snapshots under torch.distributed (gloo on CPU, forked ranks).
+
+Every scenario runs in tests/helpers/dist_worker.py, a launcher that forks real
+ranks (real process group, real LMDB ref table, real SIGKILL) and hosts the
+c10d TCPStore itself, so that any rank may die. The ranks only record what
+they observe (roots, timings, block keys they read or wrote, the tensors they
+got back); everything is judged here, against data and block layouts computed
+independently in this file, and against the store as the test process sees it
+afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import blake3
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "helpers" / "dist_worker.py"
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("tsck_test_dist_worker", WORKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+dw = _load_worker()  # data definitions shared with the ranks (specs, contents, row splits)
+REF = dw.REF
+SAVE_WORLD = 4
+
+
+# -- running a scenario ------------------------------------------------------------
+
+def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 100.0) -> Path:
+    out = tmp_path / scenario
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    proc = subprocess.Popen([sys.executable, str(WORKER), scenario, str(out), *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _o, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it forked
+        _o, err = proc.communicate()
+        pytest.fail(f"scenario {scenario} {args} ran past {limit}s:\n{err.decode(errors='replace')[-4000:]}")
+    assert proc.returncode == 0, err.decode(errors="replace")[-4000:]
+    return out
+
+
+def rank_results(out: Path, phase: str, world: int, *, dead=()) -> list[dict | None]:
+    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
+    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
+    res = []
+    for r in range(world):
+        f = out / f"{phase}_rank{r}.json"
+        if r in dead:
+            assert not f.exists(), f"{phase}: rank {r} should have died, but it reported"
+            res.append(None)
+            continue
+        assert f.exists(), f"{phase}: rank {r} left no result (exit code {launcher['exitcodes'][r]})"
+        d = json.loads(f.read_text())
+        assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
+        assert launcher["exitcodes"][r] == 0
+        res.append(d)
+    return res
+
+
+# -- independent oracle: bytes, block layout, block keys --------------------------------
+
+def tbytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (type(b) is torch.Tensor and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+            and tbytes(a) == tbytes(b))
+
+
+def block_size_of(shape: tuple, dtype: torch.dtype) -> int:
+    """Documented layout: blocks are cut at whole rows (bytes of shape[1:]) when a row
+    fits in a block, else at whole elements."""
+    item = dtype.itemsize
+    row = item * math.prod(shape[1:]) if len(shape) > 1 else item
+    unit = row if row <= dw.BLOCK else item
+    return (dw.BLOCK // unit) * unit
+
+
+def block_keys(t: torch.Tensor) -> list[str]:
+    """Keys of a stored chunk's blocks: block i holds bytes [i*bs, (i+1)*bs) of its
+    C-contiguous bytes, addressed by blake3 of the raw bytes."""
+    raw = tbytes(t)
+    if len(raw) <= dw.INLINE:
+        return []
+    bs = block_size_of(tuple(t.shape), t.dtype)
+    keys = []
+    for i in range(0, len(raw), bs):
+        h = blake3.blake3(raw[i:i + bs]).hexdigest()
+        keys.append(f"blocks/{h[:2]}/{h}")
+    return keys
+
+
+def needed_blocks(rank: int, world: int) -> list[str]:
+    """The blocks rank `rank` of a `world`-rank checkout must read: those of every saved
+    chunk whose byte range intersects the rows it asks for, plus the blocks of the
+    rank-local tensor of the rank whose view it gets."""
+    keys = []
+    for path, (rows, cols, dtype) in dw.SHARDED.items():
+        g = dw.global_tensor(path)
+        c, d = dw.row_split(rows, world, rank)
+        row = dtype.itemsize * cols
+        for s in range(SAVE_WORLD):
+            a, b = dw.row_split(rows, SAVE_WORLD, s)
+            lo, hi = max(a, c), min(b, d)
+            if lo >= hi:
+                continue
+            chunk_keys = block_keys(g[a:b])
+            bs = block_size_of((b - a, cols), dtype)
+            i0, i1 = (lo - a) * row // bs, -(-(hi - a) * row // bs)
+            keys += chunk_keys[i0:i1]
+    keys += block_keys(dw.rank_local(rank if rank < SAVE_WORLD else 0)["rng"])
+    return keys
+
+
+def stored_keys(store_dir: Path, kind: str) -> set[str]:
+    return {f"{kind}/{p.parent.name}/{p.name}" for p in (store_dir / kind).glob("*/*")}
+
+
+def commit_roots(store_dir: Path) -> set[str]:
+    return {p.name for p in (store_dir / "commits").glob("*/*")}
+
+
+# -- tests -------------------------------------------------------------------------
+
+def test_sharded_save_4_checkout_4_2_8_reads_only_needed_blocks(tmp_path):
+    out = run_scenario(tmp_path, "sharded")
+    saved = rank_results(out, "save", SAVE_WORLD)
+    root = saved[0]["root"]
+    assert all(r["root"] == root for r in saved), "ranks returned different roots"
+
+    store_dir = out / "store"
+    on_disk = stored_keys(store_dir, "blocks")
+    all_chunk_keys = set()
+    for path, (rows, _c, _d) in dw.SHARDED.items():
+        for s in range(SAVE_WORLD):
+            a, b = dw.row_split(rows, SAVE_WORLD, s)
+            all_chunk_keys |= set(block_keys(dw.global_tensor(path)[a:b]))
+    for s in range(SAVE_WORLD):
+        all_chunk_keys |= set(block_keys(dw.rank_local(s)["rng"]))
+    # The oracle's layout is the store's: every block it predicts was written, and nothing else.
+    assert all_chunk_keys == on_disk
+
+    for world in (4, 2, 8):
+        res = rank_results(out, f"load{world}", world)
+        for r, d in enumerate(res):
+            got = torch.load(out / f"load{world}_rank{r}.pt", weights_only=False)
+            assert d["same_object"], "checkout(into=...) must return the into tree"
+            for path, (rows, _cols, _dt) in dw.SHARDED.items():
+                name = "/".join(path)
+                a, b = dw.row_split(rows, world, r)
+                assert d["types"][name] == "Sharded"
+                assert same(dw.global_tensor(path)[a:b], got["sharded"][name]), \
+                    f"world {world} rank {r}: {name} rows [{a},{b}) differ"
+            sel = r if r < SAVE_WORLD else 0  # rank-local values: rank 0's for ranks the snapshot lacked
+            want = dw.rank_local(sel)
+            assert (got["local"]["rank"], got["local"]["name"]) == (want["rank"], want["name"])
+            assert same(want["rng"], got["local"]["rng"])
+            assert got["step"] == 100
+
+            need = needed_blocks(r, world)
+            assert len(set(need)) == len(need)  # random data: every block distinct
+            reads = collections.Counter(d["reads"])
+            extra = set(reads) - set(need)
+            missing = set(need) - set(reads)
+            assert not extra and not missing, (f"world {world} rank {r}: read {len(extra)} blocks it does not "
+                                               f"need, missed {len(missing)}")
+            assert max(reads.values()) == 1, f"world {world} rank {r}: a block was read more than once"
+            if world == 8:
+                assert len(need) < len(on_disk) / 4  # the check is not vacuous: a small part of the store
+
+    # Non-collective checkout (group=False) inside a live 2-rank process group (rank 1; a
+    # collective one would have waited for rank 0 and aborted after its 5 s timeout).
+    d1 = rank_results(out, "load2", 2)[1]
+    got = torch.load(out / "load2_rank1.pt", weights_only=False)
+    assert d1["full_elapsed"] < 5
+    for path in dw.SHARDED:
+        name = "/".join(path)
+        assert d1["full_types"][name] == "Tensor"
+        assert same(dw.global_tensor(path), got["full"][name]), name
+    assert got["full_local"]["rank"] == 0 and same(dw.rank_local(0)["rng"], got["full_local"]["rng"])
+
+    # And from this (single, non-distributed) process.
+    with tsck.open_store(store_dir, create=False) as s:
+        full = s.checkout(REF, group=False)
+        for path in dw.SHARDED:
+            assert same(dw.global_tensor(path), dw.get_path(full, path)), path
+        assert full["local"]["rank"] == 0 and full["step"] == 100
+        info = s.show(REF)
+        assert info.root == root and info.step == 100 and info.meta.get("world") == SAVE_WORLD
+        assert s.fsck().ok
+
+
+def test_replicated_blocks_written_once_spread_over_ranks(tmp_path):
+    out = run_scenario(tmp_path, "replicated")
+    res = rank_results(out, "rep", 4)
+    root = res[0]["root"]
+    assert all(d["root"] == root for d in res)
+
+    reps = dw.replicated_tensors()
+    expected = block_keys(reps["emb"]) + block_keys(reps["head"])
+    assert len(expected) == 32 + 15 and len(set(expected)) == len(expected)
+
+    created = collections.Counter()
+    writer_of: dict[str, set] = collections.defaultdict(set)
+    for d in res:
+        for key, ok in d["puts"]:
+            writer_of[key].add(d["rank"])
+            if ok:
+                created[key] += 1
+        for key in d["exists"]:
+            writer_of[key].add(d["rank"])  # a rank that even checks a block is about to write it
+    assert set(created) == set(expected), "blocks written differ from the replicated tensors' blocks"
+    assert all(n == 1 for n in created.values()), "a replicated block was created more than once"
+    attempts = collections.Counter(k for d in res for k, _ok in d["puts"])
+    assert all(n == 1 for n in attempts.values()), "a replicated block was written by several ranks"
+    multi = {k: sorted(v) for k, v in writer_of.items() if len(v) != 1}
+    assert not multi, f"blocks touched by several ranks: {list(multi.items())[:3]}"
+    per_rank = collections.Counter(next(iter(writer_of[k])) for k in expected)
+    assert len(per_rank) > 1, "all replicated blocks were written by one rank"
+    assert max(per_rank.values()) <= math.ceil(len(expected) / 4) + 2, f"unbalanced: {dict(per_rank)}"
+    assert stored_keys(out / "store", "blocks") == set(expected)
+    assert all(d["blocks_new"] == len(expected) for d in res)
+
+    for d in res:
+        got = torch.load(out / f"rep_rank{d['rank']}.pt", weights_only=False)
+        assert same(reps["emb"], got["emb"]) and same(reps["head"], got["head"])
+        assert d["rank_view"] == d["rank"]
+    with tsck.open_store(out / "store", create=False) as s:
+        full = s.checkout(REF, group=False)
+        assert same(reps["emb"], full["emb"]) and same(reps["head"], full["head"]) and full["rank"] == 0
+        assert s.fsck().ok
+        # replicated bytes are counted once per snapshot, not once per rank
+        info = s.show(REF)
+        nbytes = sum(t.numel() * t.element_size() for t in (reps["emb"], reps["head"]))
+        assert info.blocks_total == len(expected) and info.bytes_total <= nbytes + 4096
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+def test_rank_killed_mid_snapshot_aborts_others_and_survivors_regroup(tmp_path, victim):
+    out = run_scenario(tmp_path, "kill", victim)
+    launcher = json.loads((out / "kill_launcher.json").read_text())
+    assert launcher.get("killed") == victim, "the victim never reached its block writes"
+    assert launcher["exitcodes"][victim] == -signal.SIGKILL
+    res = rank_results(out, "kill", 4, dead=(victim,))
+    survivors = [r for r in range(4) if r != victim]
+    root1 = res[survivors[0]]["root1"]
+    for r in survivors:
+        d = res[r]
+        T = d["timeout"]
+        assert d["root1"] == root1
+        assert d["t_start"] < launcher["kill_time"] < d["t_end"], "the kill was not mid-snapshot"
+        assert d["second"] == "aborted", f"rank {r}: {d['second']}"
+        assert 0.8 * T <= d["elapsed"] <= T + 3.0, f"rank {r} aborted after {d['elapsed']:.2f}s (timeout {T}s)"
+        assert d["allreduce"] == sum(s + 1 for s in survivors)
+    root3 = res[survivors[0]]["root3"]
+    assert all(res[r]["root3"] == root3 for r in survivors)
+
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.resolve(REF) == root1, "the ref moved although the snapshot was aborted"
+        assert [i.root for i in s.log(REF)] == [root1]
+        assert commit_roots(out / "store") == {root1, root3}, "an aborted snapshot left a commit"
+        after = s.show("j/after")
+        assert after.root == root3 and after.meta.get("world") == 3
+        full = s.checkout("j/after", group=False)
+        assert full["rank"] == survivors[0] and torch.equal(full["x"], torch.full((5000,), float(survivors[0])))
+        assert s.fsck().ok
+
+
+def test_rank_stalled_mid_snapshot_aborts_all_then_group_goes_on(tmp_path):
+    victim = 1
+    out = run_scenario(tmp_path, "stall", victim)
+    res = rank_results(out, "stall", 4)
+    root1 = res[0]["root1"]
+    for d in res:
+        r, T, stall = d["rank"], d["timeout"], d["stall"]
+        assert d["root1"] == root1
+        assert d["second"] == "aborted", f"rank {r}: {d['second']}"
+        if r == victim:  # wakes up after the others gave up, and learns the snapshot was aborted
+            assert stall <= d["elapsed"] <= stall + 3.0, d["elapsed"]
+        else:
+            assert 0.8 * T <= d["elapsed"] <= T + 2.0, f"rank {r} aborted after {d['elapsed']:.2f}s (timeout {T}s)"
+        assert d["allreduce"] == 10.0
+    root3 = res[0]["root3"]
+    assert all(d["root3"] == root3 for d in res)
+
+    with tsck.open_store(out / "store", create=False) as s:
+        log = s.log(REF)
+        assert [i.root for i in log] == [root3, root1], "the aborted snapshot moved the ref"
+        assert [i.step for i in log] == [3, 1] and log[0].parent == root1
+        assert commit_roots(out / "store") == {root1, root3}, "the aborted snapshot left a commit"
+        full = s.checkout(REF, group=False)
+        for path in dw.SHARDED:
+            assert same(dw.global_tensor(path, 2), dw.get_path(full, path)), path
+        assert s.fsck().ok
+
+
+def test_step_mismatch_aborts_every_rank(tmp_path):
+    out = run_scenario(tmp_path, "mismatch", 2)
+    res = rank_results(out, "mismatch", 4)
+    root1 = res[0]["root1"]
+    for d in res:
+        assert d["root1"] == root1
+        assert d["second"] == "aborted", f"rank {d['rank']}: {d['second']}"
+        assert "disagree" in d["message"], d["message"]
+        assert d["elapsed"] < 5.0, "a mismatch must abort at once, not at the 30 s timeout"
+        assert d["allreduce"] == 10.0
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.resolve(REF) == root1
+        assert [i.root for i in s.log(REF)] == [root1]
+        assert commit_roots(out / "store") == {root1}
+
+
+# -- regressions: both were bugs found by these tests ---------------------------------------
+
+def test_local_argument_error_on_one_rank_does_not_break_later_snapshots(tmp_path):
+    out = run_scenario(tmp_path, "desync", 2)
+    res = rank_results(out, "desync", 4)
+    assert res[2]["second"] == "InvalidName"
+    for d in res:
+        assert d["second"] != "returned"
+        assert d["third"] == "returned", f"rank {d['rank']}: {d['third']}"
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.show(REF).step == 3
+
+
+def test_collective_checkout_of_missing_ref_raises_ref_not_found(tmp_path):
+    out = run_scenario(tmp_path, "notfound")
+    for d in rank_results(out, "notfound", 4):
+        assert d["checkout"] == "RefNotFound", f"rank {d['rank']}: {d['checkout']}"
