@@ -236,20 +236,38 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
         # 7. sweep
         bar = _progress(progress, "gc: sweep", total=rep.candidates)
         rep.temp_files_removed = _sweep_temp(store, t0 - stale_after)
-        for line in spool:
-            kind, key, size = line.split()
-            if extra.contains(kind, np.array([_key8(key.rsplit("/", 1)[-1])], dtype=np.uint64))[0]:
-                rep.rescued += 1
-                continue
-            store.storage.delete(key)
-            rep.deleted_objects += 1
-            rep.deleted_bytes += int(size)
-            rep.deleted_by_kind[kind] = rep.deleted_by_kind.get(kind, 0) + 1
+        def sweep(batch):
+            keys8 = np.array([_key8(key.rsplit("/", 1)[-1]) for _k, key, _s in batch], dtype=np.uint64)
+            live = {k: extra.contains(k, keys8) for k in KINDS}
+            todo = []
+            for j, (kind, key, size) in enumerate(batch):
+                if live[kind][j]:
+                    rep.rescued += 1
+                else:
+                    todo.append((kind, key, int(size)))
+            # Deletes run in parallel (one request each on object stores); the spool
+            # is in commits -> nodes -> blocks order and batches never mix kinds.
+            for f in [store._pool.submit(store.storage.delete, key) for _k, key, _s in todo]:
+                f.result()
+            for kind, _key, size in todo:
+                rep.deleted_objects += 1
+                rep.deleted_bytes += size
+                rep.deleted_by_kind[kind] = rep.deleted_by_kind.get(kind, 0) + 1
             if bar is not None:
-                bar.update(1)
-            if time.time() - last_beat > heartbeat_every:
-                refs.gc_heartbeat(owner, now=time.time())  # raises if another gc took over
-                last_beat = time.time()
+                bar.update(len(batch))
+
+        batch: list = []
+        for line in spool:
+            item = line.split()
+            if batch and (len(batch) >= 512 or batch[-1][0] != item[0]):
+                sweep(batch)
+                batch = []
+                if time.time() - last_beat > heartbeat_every:
+                    refs.gc_heartbeat(owner, now=time.time())  # raises if another gc took over
+                    last_beat = time.time()
+            batch.append(item)
+        if batch:
+            sweep(batch)
         if bar is not None:
             bar.close()
         store.storage.sync()
