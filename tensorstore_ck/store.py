@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import os
 import threading
 import time
@@ -215,11 +216,13 @@ class Store:
             j = validate_component(job if job is not None else ref.split("/", 1)[0], "job name")
             if step is not None and (type(step) is not int or not -(2**63) <= step < 2**63):
                 raise InvalidName(f"step must be an int, got {step!r}")
-            m = dict(metrics or {})
-            for k, v in m.items():
-                if type(k) is not str or type(v) not in (int, float):
-                    raise InvalidName(f"metrics must map str to int/float, got {k!r}: {v!r}")
+            m = {}
+            for k, v in dict(metrics or {}).items():
+                if type(k) is not str or isinstance(v, bool) or not isinstance(v, numbers.Real):
+                    raise InvalidName(f"metrics must map str to numbers, got {k!r}: {v!r}")
                 _utf8(k, "metrics")
+                # numpy scalars and other numbers are stored as plain int/float
+                m[k] = int(v) if isinstance(v, numbers.Integral) else float(v)
             _check_plain(m, "metrics")
             mt = dict(meta or {})
             _check_plain(mt, "meta")

@@ -27,6 +27,7 @@ in the middle or not.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import random
 import time
 from typing import Callable
@@ -287,7 +288,10 @@ class CheckpointManager:
         if self.state is None:
             raise InvalidName("CheckpointManager has no state= to snapshot")
         self.state.step = step
-        metrics = {k: v for k, v in (metrics or {}).items() if type(v) in (int, float)}
+        metrics = {k: float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+                   for k, v in (metrics or {}).items()}
+        metrics = {k: v for k, v in metrics.items()
+                   if isinstance(v, numbers.Real) and not isinstance(v, bool)}
         res = self.store.put_snapshot(self.state.state_dict(), ref=self.ref, job=self.job, step=step,
                                       metrics=metrics, meta={"triggers": why or ["forced"]},
                                       blocking=not self.async_, when_busy=self.when_busy)
