@@ -26,6 +26,7 @@ import array
 import os
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -158,13 +159,17 @@ def _mark(store, roots, marked: _Marked, visited: set, bar=None) -> int:
 
 
 def run_gc(store, *, dry_run: bool = False, progress: bool = False,
-           stale_after: float = DEFAULT_STALE_AFTER, heartbeat_every: float = 5.0) -> GCReport:
+           stale_after: float = DEFAULT_STALE_AFTER, heartbeat_every: float | None = None) -> GCReport:
     t_start = time.time()
     rep = GCReport(dry_run=dry_run)
     refs = store.reftable
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    beat = None
     if not dry_run:
         refs.gc_begin(owner, now=time.time(), stale_after=stale_after)
+        # Beat from a thread of its own, several times per stale_after, so that a gc
+        # busy in one long call is never taken for dead while it can still delete.
+        beat = _Heartbeat(refs, owner, heartbeat_every or max(0.05, min(5.0, stale_after / 4)))
     try:
         t0 = time.time()
         # 2. expire
@@ -183,7 +188,6 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
         if bar is not None:
             bar.close()
         marked.freeze()
-        last_beat = time.time()
         # 4. list -> spool of candidates
         spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-gc-")
         bar = _progress(progress, "gc: list")
@@ -211,9 +215,8 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
                 if len(batch) >= 65536:
                     flush()
             flush()
-            if not dry_run and time.time() - last_beat > heartbeat_every:
-                refs.gc_heartbeat(owner, now=time.time())
-                last_beat = time.time()
+            if beat is not None:
+                beat.check()
         if bar is not None:
             bar.close()
         spool.seek(0)
@@ -262,9 +265,7 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
             if batch and (len(batch) >= 512 or batch[-1][0] != item[0]):
                 sweep(batch)
                 batch = []
-                if time.time() - last_beat > heartbeat_every:
-                    refs.gc_heartbeat(owner, now=time.time())  # raises if another gc took over
-                    last_beat = time.time()
+                beat.check()  # raises if another gc took the lock over: stop deleting
             batch.append(item)
         if batch:
             sweep(batch)
@@ -272,15 +273,45 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
             bar.close()
         store.storage.sync()
         rep.seconds = time.time() - t_start
+        beat.stop()
         refs.gc_finish(owner, now=time.time(), last_gc={"at": time.time(), "deleted": rep.deleted_objects})
         return rep
     except BaseException:
-        if not dry_run:
+        if beat is not None:
+            beat.stop()
             try:
                 refs.gc_finish(owner, now=time.time())
             except TsckError:
                 pass
         raise
+
+
+class _Heartbeat:
+    """Renews the gc lock every `every` seconds until stopped; check() raises in the
+    gc's own thread once the lock was lost (another gc took a stale one over)."""
+
+    def __init__(self, refs, owner: str, every: float):
+        self.refs, self.owner, self.every = refs, owner, every
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tsck-gc-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.refs.gc_heartbeat(self.owner, now=time.time())
+            except BaseException as e:  # noqa: BLE001 - handed to the gc thread by check()
+                self.error = e
+                return
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _sweep_temp(store, before: float) -> int:
