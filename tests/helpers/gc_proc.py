@@ -1,0 +1,111 @@
+"""Subprocess plumbing shared by tests/test_gc_race.py and tests/test_gc_crash.py.
+
+Loaded by file path from the tests (not a test helper script itself): starts a
+helper script with the repository on PYTHONPATH and collects its stdout lines,
+timestamped, in a reader thread.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HELPERS = Path(__file__).resolve().parent
+REPO = HELPERS.parent.parent
+
+
+def load(name: str):
+    """Import tests/helpers/<name>.py by path (the test process has no helpers on sys.path)."""
+    spec = importlib.util.spec_from_file_location(f"tsck_test_{name}", HELPERS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def child_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash of a child (not our SIGKILL) leaves its traceback in its stderr
+    return env
+
+
+class Proc:
+    """A helper script; stdout lines are kept as (monotonic time, line)."""
+
+    def __init__(self, script: str, args: list, errlog: Path):
+        self.errlog = errlog
+        self._err = open(errlog, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPERS / script), *map(str, args)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=child_env(), cwd=str(REPO))
+        self.lines: list[tuple[float, str]] = []
+        self._cv = threading.Condition()
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self):
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._cv:
+                self.lines.append((time.monotonic(), line))
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_line(self, prefix: str, timeout: float) -> tuple[float, str]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for t, line in self.lines:
+                    if line.startswith(prefix):
+                        return t, line
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._t.is_alive()):
+                    raise AssertionError(f"no {prefix!r} line from {self.proc.args[1]} "
+                                         f"(rc={self.proc.poll()}): {self.stderr()[-3000:]}")
+                self._cv.wait(min(left, 0.5))
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text.encode())
+        self.proc.stdin.flush()
+
+    def kill9(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._t.join(10)
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self._t.join(10)
+        return rc
+
+    def stderr(self) -> str:
+        self._err.flush()
+        try:
+            return self.errlog.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._t.join(10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._err.close()
+
+    def found(self, prefix: str) -> list[tuple[float, str]]:
+        with self._cv:
+            return [(t, line) for t, line in self.lines if line.startswith(prefix)]

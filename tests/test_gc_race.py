@@ -1,0 +1,280 @@
+"""gc runs while writers write: it never deletes an object that a committed
+snapshot references, including blocks a writer reused while gc was condemning them.
+
+Three writer processes (tests/helpers/gc_writer.py) commit into one local store
+while a fourth process (tests/helpers/gc_loop.py) runs store.gc() in a loop
+(0-20 ms apart; the writers pause 0-50 ms between commits, so gc runs land at
+every offset of a writer's cycle).
+Each writer has its own job with keep_last=2, and its snapshot k reuses the
+"variant" blocks of snapshot k-3, which is exactly the snapshot gc is expiring
+when k is written (gc_states.py has the layout). So gc keeps condemning blocks
+that a writer is about to reference without writing them; the deletion-epoch
+fence must make that writer wait and re-validate (or gc re-mark them).
+
+Evidence collected: every writer reads back its previous snapshot bit-exact
+after each commit (during the race); afterwards the test process checks out
+every acknowledged snapshot that retention kept, bit-exact, and fsck finds
+nothing; a last gc leaves exactly the kept snapshots and no orphan.
+
+The second test: a writer must not take a live gc whose deletion phase outlasts
+gc_stale_after for dead (a package bug, fixed in 1337355; see its docstring).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import tensorstore_ck as tsck
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+
+
+def _load_gc_proc():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tsck_test_gc_proc", HELPERS / "gc_proc.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gc_proc = _load_gc_proc()
+gc_states = gc_proc.load("gc_states")
+
+WRITERS = 3
+STEPS = 70  # per writer: 210 commits in all
+STALE = 2.0  # gc_stale_after for every process
+GC_PAUSE = 0.02  # gc_loop sleeps U(0, GC_PAUSE) between runs
+WRITER_PAUSE = 0.05  # each writer sleeps U(0, WRITER_PAUSE) between commits
+KEEP = 2
+STRAY = 160_000  # leftover object names that make a gc's deletion phase last seconds
+
+
+@pytest.fixture
+def procs():
+    live: list = []
+    yield live
+    for p in live:
+        p.close()
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q / 100))]
+
+
+def _parse_kv(line: str) -> dict:
+    out = {}
+    for word in line.split()[2:]:
+        k, _, v = word.partition("=")
+        out[k] = float(v) if "." in v else int(v)
+    return out
+
+
+@pytest.mark.slow
+def test_gc_loop_races_three_dedup_writers(tmp_path, procs):
+    path = tmp_path / "store"
+    store = tsck.open_store(path, block_size=gc_states.RACE_BLOCK, inline_threshold=gc_states.RACE_INLINE,
+                            gc_stale_after=STALE)
+    try:
+        for w in range(WRITERS):
+            store.set_retention(f"w{w}", tsck.Retention(keep_last=KEEP))
+
+        stop = tmp_path / "stop-gc"
+        gcp = gc_proc.Proc("gc_loop.py", [path, STALE, stop, GC_PAUSE], tmp_path / "gc.err")
+        procs.append(gcp)
+        writers = []
+        for w in range(WRITERS):
+            p = gc_proc.Proc("gc_writer.py", [path, w, STEPS, STALE, WRITER_PAUSE], tmp_path / f"w{w}.err")
+            procs.append(p)
+            writers.append(p)
+        for p in [gcp, *writers]:
+            p.wait_line("ready", 90)
+        gcp.send("go\n")
+        for p in writers:
+            p.send("go\n")
+
+        deadline = time.monotonic() + 150
+        for w, p in enumerate(writers):
+            rc = p.wait(max(1.0, deadline - time.monotonic()))
+            assert rc == 0, f"writer {w} exited {rc}: {p.stderr()[-3000:]}"
+        stop.touch()
+        assert gcp.wait(60) == 0, f"gc loop failed: {gcp.stderr()[-3000:]}"
+
+        # ---------------------------------------------------------- what happened
+        acked: dict[int, list[tuple[int, str]]] = {}
+        put_secs, reuploads = [], 0
+        t_first, t_last = float("inf"), 0.0
+        for w, p in enumerate(writers):
+            acked[w] = []
+            for t, line in p.found("committed "):
+                _, k, root, blocks_new, secs = line.split()
+                k, blocks_new = int(k), int(blocks_new)
+                acked[w].append((k, root))
+                put_secs.append(float(secs))
+                # unique tensor = 4 blocks; more means gc had deleted reused variant blocks
+                if k >= gc_states.RACE_VARIANTS and blocks_new > 4:
+                    reuploads += 1
+                t_first, t_last = min(t_first, t), max(t_last, t)
+            assert [k for k, _ in acked[w]] == list(range(STEPS)), f"writer {w} missed commits"
+        damaged = [(w, line) for w, p in enumerate(writers) for _, line in p.found("damaged ")]
+        verified = sum(len(p.found("verified ")) for p in writers)
+        gc_lines = gcp.found("gc ")
+        gc_errors = [line for _, line in gcp.found("gcerror ")]
+        runs = [_parse_kv(line) for _, line in gc_lines]
+        during = [r for (t, _), r in zip(gc_lines, runs) if t_first <= t <= t_last]
+        deleted = sum(r["deleted"] for r in runs)
+        rescued = sum(r["rescued"] for r in runs)
+        expired = sum(r["expired"] for r in runs)
+        print(f"\ngc race: {sum(len(v) for v in acked.values())} commits, {verified} read back during the race, "
+              f"{len(runs)} gc runs ({len(during)} while writers committed), expired={expired} "
+              f"deleted={deleted} rescued={rescued}, commits that re-uploaded deleted blocks={reuploads}, "
+              f"put seconds p50={_pct(put_secs, 50):.3f} p90={_pct(put_secs, 90):.3f} max={max(put_secs):.3f}")
+
+        assert not damaged, f"committed snapshots lost objects during the race: {damaged[:5]}"
+        assert not gc_errors, f"gc failed during the race: {gc_errors[:5]}"
+        assert verified == WRITERS * (STEPS - 1)
+        assert sum(len(v) for v in acked.values()) >= 200
+        assert len(during) >= 5, "gc did not overlap the writers"
+        assert expired > 0 and deleted > 0, "gc never deleted anything: the race was not exercised"
+        # The content is built so that gc condemns blocks a writer reuses; either gc
+        # re-marked them (rescued) or it deleted them and a writer wrote them again.
+        assert rescued + reuploads > 0, "no condemned block was ever reused: the race was not exercised"
+
+        # ---------------------------------------------------------- the store after the race
+        rep = store.fsck(full=True)
+        assert rep.ok and rep.findings == [], [str(f) for f in rep.findings[:10]]
+
+        all_acked = {root for v in acked.values() for _, root in v}
+        catalog = {r.hex(): row for r, row in store.reftable.catalog_iter()}
+        assert set(catalog) <= all_acked, "catalog holds a snapshot no writer was told about"
+        present = 0
+        for w, commits in acked.items():
+            for k, root in commits:
+                try:
+                    store.resolve(root)
+                except tsck.RefNotFound:
+                    continue  # expired by retention
+                present += 1
+                got = store.checkout(root)
+                assert gc_states.same_bits(gc_states.race_state(w, k), got), f"w{w} step {k} differs"
+            last = {root for _, root in commits[-KEEP:]}
+            assert last <= set(catalog), f"w{w}: a snapshot retention keeps is gone"
+            assert store.resolve(f"w{w}/main") == commits[-1][1]
+        assert present >= WRITERS * KEEP
+
+        # ---------------------------------------------------------- a last gc, alone
+        final = store.gc()
+        assert final.deleted_objects >= 0
+        rep = store.fsck(full=True)
+        assert rep.ok and rep.findings == [], [str(f) for f in rep.findings[:10]]
+        assert rep.orphans == 0, f"{rep.orphans} unreachable objects left after a quiet gc"
+        by_job = collections.defaultdict(set)
+        for r, row in store.reftable.catalog_iter():
+            by_job[row["job"]].add(r.hex())
+        for w, commits in acked.items():
+            assert by_job[f"w{w}"] == {root for _, root in commits[-KEEP:]}
+            for k, root in commits[-KEEP:]:
+                assert gc_states.same_bits(gc_states.race_state(w, k), store.checkout(root))
+            assert [i.step for i in store.log(f"w{w}/main")] == [STEPS - 1, STEPS - 2]
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_writer_does_not_commit_over_a_live_gc_that_deletes_longer_than_stale_after(tmp_path, procs):
+    """A gc that is alive and deleting for longer than gc_stale_after must not be
+    treated as dead: a writer that reuses its condemned blocks must not commit
+    while that gc can still delete them.
+
+    Regression test: before commit 1337355 run_gc renewed (and checked) its lock
+    only every `heartbeat_every` = 5 s, whatever gc_stale_after was. With any
+    gc_stale_after below that (API3 suggests 1.0-2.0 in tests; 0.5 here makes
+    the timing deterministic), a deletion phase longer than gc_stale_after
+    looked dead to a fenced writer: it called gc_abort_stale (epoch back to
+    even), re-validated (the objects were still there), moved the ref, and the
+    live gc then deleted them under the new ref tip (this test failed with the
+    tip's top manifest node or all 64 reused blocks missing).
+
+    The deletion phase is made long with leftover objects (what crashed writers
+    leave behind): 160,000 stray names under nodes/. The condemned manifest
+    nodes of the reused state sit among them and its blocks come after them,
+    so they are still present when the writer re-validates, and the live gc
+    deletes some of them before its next (5 s) heartbeat tells it it lost the
+    lock. Two checks: the acknowledged tip lost objects (what users see;
+    whether it happens depends on where the heartbeat falls), and the live gc
+    lost its lock to the writer (the cause; deterministic as long as the
+    deletion phase outlasts gc_stale_after).
+    """
+    import secrets
+
+    import blake3
+
+    stale = 0.5
+    path = tmp_path / "store"
+    store = tsck.open_store(path, block_size=gc_states.CRASH_BLOCK, inline_threshold=gc_states.CRASH_INLINE,
+                            gc_stale_after=stale)
+    try:
+        store.set_retention("a", tsck.Retention(keep_last=1))
+        x, y = gc_states.crash_state("a", 0), gc_states.crash_state("a", 1)
+        store.put_snapshot(x, ref="a/main", step=0)
+        store.put_snapshot(y, ref="a/main", step=1)  # a@0 expires: its own blocks are condemned
+        first: dict[str, Path] = {}  # one file per folder, the others are hard links to it
+        for _ in range(STRAY):
+            h = secrets.token_hex(32)
+            if h[:2] in first:
+                os.link(first[h[:2]], path / "nodes" / h[:2] / h)
+            else:
+                (path / "nodes" / h[:2]).mkdir(exist_ok=True)
+                first[h[:2]] = path / "nodes" / h[:2] / h
+                first[h[:2]].write_bytes(b"stray")
+        raw = x["own"].tobytes()
+        own = [path / "blocks" / d[:2] / d for d in
+               (blake3.blake3(raw[i:i + gc_states.CRASH_BLOCK]).hexdigest()
+                for i in range(0, len(raw), gc_states.CRASH_BLOCK))]
+        assert all(f.exists() for f in own)
+        time.sleep(0.05)  # strictly older than the gc's start
+
+        gcp = gc_proc.Proc("gc_once.py", [path, stale], tmp_path / "gc.err")
+        procs.append(gcp)
+        gcp.wait_line("ready", 90)
+        gcp.send("go\n")
+        while store.reftable.gc_state()["phase"] != "deleting":
+            assert gcp.proc.poll() is None, gcp.stderr()[-3000:]
+            time.sleep(0.001)
+        t = time.monotonic()
+        # The writer reuses a@0's content: the gc condemned its objects and is deleting.
+        info = store.put_snapshot(x, ref="a/main", step=2)
+        waited = time.monotonic() - t
+        gc_alive_at_commit = gcp.proc.poll() is None
+        present_at_commit = sum(f.exists() for f in own)
+        rc = gcp.wait(120)
+        gone = time.monotonic() - t
+        gc_lines = [line for _, line in gcp.lines]
+        print(f"\nwriter committed {waited:.2f}s after the freeze, {present_at_commit}/{len(own)} of the reused "
+              f"blocks present; gc still running then: {gc_alive_at_commit}; gc exited after {gone:.2f}s "
+              f"rc={rc} {gc_lines[-1:]} {gcp.stderr().strip().splitlines()[-1:]}; "
+              f"reused blocks present now: {sum(f.exists() for f in own)}")
+
+        # 1. What users lose: objects under an acknowledged ref tip (when the live gc
+        #    reaches the reused blocks before its next heartbeat; timing-dependent).
+        rep = store.fsck(full=True)
+        missing = [f for f in rep.findings if f.snapshot == info.root]
+        assert rep.ok and not missing, (
+            f"the ref tip {info.root[:16]} (acknowledged by put_snapshot) lost {len(missing)} objects to a "
+            f"gc that was still running; first: {missing[:1] and str(missing[0])}")
+        assert gc_states.same_bits(x, store.checkout("a/main"))
+        # 2. The cause, deterministic whenever the deletion phase outlasts gc_stale_after:
+        #    a writer declared the live gc dead and closed its epoch, so the gc lost its lock.
+        assert rc == 0 and gc_lines[-1:] == ["done"], (
+            f"a live gc lost its lock to a writer that presumed it dead after gc_stale_after={stale}s "
+            f"(gc exit {rc}): {gcp.stderr().strip().splitlines()[-1:]}")
+        # The scenario really happened: the deletion phase outlasted gc_stale_after.
+        assert gone > 2 * stale, f"the gc finished {gone:.2f}s after its freeze: too fast to test anything"
+    finally:
+        store.close()
