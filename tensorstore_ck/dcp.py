@@ -591,16 +591,7 @@ class TsckWriter(StorageWriter):
         still exists (the coordinator holds addresses only, not the data of other
         ranks: a removed block aborts the snapshot). Returns the new fence."""
         store = self.store
-        while True:
-            st = store.reftable.gc_state()
-            if st["epoch"] % 2 == 0:
-                break
-            now = time.time()
-            if now - float(st.get("heartbeat", 0.0)) >= store.gc_stale_after:
-                store.reftable.gc_abort_stale(now=now, stale_after=store.gc_stale_after)
-            else:
-                time.sleep(0.05)
-        fence = st["epoch"]
+        fence = store.wait_gc_idle()
         exists = store.assets.storage.exists
         present = list(store._pool.map(lambda d: exists(block_key(d)), digests))
         missing = sum(1 for ok in present if not ok)

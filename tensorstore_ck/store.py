@@ -345,19 +345,23 @@ class Store:
             return _row_to_info(root, row)
         raise RefConflict(ref, None, None)
 
-    def _revalidate(self, plan, nodes: list, commit_body: bytes) -> int:
-        """Wait out a gc deletion phase, then make sure every object this snapshot
-        references exists (writing again what gc removed). Returns the new fence."""
+    def wait_gc_idle(self) -> int:
+        """Wait until no gc deletion phase is running (closing a dead gc's phase once
+        its heartbeat is older than gc_stale_after); the even epoch, as a new fence."""
         while True:
             st = self.reftable.gc_state()
             if st["epoch"] % 2 == 0:
-                break
+                return st["epoch"]
             now = time.time()
             if now - float(st.get("heartbeat", 0.0)) >= self.gc_stale_after:
                 self.reftable.gc_abort_stale(now=now, stale_after=self.gc_stale_after)
             else:
                 time.sleep(0.05)
-        fence = st["epoch"]
+
+    def _revalidate(self, plan, nodes: list, commit_body: bytes) -> int:
+        """Wait out a gc deletion phase, then make sure every object this snapshot
+        references exists (writing again what gc removed). Returns the new fence."""
+        fence = self.wait_gc_idle()
         futs = [self._pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest)
                 for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
         for f in futs:
