@@ -52,7 +52,6 @@ import io
 import math
 import os
 import threading
-import time
 import uuid
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, wait
