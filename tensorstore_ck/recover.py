@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, IntegrityError, RefConflict
+from .errors import FormatError, IntegrityError, InvalidName, RefConflict
 from .format.manifest import decode_commit
 from .refs.names import validate_name
 
@@ -31,14 +31,19 @@ def encode_tag(name: str, root: bytes, time: float) -> bytes:
 
 
 def decode_tag(data: bytes) -> tuple[str, bytes, float]:
+    if len(data) > 4096:
+        raise FormatError(f"tag object of {len(data)} bytes is too large")
     try:
         obj = json.loads(data)
         name, root, t = obj["name"], bytes.fromhex(obj["root"]), float(obj.get("time", 0.0))
-    except (ValueError, KeyError, TypeError) as e:
-        raise FormatError(f"undecodable tag object: {e}") from None
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
+        raise FormatError(f"undecodable tag object: {type(e).__name__}") from None
     if len(root) != 32:
         raise FormatError("tag object root is not a digest")
-    validate_name(name, "tag name")
+    try:
+        validate_name(name, "tag name")
+    except InvalidName as e:
+        raise FormatError(f"tag object names an invalid tag: {e}") from None
     return name, root, t
 
 

@@ -43,6 +43,7 @@ def format_path(parts) -> str:
 # Quantized dtypes stored as their integer representation plus affine parameters.
 _QUANT_REPR = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
 _QUANT_BY_NAME = {str(k).removeprefix("torch."): (k, v) for k, v in _QUANT_REPR.items()}
+_QUANT_NAMES = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
 
 
 def _quant_params(t: torch.Tensor):
@@ -231,6 +232,8 @@ class Planner:
         if isinstance(obj, np.generic):
             if obj.dtype.hasobject:
                 return self._unsupported(obj, path)
+            if obj.dtype.itemsize == 0:
+                return self._unsupported(obj, path, f"numpy scalar of empty dtype {obj.dtype}")
             return {"S": [_dtype_out(obj.dtype), obj.tobytes()]}
         return self._unsupported(obj, path)
 
@@ -285,12 +288,18 @@ class Planner:
         if on_device and not self.defer_device:
             t = t.cpu()
             on_device = False
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        if not t.is_contiguous():
-            t = t.contiguous()
+        if str(t.dtype).removeprefix("torch.") in _QUANT_NAMES and not t.is_quantized:
+            return self._unsupported(obj, path, f"a {t.dtype} view of a plain tensor is not a quantized tensor")
+        try:
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
+            if not t.is_contiguous():
+                t = t.contiguous()
+        except Exception as e:  # torch has no copy kernel for some dtypes (uint1..7, int1..7)
+            return self._unsupported(obj, path, f"a non-contiguous {t.dtype} tensor cannot be copied: "
+                                                f"{type(e).__name__}; make it contiguous first")
         try:
             flat = t.reshape(-1).view(torch.uint8)
             raw, device_src = (None, flat) if on_device else (flat.numpy(), None)
@@ -621,7 +630,8 @@ class Reader:
         if len(same) != len(vals):
             return v0  # the ranks' trees differ here: this rank's own view
         bodies = [v[tag] for v in same]
-        if tag in ("d", "o") and all(isinstance(b, list) for b in bodies):
+        if tag in ("d", "o") and all(isinstance(b, list) and all(isinstance(p, list) and len(p) == 2 for p in b)
+                                     for b in bodies):
             keys = [[p[0] if isinstance(p, list) and len(p) == 2 else None for p in b] for b in bodies]
             if all(k == keys[sel] for k in keys):
                 return {tag: [[k, self._merge([b[i][1] for b in bodies], sel, path + (k,), depth + 1)]
@@ -638,12 +648,15 @@ class Reader:
                 or len(body["chunks"]) > 1 << 20:
             raise self._fmt("bad sharded tensor", path)
         dt = body.get("dt")
-        if not isinstance(dt, str) or dt not in TORCH_DTYPES or dt in _QUANT_BY_NAME:
-            raise self._fmt(f"unknown torch dtype {dt!r}", path)
+        if not isinstance(dt, str) or dt not in TORCH_DTYPES or dt in _QUANT_BY_NAME \
+                or TORCH_DTYPES[dt] in (torch.quint4x2, torch.quint2x4):
+            raise self._fmt(f"unknown or unsupported torch dtype {dt!r} for a sharded tensor", path)
         gs = body.get("sh")
         if not isinstance(gs, list) or len(gs) > MAX_DIMS or not all(
                 isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in gs):
             raise self._fmt("bad global shape", path)
+        if math.prod(gs) * TORCH_DTYPES[dt].itemsize > self.max_tensor_bytes:
+            raise self._fmt(f"sharded tensor of shape {gs} exceeds the cap of {self.max_tensor_bytes} bytes", path)
         out, seen = [], set()
         for c in body["chunks"]:
             if not isinstance(c, dict) or c.get("dt") != dt:
@@ -683,7 +696,10 @@ class Reader:
             local = torch.empty(sh, dtype=dtype)
             self._fill_region(chunks, dtype, local, off, path, require_full=True)
             return Sharded(local, gs, off)
-        t = torch.empty(gs, dtype=dtype)
+        try:
+            t = torch.empty(gs, dtype=dtype)
+        except Exception as e:
+            raise self._fmt(f"cannot allocate tensor of {dtype} {list(gs)}: {type(e).__name__}", path) from None
         self._fill_region(chunks, dtype, t, (0,) * len(gs), path, require_full=True)
         return t
 
@@ -779,9 +795,10 @@ class Reader:
                 t = t.to(dev)
             except Exception:  # e.g. fewer devices than when written: stay on the CPU
                 pass
+        rg = rg and (t.dtype.is_floating_point or t.dtype.is_complex)  # only those can require grad
         if body.get("p") is True:
             return torch.nn.Parameter(t, requires_grad=rg)
-        if rg and (t.dtype.is_floating_point or t.dtype.is_complex):
+        if rg:
             t.requires_grad_(True)
         return t
 
@@ -792,7 +809,10 @@ class Reader:
             raise self._fmt(f"quantized tensor of {body['dt']} without valid parameters", path)
         if into is not _MISSING and isinstance(into, torch.Tensor):
             raise CheckoutMismatch(f"checkout(into=) cannot fill the quantized tensor at {format_path(path)}")
-        rep = torch.empty(sh, dtype=repr_dtype)
+        try:
+            rep = torch.empty(sh, dtype=repr_dtype)
+        except Exception as e:
+            raise self._fmt(f"cannot allocate quantized tensor {sh}: {type(e).__name__}", path) from None
         if q.get("s") == "pt" and isinstance(q.get("scale"), float) and isinstance(q.get("zp"), int):
             make = lambda: torch._make_per_tensor_quantized_tensor(rep, q["scale"], q["zp"])  # noqa: E731
         elif q.get("s") == "pc" and isinstance(q.get("axis"), int) and 0 <= q["axis"] < max(1, len(sh)) \
@@ -827,7 +847,10 @@ class Reader:
         if isinstance(into, np.ndarray):
             raise CheckoutMismatch(f"array at {format_path(path)} is {into.dtype} {list(into.shape)}, "
                                    f"snapshot has {dtype} {sh}")
-        a = np.empty(sh, dtype=dtype, order="F" if fo else "C")
+        try:
+            a = np.empty(sh, dtype=dtype, order="F" if fo else "C")
+        except Exception as e:
+            raise self._fmt(f"cannot allocate array of {dtype} {sh}: {type(e).__name__}", path) from None
         if n:
             body_view = a.T if fo else a
             self._fill(body_view.reshape(-1).view(np.uint8), n, layout, body.get("x"), path)
@@ -843,9 +866,14 @@ class Reader:
         if not isinstance(body, list) or len(body) != 2 or not isinstance(body[1], bytes):
             raise self._fmt("bad numpy scalar", path)
         d = self._np_dtype(body[0], path)
-        if len(body[1]) != d.itemsize:
+        if d.itemsize == 0 or len(body[1]) != d.itemsize:
             raise self._fmt("numpy scalar bytes do not match its dtype", path)
-        return np.frombuffer(body[1], dtype=d)[0]
+        try:
+            if d.kind == "S":  # frombuffer's scalar would drop trailing NULs (and shrink the dtype)
+                return np.bytes_(body[1])
+            return np.frombuffer(body[1], dtype=d)[0]
+        except Exception as e:  # e.g. an invalid code point in a <U scalar
+            raise self._fmt(f"numpy scalar does not decode: {type(e).__name__}", path) from None
 
 
 def _copy_into(into: torch.Tensor, src: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from .storage import BlockStore, FsspecBlockStore, LocalBlockStore
 __all__ = ["open_store", "Store", "SnapshotInfo"]
 
 STORE_MARKER = "tsck.json"
+MAX_TAG_BYTES = 120
 STORE_VERSION = 1
 MIN_STORE_VERSION = 1
 MAX_STORE_VERSION = 1
@@ -338,8 +339,8 @@ class Store:
                                           "published, take it again") from None
                 fence = revalidate(body)
                 continue
-            except RefConflict:
-                if exp is not _UNSET:
+            except RefConflict as e:
+                if exp is not _UNSET or e.what != "ref":  # conditional, or the name is a tag's
                     raise
                 continue  # another writer moved the ref: chain onto its snapshot and retry
             return _row_to_info(root, row)
@@ -470,6 +471,9 @@ class Store:
 
     @_storage_errors
     def refs(self, prefix: str = "") -> dict[str, SnapshotInfo]:
+        if not isinstance(prefix, str):
+            raise InvalidName(f"prefix must be a str, got {type(prefix).__name__}")
+        _utf8(prefix, "ref prefix")
         return {name: self._info(root) for name, root in self.reftable.list(prefix)}
 
     @_storage_errors
@@ -484,7 +488,11 @@ class Store:
         rebuild it; that object is created exclusively, so it is the tag's
         single source of truth across hosts."""
         validate_name(name, "tag name")
+        if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
+            raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
         root = bytes.fromhex(self.resolve(target))
+        if self.reftable.get_or_none(name) is not None:
+            raise RefConflict(name, None, self.reftable.get_or_none(name).hex(), what="tag (a ref has this name)")
         cur = self.reftable.tag_get(name)
         if cur is not None:
             raise RefConflict(name, None, cur.hex(), what="tag")
@@ -615,11 +623,16 @@ def _read_config(storage: BlockStore) -> dict | None:
     except FileNotFoundError:
         return None
     try:
+        if len(data) > 65536:
+            raise ValueError("too large")
         cfg = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise NotAStore(f"{storage.url}/{STORE_MARKER} is not a tensorstore_ck store marker") from None
     if not isinstance(cfg, dict) or cfg.get("format") != "tensorstore_ck":
         raise NotAStore(f"{storage.url} is not a tensorstore_ck store")
+    for k in ("block_size", "inline_threshold"):
+        if k in cfg and (not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or not 0 <= cfg[k] < 2**40):
+            raise FormatError(f"{storage.url}/{STORE_MARKER}: {k} is not a valid size")
     v = cfg.get("version")
     if not isinstance(v, int) or not MIN_STORE_VERSION <= v <= MAX_STORE_VERSION:
         raise FormatError(f"store format version {v!r} is not readable by this build "

@@ -14,6 +14,7 @@ from typing import Iterator
 from .assets import Assets
 from .errors import FormatError, IntegrityError
 from .format.manifest import MAX_DEPTH, decode_commit, decode_node
+from .chunker import MAX_BLOCK_SIZE
 from .state import format_path
 
 __all__ = ["Obj", "walk_commit", "walk_tree", "iter_leaves"]
@@ -33,8 +34,8 @@ def _leaf_blocks(body, path) -> Iterator[tuple[int, bytes, int]]:
     if "x" in body:
         return
     n, bs, blocks = body.get("n"), body.get("bs"), body.get("b")
-    if not (isinstance(n, int) and isinstance(bs, int) and bs > 0 and isinstance(blocks, list)
-            and len(blocks) == math.ceil(n / bs)):
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0 and isinstance(bs, int)
+            and 0 < bs <= MAX_BLOCK_SIZE and isinstance(blocks, list) and len(blocks) == math.ceil(n / bs)):
         raise FormatError(f"bad block layout at {format_path(path)}")
     for i, d in enumerate(blocks):
         if not isinstance(d, bytes) or len(d) != 32:
@@ -120,8 +121,8 @@ def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True) -> dict[str
         if depth > MAX_DEPTH or not isinstance(v, dict) or len(v) != 1:
             return
         (tag, body), = v.items()
-        if tag == "r" and isinstance(body, bytes):
-            visit(decode_node(assets.get_node(body, verify=verify, snapshot=root.hex())), p, depth)
+        if tag == "r" and isinstance(body, bytes) and len(body) == 32:
+            visit(decode_node(assets.get_node(body, verify=verify, snapshot=root.hex())), p, depth + 1)
         elif tag in ("d", "o") and isinstance(body, list):
             for pair in body:
                 if isinstance(pair, list) and len(pair) == 2:
@@ -132,18 +133,24 @@ def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True) -> dict[str
         elif tag in ("T", "A") and isinstance(body, dict):
             desc = f"{body.get('dt')} {body.get('sh')}"
             if "x" in body:
-                out[format_path(p)] = (desc, [bytes(body["x"])])
+                if not isinstance(body["x"], bytes):
+                    raise FormatError(f"bad inline tensor at {format_path(p)}")
+                out[format_path(p)] = (desc, [body["x"]])
             else:
                 out[format_path(p)] = (desc, [d for _i, d, _n in _leaf_blocks(body, p)])
         elif tag == "G" and isinstance(body, dict) and isinstance(body.get("chunks"), list):
             key = format_path(p)
             desc, blocks = out.get(key, (f"{body.get('dt')} {body.get('sh')} sharded", []))
-            for c in sorted(body["chunks"], key=lambda c: str(c.get("off"))):
-                blocks = blocks + ([bytes(c["x"])] if "x" in c else [d for _i, d, _n in _leaf_blocks(c, p)])
+            for c in sorted(body["chunks"], key=lambda c: str(c.get("off")) if isinstance(c, dict) else ""):
+                if not isinstance(c, dict) or ("x" in c and not isinstance(c["x"], bytes)):
+                    raise FormatError(f"bad chunk at {format_path(p)}")
+                blocks = blocks + ([c["x"]] if "x" in c else [d for _i, d, _n in _leaf_blocks(c, p)])
             out[key] = (desc, blocks)
         elif tag == "W" and isinstance(body, dict) and isinstance(body.get("ranks"), list):
+            if depth or not all(isinstance(d, bytes) and len(d) == 32 for d in body["ranks"]):
+                raise FormatError("bad multi-rank snapshot")
             for d in body["ranks"]:  # every rank's tree; sharded tensors gather their chunks by path
-                visit(decode_node(assets.get_node(d, verify=verify, snapshot=root.hex())), p, depth)
+                visit(decode_node(assets.get_node(d, verify=verify, snapshot=root.hex())), p, depth + 1)
 
     visit(decode_node(assets.get_node(c["tree"], verify=verify, snapshot=root.hex())), (), 0)
     return out

@@ -93,17 +93,25 @@ def decode_commit(data) -> dict:
         raise FormatError("object is not a commit")
     if not isinstance(c.get("job"), str) or not isinstance(c.get("ref"), str):
         raise FormatError("commit has no job/ref")
+    if "step" not in c:
+        raise FormatError("commit has no step")
     step = c.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise FormatError("commit step is not an int")
     if not isinstance(c.get("time"), (int, float)):
         raise FormatError("commit time is not a number")
-    if not isinstance(c.get("metrics"), dict):
-        raise FormatError("commit metrics is not a map")
+    m = c.get("metrics")
+    if not isinstance(m, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                          and not isinstance(v, bool) for k, v in m.items()):
+        raise FormatError("commit metrics is not a map of names to numbers")
+    if not isinstance(c.get("meta", {}), dict):
+        raise FormatError("commit meta is not a map")
     if c.get("parent") is not None and not _is_digest(c["parent"]):
         raise FormatError("commit parent is not a digest")
     if not _is_digest(c.get("tree")):
         raise FormatError("commit tree is not a digest")
-    if not isinstance(c.get("stats"), dict):
-        raise FormatError("commit stats is not a map")
+    st = c.get("stats")
+    if not isinstance(st, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+                                           for v in st.values()):
+        raise FormatError("commit stats is not a map of counts")
     return c

@@ -71,6 +71,33 @@ def _hex(b: bytes | None) -> str | None:
     return b.hex() if b is not None else None
 
 
+def _name(k: bytes, what: str) -> str:
+    try:
+        return k.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError(f"{what} key is not UTF-8: {k[:40]!r}") from None
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+def _check_catalog(row: dict) -> dict:
+    """Catalog rows are read back by log/refs/du/gc: refuse what they cannot use."""
+    if not _number(row.get("time", 0.0)) or not isinstance(row.get("metrics", {}), dict) \
+            or not isinstance(row.get("meta", {}), dict) \
+            or not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                       for k, v in row.get("metrics", {}).items()) \
+            or not all(isinstance(row.get(k, 0), int) and not isinstance(row.get(k, 0), bool)
+                       and 0 <= row.get(k, 0) < 2**63
+                       for k in ("bytes_total", "bytes_new", "blocks_total", "blocks_new")) \
+            or not isinstance(row.get("job", ""), str) or not isinstance(row.get("ref", ""), str) \
+            or not (row.get("step") is None or (isinstance(row.get("step"), int)
+                                                and not isinstance(row.get("step"), bool))):
+        raise FormatError("malformed catalog record")
+    return row
+
+
 def _unpack_row(data: bytes, what: str) -> dict:
     try:
         row = msgpack.unpackb(data, raw=False, strict_map_key=False)
@@ -185,6 +212,8 @@ class KvRefTable(RefTable):
                 raise RefConflict(name, None, _hex(t.get("tags", key)), what="ref (a tag has this name)")
             t.put("refs", key, new)
             seq_raw = t.get("meta", b"reflog_seq")
+            if seq_raw is not None and len(seq_raw) != _SEQ.size:
+                raise FormatError("malformed reflog sequence record")
             seq = _SEQ.unpack(seq_raw)[0] + 1 if seq_raw else 1
             t.put("meta", b"reflog_seq", _SEQ.pack(seq))
             entry = {"t": time.time(), "old": expected, "new": new, "msg": message}
@@ -195,7 +224,7 @@ class KvRefTable(RefTable):
         self._write(txn)
 
     def list(self, prefix=""):
-        return self._read(lambda t: [(k.decode(), v) for k, v in t.items("refs", prefix.encode())])
+        return self._read(lambda t: [(_name(k, "ref"), v) for k, v in t.items("refs", prefix.encode())])
 
     def reflog(self, name):
         key = name.encode() + b"\0"
@@ -204,14 +233,18 @@ class KvRefTable(RefTable):
             out = []
             for _k, v in t.items("reflog", key):
                 e = _unpack_row(v, "reflog")
-                out.append(ReflogEntry(name, float(e.get("t", 0.0)), e.get("old"), e["new"], str(e.get("msg", ""))))
+                new, old = e.get("new"), e.get("old")
+                if not _number(e.get("t", 0.0)) or not isinstance(new, bytes) or len(new) != 32 \
+                        or not (old is None or (isinstance(old, bytes) and len(old) == 32)):
+                    raise FormatError(f"malformed reflog record of {name!r}")
+                out.append(ReflogEntry(name, float(e.get("t", 0.0)), old, new, str(e.get("msg", ""))))
             return out
 
         return self._read(txn)
 
     def catalog_get(self, root):
         data = self._read(lambda t: t.get("catalog", root))
-        return None if data is None else _unpack_row(data, "catalog")
+        return None if data is None else _check_catalog(_unpack_row(data, "catalog"))
 
     def catalog_put(self, root: bytes, row: dict) -> None:
         self._write(lambda t: t.put("catalog", root, msgpack.packb(row)))
@@ -219,7 +252,7 @@ class KvRefTable(RefTable):
     def catalog_iter(self):
         rows = self._read(lambda t: list(t.items("catalog")))
         for k, v in rows:
-            yield k, _unpack_row(v, "catalog")
+            yield k, _check_catalog(_unpack_row(v, "catalog"))
 
     def catalog_prefix(self, prefix):
         return self._read(lambda t: [k for k, _ in t.items("catalog", prefix)])
@@ -242,7 +275,7 @@ class KvRefTable(RefTable):
         self._write(txn)
 
     def tags(self):
-        return self._read(lambda t: [(k.decode(), v) for k, v in t.items("tags")])
+        return self._read(lambda t: [(_name(k, "tag"), v) for k, v in t.items("tags")])
 
     def pin(self, root):
         self._write(lambda t: t.put("pins", root, b""))
@@ -261,7 +294,7 @@ class KvRefTable(RefTable):
 
     def retention_all(self):
         rows = self._read(lambda t: list(t.items("retention")))
-        return {k.decode(): _unpack_row(v, "retention") for k, v in rows}
+        return {_name(k, "retention"): _unpack_row(v, "retention") for k, v in rows}
 
     def catalog_expire(self, roots):
         def txn(t):
@@ -332,7 +365,8 @@ class KvRefTable(RefTable):
         deletes nothing more, so its epoch can be closed."""
         def txn(t):
             st = _gc_state(t)
-            if st["phase"] == "deleting" and now - float(st.get("heartbeat", 0.0)) >= stale_after:
+            # Any odd epoch whose owner stopped beating is closed, whatever its phase says.
+            if st["epoch"] % 2 and now - float(st.get("heartbeat", 0.0)) >= stale_after:
                 st["epoch"] += 1
                 st.update(phase="idle", owner=None, aborted=now)
                 t.put("gc", b"state", msgpack.packb(st))
@@ -345,4 +379,9 @@ def _gc_state(t: Txn) -> dict:
     st = {"epoch": 0, "phase": "idle"}
     if raw is not None:
         st.update(_unpack_row(raw, "gc state"))
+    e = st.get("epoch")
+    if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < 2**62 \
+            or st.get("phase") not in ("idle", "marking", "deleting") \
+            or not _number(st.get("heartbeat", 0.0)):
+        raise FormatError("malformed gc state record")
     return st

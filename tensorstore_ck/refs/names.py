@@ -14,8 +14,9 @@ _COMPONENT = re.compile(r"[A-Za-z0-9._-]+\Z")
 
 
 def validate_component(c: str, what: str = "name component") -> str:
-    if not isinstance(c, str) or not _COMPONENT.match(c) or c in (".", ".."):
-        raise InvalidName(f"invalid {what} {c!r}: use letters, digits, '.', '_', '-' (not '.' or '..')")
+    if not isinstance(c, str) or not _COMPONENT.match(c) or c in (".", "..") or len(c) > MAX_NAME_BYTES:
+        raise InvalidName(f"invalid {what} {str(c)[:80]!r}: use at most {MAX_NAME_BYTES} letters, digits, "
+                          "'.', '_', '-' (not '.' or '..')")
     return c
 
 

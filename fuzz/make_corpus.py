@@ -1,0 +1,132 @@
+"""Build the seed corpus of every fuzz target from REAL snapshots.
+
+    .venv/bin/python fuzz/make_corpus.py [--out fuzz/corpus]
+
+Creates a local store (LMDB ref table, file objects) in a temporary folder,
+takes the snapshots of _common.build_real_store (a small training job: two
+steps of jobA/main sharing most blocks, jobA/dev, a fine-tune on jobB/main, a
+pickled value, a sharded tensor, a tag, a pin, a retention rule), runs gc so
+the gc state record exists, then copies:
+
+    frame/          every object file as stored (header + payload): blocks, nodes, commits
+    manifest/       the raw payloads of every node and commit (and two multi-rank
+                    "W" nodes made from the real trees, labelled synth-)
+    refrecords/     every record of every LMDB table, the tag objects and the store
+                    marker, each behind its one-byte selector (fuzz_refrecords.TABLES)
+    names/          the real ref and tag names, REF@STEP targets, root prefixes
+                    ({r8}, {r12}, {root}), job names, and a few hostile strings
+    state_encoder/  the real states (each top-level entry) as Builder programs
+
+File names are <label>-<sha1 of content, 12 hex>. Re-running replaces the
+folder's contents (commit times differ per run, so some seeds change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+
+def _write(out: str, target: str, label: str, data: bytes) -> None:
+    d = os.path.join(out, target)
+    os.makedirs(d, exist_ok=True)
+    name = f"{label}-{hashlib.sha1(data).hexdigest()[:12]}"
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(_common.CORPUS_DIR))
+    args = ap.parse_args(argv)
+
+    import lmdb
+
+    import fuzz_refrecords
+    import fuzz_state_encoder
+    from tensorstore_ck.format import frame
+    from tensorstore_ck.format.manifest import encode_node
+
+    out = args.out
+    for t in ("frame", "manifest", "refrecords", "names", "state_encoder"):
+        shutil.rmtree(os.path.join(out, t), ignore_errors=True)
+    counts: dict[str, int] = {}
+
+    def write(target, label, data):
+        _write(out, target, label, data)
+        counts[target] = counts.get(target, 0) + 1
+
+    with tempfile.TemporaryDirectory(prefix="tsck-corpus-") as tmp:
+        path = os.path.join(tmp, "store")
+        store, info = _common.build_real_store(path)
+        trees = []
+        try:
+            store.gc()  # writes the gc state record (and applies jobA's retention)
+            # -- objects: frame/ and manifest/
+            for kind in ("blocks", "nodes", "commits"):
+                for o in sorted(store.storage.list(kind + "/"), key=lambda o: o.key):
+                    blob = store.storage.get(o.key)
+                    write("frame", kind[:-1], blob)
+                    if kind != "blocks":
+                        hdr = frame.decode_header(blob)
+                        payload = bytes(frame.decode_payload(hdr, blob[frame.HEADER_SIZE:]))
+                        write("manifest", kind[:-1], payload)
+            for snap in info["snapshots"][:4]:
+                from tensorstore_ck.format.manifest import decode_commit
+                c = decode_commit(store.assets.get_commit(bytes.fromhex(snap.root)))
+                trees.append(c["tree"])
+            write("manifest", "synth-world", encode_node({"W": {"ranks": trees[:2], "world": 2}}))
+            write("manifest", "synth-world3", encode_node({"W": {"ranks": [trees[0], trees[3], trees[0]],
+                                                                 "world": 3}}))
+            # -- tag objects and the store marker
+            for o in store.storage.list("tags/"):
+                write("refrecords", "tag-object", fuzz_refrecords.seed("tag-object", store.storage.get(o.key)))
+            write("refrecords", "marker", fuzz_refrecords.seed("marker", store.storage.get("tsck.json")))
+        finally:
+            store.close()
+        # -- LMDB records
+        env = lmdb.open(os.path.join(path, "refs.lmdb"), max_dbs=16, readonly=True, lock=False)
+        value_tables = {"reflog": "reflog", "catalog": "catalog", "gc": "gc", "retention": "retention",
+                        "refs": "refs", "tags": "tags", "meta": "meta"}
+        key_tables = {"refs": "refs-key", "tags": "tags-key", "retention": "retention-key", "pins": "pins-key"}
+        with env.begin() as txn:
+            for table in ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta"):
+                db = env.open_db(table.encode(), txn=txn, create=False)
+                for k, v in txn.cursor(db=db):
+                    if table in value_tables:
+                        write("refrecords", table, fuzz_refrecords.seed(value_tables[table], bytes(v)))
+                    if table in key_tables:
+                        write("refrecords", key_tables[table], fuzz_refrecords.seed(key_tables[table], bytes(k)))
+        env.close()
+
+    # -- names and targets
+    names = list(info["refs"]) + list(info["tags"]) + ["jobA", "jobB"]
+    names += [f"{s.ref}@{s.step}" for s in info["snapshots"]]
+    names += ["{r8}", "{r12}", "{root}", "{r8}0", "jobA/main@-1", "jobA/main@00010", "new/ref.v1_x-y",
+              "../x", "a/../../etc/passwd", "a\\b", "%2e%2e/x", "a//b", "/abs", "a@b@1", "jobA/main~1",
+              "x" * 255, "x" * 256, "é/ü", "a\x00b", "a\nb", "ＡＢ", "golden/..", "deadbeef", "0" * 64]
+    for n in names:
+        write("names", "name", n.encode("utf-8", "surrogatepass"))
+
+    # -- state encoder programs
+    for i, st in enumerate(_common.real_states()):
+        for k, v in st.items():
+            write("state_encoder", f"state{i}", fuzz_state_encoder.encode_tree({k: v}))
+        for k, v in st.get("model", {}).items():
+            write("state_encoder", f"state{i}-model", fuzz_state_encoder.encode_tree({k: v}))
+    write("state_encoder", "synth-deep", bytes([0, 16, 7, 100]))
+    write("state_encoder", "synth-pickle", bytes([1, 8, 2, 0, 1, 97, 15, 0, 4, 0, 1, 98, 15, 3]))
+    print(" ".join(f"{t}: {n}" for t, n in sorted(counts.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
