@@ -13,11 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
-from .errors import FormatError, IntegrityError, TsckError
+from .errors import FormatError, IntegrityError
 from .format import frame
-from .gc import KINDS, _key8, _Marked, _progress
+from .gc import KINDS, _Marked, _progress, iter_unreachable
 from .walk import walk_commit
 
 __all__ = ["Finding", "FsckReport", "run_fsck"]
@@ -138,18 +136,9 @@ def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
     # Orphans: stored objects no kept snapshot reaches. Counted, not errors (gc removes them).
     marked.freeze()
     for kind in KINDS:
-        batch = []
-        for o in store.storage.list(kind + "/"):
-            name = o.key.rsplit("/", 1)[-1]
-            if len(name) == 64:
-                batch.append(o)
-        if batch:
-            live = marked.contains(kind, np.array([_key8(o.key.rsplit("/", 1)[-1]) for o in batch],
-                                                  dtype=np.uint64))
-            for o, is_live in zip(batch, live):
-                if not is_live:
-                    rep.orphans += 1
-                    rep.orphan_bytes += o.size
+        for o in iter_unreachable(store, marked, kind):
+            rep.orphans += 1
+            rep.orphan_bytes += o.size
     rep.seconds = time.time() - t0
     return rep
 

@@ -33,9 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .assets import KIND_PREFIX
 from .errors import FormatError, IntegrityError, TsckError
-from .format import frame
 from .retention import Retention, SnapRow, select_kept
 from .walk import walk_commit, walk_tree
 
@@ -93,6 +91,29 @@ class _Marked:
             return np.zeros(len(keys), dtype=bool)
         i = np.searchsorted(s, keys).clip(0, len(s) - 1)
         return s[i] == keys
+
+
+def iter_unreachable(store, marked: _Marked, kind: str, *, before: float | None = None, bar=None):
+    """Stream the stored objects of `kind` that `marked` does not reach, checked in
+    batches so memory stays bounded however many objects the store holds."""
+    batch: list = []
+
+    def flush():
+        keys = np.array([_key8(o.key.rsplit("/", 1)[-1]) for o in batch], dtype=np.uint64)
+        out = [o for o, live in zip(batch, marked.contains(kind, keys)) if not live]
+        batch.clear()
+        return out
+
+    for o in store.storage.list(kind + "/"):
+        if bar is not None:
+            bar.update(1)
+        if len(o.key.rsplit("/", 1)[-1]) != 64 or (before is not None and o.mtime > before):
+            continue
+        batch.append(o)
+        if len(batch) >= 65536:
+            yield from flush()
+    if batch:
+        yield from flush()
 
 
 def _progress(enabled: bool, desc: str, total=None):
@@ -192,29 +213,10 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
         spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-gc-")
         bar = _progress(progress, "gc: list")
         for kind in KINDS:
-            batch: list = []
-
-            def flush():
-                if not batch:
-                    return
-                keys = np.array([_key8(o.key.rsplit("/", 1)[-1]) for o in batch], dtype=np.uint64)
-                live = marked.contains(kind, keys)
-                for o, is_live in zip(batch, live):
-                    if not is_live:
-                        spool.write(f"{kind} {o.key} {o.size}\n")
-                        rep.candidates += 1
-                batch.clear()
-
-            for o in store.storage.list(kind + "/"):
-                if bar is not None:
-                    bar.update(1)
-                name = o.key.rsplit("/", 1)[-1]
-                if len(name) != 64 or o.mtime > t0:
-                    continue  # not ours, or written after gc began: a writer's, in flight
-                batch.append(o)
-                if len(batch) >= 65536:
-                    flush()
-            flush()
+            # Objects written after gc began are a writer's, in flight: never candidates.
+            for o in iter_unreachable(store, marked, kind, before=t0, bar=bar):
+                spool.write(f"{kind} {o.key} {o.size}\n")
+                rep.candidates += 1
             if beat is not None:
                 beat.check()
         if bar is not None:
@@ -323,6 +325,3 @@ def _sweep_temp(store, before: float) -> int:
             n += 1
     return n
 
-
-# Referenced so the frame kinds and prefixes stay in one place.
-assert set(KIND_PREFIX.values()) == set(KINDS) and frame.KIND_COMMIT == 2

@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import re
 
-import blake3
-
 from .errors import InvalidName
 
-__all__ = ["DIGEST_SIZE", "digest", "to_hex", "parse_hex", "is_hex_prefix", "MIN_PREFIX"]
+__all__ = ["DIGEST_SIZE", "parse_hex", "is_hex_prefix", "MIN_PREFIX"]
 
 DIGEST_SIZE = 32
 MIN_PREFIX = 8
 _HEX = re.compile(r"[0-9a-f]+\Z")
-
-
-def digest(data) -> bytes:
-    """BLAKE3-256 of a bytes-like object; releases the GIL for large inputs."""
-    return blake3.blake3(data).digest()
-
-
-def to_hex(d: bytes) -> str:
-    return d.hex()
 
 
 def parse_hex(s: str) -> bytes:

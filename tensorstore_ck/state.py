@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import chunker
-from .assets import Assets, PutResult
+from .assets import Assets
 from .errors import CheckoutMismatch, FormatError, UnsupportedType
 from .format.manifest import MAX_DEPTH, decode_node, encode_node
 from .shard import Replicated, Sharded
