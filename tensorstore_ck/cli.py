@@ -3,6 +3,12 @@
 Every command takes --json. A user mistake (bad arguments, unknown target,
 a path that is not a store) prints one line, "tsck: error: ...", and exits 2.
 Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
+
+Remote stores: `--refs` (or $TSCK_REFS) names the shared ref table, e.g.
+postgresql://host/db; `-o KEY=VALUE` (repeatable) or $TSCK_STORAGE_OPTIONS (a
+JSON object) pass fsspec storage options. Credentials belong in the backend's
+own environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...), not on a command
+line that `ps` shows; nothing here ever prints an option's value.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import sys
 
 from .errors import TsckError
@@ -162,6 +169,28 @@ def cmd_diff(store, args):
     return 0
 
 
+def _remote_options(args) -> tuple[str | None, dict | None]:
+    refs = args.refs or os.environ.get("TSCK_REFS") or None
+    opts: dict = {}
+    env = os.environ.get("TSCK_STORAGE_OPTIONS")
+    if env:
+        try:
+            opts = json.loads(env)
+        except ValueError:
+            raise _Usage("$TSCK_STORAGE_OPTIONS is not valid JSON") from None
+        if not isinstance(opts, dict):
+            raise _Usage("$TSCK_STORAGE_OPTIONS must be a JSON object")
+    for item in args.storage_option:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise _Usage(f"-o wants KEY=VALUE, got {key!r}" + ("=..." if eq else ""))  # never echo a value
+        try:
+            opts[key] = json.loads(value)
+        except ValueError:
+            opts[key] = value
+    return refs, (opts or None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -172,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         for a in pos:
             s.add_argument(a)
         s.add_argument("--json", action="store_true", help="machine-readable output")
+        s.add_argument("--refs", default=None, metavar="REFS",
+                       help="ref table for a remote store (postgresql://..., a local LMDB path); "
+                            "default $TSCK_REFS")
+        s.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="fsspec storage option (VALUE parsed as JSON when it is JSON); "
+                            "adds to $TSCK_STORAGE_OPTIONS")
         s.set_defaults(fn=fn)
         return s
 
@@ -199,7 +234,12 @@ def main(argv=None) -> int:
         print(f"tsck: error: {e}", file=sys.stderr)
         return 2
     try:
-        with open_store(args.store, create=False) as store:
+        refs, storage_options = _remote_options(args)
+    except _Usage as e:
+        print(f"tsck: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with open_store(args.store, refs=refs, storage_options=storage_options, create=False) as store:
             return args.fn(store, args)
     except TsckError as e:
         print(f"tsck: error: {e}", file=sys.stderr)

@@ -39,11 +39,18 @@ def fmt_path(parts) -> str:
 
 
 # ---------------------------------------------------------------- raw object reading
+def _raw(where, key: str) -> bytes:
+    """Bytes of one stored object: `where` is a local store path or a tests/_backends.Backend."""
+    if hasattr(where, "read"):
+        return where.read(key)
+    with open(os.path.join(str(where), key), "rb") as f:
+        return f.read()
+
+
 def read_object(store_path, kind_dir: str, hexd: str, *, verify: bool = True) -> bytes:
-    """The raw (decoded) payload of one object file, checked against its address."""
-    path = os.path.join(str(store_path), kind_dir, hexd[:2], hexd)
-    with open(path, "rb") as f:
-        data = f.read()
+    """The raw (decoded) payload of one object, checked against its address."""
+    path = key_of(kind_dir, hexd)
+    data = _raw(store_path, path)
     magic, version, codec, itemsize, kind, raw_len = HEADER.unpack_from(data, 0)
     assert magic == b"TSKO" and version == 1, f"{path}: bad frame header"
     assert KIND_DIRS[kind] == kind_dir, f"{path}: kind {kind} stored under {kind_dir}/"
@@ -62,8 +69,7 @@ def read_object(store_path, kind_dir: str, hexd: str, *, verify: bool = True) ->
 
 def header_of(store_path, key: str) -> tuple[int, int]:
     """(codec, raw_len) of an object file."""
-    with open(os.path.join(str(store_path), key), "rb") as f:
-        _m, _v, codec, _i, _k, raw_len = HEADER.unpack(f.read(HEADER.size))
+    _m, _v, codec, _i, _k, raw_len = HEADER.unpack(_raw(store_path, key)[:HEADER.size])
     return codec, raw_len
 
 
@@ -81,10 +87,10 @@ class SnapWalk:
 
 
 class StoreWalker:
-    """Walk snapshots by reading the store's files directly."""
+    """Walk snapshots by reading the store's objects directly (a path or a Backend)."""
 
     def __init__(self, store_path):
-        self.path = str(store_path)
+        self.path = store_path if hasattr(store_path, "read") else str(store_path)
         self._nodes: dict[str, object] = {}
 
     def commit(self, root_hex: str) -> dict:
@@ -145,6 +151,8 @@ class StoreWalker:
 
 
 def sizes(store_path, keys) -> int:
+    if hasattr(store_path, "size"):
+        return sum(store_path.size(k) for k in keys)
     return sum(os.path.getsize(os.path.join(str(store_path), k)) for k in keys)
 
 
@@ -226,9 +234,19 @@ def _env():
     return env
 
 
-def run_cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=_env(), cwd=str(REPO))
+def run_cli(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
+    """`tsck ARGS`; a Backend among ARGS stands for its store URL, and its --refs and
+    storage options travel in the environment (TSCK_REFS, TSCK_STORAGE_OPTIONS)."""
+    full = _env()
+    argv = []
+    for a in args:
+        if hasattr(a, "cli_env"):
+            full.update(a.cli_env())
+            a = a.url
+        argv.append(str(a))
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=full, cwd=str(REPO))
 
 
 def run_clis(*arglists, timeout=120) -> list:

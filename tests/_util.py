@@ -78,7 +78,10 @@ def all_torch_dtypes():
 
 # ---------------------------------------------------------------- store listing
 def object_listing(store_path) -> dict:
-    """{relative path: size} for every file under blocks/ nodes/ commits/."""
+    """{relative path: size} for every file under blocks/ nodes/ commits/
+    (`store_path` may be a tests/_backends.Backend: then on any backend)."""
+    if hasattr(store_path, "objects"):
+        return store_path.objects()
     out = {}
     for d in OBJECT_DIRS:
         base = os.path.join(str(store_path), d)

@@ -68,6 +68,16 @@ def pg_dsn():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _ensure_bucket(opts: dict, bucket: str = "tsck-tests") -> dict:
+    import s3fs
+    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
+    try:
+        fs.mkdir(bucket)
+    except (FileExistsError, OSError):
+        pass
+    return opts
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """storage_options for a real S3-compatible server on 127.0.0.1.
@@ -75,8 +85,9 @@ def s3_server():
     .ci/run starts Ceph's radosgw and exports TEST_S3_ENDPOINT (plus key and
     secret); without it, a moto server is started in-process."""
     if os.environ.get("TEST_S3_ENDPOINT"):
-        yield {"endpoint_url": os.environ["TEST_S3_ENDPOINT"], "key": os.environ.get("TEST_S3_KEY", "x"),
-               "secret": os.environ.get("TEST_S3_SECRET", "x")}
+        yield _ensure_bucket({"endpoint_url": os.environ["TEST_S3_ENDPOINT"],
+                              "key": os.environ.get("TEST_S3_KEY", "x"),
+                              "secret": os.environ.get("TEST_S3_SECRET", "x")})
         return
     try:
         from moto.server import ThreadedMotoServer
@@ -88,7 +99,7 @@ def s3_server():
     srv.start()
     host, port = srv.get_host_and_port()
     try:
-        yield {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
+        yield _ensure_bucket({"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"})
     finally:
         srv.stop()
 
@@ -97,12 +108,30 @@ def s3_server():
 def s3_url(s3_server, request):
     """A fresh bucket prefix on the session's S3 server."""
     import uuid as _uuid
+    return f"s3://tsck-tests/{_uuid.uuid4().hex}"
 
-    import s3fs
-    fs = s3fs.S3FileSystem(**s3_server, skip_instance_cache=True)
-    bucket = "tsck-tests"
-    try:
-        fs.mkdir(bucket)
-    except (FileExistsError, OSError):
-        pass
-    return f"s3://{bucket}/{_uuid.uuid4().hex}"
+
+# ---------------------------------------------------------------- backends
+from _backends import KINDS, Backend  # noqa: E402
+
+
+def _make_backend(request, tmp_path, kind: str, name: str = "store") -> Backend:
+    if kind == "s3":
+        return Backend(kind, tmp_path, s3_options=request.getfixturevalue("s3_server"), name=name)
+    if kind == "pg":
+        return Backend(kind, tmp_path, pg_dsn=request.getfixturevalue("pg_dsn"), name=name)
+    return Backend(kind, tmp_path, name=name)
+
+
+@pytest.fixture(params=[pytest.param(k, marks=[] if k == "file" else [pytest.mark.slow]) for k in KINDS])
+def backend(request, tmp_path) -> Backend:
+    """One store location per test, on each backend: local files + LMDB, s3:// on
+    a real server, local files + the PostgreSQL ref table (see tests/_backends.py)."""
+    return _make_backend(request, tmp_path, request.param)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=[] if k == "file" else [pytest.mark.slow])
+                                        for k in KINDS])
+def module_backend(request, tmp_path_factory) -> Backend:
+    """The same, shared by a module's tests (for stores built once and only read)."""
+    return _make_backend(request, tmp_path_factory.mktemp(f"mb-{request.param}"), request.param)

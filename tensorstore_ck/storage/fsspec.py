@@ -39,6 +39,13 @@ class FsspecBlockStore(BlockStore):
         if proto in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
             opts.setdefault("use_listings_cache", False)
             opts.setdefault("skip_instance_cache", True)
+        if proto in ("s3", "s3a"):
+            # A hung connection becomes a timeout that RetryingStore retries, not a
+            # snapshot that never finishes; the caller's config_kwargs win.
+            cfg = dict(opts.get("config_kwargs") or {})
+            cfg.setdefault("connect_timeout", 10)
+            cfg.setdefault("read_timeout", 60)
+            opts["config_kwargs"] = cfg
         fs, path = fsspec.core.url_to_fs(url, **opts)
         self.fs = fs
         self.root = path.rstrip("/")
