@@ -250,9 +250,12 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
                     rep.rescued += 1
                 else:
                     todo.append((kind, key, int(size)))
-            # Deletes run in parallel (one request each on object stores); the spool
-            # is in commits -> nodes -> blocks order and batches never mix kinds.
-            for f in [store._pool.submit(store.storage.delete, key) for _k, key, _s in todo]:
+            # Deletes run in parallel slices (one batched request per slice on object
+            # stores); the spool is in commits -> nodes -> blocks order and batches
+            # never mix kinds, so a batch finishes before the next kind starts.
+            keys = [key for _k, key, _s in todo]
+            n = max(1, min(len(keys), store.workers))
+            for f in [store._pool.submit(store.storage.delete_many, keys[i::n]) for i in range(n)]:
                 f.result()
             for kind, _key, size in todo:
                 rep.deleted_objects += 1

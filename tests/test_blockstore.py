@@ -57,6 +57,17 @@ def test_list_reports_keys_and_sizes(bs):
     assert all(o.mtime > 0 for o in bs.list("blocks/"))
 
 
+def test_delete_many_removes_exactly_the_keys_given(bs):
+    # 1100 keys: more than one DeleteObjects request (1000 keys each) on s3.
+    keys = [f"blocks/{i % 256:02x}/{i:064x}" for i in range(1100)]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(16) as ex:
+        assert all(ex.map(lambda k: bs.put_if_absent(k, [b"x"]), keys))
+    bs.delete_many(keys[:1050] + ["blocks/ff/" + "f" * 64])  # one absent key: not an error
+    bs.delete_many([])
+    assert sorted(o.key for o in bs.list("blocks/")) == sorted(keys[1050:])
+
+
 def test_racing_writers_of_one_key_have_one_winner(bs):
     """Content-addressed put-if-absent: of 8 threads, exactly one creates the object."""
     results, barrier = [], threading.Barrier(8)

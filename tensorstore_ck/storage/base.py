@@ -54,6 +54,12 @@ class BlockStore(ABC):
     def delete(self, key: str) -> None:
         """Remove `key`; absent is not an error."""
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove every key (absent ones are not an error). Object stores override
+        this with one batched request per up to 1000 keys."""
+        for key in keys:
+            self.delete(key)
+
     @abstractmethod
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object whose key starts with `prefix` (a folder, ending in '/')."""

@@ -41,6 +41,9 @@ class WrappedStore(BlockStore):
     def delete(self, key):
         return self.inner.delete(key)
 
+    def delete_many(self, keys):
+        return self.inner.delete_many(keys)
+
     def list(self, prefix):
         return self.inner.list(prefix)
 
@@ -116,6 +119,10 @@ class FaultInjectingStore(WrappedStore):
         if self._fault("delete", key):
             raise InjectedFault(errno.EIO, f"injected: delete failed on {key}")
         return self.inner.delete(key)
+
+    def delete_many(self, keys):  # each key faces the rules, as one-by-one deletes would
+        for key in keys:
+            self.delete(key)
 
     def sync(self):
         if self._fault("sync", ""):
@@ -225,6 +232,9 @@ class RetryingStore(WrappedStore):
 
     def delete(self, key):
         return self._call(self.inner.delete, key)
+
+    def delete_many(self, keys):  # idempotent: a retried batch re-deletes what is gone
+        return self._call(self.inner.delete_many, list(keys))
 
     def list(self, prefix):
         return iter(self._call(lambda: list(self.inner.list(prefix))))
