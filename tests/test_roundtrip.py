@@ -30,19 +30,49 @@ SMALL_INLINE = 256
 
 
 # ---------------------------------------------------------------- fixtures
+def wipe(backend) -> None:
+    """Drop an s3 store's objects after use: CI's radosgw keeps them in a small memstore."""
+    if backend.kind == "s3":
+        backend.fs.rm(backend.url, recursive=True)
+
+
+# small_store, plain_store and hyp_store run on every backend (file, s3, pg: see
+# tests/_backends.py); the memory:// fixtures are the separate in-memory backend.
 @pytest.fixture
-def small_store(tmp_path):
-    """Local store with small blocks and a small inline threshold (forces multi-block)."""
-    s = tsck.open_store(tmp_path / "s", block_size=BLOCK, inline_threshold=SMALL_INLINE)
+def small_store(backend):
+    """Store with small blocks and a small inline threshold (forces multi-block)."""
+    s = backend.open(block_size=BLOCK, inline_threshold=SMALL_INLINE)
     yield s
     s.close()
+    wipe(backend)
 
 
 @pytest.fixture
-def plain_store(tmp_path):
-    s = tsck.open_store(tmp_path / "p")
+def plain_store(backend):
+    s = backend.open()
     yield s
     s.close()
+    wipe(backend)
+
+
+# The dtype-parametrised tests (80-odd per backend) share one store per backend and
+# module: a fresh store per case costs several server round trips on s3/pg.
+@pytest.fixture(scope="module")
+def shared_small_store(module_backend, tmp_path_factory):
+    b = module_backend.sibling(tmp_path_factory.mktemp("small"), "small")
+    s = b.open(block_size=BLOCK, inline_threshold=SMALL_INLINE)
+    yield s
+    s.close()
+    wipe(b)
+
+
+@pytest.fixture(scope="module")
+def shared_plain_store(module_backend, tmp_path_factory):
+    b = module_backend.sibling(tmp_path_factory.mktemp("plain"), "plain")
+    s = b.open()
+    yield s
+    s.close()
+    wipe(b)
 
 
 @pytest.fixture
@@ -53,11 +83,12 @@ def mem_store():
 
 
 @pytest.fixture(scope="module")
-def hyp_local_store(tmp_path_factory):
-    s = tsck.open_store(tmp_path_factory.mktemp("hyp") / "s", block_size=BLOCK,
-                        inline_threshold=128)
+def hyp_store(module_backend):
+    """One store per backend shared by the hypothesis tests (many puts, one location)."""
+    s = module_backend.open(block_size=BLOCK, inline_threshold=128)
     yield s
     s.close()
+    wipe(module_backend)
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +208,19 @@ HYP = settings(max_examples=75, deadline=None,
                                       HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+def hyp_for(backend, file_examples: int, remote_examples: int) -> settings:
+    """HYP with fewer examples on s3/pg, where each put costs server round trips."""
+    return settings(HYP, max_examples=file_examples if backend.kind == "file" else remote_examples)
+
+
 # ---------------------------------------------------------------- hypothesis round trips
-@HYP
-@given(state=trees)
-def test_hypothesis_tree_roundtrip_local(hyp_local_store, state):
-    roundtrip(hyp_local_store, state, ref="hyp/local")
+def test_hypothesis_tree_roundtrip(module_backend, hyp_store):
+    @hyp_for(module_backend, 75, 25)
+    @given(state=trees)
+    def check(state):
+        roundtrip(hyp_store, state, ref="hyp/tree")
+
+    check()
 
 
 @settings(HYP, max_examples=50)
@@ -190,10 +229,13 @@ def test_hypothesis_tree_roundtrip_memory(hyp_mem_store, state):
     roundtrip(hyp_mem_store, state, ref="hyp/mem")
 
 
-@settings(HYP, max_examples=15)
-@given(state=st.dictionaries(keys, st.one_of(big_tensors(), trees), min_size=1, max_size=3))
-def test_hypothesis_tree_with_big_tensors(hyp_local_store, state):
-    roundtrip(hyp_local_store, state, ref="hyp/big")
+def test_hypothesis_tree_with_big_tensors(module_backend, hyp_store):
+    @hyp_for(module_backend, 15, 6)
+    @given(state=st.dictionaries(keys, st.one_of(big_tensors(), trees), min_size=1, max_size=3))
+    def check(state):
+        roundtrip(hyp_store, state, ref="hyp/big")
+
+    check()
 
 
 @settings(HYP, max_examples=100)
@@ -312,7 +354,8 @@ def _check_quantized(store, dtype):
 
 
 @pytest.mark.parametrize("dtype", all_torch_dtypes(), ids=_torch_dtype_ids)
-def test_every_torch_dtype(small_store, dtype):
+def test_every_torch_dtype(shared_small_store, dtype):
+    small_store = shared_small_store
     probe = torch.empty(1, dtype=dtype)
     if probe.is_quantized:
         _check_quantized(small_store, dtype)
@@ -428,7 +471,8 @@ def test_module_state_dict(plain_store):
 
 # ---------------------------------------------------------------- numpy
 @pytest.mark.parametrize("dtype", NP_DTYPES + ["<u2", ">c16", "datetime64[D]", "float16"])
-def test_numpy_dtypes(small_store, dtype):
+def test_numpy_dtypes(shared_small_store, dtype):
+    small_store = shared_small_store
     dt = np.dtype(dtype)
     rng = np.random.default_rng(zlib.crc32(dtype.encode()))
 
@@ -464,7 +508,8 @@ def test_numpy_dtypes(small_store, dtype):
     "longdouble", "U5", "S4", "V6", [("a", "<i4"), ("b", "<f8"), ("c", "S3")],
     ">f4", "clongdouble", "M8[ms]", "m8[us]",
 ], ids=str)
-def test_numpy_exotic_dtypes(plain_store, dtype):
+def test_numpy_exotic_dtypes(shared_plain_store, dtype):
+    plain_store = shared_plain_store
     dt = np.dtype(dtype)
     rng = np.random.default_rng(1)
     if dt.kind == "U":
@@ -548,7 +593,8 @@ def test_checkout_into_noncontiguous_target(plain_store):
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype", "ndim", "list_len", "array_dtype"])
-def test_checkout_into_mismatch(plain_store, bad):
+def test_checkout_into_mismatch(shared_plain_store, bad):
+    plain_store = shared_plain_store
     plain_store.put_snapshot({"w": torch.ones(4, 5), "n": 1, "l": [torch.ones(2), 3],
                               "a": np.ones(3)}, ref="into/mm")
     into = {"w": torch.zeros(4, 5), "n": 0, "l": [torch.zeros(2), 0], "a": np.zeros(3)}
@@ -588,11 +634,12 @@ def test_memory_stores_are_separate():
         b.close()
 
 
-def test_reopen_local_store(tmp_path):
+def test_reopen_store(backend):
+    """A closed store opens again (without repeating its settings) with refs and data intact."""
     state = {"w": rand_tensor(torch.float16, (300, 257), seed=2), "meta": ("a", 1, 2.5)}
-    with tsck.open_store(tmp_path / "s", block_size=BLOCK, inline_threshold=64) as s:
+    with backend.open(block_size=BLOCK, inline_threshold=64) as s:
         info = s.put_snapshot(state, ref="re/main", step=1)
-    with tsck.open_store(tmp_path / "s") as s2:
+    with backend.open() as s2:
         assert s2.resolve("re/main") == info.root
         assert_same(state, s2.checkout("re/main"))
         assert_same(state, s2.checkout(info.root[:8]))
@@ -642,10 +689,16 @@ def test_inline_and_block_counts(small_store):
     assert again.blocks_new == 0 and again.bytes_new == 0 and again.blocks_total == info.blocks_total
 
 
-@pytest.mark.parametrize("which", ["local", "memory"])
-def test_checked_out_data_is_writable_and_private(which, small_store, mem_store):
+def test_checked_out_data_is_writable_and_private(small_store):
+    _check_checkout_private(small_store)
+
+
+def test_checked_out_data_is_writable_and_private_memory(mem_store):
+    _check_checkout_private(mem_store)
+
+
+def _check_checkout_private(store):
     """Mutating what checkout returned must not change the store (or a later checkout)."""
-    store = small_store if which == "local" else mem_store
     state = {"inline": torch.arange(4, dtype=torch.float32),          # below inline threshold
              "big": rand_tensor(torch.int32, (70_000,), seed=21),    # several blocks
              "arr_small": np.arange(3, dtype=np.int64),
