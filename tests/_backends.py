@@ -70,6 +70,15 @@ class Backend:
             env["TSCK_STORAGE_OPTIONS"] = json.dumps(self.storage_options)
         return env
 
+    def remove(self) -> None:
+        """Delete everything stored under an s3 location (local dirs go with tmp_path)."""
+        if self.kind != "s3":
+            return
+        try:
+            self.fs.rm(self._root, recursive=True)
+        except (FileNotFoundError, OSError):
+            pass
+
     # -- raw objects, bypassing tensorstore_ck
     @property
     def fs(self):

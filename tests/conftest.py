@@ -108,7 +108,14 @@ def s3_server():
 def s3_url(s3_server, request):
     """A fresh bucket prefix on the session's S3 server."""
     import uuid as _uuid
-    return f"s3://tsck-tests/{_uuid.uuid4().hex}"
+
+    import s3fs
+    url = f"s3://tsck-tests/{_uuid.uuid4().hex}"
+    yield url
+    try:
+        s3fs.S3FileSystem(**s3_server, skip_instance_cache=True).rm(url[len("s3://"):], recursive=True)
+    except (FileNotFoundError, OSError):
+        pass
 
 
 # ---------------------------------------------------------------- backends
@@ -127,11 +134,15 @@ def _make_backend(request, tmp_path, kind: str, name: str = "store") -> Backend:
 def backend(request, tmp_path) -> Backend:
     """One store location per test, on each backend: local files + LMDB, s3:// on
     a real server, local files + the PostgreSQL ref table (see tests/_backends.py)."""
-    return _make_backend(request, tmp_path, request.param)
+    b = _make_backend(request, tmp_path, request.param)
+    yield b
+    b.remove()  # the CI server keeps objects in memory (radosgw memstore): leave nothing behind
 
 
 @pytest.fixture(scope="module", params=[pytest.param(k, marks=[] if k == "file" else [pytest.mark.slow])
                                         for k in KINDS])
 def module_backend(request, tmp_path_factory) -> Backend:
     """The same, shared by a module's tests (for stores built once and only read)."""
-    return _make_backend(request, tmp_path_factory.mktemp(f"mb-{request.param}"), request.param)
+    b = _make_backend(request, tmp_path_factory.mktemp(f"mb-{request.param}"), request.param)
+    yield b
+    b.remove()
