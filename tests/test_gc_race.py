@@ -1,7 +1,7 @@
 """gc runs while writers write: it never deletes an object that a committed
 snapshot references, including blocks a writer reused while gc was condemning them.
 
-Three writer processes (tests/helpers/gc_writer.py) commit into one local store
+Three writer processes (tests/helpers/gc_writer.py) commit into one store
 while a fourth process (tests/helpers/gc_loop.py) runs store.gc() in a loop
 (0-20 ms apart; the writers pause 0-50 ms between commits, so gc runs land at
 every offset of a writer's cycle).
@@ -18,6 +18,11 @@ nothing; a last gc leaves exactly the kept snapshots and no orphan.
 
 The second test: a writer must not take a live gc whose deletion phase outlasts
 gc_stale_after for dead (a package bug, fixed in 1337355; see its docstring).
+
+Both tests run on every backend (the `backend` fixture: file, s3, pg); the
+helper processes get `backend.spec()` and open it with tests/helpers/target.py.
+The s3 and pg runs are scaled down (fewer commits; a short, throttled deletion
+phase instead of 160,000 stray files), with every check kept.
 """
 
 from __future__ import annotations
@@ -47,12 +52,17 @@ gc_proc = _load_gc_proc()
 gc_states = gc_proc.load("gc_states")
 
 WRITERS = 3
-STEPS = 70  # per writer: 210 commits in all
+STEPS = {"file": 70, "s3": 12, "pg": 20}  # commits per writer (210 in all on file)
 STALE = 2.0  # gc_stale_after for every process
 GC_PAUSE = 0.02  # gc_loop sleeps U(0, GC_PAUSE) between runs
 WRITER_PAUSE = 0.05  # each writer sleeps U(0, WRITER_PAUSE) between commits
 KEEP = 2
-STRAY = 160_000  # leftover object names that make a gc's deletion phase last seconds
+# Leftover object names that make a gc's deletion phase last seconds. On file: 160,000
+# hard links, deleted at full speed. On s3 (each uploaded) and pg: a few hundred, and the
+# gc process deletes at most STRAY_RATE objects a second (tests/helpers/gc_once.py
+# --delete-rate: a slow object store), so the phase lasts about STRAY / STRAY_RATE s.
+STRAY = {"file": 160_000, "s3": 600, "pg": 600}
+STRAY_RATE = {"file": None, "s3": 300.0, "pg": 300.0}
 
 
 @pytest.fixture
@@ -77,20 +87,21 @@ def _parse_kv(line: str) -> dict:
 
 
 @pytest.mark.slow
-def test_gc_loop_races_three_dedup_writers(tmp_path, procs):
-    path = tmp_path / "store"
-    store = tsck.open_store(path, block_size=gc_states.RACE_BLOCK, inline_threshold=gc_states.RACE_INLINE,
-                            gc_stale_after=STALE)
+def test_gc_loop_races_three_dedup_writers(backend, tmp_path, procs):
+    steps = STEPS[backend.kind]
+    spec = backend.spec()
+    store = backend.open(block_size=gc_states.RACE_BLOCK, inline_threshold=gc_states.RACE_INLINE,
+                         gc_stale_after=STALE)
     try:
         for w in range(WRITERS):
             store.set_retention(f"w{w}", tsck.Retention(keep_last=KEEP))
 
         stop = tmp_path / "stop-gc"
-        gcp = gc_proc.Proc("gc_loop.py", [path, STALE, stop, GC_PAUSE], tmp_path / "gc.err")
+        gcp = gc_proc.Proc("gc_loop.py", [spec, STALE, stop, GC_PAUSE], tmp_path / "gc.err")
         procs.append(gcp)
         writers = []
         for w in range(WRITERS):
-            p = gc_proc.Proc("gc_writer.py", [path, w, STEPS, STALE, WRITER_PAUSE], tmp_path / f"w{w}.err")
+            p = gc_proc.Proc("gc_writer.py", [spec, w, steps, STALE, WRITER_PAUSE], tmp_path / f"w{w}.err")
             procs.append(p)
             writers.append(p)
         for p in [gcp, *writers]:
@@ -121,7 +132,7 @@ def test_gc_loop_races_three_dedup_writers(tmp_path, procs):
                 if k >= gc_states.RACE_VARIANTS and blocks_new > 4:
                     reuploads += 1
                 t_first, t_last = min(t_first, t), max(t_last, t)
-            assert [k for k, _ in acked[w]] == list(range(STEPS)), f"writer {w} missed commits"
+            assert [k for k, _ in acked[w]] == list(range(steps)), f"writer {w} missed commits"
         damaged = [(w, line) for w, p in enumerate(writers) for _, line in p.found("damaged ")]
         verified = sum(len(p.found("verified ")) for p in writers)
         gc_lines = gcp.found("gc ")
@@ -131,15 +142,16 @@ def test_gc_loop_races_three_dedup_writers(tmp_path, procs):
         deleted = sum(r["deleted"] for r in runs)
         rescued = sum(r["rescued"] for r in runs)
         expired = sum(r["expired"] for r in runs)
-        print(f"\ngc race: {sum(len(v) for v in acked.values())} commits, {verified} read back during the race, "
+        print(f"\ngc race on {backend.kind}: {sum(len(v) for v in acked.values())} commits, {verified} read back "
+              f"during the race, "
               f"{len(runs)} gc runs ({len(during)} while writers committed), expired={expired} "
               f"deleted={deleted} rescued={rescued}, commits that re-uploaded deleted blocks={reuploads}, "
               f"put seconds p50={_pct(put_secs, 50):.3f} p90={_pct(put_secs, 90):.3f} max={max(put_secs):.3f}")
 
         assert not damaged, f"committed snapshots lost objects during the race: {damaged[:5]}"
         assert not gc_errors, f"gc failed during the race: {gc_errors[:5]}"
-        assert verified == WRITERS * (STEPS - 1)
-        assert sum(len(v) for v in acked.values()) >= 200
+        assert verified == WRITERS * (steps - 1)
+        assert sum(len(v) for v in acked.values()) == WRITERS * steps
         assert len(during) >= 5, "gc did not overlap the writers"
         assert expired > 0 and deleted > 0, "gc never deleted anything: the race was not exercised"
         # The content is built so that gc condemns blocks a writer reuses; either gc
@@ -181,13 +193,13 @@ def test_gc_loop_races_three_dedup_writers(tmp_path, procs):
             assert by_job[f"w{w}"] == {root for _, root in commits[-KEEP:]}
             for k, root in commits[-KEEP:]:
                 assert gc_states.same_bits(gc_states.race_state(w, k), store.checkout(root))
-            assert [i.step for i in store.log(f"w{w}/main")] == [STEPS - 1, STEPS - 2]
+            assert [i.step for i in store.log(f"w{w}/main")] == [steps - 1, steps - 2]
     finally:
         store.close()
 
 
 @pytest.mark.slow
-def test_writer_does_not_commit_over_a_live_gc_that_deletes_longer_than_stale_after(tmp_path, procs):
+def test_writer_does_not_commit_over_a_live_gc_that_deletes_longer_than_stale_after(backend, tmp_path, procs):
     """A gc that is alive and deleting for longer than gc_stale_after must not be
     treated as dead: a writer that reuses its condemned blocks must not commit
     while that gc can still delete them.
@@ -202,45 +214,52 @@ def test_writer_does_not_commit_over_a_live_gc_that_deletes_longer_than_stale_af
     tip's top manifest node or all 64 reused blocks missing).
 
     The deletion phase is made long with leftover objects (what crashed writers
-    leave behind): 160,000 stray names under nodes/. The condemned manifest
-    nodes of the reused state sit among them and its blocks come after them,
-    so they are still present when the writer re-validates, and the live gc
-    deletes some of them before its next (5 s) heartbeat tells it it lost the
-    lock. Two checks: the acknowledged tip lost objects (what users see;
-    whether it happens depends on where the heartbeat falls), and the live gc
-    lost its lock to the writer (the cause; deterministic as long as the
-    deletion phase outlasts gc_stale_after).
+    leave behind) under nodes/: on file 160,000 stray names, deleted at full
+    speed; on s3 and pg 600, deleted by a gc process whose storage deletes at
+    most 300 objects a second (a slow object store; the gc code is untouched).
+    The condemned manifest nodes of the reused state sit among them and its
+    blocks come after them, so they are still present when the writer
+    re-validates, and the live gc deletes some of them before its next (5 s)
+    heartbeat tells it it lost the lock. Two checks: the acknowledged tip lost
+    objects (what users see; whether it happens depends on where the heartbeat
+    falls), and the live gc lost its lock to the writer (the cause;
+    deterministic as long as the deletion phase outlasts gc_stale_after).
     """
     import secrets
 
     import blake3
 
     stale = 0.5
-    path = tmp_path / "store"
-    store = tsck.open_store(path, block_size=gc_states.CRASH_BLOCK, inline_threshold=gc_states.CRASH_INLINE,
-                            gc_stale_after=stale)
+    stray, rate = STRAY[backend.kind], STRAY_RATE[backend.kind]
+    store = backend.open(block_size=gc_states.CRASH_BLOCK, inline_threshold=gc_states.CRASH_INLINE,
+                         gc_stale_after=stale)
     try:
         store.set_retention("a", tsck.Retention(keep_last=1))
         x, y = gc_states.crash_state("a", 0), gc_states.crash_state("a", 1)
         store.put_snapshot(x, ref="a/main", step=0)
         store.put_snapshot(y, ref="a/main", step=1)  # a@0 expires: its own blocks are condemned
-        first: dict[str, Path] = {}  # one file per folder, the others are hard links to it
-        for _ in range(STRAY):
-            h = secrets.token_hex(32)
-            if h[:2] in first:
-                os.link(first[h[:2]], path / "nodes" / h[:2] / h)
-            else:
-                (path / "nodes" / h[:2]).mkdir(exist_ok=True)
-                first[h[:2]] = path / "nodes" / h[:2] / h
-                first[h[:2]].write_bytes(b"stray")
+        names = [secrets.token_hex(32) for _ in range(stray)]
+        if backend.kind == "s3":
+            backend.fs.pipe({f"{backend.url}/nodes/{h[:2]}/{h}": b"stray" for h in names})
+        else:  # a local directory (file, pg): one file per folder, the others are hard links to it
+            path = Path(backend.url)
+            first: dict[str, Path] = {}
+            for h in names:
+                if h[:2] in first:
+                    os.link(first[h[:2]], path / "nodes" / h[:2] / h)
+                else:
+                    (path / "nodes" / h[:2]).mkdir(exist_ok=True)
+                    first[h[:2]] = path / "nodes" / h[:2] / h
+                    first[h[:2]].write_bytes(b"stray")
         raw = x["own"].tobytes()
-        own = [path / "blocks" / d[:2] / d for d in
+        own = [f"blocks/{d[:2]}/{d}" for d in
                (blake3.blake3(raw[i:i + gc_states.CRASH_BLOCK]).hexdigest()
                 for i in range(0, len(raw), gc_states.CRASH_BLOCK))]
-        assert all(f.exists() for f in own)
+        assert all(backend.exists(k) for k in own)
         time.sleep(0.05)  # strictly older than the gc's start
 
-        gcp = gc_proc.Proc("gc_once.py", [path, stale], tmp_path / "gc.err")
+        gcp = gc_proc.Proc("gc_once.py", [backend.spec(), stale] + (["--delete-rate", rate] if rate else []),
+                           tmp_path / "gc.err")
         procs.append(gcp)
         gcp.wait_line("ready", 90)
         gcp.send("go\n")
@@ -252,14 +271,14 @@ def test_writer_does_not_commit_over_a_live_gc_that_deletes_longer_than_stale_af
         info = store.put_snapshot(x, ref="a/main", step=2)
         waited = time.monotonic() - t
         gc_alive_at_commit = gcp.proc.poll() is None
-        present_at_commit = sum(f.exists() for f in own)
+        present_at_commit = sum(backend.exists(k) for k in own)
         rc = gcp.wait(120)
         gone = time.monotonic() - t
         gc_lines = [line for _, line in gcp.lines]
-        print(f"\nwriter committed {waited:.2f}s after the freeze, {present_at_commit}/{len(own)} of the reused "
-              f"blocks present; gc still running then: {gc_alive_at_commit}; gc exited after {gone:.2f}s "
-              f"rc={rc} {gc_lines[-1:]} {gcp.stderr().strip().splitlines()[-1:]}; "
-              f"reused blocks present now: {sum(f.exists() for f in own)}")
+        print(f"\n{backend.kind}: writer committed {waited:.2f}s after the freeze, {present_at_commit}/{len(own)} "
+              f"of the reused blocks present; gc still running then: {gc_alive_at_commit}; gc exited after "
+              f"{gone:.2f}s rc={rc} {gc_lines[-1:]} {gcp.stderr().strip().splitlines()[-1:]}; "
+              f"reused blocks present now: {sum(backend.exists(k) for k in own)}")
 
         # 1. What users lose: objects under an acknowledged ref tip (when the live gc
         #    reaches the reused blocks before its next heartbeat; timing-dependent).

@@ -2,6 +2,8 @@
 
     python gc_loop.py STORE STALE_AFTER STOP_FILE [MAX_PAUSE_SECONDS]
 
+STORE is a local path or a tests/_backends.py Backend.spec() string (target.py).
+
 Between two gc runs it sleeps a random time in [0, MAX_PAUSE_SECONDS] (default 0:
 back to back), so freezes land at varied moments of the writers' commits.
 
@@ -19,13 +21,15 @@ import random
 import sys
 import time
 
+from target import open_target  # tests/helpers is sys.path[0]
+
 import tensorstore_ck as tsck
 
 
 def main() -> int:
     store_path, stale, stop_file = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
-    store = tsck.open_store(store_path, gc_stale_after=stale)
+    store = open_target(store_path, gc_stale_after=stale)
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 3

@@ -1,9 +1,12 @@
 """GC crash-test collector: one store.gc(), started on demand, to be SIGKILLed.
 
-    python gc_once.py STORE STALE_AFTER
+    python gc_once.py STORE STALE_AFTER [--delete-rate OBJECTS_PER_SECOND]
 
+STORE is a local path or a tests/_backends.py Backend.spec() string (target.py).
 Imports and opens the store first, so that the kill clock, started when the
-test writes "go", measures gc work only.
+test writes "go", measures gc work only. With --delete-rate the store's
+deletes are paced to at most that many objects a second across all threads
+(a slow object store), so a deletion phase lasts long with few objects.
 
 Protocol on stdout (each line flushed):
     ready                       waiting for "go" on stdin
@@ -15,13 +18,48 @@ Protocol on stdout (each line flushed):
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
-import tensorstore_ck as tsck
+from target import open_target  # tests/helpers is sys.path[0]
+
+from tensorstore_ck.storage.wrappers import WrappedStore
+
+
+class SlowDeletes(WrappedStore):
+    """Deletes at most `rate` objects a second (all threads together); each call
+    returns once its share of the time has passed. Everything else is untouched."""
+
+    def __init__(self, inner, rate: float):
+        super().__init__(inner)
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._free_at = time.monotonic()
+
+    def _pace(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + n / self.rate
+            wait = self._free_at - now
+        time.sleep(wait)
+
+    def delete(self, key):
+        self._pace(1)
+        return self.inner.delete(key)
+
+    def delete_many(self, keys):
+        keys = list(keys)
+        self._pace(len(keys))
+        return self.inner.delete_many(keys)
 
 
 def main() -> int:
     store_path, stale = sys.argv[1], float(sys.argv[2])
-    store = tsck.open_store(store_path, gc_stale_after=stale)
+    kw = {}
+    if sys.argv[3:5] and sys.argv[3] == "--delete-rate":
+        rate = float(sys.argv[4])
+        kw["wrap_storage"] = lambda inner: SlowDeletes(inner, rate)
+    store = open_target(store_path, gc_stale_after=stale, **kw)
     store.reftable.gc_state()  # touch the ref table so its first use is not on the clock
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":

@@ -2,6 +2,8 @@
 
     python gc_writer.py STORE WRITER STEPS STALE_AFTER [MAX_PAUSE_SECONDS]
 
+STORE is a local path or a tests/_backends.py Backend.spec() string (target.py).
+
 Commits gc_states.race_state(WRITER, k) for k = 0..STEPS-1 to ref "w<WRITER>/main".
 After committing k it checks out snapshot k-1 (retention keep_last=2 keeps k-1
 and k, so a correct gc never touches it) and compares it bit for bit, so a
@@ -28,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gc_states  # noqa: E402
+from target import open_target  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
 
@@ -37,8 +40,8 @@ def main() -> int:
     pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     rng = random.Random(writer)
     ref = f"w{writer}/main"
-    store = tsck.open_store(store_path, block_size=gc_states.RACE_BLOCK,
-                            inline_threshold=gc_states.RACE_INLINE, gc_stale_after=stale)
+    store = open_target(store_path, block_size=gc_states.RACE_BLOCK,
+                        inline_threshold=gc_states.RACE_INLINE, gc_stale_after=stale)
     gc_states.race_state(writer, 0)  # warm the caches of base and variants
     for v in range(gc_states.RACE_VARIANTS):
         gc_states.race_state(writer, v)

@@ -2,6 +2,8 @@
 
     python writer.py STORE REF START_STEP [--steps N] [--block-size B] [--wait-go]
 
+STORE is a local path or a tests/_backends.py Backend.spec() string (target.py).
+
 With --wait-go the writer imports everything, prints "ready" and waits for a line
 "go [START]" on stdin (START overrides START_STEP) before it opens the store.
 
@@ -15,14 +17,26 @@ Protocol on stdout (each line flushed):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import statelib  # noqa: E402
+from target import open_target  # noqa: E402
 
-import tensorstore_ck as tsck  # noqa: E402
+
+def preload(arg: str) -> None:
+    """Import the client libraries a remote store needs now, so that the kill clock,
+    started at "go", measures store work and not imports (s3fs/aiobotocore, psycopg)."""
+    if not arg.startswith("{"):
+        return
+    spec = json.loads(arg)
+    if spec["url"].startswith("s3://"):
+        import s3fs  # noqa: F401
+    if spec.get("refs") and not os.path.isabs(spec["refs"]):
+        import psycopg  # noqa: F401
 
 
 def main() -> int:
@@ -35,6 +49,7 @@ def main() -> int:
     ap.add_argument("--wait-go", action="store_true")
     ap.add_argument("--seed", type=int, default=1234)
     a = ap.parse_args()
+    preload(a.store)
 
     print("ready", flush=True)
     if a.wait_go:
@@ -46,7 +61,7 @@ def main() -> int:
     # Pre-build the first state so that the kill clock mostly measures store work.
     step = a.start
     state = statelib.crash_state(step, a.seed)
-    store = tsck.open_store(a.store, block_size=a.block_size, inline_threshold=4096)
+    store = open_target(a.store, block_size=a.block_size, inline_threshold=4096)
     print("opened", flush=True)
     n = 0
     while a.steps < 0 or n < a.steps:
