@@ -50,12 +50,18 @@ class FsspecBlockStore(BlockStore):
         self.fs = fs
         self.root = path.rstrip("/")
         self.url = url  # never the storage options: they may hold credentials
+        self._s3 = type(fs).__name__ == "S3FileSystem"
+        self._atomic_create = True
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
     def get(self, key: str) -> bytes:
         try:
+            if self._s3:
+                # One GET: s3fs's cat_file otherwise HEADs first to decide on ranged reads,
+                # which never pays for our <= block-size objects (we parallelise across objects).
+                return self.fs.cat_file(self._path(key), max_concurrency=1)
             return self.fs.cat_file(self._path(key))
         except (FileNotFoundError, KeyError):
             raise FileNotFoundError(key) from None
@@ -65,19 +71,26 @@ class FsspecBlockStore(BlockStore):
 
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:
         path = self._path(key)
-        if self.exists(key):
-            return False
         # Joining copies the caller's memory: a later mutation of a staged tensor
         # must not rewrite a stored object (in-memory backends keep what they get).
         data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
-        try:
-            self.fs.pipe_file(path, data, mode="create")
-        except TypeError:  # backends without mode=: no atomic create; content-addressed, so benign
-            self.fs.pipe_file(path, data)
-        except OSError as e:
-            if _is_precondition_failed(e):
-                return False
-            raise
+        if self._atomic_create:
+            # One conditional PUT (If-None-Match: *) is both the existence check and
+            # the write; callers that want to skip the upload HEAD first themselves.
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+                return True
+            except TypeError:  # this backend has no atomic create
+                self._atomic_create = False
+            except OSError as e:
+                if _is_precondition_failed(e):
+                    return False
+                raise
+        # Check-then-put: not atomic, but objects are content-addressed, so a lost race
+        # rewrites the same bytes.
+        if self.exists(key):
+            return False
+        self.fs.pipe_file(path, data)
         return True
 
     def __repr__(self) -> str:
@@ -85,7 +98,7 @@ class FsspecBlockStore(BlockStore):
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
-        if type(self.fs).__name__ == "S3FileSystem":
+        if self._s3:
             # One HEAD: s3fs's exists() also lists the key as a "directory" when it is absent.
             bucket, _, obj = path.partition("/")
             try:
@@ -105,7 +118,7 @@ class FsspecBlockStore(BlockStore):
         keys = list(keys)
         if not keys:
             return
-        if type(self.fs).__name__ == "S3FileSystem":
+        if self._s3:
             # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key
             # errors silently). A key that is already gone is not an error in S3.
             bucket, _, base = self.root.partition("/")
