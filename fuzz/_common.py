@@ -54,29 +54,9 @@ def instrument(enabled: bool):
 # (KNOWN_VIOLATIONS). With
 # TSCK_FUZZ_IGNORE_KNOWN=1 a target run under atheris swallows these, so a long
 # run keeps looking for new problems instead of stopping at a known one.
-KNOWN = {
-    "ValueError@state.py:_scalar", "SystemError@state.py:_scalar", "ValueError@state.py:_array",
-    "RuntimeError@state.py:_tensor", "RuntimeError@state.py:_quantized", "RuntimeError@state.py:_global",
-    "TypeError@state.py:_merge", "MemoryError@walk.py:visit", "AttributeError@assets.py:_key",
-    "MemoryError@fsck.py:check_block", "ValueError@store.py:_row_to_info", "TypeError@store.py:_row_to_info",
-    "OverflowError@store.py:_row_to_info",
-    "ValueError@base.py:txn", "TypeError@base.py:txn", "KeyError@base.py:txn", "error@base.py:txn",
-    "UnicodeDecodeError@base.py:<listcomp>", "UnicodeDecodeError@base.py:<dictcomp>",
-    "UnicodeEncodeError@base.py:<lambda>", "TypeError@store.py:log", "RecursionError@recover.py:decode_tag",
-    "OverflowError@recover.py:decode_tag", "RecursionError@store.py:_read_config",
-    "ValueError@store.py:__init__", "TypeError@store.py:__init__", "NotImplementedError@state.py:_plan_tensor",
-    "RuntimeError@state.py:_plan_tensor",
-    "TypeError@walk.py:visit", "ValueError@walk.py:visit", "OverflowError@walk.py:visit",
-    "Hang@store.py:_revalidate", "KeyError@recover.py:run_recover", "TypeError@base.py:fn",
-    "ValueError@base.py:fn", "TypeError@base.py:_gc_owned",
-}
+KNOWN: set[str] = set()  # every problem found so far is fixed and kept as a regression test
 # Contract violations already reported, as substrings of their message.
-KNOWN_VIOLATIONS = [
-    "a refused put_snapshot on ref",                                    # retry storm on a tag's name
-    "raised FormatError: numpy scalar bytes do not match its dtype",    # np.str_("") / np.bytes_(b"")
-    "raised FormatError: quantized tensor of quint",                    # a quint4x2 view
-    "scalar dtype('S", "scalar dtype('<U",                              # trailing NULs of np.bytes_/np.str_
-]
+KNOWN_VIOLATIONS: list[str] = []
 
 
 def signature(e: BaseException) -> str:

@@ -178,5 +178,8 @@ class Assets:
             self._check(d, data, key, ctx)
         return bytes(data)
 
+    def block_exists(self, d: bytes) -> bool:
+        return self.storage.exists(_key(KIND_PREFIX[frame.KIND_BLOCK], d))
+
     def has_commit(self, d: bytes) -> bool:
         return self.storage.exists(commit_key(d))

@@ -7,6 +7,7 @@ No storage keys here; block and node I/O goes through assets.Assets.
 from __future__ import annotations
 
 import math
+import os
 import pickle
 from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -18,7 +19,7 @@ import torch
 
 from . import chunker
 from .assets import Assets
-from .errors import CheckoutMismatch, FormatError, UnsupportedType
+from .errors import CheckoutMismatch, FormatError, IntegrityError, UnsupportedType
 from .format.manifest import MAX_DEPTH, decode_node, encode_node
 from .shard import Replicated, Sharded
 
@@ -34,6 +35,25 @@ _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 # unchanged subtree is stored once and shared by later snapshots.
 NODE_SPLIT = 4096
 MAX_DIMS = 64
+# A fresh tensor bigger than this is allocated only once all its blocks are known
+# to exist (one HEAD / stat per distinct block; smaller ones are not worth it).
+PRESENCE_CHECK_ABOVE = 64 << 20
+
+
+def default_max_bytes() -> int:
+    """The host's RAM + swap: the most a checkout into fresh memory can hold."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
 
 
 def format_path(parts) -> str:
@@ -438,14 +458,17 @@ class Reader:
     use, and nothing from a manifest is executed (pickle only if allowed)."""
 
     def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
-                 allow_pickle: bool = False, max_tensor_bytes: int = 1 << 40, rank: int = 0):
+                 allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0):
         self.rank = rank  # whose rank-local values a multi-rank snapshot yields
         self.assets = assets
         self.pool = pool
         self.snapshot = snapshot
         self.verify = verify
         self.allow_pickle = allow_pickle
-        self.max_tensor_bytes = max_tensor_bytes
+        # What a manifest may make us allocate: by default the host's memory (RAM +
+        # swap), since a checkout into fresh CPU memory cannot hold more anyway.
+        self.max_bytes = default_max_bytes() if max_bytes is None else int(max_bytes)
+        self._allocated = 0
         self._jobs: list[tuple[bytes, object, str]] = []
         self._after: list = []
 
@@ -567,8 +590,9 @@ class Reader:
         itemsize = itemsize_of(body.get("dt"))
         if not isinstance(n, int) or n != math.prod(sh) * itemsize:
             raise self._fmt(f"tensor size {n!r} does not match shape {sh} of {body.get('dt')}", path)
-        if n > self.max_tensor_bytes:
-            raise self._fmt(f"tensor of {n} bytes exceeds the cap {self.max_tensor_bytes}", path)
+        if n > self.max_bytes:
+            raise self._fmt(f"tensor of {n} bytes exceeds max_bytes={self.max_bytes} "
+                            "(checkout(..., max_bytes=N) raises the cap)", path)
         if "x" in body:
             if not isinstance(body["x"], bytes) or len(body["x"]) != n:
                 raise self._fmt("inline tensor bytes do not match its size", path)
@@ -579,6 +603,23 @@ class Reader:
         if len(blocks) != math.ceil(n / bs) or not all(isinstance(b, bytes) and len(b) == 32 for b in blocks):
             raise self._fmt("block list does not match the tensor size", path)
         return sh, n, (bs, blocks)
+
+    def _reserve(self, n, layout, path):
+        """Called before allocating n fresh bytes: the checkout's total stays under
+        max_bytes, and a big tensor's blocks must exist before its memory is taken
+        (a few hundred hostile manifest bytes must not cost gigabytes)."""
+        self._allocated += n
+        if self._allocated > self.max_bytes:
+            raise self._fmt(f"the snapshot's tensors need more than max_bytes={self.max_bytes} "
+                            "(checkout(..., max_bytes=N) raises the cap)", path)
+        if layout is None or n <= PRESENCE_CHECK_ABOVE:
+            return
+        exists = self.assets.block_exists
+        distinct = list(dict.fromkeys(layout[1]))
+        for d, ok in zip(distinct, self.pool.map(exists, distinct)):
+            if not ok:
+                raise IntegrityError("missing object", key=f"blocks/{d.hex()[:2]}/{d.hex()}", reason="missing",
+                                     snapshot=self.snapshot, path=format_path(path))
 
     def _fill(self, flat_u8, n, layout, inline, path):
         """Schedule the reads that fill `flat_u8` (a writable uint8 buffer of n bytes)."""
@@ -655,8 +696,8 @@ class Reader:
         if not isinstance(gs, list) or len(gs) > MAX_DIMS or not all(
                 isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in gs):
             raise self._fmt("bad global shape", path)
-        if math.prod(gs) * TORCH_DTYPES[dt].itemsize > self.max_tensor_bytes:
-            raise self._fmt(f"sharded tensor of shape {gs} exceeds the cap of {self.max_tensor_bytes} bytes", path)
+        if math.prod(gs) * TORCH_DTYPES[dt].itemsize > self.max_bytes:
+            raise self._fmt(f"sharded tensor of shape {gs} exceeds max_bytes={self.max_bytes}", path)
         out, seen = [], set()
         for c in body["chunks"]:
             if not isinstance(c, dict) or c.get("dt") != dt:
@@ -780,6 +821,7 @@ class Reader:
             if n:
                 self._fill(dst.reshape(-1).view(torch.uint8).numpy(), n, layout, inline, path)
             return into
+        self._reserve(n, layout, path)
         try:
             t = torch.empty(sh, dtype=dtype)
             flat = t.reshape(-1).view(torch.uint8).numpy() if n else None
@@ -847,6 +889,7 @@ class Reader:
         if isinstance(into, np.ndarray):
             raise CheckoutMismatch(f"array at {format_path(path)} is {into.dtype} {list(into.shape)}, "
                                    f"snapshot has {dtype} {sh}")
+        self._reserve(n, layout, path)
         try:
             a = np.empty(sh, dtype=dtype, order="F" if fo else "C")
         except Exception as e:

@@ -434,19 +434,25 @@ class Store:
 
     @_storage_errors
     def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False,
-                 group=_AUTO_GROUP, timeout: float = 300.0):
+                 group=_AUTO_GROUP, timeout: float = 300.0, max_bytes: int | None = None):
         """The state of a snapshot, verified against its root hash (unless verify=False).
 
         into=: an existing tree whose tensors/arrays/lists/dicts are updated in
-        place (dtype and shape must match: CheckoutMismatch); it is returned."""
+        place (dtype and shape must match: CheckoutMismatch); it is returned.
+        max_bytes: the most fresh memory the snapshot's manifest may make this call
+        allocate (default: the host's RAM + swap); beyond it, FormatError."""
         verify = self.verify if verify is None else verify
+        if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
+                                      or max_bytes < 0):
+            raise InvalidName(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         if is_collective(group):
             return collective_checkout(self, target, into=into, verify=verify, allow_pickle=allow_pickle,
                                        group=group, timeout=timeout)
         root_hex = self.resolve(target)
         root = bytes.fromhex(root_hex)
         c = decode_commit(self.assets.get_commit(root, verify=verify))
-        reader = Reader(self.assets, self._pool, snapshot=root_hex, verify=verify, allow_pickle=allow_pickle)
+        reader = Reader(self.assets, self._pool, snapshot=root_hex, verify=verify, allow_pickle=allow_pickle,
+                        max_bytes=max_bytes)
         if into is None:
             return reader.read(c["tree"])
         return reader.read(c["tree"], into)

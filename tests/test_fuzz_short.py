@@ -308,14 +308,11 @@ def test_regression_state_roundtrip(make):
         _common.same(value, store.checkout("r/x"))
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (issue 7): the reader allocates a tensor's declared "
-                   "size before checking any of its blocks; the cap is only max_tensor_bytes (1 TiB)")
 def test_regression_reader_tensor_bytes_checked_before_allocating(monkeypatch):
     """A 600-byte manifest leaf that declares a 4 GiB tensor in 16 blocks that do
-    not exist: the reader allocates the 4 GiB tensor (torch.empty) before reading
-    a single block, bounded only by Reader.max_tensor_bytes (1 TiB, not settable
-    through Store.checkout). The declared size should be checked against the
-    blocks present (their frame headers) or a configurable cap first."""
+    not exist: found by fuzz_manifest. The reader used to allocate the 4 GiB
+    tensor (torch.empty) before reading a single block; now a big tensor's blocks
+    must exist before its memory is taken."""
     requested = []
     real_empty = torch.empty
 
@@ -331,6 +328,22 @@ def test_regression_reader_tensor_bytes_checked_before_allocating(monkeypatch):
     store = importlib.import_module("fuzz_manifest")._store()
     d = store.assets.put_node(_node(value)).digest
     from tensorstore_ck.state import Reader
-    with pytest.raises(tsck.TsckError):
+    with pytest.raises(tsck.IntegrityError) as ei:
         Reader(store.assets, store._pool, snapshot=d.hex()).read(d)
+    assert ei.value.reason == "missing" and ei.value.key.startswith("blocks/")
     assert max(requested, default=0) < 1 << 30, "allocated GiBs for a tensor none of whose blocks exist"
+
+
+def test_checkout_max_bytes_caps_what_a_manifest_may_allocate():
+    state = {"a": torch.arange(1000, dtype=torch.float64), "b": torch.ones(1000, dtype=torch.float64)}
+    with tsck.open_store("memory://max-bytes-cap") as store:
+        store.put_snapshot(state, ref="r/x", step=1)
+        with pytest.raises(tsck.FormatError, match="max_bytes"):
+            store.checkout("r/x", max_bytes=7999)  # one tensor over the cap
+        with pytest.raises(tsck.FormatError, match="max_bytes"):
+            store.checkout("r/x", max_bytes=12000)  # each fits, both do not
+        _common.same(state, store.checkout("r/x", max_bytes=16000))
+        _common.same(state, store.checkout("r/x"))  # default: the host's memory
+        for bad in (-1, "1e9", 1.5, True):
+            with pytest.raises(tsck.InvalidName):
+                store.checkout("r/x", max_bytes=bad)
