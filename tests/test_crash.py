@@ -35,7 +35,7 @@ WRITER = HERE / "helpers" / "writer.py"
 REF = "crash/main"
 BLOCK = 1 << 20
 INLINE = 4096
-TRIALS = {"file": 24, "s3": 10, "pg": 12}  # kill trials of the put test, per backend kind
+TRIALS = {"file": 24, "s3": 12, "pg": 12}  # kill trials of the put test, per backend kind
 CREATE_KILLS = {"file": 12, "s3": 8, "pg": 8}  # kills of the create test, per backend kind
 CONTENT_KEY = re.compile(r"(blocks|nodes|commits)/[0-9a-f]{2}/[0-9a-f]{64}")
 
@@ -300,8 +300,9 @@ def test_kill9_during_put_snapshot(backend, tmp_path, s3_cleanup):
     print(f"\ncrash trials on {backend.kind} ({elapsed:.1f}s, {stored / 2**20:.0f} MiB stored): {stats}")
     zero = sum(1 for s in stats if s[2] == 0)
     some = sum(1 for s in stats if s[2] > 0)
-    # the schedule must really have spread the kills (24 trials: 3, 6, 10)
-    assert zero >= max(2, trials // 8), stats
+    # the schedule must really have spread the kills (24 trials: 3, 6, 10; 12 trials: 1, 3, 5: a killed
+    # writer's leftovers can make the next first put fast enough to beat a "before-first" kill)
+    assert zero >= max(1, trials // 8), stats
     assert some >= trials // 4, stats
     assert len(v.acked) >= trials * 10 // 24
     remove_store(backend)  # kept only when the test fails
