@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import sys
 from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -914,6 +915,9 @@ class Reader:
         try:
             if d.kind == "S":  # frombuffer's scalar would drop trailing NULs (and shrink the dtype)
                 return np.bytes_(body[1])
+            if d.kind == "U":  # the same for str_: decode the UTF-32 code units ourselves
+                big = d.byteorder == ">" or (d.byteorder == "=" and sys.byteorder == "big")
+                return np.str_(body[1].decode("utf-32-be" if big else "utf-32-le"))
             return np.frombuffer(body[1], dtype=d)[0]
         except Exception as e:  # e.g. an invalid code point in a <U scalar
             raise self._fmt(f"numpy scalar does not decode: {type(e).__name__}", path) from None
