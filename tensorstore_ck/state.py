@@ -917,7 +917,7 @@ class Reader:
                 return np.bytes_(body[1])
             if d.kind == "U":  # the same for str_: decode the UTF-32 code units ourselves
                 big = d.byteorder == ">" or (d.byteorder == "=" and sys.byteorder == "big")
-                return np.str_(body[1].decode("utf-32-be" if big else "utf-32-le"))
+                return np.str_(body[1].decode("utf-32-be" if big else "utf-32-le", "surrogatepass"))
             return np.frombuffer(body[1], dtype=d)[0]
         except Exception as e:  # e.g. an invalid code point in a <U scalar
             raise self._fmt(f"numpy scalar does not decode: {type(e).__name__}", path) from None
