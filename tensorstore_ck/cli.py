@@ -182,8 +182,8 @@ def _remote_options(args) -> tuple[str | None, dict | None]:
             raise _Usage("$TSCK_STORAGE_OPTIONS must be a JSON object")
     for item in args.storage_option:
         key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise _Usage(f"-o wants KEY=VALUE, got {key!r}" + ("=..." if eq else ""))  # never echo a value
+        if not eq or not key:  # never echo it: a mistyped option may be a secret
+            raise _Usage("-o wants KEY=VALUE, got an argument " + ("with an empty KEY" if eq else "without '='"))
         try:
             opts[key] = json.loads(value)
         except ValueError:

@@ -255,7 +255,12 @@ class Planner:
                 return self._unsupported(obj, path)
             if obj.dtype.itemsize == 0:
                 return self._unsupported(obj, path, f"numpy scalar of empty dtype {obj.dtype}")
-            return {"S": [_dtype_out(obj.dtype), obj.tobytes()]}
+            raw = obj.tobytes()
+            if obj.dtype.kind == "U" and max(np.frombuffer(raw, dtype=obj.dtype.byteorder.replace("=", "")
+                                                              .replace("|", "") + "u4").tolist()) > 0x10FFFF:
+                # numpy lets such a scalar exist, but it is no valid string and cannot be rebuilt
+                return self._unsupported(obj, path, "numpy str_ scalar with code points beyond U+10FFFF")
+            return {"S": [_dtype_out(obj.dtype), raw]}
         return self._unsupported(obj, path)
 
     def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None):
@@ -917,7 +922,8 @@ class Reader:
                 return np.bytes_(body[1])
             if d.kind == "U":  # the same for str_: decode the UTF-32 code units ourselves
                 big = d.byteorder == ">" or (d.byteorder == "=" and sys.byteorder == "big")
-                return np.str_(body[1].decode("utf-32-be" if big else "utf-32-le", "surrogatepass"))
+                units = np.frombuffer(body[1], dtype=">u4" if big else "<u4").tolist()
+                return np.str_("".join(map(chr, units)))  # chr, unlike the utf-32 codec, takes surrogates
             return np.frombuffer(body[1], dtype=d)[0]
         except Exception as e:  # e.g. an invalid code point in a <U scalar
             raise self._fmt(f"numpy scalar does not decode: {type(e).__name__}", path) from None

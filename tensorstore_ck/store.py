@@ -121,8 +121,20 @@ def _storage_errors(fn):
         except TsckError:
             raise
         except OSError as e:
-            raise StorageError(e.errno, f"storage failed: {e.strerror or e}") from e
+            raise _storage_error(e, f"storage failed: {_describe(e)}") from e
     return wrapper
+
+
+def _storage_error(e: OSError, msg: str) -> StorageError:
+    # OSError(None, msg) would print "[Errno None] msg"
+    return StorageError(e.errno, msg) if e.errno is not None else StorageError(msg)
+
+
+def _describe(e: OSError) -> str:
+    """'PermissionError: ...' even when the backend gave no message (s3fs's str() is 'None')."""
+    msg = e.strerror or str(e)
+    name = type(e).__name__
+    return name if msg in ("", "None") else f"{name}: {msg}"
 
 
 class Store:
@@ -645,6 +657,21 @@ def _read_config(storage: BlockStore) -> dict | None:
     return cfg
 
 
+def _open_errors(fn):
+    """open_store's backend failures (unreachable server, refused credentials, full
+    disk) reach the caller as StorageError naming the store."""
+    @functools.wraps(fn)
+    def wrapper(url, *args, **kwargs):
+        try:
+            return fn(url, *args, **kwargs)
+        except TsckError:
+            raise
+        except OSError as e:
+            raise _storage_error(e, f"cannot open the store at {url}: {_describe(e)}") from e
+    return wrapper
+
+
+@_open_errors
 def open_store(url, *, refs=None, storage_options: dict | None = None, create: bool = True,
                block_size: int | None = None, inline_threshold: int | None = None,
                workers: int | None = None, verify: bool = True, compress: bool = True,
@@ -655,7 +682,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
 
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
     refs: None (LMDB beside local data; in-process table for memory://), a path
-    or lmdb:// URL, memory://name, or a RefTable."""
+    or lmdb:// URL, postgresql://..., memory://name, or a RefTable.
+    storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...)."""
     proto, rest = _split_url(url)
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         _open_refs(refs, proto, rest, create=False)

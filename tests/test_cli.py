@@ -269,3 +269,50 @@ def test_missing_store_not_created(filled):
     # reading commands must not create a store at a mistyped path
     assert not filled["missing"].exists()
     assert sorted(os.listdir(filled["not_store"])) == ["x.txt"]
+
+
+# ---------------------------------------------------------------- remote stores
+def _cli_env(extra: dict) -> dict:
+    env = {k: v for k, v in _env().items() if not k.startswith(("AWS_", "TSCK_"))}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.slow
+def test_cli_reaches_an_s3_store_with_a_postgres_ref_table(s3_server, s3_url, pg_dsn):
+    """--refs / -o and their environment forms; credentials from AWS_* only, never echoed."""
+    with tsck.open_store(s3_url, refs=pg_dsn, storage_options=s3_server) as s:
+        root = s.put_snapshot({"w": torch.arange(10)}, ref="jobS3/main", step=7).root
+    aws = {"AWS_ENDPOINT_URL": s3_server["endpoint_url"], "AWS_ACCESS_KEY_ID": s3_server["key"],
+           "AWS_SECRET_ACCESS_KEY": s3_server["secret"]}
+    base = [sys.executable, "-m", "tensorstore_ck"]
+
+    def run(args, env):
+        return subprocess.run(base + args, capture_output=True, text=True, timeout=120, env=_cli_env(env),
+                              cwd=str(REPO))
+
+    secret = "s3cr3t-" + os.urandom(6).hex()
+    cases = [
+        (["refs", s3_url, "--refs", pg_dsn, "--json"], aws),
+        (["refs", s3_url, "--json"], {**aws, "TSCK_REFS": pg_dsn}),
+        (["refs", s3_url, "--refs", pg_dsn, "-o", f"endpoint_url={s3_server['endpoint_url']}",
+          "-o", f"key={s3_server['key']}", "-o", f"secret={s3_server['secret']}", "--json"], {}),
+        (["refs", s3_url, "--json"], {"TSCK_REFS": pg_dsn, "TSCK_STORAGE_OPTIONS": json.dumps(s3_server)}),
+        (["refs", s3_url], aws),                                              # no ref table named
+        (["refs", s3_url, "--refs", pg_dsn], {"TSCK_STORAGE_OPTIONS": "[1]"}),  # not an object
+        (["refs", s3_url, "--refs", pg_dsn, "-o", f"{secret}"], aws),           # no '='
+        (["fsck", s3_url, "--refs", pg_dsn],                                  # wrong secret
+         {**aws, "AWS_SECRET_ACCESS_KEY": secret}),
+    ]
+    with ThreadPoolExecutor(4) as ex:
+        out = list(ex.map(lambda c: run(*c), cases))
+    for r in out[:4]:
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["refs"]["jobS3/main"]["root"] == root
+    no_refs, bad_json, bad_o, bad_secret = out[4:]
+    assert no_refs.returncode == 2 and "refs" in no_refs.stderr and "Traceback" not in no_refs.stderr
+    assert bad_json.returncode == 2 and "TSCK_STORAGE_OPTIONS" in bad_json.stderr
+    assert bad_o.returncode == 2 and "KEY=VALUE" in bad_o.stderr
+    assert bad_secret.returncode != 0 and "Traceback" not in bad_secret.stderr
+    for r in out:
+        assert secret not in r.stdout + r.stderr and s3_server["secret"] not in r.stdout + r.stderr

@@ -299,8 +299,11 @@ def test_regression_refs_prefix_surrogate():
     lambda: np.str_("ab\0\0\0\0"),
     # atheris, 2026-11-22: a lone surrogate, which numpy's <U holds and Python's utf-32 codec refuses
     lambda: np.frombuffer(bytearray(b"\x00\xd8\x00\x00"), dtype="<U1")[0],
+    # atheris, 2026-11-22: code points beyond U+10FFFF, which numpy lets a str_ scalar hold (now refused at put)
+    lambda: np.frombuffer(bytearray(b"5555" * 3), dtype="<U3")[0],
 ], ids=["uint5_transposed", "int3_strided", "qint8_view_transposed", "np_str_empty", "np_bytes_empty", "np_void_empty", "np_bytes_trailing_nul",
-        "quint4x2_view", "np_str_trailing_nul", "np_str_lone_surrogate"])
+        "quint4x2_view", "np_str_trailing_nul", "np_str_lone_surrogate",
+        "np_str_beyond_unicode"])
 def test_regression_state_roundtrip(make):
     """put_snapshot either refuses with UnsupportedType or the value round-trips."""
     value = {"v": make()}
