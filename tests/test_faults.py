@@ -112,3 +112,60 @@ def test_truncated_reads_are_detected_not_returned(tmp_path):
     box["f"].armed = False
     assert _same(store.checkout("job/main"), _state(1))
     store.close()
+
+
+def test_a_server_that_never_answers_is_a_timeout_not_a_hang(tmp_path):
+    """A real socket that accepts connections and never replies (a hung S3 endpoint):
+    the read timeout turns it into StorageError after the retries, instead of a
+    put or open that never returns. The default timeouts are set when the caller
+    gives none."""
+    import socket
+    import threading
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held, stop = [], threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])  # keep it open, say nothing
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    opts = {"endpoint_url": f"http://127.0.0.1:{srv.getsockname()[1]}", "key": "k", "secret": "s",
+            "config_kwargs": {"read_timeout": 0.5, "connect_timeout": 0.5, "retries": {"max_attempts": 1}}}
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(tsck.StorageError, match="cannot open the store"):
+            tsck.open_store("s3://hung/p", refs=str(tmp_path / "refs.lmdb"), storage_options=opts)
+        assert time.monotonic() - t0 < 60
+        assert held, "the client never reached the server"
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        srv.close()
+
+    # Nothing listening at all: botocore's EndpointConnectionError (not an OSError)
+    # must also arrive as StorageError.
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()[1]
+    s.close()
+    with pytest.raises(tsck.StorageError, match="cannot open the store"):
+        tsck.open_store("s3://dead/p", refs=str(tmp_path / "refs2.lmdb"),
+                        storage_options={**opts, "endpoint_url": f"http://127.0.0.1:{dead}"})
+
+    from tensorstore_ck.storage import FsspecBlockStore
+    cfg = FsspecBlockStore("s3://b/p", {"endpoint_url": "http://127.0.0.1:9"}).fs.config_kwargs
+    assert cfg["connect_timeout"] == 10 and cfg["read_timeout"] == 60
+    cfg = FsspecBlockStore("s3://b/p", {"endpoint_url": "http://127.0.0.1:9",
+                                        "config_kwargs": {"read_timeout": 5}}).fs.config_kwargs
+    assert cfg["read_timeout"] == 5 and cfg["connect_timeout"] == 10

@@ -9,6 +9,7 @@ a gc deletion from a writer that re-validates its objects.
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import BinaryIO, Iterator, Sequence
 
@@ -17,6 +18,27 @@ import fsspec
 from .base import BlockStore, ObjectInfo
 
 __all__ = ["FsspecBlockStore"]
+
+
+def _as_oserror(fn):
+    """botocore/aiohttp transport errors (ReadTimeoutError, EndpointConnectionError,
+    ...) are not OSErrors; make them TimeoutError/ConnectionError so RetryingStore
+    retries them and the store reports StorageError, never a foreign exception."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - only transport errors are translated
+            name = type(e).__name__
+            mod = type(e).__module__ or ""
+            if not mod.startswith(("botocore", "aiobotocore", "aiohttp", "urllib3", "asyncio")) \
+                    and name not in ("TimeoutError", "CancelledError"):
+                raise
+            cls = TimeoutError if "Timeout" in name else ConnectionError
+            raise cls(f"{name}: {e}") from e
+    return wrapper
 
 
 def _is_precondition_failed(e: BaseException) -> bool:
@@ -45,17 +67,24 @@ class FsspecBlockStore(BlockStore):
             cfg = dict(opts.get("config_kwargs") or {})
             cfg.setdefault("connect_timeout", 10)
             cfg.setdefault("read_timeout", 60)
+            # One retry layer, RetryingStore (backoff with jitter, 5xx/throttling/resets):
+            # botocore's and s3fs's own retries would multiply with it (a hung server
+            # took minutes per request with all three).
+            cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
             opts["config_kwargs"] = cfg
         fs, path = fsspec.core.url_to_fs(url, **opts)
         self.fs = fs
         self.root = path.rstrip("/")
         self.url = url  # never the storage options: they may hold credentials
         self._s3 = type(fs).__name__ == "S3FileSystem"
+        if self._s3:
+            fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): see above
         self._atomic_create = True
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
+    @_as_oserror
     def get(self, key: str) -> bytes:
         try:
             if self._s3:
@@ -69,6 +98,7 @@ class FsspecBlockStore(BlockStore):
     def open_read(self, key: str) -> BinaryIO:
         return io.BytesIO(self.get(key))
 
+    @_as_oserror
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:
         path = self._path(key)
         # Joining copies the caller's memory: a later mutation of a staged tensor
@@ -96,6 +126,7 @@ class FsspecBlockStore(BlockStore):
     def __repr__(self) -> str:
         return f"FsspecBlockStore({self.url!r})"
 
+    @_as_oserror
     def exists(self, key: str) -> bool:
         path = self._path(key)
         if self._s3:
@@ -108,12 +139,14 @@ class FsspecBlockStore(BlockStore):
                 return False
         return self.fs.exists(path)
 
+    @_as_oserror
     def delete(self, key: str) -> None:
         try:
             self.fs.rm_file(self._path(key))
         except FileNotFoundError:
             pass
 
+    @_as_oserror
     def delete_many(self, keys: Sequence[str]) -> None:
         keys = list(keys)
         if not keys:
@@ -134,12 +167,15 @@ class FsspecBlockStore(BlockStore):
         for key in keys:
             self.delete(key)
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        base = self._path(prefix.rstrip("/"))
+    @_as_oserror
+    def _find(self, base: str) -> dict:
         try:
-            found = self.fs.find(base, detail=True)
+            return self.fs.find(base, detail=True)
         except FileNotFoundError:
-            return
+            return {}
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        found = self._find(self._path(prefix.rstrip("/")))
         head = self.root + "/"
         for p, info in found.items():
             if not p.startswith(head):
