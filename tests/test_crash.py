@@ -152,10 +152,7 @@ def open_store(backend):
 def remove_store(backend) -> None:
     """Free the space a test used (~0.7 GB on file, ~0.3 GB on s3)."""
     if backend.kind == "s3":
-        try:
-            backend.fs.rm(backend.url, recursive=True)
-        except FileNotFoundError:
-            pass
+        backend.remove()
     else:
         shutil.rmtree(backend.url, ignore_errors=True)
 

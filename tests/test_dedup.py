@@ -109,18 +109,11 @@ class Snap:
         return {a: k for a, k in now.items() if a not in self.blocks}
 
 
-def wipe(backend) -> None:
-    """Drop an s3 store's objects after its test: CI's radosgw keeps them in a small memstore."""
-    if backend.kind == "s3":
-        backend.fs.rm(backend.url, recursive=True)
-
-
 @pytest.fixture
 def bstore(backend):
     s = backend.open(block_size=BLOCK, inline_threshold=1024)
     yield s, backend
     s.close()
-    wipe(backend)
 
 
 # ------------------------------------------------------------------ tests

@@ -30,12 +30,6 @@ SMALL_INLINE = 256
 
 
 # ---------------------------------------------------------------- fixtures
-def wipe(backend) -> None:
-    """Drop an s3 store's objects after use: CI's radosgw keeps them in a small memstore."""
-    if backend.kind == "s3":
-        backend.fs.rm(backend.url, recursive=True)
-
-
 # small_store, plain_store and hyp_store run on every backend (file, s3, pg: see
 # tests/_backends.py); the memory:// fixtures are the separate in-memory backend.
 @pytest.fixture
@@ -44,7 +38,6 @@ def small_store(backend):
     s = backend.open(block_size=BLOCK, inline_threshold=SMALL_INLINE)
     yield s
     s.close()
-    wipe(backend)
 
 
 @pytest.fixture
@@ -52,7 +45,6 @@ def plain_store(backend):
     s = backend.open()
     yield s
     s.close()
-    wipe(backend)
 
 
 # The dtype-parametrised tests (80-odd per backend) share one store per backend and
@@ -63,7 +55,7 @@ def shared_small_store(module_backend, tmp_path_factory):
     s = b.open(block_size=BLOCK, inline_threshold=SMALL_INLINE)
     yield s
     s.close()
-    wipe(b)
+    b.remove()  # a sibling: the backend fixture only removes its own location
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +64,7 @@ def shared_plain_store(module_backend, tmp_path_factory):
     s = b.open()
     yield s
     s.close()
-    wipe(b)
+    b.remove()  # a sibling: the backend fixture only removes its own location
 
 
 @pytest.fixture
@@ -88,7 +80,6 @@ def hyp_store(module_backend):
     s = module_backend.open(block_size=BLOCK, inline_threshold=128)
     yield s
     s.close()
-    wipe(module_backend)
 
 
 @pytest.fixture(scope="module")
