@@ -15,6 +15,7 @@ import functools
 import json
 import numbers
 import os
+import random
 import threading
 import time
 import uuid
@@ -109,6 +110,9 @@ def _check_plain(obj, what: str, depth: int = 0) -> None:
         return
     raise InvalidName(f"{what}: values must be None, bool, int, float, str, list or dict, "
                       f"got {type(obj).__name__}")
+
+
+COMMIT_ATTEMPTS = 1000  # ref moves tried before a put gives up (each lost one is a real race)
 
 
 def _storage_errors(fn):
@@ -332,7 +336,8 @@ class Store:
         must make every object the snapshot references exist again and return a
         new fence; without it a fenced move raises SnapshotAborted."""
         exp = expected
-        for _attempt in range(1000):
+        races = fenced = 0
+        for _attempt in range(COMMIT_ATTEMPTS):
             parent = self.reftable.get_or_none(ref) if exp is _UNSET else exp
             now = time.time()
             body = encode_commit(job=job, ref=ref, step=step, time=now, metrics=metrics, meta=meta,
@@ -348,14 +353,21 @@ class Store:
                 if revalidate is None:
                     raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
                                           "published, take it again") from None
+                fenced += 1
                 fence = revalidate(body)
                 continue
             except RefConflict as e:
                 if exp is not _UNSET or e.what != "ref":  # conditional, or the name is a tag's
                     raise
-                continue  # another writer moved the ref: chain onto its snapshot and retry
+                # Another writer moved the ref: chain onto its snapshot and retry, after a
+                # short jittered pause so that writers hammering one ref do not livelock.
+                races += 1
+                time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+                continue
             return _row_to_info(root, row)
-        raise RefConflict(ref, None, None)
+        raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
+                              f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
+                              "nothing was published, take the snapshot again")
 
     def wait_gc_idle(self) -> int:
         """Wait until no gc deletion phase is running (closing a dead gc's phase once

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import tensorstore_ck as tsck
 
@@ -269,3 +270,31 @@ def test_cas_in_process(tmp_path):
         assert c.parent == b.root
         assert statelib.same_bits(s.checkout("jobA/main"), st2)
         assert statelib.same_bits(s.checkout(a.root), st0)
+
+
+def test_a_ref_that_always_moves_first_gives_up_with_a_clear_error(monkeypatch):
+    """A competing writer that wins every race on one ref (it moves the ref right
+    before each of our compare-and-swaps): after COMMIT_ATTEMPTS tries the put gives
+    up with SnapshotAborted saying why, and the ref is only ever on the rival's roots."""
+    import tensorstore_ck.store as store_mod
+    from tensorstore_ck.refs import MemoryRefTable
+
+    class RivalWinsEveryRace(MemoryRefTable):
+        def __init__(self):
+            super().__init__()
+            self.rival = 0
+
+        def compare_and_swap(self, name, expected, new, **kw):
+            if name == "hot/ref":
+                self.rival += 1
+                cur = self.get_or_none(name)
+                super().compare_and_swap(name, cur, self.rival.to_bytes(32, "big"), message="rival")
+            return super().compare_and_swap(name, expected, new, **kw)
+
+    monkeypatch.setattr(store_mod, "COMMIT_ATTEMPTS", 25)
+    table = RivalWinsEveryRace()
+    with tsck.open_store("memory://rival-wins", refs=table) as s:
+        with pytest.raises(tsck.SnapshotAborted, match="25 lost races"):
+            s.put_snapshot({"w": torch.ones(3)}, ref="hot/ref", step=1)
+        assert table.get_or_none("hot/ref") == (25).to_bytes(32, "big")
+        s.put_snapshot({"w": torch.ones(3)}, ref="calm/ref", step=1)  # other refs are unaffected
