@@ -33,8 +33,7 @@ def _as_oserror(fn):
         except Exception as e:  # noqa: BLE001 - only transport errors are translated
             name = type(e).__name__
             mod = type(e).__module__ or ""
-            if not mod.startswith(("botocore", "aiobotocore", "aiohttp", "urllib3", "asyncio")) \
-                    and name not in ("TimeoutError", "CancelledError"):
+            if not mod.startswith(("botocore", "aiobotocore", "aiohttp", "urllib3")):
                 raise
             cls = TimeoutError if "Timeout" in name else ConnectionError
             raise cls(f"{name}: {e}") from e
