@@ -191,12 +191,9 @@ def main() -> int:
             if rep == 0:
                 assert not core.compare_states(state, target), "dcp load is not bit-identical"
 
-            for k in range(len(rows["s3 put"]) - 1, len(rows["s3 put"])):
-                rows["s3 put / file put"].append(rows["s3 put"][k] / rows["file put"][k])
-                rows["s3 put / dcp save"].append(rows["s3 put"][k] / rows["dcp save"][k])
-                rows["s3 checkout / file checkout"].append(rows["s3 checkout"][k] / rows["file checkout"][k])
-                rows["s3 checkout / dcp load"].append(rows["s3 checkout"][k] / rows["dcp load"][k])
-                rows["s3 checkout into= / dcp load"].append(rows["s3 checkout into="][k] / rows["dcp load"][k])
+            for num, den in (("s3 put", "file put"), ("s3 put", "dcp save"), ("s3 checkout", "file checkout"),
+                             ("s3 checkout", "dcp load"), ("s3 checkout into=", "dcp load")):
+                rows[f"{num} / {den}"].append(rows[num][-1] / rows[den][-1])  # this repeat's ratio
             fs.rm(f"{a.bucket}/{run}", recursive=True)
             reqs.take()
             print(f"# repeat {rep + 1}: s3 put {rows['s3 put'][-1]:.3f} GB/s, file put {rows['file put'][-1]:.3f}, "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import sys
 from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -39,6 +38,11 @@ MAX_DIMS = 64
 # A fresh tensor bigger than this is allocated only once all its blocks are known
 # to exist (one HEAD / stat per distinct block; smaller ones are not worth it).
 PRESENCE_CHECK_ABOVE = 64 << 20
+
+
+def _code_units(raw: bytes, dtype: np.dtype) -> list[int]:
+    """The UTF-32 code units of a numpy '<U'/'>U' value, in its byte order."""
+    return np.frombuffer(raw, dtype=np.dtype("u4").newbyteorder(dtype.byteorder)).tolist()
 
 
 def default_max_bytes() -> int:
@@ -256,8 +260,7 @@ class Planner:
             if obj.dtype.itemsize == 0:
                 return self._unsupported(obj, path, f"numpy scalar of empty dtype {obj.dtype}")
             raw = obj.tobytes()
-            if obj.dtype.kind == "U" and max(np.frombuffer(raw, dtype=obj.dtype.byteorder.replace("=", "")
-                                                              .replace("|", "") + "u4").tolist()) > 0x10FFFF:
+            if obj.dtype.kind == "U" and max(_code_units(raw, obj.dtype)) > 0x10FFFF:
                 # numpy lets such a scalar exist, but it is no valid string and cannot be rebuilt
                 return self._unsupported(obj, path, "numpy str_ scalar with code points beyond U+10FFFF")
             return {"S": [_dtype_out(obj.dtype), raw]}
@@ -921,9 +924,8 @@ class Reader:
             if d.kind == "S":  # frombuffer's scalar would drop trailing NULs (and shrink the dtype)
                 return np.bytes_(body[1])
             if d.kind == "U":  # the same for str_: decode the UTF-32 code units ourselves
-                big = d.byteorder == ">" or (d.byteorder == "=" and sys.byteorder == "big")
-                units = np.frombuffer(body[1], dtype=">u4" if big else "<u4").tolist()
-                return np.str_("".join(map(chr, units)))  # chr, unlike the utf-32 codec, takes surrogates
+                # chr, unlike the utf-32 codec, takes surrogates
+                return np.str_("".join(map(chr, _code_units(body[1], d))))
             return np.frombuffer(body[1], dtype=d)[0]
         except Exception as e:  # e.g. an invalid code point in a <U scalar
             raise self._fmt(f"numpy scalar does not decode: {type(e).__name__}", path) from None

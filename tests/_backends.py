@@ -54,8 +54,8 @@ class Backend:
 
     def sibling(self, tmp_path, name: str) -> "Backend":
         """Another, empty store location of the same kind (same servers)."""
-        return Backend(self.kind, tmp_path, s3_options=self.storage_options, pg_dsn=self.refs
-                       if self.kind == "pg" else None, name=name)
+        pg_dsn = self.refs if self.kind == "pg" else None
+        return Backend(self.kind, tmp_path, s3_options=self.storage_options, pg_dsn=pg_dsn, name=name)
 
     def spec(self) -> str:
         if self.kind == "file":

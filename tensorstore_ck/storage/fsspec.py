@@ -147,24 +147,20 @@ class FsspecBlockStore(BlockStore):
 
     @_as_oserror
     def delete_many(self, keys: Sequence[str]) -> None:
+        if not self._s3:
+            return super().delete_many(keys)
         keys = list(keys)
-        if not keys:
-            return
-        if self._s3:
-            # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key
-            # errors silently). A key that is already gone is not an error in S3.
-            bucket, _, base = self.root.partition("/")
-            pre = f"{base}/" if base else ""
-            for i in range(0, len(keys), 1000):
-                out = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={
-                    "Objects": [{"Key": pre + k} for k in keys[i:i + 1000]], "Quiet": True})
-                errs = [e for e in out.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
-                if errs:
-                    raise OSError(f"delete of {len(errs)} object(s) failed under {self.url}: "
-                                  f"{errs[0].get('Code')}: {errs[0].get('Message')}")
-            return
-        for key in keys:
-            self.delete(key)
+        # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key
+        # errors silently). A key that is already gone is not an error in S3.
+        bucket, _, base = self.root.partition("/")
+        pre = f"{base}/" if base else ""
+        for i in range(0, len(keys), 1000):
+            out = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={
+                "Objects": [{"Key": pre + k} for k in keys[i:i + 1000]], "Quiet": True})
+            errs = [e for e in out.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+            if errs:
+                raise OSError(f"delete of {len(errs)} object(s) failed under {self.url}: "
+                              f"{errs[0].get('Code')}: {errs[0].get('Message')}")
 
     @_as_oserror
     def _find(self, base: str) -> dict:
