@@ -18,7 +18,7 @@ to take timestamps):
               writes to the ref moving (done/add keys in the c10d store, rank 0
               polling for them, reading every rank's manifest root, writing the
               top node and the commit, syncing, LMDB CAS)
-  gather      rank 0 entering commit_tree - max_r done_r (the coordination part)
+  gather      rank 0 entering Publisher.commit - max_r done_r (the coordination part)
   returned    max_r (put_snapshot returned on rank r) - ref_moved (result fan-out)
   total       max_r return - min_r entry of put_snapshot (the whole collective)
 
@@ -105,7 +105,7 @@ def rank_main(rank: int, world: int, port: int, args, out: str) -> None:
         store.assets.sync = timed_sync
         marks: dict = {}
         if rank == 0:
-            orig_cas, orig_commit = store.reftable.compare_and_swap, store.commit_tree
+            orig_cas, orig_commit = store.reftable.compare_and_swap, store.publisher.commit
 
             def timed_cas(*a, **k):
                 r = orig_cas(*a, **k)
@@ -116,7 +116,7 @@ def rank_main(rank: int, world: int, port: int, args, out: str) -> None:
                 marks["commit_in"] = time.time()
                 return orig_commit(*a, **k)
             store.reftable.compare_and_swap = timed_cas
-            store.commit_tree = timed_commit
+            store.publisher.commit = timed_commit
         for rep in range(args.repeats + 1):  # repeat 0 is a warm-up
             state = make_state(rank, world, rep, args)
             dist.barrier()

@@ -174,7 +174,7 @@ def bench_stall(tsck, args, base, R):
         R["loadavg_stall"].append(os.getloadavg()[0])
         # ---- where the stall goes: the same steps put_snapshot takes, one by one
         # (planner.plan(state); staging.take; plan.stage(buf)), with the package's own objects.
-        from tensorstore_ck.state import Planner
+        from tensorstore_ck.plan import Planner
         buf = torch.zeros(max(1, sum(t.nbytes for t in src)), dtype=torch.uint8)  # touched, like a reused one
         for i in range(args.breakdown):
             perturb(changed, 200 + i)
@@ -389,7 +389,7 @@ def bench_train(tsck, args, base, R):
         R["train_snapshots"] = {m: tr[m].snapshots for m in modes}
         # the same stall out of the loop: put_snapshot(TrainState, blocking=False) and a plain copy,
         # back to back, alternating, many times (commit waited for and os.sync() run, untimed)
-        from tensorstore_ck.state import Planner
+        from tensorstore_ck.plan import Planner
         t = tr["async"]
         src = [x for _, x in iter_tensors(t.ts.state_dict())]
         dst = [torch.zeros_like(x) for x in src]

@@ -66,9 +66,9 @@ def signature(e: BaseException) -> str:
         return f"ContractViolation:{e}"
     tb = traceback.extract_tb(e.__traceback__)
     if isinstance(e, Hang):  # where the alarm lands inside a loop varies: name the loop
-        loop = next((f for f in tb if f.name == "_revalidate" and f.filename.endswith("store.py")), None)
+        loop = next((f for f in tb if f.name == "revalidate_plan" and f.filename.endswith("publish.py")), None)
         if loop is not None:
-            return "Hang@store.py:_revalidate"
+            return "Hang@publish.py:revalidate_plan"
     f = next((f for f in reversed(tb) if "tensorstore_ck" in f.filename), tb[-1] if tb else None)
     where = f"{Path(f.filename).name}:{f.name}" if f else "?"
     return f"{type(e).__name__}@{where}"
@@ -409,7 +409,7 @@ def build_real_store(url: str | None = None, **open_kw):
 
 def drop_memory_store(store) -> None:
     """Close a memory:// store and free its objects and ref table."""
-    from tensorstore_ck import store as store_mod
+    from tensorstore_ck import opener as store_mod
     url = store.url
     try:
         store.close()

@@ -43,7 +43,7 @@ with _common.instrument(__name__ == "__main__"):
     import tensorstore_ck as tsck
     from tensorstore_ck.errors import InvalidName, TsckError, UnsupportedType
     from tensorstore_ck.shard import Replicated, Sharded
-    from tensorstore_ck.state import TORCH_DTYPES
+    from tensorstore_ck.format.dtypes import TORCH_DTYPES
 
 DEADLINE = 10.0
 MAX_OPS = 400          # values built per input

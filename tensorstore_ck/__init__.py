@@ -18,11 +18,14 @@ Layers, top to bottom (nothing calls upward):
 """
 
 from . import errors
-from .errors import (AmbiguousTarget, CheckoutMismatch, FormatError, IntegrityError, InvalidName, NotAStore,
-                     RefConflict, RefNotFound, SnapshotAborted, StorageError, TsckError, UnsupportedType)
+from .errors import (AmbiguousTarget, CheckoutMismatch, Fenced, FormatError, GcBusy, IntegrityError, InvalidArgument,
+                     InvalidName, NotAStore, RefConflict, RefNotFound, SnapshotAborted, StorageError, TsckError,
+                     UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
-from .store import SnapshotInfo, Store, open_store
+from .info import SnapshotInfo
+from .opener import open_store
+from .store import Store
 from .train import CheckpointManager, ResumableDataLoader, TrainState
 
 __version__ = "0.1.0"
@@ -30,6 +33,6 @@ __version__ = "0.1.0"
 __all__ = [
     "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager",
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
-    "IntegrityError", "FormatError", "UnsupportedType", "InvalidName", "NotAStore", "CheckoutMismatch",
-    "AmbiguousTarget", "SnapshotAborted", "StorageError", "__version__",
+    "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
+    "CheckoutMismatch", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "__version__",
 ]

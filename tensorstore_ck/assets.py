@@ -178,6 +178,17 @@ class Assets:
             self._check(d, data, key, ctx)
         return bytes(data)
 
+    @staticmethod
+    def node_error(d: bytes, msg: str, *, snapshot=None, path=None) -> IntegrityError:
+        """The error for a node that was read and verified but does not decode."""
+        return IntegrityError(msg, snapshot=snapshot, path=path, key=node_key(d))
+
+    def require_block(self, d: bytes, *, snapshot=None, path=None) -> None:
+        """IntegrityError unless block `d` is present (one HEAD / stat)."""
+        key = block_key(d)
+        if not self.storage.exists(key):
+            raise IntegrityError("missing object", key=key, reason="missing", snapshot=snapshot, path=path)
+
     def block_exists(self, d: bytes) -> bool:
         return self.storage.exists(_key(KIND_PREFIX[frame.KIND_BLOCK], d))
 

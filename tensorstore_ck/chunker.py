@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .format import tree
+
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_INLINE_THRESHOLD", "Layout", "plan_blocks", "block_ranges"]
 
 # 4 MiB: measured in benches/bench_blocksize.py (see README): smaller blocks cost
@@ -25,7 +27,7 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_INLINE_THRESHOLD", "Layout", "plan_blo
 DEFAULT_BLOCK_SIZE = 4 * 1024 * 1024
 DEFAULT_INLINE_THRESHOLD = 16 * 1024
 MIN_BLOCK_SIZE = 4096
-MAX_BLOCK_SIZE = 256 * 1024 * 1024
+MAX_BLOCK_SIZE = tree.MAX_BLOCK_SIZE  # the readers' limit (format/tree.py)
 
 
 @dataclass(frozen=True, slots=True)

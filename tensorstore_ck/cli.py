@@ -20,7 +20,8 @@ import os
 import sys
 
 from .errors import TsckError
-from .store import SnapshotInfo, open_store
+from .info import SnapshotInfo
+from .opener import open_store
 
 __all__ = ["main"]
 

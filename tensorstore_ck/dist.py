@@ -25,13 +25,30 @@ import time
 
 import msgpack
 
-from .errors import AmbiguousTarget, InvalidName, RefNotFound, SnapshotAborted, TsckError
-from .format.manifest import decode_commit, encode_node
-from .state import Planner, Reader, build_tree, run_block_jobs
+import threading
 
-__all__ = ["collective_put", "collective_checkout", "is_collective"]
+from .errors import AmbiguousTarget, InvalidArgument, InvalidName, RefNotFound, SnapshotAborted, TsckError
+from .plan import plan_stats
+from .validate import UNSET
+
+__all__ = ["collective_put", "collective_checkout", "is_collective", "CollectiveContext"]
 
 AUTO = object()
+
+
+class CollectiveContext:
+    """Per store: how many collectives of each (group, op) this process has entered.
+    Every rank makes the same calls in the same order, so the count names the call
+    (the key prefix in the c10d Store) identically on every rank."""
+
+    def __init__(self):
+        self._seq: dict = {}
+        self._lock = threading.Lock()
+
+    def next(self, key) -> int:
+        with self._lock:
+            self._seq[key] = self._seq.get(key, 0) + 1
+            return self._seq[key]
 
 
 def _dist():
@@ -51,7 +68,7 @@ def is_collective(group) -> bool:
 class _Channel:
     """Keys under one prefix in the c10d Store, waited on with a deadline."""
 
-    def __init__(self, store, group, op: str, timeout: float, kv=None):
+    def __init__(self, ctx: CollectiveContext, group, op: str, timeout: float, kv=None):
         dist = _dist()
         g = None if group in (AUTO, None, True) else group
         self.world = dist.get_world_size(g)
@@ -59,8 +76,7 @@ class _Channel:
         self.kv = kv if kv is not None else dist.distributed_c10d._get_default_store()
         gid = "world" if g is None else "g" + "-".join(map(str, dist.get_process_group_ranks(g)))
         key = (gid, op)
-        seq = store._dist_seq.get(key, 0) + 1  # every rank makes the same calls in the same order
-        store._dist_seq[key] = seq
+        seq = ctx.next(key)
         self.pfx = f"tsck/{gid}/{op}/{seq}/"
         self.op = op
         self.timeout = timeout
@@ -146,7 +162,8 @@ def _owner(path: str, i: int, world: int) -> int:
     return (h + i) % world
 
 
-_REraise = {"ref_not_found": RefNotFound, "invalid_name": InvalidName, "ambiguous_target": AmbiguousTarget}
+_REraise = {"ref_not_found": RefNotFound, "invalid_name": InvalidName, "invalid_argument": InvalidArgument,
+            "ambiguous_target": AmbiguousTarget}
 
 
 def _guard(ch: _Channel, fn):
@@ -165,23 +182,21 @@ def _guard(ch: _Channel, fn):
         raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: {type(e).__name__}: {e}") from e
 
 
-def collective_put(store, state, *, ref, step, prepare, group, timeout, allow_pickle, kv=None):
-    from .store import _UNSET  # noqa: circular at import time
+def collective_put(publisher, ctx: CollectiveContext, state, *, planner, prepare, group, timeout, kv=None):
+    """One snapshot of every rank's `state`, published once by rank 0 through `publisher`.
+    prepare() -> SnapshotArgs checks the arguments (on every rank, inside the collective)."""
     try:
-        ch = _Channel(store, group, "put", timeout, kv)
+        ch = _Channel(ctx, group, "put", timeout, kv)
     except Exception as e:  # noqa: BLE001
         raise SnapshotAborted(f"cannot reach the process group's store: {e}") from e
     W, rank = ch.world, ch.rank
     ch.cleanup_old()
-    job, metrics, meta, expected = _guard(ch, prepare)
-
-    def plan():
-        p = Planner(block_size=store.block_size, inline_threshold=store.inline_threshold, allow_pickle=allow_pickle)
-        return p.plan(state)
-
-    plan_ = _guard(ch, plan)
-    exp_hex = None if expected is _UNSET else ("-" if expected is None else expected.hex())
-    _guard(ch, lambda: (ch.set(f"hello/{rank}", msgpack.packb([step, ref, job, exp_hex])), ch.add("hello_n")))
+    args = _guard(ch, prepare)
+    plan_ = _guard(ch, lambda: planner.plan(state))
+    expected = args.expected
+    exp_hex = None if expected is UNSET else ("-" if expected is None else expected.hex())
+    _guard(ch, lambda: (ch.set(f"hello/{rank}", msgpack.packb([args.step, args.ref, args.job, exp_hex])),
+                        ch.add("hello_n")))
     if rank == 0:
         def agree():
             ch.wait_count("hello_n", W, "arrive", per_rank="hello")
@@ -191,7 +206,7 @@ def collective_put(store, state, *, ref, step, prepare, group, timeout, allow_pi
                     raise SnapshotAborted(
                         f"ranks disagree: rank 0 has (step, ref, job) = {tuple(hellos[0][:3])}, rank {r} has "
                         f"{tuple(h[:3])}")
-            fence = store.gc_fence()  # read before any rank looks at storage
+            fence = publisher.fence()  # read before any rank looks at storage
             ch.set("go", msgpack.packb(fence))
             return fence
         try:
@@ -203,9 +218,10 @@ def collective_put(store, state, *, ref, step, prepare, group, timeout, allow_pi
         _guard(ch, lambda: ch.wait_key("go", "rank 0 to start the snapshot"))
 
     def write():
-        run_block_jobs(plan_, store.assets, store._pool, owns=lambda leaf, i: _owner(leaf.path, i, W) == rank)
-        tree, st, _nodes = build_tree(plan_, store.assets)
-        store.assets.sync()  # this rank's objects are durable before rank 0 publishes
+        publisher.write_blocks(plan_, owns=lambda leaf, i: _owner(leaf.path, i, W) == rank)
+        tree, _payloads = publisher.write_nodes(plan_.value)
+        st = plan_stats(plan_)
+        publisher.sync()  # this rank's objects are durable before rank 0 publishes
         ch.set(f"done/{rank}", msgpack.packb({"tree": tree, "stats": [st.bytes_total, st.bytes_new,
                                                                         st.blocks_total, st.blocks_new]}))
         ch.add("done_n")
@@ -213,36 +229,32 @@ def collective_put(store, state, *, ref, step, prepare, group, timeout, allow_pi
     _guard(ch, write)
     if rank != 0:
         root = _guard(ch, lambda: ch.wait_key("result", "rank 0 to publish")).decode()
-        return store.show(root)
+        return publisher.info(root)
 
     def publish():
         ch.wait_count("done_n", W, "finish writing", per_rank="done")
         dones = [msgpack.unpackb(ch.get(f"done/{r}")) for r in range(W)]
-        top = store.assets.put_node(encode_node({"W": {"world": W, "ranks": [d["tree"] for d in dones]}}))
+        top, _payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones]}})
         sums = [sum(d["stats"][i] for d in dones) for i in range(4)]
         stats = dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new"), sums))
-        return store.commit_tree(top.digest, ref=ref, job=job, step=step, metrics=metrics,
-                                 meta={**meta, "world": W}, stats=stats, expected=expected, fence=fence)
+        return publisher.commit(top, args, stats=stats, fence=fence, meta_extra={"world": W})
 
     info = _guard(ch, publish)
     ch.set("result", info.root.encode())
     return info
 
 
-def collective_checkout(store, target, *, into, verify, allow_pickle, group, timeout, kv=None):
+def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group, timeout, kv=None):
+    """Rank 0 resolves `target` (so every rank reads the same snapshot even if the ref
+    moves meanwhile); every rank then reads its own view with read(root_hex, rank)."""
     try:
-        ch = _Channel(store, group, "checkout", timeout, kv)
+        ch = _Channel(ctx, group, "checkout", timeout, kv)
     except Exception as e:  # noqa: BLE001
         raise SnapshotAborted(f"cannot reach the process group's store: {e}") from e
     ch.cleanup_old()
     if ch.rank == 0:
-        # One rank resolves, so every rank reads the same snapshot even if the ref moves meanwhile.
-        root = _guard(ch, lambda: store.resolve(target))
+        root = _guard(ch, lambda: resolve(target))
         ch.set("root", root.encode())
     else:
         root = _guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target")).decode()
-    c = decode_commit(store.assets.get_commit(bytes.fromhex(root), verify=verify))
-    reader = Reader(store.assets, store._pool, snapshot=root, verify=verify, allow_pickle=allow_pickle,
-                    rank=ch.rank)
-    from .state import _MISSING
-    return reader.read(c["tree"], _MISSING if into is None else into)
+    return read(root, ch.rank)

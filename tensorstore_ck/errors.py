@@ -6,12 +6,15 @@
     ├── IntegrityError           a missing or corrupt object: .snapshot, .path, .expected, .got
     ├── FormatError              stored bytes that cannot be decoded or are hostile
     ├── UnsupportedType (TypeError)  a value in the state we cannot store: .path
-    ├── InvalidName (ValueError)     a bad ref/tag name or target string
+    ├── InvalidArgument (ValueError) a bad argument to a call (an option, a step, metrics)
+    │   └── InvalidName              a bad ref/tag name or target string
     ├── NotAStore                the location exists but holds no tensorstore_ck store
     ├── CheckoutMismatch (ValueError) checkout(into=...) does not fit the snapshot
     ├── AmbiguousTarget (LookupError) a root-hash prefix that matches several snapshots
     ├── SnapshotAborted          a collective snapshot was abandoned; nothing published
-    └── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
+    ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
+    ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
+    └── GcBusy                   another gc holds the store
 
 Every class has a stable ``kind`` code used by ``--json`` output; codes are
 append-only and never renamed.
@@ -26,10 +29,15 @@ __all__ = [
     "IntegrityError",
     "FormatError",
     "UnsupportedType",
+    "InvalidArgument",
     "InvalidName",
     "NotAStore",
     "CheckoutMismatch",
     "SnapshotAborted",
+    "AmbiguousTarget",
+    "StorageError",
+    "Fenced",
+    "GcBusy",
 ]
 
 
@@ -107,7 +115,13 @@ class UnsupportedType(TsckError, TypeError):
         return (type(self), (self.message, self.path))
 
 
-class InvalidName(TsckError, ValueError):
+class InvalidArgument(TsckError, ValueError):
+    """A bad argument: an option out of range, a step that is not an int, metrics that
+    are not numbers. Raised before anything is written."""
+    kind = "invalid_argument"
+
+
+class InvalidName(InvalidArgument):
     kind = "invalid_name"
 
 
@@ -136,3 +150,23 @@ class StorageError(TsckError, OSError):
 
 
 __all__.append("StorageError")
+
+
+class Fenced(TsckError):
+    """A gc deletion phase started or is running since the writer's fence was taken:
+    objects the writer found present may be gone. The writer re-validates and retries."""
+    kind = "fenced"
+
+
+class GcBusy(TsckError):
+    """Another gc holds the store (its heartbeat is fresh)."""
+    kind = "gc_busy"
+
+
+def storage_error(e: OSError, what: str) -> StorageError:
+    """A backend's OSError as our StorageError: "<what>: PermissionError: ...", errno kept."""
+    msg = e.strerror or str(e)
+    name = type(e).__name__
+    text = f"{what}: {name if msg in ('', 'None') else f'{name}: {msg}'}"  # s3fs's str() can be 'None'
+    # OSError(None, msg) would print "[Errno None] msg"
+    return StorageError(e.errno, text) if e.errno is not None else StorageError(text)

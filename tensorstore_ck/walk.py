@@ -2,22 +2,23 @@
 
 Yields the objects under a commit with the state path that reaches them.
 Nodes are read (and verified) because they hold the addresses; blocks are
-only named, with the byte length the manifest expects of them.
+only named, with the byte length the manifest expects of them. Every node is
+decoded by the manifest grammar (format/tree.py), the same decoder checkout
+uses, so gc and fsck accept exactly the trees checkout accepts.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
 from .assets import Assets
-from .errors import FormatError, IntegrityError
-from .format.manifest import MAX_DEPTH, decode_commit, decode_node
-from .chunker import MAX_BLOCK_SIZE
-from .state import format_path
+from .errors import FormatError
+from .format import tree
+from .format.manifest import decode_commit, decode_node
+from .format.tree import format_path
 
-__all__ = ["Obj", "walk_commit", "walk_tree", "iter_leaves"]
+__all__ = ["Obj", "walk_commit", "walk_tree", "iter_leaves", "read_node"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,80 +29,51 @@ class Obj:
     nbytes: int | None = None  # blocks: the length the manifest expects
 
 
-def _leaf_blocks(body, path) -> Iterator[tuple[int, bytes, int]]:
-    if not isinstance(body, dict):
-        raise FormatError(f"tensor leaf is not a map at {format_path(path)}")
-    if "x" in body:
-        return
-    n, bs, blocks = body.get("n"), body.get("bs"), body.get("b")
-    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0 and isinstance(bs, int)
-            and 0 < bs <= MAX_BLOCK_SIZE and isinstance(blocks, list) and len(blocks) == math.ceil(n / bs)):
-        raise FormatError(f"bad block layout at {format_path(path)}")
-    for i, d in enumerate(blocks):
-        if not isinstance(d, bytes) or len(d) != 32:
-            raise FormatError(f"bad block address at {format_path(path)}")
-        yield i, d, min(n, (i + 1) * bs) - i * bs
+def read_node(assets: Assets, d: bytes, path: tuple, depth: int, *, snapshot: str, verify: bool = True,
+              world: bool = False):
+    """Fetch, verify and decode one node through the grammar. An undecodable node is
+    an IntegrityError naming it; a malformed value is a FormatError naming the path."""
+    data = assets.get_node(d, verify=verify, snapshot=snapshot, path=format_path(path))
+    try:
+        raw = decode_node(data)
+    except FormatError as e:
+        raise assets.node_error(d, f"undecodable manifest node: {e}", snapshot=snapshot,
+                                path=format_path(path)) from None
+    return tree.decode_node_value(raw, path, depth, world=world)
 
 
-def walk_tree(assets: Assets, tree: bytes, *, snapshot: str, verify: bool = True,
+def _leaf_blocks(leaf) -> Iterator[tuple[bytes, int]]:
+    chunks = leaf.chunks if isinstance(leaf, tree.Global) else (leaf,)
+    for c in chunks:
+        for _i, d, a, b in c.block_spans():
+            yield d, b - a
+
+
+def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
               skip_nodes: set | None = None) -> Iterator[Obj]:
-    """Every node and block under `tree`, depth first. Nodes in `skip_nodes`
+    """Every node and block under `top`, depth first. Nodes in `skip_nodes`
     (already walked elsewhere) are neither yielded nor descended; new nodes are
     added to it."""
-    stack = [(tree, ())]
+    stack = [(top, (), 0, True)]
     while stack:
-        d, path = stack.pop()
+        d, path, depth, world = stack.pop()
         if skip_nodes is not None:
             if d in skip_nodes:
                 continue
             skip_nodes.add(d)
         yield Obj("node", d, format_path(path))
-        data = assets.get_node(d, verify=verify, snapshot=snapshot, path=format_path(path))
-        try:
-            value = decode_node(data)
-        except FormatError as e:
-            raise IntegrityError(f"undecodable manifest node: {e}", snapshot=snapshot,
-                                 path=format_path(path), key=f"nodes/{d.hex()[:2]}/{d.hex()}") from None
-        todo = [(value, path, 0)]
-        while todo:
-            v, p, depth = todo.pop()
-            if depth > MAX_DEPTH:
-                raise FormatError(f"manifest nested deeper than {MAX_DEPTH} at {format_path(p)}")
-            if not isinstance(v, dict) or len(v) != 1:
-                continue
-            (tag, body), = v.items()
-            if tag == "r":
-                if not isinstance(body, bytes) or len(body) != 32:
-                    raise FormatError(f"bad node reference at {format_path(p)}")
-                stack.append((body, p))
-            elif tag in ("d", "o"):
-                if not isinstance(body, list):
-                    raise FormatError(f"bad dict at {format_path(p)}")
-                for pair in reversed(body):
-                    if isinstance(pair, list) and len(pair) == 2:
-                        k = pair[0] if isinstance(pair[0], (str, int)) else "?"
-                        todo.append((pair[1], p + (k,), depth + 1))
-            elif tag in ("l", "t"):
-                if not isinstance(body, list):
-                    raise FormatError(f"bad sequence at {format_path(p)}")
-                for i in range(len(body) - 1, -1, -1):
-                    todo.append((body[i], p + (i,), depth + 1))
-            elif tag in ("T", "A"):
-                for _i, bd, nb in _leaf_blocks(body, p):
-                    yield Obj("block", bd, format_path(p), nb)
-            elif tag == "G":
-                chunks = body.get("chunks") if isinstance(body, dict) else None
-                if not isinstance(chunks, list):
-                    raise FormatError(f"bad sharded tensor at {format_path(p)}")
-                for c in chunks:
-                    for _i, bd, nb in _leaf_blocks(c, p):
-                        yield Obj("block", bd, format_path(p), nb)
-            elif tag == "W":
-                ranks = body.get("ranks") if isinstance(body, dict) else None
-                if not isinstance(ranks, list) or not all(isinstance(d, bytes) and len(d) == 32 for d in ranks):
-                    raise FormatError("bad multi-rank snapshot")
-                for d in reversed(ranks):
-                    stack.append((d, p))
+        value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify, world=world)
+        children = []
+        for p, dp, item in tree.visit(value, path, depth):
+            if type(item) is tree.Ref:
+                children.append((item.digest, p, dp, False))
+            elif type(item) is tree.World:
+                children.extend((r, p, dp, False) for r in item.ranks)
+            else:
+                fp = format_path(p)
+                for bd, nb in _leaf_blocks(item):
+                    yield Obj("block", bd, fp, nb)
+        stack.extend(reversed(children))
 
 
 def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes: set | None = None
@@ -112,45 +84,44 @@ def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes:
     yield from walk_tree(assets, c["tree"], snapshot=root.hex(), verify=verify, skip_nodes=skip_nodes)
 
 
+def _describe(item) -> str:
+    if type(item) is tree.Global:
+        return f"{item.dt} {list(item.shape)} sharded"
+    if type(item) is tree.Array:
+        return f"{item.dtype.str if item.dtype.fields is None else item.dtype} {list(item.shape)}"
+    return f"{item.dt} {list(item.shape)}"
+
+
 def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True) -> dict[str, tuple[str, list]]:
-    """path -> (dtype/shape summary, [block digests]) for every tensor/array of a snapshot (diff)."""
+    """path -> (dtype/shape summary, [block digests or inline bytes]) for every tensor or
+    array of a snapshot (diff). A sharded tensor's chunks from every rank are gathered
+    under its path, in order of their offsets."""
+    snap = root.hex()
     c = decode_commit(assets.get_commit(root, verify=verify))
     out: dict[str, tuple[str, list]] = {}
-
-    def visit(v, p, depth):
-        if depth > MAX_DEPTH or not isinstance(v, dict) or len(v) != 1:
-            return
-        (tag, body), = v.items()
-        if tag == "r" and isinstance(body, bytes) and len(body) == 32:
-            visit(decode_node(assets.get_node(body, verify=verify, snapshot=root.hex())), p, depth + 1)
-        elif tag in ("d", "o") and isinstance(body, list):
-            for pair in body:
-                if isinstance(pair, list) and len(pair) == 2:
-                    visit(pair[1], p + (pair[0] if isinstance(pair[0], (str, int)) else "?",), depth + 1)
-        elif tag in ("l", "t") and isinstance(body, list):
-            for i, x in enumerate(body):
-                visit(x, p + (i,), depth + 1)
-        elif tag in ("T", "A") and isinstance(body, dict):
-            desc = f"{body.get('dt')} {body.get('sh')}"
-            if "x" in body:
-                if not isinstance(body["x"], bytes):
-                    raise FormatError(f"bad inline tensor at {format_path(p)}")
-                out[format_path(p)] = (desc, [body["x"]])
+    sharded: dict[str, list] = {}
+    stack = [(c["tree"], (), 0, True)]
+    while stack:
+        d, path, depth, world = stack.pop()
+        value = read_node(assets, d, path, depth, snapshot=snap, verify=verify, world=world)
+        children = []
+        for p, dp, item in tree.visit(value, path, depth):
+            if type(item) is tree.Ref:
+                children.append((item.digest, p, dp, False))
+            elif type(item) is tree.World:
+                children.extend((r, p, dp, False) for r in item.ranks)
+            elif type(item) is tree.Global:
+                key = format_path(p)
+                if key not in out:
+                    out[key] = (_describe(item), [])
+                sharded.setdefault(key, []).extend(item.chunks)
             else:
-                out[format_path(p)] = (desc, [d for _i, d, _n in _leaf_blocks(body, p)])
-        elif tag == "G" and isinstance(body, dict) and isinstance(body.get("chunks"), list):
-            key = format_path(p)
-            desc, blocks = out.get(key, (f"{body.get('dt')} {body.get('sh')} sharded", []))
-            for c in sorted(body["chunks"], key=lambda c: str(c.get("off")) if isinstance(c, dict) else ""):
-                if not isinstance(c, dict) or ("x" in c and not isinstance(c["x"], bytes)):
-                    raise FormatError(f"bad chunk at {format_path(p)}")
-                blocks = blocks + ([c["x"]] if "x" in c else [d for _i, d, _n in _leaf_blocks(c, p)])
-            out[key] = (desc, blocks)
-        elif tag == "W" and isinstance(body, dict) and isinstance(body.get("ranks"), list):
-            if depth or not all(isinstance(d, bytes) and len(d) == 32 for d in body["ranks"]):
-                raise FormatError("bad multi-rank snapshot")
-            for d in body["ranks"]:  # every rank's tree; sharded tensors gather their chunks by path
-                visit(decode_node(assets.get_node(d, verify=verify, snapshot=root.hex())), p, depth + 1)
-
-    visit(decode_node(assets.get_node(c["tree"], verify=verify, snapshot=root.hex())), (), 0)
+                out[format_path(p)] = (_describe(item), [item.inline] if item.inline is not None else
+                                       list(item.blocks))
+        stack.extend(reversed(children))
+    for key, chunks in sharded.items():
+        blocks = []
+        for ch in sorted(chunks, key=lambda ch: ch.offsets):
+            blocks += [ch.inline] if ch.inline is not None else list(ch.blocks)
+        out[key] = (out[key][0], blocks)
     return out

@@ -334,7 +334,7 @@ def test_regression_reader_tensor_bytes_checked_before_allocating(monkeypatch):
                    "b": [bytes([i]) * 32 for i in range(1, 17)]}}
     store = importlib.import_module("fuzz_manifest")._store()
     d = store.assets.put_node(_node(value)).digest
-    from tensorstore_ck.state import Reader
+    from tensorstore_ck.read import Reader
     with pytest.raises(tsck.IntegrityError) as ei:
         Reader(store.assets, store._pool, snapshot=d.hex()).read(d)
     assert ei.value.reason == "missing" and ei.value.key.startswith("blocks/")
@@ -352,5 +352,5 @@ def test_checkout_max_bytes_caps_what_a_manifest_may_allocate():
         _common.same(state, store.checkout("r/x", max_bytes=16000))
         _common.same(state, store.checkout("r/x"))  # default: the host's memory
         for bad in (-1, "1e9", 1.5, True):
-            with pytest.raises(tsck.InvalidName):
+            with pytest.raises(tsck.InvalidArgument):
                 store.checkout("r/x", max_bytes=bad)

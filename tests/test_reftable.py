@@ -12,7 +12,7 @@ import pytest
 
 import tensorstore_ck as tsck
 from tensorstore_ck.refs import LmdbRefTable, MemoryRefTable
-from tensorstore_ck.refs.base import Fenced, GcBusy
+from tensorstore_ck.errors import Fenced, GcBusy
 
 R = [bytes([i]) * 32 for i in range(8)]
 

@@ -54,7 +54,7 @@ def test_concurrency_cap_bounds_writes_in_flight(tmp_path):
 
 
 def test_bad_caps_are_refused(tmp_path):
-    with pytest.raises(tsck.InvalidName):
+    with pytest.raises(tsck.InvalidArgument):
         tsck.open_store(tmp_path / "s", write_bandwidth=0)
     with pytest.raises(ValueError):
         ThrottledStore(LocalBlockStore(str(tmp_path / "b")), bytes_per_second=-1)

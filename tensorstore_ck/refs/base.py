@@ -26,20 +26,9 @@ from typing import Callable, Iterator
 
 import msgpack
 
-from ..errors import FormatError, RefConflict, RefNotFound, TsckError
+from ..errors import Fenced, FormatError, GcBusy, RefConflict, RefNotFound
 
-__all__ = ["RefTable", "KvRefTable", "ReflogEntry", "Txn", "Fenced", "GcBusy"]
-
-
-class Fenced(TsckError):
-    """A gc deletion phase started or is running since the writer's fence was taken:
-    objects the writer found present may be gone. The writer re-validates and retries."""
-    kind = "fenced"
-
-
-class GcBusy(TsckError):
-    """Another gc holds the store (its heartbeat is fresh)."""
-    kind = "gc_busy"
+__all__ = ["RefTable", "KvRefTable", "ReflogEntry", "Txn"]
 
 
 TABLES = ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta")

@@ -1,0 +1,177 @@
+"""TsckReader: a torch.distributed.checkpoint StorageReader over one snapshot.
+
+Loading reads, for each ReadItem, only the blocks of the stored chunk that
+intersect the requested rows (read.read_box, the same region reader checkout
+uses), verifies them against their addresses, and copies the requested box
+into planner.resolve_tensor(item).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import uuid
+from typing import Any
+
+import numpy as np
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..errors import CheckoutMismatch, FormatError, InvalidArgument
+from ..read import read_box, run_reads
+from ..refs.names import parse_target
+from ..store import Store
+from .layout import DcpTree
+from .metadata import decode_metadata
+
+__all__ = ["TsckReader"]
+
+READ_TMP_BUDGET = 256 << 20     # staging buffers for partially read chunks, per batch
+
+
+class TsckReader(StorageReader):
+    """A DCP StorageReader over one tensorstore_ck snapshot.
+
+    target: a ref, tag, REF@STEP or root hash (prefix); it is resolved when DCP
+    reads the metadata, and every rank then reads the snapshot the coordinator
+    resolved. dcp.load's checkpoint_id, when given, replaces the target."""
+
+    def __init__(self, store: Store, target: str, *, verify: bool | None = None):
+        super().__init__()
+        if not isinstance(store, Store):
+            raise InvalidArgument(f"store must be a tensorstore_ck Store, got {type(store).__name__}")
+        self.store = store
+        parse_target(target)
+        store.resolve(target)  # RefNotFound now rather than from inside DCP
+        self.target = target
+        self.verify = store.verify if verify is None else bool(verify)
+        self.load_id = uuid.uuid4().hex
+        self.root: str | None = None
+        self._m: DcpTree | None = None
+        self.rank = None
+        self.is_coordinator = True
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.target
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id:
+            parse_target(str(checkpoint_id))
+            self.target = str(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self.root, self._m = None, None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        try:
+            parse_target(str(checkpoint_id))
+            return True
+        except Exception:
+            return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        root = self.store.resolve(self.target)
+        self._m = DcpTree(self.store.assets, self.store.pool, root, self.verify)
+        self.root = root
+        md = decode_metadata(self._m.metadata_plain)
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        if self._m is None:
+            raise FormatError("TsckReader: read_metadata was not called before set_up_storage_reader")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        # Every rank reads the snapshot the coordinator resolved (a ref may move
+        # between the ranks' read_metadata calls).
+        return [dataclasses.replace(p, storage_data={"tsck_root": self.root}) for p in plans]
+
+    def _pin_root(self, plan: LoadPlan) -> DcpTree:
+        want = plan.storage_data.get("tsck_root") if isinstance(plan.storage_data, dict) else None
+        if want is None or want == self.root:
+            return self._m
+        other = DcpTree(self.store.assets, self.store.pool, want, self.verify)
+        if other.md_digest is None or other.md_digest != self._m.md_digest:
+            raise CheckoutMismatch(f"ranks resolved {self.target!r} to different snapshots ({want[:16]} and "
+                                   f"{self.root[:16]}) whose layouts differ: the ref moved during the load; "
+                                   "load a root hash or a tag")
+        self._m, self.root = other, want
+        return other
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        m = self._pin_root(plan)
+        batch = _ReadBatch(self.store, m, self.verify)
+        for req in plan.items:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(self._read_bytes(m, req.storage_index.fqn)))
+                continue
+            batch.add(req, planner)
+            if batch.tmp_bytes >= READ_TMP_BUDGET:
+                batch.flush()
+        batch.flush()
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_bytes(self, m: DcpTree, fqn: str) -> bytes:
+        raw, leaf = m.bytes_item(fqn)
+        if raw is not None:
+            return raw
+        if leaf.inline is not None:
+            return leaf.inline
+        buf = np.empty(leaf.nbytes, dtype=np.uint8)
+        run_reads(self.store.assets, self.store.pool, [(d, buf[a:b], repr(fqn)) for _i, d, a, b in leaf.block_spans()],
+                  snapshot=m.root, verify=self.verify)
+        return buf.tobytes()
+
+
+class _ReadBatch:
+    """Tensor read items whose block reads run together on the store's pool."""
+
+    def __init__(self, store: Store, m: DcpTree, verify: bool):
+        self.store, self.m, self.verify = store, m, verify
+        self.jobs: list = []
+        self.after: list = []  # (req, target, function to run after the reads or None)
+        self.tmp_bytes = 0
+        self.planner = None
+
+    def add(self, req: ReadItem, planner: LoadPlanner) -> None:
+        self.planner = planner
+        fqn = req.storage_index.fqn
+        if req.storage_index.offset is None:
+            raise FormatError(f"DCP read item for tensor {fqn!r} has no chunk offsets")
+        dtype, _gs, chunks = self.m.chunks(fqn)
+        ch = chunks.get(tuple(int(x) for x in req.storage_index.offset))
+        if ch is None:
+            raise self.m.fmt(f"no chunk at {list(req.storage_index.offset)}", repr(fqn))
+        so, ln = tuple(int(x) for x in req.storage_offsets), tuple(int(x) for x in req.lengths)
+        nd = len(ch.shape)
+        if len(so) != nd or len(ln) != nd or any(o < 0 or k < 0 or o + k > s for o, k, s in zip(so, ln, ch.shape)):
+            raise CheckoutMismatch(f"DCP asks for {list(ln)} at {list(so)} of a chunk of {fqn!r} shaped "
+                                   f"{list(ch.shape)}")
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != ln:
+            raise CheckoutMismatch(f"DCP's target for {fqn!r} is {list(target.shape)}, the read is {list(ln)}")
+        box = tuple(slice(o, o + k) for o, k in zip(so, ln))
+        after, staged = read_box(ch, dtype, box, target, self.jobs, repr(fqn))
+        self.tmp_bytes += staged
+        self.after.append((req, target, after))
+
+    def flush(self) -> None:
+        jobs, after = self.jobs, self.after
+        self.jobs, self.after, self.tmp_bytes = [], [], 0
+        run_reads(self.store.assets, self.store.pool, jobs, snapshot=self.m.root, verify=self.verify)
+        for req, target, fn in after:
+            if fn is not None:
+                fn()
+            self.planner.commit_tensor(req, target)

@@ -1,0 +1,330 @@
+"""TsckWriter: a torch.distributed.checkpoint StorageWriter publishing one snapshot per dcp.save.
+
+Every rank writes the blocks of its own chunks through the store's Publisher;
+only addresses travel to the coordinator (WriteResult.storage_data), which
+composes the tree (layout.py) and publishes it with one fenced ref move.
+"""
+
+from __future__ import annotations
+
+import io
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import chunker
+from ..errors import FormatError, InvalidArgument, SnapshotAborted, UnsupportedType
+from ..refs.names import parse_target, validate_name
+from ..store import Store
+from ..validate import SnapshotArgs, check_snapshot_args
+from .handle import StoreHandle
+from .layout import BYTES_INLINE_MAX, DCP_FORMAT, compose
+from .metadata import QUANTIZED, dtype_name, encode_metadata
+
+__all__ = ["TsckWriter", "TsckStorageData"]
+
+DCP_METADATA_VERSION = "1.0.0"  # what FileSystemWriter writes into Metadata.version
+WRITE_COPY_BUDGET = 512 << 20   # host copies (device / non-contiguous tensors) in flight per rank
+
+
+@dataclass(frozen=True)
+class TsckStorageData:
+    """WriteResult.storage_data: what a rank wrote for one item (addresses, not data).
+
+    kind "tensor": value is the chunk dict {dt, sh, off, n, x | bs, b} of a G leaf.
+    kind "bytes":  value is the bytes, or a {"T": uint8 leaf} whose blocks hold them."""
+    kind: str
+    value: Any
+    blocks_new: int = 0
+    bytes_new: int = 0
+
+
+def _flat_bytes(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """A tensor's C-contiguous bytes as a flat uint8 numpy array; True if that took a copy."""
+    t = t.detach()
+    src = t
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    copied = t.data_ptr() != src.data_ptr() or t.device != src.device
+    return t.reshape(-1).view(torch.uint8).numpy(), copied
+
+
+class _Pending:
+    """Block writes of one item in flight."""
+    __slots__ = ("item", "kind", "meta", "wrap", "futs", "keep", "copied")
+
+    def __init__(self, item, kind, meta, wrap, futs, keep, copied):
+        self.item, self.kind, self.meta, self.wrap = item, kind, meta, wrap
+        self.futs, self.keep, self.copied = futs, keep, copied
+
+
+class TsckWriter(StorageWriter):
+    """A DCP StorageWriter that publishes one tensorstore_ck snapshot per dcp.save.
+
+    store: a tensorstore_ck Store (each rank opens its own on the same location).
+    ref, step, job, metrics, meta: as for store.put_snapshot. dcp.save's
+    checkpoint_id, when given, is the ref ("REF" or "REF@STEP").
+    After a save, `writer.info` (on the coordinator) is the SnapshotInfo."""
+
+    def __init__(self, store: Store, ref: str, step: int | None = None, *, job: str | None = None,
+                 metrics: dict | None = None, meta: dict | None = None):
+        super().__init__()
+        if not isinstance(store, Store):
+            raise InvalidArgument(f"store must be a tensorstore_ck Store, got {type(store).__name__}")
+        self.store = store
+        self._job_given = job
+        # The same checks as put_snapshot's (one table: validate.py).
+        self.args: SnapshotArgs = check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta)
+        self._set_ref(ref, step)
+        self.info = None
+        self.is_coordinator = True
+        self.rank = None
+        self._fence: int | None = None
+        self.save_id = uuid.uuid4().hex
+
+    def _set_ref(self, ref, step):
+        a = self.args
+        self.args = check_snapshot_args(ref, job=self._job_given, step=step, metrics=a.metrics, meta=a.meta)
+        self.ref, self.step, self.job = self.args.ref, self.args.step, self.args.job
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.ref
+
+    # -- StorageWriter ------------------------------------------------------------------
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id:
+            cid = str(checkpoint_id)
+            if "@" in cid:
+                kind, ref, step = parse_target(cid)
+                self._set_ref(ref, step)
+            else:
+                self._set_ref(cid, self.step)
+        self.save_id = uuid.uuid4().hex
+        self._fence = None
+        self.info = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        try:
+            s = str(checkpoint_id)
+            if "@" in s:
+                parse_target(s)
+            else:
+                validate_name(s)
+            return True
+        except Exception:
+            return False
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.ref, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        if not kwargs.get("use_collectives", True):
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                raise InvalidArgument("TsckWriter needs use_collectives=True under a process group of more than "
+                                  "one rank: one snapshot covers all ranks")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Refuse what cannot be stored before any rank writes anything.
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                continue
+            p = item.tensor_data.properties
+            if p.dtype in QUANTIZED:
+                raise UnsupportedType(f"quantized tensor {item.index.fqn!r} ({p.dtype}) is not supported by "
+                                      "TsckWriter")
+            dtype_name(p.dtype)
+            if p.layout != torch.strided:
+                raise UnsupportedType(f"{p.layout} tensor {item.index.fqn!r} is not supported (only dense)")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # On the coordinator, after every rank planned and before any rank writes a
+        # block: the gc fence the commit will be checked against.
+        self._fence = self.store.publisher.fence()
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        pending: list[_Pending] = []
+        results: list[WriteResult] = []
+        copied_inflight = 0
+        try:
+            for item in plan.items:
+                p = self._submit(item, planner)
+                if isinstance(p, WriteResult):
+                    results.append(p)
+                    continue
+                pending.append(p)
+                copied_inflight += p.copied
+                while copied_inflight > WRITE_COPY_BUDGET and pending:
+                    done = pending.pop(0)
+                    results.append(self._finish_item(done))
+                    copied_inflight -= done.copied
+            while pending:
+                results.append(self._finish_item(pending.pop(0)))
+        except BaseException:
+            for p in pending:
+                for f in p.futs:
+                    f.cancel()
+            wait([f for p in pending for f in p.futs])
+            raise
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _blocks(self, flat: np.ndarray, itemsize: int, shape: tuple, meta: dict):
+        """Plan the blocks of `flat` into `meta`; -> futures of their PutResults."""
+        store = self.store
+        n = flat.nbytes
+        meta["n"] = n
+        layout = chunker.plan_blocks(n, itemsize, shape, store.block_size, store.inline_threshold)
+        if layout.block_size == 0:
+            meta["x"] = flat.tobytes()
+            return []
+        meta["bs"] = layout.block_size
+        return [store.publisher.submit_block(flat[a:b], itemsize) for _i, a, b in chunker.block_ranges(layout)]
+
+    def _submit(self, item: WriteItem, planner: SavePlanner):
+        fqn = item.index.fqn
+        if item.type == WriteItemType.BYTE_IO:
+            data = planner.resolve_data(item)
+            if isinstance(data, io.BytesIO):
+                raw = bytes(data.getbuffer())
+            elif isinstance(data, (bytes, bytearray, memoryview)):
+                raw = bytes(data)
+            else:
+                raise UnsupportedType(f"DCP gave a {type(data).__name__} for the bytes item {fqn!r}")
+            if len(raw) <= BYTES_INLINE_MAX:
+                return WriteResult(index=item.index, size_in_bytes=len(raw),
+                                   storage_data=TsckStorageData("bytes", raw))
+            flat = np.frombuffer(raw, dtype=np.uint8)
+            meta = {"dt": "uint8", "sh": [len(raw)]}
+            futs = self._blocks(flat, 1, (len(raw),), meta)
+            return _Pending(item, "bytes", meta, "T", futs, flat, 0)
+        td = item.tensor_data
+        if td is None or td.chunk is None:
+            raise FormatError(f"DCP write item {fqn!r} has no tensor data")
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raise UnsupportedType(f"DCP gave a {type(data).__name__} for the tensor item {fqn!r}")
+        if data.dtype != td.properties.dtype:
+            raise UnsupportedType(f"tensor {fqn!r}: data is {data.dtype}, DCP's metadata says "
+                                  f"{td.properties.dtype}")
+        if data.dtype in QUANTIZED or data.layout != torch.strided:
+            raise UnsupportedType(f"tensor {fqn!r} of {data.dtype}/{data.layout} is not supported")
+        shape = tuple(int(x) for x in td.chunk.sizes)
+        if tuple(data.shape) != shape:
+            raise FormatError(f"tensor {fqn!r}: data has shape {tuple(data.shape)}, its chunk {list(shape)}")
+        flat, copied = _flat_bytes(data)
+        meta = {"dt": dtype_name(data.dtype), "sh": list(shape), "off": [int(x) for x in td.chunk.offsets]}
+        futs = self._blocks(flat, data.element_size(), shape, meta)
+        return _Pending(item, "tensor", meta, None, futs, flat, flat.nbytes if copied else 0)
+
+    def _finish_item(self, p: _Pending) -> WriteResult:
+        wait(p.futs, return_when=FIRST_EXCEPTION)
+        for f in p.futs:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                for g in p.futs:
+                    g.cancel()
+                wait(p.futs)
+                raise f.exception()
+        res = [f.result() for f in p.futs]
+        meta = dict(p.meta)
+        if res:
+            meta["b"] = [r.digest for r in res]
+        bn = sum(1 for r in res if r.new)
+        byn = sum(r.raw_len for r in res if r.new)
+        value = {"T": meta} if p.wrap == "T" else meta
+        p.keep = None
+        return WriteResult(index=p.item.index, size_in_bytes=meta["n"],
+                           storage_data=TsckStorageData(p.kind, value, bn, byn))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        store = self.store
+        if metadata.version is None:
+            metadata.version = DCP_METADATA_VERSION
+        metadata.storage_meta = self.storage_meta()
+        got: dict = {}
+        st = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
+        for wr_list in results:
+            for wr in wr_list:
+                sd = wr.storage_data
+                if not isinstance(sd, TsckStorageData):
+                    raise FormatError(f"write result for {wr.index.fqn!r} was not made by TsckWriter")
+                off = None if wr.index.offset is None else tuple(int(x) for x in wr.index.offset)
+                key = (wr.index.fqn, off if sd.kind == "tensor" else None)
+                if key in got:
+                    continue  # the same piece from two ranks: keep one
+                got[key] = sd
+                st["bytes_total"] += int(wr.size_in_bytes)
+                st["bytes_new"] += sd.bytes_new
+                st["blocks_new"] += sd.blocks_new
+                leaf = sd.value.get("T") if sd.kind == "bytes" and isinstance(sd.value, dict) else sd.value
+                if isinstance(leaf, dict):
+                    st["blocks_total"] += len(leaf.get("b", ()))
+        tensors, byts, digests = {}, {}, []
+        for fqn, m in metadata.state_dict_metadata.items():
+            if isinstance(m, TensorStorageMetadata):
+                dt = dtype_name(m.properties.dtype)
+                chunks = []
+                for c in m.chunks:
+                    sd = got.pop((fqn, tuple(int(x) for x in c.offsets)), None)
+                    if sd is None or sd.kind != "tensor":
+                        raise SnapshotAborted(f"no rank wrote the chunk of {fqn!r} at {list(c.offsets)}; "
+                                              "nothing was published")
+                    if sd.value["sh"] != [int(x) for x in c.sizes] or sd.value["dt"] != dt:
+                        raise FormatError(f"the chunk of {fqn!r} at {list(c.offsets)} does not match DCP's "
+                                          "metadata")
+                    chunks.append(sd.value)
+                    digests.extend(sd.value.get("b", ()))
+                tensors[fqn] = {"G": {"dt": dt, "sh": [int(x) for x in m.size], "chunks": chunks}}
+            else:
+                sd = got.pop((fqn, None), None)
+                if sd is None or sd.kind != "bytes":
+                    raise SnapshotAborted(f"no rank wrote the bytes item {fqn!r}; nothing was published")
+                byts[fqn] = sd.value
+                if isinstance(sd.value, dict):
+                    digests.extend(sd.value["T"].get("b", ()))
+        if got:
+            extra = sorted(str(k) for k in got)[:5]
+            raise FormatError(f"write results not described by DCP's metadata: {extra}")
+        planner = store.planner()
+        value = compose(tensors, byts, encode_metadata(metadata), planner)
+        pub = store.publisher
+        tree, payloads = pub.write_nodes(value)
+        fence = self._fence if self._fence is not None else pub.fence()
+        self.info = pub.commit(
+            tree, self.args, stats=st, fence=fence, meta_extra={"format": DCP_FORMAT},
+            revalidate=lambda body: pub.revalidate_addresses(digests, payloads, body,
+                                                             what=f"this DCP snapshot of {self.ref!r}"))
+
+    # -- pickling (AsyncCheckpointerType.PROCESS sends the writer to another process) -----
+    def __getstate__(self):
+        st = self.__dict__.copy()
+        st["store"] = StoreHandle.of(self.store)
+        st["info"] = None
+        return st
+
+    def __setstate__(self, st):
+        st["store"] = st["store"].open()
+        self.__dict__.update(st)
+
+

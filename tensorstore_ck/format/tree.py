@@ -1,0 +1,462 @@
+"""The manifest grammar: every value a manifest node holds, in one place. Pure; no I/O.
+
+One table of limits, one validating decoder, one visitor and one node writer.
+Every reader of stored manifests (checkout, fsck, gc, diff, the DCP reader,
+collective checkout) decodes through `decode_node_value`, so they accept and
+refuse exactly the same trees; the writers (put_snapshot, the collective put,
+the DCP writer) check each leaf with the same decoder before anything is
+written (`check_leaf`) and lay nodes out with the one `NodeWriter`.
+
+Raw values (what msgpack gives; the layout is in manifest.py and FORMAT.md)
+decode to:
+
+    None, bool, int, float, str, bytes   themselves ({"i": bin} decodes to int)
+    Container(kind, items)               "d" dict / "o" OrderedDict: items [(key, value)];
+                                         "l" list / "t" tuple: items [value]
+    Ref(digest)                          a child node, not fetched here
+    Tensor / Array / Global              tensor leaves (blocks or inline bytes)
+    NpScalar, Pickled, World             numpy scalar, pickled object, one tree per rank
+
+Child nodes are decoded by the caller (which fetches them) with the depth and
+path of the Ref, so depth counts across nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import msgpack
+import numpy as np
+import torch
+
+from ..errors import FormatError, UnsupportedType
+from .dtypes import PACKED_QUANT, QUANT_BY_NAME, QUANT_NAMES, TORCH_DTYPES, code_units, np_dtype_in
+from .manifest import MAX_DEPTH, MAX_NODE_BYTES, encode_node
+
+__all__ = [
+    "MAX_DEPTH", "MAX_NODE_BYTES", "MAX_DIMS", "MAX_DIM", "MAX_BIGINT_BYTES", "MAX_BLOCK_SIZE", "MAX_CHUNKS",
+    "MAX_RANKS", "NODE_SPLIT", "DIGEST_SIZE", "format_path",
+    "Ref", "Container", "Leaf", "Tensor", "Array", "Chunk", "Global", "NpScalar", "Pickled", "World",
+    "decode_value", "decode_node_value", "check_leaf", "visit", "Pending", "OwnNode", "NodeWriter",
+    "INT_MIN", "INT_MAX", "int_value",
+]
+
+# -- the one table of limits (writer and readers) ----------------------------------------
+MAX_DIMS = 64                 # dimensions of a tensor or array
+MAX_DIM = 1 << 48             # every dimension is below this, even when another is 0
+MAX_BIGINT_BYTES = 1 << 16    # an int beyond 64 bits, as signed big-endian bytes
+MAX_BLOCK_SIZE = 256 << 20    # bytes per block (chunker cuts within this)
+MAX_CHUNKS = 1 << 20          # chunks of one sharded tensor
+MAX_RANKS = 1 << 20           # trees of one multi-rank snapshot
+MAX_DEVICE_NAME = 64
+NODE_SPLIT = 4096             # a value encoding past this at depth > 0 gets a node of its own
+DIGEST_SIZE = 32
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # msgpack's native int range
+
+
+def format_path(parts) -> str:
+    return "".join(f"[{p!r}]" for p in parts)
+
+
+def _bad(msg: str, path) -> FormatError:
+    return FormatError(f"{msg} at {format_path(path) or 'top'}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_digest(x) -> bool:
+    return isinstance(x, bytes) and len(x) == DIGEST_SIZE
+
+
+# -- typed values ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ref:
+    digest: bytes
+
+
+@dataclass(slots=True)
+class Container:
+    kind: str     # "d", "o", "l", "t"
+    items: list   # [(key, value)] for "d"/"o", [value] for "l"/"t"
+
+
+@dataclass(slots=True)
+class Leaf:
+    """Bytes of a tensor, array or chunk: inline, or cut into blocks of block_size."""
+    shape: tuple
+    nbytes: int
+    inline: bytes | None
+    block_size: int
+    blocks: list
+
+    def block_spans(self) -> Iterator[tuple[int, bytes, int, int]]:
+        """(index, digest, start, stop) of every block."""
+        bs = self.block_size
+        for i, d in enumerate(self.blocks):
+            yield i, d, i * bs, min(self.nbytes, (i + 1) * bs)
+
+
+@dataclass(slots=True)
+class Tensor(Leaf):
+    dt: str = ""
+    dtype: torch.dtype | None = None
+    param: bool = False
+    requires_grad: bool = False
+    device: str | None = None
+    quant: dict | None = None   # validated affine parameters of a quantized tensor
+
+
+@dataclass(slots=True)
+class Array(Leaf):
+    dtype: np.dtype | None = None
+    fortran: bool = False
+
+
+@dataclass(slots=True)
+class Chunk(Leaf):
+    offsets: tuple = ()
+
+
+@dataclass(slots=True)
+class Global:
+    dt: str
+    dtype: torch.dtype
+    shape: tuple
+    chunks: list = field(default_factory=list)
+    replicated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NpScalar:
+    dtype: np.dtype
+    raw: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Pickled:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    ranks: list
+
+
+# -- decoding ----------------------------------------------------------------------------
+def int_value(body, path) -> int:
+    if not isinstance(body, bytes) or len(body) > MAX_BIGINT_BYTES:
+        raise _bad("bad big int", path)
+    return int.from_bytes(body, "big", signed=True)
+
+
+def _shape(sh, path, what="tensor shape") -> tuple:
+    if not isinstance(sh, list) or len(sh) > MAX_DIMS or not all(_is_int(s) and 0 <= s < MAX_DIM for s in sh):
+        raise _bad(f"bad {what}", path)
+    return tuple(sh)
+
+
+def _leaf_fields(body, path, itemsize: int):
+    """-> (shape, nbytes, inline, block_size, blocks), everything consistent."""
+    if not isinstance(body, dict):
+        raise _bad("tensor leaf is not a map", path)
+    sh = _shape(body.get("sh"), path)
+    n = body.get("n")
+    if not _is_int(n) or n != math.prod(sh) * itemsize:
+        raise _bad(f"tensor size {n!r} does not match shape {list(sh)} of {body.get('dt')}", path)
+    if "x" in body:
+        if not isinstance(body["x"], bytes) or len(body["x"]) != n:
+            raise _bad("inline tensor bytes do not match its size", path)
+        return sh, n, body["x"], 0, []
+    bs, blocks = body.get("bs"), body.get("b")
+    if not _is_int(bs) or not 1 <= bs <= MAX_BLOCK_SIZE or bs % max(1, itemsize) or not isinstance(blocks, list):
+        raise _bad("bad block layout", path)
+    if len(blocks) != -(-n // bs) or not all(_is_digest(b) for b in blocks):
+        raise _bad("block list does not match the tensor size", path)
+    return sh, n, None, bs, blocks
+
+
+def _torch_dtype(dt, path, what="torch dtype") -> torch.dtype:
+    if not isinstance(dt, str) or dt not in TORCH_DTYPES:
+        raise _bad(f"unknown {what} {dt!r}", path)
+    return TORCH_DTYPES[dt]
+
+
+def _quant(body, sh, path) -> dict:
+    q = body.get("q")
+    if body.get("dt") not in QUANT_BY_NAME or not isinstance(q, dict):
+        raise _bad(f"quantized tensor of {body.get('dt')} without valid parameters", path)
+    if q.get("s") == "pt" and isinstance(q.get("scale"), float) and _is_int(q.get("zp")):
+        return {"s": "pt", "scale": q["scale"], "zp": q["zp"]}
+    axis = q.get("axis")
+    if q.get("s") == "pc" and _is_int(axis) and 0 <= axis < max(1, len(sh)) \
+            and isinstance(q.get("scales"), list) and isinstance(q.get("zps"), list) \
+            and len(q["scales"]) == len(q["zps"]) == (sh[axis] if sh else 1) \
+            and all(isinstance(x, float) for x in q["scales"]) and all(_is_int(x) for x in q["zps"]):
+        return {"s": "pc", "scales": q["scales"], "zps": q["zps"], "axis": axis}
+    raise _bad("bad quantization parameters", path)
+
+
+def _tensor(body, path) -> Tensor:
+    if not isinstance(body, dict):
+        raise _bad("tensor leaf is not a map", path)
+    dtype = _torch_dtype(body.get("dt"), path)
+    sh, n, inline, bs, blocks = _leaf_fields(body, path, dtype.itemsize)
+    quant = None
+    if "q" in body or body["dt"] in QUANT_NAMES:
+        if dtype in PACKED_QUANT:
+            raise _bad(f"quantized tensors of {dtype} are not supported", path)
+        quant = _quant(body, sh, path)
+    dev = body.get("dev")
+    if dev is not None and (not isinstance(dev, str) or len(dev) > MAX_DEVICE_NAME):
+        raise _bad("bad device name", path)
+    return Tensor(sh, n, inline, bs, blocks, dt=body["dt"], dtype=dtype, param=body.get("p") is True,
+                  requires_grad=body.get("rg") is True, device=dev, quant=quant)
+
+
+def _array(body, path) -> Array:
+    if not isinstance(body, dict):
+        raise _bad("array leaf is not a map", path)
+    try:
+        dtype = np_dtype_in(body.get("dt"))
+    except FormatError as e:
+        raise _bad(str(e), path) from None
+    sh, n, inline, bs, blocks = _leaf_fields(body, path, dtype.itemsize)
+    return Array(sh, n, inline, bs, blocks, dtype=dtype, fortran=body.get("fo") is True)
+
+
+def _global(body, path) -> Global:
+    if not isinstance(body, dict) or not isinstance(body.get("chunks"), list) or len(body["chunks"]) > MAX_CHUNKS:
+        raise _bad("bad sharded tensor", path)
+    dt = body.get("dt")
+    dtype = _torch_dtype(dt, path, "torch dtype for a sharded tensor")
+    if dt in QUANT_NAMES:
+        raise _bad(f"unknown or unsupported torch dtype {dt!r} for a sharded tensor", path)
+    gs = _shape(body.get("sh"), path, "global shape")
+    chunks = []
+    for c in body["chunks"]:
+        if not isinstance(c, dict) or c.get("dt") != dt:
+            raise _bad("bad chunk", path)
+        off = c.get("off")
+        if not isinstance(off, list) or len(off) != len(gs) or not all(_is_int(x) and x >= 0 for x in off):
+            raise _bad("bad chunk offsets", path)
+        sh, n, inline, bs, blocks = _leaf_fields(c, path, dtype.itemsize)
+        if len(sh) != len(gs) or any(o + k > g for o, k, g in zip(off, sh, gs)):
+            raise _bad("chunk outside its tensor", path)
+        chunks.append(Chunk(sh, n, inline, bs, blocks, offsets=tuple(off)))
+    return Global(dt, dtype, gs, chunks, replicated=body.get("rep") is True)
+
+
+def _scalar(body, path) -> NpScalar:
+    if not isinstance(body, list) or len(body) != 2 or not isinstance(body[1], bytes):
+        raise _bad("bad numpy scalar", path)
+    try:
+        d = np_dtype_in(body[0])
+    except FormatError as e:
+        raise _bad(str(e), path) from None
+    if d.itemsize == 0 or len(body[1]) != d.itemsize:
+        raise _bad("numpy scalar bytes do not match its dtype", path)
+    if d.kind == "U" and max(code_units(body[1], d)) > 0x10FFFF:
+        raise _bad("numpy str_ scalar with code points beyond U+10FFFF", path)
+    return NpScalar(d, body[1])
+
+
+def _key(k, path):
+    if isinstance(k, dict) and len(k) == 1 and "i" in k:
+        return int_value(k["i"], path)
+    if isinstance(k, str) or _is_int(k):
+        return k
+    raise _bad("dict key is not a str or int", path)
+
+
+def decode_value(v, path=(), depth: int = 0, *, world: bool = False):
+    """One raw value -> its typed form, validated; child nodes stay Refs.
+    world: a multi-rank {"W"} value is allowed here (only a snapshot's top)."""
+    if depth > MAX_DEPTH:
+        raise _bad(f"manifest nested deeper than {MAX_DEPTH}", path)
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return v
+    if not isinstance(v, dict) or len(v) != 1:
+        raise _bad(f"unexpected manifest value of type {type(v).__name__}", path)
+    (tag, body), = v.items()
+    if tag in ("d", "o"):
+        if not isinstance(body, list):
+            raise _bad("dict body is not an array", path)
+        items = []
+        for pair in body:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise _bad("dict entry is not a pair", path)
+            k = _key(pair[0], path)
+            items.append((k, decode_value(pair[1], path + (k,), depth + 1)))
+        return Container(tag, items)
+    if tag in ("l", "t"):
+        if not isinstance(body, list):
+            raise _bad("sequence body is not an array", path)
+        return Container(tag, [decode_value(x, path + (i,), depth + 1) for i, x in enumerate(body)])
+    if tag == "r":
+        if not _is_digest(body):
+            raise _bad("bad node reference", path)
+        return Ref(body)
+    if tag == "T":
+        return _tensor(body, path)
+    if tag == "A":
+        return _array(body, path)
+    if tag == "G":
+        return _global(body, path)
+    if tag == "S":
+        return _scalar(body, path)
+    if tag == "i":
+        return int_value(body, path)
+    if tag == "P":
+        if not isinstance(body, bytes):
+            raise _bad("bad pickle body", path)
+        return Pickled(body)
+    if tag == "W":
+        if not world or not isinstance(body, dict) or not isinstance(body.get("ranks"), list) \
+                or not 0 < len(body["ranks"]) <= MAX_RANKS or body.get("world") != len(body["ranks"]) \
+                or not all(_is_digest(d) for d in body["ranks"]):
+            raise _bad("bad multi-rank snapshot", path)
+        return World(list(body["ranks"]))
+    raise _bad(f"unknown manifest tag {tag!r}", path)
+
+
+def decode_node_value(raw, path=(), depth: int = 0, *, world: bool = False):
+    """The value of one decoded node (manifest.decode_node's result). A node that
+    only points at another node is refused: a writer never makes one."""
+    v = decode_value(raw, path, depth, world=world)
+    if isinstance(v, Ref):
+        raise _bad("a node that only points at another node", path)
+    return v
+
+
+def check_leaf(raw, path) -> None:
+    """The writer's check of one planned leaf (block addresses may be placeholders):
+    the readers' own decoder, so put refuses exactly what checkout would."""
+    try:
+        # exactly what a reader will see: msgpack turns tuples into lists, and so on
+        decode_value(msgpack.unpackb(msgpack.packb(raw, use_bin_type=True), raw=False, strict_map_key=False),
+                     path, 0)
+    except FormatError as e:
+        raise UnsupportedType(f"not storable: {e}", format_path(path)) from None
+
+
+# -- the one visitor ---------------------------------------------------------------------
+def visit(value, path=(), depth: int = 0) -> Iterator[tuple[tuple, int, object]]:
+    """(path, depth, item) for every Ref, World and leaf (Tensor, Array, Global) under
+    a decoded value, in state order (dict keys and sequence items in order)."""
+    stack = [(value, path, depth)]
+    while stack:
+        v, p, d = stack.pop()
+        if isinstance(v, Container):
+            if v.kind in ("d", "o"):
+                stack.extend((x, p + (k,), d + 1) for k, x in reversed(v.items))
+            else:
+                stack.extend((x, p + (i,), d + 1) for i, x in reversed(list(enumerate(v.items))))
+        elif isinstance(v, (Ref, World, Tensor, Array, Global)):
+            yield p, d, v
+
+
+# -- the one node writer -----------------------------------------------------------------
+class Pending:
+    """A leaf whose manifest value is final only after its blocks are written.
+    manifest_value(final=False) gives a value of the same encoded size (placeholder
+    addresses), so the node layout and the size caps are checked before any write."""
+
+    def manifest_value(self, final: bool):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class OwnNode:
+    """Give this value a node of its own whatever its size (a DCP snapshot's sections)."""
+    value: object
+
+
+_PLACEHOLDER = b"\0" * DIGEST_SIZE
+
+
+def _hdr(n: int) -> int:
+    """Bytes of a msgpack array/map header for n entries."""
+    return 1 if n < 16 else 3 if n < 1 << 16 else 5
+
+
+class NodeWriter:
+    """Lays a value tree out in nodes: a container or leaf whose encoding passes
+    NODE_SPLIT bytes below the top gets a node of its own (so an unchanged sub-tree,
+    a frozen module's state dict, is the same node in every snapshot).
+
+    check(value) runs the layout without writing (UnsupportedType naming the path
+    of a node that would pass MAX_NODE_BYTES); write(value, put) writes the nodes
+    bottom-up through put(payload) -> digest and returns the top node's digest.
+    The payloads written are kept in `payloads` (a fenced writer writes them again)."""
+
+    def __init__(self, split: int = NODE_SPLIT):
+        self.split = split
+        self.payloads: list[bytes] = []
+
+    def check(self, value) -> None:
+        v, size = self._emit(value, (), 0, None)
+        self._cap(size, ())
+
+    def write(self, value, put: Callable[[bytes], bytes]) -> bytes:
+        v, _ = self._emit(value, (), 0, put)
+        return self._put(v, (), put)
+
+    def _cap(self, size: int, path) -> None:
+        if size + 8 > MAX_NODE_BYTES:
+            raise UnsupportedType(f"a manifest node of about {size} bytes would pass the cap of {MAX_NODE_BYTES} "
+                                  "bytes (split the value into smaller ones)", format_path(path))
+
+    def _put(self, v, path, put) -> bytes:
+        payload = encode_node(v)
+        self._cap(len(payload), path)
+        self.payloads.append(payload)
+        return put(payload)
+
+    def _own(self, v, size, path, put):
+        self._cap(size, path)
+        if put is None:
+            return {"r": _PLACEHOLDER}, 35
+        return {"r": self._put(v, path, put)}, 35
+
+    def _maybe_split(self, v, size, path, depth, put):
+        if depth > 0 and size > self.split:
+            return self._own(v, size, path, put)
+        return v, size
+
+    def _emit(self, v, path, depth, put):
+        """-> (raw value, exact encoded size)."""
+        t = type(v)
+        if isinstance(v, Pending):
+            raw = v.manifest_value(final=put is not None)
+            return self._maybe_split(raw, len(msgpack.packb(raw, use_bin_type=True)), path, depth, put)
+        if t is OwnNode:
+            raw, size = self._emit(v.value, path, depth, put)
+            if isinstance(raw, dict) and len(raw) == 1 and "r" in raw:
+                return raw, size  # split off already
+            return self._own(raw, size, path, put)
+        if t is dict and len(v) == 1:
+            (tag, body), = v.items()
+            if tag in ("d", "o") and isinstance(body, list):
+                out, size = [], 0
+                for k, x in body:
+                    fx, s = self._emit(x, path + (k,), depth + 1, put)
+                    out.append([k, fx])
+                    size += 1 + len(msgpack.packb(k, use_bin_type=True)) + s
+                return self._maybe_split({tag: out}, 3 + _hdr(len(out)) + size, path, depth, put)
+            if tag in ("l", "t") and isinstance(body, list):
+                out, size = [], 0
+                for i, x in enumerate(body):
+                    fx, s = self._emit(x, path + (i,), depth + 1, put)
+                    out.append(fx)
+                    size += s
+                return self._maybe_split({tag: out}, 3 + _hdr(len(out)) + size, path, depth, put)
+            if tag == "G" and isinstance(body, dict):
+                chunks = [c.manifest_value(final=put is not None) if isinstance(c, Pending) else c
+                          for c in body["chunks"]]
+                raw = {"G": {**body, "chunks": chunks}}
+                return self._maybe_split(raw, len(msgpack.packb(raw, use_bin_type=True)), path, depth, put)
+        return self._maybe_split(v, len(msgpack.packb(v, use_bin_type=True)), path, depth, put)

@@ -1,0 +1,176 @@
+"""open_store(): a URL -> a Store, with its storage stack and ref table.
+
+    path | file://   LocalBlockStore (fsync, atomic link), LMDB ref table beside the data
+    memory://        FsspecBlockStore, an in-process ref table of the same name
+    s3://, other     an fsspec block store under RetryingStore; a shared ref table is required
+                     (refs="postgresql://..." or a local LMDB path for one host)
+
+The store's marker, ``tsck.json``, holds its format version, id and block
+layout; it is created exclusively, so concurrent creators agree on one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+import uuid
+
+from . import chunker
+from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
+from .refs import LmdbRefTable, MemoryRefTable, RefTable
+from .storage import BlockStore, FsspecBlockStore, LocalBlockStore
+from .store import Store
+
+__all__ = ["open_store", "STORE_MARKER"]
+
+STORE_MARKER = "tsck.json"
+STORE_VERSION = 1
+MIN_STORE_VERSION = 1
+MAX_STORE_VERSION = 1
+_MEMORY_REFS: dict[str, MemoryRefTable] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    if not isinstance(url, (str, os.PathLike)):
+        raise InvalidArgument(f"store location must be a str or path, got {type(url).__name__}")
+    url = os.fspath(url)
+    if "://" in url:
+        proto, rest = url.split("://", 1)
+        return proto, rest
+    return "file", url
+
+
+def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "default") -> RefTable:
+    if isinstance(refs, RefTable):
+        return refs
+    if refs is None:
+        if proto == "file":
+            return LmdbRefTable(os.path.join(root, "refs.lmdb"), create=create)
+        if proto == "memory":
+            refs = f"memory://{root}"
+        else:
+            raise InvalidArgument(f"a {proto}:// store needs a shared ref table: pass refs='postgresql://...' "
+                              "or refs='/local/path/refs.lmdb' for a single host")
+    if not isinstance(refs, str):
+        raise InvalidArgument(f"refs must be a str or RefTable, got {type(refs).__name__}")
+    if refs.startswith("memory://"):
+        with _MEMORY_LOCK:
+            return _MEMORY_REFS.setdefault(refs, MemoryRefTable())
+    if refs.startswith(("postgresql://", "postgres://")) or refs.startswith("host=") or " dbname=" in refs:
+        from .refs.postgres import PostgresRefTable
+        return PostgresRefTable(refs, namespace=store_id)
+    path = refs[len("lmdb://"):] if refs.startswith("lmdb://") else refs
+    return LmdbRefTable(path, create=create)
+
+
+def _read_config(storage: BlockStore) -> dict | None:
+    try:
+        data = storage.get(STORE_MARKER)
+    except FileNotFoundError:
+        return None
+    try:
+        if len(data) > 65536:
+            raise ValueError("too large")
+        cfg = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise NotAStore(f"{storage.url}/{STORE_MARKER} is not a tensorstore_ck store marker") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != "tensorstore_ck":
+        raise NotAStore(f"{storage.url} is not a tensorstore_ck store")
+    for k in ("block_size", "inline_threshold"):
+        if k in cfg and (not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or not 0 <= cfg[k] < 2**40):
+            raise FormatError(f"{storage.url}/{STORE_MARKER}: {k} is not a valid size")
+    v = cfg.get("version")
+    if not isinstance(v, int) or not MIN_STORE_VERSION <= v <= MAX_STORE_VERSION:
+        raise FormatError(f"store format version {v!r} is not readable by this build "
+                          f"(reads {MIN_STORE_VERSION}..{MAX_STORE_VERSION})")
+    return cfg
+
+
+def _open_errors(fn):
+    """open_store's backend failures (unreachable server, refused credentials, full
+    disk) reach the caller as StorageError naming the store."""
+    @functools.wraps(fn)
+    def wrapper(url, *args, **kwargs):
+        try:
+            return fn(url, *args, **kwargs)
+        except TsckError:
+            raise
+        except OSError as e:
+            raise storage_error(e, f"cannot open the store at {url}") from e
+    return wrapper
+
+
+@_open_errors
+def open_store(url, *, refs=None, storage_options: dict | None = None, create: bool = True,
+               block_size: int | None = None, inline_threshold: int | None = None,
+               workers: int | None = None, verify: bool = True, compress: bool = True,
+               shuffle: bool = False, gc_stale_after: float | None = None, max_inflight: int = 2,
+               when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
+               write_concurrency: int | None = None) -> Store:
+    """Open (or create, if `create` and the location is empty) a store.
+
+    url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
+    refs: None (LMDB beside local data; in-process table for memory://), a path
+    or lmdb:// URL, postgresql://..., memory://name, or a RefTable.
+    storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...)."""
+    proto, rest = _split_url(url)
+    if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
+        _open_refs(refs, proto, rest, create=False)
+    if proto == "file":
+        root = os.path.abspath(rest)
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise NotAStore(f"{root} is a file, not a store")
+        if not os.path.isdir(root):
+            if not create:
+                raise NotAStore(f"no store at {root}")
+            try:
+                os.makedirs(root, exist_ok=True)  # several processes may create one store at once
+            except OSError as e:
+                raise NotAStore(f"cannot create a store at {root}: {e.strerror}") from None
+        storage: BlockStore = LocalBlockStore(root)
+        rest = root
+    else:
+        try:
+            storage = FsspecBlockStore(f"{proto}://{rest}", storage_options)
+        except (ImportError, ValueError, TypeError) as e:
+            raise NotAStore(f"cannot open {proto}:// storage: {type(e).__name__}: {e}") from None
+        if proto != "memory":
+            from .storage.wrappers import RetryingStore
+            storage = RetryingStore(storage)  # transient network errors are retried, not surfaced
+    cfg = _read_config(storage)
+    if cfg is None:
+        # tmp/ holds only in-flight writes (a creator killed while writing the marker
+        # leaves one there); it does not make a folder "not empty".
+        existing = next((o for o in storage.list("") if not o.key.startswith("tmp/")), None)
+        if existing is not None:
+            cfg = _read_config(storage)  # another process may have just created the store
+            if cfg is None:
+                raise NotAStore(f"{storage.url} is not empty and holds no {STORE_MARKER}: not a store")
+    if cfg is None:
+        if not create:
+            raise NotAStore(f"no store at {storage.url}")
+        cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
+               "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
+               "block_size": int(block_size or chunker.DEFAULT_BLOCK_SIZE),
+               "inline_threshold": int(inline_threshold if inline_threshold is not None
+                                       else chunker.DEFAULT_INLINE_THRESHOLD)}
+        # Exclusive create: if another process won the race, its marker is the one we read.
+        storage.put_if_absent(STORE_MARKER, [json.dumps(cfg, indent=1).encode() + b"\n"])
+        storage.sync()
+        cfg = _read_config(storage) or cfg
+    reftable = _open_refs(refs, proto, rest, create=True, store_id=str(cfg.get("id") or storage.url))
+    if write_bandwidth is not None or write_concurrency is not None:
+        from .storage.wrappers import ThrottledStore
+        try:
+            storage = ThrottledStore(storage, bytes_per_second=write_bandwidth, max_concurrent=write_concurrency)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+    if wrap_storage is not None:  # cross-cutting behaviour (fault injection, limits) as a wrapper
+        storage = wrap_storage(storage)
+    return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
+                 shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
+                 gc_stale_after=gc_stale_after, max_inflight=max_inflight, when_busy=when_busy)

@@ -1,0 +1,353 @@
+"""The write side: a state tree -> a plan (every value validated, tensors cut into
+block jobs) before anything is written; then the block jobs run and the nodes
+are laid out by the grammar's NodeWriter.
+
+Validation uses the manifest grammar's own decoder (format/tree.py) on every
+planned leaf, so put_snapshot refuses exactly what checkout would refuse.
+No storage keys here; block I/O goes through assets.Assets.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import OrderedDict
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import chunker
+from .assets import Assets
+from .errors import UnsupportedType
+from .format import tree
+from .format.dtypes import QUANT_NAMES, QUANT_REPR, np_dtype_out, torch_dtype_name
+from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWriter, Pending, format_path
+from .shard import Replicated, Sharded
+
+__all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree"]
+
+_PLACEHOLDER = b"\0" * tree.DIGEST_SIZE
+
+
+def _quant_params(t: torch.Tensor):
+    if t.dtype not in QUANT_REPR:
+        return None
+    scheme = t.qscheme()
+    name = torch_dtype_name(t.dtype)
+    if scheme == torch.per_tensor_affine:
+        return name, {"s": "pt", "scale": float(t.q_scale()), "zp": int(t.q_zero_point())}
+    if scheme == torch.per_channel_affine:
+        return name, {"s": "pc", "scales": t.q_per_channel_scales().tolist(),
+                      "zps": t.q_per_channel_zero_points().tolist(), "axis": int(t.q_per_channel_axis())}
+    return None
+
+
+def _check_utf8(s: str, path) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnsupportedType(f"string is not valid UTF-8 ({e.reason} at index {e.start})",
+                              format_path(path)) from None
+
+
+def _int_value(x: int, path):
+    """An int as stored: native within 64 bits, else {"i": signed big-endian bytes}."""
+    if INT_MIN <= x <= INT_MAX:
+        return x
+    b = x.to_bytes((x.bit_length() + 8) // 8, "big", signed=True)
+    if len(b) > MAX_BIGINT_BYTES:
+        raise UnsupportedType(f"int of {x.bit_length()} bits is beyond the stored limit of "
+                              f"{MAX_BIGINT_BYTES} bytes", format_path(path))
+    return {"i": b}
+
+
+@dataclass
+class _Leaf(Pending):
+    """A tensor/array whose blocks are still to be written."""
+    tag: str                 # "T" or "A"
+    meta: dict               # dt, sh, n, bs, and tensor extras
+    raw: object              # flat uint8 numpy view of the bytes (keeps them alive); None until
+                             # staged for a device tensor
+    itemsize: int
+    ranges: list             # [(start, stop)]
+    results: list = field(default_factory=list)  # PutResult per block, filled by run()
+    device_src: object = None  # flat uint8 view of a contiguous device tensor (async staging)
+    replicated: bool = False   # the same bytes on every rank (a collective put spreads its blocks)
+    path: str = ""             # where in the state (spreads replicated blocks over ranks)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ranges[-1][1] if self.ranges else 0
+
+    def manifest_value(self, final: bool):
+        meta = dict(self.meta)
+        meta["b"] = [r.digest for r in self.results] if final else [_PLACEHOLDER] * len(self.ranges)
+        return meta if self.tag is None else {self.tag: meta}
+
+
+@dataclass
+class Plan:
+    value: object            # the manifest value with _Leaf placeholders
+    leaves: list
+    inline_bytes: int = 0
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def stage(self, buf: torch.Tensor) -> None:
+        """Copy every leaf's bytes into `buf` (a reused uint8 host buffer of at
+        least staged_bytes), so the caller may change its tensors as soon as
+        this returns while the blocks are written in the background. Device
+        tensors go through non_blocking copies on a side stream (into pinned
+        memory when the pool pinned it), synchronised before returning."""
+        stream = None
+        if any(leaf.device_src is not None for leaf in self.leaves):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())  # see the tensors' final values
+        off = 0
+        for leaf in self.leaves:
+            n = leaf.nbytes
+            dst = buf[off:off + n]
+            if leaf.device_src is not None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(leaf.device_src, non_blocking=True)
+                leaf.device_src = None
+            else:
+                dst.copy_(torch.from_numpy(leaf.raw))  # torch's copy runs on several threads
+            leaf.raw = dst.numpy()
+            off += n
+        if stream is not None:
+            stream.synchronize()
+
+
+class Planner:
+    def __init__(self, *, block_size: int, inline_threshold: int, allow_pickle: bool = False,
+                 defer_device: bool = False):
+        self.block_size = block_size
+        self.inline_threshold = inline_threshold
+        self.allow_pickle = allow_pickle
+        self.defer_device = defer_device  # leave device tensors for Plan.stage() to copy
+
+    def plan(self, state) -> Plan:
+        self._leaves: list[_Leaf] = []
+        self._inline = 0
+        value = self._plan(state, (), 0)
+        NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
+        return Plan(value, self._leaves, self._inline)
+
+    def _unsupported(self, obj, path, why=None):
+        if self.allow_pickle and why is None:
+            try:
+                return {"P": pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)}
+            except Exception as e:
+                raise UnsupportedType(f"cannot pickle {type(obj).__name__}: {e}", format_path(path)) from None
+        raise UnsupportedType(why or f"unsupported type {type(obj).__module__}.{type(obj).__qualname__}",
+                              format_path(path))
+
+    def _plan(self, obj, path, depth):
+        self._path = path
+        if depth > MAX_DEPTH:
+            raise UnsupportedType(f"state nested deeper than {MAX_DEPTH} levels", format_path(path))
+        t = type(obj)
+        if t is str:
+            _check_utf8(obj, path)
+            return obj
+        if obj is None or t is bool or t is bytes or t is float:
+            return obj
+        if t is int:
+            return _int_value(obj, path)
+        if t is dict or t is OrderedDict:
+            items = []
+            for k, v in obj.items():
+                if type(k) is str:
+                    _check_utf8(k, path + (k,))
+                    ek = k
+                elif type(k) is int:
+                    ek = _int_value(k, path + (k,))
+                else:
+                    raise UnsupportedType(f"dict key of type {type(k).__name__} (only str and int keys)",
+                                          format_path(path))
+                items.append([ek, self._plan(v, path + (k,), depth + 1)])
+            return {"d" if t is dict else "o": items}
+        if t is list or t is tuple:
+            return {"l" if t is list else "t": [self._plan(v, path + (i,), depth + 1) for i, v in enumerate(obj)]}
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            return self._plan_tensor(obj, path)
+        if t is Sharded:
+            return self._plan_global(obj.local, obj.global_shape, obj.offsets, path)
+        if t is Replicated:
+            tt = obj.tensor
+            return self._plan_global(tt, tuple(tt.shape), (0,) * tt.dim(), path, replicated=True)
+        if getattr(t, "__name__", "") == "DTensor":
+            from .shard import from_dtensor
+            sh = from_dtensor(obj)
+            return self._plan_global(sh.local, sh.global_shape, sh.offsets, path)
+        if t is np.ndarray:
+            return self._plan_array(obj, path)
+        if isinstance(obj, np.generic):
+            if obj.dtype.hasobject:
+                return self._unsupported(obj, path)
+            if obj.dtype.itemsize == 0:
+                return self._unsupported(obj, path, f"numpy scalar of empty dtype {obj.dtype}")
+            v = {"S": [np_dtype_out(obj.dtype), obj.tobytes()]}
+            tree.check_leaf(v, path)  # e.g. a str_ with code points beyond U+10FFFF, a too deep dtype
+            return v
+        return self._unsupported(obj, path)
+
+    def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None):
+        n = raw.nbytes if raw is not None else device_src.numel()
+        meta["n"] = n
+        layout = chunker.plan_blocks(n, itemsize, shape, self.block_size, self.inline_threshold)
+        if layout.block_size == 0:
+            meta["x"] = raw.tobytes() if raw is not None else device_src.cpu().numpy().tobytes()
+            tree.check_leaf({tag: meta}, self._path)
+            self._inline += n
+            return {tag: meta}
+        meta["bs"] = layout.block_size
+        leaf = _Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)],
+                     device_src=device_src, path=format_path(self._path))
+        tree.check_leaf(leaf.manifest_value(final=False), self._path)
+        self._leaves.append(leaf)
+        return leaf
+
+    def _plan_global(self, local, global_shape, offsets, path, replicated: bool = False):
+        """A piece of a global tensor: stored as {"G": {dt, sh, chunks: [chunk]}}; ranks'
+        chunks of one tensor are merged by path at checkout."""
+        if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.is_quantized:
+            raise UnsupportedType("a sharded tensor's local piece must be a dense tensor", format_path(path))
+        leaf = self._plan_tensor(local, path)
+        if isinstance(leaf, _Leaf):
+            leaf.tag = None  # finished as a bare chunk, not a {"T": ...} value
+            chunk = leaf
+        else:
+            chunk = leaf["T"]
+        meta = chunk.meta if isinstance(chunk, _Leaf) else chunk
+        meta["off"] = list(offsets)
+        g = {"dt": meta["dt"], "sh": list(global_shape), "chunks": [chunk]}
+        if replicated:
+            g["rep"] = True
+            if isinstance(chunk, _Leaf):
+                chunk.replicated = True
+        probe = chunk.manifest_value(final=False) if isinstance(chunk, _Leaf) else chunk
+        tree.check_leaf({"G": {**g, "chunks": [probe]}}, path)
+        return {"G": g}
+
+    def _plan_tensor(self, obj: torch.Tensor, path):
+        if obj.layout != torch.strided:
+            return self._unsupported(obj, path, f"{obj.layout} tensors are not supported (only dense)")
+        quant = None
+        if obj.is_quantized:
+            quant = _quant_params(obj)
+            if quant is None:
+                return self._unsupported(obj, path, f"quantized tensors of {obj.dtype} / {obj.qscheme()} "
+                                                    "are not supported")
+            obj = obj.int_repr()  # the stored bytes; "q" says how to re-quantize
+        if obj.device.type == "meta":
+            return self._unsupported(obj, path, "meta tensors have no data")
+        t = obj.detach()
+        on_device = t.device.type != "cpu"
+        if on_device and not self.defer_device:
+            t = t.cpu()
+            on_device = False
+        if torch_dtype_name(t.dtype) in QUANT_NAMES and not t.is_quantized:
+            return self._unsupported(obj, path, f"a {t.dtype} view of a plain tensor is not a quantized tensor")
+        try:
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
+            if not t.is_contiguous():
+                t = t.contiguous()
+        except Exception as e:  # torch has no copy kernel for some dtypes (uint1..7, int1..7)
+            return self._unsupported(obj, path, f"a non-contiguous {t.dtype} tensor cannot be copied: "
+                                                f"{type(e).__name__}; make it contiguous first")
+        try:
+            flat = t.reshape(-1).view(torch.uint8)
+            raw, device_src = (None, flat) if on_device else (flat.numpy(), None)
+        except Exception as e:
+            return self._unsupported(obj, path, f"tensor of dtype {t.dtype} cannot be viewed as bytes: {e}")
+        meta = {"dt": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)}
+        if quant is not None:
+            meta["dt"], meta["q"] = quant
+        if type(obj) is torch.nn.Parameter:
+            meta["p"] = True
+        if obj.requires_grad:
+            meta["rg"] = True
+        if obj.device.type != "cpu":
+            meta["dev"] = str(obj.device)
+        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape), device_src)
+
+    def _plan_array(self, a: np.ndarray, path):
+        if a.dtype.hasobject:
+            return self._unsupported(a, path, f"numpy arrays of dtype {a.dtype} are not supported")
+        meta = {"dt": np_dtype_out(a.dtype), "sh": list(a.shape)}
+        if a.flags.f_contiguous and not a.flags.c_contiguous:
+            meta["fo"] = True
+            body = a.T  # C-contiguous view of the same memory
+        else:
+            body = np.ascontiguousarray(a)
+        raw = body.reshape(-1).view(np.uint8)
+        return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape))
+
+
+def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None) -> None:
+    """Hash, compress and write every block of the plan in parallel.
+
+    owns(leaf, i) -> bool, for replicated leaves of a collective snapshot: a
+    block another rank owns is only hashed here (its address goes into this
+    rank's manifest), so each replicated block is written exactly once."""
+    futs: list[tuple[_Leaf, Future]] = []
+    try:
+        for leaf in plan.leaves:
+            for i, (a, b) in enumerate(leaf.ranges):
+                if owns is not None and leaf.replicated and not owns(leaf, i):
+                    futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
+                else:
+                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize)))
+        wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
+        for _, f in futs:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+    except BaseException:
+        for _, f in futs:
+            f.cancel()
+        raise
+    for leaf, f in futs:
+        leaf.results.append(f.result())
+
+
+@dataclass
+class BuildStats:
+    bytes_total: int = 0
+    blocks_total: int = 0
+    bytes_new: int = 0
+    blocks_new: int = 0
+
+    def as_dict(self) -> dict:
+        return {"bytes_total": self.bytes_total, "bytes_new": self.bytes_new,
+                "blocks_total": self.blocks_total, "blocks_new": self.blocks_new}
+
+
+def plan_stats(plan: Plan) -> BuildStats:
+    """What the written blocks add up to (a replicated block counts on its owner rank only)."""
+    st = BuildStats(bytes_total=plan.inline_bytes)
+    for leaf in plan.leaves:
+        for r in leaf.results:
+            if not r.counted:
+                continue
+            st.blocks_total += 1
+            st.bytes_total += r.raw_len
+            if r.new:
+                st.blocks_new += 1
+                st.bytes_new += r.raw_len
+    return st
+
+
+def build_tree(plan: Plan, assets: Assets) -> tuple[bytes, BuildStats, list]:
+    """Write the plan's nodes bottom-up (blocks already written) -> the top node's
+    address, the stats and the node payloads (kept so a fenced writer can re-validate)."""
+    w = NodeWriter()
+    top = w.write(plan.value, lambda payload: assets.put_node(payload).digest)
+    return top, plan_stats(plan), w.payloads

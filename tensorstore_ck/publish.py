@@ -1,0 +1,169 @@
+"""The one publisher: blocks -> manifest nodes -> commit object -> storage sync ->
+fenced compare-and-swap of the ref -> (if a gc deletion phase overlapped)
+re-validate and retry.
+
+Store.put_snapshot, the collective put (dist.py) and the DCP writer (dcp/) all
+publish through a Publisher; none of them moves a ref itself. The argument for
+why the fence makes reuse of existing blocks safe while gc runs is in
+docs/ARCHITECTURE.md ("GC and concurrent writers").
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .assets import Assets, PutResult
+from .errors import Fenced, RefConflict, SnapshotAborted
+from .format.manifest import decode_commit, encode_commit
+from .format.tree import NodeWriter
+from .info import SnapshotInfo, row_to_info
+from .plan import Plan, plan_stats, run_block_jobs
+from .validate import UNSET, SnapshotArgs
+
+__all__ = ["Publisher", "COMMIT_ATTEMPTS"]
+
+COMMIT_ATTEMPTS = 1000  # ref moves tried before a put gives up (each lost one is a real race)
+
+
+class Publisher:
+    """Writes and publishes snapshots into one store (thread-safe).
+
+    Call order for one snapshot: fence() before looking at storage ->
+    write_blocks() / submit_block() -> write_nodes() -> commit(). publish()
+    does all of it for a Plan."""
+
+    def __init__(self, assets: Assets, reftable, pool: ThreadPoolExecutor, *, gc_stale_after: float):
+        self.assets = assets
+        self.reftable = reftable
+        self.pool = pool
+        self.gc_stale_after = gc_stale_after
+
+    # -- the steps -----------------------------------------------------------------
+    def fence(self) -> int:
+        """The gc deletion epoch. Read it before any object is found present: if a
+        deletion phase starts or runs before the ref moves, the move is refused
+        (Fenced) and everything the snapshot references is re-validated."""
+        return self.reftable.gc_state()["epoch"]
+
+    def write_blocks(self, plan: Plan, owns=None) -> None:
+        run_block_jobs(plan, self.assets, self.pool, owns=owns)
+
+    def submit_block(self, raw, itemsize: int = 1) -> "Future[PutResult]":
+        return self.pool.submit(self.assets.put_block, raw, itemsize)
+
+    def write_nodes(self, value) -> tuple[bytes, list[bytes]]:
+        """Lay `value` out in nodes and write them -> (top node address, payloads)."""
+        w = NodeWriter()
+        top = w.write(value, lambda payload: self.assets.put_node(payload).digest)
+        return top, w.payloads
+
+    def sync(self) -> None:
+        self.assets.sync()
+
+    def info(self, root_hex: str) -> SnapshotInfo:
+        """What the catalog (or, for a snapshot it does not list, the commit) says of a root."""
+        root = bytes.fromhex(root_hex)
+        row = self.reftable.catalog_get(root)
+        if row is None:
+            c = decode_commit(self.assets.get_commit(root))
+            row = {**c, **c["stats"]}
+        return row_to_info(root, row)
+
+    def publish(self, plan: Plan, args: SnapshotArgs) -> SnapshotInfo:
+        """The whole pipeline for one planned snapshot."""
+        fence = self.fence()
+        self.write_blocks(plan)
+        top, payloads = self.write_nodes(plan.value)
+        return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence,
+                           revalidate=lambda body: self.revalidate_plan(plan, payloads, body))
+
+    def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,
+               meta_extra: dict | None = None) -> SnapshotInfo:
+        """Publish a manifest tree whose objects are all written: commit object,
+        storage sync, then the fenced compare-and-swap of the ref. `revalidate(body)`
+        must make every object the snapshot references exist again and return a
+        new fence; without it a fenced move raises SnapshotAborted.
+
+        Without expected=, a writer that loses the race re-encodes only its small
+        commit object with the new parent and tries again, so two writers on one ref
+        both land in its history."""
+        ref, exp = args.ref, args.expected
+        meta = {**args.meta, **(meta_extra or {})}
+        races = fenced = 0
+        for _attempt in range(COMMIT_ATTEMPTS):
+            parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
+            now = time.time()
+            body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
+                                 meta=meta, parent=parent, tree=tree, stats=stats)
+            root = self.assets.put_commit(body).digest
+            self.assets.sync()  # everything the commit references is durable before the ref moves
+            row = {"job": args.job, "ref": ref, "step": args.step, "time": now, "metrics": args.metrics,
+                   "meta": meta, "parent": parent, "tree": tree, **stats}
+            try:
+                self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {args.step}",
+                                               catalog_row=row, fence=fence)
+            except Fenced:
+                if revalidate is None:
+                    raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
+                                          "published, take it again") from None
+                fenced += 1
+                fence = revalidate(body)
+                continue
+            except RefConflict as e:
+                if exp is not UNSET or e.what != "ref":  # conditional, or the name is a tag's
+                    raise
+                # Another writer moved the ref: chain onto its snapshot and retry, after a
+                # short jittered pause so that writers hammering one ref do not livelock.
+                races += 1
+                time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+                continue
+            return row_to_info(root, row)
+        raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
+                              f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
+                              "nothing was published, take the snapshot again")
+
+    # -- after a fenced move ---------------------------------------------------------
+    def wait_gc_idle(self) -> int:
+        """Wait until no gc deletion phase is running (closing a dead gc's phase once
+        its heartbeat is older than gc_stale_after); the even epoch, as a new fence."""
+        while True:
+            st = self.reftable.gc_state()
+            if st["epoch"] % 2 == 0:
+                return st["epoch"]
+            now = time.time()
+            if now - float(st.get("heartbeat", 0.0)) >= self.gc_stale_after:
+                self.reftable.gc_abort_stale(now=now, stale_after=self.gc_stale_after)
+            else:
+                time.sleep(0.05)
+
+    def _rewrite(self, payloads: list, commit_body: bytes) -> None:
+        for payload in payloads:
+            self.assets.put_node(payload)
+        self.assets.put_commit(commit_body)
+        self.assets.sync()
+
+    def revalidate_plan(self, plan: Plan, payloads: list, commit_body: bytes) -> int:
+        """Wait out a gc deletion phase, then make sure every object this snapshot
+        references exists (writing again, from the data still held, what gc removed).
+        Returns the new fence."""
+        fence = self.wait_gc_idle()
+        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest)
+                for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
+        for f in futs:
+            f.result()
+        self._rewrite(payloads, commit_body)
+        return fence
+
+    def revalidate_addresses(self, digests: list, payloads: list, commit_body: bytes, *, what: str) -> int:
+        """The same for a writer that holds only addresses, not the data (the DCP
+        coordinator): a block gc removed aborts the snapshot. Returns the new fence."""
+        fence = self.wait_gc_idle()
+        present = list(self.pool.map(self.assets.block_exists, digests))
+        missing = sum(1 for ok in present if not ok)
+        if missing:
+            raise SnapshotAborted(f"gc removed {missing} block(s) {what} references; nothing was published, "
+                                  "save again")
+        self._rewrite(payloads, commit_body)
+        return fence

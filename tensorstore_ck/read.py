@@ -1,0 +1,449 @@
+"""The read side: a manifest tree -> a state, blocks read in parallel.
+
+Every node is decoded by the manifest grammar (format/tree.py), which checks
+every field; this module only materialises typed values: allocates each
+tensor once, schedules one read per block straight into its memory, and
+bounds what a hostile manifest can make it allocate. `read_box` is the one
+region reader for sharded tensors (checkout here, the DCP reader in dcp/).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from collections import OrderedDict
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+import numpy as np
+import torch
+
+from .assets import Assets
+from .errors import CheckoutMismatch, FormatError, UnsupportedType
+from .format import tree
+from .format.dtypes import QUANT_BY_NAME, code_units
+from .format.manifest import decode_node
+from .format.tree import format_path
+from .shard import Sharded
+
+__all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING"]
+
+# A fresh tensor bigger than this is allocated only once all its blocks are known
+# to exist (one HEAD / stat per distinct block; smaller ones are not worth it).
+PRESENCE_CHECK_ABOVE = 64 << 20
+
+MISSING = _MISSING = object()  # checkout without into=
+
+
+def default_max_bytes() -> int:
+    """The host's RAM + swap: the most a checkout into fresh memory can hold."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total
+
+
+def read_box(leaf: tree.Leaf, dtype: torch.dtype, box: tuple, target: torch.Tensor, jobs: list, path: str):
+    """Schedule the reads that fill `target` (shaped like leaf[box]) with leaf[box],
+    reading only the blocks that hold the box's rows (blocks are row-aligned).
+    Appends (digest, destination, path) to `jobs`; returns (after, staged_bytes):
+    a function to run once the reads are done (None when the blocks land in the
+    target directly) and the bytes of the staging buffer it holds."""
+    sh = leaf.shape
+    nd = len(sh)
+    if target.numel() == 0 or leaf.nbytes == 0:
+        return None, 0
+    if leaf.inline is not None:
+        src = torch.frombuffer(bytearray(leaf.inline), dtype=torch.uint8).view(dtype).reshape(sh)
+        return (lambda: target.copy_(src[box])), 0
+    row = dtype.itemsize * math.prod(sh[1:]) if nd else dtype.itemsize
+    r0, r1 = (box[0].start, box[0].stop) if nd else (0, 1)
+    b_lo, b_hi = r0 * row, r1 * row
+    bs, n = leaf.block_size, leaf.nbytes
+    i0, i1 = b_lo // bs, -(-b_hi // bs)
+    inner_full = all(box[d].start == 0 and box[d].stop == sh[d] for d in range(1, nd))
+    if inner_full and target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype \
+            and b_lo % bs == 0 and (b_hi % bs == 0 or b_hi == n):
+        # The requested rows are whole blocks: read them straight into the target.
+        dst = target.reshape(-1).view(torch.uint8).numpy()
+        for i in range(i0, i1):
+            a, b = i * bs, min(n, (i + 1) * bs)
+            jobs.append((leaf.blocks[i], dst[a - b_lo:b - b_lo], path))
+        return None, 0
+    base = i0 * bs
+    tmp = torch.empty(min(n, i1 * bs) - base, dtype=torch.uint8)
+    flat = tmp.numpy()
+    for i in range(i0, i1):
+        a, b = i * bs, min(n, (i + 1) * bs)
+        jobs.append((leaf.blocks[i], flat[a - base:b - base], path))
+    rows = tmp[b_lo - base:b_hi - base].view(dtype)
+    rows = rows.reshape((r1 - r0,) + tuple(sh[1:])) if nd else rows.reshape(())
+    src = rows[(slice(None),) + tuple(box[1:])] if nd else rows
+    return (lambda: target.copy_(src)), tmp.numel()
+
+
+def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool) -> None:
+    """Read (digest, destination, path) jobs in parallel; the first failure cancels the rest."""
+    if not jobs:
+        return
+    futs = [pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p)
+            for d, out, p in jobs]
+    wait(futs, return_when=FIRST_EXCEPTION)
+    for f in futs:
+        if f.done() and not f.cancelled() and f.exception() is not None:
+            for g in futs:
+                g.cancel()
+            wait(futs)
+            raise f.exception()
+
+
+class Reader:
+    """Decode a manifest tree back into a state, reading blocks in parallel.
+
+    Stored bytes are untrusted: the grammar checks every field before use, and
+    nothing from a manifest is executed (pickle only if allowed)."""
+
+    def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
+                 allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0):
+        self.rank = rank  # whose rank-local values a multi-rank snapshot yields
+        self.assets = assets
+        self.pool = pool
+        self.snapshot = snapshot
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        # What a manifest may make us allocate: by default the host's memory (RAM +
+        # swap), since a checkout into fresh CPU memory cannot hold more anyway.
+        self.max_bytes = default_max_bytes() if max_bytes is None else int(max_bytes)
+        self._allocated = 0
+        self._jobs: list[tuple[bytes, object, str]] = []
+        self._after: list = []
+
+    def read(self, top: bytes, into=_MISSING):
+        """The state under the top node `top` (into=: update that tree in place)."""
+        return self.materialize(self._node(top, (), 0, world=True), (), into)
+
+    def materialize(self, value, path=(), into=_MISSING):
+        """A decoded manifest value (tree.decode_value's result) -> python values."""
+        out = self._value(value, path, len(path), into)
+        self._run_jobs()
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
+        return out
+
+    def _fmt(self, msg, path):
+        return FormatError(f"{msg} at {format_path(path) or 'top'} of snapshot {self.snapshot[:16]}")
+
+    def _node(self, d, path, depth, world: bool = False):
+        data = self.assets.get_node(d, verify=self.verify, snapshot=self.snapshot, path=format_path(path))
+        try:
+            raw = decode_node(data)
+        except FormatError as e:
+            raise self._fmt(str(e), path) from None
+        try:
+            return tree.decode_node_value(raw, path, depth, world=world)
+        except FormatError as e:
+            raise FormatError(f"{e} of snapshot {self.snapshot[:16]}") from None
+
+    def _run_jobs(self):
+        jobs, self._jobs = self._jobs, []
+        run_reads(self.assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify)
+
+    def _value(self, v, path, depth, into=_MISSING):
+        if v is None or isinstance(v, (bool, int, float, str, bytes)):
+            return v
+        t = type(v)
+        if t is tree.Ref:
+            # A node stands in for a value at the same level of the state tree.
+            return self._value(self._node(v.digest, path, depth), path, depth, into)
+        if t is tree.Container:
+            if v.kind in ("d", "o"):
+                return self._dict(v, path, depth, into)
+            return self._seq(v, path, depth, into)
+        if t is tree.Tensor:
+            return self._tensor(v, path, into)
+        if t is tree.Global:
+            return self._global(v, path, into)
+        if t is tree.Array:
+            return self._array(v, path, into)
+        if t is tree.NpScalar:
+            return self._scalar(v, path)
+        if t is tree.World:
+            return self._value(self._merge_world(v, path, depth), path, depth, into)
+        if t is tree.Pickled:
+            if not self.allow_pickle:
+                raise UnsupportedType("snapshot holds a pickled object; pass allow_pickle=True to "
+                                      "checkout to load it (only for snapshots you trust)", format_path(path))
+            try:
+                return pickle.loads(v.data)
+            except Exception as e:
+                raise self._fmt(f"pickled object does not load: {e}", path) from None
+        raise self._fmt(f"unexpected manifest value {t.__name__}", path)  # pragma: no cover
+
+    def _dict(self, v, path, depth, into):
+        given = isinstance(into, dict)
+        target = into if given else (dict() if v.kind == "d" else OrderedDict())
+        for k, x in v.items:
+            target[k] = self._value(x, path + (k,), depth + 1, target.get(k, _MISSING) if given else _MISSING)
+        return target
+
+    def _seq(self, v, path, depth, into):
+        if v.kind == "l" and type(into) is list:
+            if len(into) != len(v.items):
+                raise CheckoutMismatch(f"list at {format_path(path)} has {len(into)} items, "
+                                       f"snapshot has {len(v.items)}")
+            for i, x in enumerate(v.items):
+                into[i] = self._value(x, path + (i,), depth + 1, into[i])
+            return into
+        sub = into if type(into) is tuple and len(into) == len(v.items) else None
+        items = [self._value(x, path + (i,), depth + 1, sub[i] if sub else _MISSING)
+                 for i, x in enumerate(v.items)]
+        return items if v.kind == "l" else tuple(items)
+
+    def _cap(self, n, path):
+        if n > self.max_bytes:
+            raise self._fmt(f"tensor of {n} bytes exceeds max_bytes={self.max_bytes} "
+                            "(checkout(..., max_bytes=N) raises the cap)", path)
+
+    def _reserve(self, leaf: tree.Leaf, path):
+        """Called before allocating a leaf's fresh bytes: the checkout's total stays under
+        max_bytes, and a big tensor's blocks must exist before its memory is taken
+        (a few hundred hostile manifest bytes must not cost gigabytes)."""
+        self._allocated += leaf.nbytes
+        if self._allocated > self.max_bytes:
+            raise self._fmt(f"the snapshot's tensors need more than max_bytes={self.max_bytes} "
+                            "(checkout(..., max_bytes=N) raises the cap)", path)
+        if leaf.inline is not None or leaf.nbytes <= PRESENCE_CHECK_ABOVE:
+            return
+        distinct = list(dict.fromkeys(leaf.blocks))
+        p = format_path(path)
+        list(self.pool.map(lambda d: self.assets.require_block(d, snapshot=self.snapshot, path=p), distinct))
+
+    def _fill(self, flat_u8, leaf: tree.Leaf, path):
+        """Schedule the reads that fill `flat_u8` (a writable uint8 buffer of the leaf's bytes)."""
+        if leaf.inline is not None:
+            flat_u8[:] = np.frombuffer(leaf.inline, dtype=np.uint8)
+            return
+        p = format_path(path)
+        for _i, d, a, b in leaf.block_spans():
+            self._jobs.append((d, flat_u8[a:b], p))
+
+    def _fill_now(self, flat_u8, leaf, path):
+        pending, self._jobs = self._jobs, []
+        try:
+            self._fill(flat_u8, leaf, path)
+            self._run_jobs()
+        finally:
+            self._jobs = pending
+
+    # -- multi-rank snapshots ----------------------------------------------------
+    def _merge_world(self, w: tree.World, path, depth):
+        """A collective snapshot holds one tree per rank. Merge them into this rank's
+        view: its own rank-local values (rank 0's for a rank the snapshot did not
+        have), with every sharded tensor's chunks gathered from all ranks."""
+        vals = [self._node(d, path, depth) for d in w.ranks]
+        sel = self.rank if self.rank < len(vals) else 0
+        return self._merge(vals, sel, path, depth)
+
+    def _deref(self, v, path, depth):
+        while type(v) is tree.Ref:
+            v = self._node(v.digest, path, depth)
+        return v
+
+    def _merge(self, vals, sel, path, depth):
+        vals = [self._deref(v, path, depth) for v in vals]
+        v0 = vals[sel]
+        if type(v0) is tree.Global:
+            chunks = [c for v in vals if type(v) is tree.Global and v.dt == v0.dt and v.shape == v0.shape
+                      for c in v.chunks]
+            return tree.Global(v0.dt, v0.dtype, v0.shape, chunks, v0.replicated)
+        if type(v0) is not tree.Container:
+            return v0
+        same = [v for v in vals if type(v) is tree.Container and v.kind == v0.kind]
+        if len(same) != len(vals):
+            return v0  # the ranks' trees differ here: this rank's own view
+        if v0.kind in ("d", "o"):
+            keys = [[k for k, _ in v.items] for v in same]
+            if all(k == keys[sel] for k in keys):
+                return tree.Container(v0.kind, [
+                    (k, self._merge([v.items[i][1] for v in same], sel, path + (k,), depth + 1))
+                    for i, k in enumerate(keys[sel])])
+            return v0
+        if all(len(v.items) == len(v0.items) for v in same):
+            return tree.Container(v0.kind, [self._merge([v.items[i] for v in same], sel, path + (i,), depth + 1)
+                                            for i in range(len(v0.items))])
+        return v0
+
+    # -- global (sharded) tensors ------------------------------------------------
+    def _chunks(self, g: tree.Global, path):
+        if math.prod(g.shape) * g.dtype.itemsize > self.max_bytes:
+            raise self._fmt(f"sharded tensor of shape {list(g.shape)} exceeds max_bytes={self.max_bytes}", path)
+        out, seen = [], set()
+        for c in g.chunks:
+            self._cap(c.nbytes, path)
+            key = (c.offsets, c.shape)
+            if key in seen:  # the same piece from several ranks (replicated): read it once
+                continue
+            seen.add(key)
+            out.append(c)
+        return out
+
+    def _global(self, g: tree.Global, path, into):
+        dtype, gs = g.dtype, g.shape
+        chunks = self._chunks(g, path)
+        if isinstance(into, Sharded):
+            tgt, roff = into.local, into.offsets
+            if tgt.dtype != dtype or tuple(into.global_shape) != gs:
+                raise CheckoutMismatch(f"sharded tensor at {format_path(path)} is {dtype} {list(gs)}, "
+                                       f"target is {tgt.dtype} {list(into.global_shape)}")
+            self._fill_region(chunks, dtype, tgt, roff, path)
+            return into
+        if isinstance(into, torch.Tensor):
+            if into.dtype != dtype or tuple(into.shape) != gs:
+                raise CheckoutMismatch(f"tensor at {format_path(path)} is {into.dtype} {list(into.shape)}, "
+                                       f"snapshot has {dtype} {list(gs)}")
+            self._fill_region(chunks, dtype, into, (0,) * len(gs), path)
+            return into
+        covered = sum(math.prod(c.shape) for c in chunks)
+        if len(chunks) == 1 and covered < math.prod(gs):
+            c = chunks[0]  # one rank's piece saved on its own: give the piece back
+            local = torch.empty(c.shape, dtype=dtype)
+            self._fill_region(chunks, dtype, local, c.offsets, path)
+            return Sharded(local, gs, c.offsets)
+        try:
+            t = torch.empty(gs, dtype=dtype)
+        except Exception as e:
+            raise self._fmt(f"cannot allocate tensor of {dtype} {list(gs)}: {type(e).__name__}", path) from None
+        self._fill_region(chunks, dtype, t, (0,) * len(gs), path)
+        return t
+
+    def _fill_region(self, chunks, dtype, dst: torch.Tensor, roff, path):
+        """Fill dst (the region of the global tensor at offsets roff) from the chunks
+        that intersect it, reading only the blocks that overlap it."""
+        rshape = tuple(dst.shape)
+        filled = 0
+        p = format_path(path)
+        for c in chunks:
+            lo = [max(a, b) for a, b in zip(c.offsets, roff)]
+            hi = [min(a + x, b + y) for a, x, b, y in zip(c.offsets, c.shape, roff, rshape)]
+            if any(a >= b for a, b in zip(lo, hi)) and len(c.shape):
+                continue
+            filled += math.prod(b - a for a, b in zip(lo, hi))
+            src_box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, c.offsets))
+            dst_box = tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, roff))
+            after, _ = read_box(c, dtype, src_box, dst[dst_box], self._jobs, p)
+            if after is not None:
+                self._after.append(after)
+        if filled < math.prod(rshape):
+            raise CheckoutMismatch(f"the snapshot does not hold all of the requested region of the tensor "
+                                   f"at {format_path(path)} ({filled} of {math.prod(rshape)} elements)")
+
+    # -- dense leaves ------------------------------------------------------------
+    def _tensor(self, leaf: tree.Tensor, path, into):
+        self._cap(leaf.nbytes, path)
+        if leaf.quant is not None:
+            return self._quantized(leaf, path, into)
+        dtype, sh = leaf.dtype, list(leaf.shape)
+        if isinstance(into, torch.Tensor):
+            if into.dtype != dtype or list(into.shape) != sh:
+                raise CheckoutMismatch(f"tensor at {format_path(path)} is {into.dtype} {list(into.shape)}, "
+                                       f"snapshot has {dtype} {sh}")
+            if into.device.type == "cpu" and into.is_contiguous() and not into.is_conj() and not into.is_neg():
+                dst = into.detach()
+            else:
+                dst = torch.empty(sh, dtype=dtype)
+                self._after.append(lambda: _copy_into(into, dst))
+            if leaf.nbytes:
+                self._fill(dst.reshape(-1).view(torch.uint8).numpy(), leaf, path)
+            return into
+        self._reserve(leaf, path)
+        try:
+            t = torch.empty(sh, dtype=dtype)
+            flat = t.reshape(-1).view(torch.uint8).numpy() if leaf.nbytes else None
+        except Exception as e:
+            raise self._fmt(f"cannot allocate tensor of {leaf.dt} {sh}: {e}", path) from None
+        dev = leaf.device
+        on_cuda = isinstance(dev, str) and dev.startswith("cuda") and torch.cuda.is_available()
+        if leaf.nbytes:
+            # A CUDA tensor is filled now, so it can be moved before it is placed in the tree.
+            (self._fill_now if on_cuda else self._fill)(flat, leaf, path)
+        if on_cuda:
+            try:
+                t = t.to(dev)
+            except Exception:  # e.g. fewer devices than when written: stay on the CPU
+                pass
+        rg = leaf.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)  # only those can
+        if leaf.param:
+            return torch.nn.Parameter(t, requires_grad=rg)
+        if rg:
+            t.requires_grad_(True)
+        return t
+
+    def _quantized(self, leaf: tree.Tensor, path, into):
+        _qt, repr_dtype = QUANT_BY_NAME[leaf.dt]
+        q, sh = leaf.quant, list(leaf.shape)
+        if into is not _MISSING and isinstance(into, torch.Tensor):
+            raise CheckoutMismatch(f"checkout(into=) cannot fill the quantized tensor at {format_path(path)}")
+        self._reserve(leaf, path)
+        try:
+            rep = torch.empty(sh, dtype=repr_dtype)
+        except Exception as e:
+            raise self._fmt(f"cannot allocate quantized tensor {sh}: {type(e).__name__}", path) from None
+        if leaf.nbytes:
+            self._fill_now(rep.reshape(-1).view(torch.uint8).numpy(), leaf, path)
+        try:
+            if q["s"] == "pt":
+                return torch._make_per_tensor_quantized_tensor(rep, q["scale"], q["zp"])
+            return torch._make_per_channel_quantized_tensor(
+                rep, torch.tensor(q["scales"], dtype=torch.float64), torch.tensor(q["zps"], dtype=torch.int64),
+                q["axis"])
+        except Exception as e:
+            raise self._fmt(f"cannot rebuild quantized tensor: {e}", path) from None
+
+    def _array(self, leaf: tree.Array, path, into):
+        self._cap(leaf.nbytes, path)
+        dtype, sh = leaf.dtype, list(leaf.shape)
+        order = "F" if leaf.fortran else "C"
+        if isinstance(into, np.ndarray) and into.dtype == dtype and list(into.shape) == sh \
+                and into.flags.writeable:
+            dst = np.empty(sh, dtype=dtype, order=order)
+            if leaf.nbytes:
+                self._fill((dst.T if leaf.fortran else dst).reshape(-1).view(np.uint8), leaf, path)
+            self._after.append(lambda: np.copyto(into, dst))
+            return into
+        if isinstance(into, np.ndarray):
+            raise CheckoutMismatch(f"array at {format_path(path)} is {into.dtype} {list(into.shape)}, "
+                                   f"snapshot has {dtype} {sh}")
+        self._reserve(leaf, path)
+        try:
+            a = np.empty(sh, dtype=dtype, order=order)
+        except Exception as e:
+            raise self._fmt(f"cannot allocate array of {dtype} {sh}: {type(e).__name__}", path) from None
+        if leaf.nbytes:
+            self._fill((a.T if leaf.fortran else a).reshape(-1).view(np.uint8), leaf, path)
+        return a
+
+    def _scalar(self, s: tree.NpScalar, path):
+        d, raw = s.dtype, s.raw
+        try:
+            if d.kind == "S":  # frombuffer's scalar would drop trailing NULs (and shrink the dtype)
+                return np.bytes_(raw)
+            if d.kind == "U":  # the same for str_: decode the UTF-32 code units ourselves
+                # chr, unlike the utf-32 codec, takes surrogates
+                return np.str_("".join(map(chr, code_units(raw, d))))
+            return np.frombuffer(raw, dtype=d)[0]
+        except Exception as e:  # noqa: BLE001 - numpy's failures on odd dtypes vary
+            raise self._fmt(f"numpy scalar does not decode: {type(e).__name__}", path) from None
+
+
+def _copy_into(into: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.no_grad():
+        into.copy_(src)
