@@ -56,8 +56,14 @@ DIGEST_SIZE = 32
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # msgpack's native int range
 
 
+def _part(p) -> str:
+    if type(p) is int and p.bit_length() > 64:
+        return f"[<int of {p.bit_length()} bits>]"  # repr of a huge int is slow or refused
+    return f"[{p!r}]"
+
+
 def format_path(parts) -> str:
-    return "".join(f"[{p!r}]" for p in parts)
+    return "".join(map(_part, parts))
 
 
 def _bad(msg: str, path) -> FormatError:
@@ -376,6 +382,7 @@ class OwnNode:
 
 
 _PLACEHOLDER = b"\0" * DIGEST_SIZE
+_REF_SIZE = 37  # {"r": bin32}: map header, "r", bin8 header, 32 bytes
 
 
 def _hdr(n: int) -> int:
@@ -419,8 +426,8 @@ class NodeWriter:
     def _own(self, v, size, path, put):
         self._cap(size, path)
         if put is None:
-            return {"r": _PLACEHOLDER}, 35
-        return {"r": self._put(v, path, put)}, 35
+            return {"r": _PLACEHOLDER}, _REF_SIZE
+        return {"r": self._put(v, path, put)}, _REF_SIZE
 
     def _maybe_split(self, v, size, path, depth, put):
         if depth > 0 and size > self.split:
@@ -430,6 +437,13 @@ class NodeWriter:
     def _emit(self, v, path, depth, put):
         """-> (raw value, exact encoded size)."""
         t = type(v)
+        if t is bytes:  # sizes of msgpack bin/str headers, without packing (values can be big)
+            n = len(v)
+            return self._maybe_split(v, n + (2 if n < 256 else 3 if n < 1 << 16 else 5), path, depth, put)
+        if t is str:
+            n = len(v.encode("utf-8", "surrogatepass"))
+            return self._maybe_split(v, n + (1 if n < 32 else 2 if n < 256 else 3 if n < 1 << 16 else 5),
+                                     path, depth, put)
         if isinstance(v, Pending):
             raw = v.manifest_value(final=put is not None)
             return self._maybe_split(raw, len(msgpack.packb(raw, use_bin_type=True)), path, depth, put)
