@@ -26,7 +26,8 @@ from .shard import Replicated, Sharded
 from .info import SnapshotInfo
 from .opener import open_store
 from .store import Store
-from .train import CheckpointManager, ResumableDataLoader, TrainState
+from .loader import ResumableDataLoader
+from .train import CheckpointManager, TrainState
 
 __version__ = "0.1.0"
 

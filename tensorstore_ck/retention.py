@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
-from .errors import InvalidName
+from .errors import InvalidArgument
 
 __all__ = ["Retention", "SnapRow", "select_kept"]
 
@@ -38,18 +38,18 @@ class Retention:
         for name in ("keep_last", "keep_best", "keep_every_steps"):
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 0 or (name == "keep_every_steps" and v == 0)):
-                raise InvalidName(f"Retention.{name} must be a non-negative int"
+                raise InvalidArgument(f"Retention.{name} must be a non-negative int"
                                   f"{' > 0' if name == 'keep_every_steps' else ''}, got {v!r}")
         if self.mode not in ("min", "max"):
-            raise InvalidName(f"Retention.mode must be 'min' or 'max', got {self.mode!r}")
+            raise InvalidArgument(f"Retention.mode must be 'min' or 'max', got {self.mode!r}")
         if self.keep_best and not (isinstance(self.metric, str) and self.metric):
-            raise InvalidName("Retention.keep_best needs metric=<name>")
+            raise InvalidArgument("Retention.keep_best needs metric=<name>")
         if self.max_age_days is not None and (type(self.max_age_days) not in (int, float)
                                               or not self.max_age_days >= 0):
-            raise InvalidName(f"Retention.max_age_days must be a number >= 0, got {self.max_age_days!r}")
+            raise InvalidArgument(f"Retention.max_age_days must be a number >= 0, got {self.max_age_days!r}")
         if all(getattr(self, k) is None for k in ("keep_last", "keep_best", "keep_every_steps", "max_age_days")):
             # An empty rule set would keep nothing but the ref tips: almost surely a mistake.
-            raise InvalidName("Retention() sets no rule; give at least one (keep_last=0 keeps only "
+            raise InvalidArgument("Retention() sets no rule; give at least one (keep_last=0 keeps only "
                               "ref tips, tags and pins) or set_retention(job, None) to keep everything")
 
     def to_dict(self) -> dict:
@@ -59,7 +59,7 @@ class Retention:
     def from_dict(cls, d: dict) -> "Retention":
         fields = {"keep_last", "keep_best", "metric", "mode", "keep_every_steps", "max_age_days"}
         if not isinstance(d, dict) or not set(d) <= fields:
-            raise InvalidName(f"not a retention record: {d!r}")
+            raise InvalidArgument(f"not a retention record: {d!r}")
         return cls(**d)
 
 

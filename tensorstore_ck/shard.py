@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidName
+from .errors import InvalidArgument
 
 __all__ = ["Sharded", "Replicated", "from_dtensor"]
 
@@ -30,16 +30,16 @@ class Sharded:
 
     def __post_init__(self):
         if not isinstance(self.local, torch.Tensor):
-            raise InvalidName("Sharded.local must be a torch.Tensor")
+            raise InvalidArgument("Sharded.local must be a torch.Tensor")
         gs, off = tuple(int(x) for x in self.global_shape), tuple(int(x) for x in self.offsets)
         object.__setattr__(self, "global_shape", gs)
         object.__setattr__(self, "offsets", off)
         if not (len(gs) == len(off) == self.local.dim()):
-            raise InvalidName(f"Sharded: local has {self.local.dim()} dims, global_shape {len(gs)}, "
+            raise InvalidArgument(f"Sharded: local has {self.local.dim()} dims, global_shape {len(gs)}, "
                               f"offsets {len(off)}")
         for d, (o, n, g) in enumerate(zip(off, self.local.shape, gs)):
             if o < 0 or o + n > g:
-                raise InvalidName(f"Sharded: dim {d}: offset {o} + size {n} is outside global size {g}")
+                raise InvalidArgument(f"Sharded: dim {d}: offset {o} + size {n} is outside global size {g}")
 
     @property
     def box(self) -> tuple:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from .errors import InvalidName
+from .errors import InvalidArgument
 from .ids import parse_hex
 from .refs.names import validate_component, validate_name
 
@@ -46,16 +46,16 @@ def _utf8(s: str, what: str) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidName(f"{what}: string {s!r} is not valid UTF-8") from None
+        raise InvalidArgument(f"{what}: string {s!r} is not valid UTF-8") from None
 
 
 def check_plain(obj, what: str, depth: int = 0) -> None:
     """metrics/meta hold JSON-like values only: they are shown by the CLI and kept in the catalog."""
     if depth > 32:
-        raise InvalidName(f"{what} nested too deeply")
+        raise InvalidArgument(f"{what} nested too deeply")
     if obj is None or type(obj) in (bool, int, float, str):
         if type(obj) is int and not -(2**63) <= obj < 2**64:
-            raise InvalidName(f"{what}: int {obj} is out of the 64-bit range")
+            raise InvalidArgument(f"{what}: int {obj} is out of the 64-bit range")
         if type(obj) is str:
             _utf8(obj, what)
         return
@@ -66,17 +66,17 @@ def check_plain(obj, what: str, depth: int = 0) -> None:
     if type(obj) is dict:
         for k, v in obj.items():
             if type(k) is not str:
-                raise InvalidName(f"{what}: keys must be str, got {type(k).__name__}")
+                raise InvalidArgument(f"{what}: keys must be str, got {type(k).__name__}")
             _utf8(k, what)
             check_plain(v, what, depth + 1)
         return
-    raise InvalidName(f"{what}: values must be None, bool, int, float, str, list or dict, "
+    raise InvalidArgument(f"{what}: values must be None, bool, int, float, str, list or dict, "
                       f"got {type(obj).__name__}")
 
 
 def check_step(step) -> int | None:
     if step is not None and (type(step) is not int or not -(2**63) <= step < 2**63):
-        raise InvalidName(f"step must be an int, got {step!r}")
+        raise InvalidArgument(f"step must be an int, got {step!r}")
     return step
 
 
@@ -87,7 +87,7 @@ def check_snapshot_args(ref, *, job=None, step=None, metrics=None, meta=None, ex
     m = {}
     for k, v in dict(metrics or {}).items():
         if type(k) is not str or isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise InvalidName(f"metrics must map str to numbers, got {k!r}: {v!r}")
+            raise InvalidArgument(f"metrics must map str to numbers, got {k!r}: {v!r}")
         _utf8(k, "metrics")
         # numpy scalars and other numbers are stored as plain int/float
         m[k] = int(v) if isinstance(v, numbers.Integral) else float(v)

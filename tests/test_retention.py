@@ -506,15 +506,15 @@ def test_select_kept_matches_model_random():
 def test_retention_validation():
     for bad in (dict(keep_last=-1), dict(keep_best=2), dict(keep_every_steps=0), dict(mode="median"),
                 dict(max_age_days=-1), dict(keep_last=1.5)):
-        with pytest.raises(tsck.InvalidName):
+        with pytest.raises(tsck.InvalidArgument):
             R(**bad)
     assert math.isfinite(R(max_age_days=0.5).max_age_days)
 
 
 def test_empty_retention_is_refused_not_keep_nothing():
     """Retention() with no rule would silently keep only the ref tips: refused instead."""
-    with pytest.raises(tsck.InvalidName):
+    with pytest.raises(tsck.InvalidArgument):
         tsck.Retention()
-    with pytest.raises(tsck.InvalidName):
+    with pytest.raises(tsck.InvalidArgument):
         tsck.Retention(metric="loss", mode="max")
     assert tsck.Retention(keep_last=0).keep_last == 0  # explicit: tips, tags and pins only
