@@ -1,0 +1,89 @@
+"""The package's structure, checked: import-linter's layer contracts (pyproject.toml,
+[tool.importlinter]) and two rules a module graph cannot express (AST checks)."""
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "tensorstore_ck"
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint(cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
+    if not LINT.exists():
+        pytest.skip(f"import-linter is not installed beside {sys.executable} (it is in the test extras)")
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    return subprocess.run([str(LINT), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_import_contracts_are_kept():
+    r = _lint(ROOT, ROOT)
+    assert r.returncode == 0 and "0 broken" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module, planted", [
+    ("format/tree.py", "from .. import cli  # planted\n"),             # an import of the CLI
+    ("storage/base.py", "from ..format import tree  # planted\n"),     # storage knowing manifests
+    ("assets.py", "from . import store  # planted\n"),                 # an upward import
+])
+def test_a_broken_contract_fails(tmp_path, module, planted):
+    """The contracts bite: the same check on a copy with one forbidden import fails."""
+    shutil.copytree(PKG, tmp_path / "tensorstore_ck", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "tensorstore_ck" / module
+    src = target.read_text()
+    i = src.index("\nfrom __future__ import annotations\n") + len("\nfrom __future__ import annotations\n")
+    target.write_text(src[:i] + planted + src[i:])
+    r = _lint(tmp_path, tmp_path)
+    assert r.returncode != 0 and "BROKEN" in r.stdout, r.stdout[-3000:]
+
+
+def _modules():
+    for p in sorted(PKG.rglob("*.py")):
+        yield p.relative_to(PKG).as_posix(), ast.parse(p.read_text(), filename=str(p))
+
+
+def _module_level_imports(tree: ast.Module):
+    """Imports executed when the module is imported (not those inside functions)."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            todo.extend(ast.iter_child_nodes(node))
+        elif isinstance(node, ast.ClassDef):
+            todo.extend(node.body)
+
+
+def test_the_core_does_not_import_torch_distributed_at_import_time():
+    """Only the DCP adapter (dcp/) may; dist.py imports it when a collective runs."""
+    bad = []
+    for name, tree in _modules():
+        if name.startswith("dcp/"):
+            continue
+        for node in _module_level_imports(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                bad.append(f"{name}:{node.lineno}")
+    assert not bad, bad
+
+
+def test_only_assets_knows_the_object_keys():
+    """Nothing outside assets.py (and the storage backends it drives) imports a key helper."""
+    helpers = {"block_key", "node_key", "commit_key", "tag_key", "KIND_PREFIX"}
+    bad = []
+    for name, tree in _modules():
+        if name == "assets.py" or name.startswith("storage/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and helpers & {a.name for a in node.names}:
+                bad.append(f"{name}:{node.lineno}")
+    assert not bad, bad
