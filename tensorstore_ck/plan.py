@@ -25,7 +25,7 @@ from .format.dtypes import QUANT_NAMES, QUANT_REPR, np_dtype_out, torch_dtype_na
 from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWriter, Pending, format_path
 from .shard import Replicated, Sharded
 
-__all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree"]
+__all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous"]
 
 _PLACEHOLDER = b"\0" * tree.DIGEST_SIZE
 
@@ -41,6 +41,16 @@ def _quant_params(t: torch.Tensor):
         return name, {"s": "pc", "scales": t.q_per_channel_scales().tolist(),
                       "zps": t.q_per_channel_zero_points().tolist(), "axis": int(t.q_per_channel_axis())}
     return None
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t with conjugation and negation resolved, C-contiguous: the bytes a block holds
+    (a copy only where one of those is needed)."""
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _check_utf8(s: str, path) -> None:
@@ -254,12 +264,7 @@ class Planner:
         if torch_dtype_name(t.dtype) in QUANT_NAMES and not t.is_quantized:
             return self._unsupported(obj, path, f"a {t.dtype} view of a plain tensor is not a quantized tensor")
         try:
-            if t.is_conj():
-                t = t.resolve_conj()
-            if t.is_neg():
-                t = t.resolve_neg()
-            if not t.is_contiguous():
-                t = t.contiguous()
+            t = contiguous(t)
         except Exception as e:  # torch has no copy kernel for some dtypes (uint1..7, int1..7)
             return self._unsupported(obj, path, f"a non-contiguous {t.dtype} tensor cannot be copied: "
                                                 f"{type(e).__name__}; make it contiguous first")

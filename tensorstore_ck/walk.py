@@ -49,11 +49,12 @@ def _leaf_blocks(leaf) -> Iterator[tuple[bytes, int]]:
             yield d, b - a
 
 
-def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
-              skip_nodes: set | None = None) -> Iterator[Obj]:
-    """Every node and block under `top`, depth first. Nodes in `skip_nodes`
-    (already walked elsewhere) are neither yielded nor descended; new nodes are
-    added to it."""
+def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_nodes: set | None = None):
+    """Depth first over the nodes under `top`: (digest, path, read) per node, where
+    read() fetches and decodes the node and returns its leaves, [(path, Tensor | Array
+    | Global)]; its children are visited next. The digest comes before the read, so a
+    caller can account for a node that then fails to read. Nodes in `skip_nodes` are
+    neither yielded nor descended; new nodes are added to it."""
     stack = [(top, (), 0, True)]
     while stack:
         d, path, depth, world = stack.pop()
@@ -61,19 +62,35 @@ def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
             if d in skip_nodes:
                 continue
             skip_nodes.add(d)
-        yield Obj("node", d, format_path(path))
-        value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify, world=world)
-        children = []
-        for p, dp, item in tree.visit(value, path, depth):
-            if type(item) is tree.Ref:
-                children.append((item.digest, p, dp, False))
-            elif type(item) is tree.World:
-                children.extend((r, p, dp, False) for r in item.ranks)
-            else:
-                fp = format_path(p)
-                for bd, nb in _leaf_blocks(item):
-                    yield Obj("block", bd, fp, nb)
+        children: list = []
+
+        def read(d=d, path=path, depth=depth, world=world, children=children):
+            value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify, world=world)
+            leaves = []
+            for p, dp, item in tree.visit(value, path, depth):
+                if type(item) is tree.Ref:
+                    children.append((item.digest, p, dp, False))
+                elif type(item) is tree.World:
+                    children.extend((r, p, dp, False) for r in item.ranks)
+                else:
+                    leaves.append((p, item))
+            return leaves
+
+        yield d, path, read
         stack.extend(reversed(children))
+
+
+def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
+              skip_nodes: set | None = None) -> Iterator[Obj]:
+    """Every node and block under `top`, depth first. Nodes in `skip_nodes`
+    (already walked elsewhere) are neither yielded nor descended; new nodes are
+    added to it."""
+    for d, path, leaves in _nodes(assets, top, snapshot=snapshot, verify=verify, skip_nodes=skip_nodes):
+        yield Obj("node", d, format_path(path))
+        for p, item in leaves():
+            fp = format_path(p)
+            for bd, nb in _leaf_blocks(item):
+                yield Obj("block", bd, fp, nb)
 
 
 def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes: set | None = None
@@ -100,25 +117,15 @@ def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True) -> dict[str
     c = decode_commit(assets.get_commit(root, verify=verify))
     out: dict[str, tuple[str, list]] = {}
     sharded: dict[str, list] = {}
-    stack = [(c["tree"], (), 0, True)]
-    while stack:
-        d, path, depth, world = stack.pop()
-        value = read_node(assets, d, path, depth, snapshot=snap, verify=verify, world=world)
-        children = []
-        for p, dp, item in tree.visit(value, path, depth):
-            if type(item) is tree.Ref:
-                children.append((item.digest, p, dp, False))
-            elif type(item) is tree.World:
-                children.extend((r, p, dp, False) for r in item.ranks)
-            elif type(item) is tree.Global:
-                key = format_path(p)
+    for _d, _path, leaves in _nodes(assets, c["tree"], snapshot=snap, verify=verify):
+        for p, item in leaves():
+            key = format_path(p)
+            if type(item) is tree.Global:
                 if key not in out:
                     out[key] = (_describe(item), [])
                 sharded.setdefault(key, []).extend(item.chunks)
             else:
-                out[format_path(p)] = (_describe(item), [item.inline] if item.inline is not None else
-                                       list(item.blocks))
-        stack.extend(reversed(children))
+                out[key] = (_describe(item), [item.inline] if item.inline is not None else list(item.blocks))
     for key, chunks in sharded.items():
         blocks = []
         for ch in sorted(chunks, key=lambda ch: ch.offsets):

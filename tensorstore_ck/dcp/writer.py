@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from .. import chunker
 from ..errors import FormatError, InvalidArgument, SnapshotAborted, UnsupportedType
+from ..plan import contiguous
 from ..refs.names import parse_target, validate_name
 from ..store import Store
 from ..validate import SnapshotArgs, check_snapshot_args
@@ -49,16 +50,8 @@ class TsckStorageData:
 
 def _flat_bytes(t: torch.Tensor) -> tuple[np.ndarray, bool]:
     """A tensor's C-contiguous bytes as a flat uint8 numpy array; True if that took a copy."""
-    t = t.detach()
-    src = t
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    src = t.detach()
+    t = contiguous(src if src.device.type == "cpu" else src.cpu())
     copied = t.data_ptr() != src.data_ptr() or t.device != src.device
     return t.reshape(-1).view(torch.uint8).numpy(), copied
 
