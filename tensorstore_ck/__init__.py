@@ -1,20 +1,29 @@
 """tensorstore_ck: a content-addressed snapshot store for the state of ML training jobs.
 
-Layers, top to bottom (nothing calls upward):
+Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
 
-    store.py      Store facade, open_store(): publication order, targets, log
-    state.py      state tree <-> manifest values; parallel block jobs
-    assets.py     typed, verified object I/O (blocks, nodes, commits); owns the keys
-    format/       bytes <-> objects (frame header, codecs, msgpack nodes); no I/O
-    storage/      BlockStore backends (local with fsync, any fsspec URL)
-    refs/         RefTable backends (LMDB, in-memory): CAS, reflog, catalog, tags, pins
-    chunker.py    tensor bytes -> element-aligned blocks
-    retention.py  per-job rules -> snapshots to keep
-    gc.py         expire, mark, sweep (safe with concurrent writers)
-    fsck.py       verify kept snapshots; recover.py rebuilds the ref table from storage
-    walk.py       the Merkle DAG without tensor data (gc, fsck, diff)
-    train.py      TrainState, CheckpointManager, ResumableDataLoader (exact resume)
-    staging.py    reused host buffers for asynchronous snapshots
+    cli.py, __main__.py   `tsck`: --json, exit codes 0 / 1 / 2
+    dcp/                  torch.distributed.checkpoint StorageWriter/Reader (metadata, layout,
+                          writer, reader, handle)
+    train.py, loader.py   TrainState, CheckpointManager; ResumableDataLoader (exact resume)
+    opener.py             open_store(): URL -> storage stack + ref table + Store
+    store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls
+    dist.py               collective put/checkout under torch.distributed (over the Publisher)
+    gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
+    recover.py            snapshots; rebuild the ref table from storage
+    publish.py            the one publisher: blocks -> nodes -> commit -> fenced CAS -> retry
+    plan.py, read.py,     state -> plan (validated before any write); nodes -> state (read_box:
+    walk.py               sharded regions); the DAG without tensor data (gc, fsck, diff)
+    assets.py             typed, verified object I/O; the only module that knows keys
+    validate.py, info.py, snapshot arguments; SnapshotInfo; retention rules; Sharded/Replicated;
+    retention.py, shard.py, reused host buffers for async snapshots
+    staging.py
+    storage/, refs/       BlockStore backends (local, fsspec, wrappers); RefTable (LMDB,
+                          PostgreSQL, in-memory)
+    chunker.py, ids.py    tensor bytes -> element-aligned blocks; digests and hex prefixes
+    format/               bytes <-> objects, no I/O: frame, manifest envelopes, tree (the
+                          manifest grammar), dtypes
+    errors.py             the TsckError tree
 """
 
 from . import errors
