@@ -342,7 +342,7 @@ def test_step_mismatch_aborts_every_rank(tmp_path):
 def test_local_argument_error_on_one_rank_does_not_break_later_snapshots(tmp_path):
     out = run_scenario(tmp_path, "desync", 2)
     res = rank_results(out, "desync", 4)
-    assert res[2]["second"] == "InvalidName"
+    assert res[2]["second"] == "InvalidArgument"
     for d in res:
         assert d["second"] != "returned"
         assert d["third"] == "returned", f"rank {d['rank']}: {d['third']}"
