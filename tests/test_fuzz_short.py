@@ -224,7 +224,7 @@ def _rec(which, value) -> bytes:
 
 
 REFRECORD_REGRESSIONS = {
-    # KvRefTable.reflog: float(e["t"]) / e["new"] unchecked -> ValueError / KeyError (log, REF@STEP)
+    # RefTable.reflog: float(e["t"]) / e["new"] unchecked -> ValueError / KeyError (log, REF@STEP)
     "reflog_time_str": _rec("reflog", msgpack.packb({"t": "x", "new": b"\0" * 32})),
     "reflog_no_new": _rec("reflog", msgpack.packb({"t": 1.0})),
     # store._row_to_info: float(row["time"]), dict(row["metrics"]) -> ValueError / TypeError

@@ -28,7 +28,7 @@ import msgpack
 
 from ..errors import Fenced, FormatError, GcBusy, RefConflict, RefNotFound
 
-__all__ = ["RefTable", "KvRefTable", "ReflogEntry", "Txn"]
+__all__ = ["RefTable", "ReflogEntry", "Txn"]
 
 
 TABLES = ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta")
@@ -98,93 +98,34 @@ def _unpack_row(data: bytes, what: str) -> dict:
 
 
 class RefTable(ABC):
-    """name -> root with compare-and-swap; reflog; catalog; tags; pins."""
-
-    @abstractmethod
-    def get_or_none(self, name: str) -> bytes | None: ...
-
-    def get(self, name: str) -> bytes:
-        root = self.get_or_none(name)
-        if root is None:
-            raise RefNotFound(f"no ref named {name!r}")
-        return root
-
-    @abstractmethod
-    def compare_and_swap(self, name: str, expected: bytes | None, new: bytes, *,
-                         message: str, catalog_row: dict | None = None, fence: int | None = None) -> None:
-        """Point `name` at `new` if it now points at `expected` (None: absent).
-        Appends to the reflog and stores `catalog_row` for `new` in the same
-        transaction. RefConflict(expected, actual) otherwise."""
-
-    @abstractmethod
-    def list(self, prefix: str = "") -> list[tuple[str, bytes]]: ...
-    @abstractmethod
-    def reflog(self, name: str) -> list[ReflogEntry]:
-        """Oldest first."""
-    @abstractmethod
-    def catalog_get(self, root: bytes) -> dict | None: ...
-    @abstractmethod
-    def catalog_iter(self) -> Iterator[tuple[bytes, dict]]: ...
-    @abstractmethod
-    def catalog_prefix(self, prefix: bytes) -> list[bytes]: ...
-    @abstractmethod
-    def tag_get(self, name: str) -> bytes | None: ...
-    @abstractmethod
-    def tag_create(self, name: str, root: bytes) -> None:
-        """Tags are immutable: RefConflict if `name` exists as a tag or a ref."""
-    @abstractmethod
-    def tags(self) -> list[tuple[str, bytes]]: ...
-    @abstractmethod
-    def pin(self, root: bytes) -> None: ...
-    @abstractmethod
-    def unpin(self, root: bytes) -> None: ...
-    @abstractmethod
-    def pins(self) -> set[bytes]: ...
-
-    # retention, catalog expiry and the gc protocol (see docs/ARCHITECTURE.md, "GC")
-    @abstractmethod
-    def retention_set(self, job: str, rule: dict | None) -> None: ...
-    @abstractmethod
-    def retention_all(self) -> dict[str, dict]: ...
-    @abstractmethod
-    def catalog_expire(self, roots: list[bytes]) -> list[bytes]:
-        """Drop the catalog rows of `roots` that are, at that moment, no ref's tip,
-        no tag's target and not pinned. Returns the roots dropped."""
-    @abstractmethod
-    def catalog_put_if_absent(self, root: bytes, row: dict) -> bool: ...
-    @abstractmethod
-    def gc_state(self) -> dict: ...
-    # gc state machine: idle -> marking -> deleting -> idle. The epoch is odd
-    # exactly while a deletion phase may be running.
-    @abstractmethod
-    def gc_begin(self, owner: str, *, now: float, stale_after: float) -> dict: ...
-    @abstractmethod
-    def gc_heartbeat(self, owner: str, *, now: float) -> dict: ...
-    @abstractmethod
-    def gc_freeze(self, owner: str, *, now: float) -> dict: ...
-    @abstractmethod
-    def gc_finish(self, owner: str, *, now: float, **fields) -> dict: ...
-    @abstractmethod
-    def gc_abort_stale(self, *, now: float, stale_after: float) -> dict: ...
-
-    def close(self) -> None:
-        pass
-
-
-class KvRefTable(RefTable):
-    """RefTable logic over `_read(fn)` / `_write(fn)`, each running fn(txn) in one transaction."""
+    """name -> root with compare-and-swap; reflog; catalog; tags; pins; retention rules;
+    the gc state. The logic is written once, here; a backend implements only the small
+    protocol below: run fn(txn) in one read or one write transaction (a Txn of four
+    calls), and close. LMDB, PostgreSQL and the in-memory twin do exactly that."""
 
     @abstractmethod
     def _read(self, fn: Callable[[Txn], object]): ...
     @abstractmethod
     def _write(self, fn: Callable[[Txn], object]): ...
 
-    # docstring inherited
+    def close(self) -> None:
+        pass
+
+    # -- refs -------------------------------------------------------------------------
+    def get(self, name: str) -> bytes:
+        root = self.get_or_none(name)
+        if root is None:
+            raise RefNotFound(f"no ref named {name!r}")
+        return root
+
     def get_or_none(self, name: str) -> bytes | None:
         return self._read(lambda t: t.get("refs", name.encode()))
 
-    def compare_and_swap(self, name, expected, new, *, message, catalog_row=None, fence=None):
-        """fence: the gc epoch the writer saw before it decided which objects exist
+    def compare_and_swap(self, name: str, expected: bytes | None, new: bytes, *, message: str,
+                         catalog_row: dict | None = None, fence: int | None = None) -> None:
+        """Point `name` at `new` if it now points at `expected` (None: absent), appending
+        to the reflog and storing `catalog_row` for `new` in the same transaction;
+        RefConflict(expected, actual) otherwise. fence: the gc epoch the writer saw before it decided which objects exist
         (None: unfenced). The move is refused with Fenced if a deletion phase
         started since, or is running."""
         key = name.encode()
@@ -215,7 +156,8 @@ class KvRefTable(RefTable):
     def list(self, prefix=""):
         return self._read(lambda t: [(_name(k, "ref"), v) for k, v in t.items("refs", prefix.encode())])
 
-    def reflog(self, name):
+    def reflog(self, name: str) -> list[ReflogEntry]:
+        """Every move of `name`, oldest first."""
         key = name.encode() + b"\0"
 
         def txn(t):
@@ -249,7 +191,8 @@ class KvRefTable(RefTable):
     def tag_get(self, name):
         return self._read(lambda t: t.get("tags", name.encode()))
 
-    def tag_create(self, name, root):
+    def tag_create(self, name: str, root: bytes) -> None:
+        """Tags are immutable: RefConflict if `name` exists as a tag or a ref."""
         key = name.encode()
 
         def txn(t):
@@ -285,7 +228,9 @@ class KvRefTable(RefTable):
         rows = self._read(lambda t: list(t.items("retention")))
         return {_name(k, "retention"): _unpack_row(v, "retention") for k, v in rows}
 
-    def catalog_expire(self, roots):
+    def catalog_expire(self, roots: list[bytes]) -> list[bytes]:
+        """Drop the catalog rows of `roots` that are, at that moment, no ref's tip,
+        no tag's target and not pinned. Returns the roots dropped."""
         def txn(t):
             protected = {v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} \
                 | {k for k, _ in t.items("pins")}
@@ -308,7 +253,9 @@ class KvRefTable(RefTable):
     def gc_state(self):
         return self._read(_gc_state)
 
-    def gc_begin(self, owner, *, now, stale_after):
+    # gc state machine: idle -> marking -> deleting -> idle. The epoch is odd exactly while
+    # a deletion phase may be running (docs/ARCHITECTURE.md, "GC and concurrent writers").
+    def gc_begin(self, owner: str, *, now: float, stale_after: float) -> dict:
         def txn(t):
             st = _gc_state(t)
             if st["phase"] != "idle":

@@ -15,7 +15,7 @@ import threading
 import lmdb
 
 from ..errors import NotAStore
-from .base import TABLES, KvRefTable, Txn
+from .base import TABLES, RefTable, Txn
 
 __all__ = ["LmdbRefTable"]
 
@@ -48,7 +48,7 @@ class _LmdbTxn(Txn):
             yield bytes(k), bytes(v)
 
 
-class LmdbRefTable(KvRefTable):
+class LmdbRefTable(RefTable):
     def __init__(self, path: str, *, create: bool = True):
         self.path = path
         if not create and not os.path.isdir(path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .base import TABLES, KvRefTable, Txn
+from .base import TABLES, RefTable, Txn
 
 __all__ = ["MemoryRefTable"]
 
@@ -27,7 +27,7 @@ class _MemTxn(Txn):
         return iter([(k, d[k]) for k in sorted(d) if k.startswith(prefix)])
 
 
-class MemoryRefTable(KvRefTable):
+class MemoryRefTable(RefTable):
     def __init__(self):
         self._data = {t: {} for t in TABLES}
         self._lock = threading.RLock()

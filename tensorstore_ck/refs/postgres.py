@@ -1,6 +1,6 @@
 """A ref table on PostgreSQL (psycopg 3), for many hosts sharing one store.
 
-Exactly the LMDB table's semantics, because it is the same code: KvRefTable's
+Exactly the LMDB table's semantics, because it is the same code: RefTable's
 logic runs over one key-value table, each operation in one SERIALIZABLE
 transaction. Two transactions whose reads and writes conflict (two CAS on one
 ref, a CAS against a gc freeze) cannot both commit: PostgreSQL aborts one with
@@ -21,7 +21,7 @@ import threading
 import time
 
 from ..errors import NotAStore, TsckError
-from .base import KvRefTable, Txn
+from .base import RefTable, Txn
 
 __all__ = ["PostgresRefTable"]
 
@@ -74,7 +74,7 @@ class _PgTxn(Txn):
         return iter([(bytes(k), bytes(v)) for k, v in self.cur.fetchall()])
 
 
-class PostgresRefTable(KvRefTable):
+class PostgresRefTable(RefTable):
     def __init__(self, dsn: str, *, namespace: str = "default", connect_timeout: float = 10.0):
         try:
             import psycopg
