@@ -28,6 +28,7 @@ import msgpack
 import threading
 
 from .errors import AmbiguousTarget, InvalidArgument, InvalidName, RefNotFound, SnapshotAborted, TsckError
+from .ids import Digest
 from .plan import plan_stats
 from .validate import UNSET
 
@@ -229,7 +230,7 @@ def collective_put(publisher, ctx: CollectiveContext, state, *, planner, prepare
     _guard(ch, write)
     if rank != 0:
         root = _guard(ch, lambda: ch.wait_key("result", "rank 0 to publish")).decode()
-        return publisher.info(root)
+        return publisher.info(Digest.parse(root))
 
     def publish():
         ch.wait_count("done_n", W, "finish writing", per_rank="done")
@@ -246,7 +247,7 @@ def collective_put(publisher, ctx: CollectiveContext, state, *, planner, prepare
 
 def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group, timeout, kv=None):
     """Rank 0 resolves `target` (so every rank reads the same snapshot even if the ref
-    moves meanwhile); every rank then reads its own view with read(root_hex, rank)."""
+    moves meanwhile); every rank then reads its own view with read(root, rank)."""
     try:
         ch = _Channel(ctx, group, "checkout", timeout, kv)
     except Exception as e:  # noqa: BLE001
@@ -254,7 +255,7 @@ def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group,
     ch.cleanup_old()
     if ch.rank == 0:
         root = _guard(ch, lambda: resolve(target))
-        ch.set("root", root.encode())
+        ch.set("root", root.hex().encode())
     else:
-        root = _guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target")).decode()
+        root = Digest.parse(_guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target")).decode())
     return read(root, ch.rank)

@@ -62,9 +62,8 @@ class Publisher:
     def sync(self) -> None:
         self.assets.sync()
 
-    def info(self, root_hex: str) -> SnapshotInfo:
+    def info(self, root: bytes) -> SnapshotInfo:
         """What the catalog (or, for a snapshot it does not list, the commit) says of a root."""
-        root = bytes.fromhex(root_hex)
         row = self.reftable.catalog_get(root)
         if row is None:
             c = decode_commit(self.assets.get_commit(root))

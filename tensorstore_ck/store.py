@@ -26,7 +26,7 @@ from .dist import CollectiveContext, collective_checkout, collective_put, is_col
 from .errors import (AmbiguousTarget, FormatError, InvalidArgument, InvalidName, RefConflict, RefNotFound, TsckError,
                      storage_error)
 from .format.manifest import decode_commit
-from .ids import is_hex_prefix
+from .ids import Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
 from .plan import Planner
 from .publish import Publisher
@@ -280,33 +280,35 @@ class Store:
     @_storage_errors
     def resolve(self, target: str) -> str:
         """A target (ref, tag, REF@STEP, root hex or unique prefix >= 8) -> root hex."""
+        return self._root(target).hex()
+
+    def _root(self, target: str) -> Digest:
         kind, text, step = parse_target(target)
         if kind == "step":
             for info in self.log(text):
                 if info.step == step:
-                    return info.root
+                    return Digest.parse(info.root)
             raise RefNotFound(f"ref {text!r} has no kept snapshot at step {step}")
         r = self.reftable.get_or_none(text)
+        if r is None:
+            r = self.reftable.tag_get(text)
         if r is not None:
-            return r.hex()
-        r = self.reftable.tag_get(text)
-        if r is not None:
-            return r.hex()
+            return Digest(r)
         if is_hex_prefix(text):
             even = text[: len(text) // 2 * 2]
             found = [x for x in self.reftable.catalog_prefix(bytes.fromhex(even)) if x.hex().startswith(text)]
             if len(found) == 1:
-                return found[0].hex()
+                return Digest(found[0])
             if len(found) > 1:
                 raise AmbiguousTarget(f"root prefix {text!r} matches {len(found)} snapshots; give more digits")
         raise RefNotFound(f"no ref, tag or snapshot named {target!r}")
 
     def _info(self, root: bytes) -> SnapshotInfo:
-        return self.publisher.info(root.hex())
+        return self.publisher.info(root)
 
     @_storage_errors
     def show(self, target: str) -> SnapshotInfo:
-        return self._info(bytes.fromhex(self.resolve(target)))
+        return self._info(self._root(target))
 
     @_storage_errors
     def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False,
@@ -322,16 +324,16 @@ class Store:
                                       or max_bytes < 0):
             raise InvalidArgument(f"max_bytes must be an int >= 0, got {max_bytes!r}")
 
-        def read(root_hex: str, rank: int = 0):
-            c = decode_commit(self.assets.get_commit(bytes.fromhex(root_hex), verify=verify))
-            reader = Reader(self.assets, self._pool, snapshot=root_hex, verify=verify, allow_pickle=allow_pickle,
+        def read(root: Digest, rank: int = 0):
+            c = decode_commit(self.assets.get_commit(root, verify=verify))
+            reader = Reader(self.assets, self._pool, snapshot=root.hex(), verify=verify, allow_pickle=allow_pickle,
                             max_bytes=max_bytes, rank=rank)
             return reader.read(c["tree"], MISSING if into is None else into)
 
         if is_collective(group):
-            return collective_checkout(self._collective, target, resolve=self.resolve, read=read, group=group,
+            return collective_checkout(self._collective, target, resolve=self._root, read=read, group=group,
                                        timeout=timeout)
-        return read(self.resolve(target))
+        return read(self._root(target))
 
     @_storage_errors
     def log(self, ref: str) -> list[SnapshotInfo]:
@@ -371,7 +373,7 @@ class Store:
         validate_name(name, "tag name")
         if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
             raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
-        root = bytes.fromhex(self.resolve(target))
+        root = self._root(target)
         if self.reftable.get_or_none(name) is not None:
             raise RefConflict(name, None, self.reftable.get_or_none(name).hex(), what="tag (a ref has this name)")
         cur = self.reftable.tag_get(name)
@@ -399,10 +401,10 @@ class Store:
     def diff(self, a: str, b: str) -> dict:
         """Which tensors differ between two targets, and in how many blocks."""
         from .walk import iter_leaves
-        ra, rb = self.resolve(a), self.resolve(b)
-        la = iter_leaves(self.assets, bytes.fromhex(ra), verify=self.verify)
-        lb = iter_leaves(self.assets, bytes.fromhex(rb), verify=self.verify)
-        out = {"a": ra, "b": rb, "added": [], "removed": [], "changed": [], "unchanged": 0}
+        ra, rb = self._root(a), self._root(b)
+        la = iter_leaves(self.assets, ra, verify=self.verify)
+        lb = iter_leaves(self.assets, rb, verify=self.verify)
+        out = {"a": ra.hex(), "b": rb.hex(), "added": [], "removed": [], "changed": [], "unchanged": 0}
         for p in la.keys() - lb.keys():
             out["removed"].append(p)
         for p in lb.keys() - la.keys():
@@ -422,15 +424,15 @@ class Store:
 
     @_storage_errors
     def pin(self, target: str) -> str:
-        root = self.resolve(target)
-        self.reftable.pin(bytes.fromhex(root))
-        return root
+        root = self._root(target)
+        self.reftable.pin(root)
+        return root.hex()
 
     @_storage_errors
     def unpin(self, target: str) -> str:
-        root = self.resolve(target)
-        self.reftable.unpin(bytes.fromhex(root))
-        return root
+        root = self._root(target)
+        self.reftable.unpin(root)
+        return root.hex()
 
     @_storage_errors
     def du(self) -> dict:
