@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 
+from _util import assert_same
+
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import FaultInjectingStore, InjectedFault
 
@@ -109,18 +111,6 @@ def clone(state: dict) -> dict:
             for k, v in state.items()}
 
 
-def assert_state_equal(got: dict, want: dict):
-    assert list(got) == list(want)
-    for k, w in want.items():
-        g = got[k]
-        if isinstance(w, torch.Tensor):
-            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), k
-        elif isinstance(w, np.ndarray):
-            assert g.dtype == w.dtype and np.array_equal(g, w), k
-        else:
-            assert g == w, k
-
-
 def test_async_put_returns_before_write_and_state_may_be_mutated(tmp_path):
     gate = Gate()
     store, _ = gated_store(tmp_path / "s", gate)
@@ -143,7 +133,7 @@ def test_async_put_returns_before_write_and_state_may_be_mutated(tmp_path):
         gate.open.set()
         info = fut.result(timeout=60)
         assert info.step == 1 and store.resolve("a/main") == info.root
-        assert_state_equal(store.checkout("a/main"), want)
+        assert_same(want, store.checkout("a/main"))
         assert store.fsck().ok
 
 
@@ -177,8 +167,8 @@ def test_async_commits_keep_their_order(tmp_path):
         for newer, older in zip(log, log[1:]):
             assert newer.parent == older.root
         assert store.show("a/main").step == 6
-        assert_state_equal(store.checkout("a/main@1"), big_state(1.0))
-        assert_state_equal(store.checkout("a/main@4"), tiny_state(4))
+        assert_same(big_state(1.0), store.checkout("a/main@1"))
+        assert_same(tiny_state(4), store.checkout("a/main@4"))
 
 
 @pytest.mark.parametrize("where", ["store", "call", "manager"])
@@ -301,8 +291,8 @@ def test_staging_buffer_is_reused(tmp_path):
         store.put_snapshot({"big": torch.ones(20_000)}, "a/main", step=3, blocking=False).result(timeout=60)
         assert [b.data_ptr() for b in pool._free] == [ptr]
         # reuse did not disturb what was written from it earlier
-        assert_state_equal(store.checkout("a/main@1"), big_state(1.0))
-        assert_state_equal(store.checkout("a/main@2"), big_state(2.0))
+        assert_same(big_state(1.0), store.checkout("a/main@1"))
+        assert_same(big_state(2.0), store.checkout("a/main@2"))
         assert torch.equal(store.checkout("a/main@3")["big"], torch.ones(20_000))
 
 
@@ -351,7 +341,7 @@ def test_background_failure_surfaces_on_future_and_next_put(tmp_path):
         info3 = store.put_snapshot(big_state(3.0), "a/main", step=3, blocking=False).result(timeout=60)
         assert [e.step for e in store.log("a/main")] == [3, 1]
         assert info3.parent == info1.root
-        assert_state_equal(store.checkout("a/main"), big_state(3.0))
+        assert_same(big_state(3.0), store.checkout("a/main"))
         assert store.fsck().ok
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _util import same_bits
+
 import tensorstore_ck as tsck
 
 BLOCK = 64 * 1024
@@ -55,7 +57,7 @@ def make_state() -> dict:
     }
 
 
-# (path string as in API.md, key that must appear in the error, getter)
+# (path string as in IntegrityError.path, key that must appear in the error, getter)
 TENSORS = [
     ("['model']['layers.0.weight']", "layers.0.weight", lambda s: s["model"]["layers.0.weight"]),
     ("['model']['layers.0.bias']", "layers.0.bias", lambda s: s["model"]["layers.0.bias"]),
@@ -69,25 +71,6 @@ def object_files(d: Path) -> dict[str, Path]:
     if not d.exists():
         return {}
     return {p.name: p for p in sorted(d.rglob("*")) if p.is_file() and HEX64.match(p.name)}
-
-
-def same_bits(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and a.contiguous().view(torch.uint8).numpy().tobytes()
-            == b.contiguous().view(torch.uint8).numpy().tobytes()
-        )
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same_bits(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def open_copy(path: Path):

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from _util import assert_same
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -104,24 +106,6 @@ def _blank_like(sd):
     return blank(sd)
 
 
-def _assert_state_equal(want, got, path=""):
-    """Bit-exact for tensors (dtype, shape, bytes), equality for plain values."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), path
-        assert want.dtype == got.dtype and want.shape == got.shape, path
-        assert tensor_bytes(want) == tensor_bytes(got), f"{path}: tensor bytes differ"
-    elif isinstance(want, dict):
-        assert list(want) == list(got), path
-        for k in want:
-            _assert_state_equal(want[k], got[k], f"{path}[{k!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert type(want) is type(got) and len(want) == len(got), path
-        for i, (a, b) in enumerate(zip(want, got)):
-            _assert_state_equal(a, b, f"{path}[{i}]")
-    else:
-        assert_same(want, got, path)
-
-
 def _save(sd, store, ref="jobA/main", step=100, **kw):
     w = TsckWriter(store, ref=ref, step=step, **kw)
     md = dcp.save(sd, storage_writer=w)
@@ -140,7 +124,7 @@ def test_roundtrip_model_optimizer_bit_exact(small_store):
 
     target = _blank_like(sd)
     dcp.load(target, storage_reader=TsckReader(small_store, "jobA/main"))
-    _assert_state_equal(want, target)
+    assert_same(want, target, loose_types=True)
 
     # A model and optimizer restored through load_state_dict behave identically.
     model, opt = _model_and_optim(99)
@@ -172,10 +156,10 @@ def test_plain_checkout_returns_full_tensors(small_store):
     snap = small_store.checkout("jobA/main")
     assert snap["format"] == "dcp" and snap["version"] == 1
     t = snap["tensors"]
-    _assert_state_equal(want["extra"]["big"], t["extra.big"])
-    _assert_state_equal(want["extra"]["transposed"].contiguous(), t["extra.transposed"])
-    _assert_state_equal(want["model"]["0.weight"], t["model.0.weight"])
-    _assert_state_equal(want["optim"]["state"][0]["exp_avg"], t["optim.state.0.exp_avg"])
+    assert_same(want["extra"]["big"], t["extra.big"], loose_types=True)
+    assert_same(want["extra"]["transposed"].contiguous(), t["extra.transposed"], loose_types=True)
+    assert_same(want["model"]["0.weight"], t["model.0.weight"], loose_types=True)
+    assert_same(want["optim"]["state"][0]["exp_avg"], t["optim.state.0.exp_avg"], loose_types=True)
     # non-tensor values: DCP's torch.save bytes
     b = snap["bytes"]
     assert isinstance(b["extra.name"], bytes)
@@ -207,7 +191,7 @@ def test_async_save(small_store):
     assert small_store.log("jobA/main")[0].step == 7
     target = _blank_like(sd)
     dcp.load(target, storage_reader=TsckReader(small_store, "jobA/main"))
-    _assert_state_equal(want, target)
+    assert_same(want, target, loose_types=True)
     # a second async save of the same state dedups everything
     dcp.async_save(sd, storage_writer=TsckWriter(small_store, ref="jobA/main", step=8)).result(timeout=60)
     assert small_store.log("jobA/main")[0].blocks_new == 0
@@ -221,8 +205,8 @@ def test_load_without_a_template(small_store):
     want = copy.deepcopy(sd)
     _save(sd, small_store)
     got = _load_state_dict_from_keys(storage_reader=TsckReader(small_store, "jobA/main"))
-    _assert_state_equal(want["extra"], got["extra"])
-    _assert_state_equal(want["model"], got["model"])
+    assert_same(want["extra"], got["extra"], loose_types=True)
+    assert_same(want["model"], got["model"], loose_types=True)
 
 
 def test_checkpoint_id_is_ref_and_step(small_store):
@@ -417,7 +401,7 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
                           ("lin.bias", "model.lin.bias"), ("norm.scale", "model.norm.scale"),
                           ("emb.exp_avg", "optim.state.emb.weight.exp_avg"),
                           ("lin.exp_avg", "optim.state.lin.weight.exp_avg")]:
-            _assert_state_equal(G[name], t[fqn], fqn)
+            assert_same(G[name], t[fqn], fqn, loose_types=True)
         md = TsckReader(s, "jobA/main").read_metadata()
         assert len(md.state_dict_metadata["model.emb.weight"].chunks) == 4
 

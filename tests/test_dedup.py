@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from _util import assert_same, same_bits
+
 KiB = 1024
 MiB = 1024 * 1024
 BLOCK = 64 * KiB
@@ -74,24 +76,8 @@ def block_addrs(t: torch.Tensor, block: int = BLOCK) -> list[str]:
     return [blake3.blake3(b[i : i + block]).hexdigest() for i in range(0, len(b), block)]
 
 
-def same_tensor(a, b) -> bool:
-    return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.contiguous().numpy().tobytes() == b.contiguous().numpy().tobytes()
-    )
-
-
 def model_state(n: int = 64, seed0: int = 0) -> dict:
     return {"model": {f"layers.{i}.weight": rand_tensor(seed0 + i) for i in range(n)}, "step": 0}
-
-
-def assert_model_equal(got: dict, want: dict) -> None:
-    assert list(got["model"]) == list(want["model"])
-    for k in want["model"]:
-        assert same_tensor(got["model"][k], want["model"][k]), k
 
 
 class Snap:
@@ -151,7 +137,7 @@ def test_same_state_twice_writes_nothing(bstore):
     # unchanged subtrees are shared: an identical tree needs no new manifest node
     assert all_files(bk, "nodes") == before.nodes
     assert second.parent == first.root
-    assert_model_equal(s.checkout("jobA/main"), state)
+    assert_same(state["model"], s.checkout("jobA/main")["model"])
 
 
 def test_one_element_changed_writes_one_block(bstore):
@@ -176,10 +162,10 @@ def test_one_element_changed_writes_one_block(bstore):
     assert set(block_addrs(t17)) - set(block_addrs(old17)) == set(new)
 
     # both snapshots still give back their own bytes
-    assert_model_equal(s.checkout("jobA/main"), state)
+    assert_same(state["model"], s.checkout("jobA/main")["model"])
     old = s.checkout(first.root)
-    assert same_tensor(old["model"]["layers.17.weight"], old17)
-    assert not same_tensor(old["model"]["layers.17.weight"], t17)
+    assert same_bits(old["model"]["layers.17.weight"], old17)
+    assert not same_bits(old["model"]["layers.17.weight"], t17)
 
     # one element in each of three tensors: three blocks
     for i, (r, c) in zip((3, 30, 63), ((0, 0), (255, 255), (130, 1))):
@@ -189,7 +175,7 @@ def test_one_element_changed_writes_one_block(bstore):
     new = before.new_blocks()
     assert info3.blocks_new == len(new) == 3
     assert info3.bytes_new == sum(raw_len(bk, k) for k in new.values()) == 3 * BLOCK
-    assert_model_equal(s.checkout("jobA/main"), state)
+    assert_same(state["model"], s.checkout("jobA/main")["model"])
 
 
 def test_whole_tensor_changed_writes_exactly_its_blocks(bstore):
@@ -203,7 +189,7 @@ def test_whole_tensor_changed_writes_exactly_its_blocks(bstore):
     assert info.blocks_new == len(new) == 4
     assert info.bytes_new == sum(raw_len(bk, k) for k in new.values()) == TENSOR_BYTES
     assert set(new) == set(block_addrs(state["model"]["layers.40.weight"]))
-    assert_model_equal(s.checkout("jobA/main"), state)
+    assert_same(state["model"], s.checkout("jobA/main")["model"])
 
 
 def test_duplicate_tensors_in_one_snapshot_stored_once(bstore):
@@ -217,8 +203,8 @@ def test_duplicate_tensors_in_one_snapshot_stored_once(bstore):
     assert info.blocks_new == 4
     assert info.bytes_new == sum(raw_len(bk, k) for k in new.values()) == TENSOR_BYTES
     got = s.checkout("jobA/main")
-    assert same_tensor(got["a"], t) and same_tensor(got["b"], t)
-    assert same_tensor(got["c"][0], t) and same_tensor(got["c"][1], t)
+    assert same_bits(got["a"], t) and same_bits(got["b"], t)
+    assert same_bits(got["c"][0], t) and same_bits(got["c"][1], t)
 
 
 def test_small_tensors_are_inlined_not_blocks(backend):
@@ -230,7 +216,7 @@ def test_small_tensors_are_inlined_not_blocks(backend):
         assert object_files(backend) == {}
         got = s.checkout("jobA/main")
         for k, v in state.items():
-            assert same_tensor(got[k], v), k
+            assert same_bits(got[k], v), k
 
 
 def test_numpy_arrays_dedup_too(bstore):
@@ -295,13 +281,13 @@ def test_two_jobs_share_base_weights(bstore):
 
     got_a, got_b = s.checkout("jobA/main"), s.checkout("jobB/main")
     for k in base:
-        assert same_tensor(got_a["model"][k], base[k]) and same_tensor(got_b["model"][k], base[k])
+        assert same_bits(got_a["model"][k], base[k]) and same_bits(got_b["model"][k], base[k])
     for k in ("w", "b"):
-        assert same_tensor(got_a["head"][k], a_state["head"][k])
-        assert same_tensor(got_b["head"][k], b_state["head"][k])
-    assert not same_tensor(got_a["head"]["w"], got_b["head"]["w"])
+        assert same_bits(got_a["head"][k], a_state["head"][k])
+        assert same_bits(got_b["head"][k], b_state["head"][k])
+    assert not same_bits(got_a["head"]["w"], got_b["head"]["w"])
     old_b = s.checkout(b.root)
-    assert not same_tensor(old_b["head"]["w"], b_state["head"]["w"])
+    assert not same_bits(old_b["head"]["w"], b_state["head"]["w"])
 
     du = s.du()
     assert {"jobA", "jobB"} <= set(du["jobs"])

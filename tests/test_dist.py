@@ -25,6 +25,8 @@ import blake3
 import pytest
 import torch
 
+from _util import same_bits
+
 import tensorstore_ck as tsck
 
 pytestmark = pytest.mark.slow
@@ -87,11 +89,6 @@ def rank_results(out: Path, phase: str, world: int, *, dead=()) -> list[dict | N
 
 def tbytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (type(b) is torch.Tensor and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
-            and tbytes(a) == tbytes(b))
 
 
 def block_size_of(shape: tuple, dtype: torch.dtype) -> int:
@@ -176,12 +173,12 @@ def test_sharded_save_4_checkout_4_2_8_reads_only_needed_blocks(tmp_path):
                 name = "/".join(path)
                 a, b = dw.row_split(rows, world, r)
                 assert d["types"][name] == "Sharded"
-                assert same(dw.global_tensor(path)[a:b], got["sharded"][name]), \
+                assert same_bits(dw.global_tensor(path)[a:b], got["sharded"][name]), \
                     f"world {world} rank {r}: {name} rows [{a},{b}) differ"
             sel = r if r < SAVE_WORLD else 0  # rank-local values: rank 0's for ranks the snapshot lacked
             want = dw.rank_local(sel)
             assert (got["local"]["rank"], got["local"]["name"]) == (want["rank"], want["name"])
-            assert same(want["rng"], got["local"]["rng"])
+            assert same_bits(want["rng"], got["local"]["rng"])
             assert got["step"] == 100
 
             need = needed_blocks(r, world)
@@ -203,14 +200,14 @@ def test_sharded_save_4_checkout_4_2_8_reads_only_needed_blocks(tmp_path):
     for path in dw.SHARDED:
         name = "/".join(path)
         assert d1["full_types"][name] == "Tensor"
-        assert same(dw.global_tensor(path), got["full"][name]), name
-    assert got["full_local"]["rank"] == 0 and same(dw.rank_local(0)["rng"], got["full_local"]["rng"])
+        assert same_bits(dw.global_tensor(path), got["full"][name]), name
+    assert got["full_local"]["rank"] == 0 and same_bits(dw.rank_local(0)["rng"], got["full_local"]["rng"])
 
     # And from this (single, non-distributed) process.
     with tsck.open_store(store_dir, create=False) as s:
         full = s.checkout(REF, group=False)
         for path in dw.SHARDED:
-            assert same(dw.global_tensor(path), dw.get_path(full, path)), path
+            assert same_bits(dw.global_tensor(path), dw.get_path(full, path)), path
         assert full["local"]["rank"] == 0 and full["step"] == 100
         info = s.show(REF)
         assert info.root == root and info.step == 100 and info.meta.get("world") == SAVE_WORLD
@@ -250,11 +247,11 @@ def test_replicated_blocks_written_once_spread_over_ranks(tmp_path):
 
     for d in res:
         got = torch.load(out / f"rep_rank{d['rank']}.pt", weights_only=False)
-        assert same(reps["emb"], got["emb"]) and same(reps["head"], got["head"])
+        assert same_bits(reps["emb"], got["emb"]) and same_bits(reps["head"], got["head"])
         assert d["rank_view"] == d["rank"]
     with tsck.open_store(out / "store", create=False) as s:
         full = s.checkout(REF, group=False)
-        assert same(reps["emb"], full["emb"]) and same(reps["head"], full["head"]) and full["rank"] == 0
+        assert same_bits(reps["emb"], full["emb"]) and same_bits(reps["head"], full["head"]) and full["rank"] == 0
         assert s.fsck().ok
         # replicated bytes are counted once per snapshot, not once per rank
         info = s.show(REF)
@@ -317,7 +314,7 @@ def test_rank_stalled_mid_snapshot_aborts_all_then_group_goes_on(tmp_path):
         assert commit_roots(out / "store") == {root1, root3}, "the aborted snapshot left a commit"
         full = s.checkout(REF, group=False)
         for path in dw.SHARDED:
-            assert same(dw.global_tensor(path, 2), dw.get_path(full, path)), path
+            assert same_bits(dw.global_tensor(path, 2), dw.get_path(full, path)), path
         assert s.fsck().ok
 
 

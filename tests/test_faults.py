@@ -10,6 +10,8 @@ import random
 import pytest
 import torch
 
+from _util import same_bits
+
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import FaultInjectingStore
 
@@ -40,10 +42,6 @@ def _state(i: int) -> dict:
     return {"shared": torch.ones(64, 256), "own": torch.randn(32, 256, generator=g), "i": i}
 
 
-def _same(a, b) -> bool:
-    return a["i"] == b["i"] and torch.equal(a["own"], b["own"]) and torch.equal(a["shared"], b["shared"])
-
-
 def test_put_commits_whole_or_raises_and_retry_succeeds(faulty):
     store, f = faulty
     acked: dict[int, str] = {}
@@ -65,7 +63,7 @@ def test_put_commits_whole_or_raises_and_retry_succeeds(faulty):
         assert store.resolve("job/main") == acked[i]
     assert raised > 0 and f.faults > 0  # the faults really happened
     for i, root in acked.items():
-        assert _same(store.checkout(root), _state(i))
+        assert same_bits(store.checkout(root), _state(i))
     rep = store.fsck()
     assert rep.ok, [str(x) for x in rep.findings]
 
@@ -95,7 +93,7 @@ def test_gc_and_fsck_under_faults_never_delete_referenced_objects(faulty):
     kept = [x.step for x in store.log("job/main")]
     assert kept == sorted(roots)[-4:][::-1]
     for step in kept:
-        assert _same(store.checkout(f"job/main@{step}"), _state(step))
+        assert same_bits(store.checkout(f"job/main@{step}"), _state(step))
 
 
 def test_truncated_reads_are_detected_not_returned(tmp_path):
@@ -110,7 +108,7 @@ def test_truncated_reads_are_detected_not_returned(tmp_path):
     with pytest.raises(tsck.IntegrityError):
         store.checkout("job/main")
     box["f"].armed = False
-    assert _same(store.checkout("job/main"), _state(1))
+    assert same_bits(store.checkout("job/main"), _state(1))
     store.close()
 
 

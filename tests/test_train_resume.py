@@ -36,6 +36,8 @@ import numpy as np
 import pytest
 import torch
 
+from _util import assert_same
+
 import tensorstore_ck as tsck
 
 HERE = Path(__file__).resolve().parent
@@ -156,27 +158,6 @@ def losses(lines) -> dict[int, str]:
     return out
 
 
-def assert_identical(a, b, path="final"):
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), f"{path}: tensor differs"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"{path}: array differs"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_identical(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{path}[{i}]")
-    elif isinstance(a, float):
-        assert a.hex() == b.hex() or (a != a and b != b), f"{path}: {a!r} != {b!r}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
 def load_final(p: Path) -> dict:
     return torch.load(p, weights_only=False)
 
@@ -258,7 +239,7 @@ def check_resume(tmp_path, tmp_path_factory, runs, *, workers: int, async_: bool
     assert count_tensors(want["model"]) == 6 and count_tensors(want["optimizer"]) >= 12
     assert want["loader"] == {"epoch": (N - 1) // EPOCH, "batches_consumed": N - EPOCH * ((N - 1) // EPOCH),
                               "seed": 11, "batch_size": 8, "shuffle": True}
-    assert_identical(want, got)
+    assert_same(want, got)
 
 
 @pytest.mark.parametrize("workers,async_,kill_at", [(0, False, 23), (2, True, 33)],

@@ -21,9 +21,15 @@ jobs (32 blocks) plus 64 blocks unique to (j, s), one block per row.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import functools
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _util import same_bits  # noqa: E402,F401 - the suite's one bit-exact comparer
 
 RACE_BLOCK = 64 * 1024
 RACE_INLINE = 4096
@@ -87,17 +93,3 @@ def crash_state(job: str, step: int) -> dict:
     }
 
 
-def same_bits(a, b) -> bool:
-    """Exact structural and bitwise equality of two state trees."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
-        return (a.dtype == b.dtype and a.shape == b.shape
-                and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a.keys()) == list(b.keys()) and all(same_bits(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
-    return a == b

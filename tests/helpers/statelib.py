@@ -3,14 +3,20 @@
 Imported both by the helper scripts (run as subprocesses, where this directory
 is sys.path[0]) and by the tests (loaded by file path), so the test process can
 regenerate exactly what a child wrote for a given step and compare bit for bit.
-Plain numpy only: importing this must stay cheap.
+Plain numpy (plus the suite's comparer from tests/_util.py).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import hashlib
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _util import same_bits  # noqa: E402,F401 - the suite's one bit-exact comparer
 
 __all__ = ["crash_state", "conc_state", "digest_arrays", "same_bits"]
 
@@ -71,20 +77,3 @@ def conc_state(worker: int, i: int) -> dict:
     return {"worker": worker, "i": i, "base": base, "own": own}
 
 
-def same_bits(a, b) -> bool:
-    """Exact structural and bitwise equality of two state trees."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
-        return (
-            a.dtype == b.dtype
-            and a.shape == b.shape
-            and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
-        )
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a.keys()) == list(b.keys()) and all(same_bits(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
-    return a == b
