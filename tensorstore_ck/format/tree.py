@@ -342,9 +342,10 @@ def check_leaf(raw, path) -> None:
     """The writer's check of one planned leaf (block addresses may be placeholders):
     the readers' own decoder, so put refuses exactly what checkout would."""
     try:
-        # exactly what a reader will see: msgpack turns tuples into lists, and so on
-        decode_value(msgpack.unpackb(msgpack.packb(raw, use_bin_type=True), raw=False, strict_map_key=False),
-                     path, 0)
+        if not (isinstance(raw, dict) and ("T" in raw or "G" in raw)):
+            # exactly what a reader will see: msgpack turns a numpy descr's tuples into lists
+            raw = msgpack.unpackb(msgpack.packb(raw, use_bin_type=True), raw=False, strict_map_key=False)
+        decode_value(raw, path, 0)
     except FormatError as e:
         raise UnsupportedType(f"not storable: {e}", format_path(path)) from None
 
@@ -370,6 +371,7 @@ class Pending:
     """A leaf whose manifest value is final only after its blocks are written.
     manifest_value(final=False) gives a value of the same encoded size (placeholder
     addresses), so the node layout and the size caps are checked before any write."""
+    packed_size: int | None = None  # its encoded size, once known
 
     def manifest_value(self, final: bool):  # pragma: no cover - interface
         raise NotImplementedError
@@ -445,8 +447,11 @@ class NodeWriter:
             return self._maybe_split(v, n + (1 if n < 32 else 2 if n < 256 else 3 if n < 1 << 16 else 5),
                                      path, depth, put)
         if isinstance(v, Pending):
-            raw = v.manifest_value(final=put is not None)
-            return self._maybe_split(raw, len(msgpack.packb(raw, use_bin_type=True)), path, depth, put)
+            # Placeholder and final addresses have the same length: the size is computed once.
+            raw = v.manifest_value(final=put is not None) if put is not None or v.packed_size is None else None
+            if v.packed_size is None:
+                v.packed_size = len(msgpack.packb(raw, use_bin_type=True))
+            return self._maybe_split(raw, v.packed_size, path, depth, put)
         if t is OwnNode:
             raw, size = self._emit(v.value, path, depth, put)
             if isinstance(raw, dict) and len(raw) == 1 and "r" in raw:
