@@ -1,4 +1,4 @@
-"""Fuzz target: ref and tag names and target strings (refs/names.py:
+"""Fuzz target: ref and tag names and target strings (format/names.py:
 validate_name, validate_component, parse_target; Store.resolve and every
 public call that takes a name or a target).
 
@@ -35,8 +35,8 @@ from _common import ContractViolation  # noqa: E402
 with _common.instrument(__name__ == "__main__"):
     import tensorstore_ck as tsck
     from tensorstore_ck.errors import InvalidName, TsckError
-    from tensorstore_ck.recover import tag_key
-    from tensorstore_ck.refs.names import MAX_NAME_BYTES, parse_target, validate_component, validate_name
+    from tensorstore_ck.assets import tag_key
+    from tensorstore_ck.format.names import MAX_NAME_BYTES, parse_target, validate_component, validate_name
 
 _STATE: dict = {}
 _COMPONENT = re.compile(r"[A-Za-z0-9._-]+")

@@ -1,5 +1,5 @@
-"""Fuzz target: ref-table records (refs/base.py _unpack_row and every reader
-of a record), stored tag objects (recover.decode_tag) and the store marker.
+"""Fuzz target: ref-table records (format/records.py decode_record and every reader
+of a record), stored tag objects (format/records.py decode_tag) and the store marker.
 
 Input: one byte naming what the rest is, then the record's bytes:
 
@@ -39,9 +39,9 @@ with _common.instrument(__name__ == "__main__"):
 
     import tensorstore_ck as tsck
     from tensorstore_ck.errors import TsckError
-    from tensorstore_ck.recover import decode_tag, tag_key
-    from tensorstore_ck.refs.base import _unpack_row
-    from tensorstore_ck.refs.names import validate_name
+    from tensorstore_ck.assets import tag_key
+    from tensorstore_ck.format.records import decode_record, decode_tag
+    from tensorstore_ck.format.names import validate_name
     from tensorstore_ck.storage import FsspecBlockStore
 
 DEADLINE = 3.0
@@ -126,7 +126,7 @@ def _use_store(store, which: str, rec: bytes) -> None:
         _attempt(store.tags)
         return
     try:
-        _unpack_row(rec, which)
+        decode_record(rec, which)
     except TsckError:
         pass
     _attempt(store.log, "jobA/main")

@@ -1,21 +1,32 @@
-"""Typed object I/O: blocks, manifest nodes and commits, verified on read.
+"""Typed object I/O: blocks, manifest nodes, commits and tag objects, verified on read.
 
-Nothing above this module builds a storage key; nothing below it knows what
-a manifest is. Keys are ``blocks/ab/<hex>``, ``nodes/ab/<hex>``,
-``commits/ab/<hex>``, where <hex> is the BLAKE3-256 of the raw payload.
+The only module that knows storage keys: nothing above it builds or parses
+one; nothing below it knows what a manifest is. Keys are ``blocks/ab/<hex>``,
+``nodes/ab/<hex>``, ``commits/ab/<hex>`` (<hex>: the BLAKE3-256 of the raw
+payload, ab: its first two digits) and ``tags/<hex of the tag name>``. A
+listed name that is not exactly such a key is a *stray*: reported, never
+parsed further, never deleted.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Iterator
 
 import blake3
 
 from .errors import FormatError, IntegrityError
 from .format import frame
+from .format.records import decode_tag, encode_tag
 from .storage.base import BlockStore
 
-__all__ = ["Assets", "PutResult", "block_key", "node_key", "commit_key", "KIND_PREFIX"]
+__all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "read_marker", "create_marker", "block_key",
+           "node_key", "commit_key", "tag_key", "KIND_PREFIX"]
+
+KINDS = ("commits", "nodes", "blocks")  # gc's deletion order: a kill leaves no commit without its tree
+_OBJECT_KEY = re.compile(r"(commits|nodes|blocks)/([0-9a-f]{2})/(\2[0-9a-f]{62})\Z")
+_TAG_KEY = re.compile(r"tags/((?:[0-9a-f]{2})+)\Z")
 
 KIND_PREFIX = {frame.KIND_BLOCK: "blocks", frame.KIND_NODE: "nodes", frame.KIND_COMMIT: "commits"}
 
@@ -35,6 +46,37 @@ def node_key(d: bytes) -> str:
 
 def commit_key(d: bytes) -> str:
     return _key("commits", d)
+
+
+def tag_key(name: str) -> str:
+    # hex: a tag name never becomes a path (and "a" and "a/b" cannot collide as file and folder)
+    return "tags/" + name.encode("utf-8").hex()
+
+
+STORE_MARKER = "tsck.json"  # the store's config object (opener.py reads and creates it)
+
+
+def read_marker(storage: BlockStore) -> bytes | None:
+    try:
+        return storage.get(STORE_MARKER)
+    except FileNotFoundError:
+        return None
+
+
+def create_marker(storage: BlockStore, data: bytes) -> bool:
+    """Exclusive create, durable on return: concurrent creators agree on one marker."""
+    created = storage.put_if_absent(STORE_MARKER, [data])
+    storage.sync()
+    return created
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """One stored object of a kind, as listed."""
+    kind: str
+    digest: bytes
+    size: int
+    mtime: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,3 +236,88 @@ class Assets:
 
     def has_commit(self, d: bytes) -> bool:
         return self.storage.exists(commit_key(d))
+
+    # -- listing, deleting, tags: what gc, fsck, recover and du need ------------
+    def list_objects(self, kind: str, strays: list | None = None) -> Iterator[Listed]:
+        """Every stored object of `kind` ("commits", "nodes", "blocks"), streamed. A name
+        that is not a well-formed key of that kind is never trusted: its key goes to
+        `strays` (when given) and nothing else happens to it."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown object kind {kind!r}")
+        for o in self.storage.list(kind + "/"):
+            m = _OBJECT_KEY.match(o.key)
+            if m is None or m.group(1) != kind:
+                if strays is not None:
+                    strays.append(o.key)
+                continue
+            yield Listed(kind, bytes.fromhex(m.group(3)), o.size, o.mtime)
+
+    @staticmethod
+    def object_key(kind: str, d: bytes) -> str:
+        """The key of an object, for reports and messages only."""
+        return _key(kind, d)
+
+    @staticmethod
+    def kind_of_key(key: str | None) -> str | None:
+        """"commits", "nodes" or "blocks" for a well-formed object key (an error's .key)."""
+        m = _OBJECT_KEY.match(key or "")
+        return m.group(1) if m else None
+
+    def delete_objects(self, kind: str, digests) -> None:
+        """Delete objects of one kind (absent ones are fine): one batched request per
+        up to 1000 keys on object stores."""
+        self.storage.delete_many([_key(kind, d) for d in digests])
+
+    def object_stats(self) -> dict[str, tuple[int, int]]:
+        """kind -> (objects, bytes) as stored, strays included."""
+        out = {}
+        for kind in KINDS:
+            n = b = 0
+            for o in self.storage.list(kind + "/"):
+                n += 1
+                b += o.size
+            out[kind] = (n, b)
+        return out
+
+    def sweep_temp(self, before: float) -> int:
+        """Remove temp files of writes that died (modified before `before`)."""
+        n = 0
+        for o in self.storage.temp_files():
+            if o.mtime < before:
+                self.storage.delete(o.key)
+                n += 1
+        return n
+
+    def put_tag(self, name: str, root: bytes, time: float) -> bytes | None:
+        """Create the tag object of `name` exclusively (it is the tag's single source of
+        truth across hosts). None if this call created it, else the root the existing
+        object names (None there too if it is unreadable: the caller decides)."""
+        key = tag_key(name)
+        if self.storage.put_if_absent(key, [encode_tag(name, root, time)]):
+            return None
+        try:
+            return decode_tag(self.storage.get(key))[1]
+        except (FormatError, FileNotFoundError):
+            return b""
+
+    def tags(self) -> Iterator[tuple[str, object]]:
+        """(key, (name, root, time)) for every stored tag object, or (key, FormatError)
+        for one that does not decode or whose key does not match its name."""
+        for o in self.storage.list("tags/"):
+            if _TAG_KEY.match(o.key) is None:
+                yield o.key, FormatError("not a tag object key")
+                continue
+            try:
+                rec = decode_tag(self.storage.get(o.key))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except FormatError as e:
+                yield o.key, e
+                continue
+            if tag_key(rec[0]) != o.key:
+                yield o.key, FormatError(f"tag object names {rec[0]!r}, its key another name")
+                continue
+            yield o.key, rec
+
+    def store_is_empty(self) -> bool:
+        return self.storage.is_empty()

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 from .errors import FormatError, IntegrityError
 from .format import frame
-from .gc import KINDS, _Marked, _progress, iter_unreachable
+from .gc import _progress
+from .reach import KINDS, Marked, iter_unreachable
 from .walk import walk_commit
 
 __all__ = ["Finding", "FsckReport", "run_fsck"]
@@ -23,7 +24,7 @@ __all__ = ["Finding", "FsckReport", "run_fsck"]
 
 @dataclass
 class Finding:
-    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref
+    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref | stray
     snapshot: str | None    # root hex
     names: list             # refs / tags / pins pointing at the snapshot ("ref:x", "tag:y", "pin")
     path: str | None        # tensor path in the state, when known
@@ -82,8 +83,8 @@ def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
     roots = sorted({r for r, _ in store.reftable.catalog_iter()} | set(names))
     block_status: dict[bytes, IntegrityError | None] = {}
     node_status: dict[bytes, IntegrityError | None] = {}
-    marked = _Marked()
-    pool = store._pool
+    marked = Marked()
+    pool = store.pool
     bar = _progress(progress, "fsck", total=len(roots))
 
     def check_block(d: bytes, n: int):
@@ -110,7 +111,7 @@ def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
                     rep.objects_checked += 1
         except (IntegrityError, FormatError) as e:
             problem = getattr(e, "reason", "undecodable") if isinstance(e, IntegrityError) else "undecodable"
-            if isinstance(e, IntegrityError) and e.key and e.key.startswith("commits/") and problem == "missing":
+            if isinstance(e, IntegrityError) and store.assets.kind_of_key(e.key) == "commits" and problem == "missing":
                 problem = "dangling_ref" if nm else "missing"
             rep.findings.append(Finding(problem, snap, nm, getattr(e, "path", None) or None,
                                         getattr(e, "key", None), str(e.args[0]) if e.args else str(e)))
@@ -135,10 +136,13 @@ def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
         bar.close()
     # Orphans: stored objects no kept snapshot reaches. Counted, not errors (gc removes them).
     marked.freeze()
+    strays: list = []
     for kind in KINDS:
-        for o in iter_unreachable(store, marked, kind):
+        for o in iter_unreachable(store, marked, kind, strays=strays):
             rep.orphans += 1
             rep.orphan_bytes += o.size
+    for key in strays:  # never parsed, never deleted: an operator looks at them
+        rep.findings.append(Finding("stray", None, [], None, key, "a stored name that is no object key"))
     rep.seconds = time.time() - t0
     return rep
 

@@ -19,6 +19,7 @@ import time
 import uuid
 
 from . import chunker
+from .assets import STORE_MARKER, create_marker, read_marker
 from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore
@@ -26,7 +27,6 @@ from .store import Store
 
 __all__ = ["open_store", "STORE_MARKER"]
 
-STORE_MARKER = "tsck.json"
 STORE_VERSION = 1
 MIN_STORE_VERSION = 1
 MAX_STORE_VERSION = 1
@@ -68,9 +68,8 @@ def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "defau
 
 
 def _read_config(storage: BlockStore) -> dict | None:
-    try:
-        data = storage.get(STORE_MARKER)
-    except FileNotFoundError:
+    data = read_marker(storage)
+    if data is None:
         return None
     try:
         if len(data) > 65536:
@@ -143,10 +142,9 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             storage = RetryingStore(storage)  # transient network errors are retried, not surfaced
     cfg = _read_config(storage)
     if cfg is None:
-        # tmp/ holds only in-flight writes (a creator killed while writing the marker
-        # leaves one there); it does not make a folder "not empty".
-        existing = next((o for o in storage.list("") if not o.key.startswith("tmp/")), None)
-        if existing is not None:
+        # Temp files of in-flight writes (a creator killed while writing the marker
+        # leaves one) do not make a folder "not empty".
+        if not storage.is_empty():
             cfg = _read_config(storage)  # another process may have just created the store
             if cfg is None:
                 raise NotAStore(f"{storage.url} is not empty and holds no {STORE_MARKER}: not a store")
@@ -159,8 +157,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                "inline_threshold": int(inline_threshold if inline_threshold is not None
                                        else chunker.DEFAULT_INLINE_THRESHOLD)}
         # Exclusive create: if another process won the race, its marker is the one we read.
-        storage.put_if_absent(STORE_MARKER, [json.dumps(cfg, indent=1).encode() + b"\n"])
-        storage.sync()
+        create_marker(storage, json.dumps(cfg, indent=1).encode() + b"\n")
         cfg = _read_config(storage) or cfg
     reftable = _open_refs(refs, proto, rest, create=True, store_id=str(cfg.get("id") or storage.url))
     if write_bandwidth is not None or write_concurrency is not None:

@@ -11,40 +11,13 @@ live only in the ref table and must be set again.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, IntegrityError, InvalidName, RefConflict
+from .errors import FormatError, IntegrityError, RefConflict
 from .format.manifest import decode_commit
-from .refs.names import validate_name
+from .format.names import validate_name
 
-__all__ = ["RecoverReport", "run_recover", "tag_key", "encode_tag", "decode_tag"]
-
-
-def tag_key(name: str) -> str:
-    # hex: a tag name never becomes a path (and "a" and "a/b" cannot collide as file and folder)
-    return "tags/" + name.encode("utf-8").hex()
-
-
-def encode_tag(name: str, root: bytes, time: float) -> bytes:
-    return json.dumps({"name": name, "root": root.hex(), "time": time}).encode()
-
-
-def decode_tag(data: bytes) -> tuple[str, bytes, float]:
-    if len(data) > 4096:
-        raise FormatError(f"tag object of {len(data)} bytes is too large")
-    try:
-        obj = json.loads(data)
-        name, root, t = obj["name"], bytes.fromhex(obj["root"]), float(obj.get("time", 0.0))
-    except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
-        raise FormatError(f"undecodable tag object: {type(e).__name__}") from None
-    if len(root) != 32:
-        raise FormatError("tag object root is not a digest")
-    try:
-        validate_name(name, "tag name")
-    except InvalidName as e:
-        raise FormatError(f"tag object names an invalid tag: {e}") from None
-    return name, root, t
+__all__ = ["RecoverReport", "run_recover"]
 
 
 @dataclass
@@ -63,16 +36,14 @@ def run_recover(store) -> RecoverReport:
     rep = RecoverReport()
     rt = store.reftable
     by_ref: dict[str, list[tuple[float, int, bytes, dict]]] = {}
-    for o in store.storage.list("commits/"):
-        name = o.key.rsplit("/", 1)[-1]
+    strays: list = []
+    for o in store.assets.list_objects("commits", strays):
+        root = o.digest
         try:
-            root = bytes.fromhex(name)
-            if len(root) != 32:
-                continue
             c = decode_commit(store.assets.get_commit(root, verify=True))
             validate_name(c["ref"])
         except (ValueError, IntegrityError, FormatError) as e:
-            rep.unreadable.append(f"{o.key}: {e}")
+            rep.unreadable.append(f"{store.assets.object_key('commits', root)}: {e}")
             continue
         rep.commits_found += 1
         st = c.get("stats") or {}
@@ -96,12 +67,12 @@ def run_recover(store) -> RecoverReport:
         except RefConflict:  # a writer moved it meanwhile: its view wins
             continue
         rep.refs_restored[ref] = prev.hex()
-    for o in store.storage.list("tags/"):
-        try:
-            name, root, _t = decode_tag(store.storage.get(o.key))
-        except (FormatError, FileNotFoundError) as e:
-            rep.unreadable.append(f"{o.key}: {e}")
+    rep.unreadable += [f"{key}: not an object key" for key in strays]
+    for key, rec in store.assets.tags():
+        if isinstance(rec, Exception):
+            rep.unreadable.append(f"{key}: {rec}")
             continue
+        name, root, _t = rec
         if rt.tag_get(name) is None and store.assets.has_commit(root):
             try:
                 rt.tag_create(name, root)

@@ -23,7 +23,7 @@ from . import chunker
 from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CollectiveContext, collective_checkout, collective_put, is_collective
-from .errors import (AmbiguousTarget, FormatError, InvalidArgument, InvalidName, RefConflict, RefNotFound, TsckError,
+from .errors import (AmbiguousTarget, InvalidArgument, InvalidName, RefConflict, RefNotFound, TsckError,
                      storage_error)
 from .format.manifest import decode_commit
 from .ids import Digest, is_hex_prefix
@@ -31,9 +31,8 @@ from .info import SnapshotInfo, row_to_info
 from .plan import Planner
 from .publish import Publisher
 from .read import MISSING, Reader
-from .recover import decode_tag, encode_tag, tag_key
 from .refs import RefTable
-from .refs.names import parse_target, validate_component, validate_name
+from .format.names import parse_target, validate_component, validate_name
 from .retention import Retention
 from .staging import StagingPool
 from .storage import BlockStore
@@ -379,15 +378,10 @@ class Store:
         cur = self.reftable.tag_get(name)
         if cur is not None:
             raise RefConflict(name, None, cur.hex(), what="tag")
-        key = tag_key(name)
-        if not self.storage.put_if_absent(key, [encode_tag(name, root, time.time())]):
-            try:
-                _n, stored, _t = decode_tag(self.storage.get(key))
-            except (FormatError, FileNotFoundError):
-                stored = None
-            if stored != root:  # another tag by this name exists in storage
-                raise RefConflict(name, None, stored.hex() if stored else None, what="tag")
-        self.storage.sync()
+        stored = self.assets.put_tag(name, root, time.time())
+        if stored is not None and stored != root:  # another tag by this name exists in storage
+            raise RefConflict(name, None, stored.hex() if stored else None, what="tag")
+        self.assets.sync()
         self.reftable.tag_create(name, root)
         return self._info(root)
 
@@ -449,11 +443,7 @@ class Store:
             if info.time >= j["latest_time"]:
                 j["latest_time"], j["latest_step"] = info.time, info.step
             logical += info.bytes_total
-        phys = {"blocks": [0, 0], "nodes": [0, 0], "commits": [0, 0]}
-        for kind in phys:
-            for o in self.storage.list(kind + "/"):
-                phys[kind][0] += 1
-                phys[kind][1] += o.size
+        phys = self.assets.object_stats()
         physical = sum(v[1] for v in phys.values())
         return {
             "store": self.url, "snapshots": sum(j["snapshots"] for j in jobs.values()),

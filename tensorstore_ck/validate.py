@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgument
 from .ids import parse_hex
-from .refs.names import validate_component, validate_name
+from .format.names import validate_component, validate_name
 
 __all__ = ["UNSET", "SnapshotArgs", "check_snapshot_args", "check_plain", "check_step"]
 

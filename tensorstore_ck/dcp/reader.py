@@ -21,7 +21,7 @@ from torch.futures import Future
 
 from ..errors import CheckoutMismatch, FormatError, InvalidArgument
 from ..read import read_box, run_reads
-from ..refs.names import parse_target
+from ..format.names import parse_target
 from ..store import Store
 from .layout import DcpTree
 from .metadata import decode_metadata

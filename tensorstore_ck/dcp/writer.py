@@ -23,7 +23,7 @@ from torch.futures import Future
 from .. import chunker
 from ..errors import FormatError, InvalidArgument, SnapshotAborted, UnsupportedType
 from ..plan import contiguous
-from ..refs.names import parse_target, validate_name
+from ..format.names import parse_target, validate_name
 from ..store import Store
 from ..validate import SnapshotArgs, check_snapshot_args
 from .handle import StoreHandle

@@ -12,21 +12,21 @@ Sub-tables (each a sorted key-value space):
     gc        b"state"                -> msgpack {epoch, phase, owner, heartbeat, ...}
     meta      key                     -> value (the reflog sequence counter)
 
-Every conditional operation reads and writes inside one write transaction, so
-the check and the update cannot be separated by another writer.
+Record codecs are in format/records.py. Every conditional operation reads and
+writes inside one write transaction, so the check and the update cannot be
+separated by another writer.
 """
 
 from __future__ import annotations
 
 import struct
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import msgpack
-
 from ..errors import Fenced, FormatError, GcBusy, RefConflict, RefNotFound
+from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
+                              encode_reflog)
 
 __all__ = ["RefTable", "ReflogEntry", "Txn"]
 
@@ -65,36 +65,6 @@ def _name(k: bytes, what: str) -> str:
         return k.decode("utf-8")
     except UnicodeDecodeError:
         raise FormatError(f"{what} key is not UTF-8: {k[:40]!r}") from None
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-
-
-def _check_catalog(row: dict) -> dict:
-    """Catalog rows are read back by log/refs/du/gc: refuse what they cannot use."""
-    if not _number(row.get("time", 0.0)) or not isinstance(row.get("metrics", {}), dict) \
-            or not isinstance(row.get("meta", {}), dict) \
-            or not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                       for k, v in row.get("metrics", {}).items()) \
-            or not all(isinstance(row.get(k, 0), int) and not isinstance(row.get(k, 0), bool)
-                       and 0 <= row.get(k, 0) < 2**63
-                       for k in ("bytes_total", "bytes_new", "blocks_total", "blocks_new")) \
-            or not isinstance(row.get("job", ""), str) or not isinstance(row.get("ref", ""), str) \
-            or not (row.get("step") is None or (isinstance(row.get("step"), int)
-                                                and not isinstance(row.get("step"), bool))):
-        raise FormatError("malformed catalog record")
-    return row
-
-
-def _unpack_row(data: bytes, what: str) -> dict:
-    try:
-        row = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:
-        raise FormatError(f"undecodable {what} record: {e}") from None
-    if not isinstance(row, dict):
-        raise FormatError(f"{what} record is not a map")
-    return row
 
 
 class RefTable(ABC):
@@ -146,10 +116,9 @@ class RefTable(ABC):
                 raise FormatError("malformed reflog sequence record")
             seq = _SEQ.unpack(seq_raw)[0] + 1 if seq_raw else 1
             t.put("meta", b"reflog_seq", _SEQ.pack(seq))
-            entry = {"t": time.time(), "old": expected, "new": new, "msg": message}
-            t.put("reflog", key + b"\0" + _SEQ.pack(seq), msgpack.packb(entry))
+            t.put("reflog", key + b"\0" + _SEQ.pack(seq), encode_reflog(expected, new, message))
             if catalog_row is not None:
-                t.put("catalog", new, msgpack.packb(catalog_row))
+                t.put("catalog", new, encode_record(catalog_row))
 
         self._write(txn)
 
@@ -163,27 +132,22 @@ class RefTable(ABC):
         def txn(t):
             out = []
             for _k, v in t.items("reflog", key):
-                e = _unpack_row(v, "reflog")
-                new, old = e.get("new"), e.get("old")
-                if not _number(e.get("t", 0.0)) or not isinstance(new, bytes) or len(new) != 32 \
-                        or not (old is None or (isinstance(old, bytes) and len(old) == 32)):
-                    raise FormatError(f"malformed reflog record of {name!r}")
-                out.append(ReflogEntry(name, float(e.get("t", 0.0)), old, new, str(e.get("msg", ""))))
+                out.append(ReflogEntry(name, *decode_reflog(v, name)))
             return out
 
         return self._read(txn)
 
     def catalog_get(self, root):
         data = self._read(lambda t: t.get("catalog", root))
-        return None if data is None else _check_catalog(_unpack_row(data, "catalog"))
+        return None if data is None else decode_catalog(data)
 
     def catalog_put(self, root: bytes, row: dict) -> None:
-        self._write(lambda t: t.put("catalog", root, msgpack.packb(row)))
+        self._write(lambda t: t.put("catalog", root, encode_record(row)))
 
     def catalog_iter(self):
         rows = self._read(lambda t: list(t.items("catalog")))
         for k, v in rows:
-            yield k, _check_catalog(_unpack_row(v, "catalog"))
+            yield k, decode_catalog(v)
 
     def catalog_prefix(self, prefix):
         return self._read(lambda t: [k for k, _ in t.items("catalog", prefix)])
@@ -222,11 +186,11 @@ class RefTable(ABC):
         if rule is None:
             self._write(lambda t: t.delete("retention", job.encode()))
         else:
-            self._write(lambda t: t.put("retention", job.encode(), msgpack.packb(rule)))
+            self._write(lambda t: t.put("retention", job.encode(), encode_record(rule)))
 
     def retention_all(self):
         rows = self._read(lambda t: list(t.items("retention")))
-        return {_name(k, "retention"): _unpack_row(v, "retention") for k, v in rows}
+        return {_name(k, "retention"): decode_record(v, "retention") for k, v in rows}
 
     def catalog_expire(self, roots: list[bytes]) -> list[bytes]:
         """Drop the catalog rows of `roots` that are, at that moment, no ref's tip,
@@ -246,7 +210,7 @@ class RefTable(ABC):
         def txn(t):
             if t.get("catalog", root) is not None:
                 return False
-            t.put("catalog", root, msgpack.packb(row))
+            t.put("catalog", root, encode_record(row))
             return True
         return self._write(txn)
 
@@ -265,7 +229,7 @@ class RefTable(ABC):
                 if st["epoch"] % 2:  # a dead gc's deletion phase is over: close it
                     st["epoch"] += 1
             st.update(phase="marking", owner=owner, heartbeat=now, started=now)
-            t.put("gc", b"state", msgpack.packb(st))
+            t.put("gc", b"state", encode_record(st))
             return st
         return self._write(txn)
 
@@ -276,7 +240,7 @@ class RefTable(ABC):
                 raise GcBusy(f"this gc lost the store's gc lock (state {st['phase']} held by {st.get('owner')})")
             st["heartbeat"] = now
             fn(st)
-            t.put("gc", b"state", msgpack.packb(st))
+            t.put("gc", b"state", encode_record(st))
             return st
         return self._write(txn)
 
@@ -305,19 +269,10 @@ class RefTable(ABC):
             if st["epoch"] % 2 and now - float(st.get("heartbeat", 0.0)) >= stale_after:
                 st["epoch"] += 1
                 st.update(phase="idle", owner=None, aborted=now)
-                t.put("gc", b"state", msgpack.packb(st))
+                t.put("gc", b"state", encode_record(st))
             return st
         return self._write(txn)
 
 
 def _gc_state(t: Txn) -> dict:
-    raw = t.get("gc", b"state")
-    st = {"epoch": 0, "phase": "idle"}
-    if raw is not None:
-        st.update(_unpack_row(raw, "gc state"))
-    e = st.get("epoch")
-    if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < 2**62 \
-            or st.get("phase") not in ("idle", "marking", "deleting") \
-            or not _number(st.get("heartbeat", 0.0)):
-        raise FormatError("malformed gc state record")
-    return st
+    return decode_gc_state(t.get("gc", b"state"))

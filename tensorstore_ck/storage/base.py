@@ -29,6 +29,9 @@ class ObjectInfo:
 
 class BlockStore(ABC):
     supports_deletes: ClassVar[bool] = True
+    # In-flight writes of backends that write a temp file and then link it (local disk):
+    # they live under this prefix and are never objects.
+    TEMP_PREFIX: ClassVar[str] = "tmp/"
     url: str
 
     @abstractmethod
@@ -66,6 +69,14 @@ class BlockStore(ABC):
 
     def sync(self) -> None:
         """Make every completed put durable (directory entries included)."""
+
+    def temp_files(self) -> Iterator[ObjectInfo]:
+        """Leftover temp files of writes in flight (or of writers that died)."""
+        return (o for o in self.list(self.TEMP_PREFIX) if o.key.endswith(".partial"))
+
+    def is_empty(self) -> bool:
+        """True if nothing but temp files is stored (a creator killed mid-write leaves one)."""
+        return next((o for o in self.list("") if not o.key.startswith(self.TEMP_PREFIX)), None) is None
 
     def close(self) -> None:
         pass

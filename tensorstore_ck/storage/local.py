@@ -15,7 +15,7 @@ from .base import BlockStore, ObjectInfo
 
 __all__ = ["LocalBlockStore"]
 
-TMP_DIR = "tmp"
+TMP_DIR = BlockStore.TEMP_PREFIX.rstrip("/")
 
 
 def _write_all(fd: int, bufs: Sequence) -> None:
