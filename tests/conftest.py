@@ -2,6 +2,9 @@ import os
 
 import pytest
 
+# The contract suites live in a plain module (tests/conformance.py): rewrite its asserts too.
+pytest.register_assert_rewrite("conformance")
+
 # A developer's AWS_*/TSCK_* settings must not leak into the tests.
 for _k in list(os.environ):
     if _k.startswith(("AWS_", "TSCK_")):

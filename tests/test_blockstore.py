@@ -1,86 +1,123 @@
-"""One conformance suite for every BlockStore: local files, memory://, and s3://
-against a real S3-compatible server (radosgw in CI, moto otherwise). The suite's
-own checks go around the store under test where they can (the local file
-system, s3fs directly)."""
+"""The BlockStore contract (tests/conformance.py, BlockStoreTests) on every backend and
+on the wrapped stacks open_store builds: local files, memory://, s3:// against a real
+S3-compatible server (radosgw in CI, moto otherwise), each wrapper over a local store,
+and the exact `.storage` of real stores. Backend-specific tests follow."""
 
 from __future__ import annotations
 
 import errno
-import threading
 import uuid
 
 import pytest
+from conformance import BlockStoreTests
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage import FsspecBlockStore, LocalBlockStore
-from tensorstore_ck.storage.wrappers import FaultInjectingStore, InjectedFault, RetryingStore
+from tensorstore_ck.storage.wrappers import (FaultInjectingStore, InjectedFault, RetryingStore,
+                                             ThrottledStore, WrappedStore)
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.slow)])
-def bs(request, tmp_path):
-    if request.param == "local":
-        yield LocalBlockStore(str(tmp_path / "bs"))
-    elif request.param == "memory":
-        yield FsspecBlockStore(f"memory://bs-{uuid.uuid4().hex}")
-    else:
-        opts = request.getfixturevalue("s3_server")
-        yield FsspecBlockStore(request.getfixturevalue("s3_url"), opts)
+@pytest.fixture
+def memory_url():
+    """A fresh memory:// location, forgotten afterwards (the memory file system is one
+    dict per process)."""
+    import fsspec
+    url = f"memory://bs-{uuid.uuid4().hex}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url[len("memory://"):]):
+        fs.rm(url[len("memory://"):], recursive=True)
 
 
-def test_put_if_absent_get_exists_delete(bs):
-    assert not bs.exists("blocks/ab/x")
-    with pytest.raises(FileNotFoundError):
-        bs.get("blocks/ab/x")
-    assert bs.put_if_absent("blocks/ab/x", [b"hello ", memoryview(b"world")]) is True
-    assert bs.exists("blocks/ab/x")
-    assert bs.get("blocks/ab/x") == b"hello world"
-    with bs.open_read("blocks/ab/x") as f:
-        assert f.read(5) == b"hello"
-        buf = bytearray(6)
-        assert f.readinto(buf) == 6 and bytes(buf) == b" world"
-    # never replaced: a second writer of the key is told it was there
-    assert bs.put_if_absent("blocks/ab/x", [b"other"]) is False
-    assert bs.get("blocks/ab/x") == b"hello world"
-    bs.delete("blocks/ab/x")
-    bs.delete("blocks/ab/x")  # absent is not an error
-    assert not bs.exists("blocks/ab/x")
-    bs.sync()
+class TestLocalBlockStore(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, tmp_path):
+        s = LocalBlockStore(str(tmp_path / "bs"))
+        yield s
+        s.close()
 
 
-def test_list_reports_keys_and_sizes(bs):
-    for k, n in [("blocks/00/a", 3), ("blocks/ff/b", 10), ("nodes/01/c", 1)]:
-        bs.put_if_absent(k, [b"x" * n])
-    got = {o.key: o.size for o in bs.list("blocks/")}
-    assert got == {"blocks/00/a": 3, "blocks/ff/b": 10}
-    assert {o.key for o in bs.list("nodes/")} == {"nodes/01/c"}
-    assert list(bs.list("commits/")) == []
-    assert all(o.mtime > 0 for o in bs.list("blocks/"))
+class TestMemoryBlockStore(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, memory_url):
+        s = FsspecBlockStore(memory_url)
+        yield s
+        s.close()
 
 
-def test_delete_many_removes_exactly_the_keys_given(bs):
-    # 1100 keys: more than one DeleteObjects request (1000 keys each) on s3.
-    keys = [f"blocks/{i % 256:02x}/{i:064x}" for i in range(1100)]
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(16) as ex:
-        assert all(ex.map(lambda k: bs.put_if_absent(k, [b"x"]), keys))
-    bs.delete_many(keys[:1050] + ["blocks/ff/" + "f" * 64])  # one absent key: not an error
-    bs.delete_many([])
-    assert sorted(o.key for o in bs.list("blocks/")) == sorted(keys[1050:])
+@pytest.mark.slow
+class TestS3BlockStore(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, s3_server, s3_url):
+        s = FsspecBlockStore(s3_url, s3_server)
+        yield s
+        s.close()
 
 
-def test_racing_writers_of_one_key_have_one_winner(bs):
-    """Content-addressed put-if-absent: of 8 threads, exactly one creates the object."""
-    results, barrier = [], threading.Barrier(8)
+# The wrappers over memory://: the wrapper is under test, and no fsync is paid for it.
+class TestRetryingStore(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, memory_url):
+        s = RetryingStore(FsspecBlockStore(memory_url), base_delay=0.001)
+        yield s
+        s.close()
+        assert s.retries == 0  # nothing here is transient
 
-    def put():
-        barrier.wait()
-        results.append(bs.put_if_absent("blocks/12/race", [b"same content"]))
 
-    ts = [threading.Thread(target=put) for _ in range(8)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    assert sorted(results) == [False] * 7 + [True]
-    assert bs.get("blocks/12/race") == b"same content"
+class TestThrottledStore(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, memory_url):
+        # 64 MiB/s with a 16 MiB bucket: the few-MiB and racing tests wait on it, and
+        # 15 racing writers contend for the 3 slots.
+        s = ThrottledStore(FsspecBlockStore(memory_url), bytes_per_second=64 * 2**20, max_concurrent=3)
+        yield s
+        s.close()
+
+
+class TestFaultInjectingStore(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, memory_url):
+        s = FaultInjectingStore(FsspecBlockStore(memory_url))  # no rules: no faults
+        yield s
+        s.close()
+        assert s.faults == 0
+
+
+class TestOpenStoreLocalStorage(BlockStoreTests):
+    """The exact stack a local store with write caps uses: ThrottledStore(LocalBlockStore)."""
+
+    @pytest.fixture
+    def block_store(self, tmp_path):
+        st = tsck.open_store(tmp_path / "store", write_bandwidth=256 * 2**20, write_concurrency=4)
+        assert type(st.storage) is ThrottledStore and type(st.storage.inner) is LocalBlockStore
+        yield st.storage
+        st.close()
+
+
+class TestOpenStoreMemoryStorage(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, memory_url):
+        st = tsck.open_store(memory_url)
+        assert type(st.storage) is FsspecBlockStore
+        yield st.storage
+        st.close()
+
+
+@pytest.mark.slow
+class TestOpenStoreS3Storage(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, tmp_path, s3_server, s3_url):
+        st = tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server)
+        assert type(st.storage) is RetryingStore and type(st.storage.inner) is FsspecBlockStore
+        yield st.storage
+        st.close()
+
+
+def test_every_wrapper_is_covered():
+    """A new BlockStore wrapper gets a conformance class here."""
+    import tensorstore_ck.storage.wrappers as w
+    wrappers = {c for c in vars(w).values() if isinstance(c, type) and issubclass(c, WrappedStore)} - {WrappedStore}
+    assert wrappers == {RetryingStore, ThrottledStore, FaultInjectingStore}
 
 
 def test_retrying_store_retries_transient_errors_only(tmp_path):

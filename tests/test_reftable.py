@@ -1,4 +1,6 @@
-"""One conformance suite for every RefTable backend (LMDB and its in-memory twin)."""
+"""The RefTable contract (tests/conformance.py, RefTableTests) on every backend: LMDB,
+its in-memory twin, and PostgreSQL on a real server (a fresh namespace per test).
+Backend-specific tests follow."""
 
 from __future__ import annotations
 
@@ -9,122 +11,52 @@ import textwrap
 import uuid
 
 import pytest
+from conformance import RefTableTests
 
-import tensorstore_ck as tsck
 from tensorstore_ck.refs import LmdbRefTable, MemoryRefTable
-from tensorstore_ck.errors import Fenced, GcBusy
-
-R = [bytes([i]) * 32 for i in range(8)]
 
 
-@pytest.fixture(params=["lmdb", "memory", pytest.param("postgres", marks=pytest.mark.slow)])
-def table(request, tmp_path):
-    if request.param == "postgres":
-        from tensorstore_ck.refs.postgres import PostgresRefTable
-        t = PostgresRefTable(request.getfixturevalue("pg_dsn"), namespace=uuid.uuid4().hex)
-    elif request.param == "lmdb":
-        t = LmdbRefTable(str(tmp_path / "refs.lmdb"))
-    else:
+class TestLmdbRefTable(RefTableTests):
+    persistent = True
+
+    @pytest.fixture
+    def open_table(self, tmp_path):
+        handles = []
+
+        def open_():
+            handles.append(LmdbRefTable(str(tmp_path / "refs.lmdb")))
+            return handles[-1]
+
+        yield open_
+        for h in handles:
+            h.close()
+
+
+class TestMemoryRefTable(RefTableTests):
+    @pytest.fixture
+    def open_table(self):
         t = MemoryRefTable()
-    yield t
-    t.close()
+        yield lambda: t  # one table, nothing to reopen
+        t.close()
 
 
-def test_cas_create_move_and_conflicts(table):
-    with pytest.raises(tsck.RefNotFound):
-        table.get("a/b")
-    table.compare_and_swap("a/b", None, R[1], message="create")
-    assert table.get("a/b") == R[1]
-    with pytest.raises(tsck.RefConflict) as ei:
-        table.compare_and_swap("a/b", None, R[2], message="create again")
-    assert (ei.value.expected, ei.value.actual) == (None, R[1].hex())
-    with pytest.raises(tsck.RefConflict) as ei:
-        table.compare_and_swap("a/b", R[3], R[2], message="stale")
-    assert (ei.value.expected, ei.value.actual) == (R[3].hex(), R[1].hex())
-    assert table.get("a/b") == R[1]  # a refused move changes nothing
-    table.compare_and_swap("a/b", R[1], R[2], message="move", catalog_row={"step": 2})
-    assert table.get("a/b") == R[2]
-    assert [(e.old, e.new, e.message) for e in table.reflog("a/b")] == [
-        (None, R[1], "create"), (R[1], R[2], "move")]
-    assert table.catalog_get(R[2]) == {"step": 2}
-    assert table.catalog_get(R[1]) is None
+@pytest.mark.slow
+class TestPostgresRefTable(RefTableTests):
+    persistent = True
+    independent_handles = True  # one connection per racing thread: the server serialises
 
+    @pytest.fixture
+    def open_table(self, pg_dsn):
+        from tensorstore_ck.refs.postgres import PostgresRefTable
+        ns, handles = uuid.uuid4().hex, []
 
-def test_list_prefix_and_reflog_isolation(table):
-    for i, name in enumerate(["a/x", "a/y", "b/x", "ab"]):
-        table.compare_and_swap(name, None, R[i], message="c")
-    assert [n for n, _ in table.list("a/")] == ["a/x", "a/y"]
-    assert [n for n, _ in table.list()] == ["a/x", "a/y", "ab", "b/x"]
-    # "a" is a prefix of "ab" as bytes: reflogs must not bleed into each other
-    table.compare_and_swap("a", None, R[5], message="c")
-    assert [e.new for e in table.reflog("a")] == [R[5]]
+        def open_():
+            handles.append(PostgresRefTable(pg_dsn, namespace=ns))
+            return handles[-1]
 
-
-def test_tags_are_immutable_and_disjoint_from_refs(table):
-    table.compare_and_swap("r", None, R[1], message="c")
-    table.tag_create("t", R[1])
-    with pytest.raises(tsck.RefConflict):
-        table.tag_create("t", R[2])
-    with pytest.raises(tsck.RefConflict):
-        table.tag_create("r", R[1])      # a ref has that name
-    with pytest.raises(tsck.RefConflict):
-        table.compare_and_swap("t", None, R[2], message="c")  # a tag has that name
-    assert table.tags() == [("t", R[1])]
-
-
-def test_pins_retention_catalog_expiry(table):
-    for i in range(1, 5):
-        table.catalog_put(R[i], {"i": i})
-    table.compare_and_swap("r", None, R[1], message="c")
-    table.tag_create("t", R[2])
-    table.pin(R[3])
-    assert table.pins() == {R[3]}
-    # tips, tags and pins are never expired, whatever the caller asks
-    assert sorted(table.catalog_expire([R[1], R[2], R[3], R[4]])) == [R[4]]
-    assert {r for r, _ in table.catalog_iter()} == {R[1], R[2], R[3]}
-    table.unpin(R[3])
-    assert table.catalog_expire([R[3]]) == [R[3]]
-    table.retention_set("job", {"keep_last": 3})
-    assert table.retention_all() == {"job": {"keep_last": 3}}
-    table.retention_set("job", None)
-    assert table.retention_all() == {}
-    assert table.catalog_put_if_absent(R[6], {"x": 1}) is True
-    assert table.catalog_put_if_absent(R[6], {"x": 2}) is False
-    assert table.catalog_get(R[6]) == {"x": 1}
-    assert [r for r in table.catalog_prefix(R[6][:2])] == [R[6]]
-
-
-def test_gc_state_machine_and_fence(table):
-    st = table.gc_state()
-    assert (st["epoch"], st["phase"]) == (0, "idle")
-    table.gc_begin("g1", now=100.0, stale_after=10)
-    with pytest.raises(GcBusy):
-        table.gc_begin("g2", now=105.0, stale_after=10)  # g1 is alive
-    # A writer fenced at epoch 0 may move refs while gc only marks...
-    table.compare_and_swap("r", None, R[1], message="c", fence=0)
-    st = table.gc_freeze("g1", now=106.0)
-    assert (st["epoch"], st["phase"]) == (1, "deleting")
-    # ...but not once a deletion phase has started: neither with the old fence nor the odd one
-    for fence in (0, 1):
-        with pytest.raises(Fenced):
-            table.compare_and_swap("r", R[1], R[2], message="m", fence=fence)
-    assert table.get("r") == R[1]
-    st = table.gc_finish("g1", now=107.0)
-    assert (st["epoch"], st["phase"]) == (2, "idle")
-    with pytest.raises(Fenced):
-        table.compare_and_swap("r", R[1], R[2], message="m", fence=0)
-    table.compare_and_swap("r", R[1], R[2], message="m", fence=2)
-    # A gc that died in its deletion phase: the next gc, or a writer, closes the epoch once stale.
-    table.gc_begin("g3", now=200.0, stale_after=10)
-    table.gc_freeze("g3", now=201.0)
-    assert table.gc_abort_stale(now=205.0, stale_after=10)["epoch"] == 3  # still fresh: untouched
-    assert table.gc_abort_stale(now=215.0, stale_after=10)["epoch"] == 4
-    with pytest.raises(GcBusy):
-        table.gc_heartbeat("g3", now=216.0)  # the dead gc lost its lock
-    table.gc_begin("g4", now=300.0, stale_after=10)
-    table.gc_freeze("g4", now=301.0)
-    st = table.gc_begin("g5", now=400.0, stale_after=10)  # takes over a stale deleting gc
-    assert st["epoch"] % 2 == 0 and st["owner"] == "g5"
+        yield open_
+        for h in handles:
+            h.close()
 
 
 _GROW = textwrap.dedent("""

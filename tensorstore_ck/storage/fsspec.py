@@ -9,8 +9,10 @@ a gc deletion from a writer that re-validates its objects.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
+import threading
 from typing import BinaryIO, Iterator, Sequence
 
 import fsspec
@@ -18,6 +20,10 @@ import fsspec
 from .base import BlockStore, ObjectInfo
 
 __all__ = ["FsspecBlockStore"]
+
+# fsspec's MemoryFileSystem creates (mode="create") with exists() and then a write, unlocked,
+# over one dict per process: racing creates of one key could all report True.
+_MEMORY_CREATE_LOCK = threading.Lock()
 
 
 def _as_oserror(fn):
@@ -79,6 +85,7 @@ class FsspecBlockStore(BlockStore):
         if self._s3:
             fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): see above
         self._atomic_create = True
+        self._create_lock = _MEMORY_CREATE_LOCK if proto == "memory" else contextlib.nullcontext()
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -107,7 +114,8 @@ class FsspecBlockStore(BlockStore):
             # One conditional PUT (If-None-Match: *) is both the existence check and
             # the write; callers that want to skip the upload HEAD first themselves.
             try:
-                self.fs.pipe_file(path, data, mode="create")
+                with self._create_lock:
+                    self.fs.pipe_file(path, data, mode="create")
                 return True
             except TypeError:  # this backend has no atomic create
                 self._atomic_create = False

@@ -1,0 +1,677 @@
+"""Contract tests every BlockStore and every RefTable must pass, as importable classes
+(zarr's `zarr.testing.store.StoreTests` style).
+
+A concrete suite subclasses one of them and provides the backend under test:
+
+    class TestLocalBlockStore(BlockStoreTests):
+        @pytest.fixture
+        def block_store(self, tmp_path):
+            s = LocalBlockStore(str(tmp_path / "bs"))
+            yield s
+            s.close()
+
+    class TestLmdbRefTable(RefTableTests):
+        persistent = True
+
+        @pytest.fixture
+        def open_table(self, tmp_path):
+            handles = []
+            def open_():                       # a new handle on this test's table
+                handles.append(LmdbRefTable(str(tmp_path / "refs.lmdb")))
+                return handles[-1]
+            yield open_
+            for h in handles:
+                h.close()
+
+The class names do not start with "Test", so pytest collects them only through a
+subclass. Every test goes through the interface only (storage/base.py,
+refs/base.py): what those docstrings promise is what is asserted here.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+import pytest
+
+from tensorstore_ck.errors import Fenced, GcBusy, RefConflict, RefNotFound
+from tensorstore_ck.storage import BlockStore
+
+__all__ = ["BlockStoreTests", "RefTableTests"]
+
+
+@contextlib.contextmanager
+def _fast_switching():
+    """Switch threads every microsecond, so a check-then-act race in a backend shows up
+    within a few rounds instead of once in a thousand runs."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _run_threads(n: int, fn) -> list:
+    """fn(i) on n threads started together; their results (or exceptions) in thread order."""
+    out: list = [None] * n
+    barrier = threading.Barrier(n)
+
+    def run(i):
+        barrier.wait()
+        try:
+            out[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller as a value
+            out[i] = e
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def _key(i: int, kind: str = "blocks") -> str:
+    """A key shaped like the ones the store writes: blocks/ab/<64 hex>."""
+    h = f"{i:064x}"
+    return f"{kind}/{h[-2:]}/{h}"
+
+
+class BlockStoreTests:
+    """The BlockStore contract (tensorstore_ck/storage/base.py).
+
+    Subclasses provide the fixture `block_store`: an empty store (apart from what its
+    opener writes, such as a store marker), closed by the fixture afterwards."""
+
+    @pytest.fixture
+    def block_store(self) -> BlockStore:
+        raise NotImplementedError("a BlockStoreTests subclass provides the block_store fixture")
+
+    # -- put_if_absent, get, exists -------------------------------------------------------
+    def test_put_if_absent_creates_once_and_never_overwrites(self, block_store):
+        k = _key(1)
+        assert block_store.put_if_absent(k, [b"hello ", memoryview(b"world")]) is True
+        assert block_store.exists(k) is True
+        assert block_store.get(k) == b"hello world"
+        # a second writer of the key is told it was there, whatever bytes it brings
+        assert block_store.put_if_absent(k, [b"hello world"]) is False
+        assert block_store.put_if_absent(k, [b"other, longer bytes"]) is False
+        assert block_store.put_if_absent(k, []) is False
+        assert block_store.get(k) == b"hello world"
+        assert [(o.key, o.size) for o in block_store.list("blocks/")] == [(k, 11)]
+
+    def test_missing_key_is_file_not_found(self, block_store):
+        k = _key(2)
+        assert block_store.exists(k) is False
+        with pytest.raises(FileNotFoundError):
+            block_store.get(k)
+        with pytest.raises(FileNotFoundError):
+            block_store.open_read(k)
+        # ... under a folder that exists, too, and once the object was deleted
+        block_store.put_if_absent(k, [b"x"])
+        sibling = k[:-1] + "f"
+        assert block_store.exists(sibling) is False
+        with pytest.raises(FileNotFoundError):
+            block_store.get(sibling)
+        block_store.delete(k)
+        assert block_store.exists(k) is False
+        with pytest.raises(FileNotFoundError):
+            block_store.get(k)
+        with pytest.raises(FileNotFoundError):
+            block_store.open_read(k)
+
+    def test_open_read_reads_and_reads_into(self, block_store):
+        k = _key(3)
+        block_store.put_if_absent(k, [b"hello world"])
+        with block_store.open_read(k) as f:
+            assert f.read(5) == b"hello"
+            buf = bytearray(6)
+            assert f.readinto(buf) == 6 and bytes(buf) == b" world"
+            assert f.read() == b""
+        with block_store.open_read(k) as f:
+            assert f.read() == b"hello world"
+
+    def test_put_of_many_buffers_stores_their_concatenation(self, block_store):
+        floats = array.array("d", [1.5, -2.25, 3e300])  # a non-byte memoryview format
+        big = bytes(range(256)) * 4
+        bufs = [b"ab", bytearray(b"cd"), memoryview(big)[10:500], b"", memoryview(floats),
+                memoryview(bytearray(b"tail"))]
+        expect = b"abcd" + big[10:500] + floats.tobytes() + b"tail"
+        assert block_store.put_if_absent(_key(4), bufs) is True
+        assert block_store.get(_key(4)) == expect
+        assert {o.key: o.size for o in block_store.list("blocks/")} == {_key(4): len(expect)}
+
+    def test_put_copies_the_callers_memory(self, block_store):
+        """A later mutation of the caller's buffer (a staged tensor) must not rewrite a
+        stored object (STYLE.md: in-memory backends copy what they are given)."""
+        data = bytearray(b"original")
+        block_store.put_if_absent(_key(5), [memoryview(data)])
+        data[:] = b"mutated!"
+        assert block_store.get(_key(5)) == b"original"
+
+    def test_empty_objects(self, block_store):
+        assert block_store.put_if_absent(_key(6), []) is True
+        assert block_store.put_if_absent(_key(7), [b"", memoryview(b"")]) is True
+        for k in (_key(6), _key(7)):
+            assert block_store.exists(k)
+            assert block_store.get(k) == b""
+            with block_store.open_read(k) as f:
+                assert f.read() == b""
+        assert {o.key: o.size for o in block_store.list("blocks/")} == {_key(6): 0, _key(7): 0}
+        assert block_store.put_if_absent(_key(6), [b"x"]) is False
+        assert block_store.get(_key(6)) == b""
+
+    def test_object_of_a_few_mib(self, block_store):
+        data = os.urandom(3 * 1024 * 1024 + 123)
+        mv = memoryview(data)
+        cuts = [0, 1, 1024 * 1024, 2 * 1024 * 1024 + 7, len(data)]
+        assert block_store.put_if_absent(_key(8), [mv[a:b] for a, b in zip(cuts, cuts[1:])]) is True
+        assert block_store.get(_key(8)) == data
+        got = bytearray(len(data))
+        with block_store.open_read(_key(8)) as f:
+            view, n = memoryview(got), 0
+            while n < len(got):
+                r = f.readinto(view[n:n + 1024 * 1024])
+                assert r > 0
+                n += r
+        assert got == data
+        assert [o.size for o in block_store.list("blocks/")] == [len(data)]
+
+    # -- list ------------------------------------------------------------------------------
+    def test_list_reports_key_size_and_mtime(self, block_store):
+        t0 = time.time()
+        for k, n in [("blocks/00/a", 3), ("blocks/ff/b", 10), ("nodes/01/c", 1)]:
+            block_store.put_if_absent(k, [b"x" * n])
+        got = {o.key: o.size for o in block_store.list("blocks/")}
+        assert got == {"blocks/00/a": 3, "blocks/ff/b": 10}
+        assert {o.key for o in block_store.list("nodes/")} == {"nodes/01/c"}
+        assert list(block_store.list("commits/")) == []
+        for o in block_store.list("blocks/"):
+            assert isinstance(o.key, str) and isinstance(o.size, int) and isinstance(o.mtime, float)
+            # seconds since the epoch (an S3 server's clock may differ from ours by a little)
+            assert t0 - 600 < o.mtime < time.time() + 600
+
+    def test_list_prefix_is_a_folder(self, block_store):
+        """base.py: every object whose key starts with `prefix` (a folder, ending in '/').
+        "blocks/a/" never reaches "blocks/ab/...", nor does "blocks/a" without its '/'."""
+        for k in ["blocks/a/x", "blocks/a/y", "blocks/ab/z", "blocks/abc", "blocks/b/a/x"]:
+            block_store.put_if_absent(k, [b"1"])
+        assert sorted(o.key for o in block_store.list("blocks/a/")) == ["blocks/a/x", "blocks/a/y"]
+        assert sorted(o.key for o in block_store.list("blocks/a")) == ["blocks/a/x", "blocks/a/y"]
+        assert sorted(o.key for o in block_store.list("blocks/ab/")) == ["blocks/ab/z"]
+        assert sorted(o.key for o in block_store.list("blocks/")) == [
+            "blocks/a/x", "blocks/a/y", "blocks/ab/z", "blocks/abc", "blocks/b/a/x"]
+        assert list(block_store.list("blocks/c/")) == []
+        assert list(block_store.list("nothing/here/")) == []
+
+    def test_list_nested_prefixes(self, block_store):
+        before = {o.key for o in block_store.list("")}
+        keys = ["a/b/c/d/e", "a/b/c/f", "a/b/g", "a/h", "i"]
+        for k in keys:
+            block_store.put_if_absent(k, [k.encode()])
+        assert {o.key: o.size for o in block_store.list("a/b/c/d/")} == {"a/b/c/d/e": 9}
+        assert sorted(o.key for o in block_store.list("a/b/c/")) == ["a/b/c/d/e", "a/b/c/f"]
+        assert sorted(o.key for o in block_store.list("a/b/")) == ["a/b/c/d/e", "a/b/c/f", "a/b/g"]
+        assert sorted(o.key for o in block_store.list("a/")) == keys[:4]
+        # "" is everything (open_store's "is this folder empty?")
+        everything = {o.key for o in block_store.list("") if not o.key.startswith("tmp/")}
+        assert everything - before == set(keys)
+        for k in keys:
+            assert block_store.get(k) == k.encode()
+
+    # -- delete ----------------------------------------------------------------------------
+    def test_delete_of_present_and_absent_keys(self, block_store):
+        block_store.put_if_absent(_key(9), [b"x"])
+        block_store.put_if_absent(_key(10), [b"y"])
+        block_store.delete(_key(9))
+        block_store.delete(_key(9))  # absent is not an error
+        block_store.delete(_key(11))  # never existed, nor its folder
+        block_store.delete("nowhere/at/all")
+        assert not block_store.exists(_key(9))
+        assert block_store.get(_key(10)) == b"y"
+        assert [o.key for o in block_store.list("blocks/")] == [_key(10)]
+
+    def test_delete_many_removes_exactly_the_keys_given(self, block_store):
+        # 1100 keys: more than one DeleteObjects request (1000 keys each) on s3.
+        keys = [_key(i) for i in range(1100)]
+        with ThreadPoolExecutor(16) as ex:
+            assert all(ex.map(lambda k: block_store.put_if_absent(k, [b"x"]), keys))
+        block_store.delete_many(keys[:1050] + [_key(5000), "nowhere/x"])  # absent keys: not errors
+        block_store.delete_many([])
+        block_store.delete_many((keys[0],))  # gone already; any sequence of keys
+        assert sorted(o.key for o in block_store.list("blocks/")) == sorted(keys[1050:])
+        assert not any(block_store.exists(k) for k in keys[1040:1050])
+
+    def test_deleted_key_can_be_created_again(self, block_store):
+        """gc removes an object; a writer that re-validates re-uploads it."""
+        assert block_store.put_if_absent(_key(12), [b"v"]) is True
+        block_store.delete(_key(12))
+        assert block_store.put_if_absent(_key(12), [b"v"]) is True
+        assert block_store.get(_key(12)) == b"v"
+        block_store.delete_many([_key(12)])
+        assert block_store.put_if_absent(_key(12), [b"v"]) is True
+        assert block_store.exists(_key(12))
+
+    # -- concurrency -----------------------------------------------------------------------
+    def test_racing_put_if_absent_has_exactly_one_winner(self, block_store):
+        """Threads racing put_if_absent on one key: exactly one True per key, and a
+        reader never sees the object half-written. (fsspec's memory file system failed
+        this: a check-then-write create showed in about one round in five.)"""
+        n, rounds = 16, 40
+        data = os.urandom(64 * 1024)
+        torn = []
+
+        def put_or_read(i, key):
+            if i == n - 1:  # one reader polls the key while the others write it
+                for _ in range(20):
+                    try:
+                        got = block_store.get(key)
+                    except FileNotFoundError:
+                        continue
+                    if got != data:
+                        torn.append(len(got))
+                return None
+            return block_store.put_if_absent(key, [data[:1000], memoryview(data)[1000:]])
+
+        with _fast_switching():
+            results = [_run_threads(n, lambda i, k=_key(100 + r): put_or_read(i, k)) for r in range(rounds)]
+        errors = [e for res in results for e in res if isinstance(e, BaseException)]
+        assert not errors, errors
+        assert [res[:-1].count(True) for res in results] == [1] * rounds
+        assert torn == []
+        for r in range(rounds):
+            assert block_store.get(_key(100 + r)) == data
+
+    def test_concurrent_puts_of_different_keys(self, block_store):
+        keys = [_key(200 + i) for i in range(64)]
+        with ThreadPoolExecutor(8) as ex:
+            assert list(ex.map(lambda k: block_store.put_if_absent(k, [k.encode()] * 3), keys)) == [True] * 64
+        block_store.sync()
+        assert {o.key: o.size for o in block_store.list("blocks/")} == {k: 3 * len(k) for k in keys}
+
+    # -- sync, close -----------------------------------------------------------------------
+    def test_sync_at_any_time(self, block_store):
+        block_store.sync()  # nothing written yet
+        block_store.sync()
+        block_store.put_if_absent("a/b/c/d", [b"deep"])  # new folders: their entries too
+        block_store.sync()
+        block_store.delete("a/b/c/d")
+        block_store.delete("x/never")
+        block_store.sync()
+        block_store.sync()
+        assert not block_store.exists("a/b/c/d")
+
+    def test_close_is_idempotent(self, block_store):
+        block_store.put_if_absent(_key(13), [b"x"])
+        block_store.sync()
+        block_store.close()
+        block_store.close()
+
+
+class RefTableTests:
+    """The RefTable contract (tensorstore_ck/refs/base.py): the logic is written once in
+    RefTable, so what differs between backends is their transactions (_read/_write over
+    a Txn) and close(); this suite runs the logic over each.
+
+    Subclasses provide the fixture `open_table`: a callable that opens a new handle on
+    this test's table (an empty one, of its own: a fresh path or namespace per test) and
+    that closes every handle it opened afterwards. Class flags:
+
+    persistent          the table outlives its handle: close and reopen keeps everything
+    independent_handles several handles may be open at once (one per racing thread);
+                        otherwise racing threads share one handle, as a Store's do
+    """
+
+    persistent: ClassVar[bool] = False
+    independent_handles: ClassVar[bool] = False
+
+    R = [bytes([i]) * 32 for i in range(16)]
+
+    @pytest.fixture
+    def open_table(self):
+        raise NotImplementedError("a RefTableTests subclass provides the open_table fixture")
+
+    @pytest.fixture
+    def table(self, open_table):
+        return open_table()
+
+    def _handles(self, table, open_table, n):
+        return [open_table() for _ in range(n)] if self.independent_handles else [table] * n
+
+    # -- refs: get, compare-and-swap -------------------------------------------------------
+    def test_missing_ref(self, table):
+        with pytest.raises(RefNotFound):
+            table.get("a/b")
+        with pytest.raises(KeyError):  # RefNotFound is a KeyError too
+            table.get("a/b")
+        assert table.get_or_none("a/b") is None
+        assert table.list() == [] and table.reflog("a/b") == []
+
+    def test_cas_create_move_and_conflicts(self, table):
+        R = self.R
+        table.compare_and_swap("a/b", None, R[1], message="create")
+        assert table.get("a/b") == R[1] and table.get_or_none("a/b") == R[1]
+        with pytest.raises(RefConflict) as ei:  # expected None: the ref must not exist
+            table.compare_and_swap("a/b", None, R[2], message="create again")
+        assert (ei.value.name, ei.value.expected, ei.value.actual) == ("a/b", None, R[1].hex())
+        with pytest.raises(RefConflict) as ei:  # a stale expected
+            table.compare_and_swap("a/b", R[3], R[2], message="stale")
+        assert (ei.value.expected, ei.value.actual) == (R[3].hex(), R[1].hex())
+        with pytest.raises(RefConflict) as ei:  # expected a tip, but there is no such ref
+            table.compare_and_swap("c", R[1], R[2], message="absent")
+        assert (ei.value.name, ei.value.expected, ei.value.actual) == ("c", R[1].hex(), None)
+        assert table.get("a/b") == R[1]
+        table.compare_and_swap("a/b", R[1], R[2], message="move", catalog_row={"step": 2})
+        assert table.get("a/b") == R[2]
+        table.compare_and_swap("a/b", R[2], R[2], message="same")  # a move to itself is a move
+        assert table.catalog_get(R[2]) == {"step": 2}
+        assert table.catalog_get(R[1]) is None
+        assert [e.message for e in table.reflog("a/b")] == ["create", "move", "same"]
+
+    def test_refused_moves_leave_no_trace(self, table):
+        R = self.R
+        table.compare_and_swap("r", None, R[1], message="c", catalog_row={"step": 1})
+        with pytest.raises(RefConflict):
+            table.compare_and_swap("r", R[5], R[2], message="stale", catalog_row={"step": 2})
+        table.gc_begin("g", now=1.0, stale_after=10)
+        table.gc_freeze("g", now=2.0)
+        with pytest.raises(Fenced):
+            table.compare_and_swap("r", R[1], R[3], message="fenced", catalog_row={"step": 3}, fence=0)
+        assert table.get("r") == R[1]
+        assert [e.new for e in table.reflog("r")] == [R[1]]
+        assert table.catalog_get(R[2]) is None and table.catalog_get(R[3]) is None
+        assert [k for k, _ in table.catalog_iter()] == [R[1]]
+        table.gc_finish("g", now=3.0)
+        table.compare_and_swap("r", R[1], R[4], message="m")  # the reflog goes on without a gap
+        assert [(e.old, e.new) for e in table.reflog("r")] == [(None, R[1]), (R[1], R[4])]
+
+    # -- reflog, list ----------------------------------------------------------------------
+    def test_reflog_one_entry_per_move_oldest_first(self, table):
+        R = self.R
+        t0 = time.time()
+        prev = None
+        for i in range(1, 8):
+            table.compare_and_swap("job/main", prev, R[i], message=f"step {i}")
+            prev = R[i]
+        # other refs whose names extend this one's as bytes must not bleed into its log
+        table.compare_and_swap("job/main2", None, R[9], message="x")
+        table.compare_and_swap("job/main/sub", None, R[10], message="x")
+        table.compare_and_swap("job", None, R[11], message="x")
+        log = table.reflog("job/main")
+        assert [(e.name, e.old, e.new, e.message) for e in log] == [
+            ("job/main", R[i - 1] if i > 1 else None, R[i], f"step {i}") for i in range(1, 8)]
+        times = [e.time for e in log]
+        assert times == sorted(times) and t0 - 1 <= times[0] and times[-1] <= time.time() + 1
+        assert [e.new for e in table.reflog("job")] == [R[11]]
+        assert [e.new for e in table.reflog("job/main2")] == [R[9]]
+        assert table.reflog("job/mai") == []
+
+    def test_list_is_a_sorted_string_prefix(self, table):
+        names = ["a/x", "a/y", "b/x", "ab", "a", "a-b", "a.b", "a_b", "aB", "a/x/y"]
+        for i, name in enumerate(names):
+            table.compare_and_swap(name, None, self.R[i], message="c")
+        assert table.list("a/") == [("a/x", self.R[0]), ("a/x/y", self.R[9]), ("a/y", self.R[1])]
+        # bytewise order, in every backend
+        assert [n for n, _ in table.list()] == sorted(names, key=str.encode)
+        assert [n for n, _ in table.list("")] == sorted(names, key=str.encode)
+        # a ref-table prefix is a plain string prefix, not a folder
+        assert [n for n, _ in table.list("a")] == sorted((n for n in names if n.startswith("a")), key=str.encode)
+        assert [n for n, _ in table.list("ab")] == ["ab"]
+        assert table.list("c") == [] and table.list("a/x/y/z") == []
+
+    # -- catalog ---------------------------------------------------------------------------
+    def test_catalog_get_put_iter_prefix(self, table):
+        R = self.R
+        row = {"job": "j", "ref": "j/main", "step": 7, "time": 1.5, "metrics": {"loss": 0.25, "n": 3},
+               "meta": {"k": "v"}, "bytes_total": 10, "bytes_new": 4, "blocks_total": 2, "blocks_new": 1}
+        assert table.catalog_get(R[1]) is None
+        table.catalog_put(R[1], row)
+        assert table.catalog_get(R[1]) == row
+        table.catalog_put(R[1], {"step": 8})  # catalog_put replaces
+        assert table.catalog_get(R[1]) == {"step": 8}
+        a, b, c = b"\xab\xcd" + bytes(30), b"\xab\xcd" + b"\x01" * 30, b"\xab\xce" + bytes(30)
+        for r in (c, a, b):
+            table.catalog_put(r, {"step": 1})
+        assert [k for k, _ in table.catalog_iter()] == sorted([R[1], a, b, c])
+        assert dict(table.catalog_iter())[a] == {"step": 1}
+        assert table.catalog_prefix(b"\xab\xcd") == [a, b]
+        assert table.catalog_prefix(b"\xab") == [a, b, c]
+        assert table.catalog_prefix(b"\xab\xcd\x01") == [b]
+        assert table.catalog_prefix(b"\xff") == []
+
+    def test_catalog_put_if_absent(self, table):
+        R = self.R
+        assert table.catalog_put_if_absent(R[6], {"x": 1}) is True
+        assert table.catalog_put_if_absent(R[6], {"x": 2}) is False
+        assert table.catalog_get(R[6]) == {"x": 1}
+        table.compare_and_swap("r", None, R[7], message="c", catalog_row={"x": 3})
+        assert table.catalog_put_if_absent(R[7], {"x": 4}) is False
+        assert table.catalog_get(R[7]) == {"x": 3}
+
+    def test_catalog_expire_never_drops_a_tip_a_tag_target_or_a_pin(self, table):
+        R = self.R
+        for i in range(1, 6):
+            table.catalog_put(R[i], {"step": i})
+        table.compare_and_swap("r", None, R[1], message="c")
+        table.tag_create("t", R[2])
+        table.pin(R[3])
+        # R[6] has no catalog row: not reported as dropped
+        assert sorted(table.catalog_expire([R[1], R[2], R[3], R[4], R[6]])) == [R[4]]
+        assert {r for r, _ in table.catalog_iter()} == {R[1], R[2], R[3], R[5]}
+        assert table.catalog_expire([R[4]]) == []  # gone already
+        table.unpin(R[3])
+        assert table.catalog_expire([R[3]]) == [R[3]]
+        table.compare_and_swap("r", R[1], R[5], message="m")  # R[1] is no longer a tip
+        assert table.catalog_expire([R[1], R[5]]) == [R[1]]
+        assert table.catalog_expire([]) == []
+        assert {r for r, _ in table.catalog_iter()} == {R[2], R[5]}
+
+    # -- tags, pins, retention -------------------------------------------------------------
+    def test_tags_are_immutable_and_disjoint_from_refs(self, table):
+        R = self.R
+        assert table.tag_get("t") is None and table.tags() == []
+        table.compare_and_swap("r", None, R[1], message="c")
+        table.tag_create("t", R[1])
+        assert table.tag_get("t") == R[1]
+        for root in (R[2], R[1]):  # not even to the same target
+            with pytest.raises(RefConflict) as ei:
+                table.tag_create("t", root)
+            assert (ei.value.name, ei.value.expected, ei.value.actual) == ("t", None, R[1].hex())
+        with pytest.raises(RefConflict) as ei:
+            table.tag_create("r", R[2])  # a ref has that name
+        assert ei.value.actual == R[1].hex()
+        with pytest.raises(RefConflict):
+            table.compare_and_swap("t", None, R[2], message="c")  # a tag has that name
+        assert table.get_or_none("t") is None and table.reflog("t") == []
+        assert table.tag_get("r") is None and table.tag_get("t") == R[1]
+        table.tag_create("b", R[3])
+        table.tag_create("t2", R[1])  # many tags may name one root
+        assert table.tags() == [("b", R[3]), ("t", R[1]), ("t2", R[1])]
+        assert [n for n, _ in table.list()] == ["r"]  # tags are not refs
+
+    def test_pins(self, table):
+        R = self.R
+        assert table.pins() == set()
+        table.pin(R[1])
+        table.pin(R[1])  # idempotent
+        table.pin(R[2])
+        assert table.pins() == {R[1], R[2]}
+        table.unpin(R[1])
+        table.unpin(R[1])  # absent is not an error
+        table.unpin(R[9])
+        assert table.pins() == {R[2]}
+
+    def test_retention_set_and_all(self, table):
+        assert table.retention_all() == {}
+        table.retention_set("job", {"keep_last": 3})
+        table.retention_set("other/job", {"keep_best": ["loss", "min", 2], "max_age_days": 1.5})
+        assert table.retention_all() == {"job": {"keep_last": 3},
+                                         "other/job": {"keep_best": ["loss", "min", 2], "max_age_days": 1.5}}
+        table.retention_set("job", {"keep_last": 5})  # replaces
+        assert table.retention_all()["job"] == {"keep_last": 5}
+        table.retention_set("job", None)  # None clears
+        table.retention_set("never-set", None)
+        assert table.retention_all() == {"other/job": {"keep_best": ["loss", "min", 2], "max_age_days": 1.5}}
+
+    # -- gc state machine ------------------------------------------------------------------
+    def test_gc_state_machine(self, table):
+        st = table.gc_state()
+        assert (st["epoch"], st["phase"]) == (0, "idle")
+        st = table.gc_begin("g1", now=100.0, stale_after=10)
+        assert (st["epoch"], st["phase"], st["owner"]) == (0, "marking", "g1")
+        assert table.gc_state()["phase"] == "marking"
+        assert table.gc_heartbeat("g1", now=104.0)["heartbeat"] == 104.0
+        with pytest.raises(GcBusy):
+            table.gc_heartbeat("someone-else", now=104.0)
+        with pytest.raises(GcBusy):
+            table.gc_freeze("someone-else", now=104.0)
+        st = table.gc_freeze("g1", now=106.0)
+        assert (st["epoch"], st["phase"]) == (1, "deleting")  # odd exactly while deleting
+        assert table.gc_state()["epoch"] == 1
+        with pytest.raises(GcBusy):
+            table.gc_freeze("g1", now=106.5)  # only a marking gc freezes
+        table.gc_heartbeat("g1", now=107.0)
+        st = table.gc_finish("g1", now=108.0, deleted=5)
+        assert (st["epoch"], st["phase"], st["owner"]) == (2, "idle", None)
+        assert table.gc_state()["deleted"] == 5
+        with pytest.raises(GcBusy):
+            table.gc_heartbeat("g1", now=109.0)  # finished: it holds nothing
+        # a dry run: marking -> idle, no deletion phase, the epoch does not move
+        table.gc_begin("g2", now=200.0, stale_after=10)
+        st = table.gc_finish("g2", now=201.0)
+        assert (st["epoch"], st["phase"]) == (2, "idle")
+
+    def test_a_second_gc_is_busy_until_the_first_is_stale(self, table):
+        table.gc_begin("g1", now=100.0, stale_after=10)
+        with pytest.raises(GcBusy):
+            table.gc_begin("g2", now=105.0, stale_after=10)  # g1 is alive
+        table.gc_heartbeat("g1", now=108.0)
+        with pytest.raises(GcBusy):
+            table.gc_begin("g2", now=115.0, stale_after=10)  # the heartbeat renewed the lease
+        st = table.gc_begin("g2", now=118.0, stale_after=10)  # a stale marking gc is taken over
+        assert (st["epoch"], st["owner"]) == (0, "g2")
+        with pytest.raises(GcBusy):
+            table.gc_heartbeat("g1", now=119.0)  # g1 lost its lock
+        table.gc_freeze("g2", now=119.0)
+        with pytest.raises(GcBusy):
+            table.gc_begin("g3", now=120.0, stale_after=10)
+        st = table.gc_begin("g3", now=200.0, stale_after=10)  # a stale deleting gc: epoch closed
+        assert (st["epoch"], st["phase"], st["owner"]) == (2, "marking", "g3")
+        with pytest.raises(GcBusy):
+            table.gc_finish("g2", now=201.0)
+
+    def test_fenced_compare_and_swap(self, table):
+        R = self.R
+        table.gc_begin("g1", now=100.0, stale_after=10)
+        # a writer fenced at epoch 0 may move refs while gc only marks ...
+        table.compare_and_swap("r", None, R[1], message="c", fence=0)
+        table.gc_freeze("g1", now=106.0)
+        # ... but not once a deletion phase started: neither with the old fence nor the odd one
+        for fence in (0, 1, 2):
+            with pytest.raises(Fenced):
+                table.compare_and_swap("r", R[1], R[2], message="m", fence=fence)
+        table.compare_and_swap("u", None, R[3], message="unfenced")  # fence=None: not checked
+        assert table.get("r") == R[1]
+        table.gc_finish("g1", now=107.0)
+        with pytest.raises(Fenced):
+            table.compare_and_swap("r", R[1], R[2], message="m", fence=0)  # the fence moved
+        table.compare_and_swap("r", R[1], R[2], message="m", fence=2)
+        # the fence is checked before the ref: a stale fence is Fenced, not RefConflict
+        table.gc_begin("g2", now=300.0, stale_after=10)
+        table.gc_freeze("g2", now=301.0)
+        with pytest.raises(Fenced):
+            table.compare_and_swap("r", R[9], R[4], message="m", fence=2)
+        assert [e.new for e in table.reflog("r")] == [R[1], R[2]]
+
+    def test_gc_abort_stale_closes_a_dead_deletion_phase(self, table):
+        st = table.gc_abort_stale(now=50.0, stale_after=10)
+        assert (st["epoch"], st["phase"]) == (0, "idle")  # nothing to close
+        table.gc_begin("g3", now=200.0, stale_after=10)
+        assert table.gc_abort_stale(now=300.0, stale_after=10)["phase"] == "marking"  # marking deletes nothing
+        table.gc_freeze("g3", now=301.0)
+        assert table.gc_abort_stale(now=305.0, stale_after=10)["epoch"] == 1  # still fresh: untouched
+        st = table.gc_abort_stale(now=315.0, stale_after=10)
+        assert (st["epoch"], st["phase"], st["owner"]) == (2, "idle", None)
+        assert table.gc_state()["epoch"] == 2
+        with pytest.raises(GcBusy):
+            table.gc_heartbeat("g3", now=316.0)  # the dead gc lost its lock
+        table.compare_and_swap("r", None, self.R[1], message="c", fence=2)
+
+    # -- concurrency -----------------------------------------------------------------------
+    def test_racing_compare_and_swap_has_one_winner_per_round(self, table, open_table):
+        n, rounds = 6, 15
+        handles = self._handles(table, open_table, n)
+        table.compare_and_swap("race", None, self.R[0], message="start")
+        wins = []
+        for r in range(rounds):
+            cur = table.get("race")
+            news = [os.urandom(32) for _ in range(n)]
+            with _fast_switching():
+                res = _run_threads(n, lambda i: handles[i].compare_and_swap(
+                    "race", cur, news[i], message=f"{r}:{i}"))
+            winners = [i for i, x in enumerate(res) if x is None]
+            assert len(winners) == 1, res
+            losers = [x for x in res if x is not None]
+            assert all(isinstance(x, RefConflict) for x in losers), losers
+            assert {x.actual for x in losers} <= {news[winners[0]].hex()}
+            assert table.get("race") == news[winners[0]]
+            wins.append(news[winners[0]])
+        log = table.reflog("race")
+        assert [e.new for e in log] == [self.R[0]] + wins
+        assert all(b.old == a.new for a, b in zip(log, log[1:]))
+
+    def test_racing_exclusive_operations_have_one_winner(self, table, open_table):
+        """tag_create, catalog_put_if_absent and gc_begin are exclusive under threads too."""
+        n = 6
+        handles = self._handles(table, open_table, n)
+        roots = [os.urandom(32) for _ in range(n)]
+
+        def tag(i):
+            handles[i].tag_create("v1", roots[i])
+
+        with _fast_switching():
+            res = _run_threads(n, tag)
+            assert sum(x is None for x in res) == 1, res
+            assert all(isinstance(x, RefConflict) for x in res if x is not None)
+            assert table.tag_get("v1") == roots[res.index(None)]
+
+            res = _run_threads(n, lambda i: handles[i].catalog_put_if_absent(self.R[1], {"step": i}))
+            assert res.count(True) == 1 and res.count(False) == n - 1, res
+            assert table.catalog_get(self.R[1]) == {"step": res.index(True)}
+
+            res = _run_threads(n, lambda i: handles[i].gc_begin(f"g{i}", now=100.0, stale_after=10))
+            assert sum(isinstance(x, dict) for x in res) == 1, res
+            assert all(isinstance(x, GcBusy) for x in res if not isinstance(x, dict))
+            assert table.gc_state()["owner"] == f"g{[isinstance(x, dict) for x in res].index(True)}"
+
+    # -- persistence -----------------------------------------------------------------------
+    def test_state_persists_across_reopen(self, table, open_table):
+        if not self.persistent:
+            pytest.skip(f"{type(table).__name__} keeps nothing once closed")
+        R = self.R
+        table.compare_and_swap("r", None, R[1], message="c", catalog_row={"step": 1})
+        table.compare_and_swap("r", R[1], R[2], message="m", catalog_row={"step": 2})
+        table.tag_create("t", R[1])
+        table.pin(R[2])
+        table.retention_set("job", {"keep_last": 2})
+        table.gc_begin("g", now=10.0, stale_after=5)
+        table.gc_freeze("g", now=11.0)
+        table.close()
+        again = open_table()
+        assert again.get("r") == R[2]
+        assert [(e.old, e.new, e.message) for e in again.reflog("r")] == [(None, R[1], "c"), (R[1], R[2], "m")]
+        assert dict(again.catalog_iter()) == {R[1]: {"step": 1}, R[2]: {"step": 2}}
+        assert again.tags() == [("t", R[1])] and again.pins() == {R[2]}
+        assert again.retention_all() == {"job": {"keep_last": 2}}
+        st = again.gc_state()
+        assert (st["epoch"], st["phase"], st["owner"]) == (1, "deleting", "g")
+        again.compare_and_swap("r", R[2], R[3], message="after")  # the reflog sequence goes on
+        assert [e.message for e in again.reflog("r")] == ["c", "m", "after"]
