@@ -1,7 +1,7 @@
 """Fuzz target: manifest nodes and commits (tensorstore_ck/format/manifest.py)
 and everything that interprets them: the Reader that allocates tensors
-(state.py), the DAG walk of gc and fsck (walk.py), diff's leaf listing, show,
-log, refs, du and recover.
+(read.py, decoding through format/tree.py), the DAG walk of gc and fsck
+(walk.py), diff's leaf listing, show, log, refs, du and recover.
 
 Input: one raw (uncompressed) object payload: a manifest node or a commit, as
 found after the frame header under nodes/ and commits/ (seeds:

@@ -1,4 +1,4 @@
-"""Fuzz target: the state encoder (state.py Planner, through put_snapshot) and
+"""Fuzz target: the state encoder (plan.py Planner, through put_snapshot) and
 the round trip through checkout, on a memory:// store.
 
 Input: a small program in a byte language (ByteStream ops below) that builds
