@@ -2,7 +2,8 @@
 
     path | file://   LocalBlockStore (fsync, atomic link), LMDB ref table beside the data
     memory://        FsspecBlockStore, an in-process ref table of the same name
-    s3://, other     an fsspec block store under RetryingStore; a shared ref table is required
+    s3://            S3BlockStore under RetryingStore; a shared ref table is required
+    other fsspec     FsspecBlockStore under RetryingStore; likewise
                      (refs="postgresql://..." or a local LMDB path for one host)
 
 The store's marker, ``tsck.json``, holds its format version, id and block
@@ -22,7 +23,7 @@ from . import chunker
 from .assets import STORE_MARKER, create_marker, read_marker
 from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
-from .storage import BlockStore, FsspecBlockStore, LocalBlockStore
+from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
 from .store import Store
 
 __all__ = ["open_store", "STORE_MARKER"]
@@ -134,7 +135,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         rest = root
     else:
         try:
-            storage = FsspecBlockStore(f"{proto}://{rest}", storage_options)
+            cls = S3BlockStore if proto in ("s3", "s3a") else FsspecBlockStore
+            storage = cls(f"{proto}://{rest}", storage_options)
         except (ImportError, ValueError, TypeError) as e:
             raise NotAStore(f"cannot open {proto}:// storage: {type(e).__name__}: {e}") from None
         if proto != "memory":

@@ -12,7 +12,7 @@ import pytest
 from conformance import BlockStoreTests
 
 import tensorstore_ck as tsck
-from tensorstore_ck.storage import FsspecBlockStore, LocalBlockStore
+from tensorstore_ck.storage import FsspecBlockStore, LocalBlockStore, S3BlockStore
 from tensorstore_ck.storage.wrappers import (FaultInjectingStore, InjectedFault, RetryingStore,
                                              ThrottledStore, WrappedStore)
 
@@ -49,7 +49,7 @@ class TestMemoryBlockStore(BlockStoreTests):
 class TestS3BlockStore(BlockStoreTests):
     @pytest.fixture
     def block_store(self, s3_server, s3_url):
-        s = FsspecBlockStore(s3_url, s3_server)
+        s = S3BlockStore(s3_url, s3_server)
         yield s
         s.close()
 
@@ -108,7 +108,7 @@ class TestOpenStoreS3Storage(BlockStoreTests):
     @pytest.fixture
     def block_store(self, tmp_path, s3_server, s3_url):
         st = tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server)
-        assert type(st.storage) is RetryingStore and type(st.storage.inner) is FsspecBlockStore
+        assert type(st.storage) is RetryingStore and type(st.storage.inner) is S3BlockStore
         yield st.storage
         st.close()
 
@@ -175,3 +175,32 @@ def test_store_on_s3_with_postgres_refs(s3_url, s3_server, pg_dsn):
         assert secret not in repr(s.storage) and secret not in s.url
     finally:
         s.close()
+
+
+# -- which store open_store builds, and S3's error classification ------------------------
+@pytest.mark.slow
+def test_open_store_builds_an_s3_block_store_under_its_retry_layer(s3_server, s3_url, tmp_path):
+    from tensorstore_ck.storage.wrappers import RetryingStore
+    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as s:
+        assert type(s.storage) is RetryingStore and type(s.storage.inner) is S3BlockStore
+
+
+def test_memory_store_is_the_generic_fsspec_store(memory_url):
+    with tsck.open_store(memory_url) as s:
+        assert type(s.storage) is FsspecBlockStore
+        # the generic store leaves a foreign failure alone: only S3BlockStore knows botocore's
+        assert s.storage._translate(RuntimeError("x")) is None
+
+
+def test_s3_transport_failure_is_an_oserror():
+    """A server that refuses connections: ConnectionError (an OSError RetryingStore retries),
+    not botocore's EndpointConnectionError."""
+    import socket
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    s = S3BlockStore("s3://bucket/p", {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"})
+    with pytest.raises(OSError) as ei:
+        s.exists("blocks/00/" + "0" * 64)
+    assert "EndpointConnectionError" in str(ei.value) or isinstance(ei.value, ConnectionError)

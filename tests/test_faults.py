@@ -161,9 +161,9 @@ def test_a_server_that_never_answers_is_a_timeout_not_a_hang(tmp_path):
         tsck.open_store("s3://dead/p", refs=str(tmp_path / "refs2.lmdb"),
                         storage_options={**opts, "endpoint_url": f"http://127.0.0.1:{dead}"})
 
-    from tensorstore_ck.storage import FsspecBlockStore
-    cfg = FsspecBlockStore("s3://b/p", {"endpoint_url": "http://127.0.0.1:9"}).fs.config_kwargs
+    from tensorstore_ck.storage import S3BlockStore
+    cfg = S3BlockStore("s3://b/p", {"endpoint_url": "http://127.0.0.1:9"}).fs.config_kwargs
     assert cfg["connect_timeout"] == 10 and cfg["read_timeout"] == 60
-    cfg = FsspecBlockStore("s3://b/p", {"endpoint_url": "http://127.0.0.1:9",
-                                        "config_kwargs": {"read_timeout": 5}}).fs.config_kwargs
+    cfg = S3BlockStore("s3://b/p", {"endpoint_url": "http://127.0.0.1:9",
+                                    "config_kwargs": {"read_timeout": 5}}).fs.config_kwargs
     assert cfg["read_timeout"] == 5 and cfg["connect_timeout"] == 10

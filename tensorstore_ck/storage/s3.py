@@ -1,0 +1,97 @@
+"""S3BlockStore: the S3 request model and S3's error classification (through s3fs).
+
+One request per object and direction:
+- put-if-absent is one conditional PUT (If-None-Match: *, s3fs's mode="create"),
+  both the existence check and the write; a 412 means "already there" however
+  the server labels it (Ceph's radosgw does not say PreconditionFailed the way
+  s3fs expects);
+- a read is one GET (s3fs's cat_file would HEAD first to size ranged reads,
+  useless for objects of one block);
+- exists is one HEAD (s3fs's exists() also lists the key as a "directory");
+- deletes are DeleteObjects requests of up to 1000 keys, per-key errors checked.
+
+Retries live in one layer, RetryingStore: botocore's and s3fs's own loops are
+switched off (the three multiplied: a hung server held one request for
+minutes), and explicit connect/read timeouts turn a hung connection into a
+retryable error. Transport errors that are not OSErrors (botocore's
+EndpointConnectionError, ReadTimeoutError, aiohttp's) become ConnectionError /
+TimeoutError here, so callers only ever see OSError (StorageError above).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .fsspec import FsspecBlockStore, _translated
+
+__all__ = ["S3BlockStore"]
+
+_TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
+
+
+def _is_precondition_failed(e: BaseException) -> bool:
+    """A conditional PUT refused because the key exists (HTTP 412), however the client reports it."""
+    if isinstance(e, FileExistsError):
+        return True
+    cause = e.__cause__ or e.__context__
+    resp = getattr(cause, "response", None)
+    if isinstance(resp, dict):
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = resp.get("Error", {}).get("Code")
+        return status == 412 or code == "PreconditionFailed"
+    return False
+
+
+class S3BlockStore(FsspecBlockStore):
+    """s3:// (and s3a://) through s3fs."""
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        super().__init__(url, storage_options)
+        self.fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): see the module docstring
+
+    # docstring inherited
+    def _options(self, opts: dict) -> dict:
+        # A hung connection becomes a timeout that RetryingStore retries, not a snapshot
+        # that never finishes; the caller's config_kwargs win.
+        cfg = dict(opts.get("config_kwargs") or {})
+        cfg.setdefault("connect_timeout", 10)
+        cfg.setdefault("read_timeout", 60)
+        cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        return {**opts, "config_kwargs": cfg}
+
+    def _translate(self, e: Exception) -> OSError | None:
+        mod = type(e).__module__ or ""
+        if not mod.startswith(_TRANSPORT_MODULES):
+            return None
+        name = type(e).__name__
+        return (TimeoutError if "Timeout" in name else ConnectionError)(f"{name}: {e}")
+
+    def _exists_error(self, e: OSError) -> bool:
+        return _is_precondition_failed(e)
+
+    def _read(self, path: str) -> bytes:
+        return self.fs.cat_file(path, max_concurrency=1)  # one GET, no sizing HEAD
+
+    @_translated
+    def exists(self, key: str) -> bool:
+        bucket, _, obj = self._path(key).partition("/")
+        try:
+            self.fs.call_s3("head_object", Bucket=bucket, Key=obj)
+            return True
+        except FileNotFoundError:
+            return False
+
+    @_translated
+    def delete_many(self, keys: Sequence[str]) -> None:
+        keys = list(keys)
+        # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key errors
+        # silently). A key that is already gone is not an error in S3.
+        bucket, _, base = self.root.partition("/")
+        pre = f"{base}/" if base else ""
+        for i in range(0, len(keys), 1000):
+            out = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={
+                "Objects": [{"Key": pre + k} for k in keys[i:i + 1000]], "Quiet": True})
+            errs = [e for e in out.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+            if errs:
+                raise OSError(f"delete of {len(errs)} object(s) failed under {self.url}: "
+                              f"{errs[0].get('Code')}: {errs[0].get('Message')}")
