@@ -240,7 +240,9 @@ def main(argv=None) -> int:
         print(f"tsck: error: {e}", file=sys.stderr)
         return 2
     try:
-        with open_store(args.store, refs=refs, storage_options=storage_options, create=False) as store:
+        # Only recover may create a ref table (to rebuild a lost one); nothing creates a store.
+        with open_store(args.store, refs=refs, storage_options=storage_options, create=False,
+                        create_refs=args.fn is cmd_recover) as store:
             return args.fn(store, args)
     except TsckError as e:
         print(f"tsck: error: {e}", file=sys.stderr)

@@ -195,6 +195,19 @@ def execute_gc(store, plan: GCPlan, *, owner: str, beat, stale_after: float, pro
     return rep
 
 
+def _refuse_if_the_ref_table_knows_nothing(store) -> None:
+    """An empty ref table over a store that holds commits is a lost or wrong table, not a
+    store with nothing to keep: gc would delete every snapshot (and recover would then
+    find nothing). Deleting needs the table rebuilt first."""
+    rt = store.reftable
+    if next(iter(rt.catalog_iter()), None) is not None or rt.list() or rt.tags() or rt.pins():
+        return
+    found = next(store.assets.list_objects("commits"), None)
+    if found is not None:
+        raise TsckError("gc refused: storage holds snapshots but the ref table knows none of them (a lost "
+                        "or wrong ref table?); run `tsck recover` first, then gc; nothing was deleted")
+
+
 def run_gc(store, *, dry_run: bool = False, progress: bool = False,
            stale_after: float = DEFAULT_STALE_AFTER, heartbeat_every: float | None = None) -> GCReport:
     """1-8: take the lock (not for a dry run), plan, execute, release."""
@@ -204,6 +217,7 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
         rep = _dry_report(store, plan_gc(store, dry_run=True, began=t_start, progress=progress))
         rep.seconds = time.time() - t_start
         return rep
+    _refuse_if_the_ref_table_knows_nothing(store)
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     refs.gc_begin(owner, now=time.time(), stale_after=stale_after)
     # Beat from a thread of its own, several times per stale_after, so that a gc busy in

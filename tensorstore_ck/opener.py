@@ -110,8 +110,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                workers: int | None = None, verify: bool = True, compress: bool = True,
                shuffle: bool = False, gc_stale_after: float | None = None, max_inflight: int = 2,
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
-               write_concurrency: int | None = None) -> Store:
+               write_concurrency: int | None = None, create_refs: bool = False) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
+
+    A ref table is created only with a new store, or with create_refs=True (what
+    `tsck recover` passes to rebuild a lost one). It is bound to its store: it
+    records the store's id and refuses to serve another store (NotAStore).
 
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
     refs: None (LMDB beside local data; in-process table for memory://), a path
@@ -150,6 +154,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             cfg = _read_config(storage)  # another process may have just created the store
             if cfg is None:
                 raise NotAStore(f"{storage.url} is not empty and holds no {STORE_MARKER}: not a store")
+    created = False
     if cfg is None:
         if not create:
             raise NotAStore(f"no store at {storage.url}")
@@ -159,9 +164,23 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                "inline_threshold": int(inline_threshold if inline_threshold is not None
                                        else chunker.DEFAULT_INLINE_THRESHOLD)}
         # Exclusive create: if another process won the race, its marker is the one we read.
-        create_marker(storage, json.dumps(cfg, indent=1).encode() + b"\n")
+        created = create_marker(storage, json.dumps(cfg, indent=1).encode() + b"\n")
         cfg = _read_config(storage) or cfg
-    reftable = _open_refs(refs, proto, rest, create=True, store_id=str(cfg.get("id") or storage.url))
+    store_id = str(cfg.get("id") or storage.url)
+    # A missing ref table next to an existing store is never silently created empty:
+    # an empty table makes gc think nothing is kept (recover rebuilds it).
+    try:
+        reftable = _open_refs(refs, proto, rest, create=created or create_refs, store_id=store_id)
+    except NotAStore as e:
+        raise NotAStore(f"{e}: the store at {storage.url} exists but its ref table does not; if it was "
+                        f"lost, run `tsck recover {url}` to rebuild it from storage (check --refs / "
+                        "$TSCK_REFS first)") from None
+    try:
+        reftable.bind_store(store_id)
+    except BaseException:
+        if not isinstance(refs, RefTable):
+            reftable.close()
+        raise
     if write_bandwidth is not None or write_concurrency is not None:
         from .storage.wrappers import ThrottledStore
         try:

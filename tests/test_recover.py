@@ -121,7 +121,9 @@ def test_recover_after_ref_table_loss(pristine, tmp_path):
     path = copy(p, tmp_path)
     listing = object_listing(path)
     lose_ref_table(path)
-    with tsck.open_store(path, create=False) as s:
+    with pytest.raises(tsck.NotAStore, match="tsck recover"):
+        tsck.open_store(path, create=False)  # a lost table is never silently re-created
+    with tsck.open_store(path, create=False, create_refs=True) as s:
         # the loss is real: nothing is named any more
         assert s.refs() == {} and s.tags() == {}
         with pytest.raises(tsck.RefNotFound):
@@ -204,7 +206,7 @@ def test_recover_after_gc_keeps_only_what_gc_kept(pristine, tmp_path):
         refs, tags = refs_snapshot(s), tags_snapshot(s)
         kept = {i["root"] for lg in logs.values() for i in lg} | set(tags.values())
     lose_ref_table(path)
-    with tsck.open_store(path, create=False) as s:
+    with tsck.open_store(path, create=False, create_refs=True) as s:
         r = s.recover()
         assert r.refs_restored == refs and r.tags_restored == tags
         assert r.commits_found == len(kept)

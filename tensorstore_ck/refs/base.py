@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ..errors import Fenced, FormatError, GcBusy, RefConflict, RefNotFound
+from ..errors import Fenced, FormatError, GcBusy, NotAStore, RefConflict, RefNotFound
 from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
                               encode_reflog)
 
@@ -80,6 +80,27 @@ class RefTable(ABC):
 
     def close(self) -> None:
         pass
+
+    def bind_store(self, store_id: str) -> None:
+        """Record the id of the store this table serves, or refuse (NotAStore) if it
+        already serves another: a ref table of store A used for store B would make gc
+        delete everything B holds."""
+        want = store_id.encode()
+
+        def txn(t: Txn):
+            cur = t.get("meta", b"store_id")
+            if cur is None:
+                t.put("meta", b"store_id", want)
+            elif cur != want:
+                raise NotAStore(f"this ref table belongs to store {cur.decode(errors='replace')!r}, not to "
+                                f"{store_id!r}: wrong --refs / $TSCK_REFS?")
+
+        if self._read(lambda t: t.get("meta", b"store_id")) != want:
+            self._write(txn)
+
+    def bound_store(self) -> str | None:
+        v = self._read(lambda t: t.get("meta", b"store_id"))
+        return None if v is None else v.decode(errors="replace")
 
     # -- refs -------------------------------------------------------------------------
     def get(self, name: str) -> bytes:
