@@ -52,7 +52,7 @@ def _f64(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<Q", bits))[0]
 
 
-def _quant_values(seed: str, dtype: torch.dtype, shape, lo: int, hi: int) -> torch.Tensor:
+def _quant_values(seed: str, shape, lo: int, hi: int) -> torch.Tensor:
     """Integers in [lo, hi] as float32 (exact): the int_repr of a quantized tensor."""
     raw = rtensor(seed, torch.int32, shape).to(torch.int64)
     return (raw % (hi - lo + 1) + lo).to(torch.float32)
@@ -82,9 +82,9 @@ def zoo(sharded_cls, replicated_cls) -> dict:
     """Every type put_snapshot supports without pickle, inline and in blocks."""
     tensors = {name: rtensor(f"dt-{name}", _dtype(name), (3, 5)) for name in TORCH_DTYPE_NAMES}
     base = rtensor("noncontig", torch.float64, (20, 30))
-    x = _quant_values("q", torch.float32, (30, 70), 0, 255)
-    xi = _quant_values("qi", torch.float32, (10, 70), -120, 120)
-    x32 = _quant_values("q32", torch.float32, (10, 70), -30000, 30000)
+    x = _quant_values("q", (30, 70), 0, 255)
+    xi = _quant_values("qi", (10, 70), -120, 120)
+    x32 = _quant_values("q32", (10, 70), -30000, 30000)
     pc_scales = torch.tensor([2.0 ** -(i % 5) for i in range(70)], dtype=torch.float64)
     pc_zps = torch.tensor([i % 7 for i in range(70)], dtype=torch.int64)
     quant = {
