@@ -6,6 +6,7 @@ assert_same / same_bits are the suite's one bit-exact comparison of state trees.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import struct
@@ -42,13 +43,28 @@ def assert_same(a, b, path: str = "", *, loose_types: bool = False) -> None:
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
         assert tuple(a.shape) == tuple(b.shape), f"{where}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
+        if a.is_quantized:
+            assert b.is_quantized and a.qscheme() == b.qscheme(), f"{where}: qscheme differs"
+            if a.qscheme() == torch.per_tensor_affine:
+                assert struct.pack("<d", a.q_scale()) == struct.pack("<d", b.q_scale()), f"{where}: q_scale"
+                assert a.q_zero_point() == b.q_zero_point(), f"{where}: q_zero_point"
+            else:
+                assert a.q_per_channel_axis() == b.q_per_channel_axis(), f"{where}: q_per_channel_axis"
+                assert_same(a.q_per_channel_scales(), b.q_per_channel_scales(), f"{path}.q_per_channel_scales")
+                assert_same(a.q_per_channel_zero_points(), b.q_per_channel_zero_points(),
+                            f"{path}.q_per_channel_zero_points")
+            a, b = a.int_repr(), b.int_repr()
         assert tensor_bytes(a) == tensor_bytes(b), f"{where}: tensor bytes differ"
-        if isinstance(a, torch.nn.Parameter):
-            assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype, f"{where}: dtype {a.dtype!r} != {b.dtype!r}"
         assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
+        if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous:  # stored in Fortran order
+            assert b.flags.f_contiguous, f"{where}: Fortran order lost"
         assert a.tobytes() == b.tobytes(), f"{where}: array bytes differ"
+    elif dataclasses.is_dataclass(a) and not isinstance(a, type):  # tsck.Sharded, tsck.Replicated
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
     elif isinstance(a, np.generic):
         assert a.dtype == b.dtype, f"{where}: dtype {a.dtype!r} != {b.dtype!r}"
         assert a.tobytes() == b.tobytes(), f"{where}: scalar bytes differ"
