@@ -300,6 +300,10 @@ class Assets:
         except (FormatError, FileNotFoundError):
             return b""
 
+    def delete_tag(self, name: str) -> None:
+        """Remove a tag object whose tag was never created (its snapshot went away)."""
+        self.storage.delete(tag_key(name))
+
     def tags(self) -> Iterator[tuple[str, object]]:
         """(key, (name, root, time)) for every stored tag object, or (key, FormatError)
         for one that does not decode or whose key does not match its name."""

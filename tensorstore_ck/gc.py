@@ -83,9 +83,11 @@ def _progress(enabled: bool, desc: str, total=None):
     return tqdm(total=total, desc=desc, unit="obj", leave=False, dynamic_ncols=True)
 
 
-def plan_expiry(store, now: float) -> list[bytes]:
-    """Roots that retention no longer keeps (before protection by refs/tags/pins)."""
-    rules = {job: Retention.from_dict(r) for job, r in store.reftable.retention_all().items()}
+def plan_expiry(store, now: float, records: dict | None = None) -> list[bytes]:
+    """Roots that retention (`records`, default: the stored rules) no longer keeps,
+    before protection by refs/tags/pins."""
+    records = store.reftable.retention_all() if records is None else records
+    rules = {job: Retention.from_dict(r) for job, r in records.items()}
     by_job: dict[str, list[SnapRow]] = {}
     for root, row in store.reftable.catalog_iter():
         by_job.setdefault(str(row.get("job", "")), []).append(
@@ -106,8 +108,9 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
     """Steps 2-4: expire (a dry run only computes what would expire), mark, list."""
     rep = GCReport(dry_run=dry_run)
     refs = store.reftable
-    doomed = plan_expiry(store, began)
-    expired = doomed if dry_run else refs.catalog_expire(doomed)
+    rules = refs.retention_all()
+    doomed = plan_expiry(store, began, rules)
+    expired = doomed if dry_run else refs.catalog_expire(doomed, rules=rules)
     rep.expired = [r.hex() for r in expired]
     k0 = kept_roots(store, exclude=set(expired) if dry_run else None)
     rep.kept_snapshots = len(k0)
@@ -200,8 +203,9 @@ def _refuse_if_the_ref_table_knows_nothing(store) -> None:
     store with nothing to keep: gc would delete every snapshot (and recover would then
     find nothing). Deleting needs the table rebuilt first."""
     rt = store.reftable
-    if next(iter(rt.catalog_iter()), None) is not None or rt.list() or rt.tags() or rt.pins():
-        return
+    if rt.born_with_store() or next(iter(rt.catalog_iter()), None) is not None or rt.list() or rt.tags() \
+            or rt.pins():
+        return  # a table made with its store: empty means a fresh store (commits in flight)
     found = next(store.assets.list_objects("commits"), None)
     if found is not None:
         raise TsckError("gc refused: storage holds snapshots but the ref table knows none of them (a lost "

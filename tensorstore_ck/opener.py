@@ -176,7 +176,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                         f"lost, run `tsck recover {url}` to rebuild it from storage (check --refs / "
                         "$TSCK_REFS first)") from None
     try:
-        reftable.bind_store(store_id)
+        reftable.bind_store(store_id, new=created)
     except BaseException:
         if not isinstance(refs, RefTable):
             reftable.close()

@@ -23,7 +23,7 @@ from . import chunker
 from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CollectiveContext, collective_checkout, collective_put, is_collective
-from .errors import (AmbiguousTarget, InvalidArgument, InvalidName, RefConflict, RefNotFound, TsckError,
+from .errors import (AmbiguousTarget, Fenced, InvalidArgument, InvalidName, RefConflict, RefNotFound, TsckError,
                      storage_error)
 from .format.manifest import decode_commit
 from .ids import Digest, is_hex_prefix
@@ -372,6 +372,7 @@ class Store:
         validate_name(name, "tag name")
         if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
             raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
+        fence = self.publisher.fence()  # before the target is looked at (see _fenced)
         root = self._root(target)
         if self.reftable.get_or_none(name) is not None:
             raise RefConflict(name, None, self.reftable.get_or_none(name).hex(), what="tag (a ref has this name)")
@@ -382,8 +383,28 @@ class Store:
         if stored is not None and stored != root:  # another tag by this name exists in storage
             raise RefConflict(name, None, stored.hex() if stored else None, what="tag")
         self.assets.sync()
-        self.reftable.tag_create(name, root)
+        try:
+            self._fenced(root, target, fence, lambda f: self.reftable.tag_create(name, root, fence=f))
+        except RefNotFound:
+            if stored is None:  # ours: the name stays free
+                self.assets.delete_tag(name)
+            raise
         return self._info(root)
+
+    def _fenced(self, root: bytes, target: str, fence: int, make) -> None:
+        """Make a tag or pin of `root`, fenced against gc like a ref move: the row goes in
+        only while the deletion epoch is still the one read before `root` was resolved.
+        If a deletion phase overlapped, wait it out and go on only if the snapshot is
+        still kept (catalog row, commit object); else it is gone: RefNotFound."""
+        while True:
+            try:
+                return make(fence)
+            except Fenced:
+                fence = self.publisher.wait_gc_idle()
+                kept = self.reftable.catalog_get(root) is not None or root in {r for _, r in self.reftable.list()}
+                if not kept or not self.assets.has_commit(root):
+                    raise RefNotFound(f"snapshot {root.hex()[:16]} ({target!r}) was removed by a gc that ran "
+                                      "meanwhile; nothing was created") from None
 
     @_storage_errors
     def recover(self):
@@ -418,8 +439,9 @@ class Store:
 
     @_storage_errors
     def pin(self, target: str) -> str:
+        fence = self.publisher.fence()
         root = self._root(target)
-        self.reftable.pin(root)
+        self._fenced(root, target, fence, lambda f: self.reftable.pin(root, fence=f))
         return root.hex()
 
     @_storage_errors

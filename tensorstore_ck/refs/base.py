@@ -81,10 +81,12 @@ class RefTable(ABC):
     def close(self) -> None:
         pass
 
-    def bind_store(self, store_id: str) -> None:
+    def bind_store(self, store_id: str, *, new: bool = False) -> None:
         """Record the id of the store this table serves, or refuse (NotAStore) if it
         already serves another: a ref table of store A used for store B would make gc
-        delete everything B holds."""
+        delete everything B holds. new: the table was made with its store (not rebuilt
+        by recover, not an empty namespace met later): only such an empty table may be
+        trusted by gc to mean "nothing is kept"."""
         want = store_id.encode()
 
         def txn(t: Txn):
@@ -94,9 +96,14 @@ class RefTable(ABC):
             elif cur != want:
                 raise NotAStore(f"this ref table belongs to store {cur.decode(errors='replace')!r}, not to "
                                 f"{store_id!r}: wrong --refs / $TSCK_REFS?")
+            if new:
+                t.put("meta", b"born_with_store", b"1")
 
-        if self._read(lambda t: t.get("meta", b"store_id")) != want:
+        if new or self._read(lambda t: t.get("meta", b"store_id")) != want:
             self._write(txn)
+
+    def born_with_store(self) -> bool:
+        return self._read(lambda t: t.get("meta", b"born_with_store")) is not None
 
     def bound_store(self) -> str | None:
         v = self._read(lambda t: t.get("meta", b"store_id"))
@@ -122,10 +129,7 @@ class RefTable(ABC):
         key = name.encode()
 
         def txn(t: Txn):
-            if fence is not None:
-                epoch = _gc_state(t).get("epoch", 0)
-                if epoch != fence or epoch % 2:
-                    raise Fenced(f"gc deletion epoch moved from {fence} to {epoch}")
+            _check_fence(t, fence)
             actual = t.get("refs", key)
             if actual != expected:
                 raise RefConflict(name, _hex(expected), _hex(actual))
@@ -176,11 +180,13 @@ class RefTable(ABC):
     def tag_get(self, name):
         return self._read(lambda t: t.get("tags", name.encode()))
 
-    def tag_create(self, name: str, root: bytes) -> None:
-        """Tags are immutable: RefConflict if `name` exists as a tag or a ref."""
+    def tag_create(self, name: str, root: bytes, *, fence: int | None = None) -> None:
+        """Tags are immutable: RefConflict if `name` exists as a tag or a ref. fence: as for
+        compare_and_swap (Fenced if a gc deletion phase started since, or is running)."""
         key = name.encode()
 
         def txn(t):
+            _check_fence(t, fence)
             cur = t.get("tags", key)
             if cur is not None:
                 raise RefConflict(name, None, _hex(cur), what="tag")
@@ -194,8 +200,12 @@ class RefTable(ABC):
     def tags(self):
         return self._read(lambda t: [(_name(k, "tag"), v) for k, v in t.items("tags")])
 
-    def pin(self, root):
-        self._write(lambda t: t.put("pins", root, b""))
+    def pin(self, root: bytes, *, fence: int | None = None) -> None:
+        """fence: as for compare_and_swap."""
+        def txn(t):
+            _check_fence(t, fence)
+            t.put("pins", root, b"")
+        self._write(txn)
 
     def unpin(self, root):
         self._write(lambda t: t.delete("pins", root))
@@ -213,10 +223,15 @@ class RefTable(ABC):
         rows = self._read(lambda t: list(t.items("retention")))
         return {_name(k, "retention"): decode_record(v, "retention") for k, v in rows}
 
-    def catalog_expire(self, roots: list[bytes]) -> list[bytes]:
+    def catalog_expire(self, roots: list[bytes], *, rules: dict | None = None) -> list[bytes]:
         """Drop the catalog rows of `roots` that are, at that moment, no ref's tip,
-        no tag's target and not pinned. Returns the roots dropped."""
+        no tag's target and not pinned. Returns the roots dropped. rules: the retention
+        rules the roots were chosen by; if they changed since (set_retention raced the
+        gc), nothing is dropped: the next gc decides by the new rules."""
         def txn(t):
+            if rules is not None and {_name(k, "retention"): decode_record(v, "retention")
+                                      for k, v in t.items("retention")} != rules:
+                return []
             protected = {v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} \
                 | {k for k, _ in t.items("pins")}
             gone = []
@@ -293,6 +308,13 @@ class RefTable(ABC):
                 t.put("gc", b"state", encode_record(st))
             return st
         return self._write(txn)
+
+
+def _check_fence(t: Txn, fence: int | None) -> None:
+    if fence is not None:
+        epoch = _gc_state(t).get("epoch", 0)
+        if epoch != fence or epoch % 2:
+            raise Fenced(f"gc deletion epoch moved from {fence} to {epoch}")
 
 
 def _gc_state(t: Txn) -> dict:

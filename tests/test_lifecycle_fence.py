@@ -1,0 +1,115 @@
+"""Issue 11, failure 1: a tag or pin made while gc runs can land on a snapshot gc deletes.
+
+tag() resolved its target, wrote tags/<hex> (slow under S3 throttling), then inserted
+the tag row; nothing fenced that insert against a deletion phase. With the tags/ PUT
+held while gc expired and deleted the target, the old code created the tag and
+tag() returned success; afterwards fsck reported a dangling tag and checkout of the
+tag raised IntegrityError. Now the row is fenced like a ref move (the deletion epoch
+read before the target is resolved) and tag()/pin() fail with RefNotFound instead.
+Also: set_retention racing gc's expiry. The gate makes each interleaving exact.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+from tensorstore_ck.storage.wrappers import WrappedStore
+
+
+class Gate(WrappedStore):
+    """Holds the first put whose key starts with `prefix` until released."""
+
+    def __init__(self, inner, prefix):
+        super().__init__(inner)
+        self.prefix, self.reached, self.release = prefix, threading.Event(), threading.Event()
+
+    def put_if_absent(self, key, bufs):
+        if key.startswith(self.prefix) and not self.reached.is_set():
+            self.reached.set()
+            assert self.release.wait(30)
+        return super().put_if_absent(key, bufs)
+
+
+def _store(path, gate_prefix=None):
+    gate = {}
+
+    def wrap(inner):
+        gate["g"] = Gate(inner, gate_prefix or "\0")
+        return gate["g"]
+    s = tsck.open_store(path, wrap_storage=wrap)
+    for step in range(1, 4):
+        s.put_snapshot({"w": torch.full((30000,), float(step))}, ref="a/main", step=step)
+    s.set_retention("a", tsck.Retention(keep_last=1))
+    return s, gate["g"]
+
+
+def _in_thread(fn):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - judged by the test
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def test_tag_of_a_snapshot_gc_deletes_meanwhile_fails_cleanly(tmp_path):
+    s, gate = _store(tmp_path / "s", "tags/")
+    with s:
+        t, out = _in_thread(lambda: s.tag("keep-me", "a/main@1"))
+        assert gate.reached.wait(30)        # tag() resolved a/main@1 and is writing tags/<hex>
+        rep = s.gc()                        # expires step 1 (keep_last=1) and deletes it
+        assert rep.expired and rep.deleted_objects > 0
+        gate.release.set()
+        t.join(30)
+        assert isinstance(out.get("error"), tsck.RefNotFound), out
+        assert s.tags() == {}
+        assert s.fsck().ok
+        s.tag("keep-me", "a/main")          # the name is free again
+        assert torch.equal(s.checkout("keep-me")["w"], torch.full((30000,), 3.0))
+
+
+def test_tag_made_during_a_gc_that_keeps_its_target_succeeds(tmp_path):
+    s, gate = _store(tmp_path / "s", "tags/")
+    with s:
+        t, out = _in_thread(lambda: s.tag("tip", "a/main"))
+        assert gate.reached.wait(30)
+        s.gc()
+        gate.release.set()
+        t.join(30)
+        assert "error" not in out, out
+        assert s.resolve("tip") == s.resolve("a/main") and s.fsck().ok
+
+
+def test_pin_fenced_like_a_ref_move(tmp_path):
+    """A pin inserted after a deletion phase began is refused and re-checked."""
+    s, _gate = _store(tmp_path / "s")
+    with s:
+        root1 = s.resolve("a/main@1")
+        fence = s.publisher.fence()
+        s.gc()                              # step 1 expired and deleted since `fence` was read
+        with pytest.raises(tsck.Fenced):
+            s.reftable.pin(bytes.fromhex(root1), fence=fence)
+        with pytest.raises(tsck.RefNotFound):
+            s._fenced(bytes.fromhex(root1), "a/main@1", fence,
+                      lambda f: s.reftable.pin(bytes.fromhex(root1), fence=f))
+        assert s.reftable.pins() == set() and s.fsck().ok
+
+
+def test_set_retention_racing_expiry_drops_nothing(tmp_path):
+    """Rules loosened after gc chose what to expire: that gc expires nothing."""
+    s, _gate = _store(tmp_path / "s")
+    with s:
+        rules = s.reftable.retention_all()
+        from tensorstore_ck.gc import plan_expiry
+        doomed = plan_expiry(s, 1e12, rules)
+        assert len(doomed) == 2
+        s.set_retention("a", tsck.Retention(keep_last=10))
+        assert s.reftable.catalog_expire(doomed, rules=rules) == []
+        assert [i.step for i in s.log("a/main")] == [3, 2, 1]
