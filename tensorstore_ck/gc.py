@@ -88,10 +88,12 @@ def plan_expiry(store, now: float, records: dict | None = None) -> list[bytes]:
     before protection by refs/tags/pins."""
     records = store.reftable.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
+    order = store.reftable.publication_order()
     by_job: dict[str, list[SnapRow]] = {}
     for root, row in store.reftable.catalog_iter():
         by_job.setdefault(str(row.get("job", "")), []).append(
-            SnapRow(root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {})))
+            SnapRow(root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}),
+                    order.get(root)))
     protected = {r for _, r in store.reftable.list()} | {r for _, r in store.reftable.tags()} \
         | store.reftable.pins()
     out = []

@@ -69,6 +69,7 @@ class SnapRow:
     step: int | None
     time: float
     metrics: dict
+    seq: int | None = None  # order of publication (the ref table's reflog), if known
 
 
 def select_kept(rows: Iterable[SnapRow], rule: Retention | None, now: float) -> set[bytes]:
@@ -76,8 +77,10 @@ def select_kept(rows: Iterable[SnapRow], rule: Retention | None, now: float) -> 
     if rule is None:
         return {r.root for r in rows}
     kept: set[bytes] = set()
-    newest_first = sorted(rows, key=lambda r: (r.time, r.step if r.step is not None else -math.inf),
-                          reverse=True)
+    # "Last" is publication order, not the wall clock: a clock stepped back (NTP, a restored
+    # VM, writers on several hosts) must not make the newest snapshots look oldest.
+    newest_first = sorted(rows, key=lambda r: (r.seq is not None, r.seq or 0, r.time,
+                                               r.step if r.step is not None else -math.inf), reverse=True)
     if rule.keep_last:
         kept.update(r.root for r in newest_first[: rule.keep_last])
     if rule.keep_best:

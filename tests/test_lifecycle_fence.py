@@ -113,3 +113,20 @@ def test_set_retention_racing_expiry_drops_nothing(tmp_path):
         s.set_retention("a", tsck.Retention(keep_last=10))
         assert s.reftable.catalog_expire(doomed, rules=rules) == []
         assert [i.step for i in s.log("a/main")] == [3, 2, 1]
+
+
+def test_keep_last_follows_publication_order_not_the_clock(tmp_path, monkeypatch):
+    """Issue 11, failure 13: after the clock steps back an hour (NTP, a restored VM,
+    writers on hosts whose clocks differ), the newest snapshots looked oldest and
+    keep_last=3 of steps 1..8 kept [8, 5, 4, 3]."""
+    import tensorstore_ck.publish as publish
+    real = publish.time.time
+    with tsck.open_store(tmp_path / "s") as s:
+        for step in range(1, 9):
+            if step == 6:
+                monkeypatch.setattr(publish.time, "time", lambda: real() - 3600.0)
+            s.put_snapshot({"w": torch.full((1000,), float(step))}, ref="a/main", step=step)
+        monkeypatch.setattr(publish.time, "time", real)
+        s.set_retention("a", tsck.Retention(keep_last=3))
+        s.gc()
+        assert [i.step for i in s.log("a/main")] == [8, 7, 6]

@@ -150,6 +150,21 @@ class RefTable(ABC):
     def list(self, prefix=""):
         return self._read(lambda t: [(_name(k, "ref"), v) for k, v in t.items("refs", prefix.encode())])
 
+    def publication_order(self) -> dict[bytes, int]:
+        """root -> the sequence number of the latest ref move that published it (one
+        counter for the whole table, so it orders snapshots across refs)."""
+        def txn(t):
+            out = {}
+            for k, v in t.items("reflog"):
+                if len(k) < _SEQ.size + 1:
+                    raise FormatError("malformed reflog key")
+                seq = _SEQ.unpack(k[-_SEQ.size:])[0]
+                _t, _old, new, _msg = decode_reflog(v, "?")
+                if seq > out.get(new, -1):
+                    out[new] = seq
+            return out
+        return self._read(txn)
+
     def reflog(self, name: str) -> list[ReflogEntry]:
         """Every move of `name`, oldest first."""
         key = name.encode() + b"\0"
