@@ -5,8 +5,12 @@ its job and ref, and every tag is also written to storage as ``tags/<hex of
 name>`` (JSON {name, root, time}). After the LMDB file is lost, each ref is
 restored at its newest commit (by commit time, then step) with a reflog that
 lists its commits oldest first, so ``log`` and ``REF@STEP`` work again.
-Refs and tags that still exist are left as they are. Retention rules and pins
-live only in the ref table and must be set again.
+Refs and tags that still exist are left as they are, except a ref a killed
+recover left on an intermediate commit: it is moved on, so running recover
+again always ends where one uninterrupted run ends. A commit whose tree is not
+all present (gc swept it, a crash cut it short) is never adopted; the report
+says which and why. Retention rules and pins live only in the ref table and
+must be set again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import FormatError, IntegrityError, RefConflict
 from .format.manifest import decode_commit
 from .format.names import validate_name
+from .walk import walk_commit
 
 __all__ = ["RecoverReport", "run_recover"]
 
@@ -27,9 +32,31 @@ class RecoverReport:
     refs_restored: dict = field(default_factory=dict)   # name -> root hex
     tags_restored: dict = field(default_factory=dict)
     unreadable: list = field(default_factory=list)      # keys of commits/tags that did not verify
+    skipped: dict = field(default_factory=dict)         # root hex -> why it was not adopted (incomplete)
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+RECOVERED = "recovered from storage"  # the reflog message of recover's ref moves
+
+
+def _moved_by_recover(rt, ref: str, cur: bytes) -> bool:
+    log = rt.reflog(ref)
+    return bool(log) and log[-1].new == cur and log[-1].message == RECOVERED
+
+
+def _incomplete(store, root: bytes, present: set) -> str | None:
+    """Why the snapshot `root` cannot be adopted (a node unreadable, a block missing), or None."""
+    try:
+        for obj in walk_commit(store.assets, root, verify=True):
+            if obj.kind == "block" and obj.digest not in present:
+                if not store.assets.block_exists(obj.digest):
+                    return f"block {obj.digest.hex()[:16]} of {obj.path or 'its tree'} is missing"
+                present.add(obj.digest)
+    except (IntegrityError, FormatError) as e:
+        return f"its tree is incomplete: {e}"
+    return None
 
 
 def run_recover(store) -> RecoverReport:
@@ -37,6 +64,7 @@ def run_recover(store) -> RecoverReport:
     rt = store.reftable
     by_ref: dict[str, list[tuple[float, int, bytes, dict]]] = {}
     strays: list = []
+    present: set = set()  # blocks known to exist
     for o in store.assets.list_objects("commits", strays):
         root = o.digest
         try:
@@ -46,6 +74,13 @@ def run_recover(store) -> RecoverReport:
             rep.unreadable.append(f"{store.assets.object_key('commits', root)}: {e}")
             continue
         rep.commits_found += 1
+        why = _incomplete(store, root, present)
+        if why is not None:
+            # A commit whose tree gc swept (written just after a gc began, its writer's
+            # fenced move failed and it re-uploaded) or that a crash left half-written:
+            # adopting it would name a snapshot that cannot be read.
+            rep.skipped[root.hex()] = why
+            continue
         st = c.get("stats") or {}
         row = {"job": c["job"], "ref": c["ref"], "step": c["step"], "time": c["time"],
                "metrics": c["metrics"], "meta": c.get("meta") or {}, "parent": c.get("parent"),
@@ -56,13 +91,18 @@ def run_recover(store) -> RecoverReport:
         step = c["step"] if isinstance(c["step"], int) else -1
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
     for ref, items in sorted(by_ref.items()):
-        if rt.get_or_none(ref) is not None:
-            continue
         items.sort(key=lambda x: (x[0], x[1]))
-        prev = None
+        roots = [root for _t, _s, root, _row in items]
+        cur = rt.get_or_none(ref)
+        if cur is not None and (cur not in roots[:-1] or not _moved_by_recover(rt, ref, cur)):
+            continue  # at its newest commit, or placed there by a writer or a user: their view wins
+        # A recover killed half-way left the ref on an intermediate commit: go on from
+        # there, so a second run ends exactly where one uninterrupted run ends.
+        start = 0 if cur is None else roots.index(cur) + 1
+        prev = cur
         try:
-            for _t, _s, root, row in items:
-                rt.compare_and_swap(ref, prev, root, message="recovered from storage", catalog_row=row)
+            for _t, _s, root, row in items[start:]:
+                rt.compare_and_swap(ref, prev, root, message=RECOVERED, catalog_row=row)
                 prev = root
         except RefConflict:  # a writer moved it meanwhile: its view wins
             continue
