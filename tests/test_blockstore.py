@@ -204,3 +204,19 @@ def test_s3_transport_failure_is_an_oserror():
     with pytest.raises(OSError) as ei:
         s.exists("blocks/00/" + "0" * 64)
     assert "EndpointConnectionError" in str(ei.value) or isinstance(ei.value, ConnectionError)
+
+
+@pytest.mark.slow
+def test_s3_client_error_is_not_retried_and_server_error_marks_are_s3s(s3_server, s3_url):
+    """S3BlockStore marks what S3 said (4xx: not transient); RetryingStore obeys the mark
+    and knows nothing of botocore."""
+    import time as _time
+
+    from tensorstore_ck.storage.wrappers import RetryingStore
+    inner = S3BlockStore(s3_url, s3_server)
+    s = RetryingStore(inner, attempts=5, base_delay=0.3)
+    t = _time.monotonic()
+    with pytest.raises(OSError) as ei:
+        s.put_if_absent("k" * 1100, [b"x"])           # an invalid key: a 4xx
+    assert getattr(ei.value, "transient", None) is False
+    assert _time.monotonic() - t < 0.3                 # no backoff was slept: not retried

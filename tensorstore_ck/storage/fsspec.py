@@ -34,7 +34,8 @@ def _translated(fn):
     def wrapper(self, *args, **kwargs):
         try:
             return fn(self, *args, **kwargs)
-        except OSError:
+        except OSError as e:
+            self._classify(e)
             raise
         except Exception as e:  # noqa: BLE001 - the store decides which ones are its
             err = self._translate(e)
@@ -68,6 +69,10 @@ class FsspecBlockStore(BlockStore):
     def _translate(self, e: Exception) -> OSError | None:
         """A backend failure that is not an OSError, as one (None: not ours, re-raise)."""
         return None
+
+    def _classify(self, e: OSError) -> None:
+        """Mark `e.transient` (bool) where the protocol tells whether a retry may help;
+        RetryingStore reads the mark. Generic fsspec errors carry no such knowledge."""
 
     def _exists_error(self, e: OSError) -> bool:
         """A create refused because the key exists."""

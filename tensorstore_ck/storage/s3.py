@@ -15,7 +15,9 @@ switched off (the three multiplied: a hung server held one request for
 minutes), and explicit connect/read timeouts turn a hung connection into a
 retryable error. Transport errors that are not OSErrors (botocore's
 EndpointConnectionError, ReadTimeoutError, aiohttp's) become ConnectionError /
-TimeoutError here, so callers only ever see OSError (StorageError above).
+TimeoutError here, so callers only ever see OSError (StorageError above), and an
+OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
+(other 4xx) for RetryingStore.
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ __all__ = ["S3BlockStore"]
 _TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
 
 
+# Error codes worth a retry although their status is 4xx.
+_THROTTLING = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed")
+
+
+def _response(e: BaseException) -> dict | None:
+    """The S3 response behind an error s3fs raised (botocore's ClientError.response), if any."""
+    resp = getattr(e.__cause__ or e.__context__, "response", None)
+    return resp if isinstance(resp, dict) else None
+
+
 def _is_precondition_failed(e: BaseException) -> bool:
     """A conditional PUT refused because the key exists (HTTP 412), however the client reports it."""
     if isinstance(e, FileExistsError):
         return True
-    cause = e.__cause__ or e.__context__
-    resp = getattr(cause, "response", None)
-    if isinstance(resp, dict):
+    resp = _response(e)
+    if resp is not None:
         status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
         code = resp.get("Error", {}).get("Code")
         return status == 412 or code == "PreconditionFailed"
@@ -68,6 +79,14 @@ class S3BlockStore(FsspecBlockStore):
 
     def _exists_error(self, e: OSError) -> bool:
         return _is_precondition_failed(e)
+
+    def _classify(self, e: OSError) -> None:
+        # What S3 said: 5xx and throttling are worth a retry, other 4xx are not.
+        resp = _response(e)
+        if resp is not None:
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = resp.get("Error", {}).get("Code", "")
+            e.transient = status >= 500 or code in _THROTTLING
 
     def _read(self, path: str) -> bytes:
         return self.fs.cat_file(path, max_concurrency=1)  # one GET, no sizing HEAD

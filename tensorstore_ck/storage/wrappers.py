@@ -179,13 +179,9 @@ def _transient(e: BaseException) -> bool:
     if isinstance(e, OSError):
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EINVAL):
             return False
-        cause = e.__cause__ or e.__context__
-        resp = getattr(cause, "response", None)
-        if isinstance(resp, dict):  # botocore: retry 5xx and throttling, not 4xx
-            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            code = resp.get("Error", {}).get("Code", "")
-            return status >= 500 or code in ("SlowDown", "Throttling", "ThrottlingException",
-                                             "RequestTimeout", "RequestTimeTooSkewed")
+        marked = getattr(e, "transient", None)
+        if isinstance(marked, bool):  # the backend knew (S3BlockStore: 5xx/throttling vs 4xx)
+            return marked
         return True
     name = type(e).__name__
     return any(w in name for w in ("Timeout", "Connection", "ServerDisconnected", "ClientPayloadError"))
