@@ -144,6 +144,9 @@ def cmd_fsck(store, args):
     lines.append(f"{'ok' if r.ok else 'PROBLEMS'}: {r.snapshots_checked} snapshots, {r.objects_checked} objects, "
                  f"{_human(r.bytes_checked)} {'re-hashed' if r.full else 'sized'}; {len(r.findings)} problems; "
                  f"{r.orphans} orphans ({_human(r.orphan_bytes)}, gc removes them)")
+    if r.gc_ran:
+        lines.append(f"note: a gc ran during this fsck; {r.dropped_after_gc} finding(s) of snapshots it removed "
+                     "meanwhile were left out")
     _out(args, r.to_json(), "\n".join(lines))
     return 0 if r.ok else 1
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import FormatError, IntegrityError
 from .format import frame
 from .gc import _progress
-from .reach import KINDS, Marked, iter_unreachable
+from .reach import KINDS, Marked, iter_unreachable, kept_roots
 from .walk import walk_commit
 
 __all__ = ["Finding", "FsckReport", "run_fsck"]
@@ -53,6 +53,8 @@ class FsckReport:
     findings: list = field(default_factory=list)
     orphans: int = 0
     orphan_bytes: int = 0
+    gc_ran: bool = False          # a gc deletion phase overlapped this fsck
+    dropped_after_gc: int = 0     # findings of snapshots that gc removed meanwhile (not damage)
     seconds: float = 0.0
 
     @property
@@ -79,6 +81,7 @@ def _names(store) -> dict[bytes, list[str]]:
 def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
     t0 = time.time()
     rep = FsckReport(full=full)
+    epoch0 = store.reftable.gc_state()["epoch"]
     names = _names(store)
     roots = sorted({r for r, _ in store.reftable.catalog_iter()} | set(names))
     block_status: dict[bytes, IntegrityError | None] = {}
@@ -143,6 +146,15 @@ def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
             rep.orphan_bytes += o.size
     for key in strays:  # never parsed, never deleted: an operator looks at them
         rep.findings.append(Finding("stray", None, [], None, key, "a stored name that is no object key"))
+    # A gc running beside fsck expires snapshots and then deletes their objects: what fsck
+    # saw missing of those is not damage. Report only snapshots still kept now (expiry
+    # always precedes deletion, so a snapshot whose objects went is no longer kept).
+    epoch1 = store.reftable.gc_state()["epoch"]
+    rep.gc_ran = epoch1 != epoch0 or bool(epoch1 % 2)
+    still = kept_roots(store)
+    keep = [f for f in rep.findings if f.snapshot is None or bytes.fromhex(f.snapshot) in still]
+    rep.dropped_after_gc = len(rep.findings) - len(keep)
+    rep.findings = keep
     rep.seconds = time.time() - t0
     return rep
 

@@ -172,6 +172,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     try:
         reftable = _open_refs(refs, proto, rest, create=created or create_refs, store_id=store_id)
     except NotAStore as e:
+        if not str(e).startswith("no ref table"):
+            raise
         raise NotAStore(f"{e}: the store at {storage.url} exists but its ref table does not; if it was "
                         f"lost, run `tsck recover {url}` to rebuild it from storage (check --refs / "
                         "$TSCK_REFS first)") from None

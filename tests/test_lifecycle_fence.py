@@ -130,3 +130,39 @@ def test_keep_last_follows_publication_order_not_the_clock(tmp_path, monkeypatch
         s.set_retention("a", tsck.Retention(keep_last=3))
         s.gc()
         assert [i.step for i in s.log("a/main")] == [8, 7, 6]
+
+
+class ReadGate(WrappedStore):
+    """Holds the first read until released (the reader has already listed what to check)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def open_read(self, key):
+        if not self.reached.is_set():
+            self.reached.set()
+            assert self.release.wait(30)
+        return super().open_read(key)
+
+
+def test_fsck_beside_gc_reports_no_false_damage(tmp_path):
+    """Issue 11, failure 5: commits gc deleted while fsck walked were reported missing and
+    fsck exited 1 on a healthy store."""
+    _store(tmp_path / "s")[0].close()
+    gate = {}
+
+    def wrap(inner):
+        gate["g"] = ReadGate(inner)
+        return gate["g"]
+    with tsck.open_store(tmp_path / "s", wrap_storage=wrap) as s:
+        other = s
+        t, out = _in_thread(lambda: s.fsck())       # lists the 3 catalog rows, then waits at its first read
+        assert gate["g"].reached.wait(30)
+        assert other.gc().expired                   # steps 1 and 2 expired and deleted meanwhile
+        gate["g"].release.set()
+        t.join(60)
+        rep = out["value"]
+        assert rep.ok, [str(f) for f in rep.findings]
+        assert rep.gc_ran and rep.dropped_after_gc > 0
+        assert other.fsck().ok
