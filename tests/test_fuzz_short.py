@@ -36,13 +36,14 @@ import _common  # noqa: E402
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck.format.manifest import encode_node  # noqa: E402
 
-MSGPACK_PREFIX = {"fuzz_manifest": 0, "fuzz_refrecords": 1}  # targets whose inputs are msgpack (after N bytes)
+MSGPACK_PREFIX = {"fuzz_manifest": 0, "fuzz_refrecords": 1, "fuzz_tree": 0}  # targets whose inputs are msgpack (after N bytes)
 TARGETS = {  # module -> corpus folder
     "fuzz_frame": "frame",
     "fuzz_manifest": "manifest",
     "fuzz_refrecords": "refrecords",
     "fuzz_names": "names",
     "fuzz_state_encoder": "state_encoder",
+    "fuzz_tree": "tree",
 }
 MUTATIONS = 300
 TIME_LIMIT = 5.0          # seconds per input
