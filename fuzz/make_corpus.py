@@ -16,6 +16,11 @@ the gc state record exists, then copies:
     names/          the real ref and tag names, REF@STEP targets, root prefixes
                     ({r8}, {r12}, {root}), job names, and a few hostile strings
     state_encoder/  the real states (each top-level entry) as Builder programs
+    tree/           the raw node values (msgpack of decode_node's result) of every node
+                    of the same snapshots and of a real DCP snapshot (fuzz_tree.
+                    write_dcp_snapshot), plus a multi-rank "W" value
+
+`--only tree` rebuilds only that folder (the others keep their files).
 
 File names are <label>-<sha1 of content, 12 hex>. Re-running replaces the
 folder's contents (commit times differ per run, so some seeds change).
@@ -46,7 +51,12 @@ def _write(out: str, target: str, label: str, data: bytes) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(_common.CORPUS_DIR))
+    ap.add_argument("--only", choices=["tree"], help="rebuild only this folder")
     args = ap.parse_args(argv)
+    if args.only == "tree":
+        n = tree_corpus(args.out)
+        print(f"tree: {n}")
+        return 0
 
     import lmdb
 
@@ -124,8 +134,63 @@ def main(argv=None) -> int:
             write("state_encoder", f"state{i}-model", fuzz_state_encoder.encode_tree({k: v}))
     write("state_encoder", "synth-deep", bytes([0, 16, 7, 100]))
     write("state_encoder", "synth-pickle", bytes([1, 8, 2, 0, 1, 97, 15, 0, 4, 0, 1, 98, 15, 3]))
+    counts["tree"] = tree_corpus(out)
     print(" ".join(f"{t}: {n}" for t, n in sorted(counts.items())))
     return 0
+
+
+def tree_corpus(out: str) -> int:
+    """fuzz/corpus/tree/: the raw value of every node of the real snapshots (rebuilt in
+    memory, as fuzz_tree does) and of a real DCP snapshot, as msgpack. -> count."""
+    import msgpack
+
+    import fuzz_tree
+    from tensorstore_ck.format import frame
+    from tensorstore_ck.format.manifest import decode_commit, decode_node
+
+    shutil.rmtree(os.path.join(out, "tree"), ignore_errors=True)
+    store, info = _common.build_real_store()
+    n = 0
+    try:
+        def node_values():
+            got = {}
+            for o in sorted(store.storage.list("nodes/"), key=lambda o: o.key):
+                blob = store.storage.get(o.key)
+                payload = bytes(frame.decode_payload(frame.decode_header(blob), blob[frame.HEADER_SIZE:]))
+                got[o.key] = msgpack.packb(decode_node(payload), use_bin_type=True)
+            return got
+
+        real = node_values()
+        fuzz_tree.write_dcp_snapshot(store)
+        every = node_values()
+        trees = [decode_commit(store.assets.get_commit(bytes.fromhex(s.root)))["tree"] for s in info["snapshots"][:2]]
+        seeds = [("node", v) for k, v in real.items()] + [("dcp", v) for k, v in every.items() if k not in real]
+        # every distinct leaf (T, A, G, S, i, P) inside them as a value of its own: short seeds per kind
+        leaves: dict = {}
+
+        def walk(v):
+            if isinstance(v, dict):
+                if len(v) == 1 and next(iter(v)) in ("T", "A", "G", "S", "i", "P"):
+                    (tag, body), = v.items()
+                    kind = (tag, str(body.get("dt")), "x" in body, "q" in body, "rep" in body) \
+                        if isinstance(body, dict) else (tag, str(body[0]) if isinstance(body, list) else "")
+                    leaves.setdefault(kind, msgpack.packb(v, use_bin_type=True))  # one per kind and dtype
+                for x in v.values():
+                    walk(x)
+            elif isinstance(v, list):
+                for x in v:
+                    walk(x)
+
+        for _label, data in seeds:
+            walk(msgpack.unpackb(data, raw=False, strict_map_key=False))
+        seeds += [("leaf", b) for b in leaves.values()]
+        seeds.append(("synth-world", msgpack.packb({"W": {"ranks": trees, "world": 2}}, use_bin_type=True)))
+        for label, data in seeds:
+            _write(out, "tree", label, data)
+            n += 1
+    finally:
+        _common.drop_memory_store(store)
+    return n
 
 
 if __name__ == "__main__":

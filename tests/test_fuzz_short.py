@@ -36,13 +36,14 @@ import _common  # noqa: E402
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck.format.manifest import encode_node  # noqa: E402
 
-MSGPACK_PREFIX = {"fuzz_manifest": 0, "fuzz_refrecords": 1}  # targets whose inputs are msgpack (after N bytes)
+MSGPACK_PREFIX = {"fuzz_manifest": 0, "fuzz_refrecords": 1, "fuzz_tree": 0}  # targets whose inputs are msgpack (after N bytes)
 TARGETS = {  # module -> corpus folder
     "fuzz_frame": "frame",
     "fuzz_manifest": "manifest",
     "fuzz_refrecords": "refrecords",
     "fuzz_names": "names",
     "fuzz_state_encoder": "state_encoder",
+    "fuzz_tree": "tree",
 }
 MUTATIONS = 300
 TIME_LIMIT = 5.0          # seconds per input
@@ -354,3 +355,48 @@ def test_checkout_max_bytes_caps_what_a_manifest_may_allocate():
         for bad in (-1, "1e9", 1.5, True):
             with pytest.raises(tsck.InvalidArgument):
                 store.checkout("r/x", max_bytes=bad)
+
+
+def _dcp_bytes_leaf(n: int, bs: int = 256 << 20) -> bytes:
+    """fuzz_tree input: a DCP "bytes" section holding one 1-D uint8 leaf of n bytes
+    in blocks that do not exist."""
+    return msgpack.packb({"d": [["x", {"T": {"dt": "uint8", "sh": [n], "n": n, "bs": bs,
+                                             "b": [bytes([1 + i % 250]) * 32 for i in range(-(-n // bs))]}}]]},
+                         use_bin_type=True)
+
+
+@pytest.mark.parametrize("n", [1 << 36, 1 << 40], ids=["64GiB", "1TiB"])
+def test_regression_dcp_bytes_item_allocated_before_its_blocks_exist(n):
+    """TsckReader._read_bytes (dcp.load of a BYTE_IO item stored as blocks) did
+    np.empty(leaf.nbytes) before reading a block: a 9 KB (64 GiB) or 139 KB (1 TiB)
+    manifest -> numpy _ArrayMemoryError (found by fuzz_tree). Now the size is capped
+    by the host's memory and a big item's blocks must exist first, as in checkout."""
+    assert run_input(_target("fuzz_tree"), _dcp_bytes_leaf(n)) is None
+
+
+def test_dcp_bytes_item_big_leaf_checks_blocks_before_allocating(monkeypatch):
+    """A bytes item under the host's memory but over 64 MiB, whose blocks do not
+    exist: IntegrityError (missing), and no buffer of its size is taken first."""
+    import blake3
+    from tensorstore_ck.dcp.reader import TsckReader
+    fz = importlib.import_module("fuzz_tree")
+    store = fz._store()
+    requested = []
+    real_empty = np.empty
+    monkeypatch.setattr(np, "empty", lambda n, *a, **k: requested.append(n) or real_empty(n, *a, **k))
+    payload = encode_node(fz._with_section(fz._STATE["dcp_top"], "bytes",
+                                           msgpack.unpackb(_dcp_bytes_leaf(1 << 30), raw=False)))
+    d = blake3.blake3(payload).digest()
+    saved = {t: dict(v) for t, v in store.reftable._data.items()}
+    store.assets.put_node(payload)
+    store.commit_tree(d, ref="fuzz/regr-bytes", job="fuzz", step=1, metrics={}, meta={"format": "dcp"},
+                      stats=dict(fz.STATS))
+    try:
+        r = TsckReader(store, "fuzz/regr-bytes")
+        r.read_metadata()
+        with pytest.raises(tsck.IntegrityError) as ei:
+            r._read_bytes(r._m, "x")
+        assert ei.value.reason == "missing"
+        assert all(not isinstance(x, int) or x < 1 << 30 for x in requested)
+    finally:
+        store.reftable._data = saved

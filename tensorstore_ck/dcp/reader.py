@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CheckoutMismatch, FormatError, InvalidArgument
-from ..read import read_box, run_reads
+from ..read import PRESENCE_CHECK_ABOVE, default_max_bytes, read_box, run_reads
 from ..format.names import parse_target
 from ..store import Store
 from .layout import DcpTree
@@ -129,6 +129,14 @@ class TsckReader(StorageReader):
             return raw
         if leaf.inline is not None:
             return leaf.inline
+        # As checkout does (Reader._reserve): a few hostile manifest bytes must not cost
+        # gigabytes, so the size is capped by the host's memory and a big item's blocks
+        # must exist before its buffer is taken.
+        if leaf.nbytes > default_max_bytes():
+            raise m.fmt(f"bytes item of {leaf.nbytes} bytes exceeds this host's memory", repr(fqn))
+        if leaf.nbytes > PRESENCE_CHECK_ABOVE:
+            list(self.store.pool.map(lambda d: self.store.assets.require_block(d, snapshot=m.root, path=repr(fqn)),
+                                     dict.fromkeys(leaf.blocks)))
         buf = np.empty(leaf.nbytes, dtype=np.uint8)
         run_reads(self.store.assets, self.store.pool, [(d, buf[a:b], repr(fqn)) for _i, d, a, b in leaf.block_spans()],
                   snapshot=m.root, verify=self.verify)

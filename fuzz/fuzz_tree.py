@@ -1,0 +1,278 @@
+"""Fuzz target: the manifest grammar (tensorstore_ck/format/tree.py) and the DCP
+reader's decoders (dcp/layout.py DcpTree, dcp/metadata.py decode_metadata,
+dcp/reader.py TsckReader) that read through it.
+
+Input: the msgpack bytes of one raw node VALUE (what manifest.decode_node
+returns; seeds: fuzz/corpus/tree/, the values of every node of the real
+snapshots and of a real DCP snapshot). Bytes that are not msgpack are skipped.
+
+Contract, for a raw value V:
+a. tree.decode_value(V, world=True), decode_value(V) and decode_node_value(V,
+   world=True) return a typed value (None/bool/int/float/str/bytes, Container,
+   Ref, Tensor, Array, Global, NpScalar, Pickled, World) or raise FormatError,
+   consistently with each other; tree.visit over a result never raises and
+   yields (path, depth, Ref | World | leaf).
+b. what the writer writes, the readers read: if V decodes, NodeWriter().check(V)
+   passes or raises UnsupportedType; if it passes, NodeWriter().write(V, put)
+   into a dict, every written payload decodes (manifest.decode_node +
+   tree.decode_node_value, children at their Ref's path and depth, the top with
+   world=True), and putting the written children back gives V again.
+c. the DCP reader: V is planted in a real in-memory store as the "tensors",
+   the "bytes" and (separately) the "metadata" section of a real DCP snapshot's
+   top node (written once per process by dcp.save + TsckWriter), both as a node
+   of its own and inline in the top node, and published (store.commit_tree);
+   then DcpTree, decode_metadata(metadata_plain), chunks(fqn) / bytes_item(fqn)
+   for every entry, TsckReader.read_metadata (and its byte reads), and
+   store.checkout each return or raise a TsckError subclass. The ref table is
+   reset and the planted objects removed after each input.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+from _common import ContractViolation  # noqa: E402
+
+with _common.instrument(__name__ == "__main__"):
+    import blake3
+    import msgpack
+    from tensorstore_ck.assets import commit_key, node_key
+    from tensorstore_ck.dcp.layout import DcpTree
+    from tensorstore_ck.dcp.metadata import decode_metadata
+    from tensorstore_ck.dcp.reader import TsckReader
+    from tensorstore_ck.errors import FormatError, TsckError, UnsupportedType
+    from tensorstore_ck.format import tree
+    from tensorstore_ck.format.manifest import decode_commit, decode_node, encode_node
+
+_STATE: dict = {}
+STATS = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
+DEADLINE = 10.0
+SECTIONS = ("tensors", "bytes", "metadata")
+DCP_REF = "dcp/main"
+_TYPED = (type(None), bool, int, float, str, bytes, tree.Container, tree.Ref, tree.Tensor, tree.Array,
+          tree.Global, tree.NpScalar, tree.Pickled, tree.World)
+_VISITED = (tree.Ref, tree.World, tree.Tensor, tree.Array, tree.Global)
+
+
+def dcp_state() -> dict:
+    """The state dict of the DCP template snapshot: tensors of several dtypes and
+    shapes (a multi-block one, an empty one, a 0-d one) and DCP's byte items."""
+    import torch
+    g = torch.Generator().manual_seed(99)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=g), "b": torch.zeros(32),
+                  "bf16": torch.randn(16, generator=g).to(torch.bfloat16)},
+        "extra": {"step": 7, "name": "dcp-run", "lrs": [0.1, 0.01], "flags": {"ema": True, "none": None},
+                  "ids": torch.arange(40, dtype=torch.int64), "empty": torch.empty(0, 3),
+                  "scalar": torch.tensor(2.5, dtype=torch.float64), "blob": b"\x01" * 5000},
+    }
+
+
+def write_dcp_snapshot(store, ref: str = DCP_REF):
+    """A real DCP snapshot (single process) on `ref`; returns its SnapshotInfo."""
+    import torch.distributed.checkpoint as dcp
+
+    from tensorstore_ck.dcp import TsckWriter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = TsckWriter(store, ref=ref, step=1)
+        dcp.save(dcp_state(), storage_writer=w)
+    return store.log(ref)[0]
+
+
+def _store():
+    if "store" not in _STATE:
+        store, info = _common.build_real_store()
+        snap = write_dcp_snapshot(store)
+        c = decode_commit(store.assets.get_commit(bytes.fromhex(snap.root)))
+        top = decode_node(store.assets.get_node(c["tree"]))
+        _STATE.update(store=store, info=info, dcp_top=top)
+    return _STATE["store"]
+
+
+def _attempt(fn, *args, **kw):
+    """fn(*args) -> its value, or None when it raised a TsckError (allowed)."""
+    try:
+        return fn(*args, **kw)
+    except TsckError:
+        return None
+
+
+# ---------------------------------------------------------------- a. the decoder
+def _decode(fn, raw, **kw):
+    try:
+        v = fn(raw, **kw)
+    except FormatError:
+        return None, False
+    if not isinstance(v, _TYPED):
+        raise ContractViolation(f"{fn.__name__} returned a {type(v).__name__}")
+    return v, True
+
+
+def _visit_all(v) -> list:
+    out = []
+    for item in tree.visit(v):
+        if not (isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], tuple)
+                and type(item[1]) is int and isinstance(item[2], _VISITED)):
+            raise ContractViolation(f"visit yielded {item!r:.100}")
+        out.append(item)
+    return out
+
+
+def check_decoders(raw):
+    """-> the typed value (world=True), or None when the grammar refuses raw."""
+    top, ok_w = _decode(tree.decode_value, raw, world=True)
+    plain, ok = _decode(tree.decode_value, raw)
+    nodev, ok_n = _decode(tree.decode_node_value, raw, world=True)
+    if ok and not ok_w:
+        raise ContractViolation("decode_value accepts without world what it refuses with world=True")
+    if ok_w and not ok and not isinstance(top, tree.World):
+        raise ContractViolation("world=True changes the verdict on a value that is not multi-rank")
+    if ok_n != (ok_w and not isinstance(top, tree.Ref)):
+        raise ContractViolation(f"decode_node_value {'accepts' if ok_n else 'refuses'} a value that "
+                                f"decode_value {'accepts' if ok_w else 'refuses'} ({type(top).__name__})")
+    for v, good in ((top, ok_w), (plain, ok), (nodev, ok_n)):
+        if good:
+            _visit_all(v)
+    return top if ok_w else None
+
+
+# ---------------------------------------------------------------- b. writer -> readers
+def _ref_digests(v) -> set:
+    return {x.digest for _p, _d, x in tree.visit(v) if isinstance(x, tree.Ref)}
+
+
+def _reassemble(v, written: dict, own: set):
+    """Replace every {"r": d} that the writer made (d in written, not in own) by its node's value."""
+    if isinstance(v, dict):
+        if len(v) == 1 and "r" in v and isinstance(v["r"], bytes) and v["r"] in written and v["r"] not in own:
+            return _reassemble(decode_node(written[v["r"]]), written, own)
+        return {k: _reassemble(x, written, own) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_reassemble(x, written, own) for x in v]
+    return v
+
+
+def check_writer(raw, typed) -> None:
+    try:
+        tree.NodeWriter().check(raw)
+    except UnsupportedType:
+        return
+    written: dict = {}
+
+    def put(payload: bytes) -> bytes:
+        d = blake3.blake3(payload).digest()
+        written[d] = payload
+        return d
+
+    try:
+        top = tree.NodeWriter().write(raw, put)
+    except UnsupportedType as e:
+        raise ContractViolation(f"NodeWriter.write refused what NodeWriter.check accepted: {e}") from None
+    if top not in written:
+        raise ContractViolation("NodeWriter.write returned the digest of no payload it wrote")
+    own = _ref_digests(typed)
+    reached = set()
+    todo = [(top, (), 0)]
+    while todo:
+        d, path, depth = todo.pop()
+        if d in reached:
+            continue
+        reached.add(d)
+        try:
+            v = tree.decode_node_value(decode_node(written[d]), path, depth, world=d == top)
+        except FormatError as e:
+            raise ContractViolation(f"a node the writer wrote does not decode: {e}") from None
+        for p, dep, item in _visit_all(v):
+            if isinstance(item, tree.Ref) and item.digest in written and item.digest not in own:
+                todo.append((item.digest, p, dep))
+    unread = [d.hex()[:12] for d in written if d not in reached]
+    if unread:
+        raise ContractViolation(f"the writer wrote nodes its top does not reach: {unread}")
+    back = _reassemble(decode_node(written[top]), written, own)
+    if msgpack.packb(back, use_bin_type=True) != msgpack.packb(raw, use_bin_type=True):
+        raise ContractViolation("the nodes the writer wrote do not put the value back together")
+
+
+# ---------------------------------------------------------------- c. the DCP reader
+def _with_section(top_raw, section: str, value):
+    items = [[k, value if k == section else v] for k, v in top_raw["d"]]
+    return {"d": items}
+
+
+def _read_dcp(store, ref: str) -> None:
+    root = store.resolve(ref)
+    t = _attempt(DcpTree, store.assets, store.pool, root, True)
+    if t is not None:
+        _attempt(decode_metadata, t.metadata_plain)
+        for fqn in list(t.tensors):
+            r = _attempt(t.chunks, fqn)
+            if r is not None and not (isinstance(r, tuple) and len(r) == 3 and isinstance(r[2], dict)):
+                raise ContractViolation(f"DcpTree.chunks returned {r!r:.100}")
+        for fqn in list(t.bytes):
+            r = _attempt(t.bytes_item, fqn)
+            if r is not None:
+                raw, leaf = r
+                if not ((isinstance(raw, bytes) and leaf is None) or (raw is None and type(leaf) is tree.Tensor)):
+                    raise ContractViolation(f"DcpTree.bytes_item returned {r!r:.100}")
+    reader = _attempt(TsckReader, store, ref)
+    if reader is not None and _attempt(reader.read_metadata) is not None:
+        for fqn in list(reader._m.bytes):
+            b = _attempt(reader._read_bytes, reader._m, fqn)
+            if b is not None and not isinstance(b, bytes):
+                raise ContractViolation(f"TsckReader read {type(b).__name__} for a bytes item")
+    state = _attempt(store.checkout, ref)
+    if state is not None:
+        _common.check_state_types(state)
+
+
+def check_dcp(store, raw, planted: list) -> None:
+    top_raw = _STATE["dcp_top"]
+    payload = encode_node(raw)
+    d = blake3.blake3(payload).digest()
+    if not store.storage.exists(node_key(d)):
+        planted.append(node_key(d))
+    store.assets.put_node(payload)
+    for section in SECTIONS:
+        for value in ({"r": d}, raw):  # a node of its own (as the writer lays it out), and inline
+            top = encode_node(_with_section(top_raw, section, value))
+            td = blake3.blake3(top).digest()
+            if not store.storage.exists(node_key(td)):
+                planted.append(node_key(td))
+            store.assets.put_node(top)
+            info = store.commit_tree(td, ref="fuzz/dcp", job="fuzz", step=1, metrics={}, meta={"format": "dcp"},
+                                     stats=dict(STATS))
+            planted.append(commit_key(bytes.fromhex(info.root)))
+            _read_dcp(store, "fuzz/dcp")
+
+
+def TestOneInput(data: bytes) -> None:
+    data = bytes(data)
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    except Exception:  # not msgpack: nothing to feed the grammar
+        return
+    typed = check_decoders(raw)
+    if typed is not None:
+        check_writer(raw, typed)
+    store = _store()
+    rt = store.reftable
+    saved = {t: dict(v) for t, v in rt._data.items()}
+    planted: list = []
+    try:
+        with _common.deadline(DEADLINE, "tree input"):
+            _attempt(check_dcp, store, raw, planted)
+    finally:
+        rt._data = {t: dict(v) for t, v in saved.items()}
+        for key in planted:
+            store.storage.delete(key)
+
+
+if __name__ == "__main__":
+    _common.atheris_main(TestOneInput, default_args=["-max_len=65536"],
+                         custom_mutator=_common.msgpack_custom_mutator(0))
