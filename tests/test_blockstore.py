@@ -179,44 +179,161 @@ def test_store_on_s3_with_postgres_refs(s3_url, s3_server, pg_dsn):
 
 # -- which store open_store builds, and S3's error classification ------------------------
 @pytest.mark.slow
-def test_open_store_builds_an_s3_block_store_under_its_retry_layer(s3_server, s3_url, tmp_path):
-    from tensorstore_ck.storage.wrappers import RetryingStore
-    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as s:
+@pytest.mark.parametrize("proto", ["s3", "s3a"])
+def test_open_store_builds_an_s3_block_store_under_its_retry_layer(proto, s3_server, s3_url, tmp_path):
+    url = s3_url.replace("s3://", f"{proto}://", 1)
+    with tsck.open_store(url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as s:
         assert type(s.storage) is RetryingStore and type(s.storage.inner) is S3BlockStore
+        assert s.storage.url == url and s3_server["secret"] not in repr(s.storage.inner)
 
 
 def test_memory_store_is_the_generic_fsspec_store(memory_url):
     with tsck.open_store(memory_url) as s:
-        assert type(s.storage) is FsspecBlockStore
+        assert type(s.storage) is FsspecBlockStore  # in-process: no retry layer either
         # the generic store leaves a foreign failure alone: only S3BlockStore knows botocore's
         assert s.storage._translate(RuntimeError("x")) is None
 
 
+def test_the_generic_store_has_no_s3_code_path(memory_url):
+    """FsspecBlockStore and RetryingStore know no S3: no botocore, no S3 calls, no
+    status parsing; an OSError carrying an S3-shaped response passes unclassified."""
+    import inspect
+
+    import tensorstore_ck.storage.fsspec as generic_module
+    import tensorstore_ck.storage.wrappers as wrappers_module
+    from tensorstore_ck.storage import BlockStore
+    for mod in (generic_module, wrappers_module):
+        src = inspect.getsource(mod)
+        assert not [w for w in ("botocore", "call_s3", "HTTPStatusCode", "_s3", "S3FileSystem") if w in src]
+    assert FsspecBlockStore.delete_many is BlockStore.delete_many  # S3's is DeleteObjects batches
+
+    def with_response(status):
+        e = OSError(errno.EIO, "x")
+        e.__cause__ = type("ClientError", (Exception,), {"response": {
+            "ResponseMetadata": {"HTTPStatusCode": status}, "Error": {"Code": "X"}}})()
+        return e
+    generic = FsspecBlockStore(memory_url)
+    for status in (412, 503):
+        e = with_response(status)
+        generic._classify(e)
+        assert not hasattr(e, "transient") and not generic._exists_error(e)
+
+
+@pytest.fixture
+def s3bs(s3_url, s3_server):
+    s = S3BlockStore(s3_url, s3_server)
+    yield s
+    s.close()
+
+
+def _count_requests(bs) -> list:
+    """The S3 operations bs's client sends, by name (botocore's before-call event)."""
+    seen = []
+    bs.fs.s3.meta.events.register("before-call.s3", lambda model, **_: seen.append(model.name))
+    return seen
+
+
+@pytest.mark.slow
+def test_s3_one_request_per_object_and_direction(s3bs, s3_server):
+    """put-if-absent is one conditional PUT; when the key exists (written around the
+    store, with s3fs) the server's 412 means "exists": False, the stored bytes kept."""
+    import s3fs
+    s3fs.S3FileSystem(**s3_server, skip_instance_cache=True).pipe_file(s3bs._path("blocks/aa/k"), b"first")
+    seen = _count_requests(s3bs)
+    assert s3bs.put_if_absent("blocks/aa/k", [b"second"]) is False
+    assert seen == ["PutObject"]
+    assert s3bs.put_if_absent("blocks/aa/new", [b"x"]) is True
+    assert s3bs.get("blocks/aa/k") == b"first"
+    assert s3bs.exists("blocks/aa/new") and not s3bs.exists("blocks/aa/none")
+    s3bs.delete_many([f"blocks/aa/{k}" for k in ("k", "new", "none")])
+    assert seen == ["PutObject", "PutObject", "GetObject", "HeadObject", "HeadObject", "DeleteObjects"]
+
+
+@pytest.mark.slow
+def test_s3_delete_many_raises_on_a_per_key_failure(s3_server):
+    """A bucket policy denies deletes under keep/: the DeleteObjects request succeeds,
+    and its per-key AccessDenied must not be dropped (s3fs's rm() would drop it)."""
+    import json
+
+    import boto3
+    c = boto3.client("s3", endpoint_url=s3_server["endpoint_url"], aws_access_key_id=s3_server["key"],
+                     aws_secret_access_key=s3_server["secret"], region_name="us-east-1")
+    bucket = f"tsck-deny-{uuid.uuid4().hex[:12]}"
+    c.create_bucket(Bucket=bucket)
+    try:
+        c.put_bucket_policy(Bucket=bucket, Policy=json.dumps({"Version": "2012-10-17", "Statement": [{
+            "Effect": "Deny", "Principal": "*", "Action": "s3:DeleteObject",
+            "Resource": f"arn:aws:s3:::{bucket}/p/keep/*"}]}))
+        bs = S3BlockStore(f"s3://{bucket}/p", s3_server)
+        for k in ("keep/a", "free/b"):
+            bs.put_if_absent(k, [b"x"])
+        try:
+            bs.delete_many(["free/b", "keep/a", "gone/c"])
+        except OSError as e:
+            assert "AccessDenied" in str(e) and "1 object(s)" in str(e)
+            assert s3_server["secret"] not in str(e)
+        else:
+            if not bs.exists("keep/a"):
+                pytest.skip("this S3 server does not enforce bucket policies (moto)")
+            pytest.fail("a per-key DeleteObjects error was dropped")
+        assert not bs.exists("free/b") and bs.exists("keep/a")
+    finally:
+        c.delete_bucket_policy(Bucket=bucket)
+        for o in c.list_objects_v2(Bucket=bucket).get("Contents", []):
+            c.delete_object(Bucket=bucket, Key=o["Key"])
+        c.delete_bucket(Bucket=bucket)
+
+
+def _s3_ops(bs) -> dict:
+    return {"get": lambda: bs.get("blocks/aa/k"), "put_if_absent": lambda: bs.put_if_absent("blocks/aa/j", [b"x"]),
+            "exists": lambda: bs.exists("blocks/aa/k"), "list": lambda: list(bs.list("")),
+            "delete": lambda: bs.delete("blocks/aa/k"), "delete_many": lambda: bs.delete_many(["blocks/aa/k"])}
+
+
 def test_s3_transport_failure_is_an_oserror():
-    """A server that refuses connections: ConnectionError (an OSError RetryingStore retries),
-    not botocore's EndpointConnectionError."""
+    """Nothing listening: botocore's EndpointConnectionError (not an OSError) arrives as
+    ConnectionError from every operation, which RetryingStore retries (StorageError above)."""
     import socket
+
+    from tensorstore_ck.storage.wrappers import _transient
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    s = S3BlockStore("s3://bucket/p", {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"})
-    with pytest.raises(OSError) as ei:
-        s.exists("blocks/00/" + "0" * 64)
-    assert "EndpointConnectionError" in str(ei.value) or isinstance(ei.value, ConnectionError)
+    s = S3BlockStore("s3://bucket/p", {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s",
+                                       "config_kwargs": {"connect_timeout": 1, "read_timeout": 1}})
+    for name, op in _s3_ops(s).items():
+        with pytest.raises(OSError) as ei:
+            op()
+        assert isinstance(ei.value, ConnectionError) and _transient(ei.value), (name, repr(ei.value))
+
+
+@pytest.mark.slow
+def test_s3_refused_credentials_are_permanent(s3_url, s3_server):
+    """A wrong secret (403 from the real server) is PermissionError, marked not
+    transient from the status: RetryingStore surfaces it at once; the secret is not echoed."""
+    S3BlockStore(s3_url, s3_server).put_if_absent("blocks/aa/k", [b"x"])
+    bad = S3BlockStore(s3_url, {**s3_server, "secret": "tsck-wrong-secret"})
+    for name, op in _s3_ops(bad).items():
+        try:
+            op()
+        except PermissionError as e:
+            assert e.transient is False and "tsck-wrong-secret" not in str(e), name
+        else:
+            pytest.skip("this S3 server does not check signatures (moto)")
+    rs = RetryingStore(bad, base_delay=0.001)
+    with pytest.raises(PermissionError):
+        rs.get("blocks/aa/k")
+    assert rs.retries == 0 and S3BlockStore(s3_url, s3_server).exists("blocks/aa/k")
 
 
 @pytest.mark.slow
 def test_s3_client_error_is_not_retried_and_server_error_marks_are_s3s(s3_server, s3_url):
     """S3BlockStore marks what S3 said (4xx: not transient); RetryingStore obeys the mark
     and knows nothing of botocore."""
-    import time as _time
-
-    from tensorstore_ck.storage.wrappers import RetryingStore
     inner = S3BlockStore(s3_url, s3_server)
-    s = RetryingStore(inner, attempts=5, base_delay=0.3)
-    t = _time.monotonic()
+    s = RetryingStore(inner, attempts=5, base_delay=0.001)
     with pytest.raises(OSError) as ei:
         s.put_if_absent("k" * 1100, [b"x"])           # an invalid key: a 4xx
     assert getattr(ei.value, "transient", None) is False
-    assert _time.monotonic() - t < 0.3                 # no backoff was slept: not retried
+    assert s.retries == 0  # not retried (counted, not timed: a first request can take 0.3 s)
