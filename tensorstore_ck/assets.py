@@ -21,7 +21,7 @@ from .format import frame
 from .format.records import decode_tag, encode_tag
 from .storage.base import BlockStore
 
-__all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "read_marker", "create_marker", "block_key",
+__all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "read_marker", "create_marker", "holds_snapshots", "block_key",
            "node_key", "commit_key", "tag_key", "KIND_PREFIX"]
 
 KINDS = ("commits", "nodes", "blocks")  # gc's deletion order: a kill leaves no commit without its tree
@@ -68,6 +68,11 @@ def create_marker(storage: BlockStore, data: bytes) -> bool:
     created = storage.put_if_absent(STORE_MARKER, [data])
     storage.sync()
     return created
+
+
+def holds_snapshots(storage: BlockStore) -> bool:
+    """Whether any commit object is stored (a store that was only half created holds none)."""
+    return next(iter(storage.list("commits/")), None) is not None
 
 
 @dataclass(frozen=True, slots=True)

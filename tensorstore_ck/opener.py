@@ -20,7 +20,7 @@ import time
 import uuid
 
 from . import chunker
-from .assets import STORE_MARKER, create_marker, read_marker
+from .assets import STORE_MARKER, create_marker, holds_snapshots, read_marker
 from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
@@ -169,16 +169,22 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     store_id = str(cfg.get("id") or storage.url)
     # A missing ref table next to an existing store is never silently created empty:
     # an empty table makes gc think nothing is kept (recover rebuilds it).
+    fresh = created
     try:
         reftable = _open_refs(refs, proto, rest, create=created or create_refs, store_id=store_id)
     except NotAStore as e:
         if not str(e).startswith("no ref table"):
             raise
-        raise NotAStore(f"{e}: the store at {storage.url} exists but its ref table does not; if it was "
-                        f"lost, run `tsck recover {url}` to rebuild it from storage (check --refs / "
-                        "$TSCK_REFS first)") from None
+        if holds_snapshots(storage):
+            raise NotAStore(f"{e}: the store at {storage.url} exists but its ref table does not; if it was "
+                            f"lost, run `tsck recover {url}` to rebuild it from storage (check --refs / "
+                            "$TSCK_REFS first)") from None
+        # A creator killed between the marker and the table: no snapshot is stored, so
+        # there is nothing to lose; the table is made as it would have been with the store.
+        fresh = True
+        reftable = _open_refs(refs, proto, rest, create=True, store_id=store_id)
     try:
-        reftable.bind_store(store_id, new=created)
+        reftable.bind_store(store_id, new=fresh)
     except BaseException:
         if not isinstance(refs, RefTable):
             reftable.close()
