@@ -59,6 +59,15 @@ KNOWN: set[str] = set()  # every problem found so far is fixed and kept as a reg
 KNOWN_VIOLATIONS: list[str] = []
 
 
+def attempt(fn, *args, **kw):
+    """fn(*args) -> its value, or None when it raised a TsckError (allowed by every target)."""
+    from tensorstore_ck.errors import TsckError
+    try:
+        return fn(*args, **kw)
+    except TsckError:
+        return None
+
+
 def signature(e: BaseException) -> str:
     """'Type@file:function' of the innermost tensorstore_ck frame (or the innermost frame)."""
     import traceback

@@ -62,12 +62,7 @@ def _check_commit_fields(c) -> None:
         raise ContractViolation("decode_commit returned non-map metrics/stats")
 
 
-def _attempt(fn, *args, **kw):
-    """fn(*args) -> its value, or None when it raised a TsckError (allowed)."""
-    try:
-        return fn(*args, **kw)
-    except TsckError:
-        return None
+_attempt = _common.attempt
 
 
 def _as_node(store, data: bytes, planted: list) -> None:

@@ -107,11 +107,7 @@ def _pure(s: str) -> bool:
     return ok
 
 
-def _attempt(fn, *args, **kw):
-    try:
-        return fn(*args, **kw)
-    except TsckError:
-        return None
+_attempt = _common.attempt
 
 
 def _check_keys(store) -> None:

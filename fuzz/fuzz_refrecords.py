@@ -58,11 +58,7 @@ def _store():
     return _STATE["store"]
 
 
-def _attempt(fn, *args, **kw):
-    try:
-        return fn(*args, **kw)
-    except TsckError:
-        return None
+_attempt = _common.attempt
 
 
 def _restore_storage(store) -> None:

@@ -45,7 +45,7 @@ with _common.instrument(__name__ == "__main__"):
     from tensorstore_ck.dcp.layout import DcpTree
     from tensorstore_ck.dcp.metadata import decode_metadata
     from tensorstore_ck.dcp.reader import TsckReader
-    from tensorstore_ck.errors import FormatError, TsckError, UnsupportedType
+    from tensorstore_ck.errors import FormatError, UnsupportedType
     from tensorstore_ck.format import tree
     from tensorstore_ck.format.manifest import decode_commit, decode_node, encode_node
 
@@ -95,12 +95,7 @@ def _store():
     return _STATE["store"]
 
 
-def _attempt(fn, *args, **kw):
-    """fn(*args) -> its value, or None when it raised a TsckError (allowed)."""
-    try:
-        return fn(*args, **kw)
-    except TsckError:
-        return None
+_attempt = _common.attempt
 
 
 # ---------------------------------------------------------------- a. the decoder
