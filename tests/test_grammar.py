@@ -166,3 +166,20 @@ def test_writer_output_decodes_node_by_node():
         seen += 1
         stack += [it.digest for _p, _d, it in tree.visit(v) if isinstance(it, tree.Ref)]
     assert seen == len(nodes) > 3  # split into several nodes, all reachable and valid
+
+
+def test_documented_normalisations(tmp_path):
+    """docs/FORMAT.md: memory formats and numpy's aligned flag are normalised, values exact.
+    If either starts to round-trip, update the doc (and this test)."""
+    dt = np.dtype([("a", "u1"), ("b", "<i4")], align=True)
+    a = np.zeros(3, dtype=dt)
+    a["b"] = 7
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    with tsck.open_store(tmp_path / "s") as s:
+        s.put_snapshot({"a": a, "x": x}, ref="a/b")
+        got = s.checkout("a/b")
+        assert got["a"].dtype == dt and got["a"].tobytes() == a.tobytes() and not got["a"].dtype.isalignedstruct
+        assert torch.equal(got["x"], x) and got["x"].is_contiguous()
+        into = {"a": np.zeros(3, dtype=dt), "x": torch.zeros_like(x)}
+        s.checkout("a/b", into=into)
+        assert into["x"].is_contiguous(memory_format=torch.channels_last) and torch.equal(into["x"], x)
