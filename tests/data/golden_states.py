@@ -20,7 +20,8 @@ import struct
 import numpy as np
 import torch
 
-__all__ = ["BUILDERS", "build", "rbytes", "rtensor", "rarray", "checkout_form", "DCP_BUILDERS"]
+__all__ = ["BUILDERS", "build", "rbytes", "rtensor", "rarray", "checkout_form", "DCP_BUILDERS",
+           "DIST_SHARDED", "dist_global", "dist_rows"]
 
 
 # ---------------------------------------------------------------- deterministic bytes
@@ -246,13 +247,77 @@ def dcp_blank(sd):
     return sd
 
 
-BUILDERS = {"zoo": zoo, "train": train, "finetune": finetune, "empty": empty}
+# ---------------------------------------------------------------- collective (multi-rank "W") snapshots
+# path -> (rows, cols, dtype name): row-sharded tensors. "w": 256-byte rows, 16 per block;
+# "emb": 37 rows, split unevenly; "proj": a 6000-byte row is wider than a block (element
+# boundaries); "tiny": every rank's chunk is inline; "exp_avg" changes every step.
+DIST_SHARDED = {
+    ("model", "w"): (40, 64, "float32"),
+    ("model", "emb"): (37, 100, "bfloat16"),
+    ("model", "proj"): (2, 3000, "float16"),
+    ("model", "tiny"): (3, 4, "int64"),
+    ("optim", "w", "exp_avg"): (40, 64, "float32"),
+}
+
+
+def dist_global(path: tuple, step: int) -> torch.Tensor:
+    """The whole tensor at `path` whose rows the ranks share out."""
+    rows, cols, dt = DIST_SHARDED[path]
+    seed = "dist-" + "/".join(path) + (f"-{step}" if path[0] == "optim" else "")
+    return rtensor(seed, _dtype(dt), (rows, cols))
+
+
+def dist_rows(n: int, world: int, r: int) -> tuple:
+    """Rows [a, b) of rank r (torch.tensor_split's split)."""
+    q, m = divmod(n, world)
+    a = r * q + min(r, m)
+    return a, a + q + (1 if r < m else 0)
+
+
+def _dist_local(rank: int, step: int) -> dict:
+    return {"rank": rank, "name": f"rank-{rank}", "big": 2**70 + rank,
+            "rng": rtensor(f"dist-rng-{rank}-{step}", torch.uint8, (5000,))}
+
+
+def dist_rank(rank: int, world: int, step: int, *, sharded_cls, replicated_cls) -> dict:
+    """What rank `rank` of `world` passes to a collective put_snapshot at `step`."""
+    st: dict = {"model": {}, "optim": {"w": {}}}
+    for path, (rows, cols, _dt) in DIST_SHARDED.items():
+        a, b = dist_rows(rows, world, rank)
+        d = st
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = sharded_cls(dist_global(path, step)[a:b].clone(), (rows, cols), (a, 0))
+    st["model"]["norm"] = replicated_cls(rtensor("dist-norm", torch.float32, (20, 64)))  # written once
+    st["local"] = _dist_local(rank, step)
+    st["step"] = step
+    return st
+
+
+def dist_view(world: int, step: int) -> dict:
+    """What a plain (non-collective) checkout of that snapshot returns: every sharded and
+    replicated tensor whole, every other value as rank 0 wrote it."""
+    st: dict = {"model": {}, "optim": {"w": {}}}
+    for path in DIST_SHARDED:
+        d = st
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = dist_global(path, step)
+    st["model"]["norm"] = rtensor("dist-norm", torch.float32, (20, 64))
+    st["local"] = _dist_local(0, step)
+    st["step"] = step
+    return st
+
+
+BUILDERS = {"zoo": zoo, "train": train, "finetune": finetune, "empty": empty, "dist_view": dist_view}
 DCP_BUILDERS = {"dcp_state": dcp_state}
 
 
 def build(name: str, args: dict, *, sharded_cls=None, replicated_cls=None):
     if name == "zoo":
         return zoo(sharded_cls, replicated_cls)
+    if name == "dist_rank":
+        return dist_rank(**args, sharded_cls=sharded_cls, replicated_cls=replicated_cls)
     if name in DCP_BUILDERS:
         return DCP_BUILDERS[name](**args)
     return BUILDERS[name](**args)
