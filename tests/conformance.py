@@ -427,6 +427,28 @@ class RefTableTests:
         assert [n for n, _ in table.list("ab")] == ["ab"]
         assert table.list("c") == [] and table.list("a/x/y/z") == []
 
+    def test_every_valid_name_is_kept_exactly(self, table):
+        """Names are validated above the table (the Store, tsck's parser: at most 255 bytes of
+        '/'-separated [A-Za-z0-9._-] components); whatever passes must be stored, listed and
+        logged byte for byte, as a ref and as a tag: the longest, every allowed character,
+        names that differ only in case."""
+        R = self.R
+        longest = "/".join(["x" * 63] * 4)  # 4 * 63 + 3 = 255 bytes
+        charset = "AZaz09._-/-_.90zaZA"
+        names = [longest, charset, "Main", "main", "MAIN", "...", "a..b", "-", "_/_"]
+        assert len(longest.encode()) == 255
+        for i, name in enumerate(names):
+            table.compare_and_swap(name, None, R[i], message=name, catalog_row={"ref": name})
+            table.tag_create("t/" + name[:253], R[i])
+        assert table.list() == sorted(((n, R[i]) for i, n in enumerate(names)), key=lambda x: x[0].encode())
+        for i, name in enumerate(names):
+            assert table.get(name) == R[i]
+            assert [(e.name, e.new, e.message) for e in table.reflog(name)] == [(name, R[i], name)]
+            assert table.catalog_get(R[i]) == {"ref": name}
+            assert table.tag_get("t/" + name[:253]) == R[i]
+        assert [n for n, _ in table.tags()] == sorted(("t/" + n[:253] for n in names), key=str.encode)
+        assert table.list(longest) == [(longest, R[0])] and table.list(longest + "x") == []
+
     # -- catalog ---------------------------------------------------------------------------
     def test_catalog_get_put_iter_prefix(self, table):
         R = self.R
