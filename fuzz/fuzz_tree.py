@@ -12,6 +12,9 @@ a. tree.decode_value(V, world=True), decode_value(V) and decode_node_value(V,
    Ref, Tensor, Array, Global, NpScalar, Pickled, World) or raise FormatError,
    consistently with each other; tree.visit over a result never raises and
    yields (path, depth, Ref | World | leaf).
+   tree.check_leaf (the writers' check of a leaf) refuses V with UnsupportedType
+   exactly when decode_value(V) refuses it, and passes every leaf (T, A, G, S, P)
+   inside a V that decodes, at the leaf's path.
 b. what the writer writes, the readers read: if V decodes, NodeWriter().check(V)
    passes or raises UnsupportedType; if it passes, NodeWriter().write(V, put)
    into a dict, every written payload decodes (manifest.decode_node +
@@ -20,7 +23,9 @@ b. what the writer writes, the readers read: if V decodes, NodeWriter().check(V)
 c. the DCP reader: V is planted in a real in-memory store as the "tensors",
    the "bytes" and (separately) the "metadata" section of a real DCP snapshot's
    top node (written once per process by dcp.save + TsckWriter), both as a node
-   of its own and inline in the top node, and published (store.commit_tree);
+   of its own and inline in the top node (the input bytes spliced in as given,
+   so values deeper than msgpack's packer allows reach the store too), and
+   published (store.commit_tree);
    then DcpTree, decode_metadata(metadata_plain), chunks(fqn) / bytes_item(fqn)
    for every entry, TsckReader.read_metadata (and its byte reads), and
    store.checkout each return or raise a TsckError subclass. The ref table is
@@ -57,6 +62,7 @@ DCP_REF = "dcp/main"
 _TYPED = (type(None), bool, int, float, str, bytes, tree.Container, tree.Ref, tree.Tensor, tree.Array,
           tree.Global, tree.NpScalar, tree.Pickled, tree.World)
 _VISITED = (tree.Ref, tree.World, tree.Tensor, tree.Array, tree.Global)
+_LEAVES = (tree.Tensor, tree.Array, tree.Global, tree.NpScalar, tree.Pickled)
 
 
 def dcp_state() -> dict:
@@ -134,7 +140,38 @@ def check_decoders(raw):
     for v, good in ((top, ok_w), (plain, ok), (nodev, ok_n)):
         if good:
             _visit_all(v)
+    check_leaves(raw, ok, top if ok_w else None)
     return top if ok_w else None
+
+
+def _check_leaf(raw, path) -> bool:
+    try:
+        tree.check_leaf(raw, path)
+    except UnsupportedType:
+        return False
+    return True
+
+
+def check_leaves(raw, ok: bool, top) -> None:
+    """The writers' check_leaf is the readers' decoder: check_leaf(V) passes exactly when
+    decode_value(V) does, and every leaf inside a value that decodes passes it at its path."""
+    if _check_leaf(raw, ()) != ok:
+        raise ContractViolation(f"check_leaf {'refuses' if ok else 'accepts'} a value that decode_value "
+                                f"{'accepts' if ok else 'refuses'}")
+    if top is None:
+        return
+    todo = [(raw, top, ())]
+    while todo:
+        r, v, path = todo.pop()
+        if isinstance(v, tree.Container):
+            body = next(iter(r.values()))
+            if v.kind in ("d", "o"):
+                todo.extend((pair[1], x, path + (k,)) for pair, (k, x) in zip(body, v.items))
+            else:
+                todo.extend((x_raw, x, path + (i,)) for i, (x_raw, x) in enumerate(zip(body, v.items)))
+        elif isinstance(v, _LEAVES) and not _check_leaf(r, path):
+            raise ContractViolation(f"check_leaf refuses a {type(v).__name__} leaf that decodes, at "
+                                    f"{tree.format_path(path)}")
 
 
 # ---------------------------------------------------------------- b. writer -> readers
@@ -143,14 +180,24 @@ def _ref_digests(v) -> set:
 
 
 def _reassemble(v, written: dict, own: set):
-    """Replace every {"r": d} that the writer made (d in written, not in own) by its node's value."""
-    if isinstance(v, dict):
-        if len(v) == 1 and "r" in v and isinstance(v["r"], bytes) and v["r"] in written and v["r"] not in own:
-            return _reassemble(decode_node(written[v["r"]]), written, own)
-        return {k: _reassemble(x, written, own) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_reassemble(x, written, own) for x in v]
-    return v
+    """Replace every {"r": d} that the writer made (d in written, not in own) by its node's value.
+    Iterative: a value 200 containers deep is 600 Python levels."""
+    out = [None]
+    todo = [(v, out, 0)]
+    while todo:
+        x, parent, key = todo.pop()
+        while isinstance(x, dict) and len(x) == 1 and "r" in x and isinstance(x["r"], bytes) \
+                and x["r"] in written and x["r"] not in own:
+            x = decode_node(written[x["r"]])
+        if isinstance(x, dict):
+            parent[key] = y = dict.fromkeys(x)  # keys in order: msgpack packs dicts in insertion order
+            todo.extend((x[k], y, k) for k in x)
+        elif isinstance(x, list):
+            parent[key] = y = [None] * len(x)
+            todo.extend((e, y, i) for i, e in enumerate(x))
+        else:
+            parent[key] = x
+    return out[0]
 
 
 def check_writer(raw, typed) -> None:
@@ -226,16 +273,30 @@ def _read_dcp(store, ref: str) -> None:
         _common.check_state_types(state)
 
 
-def check_dcp(store, raw, planted: list) -> None:
+_MARK = b"\xa5fuzz-tree-mark\x5a" * 2  # 32 bytes no planted top holds
+
+
+def _splice(value_with_mark, data: bytes) -> bytes:
+    """encode_node(value) with the marker's encoding replaced by the input's bytes: the
+    input reaches the store exactly as given, however deep (msgpack's packer stops at 1024
+    levels; a node file deeper than that is for the readers to refuse)."""
+    payload = encode_node(value_with_mark)
+    enc = msgpack.packb(_MARK, use_bin_type=True)
+    assert payload.count(enc) == 1
+    return payload.replace(enc, data)
+
+
+def check_dcp(store, data: bytes, planted: list) -> None:
     top_raw = _STATE["dcp_top"]
-    payload = encode_node(raw)
+    payload = _splice(_MARK, data)
     d = blake3.blake3(payload).digest()
     if not store.storage.exists(node_key(d)):
         planted.append(node_key(d))
     store.assets.put_node(payload)
     for section in SECTIONS:
-        for value in ({"r": d}, raw):  # a node of its own (as the writer lays it out), and inline
-            top = encode_node(_with_section(top_raw, section, value))
+        for value in ({"r": d}, None):  # a node of its own (as the writer lays it out), and inline
+            top = encode_node(_with_section(top_raw, section, value)) if value is not None \
+                else _splice(_with_section(top_raw, section, _MARK), data)
             td = blake3.blake3(top).digest()
             if not store.storage.exists(node_key(td)):
                 planted.append(node_key(td))
@@ -261,7 +322,7 @@ def TestOneInput(data: bytes) -> None:
     planted: list = []
     try:
         with _common.deadline(DEADLINE, "tree input"):
-            _attempt(check_dcp, store, raw, planted)
+            _attempt(check_dcp, store, data, planted)
     finally:
         rt._data = {t: dict(v) for t, v in saved.items()}
         for key in planted:
