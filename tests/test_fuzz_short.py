@@ -400,3 +400,41 @@ def test_dcp_bytes_item_big_leaf_checks_blocks_before_allocating(monkeypatch):
         assert all(not isinstance(x, int) or x < 1 << 30 for x in requested)
     finally:
         store.reftable._data = saved
+
+
+def _nested(n: int, kind: str, leaf=None):
+    v = leaf
+    for _ in range(n):
+        v = {"d": [["k", v]]} if kind == "d" else {"l": [v]}
+    return v
+
+
+@pytest.mark.parametrize("data", [
+    b"\x91" * 1023 + b"\xc0",                    # msgpack's limit: planted inline it is 1028 levels deep
+    msgpack.packb(_nested(511, "l"), use_bin_type=True),
+    msgpack.packb(_nested(200, "d", {"T": {"dt": "uint8", "sh": [5000], "n": 5000, "x": b"\1" * 5000}}),
+                  use_bin_type=True),           # at MAX_DEPTH, the leaf split into a node of its own
+], ids=["list1023", "l511", "d200-split-leaf"])
+def test_fuzz_tree_deep_values(data):
+    """fuzz_tree's own harness used to fail on deep values (the package was right):
+    msgpack's packer refused to plant a value past 1024 levels in a DCP top node
+    (now the input bytes are spliced in as given, and the readers refuse the node),
+    and the writer check's reassembly recursed past Python's limit."""
+    assert run_input(_target("fuzz_tree"), data) is None
+
+
+def test_fuzz_tree_check_leaf_agreement_is_checked(monkeypatch):
+    """The check_leaf contract of fuzz_tree is live: a check_leaf that refused
+    a leaf the readers decode would be reported."""
+    from tensorstore_ck.errors import UnsupportedType
+    from tensorstore_ck.format import tree
+    fz = importlib.import_module("fuzz_tree")
+    leaf = {"S": ["<i4", b"\1\0\0\0"]}
+    fz.check_leaves({"l": [leaf]}, True, tree.decode_value({"l": [leaf]}, world=True))
+
+    def refuse_scalars(raw, path):
+        if isinstance(raw, dict) and "S" in raw:
+            raise UnsupportedType("no", tree.format_path(path))
+    monkeypatch.setattr(tree, "check_leaf", refuse_scalars)
+    with pytest.raises(_common.ContractViolation, match="refuses a NpScalar leaf"):
+        fz.check_leaves({"l": [leaf]}, True, tree.decode_value({"l": [leaf]}, world=True))
