@@ -18,7 +18,8 @@ the gc state record exists, then copies:
     state_encoder/  the real states (each top-level entry) as Builder programs
     tree/           the raw node values (msgpack of decode_node's result) of every node
                     of the same snapshots and of a real DCP snapshot (fuzz_tree.
-                    write_dcp_snapshot), plus a multi-rank "W" value
+                    write_dcp_snapshot), plus a multi-rank "W" value and three values
+                    at the depth edges (MAX_DEPTH, one past it, msgpack's 1024 levels)
 
 `--only tree` rebuilds only that folder (the others keep their files).
 
@@ -145,8 +146,13 @@ def tree_corpus(out: str) -> int:
     import msgpack
 
     import fuzz_tree
-    from tensorstore_ck.format import frame
+    from tensorstore_ck.format import frame, tree
     from tensorstore_ck.format.manifest import decode_commit, decode_node
+
+    def _nested(n, leaf):
+        for _ in range(n):
+            leaf = {"d": [["k", leaf]]}
+        return leaf
 
     shutil.rmtree(os.path.join(out, "tree"), ignore_errors=True)
     store, info = _common.build_real_store()
@@ -185,6 +191,11 @@ def tree_corpus(out: str) -> int:
             walk(msgpack.unpackb(data, raw=False, strict_map_key=False))
         seeds += [("leaf", b) for b in leaves.values()]
         seeds.append(("synth-world", msgpack.packb({"W": {"ranks": trees, "world": 2}}, use_bin_type=True)))
+        # the depth edges: a value at MAX_DEPTH whose leaf the writer splits off, one level
+        # past it, and a value at msgpack's own limit (1024 levels; planted, it is deeper)
+        seeds.append(("synth-deep200", msgpack.packb(_nested(tree.MAX_DEPTH, b"\1" * 5000), use_bin_type=True)))
+        seeds.append(("synth-deep201", msgpack.packb(_nested(tree.MAX_DEPTH + 1, None), use_bin_type=True)))
+        seeds.append(("synth-msgpack-limit", b"\x91" * 1023 + b"\xc0"))
         for label, data in seeds:
             _write(out, "tree", label, data)
             n += 1
