@@ -268,10 +268,10 @@ class Assets:
         m = _OBJECT_KEY.match(key or "")
         return m.group(1) if m else None
 
-    def delete_objects(self, kind: str, digests) -> None:
+    def delete_objects(self, kind: str, digests, *, deadline=None) -> None:
         """Delete objects of one kind (absent ones are fine): one batched request per
-        up to 1000 keys on object stores."""
-        self.storage.delete_many([_key(kind, d) for d in digests])
+        up to 1000 keys on object stores; none starts after `deadline` (storage.base)."""
+        self.storage.delete_many([_key(kind, d) for d in digests], deadline=deadline)
 
     def object_stats(self) -> dict[str, tuple[int, int]]:
         """kind -> (objects, bytes) as stored, strays included."""

@@ -49,6 +49,10 @@ class FsspecBlockStore(BlockStore):
     REMOTE = ("s3", "s3a", "gs", "gcs", "az", "abfs")
 
     def __init__(self, url: str, storage_options: dict | None = None):
+        # memory:// works in-process; a remote filesystem without known timeouts keeps
+        # the conservative default (BlockStore.request_timeout).
+        if url.startswith("memory://"):
+            self.request_timeout = 0.1
         opts = dict(storage_options or {})
         proto = url.split("://", 1)[0]
         if proto in self.REMOTE:

@@ -35,6 +35,9 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalBlockStore(BlockStore):
+    # Every call is a synchronous system call: once it returns, its effect is done.
+    request_timeout = 0.1
+
     def __init__(self, root: str, *, fsync: bool = True):
         self.root = os.path.abspath(root)
         self.url = "file://" + self.root

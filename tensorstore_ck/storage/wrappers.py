@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Callable, Sequence
 
-from .base import BlockStore
+from .base import BlockStore, check_deadline
 
 __all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore"]
 
@@ -41,8 +41,12 @@ class WrappedStore(BlockStore):
     def delete(self, key):
         return self.inner.delete(key)
 
-    def delete_many(self, keys):
-        return self.inner.delete_many(keys)
+    def delete_many(self, keys, *, deadline=None):
+        return self.inner.delete_many(keys, deadline=deadline)
+
+    @property
+    def request_timeout(self) -> float:
+        return self.inner.request_timeout
 
     def list(self, prefix):
         return self.inner.list(prefix)
@@ -120,8 +124,9 @@ class FaultInjectingStore(WrappedStore):
             raise InjectedFault(errno.EIO, f"injected: delete failed on {key}")
         return self.inner.delete(key)
 
-    def delete_many(self, keys):  # each key faces the rules, as one-by-one deletes would
+    def delete_many(self, keys, *, deadline=None):  # each key faces the rules, as one-by-one deletes would
         for key in keys:
+            check_deadline(deadline)
             self.delete(key)
 
     def sync(self):
@@ -229,8 +234,13 @@ class RetryingStore(WrappedStore):
     def delete(self, key):
         return self._call(self.inner.delete, key)
 
-    def delete_many(self, keys):  # idempotent: a retried batch re-deletes what is gone
-        return self._call(self.inner.delete_many, list(keys))
+    def delete_many(self, keys, *, deadline=None):  # idempotent: a retried batch re-deletes what is gone
+        keys = list(keys)
+
+        def attempt():
+            check_deadline(deadline)  # no retry starts past the caller's deadline either
+            return self.inner.delete_many(keys, deadline=deadline)
+        return self._call(attempt)
 
     def list(self, prefix):
         return iter(self._call(lambda: list(self.inner.list(prefix))))
