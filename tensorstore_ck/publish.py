@@ -92,7 +92,7 @@ class Publisher:
         races = fenced = 0
         for _attempt in range(COMMIT_ATTEMPTS):
             parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
-            now = time.time()
+            now = self.reftable.wall_now()  # one clock for every writer's commit times (retention ages them)
             body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
                                  meta=meta, parent=parent, tree=tree, stats=stats)
             root = self.assets.put_commit(body).digest
@@ -101,7 +101,7 @@ class Publisher:
                    "meta": meta, "parent": parent, "tree": tree, **stats}
             try:
                 self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {args.step}",
-                                               catalog_row=row, fence=fence, stamp=True)
+                                               catalog_row=row, fence=fence)
             except Fenced:
                 if revalidate is None:
                     raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "

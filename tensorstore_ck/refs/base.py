@@ -154,12 +154,10 @@ class RefTable(ABC):
         return self._read(lambda t: t.get("refs", name.encode()))
 
     def compare_and_swap(self, name: str, expected: bytes | None, new: bytes, *, message: str,
-                         catalog_row: dict | None = None, fence: int | None = None,
-                         stamp: bool = False) -> None:
+                         catalog_row: dict | None = None, fence: int | None = None) -> None:
         """Point `name` at `new` if it now points at `expected` (None: absent), appending
         to the reflog and storing `catalog_row` for `new` in the same transaction;
-        RefConflict(expected, actual) otherwise. stamp: set the row's "time" to the
-        table's clock at the move (writers do; recover keeps old rows' own). fence: the gc epoch the writer saw before it decided which objects exist
+        RefConflict(expected, actual) otherwise. fence: the gc epoch the writer saw before it decided which objects exist
         (None: unfenced). The move is refused with Fenced if a deletion phase
         started since, or is running."""
         key = name.encode()
@@ -177,11 +175,8 @@ class RefTable(ABC):
                 raise FormatError("malformed reflog sequence record")
             seq = _SEQ.unpack(seq_raw)[0] + 1 if seq_raw else 1
             t.put("meta", b"reflog_seq", _SEQ.pack(seq))
-            when = t.wall()  # one clock for every writer's commit times (retention ages them)
-            t.put("reflog", key + b"\0" + _SEQ.pack(seq), encode_reflog(expected, new, message, when))
+            t.put("reflog", key + b"\0" + _SEQ.pack(seq), encode_reflog(expected, new, message, t.wall()))
             if catalog_row is not None:
-                if stamp:
-                    catalog_row["time"] = when
                 t.put("catalog", new, encode_record(catalog_row))
 
         self._write(txn)
