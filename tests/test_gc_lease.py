@@ -186,3 +186,21 @@ def test_hosts_with_wrong_clocks_share_a_postgresql_ref_table(tmp_path, pg_dsn):
         for p in procs:
             p.close()
         store.close()
+
+
+def test_tsck_gc_declares_the_lease_it_was_given(tmp_path):
+    from _lifecycle_util import run_cli
+
+    path = tmp_path / "s"
+    with tsck.open_store(str(path)) as s:
+        s.put_snapshot({"w": gc_states.crash_state("a", 0)["own"]}, ref="a/main", step=0)
+    bad = run_cli("gc", path, "--lease", "0")
+    assert bad.returncode == 2 and "positive number of seconds" in bad.stderr, bad.stderr
+    ok = run_cli("gc", path, "--lease", "30")
+    assert ok.returncode == 0, ok.stderr
+    with tsck.open_store(str(path)) as s:
+        st = s.reftable.gc_state()
+        assert st["lease"] == 30.0 and st["phase"] == "idle" and st["epoch"] == 2
+        with pytest.raises(tsck.InvalidArgument, match="too short"):
+            s.gc(lease=0.1)  # a delete request could outlast it
+        assert s.reftable.gc_state()["phase"] == "idle"  # refused before taking the lock
