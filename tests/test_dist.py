@@ -351,3 +351,23 @@ def test_collective_checkout_of_missing_ref_raises_ref_not_found(tmp_path):
     out = run_scenario(tmp_path, "notfound")
     for d in rank_results(out, "notfound", 4):
         assert d["checkout"] == "RefNotFound", f"rank {d['rank']}: {d['checkout']}"
+
+
+# -- regressions: issue 11 (collective outcomes, replicas, tiling) --------------------------
+
+def test_script_that_exits_right_after_its_collective_gets_the_outcome_on_every_rank(tmp_path):
+    """init via MASTER_ADDR/PORT puts the c10d store in rank 0. Each rank does its put (or
+    checkout), destroy_process_group() and exits at once: rank 0 must not take the store
+    down before every rank has read the outcome (before the fix the others raised
+    SnapshotAborted: Connection reset by peer for a snapshot rank 0 had published)."""
+    rounds = 6  # each round fails on the old code with p ~ 0.4 (put) / 0.6 (checkout)
+    out = run_scenario(tmp_path, "exit", rounds, limit=200.0)
+    roots = []
+    for i in range(rounds):
+        res = rank_results(out, f"exitput{i}", 4)
+        assert len({d["root"] for d in res}) == 1, f"round {i}: ranks returned different roots"
+        roots.append(res[0]["root"])
+        for d in rank_results(out, f"exitco{i}", 4):
+            assert d["step"] == 100 and d["local_rank"] == d["rank"]
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.root for i in s.log(REF)] == roots[::-1]
