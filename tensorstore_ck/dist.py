@@ -28,6 +28,7 @@ docs/ARCHITECTURE.md ("Distributed snapshots").
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 import warnings
@@ -36,7 +37,8 @@ import msgpack
 
 from .errors import AmbiguousTarget, InvalidArgument, InvalidName, RefNotFound, SnapshotAborted, TsckError
 from .ids import Digest
-from .plan import plan_stats
+from .plan import plan_stats, replica_digests
+from .shard import find_overlap
 from .validate import UNSET
 
 __all__ = ["collective_put", "collective_checkout", "is_collective", "CollectiveContext"]
@@ -251,6 +253,77 @@ def _guard(ch: _Channel, fn):
         raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: {type(e).__name__}: {e}") from e
 
 
+def _ranks(rs) -> str:
+    rs = sorted(rs)
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}"
+
+
+def _tiling(pieces_by_rank: list) -> str | None:
+    """Rank 0, from every rank's hello: the pieces of each sharded tensor (by path) must
+    agree on dtype and global shape and tile it exactly: no overlap, no gap (identical
+    pieces on several ranks are replicas of one piece, as in hybrid sharding)."""
+    by_path: dict = {}
+    for r, pieces in enumerate(pieces_by_rank):
+        for path, dt, gs, off, sh in pieces:
+            by_path.setdefault(path, []).append((r, dt, tuple(gs), tuple(off), tuple(sh)))
+    rule = "the pieces of a sharded tensor must tile it exactly (no overlap, no gap)"
+    for path, entries in by_path.items():
+        r0, dt0, gs0 = entries[0][:3]
+        for r, dt, gs, _o, _s in entries:
+            if (dt, gs) != (dt0, gs0):
+                return (f"ranks disagree on the sharded tensor at {path}: rank {r0} has {dt0} {list(gs0)}, "
+                        f"rank {r} has {dt} {list(gs)}")
+        holders: dict = {}
+        for r, _dt, _gs, off, sh in entries:
+            holders.setdefault((off, sh), []).append(r)
+        boxes = list(holders)
+        hit = find_overlap(boxes)
+        if hit is not None:
+            (oa, sa), (ob, sb) = boxes[hit[0]], boxes[hit[1]]
+            return (f"sharded tensor at {path}: the piece of {_ranks(holders[boxes[hit[0]]])} at offsets "
+                    f"{list(oa)} (shape {list(sa)}) overlaps the piece of {_ranks(holders[boxes[hit[1]]])} at "
+                    f"{list(ob)} (shape {list(sb)}); {rule}")
+        covered, total = sum(math.prod(sh) for _o, sh in boxes), math.prod(gs0)
+        if covered != total:
+            return (f"sharded tensor at {path}: the pieces of {_ranks({e[0] for e in entries})} cover {covered} "
+                    f"of its {total} elements {list(gs0)}; {rule}")
+    return None
+
+
+def _replica_disagreement(ch: _Channel) -> str:
+    """Rank 0, when the ranks' replica digests differ: which Replicated tensors differ
+    between which ranks (each rank's manifest would name its own replica's blocks,
+    but each block is written by one rank only: the snapshot would be broken)."""
+    per_rank = []
+    for r in range(ch.world):
+        try:
+            per_rank.append(dict(msgpack.unpackb(ch.get(f"rep/{r}"))) if ch.kv.check([ch.pfx + f"rep/{r}"]) else {})
+        except Exception:  # noqa: BLE001
+            per_rank.append({})
+    paths = list(dict.fromkeys(p for d in per_rank for p in d))
+    found = []
+    for p in paths:
+        groups: dict = {}
+        for r, d in enumerate(per_rank):
+            groups.setdefault(d.get(p), []).append(r)
+        if len(groups) == 1:
+            continue
+        missing = groups.pop(None, [])
+        ordered = sorted(groups.values(), key=lambda rs: (-len(rs), rs))
+        parts = []
+        if len(ordered) > 1:
+            odd = [r for rs in ordered[1:] for r in rs]
+            parts.append(f"{_ranks(odd)} {'disagrees' if len(odd) == 1 else 'disagree'} with {_ranks(ordered[0])}")
+        if missing:
+            parts.append(f"{_ranks(missing)} {'does' if len(missing) == 1 else 'do'} not hold it as Replicated")
+        found.append(f"the Replicated tensor at {p} differs between ranks: {'; '.join(parts)}")
+        if len(found) == 3:
+            break
+    if not found:
+        found = ["the ranks' Replicated tensors differ"]
+    return ("; ".join(found) + " (a Replicated tensor must be identical on every rank; nothing was published)")
+
+
 def _open_channel(ctx, group, op, timeout, kv) -> _Channel:
     try:
         return _Channel(ctx, group, op, timeout, kv)
@@ -296,7 +369,9 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
     plan_ = _guard(ch, lambda: planner.plan(state))
     expected = args.expected
     exp_hex = None if expected is UNSET else ("-" if expected is None else expected.hex())
-    _guard(ch, lambda: (ch.set(f"hello/{rank}", msgpack.packb([args.step, args.ref, args.job, exp_hex])),
+    # Where this rank's pieces of sharded tensors lie: rank 0 checks that they tile.
+    pieces = [[p, dt, list(gs), list(off), list(sh)] for p, dt, gs, off, sh, rep in plan_.pieces if not rep]
+    _guard(ch, lambda: (ch.set(f"hello/{rank}", msgpack.packb([args.step, args.ref, args.job, exp_hex, pieces])),
                         ch.add("hello_n")))
     if rank == 0:
         def agree():
@@ -307,6 +382,10 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
                     raise SnapshotAborted(
                         f"ranks disagree: rank 0 has (step, ref, job) = {tuple(hellos[0][:3])}, rank {r} has "
                         f"{tuple(h[:3])}")
+            problem = _tiling([h[4] for h in hellos])
+            if problem is not None:  # no rank's own mistake: every rank raises it as what it is
+                ch.abort(problem, "invalid_argument", shared=True)
+                raise InvalidArgument(problem)
             fence = publisher.fence()  # read before any rank looks at storage
             ch.set("go", msgpack.packb(fence))
             return fence
@@ -323,9 +402,15 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         publisher.write_blocks(plan_, owns=lambda leaf, i: _owner(leaf.path, i, W) == rank)
         tree, _payloads = publisher.write_nodes(plan_.value)
         st = plan_stats(plan_)
+        reps = replica_digests(plan_)
+        rep = None
+        if reps:  # the full list only for rank 0 to read if the replicas disagree; one digest in done
+            ch.set(f"rep/{rank}", msgpack.packb(reps))
+            rep = hashlib.blake2b(msgpack.packb(reps), digest_size=16).digest()
         publisher.sync()  # this rank's objects are durable before rank 0 publishes
-        ch.set(f"done/{rank}", msgpack.packb({"tree": tree, "stats": [st.bytes_total, st.bytes_new,
-                                                                        st.blocks_total, st.blocks_new]}))
+        ch.set(f"done/{rank}", msgpack.packb({"tree": tree, "rep": rep,
+                                              "stats": [st.bytes_total, st.bytes_new, st.blocks_total,
+                                                        st.blocks_new]}))
         ch.add("done_n")
 
     _guard(ch, write)
@@ -335,6 +420,10 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
     def compose():
         ch.wait_count("done_n", W, "finish writing", per_rank="done")
         dones = [msgpack.unpackb(ch.get(f"done/{r}")) for r in range(W)]
+        if len({d.get("rep") for d in dones}) > 1:
+            why = _replica_disagreement(ch)
+            ch.abort(why)
+            raise SnapshotAborted(f"snapshot aborted: {why}")
         top, _payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones]}})
         sums = [sum(d["stats"][i] for d in dones) for i in range(4)]
         return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new"), sums))

@@ -371,3 +371,42 @@ def test_script_that_exits_right_after_its_collective_gets_the_outcome_on_every_
             assert d["step"] == 100 and d["local_rank"] == d["rank"]
     with tsck.open_store(out / "store", create=False) as s:
         assert [i.root for i in s.log(REF)] == roots[::-1]
+
+
+def test_diverged_replicas_abort_every_rank_naming_tensor_and_ranks(tmp_path):
+    """Rank 2's replica of "emb" differs: before the fix every put returned, with each
+    rank's manifest naming its own replica's blocks while each block was written by one
+    rank only (a committed snapshot referencing blocks nobody wrote)."""
+    out = run_scenario(tmp_path, "diverged", 2)
+    res = rank_results(out, "diverged", 4)
+    for d in res:
+        assert d["first"] == "SnapshotAborted", f"rank {d['rank']}: {d['first']}"
+        msg = d["first_message"]
+        assert "['emb']" in msg and "rank 2 disagrees with ranks [0, 1, 3]" in msg and "['head']" not in msg, msg
+        assert d["second"] == "returned", f"rank {d['rank']}: {d['second']}: {d.get('second_message')}"
+    root2 = res[0]["second_root"]
+    assert all(d["second_root"] == root2 for d in res)
+    reps = dw.replicated_tensors()
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.root for i in s.log(REF)] == [root2], "the diverged snapshot was published"
+        assert commit_roots(out / "store") == {root2}
+        full = s.checkout(REF, group=False)
+        assert same_bits(reps["emb"], full["emb"]) and same_bits(reps["head"], full["head"])
+        assert s.fsck().ok
+
+
+def test_overlapping_shards_refused_on_every_rank(tmp_path):
+    """Rows [0, 3072) from rank 0 and [0, 1024) from rank 1: the sizes add up, the pieces
+    overlap and leave rows [3072, 4096) unwritten. Before the fix the put succeeded and
+    checkout returned those rows as whatever torch.empty() left there."""
+    out = run_scenario(tmp_path, "tiling")
+    res = rank_results(out, "tiling", 2)
+    for d in res:
+        assert d["first"] == "InvalidArgument", f"rank {d['rank']}: {d['first']}"
+        msg = d["first_message"]
+        assert "['w']" in msg and "overlap" in msg and "rank 0" in msg and "rank 1" in msg, msg
+        assert d["second"] == "returned", f"rank {d['rank']}: {d['second']}: {d.get('second_message')}"
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log(REF)] == [2]
+        assert commit_roots(out / "store") == {res[0]["second_root"]}
+        assert same_bits(dw.tile_global(), s.checkout(REF, group=False)["w"])

@@ -3,7 +3,7 @@
     python dist_worker.py SCENARIO OUTDIR [ARG]
 
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
-desync, notfound, exit (ARG: rounds).
+desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -523,6 +523,50 @@ def exit_setup(rank, world, out, res, _arg):
         res["root"] = store.put_snapshot(sharded_state(rank, world), "j/small", step=100, timeout=30).root
 
 
+def _try_put(store, res, key, st, step):
+    import tensorstore_ck as tsck
+    try:
+        res[key] = "returned"
+        res[key + "_root"] = store.put_snapshot(st, REF, step=step, timeout=30).root
+    except tsck.TsckError as e:
+        res[key], res[key + "_message"] = type(e).__name__, str(e)
+
+
+def diverged_case(rank, world, out, res, odd):
+    """Rank `odd`'s replica of "emb" differs in one element (a non-deterministic kernel,
+    silent DDP divergence); then the ranks agree again."""
+    import tensorstore_ck as tsck
+    with _open(out) as store:
+        reps = replicated_tensors()
+        emb = reps["emb"].clone()
+        if rank == odd:
+            emb[321, 5] += 1.0  # block 20 of 32: owned by some rank, not necessarily `odd`
+        st = {"emb": tsck.Replicated(emb), "head": tsck.Replicated(reps["head"]), "rank": rank}
+        _try_put(store, res, "first", st, 7)
+        st["emb"] = tsck.Replicated(reps["emb"])
+        _try_put(store, res, "second", st, 8)
+
+
+TILE_ROWS, TILE_COLS = 4096, 8
+
+
+def tile_global() -> torch.Tensor:
+    return torch.randn(TILE_ROWS, TILE_COLS, generator=_gen(11))
+
+
+def tiling_case(rank, world, out, res, _arg):
+    """2 ranks: rows [0, 3072) on rank 0 and rows [0, 1024) on rank 1, whose offset should
+    have been 3072 (the sizes add up to the global tensor); then the right offsets."""
+    import tensorstore_ck as tsck
+    g = tile_global()
+    a, b = (0, 3072) if rank == 0 else (3072, 4096)
+    with _open(out) as store:
+        bad = tsck.Sharded(g[a:b].clone(), (TILE_ROWS, TILE_COLS), (0 if rank == 1 else a, 0))
+        _try_put(store, res, "first", {"w": bad, "rank": rank}, 1)
+        good = tsck.Sharded(g[a:b].clone(), (TILE_ROWS, TILE_COLS), (a, 0))
+        _try_put(store, res, "second", {"w": good, "rank": rank}, 2)
+
+
 def main(argv) -> int:
     scenario, out = argv[1], argv[2]
     arg = int(argv[3]) if len(argv) > 3 else None
@@ -546,6 +590,10 @@ def main(argv) -> int:
         for i in range(6 if arg is None else arg):
             infos.append(launch_env(f"exitput{i}", 4, exit_put, out, i))
             infos.append(launch_env(f"exitco{i}", 4, exit_checkout, out))
+    elif scenario == "diverged":
+        infos = [launch("diverged", 4, diverged_case, out, 2 if arg is None else arg)]
+    elif scenario == "tiling":
+        infos = [launch("tiling", 2, tiling_case, out)]
     elif scenario == "notfound":
         infos = [launch("notfound", 4, notfound_case, out)]
     else:
