@@ -3,12 +3,16 @@
 put_snapshot and checkout are collective when torch.distributed is initialised
 (or a group= is given). No tensor data crosses ranks, ever:
 
-    every rank   plans (validates) its own state -> hello (step, ref, job)
-    rank 0       checks that all ranks agree, reads the gc fence -> go
+    every rank   plans (validates) its own state -> hello (step, ref, job, its pieces
+                 of sharded tensors)
+    rank 0       checks that all ranks agree and that the pieces tile each sharded
+                 tensor exactly, reads the gc fence -> go
     every rank   hashes and writes its own blocks (a Replicated tensor's blocks
                  are spread over the ranks: each is written by exactly one),
-                 writes its own manifest sub-tree, syncs -> done (32-byte root + stats)
-    rank 0       composes one commit {"W": [root of rank 0, ..., root of rank W-1]},
+                 writes its own manifest sub-tree, syncs -> done (32-byte root + stats +
+                 a digest of its Replicated tensors' block addresses)
+    rank 0       checks that the replicas agree (else abort: nobody wrote the blocks of
+                 a diverged replica), composes one commit {"W": [root of rank 0, ..., root of rank W-1]},
                  claims the outcome ("decided" = commit), moves the ref once -> result
     every rank   acks once it holds the outcome (result or abort); rank 0, which
                  usually hosts the Store, returns only when every rank has acked

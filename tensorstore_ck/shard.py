@@ -9,6 +9,10 @@ the global tensor, or fills exactly the region a `Sharded` target asks for,
 reading only the blocks that intersect it: another world size or another
 sharding reads what it needs and no more. torch DTensors are converted with
 `from_dtensor`.
+
+In a collective snapshot the pieces of one global tensor must tile it exactly
+(no overlap, no gap; identical pieces count once): `tiling_problem` and
+`find_overlap` are the box algebra the collective put and checkout share.
 """
 
 from __future__ import annotations
