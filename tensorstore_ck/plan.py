@@ -9,6 +9,7 @@ No storage keys here; block I/O goes through assets.Assets.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -25,7 +26,8 @@ from .format.dtypes import QUANT_NAMES, QUANT_REPR, np_dtype_out, torch_dtype_na
 from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWriter, Pending, format_path
 from .shard import Replicated, Sharded
 
-__all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous"]
+__all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous",
+           "replica_digests"]
 
 _PLACEHOLDER = b"\0" * tree.DIGEST_SIZE
 
@@ -101,6 +103,10 @@ class Plan:
     value: object            # the manifest value with _Leaf placeholders
     leaves: list
     inline_bytes: int = 0
+    # Every piece of a global tensor: (path, dtype name, global shape, offsets, shape, replicated),
+    # path as format_path writes it: what a collective put checks across ranks.
+    pieces: list = field(default_factory=list)
+    replicas: list = field(default_factory=list)  # (path, _Leaf or inline chunk meta) of each Replicated
 
     @property
     def staged_bytes(self) -> int:
@@ -143,9 +149,11 @@ class Planner:
     def plan(self, state) -> Plan:
         self._leaves: list[_Leaf] = []
         self._inline = 0
+        self._pieces: list = []
+        self._replicas: list = []
         value = self._plan(state, (), 0)
         NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
-        return Plan(value, self._leaves, self._inline)
+        return Plan(value, self._leaves, self._inline, self._pieces, self._replicas)
 
     def _unsupported(self, obj, path, why=None):
         if self.allow_pickle and why is None:
@@ -242,6 +250,10 @@ class Planner:
                 chunk.replicated = True
         probe = chunk.manifest_value(final=False) if isinstance(chunk, _Leaf) else chunk
         tree.check_leaf({"G": {**g, "chunks": [probe]}}, path)
+        where = format_path(path)
+        self._pieces.append((where, meta["dt"], tuple(global_shape), tuple(offsets), tuple(local.shape), replicated))
+        if replicated:
+            self._replicas.append((where, chunk))
         return {"G": g}
 
     def _plan_tensor(self, obj: torch.Tensor, path):
@@ -321,6 +333,24 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
         raise
     for leaf, f in futs:
         leaf.results.append(f.result())
+
+
+def replica_digests(plan: Plan) -> list[tuple[str, bytes]]:
+    """(path, 16-byte digest of dtype, shape and block addresses or inline bytes) of every
+    Replicated tensor, once its blocks are hashed: equal on every rank iff the replicas
+    are (a collective put compares them before it publishes)."""
+    out = []
+    for where, chunk in plan.replicas:
+        h = hashlib.blake2b(digest_size=16)
+        meta = chunk.meta if isinstance(chunk, _Leaf) else chunk
+        h.update(repr((meta["dt"], list(meta["sh"]))).encode())
+        if isinstance(chunk, _Leaf):
+            for r in chunk.results:
+                h.update(r.digest)
+        else:
+            h.update(b"x" + meta["x"])
+        out.append((where, h.digest()))
+    return out
 
 
 @dataclass

@@ -69,6 +69,18 @@ class Publisher:
             row = {**c, **c["stats"]}
         return row_to_info(root, row)
 
+    def find_published(self, ref: str, tree: bytes, since: float) -> SnapshotInfo | None:
+        """The snapshot of manifest tree `tree` that `ref` moved to after `since` (wall
+        clock), if any: how a rank of a collective put whose publisher went silent learns
+        whether the ref moved after all."""
+        for e in reversed(self.reftable.reflog(ref)):
+            if e.time < since:
+                break
+            row = self.reftable.catalog_get(e.new)
+            if row is not None and row.get("tree") == tree:
+                return row_to_info(e.new, row)
+        return None
+
     def publish(self, plan: Plan, args: SnapshotArgs) -> SnapshotInfo:
         """The whole pipeline for one planned snapshot."""
         fence = self.fence()

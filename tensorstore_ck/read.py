@@ -24,7 +24,7 @@ from .format import tree
 from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
-from .shard import Sharded
+from .shard import Sharded, find_overlap
 
 __all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING"]
 
@@ -294,6 +294,14 @@ class Reader:
                 continue
             seen.add(key)
             out.append(c)
+        # A stored manifest is untrusted: its pieces must not overlap, so that the
+        # elements _fill_region counts are the elements it fills (an overlap must not
+        # make up for a gap, leaving torch.empty() memory in a "complete" tensor).
+        hit = find_overlap([(c.offsets, c.shape) for c in out])
+        if hit is not None:
+            a, b = out[hit[0]], out[hit[1]]
+            raise self._fmt(f"sharded tensor's pieces at offsets {list(a.offsets)} (shape {list(a.shape)}) and "
+                            f"{list(b.offsets)} (shape {list(b.shape)}) overlap", path)
         return out
 
     def _global(self, g: tree.Global, path, into):
