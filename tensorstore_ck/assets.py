@@ -241,11 +241,24 @@ class Assets:
             raise IntegrityError("content does not match its address", key=key,
                                  expected=d.hex(), got=got.hex(), **ctx)
 
-    def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None) -> None:
-        """Read block `d` into the writable buffer `out` (exactly its length)."""
+    def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
+                        bounce: bool = False) -> None:
+        """Read block `d` into the writable buffer `out` (exactly its length).
+
+        bounce=True (`out` is the caller's memory): with verify on, the block is read
+        and verified in this thread's scratch buffer and only then copied into
+        `out`, so `out` receives the block's verified bytes or is not touched at
+        all. Without it, the bytes are read straight into `out` and verified there
+        (for fresh memory that a failed checkout throws away)."""
         ctx = {"snapshot": snapshot, "path": path}
         key = block_key(d)
         mv = memoryview(out).cast("B")
+        if bounce and verify:
+            buf = self._scratch(mv.nbytes)
+            self._read_frame(key, frame.KIND_BLOCK, mv.nbytes, buf, ctx)
+            self._check(d, buf, key, ctx)
+            np.copyto(np.frombuffer(mv, dtype=np.uint8), buf)  # releases the GIL
+            return
         self._read_frame(key, frame.KIND_BLOCK, mv.nbytes, mv, ctx)
         if verify:
             self._check(d, mv, key, ctx)
