@@ -171,6 +171,7 @@ class Reader:
             raise self._into_failure(e, written) from None
         after, self._after = self._after, []
         assign, self._assign = self._assign, []
+        self._staged = set()
         for fn in after:
             fn()
         for container, key, v in assign:
