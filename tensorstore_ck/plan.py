@@ -87,6 +87,8 @@ class _Leaf(Pending):
     device_src: object = None  # flat uint8 view of a contiguous device tensor (async staging)
     replicated: bool = False   # the same bytes on every rank (a collective put spreads its blocks)
     path: str = ""             # where in the state (spreads replicated blocks over ranks)
+    private: bool = False      # raw is ours alone (staged, or a copy the planner made): blocks are
+                               # hashed and written in place; else through a per-thread copy
 
     @property
     def nbytes(self) -> int:
@@ -133,6 +135,7 @@ class Plan:
             else:
                 dst.copy_(torch.from_numpy(leaf.raw))  # torch's copy runs on several threads
             leaf.raw = dst.numpy()
+            leaf.private = True  # nobody else writes the staging buffer
             off += n
         if stream is not None:
             stream.synchronize()
@@ -214,7 +217,7 @@ class Planner:
             return v
         return self._unsupported(obj, path)
 
-    def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None):
+    def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None, private=False):
         n = raw.nbytes if raw is not None else device_src.numel()
         meta["n"] = n
         layout = chunker.plan_blocks(n, itemsize, shape, self.block_size, self.inline_threshold)
@@ -225,7 +228,7 @@ class Planner:
             return {tag: meta}
         meta["bs"] = layout.block_size
         leaf = _Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)],
-                     device_src=device_src, path=format_path(self._path))
+                     device_src=device_src, path=format_path(self._path), private=private)
         tree.check_leaf(leaf.manifest_value(final=False), self._path)
         self._leaves.append(leaf)
         return leaf
@@ -260,6 +263,7 @@ class Planner:
         if obj.layout != torch.strided:
             return self._unsupported(obj, path, f"{obj.layout} tensors are not supported (only dense)")
         quant = None
+        src = obj  # the caller's tensor: bytes still in its memory are not ours alone
         if obj.is_quantized:
             quant = _quant_params(obj)
             if quant is None:
@@ -285,6 +289,9 @@ class Planner:
             raw, device_src = (None, flat) if on_device else (flat.numpy(), None)
         except Exception as e:
             return self._unsupported(obj, path, f"tensor of dtype {t.dtype} cannot be viewed as bytes: {e}")
+        # A copy made above (device -> host, int_repr, conj/neg, non-contiguous) is ours alone.
+        private = raw is not None and (src.is_quantized or src.device.type != "cpu"
+                                       or t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr())
         meta = {"dt": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)}
         if quant is not None:
             meta["dt"], meta["q"] = quant
@@ -294,7 +301,7 @@ class Planner:
             meta["rg"] = True
         if obj.device.type != "cpu":
             meta["dev"] = str(obj.device)
-        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape), device_src)
+        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape), device_src, private)
 
     def _plan_array(self, a: np.ndarray, path):
         if a.dtype.hasobject:
@@ -306,7 +313,8 @@ class Planner:
         else:
             body = np.ascontiguousarray(a)
         raw = body.reshape(-1).view(np.uint8)
-        return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape))
+        return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape),
+                          private=not np.may_share_memory(body, a))
 
 
 def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None) -> None:
@@ -322,7 +330,8 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
                 if owns is not None and leaf.replicated and not owns(leaf, i):
                     futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
                 else:
-                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize)))
+                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
+                                                   private=leaf.private)))
         wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
         for _, f in futs:
             if f.done() and f.exception() is not None:

@@ -49,8 +49,9 @@ class Publisher:
     def write_blocks(self, plan: Plan, owns=None) -> None:
         run_block_jobs(plan, self.assets, self.pool, owns=owns)
 
-    def submit_block(self, raw, itemsize: int = 1) -> "Future[PutResult]":
-        return self.pool.submit(self.assets.put_block, raw, itemsize)
+    def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":
+        """private: nobody else writes `raw` until the block is written (Assets.put_block)."""
+        return self.pool.submit(self.assets.put_block, raw, itemsize, private=private)
 
     def write_nodes(self, value) -> tuple[bytes, list[bytes]]:
         """Lay `value` out in nodes and write them -> (top node address, payloads)."""
@@ -159,7 +160,8 @@ class Publisher:
         references exists (writing again, from the data still held, what gc removed).
         Returns the new fence."""
         fence = self.wait_gc_idle()
-        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest)
+        # A leaf that is not private is copied again and checked against its address (put_block).
+        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private)
                 for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
         for f in futs:
             f.result()
