@@ -279,7 +279,10 @@ class Lease:
         self.refs, self.owner, self.seconds = refs, owner, float(seconds)
         self.margin = max(0.05, 0.05 * self.seconds)  # clock rates differ a little; renewals take time
         self.request_timeout = float(request_timeout)
-        if self.request_timeout + self.margin >= self.seconds / 2:
+        self.every = renew_every or max(0.02, min(5.0, self.seconds / 4))
+        # Between two renewals a delete may start only while it ends a margin before the
+        # lease could run out: the lease must outlast one request plus two renewal periods.
+        if self.request_timeout + self.margin + 2 * self.every >= self.seconds:
             raise InvalidArgument(f"gc lease of {self.seconds:g}s is too short: this storage's requests may take "
                                   f"{self.request_timeout:g}s (its timeouts), and a delete must end well within the "
                                   "lease; use a longer lease or shorter storage timeouts")
@@ -288,7 +291,6 @@ class Lease:
         m0 = time.monotonic()
         refs.gc_begin(owner, lease=self.seconds)
         self.until = m0 + self.seconds
-        self.every = renew_every or max(0.02, min(5.0, self.seconds / 4))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tsck-gc-lease", daemon=True)
         self._thread.start()
