@@ -32,6 +32,9 @@ class BlockStore(ABC):
     # In-flight writes of backends that write a temp file and then link it (local disk):
     # they live under this prefix and are never objects.
     TEMP_PREFIX: ClassVar[str] = "tmp/"
+    # Objects are files on this host: a stat or a read of a few bytes costs no request
+    # (Assets reads a reused object's header only where this holds).
+    local: ClassVar[bool] = False
     url: str
 
     @abstractmethod
@@ -52,6 +55,18 @@ class BlockStore(ABC):
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def size_of(self, key: str) -> int | None:
+        """The stored size of `key` in bytes, None if absent: what exists() costs (one
+        stat, one HEAD), with the size that answer carries anyway."""
+
+    @abstractmethod
+    def move(self, key: str, new_key: str) -> bool:
+        """Put the object `key` under `new_key` and remove it from `key`. False if `key`
+        is absent. `new_key` must be a fresh name nothing else writes (the caller makes
+        it unique). Never loses the bytes: local disks rename (atomic); object stores
+        copy, then delete the original, so a crash in between leaves both names."""
 
     @abstractmethod
     def delete(self, key: str) -> None:

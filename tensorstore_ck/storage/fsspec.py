@@ -129,6 +129,27 @@ class FsspecBlockStore(BlockStore):
         return self.fs.exists(self._path(key))
 
     @_translated
+    def size_of(self, key: str) -> int | None:
+        try:
+            info = self.fs.info(self._path(key))
+        except (FileNotFoundError, KeyError):
+            return None
+        if info.get("type") == "directory":
+            return None
+        return int(info.get("size") or 0)
+
+    @_translated
+    def move(self, key: str, new_key: str) -> bool:
+        # Copy first, then delete: a crash in between leaves the object under both names
+        # (a server-side copy on object stores: the bytes do not travel through here).
+        try:
+            self.fs.cp_file(self._path(key), self._path(new_key))
+        except (FileNotFoundError, KeyError):
+            return False
+        self.delete(key)
+        return True
+
+    @_translated
     def delete(self, key: str) -> None:
         try:
             self.fs.rm_file(self._path(key))

@@ -7,6 +7,7 @@ zarr's LocalStore does); every other URL goes through FsspecBlockStore.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import uuid
 from typing import BinaryIO, Iterator, Sequence
@@ -35,6 +36,8 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalBlockStore(BlockStore):
+    local = True
+
     def __init__(self, root: str, *, fsync: bool = True):
         self.root = os.path.abspath(root)
         self.url = "file://" + self.root
@@ -108,6 +111,27 @@ class LocalBlockStore(BlockStore):
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
+
+    def size_of(self, key: str) -> int | None:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None  # a folder is no object
+
+    def move(self, key: str, new_key: str) -> bool:
+        src, dst = self._path(key), self._path(new_key)
+        d = os.path.dirname(dst)
+        self._ensure_dir(d)
+        try:
+            os.rename(src, dst)  # atomic: the object is under one of the two names, never neither
+        except FileNotFoundError:
+            if os.path.exists(src):  # not the source: the destination folder went (rmtree'd meanwhile)
+                raise
+            return False
+        with self._lock:
+            self._dirty.update((d, os.path.dirname(src)))
+        return True
 
     def delete(self, key: str) -> None:
         try:
