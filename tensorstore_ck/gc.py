@@ -35,7 +35,7 @@ from .errors import TsckError
 from .reach import KINDS, Marked, iter_unreachable, kept_roots, mark
 from .retention import Retention, SnapRow, select_kept
 
-__all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "plan_expiry", "DEFAULT_STALE_AFTER"]
+__all__ = ["GCReport", "GCPlan", "GcLock", "plan_gc", "execute_gc", "run_gc", "plan_expiry", "DEFAULT_STALE_AFTER"]
 
 DEFAULT_STALE_AFTER = 120.0  # seconds without a heartbeat before a gc counts as dead
 SWEEP_BATCH = 512            # deletes between two checks of the lock
@@ -218,31 +218,53 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False,
            stale_after: float = DEFAULT_STALE_AFTER, heartbeat_every: float | None = None) -> GCReport:
     """1-8: take the lock (not for a dry run), plan, execute, release."""
     t_start = time.time()
-    refs = store.reftable
     if dry_run:
         rep = _dry_report(store, plan_gc(store, dry_run=True, began=t_start, progress=progress))
         rep.seconds = time.time() - t_start
         return rep
     _refuse_if_the_ref_table_knows_nothing(store)
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    refs.gc_begin(owner, now=time.time(), stale_after=stale_after)
-    # Beat from a thread of its own, several times per stale_after, so that a gc busy in
-    # one long call is never taken for dead while it can still delete.
-    beat = _Heartbeat(refs, owner, heartbeat_every or max(0.05, min(5.0, stale_after / 4)))
-    try:
-        plan = plan_gc(store, dry_run=False, began=time.time(), progress=progress, beat=beat)
-        rep = execute_gc(store, plan, owner=owner, beat=beat, stale_after=stale_after, progress=progress)
+    with GcLock(store, stale_after=stale_after, heartbeat_every=heartbeat_every) as lock:
+        plan = plan_gc(store, dry_run=False, began=time.time(), progress=progress, beat=lock.beat)
+        rep = execute_gc(store, plan, owner=lock.owner, beat=lock.beat, stale_after=stale_after,
+                         progress=progress)
         rep.seconds = time.time() - t_start
-        beat.stop()
-        refs.gc_finish(owner, now=time.time(), last_gc={"at": time.time(), "deleted": rep.deleted_objects})
-        return rep
-    except BaseException:
-        beat.stop()
+        lock.finish_fields = {"last_gc": {"at": time.time(), "deleted": rep.deleted_objects}}
+    return rep
+
+
+class GcLock:
+    """The store's gc lock, held by one process that may remove objects (gc; fsck
+    --repair, which moves damaged ones aside): begin (phase "marking") on enter,
+    freeze() opens the deletion phase (epoch odd: writers that commit from then on
+    re-validate what they reference), finish on exit (epoch even, idle). A heartbeat
+    thread renews it several times per stale_after, so work in one long call is never
+    taken for dead; beat.check() raises once the lock was lost (taken over as stale)."""
+
+    def __init__(self, store, *, stale_after: float, heartbeat_every: float | None = None, role: str = ""):
+        self.refs = store.reftable
+        self.owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.stale_after = stale_after
+        self.every = heartbeat_every or max(0.05, min(5.0, stale_after / 4))
+        self.finish_fields: dict = {}
+        self.beat: _Heartbeat | None = None
+
+    def __enter__(self) -> "GcLock":
+        self.refs.gc_begin(self.owner, now=time.time(), stale_after=self.stale_after)
+        self.beat = _Heartbeat(self.refs, self.owner, self.every)
+        return self
+
+    def freeze(self) -> None:
+        self.refs.gc_freeze(self.owner, now=time.time())
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.beat.stop()
+        if exc_type is None:
+            self.refs.gc_finish(self.owner, now=time.time(), **self.finish_fields)
+            return
         try:
-            refs.gc_finish(owner, now=time.time())
+            self.refs.gc_finish(self.owner, now=time.time())
         except TsckError:
             pass
-        raise
 
 
 class _Heartbeat:

@@ -270,10 +270,13 @@ class Store:
         return run_gc(self, dry_run=dry_run, progress=progress, stale_after=self.gc_stale_after)
 
     @_storage_errors
-    def fsck(self, *, full: bool = True, progress: bool = False):
-        """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte."""
+    def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False):
+        """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte.
+        repair=True also moves every damaged object aside (quarantine/, never deleted),
+        so the next put of its content stores it again and heals the snapshots using it;
+        it takes the store's gc lock (GcBusy while a gc runs)."""
         from .fsck import run_fsck
-        return run_fsck(self, full=full, progress=progress)
+        return run_fsck(self, full=full, progress=progress, repair=repair, stale_after=self.gc_stale_after)
 
     # -- reading ---------------------------------------------------------------
     @_storage_errors
