@@ -138,6 +138,41 @@ def test_repair_heals_a_truncated_block_on_s3(s3_server, tmp_path):
         b.remove()
 
 
+def test_repair_then_put_heals_a_damaged_manifest_node(tmp_path):
+    """Nodes are content-addressed too: a re-put of the same sub-tree writes the node again."""
+    b = Backend("file", tmp_path)
+    state = {"layers": {f"l{i}": torch.full((8,), float(i)) for i in range(40)}, "w": state_random()["base"]}
+    with b.open(**OPEN) as s:
+        old = s.put_snapshot(state, ref="a/main", step=1)
+        key = max(b.objects(("nodes/",)).items(), key=lambda kv: kv[1])[0]  # holds the inline tensors
+        damage(b, key, "flip")
+        assert s.put_snapshot(state, ref="a/main", step=2).blocks_new == 0
+        rep = s.fsck(repair=True)
+        assert [m["key"] for m in rep.moved] == [key]
+        s.put_snapshot(state, ref="b/main", step=1)
+        assert_same(state, s.checkout(old.root))
+        assert s.fsck().ok
+
+
+def test_a_damaged_commit_is_moved_aside_and_gc_runs_again(tmp_path):
+    """A commit never heals (a re-put has another time), but moved aside it no longer stops
+    gc: gc keeps its snapshot's tree through the catalog row."""
+    b = Backend("file", tmp_path)
+    with b.open(**OPEN) as s:
+        w2 = rand_tensor(torch.float32, (4, 1024), seed=8)
+        one = s.put_snapshot({"w": state_random()["base"]}, ref="a/main", step=1)
+        two = s.put_snapshot({"w": w2}, ref="a/main", step=2)
+        key = f"commits/{one.root[:2]}/{one.root}"
+        damage(b, key, "flip")
+        with pytest.raises(tsck.TsckError, match="damaged"):
+            s.gc()
+        rep = s.fsck(repair=True)
+        assert [m["key"] for m in rep.moved] == [key] and not b.exists(key)
+        s.gc()
+        assert [f.problem for f in s.fsck().findings] == ["missing"]
+        assert_same({"w": w2}, s.checkout(two.root))
+
+
 # ------------------------------------------------------------------ found at put time
 @pytest.mark.parametrize("how", ["truncate", "short", "append"])
 def test_local_block_of_the_wrong_size_is_rewritten_at_put_time(tmp_path, how):
