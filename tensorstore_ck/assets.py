@@ -327,15 +327,16 @@ class Assets:
                                   got=got.hex()), None
         return None, data
 
-    def move_aside(self, key: str) -> str | None:
+    def move_aside(self, key: str, *, deadline=None) -> str | None:
         """Move the object `key` to a fresh quarantine name -> that name, or None if
         `key` was absent. Nothing under quarantine/ is ever read as an object or deleted
-        by gc; an operator inspects or removes it."""
+        by gc; an operator inspects or removes it. deadline: as for delete_objects (no
+        removal from `key` starts after it)."""
         m = _OBJECT_KEY.match(key)
         if m is None:
             raise ValueError(f"not an object key: {key!r}")
         dest = aside_key(m.group(1), bytes.fromhex(m.group(3)))
-        if self.storage.move(key, dest) or self.storage.exists(dest):  # a retried move reports False
+        if self.storage.move(key, dest, deadline=deadline) or self.storage.exists(dest):  # a retried move reports False
             return dest
         return None
 
@@ -377,10 +378,10 @@ class Assets:
         m = _OBJECT_KEY.match(key or "")
         return m.group(1) if m else None
 
-    def delete_objects(self, kind: str, digests) -> None:
+    def delete_objects(self, kind: str, digests, *, deadline=None) -> None:
         """Delete objects of one kind (absent ones are fine): one batched request per
-        up to 1000 keys on object stores."""
-        self.storage.delete_many([_key(kind, d) for d in digests])
+        up to 1000 keys on object stores; none starts after `deadline` (storage.base)."""
+        self.storage.delete_many([_key(kind, d) for d in digests], deadline=deadline)
 
     def object_stats(self) -> dict[str, tuple[int, int]]:
         """kind -> (objects, bytes) as stored, strays included."""

@@ -124,8 +124,18 @@ def cmd_pin(store, args):
     return 0
 
 
+def _seconds(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {v!r}") from None
+    if not 0 < x < 1e7:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {v}")
+    return x
+
+
 def cmd_gc(store, args):
-    r = store.gc(dry_run=args.dry_run, progress=_bar(args))
+    r = store.gc(dry_run=args.dry_run, progress=_bar(args), lease=args.lease)
     verb = "would delete" if r.dry_run else "deleted"
     lines = [f"expired {len(r.expired)} snapshots; kept {r.kept_snapshots}",
              f"{verb} {r.deleted_objects} objects, {_human(r.deleted_bytes)} "
@@ -232,8 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("tag", cmd_tag, "create an immutable tag", "name", "target")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
     add("unpin", cmd_pin, "release a pin", "target")
-    add("gc", cmd_gc, "apply retention, then delete unreferenced objects").add_argument(
-        "--dry-run", action="store_true", help="list what would go and the bytes freed; change nothing")
+    g = add("gc", cmd_gc, "apply retention, then delete unreferenced objects")
+    g.add_argument("--dry-run", action="store_true", help="list what would go and the bytes freed; change nothing")
+    g.add_argument("--lease", type=_seconds, default=None, metavar="SECONDS",
+                   help="how long this gc holds the store between two renewals (default 120); writers "
+                        "judge it on the ref table's clock, never on their own")
     f = add("fsck", cmd_fsck, "verify every kept snapshot (exit 1 on problems)")
     f.add_argument("--quick", action="store_true", help="presence and sizes only, no re-hashing")
     f.add_argument("--repair", action="store_true",

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from .errors import FormatError, IntegrityError
 from .format import frame
-from .gc import DEFAULT_STALE_AFTER, GcLock, _progress
+from .gc import DEFAULT_LEASE, Lease, _progress, holding_gc_lock
 from .reach import KINDS, Marked, iter_unreachable, kept_roots
 from .walk import walk_commit
 
@@ -95,15 +95,15 @@ def _names(store) -> dict[bytes, list[str]]:
 
 
 def run_fsck(store, *, full: bool = True, progress: bool = False, repair: bool = False,
-             stale_after: float = DEFAULT_STALE_AFTER) -> FsckReport:
+             lease: float = DEFAULT_LEASE) -> FsckReport:
     t0 = time.time()
     rep = FsckReport(full=full, repair=repair)
     if repair:
         # The lock first, so a gc running now fails this at once (GcBusy) instead of after
         # the whole check; held through the check, gc cannot delete beside it either.
-        with GcLock(store, stale_after=stale_after, role="fsck-repair:") as lock:
+        with holding_gc_lock(store, lease=lease, role="fsck-repair:") as hold:
             _check(store, rep, progress)
-            _repair(store, rep, lock)
+            _repair(store, rep, hold)
     else:
         _check(store, rep, progress)
     for a in store.assets.list_aside():
@@ -195,7 +195,7 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
 _DAMAGE = ("corrupt", "truncated", "undecodable")
 
 
-def _repair(store, rep: FsckReport, lock: GcLock) -> None:
+def _repair(store, rep: FsckReport, hold: Lease) -> None:
     """Move aside every object the check found damaged, inside a deletion phase."""
     assets = store.assets
     problem = {f.key: f.problem for f in rep.findings if f.problem in _DAMAGE and assets.kind_of_key(f.key)}
@@ -214,11 +214,11 @@ def _repair(store, rep: FsckReport, lock: GcLock) -> None:
             todo.append(key)
     if not todo:
         return
-    lock.freeze()  # epoch odd: a writer that reused one of these re-validates before its ref moves
+    hold.freeze()  # epoch odd: a writer that reused one of these re-validates before its ref moves
     for key in todo:
-        lock.beat.check()
-        try:
-            aside = assets.move_aside(key)
+        hold.check()
+        try:  # each removal within the lease, as gc's deletes
+            aside = hold.run(assets.move_aside, key)
         except OSError as e:
             rep.left.append({"key": key, "why": f"could not be moved aside ({e}); left in place"})
             continue

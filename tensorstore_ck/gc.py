@@ -2,7 +2,8 @@
 
 The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argument):
 
-1. begin    take the store's gc lock in the ref table (phase "marking", heartbeat).
+1. begin    take the store's gc lock in the ref table (phase "marking") under a lease
+            the gc declares and renews (judged on the ref table's clock only).
 2. expire   drop the catalog rows retention no longer keeps (never a ref tip, tag or pin;
             re-checked inside the ref-table transaction).
 3. mark     walk every kept commit's Merkle DAG; remember every reachable object.
@@ -11,11 +12,13 @@ The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argumen
             ref move fenced on an older epoch is refused; it re-validates the objects
             it references (re-uploading any that are gone) and retries.
 6. re-mark  walk the commits published since step 3: they may reuse candidates.
-7. sweep    delete candidates not re-marked: commits, then nodes, then blocks.
+7. sweep    delete candidates not re-marked: commits, then nodes, then blocks; no
+            delete request starts unless it ends, at the storage's request timeout,
+            a margin before the lease could have run out.
 8. finish   bump the epoch to even (phase "idle").
 
 plan_gc does 2-4 (a dry run stops there), execute_gc 5-8; run_gc composes them
-under the lock and its heartbeat. Reachability (mark, the packed set of reached
+under the lock and its lease. Reachability (mark, the packed set of reached
 addresses, the streaming of unreachable objects) is in reach.py; every key is
 assets.py's. Candidates are spooled to a temporary file, not held in memory. A
 stored name that is not a well-formed key (a stray) is reported, never deleted.
@@ -23,6 +26,7 @@ stored name that is not a well-formed key (a stray) is reported, never deleted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -31,13 +35,15 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from .errors import TsckError
+from .errors import GcBusy, InvalidArgument, TsckError
 from .reach import KINDS, Marked, iter_unreachable, kept_roots, mark
+from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, select_kept
 
-__all__ = ["GCReport", "GCPlan", "GcLock", "plan_gc", "execute_gc", "run_gc", "plan_expiry", "DEFAULT_STALE_AFTER"]
+__all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "plan_expiry", "DEFAULT_LEASE", "Lease",
+           "holding_gc_lock"]
 
-DEFAULT_STALE_AFTER = 120.0  # seconds without a heartbeat before a gc counts as dead
+DEFAULT_LEASE = 120.0        # seconds a gc holds the store between two renewals
 SWEEP_BATCH = 512            # deletes between two checks of the lock
 
 
@@ -152,16 +158,16 @@ def _dry_report(store, plan: GCPlan) -> GCReport:
     return rep
 
 
-def execute_gc(store, plan: GCPlan, *, owner: str, beat, stale_after: float, progress: bool = False) -> GCReport:
+def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -> GCReport:
     """Steps 5-7: freeze (epoch odd), re-mark what was published since the plan's mark,
-    delete the candidates nothing reaches, checking the lock between batches."""
+    delete the candidates nothing reaches, each request within the lease."""
     rep, refs = plan.report, store.reftable
-    refs.gc_freeze(owner, now=time.time())
+    lease.freeze()
     extra, extra_visited = Marked(), set(plan.visited)
     mark(store, kept_roots(store) - plan.kept, extra, extra_visited)
     extra.freeze()
     bar = _progress(progress, "gc: sweep", total=rep.candidates)
-    rep.temp_files_removed = store.assets.sweep_temp(plan.began - stale_after)
+    rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
 
     def sweep(kind: str, batch: list) -> None:
         digests = [bytes.fromhex(h) for h, _s in batch]
@@ -176,7 +182,7 @@ def execute_gc(store, plan: GCPlan, *, owner: str, beat, stale_after: float, pro
         # gone before the next starts.
         ds = [d for d, _s in todo]
         n = max(1, min(len(ds), store.workers))
-        for f in [store.pool.submit(store.assets.delete_objects, kind, ds[i::n]) for i in range(n)]:
+        for f in [store.pool.submit(lease.run, store.assets.delete_objects, kind, ds[i::n]) for i in range(n)]:
             f.result()
         for _d, size in todo:
             _count(rep, kind, size)
@@ -189,7 +195,7 @@ def execute_gc(store, plan: GCPlan, *, owner: str, beat, stale_after: float, pro
         if batch and (len(batch) >= SWEEP_BATCH or k != kind):
             sweep(kind, batch)
             batch = []
-            beat.check()  # raises if another gc took the lock over: stop deleting
+            lease.check()  # raises if another gc took the lock over: stop deleting
         kind = k
         batch.append((hexd, size))
     if batch:
@@ -214,81 +220,129 @@ def _refuse_if_the_ref_table_knows_nothing(store) -> None:
                         "or wrong ref table?); run `tsck recover` first, then gc; nothing was deleted")
 
 
-def run_gc(store, *, dry_run: bool = False, progress: bool = False,
-           stale_after: float = DEFAULT_STALE_AFTER, heartbeat_every: float | None = None) -> GCReport:
-    """1-8: take the lock (not for a dry run), plan, execute, release."""
+def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float = DEFAULT_LEASE,
+           renew_every: float | None = None) -> GCReport:
+    """1-8: take the lock under a lease (not for a dry run), plan, execute, release."""
     t_start = time.time()
+    refs = store.reftable
     if dry_run:
-        rep = _dry_report(store, plan_gc(store, dry_run=True, began=t_start, progress=progress))
+        rep = _dry_report(store, plan_gc(store, dry_run=True, began=refs.wall_now(), progress=progress))
         rep.seconds = time.time() - t_start
         return rep
     _refuse_if_the_ref_table_knows_nothing(store)
-    with GcLock(store, stale_after=stale_after, heartbeat_every=heartbeat_every) as lock:
-        plan = plan_gc(store, dry_run=False, began=time.time(), progress=progress, beat=lock.beat)
-        rep = execute_gc(store, plan, owner=lock.owner, beat=lock.beat, stale_after=stale_after,
-                         progress=progress)
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every)
+    try:
+        plan = plan_gc(store, dry_run=False, began=refs.wall_now(), progress=progress, beat=hold)
+        rep = execute_gc(store, plan, lease=hold, progress=progress)
         rep.seconds = time.time() - t_start
-        lock.finish_fields = {"last_gc": {"at": time.time(), "deleted": rep.deleted_objects}}
-    return rep
-
-
-class GcLock:
-    """The store's gc lock, held by one process that may remove objects (gc; fsck
-    --repair, which moves damaged ones aside): begin (phase "marking") on enter,
-    freeze() opens the deletion phase (epoch odd: writers that commit from then on
-    re-validate what they reference), finish on exit (epoch even, idle). A heartbeat
-    thread renews it several times per stale_after, so work in one long call is never
-    taken for dead; beat.check() raises once the lock was lost (taken over as stale)."""
-
-    def __init__(self, store, *, stale_after: float, heartbeat_every: float | None = None, role: str = ""):
-        self.refs = store.reftable
-        self.owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.stale_after = stale_after
-        self.every = heartbeat_every or max(0.05, min(5.0, stale_after / 4))
-        self.finish_fields: dict = {}
-        self.beat: _Heartbeat | None = None
-
-    def __enter__(self) -> "GcLock":
-        self.refs.gc_begin(self.owner, now=time.time(), stale_after=self.stale_after)
-        self.beat = _Heartbeat(self.refs, self.owner, self.every)
-        return self
-
-    def freeze(self) -> None:
-        self.refs.gc_freeze(self.owner, now=time.time())
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.beat.stop()
-        if exc_type is None:
-            self.refs.gc_finish(self.owner, now=time.time(), **self.finish_fields)
-            return
+        hold.stop()
+        refs.gc_finish(owner, last_gc={"at": refs.wall_now(), "deleted": rep.deleted_objects})
+        return rep
+    except BaseException:
+        hold.stop()
         try:
-            self.refs.gc_finish(self.owner, now=time.time())
+            refs.gc_finish(owner)
         except TsckError:
             pass
+        raise
 
 
-class _Heartbeat:
-    """Renews the gc lock every `every` seconds until stopped; check() raises in the
-    gc's own thread once the lock was lost (another gc took a stale one over)."""
+@contextlib.contextmanager
+def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None):
+    """The store's gc lock under a lease, for work other than gc that removes objects
+    from their addresses (fsck --repair moves damaged ones aside): yields the Lease
+    (freeze() opens the deletion phase, run() keeps each removal within the lease);
+    the phase is finished on exit, whatever happened."""
+    refs = store.reftable
+    owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every)
+    try:
+        yield hold
+    except BaseException:
+        hold.stop()
+        try:
+            refs.gc_finish(owner)
+        except TsckError:
+            pass
+        raise
+    hold.stop()
+    refs.gc_finish(owner)
 
-    def __init__(self, refs, owner: str, every: float):
-        self.refs, self.owner, self.every = refs, owner, every
+
+class Lease:
+    """A gc's hold on the store, renewed from a thread of its own.
+
+    The ref table records expires = (its clock during the renewal) + seconds, and
+    others judge the gc dead only once their reading of that clock passes it. A
+    renewal's transaction runs after `m0`, this host's monotonic time taken just
+    before it, so here the lease surely lasts until m0 + seconds. No delete request
+    starts unless it ends (at the storage's request timeout) a margin before that:
+    a gc never deletes after the moment another party may consider it dead."""
+
+    def __init__(self, refs, owner: str, seconds: float, *, request_timeout: float,
+                 renew_every: float | None = None):
+        if not (isinstance(seconds, (int, float)) and 0 < seconds < 1e7):
+            raise InvalidArgument(f"gc lease must be a positive number of seconds, got {seconds!r}")
+        self.refs, self.owner, self.seconds = refs, owner, float(seconds)
+        self.margin = max(0.05, 0.05 * self.seconds)  # clock rates differ a little; renewals take time
+        self.request_timeout = float(request_timeout)
+        if self.request_timeout + self.margin >= self.seconds / 2:
+            raise InvalidArgument(f"gc lease of {self.seconds:g}s is too short: this storage's requests may take "
+                                  f"{self.request_timeout:g}s (its timeouts), and a delete must end well within the "
+                                  "lease; use a longer lease or shorter storage timeouts")
         self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        m0 = time.monotonic()
+        refs.gc_begin(owner, lease=self.seconds)
+        self.until = m0 + self.seconds
+        self.every = renew_every or max(0.02, min(5.0, self.seconds / 4))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tsck-gc-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tsck-gc-lease", daemon=True)
         self._thread.start()
+
+    def renew(self) -> None:
+        m0 = time.monotonic()
+        self.refs.gc_heartbeat(self.owner)
+        with self._lock:
+            self.until = max(self.until, m0 + self.seconds)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             try:
-                self.refs.gc_heartbeat(self.owner, now=time.time())
+                self.renew()
             except BaseException as e:  # noqa: BLE001 - handed to the gc thread by check()
                 self.error = e
                 return
 
+    def freeze(self) -> None:
+        m0 = time.monotonic()
+        self.refs.gc_freeze(self.owner)
+        with self._lock:
+            self.until = max(self.until, m0 + self.seconds)
+
     def check(self) -> None:
+        """Raise if the lock was lost (another gc took over a lease that ran out)."""
         if self.error is not None:
             raise self.error
+
+    def deadline(self) -> float:
+        """The monotonic time after which no delete request may start."""
+        with self._lock:
+            return self.until - self.margin - self.request_timeout
+
+    def run(self, fn, *args):
+        """fn(*args, deadline=...) with the lease's deadline; if the deadline comes first,
+        renew (GcBusy if the lock was lost meanwhile) and go on. fn must be idempotent."""
+        for _ in range(1000):
+            self.check()
+            try:
+                return fn(*args, deadline=self.deadline)
+            except DeadlinePassed:
+                self.renew()
+                if time.monotonic() >= self.deadline():  # a renewal slower than the lease itself
+                    raise GcBusy("gc stopped deleting: it could not renew its lease in time") from None
+        raise GcBusy("gc stopped deleting: its lease kept running out")
 
     def stop(self) -> None:
         self._stop.set()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 import threading
 import time
 import uuid
@@ -108,9 +109,10 @@ def _open_errors(fn):
 def open_store(url, *, refs=None, storage_options: dict | None = None, create: bool = True,
                block_size: int | None = None, inline_threshold: int | None = None,
                workers: int | None = None, verify: bool = True, compress: bool = True,
-               shuffle: bool = False, gc_stale_after: float | None = None, max_inflight: int = 2,
+               shuffle: bool = False, gc_lease: float | None = None, max_inflight: int = 2,
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
-               write_concurrency: int | None = None, create_refs: bool = False) -> Store:
+               write_concurrency: int | None = None, create_refs: bool = False,
+               gc_stale_after: float | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     A ref table is created only with a new store, or with create_refs=True (what
@@ -120,7 +122,16 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
     refs: None (LMDB beside local data; in-process table for memory://), a path
     or lmdb:// URL, postgresql://..., memory://name, or a RefTable.
-    storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...)."""
+    storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...).
+    gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
+    two renewals (default 120); others judge it on the ref table's clock.
+    gc_stale_after: the old name of gc_lease (deprecated; it no longer decides when
+    another process's gc counts as dead)."""
+    if gc_stale_after is not None:
+        warnings.warn("open_store(gc_stale_after=) is deprecated: use gc_lease= (the lease of the gcs this "
+                      "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
+                      stacklevel=3)
+        gc_lease = gc_stale_after if gc_lease is None else gc_lease
     proto, rest = _split_url(url)
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         _open_refs(refs, proto, rest, create=False)
@@ -199,4 +210,4 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         storage = wrap_storage(storage)
     return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
                  shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
-                 gc_stale_after=gc_stale_after, max_inflight=max_inflight, when_busy=when_busy)
+                 gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)

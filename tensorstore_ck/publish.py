@@ -34,11 +34,10 @@ class Publisher:
     write_blocks() / submit_block() -> write_nodes() -> commit(). publish()
     does all of it for a Plan."""
 
-    def __init__(self, assets: Assets, reftable, pool: ThreadPoolExecutor, *, gc_stale_after: float):
+    def __init__(self, assets: Assets, reftable, pool: ThreadPoolExecutor):
         self.assets = assets
         self.reftable = reftable
         self.pool = pool
-        self.gc_stale_after = gc_stale_after
 
     # -- the steps -----------------------------------------------------------------
     def fence(self) -> int:
@@ -93,7 +92,7 @@ class Publisher:
         races = fenced = 0
         for _attempt in range(COMMIT_ATTEMPTS):
             parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
-            now = time.time()
+            now = self.reftable.wall_now()  # one clock for every writer's commit times (retention ages them)
             body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
                                  meta=meta, parent=parent, tree=tree, stats=stats)
             root = self.assets.put_commit(body).digest
@@ -126,16 +125,16 @@ class Publisher:
     # -- after a fenced move ---------------------------------------------------------
     def wait_gc_idle(self) -> int:
         """Wait until no gc deletion phase is running (closing a dead gc's phase once
-        its heartbeat is older than gc_stale_after); the even epoch, as a new fence."""
+        its lease ran out on the ref table's clock: the gc's own declaration, never this
+        process's opinion); the even epoch, as a new fence."""
         while True:
             st = self.reftable.gc_state()
             if st["epoch"] % 2 == 0:
                 return st["epoch"]
-            now = time.time()
-            if now - float(st.get("heartbeat", 0.0)) >= self.gc_stale_after:
-                self.reftable.gc_abort_stale(now=now, stale_after=self.gc_stale_after)
+            if not st["lease_left"]:
+                self.reftable.gc_abort_stale()
             else:
-                time.sleep(0.05)
+                time.sleep(min(0.05, st["lease_left"]))
 
     def _rewrite(self, payloads: list, commit_body: bytes) -> None:
         for payload in payloads:

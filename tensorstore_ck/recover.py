@@ -3,8 +3,12 @@
 The ref table is an index over what storage already says: every commit names
 its job and ref, and every tag is also written to storage as ``tags/<hex of
 name>`` (JSON {name, root, time}). After the LMDB file is lost, each ref is
-restored at its newest commit (by commit time, then step) with a reflog that
-lists its commits oldest first, so ``log`` and ``REF@STEP`` work again.
+restored at its newest commit with a reflog that lists its commits oldest
+first, so ``log`` and ``REF@STEP`` work again. "Newest" follows the ref's
+history, the parent links each commit records: a commit comes after its parent
+whatever the writers' clocks said (a clock stepped back must not put a ref on
+an old snapshot); times and steps only order commits at the same depth (forks,
+or a commit whose ref move lost a race).
 Refs and tags that still exist are left as they are, except a ref a killed
 recover left on an intermediate commit: it is moved on, so running recover
 again always ends where one uninterrupted run ends. A commit whose tree is not
@@ -59,6 +63,23 @@ def _incomplete(store, root: bytes, present: set) -> str | None:
     return None
 
 
+def _depths(items) -> dict[bytes, int]:
+    """root -> how many of this ref's adopted commits lie below it on its parent chain."""
+    parent = {root: row.get("parent") for _t, _s, root, row in items}
+    depth: dict[bytes, int] = {}
+    for root in parent:
+        chain, r = [], root
+        # Addresses make a cycle impossible to build, but stored bytes are untrusted: bounded.
+        while r in parent and r not in depth and len(chain) <= len(parent):
+            chain.append(r)
+            r = parent[r]
+        d = depth.get(r, -1)
+        for c in reversed(chain):
+            d += 1
+            depth[c] = d
+    return depth
+
+
 def run_recover(store) -> RecoverReport:
     rep = RecoverReport()
     rt = store.reftable
@@ -91,7 +112,8 @@ def run_recover(store) -> RecoverReport:
         step = c["step"] if isinstance(c["step"], int) else -1
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
     for ref, items in sorted(by_ref.items()):
-        items.sort(key=lambda x: (x[0], x[1]))
+        depth = _depths(items)
+        items.sort(key=lambda x: (depth[x[2]], x[0], x[1]))
         roots = [root for _t, _s, root, _row in items]
         cur = rt.get_or_none(ref)
         if cur is not None and (cur not in roots[:-1] or not _moved_by_recover(rt, ref, cur)):

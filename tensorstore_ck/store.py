@@ -71,9 +71,13 @@ class Store:
     def __init__(self, storage: BlockStore, refs: RefTable, *, config: dict, workers: int | None = None,
                  verify: bool = True, compress: bool = True, shuffle: bool = False,
                  block_size: int | None = None, inline_threshold: int | None = None,
-                 gc_stale_after: float | None = None, max_inflight: int = 2, when_busy: str = "wait"):
-        from .gc import DEFAULT_STALE_AFTER
-        self.gc_stale_after = float(gc_stale_after if gc_stale_after is not None else DEFAULT_STALE_AFTER)
+                 gc_lease: float | None = None, max_inflight: int = 2, when_busy: str = "wait"):
+        from .gc import DEFAULT_LEASE
+        # The lease of the gcs this Store runs (store.gc()). Other parties judge it on the ref
+        # table's clock from what the gc declared; no Store's setting judges another's gc.
+        self.gc_lease = float(gc_lease if gc_lease is not None else DEFAULT_LEASE)
+        if not 0 < self.gc_lease < 1e7:
+            raise InvalidArgument(f"gc_lease must be a positive number of seconds, got {gc_lease!r}")
         self.storage = storage
         self.reftable = refs
         self.config = config
@@ -89,7 +93,7 @@ class Store:
         self.workers = workers or min(8, 2 * (os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
         # The one way anything is published into this store (put, collective put, DCP writer).
-        self.publisher = Publisher(self.assets, refs, self._pool, gc_stale_after=self.gc_stale_after)
+        self.publisher = Publisher(self.assets, refs, self._pool)
         # One background publisher: asynchronous snapshots commit in the order they were taken.
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
         if type(max_inflight) is not int or max_inflight < 1:
@@ -264,10 +268,12 @@ class Store:
         return {job: Retention.from_dict(r) for job, r in self.reftable.retention_all().items()}
 
     @_storage_errors
-    def gc(self, *, dry_run: bool = False, progress: bool = False):
-        """Apply retention, then mark and sweep. Safe while other processes write."""
+    def gc(self, *, dry_run: bool = False, progress: bool = False, lease: float | None = None):
+        """Apply retention, then mark and sweep. Safe while other processes write.
+        lease: seconds this gc holds the store between renewals (default: the Store's
+        gc_lease, 120 s); others judge it on the ref table's clock."""
         from .gc import run_gc
-        return run_gc(self, dry_run=dry_run, progress=progress, stale_after=self.gc_stale_after)
+        return run_gc(self, dry_run=dry_run, progress=progress, lease=self.gc_lease if lease is None else lease)
 
     @_storage_errors
     def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False):
@@ -276,7 +282,7 @@ class Store:
         so the next put of its content stores it again and heals the snapshots using it;
         it takes the store's gc lock (GcBusy while a gc runs)."""
         from .fsck import run_fsck
-        return run_fsck(self, full=full, progress=progress, repair=repair, stale_after=self.gc_stale_after)
+        return run_fsck(self, full=full, progress=progress, repair=repair, lease=self.gc_lease)
 
     # -- reading ---------------------------------------------------------------
     @_storage_errors

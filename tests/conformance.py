@@ -43,6 +43,7 @@ import pytest
 
 from tensorstore_ck.errors import Fenced, GcBusy, RefConflict, RefNotFound
 from tensorstore_ck.storage import BlockStore
+from tensorstore_ck.storage.base import DeadlinePassed
 
 __all__ = ["BlockStoreTests", "RefTableTests"]
 
@@ -279,6 +280,10 @@ class BlockStoreTests:
         k, aside = _key(16), "quarantine/blocks/" + _key(16).rsplit("/", 1)[1] + ".x1"
         data = os.urandom(70_000)
         block_store.put_if_absent(k, [data])
+        with pytest.raises(DeadlinePassed):  # past the caller's deadline: the object stays
+            block_store.move(k, aside + "z", deadline=lambda: 0.0)
+        assert block_store.get(k) == data
+        block_store.delete(aside + "z")  # an object store may have copied it already
         assert block_store.move(k, aside) is True
         block_store.sync()
         assert not block_store.exists(k) and block_store.get(aside) == data
@@ -412,7 +417,7 @@ class RefTableTests:
         table.compare_and_swap("r", None, R[1], message="c", catalog_row={"step": 1})
         with pytest.raises(RefConflict):
             table.compare_and_swap("r", R[5], R[2], message="stale", catalog_row={"step": 2})
-        table.gc_begin("g", now=1.0, stale_after=10)
+        table.gc_begin("g", lease=10, now=1.0)
         table.gc_freeze("g", now=2.0)
         with pytest.raises(Fenced):
             table.compare_and_swap("r", R[1], R[3], message="fenced", catalog_row={"step": 3}, fence=0)
@@ -578,10 +583,10 @@ class RefTableTests:
     def test_gc_state_machine(self, table):
         st = table.gc_state()
         assert (st["epoch"], st["phase"]) == (0, "idle")
-        st = table.gc_begin("g1", now=100.0, stale_after=10)
+        st = table.gc_begin("g1", lease=10, now=100.0)
         assert (st["epoch"], st["phase"], st["owner"]) == (0, "marking", "g1")
         assert table.gc_state()["phase"] == "marking"
-        assert table.gc_heartbeat("g1", now=104.0)["heartbeat"] == 104.0
+        assert table.gc_heartbeat("g1", now=104.0)["expires"] == 114.0  # renewed: lease from now
         with pytest.raises(GcBusy):
             table.gc_heartbeat("someone-else", now=104.0)
         with pytest.raises(GcBusy):
@@ -598,32 +603,32 @@ class RefTableTests:
         with pytest.raises(GcBusy):
             table.gc_heartbeat("g1", now=109.0)  # finished: it holds nothing
         # a dry run: marking -> idle, no deletion phase, the epoch does not move
-        table.gc_begin("g2", now=200.0, stale_after=10)
+        table.gc_begin("g2", lease=10, now=200.0)
         st = table.gc_finish("g2", now=201.0)
         assert (st["epoch"], st["phase"]) == (2, "idle")
 
     def test_a_second_gc_is_busy_until_the_first_is_stale(self, table):
-        table.gc_begin("g1", now=100.0, stale_after=10)
+        table.gc_begin("g1", lease=10, now=100.0)
         with pytest.raises(GcBusy):
-            table.gc_begin("g2", now=105.0, stale_after=10)  # g1 is alive
+            table.gc_begin("g2", lease=10, now=105.0)  # g1 is alive
         table.gc_heartbeat("g1", now=108.0)
         with pytest.raises(GcBusy):
-            table.gc_begin("g2", now=115.0, stale_after=10)  # the heartbeat renewed the lease
-        st = table.gc_begin("g2", now=118.0, stale_after=10)  # a stale marking gc is taken over
+            table.gc_begin("g2", lease=10, now=115.0)  # the heartbeat renewed the lease
+        st = table.gc_begin("g2", lease=10, now=118.0)  # a stale marking gc is taken over
         assert (st["epoch"], st["owner"]) == (0, "g2")
         with pytest.raises(GcBusy):
             table.gc_heartbeat("g1", now=119.0)  # g1 lost its lock
         table.gc_freeze("g2", now=119.0)
         with pytest.raises(GcBusy):
-            table.gc_begin("g3", now=120.0, stale_after=10)
-        st = table.gc_begin("g3", now=200.0, stale_after=10)  # a stale deleting gc: epoch closed
+            table.gc_begin("g3", lease=10, now=120.0)
+        st = table.gc_begin("g3", lease=10, now=200.0)  # a stale deleting gc: epoch closed
         assert (st["epoch"], st["phase"], st["owner"]) == (2, "marking", "g3")
         with pytest.raises(GcBusy):
             table.gc_finish("g2", now=201.0)
 
     def test_fenced_compare_and_swap(self, table):
         R = self.R
-        table.gc_begin("g1", now=100.0, stale_after=10)
+        table.gc_begin("g1", lease=10, now=100.0)
         # a writer fenced at epoch 0 may move refs while gc only marks ...
         table.compare_and_swap("r", None, R[1], message="c", fence=0)
         table.gc_freeze("g1", now=106.0)
@@ -638,20 +643,20 @@ class RefTableTests:
             table.compare_and_swap("r", R[1], R[2], message="m", fence=0)  # the fence moved
         table.compare_and_swap("r", R[1], R[2], message="m", fence=2)
         # the fence is checked before the ref: a stale fence is Fenced, not RefConflict
-        table.gc_begin("g2", now=300.0, stale_after=10)
+        table.gc_begin("g2", lease=10, now=300.0)
         table.gc_freeze("g2", now=301.0)
         with pytest.raises(Fenced):
             table.compare_and_swap("r", R[9], R[4], message="m", fence=2)
         assert [e.new for e in table.reflog("r")] == [R[1], R[2]]
 
     def test_gc_abort_stale_closes_a_dead_deletion_phase(self, table):
-        st = table.gc_abort_stale(now=50.0, stale_after=10)
+        st = table.gc_abort_stale(now=50.0)
         assert (st["epoch"], st["phase"]) == (0, "idle")  # nothing to close
-        table.gc_begin("g3", now=200.0, stale_after=10)
-        assert table.gc_abort_stale(now=300.0, stale_after=10)["phase"] == "marking"  # marking deletes nothing
+        table.gc_begin("g3", lease=10, now=200.0)
+        assert table.gc_abort_stale(now=300.0)["phase"] == "marking"  # marking deletes nothing
         table.gc_freeze("g3", now=301.0)
-        assert table.gc_abort_stale(now=305.0, stale_after=10)["epoch"] == 1  # still fresh: untouched
-        st = table.gc_abort_stale(now=315.0, stale_after=10)
+        assert table.gc_abort_stale(now=305.0)["epoch"] == 1  # still fresh: untouched
+        st = table.gc_abort_stale(now=315.0)
         assert (st["epoch"], st["phase"], st["owner"]) == (2, "idle", None)
         assert table.gc_state()["epoch"] == 2
         with pytest.raises(GcBusy):
@@ -700,7 +705,7 @@ class RefTableTests:
             assert res.count(True) == 1 and res.count(False) == n - 1, res
             assert table.catalog_get(self.R[1]) == {"step": res.index(True)}
 
-            res = _run_threads(n, lambda i: handles[i].gc_begin(f"g{i}", now=100.0, stale_after=10))
+            res = _run_threads(n, lambda i: handles[i].gc_begin(f"g{i}", lease=10, now=100.0))
             assert sum(isinstance(x, dict) for x in res) == 1, res
             assert all(isinstance(x, GcBusy) for x in res if not isinstance(x, dict))
             assert table.gc_state()["owner"] == f"g{[isinstance(x, dict) for x in res].index(True)}"
@@ -715,7 +720,7 @@ class RefTableTests:
         table.tag_create("t", R[1])
         table.pin(R[2])
         table.retention_set("job", {"keep_last": 2})
-        table.gc_begin("g", now=10.0, stale_after=5)
+        table.gc_begin("g", lease=10, now=10.0)
         table.gc_freeze("g", now=11.0)
         table.close()
         again = open_table()

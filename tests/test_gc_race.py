@@ -16,8 +16,8 @@ after each commit (during the race); afterwards the test process checks out
 every acknowledged snapshot that retention kept, bit-exact, and fsck finds
 nothing; a last gc leaves exactly the kept snapshots and no orphan.
 
-The second test: a writer must not take a live gc whose deletion phase outlasts
-gc_stale_after for dead (a package bug, fixed in 1337355; see its docstring).
+The second test: a writer must not take a live gc for dead, whatever its own
+settings say (issue 11 failure 2; see its docstring).
 
 Both tests run on every backend (the `backend` fixture: file, s3, pg); the
 helper processes get `backend.spec()` and open it with tests/helpers/target.py.
@@ -53,7 +53,11 @@ gc_states = gc_proc.load("gc_states")
 
 WRITERS = 3
 STEPS = {"file": 70, "s3": 12, "pg": 20}  # commits per writer (210 in all on file)
-STALE = 2.0  # gc_stale_after for every process
+# The gc's lease: short, so a lost lease would show within a run; on s3 longer, because a
+# delete request may take up to the S3 client's timeouts (config below) and must end
+# well within the lease.
+LEASE = {"file": 2.0, "s3": 20.0, "pg": 2.0}
+S3_TIMEOUTS = {"connect_timeout": 3, "read_timeout": 5}
 GC_PAUSE = 0.02  # gc_loop sleeps U(0, GC_PAUSE) between runs
 WRITER_PAUSE = 0.05  # each writer sleeps U(0, WRITER_PAUSE) between commits
 KEEP = 2
@@ -63,6 +67,17 @@ KEEP = 2
 # --delete-rate: a slow object store), so the phase lasts about STRAY / STRAY_RATE s.
 STRAY = {"file": 160_000, "s3": 600, "pg": 600}
 STRAY_RATE = {"file": None, "s3": 300.0, "pg": 300.0}
+
+
+def _gc_spec(backend) -> str:
+    """The store as the gc process opens it: on s3 with client timeouts that fit its lease."""
+    if backend.kind != "s3":
+        return backend.spec()
+    import json
+    spec = json.loads(backend.spec())
+    opts = dict(spec.get("storage_options") or {})
+    opts["config_kwargs"] = {**(opts.get("config_kwargs") or {}), **S3_TIMEOUTS}
+    return json.dumps({**spec, "storage_options": opts})
 
 
 @pytest.fixture
@@ -90,18 +105,18 @@ def _parse_kv(line: str) -> dict:
 def test_gc_loop_races_three_dedup_writers(backend, tmp_path, procs):
     steps = STEPS[backend.kind]
     spec = backend.spec()
-    store = backend.open(block_size=gc_states.RACE_BLOCK, inline_threshold=gc_states.RACE_INLINE,
-                         gc_stale_after=STALE)
+    store = backend.open(block_size=gc_states.RACE_BLOCK, inline_threshold=gc_states.RACE_INLINE)
     try:
         for w in range(WRITERS):
             store.set_retention(f"w{w}", tsck.Retention(keep_last=KEEP))
 
         stop = tmp_path / "stop-gc"
-        gcp = gc_proc.Proc("gc_loop.py", [spec, STALE, stop, GC_PAUSE], tmp_path / "gc.err")
+        gcp = gc_proc.Proc("gc_loop.py", [_gc_spec(backend), LEASE[backend.kind], stop, GC_PAUSE],
+                           tmp_path / "gc.err")
         procs.append(gcp)
         writers = []
         for w in range(WRITERS):
-            p = gc_proc.Proc("gc_writer.py", [spec, w, steps, STALE, WRITER_PAUSE], tmp_path / f"w{w}.err")
+            p = gc_proc.Proc("gc_writer.py", [spec, w, steps, WRITER_PAUSE], tmp_path / f"w{w}.err")
             procs.append(p)
             writers.append(p)
         for p in [gcp, *writers]:
@@ -199,40 +214,37 @@ def test_gc_loop_races_three_dedup_writers(backend, tmp_path, procs):
 
 
 @pytest.mark.slow
-def test_writer_does_not_commit_over_a_live_gc_that_deletes_longer_than_stale_after(backend, tmp_path, procs):
-    """A gc that is alive and deleting for longer than gc_stale_after must not be
-    treated as dead: a writer that reuses its condemned blocks must not commit
-    while that gc can still delete them.
+def test_writer_does_not_commit_over_a_live_gc_whatever_its_own_setting(backend, tmp_path, procs):
+    """A gc that is alive and deleting must not be treated as dead, whatever the
+    writer's own settings say: a writer that reuses its condemned blocks must not
+    commit while that gc can still delete them (issue 11, failure 2).
 
-    Regression test: before commit 1337355 run_gc renewed (and checked) its lock
-    only every `heartbeat_every` = 5 s, whatever gc_stale_after was. With any
-    gc_stale_after below that (API3 suggests 1.0-2.0 in tests; 0.5 here makes
-    the timing deterministic), a deletion phase longer than gc_stale_after
-    looked dead to a fenced writer: it called gc_abort_stale (epoch back to
-    even), re-validated (the objects were still there), moved the ref, and the
-    live gc then deleted them under the new ref tip (this test failed with the
-    tip's top manifest node or all 64 reused blocks missing).
+    The writer is opened with gc_stale_after=0.5 (the old per-process setting; now a
+    deprecated name for the lease of the writer's own gcs) while the gc holds a lease
+    of several seconds and renews it every lease/4, as `tsck gc` does. Before leases
+    the writer judged the gc's heartbeat age by its own 0.5 s, found it dead between
+    two heartbeats, closed its deletion epoch and committed; the live gc then deleted
+    the reused objects under the new ref tip. Now liveness is the gc's own declared
+    lease, judged on the ref table's clock; the writer waits for the gc to finish.
 
     The deletion phase is made long with leftover objects (what crashed writers
     leave behind) under nodes/: on file 160,000 stray names, deleted at full
     speed; on s3 and pg 600, deleted by a gc process whose storage deletes at
     most 300 objects a second (a slow object store; the gc code is untouched).
     The condemned manifest nodes of the reused state sit among them and its
-    blocks come after them, so they are still present when the writer
-    re-validates, and the live gc deletes some of them before its next (5 s)
-    heartbeat tells it it lost the lock. Two checks: the acknowledged tip lost
-    objects (what users see; whether it happens depends on where the heartbeat
-    falls), and the live gc lost its lock to the writer (the cause;
-    deterministic as long as the deletion phase outlasts gc_stale_after).
+    blocks come after them. Two checks: the acknowledged tip lost no objects, and
+    the gc kept its lock to the end.
     """
     import secrets
 
     import blake3
 
     stale = 0.5
+    lease = {"file": 3.0, "pg": 3.0, "s3": 20.0}[backend.kind]
     stray, rate = STRAY[backend.kind], STRAY_RATE[backend.kind]
-    store = backend.open(block_size=gc_states.CRASH_BLOCK, inline_threshold=gc_states.CRASH_INLINE,
-                         gc_stale_after=stale)
+    with pytest.warns(DeprecationWarning, match="gc_stale_after"):
+        store = backend.open(block_size=gc_states.CRASH_BLOCK, inline_threshold=gc_states.CRASH_INLINE,
+                             gc_stale_after=stale)
     try:
         store.set_retention("a", tsck.Retention(keep_last=1))
         x, y = gc_states.crash_state("a", 0), gc_states.crash_state("a", 1)
@@ -258,7 +270,7 @@ def test_writer_does_not_commit_over_a_live_gc_that_deletes_longer_than_stale_af
         assert all(backend.exists(k) for k in own)
         time.sleep(0.05)  # strictly older than the gc's start
 
-        gcp = gc_proc.Proc("gc_once.py", [backend.spec(), stale] + (["--delete-rate", rate] if rate else []),
+        gcp = gc_proc.Proc("gc_once.py", [_gc_spec(backend), lease] + (["--delete-rate", rate] if rate else []),
                            tmp_path / "gc.err")
         procs.append(gcp)
         gcp.wait_line("ready", 90)
@@ -288,12 +300,12 @@ def test_writer_does_not_commit_over_a_live_gc_that_deletes_longer_than_stale_af
             f"the ref tip {info.root[:16]} (acknowledged by put_snapshot) lost {len(missing)} objects to a "
             f"gc that was still running; first: {missing[:1] and str(missing[0])}")
         assert gc_states.same_bits(x, store.checkout("a/main"))
-        # 2. The cause, deterministic whenever the deletion phase outlasts gc_stale_after:
-        #    a writer declared the live gc dead and closed its epoch, so the gc lost its lock.
+        # 2. The cause, deterministic whenever the deletion phase outlasts the writer's 0.5 s
+        #    plus a renewal interval: a writer declared the live gc dead and closed its epoch.
         assert rc == 0 and gc_lines[-1:] == ["done"], (
-            f"a live gc lost its lock to a writer that presumed it dead after gc_stale_after={stale}s "
+            f"a live gc lost its lock to a writer that presumed it dead after its own {stale}s "
             f"(gc exit {rc}): {gcp.stderr().strip().splitlines()[-1:]}")
-        # The scenario really happened: the deletion phase outlasted gc_stale_after.
-        assert gone > 2 * stale, f"the gc finished {gone:.2f}s after its freeze: too fast to test anything"
+        # The scenario really happened: the deletion phase outlasted renewals and the writer's setting.
+        assert gone > 2 * stale + lease / 4, f"the gc finished {gone:.2f}s after its freeze: too fast to test"
     finally:
         store.close()

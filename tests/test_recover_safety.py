@@ -110,3 +110,27 @@ def test_recover_leaves_a_ref_a_user_moved_back(tmp_path):
         s.reftable.compare_and_swap("a/main", bytes.fromhex(r6), bytes.fromhex(r3), message="roll back")
         s.recover()
         assert s.resolve("a/main") == r3
+
+
+def test_recover_follows_the_refs_history_not_the_clock(tmp_path, monkeypatch):
+    """After the host's clock stepped back an hour (NTP, a restored VM), the newest
+    commits carry the oldest times. recover must still put the ref on the last one
+    published (its parent chain), not on the one whose clock read latest: the old code
+    restored the ref at step 3 of 6, and restore_latest would have resumed from there."""
+    path = tmp_path / "s"
+    with _store(path, n=3) as s:
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() - 3600)  # this host's clock, stepped back
+        for step in (4, 5, 6):
+            s.put_snapshot({"w": torch.full((5000,), float(step)), "step": step}, ref="a/main", step=step)
+        monkeypatch.setattr(time, "time", real)
+        tip = s.resolve("a/main")
+        log = [i.step for i in s.log("a/main")]
+    shutil.rmtree(path / "refs.lmdb")
+    with tsck.open_store(path, create_refs=True) as s:
+        s.recover()
+        assert s.resolve("a/main") == tip
+        assert s.checkout("a/main")["step"] == 6
+        assert [i.step for i in s.log("a/main")] == log == [6, 5, 4, 3, 2, 1]
+        assert s.checkout("a/main@2")["step"] == 2
+        assert s.recover().refs_restored == {}  # a second recover changes nothing

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 import torch
@@ -293,11 +292,11 @@ def test_repair_waits_for_no_one_and_changes_nothing_while_gc_holds_the_lock(tmp
         key = blocks(b)[0]
         damage(b, key, "flip")
         bad = b.read(key)
-        s.reftable.gc_begin("another-gc", now=time.time(), stale_after=120)
+        s.reftable.gc_begin("another-gc", lease=120)
         with pytest.raises(tsck.GcBusy):
             s.fsck(repair=True)
         assert b.read(key) == bad and b.objects(QUARANTINE) == {}
-        s.reftable.gc_finish("another-gc", now=time.time())
+        s.reftable.gc_finish("another-gc")
         assert [m["key"] for m in s.fsck(repair=True).moved] == [key]
 
 
@@ -309,11 +308,11 @@ class HealBeforeMove(WrappedStore):
         super().__init__(inner)
         self.good: dict[str, bytes] = {}
 
-    def move(self, key, new_key):
+    def move(self, key, new_key, *, deadline=None):
         if key in self.good:
             self.inner.delete(key)
             self.inner.put_if_absent(key, [self.good[key]])
-        return super().move(key, new_key)
+        return super().move(key, new_key, deadline=deadline)
 
 
 def test_repair_puts_back_what_turned_out_healthy(tmp_path):

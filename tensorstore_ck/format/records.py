@@ -2,7 +2,7 @@
 
     reflog    {t, old, new, msg}                      encode_reflog / decode_reflog
     catalog   {job, ref, step, time, metrics, ...}    encode_record / decode_catalog
-    gc state  {epoch, phase, owner, heartbeat, ...}   encode_record / decode_gc_state
+    gc state  {epoch, phase, owner, lease, clock, expires, heartbeat, ...}   encode_record / decode_gc_state
     retention {keep_last, ...}                        encode_record / decode_record
     tags/<hex of name> (JSON {name, root, time})      encode_tag / decode_tag
 
@@ -85,7 +85,9 @@ def decode_gc_state(data: bytes | None) -> dict:
     e = st.get("epoch")
     if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < 2**62 \
             or st.get("phase") not in ("idle", "marking", "deleting") \
-            or not _number(st.get("heartbeat", 0.0)):
+            or not _number(st.get("heartbeat", 0.0)) \
+            or not all(_number(st[k]) for k in ("lease", "expires") if k in st) \
+            or not isinstance(st.get("clock", ""), str):
         raise FormatError("malformed gc state record")
     return st
 

@@ -9,7 +9,7 @@ Sub-tables (each a sorted key-value space):
     tags      name                    -> root
     pins      root                    -> b""
     retention job                     -> msgpack Retention record
-    gc        b"state"                -> msgpack {epoch, phase, owner, heartbeat, ...}
+    gc        b"state"                -> msgpack {epoch, phase, owner, lease, clock, expires, ...}
     meta      key                     -> value (the reflog sequence counter)
 
 Record codecs are in format/records.py. Every conditional operation reads and
@@ -19,7 +19,9 @@ separated by another writer.
 
 from __future__ import annotations
 
+import socket
 import struct
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -54,6 +56,38 @@ class Txn(ABC):
     @abstractmethod
     def items(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """Sorted by key."""
+
+    def clock(self) -> tuple[str, float]:
+        """The ref table's lease clock, read inside the transaction: (clock id, seconds).
+        Two readings compare only under one id. Every party that judges a gc's lease
+        reads this clock, never its own: an embedded table's is its host's boot clock
+        (one per boot; never steps), PostgreSQL's is the server's."""
+        return host_clock()
+
+    def wall(self) -> float:
+        """The ref table's calendar clock (seconds since the epoch): commit times, and
+        so retention's ages, are read from it."""
+        return time.time()
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+_BOOT = _boot_id()
+
+
+def host_clock() -> tuple[str, float]:
+    """This host's monotonic clock across processes: CLOCK_BOOTTIME, named by the boot
+    (a lease from an earlier boot is over, whatever its numbers say); elsewhere the wall
+    clock, named by the host."""
+    if _BOOT is not None and hasattr(time, "CLOCK_BOOTTIME"):
+        return "boot:" + _BOOT, time.clock_gettime(time.CLOCK_BOOTTIME)
+    return "wall:" + socket.gethostname(), time.time()
 
 
 def _hex(b: bytes | None) -> str | None:
@@ -141,7 +175,7 @@ class RefTable(ABC):
                 raise FormatError("malformed reflog sequence record")
             seq = _SEQ.unpack(seq_raw)[0] + 1 if seq_raw else 1
             t.put("meta", b"reflog_seq", _SEQ.pack(seq))
-            t.put("reflog", key + b"\0" + _SEQ.pack(seq), encode_reflog(expected, new, message))
+            t.put("reflog", key + b"\0" + _SEQ.pack(seq), encode_reflog(expected, new, message, t.wall()))
             if catalog_row is not None:
                 t.put("catalog", new, encode_record(catalog_row))
 
@@ -265,21 +299,40 @@ class RefTable(ABC):
             return True
         return self._write(txn)
 
-    def gc_state(self):
-        return self._read(_gc_state)
+    def wall_now(self) -> float:
+        """The table's calendar clock (what commit times are stamped with)."""
+        return self._read(lambda t: t.wall())
+
+    def gc_state(self) -> dict:
+        """The gc state, with `lease_left`: seconds the current gc's lease still runs on
+        the table's clock (0.0 once it ran out; None when no gc holds the store)."""
+        def txn(t):
+            st = _gc_state(t)
+            st["lease_left"] = None if st["phase"] == "idle" and st["epoch"] % 2 == 0 else _lease_left(t, st, None)
+            return st
+        return self._read(txn)
 
     # gc state machine: idle -> marking -> deleting -> idle. The epoch is odd exactly while
     # a deletion phase may be running (docs/ARCHITECTURE.md, "GC and concurrent writers").
-    def gc_begin(self, owner: str, *, now: float, stale_after: float) -> dict:
+    # A gc holds the store under a lease it declares (seconds) and renews; whether it ran
+    # out is judged on the table's clock only, so no party's own clock or setting can
+    # declare a live gc dead. `now` (a reading of the table's clock) is for tests.
+    def gc_begin(self, owner: str, *, lease: float, now: float | None = None) -> dict:
+        if not (isinstance(lease, (int, float)) and 0 < lease < 1e7):
+            raise ValueError(f"gc lease must be a positive number of seconds, got {lease!r}")
+
         def txn(t):
             st = _gc_state(t)
-            if st["phase"] != "idle":
-                age = now - float(st.get("heartbeat", 0.0))
-                if age < stale_after:
-                    raise GcBusy(f"another gc ({st.get('owner')}) is {st['phase']}; heartbeat {age:.1f}s ago")
+            if st["phase"] != "idle" or st["epoch"] % 2:
+                left = _lease_left(t, st, now)
+                if left > 0:
+                    raise GcBusy(f"another gc ({st.get('owner')}) is {st['phase']}; its lease runs "
+                                 f"{left:.1f}s more")
                 if st["epoch"] % 2:  # a dead gc's deletion phase is over: close it
                     st["epoch"] += 1
-            st.update(phase="marking", owner=owner, heartbeat=now, started=now)
+            clock, tnow = _clock(t, now)
+            st.update(phase="marking", owner=owner, lease=float(lease), clock=clock, expires=tnow + lease,
+                      heartbeat=t.wall(), started=t.wall())
             t.put("gc", b"state", encode_record(st))
             return st
         return self._write(txn)
@@ -289,40 +342,66 @@ class RefTable(ABC):
             st = _gc_state(t)
             if st.get("owner") != owner or st["phase"] not in phases:
                 raise GcBusy(f"this gc lost the store's gc lock (state {st['phase']} held by {st.get('owner')})")
-            st["heartbeat"] = now
+            # Renewing after the lease ran out is safe: nobody closed it (the owner and
+            # phase are unchanged, and closing one is a write this transaction would see).
+            clock, tnow = _clock(t, now)
+            st.update(clock=clock, expires=tnow + float(st.get("lease", DEFAULT_LEASE)), heartbeat=t.wall())
             fn(st)
             t.put("gc", b"state", encode_record(st))
             return st
         return self._write(txn)
 
-    def gc_heartbeat(self, owner, *, now):
+    def gc_heartbeat(self, owner, *, now: float | None = None):
+        """Renew the lease of `owner` (GcBusy if it lost the lock)."""
         return self._gc_owned(owner, now, ("marking", "deleting"), lambda st: None)
 
-    def gc_freeze(self, owner, *, now):
+    def gc_freeze(self, owner, *, now: float | None = None):
         def fn(st):
             st["phase"] = "deleting"
             st["epoch"] += 1  # odd: writers that commit from now on re-validate first
         return self._gc_owned(owner, now, ("marking",), fn)
 
-    def gc_finish(self, owner, *, now, **fields):
+    def gc_finish(self, owner, *, now: float | None = None, **fields):
         def fn(st):
             if st["epoch"] % 2:
                 st["epoch"] += 1
             st.update(fields, phase="idle", owner=None)
+            for k in ("clock", "expires"):
+                st.pop(k, None)
         return self._gc_owned(owner, now, ("marking", "deleting"), fn)
 
-    def gc_abort_stale(self, *, now, stale_after):
-        """Writers call this when a deletion phase's owner stopped beating: a dead gc
-        deletes nothing more, so its epoch can be closed."""
+    def gc_abort_stale(self, *, now: float | None = None):
+        """Close a deletion phase whose gc's lease ran out (on the table's clock): a gc
+        never deletes past its lease, so its epoch can be closed."""
         def txn(t):
             st = _gc_state(t)
-            # Any odd epoch whose owner stopped beating is closed, whatever its phase says.
-            if st["epoch"] % 2 and now - float(st.get("heartbeat", 0.0)) >= stale_after:
+            # Any odd epoch whose lease ran out is closed, whatever its phase says.
+            if st["epoch"] % 2 and _lease_left(t, st, now) <= 0:
                 st["epoch"] += 1
-                st.update(phase="idle", owner=None, aborted=now)
+                st.update(phase="idle", owner=None, aborted=t.wall())
+                for k in ("clock", "expires"):
+                    st.pop(k, None)
                 t.put("gc", b"state", encode_record(st))
+            st["lease_left"] = None if st["epoch"] % 2 == 0 else _lease_left(t, st, now)
             return st
         return self._write(txn)
+
+
+DEFAULT_LEASE = 120.0  # a state written without a lease (older code): its heartbeat's age on the wall clock
+
+
+def _clock(t: Txn, now: float | None) -> tuple[str, float]:
+    clock, tnow = t.clock()
+    return clock, (tnow if now is None else now)
+
+
+def _lease_left(t: Txn, st: dict, now: float | None) -> float:
+    if "expires" not in st:  # written by a gc of an older version: wall-clock heartbeat
+        return max(0.0, float(st.get("heartbeat", 0.0)) + DEFAULT_LEASE - (t.wall() if now is None else now))
+    clock, tnow = _clock(t, now)
+    if st.get("clock") != clock:
+        return 0.0  # another boot of the table's host: that gc is gone
+    return max(0.0, float(st["expires"]) - tnow)
 
 
 def _check_fence(t: Txn, fence: int | None) -> None:

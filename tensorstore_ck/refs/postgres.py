@@ -63,6 +63,14 @@ class _PgTxn(Txn):
     def delete(self, table, key):
         self.cur.execute("DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key = %s", (self.ns, table, key))
 
+    def clock(self):
+        # The server's clock: one for every host, whatever their own clocks say.
+        return "pg", self.wall()
+
+    def wall(self):
+        self.cur.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+        return float(self.cur.fetchone()[0])
+
     def items(self, table, prefix=b""):
         if prefix:
             self.cur.execute("SELECT key, value FROM tsck_kv WHERE ns = %s AND tbl = %s "

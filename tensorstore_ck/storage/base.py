@@ -13,11 +13,26 @@ backend calls it; the layer above turns that into IntegrityError.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import BinaryIO, ClassVar, Iterator, Sequence
+from typing import BinaryIO, Callable, ClassVar, Iterator, Sequence
 
-__all__ = ["BlockStore", "ObjectInfo"]
+__all__ = ["BlockStore", "ObjectInfo", "DeadlinePassed", "Deadline", "check_deadline"]
+
+# A deletion deadline: a callable giving the time.monotonic() value after which no
+# delete request may start (a gc's lease, less the request timeout and a margin).
+Deadline = Callable[[], float]
+
+
+class DeadlinePassed(Exception):
+    """A delete request was not started: the caller's deadline had passed. Not an
+    OSError: nothing failed, the caller renews its lease and goes on (or stops)."""
+
+
+def check_deadline(deadline: Deadline | None) -> None:
+    if deadline is not None and time.monotonic() >= deadline():
+        raise DeadlinePassed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +50,10 @@ class BlockStore(ABC):
     # Objects are files on this host: a stat or a read of a few bytes costs no request
     # (Assets reads a reused object's header only where this holds).
     local: ClassVar[bool] = False
+    # The longest one request may run before the client gives up on it (its timeouts):
+    # a gc starts a delete only while its lease outlasts this. Local calls are
+    # synchronous: once one returns, it is done.
+    request_timeout: float = 1.0
     url: str
 
     @abstractmethod
@@ -62,20 +81,24 @@ class BlockStore(ABC):
         stat, one HEAD), with the size that answer carries anyway."""
 
     @abstractmethod
-    def move(self, key: str, new_key: str) -> bool:
+    def move(self, key: str, new_key: str, *, deadline: Deadline | None = None) -> bool:
         """Put the object `key` under `new_key` and remove it from `key`. False if `key`
         is absent. `new_key` must be a fresh name nothing else writes (the caller makes
         it unique). Never loses the bytes: local disks rename (atomic); object stores
-        copy, then delete the original, so a crash in between leaves both names."""
+        copy, then delete the original, so a crash in between leaves both names.
+        deadline: the removal from `key` does not start after it (DeadlinePassed; the
+        object then stays under `key`, and maybe under `new_key` too)."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove `key`; absent is not an error."""
 
-    def delete_many(self, keys: Sequence[str]) -> None:
+    def delete_many(self, keys: Sequence[str], *, deadline: Deadline | None = None) -> None:
         """Remove every key (absent ones are not an error). Object stores override
-        this with one batched request per up to 1000 keys."""
+        this with one batched request per up to 1000 keys. deadline: no request starts
+        after it (DeadlinePassed; what was deleted stays deleted, the rest stays)."""
         for key in keys:
+            check_deadline(deadline)
             self.delete(key)
 
     @abstractmethod

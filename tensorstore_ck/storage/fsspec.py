@@ -18,7 +18,7 @@ from typing import BinaryIO, Iterator, Sequence
 
 import fsspec
 
-from .base import BlockStore, ObjectInfo
+from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["FsspecBlockStore"]
 
@@ -49,6 +49,10 @@ class FsspecBlockStore(BlockStore):
     REMOTE = ("s3", "s3a", "gs", "gcs", "az", "abfs")
 
     def __init__(self, url: str, storage_options: dict | None = None):
+        # memory:// works in-process; a remote filesystem without known timeouts keeps
+        # the conservative default (BlockStore.request_timeout).
+        if url.startswith("memory://"):
+            self.request_timeout = 0.1
         opts = dict(storage_options or {})
         proto = url.split("://", 1)[0]
         if proto in self.REMOTE:
@@ -139,13 +143,14 @@ class FsspecBlockStore(BlockStore):
         return int(info.get("size") or 0)
 
     @_translated
-    def move(self, key: str, new_key: str) -> bool:
+    def move(self, key: str, new_key: str, *, deadline: Deadline | None = None) -> bool:
         # Copy first, then delete: a crash in between leaves the object under both names
         # (a server-side copy on object stores: the bytes do not travel through here).
         try:
             self.fs.cp_file(self._path(key), self._path(new_key))
         except (FileNotFoundError, KeyError):
             return False
+        check_deadline(deadline)
         self.delete(key)
         return True
 

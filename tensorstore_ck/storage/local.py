@@ -12,7 +12,7 @@ import threading
 import uuid
 from typing import BinaryIO, Iterator, Sequence
 
-from .base import BlockStore, ObjectInfo
+from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["LocalBlockStore"]
 
@@ -37,6 +37,8 @@ def _fsync_dir(path: str) -> None:
 
 class LocalBlockStore(BlockStore):
     local = True
+    # Every call is a synchronous system call: once it returns, its effect is done.
+    request_timeout = 0.1
 
     def __init__(self, root: str, *, fsync: bool = True):
         self.root = os.path.abspath(root)
@@ -119,10 +121,11 @@ class LocalBlockStore(BlockStore):
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None  # a folder is no object
 
-    def move(self, key: str, new_key: str) -> bool:
+    def move(self, key: str, new_key: str, *, deadline: Deadline | None = None) -> bool:
         src, dst = self._path(key), self._path(new_key)
         d = os.path.dirname(dst)
         self._ensure_dir(d)
+        check_deadline(deadline)
         try:
             os.rename(src, dst)  # atomic: the object is under one of the two names, never neither
         except FileNotFoundError:

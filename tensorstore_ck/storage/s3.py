@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .base import Deadline, check_deadline
 from .fsspec import FsspecBlockStore, _translated
 
 __all__ = ["S3BlockStore"]
@@ -68,6 +69,9 @@ class S3BlockStore(FsspecBlockStore):
         cfg.setdefault("connect_timeout", 10)
         cfg.setdefault("read_timeout", 60)
         cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        # One attempt's bound: connecting, then at most read_timeout between bytes of a
+        # response (a DeleteObjects answer is small).
+        self.request_timeout = float(cfg["connect_timeout"]) + float(cfg["read_timeout"])
         return {**opts, "config_kwargs": cfg}
 
     def _translate(self, e: Exception) -> OSError | None:
@@ -109,13 +113,14 @@ class S3BlockStore(FsspecBlockStore):
             return None
 
     @_translated
-    def delete_many(self, keys: Sequence[str]) -> None:
+    def delete_many(self, keys: Sequence[str], *, deadline: Deadline | None = None) -> None:
         keys = list(keys)
         # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key errors
         # silently). A key that is already gone is not an error in S3.
         bucket, _, base = self.root.partition("/")
         pre = f"{base}/" if base else ""
         for i in range(0, len(keys), 1000):
+            check_deadline(deadline)
             out = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={
                 "Objects": [{"Key": pre + k} for k in keys[i:i + 1000]], "Quiet": True})
             errs = [e for e in out.get("Errors") or [] if e.get("Code") != "NoSuchKey"]

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Callable, Sequence
 
-from .base import BlockStore
+from .base import BlockStore, check_deadline
 
 __all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore"]
 
@@ -45,14 +45,18 @@ class WrappedStore(BlockStore):
     def size_of(self, key):
         return self.inner.size_of(key)
 
-    def move(self, key, new_key):
-        return self.inner.move(key, new_key)
+    def move(self, key, new_key, *, deadline=None):
+        return self.inner.move(key, new_key, deadline=deadline)
 
     def delete(self, key):
         return self.inner.delete(key)
 
-    def delete_many(self, keys):
-        return self.inner.delete_many(keys)
+    def delete_many(self, keys, *, deadline=None):
+        return self.inner.delete_many(keys, deadline=deadline)
+
+    @property
+    def request_timeout(self) -> float:
+        return self.inner.request_timeout
 
     def list(self, prefix):
         return self.inner.list(prefix)
@@ -130,18 +134,19 @@ class FaultInjectingStore(WrappedStore):
             raise InjectedFault(errno.ECONNRESET, f"injected: connection reset on {key}")
         return self.inner.size_of(key)
 
-    def move(self, key, new_key):
+    def move(self, key, new_key, *, deadline=None):
         if self._fault("move", key):
             raise InjectedFault(errno.EIO, f"injected: move failed on {key}")
-        return self.inner.move(key, new_key)
+        return self.inner.move(key, new_key, deadline=deadline)
 
     def delete(self, key):
         if self._fault("delete", key):
             raise InjectedFault(errno.EIO, f"injected: delete failed on {key}")
         return self.inner.delete(key)
 
-    def delete_many(self, keys):  # each key faces the rules, as one-by-one deletes would
+    def delete_many(self, keys, *, deadline=None):  # each key faces the rules, as one-by-one deletes would
         for key in keys:
+            check_deadline(deadline)
             self.delete(key)
 
     def sync(self):
@@ -249,16 +254,24 @@ class RetryingStore(WrappedStore):
     def size_of(self, key):
         return self._call(self.inner.size_of, key)
 
-    def move(self, key, new_key):
+    def move(self, key, new_key, *, deadline=None):
         # A retry after a move that landed but whose answer was lost finds `key` gone:
         # False, and the caller sees the object under `new_key` (Assets.move_aside checks).
-        return self._call(self.inner.move, key, new_key)
+        def attempt():
+            check_deadline(deadline)  # no retry starts past the caller's deadline either
+            return self.inner.move(key, new_key, deadline=deadline)
+        return self._call(attempt)
 
     def delete(self, key):
         return self._call(self.inner.delete, key)
 
-    def delete_many(self, keys):  # idempotent: a retried batch re-deletes what is gone
-        return self._call(self.inner.delete_many, list(keys))
+    def delete_many(self, keys, *, deadline=None):  # idempotent: a retried batch re-deletes what is gone
+        keys = list(keys)
+
+        def attempt():
+            check_deadline(deadline)  # no retry starts past the caller's deadline either
+            return self.inner.delete_many(keys, deadline=deadline)
+        return self._call(attempt)
 
     def list(self, prefix):
         return iter(self._call(lambda: list(self.inner.list(prefix))))

@@ -1,6 +1,6 @@
 """GC race collector: runs store.gc() back to back until told to stop.
 
-    python gc_loop.py STORE STALE_AFTER STOP_FILE [MAX_PAUSE_SECONDS]
+    python gc_loop.py STORE LEASE STOP_FILE [MAX_PAUSE_SECONDS]
 
 STORE is a local path or a tests/_backends.py Backend.spec() string (target.py).
 
@@ -27,9 +27,9 @@ import tensorstore_ck as tsck
 
 
 def main() -> int:
-    store_path, stale, stop_file = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    store_path, lease, stop_file = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
-    store = open_target(store_path, gc_stale_after=stale)
+    store = open_target(store_path, gc_lease=lease)
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 3

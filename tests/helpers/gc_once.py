@@ -1,12 +1,13 @@
 """GC crash-test collector: one store.gc(), started on demand, to be SIGKILLed.
 
-    python gc_once.py STORE STALE_AFTER [--delete-rate OBJECTS_PER_SECOND]
+    python gc_once.py STORE LEASE [--delete-rate OBJECTS_PER_SECOND]
 
 STORE is a local path or a tests/_backends.py Backend.spec() string (target.py).
 Imports and opens the store first, so that the kill clock, started when the
 test writes "go", measures gc work only. With --delete-rate the store's
 deletes are paced to at most that many objects a second across all threads
-(a slow object store), so a deletion phase lasts long with few objects.
+(a slow object store, one request per object), so a deletion phase lasts long
+with few objects. LEASE: the gc's lease (seconds).
 
 Protocol on stdout (each line flushed):
     ready                       waiting for "go" on stdin
@@ -23,6 +24,7 @@ import time
 
 from target import open_target  # tests/helpers is sys.path[0]
 
+from tensorstore_ck.storage.base import check_deadline
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 
@@ -47,19 +49,23 @@ class SlowDeletes(WrappedStore):
         self._pace(1)
         return self.inner.delete(key)
 
-    def delete_many(self, keys):
-        keys = list(keys)
-        self._pace(len(keys))
-        return self.inner.delete_many(keys)
+    def delete_many(self, keys, *, deadline=None):
+        for key in keys:  # one slow request per object, each started within the deadline
+            check_deadline(deadline)
+            self.delete(key)
+
+    @property
+    def request_timeout(self) -> float:
+        return self.inner.request_timeout + 1.0 / self.rate
 
 
 def main() -> int:
-    store_path, stale = sys.argv[1], float(sys.argv[2])
+    store_path, lease = sys.argv[1], float(sys.argv[2])
     kw = {}
     if sys.argv[3:5] and sys.argv[3] == "--delete-rate":
         rate = float(sys.argv[4])
         kw["wrap_storage"] = lambda inner: SlowDeletes(inner, rate)
-    store = open_target(store_path, gc_stale_after=stale, **kw)
+    store = open_target(store_path, gc_lease=lease, **kw)
     store.reftable.gc_state()  # touch the ref table so its first use is not on the clock
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":

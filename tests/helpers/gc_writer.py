@@ -1,6 +1,6 @@
 """GC race writer: commits deduplicating snapshots in a loop while a gc runs.
 
-    python gc_writer.py STORE WRITER STEPS STALE_AFTER [MAX_PAUSE_SECONDS]
+    python gc_writer.py STORE WRITER STEPS [MAX_PAUSE_SECONDS]
 
 STORE is a local path or a tests/_backends.py Backend.spec() string (target.py).
 
@@ -36,12 +36,12 @@ import tensorstore_ck as tsck  # noqa: E402
 
 
 def main() -> int:
-    store_path, writer, steps, stale = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-    pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    store_path, writer, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     rng = random.Random(writer)
     ref = f"w{writer}/main"
     store = open_target(store_path, block_size=gc_states.RACE_BLOCK,
-                        inline_threshold=gc_states.RACE_INLINE, gc_stale_after=stale)
+                        inline_threshold=gc_states.RACE_INLINE)
     gc_states.race_state(writer, 0)  # warm the caches of base and variants
     for v in range(gc_states.RACE_VARIANTS):
         gc_states.race_state(writer, v)
