@@ -16,14 +16,16 @@ content writes it again under its address and heals every snapshot that uses it.
 from __future__ import annotations
 
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
 import blake3
+import numpy as np
 
-from .errors import FormatError, IntegrityError
+from .errors import FormatError, IntegrityError, SnapshotAborted
 from .format import frame
 from .format.records import decode_tag, encode_tag
 from .storage.base import BlockStore
@@ -118,16 +120,46 @@ class PutResult:
     counted: bool = True  # False: only hashed here (another rank owns the block)
 
 
+# A worker thread keeps its scratch buffer between blocks up to this size (a few
+# workers x the 4 MiB default block); a bigger block gets a buffer of its own.
+SCRATCH_KEEP = 64 << 20
+
+
 class Assets:
     def __init__(self, storage: BlockStore, *, compress: bool = True, shuffle: bool = False):
         self.storage = storage
         self.compress = compress
         self.shuffle = shuffle
+        self._local = threading.local()
+
+    def _scratch(self, n: int) -> np.ndarray:
+        """This thread's private buffer of n bytes. A thread runs one block job at a
+        time and a job is done with the buffer when it returns, so one per thread
+        serves both reads and writes: memory stays at (workers x block size)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < n:
+            buf = np.empty(n, dtype=np.uint8)
+            if n <= SCRATCH_KEEP:
+                self._local.buf = buf
+        return buf[:n]
 
     # -- writing -------------------------------------------------------------
-    def _put(self, kind: int, raw, itemsize: int = 1, d: bytes | None = None) -> PutResult:
+    def _put(self, kind: int, raw, itemsize: int = 1, d: bytes | None = None, private: bool = True) -> PutResult:
         mv = memoryview(raw).cast("B")
-        if d is None:
+        if not private:
+            # Memory someone else may change while we work (a tensor a training thread
+            # updates during a blocking put): copy it once, then hash, frame and write
+            # only the copy, so what lands under an address is exactly what was hashed.
+            buf = self._scratch(mv.nbytes)
+            np.copyto(buf, np.frombuffer(mv, dtype=np.uint8))  # releases the GIL
+            mv = memoryview(buf)
+            got = blake3.blake3(mv).digest()
+            if d is not None and got != d:
+                raise SnapshotAborted(f"the bytes of a block changed after they were hashed (now {got.hex()[:16]}, "
+                                      f"hashed {d.hex()[:16]}): the state was modified during the snapshot; "
+                                      "nothing was published, take it again")
+            d = got
+        elif d is None:
             d = blake3.blake3(mv).digest()
         key = _key(KIND_PREFIX[kind], d)
         size = self.storage.size_of(key)
@@ -168,10 +200,19 @@ class Assets:
             return False
         return hdr.kind == kind and hdr.raw_len == raw_len and hdr.codec != frame.CODEC_RAW
 
-    def put_block(self, raw, itemsize: int = 1, digest: bytes | None = None) -> PutResult:
-        """Hash (unless `digest` is known), maybe compress, and store one block
-        (thread-safe; blake3 and lz4 drop the GIL)."""
-        return self._put(frame.KIND_BLOCK, raw, itemsize, digest)
+    def put_block(self, raw, itemsize: int = 1, digest: bytes | None = None, *, private: bool = False) -> PutResult:
+        """Hash, maybe compress, and store one block (thread-safe; blake3, lz4 and
+        the copy drop the GIL). The object stored under an address always holds
+        exactly the bytes that hash to it:
+
+        private=False (the default): `raw` may change while this runs (a caller's
+        tensor), so it is copied into this thread's scratch buffer first and only
+        the copy is hashed and written; a concurrent change gives a block of the
+        bytes as copied under their own address. A known `digest` is checked
+        against the copy (SnapshotAborted if the bytes changed since).
+        private=True: nobody writes `raw` until this returns (a staged or copied
+        plan); it is hashed (unless `digest` is given) and written in place."""
+        return self._put(frame.KIND_BLOCK, raw, itemsize, digest, private)
 
     @staticmethod
     def hash_block(raw) -> PutResult:
@@ -257,11 +298,24 @@ class Assets:
             raise IntegrityError("content does not match its address", key=key,
                                  expected=d.hex(), got=got.hex(), **ctx)
 
-    def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None) -> None:
-        """Read block `d` into the writable buffer `out` (exactly its length)."""
+    def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
+                        bounce: bool = False) -> None:
+        """Read block `d` into the writable buffer `out` (exactly its length).
+
+        bounce=True (`out` is the caller's memory): with verify on, the block is read
+        and verified in this thread's scratch buffer and only then copied into
+        `out`, so `out` receives the block's verified bytes or is not touched at
+        all. Without it, the bytes are read straight into `out` and verified there
+        (for fresh memory that a failed checkout throws away)."""
         ctx = {"snapshot": snapshot, "path": path}
         key = block_key(d)
         mv = memoryview(out).cast("B")
+        if bounce and verify:
+            buf = self._scratch(mv.nbytes)
+            self._read_frame(key, frame.KIND_BLOCK, mv.nbytes, buf, ctx)
+            self._check(d, buf, key, ctx)
+            np.copyto(np.frombuffer(mv, dtype=np.uint8), buf)  # releases the GIL
+            return
         self._read_frame(key, frame.KIND_BLOCK, mv.nbytes, mv, ctx)
         if verify:
             self._check(d, mv, key, ctx)

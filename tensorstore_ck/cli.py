@@ -134,8 +134,12 @@ def _seconds(v: str) -> float:
     return x
 
 
+def _seconds0(v: str) -> float:
+    return 0.0 if v.strip() in ("0", "0.0") else _seconds(v)
+
+
 def cmd_gc(store, args):
-    r = store.gc(dry_run=args.dry_run, progress=_bar(args), lease=args.lease)
+    r = store.gc(dry_run=args.dry_run, progress=_bar(args), lease=args.lease, grace=args.grace)
     verb = "would delete" if r.dry_run else "deleted"
     lines = [f"expired {len(r.expired)} snapshots; kept {r.kept_snapshots}",
              f"{verb} {r.deleted_objects} objects, {_human(r.deleted_bytes)} "
@@ -247,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lease", type=_seconds, default=None, metavar="SECONDS",
                    help="how long this gc holds the store between two renewals (default 120); writers "
                         "judge it on the ref table's clock, never on their own")
+    g.add_argument("--grace", type=_seconds0, default=0.0, metavar="SECONDS",
+                   help="leave objects younger than this for a later gc, so snapshots in flight keep "
+                        "their new objects (default 0)")
     f = add("fsck", cmd_fsck, "verify every kept snapshot (exit 1 on problems)")
     f.add_argument("--quick", action="store_true", help="presence and sizes only, no re-hashing")
     f.add_argument("--repair", action="store_true",

@@ -73,7 +73,7 @@ class IntegrityError(TsckError):
 
     def __init__(self, message: str, *, snapshot: str | None = None, path: str | None = None,
                  key: str | None = None, expected: str | None = None, got: str | None = None,
-                 reason: str = "corrupt"):
+                 reason: str = "corrupt", replaced=None, partial=None):
         self.reason = reason  # "missing" | "truncated" | "corrupt"
         self.message = message
         self.snapshot = snapshot
@@ -81,6 +81,10 @@ class IntegrityError(TsckError):
         self.key = key
         self.expected = expected
         self.got = got
+        # checkout(into=) only: the paths whose values were wholly / partly replaced by
+        # verified snapshot bytes before the failure (None: not a checkout into=).
+        self.replaced = None if replaced is None else list(replaced)
+        self.partial = None if replaced is None else list(partial or ())
         where = []
         if snapshot:
             where.append(f"snapshot {snapshot[:16]}")
@@ -88,15 +92,38 @@ class IntegrityError(TsckError):
             where.append(f"at {path}")
         if key:
             where.append(f"object {key}")
-        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        text = f"{message} ({', '.join(where)})" if where else message
+        if self.replaced is not None:
+            text += "; " + into_summary(self.replaced, self.partial)
+        super().__init__(text)
 
     def __reduce__(self):
         return (_rebuild_integrity, (self.message, self.snapshot, self.path, self.key, self.expected, self.got,
-                                     self.reason))
+                                     self.reason, self.replaced, self.partial))
 
 
-def _rebuild_integrity(message, snapshot, path, key, expected, got, reason):
-    return IntegrityError(message, snapshot=snapshot, path=path, key=key, expected=expected, got=got, reason=reason)
+def _rebuild_integrity(message, snapshot, path, key, expected, got, reason, replaced=None, partial=None):
+    return IntegrityError(message, snapshot=snapshot, path=path, key=key, expected=expected, got=got, reason=reason,
+                          replaced=replaced, partial=partial)
+
+
+def _some(paths, limit: int = 10) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def into_summary(replaced, partial) -> str:
+    """What a failed checkout(into=) left in the caller's tree, in words."""
+    if not replaced and not partial:
+        return "checkout(into=) stopped before writing anything: the into= tree is untouched"
+    parts = ["checkout(into=) stopped; it wrote only verified snapshot bytes"]
+    if replaced:
+        parts.append(f"{len(replaced)} value(s) fully replaced by the snapshot's: {_some(replaced)}")
+    if partial:
+        parts.append(f"{len(partial)} partly replaced (some blocks the snapshot's, the rest their old "
+                     f"values): {_some(partial)}")
+    parts.append("every other value in the into= tree is untouched")
+    return "; ".join(parts)
 
 
 class FormatError(TsckError):

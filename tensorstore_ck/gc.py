@@ -7,7 +7,8 @@ The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argumen
 2. expire   drop the catalog rows retention no longer keeps (never a ref tip, tag or pin;
             re-checked inside the ref-table transaction).
 3. mark     walk every kept commit's Merkle DAG; remember every reachable object.
-4. list     list storage; anything unreachable (and written before gc began) is a candidate.
+4. list     list storage; anything unreachable (and written `grace` seconds before gc
+            began, or earlier) is a candidate.
 5. freeze   bump the deletion epoch to odd (phase "deleting"): from here on a writer's
             ref move fenced on an older epoch is refused; it re-validates the objects
             it references (re-uploading any that are gone) and retries.
@@ -117,7 +118,7 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
     rep = GCReport(dry_run=dry_run)
     refs = store.reftable
     rules = refs.retention_all()
-    doomed = plan_expiry(store, began, rules)
+    doomed = plan_expiry(store, refs.wall_now(), rules)  # ages on the table's clock, like commit times
     expired = doomed if dry_run else refs.catalog_expire(doomed, rules=rules)
     rep.expired = [r.hex() for r in expired]
     k0 = kept_roots(store, exclude=set(expired) if dry_run else None)
@@ -161,7 +162,12 @@ def _dry_report(store, plan: GCPlan) -> GCReport:
 def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -> GCReport:
     """Steps 5-7: freeze (epoch odd), re-mark what was published since the plan's mark,
     delete the candidates nothing reaches, each request within the lease."""
-    rep, refs = plan.report, store.reftable
+    rep = plan.report
+    if rep.candidates == 0:
+        # Nothing to delete: no deletion phase, so writers are not fenced. (A gc loop
+        # that froze on every run kept a writer re-validating; benches/bench_gc_put.py.)
+        rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
+        return rep
     lease.freeze()
     extra, extra_visited = Marked(), set(plan.visited)
     mark(store, kept_roots(store) - plan.kept, extra, extra_visited)
@@ -221,19 +227,29 @@ def _refuse_if_the_ref_table_knows_nothing(store) -> None:
 
 
 def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float = DEFAULT_LEASE,
-           renew_every: float | None = None) -> GCReport:
-    """1-8: take the lock under a lease (not for a dry run), plan, execute, release."""
+           renew_every: float | None = None, grace: float = 0.0) -> GCReport:
+    """1-8: take the lock under a lease (not for a dry run), plan, execute, release.
+    grace: objects younger than this (seconds) are left alone, so a writer whose
+    snapshot is in flight keeps its new, not yet referenced objects (the fence keeps
+    it safe either way; without a grace it re-uploads what gc removed)."""
+    if not (isinstance(grace, (int, float)) and 0 <= grace < 1e9):
+        raise InvalidArgument(f"gc grace must be a number of seconds >= 0, got {grace!r}")
     t_start = time.time()
     refs = store.reftable
     if dry_run:
-        rep = _dry_report(store, plan_gc(store, dry_run=True, began=refs.wall_now(), progress=progress))
+        rep = _dry_report(store, plan_gc(store, dry_run=True, began=store.storage.clock_now() - grace,
+                                         progress=progress))
         rep.seconds = time.time() - t_start
         return rep
     _refuse_if_the_ref_table_knows_nothing(store)
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every)
     try:
-        plan = plan_gc(store, dry_run=False, began=refs.wall_now(), progress=progress, beat=hold)
+        # began is compared with stored objects' mtimes, so it is read on the storage's
+        # clock (a gc host's clock that is off would only cost writers re-uploads or
+        # keep garbage longer: the fence, not the time, keeps data safe).
+        plan = plan_gc(store, dry_run=False, began=store.storage.clock_now() - grace, progress=progress,
+                       beat=hold)
         rep = execute_gc(store, plan, lease=hold, progress=progress)
         rep.seconds = time.time() - t_start
         hold.stop()

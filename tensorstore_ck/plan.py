@@ -9,6 +9,7 @@ No storage keys here; block I/O goes through assets.Assets.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -25,7 +26,8 @@ from .format.dtypes import QUANT_NAMES, QUANT_REPR, np_dtype_out, torch_dtype_na
 from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWriter, Pending, format_path
 from .shard import Replicated, Sharded
 
-__all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous"]
+__all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous",
+           "replica_digests"]
 
 _PLACEHOLDER = b"\0" * tree.DIGEST_SIZE
 
@@ -85,6 +87,8 @@ class _Leaf(Pending):
     device_src: object = None  # flat uint8 view of a contiguous device tensor (async staging)
     replicated: bool = False   # the same bytes on every rank (a collective put spreads its blocks)
     path: str = ""             # where in the state (spreads replicated blocks over ranks)
+    private: bool = False      # raw is ours alone (staged, or a copy the planner made): blocks are
+                               # hashed and written in place; else through a per-thread copy
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +105,10 @@ class Plan:
     value: object            # the manifest value with _Leaf placeholders
     leaves: list
     inline_bytes: int = 0
+    # Every piece of a global tensor: (path, dtype name, global shape, offsets, shape, replicated),
+    # path as format_path writes it: what a collective put checks across ranks.
+    pieces: list = field(default_factory=list)
+    replicas: list = field(default_factory=list)  # (path, _Leaf or inline chunk meta) of each Replicated
 
     @property
     def staged_bytes(self) -> int:
@@ -127,6 +135,7 @@ class Plan:
             else:
                 dst.copy_(torch.from_numpy(leaf.raw))  # torch's copy runs on several threads
             leaf.raw = dst.numpy()
+            leaf.private = True  # nobody else writes the staging buffer
             off += n
         if stream is not None:
             stream.synchronize()
@@ -143,9 +152,11 @@ class Planner:
     def plan(self, state) -> Plan:
         self._leaves: list[_Leaf] = []
         self._inline = 0
+        self._pieces: list = []
+        self._replicas: list = []
         value = self._plan(state, (), 0)
         NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
-        return Plan(value, self._leaves, self._inline)
+        return Plan(value, self._leaves, self._inline, self._pieces, self._replicas)
 
     def _unsupported(self, obj, path, why=None):
         if self.allow_pickle and why is None:
@@ -206,7 +217,7 @@ class Planner:
             return v
         return self._unsupported(obj, path)
 
-    def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None):
+    def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None, private=False):
         n = raw.nbytes if raw is not None else device_src.numel()
         meta["n"] = n
         layout = chunker.plan_blocks(n, itemsize, shape, self.block_size, self.inline_threshold)
@@ -217,7 +228,7 @@ class Planner:
             return {tag: meta}
         meta["bs"] = layout.block_size
         leaf = _Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)],
-                     device_src=device_src, path=format_path(self._path))
+                     device_src=device_src, path=format_path(self._path), private=private)
         tree.check_leaf(leaf.manifest_value(final=False), self._path)
         self._leaves.append(leaf)
         return leaf
@@ -242,12 +253,17 @@ class Planner:
                 chunk.replicated = True
         probe = chunk.manifest_value(final=False) if isinstance(chunk, _Leaf) else chunk
         tree.check_leaf({"G": {**g, "chunks": [probe]}}, path)
+        where = format_path(path)
+        self._pieces.append((where, meta["dt"], tuple(global_shape), tuple(offsets), tuple(local.shape), replicated))
+        if replicated:
+            self._replicas.append((where, chunk))
         return {"G": g}
 
     def _plan_tensor(self, obj: torch.Tensor, path):
         if obj.layout != torch.strided:
             return self._unsupported(obj, path, f"{obj.layout} tensors are not supported (only dense)")
         quant = None
+        src = obj  # the caller's tensor: bytes still in its memory are not ours alone
         if obj.is_quantized:
             quant = _quant_params(obj)
             if quant is None:
@@ -273,6 +289,9 @@ class Planner:
             raw, device_src = (None, flat) if on_device else (flat.numpy(), None)
         except Exception as e:
             return self._unsupported(obj, path, f"tensor of dtype {t.dtype} cannot be viewed as bytes: {e}")
+        # A copy made above (device -> host, int_repr, conj/neg, non-contiguous) is ours alone.
+        private = raw is not None and (src.is_quantized or src.device.type != "cpu"
+                                       or t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr())
         meta = {"dt": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)}
         if quant is not None:
             meta["dt"], meta["q"] = quant
@@ -282,7 +301,7 @@ class Planner:
             meta["rg"] = True
         if obj.device.type != "cpu":
             meta["dev"] = str(obj.device)
-        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape), device_src)
+        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape), device_src, private)
 
     def _plan_array(self, a: np.ndarray, path):
         if a.dtype.hasobject:
@@ -294,7 +313,8 @@ class Planner:
         else:
             body = np.ascontiguousarray(a)
         raw = body.reshape(-1).view(np.uint8)
-        return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape))
+        return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape),
+                          private=not np.may_share_memory(body, a))
 
 
 def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None) -> None:
@@ -310,7 +330,8 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
                 if owns is not None and leaf.replicated and not owns(leaf, i):
                     futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
                 else:
-                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize)))
+                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
+                                                   private=leaf.private)))
         wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
         for _, f in futs:
             if f.done() and f.exception() is not None:
@@ -321,6 +342,24 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
         raise
     for leaf, f in futs:
         leaf.results.append(f.result())
+
+
+def replica_digests(plan: Plan) -> list[tuple[str, bytes]]:
+    """(path, 16-byte digest of dtype, shape and block addresses or inline bytes) of every
+    Replicated tensor, once its blocks are hashed: equal on every rank iff the replicas
+    are (a collective put compares them before it publishes)."""
+    out = []
+    for where, chunk in plan.replicas:
+        h = hashlib.blake2b(digest_size=16)
+        meta = chunk.meta if isinstance(chunk, _Leaf) else chunk
+        h.update(repr((meta["dt"], list(meta["sh"]))).encode())
+        if isinstance(chunk, _Leaf):
+            for r in chunk.results:
+                h.update(r.digest)
+        else:
+            h.update(b"x" + meta["x"])
+        out.append((where, h.digest()))
+    return out
 
 
 @dataclass

@@ -49,8 +49,9 @@ class Publisher:
     def write_blocks(self, plan: Plan, owns=None) -> None:
         run_block_jobs(plan, self.assets, self.pool, owns=owns)
 
-    def submit_block(self, raw, itemsize: int = 1) -> "Future[PutResult]":
-        return self.pool.submit(self.assets.put_block, raw, itemsize)
+    def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":
+        """private: nobody else writes `raw` until the block is written (Assets.put_block)."""
+        return self.pool.submit(self.assets.put_block, raw, itemsize, private=private)
 
     def write_nodes(self, value) -> tuple[bytes, list[bytes]]:
         """Lay `value` out in nodes and write them -> (top node address, payloads)."""
@@ -68,6 +69,18 @@ class Publisher:
             c = decode_commit(self.assets.get_commit(root))
             row = {**c, **c["stats"]}
         return row_to_info(root, row)
+
+    def find_published(self, ref: str, tree: bytes, since: float) -> SnapshotInfo | None:
+        """The snapshot of manifest tree `tree` that `ref` moved to after `since` (wall
+        clock), if any: how a rank of a collective put whose publisher went silent learns
+        whether the ref moved after all."""
+        for e in reversed(self.reftable.reflog(ref)):
+            if e.time < since:
+                break
+            row = self.reftable.catalog_get(e.new)
+            if row is not None and row.get("tree") == tree:
+                return row_to_info(e.new, row)
+        return None
 
     def publish(self, plan: Plan, args: SnapshotArgs) -> SnapshotInfo:
         """The whole pipeline for one planned snapshot."""
@@ -147,7 +160,8 @@ class Publisher:
         references exists (writing again, from the data still held, what gc removed).
         Returns the new fence."""
         fence = self.wait_gc_idle()
-        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest)
+        # A leaf that is not private is copied again and checked against its address (put_block).
+        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private)
                 for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
         for f in futs:
             f.result()

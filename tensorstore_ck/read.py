@@ -5,6 +5,13 @@ every field; this module only materialises typed values: allocates each
 tensor once, schedules one read per block straight into its memory, and
 bounds what a hostile manifest can make it allocate. `read_box` is the one
 region reader for sharded tensors (checkout here, the DCP reader in dcp/).
+
+The caller's memory (checkout(into=), DCP's load targets) only ever receives
+verified bytes: a block bound for it is read and verified in a per-thread
+scratch buffer first ("bounce" jobs), and everything else checkout(into=)
+changes in the caller's tree (inline tensors, staged copies, container
+items) is applied only once every block has been read and verified. Fresh
+tensors are read into directly: a failed checkout never hands them out.
 """
 
 from __future__ import annotations
@@ -19,12 +26,12 @@ import numpy as np
 import torch
 
 from .assets import Assets
-from .errors import CheckoutMismatch, FormatError, UnsupportedType
+from .errors import CheckoutMismatch, FormatError, IntegrityError, UnsupportedType, into_summary
 from .format import tree
 from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
-from .shard import Sharded
+from .shard import Sharded, find_overlap
 
 __all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING"]
 
@@ -51,12 +58,14 @@ def default_max_bytes() -> int:
     return total
 
 
-def read_box(leaf: tree.Leaf, dtype: torch.dtype, box: tuple, target: torch.Tensor, jobs: list, path: str):
+def read_box(leaf: tree.Leaf, dtype: torch.dtype, box: tuple, target: torch.Tensor, jobs: list, path: str,
+             *, caller: bool = True):
     """Schedule the reads that fill `target` (shaped like leaf[box]) with leaf[box],
     reading only the blocks that hold the box's rows (blocks are row-aligned).
-    Appends (digest, destination, path) to `jobs`; returns (after, staged_bytes):
+    Appends (digest, destination, path, bounce) to `jobs`; returns (after, staged_bytes):
     a function to run once the reads are done (None when the blocks land in the
-    target directly) and the bytes of the staging buffer it holds."""
+    target directly) and the bytes of the staging buffer it holds.
+    caller: `target` is the caller's memory (blocks read into it directly bounce)."""
     sh = leaf.shape
     nd = len(sh)
     if target.numel() == 0 or leaf.nbytes == 0:
@@ -76,32 +85,43 @@ def read_box(leaf: tree.Leaf, dtype: torch.dtype, box: tuple, target: torch.Tens
         dst = target.reshape(-1).view(torch.uint8).numpy()
         for i in range(i0, i1):
             a, b = i * bs, min(n, (i + 1) * bs)
-            jobs.append((leaf.blocks[i], dst[a - b_lo:b - b_lo], path))
+            jobs.append((leaf.blocks[i], dst[a - b_lo:b - b_lo], path, caller))
         return None, 0
     base = i0 * bs
     tmp = torch.empty(min(n, i1 * bs) - base, dtype=torch.uint8)
     flat = tmp.numpy()
     for i in range(i0, i1):
         a, b = i * bs, min(n, (i + 1) * bs)
-        jobs.append((leaf.blocks[i], flat[a - base:b - base], path))
+        jobs.append((leaf.blocks[i], flat[a - base:b - base], path, False))
     rows = tmp[b_lo - base:b_hi - base].view(dtype)
     rows = rows.reshape((r1 - r0,) + tuple(sh[1:])) if nd else rows.reshape(())
     src = rows[(slice(None),) + tuple(box[1:])] if nd else rows
     return (lambda: target.copy_(src)), tmp.numel()
 
 
-def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool) -> None:
-    """Read (digest, destination, path) jobs in parallel; the first failure cancels the rest."""
+def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,
+              written: dict | None = None) -> None:
+    """Read (digest, destination, path, bounce) jobs in parallel; the first failure
+    cancels the rest. bounce: the destination is the caller's memory, which gets
+    only verified bytes (Assets.read_block_into). `written`, on failure: filled with
+    path -> (blocks copied into the caller's memory, blocks it was to get), for the
+    paths that had bounce jobs, once no job is running any more."""
     if not jobs:
         return
-    futs = [pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p)
-            for d, out, p in jobs]
+    futs = [pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p, bounce=b)
+            for d, out, p, b in jobs]
     wait(futs, return_when=FIRST_EXCEPTION)
     for f in futs:
         if f.done() and not f.cancelled() and f.exception() is not None:
             for g in futs:
                 g.cancel()
             wait(futs)
+            if written is not None:
+                for (_d, _out, p, b), g in zip(jobs, futs):
+                    if b:
+                        done, total = written.get(p, (0, 0))
+                        ok = not g.cancelled() and g.exception() is None
+                        written[p] = (done + ok, total + 1)
             raise f.exception()
 
 
@@ -123,21 +143,57 @@ class Reader:
         # swap), since a checkout into fresh CPU memory cannot hold more anyway.
         self.max_bytes = default_max_bytes() if max_bytes is None else int(max_bytes)
         self._allocated = 0
-        self._jobs: list[tuple[bytes, object, str]] = []
-        self._after: list = []
+        self._jobs: list[tuple[bytes, object, str, bool]] = []
+        self._after: list = []     # run once every block is read and verified
+        self._assign: list = []    # (container, key, value) of the caller's tree, set then too
+        self._staged: set = set()  # paths of the caller's tensors that also get an after-copy
 
     def read(self, top: bytes, into=_MISSING):
         """The state under the top node `top` (into=: update that tree in place)."""
         return self.materialize(self._node(top, (), 0, world=True), (), into)
 
     def materialize(self, value, path=(), into=_MISSING):
-        """A decoded manifest value (tree.decode_value's result) -> python values."""
-        out = self._value(value, path, len(path), into)
-        self._run_jobs()
+        """A decoded manifest value (tree.decode_value's result) -> python values.
+
+        With into=, a failure leaves each value in the tree either untouched, fully
+        replaced or (the few whose blocks were being copied) partly replaced, by
+        verified snapshot bytes only; an IntegrityError says which paths are which."""
+        written: dict = {}
+        reading = False
+        try:
+            out = self._value(value, path, len(path), into)
+            reading = True
+            self._run_jobs(written)
+        except BaseException as e:
+            self._jobs, self._after, self._assign = [], [], []
+            if into is _MISSING or not (reading or isinstance(e, IntegrityError)):
+                raise  # e.g. CheckoutMismatch while walking the tree: nothing was written
+            raise self._into_failure(e, written) from None
         after, self._after = self._after, []
+        assign, self._assign = self._assign, []
+        self._staged = set()
         for fn in after:
             fn()
+        for container, key, v in assign:
+            container[key] = v
         return out
+
+    def _into_failure(self, e: BaseException, written: dict) -> BaseException:
+        """The error of a checkout(into=) that failed, saying what it changed."""
+        replaced, partial = [], []
+        for p, (done, total) in written.items():
+            if done == total and p not in self._staged:
+                replaced.append(p)
+            elif done:
+                partial.append(p)
+        self._staged = set()
+        if isinstance(e, IntegrityError):
+            new = IntegrityError(e.message, snapshot=e.snapshot, path=e.path, key=e.key, expected=e.expected,
+                                 got=e.got, reason=e.reason, replaced=sorted(replaced), partial=sorted(partial))
+            return new.with_traceback(e.__traceback__)
+        if hasattr(e, "add_note"):  # python >= 3.11
+            e.add_note(into_summary(sorted(replaced), sorted(partial)))
+        return e
 
     def _fmt(self, msg, path):
         return FormatError(f"{msg} at {format_path(path) or 'top'} of snapshot {self.snapshot[:16]}")
@@ -153,9 +209,16 @@ class Reader:
         except FormatError as e:
             raise FormatError(f"{e} of snapshot {self.snapshot[:16]}") from None
 
-    def _run_jobs(self):
+    def _run_jobs(self, written: dict | None = None):
         jobs, self._jobs = self._jobs, []
-        run_reads(self.assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify)
+        run_reads(self.assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify, written=written)
+
+    def _set(self, container, key, v, given: bool) -> None:
+        """container[key] = v; in the caller's tree only once every read has succeeded."""
+        if not given:
+            container[key] = v
+        elif (container.get(key, _MISSING) if isinstance(container, dict) else container[key]) is not v:
+            self._assign.append((container, key, v))
 
     def _value(self, v, path, depth, into=_MISSING):
         if v is None or isinstance(v, (bool, int, float, str, bytes)):
@@ -192,7 +255,8 @@ class Reader:
         given = isinstance(into, dict)
         target = into if given else (dict() if v.kind == "d" else OrderedDict())
         for k, x in v.items:
-            target[k] = self._value(x, path + (k,), depth + 1, target.get(k, _MISSING) if given else _MISSING)
+            self._set(target, k, self._value(x, path + (k,), depth + 1, target.get(k, _MISSING) if given else _MISSING),
+                      given)
         return target
 
     def _seq(self, v, path, depth, into):
@@ -201,7 +265,7 @@ class Reader:
                 raise CheckoutMismatch(f"list at {format_path(path)} has {len(into)} items, "
                                        f"snapshot has {len(v.items)}")
             for i, x in enumerate(v.items):
-                into[i] = self._value(x, path + (i,), depth + 1, into[i])
+                self._set(into, i, self._value(x, path + (i,), depth + 1, into[i]), True)
             return into
         sub = into if type(into) is tuple and len(into) == len(v.items) else None
         items = [self._value(x, path + (i,), depth + 1, sub[i] if sub else _MISSING)
@@ -227,14 +291,19 @@ class Reader:
         p = format_path(path)
         list(self.pool.map(lambda d: self.assets.require_block(d, snapshot=self.snapshot, path=p), distinct))
 
-    def _fill(self, flat_u8, leaf: tree.Leaf, path):
-        """Schedule the reads that fill `flat_u8` (a writable uint8 buffer of the leaf's bytes)."""
+    def _fill(self, flat_u8, leaf: tree.Leaf, path, caller: bool = False):
+        """Schedule the reads that fill `flat_u8` (a writable uint8 buffer of the leaf's
+        bytes). caller: it is the caller's memory (bounce reads; inline bytes later)."""
         if leaf.inline is not None:
-            flat_u8[:] = np.frombuffer(leaf.inline, dtype=np.uint8)
+            src = np.frombuffer(leaf.inline, dtype=np.uint8)
+            if caller:
+                self._after.append(lambda: np.copyto(flat_u8, src))
+            else:
+                flat_u8[:] = src
             return
         p = format_path(path)
         for _i, d, a, b in leaf.block_spans():
-            self._jobs.append((d, flat_u8[a:b], p))
+            self._jobs.append((d, flat_u8[a:b], p, caller))
 
     def _fill_now(self, flat_u8, leaf, path):
         pending, self._jobs = self._jobs, []
@@ -294,6 +363,14 @@ class Reader:
                 continue
             seen.add(key)
             out.append(c)
+        # A stored manifest is untrusted: its pieces must not overlap, so that the
+        # elements _fill_region counts are the elements it fills (an overlap must not
+        # make up for a gap, leaving torch.empty() memory in a "complete" tensor).
+        hit = find_overlap([(c.offsets, c.shape) for c in out])
+        if hit is not None:
+            a, b = out[hit[0]], out[hit[1]]
+            raise self._fmt(f"sharded tensor's pieces at offsets {list(a.offsets)} (shape {list(a.shape)}) and "
+                            f"{list(b.offsets)} (shape {list(b.shape)}) overlap", path)
         return out
 
     def _global(self, g: tree.Global, path, into):
@@ -304,13 +381,13 @@ class Reader:
             if tgt.dtype != dtype or tuple(into.global_shape) != gs:
                 raise CheckoutMismatch(f"sharded tensor at {format_path(path)} is {dtype} {list(gs)}, "
                                        f"target is {tgt.dtype} {list(into.global_shape)}")
-            self._fill_region(chunks, dtype, tgt, roff, path)
+            self._fill_region(chunks, dtype, tgt, roff, path, caller=True)
             return into
         if isinstance(into, torch.Tensor):
             if into.dtype != dtype or tuple(into.shape) != gs:
                 raise CheckoutMismatch(f"tensor at {format_path(path)} is {into.dtype} {list(into.shape)}, "
                                        f"snapshot has {dtype} {list(gs)}")
-            self._fill_region(chunks, dtype, into, (0,) * len(gs), path)
+            self._fill_region(chunks, dtype, into, (0,) * len(gs), path, caller=True)
             return into
         covered = sum(math.prod(c.shape) for c in chunks)
         if len(chunks) == 1 and covered < math.prod(gs):
@@ -325,9 +402,10 @@ class Reader:
         self._fill_region(chunks, dtype, t, (0,) * len(gs), path)
         return t
 
-    def _fill_region(self, chunks, dtype, dst: torch.Tensor, roff, path):
+    def _fill_region(self, chunks, dtype, dst: torch.Tensor, roff, path, caller: bool = False):
         """Fill dst (the region of the global tensor at offsets roff) from the chunks
-        that intersect it, reading only the blocks that overlap it."""
+        that intersect it, reading only the blocks that overlap it. caller: dst is
+        the caller's memory."""
         rshape = tuple(dst.shape)
         filled = 0
         p = format_path(path)
@@ -339,9 +417,11 @@ class Reader:
             filled += math.prod(b - a for a, b in zip(lo, hi))
             src_box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, c.offsets))
             dst_box = tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, roff))
-            after, _ = read_box(c, dtype, src_box, dst[dst_box], self._jobs, p)
+            after, _ = read_box(c, dtype, src_box, dst[dst_box], self._jobs, p, caller=caller)
             if after is not None:
                 self._after.append(after)
+                if caller:
+                    self._staged.add(p)
         if filled < math.prod(rshape):
             raise CheckoutMismatch(f"the snapshot does not hold all of the requested region of the tensor "
                                    f"at {format_path(path)} ({filled} of {math.prod(rshape)} elements)")
@@ -356,13 +436,14 @@ class Reader:
             if into.dtype != dtype or list(into.shape) != sh:
                 raise CheckoutMismatch(f"tensor at {format_path(path)} is {into.dtype} {list(into.shape)}, "
                                        f"snapshot has {dtype} {sh}")
-            if into.device.type == "cpu" and into.is_contiguous() and not into.is_conj() and not into.is_neg():
-                dst = into.detach()
+            caller = into.device.type == "cpu" and into.is_contiguous() and not into.is_conj() and not into.is_neg()
+            if caller:
+                dst = into.detach()  # blocks bounce into it (verified first)
             else:
                 dst = torch.empty(sh, dtype=dtype)
                 self._after.append(lambda: _copy_into(into, dst))
             if leaf.nbytes:
-                self._fill(dst.reshape(-1).view(torch.uint8).numpy(), leaf, path)
+                self._fill(dst.reshape(-1).view(torch.uint8).numpy(), leaf, path, caller=caller)
             return into
         self._reserve(leaf, path)
         try:

@@ -9,17 +9,22 @@ the global tensor, or fills exactly the region a `Sharded` target asks for,
 reading only the blocks that intersect it: another world size or another
 sharding reads what it needs and no more. torch DTensors are converted with
 `from_dtensor`.
+
+In a collective snapshot the pieces of one global tensor must tile it exactly
+(no overlap, no gap; identical pieces count once): `tiling_problem` and
+`find_overlap` are the box algebra the collective put and checkout share.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .errors import InvalidArgument
 
-__all__ = ["Sharded", "Replicated", "from_dtensor"]
+__all__ = ["Sharded", "Replicated", "from_dtensor", "find_overlap", "tiling_problem"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +63,52 @@ def from_dtensor(t) -> "Sharded":
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     _shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return Sharded(t.to_local(), tuple(t.shape), tuple(offsets))
+
+
+# -- tiling: the pieces of a global tensor, exactly ------------------------------------
+
+def find_overlap(boxes: list) -> tuple[int, int] | None:
+    """Indices (i, j) of two boxes (offsets, shape) that share an element, or None.
+    Identical boxes must have been merged first (they are one piece held twice);
+    empty boxes share nothing. Exact: a sweep along the dimension where the boxes'
+    offsets vary most (rows for row sharding, columns for column sharding), so
+    the usual layouts cost O(n log n), not O(n^2)."""
+    live = [i for i, (_o, sh) in enumerate(boxes) if math.prod(sh) > 0]
+    if len(live) < 2:
+        return None
+    nd = len(boxes[live[0]][0])
+    if nd == 0:
+        return live[0], live[1]  # two 0-d pieces: both are the one element
+    d = max(range(nd), key=lambda k: len({boxes[i][0][k] for i in live}))
+    live.sort(key=lambda i: boxes[i][0][d])
+    active: list[int] = []
+    for j in live:
+        oj, sj = boxes[j]
+        active = [i for i in active if boxes[i][0][d] + boxes[i][1][d] > oj[d]]
+        for i in active:
+            oi, si = boxes[i]
+            if all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oi, si, oj, sj)):
+                return i, j
+        active.append(j)
+    return None
+
+
+def tiling_problem(global_shape: tuple, boxes: list) -> str | None:
+    """None if the boxes (offsets, shape) tile the global tensor exactly: each inside
+    it, no two overlapping, together all of it (identical boxes count once: replicas
+    of one piece). Else what is wrong, in words. Exact box algebra: a gap cannot be
+    made up for by an overlap."""
+    gs = tuple(global_shape)
+    distinct = list(dict.fromkeys((tuple(o), tuple(sh)) for o, sh in boxes))
+    for o, sh in distinct:
+        if len(o) != len(gs) or len(sh) != len(gs) or any(a < 0 or a + n > g for a, n, g in zip(o, sh, gs)):
+            return f"the piece at offsets {list(o)} of shape {list(sh)} is outside the global shape {list(gs)}"
+    hit = find_overlap(distinct)
+    if hit is not None:
+        (oi, si), (oj, sj) = distinct[hit[0]], distinct[hit[1]]
+        return (f"the pieces at offsets {list(oi)} (shape {list(si)}) and {list(oj)} (shape {list(sj)}) "
+                f"overlap")
+    covered, total = sum(math.prod(sh) for _o, sh in distinct), math.prod(gs)
+    if covered != total:
+        return f"the pieces cover {covered} of its {total} elements"
+    return None

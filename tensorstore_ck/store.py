@@ -268,12 +268,15 @@ class Store:
         return {job: Retention.from_dict(r) for job, r in self.reftable.retention_all().items()}
 
     @_storage_errors
-    def gc(self, *, dry_run: bool = False, progress: bool = False, lease: float | None = None):
+    def gc(self, *, dry_run: bool = False, progress: bool = False, lease: float | None = None,
+           grace: float = 0.0):
         """Apply retention, then mark and sweep. Safe while other processes write.
         lease: seconds this gc holds the store between renewals (default: the Store's
-        gc_lease, 120 s); others judge it on the ref table's clock."""
+        gc_lease, 120 s); others judge it on the ref table's clock. grace: leave objects
+        younger than this many seconds (in-flight snapshots' new objects) for a later gc."""
         from .gc import run_gc
-        return run_gc(self, dry_run=dry_run, progress=progress, lease=self.gc_lease if lease is None else lease)
+        return run_gc(self, dry_run=dry_run, progress=progress, lease=self.gc_lease if lease is None else lease,
+                      grace=grace)
 
     @_storage_errors
     def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False):

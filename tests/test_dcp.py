@@ -412,3 +412,32 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
     log = reports["async-rank0"]["log"]
     assert [i["step"] for i in log] == [2, 1]
     assert [(i["blocks_total"], i["blocks_new"]) for i in log] == [(16, 0), (16, 10)]
+
+
+def test_overlapping_chunks_in_a_stored_dcp_tree_are_refused(small_store):
+    """A DCP tree is untrusted input too: a tensor whose stored chunks overlap (which
+    chunk would a read get?) is a FormatError, not a silent pick (issue 11, failure 11)."""
+    from tensorstore_ck.dcp.layout import DcpTree, compose
+    from tensorstore_ck.validate import check_snapshot_args
+    sd = {"w": torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)}
+    _save(sd, small_store, ref="jobA/dcp")
+    good = DcpTree(small_store.assets, small_store.pool, small_store.show("jobA/dcp").root, True)
+    dt, gs, chunks = good.chunks("w")
+    assert gs == (64, 4) and list(chunks) == [(0, 0)]
+
+    def chunk(a, b, off):
+        raw = sd["w"][a:b].contiguous().view(torch.uint8).reshape(-1).numpy()
+        d = small_store.assets.put_block(raw, 4).digest
+        return {"dt": "float32", "sh": [b - a, 4], "off": [off, 0], "n": raw.nbytes, "bs": raw.nbytes, "b": [d]}
+
+    tensors = {"w": {"G": {"dt": "float32", "sh": [64, 4], "chunks": [chunk(0, 48, 0), chunk(0, 16, 32)]}}}
+    value = compose(tensors, {}, good.metadata_plain, small_store.planner())
+    top, _ = small_store.publisher.write_nodes(value)
+    args = check_snapshot_args("jobA/bad", step=1, expected=None)
+    info = small_store.publisher.commit(top, args, stats={"bytes_total": 0, "bytes_new": 0, "blocks_total": 0,
+                                                          "blocks_new": 0}, fence=small_store.publisher.fence())
+    bad = DcpTree(small_store.assets, small_store.pool, info.root, True)
+    with pytest.raises(tsck.FormatError, match=r"chunks at \[0, 0\] \(shape \[48, 4\]\) and \[32, 0\]"):
+        bad.chunks("w")
+    with pytest.raises(CheckpointException, match="overlap"):  # DCP wraps the reader's error
+        dcp.load({"w": torch.zeros(64, 4)}, storage_reader=TsckReader(small_store, "jobA/bad"))

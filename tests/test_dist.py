@@ -351,3 +351,62 @@ def test_collective_checkout_of_missing_ref_raises_ref_not_found(tmp_path):
     out = run_scenario(tmp_path, "notfound")
     for d in rank_results(out, "notfound", 4):
         assert d["checkout"] == "RefNotFound", f"rank {d['rank']}: {d['checkout']}"
+
+
+# -- regressions: issue 11 (collective outcomes, replicas, tiling) --------------------------
+
+def test_script_that_exits_right_after_its_collective_gets_the_outcome_on_every_rank(tmp_path):
+    """init via MASTER_ADDR/PORT puts the c10d store in rank 0. Each rank does its put (or
+    checkout), destroy_process_group() and exits at once: rank 0 must not take the store
+    down before every rank has read the outcome (before the fix the others raised
+    SnapshotAborted: Connection reset by peer for a snapshot rank 0 had published)."""
+    rounds = 6  # each round fails on the old code with p ~ 0.4 (put) / 0.6 (checkout)
+    out = run_scenario(tmp_path, "exit", rounds, limit=200.0)
+    roots = []
+    for i in range(rounds):
+        res = rank_results(out, f"exitput{i}", 4)
+        assert len({d["root"] for d in res}) == 1, f"round {i}: ranks returned different roots"
+        roots.append(res[0]["root"])
+        for d in rank_results(out, f"exitco{i}", 4):
+            assert d["step"] == 100 and d["local_rank"] == d["rank"]
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.root for i in s.log(REF)] == roots[::-1]
+
+
+def test_diverged_replicas_abort_every_rank_naming_tensor_and_ranks(tmp_path):
+    """Rank 2's replica of "emb" differs: before the fix every put returned, with each
+    rank's manifest naming its own replica's blocks while each block was written by one
+    rank only (a committed snapshot referencing blocks nobody wrote)."""
+    out = run_scenario(tmp_path, "diverged", 2)
+    res = rank_results(out, "diverged", 4)
+    for d in res:
+        assert d["first"] == "SnapshotAborted", f"rank {d['rank']}: {d['first']}"
+        msg = d["first_message"]
+        assert "['emb']" in msg and "rank 2 disagrees with ranks [0, 1, 3]" in msg and "['head']" not in msg, msg
+        assert d["second"] == "returned", f"rank {d['rank']}: {d['second']}: {d.get('second_message')}"
+    root2 = res[0]["second_root"]
+    assert all(d["second_root"] == root2 for d in res)
+    reps = dw.replicated_tensors()
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.root for i in s.log(REF)] == [root2], "the diverged snapshot was published"
+        assert commit_roots(out / "store") == {root2}
+        full = s.checkout(REF, group=False)
+        assert same_bits(reps["emb"], full["emb"]) and same_bits(reps["head"], full["head"])
+        assert s.fsck().ok
+
+
+def test_overlapping_shards_refused_on_every_rank(tmp_path):
+    """Rows [0, 3072) from rank 0 and [0, 1024) from rank 1: the sizes add up, the pieces
+    overlap and leave rows [3072, 4096) unwritten. Before the fix the put succeeded and
+    checkout returned those rows as whatever torch.empty() left there."""
+    out = run_scenario(tmp_path, "tiling")
+    res = rank_results(out, "tiling", 2)
+    for d in res:
+        assert d["first"] == "InvalidArgument", f"rank {d['rank']}: {d['first']}"
+        msg = d["first_message"]
+        assert "['w']" in msg and "overlap" in msg and "rank 0" in msg and "rank 1" in msg, msg
+        assert d["second"] == "returned", f"rank {d['rank']}: {d['second']}: {d.get('second_message')}"
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log(REF)] == [2]
+        assert commit_roots(out / "store") == {res[0]["second_root"]}
+        assert same_bits(dw.tile_global(), s.checkout(REF, group=False)["w"])

@@ -17,6 +17,7 @@ from ..format import tree
 from ..format.manifest import decode_commit
 from ..plan import Planner
 from ..read import Reader
+from ..shard import find_overlap
 from ..walk import read_node
 
 __all__ = ["DCP_FORMAT", "DCP_LAYOUT_VERSION", "BYTES_INLINE_MAX", "compose", "DcpTree"]
@@ -105,6 +106,12 @@ class DcpTree:
         out: dict = {}
         for c in g.chunks:
             out.setdefault(c.offsets, c)
+        boxes = list(dict.fromkeys((c.offsets, c.shape) for c in g.chunks))
+        hit = find_overlap(boxes)
+        if hit is not None:  # stored bytes are untrusted: which chunk would a read get?
+            (oa, sa), (ob, sb) = boxes[hit[0]], boxes[hit[1]]
+            raise self.fmt(f"chunks at {list(oa)} (shape {list(sa)}) and {list(ob)} (shape {list(sb)}) overlap",
+                           repr(fqn))
         res = (g.dtype, g.shape, out)
         with self._lock:
             self._chunks[fqn] = res

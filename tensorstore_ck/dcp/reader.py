@@ -138,7 +138,8 @@ class TsckReader(StorageReader):
             list(self.store.pool.map(lambda d: self.store.assets.require_block(d, snapshot=m.root, path=repr(fqn)),
                                      dict.fromkeys(leaf.blocks)))
         buf = np.empty(leaf.nbytes, dtype=np.uint8)
-        run_reads(self.store.assets, self.store.pool, [(d, buf[a:b], repr(fqn)) for _i, d, a, b in leaf.block_spans()],
+        run_reads(self.store.assets, self.store.pool,  # a fresh buffer: read into directly
+                  [(d, buf[a:b], repr(fqn), False) for _i, d, a, b in leaf.block_spans()],
                   snapshot=m.root, verify=self.verify)
         return buf.tobytes()
 
@@ -171,7 +172,8 @@ class _ReadBatch:
         if tuple(target.shape) != ln:
             raise CheckoutMismatch(f"DCP's target for {fqn!r} is {list(target.shape)}, the read is {list(ln)}")
         box = tuple(slice(o, o + k) for o, k in zip(so, ln))
-        after, staged = read_box(ch, dtype, box, target, self.jobs, repr(fqn))
+        # DCP's target is the caller's tensor: blocks read into it are verified first.
+        after, staged = read_box(ch, dtype, box, target, self.jobs, repr(fqn), caller=True)
         self.tmp_bytes += staged
         self.after.append((req, target, after))
 

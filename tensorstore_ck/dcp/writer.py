@@ -183,8 +183,9 @@ class TsckWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _blocks(self, flat: np.ndarray, itemsize: int, shape: tuple, meta: dict):
-        """Plan the blocks of `flat` into `meta`; -> futures of their PutResults."""
+    def _blocks(self, flat: np.ndarray, itemsize: int, shape: tuple, meta: dict, private: bool):
+        """Plan the blocks of `flat` into `meta`; -> futures of their PutResults.
+        private: `flat` is a copy of our own (else each block is copied before hashing)."""
         store = self.store
         n = flat.nbytes
         meta["n"] = n
@@ -193,7 +194,8 @@ class TsckWriter(StorageWriter):
             meta["x"] = flat.tobytes()
             return []
         meta["bs"] = layout.block_size
-        return [store.publisher.submit_block(flat[a:b], itemsize) for _i, a, b in chunker.block_ranges(layout)]
+        return [store.publisher.submit_block(flat[a:b], itemsize, private=private)
+                for _i, a, b in chunker.block_ranges(layout)]
 
     def _submit(self, item: WriteItem, planner: SavePlanner):
         fqn = item.index.fqn
@@ -210,7 +212,7 @@ class TsckWriter(StorageWriter):
                                    storage_data=TsckStorageData("bytes", raw))
             flat = np.frombuffer(raw, dtype=np.uint8)
             meta = {"dt": "uint8", "sh": [len(raw)]}
-            futs = self._blocks(flat, 1, (len(raw),), meta)
+            futs = self._blocks(flat, 1, (len(raw),), meta, private=True)  # our own bytes object
             return _Pending(item, "bytes", meta, "T", futs, flat, 0)
         td = item.tensor_data
         if td is None or td.chunk is None:
@@ -228,7 +230,7 @@ class TsckWriter(StorageWriter):
             raise FormatError(f"tensor {fqn!r}: data has shape {tuple(data.shape)}, its chunk {list(shape)}")
         flat, copied = _flat_bytes(data)
         meta = {"dt": dtype_name(data.dtype), "sh": list(shape), "off": [int(x) for x in td.chunk.offsets]}
-        futs = self._blocks(flat, data.element_size(), shape, meta)
+        futs = self._blocks(flat, data.element_size(), shape, meta, private=copied)
         return _Pending(item, "tensor", meta, None, futs, flat, flat.nbytes if copied else 0)
 
     def _finish_item(self, p: _Pending) -> WriteResult:

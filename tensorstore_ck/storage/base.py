@@ -108,6 +108,22 @@ class BlockStore(ABC):
     def sync(self) -> None:
         """Make every completed put durable (directory entries included)."""
 
+    def clock_now(self) -> float:
+        """The storage's own clock (the one its objects' mtimes come from), read by
+        writing a tiny probe object and looking at its mtime. Object ages must be
+        measured on it: a gc host whose clock is off would otherwise take in-flight
+        objects for old ones, or old ones for new."""
+        import uuid
+        key = f"{self.TEMP_PREFIX}clock-{uuid.uuid4().hex}/probe"
+        self.put_if_absent(key, [b"clock probe"])
+        try:
+            found = [o.mtime for o in self.list(key.rsplit("/", 1)[0] + "/")]
+        finally:
+            self.delete(key)
+        if not found or not found[0] > 0:
+            raise OSError(f"{self.url}: the storage reports no modification time for a probe object")
+        return found[0]
+
     def temp_files(self) -> Iterator[ObjectInfo]:
         """Leftover temp files of writes in flight (or of writers that died)."""
         return (o for o in self.list(self.TEMP_PREFIX) if o.key.endswith(".partial"))

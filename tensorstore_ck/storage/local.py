@@ -144,6 +144,18 @@ class LocalBlockStore(BlockStore):
         with self._lock:
             self._dirty.add(os.path.dirname(self._path(key)))
 
+    def clock_now(self) -> float:
+        # The filesystem's clock: the mtime of a file created now (docstring in base).
+        tmpdir = os.path.join(self.root, TMP_DIR)
+        self._ensure_dir(tmpdir)
+        probe = os.path.join(tmpdir, f"clock-{uuid.uuid4().hex}")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self._path(prefix.rstrip("/"))
         if not os.path.isdir(base):

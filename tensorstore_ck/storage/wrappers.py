@@ -58,6 +58,9 @@ class WrappedStore(BlockStore):
     def request_timeout(self) -> float:
         return self.inner.request_timeout
 
+    def clock_now(self):
+        return self.inner.clock_now()
+
     def list(self, prefix):
         return self.inner.list(prefix)
 

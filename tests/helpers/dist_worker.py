@@ -3,7 +3,7 @@
     python dist_worker.py SCENARIO OUTDIR [ARG]
 
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
-desync, notfound.
+desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -229,6 +229,55 @@ def _rank_main(rank, world, port, phase, body, out, arg):
     os._exit(code)
 
 
+def _env_rank_main(rank, world, port, phase, body, out, arg):
+    """A rank as a training script starts it: init_process_group from MASTER_ADDR/PORT
+    (env://), so rank 0 hosts the c10d TCPStore; the body's collective is the last thing
+    the script does: destroy_process_group() and exit at once."""
+    res = {"rank": rank, "world": world, "phase": phase, "pid": os.getpid()}
+    code = 1
+    try:
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=30))
+        try:
+            body(rank, world, out, res, arg)
+            res["ok"] = True
+            code = 0
+        finally:
+            _dump(os.path.join(out, f"{phase}_rank{rank}.json"), res)
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        if "ok" not in res:
+            res["ok"] = False
+            res["error"] = traceback.format_exc()
+            _dump(os.path.join(out, f"{phase}_rank{rank}.json"), res)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch_env(phase, world, body, out, arg=None, *, limit=60.0) -> dict:
+    """Fork `world` ranks that rendezvous through env:// (rank 0 hosts the store)."""
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_env_rank_main, args=(r, world, port, phase, body, out, arg)) for r in range(world)]
+    for p in procs:
+        p.start()
+    info = {"phase": phase, "world": world, "pids": [p.pid for p in procs]}
+    deadline = time.monotonic() + limit
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    info["timed_out"] = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    info["exitcodes"] = [p.exitcode for p in procs]
+    _dump(os.path.join(out, f"{phase}_launcher.json"), info)
+    return info
+
+
 def launch(phase, world, body, out, arg=None, *, kill_rank=None, limit=60.0) -> dict:
     """Fork `world` ranks running body(rank, world, out, res, arg) with the c10d
     store hosted here. kill_rank: SIGKILL that rank as soon as its trap fires."""
@@ -448,6 +497,76 @@ def notfound_case(rank, world, out, res, _arg):
             res["checkout"] = f"{type(e).__name__}: {e}"
 
 
+def exit_put(rank, world, out, res, step):
+    """put_snapshot as the last thing of a training script (then destroy + exit; the
+    store is not even closed, as a script that just ends does not close it)."""
+    store = _open(out)
+    st = sharded_state(rank, world, step)
+    # Rank 0 has the most to write (as the rank holding extra state often does), so the
+    # others have been waiting a while, polling at their slowest, when it publishes.
+    st["local"]["extra"] = torch.randn((4 << 20) if rank == 0 else 1, generator=_gen(rank))
+    info = store.put_snapshot(st, REF, step=step, timeout=30)
+    res["root"] = info.root
+
+
+def exit_checkout(rank, world, out, res, _arg):
+    """checkout as the last collective of a script (then destroy + exit), of the small
+    snapshot exit_setup took: rank 0 has little to read and is gone fast."""
+    store = _open(out)
+    got = store.checkout("j/small", timeout=30)
+    res["step"] = got["step"]
+    res["local_rank"] = got["local"]["rank"]
+
+
+def exit_setup(rank, world, out, res, _arg):
+    with _open(out) as store:
+        res["root"] = store.put_snapshot(sharded_state(rank, world), "j/small", step=100, timeout=30).root
+
+
+def _try_put(store, res, key, st, step):
+    import tensorstore_ck as tsck
+    try:
+        res[key] = "returned"
+        res[key + "_root"] = store.put_snapshot(st, REF, step=step, timeout=30).root
+    except tsck.TsckError as e:
+        res[key], res[key + "_message"] = type(e).__name__, str(e)
+
+
+def diverged_case(rank, world, out, res, odd):
+    """Rank `odd`'s replica of "emb" differs in one element (a non-deterministic kernel,
+    silent DDP divergence); then the ranks agree again."""
+    import tensorstore_ck as tsck
+    with _open(out) as store:
+        reps = replicated_tensors()
+        emb = reps["emb"].clone()
+        if rank == odd:
+            emb[321, 5] += 1.0  # block 20 of 32: owned by some rank, not necessarily `odd`
+        st = {"emb": tsck.Replicated(emb), "head": tsck.Replicated(reps["head"]), "rank": rank}
+        _try_put(store, res, "first", st, 7)
+        st["emb"] = tsck.Replicated(reps["emb"])
+        _try_put(store, res, "second", st, 8)
+
+
+TILE_ROWS, TILE_COLS = 4096, 8
+
+
+def tile_global() -> torch.Tensor:
+    return torch.randn(TILE_ROWS, TILE_COLS, generator=_gen(11))
+
+
+def tiling_case(rank, world, out, res, _arg):
+    """2 ranks: rows [0, 3072) on rank 0 and rows [0, 1024) on rank 1, whose offset should
+    have been 3072 (the sizes add up to the global tensor); then the right offsets."""
+    import tensorstore_ck as tsck
+    g = tile_global()
+    a, b = (0, 3072) if rank == 0 else (3072, 4096)
+    with _open(out) as store:
+        bad = tsck.Sharded(g[a:b].clone(), (TILE_ROWS, TILE_COLS), (0 if rank == 1 else a, 0))
+        _try_put(store, res, "first", {"w": bad, "rank": rank}, 1)
+        good = tsck.Sharded(g[a:b].clone(), (TILE_ROWS, TILE_COLS), (a, 0))
+        _try_put(store, res, "second", {"w": good, "rank": rank}, 2)
+
+
 def main(argv) -> int:
     scenario, out = argv[1], argv[2]
     arg = int(argv[3]) if len(argv) > 3 else None
@@ -466,6 +585,15 @@ def main(argv) -> int:
         infos = [launch("mismatch", 4, mismatch_case, out, 2 if arg is None else arg)]
     elif scenario == "desync":
         infos = [launch("desync", 4, desync_case, out, 2 if arg is None else arg)]
+    elif scenario == "exit":
+        infos = [launch("exitsetup", 4, exit_setup, out)]
+        for i in range(6 if arg is None else arg):
+            infos.append(launch_env(f"exitput{i}", 4, exit_put, out, i))
+            infos.append(launch_env(f"exitco{i}", 4, exit_checkout, out))
+    elif scenario == "diverged":
+        infos = [launch("diverged", 4, diverged_case, out, 2 if arg is None else arg)]
+    elif scenario == "tiling":
+        infos = [launch("tiling", 2, tiling_case, out)]
     elif scenario == "notfound":
         infos = [launch("notfound", 4, notfound_case, out)]
     else:
