@@ -6,12 +6,19 @@ one; nothing below it knows what a manifest is. Keys are ``blocks/ab/<hex>``,
 payload, ab: its first two digits) and ``tags/<hex of the tag name>``. A
 listed name that is not exactly such a key is a *stray*: reported, never
 parsed further, never deleted.
+
+Damaged objects are moved aside, never deleted, to
+``quarantine/<kind>/<hex>.<UTC time>-<random>``: out of the object namespace
+(nothing lists, reads or deletes them as objects), so the next put of that
+content writes it again under its address and heals every snapshot that uses it.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -24,11 +31,13 @@ from .format.records import decode_tag, encode_tag
 from .storage.base import BlockStore
 
 __all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "read_marker", "create_marker", "holds_snapshots", "block_key",
-           "node_key", "commit_key", "tag_key", "KIND_PREFIX"]
+           "node_key", "commit_key", "tag_key", "KIND_PREFIX", "QUARANTINE_PREFIX", "Aside"]
 
 KINDS = ("commits", "nodes", "blocks")  # gc's deletion order: a kill leaves no commit without its tree
 _OBJECT_KEY = re.compile(r"(commits|nodes|blocks)/([0-9a-f]{2})/(\2[0-9a-f]{62})\Z")
 _TAG_KEY = re.compile(r"tags/((?:[0-9a-f]{2})+)\Z")
+QUARANTINE_PREFIX = "quarantine/"
+_ASIDE_KEY = re.compile(r"quarantine/(commits|nodes|blocks)/([0-9a-f]{64})\.[0-9TZ]+-[0-9a-f]+\Z")
 
 KIND_PREFIX = {frame.KIND_BLOCK: "blocks", frame.KIND_NODE: "nodes", frame.KIND_COMMIT: "commits"}
 
@@ -48,6 +57,13 @@ def node_key(d: bytes) -> str:
 
 def commit_key(d: bytes) -> str:
     return _key("commits", d)
+
+
+def aside_key(kind: str, d: bytes) -> str:
+    """A fresh quarantine name for object `d` of `kind`: the time says when it was moved,
+    the random part keeps two moves of one address (damaged twice) apart."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{QUARANTINE_PREFIX}{kind}/{d.hex()}.{stamp}-{uuid.uuid4().hex[:12]}"
 
 
 def tag_key(name: str) -> str:
@@ -82,6 +98,16 @@ class Listed:
     """One stored object of a kind, as listed."""
     kind: str
     digest: bytes
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True, slots=True)
+class Aside:
+    """One object kept under quarantine/ (kind and digest None for a name not made here)."""
+    key: str
+    kind: str | None
+    digest: bytes | None
     size: int
     mtime: float
 
@@ -136,12 +162,43 @@ class Assets:
         elif d is None:
             d = blake3.blake3(mv).digest()
         key = _key(KIND_PREFIX[kind], d)
-        if self.storage.exists(key):
-            return PutResult(d, False, mv.nbytes)
+        size = self.storage.size_of(key)
+        if size is not None:
+            if self._reusable(key, kind, size, mv.nbytes):
+                return PutResult(d, False, mv.nbytes)
+            # Damaged (truncated, oversized, a bad header): dedup would reuse it forever.
+            # Keep its bytes aside and store the ones this writer holds, under the same
+            # address, which heals every snapshot that references it.
+            self.move_aside(key)
         bufs = frame.encode_payload(mv, kind, compress=self.compress,
                                     shuffle_itemsize=itemsize if self.shuffle else 0)
         new = self.storage.put_if_absent(key, bufs)
         return PutResult(d, new, mv.nbytes)
+
+    def _reusable(self, key: str, kind: int, size: int, raw_len: int) -> bool:
+        """Whether an object found stored under `key` can be what a frame of `raw_len` raw
+        bytes looks like, judged by its size (free: the stat or HEAD that found it) and,
+        on local disks, by its 16-byte header. A healthy frame is exactly HEADER_SIZE +
+        raw_len bytes when raw, and shorter when compressed (the writer stores raw
+        whenever lz4 does not shrink a block to 90%), never longer. A size below that
+        is a compressed frame or a truncated raw one: only the header tells, and on
+        object stores reading it would cost a request per reused block, so there the
+        object is trusted (fsck --repair finds a damaged one)."""
+        full = frame.HEADER_SIZE + raw_len
+        if size == full:
+            return True
+        if size < frame.HEADER_SIZE or size > full:
+            return False
+        if not self.storage.local:
+            return True
+        try:
+            with self.storage.open_read(key) as f:
+                hdr = frame.decode_header(f.read(frame.HEADER_SIZE))
+        except FileNotFoundError:
+            return False  # gone meanwhile (a gc): write it
+        except FormatError:
+            return False
+        return hdr.kind == kind and hdr.raw_len == raw_len and hdr.codec != frame.CODEC_RAW
 
     def put_block(self, raw, itemsize: int = 1, digest: bytes | None = None, *, private: bool = False) -> PutResult:
         """Hash, maybe compress, and store one block (thread-safe; blake3, lz4 and
@@ -295,6 +352,59 @@ class Assets:
 
     def has_commit(self, d: bytes) -> bool:
         return self.storage.exists(commit_key(d))
+
+    # -- damaged objects: verify, move aside, list ------------------------------------
+    def verify_stored(self, key: str, at: str | None = None) -> tuple[IntegrityError | None, bytes | None]:
+        """Read the object of well-formed key `key` (from `at`, default `key` itself: a
+        copy moved aside is checked against the address it was stored under) and check
+        its frame and BLAKE3 against the address. -> (None, the stored bytes) when
+        healthy, else (the IntegrityError, None). OSError (an unreadable object) passes."""
+        m = _OBJECT_KEY.match(key)
+        if m is None:
+            raise ValueError(f"not an object key: {key!r}")
+        kind, d = m.group(1), bytes.fromhex(m.group(3))
+        where = at or key
+        try:
+            data = self.storage.get(where)
+        except FileNotFoundError:
+            return IntegrityError("missing object", key=where, reason="missing"), None
+        try:
+            hdr = frame.decode_header(data[:frame.HEADER_SIZE])
+            if KIND_PREFIX[hdr.kind] != kind:
+                raise FormatError(f"object is of kind {hdr.kind}, stored as {kind}")
+            raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:])
+        except FormatError as e:
+            return IntegrityError(f"corrupt object: {e}", key=where), None
+        got = blake3.blake3(raw).digest()
+        if got != d:
+            return IntegrityError("content does not match its address", key=where, expected=d.hex(),
+                                  got=got.hex()), None
+        return None, data
+
+    def move_aside(self, key: str, *, deadline=None) -> str | None:
+        """Move the object `key` to a fresh quarantine name -> that name, or None if
+        `key` was absent. Nothing under quarantine/ is ever read as an object or deleted
+        by gc; an operator inspects or removes it. deadline: as for delete_objects (no
+        removal from `key` starts after it)."""
+        m = _OBJECT_KEY.match(key)
+        if m is None:
+            raise ValueError(f"not an object key: {key!r}")
+        dest = aside_key(m.group(1), bytes.fromhex(m.group(3)))
+        if self.storage.move(key, dest, deadline=deadline) or self.storage.exists(dest):  # a retried move reports False
+            return dest
+        return None
+
+    def restore(self, key: str, data: bytes, aside: str) -> None:
+        """Put healthy bytes that were moved aside back under `key` (unless a writer
+        stored them there meanwhile) and drop the now redundant copy."""
+        self.storage.put_if_absent(key, [data])
+        self.storage.delete(aside)
+
+    def list_aside(self) -> Iterator[Aside]:
+        """Everything under quarantine/, as listed (names this module did not make too)."""
+        for o in self.storage.list(QUARANTINE_PREFIX):
+            m = _ASIDE_KEY.match(o.key)
+            yield Aside(o.key, m and m.group(1), m and bytes.fromhex(m.group(2)), o.size, o.mtime)
 
     # -- listing, deleting, tags: what gc, fsck, recover and du need ------------
     def list_objects(self, kind: str, strays: list | None = None) -> Iterator[Listed]:

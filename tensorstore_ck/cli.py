@@ -153,15 +153,25 @@ def cmd_gc(store, args):
 
 
 def cmd_fsck(store, args):
-    r = store.fsck(full=not args.quick, progress=_bar(args))
+    r = store.fsck(full=not args.quick, progress=_bar(args), repair=args.repair)
     lines = [str(f) for f in r.findings]
+    lines += [f"moved aside: {m['key']} -> {m['aside']} ({m['problem']})" for m in r.moved]
+    lines += [f"not moved: {x['key']}: {x['why']}" for x in r.left]
     lines.append(f"{'ok' if r.ok else 'PROBLEMS'}: {r.snapshots_checked} snapshots, {r.objects_checked} objects, "
                  f"{_human(r.bytes_checked)} {'re-hashed' if r.full else 'sized'}; {len(r.findings)} problems; "
                  f"{r.orphans} orphans ({_human(r.orphan_bytes)}, gc removes them)")
     if r.gc_ran:
         lines.append(f"note: a gc ran during this fsck; {r.dropped_after_gc} finding(s) of snapshots it removed "
                      "meanwhile were left out")
+    if r.moved:
+        lines.append(f"repair: {len(r.moved)} damaged object(s) moved aside; the snapshots above stay unreadable "
+                     "until their content is put again (same address: that heals them), then fsck is clean")
+    if r.quarantined:
+        lines.append(f"note: {r.quarantined} object(s) ({_human(r.quarantined_bytes)}) kept aside under "
+                     "quarantine/ (never read, never deleted by gc: inspect, then remove them by hand)")
     _out(args, r.to_json(), "\n".join(lines))
+    # Exit 1 whenever problems were found, repaired or not: what was moved is still
+    # missing from its snapshots until a put stores that content again.
     return 0 if r.ok else 1
 
 
@@ -244,8 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grace", type=_seconds0, default=0.0, metavar="SECONDS",
                    help="leave objects younger than this for a later gc, so snapshots in flight keep "
                         "their new objects (default 0)")
-    add("fsck", cmd_fsck, "verify every kept snapshot (exit 1 on problems)").add_argument(
-        "--quick", action="store_true", help="presence and sizes only, no re-hashing")
+    f = add("fsck", cmd_fsck, "verify every kept snapshot (exit 1 on problems)")
+    f.add_argument("--quick", action="store_true", help="presence and sizes only, no re-hashing")
+    f.add_argument("--repair", action="store_true",
+                   help="move damaged objects aside (quarantine/, never deleted) so that the next put of "
+                        "their content stores them again and heals every snapshot using them")
     add("recover", cmd_recover, "rebuild the catalog, refs and tags from storage")
     return p
 

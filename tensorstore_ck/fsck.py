@@ -6,6 +6,17 @@ snapshot (and tensor path) that references it.
 
     full (default)  read every object and re-hash every byte
     quick           presence, header and sizes only
+    repair          also move every damaged object (its bytes do not match its
+                    address: corrupt, truncated, an undecodable frame) aside to
+                    quarantine/, so that the next put of that content stores it
+                    again under the same address and heals every snapshot using it
+
+Repair holds the store's gc lock for the whole run (a gc cannot delete beside
+it) and moves objects only inside a deletion phase (the epoch fence, as gc
+deletes): a writer that found a damaged object present and reused it before the
+move sees its ref move refused, re-validates (the object is gone now: it writes
+it again from the bytes it holds) and retries. docs/ARCHITECTURE.md, "fsck
+--repair", has the argument.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from .errors import FormatError, IntegrityError
 from .format import frame
-from .gc import _progress
+from .gc import DEFAULT_LEASE, Lease, _progress, holding_gc_lock
 from .reach import KINDS, Marked, iter_unreachable, kept_roots
 from .walk import walk_commit
 
@@ -55,6 +66,11 @@ class FsckReport:
     orphan_bytes: int = 0
     gc_ran: bool = False          # a gc deletion phase overlapped this fsck
     dropped_after_gc: int = 0     # findings of snapshots that gc removed meanwhile (not damage)
+    repair: bool = False
+    moved: list = field(default_factory=list)   # {"key", "aside", "problem"}: damaged objects moved aside
+    left: list = field(default_factory=list)    # {"key", "why"}: objects found bad but not moved
+    quarantined: int = 0          # objects under quarantine/ after this run (kept; never read, never gc'd)
+    quarantined_bytes: int = 0
     seconds: float = 0.0
 
     @property
@@ -78,9 +94,27 @@ def _names(store) -> dict[bytes, list[str]]:
     return out
 
 
-def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
+def run_fsck(store, *, full: bool = True, progress: bool = False, repair: bool = False,
+             lease: float = DEFAULT_LEASE) -> FsckReport:
     t0 = time.time()
-    rep = FsckReport(full=full)
+    rep = FsckReport(full=full, repair=repair)
+    if repair:
+        # The lock first, so a gc running now fails this at once (GcBusy) instead of after
+        # the whole check; held through the check, gc cannot delete beside it either.
+        with holding_gc_lock(store, lease=lease, role="fsck-repair:") as hold:
+            _check(store, rep, progress)
+            _repair(store, rep, hold)
+    else:
+        _check(store, rep, progress)
+    for a in store.assets.list_aside():
+        rep.quarantined += 1
+        rep.quarantined_bytes += a.size
+    rep.seconds = time.time() - t0
+    return rep
+
+
+def _check(store, rep: FsckReport, progress: bool) -> None:
+    full = rep.full
     epoch0 = store.reftable.gc_state()["epoch"]
     names = _names(store)
     roots = sorted({r for r, _ in store.reftable.catalog_iter()} | set(names))
@@ -155,6 +189,51 @@ def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
     keep = [f for f in rep.findings if f.snapshot is None or bytes.fromhex(f.snapshot) in still]
     rep.dropped_after_gc = len(rep.findings) - len(keep)
     rep.findings = keep
-    rep.seconds = time.time() - t0
-    return rep
+
+
+# What a damaged object's finding is called; "missing" has nothing to move aside.
+_DAMAGE = ("corrupt", "truncated", "undecodable")
+
+
+def _repair(store, rep: FsckReport, hold: Lease) -> None:
+    """Move aside every object the check found damaged, inside a deletion phase."""
+    assets = store.assets
+    problem = {f.key: f.problem for f in rep.findings if f.problem in _DAMAGE and assets.kind_of_key(f.key)}
+    todo = []
+    for key in sorted(problem):  # again, one by one: only an object that fails verification moves
+        try:
+            err, _data = assets.verify_stored(key)
+        except OSError as e:
+            rep.left.append({"key": key, "why": f"unreadable ({e}); left in place"})
+            continue
+        if err is None:
+            # Its bytes match its address: nothing a re-put could change (a node that
+            # does not decode was written so; a writer healed it since the check).
+            rep.left.append({"key": key, "why": "its bytes match its address; left in place"})
+        elif err.reason != "missing":
+            todo.append(key)
+    if not todo:
+        return
+    hold.freeze()  # epoch odd: a writer that reused one of these re-validates before its ref moves
+    for key in todo:
+        hold.check()
+        try:  # each removal within the lease, as gc's deletes
+            aside = hold.run(assets.move_aside, key)
+        except OSError as e:
+            rep.left.append({"key": key, "why": f"could not be moved aside ({e}); left in place"})
+            continue
+        if aside is None:
+            continue  # gone meanwhile: nothing to keep
+        # Check what was moved, not what was checked: a writer may have replaced a
+        # truncated local copy in between. Healthy bytes go back where they were.
+        try:
+            err2, data = assets.verify_stored(key, at=aside)
+        except OSError:  # unreadable where it now is: keep it there
+            err2, data = OSError, None
+        if err2 is None:
+            assets.restore(key, data, aside)
+            rep.left.append({"key": key, "why": "healthy again (written anew meanwhile); left in place"})
+            continue
+        rep.moved.append({"key": key, "aside": aside, "problem": problem[key]})
+    store.storage.sync()
 

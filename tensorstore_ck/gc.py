@@ -27,6 +27,7 @@ stored name that is not a well-formed key (a stray) is reported, never deleted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -40,7 +41,8 @@ from .reach import KINDS, Marked, iter_unreachable, kept_roots, mark
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, select_kept
 
-__all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "plan_expiry", "DEFAULT_LEASE"]
+__all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "plan_expiry", "DEFAULT_LEASE", "Lease",
+           "holding_gc_lock"]
 
 DEFAULT_LEASE = 120.0        # seconds a gc holds the store between two renewals
 SWEEP_BATCH = 512            # deletes between two checks of the lock
@@ -260,6 +262,28 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
         except TsckError:
             pass
         raise
+
+
+@contextlib.contextmanager
+def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None):
+    """The store's gc lock under a lease, for work other than gc that removes objects
+    from their addresses (fsck --repair moves damaged ones aside): yields the Lease
+    (freeze() opens the deletion phase, run() keeps each removal within the lease);
+    the phase is finished on exit, whatever happened."""
+    refs = store.reftable
+    owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every)
+    try:
+        yield hold
+    except BaseException:
+        hold.stop()
+        try:
+            refs.gc_finish(owner)
+        except TsckError:
+            pass
+        raise
+    hold.stop()
+    refs.gc_finish(owner)
 
 
 class Lease:

@@ -279,10 +279,13 @@ class Store:
                       grace=grace)
 
     @_storage_errors
-    def fsck(self, *, full: bool = True, progress: bool = False):
-        """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte."""
+    def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False):
+        """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte.
+        repair=True also moves every damaged object aside (quarantine/, never deleted),
+        so the next put of its content stores it again and heals the snapshots using it;
+        it takes the store's gc lock (GcBusy while a gc runs)."""
         from .fsck import run_fsck
-        return run_fsck(self, full=full, progress=progress)
+        return run_fsck(self, full=full, progress=progress, repair=repair, lease=self.gc_lease)
 
     # -- reading ---------------------------------------------------------------
     @_storage_errors

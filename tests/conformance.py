@@ -43,6 +43,7 @@ import pytest
 
 from tensorstore_ck.errors import Fenced, GcBusy, RefConflict, RefNotFound
 from tensorstore_ck.storage import BlockStore
+from tensorstore_ck.storage.base import DeadlinePassed
 
 __all__ = ["BlockStoreTests", "RefTableTests"]
 
@@ -259,6 +260,41 @@ class BlockStoreTests:
         block_store.delete_many([_key(12)])
         assert block_store.put_if_absent(_key(12), [b"v"]) is True
         assert block_store.exists(_key(12))
+
+    # -- size_of, move ---------------------------------------------------------------------
+    def test_size_of_present_absent_and_deleted(self, block_store):
+        k = _key(14)
+        assert block_store.size_of(k) is None
+        block_store.put_if_absent(k, [b"abc", b"defg"])
+        assert block_store.size_of(k) == 7
+        block_store.put_if_absent(_key(15), [])
+        assert block_store.size_of(_key(15)) == 0
+        assert block_store.size_of(k[:-1] + "f") is None  # a sibling under an existing folder
+        assert block_store.size_of("blocks/") is None and block_store.size_of("nowhere/x") is None
+        block_store.delete(k)
+        assert block_store.size_of(k) is None
+
+    def test_move_puts_the_bytes_under_the_new_key_only(self, block_store):
+        """fsck --repair moves damaged objects aside (quarantine/...): the bytes are kept,
+        the old name is free for a fresh put."""
+        k, aside = _key(16), "quarantine/blocks/" + _key(16).rsplit("/", 1)[1] + ".x1"
+        data = os.urandom(70_000)
+        block_store.put_if_absent(k, [data])
+        with pytest.raises(DeadlinePassed):  # past the caller's deadline: the object stays
+            block_store.move(k, aside + "z", deadline=lambda: 0.0)
+        assert block_store.get(k) == data
+        block_store.delete(aside + "z")  # an object store may have copied it already
+        assert block_store.move(k, aside) is True
+        block_store.sync()
+        assert not block_store.exists(k) and block_store.get(aside) == data
+        assert [o.key for o in block_store.list("blocks/")] == []
+        assert [(o.key, o.size) for o in block_store.list("quarantine/")] == [(aside, len(data))]
+        assert block_store.move(k, aside + "y") is False  # gone: nothing moved, nothing made
+        assert not block_store.exists(aside + "y")
+        assert block_store.put_if_absent(k, [b"fresh"]) is True  # the name is free again
+        assert block_store.get(k) == b"fresh" and block_store.get(aside) == data
+        block_store.delete(aside)
+        assert list(block_store.list("quarantine/")) == []
 
     # -- concurrency -----------------------------------------------------------------------
     def test_racing_put_if_absent_has_exactly_one_winner(self, block_store):

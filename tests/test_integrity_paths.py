@@ -194,6 +194,10 @@ class MutateOnce(WrappedStore):
         self._maybe("exists", key)
         return self.inner.exists(key)
 
+    def size_of(self, key):  # a put's existence check (it also reads the size)
+        self._maybe("exists", key)
+        return self.inner.size_of(key)
+
     def put_if_absent(self, key, bufs):
         self._maybe("put", key)
         return self.inner.put_if_absent(key, bufs)

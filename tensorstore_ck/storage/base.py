@@ -47,6 +47,9 @@ class BlockStore(ABC):
     # In-flight writes of backends that write a temp file and then link it (local disk):
     # they live under this prefix and are never objects.
     TEMP_PREFIX: ClassVar[str] = "tmp/"
+    # Objects are files on this host: a stat or a read of a few bytes costs no request
+    # (Assets reads a reused object's header only where this holds).
+    local: ClassVar[bool] = False
     # The longest one request may run before the client gives up on it (its timeouts):
     # a gc starts a delete only while its lease outlasts this. Local calls are
     # synchronous: once one returns, it is done.
@@ -71,6 +74,20 @@ class BlockStore(ABC):
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def size_of(self, key: str) -> int | None:
+        """The stored size of `key` in bytes, None if absent: what exists() costs (one
+        stat, one HEAD), with the size that answer carries anyway."""
+
+    @abstractmethod
+    def move(self, key: str, new_key: str, *, deadline: Deadline | None = None) -> bool:
+        """Put the object `key` under `new_key` and remove it from `key`. False if `key`
+        is absent. `new_key` must be a fresh name nothing else writes (the caller makes
+        it unique). Never loses the bytes: local disks rename (atomic); object stores
+        copy, then delete the original, so a crash in between leaves both names.
+        deadline: the removal from `key` does not start after it (DeadlinePassed; the
+        object then stays under `key`, and maybe under `new_key` too)."""
 
     @abstractmethod
     def delete(self, key: str) -> None:

@@ -18,7 +18,7 @@ from typing import BinaryIO, Iterator, Sequence
 
 import fsspec
 
-from .base import BlockStore, ObjectInfo
+from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["FsspecBlockStore"]
 
@@ -131,6 +131,28 @@ class FsspecBlockStore(BlockStore):
     @_translated
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))
+
+    @_translated
+    def size_of(self, key: str) -> int | None:
+        try:
+            info = self.fs.info(self._path(key))
+        except (FileNotFoundError, KeyError):
+            return None
+        if info.get("type") == "directory":
+            return None
+        return int(info.get("size") or 0)
+
+    @_translated
+    def move(self, key: str, new_key: str, *, deadline: Deadline | None = None) -> bool:
+        # Copy first, then delete: a crash in between leaves the object under both names
+        # (a server-side copy on object stores: the bytes do not travel through here).
+        try:
+            self.fs.cp_file(self._path(key), self._path(new_key))
+        except (FileNotFoundError, KeyError):
+            return False
+        check_deadline(deadline)
+        self.delete(key)
+        return True
 
     @_translated
     def delete(self, key: str) -> None:

@@ -7,11 +7,12 @@ zarr's LocalStore does); every other URL goes through FsspecBlockStore.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import uuid
 from typing import BinaryIO, Iterator, Sequence
 
-from .base import BlockStore, ObjectInfo
+from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["LocalBlockStore"]
 
@@ -35,6 +36,7 @@ def _fsync_dir(path: str) -> None:
 
 
 class LocalBlockStore(BlockStore):
+    local = True
     # Every call is a synchronous system call: once it returns, its effect is done.
     request_timeout = 0.1
 
@@ -111,6 +113,28 @@ class LocalBlockStore(BlockStore):
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
+
+    def size_of(self, key: str) -> int | None:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None  # a folder is no object
+
+    def move(self, key: str, new_key: str, *, deadline: Deadline | None = None) -> bool:
+        src, dst = self._path(key), self._path(new_key)
+        d = os.path.dirname(dst)
+        self._ensure_dir(d)
+        check_deadline(deadline)
+        try:
+            os.rename(src, dst)  # atomic: the object is under one of the two names, never neither
+        except FileNotFoundError:
+            if os.path.exists(src):  # not the source: the destination folder went (rmtree'd meanwhile)
+                raise
+            return False
+        with self._lock:
+            self._dirty.update((d, os.path.dirname(src)))
+        return True
 
     def delete(self, key: str) -> None:
         try:

@@ -105,6 +105,14 @@ class S3BlockStore(FsspecBlockStore):
             return False
 
     @_translated
+    def size_of(self, key: str) -> int | None:
+        bucket, _, obj = self._path(key).partition("/")
+        try:  # the HEAD that exists() sends, its Content-Length read
+            return int(self.fs.call_s3("head_object", Bucket=bucket, Key=obj)["ContentLength"])
+        except FileNotFoundError:
+            return None
+
+    @_translated
     def delete_many(self, keys: Sequence[str], *, deadline: Deadline | None = None) -> None:
         keys = list(keys)
         # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key errors

@@ -35,8 +35,18 @@ class WrappedStore(BlockStore):
     def put_if_absent(self, key, bufs):
         return self.inner.put_if_absent(key, bufs)
 
+    @property
+    def local(self):
+        return self.inner.local
+
     def exists(self, key):
         return self.inner.exists(key)
+
+    def size_of(self, key):
+        return self.inner.size_of(key)
+
+    def move(self, key, new_key, *, deadline=None):
+        return self.inner.move(key, new_key, deadline=deadline)
 
     def delete(self, key):
         return self.inner.delete(key)
@@ -64,7 +74,7 @@ class WrappedStore(BlockStore):
 class FaultInjectingStore(WrappedStore):
     """Fails, delays or truncates operations, at random or on demand.
 
-    rules: op name ("put", "get", "exists", "delete", "sync") -> probability in [0, 1]
+    rules: op name ("put", "get", "exists", "delete", "move", "sync") -> probability in [0, 1]
     of failing; `when(op, key) -> bool` fails deterministically instead. A failing put
     raises ENOSPC (with truncate=True, after leaving its partial bytes in tmp/, as a
     write cut short does); a failing read raises EIO (with truncate=True, returns the
@@ -121,6 +131,16 @@ class FaultInjectingStore(WrappedStore):
         if self._fault("exists", key):
             raise InjectedFault(errno.ECONNRESET, f"injected: connection reset on {key}")
         return self.inner.exists(key)
+
+    def size_of(self, key):
+        if self._fault("exists", key):
+            raise InjectedFault(errno.ECONNRESET, f"injected: connection reset on {key}")
+        return self.inner.size_of(key)
+
+    def move(self, key, new_key, *, deadline=None):
+        if self._fault("move", key):
+            raise InjectedFault(errno.EIO, f"injected: move failed on {key}")
+        return self.inner.move(key, new_key, deadline=deadline)
 
     def delete(self, key):
         if self._fault("delete", key):
@@ -233,6 +253,17 @@ class RetryingStore(WrappedStore):
 
     def exists(self, key):
         return self._call(self.inner.exists, key)
+
+    def size_of(self, key):
+        return self._call(self.inner.size_of, key)
+
+    def move(self, key, new_key, *, deadline=None):
+        # A retry after a move that landed but whose answer was lost finds `key` gone:
+        # False, and the caller sees the object under `new_key` (Assets.move_aside checks).
+        def attempt():
+            check_deadline(deadline)  # no retry starts past the caller's deadline either
+            return self.inner.move(key, new_key, deadline=deadline)
+        return self._call(attempt)
 
     def delete(self, key):
         return self._call(self.inner.delete, key)
