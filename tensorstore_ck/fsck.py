@@ -24,7 +24,7 @@ __all__ = ["Finding", "FsckReport", "run_fsck"]
 
 @dataclass
 class Finding:
-    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref | stray
+    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref | stray | malformed_row
     snapshot: str | None    # root hex
     names: list             # refs / tags / pins pointing at the snapshot ("ref:x", "tag:y", "pin")
     path: str | None        # tensor path in the state, when known
@@ -83,7 +83,12 @@ def run_fsck(store, *, full: bool = True, progress: bool = False) -> FsckReport:
     rep = FsckReport(full=full)
     epoch0 = store.reftable.gc_state()["epoch"]
     names = _names(store)
-    roots = sorted({r for r, _ in store.reftable.catalog_iter()} | set(names))
+    bad_rows: list = []
+    for _r, _row in store.reftable.catalog_iter(bad=bad_rows):
+        pass
+    for root, err in bad_rows:  # the snapshot is still checked below, from its commit
+        rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
+    roots = sorted(store.reftable.catalog_roots() | set(names))
     block_status: dict[bytes, IntegrityError | None] = {}
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()
