@@ -1,6 +1,7 @@
 """`tsck`: the command line. Exit codes: 0 ok, 1 problems found, 2 user error.
 
-Every command takes --json. A user mistake (bad arguments, unknown target,
+Every command takes --json, which writes strict JSON (NaN/inf as null, bytes as
+"hex:<hex>"; see _jsonable). A user mistake (bad arguments, unknown target,
 a path that is not a store) prints one line, "tsck: error: ...", and exits 2.
 Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
 

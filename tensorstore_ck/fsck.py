@@ -2,7 +2,10 @@
 
 Gathers every finding instead of stopping at the first. A block shared by
 several snapshots is read once, and a problem with it is reported once per
-snapshot (and tensor path) that references it.
+snapshot (and tensor path) that references it. Within one snapshot a node named
+at several paths is walked once (a DAG of 40 nodes can name 2^40 paths): its
+problems name the first path that reaches it. A catalog row that does not
+decode is a `malformed_row` finding; the snapshot is still checked from its commit.
 
     full (default)  read every object and re-hash every byte
     quick           presence, header and sizes only
