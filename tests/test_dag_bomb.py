@@ -163,3 +163,23 @@ def test_a_legitimately_shared_node_is_every_path(tmp_path):
         assert [c["path"] for c in d["changed"]] == ["['b']['p3']", "['c']"]
         assert d["unchanged"] == 399 and not d["added"] and not d["removed"]
         assert s.fsck().ok
+
+
+def test_a_node_met_again_deeper_is_held_to_the_depth_cap(tmp_path):
+    """Visiting a node once must not let it pass the depth cap at a deeper path that
+    checkout would refuse: fsck and checkout still agree (tests/test_grammar.py)."""
+    v = 1
+    for _ in range(195):  # 195 levels inside the node: fine at depth 1, not at depth 12
+        v = {"l": [v]}
+    with tsck.open_store(tmp_path / "s") as s:
+        x = s.assets.put_node(encode_node(v)).digest
+        deeper = {"r": x}
+        for _ in range(10):
+            deeper = {"l": [deeper]}
+        top = s.assets.put_node(encode_node({"l": [{"r": x}, deeper]})).digest
+        s.assets.sync()
+        info = s.commit_tree(top, ref="deep/x", job="deep", step=1, metrics={}, meta={}, stats=dict(STATS))
+        with pytest.raises(tsck.FormatError, match="deeper than"):
+            s.checkout("deep/x")
+        bad = [f for f in s.fsck().findings if f.snapshot == info.root]
+        assert bad and "deeper than" in bad[0].message, bad
