@@ -1,6 +1,7 @@
 """`tsck`: the command line. Exit codes: 0 ok, 1 problems found, 2 user error.
 
-Every command takes --json. A user mistake (bad arguments, unknown target,
+Every command takes --json, which writes strict JSON (NaN/inf as null, bytes as
+"hex:<hex>"; see _jsonable). A user mistake (bad arguments, unknown target,
 a path that is not a store) prints one line, "tsck: error: ...", and exits 2.
 Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import sys
 
@@ -46,7 +48,47 @@ def _human(n) -> str:
 
 
 def _when(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    try:
+        return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):  # outside the platform's time_t / datetime range
+        return f"t={t!r} (out of range)"
+
+
+def _jsonable(obj, depth: int = 0):
+    """A value that json.dumps writes as strict JSON (RFC 8259, what jq accepts): a
+    non-finite float (a diverged run's NaN loss) becomes null, bytes (found in a stored
+    commit's meta) a string "hex:<hex digits>", a key that is not a str its str() (bytes
+    keys: "hex:..." too). Stored values nest at most 33 levels (decode_commit checks)."""
+    t = type(obj)
+    if t is float:
+        return obj if math.isfinite(obj) else None
+    if t in (bytes, bytearray):
+        return "hex:" + bytes(obj).hex()
+    if depth > 64:
+        return "..."
+    if isinstance(obj, dict):
+        return {_jsonable_key(k): _jsonable(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(x, depth + 1) for x in obj]
+    if obj is None or t in (bool, int, str):
+        return obj
+    if isinstance(obj, float):
+        return _jsonable(float(obj), depth)
+    return str(obj)
+
+
+def _jsonable_key(k):
+    if type(k) is str:
+        return k
+    if type(k) in (bytes, bytearray):
+        return "hex:" + bytes(k).hex()
+    if type(k) is float and not math.isfinite(k):
+        return str(k)
+    return k if type(k) in (int, float, bool) or k is None else str(k)
+
+
+def _dumps(obj, **kw) -> str:
+    return json.dumps(_jsonable(obj), allow_nan=False, **kw)
 
 
 def _line(info: SnapshotInfo) -> str:
@@ -57,25 +99,34 @@ def _line(info: SnapshotInfo) -> str:
 
 def _out(args, obj, text: str) -> None:
     if args.json:
-        print(json.dumps(obj, indent=2, sort_keys=False))
+        print(_dumps(obj, indent=2, sort_keys=False))
     else:
         print(text)
 
 
 def cmd_refs(store, args):
-    refs = store.refs()
-    tags = store.tags()
+    bad_refs: dict = {}
+    bad_tags: dict = {}
+    refs = store.refs(errors=bad_refs)
+    tags = store.tags(errors=bad_tags)
     obj = {"refs": {k: v.to_json() for k, v in refs.items()}, "tags": {k: v.to_json() for k, v in tags.items()}}
     lines = [f"{name:<32} {_line(info)}" for name, info in refs.items()]
     lines += [f"tag {name:<28} {_line(info)}" for name, info in tags.items()]
+    if bad_refs or bad_tags:  # one odd snapshot is one line; the others are listed (exit 1)
+        obj["unreadable"] = {**{k: str(e) for k, e in bad_refs.items()},
+                             **{f"tag:{k}": str(e) for k, e in bad_tags.items()}}
+        lines += [f"{name:<32} unreadable: {e}" for name, e in obj["unreadable"].items()]
     _out(args, obj, "\n".join(lines) if lines else "(no refs)")
-    return 0
+    return 1 if bad_refs or bad_tags else 0
 
 
 def cmd_log(store, args):
-    infos = store.log(args.ref)
+    bad: dict = {}
+    infos = store.log(args.ref, errors=bad)
     _out(args, [i.to_json() for i in infos], "\n".join(_line(i) for i in infos) or "(empty)")
-    return 0
+    for r, e in bad.items():  # one odd snapshot is one line; the others are listed (exit 1)
+        print(f"tsck: unreadable snapshot {r[:16]} in the history of {args.ref}: {e}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def cmd_show(store, args):
@@ -83,7 +134,7 @@ def cmd_show(store, args):
     text = "\n".join([
         f"root      {i.root}", f"ref       {i.ref}", f"job       {i.job}", f"step      {i.step}",
         f"time      {_when(i.time)}", f"parent    {i.parent or '-'}",
-        f"metrics   {json.dumps(i.metrics)}", f"meta      {json.dumps(i.meta)}",
+        f"metrics   {_dumps(i.metrics)}", f"meta      {_dumps(i.meta)}",
         f"bytes     {_human(i.bytes_total)} in {i.blocks_total} blocks; "
         f"{_human(i.bytes_new)} in {i.blocks_new} blocks were new",
     ])

@@ -2,7 +2,10 @@
 
 Gathers every finding instead of stopping at the first. A block shared by
 several snapshots is read once, and a problem with it is reported once per
-snapshot (and tensor path) that references it.
+snapshot (and tensor path) that references it. Within one snapshot a node named
+at several paths is walked once (a DAG of 40 nodes can name 2^40 paths): its
+problems name the first path that reaches it. A catalog row that does not
+decode is a `malformed_row` finding; the snapshot is still checked from its commit.
 
     full (default)  read every object and re-hash every byte
     quick           presence, header and sizes only
@@ -35,7 +38,7 @@ __all__ = ["Finding", "FsckReport", "run_fsck"]
 
 @dataclass
 class Finding:
-    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref | stray
+    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref | stray | malformed_row
     snapshot: str | None    # root hex
     names: list             # refs / tags / pins pointing at the snapshot ("ref:x", "tag:y", "pin")
     path: str | None        # tensor path in the state, when known
@@ -117,7 +120,12 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
     full = rep.full
     epoch0 = store.reftable.gc_state()["epoch"]
     names = _names(store)
-    roots = sorted({r for r, _ in store.reftable.catalog_iter()} | set(names))
+    bad_rows: list = []
+    for _r, _row in store.reftable.catalog_iter(bad=bad_rows):
+        pass
+    for root, err in bad_rows:  # the snapshot is still checked below, from its commit
+        rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
+    roots = sorted(store.reftable.catalog_roots() | set(names))
     block_status: dict[bytes, IntegrityError | None] = {}
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()

@@ -5,7 +5,8 @@ The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argumen
 1. begin    take the store's gc lock in the ref table (phase "marking") under a lease
             the gc declares and renews (judged on the ref table's clock only).
 2. expire   drop the catalog rows retention no longer keeps (never a ref tip, tag or pin;
-            re-checked inside the ref-table transaction).
+            re-checked inside the ref-table transaction), then compact the reflog to the
+            moves of kept snapshots plus each ref's latest few (RefTable.compact_history).
 3. mark     walk every kept commit's Merkle DAG; remember every reachable object.
 4. list     list storage; anything unreachable (and written `grace` seconds before gc
             began, or earlier) is a candidate.
@@ -62,6 +63,8 @@ class GCReport:
     temp_files_removed: int = 0
     would_delete: list = field(default_factory=list)  # dry run: keys (capped at 10000)
     strays: list = field(default_factory=list)        # stored names that are no object key (kept)
+    malformed_rows: list = field(default_factory=list)  # root hex of catalog rows that do not decode (kept)
+    reflog_compacted: int = 0                         # history records of snapshots no longer kept, removed
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -90,14 +93,15 @@ def _progress(enabled: bool, desc: str, total=None):
     return tqdm(total=total, desc=desc, unit="obj", leave=False, dynamic_ncols=True)
 
 
-def plan_expiry(store, now: float, records: dict | None = None) -> list[bytes]:
+def plan_expiry(store, now: float, records: dict | None = None, bad: list | None = None) -> list[bytes]:
     """Roots that retention (`records`, default: the stored rules) no longer keeps,
-    before protection by refs/tags/pins."""
+    before protection by refs/tags/pins. A catalog row that does not decode is never
+    expired (its snapshot stays kept; fsck reports it); it goes to `bad` as (root, error)."""
     records = store.reftable.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
     order = store.reftable.publication_order()
     by_job: dict[str, list[SnapRow]] = {}
-    for root, row in store.reftable.catalog_iter():
+    for root, row in store.reftable.catalog_iter(bad=[] if bad is None else bad):
         by_job.setdefault(str(row.get("job", "")), []).append(
             SnapRow(root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}),
                     order.get(root)))
@@ -118,9 +122,15 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
     rep = GCReport(dry_run=dry_run)
     refs = store.reftable
     rules = refs.retention_all()
-    doomed = plan_expiry(store, refs.wall_now(), rules)  # ages on the table's clock, like commit times
+    bad: list = []
+    doomed = plan_expiry(store, refs.wall_now(), rules, bad)  # ages on the table's clock, like commit times
+    rep.malformed_rows = [r.hex() for r, _e in bad]
     expired = doomed if dry_run else refs.catalog_expire(doomed, rules=rules)
     rep.expired = [r.hex() for r in expired]
+    if not dry_run:
+        # The history follows what is kept: log(), REF@STEP and restore_latest() then
+        # cost what retention keeps, not every snapshot ever taken.
+        rep.reflog_compacted = refs.compact_history()
     k0 = kept_roots(store, exclude=set(expired) if dry_run else None)
     rep.kept_snapshots = len(k0)
     marked, visited = Marked(), set()
@@ -217,7 +227,7 @@ def _refuse_if_the_ref_table_knows_nothing(store) -> None:
     store with nothing to keep: gc would delete every snapshot (and recover would then
     find nothing). Deleting needs the table rebuilt first."""
     rt = store.reftable
-    if rt.born_with_store() or next(iter(rt.catalog_iter()), None) is not None or rt.list() or rt.tags() \
+    if rt.born_with_store() or rt.catalog_roots() or rt.list() or rt.tags() \
             or rt.pins():
         return  # a table made with its store: empty means a fresh store (commits in flight)
     found = next(store.assets.list_objects("commits"), None)

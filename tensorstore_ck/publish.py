@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .assets import Assets, PutResult
-from .errors import Fenced, RefConflict, SnapshotAborted
+from .errors import Fenced, FormatError, RefConflict, SnapshotAborted
 from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter
 from .info import SnapshotInfo, row_to_info
@@ -64,9 +64,15 @@ class Publisher:
 
     def info(self, root: bytes) -> SnapshotInfo:
         """What the catalog (or, for a snapshot it does not list, the commit) says of a root."""
-        row = self.reftable.catalog_get(root)
+        try:
+            row = self.reftable.catalog_get(root)
+        except FormatError:
+            row = None  # a malformed row: the commit object says the same, checked
         if row is None:
-            c = decode_commit(self.assets.get_commit(root))
+            try:
+                c = decode_commit(self.assets.get_commit(root))
+            except FormatError as e:
+                raise FormatError(f"snapshot {root.hex()[:16]}: {e}") from None
             row = {**c, **c["stats"]}
         return row_to_info(root, row)
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from .assets import KINDS, Listed
 from .errors import FormatError, IntegrityError, TsckError
-from .walk import walk_commit, walk_tree
+from .format.manifest import commit_tree
+from .walk import walk_tree
 
 __all__ = ["KINDS", "Marked", "kept_roots", "mark", "iter_unreachable"]
 
@@ -56,7 +57,7 @@ class Marked:
 def kept_roots(store, exclude: set | None = None) -> set[bytes]:
     """Every catalog row (less `exclude`), ref tip, tag target and pin."""
     rt = store.reftable
-    roots = {r for r, _ in rt.catalog_iter()}
+    roots = rt.catalog_roots()  # a row that does not decode still keeps its snapshot
     if exclude:
         roots -= exclude
     return roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
@@ -68,15 +69,19 @@ def mark(store, roots, marked: Marked, visited: set, bar=None) -> int:
     marked through its catalog row's tree instead."""
     n = 0
     for root in sorted(roots):
-        if store.assets.has_commit(root):
-            objs = walk_commit(store.assets, root, verify=True, skip_nodes=visited)
-        else:
-            row = store.reftable.catalog_get(root) or {}
-            tree = row.get("tree")
-            if not isinstance(tree, bytes) or len(tree) != 32:
-                continue  # nothing known to keep for it; fsck reports the dangling name
-            objs = walk_tree(store.assets, tree, snapshot=root.hex(), verify=True, skip_nodes=visited)
         try:
+            if store.assets.has_commit(root):
+                # A commit a reader refuses for a field other than its tree (a NaN time,
+                # brought in by an older recover) still keeps what its tree holds.
+                tree = commit_tree(store.assets.get_commit(root, verify=True))
+                marked.add("commits", root)
+                n += 1
+            else:
+                row = store.reftable.catalog_get(root, checked=False) or {}
+                tree = row.get("tree")
+                if not isinstance(tree, bytes) or len(tree) != 32:
+                    continue  # nothing known to keep for it; fsck reports the dangling name
+            objs = walk_tree(store.assets, tree, snapshot=root.hex(), verify=True, skip_nodes=visited)
             for obj in objs:
                 marked.add(obj.kind + "s", obj.digest)
                 n += 1

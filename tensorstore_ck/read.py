@@ -41,6 +41,12 @@ PRESENCE_CHECK_ABOVE = 64 << 20
 
 MISSING = _MISSING = object()  # checkout without into=
 
+# What one value of the state (a container, a scalar, a leaf) is charged against
+# max_bytes before a checkout materialises anything: roughly a small Python object and
+# the reference to it. A manifest may name one node at many paths (identical sub-trees
+# are stored once), and each path is materialised; a DAG of 40 nodes can name 2^40.
+VALUE_COST = 64
+
 
 def default_max_bytes() -> int:
     """The host's RAM + swap: the most a checkout into fresh memory can hold."""
@@ -147,6 +153,10 @@ class Reader:
         self._after: list = []     # run once every block is read and verified
         self._assign: list = []    # (container, key, value) of the caller's tree, set then too
         self._staged: set = set()  # paths of the caller's tensors that also get an after-copy
+        # Decoded nodes by (address, depth, world): each is fetched and decoded once per
+        # checkout, however many paths name it. _sizes: (values, tensor bytes) under a node.
+        self._decoded: dict = {}
+        self._sizes: dict = {}
 
     def read(self, top: bytes, into=_MISSING):
         """The state under the top node `top` (into=: update that tree in place)."""
@@ -155,9 +165,19 @@ class Reader:
     def materialize(self, value, path=(), into=_MISSING):
         """A decoded manifest value (tree.decode_value's result) -> python values.
 
+        Before anything is allocated, the whole tree is measured over distinct nodes:
+        every path counts (a node named at two paths is two sub-trees of the result), and
+        a tree whose values * VALUE_COST or whose fresh tensor bytes pass max_bytes is
+        refused (FormatError) at once, whatever the number of paths.
+
         With into=, a failure leaves each value in the tree either untouched, fully
         replaced or (the few whose blocks were being copied) partly replaced, by
         verified snapshot bytes only; an IntegrityError says which paths are which."""
+        values, nbytes = self._measure(value, path, len(path))
+        if values * VALUE_COST > self.max_bytes or (into is _MISSING and nbytes > self.max_bytes):
+            raise self._fmt(f"the snapshot's tree holds {values} values and {nbytes} tensor bytes at its paths, "
+                            f"more than max_bytes={self.max_bytes} allows ({VALUE_COST} bytes per value; "
+                            "checkout(..., max_bytes=N) raises the cap)", path)
         written: dict = {}
         reading = False
         try:
@@ -198,7 +218,39 @@ class Reader:
     def _fmt(self, msg, path):
         return FormatError(f"{msg} at {format_path(path) or 'top'} of snapshot {self.snapshot[:16]}")
 
+    def _measure(self, v, path, depth) -> tuple[int, int]:
+        """(values, tensor bytes) of the sub-tree `v` summed over every path, each node
+        measured once per depth (memoised), so a DAG bomb costs its nodes, not its paths."""
+        t = type(v)
+        if t is tree.Ref:
+            key = (v.digest, depth)
+            hit = self._sizes.get(key)
+            if hit is None:
+                hit = self._sizes[key] = self._measure(self._node(v.digest, path, depth), path, depth)
+            return hit
+        if t is tree.Container:
+            values, nbytes = 1, 0
+            pairs = v.items if v.kind in ("d", "o") else enumerate(v.items)
+            for k, x in pairs:
+                a, b = self._measure(x, path + (k,), depth + 1)
+                values, nbytes = values + a, nbytes + b
+            return values, nbytes
+        if t is tree.World:  # one rank's view: the largest rank tree bounds it
+            return max((self._measure(tree.Ref(d), path, depth) for d in v.ranks), default=(1, 0))
+        if t in (tree.Tensor, tree.Array):
+            return 1, v.nbytes
+        if t is tree.Global:
+            return 1, math.prod(v.shape) * v.dtype.itemsize
+        return 1, 0
+
     def _node(self, d, path, depth, world: bool = False):
+        key = (d, depth, world)
+        hit = self._decoded.get(key)
+        if hit is None:
+            hit = self._decoded[key] = self._read_node(d, path, depth, world)
+        return hit
+
+    def _read_node(self, d, path, depth, world: bool):
         data = self.assets.get_node(d, verify=self.verify, snapshot=self.snapshot, path=format_path(path))
         try:
             raw = decode_node(data)

@@ -23,8 +23,8 @@ from . import chunker
 from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CollectiveContext, collective_checkout, collective_put, is_collective
-from .errors import (AmbiguousTarget, Fenced, InvalidArgument, InvalidName, RefConflict, RefNotFound, TsckError,
-                     storage_error)
+from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
+                     RefConflict, RefNotFound, TsckError, storage_error)
 from .format.manifest import decode_commit
 from .ids import Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
@@ -296,9 +296,11 @@ class Store:
     def _root(self, target: str) -> Digest:
         kind, text, step = parse_target(target)
         if kind == "step":
-            for info in self.log(text):
-                if info.step == step:
-                    return Digest.parse(info.root)
+            found = self.reftable.step_root(text, step)  # an index: cost independent of the history
+            if found is not None:
+                return Digest(found)
+            if self.reftable.history(text) is None:
+                raise RefNotFound(f"no ref named {text!r}")
             raise RefNotFound(f"ref {text!r} has no kept snapshot at step {step}")
         r = self.reftable.get_or_none(text)
         if r is None:
@@ -347,32 +349,53 @@ class Store:
         return read(self._root(target))
 
     @_storage_errors
-    def log(self, ref: str) -> list[SnapshotInfo]:
-        """Snapshots `ref` has pointed at that still exist, newest first."""
+    def log(self, ref: str, *, errors: dict | None = None) -> list[SnapshotInfo]:
+        """Snapshots `ref` has pointed at that still exist, newest first. gc compacts the
+        history to what it keeps, so this costs what retention keeps. A snapshot whose
+        catalog row does not decode raises FormatError, or with errors={} goes there
+        (root hex -> error) and the others are listed."""
         validate_name(ref)
-        entries = self.reftable.reflog(ref)
-        if not entries and self.reftable.get_or_none(ref) is None:
+        hist = self.reftable.history(ref)
+        if hist is None:
             raise RefNotFound(f"no ref named {ref!r}")
-        seen, out = set(), []
-        for e in reversed(entries):
-            if e.new in seen:
+        out = []
+        for root, row in hist:
+            if isinstance(row, FormatError):
+                if errors is None:
+                    raise row
+                errors[root.hex()] = row
                 continue
-            seen.add(e.new)
-            row = self.reftable.catalog_get(e.new)
-            if row is not None:
-                out.append(row_to_info(e.new, row))
+            out.append(row_to_info(root, row))
+        return out
+
+    def _infos(self, named, errors: dict | None) -> dict[str, SnapshotInfo]:
+        out = {}
+        for name, root in named:
+            try:
+                out[name] = self._info(root)
+            except (FormatError, IntegrityError) as e:
+                if errors is None:
+                    if isinstance(e, FormatError):
+                        raise FormatError(f"{name!r}: {e}") from None
+                    raise
+                errors[name] = e  # one odd snapshot: the others are still listed
         return out
 
     @_storage_errors
-    def refs(self, prefix: str = "") -> dict[str, SnapshotInfo]:
+    def refs(self, prefix: str = "", *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
+        """name -> SnapshotInfo of every ref (under `prefix`). A ref whose snapshot cannot
+        be described (catalog row and commit both unreadable) raises FormatError (or
+        IntegrityError), or with
+        errors={} goes there (name -> error) and the others are listed."""
         if not isinstance(prefix, str):
             raise InvalidArgument(f"prefix must be a str, got {type(prefix).__name__}")
         _utf8(prefix, "ref prefix")
-        return {name: self._info(root) for name, root in self.reftable.list(prefix)}
+        return self._infos(self.reftable.list(prefix), errors)
 
     @_storage_errors
-    def tags(self) -> dict[str, SnapshotInfo]:
-        return {name: self._info(root) for name, root in self.reftable.tags()}
+    def tags(self, *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
+        """As refs(), for tags."""
+        return self._infos(self.reftable.tags(), errors)
 
     @_storage_errors
     def tag(self, name: str, target: str) -> SnapshotInfo:
@@ -413,7 +436,7 @@ class Store:
                 return make(fence)
             except Fenced:
                 fence = self.publisher.wait_gc_idle()
-                kept = self.reftable.catalog_get(root) is not None or root in {r for _, r in self.reftable.list()}
+                kept = self.reftable.catalog_has(root) or root in {r for _, r in self.reftable.list()}
                 if not kept or not self.assets.has_commit(root):
                     raise RefNotFound(f"snapshot {root.hex()[:16]} ({target!r}) was removed by a gc that ran "
                                       "meanwhile; nothing was created") from None
@@ -467,7 +490,8 @@ class Store:
         """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
         jobs: dict[str, dict] = {}
         logical = 0
-        for root, row in self.reftable.catalog_iter():
+        bad: list = []
+        for root, row in self.reftable.catalog_iter(bad=bad):
             info = row_to_info(root, row)
             j = jobs.setdefault(info.job, {"snapshots": 0, "logical_bytes": 0, "new_bytes": 0,
                                            "latest_step": None, "latest_time": 0.0})
@@ -484,6 +508,7 @@ class Store:
             "logical_bytes": logical, "physical_bytes": physical,
             "block_bytes": phys["blocks"][1], "blocks": phys["blocks"][0],
             "nodes": phys["nodes"][0], "commits": phys["commits"][0],
+            "malformed_rows": [r.hex() for r, _e in bad],  # catalog rows left out (tsck fsck names them)
             "dedup_ratio": (logical / phys["blocks"][1]) if phys["blocks"][1] else None,
             "jobs": jobs,
         }

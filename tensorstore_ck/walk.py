@@ -18,7 +18,7 @@ from .format import tree
 from .format.manifest import decode_commit, decode_node
 from .format.tree import format_path
 
-__all__ = ["Obj", "walk_commit", "walk_tree", "iter_leaves", "read_node"]
+__all__ = ["Obj", "walk_commit", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,14 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
     read() fetches and decodes the node and returns its leaves, [(path, Tensor | Array
     | Global)]; its children are visited next. The digest comes before the read, so a
     caller can account for a node that then fails to read. Nodes in `skip_nodes` are
-    neither yielded nor descended; new nodes are added to it."""
+    neither yielded nor descended; new nodes are added to it.
+
+    Each node is yielded once, with the first path (in state order) that reaches it:
+    a DAG may name one node at many paths (40 nodes can name 2^40). A node met again
+    deeper than before is decoded and descended again at that depth without being
+    yielded, so the depth cap refuses exactly what checkout refuses (at most
+    MAX_DEPTH + 1 times per node)."""
+    deepest: dict[bytes, int] = {}
     stack = [(top, (), 0, True)]
     while stack:
         d, path, depth, world = stack.pop()
@@ -62,6 +69,10 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
             if d in skip_nodes:
                 continue
             skip_nodes.add(d)
+        again = d in deepest
+        if again and depth <= deepest[d]:
+            continue
+        deepest[d] = depth
         children: list = []
 
         def read(d=d, path=path, depth=depth, world=world, children=children):
@@ -76,7 +87,10 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
                     leaves.append((p, item))
             return leaves
 
-        yield d, path, read
+        if again:
+            read()  # only for the depth check and the children's depths
+        else:
+            yield d, path, read
         stack.extend(reversed(children))
 
 
@@ -109,23 +123,69 @@ def _describe(item) -> str:
     return f"{item.dt} {list(item.shape)}"
 
 
-def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True) -> dict[str, tuple[str, list]]:
+MAX_LEAF_PATHS = 1 << 22  # tensor paths iter_leaves (diff) lists for one snapshot
+
+
+def _leaf_paths(assets: Assets, top: bytes, *, snapshot: str, verify: bool, limit: int) -> Iterator:
+    """(path, leaf) for every tensor/array path of the tree, shared nodes at each of
+    their paths. Each (node, depth) is read once and the paths are counted first: a
+    tree naming more than `limit` is a FormatError before any is listed."""
+    info: dict = {}     # (digest, depth) -> (leaves [(relative path, item)], children [(rel, depth, digest)])
+    total: dict = {}    # (digest, depth) -> leaf paths under it
+    stack = [(top, (), 0, True, False)]
+    while stack:
+        d, path, depth, world, done = stack.pop()
+        key = (d, depth)
+        if done:
+            leaves, kids = info[key]
+            total[key] = len(leaves) + sum(total[(r, dp)] for _p, dp, r in kids)
+            continue
+        if key in info:
+            continue  # a DAG has no cycles: a node met again is complete
+        value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify, world=world)
+        leaves, kids = [], []
+        for p, dp, item in tree.visit(value, (), depth):
+            if type(item) is tree.Ref:
+                kids.append((p, dp, item.digest))
+            elif type(item) is tree.World:
+                kids.extend((p, dp, r) for r in item.ranks)
+            else:
+                leaves.append((p, item))
+        info[key] = (leaves, kids)
+        stack.append((d, path, depth, world, True))
+        stack.extend((r, path + p, dp, False, False) for p, dp, r in reversed(kids))
+    n = total[(top, 0)]
+    if n > limit:
+        raise FormatError(f"snapshot {snapshot[:16]} names {n} tensor paths, more than {limit} "
+                          "(nodes shared at many paths)")
+    todo = [(top, 0, ())]
+    while todo:
+        d, depth, prefix = todo.pop()
+        leaves, kids = info[(d, depth)]
+        for p, item in leaves:
+            yield prefix + p, item
+        todo.extend((r, dp, prefix + p) for p, dp, r in reversed(kids))
+
+
+def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True,
+                limit: int = MAX_LEAF_PATHS) -> dict[str, tuple[str, list]]:
     """path -> (dtype/shape summary, [block digests or inline bytes]) for every tensor or
     array of a snapshot (diff). A sharded tensor's chunks from every rank are gathered
-    under its path, in order of their offsets."""
+    under its path, in order of their offsets. A node shared at several paths is listed
+    at each; each node is read once, and a tree naming more than `limit` tensor paths
+    is a FormatError."""
     snap = root.hex()
     c = decode_commit(assets.get_commit(root, verify=verify))
     out: dict[str, tuple[str, list]] = {}
     sharded: dict[str, list] = {}
-    for _d, _path, leaves in _nodes(assets, c["tree"], snapshot=snap, verify=verify):
-        for p, item in leaves():
-            key = format_path(p)
-            if type(item) is tree.Global:
-                if key not in out:
-                    out[key] = (_describe(item), [])
-                sharded.setdefault(key, []).extend(item.chunks)
-            else:
-                out[key] = (_describe(item), [item.inline] if item.inline is not None else list(item.blocks))
+    for p, item in _leaf_paths(assets, c["tree"], snapshot=snap, verify=verify, limit=limit):
+        key = format_path(p)
+        if type(item) is tree.Global:
+            if key not in out:
+                out[key] = (_describe(item), [])
+            sharded.setdefault(key, []).extend(item.chunks)
+        else:
+            out[key] = (_describe(item), [item.inline] if item.inline is not None else list(item.blocks))
     for key, chunks in sharded.items():
         blocks = []
         for ch in sorted(chunks, key=lambda ch: ch.offsets):

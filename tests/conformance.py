@@ -33,6 +33,7 @@ from __future__ import annotations
 import array
 import contextlib
 import os
+import struct
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ from typing import ClassVar
 import pytest
 
 from tensorstore_ck.errors import Fenced, GcBusy, RefConflict, RefNotFound
+from tensorstore_ck.format.records import encode_record, encode_reflog
 from tensorstore_ck.storage import BlockStore
 from tensorstore_ck.storage.base import DeadlinePassed
 
@@ -449,6 +451,74 @@ class RefTableTests:
         assert [e.new for e in table.reflog("job")] == [R[11]]
         assert [e.new for e in table.reflog("job/main2")] == [R[9]]
         assert table.reflog("job/mai") == []
+
+    # -- history: the steps index (REF@STEP) and gc's compaction (issue 12, failure 12) ------
+    def test_step_index_and_history(self, table):
+        R = self.R
+        prev = None
+        for i, step in enumerate([1, 2, 2, 3], start=1):
+            table.compare_and_swap("j/m", prev, R[i], message="m", catalog_row={"step": step, "ref": "j/m"})
+            prev = R[i]
+        table.compare_and_swap("j/m2", None, R[5], message="m", catalog_row={"step": 2})
+        assert table.step_root("j/m", 2) == R[3]  # the newest move at that step
+        assert table.step_root("j/m", 1) == R[1] and table.step_root("j/m", 4) is None
+        assert table.step_root("j/m2", 2) == R[5] and table.step_root("j", 2) is None
+        assert [r for r, _row in table.history("j/m")] == [R[4], R[3], R[2], R[1]]
+        assert table.history("nope") is None
+        assert table.catalog_expire([R[3]]) == [R[3]]
+        assert table.step_root("j/m", 2) == R[2]  # R[3] is no longer kept
+        table.compare_and_swap("j/m", R[4], R[1], message="back")  # no row given: indexed from R[1]'s
+        assert table.step_root("j/m", 1) == R[1]
+        assert [r for r, _row in table.history("j/m")] == [R[1], R[4], R[2]]
+
+    def test_step_index_is_rebuilt_for_moves_it_does_not_cover(self, table):
+        """A table written by code from before the index (or by such code since) gets the
+        index rebuilt on the first REF@STEP lookup."""
+        R, seq = self.R, struct.Struct(">Q")
+        table.compare_and_swap("o/m", None, R[1], message="m", catalog_row={"step": 1})
+
+        def drop_index(t):
+            for k, _v in list(t.items("steps")):
+                t.delete("steps", k)
+            t.delete("meta", b"steps_seq")
+
+        table._write(drop_index)
+        assert table.step_root("o/m", 1) == R[1]
+
+        def old_move(t):  # an older writer's move: reflog, counter and catalog, no index
+            n = seq.unpack(t.get("meta", b"reflog_seq"))[0] + 1
+            t.put("meta", b"reflog_seq", seq.pack(n))
+            t.put("refs", b"o/m", R[2])
+            t.put("reflog", b"o/m\0" + seq.pack(n), encode_reflog(R[1], R[2], "old", 0.0))
+            t.put("catalog", R[2], encode_record({"step": 7}))
+
+        table._write(old_move)
+        assert table.step_root("o/m", 7) == R[2]
+        table.compare_and_swap("o/m", R[2], R[3], message="m", catalog_row={"step": 8})
+        assert table.step_root("o/m", 8) == R[3] and table.step_root("o/m", 1) == R[1]
+
+    def test_compact_history_keeps_kept_moves_and_a_tail(self, table):
+        R = self.R
+        prev = None
+        for i in range(1, 16):
+            table.compare_and_swap("c/m", prev, R[i], message=f"step {i}", catalog_row={"step": i})
+            prev = R[i]
+        table.compare_and_swap("c/other", None, R[2], message="x")  # another ref's tip
+        table.tag_create("t", R[3])
+        table.pin(R[4])
+        before = table.publication_order()
+        table.catalog_expire([R[i] for i in range(1, 15)])
+        removed = table.compact_history(tail=3, batch=4)
+        assert removed > 0 and table.compact_history(tail=3) == 0
+        assert [e.new for e in table.reflog("c/m")] == [R[2], R[3], R[4], R[13], R[14], R[15]]
+        assert [e.new for e in table.reflog("c/other")] == [R[2]]
+        kept = {R[2], R[3], R[4], R[15]}
+        after = table.publication_order()
+        assert {r: s for r, s in after.items() if r in kept} == {r: s for r, s in before.items() if r in kept}
+        assert table.step_root("c/m", 4) == R[4] and table.step_root("c/m", 5) is None
+        assert table._read(lambda t: {v for _k, v in t.items("steps")}) <= kept
+        table.compare_and_swap("c/m", R[15], R[5], message="after", catalog_row={"step": 5})
+        assert table.step_root("c/m", 5) == R[5]  # the sequence goes on, the index still covers it
 
     def test_list_is_a_sorted_string_prefix(self, table):
         names = ["a/x", "a/y", "b/x", "ab", "a", "a-b", "a.b", "a_b", "aB", "a/x/y"]

@@ -24,13 +24,15 @@ the snapshot's root hash, is the BLAKE3 of exactly these bytes.
 
 from __future__ import annotations
 
+import math
+
 import msgpack
 
 from ..errors import FormatError
 
 __all__ = [
     "MANIFEST_VERSION", "encode_node", "decode_node", "encode_commit", "decode_commit",
-    "MAX_DEPTH", "MAX_NODE_BYTES",
+    "MAX_DEPTH", "MAX_NODE_BYTES", "commit_tree",
 ]
 
 MANIFEST_VERSION = 1
@@ -38,6 +40,7 @@ MIN_MANIFEST_VERSION = 1
 MAX_MANIFEST_VERSION = 1
 MAX_DEPTH = 200            # nesting of the state tree, across nodes
 MAX_NODE_BYTES = 256 << 20  # one node or commit object
+MAX_META_DEPTH = 33        # a commit's meta map and what it holds (writers check 32 below the map)
 
 
 def _unpack(data, what: str):
@@ -82,6 +85,22 @@ def encode_commit(*, job: str, ref: str, step, time: float, metrics: dict, meta,
     }, use_bin_type=True)
 
 
+def _nesting(v) -> int:
+    """How deep lists and maps nest in `v` (0 for a scalar); iterative, stops early."""
+    deepest, stack = 0, [(v, 0)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            x = list(x.values())
+        if isinstance(x, list):
+            d += 1
+            deepest = max(deepest, d)
+            if d > MAX_META_DEPTH:
+                break
+            stack.extend((y, d) for y in x)
+    return deepest
+
+
 def _is_digest(x) -> bool:
     return isinstance(x, bytes) and len(x) == 32
 
@@ -98,14 +117,21 @@ def decode_commit(data) -> dict:
     step = c.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise FormatError("commit step is not an int")
-    if not isinstance(c.get("time"), (int, float)):
-        raise FormatError("commit time is not a number")
+    t = c.get("time")
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
+        # NaN or inf would pass into the catalog and break every reader of it (retention
+        # ages, log order, the CLI's dates): one odd commit must stay one finding.
+        raise FormatError(f"commit time {t!r} is not a finite number")
     m = c.get("metrics")
     if not isinstance(m, dict) or not all(isinstance(k, str) and isinstance(v, (int, float))
                                           and not isinstance(v, bool) for k, v in m.items()):
         raise FormatError("commit metrics is not a map of names to numbers")
     if not isinstance(c.get("meta", {}), dict):
         raise FormatError("commit meta is not a map")
+    if _nesting(c.get("meta", {})) > MAX_META_DEPTH:
+        # Writers allow 32 levels (validate.check_plain); a deeper value would fail
+        # msgpack's packer when recover copies it into the catalog.
+        raise FormatError(f"commit meta is nested deeper than {MAX_META_DEPTH}")
     if c.get("parent") is not None and not _is_digest(c["parent"]):
         raise FormatError("commit parent is not a digest")
     if not _is_digest(c.get("tree")):
@@ -115,3 +141,16 @@ def decode_commit(data) -> dict:
                                            for v in st.values()):
         raise FormatError("commit stats is not a map of counts")
     return c
+
+
+def commit_tree(data) -> bytes:
+    """The tree address a commit names, even where decode_commit refuses the commit for
+    another field (a NaN time): gc keeps what it names, and keeping more is always safe.
+    FormatError only if there is no tree address to be found."""
+    try:
+        return decode_commit(data)["tree"]
+    except FormatError:
+        c = _unpack(data, "commit")
+        if isinstance(c, dict) and c.get("k") == "commit" and _is_digest(c.get("tree")):
+            return c["tree"]
+        raise

@@ -10,7 +10,14 @@ Sub-tables (each a sorted key-value space):
     pins      root                    -> b""
     retention job                     -> msgpack Retention record
     gc        b"state"                -> msgpack {epoch, phase, owner, lease, clock, expires, ...}
-    meta      key                     -> value (the reflog sequence counter)
+    meta      key                     -> value (the reflog sequence counter, steps_seq, the store id)
+    steps     name \0 step \0 seq      -> root (REF@STEP's index; step in decimal, seq as in reflog)
+
+The steps index is written by compare_and_swap in the move's own transaction;
+meta `steps_seq` says up to which reflog sequence number it covers every move,
+so a table written (even partly) by code from before the index gets it rebuilt
+once, on the first REF@STEP lookup. gc compacts the reflog and the index to
+what is kept (compact_history).
 
 Record codecs are in format/records.py. Every conditional operation reads and
 writes inside one write transaction, so the check and the update cannot be
@@ -33,8 +40,11 @@ from ..format.records import (decode_catalog, decode_gc_state, decode_record, de
 __all__ = ["RefTable", "ReflogEntry", "Txn"]
 
 
-TABLES = ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta")
+TABLES = ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta", "steps")
 _SEQ = struct.Struct(">Q")
+REFLOG_TAIL = 10          # moves of each ref that gc's compaction always leaves, kept or not
+_STEPS_MARK = b"steps_seq"  # meta: the reflog sequence number up to which `steps` covers every move
+_INCOMPLETE = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +188,9 @@ class RefTable(ABC):
             t.put("reflog", key + b"\0" + _SEQ.pack(seq), encode_reflog(expected, new, message, t.wall()))
             if catalog_row is not None:
                 t.put("catalog", new, encode_record(catalog_row))
+            _index_step(t, key, new, seq, catalog_row)
+            if seq_raw is None or t.get("meta", _STEPS_MARK) == _SEQ.pack(seq - 1):
+                t.put("meta", _STEPS_MARK, _SEQ.pack(seq))  # the index still covers every move
 
         self._write(txn)
 
@@ -199,6 +212,76 @@ class RefTable(ABC):
             return out
         return self._read(txn)
 
+    def history(self, name: str) -> list[tuple[bytes, dict | FormatError]] | None:
+        """The snapshots `name` has pointed at that still have a catalog row, newest first,
+        each once, read in one transaction: (root, row), or (root, FormatError) for a row
+        that does not decode. None if `name` has neither a reflog nor a ref."""
+        key = name.encode()
+
+        def txn(t):
+            entries = list(t.items("reflog", key + b"\0"))
+            if not entries and t.get("refs", key) is None:
+                return None
+            seen, out = set(), []
+            for _k, v in reversed(entries):
+                new = decode_reflog(v, name)[2]
+                if new in seen:
+                    continue
+                seen.add(new)
+                raw = t.get("catalog", new)
+                if raw is None:
+                    continue
+                try:
+                    out.append((new, decode_catalog(raw)))
+                except FormatError as e:
+                    out.append((new, FormatError(f"catalog row of snapshot {new.hex()[:16]}: {e}")))
+            return out
+
+        return self._read(txn)
+
+    def step_root(self, name: str, step: int) -> bytes | None:
+        """The newest snapshot of `name`'s history at `step` that still has a catalog row
+        (REF@STEP), from the steps index: a few reads, whatever the history's length.
+        A table whose index does not cover every move (written before the index existed,
+        or by such code since) gets it rebuilt first, once."""
+        prefix = _step_prefix(name.encode(), step)
+
+        def look(t):
+            if not _steps_complete(t):
+                return _INCOMPLETE
+            best = None
+            for _k, root in t.items("steps", prefix):  # ascending seq: the last one kept wins
+                if t.get("catalog", root) is not None:
+                    best = root
+            return best
+
+        found = self._read(look)
+        if found is _INCOMPLETE:
+            try:
+                self._write(_rebuild_steps)
+            except Exception:  # noqa: BLE001 - a table we cannot write (read-only): search the history
+                for root, row in self.history(name) or []:
+                    if isinstance(row, dict) and row.get("step") == step:
+                        return root
+                return None
+            found = self._read(look)
+        return found
+
+    def compact_history(self, tail: int = REFLOG_TAIL, batch: int = 1 << 16) -> int:
+        """gc's compaction of the reflog: drop the moves to snapshots that are no longer
+        kept (no catalog row, no ref tip, tag or pin), except each ref's `tail` latest
+        moves (a short audit trail; recover also reads the last one). The moves to kept
+        snapshots stay with their sequence numbers, so publication_order() (keep_last)
+        is unchanged for them; steps-index entries of snapshots without a catalog row
+        go too. Runs in transactions of at most `batch` deletions (each re-reads what is
+        kept); returns the number of records removed."""
+        removed = 0
+        while True:
+            n = self._write(lambda t: _compact_some(t, tail, batch))
+            removed += n
+            if n < batch:
+                return removed
+
     def reflog(self, name: str) -> list[ReflogEntry]:
         """Every move of `name`, oldest first."""
         key = name.encode() + b"\0"
@@ -211,17 +294,46 @@ class RefTable(ABC):
 
         return self._read(txn)
 
-    def catalog_get(self, root):
+    def catalog_get(self, root, *, checked: bool = True):
+        """The catalog row of `root`, None if it has none; FormatError naming the root if
+        the row is malformed. checked=False: any map the row holds, unchecked (gc reads
+        the tree of a kept snapshot from it: keeping more is always safe)."""
         data = self._read(lambda t: t.get("catalog", root))
-        return None if data is None else decode_catalog(data)
+        if data is None:
+            return None
+        try:
+            if not checked:
+                return decode_record(data, "catalog")
+            return decode_catalog(data)
+        except FormatError as e:
+            raise FormatError(f"catalog row of snapshot {root.hex()[:16]}: {e}") from None
+
+    def catalog_has(self, root) -> bool:
+        return self._read(lambda t: t.get("catalog", root)) is not None
 
     def catalog_put(self, root: bytes, row: dict) -> None:
         self._write(lambda t: t.put("catalog", root, encode_record(row)))
 
-    def catalog_iter(self):
+    def catalog_iter(self, bad: list | None = None):
+        """(root, row) of every catalog row. A malformed row raises FormatError naming its
+        root, unless `bad` is given: then (root, error) goes there and the walk goes on
+        (one odd row must not stop gc, fsck or du for every snapshot)."""
         rows = self._read(lambda t: list(t.items("catalog")))
         for k, v in rows:
-            yield k, decode_catalog(v)
+            try:
+                row = decode_catalog(v)
+            except FormatError as e:
+                err = FormatError(f"catalog row of snapshot {k.hex()[:16]}: {e}")
+                if bad is None:
+                    raise err from None
+                bad.append((k, err))
+                continue
+            yield k, row
+
+    def catalog_roots(self) -> set[bytes]:
+        """Every root the catalog lists, its row unread (what gc must keep, even a row it
+        cannot decode)."""
+        return self._read(lambda t: {k for k, _ in t.items("catalog")})
 
     def catalog_prefix(self, prefix):
         return self._read(lambda t: [k for k, _ in t.items("catalog", prefix)])
@@ -388,6 +500,78 @@ class RefTable(ABC):
 
 
 DEFAULT_LEASE = 120.0  # a state written without a lease (older code): its heartbeat's age on the wall clock
+
+# -- the steps index and the compaction of the reflog ---------------------------------
+
+
+def _step_prefix(name_key: bytes, step: int) -> bytes:
+    return name_key + b"\0" + str(int(step)).encode() + b"\0"
+
+
+def _row_step(t: Txn, new: bytes, catalog_row: dict | None) -> int | None:
+    """The step of snapshot `new` (from the row being written, else its stored row);
+    None if unknown. Never raises: the index is a cache, a move must not fail for it."""
+    row = catalog_row
+    if row is None:
+        raw = t.get("catalog", new)
+        if raw is None:
+            return None
+        try:
+            row = decode_record(raw, "catalog")
+        except FormatError:
+            return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _index_step(t: Txn, name_key: bytes, new: bytes, seq: int, catalog_row: dict | None) -> None:
+    step = _row_step(t, new, catalog_row)
+    if step is not None:
+        t.put("steps", _step_prefix(name_key, step) + _SEQ.pack(seq), new)
+
+
+def _seq_of(raw: bytes | None, what: str) -> int:
+    if raw is None:
+        return 0
+    if len(raw) != _SEQ.size:
+        raise FormatError(f"malformed {what} record")
+    return _SEQ.unpack(raw)[0]
+
+
+def _steps_complete(t: Txn) -> bool:
+    seq = _seq_of(t.get("meta", b"reflog_seq"), "reflog sequence")
+    return seq == 0 or t.get("meta", _STEPS_MARK) == _SEQ.pack(seq)
+
+
+def _split_reflog_key(k: bytes) -> tuple[bytes, int]:
+    if len(k) < _SEQ.size + 2 or k[-_SEQ.size - 1] != 0:
+        raise FormatError("malformed reflog key")
+    return k[:-_SEQ.size - 1], _SEQ.unpack(k[-_SEQ.size:])[0]
+
+
+def _rebuild_steps(t: Txn) -> None:
+    """Index every move of the reflog (a table from before the index, or one that
+    older code wrote to since)."""
+    for k, v in t.items("reflog"):
+        name_key, seq = _split_reflog_key(k)
+        _index_step(t, name_key, decode_reflog(v, "?")[2], seq, None)
+    t.put("meta", _STEPS_MARK, _SEQ.pack(_seq_of(t.get("meta", b"reflog_seq"), "reflog sequence")))
+
+
+def _compact_some(t: Txn, tail: int, batch: int) -> int:
+    catalog = {k for k, _ in t.items("catalog")}
+    kept = catalog | {v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} \
+        | {k for k, _ in t.items("pins")}
+    by_name: dict[bytes, list] = {}
+    for k, v in t.items("reflog"):
+        name_key, _seq = _split_reflog_key(k)
+        by_name.setdefault(name_key, []).append((k, decode_reflog(v, "?")[2]))
+    doomed = [("reflog", k) for moves in by_name.values() for k, new in moves[:max(0, len(moves) - tail)]
+              if new not in kept]
+    doomed += [("steps", k) for k, root in t.items("steps") if root not in catalog]
+    for table, k in doomed[:batch]:
+        t.delete(table, k)
+    return min(len(doomed), batch)
 
 
 def _clock(t: Txn, now: float | None) -> tuple[str, float]:

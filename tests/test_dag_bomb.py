@@ -1,0 +1,185 @@
+"""Issue 12, failure 8: a manifest DAG bomb. Nodes whose lists name the same child twice,
+40 levels deep (under the depth cap, every address valid), name 2^40 paths: `tsck fsck`
+and `tsck diff` walked every path (forever) and checkout allocated without bound. Every
+walker now visits a node once (diff counts paths over distinct nodes first), and
+checkout measures the tree over distinct nodes before it allocates anything.
+
+A node named at two paths is also what legitimate dedup produces (two identical
+sub-trees are one node): checkout and diff still give both paths.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+from tensorstore_ck.format.manifest import decode_node, encode_node
+from tensorstore_ck.walk import iter_leaves
+
+REPO = Path(__file__).resolve().parent.parent
+STATS = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
+LEVELS = 40
+TIMEOUT = 90  # seconds; each run imports torch. The old code never finished.
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _run(args):
+    """One command in a subprocess, killed at TIMEOUT: a hang is a failure, not a stuck suite."""
+    try:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT,
+                              env=_env(), cwd=str(REPO))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _bomb(path) -> tuple[str, str]:
+    """A good snapshot and, over its tree, LEVELS nodes each naming the one below twice."""
+    with tsck.open_store(path) as s:
+        good = s.put_snapshot({"w": torch.arange(4096.0), "n": 1}, ref="good/main", step=1)
+        d = s.reftable.catalog_get(bytes.fromhex(good.root))["tree"]
+        for _ in range(LEVELS):
+            d = s.assets.put_node(encode_node({"l": [{"r": d}, {"r": d}]})).digest
+        s.assets.sync()
+        bomb = s.commit_tree(d, ref="bomb/x", job="bomb", step=1, metrics={}, meta={}, stats=dict(STATS))
+    return good.root, bomb.root
+
+
+CHECKOUT = """
+import sys, tensorstore_ck as tsck
+with tsck.open_store(sys.argv[1]) as s:
+    try:
+        s.checkout("bomb/x")
+    except tsck.FormatError as e:
+        print("refused:", e)
+        sys.exit(3)
+    sys.exit(4)
+"""
+
+
+@pytest.mark.slow
+def test_dag_bomb_ends_in_every_walker(tmp_path):
+    path = tmp_path / "s"
+    good, bomb = _bomb(path)
+    cmds = [["-m", "tensorstore_ck", "fsck", str(path)],
+            ["-m", "tensorstore_ck", "fsck", str(path), "--quick"],
+            ["-m", "tensorstore_ck", "diff", str(path), "good/main", "bomb/x"],
+            ["-c", CHECKOUT, str(path)],
+            ["-m", "tensorstore_ck", "recover", str(path)],
+            ["-m", "tensorstore_ck", "gc", str(path)]]
+    with ThreadPoolExecutor(3) as ex:
+        fsck, quick, diff, checkout, recover, gc = ex.map(_run, cmds)
+    assert fsck is not None and quick is not None, "fsck did not finish"
+    # The bomb is a well-formed tree: fsck checks its 40 nodes once each and finds it clean.
+    assert fsck.returncode == 0 and quick.returncode == 0, (fsck.stdout, fsck.stderr)
+    assert diff is not None, "diff did not finish"
+    assert diff.returncode == 2 and "1099511627776 tensor paths" in diff.stderr, diff.stderr
+    assert checkout is not None, "checkout did not finish"
+    assert checkout.returncode == 3 and "max_bytes" in checkout.stdout, (checkout.stdout, checkout.stderr)
+    assert recover is not None and recover.returncode == 0, recover
+    assert gc is not None and gc.returncode == 0, gc
+    with tsck.open_store(path) as s:  # still readable, still one store
+        assert s.checkout("good/main")["w"].equal(torch.arange(4096.0))
+        assert s.resolve("bomb/x") == bomb
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Interrupt the test's own thread (SIGALRM) if the block runs past `seconds`."""
+    def expire(*_):
+        raise TimeoutError(f"did not finish within {seconds}s")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_reader_measures_distinct_nodes_before_allocating(tmp_path):
+    """In-process, for the quick suite: a 30-level bomb (2^30 paths) is refused without
+    reading any node twice, and the refusal names the cap."""
+    with tsck.open_store(tmp_path / "s") as s:
+        good = s.put_snapshot({"w": torch.arange(16.0)}, ref="good/main", step=1)
+        d = s.reftable.catalog_get(bytes.fromhex(good.root))["tree"]
+        for _ in range(30):
+            d = s.assets.put_node(encode_node({"l": [{"r": d}, {"r": d}]})).digest
+        s.assets.sync()
+        s.commit_tree(d, ref="bomb/x", job="bomb", step=1, metrics={}, meta={}, stats=dict(STATS))
+        reads = []
+        orig = s.assets.get_node
+
+        def counting(digest, **kw):
+            reads.append(digest)
+            return orig(digest, **kw)
+
+        s.assets.get_node = counting
+        with _deadline(20), pytest.raises(tsck.FormatError, match="max_bytes"):
+            s.checkout("bomb/x", max_bytes=1 << 20)
+        assert len(reads) == len(set(reads)) == 31
+        reads.clear()
+        with _deadline(20), pytest.raises(tsck.FormatError, match="tensor paths"):
+            iter_leaves(s.assets, bytes.fromhex(s.resolve("bomb/x")))
+        assert len(reads) == len(set(reads)) == 31
+        reads.clear()
+        with _deadline(20):
+            rep = s.fsck()
+        assert rep.ok, rep.findings
+        assert len([r for r in reads if r == d]) == 1  # the bomb's top node, checked once
+
+
+def _shared_state(v: float):
+    sub = {f"p{i}": torch.full((3,), float(i)) for i in range(200)}  # > 4 KiB: a node of its own
+    return {"a": sub, "b": {k: t.clone() for k, t in sub.items()}, "c": torch.full((2,), v)}
+
+
+def test_a_legitimately_shared_node_is_every_path(tmp_path):
+    with tsck.open_store(tmp_path / "s") as s:
+        s.put_snapshot(_shared_state(0.0), ref="r/x", step=1)
+        top = decode_node(s.assets.get_node(s.reftable.catalog_get(bytes.fromhex(s.resolve("r/x")))["tree"]))
+        refs = {k: v["r"] for k, v in top["d"] if isinstance(v, dict) and "r" in v}
+        assert refs["a"] == refs["b"], "the two identical sub-dicts should be one node"
+        out = s.checkout("r/x")
+        assert set(out) == {"a", "b", "c"} and len(out["a"]) == len(out["b"]) == 200
+        assert out["a"]["p7"].equal(torch.full((3,), 7.0)) and out["b"]["p7"].equal(torch.full((3,), 7.0))
+        assert out["a"]["p7"].data_ptr() != out["b"]["p7"].data_ptr()  # two tensors, not one
+        changed = _shared_state(1.0)
+        changed["b"]["p3"] = torch.full((3,), -1.0)
+        s.put_snapshot(changed, ref="r/x", step=2)
+        d = s.diff("r/x@1", "r/x@2")
+        assert [c["path"] for c in d["changed"]] == ["['b']['p3']", "['c']"]
+        assert d["unchanged"] == 399 and not d["added"] and not d["removed"]
+        assert s.fsck().ok
+
+
+def test_a_node_met_again_deeper_is_held_to_the_depth_cap(tmp_path):
+    """Visiting a node once must not let it pass the depth cap at a deeper path that
+    checkout would refuse: fsck and checkout still agree (tests/test_grammar.py)."""
+    v = 1
+    for _ in range(195):  # 195 levels inside the node: fine at depth 1, not at depth 12
+        v = {"l": [v]}
+    with tsck.open_store(tmp_path / "s") as s:
+        x = s.assets.put_node(encode_node(v)).digest
+        deeper = {"r": x}
+        for _ in range(10):
+            deeper = {"l": [deeper]}
+        top = s.assets.put_node(encode_node({"l": [{"r": x}, deeper]})).digest
+        s.assets.sync()
+        info = s.commit_tree(top, ref="deep/x", job="deep", step=1, metrics={}, meta={}, stats=dict(STATS))
+        with pytest.raises(tsck.FormatError, match="deeper than"):
+            s.checkout("deep/x")
+        bad = [f for f in s.fsck().findings if f.snapshot == info.root]
+        assert bad and "deeper than" in bad[0].message, bad
