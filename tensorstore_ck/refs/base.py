@@ -19,9 +19,11 @@ separated by another writer.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -30,7 +32,7 @@ from ..errors import Fenced, FormatError, GcBusy, NotAStore, RefConflict, RefNot
 from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
                               encode_reflog)
 
-__all__ = ["RefTable", "ReflogEntry", "Txn"]
+__all__ = ["RefTable", "ReflogEntry", "Txn", "track_for_fork"]
 
 
 TABLES = ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta")
@@ -90,6 +92,27 @@ def host_clock() -> tuple[str, float]:
     return "wall:" + socket.gethostname(), time.time()
 
 
+_LIVE: "weakref.WeakSet[RefTable]" = weakref.WeakSet()
+
+
+def track_for_fork(table: "RefTable") -> None:
+    """Call table._after_fork() in the child of every os.fork() while `table` lives: a
+    handle opened before a fork holds the parent's LMDB environment or database
+    sessions (reusing either in the child is forbidden or corrupting) and locks that
+    threads which do not exist in the child may have held. The hook runs in the
+    child before fork() returns, with one thread; backends reopen lazily."""
+    _LIVE.add(table)
+
+
+def _after_fork_in_child() -> None:
+    for table in list(_LIVE):
+        table._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _hex(b: bytes | None) -> str | None:
     return b.hex() if b is not None else None
 
@@ -114,6 +137,9 @@ class RefTable(ABC):
 
     def close(self) -> None:
         pass
+
+    def _after_fork(self) -> None:
+        """In a forked child (see track_for_fork): drop what belongs to the parent."""
 
     def bind_store(self, store_id: str, *, new: bool = False) -> None:
         """Record the id of the store this table serves, or refuse (NotAStore) if it
