@@ -19,7 +19,8 @@ import json
 import os
 import sys
 
-from .errors import TsckError
+from .assets import holds_snapshots
+from .errors import TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
 
@@ -62,12 +63,25 @@ def _out(args, obj, text: str) -> None:
         print(text)
 
 
+def _holds_snapshots(store) -> bool:
+    try:
+        return holds_snapshots(store.storage)
+    except OSError as e:
+        raise storage_error(e, f"listing the commits of {store.url}") from e
+
+
 def cmd_refs(store, args):
     refs = store.refs()
     tags = store.tags()
     obj = {"refs": {k: v.to_json() for k, v in refs.items()}, "tags": {k: v.to_json() for k, v in tags.items()}}
     lines = [f"{name:<32} {_line(info)}" for name, info in refs.items()]
     lines += [f"tag {name:<28} {_line(info)}" for name, info in tags.items()]
+    if not lines and _holds_snapshots(store):
+        # An empty ref table over a store that holds commits is a lost table, not an empty store.
+        problem = (f"the ref table knows no ref or tag, but {store.url} holds snapshots: it was lost or "
+                   f"replaced; rebuild it from storage with `tsck recover {args.store}` (same --refs)")
+        _out(args, {**obj, "problem": problem}, f"(no refs)\nPROBLEM: {problem}")
+        return 1
     _out(args, obj, "\n".join(lines) if lines else "(no refs)")
     return 0
 

@@ -8,9 +8,11 @@ process that finds another one grew the map adopts the new size.
 
 The table is an index over storage: a corrupt file is a FormatError that says
 how to rebuild it (`tsck recover`); any other LMDB failure is a StorageError
-naming it. A forked child reopens the environment (LMDB forbids using the
-parent's) and never closes the inherited one (that would drop the locks its
-new environment holds on lock.mdb).
+naming it. Across os.fork(): a fork waits for the transaction in flight (every
+transaction of the process runs under one lock, taken before the fork), so the
+child can close its copy of the environment (closing waits for a write
+transaction another thread owns: with one in flight it would wait forever) and
+open its own, as LMDB requires.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ __all__ = ["LmdbRefTable"]
 
 INITIAL_MAP_SIZE = 64 * 1024 * 1024
 MAX_MAP_SIZE = 1 << 40
-_ABANDONED: list = []  # environments inherited across a fork: never closed by the child
 
 # What a damaged file makes LMDB raise (a bad meta page, a page of the wrong type, a
 # page number past the end, another format version).
@@ -97,9 +98,19 @@ class LmdbRefTable(RefTable):
             raise _error(self.path, e, "cannot open") from None
         return env
 
+    def _before_fork(self) -> None:
+        self._lock.acquire()  # no transaction is half-done at the fork
+
+    def _after_fork_parent(self) -> None:
+        self._lock.release()
+
     def _after_fork(self) -> None:
-        _ABANDONED.append(self.env)
-        self.env = None  # reopened on first use, under the new lock
+        # This thread held the lock across the fork, so no transaction is open: closing
+        # our copy of the parent's environment touches only this process (its locks are
+        # the parent's, fcntl locks are not inherited). The next call opens our own.
+        if self.env is not None and not self._closed:
+            self.env.close()
+        self.env = None
         self._lock = threading.RLock()
 
     def _run(self, fn, write: bool):
