@@ -187,7 +187,7 @@ def test_pg_lost_commit_answer_is_not_applied_twice(tmp_path, pg_server):
 
 
 # ------------------------------------------------------------------ fork
-def _in_forked_child(fn, timeout: float = 60.0) -> tuple[int, str]:
+def _in_forked_child(fn, timeout: float = 30.0) -> tuple[int, str]:
     """Run fn() in a child made by os.fork(); (exit status, what it wrote). A child
     that hangs is killed at `timeout` and the test fails instead of hanging CI."""
     r, w = os.pipe()
@@ -218,9 +218,14 @@ def _in_forked_child(fn, timeout: float = 60.0) -> tuple[int, str]:
     return os.waitstatus_to_exitcode(status), out
 
 
+def _big(i: int) -> dict:
+    """Several blocks: a put runs block jobs on the Store's I/O pool."""
+    return {"w": np.arange(600_000, dtype=np.float32) + i, "step": i}
+
+
 def _child_work(s: tsck.Store, step: int) -> str:
-    s.put_snapshot(_state(step), "child/main", step=step)
-    fut = s.put_snapshot(_state(step + 1), "child/main", step=step + 1, blocking=False)
+    s.put_snapshot(_big(step), "child/main", step=step)
+    fut = s.put_snapshot(_big(step + 1), "child/main", step=step + 1, blocking=False)
     fut.result(timeout=30)
     assert s.checkout("child/main")["step"] == step + 1
     return ",".join(str(i.step) for i in s.log("child/main"))
@@ -234,7 +239,7 @@ def test_store_used_after_fork(store, busy):
     table transaction when fork() is called (a gc renewal, an async put committing):
     the fork waits for it, so the child neither inherits a lock held for good nor a
     half-done LMDB transaction."""
-    store.put_snapshot(_state(0), "a/main", step=0)
+    store.put_snapshot(_big(0), "a/main", step=0)
     store.checkout("a/main")
     release = threading.Event()
     threading.Timer(1.0, release.set).start()  # the holder lets go after a while
@@ -262,7 +267,7 @@ def test_store_used_after_multiprocessing_fork(store):
     """The same through multiprocessing's fork start method (a worker pool of a data
     loader, fork-based checkpointing)."""
     import multiprocessing as mp
-    store.put_snapshot(_state(0), "a/main", step=0)
+    store.put_snapshot(_big(0), "a/main", step=0)
     ctx = mp.get_context("fork")
     q = ctx.Queue()
 
@@ -274,7 +279,7 @@ def test_store_used_after_multiprocessing_fork(store):
 
     p = ctx.Process(target=work)
     p.start()
-    p.join(60)
+    p.join(30)
     if p.is_alive():
         p.kill()
         p.join()
@@ -287,15 +292,27 @@ def test_store_used_after_multiprocessing_fork(store):
 def test_pg_store_used_after_fork(tmp_path, pg_dsn):
     """With a PostgreSQL ref table: the child connects afresh and the parent's sessions
     (which the child must neither use nor close) go on working."""
+    def session(t):
+        t.cur.execute("SELECT pg_backend_pid()")
+        return t.cur.fetchone()[0]
+
+    def sessions(t):  # every client session of the server (this test's process is its only client)
+        t.cur.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend'")
+        return {r[0] for r in t.cur.fetchall()}
+
     s = _open_pg(tmp_path, pg_dsn)
     try:
-        s.put_snapshot(_state(0), "a/main", step=0)
-        code, out = _in_forked_child(lambda: _child_work(s, 30))
+        s.put_snapshot(_big(0), "a/main", step=0)
+        parents = s.reftable._read(sessions)
+        code, out = _in_forked_child(lambda: f"{_child_work(s, 30)} {s.reftable._read(session)}")
         assert code == 0, out
-        assert out == "31,30"
-        s.put_snapshot(_state(1), "a/main", step=1)
+        steps, child = out.split()
+        assert steps == "31,30"
+        assert int(child) not in parents  # the child did not talk on a session of the parent
+        s.put_snapshot(_big(1), "a/main", step=1)
+        # ... which go on working, untouched (none was found dead by the pool's check).
+        assert s.reftable._pool.get_stats().get("connections_lost", 0) == 0
         assert [i.step for i in s.log("child/main")] == [31, 30]
-        assert s.reftable.reconnects == 0  # the parent's connections were left alone
     finally:
         s.close()
 
