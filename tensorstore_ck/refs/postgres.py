@@ -200,12 +200,13 @@ class PostgresRefTable(RefTable):
             except psycopg.errors.UniqueViolation:  # two processes creating the table at once
                 time.sleep(0.01 * (1 + self._rng.random()))
             except psycopg.Error as e:
-                state = getattr(e, "sqlstate", None) or ""
-                if state.startswith(("28", "3D")):  # refused credentials, no such database: a wrong DSN
-                    raise NotAStore(f"cannot use the ref table at {self.where}: {type(e).__name__}") from None
+                # libpq's message says which (refused, no such database, authentication
+                # failed: it names host, port, user and database, never a password); it
+                # carries no SQLSTATE, so a wrong DSN is retried like an outage, briefly.
                 delay = next(delays, None) if _lost(e, None) else None
                 if delay is None:
-                    raise StorageError(f"cannot reach the ref table at {self.where}: {type(e).__name__} "
+                    why = " ".join(str(e).split())[:300]
+                    raise StorageError(f"cannot reach the ref table at {self.where}: {type(e).__name__}: {why} "
                                        "(server down, unreachable, or refused the connection)") from None
                 log.warning("ref table %s: cannot connect (%s); retrying in %.2fs", self.where,
                             type(e).__name__, delay)
