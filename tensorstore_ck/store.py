@@ -20,6 +20,8 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from . import chunker
 from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
@@ -156,6 +158,11 @@ class Store:
         self._inflight = []
         self._bg_lock = threading.Lock()
         self._bg_error = None
+        # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
+        # first parallel op (staging's copy_, a checkout's) waits for workers that are not
+        # there. One thread, as torch's own DataLoader workers do.
+        if torch.get_num_threads() > 1:
+            torch.set_num_threads(1)
         s = self.storage
         while s is not None:  # wrappers (throttle, faults) and backends with their own locks or clients
             hook = getattr(s, "_after_fork", None)
