@@ -61,6 +61,7 @@ CREATE TABLE IF NOT EXISTS tsck_kv (
 TOKEN_TABLE = "txn"     # idempotency tokens of write transactions (never read by RefTable's logic)
 TOKEN_TTL = 86400.0     # a token is needed for seconds (one retry); leftovers of killed processes go after this
 DEFAULT_CONNECT_TIMEOUT = 10.0
+CHECK_IDLE = 1.0        # seconds idle after which a pooled connection is checked before use
 _MS = struct.Struct(">Q")
 _ABANDONED: list = []   # pools inherited across a fork: the parent's; never closed by the child
 
@@ -132,6 +133,16 @@ class _PgTxn(Txn):
         return iter([(bytes(k), bytes(v)) for k, v in self.cur.fetchall()])
 
 
+def _put_token(cur, ns: str, value: bytes, acked: list[bytes]) -> bytes:
+    """Write this transaction's token (key: the server's clock in ms, big-endian, + 16
+    random bytes) and delete the acknowledged ones, in one statement. -> the key."""
+    cur.execute("WITH gone AS (DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key = ANY(%s)) "
+                "INSERT INTO tsck_kv (ns, tbl, key, value) VALUES (%s, %s, "
+                "int8send((extract(epoch FROM clock_timestamp()) * 1000)::int8) || %s, %s) RETURNING key",
+                (ns, TOKEN_TABLE, acked, ns, TOKEN_TABLE, os.urandom(16), value))
+    return bytes(cur.fetchone()[0])
+
+
 def _encode_out(out) -> bytes:
     return msgpack.packb(out, use_bin_type=True)
 
@@ -179,9 +190,16 @@ class PostgresRefTable(RefTable):
         def configure(conn):
             conn.isolation_level = level
 
+        def check(conn):
+            # A connection used a moment ago is alive or fails its first statement, which
+            # the retry loop handles; one idle for a while (between two snapshots, across a
+            # server restart) is checked with an empty query before it is handed out.
+            if time.monotonic() - getattr(conn, "_tsck_used", 0.0) > CHECK_IDLE:
+                pool_cls.check_connection(conn)
+
         pool = pool_cls(self._dsn, min_size=1, max_size=self.pool_size, open=False, name=f"tsck-refs {self.where}",
                         kwargs={"autocommit": False, "connect_timeout": max(1, int(self.timeout))},
-                        configure=configure, check=pool_cls.check_connection, timeout=self.timeout)
+                        configure=configure, check=check, timeout=self.timeout)
         pool.open(wait=False)
         return pool
 
@@ -272,10 +290,7 @@ class PostgresRefTable(RefTable):
                         if hasattr(out, "__next__") and not hasattr(out, "execute"):
                             out = list(out)
                         if write:
-                            token = _MS.pack(int(t.wall() * 1000)) + os.urandom(16)
-                            t.put(TOKEN_TABLE, token, _encode_out(out))
-                            for old in taken:
-                                t.delete(TOKEN_TABLE, old)
+                            token = _put_token(cur, self.namespace, _encode_out(out), taken)
                     committing = True
                     conn.commit()
                     if write:
@@ -316,6 +331,7 @@ class PostgresRefTable(RefTable):
                     _rollback(conn)
                     raise
                 finally:
+                    conn._tsck_used = time.monotonic()
                     pool.putconn(conn)
         finally:
             if taken:  # acknowledged tokens still to delete (ours, or older ones not yet deleted)
