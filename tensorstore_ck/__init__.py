@@ -26,10 +26,12 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
     errors.py             the TsckError tree
 """
 
+import logging as _logging
+
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, Fenced, FormatError, GcBusy, IntegrityError, InvalidArgument,
-                     InvalidName, NotAStore, RefConflict, RefNotFound, SnapshotAborted, StorageError, TsckError,
-                     UnsupportedType)
+                     InvalidName, NotAStore, RefConflict, RefNotFound, SnapshotAborted, StorageError, StoreClosed,
+                     TsckError, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
 from .info import SnapshotInfo
@@ -40,9 +42,15 @@ from .train import CheckpointManager, TrainState
 
 __version__ = "0.1.0"
 
+# The library logs retries, reconnects, gc phases, fences waited out and recover's
+# decisions to the "tensorstore_ck" logger (child loggers per module); it prints
+# nothing unless the application configures logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
 __all__ = [
     "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager",
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
-    "CheckoutMismatch", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "__version__",
+    "CheckoutMismatch", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
+    "__version__",
 ]

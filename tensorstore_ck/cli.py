@@ -21,7 +21,8 @@ import math
 import os
 import sys
 
-from .errors import TsckError
+from .assets import holds_snapshots
+from .errors import TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
 
@@ -104,6 +105,13 @@ def _out(args, obj, text: str) -> None:
         print(text)
 
 
+def _holds_snapshots(store) -> bool:
+    try:
+        return holds_snapshots(store.storage)
+    except OSError as e:
+        raise storage_error(e, f"listing the commits of {store.url}") from e
+
+
 def cmd_refs(store, args):
     bad_refs: dict = {}
     bad_tags: dict = {}
@@ -116,6 +124,12 @@ def cmd_refs(store, args):
         obj["unreadable"] = {**{k: str(e) for k, e in bad_refs.items()},
                              **{f"tag:{k}": str(e) for k, e in bad_tags.items()}}
         lines += [f"{name:<32} unreadable: {e}" for name, e in obj["unreadable"].items()]
+    if not lines and _holds_snapshots(store):
+        # An empty ref table over a store that holds commits is a lost table, not an empty store.
+        problem = (f"the ref table knows no ref or tag, but {store.url} holds snapshots: it was lost or "
+                   f"replaced; rebuild it from storage with `tsck recover {args.store}` (same --refs)")
+        _out(args, {**obj, "problem": problem}, f"(no refs)\nPROBLEM: {problem}")
+        return 1
     _out(args, obj, "\n".join(lines) if lines else "(no refs)")
     return 1 if bad_refs or bad_tags else 0
 

@@ -14,7 +14,8 @@
     ├── SnapshotAborted          a collective snapshot was abandoned; nothing published
     ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
     ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
-    └── GcBusy                   another gc holds the store
+    ├── GcBusy                   another gc holds the store
+    └── StoreClosed              a Store (or its ref table) used after close()
 
 Every class has a stable ``kind`` code used by ``--json`` output; codes are
 append-only and never renamed.
@@ -188,6 +189,14 @@ class Fenced(TsckError):
 class GcBusy(TsckError):
     """Another gc holds the store (its heartbeat is fresh)."""
     kind = "gc_busy"
+
+
+class StoreClosed(TsckError):
+    """A Store, or the ref table under it, was used after close()."""
+    kind = "store_closed"
+
+
+__all__.append("StoreClosed")
 
 
 def storage_error(e: OSError, what: str) -> StorageError:

@@ -29,6 +29,7 @@ stored name that is not a well-formed key (a stray) is reported, never deleted.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import tempfile
@@ -41,6 +42,8 @@ from .errors import GcBusy, InvalidArgument, TsckError
 from .reach import KINDS, Marked, iter_unreachable, kept_roots, mark
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, select_kept
+
+log = logging.getLogger(__name__)
 
 __all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "plan_expiry", "DEFAULT_LEASE", "Lease",
            "holding_gc_lock"]
@@ -179,6 +182,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
         rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
         return rep
     lease.freeze()
+    log.info("gc %s: deletion phase began (writers are fenced): %d candidates", lease.owner, rep.candidates)
     extra, extra_visited = Marked(), set(plan.visited)
     mark(store, kept_roots(store) - plan.kept, extra, extra_visited)
     extra.freeze()
@@ -254,18 +258,24 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
     _refuse_if_the_ref_table_knows_nothing(store)
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every)
+    log.info("gc %s on %s: began (lease %gs, grace %gs)", owner, store.url, lease, grace)
     try:
         # began is compared with stored objects' mtimes, so it is read on the storage's
         # clock (a gc host's clock that is off would only cost writers re-uploads or
         # keep garbage longer: the fence, not the time, keeps data safe).
         plan = plan_gc(store, dry_run=False, began=store.storage.clock_now() - grace, progress=progress,
                        beat=hold)
+        log.info("gc %s: marked; %d snapshots expired, %d kept, %d candidates", owner, len(plan.report.expired),
+                 plan.report.kept_snapshots, plan.report.candidates)
         rep = execute_gc(store, plan, lease=hold, progress=progress)
         rep.seconds = time.time() - t_start
         hold.stop()
         refs.gc_finish(owner, last_gc={"at": refs.wall_now(), "deleted": rep.deleted_objects})
+        log.info("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
+                 owner, rep.seconds, rep.deleted_objects, rep.deleted_bytes, rep.rescued)
         return rep
-    except BaseException:
+    except BaseException as e:
+        log.warning("gc %s: stopped: %s: %s", owner, type(e).__name__, e)
         hold.stop()
         try:
             refs.gc_finish(owner)
@@ -340,6 +350,7 @@ class Lease:
             try:
                 self.renew()
             except BaseException as e:  # noqa: BLE001 - handed to the gc thread by check()
+                log.warning("gc %s: lease renewal failed: %s: %s", self.owner, type(e).__name__, e)
                 self.error = e
                 return
 
@@ -367,6 +378,7 @@ class Lease:
             try:
                 return fn(*args, deadline=self.deadline)
             except DeadlinePassed:
+                log.info("gc %s: a delete would end past the lease's margin; renewing first", self.owner)
                 self.renew()
                 if time.monotonic() >= self.deadline():  # a renewal slower than the lease itself
                     raise GcBusy("gc stopped deleting: it could not renew its lease in time") from None

@@ -10,6 +10,7 @@ docs/ARCHITECTURE.md ("GC and concurrent writers").
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +24,8 @@ from .plan import Plan, plan_stats, run_block_jobs
 from .validate import UNSET, SnapshotArgs
 
 __all__ = ["Publisher", "COMMIT_ATTEMPTS"]
+
+log = logging.getLogger(__name__)
 
 COMMIT_ATTEMPTS = 1000  # ref moves tried before a put gives up (each lost one is a real race)
 
@@ -126,6 +129,7 @@ class Publisher:
                     raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
                                           "published, take it again") from None
                 fenced += 1
+                log.info("ref %s: a gc deletion phase overlapped this snapshot; re-validating its objects", ref)
                 fence = revalidate(body)
                 continue
             except RefConflict as e:
@@ -146,11 +150,20 @@ class Publisher:
         """Wait until no gc deletion phase is running (closing a dead gc's phase once
         its lease ran out on the ref table's clock: the gc's own declaration, never this
         process's opinion); the even epoch, as a new fence."""
+        t0, told = time.monotonic(), False
         while True:
             st = self.reftable.gc_state()
             if st["epoch"] % 2 == 0:
+                if told:
+                    log.info("gc deletion phase over after %.2fs; going on", time.monotonic() - t0)
                 return st["epoch"]
+            if not told:  # once per wait, not per poll
+                told = True
+                log.info("waiting for gc %s's deletion phase (epoch %d) to end; its lease runs %.1fs more",
+                         st.get("owner"), st["epoch"], st["lease_left"] or 0.0)
             if not st["lease_left"]:
+                log.warning("closing the deletion phase of gc %s: its lease ran out on the ref table's clock",
+                            st.get("owner"))
                 self.reftable.gc_abort_stale()
             else:
                 time.sleep(min(0.05, st["lease_left"]))

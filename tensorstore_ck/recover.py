@@ -19,6 +19,7 @@ must be set again.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 
 from .errors import FormatError, IntegrityError, RefConflict
@@ -27,6 +28,8 @@ from .format.names import validate_name
 from .walk import walk_commit
 
 __all__ = ["RecoverReport", "run_recover"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,6 +96,7 @@ def run_recover(store) -> RecoverReport:
             validate_name(c["ref"])
         except (ValueError, IntegrityError, FormatError) as e:
             rep.unreadable.append(f"{store.assets.object_key('commits', root)}: {e}")
+            log.warning("recover: commit %s is unreadable, left out: %s", root.hex()[:16], e)
             continue
         rep.commits_found += 1
         why = _incomplete(store, root, present)
@@ -101,6 +105,7 @@ def run_recover(store) -> RecoverReport:
             # fenced move failed and it re-uploaded) or that a crash left half-written:
             # adopting it would name a snapshot that cannot be read.
             rep.skipped[root.hex()] = why
+            log.info("recover: commit %s not adopted: %s", root.hex()[:16], why)
             continue
         st = c.get("stats") or {}
         row = {"job": c["job"], "ref": c["ref"], "step": c["step"], "time": c["time"],
@@ -117,6 +122,8 @@ def run_recover(store) -> RecoverReport:
         roots = [root for _t, _s, root, _row in items]
         cur = rt.get_or_none(ref)
         if cur is not None and (cur not in roots[:-1] or not _moved_by_recover(rt, ref, cur)):
+            log.info("recover: ref %s left at %s (its newest commit, or set by a writer or a user)", ref,
+                     cur.hex()[:16])
             continue  # at its newest commit, or placed there by a writer or a user: their view wins
         # A recover killed half-way left the ref on an intermediate commit: go on from
         # there, so a second run ends exactly where one uninterrupted run ends.
@@ -127,8 +134,10 @@ def run_recover(store) -> RecoverReport:
                 rt.compare_and_swap(ref, prev, root, message=RECOVERED, catalog_row=row)
                 prev = root
         except RefConflict:  # a writer moved it meanwhile: its view wins
+            log.info("recover: ref %s was moved by a writer meanwhile; left as it is", ref)
             continue
         rep.refs_restored[ref] = prev.hex()
+        log.info("recover: ref %s restored at %s (%d commits in its reflog)", ref, prev.hex()[:16], len(items))
     rep.unreadable += [f"{key}: not an object key" for key in strays]
     for key, rec in store.assets.tags():
         if isinstance(rec, Exception):
@@ -139,6 +148,7 @@ def run_recover(store) -> RecoverReport:
             try:
                 rt.tag_create(name, root)
                 rep.tags_restored[name] = root.hex()
+                log.info("recover: tag %s restored at %s", name, root.hex()[:16])
             except RefConflict:
                 pass
     return rep

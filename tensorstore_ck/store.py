@@ -17,14 +17,17 @@ import functools
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from . import chunker
 from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CollectiveContext, collective_checkout, collective_put, is_collective
 from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
-                     RefConflict, RefNotFound, TsckError, storage_error)
+                     RefConflict, RefNotFound, StoreClosed, TsckError, storage_error)
 from .format.manifest import decode_commit
 from .ids import Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
@@ -48,14 +51,42 @@ def _storage_errors(fn):
     """A backend failure (full disk, network, permissions) reaches the caller as
     StorageError, one of our types, with the backend's error chained."""
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(self, *args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            return fn(self, *args, **kwargs)
         except TsckError:
             raise
         except OSError as e:
             raise storage_error(e, "storage failed") from e
+        except RuntimeError as e:  # a pool shut down by a close() in another thread
+            if self._closed:
+                raise StoreClosed(f"the store at {self.url} was closed during this call") from e
+            raise
     return wrapper
+
+
+def _public(fn):
+    """A public method: StoreClosed after close(), backend failures as StorageError."""
+    inner = _storage_errors(fn)
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if self._closed:
+            raise StoreClosed(f"the store at {self.url} is closed")
+        return inner(self, *args, **kwargs)
+    return wrapper
+
+
+_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _stores_after_fork() -> None:
+    for store in list(_STORES):
+        store._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stores_after_fork)
 
 
 def _utf8(s: str, what: str) -> None:
@@ -110,6 +141,34 @@ class Store:
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
         self._collective = CollectiveContext()  # per (group, op) call counters of collectives
         self._closed = False
+        _STORES.add(self)
+
+    def _after_fork(self) -> None:
+        """In the child of os.fork(): only the forking thread exists there, so the I/O
+        pool's workers, the background publisher and the snapshots it had in flight (and
+        any lock or slot they held) are the parent's. Rebuild them; the ref table and the
+        storage reopen their own handles (refs/base.py track_for_fork, _after_fork below)."""
+        if self._closed:
+            return
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
+        self.publisher.pool = self._pool
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
+        self._slots = threading.BoundedSemaphore(self.max_inflight)
+        self._staging = StagingPool(self.max_inflight)
+        self._inflight = []
+        self._bg_lock = threading.Lock()
+        self._bg_error = None
+        # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
+        # first parallel op (staging's copy_, a checkout's) waits for workers that are not
+        # there. One thread, as torch's own DataLoader workers do.
+        if torch.get_num_threads() > 1:
+            torch.set_num_threads(1)
+        s = self.storage
+        while s is not None:  # wrappers (throttle, faults) and backends with their own locks or clients
+            hook = getattr(s, "_after_fork", None)
+            if hook is not None:
+                hook()
+            s = getattr(s, "inner", None)
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
@@ -143,7 +202,7 @@ class Store:
         return self._pool
 
     # -- writing ---------------------------------------------------------------
-    @_storage_errors
+    @_public
     def put_snapshot(self, state, ref: str, *, step: int | None = None, metrics: dict | None = None,
                      meta: dict | None = None, job: str | None = None, expected=_UNSET,
                      blocking: bool = True, allow_pickle: bool = False, when_busy: str | None = None,
@@ -239,10 +298,12 @@ class Store:
     def _publish(self, plan, args: SnapshotArgs) -> SnapshotInfo:
         return self.publisher.publish(plan, args)
 
+    @_public
     def gc_fence(self) -> int:
         """The gc deletion epoch; read it before looking at storage, pass it to commit_tree."""
         return self.publisher.fence()
 
+    @_public
     def commit_tree(self, tree: bytes, *, ref: str, job: str, step, metrics: dict, meta: dict, stats: dict,
                     expected=UNSET, fence: int | None = None) -> SnapshotInfo:
         """Publish a manifest tree whose objects are all written (low level: tests and
@@ -251,11 +312,13 @@ class Store:
         args = SnapshotArgs(args.ref, args.job, args.step, args.metrics, args.meta, expected)
         return self.publisher.commit(tree, args, stats=stats, fence=self.gc_fence() if fence is None else fence)
 
+    @_public
     def wait_gc_idle(self) -> int:
         """Wait until no gc deletion phase is running; the even epoch, as a new fence."""
         return self.publisher.wait_gc_idle()
 
     # -- lifecycle: retention, gc, fsck ----------------------------------------
+    @_public
     def set_retention(self, job: str, retention: "Retention | None") -> None:
         """Set (or with None, clear) the retention rules of `job`; kept in the ref
         table so an offline `tsck gc` applies each job's own rules."""
@@ -264,10 +327,11 @@ class Store:
             raise InvalidArgument(f"retention must be a tsck.Retention, got {type(retention).__name__}")
         self.reftable.retention_set(job, None if retention is None else retention.to_dict())
 
+    @_public
     def retention(self) -> dict[str, Retention]:
         return {job: Retention.from_dict(r) for job, r in self.reftable.retention_all().items()}
 
-    @_storage_errors
+    @_public
     def gc(self, *, dry_run: bool = False, progress: bool = False, lease: float | None = None,
            grace: float = 0.0):
         """Apply retention, then mark and sweep. Safe while other processes write.
@@ -278,7 +342,7 @@ class Store:
         return run_gc(self, dry_run=dry_run, progress=progress, lease=self.gc_lease if lease is None else lease,
                       grace=grace)
 
-    @_storage_errors
+    @_public
     def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False):
         """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte.
         repair=True also moves every damaged object aside (quarantine/, never deleted),
@@ -288,7 +352,7 @@ class Store:
         return run_fsck(self, full=full, progress=progress, repair=repair, lease=self.gc_lease)
 
     # -- reading ---------------------------------------------------------------
-    @_storage_errors
+    @_public
     def resolve(self, target: str) -> str:
         """A target (ref, tag, REF@STEP, root hex or unique prefix >= 8) -> root hex."""
         return self._root(target).hex()
@@ -319,11 +383,11 @@ class Store:
     def _info(self, root: bytes) -> SnapshotInfo:
         return self.publisher.info(root)
 
-    @_storage_errors
+    @_public
     def show(self, target: str) -> SnapshotInfo:
         return self._info(self._root(target))
 
-    @_storage_errors
+    @_public
     def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False,
                  group=_AUTO_GROUP, timeout: float = 300.0, max_bytes: int | None = None):
         """The state of a snapshot, verified against its root hash (unless verify=False).
@@ -348,7 +412,7 @@ class Store:
                                        timeout=timeout)
         return read(self._root(target))
 
-    @_storage_errors
+    @_public
     def log(self, ref: str, *, errors: dict | None = None) -> list[SnapshotInfo]:
         """Snapshots `ref` has pointed at that still exist, newest first. gc compacts the
         history to what it keeps, so this costs what retention keeps. A snapshot whose
@@ -381,7 +445,7 @@ class Store:
                 errors[name] = e  # one odd snapshot: the others are still listed
         return out
 
-    @_storage_errors
+    @_public
     def refs(self, prefix: str = "", *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
         """name -> SnapshotInfo of every ref (under `prefix`). A ref whose snapshot cannot
         be described (catalog row and commit both unreadable) raises FormatError (or
@@ -392,12 +456,12 @@ class Store:
         _utf8(prefix, "ref prefix")
         return self._infos(self.reftable.list(prefix), errors)
 
-    @_storage_errors
+    @_public
     def tags(self, *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
         """As refs(), for tags."""
         return self._infos(self.reftable.tags(), errors)
 
-    @_storage_errors
+    @_public
     def tag(self, name: str, target: str) -> SnapshotInfo:
         """Create an immutable tag; RefConflict if the name is taken.
 
@@ -441,13 +505,13 @@ class Store:
                     raise RefNotFound(f"snapshot {root.hex()[:16]} ({target!r}) was removed by a gc that ran "
                                       "meanwhile; nothing was created") from None
 
-    @_storage_errors
+    @_public
     def recover(self):
         """Rebuild catalog, refs (at their newest commits), reflog and tags from storage."""
         from .recover import run_recover
         return run_recover(self)
 
-    @_storage_errors
+    @_public
     def diff(self, a: str, b: str) -> dict:
         """Which tensors differ between two targets, and in how many blocks."""
         from .walk import iter_leaves
@@ -472,20 +536,20 @@ class Store:
         out["changed"].sort(key=lambda x: x["path"])
         return out
 
-    @_storage_errors
+    @_public
     def pin(self, target: str) -> str:
         fence = self.publisher.fence()
         root = self._root(target)
         self._fenced(root, target, fence, lambda f: self.reftable.pin(root, fence=f))
         return root.hex()
 
-    @_storage_errors
+    @_public
     def unpin(self, target: str) -> str:
         root = self._root(target)
         self.reftable.unpin(root)
         return root.hex()
 
-    @_storage_errors
+    @_public
     def du(self) -> dict:
         """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
         jobs: dict[str, dict] = {}

@@ -26,19 +26,7 @@ def store(store_path):
 
 
 # ---------------------------------------------------------------- real servers
-import glob  # noqa: E402
-import shutil  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from _pgserver import PgServer, free_port, pg_bindir  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -47,28 +35,27 @@ def pg_dsn():
     if os.environ.get("TEST_PG_DSN"):
         yield os.environ["TEST_PG_DSN"]
         return
-    bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if not bins:
+    bindir = pg_bindir()
+    if bindir is None:
         pytest.skip("PostgreSQL server binaries are not installed here (.ci/run installs Debian's postgresql)")
-    bindir = os.path.dirname(bins[-1])
-    tmp = tempfile.mkdtemp(prefix="tsck-pg-")
-    as_user = []
-    if os.geteuid() == 0:  # initdb refuses to run as root
-        shutil.chown(tmp, "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    port = _free_port()
-    data = os.path.join(tmp, "data")
-    subprocess.run(as_user + [f"{bindir}/initdb", "-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8",
-                              "--no-sync"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    subprocess.run(as_user + [f"{bindir}/pg_ctl", "-D", data, "-l", f"{tmp}/log", "-w", "-t", "30", "-o",
-                              f"-c listen_addresses=127.0.0.1 -p {port} -k {tmp} -c fsync=off", "start"],
-                   check=True, stdout=subprocess.DEVNULL)
+    srv = PgServer(bindir)
     try:
-        yield f"host=127.0.0.1 port={port} user=postgres dbname=postgres"
+        yield srv.dsn
     finally:
-        subprocess.run(as_user + [f"{bindir}/pg_ctl", "-D", data, "-m", "fast", "-w", "stop"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        shutil.rmtree(tmp, ignore_errors=True)
+        srv.remove()
+
+
+@pytest.fixture
+def pg_server():
+    """A PostgreSQL server of this test's own, which it may stop and restart."""
+    bindir = pg_bindir()
+    if bindir is None:
+        pytest.skip("PostgreSQL server binaries are not installed here (.ci/run installs Debian's postgresql)")
+    srv = PgServer(bindir)
+    try:
+        yield srv
+    finally:
+        srv.remove()
 
 
 def _ensure_bucket(opts: dict, bucket: str = "tsck-tests") -> dict:

@@ -26,9 +26,11 @@ separated by another writer.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -37,7 +39,7 @@ from ..errors import Fenced, FormatError, GcBusy, NotAStore, RefConflict, RefNot
 from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
                               encode_reflog)
 
-__all__ = ["RefTable", "ReflogEntry", "Txn"]
+__all__ = ["RefTable", "ReflogEntry", "Txn", "track_for_fork"]
 
 
 TABLES = ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta", "steps")
@@ -100,6 +102,32 @@ def host_clock() -> tuple[str, float]:
     return "wall:" + socket.gethostname(), time.time()
 
 
+_LIVE: "weakref.WeakSet[RefTable]" = weakref.WeakSet()
+
+
+def track_for_fork(table: "RefTable") -> None:
+    """Keep `table` usable across os.fork() while it lives: a handle opened before a
+    fork holds the parent's LMDB environment or database sessions (reusing either in
+    the child is forbidden or corrupting) and locks that threads which do not exist
+    in the child may hold. Before a fork, table._before_fork() (LMDB: wait for the
+    transaction in flight, so none is half-done in the child); after it,
+    table._after_fork_parent() in the parent and table._after_fork() in the child,
+    which runs there with one thread before fork() returns; backends reopen lazily."""
+    _LIVE.add(table)
+
+
+def _each(method: str):
+    def hook() -> None:
+        for table in list(_LIVE):
+            getattr(table, method)()
+    return hook
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_each("_before_fork"), after_in_parent=_each("_after_fork_parent"),
+                        after_in_child=_each("_after_fork"))
+
+
 def _hex(b: bytes | None) -> str | None:
     return b.hex() if b is not None else None
 
@@ -124,6 +152,15 @@ class RefTable(ABC):
 
     def close(self) -> None:
         pass
+
+    def _before_fork(self) -> None:
+        """Before os.fork() (see track_for_fork)."""
+
+    def _after_fork_parent(self) -> None:
+        """In the parent, after os.fork()."""
+
+    def _after_fork(self) -> None:
+        """In a forked child: drop what belongs to the parent."""
 
     def bind_store(self, store_id: str, *, new: bool = False) -> None:
         """Record the id of the store this table serves, or refuse (NotAStore) if it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .base import TABLES, RefTable, Txn
+from .base import TABLES, RefTable, Txn, track_for_fork
 
 __all__ = ["MemoryRefTable"]
 
@@ -31,6 +31,10 @@ class MemoryRefTable(RefTable):
     def __init__(self):
         self._data = {t: {} for t in TABLES}
         self._lock = threading.RLock()
+        track_for_fork(self)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.RLock()  # a thread of the parent may have held it
 
     def _read(self, fn):
         with self._lock:

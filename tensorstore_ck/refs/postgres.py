@@ -1,4 +1,4 @@
-"""A ref table on PostgreSQL (psycopg 3), for many hosts sharing one store.
+"""A ref table on PostgreSQL (psycopg 3 + psycopg_pool), for many hosts sharing one store.
 
 Exactly the LMDB table's semantics, because it is the same code: RefTable's
 logic runs over one key-value table, each operation in one SERIALIZABLE
@@ -11,19 +11,42 @@ happens inside the transaction that acts on it, as in LMDB.
 
 `ns` is the store's id (from its tsck.json), so one database can serve many stores.
 
+A server restart or a dropped connection is ridden out: connections come from a
+pool that checks each one before handing it out, and a transaction that lost its
+connection is run again with the storage's backoff policy (retry.py). A write
+whose COMMIT was sent but not acknowledged may have committed: each write
+transaction also writes an idempotency token (table "txn", key: the server's
+time in ms + 16 random bytes; value: the operation's result), and the retry
+first looks for it. Found: the first attempt committed, its result is returned
+and nothing runs twice (a compare-and-swap is neither applied twice nor reported
+as a conflict with itself). Absent: it did not commit (a COMMIT still in flight
+on the old connection conflicts with the retry on the rows both write, and
+SERIALIZABLE aborts one of them), so running it again is safe. The next write of
+this handle deletes the tokens whose commits were acknowledged; tokens left by a
+killed process are swept after TOKEN_TTL when a table is opened. A server that
+stays down past the connect timeout is a StorageError naming the ref table.
+
 Passwords in the DSN are never printed: errors name the host and database only.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import struct
 import threading
 import time
 
-from ..errors import NotAStore, TsckError
-from .base import RefTable, Txn
+import msgpack
 
-__all__ = ["PostgresRefTable"]
+from ..errors import NotAStore, StorageError, StoreClosed, TsckError
+from ..retry import DEFAULT_BACKOFF, Backoff
+from .base import RefTable, Txn, track_for_fork
+
+__all__ = ["PostgresRefTable", "TOKEN_TABLE", "TOKEN_TTL"]
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tsck_kv (
@@ -35,6 +58,13 @@ CREATE TABLE IF NOT EXISTS tsck_kv (
 )
 """
 
+TOKEN_TABLE = "txn"     # idempotency tokens of write transactions (never read by RefTable's logic)
+TOKEN_TTL = 86400.0     # a token is needed for seconds (one retry); leftovers of killed processes go after this
+DEFAULT_CONNECT_TIMEOUT = 10.0
+CHECK_IDLE = 1.0        # seconds idle after which a pooled connection is checked before use
+_MS = struct.Struct(">Q")
+_ABANDONED: list = []   # pools inherited across a fork: the parent's; never closed by the child
+
 
 def _safe_dsn(dsn: str) -> str:
     try:
@@ -43,6 +73,27 @@ def _safe_dsn(dsn: str) -> str:
         return f"postgresql://{d.get('host', 'localhost')}:{d.get('port', 5432)}/{d.get('dbname', '')}"
     except Exception:  # noqa: BLE001 - never echo a DSN we could not parse: it may hold a password
         return "postgresql://<unparseable dsn>"
+
+
+def _dsn_timeout(dsn: str) -> float | None:
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+        v = conninfo_to_dict(dsn).get("connect_timeout")
+        return float(v) if v not in (None, "") and float(v) > 0 else None
+    except Exception:  # noqa: BLE001 - an unparseable DSN fails at connect, with its own error
+        return None
+
+
+def _lost(e: Exception, conn) -> bool:
+    """Did `e` lose the connection (a retry on a new one may succeed)?"""
+    if conn is not None and (conn.broken or conn.closed):
+        return True
+    state = getattr(e, "sqlstate", None) or ""
+    if not state:  # a client-side failure: connect refused, server closed the connection
+        return True
+    # 08: connection exception; 57P01-03: admin/crash shutdown, cannot connect now;
+    # 53300: too many connections (a restarting server's clients all reconnect at once)
+    return state.startswith(("08", "57P")) or state == "53300"
 
 
 class _PgTxn(Txn):
@@ -82,51 +133,210 @@ class _PgTxn(Txn):
         return iter([(bytes(k), bytes(v)) for k, v in self.cur.fetchall()])
 
 
+def _put_token(cur, ns: str, value: bytes, acked: list[bytes]) -> bytes:
+    """Write this transaction's token (key: the server's clock in ms, big-endian, + 16
+    random bytes) and delete the acknowledged ones, in one statement. -> the key."""
+    cur.execute("WITH gone AS (DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key = ANY(%s)) "
+                "INSERT INTO tsck_kv (ns, tbl, key, value) VALUES (%s, %s, "
+                "int8send((extract(epoch FROM clock_timestamp()) * 1000)::int8) || %s, %s) RETURNING key",
+                (ns, TOKEN_TABLE, acked, ns, TOKEN_TABLE, os.urandom(16), value))
+    return bytes(cur.fetchone()[0])
+
+
+def _encode_out(out) -> bytes:
+    return msgpack.packb(out, use_bin_type=True)
+
+
+def _decode_out(data: bytes):
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
 class PostgresRefTable(RefTable):
-    def __init__(self, dsn: str, *, namespace: str = "default", connect_timeout: float = 10.0):
+    """connect_timeout: seconds to wait for the server (at open, and for a connection
+    after one was lost) before StorageError; default: the DSN's connect_timeout, else 10.
+    backoff: the retry policy after a lost connection (default: storage's)."""
+
+    def __init__(self, dsn: str, *, namespace: str = "default", connect_timeout: float | None = None,
+                 backoff: Backoff = DEFAULT_BACKOFF, pool_size: int = 4):
         try:
             import psycopg
+            import psycopg_pool
         except ImportError:
-            raise NotAStore("PostgreSQL ref tables need psycopg: pip install 'tensorstore_ck[postgres]'") from None
+            raise NotAStore("PostgreSQL ref tables need psycopg and psycopg_pool: "
+                            "pip install 'tensorstore_ck[postgres]'") from None
         self._psycopg = psycopg
+        self._psycopg_pool = psycopg_pool
+        self._dsn = dsn
         self.where = _safe_dsn(dsn)
         self.namespace = namespace
-        try:
-            self.conn = psycopg.connect(dsn, autocommit=False, connect_timeout=int(connect_timeout))
-        except psycopg.Error as e:
-            raise NotAStore(f"cannot connect to the ref table at {self.where}: {type(e).__name__}") from None
-        self.conn.execute("SET default_transaction_isolation TO 'serializable'")
-        self.conn.commit()
-        self._lock = threading.Lock()  # one connection: one transaction at a time per process
-        self._write(lambda t: (t.cur.execute(_SCHEMA), None)[1])
+        self.timeout = float(connect_timeout or _dsn_timeout(dsn) or DEFAULT_CONNECT_TIMEOUT)
+        self.backoff = backoff
+        self.pool_size = pool_size
+        self.reconnects = 0       # transactions re-run after a lost connection
+        self.unknown_commits = 0  # ... of which had sent COMMIT without an answer
+        self._rng = random.Random()
+        self._closed = False
+        self._acked: list[bytes] = []  # tokens of acknowledged commits: deleted by the next write
+        self._lock = threading.Lock()  # guards _acked and the pool's (re)creation
+        self._setup()
+        self._pool = self._new_pool()
+        track_for_fork(self)
 
-    def _run(self, fn, write: bool):
-        errors = self._psycopg.errors
-        delay = 0.002
+    # -- connections -------------------------------------------------------------------
+    def _new_pool(self):
+        pool_cls = self._psycopg_pool.ConnectionPool
+        level = self._psycopg.IsolationLevel.SERIALIZABLE
+
+        def configure(conn):
+            conn.isolation_level = level
+
+        def check(conn):
+            # A connection used a moment ago is alive or fails its first statement, which
+            # the retry loop handles; one idle for a while (between two snapshots, across a
+            # server restart) is checked with an empty query before it is handed out.
+            if time.monotonic() - getattr(conn, "_tsck_used", 0.0) > CHECK_IDLE:
+                pool_cls.check_connection(conn)
+
+        pool = pool_cls(self._dsn, min_size=1, max_size=self.pool_size, open=False, name=f"tsck-refs {self.where}",
+                        kwargs={"autocommit": False, "connect_timeout": max(1, int(self.timeout))},
+                        configure=configure, check=check, timeout=self.timeout)
+        pool.open(wait=False)
+        return pool
+
+    def _setup(self) -> None:
+        """Create the table, sweep stale tokens; the first contact, so its failure says why."""
+        psycopg = self._psycopg
+        delays = self.backoff.delays(self._rng)
+        while True:
+            try:
+                with psycopg.connect(self._dsn, autocommit=True, connect_timeout=max(1, int(self.timeout))) as conn:
+                    conn.execute(_SCHEMA)
+                    now = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()[0]
+                    conn.execute("DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key < %s",
+                                 (self.namespace, TOKEN_TABLE, _MS.pack(max(0, int((now - TOKEN_TTL) * 1000)))))
+                return
+            except psycopg.errors.UniqueViolation:  # two processes creating the table at once
+                time.sleep(0.01 * (1 + self._rng.random()))
+            except psycopg.Error as e:
+                # libpq's message says which (refused, no such database, authentication
+                # failed: it names host, port, user and database, never a password); it
+                # carries no SQLSTATE, so a wrong DSN is retried like an outage, briefly.
+                delay = next(delays, None) if _lost(e, None) else None
+                if delay is None:
+                    why = " ".join(str(e).split())[:300]
+                    raise StorageError(f"cannot reach the ref table at {self.where}: {type(e).__name__}: {why} "
+                                       "(server down, unreachable, or refused the connection)") from None
+                log.warning("ref table %s: cannot connect (%s); retrying in %.2fs", self.where,
+                            type(e).__name__, delay)
+                time.sleep(delay)
+
+    def _after_fork(self) -> None:
+        # In a forked child the pool's connections are the parent's sessions (using them
+        # would interleave two processes' bytes on one socket) and its worker threads do
+        # not exist: abandon it, unclosed (closing would end the parent's sessions), and
+        # connect afresh on first use.
+        _ABANDONED.append(self._pool)
+        self._pool = None
+        self._lock = threading.Lock()
+        self._acked = []
+
+    def _get_pool(self):
         with self._lock:
-            for _attempt in range(200):
+            if self._closed:
+                raise StoreClosed(f"the ref table at {self.where} is closed")
+            if self._pool is None:
+                self._pool = self._new_pool()
+            return self._pool
+
+    def _down(self, why: str) -> StorageError:
+        return StorageError(f"ref table at {self.where}: {why}; the server is down or unreachable "
+                            f"(waited {self.timeout:g}s for it)")
+
+    # -- transactions ------------------------------------------------------------------
+    def _run(self, fn, write: bool):
+        psycopg = self._psycopg
+        errors = psycopg.errors
+        pool = self._get_pool()
+        delays = self.backoff.delays(self._rng)
+        contention, delay_c = 0, 0.002
+        pending = None  # token of an attempt whose COMMIT was sent and not answered
+        lost = 0
+        taken: list[bytes] = []
+        if write:
+            with self._lock:
+                taken, self._acked = self._acked, []
+        try:
+            while True:
                 try:
-                    with self.conn.cursor() as cur:
-                        out = fn(_PgTxn(cur, self.namespace))
+                    conn = pool.getconn(timeout=self.timeout)
+                except self._psycopg_pool.PoolClosed:
+                    raise StoreClosed(f"the ref table at {self.where} is closed") from None
+                except self._psycopg_pool.PoolTimeout:
+                    raise self._down("no connection") from None
+                token = None
+                committing = False
+                try:
+                    with conn.cursor() as cur:
+                        t = _PgTxn(cur, self.namespace)
+                        if pending is not None:
+                            row = t.get(TOKEN_TABLE, pending)
+                            if row is not None:  # the unanswered COMMIT had landed
+                                conn.rollback()
+                                log.warning("ref table %s: the commit whose answer was lost had landed; "
+                                            "not running it again", self.where)
+                                taken = [pending]  # its transaction deleted the older ones
+                                return _decode_out(row)
+                        out = fn(t)
                         if hasattr(out, "__next__") and not hasattr(out, "execute"):
                             out = list(out)
-                    self.conn.commit()
+                        if write:
+                            token = _put_token(cur, self.namespace, _encode_out(out), taken)
+                    committing = True
+                    conn.commit()
+                    if write:
+                        taken = [token]
+                    if lost:
+                        log.info("ref table %s: reconnected after %d lost connection(s)", self.where, lost)
                     return out
                 except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
-                    self.conn.rollback()  # another transaction won: re-run ours from its first read
-                    time.sleep(delay * (1 + random.random()))
-                    delay = min(0.2, delay * 2)
+                    _rollback(conn)  # another transaction won: re-run ours from its first read
+                    contention += 1
+                    if contention >= 200:
+                        raise TsckError(f"ref table at {self.where}: too much contention, gave up after "
+                                        "200 retries") from None
+                    log.debug("ref table %s: serialization conflict, re-running", self.where)
+                    time.sleep(delay_c * (1 + self._rng.random()))
+                    delay_c = min(0.2, delay_c * 2)
                 except TsckError:
-                    self.conn.rollback()
+                    _rollback(conn)
                     raise
-                except self._psycopg.OperationalError as e:
-                    self.conn.rollback() if not self.conn.closed else None
-                    raise NotAStore(f"ref table at {self.where} failed: {type(e).__name__}") from None
+                except psycopg.Error as e:
+                    if not _lost(e, conn):
+                        _rollback(conn)
+                        raise StorageError(f"ref table at {self.where} failed: {type(e).__name__} "
+                                           f"({getattr(e, 'sqlstate', None) or 'no sqlstate'})") from None
+                    if committing and write:
+                        pending = token  # outcome unknown: the next attempt looks for the token first
+                        self.unknown_commits += 1
+                    lost += 1
+                    self.reconnects += 1
+                    delay = next(delays, None)
+                    if delay is None:
+                        raise self._down(f"lost the connection {lost} times ({type(e).__name__})") from None
+                    log.warning("ref table %s: connection lost (%s)%s; retry %d/%d in %.2fs", self.where,
+                                type(e).__name__, ", commit unanswered" if pending is not None else "", lost,
+                                self.backoff.attempts - 1, delay)
+                    time.sleep(delay)
                 except BaseException:
-                    if not self.conn.closed:
-                        self.conn.rollback()
+                    _rollback(conn)
                     raise
-            raise TsckError(f"ref table at {self.where}: too much contention, gave up after 200 retries")
+                finally:
+                    conn._tsck_used = time.monotonic()
+                    pool.putconn(conn)
+        finally:
+            if taken:  # acknowledged tokens still to delete (ours, or older ones not yet deleted)
+                with self._lock:
+                    self._acked.extend(taken)
 
     def _read(self, fn):
         return self._run(fn, False)
@@ -135,4 +345,27 @@ class PostgresRefTable(RefTable):
         return self._run(fn, True)
 
     def close(self) -> None:
-        self.conn.close()
+        with self._lock:
+            if self._closed:
+                return
+            pool, self._pool = self._pool, None
+            acked, self._acked = self._acked, []
+        if pool is not None and acked:
+            try:  # best effort: leave no token behind (they would be swept after TOKEN_TTL anyway)
+                with pool.connection(timeout=min(2.0, self.timeout)) as conn:
+                    conn.execute("DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key = ANY(%s)",
+                                 (self.namespace, TOKEN_TABLE, acked))
+            except Exception as e:  # noqa: BLE001 - closing must not fail on a server that went away
+                log.info("ref table %s: tokens left for the sweep (%s)", self.where, type(e).__name__)
+        with self._lock:
+            self._closed = True
+        if pool is not None:
+            pool.close()
+
+
+def _rollback(conn) -> None:
+    if not conn.closed and not conn.broken:
+        try:
+            conn.rollback()
+        except Exception:  # noqa: BLE001 - the connection is going back to the pool, which checks it
+            pass

@@ -60,10 +60,18 @@ class FsspecBlockStore(BlockStore):
             opts.setdefault("skip_instance_cache", True)
         fs, path = fsspec.core.url_to_fs(url, **self._options(opts))
         self.fs = fs
+        self._fs_args = (url, opts) if proto in self.REMOTE else None
         self.root = path.rstrip("/")
         self.url = url  # never the storage options: they may hold credentials
         self._atomic_create = True
         self._create_lock = _MEMORY_CREATE_LOCK if proto == "memory" else contextlib.nullcontext()
+
+    def _after_fork(self) -> None:
+        """In a forked child (Store._after_fork): an async filesystem (s3fs) runs on the
+        parent's event-loop thread, which the child lacks; build a new one."""
+        if self._fs_args is not None:
+            url, opts = self._fs_args
+            self.fs = fsspec.core.url_to_fs(url, **self._options(dict(opts)))[0]
 
     # -- hooks a service-specific store overrides ---------------------------------
     def _options(self, opts: dict) -> dict:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import random
 import threading
 import time
 import uuid
 from typing import Callable, Sequence
 
+from ..retry import DEFAULT_BACKOFF, Backoff
 from .base import BlockStore, check_deadline
 
 __all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore"]
+
+log = logging.getLogger(__name__)
 
 
 class InjectedFault(OSError):
@@ -92,6 +96,9 @@ class FaultInjectingStore(WrappedStore):
         self.armed = True
         self.faults = 0
         self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def _after_fork(self) -> None:  # a thread of the parent may have held it
         self._lock = threading.Lock()
 
     def _fault(self, op: str, key: str) -> bool:
@@ -174,6 +181,11 @@ class ThrottledStore(WrappedStore):
         self._lock = threading.Lock()
         self._sem = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None
 
+    def _after_fork(self) -> None:  # threads of the parent may have held them (the lock across a sleep)
+        self._lock = threading.Lock()
+        if self._sem is not None:
+            self._sem = threading.BoundedSemaphore(self._sem._initial_value)
+
     def _take(self, n: int) -> None:
         if self.rate is None:
             return
@@ -221,26 +233,38 @@ class RetryingStore(WrappedStore):
     immutable and content-addressed: a put whose first attempt landed but whose
     answer was lost is retried and reports "already there", which is true."""
 
-    def __init__(self, inner: BlockStore, *, attempts: int = 6, base_delay: float = 0.05,
-                 max_delay: float = 5.0, seed: int | None = None):
+    def __init__(self, inner: BlockStore, *, attempts: int = DEFAULT_BACKOFF.attempts,
+                 base_delay: float = DEFAULT_BACKOFF.base_delay, max_delay: float = DEFAULT_BACKOFF.max_delay,
+                 seed: int | None = None):
         super().__init__(inner)
-        self.attempts = attempts
-        self.base_delay = base_delay
-        self.max_delay = max_delay
+        self.backoff = Backoff(attempts, base_delay, max_delay)  # the policy the ref table retries with too
         self.retries = 0
         self._rng = random.Random(seed)
 
+    @property
+    def attempts(self) -> int:
+        return self.backoff.attempts
+
     def _call(self, fn, *args):
-        delay = self.base_delay
-        for attempt in range(self.attempts):
+        delays = self.backoff.delays(self._rng)
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return fn(*args)
             except Exception as e:  # noqa: BLE001 - filtered by _transient
-                if attempt == self.attempts - 1 or not _transient(e):
+                delay = next(delays, None) if _transient(e) else None
+                if delay is None:
+                    if attempt > 1:
+                        log.warning("storage %s: %s failed after %d attempts: %s: %s", self.url,
+                                    getattr(fn, "__name__", "request"), attempt, type(e).__name__, e)
                     raise
                 self.retries += 1
-                time.sleep(delay * (0.5 + self._rng.random()))
-                delay = min(self.max_delay, delay * 2)
+                # Silent retries are how operators lose days: each one is logged.
+                log.warning("storage %s: %s failed (%s: %s); retry %d/%d in %.2fs", self.url,
+                            getattr(fn, "__name__", "request"), type(e).__name__, e, attempt,
+                            self.backoff.attempts - 1, delay)
+                time.sleep(delay)
 
     def get(self, key):
         return self._call(self.inner.get, key)
