@@ -146,7 +146,7 @@ class Worker:
         return {"job": job, "keep_last": keep}, lambda: (s.set_retention(job, rule), {})[1]
 
     def op_gc(self, s, i):
-        if self.rng.random() < 0.25:
+        if self.rng.random() < 0.1:  # `tsck gc` in a process of its own (slow to start: torch)
             return {"via": "cli"}, self._gc_cli
         stale = self.cfg["gc_stale"]
 
