@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -322,6 +323,12 @@ class Harness:
         for b in bad[:25]:
             self.log("  VIOLATION " + b)
         ops = check.load_ops(self.run_dir)
+        named = set(re.findall(r"\b[0-9a-f]{16}", " ".join(bad)))
+        involved = [o for o in ops if any(h in json.dumps([o.args, o.out]) for h in named)]
+        if involved:
+            self.log("  journal events naming the snapshots above:")
+            for o in involved[-25:]:
+                self.log("    " + o.brief())
         self.log("  journal tail (newest last):")
         for o in ops[-25:]:
             self.log("    " + o.brief())

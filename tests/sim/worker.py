@@ -179,8 +179,8 @@ class Worker:
     def op_fsck(self, s, i):
         def call():
             rep = s.fsck(full=True)
-            return {"findings": [str(f) for f in rep.findings][:20], "gc_ran": rep.gc_ran,
-                    "dropped_after_gc": rep.dropped_after_gc}
+            return {"findings": [str(f) for f in rep.findings][:20], "gc_ran": getattr(rep, "gc_ran", None),
+                    "dropped_after_gc": getattr(rep, "dropped_after_gc", None)}
         return {}, call
 
     def op_read(self, s, i):
