@@ -15,6 +15,7 @@ The profile (chosen by the driver from the seed) says, per point:
                        "delete" (a long gc deletion phase), "ref-write"
   fail_p, fail_ops     raise an OSError (EIO) with probability fail_p on those ops
   kill_at              SIGKILL this process at that fault point (None: never)
+  kill_on              count only these ops toward kill_at (e.g. ["ref-write"])
 The random choices come from one seeded generator; threads reach points in an order
 that varies, so a seed fixes the schedule of faults, not the exact interleaving.
 """
@@ -38,6 +39,8 @@ class Faults:
         self.lock = threading.Lock()
         self.points = 0
         self.kill_at = self.p.get("kill_at")
+        self.kill_on = set(self.p.get("kill_on") or ())  # count only these ops toward kill_at
+        self.kill_points = 0
         self.on_kill = on_kill
         self.armed = True
 
@@ -46,7 +49,9 @@ class Faults:
             return
         with self.lock:
             self.points += 1
-            n = self.points
+            if not self.kill_on or op in self.kill_on:
+                self.kill_points += 1
+            n = self.kill_points
             r_delay, r_fail, u = self.rng.random(), self.rng.random(), self.rng.random()
         if self.kill_at is not None and n >= self.kill_at:
             if self.on_kill is not None:

@@ -231,7 +231,8 @@ class Worker:
         s = open_store(self.cfg, self.faults, create_refs=True)
         if self.kill_auto:  # somewhere in its ref-table writes: catalog rows, then ref moves
             n = sum(1 for _ in s.assets.list_objects("commits"))
-            self.faults.kill_at = self.faults.points + 1 + self.rng.randrange(max(1, 2 * n))
+            self.faults.kill_on = {"ref-write"}  # one catalog row per commit, then the ref moves
+            self.faults.kill_at = self.faults.kill_points + 1 + self.rng.randrange(max(1, 2 * n))
         self.j.write(i=0, op="recover", args={"kill_at": self.faults.kill_at}, start=time.time())
         try:
             rep = s.recover()
