@@ -10,7 +10,7 @@ Content is chosen to exercise dedup and gc's windows:
   base  one frozen tensor shared by every snapshot of every worker (stored once)
   var   one of VARIANTS tensors: a variant last used by snapshots that retention
         expired is a gc candidate that the next writer may reuse meanwhile
-  own   unique to (worker, op): new blocks every time
+  own   unique to (worker, op), or again the one of an earlier op of that worker
   step, note  plain values (inlined in the manifest)
 """
 
@@ -45,8 +45,13 @@ def _variant(v: int) -> torch.Tensor:
     return _floats(8192, "variant", v).reshape(64, 128)  # 32 KiB: 2 blocks
 
 
-def make_spec(worker: str, op: int, variant: int, step: int) -> dict:
-    return {"w": worker, "o": int(op), "v": int(variant), "s": int(step)}
+def make_spec(worker: str, op: int, variant: int, step: int, own: int | None = None) -> dict:
+    """own: the op whose "own" tensor to put again (a restarted job re-saving a state it
+    saved before: blocks of an expired snapshot, gc candidates, come back)."""
+    spec = {"w": worker, "o": int(op), "v": int(variant), "s": int(step)}
+    if own is not None and own != op:
+        spec["u"] = int(own)
+    return spec
 
 
 def state(spec: dict) -> dict:
@@ -54,7 +59,7 @@ def state(spec: dict) -> dict:
     return {
         "base": _base().clone(),
         "var": _variant(int(spec["v"])).clone(),
-        "own": _floats(6000, "own", spec["w"], spec["o"]),          # 24000 B: 2 blocks
+        "own": _floats(6000, "own", spec["w"], spec.get("u", spec["o"])),  # 24000 B: 2 blocks
         "ids": torch.arange(int(spec["o"]), int(spec["o"]) + 700, dtype=torch.int64),  # 5600 B: 1 block
         "step": int(spec["s"]),
         "note": f"{spec['w']}:{spec['o']}",
