@@ -16,6 +16,8 @@ The profile (chosen by the driver from the seed) says, per point:
   fail_p, fail_ops     raise an OSError (EIO) with probability fail_p on those ops
   kill_at              SIGKILL this process at that fault point (None: never)
   kill_on              count only these ops toward kill_at (e.g. ["ref-write"])
+  kill_after           {"op", "prefix", "p"}: SIGKILL at such a point with probability p
+                       (e.g. put-done of commits/: a commit landed, its ref not moved)
 The random choices come from one seeded generator; threads reach points in an order
 that varies, so a seed fixes the schedule of faults, not the exact interleaving.
 """
@@ -53,7 +55,9 @@ class Faults:
                 self.kill_points += 1
             n = self.kill_points
             r_delay, r_fail, u = self.rng.random(), self.rng.random(), self.rng.random()
-        if self.kill_at is not None and n >= self.kill_at:
+        ka = self.p.get("kill_after")  # {"op", "prefix", "p"}: kill right after such a point, by chance
+        if (self.kill_at is not None and n >= self.kill_at) or (
+                ka and op == ka["op"] and key.startswith(ka["prefix"]) and u < ka["p"]):
             if self.on_kill is not None:
                 self.on_kill(n, op, key)
             os.kill(os.getpid(), signal.SIGKILL)
