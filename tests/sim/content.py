@@ -45,13 +45,17 @@ def _variant(v: int) -> torch.Tensor:
     return _floats(8192, "variant", v).reshape(64, 128)  # 32 KiB: 2 blocks
 
 
-def make_spec(worker: str, op: int, variant: int, step: int, own: int | None = None) -> dict:
-    """own: the op whose "own" tensor to put again (a restarted job re-saving a state it
-    saved before: blocks of an expired snapshot, gc candidates, come back)."""
+def make_spec(worker: str, op: int, variant: int, step: int, own: list | None = None) -> dict:
+    """own: [worker, op] of an earlier put whose "own" tensor to put again (a restarted job
+    re-saving a state saved before: blocks of an expired snapshot, gc candidates, return)."""
     spec = {"w": worker, "o": int(op), "v": int(variant), "s": int(step)}
-    if own is not None and own != op:
-        spec["u"] = int(own)
+    if own is not None and list(own) != [worker, op]:
+        spec["u"] = [str(own[0]), int(own[1])]
     return spec
+
+
+def _own(spec: dict) -> tuple:
+    return tuple(spec["u"]) if "u" in spec else (spec["w"], spec["o"])
 
 
 def state(spec: dict) -> dict:
@@ -59,7 +63,7 @@ def state(spec: dict) -> dict:
     return {
         "base": _base().clone(),
         "var": _variant(int(spec["v"])).clone(),
-        "own": _floats(6000, "own", spec["w"], spec.get("u", spec["o"])),  # 24000 B: 2 blocks
+        "own": _floats(6000, "own", *_own(spec)),  # 24000 B: 2 blocks
         "ids": torch.arange(int(spec["o"]), int(spec["o"]) + 700, dtype=torch.int64),  # 5600 B: 1 block
         "step": int(spec["s"]),
         "note": f"{spec['w']}:{spec['o']}",

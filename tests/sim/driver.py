@@ -164,6 +164,10 @@ class Harness:
             gc_stale = rng.choice([5.0, 20.0, 120.0])
         else:
             gc_stale = rng.choice([10.0, 20.0])
+        ops = check.load_ops(self.run_dir)
+        # Earlier puts' own tensors a worker may put again (their blocks may be gc candidates).
+        reuse = [o.args["spec"].get("u", [o.args["spec"]["w"], o.args["spec"]["o"]])
+                 for o in ops if o.op == "put"][-30:]
         cfgs = []
         for k in range(n):
             wid = f"r{r}w{k}"
@@ -171,7 +175,7 @@ class Harness:
                 "id": wid, "seed": rng.getrandbits(62), "role": "ops", "store": self.loc.spec(),
                 "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"),
                 "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds, "weights": fl["weights"],
-                "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
+                "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000, "reuse": reuse,
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else gc_stale,
                 "gc_stale": gc_stale, "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         # Driver kills: (seconds after that worker is ready, which worker).
@@ -261,6 +265,16 @@ class Harness:
         elif before != after or out["refs_restored"] or out["tags_restored"] or out["catalog_rows_added"]:
             diff = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
             bad.append(f"I5 a second recover changed things: report {out}; differences {json.dumps(diff)[:1500]}")
+        # Retention rules live only in the ref table: the operator sets them again.
+        last = {}
+        for o in check.load_ops(self.run_dir):
+            if o.op == "retention":
+                last[o.args["job"]] = o.args["keep_last"]
+        with self._open() as s:
+            for job, keep in sorted(last.items()):
+                rule = None if keep is None else tsck.Retention(keep_last=keep)
+                self._driver_op("retention", {"job": job, "keep_last": keep},
+                                lambda: s.set_retention(job, rule))
         return bad
 
     def _settle_and_check(self, rng: random.Random, fl: dict) -> list[str]:

@@ -83,7 +83,8 @@ class Worker:
     def op_put(self, s, i):
         ref = self.rng.choice(self.cfg["refs"])
         step = self.cfg["step_base"] + i
-        own = self.rng.choice(self.puts)["i"] if self.puts and self.rng.random() < 0.35 else i
+        earlier = [list(p["own"]) for p in self.puts] + self.cfg.get("reuse", [])
+        own = self.rng.choice(earlier) if earlier and self.rng.random() < 0.35 else None
         spec = content.make_spec(self.wid, i, self.rng.randrange(content.VARIANTS), step, own)
         blocking = self.rng.random() < 0.6
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
@@ -104,7 +105,7 @@ class Worker:
                     if hasattr(v, "fill_"):
                         v.fill_(7)
                 info = fut.result()
-            self.puts.append({"ref": ref, "step": step, "root": info.root, "i": i})
+            self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
             return {"root": info.root, "time": info.time, "ref_job": info.job}
         return args, call
 
