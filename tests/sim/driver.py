@@ -150,7 +150,7 @@ class Harness:
         if rng.random() < fl["self_kill"]:
             p["kill_at"] = rng.randint(10, 500)
         if rng.random() < fl["kill_after_commit"]:
-            p["kill_after"] = {"op": "put-done", "prefix": "commits/", "p": 0.2}
+            p["kill_after"] = {"op": "put-done", "prefix": "commits/", "p": 0.5, "during_gc": True}
         return p
 
     # -- a round ------------------------------------------------------------------------

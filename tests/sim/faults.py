@@ -16,8 +16,9 @@ The profile (chosen by the driver from the seed) says, per point:
   fail_p, fail_ops     raise an OSError (EIO) with probability fail_p on those ops
   kill_at              SIGKILL this process at that fault point (None: never)
   kill_on              count only these ops toward kill_at (e.g. ["ref-write"])
-  kill_after           {"op", "prefix", "p"}: SIGKILL at such a point with probability p
-                       (e.g. put-done of commits/: a commit landed, its ref not moved)
+  kill_after           {"op", "prefix", "p", "during_gc"}: SIGKILL at such a point with
+                       probability p (only while a gc runs, if during_gc); e.g. put-done
+                       of commits/: a commit landed, its ref not moved
 The random choices come from one seeded generator; threads reach points in an order
 that varies, so a seed fixes the schedule of faults, not the exact interleaving.
 """
@@ -44,6 +45,7 @@ class Faults:
         self.kill_on = set(self.p.get("kill_on") or ())  # count only these ops toward kill_at
         self.kill_points = 0
         self.on_kill = on_kill
+        self.gc_busy = None  # set by the worker: is a gc marking or deleting now?
         self.armed = True
 
     def point(self, op: str, key: str = "") -> None:
@@ -57,7 +59,8 @@ class Faults:
             r_delay, r_fail, u = self.rng.random(), self.rng.random(), self.rng.random()
         ka = self.p.get("kill_after")  # {"op", "prefix", "p"}: kill right after such a point, by chance
         if (self.kill_at is not None and n >= self.kill_at) or (
-                ka and op == ka["op"] and key.startswith(ka["prefix"]) and u < ka["p"]):
+                ka and op == ka["op"] and key.startswith(ka["prefix"]) and u < ka["p"]
+                and (not ka.get("during_gc") or (self.gc_busy is not None and self.gc_busy()))):
             if self.on_kill is not None:
                 self.on_kill(n, op, key)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -204,6 +204,7 @@ class Worker:
     def run_ops(self) -> int:
         cfg = self.cfg
         s = open_store(cfg, self.faults, gc_stale_after=cfg["gc_stale_after"])
+        self.faults.gc_busy = lambda: s.reftable.gc_state()["phase"] != "idle"
         weights = cfg["weights"]
         names = sorted(weights)
         for v in range(content.VARIANTS):  # warm the caches: the round's clock starts now
