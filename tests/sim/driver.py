@@ -69,7 +69,7 @@ JOBS = ["ja", "jb"]
 # Per flavor: operation weights and how hard to aim at each window. The default ("mix")
 # draws a flavor per round from the seed; --focus fixes one.
 _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "self_kill": 0.15,
-         "driver_kill": 0.4, "kill_after_commit": 0.1, "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4}
+         "driver_kill": 0.4, "kill_after_commit": 0.1, "reuse_p": 0.35, "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4}
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
                                 "fsck": 0.7, "read": 1}),
@@ -82,7 +82,7 @@ FLAVORS = {
     # failures 3 and 4: writers killed while gc deletes what they reuse, then the ref
     # table lost and rebuilt by a recover that is itself killed part-way
     "recover": dict(_BASE, weights={"put": 6, "gc": 2, "retention": 1, "tag": 1, "pin": 0.5},
-                    slow_delete=0.8, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6, recover_p=1.0,
+                    slow_delete=0.8, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6, reuse_p=0.7, recover_p=1.0,
                     recover_kill=0.8),
     # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
@@ -164,10 +164,17 @@ class Harness:
             gc_stale = rng.choice([5.0, 20.0, 120.0])
         else:
             gc_stale = rng.choice([10.0, 20.0])
-        ops = check.load_ops(self.run_dir)
-        # Earlier puts' own tensors a worker may put again (their blocks may be gc candidates).
-        reuse = [o.args["spec"].get("u", [o.args["spec"]["w"], o.args["spec"]["o"]])
-                 for o in ops if o.op == "put"][-30:]
+        # Own tensors a worker may put again: those of snapshots kept now but no ref's tip,
+        # tag or pin (retention drops them as puts come: their blocks turn into gc
+        # candidates while writers reuse them), else of recent puts.
+        with self._open() as s:
+            rt = s.reftable
+            protected = {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
+            specs = [(row.get("meta") or {}).get("sim") for root, row in rt.catalog_iter() if root not in protected]
+        reuse = [sp.get("u", [sp["w"], sp["o"]]) for sp in specs if sp]
+        if not reuse:
+            reuse = [o.args["spec"].get("u", [o.args["spec"]["w"], o.args["spec"]["o"]])
+                     for o in check.load_ops(self.run_dir) if o.op == "put"][-30:]
         cfgs = []
         for k in range(n):
             wid = f"r{r}w{k}"
@@ -175,7 +182,7 @@ class Harness:
                 "id": wid, "seed": rng.getrandbits(62), "role": "ops", "store": self.loc.spec(),
                 "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"),
                 "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds, "weights": fl["weights"],
-                "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000, "reuse": reuse,
+                "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000, "reuse": reuse, "reuse_p": fl["reuse_p"],
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else gc_stale,
                 "gc_stale": gc_stale, "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         # Driver kills: (seconds after that worker is ready, which worker).

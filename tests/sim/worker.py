@@ -83,8 +83,8 @@ class Worker:
     def op_put(self, s, i):
         ref = self.rng.choice(self.cfg["refs"])
         step = self.cfg["step_base"] + i
-        earlier = [list(p["own"]) for p in self.puts] + self.cfg.get("reuse", [])
-        own = self.rng.choice(earlier) if earlier and self.rng.random() < 0.35 else None
+        earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
+        own = self.rng.choice(earlier) if earlier and self.rng.random() < self.cfg.get("reuse_p", 0.35) else None
         spec = content.make_spec(self.wid, i, self.rng.randrange(content.VARIANTS), step, own)
         blocking = self.rng.random() < 0.6
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
