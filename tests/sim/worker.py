@@ -83,8 +83,21 @@ class Worker:
     def op_put(self, s, i):
         ref = self.rng.choice(self.cfg["refs"])
         step = self.cfg["step_base"] + i
-        earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
-        own = self.rng.choice(earlier) if earlier and self.rng.random() < self.cfg.get("reuse_p", 0.35) else None
+        own = None
+        if self.rng.random() < self.cfg.get("reuse_p", 0.35):
+            # Put again the own tensor of a snapshot in the ref's history, the oldest ones
+            # (those retention drops next: a running gc is about to delete their blocks)
+            # most often; else one the driver listed, or one of this worker's.
+            try:
+                hist = [i.meta.get("sim") for i in s.log(ref)]
+            except tsck.TsckError:
+                hist = []
+            hist = [h.get("u", [h["w"], h["o"]]) for h in hist if h]
+            if hist and self.rng.random() < 0.7:
+                own = hist[-1 - int(len(hist) * self.rng.random() ** 2)]
+            else:
+                earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
+                own = self.rng.choice(earlier) if earlier else None
         spec = content.make_spec(self.wid, i, self.rng.randrange(content.VARIANTS), step, own)
         blocking = self.rng.random() < 0.6
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
