@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import tensorstore_ck as tsck
 
@@ -106,8 +105,7 @@ def test_checker_reports_damage_and_false_claims(tmp_path):
         # A block of the tagged snapshot removed behind the store's back: I1 and I2 see it.
         blocks = [p for p in (url / "blocks").rglob("*") if p.is_file()]
         var0 = content.state(specs[0])["own"]
-        from tensorstore_ck.ids import Digest  # noqa: F401 - the key is the block's BLAKE3
-        import blake3
+        import blake3  # a block's key is the BLAKE3 of its bytes
         want = blake3.blake3(var0.numpy().tobytes()[:content.BLOCK_SIZE]).hexdigest()
         victim = [p for p in blocks if p.name.startswith(want)]
         assert victim, "the first block of snapshot 0's own tensor is stored under its hash"

@@ -84,7 +84,9 @@ def differences(got, want, path: str = "") -> list[str]:
     if isinstance(want, torch.Tensor):
         if got.dtype != want.dtype or got.shape != want.shape:
             return [f"{path}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"]
-        if got.contiguous().view(torch.uint8).numpy().tobytes() != want.contiguous().view(torch.uint8).numpy().tobytes():
+        def raw(t):
+            return t.contiguous().view(torch.uint8).numpy().tobytes()
+        if raw(got) != raw(want):
             return [f"{path}: bytes differ"]
         return []
     return [] if got == want else [f"{path}: {got!r} != {want!r}"]

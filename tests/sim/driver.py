@@ -69,7 +69,8 @@ JOBS = ["ja", "jb"]
 # Per flavor: operation weights and how hard to aim at each window. The default ("mix")
 # draws a flavor per round from the seed; --focus fixes one.
 _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "self_kill": 0.15,
-         "driver_kill": 0.4, "kill_after_commit": 0.1, "reuse_p": 0.35, "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4}
+         "driver_kill": 0.4, "kill_after_commit": 0.1, "reuse_p": 0.35, "recover_p": 0.25, "recover_kill": 0.6,
+         "quiet_gc": 0.4}
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
                                 "fsck": 0.7, "read": 1}),
@@ -182,7 +183,8 @@ class Harness:
                 "id": wid, "seed": rng.getrandbits(62), "role": "ops", "store": self.loc.spec(),
                 "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"),
                 "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds, "weights": fl["weights"],
-                "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000, "reuse": reuse, "reuse_p": fl["reuse_p"],
+                "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
+                "reuse": reuse, "reuse_p": fl["reuse_p"],
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else gc_stale,
                 "gc_stale": gc_stale, "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         # Driver kills: (seconds after that worker is ready, which worker).
@@ -227,7 +229,8 @@ class Harness:
         bad += self._settle_and_check(rng, fl)
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} kills={killed}+{self_killed} "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
-                 f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, checks {time.time() - t2:.1f})")
+                 f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
+                 f"checks {time.time() - t2:.1f})")
         return bad
 
     def _recover_phase(self, rng: random.Random, fl: dict, r: int) -> list[str]:
