@@ -168,14 +168,17 @@ class Harness:
         # Own tensors a worker may put again: those of snapshots kept now but no ref's tip,
         # tag or pin (retention drops them as puts come: their blocks turn into gc
         # candidates while writers reuse them), else of recent puts.
+        # Also those of snapshots no longer kept (a killed gc leaves their blocks behind:
+        # candidates of every gc until one deletes them).
         with self._open() as s:
             rt = s.reftable
             protected = {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
-            specs = [(row.get("meta") or {}).get("sim") for root, row in rt.catalog_iter() if root not in protected]
-        reuse = [sp.get("u", [sp["w"], sp["o"]]) for sp in specs if sp]
-        if not reuse:
-            reuse = [o.args["spec"].get("u", [o.args["spec"]["w"], o.args["spec"]["o"]])
-                     for o in check.load_ops(self.run_dir) if o.op == "put"][-30:]
+            rows = {root.hex(): row for root, row in rt.catalog_iter()}
+            specs = [(row.get("meta") or {}).get("sim") for root, row in rows.items()
+                     if bytes.fromhex(root) not in protected]
+        gone = [o.args["spec"] for o in check.load_ops(self.run_dir)
+                if o.op == "put" and o.ok and o.out["root"] not in rows][-20:]
+        reuse = [sp.get("u", [sp["w"], sp["o"]]) for sp in gone + specs if sp]
         cfgs = []
         for k in range(n):
             wid = f"r{r}w{k}"

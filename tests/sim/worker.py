@@ -93,7 +93,7 @@ class Worker:
             except tsck.TsckError:
                 hist = []
             hist = [h.get("u", [h["w"], h["o"]]) for h in hist if h]
-            if hist and self.rng.random() < 0.7:
+            if hist and self.rng.random() < 0.5:
                 own = hist[-1 - int(len(hist) * self.rng.random() ** 2)]
             else:
                 earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
