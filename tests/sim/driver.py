@@ -69,8 +69,8 @@ JOBS = ["ja", "jb"]
 # Per flavor: operation weights and how hard to aim at each window. The default ("mix")
 # draws a flavor per round from the seed; --focus fixes one.
 _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "self_kill": 0.15,
-         "driver_kill": 0.4, "kill_after_commit": 0.1, "reuse_p": 0.35, "recover_p": 0.25, "recover_kill": 0.6,
-         "quiet_gc": 0.4}
+         "driver_kill": 0.4, "kill_after_commit": 0.1, "kill_after_p": 0.5, "reuse_p": 0.35, "recover_p": 0.25,
+         "recover_kill": 0.6, "quiet_gc": 0.4}
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
                                 "fsck": 0.7, "read": 1}),
@@ -82,9 +82,9 @@ FLAVORS = {
                     slow_delete=0.6, fail=0.05, recover_p=0.1),
     # failures 3 and 4: writers killed while gc deletes what they reuse, then the ref
     # table lost and rebuilt by a recover that is itself killed part-way
-    "recover": dict(_BASE, weights={"put": 6, "gc": 2, "retention": 1, "tag": 1, "pin": 0.5},
-                    slow_delete=0.8, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6, reuse_p=0.7, recover_p=1.0,
-                    recover_kill=0.8),
+    "recover": dict(_BASE, weights={"put": 6, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
+                    slow_delete=1.0, kill_after_p=1.0, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6,
+                    reuse_p=0.7, recover_p=1.0, recover_kill=0.8),
     # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
                   fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05),
@@ -151,7 +151,8 @@ class Harness:
         if rng.random() < fl["self_kill"]:
             p["kill_at"] = rng.randint(10, 500)
         if rng.random() < fl["kill_after_commit"]:
-            p["kill_after"] = {"op": "put-done", "prefix": "commits/", "p": 0.5, "during_gc": True}
+            p["kill_after"] = {"op": "put-done", "prefix": "commits/", "p": fl["kill_after_p"],
+                               "during_gc": ["deleting"] if fl["kill_after_p"] >= 1 else ["marking", "deleting"]}
         return p
 
     # -- a round ------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class Faults:
         ka = self.p.get("kill_after")  # {"op", "prefix", "p"}: kill right after such a point, by chance
         if (self.kill_at is not None and n >= self.kill_at) or (
                 ka and op == ka["op"] and key.startswith(ka["prefix"]) and u < ka["p"]
-                and (not ka.get("during_gc") or (self.gc_busy is not None and self.gc_busy()))):
+                and (not ka.get("during_gc") or (self.gc_busy is not None and self.gc_busy(ka["during_gc"])))):
             if self.on_kill is not None:
                 self.on_kill(n, op, key)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -94,7 +94,7 @@ class Worker:
                 hist = []
             hist = [h.get("u", [h["w"], h["o"]]) for h in hist if h]
             if hist and self.rng.random() < 0.5:
-                own = hist[-1 - int(len(hist) * self.rng.random() ** 2)]
+                own = hist[-1 - int(len(hist) * self.rng.random() ** 3)]
             else:
                 earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
                 own = self.rng.choice(earlier) if earlier else None
@@ -217,7 +217,7 @@ class Worker:
     def run_ops(self) -> int:
         cfg = self.cfg
         s = open_store(cfg, self.faults, gc_stale_after=cfg["gc_stale_after"])
-        self.faults.gc_busy = lambda: s.reftable.gc_state()["phase"] != "idle"
+        self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
         weights = cfg["weights"]
         names = sorted(weights)
         for v in range(content.VARIANTS):  # warm the caches: the round's clock starts now
