@@ -151,8 +151,9 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
     ok_by_root = {o.out["root"]: o for o in puts if o.ok}
 
     # Each successful put: its snapshot exists with the content it was given, unless
-    # retention may have dropped it (keep_last=N of its job, and at least N puts of the
-    # job began after it returned, so they were published after it).
+    # retention may have dropped it (keep_last=N of its job, and at least N other puts
+    # of the job may have been published after it: they returned after it began, or
+    # their outcome is unknown).
     for o in puts:
         if not o.ok:
             continue
@@ -163,13 +164,14 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
                 bad.append(f"I3 catalog row of {root[:16]} holds another spec than its put: {o.brief()}")
             continue
         k = _min_keep(ops, job)
-        later = sum(1 for p in puts if job_of(p.args["ref"]) == job and p.start > o.end)
+        later = sum(1 for p in puts if p is not o and job_of(p.args["ref"]) == job
+                    and (p.unknown or p.end > o.start))
         protected = root in refs.values() or root in tags.values() or root in pins
         if protected:
             bad.append(f"I3 {root[:16]} is a ref tip/tag/pin but has no catalog row: {o.brief()}")
         elif k is None or later < k:
             bad.append(f"I3 put returned ok but its snapshot is gone (no catalog row; job {job} keep_last "
-                       f"min {k}, {later} later puts of the job): {o.brief()}")
+                       f"min {k}, {later} puts of the job possibly published after it): {o.brief()}")
 
     # Ref tips never go back: no successful put on the ref began after the tip's put returned.
     for name, tip in refs.items():

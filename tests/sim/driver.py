@@ -21,9 +21,9 @@ Invariants (tests/sim/check.py), after every round:
   I2  fsck (full) of the quiescent store is clean, and a gc run then succeeds;
   I3  no call returned success for something that did not happen, or that was undone
       without a cause: a successful put's snapshot stays (same content) unless
-      retention may have dropped it (keep_last=N of its job and >= N puts of the job
-      began after it returned); a ref tip never goes back behind a put that returned
-      after it; a successful tag exists on its root; a tag() that said RefNotFound
+      retention may have dropped it (keep_last=N of its job and >= N other puts of
+      the job may have been published after it); a ref tip never goes back behind a
+      put that began after the tip's put returned; a successful tag exists on its root; a tag() that said RefNotFound
       created nothing; a successful pin holds until an unpin may have undone it (or
       the ref table was rebuilt: pins live only there);
   I4  calls judged on their own: an fsck running beside writers and gc reports no
@@ -196,7 +196,7 @@ class Harness:
                  for _ in range(2) if rng.random() < fl["driver_kill"]]
         procs = [self._spawn(c) for c in cfgs]
         ready: dict[int, float] = {}
-        killed = 0
+        killed = stuck = 0
         hard_stop = time.time() + 60  # none got ready (an open that hangs)
         while any(p.poll() is None for p in procs):
             now = time.time()
@@ -216,7 +216,7 @@ class Harness:
                 for p in procs:
                     if p.poll() is None:
                         p.send_signal(signal.SIGKILL)
-                        killed += 1
+                        stuck += 1
             time.sleep(0.02)
         bad = []
         for c, p in zip(cfgs, procs):
@@ -224,14 +224,15 @@ class Harness:
                 with open(os.path.join(self.run_dir, f"{c['id']}.err"), errors="replace") as f:
                     bad.append(f"I4 worker {c['id']} exited {p.returncode}: {f.read()[-1500:]}")
         t_work = time.time() - t0
-        self_killed = sum(1 for p in procs if p.returncode == -signal.SIGKILL) - killed
+        self_killed = sum(1 for p in procs if p.returncode == -signal.SIGKILL) - killed - stuck
         recovered = rng.random() < fl["recover_p"]
         t1 = time.time()
         if recovered:
             bad += self._recover_phase(rng, fl, r)
         t2 = time.time()
         bad += self._settle_and_check(rng, fl)
-        self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} kills={killed}+{self_killed} "
+        self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} "
+                 f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
                  f"checks {time.time() - t2:.1f})")
