@@ -69,8 +69,8 @@ JOBS = ["ja", "jb"]
 # Per flavor: operation weights and how hard to aim at each window. The default ("mix")
 # draws a flavor per round from the seed; --focus fixes one.
 _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "self_kill": 0.15,
-         "driver_kill": 0.4, "kill_after_commit": 0.1, "kill_after_p": 0.5, "reuse_p": 0.35, "recover_p": 0.25,
-         "recover_kill": 0.6, "quiet_gc": 0.4}
+         "driver_kill": 0.4, "kill_after_commit": 0.1, "kill_after_p": 0.5, "reuse_p": 0.35, "resave_p": 0.5,
+         "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4}
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
                                 "fsck": 0.7, "read": 1}),
@@ -84,10 +84,10 @@ FLAVORS = {
     # table lost and rebuilt by a recover that is itself killed part-way
     "recover": dict(_BASE, weights={"put": 6, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
                     slow_delete=1.0, kill_after_p=1.0, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6,
-                    reuse_p=0.7, recover_p=1.0, recover_kill=0.8),
+                    reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8),
     # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
-                  fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05),
+                  fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9),
 }
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1}
 
@@ -188,7 +188,7 @@ class Harness:
                 "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"),
                 "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds, "weights": fl["weights"],
                 "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
-                "reuse": reuse, "reuse_p": fl["reuse_p"],
+                "reuse": reuse, "reuse_p": fl["reuse_p"], "resave_p": fl["resave_p"],
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else gc_stale,
                 "gc_stale": gc_stale, "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         # Driver kills: (seconds after that worker is ready, which worker).

@@ -54,6 +54,10 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     return s
 
 
+def job_of(ref: str) -> str:
+    return ref.split("/", 1)[0]
+
+
 def _err(e: BaseException) -> dict:
     raw = not isinstance(e, tsck.TsckError)
     out = {"result": type(e).__name__, "error": str(e)[:400]}
@@ -85,16 +89,13 @@ class Worker:
         step = self.cfg["step_base"] + i
         own = None
         if self.rng.random() < self.cfg.get("reuse_p", 0.35):
-            # Put again the own tensor of a snapshot in the ref's history, the oldest ones
-            # (those retention drops next: a running gc is about to delete their blocks)
-            # most often; else one the driver listed, or one of this worker's.
-            try:
-                hist = [i.meta.get("sim") for i in s.log(ref)]
-            except tsck.TsckError:
-                hist = []
-            hist = [h.get("u", [h["w"], h["o"]]) for h in hist if h]
-            if hist and self.rng.random() < 0.5:
-                own = hist[-1 - int(len(hist) * self.rng.random() ** 3)]
+            # Put again the own tensor of an earlier snapshot: most often of the oldest
+            # unprotected ones of this job, those retention drops next (a gc running now
+            # or soon lists their blocks for deletion while this put reuses them); else
+            # one the driver listed, or one of this worker's.
+            hist = self._expiring(s, job_of(ref))
+            if hist and self.rng.random() < self.cfg.get("resave_p", 0.5):
+                own = hist[int(min(len(hist), 3) * self.rng.random())]
             else:
                 earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
                 own = self.rng.choice(earlier) if earlier else None
@@ -121,6 +122,15 @@ class Worker:
             self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
             return {"root": info.root, "time": info.time, "ref_job": info.job}
         return args, call
+
+    @staticmethod
+    def _expiring(s, job: str) -> list:
+        """Own-tensor ids of the job's kept, unprotected snapshots, oldest first."""
+        rt = s.reftable
+        protected = {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
+        rows = sorted((row.get("time", 0.0), (row.get("meta") or {}).get("sim")) for root, row in rt.catalog_iter()
+                      if row.get("job") == job and root not in protected)
+        return [sp.get("u", [sp["w"], sp["o"]]) for _t, sp in rows if sp]
 
     def _target(self):
         """A target for tag/pin/read: a ref, REF@STEP of an older own put (the ones gc
