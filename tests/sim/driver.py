@@ -70,7 +70,7 @@ JOBS = ["ja", "jb"]
 # draws a flavor per round from the seed; --focus fixes one.
 _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "self_kill": 0.15,
          "driver_kill": 0.4, "kill_after_commit": 0.1, "kill_after_p": 0.5, "reuse_p": 0.35, "resave_p": 0.5,
-         "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4}
+         "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4, "delete_delay": [0.02, 0.06]}
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
                                 "fsck": 0.7, "read": 1}),
@@ -87,7 +87,8 @@ FLAVORS = {
                     reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8),
     # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
-                  fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9),
+                  fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9,
+                  delete_delay=[0.1, 0.3]),
 }
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1}
 
@@ -143,7 +144,7 @@ class Harness:
         if rng.random() < fl["slow_tags"]:
             p["slow"]["tags/"] = rng.choice([0.3, 1.0])
         if rng.random() < fl["slow_delete"]:
-            p["slow"]["delete"] = rng.choice([0.02, 0.06])
+            p["slow"]["delete"] = rng.choice(fl["delete_delay"])
         if rng.random() < 0.3:
             p["slow"]["ref-write"] = 0.02
         if rng.random() < fl["fail"]:
