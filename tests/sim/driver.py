@@ -70,7 +70,8 @@ JOBS = ["ja", "jb"]
 # draws a flavor per round from the seed; --focus fixes one.
 _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "self_kill": 0.15,
          "driver_kill": 0.4, "kill_after_commit": 0.1, "kill_after_p": 0.5, "reuse_p": 0.35, "resave_p": 0.5,
-         "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4, "delete_delay": [0.02, 0.06]}
+         "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4, "delete_delay": [0.02, 0.06],
+         "slow_commit": 0.2}
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
                                 "fsck": 0.7, "read": 1}),
@@ -84,11 +85,11 @@ FLAVORS = {
     # table lost and rebuilt by a recover that is itself killed part-way
     "recover": dict(_BASE, weights={"put": 6, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
                     slow_delete=1.0, kill_after_p=1.0, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6,
-                    reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8),
+                    reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8, slow_commit=0.6),
     # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
                   fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9,
-                  delete_delay=[0.1, 0.3]),
+                  delete_delay=[0.1, 0.3], slow_commit=0.8),
 }
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1}
 
@@ -147,6 +148,8 @@ class Harness:
             p["slow"]["delete"] = rng.choice(fl["delete_delay"])
         if rng.random() < 0.3:
             p["slow"]["ref-write"] = 0.02
+        if rng.random() < fl["slow_commit"]:  # a writer between its blocks and its ref move: gc may freeze
+            p["slow"]["commits/"] = rng.choice([0.2, 0.5])
         if rng.random() < fl["fail"]:
             p.update(fail_p=0.01, fail_ops=["put", "get", "delete", "list"])
         if rng.random() < fl["self_kill"]:
