@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -52,6 +53,13 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     if faults is not None:
         slow_reftable(s.reftable, faults)
     return s
+
+
+def _die_with_parent() -> None:
+    """In a `tsck gc` child: a kill -9 of this worker kills its gc too (Linux), so the
+    driver's checks after a round run on a quiescent store."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def job_of(ref: str) -> str:
@@ -194,7 +202,7 @@ class Worker:
             env["TSCK_REFS"] = st["refs"]
         if st.get("storage_options"):
             env["TSCK_STORAGE_OPTIONS"] = json.dumps(st["storage_options"])
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_die_with_parent)
         if p.returncode != 0:
             kind = "GcBusy" if "another gc" in p.stderr else "CliError"
             return {"result": kind, "error": (p.stderr or p.stdout)[-400:], "rc": p.returncode}
