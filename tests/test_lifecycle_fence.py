@@ -166,3 +166,71 @@ def test_fsck_beside_gc_reports_no_false_damage(tmp_path):
         assert rep.ok, [str(f) for f in rep.findings]
         assert rep.gc_ran and rep.dropped_after_gc > 0
         assert other.fsck().ok
+
+
+class ListGate(WrappedStore):
+    """Holds the first listing of commits/ until released: a gc that has expired and
+    marked, before its deletion phase (the epoch still even)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.armed, self.reached, self.release = False, threading.Event(), threading.Event()
+
+    def list(self, prefix):
+        if self.armed and prefix == "commits/" and not self.reached.is_set():
+            self.reached.set()
+            assert self.release.wait(30)
+        return super().list(prefix)
+
+
+@pytest.mark.parametrize("how", ["tag", "pin"])
+def test_tag_or_pin_of_a_snapshot_expired_meanwhile_fails_cleanly(tmp_path, how):
+    """Found by the interleaving harness (tests/sim, seed 20263 on s3+PostgreSQL): tag()
+    and pin() resolved their target, then a gc's expiry dropped its catalog row (still in
+    the marking phase: the deletion epoch does not move), then the tag or pin row went in.
+    The call returned success for a snapshot retention had just dropped: kept by the tag
+    or pin, but with no catalog row, so `checkout`/`unpin`/`show` of its root raised
+    RefNotFound (a pin that cannot be removed by its root) and `log`/`du` missed it.
+    Now the row goes in only while the snapshot is still kept, in the same transaction."""
+    gate = {}
+
+    def wrap(inner):
+        gate["g"] = ListGate(inner)
+        return gate["g"]
+    s = tsck.open_store(tmp_path / "s", wrap_storage=wrap)
+    with s:
+        for step in range(1, 4):
+            s.put_snapshot({"w": torch.full((30000,), float(step))}, ref="a/main", step=step)
+        root1 = s.resolve("a/main@1")
+        s.set_retention("a", tsck.Retention(keep_last=1))
+        held, go = threading.Event(), threading.Event()
+        if how == "tag":
+            g2 = Gate(s.storage.inner, "tags/")  # hold tag() between resolving and its row
+            s.storage.inner, s.assets.storage = g2, s.storage
+            held, go = g2.reached, g2.release
+            call = lambda: s.tag("keep-me", "a/main@1")  # noqa: E731
+        else:
+            real_pin = s.reftable.pin
+
+            def slow_pin(root, fence=None):  # hold pin() between resolving and its row
+                held.set()
+                assert go.wait(30)
+                return real_pin(root, fence=fence)
+            s.reftable.pin = slow_pin
+            call = lambda: s.pin("a/main@1")  # noqa: E731
+        t, out = _in_thread(call)
+        assert held.wait(30)
+        gate["g"].armed = True
+        g, gout = _in_thread(s.gc)
+        assert gate["g"].reached.wait(30)   # gc expired steps 1 and 2 and marked; epoch still even
+        assert s.reftable.catalog_get(bytes.fromhex(root1)) is None
+        go.set()
+        t.join(30)
+        gate["g"].release.set()
+        g.join(30)
+        assert "error" not in gout, gout
+        assert isinstance(out.get("error"), tsck.RefNotFound), out
+        assert s.tags() == {} and s.reftable.pins() == set()
+        assert s.fsck().ok
+        if how == "tag":
+            s.tag("keep-me", "a/main")      # the name is free again (its tags/ object was removed)

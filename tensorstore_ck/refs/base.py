@@ -380,11 +380,14 @@ class RefTable(ABC):
 
     def tag_create(self, name: str, root: bytes, *, fence: int | None = None) -> None:
         """Tags are immutable: RefConflict if `name` exists as a tag or a ref. fence: as for
-        compare_and_swap (Fenced if a gc deletion phase started since, or is running)."""
+        compare_and_swap (Fenced if a gc deletion phase started since, or is running); with
+        a fence, RefNotFound if `root` is no longer kept (a gc's expiry dropped its catalog
+        row after the caller resolved it: the epoch moves only when deletion starts)."""
         key = name.encode()
 
         def txn(t):
             _check_fence(t, fence)
+            _check_kept(t, root, fence)
             cur = t.get("tags", key)
             if cur is not None:
                 raise RefConflict(name, None, _hex(cur), what="tag")
@@ -399,9 +402,11 @@ class RefTable(ABC):
         return self._read(lambda t: [(_name(k, "tag"), v) for k, v in t.items("tags")])
 
     def pin(self, root: bytes, *, fence: int | None = None) -> None:
-        """fence: as for compare_and_swap."""
+        """fence: as for compare_and_swap (and, as for tag_create, RefNotFound if `root`
+        is no longer kept)."""
         def txn(t):
             _check_fence(t, fence)
+            _check_kept(t, root, fence)
             t.put("pins", root, b"")
         self._write(txn)
 
@@ -630,6 +635,17 @@ def _check_fence(t: Txn, fence: int | None) -> None:
         epoch = _gc_state(t).get("epoch", 0)
         if epoch != fence or epoch % 2:
             raise Fenced(f"gc deletion epoch moved from {fence} to {epoch}")
+
+
+def _check_kept(t: Txn, root: bytes, fence: int | None) -> None:
+    """A fenced tag or pin names a snapshot that is kept now: it has a catalog row or is a
+    ref's tip. Checked in the transaction that inserts the row, so a gc's expiry either
+    saw the tag or pin (and kept the snapshot) or happened before it (and this refuses)."""
+    if fence is None or t.get("catalog", root) is not None:
+        return
+    if any(v == root for _k, v in t.items("refs")):
+        return
+    raise RefNotFound(f"snapshot {root.hex()[:16]} is no longer kept (retention dropped it meanwhile)")
 
 
 def _gc_state(t: Txn) -> dict:

@@ -1,0 +1,115 @@
+"""Where the harness's store lives, and how its ref table is lost (for recover).
+
+    file  a local directory, LMDB ref table beside it (refs.lmdb)
+    pg    a local directory, ref table on PostgreSQL (one namespace per store)
+    s3    s3://tsck-tests/<uuid>/store on a real S3 server, ref table on PostgreSQL
+
+PostgreSQL: --pg-dsn / $TEST_PG_DSN, else a throwaway server is started here with the
+Debian binaries (initdb/pg_ctl, as tests/conftest.py does). S3: $TEST_S3_ENDPOINT,
+$TEST_S3_KEY, $TEST_S3_SECRET (`bash .ci/start-rgw.sh DIR && source DIR/env`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+
+KINDS = ("file", "pg", "s3")
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Postgres:
+    """A PostgreSQL 15 server of our own on 127.0.0.1 (stopped by stop())."""
+
+    def __init__(self):
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not bins:
+            raise SystemExit("no PostgreSQL binaries (apt-get install postgresql) and no --pg-dsn given")
+        self.bindir = os.path.dirname(bins[-1])
+        self.tmp = tempfile.mkdtemp(prefix="tsck-sim-pg-")
+        self.as_user = []
+        if os.geteuid() == 0:  # initdb refuses to run as root
+            shutil.chown(self.tmp, "postgres")
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        port, self.data = _free_port(), os.path.join(self.tmp, "data")
+        subprocess.run(self.as_user + [f"{self.bindir}/initdb", "-D", self.data, "-U", "postgres", "-A", "trust",
+                                       "-E", "UTF8", "--no-sync"], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        subprocess.run(self.as_user + [f"{self.bindir}/pg_ctl", "-D", self.data, "-l", f"{self.tmp}/log", "-w",
+                                       "-t", "30", "-o", f"-c listen_addresses=127.0.0.1 -p {port} -k {self.tmp} "
+                                       "-c fsync=off", "start"], check=True, stdout=subprocess.DEVNULL)
+        self.dsn = f"host=127.0.0.1 port={port} user=postgres dbname=postgres"
+
+    def stop(self) -> None:
+        subprocess.run(self.as_user + [f"{self.bindir}/pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class Location:
+    def __init__(self, kind: str, run_dir: str, pg_dsn: str | None = None):
+        self.kind = kind
+        self.refs = None
+        self.storage_options = None
+        self._pg = None
+        if kind in ("pg", "s3") and not pg_dsn:
+            self._pg = Postgres()
+            pg_dsn = self._pg.dsn
+        if kind == "file":
+            self.url = os.path.join(run_dir, "store")
+        elif kind == "pg":
+            self.url, self.refs = os.path.join(run_dir, "store"), pg_dsn
+        elif kind == "s3":
+            ep = os.environ.get("TEST_S3_ENDPOINT")
+            if not ep:
+                raise SystemExit("backend s3 needs TEST_S3_ENDPOINT (bash .ci/start-rgw.sh DIR && source DIR/env)")
+            self.storage_options = {"endpoint_url": ep, "key": os.environ.get("TEST_S3_KEY", "x"),
+                                    "secret": os.environ.get("TEST_S3_SECRET", "x"),
+                                    # short client timeouts, so gc leases of seconds fit (a delete
+                                    # request must end well within the lease)
+                                    "config_kwargs": {"connect_timeout": 2, "read_timeout": 4}}
+            import s3fs
+            fs = s3fs.S3FileSystem(**self.storage_options, skip_instance_cache=True)
+            try:
+                fs.mkdir("tsck-tests")
+            except (FileExistsError, OSError):
+                pass
+            self.url, self.refs = f"s3://tsck-tests/{uuid.uuid4().hex}/store", pg_dsn
+        else:
+            raise SystemExit(f"unknown backend {kind!r} (one of {', '.join(KINDS)})")
+
+    def spec(self) -> dict:
+        return {"url": self.url, "refs": self.refs, "storage_options": self.storage_options}
+
+    def delete_ref_table(self, store_id: str) -> None:
+        """Lose the ref table, as an operator might (LMDB directory removed; the store's
+        PostgreSQL namespace emptied). Nothing may have it open."""
+        if self.refs is None:
+            shutil.rmtree(os.path.join(self.url, "refs.lmdb"))
+            return
+        import psycopg
+        with psycopg.connect(self.refs, autocommit=True) as conn:
+            conn.execute("DELETE FROM tsck_kv WHERE ns = %s", (store_id,))
+
+    def close(self) -> None:
+        if self.kind == "s3":
+            try:
+                import s3fs
+                s3fs.S3FileSystem(**self.storage_options, skip_instance_cache=True).rm(
+                    self.url[len("s3://"):].rsplit("/", 1)[0], recursive=True)
+            except (FileNotFoundError, OSError):
+                pass
+        if self._pg is not None:
+            self._pg.stop()

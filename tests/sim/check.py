@@ -1,0 +1,276 @@
+"""The invariants, checked on a quiescent store against the operation journals.
+
+Each check returns a list of violations (strings naming the invariant, the object and
+the journal events involved); the driver's docstring is the spec. Everything here
+reads the store through the public API (and the ref table's plain listings), and
+rebuilds expected content from the spec each snapshot carries in meta["sim"].
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+import tensorstore_ck as tsck
+from tensorstore_ck.format.manifest import decode_commit
+from tensorstore_ck.ids import Digest
+
+from . import content
+
+
+# -- the journals ------------------------------------------------------------------------
+@dataclass
+class Op:
+    w: str
+    i: int
+    op: str
+    args: dict
+    start: float
+    end: float | None = None       # None: no result journaled (killed: outcome unknown)
+    result: str | None = None      # "ok", an error type, "mismatch"
+    out: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.result == "ok"
+
+    @property
+    def unknown(self) -> bool:
+        return self.end is None
+
+    def brief(self) -> str:
+        res = "UNKNOWN (killed)" if self.unknown else self.result
+        extra = {k: v for k, v in self.out.items() if k in ("root", "error", "findings", "diff", "expired")}
+        return f"[{self.w}#{self.i} {self.op} {json.dumps(self.args, sort_keys=True)} t={self.start:.3f}" \
+               f"..{'?' if self.end is None else f'{self.end:.3f}'} -> {res} {json.dumps(extra)[:600]}]"
+
+
+def load_ops(run_dir: str) -> list[Op]:
+    ops: dict[tuple, Op] = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "journal", "*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                if not line.endswith("\n"):
+                    continue  # a line cut by the kill: the event did not happen
+                rec = json.loads(line)
+                if "start" in rec:
+                    ops[(rec["w"], rec["i"])] = Op(rec["w"], rec["i"], rec["op"], rec.get("args") or {},
+                                                  rec["start"])
+                elif "end" in rec:
+                    o = ops[(rec["w"], rec["i"])]
+                    o.end, o.result = rec["end"], rec["result"]
+                    o.out = {k: v for k, v in rec.items() if k not in ("w", "i", "end", "result")}
+    return sorted(ops.values(), key=lambda o: o.start)
+
+
+def job_of(ref: str) -> str:
+    return ref.split("/", 1)[0]
+
+
+# -- what the store holds now --------------------------------------------------------------
+def snapshot_of_table(store) -> dict:
+    """Refs, tags, pins, catalog rows and reflog lengths: what a recover may change."""
+    rt = store.reftable
+    return {
+        "refs": {n: r.hex() for n, r in rt.list()},
+        "tags": {n: r.hex() for n, r in rt.tags()},
+        "pins": sorted(r.hex() for r in rt.pins()),
+        "catalog": sorted(r.hex() for r, _ in rt.catalog_iter()),
+        "reflog": {n: [(e.old.hex() if e.old else None, e.new.hex()) for e in rt.reflog(n)] for n, _ in rt.list()},
+    }
+
+
+def _spec_of(store, root: bytes):
+    row = store.reftable.catalog_get(root)
+    if row is not None:
+        return (row.get("meta") or {}).get("sim")
+    return (store.publisher.info(root).meta or {}).get("sim")
+
+
+def verify_root(store, root: bytes, target: str | None = None) -> str | None:
+    """None if the snapshot checks out bit-exact against its spec, else why not."""
+    try:
+        spec = _spec_of(store, root)
+        got = store.checkout(target or root.hex())
+    except tsck.TsckError as e:
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    if spec is None:
+        return "no sim spec in its meta"
+    diff = content.differences(got, content.state(spec))
+    return None if not diff else "content differs: " + "; ".join(diff[:3])
+
+
+# -- the checks ------------------------------------------------------------------------------
+def check_readable(store) -> list[str]:
+    """I1: every ref tip, tag, pin and catalog row checks out bit-exact."""
+    rt, bad = store.reftable, []
+    seen: dict[bytes, str | None] = {}
+
+    def one(root: bytes, what: str, target: str | None = None):
+        key = root if target is None else (root, target)
+        if key not in seen:
+            seen[key] = verify_root(store, root, target)
+        if seen[key] is not None:
+            bad.append(f"I1 {what} -> {root.hex()[:16]}: {seen[key]}")
+
+    for name, root in rt.list():
+        one(root, f"ref {name}", name)
+    for name, root in rt.tags():
+        one(root, f"tag {name}", name)
+    for root in sorted(rt.pins()):
+        one(root, "pin")
+    for root, _row in rt.catalog_iter():
+        one(root, "catalog row")
+    return bad
+
+
+def check_fsck(store, label: str) -> list[str]:
+    """I2: fsck (full) of the quiescent store is clean."""
+    rep = store.fsck(full=True)
+    return [f"I2 fsck ({label}): {f}" for f in rep.findings[:20]]
+
+
+def _min_keep(ops: list[Op], job: str) -> int | None:
+    """The smallest keep_last any set_retention of `job` asked for (whatever its outcome)."""
+    keeps = [o.args.get("keep_last") for o in ops if o.op == "retention" and o.args.get("job") == job]
+    keeps = [k for k in keeps if k is not None]
+    return min(keeps) if keeps else None
+
+
+def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
+    """I3: what calls claimed happened did happen (and stayed, unless a later event may
+    have undone it legitimately). barriers: times the ref table was deleted (recover)."""
+    rt, bad = store.reftable, []
+    catalog = {r.hex(): row for r, row in rt.catalog_iter()}
+    refs = {n: r.hex() for n, r in rt.list()}
+    tags = {n: r.hex() for n, r in rt.tags()}
+    pins = {r.hex() for r in rt.pins()}
+    puts = [o for o in ops if o.op == "put" and (o.ok or o.unknown)]
+    ok_by_root = {o.out["root"]: o for o in puts if o.ok}
+
+    # Each successful put: its snapshot exists with the content it was given, unless
+    # retention may have dropped it (keep_last=N of its job, and at least N other puts
+    # of the job may have been published after it: they returned after it began, or
+    # their outcome is unknown).
+    for o in puts:
+        if not o.ok:
+            continue
+        root, job = o.out["root"], job_of(o.args["ref"])
+        row = catalog.get(root)
+        if row is not None:
+            if (row.get("meta") or {}).get("sim") != o.args["spec"]:
+                bad.append(f"I3 catalog row of {root[:16]} holds another spec than its put: {o.brief()}")
+            continue
+        k = _min_keep(ops, job)
+        later = sum(1 for p in puts if p is not o and job_of(p.args["ref"]) == job
+                    and (p.unknown or p.end > o.start))
+        protected = root in refs.values() or root in tags.values() or root in pins
+        if protected:
+            bad.append(f"I3 {root[:16]} is a ref tip/tag/pin but has no catalog row: {o.brief()}")
+        elif k is None or later < k:
+            bad.append(f"I3 put returned ok but its snapshot is gone (no catalog row; job {job} keep_last "
+                       f"min {k}, {later} puts of the job possibly published after it): {o.brief()}")
+
+    # Ref tips never go back: no successful put on the ref began after the tip's put returned.
+    for name, tip in refs.items():
+        q = ok_by_root.get(tip)
+        if q is None:
+            continue
+        newer = [p for p in puts if p.ok and p.args["ref"] == name and p.start > q.end]
+        if newer:
+            bad.append(f"I3 ref {name} is on {tip[:16]} but a later put returned ok: {newer[-1].brief()} "
+                       f"(tip's put {q.brief()})")
+    for o in puts:
+        if o.ok and o.args["ref"] not in refs:
+            bad.append(f"I3 ref {o.args['ref']} is gone after a successful put: {o.brief()}")
+
+    # Tags are immutable: every successful tag exists, on its root; a tag whose every call
+    # failed with RefNotFound ("nothing was created") does not.
+    tag_ops: dict[str, list[Op]] = {}
+    for o in ops:
+        if o.op == "tag":
+            tag_ops.setdefault(o.args["name"], []).append(o)
+    for name, lst in tag_ops.items():
+        okd = [o for o in lst if o.ok]
+        for o in okd:
+            if tags.get(name) != o.out["root"]:
+                bad.append(f"I3 tag {name} returned ok on {o.out['root'][:16]} but the table has "
+                           f"{tags.get(name)}: {o.brief()}")
+        if name in tags and lst and all(o.result == "RefNotFound" for o in lst):
+            bad.append(f"I3 tag {name} exists on {tags[name][:16]} although tag() said RefNotFound "
+                       f"(nothing created): {lst[-1].brief()}")
+
+    # Pins: a successful pin holds until an unpin of that root (or any unpin whose target
+    # is unknown) may have run after it, or the ref table was rebuilt (pins are lost).
+    unpins = [o for o in ops if o.op == "unpin" and (o.ok or o.unknown)]
+    for o in ops:
+        if o.op != "pin" or not o.ok:
+            continue
+        root = o.out["root"]
+        if any(b > o.start for b in barriers):
+            continue
+        undone = False
+        for u in unpins:
+            if u.end is not None and u.end < o.start:
+                continue
+            target = u.out.get("root") or u.args.get("target")
+            if target == root or (u.unknown and len(str(target)) != 64):
+                undone = True
+        if not undone and root not in pins:
+            bad.append(f"I3 pin of {root[:16]} returned ok and was never unpinned, but it is not pinned: "
+                       f"{o.brief()}")
+
+    # Calls judged on their own: fsck beside everything else reports no damage; a read
+    # returns exactly what was put; nothing raises a raw (non-TsckError) exception.
+    for o in ops:
+        if o.op == "fsck" and o.ok and o.out.get("findings"):
+            bad.append(f"I4 fsck beside the others reported damage: {o.brief()}")
+        if o.result == "mismatch":
+            bad.append(f"I4 read returned other bytes than were put: {o.brief()}")
+        if o.out.get("raw"):
+            bad.append(f"I4 raw exception: {o.brief()} {o.out.get('trace', '')[-800:]}")
+        if o.op == "recover" and not o.ok and not o.unknown:
+            bad.append(f"I5 recover failed: {o.brief()}")
+    return bad
+
+
+def newest_complete_commits(store) -> dict[str, tuple]:
+    """ref -> (time, step, root hex) of its newest commit in storage that checks out."""
+    by_ref: dict[str, list] = {}
+    for o in store.assets.list_objects("commits"):
+        try:
+            c = decode_commit(store.assets.get_commit(o.digest, verify=True))
+        except tsck.TsckError:
+            continue
+        step = c["step"] if isinstance(c["step"], int) else -1
+        by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, o.digest))
+    out = {}
+    for ref, items in by_ref.items():
+        for t, s, d in sorted(items, reverse=True, key=lambda x: (x[0], x[1])):
+            try:
+                _read_commit(store, d)
+            except tsck.TsckError:
+                continue
+            out[ref] = (t, s, d.hex())
+            break
+    return out
+
+
+def _read_commit(store, d: Digest) -> None:
+    from tensorstore_ck.read import MISSING, Reader
+    c = decode_commit(store.assets.get_commit(d, verify=True))
+    Reader(store.assets, store.pool, snapshot=d.hex(), verify=True).read(c["tree"], MISSING)
+
+
+def check_recovered(store) -> list[str]:
+    """I6: after recover (the ref table rebuilt, no writer running) every ref is at the
+    newest commit of its history in storage whose tree is whole."""
+    bad = []
+    refs = {n: r.hex() for n, r in store.reftable.list()}
+    for ref, (t, s, root) in sorted(newest_complete_commits(store).items()):
+        if refs.get(ref) != root:
+            bad.append(f"I6 after recover ref {ref} is on {str(refs.get(ref))[:16]}, not on its newest whole "
+                       f"commit {root[:16]} (time {t:.3f}, step {s})")
+    return bad

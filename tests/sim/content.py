@@ -1,0 +1,92 @@
+"""What the harness's writers put, regenerated from a small spec.
+
+Every snapshot a worker puts is `state(spec)` for a spec like
+{"w": "r3w1", "o": 7, "v": 2, "s": 30107}; the spec also goes into the
+snapshot's meta (meta["sim"]), so the checker can rebuild the exact state of any
+catalog row, ref tip, tag or pin, including those of puts whose outcome the
+journal does not know (their worker was killed), and compare bit for bit.
+
+Content is chosen to exercise dedup and gc's windows:
+  base  one frozen tensor shared by every snapshot of every worker (stored once)
+  var   one of VARIANTS tensors: a variant last used by snapshots that retention
+        expired is a gc candidate that the next writer may reuse meanwhile
+  own   unique to (worker, op), or again the one of an earlier op of that worker
+  step, note  plain values (inlined in the manifest)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import numpy as np
+import torch
+
+BLOCK_SIZE = 16384        # the harness store's block layout (set at creation)
+INLINE_THRESHOLD = 1024
+VARIANTS = 5
+
+
+def _seed(*parts) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+def _floats(n: int, *parts) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(_seed(*parts)).standard_normal(n, dtype=np.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _base() -> torch.Tensor:
+    return _floats(16384, "base")  # 64 KiB: 4 blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _variant(v: int) -> torch.Tensor:
+    return _floats(8192, "variant", v).reshape(64, 128)  # 32 KiB: 2 blocks
+
+
+def make_spec(worker: str, op: int, variant: int, step: int, own: list | None = None) -> dict:
+    """own: [worker, op] of an earlier put whose "own" tensor to put again (a restarted job
+    re-saving a state saved before: blocks of an expired snapshot, gc candidates, return)."""
+    spec = {"w": worker, "o": int(op), "v": int(variant), "s": int(step)}
+    if own is not None and list(own) != [worker, op]:
+        spec["u"] = [str(own[0]), int(own[1])]
+    return spec
+
+
+def _own(spec: dict) -> tuple:
+    return tuple(spec["u"]) if "u" in spec else (spec["w"], spec["o"])
+
+
+def state(spec: dict) -> dict:
+    """The state for `spec`, freshly allocated (callers may mutate it)."""
+    return {
+        "base": _base().clone(),
+        "var": _variant(int(spec["v"])).clone(),
+        "own": _floats(6000, "own", *_own(spec)),  # 24000 B: 2 blocks
+        "ids": torch.arange(int(spec["o"]), int(spec["o"]) + 700, dtype=torch.int64),  # 5600 B: 1 block
+        "step": int(spec["s"]),
+        "note": f"{spec['w']}:{spec['o']}",
+    }
+
+
+def differences(got, want, path: str = "") -> list[str]:
+    """Where `got` differs from `want` (types, dtypes, shapes, bits); [] if identical."""
+    if type(got) is not type(want):
+        return [f"{path or '/'}: type {type(got).__name__} != {type(want).__name__}"]
+    if isinstance(want, dict):
+        if list(got) != list(want):
+            return [f"{path or '/'}: keys {list(got)} != {list(want)}"]
+        out = []
+        for k in want:
+            out += differences(got[k], want[k], f"{path}/{k}")
+        return out
+    if isinstance(want, torch.Tensor):
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return [f"{path}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"]
+        def raw(t):
+            return t.contiguous().view(torch.uint8).numpy().tobytes()
+        if raw(got) != raw(want):
+            return [f"{path}: bytes differ"]
+        return []
+    return [] if got == want else [f"{path}: {got!r} != {want!r}"]

@@ -1,0 +1,378 @@
+"""The seeded interleaving harness (issue 11): the FoundationDB-simulation / Jepsen idea at
+this project's scale.
+
+    python -m tests.sim --backend file|pg|s3 --seed N (--rounds R | --seconds S) [--focus F]
+
+A run is a sequence of rounds on one store. In a round, 2-4 worker processes
+(tests/sim/worker.py, each opening the store itself) run seeded random operations:
+put_snapshot (blocking and asynchronous, some conditional; content shared across
+workers so that dedup meets gc), tag, pin/unpin, set_retention (keep_last per job),
+gc (the API with a random stale_after, or `tsck gc`), fsck, and reads. Each process
+wraps its storage and its ref table in a seeded fault injector (tests/sim/faults.py:
+delays aimed at windows such as tag objects and gc's deletes, transient failures,
+kill -9 of itself at a chosen fault point), and the driver kills workers at random
+moments too. Then, with the workers stopped, as an operator would: sometimes the ref
+table is deleted and `recover` rebuilt it (a first recover maybe killed part-way), a
+gc left locked by a killed gc is taken over, and the invariants are checked.
+
+Invariants (tests/sim/check.py), after every round:
+  I1  every ref tip, tag, pin and catalog row checks out, bit-exact against the content
+      its writer put (rebuilt from the spec the snapshot carries in meta["sim"]);
+  I2  fsck (full) of the quiescent store is clean, and a gc run then succeeds;
+  I3  no call returned success for something that did not happen, or that was undone
+      without a cause: a successful put's snapshot stays (same content) unless
+      retention may have dropped it (keep_last=N of its job and >= N other puts of
+      the job may have been published after it); a ref tip never goes back behind a
+      put that began after the tip's put returned; a successful tag exists on its root; a tag() that said RefNotFound
+      created nothing; a successful pin holds until an unpin may have undone it (or
+      the ref table was rebuilt: pins live only there);
+  I4  calls judged on their own: an fsck running beside writers and gc reports no
+      damage; a read returns exactly what was put; no raw (non-TsckError) exception;
+  I5  recover succeeds, and a second recover changes nothing (refs, tags, pins,
+      catalog, reflogs);
+  I6  after recover every ref is at the newest commit of its history whose tree is
+      whole (even if a first recover was killed half-way).
+An operation whose worker was killed has an unknown outcome: either is allowed, a
+corrupt one never.
+
+Seeds: the run's seed fixes every random choice (rounds, workers, operations, fault
+profiles, kill points and times); it is printed first (`HARNESS seed=...`), and a
+failure prints the violations, the journal events involved, the journal tail and a
+replay command. Processes and threads interleave differently on every run, so a
+replay repeats the schedule of operations and faults, not the exact timing: rerun it
+a few times (or with --rounds up to the failing one) to reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import tensorstore_ck as tsck
+
+from . import check, content
+from .backends import Location
+from .worker import Journal
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REFS = ["ja/main", "ja/side", "jb/main"]
+JOBS = ["ja", "jb"]
+
+# Per flavor: operation weights and how hard to aim at each window. The default ("mix")
+# draws a flavor per round from the seed; --focus fixes one.
+_BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "self_kill": 0.15,
+         "driver_kill": 0.4, "kill_after_commit": 0.1, "kill_after_p": 0.5, "reuse_p": 0.35, "resave_p": 0.5,
+         "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4, "delete_delay": [0.02, 0.06],
+         "slow_commit": 0.2}
+FLAVORS = {
+    "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
+                                "fsck": 0.7, "read": 1}),
+    # failure 1's window: tag/pin of a snapshot while a gc expires and deletes it
+    "tag-gc": dict(_BASE, weights={"put": 4, "tag": 3, "pin": 2, "unpin": 0.5, "retention": 0.7, "gc": 2.5,
+                                   "read": 0.5}, slow_tags=0.8, fail=0.05, recover_p=0.1),
+    # failure 5's window: fsck walking snapshots that a gc beside it expires and deletes
+    "fsck-gc": dict(_BASE, weights={"put": 4, "gc": 2.5, "fsck": 2.5, "retention": 0.7, "read": 0.5},
+                    slow_delete=0.6, fail=0.05, recover_p=0.1),
+    # failures 3 and 4: writers killed while gc deletes what they reuse, then the ref
+    # table lost and rebuilt by a recover that is itself killed part-way
+    "recover": dict(_BASE, weights={"put": 6, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
+                    slow_delete=1.0, kill_after_p=1.0, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6,
+                    reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8, slow_commit=0.6),
+    # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
+    "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
+                  fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9,
+                  delete_delay=[0.1, 0.3], slow_commit=0.8),
+}
+MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1}
+
+
+def leases_for(backend: str) -> list[float]:
+    return [15.0, 20.0] if backend == "s3" else [1.0, 2.0, 5.0]
+
+
+class Harness:
+    def __init__(self, seed: int, backend: str, *, rounds: int, focus: str | None = None, stale_skew: bool = True,
+                 round_seconds: float = 5.0, pg_dsn: str | None = None, run_dir: str | None = None,
+                 keep: bool = False, log=print):
+        self.seed, self.backend, self.rounds, self.focus = seed, backend, rounds, focus
+        self.stale_skew, self.round_seconds, self.log, self.keep = stale_skew, round_seconds, log, keep
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"tsck-sim-{seed}-")
+        os.makedirs(os.path.join(self.run_dir, "journal"), exist_ok=True)
+        self.loc = Location(backend, self.run_dir, pg_dsn)
+        self.dj = Journal(os.path.join(self.run_dir, "journal", "driver.jsonl"), "driver")
+        self.di = 0
+        self.barriers: list[float] = []  # when the ref table was deleted
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _open(self, **kw) -> tsck.Store:
+        st = self.loc.spec()
+        return tsck.open_store(st["url"], refs=st["refs"], storage_options=st["storage_options"], create=False,
+                               workers=3, **kw)
+
+    def _spawn(self, cfg: dict) -> subprocess.Popen:
+        path = os.path.join(self.run_dir, f"{cfg['id']}.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONFAULTHANDLER"] = "1"
+        err = open(os.path.join(self.run_dir, f"{cfg['id']}.err"), "wb")
+        p = subprocess.Popen([sys.executable, "-m", "tests.sim.worker", path], cwd=REPO, env=env,
+                             stdout=err, stderr=err)
+        err.close()
+        self.procs[cfg["id"]] = p
+        return p
+
+    def _driver_op(self, op: str, args: dict, fn):
+        """Run and journal one of the driver's own operations (an operator's action)."""
+        i, self.di = self.di, self.di + 1
+        self.dj.write(i=i, op=op, args=args, start=time.time())
+        try:
+            out = fn() or {}
+        except tsck.TsckError as e:
+            out = {"result": type(e).__name__, "error": str(e)[:400]}
+        out.setdefault("result", "ok")
+        self.dj.write(i=i, end=time.time(), **out)
+        return out
+
+    def _profile(self, rng: random.Random, fl: dict) -> dict:
+        p = {"delay_p": rng.choice([0.0, 0.1, 0.3]), "delay_max": rng.choice([0.005, 0.02, 0.05]), "slow": {}}
+        if rng.random() < fl["slow_tags"]:
+            p["slow"]["tags/"] = rng.choice([0.3, 1.0])
+        if rng.random() < fl["slow_delete"]:
+            p["slow"]["delete"] = rng.choice(fl["delete_delay"])
+        if rng.random() < 0.3:
+            p["slow"]["ref-write"] = 0.02
+        if rng.random() < fl["slow_commit"]:  # a writer between its blocks and its ref move: gc may freeze
+            p["slow"]["commits/"] = rng.choice([0.2, 0.5])
+        if rng.random() < fl["fail"]:
+            p.update(fail_p=0.01, fail_ops=["put", "get", "delete", "list"])
+        if rng.random() < fl["self_kill"]:
+            p["kill_at"] = rng.randint(10, 500)
+        if rng.random() < fl["kill_after_commit"]:
+            p["kill_after"] = {"op": "put-done", "prefix": "commits/", "p": fl["kill_after_p"],
+                               "during_gc": ["deleting"] if fl["kill_after_p"] >= 1 else ["marking", "deleting"]}
+        return p
+
+    # -- a round ------------------------------------------------------------------------
+    def round(self, r: int) -> list[str]:
+        rng = random.Random(f"{self.seed}:{r}")
+        flavor = self.focus or rng.choices(list(MIX_DRAW), list(MIX_DRAW.values()))[0]
+        fl = FLAVORS[flavor]
+        t0 = time.time()
+        n = rng.randint(2, 4)
+        # gc leases (seconds): each gc declares its own; on s3 a lease must outlast a delete
+        # request (the 6 s of client timeouts set in backends.py) and two renewal periods.
+        leases = leases_for(self.backend)
+        gc_stale = rng.choice(leases)
+        # Own tensors a worker may put again: those of snapshots kept now but no ref's tip,
+        # tag or pin (retention drops them as puts come: their blocks turn into gc
+        # candidates while writers reuse them), else of recent puts.
+        # Also those of snapshots no longer kept (a killed gc leaves their blocks behind:
+        # candidates of every gc until one deletes them).
+        with self._open() as s:
+            rt = s.reftable
+            protected = {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
+            rows = {root.hex(): row for root, row in rt.catalog_iter()}
+            specs = [(row.get("meta") or {}).get("sim") for root, row in rows.items()
+                     if bytes.fromhex(root) not in protected]
+        gone = [o.args["spec"] for o in check.load_ops(self.run_dir)
+                if o.op == "put" and o.ok and o.out["root"] not in rows][-20:]
+        reuse = [sp.get("u", [sp["w"], sp["o"]]) for sp in gone + specs if sp]
+        cfgs = []
+        for k in range(n):
+            wid = f"r{r}w{k}"
+            cfgs.append({
+                "id": wid, "seed": rng.getrandbits(62), "role": "ops", "store": self.loc.spec(),
+                "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"),
+                "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds, "weights": fl["weights"],
+                "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
+                "reuse": reuse, "reuse_p": fl["reuse_p"], "resave_p": fl["resave_p"],
+                # failure 2: writers opened with their own (small) gc_stale_after, the old
+                # per-process setting; leases now decide, so it must change nothing
+                "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,
+                "gc_stale": gc_stale, "gc_leases": leases if self.stale_skew else [gc_stale], "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
+        # Driver kills: (seconds after that worker is ready, which worker).
+        kills = [(rng.uniform(0.0, self.round_seconds), rng.randrange(n))
+                 for _ in range(2) if rng.random() < fl["driver_kill"]]
+        procs = [self._spawn(c) for c in cfgs]
+        ready: dict[int, float] = {}
+        killed = stuck = 0
+        hard_stop = time.time() + 60  # none got ready (an open that hangs)
+        while any(p.poll() is None for p in procs):
+            now = time.time()
+            for k, c in enumerate(cfgs):
+                if k not in ready and os.path.exists(c["journal"] + ".ready"):
+                    ready[k] = now
+                    # Past its time plus a grace, a worker is stuck (waiting out a dead gc
+                    # for its gc_stale_after, say): killed, its last call's outcome unknown.
+                    hard_stop = min(hard_stop, now + self.round_seconds + 8) if len(ready) == 1 else \
+                        max(hard_stop, now + self.round_seconds + 8)
+            for kill in [x for x in kills if x[1] in ready and ready[x[1]] + x[0] <= now]:
+                kills.remove(kill)
+                if procs[kill[1]].poll() is None:
+                    procs[kill[1]].send_signal(signal.SIGKILL)
+                    killed += 1
+            if now > hard_stop:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGKILL)
+                        stuck += 1
+            time.sleep(0.02)
+        bad = []
+        for c, p in zip(cfgs, procs):
+            if p.returncode not in (0, -signal.SIGKILL):
+                with open(os.path.join(self.run_dir, f"{c['id']}.err"), errors="replace") as f:
+                    bad.append(f"I4 worker {c['id']} exited {p.returncode}: {f.read()[-1500:]}")
+        t_work = time.time() - t0
+        self_killed = sum(1 for p in procs if p.returncode == -signal.SIGKILL) - killed - stuck
+        recovered = rng.random() < fl["recover_p"]
+        t1 = time.time()
+        if recovered:
+            bad += self._recover_phase(rng, fl, r)
+        t2 = time.time()
+        bad += self._settle_and_check(rng, fl)
+        self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} "
+                 f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
+                 f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
+                 f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
+                 f"checks {time.time() - t2:.1f})")
+        return bad
+
+    def _recover_phase(self, rng: random.Random, fl: dict, r: int) -> list[str]:
+        """The ref table is lost; an operator runs recover (with no writer running). The
+        first may be killed part-way (at a random ref-table write), then run again."""
+        with self._open() as s:
+            store_id = s.config["id"]
+        self.barriers.append(time.time())
+        self._driver_op("delete_refs", {}, lambda: self.loc.delete_ref_table(store_id))
+        bad = []
+        for attempt in range(4):
+            kill = "auto" if attempt < 2 and rng.random() < fl["recover_kill"] else None
+            wid = f"r{r}rec{attempt}"
+            cfg = {"id": wid, "seed": rng.getrandbits(62), "role": "recover", "store": self.loc.spec(),
+                   "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"),
+                   "faults": {"slow": {"ref-write": 0.01} if kill else {}, "kill_at": kill}}
+            p = self._spawn(cfg)
+            try:
+                p.wait(300)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                bad.append(f"I5 recover {wid} did not finish in 300 s")
+                return bad
+            if p.returncode == -signal.SIGKILL:
+                continue
+            if p.returncode != 0:
+                with open(os.path.join(self.run_dir, f"{wid}.err"), errors="replace") as f:
+                    bad.append(f"I5 recover {wid} exited {p.returncode}: {f.read()[-1500:]}")
+                return bad
+            break
+        with self._open() as s:
+            bad += check.check_recovered(s)
+            before = check.snapshot_of_table(s)
+        with self._open(create_refs=True) as s:
+            out = self._driver_op("recover", {"second": True}, lambda: {
+                k: v for k, v in s.recover().to_json().items() if k in ("refs_restored", "tags_restored",
+                                                                        "catalog_rows_added")})
+            after = check.snapshot_of_table(s)
+        if out["result"] != "ok":
+            bad.append(f"I5 second recover failed: {out}")
+        elif before != after or out["refs_restored"] or out["tags_restored"] or out["catalog_rows_added"]:
+            diff = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+            bad.append(f"I5 a second recover changed things: report {out}; differences {json.dumps(diff)[:1500]}")
+        # Retention rules live only in the ref table: the operator sets them again.
+        last = {}
+        for o in check.load_ops(self.run_dir):
+            if o.op == "retention":
+                last[o.args["job"]] = o.args["keep_last"]
+        with self._open() as s:
+            for job, keep in sorted(last.items()):
+                rule = None if keep is None else tsck.Retention(keep_last=keep)
+                self._driver_op("retention", {"job": job, "keep_last": keep},
+                                lambda: s.set_retention(job, rule))
+        return bad
+
+    def _settle_and_check(self, rng: random.Random, fl: dict) -> list[str]:
+        bad = []
+        with self._open() as s:
+            st = s.reftable.gc_state()
+            if st["phase"] != "idle" or rng.random() < fl["quiet_gc"]:
+                # A gc killed mid-way holds the lock until its lease runs out: wait that out,
+                # as the operator's next `tsck gc` would, and take it over.
+                if st["phase"] != "idle" and st.get("lease_left"):
+                    time.sleep(st["lease_left"] + 0.1)
+                out = self._driver_op("gc", {"quiescent": True, "took_over": st["phase"] != "idle"}, lambda: {
+                    "expired": s.gc(lease=max(leases_for(self.backend))).expired})
+                if out["result"] != "ok":
+                    bad.append(f"I2 a gc on the quiescent store failed: {out}")
+            ops = check.load_ops(self.run_dir)
+            bad += check.check_readable(s)
+            bad += check.check_fsck(s, "quiescent")
+            bad += check.check_history(s, ops, self.barriers)
+        return bad
+
+    # -- the run ------------------------------------------------------------------------
+    def replay_command(self, rounds: int) -> str:
+        cmd = f"python -m tests.sim --backend {self.backend} --seed {self.seed} --rounds {rounds}"
+        if self.focus:
+            cmd += f" --focus {self.focus}"
+        if not self.stale_skew:
+            cmd += " --no-stale-skew"
+        if self.round_seconds != 5.0:
+            cmd += f" --round-seconds {self.round_seconds}"
+        return cmd
+
+    def run(self, stop_at: float | None = None) -> int:
+        self.log(f"HARNESS seed={self.seed} backend={self.backend} rounds={self.rounds} "
+                 f"focus={self.focus or 'mix'} stale_skew={'on' if self.stale_skew else 'off'} "
+                 f"package={os.path.dirname(tsck.__file__)} dir={self.run_dir}")
+        t0 = time.time()
+        with tsck.open_store(self.loc.url, refs=self.loc.refs, storage_options=self.loc.storage_options,
+                             block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD):
+            pass
+        try:
+            for r in range(self.rounds):
+                if stop_at is not None and time.time() > stop_at:
+                    break
+                bad = self.round(r)
+                if bad:
+                    self._report(bad, r)
+                    return 1
+            self.log(f"HARNESS seed={self.seed} backend={self.backend}: {r + 1} rounds OK "
+                     f"in {time.time() - t0:.0f}s")
+            return 0
+        finally:
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.loc.close()
+            if not self.keep and "bad" in locals() and not bad:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _report(self, bad: list[str], r: int) -> None:
+        self.log(f"HARNESS FAILED seed={self.seed} backend={self.backend} round={r}: {len(bad)} violation(s)")
+        for b in bad[:25]:
+            self.log("  VIOLATION " + b)
+        ops = check.load_ops(self.run_dir)
+        named = set(re.findall(r"\b[0-9a-f]{16}", " ".join(bad)))
+        involved = [o for o in ops if any(h in json.dumps([o.args, o.out]) for h in named)]
+        if involved:
+            self.log("  journal events naming the snapshots above:")
+            for o in involved[-25:]:
+                self.log("    " + o.brief())
+        self.log("  journal tail (newest last):")
+        for o in ops[-25:]:
+            self.log("    " + o.brief())
+        self.log(f"  journals and worker logs kept in {self.run_dir}")
+        self.log(f"  replay: {self.replay_command(r + 1)}")

@@ -1,0 +1,137 @@
+"""Seeded fault injection for one harness process: storage delays and failures, ref-table
+delays, and kill -9 of the process itself at a chosen fault point.
+
+SimStore wraps the process's BlockStore (open_store(wrap_storage=...), the package's
+public hook; outermost, so on s3 it sits above RetryingStore and an injected failure
+reaches the caller as a StorageError). slow_reftable() wraps the ref table's two
+transaction entry points (RefTable._read/_write, which every ref-table operation goes
+through, LMDB and PostgreSQL alike) with the same delays and kill points.
+
+Every call is a "fault point", numbered in the order this process reaches them.
+The profile (chosen by the driver from the seed) says, per point:
+  delay_p, delay_max   sleep uniform(0, delay_max) with probability delay_p
+  slow                 {key prefix or op: extra max delay}: aims at windows, e.g.
+                       "tags/" (tag() between resolving its target and the row),
+                       "delete" (a long gc deletion phase), "ref-write"
+  fail_p, fail_ops     raise an OSError (EIO) with probability fail_p on those ops
+  kill_at              SIGKILL this process at that fault point (None: never)
+  kill_on              count only these ops toward kill_at (e.g. ["ref-write"])
+  kill_after           {"op", "prefix", "p", "during_gc"}: SIGKILL at such a point with
+                       probability p (only while a gc runs, if during_gc); e.g. put-done
+                       of commits/: a commit landed, its ref not moved
+The random choices come from one seeded generator; threads reach points in an order
+that varies, so a seed fixes the schedule of faults, not the exact interleaving.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import threading
+import time
+
+from tensorstore_ck.storage.wrappers import WrappedStore
+
+
+class Faults:
+    def __init__(self, profile: dict, seed: int, on_kill=None):
+        self.p = dict(profile or {})
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.points = 0
+        self.kill_at = self.p.get("kill_at")
+        self.kill_on = set(self.p.get("kill_on") or ())  # count only these ops toward kill_at
+        self.kill_points = 0
+        self.on_kill = on_kill
+        self.gc_busy = None  # set by the worker: is a gc marking or deleting now?
+        self.armed = True
+
+    def point(self, op: str, key: str = "") -> None:
+        if not self.armed:
+            return
+        with self.lock:
+            self.points += 1
+            if not self.kill_on or op in self.kill_on:
+                self.kill_points += 1
+            n = self.kill_points
+            r_delay, r_fail, u = self.rng.random(), self.rng.random(), self.rng.random()
+        ka = self.p.get("kill_after")  # {"op", "prefix", "p"}: kill right after such a point, by chance
+        if (self.kill_at is not None and n >= self.kill_at) or (
+                ka and op == ka["op"] and key.startswith(ka["prefix"]) and u < ka["p"]
+                and (not ka.get("during_gc") or (self.gc_busy is not None and self.gc_busy(ka["during_gc"])))):
+            if self.on_kill is not None:
+                self.on_kill(n, op, key)
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10)  # never returns
+        extra = 0.0
+        for pre, d in (self.p.get("slow") or {}).items():
+            if op == pre or (key and key.startswith(pre)):
+                extra = max(extra, d)
+        if extra:
+            time.sleep(u * extra)
+        elif r_delay < self.p.get("delay_p", 0.0):
+            time.sleep(u * self.p.get("delay_max", 0.0))
+        if op in (self.p.get("fail_ops") or ()) and r_fail < self.p.get("fail_p", 0.0):
+            raise OSError(errno.EIO, f"sim: injected {op} failure on {key or op}")
+
+
+class SimStore(WrappedStore):
+    def __init__(self, inner, faults: Faults):
+        super().__init__(inner)
+        self.f = faults
+
+    def get(self, key):
+        self.f.point("get", key)
+        return self.inner.get(key)
+
+    def open_read(self, key):
+        self.f.point("get", key)
+        return self.inner.open_read(key)
+
+    def put_if_absent(self, key, bufs):
+        self.f.point("put", key)
+        out = self.inner.put_if_absent(key, bufs)
+        self.f.point("put-done", key)  # a kill here: the object landed, the caller never heard
+        return out
+
+    def exists(self, key):
+        self.f.point("exists", key)
+        return self.inner.exists(key)
+
+    def delete(self, key):
+        self.f.point("delete", key)
+        return self.inner.delete(key)
+
+    def delete_many(self, keys, *, deadline=None):  # one point per key: a gc killed part-way through
+        keys = list(keys)                             # a batch; the deadline is checked when it starts
+        for k in keys:
+            self.f.point("delete", k)
+        return self.inner.delete_many(keys, deadline=deadline)
+
+    def list(self, prefix):
+        self.f.point("list", prefix)
+        return self.inner.list(prefix)
+
+    def sync(self):
+        self.f.point("sync")
+        return self.inner.sync()
+
+
+def slow_reftable(rt, faults: Faults) -> None:
+    """Route the ref table's transactions through fault points (delays, kill points; no
+    failures: a ref-table error is a different fault, out of this harness's scope)."""
+    read, write = rt._read, rt._write
+
+    def _read(fn):
+        faults.point("ref-read")
+        return read(fn)
+
+    def _write(fn):
+        faults.point("ref-write")
+        out = write(fn)
+        faults.point("ref-written")  # committed, the caller not told yet
+        return out
+
+    rt._read, rt._write = _read, _write

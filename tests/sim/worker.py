@@ -1,0 +1,292 @@
+"""One harness worker: a real process that opens the store itself and runs seeded
+random operations, journaling each one before and after the call.
+
+    python -m tests.sim.worker CONFIG.json
+
+CONFIG (written by the driver): id, seed, role ("ops" | "recover"), store (url, refs,
+storage_options), journal path, ops (how many), seconds (after it is ready), weights (op ->
+weight), refs/jobs to use, gc_stale_after (this process's old per-process setting, now
+deprecated: leases decide; failure 2), gc_stale / gc_leases (the leases its gc runs declare), faults (faults.py profile; kill_at may be "auto" for recover:
+a random ref-table write of the run, so that a kill lands in its ref moves).
+
+Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
+    {"w", "i", "op", "args", "start"}                      before the call
+    {"w", "i", "result": "ok" | <error type>, "end", ...}   after it (root, step, time,
+                                                           findings, expired, error text)
+    {"w", "kill": point, "op", "key"}                       a self-kill, just before it
+A "start" with no result is an operation whose outcome is unknown (killed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+import tensorstore_ck as tsck
+
+from . import content
+from .faults import Faults, SimStore, slow_reftable
+
+
+class Journal:
+    def __init__(self, path: str, wid: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.wid = wid
+
+    def write(self, **rec) -> None:
+        rec = {"w": self.wid, **rec}
+        os.write(self.fd, (json.dumps(rec, sort_keys=True) + "\n").encode())
+        os.fsync(self.fd)
+
+
+def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
+    st = cfg["store"]
+    wrap = (lambda inner: SimStore(inner, faults)) if faults is not None else None
+    s = tsck.open_store(st["url"], refs=st.get("refs"), storage_options=st.get("storage_options"),
+                        create=False, wrap_storage=wrap, workers=3, **kw)
+    if faults is not None:
+        slow_reftable(s.reftable, faults)
+    return s
+
+
+def _die_with_parent() -> None:
+    """In a `tsck gc` child: a kill -9 of this worker kills its gc too (Linux), so the
+    driver's checks after a round run on a quiescent store."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def job_of(ref: str) -> str:
+    return ref.split("/", 1)[0]
+
+
+def _err(e: BaseException) -> dict:
+    raw = not isinstance(e, tsck.TsckError)
+    out = {"result": type(e).__name__, "error": str(e)[:400]}
+    if raw:
+        out["raw"] = True
+        out["trace"] = traceback.format_exc()[-1500:]
+    return out
+
+
+class Worker:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.wid = cfg["id"]
+        self.rng = random.Random(cfg["seed"])
+        self.j = Journal(cfg["journal"], self.wid)
+        profile = dict(cfg.get("faults") or {})
+        self.kill_auto = profile.get("kill_at") == "auto"  # recover: chosen once the commits are counted
+        if self.kill_auto:
+            profile["kill_at"] = None
+        self.faults = Faults(profile, self.rng.getrandbits(64),
+                             on_kill=lambda n, op, key: self.j.write(kill=n, op=op, key=key))
+        self.puts: list[dict] = []   # this worker's successful puts: ref, step, root
+        self.pinned: list[str] = []
+        self.n = 0
+
+    # -- the operations -------------------------------------------------------------
+    def op_put(self, s, i):
+        ref = self.rng.choice(self.cfg["refs"])
+        step = self.cfg["step_base"] + i
+        own = None
+        if self.rng.random() < self.cfg.get("reuse_p", 0.35):
+            # Put again the own tensor of an earlier snapshot: most often of the oldest
+            # unprotected ones of this job, those retention drops next (a gc running now
+            # or soon lists their blocks for deletion while this put reuses them); else
+            # one the driver listed, or one of this worker's.
+            hist = self._expiring(s, job_of(ref))
+            if hist and self.rng.random() < self.cfg.get("resave_p", 0.5):
+                own = hist[int(min(len(hist), 3) * self.rng.random())]
+            else:
+                earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
+                own = self.rng.choice(earlier) if earlier else None
+        spec = content.make_spec(self.wid, i, self.rng.randrange(content.VARIANTS), step, own)
+        blocking = self.rng.random() < 0.6
+        args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
+        kw = {}
+        if self.rng.random() < 0.15:  # a conditional move on the tip seen now
+            cur = s.reftable.get_or_none(ref)
+            kw["expected"] = args["expected"] = None if cur is None else cur.hex()
+        state = content.state(spec)
+
+        def call():
+            if blocking:
+                info = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
+                                      meta={"sim": spec}, **kw)
+            else:
+                fut = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
+                                     meta={"sim": spec}, blocking=False, **kw)
+                for v in state.values():  # staged: the caller may reuse its buffers at once
+                    if hasattr(v, "fill_"):
+                        v.fill_(7)
+                info = fut.result()
+            self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
+            return {"root": info.root, "time": info.time, "ref_job": info.job}
+        return args, call
+
+    @staticmethod
+    def _expiring(s, job: str) -> list:
+        """Own-tensor ids of the job's kept, unprotected snapshots, oldest first."""
+        rt = s.reftable
+        protected = {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
+        rows = sorted((row.get("time", 0.0), (row.get("meta") or {}).get("sim")) for root, row in rt.catalog_iter()
+                      if row.get("job") == job and root not in protected)
+        return [sp.get("u", [sp["w"], sp["o"]]) for _t, sp in rows if sp]
+
+    def _target(self):
+        """A target for tag/pin/read: a ref, REF@STEP of an older own put (the ones gc
+        is about to expire), or an own root."""
+        r = self.rng.random()
+        if self.puts and r < 0.45:
+            p = self.puts[int(len(self.puts) * self.rng.random() ** 2)]  # older ones more often
+            return f"{p['ref']}@{p['step']}"
+        if self.puts and r < 0.7:
+            return self.rng.choice(self.puts)["root"]
+        return self.rng.choice(self.cfg["refs"])
+
+    def op_tag(self, s, i):
+        name = f"t-{self.wid}-{i}"
+        target = self._target()
+        return {"name": name, "target": target}, lambda: {"root": s.tag(name, target).root}
+
+    def op_pin(self, s, i):
+        target = self._target()
+
+        def call():
+            root = s.pin(target)
+            self.pinned.append(root)
+            return {"root": root}
+        return {"target": target}, call
+
+    def op_unpin(self, s, i):
+        if self.pinned and self.rng.random() < 0.8:
+            root = self.pinned.pop(self.rng.randrange(len(self.pinned)))
+        else:
+            root = self._target()
+        return {"target": root}, lambda: {"root": s.unpin(root)}
+
+    def op_retention(self, s, i):
+        job = self.rng.choice(self.cfg["jobs"])
+        keep = None if self.rng.random() < 0.1 else self.rng.choice([1, 1, 2, 3])
+        rule = None if keep is None else tsck.Retention(keep_last=keep)
+        return {"job": job, "keep_last": keep}, lambda: (s.set_retention(job, rule), {})[1]
+
+    def op_gc(self, s, i):
+        if self.rng.random() < 0.1:  # `tsck gc` in a process of its own (slow to start: torch)
+            return {"via": "cli"}, self._gc_cli
+        # Each gc declares its own lease (with stale skew: one of several, so gcs and the
+        # writers' old gc_stale_after settings all differ).
+        lease = self.rng.choice(self.cfg.get("gc_leases") or [self.cfg["gc_stale"]])
+
+        def call():
+            rep = s.gc(lease=lease)
+            return {"expired": rep.expired, "deleted": rep.deleted_objects, "rescued": rep.rescued}
+        return {"via": "api", "lease": lease}, call
+
+    def _gc_cli(self):
+        st = self.cfg["store"]
+        cmd = [sys.executable, "-m", "tensorstore_ck", "gc", st["url"], "--json"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
+        if st.get("refs"):
+            env["TSCK_REFS"] = st["refs"]
+        if st.get("storage_options"):
+            env["TSCK_STORAGE_OPTIONS"] = json.dumps(st["storage_options"])
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, preexec_fn=_die_with_parent)
+        if p.returncode != 0:
+            kind = "GcBusy" if "another gc" in p.stderr else "CliError"
+            return {"result": kind, "error": (p.stderr or p.stdout)[-400:], "rc": p.returncode}
+        rep = json.loads(p.stdout)
+        return {"expired": rep.get("expired", []), "deleted": rep.get("deleted_objects")}
+
+    def op_fsck(self, s, i):
+        def call():
+            rep = s.fsck(full=True)
+            return {"findings": [str(f) for f in rep.findings][:20], "gc_ran": getattr(rep, "gc_ran", None),
+                    "dropped_after_gc": getattr(rep, "dropped_after_gc", None)}
+        return {}, call
+
+    def op_read(self, s, i):
+        target = self._target()
+
+        def call():
+            root = s.resolve(target)
+            info = s.show(root)
+            got = s.checkout(root)
+            spec = (info.meta or {}).get("sim")
+            diff = content.differences(got, content.state(spec)) if spec else ["no sim spec in meta"]
+            out = {"root": root}
+            if diff:
+                out.update(result="mismatch", diff=diff[:5])
+            return out
+        return {"target": target}, call
+
+    # -- the loop ---------------------------------------------------------------------
+    def run_ops(self) -> int:
+        cfg = self.cfg
+        kw = {} if cfg.get("gc_stale_after") is None else {"gc_stale_after": cfg["gc_stale_after"]}
+        with warnings.catch_warnings():  # the deprecated setting is used on purpose (failure 2)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = open_store(cfg, self.faults, **kw)
+        self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
+        weights = cfg["weights"]
+        names = sorted(weights)
+        for v in range(content.VARIANTS):  # warm the caches: the round's clock starts now
+            content.state(content.make_spec(self.wid, 0, v, 0))
+        deadline = time.time() + cfg["seconds"]
+        open(cfg["journal"] + ".ready", "w").close()  # the driver times its kills from here
+        try:
+            for i in range(cfg["ops"]):
+                if time.time() > deadline:
+                    break
+                op = self.rng.choices(names, [weights[n] for n in names])[0]
+                args, call = getattr(self, f"op_{op}")(s, i)
+                self.j.write(i=i, op=op, args=args, start=time.time())
+                try:
+                    out = call() or {}
+                except Exception as e:  # noqa: BLE001 - every outcome is journaled and judged
+                    out = _err(e)
+                out.setdefault("result", "ok")
+                self.j.write(i=i, end=time.time(), **out)
+                time.sleep(self.rng.random() * cfg.get("pause", 0.05))
+        finally:
+            self.faults.armed = False
+            s.close()
+        return 0
+
+    def run_recover(self) -> int:
+        s = open_store(self.cfg, self.faults, create_refs=True)
+        if self.kill_auto:  # somewhere in its ref-table writes: catalog rows, then ref moves
+            n = sum(1 for _ in s.assets.list_objects("commits"))
+            self.faults.kill_on = {"ref-write"}  # one catalog row per commit, then the ref moves
+            self.faults.kill_at = self.faults.kill_points + 1 + self.rng.randrange(max(1, 2 * n))
+        self.j.write(i=0, op="recover", args={"kill_at": self.faults.kill_at}, start=time.time())
+        try:
+            rep = s.recover()
+            out = {"result": "ok", "refs_restored": rep.refs_restored, "tags_restored": rep.tags_restored,
+                   "catalog_rows_added": rep.catalog_rows_added, "skipped": len(rep.skipped)}
+        except Exception as e:  # noqa: BLE001
+            out = _err(e)
+        self.j.write(i=0, end=time.time(), **out)
+        self.faults.armed = False
+        s.close()
+        return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    w = Worker(cfg)
+    return w.run_recover() if cfg["role"] == "recover" else w.run_ops()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
