@@ -85,11 +85,11 @@ FLAVORS = {
     # table lost and rebuilt by a recover that is itself killed part-way
     "recover": dict(_BASE, weights={"put": 6, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
                     slow_delete=1.0, kill_after_p=1.0, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6,
-                    reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8, slow_commit=0.6),
+                    reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8, slow_commit=0.6, vulture_p=0.5),
     # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
                   fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9,
-                  delete_delay=[0.1, 0.3], slow_commit=0.8),
+                  delete_delay=[0.1, 0.3], slow_commit=0.8, vulture_p=0.6),
 }
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1}
 
@@ -197,6 +197,7 @@ class Harness:
                 "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds, "weights": fl["weights"],
                 "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
                 "reuse": reuse, "reuse_p": fl["reuse_p"], "resave_p": fl["resave_p"],
+                "vulture_p": fl.get("vulture_p", 0.0),
                 # failure 2: writers opened with their own (small) gc_stale_after, the old
                 # per-process setting; leases now decide, so it must change nothing
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,

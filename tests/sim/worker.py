@@ -97,7 +97,9 @@ class Worker:
         ref = self.rng.choice(self.cfg["refs"])
         step = self.cfg["step_base"] + i
         own = None
-        if self.rng.random() < self.cfg.get("reuse_p", 0.35):
+        if self.rng.random() < self.cfg.get("vulture_p", 0.0):
+            own = self._vulture(s)
+        if own is None and self.rng.random() < self.cfg.get("reuse_p", 0.35):
             # Put again the own tensor of an earlier snapshot: most often of the oldest
             # unprotected ones of this job, those retention drops next (a gc running now
             # or soon lists their blocks for deletion while this put reuses them); else
@@ -131,6 +133,18 @@ class Worker:
             self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
             return {"root": info.root, "time": info.time, "ref_job": info.job}
         return args, call
+
+    def _vulture(self, s):
+        """Wait (briefly) for a gc's deletion phase, then pick the own tensor of a snapshot
+        retention already dropped: its blocks are that gc's candidates, being deleted now,
+        and this put reuses them (the window of failures 2 and 3)."""
+        until = time.time() + 2.0
+        while time.time() < until and s.reftable.gc_state()["phase"] != "deleting":
+            time.sleep(0.01)
+        rt = s.reftable
+        gone = [p["own"] for p in self.puts if rt.catalog_get(bytes.fromhex(p["root"])) is None]
+        gone = gone[-3:] or self.cfg.get("reuse", [])[-3:]
+        return list(self.rng.choice(gone)) if gone else None
 
     @staticmethod
     def _expiring(s, job: str) -> list:
