@@ -256,10 +256,9 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
         rep.seconds = time.time() - t_start
         return rep
     _refuse_if_the_ref_table_knows_nothing(store)
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every)
-    log.info("gc %s on %s: began (lease %gs, grace %gs)", owner, store.url, lease, grace)
-    try:
+    with holding_gc_lock(store, lease=lease, renew_every=renew_every) as hold:
+        owner = hold.owner
+        log.info("gc %s on %s: began (lease %gs, grace %gs)", owner, store.url, lease, grace)
         # began is compared with stored objects' mtimes, so it is read on the storage's
         # clock (a gc host's clock that is off would only cost writers re-uploads or
         # keep garbage longer: the fence, not the time, keeps data safe).
@@ -269,33 +268,26 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
                  plan.report.kept_snapshots, plan.report.candidates)
         rep = execute_gc(store, plan, lease=hold, progress=progress)
         rep.seconds = time.time() - t_start
-        hold.stop()
-        refs.gc_finish(owner, last_gc={"at": refs.wall_now(), "deleted": rep.deleted_objects})
-        log.info("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
-                 owner, rep.seconds, rep.deleted_objects, rep.deleted_bytes, rep.rescued)
-        return rep
-    except BaseException as e:
-        log.warning("gc %s: stopped: %s: %s", owner, type(e).__name__, e)
-        hold.stop()
-        try:
-            refs.gc_finish(owner)
-        except TsckError:
-            pass
-        raise
+        hold.finish_fields = {"last_gc": {"at": refs.wall_now(), "deleted": rep.deleted_objects}}
+    log.info("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
+             owner, rep.seconds, rep.deleted_objects, rep.deleted_bytes, rep.rescued)
+    return rep
 
 
 @contextlib.contextmanager
 def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None):
-    """The store's gc lock under a lease, for work other than gc that removes objects
-    from their addresses (fsck --repair moves damaged ones aside): yields the Lease
-    (freeze() opens the deletion phase, run() keeps each removal within the lease);
-    the phase is finished on exit, whatever happened."""
+    """The store's gc lock under a lease (gc itself, and work other than gc that removes
+    objects from their addresses: fsck --repair moves damaged ones aside): yields the
+    Lease (freeze() opens the deletion phase, run() keeps each removal within the
+    lease); the phase is finished on exit, whatever happened (with the Lease's
+    finish_fields recorded in the gc state when all went well)."""
     refs = store.reftable
     owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every)
     try:
         yield hold
-    except BaseException:
+    except BaseException as e:
+        log.warning("gc lock %s: stopped: %s: %s", owner, type(e).__name__, e)
         hold.stop()
         try:
             refs.gc_finish(owner)
@@ -303,7 +295,7 @@ def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", rene
             pass
         raise
     hold.stop()
-    refs.gc_finish(owner)
+    refs.gc_finish(owner, **hold.finish_fields)
 
 
 class Lease:
@@ -321,6 +313,7 @@ class Lease:
         if not (isinstance(seconds, (int, float)) and 0 < seconds < 1e7):
             raise InvalidArgument(f"gc lease must be a positive number of seconds, got {seconds!r}")
         self.refs, self.owner, self.seconds = refs, owner, float(seconds)
+        self.finish_fields: dict = {}  # recorded in the gc state when the holder finishes
         self.margin = max(0.05, 0.05 * self.seconds)  # clock rates differ a little; renewals take time
         self.request_timeout = float(request_timeout)
         self.every = renew_every or max(0.02, min(5.0, self.seconds / 4))
