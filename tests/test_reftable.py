@@ -77,7 +77,7 @@ def test_lmdb_map_grows_under_two_writer_processes(tmp_path):
     path = str(tmp_path / "refs.lmdb")
     procs = [subprocess.Popen([sys.executable, "-c", _GROW, path, str(i)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=600) for p in procs]  # 8000 fsynced commits: slow on a busy disk
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
     t = LmdbRefTable(path)
@@ -118,7 +118,7 @@ def test_postgres_cas_race_between_processes(pg_dsn):
     start = str(time.time() + 2.0)
     procs = [subprocess.Popen([sys.executable, "-c", _RACE, pg_dsn, ns, str(i), start], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(4)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=600) for p in procs]  # 8000 fsynced commits: slow on a busy disk
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     wins = sum(int(o[0]) for o in outs)
     t = PostgresRefTable(pg_dsn, namespace=ns)
