@@ -5,10 +5,10 @@ its job and ref, and every tag is also written to storage as ``tags/<hex of
 name>`` (JSON {name, root, time}). After the LMDB file is lost, each ref is
 restored at its newest commit with a reflog that lists its commits oldest
 first, so ``log`` and ``REF@STEP`` work again. "Newest" follows the ref's
-history, the parent links each commit records: a commit comes after its parent
-whatever the writers' clocks said (a clock stepped back must not put a ref on
-an old snapshot); times and steps only order commits at the same depth (forks,
-or a commit whose ref move lost a race).
+history: a commit comes after its parent (when that is still stored) whatever
+the writers' clocks said (a clock stepped back must not put a ref on an old
+snapshot); otherwise times and steps order them (gc removes expired commits, so
+chains have gaps; forks; a commit whose ref move lost a race).
 Refs and tags that still exist are left as they are, except a ref a killed
 recover left on an intermediate commit: it is moved on, so running recover
 again always ends where one uninterrupted run ends. A commit whose tree is not
@@ -66,21 +66,34 @@ def _incomplete(store, root: bytes, present: set) -> str | None:
     return None
 
 
-def _depths(items) -> dict[bytes, int]:
-    """root -> how many of this ref's adopted commits lie below it on its parent chain."""
-    parent = {root: row.get("parent") for _t, _s, root, row in items}
-    depth: dict[bytes, int] = {}
-    for root in parent:
-        chain, r = [], root
-        # Addresses make a cycle impossible to build, but stored bytes are untrusted: bounded.
-        while r in parent and r not in depth and len(chain) <= len(parent):
-            chain.append(r)
-            r = parent[r]
-        d = depth.get(r, -1)
-        for c in reversed(chain):
-            d += 1
-            depth[c] = d
-    return depth
+def _history_order(items) -> list:
+    """The ref's commits oldest first: every commit after its parent (when the parent is
+    among them), otherwise by (time, step). A topological order, not a depth: gc deletes
+    the commits of expired snapshots, so chains have gaps, and a commit whose parent is
+    gone still follows older ones by time."""
+    import heapq
+    by_root = {root: it for it in items for root in [it[2]]}
+    children: dict = {}
+    waiting: dict = {}
+    for t, st, root, row in items:
+        parent = row.get("parent")
+        if parent in by_root and parent != root:
+            children.setdefault(parent, []).append(root)
+            waiting[root] = 1
+    ready = [(t, st, root) for t, st, root, _row in items if root not in waiting]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _t, _st, root = heapq.heappop(ready)
+        out.append(by_root[root])
+        for c in children.get(root, []):
+            waiting.pop(c, None)
+            heapq.heappush(ready, (by_root[c][0], by_root[c][1], c))
+    # A cycle cannot be built from addresses, but stored bytes are untrusted: what is
+    # left (never ready) goes last, by time.
+    done = {it[2] for it in out}
+    out += sorted((it for it in items if it[2] not in done), key=lambda x: (x[0], x[1]))
+    return out
 
 
 def run_recover(store) -> RecoverReport:
@@ -117,8 +130,7 @@ def run_recover(store) -> RecoverReport:
         step = c["step"] if isinstance(c["step"], int) else -1
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
     for ref, items in sorted(by_ref.items()):
-        depth = _depths(items)
-        items.sort(key=lambda x: (depth[x[2]], x[0], x[1]))
+        items = _history_order(items)
         roots = [root for _t, _s, root, _row in items]
         cur = rt.get_or_none(ref)
         if cur is not None and (cur not in roots[:-1] or not _moved_by_recover(rt, ref, cur)):
