@@ -11,51 +11,27 @@ $TEST_S3_KEY, $TEST_S3_SECRET (`bash .ci/start-rgw.sh DIR && source DIR/env`).
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
-import socket
-import subprocess
-import tempfile
 import uuid
+
+from tests._pgserver import PgServer, pg_bindir
 
 KINDS = ("file", "pg", "s3")
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 class Postgres:
-    """A PostgreSQL 15 server of our own on 127.0.0.1 (stopped by stop())."""
+    """A PostgreSQL server of our own on 127.0.0.1 (tests/_pgserver.py; stopped by stop())."""
 
     def __init__(self):
-        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-        if not bins:
+        bindir = pg_bindir()
+        if bindir is None:
             raise SystemExit("no PostgreSQL binaries (apt-get install postgresql) and no --pg-dsn given")
-        self.bindir = os.path.dirname(bins[-1])
-        self.tmp = tempfile.mkdtemp(prefix="tsck-sim-pg-")
-        self.as_user = []
-        if os.geteuid() == 0:  # initdb refuses to run as root
-            shutil.chown(self.tmp, "postgres")
-            self.as_user = ["runuser", "-u", "postgres", "--"]
-        port, self.data = _free_port(), os.path.join(self.tmp, "data")
-        subprocess.run(self.as_user + [f"{self.bindir}/initdb", "-D", self.data, "-U", "postgres", "-A", "trust",
-                                       "-E", "UTF8", "--no-sync"], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        subprocess.run(self.as_user + [f"{self.bindir}/pg_ctl", "-D", self.data, "-l", f"{self.tmp}/log", "-w",
-                                       "-t", "30", "-o", f"-c listen_addresses=127.0.0.1 -p {port} -k {self.tmp} "
-                                       "-c fsync=off", "start"], check=True, stdout=subprocess.DEVNULL)
-        self.dsn = f"host=127.0.0.1 port={port} user=postgres dbname=postgres"
+        self.server = PgServer(bindir)
+        self.dsn = self.server.dsn
 
     def stop(self) -> None:
-        subprocess.run(self.as_user + [f"{self.bindir}/pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.server.remove()
 
 
 class Location:
