@@ -128,3 +128,40 @@ def test_postgres_cas_race_between_processes(pg_dsn):
         assert b.old == a.new  # a linear history: no lost update
     assert t.get("race") == log[-1].new
     t.close()
+
+
+_GROW_ONCE = textwrap.dedent("""
+    import os, sys
+    import tensorstore_ck.refs.lmdb as L
+    L.INITIAL_MAP_SIZE = 256 * 1024
+    t = L.LmdbRefTable(sys.argv[1])
+    for i in range(3000):
+        t.catalog_put(os.urandom(32), {"pad": b"x" * 300, "i": i})
+    t.close()
+""")
+
+
+def test_lmdb_open_adopts_a_map_another_process_grew_meanwhile(tmp_path, monkeypatch):
+    """The window CI once hit: another process grows the map between our
+    lmdb.open and the first transaction (open_db). Made deterministic by growing
+    it from a child right after lmdb.open returns."""
+    import lmdb
+    import tensorstore_ck.refs.lmdb as L
+    path = str(tmp_path / "refs.lmdb")
+    L.LmdbRefTable(path).close()
+    monkeypatch.setattr(L, "INITIAL_MAP_SIZE", 256 * 1024)
+    real_open = lmdb.open
+
+    def open_then_grow(*a, **kw):
+        env = real_open(*a, **kw)
+        subprocess.run([sys.executable, "-c", _GROW_ONCE, path], check=True, timeout=300)
+        return env
+
+    monkeypatch.setattr(L.lmdb, "open", open_then_grow)
+    t = L.LmdbRefTable(path)
+    monkeypatch.setattr(L.lmdb, "open", real_open)
+    try:
+        assert t.env.info()["map_size"] > 256 * 1024
+        assert len(list(t.catalog_iter())) == 3000
+    finally:
+        t.close()

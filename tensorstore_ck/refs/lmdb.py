@@ -91,12 +91,19 @@ class LmdbRefTable(RefTable):
             raise _error(self.path, e, "cannot open") from None
         except lmdb.Error as e:
             raise NotAStore(f"cannot open the ref table at {self.path}: {e}") from None
-        try:
-            self.dbs = {t: env.open_db(t.encode()) for t in TABLES}
-        except lmdb.Error as e:
-            env.close()
-            raise _error(self.path, e, "cannot open") from None
-        return env
+        for _ in range(64):
+            try:
+                self.dbs = {t: env.open_db(t.encode()) for t in TABLES}
+                return env
+            except lmdb.MapResizedError:
+                # Another process grew the map between our open and this first
+                # transaction (open_db runs one): adopt its size and go on.
+                env.set_mapsize(0)
+            except lmdb.Error as e:
+                env.close()
+                raise _error(self.path, e, "cannot open") from None
+        env.close()
+        raise StorageError(f"cannot open the ref table at {self.path}: its map kept being resized by other processes")
 
     def _before_fork(self) -> None:
         self._lock.acquire()  # no transaction is half-done at the fork
