@@ -20,7 +20,10 @@ The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argumen
 8. finish   bump the epoch to even (phase "idle").
 
 plan_gc does 2-4 (a dry run stops there), execute_gc 5-8; run_gc composes them
-under the lock and its lease. Reachability (mark, the packed set of reached
+under the lock and its lease. prune_job is the same protocol for one job's rules
+(what a CheckpointManager runs after each snapshot): its candidates are the
+objects of the snapshots it expired that no kept snapshot reaches, found by
+walking those snapshots instead of listing storage. Reachability (mark, the packed set of reached
 addresses, the streaming of unreachable objects) is in reach.py; every key is
 assets.py's. Candidates are spooled to a temporary file, not held in memory. A
 stored name that is not a well-formed key (a stray) is reported, never deleted.
@@ -38,15 +41,16 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from .errors import GcBusy, InvalidArgument, TsckError
+from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckError
 from .reach import KINDS, Marked, iter_unreachable, kept_roots, mark
+from .walk import walk_commit
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, select_kept
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "plan_expiry", "DEFAULT_LEASE", "Lease",
-           "holding_gc_lock"]
+__all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "prune_job", "plan_expiry", "DEFAULT_LEASE",
+           "Lease", "holding_gc_lock"]
 
 DEFAULT_LEASE = 120.0        # seconds a gc holds the store between two renewals
 SWEEP_BATCH = 512            # deletes between two checks of the lock
@@ -271,6 +275,63 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
         hold.finish_fields = {"last_gc": {"at": refs.wall_now(), "deleted": rep.deleted_objects}}
     log.info("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
              owner, rep.seconds, rep.deleted_objects, rep.deleted_bytes, rep.rescued)
+    return rep
+
+
+def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None) -> GCReport:
+    """Expire what `job`'s retention drops and delete the objects only those snapshots
+    held, under the gc lock and with gc's protocol (freeze, re-mark what was published
+    meanwhile, fenced writers), so it is safe beside writers and an offline gc (GcBusy
+    while one holds the lock). Storage is not listed: the candidates are the expired
+    snapshots' own objects that the mark of every kept snapshot does not reach. What
+    a killed prune leaves (expired rows whose objects were not yet deleted) is garbage
+    the next `tsck gc` reclaims."""
+    t_start = time.time()
+    refs = store.reftable
+    rep = GCReport(dry_run=False)
+    rules = refs.retention_all()
+    if job not in rules:
+        return rep
+    with holding_gc_lock(store, lease=lease, role="prune:", renew_every=renew_every) as hold:
+        began = store.storage.clock_now()
+        bad: list = []
+        doomed = plan_expiry(store, refs.wall_now(), {job: rules[job]}, bad)
+        expired = refs.catalog_expire(doomed, rules=rules) if doomed else []
+        rep.expired = [r.hex() for r in expired]
+        if not expired:
+            hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": 0}}
+            return rep
+        rep.reflog_compacted = refs.compact_history()
+        k0 = kept_roots(store)
+        rep.kept_snapshots = len(k0)
+        marked, visited = Marked(), set()
+        rep.reachable_objects = mark(store, k0, marked, visited)
+        marked.freeze()
+        hold.check()
+        # Nodes a kept snapshot reaches are in `visited`: walking with it skips them and
+        # everything under them; blocks are checked against the mark one by one.
+        found: dict[str, dict[bytes, int]] = {k: {} for k in KINDS}
+        skip = set(visited)
+        for root in expired:
+            try:
+                for o in walk_commit(store.assets, root, verify=True, skip_nodes=skip):
+                    found[o.kind + "s"].setdefault(o.digest, o.nbytes or 0)
+            except (IntegrityError, FormatError) as e:  # left for an offline gc
+                log.warning("prune %s: expired snapshot %s not walked (%s); `tsck gc` reclaims it",
+                            job, root.hex()[:16], e)
+        spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-prune-")
+        for kind in KINDS:  # commits, nodes, blocks: the order gc deletes in
+            ds = list(found[kind])
+            for d, live in zip(ds, marked.contains(kind, ds) if ds else []):
+                if not live:
+                    spool.write(f"{kind} {d.hex()} {found[kind][d]}\n")
+                    rep.candidates += 1
+        spool.seek(0)
+        rep = execute_gc(store, GCPlan(began, k0, marked, visited, spool, rep), lease=hold)
+        rep.seconds = time.time() - t_start
+        hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
+    log.info("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
+             rep.deleted_objects, rep.deleted_bytes, rep.seconds)
     return rep
 
 

@@ -112,11 +112,17 @@ class Publisher:
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
         races = fenced = 0
+        body = last_parent = None
         for _attempt in range(COMMIT_ATTEMPTS):
             parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
-            now = self.reftable.wall_now()  # one clock for every writer's commit times (retention ages them)
-            body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
-                                 meta=meta, parent=parent, tree=tree, stats=stats)
+            if body is None or parent != last_parent:
+                # After a fenced move with the same parent the same commit object is
+                # published: a new one each time would leave the old as garbage for every
+                # snapshot that overlaps a gc's (or a prune's) deletion phase.
+                now = self.reftable.wall_now()  # one clock for every writer's commit times
+                body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
+                                     meta=meta, parent=parent, tree=tree, stats=stats)
+                last_parent = parent
             root = self.assets.put_commit(body).digest
             self.assets.sync()  # everything the commit references is durable before the ref moves
             row = {"job": args.job, "ref": ref, "step": args.step, "time": now, "metrics": args.metrics,

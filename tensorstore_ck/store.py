@@ -343,6 +343,16 @@ class Store:
                       grace=grace)
 
     @_public
+    def prune(self, job: str, *, lease: float | None = None):
+        """Expire what `job`'s retention drops and delete what only those snapshots
+        held: gc for one job, without listing storage (a CheckpointManager with
+        retention runs it after each snapshot). Safe beside writers and `tsck gc`;
+        GcBusy while another gc holds the store. A GCReport."""
+        from .gc import prune_job
+        validate_component(job, "job name")
+        return prune_job(self, job, lease=self.gc_lease if lease is None else lease)
+
+    @_public
     def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False):
         """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte.
         repair=True also moves every damaged object aside (quarantine/, never deleted),

@@ -26,18 +26,22 @@ in the middle or not.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import random
+import threading
 import time
 from typing import Callable
 
 import numpy as np
 import torch
 
-from .errors import InvalidArgument, RefNotFound
+from .errors import GcBusy, InvalidArgument, RefNotFound, TsckError
 from .retention import Retention
 
 __all__ = ["TrainState", "CheckpointManager"]
+
+log = logging.getLogger(__name__)
 
 
 def _has_state(obj) -> bool:
@@ -107,13 +111,20 @@ class CheckpointManager:
       every_steps=N      when step % N == 0
       every_seconds=T    when clock() - time of the last snapshot (or of the start) >= T
       on_metric=(name, "min"|"max")  when metrics[name] improves on the best seen (the first value counts)
-    The job's retention rules are set in the store when given. Jobs in one store
-    keep independent policies (each manager has its own job and ref)."""
+    The job's retention rules are set in the store when given, and applied as the
+    job trains (prune=True, the default with retention): after each committed
+    snapshot a thread of the manager's own expires what the rules drop and deletes
+    what only those snapshots held (store.prune: gc's protocol for one job, safe
+    beside other writers and `tsck gc`), so the job's storage stays bounded by its
+    rules without stalling the training step. A prune that fails is logged (logger
+    tensorstore_ck) and kept in `prune_errors`; the next snapshot tries again. Jobs
+    in one store keep independent policies (each manager has its own job and ref)."""
 
     def __init__(self, store, *, job: str, state: TrainState | None = None, ref: str | None = None,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  on_metric: tuple | None = None, retention: Retention | None = None,
-                 async_: bool = True, when_busy: str | None = None, clock: Callable[[], float] = time.monotonic):
+                 async_: bool = True, when_busy: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 prune: bool | None = None):
         if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
             raise InvalidArgument(f"every_steps must be an int >= 1, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
@@ -137,6 +148,9 @@ class CheckpointManager:
         self.last = None  # SnapshotInfo or Future of the last snapshot taken
         if retention is not None:
             store.set_retention(job, retention)
+        if prune is None:
+            prune = retention is not None
+        self._pruner = _Pruner(store, job) if prune else None
 
     def reasons(self, step: int, metrics: dict | None = None) -> list[str]:
         """Which triggers fire at this step (does not change any state)."""
@@ -179,7 +193,22 @@ class CheckpointManager:
             self.last_time = self.clock()
             self.last_step = step
             self.last = res
+            if self._pruner is not None:
+                if hasattr(res, "add_done_callback"):
+                    res.add_done_callback(self._pruner.after)
+                else:
+                    self._pruner.request()
         return res
+
+    @property
+    def prune_errors(self) -> list:
+        """Errors of background prunes (the newest 16), oldest first."""
+        return [] if self._pruner is None else list(self._pruner.errors)
+
+    @property
+    def last_prune(self):
+        """The GCReport of the newest background prune that ran, or None."""
+        return None if self._pruner is None else self._pruner.last
 
     def restore_latest(self, state: TrainState | None = None) -> int | None:
         """Load the newest committed snapshot of this job's ref into the state; its step, or None."""
@@ -203,11 +232,104 @@ class CheckpointManager:
                 self.best = min(vals) if self.on_metric[1] == "min" else max(vals)
         return state.step
 
-    def wait(self) -> None:
-        """Wait for snapshots in flight; raise if one failed."""
+    def wait(self, *, prune: bool = True) -> None:
+        """Wait for snapshots in flight (raise if one failed), then, with prune=True,
+        for the background prune they asked for."""
         self.store.wait()
         self.store.raise_pending_error()
+        if prune and self._pruner is not None:
+            self._pruner.wait()
 
     def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pruner is not None:
+                self._pruner.close()
+
+
+class _Pruner:
+    """store.prune(job) on a thread of its own. Requests that arrive while a prune runs
+    fold into one more run; a prune that finds the gc lock taken (an offline gc,
+    another job's prune) tries again a little later, a few times, then waits for the
+    next snapshot's request."""
+
+    RETRIES, BACKOFF = 5, 1.0
+    KEEP_ERRORS = 16
+
+    def __init__(self, store, job: str):
+        self.store, self.job = store, job
+        self._cv = threading.Condition()
+        self._wanted = self._busy = self._closed = self._closing = False
+        self._thread: threading.Thread | None = None
+        self.last = None
+        self.runs = 0
+        self.errors: list = []
+
+    def after(self, fut) -> None:  # done-callback of an async snapshot: only committed ones prune
+        if not fut.cancelled() and fut.exception() is None:
+            self.request()
+
+    def request(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._wanted = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"tsck-prune-{self.job}", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._wanted and not self._closed:
+                    self._cv.wait()
+                if not self._wanted:
+                    return
+                self._wanted, self._busy = False, True
+            try:
+                self._prune_once()
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _prune_once(self) -> None:
+        for attempt in range(self.RETRIES):
+            try:
+                self.last = self.store.prune(self.job)
+                self.runs += 1
+                return
+            except GcBusy as e:
+                log.info("prune %s: the store's gc lock is taken (%s); trying again", self.job, e)
+                with self._cv:  # closing: no more waiting for the lock; the next gc reclaims
+                    if self._cv.wait_for(lambda: self._closing, self.BACKOFF * (attempt + 1)):
+                        return
+            except TsckError as e:
+                log.warning("prune %s failed: %s: %s (the next snapshot tries again; `tsck gc` reclaims "
+                            "anything left)", self.job, type(e).__name__, e)
+                self.errors = (self.errors + [e])[-self.KEEP_ERRORS:]
+                return
+            except Exception as e:  # noqa: BLE001 - a bug must not kill training; it is logged and kept
+                log.exception("prune %s failed unexpectedly", self.job)
+                self.errors = (self.errors + [e])[-self.KEEP_ERRORS:]
+                return
+
+    def wait(self) -> None:
+        with self._cv:
+            while self._wanted or self._busy:
+                self._cv.wait()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
         self.wait()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            t = self._thread
+        if t is not None:
+            t.join()
 

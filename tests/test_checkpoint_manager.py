@@ -249,11 +249,13 @@ def test_restore_latest_best_metric_from_history(tmp_path):
 def test_two_jobs_in_one_store_stay_independent(tmp_path):
     clock = FakeClock(0.0)
     with tsck.open_store(tmp_path / "s") as store:
+        # prune=False: every snapshot stays until the offline gc below (tests/test_prune.py
+        # covers pruning while training)
         a = tsck.CheckpointManager(store, job="jobA", state=small_state(0), async_=False, clock=clock,
-                                   every_steps=2, retention=tsck.Retention(keep_last=2))
+                                   every_steps=2, retention=tsck.Retention(keep_last=2), prune=False)
         b = tsck.CheckpointManager(store, job="jobB", state=small_state(1), async_=False, clock=clock,
                                    every_seconds=10, on_metric=("acc", "max"),
-                                   retention=tsck.Retention(keep_best=1, metric="acc", mode="max"))
+                                   retention=tsck.Retention(keep_best=1, metric="acc", mode="max"), prune=False)
         accs = {1: 0.5, 2: 0.4, 3: 0.9, 4: 0.1, 5: 0.2, 6: 0.3, 7: 0.35, 8: 0.2, 9: 0.1, 10: 0.05}
         for step in range(1, 11):
             clock.t = step * 3.0
