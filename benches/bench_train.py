@@ -288,8 +288,10 @@ class Trainer:
         self.store = self.mgr = None
         if mode != "none":
             self.store = tsck.open_store(self.p_store)
-            self.mgr = tsck.CheckpointManager(self.store, job="train", state=self.ts, every_steps=args.every,
-                                              async_=(mode == "async"))
+            # "prune": async with retention, so the manager prunes after each snapshot
+            self.mgr = tsck.CheckpointManager(
+                self.store, job="train", state=self.ts, every_steps=args.every, async_=(mode != "sync"),
+                retention=tsck.Retention(keep_last=2) if mode == "prune" else None)
         self.it = self._batches()
         self.step = 0
         self.snapshots = 0
@@ -339,6 +341,9 @@ class Trainer:
             self.mgr.wait()
         return excluded
 
+    def disk_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(self.p_store) for f in fs)
+
     def close(self):
         if self.store is not None:
             self.mgr.close()
@@ -356,7 +361,7 @@ def bench_train(tsck, args, base, R):
     to it, never to the next run's segment."""
     N = args.every
     dataset = TokenDataset(args.batch * 64, args.ctx, args.vocab)
-    modes = ["none", "async", "sync"]
+    modes = ["none", "async", "sync", "prune"]
     tr = {m: Trainer(tsck, m, args, base, dataset) for m in modes}
     try:
         for m in modes:  # warm-up: steps 1..N-1 (no snapshot fires), not timed
@@ -382,11 +387,13 @@ def bench_train(tsck, args, base, R):
                 R[f"cpu_{m}"].append(cpu[m])
             R["loadavg"].append(os.getloadavg()[0])
             log(f"  round {rnd+1}/{args.rounds} ({'→'.join(modes[k:] + modes[:k])}): {N} steps in "
-                f"none {row['none']:.2f}s, async {row['async']:.2f}s, sync {row['sync']:.2f}s; "
+                f"none {row['none']:.2f}s, async {row['async']:.2f}s, sync {row['sync']:.2f}s, prune {row['prune']:.2f}s; "
                 f"async/none {row['none']/row['async']:.3f}, sync/none {row['none']/row['sync']:.3f} (steps/s ratios); "
                 f"CPU s none {cpu['none']:.2f} async {cpu['async']:.2f} sync {cpu['sync']:.2f}; "
                 f"load avg {R['loadavg'][-1]:.1f}")
         R["train_snapshots"] = {m: tr[m].snapshots for m in modes}
+        R["train_disk"] = {m: tr[m].disk_bytes() for m in ("async", "prune")}
+        R["train_prunes"] = tr["prune"].mgr._pruner.runs if tr["prune"].mgr._pruner else 0
         # the same stall out of the loop: put_snapshot(TrainState, blocking=False) and a plain copy,
         # back to back, alternating, many times (commit waited for and os.sync() run, untimed)
         from tensorstore_ck.plan import Planner
@@ -486,7 +493,8 @@ def main(argv=None) -> int:
     R: dict = {k: [] for k in ("stall", "copy", "commit", "async_bytes_new", "blocking", "blocking_sync",
                                "bd_plan", "bd_stage", "copy_each", "cpu_none", "cpu_async", "cpu_sync", "loadavg",
                                "bgcpu_async", "bgcpu_sync", "train_copy",
-                               "iso_put", "iso_copy", "iso_plan", "iso_state_dict", "iso_stage", "train_none", "train_async", "train_sync")}
+                               "iso_put", "iso_copy", "iso_plan", "iso_state_dict", "iso_stage", "train_none", "train_async", "train_sync",
+                               "train_prune", "cpu_prune", "bgcpu_prune")}
     t_start = time.perf_counter()
     try:
         if not args.skip_stall:
@@ -575,6 +583,17 @@ def main(argv=None) -> int:
         seg_idle = mins["none"]
         est = {m: (call[m]["median"] / 1e3 + (bg[m]["median"] / 1e3 if m == "async" else 0)) for m in ("async", "sync")}
         sn = R["train_snapshots"]
+        rp = summ([a / b for a, b in zip(R["train_prune"], R["train_async"])])
+        rpn = summ([a / b for a, b in zip(T["none"], R["train_prune"])])
+        lines += [
+            "",
+            f"Pruning while training (async, Retention(keep_last=2), {R['train_prunes']} background prunes): "
+            f"steps/s ÷ the same async run without pruning (per round, then median): "
+            f"**{fmt_s(summ([a / b for a, b in zip(R['train_async'], R['train_prune'])]), '{:.3f}')}** "
+            f"(segment time ratio {fmt_s(rp, '{:.3f}')}); ÷ no snapshots {fmt_s(rpn, '{:.3f}')}. Bytes on disk at the end: "
+            f"{R['train_disk']['prune']/1e6:.0f} MB with pruning vs {R['train_disk']['async']/1e6:.0f} MB without "
+            f"({R['train_snapshots']['prune']} vs {R['train_snapshots']['async']} snapshots taken).",
+        ]
         lines += [
             "",
             f"Training throughput: GPT-style model d={args.train_d}, {args.train_layers} layers, vocab {args.vocab}, "
