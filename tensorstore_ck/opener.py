@@ -20,12 +20,11 @@ import threading
 import time
 import uuid
 
-from . import chunker
 from .assets import STORE_MARKER, create_marker, holds_snapshots, read_marker
 from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
-from .store import Store
+from .store import Store, check_options, layout
 
 __all__ = ["open_store", "STORE_MARKER"]
 
@@ -132,6 +131,10 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                       "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
                       stacklevel=3)
         gc_lease = gc_stale_after if gc_lease is None else gc_lease
+    # Every argument is checked before anything is written: a bad one never leaves a
+    # marker behind that no later open could get past.
+    new_layout = layout(block_size, inline_threshold)
+    check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
     proto, rest = _split_url(url)
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         _open_refs(refs, proto, rest, create=False)
@@ -171,9 +174,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             raise NotAStore(f"no store at {storage.url}")
         cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
                "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
-               "block_size": int(block_size or chunker.DEFAULT_BLOCK_SIZE),
-               "inline_threshold": int(inline_threshold if inline_threshold is not None
-                                       else chunker.DEFAULT_INLINE_THRESHOLD)}
+               "block_size": new_layout[0], "inline_threshold": new_layout[1]}
         # Exclusive create: if another process won the race, its marker is the one we read.
         created = create_marker(storage, json.dumps(cfg, indent=1).encode() + b"\n")
         cfg = _read_config(storage) or cfg
@@ -208,6 +209,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             raise InvalidArgument(str(e)) from None
     if wrap_storage is not None:  # cross-cutting behaviour (fault injection, limits) as a wrapper
         storage = wrap_storage(storage)
-    return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
-                 shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
-                 gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
+    try:
+        return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
+                     shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
+                     gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
+    except BaseException:
+        if not isinstance(refs, RefTable):  # a table we opened, not the caller's
+            reftable.close()
+        raise

@@ -96,6 +96,49 @@ def _utf8(s: str, what: str) -> None:
         raise InvalidArgument(f"{what}: string {s!r} is not valid UTF-8") from None
 
 
+def layout(block_size, inline_threshold, config: dict | None = None, *, where: str = "") -> tuple[int, int]:
+    """The block size and inline threshold a Store writes with: the arguments, else the
+    store marker's, else the defaults (the inline threshold is never above the block
+    size unless asked for). open_store calls it before writing anything, so a bad
+    argument never leaves a half-made store; a marker whose values do not fit (written
+    by hand, or by an older build) is a FormatError that says how to go on."""
+    for name, v in (("block_size", block_size), ("inline_threshold", inline_threshold)):
+        if v is not None and (type(v) is not int or v < 0):
+            raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
+    cfg = config or {}
+    bs = block_size if block_size is not None else cfg.get("block_size", chunker.DEFAULT_BLOCK_SIZE)
+    if inline_threshold is not None:
+        it = inline_threshold
+    else:
+        it = cfg.get("inline_threshold", min(chunker.DEFAULT_INLINE_THRESHOLD, bs))
+    problem = None
+    if not chunker.MIN_BLOCK_SIZE <= bs <= chunker.MAX_BLOCK_SIZE:
+        problem = f"block_size must be within {chunker.MIN_BLOCK_SIZE}..{chunker.MAX_BLOCK_SIZE}, got {bs}"
+    elif not 0 <= it <= bs:
+        problem = f"inline_threshold must be within 0..block_size ({bs}), got {it}"
+    if problem is None:
+        return int(bs), int(it)
+    if (block_size is None and "block_size" in cfg) or (inline_threshold is None and "inline_threshold" in cfg):
+        raise FormatError(f"{where or 'the store marker'} holds a layout this build cannot write with: {problem}; "
+                          "open the store with block_size=/inline_threshold= arguments that fit, or correct those "
+                          "fields of the marker (they only decide how new snapshots are cut; stored ones read "
+                          "either way)")
+    raise InvalidArgument(problem)
+
+
+def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait") -> None:
+    """A Store's other options, checked before open_store writes anything."""
+    if workers is not None and (type(workers) is not int or not 1 <= workers <= 1024):
+        raise InvalidArgument(f"workers must be an int within 1..1024, got {workers!r}")
+    if gc_lease is not None and not (isinstance(gc_lease, (int, float)) and not isinstance(gc_lease, bool)
+                                     and 0 < gc_lease < 1e7):
+        raise InvalidArgument(f"gc_lease must be a positive number of seconds, got {gc_lease!r}")
+    if type(max_inflight) is not int or max_inflight < 1:
+        raise InvalidArgument(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+    if when_busy not in ("wait", "skip"):
+        raise InvalidArgument(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+
+
 class Store:
     """A content-addressed snapshot store. Thread-safe; use one per process."""
 
@@ -104,22 +147,16 @@ class Store:
                  block_size: int | None = None, inline_threshold: int | None = None,
                  gc_lease: float | None = None, max_inflight: int = 2, when_busy: str = "wait"):
         from .gc import DEFAULT_LEASE
+        check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
         # The lease of the gcs this Store runs (store.gc()). Other parties judge it on the ref
         # table's clock from what the gc declared; no Store's setting judges another's gc.
         self.gc_lease = float(gc_lease if gc_lease is not None else DEFAULT_LEASE)
-        if not 0 < self.gc_lease < 1e7:
-            raise InvalidArgument(f"gc_lease must be a positive number of seconds, got {gc_lease!r}")
         self.storage = storage
         self.reftable = refs
         self.config = config
         self.verify = verify
-        self.block_size = int(block_size or config.get("block_size") or chunker.DEFAULT_BLOCK_SIZE)
-        self.inline_threshold = int(inline_threshold if inline_threshold is not None
-                                    else config.get("inline_threshold", chunker.DEFAULT_INLINE_THRESHOLD))
-        if not chunker.MIN_BLOCK_SIZE <= self.block_size <= chunker.MAX_BLOCK_SIZE:
-            raise InvalidArgument(f"block_size must be within {chunker.MIN_BLOCK_SIZE}..{chunker.MAX_BLOCK_SIZE}")
-        if not 0 <= self.inline_threshold <= self.block_size:
-            raise InvalidArgument("inline_threshold must be within 0..block_size")
+        self.block_size, self.inline_threshold = layout(block_size, inline_threshold, config,
+                                                        where=f"{storage.url}/tsck.json")
         self.assets = Assets(storage, compress=compress, shuffle=shuffle)
         self.workers = workers or min(8, 2 * (os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
@@ -127,10 +164,6 @@ class Store:
         self.publisher = Publisher(self.assets, refs, self._pool)
         # One background publisher: asynchronous snapshots commit in the order they were taken.
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
-        if type(max_inflight) is not int or max_inflight < 1:
-            raise InvalidArgument(f"max_inflight must be an int >= 1, got {max_inflight!r}")
-        if when_busy not in ("wait", "skip"):
-            raise InvalidArgument(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         self.max_inflight = max_inflight
         self.when_busy = when_busy
         self._slots = threading.BoundedSemaphore(max_inflight)
