@@ -189,6 +189,26 @@ def cmd_pin(store, args):
     return 0
 
 
+def cmd_delete_ref(store, args):
+    d = store.delete_ref(args.ref, expected=args.expected)
+    _out(args, d, f"deleted ref {d['ref']} (was {d['root']}); {d['snapshots_dropped']} snapshot(s) of its "
+                  "history are no longer kept: the next gc reclaims what only they held")
+    return 0
+
+
+def cmd_untag(store, args):
+    root = store.untag(args.name)
+    _out(args, {"untag": args.name, "root": root}, f"untagged {args.name} (was {root})")
+    return 0
+
+
+def cmd_forget(store, args):
+    i = store.forget(args.target)
+    _out(args, {"forgot": i.to_json()}, f"forgot {i.root} ({i.ref} step {i.step}); the next gc reclaims what "
+                                        "only it held")
+    return 0
+
+
 def _seconds(v: str) -> float:
     try:
         x = float(v)
@@ -311,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("tag", cmd_tag, "create an immutable tag", "name", "target")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
     add("unpin", cmd_pin, "release a pin", "target")
+    d = add("delete-ref", cmd_delete_ref, "remove a ref; gc then reclaims what only its history held", "ref")
+    d.add_argument("--expected", default=None, metavar="ROOT",
+                   help="delete only if the ref still points at this root (hex, 8 digits or more)")
+    add("untag", cmd_untag, "remove a tag", "name")
+    add("forget", cmd_forget, "drop one snapshot (REF@STEP or root) that is not a tip, tag or pin", "target")
     g = add("gc", cmd_gc, "apply retention, then delete unreferenced objects")
     g.add_argument("--dry-run", action="store_true", help="list what would go and the bytes freed; change nothing")
     g.add_argument("--lease", type=_seconds, default=None, metavar="SECONDS",
