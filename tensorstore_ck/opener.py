@@ -144,7 +144,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             raise NotAStore(f"{root} is a file, not a store")
         if not os.path.isdir(root):
             if not create:
-                raise NotAStore(f"no store at {root}")
+                raise NotAStore(f"no store at {root} (no such directory; check the path, or pass create=True "
+                                "to make a new store)")
             try:
                 os.makedirs(root, exist_ok=True)  # several processes may create one store at once
             except OSError as e:
@@ -171,7 +172,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     created = False
     if cfg is None:
         if not create:
-            raise NotAStore(f"no store at {storage.url}")
+            raise NotAStore(f"no store at {storage.url} (nothing there; check the path, or pass create=True "
+                            "to make a new store)")
         cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
                "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
                "block_size": new_layout[0], "inline_threshold": new_layout[1]}
