@@ -22,7 +22,7 @@ import os
 import sys
 
 from .assets import holds_snapshots
-from .errors import TsckError, storage_error
+from .errors import InvalidArgument, TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
 
@@ -92,8 +92,12 @@ def _dumps(obj, **kw) -> str:
     return json.dumps(_jsonable(obj), allow_nan=False, **kw)
 
 
+def _metrics_text(m: dict) -> str:
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
 def _line(info: SnapshotInfo) -> str:
-    m = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.metrics.items())
+    m = _metrics_text(info.metrics)
     return (f"{info.root[:16]}  step {info.step if info.step is not None else '-':>8}  {_when(info.time)}  "
             f"{_human(info.bytes_total):>10} ({_human(info.bytes_new)} new)  {m}").rstrip()
 
@@ -232,8 +236,74 @@ def cmd_gc(store, args):
     if r.rescued:
         lines.append(f"{r.rescued} candidates were reused by writers meanwhile and kept")
     if r.dry_run:
-        lines += [f"  expire {x}" for x in r.expired] + [f"  delete {k}" for k in r.would_delete]
+        lines = _retention_table(store, r.snapshots) + [
+            f"would expire {len(r.expired)} snapshot(s); keep {r.kept_snapshots}",
+            f"would delete {r.deleted_objects} objects, {_human(r.deleted_bytes)} "
+            f"({', '.join(f'{v} {k}' for k, v in sorted(r.deleted_by_kind.items())) or 'nothing'}); "
+            "--json lists their keys"]
     _out(args, r.to_json(), "\n".join(lines))
+    return 0
+
+
+def _retention_table(store, snapshots: list) -> list[str]:
+    """Like restic's forget: per job with rules, each snapshot, keep or remove, and the
+    rule that decided; a job without rules is one line (it keeps everything)."""
+    rules = store.retention()
+    lines = []
+    by_job: dict = {}
+    for d in snapshots:
+        by_job.setdefault(d["job"], []).append(d)
+    for job in sorted(by_job):
+        rows = by_job[job]
+        if job not in rules:
+            lines.append(f"job {job}: no retention rule, keeps all {len(rows)} snapshot(s)")
+            continue
+        kept = sum(d["keep"] for d in rows)
+        lines.append(f"job {job}: {_rule_text(rules[job])}: keep {kept} of {len(rows)}")
+        lines.append(f"  {'ref':<24} {'step':>8}  {'time':<20}  {'action':<6}  {'why':<32}  metrics")
+        for d in rows:
+            step = d["step"] if d["step"] is not None else "-"
+            lines.append(f"  {str(d['ref']):<24} {step:>8}  {_when(d['time']):<20}  "
+                         f"{'keep' if d['keep'] else 'remove':<6}  {', '.join(d['why']):<32}  "
+                         f"{_metrics_text(d['metrics'])}".rstrip())
+    return lines
+
+
+def _rule_text(rule) -> str:
+    parts = []
+    if rule.keep_last is not None:
+        parts.append(f"keep last {rule.keep_last}")
+    if rule.keep_best is not None:
+        parts.append(f"keep best {rule.keep_best} by {rule.metric} ({rule.mode})")
+    if rule.keep_every_steps is not None:
+        parts.append(f"keep one per {rule.keep_every_steps} steps")
+    if rule.max_age_days is not None:
+        parts.append(f"keep what is younger than {rule.max_age_days:g} days")
+    return ", ".join(parts)
+
+
+def cmd_retention(store, args):
+    from .retention import Retention
+    given = {k: getattr(args, k) for k in ("keep_last", "keep_best", "metric", "keep_every_steps", "max_age_days")
+             if getattr(args, k) is not None}
+    if args.mode is not None:
+        given["mode"] = args.mode
+    if args.job is None:
+        if given or args.clear:
+            raise InvalidArgument("setting a rule needs a JOB")
+        rules = store.retention()
+        _out(args, {job: r.to_dict() for job, r in rules.items()},
+             "\n".join(f"{job}: {_rule_text(r)}" for job, r in sorted(rules.items())) or "(no retention rules)")
+        return 0
+    if args.clear and given:
+        raise InvalidArgument("--clear takes no other rule option")
+    if args.clear:
+        store.set_retention(args.job, None)
+    elif given:
+        store.set_retention(args.job, Retention(**given))
+    rule = store.retention().get(args.job)
+    _out(args, {"job": args.job, "retention": None if rule is None else rule.to_dict()},
+         f"{args.job}: {_rule_text(rule) if rule else 'no retention rule (keeps everything)'}")
     return 0
 
 
@@ -336,8 +406,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete only if the ref still points at this root (hex, 8 digits or more)")
     add("untag", cmd_untag, "remove a tag", "name")
     add("forget", cmd_forget, "drop one snapshot (REF@STEP or root) that is not a tip, tag or pin", "target")
+    r = add("retention", cmd_retention, "show, set (replacing them) or clear a job's retention rules")
+    r.add_argument("job", nargs="?", default=None, help="the job (none: list every job's rules)")
+    r.add_argument("--keep-last", type=int, default=None, metavar="N", help="the N newest snapshots")
+    r.add_argument("--keep-best", type=int, default=None, metavar="K", help="the K best by --metric")
+    r.add_argument("--metric", default=None, metavar="M", help="the metric of --keep-best")
+    r.add_argument("--mode", choices=("min", "max"), default=None, help="best is min (default) or max")
+    r.add_argument("--keep-every-steps", type=int, default=None, metavar="S", help="one snapshot per S steps")
+    r.add_argument("--max-age-days", type=float, default=None, metavar="D", help="every snapshot younger than D days")
+    r.add_argument("--clear", action="store_true", help="remove the job's rules (it keeps everything)")
     g = add("gc", cmd_gc, "apply retention, then delete unreferenced objects")
-    g.add_argument("--dry-run", action="store_true", help="list what would go and the bytes freed; change nothing")
+    g.add_argument("--dry-run", action="store_true",
+                   help="per snapshot: keep or remove and the rule that decided; then the objects and bytes "
+                        "that would go (their keys with --json); change nothing")
     g.add_argument("--lease", type=_seconds, default=None, metavar="SECONDS",
                    help="how long this gc holds the store between two renewals (default 120); writers "
                         "judge it on the ref table's clock, never on their own")
