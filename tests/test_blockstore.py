@@ -406,6 +406,11 @@ def test_s3_listing_that_keeps_failing_stops_with_the_error(s3bs):
     assert got == keys[:4] and rs.retries == 2
 
 
+def _bucket_and_prefix(url: str) -> tuple[str, str]:
+    bucket, _, base = url[len("s3://"):].partition("/")
+    return bucket, f"{base}/" if base else ""
+
+
 def _fill_s3(bs: S3BlockStore, s3_server: dict, n: int) -> list[str]:
     """n tiny objects under bs's root, as fast as the server can be given them; their keys.
     The in-process moto server (no TEST_S3_ENDPOINT) takes about 100 PUTs/s on 2 cores, so
@@ -413,7 +418,7 @@ def _fill_s3(bs: S3BlockStore, s3_server: dict, n: int) -> list[str]:
     Any other server gets the PUTs, 32 at a time."""
     import os
     keys = sorted(f"blocks/{i % 256:02x}/{i:064x}" for i in range(n))
-    bucket, pre = bs._bucket_and_base()
+    bucket, pre = _bucket_and_prefix(bs.url)
     if not os.environ.get("TEST_S3_ENDPOINT"):
         from moto.core import DEFAULT_ACCOUNT_ID
         from moto.s3.models import s3_backends
@@ -437,7 +442,7 @@ def _drop_s3(bs: S3BlockStore, keys: list[str]) -> None:
     # keys): the fixture's recursive rm would take minutes, so moto's backend drops them.
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
-    bucket, pre = bs._bucket_and_base()
+    bucket, pre = _bucket_and_prefix(bs.url)
     stored = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].get_bucket(bucket).keys
     for k in keys:
         if pre + k in stored:
