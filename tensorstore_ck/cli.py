@@ -282,6 +282,55 @@ def cmd_diff(store, args):
     return 0
 
 
+def _shape(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]" if shape is not None else ""
+
+
+def cmd_ls(store, args):
+    from .interchange import list_tree
+    root, entries = list_tree(store, args.target, args.path)
+    tensors = [e for e in entries if e.kind in ("tensor", "array", "sharded")]
+    total = sum(e.nbytes for e in tensors)
+    obj = {"root": root, "path": args.path, "entries": [e.to_json() for e in entries],
+           "tensors": len(tensors), "tensor_bytes": total}
+    width = min(60, max((len(e.path) for e in entries), default=4))
+    lines = []
+    for e in entries:
+        if e.kind in ("tensor", "array", "sharded"):
+            what = f"{e.dtype:<10} {_shape(e.shape):<20} {_human(e.nbytes):>10}"
+            if e.kind != "tensor":
+                what += f"  ({e.kind})"
+        elif e.kind in ("str", "int", "float", "bool", "None", "numpy"):
+            v = repr(e.value) if e.kind == "str" else _dumps(e.value) if e.value is not None else e.kind
+            what = f"{(e.dtype or e.kind):<10} {v[:60] + ('...' if len(v) > 60 else '')}"
+        elif e.kind in ("dict", "list", "tuple"):
+            what = f"{e.kind:<10} (empty)"
+        else:
+            what = f"{e.kind:<10} {_human(e.nbytes)}"
+        lines.append(f"{e.path or '(top)':<{width}}  {what}".rstrip())
+    lines.append(f"{len(tensors)} tensors, {_human(total)}; {len(entries) - len(tensors)} other values "
+                 f"(snapshot {root[:16]})")
+    _out(args, obj, "\n".join(lines))
+    return 0
+
+
+def cmd_checkout(store, args):
+    from .interchange import export_file
+    r = export_file(store, args.target, args.dest, fmt=args.format, path=args.path, force=args.force)
+    what = f"{r['tensors']} tensors, {r['metadata']} metadata entries" if r["format"] == "safetensors" else "torch.save"
+    _out(args, r, f"wrote {r['dest']} ({r['format']}: {what}; {_human(r['bytes'])}) from {r['root'][:16]}")
+    return 0
+
+
+def cmd_import(store, args):
+    from .interchange import import_files
+    i = import_files(store, args.ref, args.files, step=args.step, job=args.job)
+    _out(args, i.to_json(), f"imported {len(args.files)} input(s) as {i.ref} -> {i.root}\n"
+                                     f"{_human(i.bytes_total)} in {i.blocks_total} blocks; {_human(i.bytes_new)} in "
+                                     f"{i.blocks_new} blocks were new")
+    return 0
+
+
 def _remote_options(args) -> tuple[str | None, dict | None]:
     refs = args.refs or os.environ.get("TSCK_REFS") or None
     opts: dict = {}
@@ -350,6 +399,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="move damaged objects aside (quarantine/, never deleted) so that the next put of "
                         "their content stores them again and heals every snapshot using them")
     add("recover", cmd_recover, "rebuild the catalog, refs and tags from storage")
+    ls = add("ls", cmd_ls, "the tree of a snapshot: paths, dtypes, shapes, sizes (reads no tensor data)", "target")
+    ls.add_argument("path", nargs="?", default=None, help="only the value at this dotted path and those under it")
+    co = add("checkout", cmd_checkout, "write a snapshot to one safetensors or torch.save file", "target", "dest")
+    co.add_argument("--format", choices=("safetensors", "torch"), default=None,
+                    help="default: by DEST's suffix (.safetensors; .pt, .pth, .bin)")
+    co.add_argument("--path", default=None, help="only the value at this dotted path (model.layers.0)")
+    co.add_argument("--force", action="store_true", help="replace DEST if it exists")
+    im = add("import", cmd_import, "torch.save / safetensors files and Hugging Face folders as one snapshot",
+             "ref")
+    im.add_argument("files", nargs="+", metavar="FILE", help="a file, or a Hugging Face model folder")
+    im.add_argument("--step", type=int, default=None, help="the snapshot's step")
+    im.add_argument("--job", default=None, help="the snapshot's job (default: the ref's first component)")
     return p
 
 
