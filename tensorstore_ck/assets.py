@@ -118,6 +118,7 @@ class PutResult:
     new: bool
     raw_len: int
     counted: bool = True  # False: only hashed here (another rank owns the block)
+    stored: int = 0       # bytes this call wrote to storage (the frame), 0 when not new
 
 
 # A worker thread keeps its scratch buffer between blocks up to this size (a few
@@ -173,7 +174,7 @@ class Assets:
         bufs = frame.encode_payload(mv, kind, compress=self.compress,
                                     shuffle_itemsize=itemsize if self.shuffle else 0)
         new = self.storage.put_if_absent(key, bufs)
-        return PutResult(d, new, mv.nbytes)
+        return PutResult(d, new, mv.nbytes, stored=sum(memoryview(b).nbytes for b in bufs) if new else 0)
 
     def _reusable(self, key: str, kind: int, size: int, raw_len: int) -> bool:
         """Whether an object found stored under `key` can be what a frame of `raw_len` raw

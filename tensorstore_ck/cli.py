@@ -169,8 +169,26 @@ def cmd_du(store, args):
     for job, j in sorted(d["jobs"].items()):
         lines.append(f"  job {job:<20} {j['snapshots']:>5} snapshots  logical {_human(j['logical_bytes']):>10}"
                      f"  written {_human(j['new_bytes']):>10}  latest step {j['latest_step']}")
+    if args.plot:
+        d["plot"] = _du_plot(store, args, lines)
     _out(args, d, "\n".join(lines))
     return 0
+
+
+def _du_plot(store, args, lines) -> dict:
+    from .plot import _pyplot, plot_usage
+    from .usage import usage
+    _pyplot()  # matplotlib missing: say so before walking the store
+    u = usage(store)
+    path = plot_usage(u, args.plot)
+    for job, j in sorted(u["jobs"].items(), key=lambda x: -x[1]["only_bytes"]):
+        lines.append(f"  job {job:<20} holds {_human(j['held_bytes']):>10} of blocks; deleting it would free "
+                     f"{_human(j['only_bytes'])}")
+    if u["unreadable"]:
+        lines.append(f"  {len(u['unreadable'])} snapshot(s) could not be read whole (tsck fsck names them); "
+                     "the numbers leave out what they hold beyond the part read")
+    lines.append(f"plot written to {path}")
+    return {"file": path, **u}
 
 
 def _bar(args) -> bool:
@@ -375,7 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("refs", cmd_refs, "list refs and tags")
     add("log", cmd_log, "snapshots of a ref, newest first", "ref")
     add("show", cmd_show, "one snapshot", "target")
-    add("du", cmd_du, "logical vs physical bytes, per job")
+    du = add("du", cmd_du, "logical vs physical bytes, per job")
+    du.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="also draw bytes over time per job and what deleting each job would free "
+                         "(needs matplotlib: the [plot] extra)")
     add("diff", cmd_diff, "which tensors and how many blocks differ", "a", "b")
     add("tag", cmd_tag, "create an immutable tag", "name", "target")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")

@@ -19,7 +19,6 @@ import json
 import os
 import pickle
 import re
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from .format.dtypes import QUANT_NAMES, TORCH_DTYPES
 from .format.manifest import decode_commit
 from .ids import Digest
 from .info import SnapshotInfo
+from .localfile import write_atomic
 from .shard import Sharded
 from .validate import check_snapshot_args
 from .walk import read_node
@@ -324,57 +324,6 @@ def _select(state, path: str):
     return out, ""
 
 
-def _fsync_path(p: str, flags: int = os.O_RDONLY) -> None:
-    fd = os.open(p, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    """The process's umask, read without setting it (os.umask would, for every thread)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
-def _write_atomic(dest: str, write, *, force: bool) -> None:
-    """write(tmp) writes the file under a temporary name beside `dest`; it is synced,
-    then takes its name (exclusively unless force): DEST is the whole file or untouched."""
-    d = os.path.dirname(dest) or "."
-    tmp = os.path.join(d, f".{os.path.basename(dest)}.{uuid.uuid4().hex[:12]}.partial")
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # safetensors makes its files 0600; DEST is for other tools
-        _fsync_path(tmp)
-        if force:
-            os.replace(tmp, dest)
-        else:
-            try:
-                os.link(tmp, dest)  # fails if DEST appeared meanwhile: never clobbered
-            except FileExistsError:
-                raise InvalidArgument(f"{dest} exists (pass --force to replace it)") from None
-            except OSError:  # a file system without hard links
-                if os.path.lexists(dest):
-                    raise InvalidArgument(f"{dest} exists (pass --force to replace it)") from None
-                os.replace(tmp, dest)
-        try:
-            _fsync_path(d, getattr(os, "O_DIRECTORY", 0) | os.O_RDONLY)
-        except OSError:
-            pass  # not every file system syncs a directory; the file itself is synced
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-
-
 def export_file(store, target: str, dest, *, fmt: str | None = None, path: str | None = None,
                 force: bool = False) -> dict:
     """Write the snapshot `target` (or the part at `path`) to `dest` as one standalone file:
@@ -407,10 +356,10 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
             from safetensors.torch import save_file
             tensors, meta = _safetensors_items(value, prefix, where)
             meta.setdefault("format", "pt")  # what transformers checks before it loads a file
-            _write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force)
+            write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force)
             summary = {"tensors": len(tensors), "metadata": len(meta)}
         else:
-            _write_atomic(dest, lambda tmp: torch.save(value, tmp), force=force)
+            write_atomic(dest, lambda tmp: torch.save(value, tmp), force=force)
             summary = {}
     except TsckError:
         raise

@@ -133,7 +133,8 @@ def run_recover(store) -> RecoverReport:
         row = {"job": c["job"], "ref": c["ref"], "step": c["step"], "time": c["time"],
                "metrics": c["metrics"], "meta": c.get("meta") or {}, "parent": c.get("parent"),
                "tree": c["tree"], **{k: int(st.get(k, 0)) for k in
-                                     ("bytes_total", "bytes_new", "blocks_total", "blocks_new")}}
+                                     ("bytes_total", "bytes_new", "blocks_total", "blocks_new")},
+               **({"stored_new": int(st["stored_new"])} if "stored_new" in st else {})}
         if rt.catalog_put_if_absent(root, row):
             rep.catalog_rows_added += 1
         step = c["step"] if isinstance(c["step"], int) else -1
