@@ -420,15 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="move damaged objects aside (quarantine/, never deleted) so that the next put of "
                         "their content stores them again and heals every snapshot using them")
     add("recover", cmd_recover, "rebuild the catalog, refs and tags from storage")
-    ls = add("ls", cmd_ls, "the tree of a snapshot: paths, dtypes, shapes, sizes (reads no tensor data)", "target")
+    ls = add("ls", cmd_ls, "a snapshot's tree: paths, dtypes, shapes, sizes", "target")
     ls.add_argument("path", nargs="?", default=None, help="only the value at this dotted path and those under it")
-    co = add("checkout", cmd_checkout, "write a snapshot to one safetensors or torch.save file", "target", "dest")
+    co = add("checkout", cmd_checkout, "write a snapshot as one safetensors or torch.save file", "target", "dest")
     co.add_argument("--format", choices=("safetensors", "torch"), default=None,
                     help="default: by DEST's suffix (.safetensors; .pt, .pth, .bin)")
     co.add_argument("--path", default=None, help="only the value at this dotted path (model.layers.0)")
     co.add_argument("--force", action="store_true", help="replace DEST if it exists")
-    im = add("import", cmd_import, "torch.save / safetensors files and Hugging Face folders as one snapshot",
-             "ref")
+    im = add("import", cmd_import, "torch, safetensors or Hugging Face files as a snapshot", "ref")
     im.add_argument("files", nargs="+", metavar="FILE", help="a file, or a Hugging Face model folder")
     im.add_argument("--step", type=int, default=None, help="the snapshot's step")
     im.add_argument("--job", default=None, help="the snapshot's job (default: the ref's first component)")
