@@ -101,7 +101,8 @@ def _entry(p: str, item) -> Entry:
     if t is tree.Tensor:
         return Entry(p, "tensor", item.dt, item.shape, item.nbytes, blocks=len(item.blocks))
     if t is tree.Array:
-        dt = item.dtype.name if item.dtype.fields is None else str(item.dtype)
+        d = item.dtype
+        dt = str(d) if d.fields is not None else d.name if d.isnative or d.byteorder == "|" else d.str
         return Entry(p, "array", dt, item.shape, item.nbytes, blocks=len(item.blocks))
     if t is tree.Global:
         n = item.dtype.itemsize
@@ -199,7 +200,7 @@ def _st_refusal(kind: str, dtype) -> str | None:
     if kind in ("tensor", "sharded", "array"):
         if isinstance(dtype, np.dtype):
             try:
-                dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+                dtype = torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
             except (TypeError, ValueError):
                 return f"a numpy array of {dtype} (no torch dtype matches it)"
         if dtype not in SAFETENSORS_DTYPES:
@@ -272,7 +273,8 @@ def _safetensors_items(value, prefix: str, where: str) -> tuple[dict, dict]:
             why = _st_refusal("array", v.dtype)
             if why:
                 raise _refuse(where, why, p)
-            t = torch.from_numpy(np.ascontiguousarray(v))
+            # safetensors is little-endian: a big-endian array's values go in native order
+            t = torch.from_numpy(np.ascontiguousarray(v, dtype=v.dtype.newbyteorder("=")))
         elif v is None or type(v) in (bool, int, float, str) or (isinstance(v, np.generic)
                                                                   and v.dtype.kind in "biufc"):
             if p in meta:

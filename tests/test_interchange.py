@@ -464,6 +464,17 @@ def test_api_round_trips(tmp_path):
         assert r["tensors"] == len(want) == len(got)
         for k, t in want.items():
             same_tensor(t, got[k], k)
+        # numpy arrays go in as tensors of the same values (big-endian ones in native order)
+        arrays = {"be": np.arange(12, dtype=">f4").reshape(3, 4), "fo": np.asfortranarray(np.arange(6.0).reshape(2, 3))}
+        s.put_snapshot(arrays, ref="np/main")
+        export_file(s, "np/main", tmp_path / "np.safetensors")
+        got = load_file(str(tmp_path / "np.safetensors"))
+        for k, a in arrays.items():
+            assert got[k].dtype == torch.from_numpy(a.astype(a.dtype.newbyteorder("="))).dtype
+            assert np.array_equal(got[k].numpy(), a), k
+        s.put_snapshot({"u": np.array(["x", "y"])}, ref="str/main")
+        with pytest.raises(UnsupportedType, match="numpy array of str32 at u"):
+            export_file(s, "str/main", tmp_path / "str.safetensors")
         import_files(s, "imp/torch", [tmp_path / "ckpt.pt"], step=7)
         assert_same(inputs["torch_state"], s.checkout("imp/torch"))
     with tsck.open_store(tmp_path / "hf", block_size=BS, inline_threshold=256, compress=False) as s:
