@@ -176,9 +176,9 @@ def cmd_du(store, args):
 
 
 def _du_plot(store, args, lines) -> dict:
-    from .plot import _pyplot, plot_usage
+    from .plot import plot_usage, require_matplotlib
     from .usage import usage
-    _pyplot()  # matplotlib missing: say so before walking the store
+    require_matplotlib()  # missing: say so before walking the store
     u = usage(store)
     path = plot_usage(u, args.plot)
     for job, j in sorted(u["jobs"].items(), key=lambda x: -x[1]["only_bytes"]):
@@ -344,8 +344,8 @@ def cmd_import(store, args):
     from .interchange import import_files
     i = import_files(store, args.ref, args.files, step=args.step, job=args.job)
     _out(args, i.to_json(), f"imported {len(args.files)} input(s) as {i.ref} -> {i.root}\n"
-                                     f"{_human(i.bytes_total)} in {i.blocks_total} blocks; {_human(i.bytes_new)} in "
-                                     f"{i.blocks_new} blocks were new")
+                            f"{_human(i.bytes_total)} in {i.blocks_total} blocks; {_human(i.bytes_new)} in "
+                            f"{i.blocks_new} blocks were new")
     return 0
 
 

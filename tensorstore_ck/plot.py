@@ -15,7 +15,7 @@ import os
 from .errors import InvalidArgument, TsckError, storage_error
 from .localfile import write_atomic
 
-__all__ = ["plot_usage", "FORMATS"]
+__all__ = ["plot_usage", "require_matplotlib", "FORMATS"]
 
 FORMATS = (".png", ".svg", ".pdf")
 MAX_LINES = 10  # jobs drawn over time (the largest by logical bytes); a sweep may have hundreds
@@ -34,7 +34,8 @@ def _human(n: float) -> str:
     return f"{n / scale:.0f} {unit}" if unit == "B" else f"{n / scale:.2f} {unit}"
 
 
-def _pyplot():
+def require_matplotlib():
+    """(pyplot, matplotlib.dates); InvalidArgument saying how to install them if missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display needed, none opened
@@ -54,7 +55,7 @@ def plot_usage(u: dict, dest, *, force: bool = True) -> str:
         raise InvalidArgument(f"--plot writes {', '.join(FORMATS)} files, not {os.path.basename(dest)!r}")
     if not os.path.isdir(os.path.dirname(dest)):
         raise InvalidArgument(f"cannot write {dest}: no directory {os.path.dirname(dest)}")
-    plt, mdates = _pyplot()
+    plt, mdates = require_matplotlib()
     jobs = u["jobs"]
     lined = sorted(jobs, key=lambda j: (-max(jobs[j]["logical"], default=0), j))[:MAX_LINES]
     names = sorted(jobs, key=lambda j: (-jobs[j]["only_bytes"], -jobs[j]["held_bytes"], j))[:MAX_BARS]
