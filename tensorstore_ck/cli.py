@@ -33,6 +33,17 @@ class _Usage(Exception):
     pass
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every command and its help on one line (argparse would wrap the longer names)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=20, width=110)
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        self._action_max_length = max(self._action_max_length, 18)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise _Usage(message)
@@ -331,7 +342,7 @@ def cmd_fsck(store, args):
 
 
 def cmd_recover(store, args):
-    r = store.recover()
+    r = store.recover(progress=_bar(args))
     lines = [f"{r.commits_found} commits found, {r.catalog_rows_added} catalog rows added"]
     lines += [f"  ref {k} -> {v}" for k, v in r.refs_restored.items()]
     lines += [f"  tag {k} -> {v}" for k, v in r.tags_restored.items()]
@@ -375,8 +386,13 @@ def _remote_options(args) -> tuple[str | None, dict | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    from . import __version__
+    p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state",
+                formatter_class=_HelpFormatter,
+                epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
+                       "tsck log STORE -- -rf. Exit codes: 0 ok, 1 problems found, 2 user error.")
+    p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
 
     def add(name, fn, help, *pos):
         s = sub.add_parser(name, help=help)
@@ -405,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--expected", default=None, metavar="ROOT",
                    help="delete only if the ref still points at this root (hex, 8 digits or more)")
     add("untag", cmd_untag, "remove a tag", "name")
-    add("forget", cmd_forget, "drop one snapshot (REF@STEP or root) that is not a tip, tag or pin", "target")
+    add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
     r = add("retention", cmd_retention, "show, set (replacing them) or clear a job's retention rules")
     r.add_argument("job", nargs="?", default=None, help="the job (none: list every job's rules)")
     r.add_argument("--keep-last", type=int, default=None, metavar="N", help="the N newest snapshots")
@@ -434,12 +450,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dash_hint(parser, argv) -> str:
+    """A name that begins with '-' reads as an option: say how to pass it."""
+    known = {o for a in parser._actions for o in a.option_strings}
+    for a in parser._actions:
+        for sub in (getattr(a, "choices", None) or {}).values():
+            known |= {o for x in sub._actions for o in x.option_strings}
+    argv = list(argv)
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    odd = [x for x in head if x.startswith("-") and x.split("=")[0] not in known and x != "-"]
+    return f" ({odd[0]!r} was read as an option; a name that begins with '-' goes after `--`: " \
+           f"tsck log STORE -- {odd[0]})" if odd else ""
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except _Usage as e:
-        print(f"tsck: error: {e}", file=sys.stderr)
+        print(f"tsck: error: {e}{_dash_hint(parser, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        return 2
+    if args.cmd is None:  # bare `tsck`: what it can do, not a complaint about a missing argument
+        parser.print_help(sys.stderr)
         return 2
     try:
         refs, storage_options = _remote_options(args)

@@ -92,14 +92,20 @@ class GCPlan:
     report: GCReport
 
 
-def _progress(enabled: bool, desc: str, total=None):
+def _progress(enabled: bool, desc: str, total=None, unit: str = "obj"):
+    """A progress bar on stderr (the CLI asks for one only on a terminal); unit "B"
+    counts bytes, so one big snapshot moves the bar as its blocks are done."""
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
-    return tqdm(total=total, desc=desc, unit="obj", leave=False, dynamic_ncols=True)
+    if unit == "B":
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                    dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B "
+                                                   "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
 
 
 def retention_plan(store, now: float, records: dict | None = None, bad: list | None = None) -> list[dict]:
@@ -230,6 +236,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
             _count(rep, kind, size)
         if bar is not None:
             bar.update(len(batch))
+            bar.set_postfix_str(f"{rep.deleted_bytes / 2**20:.1f} MiB freed", refresh=False)
 
     kind, batch = None, []
     for line in plan.spool:
