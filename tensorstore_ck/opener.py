@@ -41,6 +41,10 @@ def _split_url(url: str) -> tuple[str, str]:
     url = os.fspath(url)
     if "://" in url:
         proto, rest = url.split("://", 1)
+        import fsspec
+        if proto not in fsspec.available_protocols():  # a typo (htps://) is named as such, first
+            raise InvalidArgument(f"unknown URL scheme {proto + '://'!r} in {url!r}: use a local path, s3://, gs://, "
+                                  "or another fsspec protocol")
         return proto, rest
     return "file", url
 

@@ -97,8 +97,10 @@ def _history_order(items) -> list:
     return out
 
 
-def run_recover(store) -> RecoverReport:
+def run_recover(store, *, progress: bool = False) -> RecoverReport:
+    from .gc import _progress
     rep = RecoverReport()
+    bar = _progress(progress, "recover: commits", unit="commit")
     rt = store.reftable
     by_ref: dict[str, list[tuple[float, int, bytes, dict]]] = {}
     strays: list = []
@@ -108,6 +110,8 @@ def run_recover(store) -> RecoverReport:
     deleted, forgotten = rt.removed()
     deleted_roots = {e.new for ref in deleted for e in rt.reflog(ref)}
     for o in store.assets.list_objects("commits", strays):
+        if bar is not None:
+            bar.update(1)
         root = o.digest
         try:
             c = decode_commit(store.assets.get_commit(root, verify=True))
@@ -139,6 +143,8 @@ def run_recover(store) -> RecoverReport:
             rep.catalog_rows_added += 1
         step = c["step"] if isinstance(c["step"], int) else -1
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
+    if bar is not None:
+        bar.close()
     for ref, items in sorted(by_ref.items()):
         items = _history_order(items)
         roots = [root for _t, _s, root, _row in items]

@@ -35,7 +35,7 @@ from .plan import Planner
 from .publish import Publisher
 from .read import MISSING, Reader
 from .refs import RefTable
-from .format.names import parse_target, validate_component, validate_name
+from .format.names import parse_target, validate_component, validate_name, validate_new_name
 from .retention import Retention
 from .staging import StagingPool
 from .storage import BlockStore
@@ -421,6 +421,9 @@ class Store:
                 return Digest(found[0])
             if len(found) > 1:
                 raise AmbiguousTarget(f"root prefix {text!r} matches {len(found)} snapshots; give more digits")
+        if text and len(text) < MIN_PREFIX and all(c in "0123456789abcdef" for c in text):
+            raise RefNotFound(f"no ref or tag named {target!r}, and a root prefix needs at least {MIN_PREFIX} hex "
+                              "digits (see `tsck log` for roots)")
         raise RefNotFound(f"no ref, tag or snapshot named {target!r}")
 
     def _info(self, root: bytes) -> SnapshotInfo:
@@ -511,7 +514,7 @@ class Store:
         The tag is also written to storage (``tags/<hex>``), so `recover` can
         rebuild it; that object is created exclusively, so it is the tag's
         single source of truth across hosts."""
-        validate_name(name, "tag name")
+        validate_new_name(name, "tag name")
         if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
             raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
         fence = self.publisher.fence()  # before the target is looked at (see _fenced)
@@ -549,10 +552,10 @@ class Store:
                                       "meanwhile; nothing was created") from None
 
     @_public
-    def recover(self):
+    def recover(self, *, progress: bool = False):
         """Rebuild catalog, refs (at their newest commits), reflog and tags from storage."""
         from .recover import run_recover
-        return run_recover(self)
+        return run_recover(self, progress=progress)
 
     @_public
     def diff(self, a: str, b: str) -> dict:
