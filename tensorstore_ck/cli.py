@@ -1,8 +1,10 @@
-"""`tsck`: the command line. Exit codes: 0 ok, 1 problems found, 2 user error.
+"""`tsck`: the command line. Exit codes: 0 ok, 1 problems found or the environment
+failed (StorageError: a full disk, an unreachable server), 2 user error.
 
 Every command takes --json, which writes strict JSON (NaN/inf as null, bytes as
 "hex:<hex>"; see _jsonable). A user mistake (bad arguments, unknown target,
-a path that is not a store) prints one line, "tsck: error: ...", and exits 2.
+a path that is not a store) prints one line, "tsck: error: ...", and exits 2;
+a StorageError prints its one line and exits 1 (retrying may work once it is fixed).
 Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
 
 Remote stores: `--refs` (or $TSCK_REFS) names the shared ref table, e.g.
@@ -22,7 +24,7 @@ import os
 import sys
 
 from .assets import holds_snapshots
-from .errors import TsckError, storage_error
+from .errors import StorageError, TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
 
@@ -347,7 +349,7 @@ def main(argv=None) -> int:
             return args.fn(store, args)
     except TsckError as e:
         print(f"tsck: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, StorageError) else 2
     except KeyboardInterrupt:
         print("tsck: interrupted", file=sys.stderr)
         return 130

@@ -199,6 +199,35 @@ class StoreClosed(TsckError):
 __all__.append("StoreClosed")
 
 
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem holding `path` (or
+    its nearest existing parent); None where that cannot be known."""
+    import os
+    p = os.path.abspath(path)
+    while p and not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        st = os.statvfs(p)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(what: str, path: str, *, needed: str | None = None, cause: str = "",
+             outcome: str = "nothing was written") -> StorageError:
+    """A full filesystem (ENOSPC, EDQUOT) as StorageError: what was being written, where,
+    how much it needed (as far as known) and how much is free, so an operator knows
+    which disk to clean and by how much."""
+    import errno
+    free = free_bytes(path)
+    facts = [f"it needed {needed}"] if needed else []
+    facts += [f"{free} bytes free there"] if free is not None else []
+    text = f"no space left on the filesystem of {path} {what}"
+    text += f" ({'; '.join(facts)})" if facts else ""
+    text += f": {outcome}; free space there and retry"
+    return StorageError(errno.ENOSPC, f"{text} [{cause}]" if cause else text)
+
+
 def storage_error(e: OSError, what: str) -> StorageError:
     """A backend's OSError as our StorageError: "<what>: PermissionError: ...", errno kept."""
     msg = e.strerror or str(e)

@@ -527,11 +527,21 @@ class Store:
         self.assets.sync()
         try:
             self._fenced(root, target, fence, lambda f: self.reftable.tag_create(name, root, fence=f))
-        except RefNotFound:
-            if stored is None:  # ours: the name stays free
+        except BaseException:
+            # Ours, and the table refused it (gone snapshot, full disk): the name stays free,
+            # and recover cannot bring back a tag the caller was told failed.
+            if stored is None and not self._tag_in_table(name, root):
                 self.assets.delete_tag(name)
             raise
         return self._info(root)
+
+    def _tag_in_table(self, name: str, root: bytes) -> bool:
+        """Whether the table holds the tag after a failed create (a lost acknowledgement
+        may hide a commit); when it cannot tell, say yes: the stored tag is kept."""
+        try:
+            return self.reftable.tag_get(name) == root
+        except Exception:  # noqa: BLE001 - the table is failing: keep what is stored
+            return True
 
     def _fenced(self, root: bytes, target: str, fence: int, make) -> None:
         """Make a tag or pin of `root`, fenced against gc like a ref move: the row goes in

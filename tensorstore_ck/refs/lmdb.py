@@ -17,12 +17,13 @@ open its own, as LMDB requires.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 
 import lmdb
 
-from ..errors import FormatError, NotAStore, StorageError, StoreClosed, TsckError
+from ..errors import FormatError, NotAStore, StorageError, StoreClosed, TsckError, free_bytes, no_space
 from .base import TABLES, RefTable, Txn, track_for_fork
 
 __all__ = ["LmdbRefTable"]
@@ -36,13 +37,41 @@ _CORRUPT = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb
             lmdb.PanicError)
 
 
+# Below this much free space, a failed write is put down to a full filesystem: LMDB
+# reports a short write (ENOSPC after part of a page) as EIO.
+_NEARLY_FULL = 1 << 20
+
+
+def _full(path: str, e: lmdb.Error) -> bool:
+    if isinstance(e, lmdb.DiskError):  # ENOSPC
+        return True
+    if isinstance(e, (lmdb.MapFullError, lmdb.MapResizedError)) or "Input/output error" not in str(e):
+        return False
+    free = free_bytes(path)
+    return free is not None and free < _NEARLY_FULL
+
+
 def _error(path: str, e: lmdb.Error, what: str) -> TsckError:
+    if _full(path, e):
+        # Copy-on-write: a write transaction writes a new copy of every page it changes
+        # (the B-tree path from each changed leaf to the root), in free pages of the file
+        # or else at its end; the rolled-back transaction changed nothing.
+        return no_space(f"{what} the ref table there", path, needed=f"a few free pages of {mmap.PAGESIZE} "
+                        f"bytes beyond data.mdb's {_file_size(path)}", cause=f"{type(e).__name__}: {e}",
+                        outcome="the transaction was rolled back, the table is as it was")
     if isinstance(e, _CORRUPT):
         store = os.path.dirname(path) if os.path.basename(path.rstrip("/")) == "refs.lmdb" else "STORE"
         return FormatError(f"the ref table at {path} is corrupt ({type(e).__name__}: {e}); it is an index "
                            f"over storage and can be rebuilt: move it aside (mv {path} {path}.corrupt), then run "
                            f"`tsck recover {store}`" + ("" if store != "STORE" else f" --refs {path}"))
     return StorageError(f"{what} the ref table at {path}: {type(e).__name__}: {e}")
+
+
+def _file_size(path: str) -> int | None:
+    try:
+        return os.path.getsize(os.path.join(path, "data.mdb"))
+    except OSError:
+        return None
 
 
 class _LmdbTxn(Txn):
@@ -90,6 +119,8 @@ class LmdbRefTable(RefTable):
         except _CORRUPT as e:
             raise _error(self.path, e, "cannot open") from None
         except lmdb.Error as e:
+            if _full(self.path, e):
+                raise _error(self.path, e, "opening") from None
             raise NotAStore(f"cannot open the ref table at {self.path}: {e}") from None
         for _ in range(64):
             try:
