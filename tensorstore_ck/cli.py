@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--refs", default=None, metavar="REFS",
                        help="ref table for a remote store (postgresql://..., a local LMDB path); "
                             "default $TSCK_REFS")
+        s.add_argument("--read-only", action="store_true",
+                       help="open the store read-only: write nothing (also automatic when its files are "
+                            "not writable, e.g. a read-only mount)")
         s.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                        help="fsspec storage option (VALUE parsed as JSON when it is JSON); "
                             "adds to $TSCK_STORAGE_OPTIONS")
@@ -345,7 +348,8 @@ def main(argv=None) -> int:
     try:
         # Only recover may create a ref table (to rebuild a lost one); nothing creates a store.
         with open_store(args.store, refs=refs, storage_options=storage_options, create=False,
-                        create_refs=args.fn is cmd_recover) as store:
+                        create_refs=args.fn is cmd_recover and not args.read_only,
+                        read_only=True if args.read_only else None) as store:
             return args.fn(store, args)
     except TsckError as e:
         print(f"tsck: error: {e}", file=sys.stderr)

@@ -15,7 +15,9 @@
     ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
     ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
     ├── GcBusy                   another gc holds the store
-    └── StoreClosed              a Store (or its ref table) used after close()
+    ├── StoreClosed              a Store (or its ref table) used after close()
+    └── ReadOnlyStore            a write to a store opened read-only (explicitly, or on a
+                                 read-only filesystem)
 
 Every class has a stable ``kind`` code used by ``--json`` output; codes are
 append-only and never renamed.
@@ -197,6 +199,16 @@ class StoreClosed(TsckError):
 
 
 __all__.append("StoreClosed")
+
+
+class ReadOnlyStore(TsckError):
+    """A write (put, tag, pin, gc, recover, ...) to a store opened read-only: with
+    open_store(read_only=True) / `tsck --read-only`, or opened so because its files are
+    not writable (a read-only mount). Raised before anything is written."""
+    kind = "read_only"
+
+
+__all__.append("ReadOnlyStore")
 
 
 def free_bytes(path: str) -> int | None:

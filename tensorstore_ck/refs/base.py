@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ..errors import Fenced, FormatError, GcBusy, NotAStore, RefConflict, RefNotFound
+from ..errors import Fenced, FormatError, GcBusy, NotAStore, ReadOnlyStore, RefConflict, RefNotFound
 from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
                               encode_reflog)
 
@@ -128,6 +128,11 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_each("_after_fork"))
 
 
+def _wrong_store(cur: bytes, store_id: str) -> NotAStore:
+    return NotAStore(f"this ref table belongs to store {cur.decode(errors='replace')!r}, not to "
+                     f"{store_id!r}: wrong --refs / $TSCK_REFS?")
+
+
 def _hex(b: bytes | None) -> str | None:
     return b.hex() if b is not None else None
 
@@ -149,6 +154,14 @@ class RefTable(ABC):
     def _read(self, fn: Callable[[Txn], object]): ...
     @abstractmethod
     def _write(self, fn: Callable[[Txn], object]): ...
+
+    # Opened read-only: every write transaction is refused (ReadOnlyStore) before it
+    # starts; a backend that can also has the server or the file refuse them.
+    read_only: bool = False
+
+    def _refuse_write(self, where: str) -> None:
+        if self.read_only:
+            raise ReadOnlyStore(f"the ref table at {where} is opened read-only: nothing was written")
 
     def close(self) -> None:
         pass
@@ -175,11 +188,15 @@ class RefTable(ABC):
             if cur is None:
                 t.put("meta", b"store_id", want)
             elif cur != want:
-                raise NotAStore(f"this ref table belongs to store {cur.decode(errors='replace')!r}, not to "
-                                f"{store_id!r}: wrong --refs / $TSCK_REFS?")
+                raise _wrong_store(cur, store_id)
             if new:
                 t.put("meta", b"born_with_store", b"1")
 
+        if self.read_only:  # check only: a table that records no store is taken as it is
+            cur = self._read(lambda t: t.get("meta", b"store_id"))
+            if cur is not None and cur != want:
+                raise _wrong_store(cur, store_id)
+            return
         if new or self._read(lambda t: t.get("meta", b"store_id")) != want:
             self._write(txn)
 
