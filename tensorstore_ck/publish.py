@@ -157,6 +157,7 @@ class Publisher:
         its lease ran out on the ref table's clock: the gc's own declaration, never this
         process's opinion); the even epoch, as a new fence."""
         t0, told = time.monotonic(), False
+        self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         while True:
             st = self.reftable.gc_state()
             if st["epoch"] % 2 == 0:

@@ -215,6 +215,7 @@ class Store:
         self._bg.shutdown(wait=True)
         self._staging.clear()
         self._pool.shutdown(wait=True)
+        self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
         self.storage.close()
 

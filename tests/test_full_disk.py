@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import lmdb
 import pytest
@@ -22,6 +23,7 @@ import torch
 import tensorstore_ck as tsck
 from _mounts import fill, tmpfs
 from tensorstore_ck.refs.base import TABLES
+from tensorstore_ck.storage.wrappers import WrappedStore
 
 
 def _state(i: int, n: int = 5000) -> dict:
@@ -203,3 +205,47 @@ def test_put_snapshot_on_a_full_disk_leaves_no_half_state(full):
     s.gc()
     assert s.fsck().ok
     assert s.put_snapshot(_state(40, 300_000), "a/main", step=40, job="a").step == 40
+
+
+class _FillOnClock(WrappedStore):
+    """Fills `small` to the last byte the first time the storage's clock is read: gc and
+    prune read it just after taking the gc lock, so the disk fills in the middle of them."""
+
+    def __init__(self, inner, small):
+        super().__init__(inner)
+        self.small, self.armed, self.fillers = small, False, []
+
+    def clock_now(self):
+        if self.armed:
+            self.armed = False
+            self.fillers = fill(self.small)
+        return self.inner.clock_now()
+
+
+@pytest.mark.parametrize("op", ["gc", "prune"])
+def test_a_gc_stopped_by_a_full_ref_table_disk_releases_the_store(tmp_path, op):
+    """The gc lock taken, then the disk fills: gc fails (StorageError) and cannot record
+    its end either. Once space is freed, the same Store's next gc (and every writer)
+    goes on at once instead of waiting out the dead gc's lease."""
+    with tmpfs(tmp_path / "small", "8m") as small:
+        url, refs = tmp_path / "store", os.path.join(small, "refs.lmdb")
+        with tsck.open_store(url, refs=refs) as s0:
+            for i in range(4):
+                s0.put_snapshot(_state(i), "a/main", step=i, job="a")
+            s0.set_retention("a", tsck.Retention(keep_last=1))
+        _compact(refs)
+        with tsck.open_store(url, refs=refs, gc_lease=300, wrap_storage=lambda st: _FillOnClock(st, small)) as s:
+            s.storage.armed = True
+            with pytest.raises(tsck.StorageError) as ei:
+                s.gc() if op == "gc" else s.prune("a")
+            _assert_no_space(ei.value, refs)
+            assert s.storage.fillers, "the disk was not filled during the gc"
+            for p in s.storage.fillers:
+                os.unlink(p)
+            t0 = time.monotonic()
+            rep = s.gc() if op == "gc" else s.prune("a")
+            assert time.monotonic() - t0 < 30, "waited out the dead gc's lease"
+            assert len(rep.expired) == 3
+            assert s.reftable.gc_state()["phase"] == "idle"
+            s.put_snapshot(_state(9), "a/main", step=9, job="a")
+            assert s.fsck().ok

@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ..errors import Fenced, FormatError, GcBusy, NotAStore, ReadOnlyStore, RefConflict, RefNotFound
+from ..errors import Fenced, FormatError, GcBusy, NotAStore, ReadOnlyStore, RefConflict, RefNotFound, TsckError
 from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
                               encode_reflog)
 
@@ -488,9 +488,29 @@ class RefTable(ABC):
     # A gc holds the store under a lease it declares (seconds) and renews; whether it ran
     # out is judged on the table's clock only, so no party's own clock or setting can
     # declare a live gc dead. `now` (a reading of the table's clock) is for tests.
+    def gc_abandoned(self, owner: str) -> None:
+        """A gc of this process that stopped and could not record its end (the table's
+        disk was full, its server away): released at this handle's next chance
+        (release_abandoned_gc) instead of holding the store until its lease runs out."""
+        self.__dict__.setdefault("_abandoned_gcs", set()).add(owner)
+
+    def release_abandoned_gc(self) -> None:
+        """End the gcs of this process that gc_abandoned() recorded, if the table takes
+        writes again; one that another party closed or took over is forgotten."""
+        owners = self.__dict__.get("_abandoned_gcs")
+        for owner in list(owners or ()):
+            try:
+                self.gc_finish(owner)
+            except GcBusy:
+                pass  # no longer ours: closed as stale, or another gc holds the store
+            except TsckError:
+                continue  # still failing: try again next time
+            owners.discard(owner)
+
     def gc_begin(self, owner: str, *, lease: float, now: float | None = None) -> dict:
         if not (isinstance(lease, (int, float)) and 0 < lease < 1e7):
             raise ValueError(f"gc lease must be a positive number of seconds, got {lease!r}")
+        self.release_abandoned_gc()
 
         def txn(t):
             st = _gc_state(t)
