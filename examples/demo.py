@@ -9,8 +9,10 @@
 2. The run is resumed from the newest committed snapshot and trained to the end;
    the losses of the steps it redoes are compared with those the killed run
    printed: they are bit-identical.
-3. The store is inspected with the CLI: `tsck log`, `tsck du`, `tsck fsck`,
-   then `tsck gc` applies the job's retention (keep the last 3 and the best 1).
+   Both runs prune while they train: the manager applies the job's retention (keep
+   the last 3 and the best 1) in the background after each snapshot.
+3. The store is inspected with the CLI: `tsck log` (only what retention keeps),
+   `tsck du`, `tsck fsck`, and `tsck gc` finds next to nothing left to reclaim.
 """
 
 from __future__ import annotations
@@ -107,10 +109,14 @@ def train(store_path: str, total: int, resume: bool) -> None:
     from tqdm import tqdm
 
     model, opt, sched, loader, val, ts = build(total)
-    with tsck.open_store(store_path) as store:
+    # A resume never creates a store, and must find a snapshot: a mistyped path or job is an
+    # error here, not a silent restart from step 0.
+    with tsck.open_store(store_path, create=not resume) as store:
+        # With retention, the manager prunes in the background after each snapshot: the
+        # store stays at what the rules keep while the job trains (no offline gc needed).
         mgr = tsck.CheckpointManager(store, job="demo", state=ts, every_steps=20, on_metric=("val_loss", "min"),
                                      retention=tsck.Retention(keep_last=3, keep_best=1, metric="val_loss"))
-        step = mgr.restore_latest() if resume else None
+        step = mgr.restore_latest(must_exist=True) if resume else None
         if resume:
             print(f"resumed at step {step} (epoch {loader.epoch}, batch {loader.batches_consumed})", flush=True)
         step = step or 0

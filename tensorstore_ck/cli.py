@@ -24,7 +24,7 @@ import os
 import sys
 
 from .assets import holds_snapshots
-from .errors import StorageError, TsckError, storage_error
+from .errors import InvalidArgument, StorageError, TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
 
@@ -33,6 +33,17 @@ __all__ = ["main"]
 
 class _Usage(Exception):
     pass
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every command and its help on one line (argparse would wrap the longer names)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=20, width=110)
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        self._action_max_length = max(self._action_max_length, 18)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,8 +105,12 @@ def _dumps(obj, **kw) -> str:
     return json.dumps(_jsonable(obj), allow_nan=False, **kw)
 
 
+def _metrics_text(m: dict) -> str:
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items())
+
+
 def _line(info: SnapshotInfo) -> str:
-    m = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.metrics.items())
+    m = _metrics_text(info.metrics)
     return (f"{info.root[:16]}  step {info.step if info.step is not None else '-':>8}  {_when(info.time)}  "
             f"{_human(info.bytes_total):>10} ({_human(info.bytes_new)} new)  {m}").rstrip()
 
@@ -191,6 +206,26 @@ def cmd_pin(store, args):
     return 0
 
 
+def cmd_delete_ref(store, args):
+    d = store.delete_ref(args.ref, expected=args.expected)
+    _out(args, d, f"deleted ref {d['ref']} (was {d['root']}); {d['snapshots_dropped']} snapshot(s) of its "
+                  "history are no longer kept: the next gc reclaims what only they held")
+    return 0
+
+
+def cmd_untag(store, args):
+    root = store.untag(args.name)
+    _out(args, {"untag": args.name, "root": root}, f"untagged {args.name} (was {root})")
+    return 0
+
+
+def cmd_forget(store, args):
+    i = store.forget(args.target)
+    _out(args, {"forgot": i.to_json()}, f"forgot {i.root} ({i.ref} step {i.step}); the next gc reclaims what "
+                                        "only it held")
+    return 0
+
+
 def _seconds(v: str) -> float:
     try:
         x = float(v)
@@ -214,8 +249,74 @@ def cmd_gc(store, args):
     if r.rescued:
         lines.append(f"{r.rescued} candidates were reused by writers meanwhile and kept")
     if r.dry_run:
-        lines += [f"  expire {x}" for x in r.expired] + [f"  delete {k}" for k in r.would_delete]
+        lines = _retention_table(store, r.snapshots) + [
+            f"would expire {len(r.expired)} snapshot(s); keep {r.kept_snapshots}",
+            f"would delete {r.deleted_objects} objects, {_human(r.deleted_bytes)} "
+            f"({', '.join(f'{v} {k}' for k, v in sorted(r.deleted_by_kind.items())) or 'nothing'}); "
+            "--json lists their keys"]
     _out(args, r.to_json(), "\n".join(lines))
+    return 0
+
+
+def _retention_table(store, snapshots: list) -> list[str]:
+    """Like restic's forget: per job with rules, each snapshot, keep or remove, and the
+    rule that decided; a job without rules is one line (it keeps everything)."""
+    rules = store.retention()
+    lines = []
+    by_job: dict = {}
+    for d in snapshots:
+        by_job.setdefault(d["job"], []).append(d)
+    for job in sorted(by_job):
+        rows = by_job[job]
+        if job not in rules:
+            lines.append(f"job {job}: no retention rule, keeps all {len(rows)} snapshot(s)")
+            continue
+        kept = sum(d["keep"] for d in rows)
+        lines.append(f"job {job}: {_rule_text(rules[job])}: keep {kept} of {len(rows)}")
+        lines.append(f"  {'ref':<24} {'step':>8}  {'time':<20}  {'action':<6}  {'why':<32}  metrics")
+        for d in rows:
+            step = d["step"] if d["step"] is not None else "-"
+            lines.append(f"  {str(d['ref']):<24} {step:>8}  {_when(d['time']):<20}  "
+                         f"{'keep' if d['keep'] else 'remove':<6}  {', '.join(d['why']):<32}  "
+                         f"{_metrics_text(d['metrics'])}".rstrip())
+    return lines
+
+
+def _rule_text(rule) -> str:
+    parts = []
+    if rule.keep_last is not None:
+        parts.append(f"keep last {rule.keep_last}")
+    if rule.keep_best is not None:
+        parts.append(f"keep best {rule.keep_best} by {rule.metric} ({rule.mode})")
+    if rule.keep_every_steps is not None:
+        parts.append(f"keep one per {rule.keep_every_steps} steps")
+    if rule.max_age_days is not None:
+        parts.append(f"keep what is younger than {rule.max_age_days:g} days")
+    return ", ".join(parts)
+
+
+def cmd_retention(store, args):
+    from .retention import Retention
+    given = {k: getattr(args, k) for k in ("keep_last", "keep_best", "metric", "keep_every_steps", "max_age_days")
+             if getattr(args, k) is not None}
+    if args.mode is not None:
+        given["mode"] = args.mode
+    if args.job is None:
+        if given or args.clear:
+            raise InvalidArgument("setting a rule needs a JOB")
+        rules = store.retention()
+        _out(args, {job: r.to_dict() for job, r in rules.items()},
+             "\n".join(f"{job}: {_rule_text(r)}" for job, r in sorted(rules.items())) or "(no retention rules)")
+        return 0
+    if args.clear and given:
+        raise InvalidArgument("--clear takes no other rule option")
+    if args.clear:
+        store.set_retention(args.job, None)
+    elif given:
+        store.set_retention(args.job, Retention(**given))
+    rule = store.retention().get(args.job)
+    _out(args, {"job": args.job, "retention": None if rule is None else rule.to_dict()},
+         f"{args.job}: {_rule_text(rule) if rule else 'no retention rule (keeps everything)'}")
     return 0
 
 
@@ -243,7 +344,7 @@ def cmd_fsck(store, args):
 
 
 def cmd_recover(store, args):
-    r = store.recover()
+    r = store.recover(progress=_bar(args))
     lines = [f"{r.commits_found} commits found, {r.catalog_rows_added} catalog rows added"]
     lines += [f"  ref {k} -> {v}" for k, v in r.refs_restored.items()]
     lines += [f"  tag {k} -> {v}" for k, v in r.tags_restored.items()]
@@ -287,8 +388,13 @@ def _remote_options(args) -> tuple[str | None, dict | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    from . import __version__
+    p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state",
+                formatter_class=_HelpFormatter,
+                epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
+                       "tsck log STORE -- -rf. Exit codes: 0 ok, 1 problems found, 2 user error.")
+    p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
 
     def add(name, fn, help, *pos):
         s = sub.add_parser(name, help=help)
@@ -316,8 +422,24 @@ def build_parser() -> argparse.ArgumentParser:
     add("tag", cmd_tag, "create an immutable tag", "name", "target")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
     add("unpin", cmd_pin, "release a pin", "target")
+    d = add("delete-ref", cmd_delete_ref, "remove a ref; gc then reclaims what only its history held", "ref")
+    d.add_argument("--expected", default=None, metavar="ROOT",
+                   help="delete only if the ref still points at this root (hex, 8 digits or more)")
+    add("untag", cmd_untag, "remove a tag", "name")
+    add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
+    r = add("retention", cmd_retention, "show, set (replacing them) or clear a job's retention rules")
+    r.add_argument("job", nargs="?", default=None, help="the job (none: list every job's rules)")
+    r.add_argument("--keep-last", type=int, default=None, metavar="N", help="the N newest snapshots")
+    r.add_argument("--keep-best", type=int, default=None, metavar="K", help="the K best by --metric")
+    r.add_argument("--metric", default=None, metavar="M", help="the metric of --keep-best")
+    r.add_argument("--mode", choices=("min", "max"), default=None, help="best is min (default) or max")
+    r.add_argument("--keep-every-steps", type=int, default=None, metavar="S", help="one snapshot per S steps")
+    r.add_argument("--max-age-days", type=float, default=None, metavar="D", help="every snapshot younger than D days")
+    r.add_argument("--clear", action="store_true", help="remove the job's rules (it keeps everything)")
     g = add("gc", cmd_gc, "apply retention, then delete unreferenced objects")
-    g.add_argument("--dry-run", action="store_true", help="list what would go and the bytes freed; change nothing")
+    g.add_argument("--dry-run", action="store_true",
+                   help="per snapshot: keep or remove and the rule that decided; then the objects and bytes "
+                        "that would go (their keys with --json); change nothing")
     g.add_argument("--lease", type=_seconds, default=None, metavar="SECONDS",
                    help="how long this gc holds the store between two renewals (default 120); writers "
                         "judge it on the ref table's clock, never on their own")
@@ -333,12 +455,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dash_hint(parser, argv) -> str:
+    """A name that begins with '-' reads as an option: say how to pass it."""
+    known = {o for a in parser._actions for o in a.option_strings}
+    for a in parser._actions:
+        for sub in (getattr(a, "choices", None) or {}).values():
+            known |= {o for x in sub._actions for o in x.option_strings}
+    argv = list(argv)
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    odd = [x for x in head if x.startswith("-") and x.split("=")[0] not in known and x != "-"]
+    return f" ({odd[0]!r} was read as an option; a name that begins with '-' goes after `--`: " \
+           f"tsck log STORE -- {odd[0]})" if odd else ""
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except _Usage as e:
-        print(f"tsck: error: {e}", file=sys.stderr)
+        print(f"tsck: error: {e}{_dash_hint(parser, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        return 2
+    if args.cmd is None:  # bare `tsck`: what it can do, not a complaint about a missing argument
+        parser.print_help(sys.stderr)
         return 2
     try:
         refs, storage_options = _remote_options(args)

@@ -59,9 +59,18 @@ class RefConflict(TsckError):
         self.expected = expected
         self.actual = actual
         self.what = what
-        super().__init__(
-            f"{what} {name!r} conflict: expected {expected or '<absent>'}, found {actual or '<absent>'}"
-        )
+        kind, _, clash = what.partition(" (")  # e.g. "tag (a ref has this name)"
+        if clash:
+            text = f"{kind} {name!r} cannot be created: {clash.rstrip(')')} (on {actual})"
+        elif expected is None and actual is not None:
+            text = f"{what} {name!r} already exists (on {actual})"
+            if kind == "tag":
+                text += "; tags are immutable: choose another name, or remove it first (untag)"
+        elif expected is not None and actual is None:
+            text = f"{what} {name!r} does not exist (expected it on {expected})"
+        else:
+            text = f"{what} {name!r} moved: expected it on {expected}, it is on {actual}"
+        super().__init__(text)
 
     def __reduce__(self):  # crosses process boundaries (DCP sends errors between ranks)
         return (type(self), (self.name, self.expected, self.actual, self.what))

@@ -121,8 +121,9 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
     epoch0 = store.reftable.gc_state()["epoch"]
     names = _names(store)
     bad_rows: list = []
-    for _r, _row in store.reftable.catalog_iter(bad=bad_rows):
-        pass
+    logical = 0  # the bar's total: every snapshot's bytes, as the walk meets them
+    for _r, row in store.reftable.catalog_iter(bad=bad_rows):
+        logical += int(row.get("bytes_total", 0))
     for root, err in bad_rows:  # the snapshot is still checked below, from its commit
         rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
     roots = sorted(store.reftable.catalog_roots() | set(names))
@@ -130,7 +131,7 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()
     pool = store.pool
-    bar = _progress(progress, "fsck", total=len(roots))
+    bar = _progress(progress, "fsck", total=logical or None, unit="B")
 
     def check_block(d: bytes, n: int):
         if full:
@@ -160,14 +161,21 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
                 problem = "dangling_ref" if nm else "missing"
             rep.findings.append(Finding(problem, snap, nm, getattr(e, "path", None) or None,
                                         getattr(e, "key", None), str(e.args[0]) if e.args else str(e)))
-        todo = {}
+        todo, sizes = {}, {}
         for d, n, _p in pending:
             if d not in block_status and d not in todo:
                 todo[d] = pool.submit(check_block, d, n)
+                sizes[d] = n
                 rep.bytes_checked += n
         for d, f in todo.items():
             block_status[d] = f.result()
             rep.objects_checked += 1
+            if bar is not None:
+                bar.update(sizes[d])
+        if bar is not None:  # blocks checked for an earlier snapshot count as done at once
+            bar.update(sum(n for d, n, _p in pending) - sum(sizes[d] for d in todo))
+            bar.set_postfix_str(f"{rep.snapshots_checked}/{len(roots)} snapshots, {rep.objects_checked} objects",
+                                refresh=False)
         reported = set()
         for d, n, p in pending:
             err = block_status[d]
@@ -175,8 +183,6 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
                 reported.add((d, p))
                 rep.findings.append(Finding(err.reason, snap, nm, p, err.key,
                                             str(err.args[0]).split(" (")[0] if err.args else "bad block"))
-        if bar is not None:
-            bar.update(1)
     if bar is not None:
         bar.close()
     # Orphans: stored objects no kept snapshot reaches. Counted, not errors (gc removes them).

@@ -45,11 +45,11 @@ from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckEr
 from .reach import KINDS, Marked, iter_unreachable, kept_roots, mark
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
-from .retention import Retention, SnapRow, select_kept
+from .retention import Retention, SnapRow, explain_kept
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "prune_job", "plan_expiry", "DEFAULT_LEASE",
+__all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "prune_job", "plan_expiry", "retention_plan", "DEFAULT_LEASE",
            "Lease", "holding_gc_lock"]
 
 DEFAULT_LEASE = 120.0        # seconds a gc holds the store between two renewals
@@ -72,6 +72,8 @@ class GCReport:
     strays: list = field(default_factory=list)        # stored names that are no object key (kept)
     malformed_rows: list = field(default_factory=list)  # root hex of catalog rows that do not decode (kept)
     reflog_compacted: int = 0                         # history records of snapshots no longer kept, removed
+    snapshots: list = field(default_factory=list)     # dry run: per snapshot {root, ref, job, step, time,
+                                                      # metrics, keep, why}: what retention decides and why
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -90,38 +92,57 @@ class GCPlan:
     report: GCReport
 
 
-def _progress(enabled: bool, desc: str, total=None):
+def _progress(enabled: bool, desc: str, total=None, unit: str = "obj"):
+    """A progress bar on stderr (the CLI asks for one only on a terminal); unit "B"
+    counts bytes, so one big snapshot moves the bar as its blocks are done."""
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
-    return tqdm(total=total, desc=desc, unit="obj", leave=False, dynamic_ncols=True)
+    if unit == "B":
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                    dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B "
+                                                   "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
 
 
-def plan_expiry(store, now: float, records: dict | None = None, bad: list | None = None) -> list[bytes]:
-    """Roots that retention (`records`, default: the stored rules) no longer keeps,
-    before protection by refs/tags/pins. A catalog row that does not decode is never
-    expired (its snapshot stays kept; fsck reports it); it goes to `bad` as (root, error)."""
+def retention_plan(store, now: float, records: dict | None = None, bad: list | None = None) -> list[dict]:
+    """Every kept snapshot with what retention (`records`, default: the stored rules)
+    decides for it and why: {root, ref, job, step, time, metrics, keep, why}. A ref
+    tip, tag target or pin is kept whatever the rules say; a job without rules keeps
+    everything. A catalog row that does not decode is never expired (its snapshot
+    stays kept; fsck reports it); it goes to `bad` as (root, error)."""
     records = store.reftable.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
     order = store.reftable.publication_order()
-    by_job: dict[str, list[SnapRow]] = {}
+    by_job: dict[str, list] = {}
     for root, row in store.reftable.catalog_iter(bad=[] if bad is None else bad):
-        by_job.setdefault(str(row.get("job", "")), []).append(
-            SnapRow(root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}),
-                    order.get(root)))
-    protected = {r for _, r in store.reftable.list()} | {r for _, r in store.reftable.tags()} \
-        | store.reftable.pins()
+        by_job.setdefault(str(row.get("job", "")), []).append((SnapRow(
+            root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}), order.get(root)),
+            row))
+    protected: dict[bytes, list[str]] = {}
+    for name, r in store.reftable.list():
+        protected.setdefault(r, []).append(f"tip of {name}")
+    for name, r in store.reftable.tags():
+        protected.setdefault(r, []).append(f"tag {name}")
+    for r in store.reftable.pins():
+        protected.setdefault(r, []).append("pinned")
     out = []
     for job, rows in by_job.items():
-        rule = rules.get(job)
-        if rule is None:
-            continue
-        kept = select_kept(rows, rule, now) | protected
-        out.extend(r.root for r in rows if r.root not in kept)
+        why = explain_kept([sr for sr, _row in rows], rules.get(job), now)
+        for sr, row in rows:
+            reasons = protected.get(sr.root, []) + why.get(sr.root, [])
+            out.append({"root": sr.root, "ref": row.get("ref"), "job": job, "step": sr.step, "time": sr.time,
+                        "metrics": sr.metrics, "keep": bool(reasons), "why": reasons or ["no rule keeps it"]})
+    out.sort(key=lambda d: (d["job"], str(d["ref"]), d["time"]))
     return out
+
+
+def plan_expiry(store, now: float, records: dict | None = None, bad: list | None = None) -> list[bytes]:
+    """Roots that retention no longer keeps (see retention_plan)."""
+    return [d["root"] for d in retention_plan(store, now, records, bad) if not d["keep"]]
 
 
 def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=None) -> GCPlan:
@@ -130,7 +151,10 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
     refs = store.reftable
     rules = refs.retention_all()
     bad: list = []
-    doomed = plan_expiry(store, refs.wall_now(), rules, bad)  # ages on the table's clock, like commit times
+    decisions = retention_plan(store, refs.wall_now(), rules, bad)  # ages on the table's clock, like commits
+    doomed = [d["root"] for d in decisions if not d["keep"]]
+    if dry_run:  # what was decided for each snapshot and why (tsck gc --dry-run prints it)
+        rep.snapshots = [{**d, "root": d["root"].hex()} for d in decisions]
     rep.malformed_rows = [r.hex() for r, _e in bad]
     expired = doomed if dry_run else refs.catalog_expire(doomed, rules=rules)
     rep.expired = [r.hex() for r in expired]
@@ -212,6 +236,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
             _count(rep, kind, size)
         if bar is not None:
             bar.update(len(batch))
+            bar.set_postfix_str(f"{rep.deleted_bytes / 2**20:.1f} MiB freed", refresh=False)
 
     kind, batch = None, []
     for line in plan.spool:

@@ -41,6 +41,10 @@ def _split_url(url: str) -> tuple[str, str]:
     url = os.fspath(url)
     if "://" in url:
         proto, rest = url.split("://", 1)
+        import fsspec
+        if proto not in fsspec.available_protocols():  # a typo (htps://) is named as such, first
+            raise InvalidArgument(f"unknown URL scheme {proto + '://'!r} in {url!r}: use a local path, s3://, gs://, "
+                                  "or another fsspec protocol")
         return proto, rest
     return "file", url
 
@@ -183,8 +187,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                                             os.path.join(lmdb_dir, "lock.mdb")] if lmdb_dir else []))
             read_only = why_ro is not None
         if not os.path.isdir(root):
-            if not create or read_only:
-                raise NotAStore(f"no store at {root}")
+            if read_only:
+                raise NotAStore(f"no store at {root} (no such directory; opened read-only: nothing is created)")
+            if not create:
+                raise NotAStore(f"no store at {root} (no such directory; check the path, or pass create=True "
+                                "to make a new store)")
             try:
                 os.makedirs(root, exist_ok=True)  # several processes may create one store at once
             except OSError as e:
@@ -216,8 +223,10 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     created = False
     if cfg is None:
         if not create:
-            raise NotAStore(f"no store at {storage.url}" + (" (opened read-only: nothing is created)"
-                                                            if read_only else ""))
+            if read_only:
+                raise NotAStore(f"no store at {storage.url} (nothing there; opened read-only: nothing is created)")
+            raise NotAStore(f"no store at {storage.url} (nothing there; check the path, or pass create=True "
+                            "to make a new store)")
         cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
                "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
                "block_size": new_layout[0], "inline_threshold": new_layout[1]}

@@ -13,8 +13,9 @@ Refs and tags that still exist are left as they are, except a ref a killed
 recover left on an intermediate commit: it is moved on, so running recover
 again always ends where one uninterrupted run ends. A commit whose tree is not
 all present (gc swept it, a crash cut it short) is never adopted; the report
-says which and why. Retention rules and pins live only in the ref table and
-must be set again.
+says which and why. Neither is a snapshot a user forgot nor a ref a user deleted
+(their reflog records say so) while gc has not reclaimed them yet. Retention
+rules and pins live only in the ref table and must be set again.
 """
 
 from __future__ import annotations
@@ -96,13 +97,21 @@ def _history_order(items) -> list:
     return out
 
 
-def run_recover(store) -> RecoverReport:
+def run_recover(store, *, progress: bool = False) -> RecoverReport:
+    from .gc import _progress
     rep = RecoverReport()
+    bar = _progress(progress, "recover: commits", unit="commit")
     rt = store.reftable
     by_ref: dict[str, list[tuple[float, int, bytes, dict]]] = {}
     strays: list = []
     present: set = set()  # blocks known to exist
+    # What users removed (delete-ref, forget) stays removed while storage still holds it:
+    # the reflog keeps those records. A lost ref table has none; then all comes back.
+    deleted, forgotten = rt.removed()
+    deleted_roots = {e.new for ref in deleted for e in rt.reflog(ref)}
     for o in store.assets.list_objects("commits", strays):
+        if bar is not None:
+            bar.update(1)
         root = o.digest
         try:
             c = decode_commit(store.assets.get_commit(root, verify=True))
@@ -112,6 +121,10 @@ def run_recover(store) -> RecoverReport:
             log.warning("recover: commit %s is unreadable, left out: %s", root.hex()[:16], e)
             continue
         rep.commits_found += 1
+        if root in forgotten or (c["ref"] in deleted and (root in deleted_roots
+                                                          or float(c["time"]) <= deleted[c["ref"]])):
+            rep.skipped[root.hex()] = "removed by a user (forget or delete-ref): not brought back"
+            continue
         why = _incomplete(store, root, present)
         if why is not None:
             # A commit whose tree gc swept (written just after a gc began, its writer's
@@ -129,6 +142,8 @@ def run_recover(store) -> RecoverReport:
             rep.catalog_rows_added += 1
         step = c["step"] if isinstance(c["step"], int) else -1
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
+    if bar is not None:
+        bar.close()
     for ref, items in sorted(by_ref.items()):
         items = _history_order(items)
         roots = [root for _t, _s, root, _row in items]

@@ -22,7 +22,7 @@ from typing import Iterable
 
 from .errors import InvalidArgument
 
-__all__ = ["Retention", "SnapRow", "select_kept"]
+__all__ = ["Retention", "SnapRow", "select_kept", "explain_kept"]
 
 
 @dataclass(frozen=True)
@@ -73,16 +73,26 @@ class SnapRow:
 
 
 def select_kept(rows: Iterable[SnapRow], rule: Retention | None, now: float) -> set[bytes]:
+    return set(explain_kept(rows, rule, now))
+
+
+def explain_kept(rows: Iterable[SnapRow], rule: Retention | None, now: float) -> dict[bytes, list[str]]:
+    """root -> the rules that keep it (`gc --dry-run` prints them), for the kept ones only."""
     rows = list(rows)
     if rule is None:
-        return {r.root for r in rows}
-    kept: set[bytes] = set()
+        return {r.root: ["no retention rule"] for r in rows}
+    why: dict[bytes, list[str]] = {}
+
+    def keep(rule_name: str, roots) -> None:
+        for root in roots:
+            why.setdefault(root, []).append(rule_name)
+
     # "Last" is publication order, not the wall clock: a clock stepped back (NTP, a restored
     # VM, writers on several hosts) must not make the newest snapshots look oldest.
     newest_first = sorted(rows, key=lambda r: (r.seq is not None, r.seq or 0, r.time,
                                                r.step if r.step is not None else -math.inf), reverse=True)
     if rule.keep_last:
-        kept.update(r.root for r in newest_first[: rule.keep_last])
+        keep(f"last {rule.keep_last}", (r.root for r in newest_first[: rule.keep_last]))
     if rule.keep_best:
         cands = []
         for r in newest_first:
@@ -92,15 +102,16 @@ def select_kept(rows: Iterable[SnapRow], rule: Retention | None, now: float) -> 
         sign = 1 if rule.mode == "min" else -1
         # sorted() is stable and cands is newest first, so ties go to the newer snapshot.
         cands.sort(key=lambda r: sign * r.metrics[rule.metric])
-        kept.update(r.root for r in cands[: rule.keep_best])
+        keep(f"best {rule.keep_best} by {rule.metric} ({rule.mode})",
+             (r.root for r in cands[: rule.keep_best]))
     if rule.keep_every_steps:
         first: dict[int, SnapRow] = {}
         for r in sorted(rows, key=lambda r: (r.step if r.step is not None else 0, r.time)):
             if r.step is None:
                 continue
             first.setdefault(r.step // rule.keep_every_steps, r)
-        kept.update(r.root for r in first.values())
+        keep(f"one per {rule.keep_every_steps} steps", (r.root for r in first.values()))
     if rule.max_age_days is not None:
         cutoff = now - rule.max_age_days * 86400.0
-        kept.update(r.root for r in rows if r.time >= cutoff)
-    return kept
+        keep(f"younger than {rule.max_age_days:g} days", (r.root for r in rows if r.time >= cutoff))
+    return why

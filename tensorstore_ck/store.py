@@ -29,13 +29,13 @@ from .dist import CollectiveContext, collective_checkout, collective_put, is_col
 from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
                      ReadOnlyStore, RefConflict, RefNotFound, StoreClosed, TsckError, storage_error)
 from .format.manifest import decode_commit
-from .ids import Digest, is_hex_prefix
+from .ids import MIN_PREFIX, Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
 from .plan import Planner
 from .publish import Publisher
 from .read import MISSING, Reader
 from .refs import RefTable
-from .format.names import parse_target, validate_component, validate_name
+from .format.names import parse_target, validate_component, validate_name, validate_new_name
 from .retention import Retention
 from .staging import StagingPool
 from .storage import BlockStore
@@ -444,6 +444,9 @@ class Store:
                 return Digest(found[0])
             if len(found) > 1:
                 raise AmbiguousTarget(f"root prefix {text!r} matches {len(found)} snapshots; give more digits")
+        if text and len(text) < MIN_PREFIX and all(c in "0123456789abcdef" for c in text):
+            raise RefNotFound(f"no ref or tag named {target!r}, and a root prefix needs at least {MIN_PREFIX} hex "
+                              "digits (see `tsck log` for roots)")
         raise RefNotFound(f"no ref, tag or snapshot named {target!r}")
 
     def _info(self, root: bytes) -> SnapshotInfo:
@@ -534,7 +537,7 @@ class Store:
         The tag is also written to storage (``tags/<hex>``), so `recover` can
         rebuild it; that object is created exclusively, so it is the tag's
         single source of truth across hosts."""
-        validate_name(name, "tag name")
+        validate_new_name(name, "tag name")
         self._writable("tag")
         if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
             raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
@@ -583,11 +586,11 @@ class Store:
                                       "meanwhile; nothing was created") from None
 
     @_public
-    def recover(self):
+    def recover(self, *, progress: bool = False):
         """Rebuild catalog, refs (at their newest commits), reflog and tags from storage."""
         from .recover import run_recover
         self._writable("recover")
-        return run_recover(self)
+        return run_recover(self, progress=progress)
 
     @_public
     def diff(self, a: str, b: str) -> dict:
@@ -628,6 +631,50 @@ class Store:
         root = self._root(target)
         self.reftable.unpin(root)
         return root.hex()
+
+    @_public
+    def delete_ref(self, ref: str, *, expected: str | None = None) -> dict:
+        """Remove ref `ref` (RefConflict if `expected`, a root's hex or prefix, no longer
+        names what it points at; RefNotFound if there is no such ref). Its reflog keeps a
+        record of the removal; the snapshots of its history that nothing else keeps (another
+        ref, a tag, a pin) leave the catalog in the same transaction, so the next gc or
+        prune reclaims their objects. The name may be used again by a later put.
+        -> {"ref", "root", "snapshots_dropped"}."""
+        validate_name(ref)
+        want = None
+        if expected is not None:
+            if not is_hex_prefix(expected):
+                raise InvalidArgument(f"expected must be a root: {MIN_PREFIX} to 64 lowercase hex digits, "
+                                      f"got {expected!r}")
+            actual = self.reftable.get(ref)
+            if not actual.hex().startswith(expected):
+                raise RefConflict(ref, expected, actual.hex())
+            want = actual  # the transaction deletes only if the ref still points exactly here
+        root, dropped = self.reftable.delete_ref(ref, want)
+        return {"ref": ref, "root": root.hex(), "snapshots_dropped": dropped}
+
+    @_public
+    def untag(self, name: str) -> str:
+        """Remove tag `name` (RefNotFound if there is none); -> the root it named. Its
+        storage object goes first, so recover cannot bring it back after a crash here."""
+        validate_name(name, "tag name")
+        root = self.reftable.tag_get(name)
+        if root is None:
+            raise RefNotFound(f"no tag named {name!r}")
+        self.assets.delete_tag(name)
+        self.assets.sync()
+        self.reftable.tag_delete(name)
+        return root.hex()
+
+    @_public
+    def forget(self, target: str) -> SnapshotInfo:
+        """Drop one snapshot (REF@STEP, or a root) from the catalog so gc reclaims what
+        only it holds; recorded in its ref's reflog. Refused (InvalidArgument) while it is
+        a ref's tip, a tag's target or pinned. -> what it was."""
+        root = self._root(target)
+        info = self._info(root)
+        self.reftable.forget(root, info.ref)
+        return info
 
     @_public
     def du(self) -> dict:

@@ -210,16 +210,26 @@ class CheckpointManager:
         """The GCReport of the newest background prune that ran, or None."""
         return None if self._pruner is None else self._pruner.last
 
-    def restore_latest(self, state: TrainState | None = None) -> int | None:
-        """Load the newest committed snapshot of this job's ref into the state; its step, or None."""
+    def restore_latest(self, state: TrainState | None = None, *, must_exist: bool = False) -> int | None:
+        """Load the newest committed snapshot of this job's ref into the state; its step,
+        or None when there is none (a first run). must_exist=True is for resume scripts:
+        no snapshot to resume from is then RefNotFound naming the store, the ref and the
+        refs the store does hold, so a mistyped path or job fails loudly instead of
+        starting training over from step 0."""
         state = state or self.state
         if state is None:
             raise InvalidArgument("restore_latest needs a TrainState")
         try:
             history = self.store.log(self.ref)
         except RefNotFound:
-            return None
+            history = []
         if not history:
+            if must_exist:
+                names = sorted(self.store.refs())
+                held = (f"it holds {len(names)} ref(s): {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}"
+                        if names else "it holds no snapshot at all (a new store: is the path right?)")
+                raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
+                                  f"store at {self.store.url}; {held}")
             return None
         sd = self.store.checkout(history[0].root)
         state.load_state_dict(sd)

@@ -42,7 +42,7 @@ from typing import ClassVar
 
 import pytest
 
-from tensorstore_ck.errors import Fenced, GcBusy, RefConflict, RefNotFound
+from tensorstore_ck.errors import Fenced, GcBusy, InvalidArgument, RefConflict, RefNotFound
 from tensorstore_ck.format.records import encode_record, encode_reflog
 from tensorstore_ck.storage import BlockStore
 from tensorstore_ck.storage.base import DeadlinePassed
@@ -636,6 +636,74 @@ class RefTableTests:
         table.unpin(R[1])  # absent is not an error
         table.unpin(R[9])
         assert table.pins() == {R[2]}
+
+    # -- removals: delete_ref, forget, tag_delete ------------------------------------------
+    def test_delete_ref_drops_its_history_but_not_what_others_keep(self, table):
+        R = self.R
+        prev = None
+        for i in (1, 2, 3, 4):  # r: R1 -> R2 -> R3 -> R4
+            table.compare_and_swap("r", prev, R[i], message=f"m{i}", catalog_row={"ref": "r", "step": i})
+            prev = R[i]
+        table.compare_and_swap("o", None, R[5], message="o", catalog_row={"ref": "o", "step": 0})
+        table.compare_and_swap("o", R[5], R[2], message="o->R2")  # o's tip is in r's history
+        table.tag_create("t", R[3])
+        table.pin(R[1])
+        table.catalog_put_if_absent(R[6], {"ref": "r", "step": 9})  # a row recover added, no move
+        with pytest.raises(RefConflict) as ei:
+            table.delete_ref("r", R[3])
+        assert (ei.value.expected, ei.value.actual) == (R[3].hex(), R[4].hex())
+        assert table.get("r") == R[4]  # a refused delete changes nothing
+        with pytest.raises(RefNotFound):
+            table.delete_ref("nope")
+        assert table.delete_ref("r", R[4], message="bye") == (R[4], 2)  # R4 and R6; R1-R3 kept by others
+        assert table.get_or_none("r") is None and [n for n, _ in table.list()] == ["o"]
+        assert {k for k, _ in table.catalog_iter()} == {R[1], R[2], R[3], R[5]}
+        assert table.history("r") is None and table.step_root("r", 4) is None
+        last = table.reflog("r")[-1]
+        assert (last.op, last.old, last.new, last.message) == ("delete", R[4], R[4], "bye")
+        deleted, forgotten = table.removed()
+        assert set(deleted) == {"r"} and forgotten == set()
+        order = table.publication_order()  # removals are not publications: R4's rank is its move's
+        assert order[R[2]] > order[R[4]] > order[R[3]]  # o's move to R2 came after R4's publication
+        # The name is free again; its new history starts after the removal.
+        table.compare_and_swap("r", None, R[7], message="again", catalog_row={"ref": "r", "step": 1})
+        assert [root for root, _row in table.history("r")] == [R[7]]
+        assert table.step_root("r", 1) == R[7] and table.removed()[0] == {}
+
+    def test_forget_refuses_what_is_kept_and_is_recorded(self, table):
+        R = self.R
+        prev = None
+        for i in (1, 2, 3):
+            table.compare_and_swap("r", prev, R[i], message=f"m{i}", catalog_row={"ref": "r", "step": i})
+            prev = R[i]
+        table.tag_create("t", R[2])
+        for root in (R[3], R[2]):  # the tip, a tag's target
+            with pytest.raises(InvalidArgument):
+                table.forget(root, "r")
+        table.pin(R[1])
+        with pytest.raises(InvalidArgument):
+            table.forget(R[1], "r")
+        table.unpin(R[1])
+        table.forget(R[1], "r")
+        with pytest.raises(RefNotFound):
+            table.forget(R[1], "r")  # forgotten already
+        assert table.catalog_get(R[1]) is None and table.step_root("r", 1) is None
+        assert [root for root, _row in table.history("r")] == [R[3], R[2]]
+        assert table.reflog("r")[-1].op == "forget" and table.removed() == ({}, {R[1]})
+        assert table.get("r") == R[3]
+        table.compact_history(tail=0)
+        assert [e.op for e in table.reflog("r")] == ["move", "move", "forget"]  # removals stay
+
+    def test_tag_delete(self, table):
+        R = self.R
+        table.compare_and_swap("r", None, R[1], message="c")
+        table.tag_create("t", R[1])
+        assert table.tag_delete("t") == R[1]
+        assert table.tag_get("t") is None and table.tags() == []
+        with pytest.raises(RefNotFound):
+            table.tag_delete("t")
+        table.tag_create("t", R[1])  # the name is free again
+        assert table.tag_get("t") == R[1]
 
     def test_retention_set_and_all(self, table):
         assert table.retention_all() == {}

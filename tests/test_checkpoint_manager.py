@@ -193,6 +193,31 @@ def test_restore_latest_empty_store(tmp_path):
         assert mgr.step(1) is not None  # and it still works afterwards
 
 
+def test_the_safe_resume_form_refuses_a_typo_instead_of_starting_over(tmp_path):
+    """Issue 14 item 2: open_store(create=False) + restore_latest(must_exist=True)."""
+    path = tmp_path / "ckpts"
+    with tsck.open_store(path) as store:
+        mgr = tsck.CheckpointManager(store, job="llm", state=small_state(3), async_=False, every_steps=1)
+        mgr.step(7)
+    # A mistyped path: no store is made there.
+    with pytest.raises(tsck.NotAStore, match=r"no store at .*ckpst.*check the path.*create=True"):
+        tsck.open_store(tmp_path / "ckpst", create=False)
+    assert not (tmp_path / "ckpst").exists()
+    with tsck.open_store(path, create=False) as store:
+        # A mistyped job: the error names the store, the ref and what the store holds.
+        mgr = tsck.CheckpointManager(store, job="lmm", state=small_state(), async_=False, every_steps=1)
+        with pytest.raises(tsck.RefNotFound, match=r"'lmm/main'.*ckpts.*holds 1 ref\(s\): llm/main"):
+            mgr.restore_latest(must_exist=True)
+        assert mgr.restore_latest() is None  # the lenient form, for a first run
+        st = small_state()
+        mgr = tsck.CheckpointManager(store, job="llm", state=st, async_=False, every_steps=1)
+        assert mgr.restore_latest(must_exist=True) == 7
+    with tsck.open_store(tmp_path / "fresh") as store:  # an empty store says it holds nothing
+        mgr = tsck.CheckpointManager(store, job="llm", state=small_state(), async_=False)
+        with pytest.raises(tsck.RefNotFound, match="holds no snapshot at all"):
+            mgr.restore_latest(must_exist=True)
+
+
 def test_restore_latest_loads_newest_and_best_metric(tmp_path):
     clock = FakeClock(0.0)
     with tsck.open_store(tmp_path / "s") as store:

@@ -1,6 +1,6 @@
 """Records of the ref table and stored tag objects: bytes <-> values, checked. Pure; no I/O.
 
-    reflog    {t, old, new, msg}                      encode_reflog / decode_reflog
+    reflog    {t, old, new, msg[, op]}                encode_reflog / decode_reflog
     catalog   {job, ref, step, time, metrics, ...}    encode_record / decode_catalog
     gc state  {epoch, phase, owner, lease, clock, expires, heartbeat, ...}   encode_record / decode_gc_state
     retention {keep_last, ...}                        encode_record / decode_record
@@ -65,17 +65,29 @@ def decode_catalog(data: bytes) -> dict:
     return row
 
 
-def encode_reflog(old: bytes | None, new: bytes, message: str, t: float | None = None) -> bytes:
-    return encode_record({"t": _time.time() if t is None else t, "old": old, "new": new, "msg": message})
+REFLOG_OPS = ("move", "delete", "forget")
 
 
-def decode_reflog(data: bytes, name: str) -> tuple[float, bytes | None, bytes, str]:
-    """-> (time, old root or None, new root, message)."""
+def encode_reflog(old: bytes | None, new: bytes, message: str, t: float | None = None, op: str = "move") -> bytes:
+    """A ref move (old -> new), or with op "delete" the ref's removal (old = new = the root
+    it pointed at) or "forget" a snapshot of its history dropped (old = new = that root).
+    "op" is absent for moves, so older readers read every record; they take a removal
+    for a move that changed nothing."""
+    rec = {"t": _time.time() if t is None else t, "old": old, "new": new, "msg": message}
+    if op != "move":
+        rec["op"] = op
+    return encode_record(rec)
+
+
+def decode_reflog(data: bytes, name: str) -> tuple[float, bytes | None, bytes, str, str]:
+    """-> (time, old root or None, new root, message, op)."""
     e = decode_record(data, "reflog")
     new, old = e.get("new"), e.get("old")
-    if not _number(e.get("t", 0.0)) or not _digest(new) or not (old is None or _digest(old)):
+    op = e.get("op", "move")
+    if not _number(e.get("t", 0.0)) or not _digest(new) or not (old is None or _digest(old)) \
+            or op not in REFLOG_OPS:
         raise FormatError(f"malformed reflog record of {name!r}")
-    return float(e.get("t", 0.0)), old, new, str(e.get("msg", ""))
+    return float(e.get("t", 0.0)), old, new, str(e.get("msg", "")), op
 
 
 def decode_gc_state(data: bytes | None) -> dict:

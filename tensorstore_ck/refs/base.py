@@ -35,7 +35,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ..errors import Fenced, FormatError, GcBusy, NotAStore, ReadOnlyStore, RefConflict, RefNotFound, TsckError
+from ..errors import (Fenced, FormatError, GcBusy, InvalidArgument, NotAStore, ReadOnlyStore, RefConflict,
+                      RefNotFound, TsckError)
 from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
                               encode_reflog)
 
@@ -56,6 +57,7 @@ class ReflogEntry:
     old: bytes | None
     new: bytes
     message: str
+    op: str = "move"   # "delete": the ref was removed; "forget": the snapshot `new` was dropped
 
 
 class Txn(ABC):
@@ -234,19 +236,92 @@ class RefTable(ABC):
             if actual is None and t.get("tags", key) is not None:
                 raise RefConflict(name, None, _hex(t.get("tags", key)), what="ref (a tag has this name)")
             t.put("refs", key, new)
-            seq_raw = t.get("meta", b"reflog_seq")
-            if seq_raw is not None and len(seq_raw) != _SEQ.size:
-                raise FormatError("malformed reflog sequence record")
-            seq = _SEQ.unpack(seq_raw)[0] + 1 if seq_raw else 1
-            t.put("meta", b"reflog_seq", _SEQ.pack(seq))
-            t.put("reflog", key + b"\0" + _SEQ.pack(seq), encode_reflog(expected, new, message, t.wall()))
             if catalog_row is not None:
                 t.put("catalog", new, encode_record(catalog_row))
-            _index_step(t, key, new, seq, catalog_row)
-            if seq_raw is None or t.get("meta", _STEPS_MARK) == _SEQ.pack(seq - 1):
-                t.put("meta", _STEPS_MARK, _SEQ.pack(seq))  # the index still covers every move
+            _append_reflog(t, key, expected, new, message, "move", catalog_row)
 
         self._write(txn)
+
+    def delete_ref(self, name: str, expected: bytes | None = None, *, message: str = "deleted") -> tuple[bytes, int]:
+        """Remove ref `name` (RefConflict if `expected` is given and it points elsewhere;
+        RefNotFound if there is no such ref), recording the removal in its reflog. In the
+        same transaction the catalog rows of its history go, except those something else
+        keeps (another ref's tip or history, a tag, a pin), so gc reclaims their objects.
+        -> (the root it pointed at, catalog rows dropped). Needs no gc fence: it only
+        shrinks what is kept, and a gc that already marked keeps more, never less."""
+        key = name.encode()
+
+        def txn(t: Txn):
+            actual = t.get("refs", key)
+            if actual is None:
+                raise RefNotFound(f"no ref named {name!r}")
+            if expected is not None and actual != expected:
+                raise RefConflict(name, _hex(expected), _hex(actual))
+            t.delete("refs", key)
+            mine, others = set(), _protected(t)  # without this ref's tip
+            live = {k for k, _ in t.items("refs")}
+            for k, v in t.items("reflog"):
+                name_key, _seq = _split_reflog_key(k)
+                if name_key == key or name_key in live:  # a deleted ref's history keeps nothing
+                    rec = decode_reflog(v, "?")
+                    if rec[4] == "move":
+                        (mine if name_key == key else others).add(rec[2])
+            for root, raw in t.items("catalog"):  # rows of its commits its reflog lost (recover)
+                try:
+                    if decode_catalog(raw).get("ref") == name:
+                        mine.add(root)
+                except FormatError:
+                    pass  # an odd row is fsck's business, not a reason to refuse the delete
+            for k, _root in list(t.items("steps", key + b"\0")):  # REF@STEP names the ref no more
+                t.delete("steps", k)
+            dropped = 0
+            for root in (mine | {actual}) - others:
+                if t.get("catalog", root) is not None:
+                    t.delete("catalog", root)
+                    dropped += 1
+            _append_reflog(t, key, actual, actual, message, "delete", None)
+            return actual, dropped
+
+        return self._write(txn)
+
+    def forget(self, root: bytes, ref: str, *, message: str = "forgotten") -> None:
+        """Drop the catalog row of snapshot `root` (of ref `ref`'s history), so gc reclaims
+        what only it holds; recorded in `ref`'s reflog. Refused (InvalidArgument, naming
+        what keeps it) while it is a ref's tip, a tag's target or pinned; RefNotFound if
+        it has no catalog row."""
+        key = ref.encode()
+
+        def txn(t: Txn):
+            if t.get("catalog", root) is None:
+                raise RefNotFound(f"no kept snapshot {root.hex()[:16]}")
+            why = [f"the tip of ref {_name(k, 'ref')!r}" for k, v in t.items("refs") if v == root]
+            why += [f"the target of tag {_name(k, 'tag')!r}" for k, v in t.items("tags") if v == root]
+            why += ["pinned"] if t.get("pins", root) is not None else []
+            if why:
+                raise InvalidArgument(f"snapshot {root.hex()[:16]} is {', '.join(why)}: move or delete the ref, "
+                                      "untag or unpin it first")
+            t.delete("catalog", root)
+            _append_reflog(t, key, root, root, message, "forget", None)
+
+        self._write(txn)
+
+    def removed(self) -> tuple[dict[str, float], set[bytes]]:
+        """What users removed that storage may still hold (recover must not bring it
+        back): {ref: time of its removal} for refs whose last record is a removal and
+        that do not exist, and the roots forgotten."""
+        def txn(t):
+            last: dict[bytes, tuple] = {}
+            forgotten = set()
+            for k, v in t.items("reflog"):
+                name_key, _seq = _split_reflog_key(k)
+                rec = decode_reflog(v, "?")
+                last[name_key] = rec
+                if rec[4] == "forget":
+                    forgotten.add(rec[2])
+            refs = {_name(k, "ref"): rec[0] for k, rec in last.items()
+                    if rec[4] == "delete" and t.get("refs", k) is None}
+            return refs, forgotten
+        return self._read(txn)
 
     def list(self, prefix=""):
         return self._read(lambda t: [(_name(k, "ref"), v) for k, v in t.items("refs", prefix.encode())])
@@ -260,8 +335,8 @@ class RefTable(ABC):
                 if len(k) < _SEQ.size + 1:
                     raise FormatError("malformed reflog key")
                 seq = _SEQ.unpack(k[-_SEQ.size:])[0]
-                _t, _old, new, _msg = decode_reflog(v, "?")
-                if seq > out.get(new, -1):
+                _t, _old, new, _msg, op = decode_reflog(v, "?")
+                if op == "move" and seq > out.get(new, -1):
                     out[new] = seq
             return out
         return self._read(txn)
@@ -274,12 +349,14 @@ class RefTable(ABC):
 
         def txn(t):
             entries = list(t.items("reflog", key + b"\0"))
-            if not entries and t.get("refs", key) is None:
+            if t.get("refs", key) is None and (not entries or decode_reflog(entries[-1][1], name)[4] == "delete"):
                 return None
             seen, out = set(), []
             for _k, v in reversed(entries):
-                new = decode_reflog(v, name)[2]
-                if new in seen:
+                _t, _old, new, _msg, op = decode_reflog(v, name)
+                if op == "delete":
+                    break  # what came before belongs to the removed ref, not to this one
+                if op != "move" or new in seen:
                     continue
                 seen.add(new)
                 raw = t.get("catalog", new)
@@ -418,6 +495,19 @@ class RefTable(ABC):
     def tags(self):
         return self._read(lambda t: [(_name(k, "tag"), v) for k, v in t.items("tags")])
 
+    def tag_delete(self, name: str) -> bytes:
+        """Remove tag `name` (RefNotFound if there is none); its target."""
+        key = name.encode()
+
+        def txn(t):
+            root = t.get("tags", key)
+            if root is None:
+                raise RefNotFound(f"no tag named {name!r}")
+            t.delete("tags", key)
+            return root
+
+        return self._write(txn)
+
     def pin(self, root: bytes, *, fence: int | None = None) -> None:
         """fence: as for compare_and_swap (and, as for tag_create, RefNotFound if `root`
         is no longer kept)."""
@@ -452,8 +542,7 @@ class RefTable(ABC):
             if rules is not None and {_name(k, "retention"): decode_record(v, "retention")
                                       for k, v in t.items("retention")} != rules:
                 return []
-            protected = {v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} \
-                | {k for k, _ in t.items("pins")}
+            protected = _protected(t)
             gone = []
             for r in roots:
                 if r not in protected and t.get("catalog", r) is not None:
@@ -583,6 +672,24 @@ DEFAULT_LEASE = 120.0  # a state written without a lease (older code): its heart
 # -- the steps index and the compaction of the reflog ---------------------------------
 
 
+def _protected(t: Txn) -> set[bytes]:
+    return {v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} | {k for k, _ in t.items("pins")}
+
+
+def _append_reflog(t: Txn, key: bytes, old: bytes | None, new: bytes, message: str, op: str,
+                   catalog_row: dict | None) -> None:
+    seq_raw = t.get("meta", b"reflog_seq")
+    if seq_raw is not None and len(seq_raw) != _SEQ.size:
+        raise FormatError("malformed reflog sequence record")
+    seq = _SEQ.unpack(seq_raw)[0] + 1 if seq_raw else 1
+    t.put("meta", b"reflog_seq", _SEQ.pack(seq))
+    t.put("reflog", key + b"\0" + _SEQ.pack(seq), encode_reflog(old, new, message, t.wall(), op))
+    if op == "move":
+        _index_step(t, key, new, seq, catalog_row)
+    if seq_raw is None or t.get("meta", _STEPS_MARK) == _SEQ.pack(seq - 1):
+        t.put("meta", _STEPS_MARK, _SEQ.pack(seq))  # the index still covers every move
+
+
 def _step_prefix(name_key: bytes, step: int) -> bytes:
     return name_key + b"\0" + str(int(step)).encode() + b"\0"
 
@@ -633,7 +740,9 @@ def _rebuild_steps(t: Txn) -> None:
     older code wrote to since)."""
     for k, v in t.items("reflog"):
         name_key, seq = _split_reflog_key(k)
-        _index_step(t, name_key, decode_reflog(v, "?")[2], seq, None)
+        rec = decode_reflog(v, "?")
+        if rec[4] == "move":
+            _index_step(t, name_key, rec[2], seq, None)
     t.put("meta", _STEPS_MARK, _SEQ.pack(_seq_of(t.get("meta", b"reflog_seq"), "reflog sequence")))
 
 
@@ -644,9 +753,11 @@ def _compact_some(t: Txn, tail: int, batch: int) -> int:
     by_name: dict[bytes, list] = {}
     for k, v in t.items("reflog"):
         name_key, _seq = _split_reflog_key(k)
-        by_name.setdefault(name_key, []).append((k, decode_reflog(v, "?")[2]))
-    doomed = [("reflog", k) for moves in by_name.values() for k, new in moves[:max(0, len(moves) - tail)]
-              if new not in kept]
+        rec = decode_reflog(v, "?")
+        by_name.setdefault(name_key, []).append((k, rec[2], rec[4]))
+    # Removals stay: they are the audit trail of what users deleted, and recover reads them.
+    doomed = [("reflog", k) for moves in by_name.values() for k, new, op in moves[:max(0, len(moves) - tail)]
+              if new not in kept and op == "move"]
     doomed += [("steps", k) for k, root in t.items("steps") if root not in catalog]
     for table, k in doomed[:batch]:
         t.delete(table, k)

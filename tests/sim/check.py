@@ -169,6 +169,8 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
         protected = root in refs.values() or root in tags.values() or root in pins
         if protected:
             bad.append(f"I3 {root[:16]} is a ref tip/tag/pin but has no catalog row: {o.brief()}")
+        elif _deleted_after(ops, o.args["ref"], o.start) or _forgotten(ops, o):
+            continue  # a user removed it by name
         elif k is None or later < k:
             bad.append(f"I3 put returned ok but its snapshot is gone (no catalog row; job {job} keep_last "
                        f"min {k}, {later} puts of the job possibly published after it): {o.brief()}")
@@ -183,7 +185,7 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
             bad.append(f"I3 ref {name} is on {tip[:16]} but a later put returned ok: {newer[-1].brief()} "
                        f"(tip's put {q.brief()})")
     for o in puts:
-        if o.ok and o.args["ref"] not in refs:
+        if o.ok and o.args["ref"] not in refs and not _deleted_after(ops, o.args["ref"], o.start):
             bad.append(f"I3 ref {o.args['ref']} is gone after a successful put: {o.brief()}")
 
     # Tags are immutable: every successful tag exists, on its root; a tag whose every call
@@ -194,8 +196,9 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
             tag_ops.setdefault(o.args["name"], []).append(o)
     for name, lst in tag_ops.items():
         okd = [o for o in lst if o.ok]
+        untagged = any(u.op == "untag" and u.args["name"] == name and (u.ok or u.unknown) for u in ops)
         for o in okd:
-            if tags.get(name) != o.out["root"]:
+            if tags.get(name) != o.out["root"] and not (untagged and name not in tags):
                 bad.append(f"I3 tag {name} returned ok on {o.out['root'][:16]} but the table has "
                            f"{tags.get(name)}: {o.brief()}")
         if name in tags and lst and all(o.result == "RefNotFound" for o in lst):
@@ -233,6 +236,45 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
             bad.append(f"I4 raw exception: {o.brief()} {o.out.get('trace', '')[-800:]}")
         if o.op == "recover" and not o.ok and not o.unknown:
             bad.append(f"I5 recover failed: {o.brief()}")
+    return bad
+
+
+def _may_follow(o: Op, start: float) -> bool:
+    """o (ok or killed) may have taken effect after `start`."""
+    return (o.ok or o.unknown) and (o.unknown or o.end > start)
+
+
+def _deleted_after(ops: list[Op], ref: str, start: float) -> bool:
+    return any(d.op == "delete_ref" and d.args["ref"] == ref and _may_follow(d, start) for d in ops)
+
+
+def _forgotten(ops: list[Op], put: Op) -> bool:
+    root, names = put.out["root"], {put.out["root"], f"{put.args['ref']}@{put.args['step']}"}
+    return any(f.op == "forget" and (f.out.get("root") == root or (f.unknown and f.args["target"] in names))
+               and _may_follow(f, put.start) for f in ops)
+
+
+def check_removed(store, ops: list[Op], barriers: list[float]) -> list[str]:
+    """I7: what users removed by name stays removed: a deleted ref is absent unless a put
+    on it may have run since (or the ref table was lost and rebuilt since: its record
+    went with it); a forgotten snapshot has no catalog row (same exception); an untagged
+    tag never comes back, not even through recover (its storage object went first)."""
+    rt, bad = store.reftable, []
+    refs = {n: r.hex() for n, r in rt.list()}
+    tags = {n for n, _ in rt.tags()}
+    for o in ops:
+        if not o.ok or any(b > o.start for b in barriers):
+            continue
+        if o.op == "delete_ref" and o.args["ref"] in refs:
+            again = [p for p in ops if p.op == "put" and p.args["ref"] == o.args["ref"] and _may_follow(p, o.start)]
+            if not again:
+                bad.append(f"I7 ref {o.args['ref']} was deleted and no put on it ran since, but it is on "
+                           f"{refs[o.args['ref']][:16]}: {o.brief()}")
+        elif o.op == "forget" and rt.catalog_get(bytes.fromhex(o.out["root"])) is not None:
+            bad.append(f"I7 snapshot {o.out['root'][:16]} was forgotten but has a catalog row again: {o.brief()}")
+    for o in ops:
+        if o.op == "untag" and o.ok and o.args["name"] in tags:
+            bad.append(f"I7 tag {o.args['name']} was removed but exists again: {o.brief()}")
     return bad
 
 

@@ -7,7 +7,8 @@ A run is a sequence of rounds on one store. In a round, 2-4 worker processes
 (tests/sim/worker.py, each opening the store itself) run seeded random operations:
 put_snapshot (blocking and asynchronous, some conditional; content shared across
 workers so that dedup meets gc), tag, pin/unpin, set_retention (keep_last per job),
-gc (the API with a random stale_after, or `tsck gc`), fsck, and reads. Each process
+gc (the API with a random stale_after, or `tsck gc`), prune (one job), removals by
+name (delete_ref, forget, untag), fsck, and reads. Each process
 wraps its storage and its ref table in a seeded fault injector (tests/sim/faults.py:
 delays aimed at windows such as tag objects and gc's deletes, transient failures,
 kill -9 of itself at a chosen fault point), and the driver kills workers at random
@@ -31,7 +32,10 @@ Invariants (tests/sim/check.py), after every round:
   I5  recover succeeds, and a second recover changes nothing (refs, tags, pins,
       catalog, reflogs);
   I6  after recover every ref is at the newest commit of its history whose tree is
-      whole (even if a first recover was killed half-way).
+      whole (even if a first recover was killed half-way);
+  I7  what users removed stays removed, also through a recover over the live table: a
+      deleted ref (unless a put on it may have run since), a forgotten snapshot, an
+      untagged tag (its storage object goes first); unless the ref table was lost.
 An operation whose worker was killed has an unknown outcome: either is allowed, a
 corrupt one never.
 
@@ -74,7 +78,7 @@ _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "sel
          "slow_commit": 0.2}
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
-                                "fsck": 0.7, "read": 1}),
+                                "fsck": 0.7, "read": 1, "prune": 0.5}),
     # failure 1's window: tag/pin of a snapshot while a gc expires and deletes it
     "tag-gc": dict(_BASE, weights={"put": 4, "tag": 3, "pin": 2, "unpin": 0.5, "retention": 0.7, "gc": 2.5,
                                    "read": 0.5}, slow_tags=0.8, fail=0.05, recover_p=0.1),
@@ -90,8 +94,14 @@ FLAVORS = {
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
                   fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9,
                   delete_delay=[0.1, 0.3], slow_commit=0.8, vulture_p=0.6),
+    # removals by name (issue 14) and pruning beside writers, tags, pins, gc and recover:
+    # delete_ref/forget/untag drop catalog rows and tags while gc and prune reclaim, and a
+    # recover run over the live table must not bring back what was removed
+    "remove": dict(_BASE, weights={"put": 5, "delete_ref": 1, "forget": 1.5, "untag": 1, "tag": 1.5, "pin": 1,
+                                   "unpin": 0.5, "prune": 1.5, "gc": 1, "retention": 1, "read": 1, "fsck": 0.3},
+                   slow_tags=0.5, recover_p=0.15, recover_live_p=0.6),
 }
-MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1}
+MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1, "remove": 2}
 
 
 def leases_for(backend: str) -> list[float]:
@@ -316,7 +326,15 @@ class Harness:
                     "expired": s.gc(lease=max(leases_for(self.backend))).expired})
                 if out["result"] != "ok":
                     bad.append(f"I2 a gc on the quiescent store failed: {out}")
+            if rng.random() < fl.get("recover_live_p", 0.0):
+                # recover over the live table (an operator unsure what was lost): it must not
+                # bring back a deleted ref, a forgotten snapshot or an untagged tag (I7)
+                out = self._driver_op("recover", {"live": True}, lambda: {
+                    k: v for k, v in s.recover().to_json().items() if k in ("refs_restored", "tags_restored")})
+                if out["result"] != "ok":
+                    bad.append(f"I5 recover over the live table failed: {out}")
             ops = check.load_ops(self.run_dir)
+            bad += check.check_removed(s, ops, self.barriers)
             bad += check.check_readable(s)
             bad += check.check_fsck(s, "quiescent")
             bad += check.check_history(s, ops, self.barriers)

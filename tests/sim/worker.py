@@ -220,6 +220,39 @@ class Worker:
         rep = json.loads(p.stdout)
         return {"expired": rep.get("expired", []), "deleted": rep.get("deleted_objects")}
 
+    def op_prune(self, s, i):
+        job = self.rng.choice(self.cfg["jobs"])
+        lease = self.rng.choice(self.cfg.get("gc_leases") or [self.cfg["gc_stale"]])
+
+        def call():
+            rep = s.prune(job, lease=lease)
+            return {"expired": rep.expired, "deleted": rep.deleted_objects}
+        return {"job": job, "lease": lease}, call
+
+    # -- removals by name (issue 14): delete_ref, forget, untag --------------------------
+    def op_delete_ref(self, s, i):
+        ref = self.rng.choice(self.cfg["refs"])
+        args = {"ref": ref}
+        if self.rng.random() < 0.5:  # conditional on the tip seen now
+            cur = s.reftable.get_or_none(ref)
+            args["expected"] = None if cur is None else cur.hex()[:self.rng.choice([8, 16, 64])]
+
+        def call():
+            d = s.delete_ref(ref, expected=args.get("expected"))
+            return {"root": d["root"], "dropped": d["snapshots_dropped"]}
+        return args, call
+
+    def op_forget(self, s, i):
+        # mostly an older own put by REF@STEP (tips, tags and pins are refused: those too)
+        target = self._target() if not self.puts or self.rng.random() < 0.3 else \
+            "{ref}@{step}".format(**self.puts[int(len(self.puts) * self.rng.random() ** 2)])
+        return {"target": target}, lambda: {"root": s.forget(target).root}
+
+    def op_untag(self, s, i):
+        tags = [n for n, _ in s.reftable.tags()]
+        name = self.rng.choice(tags) if tags else f"t-{self.wid}-none"
+        return {"name": name}, lambda: {"root": s.untag(name)}
+
     def op_fsck(self, s, i):
         def call():
             rep = s.fsck(full=True)

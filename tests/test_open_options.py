@@ -1,0 +1,88 @@
+"""open_store checks every option before it writes anything (issue 14 item 3): one
+plausible argument (block_size=4096) used to write tsck.json and then raise, leaving a
+store no later open could get past, from Python or the CLI."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+
+try:
+    from ._util import assert_same, rand_tensor
+    from .test_cli import run_cli
+except ImportError:  # tests/ is not a package
+    from _util import assert_same, rand_tensor
+    from test_cli import run_cli
+
+
+def test_a_small_block_size_makes_a_store_that_opens_again(tmp_path):
+    path = tmp_path / "s"
+    state = {"w": rand_tensor(torch.float32, (64, 256), seed=1), "b": torch.arange(10)}
+    with tsck.open_store(path, block_size=4096) as s:
+        assert (s.block_size, s.inline_threshold) == (4096, 4096)  # the threshold follows the block size
+        s.put_snapshot(state, ref="j/main", step=1)
+    with tsck.open_store(path, create=False) as s:  # no arguments: the marker's layout
+        assert (s.block_size, s.inline_threshold) == (4096, 4096)
+        assert_same(s.checkout("j/main"), state)
+    r = run_cli("refs", path)
+    assert r.returncode == 0 and "j/main" in r.stdout, r.stderr
+
+
+BAD = [
+    dict(block_size=0), dict(block_size=3), dict(block_size=-1), dict(block_size="4096"),
+    dict(block_size=2 ** 40), dict(block_size=4.5), dict(block_size=True),
+    dict(inline_threshold=-1), dict(block_size=4096, inline_threshold=8192), dict(inline_threshold="1"),
+    dict(workers=0), dict(workers="2"), dict(gc_lease=0), dict(gc_lease=-5), dict(gc_lease=True),
+    dict(max_inflight=0), dict(max_inflight=1.5), dict(when_busy="drop"),
+]
+
+
+@pytest.mark.parametrize("kw", BAD, ids=[",".join(f"{k}={v!r}" for k, v in kw.items()) for kw in BAD])
+def test_a_bad_option_writes_nothing(tmp_path, kw):
+    path = tmp_path / "new"
+    with pytest.raises(tsck.InvalidArgument):
+        tsck.open_store(path, **kw)
+    assert not path.exists()  # not even the directory
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(tsck.InvalidArgument):
+        tsck.open_store(empty, **kw)
+    assert os.listdir(empty) == []
+
+
+def test_a_bad_option_on_an_existing_store_changes_nothing(tmp_path):
+    path = tmp_path / "s"
+    with tsck.open_store(path) as s:
+        s.put_snapshot({"x": torch.ones(3)}, ref="j/main")
+    before = sorted((str(p.relative_to(path)), p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()
+                    and "refs.lmdb" not in str(p))
+    marker = (path / "tsck.json").read_bytes()
+    for kw in BAD:
+        with pytest.raises(tsck.InvalidArgument):
+            tsck.open_store(path, **kw)
+    assert (path / "tsck.json").read_bytes() == marker
+    after = sorted((str(p.relative_to(path)), p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()
+                   and "refs.lmdb" not in str(p))
+    assert after == before
+
+
+def test_a_marker_whose_layout_does_not_fit_says_how_to_go_on(tmp_path):
+    path = tmp_path / "s"
+    state = {"x": rand_tensor(torch.float32, (100,), seed=2)}
+    with tsck.open_store(path, block_size=4096) as s:
+        s.put_snapshot(state, ref="j/main")
+    cfg = json.loads((path / "tsck.json").read_text())
+    cfg["inline_threshold"] = 1 << 20  # over its block size (an older build, or a hand edit)
+    (path / "tsck.json").write_text(json.dumps(cfg))
+    with pytest.raises(tsck.FormatError, match=r"tsck\.json.*inline_threshold.*block_size=/inline_threshold="):
+        tsck.open_store(path, create=False)
+    r = run_cli("refs", path)
+    assert r.returncode == 2 and "block_size=/inline_threshold=" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    with tsck.open_store(path, create=False, inline_threshold=1024) as s:  # arguments that fit: it opens
+        assert_same(s.checkout("j/main"), state)
+        s.put_snapshot(state, ref="j/main", step=2)
