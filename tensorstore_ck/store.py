@@ -641,6 +641,7 @@ class Store:
         prune reclaims their objects. The name may be used again by a later put.
         -> {"ref", "root", "snapshots_dropped"}."""
         validate_name(ref)
+        self._writable("delete_ref")
         want = None
         if expected is not None:
             if not is_hex_prefix(expected):
@@ -658,12 +659,22 @@ class Store:
         """Remove tag `name` (RefNotFound if there is none); -> the root it named. Its
         storage object goes first, so recover cannot bring it back after a crash here."""
         validate_name(name, "tag name")
+        self._writable("untag")
         root = self.reftable.tag_get(name)
         if root is None:
             raise RefNotFound(f"no tag named {name!r}")
+        saved = self.assets.tag_object(name)
         self.assets.delete_tag(name)
         self.assets.sync()
-        self.reftable.tag_delete(name)
+        try:
+            self.reftable.tag_delete(name)
+        except BaseException:
+            # The table kept the tag (its disk full, its server away): put its object back,
+            # so the tag is whole again and recover still knows it.
+            if saved is not None and self._tag_in_table(name, root):
+                self.assets.restore_tag(name, saved)
+                self.assets.sync()
+            raise
         return root.hex()
 
     @_public
@@ -671,6 +682,7 @@ class Store:
         """Drop one snapshot (REF@STEP, or a root) from the catalog so gc reclaims what
         only it holds; recorded in its ref's reflog. Refused (InvalidArgument) while it is
         a ref's tip, a tag's target or pinned. -> what it was."""
+        self._writable("forget")
         root = self._root(target)
         info = self._info(root)
         self.reftable.forget(root, info.ref)

@@ -72,7 +72,7 @@ def full(request, tmp_path):
         else:
             url, refs = os.path.join(small, "store"), str(tmp_path / "refs.lmdb")
         with tsck.open_store(url, refs=refs) as s0:
-            for i in range(3):
+            for i in range(4):
                 s0.put_snapshot(_state(i), "a/main", step=i, job="a")
             s0.put_snapshot(_state(9), "b/main", step=9, job="b")
             s0.tag("t0", "a/main@0")
@@ -97,7 +97,7 @@ def _write_ops(s) -> list:
         ("put_snapshot async", lambda: s.put_snapshot(_state(21), "a/main", step=21, job="a",
                                                       blocking=False).result(), {"refs", "blocks"}),
         ("tag", lambda: s.tag("t1", "a/main"), {"refs", "blocks"}),
-        ("pin", lambda: s.pin("a/main@2"), {"refs"}),
+        ("pin", lambda: s.pin("a/main@3"), {"refs"}),
         ("unpin", lambda: s.unpin("a/main@1"), {"refs"}),
         ("set_retention", lambda: s.set_retention("b", tsck.Retention(keep_last=1)), {"refs"}),
     ]
@@ -105,7 +105,7 @@ def _write_ops(s) -> list:
     if hasattr(s, "delete_ref"):
         ops += [("delete_ref", lambda: s.delete_ref("b/main"), {"refs"}),
                 ("untag", lambda: s.untag("t0"), {"refs"}),
-                ("forget", lambda: s.forget("a/main@0"), {"refs"})]
+                ("forget", lambda: s.forget("a/main@2"), {"refs"})]
     # Expiry and sweeping, and recover: last, since on the blocks' disk gc frees space.
     ops += [
         ("set_retention expiring", lambda: s.set_retention("a", tsck.Retention(keep_last=1)), {"refs"}),
