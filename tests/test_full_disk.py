@@ -78,11 +78,14 @@ def full(request, tmp_path):
             s0.tag("t0", "a/main@0")
             s0.pin("a/main@1")
             s0.set_retention("a", tsck.Retention(keep_last=10))
+            # Work for recover: a snapshot whose catalog row is gone (recover puts it back).
+            lost = s0.put_snapshot(_state(5), "d/main", step=5, job="d").root
+            s0.reftable._write(lambda t: t.delete("catalog", bytes.fromhex(lost)))
         if case == "refs":
             _compact(refs)
         s = tsck.open_store(url, refs=refs)
         try:
-            yield s, small, refs, case
+            yield s, small, refs, case, bytes.fromhex(lost)
         finally:
             s.close()
 
@@ -124,7 +127,7 @@ def _assert_no_space(e: BaseException, where: str) -> None:
 
 
 def test_full_disk_every_write_is_a_storage_error_then_works_on_the_same_store(full):
-    s, small, refs, case = full
+    s, small, refs, case, lost = full
     where = refs if case == "refs" else small
     fillers = fill(small)
     for name, op, needs in _write_ops(s):
@@ -160,7 +163,7 @@ def test_full_disk_every_write_is_a_storage_error_then_works_on_the_same_store(f
         s.untag("t1")
         s.delete_ref("c/main")
         s.gc()
-    assert s.resolve("a/main@30") == info.root
+    assert s.resolve("a/main@30") == info.root and s.reftable.catalog_has(lost)
     rep = s.fsck()
     assert rep.ok and not rep.findings, [str(f) for f in rep.findings]
 
@@ -168,7 +171,7 @@ def test_full_disk_every_write_is_a_storage_error_then_works_on_the_same_store(f
 @pytest.mark.slow
 def test_full_disk_cli_one_line_exit_1(full):
     """tsck pin / gc / tag on a full disk: exit 1, one line naming it; fsck clean after."""
-    s, small, refs, case = full
+    s, small, refs, case, lost = full
     fillers = fill(small)
     extra = ["--refs", refs]
     url = s.url[len("file://"):]
@@ -191,7 +194,7 @@ def test_full_disk_cli_one_line_exit_1(full):
 
 def test_put_snapshot_on_a_full_disk_leaves_no_half_state(full):
     """No ref move, no catalog row, no reflog entry; leftovers are gc garbage."""
-    s, small, refs, case = full
+    s, small, refs, case, lost = full
     before = _table_state(s)
     fillers = fill(small)
     with pytest.raises(tsck.StorageError) as ei:
@@ -202,6 +205,14 @@ def test_put_snapshot_on_a_full_disk_leaves_no_half_state(full):
         s.resolve("a/main@40")
     for p in fillers:
         os.unlink(p)
+    # recover (what one runs after an incident) does not bring the failed snapshot back
+    tip = s.resolve("a/main")
+    s.recover()
+    assert s.resolve("a/main") == tip
+    with pytest.raises(tsck.RefNotFound):
+        s.resolve("a/main@40")
+    before["catalog"] = sorted(before["catalog"] + [lost])  # the row recover had to put back
+    assert _table_state(s) == before
     s.gc()
     assert s.fsck().ok
     assert s.put_snapshot(_state(40, 300_000), "a/main", step=40, job="a").step == 40
