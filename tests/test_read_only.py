@@ -203,3 +203,46 @@ def test_postgres_read_only_issues_no_writes(tmp_path, pg_dsn):
         with pytest.raises(tsck.TsckError):
             s.reftable._run(lambda t: t.put("meta", b"x", b"y"), False)
     assert rows() == before
+
+
+_AS_READER = r"""
+import sys
+import tensorstore_ck as tsck
+s = tsck.open_store(sys.argv[1])
+assert s.read_only and "not writable" in s._read_only, s._read_only
+assert s.reftable.locked is False  # lock.mdb cannot be opened for writing: lock=False
+assert s.checkout("a/main")["i"] == 2 and len(s.log("a/main")) == 3 and s.fsck().ok
+try:
+    s.put_snapshot({"x": 1}, "a/main")
+except tsck.ReadOnlyStore:
+    print("refused")
+s.close()
+"""
+
+
+def test_a_store_published_with_read_only_permissions(tmp_path):
+    """Files owned by another user (nobody), mode 644/755; the reader is root without
+    its capabilities (setpriv), so the modes bind it: the store opens read-only by
+    itself, and LMDB's lock file cannot be opened for writing, so the table is read
+    without it (lock=False)."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv(1), to run a reader that file modes bind")
+    path = tmp_path / "store"
+    with tsck.open_store(path) as s:
+        _populate(s)
+    for d, dirs, files in os.walk(path):
+        os.chown(d, 65534, 65534)
+        os.chmod(d, 0o755)
+        for f in files:
+            os.chown(os.path.join(d, f), 65534, 65534)
+            os.chmod(os.path.join(d, f), 0o644)
+    before = _tree(path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
+    r = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, "-c",
+                        _AS_READER, str(path)], capture_output=True, text=True, env=env, timeout=120)
+    if r.returncode != 0 and "setpriv:" in r.stderr:
+        pytest.skip(f"setpriv cannot drop capabilities here: {r.stderr.strip()}")
+    assert r.returncode == 0 and r.stdout.strip() == "refused", r.stdout + r.stderr
+    assert _tree(path) == before
