@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import FormatError, IntegrityError
 from .format import frame
 from .gc import DEFAULT_LEASE, Lease, _progress, holding_gc_lock
-from .reach import KINDS, Marked, iter_unreachable, kept_roots
+from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots
 from .walk import walk_commit
 
 __all__ = ["Finding", "FsckReport", "run_fsck"]
@@ -87,14 +87,7 @@ class FsckReport:
 
 
 def _names(store) -> dict[bytes, list[str]]:
-    out: dict[bytes, list[str]] = {}
-    for name, root in store.reftable.list():
-        out.setdefault(root, []).append(f"ref:{name}")
-    for name, root in store.reftable.tags():
-        out.setdefault(root, []).append(f"tag:{name}")
-    for root in store.reftable.pins():
-        out.setdefault(root, []).append("pin")
-    return out
+    return {root: [f"{kind}:{name}" if name else kind for kind, name in hs] for root, hs in holders(store).items()}
 
 
 def run_fsck(store, *, full: bool = True, progress: bool = False, repair: bool = False,

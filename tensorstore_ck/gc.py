@@ -42,7 +42,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckError
-from .reach import KINDS, Marked, iter_unreachable, kept_roots, mark
+from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots, mark
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, explain_kept
@@ -122,13 +122,8 @@ def retention_plan(store, now: float, records: dict | None = None, bad: list | N
         by_job.setdefault(str(row.get("job", "")), []).append((SnapRow(
             root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}), order.get(root)),
             row))
-    protected: dict[bytes, list[str]] = {}
-    for name, r in store.reftable.list():
-        protected.setdefault(r, []).append(f"tip of {name}")
-    for name, r in store.reftable.tags():
-        protected.setdefault(r, []).append(f"tag {name}")
-    for r in store.reftable.pins():
-        protected.setdefault(r, []).append("pinned")
+    words = {"ref": "tip of {}", "tag": "tag {}", "pin": "pinned"}
+    protected = {root: [words[kind].format(name) for kind, name in hs] for root, hs in holders(store).items()}
     out = []
     for job, rows in by_job.items():
         why = explain_kept([sr for sr, _row in rows], rules.get(job), now)

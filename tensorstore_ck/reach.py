@@ -19,7 +19,7 @@ from .errors import FormatError, IntegrityError, TsckError
 from .format.manifest import commit_tree
 from .walk import walk_tree
 
-__all__ = ["KINDS", "Marked", "kept_roots", "mark", "iter_unreachable"]
+__all__ = ["KINDS", "Marked", "kept_roots", "holders", "mark", "iter_unreachable"]
 
 
 def _key8(d: bytes) -> int:
@@ -61,6 +61,19 @@ def kept_roots(store, exclude: set | None = None) -> set[bytes]:
     if exclude:
         roots -= exclude
     return roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
+
+
+def holders(store) -> dict[bytes, list[tuple[str, str]]]:
+    """root -> what holds it whatever retention says: ("ref", name) for a ref's tip,
+    ("tag", name), ("pin", "")."""
+    out: dict[bytes, list[tuple[str, str]]] = {}
+    for name, root in store.reftable.list():
+        out.setdefault(root, []).append(("ref", name))
+    for name, root in store.reftable.tags():
+        out.setdefault(root, []).append(("tag", name))
+    for root in store.reftable.pins():
+        out.setdefault(root, []).append(("pin", ""))
+    return out
 
 
 def mark(store, roots, marked: Marked, visited: set, bar=None) -> int:
