@@ -474,6 +474,17 @@ class Assets:
         """Remove a tag object whose tag was never created (its snapshot went away)."""
         self.storage.delete(tag_key(name))
 
+    def tag_object(self, name: str) -> bytes | None:
+        """The stored bytes of `name`'s tag object (None if there is none), for
+        restore_tag: an untag whose ref-table half failed puts them back."""
+        try:
+            return self.storage.get(tag_key(name))
+        except FileNotFoundError:
+            return None
+
+    def restore_tag(self, name: str, data: bytes) -> None:
+        self.storage.put_if_absent(tag_key(name), [data])
+
     def tags(self) -> Iterator[tuple[str, object]]:
         """(key, (name, root, time)) for every stored tag object, or (key, FormatError)
         for one that does not decode or whose key does not match its name."""

@@ -1,8 +1,10 @@
-"""`tsck`: the command line. Exit codes: 0 ok, 1 problems found, 2 user error.
+"""`tsck`: the command line. Exit codes: 0 ok, 1 problems found or the environment
+failed (StorageError: a full disk, an unreachable server), 2 user error.
 
 Every command takes --json, which writes strict JSON (NaN/inf as null, bytes as
 "hex:<hex>"; see _jsonable). A user mistake (bad arguments, unknown target,
-a path that is not a store) prints one line, "tsck: error: ...", and exits 2.
+a path that is not a store) prints one line, "tsck: error: ...", and exits 2;
+a StorageError prints its one line and exits 1 (retrying may work once it is fixed).
 Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
 
 Remote stores: `--refs` (or $TSCK_REFS) names the shared ref table, e.g.
@@ -22,7 +24,7 @@ import os
 import sys
 
 from .assets import holds_snapshots
-from .errors import InvalidArgument, TsckError, storage_error
+from .errors import InvalidArgument, StorageError, TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
 
@@ -470,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--refs", default=None, metavar="REFS",
                        help="ref table for a remote store (postgresql://..., a local LMDB path); "
                             "default $TSCK_REFS")
+        s.add_argument("--read-only", action="store_true",
+                       help="open the store read-only: write nothing (also automatic when its files are "
+                            "not writable, e.g. a read-only mount)")
         s.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                        help="fsspec storage option (VALUE parsed as JSON when it is JSON); "
                             "adds to $TSCK_STORAGE_OPTIONS")
@@ -562,11 +567,12 @@ def main(argv=None) -> int:
     try:
         # Only recover may create a ref table (to rebuild a lost one); nothing creates a store.
         with open_store(args.store, refs=refs, storage_options=storage_options, create=False,
-                        create_refs=args.fn is cmd_recover) as store:
+                        create_refs=args.fn is cmd_recover and not args.read_only,
+                        read_only=True if args.read_only else None) as store:
             return args.fn(store, args)
     except TsckError as e:
         print(f"tsck: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, StorageError) else 2
     except KeyboardInterrupt:
         print("tsck: interrupted", file=sys.stderr)
         return 130

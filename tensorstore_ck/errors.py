@@ -15,7 +15,9 @@
     ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
     ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
     ├── GcBusy                   another gc holds the store
-    └── StoreClosed              a Store (or its ref table) used after close()
+    ├── StoreClosed              a Store (or its ref table) used after close()
+    └── ReadOnlyStore            a write to a store opened read-only (explicitly, or on a
+                                 read-only filesystem)
 
 Every class has a stable ``kind`` code used by ``--json`` output; codes are
 append-only and never renamed.
@@ -206,6 +208,45 @@ class StoreClosed(TsckError):
 
 
 __all__.append("StoreClosed")
+
+
+class ReadOnlyStore(TsckError):
+    """A write (put, tag, pin, gc, recover, ...) to a store opened read-only: with
+    open_store(read_only=True) / `tsck --read-only`, or opened so because its files are
+    not writable (a read-only mount). Raised before anything is written."""
+    kind = "read_only"
+
+
+__all__.append("ReadOnlyStore")
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem holding `path` (or
+    its nearest existing parent); None where that cannot be known."""
+    import os
+    p = os.path.abspath(path)
+    while p and not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        st = os.statvfs(p)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(what: str, path: str, *, needed: str | None = None, cause: str = "",
+             outcome: str = "nothing was written") -> StorageError:
+    """A full filesystem (ENOSPC, EDQUOT) as StorageError: what was being written, where,
+    how much it needed (as far as known) and how much is free, so an operator knows
+    which disk to clean and by how much."""
+    import errno
+    free = free_bytes(path)
+    facts = [f"it needed {needed}"] if needed else []
+    facts += [f"{free} bytes free there"] if free is not None else []
+    text = f"no space left on the filesystem of {path} {what}"
+    text += f" ({'; '.join(facts)})" if facts else ""
+    text += f": {outcome}; free space there and retry"
+    return StorageError(errno.ENOSPC, f"{text} [{cause}]" if cause else text)
 
 
 def storage_error(e: OSError, what: str) -> StorageError:

@@ -372,11 +372,21 @@ def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", rene
         hold.stop()
         try:
             refs.gc_finish(owner)
-        except TsckError:
-            pass
+        except GcBusy:
+            pass  # the lock is no longer ours
+        except TsckError as e2:  # e.g. the table's disk is full: end it at the next chance
+            log.warning("gc lock %s: could not release it (%s); released once the ref table takes writes",
+                        owner, e2)
+            refs.gc_abandoned(owner)
         raise
     hold.stop()
-    refs.gc_finish(owner, **hold.finish_fields)
+    try:
+        refs.gc_finish(owner, **hold.finish_fields)
+    except GcBusy:
+        raise
+    except TsckError:
+        refs.gc_abandoned(owner)
+        raise
 
 
 class Lease:

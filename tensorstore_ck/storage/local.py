@@ -6,12 +6,14 @@ zarr's LocalStore does); every other URL goes through FsspecBlockStore.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
 import uuid
 from typing import BinaryIO, Iterator, Sequence
 
+from ..errors import no_space, storage_error
 from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["LocalBlockStore"]
@@ -79,6 +81,18 @@ class LocalBlockStore(BlockStore):
         return open(self._path(key), "rb", buffering=0)
 
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:
+        try:
+            return self._put_if_absent(key, bufs)
+        except OSError as e:
+            # Name the object and the space it needed: a bare "[Errno 28]" says neither
+            # which disk to clean nor by how much.
+            n = sum(memoryview(b).nbytes for b in bufs)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(f"writing {key}", self.root, needed=f"{n} bytes",
+                               cause=os.strerror(e.errno)) from e
+            raise storage_error(e, f"writing {key} ({n} bytes) to {self.url}") from e
+
+    def _put_if_absent(self, key: str, bufs: Sequence) -> bool:
         path = self._path(key)
         if os.path.exists(path):
             return False

@@ -11,10 +11,12 @@ import time
 import uuid
 from typing import Callable, Sequence
 
+from ..errors import ReadOnlyStore
 from ..retry import DEFAULT_BACKOFF, Backoff
 from .base import BlockStore, check_deadline
 
-__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore"]
+__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore",
+           "ReadOnlyStorage"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,35 @@ class WrappedStore(BlockStore):
 
     def close(self):
         return self.inner.close()
+
+
+class ReadOnlyStorage(WrappedStore):
+    """The storage of a store opened read-only: reads pass, every write is refused with
+    ReadOnlyStore before it reaches the backend (a read-only mount, a published bucket
+    without write credentials, or a caller that asked for read_only=True)."""
+
+    def _refuse(self, what: str):
+        raise ReadOnlyStore(f"the store at {self.url} is opened read-only: refused to {what}")
+
+    def put_if_absent(self, key, bufs):
+        self._refuse(f"write {key}")
+
+    def move(self, key, new_key, *, deadline=None):
+        self._refuse(f"move {key}")
+
+    def delete(self, key):
+        self._refuse(f"delete {key}")
+
+    def delete_many(self, keys, *, deadline=None):
+        self._refuse(f"delete {len(keys)} objects")
+
+    def clock_now(self):
+        # The storage's clock is read by writing a probe; a reader (gc --dry-run) makes
+        # do with this host's.
+        return time.time()
+
+    def sync(self):
+        pass
 
 
 class FaultInjectingStore(WrappedStore):
