@@ -230,6 +230,33 @@ class BlockStoreTests:
         for k in keys:
             assert block_store.get(k) == k.encode()
 
+    def test_list_pages_come_in_key_order_and_resume_after_any_key(self, block_store):
+        """base.py `pages`/list_page: where a store lists in pages, list() is the pages one
+        after the other, in key order, and a page asked for after a key (listed or not)
+        starts at the next key: what a retried page request relies on."""
+        keys = sorted([_key(i) for i in range(40, 52)] + ["blocks/a/x", "blocks/ab/z", "blocks/abc"])
+        for k in keys + ["nodes/00/n"]:
+            block_store.put_if_absent(k, [k.encode()])
+        if not block_store.pages:
+            with pytest.raises(NotImplementedError):
+                block_store.list_page("blocks/")
+            return
+
+        def pages_after(start):
+            got, after, n = [], start, 0
+            while True:
+                page, after = block_store.list_page("blocks/", after)
+                got += [o.key for o in page]
+                n += 1
+                if after is None:
+                    return got, n
+        got, _ = pages_after(None)
+        assert got == keys == [o.key for o in block_store.list("blocks/")]
+        for i, k in enumerate(keys):
+            assert pages_after(k)[0] == keys[i + 1:], k
+        assert pages_after("blocks/a/y")[0] == keys[keys.index("blocks/ab/z"):]  # not a key itself
+        assert pages_after("blocks/zzz") == ([], 1)
+
     # -- delete ----------------------------------------------------------------------------
     def test_delete_of_present_and_absent_keys(self, block_store):
         block_store.put_if_absent(_key(9), [b"x"])

@@ -68,6 +68,32 @@ def _ensure_bucket(opts: dict, bucket: str = "tsck-tests") -> dict:
     return opts
 
 
+def _serial_moto_server():
+    """moto's threaded server on 127.0.0.1, handling one request at a time: moto checks
+    a conditional PUT's If-None-Match and then stores the object without a lock, so
+    racing creates of one key could all win, where S3 and radosgw let exactly one win
+    (what put_if_absent promises). Connections are still accepted concurrently."""
+    import threading
+
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from moto.server import ThreadedMotoServer
+    from werkzeug.serving import make_server
+
+    class SerialMotoServer(ThreadedMotoServer):
+        def _server_entry(self) -> None:  # ThreadedMotoServer's, with the app behind a lock
+            app = DomainDispatcherApplication(create_backend_app)
+            lock = threading.Lock()
+
+            def one_at_a_time(environ, start_response):
+                with lock:
+                    return list(app(environ, start_response))
+            self._server = make_server(self._ip_address, self._port, one_at_a_time, True,
+                                       request_handler=MotoRequestHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+    return SerialMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """storage_options for a real S3-compatible server on 127.0.0.1.
@@ -80,12 +106,12 @@ def s3_server():
                               "secret": os.environ.get("TEST_S3_SECRET", "x")})
         return
     try:
-        from moto.server import ThreadedMotoServer
+        srv = _serial_moto_server()
     except ImportError:
-        pytest.skip("no S3-compatible server: TEST_S3_ENDPOINT unset and moto not installed")
+        pytest.skip("no S3-compatible server: TEST_S3_ENDPOINT unset and moto not installed "
+                    "(the README's test command installs it)")
     import logging
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     srv.start()
     host, port = srv.get_host_and_port()
     try:

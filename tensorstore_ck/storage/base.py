@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, ClassVar, Iterator, Sequence
 
-__all__ = ["BlockStore", "ObjectInfo", "DeadlinePassed", "Deadline", "check_deadline"]
+__all__ = ["BlockStore", "ObjectInfo", "DeadlinePassed", "Deadline", "check_deadline", "paged_list"]
 
 # A deletion deadline: a callable giving the time.monotonic() value after which no
 # delete request may start (a gc's lease, less the request timeout and a margin).
@@ -54,6 +54,10 @@ class BlockStore(ABC):
     # a gc starts a delete only while its lease outlasts this. Local calls are
     # synchronous: once one returns, it is done.
     request_timeout: float = 1.0
+    # list() comes in pages of keys in key order, one request each (object stores): a
+    # caller holds one page at a time, and a retry of a page resumes after the last key
+    # it got (RetryingStore). False: list() is one call (a local walk, fsspec's find).
+    pages: ClassVar[bool] = False
     url: str
 
     @abstractmethod
@@ -105,6 +109,12 @@ class BlockStore(ABC):
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object whose key starts with `prefix` (a folder, ending in '/')."""
 
+    def list_page(self, prefix: str, start_after: str | None = None) -> tuple[list[ObjectInfo], str | None]:
+        """One page of list(prefix), where `pages` holds: objects whose keys sort after
+        `start_after` (from the first when None), in key order, and the key to resume
+        after (None: the listing is complete). One request: a retry repeats it as is."""
+        raise NotImplementedError(f"{type(self).__name__} does not list in pages")
+
     def sync(self) -> None:
         """Make every completed put durable (directory entries included)."""
 
@@ -134,3 +144,15 @@ class BlockStore(ABC):
 
     def close(self) -> None:
         pass
+
+
+def paged_list(list_page: Callable[[str, str | None], tuple[list[ObjectInfo], str | None]],
+               prefix: str) -> Iterator[ObjectInfo]:
+    """list(prefix) as a stream of list_page(prefix, start_after) pages: one page held at
+    a time, each asked for only once the one before has been consumed."""
+    after = None
+    while True:
+        page, after = list_page(prefix, after)
+        yield from page
+        if after is None:
+            return

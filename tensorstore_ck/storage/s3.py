@@ -8,7 +8,11 @@ One request per object and direction:
 - a read is one GET (s3fs's cat_file would HEAD first to size ranged reads,
   useless for objects of one block);
 - exists is one HEAD (s3fs's exists() also lists the key as a "directory");
-- deletes are DeleteObjects requests of up to 1000 keys, per-key errors checked.
+- deletes are DeleteObjects requests of up to 1000 keys, per-key errors checked;
+- a listing is a stream of ListObjectsV2 pages of up to 1000 keys, each asked for
+  with StartAfter = the last key of the page before: one page is held at a time
+  (s3fs's find() would hold every key of the bucket), and a retried page resumes
+  exactly where the listing stood (RetryingStore retries page by page).
 
 Retries live in one layer, RetryingStore: botocore's and s3fs's own loops are
 switched off (the three multiplied: a hung server held one request for
@@ -22,9 +26,9 @@ OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from .base import Deadline, check_deadline
+from .base import Deadline, ObjectInfo, check_deadline, paged_list
 from .fsspec import FsspecBlockStore, _translated
 
 __all__ = ["S3BlockStore"]
@@ -56,6 +60,9 @@ def _is_precondition_failed(e: BaseException) -> bool:
 
 class S3BlockStore(FsspecBlockStore):
     """s3:// (and s3a://) through s3fs."""
+
+    pages = True
+    PAGE_KEYS = 1000  # S3's largest page
 
     def __init__(self, url: str, storage_options: dict | None = None):
         super().__init__(url, storage_options)
@@ -117,8 +124,7 @@ class S3BlockStore(FsspecBlockStore):
         keys = list(keys)
         # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key errors
         # silently). A key that is already gone is not an error in S3.
-        bucket, _, base = self.root.partition("/")
-        pre = f"{base}/" if base else ""
+        bucket, pre = self._bucket_and_base()
         for i in range(0, len(keys), 1000):
             check_deadline(deadline)
             out = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={
@@ -127,3 +133,35 @@ class S3BlockStore(FsspecBlockStore):
             if errs:
                 raise OSError(f"delete of {len(errs)} object(s) failed under {self.url}: "
                               f"{errs[0].get('Code')}: {errs[0].get('Message')}")
+
+    def _bucket_and_base(self) -> tuple[str, str]:
+        """The bucket, and the key prefix of this store's objects in it ("" or ".../")."""
+        bucket, _, base = self.root.partition("/")
+        return bucket, f"{base}/" if base else ""
+
+    # docstring inherited
+    @_translated
+    def list_page(self, prefix: str, start_after: str | None = None) -> tuple[list[ObjectInfo], str | None]:
+        bucket, pre = self._bucket_and_base()
+        folder = prefix.rstrip("/")  # a folder: "blocks/a" does not list blocks/ab/
+        kw = {"Bucket": bucket, "Prefix": pre + (folder + "/" if folder else ""), "MaxKeys": self.PAGE_KEYS}
+        if start_after is not None:
+            kw["StartAfter"] = pre + start_after
+        while True:
+            try:
+                out = self.fs.call_s3("list_objects_v2", **kw)
+            except FileNotFoundError:  # no bucket: nothing stored
+                return [], None
+            contents = out.get("Contents") or []
+            more = bool(out.get("IsTruncated"))
+            if contents or not more:
+                break
+            # A server may answer a truncated page with no keys: its token goes on from there.
+            kw["ContinuationToken"] = out["NextContinuationToken"]
+        # Keys ending in "/" are folder markers (consoles make them), never objects.
+        page = [ObjectInfo(c["Key"][len(pre):], int(c.get("Size") or 0), c["LastModified"].timestamp())
+                for c in contents if not c["Key"].endswith("/")]
+        return page, (contents[-1]["Key"][len(pre):] if more else None)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return paged_list(self.list_page, prefix)

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from ..errors import ReadOnlyStore
 from ..retry import DEFAULT_BACKOFF, Backoff
-from .base import BlockStore, check_deadline
+from .base import BlockStore, check_deadline, paged_list
 
 __all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore",
            "ReadOnlyStorage"]
@@ -67,8 +67,17 @@ class WrappedStore(BlockStore):
     def clock_now(self):
         return self.inner.clock_now()
 
+    @property
+    def pages(self):
+        return self.inner.pages
+
+    def list_page(self, prefix, start_after=None):
+        return self.inner.list_page(prefix, start_after)
+
     def list(self, prefix):
-        return self.inner.list(prefix)
+        # Paged listings go through this wrapper's list_page, so what a subclass does to
+        # a page request (fault, retry) applies to list() too.
+        return paged_list(self.list_page, prefix) if self.pages else self.inner.list(prefix)
 
     def sync(self):
         return self.inner.sync()
@@ -109,7 +118,8 @@ class ReadOnlyStorage(WrappedStore):
 class FaultInjectingStore(WrappedStore):
     """Fails, delays or truncates operations, at random or on demand.
 
-    rules: op name ("put", "get", "exists", "delete", "move", "sync") -> probability in [0, 1]
+    rules: op name ("put", "get", "exists", "delete", "move", "sync", "list": a page request
+    of a paged listing, its key the key it starts after) -> probability in [0, 1]
     of failing; `when(op, key) -> bool` fails deterministically instead. A failing put
     raises ENOSPC (with truncate=True, after leaving its partial bytes in tmp/, as a
     write cut short does); a failing read raises EIO (with truncate=True, returns the
@@ -189,6 +199,11 @@ class FaultInjectingStore(WrappedStore):
         for key in keys:
             check_deadline(deadline)
             self.delete(key)
+
+    def list_page(self, prefix, start_after=None):
+        if self._fault("list", start_after or ""):
+            raise InjectedFault(errno.EIO, f"injected: listing of {prefix!r} failed after {start_after!r}")
+        return self.inner.list_page(prefix, start_after)
 
     def sync(self):
         if self._fault("sync", ""):
@@ -331,7 +346,14 @@ class RetryingStore(WrappedStore):
             return self.inner.delete_many(keys, deadline=deadline)
         return self._call(attempt)
 
+    def list_page(self, prefix, start_after=None):
+        return self._call(self.inner.list_page, prefix, start_after)
+
     def list(self, prefix):
+        if self.pages:  # each page retried on its own: a retry resumes where the listing stood
+            return paged_list(self.list_page, prefix)
+        # One call (a local walk, fsspec's find): a retry lists again from the start, so the
+        # listing is taken whole first lest a retry yield a key twice.
         return iter(self._call(lambda: list(self.inner.list(prefix))))
 
     def sync(self):
