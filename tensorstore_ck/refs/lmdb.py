@@ -18,6 +18,7 @@ open its own, as LMDB requires.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 
 import lmdb
@@ -84,6 +85,15 @@ class LmdbRefTable(RefTable):
         track_for_fork(self)
 
     def _open(self):
+        for name in ("data.mdb", "lock.mdb"):  # LMDB would wait forever reading a FIFO, and mmap no folder
+            try:
+                mode = os.stat(os.path.join(self.path, name)).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                what = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device"
+                raise StorageError(f"cannot open the ref table at {self.path}: its {name} is {what}, not a regular "
+                                   "file (not opened)")
         try:
             env = lmdb.open(self.path, map_size=INITIAL_MAP_SIZE, max_dbs=len(TABLES) + 2,
                             subdir=True, sync=True, metasync=True, lock=True, max_readers=256)
