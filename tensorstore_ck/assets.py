@@ -39,8 +39,8 @@ from .format.tree import MAX_BLOCK_SIZE
 from .format.records import MAX_TAG_OBJECT, decode_tag, encode_tag
 from .storage.base import BlockStore
 
-__all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "MAX_MARKER_BYTES", "read_marker", "create_marker", "holds_snapshots", "block_key",
-           "node_key", "commit_key", "tag_key", "KIND_PREFIX", "QUARANTINE_PREFIX", "Aside"]
+__all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "MAX_MARKER_BYTES", "read_marker", "create_marker",
+           "holds_snapshots", "block_key", "node_key", "commit_key", "tag_key", "KIND_PREFIX", "QUARANTINE_PREFIX", "Aside"]
 
 KINDS = ("commits", "nodes", "blocks")  # gc's deletion order: a kill leaves no commit without its tree
 _OBJECT_KEY = re.compile(r"(commits|nodes|blocks)/([0-9a-f]{2})/(\2[0-9a-f]{62})\Z")
