@@ -198,6 +198,7 @@ def filled(tmp_path):
                 "top10": _objects(s, roots[10])["node"][0][0],
                 "sub3": next(k for k, p in _objects(s, roots[3])["node"] if p == "['sub']"),
                 "commit3": _objects(s, roots[3])["commit"][0][0],
+                "commit1": _objects(s, roots[1])["commit"][0][0],
                 "tag": "tags/" + b"golden".hex()}
     yield path, roots, keys
     _unblock(path)
@@ -236,12 +237,12 @@ def test_fsck_reports_special_files_in_place_of_objects(filled, what, code):
 
 
 @pytest.mark.parametrize("what", ["fifo", "dir", "zero"])
-def test_checkout_of_a_special_block_or_node_is_a_clear_error(filled, what):
+def test_checkout_of_a_special_block_node_or_commit_is_a_clear_error(filled, what):
     path, roots, keys = filled
-    _plant(path, keys["own3"], what)
-    _plant(path, keys["top10"], what)
+    for key in ("own3", "top10", "commit1"):
+        _plant(path, keys[key], what)
     with tsck.open_store(path) as s:
-        for target, key in (("j/main", keys["own3"]), ("j/exp", keys["top10"])):
+        for target, key in (("j/main", keys["own3"]), ("j/exp", keys["top10"]), ("j/main@1", keys["commit1"])):
             with pytest.raises(tsck.UnreadableObject) as ei:
                 bounded(lambda: s.checkout(target), unblock=path)
             assert ei.value.key == key and key in str(ei.value)
