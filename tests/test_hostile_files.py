@@ -338,16 +338,3 @@ def test_special_tag_object_is_reported_not_read(filled, what):
     for args in (["refs"], ["recover"], ["log", "j/main"]):
         r = _cli(args[0], path, *args[1:])
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr)
-
-
-# ----------------------------------------------------------------- bounded reads on every backend
-def test_get_reads_at_most_max_bytes(backend):
-    with backend.open() as s:
-        st = s.storage
-        st.put_if_absent("tmp/x/empty", [b""])
-        st.put_if_absent("tmp/x/ten", [b"0123456789"])
-        assert st.get("tmp/x/empty", 4) == b""
-        assert st.get("tmp/x/ten", 4) == b"0123" and st.get("tmp/x/ten", 10) == b"0123456789"
-        assert st.get("tmp/x/ten", 11) == b"0123456789" and st.get("tmp/x/ten") == b"0123456789"
-        with pytest.raises(FileNotFoundError):
-            st.get("tmp/x/none", 4)
