@@ -31,7 +31,7 @@ TIMEOUT = 30
 COMMANDS = [
     ["refs"], ["log", "j/main"], ["show", "golden", "--json"], ["du"], ["diff", "j/main@1", "j/main"],
     ["fsck"], ["fsck", "--quick", "--json"], ["gc", "--dry-run"], ["tag", "t2", "j/main"], ["pin", "j/main"],
-    ["fsck", "--repair"], ["gc"], ["recover"], ["refs", "--json"],
+    ["unpin", "j/main"], ["fsck", "--repair"], ["gc"], ["recover"], ["refs", "--json"],
 ]
 
 
