@@ -31,7 +31,7 @@ import logging as _logging
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, Fenced, FormatError, GcBusy, IntegrityError, InvalidArgument,
                      InvalidName, NotAStore, ReadOnlyStore, RefConflict, RefNotFound, SnapshotAborted, StorageError,
-                     StoreClosed, TsckError, UnsupportedType)
+                     StoreClosed, TsckError, UnreadableObject, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
 from .info import SnapshotInfo
@@ -52,5 +52,5 @@ __all__ = [
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
-    "ReadOnlyStore", "__version__",
+    "ReadOnlyStore", "UnreadableObject", "__version__",
 ]

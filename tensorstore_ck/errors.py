@@ -13,6 +13,7 @@
     ├── AmbiguousTarget (LookupError) a root-hash prefix that matches several snapshots
     ├── SnapshotAborted          a collective snapshot was abandoned; nothing published
     ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
+    │   └── UnreadableObject     one stored object cannot be read (EIO, a folder or FIFO in its place): .key
     ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
     ├── GcBusy                   another gc holds the store
     ├── StoreClosed              a Store (or its ref table) used after close()
@@ -191,6 +192,20 @@ class StorageError(TsckError, OSError):
 __all__.append("StorageError")
 
 
+class UnreadableObject(StorageError):
+    """A stored object that is there but cannot be read: an I/O error on it (EIO), or
+    something other than a regular file in its place (a folder, a FIFO, a device),
+    which is never opened for reading. .errno is the backend's; .key names the object.
+    fsck reports it (`unreadable`) and checks the rest; gc stops before deleting."""
+    kind = "unreadable"
+    reason = "unreadable"  # fsck's problem name, as IntegrityError.reason
+    key = snapshot = path = None
+    detail = None  # the backend's error, in its words
+
+
+__all__.append("UnreadableObject")
+
+
 class Fenced(TsckError):
     """A gc deletion phase started or is running since the writer's fence was taken:
     objects the writer found present may be gone. The writer re-validates and retries."""
@@ -247,6 +262,17 @@ def no_space(what: str, path: str, *, needed: str | None = None, cause: str = ""
     text += f" ({'; '.join(facts)})" if facts else ""
     text += f": {outcome}; free space there and retry"
     return StorageError(errno.ENOSPC, f"{text} [{cause}]" if cause else text)
+
+
+def unreadable(e: OSError, key: str, *, snapshot: str | None = None, path: str | None = None) -> UnreadableObject:
+    """The OSError of reading object `key` as UnreadableObject naming it (errno kept)."""
+    where = ([f"snapshot {snapshot[:16]}"] if snapshot else []) + ([f"at {path}"] if path else [])
+    ctx = f" ({', '.join(where)})" if where else ""
+    detail = f"{type(e).__name__}: {e.strerror or e}"
+    text = f"cannot read object {key}{ctx}: {detail}"
+    err = UnreadableObject(e.errno, text) if e.errno is not None else UnreadableObject(text)
+    err.key, err.snapshot, err.path, err.detail = key, snapshot, path, detail
+    return err
 
 
 def storage_error(e: OSError, what: str) -> StorageError:

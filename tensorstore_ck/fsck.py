@@ -6,6 +6,8 @@ snapshot (and tensor path) that references it. Within one snapshot a node named
 at several paths is walked once (a DAG of 40 nodes can name 2^40 paths): its
 problems name the first path that reaches it. A catalog row that does not
 decode is a `malformed_row` finding; the snapshot is still checked from its commit.
+An object that is there but cannot be read (an I/O error, a folder or FIFO in its
+place) is an `unreadable` finding with its errno, and the walk goes on.
 
     full (default)  read every object and re-hash every byte
     quick           presence, header and sizes only
@@ -27,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, IntegrityError
+from .errors import FormatError, IntegrityError, UnreadableObject
 from .format import frame
 from .gc import DEFAULT_LEASE, Lease, _progress, holding_gc_lock
 from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots
@@ -38,12 +40,14 @@ __all__ = ["Finding", "FsckReport", "run_fsck"]
 
 @dataclass
 class Finding:
-    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref | stray | malformed_row
+    problem: str            # missing | truncated | corrupt | undecodable | unreadable | dangling_ref | stray
+    #                         | malformed_row
     snapshot: str | None    # root hex
     names: list             # refs / tags / pins pointing at the snapshot ("ref:x", "tag:y", "pin")
     path: str | None        # tensor path in the state, when known
     key: str | None         # storage key of the bad object
     message: str
+    errno: int | None = None  # unreadable: the backend's error number (5 EIO, 21 EISDIR, ...)
 
     def __str__(self):
         where = []
@@ -90,6 +94,12 @@ def _names(store) -> dict[bytes, list[str]]:
     return {root: [f"{kind}:{name}" if name else kind for kind, name in hs] for root, hs in holders(store).items()}
 
 
+def _unreadable(e: UnreadableObject, snap: str, names: list, path: str | None) -> Finding:
+    code = f"errno {e.errno}: " if e.errno is not None else ""
+    return Finding("unreadable", snap, names, path or None, e.key,
+                   f"cannot read the object ({code}{e.detail or e.strerror or e})", e.errno)
+
+
 def run_fsck(store, *, full: bool = True, progress: bool = False, repair: bool = False,
              lease: float = DEFAULT_LEASE) -> FsckReport:
     t0 = time.time()
@@ -131,7 +141,7 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
             buf = bytearray(n)
             try:
                 store.assets.read_block_into(d, buf, verify=True)
-            except IntegrityError as e:
+            except (IntegrityError, UnreadableObject) as e:
                 return e
             return None
         return store.assets.check_quick(frame.KIND_BLOCK, d, n)
@@ -148,6 +158,8 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
                 elif obj.kind == "node" and obj.digest not in node_status:
                     node_status[obj.digest] = None
                     rep.objects_checked += 1
+        except UnreadableObject as e:  # the objects below it are unknown; the other snapshots go on
+            rep.findings.append(_unreadable(e, snap, nm, e.path))
         except (IntegrityError, FormatError) as e:
             problem = getattr(e, "reason", "undecodable") if isinstance(e, IntegrityError) else "undecodable"
             if isinstance(e, IntegrityError) and store.assets.kind_of_key(e.key) == "commits" and problem == "missing":
@@ -174,6 +186,9 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
             err = block_status[d]
             if err is not None and (d, p) not in reported:
                 reported.add((d, p))
+                if isinstance(err, UnreadableObject):
+                    rep.findings.append(_unreadable(err, snap, nm, p))
+                    continue
                 rep.findings.append(Finding(err.reason, snap, nm, p, err.key,
                                             str(err.args[0]).split(" (")[0] if err.args else "bad block"))
     if bar is not None:

@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckError
+from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckError, UnreadableObject
 from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots, mark
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
@@ -336,7 +336,7 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
             try:
                 for o in walk_commit(store.assets, root, verify=True, skip_nodes=skip):
                     found[o.kind + "s"].setdefault(o.digest, o.nbytes or 0)
-            except (IntegrityError, FormatError) as e:  # left for an offline gc
+            except (IntegrityError, FormatError, UnreadableObject) as e:  # left for an offline gc
                 log.warning("prune %s: expired snapshot %s not walked (%s); `tsck gc` reclaims it",
                             job, root.hex()[:16], e)
         spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-prune-")

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 
-from .assets import STORE_MARKER, create_marker, holds_snapshots, read_marker
+from .assets import MAX_MARKER_BYTES, STORE_MARKER, create_marker, holds_snapshots, read_marker
 from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
@@ -103,7 +103,7 @@ def _read_config(storage: BlockStore) -> dict | None:
     if data is None:
         return None
     try:
-        if len(data) > 65536:
+        if len(data) > MAX_MARKER_BYTES:
             raise ValueError("too large")
         cfg = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, IntegrityError, RefConflict
+from .errors import FormatError, IntegrityError, RefConflict, UnreadableObject
 from .format.manifest import decode_commit
 from .format.names import validate_name
 from .walk import walk_commit
@@ -62,7 +62,7 @@ def _incomplete(store, root: bytes, present: set) -> str | None:
                 if not store.assets.block_exists(obj.digest):
                     return f"block {obj.digest.hex()[:16]} of {obj.path or 'its tree'} is missing"
                 present.add(obj.digest)
-    except (IntegrityError, FormatError) as e:
+    except (IntegrityError, FormatError, UnreadableObject) as e:
         return f"its tree is incomplete: {e}"
     return None
 
@@ -116,7 +116,7 @@ def run_recover(store, *, progress: bool = False) -> RecoverReport:
         try:
             c = decode_commit(store.assets.get_commit(root, verify=True))
             validate_name(c["ref"])
-        except (ValueError, IntegrityError, FormatError) as e:
+        except (ValueError, IntegrityError, FormatError, UnreadableObject) as e:
             rep.unreadable.append(f"{store.assets.object_key('commits', root)}: {e}")
             log.warning("recover: commit %s is unreadable, left out: %s", root.hex()[:16], e)
             continue

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 
 import lmdb
@@ -130,6 +131,15 @@ class LmdbRefTable(RefTable):
         track_for_fork(self)
 
     def _open(self):
+        for name in ("data.mdb", "lock.mdb"):  # LMDB would wait forever reading a FIFO, and mmap no folder
+            try:
+                mode = os.stat(os.path.join(self.path, name)).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                what = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device"
+                raise StorageError(f"cannot open the ref table at {self.path}: its {name} is {what}, not a regular "
+                                   "file (not opened)")
         if self.read_only:
             return self._open_read_only()
         try:

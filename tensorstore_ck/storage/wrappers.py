@@ -32,8 +32,8 @@ class WrappedStore(BlockStore):
         self.inner = inner
         self.url = inner.url
 
-    def get(self, key):
-        return self.inner.get(key)
+    def get(self, key, max_bytes=None):
+        return self.inner.get(key, max_bytes)
 
     def open_read(self, key):
         return self.inner.open_read(key)
@@ -161,12 +161,12 @@ class FaultInjectingStore(WrappedStore):
             raise InjectedFault(errno.ENOSPC, f"injected: no space left writing {key}")
         return self.inner.put_if_absent(key, bufs)
 
-    def get(self, key):
+    def get(self, key, max_bytes=None):
         if self._fault("get", key):
             if self.truncate:  # a short read
-                return self.inner.get(key)[:-1]
+                return self.inner.get(key, max_bytes)[:-1]
             raise InjectedFault(errno.EIO, f"injected: read error on {key}")
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes)
 
     def open_read(self, key):
         if self._fault("get", key):
@@ -312,8 +312,8 @@ class RetryingStore(WrappedStore):
                             self.backoff.attempts - 1, delay)
                 time.sleep(delay)
 
-    def get(self, key):
-        return self._call(self.inner.get, key)
+    def get(self, key, max_bytes=None):
+        return self._call(self.inner.get, key, max_bytes)
 
     def open_read(self, key):
         return self._call(self.inner.open_read, key)
