@@ -12,7 +12,9 @@
    Both runs prune while they train: the manager applies the job's retention (keep
    the last 3 and the best 1) in the background after each snapshot.
 3. The store is inspected with the CLI: `tsck log` (only what retention keeps),
-   `tsck du`, `tsck fsck`, and `tsck gc` finds next to nothing left to reclaim.
+   `tsck du`, `tsck fsck`, `tsck gc --dry-run` (each snapshot, keep or remove, and
+   the rule that decided) and `tsck gc`; then `tsck ls` and `tsck checkout` take
+   the model's weights out as a safetensors file, without Python.
 """
 
 from __future__ import annotations
@@ -201,8 +203,12 @@ def main():
     cli("log", root, "demo/main")
     cli("du", root)
     cli("fsck", root)
+    cli("gc", root, "--dry-run")  # the manager pruned while training: little or nothing is left to reclaim
     cli("gc", root)
-    cli("log", root, "demo/main")
+    # Restoring without Python: the weights as a safetensors file other tools read.
+    cli("ls", root, "demo/main", "model.head")
+    out = os.path.join(os.path.dirname(root), "model.safetensors")
+    cli("checkout", root, "demo/main", out, "--path", "model", "--force")
     if not same:
         sys.exit(1)
     if args.store is None:

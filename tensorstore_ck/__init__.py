@@ -30,8 +30,8 @@ import logging as _logging
 
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, Fenced, FormatError, GcBusy, IntegrityError, InvalidArgument,
-                     InvalidName, NotAStore, RefConflict, RefNotFound, SnapshotAborted, StorageError, StoreClosed,
-                     TsckError, UnsupportedType)
+                     InvalidName, NotAStore, ReadOnlyStore, RefConflict, RefNotFound, SnapshotAborted, StorageError,
+                     StoreClosed, TsckError, UnreadableObject, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
 from .info import SnapshotInfo
@@ -52,5 +52,5 @@ __all__ = [
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
-    "__version__",
+    "ReadOnlyStore", "UnreadableObject", "__version__",
 ]

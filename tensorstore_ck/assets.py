@@ -7,6 +7,13 @@ payload, ab: its first two digits) and ``tags/<hex of the tag name>``. A
 listed name that is not exactly such a key is a *stray*: reported, never
 parsed further, never deleted.
 
+Every read is bounded before it starts: a block by the length its manifest
+declares, a node or commit by the size its header declares (at most
+manifest.MAX_NODE_BYTES), the store marker by MAX_MARKER_BYTES, a tag object by
+records.MAX_TAG_OBJECT. An object that is there but cannot be read (EIO; on
+local disks anything but a regular file under its name) is an UnreadableObject
+naming it.
+
 Damaged objects are moved aside, never deleted, to
 ``quarantine/<kind>/<hex>.<UTC time>-<random>``: out of the object namespace
 (nothing lists, reads or deletes them as objects), so the next put of that
@@ -25,13 +32,15 @@ from typing import Iterator
 import blake3
 import numpy as np
 
-from .errors import FormatError, IntegrityError, SnapshotAborted
+from .errors import FormatError, IntegrityError, SnapshotAborted, TsckError, UnreadableObject, unreadable
 from .format import frame
-from .format.records import decode_tag, encode_tag
+from .format.manifest import MAX_NODE_BYTES
+from .format.tree import MAX_BLOCK_SIZE
+from .format.records import MAX_TAG_OBJECT, decode_tag, encode_tag
 from .storage.base import BlockStore
 
-__all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "read_marker", "create_marker", "holds_snapshots", "block_key",
-           "node_key", "commit_key", "tag_key", "KIND_PREFIX", "QUARANTINE_PREFIX", "Aside"]
+__all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "MAX_MARKER_BYTES", "read_marker", "create_marker",
+           "holds_snapshots", "block_key", "node_key", "commit_key", "tag_key", "KIND_PREFIX", "QUARANTINE_PREFIX", "Aside"]
 
 KINDS = ("commits", "nodes", "blocks")  # gc's deletion order: a kill leaves no commit without its tree
 _OBJECT_KEY = re.compile(r"(commits|nodes|blocks)/([0-9a-f]{2})/(\2[0-9a-f]{62})\Z")
@@ -72,11 +81,15 @@ def tag_key(name: str) -> str:
 
 
 STORE_MARKER = "tsck.json"  # the store's config object (opener.py reads and creates it)
+MAX_MARKER_BYTES = 65536     # a marker is a few hundred bytes; a longer one is not ours
+# The most any one stored object may hold: a frame header and the largest block or node.
+_MAX_OBJECT = frame.HEADER_SIZE + max(MAX_NODE_BYTES, MAX_BLOCK_SIZE)
 
 
 def read_marker(storage: BlockStore) -> bytes | None:
+    """The marker's bytes (at most MAX_MARKER_BYTES + 1: longer is not a marker), None if absent."""
     try:
-        return storage.get(STORE_MARKER)
+        return storage.get(STORE_MARKER, MAX_MARKER_BYTES + 1)
     except FileNotFoundError:
         return None
 
@@ -118,6 +131,7 @@ class PutResult:
     new: bool
     raw_len: int
     counted: bool = True  # False: only hashed here (another rank owns the block)
+    stored: int = 0       # bytes this call wrote to storage (the frame), 0 when not new
 
 
 # A worker thread keeps its scratch buffer between blocks up to this size (a few
@@ -173,7 +187,7 @@ class Assets:
         bufs = frame.encode_payload(mv, kind, compress=self.compress,
                                     shuffle_itemsize=itemsize if self.shuffle else 0)
         new = self.storage.put_if_absent(key, bufs)
-        return PutResult(d, new, mv.nbytes)
+        return PutResult(d, new, mv.nbytes, stored=sum(memoryview(b).nbytes for b in bufs) if new else 0)
 
     def _reusable(self, key: str, kind: int, size: int, raw_len: int) -> bool:
         """Whether an object found stored under `key` can be what a frame of `raw_len` raw
@@ -230,11 +244,26 @@ class Assets:
         self.storage.sync()
 
     # -- reading -------------------------------------------------------------
-    def _read_frame(self, key: str, kind: int, expect_len: int | None, out, ctx: dict):
+    def _open(self, key: str, ctx: dict):
         try:
-            f = self.storage.open_read(key)
+            return self.storage.open_read(key)
         except FileNotFoundError:
             raise IntegrityError("missing object", key=key, reason="missing", **ctx) from None
+        except TsckError:
+            raise
+        except OSError as e:
+            raise unreadable(e, key, **ctx) from e
+
+    def _read_frame(self, key: str, kind: int, expect_len: int | None, out, ctx: dict):
+        try:
+            return self._read_frame_of(key, kind, expect_len, out, ctx)
+        except TsckError:
+            raise
+        except OSError as e:  # an I/O error mid-read (EIO): the object is there, unreadable
+            raise unreadable(e, key, **ctx) from e
+
+    def _read_frame_of(self, key: str, kind: int, expect_len: int | None, out, ctx: dict):
+        f = self._open(key, ctx)
         with f:
             head = f.read(frame.HEADER_SIZE)
             try:
@@ -246,6 +275,9 @@ class Assets:
             if expect_len is not None and hdr.raw_len != expect_len:
                 raise IntegrityError(f"object holds {hdr.raw_len} bytes, expected {expect_len}",
                                      key=key, **ctx)
+            if kind != frame.KIND_BLOCK and hdr.raw_len > MAX_NODE_BYTES:
+                raise IntegrityError(f"object declares {hdr.raw_len} bytes, more than a node or commit may "
+                                     f"hold ({MAX_NODE_BYTES})", key=key, **ctx)
             if hdr.codec == frame.CODEC_RAW and out is None:
                 body = f.read(hdr.raw_len + 1)
                 if len(body) != hdr.raw_len:
@@ -262,7 +294,11 @@ class Assets:
                 if got != hdr.raw_len or f.read(1):
                     raise IntegrityError("truncated or oversized object", key=key, reason="truncated", **ctx)
                 return out
-            body = f.read(frame.MAX_RAW_LEN + 1)
+            # A writer compresses only what shrinks (to 90% or less): a compressed payload
+            # is never longer than its raw length, so that bounds the read.
+            body = f.read(hdr.raw_len + 1)
+            if len(body) > hdr.raw_len:
+                raise IntegrityError("compressed payload longer than its raw length", key=key, **ctx)
         try:
             return frame.decode_payload(hdr, body, out)
         except FormatError as e:
@@ -270,18 +306,19 @@ class Assets:
 
     def check_quick(self, kind: int, d: bytes, expect_len: int | None):
         """Presence and size from the header and the object's length, without
-        reading the payload. Returns None or an IntegrityError."""
+        reading the payload. Returns None, an IntegrityError or an UnreadableObject."""
         key = _key(KIND_PREFIX[kind], d)
         try:
-            f = self.storage.open_read(key)
-        except FileNotFoundError:
-            return IntegrityError("missing object", key=key, reason="missing")
-        with f:
-            try:
-                hdr = frame.decode_header(f.read(frame.HEADER_SIZE))
-            except FormatError as e:
-                return IntegrityError(f"corrupt object header: {e}", key=key)
-            size = f.seek(0, 2)
+            with self._open(key, {}) as f:
+                try:
+                    hdr = frame.decode_header(f.read(frame.HEADER_SIZE))
+                except FormatError as e:
+                    return IntegrityError(f"corrupt object header: {e}", key=key)
+                size = f.seek(0, 2)
+        except (IntegrityError, UnreadableObject) as e:
+            return e
+        except OSError as e:
+            return unreadable(e, key)
         if hdr.kind != kind:
             return IntegrityError(f"object is of kind {hdr.kind}, expected {kind}", key=key)
         if expect_len is not None and hdr.raw_len != expect_len:
@@ -365,10 +402,12 @@ class Assets:
         kind, d = m.group(1), bytes.fromhex(m.group(3))
         where = at or key
         try:
-            data = self.storage.get(where)
+            data = self.storage.get(where, _MAX_OBJECT + 1)
         except FileNotFoundError:
             return IntegrityError("missing object", key=where, reason="missing"), None
         try:
+            if len(data) > _MAX_OBJECT:
+                raise FormatError(f"longer than any object may be ({_MAX_OBJECT} bytes)")
             hdr = frame.decode_header(data[:frame.HEADER_SIZE])
             if KIND_PREFIX[hdr.kind] != kind:
                 raise FormatError(f"object is of kind {hdr.kind}, stored as {kind}")
@@ -465,27 +504,42 @@ class Assets:
         if self.storage.put_if_absent(key, [encode_tag(name, root, time)]):
             return None
         try:
-            return decode_tag(self.storage.get(key))[1]
-        except (FormatError, FileNotFoundError):
+            return decode_tag(self.storage.get(key, MAX_TAG_OBJECT + 1))[1]
+        except (FormatError, OSError):  # gone, undecodable or unreadable: not this tag
             return b""
 
     def delete_tag(self, name: str) -> None:
         """Remove a tag object whose tag was never created (its snapshot went away)."""
         self.storage.delete(tag_key(name))
 
+    def tag_object(self, name: str) -> bytes | None:
+        """The stored bytes of `name`'s tag object (None if there is none), for
+        restore_tag: an untag whose ref-table half failed puts them back."""
+        try:
+            return self.storage.get(tag_key(name))
+        except FileNotFoundError:
+            return None
+
+    def restore_tag(self, name: str, data: bytes) -> None:
+        self.storage.put_if_absent(tag_key(name), [data])
+
     def tags(self) -> Iterator[tuple[str, object]]:
         """(key, (name, root, time)) for every stored tag object, or (key, FormatError)
-        for one that does not decode or whose key does not match its name."""
+        for one that does not decode or whose key does not match its name, (key,
+        UnreadableObject) for one that cannot be read."""
         for o in self.storage.list("tags/"):
             if _TAG_KEY.match(o.key) is None:
                 yield o.key, FormatError("not a tag object key")
                 continue
             try:
-                rec = decode_tag(self.storage.get(o.key))
+                rec = decode_tag(self.storage.get(o.key, MAX_TAG_OBJECT + 1))
             except FileNotFoundError:
                 continue  # removed meanwhile
             except FormatError as e:
                 yield o.key, e
+                continue
+            except OSError as e:
+                yield o.key, unreadable(e, o.key)
                 continue
             if tag_key(rec[0]) != o.key:
                 yield o.key, FormatError(f"tag object names {rec[0]!r}, its key another name")

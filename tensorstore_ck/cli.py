@@ -1,8 +1,10 @@
-"""`tsck`: the command line. Exit codes: 0 ok, 1 problems found, 2 user error.
+"""`tsck`: the command line. Exit codes: 0 ok, 1 problems found or the environment
+failed (StorageError: a full disk, an unreachable server), 2 user error.
 
 Every command takes --json, which writes strict JSON (NaN/inf as null, bytes as
 "hex:<hex>"; see _jsonable). A user mistake (bad arguments, unknown target,
-a path that is not a store) prints one line, "tsck: error: ...", and exits 2.
+a path that is not a store) prints one line, "tsck: error: ...", and exits 2;
+a StorageError prints its one line and exits 1 (retrying may work once it is fixed).
 Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
 
 Remote stores: `--refs` (or $TSCK_REFS) names the shared ref table, e.g.
@@ -22,7 +24,7 @@ import os
 import sys
 
 from .assets import holds_snapshots
-from .errors import InvalidArgument, TsckError, storage_error
+from .errors import InvalidArgument, StorageError, TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
 
@@ -31,6 +33,17 @@ __all__ = ["main"]
 
 class _Usage(Exception):
     pass
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every command and its help on one line (argparse would wrap the longer names)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=20, width=110)
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        self._action_max_length = max(self._action_max_length, 18)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,8 +186,26 @@ def cmd_du(store, args):
     for job, j in sorted(d["jobs"].items()):
         lines.append(f"  job {job:<20} {j['snapshots']:>5} snapshots  logical {_human(j['logical_bytes']):>10}"
                      f"  written {_human(j['new_bytes']):>10}  latest step {j['latest_step']}")
+    if args.plot:
+        d["plot"] = _du_plot(store, args, lines)
     _out(args, d, "\n".join(lines))
     return 0
+
+
+def _du_plot(store, args, lines) -> dict:
+    from .plot import plot_usage, require_matplotlib
+    from .usage import usage
+    require_matplotlib()  # missing: say so before walking the store
+    u = usage(store)
+    path = plot_usage(u, args.plot)
+    for job, j in sorted(u["jobs"].items(), key=lambda x: -x[1]["only_bytes"]):
+        lines.append(f"  job {job:<20} holds {_human(j['held_bytes']):>10} of blocks; deleting it would free "
+                     f"{_human(j['only_bytes'])}")
+    if u["unreadable"]:
+        lines.append(f"  {len(u['unreadable'])} snapshot(s) could not be read whole (tsck fsck names them); "
+                     "the numbers leave out what they hold beyond the part read")
+    lines.append(f"plot written to {path}")
+    return {"file": path, **u}
 
 
 def _bar(args) -> bool:
@@ -331,7 +362,7 @@ def cmd_fsck(store, args):
 
 
 def cmd_recover(store, args):
-    r = store.recover()
+    r = store.recover(progress=_bar(args))
     lines = [f"{r.commits_found} commits found, {r.catalog_rows_added} catalog rows added"]
     lines += [f"  ref {k} -> {v}" for k, v in r.refs_restored.items()]
     lines += [f"  tag {k} -> {v}" for k, v in r.tags_restored.items()]
@@ -349,6 +380,55 @@ def cmd_diff(store, args):
     lines.append(f"{len(d['changed'])} changed, {len(d['added'])} added, {len(d['removed'])} removed, "
                  f"{d['unchanged']} unchanged")
     _out(args, d, "\n".join(lines))
+    return 0
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]" if shape is not None else ""
+
+
+def cmd_ls(store, args):
+    from .interchange import list_tree
+    root, entries = list_tree(store, args.target, args.path)
+    tensors = [e for e in entries if e.kind in ("tensor", "array", "sharded")]
+    total = sum(e.nbytes for e in tensors)
+    obj = {"root": root, "path": args.path, "entries": [e.to_json() for e in entries],
+           "tensors": len(tensors), "tensor_bytes": total}
+    width = min(60, max((len(e.path) for e in entries), default=4))
+    lines = []
+    for e in entries:
+        if e.kind in ("tensor", "array", "sharded"):
+            what = f"{e.dtype:<10} {_shape(e.shape):<20} {_human(e.nbytes):>10}"
+            if e.kind != "tensor":
+                what += f"  ({e.kind})"
+        elif e.kind in ("str", "int", "float", "bool", "None", "numpy"):
+            v = repr(e.value) if e.kind == "str" else _dumps(e.value) if e.value is not None else e.kind
+            what = f"{(e.dtype or e.kind):<10} {v[:60] + ('...' if len(v) > 60 else '')}"
+        elif e.kind in ("dict", "list", "tuple"):
+            what = f"{e.kind:<10} (empty)"
+        else:
+            what = f"{e.kind:<10} {_human(e.nbytes)}"
+        lines.append(f"{e.path or '(top)':<{width}}  {what}".rstrip())
+    lines.append(f"{len(tensors)} tensors, {_human(total)}; {len(entries) - len(tensors)} other values "
+                 f"(snapshot {root[:16]})")
+    _out(args, obj, "\n".join(lines))
+    return 0
+
+
+def cmd_checkout(store, args):
+    from .interchange import export_file
+    r = export_file(store, args.target, args.dest, fmt=args.format, path=args.path, force=args.force)
+    what = f"{r['tensors']} tensors, {r['metadata']} metadata entries" if r["format"] == "safetensors" else "torch.save"
+    _out(args, r, f"wrote {r['dest']} ({r['format']}: {what}; {_human(r['bytes'])}) from {r['root'][:16]}")
+    return 0
+
+
+def cmd_import(store, args):
+    from .interchange import import_files
+    i = import_files(store, args.ref, args.files, step=args.step, job=args.job)
+    _out(args, i.to_json(), f"imported {len(args.files)} input(s) as {i.ref} -> {i.root}\n"
+                            f"{_human(i.bytes_total)} in {i.blocks_total} blocks; {_human(i.bytes_new)} in "
+                            f"{i.blocks_new} blocks were new")
     return 0
 
 
@@ -375,8 +455,13 @@ def _remote_options(args) -> tuple[str | None, dict | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    from . import __version__
+    p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state",
+                formatter_class=_HelpFormatter,
+                epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
+                       "tsck log STORE -- -rf. Exit codes: 0 ok, 1 problems found, 2 user error.")
+    p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
 
     def add(name, fn, help, *pos):
         s = sub.add_parser(name, help=help)
@@ -387,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--refs", default=None, metavar="REFS",
                        help="ref table for a remote store (postgresql://..., a local LMDB path); "
                             "default $TSCK_REFS")
+        s.add_argument("--read-only", action="store_true",
+                       help="open the store read-only: write nothing (also automatic when its files are "
+                            "not writable, e.g. a read-only mount)")
         s.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                        help="fsspec storage option (VALUE parsed as JSON when it is JSON); "
                             "adds to $TSCK_STORAGE_OPTIONS")
@@ -396,7 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("refs", cmd_refs, "list refs and tags")
     add("log", cmd_log, "snapshots of a ref, newest first", "ref")
     add("show", cmd_show, "one snapshot", "target")
-    add("du", cmd_du, "logical vs physical bytes, per job")
+    du = add("du", cmd_du, "logical vs physical bytes, per job")
+    du.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="also draw bytes over time per job and what deleting each job would free "
+                         "(needs matplotlib: the [plot] extra)")
     add("diff", cmd_diff, "which tensors and how many blocks differ", "a", "b")
     add("tag", cmd_tag, "create an immutable tag", "name", "target")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
@@ -405,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--expected", default=None, metavar="ROOT",
                    help="delete only if the ref still points at this root (hex, 8 digits or more)")
     add("untag", cmd_untag, "remove a tag", "name")
-    add("forget", cmd_forget, "drop one snapshot (REF@STEP or root) that is not a tip, tag or pin", "target")
+    add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
     r = add("retention", cmd_retention, "show, set (replacing them) or clear a job's retention rules")
     r.add_argument("job", nargs="?", default=None, help="the job (none: list every job's rules)")
     r.add_argument("--keep-last", type=int, default=None, metavar="N", help="the N newest snapshots")
@@ -431,7 +522,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="move damaged objects aside (quarantine/, never deleted) so that the next put of "
                         "their content stores them again and heals every snapshot using them")
     add("recover", cmd_recover, "rebuild the catalog, refs and tags from storage")
+    ls = add("ls", cmd_ls, "a snapshot's tree: paths, dtypes, shapes, sizes", "target")
+    ls.add_argument("path", nargs="?", default=None, help="only the value at this dotted path and those under it")
+    co = add("checkout", cmd_checkout, "write a snapshot as one safetensors or torch.save file", "target", "dest")
+    co.add_argument("--format", choices=("safetensors", "torch"), default=None,
+                    help="default: by DEST's suffix (.safetensors; .pt, .pth, .bin)")
+    co.add_argument("--path", default=None, help="only the value at this dotted path (model.layers.0)")
+    co.add_argument("--force", action="store_true", help="replace DEST if it exists")
+    im = add("import", cmd_import, "torch, safetensors or Hugging Face files as a snapshot", "ref")
+    im.add_argument("files", nargs="+", metavar="FILE", help="a file, or a Hugging Face model folder")
+    im.add_argument("--step", type=int, default=None, help="the snapshot's step")
+    im.add_argument("--job", default=None, help="the snapshot's job (default: the ref's first component)")
     return p
+
+
+def _dash_hint(parser, argv) -> str:
+    """A name that begins with '-' reads as an option: say how to pass it."""
+    known = {o for a in parser._actions for o in a.option_strings}
+    for a in parser._actions:
+        for sub in (getattr(a, "choices", None) or {}).values():
+            known |= {o for x in sub._actions for o in x.option_strings}
+    argv = list(argv)
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    odd = [x for x in head if x.startswith("-") and x.split("=")[0] not in known and x != "-"]
+    return f" ({odd[0]!r} was read as an option; a name that begins with '-' goes after `--`: " \
+           f"tsck log STORE -- {odd[0]})" if odd else ""
 
 
 def main(argv=None) -> int:
@@ -439,7 +554,10 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
     except _Usage as e:
-        print(f"tsck: error: {e}", file=sys.stderr)
+        print(f"tsck: error: {e}{_dash_hint(parser, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        return 2
+    if args.cmd is None:  # bare `tsck`: what it can do, not a complaint about a missing argument
+        parser.print_help(sys.stderr)
         return 2
     try:
         refs, storage_options = _remote_options(args)
@@ -449,11 +567,12 @@ def main(argv=None) -> int:
     try:
         # Only recover may create a ref table (to rebuild a lost one); nothing creates a store.
         with open_store(args.store, refs=refs, storage_options=storage_options, create=False,
-                        create_refs=args.fn is cmd_recover) as store:
+                        create_refs=args.fn is cmd_recover and not args.read_only,
+                        read_only=True if args.read_only else None) as store:
             return args.fn(store, args)
     except TsckError as e:
         print(f"tsck: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, StorageError) else 2
     except KeyboardInterrupt:
         print("tsck: interrupted", file=sys.stderr)
         return 130

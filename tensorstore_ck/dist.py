@@ -414,7 +414,7 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         publisher.sync()  # this rank's objects are durable before rank 0 publishes
         ch.set(f"done/{rank}", msgpack.packb({"tree": tree, "rep": rep,
                                               "stats": [st.bytes_total, st.bytes_new, st.blocks_total,
-                                                        st.blocks_new]}))
+                                                        st.blocks_new, st.stored_new]}))
         ch.add("done_n")
 
     _guard(ch, write)
@@ -429,8 +429,8 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
             ch.abort(why)
             raise SnapshotAborted(f"snapshot aborted: {why}")
         top, _payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones]}})
-        sums = [sum(d["stats"][i] for d in dones) for i in range(4)]
-        return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new"), sums))
+        sums = [sum(d["stats"][i] for d in dones) for i in range(5)]
+        return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), sums))
 
     top, stats = _guard(ch, compose)
     # The point of no return: from here no other rank may declare this snapshot aborted

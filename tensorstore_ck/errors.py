@@ -13,9 +13,12 @@
     ├── AmbiguousTarget (LookupError) a root-hash prefix that matches several snapshots
     ├── SnapshotAborted          a collective snapshot was abandoned; nothing published
     ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
+    │   └── UnreadableObject     one stored object cannot be read (EIO, a folder or FIFO in its place): .key
     ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
     ├── GcBusy                   another gc holds the store
-    └── StoreClosed              a Store (or its ref table) used after close()
+    ├── StoreClosed              a Store (or its ref table) used after close()
+    └── ReadOnlyStore            a write to a store opened read-only (explicitly, or on a
+                                 read-only filesystem)
 
 Every class has a stable ``kind`` code used by ``--json`` output; codes are
 append-only and never renamed.
@@ -57,9 +60,18 @@ class RefConflict(TsckError):
         self.expected = expected
         self.actual = actual
         self.what = what
-        super().__init__(
-            f"{what} {name!r} conflict: expected {expected or '<absent>'}, found {actual or '<absent>'}"
-        )
+        kind, _, clash = what.partition(" (")  # e.g. "tag (a ref has this name)"
+        if clash:
+            text = f"{kind} {name!r} cannot be created: {clash.rstrip(')')} (on {actual})"
+        elif expected is None and actual is not None:
+            text = f"{what} {name!r} already exists (on {actual})"
+            if kind == "tag":
+                text += "; tags are immutable: choose another name, or remove it first (untag)"
+        elif expected is not None and actual is None:
+            text = f"{what} {name!r} does not exist (expected it on {expected})"
+        else:
+            text = f"{what} {name!r} moved: expected it on {expected}, it is on {actual}"
+        super().__init__(text)
 
     def __reduce__(self):  # crosses process boundaries (DCP sends errors between ranks)
         return (type(self), (self.name, self.expected, self.actual, self.what))
@@ -180,6 +192,20 @@ class StorageError(TsckError, OSError):
 __all__.append("StorageError")
 
 
+class UnreadableObject(StorageError):
+    """A stored object that is there but cannot be read: an I/O error on it (EIO), or
+    something other than a regular file in its place (a folder, a FIFO, a device),
+    which is never opened for reading. .errno is the backend's; .key names the object.
+    fsck reports it (`unreadable`) and checks the rest; gc stops before deleting."""
+    kind = "unreadable"
+    reason = "unreadable"  # fsck's problem name, as IntegrityError.reason
+    key = snapshot = path = None
+    detail = None  # the backend's error, in its words
+
+
+__all__.append("UnreadableObject")
+
+
 class Fenced(TsckError):
     """A gc deletion phase started or is running since the writer's fence was taken:
     objects the writer found present may be gone. The writer re-validates and retries."""
@@ -197,6 +223,56 @@ class StoreClosed(TsckError):
 
 
 __all__.append("StoreClosed")
+
+
+class ReadOnlyStore(TsckError):
+    """A write (put, tag, pin, gc, recover, ...) to a store opened read-only: with
+    open_store(read_only=True) / `tsck --read-only`, or opened so because its files are
+    not writable (a read-only mount). Raised before anything is written."""
+    kind = "read_only"
+
+
+__all__.append("ReadOnlyStore")
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem holding `path` (or
+    its nearest existing parent); None where that cannot be known."""
+    import os
+    p = os.path.abspath(path)
+    while p and not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        st = os.statvfs(p)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(what: str, path: str, *, needed: str | None = None, cause: str = "",
+             outcome: str = "nothing was written") -> StorageError:
+    """A full filesystem (ENOSPC, EDQUOT) as StorageError: what was being written, where,
+    how much it needed (as far as known) and how much is free, so an operator knows
+    which disk to clean and by how much."""
+    import errno
+    free = free_bytes(path)
+    facts = [f"it needed {needed}"] if needed else []
+    facts += [f"{free} bytes free there"] if free is not None else []
+    text = f"no space left on the filesystem of {path} {what}"
+    text += f" ({'; '.join(facts)})" if facts else ""
+    text += f": {outcome}; free space there and retry"
+    return StorageError(errno.ENOSPC, f"{text} [{cause}]" if cause else text)
+
+
+def unreadable(e: OSError, key: str, *, snapshot: str | None = None, path: str | None = None) -> UnreadableObject:
+    """The OSError of reading object `key` as UnreadableObject naming it (errno kept)."""
+    where = ([f"snapshot {snapshot[:16]}"] if snapshot else []) + ([f"at {path}"] if path else [])
+    ctx = f" ({', '.join(where)})" if where else ""
+    detail = f"{type(e).__name__}: {e.strerror or e}"
+    text = f"cannot read object {key}{ctx}: {detail}"
+    err = UnreadableObject(e.errno, text) if e.errno is not None else UnreadableObject(text)
+    err.key, err.snapshot, err.path, err.detail = key, snapshot, path, detail
+    return err
 
 
 def storage_error(e: OSError, what: str) -> StorageError:

@@ -6,6 +6,8 @@ snapshot (and tensor path) that references it. Within one snapshot a node named
 at several paths is walked once (a DAG of 40 nodes can name 2^40 paths): its
 problems name the first path that reaches it. A catalog row that does not
 decode is a `malformed_row` finding; the snapshot is still checked from its commit.
+An object that is there but cannot be read (an I/O error, a folder or FIFO in its
+place) is an `unreadable` finding with its errno, and the walk goes on.
 
     full (default)  read every object and re-hash every byte
     quick           presence, header and sizes only
@@ -27,10 +29,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, IntegrityError
+from .errors import FormatError, IntegrityError, UnreadableObject
 from .format import frame
 from .gc import DEFAULT_LEASE, Lease, _progress, holding_gc_lock
-from .reach import KINDS, Marked, iter_unreachable, kept_roots
+from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots
 from .walk import walk_commit
 
 __all__ = ["Finding", "FsckReport", "run_fsck"]
@@ -38,12 +40,14 @@ __all__ = ["Finding", "FsckReport", "run_fsck"]
 
 @dataclass
 class Finding:
-    problem: str            # missing | truncated | corrupt | undecodable | dangling_ref | stray | malformed_row
+    problem: str            # missing | truncated | corrupt | undecodable | unreadable | dangling_ref | stray
+    #                         | malformed_row
     snapshot: str | None    # root hex
     names: list             # refs / tags / pins pointing at the snapshot ("ref:x", "tag:y", "pin")
     path: str | None        # tensor path in the state, when known
     key: str | None         # storage key of the bad object
     message: str
+    errno: int | None = None  # unreadable: the backend's error number (5 EIO, 21 EISDIR, ...)
 
     def __str__(self):
         where = []
@@ -87,14 +91,13 @@ class FsckReport:
 
 
 def _names(store) -> dict[bytes, list[str]]:
-    out: dict[bytes, list[str]] = {}
-    for name, root in store.reftable.list():
-        out.setdefault(root, []).append(f"ref:{name}")
-    for name, root in store.reftable.tags():
-        out.setdefault(root, []).append(f"tag:{name}")
-    for root in store.reftable.pins():
-        out.setdefault(root, []).append("pin")
-    return out
+    return {root: [f"{kind}:{name}" if name else kind for kind, name in hs] for root, hs in holders(store).items()}
+
+
+def _unreadable(e: UnreadableObject, snap: str, names: list, path: str | None) -> Finding:
+    code = f"errno {e.errno}: " if e.errno is not None else ""
+    return Finding("unreadable", snap, names, path or None, e.key,
+                   f"cannot read the object ({code}{e.detail or e.strerror or e})", e.errno)
 
 
 def run_fsck(store, *, full: bool = True, progress: bool = False, repair: bool = False,
@@ -121,8 +124,9 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
     epoch0 = store.reftable.gc_state()["epoch"]
     names = _names(store)
     bad_rows: list = []
-    for _r, _row in store.reftable.catalog_iter(bad=bad_rows):
-        pass
+    logical = 0  # the bar's total: every snapshot's bytes, as the walk meets them
+    for _r, row in store.reftable.catalog_iter(bad=bad_rows):
+        logical += int(row.get("bytes_total", 0))
     for root, err in bad_rows:  # the snapshot is still checked below, from its commit
         rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
     roots = sorted(store.reftable.catalog_roots() | set(names))
@@ -130,14 +134,14 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()
     pool = store.pool
-    bar = _progress(progress, "fsck", total=len(roots))
+    bar = _progress(progress, "fsck", total=logical or None, unit="B")
 
     def check_block(d: bytes, n: int):
         if full:
             buf = bytearray(n)
             try:
                 store.assets.read_block_into(d, buf, verify=True)
-            except IntegrityError as e:
+            except (IntegrityError, UnreadableObject) as e:
                 return e
             return None
         return store.assets.check_quick(frame.KIND_BLOCK, d, n)
@@ -154,29 +158,39 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
                 elif obj.kind == "node" and obj.digest not in node_status:
                     node_status[obj.digest] = None
                     rep.objects_checked += 1
+        except UnreadableObject as e:  # the objects below it are unknown; the other snapshots go on
+            rep.findings.append(_unreadable(e, snap, nm, e.path))
         except (IntegrityError, FormatError) as e:
             problem = getattr(e, "reason", "undecodable") if isinstance(e, IntegrityError) else "undecodable"
             if isinstance(e, IntegrityError) and store.assets.kind_of_key(e.key) == "commits" and problem == "missing":
                 problem = "dangling_ref" if nm else "missing"
             rep.findings.append(Finding(problem, snap, nm, getattr(e, "path", None) or None,
                                         getattr(e, "key", None), str(e.args[0]) if e.args else str(e)))
-        todo = {}
+        todo, sizes = {}, {}
         for d, n, _p in pending:
             if d not in block_status and d not in todo:
                 todo[d] = pool.submit(check_block, d, n)
+                sizes[d] = n
                 rep.bytes_checked += n
         for d, f in todo.items():
             block_status[d] = f.result()
             rep.objects_checked += 1
+            if bar is not None:
+                bar.update(sizes[d])
+        if bar is not None:  # blocks checked for an earlier snapshot count as done at once
+            bar.update(sum(n for d, n, _p in pending) - sum(sizes[d] for d in todo))
+            bar.set_postfix_str(f"{rep.snapshots_checked}/{len(roots)} snapshots, {rep.objects_checked} objects",
+                                refresh=False)
         reported = set()
         for d, n, p in pending:
             err = block_status[d]
             if err is not None and (d, p) not in reported:
                 reported.add((d, p))
+                if isinstance(err, UnreadableObject):
+                    rep.findings.append(_unreadable(err, snap, nm, p))
+                    continue
                 rep.findings.append(Finding(err.reason, snap, nm, p, err.key,
                                             str(err.args[0]).split(" (")[0] if err.args else "bad block"))
-        if bar is not None:
-            bar.update(1)
     if bar is not None:
         bar.close()
     # Orphans: stored objects no kept snapshot reaches. Counted, not errors (gc removes them).

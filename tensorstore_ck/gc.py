@@ -41,8 +41,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckError
-from .reach import KINDS, Marked, iter_unreachable, kept_roots, mark
+from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckError, UnreadableObject
+from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots, mark
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, explain_kept
@@ -92,14 +92,20 @@ class GCPlan:
     report: GCReport
 
 
-def _progress(enabled: bool, desc: str, total=None):
+def _progress(enabled: bool, desc: str, total=None, unit: str = "obj"):
+    """A progress bar on stderr (the CLI asks for one only on a terminal); unit "B"
+    counts bytes, so one big snapshot moves the bar as its blocks are done."""
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
-    return tqdm(total=total, desc=desc, unit="obj", leave=False, dynamic_ncols=True)
+    if unit == "B":
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+                    dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B "
+                                                   "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
 
 
 def retention_plan(store, now: float, records: dict | None = None, bad: list | None = None) -> list[dict]:
@@ -116,13 +122,8 @@ def retention_plan(store, now: float, records: dict | None = None, bad: list | N
         by_job.setdefault(str(row.get("job", "")), []).append((SnapRow(
             root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}), order.get(root)),
             row))
-    protected: dict[bytes, list[str]] = {}
-    for name, r in store.reftable.list():
-        protected.setdefault(r, []).append(f"tip of {name}")
-    for name, r in store.reftable.tags():
-        protected.setdefault(r, []).append(f"tag {name}")
-    for r in store.reftable.pins():
-        protected.setdefault(r, []).append("pinned")
+    words = {"ref": "tip of {}", "tag": "tag {}", "pin": "pinned"}
+    protected = {root: [words[kind].format(name) for kind, name in hs] for root, hs in holders(store).items()}
     out = []
     for job, rows in by_job.items():
         why = explain_kept([sr for sr, _row in rows], rules.get(job), now)
@@ -230,6 +231,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
             _count(rep, kind, size)
         if bar is not None:
             bar.update(len(batch))
+            bar.set_postfix_str(f"{rep.deleted_bytes / 2**20:.1f} MiB freed", refresh=False)
 
     kind, batch = None, []
     for line in plan.spool:
@@ -334,7 +336,7 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
             try:
                 for o in walk_commit(store.assets, root, verify=True, skip_nodes=skip):
                     found[o.kind + "s"].setdefault(o.digest, o.nbytes or 0)
-            except (IntegrityError, FormatError) as e:  # left for an offline gc
+            except (IntegrityError, FormatError, UnreadableObject) as e:  # left for an offline gc
                 log.warning("prune %s: expired snapshot %s not walked (%s); `tsck gc` reclaims it",
                             job, root.hex()[:16], e)
         spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-prune-")
@@ -370,11 +372,21 @@ def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", rene
         hold.stop()
         try:
             refs.gc_finish(owner)
-        except TsckError:
-            pass
+        except GcBusy:
+            pass  # the lock is no longer ours
+        except TsckError as e2:  # e.g. the table's disk is full: end it at the next chance
+            log.warning("gc lock %s: could not release it (%s); released once the ref table takes writes",
+                        owner, e2)
+            refs.gc_abandoned(owner)
         raise
     hold.stop()
-    refs.gc_finish(owner, **hold.finish_fields)
+    try:
+        refs.gc_finish(owner, **hold.finish_fields)
+    except GcBusy:
+        raise
+    except TsckError:
+        refs.gc_abandoned(owner)
+        raise
 
 
 class Lease:

@@ -21,6 +21,9 @@ class SnapshotInfo:
     bytes_new: int = 0
     blocks_total: int = 0
     blocks_new: int = 0
+    # Bytes the new blocks take in storage (framed, compressed); None for a snapshot
+    # committed before this was recorded.
+    stored_new: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -34,4 +37,5 @@ def row_to_info(root: bytes, row: dict) -> SnapshotInfo:
         time=float(row.get("time", 0.0)), metrics=dict(row.get("metrics") or {}),
         meta=dict(row.get("meta") or {}), parent=parent.hex() if isinstance(parent, bytes) else None,
         bytes_total=int(row.get("bytes_total", 0)), bytes_new=int(row.get("bytes_new", 0)),
-        blocks_total=int(row.get("blocks_total", 0)), blocks_new=int(row.get("blocks_new", 0)))
+        blocks_total=int(row.get("blocks_total", 0)), blocks_new=int(row.get("blocks_new", 0)),
+        stored_new=int(row["stored_new"]) if row.get("stored_new") is not None else None)

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 
-from .assets import STORE_MARKER, create_marker, holds_snapshots, read_marker
+from .assets import MAX_MARKER_BYTES, STORE_MARKER, create_marker, holds_snapshots, read_marker
 from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
@@ -41,16 +41,47 @@ def _split_url(url: str) -> tuple[str, str]:
     url = os.fspath(url)
     if "://" in url:
         proto, rest = url.split("://", 1)
+        import fsspec
+        if proto not in fsspec.available_protocols():  # a typo (htps://) is named as such, first
+            raise InvalidArgument(f"unknown URL scheme {proto + '://'!r} in {url!r}: use a local path, s3://, gs://, "
+                                  "or another fsspec protocol")
         return proto, rest
     return "file", url
 
 
-def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "default") -> RefTable:
+def _lmdb_path(refs, proto: str, root: str) -> str | None:
+    """The local LMDB directory the ref table would be opened from, if it is one."""
+    if refs is None:
+        return os.path.join(root, "refs.lmdb") if proto == "file" else None
+    if not isinstance(refs, str) or refs.startswith(("memory://", "postgresql://", "postgres://", "host=")) \
+            or " dbname=" in refs:
+        return None
+    return refs[len("lmdb://"):] if refs.startswith("lmdb://") else refs
+
+
+def _unwritable(paths) -> str | None:
+    """Why this process cannot write where the store's files are (a read-only mount,
+    permissions), or None: open_store(read_only=None) then opens it read-only."""
+    for p in paths:
+        if p is None or not os.path.exists(p):
+            continue
+        try:
+            if os.statvfs(p).f_flag & os.ST_RDONLY:
+                return f"{p} is on a read-only filesystem"
+        except (OSError, AttributeError):
+            pass
+        if not os.access(p, os.W_OK):
+            return f"{p} is not writable by this process"
+    return None
+
+
+def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "default",
+               read_only: bool = False) -> RefTable:
     if isinstance(refs, RefTable):
         return refs
     if refs is None:
         if proto == "file":
-            return LmdbRefTable(os.path.join(root, "refs.lmdb"), create=create)
+            return LmdbRefTable(os.path.join(root, "refs.lmdb"), create=create, read_only=read_only)
         if proto == "memory":
             refs = f"memory://{root}"
         else:
@@ -63,9 +94,8 @@ def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "defau
             return _MEMORY_REFS.setdefault(refs, MemoryRefTable())
     if refs.startswith(("postgresql://", "postgres://")) or refs.startswith("host=") or " dbname=" in refs:
         from .refs.postgres import PostgresRefTable
-        return PostgresRefTable(refs, namespace=store_id)
-    path = refs[len("lmdb://"):] if refs.startswith("lmdb://") else refs
-    return LmdbRefTable(path, create=create)
+        return PostgresRefTable(refs, namespace=store_id, read_only=read_only)
+    return LmdbRefTable(_lmdb_path(refs, proto, root), create=create, read_only=read_only)
 
 
 def _read_config(storage: BlockStore) -> dict | None:
@@ -73,7 +103,7 @@ def _read_config(storage: BlockStore) -> dict | None:
     if data is None:
         return None
     try:
-        if len(data) > 65536:
+        if len(data) > MAX_MARKER_BYTES:
             raise ValueError("too large")
         cfg = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -111,7 +141,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                shuffle: bool = False, gc_lease: float | None = None, max_inflight: int = 2,
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
                write_concurrency: int | None = None, create_refs: bool = False,
-               gc_stale_after: float | None = None) -> Store:
+               gc_stale_after: float | None = None, read_only: bool | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     A ref table is created only with a new store, or with create_refs=True (what
@@ -125,7 +155,13 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
     two renewals (default 120); others judge it on the ref table's clock.
     gc_stale_after: the old name of gc_lease (deprecated; it no longer decides when
-    another process's gc counts as dead)."""
+    another process's gc counts as dead).
+    read_only: True opens an existing store for reading only: checkout, log, refs, show,
+    du, diff, fsck and gc(dry_run=True) work; every write raises ReadOnlyStore before
+    anything is written, nothing is created, and a PostgreSQL ref table is used in
+    READ ONLY transactions. None (default): read-only exactly when the files of a local
+    store (its folder, its LMDB ref table) are on a read-only filesystem or not
+    writable by this process. False: writable, whatever the files say."""
     if gc_stale_after is not None:
         warnings.warn("open_store(gc_stale_after=) is deprecated: use gc_lease= (the lease of the gcs this "
                       "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
@@ -135,14 +171,24 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     # marker behind that no later open could get past.
     new_layout = layout(block_size, inline_threshold)
     check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
+    if read_only is not None and not isinstance(read_only, bool):
+        raise InvalidArgument(f"read_only must be True, False or None, got {read_only!r}")
     proto, rest = _split_url(url)
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         _open_refs(refs, proto, rest, create=False)
+    why_ro = "read_only=True was asked for" if read_only else ""
     if proto == "file":
         root = os.path.abspath(rest)
         if os.path.exists(root) and not os.path.isdir(root):
             raise NotAStore(f"{root} is a file, not a store")
+        if read_only is None:
+            lmdb_dir = _lmdb_path(refs, proto, root)
+            why_ro = _unwritable([root] + ([lmdb_dir, os.path.join(lmdb_dir, "data.mdb"),
+                                            os.path.join(lmdb_dir, "lock.mdb")] if lmdb_dir else []))
+            read_only = why_ro is not None
         if not os.path.isdir(root):
+            if read_only:
+                raise NotAStore(f"no store at {root} (no such directory; opened read-only: nothing is created)")
             if not create:
                 raise NotAStore(f"no store at {root} (no such directory; check the path, or pass create=True "
                                 "to make a new store)")
@@ -161,6 +207,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if proto != "memory":
             from .storage.wrappers import RetryingStore
             storage = RetryingStore(storage)  # transient network errors are retried, not surfaced
+    read_only = bool(read_only)
+    if read_only:  # nothing below creates anything; a write that slips through is refused here
+        from .storage.wrappers import ReadOnlyStorage
+        create = create_refs = False
+        storage = ReadOnlyStorage(storage)
     cfg = _read_config(storage)
     if cfg is None:
         # Temp files of in-flight writes (a creator killed while writing the marker
@@ -172,6 +223,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     created = False
     if cfg is None:
         if not create:
+            if read_only:
+                raise NotAStore(f"no store at {storage.url} (nothing there; opened read-only: nothing is created)")
             raise NotAStore(f"no store at {storage.url} (nothing there; check the path, or pass create=True "
                             "to make a new store)")
         cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
@@ -185,9 +238,10 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     # an empty table makes gc think nothing is kept (recover rebuilds it).
     fresh = created
     try:
-        reftable = _open_refs(refs, proto, rest, create=created or create_refs, store_id=store_id)
+        reftable = _open_refs(refs, proto, rest, create=created or create_refs, store_id=store_id,
+                              read_only=read_only)
     except NotAStore as e:
-        if not str(e).startswith("no ref table"):
+        if not str(e).startswith("no ref table") or read_only:
             raise
         if holds_snapshots(storage):
             raise NotAStore(f"{e}: the store at {storage.url} exists but its ref table does not; if it was "
@@ -214,7 +268,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     try:
         return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
                      shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
-                     gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
+                     gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
+                     read_only=why_ro if read_only else None)
     except BaseException:
         if not isinstance(refs, RefTable):  # a table we opened, not the caller's
             reftable.close()

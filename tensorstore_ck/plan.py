@@ -368,10 +368,11 @@ class BuildStats:
     blocks_total: int = 0
     bytes_new: int = 0
     blocks_new: int = 0
+    stored_new: int = 0  # bytes the new blocks take in storage (framed, compressed)
 
     def as_dict(self) -> dict:
         return {"bytes_total": self.bytes_total, "bytes_new": self.bytes_new,
-                "blocks_total": self.blocks_total, "blocks_new": self.blocks_new}
+                "blocks_total": self.blocks_total, "blocks_new": self.blocks_new, "stored_new": self.stored_new}
 
 
 def plan_stats(plan: Plan) -> BuildStats:
@@ -386,6 +387,7 @@ def plan_stats(plan: Plan) -> BuildStats:
             if r.new:
                 st.blocks_new += 1
                 st.bytes_new += r.raw_len
+                st.stored_new += r.stored
     return st
 
 

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .assets import Assets, PutResult
-from .errors import Fenced, FormatError, RefConflict, SnapshotAborted
+from .errors import Fenced, FormatError, RefConflict, SnapshotAborted, StorageError
 from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter
 from .info import SnapshotInfo, row_to_info
@@ -138,6 +138,9 @@ class Publisher:
                 log.info("ref %s: a gc deletion phase overlapped this snapshot; re-validating its objects", ref)
                 fence = revalidate(body)
                 continue
+            except StorageError:
+                self._drop_unpublished(ref, root)
+                raise
             except RefConflict as e:
                 if exp is not UNSET or e.what != "ref":  # conditional, or the name is a tag's
                     raise
@@ -151,12 +154,26 @@ class Publisher:
                               f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
                               "nothing was published, take the snapshot again")
 
+    def _drop_unpublished(self, ref: str, root: bytes) -> None:
+        """The ref table failed the move (its disk full, its server away): if it confirms
+        that `root` is not published, remove the commit object, so that `recover` cannot
+        adopt a snapshot whose put failed. Blocks and nodes are left to gc. When the
+        table cannot tell (a commit whose answer was lost may have landed), keep it."""
+        try:
+            if self.reftable.get_or_none(ref) == root or self.reftable.catalog_has(root):
+                return
+            self.assets.delete_objects("commits", [root])
+            self.assets.sync()
+        except Exception as e:  # noqa: BLE001 - unsure or failing: leave it, gc sees to it
+            log.info("commit %s of a failed put left in storage (%s)", root.hex()[:16], e)
+
     # -- after a fenced move ---------------------------------------------------------
     def wait_gc_idle(self) -> int:
         """Wait until no gc deletion phase is running (closing a dead gc's phase once
         its lease ran out on the ref table's clock: the gc's own declaration, never this
         process's opinion); the even epoch, as a new fence."""
         t0, told = time.monotonic(), False
+        self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         while True:
             st = self.reftable.gc_state()
             if st["epoch"] % 2 == 0:

@@ -15,11 +15,11 @@ from typing import Iterator
 import numpy as np
 
 from .assets import KINDS, Listed
-from .errors import FormatError, IntegrityError, TsckError
+from .errors import FormatError, IntegrityError, TsckError, UnreadableObject
 from .format.manifest import commit_tree
 from .walk import walk_tree
 
-__all__ = ["KINDS", "Marked", "kept_roots", "mark", "iter_unreachable"]
+__all__ = ["KINDS", "Marked", "kept_roots", "holders", "mark", "iter_unreachable"]
 
 
 def _key8(d: bytes) -> int:
@@ -63,10 +63,23 @@ def kept_roots(store, exclude: set | None = None) -> set[bytes]:
     return roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
 
 
+def holders(store) -> dict[bytes, list[tuple[str, str]]]:
+    """root -> what holds it whatever retention says: ("ref", name) for a ref's tip,
+    ("tag", name), ("pin", "")."""
+    out: dict[bytes, list[tuple[str, str]]] = {}
+    for name, root in store.reftable.list():
+        out.setdefault(root, []).append(("ref", name))
+    for name, root in store.reftable.tags():
+        out.setdefault(root, []).append(("tag", name))
+    for root in store.reftable.pins():
+        out.setdefault(root, []).append(("pin", ""))
+    return out
+
+
 def mark(store, roots, marked: Marked, visited: set, bar=None) -> int:
-    """Mark everything reachable from `roots`. An unreadable node aborts (its children
-    are unknown, so nothing could be deleted safely); a missing commit object is
-    marked through its catalog row's tree instead."""
+    """Mark everything reachable from `roots`. A damaged or unreadable node or commit
+    aborts (its children are unknown, so nothing could be deleted safely); a missing
+    commit object is marked through its catalog row's tree instead."""
     n = 0
     for root in sorted(roots):
         try:
@@ -87,6 +100,12 @@ def mark(store, roots, marked: Marked, visited: set, bar=None) -> int:
                 n += 1
                 if bar is not None:
                     bar.update(1)
+        except UnreadableObject as e:  # still a StorageError, errno kept: it may be only for now
+            text = (f"gc stopped before deleting anything: kept snapshot {root.hex()[:16]}: "
+                    f"{e.strerror or e}; run `tsck fsck`")
+            err = UnreadableObject(e.errno, text) if e.errno is not None else UnreadableObject(text)
+            err.key, err.snapshot, err.path, err.detail = e.key, e.snapshot, e.path, e.detail
+            raise err from e
         except (IntegrityError, FormatError) as e:
             raise TsckError(f"gc stopped before deleting anything: kept snapshot {root.hex()[:16]} "
                             f"is damaged ({e}); run `tsck fsck`") from None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, IntegrityError, RefConflict
+from .errors import FormatError, IntegrityError, RefConflict, UnreadableObject
 from .format.manifest import decode_commit
 from .format.names import validate_name
 from .walk import walk_commit
@@ -62,7 +62,7 @@ def _incomplete(store, root: bytes, present: set) -> str | None:
                 if not store.assets.block_exists(obj.digest):
                     return f"block {obj.digest.hex()[:16]} of {obj.path or 'its tree'} is missing"
                 present.add(obj.digest)
-    except (IntegrityError, FormatError) as e:
+    except (IntegrityError, FormatError, UnreadableObject) as e:
         return f"its tree is incomplete: {e}"
     return None
 
@@ -97,8 +97,10 @@ def _history_order(items) -> list:
     return out
 
 
-def run_recover(store) -> RecoverReport:
+def run_recover(store, *, progress: bool = False) -> RecoverReport:
+    from .gc import _progress
     rep = RecoverReport()
+    bar = _progress(progress, "recover: commits", unit="commit")
     rt = store.reftable
     by_ref: dict[str, list[tuple[float, int, bytes, dict]]] = {}
     strays: list = []
@@ -108,11 +110,13 @@ def run_recover(store) -> RecoverReport:
     deleted, forgotten = rt.removed()
     deleted_roots = {e.new for ref in deleted for e in rt.reflog(ref)}
     for o in store.assets.list_objects("commits", strays):
+        if bar is not None:
+            bar.update(1)
         root = o.digest
         try:
             c = decode_commit(store.assets.get_commit(root, verify=True))
             validate_name(c["ref"])
-        except (ValueError, IntegrityError, FormatError) as e:
+        except (ValueError, IntegrityError, FormatError, UnreadableObject) as e:
             rep.unreadable.append(f"{store.assets.object_key('commits', root)}: {e}")
             log.warning("recover: commit %s is unreadable, left out: %s", root.hex()[:16], e)
             continue
@@ -133,11 +137,14 @@ def run_recover(store) -> RecoverReport:
         row = {"job": c["job"], "ref": c["ref"], "step": c["step"], "time": c["time"],
                "metrics": c["metrics"], "meta": c.get("meta") or {}, "parent": c.get("parent"),
                "tree": c["tree"], **{k: int(st.get(k, 0)) for k in
-                                     ("bytes_total", "bytes_new", "blocks_total", "blocks_new")}}
+                                     ("bytes_total", "bytes_new", "blocks_total", "blocks_new")},
+               **({"stored_new": int(st["stored_new"])} if "stored_new" in st else {})}
         if rt.catalog_put_if_absent(root, row):
             rep.catalog_rows_added += 1
         step = c["step"] if isinstance(c["step"], int) else -1
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
+    if bar is not None:
+        bar.close()
     for ref, items in sorted(by_ref.items()):
         items = _history_order(items)
         roots = [root for _t, _s, root, _row in items]

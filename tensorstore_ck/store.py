@@ -27,7 +27,7 @@ from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CollectiveContext, collective_checkout, collective_put, is_collective
 from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
-                     RefConflict, RefNotFound, StoreClosed, TsckError, storage_error)
+                     ReadOnlyStore, RefConflict, RefNotFound, StoreClosed, TsckError, storage_error)
 from .format.manifest import decode_commit
 from .ids import MIN_PREFIX, Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
@@ -35,7 +35,7 @@ from .plan import Planner
 from .publish import Publisher
 from .read import MISSING, Reader
 from .refs import RefTable
-from .format.names import parse_target, validate_component, validate_name
+from .format.names import parse_target, validate_component, validate_name, validate_new_name
 from .retention import Retention
 from .staging import StagingPool
 from .storage import BlockStore
@@ -145,7 +145,9 @@ class Store:
     def __init__(self, storage: BlockStore, refs: RefTable, *, config: dict, workers: int | None = None,
                  verify: bool = True, compress: bool = True, shuffle: bool = False,
                  block_size: int | None = None, inline_threshold: int | None = None,
-                 gc_lease: float | None = None, max_inflight: int = 2, when_busy: str = "wait"):
+                 gc_lease: float | None = None, max_inflight: int = 2, when_busy: str = "wait",
+                 read_only: str | None = None):
+        """read_only: why the store is opened read-only (open_store decides), or None."""
         from .gc import DEFAULT_LEASE
         check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
         # The lease of the gcs this Store runs (store.gc()). Other parties judge it on the ref
@@ -173,6 +175,7 @@ class Store:
         self._bg_error: BaseException | None = None
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
         self._collective = CollectiveContext()  # per (group, op) call counters of collectives
+        self._read_only = read_only
         self._closed = False
         _STORES.add(self)
 
@@ -212,6 +215,7 @@ class Store:
         self._bg.shutdown(wait=True)
         self._staging.clear()
         self._pool.shutdown(wait=True)
+        self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
         self.storage.close()
 
@@ -228,6 +232,17 @@ class Store:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def read_only(self) -> bool:
+        """Opened read-only (open_store(read_only=True), or its files are not writable):
+        every write raises ReadOnlyStore before anything is written."""
+        return self._read_only is not None
+
+    def _writable(self, op: str) -> None:
+        if self._read_only is not None:
+            raise ReadOnlyStore(f"{op} on the store at {self.url}: it is opened read-only ({self._read_only}); "
+                                "nothing was written")
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -257,6 +272,7 @@ class Store:
 
         A blocking put first waits for the asynchronous ones in flight, so the
         ref never moves back to an older snapshot."""
+        self._writable("put_snapshot")
         def prepare() -> SnapshotArgs:
             self.raise_pending_error()
             if when_busy is not None and when_busy not in ("wait", "skip"):
@@ -341,6 +357,7 @@ class Store:
                     expected=UNSET, fence: int | None = None) -> SnapshotInfo:
         """Publish a manifest tree whose objects are all written (low level: tests and
         tools that plant trees). A gc deletion phase overlapping it aborts it."""
+        self._writable("commit_tree")
         args = check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta)
         args = SnapshotArgs(args.ref, args.job, args.step, args.metrics, args.meta, expected)
         return self.publisher.commit(tree, args, stats=stats, fence=self.gc_fence() if fence is None else fence)
@@ -355,6 +372,7 @@ class Store:
     def set_retention(self, job: str, retention: "Retention | None") -> None:
         """Set (or with None, clear) the retention rules of `job`; kept in the ref
         table so an offline `tsck gc` applies each job's own rules."""
+        self._writable("set_retention")
         validate_component(job, "job name")
         if retention is not None and not isinstance(retention, Retention):
             raise InvalidArgument(f"retention must be a tsck.Retention, got {type(retention).__name__}")
@@ -372,6 +390,8 @@ class Store:
         gc_lease, 120 s); others judge it on the ref table's clock. grace: leave objects
         younger than this many seconds (in-flight snapshots' new objects) for a later gc."""
         from .gc import run_gc
+        if not dry_run:
+            self._writable("gc")
         return run_gc(self, dry_run=dry_run, progress=progress, lease=self.gc_lease if lease is None else lease,
                       grace=grace)
 
@@ -383,6 +403,7 @@ class Store:
         GcBusy while another gc holds the store. A GCReport."""
         from .gc import prune_job
         validate_component(job, "job name")
+        self._writable("prune")
         return prune_job(self, job, lease=self.gc_lease if lease is None else lease)
 
     @_public
@@ -392,6 +413,8 @@ class Store:
         so the next put of its content stores it again and heals the snapshots using it;
         it takes the store's gc lock (GcBusy while a gc runs)."""
         from .fsck import run_fsck
+        if repair:
+            self._writable("fsck --repair")
         return run_fsck(self, full=full, progress=progress, repair=repair, lease=self.gc_lease)
 
     # -- reading ---------------------------------------------------------------
@@ -421,6 +444,9 @@ class Store:
                 return Digest(found[0])
             if len(found) > 1:
                 raise AmbiguousTarget(f"root prefix {text!r} matches {len(found)} snapshots; give more digits")
+        if text and len(text) < MIN_PREFIX and all(c in "0123456789abcdef" for c in text):
+            raise RefNotFound(f"no ref or tag named {target!r}, and a root prefix needs at least {MIN_PREFIX} hex "
+                              "digits (see `tsck log` for roots)")
         raise RefNotFound(f"no ref, tag or snapshot named {target!r}")
 
     def _info(self, root: bytes) -> SnapshotInfo:
@@ -511,7 +537,8 @@ class Store:
         The tag is also written to storage (``tags/<hex>``), so `recover` can
         rebuild it; that object is created exclusively, so it is the tag's
         single source of truth across hosts."""
-        validate_name(name, "tag name")
+        validate_new_name(name, "tag name")
+        self._writable("tag")
         if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
             raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
         fence = self.publisher.fence()  # before the target is looked at (see _fenced)
@@ -527,11 +554,21 @@ class Store:
         self.assets.sync()
         try:
             self._fenced(root, target, fence, lambda f: self.reftable.tag_create(name, root, fence=f))
-        except RefNotFound:
-            if stored is None:  # ours: the name stays free
+        except BaseException:
+            # Ours, and the table refused it (gone snapshot, full disk): the name stays free,
+            # and recover cannot bring back a tag the caller was told failed.
+            if stored is None and not self._tag_in_table(name, root):
                 self.assets.delete_tag(name)
             raise
         return self._info(root)
+
+    def _tag_in_table(self, name: str, root: bytes) -> bool:
+        """Whether the table holds the tag after a failed create (a lost acknowledgement
+        may hide a commit); when it cannot tell, say yes: the stored tag is kept."""
+        try:
+            return self.reftable.tag_get(name) == root
+        except Exception:  # noqa: BLE001 - the table is failing: keep what is stored
+            return True
 
     def _fenced(self, root: bytes, target: str, fence: int, make) -> None:
         """Make a tag or pin of `root`, fenced against gc like a ref move: the row goes in
@@ -549,10 +586,11 @@ class Store:
                                       "meanwhile; nothing was created") from None
 
     @_public
-    def recover(self):
+    def recover(self, *, progress: bool = False):
         """Rebuild catalog, refs (at their newest commits), reflog and tags from storage."""
         from .recover import run_recover
-        return run_recover(self)
+        self._writable("recover")
+        return run_recover(self, progress=progress)
 
     @_public
     def diff(self, a: str, b: str) -> dict:
@@ -581,6 +619,7 @@ class Store:
 
     @_public
     def pin(self, target: str) -> str:
+        self._writable("pin")
         fence = self.publisher.fence()
         root = self._root(target)
         self._fenced(root, target, fence, lambda f: self.reftable.pin(root, fence=f))
@@ -588,6 +627,7 @@ class Store:
 
     @_public
     def unpin(self, target: str) -> str:
+        self._writable("unpin")
         root = self._root(target)
         self.reftable.unpin(root)
         return root.hex()
@@ -601,6 +641,7 @@ class Store:
         prune reclaims their objects. The name may be used again by a later put.
         -> {"ref", "root", "snapshots_dropped"}."""
         validate_name(ref)
+        self._writable("delete_ref")
         want = None
         if expected is not None:
             if not is_hex_prefix(expected):
@@ -618,12 +659,22 @@ class Store:
         """Remove tag `name` (RefNotFound if there is none); -> the root it named. Its
         storage object goes first, so recover cannot bring it back after a crash here."""
         validate_name(name, "tag name")
+        self._writable("untag")
         root = self.reftable.tag_get(name)
         if root is None:
             raise RefNotFound(f"no tag named {name!r}")
+        saved = self.assets.tag_object(name)
         self.assets.delete_tag(name)
         self.assets.sync()
-        self.reftable.tag_delete(name)
+        try:
+            self.reftable.tag_delete(name)
+        except BaseException:
+            # The table kept the tag (its disk full, its server away): put its object back,
+            # so the tag is whole again and recover still knows it.
+            if saved is not None and self._tag_in_table(name, root):
+                self.assets.restore_tag(name, saved)
+                self.assets.sync()
+            raise
         return root.hex()
 
     @_public
@@ -631,6 +682,7 @@ class Store:
         """Drop one snapshot (REF@STEP, or a root) from the catalog so gc reclaims what
         only it holds; recorded in its ref's reflog. Refused (InvalidArgument) while it is
         a ref's tip, a tag's target or pinned. -> what it was."""
+        self._writable("forget")
         root = self._root(target)
         info = self._info(root)
         self.reftable.forget(root, info.ref)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgument
 from .ids import parse_hex
-from .format.names import validate_component, validate_name
+from .format.names import validate_component, validate_new_name
 
 __all__ = ["UNSET", "SnapshotArgs", "check_snapshot_args", "check_plain", "check_step"]
 
@@ -81,8 +81,9 @@ def check_step(step) -> int | None:
 
 
 def check_snapshot_args(ref, *, job=None, step=None, metrics=None, meta=None, expected=UNSET) -> SnapshotArgs:
-    validate_name(ref)
-    j = validate_component(job if job is not None else ref.split("/", 1)[0], "job name")
+    validate_new_name(ref)
+    j = validate_new_name(validate_component(job if job is not None else ref.split("/", 1)[0], "job name"),
+                          "job name")
     check_step(step)
     m = {}
     for k, v in dict(metrics or {}).items():

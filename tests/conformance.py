@@ -172,6 +172,18 @@ class BlockStoreTests:
         assert block_store.put_if_absent(_key(6), [b"x"]) is False
         assert block_store.get(_key(6)) == b""
 
+    def test_get_reads_at_most_max_bytes(self, block_store):
+        """get(key, max_bytes): a prefix of at most max_bytes (how small records are read
+        bounded: a caller accepting N bytes asks for N + 1); empty and missing objects too."""
+        block_store.put_if_absent(_key(8), [b"0123456789"])
+        block_store.put_if_absent(_key(9), [])
+        assert block_store.get(_key(8), 4) == b"0123"
+        assert block_store.get(_key(8), 10) == block_store.get(_key(8), 11) == b"0123456789"
+        assert block_store.get(_key(8), None) == block_store.get(_key(8)) == b"0123456789"
+        assert block_store.get(_key(9), 4) == b""
+        with pytest.raises(FileNotFoundError):
+            block_store.get(_key(10), 4)
+
     def test_object_of_a_few_mib(self, block_store):
         data = os.urandom(3 * 1024 * 1024 + 123)
         mv = memoryview(data)

@@ -174,7 +174,9 @@ def test_same_state_twice_writes_no_new_blocks(small_store):
     _save(sd, small_store, step=2)
     log = small_store.log("jobA/main")
     assert [i.step for i in log] == [2, 1]
-    assert log[0].blocks_new == 0 and log[0].bytes_new == 0
+    assert log[0].blocks_new == 0 and log[0].bytes_new == 0 and log[0].stored_new == 0
+    # the first save stored every block: their bytes on disk, as framed and compressed
+    assert log[1].stored_new == small_store.assets.object_stats()["blocks"][1] > 0
     assert log[0].blocks_total == log[1].blocks_total > 0
     assert log[0].parent == log[1].root
     # one changed tensor: only its blocks are new

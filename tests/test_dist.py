@@ -257,6 +257,9 @@ def test_replicated_blocks_written_once_spread_over_ranks(tmp_path):
         info = s.show(REF)
         nbytes = sum(t.numel() * t.element_size() for t in (reps["emb"], reps["head"]))
         assert info.blocks_total == len(expected) and info.bytes_total <= nbytes + 4096
+        # what the ranks stored, summed once: the blocks on disk (the first snapshot of the store)
+        on_disk = sum(p.stat().st_size for p in (out / "store" / "blocks").glob("*/*"))
+        assert info.stored_new == on_disk
 
 
 @pytest.mark.parametrize("victim", [2, 0])

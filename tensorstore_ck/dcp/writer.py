@@ -46,6 +46,7 @@ class TsckStorageData:
     value: Any
     blocks_new: int = 0
     bytes_new: int = 0
+    stored_new: int = 0  # bytes the new blocks take in storage
 
 
 def _flat_bytes(t: torch.Tensor) -> tuple[np.ndarray, bool]:
@@ -247,10 +248,11 @@ class TsckWriter(StorageWriter):
             meta["b"] = [r.digest for r in res]
         bn = sum(1 for r in res if r.new)
         byn = sum(r.raw_len for r in res if r.new)
+        stn = sum(r.stored for r in res if r.new)
         value = {"T": meta} if p.wrap == "T" else meta
         p.keep = None
         return WriteResult(index=p.item.index, size_in_bytes=meta["n"],
-                           storage_data=TsckStorageData(p.kind, value, bn, byn))
+                           storage_data=TsckStorageData(p.kind, value, bn, byn, stn))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         store = self.store
@@ -258,7 +260,7 @@ class TsckWriter(StorageWriter):
             metadata.version = DCP_METADATA_VERSION
         metadata.storage_meta = self.storage_meta()
         got: dict = {}
-        st = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
+        st = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0, "stored_new": 0}
         for wr_list in results:
             for wr in wr_list:
                 sd = wr.storage_data
@@ -272,6 +274,7 @@ class TsckWriter(StorageWriter):
                 st["bytes_total"] += int(wr.size_in_bytes)
                 st["bytes_new"] += sd.bytes_new
                 st["blocks_new"] += sd.blocks_new
+                st["stored_new"] += sd.stored_new
                 leaf = sd.value.get("T") if sd.kind == "bytes" and isinstance(sd.value, dict) else sd.value
                 if isinstance(leaf, dict):
                     st["blocks_total"] += len(leaf.get("b", ()))

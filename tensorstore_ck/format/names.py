@@ -7,7 +7,7 @@ import re
 from ..errors import InvalidName
 from ..ids import is_hex_prefix
 
-__all__ = ["validate_name", "validate_component", "parse_target", "MAX_NAME_BYTES"]
+__all__ = ["validate_name", "validate_new_name", "validate_component", "parse_target", "MAX_NAME_BYTES"]
 
 MAX_NAME_BYTES = 255
 _COMPONENT = re.compile(r"[A-Za-z0-9._-]+\Z")
@@ -39,6 +39,16 @@ def validate_name(name, what: str = "ref name") -> str:
             raise InvalidName(
                 f"{what} {name!r}: component {c!r} must be letters, digits, '.', '_', '-' "
                 "and not '.' or '..' ('@' and '~' are reserved)")
+    return name
+
+
+def validate_new_name(name, what: str = "ref name") -> str:
+    """A name about to be created (a ref by a put, a tag, a job): validate_name, and not
+    beginning with '-', which the command line would read as an option (names made by
+    older versions stay readable: `tsck log STORE -- -rf`)."""
+    validate_name(name, what)
+    if name.startswith("-"):
+        raise InvalidName(f"{what} {name!r} begins with '-': the command line would read it as an option")
     return name
 
 

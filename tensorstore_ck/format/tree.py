@@ -351,18 +351,22 @@ def check_leaf(raw, path) -> None:
 
 
 # -- the one visitor ---------------------------------------------------------------------
-def visit(value, path=(), depth: int = 0) -> Iterator[tuple[tuple, int, object]]:
+def visit(value, path=(), depth: int = 0, *, plain: bool = False) -> Iterator[tuple[tuple, int, object]]:
     """(path, depth, item) for every Ref, World and leaf (Tensor, Array, Global) under
-    a decoded value, in state order (dict keys and sequence items in order)."""
+    a decoded value, in state order (dict keys and sequence items in order).
+    plain: also every other value (None, bool, int, float, str, bytes, NpScalar,
+    Pickled) and every empty Container, so that the items cover the whole tree."""
     stack = [(value, path, depth)]
     while stack:
         v, p, d = stack.pop()
         if isinstance(v, Container):
-            if v.kind in ("d", "o"):
+            if plain and not v.items:
+                yield p, d, v
+            elif v.kind in ("d", "o"):
                 stack.extend((x, p + (k,), d + 1) for k, x in reversed(v.items))
             else:
                 stack.extend((x, p + (i,), d + 1) for i, x in reversed(list(enumerate(v.items))))
-        elif isinstance(v, (Ref, World, Tensor, Array, Global)):
+        elif plain or isinstance(v, (Ref, World, Tensor, Array, Global)):
             yield p, d, v
 
 

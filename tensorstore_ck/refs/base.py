@@ -35,7 +35,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ..errors import Fenced, FormatError, GcBusy, InvalidArgument, NotAStore, RefConflict, RefNotFound
+from ..errors import (Fenced, FormatError, GcBusy, InvalidArgument, NotAStore, ReadOnlyStore, RefConflict,
+                      RefNotFound, TsckError)
 from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
                               encode_reflog)
 
@@ -129,6 +130,11 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_each("_after_fork"))
 
 
+def _wrong_store(cur: bytes, store_id: str) -> NotAStore:
+    return NotAStore(f"this ref table belongs to store {cur.decode(errors='replace')!r}, not to "
+                     f"{store_id!r}: wrong --refs / $TSCK_REFS?")
+
+
 def _hex(b: bytes | None) -> str | None:
     return b.hex() if b is not None else None
 
@@ -150,6 +156,14 @@ class RefTable(ABC):
     def _read(self, fn: Callable[[Txn], object]): ...
     @abstractmethod
     def _write(self, fn: Callable[[Txn], object]): ...
+
+    # Opened read-only: every write transaction is refused (ReadOnlyStore) before it
+    # starts; a backend that can also has the server or the file refuse them.
+    read_only: bool = False
+
+    def _refuse_write(self, where: str) -> None:
+        if self.read_only:
+            raise ReadOnlyStore(f"the ref table at {where} is opened read-only: nothing was written")
 
     def close(self) -> None:
         pass
@@ -176,11 +190,15 @@ class RefTable(ABC):
             if cur is None:
                 t.put("meta", b"store_id", want)
             elif cur != want:
-                raise NotAStore(f"this ref table belongs to store {cur.decode(errors='replace')!r}, not to "
-                                f"{store_id!r}: wrong --refs / $TSCK_REFS?")
+                raise _wrong_store(cur, store_id)
             if new:
                 t.put("meta", b"born_with_store", b"1")
 
+        if self.read_only:  # check only: a table that records no store is taken as it is
+            cur = self._read(lambda t: t.get("meta", b"store_id"))
+            if cur is not None and cur != want:
+                raise _wrong_store(cur, store_id)
+            return
         if new or self._read(lambda t: t.get("meta", b"store_id")) != want:
             self._write(txn)
 
@@ -559,9 +577,29 @@ class RefTable(ABC):
     # A gc holds the store under a lease it declares (seconds) and renews; whether it ran
     # out is judged on the table's clock only, so no party's own clock or setting can
     # declare a live gc dead. `now` (a reading of the table's clock) is for tests.
+    def gc_abandoned(self, owner: str) -> None:
+        """A gc of this process that stopped and could not record its end (the table's
+        disk was full, its server away): released at this handle's next chance
+        (release_abandoned_gc) instead of holding the store until its lease runs out."""
+        self.__dict__.setdefault("_abandoned_gcs", set()).add(owner)
+
+    def release_abandoned_gc(self) -> None:
+        """End the gcs of this process that gc_abandoned() recorded, if the table takes
+        writes again; one that another party closed or took over is forgotten."""
+        owners = self.__dict__.get("_abandoned_gcs")
+        for owner in list(owners or ()):
+            try:
+                self.gc_finish(owner)
+            except GcBusy:
+                pass  # no longer ours: closed as stale, or another gc holds the store
+            except TsckError:
+                continue  # still failing: try again next time
+            owners.discard(owner)
+
     def gc_begin(self, owner: str, *, lease: float, now: float | None = None) -> dict:
         if not (isinstance(lease, (int, float)) and 0 < lease < 1e7):
             raise ValueError(f"gc lease must be a positive number of seconds, got {lease!r}")
+        self.release_abandoned_gc()
 
         def txn(t):
             st = _gc_state(t)

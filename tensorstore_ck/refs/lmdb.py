@@ -17,12 +17,14 @@ open its own, as LMDB requires.
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 import threading
 
 import lmdb
 
-from ..errors import FormatError, NotAStore, StorageError, StoreClosed, TsckError
+from ..errors import FormatError, NotAStore, StorageError, StoreClosed, TsckError, free_bytes, no_space
 from .base import TABLES, RefTable, Txn, track_for_fork
 
 __all__ = ["LmdbRefTable"]
@@ -36,7 +38,28 @@ _CORRUPT = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb
             lmdb.PanicError)
 
 
+# Below this much free space, a failed write is put down to a full filesystem: LMDB
+# reports a short write (ENOSPC after part of a page) as EIO.
+_NEARLY_FULL = 1 << 20
+
+
+def _full(path: str, e: lmdb.Error) -> bool:
+    if isinstance(e, lmdb.DiskError):  # ENOSPC
+        return True
+    if isinstance(e, (lmdb.MapFullError, lmdb.MapResizedError)) or "Input/output error" not in str(e):
+        return False
+    free = free_bytes(path)
+    return free is not None and free < _NEARLY_FULL
+
+
 def _error(path: str, e: lmdb.Error, what: str) -> TsckError:
+    if _full(path, e):
+        # Copy-on-write: a write transaction writes a new copy of every page it changes
+        # (the B-tree path from each changed leaf to the root), in free pages of the file
+        # or else at its end; the rolled-back transaction changed nothing.
+        return no_space(f"{what} the ref table there", path, needed=f"a few free pages of {mmap.PAGESIZE} "
+                        f"bytes beyond data.mdb's {_file_size(path)}", cause=f"{type(e).__name__}: {e}",
+                        outcome="the transaction was rolled back, the table is as it was")
     if isinstance(e, _CORRUPT):
         store = os.path.dirname(path) if os.path.basename(path.rstrip("/")) == "refs.lmdb" else "STORE"
         return FormatError(f"the ref table at {path} is corrupt ({type(e).__name__}: {e}); it is an index "
@@ -45,13 +68,23 @@ def _error(path: str, e: lmdb.Error, what: str) -> TsckError:
     return StorageError(f"{what} the ref table at {path}: {type(e).__name__}: {e}")
 
 
+def _file_size(path: str) -> int | None:
+    try:
+        return os.path.getsize(os.path.join(path, "data.mdb"))
+    except OSError:
+        return None
+
+
 class _LmdbTxn(Txn):
     def __init__(self, txn, dbs):
         self.txn = txn
         self.dbs = dbs
 
     def get(self, table, key):
-        v = self.txn.get(key, db=self.dbs[table])
+        db = self.dbs[table]
+        if db is None:  # read-only, and the file lacks this table
+            return None
+        v = self.txn.get(key, db=db)
         return None if v is None else bytes(v)
 
     def put(self, table, key, value):
@@ -61,6 +94,8 @@ class _LmdbTxn(Txn):
         self.txn.delete(key, db=self.dbs[table])
 
     def items(self, table, prefix=b""):
+        if self.dbs[table] is None:
+            return
         cur = self.txn.cursor(db=self.dbs[table])
         if not cur.set_range(prefix):
             return
@@ -71,11 +106,23 @@ class _LmdbTxn(Txn):
 
 
 class LmdbRefTable(RefTable):
-    def __init__(self, path: str, *, create: bool = True):
+    """read_only: open the environment read-only (MDB_RDONLY): no write transaction is
+    begun, nothing is created. The reader slot in lock.mdb is still taken when the lock
+    file can be opened (so a writer elsewhere does not reuse the pages being read); on
+    a read-only filesystem LMDB goes on without it, and where lock.mdb cannot be opened
+    for another reason (permissions) the table is opened with lock=False: right for a
+    published, unchanging table; a writer at work meanwhile could be read torn."""
+
+    def __init__(self, path: str, *, create: bool = True, read_only: bool = False):
         self.path = path
-        if not create and not os.path.isdir(path):
+        self.read_only = read_only
+        if (not create or read_only) and not os.path.isdir(path):
             raise NotAStore(f"no ref table at {path}")
-        os.makedirs(path, exist_ok=True)
+        if read_only and not os.path.isfile(os.path.join(path, "data.mdb")):
+            raise NotAStore(f"no ref table at {path} (no data.mdb in it)")
+        if not read_only:
+            os.makedirs(path, exist_ok=True)
+        self.locked = True  # False: opened without lock.mdb (read-only, see above)
         self._closed = False
         self.env = self._open()
         # One lock for every transaction of this process: set_mapsize needs no
@@ -84,13 +131,28 @@ class LmdbRefTable(RefTable):
         track_for_fork(self)
 
     def _open(self):
+        for name in ("data.mdb", "lock.mdb"):  # LMDB would wait forever reading a FIFO, and mmap no folder
+            try:
+                mode = os.stat(os.path.join(self.path, name)).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                what = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device"
+                raise StorageError(f"cannot open the ref table at {self.path}: its {name} is {what}, not a regular "
+                                   "file (not opened)")
+        if self.read_only:
+            return self._open_read_only()
         try:
             env = lmdb.open(self.path, map_size=INITIAL_MAP_SIZE, max_dbs=len(TABLES) + 2,
                             subdir=True, sync=True, metasync=True, lock=True, max_readers=256)
         except _CORRUPT as e:
             raise _error(self.path, e, "cannot open") from None
         except lmdb.Error as e:
-            raise NotAStore(f"cannot open the ref table at {self.path}: {e}") from None
+            if _full(self.path, e):
+                raise _error(self.path, e, "opening") from None
+            hint = ("; its filesystem or files are read-only: open it with read_only=True (tsck --read-only)"
+                    if "Read-only file system" in str(e) or "Permission denied" in str(e) else "")
+            raise NotAStore(f"cannot open the ref table at {self.path}: {e}{hint}") from None
         for _ in range(64):
             try:
                 self.dbs = {t: env.open_db(t.encode()) for t in TABLES}
@@ -104,6 +166,34 @@ class LmdbRefTable(RefTable):
                 raise _error(self.path, e, "cannot open") from None
         env.close()
         raise StorageError(f"cannot open the ref table at {self.path}: its map kept being resized by other processes")
+
+    def _open_read_only(self):
+        env = None
+        for lock in (True, False):
+            try:
+                env = lmdb.open(self.path, readonly=True, lock=lock, create=False, max_dbs=len(TABLES) + 2,
+                                subdir=True, max_readers=256)
+                self.locked = lock
+                break
+            except _CORRUPT as e:
+                raise _error(self.path, e, "cannot open") from None
+            except lmdb.Error as e:
+                if not lock:
+                    raise NotAStore(f"cannot open the ref table at {self.path} read-only: {e}") from None
+        try:
+            # No txn= here: py-lmdb then runs a read transaction of its own and commits it,
+            # which is what makes the handles usable by later transactions (one of ours
+            # is only reset at its end, and the handles would be invalid: EINVAL).
+            self.dbs = {}
+            for t in TABLES:
+                try:
+                    self.dbs[t] = env.open_db(t.encode(), create=False)
+                except lmdb.NotFoundError:  # a table newer than this file: empty here
+                    self.dbs[t] = None
+            return env
+        except lmdb.Error as e:
+            env.close()
+            raise _error(self.path, e, "cannot open") from None
 
     def _before_fork(self) -> None:
         self._lock.acquire()  # no transaction is half-done at the fork
@@ -124,6 +214,8 @@ class LmdbRefTable(RefTable):
         with self._lock:
             if self._closed:
                 raise StoreClosed(f"the ref table at {self.path} is closed")
+            if write:
+                self._refuse_write(self.path)
             if self.env is None:
                 self.env = self._open()
             for _ in range(64):

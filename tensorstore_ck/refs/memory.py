@@ -41,6 +41,7 @@ class MemoryRefTable(RefTable):
             return fn(_MemTxn(self._data))
 
     def _write(self, fn):
+        self._refuse_write("memory://")
         # Work on a copy and swap it in only on success: a raising fn leaves no trace,
         # like an aborted LMDB transaction.
         with self._lock:

@@ -154,10 +154,13 @@ def _decode_out(data: bytes):
 class PostgresRefTable(RefTable):
     """connect_timeout: seconds to wait for the server (at open, and for a connection
     after one was lost) before StorageError; default: the DSN's connect_timeout, else 10.
-    backoff: the retry policy after a lost connection (default: storage's)."""
+    backoff: the retry policy after a lost connection (default: storage's).
+    read_only: issue no writes: no table is created, no token swept, every transaction
+    is READ ONLY on the server (so even a write that got past RefTable's refusal would
+    fail there), and a write is refused with ReadOnlyStore before it starts."""
 
     def __init__(self, dsn: str, *, namespace: str = "default", connect_timeout: float | None = None,
-                 backoff: Backoff = DEFAULT_BACKOFF, pool_size: int = 4):
+                 backoff: Backoff = DEFAULT_BACKOFF, pool_size: int = 4, read_only: bool = False):
         try:
             import psycopg
             import psycopg_pool
@@ -172,6 +175,7 @@ class PostgresRefTable(RefTable):
         self.timeout = float(connect_timeout or _dsn_timeout(dsn) or DEFAULT_CONNECT_TIMEOUT)
         self.backoff = backoff
         self.pool_size = pool_size
+        self.read_only = read_only
         self.reconnects = 0       # transactions re-run after a lost connection
         self.unknown_commits = 0  # ... of which had sent COMMIT without an answer
         self._rng = random.Random()
@@ -187,8 +191,11 @@ class PostgresRefTable(RefTable):
         pool_cls = self._psycopg_pool.ConnectionPool
         level = self._psycopg.IsolationLevel.SERIALIZABLE
 
+        read_only = self.read_only
+
         def configure(conn):
             conn.isolation_level = level
+            conn.read_only = read_only  # BEGIN ... READ ONLY: the server refuses any write
 
         def check(conn):
             # A connection used a moment ago is alive or fails its first statement, which
@@ -210,6 +217,11 @@ class PostgresRefTable(RefTable):
         while True:
             try:
                 with psycopg.connect(self._dsn, autocommit=True, connect_timeout=max(1, int(self.timeout))) as conn:
+                    if self.read_only:  # look, touch nothing
+                        if conn.execute("SELECT to_regclass('tsck_kv')").fetchone()[0] is None:
+                            raise NotAStore(f"no ref table at {self.where} (no tsck_kv table; opened read-only: "
+                                            "nothing is created)")
+                        return
                     conn.execute(_SCHEMA)
                     now = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()[0]
                     conn.execute("DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key < %s",
@@ -263,6 +275,7 @@ class PostgresRefTable(RefTable):
         lost = 0
         taken: list[bytes] = []
         if write:
+            self._refuse_write(self.where)
             with self._lock:
                 taken, self._acked = self._acked, []
         try:

@@ -61,8 +61,12 @@ class BlockStore(ABC):
     url: str
 
     @abstractmethod
-    def get(self, key: str) -> bytes:
-        """The whole object. FileNotFoundError if absent."""
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The whole object, or with `max_bytes` at most its first max_bytes bytes (a
+        ranged read where the backend has one): a caller that accepts N bytes asks for
+        N + 1 and knows an oversized object by its length without reading all of it.
+        FileNotFoundError if absent; an OSError naming it if it cannot be read (local
+        disks: anything but a regular file in its place)."""
 
     @abstractmethod
     def open_read(self, key: str) -> BinaryIO:

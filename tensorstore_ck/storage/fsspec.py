@@ -93,14 +93,27 @@ class FsspecBlockStore(BlockStore):
     def _read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
+    def _read_head(self, path: str, n: int) -> bytes:
+        """The first n bytes of an object known to hold more than n (one ranged read)."""
+        return self.fs.cat_file(path, start=0, end=n)
+
     # -- BlockStore --------------------------------------------------------------
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
     @_translated
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        path = self._path(key)
         try:
-            return self._read(self._path(key))
+            if max_bytes is not None:
+                # Sized first (one HEAD): a ranged GET of an empty object is refused (416)
+                # on S3. Only small records are read this way (marker, tags).
+                size = self.size_of(key)
+                if size is None:
+                    raise FileNotFoundError(key)
+                if size > max_bytes:
+                    return self._read_head(path, max_bytes)
+            return self._read(path)
         except (FileNotFoundError, KeyError):
             raise FileNotFoundError(key) from None
 

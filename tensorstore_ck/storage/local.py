@@ -2,16 +2,22 @@
 
 fsspec's LocalFileSystem cannot fsync, so local stores use os directly (as
 zarr's LocalStore does); every other URL goes through FsspecBlockStore.
+
+Only regular files are read: a folder, a FIFO or a device found under an
+object's name (a symlink to /dev/zero included) is an OSError naming it, never
+opened for a read that would block forever or never end (see _open_regular).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
 import uuid
 from typing import BinaryIO, Iterator, Sequence
 
+from ..errors import no_space, storage_error
 from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["LocalBlockStore"]
@@ -25,6 +31,35 @@ def _write_all(fd: int, bufs: Sequence) -> None:
         while mv:
             n = os.write(fd, mv)
             mv = mv[n:]
+
+
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(path: str, mode: int) -> OSError:
+    what = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+    text = f"{path} is {what}, not a regular file (never read or replaced as a stored object)"
+    if stat.S_ISDIR(mode):
+        return IsADirectoryError(errno.EISDIR, text)
+    return OSError(errno.EINVAL, text)  # not retried: reading it again changes nothing
+
+
+def _open_regular(path: str) -> int:
+    """A descriptor of the regular file at `path`, opened for reading. O_NONBLOCK: opening
+    a FIFO would otherwise wait for a writer forever. The type is checked on the open
+    file (fstat), not on the name, so nothing swapped in after a check is read; a
+    device (a link to /dev/zero) would otherwise be read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _fsync_dir(path: str) -> None:
@@ -71,16 +106,34 @@ class LocalBlockStore(BlockStore):
             self._dirs.add(d)
 
     # docstring inherited
-    def get(self, key: str) -> bytes:
-        with open(self._path(key), "rb") as f:
-            return f.read()
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        with open(_open_regular(self._path(key)), "rb") as f:
+            return f.read() if max_bytes is None else f.read(max_bytes)
 
     def open_read(self, key: str) -> BinaryIO:
-        return open(self._path(key), "rb", buffering=0)
+        return open(_open_regular(self._path(key)), "rb", buffering=0)
 
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:
+        try:
+            return self._put_if_absent(key, bufs)
+        except OSError as e:
+            # Name the object and the space it needed: a bare "[Errno 28]" says neither
+            # which disk to clean nor by how much.
+            n = sum(memoryview(b).nbytes for b in bufs)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(f"writing {key}", self.root, needed=f"{n} bytes",
+                               cause=os.strerror(e.errno)) from e
+            raise storage_error(e, f"writing {key} ({n} bytes) to {self.url}") from e
+
+    def _put_if_absent(self, key: str, bufs: Sequence) -> bool:
         path = self._path(key)
-        if os.path.exists(path):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None:
+            if not stat.S_ISREG(mode):  # a FIFO or folder in its place: "already stored" would be a lie
+                raise _not_regular(path, mode)
             return False
         d = os.path.dirname(path)
         self._ensure_dir(d)

@@ -11,10 +11,12 @@ import time
 import uuid
 from typing import Callable, Sequence
 
+from ..errors import ReadOnlyStore
 from ..retry import DEFAULT_BACKOFF, Backoff
 from .base import BlockStore, check_deadline, paged_list
 
-__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore"]
+__all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore",
+           "ReadOnlyStorage"]
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,8 @@ class WrappedStore(BlockStore):
         self.inner = inner
         self.url = inner.url
 
-    def get(self, key):
-        return self.inner.get(key)
+    def get(self, key, max_bytes=None):
+        return self.inner.get(key, max_bytes)
 
     def open_read(self, key):
         return self.inner.open_read(key)
@@ -84,6 +86,35 @@ class WrappedStore(BlockStore):
         return self.inner.close()
 
 
+class ReadOnlyStorage(WrappedStore):
+    """The storage of a store opened read-only: reads pass, every write is refused with
+    ReadOnlyStore before it reaches the backend (a read-only mount, a published bucket
+    without write credentials, or a caller that asked for read_only=True)."""
+
+    def _refuse(self, what: str):
+        raise ReadOnlyStore(f"the store at {self.url} is opened read-only: refused to {what}")
+
+    def put_if_absent(self, key, bufs):
+        self._refuse(f"write {key}")
+
+    def move(self, key, new_key, *, deadline=None):
+        self._refuse(f"move {key}")
+
+    def delete(self, key):
+        self._refuse(f"delete {key}")
+
+    def delete_many(self, keys, *, deadline=None):
+        self._refuse(f"delete {len(keys)} objects")
+
+    def clock_now(self):
+        # The storage's clock is read by writing a probe; a reader (gc --dry-run) makes
+        # do with this host's.
+        return time.time()
+
+    def sync(self):
+        pass
+
+
 class FaultInjectingStore(WrappedStore):
     """Fails, delays or truncates operations, at random or on demand.
 
@@ -130,12 +161,12 @@ class FaultInjectingStore(WrappedStore):
             raise InjectedFault(errno.ENOSPC, f"injected: no space left writing {key}")
         return self.inner.put_if_absent(key, bufs)
 
-    def get(self, key):
+    def get(self, key, max_bytes=None):
         if self._fault("get", key):
             if self.truncate:  # a short read
-                return self.inner.get(key)[:-1]
+                return self.inner.get(key, max_bytes)[:-1]
             raise InjectedFault(errno.EIO, f"injected: read error on {key}")
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes)
 
     def open_read(self, key):
         if self._fault("get", key):
@@ -281,8 +312,8 @@ class RetryingStore(WrappedStore):
                             self.backoff.attempts - 1, delay)
                 time.sleep(delay)
 
-    def get(self, key):
-        return self._call(self.inner.get, key)
+    def get(self, key, max_bytes=None):
+        return self._call(self.inner.get, key, max_bytes)
 
     def open_read(self, key):
         return self._call(self.inner.open_read, key)

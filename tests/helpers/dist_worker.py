@@ -140,11 +140,11 @@ def counting_store_class():
                     self.reads.append(key)
             return self.inner.open_read(key)
 
-        def get(self, key):
+        def get(self, key, max_bytes=None):
             if key.startswith("blocks/"):
                 with self.lock:
                     self.reads.append(key)
-            return self.inner.get(key)
+            return self.inner.get(key, max_bytes)
 
         def exists(self, key):
             if key.startswith("blocks/"):

@@ -180,7 +180,11 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
         q = ok_by_root.get(tip)
         if q is None:
             continue
-        newer = [p for p in puts if p.ok and p.args["ref"] == name and p.start > q.end]
+        newer = [p for p in puts if p.ok and p.args["ref"] == name and p.start > q.end
+                 # ...unless a user deleted the ref after it and then the table was lost: recover
+                 # brings the ref back at the newest commit gc had not reclaimed yet
+                 and not any(d.op == "delete_ref" and d.args["ref"] == name and _may_follow(d, p.start)
+                             and any(b > d.start for b in barriers) for d in ops)]
         if newer:
             bad.append(f"I3 ref {name} is on {tip[:16]} but a later put returned ok: {newer[-1].brief()} "
                        f"(tip's put {q.brief()})")
@@ -249,7 +253,7 @@ def _deleted_after(ops: list[Op], ref: str, start: float) -> bool:
 
 
 def _forgotten(ops: list[Op], put: Op) -> bool:
-    root, names = put.out["root"], {put.out["root"], f"{put.args['ref']}@{put.args['step']}"}
+    root, names = put.out["root"], {put.out["root"], f"{put.args['ref']}@{put.args.get('step')}"}
     return any(f.op == "forget" and (f.out.get("root") == root or (f.unknown and f.args["target"] in names))
                and _may_follow(f, put.start) for f in ops)
 

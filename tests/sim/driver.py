@@ -218,6 +218,7 @@ class Harness:
         procs = [self._spawn(c) for c in cfgs]
         ready: dict[int, float] = {}
         killed = stuck = 0
+        stuck_pids: set = set()
         hard_stop = time.time() + 60  # none got ready (an open that hangs)
         while any(p.poll() is None for p in procs):
             now = time.time()
@@ -235,9 +236,10 @@ class Harness:
                     killed += 1
             if now > hard_stop:
                 for p in procs:
-                    if p.poll() is None:
+                    if p.poll() is None and p.pid not in stuck_pids:  # once each, not every 20 ms
                         p.send_signal(signal.SIGKILL)
-                        stuck += 1
+                        stuck_pids.add(p.pid)
+                stuck = len(stuck_pids)
             time.sleep(0.02)
         bad = []
         for c, p in zip(cfgs, procs):

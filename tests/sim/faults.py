@@ -82,9 +82,9 @@ class SimStore(WrappedStore):
         super().__init__(inner)
         self.f = faults
 
-    def get(self, key):
+    def get(self, key, max_bytes=None):
         self.f.point("get", key)
-        return self.inner.get(key)
+        return self.inner.get(key, max_bytes)
 
     def open_read(self, key):
         self.f.point("get", key)

@@ -195,7 +195,9 @@ class Worker:
 
     def op_gc(self, s, i):
         if self.rng.random() < 0.1:  # `tsck gc` in a process of its own (slow to start: torch)
-            return {"via": "cli"}, self._gc_cli
+            # with a lease of the round's, so a killed one holds the lock seconds, not 120 s
+            lease = self.rng.choice(self.cfg.get("gc_leases") or [self.cfg["gc_stale"]])
+            return {"via": "cli", "lease": lease}, lambda: self._gc_cli(lease)
         # Each gc declares its own lease (with stale skew: one of several, so gcs and the
         # writers' old gc_stale_after settings all differ).
         lease = self.rng.choice(self.cfg.get("gc_leases") or [self.cfg["gc_stale"]])
@@ -205,9 +207,9 @@ class Worker:
             return {"expired": rep.expired, "deleted": rep.deleted_objects, "rescued": rep.rescued}
         return {"via": "api", "lease": lease}, call
 
-    def _gc_cli(self):
+    def _gc_cli(self, lease: float):
         st = self.cfg["store"]
-        cmd = [sys.executable, "-m", "tensorstore_ck", "gc", st["url"], "--json"]
+        cmd = [sys.executable, "-m", "tensorstore_ck", "gc", st["url"], "--json", "--lease", str(lease)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
         if st.get("refs"):
             env["TSCK_REFS"] = st["refs"]

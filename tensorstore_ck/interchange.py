@@ -1,0 +1,530 @@
+"""Snapshots in and out as files other tools read: `tsck ls`, `tsck checkout`, `tsck import`.
+
+    list_tree(store, target, path)         the tree's values: path, kind, dtype, shape, bytes;
+                                           manifest nodes only, no block is read
+    export_file(store, target, dest, ...)  one standalone file, safetensors or torch.save, written
+                                           to a temp file beside DEST and renamed: never half a file
+    load_files(files) / import_files(...)  torch.save files (weights_only), safetensors files and
+                                           Hugging Face model folders -> one snapshot
+
+Paths are dotted, as safetensors names and state_dict keys are: the keys from the top
+joined by "." ("model.layers.0.weight"), list and tuple items by their index. A key that
+holds dots (a flat state_dict's) is kept whole, so a flat state_dict and the same tree
+stored nested name their values alike, and a PATH "model.layers.0" selects in either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import FormatError, InvalidArgument, TsckError, UnsupportedType, storage_error
+from .format import tree
+from .format.dtypes import QUANT_NAMES, TORCH_DTYPES
+from .format.manifest import decode_commit
+from .ids import Digest
+from .info import SnapshotInfo
+from .localfile import write_atomic
+from .shard import Sharded
+from .validate import check_snapshot_args
+from .walk import read_node
+
+__all__ = ["Entry", "list_tree", "export_file", "format_for", "load_files", "import_files", "dotted",
+           "SAFETENSORS_DTYPES", "MAX_ENTRIES", "FORMATS"]
+
+FORMATS = ("safetensors", "torch")
+MAX_ENTRIES = 1 << 22  # values one listing visits (a DAG of 40 nodes can name 2^40 paths)
+MAX_INDEX_BYTES = 64 << 20  # a Hugging Face index json (a few hundred KB for the largest models)
+
+# What the safetensors format holds (dtype codes F64 ... U64, F8_*); this installed
+# safetensors reads each of them back. Anything else is refused by name before a block is read.
+SAFETENSORS_DTYPES = frozenset(
+    getattr(torch, n) for n in (
+        "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+        "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n))
+_ST_PLAIN = ("None", "bool", "int", "float", "str", "numpy")  # values that go to the metadata, as strings
+
+
+def _key_str(k) -> str:
+    if type(k) is int and k.bit_length() > 64:
+        return f"<int of {k.bit_length()} bits>"  # str() of a huge int is slow or refused
+    return str(k)
+
+
+def dotted(parts) -> str:
+    """A path inside the state, as ls, checkout --path and safetensors names write it."""
+    return ".".join(map(_key_str, parts))
+
+
+def _under(p: str, path: str | None) -> bool:
+    return path is None or p == path or p.startswith(path + ".")
+
+
+def _toward(p: str, path: str | None) -> bool:
+    """A node at `p` can hold values under `path` (it is above or under it)."""
+    return path is None or p == "" or _under(p, path) or path.startswith(p + ".")
+
+
+# -- ls ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One value of a snapshot's tree: a tensor, array, sharded tensor, a plain value or an
+    empty container. nbytes: the bytes of its data (tensors: elements x itemsize)."""
+    path: str
+    kind: str             # tensor | array | sharded | numpy | None | bool | int | float | str | bytes
+    #                       | pickled | dict | list | tuple (the last three only when empty)
+    dtype: str | None = None
+    shape: tuple | None = None
+    nbytes: int = 0
+    value: object = None  # plain values (bytes: None, only their size is shown)
+    blocks: int = 0       # blocks of a tensor's data (0: inline in its node)
+
+    def to_json(self) -> dict:
+        d = {"path": self.path, "kind": self.kind, "dtype": self.dtype,
+             "shape": list(self.shape) if self.shape is not None else None, "bytes": self.nbytes,
+             "blocks": self.blocks}
+        if self.kind in ("None", "bool", "int", "float", "str", "numpy"):
+            d["value"] = self.value
+        return d
+
+
+def _entry(p: str, item) -> Entry:
+    t = type(item)
+    if t is tree.Tensor:
+        return Entry(p, "tensor", item.dt, item.shape, item.nbytes, blocks=len(item.blocks))
+    if t is tree.Array:
+        d = item.dtype
+        dt = str(d) if d.fields is not None else d.name if d.isnative or d.byteorder == "|" else d.str
+        return Entry(p, "array", dt, item.shape, item.nbytes, blocks=len(item.blocks))
+    if t is tree.Global:
+        n = item.dtype.itemsize
+        for s in item.shape:
+            n *= s
+        return Entry(p, "sharded", item.dt, item.shape, n, blocks=sum(len(c.blocks) for c in item.chunks))
+    if t is tree.Container:
+        return Entry(p, {"d": "dict", "o": "dict", "l": "list", "t": "tuple"}[item.kind])
+    if t is tree.NpScalar:
+        try:
+            v = np.frombuffer(item.raw, dtype=item.dtype)[0].item() if item.dtype.kind not in "SUV" else None
+        except Exception:  # noqa: BLE001 - numpy's failures on odd dtypes vary
+            v = None
+        return Entry(p, "numpy", item.dtype.name, (), len(item.raw), v)
+    if t is tree.Pickled:
+        return Entry(p, "pickled", nbytes=len(item.data))
+    if t is bytes:
+        return Entry(p, "bytes", nbytes=len(item))
+    if t is str:
+        return Entry(p, "str", nbytes=len(item.encode("utf-8", "surrogatepass")), value=item)
+    if item is None:
+        return Entry(p, "None")
+    return Entry(p, t.__name__, value=item)  # bool, int, float
+
+
+def list_tree(store, target: str, path: str | None = None, *, limit: int = MAX_ENTRIES) -> tuple[str, list]:
+    """(root hex, [Entry]) of the values of a snapshot, in state order; with `path`, only
+    that value or the values under it (nodes elsewhere are not read). Reads the commit
+    and the manifest nodes it needs, never a block. A multi-rank snapshot lists rank 0's
+    tree (what a single process's checkout returns; sharded tensors at their global
+    shape). InvalidArgument when nothing is at `path`; FormatError past `limit` values."""
+    root = Digest.parse(store.resolve(target))
+    try:
+        return root.hex(), list(_entries(store, root, path, limit))
+    except OSError as e:
+        raise storage_error(e, f"reading snapshot {root.hex()[:16]} of {store.url}") from e
+
+
+def _entries(store, root: Digest, path: str | None, limit: int):
+    assets, verify, snap = store.assets, store.verify, root.hex()
+    top = decode_commit(assets.get_commit(root, verify=verify))["tree"]
+    decoded: dict = {}
+
+    def node(d, parts, depth, world=False):
+        key = (d, depth, world)
+        if key not in decoded:
+            decoded[key] = read_node(assets, d, parts, depth, snapshot=snap, verify=verify, world=world)
+        return decoded[key]
+
+    seen = [0]
+    found = [False]
+
+    def values(v, parts, depth):
+        for p, dp, item in tree.visit(v, parts, depth, plain=True):
+            seen[0] += 1
+            if seen[0] > limit:
+                raise FormatError(f"snapshot {snap[:16]} names more than {limit} values (nodes shared at many "
+                                  "paths); give a PATH to list a part of it")
+            dp_str = dotted(p)
+            if type(item) is tree.Ref:
+                if _toward(dp_str, path):
+                    yield from values(node(item.digest, p, dp), p, dp)
+            elif _under(dp_str, path):
+                found[0] = True
+                yield _entry(dp_str, item)
+
+    v = node(top, (), 0, world=True)
+    if type(v) is tree.World:
+        v = node(v.ranks[0], (), 0)
+    yield from values(v, (), 0)
+    if path is not None and not found[0]:
+        raise InvalidArgument(f"snapshot {snap[:16]} in {store.url} holds nothing at {path!r} (paths are "
+                              "dotted: model.layers.0.weight; `tsck ls` lists them)")
+
+
+# -- checkout to a file ---------------------------------------------------------------
+def format_for(dest: str, fmt: str | None = None) -> str:
+    """The format to write: `fmt`, else by DEST's suffix."""
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        return fmt
+    low = str(dest).lower()
+    if low.endswith(".safetensors"):
+        return "safetensors"
+    if low.endswith((".pt", ".pth", ".bin")):
+        return "torch"
+    raise InvalidArgument(f"cannot tell the format from the name {os.path.basename(str(dest))!r} (.safetensors, "
+                          ".pt, .pth, .bin): pass --format safetensors|torch")
+
+
+def _st_refusal(kind: str, dtype) -> str | None:
+    """Why safetensors cannot hold a value of this kind (None: it can). dtype: the
+    torch or numpy dtype of a tensor or array."""
+    if kind in ("tensor", "sharded", "array"):
+        if isinstance(dtype, np.dtype):
+            try:
+                dtype = torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
+            except (TypeError, ValueError):
+                return f"a numpy array of {dtype} (no torch dtype matches it)"
+        if dtype not in SAFETENSORS_DTYPES:
+            return f"a tensor of {str(dtype).removeprefix('torch.')} (safetensors has no such dtype)"
+        return None
+    if kind in _ST_PLAIN or kind in ("dict", "list", "tuple"):
+        return None
+    return {"bytes": "bytes (safetensors metadata holds strings only)",
+            "pickled": "a pickled object"}.get(kind, f"a value of type {kind}")
+
+
+def _refuse(where: str, what: str, path: str) -> UnsupportedType:
+    return UnsupportedType(f"{where} cannot be written as safetensors: it holds {what} at {path or 'its top'} "
+                           "(use --format torch, or --path to take out the tensors only)")
+
+
+def _check_for_safetensors(entries, where: str) -> None:
+    """Refuse from the manifest alone, before a block is read."""
+    for e in entries:
+        dtype = None
+        if e.kind in ("tensor", "sharded"):
+            if e.dtype in QUANT_NAMES:
+                raise _refuse(where, f"a quantized tensor of {e.dtype}", e.path)
+            dtype = TORCH_DTYPES.get(e.dtype)
+        elif e.kind == "numpy" and e.value is None:
+            raise _refuse(where, f"a numpy scalar of {e.dtype}", e.path)
+        elif e.kind == "array":
+            try:
+                dtype = np.dtype(e.dtype)
+            except TypeError:
+                raise _refuse(where, f"a numpy array of {e.dtype}", e.path) from None
+        why = _st_refusal(e.kind, dtype)
+        if why is not None:
+            raise _refuse(where, why, e.path)
+
+
+def _meta_str(v) -> str:
+    if type(v) is str:
+        return v
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, complex):
+        return str(v)
+    return json.dumps(v)  # None -> null, True -> true, 0.1 -> 0.1, nan -> NaN
+
+
+def _safetensors_items(value, prefix: str, where: str) -> tuple[dict, dict]:
+    """A state (or the part of it at `prefix`) -> (name -> tensor, name -> str)."""
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, str] = {}
+    stack = [(value, prefix)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((x, f"{p}.{_key_str(k)}" if p else _key_str(k)) for k, x in reversed(list(v.items())))
+            continue
+        if isinstance(v, (list, tuple)):
+            stack.extend((x, f"{p}.{i}" if p else str(i)) for i, x in reversed(list(enumerate(v))))
+            continue
+        if isinstance(v, Sharded):
+            raise _refuse(where, "one rank's piece of a sharded tensor", p)
+        if isinstance(v, torch.Tensor):
+            if v.is_quantized or v.layout != torch.strided:
+                raise _refuse(where, "a quantized or sparse tensor", p)
+            why = _st_refusal("tensor", v.dtype)
+            if why:
+                raise _refuse(where, why, p)
+            t = v.detach().cpu().contiguous()
+        elif isinstance(v, np.ndarray):
+            why = _st_refusal("array", v.dtype)
+            if why:
+                raise _refuse(where, why, p)
+            # safetensors is little-endian: a big-endian array's values go in native order
+            t = torch.from_numpy(np.ascontiguousarray(v, dtype=v.dtype.newbyteorder("=")))
+        elif v is None or type(v) in (bool, int, float, str) or (isinstance(v, np.generic)
+                                                                  and v.dtype.kind in "biufc"):
+            if p in meta:
+                raise _refuse(where, "two values named alike", p)
+            meta[p] = _meta_str(v)
+            continue
+        else:
+            raise _refuse(where, _st_refusal(type(v).__name__, None) or type(v).__name__, p)
+        if not p:
+            raise UnsupportedType(f"{where} is a single tensor without a name: give --path NAME, or use "
+                                  "--format torch")
+        if p in tensors:
+            raise _refuse(where, "two tensors named alike (a key with dots beside a nested one)", p)
+        tensors[p] = t
+    return tensors, meta
+
+
+def _select(state, path: str):
+    """(value, its dotted path) of the value at `path` in a checked-out state; when no one
+    value is there (the keys of a flat state_dict under a prefix), a dict of the values
+    under it by their full dotted names, and prefix ""."""
+    v, rest, done = state, path, []
+    while rest:
+        if isinstance(v, dict):
+            pairs = [(_key_str(k), k) for k in v]
+        elif isinstance(v, (list, tuple)):
+            pairs = [(str(i), i) for i in range(len(v))]
+        else:
+            break
+        hits = [(s, k) for s, k in pairs if rest == s or rest.startswith(s + ".")]
+        if not hits:
+            break
+        s, k = max(hits, key=lambda h: len(h[0]))  # a key with dots beats a shorter one
+        v, rest = v[k], rest[len(s) + 1:]
+        done.append(s)
+    if not rest:
+        return v, path
+    # A prefix of keys that hold dots (a flat state_dict): gather the values under it.
+    out: dict = {}
+    stack = [(state, "")]
+    while stack:
+        x, p = stack.pop()
+        if _under(p, path) and p:
+            out[p] = x
+        elif isinstance(x, dict) and _toward(p, path):
+            stack.extend((y, f"{p}.{_key_str(k)}" if p else _key_str(k)) for k, y in reversed(list(x.items())))
+        elif isinstance(x, (list, tuple)) and _toward(p, path):
+            stack.extend((y, f"{p}.{i}" if p else str(i)) for i, y in reversed(list(enumerate(x))))
+    return out, ""
+
+
+def export_file(store, target: str, dest, *, fmt: str | None = None, path: str | None = None,
+                force: bool = False) -> dict:
+    """Write the snapshot `target` (or the part at `path`) to `dest` as one standalone file:
+    "safetensors" (tensors by dotted name; plain values, as strings, in its metadata, with
+    "format": "pt" unless the tree has its own) or "torch" (torch.save of the state as
+    checkout returns it). DEST is replaced only with force=True; it is written under a
+    temporary name and renamed, so it is never half a file. -> a summary dict."""
+    dest = os.path.abspath(os.fspath(dest))
+    fmt = format_for(dest, fmt)
+    parent = os.path.dirname(dest)
+    if not os.path.isdir(parent):
+        raise InvalidArgument(f"cannot write {dest}: no directory {parent}")
+    if os.path.isdir(dest):
+        raise InvalidArgument(f"cannot write {dest}: it is a directory")
+    if os.path.lexists(dest) and not force:
+        raise InvalidArgument(f"{dest} exists (pass --force to replace it)")
+    root = store.resolve(target)  # once: the ref may move while we read
+    where = f"snapshot {root[:16]} ({target}) of {store.url}"
+    if fmt == "safetensors":
+        _, entries = list_tree(store, root, path)
+        _check_for_safetensors(entries, where)
+    elif path is not None:
+        list_tree(store, root, path)  # refuses a path that holds nothing before a block is read
+    # Reads the whole snapshot, then selects: a checkout of only the paths asked for
+    # (Store.checkout(paths=), issue 15) would read only their blocks.
+    state = store.checkout(root)
+    value, prefix = (state, "") if path is None else _select(state, path)
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+            tensors, meta = _safetensors_items(value, prefix, where)
+            meta.setdefault("format", "pt")  # what transformers checks before it loads a file
+            write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force)
+            summary = {"tensors": len(tensors), "metadata": len(meta)}
+        else:
+            write_atomic(dest, lambda tmp: torch.save(value, tmp), force=force)
+            summary = {}
+    except TsckError:
+        raise
+    except OSError as e:
+        raise storage_error(e, f"writing {dest}") from e
+    return {"root": root, "target": target, "dest": dest, "format": fmt, "path": path,
+            "bytes": os.path.getsize(dest), **summary}
+
+
+# -- import ------------------------------------------------------------------------------
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _sniff(path: str) -> str:
+    """"torch" or "safetensors" by the file's first bytes (not its name: HF's .bin are torch)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save's zip, or a legacy pickle
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{":  # u64 header length, then the JSON header
+        return "safetensors"
+    raise InvalidArgument(f"{path} is neither a torch.save nor a safetensors file (nor a Hugging Face model "
+                          "folder)")
+
+
+def _load_safetensors(path: str) -> tuple[dict, dict]:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except SafetensorError as e:
+        raise InvalidArgument(f"{path} is not a readable safetensors file: {_first_line(e)}") from None
+
+
+def _load_torch(path: str, zipped: bool):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except pickle.UnpicklingError as e:
+        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if "Weights only load failed" in str(e) and m:
+            raise UnsupportedType(f"{path} needs pickle to load (it holds {m.group(1)}); tsck import loads "
+                                  "torch files with weights_only=True: load it in Python, only if you trust "
+                                  "its source, and put_snapshot the state") from None
+        raise InvalidArgument(f"{path} is not a readable torch.save file: {_first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, ... on a bad file
+        raise InvalidArgument(f"{path} is not a readable torch.save file: {_first_line(e)}") from None
+
+
+def _load_file(path: str):
+    kind = _sniff(path)
+    if kind == "safetensors":
+        return _load_safetensors(path) + ("safetensors",)
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
+    return _load_torch(path, zipped), {}, "torch"
+
+
+def _shards(folder: str, index: str) -> tuple[list[tuple[str, list]], list[str]]:
+    """([(shard file, [names the index puts there])], [every name, in the index's order])
+    of a sharded model's index json."""
+    try:
+        if os.path.getsize(index) > MAX_INDEX_BYTES:
+            raise InvalidArgument(f"{index} is larger than {MAX_INDEX_BYTES} bytes: not a model index")
+        with open(index, "rb") as f:
+            obj = json.load(f)
+    except (ValueError, RecursionError) as e:
+        raise InvalidArgument(f"{index} is not valid JSON: {_first_line(e)}") from None
+    wm = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise InvalidArgument(f"{index} has no weight_map of tensor names to shard files")
+    out: dict[str, list] = {}
+    for name, shard in wm.items():
+        if shard in ("", ".", "..") or os.path.basename(shard) != shard or "\\" in shard:
+            raise InvalidArgument(f"{index} names the shard {shard!r}: a shard is a file in the model's folder")
+        out.setdefault(shard, []).append(name)
+    return list(out.items()), list(wm)
+
+
+_HF_FILES = (("model.safetensors.index.json", True), ("model.safetensors", False),
+             ("pytorch_model.bin.index.json", True), ("pytorch_model.bin", False))
+
+
+def _load_folder(folder: str) -> tuple[dict, dict, str]:
+    """A Hugging Face model folder: its (sharded) safetensors weights, else its pytorch_model.bin."""
+    for name, is_index in _HF_FILES:
+        p = os.path.join(folder, name)
+        if not os.path.isfile(p):
+            continue
+        if not is_index:
+            state, meta, kind = _load_file(p)
+            if not isinstance(state, dict):
+                raise InvalidArgument(f"{p} holds a {type(state).__name__}, not a dict of tensors")
+            return state, meta, f"hf:{kind}"
+        loaded: dict = {}
+        meta: dict = {}
+        kind = "safetensors" if "safetensors" in name else "torch"
+        shards, order = _shards(folder, p)
+        for shard, names in shards:
+            sp = os.path.join(folder, shard)
+            if not os.path.isfile(sp):
+                raise InvalidArgument(f"{p} names the shard {shard}, which is not in {folder}")
+            part, m, _ = _load_file(sp)
+            if not isinstance(part, dict):
+                raise InvalidArgument(f"{sp} holds a {type(part).__name__}, not a dict of tensors")
+            missing = [n for n in names if n not in part]
+            if missing:
+                raise InvalidArgument(f"{p} puts {missing[0]!r} in {shard}, which does not hold it "
+                                      f"({len(missing)} name(s) missing)")
+            for k, v in part.items():
+                if k in loaded:
+                    raise InvalidArgument(f"{k!r} is in two shards of {folder}")
+                loaded[k] = v
+            meta.update(m)
+        # The index's order (not the shards'), so a model sharded otherwise is the same tree.
+        state = {n: loaded.pop(n) for n in order}
+        state.update(loaded)  # anything a shard holds beyond its index
+        return state, meta, f"hf:{kind}"
+    raise InvalidArgument(f"{folder} is a folder without model.safetensors(.index.json) or pytorch_model.bin"
+                          "(.index.json): not a Hugging Face model folder")
+
+
+def load_files(files) -> tuple[object, dict]:
+    """(state, meta) of torch.save files, safetensors files and Hugging Face model folders.
+    One input gives its state as it is; several are merged into one dict (each must be a
+    dict; a name in two of them is refused). meta: {"import": [{"source", "format"[, "metadata"]}]}."""
+    if not files:
+        raise InvalidArgument("no file to import")
+    states, sources = [], []
+    for f in map(os.fspath, files):
+        if not os.path.exists(f):
+            raise InvalidArgument(f"{f}: no such file or directory")
+        try:
+            if os.path.isdir(f):
+                state, md, kind = _load_folder(f)
+            else:
+                state, md, kind = _load_file(f)
+        except OSError as e:
+            raise InvalidArgument(f"cannot read {f}: {type(e).__name__}: {e.strerror or e}") from None
+        states.append((f, state))
+        sources.append({"source": os.path.abspath(f), "format": kind, **({"metadata": md} if md else {})})
+    if len(states) == 1:
+        state = states[0][1]
+    else:
+        state, origin = {}, {}
+        for f, s in states:
+            if not isinstance(s, dict):
+                raise InvalidArgument(f"{f} holds a {type(s).__name__}: several inputs merge into one dict, "
+                                      "so each must hold a dict")
+            for k, v in s.items():
+                if k in state:
+                    raise InvalidArgument(f"{k!r} is in both {origin[k]} and {f}")
+                state[k], origin[k] = v, f
+        if all(type(s) is OrderedDict for _, s in states):
+            state = OrderedDict(state)
+    return state, {"import": sources}
+
+
+def import_files(store, ref: str, files, *, step: int | None = None, job: str | None = None) -> SnapshotInfo:
+    """One snapshot of the files' tensors at `ref` (see load_files). The arguments are
+    checked before any file is read; nothing is written unless every file loads."""
+    check_snapshot_args(ref, job=job, step=step)
+    state, meta = load_files(files)
+    return store.put_snapshot(state, ref=ref, step=step, job=job, meta=meta)
