@@ -59,6 +59,10 @@ STEPS = {"file": 70, "s3": 12, "pg": 20}  # commits per writer (210 in all on fi
 LEASE = {"file": 2.0, "s3": 20.0, "pg": 2.0}
 S3_TIMEOUTS = {"connect_timeout": 3, "read_timeout": 5}
 GC_PAUSE = 0.02  # gc_loop sleeps U(0, GC_PAUSE) between runs
+# The in-process moto server (no TEST_S3_ENDPOINT) serves ~100 requests/s: a gc run takes
+# ~1.3 s there, and back-to-back runs fenced every put before it finished (the first commit
+# came only once gc stopped). Writers get room between runs; deletions still race them.
+GC_PAUSE_MOTO = 2.0
 WRITER_PAUSE = 0.05  # each writer sleeps U(0, WRITER_PAUSE) between commits
 KEEP = 2
 # Leftover object names that make a gc's deletion phase last seconds. On file: 160,000
@@ -111,7 +115,8 @@ def test_gc_loop_races_three_dedup_writers(backend, tmp_path, procs):
             store.set_retention(f"w{w}", tsck.Retention(keep_last=KEEP))
 
         stop = tmp_path / "stop-gc"
-        gcp = gc_proc.Proc("gc_loop.py", [_gc_spec(backend), LEASE[backend.kind], stop, GC_PAUSE],
+        pause = GC_PAUSE_MOTO if backend.kind == "s3" and not os.environ.get("TEST_S3_ENDPOINT") else GC_PAUSE
+        gcp = gc_proc.Proc("gc_loop.py", [_gc_spec(backend), LEASE[backend.kind], stop, pause],
                            tmp_path / "gc.err")
         procs.append(gcp)
         writers = []
