@@ -1,3 +1,4 @@
+import contextlib as _contextlib
 import os
 
 import pytest
@@ -118,6 +119,37 @@ def s3_server():
         yield _ensure_bucket({"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"})
     finally:
         srv.stop()
+
+
+@_contextlib.contextmanager
+def _signatures_checked(s3_server: dict):
+    """storage_options of a key the server knows, while it checks signatures. A real
+    server always does; moto does only with its IAM simulation on (in-process, as our
+    moto server is), for an access key its IAM issued."""
+    if os.environ.get("TEST_S3_ENDPOINT"):
+        yield s3_server
+        return
+    import json as _json
+    import uuid as _uuid
+
+    import boto3
+    from moto.core.authorization import enable_iam_authentication
+    iam = boto3.client("iam", endpoint_url=s3_server["endpoint_url"], region_name="us-east-1",
+                       aws_access_key_id=s3_server["key"], aws_secret_access_key=s3_server["secret"])
+    user = f"tsck-{_uuid.uuid4().hex[:12]}"
+    iam.create_user(UserName=user)
+    iam.put_user_policy(UserName=user, PolicyName="all", PolicyDocument=_json.dumps(
+        {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    with enable_iam_authentication():
+        yield {**s3_server, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+
+
+@pytest.fixture
+def s3_signatures_checked(s3_server):
+    """`with s3_signatures_checked() as opts:` the S3 server checks signatures, and opts
+    are storage options of a key it knows (change the secret to be refused)."""
+    return lambda: _signatures_checked(s3_server)
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@ and the exact `.storage` of real stores. Backend-specific tests follow."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import os
 import uuid
 
@@ -326,33 +324,12 @@ def test_s3_transport_failure_is_an_oserror():
         assert isinstance(ei.value, ConnectionError) and _transient(ei.value), (name, repr(ei.value))
 
 
-@contextlib.contextmanager
-def _signatures_checked(s3_server):
-    """storage_options of a key the server knows, while it checks signatures. A real
-    server always does; moto does only with its IAM simulation on (in-process, as our
-    moto server is), for an access key its IAM issued."""
-    if os.environ.get("TEST_S3_ENDPOINT"):
-        yield s3_server
-        return
-    import boto3
-    from moto.core.authorization import enable_iam_authentication
-    iam = boto3.client("iam", endpoint_url=s3_server["endpoint_url"], region_name="us-east-1",
-                       aws_access_key_id=s3_server["key"], aws_secret_access_key=s3_server["secret"])
-    user = f"tsck-{uuid.uuid4().hex[:12]}"
-    iam.create_user(UserName=user)
-    iam.put_user_policy(UserName=user, PolicyName="all", PolicyDocument=json.dumps(
-        {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
-    key = iam.create_access_key(UserName=user)["AccessKey"]
-    with enable_iam_authentication():
-        yield {**s3_server, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
-
-
 @pytest.mark.slow
-def test_s3_refused_credentials_are_permanent(s3_url, s3_server):
+def test_s3_refused_credentials_are_permanent(s3_url, s3_server, s3_signatures_checked):
     """A wrong secret (403 from the server) is PermissionError, marked not transient from
     the status: RetryingStore surfaces it at once; the secret is not echoed."""
     S3BlockStore(s3_url, s3_server).put_if_absent("blocks/aa/k", [b"x"])
-    with _signatures_checked(s3_server) as good:
+    with s3_signatures_checked() as good:
         assert S3BlockStore(s3_url, good).exists("blocks/aa/k")  # the key itself is good
         bad = S3BlockStore(s3_url, {**good, "secret": "tsck-wrong-secret"})
         for name, op in _s3_ops(bad).items():
