@@ -417,7 +417,8 @@ def cmd_ls(store, args):
 
 def cmd_checkout(store, args):
     from .interchange import export_file
-    r = export_file(store, args.target, args.dest, fmt=args.format, path=args.path, force=args.force)
+    r = export_file(store, args.target, args.dest, fmt=args.format, path=args.path, force=args.force,
+                    progress=_bar(args))
     what = f"{r['tensors']} tensors, {r['metadata']} metadata entries" if r["format"] == "safetensors" else "torch.save"
     _out(args, r, f"wrote {r['dest']} ({r['format']}: {what}; {_human(r['bytes'])}) from {r['root'][:16]}")
     return 0
@@ -425,7 +426,7 @@ def cmd_checkout(store, args):
 
 def cmd_import(store, args):
     from .interchange import import_files
-    i = import_files(store, args.ref, args.files, step=args.step, job=args.job)
+    i = import_files(store, args.ref, args.files, step=args.step, job=args.job, progress=_bar(args))
     _out(args, i.to_json(), f"imported {len(args.files)} input(s) as {i.ref} -> {i.root}\n"
                             f"{_human(i.bytes_total)} in {i.blocks_total} blocks; {_human(i.bytes_new)} in "
                             f"{i.blocks_new} blocks were new")

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 
 from .errors import FormatError, IntegrityError, UnreadableObject
 from .format import frame
-from .gc import DEFAULT_LEASE, Lease, _progress, holding_gc_lock
+from .gc import DEFAULT_LEASE, Lease, holding_gc_lock
+from .progress import progress_bar
 from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots
 from .walk import walk_commit
 
@@ -134,7 +135,7 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()
     pool = store.pool
-    bar = _progress(progress, "fsck", total=logical or None, unit="B")
+    bar = progress_bar(progress, "fsck", total=logical or None, unit="B")
 
     def check_block(d: bytes, n: int):
         if full:

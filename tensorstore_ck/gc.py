@@ -42,6 +42,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckError, UnreadableObject
+from .progress import progress_bar
 from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots, mark
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
@@ -90,22 +91,6 @@ class GCPlan:
     visited: set
     spool: object
     report: GCReport
-
-
-def _progress(enabled: bool, desc: str, total=None, unit: str = "obj"):
-    """A progress bar on stderr (the CLI asks for one only on a terminal); unit "B"
-    counts bytes, so one big snapshot moves the bar as its blocks are done."""
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        return None
-    if unit == "B":
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-                    dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B "
-                                                   "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
-    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)
 
 
 def retention_plan(store, now: float, records: dict | None = None, bad: list | None = None) -> list[dict]:
@@ -160,13 +145,13 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
     k0 = kept_roots(store, exclude=set(expired) if dry_run else None)
     rep.kept_snapshots = len(k0)
     marked, visited = Marked(), set()
-    bar = _progress(progress, "gc: mark")
+    bar = progress_bar(progress, "gc: mark")
     rep.reachable_objects = mark(store, k0, marked, visited, bar)
     if bar is not None:
         bar.close()
     marked.freeze()
     spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-gc-")
-    bar = _progress(progress, "gc: list")
+    bar = progress_bar(progress, "gc: list")
     for kind in KINDS:
         for o in iter_unreachable(store, marked, kind, before=began, bar=bar, strays=rep.strays):
             spool.write(f"{kind} {o.digest.hex()} {o.size}\n")
@@ -209,7 +194,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
     extra, extra_visited = Marked(), set(plan.visited)
     mark(store, kept_roots(store) - plan.kept, extra, extra_visited)
     extra.freeze()
-    bar = _progress(progress, "gc: sweep", total=rep.candidates)
+    bar = progress_bar(progress, "gc: sweep", total=rep.candidates)
     rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
 
     def sweep(kind: str, batch: list) -> None:

@@ -327,7 +327,7 @@ def _select(state, path: str):
 
 
 def export_file(store, target: str, dest, *, fmt: str | None = None, path: str | None = None,
-                force: bool = False) -> dict:
+                force: bool = False, progress: bool = False) -> dict:
     """Write the snapshot `target` (or the part at `path`) to `dest` as one standalone file:
     "safetensors" (tensors by dotted name; plain values, as strings, in its metadata, with
     "format": "pt" unless the tree has its own) or "torch" (torch.save of the state as
@@ -351,7 +351,7 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         list_tree(store, root, path)  # refuses a path that holds nothing before a block is read
     # Reads the whole snapshot, then selects: a checkout of only the paths asked for
     # (Store.checkout(paths=), issue 15) would read only their blocks.
-    state = store.checkout(root)
+    state = store.checkout(root, progress=progress)
     value, prefix = (state, "") if path is None else _select(state, path)
     try:
         if fmt == "safetensors":
@@ -522,9 +522,10 @@ def load_files(files) -> tuple[object, dict]:
     return state, {"import": sources}
 
 
-def import_files(store, ref: str, files, *, step: int | None = None, job: str | None = None) -> SnapshotInfo:
+def import_files(store, ref: str, files, *, step: int | None = None, job: str | None = None,
+                 progress: bool = False) -> SnapshotInfo:
     """One snapshot of the files' tensors at `ref` (see load_files). The arguments are
     checked before any file is read; nothing is written unless every file loads."""
     check_snapshot_args(ref, job=job, step=step)
     state, meta = load_files(files)
-    return store.put_snapshot(state, ref=ref, step=step, job=job, meta=meta)
+    return store.put_snapshot(state, ref=ref, step=step, job=job, meta=meta, progress=progress)

@@ -317,7 +317,7 @@ class Planner:
                           private=not np.may_share_memory(body, a))
 
 
-def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None) -> None:
+def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None, progress=None) -> None:
     """Hash, compress and write every block of the plan in parallel.
 
     owns(leaf, i) -> bool, for replicated leaves of a collective snapshot: a
@@ -332,6 +332,11 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
                 else:
                     futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
                                                    private=leaf.private)))
+        if progress is not None:  # progress(bytes) as each block is hashed (and written)
+            sizes = [b - a for leaf in plan.leaves for a, b in leaf.ranges]
+            for (_leaf, f), n in zip(futs, sizes):
+                f.add_done_callback(lambda f, n=n: None if f.cancelled() or f.exception() is not None
+                                    else progress(n))
         wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
         for _, f in futs:
             if f.done() and f.exception() is not None:

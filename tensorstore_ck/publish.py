@@ -49,8 +49,8 @@ class Publisher:
         (Fenced) and everything the snapshot references is re-validated."""
         return self.reftable.gc_state()["epoch"]
 
-    def write_blocks(self, plan: Plan, owns=None) -> None:
-        run_block_jobs(plan, self.assets, self.pool, owns=owns)
+    def write_blocks(self, plan: Plan, owns=None, progress=None) -> None:
+        run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress)
 
     def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":
         """private: nobody else writes `raw` until the block is written (Assets.put_block)."""
@@ -91,10 +91,10 @@ class Publisher:
                 return row_to_info(e.new, row)
         return None
 
-    def publish(self, plan: Plan, args: SnapshotArgs) -> SnapshotInfo:
+    def publish(self, plan: Plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
         """The whole pipeline for one planned snapshot."""
         fence = self.fence()
-        self.write_blocks(plan)
+        self.write_blocks(plan, progress=progress)
         top, payloads = self.write_nodes(plan.value)
         return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence,
                            revalidate=lambda body: self.revalidate_plan(plan, payloads, body))

@@ -106,7 +106,7 @@ def read_box(leaf: tree.Leaf, dtype: torch.dtype, box: tuple, target: torch.Tens
 
 
 def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,
-              written: dict | None = None) -> None:
+              written: dict | None = None, progress=None) -> None:
     """Read (digest, destination, path, bounce) jobs in parallel; the first failure
     cancels the rest. bounce: the destination is the caller's memory, which gets
     only verified bytes (Assets.read_block_into). `written`, on failure: filled with
@@ -116,6 +116,10 @@ def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot:
         return
     futs = [pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p, bounce=b)
             for d, out, p, b in jobs]
+    if progress is not None:  # progress(bytes) as each block is read and verified
+        for f, (_d, out, _p, _b) in zip(futs, jobs):
+            f.add_done_callback(lambda f, n=out.nbytes:
+                                None if f.cancelled() or f.exception() is not None else progress(n))
     wait(futs, return_when=FIRST_EXCEPTION)
     for f in futs:
         if f.done() and not f.cancelled() and f.exception() is not None:
@@ -138,7 +142,8 @@ class Reader:
     nothing from a manifest is executed (pickle only if allowed)."""
 
     def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
-                 allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0):
+                 allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0, progress=None):
+        self.progress = progress  # progress(bytes) per block read (a terminal's bar)
         self.rank = rank  # whose rank-local values a multi-rank snapshot yields
         self.assets = assets
         self.pool = pool
@@ -263,7 +268,8 @@ class Reader:
 
     def _run_jobs(self, written: dict | None = None):
         jobs, self._jobs = self._jobs, []
-        run_reads(self.assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify, written=written)
+        run_reads(self.assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify, written=written,
+                  progress=self.progress)
 
     def _set(self, container, key, v, given: bool) -> None:
         """container[key] = v; in the caller's tree only once every read has succeeded."""

@@ -98,9 +98,9 @@ def _history_order(items) -> list:
 
 
 def run_recover(store, *, progress: bool = False) -> RecoverReport:
-    from .gc import _progress
+    from .progress import progress_bar
     rep = RecoverReport()
-    bar = _progress(progress, "recover: commits", unit="commit")
+    bar = progress_bar(progress, "recover: commits", unit="commit")
     rt = store.reftable
     by_ref: dict[str, list[tuple[float, int, bytes, dict]]] = {}
     strays: list = []

@@ -13,6 +13,7 @@ opener.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -75,6 +76,21 @@ def _public(fn):
             raise StoreClosed(f"the store at {self.url} is closed")
         return inner(self, *args, **kwargs)
     return wrapper
+
+
+@contextlib.contextmanager
+def _bytes_bar(desc: str, total):
+    """A bytes progress bar on stderr for one put or checkout, closed however it ends."""
+    from .progress import progress_bar
+    total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
+    bar = progress_bar(True, desc, total=total, unit="B")
+    if bar is None:  # pragma: no cover - tqdm is a dependency
+        yield type("NoBar", (), {"update": staticmethod(lambda n: None)})
+        return
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 _STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
@@ -254,7 +270,7 @@ class Store:
     def put_snapshot(self, state, ref: str, *, step: int | None = None, metrics: dict | None = None,
                      meta: dict | None = None, job: str | None = None, expected=_UNSET,
                      blocking: bool = True, allow_pickle: bool = False, when_busy: str | None = None,
-                     group=_AUTO_GROUP, timeout: float = 300.0):
+                     group=_AUTO_GROUP, timeout: float = 300.0, progress: bool = False):
         """Snapshot `state` and move `ref` to it.
 
         expected: unset moves the ref whatever it points at (retrying if another
@@ -271,7 +287,8 @@ class Store:
         future and again by the next put_snapshot call.
 
         A blocking put first waits for the asynchronous ones in flight, so the
-        ref never moves back to an older snapshot."""
+        ref never moves back to an older snapshot. progress=True: a blocking put
+        shows the bytes it hashes and writes as a bar on stderr (`tsck import`)."""
         self._writable("put_snapshot")
         def prepare() -> SnapshotArgs:
             self.raise_pending_error()
@@ -296,7 +313,10 @@ class Store:
         plan = self.planner(allow_pickle, defer_device=not blocking).plan(state)  # validates it all first
         if blocking:
             self.wait()
-            return self._publish(plan, args)
+            if not progress:
+                return self._publish(plan, args)
+            with _bytes_bar("put", sum(b - a for leaf in plan.leaves for a, b in leaf.ranges)) as bar:
+                return self._publish(plan, args, progress=bar.update)
         if not self._slots.acquire(blocking=(when_busy or self.when_busy) == "wait"):
             self.skipped += 1
             return None
@@ -344,8 +364,8 @@ class Store:
                 pass
 
     @_storage_errors
-    def _publish(self, plan, args: SnapshotArgs) -> SnapshotInfo:
-        return self.publisher.publish(plan, args)
+    def _publish(self, plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
+        return self.publisher.publish(plan, args, progress=progress)
 
     @_public
     def gc_fence(self) -> int:
@@ -458,13 +478,15 @@ class Store:
 
     @_public
     def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False,
-                 group=_AUTO_GROUP, timeout: float = 300.0, max_bytes: int | None = None):
+                 group=_AUTO_GROUP, timeout: float = 300.0, max_bytes: int | None = None,
+                 progress: bool = False):
         """The state of a snapshot, verified against its root hash (unless verify=False).
 
         into=: an existing tree whose tensors/arrays/lists/dicts are updated in
         place (dtype and shape must match: CheckoutMismatch); it is returned.
         max_bytes: the most fresh memory the snapshot's manifest may make this call
-        allocate (default: the host's RAM + swap); beyond it, FormatError."""
+        allocate (default: the host's RAM + swap); beyond it, FormatError.
+        progress=True: the bytes read as a bar on stderr (`tsck checkout`)."""
         verify = self.verify if verify is None else verify
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
                                       or max_bytes < 0):
@@ -472,9 +494,15 @@ class Store:
 
         def read(root: Digest, rank: int = 0):
             c = decode_commit(self.assets.get_commit(root, verify=verify))
-            reader = Reader(self.assets, self._pool, snapshot=root.hex(), verify=verify, allow_pickle=allow_pickle,
-                            max_bytes=max_bytes, rank=rank)
-            return reader.read(c["tree"], MISSING if into is None else into)
+            if not progress:
+                reader = Reader(self.assets, self._pool, snapshot=root.hex(), verify=verify,
+                                allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank)
+                return reader.read(c["tree"], MISSING if into is None else into)
+            st = c.get("stats") or {}
+            with _bytes_bar("checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
+                reader = Reader(self.assets, self._pool, snapshot=root.hex(), verify=verify,
+                                allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank, progress=bar.update)
+                return reader.read(c["tree"], MISSING if into is None else into)
 
         if is_collective(group):
             return collective_checkout(self._collective, target, resolve=self._root, read=read, group=group,

@@ -14,7 +14,7 @@ from conformance import BlockStoreTests
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage import FsspecBlockStore, LocalBlockStore, S3BlockStore
-from tensorstore_ck.storage.wrappers import (FaultInjectingStore, InjectedFault, RetryingStore,
+from tensorstore_ck.storage.wrappers import (FaultInjectingStore, InjectedFault, ReadOnlyStorage, RetryingStore,
                                              ThrottledStore, WrappedStore)
 
 
@@ -130,7 +130,10 @@ def test_every_wrapper_is_covered():
     """A new BlockStore wrapper gets a conformance class here."""
     import tensorstore_ck.storage.wrappers as w
     wrappers = {c for c in vars(w).values() if isinstance(c, type) and issubclass(c, WrappedStore)} - {WrappedStore}
-    assert wrappers == {RetryingStore, ThrottledStore, FaultInjectingStore}
+    # ReadOnlyStorage refuses every write, so the contract's write half cannot run on it:
+    # tests/test_read_only.py reads through it (a read-only Store wraps its storage in it)
+    # and checks that every write is refused.
+    assert wrappers == {RetryingStore, ThrottledStore, FaultInjectingStore, ReadOnlyStorage}
 
 
 def test_retrying_store_retries_transient_errors_only(tmp_path):

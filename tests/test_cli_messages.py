@@ -116,3 +116,11 @@ def test_progress_counts_bytes_on_a_terminal_only(store_path):
     assert re.search(r"fsck: +\d+%\|.*\| [\d.]+[kMG]?B/[\d.]+MB ", term), term  # bytes, of the whole
     piped = run_cli("fsck", store_path)
     assert piped.returncode == 0 and piped.stderr == ""  # no bar when stderr is no terminal
+    # checkout to a file and import from one: bytes read, bytes hashed and written
+    out = store_path.parent / "w.safetensors"
+    term = _on_a_terminal("checkout", store_path, "j/main", out, "--force")
+    assert re.search(r"checkout: +\d+%\|.*\| [\d.]+[kMG]?B/[\d.]+MB ", term), term
+    term = _on_a_terminal("import", store_path, "imported/main", out)
+    assert re.search(r"put: +\d+%\|.*\| [\d.]+[kMG]?B/[\d.]+MB ", term), term
+    piped = run_cli("checkout", store_path, "j/main", out, "--force")
+    assert piped.returncode == 0 and piped.stderr == ""
