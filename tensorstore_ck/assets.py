@@ -244,9 +244,12 @@ class Assets:
         self.storage.sync()
 
     # -- reading -------------------------------------------------------------
-    def _open(self, key: str, ctx: dict):
+    def _open(self, key: str, ctx: dict, expect_len: int | None):
+        # No more than a healthy frame can hold, plus one byte to see an oversized one:
+        # object stores fetch only that (one ranged GET).
+        bound = frame.HEADER_SIZE + (MAX_NODE_BYTES if expect_len is None else expect_len) + 1
         try:
-            return self.storage.open_read(key)
+            return self.storage.open_read(key, bound)
         except FileNotFoundError:
             raise IntegrityError("missing object", key=key, reason="missing", **ctx) from None
         except TsckError:
@@ -263,7 +266,7 @@ class Assets:
             raise unreadable(e, key, **ctx) from e
 
     def _read_frame_of(self, key: str, kind: int, expect_len: int | None, out, ctx: dict):
-        f = self._open(key, ctx)
+        f = self._open(key, ctx, expect_len)
         with f:
             head = f.read(frame.HEADER_SIZE)
             try:
@@ -309,7 +312,7 @@ class Assets:
         reading the payload. Returns None, an IntegrityError or an UnreadableObject."""
         key = _key(KIND_PREFIX[kind], d)
         try:
-            with self._open(key, {}) as f:
+            with self._open(key, {}, expect_len) as f:
                 try:
                     hdr = frame.decode_header(f.read(frame.HEADER_SIZE))
                 except FormatError as e:

@@ -336,3 +336,34 @@ def test_special_tag_object_is_reported_not_read(filled, what):
         assert rep.ok, [str(f) for f in rep.findings]
     r = _cli("recover", path)  # every other command: tests/test_cli_faults.py
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_an_oversized_block_is_read_only_as_far_as_its_manifest_declares(backend):
+    """A block object with 1 MiB appended: fsck and checkout ask storage for at most
+    header + declared length + 1 bytes of it (object stores fetch only that, one ranged
+    GET), and call it damaged."""
+    import io
+
+    from tensorstore_ck.storage.wrappers import WrappedStore
+    asked: dict = {}
+
+    class Counting(WrappedStore):
+        def open_read(self, key, max_bytes=None):
+            f = self.inner.open_read(key, max_bytes)
+            if self.inner.local:  # a local file is read as far as the caller reads
+                asked.setdefault(key, []).append((max_bytes, None))
+                return f
+            data = f.read()
+            asked.setdefault(key, []).append((max_bytes, len(data)))
+            return io.BytesIO(data)
+
+    with backend.open(block_size=BLOCK, inline_threshold=256, wrap_storage=Counting) as s:
+        roots = _fill(s)
+        bad = _own_block(s, roots, 3)
+        backend.write(bad, backend.read(bad) + bytes(1 << 20))
+        rep = bounded(lambda: s.fsck())
+        assert ("truncated", bad) in {(f.problem, f.key) for f in rep.findings}, [str(f) for f in rep.findings]
+        with pytest.raises(tsck.IntegrityError):
+            bounded(lambda: s.checkout("j/main"))
+    assert asked[bad] and all(m is not None and m <= 16 + BLOCK + 1 for m, _n in asked[bad]), asked[bad]
+    assert all(n is None or n <= 16 + BLOCK + 1 for _m, n in asked[bad]), asked[bad]

@@ -139,11 +139,11 @@ class ReadGate(WrappedStore):
         super().__init__(inner)
         self.reached, self.release = threading.Event(), threading.Event()
 
-    def open_read(self, key):
+    def open_read(self, key, max_bytes=None):
         if not self.reached.is_set():
             self.reached.set()
             assert self.release.wait(30)
-        return super().open_read(key)
+        return super().open_read(key, max_bytes)
 
 
 def test_fsck_beside_gc_reports_no_false_damage(tmp_path):

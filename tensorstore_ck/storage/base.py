@@ -69,8 +69,10 @@ class BlockStore(ABC):
         disks: anything but a regular file in its place)."""
 
     @abstractmethod
-    def open_read(self, key: str) -> BinaryIO:
-        """A readable binary file object (supports read and readinto)."""
+    def open_read(self, key: str, max_bytes: int | None = None) -> BinaryIO:
+        """A readable binary file object (supports read and readinto). max_bytes: the
+        caller reads no more than this (object stores fetch only that much, in one
+        ranged GET; a local file is read as far as the caller reads)."""
 
     @abstractmethod
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:

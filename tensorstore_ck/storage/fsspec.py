@@ -94,7 +94,7 @@ class FsspecBlockStore(BlockStore):
         return self.fs.cat_file(path)
 
     def _read_head(self, path: str, n: int) -> bytes:
-        """The first n bytes of an object known to hold more than n (one ranged read)."""
+        """At most the first n bytes of an object (one ranged read)."""
         return self.fs.cat_file(path, start=0, end=n)
 
     # -- BlockStore --------------------------------------------------------------
@@ -105,20 +105,12 @@ class FsspecBlockStore(BlockStore):
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         path = self._path(key)
         try:
-            if max_bytes is not None:
-                # Sized first (one HEAD): a ranged GET of an empty object is refused (416)
-                # on S3. Only small records are read this way (marker, tags).
-                size = self.size_of(key)
-                if size is None:
-                    raise FileNotFoundError(key)
-                if size > max_bytes:
-                    return self._read_head(path, max_bytes)
-            return self._read(path)
+            return self._read(path) if max_bytes is None else self._read_head(path, max_bytes)
         except (FileNotFoundError, KeyError):
             raise FileNotFoundError(key) from None
 
-    def open_read(self, key: str) -> BinaryIO:
-        return io.BytesIO(self.get(key))
+    def open_read(self, key: str, max_bytes: int | None = None) -> BinaryIO:
+        return io.BytesIO(self.get(key, max_bytes))
 
     @_translated
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:

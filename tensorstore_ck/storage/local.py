@@ -110,7 +110,7 @@ class LocalBlockStore(BlockStore):
         with open(_open_regular(self._path(key)), "rb") as f:
             return f.read() if max_bytes is None else f.read(max_bytes)
 
-    def open_read(self, key: str) -> BinaryIO:
+    def open_read(self, key: str, max_bytes: int | None = None) -> BinaryIO:
         return open(_open_regular(self._path(key)), "rb", buffering=0)
 
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:

@@ -35,8 +35,8 @@ class WrappedStore(BlockStore):
     def get(self, key, max_bytes=None):
         return self.inner.get(key, max_bytes)
 
-    def open_read(self, key):
-        return self.inner.open_read(key)
+    def open_read(self, key, max_bytes=None):
+        return self.inner.open_read(key, max_bytes)
 
     def put_if_absent(self, key, bufs):
         return self.inner.put_if_absent(key, bufs)
@@ -168,12 +168,12 @@ class FaultInjectingStore(WrappedStore):
             raise InjectedFault(errno.EIO, f"injected: read error on {key}")
         return self.inner.get(key, max_bytes)
 
-    def open_read(self, key):
+    def open_read(self, key, max_bytes=None):
         if self._fault("get", key):
             if self.truncate:
-                return io.BytesIO(self.inner.get(key)[:-1])
+                return io.BytesIO(self.inner.get(key, max_bytes)[:-1])
             raise InjectedFault(errno.EIO, f"injected: read error on {key}")
-        return self.inner.open_read(key)
+        return self.inner.open_read(key, max_bytes)
 
     def exists(self, key):
         if self._fault("exists", key):
@@ -315,8 +315,8 @@ class RetryingStore(WrappedStore):
     def get(self, key, max_bytes=None):
         return self._call(self.inner.get, key, max_bytes)
 
-    def open_read(self, key):
-        return self._call(self.inner.open_read, key)
+    def open_read(self, key, max_bytes=None):
+        return self._call(self.inner.open_read, key, max_bytes)
 
     def put_if_absent(self, key, bufs):
         return self._call(self.inner.put_if_absent, key, bufs)

@@ -134,11 +134,11 @@ def counting_store_class():
             with self.lock:
                 self.reads, self.exists_calls, self.puts = [], [], []
 
-        def open_read(self, key):
+        def open_read(self, key, max_bytes=None):
             if key.startswith("blocks/"):
                 with self.lock:
                     self.reads.append(key)
-            return self.inner.open_read(key)
+            return self.inner.open_read(key, max_bytes)
 
         def get(self, key, max_bytes=None):
             if key.startswith("blocks/"):

@@ -86,9 +86,9 @@ class SimStore(WrappedStore):
         self.f.point("get", key)
         return self.inner.get(key, max_bytes)
 
-    def open_read(self, key):
+    def open_read(self, key, max_bytes=None):
         self.f.point("get", key)
-        return self.inner.open_read(key)
+        return self.inner.open_read(key, max_bytes)
 
     def put_if_absent(self, key, bufs):
         self.f.point("put", key)
