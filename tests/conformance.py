@@ -704,6 +704,11 @@ class RefTableTests:
         assert set(deleted) == {"r"} and forgotten == set()
         order = table.publication_order()  # removals are not publications: R4's rank is its move's
         assert order[R[2]] > order[R[4]] > order[R[3]]  # o's move to R2 came after R4's publication
+        # A snapshot of the deleted history that another ref still kept, forgotten later: the
+        # record goes to the deleted ref's reflog, which stays a deleted ref's.
+        table.compare_and_swap("o", R[2], R[5], message="o moves on")
+        table.forget(R[2], "r")
+        assert table.history("r") is None and table.catalog_get(R[2]) is None
         # The name is free again; its new history starts after the removal.
         table.compare_and_swap("r", None, R[7], message="again", catalog_row={"ref": "r", "step": 1})
         assert [root for root, _row in table.history("r")] == [R[7]]

@@ -349,8 +349,11 @@ class RefTable(ABC):
 
         def txn(t):
             entries = list(t.items("reflog", key + b"\0"))
-            if t.get("refs", key) is None and (not entries or decode_reflog(entries[-1][1], name)[4] == "delete"):
-                return None
+            if t.get("refs", key) is None:
+                ops = [decode_reflog(v, name)[4] for _k, v in entries]
+                last_delete = max((i for i, op in enumerate(ops) if op == "delete"), default=-1)
+                if "move" not in ops[last_delete + 1:]:  # never made, or deleted (a forget after counts not)
+                    return None
             seen, out = set(), []
             for _k, v in reversed(entries):
                 _t, _old, new, _msg, op = decode_reflog(v, name)
