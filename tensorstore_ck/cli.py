@@ -460,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state",
                 formatter_class=_HelpFormatter,
                 epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
-                       "tsck log STORE -- -rf. Exit codes: 0 ok, 1 problems found, 2 user error.")
+                       "tsck log STORE -- -rf. Exit codes: 0 ok, 1 problems found or a failure of the "
+                       "environment (a full disk, a server away), 2 a user error.")
     p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
 
