@@ -330,9 +330,8 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         _check_for_safetensors(entries, where)
     elif path is not None:
         list_tree(store, root, path)  # refuses a path that holds nothing before a block is read
-    # Reads the whole snapshot, then selects: a checkout of only the paths asked for
-    # (Store.checkout(paths=), issue 15) would read only their blocks.
-    state = store.checkout(root, progress=progress)
+    # Reads only the blocks under PATH; _select then finds the value in the pruned tree.
+    state = store.checkout(root, paths=None if path is None else [path], progress=progress)
     value, prefix = (state, "") if path is None else _select(state, path)
     try:
         if fmt == "safetensors":

@@ -299,3 +299,17 @@ def test_stateful_whose_state_dict_fails_is_refused_before_any_write(store):
         store.put_snapshot({"x": {"y": Bad()}}, ref="sf/b", step=1)
     assert "['x']['y']" in str(ei.value)
     assert sorted(o.key for o in store.storage.list("")) == before
+
+
+def test_tsck_checkout_path_reads_only_that_part(store, big_state, tmp_path):
+    """`tsck checkout STORE TARGET DEST --path P` is interchange.export_file(path=P)."""
+    from safetensors.torch import load_file
+
+    from tensorstore_ck.interchange import export_file
+    store.put_snapshot(big_state, ref="j/main", step=10)
+    cnt = _counting(store)
+    export_file(store, "j/main", tmp_path / "l7.safetensors", path="model.layers.7")
+    assert cnt["block_bytes"] == 256 * 256 * 4, cnt
+    got = load_file(tmp_path / "l7.safetensors")
+    assert list(got) == ["model.layers.7.weight"]
+    assert torch.equal(got["model.layers.7.weight"], big_state["model"]["layers.7.weight"])
