@@ -75,6 +75,15 @@ class Selection:
             hit = hit or s.startswith(p + ".")
         return p if hit else SKIP
 
+    def covers(self, p: str, *, record: bool = True) -> bool:
+        """The value at dotted path `p` is selected (is at or under one of the paths)."""
+        for s in self.paths:
+            if p == s or p.startswith(s + "."):
+                if record:
+                    self.matched.add(s)
+                return True
+        return False
+
     def unmatched(self) -> list[str]:
         return [s for s in self.paths if s not in self.matched]
 

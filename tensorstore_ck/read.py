@@ -183,6 +183,8 @@ class Reader:
     def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
                  allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0, progress=None,
                  paths=None, map_location=None):
+        self._opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank,
+                          progress=progress)
         # paths: only the sub-trees these dotted paths name are read (nodes and blocks)
         self.select = None if paths is None else Selection(paths)
         self.map_location = check_map_location(map_location)
@@ -209,9 +211,27 @@ class Reader:
 
     def read(self, top: bytes, into=_MISSING):
         """The state under the top node `top` (into=: update that tree in place)."""
-        return self.materialize(self._node(top, (), 0, world=True), (), into)
+        return self.materialize(self.top(top), (), into)
 
-    def materialize(self, value, path=(), into=_MISSING):
+    def top(self, top: bytes):
+        """The decoded value of the top node `top`."""
+        return self._node(top, (), 0, world=True)
+
+    def deref(self, v, path):
+        """A value with its node references followed (nodes read once per checkout)."""
+        return self._deref(v, path, len(path))
+
+    def plain(self) -> "Reader":
+        """A reader of the same snapshot without selection nor device mapping (metadata)."""
+        return Reader(self.assets, self.pool, snapshot=self.snapshot, **self._opts)
+
+    def flat(self, container: tree.Container, path, into=_MISSING) -> dict:
+        """A dict container's values by key, every key read (into=: a dict of the caller's
+        tensors to fill in place by key; the other keys come back fresh)."""
+        r = Reader(self.assets, self.pool, snapshot=self.snapshot, map_location=self.map_location, **self._opts)
+        return r.materialize(container, path, into, ext=True)
+
+    def materialize(self, value, path=(), into=_MISSING, *, ext: bool = False):
         """A decoded manifest value (tree.decode_value's result) -> python values.
 
         Before anything is allocated, the whole tree is measured over distinct nodes:
@@ -223,7 +243,7 @@ class Reader:
         replaced or (the few whose blocks were being copied) partly replaced, by
         verified snapshot bytes only; an IntegrityError says which paths are which."""
         sel = FULL if self.select is None else dotted(path)
-        values, nbytes = self._measure(value, path, len(path), sel, into)
+        values, nbytes = self._measure(value, path, len(path), sel, _MISSING if ext else into)
         if values * VALUE_COST > self.max_bytes or (into is _MISSING and nbytes > self.max_bytes):
             raise self._fmt(f"the snapshot's tree holds {values} values and {nbytes} tensor bytes at its paths, "
                             f"more than max_bytes={self.max_bytes} allows ({VALUE_COST} bytes per value; "
@@ -237,7 +257,7 @@ class Reader:
         written: dict = {}
         reading = False
         try:
-            out = self._value(value, path, len(path), into, sel)
+            out = self._value(value, path, len(path), into, sel, ext)
             if out is _SKIPPED:
                 out = {}
             reading = True

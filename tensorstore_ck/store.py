@@ -35,6 +35,7 @@ from .info import SnapshotInfo, row_to_info
 from .plan import Planner
 from .publish import Publisher
 from .read import MISSING, Reader
+from .dcpview import is_dcp_top, read_dcp
 from .refs import RefTable
 from .format.names import parse_target, validate_component, validate_name, validate_new_name
 from .retention import Retention
@@ -505,16 +506,20 @@ class Store:
                     map_location=map_location)
         Reader(self.assets, self._pool, snapshot="", **opts)  # checks paths and map_location first
 
+        def read_with(reader: Reader, top: bytes):
+            v = reader.top(top)
+            if is_dcp_top(v):  # written by dcp.save through TsckWriter: the state it saved
+                return read_dcp(reader, v, MISSING if into is None else into, allow_pickle=allow_pickle)
+            return reader.materialize(v, (), MISSING if into is None else into)
+
         def read(root: Digest, rank: int = 0):
             c = decode_commit(self.assets.get_commit(root, verify=verify))
             if not progress:
-                reader = Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, **opts)
-                return reader.read(c["tree"], MISSING if into is None else into)
+                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, **opts), c["tree"])
             st = c.get("stats") or {}
             with _bytes_bar("checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                reader = Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, progress=bar.update,
-                                **opts)
-                return reader.read(c["tree"], MISSING if into is None else into)
+                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank,
+                                        progress=bar.update, **opts), c["tree"])
 
         if is_collective(group):
             return collective_checkout(self._collective, target, resolve=self._root, read=read, group=group,
