@@ -232,7 +232,10 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
     # Calls judged on their own: fsck beside everything else reports no damage; a read
     # returns exactly what was put; nothing raises a raw (non-TsckError) exception.
     for o in ops:
-        if o.op == "fsck" and o.ok and o.out.get("findings"):
+        # An object the injector made unreadable (EIO) is rightly an "unreadable" finding
+        # (issue 12): that is the environment, not damage.
+        damage = [f for f in o.out.get("findings") or [] if not (f.startswith("unreadable:") and "sim: injected" in f)]
+        if o.op == "fsck" and o.ok and damage:
             bad.append(f"I4 fsck beside the others reported damage: {o.brief()}")
         if o.result == "mismatch":
             bad.append(f"I4 read returned other bytes than were put: {o.brief()}")
