@@ -133,6 +133,7 @@ class TsckCallback(TrainerCallback):
         self.keep_local = keep_local
         self.async_ = async_
         self.last = None  # SnapshotInfo (or Future) of the newest snapshot
+        self._pending: list = []  # (put result, the Trainer's folder it replaces)
         if retention is not None:
             store.set_retention(job, retention)
 
@@ -156,18 +157,27 @@ class TsckCallback(TrainerCallback):
                                       metrics=_metrics(state.log_history), meta=meta, blocking=not self.async_)
         self.last = res
         if not self.keep_local:
-            if hasattr(res, "add_done_callback"):  # only a committed snapshot replaces the folder
-                res.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or _remove(folder))
-            else:
-                _remove(folder)
+            self._pending.append((res, folder))
+        self._remove_committed()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.store.wait()
+        self._remove_committed()
         self.store.raise_pending_error()
 
-
-def _remove(folder: str) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
+    def _remove_committed(self) -> None:
+        """Delete the Trainer's folders whose snapshots are committed (keep_local=False);
+        a failed snapshot keeps its folder. Here, on the training thread: not in a
+        future's callback, which may run after on_train_end returned."""
+        left = []
+        for res, folder in self._pending:
+            if not hasattr(res, "done"):  # a blocking put: committed when it returned
+                shutil.rmtree(folder, ignore_errors=True)
+            elif not res.done():
+                left.append((res, folder))
+            elif not res.cancelled() and res.exception() is None:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._pending = left
 
 
 def _hf_rng(rng: dict) -> dict:
