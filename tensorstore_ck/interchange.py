@@ -348,8 +348,8 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     -> a summary dict."""
     if is_folder_dest(dest):
         if fmt not in (None, "safetensors"):
-            raise InvalidArgument(f"{dest} is a directory: a folder is written as safetensors (a Hugging Face "
-                                  "model folder), not as {fmt}")
+            raise InvalidArgument(f"{dest} names a folder, which is written as safetensors (a Hugging Face "
+                                  f"model folder), not as {fmt}: give a file name for --format {fmt}")
         return export_folder(store, target, dest, path=path, force=force, progress=progress)
     dest = os.path.abspath(os.fspath(dest))
     fmt = format_for(dest, fmt)

@@ -28,6 +28,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck import hf  # noqa: E402
 from tensorstore_ck.errors import InvalidArgument  # noqa: E402
+from tensorstore_ck.interchange import export_file  # noqa: E402
 
 try:
     from ._util import assert_same, object_listing
@@ -206,6 +207,9 @@ def test_export_refuses_what_a_model_folder_cannot_hold(run_a, tmp_path, store):
     assert not (tmp_path / "m").exists() and object_listing(tmp_path) == listing
     with pytest.raises(InvalidArgument, match="not a JSON object"):
         hf.export_pretrained(run_a["store"], "gpt/main", tmp_path / "m", config="[1]")
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(InvalidArgument, match="names a folder"):
+        export_file(run_a["store"], "gpt/main", str(tmp_path / "m") + os.sep, fmt="torch")
     assert not (tmp_path / "m").exists()
 
 
