@@ -67,14 +67,14 @@ def tiny_model():
                                       bos_token_id=0, eos_token_id=0))
 
 
-def trainer(out, callbacks, **kw):
+def trainer(out, callbacks, steps=STEPS, **kw):
     """The same run every time: seed 0, dropout on (the RNG streams matter), 16 steps an
     epoch (a resume at step 10 is mid-epoch, 20 steps cross into the second)."""
     torch.set_num_threads(1)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     set_seed(0)
-    args = TrainingArguments(str(out), max_steps=STEPS, save_steps=5, logging_steps=1, per_device_train_batch_size=4,
+    args = TrainingArguments(str(out), max_steps=steps, save_steps=5, logging_steps=1, per_device_train_batch_size=4,
                              learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], dataloader_num_workers=0,
                              disable_tqdm=True, **kw)
     t = Trainer(model=tiny_model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8), callbacks=callbacks)
@@ -156,6 +156,23 @@ def test_keep_local_false_leaves_the_store_the_only_copy(tmp_path):
         with pytest.raises(InvalidArgument, match="load_best_model_at_end"):
             trainer(tmp_path / "out2", [hf.TsckCallback(s, job="k", keep_local=False)],
                     load_best_model_at_end=True, eval_strategy="steps", eval_steps=5).train()
+
+
+class WriteScaler(TrainerCallback):
+    """Writes the scaler.pt a mixed-precision run on a GPU gets (there is no scaler on CPU)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0 + state.global_step)
+        torch.save(scaler.state_dict(), os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "scaler.pt"))
+
+
+def test_the_grad_scaler_goes_through_the_store(tmp_path, store):
+    t = trainer(tmp_path / "out", [WriteScaler(), hf.TsckCallback(store, job="amp")], steps=5)
+    t.train()
+    assert store.checkout("amp/main")["scaler"]["scale"] == 1029.0
+    path = hf.resume_checkpoint(store, "amp/main", tmp_path / "again")
+    assert_same(torch.load(tmp_path / "out" / "checkpoint-5" / "scaler.pt", weights_only=True),
+                torch.load(os.path.join(path, "scaler.pt"), weights_only=True))
 
 
 def test_export_pretrained_loads_with_from_pretrained(run_a, tmp_path):
