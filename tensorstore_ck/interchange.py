@@ -417,6 +417,11 @@ def _config_text(v, what: str) -> str | None:
     return v
 
 
+def _check_shard_bytes(n) -> None:
+    if type(n) is not int or n < 1:
+        raise InvalidArgument(f"max_shard_bytes must be an int >= 1, got {n!r}")
+
+
 def write_pretrained(folder: str, tensors: dict, *, config: str | None = None, generation_config: str | None = None,
                      max_shard_bytes: int = SHARD_BYTES) -> list[str]:
     """Write a state_dict (name -> CPU tensor, no two sharing memory) into the empty
@@ -425,8 +430,7 @@ def write_pretrained(folder: str, tensors: dict, *, config: str | None = None, g
     and model.safetensors.index.json; config.json and generation_config.json when given.
     -> the file names written."""
     from safetensors.torch import save_file
-    if type(max_shard_bytes) is not int or max_shard_bytes < 1:
-        raise InvalidArgument(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
+    _check_shard_bytes(max_shard_bytes)
     sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     shards: list[list[str]] = [[]]
     used = 0
@@ -473,6 +477,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     there already are replaced only with force=True (and an older export's weight files
     are then removed). Values safetensors cannot hold are refused before a block is read.
     -> a summary dict."""
+    _check_shard_bytes(max_shard_bytes)  # before the snapshot is read
     dest = os.path.abspath(os.fspath(dest))
     parent = os.path.dirname(dest)
     if not os.path.isdir(parent):
