@@ -3,6 +3,8 @@
 Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
 
     cli.py, __main__.py   `tsck`: --json, exit codes 0 / 1 / 2
+    hf.py                 Hugging Face Trainer callback and resume, model folders (imports
+                          transformers: the [hf] extra; nothing here imports it)
     dcp/                  torch.distributed.checkpoint StorageWriter/Reader (metadata, layout,
                           writer, reader, handle)
     train.py, loader.py   TrainState, CheckpointManager; ResumableDataLoader (exact resume)

@@ -4,6 +4,8 @@
                                            manifest nodes only, no block is read
     export_file(store, target, dest, ...)  one standalone file, safetensors or torch.save, written
                                            to a temp file beside DEST and renamed: never half a file
+    export_folder(store, target, dest)     a Hugging Face `save_pretrained` folder: model.safetensors
+                                           (or shards + index), config.json when the snapshot carries it
     load_files(files) / import_files(...)  torch.save files (weights_only), safetensors files and
                                            Hugging Face model folders -> one snapshot
 
@@ -31,18 +33,27 @@ from .format.dtypes import QUANT_NAMES, TORCH_DTYPES
 from .format.manifest import decode_commit
 from .ids import Digest
 from .info import SnapshotInfo
-from .localfile import write_atomic
+from .localfile import write_atomic, write_dir
 from .paths import dotted, key_str as _key_str, toward as _toward, under as _under
 from .shard import Sharded
 from .validate import check_snapshot_args
 from .walk import read_node
 
-__all__ = ["Entry", "list_tree", "export_file", "format_for", "load_files", "import_files", "dotted",
-           "SAFETENSORS_DTYPES", "MAX_ENTRIES", "FORMATS"]
+__all__ = ["Entry", "list_tree", "export_file", "export_folder", "write_pretrained", "format_for", "load_files",
+           "import_files", "dotted", "is_folder_dest", "SAFETENSORS_DTYPES", "MAX_ENTRIES", "FORMATS", "HF_META",
+           "SHARD_BYTES"]
 
 FORMATS = ("safetensors", "torch")
 MAX_ENTRIES = 1 << 22  # values one listing visits (a DAG of 40 nodes can name 2^40 paths)
 MAX_INDEX_BYTES = 64 << 20  # a Hugging Face index json (a few hundred KB for the largest models)
+MAX_CONFIG_BYTES = 1 << 20  # a config.json carried in a snapshot's meta (a few KB; the catalog keeps it)
+SHARD_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size ("50GB") in transformers 5
+# A snapshot that holds a Hugging Face model says so in its meta: meta[HF_META] = {"weights": the
+# dotted path of its state_dict in the tree ("" for the top), "config": config.json's text,
+# "generation_config": generation_config.json's text, "tied": {name: name it is tied to}}; every
+# key is optional. `tsck import FOLDER` and hf.TsckCallback write it; export_folder reads it.
+HF_META = "hf"
+_CONFIG_FILES = (("config", "config.json"), ("generation_config", "generation_config.json"))
 
 # What the safetensors format holds (dtype codes F64 ... U64, F8_*); this installed
 # safetensors reads each of them back. Anything else is refused by name before a block is read.
@@ -313,7 +324,14 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     "safetensors" (tensors by dotted name; plain values, as strings, in its metadata, with
     "format": "pt" unless the tree has its own) or "torch" (torch.save of the state as
     checkout returns it). DEST is replaced only with force=True; it is written under a
-    temporary name and renamed, so it is never half a file. -> a summary dict."""
+    temporary name and renamed, so it is never half a file. A DEST that is a directory,
+    or ends with a path separator, is a Hugging Face model folder: export_folder.
+    -> a summary dict."""
+    if is_folder_dest(dest):
+        if fmt not in (None, "safetensors"):
+            raise InvalidArgument(f"{dest} names a folder, which is written as safetensors (a Hugging Face "
+                                  f"model folder), not as {fmt}: give a file name for --format {fmt}")
+        return export_folder(store, target, dest, path=path, force=force, progress=progress)
     dest = os.path.abspath(os.fspath(dest))
     fmt = format_for(dest, fmt)
     parent = os.path.dirname(dest)
@@ -349,6 +367,139 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         raise storage_error(e, f"writing {dest}") from e
     return {"root": root, "target": target, "dest": dest, "format": fmt, "path": path,
             "bytes": os.path.getsize(dest), **summary}
+
+
+# -- checkout to a Hugging Face model folder ---------------------------------------------
+def is_folder_dest(dest) -> bool:
+    """DEST names a folder: an existing directory, or a name that ends with a separator."""
+    d = os.fspath(dest)
+    return os.path.isdir(d) or d.endswith(os.sep) or (os.altsep is not None and d.endswith(os.altsep))
+
+
+def _is_weights_file(name: str) -> bool:
+    """The files save_pretrained writes the weights to (what an older export may have left)."""
+    return name in ("model.safetensors", "model.safetensors.index.json") or \
+        re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
+
+
+def _config_text(v, what: str) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, dict):
+        v = json.dumps(v, indent=2, sort_keys=True) + "\n"
+    if type(v) is not str:
+        raise InvalidArgument(f"{what} must be a JSON text or a dict, got {type(v).__name__}")
+    try:
+        if not isinstance(json.loads(v), dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, RecursionError) as e:
+        raise InvalidArgument(f"{what} is not a JSON object: {_first_line(e)}") from None
+    return v
+
+
+def _check_shard_bytes(n) -> None:
+    if type(n) is not int or n < 1:
+        raise InvalidArgument(f"max_shard_bytes must be an int >= 1, got {n!r}")
+
+
+def write_pretrained(folder: str, tensors: dict, *, config: str | None = None, generation_config: str | None = None,
+                     max_shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Write a state_dict (name -> CPU tensor, no two sharing memory) into the empty
+    directory `folder` as save_pretrained lays it out: model.safetensors, or past
+    max_shard_bytes shards model-0000i-of-0000n.safetensors (in the state_dict's order)
+    and model.safetensors.index.json; config.json and generation_config.json when given.
+    -> the file names written."""
+    from safetensors.torch import save_file
+    _check_shard_bytes(max_shard_bytes)
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    shards: list[list[str]] = [[]]
+    used = 0
+    for k, n in sizes.items():
+        if shards[-1] and used + n > max_shard_bytes:  # a tensor larger than a shard gets one of its own
+            shards.append([])
+            used = 0
+        shards[-1].append(k)
+        used += n
+    names = []
+    if len(shards) == 1:
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        names.append("model.safetensors")
+    else:
+        weight_map = {}
+        for i, part in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: tensors[k] for k in part}, os.path.join(folder, fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, fname))
+            names.append(fname)
+        index = {"metadata": {"total_size": sum(sizes.values()),
+                              "total_parameters": sum(t.numel() for t in tensors.values())},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        names.append("model.safetensors.index.json")
+    for text, fname in ((config, "config.json"), (generation_config, "generation_config.json")):
+        if text is not None:
+            with open(os.path.join(folder, fname), "w", encoding="utf-8") as f:
+                f.write(text)
+            names.append(fname)
+    return names
+
+
+def export_folder(store, target: str, dest, *, path: str | None = None, config=None, generation_config=None,
+                  max_shard_bytes: int = SHARD_BYTES, force: bool = False, progress: bool = False) -> dict:
+    """Write the model a snapshot holds as a folder that transformers' from_pretrained
+    loads (see write_pretrained). The weights: the part at `path`, else where the
+    snapshot's meta["hf"] puts them ("model" for a Trainer snapshot), else the whole
+    tree; the names save_pretrained leaves out as tied (meta "tied") are left out too.
+    config.json / generation_config.json: `config`/`generation_config` (JSON text or a
+    dict), else the snapshot's own (meta "hf"); none is written when there is neither.
+    A DEST that does not exist appears whole; into an existing directory, files that are
+    there already are replaced only with force=True (and an older export's weight files
+    are then removed). Values safetensors cannot hold are refused before a block is read.
+    -> a summary dict."""
+    _check_shard_bytes(max_shard_bytes)  # before the snapshot is read
+    dest = os.path.abspath(os.fspath(dest))
+    parent = os.path.dirname(dest)
+    if not os.path.isdir(parent):
+        raise InvalidArgument(f"cannot write {dest}: no directory {parent}")
+    if os.path.lexists(dest) and not os.path.isdir(dest):
+        raise InvalidArgument(f"cannot write the folder {dest}: it is a file")
+    root = store.resolve(target)  # once: the ref may move while we read
+    where = f"snapshot {root[:16]} ({target}) of {store.url}"
+    hf = store.show(root).meta.get(HF_META)
+    hf = hf if isinstance(hf, dict) else {}
+    wpath = hf.get("weights") if isinstance(hf.get("weights"), str) and hf.get("weights") else None
+    if path is None:
+        path = wpath
+    tied = hf.get("tied") if path == wpath else None
+    config = _config_text(config if config is not None else hf.get("config"), f"the config of {where}")
+    generation_config = _config_text(generation_config if generation_config is not None
+                                     else hf.get("generation_config"), f"the generation config of {where}")
+    _, entries = list_tree(store, root, path)
+    _check_for_safetensors(entries, where)
+    state = store.checkout(root, paths=None if path is None else [path], progress=progress)  # only PATH's blocks
+    value, prefix = (state, "") if path is None else _select(state, path)
+    tensors, plain = _safetensors_items(value, prefix, where)
+    if plain:
+        raise _refuse(where, "a value that is not a tensor (a model folder holds tensors only)", next(iter(plain)))
+    if path:  # the names the state_dict has, not its place in the snapshot
+        tensors = {k[len(path) + 1:] if k.startswith(path + ".") else k: v for k, v in tensors.items()}
+    if isinstance(tied, dict):
+        for alias, to in tied.items():
+            if alias in tensors and to in tensors:
+                del tensors[alias]
+    try:
+        names = write_dir(dest, lambda tmp: write_pretrained(tmp, tensors, config=config,
+                                                             generation_config=generation_config,
+                                                             max_shard_bytes=max_shard_bytes),
+                          force=force, stale=_is_weights_file)
+    except TsckError:
+        raise
+    except OSError as e:
+        raise storage_error(e, f"writing {dest}") from e
+    return {"root": root, "target": target, "dest": dest, "format": "hf-folder", "path": path, "files": names,
+            "tensors": len(tensors), "config": config is not None,
+            "bytes": sum(os.path.getsize(os.path.join(dest, n)) for n in names)}
 
 
 # -- import ------------------------------------------------------------------------------
@@ -466,10 +617,31 @@ def _load_folder(folder: str) -> tuple[dict, dict, str]:
                           "(.index.json): not a Hugging Face model folder")
 
 
+def _folder_configs(folder: str) -> dict:
+    """config.json / generation_config.json of a model folder, as texts (meta "hf")."""
+    out = {}
+    for key, fname in _CONFIG_FILES:
+        p = os.path.join(folder, fname)
+        if not os.path.isfile(p):
+            continue
+        if os.path.getsize(p) > MAX_CONFIG_BYTES:
+            raise InvalidArgument(f"{p} is larger than {MAX_CONFIG_BYTES} bytes: too large to keep in the "
+                                  "snapshot's meta")
+        with open(p, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"{p} is not UTF-8 text") from None
+        out[key] = _config_text(text, p)
+    return out
+
+
 def load_files(files) -> tuple[object, dict]:
     """(state, meta) of torch.save files, safetensors files and Hugging Face model folders.
     One input gives its state as it is; several are merged into one dict (each must be a
-    dict; a name in two of them is refused). meta: {"import": [{"source", "format"[, "metadata"]}]}."""
+    dict; a name in two of them is refused). meta: {"import": [{"source", "format"[, "metadata"]}]},
+    and for one Hugging Face folder "hf": {"weights": "", "config": config.json's text, ...}."""
     if not files:
         raise InvalidArgument("no file to import")
     states, sources = [], []
@@ -485,8 +657,11 @@ def load_files(files) -> tuple[object, dict]:
             raise InvalidArgument(f"cannot read {f}: {type(e).__name__}: {e.strerror or e}") from None
         states.append((f, state))
         sources.append({"source": os.path.abspath(f), "format": kind, **({"metadata": md} if md else {})})
+    hf = {}
     if len(states) == 1:
         state = states[0][1]
+        if os.path.isdir(states[0][0]):
+            hf = _folder_configs(states[0][0])
     else:
         state, origin = {}, {}
         for f, s in states:
@@ -499,7 +674,7 @@ def load_files(files) -> tuple[object, dict]:
                 state[k], origin[k] = v, f
         if all(type(s) is OrderedDict for _, s in states):
             state = OrderedDict(state)
-    return state, {"import": sources}
+    return state, {"import": sources, **({HF_META: {"weights": "", **hf}} if hf else {})}
 
 
 def import_files(store, ref: str, files, *, step: int | None = None, job: str | None = None,

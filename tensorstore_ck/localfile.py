@@ -4,11 +4,12 @@ or not at all. Not the store's own objects (those go through storage/)."""
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 
 from .errors import InvalidArgument
 
-__all__ = ["write_atomic", "umask"]
+__all__ = ["write_atomic", "write_dir", "umask"]
 
 
 def _fsync_path(p: str, flags: int = os.O_RDONLY) -> None:
@@ -60,3 +61,53 @@ def write_atomic(dest: str, write, *, force: bool) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+
+
+def _sync_dir(d: str) -> None:
+    try:
+        _fsync_path(d, getattr(os, "O_DIRECTORY", 0) | os.O_RDONLY)
+    except OSError:
+        pass  # not every file system syncs a directory
+
+
+def write_dir(dest: str, fill, *, force: bool, stale=None) -> list[str]:
+    """fill(tmp) writes files into an empty temporary directory and returns their names;
+    they are synced and moved into DEST. A DEST that does not exist appears whole (the
+    directory is renamed into place); in an existing one each file takes its name
+    atomically, an existing file only with force (checked before any is moved), and
+    then the files stale(name) says an earlier write left (an older export's shards)
+    are removed, so DEST never mixes the two. -> the names written."""
+    dest = os.path.abspath(dest)
+    parent = os.path.dirname(dest)
+    exists = os.path.isdir(dest)
+    where = dest if exists else parent
+    tmp = os.path.join(where, f".{os.path.basename(dest)}.{uuid.uuid4().hex[:12]}.partial")
+    os.mkdir(tmp)
+    try:
+        names = list(fill(tmp))
+        mode = 0o666 & ~umask()
+        for n in names:
+            os.chmod(os.path.join(tmp, n), mode)  # safetensors makes its files 0600
+            _fsync_path(os.path.join(tmp, n))
+        if not exists:
+            if os.path.lexists(dest):  # appeared meanwhile: never clobbered
+                raise InvalidArgument(f"{dest} exists (pass --force to write into it)")
+            os.chmod(tmp, 0o777 & ~umask())
+            os.rename(tmp, dest)
+            _sync_dir(parent)
+            return names
+        if not force:
+            there = [n for n in names if os.path.lexists(os.path.join(dest, n))]
+            if there:
+                raise InvalidArgument(f"{os.path.join(dest, there[0])} exists (pass --force to replace it)")
+        for n in names:
+            os.replace(os.path.join(tmp, n), os.path.join(dest, n))
+        if stale is not None:
+            keep = set(names)
+            for n in sorted(os.listdir(dest)):
+                if n not in keep and stale(n) and os.path.isfile(os.path.join(dest, n)):
+                    os.unlink(os.path.join(dest, n))
+        _sync_dir(dest)
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -39,9 +39,36 @@ import torch
 from .errors import GcBusy, InvalidArgument, RefNotFound, TsckError
 from .retention import Retention
 
-__all__ = ["TrainState", "CheckpointManager"]
+__all__ = ["TrainState", "CheckpointManager", "capture_rng", "restore_rng"]
 
 log = logging.getLogger(__name__)
+
+
+def capture_rng(numpy_generators: dict | None = None) -> dict:
+    """Every RNG stream a training step may draw from: python, numpy's global state
+    and the given numpy Generators, torch CPU and each CUDA device."""
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "numpy_generators": {k: g.bit_generator.state for k, g in (numpy_generators or {}).items()},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: dict, numpy_generators: dict | None = None) -> None:
+    """Put back what capture_rng() took (CUDA devices: as many as both sides have)."""
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    for k, g in (numpy_generators or {}).items():
+        g.bit_generator.state = rng["numpy_generators"][k]
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        states = rng["cuda"]
+        for i in range(min(len(states), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(states[i], i)
 
 
 def _has_state(obj) -> bool:
@@ -69,19 +96,11 @@ class TrainState:
         self.step = step
 
     def state_dict(self) -> dict:
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "numpy_generators": {k: g.bit_generator.state for k, g in self.numpy_generators.items()},
-            "torch": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
             "step": self.step,
             **{k: v.state_dict() for k, v in self.components.items()},
             "objects": {k: v.state_dict() for k, v in self.objects.items()},
-            "rng": rng,
+            "rng": capture_rng(self.numpy_generators),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -91,16 +110,7 @@ class TrainState:
             v.load_state_dict(sd[k])
         for k, v in self.objects.items():
             v.load_state_dict(sd["objects"][k])
-        rng = sd["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        for k, g in self.numpy_generators.items():
-            g.bit_generator.state = rng["numpy_generators"][k]
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            states = rng["cuda"]
-            for i in range(min(len(states), torch.cuda.device_count())):
-                torch.cuda.set_rng_state(states[i], i)
+        restore_rng(sd["rng"], self.numpy_generators)
         self.step = sd["step"]
 
 

@@ -1,0 +1,266 @@
+"""Hugging Face: a real Trainer on a real tiny GPT-2 (built from a config: no downloads, there
+is no network), snapshotted by hf.TsckCallback and resumed from the store; save_pretrained
+folders in and out, checked with transformers' own from_pretrained.
+
+The resume checks compare every step's loss and the final parameters bit for bit with an
+uninterrupted run, as examples/demo.py does; the SIGKILL case runs
+examples/hf_trainer_resume.py (a child killed mid-run, resumed in a fresh process).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers, accelerate) is not installed")
+pytest.importorskip("accelerate", reason="the hf extra (transformers, accelerate) is not installed")
+
+import torch  # noqa: E402
+from transformers import (GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainerCallback,  # noqa: E402
+                          TrainingArguments, set_seed)
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+import tensorstore_ck as tsck  # noqa: E402
+from tensorstore_ck import hf  # noqa: E402
+from tensorstore_ck.errors import InvalidArgument  # noqa: E402
+from tensorstore_ck.interchange import export_file  # noqa: E402
+
+try:
+    from ._util import assert_same, object_listing
+    from .test_cli import run_cli
+except ImportError:  # tests/ is not a package
+    from _util import assert_same, object_listing
+    from test_cli import run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 20
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=64, length=16):
+        self.x = torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(123))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class Losses(TrainerCallback):
+    def __init__(self):
+        self.by_step = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.by_step[state.global_step] = logs["loss"]
+
+
+def tiny_model():
+    # bos/eos inside the tiny vocabulary (GPT-2's 50256 is not)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def trainer(out, callbacks, steps=STEPS, **kw):
+    """The same run every time: seed 0, dropout on (the RNG streams matter), 16 steps an
+    epoch (a resume at step 10 is mid-epoch, 20 steps cross into the second)."""
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    set_seed(0)
+    args = TrainingArguments(str(out), max_steps=steps, save_steps=5, logging_steps=1, per_device_train_batch_size=4,
+                             learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], dataloader_num_workers=0,
+                             disable_tqdm=True, **kw)
+    t = Trainer(model=tiny_model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8), callbacks=callbacks)
+    t.remove_callback(PrinterCallback)
+    return t
+
+
+def params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """An uninterrupted run with the callback: its losses, final weights, store and model."""
+    base = tmp_path_factory.mktemp("hf")
+    store = tsck.open_store(base / "store")
+    rec = Losses()
+    cb = hf.TsckCallback(store, job="gpt")
+    t = trainer(base / "out", [cb, rec])
+    t.train()
+    yield {"base": base, "store": store, "losses": rec.by_step, "params": params(t.model), "model": t.model,
+           "out": base / "out"}
+    store.close()
+
+
+def test_callback_snapshots_every_save(run_a):
+    s = run_a["store"]
+    log = s.log("gpt/main")
+    assert [i.step for i in log] == [20, 15, 10, 5]
+    assert log[0].metrics["loss"] == run_a["losses"][20]
+    assert log[0].meta["hf_trainer"] == {"layout": hf.LAYOUT, "transformers": transformers.__version__}
+    assert log[0].meta["hf"]["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+    state = s.checkout("gpt/main")
+    assert set(state) == {"model", "optimizer", "scheduler", "rng", "trainer_state"}
+    assert_same(run_a["params"], dict(state["model"]), loose_types=True)
+    # the trainer state is the text the Trainer wrote beside its own checkpoint, to the byte
+    assert state["trainer_state"] == (run_a["out"] / "checkpoint-20" / "trainer_state.json").read_text()
+    # GPT-2's tied head is stored once: the two names share their blocks
+    assert s.show("gpt/main").bytes_new < s.show("gpt/main").bytes_total
+
+
+def test_resume_from_the_store_is_bit_identical(run_a, tmp_path):
+    """A fresh Trainer resumed from the store's step-10 snapshot, in a fresh output dir:
+    the losses of steps 11..20 and the final parameters equal run A's bit for bit."""
+    s = run_a["store"]
+    ten = next(i for i in s.log("gpt/main") if i.step == 10)
+    path = hf.resume_checkpoint(s, ten.root, tmp_path / "b")
+    assert path == str(tmp_path / "b" / "checkpoint-10")
+    assert sorted(os.listdir(path)) == ["config.json", "generation_config.json", "model.safetensors",
+                                        "optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json"]
+    rec = Losses()
+    t = trainer(tmp_path / "b", [rec])
+    t.train(resume_from_checkpoint=path)
+    assert sorted(rec.by_step) == list(range(11, STEPS + 1))
+    assert all(rec.by_step[k] == run_a["losses"][k] for k in rec.by_step), (rec.by_step, run_a["losses"])
+    assert_same(run_a["params"], params(t.model))
+
+
+def test_resume_refusals_change_nothing(run_a, tmp_path, store):
+    s = run_a["store"]
+    path = hf.resume_checkpoint(s, "gpt/main", tmp_path / "c")
+    before = {n: (Path(path) / n).read_bytes() for n in os.listdir(path)}
+    with pytest.raises(InvalidArgument, match="exists"):
+        hf.resume_checkpoint(s, "gpt/main", tmp_path / "c")
+    assert {n: (Path(path) / n).read_bytes() for n in os.listdir(path)} == before
+    hf.resume_checkpoint(s, "gpt/main", tmp_path / "c", force=True)
+    store.put_snapshot({"w": torch.ones(3)}, "plain/main")
+    with pytest.raises(InvalidArgument, match="not a Trainer snapshot"):
+        hf.resume_checkpoint(store, "plain/main", tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_keep_local_false_leaves_the_store_the_only_copy(tmp_path):
+    with tsck.open_store(tmp_path / "store") as s:
+        t = trainer(tmp_path / "out", [hf.TsckCallback(s, job="j", keep_local=False, async_=True)])
+        t.train()
+        assert [i.step for i in s.log("j/main")] == [20, 15, 10, 5]
+        assert not [n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")]
+        with pytest.raises(InvalidArgument, match="load_best_model_at_end"):
+            trainer(tmp_path / "out2", [hf.TsckCallback(s, job="k", keep_local=False)],
+                    load_best_model_at_end=True, eval_strategy="steps", eval_steps=5).train()
+
+
+class WriteScaler(TrainerCallback):
+    """Writes the scaler.pt a mixed-precision run on a GPU gets (there is no scaler on CPU)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0 + state.global_step)
+        torch.save(scaler.state_dict(), os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "scaler.pt"))
+
+
+def test_the_grad_scaler_goes_through_the_store(tmp_path, store):
+    t = trainer(tmp_path / "out", [WriteScaler(), hf.TsckCallback(store, job="amp")], steps=5)
+    t.train()
+    assert store.checkout("amp/main")["scaler"]["scale"] == 1029.0
+    path = hf.resume_checkpoint(store, "amp/main", tmp_path / "again")
+    assert_same(torch.load(tmp_path / "out" / "checkpoint-5" / "scaler.pt", weights_only=True),
+                torch.load(os.path.join(path, "scaler.pt"), weights_only=True))
+
+
+def test_export_pretrained_loads_with_from_pretrained(run_a, tmp_path):
+    s = run_a["store"]
+    r = hf.export_pretrained(s, "gpt/main", tmp_path / "m")
+    assert sorted(r["files"]) == ["config.json", "generation_config.json", "model.safetensors"]
+    m = GPT2LMHeadModel.from_pretrained(tmp_path / "m")
+    assert_same(run_a["params"], params(m))  # the tied head included: from_pretrained ties it back
+    assert (tmp_path / "m" / "config.json").read_text() == run_a["model"].config.to_json_string()
+    loaded = m.config.to_dict()
+    assert loaded.pop("_name_or_path") == str(tmp_path / "m")
+    assert loaded == {k: v for k, v in run_a["model"].config.to_dict().items() if k != "_name_or_path"}
+    # sharded past max_shard_bytes, as save_pretrained shards: model-0000i-of-0000n + index
+    r = hf.export_pretrained(s, "gpt/main", tmp_path / "sh", max_shard_bytes=20_000)
+    assert "model.safetensors.index.json" in r["files"] and len(r["files"]) > 4
+    assert_same(run_a["params"], params(GPT2LMHeadModel.from_pretrained(tmp_path / "sh")))
+    # into an existing folder: refused without force, nothing written; with force, the
+    # older export's shards go, so the folder never mixes two exports
+    with pytest.raises(InvalidArgument, match="exists"):
+        hf.export_pretrained(s, "gpt/main", tmp_path / "sh")
+    hf.export_pretrained(s, "gpt/main", tmp_path / "sh", force=True)
+    assert sorted(os.listdir(tmp_path / "sh")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_import_a_save_pretrained_folder_and_round_trip(tmp_path, store):
+    set_seed(1)
+    m = tiny_model()
+    m.save_pretrained(tmp_path / "src", max_shard_size="20KB")  # sharded, with an index
+    info = hf.import_pretrained(store, tmp_path / "src", ref="base/main")
+    assert info.meta["hf"]["config"] == (tmp_path / "src" / "config.json").read_text()
+    got = store.checkout("base/main")
+    # in the index's (sorted) order; save_pretrained leaves the tied head out
+    want = {k: v for k, v in sorted(params(m).items()) if k != "lm_head.weight"}
+    assert_same(want, dict(got), loose_types=True)
+    hf.export_pretrained(store, "base/main", tmp_path / "out")
+    for name in ("config.json", "generation_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "src" / name).read_bytes()
+    assert_same(params(m), params(GPT2LMHeadModel.from_pretrained(tmp_path / "out")))
+    # a second import of the same weights writes no new block
+    again = hf.import_pretrained(store, tmp_path / "out", ref="copy/main")
+    assert again.bytes_new == 0
+
+
+def test_export_refuses_what_a_model_folder_cannot_hold(run_a, tmp_path, store):
+    store.put_snapshot({"w": torch.ones(3), "note": "x"}, "odd/main")
+    listing = object_listing(tmp_path)
+    with pytest.raises(tsck.UnsupportedType, match="not a tensor"):
+        hf.export_pretrained(store, "odd/main", tmp_path / "m")
+    assert not (tmp_path / "m").exists() and object_listing(tmp_path) == listing
+    with pytest.raises(InvalidArgument, match="not a JSON object"):
+        hf.export_pretrained(run_a["store"], "gpt/main", tmp_path / "m", config="[1]")
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(InvalidArgument, match="names a folder"):
+        export_file(run_a["store"], "gpt/main", str(tmp_path / "m") + os.sep, fmt="torch")
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_package_does_not_import_transformers():
+    code = ("import sys, tensorstore_ck, tensorstore_ck.cli, tensorstore_ck.interchange; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+@pytest.mark.slow
+def test_cli_checkout_to_a_folder_and_import_it(run_a, tmp_path):
+    """`tsck checkout STORE TARGET DIR/` writes the same folder as export_pretrained;
+    `tsck import` of it carries config.json."""
+    path = run_a["base"] / "store"
+    run_a["store"].wait()
+    r = run_cli("checkout", path, "gpt/main", str(tmp_path / "cli") + os.sep, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["format"] == "hf-folder" and out["config"] is True
+    assert_same(run_a["params"], params(GPT2LMHeadModel.from_pretrained(tmp_path / "cli")))
+    r = run_cli("import", path, "cli/main", tmp_path / "cli", "--json")
+    assert r.returncode == 0, r.stderr
+    cfg = run_a["store"].show("cli/main").meta["hf"]["config"]
+    assert cfg == (tmp_path / "cli" / "config.json").read_text()
+
+
+@pytest.mark.slow
+def test_example_killed_and_resumed_is_bit_identical(tmp_path):
+    """examples/hf_trainer_resume.py: a child killed with SIGKILL at step 12, resumed from
+    the store in a fresh process and output dir; exit 0 only if every loss and the final
+    parameters equal an uninterrupted run's."""
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer_resume.py"), "--store",
+                        str(tmp_path / "store")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "committed snapshots (steps): [5, 10]" in r.stdout
+    assert "losses of all 20 steps bit-identical to run A: True" in r.stdout
+    assert "final parameters bit-identical to run A: True" in r.stdout
