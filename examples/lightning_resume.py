@@ -1,0 +1,151 @@
+"""PyTorch Lightning with its checkpoints in tensorstore_ck: kill -9, then resume bit-identically.
+
+    pip install 'tensorstore_ck[lightning]' && python examples/lightning_resume.py
+
+1. reference: STEPS steps uninterrupted, in this process;
+2. victim: the same run in a child process, checkpointing every 5 steps through
+   TsckCheckpointIO (ModelCheckpoint top-2 by train_loss, plus last); it SIGKILLs itself
+   after step KILL_AT;
+3. resume: another process, trainer.fit(ckpt_path="last"). The losses of the steps it redoes
+   and its final weights and optimizer state must equal the reference's bit for bit (exit 1 if not).
+The data order comes from tsck.ResumableDataLoader (exact mid-epoch), the dropout RNG from the
+checkpoint (on_save_checkpoint / on_load_checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+import tensorstore_ck as tsck
+from tensorstore_ck.lightning import TsckCheckpointIO
+
+warnings.filterwarnings("ignore", ".*(does not have many workers|LeafSpec|exists and is not empty).*")
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banners
+
+
+class Net(L.LightningModule):
+    def __init__(self, echo=False):
+        super().__init__()
+        self.echo, self.losses = echo, {}  # step -> repr of its loss (a float's repr round-trips exactly)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Linear(64, 1))
+
+    def training_step(self, batch, _i):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        self.losses[self.global_step + 1] = repr(loss.item())
+        if self.echo:
+            print(f"step {self.global_step + 1} {loss.item()!r}", flush=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)]
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(100, 16, generator=g)
+        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+        return tsck.ResumableDataLoader(data, batch_size=8, shuffle=True, seed=1)  # 13 batches an epoch
+
+    def on_save_checkpoint(self, checkpoint):  # Lightning keeps no RNG state itself
+        checkpoint["torch_rng"] = torch.get_rng_state()
+
+    def on_load_checkpoint(self, checkpoint):
+        torch.set_rng_state(checkpoint["torch_rng"])
+
+
+class KillAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *_):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fit(store_path, job, steps, kill_at=None, resume=False):
+    """One run; returns the final LightningModule and trainer."""
+    torch.set_num_threads(1)  # the same float sums in every process
+    L.seed_everything(0, verbose=False)
+    with tsck.open_store(store_path) as store:
+        ck = ModelCheckpoint(dirpath=os.path.join(os.path.dirname(store_path), job), save_top_k=2,
+                             monitor="train_loss", save_last=True, every_n_train_steps=5)
+        trainer = L.Trainer(max_steps=steps, plugins=[TsckCheckpointIO(store, job=job)],
+                            callbacks=[ck] + ([KillAt(kill_at)] if kill_at else []), logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+        model = Net(echo=kill_at is not None or resume)
+        trainer.fit(model, ckpt_path="last" if resume else None)
+    return model, trainer
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for k in sorted(x, key=str):
+            yield from _tensors(x[k])
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=None, help="where the store and checkpoint folders go (default: a temp dir)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kill-at", type=int, default=17)
+    ap.add_argument("--child", choices=["victim", "resume"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    store = os.path.join(args.dir or tempfile.mkdtemp(prefix="tsck-lightning-"), "store")
+    if args.child:
+        fit(store, "lt", args.steps, kill_at=args.kill_at if args.child == "victim" else None,
+            resume=args.child == "resume")
+        return
+
+    def child(role):
+        cmd = [sys.executable, __file__, "--dir", os.path.dirname(store), "--steps", str(args.steps),
+               "--kill-at", str(args.kill_at), "--child", role]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        print(f"{role}: exit {p.returncode}")
+        return p.returncode, {int(s): v for _, s, v in (ln.split() for ln in p.stdout.splitlines()
+                                                         if ln.startswith("step "))}
+
+    tsck.open_store(store, create=True).close()
+    rc, victim = child("victim")
+    assert rc == -signal.SIGKILL and max(victim) == args.kill_at, (rc, max(victim, default=None))
+    with tsck.open_store(store) as s:
+        print("victim killed after step", max(victim), "; its checkpoints:",
+              {r: i.step for r, i in sorted(s.refs("lt/").items())})
+    _, resumed = child("resume")
+    ref, _ = fit(store, "ref", args.steps)
+    print(f"resumed at step {min(resumed) - 1}; steps redone: {min(resumed)}..{min(args.kill_at, max(resumed))}")
+    same_losses = sorted(resumed) == list(range(min(resumed), args.steps + 1)) and all(
+        resumed[k] == ref.losses[k] for k in resumed)
+    # Both runs' final checkpoints, read back from the store.
+    dirs = os.path.dirname(store)
+    with tsck.open_store(store) as s:
+        print("refs:", {r: i.step for r, i in sorted(s.refs().items())})
+        got = TsckCheckpointIO(s, job="lt").load_checkpoint(os.path.join(dirs, "lt", "last.ckpt"))
+        want = TsckCheckpointIO(s, job="ref").load_checkpoint(os.path.join(dirs, "ref", "last.ckpt"))
+    same_state = got["global_step"] == want["global_step"] == args.steps and all(
+        torch.equal(got["state_dict"][k], v) for k, v in want["state_dict"].items()) and all(
+        torch.equal(a, b) for a, b in zip(_tensors(got["optimizer_states"]), _tensors(want["optimizer_states"])))
+    print(f"losses of the resumed steps bit-identical: {same_losses}; final weights and optimizer: {same_state}")
+    sys.exit(0 if same_losses and same_state else 1)
+
+
+if __name__ == "__main__":
+    main()
