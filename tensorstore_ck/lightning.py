@@ -155,25 +155,29 @@ def _write_pointer(path, ptr: dict) -> None:
         fs.pipe_file(p, data)  # object stores replace a whole object
 
 
-def _siblings_naming(path, root: str) -> list[str]:
-    """Other pointer files in `path`'s directory (and links to them) that name `root`."""
+def _where(path) -> str:
+    """A path as recorded in a snapshot's meta: absolute when local, so directories compare."""
+    p = os.fspath(path)
+    return p if "://" in p else os.path.abspath(p)
+
+
+def _named_in_dir(path) -> set[str]:
+    """The roots the pointer files in `path`'s directory name (links to them included)."""
     fs, p = _fs(path)
     try:
         names = fs.ls(fs._parent(p), detail=False)
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
+        return set()
+    out = set()
     for q in names:
-        if os.path.normpath(q) == os.path.normpath(p):
-            continue
         try:
             if fs.isdir(q) or fs.size(q) > MAX_POINTER_BYTES:
                 continue
             ptr = _read_pointer(q if _is_local(fs) else fs.unstrip_protocol(q), strict=False)
         except OSError:
             continue
-        if ptr is not None and ptr["root"] == root:
-            out.append(q)
+        if ptr is not None:
+            out.add(ptr["root"])
     return out
 
 
@@ -238,7 +242,7 @@ class TsckCheckpointIO(CheckpointIO):
         try:
             info = self.store.put_snapshot(
                 _native(checkpoint), ref, job=self.job, step=step if type(step) is int else None,
-                metrics=_monitored(checkpoint), meta={"lightning_path": os.fspath(path)},
+                metrics=_monitored(checkpoint), meta={"lightning_path": _where(path)},
                 allow_pickle=self.allow_pickle)
         except UnsupportedType as e:
             raise UnsupportedType(
@@ -285,23 +289,31 @@ class TsckCheckpointIO(CheckpointIO):
             self._drop(path, ptr)
 
     def _drop(self, path, ptr: dict) -> None:
-        """Forget the snapshot a pointer at `path` named, unless something else still names it."""
+        """Forget the snapshot the pointer that was at `path` named, unless a pointer file in
+        its directory still names it. Its ref goes when nothing in its history is still named
+        there or was saved from another directory; a tip that cannot go yet (older snapshots of
+        the ref are still named) stays until they do."""
         root, ref = ptr["root"], ptr["ref"]
-        if _siblings_naming(path, root):
+        named = _named_in_dir(path)
+        if root in named:
             return
+        here = os.path.dirname(_where(path))
         try:
             hist = self.store.log(ref)
         except (RefNotFound, InvalidArgument):
             hist = []
+
+        def needed(h) -> bool:  # still named here, or another directory's (never ours to drop)
+            saved_at = h.meta.get("lightning_path")
+            return h.root in named or not isinstance(saved_at, str) or os.path.dirname(saved_at) != here
         try:
-            if hist and hist[0].root == root:
-                if len(hist) == 1:
-                    self.store.delete_ref(ref, expected=root)
-                else:  # the tip; the older ones are other paths' (another directory of this job)
-                    log.info("checkpoint %s: snapshot %s stays, as the tip of ref %s", os.fspath(path),
-                             root[:16], ref)
-            else:
+            if hist and not any(needed(h) for h in hist):
+                self.store.delete_ref(ref, expected=hist[0].root)
+            elif not hist or hist[0].root != root:
                 self.store.forget(root)
+            else:
+                log.info("checkpoint %s: snapshot %s stays while it is the tip of ref %s, whose older "
+                         "snapshots are still named", os.fspath(path), root[:16], ref)
         except (RefNotFound, RefConflict):
             pass  # already gone, or the ref moved on meanwhile (another writer's now)
         except InvalidArgument as e:  # tagged, pinned or another ref's tip: kept on purpose
