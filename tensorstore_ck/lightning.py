@@ -246,9 +246,9 @@ class TsckCheckpointIO(CheckpointIO):
                 allow_pickle=self.allow_pickle)
         except UnsupportedType as e:
             raise UnsupportedType(
-                f"Lightning checkpoint {os.fspath(path)} holds a value tensorstore_ck stores only pickled "
-                f"({e.message}; make it a tensor, dict, list, str or number, or pass allow_pickle=True to "
-                "TsckCheckpointIO to store it pickled); nothing was saved", e.path) from None
+                f"Lightning checkpoint {os.fspath(path)} was not saved (make the value a tensor, dict, list, str "
+                f"or number, or pass allow_pickle=True to TsckCheckpointIO to store it pickled): {e.message}",
+                e.path) from None
         _write_pointer(path, {"format": POINTER_FORMAT, "store": self.store.url, "ref": ref, "root": info.root,
                               "step": info.step, "job": self.job})
         if old is not None and old["root"] != info.root:

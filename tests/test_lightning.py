@@ -101,7 +101,8 @@ def test_top_k_and_last_live_in_the_store(tmp_path):
         assert last["global_step"] == 30 and last["pytorch-lightning_version"] == L.__version__
         assert_same(dict(model.state_dict()), dict(last["state_dict"]))
         assert type(last["state_dict"]) is type(model.state_dict())
-        assert isinstance(last["optimizer_states"], list) and last["lr_schedulers"][0]["last_epoch"] == 2  # per epoch: 13 batches each
+        assert isinstance(last["optimizer_states"], list)
+        assert last["lr_schedulers"][0]["last_epoch"] == 2  # stepped per epoch (13 batches)
         # the ModelCheckpoint state Lightning restores: best_k_models with its tensor scores
         (state,) = [v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint")]
         assert_same({k: v for k, v in cb.best_k_models.items()}, state["best_k_models"])
@@ -149,6 +150,12 @@ def test_hparams_and_a_value_that_needs_pickle(tmp_path):
         with pytest.raises(tsck.UnsupportedType):
             TsckCheckpointIO(store, job="p").load_checkpoint(path)
         assert store.log("p/hand")[0].step == 3
+        # an AttributeDict anywhere (a callback's or the module's own on_save_checkpoint) is a dict
+        from lightning.fabric.utilities.data import AttributeDict
+        TsckCheckpointIO(store, job="p").save_checkpoint(
+            {"global_step": 4, "extra": [AttributeDict(a=1, b=AttributeDict(c=(2, 3)))]}, path)
+        got = io.load_checkpoint(path)["extra"][0]
+        assert got == {"a": 1, "b": {"c": (2, 3)}} and type(got) is dict and type(got["b"]) is dict
 
 
 def test_files_that_are_not_pointers(tmp_path):
