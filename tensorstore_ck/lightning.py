@@ -50,7 +50,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 from .errors import FormatError, InvalidArgument, RefConflict, RefNotFound, UnsupportedType
 from .format.names import MAX_NAME_BYTES, validate_component
-from .localfile import write_atomic
+from .localfile import sync_dir, write_atomic
 
 __all__ = ["TsckCheckpointIO", "ref_for_path", "POINTER_FORMAT"]
 
@@ -251,8 +251,31 @@ class TsckCheckpointIO(CheckpointIO):
                 e.path) from None
         _write_pointer(path, {"format": POINTER_FORMAT, "store": self.store.url, "ref": ref, "root": info.root,
                               "step": info.step, "job": self.job})
-        if old is not None and old["root"] != info.root:
-            self._drop(path, old)
+        self._replaced(path, ref, info.root, old)
+
+    def _replaced(self, path, ref: str, new: str, old: dict | None) -> None:
+        """After a save over `path`: forget what the old pointer named, and the snapshots of
+        the ref's history saved from this very path that no pointer names (a save killed
+        between its commit and its pointer leaves one behind), unless a pointer names them."""
+        drop = {old["root"]} if old is not None else set()
+        try:
+            hist = self.store.log(ref)
+        except RefNotFound:
+            hist = []
+        where = _where(path)
+        drop |= {h.root for h in hist[1:] if h.meta.get("lightning_path") == where}
+        drop -= {new}
+        if drop:
+            for root in drop - _named_in_dir(path):
+                self._forget(path, root)
+
+    def _forget(self, path, root: str) -> None:
+        try:
+            self.store.forget(root)
+        except RefNotFound:
+            pass  # already gone
+        except InvalidArgument as e:  # tagged, pinned or a ref's tip: kept on purpose
+            log.info("checkpoint %s: snapshot %s kept: %s", os.fspath(path), root[:16], e)
 
     def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict:
         """The checkpoint the pointer at `path` names. weights_only=True refuses pickled values
@@ -282,9 +305,11 @@ class TsckCheckpointIO(CheckpointIO):
         fs, fp = _fs(path)
         if not link and not fs.exists(fp):
             return
-        # The file goes first: a crash after it leaves an unnamed snapshot (gc's to reclaim),
-        # never a pointer naming a forgotten one.
+        # The file goes first (durably): a crash after it leaves an unnamed snapshot (`tsck
+        # delete-ref` removes it), never a pointer naming a forgotten one.
         fs.rm(fp)
+        if _is_local(fs):
+            sync_dir(os.path.dirname(os.path.abspath(fp)))
         if ptr is not None:
             self._drop(path, ptr)
 
@@ -306,15 +331,13 @@ class TsckCheckpointIO(CheckpointIO):
         def needed(h) -> bool:  # still named here, or another directory's (never ours to drop)
             saved_at = h.meta.get("lightning_path")
             return h.root in named or not isinstance(saved_at, str) or os.path.dirname(saved_at) != here
-        try:
-            if hist and not any(needed(h) for h in hist):
+        if hist and not any(needed(h) for h in hist):
+            try:
                 self.store.delete_ref(ref, expected=hist[0].root)
-            elif not hist or hist[0].root != root:
-                self.store.forget(root)
-            else:
-                log.info("checkpoint %s: snapshot %s stays while it is the tip of ref %s, whose older "
-                         "snapshots are still named", os.fspath(path), root[:16], ref)
-        except (RefNotFound, RefConflict):
-            pass  # already gone, or the ref moved on meanwhile (another writer's now)
-        except InvalidArgument as e:  # tagged, pinned or another ref's tip: kept on purpose
-            log.info("checkpoint %s: snapshot %s kept: %s", os.fspath(path), root[:16], e)
+            except (RefNotFound, RefConflict):
+                pass  # already gone, or the ref moved on meanwhile (another writer's now)
+        elif not hist or hist[0].root != root:
+            self._forget(path, root)
+        else:
+            log.info("checkpoint %s: snapshot %s stays while it is the tip of ref %s, whose older "
+                     "snapshots are still named", os.fspath(path), root[:16], ref)

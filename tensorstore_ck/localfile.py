@@ -8,7 +8,7 @@ import uuid
 
 from .errors import InvalidArgument
 
-__all__ = ["write_atomic", "umask"]
+__all__ = ["write_atomic", "umask", "sync_dir"]
 
 
 def _fsync_path(p: str, flags: int = os.O_RDONLY) -> None:
@@ -17,6 +17,15 @@ def _fsync_path(p: str, flags: int = os.O_RDONLY) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sync_dir(d: str) -> None:
+    """Make the entries of folder `d` durable (a rename, a link, a removal), where the file
+    system can."""
+    try:
+        _fsync_path(d, getattr(os, "O_DIRECTORY", 0) | os.O_RDONLY)
+    except OSError:
+        pass  # not every file system syncs a directory
 
 
 def umask() -> int:
@@ -51,10 +60,7 @@ def write_atomic(dest: str, write, *, force: bool) -> None:
                 if os.path.lexists(dest):
                     raise InvalidArgument(f"{dest} exists (pass --force to replace it)") from None
                 os.replace(tmp, dest)
-        try:
-            _fsync_path(d, getattr(os, "O_DIRECTORY", 0) | os.O_RDONLY)
-        except OSError:
-            pass  # not every file system syncs a directory; the file itself is synced
+        sync_dir(d)  # the file itself is synced
     finally:
         try:
             os.unlink(tmp)

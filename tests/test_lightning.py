@@ -194,6 +194,23 @@ def test_a_snapshot_another_path_names_is_kept(tmp_path):
         assert store.du()["snapshots"] == 0
 
 
+def test_what_a_killed_save_leaves_is_forgotten_by_the_next(tmp_path):
+    """A save killed between its commit and its pointer leaves the ref's tip on a snapshot no
+    file names (the pointer still names the one before, which loads). The next save over
+    that path forgets both; the store holds just the new one."""
+    with tsck.open_store(tmp_path / "store") as store:
+        io = TsckCheckpointIO(store, job="lt")
+        p = tmp_path / "ck" / "last.ckpt"
+        io.save_checkpoint({"global_step": 5, "w": torch.zeros(2)}, p)
+        # the state the kill leaves: the commit of step 10's save, no pointer to it
+        store.put_snapshot({"global_step": 10, "w": torch.ones(2)}, "lt/last", job="lt", step=10,
+                           meta={"lightning_path": str(p)})
+        assert io.load_checkpoint(p)["global_step"] == 5 and len(store.log("lt/last")) == 2
+        io.save_checkpoint({"global_step": 15, "w": torch.full((2,), 2.0)}, p)
+        assert [h.step for h in store.log("lt/last")] == [15] and store.du()["snapshots"] == 1
+        assert io.load_checkpoint(p)["global_step"] == 15
+
+
 def test_save_last_link_and_resume_from_it(tmp_path):
     """save_last="link": last.ckpt is a symlink to the newest top-k pointer; it loads that
     snapshot, and ckpt_path="last" resolves through it."""
