@@ -230,6 +230,27 @@ def test_save_last_link_and_resume_from_it(tmp_path):
         assert trainer.global_step == 35 and again.losses and min(again.losses) == 31
 
 
+def test_checkpoint_paths_on_an_fsspec_filesystem(tmp_path):
+    """Lightning's dirpath may be a URL (s3://, memory://): the pointer files go there
+    through fsspec, the snapshots into the store."""
+    import fsspec
+    mem = fsspec.filesystem("memory")
+    with tsck.open_store(tmp_path / "store") as store:
+        io = TsckCheckpointIO(store, job="lt")
+        a, b = "memory://tsck-lt/ck/epoch=0-step=5.ckpt", "memory://tsck-lt/ck/last.ckpt"
+        try:
+            io.save_checkpoint({"global_step": 5, "w": torch.zeros(2)}, a)
+            io.save_checkpoint({"global_step": 5, "w": torch.zeros(2), "last": True}, b)
+            io.save_checkpoint({"global_step": 10, "w": torch.ones(2), "last": True}, b)
+            assert json.loads(mem.cat_file("/tsck-lt/ck/last.ckpt"))["ref"] == "lt/last"
+            assert io.load_checkpoint(b)["global_step"] == 10 and io.load_checkpoint(a)["global_step"] == 5
+            assert sorted(store.refs()) == ["lt/epoch_0-step_5", "lt/last"] and store.du()["snapshots"] == 2
+            io.remove_checkpoint(a)
+            assert not mem.exists("/tsck-lt/ck/epoch=0-step=5.ckpt") and sorted(store.refs()) == ["lt/last"]
+        finally:
+            mem.rm("/tsck-lt", recursive=True)
+
+
 def test_map_location(tmp_path):
     with tsck.open_store(tmp_path / "store") as store:
         io = TsckCheckpointIO(store, job="lt")
