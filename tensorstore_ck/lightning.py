@@ -17,12 +17,14 @@ Lightning names a checkpoint by a file path; the plugin maps it:
   counter, ``ckpt_path="last"`` by modification time, ``save_last="link"`` symlinks) works
   unchanged; load_checkpoint reads the snapshot the pointer names (its root, not the ref's tip);
 - saving over a path forgets the snapshot its old pointer named, and remove_checkpoint
-  (ModelCheckpoint's top-k) deletes the pointer, then forgets its snapshot and drops the ref
-  when it held only that one. A snapshot another pointer file in the same directory names
-  (a copy, a name that maps to the same ref) is never forgotten.
+  (ModelCheckpoint's top-k) deletes the pointer, then forgets its snapshot, and drops the ref
+  once no pointer file names anything in its history. A snapshot another pointer file in the
+  same directory names (a copy, a name that maps to the same ref, a link) is never forgotten,
+  nor one saved from another directory.
 
-One job per checkpoint directory: two directories with the same file names under one job
-share refs (their pointer files still name their own snapshots).
+Give each checkpoint directory its own job: two directories with the same file names under
+one job share refs (each pointer file still names its own snapshot, and neither directory's
+removals forget the other's, but a ref's tip may then outlive its file).
 
 The checkpoint dict is stored natively (tensors, dicts, lists, tuples, str, numbers, None);
 Lightning's AttributeDict is stored as the dict it is. A value that would need pickle is
@@ -183,10 +185,7 @@ def _named_in_dir(path) -> set[str]:
 
 def _map_location(state, map_location):
     """torch.load's map_location over a checked-out state: for a Store.checkout without
-    map_location= (it is coming there; switch to it once it is in). None leaves tensors
-    where the snapshot put them."""
-    if map_location is None:
-        return state
+    map_location= (it is coming there; switch to it once it is in)."""
 
     def move(t):
         loc = "cpu" if t.device.type == "cpu" else str(t.device)
@@ -254,17 +253,23 @@ class TsckCheckpointIO(CheckpointIO):
         self._replaced(path, ref, info.root, old)
 
     def _replaced(self, path, ref: str, new: str, old: dict | None) -> None:
-        """After a save over `path`: forget what the old pointer named, and the snapshots of
-        the ref's history saved from this very path that no pointer names (a save killed
+        """After a save over `path`: forget what the old pointer named (if this directory's),
+        and the snapshots of the ref's history saved from this very path (a save killed
         between its commit and its pointer leaves one behind), unless a pointer names them."""
-        drop = {old["root"]} if old is not None else set()
+        where = _where(path)
+        drop = set()
+        if old is not None and old["root"] != new:
+            try:
+                saved_at = self.store.show(old["root"]).meta.get("lightning_path")
+            except RefNotFound:
+                saved_at = None
+            if isinstance(saved_at, str) and os.path.dirname(saved_at) == os.path.dirname(where):
+                drop.add(old["root"])
         try:
             hist = self.store.log(ref)
         except RefNotFound:
             hist = []
-        where = _where(path)
-        drop |= {h.root for h in hist[1:] if h.meta.get("lightning_path") == where}
-        drop -= {new}
+        drop |= {h.root for h in hist[1:] if h.meta.get("lightning_path") == where and h.root != new}
         if drop:
             for root in drop - _named_in_dir(path):
                 self._forget(path, root)
@@ -279,14 +284,17 @@ class TsckCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict:
         """The checkpoint the pointer at `path` names. weights_only=True refuses pickled values
-        even with allow_pickle. map_location as for torch.load (None: where they were saved)."""
+        even with allow_pickle. map_location as for torch.load; None loads onto the CPU, as
+        Lightning's TorchCheckpointIO does (Lightning moves the states to the device)."""
+        if map_location is None:
+            map_location = "cpu"
         ptr = _read_pointer(path)
         if ptr is None:
             raise RefNotFound(f"no checkpoint at {os.fspath(path)} (no such file)")
         allow = self.allow_pickle and not weights_only
         kwargs = {"allow_pickle": allow}
         native_ml = "map_location" in inspect.signature(self.store.checkout).parameters
-        if native_ml and map_location is not None:
+        if native_ml:
             kwargs["map_location"] = map_location
         try:
             state = self.store.checkout(ptr["root"], **kwargs)

@@ -194,6 +194,23 @@ def test_a_snapshot_another_path_names_is_kept(tmp_path):
         assert store.du()["snapshots"] == 0
 
 
+def test_two_directories_under_one_job_keep_their_own(tmp_path):
+    """Two checkpoint directories with the same file names under one job share refs; saving
+    over or removing a path in one never forgets a snapshot the other's files name."""
+    with tsck.open_store(tmp_path / "store") as store:
+        io = TsckCheckpointIO(store, job="lt")
+        a, b = tmp_path / "v0" / "last.ckpt", tmp_path / "v1" / "last.ckpt"
+        io.save_checkpoint({"global_step": 5, "w": torch.zeros(2)}, a)
+        io.save_checkpoint({"global_step": 7, "w": torch.ones(2)}, b)
+        io.save_checkpoint({"global_step": 9, "w": torch.ones(2) * 2}, b)
+        assert io.load_checkpoint(a)["global_step"] == 5 and io.load_checkpoint(b)["global_step"] == 9
+        assert [h.step for h in store.log("lt/last")] == [9, 5]
+        io.remove_checkpoint(b)  # the ref's tip stays: the older snapshot is v0's
+        assert io.load_checkpoint(a)["global_step"] == 5
+        io.remove_checkpoint(a)
+        assert [h.step for h in store.log("lt/last")] == [9]
+
+
 def test_what_a_killed_save_leaves_is_forgotten_by_the_next(tmp_path):
     """A save killed between its commit and its pointer leaves the ref's tip on a snapshot no
     file names (the pointer still names the one before, which loads). The next save over
