@@ -2,14 +2,12 @@
 
     pip install 'tensorstore_ck[lightning]' && python examples/lightning_resume.py
 
-1. reference: STEPS steps uninterrupted, in this process;
-2. victim: the same run in a child process, checkpointing every 5 steps through
-   TsckCheckpointIO (ModelCheckpoint top-2 by train_loss, plus last); it SIGKILLs itself
-   after step KILL_AT;
-3. resume: another process, trainer.fit(ckpt_path="last"). The losses of the steps it redoes
-   and its final weights and optimizer state must equal the reference's bit for bit (exit 1 if not).
-The data order comes from tsck.ResumableDataLoader (exact mid-epoch), the dropout RNG from the
-checkpoint (on_save_checkpoint / on_load_checkpoint).
+A child process trains with TsckCheckpointIO (ModelCheckpoint: top-2 by train_loss and last,
+every 5 steps) and SIGKILLs itself after step --kill-at; another resumes with
+trainer.fit(ckpt_path="last"); this process trains the same run uninterrupted. The resumed
+steps' losses and the final weights, optimizer and RNG must equal the reference's bit for bit
+(exit 1 if not). Data order: tsck.ResumableDataLoader (exact mid-epoch); dropout's RNG: saved
+in the checkpoint by on_save_checkpoint (Lightning saves no RNG state itself).
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import warnings
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import tensorstore_ck as tsck
 from tensorstore_ck.lightning import TsckCheckpointIO
@@ -36,9 +35,9 @@ logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banners
 
 
 class Net(L.LightningModule):
-    def __init__(self, echo=False):
+    def __init__(self, echo=False, kill_at=None):
         super().__init__()
-        self.echo, self.losses = echo, {}  # step -> repr of its loss (a float's repr round-trips exactly)
+        self.echo, self.kill_at, self.losses = echo, kill_at, {}  # losses: step -> repr (round-trips exactly)
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                        torch.nn.Linear(64, 1))
 
@@ -67,29 +66,23 @@ class Net(L.LightningModule):
     def on_load_checkpoint(self, checkpoint):
         torch.set_rng_state(checkpoint["torch_rng"])
 
-
-class KillAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *_):
-        if trainer.global_step == self.step:
+    def on_train_batch_end(self, *_):
+        if self.global_step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fit(store_path, job, steps, kill_at=None, resume=False):
-    """One run; returns the final LightningModule and trainer."""
+    """One run, checkpointing into folder <job> beside the store; -> the trained module."""
     torch.set_num_threads(1)  # the same float sums in every process
     L.seed_everything(0, verbose=False)
     with tsck.open_store(store_path) as store:
         ck = ModelCheckpoint(dirpath=os.path.join(os.path.dirname(store_path), job), save_top_k=2,
                              monitor="train_loss", save_last=True, every_n_train_steps=5)
-        trainer = L.Trainer(max_steps=steps, plugins=[TsckCheckpointIO(store, job=job)],
-                            callbacks=[ck] + ([KillAt(kill_at)] if kill_at else []), logger=False,
+        trainer = L.Trainer(max_steps=steps, plugins=[TsckCheckpointIO(store, job=job)], callbacks=[ck], logger=False,
                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
-        model = Net(echo=kill_at is not None or resume)
+        model = Net(echo=kill_at is not None or resume, kill_at=kill_at)
         trainer.fit(model, ckpt_path="last" if resume else None)
-    return model, trainer
+    return model
 
 
 def main():
@@ -107,21 +100,27 @@ def main():
         return
 
     def child(role):
-        cmd = [sys.executable, __file__, "--dir", os.path.dirname(store), "--steps", str(args.steps),
-               "--kill-at", str(args.kill_at), "--child", role]
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        print(f"{role}: exit {p.returncode}")
-        return p.returncode, {int(s): v for _, s, v in (ln.split() for ln in p.stdout.splitlines()
-                                                         if ln.startswith("step "))}
+        return subprocess.Popen([sys.executable, __file__, "--dir", os.path.dirname(store), "--steps",
+                                 str(args.steps), "--kill-at", str(args.kill_at), "--child", role],
+                                stdout=subprocess.PIPE, text=True)
+
+    def losses(p):  # -> exit status, {step: loss}
+        out = p.communicate()[0]
+        return p.returncode, {int(s): v for _, s, v in (ln.split() for ln in out.splitlines() if ln.startswith("step "))}
 
     tsck.open_store(store, create=True).close()
-    rc, victim = child("victim")
-    assert rc == -signal.SIGKILL and max(victim) == args.kill_at, (rc, max(victim, default=None))
+    victim = child("victim")
+    ref = fit(store, "ref", args.steps)  # meanwhile, the uninterrupted reference
+    rc, victim = losses(victim)
+    if rc != -signal.SIGKILL or max(victim, default=None) != args.kill_at:
+        sys.exit(f"the victim should have been killed after step {args.kill_at}: exit {rc}, "
+                 f"last step {max(victim, default=None)}")
     with tsck.open_store(store) as s:
-        print("victim killed after step", max(victim), "; its checkpoints:",
+        print(f"killed after step {args.kill_at}; its checkpoints:",
               {r: i.step for r, i in sorted(s.refs("lt/").items())})
-    _, resumed = child("resume")
-    ref, _ = fit(store, "ref", args.steps)
+    rc, resumed = losses(child("resume"))
+    if rc != 0 or not resumed:
+        sys.exit(f"the resumed run failed: exit {rc}")
     print(f"resumed at step {min(resumed) - 1}; steps redone: {min(resumed)}..{min(args.kill_at, max(resumed))}")
     same_losses = sorted(resumed) == list(range(min(resumed), args.steps + 1)) and all(
         resumed[k] == ref.losses[k] for k in resumed)
@@ -136,6 +135,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"victim": victim, "resumed": resumed, "reference": ref.losses}, f)
     print(f"losses of the resumed steps bit-identical: {same_losses}; final weights, optimizer and RNG: {same_state}")
+    if args.dir is None:
+        shutil.rmtree(os.path.dirname(store), ignore_errors=True)
     sys.exit(0 if same_losses and same_state else 1)
 
 
