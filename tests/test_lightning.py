@@ -280,6 +280,18 @@ def test_map_location(tmp_path):
         assert io.load_checkpoint(p, map_location={"cuda:0": "cpu"})["w"].device.type == "cpu"
 
 
+def test_the_base_package_never_imports_lightning():
+    """Only `tensorstore_ck.lightning` needs the extra; without it, importing that module says
+    how to install it."""
+    code = ("import sys, tensorstore_ck, tensorstore_ck.cli\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]\n"
+            "sys.modules['lightning'] = None\n"
+            "try:\n    import tensorstore_ck.lightning\nexcept ImportError as e:\n    print(e)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "pip install 'tensorstore_ck[lightning]'" in p.stdout
+
+
 @pytest.mark.slow
 def test_example_kill_and_resume_is_bit_identical(tmp_path):
     """examples/lightning_resume.py: the killed run's and the resumed run's losses equal the
