@@ -264,7 +264,7 @@ def _read_dcp(store, ref: str) -> None:
                     raise ContractViolation(f"DcpTree.bytes_item returned {r!r:.100}")
     reader = _attempt(TsckReader, store, ref)
     if reader is not None and _attempt(reader.read_metadata) is not None:
-        for fqn in list(reader._m.bytes):
+        for fqn in list(reader._m.bytes):  # DcpTree or NativeTree (a put_snapshot tree)
             b = _attempt(reader._read_bytes, reader._m, fqn)
             if b is not None and not isinstance(b, bytes):
                 raise ContractViolation(f"TsckReader read {type(b).__name__} for a bytes item")

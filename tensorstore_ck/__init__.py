@@ -29,8 +29,8 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
 import logging as _logging
 
 from . import errors
-from .errors import (AmbiguousTarget, CheckoutMismatch, Fenced, FormatError, GcBusy, IntegrityError, InvalidArgument,
-                     InvalidName, NotAStore, ReadOnlyStore, RefConflict, RefNotFound, SnapshotAborted, StorageError,
+from .errors import (AmbiguousTarget, CheckoutMismatch, DeviceUnavailable, Fenced, FormatError, GcBusy,
+                     IntegrityError, InvalidArgument, InvalidName, NotAStore, ReadOnlyStore, RefConflict, RefNotFound, SnapshotAborted, StorageError,
                      StoreClosed, TsckError, UnreadableObject, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
@@ -51,6 +51,6 @@ __all__ = [
     "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager",
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
-    "CheckoutMismatch", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
+    "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
     "ReadOnlyStore", "UnreadableObject", "__version__",
 ]

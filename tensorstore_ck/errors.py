@@ -10,6 +10,7 @@
     │   └── InvalidName              a bad ref/tag name or target string
     ├── NotAStore                the location exists but holds no tensorstore_ck store
     ├── CheckoutMismatch (ValueError) checkout(into=...) does not fit the snapshot
+    │   └── DeviceUnavailable        a tensor saved on (or mapped to) a device this process lacks
     ├── AmbiguousTarget (LookupError) a root-hash prefix that matches several snapshots
     ├── SnapshotAborted          a collective snapshot was abandoned; nothing published
     ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidName",
     "NotAStore",
     "CheckoutMismatch",
+    "DeviceUnavailable",
     "SnapshotAborted",
     "AmbiguousTarget",
     "StorageError",
@@ -171,6 +173,12 @@ class NotAStore(TsckError):
 
 class CheckoutMismatch(TsckError, ValueError):
     kind = "checkout_mismatch"
+
+
+class DeviceUnavailable(CheckoutMismatch):
+    """checkout found a tensor saved on a device this process lacks (and no map_location
+    saying where it goes). Raised before anything is read."""
+    kind = "device_unavailable"
 
 
 class SnapshotAborted(TsckError):

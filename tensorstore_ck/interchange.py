@@ -32,6 +32,7 @@ from .format.manifest import decode_commit
 from .ids import Digest
 from .info import SnapshotInfo
 from .localfile import write_atomic
+from .paths import dotted, key_str as _key_str, toward as _toward, under as _under
 from .shard import Sharded
 from .validate import check_snapshot_args
 from .walk import read_node
@@ -51,26 +52,6 @@ SAFETENSORS_DTYPES = frozenset(
         "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, n))
 _ST_PLAIN = ("None", "bool", "int", "float", "str", "numpy")  # values that go to the metadata, as strings
-
-
-def _key_str(k) -> str:
-    if type(k) is int and k.bit_length() > 64:
-        return f"<int of {k.bit_length()} bits>"  # str() of a huge int is slow or refused
-    return str(k)
-
-
-def dotted(parts) -> str:
-    """A path inside the state, as ls, checkout --path and safetensors names write it."""
-    return ".".join(map(_key_str, parts))
-
-
-def _under(p: str, path: str | None) -> bool:
-    return path is None or p == path or p.startswith(path + ".")
-
-
-def _toward(p: str, path: str | None) -> bool:
-    """A node at `p` can hold values under `path` (it is above or under it)."""
-    return path is None or p == "" or _under(p, path) or path.startswith(p + ".")
 
 
 # -- ls ----------------------------------------------------------------------------------
@@ -349,9 +330,8 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         _check_for_safetensors(entries, where)
     elif path is not None:
         list_tree(store, root, path)  # refuses a path that holds nothing before a block is read
-    # Reads the whole snapshot, then selects: a checkout of only the paths asked for
-    # (Store.checkout(paths=), issue 15) would read only their blocks.
-    state = store.checkout(root, progress=progress)
+    # Reads only the blocks under PATH; _select then finds the value in the pruned tree.
+    state = store.checkout(root, paths=None if path is None else [path], progress=progress)
     value, prefix = (state, "") if path is None else _select(state, path)
     try:
         if fmt == "safetensors":

@@ -24,6 +24,7 @@ from .errors import UnsupportedType
 from .format import tree
 from .format.dtypes import QUANT_NAMES, QUANT_REPR, np_dtype_out, torch_dtype_name
 from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWriter, Pending, format_path
+from .paths import is_stateful
 from .shard import Replicated, Sharded
 
 __all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous",
@@ -215,6 +216,16 @@ class Planner:
             v = {"S": [np_dtype_out(obj.dtype), obj.tobytes()]}
             tree.check_leaf(v, path)  # e.g. a str_ with code points beyond U+10FFFF, a too deep dtype
             return v
+        if is_stateful(obj):  # DCP's Stateful (a module, an optimizer): stored as its state_dict()
+            try:
+                sd = obj.state_dict()
+            except Exception as e:  # noqa: BLE001 - the object's own failure
+                raise UnsupportedType(f"{t.__name__}.state_dict() failed: {type(e).__name__}: {e}",
+                                      format_path(path)) from e
+            if not isinstance(sd, dict):
+                raise UnsupportedType(f"{t.__name__}.state_dict() returned {type(sd).__name__}, not a dict",
+                                      format_path(path))
+            return self._plan(sd, path, depth)
         return self._unsupported(obj, path)
 
     def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None, private=False):

@@ -26,20 +26,59 @@ import numpy as np
 import torch
 
 from .assets import Assets
-from .errors import CheckoutMismatch, FormatError, IntegrityError, UnsupportedType, into_summary
+from .errors import (CheckoutMismatch, DeviceUnavailable, FormatError, IntegrityError, InvalidArgument,
+                     UnsupportedType, into_summary)
 from .format import tree
 from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
+from .paths import FULL, SKIP, Selection, dotted, is_stateful
 from .shard import Sharded, find_overlap
 
-__all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING"]
+__all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING", "check_map_location"]
 
 # A fresh tensor bigger than this is allocated only once all its blocks are known
 # to exist (one HEAD / stat per distinct block; smaller ones are not worth it).
 PRESENCE_CHECK_ABOVE = 64 << 20
 
 MISSING = _MISSING = object()  # checkout without into=
+_SKIPPED = object()  # a value the selection (paths=) leaves out
+
+
+def check_map_location(ml):
+    """torch.load's map_location: None, a device (str or torch.device), a dict from saved
+    location to location, or a callable(tensor, location) -> tensor (None: the default)."""
+    if ml is None or callable(ml):
+        return ml
+    if isinstance(ml, dict):
+        out = {}
+        for k, v in ml.items():
+            out[str(_device(k, "map_location key"))] = str(_device(v, "map_location value"))
+        return out
+    return str(_device(ml, "map_location"))
+
+
+def _device(d, what: str) -> torch.device:
+    if not isinstance(d, (str, torch.device)):
+        raise InvalidArgument(f"{what} must be a device (str or torch.device), got {type(d).__name__}")
+    try:
+        return torch.device(d)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidArgument(f"{what} {d!r} is not a device: {e}") from None
+
+
+def _available(dev: torch.device) -> bool:
+    if dev.type == "cpu":
+        return True
+    if dev.type == "meta":
+        return False  # no data there: a snapshot never restores onto it
+    mod = getattr(torch, dev.type, None)
+    try:
+        if mod is None or not mod.is_available():
+            return False
+        return dev.index is None or dev.index < mod.device_count()
+    except Exception:  # noqa: BLE001 - backends' probes fail in their own ways
+        return False
 
 # What one value of the state (a container, a scalar, a leaf) is charged against
 # max_bytes before a checkout materialises anything: roughly a small Python object and
@@ -142,7 +181,13 @@ class Reader:
     nothing from a manifest is executed (pickle only if allowed)."""
 
     def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
-                 allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0, progress=None):
+                 allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0, progress=None,
+                 paths=None, map_location=None):
+        self._opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank,
+                          progress=progress)
+        # paths: only the sub-trees these dotted paths name are read (nodes and blocks)
+        self.select = None if paths is None else Selection(paths)
+        self.map_location = check_map_location(map_location)
         self.progress = progress  # progress(bytes) per block read (a terminal's bar)
         self.rank = rank  # whose rank-local values a multi-rank snapshot yields
         self.assets = assets
@@ -158,6 +203,7 @@ class Reader:
         self._after: list = []     # run once every block is read and verified
         self._assign: list = []    # (container, key, value) of the caller's tree, set then too
         self._staged: set = set()  # paths of the caller's tensors that also get an after-copy
+        self._loads: list = []     # (Stateful, state dict, path): load_state_dict once all is in place
         # Decoded nodes by (address, depth, world): each is fetched and decoded once per
         # checkout, however many paths name it. _sizes: (values, tensor bytes) under a node.
         self._decoded: dict = {}
@@ -165,9 +211,27 @@ class Reader:
 
     def read(self, top: bytes, into=_MISSING):
         """The state under the top node `top` (into=: update that tree in place)."""
-        return self.materialize(self._node(top, (), 0, world=True), (), into)
+        return self.materialize(self.top(top), (), into)
 
-    def materialize(self, value, path=(), into=_MISSING):
+    def top(self, top: bytes):
+        """The decoded value of the top node `top`."""
+        return self._node(top, (), 0, world=True)
+
+    def deref(self, v, path):
+        """A value with its node references followed (nodes read once per checkout)."""
+        return self._deref(v, path, len(path))
+
+    def plain(self) -> "Reader":
+        """A reader of the same snapshot without selection nor device mapping (metadata)."""
+        return Reader(self.assets, self.pool, snapshot=self.snapshot, **self._opts)
+
+    def flat(self, container: tree.Container, path, into=_MISSING) -> dict:
+        """A dict container's values by key, every key read (into=: a dict of the caller's
+        tensors to fill in place by key; the other keys come back fresh)."""
+        r = Reader(self.assets, self.pool, snapshot=self.snapshot, map_location=self.map_location, **self._opts)
+        return r.materialize(container, path, into, ext=True)
+
+    def materialize(self, value, path=(), into=_MISSING, *, ext: bool = False):
         """A decoded manifest value (tree.decode_value's result) -> python values.
 
         Before anything is allocated, the whole tree is measured over distinct nodes:
@@ -178,19 +242,28 @@ class Reader:
         With into=, a failure leaves each value in the tree either untouched, fully
         replaced or (the few whose blocks were being copied) partly replaced, by
         verified snapshot bytes only; an IntegrityError says which paths are which."""
-        values, nbytes = self._measure(value, path, len(path))
+        sel = FULL if self.select is None else dotted(path)
+        values, nbytes = self._measure(value, path, len(path), sel, _MISSING if ext else into)
         if values * VALUE_COST > self.max_bytes or (into is _MISSING and nbytes > self.max_bytes):
             raise self._fmt(f"the snapshot's tree holds {values} values and {nbytes} tensor bytes at its paths, "
                             f"more than max_bytes={self.max_bytes} allows ({VALUE_COST} bytes per value; "
                             "checkout(..., max_bytes=N) raises the cap)", path)
+        if self.select is not None and self.select.unmatched():
+            missing = self.select.unmatched()
+            raise InvalidArgument(f"snapshot {self.snapshot[:16]} holds nothing at "
+                                  f"{', '.join(repr(p) for p in missing[:5])}"
+                                  f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''} "
+                                  "(paths are dotted: model.layers.0.weight; `tsck ls` lists them)")
         written: dict = {}
         reading = False
         try:
-            out = self._value(value, path, len(path), into)
+            out = self._value(value, path, len(path), into, sel, ext)
+            if out is _SKIPPED:
+                out = {}
             reading = True
             self._run_jobs(written)
         except BaseException as e:
-            self._jobs, self._after, self._assign = [], [], []
+            self._jobs, self._after, self._assign, self._loads = [], [], [], []
             if into is _MISSING or not (reading or isinstance(e, IntegrityError)):
                 raise  # e.g. CheckoutMismatch while walking the tree: nothing was written
             raise self._into_failure(e, written) from None
@@ -201,6 +274,14 @@ class Reader:
             fn()
         for container, key, v in assign:
             container[key] = v
+        loads, self._loads = self._loads, []
+        for obj, sd, p in loads:
+            try:
+                obj.load_state_dict(sd)
+            except Exception as e:  # noqa: BLE001 - each Stateful fails in its own way
+                raise CheckoutMismatch(f"{type(obj).__name__}.load_state_dict at {format_path(p) or 'top'} "
+                                       f"refused snapshot {self.snapshot[:16]}'s state: "
+                                       f"{type(e).__name__}: {e}") from e
         return out
 
     def _into_failure(self, e: BaseException, written: dict) -> BaseException:
@@ -223,11 +304,14 @@ class Reader:
     def _fmt(self, msg, path):
         return FormatError(f"{msg} at {format_path(path) or 'top'} of snapshot {self.snapshot[:16]}")
 
-    def _measure(self, v, path, depth) -> tuple[int, int]:
+    def _measure(self, v, path, depth, sel=FULL, into=_MISSING) -> tuple[int, int]:
         """(values, tensor bytes) of the sub-tree `v` summed over every path, each node
-        measured once per depth (memoised), so a DAG bomb costs its nodes, not its paths."""
+        measured once per depth (memoised), so a DAG bomb costs its nodes, not its paths.
+        Only what the selection and a plain into= dict keep is measured (and read)."""
         t = type(v)
         if t is tree.Ref:
+            if sel is not FULL or into is not _MISSING:
+                return self._measure(self._node(v.digest, path, depth), path, depth, sel, into)
             key = (v.digest, depth)
             hit = self._sizes.get(key)
             if hit is None:
@@ -235,18 +319,36 @@ class Reader:
             return hit
         if t is tree.Container:
             values, nbytes = 1, 0
-            pairs = v.items if v.kind in ("d", "o") else enumerate(v.items)
-            for k, x in pairs:
-                a, b = self._measure(x, path + (k,), depth + 1)
+            sub = into if isinstance(into, (dict, list)) and not is_stateful(into) else None
+            for k, x, csel in self._items(v, path, sel):
+                if isinstance(sub, dict) and k not in sub:
+                    continue
+                cinto = sub.get(k, _MISSING) if isinstance(sub, dict) else (
+                    sub[k] if isinstance(sub, list) and type(k) is int and k < len(sub) else _MISSING)
+                a, b = self._measure(x, path + (k,), depth + 1, csel, cinto)
                 values, nbytes = values + a, nbytes + b
             return values, nbytes
         if t is tree.World:  # one rank's view: the largest rank tree bounds it
-            return max((self._measure(tree.Ref(d), path, depth) for d in v.ranks), default=(1, 0))
+            return max((self._measure(tree.Ref(d), path, depth, sel, into) for d in v.ranks), default=(1, 0))
+        if sel is not FULL:
+            return 0, 0  # a leaf above what the selection names: left out
         if t in (tree.Tensor, tree.Array):
             return 1, v.nbytes
         if t is tree.Global:
             return 1, math.prod(v.shape) * v.dtype.itemsize
         return 1, 0
+
+    def _items(self, v: tree.Container, path, sel):
+        """(key, value, its selection state) of a container's items the selection keeps."""
+        pairs = v.items if v.kind in ("d", "o") else enumerate(v.items)
+        if sel is FULL:
+            for k, x in pairs:
+                yield k, x, FULL
+            return
+        for k, x in pairs:
+            csel = self.select.step(sel, k)
+            if csel is not SKIP:
+                yield k, x, csel
 
     def _node(self, d, path, depth, world: bool = False):
         key = (d, depth, world)
@@ -278,17 +380,25 @@ class Reader:
         elif (container.get(key, _MISSING) if isinstance(container, dict) else container[key]) is not v:
             self._assign.append((container, key, v))
 
-    def _value(self, v, path, depth, into=_MISSING):
-        if v is None or isinstance(v, (bool, int, float, str, bytes)):
-            return v
+    def _value(self, v, path, depth, into=_MISSING, sel=FULL, ext=False):
+        """The python value of `v`. sel: the selection state here (paths=); ext: `into` is a
+        Stateful's state_dict(), which gets every key of the snapshot, not only its own."""
+        if into is not _MISSING and is_stateful(into):
+            return self._stateful(v, path, depth, into, sel)
         t = type(v)
         if t is tree.Ref:
             # A node stands in for a value at the same level of the state tree.
-            return self._value(self._node(v.digest, path, depth), path, depth, into)
+            return self._value(self._node(v.digest, path, depth), path, depth, into, sel, ext)
+        if t is tree.World:
+            return self._value(self._merge_world(v, path, depth, sel), path, depth, into, sel, ext)
         if t is tree.Container:
             if v.kind in ("d", "o"):
-                return self._dict(v, path, depth, into)
-            return self._seq(v, path, depth, into)
+                return self._dict(v, path, depth, into, sel, ext)
+            return self._seq(v, path, depth, into, sel, ext)
+        if sel is not FULL:
+            return _SKIPPED  # a leaf above what the selection names
+        if v is None or isinstance(v, (bool, int, float, str, bytes)):
+            return v
         if t is tree.Tensor:
             return self._tensor(v, path, into)
         if t is tree.Global:
@@ -297,8 +407,6 @@ class Reader:
             return self._array(v, path, into)
         if t is tree.NpScalar:
             return self._scalar(v, path)
-        if t is tree.World:
-            return self._value(self._merge_world(v, path, depth), path, depth, into)
         if t is tree.Pickled:
             if not self.allow_pickle:
                 raise UnsupportedType("snapshot holds a pickled object; pass allow_pickle=True to "
@@ -309,24 +417,62 @@ class Reader:
                 raise self._fmt(f"pickled object does not load: {e}", path) from None
         raise self._fmt(f"unexpected manifest value {t.__name__}", path)  # pragma: no cover
 
-    def _dict(self, v, path, depth, into):
+    def _stateful(self, v, path, depth, obj, sel):
+        """A DCP Stateful target: its state_dict() is filled (tensors in place, the keys it
+        lacks added), then handed to its load_state_dict() once every read succeeded."""
+        try:
+            sd = obj.state_dict()
+        except Exception as e:  # noqa: BLE001
+            raise CheckoutMismatch(f"{type(obj).__name__}.state_dict() at {format_path(path) or 'top'} failed: "
+                                   f"{type(e).__name__}: {e}") from e
+        if not isinstance(sd, dict):
+            raise CheckoutMismatch(f"{type(obj).__name__}.state_dict() at {format_path(path) or 'top'} returned "
+                                   f"{type(sd).__name__}, not a dict")
+        out = self._value(v, path, depth, sd, sel, ext=True)
+        if out is not _SKIPPED:
+            self._loads.append((obj, out, path))
+        return obj
+
+    def _dict(self, v, path, depth, into, sel, ext):
         given = isinstance(into, dict)
         target = into if given else (dict() if v.kind == "d" else OrderedDict())
-        for k, x in v.items:
-            self._set(target, k, self._value(x, path + (k,), depth + 1, target.get(k, _MISSING) if given else _MISSING),
-                      given)
+        if given:
+            # Every key the caller's tree names must be in the snapshot (nothing is read otherwise).
+            have = {k for k, _ in v.items}
+            lacks = [k for k in into if k not in have
+                     and (sel is FULL or self.select.step(sel, k) is not SKIP)]
+            if lacks:
+                raise CheckoutMismatch(f"the snapshot has no {', '.join(repr(k) for k in lacks[:5])}"
+                                       f"{f' (and {len(lacks) - 5} more)' if len(lacks) > 5 else ''} under "
+                                       f"{format_path(path) or 'its top'}, which the into= tree has")
+        for k, x, csel in self._items(v, path, sel):
+            if given and not ext and k not in into:
+                continue  # into= names what to read: the rest is neither read nor added
+            out = self._value(x, path + (k,), depth + 1, into.get(k, _MISSING) if given else _MISSING, csel, ext)
+            if out is not _SKIPPED:
+                self._set(target, k, out, given)
         return target
 
-    def _seq(self, v, path, depth, into):
+    def _seq(self, v, path, depth, into, sel, ext):
         if v.kind == "l" and type(into) is list:
             if len(into) != len(v.items):
                 raise CheckoutMismatch(f"list at {format_path(path)} has {len(into)} items, "
                                        f"snapshot has {len(v.items)}")
-            for i, x in enumerate(v.items):
-                self._set(into, i, self._value(x, path + (i,), depth + 1, into[i]), True)
+            for i, x, csel in self._items(v, path, sel):
+                out = self._value(x, path + (i,), depth + 1, into[i], csel, ext)
+                if out is not _SKIPPED:
+                    self._set(into, i, out, True)
             return into
         sub = into if type(into) is tuple and len(into) == len(v.items) else None
-        items = [self._value(x, path + (i,), depth + 1, sub[i] if sub else _MISSING)
+        if sel is not FULL:
+            # Part of a sequence: its selected items by index (no index shifts).
+            out = {}
+            for i, x, csel in self._items(v, path, sel):
+                item = self._value(x, path + (i,), depth + 1, sub[i] if sub else _MISSING, csel, ext)
+                if item is not _SKIPPED:
+                    out[i] = item
+            return out
+        items = [self._value(x, path + (i,), depth + 1, sub[i] if sub else _MISSING, FULL, ext)
                  for i, x in enumerate(v.items)]
         return items if v.kind == "l" else tuple(items)
 
@@ -372,22 +518,23 @@ class Reader:
             self._jobs = pending
 
     # -- multi-rank snapshots ----------------------------------------------------
-    def _merge_world(self, w: tree.World, path, depth):
+    def _merge_world(self, w: tree.World, path, depth, sel=FULL):
         """A collective snapshot holds one tree per rank. Merge them into this rank's
         view: its own rank-local values (rank 0's for a rank the snapshot did not
-        have), with every sharded tensor's chunks gathered from all ranks."""
+        have), with every sharded tensor's chunks gathered from all ranks. Only what
+        the selection keeps is merged (and read)."""
         vals = [self._node(d, path, depth) for d in w.ranks]
-        sel = self.rank if self.rank < len(vals) else 0
-        return self._merge(vals, sel, path, depth)
+        me = self.rank if self.rank < len(vals) else 0
+        return self._merge(vals, me, path, depth, sel)
 
     def _deref(self, v, path, depth):
         while type(v) is tree.Ref:
             v = self._node(v.digest, path, depth)
         return v
 
-    def _merge(self, vals, sel, path, depth):
+    def _merge(self, vals, me, path, depth, sel=FULL):
         vals = [self._deref(v, path, depth) for v in vals]
-        v0 = vals[sel]
+        v0 = vals[me]
         if type(v0) is tree.Global:
             chunks = [c for v in vals if type(v) is tree.Global and v.dt == v0.dt and v.shape == v0.shape
                       for c in v.chunks]
@@ -397,16 +544,21 @@ class Reader:
         same = [v for v in vals if type(v) is tree.Container and v.kind == v0.kind]
         if len(same) != len(vals):
             return v0  # the ranks' trees differ here: this rank's own view
+
+        def child(items, k, i):
+            csel = FULL if sel is FULL else self.select.step(sel, k)
+            if csel is SKIP:
+                return v0.items[i][1] if v0.kind in ("d", "o") else v0.items[i]  # left out: not read
+            return self._merge(items, me, path + (k,), depth + 1, csel)
+
         if v0.kind in ("d", "o"):
             keys = [[k for k, _ in v.items] for v in same]
-            if all(k == keys[sel] for k in keys):
-                return tree.Container(v0.kind, [
-                    (k, self._merge([v.items[i][1] for v in same], sel, path + (k,), depth + 1))
-                    for i, k in enumerate(keys[sel])])
+            if all(k == keys[me] for k in keys):
+                return tree.Container(v0.kind, [(k, child([v.items[i][1] for v in same], k, i))
+                                                for i, k in enumerate(keys[me])])
             return v0
         if all(len(v.items) == len(v0.items) for v in same):
-            return tree.Container(v0.kind, [self._merge([v.items[i] for v in same], sel, path + (i,), depth + 1)
-                                            for i in range(len(v0.items))])
+            return tree.Container(v0.kind, [child([v.items[i] for v in same], i, i) for i in range(len(v0.items))])
         return v0
 
     # -- global (sharded) tensors ------------------------------------------------
@@ -503,28 +655,68 @@ class Reader:
             if leaf.nbytes:
                 self._fill(dst.reshape(-1).view(torch.uint8).numpy(), leaf, path, caller=caller)
             return into
+        place = self._placement(leaf.device, path)  # before anything is allocated or read
         self._reserve(leaf, path)
         try:
             t = torch.empty(sh, dtype=dtype)
             flat = t.reshape(-1).view(torch.uint8).numpy() if leaf.nbytes else None
         except Exception as e:
             raise self._fmt(f"cannot allocate tensor of {leaf.dt} {sh}: {e}", path) from None
-        dev = leaf.device
-        on_cuda = isinstance(dev, str) and dev.startswith("cuda") and torch.cuda.is_available()
         if leaf.nbytes:
-            # A CUDA tensor is filled now, so it can be moved before it is placed in the tree.
-            (self._fill_now if on_cuda else self._fill)(flat, leaf, path)
-        if on_cuda:
-            try:
-                t = t.to(dev)
-            except Exception:  # e.g. fewer devices than when written: stay on the CPU
-                pass
+            # A tensor bound for another place is filled now, so it can be moved before it
+            # is placed in the tree.
+            (self._fill_now if place is not None else self._fill)(flat, leaf, path)
+        if place is not None:
+            t = self._move(t, place, path)
         rg = leaf.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)  # only those can
         if leaf.param:
             return torch.nn.Parameter(t, requires_grad=rg)
         if rg:
             t.requires_grad_(True)
         return t
+
+    def _placement(self, saved: str | None, path):
+        """Where a fresh tensor saved on `saved` goes, by map_location (torch.load's
+        meanings): None for the CPU, else (device, None) or (None, location) for a callable.
+        A device this process lacks is refused before anything is read."""
+        loc = saved or "cpu"
+        ml = self.map_location
+        if callable(ml):
+            return None, loc
+        dest = loc if ml is None else ml.get(loc, loc) if isinstance(ml, dict) else ml
+        return self._device_for(dest, loc, path)
+
+    def _device_for(self, dest: str, loc: str, path):
+        if dest == "cpu":
+            return None
+        try:
+            dev = torch.device(dest)
+        except (RuntimeError, ValueError, TypeError):
+            dev = None
+        if dev is None or not _available(dev):
+            where = "was saved on" if dest == loc else "is mapped to"
+            raise DeviceUnavailable(f"the tensor at {format_path(path) or 'top'} of snapshot {self.snapshot[:16]} "
+                                    f"{where} {dest[:64]!r}, which this process does not have; pass "
+                                    "map_location='cpu' (or another device, a dict or a callable, as for "
+                                    "torch.load) to checkout")
+        return dev, None
+
+    def _move(self, t: torch.Tensor, place, path) -> torch.Tensor:
+        dev, loc = place
+        if dev is not None:
+            return t.to(dev)
+        try:
+            out = self.map_location(t, loc)
+        except Exception as e:  # noqa: BLE001 - the caller's function
+            raise CheckoutMismatch(f"map_location({loc!r}) failed for the tensor at {format_path(path) or 'top'}: "
+                                   f"{type(e).__name__}: {e}") from e
+        if out is None:  # torch.load's default: where it was saved
+            saved = self._device_for(loc, loc, path)
+            return t if saved is None else t.to(saved[0])
+        if not isinstance(out, torch.Tensor) or out.dtype != t.dtype or out.shape != t.shape:
+            raise CheckoutMismatch(f"map_location({loc!r}) returned {type(out).__name__} for the tensor at "
+                                   f"{format_path(path) or 'top'}: it must return the tensor it was given, moved")
+        return out
 
     def _quantized(self, leaf: tree.Tensor, path, into):
         _qt, repr_dtype = QUANT_BY_NAME[leaf.dt]

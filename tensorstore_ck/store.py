@@ -35,6 +35,7 @@ from .info import SnapshotInfo, row_to_info
 from .plan import Planner
 from .publish import Publisher
 from .read import MISSING, Reader
+from .dcpview import is_dcp_top, read_dcp
 from .refs import RefTable
 from .format.names import parse_target, validate_component, validate_name, validate_new_name
 from .retention import Retention
@@ -477,13 +478,23 @@ class Store:
         return self._info(self._root(target))
 
     @_public
-    def checkout(self, target: str, *, into=None, verify: bool | None = None, allow_pickle: bool = False,
-                 group=_AUTO_GROUP, timeout: float = 300.0, max_bytes: int | None = None,
-                 progress: bool = False):
+    def checkout(self, target: str, *, into=None, paths=None, map_location=None, verify: bool | None = None,
+                 allow_pickle: bool = False, group=_AUTO_GROUP, timeout: float = 300.0,
+                 max_bytes: int | None = None, progress: bool = False):
         """The state of a snapshot, verified against its root hash (unless verify=False).
 
         into=: an existing tree whose tensors/arrays/lists/dicts are updated in
-        place (dtype and shape must match: CheckoutMismatch); it is returned.
+        place (dtype and shape must match: CheckoutMismatch); it is returned. Only
+        the keys its dicts have are read (each must be in the snapshot); a DCP
+        Stateful in it (a module, an optimizer: state_dict()/load_state_dict())
+        gets its whole sub-tree through load_state_dict once every read succeeded.
+        into= tensors keep their own device.
+        paths=["model", "optim.state.3"]: only those sub-trees (dotted paths, as
+        `tsck ls` prints them), reading only their nodes and blocks; a list or
+        tuple of which only some items are selected comes back as {index: item}.
+        map_location: torch.load's meanings (a device, {saved: device}, or a
+        callable(tensor, saved_location) -> tensor). Without it, a tensor saved on
+        a device this process lacks raises DeviceUnavailable (nothing is read).
         max_bytes: the most fresh memory the snapshot's manifest may make this call
         allocate (default: the host's RAM + swap); beyond it, FormatError.
         progress=True: the bytes read as a bar on stderr (`tsck checkout`)."""
@@ -491,18 +502,24 @@ class Store:
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
                                       or max_bytes < 0):
             raise InvalidArgument(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, paths=paths,
+                    map_location=map_location)
+        Reader(self.assets, self._pool, snapshot="", **opts)  # checks paths and map_location first
+
+        def read_with(reader: Reader, top: bytes):
+            v = reader.top(top)
+            if is_dcp_top(v):  # written by dcp.save through TsckWriter: the state it saved
+                return read_dcp(reader, v, MISSING if into is None else into, allow_pickle=allow_pickle)
+            return reader.materialize(v, (), MISSING if into is None else into)
 
         def read(root: Digest, rank: int = 0):
             c = decode_commit(self.assets.get_commit(root, verify=verify))
             if not progress:
-                reader = Reader(self.assets, self._pool, snapshot=root.hex(), verify=verify,
-                                allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank)
-                return reader.read(c["tree"], MISSING if into is None else into)
+                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, **opts), c["tree"])
             st = c.get("stats") or {}
             with _bytes_bar("checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                reader = Reader(self.assets, self._pool, snapshot=root.hex(), verify=verify,
-                                allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank, progress=bar.update)
-                return reader.read(c["tree"], MISSING if into is None else into)
+                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank,
+                                        progress=bar.update, **opts), c["tree"])
 
         if is_collective(group):
             return collective_checkout(self._collective, target, resolve=self._root, read=read, group=group,

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import tensorstore_ck as tsck
 from tensorstore_ck.dcp import TsckReader, TsckWriter, decode_metadata, encode_metadata
+from tensorstore_ck.interchange import _select
 
 try:
     from ._util import assert_same, tensor_bytes
@@ -149,23 +150,25 @@ def test_read_metadata_reconstructs_dcp_metadata_exactly(small_store):
     assert decode_metadata(encode_metadata(md)) == md
 
 
-def test_plain_checkout_returns_full_tensors(small_store):
+def test_plain_checkout_returns_the_saved_state(small_store):
+    """store.checkout of a dcp.save snapshot gives the state_dict that was saved (issue 15):
+    tensors whole, non-tensor values loaded, dict keys as DCP flattens them (str)."""
     sd = _state(0)
     want = copy.deepcopy(sd)
     _save(sd, small_store)
     snap = small_store.checkout("jobA/main")
-    assert snap["format"] == "dcp" and snap["version"] == 1
-    t = snap["tensors"]
-    assert_same(want["extra"]["big"], t["extra.big"], loose_types=True)
-    assert_same(want["extra"]["transposed"].contiguous(), t["extra.transposed"], loose_types=True)
-    assert_same(want["model"]["0.weight"], t["model.0.weight"], loose_types=True)
-    assert_same(want["optim"]["state"][0]["exp_avg"], t["optim.state.0.exp_avg"], loose_types=True)
-    # non-tensor values: DCP's torch.save bytes
-    b = snap["bytes"]
-    assert isinstance(b["extra.name"], bytes)
-    assert torch.load(io.BytesIO(b["extra.name"]), weights_only=False) == "run-0"
-    assert torch.load(io.BytesIO(b["extra.flags.pair"]), weights_only=False) == (1, "two")
-    assert snap["metadata"]["state_dict_metadata"]["extra.big"]["size"] == [96, 500]
+    assert set(snap) == {"model", "optim", "extra"}
+    e = snap["extra"]
+    assert_same(want["extra"]["big"], e["big"], loose_types=True)
+    assert_same(want["extra"]["transposed"].contiguous(), e["transposed"], loose_types=True)
+    assert_same(want["model"]["0.weight"], snap["model"]["0.weight"], loose_types=True)
+    assert_same(want["optim"]["state"][0]["exp_avg"], snap["optim"]["state"]["0"]["exp_avg"], loose_types=True)
+    assert e["name"] == "run-0" and e["step"] == 1234 and e["lrs"] == [0.1, 0.01]
+    assert e["flags"] == {"ema": True, "none": None, "pair": (1, "two")}
+    assert snap["optim"]["param_groups"][0]["lr"] == want["optim"]["param_groups"][0]["lr"]
+    # The DCP layout itself is still there for the DCP reader.
+    assert TsckReader(small_store, "jobA/main").read_metadata().state_dict_metadata["extra.big"].size == \
+        torch.Size([96, 500])
 
 
 def test_same_state_twice_writes_no_new_blocks(small_store):
@@ -229,8 +232,7 @@ def test_large_bytes_item_goes_to_blocks(small_store):
     got = {"w": torch.zeros(3), "blob": b""}
     dcp.load(got, storage_reader=TsckReader(small_store, "jobA/main"))
     assert got["blob"] == blob
-    snap = small_store.checkout("jobA/main")
-    assert snap["bytes"]["blob"].dtype == torch.uint8  # over 1 MiB: a uint8 tensor of the bytes
+    assert small_store.checkout("jobA/main")["blob"] == blob  # over 1 MiB: stored as a uint8 tensor leaf
     _save(sd, small_store, step=2)
     assert small_store.log("jobA/main")[0].blocks_new == 0
 
@@ -317,8 +319,11 @@ def test_errors(small_store):
     with pytest.raises(tsck.InvalidName):
         TsckWriter(small_store, ref="bad ref")
     small_store.put_snapshot({"w": torch.ones(2)}, "plain/main")
-    with pytest.raises(CheckpointException, match="not a DCP snapshot"):
-        dcp.load({"w": torch.zeros(2)}, storage_reader=TsckReader(small_store, "plain/main"))
+    got = {"w": torch.zeros(2)}  # a put_snapshot snapshot loads (issue 15)...
+    dcp.load(got, storage_reader=TsckReader(small_store, "plain/main"))
+    assert torch.equal(got["w"], torch.ones(2))
+    with pytest.raises((CheckpointException, RuntimeError), match="Missing key"):  # ...and DCP's own checks stay
+        dcp.load({"w": torch.zeros(2), "v": torch.zeros(1)}, storage_reader=TsckReader(small_store, "plain/main"))
 
 
 # ---------------------------------------------------------------- gc fence
@@ -398,12 +403,11 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
     with tsck.open_store(store_dir) as s:
         assert len(s.log("jobA/main")) == 1
         snap = s.checkout("jobA/main")
-        t = snap["tensors"]
         for name, fqn in [("emb.weight", "model.emb.weight"), ("lin.weight", "model.lin.weight"),
                           ("lin.bias", "model.lin.bias"), ("norm.scale", "model.norm.scale"),
                           ("emb.exp_avg", "optim.state.emb.weight.exp_avg"),
                           ("lin.exp_avg", "optim.state.lin.weight.exp_avg")]:
-            assert_same(G[name], t[fqn], fqn, loose_types=True)
+            assert_same(G[name], _select(snap, fqn)[0], fqn, loose_types=True)
         md = TsckReader(s, "jobA/main").read_metadata()
         assert len(md.state_dict_metadata["model.emb.weight"].chunks) == 4
 

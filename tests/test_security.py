@@ -86,7 +86,7 @@ def test_planted_pickle_is_never_loaded_without_opt_in(sandbox, where):
     info = _publish_node(store, value)
     with pytest.raises(tsck.UnsupportedType):
         store.checkout("evil/x")
-    with pytest.raises(tsck.UnsupportedType):
+    with pytest.raises((tsck.UnsupportedType, tsck.CheckoutMismatch)):  # "model" may not be there
         store.checkout(info.root, into={"model": {"w": torch.zeros(1)}})
     # the tools that walk manifests never unpickle either
     store.diff("evil/x", "a/b")
@@ -262,13 +262,16 @@ def test_addresses_in_manifests_are_digests_not_paths(sandbox, value):
 
 
 def test_device_field_is_not_trusted(sandbox):
-    """'dev' only ever selects a CUDA device when one exists; anything else stays on the CPU."""
+    """'dev' only ever selects a device this process has; anything else is refused before a
+    read (DeviceUnavailable) and lands on the CPU when map_location says so."""
     store, _ = sandbox
     for dev in ["../../x", "cuda:99", "meta", "cpu; rm -rf /", "mps"]:
         _publish_node(store, {"T": {"dt": "float32", "sh": [1], "n": 4, "x": b"\0" * 4, "dev": dev}},
                       ref="evil/d")
-        t = store.checkout("evil/d")
-        assert isinstance(t, torch.Tensor) and t.device.type in ("cpu", "cuda")
+        with pytest.raises(tsck.DeviceUnavailable):
+            store.checkout("evil/d")
+        t = store.checkout("evil/d", map_location="cpu")
+        assert isinstance(t, torch.Tensor) and t.device.type == "cpu"
 
 
 def test_a_valid_numpy_dtype_still_reads(sandbox):

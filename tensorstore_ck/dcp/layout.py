@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from ..assets import Assets
+from ..dcpview import DCP_FORMAT, DCP_LAYOUT_VERSION, MAX_LAYOUT_VERSION, MIN_LAYOUT_VERSION
 from ..errors import FormatError, UnsupportedType
 from ..format import tree
 from ..format.manifest import decode_commit
@@ -22,9 +23,6 @@ from ..walk import read_node
 
 __all__ = ["DCP_FORMAT", "DCP_LAYOUT_VERSION", "BYTES_INLINE_MAX", "compose", "DcpTree"]
 
-DCP_FORMAT = "dcp"
-DCP_LAYOUT_VERSION = 1          # the "version" field of the tree; readers accept 1..1
-MIN_LAYOUT_VERSION = MAX_LAYOUT_VERSION = 1
 BYTES_INLINE_MAX = 1 << 20      # bytes items up to this size are stored inline (msgpack bin)
 
 

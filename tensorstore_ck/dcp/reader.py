@@ -20,10 +20,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CheckoutMismatch, FormatError, InvalidArgument
-from ..read import PRESENCE_CHECK_ABOVE, default_max_bytes, read_box, run_reads
+from ..dcpview import is_dcp_top
+from ..format.manifest import decode_commit
+from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes, read_box, run_reads
 from ..format.names import parse_target
 from ..store import Store
 from .layout import DcpTree
+from .native import NativeTree
 from .metadata import decode_metadata
 
 __all__ = ["TsckReader"]
@@ -36,7 +39,8 @@ class TsckReader(StorageReader):
 
     target: a ref, tag, REF@STEP or root hash (prefix); it is resolved when DCP
     reads the metadata, and every rank then reads the snapshot the coordinator
-    resolved. dcp.load's checkpoint_id, when given, replaces the target."""
+    resolved. dcp.load's checkpoint_id, when given, replaces the target. A snapshot
+    taken with put_snapshot loads too (flattened as DCP flattens a state_dict)."""
 
     def __init__(self, store: Store, target: str, *, verify: bool | None = None):
         super().__init__()
@@ -72,11 +76,21 @@ class TsckReader(StorageReader):
         except Exception:
             return False
 
+    def _open(self, root: str):
+        """The snapshot's DCP view: its own layout (TsckWriter), or a put_snapshot tree flattened
+        as DCP flattens a state_dict (native.py)."""
+        assets = self.store.assets
+        top = Reader(assets, self.store.pool, snapshot=root, verify=self.verify).top(
+            decode_commit(assets.get_commit(bytes.fromhex(root), verify=self.verify))["tree"])
+        if is_dcp_top(top):
+            return DcpTree(assets, self.store.pool, root, self.verify)
+        return NativeTree(assets, self.store.pool, root, self.verify, rank=self.rank or 0)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         root = self.store.resolve(self.target)
-        self._m = DcpTree(self.store.assets, self.store.pool, root, self.verify)
+        self._m = self._open(root)
         self.root = root
-        md = decode_metadata(self._m.metadata_plain)
+        md = self._m.metadata if isinstance(self._m, NativeTree) else decode_metadata(self._m.metadata_plain)
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -100,7 +114,7 @@ class TsckReader(StorageReader):
         want = plan.storage_data.get("tsck_root") if isinstance(plan.storage_data, dict) else None
         if want is None or want == self.root:
             return self._m
-        other = DcpTree(self.store.assets, self.store.pool, want, self.verify)
+        other = self._open(want)
         if other.md_digest is None or other.md_digest != self._m.md_digest:
             raise CheckoutMismatch(f"ranks resolved {self.target!r} to different snapshots ({want[:16]} and "
                                    f"{self.root[:16]}) whose layouts differ: the ref moved during the load; "

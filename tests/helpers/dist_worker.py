@@ -341,6 +341,7 @@ def sharded_load(rank, world, out, res, _arg):
         for path, (rows, cols, dtype) in SHARDED.items():
             a, b = row_split(rows, world, rank)
             _set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
+        into["local"] = into["step"] = None  # into= names what is read: these are replaced
         holder["w"].reset()
         t0 = time.monotonic()
         got = store.checkout(REF, into=into, timeout=30)
