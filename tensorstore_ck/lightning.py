@@ -34,7 +34,6 @@ refused (UnsupportedType naming where it is) unless TsckCheckpointIO(allow_pickl
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -183,33 +182,6 @@ def _named_in_dir(path) -> set[str]:
     return out
 
 
-def _map_location(state, map_location):
-    """torch.load's map_location over a checked-out state: for a Store.checkout without
-    map_location= (it is coming there; switch to it once it is in)."""
-
-    def move(t):
-        loc = "cpu" if t.device.type == "cpu" else str(t.device)
-        if callable(map_location):
-            out = map_location(t, loc)
-            return t if out is None else out
-        if isinstance(map_location, dict):
-            dest = map_location.get(loc, loc)
-        else:
-            dest = map_location
-        out = t.to(dest)
-        return torch.nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else out
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            return move(x)
-        if isinstance(x, dict):
-            return type(x)((k, walk(v)) for k, v in x.items())
-        if type(x) in (list, tuple):
-            return type(x)(walk(v) for v in x)
-        return x
-    return walk(state)
-
-
 class TsckCheckpointIO(CheckpointIO):
     """Lightning's CheckpointIO over a Store: Trainer(plugins=[TsckCheckpointIO(store, job=...)]).
 
@@ -291,18 +263,13 @@ class TsckCheckpointIO(CheckpointIO):
         ptr = _read_pointer(path)
         if ptr is None:
             raise RefNotFound(f"no checkpoint at {os.fspath(path)} (no such file)")
-        allow = self.allow_pickle and not weights_only
-        kwargs = {"allow_pickle": allow}
-        native_ml = "map_location" in inspect.signature(self.store.checkout).parameters
-        if native_ml:
-            kwargs["map_location"] = map_location
         try:
-            state = self.store.checkout(ptr["root"], **kwargs)
+            return self.store.checkout(ptr["root"], map_location=map_location,
+                                       allow_pickle=self.allow_pickle and not weights_only)
         except RefNotFound as e:
             raise RefNotFound(f"checkpoint {os.fspath(path)} names snapshot {ptr['root'][:16]} (ref {ptr['ref']!r}, "
                               f"step {ptr.get('step')}, store {ptr.get('store')}), which the store at "
                               f"{self.store.url} does not hold (forgotten, or another store): {e}") from None
-        return state if native_ml else _map_location(state, map_location)
 
     def remove_checkpoint(self, path) -> None:
         """Delete the pointer file at `path`, then forget its snapshot (and drop its ref

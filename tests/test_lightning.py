@@ -278,6 +278,10 @@ def test_map_location(tmp_path):
         assert seen == ["cpu"] and torch.equal(got["w"], torch.arange(4.0))
         assert io.load_checkpoint(p, map_location="cpu")["w"].device.type == "cpu"
         assert io.load_checkpoint(p, map_location={"cuda:0": "cpu"})["w"].device.type == "cpu"
+        assert io.load_checkpoint(p)["w"].device.type == "cpu"  # the default, as TorchCheckpointIO's
+        if not torch.cuda.is_available():
+            with pytest.raises(tsck.errors.DeviceUnavailable, match="cuda"):
+                io.load_checkpoint(p, map_location="cuda:0")
 
 
 def test_the_base_package_never_imports_lightning():
