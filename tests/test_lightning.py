@@ -45,13 +45,14 @@ def _threads():
     torch.set_num_threads(n)
 
 
-def _fit(store, ckdir: Path, steps: int = 30, *, job: str = "lt", model=None, **ck):
+def _fit(store, ckdir: Path, steps: int = 30, *, job: str = "lt", model=None, wrap=None, **ck):
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     opts = dict(save_top_k=2, monitor="train_loss", save_last=True, every_n_train_steps=5)
     opts.update(ck)
     cb = ModelCheckpoint(dirpath=str(ckdir), **opts)
-    trainer = L.Trainer(max_steps=steps, plugins=[TsckCheckpointIO(store, job=job)], callbacks=[cb], logger=False,
+    io = TsckCheckpointIO(store, job=job)
+    trainer = L.Trainer(max_steps=steps, plugins=[wrap(io) if wrap else io], callbacks=[cb], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
     model = model or ex.Net()
     trainer.fit(model)
@@ -114,6 +115,19 @@ def test_top_k_and_last_live_in_the_store(tmp_path):
         io.remove_checkpoint(victim)  # already gone: nothing to do, as for files
         with pytest.raises(tsck.RefNotFound, match="no checkpoint at"):
             io.load_checkpoint(victim)
+
+
+def test_under_lightnings_async_checkpoint_io(tmp_path):
+    """AsyncCheckpointIO(TsckCheckpointIO(...)): saves run on Lightning's thread; the directory
+    and the store end as with the plugin alone."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    ckdir = tmp_path / "ck"
+    with tsck.open_store(tmp_path / "store") as store:
+        _model, cb = _fit(store, ckdir, wrap=AsyncCheckpointIO)
+        kept = sorted(cb.best_k_models) + [cb.last_model_path]
+        assert sorted(str(p) for p in ckdir.iterdir()) == sorted(kept)
+        assert sorted(store.refs()) == sorted(ref_for_path("lt", p) for p in kept)
+        assert store.du()["snapshots"] == 3
 
 
 def test_hparams_and_a_value_that_needs_pickle(tmp_path):
