@@ -214,7 +214,7 @@ class TsckCheckpointIO(CheckpointIO):
             info = self.store.put_snapshot(
                 _native(checkpoint), ref, job=self.job, step=step if type(step) is int else None,
                 metrics=_monitored(checkpoint), meta={"lightning_path": _where(path)},
-                allow_pickle=self.allow_pickle)
+                allow_pickle=self.allow_pickle, group=False)  # Lightning saves on global rank 0 only
         except UnsupportedType as e:
             raise UnsupportedType(
                 f"Lightning checkpoint {os.fspath(path)} was not saved (make the value a tensor, dict, list, str "
@@ -264,8 +264,9 @@ class TsckCheckpointIO(CheckpointIO):
         if ptr is None:
             raise RefNotFound(f"no checkpoint at {os.fspath(path)} (no such file)")
         try:
+            # Every rank loads, each for itself (as torch.load would), not as a collective.
             return self.store.checkout(ptr["root"], map_location=map_location,
-                                       allow_pickle=self.allow_pickle and not weights_only)
+                                       allow_pickle=self.allow_pickle and not weights_only, group=False)
         except RefNotFound as e:
             raise RefNotFound(f"checkpoint {os.fspath(path)} names snapshot {ptr['root'][:16]} (ref {ptr['ref']!r}, "
                               f"step {ptr.get('step')}, store {ptr.get('store')}), which the store at "

@@ -311,6 +311,29 @@ def test_the_base_package_never_imports_lightning():
 
 
 @pytest.mark.slow
+def test_ddp_saves_on_rank_zero_and_every_rank_loads(tmp_path):
+    """A real DDP Trainer (2 CPU ranks, gloo; tests/helpers/lightning_ddp.py): Lightning saves
+    and removes on rank 0 alone and loads on every rank, so neither may be a collective of the
+    store (put_snapshot's default under torch.distributed); before the plugin said so, rank 0's
+    first save waited for ranks that never came. Both ranks resume from "last" at step 10 and
+    end with the same parameters."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "lightning_ddp.py"), str(tmp_path)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    runs = {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("*_rank*.json")}
+    assert sorted(runs) == ["fit_rank0", "fit_rank1", "resume_rank0", "resume_rank1"]
+    assert runs["fit_rank0"]["params"] == runs["fit_rank1"]["params"]
+    assert runs["resume_rank0"]["params"] == runs["resume_rank1"]["params"] != runs["fit_rank0"]["params"]
+    assert all(runs[f"resume_rank{r}"]["first"] == 11 and runs[f"resume_rank{r}"]["global_step"] == 15
+               for r in range(2))
+    with tsck.open_store(tmp_path / "store") as store:
+        assert sorted(store.refs()) == ["ddp/epoch_1-step_15", "ddp/last"] and store.du()["snapshots"] == 2
+        assert store.log("ddp/last")[0].step == 15
+
+
+@pytest.mark.slow
 def test_example_kill_and_resume_is_bit_identical(tmp_path):
     """examples/lightning_resume.py: the killed run's and the resumed run's losses equal the
     uninterrupted run's step for step, and the final checkpoints (weights, optimizer, scheduler,
