@@ -2,9 +2,9 @@
 
 The model, data and run come from examples/lightning_resume.py (Net: an MLP with dropout,
 AdamW + StepLR, tsck.ResumableDataLoader with shuffle; ModelCheckpoint top-2 by train_loss,
-save_last, every 5 steps). The slow case runs the example itself: a run SIGKILLs itself after
+save_last, every 5 steps). The slow cases: the example itself (a run SIGKILLs itself after
 step 17, another resumes with ckpt_path="last"; its losses and final state are compared with an
-uninterrupted run's bit for bit.
+uninterrupted run's bit for bit), and a 2-rank DDP fit and resume (tests/helpers/lightning_ddp.py).
 """
 
 from __future__ import annotations
