@@ -105,8 +105,8 @@ def main():
                                 stdout=subprocess.PIPE, text=True)
 
     def losses(p):  # -> exit status, {step: loss}
-        out = p.communicate()[0]
-        return p.returncode, {int(s): v for _, s, v in (ln.split() for ln in out.splitlines() if ln.startswith("step "))}
+        lines = [ln.split() for ln in p.communicate()[0].splitlines() if ln.startswith("step ")]
+        return p.returncode, {int(s): v for _, s, v in lines}
 
     tsck.open_store(store, create=True).close()
     victim = child("victim")
