@@ -8,6 +8,7 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
     dcp/                  torch.distributed.checkpoint StorageWriter/Reader (metadata, layout,
                           writer, reader, handle)
     train.py, loader.py   TrainState, CheckpointManager; ResumableDataLoader (exact resume)
+    lightning.py          PyTorch Lightning CheckpointIO (the [lightning] extra; never imported here)
     opener.py             open_store(): URL -> storage stack + ref table + Store
     store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls
     dist.py               collective put/checkout under torch.distributed (over the Publisher)

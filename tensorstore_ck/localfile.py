@@ -9,7 +9,7 @@ import uuid
 
 from .errors import InvalidArgument
 
-__all__ = ["write_atomic", "write_dir", "umask"]
+__all__ = ["write_atomic", "write_dir", "umask", "sync_dir"]
 
 
 def _fsync_path(p: str, flags: int = os.O_RDONLY) -> None:
@@ -18,6 +18,15 @@ def _fsync_path(p: str, flags: int = os.O_RDONLY) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sync_dir(d: str) -> None:
+    """Make the entries of folder `d` durable (a rename, a link, a removal), where the file
+    system can."""
+    try:
+        _fsync_path(d, getattr(os, "O_DIRECTORY", 0) | os.O_RDONLY)
+    except OSError:
+        pass  # not every file system syncs a directory
 
 
 def umask() -> int:
@@ -52,22 +61,12 @@ def write_atomic(dest: str, write, *, force: bool) -> None:
                 if os.path.lexists(dest):
                     raise InvalidArgument(f"{dest} exists (pass --force to replace it)") from None
                 os.replace(tmp, dest)
-        try:
-            _fsync_path(d, getattr(os, "O_DIRECTORY", 0) | os.O_RDONLY)
-        except OSError:
-            pass  # not every file system syncs a directory; the file itself is synced
+        sync_dir(d)  # the file itself is synced
     finally:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-
-
-def _sync_dir(d: str) -> None:
-    try:
-        _fsync_path(d, getattr(os, "O_DIRECTORY", 0) | os.O_RDONLY)
-    except OSError:
-        pass  # not every file system syncs a directory
 
 
 def write_dir(dest: str, fill, *, force: bool, stale=None) -> list[str]:
@@ -94,7 +93,7 @@ def write_dir(dest: str, fill, *, force: bool, stale=None) -> list[str]:
                 raise InvalidArgument(f"{dest} exists (pass --force to write into it)")
             os.chmod(tmp, 0o777 & ~umask())
             os.rename(tmp, dest)
-            _sync_dir(parent)
+            sync_dir(parent)
             return names
         if not force:
             there = [n for n in names if os.path.lexists(os.path.join(dest, n))]
@@ -107,7 +106,7 @@ def write_dir(dest: str, fill, *, force: bool, stale=None) -> list[str]:
             for n in sorted(os.listdir(dest)):
                 if n not in keep and stale(n) and os.path.isfile(os.path.join(dest, n)):
                     os.unlink(os.path.join(dest, n))
-        _sync_dir(dest)
+        sync_dir(dest)
         return names
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,319 @@
+"""PyTorch Lightning: checkpoints go into a tensorstore_ck store (pip install 'tensorstore_ck[lightning]').
+
+    store = tsck.open_store("ckpts.tsck")
+    trainer = Trainer(plugins=[TsckCheckpointIO(store, job="run1")],
+                      callbacks=[ModelCheckpoint(dirpath="ckpt", save_top_k=2, monitor="val_loss", save_last=True)])
+    trainer.fit(model)                     # later, in a new process:
+    trainer.fit(model, ckpt_path="last")   # bit-identical when the run's randomness is in the checkpoint
+
+Lightning names a checkpoint by a file path; the plugin maps it:
+
+- the snapshot goes to ref ``<job>/<name>``: the file name without ``.ckpt``, each character
+  outside ``[A-Za-z0-9._-]`` replaced by ``_`` (``epoch=0-step=10.ckpt`` -> ``run1/epoch_0-step_10``,
+  ``last.ckpt`` -> ``run1/last``), with step = the checkpoint's ``global_step``, and the score
+  ModelCheckpoint monitors as a metric;
+- at the path itself a small pointer file (JSON: store, ref, root, step) is written after the
+  snapshot is committed, so everything Lightning does with files (``exists``, the version
+  counter, ``ckpt_path="last"`` by modification time, ``save_last="link"`` symlinks) works
+  unchanged; load_checkpoint reads the snapshot the pointer names (its root, not the ref's tip);
+- saving over a path forgets the snapshot its old pointer named, and remove_checkpoint
+  (ModelCheckpoint's top-k) deletes the pointer, then forgets its snapshot, and drops the ref
+  once no pointer file names anything in its history. A snapshot another pointer file in the
+  same directory names (a copy, a name that maps to the same ref, a link) is never forgotten,
+  nor one saved from another directory.
+
+Give each checkpoint directory its own job: two directories with the same file names under
+one job share refs (each pointer file still names its own snapshot, and neither directory's
+removals forget the other's, but a ref's tip may then outlive its file).
+
+The checkpoint dict is stored natively (tensors, dicts, lists, tuples, str, numbers, None);
+Lightning's AttributeDict is stored as the dict it is. A value that would need pickle is
+refused (UnsupportedType naming where it is) unless TsckCheckpointIO(allow_pickle=True).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections import OrderedDict
+
+import torch
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.fabric.utilities.data import AttributeDict
+except ImportError as e:  # pragma: no cover - the extra is not installed
+    raise ImportError("tensorstore_ck.lightning needs PyTorch Lightning: pip install 'tensorstore_ck[lightning]'") \
+        from e
+
+from .errors import FormatError, InvalidArgument, RefConflict, RefNotFound, UnsupportedType
+from .format.names import MAX_NAME_BYTES, validate_component
+from .localfile import sync_dir, write_atomic
+
+__all__ = ["TsckCheckpointIO", "ref_for_path", "POINTER_FORMAT"]
+
+log = logging.getLogger(__name__)
+
+POINTER_FORMAT = "tensorstore_ck.lightning-pointer/1"
+MAX_POINTER_BYTES = 4096  # a pointer is ~300 bytes; a bigger file is something else (a torch checkpoint)
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def ref_for_path(job: str, path) -> str:
+    """The ref a checkpoint path is saved to: ``<job>/<file name without .ckpt>``, characters
+    outside [A-Za-z0-9._-] as ``_``; a name too long for a ref is cut and ends in a hash of it."""
+    name = os.path.basename(os.fspath(path).rstrip("/"))
+    stem = name[:-len(".ckpt")] if name.endswith(".ckpt") and len(name) > len(".ckpt") else name
+    comp = _UNSAFE.sub("_", stem)
+    if comp in ("", ".", ".."):
+        comp = "_" + comp
+    room = MAX_NAME_BYTES - len(job.encode()) - 1
+    if len(comp) > room:
+        tail = "-" + hashlib.blake2b(stem.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+        comp = comp[:room - len(tail)] + tail
+    return f"{job}/{comp}"
+
+
+def _native(obj):
+    """The checkpoint with Lightning's AttributeDict (hparams) as plain dicts; all else as it is."""
+    t = type(obj)
+    if isinstance(obj, AttributeDict):
+        return {k: _native(v) for k, v in obj.items()}
+    if t is dict or t is OrderedDict:
+        return t((k, _native(v)) for k, v in obj.items())
+    if t is list or t is tuple:
+        return t(_native(v) for v in obj)
+    return obj
+
+
+def _monitored(checkpoint: dict) -> dict:
+    """{monitor: score} of the ModelCheckpoint states in the checkpoint (catalog metrics)."""
+    out = {}
+    callbacks = checkpoint.get("callbacks")
+    for state in (callbacks.values() if isinstance(callbacks, dict) else ()):
+        if not isinstance(state, dict):
+            continue
+        name, score = state.get("monitor"), state.get("current_score")
+        if isinstance(score, torch.Tensor) and score.numel() == 1:
+            score = score.item()
+        if isinstance(name, str) and isinstance(score, (int, float)) and not isinstance(score, bool):
+            out[name] = float(score)
+    return out
+
+
+# -- files at Lightning's paths (local, or any fsspec URL Lightning itself accepts) ----------
+def _fs(path):
+    from fsspec.core import url_to_fs
+    return url_to_fs(os.fspath(path))
+
+
+def _is_local(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def _read_pointer(path, *, strict: bool = True) -> dict | None:
+    """The pointer at `path`; None if there is no file (or, with strict=False, if it is not
+    a pointer). FormatError naming the path for a file that is not one."""
+    fs, p = _fs(path)
+    try:
+        with fs.open(p, "rb") as f:
+            data = f.read(MAX_POINTER_BYTES + 1)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    why = None
+    if data[:2] == b"PK" or data[:1] == b"\x80":
+        why = "it looks like a torch.save checkpoint (load it with Lightning's TorchCheckpointIO)"
+    elif len(data) > MAX_POINTER_BYTES:
+        why = f"it is larger than a pointer file ({MAX_POINTER_BYTES} bytes)"
+    else:
+        try:
+            ptr = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as e:
+            ptr, why = None, f"it is not JSON ({e})"
+        if why is None and (not isinstance(ptr, dict) or ptr.get("format") != POINTER_FORMAT
+                            or not isinstance(ptr.get("root"), str) or not isinstance(ptr.get("ref"), str)):
+            why = f"it is not a {POINTER_FORMAT} file"
+    if why is None:
+        return ptr
+    if not strict:
+        return None
+    raise FormatError(f"{os.fspath(path)} is not a checkpoint saved by TsckCheckpointIO: {why}")
+
+
+def _write_pointer(path, ptr: dict) -> None:
+    data = (json.dumps(ptr, sort_keys=True) + "\n").encode()
+    fs, p = _fs(path)
+    fs.makedirs(fs._parent(p), exist_ok=True)
+    if _is_local(fs):
+        def write(tmp):
+            with open(tmp, "wb") as f:
+                f.write(data)
+        write_atomic(p, write, force=True)  # the old pointer or the new one, never half of one
+    else:
+        fs.pipe_file(p, data)  # object stores replace a whole object
+
+
+def _where(path) -> str:
+    """A path as recorded in a snapshot's meta: absolute when local, so directories compare."""
+    p = os.fspath(path)
+    return p if "://" in p else os.path.abspath(p)
+
+
+def _named_in_dir(path) -> set[str]:
+    """The roots the pointer files in `path`'s directory name (links to them included)."""
+    fs, p = _fs(path)
+    try:
+        names = fs.ls(fs._parent(p), detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    out = set()
+    for q in names:
+        try:
+            if fs.isdir(q) or fs.size(q) > MAX_POINTER_BYTES:
+                continue
+            ptr = _read_pointer(q if _is_local(fs) else fs.unstrip_protocol(q), strict=False)
+        except OSError:
+            continue
+        if ptr is not None:
+            out.add(ptr["root"])
+    return out
+
+
+class TsckCheckpointIO(CheckpointIO):
+    """Lightning's CheckpointIO over a Store: Trainer(plugins=[TsckCheckpointIO(store, job=...)]).
+
+    job: the job of the snapshots, and the first component of their refs (see the module
+    docstring for how a path maps to a ref). allow_pickle: store (and load) values that
+    are not tensors, containers, str, numbers or None pickled; off by default, as for
+    put_snapshot. The store stays the caller's (the plugin never closes it)."""
+
+    def __init__(self, store, *, job: str, allow_pickle: bool = False):
+        validate_component(job, "job name")
+        if job.startswith("-"):
+            raise InvalidArgument(f"job name {job!r} begins with '-'")
+        self.store = store
+        self.job = job
+        self.allow_pickle = bool(allow_pickle)
+
+    def ref_for(self, path) -> str:
+        return ref_for_path(self.job, path)
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        """Snapshot `checkpoint` into the path's ref, then point the file at `path` to it;
+        the snapshot the old file there named is forgotten."""
+        if storage_options is not None:
+            raise InvalidArgument(f"TsckCheckpointIO takes no storage_options (got {storage_options!r})")
+        ref = self.ref_for(path)
+        # A link (save_last="link") names another path's snapshot: replacing it keeps that one.
+        old = None if os.path.islink(os.fspath(path)) else _read_pointer(path, strict=False)
+        step = checkpoint.get("global_step")
+        try:
+            info = self.store.put_snapshot(
+                _native(checkpoint), ref, job=self.job, step=step if type(step) is int else None,
+                metrics=_monitored(checkpoint), meta={"lightning_path": _where(path)},
+                allow_pickle=self.allow_pickle, group=False)  # Lightning saves on global rank 0 only
+        except UnsupportedType as e:
+            raise UnsupportedType(
+                f"Lightning checkpoint {os.fspath(path)} was not saved (make the value a tensor, dict, list, str "
+                f"or number, or pass allow_pickle=True to TsckCheckpointIO to store it pickled): {e.message}",
+                e.path) from None
+        _write_pointer(path, {"format": POINTER_FORMAT, "store": self.store.url, "ref": ref, "root": info.root,
+                              "step": info.step, "job": self.job})
+        self._replaced(path, ref, info.root, old)
+
+    def _replaced(self, path, ref: str, new: str, old: dict | None) -> None:
+        """After a save over `path`: forget what the old pointer named (if this directory's),
+        and the snapshots of the ref's history saved from this very path (a save killed
+        between its commit and its pointer leaves one behind), unless a pointer names them."""
+        where = _where(path)
+        drop = set()
+        if old is not None and old["root"] != new:
+            try:
+                saved_at = self.store.show(old["root"]).meta.get("lightning_path")
+            except RefNotFound:
+                saved_at = None
+            if isinstance(saved_at, str) and os.path.dirname(saved_at) == os.path.dirname(where):
+                drop.add(old["root"])
+        try:
+            hist = self.store.log(ref)
+        except RefNotFound:
+            hist = []
+        drop |= {h.root for h in hist[1:] if h.meta.get("lightning_path") == where and h.root != new}
+        if drop:
+            for root in drop - _named_in_dir(path):
+                self._forget(path, root)
+
+    def _forget(self, path, root: str) -> None:
+        try:
+            self.store.forget(root)
+        except RefNotFound:
+            pass  # already gone
+        except InvalidArgument as e:  # tagged, pinned or a ref's tip: kept on purpose
+            log.info("checkpoint %s: snapshot %s kept: %s", os.fspath(path), root[:16], e)
+
+    def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict:
+        """The checkpoint the pointer at `path` names. weights_only=True refuses pickled values
+        even with allow_pickle. map_location as for torch.load; None loads onto the CPU, as
+        Lightning's TorchCheckpointIO does (Lightning moves the states to the device)."""
+        if map_location is None:
+            map_location = "cpu"
+        ptr = _read_pointer(path)
+        if ptr is None:
+            raise RefNotFound(f"no checkpoint at {os.fspath(path)} (no such file)")
+        try:
+            # Every rank loads, each for itself (as torch.load would), not as a collective.
+            return self.store.checkout(ptr["root"], map_location=map_location,
+                                       allow_pickle=self.allow_pickle and not weights_only, group=False)
+        except RefNotFound as e:
+            raise RefNotFound(f"checkpoint {os.fspath(path)} names snapshot {ptr['root'][:16]} (ref {ptr['ref']!r}, "
+                              f"step {ptr.get('step')}, store {ptr.get('store')}), which the store at "
+                              f"{self.store.url} does not hold (forgotten, or another store): {e}") from None
+
+    def remove_checkpoint(self, path) -> None:
+        """Delete the pointer file at `path`, then forget its snapshot (and drop its ref
+        when that held only this snapshot), unless another pointer in the directory names it."""
+        p = os.fspath(path)
+        link = os.path.islink(p)
+        ptr = None if link else _read_pointer(path, strict=False)
+        fs, fp = _fs(path)
+        if not link and not fs.exists(fp):
+            return
+        # The file goes first (durably): a crash after it leaves an unnamed snapshot (`tsck
+        # delete-ref` removes it), never a pointer naming a forgotten one.
+        fs.rm(fp)
+        if _is_local(fs):
+            sync_dir(os.path.dirname(os.path.abspath(fp)))
+        if ptr is not None:
+            self._drop(path, ptr)
+
+    def _drop(self, path, ptr: dict) -> None:
+        """Forget the snapshot the pointer that was at `path` named, unless a pointer file in
+        its directory still names it. Its ref goes when nothing in its history is still named
+        there or was saved from another directory; a tip that cannot go yet (older snapshots of
+        the ref are still named) stays until they do."""
+        root, ref = ptr["root"], ptr["ref"]
+        named = _named_in_dir(path)
+        if root in named:
+            return
+        here = os.path.dirname(_where(path))
+        try:
+            hist = self.store.log(ref)
+        except (RefNotFound, InvalidArgument):
+            hist = []
+
+        def needed(h) -> bool:  # still named here, or another directory's (never ours to drop)
+            saved_at = h.meta.get("lightning_path")
+            return h.root in named or not isinstance(saved_at, str) or os.path.dirname(saved_at) != here
+        if hist and not any(needed(h) for h in hist):
+            try:
+                self.store.delete_ref(ref, expected=hist[0].root)
+            except (RefNotFound, RefConflict):
+                pass  # already gone, or the ref moved on meanwhile (another writer's now)
+        elif not hist or hist[0].root != root:
+            self._forget(path, root)
+        else:
+            log.info("checkpoint %s: snapshot %s stays while it is the tip of ref %s, whose older "
+                     "snapshots are still named", os.fspath(path), root[:16], ref)
