@@ -428,7 +428,18 @@ class Reader:
         if not isinstance(sd, dict):
             raise CheckoutMismatch(f"{type(obj).__name__}.state_dict() at {format_path(path) or 'top'} returned "
                                    f"{type(sd).__name__}, not a dict")
-        out = self._value(v, path, depth, sd, sel, ext=True)
+        node = self._deref(v, path, depth)
+        if type(node) is tree.Container and node.kind in ("d", "o"):
+            # Its own keys must be the snapshot's (below them, keys it lacks are added: a fresh
+            # optimizer's per-parameter state): load_state_dict would refuse the rest only
+            # after the tensors it shares with the object were overwritten.
+            extra = [k for k, _ in node.items if k not in sd and (sel is FULL or self.select.step(sel, k) is not SKIP)]
+            if extra:
+                raise CheckoutMismatch(f"the snapshot has {', '.join(repr(k) for k in extra[:5])}"
+                                       f"{f' (and {len(extra) - 5} more)' if len(extra) > 5 else ''} under "
+                                       f"{format_path(path) or 'its top'}, which {type(obj).__name__}.state_dict() "
+                                       "does not have")
+        out = self._value(node, path, depth, sd, sel, ext=True)
         if out is not _SKIPPED:
             self._loads.append((obj, out, path))
         return obj

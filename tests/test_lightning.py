@@ -118,16 +118,23 @@ def test_top_k_and_last_live_in_the_store(tmp_path):
 
 
 def test_under_lightnings_async_checkpoint_io(tmp_path):
-    """AsyncCheckpointIO(TsckCheckpointIO(...)): saves run on Lightning's thread; the directory
-    and the store end as with the plugin alone."""
+    """AsyncCheckpointIO(TsckCheckpointIO(...)): saves run on Lightning's thread. Lightning does
+    not order a removal after a pending save of the same file (nor does it for plain files), so
+    a removed checkpoint may come back; what is checked is that nothing is lost or dangling:
+    every checkpoint ModelCheckpoint keeps is there and loads, and every pointer file left
+    names a snapshot that loads."""
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
     ckdir = tmp_path / "ck"
     with tsck.open_store(tmp_path / "store") as store:
         _model, cb = _fit(store, ckdir, wrap=AsyncCheckpointIO)
         kept = sorted(cb.best_k_models) + [cb.last_model_path]
-        assert sorted(str(p) for p in ckdir.iterdir()) == sorted(kept)
-        assert sorted(store.refs()) == sorted(ref_for_path("lt", p) for p in kept)
-        assert store.du()["snapshots"] == 3
+        files = sorted(str(p) for p in ckdir.iterdir())
+        assert set(kept) <= set(files)
+        assert {ref_for_path("lt", p) for p in kept} <= set(store.refs())
+        io = TsckCheckpointIO(store, job="lt")
+        for f in files:
+            assert io.load_checkpoint(f)["global_step"] > 0, f
+        assert 3 <= store.du()["snapshots"] <= len(files)
 
 
 def test_hparams_and_a_value_that_needs_pickle(tmp_path):

@@ -277,6 +277,16 @@ def test_stateful_refusing_the_snapshot_is_a_checkout_mismatch(store):
     with pytest.raises(tsck.CheckoutMismatch):
         store.checkout("sf/m", into={"model": other})
 
+    bigger = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2),
+                                 torch.nn.Linear(2, 2))
+    smaller = torch.nn.Sequential(torch.nn.Linear(6, 16))  # a prefix of the snapshot's keys
+    before = smaller[0].weight.detach().clone()
+    with pytest.raises(tsck.CheckoutMismatch, match="'2.weight'.*does not have"):
+        store.checkout("sf/m", into={"model": smaller})
+    assert torch.equal(smaller[0].weight, before)  # refused before anything was written
+    with pytest.raises(tsck.CheckoutMismatch, match="'3.weight'"):
+        store.checkout("sf/m", into={"model": bigger})
+
     class Broken(AppState):
         def load_state_dict(self, sd):
             raise RuntimeError("no thanks")
