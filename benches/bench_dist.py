@@ -22,6 +22,11 @@ to take timestamps):
   returned    max_r (put_snapshot returned on rank r) - ref_moved (result fan-out)
   total       max_r return - min_r entry of put_snapshot (the whole collective)
 
+Then each rank checks out its own pieces (into= Sharded targets, a collective checkout),
+from the snapshot as written (with the chunk index rank 0 writes at commit) and from the
+same rank trees committed without the index (what older builds wrote: every rank merges
+every rank's tree, O(W^2) node reads in all): slowest rank's time and nodes read.
+
 Usage (about 2 minutes on 2 cores):
     .venv/bin/python benches/bench_dist.py | tee benches/results/dist.txt
     .venv/bin/python benches/bench_dist.py --ranks 8 --repeats 3     # smoke run
@@ -53,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensorstore_ck as tsck  # noqa: E402
 
 REF = "bench/main"
+REF_OLD = "bench/unindexed"
 
 
 def free_port() -> int:
@@ -81,6 +87,28 @@ def make_state(rank: int, world: int, rep: int, args) -> dict:
         "rank": rank,
         "step": rep,
     }
+
+
+def _own_pieces(state: dict) -> dict:
+    """The into= tree of a checkout of this rank's own pieces (zeroed Sharded targets)."""
+    return {"model": {k: tsck.Sharded(torch.zeros_like(v.local), v.global_shape, v.offsets)
+                      for k, v in state["model"].items() if isinstance(v, tsck.Sharded)}}
+
+
+def _unindexed_copy(store, ref: str, to: str) -> None:
+    """Commit the snapshot at `ref` again without its chunk index, on `to` (the same rank trees:
+    what a build before the index wrote)."""
+    from tensorstore_ck.format.manifest import decode_commit, decode_node
+    root = bytes.fromhex(store.resolve(ref))
+    c = decode_commit(store.assets.get_commit(root))
+    top = decode_node(store.assets.get_node(c["tree"]))
+    w = dict(top["W"])
+    w.pop("ix", None)
+    tree_top, _ = store.publisher.write_nodes({"W": w})
+    info = store.show(ref)
+    stats = {"bytes_total": info.bytes_total, "bytes_new": 0, "blocks_total": info.blocks_total, "blocks_new": 0}
+    store.commit_tree(tree_top, ref=to, job="bench", step=info.step, metrics={}, meta={"world": w["world"]},
+                      stats=stats)
 
 
 def rank_main(rank: int, world: int, port: int, args, out: str) -> None:
@@ -128,6 +156,32 @@ def rank_main(rank: int, world: int, port: int, args, out: str) -> None:
             rec["reps"].append({"rep": rep, "in": t_in, "out": t_out, "done": syncs[0] if syncs else None,
                                 "ref": marks.get("ref"), "commit_in": marks.get("commit_in"), "root": info.root,
                                 "blocks_new": info.blocks_new, "bytes_new": info.bytes_new})
+        dist.barrier()
+        # Checkout: each rank reads its own pieces back (into= Sharded), from the snapshot as
+        # written (with its chunk index) and from the same snapshot without the index (what
+        # an older build wrote, so every rank merges every rank's tree).
+        if rank == 0:
+            _unindexed_copy(store, REF, REF_OLD)
+        dist.barrier()
+        nodes = {"n": 0}
+        orig_get_node = store.assets.get_node
+
+        def counted_get_node(*a, **k):
+            nodes["n"] += 1
+            return orig_get_node(*a, **k)
+        store.assets.get_node = counted_get_node
+        rec["checkout"] = {}
+        for name, ref in (("indexed", REF), ("unindexed", REF_OLD)):
+            times, counts = [], []
+            for _ in range(args.repeats + 1):
+                into = _own_pieces(make_state(rank, world, args.repeats, args))
+                dist.barrier()
+                nodes["n"] = 0
+                t_in = time.time()
+                store.checkout(ref, into=into, timeout=120)
+                times.append(time.time() - t_in)
+                counts.append(nodes["n"])
+            rec["checkout"][name] = {"s": times[1:], "nodes": counts[1:]}
         dist.barrier()
         store.close()
         code = 0
@@ -183,7 +237,14 @@ def run_world(world: int, args, base: str) -> dict:
             "blocks_new": r0["blocks_new"], "bytes_new": r0["bytes_new"],
         })
     shutil.rmtree(os.path.join(out, "store"), ignore_errors=True)
-    return {"world": world, "init_s": max(d["init_s"] for d in recs), "wall_s": wall, "reps": rows}
+    co = {}
+    for name in ("indexed", "unindexed"):
+        n = len(recs[0]["checkout"][name]["s"])
+        co[name] = {"s": [max(d["checkout"][name]["s"][i] for d in recs) for i in range(n)],
+                    "nodes_per_rank": max(max(d["checkout"][name]["nodes"]) for d in recs),
+                    "nodes_total": sum(d["checkout"][name]["nodes"][0] for d in recs)}
+    return {"world": world, "init_s": max(d["init_s"] for d in recs), "wall_s": wall, "reps": rows,
+            "checkout": co}
 
 
 def main() -> None:
@@ -222,6 +283,15 @@ def main() -> None:
         print(f"| {res['world']} | {ms(col('overhead'))} ({mx(col('overhead'))}) | {ms(col('gather'))} "
               f"({mx(col('gather'))}) | {ms(col('returned'))} ({mx(col('returned'))}) | {ms(col('write_max'))} "
               f"| {ms(col('total'))} ({mx(col('total'))}) | {rs[0]['blocks_new']} |")
+    print()
+    print("| ranks | checkout of own pieces, slowest rank, median (max) ms: with the chunk index "
+          "| without (every rank merges every tree) | nodes read per rank: with / without "
+          "| nodes read in all: with / without |")
+    print("|---|---|---|---|---|")
+    for res in results:
+        a, b = res["checkout"]["indexed"], res["checkout"]["unindexed"]
+        print(f"| {res['world']} | {ms(a['s'])} ({mx(a['s'])}) | {ms(b['s'])} ({mx(b['s'])}) "
+              f"| {a['nodes_per_rank']} / {b['nodes_per_rank']} | {a['nodes_total']} / {b['nodes_total']} |")
     worst = max((x["overhead"] for res in results for x in res["reps"]), default=0.0)
     print(f"\nworst ref-moved − slowest-done over all repeats: {1000 * worst:.0f} ms "
           f"({'under' if worst < 1.0 else 'OVER'} the 1 s target)")

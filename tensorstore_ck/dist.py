@@ -377,6 +377,7 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
     pieces = [[p, dt, list(gs), list(off), list(sh)] for p, dt, gs, off, sh, rep in plan_.pieces if not rep]
     _guard(ch, lambda: (ch.set(f"hello/{rank}", msgpack.packb([args.step, args.ref, args.job, exp_hex, pieces])),
                         ch.add("hello_n")))
+    pieces_by_rank: list = []  # rank 0: every rank's pieces of sharded tensors (the chunk index)
     if rank == 0:
         def agree():
             ch.wait_count("hello_n", W, "arrive", per_rank="hello")
@@ -386,6 +387,7 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
                     raise SnapshotAborted(
                         f"ranks disagree: rank 0 has (step, ref, job) = {tuple(hellos[0][:3])}, rank {r} has "
                         f"{tuple(h[:3])}")
+            pieces_by_rank[:] = [h[4] for h in hellos]
             problem = _tiling([h[4] for h in hellos])
             if problem is not None:  # no rank's own mistake: every rank raises it as what it is
                 ch.abort(problem, "invalid_argument", shared=True)
@@ -428,7 +430,14 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
             why = _replica_disagreement(ch)
             ch.abort(why)
             raise SnapshotAborted(f"snapshot aborted: {why}")
-        top, _payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones]}})
+        # The chunk index: by tensor path, which rank holds which piece, so a rank reads one
+        # index plus the rank trees its region needs (O(W) node reads in all, not O(W^2)).
+        ix: dict = {}
+        for r, pieces in enumerate(pieces_by_rank):
+            for p, _dt, _gs, off, sh in pieces:
+                ix.setdefault(p, []).append({"l": [r, {"l": list(off)}, {"l": list(sh)}]})
+        index, _ = publisher.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]})
+        top, _payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones], "ix": index}})
         sums = [sum(d["stats"][i] for d in dones) for i in range(5)]
         return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), sums))
 

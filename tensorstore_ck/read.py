@@ -16,6 +16,7 @@ tensors are read into directly: a failed checkout never hands them out.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pickle
@@ -41,8 +42,21 @@ __all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING", "c
 # to exist (one HEAD / stat per distinct block; smaller ones are not worth it).
 PRESENCE_CHECK_ABOVE = 64 << 20
 
+logger = logging.getLogger("tensorstore_ck")
+
 MISSING = _MISSING = object()  # checkout without into=
 _SKIPPED = object()  # a value the selection (paths=) leaves out
+
+
+class _Gathered:
+    """A sharded tensor of a multi-rank snapshot with a chunk index: this rank's own leaf
+    and where every rank's pieces lie. Other ranks' chunks are read (Reader._gather) only
+    for the region a checkout fills."""
+    __slots__ = ("own", "me", "pieces", "ranks", "dt", "dtype", "shape", "replicated")
+
+    def __init__(self, own: tree.Global, me: int, pieces, ranks):
+        self.own, self.me, self.pieces, self.ranks = own, me, pieces, ranks
+        self.dt, self.dtype, self.shape, self.replicated = own.dt, own.dtype, own.shape, False
 
 
 def check_map_location(ml):
@@ -208,6 +222,7 @@ class Reader:
         # checkout, however many paths name it. _sizes: (values, tensor bytes) under a node.
         self._decoded: dict = {}
         self._sizes: dict = {}
+        self._keymaps: dict = {}   # id(decoded dict container) -> (it, {key: value}): rank-tree lookups
 
     def read(self, top: bytes, into=_MISSING):
         """The state under the top node `top` (into=: update that tree in place)."""
@@ -329,12 +344,15 @@ class Reader:
                 values, nbytes = values + a, nbytes + b
             return values, nbytes
         if t is tree.World:  # one rank's view: the largest rank tree bounds it
+            if v.index is not None:  # with a chunk index the view is this rank's tree: O(1) nodes
+                me = self.rank if self.rank < len(v.ranks) else 0
+                return self._measure(tree.Ref(v.ranks[me]), path, depth, sel, into)
             return max((self._measure(tree.Ref(d), path, depth, sel, into) for d in v.ranks), default=(1, 0))
         if sel is not FULL:
             return 0, 0  # a leaf above what the selection names: left out
         if t in (tree.Tensor, tree.Array):
             return 1, v.nbytes
-        if t is tree.Global:
+        if t is tree.Global or t is _Gathered:
             return 1, math.prod(v.shape) * v.dtype.itemsize
         return 1, 0
 
@@ -401,7 +419,7 @@ class Reader:
             return v
         if t is tree.Tensor:
             return self._tensor(v, path, into)
-        if t is tree.Global:
+        if t is tree.Global or t is _Gathered:
             return self._global(v, path, into)
         if t is tree.Array:
             return self._array(v, path, into)
@@ -529,14 +547,115 @@ class Reader:
             self._jobs = pending
 
     # -- multi-rank snapshots ----------------------------------------------------
-    def _merge_world(self, w: tree.World, path, depth, sel=FULL):
+    def _merge_world(self, w: tree.World, path, depth, sel=FULL, *, lazy: bool = True):
         """A collective snapshot holds one tree per rank. Merge them into this rank's
         view: its own rank-local values (rank 0's for a rank the snapshot did not
         have), with every sharded tensor's chunks gathered from all ranks. Only what
-        the selection keeps is merged (and read)."""
+        the selection keeps is merged (and read).
+
+        With a chunk index (snapshots since issue 16) only this rank's tree and the index
+        are read here; another rank's chunks of a sharded tensor are read when the region
+        being filled needs them (lazy=False: every chunk now). Without one, or if the
+        index node cannot be read (an older gc did not know to keep it), every rank's
+        tree is merged (O(W) node reads per rank)."""
+        me = self.rank if self.rank < len(w.ranks) else 0
+        ix = self._chunk_index(w, path, depth) if w.index is not None else None
+        if ix is not None:
+            return self._indexed(self._node(w.ranks[me], path, depth), me, w.ranks, ix, path, depth, sel, lazy)
         vals = [self._node(d, path, depth) for d in w.ranks]
-        me = self.rank if self.rank < len(vals) else 0
         return self._merge(vals, me, path, depth, sel)
+
+    def _chunk_index(self, w: tree.World, path, depth) -> dict | None:
+        """{format_path of a sharded tensor: [(rank, offsets, shape)]} from the index node."""
+        try:
+            raw = Reader(self.assets, self.pool, snapshot=self.snapshot, verify=self.verify).materialize(
+                self._node(w.index, path, depth), path)
+        except IntegrityError as e:
+            logger.warning("snapshot %s: its chunk index cannot be read (%s); merging every rank's tree instead",
+                           self.snapshot[:16], e)
+            return None
+        out: dict = {}
+        ok = isinstance(raw, dict)
+        for p, pieces in (raw.items() if ok else ()):
+            if type(p) is not str or type(pieces) is not list:
+                ok = False
+                break
+            got = []
+            for e in pieces:
+                if not (type(e) is list and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < len(w.ranks)
+                        and type(e[1]) is list and type(e[2]) is list and len(e[1]) == len(e[2])
+                        and all(type(x) is int and x >= 0 for x in e[1] + e[2])):
+                    ok = False
+                    break
+                got.append((e[0], tuple(e[1]), tuple(e[2])))
+            out[p] = got
+        if not ok:
+            raise self._fmt("malformed chunk index of a multi-rank snapshot", path)
+        return out
+
+    def _indexed(self, v, me, ranks, ix, path, depth, sel, lazy):
+        """This rank's tree with each sharded tensor made a _Gathered (or, not lazy, a
+        Global of every rank's chunks)."""
+        v = self._deref(v, path, depth)
+        t = type(v)
+        if t is tree.Global:
+            pieces = None if v.replicated else ix.get(format_path(path))
+            if pieces is None:
+                return v  # replicated (whole on every rank) or not in the index: its own view
+            g = _Gathered(v, me, pieces, ranks)
+            return g if lazy else self._gather(g, None, path)
+        if t is not tree.Container:
+            return v
+
+        def child(k, x):
+            csel = FULL if sel is FULL else self.select.step(sel, k)
+            if csel is SKIP:
+                return x  # left out: not read
+            return self._indexed(x, me, ranks, ix, path + (k,), depth + 1, csel, lazy)
+
+        if v.kind in ("d", "o"):
+            return tree.Container(v.kind, [(k, child(k, x)) for k, x in v.items])
+        return tree.Container(v.kind, [child(i, x) for i, x in enumerate(v.items)])
+
+    def _gather(self, g: "_Gathered", box, path) -> tree.Global:
+        """The chunks of `g` that intersect `box` ((offsets, shape); None: all of it), read
+        from the trees of the ranks that hold them."""
+        def meets(off, sh):
+            return box is None or all(a < r + rs and r < a + s for a, s, r, rs in zip(off, sh, *box))
+
+        need: dict = {}
+        for r, off, sh in g.pieces:
+            if meets(off, sh):
+                need.setdefault(r, set()).add(off)
+        chunks = []
+        for r in sorted(need):
+            leaf = g.own if r == g.me else self._rank_leaf(g.ranks[r], path)
+            if type(leaf) is not tree.Global or leaf.dt != g.dt or leaf.shape != g.shape:
+                raise self._fmt(f"the chunk index names a piece of rank {r}, whose tree has no such sharded "
+                                "tensor there", path)
+            found = [c for c in leaf.chunks if c.offsets in need[r]]
+            if len({c.offsets for c in found}) != len(need[r]):
+                raise self._fmt(f"the chunk index names a piece rank {r} does not hold", path)
+            chunks += found
+        return tree.Global(g.dt, g.dtype, g.shape, chunks, False)
+
+    def _rank_leaf(self, top: bytes, path):
+        """The value at `path` in the rank tree `top` (nodes read along the path only)."""
+        v = self._node(top, (), 0)
+        for i, k in enumerate(path):
+            v = self._deref(v, path[:i], i)
+            if type(v) is not tree.Container:
+                return None
+            if v.kind in ("d", "o"):
+                m = self._keymaps.get(id(v))
+                if m is None:
+                    m = self._keymaps[id(v)] = (v, dict(v.items))  # v kept: its id stays its own
+                v = m[1].get(k)
+            else:
+                v = v.items[k] if type(k) is int and 0 <= k < len(v.items) else None
+            if v is None:
+                return None
+        return self._deref(v, path, len(path))
 
     def _deref(self, v, path, depth):
         while type(v) is tree.Ref:
@@ -595,6 +714,9 @@ class Reader:
         return out
 
     def _global(self, g: tree.Global, path, into):
+        if type(g) is _Gathered:  # only the pieces the region needs are read
+            box = (tuple(into.offsets), tuple(into.local.shape)) if isinstance(into, Sharded) else None
+            g = self._gather(g, box, path)
         dtype, gs = g.dtype, g.shape
         chunks = self._chunks(g, path)
         if isinstance(into, Sharded):

@@ -83,6 +83,8 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
                     children.append((item.digest, p, dp, False))
                 elif type(item) is tree.World:
                     children.extend((r, p, dp, False) for r in item.ranks)
+                    if item.index is not None:
+                        children.append((item.index, p, dp, False))
                 else:
                     leaves.append((p, item))
             return leaves

@@ -40,7 +40,7 @@ class NativeTree:
         c = decode_commit(assets.get_commit(bytes.fromhex(root_hex), verify=verify))
         v = self.reader.top(c["tree"])
         if type(v) is tree.World:
-            v = self.reader._merge_world(v, (), 0)
+            v = self.reader._merge_world(v, (), 0, lazy=False)  # every chunk: DCP's metadata lists them
         self.tensors: dict = {}  # fqn -> (dtype, shape, {offsets: leaf})
         self.bytes: dict = {}    # fqn -> (decoded value, state path): torch.save'd on request
         self.paths: dict = {}    # fqn -> DCP's object path (planner_data)

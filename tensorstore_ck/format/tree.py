@@ -150,6 +150,7 @@ class Pickled:
 @dataclass(frozen=True, slots=True)
 class World:
     ranks: list
+    index: bytes | None = None  # the chunk-index node: where each rank's pieces of each sharded tensor lie
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -325,7 +326,10 @@ def decode_value(v, path=(), depth: int = 0, *, world: bool = False):
                 or not 0 < len(body["ranks"]) <= MAX_RANKS or body.get("world") != len(body["ranks"]) \
                 or not all(_is_digest(d) for d in body["ranks"]):
             raise _bad("bad multi-rank snapshot", path)
-        return World(list(body["ranks"]))
+        ix = body.get("ix")
+        if ix is not None and not _is_digest(ix):
+            raise _bad("bad chunk index of a multi-rank snapshot", path)
+        return World(list(body["ranks"]), ix)
     raise _bad(f"unknown manifest tag {tag!r}", path)
 
 

@@ -363,6 +363,44 @@ def sharded_load(rank, world, out, res, _arg):
         torch.save(dump, os.path.join(out, f"load{world}_rank{rank}.pt"))
 
 
+def index_load(rank, world, out, res, unindexed):
+    """Each rank checks out its own pieces of the sharded tensors (into= Sharded) and records
+    how many manifest nodes it read. unindexed=1: the snapshot's chunk index is hidden first
+    (what an older snapshot is), so the O(W) per-rank merge runs instead."""
+    import tensorstore_ck as tsck
+    from tensorstore_ck.storage.wrappers import WrappedStore
+
+    class NodeCounting(WrappedStore):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.nodes = 0
+
+        def _count(self, key):
+            if key.startswith("nodes/"):
+                self.nodes += 1
+
+        def open_read(self, key, max_bytes=None):
+            self._count(key)
+            return self.inner.open_read(key, max_bytes)
+
+        def get(self, key, max_bytes=None):
+            self._count(key)
+            return self.inner.get(key, max_bytes)
+
+    holder = {}
+    with _open(out, wrap_storage=lambda s: holder.setdefault("w", NodeCounting(s))) as store:
+        into: dict = {}
+        for path, (rows, cols, dtype) in SHARDED.items():
+            a, b = row_split(rows, world, rank)
+            _set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
+        holder["w"].nodes = 0
+        got = store.checkout(REF, into=into, timeout=60)
+        res["nodes"] = holder["w"].nodes
+        res["mismatches"] = [
+            "/".join(p) for p, (rows, _c, _d) in SHARDED.items()
+            if not torch.equal(get_path(got, p).local, global_tensor(p)[slice(*row_split(rows, world, rank))])]
+
+
 def replicated(rank, world, out, res, _arg):
     import torch.distributed as dist
     import tensorstore_ck as tsck
@@ -582,6 +620,9 @@ def main(argv) -> int:
         infos = [launch("save", 4, sharded_save, out)]
         for w in (4, 2, 8):
             infos.append(launch(f"load{w}", w, sharded_load, out))
+    elif scenario == "index":  # save at W = arg ranks, checkout at W ranks counting node reads
+        infos = [launch("save", arg, sharded_save, out, limit=240.0),
+                 launch("indexed", arg, index_load, out, 0, limit=240.0)]
     elif scenario == "replicated":
         infos = [launch("rep", 4, replicated, out)]
     elif scenario == "kill":
