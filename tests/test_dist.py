@@ -445,6 +445,8 @@ def test_a_lost_chunk_index_falls_back_to_merging_every_rank(tmp_path):
         ix = top["W"]["ix"]
         assert isinstance(ix, bytes) and len(ix) == 32
         before = s.checkout(REF)
+        s.gc(grace=0)
+        assert s.storage.exists(node_key(ix)), "gc must keep the chunk index node (it walks it)"
         s.storage.delete(node_key(ix))
         after = s.checkout(REF)
         for path in dw.SHARDED:
