@@ -69,14 +69,17 @@ def main() -> int:
     store.put_snapshot({"model": model, "optim": opt}, ref="swap/native", step=4)
     want = train(model, opt, 5, seed=2)
 
+    def dcp_resume(target, seed):
+        m, o = warm(seed)
+        state = {"model": m.state_dict(), "optim": o.state_dict()}
+        dcp.load(state, storage_reader=TsckReader(store, target))  # the one changed argument
+        m.load_state_dict(state["model"])
+        o.load_state_dict(state["optim"])
+        return train(m, o, 5, seed=2)
+
     ok = True
     # 1. dcp.load through TsckReader, as before with a folder.
-    m, o = warm(10)
-    state = {"model": m.state_dict(), "optim": o.state_dict()}
-    dcp.load(state, storage_reader=TsckReader(store, "swap/main"))
-    m.load_state_dict(state["model"])
-    o.load_state_dict(state["optim"])
-    ok &= report("dcp.save -> dcp.load", train(m, o, 5, seed=2), want)
+    ok &= report("dcp.save -> dcp.load", dcp_resume("swap/main", 10), want)
 
     # 2. The same DCP snapshot through the native API: the objects themselves as into=.
     m, o = warm(11)
@@ -84,12 +87,7 @@ def main() -> int:
     ok &= report("dcp.save -> store.checkout", train(m, o, 5, seed=2), want)
 
     # 3. A put_snapshot snapshot through dcp.load.
-    m, o = warm(12)
-    state = {"model": m.state_dict(), "optim": o.state_dict()}
-    dcp.load(state, storage_reader=TsckReader(store, "swap/native"))
-    m.load_state_dict(state["model"])
-    o.load_state_dict(state["optim"])
-    ok &= report("put_snapshot -> dcp.load", train(m, o, 5, seed=2), want)
+    ok &= report("put_snapshot -> dcp.load", dcp_resume("swap/native", 12), want)
     store.close()
     return 0 if ok else 1
 

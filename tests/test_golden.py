@@ -155,26 +155,18 @@ def test_dcp_snapshots_load_bit_exact(golden, version):
             assert_same(want, got, target)
         # a plain checkout gives the state that was saved: every tensor whole, at its path
         plain = store.checkout(snap["root"])
-        flat = {}
 
-        def walk(x, prefix):
+        def flat(x, prefix="", out=None):
+            out = {} if out is None else out
             for k, v in x.items():
                 if isinstance(v, dict):
-                    walk(v, f"{prefix}{k}.")
+                    flat(v, f"{prefix}{k}.", out)
                 elif isinstance(v, torch.Tensor):
-                    flat[f"{prefix}{k}"] = v
-        walk(want, "")
-        got_flat = {}
-
-        def walk_got(x, prefix):
-            for k, v in x.items():
-                if isinstance(v, dict):
-                    walk_got(v, f"{prefix}{k}.")
-                elif isinstance(v, torch.Tensor):
-                    got_flat[f"{prefix}{k}"] = v
-        walk_got(plain, "")
-        assert sorted(got_flat) == sorted(flat)
-        for k, t in flat.items():
+                    out[f"{prefix}{k}"] = v
+            return out
+        want_flat, got_flat = flat(want), flat(plain)
+        assert sorted(got_flat) == sorted(want_flat)
+        for k, t in want_flat.items():
             assert_same(t, got_flat[k], k)
 
 
