@@ -141,6 +141,9 @@ _ZSTD_FAST = {pyzstd.CParameter.strategy: 1, pyzstd.CParameter.targetLength: 64,
               pyzstd.CParameter.minMatch: 7, pyzstd.CParameter.checksumFlag: 0, 1002: 1}
 _ZSTD_PLAIN = {pyzstd.CParameter.compressionLevel: 1, pyzstd.CParameter.checksumFlag: 0}
 _tls = threading.local()
+# Elements are little-endian whatever the host (views only; numpy swaps if it must).
+_U2 = np.dtype("<u2")
+_U4 = np.dtype("<u4")
 
 
 def _zstd():
@@ -162,13 +165,13 @@ def _planes(mv, k: int) -> list:
     numpy ops: twice as fast here as rotating and picking bytes by stride)."""
     a = np.frombuffer(mv, dtype=np.uint8)
     n = len(a) // k
-    w = a[:n * k].view(np.uint16)
+    w = a[:n * k].view(_U2)
     if k == 2:
         top, t = w, a[:0]
     elif k == 4:  # whole-word shifts and casts: 2.5x faster than u16 picks with a stride
-        w32 = a[:n * k].view(np.uint32)
+        w32 = a[:n * k].view(_U4)
         top = np.right_shift(w32, 16).astype(np.uint16)
-        t = w32.astype(np.uint16).view(np.uint8)
+        t = w32.astype(_U2).view(np.uint8)
     else:
         top = w[k // 2 - 1::k // 2]
         t = np.ascontiguousarray(w.reshape(n, k // 2)[:, :k // 2 - 1]).reshape(-1).view(np.uint8)
@@ -258,18 +261,18 @@ def _float_decode(data, k: int, raw_len: int, out):
     res = np.empty(raw_len, dtype=np.uint8) if out is None else np.frombuffer(memoryview(out).cast("B"), np.uint8)
     if res.nbytes != raw_len:
         raise FormatError(f"output buffer holds {res.nbytes} bytes, the object {raw_len}")
-    w = res[:n * k].view(np.uint16)
+    w = res[:n * k].view(_U2)
     top = w if k == 2 else np.empty(n, dtype=np.uint16) if k == 4 else w[k // 2 - 1::k // 2]
     np.left_shift(e, 7, out=top, dtype=np.uint16)
     f16 = f.astype(np.uint16)
     top |= np.right_shift(f16, 1)
     top |= np.left_shift(f16, 15, out=f16)
     if k == 4:
-        w32 = res[:n * k].view(np.uint32)
+        w32 = res[:n * k].view(_U4)
         np.left_shift(top, 16, out=w32, dtype=np.uint32)
-        w32 |= t.view(np.uint16)
+        w32 |= t.view(_U2)
     elif k == 8:
-        w.reshape(n, k // 2)[:, :k // 2 - 1] = t.view(np.uint16).reshape(n, k // 2 - 1)
+        w.reshape(n, k // 2)[:, :k // 2 - 1] = t.view(_U2).reshape(n, k // 2 - 1)
     res[n * k:] = r
     return out if out is not None else res
 
