@@ -204,7 +204,7 @@ def _float_encode(mv, k: int, use: list[bool]) -> list:
     zc = _zstd()
     entries, bufs = [], []
     for i, p in enumerate(_planes(mv, k)):
-        if use[i] and p.nbytes:
+        if i < 3 and use[i] and p.nbytes:  # R (under k bytes) is raw by the format
             c = zc.compress(p, zc.FLUSH_FRAME)
             if len(c) < p.nbytes:
                 entries.append((_PLANE_ZSTD, len(c)))
