@@ -176,15 +176,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     # Every argument is checked before anything is written: a bad one never leaves a
     # marker behind that no later open could get past.
     new_layout = layout(block_size, inline_threshold)
-    check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
-                  compression=compression)
     if shuffle:
         warnings.warn("open_store(shuffle=True) is deprecated: compression='float' codes floats better",
                       DeprecationWarning, stacklevel=3)
-        if compression not in ("auto", "lz4"):
-            raise InvalidArgument(f"shuffle=True contradicts compression={compression!r}")
-    if not compress and compression not in ("auto", "none"):
-        raise InvalidArgument(f"compress=False contradicts compression={compression!r}")
+    check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
+                  compression=compression, compress=compress, shuffle=shuffle)
     if read_only is not None and not isinstance(read_only, bool):
         raise InvalidArgument(f"read_only must be True, False or None, got {read_only!r}")
     proto, rest = _split_url(url)

@@ -153,26 +153,26 @@ def codecs_for(compression: str, storage: BlockStore, *, compress: bool = True, 
     the float codec where the bytes cross a network (object stores: fewer bytes is
     time and money saved), lz4 where they do not (a local disk, memory://), where
     coding floats costs more CPU time than the disk saves. The older flags map in:
-    compress=False is "none", shuffle=True the byte-shuffle codec (deprecated)."""
-    if compression not in COMPRESSION:
-        raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")
+    compress=False is "none", shuffle=True the byte-shuffle codec (deprecated).
+    The options are checked first (check_options)."""
     if not compress:
-        if compression not in ("auto", "none"):
-            raise InvalidArgument(f"compress=False contradicts compression={compression!r}")
         return "none"
     if shuffle:
-        if compression not in ("auto", "lz4"):
-            raise InvalidArgument(f"shuffle=True contradicts compression={compression!r}")
         return "shuffle"
     if compression == "auto":
         return "lz4" if storage.local or storage.url.startswith("memory://") else "float"
     return compression
 
 
-def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto") -> None:
+def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto",
+                  compress=True, shuffle=False) -> None:
     """A Store's other options, checked before open_store writes anything."""
     if compression not in COMPRESSION:
         raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")
+    if not compress and compression not in ("auto", "none"):
+        raise InvalidArgument(f"compress=False contradicts compression={compression!r}")
+    if shuffle and compression not in ("auto", "lz4"):
+        raise InvalidArgument(f"shuffle=True contradicts compression={compression!r}")
     if workers is not None and (type(workers) is not int or not 1 <= workers <= 1024):
         raise InvalidArgument(f"workers must be an int within 1..1024, got {workers!r}")
     if gc_lease is not None and not (isinstance(gc_lease, (int, float)) and not isinstance(gc_lease, bool)
@@ -194,7 +194,8 @@ class Store:
                  read_only: str | None = None):
         """read_only: why the store is opened read-only (open_store decides), or None."""
         from .gc import DEFAULT_LEASE
-        check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
+        check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
+                      compression=compression, compress=compress, shuffle=shuffle)
         # The lease of the gcs this Store runs (store.gc()). Other parties judge it on the ref
         # table's clock from what the gc declared; no Store's setting judges another's gc.
         self.gc_lease = float(gc_lease if gc_lease is not None else DEFAULT_LEASE)
