@@ -5,7 +5,9 @@ Builds a GPT-style fp32 model, takes one real AdamW step (so exp_avg / exp_avg_s
 populated), and measures on one disk, in one run:
 
 * full write: ``store.put_snapshot`` into a fresh store vs ``torch.save`` vs ``dcp.save``
-  (FileSystemWriter, thread_count=2); every timed region ends with ``os.sync()``;
+  (FileSystemWriter, thread_count=2) vs the physical reference, raw writes of the same
+  bytes (one file per tensor, 2 threads, each file fsync'd); every timed region ends with
+  ``os.sync()``; ``--compression float`` gives put_snapshot the float codec;
 * read with the page cache evicted: ``store.checkout`` (new tensors and ``into=``)
   vs ``torch.load`` vs ``dcp.load`` into a preallocated state dict;
 * an incremental ``put_snapshot`` (same store, same ref) after ~10% of the tensors changed;
@@ -364,6 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=None, help="tsck block_size in bytes (default: the store's)")
     ap.add_argument("--workers", type=int, default=None, help="tsck workers (default: the store's)")
     ap.add_argument("--no-verify", action="store_true", help="open the store with verify=False")
+    ap.add_argument("--bf16", action="store_true", help="the state's float tensors in bfloat16 (a bf16 state)")
+    ap.add_argument("--compression", choices=["auto", "float", "lz4", "none"], default=None,
+                    help="open_store(compression=...) (default: the store's, auto)")
     ap.add_argument("--changed", type=float, default=0.10, help="fraction of tensors changed before the 2nd put")
     ap.add_argument("--skip-peers", action="store_true", help="only tsck")
     ap.add_argument("--json-out", default=None)
@@ -386,6 +391,16 @@ def main(argv=None) -> int:
     if args.params is not None:
         target = args.params * 1e6 * 12
     state, model, opt = build_state(target, d, vocab=vocab, log=log)
+    if args.bf16:
+        def to_bf16(x):
+            if isinstance(x, torch.Tensor):
+                return x.to(torch.bfloat16) if x.is_floating_point() and x.dim() > 0 else x
+            if isinstance(x, dict):
+                return {k: to_bf16(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(to_bf16(v) for v in x)
+            return x
+        state = to_bf16(state)
     nbytes = state_nbytes(state)
     tensors = [t for _, t in iter_tensors(state)]
     zeros = sum(int((t == 0).sum()) * t.element_size() for t in tensors)
@@ -400,10 +415,12 @@ def main(argv=None) -> int:
         store_opts["workers"] = args.workers
     if args.no_verify:
         store_opts["verify"] = False
+    if args.compression:
+        store_opts["compression"] = args.compression
 
     base = args.dir or tempfile.mkdtemp(prefix="tsck-bench-", dir="/work")
     os.makedirs(base, exist_ok=True)
-    p_store, p_torch, p_dcp = (os.path.join(base, n) for n in ("tsck_store", "torch.pt", "dcp_ckpt"))
+    p_store, p_torch, p_dcp, p_raw = (os.path.join(base, n) for n in ("tsck_store", "torch.pt", "dcp_ckpt", "raw"))
     log(f"# scratch dir: {base}")
 
     changed = pick_tensors(state, args.changed, seed=1)
@@ -415,10 +432,10 @@ def main(argv=None) -> int:
     trim_memory()
 
     R: dict[str, list] = {k: [] for k in (
-        "tsck_put", "tsck_put_returned", "torch_save", "dcp_save",
+        "tsck_put", "tsck_put_returned", "torch_save", "dcp_save", "raw_save",
         "tsck_checkout", "tsck_checkout_into", "torch_load", "dcp_load",
         "tsck_put_incr", "tsck_put_incr_returned", "incr_bytes_new", "incr_blocks_new",
-        "mem_tsck_put", "mem_torch_save", "mem_dcp_save", "mem_tsck_checkout",
+        "mem_tsck_put", "mem_torch_save", "mem_dcp_save", "mem_raw_save", "mem_tsck_checkout",
         "mem_tsck_checkout_into", "mem_torch_load", "mem_dcp_load", "mem_tsck_put_incr",
         "disk_tsck", "disk_torch", "disk_dcp", "put_bytes_total", "put_bytes_new")}
     problems: list[str] = []
@@ -439,13 +456,36 @@ def main(argv=None) -> int:
     def save_dcp():
         return timed(lambda: dcp.save(state, storage_writer=FileSystemWriter(p_dcp, thread_count=2)))
 
+    def write_raw():
+        """The physical reference: the state's bytes, one file per tensor, written by 2
+        threads (as dcp.save's thread_count=2), each file fsync'd."""
+        from concurrent.futures import ThreadPoolExecutor
+        os.makedirs(p_raw, exist_ok=True)
+
+        def one(i_t):
+            i, t = i_t
+            fd = os.open(os.path.join(p_raw, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                mv = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                while mv:
+                    mv = mv[os.write(fd, mv):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        def run():
+            with ThreadPoolExecutor(2) as ex:
+                list(ex.map(one, enumerate(t for _, t in iter_tensors(state) if isinstance(t, torch.Tensor))))
+        return timed(run)
+
     try:
         for rep in range(args.repeats):
             log(f"## repeat {rep+1}/{args.repeats}")
-            for p in (p_store, p_torch, p_dcp):
+            for p in (p_store, p_torch, p_dcp, p_raw):
                 rm(p)
             # ---- writes (order rotated each repeat so drift in disk speed is spread)
-            writers = [("tsck", put_full)] + ([] if args.skip_peers else [("torch", save_torch), ("dcp", save_dcp)])
+            writers = [("tsck", put_full), ("raw", write_raw)] + (
+                [] if args.skip_peers else [("torch", save_torch), ("dcp", save_dcp)])
             k = rep % len(writers)
             for name, fn in writers[k:] + writers[:k]:
                 tm = fn()
@@ -464,7 +504,10 @@ def main(argv=None) -> int:
                 else:
                     R[f"{name}_save"].append(tm.seconds)
                     R[f"mem_{name}_save"].append(tm.extra_rss)
-                    R[f"disk_{name}"].append(du_bytes(p_torch if name == "torch" else p_dcp))
+                    if name != "raw":
+                        R[f"disk_{name}"].append(du_bytes(p_torch if name == "torch" else p_dcp))
+                    else:
+                        rm(p_raw)
                     log(f"  {name}.save: {tm.seconds:.2f}s (returned {tm.returned:.2f}s) "
                         f"{nbytes/GB/tm.seconds:.3f} GB/s, +RSS {tm.extra_rss/1e6:.0f} MB")
                 trim_memory()
@@ -554,13 +597,13 @@ def main(argv=None) -> int:
             if args.dir is None:
                 shutil.rmtree(base, ignore_errors=True)
             else:
-                for p in (p_store, p_torch, p_dcp):
+                for p in (p_store, p_torch, p_dcp, p_raw):
                     rm(p)
 
     # ---- summarise
     n = len(R["tsck_put"])
     gbps = {k: [nbytes / GB / s for s in R[k]] for k in (
-        "tsck_put", "torch_save", "dcp_save", "tsck_checkout", "tsck_checkout_into", "torch_load", "dcp_load")}
+        "tsck_put", "torch_save", "dcp_save", "raw_save", "tsck_checkout", "tsck_checkout_into", "torch_load", "dcp_load")}
 
     def ratio(a, b, inv=False):
         xa, xb = gbps.get(a, R.get(a)), gbps.get(b, R.get(b))
@@ -573,6 +616,7 @@ def main(argv=None) -> int:
 
     ratios = {
         "put_vs_torch_save": ratio("tsck_put", "torch_save"),
+        "put_vs_raw_write": ratio("tsck_put", "raw_save"),
         "put_vs_dcp_save": ratio("tsck_put", "dcp_save"),
         "checkout_vs_torch_load": ratio("tsck_checkout", "torch_load"),
         "checkout_vs_dcp_load": ratio("tsck_checkout", "dcp_load"),
@@ -594,14 +638,17 @@ def main(argv=None) -> int:
     Q = {k: summ(v) for k, v in ratios.items()}
 
     tsck_ver = getattr(tsck, "__version__", "?")
-    hdr = (f"State: GPT-style fp32 model + AdamW moments, {nbytes/GB:.2f} GB in {len(tensors)} tensors; "
+    hdr = (f"State: GPT-style {'bf16' if args.bf16 else 'fp32'} model + AdamW moments, {nbytes/GB:.2f} GB in {len(tensors)} tensors; "
            f"{n} repeat(s); page cache evicted before reads ({evict_mode}); every write timed through os.sync(). "
            f"tensorstore_ck {tsck_ver}, torch {torch.__version__}, {os.cpu_count()} cores. 1 GB = 1e9 B. "
            f"Cells: median (min–max).")
     lines = [hdr, "",
              "| write | GB/s | peak extra RSS (MB) | tsck ÷ this, speed | tsck ÷ this, memory |",
              "|---|---|---|---|---|",
-             f"| **tsck put_snapshot** (fresh store) | {fmt_s(S['tsck_put'])} | {fmt_s(M['mem_tsck_put'], '{:.0f}')} | — | — |"]
+             f"| **tsck put_snapshot** (fresh store, compression={store_opts.get('compression', 'auto')}) | "
+             f"{fmt_s(S['tsck_put'])} | {fmt_s(M['mem_tsck_put'], '{:.0f}')} | — | — |",
+             f"| raw writes of the same bytes (file per tensor, 2 threads, fsync) | {fmt_s(S['raw_save'])} | "
+             f"{fmt_s(M['mem_raw_save'], '{:.0f}')} | {fmt_s(Q['put_vs_raw_write'], unit='x')} | — |"]
     if not args.skip_peers:
         lines += [
             f"| torch.save + os.sync | {fmt_s(S['torch_save'])} | {fmt_s(M['mem_torch_save'], '{:.0f}')} | "

@@ -13,7 +13,8 @@ Contract, for every input:
    commit, verify on and off) as exactly the decoded bytes; a wrong kind or
    length, or bytes that do not decode, raise IntegrityError. Assets and the
    frame decoder never disagree on whether an object decodes.
-3. encode_payload(x) decodes back to x for every codec option.
+3. encode_payload(x) decodes back to x for every codec option (the float codec
+   included: seeds float-* hold float-codec frames, fuzz/make_corpus.py).
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ def _decode(data: bytes):
         hdr = frame.decode_header(data)
     except FormatError as e:
         return None, e
-    if hdr.codec not in (frame.CODEC_RAW, frame.CODEC_LZ4, frame.CODEC_SHUFFLE_LZ4) \
+    if hdr.codec not in (frame.CODEC_RAW, frame.CODEC_LZ4, frame.CODEC_SHUFFLE_LZ4, frame.CODEC_FLOAT) \
             or hdr.kind not in (frame.KIND_BLOCK, frame.KIND_NODE, frame.KIND_COMMIT) \
             or not 1 <= hdr.itemsize <= 255 or not 0 <= hdr.raw_len <= frame.MAX_RAW_LEN \
-            or (hdr.codec != frame.CODEC_SHUFFLE_LZ4 and hdr.itemsize != 1):
+            or (hdr.codec == frame.CODEC_FLOAT and hdr.itemsize not in frame.FLOAT_ITEMSIZES) \
+            or (hdr.codec in (frame.CODEC_RAW, frame.CODEC_LZ4) and hdr.itemsize != 1):
         raise ContractViolation(f"decode_header accepted an out-of-range header {hdr}")
     if frame.encode_header(hdr.codec, hdr.itemsize, hdr.kind, hdr.raw_len) != bytes(data[:frame.HEADER_SIZE]):
         raise ContractViolation("decode_header accepted a non-canonical header")
@@ -118,7 +120,8 @@ def _check_roundtrip(data: bytes) -> None:
     kind = opt % 3
     compress = bool(opt & 4)
     shuffle = (0, 1, 2, 3, 4, 8, 16, 255)[(opt >> 3) % 8]
-    bufs = frame.encode_payload(data, kind, compress=compress, shuffle_itemsize=shuffle)
+    floats = (0, 2, 4, 8)[opt >> 6]
+    bufs = frame.encode_payload(data, kind, compress=compress, shuffle_itemsize=shuffle, float_itemsize=floats)
     blob = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
     hdr = frame.decode_header(blob)
     if hdr.kind != kind or hdr.raw_len != len(data):

@@ -52,11 +52,14 @@ def _write(out: str, target: str, label: str, data: bytes) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(_common.CORPUS_DIR))
-    ap.add_argument("--only", choices=["tree"], help="rebuild only this folder")
+    ap.add_argument("--only", choices=["tree", "float"], help="rebuild only this folder (float: the float-* seeds of frame/)")
     args = ap.parse_args(argv)
     if args.only == "tree":
         n = tree_corpus(args.out)
         print(f"tree: {n}")
+        return 0
+    if args.only == "float":
+        print(f"frame float-*: {float_seeds(args.out)}")
         return 0
 
     import lmdb
@@ -103,6 +106,7 @@ def main(argv=None) -> int:
             write("refrecords", "marker", fuzz_refrecords.seed("marker", store.storage.get("tsck.json")))
         finally:
             store.close()
+        counts["frame"] += float_seeds(out)
         # -- LMDB records
         env = lmdb.open(os.path.join(path, "refs.lmdb"), max_dbs=16, readonly=True, lock=False)
         value_tables = {"reflog": "reflog", "catalog": "catalog", "gc": "gc", "retention": "retention",
@@ -138,6 +142,30 @@ def main(argv=None) -> int:
     counts["tree"] = tree_corpus(out)
     print(" ".join(f"{t}: {n}" for t, n in sorted(counts.items())))
     return 0
+
+
+def float_seeds(out: str) -> int:
+    """frame/float-*: float-codec (codec 3) frames of trained-like weights in each float
+    width, with and without tail bytes, with zstd-coded and raw planes. -> count."""
+    import numpy as np
+    import torch
+
+    from tensorstore_ck.format import frame
+    g = torch.Generator().manual_seed(16)
+    n = 0
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for count, tail in ((1024, b""), (777, b"\x01\x02\x03")):
+            x = (torch.randn(count, generator=g) * 0.02).to(dt)
+            raw = x.view(torch.uint8).numpy().tobytes() + tail
+            if dt == torch.float32:  # an all-but-exponent plane that shrinks too (zstd-coded T)
+                raw = (x.to(torch.bfloat16).to(torch.float32)).view(torch.uint8).numpy().tobytes() + tail
+            k = x.element_size()
+            bufs = frame.encode_payload(np.frombuffer(raw, np.uint8), frame.KIND_BLOCK, float_itemsize=k)
+            blob = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+            assert blob[5] == frame.CODEC_FLOAT, (dt, count)
+            _write(out, "frame", f"float-{str(dt)[6:]}", blob)
+            n += 1
+    return n
 
 
 def tree_corpus(out: str) -> int:

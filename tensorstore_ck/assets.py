@@ -40,7 +40,7 @@ from .format.records import MAX_TAG_OBJECT, decode_tag, encode_tag
 from .storage.base import BlockStore
 
 __all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "MAX_MARKER_BYTES", "read_marker", "create_marker",
-           "holds_snapshots", "block_key", "node_key", "commit_key", "tag_key", "KIND_PREFIX", "QUARANTINE_PREFIX", "Aside"]
+           "holds_snapshots", "CODEC_MODES", "block_key", "node_key", "commit_key", "tag_key", "KIND_PREFIX", "QUARANTINE_PREFIX", "Aside"]
 
 KINDS = ("commits", "nodes", "blocks")  # gc's deletion order: a kill leaves no commit without its tree
 _OBJECT_KEY = re.compile(r"(commits|nodes|blocks)/([0-9a-f]{2})/(\2[0-9a-f]{62})\Z")
@@ -134,16 +134,27 @@ class PutResult:
     stored: int = 0       # bytes this call wrote to storage (the frame), 0 when not new
 
 
+# Codec choices of a writer (Assets(codecs=...)); see frame.encode_payload.
+CODEC_MODES = ("none", "lz4", "shuffle", "float")
+
 # A worker thread keeps its scratch buffer between blocks up to this size (a few
 # workers x the 4 MiB default block); a bigger block gets a buffer of its own.
 SCRATCH_KEEP = 64 << 20
 
 
 class Assets:
-    def __init__(self, storage: BlockStore, *, compress: bool = True, shuffle: bool = False):
+    def __init__(self, storage: BlockStore, *, compress: bool = True, shuffle: bool = False,
+                 codecs: str | None = None):
+        """codecs: what blocks may be written with: "none" (raw), "lz4", "shuffle" (byte
+        shuffle then lz4), "float" (the float codec or lz4, whichever a probe finds
+        smaller); each only where it shrinks the block. None: from the older flags
+        compress= and shuffle=. Reading never depends on it."""
+        if codecs is None:
+            codecs = "none" if not compress else "shuffle" if shuffle else "lz4"
+        if codecs not in CODEC_MODES:
+            raise ValueError(f"codecs must be one of {CODEC_MODES}, got {codecs!r}")
         self.storage = storage
-        self.compress = compress
-        self.shuffle = shuffle
+        self.codecs = codecs
         self._local = threading.local()
 
     def _scratch(self, n: int) -> np.ndarray:
@@ -184,8 +195,10 @@ class Assets:
             # Keep its bytes aside and store the ones this writer holds, under the same
             # address, which heals every snapshot that references it.
             self.move_aside(key)
-        bufs = frame.encode_payload(mv, kind, compress=self.compress,
-                                    shuffle_itemsize=itemsize if self.shuffle else 0)
+        c = self.codecs
+        bufs = frame.encode_payload(mv, kind, compress=c != "none",
+                                    shuffle_itemsize=itemsize if c == "shuffle" else 0,
+                                    float_itemsize=itemsize if c == "float" else 0)
         new = self.storage.put_if_absent(key, bufs)
         return PutResult(d, new, mv.nbytes, stored=sum(memoryview(b).nbytes for b in bufs) if new else 0)
 

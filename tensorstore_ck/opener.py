@@ -137,8 +137,8 @@ def _open_errors(fn):
 @_open_errors
 def open_store(url, *, refs=None, storage_options: dict | None = None, create: bool = True,
                block_size: int | None = None, inline_threshold: int | None = None,
-               workers: int | None = None, verify: bool = True, compress: bool = True,
-               shuffle: bool = False, gc_lease: float | None = None, max_inflight: int = 2,
+               workers: int | None = None, verify: bool = True, compression: str = "auto",
+               compress: bool = True, shuffle: bool = False, gc_lease: float | None = None, max_inflight: int = 2,
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
                write_concurrency: int | None = None, create_refs: bool = False,
                gc_stale_after: float | None = None, read_only: bool | None = None) -> Store:
@@ -152,6 +152,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     refs: None (LMDB beside local data; in-process table for memory://), a path
     or lmdb:// URL, postgresql://..., memory://name, or a RefTable.
     storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...).
+    compression: how new blocks are written: "auto" (default: "float" on object stores,
+    "lz4" on a local disk or memory://; docs/ARCHITECTURE.md, "Compression"), "float"
+    (the float codec where it pays, lz4 where that pays, raw otherwise), "lz4", "none".
+    Any store reads every codec; an object's address never depends on it.
+    compress=False: the old spelling of compression="none". shuffle=True (deprecated):
+    byte shuffle then lz4, the codec "float" supersedes.
     gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
     two renewals (default 120); others judge it on the ref table's clock.
     gc_stale_after: the old name of gc_lease (deprecated; it no longer decides when
@@ -170,7 +176,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     # Every argument is checked before anything is written: a bad one never leaves a
     # marker behind that no later open could get past.
     new_layout = layout(block_size, inline_threshold)
-    check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
+    if shuffle:
+        warnings.warn("open_store(shuffle=True) is deprecated: compression='float' codes floats better",
+                      DeprecationWarning, stacklevel=3)
+    check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
+                  compression=compression, compress=compress, shuffle=shuffle)
     if read_only is not None and not isinstance(read_only, bool):
         raise InvalidArgument(f"read_only must be True, False or None, got {read_only!r}")
     proto, rest = _split_url(url)
@@ -267,7 +277,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         storage = wrap_storage(storage)
     try:
         return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
-                     shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
+                     shuffle=shuffle, compression=compression, block_size=block_size, inline_threshold=inline_threshold,
                      gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
                      read_only=why_ro if read_only else None)
     except BaseException:

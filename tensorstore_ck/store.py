@@ -143,8 +143,36 @@ def layout(block_size, inline_threshold, config: dict | None = None, *, where: s
     raise InvalidArgument(problem)
 
 
-def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait") -> None:
+COMPRESSION = ("auto", "float", "lz4", "none")
+
+
+def codecs_for(compression: str, storage: BlockStore, *, compress: bool = True, shuffle: bool = False) -> str:
+    """The codecs a writer uses (Assets(codecs=)) for open_store(compression=...).
+
+    "auto" is the measured best for the backend (docs/ARCHITECTURE.md, "Compression"):
+    the float codec where the bytes cross a network (object stores: fewer bytes is
+    time and money saved), lz4 where they do not (a local disk, memory://), where
+    coding floats costs more CPU time than the disk saves. The older flags map in:
+    compress=False is "none", shuffle=True the byte-shuffle codec (deprecated).
+    The options are checked first (check_options)."""
+    if not compress:
+        return "none"
+    if shuffle:
+        return "shuffle"
+    if compression == "auto":
+        return "lz4" if storage.local or storage.url.startswith("memory://") else "float"
+    return compression
+
+
+def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto",
+                  compress=True, shuffle=False) -> None:
     """A Store's other options, checked before open_store writes anything."""
+    if compression not in COMPRESSION:
+        raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")
+    if not compress and compression not in ("auto", "none"):
+        raise InvalidArgument(f"compress=False contradicts compression={compression!r}")
+    if shuffle and compression not in ("auto", "lz4"):
+        raise InvalidArgument(f"shuffle=True contradicts compression={compression!r}")
     if workers is not None and (type(workers) is not int or not 1 <= workers <= 1024):
         raise InvalidArgument(f"workers must be an int within 1..1024, got {workers!r}")
     if gc_lease is not None and not (isinstance(gc_lease, (int, float)) and not isinstance(gc_lease, bool)
@@ -161,12 +189,13 @@ class Store:
 
     def __init__(self, storage: BlockStore, refs: RefTable, *, config: dict, workers: int | None = None,
                  verify: bool = True, compress: bool = True, shuffle: bool = False,
-                 block_size: int | None = None, inline_threshold: int | None = None,
+                 compression: str = "auto", block_size: int | None = None, inline_threshold: int | None = None,
                  gc_lease: float | None = None, max_inflight: int = 2, when_busy: str = "wait",
                  read_only: str | None = None):
         """read_only: why the store is opened read-only (open_store decides), or None."""
         from .gc import DEFAULT_LEASE
-        check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy)
+        check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
+                      compression=compression, compress=compress, shuffle=shuffle)
         # The lease of the gcs this Store runs (store.gc()). Other parties judge it on the ref
         # table's clock from what the gc declared; no Store's setting judges another's gc.
         self.gc_lease = float(gc_lease if gc_lease is not None else DEFAULT_LEASE)
@@ -176,7 +205,9 @@ class Store:
         self.verify = verify
         self.block_size, self.inline_threshold = layout(block_size, inline_threshold, config,
                                                         where=f"{storage.url}/tsck.json")
-        self.assets = Assets(storage, compress=compress, shuffle=shuffle)
+        # What blocks are written with ("none", "lz4", "shuffle", "float"); any store reads every codec.
+        self.codecs = codecs_for(compression, storage, compress=compress, shuffle=shuffle)
+        self.assets = Assets(storage, codecs=self.codecs)
         self.workers = workers or min(8, 2 * (os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
         # The one way anything is published into this store (put, collective put, DCP writer).

@@ -29,7 +29,8 @@ class StoreHandle:
             raise TypeError("a TsckWriter can be pickled only with a store on a local folder whose ref table "
                             "is beside it; use the default (thread) async checkpointer")
         opts = (("block_size", store.block_size), ("inline_threshold", store.inline_threshold),
-                ("verify", store.verify), ("compress", store.assets.compress), ("shuffle", store.assets.shuffle))
+                ("verify", store.verify), ("compression", "lz4" if store.codecs == "shuffle" else store.codecs),
+                ("shuffle", store.codecs == "shuffle"))
         h = StoreHandle(url, opts)
         with _OPEN_LOCK:
             _REGISTERED.setdefault((os.getpid(), url), store)
