@@ -491,9 +491,8 @@ class Reader:
                             "(checkout(..., max_bytes=N) raises the cap)", path)
         if leaf.inline is not None or leaf.nbytes <= PRESENCE_CHECK_ABOVE:
             return
-        distinct = list(dict.fromkeys(leaf.blocks))
-        p = format_path(path)
-        list(self.pool.map(lambda d: self.assets.require_block(d, snapshot=self.snapshot, path=p), distinct))
+        self.assets.require_blocks(dict.fromkeys(leaf.blocks), self.pool, snapshot=self.snapshot,
+                                   path=format_path(path))
 
     def _fill(self, flat_u8, leaf: tree.Leaf, path, caller: bool = False):
         """Schedule the reads that fill `flat_u8` (a writable uint8 buffer of the leaf's

@@ -177,6 +177,7 @@ class Store:
         self.block_size, self.inline_threshold = layout(block_size, inline_threshold, config,
                                                         where=f"{storage.url}/tsck.json")
         self.assets = Assets(storage, compress=compress, shuffle=shuffle)
+        self.assets.epoch_now = lambda: refs.gc_state()["epoch"]  # for checkouts that consult assets.presence
         self.workers = workers or min(8, 2 * (os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
         # The one way anything is published into this store (put, collective put, DCP writer).
@@ -211,6 +212,7 @@ class Store:
         self._inflight = []
         self._bg_lock = threading.Lock()
         self._bg_error = None
+        self.assets.presence.after_fork()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
         # there. One thread, as torch's own DataLoader workers do.
