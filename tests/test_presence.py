@@ -14,12 +14,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck import read
+from tensorstore_ck.storage.wrappers import WrappedStore
 
 pytestmark = pytest.mark.slow  # a real S3 server
 
@@ -109,6 +111,56 @@ def test_a_gc_between_puts_voids_the_record(s3_url, s3_server, tmp_path, how):
     assert not rep.findings, rep.findings  # a record kept across the epoch: 8 missing blocks here
     assert writer.checkout("j/main")["x"].equal(x)
     assert info.blocks_new == 8, info  # written again: the record died with the epoch
+    writer.close()
+
+
+class _PauseFirstCommit(WrappedStore):
+    """Holds the first commit object's write until released: the writer has reused (or
+    written) every block and node, and its ref has not moved yet."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def put_if_absent(self, key, bufs):
+        if key.startswith("commits/") and not self.reached.is_set():
+            self.reached.set()
+            assert self.go.wait(120)
+        return self.inner.put_if_absent(key, bufs)
+
+
+def test_a_gc_during_a_put_that_reused_recorded_blocks(s3_url, s3_server, tmp_path):
+    """(b) The other order: the put reuses X from its record (same epoch at its fence),
+    then a gc elsewhere deletes X before the ref moves. The move is fenced; re-validation
+    must ask storage about X (the record is of the old epoch) and write it again."""
+    box = {}
+
+    def wrap(s):
+        box["w"] = _PauseFirstCommit(s)
+        box["w"].reached.set()  # not yet
+        return box["w"]
+
+    writer = _open(s3_url, s3_server, tmp_path, wrap_storage=wrap)
+    x = torch.randn(8 * BS // 4, generator=torch.Generator().manual_seed(11))
+    writer.put_snapshot({"x": x}, ref="tmp/x", step=0)
+    writer.put_snapshot({"y": torch.zeros(64)}, ref="j/main", step=1)
+    writer.delete_ref("tmp/x")  # X is garbage now, and in the writer's record
+    box["w"].reached.clear()
+    seen = _counter(writer)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(info=writer.put_snapshot({"x": x, "i": 1}, ref="j/main",
+                                                                             step=2)))
+    t.start()
+    assert box["w"].reached.wait(120)
+    assert seen.get("HeadObject", 0) + seen.get("PutObject", 0) <= 2, dict(seen)  # X came from the record
+    rep = _gc_elsewhere(s3_url, s3_server, tmp_path)
+    assert rep["deleted_by_kind"].get("blocks", 0) >= 8, rep
+    box["w"].go.set()
+    t.join(120)
+    assert "info" in out
+    rep = writer.fsck()
+    assert not rep.findings, rep.findings
+    assert writer.checkout("j/main")["x"].equal(x)
     writer.close()
 
 
