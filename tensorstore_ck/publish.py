@@ -206,8 +206,9 @@ class Publisher:
         Returns the new fence."""
         fence = self.wait_gc_idle()
         # A leaf that is not private is copied again and checked against its address (put_block).
-        # Every block is asked of storage again: what this Store saw before is of the old
-        # epoch, so the new fence finds none of it in its record (assets.Presence).
+        # Under the new fence: what this Store saw before the phase is of an older epoch and
+        # is asked of storage again like any block (assets.Presence); only what was seen
+        # after this fence was read may be reused.
         futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private,
                                  fence=fence)
                 for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
