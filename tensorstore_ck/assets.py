@@ -436,19 +436,21 @@ class Assets:
                                  expected=d.hex(), got=got.hex(), **ctx)
 
     def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
-                        bounce: bool = False) -> None:
+                        bounce: bool = False, fence: int | None = None) -> None:
         """Read block `d` into the writable buffer `out` (exactly its length).
 
         bounce=True (`out` is the caller's memory): with verify on, the block is read
         and verified in this thread's scratch buffer and only then copied into
         `out`, so `out` receives the block's verified bytes or is not touched at
         all. Without it, the bytes are read straight into `out` and verified there
-        (for fresh memory that a failed checkout throws away)."""
+        (for fresh memory that a failed checkout throws away). fence: the gc epoch read
+        before this checkout began; the block, read, is recorded present under it."""
         try:
             self._read_block_into(d, out, verify, snapshot, path, bounce)
         except IntegrityError:
             self.presence.discard(frame.KIND_BLOCK, d)  # missing or damaged: a put asks storage again
             raise
+        self.presence.add(frame.KIND_BLOCK, d, fence)
 
     def _read_block_into(self, d: bytes, out, verify: bool, snapshot, path, bounce: bool) -> None:
         ctx = {"snapshot": snapshot, "path": path}
@@ -464,7 +466,7 @@ class Assets:
         if verify:
             self._check(d, mv, key, ctx)
 
-    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None) -> bytes:
+    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence: int | None = None) -> bytes:
         ctx = {"snapshot": snapshot, "path": path}
         key = node_key(d)
         try:
@@ -474,6 +476,7 @@ class Assets:
         except IntegrityError:
             self.presence.discard(frame.KIND_NODE, d)
             raise
+        self.presence.add(frame.KIND_NODE, d, fence)
         return bytes(data)
 
     def get_commit(self, d: bytes, *, verify: bool = True) -> bytes:
@@ -495,18 +498,26 @@ class Assets:
         if not self.storage.exists(key):
             raise IntegrityError("missing object", key=key, reason="missing", snapshot=snapshot, path=path)
 
-    def require_blocks(self, digests, pool, *, snapshot=None, path=None) -> None:
+    def require_blocks(self, digests, pool, *, snapshot=None, path=None, fence: int | None = None) -> None:
         """require_block for each of `digests` (in `pool`), except those this Store saw
-        present under the current gc epoch (Presence): they are there unless a deletion
-        phase began since, and then the read that follows finds them missing anyway."""
+        present under the gc epoch `fence` (default: the current one), if it is still
+        current (Presence): they are there unless a deletion phase began since, and then
+        the read that follows finds them missing anyway."""
         todo = list(digests)
-        if self.epoch_now is not None and self.presence.warm_for_reading():
-            try:
-                epoch = self.epoch_now()
-            except TsckError:
-                epoch = None  # the ref table is away: ask storage, as without a record
+        if self.presence.warm_for_reading():
+            epoch = fence if fence is not None else self.fence_now()
             todo = [d for d in todo if not self.presence.known(frame.KIND_BLOCK, d, epoch)]
         list(pool.map(lambda d: self.require_block(d, snapshot=snapshot, path=path), todo))
+
+    def fence_now(self) -> int | None:
+        """The current gc deletion epoch, None when it cannot be read (no ref table, or
+        it is away: then nothing is taken from the record)."""
+        if self.epoch_now is None:
+            return None
+        try:
+            return self.epoch_now()
+        except TsckError:
+            return None
 
     def block_exists(self, d: bytes) -> bool:
         return self.storage.exists(_key(KIND_PREFIX[frame.KIND_BLOCK], d))

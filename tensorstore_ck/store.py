@@ -515,12 +515,16 @@ class Store:
             return reader.materialize(v, (), MISSING if into is None else into)
 
         def read(root: Digest, rank: int = 0):
+            # Read before any object is: what this checkout reads is then known present under
+            # it, for later puts and checkouts of this Store (assets.Presence).
+            fence = self.assets.fence_now()
             c = decode_commit(self.assets.get_commit(root, verify=verify))
             if not progress:
-                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, **opts), c["tree"])
+                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, fence=fence,
+                                        **opts), c["tree"])
             st = c.get("stats") or {}
             with _bytes_bar("checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank,
+                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, fence=fence,
                                         progress=bar.update, **opts), c["tree"])
 
         if is_collective(group):

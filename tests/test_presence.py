@@ -89,17 +89,21 @@ def test_incremental_put_asks_only_about_what_changed(s3_url, s3_server, tmp_pat
     store.close()
 
 
-@pytest.mark.parametrize("how", ["delete_ref", "forget"])
+@pytest.mark.parametrize("how", ["delete_ref", "forget", "read"])
 def test_a_gc_between_puts_voids_the_record(s3_url, s3_server, tmp_path, how):
-    """(b) The record says block X is present; another process's gc (another Store here)
-    deletes X in a deletion phase between two puts of this Store. The next put of a state
-    holding X must write X again: a record trusted across the phase would publish a
-    snapshot whose block is missing."""
+    """(b) The record says block X is present (this Store wrote it, or read it: "read");
+    another process's gc deletes X in a deletion phase between two puts of this Store. The
+    next put of a state holding X must write X again: a record trusted across the phase
+    would publish a snapshot whose block is missing."""
     writer = _open(s3_url, s3_server, tmp_path)
     x = torch.randn(8 * BS // 4, generator=torch.Generator().manual_seed(7))
     writer.put_snapshot({"x": x, "i": 0}, ref="tmp/x", step=0)
+    if how == "read":  # a fresh Store that knows X from a checkout only
+        writer.close()
+        writer = _open(s3_url, s3_server, tmp_path)
+        assert writer.checkout("tmp/x")["x"].equal(x)
     writer.put_snapshot({"y": torch.zeros(64)}, ref="j/main", step=1)  # warm: a snapshot published
-    if how == "delete_ref":
+    if how in ("delete_ref", "read"):
         writer.delete_ref("tmp/x")
     else:
         writer.put_snapshot({"y": torch.ones(64)}, ref="tmp/x", step=1)  # the old tip of tmp/x ...
@@ -198,4 +202,21 @@ def test_checkout_of_a_big_tensor_heads_only_unknown_blocks(s3_url, s3_server, t
     seen.clear()
     assert store.checkout("j/main")["big"].equal(big)
     assert seen.get("HeadObject", 0) == 16, dict(seen)
+    seen.clear()  # that checkout read every block under the new epoch: known now
+    assert store.checkout("j/main")["big"].equal(big)
+    assert seen.get("HeadObject", 0) == 0, dict(seen)
+    store.close()
+
+
+def test_a_put_after_a_checkout_asks_nothing_about_what_was_read(s3_url, s3_server, tmp_path):
+    """Resuming: a fresh Store checks out the last snapshot; its next put of the state,
+    unchanged but for the step, asks storage nothing about the blocks and nodes it read."""
+    store = _open(s3_url, s3_server, tmp_path)
+    store.put_snapshot(_state(), ref="j/main", step=1)
+    store.close()
+    store = _open(s3_url, s3_server, tmp_path)
+    state = store.checkout("j/main")
+    seen = _counter(store)
+    store.put_snapshot(state, ref="j/main", step=2)
+    assert sum(seen.values()) <= 3, dict(seen)  # the commit (and one node: the top holds the step)
     store.close()
