@@ -201,6 +201,22 @@ class Presence:
         with self._lock:
             self._state[1].get(kind, set()).discard(d)
 
+    def carry(self, before: int, after: int, removed: dict) -> None:
+        """This Store's own gc opened the deletion phase at even epoch `before` (its freeze
+        moved it to before + 1) and closed it at `after` = before + 2, deleting at most
+        `removed` ({"blocks": digests, "nodes": ...}): what was recorded under `before` and
+        is not in `removed` is still there (no other phase ran: it would have moved the
+        epoch further), so it stays recorded, under `after`. Anything else: nothing carried
+        (the next write under a newer fence starts the record afresh)."""
+        if after != before + 2 or before % 2:
+            return
+        with self._lock:
+            epoch, sets, warm = self._state
+            if epoch != before:
+                return
+            kept = {k: v - set(removed.get(KIND_PREFIX[k], ())) for k, v in sets.items()}
+            self._state = (after, kept, warm)
+
     def after_fork(self) -> None:
         """In a forked child: the lock may have been held by a thread that is not there."""
         self._lock = threading.Lock()
