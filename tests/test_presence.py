@@ -250,3 +250,27 @@ def test_own_prune_keeps_the_record_less_what_it_deleted(s3_url, s3_server, tmp_
     assert info.blocks_new == 4, info
     assert store.checkout("j/main")["model"]["layer1"].equal(old_b)
     store.close()
+
+
+def test_a_warm_miss_that_exists_is_judged_as_a_head_would(s3_url, s3_server, tmp_path):
+    """Warm, a miss goes out as the conditional PUT alone; if the server says the object
+    exists, its size is judged as dedup's HEAD did: an oversized (damaged) one is moved
+    aside and the block written again under its address."""
+    import blake3
+    import s3fs
+
+    from tensorstore_ck.assets import block_key
+    store = _open(s3_url, s3_server, tmp_path)
+    store.put_snapshot({"a": torch.zeros(64)}, ref="j/main", step=1)  # warm
+    z = torch.randn(BS // 4, generator=torch.Generator().manual_seed(5))  # one block
+    key = block_key(blake3.blake3(z.numpy().tobytes()).digest())
+    fs = s3fs.S3FileSystem(**s3_server, skip_instance_cache=True)
+    fs.pipe_file(f"{s3_url[len('s3://'):]}/{key}", b"\0" * (BS + 100))  # damaged, written around the store
+    seen = _counter(store)
+    info = store.put_snapshot({"a": torch.zeros(64), "z": z}, ref="j/main", step=2)
+    assert info.blocks_new == 1, info
+    assert seen["CopyObject"] == 1, dict(seen)  # moved aside after the 412 and its HEAD
+    assert not store.fsck().findings
+    assert store.checkout("j/main")["z"].equal(z)
+    assert len(list(store.assets.list_aside())) == 1
+    store.close()
