@@ -46,22 +46,20 @@ class Publisher:
     def fence(self) -> int:
         """The gc deletion epoch. Read it before any object is found present: if a
         deletion phase starts or runs before the ref moves, the move is refused
-        (Fenced) and everything the snapshot references is re-validated. Passed to the
-        writes below, it lets them reuse what this Store saw present under that same
-        epoch without asking storage (assets.Presence)."""
+        (Fenced) and everything the snapshot references is re-validated."""
         return self.reftable.gc_state()["epoch"]
 
-    def write_blocks(self, plan: Plan, owns=None, progress=None, fence: int | None = None) -> None:
-        run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress, fence=fence)
+    def write_blocks(self, plan: Plan, owns=None, progress=None) -> None:
+        run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress)
 
     def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":
         """private: nobody else writes `raw` until the block is written (Assets.put_block)."""
         return self.pool.submit(self.assets.put_block, raw, itemsize, private=private)
 
-    def write_nodes(self, value, fence: int | None = None) -> tuple[bytes, list[bytes]]:
+    def write_nodes(self, value) -> tuple[bytes, list[bytes]]:
         """Lay `value` out in nodes and write them -> (top node address, payloads)."""
         w = NodeWriter()
-        top = w.write(value, lambda payload: self.assets.put_node(payload, fence).digest)
+        top = w.write(value, lambda payload: self.assets.put_node(payload).digest)
         return top, w.payloads
 
     def sync(self) -> None:
@@ -96,8 +94,8 @@ class Publisher:
     def publish(self, plan: Plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
         """The whole pipeline for one planned snapshot."""
         fence = self.fence()
-        self.write_blocks(plan, progress=progress, fence=fence)
-        top, payloads = self.write_nodes(plan.value, fence)
+        self.write_blocks(plan, progress=progress)
+        top, payloads = self.write_nodes(plan.value)
         return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence,
                            revalidate=lambda body: self.revalidate_plan(plan, payloads, body))
 
@@ -151,7 +149,6 @@ class Publisher:
                 races += 1
                 time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
                 continue
-            self.assets.presence.settle(fence)
             return row_to_info(root, row)
         raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
                               f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
@@ -206,11 +203,7 @@ class Publisher:
         Returns the new fence."""
         fence = self.wait_gc_idle()
         # A leaf that is not private is copied again and checked against its address (put_block).
-        # Under the new fence: what this Store saw before the phase is of an older epoch and
-        # is asked of storage again like any block (assets.Presence); only what was seen
-        # after this fence was read may be reused.
-        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private,
-                                 fence=fence)
+        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private)
                 for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
         for f in futs:
             f.result()

@@ -131,9 +131,7 @@ class Worker:
                         v.fill_(7)
                 info = fut.result()
             self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
-            # hits: objects this Store reused from its presence record so far (the driver
-            # reports them, so a run shows the record was exercised beside gc)
-            return {"root": info.root, "time": info.time, "ref_job": info.job, "hits": s.assets.presence.hits}
+            return {"root": info.root, "time": info.time, "ref_job": info.job}
         return args, call
 
     def _vulture(self, s):
