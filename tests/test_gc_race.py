@@ -130,7 +130,7 @@ def test_gc_loop_races_three_dedup_writers(backend, tmp_path, procs):
         for p in writers:
             p.send("go\n")
 
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + (300 if backend.kind == "s3" else 150)  # radosgw on 2 shared cores is slow
         for w, p in enumerate(writers):
             rc = p.wait(max(1.0, deadline - time.monotonic()))
             assert rc == 0, f"writer {w} exited {rc}: {p.stderr()[-3000:]}"
