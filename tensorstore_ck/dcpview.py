@@ -23,7 +23,7 @@ import pickle
 
 import torch
 
-from .errors import CheckoutMismatch, FormatError, InvalidArgument, UnsupportedType
+from .errors import CheckoutMismatch, FormatError, UnsupportedType
 from .format import tree
 from .paths import is_stateful
 from .read import MISSING, Reader
@@ -162,10 +162,8 @@ def read_dcp(reader: Reader, top: tree.Container, into=MISSING, *, allow_pickle:
         if sel is not None and not sel.covers(".".join(map(str, paths.get(f, (f,))))):
             continue
         want.append(f)
-    if sel is not None and sel.unmatched():
-        raise InvalidArgument(f"snapshot {snap[:16]} holds nothing at "
-                              f"{', '.join(repr(p) for p in sel.unmatched()[:5])} (paths are dotted: "
-                              "model.layers.0.weight; `tsck ls` lists them)")
+    if sel is not None:
+        sel.check_matched(snap)
     if targets is not None:
         lacks = [f for f in targets if f not in tensors and f not in byts
                  and (sel is None or sel.covers(f, record=False))]

@@ -87,6 +87,14 @@ class Selection:
     def unmatched(self) -> list[str]:
         return [s for s in self.paths if s not in self.matched]
 
+    def check_matched(self, snapshot: str) -> None:
+        """InvalidArgument naming the paths that matched nothing in `snapshot` (a root hex)."""
+        missing = self.unmatched()
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise InvalidArgument(f"snapshot {snapshot[:16]} holds nothing at {', '.join(map(repr, missing[:5]))}"
+                                  f"{more} (paths are dotted: model.layers.0.weight; `tsck ls` lists them)")
+
 
 def is_stateful(obj) -> bool:
     """DCP's Stateful protocol (nn.Module, optimizers, LR schedulers, app state objects):

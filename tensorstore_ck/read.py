@@ -263,12 +263,8 @@ class Reader:
             raise self._fmt(f"the snapshot's tree holds {values} values and {nbytes} tensor bytes at its paths, "
                             f"more than max_bytes={self.max_bytes} allows ({VALUE_COST} bytes per value; "
                             "checkout(..., max_bytes=N) raises the cap)", path)
-        if self.select is not None and self.select.unmatched():
-            missing = self.select.unmatched()
-            raise InvalidArgument(f"snapshot {self.snapshot[:16]} holds nothing at "
-                                  f"{', '.join(repr(p) for p in missing[:5])}"
-                                  f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''} "
-                                  "(paths are dotted: model.layers.0.weight; `tsck ls` lists them)")
+        if self.select is not None:
+            self.select.check_matched(self.snapshot)
         written: dict = {}
         reading = False
         try:
