@@ -424,10 +424,25 @@ class Lease:
                 return
 
     def freeze(self) -> None:
-        m0 = time.monotonic()
-        self.refs.gc_freeze(self.owner)
-        with self._lock:
-            self.until = max(self.until, m0 + self.seconds)
+        """Open the deletion phase; first wait out the holds of writers that are
+        re-validating a fenced snapshot (each expires on the table's clock), so that a gc
+        looping back to back cannot fence the same writer forever."""
+        t0, told = time.monotonic(), False
+        while True:
+            self.check()
+            m0 = time.monotonic()
+            st = self.refs.gc_freeze(self.owner)
+            with self._lock:
+                self.until = max(self.until, m0 + self.seconds)
+            if not st["held"]:
+                break
+            if not told:
+                told = True
+                log.info("gc %s: %d writer(s) re-validating a fenced snapshot; deletion waits for them",
+                         self.owner, len(st.get("holds") or ()))
+            time.sleep(min(0.05, st["held"]))
+        if told:
+            log.info("gc %s: writers' holds gone after %.2fs", self.owner, time.monotonic() - t0)
 
     def check(self) -> None:
         """Raise if the lock was lost (another gc took over a lease that ran out)."""

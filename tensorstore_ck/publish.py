@@ -10,9 +10,14 @@ docs/ARCHITECTURE.md ("GC and concurrent writers").
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import random
+import socket
+import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .assets import Assets, PutResult
@@ -21,6 +26,7 @@ from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter
 from .info import SnapshotInfo, row_to_info
 from .plan import Plan, plan_stats, run_block_jobs
+from .refs.base import HOLD_SECONDS
 from .validate import UNSET, SnapshotArgs
 
 __all__ = ["Publisher", "COMMIT_ATTEMPTS"]
@@ -102,13 +108,25 @@ class Publisher:
     def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,
                meta_extra: dict | None = None) -> SnapshotInfo:
         """Publish a manifest tree whose objects are all written: commit object,
-        storage sync, then the fenced compare-and-swap of the ref. `revalidate(body)`
-        must make every object the snapshot references exist again and return a
-        new fence; without it a fenced move raises SnapshotAborted.
+        storage sync, then the fenced compare-and-swap of the ref. After a fenced move
+        the commit waits out the deletion phase, takes a gc hold (no new phase opens
+        until the move) and calls `revalidate(body)`, which must make every object the
+        snapshot references exist again; without it a fenced move raises SnapshotAborted.
 
         Without expected=, a writer that loses the race re-encodes only its small
         commit object with the new parent and tries again, so two writers on one ref
         both land in its history."""
+        hold: list = []  # the gc hold this commit took after a fenced move, if any
+        try:
+            return self._commit(tree, args, stats, fence, revalidate, meta_extra, hold)
+        finally:
+            if hold and not hold[1]:
+                try:
+                    self.reftable.gc_unhold(hold[0])
+                except Exception as e:  # noqa: BLE001 - it expires on its own
+                    log.info("gc hold %s not released (%s); it expires in %gs", hold[0], e, HOLD_SECONDS)
+
+    def _commit(self, tree, args, stats, fence, revalidate, meta_extra, hold: list) -> SnapshotInfo:
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
         races = fenced = 0
@@ -129,14 +147,19 @@ class Publisher:
                    "meta": meta, "parent": parent, "tree": tree, **stats}
             try:
                 self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {args.step}",
-                                               catalog_row=row, fence=fence)
+                                               catalog_row=row, fence=fence, hold=hold[0] if hold else None)
             except Fenced:
                 if revalidate is None:
                     raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
                                           "published, take it again") from None
                 fenced += 1
                 log.info("ref %s: a gc deletion phase overlapped this snapshot; re-validating its objects", ref)
-                fence = revalidate(body)
+                if not hold:
+                    hold[:] = [f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}", False]
+                # With the hold taken no deletion phase opens until the move (or its expiry).
+                fence = self.wait_gc_idle(hold=hold[0])
+                with self._renewing(hold[0]):
+                    revalidate(body)
                 continue
             except StorageError:
                 self._drop_unpublished(ref, root)
@@ -149,6 +172,8 @@ class Publisher:
                 races += 1
                 time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
                 continue
+            if hold:
+                hold[1] = True  # the move released it
             return row_to_info(root, row)
         raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
                               f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
@@ -168,15 +193,24 @@ class Publisher:
             log.info("commit %s of a failed put left in storage (%s)", root.hex()[:16], e)
 
     # -- after a fenced move ---------------------------------------------------------
-    def wait_gc_idle(self) -> int:
+    def wait_gc_idle(self, hold: str | None = None) -> int:
         """Wait until no gc deletion phase is running (closing a dead gc's phase once
         its lease ran out on the ref table's clock: the gc's own declaration, never this
-        process's opinion); the even epoch, as a new fence."""
+        process's opinion); the even epoch, as a new fence. With `hold`, take that gc
+        hold in the same transaction that finds the epoch even."""
         t0, told = time.monotonic(), False
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         while True:
+            if hold is not None:
+                epoch = self.reftable.gc_hold(hold)
+                if epoch is not None:
+                    if told:
+                        log.info("gc deletion phase over after %.2fs; going on", time.monotonic() - t0)
+                    return epoch
             st = self.reftable.gc_state()
             if st["epoch"] % 2 == 0:
+                if hold is not None:
+                    continue  # it ended between the two reads: take the hold
                 if told:
                     log.info("gc deletion phase over after %.2fs; going on", time.monotonic() - t0)
                 return st["epoch"]
@@ -191,33 +225,51 @@ class Publisher:
             else:
                 time.sleep(min(0.05, st["lease_left"]))
 
+    @contextlib.contextmanager
+    def _renewing(self, holder: str):
+        """Renew `holder`'s gc hold from a thread while the body runs (a re-validation
+        may take longer than one hold); once a deletion phase runs anyway, stop."""
+        done = threading.Event()
+
+        def run():
+            while not done.wait(HOLD_SECONDS / 4):
+                try:
+                    if self.reftable.gc_hold(holder) is None:
+                        return  # the hold ran out and a gc froze: the move will be fenced again
+                except Exception as e:  # noqa: BLE001 - the move's own transaction tells
+                    log.info("gc hold %s: renewal failed (%s)", holder, e)
+                    return
+        t = threading.Thread(target=run, name="tsck-gc-hold", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+
     def _rewrite(self, payloads: list, commit_body: bytes) -> None:
         for payload in payloads:
             self.assets.put_node(payload)
         self.assets.put_commit(commit_body)
         self.assets.sync()
 
-    def revalidate_plan(self, plan: Plan, payloads: list, commit_body: bytes) -> int:
-        """Wait out a gc deletion phase, then make sure every object this snapshot
-        references exists (writing again, from the data still held, what gc removed).
-        Returns the new fence."""
-        fence = self.wait_gc_idle()
+    def revalidate_plan(self, plan: Plan, payloads: list, commit_body: bytes) -> None:
+        """After a fenced move (no deletion phase runs: commit() waited it out and holds
+        the store), make sure every object this snapshot references exists, writing
+        again, from the data still held, what gc removed."""
         # A leaf that is not private is copied again and checked against its address (put_block).
         futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private)
                 for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
         for f in futs:
             f.result()
         self._rewrite(payloads, commit_body)
-        return fence
 
-    def revalidate_addresses(self, digests: list, payloads: list, commit_body: bytes, *, what: str) -> int:
+    def revalidate_addresses(self, digests: list, payloads: list, commit_body: bytes, *, what: str) -> None:
         """The same for a writer that holds only addresses, not the data (the DCP
-        coordinator): a block gc removed aborts the snapshot. Returns the new fence."""
-        fence = self.wait_gc_idle()
+        coordinator): a block gc removed aborts the snapshot."""
         present = list(self.pool.map(self.assets.block_exists, digests))
         missing = sum(1 for ok in present if not ok)
         if missing:
             raise SnapshotAborted(f"gc removed {missing} block(s) {what} references; nothing was published, "
                                   "save again")
         self._rewrite(payloads, commit_body)
-        return fence

@@ -831,6 +831,37 @@ class RefTableTests:
             table.compare_and_swap("r", R[9], R[4], message="m", fence=2)
         assert [e.new for e in table.reflog("r")] == [R[1], R[2]]
 
+    def test_a_writers_hold_defers_the_deletion_phase(self, table):
+        """Liveness for fenced writers: a hold taken while the epoch is even keeps a gc
+        from freezing until the hold's move releases it, or it runs out on the table's clock."""
+        R = self.R
+        table.gc_begin("g1", lease=10, now=100.0)
+        assert table.gc_hold("w1", seconds=5, now=100.5) == 0  # marking: even, the new fence
+        st = table.gc_freeze("g1", now=101.0)
+        assert (st["epoch"], st["phase"]) == (0, "marking") and st["held"] == pytest.approx(4.5)
+        assert table.gc_hold("w1", seconds=5, now=102.0) == 0  # renewed: until 107
+        st = table.gc_freeze("g1", now=106.0)
+        assert st["epoch"] == 0 and st["held"] == pytest.approx(1.0)
+        # the writer's fenced move goes through and releases the hold in its transaction
+        table.compare_and_swap("r", None, R[1], message="c", fence=0, hold="w1")
+        st = table.gc_freeze("g1", now=106.5)
+        assert (st["epoch"], st["phase"], st["held"]) == (1, "deleting", 0.0)
+        assert table.gc_hold("w2", now=106.6) is None  # a deletion phase runs: no hold
+        table.gc_finish("g1", now=107.0)
+        # a hold that runs out no longer defers anything; two holders: the longer one counts
+        table.gc_begin("g2", lease=10, now=200.0)
+        assert table.gc_hold("w2", seconds=3, now=200.0) == 2
+        assert table.gc_hold("w3", seconds=8, now=200.0) == 2
+        assert table.gc_freeze("g2", now=202.0)["held"] == pytest.approx(6.0)
+        table.gc_unhold("w3")
+        table.gc_unhold("w3")  # releasing twice is harmless
+        assert table.gc_freeze("g2", now=203.5)["epoch"] == 3  # w2 ran out at 203
+        with pytest.raises(Fenced):
+            table.compare_and_swap("r", R[1], R[2], message="m", fence=2, hold="w2")
+        table.gc_finish("g2", now=204.0)
+        assert "holds" not in table.gc_state()  # the freeze cleared them
+        assert table.get("r") == R[1]
+
     def test_gc_abort_stale_closes_a_dead_deletion_phase(self, table):
         st = table.gc_abort_stale(now=50.0)
         assert (st["epoch"], st["phase"]) == (0, "idle")  # nothing to close

@@ -316,3 +316,75 @@ def test_writer_does_not_commit_over_a_live_gc_whatever_its_own_setting(backend,
         assert gone > 2 * stale, f"the gc finished {gone:.2f}s after its freeze: too fast to test"
     finally:
         store.close()
+
+
+def test_a_gc_looping_back_to_back_does_not_starve_a_fenced_writer(tmp_path, monkeypatch):
+    """Liveness: a fenced writer is fenced once, not forever.
+
+    A gc in a loop with grace 0 condemns a writer's freshly written objects on every
+    run (they are not referenced until its ref moves), opens a deletion phase, and so
+    fences the writer's move; the writer waits, re-validates (here slowed to 0.3 s, a
+    slow object store) and tries again. Before writers' holds the next gc run froze
+    during that re-validation, deleted the re-written nodes and fenced the move again:
+    on radosgw writers made 300 attempts in 5 minutes without a commit. Now the
+    writer takes a gc hold when it is fenced, and no deletion phase opens until its
+    move; each put is fenced at most once."""
+    import logging
+    import threading
+
+    from tensorstore_ck.publish import Publisher
+
+    slow = Publisher.revalidate_plan
+
+    def revalidate_slowly(self, *a, **kw):
+        time.sleep(0.3)
+        return slow(self, *a, **kw)
+
+    monkeypatch.setattr(Publisher, "revalidate_plan", revalidate_slowly)
+    fences: list = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if "re-validating" in record.getMessage():
+                fences.append(record)
+                if len(fences) > 20:  # starved: stop the gc so the put can end and the test fail
+                    stop.set()
+
+    store = tsck.open_store(str(tmp_path / "s"), block_size=gc_states.RACE_BLOCK,
+                            inline_threshold=gc_states.RACE_INLINE)
+    handler = Count()
+    logging.getLogger("tensorstore_ck.publish").addHandler(handler)
+    logging.getLogger("tensorstore_ck.publish").setLevel(logging.INFO)
+    stop, runs, deleted, errors = threading.Event(), [0], [0], []
+
+    def gc_loop():
+        try:  # one LMDB environment per process: the gc shares the writer's Store
+            while not stop.is_set():
+                deleted[0] += store.gc(grace=0.0).deleted_objects
+                runs[0] += 1
+        except BaseException as e:  # noqa: BLE001 - shown by the test
+            errors.append(e)
+
+    gc = threading.Thread(target=gc_loop)
+    try:
+        gc.start()
+        puts = 6
+        for k in range(puts):
+            store.put_snapshot(gc_states.race_state(0, k), ref="w0/main", step=k)
+            got = store.checkout("w0/main")
+            assert gc_states.same_bits(gc_states.race_state(0, k), got)
+        stop.set()
+        gc.join()
+        print(f"\n{puts} puts beside {runs[0]} back-to-back gc runs ({deleted[0]} objects deleted): "
+              f"{len(fences)} fenced moves")
+        assert not errors, errors
+        assert deleted[0] > 0, "gc never deleted anything: the race was not exercised"
+        assert fences, "no move was fenced: the scenario did not happen"
+        assert len(fences) <= puts, f"{len(fences)} fenced moves for {puts} puts: writers starve"
+        assert "holds" not in store.reftable.gc_state() or not store.reftable.gc_state()["holds"]
+        assert store.fsck(full=True).ok
+    finally:
+        stop.set()
+        gc.join()
+        logging.getLogger("tensorstore_ck.publish").removeHandler(handler)
+        store.close()

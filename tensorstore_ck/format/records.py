@@ -90,6 +90,13 @@ def decode_reflog(data: bytes, name: str) -> tuple[float, bytes | None, bytes, s
     return float(e.get("t", 0.0)), old, new, str(e.get("msg", "")), op
 
 
+def _holds_ok(holds) -> bool:
+    """Writers' holds: {holder: [table clock name, expires on that clock]}."""
+    return isinstance(holds, dict) and all(
+        isinstance(h, str) and isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], str)
+        and _number(v[1]) for h, v in holds.items())
+
+
 def decode_gc_state(data: bytes | None) -> dict:
     st = {"epoch": 0, "phase": "idle"}
     if data is not None:
@@ -99,7 +106,8 @@ def decode_gc_state(data: bytes | None) -> dict:
             or st.get("phase") not in ("idle", "marking", "deleting") \
             or not _number(st.get("heartbeat", 0.0)) \
             or not all(_number(st[k]) for k in ("lease", "expires") if k in st) \
-            or not isinstance(st.get("clock", ""), str):
+            or not isinstance(st.get("clock", ""), str) \
+            or not _holds_ok(st.get("holds", {})):
         raise FormatError("malformed gc state record")
     return st
 

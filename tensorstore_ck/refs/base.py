@@ -220,16 +220,19 @@ class RefTable(ABC):
         return self._read(lambda t: t.get("refs", name.encode()))
 
     def compare_and_swap(self, name: str, expected: bytes | None, new: bytes, *, message: str,
-                         catalog_row: dict | None = None, fence: int | None = None) -> None:
+                         catalog_row: dict | None = None, fence: int | None = None,
+                         hold: str | None = None) -> None:
         """Point `name` at `new` if it now points at `expected` (None: absent), appending
         to the reflog and storing `catalog_row` for `new` in the same transaction;
         RefConflict(expected, actual) otherwise. fence: the gc epoch the writer saw before it decided which objects exist
         (None: unfenced). The move is refused with Fenced if a deletion phase
-        started since, or is running."""
+        started since, or is running. hold: the writer's gc_hold, released by the move."""
         key = name.encode()
 
         def txn(t: Txn):
             _check_fence(t, fence)
+            if hold is not None:
+                _drop_hold(t, hold)
             actual = t.get("refs", key)
             if actual != expected:
                 raise RefConflict(name, _hex(expected), _hex(actual))
@@ -639,10 +642,54 @@ class RefTable(ABC):
         return self._gc_owned(owner, now, ("marking", "deleting"), lambda st: None)
 
     def gc_freeze(self, owner, *, now: float | None = None):
+        """Open the deletion phase (epoch odd), unless a writer holds the store while it
+        re-validates (gc_hold): then nothing changes but the lease's renewal, and the
+        returned state says for how long at most (`held`, seconds) the gc should wait."""
+        held = 0.0
+
         def fn(st):
+            nonlocal held
+            held = 0.0  # a transaction the table retries runs fn again
+            clock, tnow = _clock_of(st)
+            live = _live_holds(st, clock, tnow)
+            if live:
+                st["holds"] = live  # the expired ones go
+                held = max(e for _c, e in live.values()) - tnow
+                return
+            st.pop("holds", None)
             st["phase"] = "deleting"
             st["epoch"] += 1  # odd: writers that commit from now on re-validate first
-        return self._gc_owned(owner, now, ("marking",), fn)
+        st = dict(self._gc_owned(owner, now, ("marking",), fn))
+        st["held"] = held
+        return st
+
+    # Liveness for writers (docs/ARCHITECTURE.md, "Writers are not starved"). A writer
+    # whose move was fenced takes a hold in the transaction that finds the epoch even;
+    # while a hold lives no deletion phase opens, so its re-validation and move go
+    # through. Holds expire on the table's clock; the safety of the fence never depends
+    # on them.
+    def gc_hold(self, holder: str, *, seconds: float = None, now: float | None = None) -> int | None:
+        """Take or renew `holder`'s hold for `seconds` (default HOLD_SECONDS) if no
+        deletion phase runs -> the (even) epoch, the writer's new fence; None while one runs."""
+        seconds = HOLD_SECONDS if seconds is None else float(seconds)
+
+        def txn(t):
+            st = _gc_state(t)
+            if st["epoch"] % 2:
+                return None
+            clock, tnow = _clock(t, now)
+            live = _live_holds(st, clock, tnow)
+            live[holder] = [clock, tnow + seconds]
+            st["holds"] = live
+            t.put("gc", b"state", encode_record(st))
+            return st["epoch"]
+        return self._write(txn)
+
+    def gc_unhold(self, holder: str) -> None:
+        """Release `holder`'s hold (a move with hold= releases it too)."""
+        def txn(t):
+            _drop_hold(t, holder)
+        self._write(txn)
 
     def gc_finish(self, owner, *, now: float | None = None, **fields):
         def fn(st):
@@ -779,6 +826,27 @@ def _lease_left(t: Txn, st: dict, now: float | None) -> float:
     if st.get("clock") != clock:
         return 0.0  # another boot of the table's host: that gc is gone
     return max(0.0, float(st["expires"]) - tnow)
+
+
+HOLD_SECONDS = 30.0  # a writer's hold, renewed every HOLD_SECONDS / 4 while it re-validates
+
+
+def _clock_of(st: dict) -> tuple[str, float]:
+    """The table clock's reading inside a _gc_owned update (it just set `expires` from it)."""
+    return st.get("clock", ""), float(st["expires"]) - float(st.get("lease", DEFAULT_LEASE))
+
+
+def _live_holds(st: dict, clock: str, tnow: float) -> dict:
+    """The writers' holds that have not run out on the table's clock (one of another boot has)."""
+    return {h: [c, e] for h, (c, e) in (st.get("holds") or {}).items() if c == clock and e > tnow}
+
+
+def _drop_hold(t: Txn, holder: str) -> None:
+    st = _gc_state(t)
+    holds = st.get("holds") or {}
+    if holder in holds:
+        del holds[holder]
+        t.put("gc", b"state", encode_record(st))
 
 
 def _check_fence(t: Txn, fence: int | None) -> None:

@@ -243,6 +243,10 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
             bad.append(f"I4 raw exception: {o.brief()} {o.out.get('trace', '')[-800:]}")
         if o.op == "recover" and not o.ok and not o.unknown:
             bad.append(f"I5 recover failed: {o.brief()}")
+        # Liveness: a fenced put takes a gc hold, so no deletion phase opens before its move;
+        # a second fence means a hold ran out (30 s) or was ignored. Two is slack for the former.
+        if o.op == "put" and o.ok and (o.out.get("fenced") or 0) > 2:
+            bad.append(f"I8 a put was fenced {o.out['fenced']} times (a writer starved by gc): {o.brief()}")
     return bad
 
 

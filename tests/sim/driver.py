@@ -36,6 +36,8 @@ Invariants (tests/sim/check.py), after every round:
   I7  what users removed stays removed, also through a recover over the live table: a
       deleted ref (unless a put on it may have run since), a forgotten snapshot, an
       untagged tag (its storage object goes first); unless the ref table was lost.
+  I8  liveness: no successful put was fenced more than twice (a fenced writer takes a
+      gc hold, so the gc's next deletion phase waits for its move).
 An operation whose worker was killed has an unknown outcome: either is allowed, a
 corrupt one never.
 

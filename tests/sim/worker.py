@@ -20,6 +20,7 @@ A "start" with no result is an operation whose outcome is unknown (killed).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -33,6 +34,24 @@ import tensorstore_ck as tsck
 
 from . import content
 from .faults import Faults, SimStore, slow_reftable
+
+
+class FenceCount(logging.Handler):
+    """Counts this process's fenced moves (the publisher logs each one): a put's count is
+    journaled and judged (I8: a fenced writer takes a gc hold, so it is fenced once)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.n = 0
+
+    def emit(self, record):
+        if "re-validating" in record.getMessage():
+            self.n += 1
+
+
+FENCES = FenceCount()
+logging.getLogger("tensorstore_ck.publish").addHandler(FENCES)
+logging.getLogger("tensorstore_ck.publish").setLevel(logging.INFO)
 
 
 class Journal:
@@ -120,6 +139,7 @@ class Worker:
         state = content.state(spec)
 
         def call():
+            fenced0 = FENCES.n
             if blocking:
                 info = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
                                       meta={"sim": spec}, **kw)
@@ -131,7 +151,7 @@ class Worker:
                         v.fill_(7)
                 info = fut.result()
             self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
-            return {"root": info.root, "time": info.time, "ref_job": info.job}
+            return {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0}
         return args, call
 
     def _vulture(self, s):
