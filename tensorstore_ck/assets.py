@@ -40,7 +40,8 @@ from .format.records import MAX_TAG_OBJECT, decode_tag, encode_tag
 from .storage.base import BlockStore
 
 __all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "MAX_MARKER_BYTES", "read_marker", "create_marker",
-           "holds_snapshots", "CODEC_MODES", "block_key", "node_key", "commit_key", "tag_key", "KIND_PREFIX", "QUARANTINE_PREFIX", "Aside"]
+           "holds_snapshots", "CODEC_MODES", "block_key", "node_key", "commit_key", "tag_key", "KIND_PREFIX",
+           "QUARANTINE_PREFIX", "Aside", "Presence"]
 
 KINDS = ("commits", "nodes", "blocks")  # gc's deletion order: a kill leaves no commit without its tree
 _OBJECT_KEY = re.compile(r"(commits|nodes|blocks)/([0-9a-f]{2})/(\2[0-9a-f]{62})\Z")
@@ -137,6 +138,93 @@ class PutResult:
 # Codec choices of a writer (Assets(codecs=...)); see frame.encode_payload.
 CODEC_MODES = ("none", "lz4", "shuffle", "float")
 
+
+class Presence:
+    """Blocks and nodes this Store saw present, each valid only under the gc deletion
+    epoch read *before* it was seen (docs/ARCHITECTURE.md, "Presence cache"): a HEAD that
+    found it whole, or this Store's own write. A writer that fenced on that same even
+    epoch may reference such an object without asking storage again: no deletion phase
+    can have run since it was seen (one would have moved the epoch), and one that starts
+    before the ref moves fences the move, whose re-validation asks storage for every
+    object. In memory only, per Store; another epoch starts it afresh.
+
+    warm(fence): a snapshot was published under this epoch, so whatever it held is
+    known here and a miss is most likely new content (written without asking first)."""
+
+    MAX = 1 << 20  # per kind: ~100 bytes each; past it the record starts afresh
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # (epoch, {kind: set of digests}, warm): replaced whole, so a reader without the
+        # lock never pairs one epoch with another epoch's entries
+        self._state: tuple = (None, {}, False)
+        self.hits = 0  # lookups answered from the record (tests, the harness)
+
+    def known(self, kind: int, d: bytes, fence: int | None) -> bool:
+        if fence is None or fence % 2:
+            return False
+        epoch, sets, _warm = self._state
+        if epoch != fence or d not in sets.get(kind, ()):
+            return False
+        self.hits += 1
+        return True
+
+    def warm(self, fence: int | None) -> bool:
+        epoch, _sets, warm = self._state
+        return warm and fence is not None and epoch == fence
+
+    def add(self, kind: int, d: bytes, fence: int | None) -> None:
+        """`d` was seen present by a writer that read `fence` before it looked."""
+        if fence is None or fence % 2:
+            return  # odd: a deletion phase may run; nothing seen now is trusted later
+        with self._lock:
+            epoch, sets, warm = self._state
+            if epoch is None or fence > epoch:  # the epoch moved: what was seen before may be gone
+                epoch, sets, warm = fence, {}, False
+                self._state = (epoch, sets, warm)
+            if fence != epoch:
+                return  # an older epoch's writer: its sight proves nothing under this one
+            if len(sets.get(kind, ())) >= self.MAX:  # bounded memory: start afresh (cold)
+                sets = {}
+                self._state = (epoch, sets, False)
+            sets.setdefault(kind, set()).add(d)
+
+    def warm_for_reading(self) -> bool:
+        """Whether anything is recorded (else a reader need not read the epoch)."""
+        return any(self._state[1].values())
+
+    def settle(self, fence: int) -> None:
+        """A snapshot fenced on `fence` was published: every object it holds was seen."""
+        with self._lock:
+            epoch, sets, _warm = self._state
+            if epoch == fence:
+                self._state = (epoch, sets, True)
+
+    def discard(self, kind: int, d: bytes) -> None:
+        """`d` was found missing or damaged: ask storage next time."""
+        with self._lock:
+            self._state[1].get(kind, set()).discard(d)
+
+    def carry(self, before: int, after: int, removed: dict) -> None:
+        """This Store's own gc opened the deletion phase at even epoch `before` (its freeze
+        moved it to before + 1) and closed it at `after` = before + 2, deleting at most
+        `removed` ({"blocks": digests, "nodes": ...}): what was recorded under `before` and
+        is not in `removed` is still there (no other phase ran: it would have moved the
+        epoch further), so it stays recorded, under `after`. Anything else: nothing carried
+        (the next write under a newer fence starts the record afresh)."""
+        if after != before + 2 or before % 2:
+            return
+        with self._lock:
+            epoch, sets, warm = self._state
+            if epoch != before:
+                return
+            kept = {k: v - set(removed.get(KIND_PREFIX[k], ())) for k, v in sets.items()}
+            self._state = (after, kept, warm)
+
+    def after_fork(self) -> None:
+        """In a forked child: the lock may have been held by a thread that is not there."""
+        self._lock = threading.Lock()
+
 # A worker thread keeps its scratch buffer between blocks up to this size (a few
 # workers x the 4 MiB default block); a bigger block gets a buffer of its own.
 SCRATCH_KEEP = 64 << 20
@@ -156,6 +244,10 @@ class Assets:
         self.storage = storage
         self.codecs = codecs
         self._local = threading.local()
+        self.presence = Presence()
+        # The current gc deletion epoch (the Store reads its ref table), for readers that
+        # consult `presence`; None: no ref table, the record is never used to read.
+        self.epoch_now = None
 
     def _scratch(self, n: int) -> np.ndarray:
         """This thread's private buffer of n bytes. A thread runs one block job at a
@@ -169,7 +261,8 @@ class Assets:
         return buf[:n]
 
     # -- writing -------------------------------------------------------------
-    def _put(self, kind: int, raw, itemsize: int = 1, d: bytes | None = None, private: bool = True) -> PutResult:
+    def _put(self, kind: int, raw, itemsize: int = 1, d: bytes | None = None, private: bool = True,
+             fence: int | None = None) -> PutResult:
         mv = memoryview(raw).cast("B")
         if not private:
             # Memory someone else may change while we work (a tensor a training thread
@@ -186,20 +279,38 @@ class Assets:
             d = got
         elif d is None:
             d = blake3.blake3(mv).digest()
+        # fence: the gc epoch the caller read before this put looked at storage; with it,
+        # an object seen under that epoch is reused without a request (Presence).
+        if self.presence.known(kind, d, fence):
+            return PutResult(d, False, mv.nbytes)
         key = _key(KIND_PREFIX[kind], d)
-        size = self.storage.size_of(key)
-        if size is not None:
-            if self._reusable(key, kind, size, mv.nbytes):
-                return PutResult(d, False, mv.nbytes)
-            # Damaged (truncated, oversized, a bad header): dedup would reuse it forever.
-            # Keep its bytes aside and store the ones this writer holds, under the same
-            # address, which heals every snapshot that references it.
-            self.move_aside(key)
+        # Ask first (HEAD) unless a snapshot under this epoch already told us what exists
+        # and the storage charges a request per question: then a miss is most likely new,
+        # and the conditional PUT is the question and the write in one request.
+        ask = self.storage.local or not self.presence.warm(fence)
+        if ask:
+            size = self.storage.size_of(key)
+            if size is not None:
+                if self._reusable(key, kind, size, mv.nbytes):
+                    self.presence.add(kind, d, fence)
+                    return PutResult(d, False, mv.nbytes)
+                # Damaged (truncated, oversized, a bad header): dedup would reuse it forever.
+                # Keep its bytes aside and store the ones this writer holds, under the same
+                # address, which heals every snapshot that references it.
+                self.move_aside(key)
         c = self.codecs
         bufs = frame.encode_payload(mv, kind, compress=c != "none",
                                     shuffle_itemsize=itemsize if c == "shuffle" else 0,
                                     float_itemsize=itemsize if c == "float" else 0)
         new = self.storage.put_if_absent(key, bufs)
+        if not new and not ask:
+            # It was there after all: judge it by its size, as the HEAD would have.
+            size = self.storage.size_of(key)
+            if size is None or not self._reusable(key, kind, size, mv.nbytes):
+                if size is not None:
+                    self.move_aside(key)
+                new = self.storage.put_if_absent(key, bufs)
+        self.presence.add(kind, d, fence)
         return PutResult(d, new, mv.nbytes, stored=sum(memoryview(b).nbytes for b in bufs) if new else 0)
 
     def _reusable(self, key: str, kind: int, size: int, raw_len: int) -> bool:
@@ -227,7 +338,8 @@ class Assets:
             return False
         return hdr.kind == kind and hdr.raw_len == raw_len and hdr.codec != frame.CODEC_RAW
 
-    def put_block(self, raw, itemsize: int = 1, digest: bytes | None = None, *, private: bool = False) -> PutResult:
+    def put_block(self, raw, itemsize: int = 1, digest: bytes | None = None, *, private: bool = False,
+                  fence: int | None = None) -> PutResult:
         """Hash, maybe compress, and store one block (thread-safe; blake3, lz4 and
         the copy drop the GIL). The object stored under an address always holds
         exactly the bytes that hash to it:
@@ -238,8 +350,9 @@ class Assets:
         bytes as copied under their own address. A known `digest` is checked
         against the copy (SnapshotAborted if the bytes changed since).
         private=True: nobody writes `raw` until this returns (a staged or copied
-        plan); it is hashed (unless `digest` is given) and written in place."""
-        return self._put(frame.KIND_BLOCK, raw, itemsize, digest, private)
+        plan); it is hashed (unless `digest` is given) and written in place.
+        fence: the gc epoch read before this snapshot looked at storage (Presence)."""
+        return self._put(frame.KIND_BLOCK, raw, itemsize, digest, private, fence)
 
     @staticmethod
     def hash_block(raw) -> PutResult:
@@ -247,8 +360,8 @@ class Assets:
         mv = memoryview(raw).cast("B")
         return PutResult(blake3.blake3(mv).digest(), False, mv.nbytes, counted=False)
 
-    def put_node(self, payload: bytes) -> PutResult:
-        return self._put(frame.KIND_NODE, payload)
+    def put_node(self, payload: bytes, fence: int | None = None) -> PutResult:
+        return self._put(frame.KIND_NODE, payload, fence=fence)
 
     def put_commit(self, payload: bytes) -> PutResult:
         return self._put(frame.KIND_COMMIT, payload)
@@ -352,14 +465,23 @@ class Assets:
                                  expected=d.hex(), got=got.hex(), **ctx)
 
     def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
-                        bounce: bool = False) -> None:
+                        bounce: bool = False, fence: int | None = None) -> None:
         """Read block `d` into the writable buffer `out` (exactly its length).
 
         bounce=True (`out` is the caller's memory): with verify on, the block is read
         and verified in this thread's scratch buffer and only then copied into
         `out`, so `out` receives the block's verified bytes or is not touched at
         all. Without it, the bytes are read straight into `out` and verified there
-        (for fresh memory that a failed checkout throws away)."""
+        (for fresh memory that a failed checkout throws away). fence: the gc epoch read
+        before this checkout began; the block, read, is recorded present under it."""
+        try:
+            self._read_block_into(d, out, verify, snapshot, path, bounce)
+        except IntegrityError:
+            self.presence.discard(frame.KIND_BLOCK, d)  # missing or damaged: a put asks storage again
+            raise
+        self.presence.add(frame.KIND_BLOCK, d, fence)
+
+    def _read_block_into(self, d: bytes, out, verify: bool, snapshot, path, bounce: bool) -> None:
         ctx = {"snapshot": snapshot, "path": path}
         key = block_key(d)
         mv = memoryview(out).cast("B")
@@ -373,12 +495,17 @@ class Assets:
         if verify:
             self._check(d, mv, key, ctx)
 
-    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None) -> bytes:
+    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence: int | None = None) -> bytes:
         ctx = {"snapshot": snapshot, "path": path}
         key = node_key(d)
-        data = self._read_frame(key, frame.KIND_NODE, None, None, ctx)
-        if verify:
-            self._check(d, data, key, ctx)
+        try:
+            data = self._read_frame(key, frame.KIND_NODE, None, None, ctx)
+            if verify:
+                self._check(d, data, key, ctx)
+        except IntegrityError:
+            self.presence.discard(frame.KIND_NODE, d)
+            raise
+        self.presence.add(frame.KIND_NODE, d, fence)
         return bytes(data)
 
     def get_commit(self, d: bytes, *, verify: bool = True) -> bytes:
@@ -399,6 +526,27 @@ class Assets:
         key = block_key(d)
         if not self.storage.exists(key):
             raise IntegrityError("missing object", key=key, reason="missing", snapshot=snapshot, path=path)
+
+    def require_blocks(self, digests, pool, *, snapshot=None, path=None, fence: int | None = None) -> None:
+        """require_block for each of `digests` (in `pool`), except those this Store saw
+        present under the gc epoch `fence` (default: the current one), if it is still
+        current (Presence): they are there unless a deletion phase began since, and then
+        the read that follows finds them missing anyway."""
+        todo = list(digests)
+        if self.presence.warm_for_reading():
+            epoch = fence if fence is not None else self.fence_now()
+            todo = [d for d in todo if not self.presence.known(frame.KIND_BLOCK, d, epoch)]
+        list(pool.map(lambda d: self.require_block(d, snapshot=snapshot, path=path), todo))
+
+    def fence_now(self) -> int | None:
+        """The current gc deletion epoch, None when it cannot be read (no ref table, or
+        it is away: then nothing is taken from the record)."""
+        if self.epoch_now is None:
+            return None
+        try:
+            return self.epoch_now()
+        except TsckError:
+            return None
 
     def block_exists(self, d: bytes) -> bool:
         return self.storage.exists(_key(KIND_PREFIX[frame.KIND_BLOCK], d))

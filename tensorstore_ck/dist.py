@@ -402,11 +402,14 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
                 ch.abort(str(e).removeprefix("snapshot aborted: "))
             raise
     else:
-        _guard(ch, lambda: ch.wait_key("go", "rank 0 to start the snapshot", per_rank="hello"))
+        fence = msgpack.unpackb(_guard(ch, lambda: ch.wait_key("go", "rank 0 to start the snapshot",
+                                                                per_rank="hello")))
 
     def write():
-        publisher.write_blocks(plan_, owns=lambda leaf, i: _owner(leaf.path, i, W) == rank)
-        tree, _payloads = publisher.write_nodes(plan_.value)
+        # Every rank writes under rank 0's fence: what it saw present under that epoch
+        # needs no request (assets.Presence); a deletion phase since fences the commit.
+        publisher.write_blocks(plan_, owns=lambda leaf, i: _owner(leaf.path, i, W) == rank, fence=fence)
+        tree, _payloads = publisher.write_nodes(plan_.value, fence)
         st = plan_stats(plan_)
         reps = replica_digests(plan_)
         rep = None
@@ -421,7 +424,9 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
 
     _guard(ch, write)
     if rank != 0:
-        return _await_result(ch, publisher, args)
+        info = _await_result(ch, publisher, args)
+        publisher.assets.presence.settle(fence)  # published: what this rank wrote is there
+        return info
 
     def compose():
         ch.wait_count("done_n", W, "finish writing", per_rank="done")
@@ -436,8 +441,9 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         for r, pieces in enumerate(pieces_by_rank):
             for p, _dt, _gs, off, sh in pieces:
                 ix.setdefault(p, []).append({"l": [r, {"l": list(off)}, {"l": list(sh)}]})
-        index, _ = publisher.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]})
-        top, _payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones], "ix": index}})
+        index, _ = publisher.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]}, fence)
+        top, _payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones], "ix": index}},
+                                               fence)
         sums = [sum(d["stats"][i] for d in dones) for i in range(5)]
         return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), sums))
 

@@ -189,6 +189,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
         # that froze on every run kept a writer re-validating; benches/bench_gc_put.py.)
         rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
         return rep
+    lease.removed = {}  # every deletion is noted (a phase that moves objects aside notes none: None)
     lease.freeze()
     log.info("gc %s: deletion phase began (writers are fenced): %d candidates", lease.owner, rep.candidates)
     extra, extra_visited = Marked(), set(plan.visited)
@@ -212,6 +213,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
         n = max(1, min(len(ds), store.workers))
         for f in [store.pool.submit(lease.run, store.assets.delete_objects, kind, ds[i::n]) for i in range(n)]:
             f.result()
+        lease.note_removed(kind, ds)
         for _d, size in todo:
             _count(rep, kind, size)
         if bar is not None:
@@ -340,6 +342,9 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
     return rep
 
 
+REMOVED_KEPT = 1 << 20  # deletions noted for the presence record (Lease.note_removed); past it, none
+
+
 @contextlib.contextmanager
 def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None):
     """The store's gc lock under a lease (gc itself, and work other than gc that removes
@@ -366,12 +371,15 @@ def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", rene
         raise
     hold.stop()
     try:
-        refs.gc_finish(owner, **hold.finish_fields)
+        st = refs.gc_finish(owner, **hold.finish_fields)
     except GcBusy:
         raise
     except TsckError:
         refs.gc_abandoned(owner)
         raise
+    if hold.froze_from is not None and hold.removed is not None:
+        # This process ran the only deletion phase since froze_from and knows all it deleted.
+        store.assets.presence.carry(hold.froze_from, st["epoch"], hold.removed)
 
 
 class Lease:
@@ -400,6 +408,8 @@ class Lease:
                                   f"{self.request_timeout:g}s (its timeouts), and a delete must end well within the "
                                   "lease; use a longer lease or shorter storage timeouts")
         self.error: BaseException | None = None
+        self.froze_from: int | None = None    # freeze(): the even epoch its phase closed
+        self.removed: dict | None = None      # kind -> digests deleted, when all are noted
         self._lock = threading.Lock()
         m0 = time.monotonic()
         refs.gc_begin(owner, lease=self.seconds)
@@ -435,6 +445,7 @@ class Lease:
             with self._lock:
                 self.until = max(self.until, m0 + self.seconds)
             if not st["held"]:
+                self.froze_from = st["epoch"] - 1  # the even epoch this phase closed
                 break
             if not told:
                 told = True
@@ -443,6 +454,16 @@ class Lease:
             time.sleep(min(0.05, st["held"]))
         if told:
             log.info("gc %s: writers' holds gone after %.2fs", self.owner, time.monotonic() - t0)
+
+    def note_removed(self, kind: str, digests) -> None:
+        """Objects this phase deleted (gc's sweep): with all of them known at the finish,
+        the Store's presence record survives the phase less these (Presence.carry)."""
+        if self.removed is None:
+            return
+        got = self.removed.setdefault(kind, set())
+        got.update(digests)
+        if sum(len(v) for v in self.removed.values()) > REMOVED_KEPT:
+            self.removed = None  # too many to carry: the record starts afresh instead
 
     def check(self) -> None:
         """Raise if the lock was lost (another gc took over a lease that ran out)."""

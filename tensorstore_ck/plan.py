@@ -328,8 +328,10 @@ class Planner:
                           private=not np.may_share_memory(body, a))
 
 
-def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None, progress=None) -> None:
-    """Hash, compress and write every block of the plan in parallel.
+def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None, progress=None,
+                   fence: int | None = None) -> None:
+    """Hash, compress and write every block of the plan in parallel (fence: the gc
+    epoch read before, Assets.put_block).
 
     owns(leaf, i) -> bool, for replicated leaves of a collective snapshot: a
     block another rank owns is only hashed here (its address goes into this
@@ -342,7 +344,7 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
                     futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
                 else:
                     futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
-                                                   private=leaf.private)))
+                                                   private=leaf.private, fence=fence)))
         if progress is not None:  # progress(bytes) as each block is hashed (and written)
             sizes = [b - a for leaf in plan.leaves for a, b in leaf.ranges]
             for (_leaf, f), n in zip(futs, sizes):

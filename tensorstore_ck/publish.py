@@ -52,20 +52,22 @@ class Publisher:
     def fence(self) -> int:
         """The gc deletion epoch. Read it before any object is found present: if a
         deletion phase starts or runs before the ref moves, the move is refused
-        (Fenced) and everything the snapshot references is re-validated."""
+        (Fenced) and everything the snapshot references is re-validated. Passed to the
+        writes below, it lets them reuse what this Store saw present under that same
+        epoch without asking storage (assets.Presence)."""
         return self.reftable.gc_state()["epoch"]
 
-    def write_blocks(self, plan: Plan, owns=None, progress=None) -> None:
-        run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress)
+    def write_blocks(self, plan: Plan, owns=None, progress=None, fence: int | None = None) -> None:
+        run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress, fence=fence)
 
     def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":
         """private: nobody else writes `raw` until the block is written (Assets.put_block)."""
         return self.pool.submit(self.assets.put_block, raw, itemsize, private=private)
 
-    def write_nodes(self, value) -> tuple[bytes, list[bytes]]:
+    def write_nodes(self, value, fence: int | None = None) -> tuple[bytes, list[bytes]]:
         """Lay `value` out in nodes and write them -> (top node address, payloads)."""
         w = NodeWriter()
-        top = w.write(value, lambda payload: self.assets.put_node(payload).digest)
+        top = w.write(value, lambda payload: self.assets.put_node(payload, fence).digest)
         return top, w.payloads
 
     def sync(self) -> None:
@@ -100,18 +102,19 @@ class Publisher:
     def publish(self, plan: Plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
         """The whole pipeline for one planned snapshot."""
         fence = self.fence()
-        self.write_blocks(plan, progress=progress)
-        top, payloads = self.write_nodes(plan.value)
+        self.write_blocks(plan, progress=progress, fence=fence)
+        top, payloads = self.write_nodes(plan.value, fence)
         return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence,
-                           revalidate=lambda body: self.revalidate_plan(plan, payloads, body))
+                           revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
 
     def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,
                meta_extra: dict | None = None) -> SnapshotInfo:
         """Publish a manifest tree whose objects are all written: commit object,
         storage sync, then the fenced compare-and-swap of the ref. After a fenced move
         the commit waits out the deletion phase, takes a gc hold (no new phase opens
-        until the move) and calls `revalidate(body)`, which must make every object the
-        snapshot references exist again; without it a fenced move raises SnapshotAborted.
+        until the move) and calls `revalidate(body, fence)`, which must make every object the
+        snapshot references exist again (`fence`: the new one); without it a fenced move
+        raises SnapshotAborted.
 
         Without expected=, a writer that loses the race re-encodes only its small
         commit object with the new parent and tries again, so two writers on one ref
@@ -159,7 +162,7 @@ class Publisher:
                 # With the hold taken no deletion phase opens until the move (or its expiry).
                 fence = self.wait_gc_idle(hold=hold[0])
                 with self._renewing(hold[0]):
-                    revalidate(body)
+                    revalidate(body, fence)
                 continue
             except StorageError:
                 self._drop_unpublished(ref, root)
@@ -174,6 +177,7 @@ class Publisher:
                 continue
             if hold:
                 hold[1] = True  # the move released it
+            self.assets.presence.settle(fence)
             return row_to_info(root, row)
         raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
                               f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
@@ -253,18 +257,23 @@ class Publisher:
         self.assets.put_commit(commit_body)
         self.assets.sync()
 
-    def revalidate_plan(self, plan: Plan, payloads: list, commit_body: bytes) -> None:
+    def revalidate_plan(self, plan: Plan, payloads: list, commit_body: bytes, fence: int) -> None:
         """After a fenced move (no deletion phase runs: commit() waited it out and holds
         the store), make sure every object this snapshot references exists, writing
         again, from the data still held, what gc removed."""
         # A leaf that is not private is copied again and checked against its address (put_block).
-        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private)
+        # Under the new fence: what this Store saw before the phase is of an older epoch and
+        # is asked of storage again like any block (assets.Presence); only what was seen
+        # after this fence was read may be reused.
+        futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private,
+                                 fence=fence)
                 for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
         for f in futs:
             f.result()
         self._rewrite(payloads, commit_body)
 
-    def revalidate_addresses(self, digests: list, payloads: list, commit_body: bytes, *, what: str) -> None:
+    def revalidate_addresses(self, digests: list, payloads: list, commit_body: bytes, fence: int, *,
+                             what: str) -> None:
         """The same for a writer that holds only addresses, not the data (the DCP
         coordinator): a block gc removed aborts the snapshot."""
         present = list(self.pool.map(self.assets.block_exists, digests))

@@ -159,7 +159,7 @@ def read_box(leaf: tree.Leaf, dtype: torch.dtype, box: tuple, target: torch.Tens
 
 
 def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,
-              written: dict | None = None, progress=None) -> None:
+              written: dict | None = None, progress=None, fence: int | None = None) -> None:
     """Read (digest, destination, path, bounce) jobs in parallel; the first failure
     cancels the rest. bounce: the destination is the caller's memory, which gets
     only verified bytes (Assets.read_block_into). `written`, on failure: filled with
@@ -167,7 +167,8 @@ def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot:
     paths that had bounce jobs, once no job is running any more."""
     if not jobs:
         return
-    futs = [pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p, bounce=b)
+    futs = [pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p, bounce=b,
+                        fence=fence)
             for d, out, p, b in jobs]
     if progress is not None:  # progress(bytes) as each block is read and verified
         for f, (_d, out, _p, _b) in zip(futs, jobs):
@@ -196,9 +197,13 @@ class Reader:
 
     def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
                  allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0, progress=None,
-                 paths=None, map_location=None):
+                 paths=None, map_location=None, fence: int | None = None):
         self._opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank,
-                          progress=progress)
+                          progress=progress, fence=fence)
+        # fence: the gc epoch read before this checkout began (Store.checkout): what it
+        # reads is recorded present under it, and a big tensor's blocks seen under it are
+        # not asked again (assets.Presence)
+        self.fence = fence
         # paths: only the sub-trees these dotted paths name are read (nodes and blocks)
         self.select = None if paths is None else Selection(paths)
         self.map_location = check_map_location(map_location)
@@ -372,7 +377,8 @@ class Reader:
         return hit
 
     def _read_node(self, d, path, depth, world: bool):
-        data = self.assets.get_node(d, verify=self.verify, snapshot=self.snapshot, path=format_path(path))
+        data = self.assets.get_node(d, verify=self.verify, snapshot=self.snapshot, path=format_path(path),
+                                    fence=self.fence)
         try:
             raw = decode_node(data)
         except FormatError as e:
@@ -385,7 +391,7 @@ class Reader:
     def _run_jobs(self, written: dict | None = None):
         jobs, self._jobs = self._jobs, []
         run_reads(self.assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify, written=written,
-                  progress=self.progress)
+                  progress=self.progress, fence=self.fence)
 
     def _set(self, container, key, v, given: bool) -> None:
         """container[key] = v; in the caller's tree only once every read has succeeded."""
@@ -516,9 +522,8 @@ class Reader:
                             "(checkout(..., max_bytes=N) raises the cap)", path)
         if leaf.inline is not None or leaf.nbytes <= PRESENCE_CHECK_ABOVE:
             return
-        distinct = list(dict.fromkeys(leaf.blocks))
-        p = format_path(path)
-        list(self.pool.map(lambda d: self.assets.require_block(d, snapshot=self.snapshot, path=p), distinct))
+        self.assets.require_blocks(dict.fromkeys(leaf.blocks), self.pool, snapshot=self.snapshot,
+                                   path=format_path(path), fence=self.fence)
 
     def _fill(self, flat_u8, leaf: tree.Leaf, path, caller: bool = False):
         """Schedule the reads that fill `flat_u8` (a writable uint8 buffer of the leaf's

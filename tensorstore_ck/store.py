@@ -208,6 +208,7 @@ class Store:
         # What blocks are written with ("none", "lz4", "shuffle", "float"); any store reads every codec.
         self.codecs = codecs_for(compression, storage, compress=compress, shuffle=shuffle)
         self.assets = Assets(storage, codecs=self.codecs)
+        self.assets.epoch_now = lambda: refs.gc_state()["epoch"]  # for checkouts that consult assets.presence
         self.workers = workers or min(8, 2 * (os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
         # The one way anything is published into this store (put, collective put, DCP writer).
@@ -242,6 +243,7 @@ class Store:
         self._inflight = []
         self._bg_lock = threading.Lock()
         self._bg_error = None
+        self.assets.presence.after_fork()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
         # there. One thread, as torch's own DataLoader workers do.
@@ -544,12 +546,16 @@ class Store:
             return reader.materialize(v, (), MISSING if into is None else into)
 
         def read(root: Digest, rank: int = 0):
+            # Read before any object is: what this checkout reads is then known present under
+            # it, for later puts and checkouts of this Store (assets.Presence).
+            fence = self.assets.fence_now()
             c = decode_commit(self.assets.get_commit(root, verify=verify))
             if not progress:
-                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, **opts), c["tree"])
+                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, fence=fence,
+                                        **opts), c["tree"])
             st = c.get("stats") or {}
             with _bytes_bar("checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank,
+                return read_with(Reader(self.assets, self._pool, snapshot=root.hex(), rank=rank, fence=fence,
                                         progress=bar.update, **opts), c["tree"])
 
         if is_collective(group):

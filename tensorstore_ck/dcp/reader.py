@@ -149,8 +149,8 @@ class TsckReader(StorageReader):
         if leaf.nbytes > default_max_bytes():
             raise m.fmt(f"bytes item of {leaf.nbytes} bytes exceeds this host's memory", repr(fqn))
         if leaf.nbytes > PRESENCE_CHECK_ABOVE:
-            list(self.store.pool.map(lambda d: self.store.assets.require_block(d, snapshot=m.root, path=repr(fqn)),
-                                     dict.fromkeys(leaf.blocks)))
+            self.store.assets.require_blocks(dict.fromkeys(leaf.blocks), self.store.pool, snapshot=m.root,
+                                             path=repr(fqn))
         buf = np.empty(leaf.nbytes, dtype=np.uint8)
         run_reads(self.store.assets, self.store.pool,  # a fresh buffer: read into directly
                   [(d, buf[a:b], repr(fqn), False) for _i, d, a, b in leaf.block_spans()],

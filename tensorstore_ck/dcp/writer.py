@@ -311,7 +311,7 @@ class TsckWriter(StorageWriter):
         fence = self._fence if self._fence is not None else pub.fence()
         self.info = pub.commit(
             tree, self.args, stats=st, fence=fence, meta_extra={"format": DCP_FORMAT},
-            revalidate=lambda body: pub.revalidate_addresses(digests, payloads, body,
+            revalidate=lambda body, fence: pub.revalidate_addresses(digests, payloads, body, fence,
                                                              what=f"this DCP snapshot of {self.ref!r}"))
 
     # -- pickling (AsyncCheckpointerType.PROCESS sends the writer to another process) -----

@@ -256,7 +256,12 @@ class Harness:
             bad += self._recover_phase(rng, fl, r)
         t2 = time.time()
         bad += self._settle_and_check(rng, fl)
-        self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} "
+        ids = {c["id"] for c in cfgs}
+        hits = {}
+        for o in check.load_ops(self.run_dir):
+            if o.w in ids and o.ok and o.op == "put":
+                hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
+        self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "

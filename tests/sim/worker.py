@@ -151,7 +151,10 @@ class Worker:
                         v.fill_(7)
                 info = fut.result()
             self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
-            return {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0}
+            # hits: objects this Store reused from its presence record so far (the driver
+            # reports them, so a run shows the record was exercised beside gc)
+            return {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
+                    "hits": s.assets.presence.hits}
         return args, call
 
     def _vulture(self, s):
