@@ -257,11 +257,13 @@ class Harness:
         t2 = time.time()
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
-        hits = {}
+        hits, fenced = {}, 0  # the presence record and writers' holds were exercised (or not)
         for o in check.load_ops(self.run_dir):
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
+                fenced += o.out.get("fenced") or 0
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
+                 f"fenced_puts={fenced} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
