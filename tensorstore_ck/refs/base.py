@@ -668,7 +668,7 @@ class RefTable(ABC):
     # while a hold lives no deletion phase opens, so its re-validation and move go
     # through. Holds expire on the table's clock; the safety of the fence never depends
     # on them.
-    def gc_hold(self, holder: str, *, seconds: float = None, now: float | None = None) -> int | None:
+    def gc_hold(self, holder: str, *, seconds: float | None = None, now: float | None = None) -> int | None:
         """Take or renew `holder`'s hold for `seconds` (default HOLD_SECONDS) if no
         deletion phase runs -> the (even) epoch, the writer's new fence; None while one runs."""
         seconds = HOLD_SECONDS if seconds is None else float(seconds)
