@@ -119,69 +119,65 @@ class Publisher:
         Without expected=, a writer that loses the race re-encodes only its small
         commit object with the new parent and tries again, so two writers on one ref
         both land in its history."""
-        hold: list = []  # the gc hold this commit took after a fenced move, if any
-        try:
-            return self._commit(tree, args, stats, fence, revalidate, meta_extra, hold)
-        finally:
-            if hold and not hold[1]:
-                try:
-                    self.reftable.gc_unhold(hold[0])
-                except Exception as e:  # noqa: BLE001 - it expires on its own
-                    log.info("gc hold %s not released (%s); it expires in %gs", hold[0], e, HOLD_SECONDS)
-
-    def _commit(self, tree, args, stats, fence, revalidate, meta_extra, hold: list) -> SnapshotInfo:
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
         races = fenced = 0
         body = last_parent = None
-        for _attempt in range(COMMIT_ATTEMPTS):
-            parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
-            if body is None or parent != last_parent:
-                # After a fenced move with the same parent the same commit object is
-                # published: a new one each time would leave the old as garbage for every
-                # snapshot that overlaps a gc's (or a prune's) deletion phase.
-                now = self.reftable.wall_now()  # one clock for every writer's commit times
-                body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
-                                     meta=meta, parent=parent, tree=tree, stats=stats)
-                last_parent = parent
-            root = self.assets.put_commit(body).digest
-            self.assets.sync()  # everything the commit references is durable before the ref moves
-            row = {"job": args.job, "ref": ref, "step": args.step, "time": now, "metrics": args.metrics,
-                   "meta": meta, "parent": parent, "tree": tree, **stats}
-            try:
-                self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {args.step}",
-                                               catalog_row=row, fence=fence, hold=hold[0] if hold else None)
-            except Fenced:
-                if revalidate is None:
-                    raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
-                                          "published, take it again") from None
-                fenced += 1
-                log.info("ref %s: a gc deletion phase overlapped this snapshot; re-validating its objects", ref)
-                if not hold:
-                    hold[:] = [f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}", False]
-                # With the hold taken no deletion phase opens until the move (or its expiry).
-                fence = self.wait_gc_idle(hold=hold[0])
-                with self._renewing(hold[0]):
-                    revalidate(body, fence)
-                continue
-            except StorageError:
-                self._drop_unpublished(ref, root)
-                raise
-            except RefConflict as e:
-                if exp is not UNSET or e.what != "ref":  # conditional, or the name is a tag's
+        holder = None  # the gc hold this commit took after a fenced move, until the move releases it
+        try:
+            for _attempt in range(COMMIT_ATTEMPTS):
+                parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
+                if body is None or parent != last_parent:
+                    # After a fenced move with the same parent the same commit object is
+                    # published: a new one each time would leave the old as garbage for every
+                    # snapshot that overlaps a gc's (or a prune's) deletion phase.
+                    now = self.reftable.wall_now()  # one clock for every writer's commit times
+                    body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
+                                         meta=meta, parent=parent, tree=tree, stats=stats)
+                    last_parent = parent
+                root = self.assets.put_commit(body).digest
+                self.assets.sync()  # everything the commit references is durable before the ref moves
+                row = {"job": args.job, "ref": ref, "step": args.step, "time": now, "metrics": args.metrics,
+                       "meta": meta, "parent": parent, "tree": tree, **stats}
+                try:
+                    self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {args.step}",
+                                                   catalog_row=row, fence=fence, hold=holder)
+                except Fenced:
+                    if revalidate is None:
+                        raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
+                                              "published, take it again") from None
+                    fenced += 1
+                    log.info("ref %s: a gc deletion phase overlapped this snapshot; re-validating its objects",
+                             ref)
+                    holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+                    # With the hold taken no deletion phase opens until the move (or its expiry).
+                    fence = self.wait_gc_idle(hold=holder)
+                    with self._renewing(holder):
+                        revalidate(body, fence)
+                    continue
+                except StorageError:
+                    self._drop_unpublished(ref, root)
                     raise
-                # Another writer moved the ref: chain onto its snapshot and retry, after a
-                # short jittered pause so that writers hammering one ref do not livelock.
-                races += 1
-                time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
-                continue
-            if hold:
-                hold[1] = True  # the move released it
-            self.assets.presence.settle(fence)
-            return row_to_info(root, row)
-        raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
-                              f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
-                              "nothing was published, take the snapshot again")
+                except RefConflict as e:
+                    if exp is not UNSET or e.what != "ref":  # conditional, or the name is a tag's
+                        raise
+                    # Another writer moved the ref: chain onto its snapshot and retry, after a
+                    # short jittered pause so that writers hammering one ref do not livelock.
+                    races += 1
+                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
+                    continue
+                holder = None  # the move released it
+                self.assets.presence.settle(fence)
+                return row_to_info(root, row)
+            raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
+                                  f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
+                                  "nothing was published, take the snapshot again")
+        finally:
+            if holder is not None:
+                try:
+                    self.reftable.gc_unhold(holder)
+                except Exception as e:  # noqa: BLE001 - it expires on its own
+                    log.info("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
 
     def _drop_unpublished(self, ref: str, root: bytes) -> None:
         """The ref table failed the move (its disk full, its server away): if it confirms

@@ -632,14 +632,14 @@ class RefTable(ABC):
             # phase are unchanged, and closing one is a write this transaction would see).
             clock, tnow = _clock(t, now)
             st.update(clock=clock, expires=tnow + float(st.get("lease", DEFAULT_LEASE)), heartbeat=t.wall())
-            fn(st)
+            fn(st, clock, tnow)
             t.put("gc", b"state", encode_record(st))
             return st
         return self._write(txn)
 
     def gc_heartbeat(self, owner, *, now: float | None = None):
         """Renew the lease of `owner` (GcBusy if it lost the lock)."""
-        return self._gc_owned(owner, now, ("marking", "deleting"), lambda st: None)
+        return self._gc_owned(owner, now, ("marking", "deleting"), lambda st, clock, tnow: None)
 
     def gc_freeze(self, owner, *, now: float | None = None):
         """Open the deletion phase (epoch odd), unless a writer holds the store while it
@@ -647,10 +647,9 @@ class RefTable(ABC):
         returned state says for how long at most (`held`, seconds) the gc should wait."""
         held = 0.0
 
-        def fn(st):
+        def fn(st, clock, tnow):
             nonlocal held
             held = 0.0  # a transaction the table retries runs fn again
-            clock, tnow = _clock_of(st)
             live = _live_holds(st, clock, tnow)
             if live:
                 st["holds"] = live  # the expired ones go
@@ -692,7 +691,7 @@ class RefTable(ABC):
         self._write(txn)
 
     def gc_finish(self, owner, *, now: float | None = None, **fields):
-        def fn(st):
+        def fn(st, _clock, _tnow):
             if st["epoch"] % 2:
                 st["epoch"] += 1
             st.update(fields, phase="idle", owner=None)
@@ -829,11 +828,6 @@ def _lease_left(t: Txn, st: dict, now: float | None) -> float:
 
 
 HOLD_SECONDS = 30.0  # a writer's hold, renewed every HOLD_SECONDS / 4 while it re-validates
-
-
-def _clock_of(st: dict) -> tuple[str, float]:
-    """The table clock's reading inside a _gc_owned update (it just set `expires` from it)."""
-    return st.get("clock", ""), float(st["expires"]) - float(st.get("lease", DEFAULT_LEASE))
 
 
 def _live_holds(st: dict, clock: str, tnow: float) -> dict:
