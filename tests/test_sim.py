@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,8 @@ def test_harness_file():
     # the seed's schedule includes a lost ref table and recover, and a round of removals by
     # name beside gc and prune (the flavors' mix changes schedules: rescan seeds when it does)
     assert "recover=yes" in out and "flavor=remove" in out
+    # ... and collective puts by real 2-rank gloo groups (chunk index), judged with the rest
+    assert sum(int(n) for n in re.findall(r"collective_puts=(\d+)", out)) >= 1, out[-3000:]
 
 
 @pytest.mark.slow

@@ -239,6 +239,8 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
             bad.append(f"I4 fsck beside the others reported damage: {o.brief()}")
         if o.result == "mismatch":
             bad.append(f"I4 read returned other bytes than were put: {o.brief()}")
+        if o.out.get("mismatch") and o.result != "mismatch":  # a collective put's ranks read their rows back
+            bad.append(f"I4 a rank's checkout of its own rows returned other bytes: {o.brief()} {o.out['mismatch']}")
         if o.out.get("raw"):
             bad.append(f"I4 raw exception: {o.brief()} {o.out.get('trace', '')[-800:]}")
         if o.op == "recover" and not o.ok and not o.unknown:

@@ -25,6 +25,7 @@ import torch
 BLOCK_SIZE = 16384        # the harness store's block layout (set at creation)
 INLINE_THRESHOLD = 1024
 VARIANTS = 5
+OWN_LEN = 6000          # own: 24000 B, 2 blocks (cut into row ranges by a collective put)
 
 
 def _seed(*parts) -> int:
@@ -63,11 +64,31 @@ def state(spec: dict) -> dict:
     return {
         "base": _base().clone(),
         "var": _variant(int(spec["v"])).clone(),
-        "own": _floats(6000, "own", *_own(spec)),  # 24000 B: 2 blocks
+        "own": _floats(OWN_LEN, "own", *_own(spec)),  # 24000 B: 2 blocks
         "ids": torch.arange(int(spec["o"]), int(spec["o"]) + 700, dtype=torch.int64),  # 5600 B: 1 block
         "step": int(spec["s"]),
         "note": f"{spec['w']}:{spec['o']}",
     }
+
+
+def rank_state(spec: dict, rank: int, world: int) -> dict:
+    """Rank `rank`'s part of a collective put of `spec` (spec["c"] == world): base and var
+    replicated (each block written by one rank), own cut into row ranges (one sub-tree
+    per rank, found through the chunk index), the rest the same on every rank. A whole
+    checkout of the snapshot is exactly state(spec)."""
+    import tensorstore_ck as tsck
+    st = state(spec)
+    a, b = OWN_LEN * rank // world, OWN_LEN * (rank + 1) // world
+    st["base"] = tsck.Replicated(st["base"])
+    st["var"] = tsck.Replicated(st["var"])
+    st["own"] = tsck.Sharded(st["own"][a:b].clone(), (OWN_LEN,), (a,))
+    return st
+
+
+def own_piece(spec: dict, rank: int, world: int) -> tuple[torch.Tensor, int]:
+    """(rank's rows of own, their offset)."""
+    a, b = OWN_LEN * rank // world, OWN_LEN * (rank + 1) // world
+    return state(spec)["own"][a:b], a
 
 
 def differences(got, want, path: str = "") -> list[str]:

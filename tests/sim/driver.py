@@ -28,7 +28,8 @@ Invariants (tests/sim/check.py), after every round:
       created nothing; a successful pin holds until an unpin may have undone it (or
       the ref table was rebuilt: pins live only there);
   I4  calls judged on their own: an fsck running beside writers and gc reports no
-      damage; a read returns exactly what was put; no raw (non-TsckError) exception;
+      damage; a read returns exactly what was put (also each rank's own rows, read back
+      through the chunk index after a collective put); no raw (non-TsckError) exception;
   I5  recover succeeds, and a second recover changes nothing (refs, tags, pins,
       catalog, reflogs);
   I6  after recover every ref is at the newest commit of its history whose tree is
@@ -79,17 +80,17 @@ _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "sel
          "recover_p": 0.25, "recover_kill": 0.6, "quiet_gc": 0.4, "delete_delay": [0.02, 0.06],
          "slow_commit": 0.2}
 FLAVORS = {
-    "mix": dict(_BASE, weights={"put": 5, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
+    "mix": dict(_BASE, weights={"put": 5, "cput": 2, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
                                 "fsck": 0.7, "read": 1, "prune": 0.5}),
     # failure 1's window: tag/pin of a snapshot while a gc expires and deletes it
-    "tag-gc": dict(_BASE, weights={"put": 4, "tag": 3, "pin": 2, "unpin": 0.5, "retention": 0.7, "gc": 2.5,
+    "tag-gc": dict(_BASE, weights={"put": 4, "cput": 1, "tag": 3, "pin": 2, "unpin": 0.5, "retention": 0.7, "gc": 2.5,
                                    "read": 0.5}, slow_tags=0.8, fail=0.05, recover_p=0.1),
     # failure 5's window: fsck walking snapshots that a gc beside it expires and deletes
-    "fsck-gc": dict(_BASE, weights={"put": 4, "gc": 2.5, "fsck": 2.5, "retention": 0.7, "read": 0.5},
+    "fsck-gc": dict(_BASE, weights={"put": 4, "cput": 1, "gc": 2.5, "fsck": 2.5, "retention": 0.7, "read": 0.5},
                     slow_delete=0.6, fail=0.05, recover_p=0.1),
     # failures 3 and 4: writers killed while gc deletes what they reuse, then the ref
     # table lost and rebuilt by a recover that is itself killed part-way
-    "recover": dict(_BASE, weights={"put": 6, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
+    "recover": dict(_BASE, weights={"put": 6, "cput": 2, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
                     slow_delete=1.0, kill_after_p=1.0, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6,
                     reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8, slow_commit=0.6, vulture_p=0.5),
     # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
@@ -99,7 +100,7 @@ FLAVORS = {
     # removals by name (issue 14) and pruning beside writers, tags, pins, gc and recover:
     # delete_ref/forget/untag drop catalog rows and tags while gc and prune reclaim, and a
     # recover run over the live table must not bring back what was removed
-    "remove": dict(_BASE, weights={"put": 5, "delete_ref": 1, "forget": 1.5, "untag": 1, "tag": 1.5, "pin": 1,
+    "remove": dict(_BASE, weights={"put": 5, "cput": 1, "delete_ref": 1, "forget": 1.5, "untag": 1, "tag": 1.5, "pin": 1,
                                    "unpin": 0.5, "prune": 1.5, "gc": 1, "retention": 1, "read": 1, "fsck": 0.3},
                    slow_tags=0.5, recover_p=0.15, recover_live_p=0.6),
 }
@@ -206,7 +207,9 @@ class Harness:
             cfgs.append({
                 "id": wid, "seed": rng.getrandbits(62), "role": "ops", "store": self.loc.spec(),
                 "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"),
-                "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds, "weights": fl["weights"],
+                "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds,
+                # collective puts by the round's first worker only (its ranks are 2 more processes)
+                "weights": {op: w for op, w in fl["weights"].items() if op != "cput" or k == 0},
                 "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
                 "reuse": reuse, "reuse_p": fl["reuse_p"], "resave_p": fl["resave_p"],
                 "vulture_p": fl.get("vulture_p", 0.0),
@@ -257,13 +260,14 @@ class Harness:
         t2 = time.time()
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
-        hits, fenced = {}, 0  # the presence record and writers' holds were exercised (or not)
-        for o in check.load_ops(self.run_dir):
+        hits, fenced, collective = {}, 0, 0  # the presence record, writers' holds and collective puts
+        for o in check.load_ops(self.run_dir):  # were exercised (or not)
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
                 fenced += o.out.get("fenced") or 0
+                collective += 1 if o.args.get("collective") else 0
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"fenced_puts={fenced} "
+                 f"fenced_puts={fenced} collective_puts={collective} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "

@@ -95,9 +95,16 @@ def _err(e: BaseException) -> dict:
     return out
 
 
+RANKS = 2  # the world size of a worker's collective puts
+# Operations journaled under another name (every check of puts judges collective ones).
+JOURNAL_AS = {"cput": "put"}
+
+
 class Worker:
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, cfg_path: str = ""):
         self.cfg = cfg
+        self.cfg_path = cfg_path
+        self.ranks: list = []
         self.wid = cfg["id"]
         self.rng = random.Random(cfg["seed"])
         self.j = Journal(cfg["journal"], self.wid)
@@ -156,6 +163,68 @@ class Worker:
             return {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
                     "hits": s.assets.presence.hits}
         return args, call
+
+    def op_cput(self, s, i):
+        """A collective put by this worker's ranks (tests/sim/ranks.py, a real gloo group of
+        RANKS processes): replicated base and var, own cut into row ranges, one commit
+        whose chunk index rank 0 writes. Journaled as a put (args["collective"]), so every
+        check of puts judges it, and its spec (spec["c"]) rebuilds what a whole checkout
+        must return."""
+        ref = self.rng.choice(self.cfg["refs"])
+        step = self.cfg["step_base"] + i
+        own = None
+        if self.rng.random() < self.cfg.get("reuse_p", 0.35):
+            earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
+            own = self.rng.choice(earlier) if earlier else None
+        spec = dict(content.make_spec(self.wid, i, self.rng.randrange(content.VARIANTS), step, own), c=RANKS)
+        args = {"ref": ref, "step": step, "spec": spec, "blocking": True, "collective": RANKS}
+        cmd = {"ref": ref, "step": step, "spec": spec}
+        if self.rng.random() < 0.15:
+            cur = s.reftable.get_or_none(ref)
+            cmd["expected"] = args["expected"] = None if cur is None else cur.hex()
+
+        def call():
+            line = json.dumps(cmd) + "\n"
+            for p in self.ranks:
+                p.stdin.write(line)
+                p.stdin.flush()
+            outs = [self._rank_line(p, 150.0) for p in self.ranks]
+            out = outs[0]
+            if "root" in out:
+                self.puts.append({"ref": ref, "step": step, "root": out["root"], "own": spec.get("u", [self.wid, i])})
+                # the put's result stays what it was (it published); check.py judges these
+                mismatch = sum((o.get("mismatch", []) for o in outs), [])
+                if mismatch:
+                    out["mismatch"] = mismatch
+            return {k: v for k, v in out.items() if k != "t"}
+        return args, call
+
+    def _rank_line(self, p, timeout: float) -> dict:
+        """The next line a rank prints. A rank that died or went silent leaves the put's
+        outcome unknown to this worker: it dies too (kill -9), so the journal says so
+        (a start with no result), rather than guess."""
+        import select
+        r, _, _ = select.select([p.stdout], [], [], timeout)
+        line = p.stdout.readline() if r else ""
+        if not line:
+            self.j.write(kill="rank", op="cput", key=f"rank pid {p.pid} {'died' if r else 'silent'}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return json.loads(line)
+
+    def start_ranks(self) -> None:
+        """Start this worker's ranks (before it says it is ready: torch.distributed's start
+        is not the round's time)."""
+        import socket
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        env = dict(os.environ)
+        self.ranks = [subprocess.Popen([sys.executable, "-m", "tests.sim.ranks", self.cfg_path, str(r), str(RANKS),
+                                        str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       env=env, cwd=os.getcwd()) for r in range(RANKS)]
+        for p in self.ranks:
+            out = self._rank_line(p, 90.0)
+            assert out.get("ready"), out
 
     def _vulture(self, s):
         """Wait (briefly) for a gc's deletion phase, then pick the own tensor of a snapshot
@@ -318,6 +387,8 @@ class Worker:
         names = sorted(weights)
         for v in range(content.VARIANTS):  # warm the caches: the round's clock starts now
             content.state(content.make_spec(self.wid, 0, v, 0))
+        if weights.get("cput"):
+            self.start_ranks()
         deadline = time.time() + cfg["seconds"]
         open(cfg["journal"] + ".ready", "w").close()  # the driver times its kills from here
         try:
@@ -326,7 +397,7 @@ class Worker:
                     break
                 op = self.rng.choices(names, [weights[n] for n in names])[0]
                 args, call = getattr(self, f"op_{op}")(s, i)
-                self.j.write(i=i, op=op, args=args, start=time.time())
+                self.j.write(i=i, op=JOURNAL_AS.get(op, op), args=args, start=time.time())
                 try:
                     out = call() or {}
                 except Exception as e:  # noqa: BLE001 - every outcome is journaled and judged
@@ -337,6 +408,13 @@ class Worker:
         finally:
             self.faults.armed = False
             s.close()
+            for p in self.ranks:  # EOF on stdin: each rank closes its Store and exits
+                p.stdin.close()
+            for p in self.ranks:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
         return 0
 
     def run_recover(self) -> int:
@@ -362,7 +440,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         cfg = json.load(f)
-    w = Worker(cfg)
+    w = Worker(cfg, argv[0])
     return w.run_recover() if cfg["role"] == "recover" else w.run_ops()
 
 

@@ -1,0 +1,78 @@
+"""The ranks of a harness worker's collective puts: real processes in one gloo process
+group, each with its own Store on the harness's store, started by the worker when its
+flavor has collective puts and kept for the round.
+
+    python -m tests.sim.ranks WORKER_CONFIG.json RANK WORLD PORT
+
+Protocol (lines of JSON): the rank prints {"ready": true} once the group is up, then per
+line read on stdin {"ref", "step", "spec", "expected"?} it runs the collective
+put_snapshot of content.rank_state(spec, rank, world), then checks out its own rows of
+"own" collectively (into= a Sharded: through the chunk index rank 0 wrote at commit), and
+prints {"root", "time", "job", "fenced", "mismatch"?} or {"result": <error type>, "error"}.
+It dies with its worker (PDEATHSIG): a worker killed -9 mid-put leaves the outcome
+unknown, as for any put.
+
+Faults: the worker's profile without its kill points (a rank's death would only be
+reported by the worker killing itself, see Worker.op_cput): delays, slow keys and
+injected storage failures (a failed rank aborts the collective put on every rank).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+
+import torch
+
+from . import content
+from .faults import Faults
+from .worker import FENCES, _die_with_parent, _err, open_store
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    path, rank, world, port = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    _die_with_parent()
+    with open(path) as f:
+        cfg = json.load(f)
+    import tensorstore_ck as tsck
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    kv = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=kv, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    profile = {k: v for k, v in (cfg.get("faults") or {}).items() if not k.startswith("kill")}
+    faults = Faults(profile, cfg["seed"] * 31 + rank)
+    s = open_store(cfg, faults)
+    faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        spec = cmd["spec"]
+        kw = {"expected": cmd["expected"]} if "expected" in cmd else {}
+        fenced0 = FENCES.n
+        try:
+            info = s.put_snapshot(content.rank_state(spec, rank, world), ref=cmd["ref"], step=cmd["step"],
+                                  meta={"sim": spec}, timeout=60, **kw)
+            out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0}
+            want, a = content.own_piece(spec, rank, world)
+            into = {"own": tsck.Sharded(torch.zeros_like(want), (content.OWN_LEN,), (a,))}
+            try:
+                s.checkout(info.root, into=into, timeout=60)
+                if not torch.equal(into["own"].local.view(torch.int32), want.view(torch.int32)):
+                    out["mismatch"] = [f"rank {rank}: its rows of own differ after a collective checkout"]
+            except tsck.TsckError as e:  # a gc may remove the snapshot meanwhile (another
+                out["read"] = f"{type(e).__name__}: {str(e)[:200]}"  # worker moved the ref)
+            except Exception as e:  # noqa: BLE001 - a raw exception in a read is a bug; the put stands
+                out["mismatch"] = [f"rank {rank}: raw {type(e).__name__} in the checkout of its rows: {str(e)[:300]}"]
+        except Exception as e:  # noqa: BLE001 - reported to the worker, which journals it
+            out = _err(e)
+        out["t"] = time.time()
+        print(json.dumps(out), flush=True)
+    s.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
