@@ -40,10 +40,26 @@ from .shard import Replicated, Sharded
 from .info import SnapshotInfo
 from .opener import open_store
 from .store import Store
-from .loader import ResumableDataLoader
-from .train import CheckpointManager, TrainState
 
 __version__ = "0.1.0"
+
+# The training helpers import torch (as do put_snapshot and checkout, when first called);
+# loaded when first named, so `import tensorstore_ck` and the `tsck` commands that only
+# read refs and manifests (refs, log, fsck, gc) start without torch.
+_LAZY = {"ResumableDataLoader": "loader", "TrainState": "train", "CheckpointManager": "train"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 # The library logs retries, reconnects, gc phases, fences waited out and recover's
 # decisions to the "tensorstore_ck" logger (child loggers per module); it prints

@@ -388,7 +388,7 @@ def _shape(shape) -> str:
 
 
 def cmd_ls(store, args):
-    from .interchange import list_tree
+    from .listing import list_tree
     root, entries = list_tree(store, args.target, args.path)
     tensors = [e for e in entries if e.kind in ("tensor", "array", "sharded")]
     total = sum(e.nbytes for e in tensors)

@@ -41,7 +41,6 @@ import msgpack
 
 from .errors import AmbiguousTarget, InvalidArgument, InvalidName, RefNotFound, SnapshotAborted, TsckError
 from .ids import Digest
-from .plan import plan_stats, replica_digests
 from .shard import find_overlap
 from .validate import UNSET
 
@@ -410,6 +409,7 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         # needs no request (assets.Presence); a deletion phase since fences the commit.
         publisher.write_blocks(plan_, owns=lambda leaf, i: _owner(leaf.path, i, W) == rank, fence=fence)
         tree, _payloads = publisher.write_nodes(plan_.value, fence)
+        from .plan import plan_stats, replica_digests  # torch: only where tensors are
         st = plan_stats(plan_)
         reps = replica_digests(plan_)
         rep = None

@@ -19,15 +19,18 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from .assets import Assets, PutResult
 from .errors import Fenced, FormatError, RefConflict, SnapshotAborted, StorageError
 from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter
 from .info import SnapshotInfo, row_to_info
-from .plan import Plan, plan_stats, run_block_jobs
 from .refs.base import HOLD_SECONDS
 from .validate import UNSET, SnapshotArgs
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 __all__ = ["Publisher", "COMMIT_ATTEMPTS"]
 
@@ -58,6 +61,7 @@ class Publisher:
         return self.reftable.gc_state()["epoch"]
 
     def write_blocks(self, plan: Plan, owns=None, progress=None, fence: int | None = None) -> None:
+        from .plan import run_block_jobs  # plan.py imports torch; publishing nodes needs none
         run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress, fence=fence)
 
     def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":
@@ -104,6 +108,7 @@ class Publisher:
         fence = self.fence()
         self.write_blocks(plan, progress=progress, fence=fence)
         top, payloads = self.write_nodes(plan.value, fence)
+        from .plan import plan_stats
         return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence,
                            revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
 

@@ -638,7 +638,7 @@ class Reader:
             if len({c.offsets for c in found}) != len(need[r]):
                 raise self._fmt(f"the chunk index names a piece rank {r} does not hold", path)
             chunks += found
-        return tree.Global(g.dt, g.dtype, g.shape, chunks, False)
+        return tree.Global(g.dt, g.shape, chunks, False)
 
     def _rank_leaf(self, top: bytes, path):
         """The value at `path` in the rank tree `top` (nodes read along the path only)."""
@@ -669,7 +669,7 @@ class Reader:
         if type(v0) is tree.Global:
             chunks = [c for v in vals if type(v) is tree.Global and v.dt == v0.dt and v.shape == v0.shape
                       for c in v.chunks]
-            return tree.Global(v0.dt, v0.dtype, v0.shape, chunks, v0.replicated)
+            return tree.Global(v0.dt, v0.shape, chunks, v0.replicated)
         if type(v0) is not tree.Container:
             return v0
         same = [v for v in vals if type(v) is tree.Container and v.kind == v0.kind]

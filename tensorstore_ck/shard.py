@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Sharded", "Replicated", "from_dtensor", "find_overlap", "tiling_problem"]
 
@@ -34,6 +36,7 @@ class Sharded:
     offsets: tuple
 
     def __post_init__(self):
+        import torch  # here, not at import: `tsck` commands that never touch tensors skip it
         if not isinstance(self.local, torch.Tensor):
             raise InvalidArgument("Sharded.local must be a torch.Tensor")
         gs, off = tuple(int(x) for x in self.global_shape), tuple(int(x) for x in self.offsets)

@@ -11,8 +11,10 @@ pinned, so device-to-host copies can run asynchronously on a side stream.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["StagingPool"]
 
@@ -27,12 +29,14 @@ class StagingPool:
         """A uint8 buffer of at least `nbytes` (reused when one is free and big enough)."""
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes]
+            numel = lambda b: b.numel()  # noqa: E731
             if fits:
-                buf = min(fits, key=torch.Tensor.numel)
+                buf = min(fits, key=numel)
                 self._free.remove(buf)
                 return buf
             if self._free and len(self._free) >= self.max_buffers:
-                self._free.remove(min(self._free, key=torch.Tensor.numel))  # too small: replace it
+                self._free.remove(min(self._free, key=numel))  # too small: replace it
+        import torch  # here: a Store that never snapshots asynchronously never needs it
         pin = torch.cuda.is_available()
         # A little headroom so a state that grows slightly does not reallocate every time.
         return torch.empty(max(1, nbytes + nbytes // 16), dtype=torch.uint8, pin_memory=pin)

@@ -18,10 +18,10 @@ import functools
 import os
 import threading
 import time
+import sys
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import chunker
 from .assets import Assets
@@ -32,16 +32,16 @@ from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, Inval
 from .format.manifest import decode_commit
 from .ids import MIN_PREFIX, Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
-from .plan import Planner
 from .publish import Publisher
-from .read import MISSING, Reader
-from .dcpview import is_dcp_top, read_dcp
 from .refs import RefTable
 from .format.names import parse_target, validate_component, validate_name, validate_new_name
 from .retention import Retention
 from .staging import StagingPool
 from .storage import BlockStore
 from .validate import UNSET, SnapshotArgs, check_snapshot_args
+
+if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
+    from .plan import Planner
 
 __all__ = ["Store", "SnapshotInfo"]
 
@@ -247,7 +247,8 @@ class Store:
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
         # there. One thread, as torch's own DataLoader workers do.
-        if torch.get_num_threads() > 1:
+        torch = sys.modules.get("torch")  # not imported: no pool to lose
+        if torch is not None and torch.get_num_threads() > 1:
             torch.set_num_threads(1)
         s = self.storage
         while s is not None:  # wrappers (throttle, faults) and backends with their own locks or clients
@@ -367,6 +368,7 @@ class Store:
 
     def planner(self, allow_pickle: bool = False, defer_device: bool = False) -> Planner:
         """A planner with this store's block layout (validates a state before any write)."""
+        from .plan import Planner  # torch, imported where tensors are (not by `tsck refs`)
         return Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
                        allow_pickle=allow_pickle, defer_device=defer_device)
 
@@ -537,6 +539,8 @@ class Store:
             raise InvalidArgument(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, paths=paths,
                     map_location=map_location)
+        from .dcpview import is_dcp_top, read_dcp
+        from .read import MISSING, Reader
         Reader(self.assets, self._pool, snapshot="", **opts)  # checks paths and map_location first
 
         def read_with(reader: Reader, top: bytes):

@@ -3,37 +3,76 @@
 Decoding looks names up in these tables and nowhere else: a stored string never
 reaches getattr(torch, ...), and a numpy description is rebuilt field by field
 under the limits of tree.LIMITS.
+
+The grammar needs only names and item sizes (DTYPE_ITEMSIZES), so reading manifests
+does not import torch: `tsck refs`, `log`, `fsck`, `gc` start in a fraction of a
+second instead of paying torch's import (~3 s here). The torch objects (TORCH_DTYPES,
+QUANT_REPR, QUANT_BY_NAME, PACKED_QUANT) are built on first use; tests/test_grammar.py
+checks that the static table is exactly this torch build's dtypes.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
-import torch
 
 from ..errors import FormatError
 
-__all__ = ["TORCH_DTYPES", "QUANT_REPR", "QUANT_BY_NAME", "QUANT_NAMES", "PACKED_QUANT", "torch_dtype_name",
+# Also TORCH_DTYPES, QUANT_REPR, QUANT_BY_NAME and PACKED_QUANT, built on first use (__getattr__).
+__all__ = ["DTYPE_ITEMSIZES", "QUANT_NAMES", "PACKED_QUANT_NAMES", "torch_dtype", "torch_dtype_name",
            "np_dtype_out", "np_dtype_in", "code_units"]
 
-# Every dense dtype this torch build knows, by name.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+# Every dense dtype of torch 2.13 (the pinned build), by name, with its item size.
+DTYPE_ITEMSIZES: dict[str, int] = {
+    "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16, "bool": 1, "qint8": 1, "quint8": 1, "qint32": 4,
+    "bfloat16": 2, "quint4x2": 1, "quint2x4": 1, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1,
+    "bits16": 2, "float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2fnuz": 1, "float8_e4m3fnuz": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "uint1": 1, "uint2": 1, "uint3": 1, "uint4": 1, "uint5": 1,
+    "uint6": 1, "uint7": 1, "int1": 1, "int2": 1, "int3": 1, "int4": 1, "int5": 1, "int6": 1, "int7": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
 }
 # Quantized dtypes are stored as their integer representation plus affine parameters.
-QUANT_REPR = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
-QUANT_BY_NAME = {str(k).removeprefix("torch."): (k, v) for k, v in QUANT_REPR.items()}
 QUANT_NAMES = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
-PACKED_QUANT = {torch.quint4x2, torch.quint2x4}  # no way to rebuild them: refused both ways
+PACKED_QUANT_NAMES = {"quint4x2", "quint2x4"}  # no way to rebuild them: refused both ways
+
+
+@functools.cache
+def _torch_tables() -> tuple:
+    import torch
+    dtypes = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    quant_repr = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
+    quant_by_name = {str(k).removeprefix("torch."): (k, v) for k, v in quant_repr.items()}
+    packed = {torch.quint4x2, torch.quint2x4}
+    return dtypes, quant_repr, quant_by_name, packed
+
+
+_LAZY = {"TORCH_DTYPES": 0, "QUANT_REPR": 1, "QUANT_BY_NAME": 2, "PACKED_QUANT": 3}
+
+
+def __getattr__(name: str):
+    """TORCH_DTYPES (name -> torch.dtype), QUANT_REPR, QUANT_BY_NAME, PACKED_QUANT: built
+    (importing torch) when first asked for."""
+    if name in _LAZY:
+        return _torch_tables()[_LAZY[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def torch_dtype(name: str):
+    """The torch.dtype of a name the grammar accepted (in DTYPE_ITEMSIZES)."""
+    return _torch_tables()[0][name]
+
+
+def torch_dtype_name(dt) -> str:
+    return str(dt).removeprefix("torch.")
+
 
 # Limits on numpy dtype descriptions (both directions: put refuses what checkout would).
 MAX_DTYPE_STR = 64
 MAX_DTYPE_DEPTH = 8
 MAX_FIELDS = 1024
 MAX_SUBARRAY_DIM = 1 << 20
-
-
-def torch_dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
 
 
 def np_dtype_out(d: np.dtype):

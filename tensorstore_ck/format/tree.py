@@ -29,10 +29,9 @@ from typing import Callable, Iterator
 
 import msgpack
 import numpy as np
-import torch
 
 from ..errors import FormatError, UnsupportedType
-from .dtypes import PACKED_QUANT, QUANT_BY_NAME, QUANT_NAMES, TORCH_DTYPES, code_units, np_dtype_in
+from .dtypes import DTYPE_ITEMSIZES, PACKED_QUANT_NAMES, QUANT_NAMES, code_units, np_dtype_in, torch_dtype
 from .manifest import MAX_DEPTH, MAX_NODE_BYTES, encode_node
 
 __all__ = [
@@ -108,12 +107,16 @@ class Leaf:
 
 @dataclass(slots=True)
 class Tensor(Leaf):
-    dt: str = ""
-    dtype: torch.dtype | None = None
+    dt: str = ""  # a name of DTYPE_ITEMSIZES (the grammar checked it)
     param: bool = False
     requires_grad: bool = False
     device: str | None = None
     quant: dict | None = None   # validated affine parameters of a quantized tensor
+
+    @property
+    def dtype(self):
+        """The torch.dtype (imports torch: walking a tree never needs it)."""
+        return torch_dtype(self.dt)
 
 
 @dataclass(slots=True)
@@ -130,10 +133,13 @@ class Chunk(Leaf):
 @dataclass(slots=True)
 class Global:
     dt: str
-    dtype: torch.dtype
     shape: tuple
     chunks: list = field(default_factory=list)
     replicated: bool = False
+
+    @property
+    def dtype(self):
+        return torch_dtype(self.dt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,15 +192,15 @@ def _leaf_fields(body, path, itemsize: int):
     return sh, n, None, bs, blocks
 
 
-def _torch_dtype(dt, path, what="torch dtype") -> torch.dtype:
-    if not isinstance(dt, str) or dt not in TORCH_DTYPES:
+def _dtype_itemsize(dt, path, what="torch dtype") -> int:
+    if not isinstance(dt, str) or dt not in DTYPE_ITEMSIZES:
         raise _bad(f"unknown {what} {dt!r}", path)
-    return TORCH_DTYPES[dt]
+    return DTYPE_ITEMSIZES[dt]
 
 
 def _quant(body, sh, path) -> dict:
     q = body.get("q")
-    if body.get("dt") not in QUANT_BY_NAME or not isinstance(q, dict):
+    if body.get("dt") not in QUANT_NAMES - PACKED_QUANT_NAMES or not isinstance(q, dict):
         raise _bad(f"quantized tensor of {body.get('dt')} without valid parameters", path)
     if q.get("s") == "pt" and isinstance(q.get("scale"), float) and _is_int(q.get("zp")):
         return {"s": "pt", "scale": q["scale"], "zp": q["zp"]}
@@ -210,17 +216,17 @@ def _quant(body, sh, path) -> dict:
 def _tensor(body, path) -> Tensor:
     if not isinstance(body, dict):
         raise _bad("tensor leaf is not a map", path)
-    dtype = _torch_dtype(body.get("dt"), path)
-    sh, n, inline, bs, blocks = _leaf_fields(body, path, dtype.itemsize)
+    itemsize = _dtype_itemsize(body.get("dt"), path)
+    sh, n, inline, bs, blocks = _leaf_fields(body, path, itemsize)
     quant = None
     if "q" in body or body["dt"] in QUANT_NAMES:
-        if dtype in PACKED_QUANT:
-            raise _bad(f"quantized tensors of {dtype} are not supported", path)
+        if body["dt"] in PACKED_QUANT_NAMES:
+            raise _bad(f"quantized tensors of torch.{body['dt']} are not supported", path)
         quant = _quant(body, sh, path)
     dev = body.get("dev")
     if dev is not None and (not isinstance(dev, str) or len(dev) > MAX_DEVICE_NAME):
         raise _bad("bad device name", path)
-    return Tensor(sh, n, inline, bs, blocks, dt=body["dt"], dtype=dtype, param=body.get("p") is True,
+    return Tensor(sh, n, inline, bs, blocks, dt=body["dt"], param=body.get("p") is True,
                   requires_grad=body.get("rg") is True, device=dev, quant=quant)
 
 
@@ -239,7 +245,7 @@ def _global(body, path) -> Global:
     if not isinstance(body, dict) or not isinstance(body.get("chunks"), list) or len(body["chunks"]) > MAX_CHUNKS:
         raise _bad("bad sharded tensor", path)
     dt = body.get("dt")
-    dtype = _torch_dtype(dt, path, "torch dtype for a sharded tensor")
+    itemsize = _dtype_itemsize(dt, path, "torch dtype for a sharded tensor")
     if dt in QUANT_NAMES:
         raise _bad(f"unknown or unsupported torch dtype {dt!r} for a sharded tensor", path)
     gs = _shape(body.get("sh"), path, "global shape")
@@ -250,11 +256,11 @@ def _global(body, path) -> Global:
         off = c.get("off")
         if not isinstance(off, list) or len(off) != len(gs) or not all(_is_int(x) and x >= 0 for x in off):
             raise _bad("bad chunk offsets", path)
-        sh, n, inline, bs, blocks = _leaf_fields(c, path, dtype.itemsize)
+        sh, n, inline, bs, blocks = _leaf_fields(c, path, itemsize)
         if len(sh) != len(gs) or any(o + k > g for o, k, g in zip(off, sh, gs)):
             raise _bad("chunk outside its tensor", path)
         chunks.append(Chunk(sh, n, inline, bs, blocks, offsets=tuple(off)))
-    return Global(dt, dtype, gs, chunks, replicated=body.get("rep") is True)
+    return Global(dt, gs, chunks, replicated=body.get("rep") is True)
 
 
 def _scalar(body, path) -> NpScalar:
