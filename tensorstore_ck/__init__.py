@@ -15,6 +15,7 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
     gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
     recover.py            snapshots; rebuild the ref table from storage
     publish.py            the one publisher: blocks -> nodes -> commit -> fenced CAS -> retry
+    listing.py            `tsck ls`: a snapshot's values from its nodes (no blocks, no torch)
     plan.py, read.py,     state -> plan (validated before any write); nodes -> state (read_box:
     walk.py               sharded regions); the DAG without tensor data (gc, fsck, diff)
     assets.py             typed, verified object I/O; the only module that knows keys
