@@ -67,3 +67,11 @@ def test_a_command_that_needs_tensors_still_gets_torch(store_path, tmp_path):
     argv = ["checkout", store_path, "j/main", str(tmp_path / "x.pt")]
     p = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "torch imported by a command" in p.stdout + p.stderr, (p.stdout, p.stderr)
+
+
+def test_a_name_the_installed_torch_lacks_is_a_format_error():
+    from tensorstore_ck.errors import FormatError
+    from tensorstore_ck.format.dtypes import torch_dtype
+    assert torch_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(FormatError, match="not known to the installed torch"):
+        torch_dtype("float3_e1m1")

@@ -60,8 +60,12 @@ def __getattr__(name: str):
 
 
 def torch_dtype(name: str):
-    """The torch.dtype of a name the grammar accepted (in DTYPE_ITEMSIZES)."""
-    return _torch_tables()[0][name]
+    """The torch.dtype of a name the grammar accepted (in DTYPE_ITEMSIZES). FormatError if
+    the torch installed lacks it (the table is the pinned build's; another may differ)."""
+    dt = _torch_tables()[0].get(name)
+    if dt is None:
+        raise FormatError(f"torch dtype {name!r} is not known to the installed torch (tensorstore_ck pins 2.13.0)")
+    return dt
 
 
 def torch_dtype_name(dt) -> str:
