@@ -190,10 +190,16 @@ class Worker:
                 p.stdin.flush()
             outs = [self._rank_line(p, 150.0) for p in self.ranks]
             out = outs[0]
+            for r, o in enumerate(outs[1:], 1):  # every rank must hear the same outcome
+                if o.get("raw"):
+                    out.update(raw=True, trace=f"rank {r}: " + o.get("trace", ""))
+                if ("root" in o) != ("root" in out) or o.get("root") != out.get("root"):
+                    out.setdefault("mismatch", []).append(
+                        f"rank {r} heard {o.get('root') or o.get('result')}, rank 0 {out.get('root') or out.get('result')}")
             if "root" in out:
                 self.puts.append({"ref": ref, "step": step, "root": out["root"], "own": spec.get("u", [self.wid, i])})
                 # the put's result stays what it was (it published); check.py judges these
-                mismatch = sum((o.get("mismatch", []) for o in outs), [])
+                mismatch = out.pop("mismatch", []) + sum((o.get("mismatch", []) for o in outs), [])
                 if mismatch:
                     out["mismatch"] = mismatch
             return {k: v for k, v in out.items() if k != "t"}
