@@ -1,5 +1,6 @@
 """Run many `tsck` command lines, each in a process of its own, without paying the
-~2 s import of torch for each: this process imports tensorstore_ck once, then forks
+~2 s import of torch for each: this process imports tensorstore_ck and torch once (the
+CLI itself loads torch only for the commands that need it), then forks
 one child per command line. The child runs tensorstore_ck.cli.main(argv) exactly
 as `python -m tensorstore_ck` does (an exception that escapes it is printed as
 Python prints it, "Traceback ..."), with stdout/stderr in files; a child still
@@ -18,6 +19,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+import torch  # noqa: F401 - loaded once here, so the children that need it (checkout, import) inherit it
 
 from tensorstore_ck.cli import main
 
