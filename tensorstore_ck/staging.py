@@ -29,13 +29,12 @@ class StagingPool:
         """A uint8 buffer of at least `nbytes` (reused when one is free and big enough)."""
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes]
-            numel = lambda b: b.numel()  # noqa: E731
             if fits:
-                buf = min(fits, key=numel)
+                buf = min(fits, key=lambda b: b.numel())
                 self._free.remove(buf)
                 return buf
             if self._free and len(self._free) >= self.max_buffers:
-                self._free.remove(min(self._free, key=numel))  # too small: replace it
+                self._free.remove(min(self._free, key=lambda b: b.numel()))  # too small: replace it
         import torch  # here: a Store that never snapshots asynchronously never needs it
         pin = torch.cuda.is_available()
         # A little headroom so a state that grows slightly does not reallocate every time.

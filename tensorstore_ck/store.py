@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import time
-import sys
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
