@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import json
 import sys
-import time
 
 import torch
 
@@ -68,7 +67,6 @@ def main(argv=None) -> int:
                 out["mismatch"] = [f"rank {rank}: raw {type(e).__name__} in the checkout of its rows: {str(e)[:300]}"]
         except Exception as e:  # noqa: BLE001 - reported to the worker, which journals it
             out = _err(e)
-        out["t"] = time.time()
         print(json.dumps(out), flush=True)
     s.close()
     return 0

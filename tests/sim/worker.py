@@ -202,7 +202,7 @@ class Worker:
                 mismatch = out.pop("mismatch", []) + sum((o.get("mismatch", []) for o in outs), [])
                 if mismatch:
                     out["mismatch"] = mismatch
-            return {k: v for k, v in out.items() if k != "t"}
+            return out
         return args, call
 
     def _rank_line(self, p, timeout: float) -> dict:
@@ -224,10 +224,9 @@ class Worker:
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
             port = sk.getsockname()[1]
-        env = dict(os.environ)
         self.ranks = [subprocess.Popen([sys.executable, "-m", "tests.sim.ranks", self.cfg_path, str(r), str(RANKS),
-                                        str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                       env=env, cwd=os.getcwd()) for r in range(RANKS)]
+                                        str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for r in range(RANKS)]
         for p in self.ranks:
             out = self._rank_line(p, 90.0)
             assert out.get("ready"), out
