@@ -21,7 +21,7 @@ from .format import tree
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_INLINE_THRESHOLD", "Layout", "plan_blocks", "block_ranges"]
 
-# 4 MiB: measured in benches/bench_blocksize.py (see README): smaller blocks cost
+# 4 MiB: measured in benches/bench_blocksize.py (docs/PERFORMANCE.md): smaller blocks cost
 # per-object overhead (a file, an fsync, a request on S3) for no gain in
 # throughput; larger ones make a one-row change rewrite more bytes.
 DEFAULT_BLOCK_SIZE = 4 * 1024 * 1024
