@@ -175,7 +175,7 @@ class TsckCallback(TrainerCallback):
                 shutil.rmtree(folder, ignore_errors=True)
             elif not res.done():
                 left.append((res, folder))
-            elif not res.cancelled() and res.exception() is None:
+            elif not res.cancelled() and res.failure() is None:  # looking is not the caller retrieving it
                 shutil.rmtree(folder, ignore_errors=True)
         self._pending = left
 
