@@ -503,3 +503,27 @@ def test_checkpoint_manager_close_raises_it_and_the_store_does_not_again(tmp_pat
             mgr.close()
         assert no_space(ei.value), repr(ei.value)
         store.close()  # heard through the manager: not raised a second time
+
+
+def test_a_put_cancelled_while_queued_gives_back_its_slot(tmp_path):
+    gate = Gate()
+    store, _ = gated_store(tmp_path / "s", gate, max_inflight=2)
+    with store:
+        gate.close()
+        f1 = store.put_snapshot(big_state(1.0), "a/main", step=1, blocking=False)
+        f2 = store.put_snapshot(big_state(2.0), "a/main", step=2, blocking=False)
+        assert gate.entered.wait(30)
+        assert f2.cancel()  # still queued behind f1
+        gate.open.set()
+        f1.result(timeout=60)
+        # The background publisher is first-in first-out: once f3 is done, f2's turn
+        # (which finds it cancelled) has passed.
+        store.put_snapshot(tiny_state(3), "a/main", step=3, blocking=False).result(timeout=60)
+        gate.close()  # the next two stay in flight: each holds its slot
+        taken = [store.put_snapshot(big_state(4.0 + i), "b/main", step=4 + i, blocking=False, when_busy="skip")
+                 for i in range(2)]
+        gate.open.set()
+        assert None not in taken and store.skipped == 0  # both slots were free
+        for f in taken:
+            f.result(timeout=60)
+        assert [e.step for e in store.log("a/main")] == [3, 1] and not gate.timed_out
