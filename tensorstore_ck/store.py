@@ -448,15 +448,17 @@ class Store:
                         self._bg_error = e
                         self._failed.append(fut)
         finally:
-            # The slot and buffer are free before the future completes: a caller that
-            # saw the outcome may put again at once.
-            self._staging.give(buf)
-            self._slots.release()
-        if started:
-            if err is not None:
-                fut.set_exception(err)
-            else:
-                fut.set_result(info)
+            try:
+                # The slot and buffer are free before the future completes: a caller that
+                # saw the outcome may put again at once.
+                self._staging.give(buf)
+                self._slots.release()
+            finally:  # whatever happened above, the future completes (wait() and close() wait on it)
+                if started:
+                    if err is not None:
+                        fut.set_exception(err)
+                    else:
+                        fut.set_result(info)
 
     def raise_pending_error(self) -> None:
         """Raise (once) the failure of an asynchronous snapshot, if one failed. The
