@@ -39,6 +39,8 @@ def _known_protocol(proto: str) -> bool:
     """Whether fsspec knows `proto`: by import path (s3, gcs, ...) or registered at run
     time (fsspec.register_implementation), which available_protocols() does not list."""
     import fsspec
+    if not proto:  # fsspec reads "" as its default, the local disk: "://x" is a typo
+        return False
     try:
         fsspec.get_filesystem_class(proto)
     except ValueError:  # "Protocol not known"

@@ -113,7 +113,8 @@ def test_a_protocol_registered_at_run_time_opens_a_store(tmp_path):
         assert s.fsck().ok
 
 
-def test_an_unknown_scheme_is_named_before_anything_is_written(tmp_path):
-    with pytest.raises(tsck.InvalidArgument, match="unknown URL scheme 'tsckno://'"):
-        tsck.open_store(f"tsckno://{tmp_path}/store", refs=str(tmp_path / "refs.lmdb"))
+@pytest.mark.parametrize("scheme", ["tsckno", ""])
+def test_an_unknown_scheme_is_named_before_anything_is_written(tmp_path, scheme):
+    with pytest.raises(tsck.InvalidArgument, match=f"unknown URL scheme '{scheme}://'"):
+        tsck.open_store(f"{scheme}://{tmp_path}/store", refs=str(tmp_path / "refs.lmdb"))
     assert os.listdir(tmp_path) == []
