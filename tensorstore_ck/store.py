@@ -256,7 +256,7 @@ class Store:
         self._inflight: list[Future] = []
         self._bg_lock = threading.Lock()
         self._bg_error: BaseException | None = None
-        self._failed: list[SnapshotFuture] = []  # failures not yet raised by a put or wait
+        self._failed: list[SnapshotFuture] = []  # failures no put or raise_pending_error() raised yet
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
         self._collective = CollectiveContext()  # per (group, op) call counters of collectives
         self._read_only = read_only
