@@ -13,13 +13,15 @@ items by index), so `paths=` selects in it exactly as in a native snapshot. Each
 goes back to its path (planner_data; the fqn itself when DCP did not flatten) the way
 DCP's unflatten does: dict keys come back as str, lists are rebuilt by index. Bytes
 items are what DCP torch.save'd (non-tensor values); they are loaded with
-weights_only=True unless allow_pickle=True.
+weights_only=True unless allow_pickle=True (load_bytes_item: the one rule, which
+TsckReader and TsckWriter apply too).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import re
 
 import torch
 
@@ -29,7 +31,7 @@ from .paths import is_stateful
 from .read import MISSING, Reader
 
 __all__ = ["DCP_FORMAT", "DCP_LAYOUT_VERSION", "MIN_LAYOUT_VERSION", "MAX_LAYOUT_VERSION", "TOP_KEYS",
-           "is_dcp_top", "read_dcp"]
+           "is_dcp_top", "read_dcp", "load_bytes_item"]
 
 DCP_FORMAT = "dcp"
 DCP_LAYOUT_VERSION = 1          # the "version" field of the tree; readers accept 1..1
@@ -230,13 +232,25 @@ def _load_bytes(plain: Reader, v, fqn: str, snap: str, allow_pickle: bool):
         raw = plain.materialize(v, ("bytes", fqn)).numpy().tobytes()
     else:
         raise FormatError(f"DCP snapshot {snap[:16]}: bad bytes item {fqn!r:.80}")
+    return load_bytes_item(raw, fqn, allow_pickle=allow_pickle, where=f"DCP snapshot {snap[:16]}",
+                           opt_in="checkout")
+
+
+def load_bytes_item(raw: bytes, fqn: str, *, allow_pickle: bool, where: str, opt_in: str):
+    """A DCP bytes item (what DCP torch.save'd) -> its value, with torch's weights_only
+    loader unless allow_pickle: stored bytes are untrusted, and a full unpickle runs
+    whatever the pickle names. The one rule for checkout, TsckReader (before DCP's
+    planner, which unpickles with weights_only=False, sees the item) and TsckWriter
+    (before storing one). where: what holds the item; opt_in: who takes allow_pickle."""
     try:
         return torch.load(io.BytesIO(raw), weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
         if allow_pickle:
-            raise FormatError(f"DCP snapshot {snap[:16]}: bytes item {fqn!r:.80} does not load: {e}") from None
-        raise UnsupportedType(f"DCP bytes item {fqn!r:.80} needs pickle beyond torch's weights_only loader; "
-                              "pass allow_pickle=True to checkout to load it (only for snapshots you trust)")
+            raise FormatError(f"{where}: bytes item {fqn!r:.80} does not load: {e}") from None
+        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        holds = f" (it holds {m.group(1)})" if m else ""
+        raise UnsupportedType(f"DCP bytes item {fqn!r:.80}{holds} needs pickle beyond torch's weights_only "
+                              f"loader; pass allow_pickle=True to {opt_in} to allow it (only for snapshots "
+                              "you trust)") from None
     except Exception as e:  # noqa: BLE001 - torch.load's failures on garbage vary
-        raise FormatError(f"DCP snapshot {snap[:16]}: bytes item {fqn!r:.80} does not load: "
-                          f"{type(e).__name__}: {e}") from None
+        raise FormatError(f"{where}: bytes item {fqn!r:.80} does not load: {type(e).__name__}: {e}") from None

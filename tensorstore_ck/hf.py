@@ -36,7 +36,8 @@ import transformers
 from transformers import TrainerCallback
 
 from .errors import InvalidArgument
-from .interchange import HF_META, MAX_CONFIG_BYTES, SHARD_BYTES, export_folder, import_files, write_pretrained
+from .interchange import (HF_META, MAX_CONFIG_BYTES, SHARD_BYTES, _config_text, export_folder, import_files,
+                          write_pretrained)
 from .localfile import write_dir
 from .train import capture_rng
 
@@ -175,7 +176,7 @@ class TsckCallback(TrainerCallback):
                 shutil.rmtree(folder, ignore_errors=True)
             elif not res.done():
                 left.append((res, folder))
-            elif not res.cancelled() and res.exception() is None:
+            elif not res.cancelled() and res.failure() is None:  # looking is not the caller retrieving it
                 shutil.rmtree(folder, ignore_errors=True)
         self._pending = left
 
@@ -190,22 +191,72 @@ def _hf_rng(rng: dict) -> dict:
     return out
 
 
+MAX_STEP = 2**63 - 1  # a step as the store keeps one (int64)
+
+
+def _trainer_snapshot(store, target: str) -> tuple[dict, dict, str, int]:
+    """(state, meta["hf"], trainer_state text, global_step) of a snapshot TsckCallback
+    took, every stored value resume_checkpoint uses checked first: stored values are
+    untrusted, and global_step names the folder written (checkpoint-N), so it must be
+    an int >= 0, never text such as "../../x". InvalidArgument naming the snapshot."""
+    root = store.resolve(target)
+    where = f"snapshot {root[:16]} ({target}) of {store.url}"
+
+    def refuse(why: str) -> InvalidArgument:
+        return InvalidArgument(f"{where} is not a Trainer snapshot TsckCallback took: {why}")
+
+    info = store.show(root)
+    tr = info.meta.get("hf_trainer")
+    if not isinstance(tr, dict) or tr.get("layout") != LAYOUT:
+        raise InvalidArgument(f"{where} is not a Trainer snapshot of layout {LAYOUT} (TsckCallback takes them); "
+                              f"its meta has hf_trainer={tr!r:.200}")
+    hf = info.meta.get(HF_META)
+    hf = {} if hf is None else hf
+    if not isinstance(hf, dict):
+        raise refuse(f"its meta[{HF_META!r}] is a {type(hf).__name__}, not a dict")
+    tied = hf.get("tied")
+    if tied is not None and not (isinstance(tied, dict)
+                                 and all(type(k) is str and type(v) is str for k, v in tied.items())):
+        raise refuse(f"its meta[{HF_META!r}]['tied'] is not a dict of names")
+    hf = dict(hf)
+    for k in ("config", "generation_config"):  # as export_pretrained takes them: JSON objects, as text
+        hf[k] = _config_text(hf.get(k), f"the {k.replace('_', ' ')} of {where}")
+    state = store.checkout(root)
+    if not isinstance(state, dict):
+        raise refuse(f"it holds a {type(state).__name__}, not a dict")
+    missing = [k for k in ("model", "optimizer", "rng", "trainer_state") if k not in state]
+    if missing:
+        raise refuse(f"it has no {', '.join(map(repr, missing))}")
+    model = state["model"]
+    if not isinstance(model, dict) or not all(type(k) is str and isinstance(v, torch.Tensor)
+                                              for k, v in model.items()):
+        raise refuse("its 'model' is not a state_dict (names -> tensors)")
+    rng = state["rng"]
+    if not isinstance(rng, dict) or any(k not in rng for k in ("python", "numpy", "torch")) \
+            or not isinstance(rng.get("cuda", [None]), (list, tuple)) or not rng.get("cuda", [None]):
+        raise refuse("its 'rng' is not what train.capture_rng takes")
+    ts = state["trainer_state"]
+    if type(ts) is not str:
+        raise refuse(f"its 'trainer_state' is a {type(ts).__name__}, not the text of trainer_state.json")
+    try:
+        parsed = json.loads(ts)
+    except (ValueError, RecursionError) as e:
+        raise refuse(f"its 'trainer_state' is not JSON ({str(e)[:100]})") from None
+    step = parsed.get("global_step") if isinstance(parsed, dict) else None
+    if type(step) is not int or not 0 <= step <= MAX_STEP:  # type(): bool is no step
+        raise refuse(f"its trainer_state's global_step is {step!r:.80}, not an int >= 0")
+    return state, hf, ts, step
+
+
 def resume_checkpoint(store, target: str, output_dir, *, force: bool = False) -> str:
     """Write the Trainer snapshot `target` (a ref: its newest snapshot; a root, a tag)
     as output_dir/checkpoint-N (N its global step), the folder
     trainer.train(resume_from_checkpoint=...) reads; -> its path. The folder appears
-    whole; an existing one is written into only with force=True. InvalidArgument when
-    the snapshot is not one TsckCallback took."""
-    root = store.resolve(target)
-    info = store.show(root)
-    tr = info.meta.get("hf_trainer")
-    if not isinstance(tr, dict) or tr.get("layout") != LAYOUT:
-        raise InvalidArgument(f"snapshot {root[:16]} ({target}) of {store.url} is not a Trainer snapshot of layout "
-                              f"{LAYOUT} (TsckCallback takes them); its meta has hf_trainer={tr!r}")
-    hf = info.meta.get(HF_META) or {}
-    state = store.checkout(root)
-    ts = state["trainer_state"]
-    step = json.loads(ts)["global_step"]
+    whole; an existing one is written into only with force=True. InvalidArgument
+    naming the snapshot when it is not one TsckCallback took (another layout, values
+    missing or of the wrong kind, a global_step that is not an int >= 0), before
+    anything is written."""
+    state, hf, ts, step = _trainer_snapshot(store, target)
     output_dir = os.path.abspath(os.fspath(output_dir))
     os.makedirs(output_dir, exist_ok=True)
     dest = os.path.join(output_dir, f"checkpoint-{step}")

@@ -35,14 +35,28 @@ _MEMORY_REFS: dict[str, MemoryRefTable] = {}
 _MEMORY_LOCK = threading.Lock()
 
 
+def _known_protocol(proto: str) -> bool:
+    """Whether fsspec knows `proto`: by import path (s3, gcs, ...) or registered at run
+    time (fsspec.register_implementation), which available_protocols() does not list."""
+    import fsspec
+    if not proto:  # fsspec reads "" as its default, the local disk: "://x" is a typo
+        return False
+    try:
+        fsspec.get_filesystem_class(proto)
+    except ValueError:  # "Protocol not known"
+        return False
+    except ImportError:  # known, its package is missing: opening it says which
+        return True
+    return True
+
+
 def _split_url(url: str) -> tuple[str, str]:
     if not isinstance(url, (str, os.PathLike)):
         raise InvalidArgument(f"store location must be a str or path, got {type(url).__name__}")
     url = os.fspath(url)
     if "://" in url:
         proto, rest = url.split("://", 1)
-        import fsspec
-        if proto not in fsspec.available_protocols():  # a typo (htps://) is named as such, first
+        if not _known_protocol(proto):  # a typo (htps://) is named as such, first
             raise InvalidArgument(f"unknown URL scheme {proto + '://'!r} in {url!r}: use a local path, s3://, gs://, "
                                   "or another fsspec protocol")
         return proto, rest

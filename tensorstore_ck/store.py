@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait_all
 from typing import TYPE_CHECKING
 
 from . import chunker
@@ -94,7 +95,40 @@ def _bytes_bar(desc: str, total):
         bar.close()
 
 
+class SnapshotFuture(Future):
+    """The Future of an asynchronous put_snapshot. It remembers whether the caller has
+    retrieved its outcome (result() or exception() returned or raised it), so that
+    Store.close() can raise a failure nobody retrieved."""
+
+    def __init__(self, ref: str):
+        super().__init__()
+        self.ref = ref
+        self.retrieved = False
+
+    def result(self, timeout=None):
+        try:
+            return super().result(timeout)
+        finally:
+            if self.done():  # a timeout retrieved nothing
+                self.retrieved = True
+
+    def exception(self, timeout=None):
+        err = super().exception(timeout)
+        self.retrieved = True
+        return err
+
+    def failure(self) -> BaseException | None:
+        """The error of a finished, failed snapshot, else None; not a retrieval (the
+        package's own callbacks look with this, leaving the caller's duty intact)."""
+        return Future.exception(self, 0) if self.done() and not self.cancelled() else None
+
+
 _STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _note(err: BaseException, text: str) -> None:
+    if hasattr(err, "add_note"):  # Python >= 3.11
+        err.add_note(text)
 
 
 def _stores_after_fork() -> None:
@@ -222,6 +256,7 @@ class Store:
         self._inflight: list[Future] = []
         self._bg_lock = threading.Lock()
         self._bg_error: BaseException | None = None
+        self._failed: list[SnapshotFuture] = []  # failures no put or raise_pending_error() raised yet
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
         self._collective = CollectiveContext()  # per (group, op) call counters of collectives
         self._read_only = read_only
@@ -243,6 +278,7 @@ class Store:
         self._inflight = []
         self._bg_lock = threading.Lock()
         self._bg_error = None
+        self._failed = []
         self.assets.presence.after_fork()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -259,7 +295,15 @@ class Store:
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
-        """Finish every asynchronous snapshot in flight, then release everything."""
+        """Finish every asynchronous snapshot in flight, release everything (pools,
+        staging buffers, the ref table, storage), then raise the failure of an
+        asynchronous snapshot whose outcome the caller never learnt: one whose future's
+        result() or exception() was not called and that no later put_snapshot,
+        raise_pending_error() or CheckpointManager call raised. A script that ends with
+        close() thus hears that its last snapshot failed. Raised once: a second close()
+        returns quietly. Several such failures: the first is raised, a note counts the
+        others (their futures hold them). As a context manager, an exception already
+        leaving the `with` block is not replaced: it gets the failure as a note."""
         if self._closed:
             return
         self._closed = True
@@ -269,12 +313,28 @@ class Store:
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
         self.storage.close()
+        with self._bg_lock:
+            unheard, self._failed, self._bg_error = [f for f in self._failed if not f.retrieved], [], None
+        if unheard:
+            err = unheard[0].failure()
+            _note(err, f"raised by Store.close(): the asynchronous snapshot of ref {unheard[0].ref!r} failed "
+                       "and its future's outcome was never retrieved"
+                       + (f"; {len(unheard) - 1} later asynchronous snapshot(s) failed too" if len(unheard) > 1
+                          else ""))
+            raise err
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # noqa: BLE001 - the exception already on its way out wins
+            if err is not exc:
+                _note(exc, f"while closing the store at {self.url}: {type(err).__name__}: {err}")
 
     @property
     def url(self) -> str:
@@ -319,7 +379,8 @@ class Store:
         order they were taken. At most `max_inflight` are staged or running:
         when_busy="wait" (default) blocks for a free slot, "skip" returns None
         and counts it in `store.skipped`. A background failure is raised by its
-        future and again by the next put_snapshot call.
+        future and again by the next put_snapshot call; close() raises one whose
+        outcome nobody retrieved (see close()).
 
         A blocking put first waits for the asynchronous ones in flight, so the
         ref never moves back to an older snapshot. progress=True: a blocking put
@@ -361,8 +422,9 @@ class Store:
         except BaseException:
             self._slots.release()
             raise
+        fut = SnapshotFuture(args.ref)
         with self._bg_lock:
-            fut = self._bg.submit(self._publish_staged, buf, plan, args)
+            self._bg.submit(self._publish_staged, fut, buf, plan, args)
             self._inflight.append(fut)
         return fut
 
@@ -372,32 +434,48 @@ class Store:
         return Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
                        allow_pickle=allow_pickle, defer_device=defer_device)
 
-    def _publish_staged(self, buf, plan, args) -> SnapshotInfo:
+    def _publish_staged(self, fut: SnapshotFuture, buf, plan, args) -> None:
+        info = err = None
+        started = False
         try:
-            return self._publish(plan, args)
-        except BaseException as e:
-            self._bg_error = e
-            raise
+            started = fut.set_running_or_notify_cancel()  # False: cancelled while queued, nothing written
+            if started:
+                try:
+                    info = self._publish(plan, args)
+                except BaseException as e:  # noqa: BLE001 - handed to the future, the next put and close()
+                    err = e
+                    with self._bg_lock:
+                        self._bg_error = e
+                        self._failed.append(fut)
         finally:
-            self._staging.give(buf)
-            self._slots.release()
+            try:
+                # The slot and buffer are free before the future completes: a caller that
+                # saw the outcome may put again at once.
+                self._staging.give(buf)
+                self._slots.release()
+            finally:  # whatever happened above, the future completes (wait() and close() wait on it)
+                if started:
+                    if err is not None:
+                        fut.set_exception(err)
+                    else:
+                        fut.set_result(info)
 
     def raise_pending_error(self) -> None:
-        """Raise (once) the failure of an asynchronous snapshot, if one failed."""
-        err, self._bg_error = self._bg_error, None
+        """Raise (once) the failure of an asynchronous snapshot, if one failed. The
+        failures so far count as heard: close() does not raise them again."""
+        with self._bg_lock:
+            err, self._bg_error = self._bg_error, None
+            if err is not None:
+                self._failed = []
         if err is not None:
             raise err
 
     def wait(self) -> None:
         """Block until every asynchronous snapshot in flight has committed or failed.
-        Failures are not raised here (they are on their futures and the next put)."""
+        Failures are not raised here (they are on their futures, the next put and close())."""
         with self._bg_lock:
             futs, self._inflight = self._inflight, []
-        for f in futs:
-            try:
-                f.result()
-            except BaseException:
-                pass
+        _wait_all(futs)  # not a retrieval of their outcome
 
     @_storage_errors
     def _publish(self, plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:

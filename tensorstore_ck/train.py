@@ -261,6 +261,9 @@ class CheckpointManager:
             self._pruner.wait()
 
     def close(self) -> None:
+        """Wait for the snapshots in flight and the prune; raise a snapshot's failure not
+        raised before (as wait() does), after stopping the prune thread. The store stays
+        open (it is the caller's); a failure raised here is not raised by store.close()."""
         try:
             self.wait()
         finally:
@@ -287,7 +290,7 @@ class _Pruner:
         self.errors: list = []
 
     def after(self, fut) -> None:  # done-callback of an async snapshot: only committed ones prune
-        if not fut.cancelled() and fut.exception() is None:
+        if not fut.cancelled() and fut.failure() is None:  # not a retrieval: close() still reports it
             self.request()
 
     def request(self) -> None:

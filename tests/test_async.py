@@ -14,7 +14,9 @@ the very same exception object is raised again by the next call.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -23,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from _mounts import fill, tmpfs
 from _util import assert_same
 
 import tensorstore_ck as tsck
@@ -381,3 +384,146 @@ def test_background_failure_surfaces_in_checkpoint_manager(tmp_path):
         assert injected(ei3.value)
         fis.armed = False
         assert [e.step for e in store.log("m/main")] == [30, 10]
+
+
+# -- close() and a background failure nobody heard of ---------------------------------
+# The failure is real: the store's data lies on a small tmpfs filled to the last byte
+# (the ref table beside it, on the ordinary disk), so the background put's block writes
+# get ENOSPC from the kernel.
+
+@contextlib.contextmanager
+def full_disk_store(tmp_path, gate=None):
+    """(store, first_root): a store whose data disk is full; its ref "a/main" holds
+    one committed snapshot. gate: a Gate holding block writes (it injects nothing)."""
+    with tmpfs(tmp_path / "small", "8m") as small:
+        wrap = None if gate is None else (lambda s: FaultInjectingStore(s, rules={}, when=gate))
+        store = tsck.open_store(os.path.join(small, "store"), refs=str(tmp_path / "refs.lmdb"), block_size=BS,
+                                wrap_storage=wrap)
+        try:
+            first = store.put_snapshot(big_state(1.0), "a/main", step=1)
+            fill(small)
+            yield store, first.root
+        finally:
+            if gate is not None:
+                gate.open.set()
+            store.close()
+
+
+def no_space(e: BaseException) -> bool:
+    return isinstance(e, tsck.StorageError) and e.errno == errno.ENOSPC
+
+
+def test_close_raises_a_background_failure_nobody_retrieved(tmp_path):
+    with full_disk_store(tmp_path) as (store, first):
+        fut = store.put_snapshot(big_state(2.0), "a/main", step=2, blocking=False)
+        with pytest.raises(tsck.StorageError) as ei:
+            store.close()
+        assert no_space(ei.value), repr(ei.value)
+        assert "a/main" in "".join(getattr(ei.value, "__notes__", [])), ei.value
+        assert fut.done() and fut.failure() is ei.value
+        assert store.closed
+        store.close()  # raised once: a second close() is quiet
+        # close() released the ref table before raising: it opens again in this process
+        with tsck.open_store(store.url, refs=str(tmp_path / "refs.lmdb"), create=False, read_only=True) as s2:
+            assert s2.resolve("a/main") == first
+
+
+@pytest.mark.parametrize("how", ["result", "exception", "next put", "raise_pending_error"])
+def test_close_does_not_raise_a_failure_already_heard(tmp_path, how):
+    with full_disk_store(tmp_path) as (store, first):
+        fut = store.put_snapshot(big_state(2.0), "a/main", step=2, blocking=False)
+        if how == "result":
+            with pytest.raises(tsck.StorageError):
+                fut.result(timeout=60)
+        elif how == "exception":
+            assert no_space(fut.exception(timeout=60))
+        else:
+            store.wait()
+            with pytest.raises(tsck.StorageError):
+                if how == "next put":
+                    store.put_snapshot(tiny_state(3), "a/main", step=3)
+                else:
+                    store.raise_pending_error()
+        store.close()  # quiet
+        assert store.closed
+
+
+def test_close_raises_the_first_of_several_unheard_failures(tmp_path):
+    gate = Gate()
+    with full_disk_store(tmp_path, gate) as (store, first):
+        gate.close()  # the first stays in flight while the second is taken: neither put raises
+        f2 = store.put_snapshot(big_state(2.0), "a/main", step=2, blocking=False)
+        f3 = store.put_snapshot(big_state(3.0), "b/main", step=3, blocking=False)
+        gate.open.set()
+        with pytest.raises(tsck.StorageError) as ei:
+            store.close()
+        assert ei.value is f2.failure() and no_space(f3.failure()) and not gate.timed_out
+        notes = "".join(ei.value.__notes__)
+        assert "'a/main'" in notes and "1 later asynchronous snapshot(s) failed too" in notes, notes
+
+
+def test_a_with_block_leaving_on_an_exception_keeps_it(tmp_path):
+    """close() from __exit__ does not replace the exception on its way out; the
+    snapshot's failure is attached to it as a note."""
+    with tmpfs(tmp_path / "small", "8m") as small:
+        store = tsck.open_store(os.path.join(small, "store"), refs=str(tmp_path / "refs.lmdb"), block_size=BS)
+        with pytest.raises(KeyError, match="training went wrong") as ei:
+            with store:
+                store.put_snapshot(big_state(1.0), "a/main", step=1)
+                fill(small)
+                store.put_snapshot(big_state(2.0), "a/main", step=2, blocking=False)
+                raise KeyError("training went wrong")
+        assert store.closed
+        notes = "".join(getattr(ei.value, "__notes__", []))
+        assert "while closing the store" in notes and "StorageError" in notes, notes
+        store.close()  # the failure was reported (as the note): not raised again
+
+
+def test_close_raises_an_unheard_failure_under_a_checkpoint_manager(tmp_path):
+    """The manager's own look at a snapshot's future (its prune after a commit) is not
+    the caller hearing the outcome: a script that closes only the store hears it."""
+    with full_disk_store(tmp_path) as (store, first):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256)
+        mgr = tsck.CheckpointManager(store, job="a", state=tsck.TrainState(model=model), every_steps=10,
+                                     async_=True, retention=tsck.Retention(keep_last=3))
+        mgr.step(10)
+        with pytest.raises(tsck.StorageError) as ei:
+            store.close()
+        assert no_space(ei.value), repr(ei.value)
+
+
+def test_checkpoint_manager_close_raises_it_and_the_store_does_not_again(tmp_path):
+    with full_disk_store(tmp_path) as (store, first):
+        torch.manual_seed(0)
+        mgr = tsck.CheckpointManager(store, job="a", state=tsck.TrainState(model=torch.nn.Linear(256, 256)),
+                                     every_steps=10, async_=True, retention=tsck.Retention(keep_last=3))
+        mgr.step(10)
+        with pytest.raises(tsck.StorageError) as ei:
+            mgr.close()
+        assert no_space(ei.value), repr(ei.value)
+        store.close()  # heard through the manager: not raised a second time
+
+
+def test_a_put_cancelled_while_queued_gives_back_its_slot(tmp_path):
+    gate = Gate()
+    store, _ = gated_store(tmp_path / "s", gate, max_inflight=2)
+    with store:
+        gate.close()
+        f1 = store.put_snapshot(big_state(1.0), "a/main", step=1, blocking=False)
+        f2 = store.put_snapshot(big_state(2.0), "a/main", step=2, blocking=False)
+        assert gate.entered.wait(30)
+        assert f2.cancel()  # still queued behind f1
+        gate.open.set()
+        f1.result(timeout=60)
+        # The background publisher is first-in first-out: once f3 is done, f2's turn
+        # (which finds it cancelled) has passed.
+        store.put_snapshot(tiny_state(3), "a/main", step=3, blocking=False).result(timeout=60)
+        gate.close()  # the next two stay in flight: each holds its slot
+        taken = [store.put_snapshot(big_state(4.0 + i), "b/main", step=4 + i, blocking=False, when_busy="skip")
+                 for i in range(2)]
+        gate.open.set()
+        assert None not in taken and store.skipped == 0  # both slots were free
+        for f in taken:
+            f.result(timeout=60)
+        assert [e.step for e in store.log("a/main")] == [3, 1] and not gate.timed_out

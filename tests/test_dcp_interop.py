@@ -7,11 +7,13 @@ from __future__ import annotations
 import collections
 import copy
 import fractions
+import pathlib
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import tensorstore_ck as tsck
 from tensorstore_ck.dcp import TsckReader, TsckWriter
@@ -189,11 +191,97 @@ def test_checkout_paths_of_a_dcp_snapshot_reads_only_those_blocks(store):
 
 
 def test_dcp_bytes_that_need_pickle_need_the_opt_in(store):
-    _dcp_save(store, {"w": torch.ones(2), "s": fractions.Fraction(1, 3)})  # not in weights_only's allowlist
+    state = {"w": torch.ones(2), "s": fractions.Fraction(1, 3)}  # not in weights_only's allowlist
+    dcp.save(state, storage_writer=TsckWriter(store, ref="d/main", step=5, allow_pickle=True))
     with pytest.raises(tsck.UnsupportedType, match="allow_pickle"):
         store.checkout("d/main")
     assert store.checkout("d/main", paths=["w"])["w"].tolist() == [1.0, 1.0]
     assert store.checkout("d/main", allow_pickle=True)["s"] == fractions.Fraction(1, 3)
+    got = {"w": torch.zeros(2), "s": None}
+    with pytest.raises(CheckpointException) as ei:  # the reader keeps checkout's rule
+        dcp.load(got, storage_reader=TsckReader(store, "d/main"))
+    assert _failure(ei.value, tsck.UnsupportedType, "fractions.Fraction")
+    dcp.load(got, storage_reader=TsckReader(store, "d/main", allow_pickle=True))
+    assert got["s"] == fractions.Fraction(1, 3) and got["w"].tolist() == [1.0, 1.0]
+
+
+def _failure(exc: BaseException, kind, *words) -> bool:
+    """Whether DCP's CheckpointException carries a `kind` error naming every word."""
+    for f in exc.failures.values():
+        e = f[0] if isinstance(f, tuple) else f
+        if isinstance(e, kind) and all(w in str(e) for w in words):
+            return True
+    raise AssertionError(f"no {kind.__name__} naming {words} in {exc.failures}")
+
+
+class _Touches:
+    """Unpickling this creates a file (pathlib's touch: no shell, no os.system)."""
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.path,))
+
+
+@pytest.mark.parametrize("size", ["inline", "blocks"])
+def test_dcp_load_never_runs_a_stored_pickle_without_the_opt_in(store, tmp_path, size):
+    """A bytes item holding a live pickle (stored with the writer's opt-in, as anyone with
+    write access to a shared store could): dcp.load through TsckReader refuses it before
+    DCP's planner, which unpickles with weights_only=False, sees it."""
+    marker = tmp_path / "pwned"
+    pad = "x" * ((2 << 20) if size == "blocks" else 10)  # past BYTES_INLINE_MAX: stored in blocks
+    dcp.save({"w": torch.ones(2), "e": [_Touches(marker), pad]},
+             storage_writer=TsckWriter(store, ref="evil/main", allow_pickle=True))
+    assert not marker.exists()
+    got = {"w": torch.zeros(2), "e": None}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(got, storage_reader=TsckReader(store, "evil/main"))
+    assert _failure(ei.value, tsck.UnsupportedType, "'e'", "getattr", "allow_pickle=True to TsckReader")
+    assert not marker.exists(), "dcp.load through TsckReader ran a pickle from the store"
+    with pytest.raises(tsck.UnsupportedType):  # the same rule as checkout's
+        store.checkout("evil/main")
+    assert not marker.exists()
+    # The payload is live: with the opt-in it runs, so the refusal above is not vacuous.
+    dcp.load(got, storage_reader=TsckReader(store, "evil/main", allow_pickle=True))
+    assert marker.exists() and got["e"][1] == pad
+
+
+def test_tsck_writer_stores_a_value_that_needs_pickle_only_with_the_opt_in(store):
+    store.put_snapshot({"w": torch.ones(2)}, "d/main", step=1)
+    before, refs = sorted(o.key for o in store.storage.list("")), store.refs()
+    state = {"w": torch.randn(64, 300), "s": fractions.Fraction(1, 3)}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(state, storage_writer=TsckWriter(store, ref="d/main", step=2))
+    assert _failure(ei.value, tsck.UnsupportedType, "'s'", "fractions.Fraction", "allow_pickle=True to TsckWriter")
+    assert store.refs() == refs and sorted(o.key for o in store.storage.list("")) == before  # nothing written
+    w = TsckWriter(store, ref="d/main", step=2, allow_pickle=True)
+    dcp.save(state, storage_writer=w)
+    assert store.resolve("d/main") == w.info.root
+
+
+def test_model_and_optimizer_state_load_through_dcp_without_the_opt_in(store):
+    """DCP stores the optimizer's non-tensor values (param groups: floats, tuples,
+    bools, None) as bytes items: torch's weights_only loader takes them all."""
+    model, opt = _parts(0)
+    _train(model, opt, 2, seed=1)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 2, "tag": "run"}
+    dcp.save(state, storage_writer=TsckWriter(store, ref="d/main", step=2))
+    model2, opt2 = _parts(1)
+    _train(model2, opt2, 1, seed=2)
+    got = {"model": model2.state_dict(), "optim": opt2.state_dict(), "step": 0, "tag": ""}
+    dcp.load(got, storage_reader=TsckReader(store, "d/main"))
+    assert_same(got, state)
+
+
+def test_a_pickled_value_of_a_native_snapshot_loads_through_dcp_only_with_the_opt_in(store):
+    store.put_snapshot({"w": torch.ones(2), "s": {1, 2}}, "n/main", allow_pickle=True)
+    got = {"w": torch.zeros(2), "s": None}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(got, storage_reader=TsckReader(store, "n/main"))
+    assert _failure(ei.value, tsck.UnsupportedType, "allow_pickle")
+    dcp.load(got, storage_reader=TsckReader(store, "n/main", allow_pickle=True))
+    assert got["s"] == {1, 2}
 
 
 def test_a_native_state_that_looks_like_the_dcp_layout_is_not_taken_for_one(store):

@@ -147,6 +147,66 @@ def test_resume_refusals_change_nothing(run_a, tmp_path, store):
     assert not (tmp_path / "d").exists()
 
 
+def _ts(**kw) -> str:
+    return json.dumps({"global_step": 10, "epoch": 1.0, "log_history": [], **kw})
+
+
+# A snapshot shaped like TsckCallback's with one hostile or foreign value: (id, change).
+# Each change takes (state, meta) and edits them in place.
+HOSTILE = [
+    ("step escapes", lambda st, m: st.update(trainer_state=_ts(global_step="../../../../escaped"))),
+    ("step absolute", lambda st, m: st.update(trainer_state=_ts(global_step="/tmp/escaped"))),
+    ("step negative", lambda st, m: st.update(trainer_state=_ts(global_step=-1))),
+    ("step bool", lambda st, m: st.update(trainer_state=_ts(global_step=True))),
+    ("step float", lambda st, m: st.update(trainer_state=_ts(global_step=5.0))),
+    ("step numeric text", lambda st, m: st.update(trainer_state=_ts(global_step="10"))),
+    ("step past int64", lambda st, m: st.update(trainer_state=_ts(global_step=2**64))),
+    ("step missing", lambda st, m: st.update(trainer_state=json.dumps({"epoch": 1.0}))),
+    ("trainer_state missing", lambda st, m: st.pop("trainer_state")),
+    ("trainer_state not JSON", lambda st, m: st.update(trainer_state="{global_step: 10")),
+    ("trainer_state a list", lambda st, m: st.update(trainer_state="[10]")),
+    ("trainer_state not text", lambda st, m: st.update(trainer_state=10)),
+    ("model missing", lambda st, m: st.pop("model")),
+    ("model a tensor", lambda st, m: st.update(model=torch.ones(3))),
+    ("model holds text", lambda st, m: st["model"].update({"x": "y"})),
+    ("rng missing torch", lambda st, m: st["rng"].pop("torch")),
+    ("hf meta a list", lambda st, m: m.update(hf=[1])),
+    ("tied a list", lambda st, m: m["hf"].update(tied=["a"])),
+    ("config not JSON", lambda st, m: m["hf"].update(config="{")),
+    ("config a number", lambda st, m: m["hf"].update(config=3)),
+]
+
+
+@pytest.mark.parametrize("change", [c for _n, c in HOSTILE], ids=[n for n, _c in HOSTILE])
+def test_resume_of_a_snapshot_the_callback_did_not_write_is_refused_and_writes_nothing(run_a, tmp_path, store,
+                                                                                       change):
+    """Stored values are untrusted: global_step names the folder resume writes, and
+    "../../../../escaped" used to write the checkpoint two levels above output_dir.
+    A snapshot crafted through the public API, with the callback's meta: InvalidArgument
+    naming it, not a KeyError/TypeError/JSONDecodeError, and no file anywhere."""
+    state = run_a["store"].checkout("gpt/main")
+    meta = json.loads(json.dumps(run_a["store"].show("gpt/main").meta))
+    change(state, meta)
+    info = store.put_snapshot(state, "evil/main", meta=meta)
+    work = tmp_path / "work"
+    (work / "a" / "b").mkdir(parents=True)
+    with pytest.raises(InvalidArgument) as ei:
+        hf.resume_checkpoint(store, "evil/main", work / "a" / "b" / "out")
+    assert info.root[:16] in str(ei.value) and "evil/main" in str(ei.value), ei.value
+    assert [str(p.relative_to(work)) for p in sorted(work.rglob("*"))] == ["a", "a/b"]
+
+
+def test_resume_takes_a_step_of_zero_and_a_config_as_a_dict(run_a, tmp_path, store):
+    state = run_a["store"].checkout("gpt/main")
+    meta = json.loads(json.dumps(run_a["store"].show("gpt/main").meta))
+    state["trainer_state"] = _ts(global_step=0)
+    meta["hf"]["config"] = json.loads(meta["hf"]["config"])  # JSON object, as export_pretrained takes it
+    store.put_snapshot(state, "zero/main", meta=meta)
+    path = hf.resume_checkpoint(store, "zero/main", tmp_path / "out")
+    assert path == str(tmp_path / "out" / "checkpoint-0")
+    assert json.loads((Path(path) / "config.json").read_text()) == meta["hf"]["config"]
+
+
 def test_keep_local_false_leaves_the_store_the_only_copy(tmp_path):
     with tsck.open_store(tmp_path / "store") as s:
         t = trainer(tmp_path / "out", [hf.TsckCallback(s, job="j", keep_local=False, async_=True)])

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 
+import fsspec
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 import tensorstore_ck as tsck
 
@@ -86,3 +88,33 @@ def test_a_marker_whose_layout_does_not_fit_says_how_to_go_on(tmp_path):
     with tsck.open_store(path, create=False, inline_threshold=1024) as s:  # arguments that fit: it opens
         assert_same(s.checkout("j/main"), state)
         s.put_snapshot(state, ref="j/main", step=2)
+
+
+class _AppFileSystem(LocalFileSystem):
+    """An application's own fsspec filesystem, known to fsspec only by
+    register_implementation (not by import path): a local disk that makes folders."""
+    protocol = ("tsckappfs",)
+
+    def __init__(self, **kwargs):
+        super().__init__(auto_mkdir=True, **kwargs)
+
+
+def test_a_protocol_registered_at_run_time_opens_a_store(tmp_path):
+    fsspec.register_implementation("tsckappfs", _AppFileSystem, clobber=True)
+    # available_protocols() lists only protocols known by import path: not the opener's test.
+    assert "tsckappfs" not in fsspec.available_protocols()
+    state = {"w": rand_tensor(torch.float32, (64, 256), seed=3), "b": torch.arange(10)}
+    url, refs = f"tsckappfs://{tmp_path}/store", str(tmp_path / "refs.lmdb")
+    with tsck.open_store(url, refs=refs) as s:
+        s.put_snapshot(state, ref="j/main", step=1)
+    assert (tmp_path / "store" / "tsck.json").is_file()  # written through the registered filesystem
+    with tsck.open_store(url, refs=refs, create=False) as s:
+        assert_same(s.checkout("j/main"), state)
+        assert s.fsck().ok
+
+
+@pytest.mark.parametrize("scheme", ["tsckno", ""])
+def test_an_unknown_scheme_is_named_before_anything_is_written(tmp_path, scheme):
+    with pytest.raises(tsck.InvalidArgument, match=f"unknown URL scheme '{scheme}://'"):
+        tsck.open_store(f"{scheme}://{tmp_path}/store", refs=str(tmp_path / "refs.lmdb"))
+    assert os.listdir(tmp_path) == []

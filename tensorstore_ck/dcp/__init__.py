@@ -38,6 +38,11 @@ Loading reads, for each ``ReadItem``, only the blocks of the stored chunk that
 intersect the requested rows, verifies them against their addresses, and
 copies the requested box into ``planner.resolve_tensor(item)``.
 
+Non-tensor values are what torch's weights_only loader takes, on both sides,
+as with put_snapshot and checkout: anything else needs ``allow_pickle=True`` on
+TsckWriter to store and on TsckReader to load (DCP's planner would otherwise
+unpickle stored bytes with ``weights_only=False``).
+
 Known limits: ``use_collectives=False`` under a process group of more than one
 rank is refused (every rank would publish its own snapshot); quantized and
 non-strided tensors are refused (``UnsupportedType``); a writer is picklable

@@ -34,9 +34,10 @@ class NativeTree:
 
     md_digest = None  # ranks that resolved different roots of a moved ref are refused
 
-    def __init__(self, assets, pool, root_hex: str, verify: bool, *, rank: int = 0):
+    def __init__(self, assets, pool, root_hex: str, verify: bool, *, rank: int = 0, allow_pickle: bool = False):
         self.assets, self.pool, self.root, self.verify = assets, pool, root_hex, verify
-        self.reader = Reader(assets, pool, snapshot=root_hex, verify=verify, rank=rank)
+        # allow_pickle: whether a pickled value (put_snapshot(allow_pickle=True)) loads, as for checkout
+        self.reader = Reader(assets, pool, snapshot=root_hex, verify=verify, rank=rank, allow_pickle=allow_pickle)
         c = decode_commit(assets.get_commit(bytes.fromhex(root_hex), verify=verify))
         v = self.reader.top(c["tree"])
         if type(v) is tree.World:

@@ -4,6 +4,12 @@ Loading reads, for each ReadItem, only the blocks of the stored chunk that
 intersect the requested rows (read.read_box, the same region reader checkout
 uses), verifies them against their addresses, and copies the requested box
 into planner.resolve_tensor(item).
+
+Bytes items follow checkout's rule (dcpview.load_bytes_item): DCP's planner
+unpickles them with weights_only=False, so a stored item reaches it only after
+torch's weights_only loader accepted it, and then re-serialized from the value
+that loader built (the planner never parses the stored bytes themselves), unless
+TsckReader(allow_pickle=True).
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ import uuid
 from typing import Any
 
 import numpy as np
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CheckoutMismatch, FormatError, InvalidArgument
-from ..dcpview import is_dcp_top
+from ..dcpview import is_dcp_top, load_bytes_item
 from ..format.manifest import decode_commit
 from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes, read_box, run_reads
 from ..format.names import parse_target
@@ -40,9 +47,12 @@ class TsckReader(StorageReader):
     target: a ref, tag, REF@STEP or root hash (prefix); it is resolved when DCP
     reads the metadata, and every rank then reads the snapshot the coordinator
     resolved. dcp.load's checkpoint_id, when given, replaces the target. A snapshot
-    taken with put_snapshot loads too (flattened as DCP flattens a state_dict)."""
+    taken with put_snapshot loads too (flattened as DCP flattens a state_dict).
+    allow_pickle: as for checkout: a bytes item that torch's weights_only loader
+    refuses (or a pickled value of a put_snapshot snapshot) is UnsupportedType unless
+    True; only for snapshots you trust."""
 
-    def __init__(self, store: Store, target: str, *, verify: bool | None = None):
+    def __init__(self, store: Store, target: str, *, verify: bool | None = None, allow_pickle: bool = False):
         super().__init__()
         if not isinstance(store, Store):
             raise InvalidArgument(f"store must be a tensorstore_ck Store, got {type(store).__name__}")
@@ -51,6 +61,7 @@ class TsckReader(StorageReader):
         store.resolve(target)  # RefNotFound now rather than from inside DCP
         self.target = target
         self.verify = store.verify if verify is None else bool(verify)
+        self.allow_pickle = bool(allow_pickle)
         self.load_id = uuid.uuid4().hex
         self.root: str | None = None
         self._m: DcpTree | None = None
@@ -84,7 +95,8 @@ class TsckReader(StorageReader):
             decode_commit(assets.get_commit(bytes.fromhex(root), verify=self.verify))["tree"])
         if is_dcp_top(top):
             return DcpTree(assets, self.store.pool, root, self.verify)
-        return NativeTree(assets, self.store.pool, root, self.verify, rank=self.rank or 0)
+        return NativeTree(assets, self.store.pool, root, self.verify, rank=self.rank or 0,
+                          allow_pickle=self.allow_pickle)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         root = self.store.resolve(self.target)
@@ -138,6 +150,17 @@ class TsckReader(StorageReader):
         return fut
 
     def _read_bytes(self, m: DcpTree, fqn: str) -> bytes:
+        """What DCP's planner gets for a bytes item: a stored one only as checkout would load it."""
+        raw = self._stored_bytes(m, fqn)
+        if self.allow_pickle or isinstance(m, NativeTree):  # NativeTree: our own torch.save of decoded values
+            return raw
+        value = load_bytes_item(raw, fqn, allow_pickle=False, where=f"DCP snapshot {m.root[:16]}",
+                                opt_in="TsckReader")
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return buf.getvalue()
+
+    def _stored_bytes(self, m: DcpTree, fqn: str) -> bytes:
         raw, leaf = m.bytes_item(fqn)
         if raw is not None:
             return raw

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import chunker
+from ..dcpview import load_bytes_item
 from ..errors import FormatError, InvalidArgument, SnapshotAborted, UnsupportedType
 from ..plan import contiguous
 from ..format.names import parse_target, validate_name
@@ -72,14 +73,18 @@ class TsckWriter(StorageWriter):
     store: a tensorstore_ck Store (each rank opens its own on the same location).
     ref, step, job, metrics, meta: as for store.put_snapshot. dcp.save's
     checkpoint_id, when given, is the ref ("REF" or "REF@STEP").
+    allow_pickle: as for put_snapshot: a non-tensor value that only a full unpickle
+    loads (DCP torch.saves non-tensor values; torch's weights_only loader is the test)
+    is stored only with True, else UnsupportedType before this rank writes anything.
     After a save, `writer.info` (on the coordinator) is the SnapshotInfo."""
 
     def __init__(self, store: Store, ref: str, step: int | None = None, *, job: str | None = None,
-                 metrics: dict | None = None, meta: dict | None = None):
+                 metrics: dict | None = None, meta: dict | None = None, allow_pickle: bool = False):
         super().__init__()
         if not isinstance(store, Store):
             raise InvalidArgument(f"store must be a tensorstore_ck Store, got {type(store).__name__}")
         self.store = store
+        self.allow_pickle = bool(allow_pickle)
         self._job_given = job
         # The same checks as put_snapshot's (one table: validate.py).
         self.args: SnapshotArgs = check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta)
@@ -160,9 +165,13 @@ class TsckWriter(StorageWriter):
         pending: list[_Pending] = []
         results: list[WriteResult] = []
         copied_inflight = 0
+        # Every bytes item is resolved and checked before any block is written: one that
+        # needs pickle without the opt-in leaves nothing behind.
+        raws = {i: self._bytes_of(item, planner) for i, item in enumerate(plan.items)
+                if item.type == WriteItemType.BYTE_IO}
         try:
-            for item in plan.items:
-                p = self._submit(item, planner)
+            for i, item in enumerate(plan.items):
+                p = self._submit(item, planner, raws.get(i))
                 if isinstance(p, WriteResult):
                     results.append(p)
                     continue
@@ -198,16 +207,23 @@ class TsckWriter(StorageWriter):
         return [store.publisher.submit_block(flat[a:b], itemsize, private=private)
                 for _i, a, b in chunker.block_ranges(layout)]
 
-    def _submit(self, item: WriteItem, planner: SavePlanner):
+    def _bytes_of(self, item: WriteItem, planner: SavePlanner) -> bytes:
+        """A bytes item's content (DCP's torch.save of the value), as readers will load it."""
+        fqn = item.index.fqn
+        data = planner.resolve_data(item)
+        if isinstance(data, io.BytesIO):
+            raw = bytes(data.getbuffer())
+        elif isinstance(data, (bytes, bytearray, memoryview)):
+            raw = bytes(data)
+        else:
+            raise UnsupportedType(f"DCP gave a {type(data).__name__} for the bytes item {fqn!r}")
+        if not self.allow_pickle:  # the same test checkout and TsckReader apply when loading it
+            load_bytes_item(raw, fqn, allow_pickle=False, where=f"TsckWriter of {self.ref!r}", opt_in="TsckWriter")
+        return raw
+
+    def _submit(self, item: WriteItem, planner: SavePlanner, raw: bytes | None = None):
         fqn = item.index.fqn
         if item.type == WriteItemType.BYTE_IO:
-            data = planner.resolve_data(item)
-            if isinstance(data, io.BytesIO):
-                raw = bytes(data.getbuffer())
-            elif isinstance(data, (bytes, bytearray, memoryview)):
-                raw = bytes(data)
-            else:
-                raise UnsupportedType(f"DCP gave a {type(data).__name__} for the bytes item {fqn!r}")
             if len(raw) <= BYTES_INLINE_MAX:
                 return WriteResult(index=item.index, size_in_bytes=len(raw),
                                    storage_data=TsckStorageData("bytes", raw))
