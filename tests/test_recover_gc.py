@@ -48,13 +48,14 @@ def _tsck(b: Backend, *args, timeout: float = 300) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _six(b: Backend) -> dict:
+def _six(b: Backend, *, lose: bool = True) -> dict:
     with b.open(create=True) as s:
         for i, ref in enumerate(REFS):
             s.put_snapshot({"shared": SHARED, "own": torch.full((3000,), float(i))}, ref=ref, step=i + 1)
         roots = {ref: s.resolve(ref) for ref in REFS}
         store_id = s.config["id"]
-    _lose_table(b, store_id)
+    if lose:
+        _lose_table(b, store_id)
     return roots
 
 
@@ -169,16 +170,35 @@ def test_prune_over_an_unfinished_rebuild_refuses(where, tmp_path):
     _check_all_six(where, roots)
 
 
-def test_recover_waits_for_no_gc_it_refuses_while_one_holds_the_store(tmp_path):
+def test_recover_refuses_while_a_gc_holds_the_store(tmp_path):
     b = Backend("file", tmp_path)
-    roots = _six(b)
-    with b.open(create_refs=True) as s:
-        s.reftable.gc_begin("gc:elsewhere", lease=300)  # a live gc (another host, say)
+    roots = _six(b, lose=False)  # an operator runs recover over the live table, say
+    with b.open() as s:
+        s.reftable.gc_begin("gc:elsewhere", lease=300)  # a live gc (of another host, say)
         with pytest.raises(tsck.GcBusy, match=r"recover refused.*`tsck recover` again"):
             s.recover()
-        assert s.reftable.rebuild_unfinished() is None and s.reftable.catalog_roots() == set()
+        assert s.reftable.rebuild_unfinished() is None
         r = _tsck(b, "recover", b.url)
         assert r.returncode != 0 and "recover refused" in r.stderr and "Traceback" not in r.stderr, r.stderr
         s.reftable.gc_finish("gc:elsewhere")
         s.recover()
+        assert s.reftable.rebuild_unfinished() is None
     _check_all_six(b, roots)
+
+
+def test_a_lost_table_written_to_before_any_recover_refuses_gc(where):
+    """A writer goes on over the recreated (LMDB) or emptied (PostgreSQL) table before
+    anyone ran recover: the table is no longer empty, but it still lacks six snapshots."""
+    roots = _six(where)
+    with where.open(create_refs=True) as s:
+        s.put_snapshot({"own": torch.zeros(3000)}, ref="j/new", step=100)
+        before = where.objects()
+        with pytest.raises(tsck.RebuildUnfinished, match=r"found empty.*`tsck recover` first"):
+            s.gc()
+        assert where.objects() == before
+    _refused(_tsck(where, "gc", where.url))
+    r = _tsck(where, "recover", where.url)
+    assert r.returncode == 0, r.stdout + r.stderr
+    g = _tsck(where, "gc", where.url)
+    assert g.returncode == 0 and where.objects() == before, g.stdout + g.stderr
+    _check_all_six(where, roots)

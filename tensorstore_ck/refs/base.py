@@ -191,6 +191,10 @@ class RefTable(ABC):
             cur = t.get("meta", b"store_id")
             if cur is None:
                 t.put("meta", b"store_id", want)
+                if not new and _empty(t) and t.get("meta", _REBUILD) is None:
+                    # An empty table met for a store made before it: a lost (or emptied)
+                    # table recreated, which lacks every snapshot until a recover finishes.
+                    t.put("meta", _REBUILD, encode_record({"owner": None, "started": t.wall()}))
             elif cur != want:
                 raise _wrong_store(cur, store_id)
             if new:
@@ -907,6 +911,10 @@ def _check_kept(t: Txn, root: bytes, fence: int | None) -> None:
     raise RefNotFound(f"snapshot {root.hex()[:16]} is no longer kept (retention dropped it meanwhile)")
 
 
+def _empty(t: Txn) -> bool:
+    return not any(True for table in ("catalog", "refs", "tags", "reflog") for _ in t.items(table))
+
+
 def _rebuild_mark(t: Txn) -> dict | None:
     raw = t.get("meta", _REBUILD)
     if raw is None:
@@ -915,13 +923,19 @@ def _rebuild_mark(t: Txn) -> dict | None:
         mark = decode_record(raw, "rebuild mark")
     except FormatError:
         return {"owner": "?", "started": None}  # unreadable: still a rebuild nobody finished
-    return {"owner": str(mark.get("owner", "?")), "started": mark.get("started")}
+    owner = mark.get("owner")
+    return {"owner": None if owner is None else str(owner), "started": mark.get("started")}
 
 
 def rebuild_message(mark: dict, what: str = "gc") -> str:
     started = mark.get("started")
     when = (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
             if isinstance(started, (int, float)) and not isinstance(started, bool) and 0 <= started < 1e11 else "?")
+    if mark.get("owner") is None:
+        return (f"{what} refused: this ref table was found empty ({when}) for a store made before it (a lost or "
+                f"emptied table, or the wrong --refs / $TSCK_REFS?) and no `tsck recover` has finished on it "
+                f"since; it may not list every snapshot. Run `tsck recover` first, then {what}; nothing was "
+                f"deleted")
     return (f"{what} refused: the ref table is being rebuilt from storage by `tsck recover` (begun {when} by "
             f"{mark.get('owner', '?')}), or that recover stopped before it finished; until a recover finishes, "
             f"the table may not list every snapshot, so nothing may be deleted by it. Run `tsck recover` "
