@@ -34,8 +34,9 @@ import logging as _logging
 
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, DeviceUnavailable, Fenced, FormatError, GcBusy,
-                     IntegrityError, InvalidArgument, InvalidName, NotAStore, ReadOnlyStore, RebuildUnfinished, RefConflict,
-                     RefNotFound, SnapshotAborted, StorageError, StoreClosed, TsckError, UnreadableObject, UnsupportedType)
+                     IntegrityError, InvalidArgument, InvalidName, NotAStore, ReadOnlyStore, RebuildUnfinished,
+                     RefConflict, RefNotFound, SnapshotAborted, StorageError, StoreClosed, TsckError, UnreadableObject,
+                     UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
 from .info import SnapshotInfo

@@ -677,6 +677,8 @@ class Store:
         Until a recover finishes, gc and prune refuse (RebuildUnfinished). GcBusy if a gc
         holds the store for more than `wait` seconds."""
         from .recover import run_recover
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e7:
+            raise InvalidArgument(f"recover wait must be a number of seconds >= 0, got {wait!r}")
         self._writable("recover")
         return run_recover(self, progress=progress, wait=wait)
 
