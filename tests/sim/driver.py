@@ -230,7 +230,9 @@ class Harness:
         # Driver kills: (seconds after that worker is ready, which worker).
         kills = [(rng.uniform(0.0, self.round_seconds), rng.randrange(n))
                  for _ in range(2) if rng.random() < fl["driver_kill"]]
-        live = self._live_recover_start(rng, fl, r) if rng.random() < fl.get("live_recover_p", 0.0) else None
+        # (no draw for the other flavors: their seeded schedules stay as they were)
+        live = self._live_recover_start(rng, fl, r) if fl.get("live_recover_p") and \
+            rng.random() < fl["live_recover_p"] else None
         procs = [self._spawn(c) for c in cfgs]
         ready: dict[int, float] = {}
         killed = stuck = 0
