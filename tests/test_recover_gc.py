@@ -164,6 +164,17 @@ def test_prune_over_an_unfinished_rebuild_refuses(where, tmp_path):
         with pytest.raises(tsck.RebuildUnfinished, match=r"prune refused.*`tsck recover`"):
             s.prune("j")
         assert where.objects() == before
+        # ... and so does a CheckpointManager's background prune (kept in prune_errors)
+        model = torch.nn.Linear(3, 2)
+        mgr = tsck.CheckpointManager(s, job="j", ref="j/new", state=tsck.TrainState(model=model), async_=False,
+                                     every_steps=1, retention=tsck.Retention(keep_last=1))
+        for step in (101, 102):
+            mgr.step(step)
+        mgr.wait()
+        assert mgr.prune_errors and all(isinstance(e, tsck.RebuildUnfinished) for e in mgr.prune_errors)
+        assert mgr.last_prune is None
+        assert before.items() <= where.objects().items()  # only added to
+        mgr.close()
         s.set_retention("j", None)  # recover must not meet rules that expire what it adopts
     r = _tsck(where, "recover", where.url)
     assert r.returncode == 0, r.stdout + r.stderr
