@@ -827,6 +827,13 @@ class RefTableTests:
         assert table.rebuild_unfinished() is None
         table.gc_begin("g", lease=10, now=200.0)
         table.gc_finish("g", now=201.0)
+        # stored bytes are untrusted: a mark that does not decode, or odd fields, still refuses
+        for raw in (b"\xc1", encode_record({"owner": ["x"], "started": "soon"}), encode_record({"started": 1e300})):
+            table._write(lambda t, raw=raw: t.put("meta", b"rebuild", raw))
+            assert table.rebuild_unfinished() is not None
+            with pytest.raises(RebuildUnfinished, match="`tsck recover`"):
+                table.gc_begin("g", lease=10, now=300.0)
+        table.rebuild_finish()
 
     def test_a_rebuild_waits_for_a_live_gc_and_closes_a_dead_ones_lock(self, table):
         table.gc_begin("g1", lease=10, now=100.0)
