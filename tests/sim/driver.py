@@ -359,9 +359,11 @@ class Harness:
         live = {"r": r, "n": 0, "attempts": fl.get("live_attempts", 3), "kill_p": fl.get("live_kill", 0.8),
                 "proc": None, "kill_at": None, "next_at": 0.0, "killed": 0}
         self._live_recover_spawn(live, rng)
-        # The workers open the table recover creates (only recover may create one).
+        # The workers open the table recover creates (only recover may create one): its
+        # journal's first record is written once the store is open.
         until = time.time() + 120
-        while not os.path.exists(live["cfg"]["journal"]) and live["proc"].poll() is None and time.time() < until:
+        while not self._journal_started(live["cfg"]["journal"]) and live["proc"].poll() is None \
+                and time.time() < until:
             time.sleep(0.02)
         # The rules are lost with the table: set high, prune runs but expires nothing a check could miss.
         with self._open() as s:
@@ -369,6 +371,13 @@ class Harness:
                 self._driver_op("retention", {"job": job, "keep_last": 1000},
                                 lambda: s.set_retention(job, tsck.Retention(keep_last=1000)))
         return live
+
+    @staticmethod
+    def _journal_started(path: str) -> bool:
+        try:
+            return os.path.getsize(path) > 0
+        except OSError:
+            return False
 
     def _live_recover_spawn(self, live: dict, rng: random.Random) -> None:
         k = live["n"]
