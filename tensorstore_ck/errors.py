@@ -17,6 +17,7 @@
     │   └── UnreadableObject     one stored object cannot be read (EIO, a folder or FIFO in its place): .key
     ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
     ├── GcBusy                   another gc holds the store
+    ├── RebuildUnfinished        gc/prune refused: a `tsck recover` has not finished rebuilding the ref table
     ├── StoreClosed              a Store (or its ref table) used after close()
     └── ReadOnlyStore            a write to a store opened read-only (explicitly, or on a
                                  read-only filesystem)
@@ -223,6 +224,16 @@ class Fenced(TsckError):
 class GcBusy(TsckError):
     """Another gc holds the store (its heartbeat is fresh)."""
     kind = "gc_busy"
+
+
+class RebuildUnfinished(TsckError):
+    """A gc or prune refused to delete: the ref table is being rebuilt from storage
+    (`tsck recover` is running, or one stopped before it finished), so it may not list
+    every snapshot yet. Nothing was deleted; a recover that finishes lifts it."""
+    kind = "rebuild_unfinished"
+
+
+__all__.append("RebuildUnfinished")
 
 
 class StoreClosed(TsckError):

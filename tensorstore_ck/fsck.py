@@ -108,7 +108,9 @@ def run_fsck(store, *, full: bool = True, progress: bool = False, repair: bool =
     if repair:
         # The lock first, so a gc running now fails this at once (GcBusy) instead of after
         # the whole check; held through the check, gc cannot delete beside it either.
-        with holding_gc_lock(store, lease=lease, role="fsck-repair:") as hold:
+        # Repair only moves aside damaged objects of kept snapshots: an unfinished
+        # rebuild (fewer kept snapshots known) makes it do less, never delete more.
+        with holding_gc_lock(store, lease=lease, role="fsck-repair:", rebuilding_ok=True) as hold:
             _check(store, rep, progress)
             _repair(store, rep, hold)
     else:

@@ -3,7 +3,9 @@
 The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argument):
 
 1. begin    take the store's gc lock in the ref table (phase "marking") under a lease
-            the gc declares and renews (judged on the ref table's clock only).
+            the gc declares and renews (judged on the ref table's clock only);
+            refused while a recover has not finished (the rebuild mark: the
+            table may lack snapshots; ARCHITECTURE.md, "recover under gc").
 2. expire   drop the catalog rows retention no longer keeps (never a ref tip, tag or pin;
             re-checked inside the ref-table transaction), then compact the reflog to the
             moves of kept snapshots plus each ref's latest few (RefTable.compact_history).
@@ -41,9 +43,10 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, TsckError, UnreadableObject
+from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError, UnreadableObject
 from .progress import progress_bar
 from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots, mark
+from .refs.base import rebuild_message
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, explain_kept
@@ -237,6 +240,16 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
     return rep
 
 
+def _refuse_if_rebuilding(store, what: str) -> None:
+    """A recover that began and has not finished: the table may lack snapshots that
+    storage holds, and a gc by it would delete them. Checked here for a clear refusal
+    before any work; the gc lock's own transaction checks it again (gc_begin), which is
+    what makes a gc and a recover unable to overlap."""
+    mark = store.reftable.rebuild_unfinished()
+    if mark is not None:
+        raise RebuildUnfinished(rebuild_message(mark, what))
+
+
 def _refuse_if_the_ref_table_knows_nothing(store) -> None:
     """An empty ref table over a store that holds commits is a lost or wrong table, not a
     store with nothing to keep: gc would delete every snapshot (and recover would then
@@ -261,6 +274,7 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
         raise InvalidArgument(f"gc grace must be a number of seconds >= 0, got {grace!r}")
     t_start = time.time()
     refs = store.reftable
+    _refuse_if_rebuilding(store, "gc --dry-run" if dry_run else "gc")
     if dry_run:
         rep = _dry_report(store, plan_gc(store, dry_run=True, began=store.storage.clock_now() - grace,
                                          progress=progress))
@@ -296,6 +310,7 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
     t_start = time.time()
     refs = store.reftable
     rep = GCReport(dry_run=False)
+    _refuse_if_rebuilding(store, "prune")
     rules = refs.retention_all()
     if job not in rules:
         return rep
@@ -346,15 +361,19 @@ REMOVED_KEPT = 1 << 20  # deletions noted for the presence record (Lease.note_re
 
 
 @contextlib.contextmanager
-def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None):
+def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None,
+                    rebuilding_ok: bool = False):
     """The store's gc lock under a lease (gc itself, and work other than gc that removes
     objects from their addresses: fsck --repair moves damaged ones aside): yields the
     Lease (freeze() opens the deletion phase, run() keeps each removal within the
     lease); the phase is finished on exit, whatever happened (with the Lease's
-    finish_fields recorded in the gc state when all went well)."""
+    finish_fields recorded in the gc state when all went well). RebuildUnfinished while
+    a recover has not finished, unless rebuilding_ok (work that deletes nothing a
+    snapshot reaches)."""
     refs = store.reftable
     owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every)
+    hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every,
+                 rebuilding_ok=rebuilding_ok, what=role.rstrip(":") or "gc")
     try:
         yield hold
     except BaseException as e:
@@ -393,7 +412,7 @@ class Lease:
     a gc never deletes after the moment another party may consider it dead."""
 
     def __init__(self, refs, owner: str, seconds: float, *, request_timeout: float,
-                 renew_every: float | None = None):
+                 renew_every: float | None = None, rebuilding_ok: bool = False, what: str = "gc"):
         if not (isinstance(seconds, (int, float)) and 0 < seconds < 1e7):
             raise InvalidArgument(f"gc lease must be a positive number of seconds, got {seconds!r}")
         self.refs, self.owner, self.seconds = refs, owner, float(seconds)
@@ -412,7 +431,7 @@ class Lease:
         self.removed: dict | None = None      # kind -> digests deleted, when all are noted
         self._lock = threading.Lock()
         m0 = time.monotonic()
-        refs.gc_begin(owner, lease=self.seconds)
+        refs.gc_begin(owner, lease=self.seconds, rebuilding_ok=rebuilding_ok, what=what)
         self.until = m0 + self.seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tsck-gc-lease", daemon=True)

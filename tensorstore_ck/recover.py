@@ -16,14 +16,24 @@ all present (gc swept it, a crash cut it short) is never adopted; the report
 says which and why. Neither is a snapshot a user forgot nor a ref a user deleted
 (their reflog records say so) while gc has not reclaimed them yet. Retention
 rules and pins live only in the ref table and must be set again.
+
+While it runs, and after it was stopped until a run finishes, the table carries a
+rebuild mark (RefTable.rebuild_begin, set in recover's first transaction, before
+anything is adopted): every gc and prune refuses (RebuildUnfinished), since a table
+that lacks snapshots storage holds would have them deleted. recover does not start
+while a gc holds the store (GcBusy; `wait` seconds for it to end).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
+import uuid
 from dataclasses import asdict, dataclass, field
 
-from .errors import FormatError, IntegrityError, RefConflict, UnreadableObject
+from .errors import FormatError, GcBusy, IntegrityError, RefConflict, UnreadableObject
 from .format.manifest import decode_commit
 from .format.names import validate_name
 from .walk import walk_commit
@@ -97,11 +107,29 @@ def _history_order(items) -> list:
     return out
 
 
-def run_recover(store, *, progress: bool = False) -> RecoverReport:
+def _begin(rt, owner: str, wait: float) -> None:
+    """Set the rebuild mark; while a gc holds the store, wait up to `wait` seconds for
+    it to end (a gc that marked before a commit was adopted would delete it)."""
+    until = time.monotonic() + wait
+    while True:
+        try:
+            prev = rt.rebuild_begin(owner)
+            break
+        except GcBusy as e:
+            if time.monotonic() >= until:
+                raise GcBusy(f"recover refused: {e}; run `tsck recover` again once it has ended "
+                             "(nothing was changed)") from None
+            time.sleep(min(1.0, max(0.05, until - time.monotonic())))
+    if prev is not None:
+        log.info("recover: finishing the rebuild begun by %s", prev.get("owner"))
+
+
+def run_recover(store, *, progress: bool = False, wait: float = 0.0) -> RecoverReport:
     from .progress import progress_bar
+    rt = store.reftable
+    _begin(rt, f"recover:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}", wait)
     rep = RecoverReport()
     bar = progress_bar(progress, "recover: commits", unit="commit")
-    rt = store.reftable
     by_ref: dict[str, list[tuple[float, int, bytes, dict]]] = {}
     strays: list = []
     present: set = set()  # blocks known to exist
@@ -179,4 +207,7 @@ def run_recover(store, *, progress: bool = False) -> RecoverReport:
                 log.info("recover: tag %s restored at %s", name, root.hex()[:16])
             except RefConflict:
                 pass
+    # Every complete commit storage held when this run listed it now has its row (what
+    # was written since came with its own ref move): gc may delete by the table again.
+    rt.rebuild_finish()
     return rep

@@ -750,11 +750,15 @@ class Store:
                                       "meanwhile; nothing was created") from None
 
     @_public
-    def recover(self, *, progress: bool = False):
-        """Rebuild catalog, refs (at their newest commits), reflog and tags from storage."""
+    def recover(self, *, progress: bool = False, wait: float = 0.0):
+        """Rebuild catalog, refs (at their newest commits), reflog and tags from storage.
+        Until a recover finishes, gc and prune refuse (RebuildUnfinished). GcBusy if a gc
+        holds the store for more than `wait` seconds."""
         from .recover import run_recover
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e7:
+            raise InvalidArgument(f"recover wait must be a number of seconds >= 0, got {wait!r}")
         self._writable("recover")
-        return run_recover(self, progress=progress)
+        return run_recover(self, progress=progress, wait=wait)
 
     @_public
     def diff(self, a: str, b: str) -> dict:

@@ -42,7 +42,7 @@ from typing import ClassVar
 
 import pytest
 
-from tensorstore_ck.errors import Fenced, GcBusy, InvalidArgument, RefConflict, RefNotFound
+from tensorstore_ck.errors import Fenced, GcBusy, InvalidArgument, RebuildUnfinished, RefConflict, RefNotFound
 from tensorstore_ck.format.records import encode_record, encode_reflog
 from tensorstore_ck.storage import BlockStore
 from tensorstore_ck.storage.base import DeadlinePassed
@@ -807,6 +807,47 @@ class RefTableTests:
         assert (st["epoch"], st["phase"], st["owner"]) == (2, "marking", "g3")
         with pytest.raises(GcBusy):
             table.gc_finish("g2", now=201.0)
+
+    # -- the rebuild mark (recover under gc) ------------------------------------------------
+    def test_an_unfinished_rebuild_refuses_every_gc_lock_for_deleting(self, table):
+        assert table.rebuild_unfinished() is None  # a table without the mark is complete
+        assert table.rebuild_begin("rec1") is None
+        mark = table.rebuild_unfinished()
+        assert mark["owner"] == "rec1" and isinstance(mark["started"], float)
+        for what in ("gc", "prune"):
+            with pytest.raises(RebuildUnfinished, match=rf"{what} refused.*`tsck recover`.*nothing was deleted"):
+                table.gc_begin("g", lease=10, now=100.0, what=what)
+        assert table.gc_state()["phase"] == "idle"
+        st = table.gc_begin("fsck", lease=10, now=100.0, rebuilding_ok=True)  # deletes nothing reachable
+        table.gc_finish(st["owner"], now=101.0)
+        # a second recover (the first was killed) takes the mark over; only a finish clears it
+        assert table.rebuild_begin("rec2")["owner"] == "rec1"
+        assert table.rebuild_unfinished()["owner"] == "rec2"
+        table.rebuild_finish()
+        assert table.rebuild_unfinished() is None
+        table.gc_begin("g", lease=10, now=200.0)
+        table.gc_finish("g", now=201.0)
+        # stored bytes are untrusted: a mark that does not decode, or odd fields, still refuses
+        for raw in (b"\xc1", encode_record({"owner": ["x"], "started": "soon"}), encode_record({"started": 1e300})):
+            table._write(lambda t, raw=raw: t.put("meta", b"rebuild", raw))
+            assert table.rebuild_unfinished() is not None
+            with pytest.raises(RebuildUnfinished, match="`tsck recover`"):
+                table.gc_begin("g", lease=10, now=300.0)
+        table.rebuild_finish()
+
+    def test_a_rebuild_waits_for_a_live_gc_and_closes_a_dead_ones_lock(self, table):
+        table.gc_begin("g1", lease=10, now=100.0)
+        table.gc_freeze("g1", now=101.0)
+        with pytest.raises(GcBusy):
+            table.rebuild_begin("rec", now=105.0)  # g1's lease runs: it may be deleting
+        assert table.rebuild_unfinished() is None
+        table.rebuild_begin("rec", now=200.0)  # g1's lease ran out: closed, epoch even again
+        st = table.gc_state()
+        assert (st["phase"], st["owner"], st["epoch"] % 2) == ("idle", None, 0)
+        with pytest.raises(GcBusy):
+            table.gc_heartbeat("g1", now=201.0)  # a gc that outlived its lease cannot go on
+        with pytest.raises(RebuildUnfinished):
+            table.gc_begin("g2", lease=10, now=300.0)
 
     def test_fenced_compare_and_swap(self, table):
         R = self.R

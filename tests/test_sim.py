@@ -57,6 +57,13 @@ def test_harness_file():
 
 
 @pytest.mark.slow
+def test_harness_recover_live():
+    """recover beside gc, prune and writers, killed -9 and run again (flavor recover-live)."""
+    out = _run_harness("file", {}, ["--rounds", "2", "--round-seconds", "2", "--focus", "recover-live"])
+    assert out.count("live recover:") == 2, out[-3000:]
+
+
+@pytest.mark.slow
 def test_harness_pg(pg_dsn):
     _run_harness("pg", {"TEST_PG_DSN": pg_dsn}, ["--rounds", "2", "--round-seconds", "3", "--pg-dsn", pg_dsn])
 

@@ -10,7 +10,8 @@ Sub-tables (each a sorted key-value space):
     pins      root                    -> b""
     retention job                     -> msgpack Retention record
     gc        b"state"                -> msgpack {epoch, phase, owner, lease, clock, expires, ...}
-    meta      key                     -> value (the reflog sequence counter, steps_seq, the store id)
+    meta      key                     -> value (the reflog sequence counter, steps_seq, the store id,
+                                         `rebuild`: a recover that has not finished)
     steps     name \0 step \0 seq      -> root (REF@STEP's index; step in decimal, seq as in reflog)
 
 The steps index is written by compare_and_swap in the move's own transaction;
@@ -35,8 +36,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from ..errors import (Fenced, FormatError, GcBusy, InvalidArgument, NotAStore, ReadOnlyStore, RefConflict,
-                      RefNotFound, TsckError)
+from ..errors import (Fenced, FormatError, GcBusy, InvalidArgument, NotAStore, ReadOnlyStore, RebuildUnfinished,
+                      RefConflict, RefNotFound, TsckError)
 from ..format.records import (decode_catalog, decode_gc_state, decode_record, decode_reflog, encode_record,
                               encode_reflog)
 
@@ -47,6 +48,7 @@ TABLES = ("refs", "reflog", "catalog", "tags", "pins", "retention", "gc", "meta"
 _SEQ = struct.Struct(">Q")
 REFLOG_TAIL = 10          # moves of each ref that gc's compaction always leaves, kept or not
 _STEPS_MARK = b"steps_seq"  # meta: the reflog sequence number up to which `steps` covers every move
+_REBUILD = b"rebuild"       # meta: a recover began and none has finished since ({owner, started})
 _INCOMPLETE = object()
 
 
@@ -189,6 +191,10 @@ class RefTable(ABC):
             cur = t.get("meta", b"store_id")
             if cur is None:
                 t.put("meta", b"store_id", want)
+                if not new and _empty(t) and t.get("meta", _REBUILD) is None:
+                    # An empty table met for a store made before it: a lost (or emptied)
+                    # table recreated, which lacks every snapshot until a recover finishes.
+                    t.put("meta", _REBUILD, encode_record({"owner": None, "started": t.wall()}))
             elif cur != want:
                 raise _wrong_store(cur, store_id)
             if new:
@@ -602,12 +608,18 @@ class RefTable(ABC):
                 continue  # still failing: try again next time
             owners.discard(owner)
 
-    def gc_begin(self, owner: str, *, lease: float, now: float | None = None) -> dict:
+    def gc_begin(self, owner: str, *, lease: float, now: float | None = None, rebuilding_ok: bool = False,
+                 what: str = "gc") -> dict:
+        """Take the gc lock. RebuildUnfinished while a recover has not finished (the
+        table may not list every snapshot: nothing may be deleted by reachability),
+        unless rebuilding_ok (fsck --repair, which deletes nothing a snapshot reaches)."""
         if not (isinstance(lease, (int, float)) and 0 < lease < 1e7):
             raise ValueError(f"gc lease must be a positive number of seconds, got {lease!r}")
         self.release_abandoned_gc()
 
         def txn(t):
+            if not rebuilding_ok:
+                _refuse_if_rebuilding(t, what)
             st = _gc_state(t)
             if st["phase"] != "idle" or st["epoch"] % 2:
                 left = _lease_left(t, st, now)
@@ -622,6 +634,44 @@ class RefTable(ABC):
             t.put("gc", b"state", encode_record(st))
             return st
         return self._write(txn)
+
+    # A rebuild in progress (docs/ARCHITECTURE.md, "recover under gc"). recover's first
+    # transaction sets the mark, its last one clears it; while it is set no gc lock is
+    # given for deleting, and the mark is set only while no live gc holds the lock (a
+    # dead one's lock is closed, so it can never renew and go on). Both checks run
+    # inside the transaction that acts, so a gc and a recover cannot overlap.
+    def rebuild_begin(self, owner: str, *, now: float | None = None) -> dict | None:
+        """Mark the table as being rebuilt by `owner` (recover), before anything is
+        adopted. GcBusy while a gc (or prune, or fsck --repair) holds a live lease.
+        -> the mark an earlier recover left unfinished, or None."""
+        def txn(t):
+            st = _gc_state(t)
+            if st["phase"] != "idle" or st["epoch"] % 2:
+                left = _lease_left(t, st, now)
+                if left > 0:
+                    raise GcBusy(f"a gc ({st.get('owner')}) is {st['phase']}; its lease runs {left:.1f}s more")
+                # Its lease ran out: it deletes no more (it never deletes past its lease);
+                # closing the lock makes its next renewal fail, so it cannot go on.
+                if st["epoch"] % 2:
+                    st["epoch"] += 1
+                st.update(phase="idle", owner=None, aborted=t.wall())
+                for k in ("clock", "expires"):
+                    st.pop(k, None)
+                t.put("gc", b"state", encode_record(st))
+            prev = _rebuild_mark(t)
+            t.put("meta", _REBUILD, encode_record({"owner": owner, "started": t.wall()}))
+            return prev
+        return self._write(txn)
+
+    def rebuild_finish(self) -> None:
+        """A recover finished: every complete commit in storage has its catalog row, so
+        the table is complete again and gc may delete by it."""
+        self._write(lambda t: t.delete("meta", _REBUILD))
+
+    def rebuild_unfinished(self) -> dict | None:
+        """The mark of a recover that began and has not finished ({owner, started}), or
+        None (a table without it, including every table older code wrote, is complete)."""
+        return self._read(_rebuild_mark)
 
     def _gc_owned(self, owner, now, phases, fn):
         def txn(t):
@@ -859,6 +909,43 @@ def _check_kept(t: Txn, root: bytes, fence: int | None) -> None:
     if any(v == root for _k, v in t.items("refs")):
         return
     raise RefNotFound(f"snapshot {root.hex()[:16]} is no longer kept (retention dropped it meanwhile)")
+
+
+def _empty(t: Txn) -> bool:
+    return not any(True for table in ("catalog", "refs", "tags", "reflog") for _ in t.items(table))
+
+
+def _rebuild_mark(t: Txn) -> dict | None:
+    raw = t.get("meta", _REBUILD)
+    if raw is None:
+        return None
+    try:
+        mark = decode_record(raw, "rebuild mark")
+    except FormatError:
+        return {"owner": "?", "started": None}  # unreadable: still a rebuild nobody finished
+    owner = mark.get("owner")
+    return {"owner": None if owner is None else str(owner), "started": mark.get("started")}
+
+
+def rebuild_message(mark: dict, what: str = "gc") -> str:
+    started = mark.get("started")
+    when = (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+            if isinstance(started, (int, float)) and not isinstance(started, bool) and 0 <= started < 1e11 else "?")
+    if mark.get("owner") is None:
+        return (f"{what} refused: this ref table was found empty ({when}) for a store made before it (a lost or "
+                f"emptied table, or the wrong --refs / $TSCK_REFS?) and no `tsck recover` has finished on it "
+                f"since; it may not list every snapshot. Run `tsck recover` first, then {what}; nothing was "
+                f"deleted")
+    return (f"{what} refused: the ref table is being rebuilt from storage by `tsck recover` (begun {when} by "
+            f"{mark.get('owner', '?')}), or that recover stopped before it finished; until a recover finishes, "
+            f"the table may not list every snapshot, so nothing may be deleted by it. Run `tsck recover` "
+            f"again (or let the running one finish), then {what}; nothing was deleted")
+
+
+def _refuse_if_rebuilding(t: Txn, what: str = "gc") -> None:
+    mark = _rebuild_mark(t)
+    if mark is not None:
+        raise RebuildUnfinished(rebuild_message(mark, what))
 
 
 def _gc_state(t: Txn) -> dict:

@@ -14,7 +14,9 @@ delays aimed at windows such as tag objects and gc's deletes, transient failures
 kill -9 of itself at a chosen fault point), and the driver kills workers at random
 moments too. Then, with the workers stopped, as an operator would: sometimes the ref
 table is deleted and `recover` rebuilt it (a first recover maybe killed part-way), a
-gc left locked by a killed gc is taken over, and the invariants are checked.
+gc left locked by a killed gc is taken over, and the invariants are checked. In the
+recover-live flavor the table is lost at the start of a round instead, and recover runs
+beside the workers, killed -9 at random moments and run again.
 
 Invariants (tests/sim/check.py), after every round:
   I1  every ref tip, tag, pin and catalog row checks out, bit-exact against the content
@@ -103,6 +105,14 @@ FLAVORS = {
     "remove": dict(_BASE, weights={"put": 5, "cput": 1, "delete_ref": 1, "forget": 1.5, "untag": 1, "tag": 1.5, "pin": 1,
                                    "unpin": 0.5, "prune": 1.5, "gc": 1, "retention": 1, "read": 1, "fsck": 0.3},
                    slow_tags=0.5, recover_p=0.15, recover_live_p=0.6),
+    # recover beside gc, prune and writers: the ref table is lost at the start of the round
+    # and `recover` runs while the workers do, killed -9 at random moments and started
+    # again; only a finished recover may let a gc or prune delete (docs/ARCHITECTURE.md,
+    # "recover under gc"). No retention op: the driver sets keep_last high, so prune runs
+    # and any snapshot a gc or prune took over the incomplete table is missed by I3.
+    "recover-live": dict(_BASE, weights={"put": 5, "gc": 3, "prune": 1.5, "tag": 0.5, "pin": 0.3, "read": 0.5,
+                                         "fsck": 0.3}, recover_p=0.0, live_recover_p=1.0, live_kill=0.8,
+                         live_attempts=3, quiet_gc=0.2),
 }
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1, "remove": 2}
 
@@ -220,6 +230,9 @@ class Harness:
         # Driver kills: (seconds after that worker is ready, which worker).
         kills = [(rng.uniform(0.0, self.round_seconds), rng.randrange(n))
                  for _ in range(2) if rng.random() < fl["driver_kill"]]
+        # (no draw for the other flavors: their seeded schedules stay as they were)
+        live = self._live_recover_start(rng, fl, r) if fl.get("live_recover_p") and \
+            rng.random() < fl["live_recover_p"] else None
         procs = [self._spawn(c) for c in cfgs]
         ready: dict[int, float] = {}
         killed = stuck = 0
@@ -239,6 +252,8 @@ class Harness:
                 if procs[kill[1]].poll() is None:
                     procs[kill[1]].send_signal(signal.SIGKILL)
                     killed += 1
+            if live is not None:
+                self._live_recover_tick(live, rng, now)
             if now > hard_stop:
                 for p in procs:
                     if p.poll() is None and p.pid not in stuck_pids:  # once each, not every 20 ms
@@ -257,6 +272,9 @@ class Harness:
         t1 = time.time()
         if recovered:
             bad += self._recover_phase(rng, fl, r)
+        if live is not None:
+            recovered = True
+            bad += self._live_recover_finish(live, r)
         t2 = time.time()
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
@@ -326,6 +344,98 @@ class Harness:
                 rule = None if keep is None else tsck.Retention(keep_last=keep)
                 self._driver_op("retention", {"job": job, "keep_last": keep},
                                 lambda: s.set_retention(job, rule))
+        return bad
+
+    # -- recover beside the workers (flavor recover-live) -------------------------------
+    def _live_recover_start(self, rng: random.Random, fl: dict, r: int) -> dict:
+        """Lose the ref table and start `recover` before the workers: they open the table
+        it creates, and run gc, prune and puts while it rebuilds. It is killed -9 at a
+        random moment (by the driver, or at a random ref-table write of its own) and run
+        again, up to live_attempts times (the last is never killed by the driver)."""
+        with self._open() as s:
+            store_id = s.config["id"]
+        self.barriers.append(time.time())
+        self._driver_op("delete_refs", {"live": True}, lambda: self.loc.delete_ref_table(store_id))
+        live = {"r": r, "n": 0, "attempts": fl.get("live_attempts", 3), "kill_p": fl.get("live_kill", 0.8),
+                "proc": None, "kill_at": None, "next_at": 0.0, "killed": 0}
+        self._live_recover_spawn(live, rng)
+        # The workers open the table recover creates (only recover may create one): its
+        # journal's first record is written once the store is open.
+        until = time.time() + 120
+        while not self._journal_started(live["cfg"]["journal"]) and live["proc"].poll() is None \
+                and time.time() < until:
+            time.sleep(0.02)
+        # The rules are lost with the table: set high, prune runs but expires nothing a check could miss.
+        with self._open() as s:
+            for job in JOBS:
+                self._driver_op("retention", {"job": job, "keep_last": 1000},
+                                lambda: s.set_retention(job, tsck.Retention(keep_last=1000)))
+        return live
+
+    @staticmethod
+    def _journal_started(path: str) -> bool:
+        try:
+            return os.path.getsize(path) > 0
+        except OSError:
+            return False
+
+    def _live_recover_spawn(self, live: dict, rng: random.Random) -> None:
+        k = live["n"]
+        last = k + 1 >= live["attempts"]
+        auto = not last and rng.random() < 0.3
+        wid = f"r{live['r']}live{k}"
+        cfg = {"id": wid, "seed": rng.getrandbits(62), "role": "recover", "store": self.loc.spec(),
+               "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"), "wait": 120,
+               # slow reads of commits and slow table writes: a rebuild that lasts while workers run
+               "faults": {"slow": {"commits/": 0.05, "ref-write": 0.02}, "kill_at": "auto" if auto else None}}
+        live.update(n=k + 1, cfg=cfg, proc=self._spawn(cfg),
+                    kill_at=None if last or rng.random() >= live["kill_p"]
+                    else time.time() + rng.uniform(0.05, self.round_seconds / 2))
+
+    def _live_recover_tick(self, live: dict, rng: random.Random, now: float) -> None:
+        p = live["proc"]
+        if p.poll() is None:
+            if live["kill_at"] is not None and now >= live["kill_at"]:
+                p.send_signal(signal.SIGKILL)
+                live["killed"] += 1
+                live["kill_at"] = None
+            return
+        if p.returncode == -signal.SIGKILL and live["n"] < live["attempts"]:
+            if not live["next_at"]:
+                live["next_at"] = now + rng.uniform(0.0, 1.0)  # the operator notices, starts it again
+            elif now >= live["next_at"]:
+                live["next_at"] = 0.0
+                self._live_recover_spawn(live, rng)
+
+    def _live_recover_finish(self, live: dict, r: int) -> list[str]:
+        """After the workers: the live recover ends (or was killed for good); a last one
+        finishes the rebuild; a second changes nothing (I5). I6 is not judged: writers
+        moved refs during the rebuild, and their view wins over storage's newest commit."""
+        bad = []
+        p = live["proc"]
+        try:
+            p.wait(300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            return [f"I5 recover {live['cfg']['id']} beside the workers did not finish in 300 s"]
+        if p.returncode not in (0, -signal.SIGKILL):
+            with open(os.path.join(self.run_dir, f"{live['cfg']['id']}.err"), errors="replace") as f:
+                bad.append(f"I5 recover {live['cfg']['id']} exited {p.returncode}: {f.read()[-1500:]}")
+        with self._open() as s:
+            out = self._driver_op("recover", {"after_live": True}, lambda: {
+                k: v for k, v in s.recover().to_json().items() if k in ("refs_restored", "catalog_rows_added")})
+            before = check.snapshot_of_table(s)
+            again = self._driver_op("recover", {"second": True}, lambda: {
+                k: v for k, v in s.recover().to_json().items() if k in ("refs_restored", "tags_restored",
+                                                                        "catalog_rows_added")})
+            after = check.snapshot_of_table(s)
+        if out["result"] != "ok" or again["result"] != "ok":
+            bad.append(f"I5 recover after the workers failed: {out} / {again}")
+        elif before != after or again["refs_restored"] or again["tags_restored"] or again["catalog_rows_added"]:
+            diff = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+            bad.append(f"I5 a second recover changed things: report {again}; differences {json.dumps(diff)[:1500]}")
+        self.log(f"  live recover: {live['n']} run(s), {live['killed']} killed by the driver")
         return bad
 
     def _settle_and_check(self, rng: random.Random, fl: dict) -> list[str]:

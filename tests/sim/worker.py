@@ -430,7 +430,7 @@ class Worker:
             self.faults.kill_at = self.faults.kill_points + 1 + self.rng.randrange(max(1, 2 * n))
         self.j.write(i=0, op="recover", args={"kill_at": self.faults.kill_at}, start=time.time())
         try:
-            rep = s.recover()
+            rep = self._recover_once(s)
             out = {"result": "ok", "refs_restored": rep.refs_restored, "tags_restored": rep.tags_restored,
                    "catalog_rows_added": rep.catalog_rows_added, "skipped": len(rep.skipped)}
         except Exception as e:  # noqa: BLE001
@@ -439,6 +439,18 @@ class Worker:
         self.faults.armed = False
         s.close()
         return 0
+
+    def _recover_once(self, s):
+        """s.recover(); beside running workers ("wait" in the config, seconds), a gc that
+        holds the store makes recover refuse (GcBusy): tried again, as an operator would."""
+        until = time.time() + float(self.cfg.get("wait") or 0.0)
+        while True:
+            try:
+                return s.recover()
+            except tsck.GcBusy:
+                if time.time() >= until:
+                    raise
+                time.sleep(0.1)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,55 @@
+"""`tsck recover` (the CLI itself) whose storage stops before the second commit it reads.
+
+    python recover_gated.py STORE GATE_DIR [tsck options...]
+
+The CLI's open_store is given a storage wrapper (the same `wrap_storage` hook the
+harness's fault injector uses): when recover asks for a second distinct commit
+object, the first one has been adopted (its catalog row written); the wrapper then
+creates GATE_DIR/reached and waits until GATE_DIR/open exists. A test kills -9 the
+process there (a recover stopped after adopting one commit), or runs a gc beside it
+and then opens the gate. Nothing of recover itself is replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+import tensorstore_ck.cli as cli
+from tensorstore_ck.storage.wrappers import WrappedStore
+
+
+class Gate(WrappedStore):
+    def __init__(self, inner, gate_dir: str):
+        super().__init__(inner)
+        self.gate_dir = gate_dir
+        self.seen: set = set()
+
+    def _at(self, key: str) -> None:
+        if not key.startswith("commits/") or key in self.seen:
+            return
+        self.seen.add(key)
+        if len(self.seen) == 2:
+            open(os.path.join(self.gate_dir, "reached"), "w").close()
+            while not os.path.exists(os.path.join(self.gate_dir, "open")):
+                time.sleep(0.02)
+
+    def get(self, key, max_bytes=None):
+        self._at(key)
+        return self.inner.get(key, max_bytes)
+
+    def open_read(self, key, max_bytes=None):
+        self._at(key)
+        return self.inner.open_read(key, max_bytes)
+
+
+def main() -> int:
+    store, gate_dir, *opts = sys.argv[1:]
+    cli.open_store = functools.partial(cli.open_store, wrap_storage=lambda inner: Gate(inner, gate_dir))
+    return cli.main([*opts, "recover", store])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
