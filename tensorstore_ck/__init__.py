@@ -34,7 +34,7 @@ import logging as _logging
 
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, DeviceUnavailable, Fenced, FormatError, GcBusy,
-                     IntegrityError, InvalidArgument, InvalidName, NotAStore, ReadOnlyStore, RefConflict, RefNotFound, SnapshotAborted, StorageError,
+                     IntegrityError, InvalidArgument, InvalidName, NotAStore, OutcomeUnknown, ReadOnlyStore, RefConflict, RefNotFound, SnapshotAborted, StorageError,
                      StoreClosed, TsckError, UnreadableObject, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
@@ -72,5 +72,5 @@ __all__ = [
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
-    "ReadOnlyStore", "UnreadableObject", "__version__",
+    "ReadOnlyStore", "UnreadableObject", "OutcomeUnknown", "__version__",
 ]
