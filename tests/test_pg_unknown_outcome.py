@@ -153,9 +153,10 @@ def test_pg_commit_landed_server_still_away_is_outcome_unknown(tmp_path, pg_dsn)
 
 
 @pytest.mark.slow
-def test_pg_tag_and_pin_answer_lost_are_not_plain_failures(tmp_path, pg_dsn):
+def test_pg_tag_and_pin_answer_lost_are_not_plain_failures(tmp_path, pg_dsn, restorer):
     """tag and pin whose COMMIT landed unanswered, server away past the timeout:
-    OutcomeUnknown, not a failure; the tag and the pin exist."""
+    OutcomeUnknown while the table cannot be asked, not a failure, and the stored tag
+    object is kept; a tag whose check finds it in the table returns it."""
     p = _Proxied(tmp_path, pg_dsn, marker=WRITE)
     s = p.store
     try:
@@ -166,10 +167,19 @@ def test_pg_tag_and_pin_answer_lost_are_not_plain_failures(tmp_path, pg_dsn):
             with pytest.raises(tsck.StorageError) as ei:
                 call()
             assert isinstance(ei.value, tsck.OutcomeUnknown), ei.value
+            assert ei.value.root == bytes.fromhex(root)
             p.proxy.blackout_after_fault = 0.0
             p.proxy.restore()
         assert s.resolve("t0") == root
         assert bytes.fromhex(root) in set(s.reftable.pins())
+        p.proxy.arm_drop()
+        p.proxy.blackout_after_fault = float("inf")
+        h = restorer(p.proxy, TIMEOUT + 0.3)
+        assert s.tag("t1", root).root == root  # its check saw the tag: done
+        assert h.seen.is_set() and s.resolve("t1") == root
+        assert s.fsck().ok
+        assert s.assets.tag_object("t0") is not None and s.assets.tag_object("t1") is not None  # kept for recover
+        assert sorted(s.tags()) == ["t0", "t1"]
     finally:
         p.close()
 
