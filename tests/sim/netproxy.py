@@ -48,10 +48,11 @@ class Chaos:
 
     def __init__(self, seed: int, *, delay: float = 0.02, delay_s: float = 0.2, drop: float = 0.003,
                  drop_commit: float = 0.08, hold_commit: float = 0.04, hold_s: float = 3.0,
-                 blackout: float = 0.002, blackout_s: float = 2.5):
+                 blackout: float = 0.002, blackout_s: float = 2.5, dark_after: float = 0.7):
         self.rng = random.Random(seed)
         self.delay, self.delay_s, self.drop, self.drop_commit = delay, delay_s, drop, drop_commit
         self.hold_commit, self.hold_s, self.blackout, self.blackout_s = hold_commit, hold_s, blackout, blackout_s
+        self.dark_after = dark_after  # how often a dropped or held request is followed by a blackout
 
 
 class _Conn:
@@ -209,8 +210,8 @@ class NetProxy:
         ch = self.chaos
         if ch is not None:
             with self._lock:
-                dark = ch.rng.random() < 0.5
-                secs = ch.rng.uniform(0.2, ch.blackout_s)
+                dark = ch.rng.random() < ch.dark_after
+                secs = ch.rng.uniform(0.5, ch.blackout_s)
             if dark:
                 self.blackout(secs)
         elif self.blackout_after_fault:
@@ -290,3 +291,75 @@ class NetProxy:
         with self._lock:
             self._conns.discard(k)
         _close(k.c, k.u)
+
+
+class NetFaults:
+    """The harness's network: a NetProxy in front of the PostgreSQL ref table (pg, s3) and
+    one in front of the S3 server (s3). Workers reach both through them (spec()); the
+    driver's own checks go direct. Each round draws its rates (or none) from the round's
+    seed; at the round's end the faults stop and held COMMITs are let through (a COMMIT
+    delayed in the network lands after its client gave up: what the checks must survive)."""
+
+    CONNECT_TIMEOUT = 1  # s: the workers' ref-table connect timeout, shorter than most blackouts
+
+    def __init__(self, loc):
+        self.loc = loc
+        self.pg = self.s3 = None
+        self.rounds_on = 0
+        if loc.refs:
+            from psycopg.conninfo import conninfo_to_dict, make_conninfo
+            d = conninfo_to_dict(loc.refs)
+            self.pg = NetProxy(int(d.get("port") or 5432), d.get("host") or "127.0.0.1", marker=WRITE)
+            self._dsn = make_conninfo(loc.refs, host="127.0.0.1", port=str(self.pg.port),
+                                      connect_timeout=str(self.CONNECT_TIMEOUT))
+        if loc.kind == "s3":
+            from urllib.parse import urlsplit
+            ep = urlsplit(loc.storage_options["endpoint_url"])
+            self.s3 = NetProxy(ep.port or 80, ep.hostname or "127.0.0.1", marker=None)
+            self._endpoint = f"{ep.scheme}://127.0.0.1:{self.s3.port}"
+
+    def proxies(self) -> list[NetProxy]:
+        return [p for p in (self.pg, self.s3) if p is not None]
+
+    def spec(self) -> dict:
+        st = self.loc.spec()
+        if self.pg is not None:
+            st["refs"] = self._dsn
+        if self.s3 is not None:
+            st["storage_options"] = dict(st["storage_options"], endpoint_url=self._endpoint)
+        return st
+
+    def start_round(self, rng: random.Random, p_on: float = 0.7, heavy: bool = False) -> bool:
+        """Draw this round's faults; False: a quiet network this round. heavy: every
+        round, and most ref-table COMMITs faulted (the "net" flavor)."""
+        if not self.proxies() or (not heavy and rng.random() >= p_on):
+            return False
+        self.rounds_on += 1
+        if self.pg is not None and heavy:
+            self.pg.chaos = Chaos(rng.getrandbits(32), drop_commit=0.25, hold_commit=0.2, dark_after=0.9,
+                                  blackout_s=3.0, hold_s=4.0)
+        elif self.pg is not None:
+            self.pg.chaos = Chaos(rng.getrandbits(32), drop_commit=rng.choice([0.05, 0.12]),
+                                  hold_commit=rng.choice([0.03, 0.08]), blackout_s=rng.choice([2.0, 3.0]))
+        if self.s3 is not None:
+            self.s3.chaos = Chaos(rng.getrandbits(32), drop=0.01, drop_commit=0.0, hold_commit=0.0,
+                                  blackout=0.001, blackout_s=2.0)
+        return True
+
+    def end_round(self) -> dict:
+        """Stop the faults, let held COMMITs through; -> the round's counts."""
+        out = {}
+        for name, p in (("pg", self.pg), ("s3", self.s3)):
+            if p is None:
+                continue
+            p.chaos = None
+            p.restore()
+            p.release(wait=10.0)
+            out[name] = {"drops": p.drops, "holds": p.holds, "blackouts": p.blackouts}
+            p.drops = p.holds = p.blackouts = p.delays = 0
+        return out
+
+    def close(self) -> None:
+        for p in self.proxies():
+            p.chaos = None
+            p.close()
