@@ -48,11 +48,13 @@ class Chaos:
 
     def __init__(self, seed: int, *, delay: float = 0.02, delay_s: float = 0.2, drop: float = 0.003,
                  drop_commit: float = 0.08, hold_commit: float = 0.04, hold_s: float = 3.0,
-                 blackout: float = 0.002, blackout_s: float = 2.5, dark_after: float = 0.7):
+                 blackout: float = 0.002, blackout_s: float = 2.5, dark_after: float = 0.7,
+                 dark_s: tuple = (0.5, 2.5)):
         self.rng = random.Random(seed)
         self.delay, self.delay_s, self.drop, self.drop_commit = delay, delay_s, drop, drop_commit
         self.hold_commit, self.hold_s, self.blackout, self.blackout_s = hold_commit, hold_s, blackout, blackout_s
-        self.dark_after = dark_after  # how often a dropped or held request is followed by a blackout
+        self.dark_after = dark_after  # how often a dropped or held request is followed by a blackout ...
+        self.dark_s = dark_s  # ... lasting this long (s, uniform)
 
 
 class _Conn:
@@ -211,7 +213,7 @@ class NetProxy:
         if ch is not None:
             with self._lock:
                 dark = ch.rng.random() < ch.dark_after
-                secs = ch.rng.uniform(0.5, ch.blackout_s)
+                secs = ch.rng.uniform(*ch.dark_s)
             if dark:
                 self.blackout(secs)
         elif self.blackout_after_fault:
@@ -230,7 +232,7 @@ class NetProxy:
                     with self._lock:
                         self.holds += 1
                         self._held.append((k, data))
-                        hold_s = self.chaos.rng.uniform(0.5, self.chaos.hold_s) if self.chaos else None
+                        hold_s = self.chaos.rng.uniform(1.0, self.chaos.hold_s) if self.chaos else None
                     _close(k.c)  # the client's connection dies mid-COMMIT; the server session waits
                     self._after_fault()
                     if hold_s is not None:
@@ -336,11 +338,14 @@ class NetFaults:
             return False
         self.rounds_on += 1
         if self.pg is not None and heavy:
+            # blackouts of 1.1-2.5 s: past the 1 s connect timeout (the write gives up), and
+            # often short enough for its clean-up's read to get through while a COMMIT is
+            # still held (released after 1-5 s)
             self.pg.chaos = Chaos(rng.getrandbits(32), drop_commit=0.25, hold_commit=0.2, dark_after=0.9,
-                                  blackout_s=3.0, hold_s=4.0)
+                                  dark_s=(1.1, 2.5), hold_s=5.0)
         elif self.pg is not None:
             self.pg.chaos = Chaos(rng.getrandbits(32), drop_commit=rng.choice([0.05, 0.12]),
-                                  hold_commit=rng.choice([0.03, 0.08]), blackout_s=rng.choice([2.0, 3.0]))
+                                  hold_commit=rng.choice([0.03, 0.08]), dark_s=(0.5, rng.choice([2.0, 3.0])))
         if self.s3 is not None:
             self.s3.chaos = Chaos(rng.getrandbits(32), drop=0.01, drop_commit=0.0, hold_commit=0.0,
                                   blackout=0.001, blackout_s=2.0)
