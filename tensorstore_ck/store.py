@@ -28,7 +28,8 @@ from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CollectiveContext, collective_checkout, collective_put, is_collective
 from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
-                     OutcomeUnknown, ReadOnlyStore, RefConflict, RefNotFound, StoreClosed, TsckError, storage_error)
+                     OutcomeUnknown, ReadOnlyStore, RefConflict, RefNotFound, StorageError, StoreClosed, TsckError,
+                     storage_error)
 from .format.manifest import decode_commit
 from .ids import MIN_PREFIX, Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
@@ -653,7 +654,13 @@ class Store:
             if stored is None and not self._tag_in_table(name, root):
                 self.assets.delete_tag(name)
             raise
-        return self._info(root)
+        try:
+            return self._info(root)
+        except StorageError:
+            # The tag is made; the table went away after: describe the snapshot from its
+            # commit object rather than report a failure for a tag that exists.
+            c = decode_commit(self.assets.get_commit(root))
+            return row_to_info(root, {**c, **c["stats"]})
 
     @staticmethod
     def _landed(check) -> bool:

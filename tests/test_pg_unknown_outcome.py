@@ -209,3 +209,22 @@ def test_async_checkpoint_manager_goes_on_over_a_snapshot_that_landed(tmp_path, 
         assert tsck.CheckpointManager(s, job="a", ref="a/main").restore_latest(st) == 2
     finally:
         p.close()
+
+
+@pytest.mark.slow
+def test_pg_tag_made_then_server_away_returns_the_tag(tmp_path, pg_dsn):
+    """The tag's COMMIT is answered and the server goes away right after: tag() made the
+    tag and returns it (described from the commit object), not a failure."""
+    p = _Proxied(tmp_path, pg_dsn, marker=WRITE)
+    s = p.store
+    try:
+        root = s.put_snapshot(_state(0), "a/main", step=0).root
+        p.proxy.arm_dark_after_answer()
+        p.proxy.blackout_after_fault = float("inf")
+        info = s.tag("t0", root)
+        assert p.proxy.blackouts == 1
+        assert info.root == root and info.step == 0
+        p.proxy.restore()
+        assert s.resolve("t0") == root
+    finally:
+        p.close()

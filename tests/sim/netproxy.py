@@ -62,6 +62,7 @@ class _Conn:
         self.c, self.u = c, u
         self.commit_seen = False  # a request of this transaction carried the marker
         self.drop_reply = False
+        self.dark_after = False  # a blackout once this answer is through
         self.held = False  # a COMMIT kept back: the client side is gone, the server side kept
         self.answered = threading.Event()
 
@@ -76,7 +77,7 @@ class NetProxy:
         self.host, self.upstream = host, upstream
         self.chaos = chaos
         self.marker = marker  # a COMMIT is faulted only in a transaction that sent it (None: any)
-        self.armed_drop = self.armed_hold = 0
+        self.armed_drop = self.armed_hold = self.armed_dark = 0
         self.drops = self.holds = self.blackouts = self.delays = 0
         self.blackout_after_fault = 0.0  # manual: seconds of blackout started by an armed fault (0: none)
         self._lock = threading.Lock()
@@ -98,6 +99,12 @@ class NetProxy:
         """The next n ref-move COMMITs land and their answers are lost."""
         with self._lock:
             self.armed_drop += n
+
+    def arm_dark_after_answer(self, n: int = 1) -> None:
+        """The next n marked COMMITs are answered, then a blackout starts (blackout_after_fault
+        long): the write is done and the client told, its next request cannot get through."""
+        with self._lock:
+            self.armed_dark += n
 
     def arm_hold(self, n: int = 1) -> None:
         """The next n ref-move COMMITs are kept back (client connection killed) until release()."""
@@ -189,6 +196,9 @@ class NetProxy:
             if is_commit and self.armed_drop:
                 self.armed_drop -= 1
                 return "drop"
+            if is_commit and self.armed_dark:
+                self.armed_dark -= 1
+                return "dark_after"
             ch = self.chaos
             if ch is None:
                 return None
@@ -245,6 +255,8 @@ class NetProxy:
                     time.sleep(secs)
                 elif fault == "drop":
                     k.drop_reply = True
+                elif fault == "dark_after":
+                    k.dark_after = True
                 elif fault == "blackout":
                     with self._lock:
                         secs = self.chaos.rng.uniform(0.2, self.chaos.blackout_s)
@@ -283,6 +295,9 @@ class NetProxy:
                     self._after_fault()
                     break
                 k.c.sendall(data)
+                if k.dark_after:
+                    k.dark_after = False
+                    self._after_fault()
         except OSError:
             pass
         k.answered.set()
