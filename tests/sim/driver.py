@@ -39,8 +39,14 @@ Invariants (tests/sim/check.py), after every round:
       untagged tag (its storage object goes first); unless the ref table was lost.
   I8  liveness: no successful put was fenced more than twice (a fenced writer takes a
       gc hold, so the gc's next deletion phase waits for its move).
-An operation whose worker was killed has an unknown outcome: either is allowed, a
-corrupt one never.
+  I9  the converse of I3, as strict: no call reported failure for something that
+      happened (a put that raised, not OutcomeUnknown, published nothing; a tag that
+      raised does not exist; a pin that raised is not there by its own doing).
+An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
+outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
+ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
+COMMITs and black-holes the server at seeded random moments (rounds print
+unknown_outcomes= and the proxies' counts).
 
 Seeds: the run's seed fixes every random choice (rounds, workers, operations, fault
 profiles, kill points and times); it is printed first (`HARNESS seed=...`), and a
