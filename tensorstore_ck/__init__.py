@@ -34,9 +34,9 @@ import logging as _logging
 
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, DeviceUnavailable, Fenced, FormatError, GcBusy,
-                     IntegrityError, InvalidArgument, InvalidName, NotAStore, ReadOnlyStore, RebuildUnfinished,
-                     RefConflict, RefNotFound, SnapshotAborted, StorageError, StoreClosed, TsckError, UnreadableObject,
-                     UnsupportedType)
+                     IntegrityError, InvalidArgument, InvalidName, NotAStore, OutcomeUnknown, ReadOnlyStore,
+                     RebuildUnfinished, RefConflict, RefNotFound, SnapshotAborted, StorageError, StoreClosed,
+                     TsckError, UnreadableObject, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
 from .info import SnapshotInfo
@@ -73,5 +73,5 @@ __all__ = [
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
-    "ReadOnlyStore", "RebuildUnfinished", "UnreadableObject", "__version__",
+    "ReadOnlyStore", "RebuildUnfinished", "UnreadableObject", "OutcomeUnknown", "__version__",
 ]

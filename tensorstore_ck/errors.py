@@ -14,7 +14,8 @@
     ├── AmbiguousTarget (LookupError) a root-hash prefix that matches several snapshots
     ├── SnapshotAborted          a collective snapshot was abandoned; nothing published
     ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
-    │   └── UnreadableObject     one stored object cannot be read (EIO, a folder or FIFO in its place): .key
+    │   ├── UnreadableObject     one stored object cannot be read (EIO, a folder or FIFO in its place): .key
+    │   └── OutcomeUnknown       a ref-table write whose answer was lost: it may have happened (.root, .ref)
     ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
     ├── GcBusy                   another gc holds the store
     ├── RebuildUnfinished        gc/prune refused: a `tsck recover` has not finished rebuilding the ref table
@@ -213,6 +214,31 @@ class UnreadableObject(StorageError):
 
 
 __all__.append("UnreadableObject")
+
+
+class OutcomeUnknown(StorageError):
+    """A ref-table write was sent (its COMMIT reached the network) and no answer came
+    back, and the table could not be asked afterwards: it may have happened. Nothing
+    the write references was deleted. For a put, .root is the snapshot it published or
+    not and .ref the ref it moved or not: look (`tsck log REF`, store.log(ref),
+    store.resolve(ref)) before taking the snapshot again, or a retry may publish it twice."""
+    kind = "outcome_unknown"
+    root: bytes | None = None
+    ref: str | None = None
+
+    def __init__(self, *args, root: bytes | None = None, ref: str | None = None):
+        super().__init__(*args)
+        self.root, self.ref = root, ref
+
+    def __reduce__(self):  # crosses process boundaries like the other errors
+        return (_rebuild_outcome_unknown, (self.args, self.root, self.ref))
+
+
+def _rebuild_outcome_unknown(args, root, ref):
+    return OutcomeUnknown(*args, root=root, ref=ref)
+
+
+__all__.append("OutcomeUnknown")
 
 
 class Fenced(TsckError):

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from .assets import Assets, PutResult
-from .errors import Fenced, FormatError, RefConflict, SnapshotAborted, StorageError
+from .errors import Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StorageError
 from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter
 from .info import SnapshotInfo, row_to_info
@@ -160,6 +160,18 @@ class Publisher:
                     with self._renewing(holder):
                         revalidate(body, fence)
                     continue
+                except OutcomeUnknown as e:
+                    if self._landed(ref, root):
+                        log.warning("ref %s: the answer to its move to %s was lost; the table shows it landed",
+                                    ref, root.hex()[:16])
+                        holder = None  # the move released it
+                        self.assets.presence.settle(fence)
+                        return row_to_info(root, row)
+                    # Never delete here: a COMMIT still in flight may yet publish `root`,
+                    # and no read can order itself after it (gc reclaims it if it never lands).
+                    raise OutcomeUnknown(f"{e}; snapshot {root.hex()} may or may not be published on ref {ref!r}: "
+                                         f"check `tsck log` of the ref (or store.resolve/store.log) before taking it "
+                                         "again, or a retry may publish it twice", root=root, ref=ref) from None
                 except StorageError:
                     self._drop_unpublished(ref, root)
                     raise
@@ -184,11 +196,23 @@ class Publisher:
                 except Exception as e:  # noqa: BLE001 - it expires on its own
                     log.info("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
 
+    def _landed(self, ref: str, root: bytes) -> bool:
+        """After a move whose answer was lost: does the table show `root` published (the
+        ref at it, or its catalog row, written in the same transaction as the move)?
+        False when it shows neither or cannot be asked: the move may still land."""
+        try:
+            return self.reftable.get_or_none(ref) == root or self.reftable.catalog_has(root)
+        except Exception as e:  # noqa: BLE001 - cannot tell: the caller says so
+            log.info("ref %s: cannot tell whether the move to %s landed (%s)", ref, root.hex()[:16], e)
+            return False
+
     def _drop_unpublished(self, ref: str, root: bytes) -> None:
         """The ref table failed the move (its disk full, its server away): if it confirms
         that `root` is not published, remove the commit object, so that `recover` cannot
-        adopt a snapshot whose put failed. Blocks and nodes are left to gc. When the
-        table cannot tell (a commit whose answer was lost may have landed), keep it."""
+        adopt a snapshot whose put failed. Blocks and nodes are left to gc. Only for a
+        definite failure: after a COMMIT whose answer was lost the table raises
+        OutcomeUnknown instead, and nothing is deleted (commit() above). When the table
+        cannot tell, keep it."""
         try:
             if self.reftable.get_or_none(ref) == root or self.reftable.catalog_has(root):
                 return

@@ -29,7 +29,8 @@ from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CollectiveContext, collective_checkout, collective_put, is_collective
 from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
-                     ReadOnlyStore, RefConflict, RefNotFound, StoreClosed, TsckError, storage_error)
+                     OutcomeUnknown, ReadOnlyStore, RefConflict, RefNotFound, StorageError, StoreClosed, TsckError,
+                     storage_error)
 from .format.manifest import decode_commit
 from .ids import MIN_PREFIX, Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
@@ -718,13 +719,35 @@ class Store:
         self.assets.sync()
         try:
             self._fenced(root, target, fence, lambda f: self.reftable.tag_create(name, root, fence=f))
+        except OutcomeUnknown as e:
+            # Its answer was lost: the row may be in or still landing, so the stored tag
+            # stays (deleting it could leave a table tag that recover cannot rebuild).
+            if self._landed(lambda: self.reftable.tag_get(name) == root):
+                return self._info(root)
+            raise OutcomeUnknown(f"{e}; tag {name!r} of {root.hex()[:16]} may or may not have been created: check "
+                                 "`tsck tags` before creating it again", root=root, ref=name) from None
         except BaseException:
             # Ours, and the table refused it (gone snapshot, full disk): the name stays free,
             # and recover cannot bring back a tag the caller was told failed.
             if stored is None and not self._tag_in_table(name, root):
                 self.assets.delete_tag(name)
             raise
-        return self._info(root)
+        try:
+            return self._info(root)
+        except StorageError:
+            # The tag is made; the table went away after: describe the snapshot from its
+            # commit object rather than report a failure for a tag that exists.
+            c = decode_commit(self.assets.get_commit(root))
+            return row_to_info(root, {**c, **c["stats"]})
+
+    @staticmethod
+    def _landed(check) -> bool:
+        """After a write whose answer was lost: does the table now show it? False when
+        it does not or cannot be asked."""
+        try:
+            return bool(check())
+        except TsckError:
+            return False
 
     def _tag_in_table(self, name: str, root: bytes) -> bool:
         """Whether the table holds the tag after a failed create (a lost acknowledgement
@@ -790,7 +813,12 @@ class Store:
         self._writable("pin")
         fence = self.publisher.fence()
         root = self._root(target)
-        self._fenced(root, target, fence, lambda f: self.reftable.pin(root, fence=f))
+        try:
+            self._fenced(root, target, fence, lambda f: self.reftable.pin(root, fence=f))
+        except OutcomeUnknown as e:
+            if not self._landed(lambda: root in self.reftable.pins()):
+                raise OutcomeUnknown(f"{e}; the pin of {root.hex()[:16]} may or may not have been made",
+                                     root=root) from None
         return root.hex()
 
     @_public

@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import GcBusy, InvalidArgument, RefNotFound, TsckError
+from .errors import GcBusy, InvalidArgument, OutcomeUnknown, RefNotFound, TsckError
 from .retention import Retention
 
 __all__ = ["TrainState", "CheckpointManager", "capture_rng", "restore_rng"]
@@ -180,8 +180,9 @@ class CheckpointManager:
     def step(self, step: int, metrics: dict | None = None, *, force: bool = False):
         """Call once per training step. Snapshots when a trigger fires (or force=True);
         returns the SnapshotInfo (blocking), a Future (async), or None. A failed
-        background snapshot is raised here, at the next call."""
-        self.store.raise_pending_error()
+        background snapshot is raised here, at the next call (one whose ref move went
+        unanswered is not, if the ref table now shows it published)."""
+        self._raise_pending()
         why = self.reasons(step, metrics)
         if self.on_metric is not None and metrics and self.on_metric[0] in metrics:
             v = metrics[self.on_metric[0]]
@@ -209,6 +210,26 @@ class CheckpointManager:
                 else:
                     self._pruner.request()
         return res
+
+    def _raise_pending(self) -> None:
+        """The store's pending background failure, except an OutcomeUnknown whose
+        snapshot the ref table now shows published: training goes on over it (raising
+        would stop a run whose snapshot is committed, and a retry would publish it twice)."""
+        try:
+            self.store.raise_pending_error()
+        except OutcomeUnknown as e:
+            if e.root is None or not self._published(e.root, e.ref):
+                raise
+            log.warning("snapshot %s of ref %s: the answer to its ref move was lost, but the ref table shows it "
+                        "published; going on", e.root.hex()[:16], e.ref)
+
+    def _published(self, root: bytes, ref: str | None) -> bool:
+        try:
+            if ref is not None and self.store.resolve(ref) == root.hex():
+                return True
+            return self.store.reftable.catalog_has(root)
+        except TsckError:  # still cannot tell: the caller raises the OutcomeUnknown
+            return False
 
     @property
     def prune_errors(self) -> list:
@@ -256,7 +277,7 @@ class CheckpointManager:
         """Wait for snapshots in flight (raise if one failed), then, with prune=True,
         for the background prune they asked for."""
         self.store.wait()
-        self.store.raise_pending_error()
+        self._raise_pending()
         if prune and self._pruner is not None:
             self._pruner.wait()
 

@@ -40,7 +40,7 @@ import time
 
 import msgpack
 
-from ..errors import NotAStore, StorageError, StoreClosed, TsckError
+from ..errors import NotAStore, OutcomeUnknown, StorageError, StoreClosed, TsckError
 from ..retry import DEFAULT_BACKOFF, Backoff
 from .base import RefTable, Txn, track_for_fork
 
@@ -264,6 +264,17 @@ class PostgresRefTable(RefTable):
         return StorageError(f"ref table at {self.where}: {why}; the server is down or unreachable "
                             f"(waited {self.timeout:g}s for it)")
 
+    def _unknown(self, why: str) -> OutcomeUnknown:
+        return OutcomeUnknown(f"ref table at {self.where}: a write's COMMIT was sent and its answer lost, and the "
+                              f"table could not be asked since ({why}): it may have been applied")
+
+    def _give_up(self, why: str, pending: bytes | None) -> StorageError:
+        # After an unanswered COMMIT the write may have landed (or may still land: the
+        # COMMIT can be in flight on the old session), so failure would be a guess.
+        if pending is None:
+            return self._down(why)
+        return self._unknown(f"{why}; the server is down or unreachable, waited {self.timeout:g}s for it")
+
     # -- transactions ------------------------------------------------------------------
     def _run(self, fn, write: bool):
         psycopg = self._psycopg
@@ -285,7 +296,7 @@ class PostgresRefTable(RefTable):
                 except self._psycopg_pool.PoolClosed:
                     raise StoreClosed(f"the ref table at {self.where} is closed") from None
                 except self._psycopg_pool.PoolTimeout:
-                    raise self._down("no connection") from None
+                    raise self._give_up("no connection", pending) from None
                 token = None
                 committing = False
                 try:
@@ -326,8 +337,10 @@ class PostgresRefTable(RefTable):
                 except psycopg.Error as e:
                     if not _lost(e, conn):
                         _rollback(conn)
-                        raise StorageError(f"ref table at {self.where} failed: {type(e).__name__} "
-                                           f"({getattr(e, 'sqlstate', None) or 'no sqlstate'})") from None
+                        why = f"{type(e).__name__} ({getattr(e, 'sqlstate', None) or 'no sqlstate'})"
+                        if pending is not None:
+                            raise self._unknown(why) from None
+                        raise StorageError(f"ref table at {self.where} failed: {why}") from None
                     if committing and write:
                         pending = token  # outcome unknown: the next attempt looks for the token first
                         self.unknown_commits += 1
@@ -335,7 +348,8 @@ class PostgresRefTable(RefTable):
                     self.reconnects += 1
                     delay = next(delays, None)
                     if delay is None:
-                        raise self._down(f"lost the connection {lost} times ({type(e).__name__})") from None
+                        raise self._give_up(f"lost the connection {lost} times ({type(e).__name__})",
+                                            pending) from None
                     log.warning("ref table %s: connection lost (%s)%s; retry %d/%d in %.2fs", self.where,
                                 type(e).__name__, ", commit unanswered" if pending is not None else "", lost,
                                 self.backoff.attempts - 1, delay)

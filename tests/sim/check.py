@@ -38,10 +38,16 @@ class Op:
 
     @property
     def unknown(self) -> bool:
-        return self.end is None
+        # killed, or the call itself said so (a lost answer: it may still take effect later)
+        return self.end is None or self.result == "OutcomeUnknown"
+
+    @property
+    def failed(self) -> bool:
+        """The call said it failed: its effect must not exist (I9)."""
+        return not self.unknown and self.result not in ("ok", "mismatch")
 
     def brief(self) -> str:
-        res = "UNKNOWN (killed)" if self.unknown else self.result
+        res = "UNKNOWN (killed)" if self.end is None else self.result
         extra = {k: v for k, v in self.out.items() if k in ("root", "error", "findings", "diff", "expired")}
         return f"[{self.w}#{self.i} {self.op} {json.dumps(self.args, sort_keys=True)} t={self.start:.3f}" \
                f"..{'?' if self.end is None else f'{self.end:.3f}'} -> {res} {json.dumps(extra)[:600]}]"
@@ -220,7 +226,7 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
             continue
         undone = False
         for u in unpins:
-            if u.end is not None and u.end < o.start:
+            if not u.unknown and u.end < o.start:
                 continue
             target = u.out.get("root") or u.args.get("target")
             if target == root or (u.unknown and len(str(target)) != 64):
@@ -249,6 +255,45 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
         # a second fence means a hold ran out (30 s) or was ignored. Two is slack for the former.
         if o.op == "put" and o.ok and (o.out.get("fenced") or 0) > 2:
             bad.append(f"I8 a put was fenced {o.out['fenced']} times (a writer starved by gc): {o.brief()}")
+    return bad
+
+
+def check_failures(store, ops: list[Op]) -> list[str]:
+    """I9, the converse of I3: no call reported failure for something that happened. A put
+    that raised (not OutcomeUnknown, not killed) has no snapshot in the catalog or at a
+    ref tip; a tag that raised does not exist; a pin of a root that raised is not there
+    unless another pin of it may have made it. A recover after the call may adopt what a
+    failed call left in storage (the clean-up that deletes it can fail too): not judged."""
+    rt, bad = store.reftable, []
+    recovers = [o for o in ops if o.op in ("recover", "delete_refs")]
+
+    def judged(o: Op) -> bool:
+        return o.failed and not any(r.unknown or r.end > o.start for r in recovers)
+
+    failed_puts = {(o.args["spec"]["w"], o.args["spec"]["o"]): o for o in ops if o.op == "put" and judged(o)}
+    if failed_puts:
+        roots = {r for r, _ in rt.catalog_iter()} | {r for _, r in rt.list()}
+        for root in roots:
+            try:
+                spec = _spec_of(store, root) or {}
+            except tsck.TsckError:
+                continue  # I1 reports an unreadable one
+            o = failed_puts.get((spec.get("w"), spec.get("o")))
+            if o is not None:
+                bad.append(f"I9 put said {o.result} but its snapshot {root.hex()[:16]} is published: {o.brief()}")
+    tags = {n: r.hex() for n, r in rt.tags()}
+    for o in ops:
+        if o.op == "tag" and judged(o) and o.args["name"] in tags:
+            bad.append(f"I9 tag said {o.result} but {o.args['name']} exists on {tags[o.args['name']][:16]}: "
+                       f"{o.brief()}")
+    pins = {r.hex() for r in rt.pins()}
+    pin_ops = [o for o in ops if o.op == "pin"]
+    for o in pin_ops:
+        t = o.args["target"]
+        if judged(o) and t in pins and not any(
+                p is not o and not p.failed and (p.out.get("root") == t or p.args["target"] == t
+                                                 or len(p.args["target"]) != 64) for p in pin_ops):
+            bad.append(f"I9 pin said {o.result} but {t[:16]} is pinned: {o.brief()}")
     return bad
 
 

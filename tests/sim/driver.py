@@ -41,8 +41,14 @@ Invariants (tests/sim/check.py), after every round:
       untagged tag (its storage object goes first); unless the ref table was lost.
   I8  liveness: no successful put was fenced more than twice (a fenced writer takes a
       gc hold, so the gc's next deletion phase waits for its move).
-An operation whose worker was killed has an unknown outcome: either is allowed, a
-corrupt one never.
+  I9  the converse of I3, as strict: no call reported failure for something that
+      happened (a put that raised, not OutcomeUnknown, published nothing; a tag that
+      raised does not exist; a pin that raised is not there by its own doing).
+An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
+outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
+ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
+COMMITs and black-holes the server at seeded random moments (rounds print
+unknown_outcomes= and the proxies' counts).
 
 Seeds: the run's seed fixes every random choice (rounds, workers, operations, fault
 profiles, kill points and times); it is printed first (`HARNESS seed=...`), and a
@@ -69,6 +75,7 @@ import tensorstore_ck as tsck
 
 from . import check, content
 from .backends import Location
+from .netproxy import NetFaults
 from .worker import Journal
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -114,7 +121,18 @@ FLAVORS = {
                                          "fsck": 0.3}, recover_p=0.0, live_recover_p=1.0, live_kill=0.8,
                          live_attempts=3, quiet_gc=0.2),
 }
+# Commits whose answer never came (tests/sim/netproxy.py at high rates, every round): puts,
+# tags and pins whose COMMIT is dropped or held while the server is black-holed past the
+# workers' connect timeout (pg, s3; on file the network is not in the path). Not in the
+# mix's draw: --focus net, and the mix's rounds get the proxies at their usual rates.
+FLAVORS["net"] = dict(_BASE, weights={"put": 6, "tag": 1.5, "pin": 1, "unpin": 0.3, "gc": 0.7, "retention": 0.5,
+                                      "read": 1}, fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.0,
+                      kill_after_commit=0.0, net="heavy")
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1, "remove": 2}
+
+
+def _net_brief(net: dict) -> str:
+    return ",".join(f"{k}:{v['drops']}d/{v['holds']}h/{v['blackouts']}b" for k, v in net.items())
 
 
 def leases_for(backend: str) -> list[float]:
@@ -130,6 +148,7 @@ class Harness:
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"tsck-sim-{seed}-")
         os.makedirs(os.path.join(self.run_dir, "journal"), exist_ok=True)
         self.loc = Location(backend, self.run_dir, pg_dsn)
+        self.net = NetFaults(self.loc)  # workers reach PostgreSQL and S3 through faulty proxies
         self.dj = Journal(os.path.join(self.run_dir, "journal", "driver.jsonl"), "driver")
         self.di = 0
         self.barriers: list[float] = []  # when the ref table was deleted
@@ -215,7 +234,7 @@ class Harness:
         for k in range(n):
             wid = f"r{r}w{k}"
             cfgs.append({
-                "id": wid, "seed": rng.getrandbits(62), "role": "ops", "store": self.loc.spec(),
+                "id": wid, "seed": rng.getrandbits(62), "role": "ops", "store": self.net.spec(),
                 "journal": os.path.join(self.run_dir, "journal", f"{wid}.jsonl"),
                 "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds,
                 # collective puts by the round's first worker only (its ranks are 2 more processes)
@@ -233,6 +252,8 @@ class Harness:
         # (no draw for the other flavors: their seeded schedules stay as they were)
         live = self._live_recover_start(rng, fl, r) if fl.get("live_recover_p") and \
             rng.random() < fl["live_recover_p"] else None
+        # its own draws: the schedules of operations stay what they were
+        net_on = self.net.start_round(random.Random(f"{self.seed}:{r}:net"), heavy=fl.get("net") == "heavy")
         procs = [self._spawn(c) for c in cfgs]
         ready: dict[int, float] = {}
         killed = stuck = 0
@@ -266,6 +287,7 @@ class Harness:
             if p.returncode not in (0, -signal.SIGKILL):
                 with open(os.path.join(self.run_dir, f"{c['id']}.err"), errors="replace") as f:
                     bad.append(f"I4 worker {c['id']} exited {p.returncode}: {f.read()[-1500:]}")
+        net = self.net.end_round()  # held COMMITs land now, after their clients gave up
         t_work = time.time() - t0
         self_killed = sum(1 for p in procs if p.returncode == -signal.SIGKILL) - killed - stuck
         recovered = rng.random() < fl["recover_p"]
@@ -279,13 +301,16 @@ class Harness:
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
         hits, fenced, collective = {}, 0, 0  # the presence record, writers' holds and collective puts
+        unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
+            unknown += 1 if o.w in ids and o.result == "OutcomeUnknown" else 0
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
                 fenced += o.out.get("fenced") or 0
                 collective += 1 if o.args.get("collective") else 0
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"fenced_puts={fenced} collective_puts={collective} "
+                 f"fenced_puts={fenced} collective_puts={collective} unknown_outcomes={unknown} "
+                 f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
@@ -463,6 +488,7 @@ class Harness:
             bad += check.check_readable(s)
             bad += check.check_fsck(s, "quiescent")
             bad += check.check_history(s, ops, self.barriers)
+            bad += check.check_failures(s, ops)
         return bad
 
     # -- the run ------------------------------------------------------------------------
@@ -500,6 +526,7 @@ class Harness:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            self.net.close()
             self.loc.close()
             if not self.keep and "bad" in locals() and not bad:
                 shutil.rmtree(self.run_dir, ignore_errors=True)

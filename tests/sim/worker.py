@@ -68,8 +68,16 @@ class Journal:
 def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     st = cfg["store"]
     wrap = (lambda inner: SimStore(inner, faults)) if faults is not None else None
-    s = tsck.open_store(st["url"], refs=st.get("refs"), storage_options=st.get("storage_options"),
-                        create=False, wrap_storage=wrap, workers=3, **kw)
+    give_up = time.time() + 60
+    while True:
+        try:
+            s = tsck.open_store(st["url"], refs=st.get("refs"), storage_options=st.get("storage_options"),
+                                create=False, wrap_storage=wrap, workers=3, **kw)
+            break
+        except tsck.StorageError:  # the network proxy's blackout (tests/sim/netproxy.py): wait it out
+            if time.time() > give_up:
+                raise
+            time.sleep(0.5)
     if faults is not None:
         slow_reftable(s.reftable, faults)
     return s
@@ -401,7 +409,11 @@ class Worker:
                 if time.time() > deadline:
                     break
                 op = self.rng.choices(names, [weights[n] for n in names])[0]
-                args, call = getattr(self, f"op_{op}")(s, i)
+                try:
+                    args, call = getattr(self, f"op_{op}")(s, i)
+                except tsck.StorageError:  # choosing its arguments read the table; the network is down
+                    time.sleep(0.2)
+                    continue
                 self.j.write(i=i, op=JOURNAL_AS.get(op, op), args=args, start=time.time())
                 try:
                     out = call() or {}
@@ -412,7 +424,10 @@ class Worker:
                 time.sleep(self.rng.random() * cfg.get("pause", 0.05))
         finally:
             self.faults.armed = False
-            s.close()
+            try:
+                s.close()
+            except tsck.StorageError:  # its last writes' tokens are swept later
+                pass
             for p in self.ranks:  # EOF on stdin: each rank closes its Store and exits
                 p.stdin.close()
             for p in self.ranks:
