@@ -25,8 +25,12 @@ raises SnapshotAborted, nothing is published, and the group stays usable for
 training. The claim (one compare_set) makes abort and commit exclusive: once
 rank 0 has claimed "commit", a rank whose deadline passes waits for the
 result instead of declaring an abort, so a published snapshot is never
-reported aborted while the Store is reachable. The argument is in
-docs/ARCHITECTURE.md ("Distributed snapshots").
+reported aborted while the Store is reachable; and rank 0 beats a counter while it
+publishes, so the others wait for a slow rank 0 and give up only on a silent one.
+A call's keys are named by a per-process counter (CALLS), the same on every rank
+whichever Store object makes the call; a call's outcome stays in the Store until
+every rank has acked it. The argument is in docs/ARCHITECTURE.md ("Distributed
+snapshots").
 """
 
 from __future__ import annotations
@@ -524,7 +528,8 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         if isinstance(e, TsckError):
             raise
         raise SnapshotAborted(f"snapshot aborted: {why}") from e
-    beat.stop()
+    finally:
+        beat.stop()  # (also on a KeyboardInterrupt: a beat that outlived the commit would keep the others waiting)
     try:
         ch.set("result", info.root.encode())
     except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
@@ -611,7 +616,8 @@ def _target_disagreement(ch: _Channel, root: Digest, spelled: str, resolve) -> s
     (its ref, its root) is agreement. -> the refusal, or None."""
     asked: dict = {}
     for r in range(ch.world):
-        asked.setdefault(ch.get(f"hello/{r}").decode(errors="replace"), []).append(r)
+        t = ch.get(f"hello/{r}").decode(errors="replace") if ch.kv.check([ch.pfx + f"hello/{r}"]) else "?"
+        asked.setdefault(t, []).append(r)
     roots = {spelled: root.hex()}
     for t in list(asked)[:8]:
         if t not in roots:
