@@ -677,12 +677,13 @@ def slow_store_class():
 
 
 def slowcommit_case(rank, world, out, res, _arg):
-    """timeout=3; rank 0's commit object write takes 9 s: it is slow, not dead, and
-    publishes; every rank must say so."""
+    """timeout=T; rank 0's commit object write takes 3T: it is slow, not dead, and
+    publishes; every rank must say so. (T = 4 s, not less: rank 0 must claim the commit
+    before rank 1's deadline, on a loaded machine too.)"""
     import torch.distributed as dist
     Slow = slow_store_class()
     holder = {}
-    T = 3.0
+    T = 4.0
     res["timeout"] = T
     wrap = (lambda s: holder.setdefault("w", Slow(s, 3 * T))) if rank == 0 else None
     with _open(out, wrap_storage=wrap) as store:
@@ -702,7 +703,7 @@ def stopped_case(rank, world, out, res, _arg):
     kv = dist.distributed_c10d._get_default_store()
     Slow = slow_store_class()
     holder = {}
-    T = 3.0
+    T = 5.0  # put 1 must reach rank 0's commit within it, on a loaded machine too
     kv.set(f"test/pid/{rank}", str(os.getpid()))
     wrap = (lambda s: holder.setdefault("w", Slow(s, 0.0))) if rank == 0 else None
     with _open(out, wrap_storage=wrap) as store:
@@ -731,8 +732,8 @@ def nonmember_case(rank, world, out, res, _arg):
     g = dist.new_group([0, 1])
     with _open(out) as store:
         st = {"x": torch.full((3000,), float(rank)), "rank": rank}
-        _outcome(res, "put", lambda: store.put_snapshot(st, REF, step=1, group=g, timeout=10))
-        _outcome(res, "checkout", lambda: store.checkout(REF, group=g, timeout=10))
+        _outcome(res, "put", lambda: store.put_snapshot(st, REF, step=1, group=g, timeout=30))
+        _outcome(res, "checkout", lambda: store.checkout(REF, group=g, timeout=30))
         if "checkout" in res and res["checkout"] == "returned":
             res["checkout_rank"] = store.checkout(REF, group=False)["rank"]
 
@@ -746,7 +747,7 @@ def cotarget_case(rank, world, out, res, _arg):
         res["roots"] = roots
 
         def co(target):
-            got = store.checkout(target, timeout=10)
+            got = store.checkout(target, timeout=30)
             res.setdefault("got_v", []).append(got["v"])
         _outcome(res, "differ", lambda: co(REF if rank == 0 else roots[0]))
         _outcome(res, "spelled", lambda: co(REF if rank == 0 else roots[1]))
