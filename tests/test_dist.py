@@ -485,6 +485,8 @@ def test_collective_puts_through_new_or_several_stores_publish_each_call_once(tm
                 assert got["v"] == v and s.show(root).step == v
                 assert same_bits(_small_full(v), got["w"]), f"{name}: the snapshot of step {v} holds other rows"
             assert s.fsck().ok
+    keys = res[0]["keys"]  # after each round (3 calls): rank 0 deletes what every rank has acked
+    assert keys[-1] == keys[-2], f"the c10d Store grows with every call: {keys}"
 
 
 def test_slow_rank_0_publishing_is_reported_published_on_every_rank(tmp_path):
@@ -501,6 +503,22 @@ def test_slow_rank_0_publishing_is_reported_published_on_every_rank(tmp_path):
     assert res[1]["second_root"] == root
     with tsck.open_store(out / "store", create=False) as s:
         assert s.resolve(REF) == root and s.show(REF).step == 2
+
+
+def test_rank_0_dead_after_its_commit_claim_ends_in_an_abort_not_a_hang(tmp_path):
+    """The other side of the heartbeat: rank 0 is killed as it writes the commit object (its
+    commit claim taken, the ref not moved). Rank 1 waits while the beat moves, then gives up
+    once it has stood still for the timeout, asks the ref table (which did not move) and
+    raises SnapshotAborted."""
+    out = run_scenario(tmp_path, "deadcommit")
+    launcher = json.loads((out / "deadcommit_launcher.json").read_text())
+    assert launcher["exitcodes"][0] == -signal.SIGKILL
+    r1 = rank_results(out, "deadcommit", 2, dead=(0,))[1]
+    assert r1["first"] == "returned"
+    assert r1["second"] == "SnapshotAborted", f"{r1['second']}: {r1.get('second_message')}"
+    assert "no sign of life" in r1["second_message"], r1["second_message"]
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.resolve(REF) == r1["first_root"] and [i.step for i in s.log(REF)] == [1]
 
 
 def test_rank_stopped_across_two_later_puts_learns_the_true_outcome(tmp_path):

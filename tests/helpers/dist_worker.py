@@ -4,7 +4,7 @@
 
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
 desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
-newstore (ARG: rounds), slowcommit, stopped, nonmember, cotarget.
+newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -642,7 +642,9 @@ def _outcome(res, key, fn):
 def newstore_case(rank, world, out, res, rounds):
     """Collective puts through Store objects opened per call, and through two stores held
     open side by side (a fast one and a durable one): every call is one snapshot."""
+    import torch.distributed as dist
     import tensorstore_ck as tsck
+    kv = dist.distributed_c10d._get_default_store()
     two = [tsck.open_store(os.path.join(out, name), block_size=BLOCK, inline_threshold=INLINE)
            for name in ("fast", "durable")]
     for v in range(1, rounds + 1):
@@ -650,6 +652,8 @@ def newstore_case(rank, world, out, res, rounds):
             _outcome(res, f"percall{v}", lambda: s.put_snapshot(small_state(rank, world, v), REF, step=v, timeout=30))
         for name, s in zip(("fast", "durable"), two):
             _outcome(res, f"{name}{v}", lambda: s.put_snapshot(small_state(rank, world, v), REF, step=v, timeout=30))
+        dist.barrier()
+        res.setdefault("keys", []).append(kv.num_keys())  # the c10d Store must not grow with every call
     for s in two:
         s.close()
 
@@ -726,6 +730,25 @@ def stopped_case(rank, world, out, res, _arg):
         _outcome(res, "put3", lambda: store.put_snapshot(small_state(rank, world, 3), REF, step=3, timeout=60))
 
 
+def deadcommit_case(rank, world, out, res, _arg):
+    """Rank 0 dies (SIGKILL, by itself) as it writes the commit object of put 2, after its
+    commit claim: its heartbeat stops, and rank 1 must give up (SnapshotAborted, the ref
+    did not move), not wait for ever."""
+    import torch.distributed as dist
+    Slow = slow_store_class()
+    holder = {}
+    T = 3.0
+    res["timeout"] = T
+    wrap = (lambda s: holder.setdefault("w", Slow(s, 0.0))) if rank == 0 else None
+    with _open(out, wrap_storage=wrap) as store:
+        _outcome(res, "first", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=30))
+        dist.barrier()
+        if rank == 0:
+            holder["w"].then = lambda: os.kill(os.getpid(), signal.SIGKILL)
+            holder["w"].armed = True
+        _outcome(res, "second", lambda: store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=T))
+
+
 def nonmember_case(rank, world, out, res, _arg):
     """group= holds ranks 0 and 1; rank 2 passes it too."""
     import torch.distributed as dist
@@ -790,6 +813,8 @@ def main(argv) -> int:
         infos = [launch("slowcommit", 2, slowcommit_case, out, limit=90.0)]
     elif scenario == "stopped":
         infos = [launch("stopped", 2, stopped_case, out, limit=120.0)]
+    elif scenario == "deadcommit":
+        infos = [launch("deadcommit", 2, deadcommit_case, out, limit=90.0)]
     elif scenario == "nonmember":
         infos = [launch("nonmember", 3, nonmember_case, out)]
     elif scenario == "cotarget":
