@@ -25,8 +25,12 @@ raises SnapshotAborted, nothing is published, and the group stays usable for
 training. The claim (one compare_set) makes abort and commit exclusive: once
 rank 0 has claimed "commit", a rank whose deadline passes waits for the
 result instead of declaring an abort, so a published snapshot is never
-reported aborted while the Store is reachable. The argument is in
-docs/ARCHITECTURE.md ("Distributed snapshots").
+reported aborted while the Store is reachable; and rank 0 beats a counter while it
+publishes, so the others wait for a slow rank 0 and give up only on a silent one.
+A call's keys are named by a per-process counter (CALLS), the same on every rank
+whichever Store object makes the call; a call's outcome stays in the Store until
+every rank has acked it. The argument is in docs/ARCHITECTURE.md ("Distributed
+snapshots").
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from .ids import Digest
 from .shard import find_overlap
 from .validate import UNSET
 
-__all__ = ["collective_put", "collective_checkout", "is_collective", "CollectiveContext"]
+__all__ = ["collective_put", "collective_checkout", "is_collective", "CollectiveContext", "CALLS"]
 
 AUTO = object()
 
@@ -53,6 +57,12 @@ AUTO = object()
 ACK_GRACE = 10.0
 # Clock skew tolerated when a rank looks up in the ref table whether a silent rank 0 published.
 CLOCK_SKEW = 120.0
+# Rank 0 keeps the outcome of a call in the Store until every rank has acked it (a rank
+# stopped across later calls reads it when it resumes), but of at most this many calls per
+# (group, op): beyond, the oldest go (a rank that never comes back must not grow the Store).
+KEEP_UNACKED = 256
+# The keys of a call that every rank reads (rank 0 deletes them); the rest are per rank.
+_SHARED_KEYS = ("hello_n", "done_n", "go", "result", "abort", "root", "decided", "acked", "beat", "tsum")
 
 
 class _CommitUnderWay(Exception):
@@ -60,18 +70,38 @@ class _CommitUnderWay(Exception):
 
 
 class CollectiveContext:
-    """Per store: how many collectives of each (group, op) this process has entered.
-    Every rank makes the same calls in the same order, so the count names the call
-    (the key prefix in the c10d Store) identically on every rank."""
+    """Per process (CALLS, shared by every Store of the process): how many collectives
+    of each (group, op) it has entered. Every rank makes the same collective calls in
+    the same order, whichever Store object it makes them through, so the count names the
+    call (the key prefix in the c10d Store) identically on every rank and never repeats
+    within the process: a Store opened per snapshot, or two Stores used in turn, cannot
+    meet an earlier call's keys. Rank 0 also lists here the calls whose shared keys are
+    still in the c10d Store (until every rank has acked them)."""
 
     def __init__(self):
         self._seq: dict = {}
+        self._kept: dict = {}  # (group, op) -> [seq, ...], oldest first
         self._lock = threading.Lock()
 
     def next(self, key) -> int:
         with self._lock:
             self._seq[key] = self._seq.get(key, 0) + 1
             return self._seq[key]
+
+    def finished(self, key, seq: int) -> None:
+        with self._lock:
+            self._kept.setdefault(key, []).append(seq)
+
+    def kept(self, key) -> list[int]:
+        with self._lock:
+            return list(self._kept.get(key, ()))
+
+    def forget(self, key, seq: int) -> None:
+        with self._lock:
+            self._kept[key].remove(seq)
+
+
+CALLS = CollectiveContext()
 
 
 def _dist():
@@ -94,13 +124,19 @@ class _Channel:
     def __init__(self, ctx: CollectiveContext, group, op: str, timeout: float, kv=None):
         dist = _dist()
         g = None if group in (AUTO, None, True) else group
-        self.world = dist.get_world_size(g)
         self.rank = dist.get_rank(g)
+        if self.rank < 0:  # (torch's answer for a process outside the group) before it counts a call
+            raise InvalidArgument(
+                f"this process (global rank {dist.get_rank()}) is not a member of the process group passed as "
+                "group=: a collective put_snapshot or checkout is made by the group's members only (group=False "
+                "for this process alone); nothing was written")
+        self.world = dist.get_world_size(g)
         self.kv = kv if kv is not None else dist.distributed_c10d._get_default_store()
         gid = "world" if g is None else "g" + "-".join(map(str, dist.get_process_group_ranks(g)))
-        key = (gid, op)
-        seq = ctx.next(key)
-        self.pfx = f"tsck/{gid}/{op}/{seq}/"
+        self.ctx, self.key = ctx, (gid, op)
+        self.seq = ctx.next(self.key)
+        self.base = f"tsck/{gid}/{op}/"
+        self.pfx = f"{self.base}{self.seq}/"
         self.op = op
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
@@ -154,9 +190,12 @@ class _Channel:
             raise SnapshotAborted(f"snapshot aborted: {why}")
 
     def ack(self) -> None:
-        """This rank holds the outcome (it returns or raises next)."""
+        """This rank holds the outcome (it returns or raises next). ack/{rank} tells rank 0
+        who is still reading; the counter "acked" (never deleted before the call's shared
+        keys) tells it when the outcome may go."""
         try:
             self.kv.set(self.pfx + f"ack/{self.rank}", b"1")
+            self.kv.add(self.pfx + "acked", 1)
         except Exception:  # noqa: BLE001 - the store is gone: nobody is waiting for us any more
             pass
 
@@ -184,20 +223,35 @@ class _Channel:
         return [r for r in range(self.world) if not self.kv.check([self.pfx + f"{k}/{r}"])]
 
     def cleanup_old(self) -> None:
-        """Delete this rank's keys of two calls ago (every rank has passed them), and
-        on rank 0 the shared ones, so the Store does not grow with every snapshot."""
-        seq = int(self.pfx.rstrip("/").rsplit("/", 1)[1]) - 2
-        if seq < 1:
+        """So the Store does not grow with every snapshot: delete this rank's own keys of
+        two calls ago (it has passed that call, and nobody reads them after it), and on
+        rank 0 the shared keys of each earlier call once every rank has acked it (its
+        counter "acked" reached W). The outcome of a call some rank has not acked (a
+        stopped rank) stays, so that rank reads the truth when it resumes, however many
+        calls later; of at most KEEP_UNACKED calls (a rank that never comes back)."""
+        def delete(keys):
+            for k in keys:
+                try:
+                    self.kv.delete_key(k)
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+        if self.seq - 2 >= 1:
+            old = f"{self.base}{self.seq - 2}/"
+            delete(old + k for k in (f"hello/{self.rank}", f"done/{self.rank}", f"ack/{self.rank}",
+                                     f"rep/{self.rank}"))
+        if self.rank != 0:
             return
-        old = self.pfx.rsplit("/", 2)[0] + f"/{seq}/"
-        keys = [f"hello/{self.rank}", f"done/{self.rank}", f"ack/{self.rank}", f"rep/{self.rank}"]
-        if self.rank == 0:
-            keys += ["hello_n", "done_n", "go", "result", "abort", "root", "decided"]
-        for k in keys:
+        kept = self.ctx.kept(self.key)
+        for i, seq in enumerate(kept):  # oldest first; a rank acks calls in order
+            old = f"{self.base}{seq}/"
             try:
-                self.kv.delete_key(old + k)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+                acked = self.kv.add(old + "acked", 0) >= self.world
+            except Exception:  # noqa: BLE001 - the store is unreachable: the call itself will say so
+                return
+            if not acked and len(kept) - i <= KEEP_UNACKED:
+                break
+            delete(old + k for k in _SHARED_KEYS)
+            self.ctx.forget(self.key, seq)
 
     def _poll(self, ready, what: str, per_rank: str | None = None, of_ranks: bool = False):
         delay = 0.001
@@ -330,6 +384,8 @@ def _replica_disagreement(ch: _Channel) -> str:
 def _open_channel(ctx, group, op, timeout, kv) -> _Channel:
     try:
         return _Channel(ctx, group, op, timeout, kv)
+    except InvalidArgument:
+        raise
     except Exception as e:  # noqa: BLE001
         raise SnapshotAborted(f"cannot reach the process group's store: {e}") from e
 
@@ -346,10 +402,12 @@ def _outcome_round(ch: _Channel, body, what: str):
         ch.ack()
         if ch.rank == 0:
             ch.wait_acks()
+            ch.ctx.finished(ch.key, ch.seq)
         raise
     ch.ack()
     if ch.rank == 0:
         silent = ch.wait_acks()
+        ch.ctx.finished(ch.key, ch.seq)
         if silent:
             warnings.warn(f"{what} succeeded, but ranks {silent} did not confirm within the deadline that they "
                           "read the outcome (dead or stalled?): they may report an error for it", RuntimeWarning,
@@ -450,18 +508,28 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
     top, stats = _guard(ch, compose)
     # The point of no return: from here no other rank may declare this snapshot aborted
     # (their deadlines may pass while the ref moves); only this rank can, if the move fails.
-    won = _guard(ch, lambda: ch.claim(b"commit:" + top.hex().encode()))
-    if not won.startswith(b"commit:"):  # another rank gave up first: its abort record follows
+    mine = b"commit:" + top.hex().encode()
+    won = _guard(ch, lambda: ch.claim(mine))
+    if won == b"abort":  # another rank gave up first: its abort record follows
         _guard(ch, lambda: ch.wait_key("abort", "the abort record of the rank that aborted"))
         raise SnapshotAborted("snapshot aborted by another rank")  # pragma: no cover - wait_key raised
+    if won != mine:  # another call's claim under this call's keys: never take it for this one's
+        why = (f"rank 0: the c10d Store already holds another call's commit claim under {ch.pfx} "
+               "(a collective call named like an earlier one); nothing was published")
+        ch.abort(why, force=True)
+        raise SnapshotAborted(f"snapshot aborted: {why}")
+    beat = _Heartbeat(ch)  # the others wait for the result as long as this rank shows it is alive
     try:
         info = publisher.commit(top, args, stats=stats, fence=fence, meta_extra={"world": W})
     except Exception as e:
+        beat.stop()
         why = str(e) if isinstance(e, SnapshotAborted) else f"rank 0: {type(e).__name__}: {e}"
         ch.abort(why.removeprefix("snapshot aborted: "), force=True)
         if isinstance(e, TsckError):
             raise
         raise SnapshotAborted(f"snapshot aborted: {why}") from e
+    finally:
+        beat.stop()  # (also on a KeyboardInterrupt: a beat that outlived the commit would keep the others waiting)
     try:
         ch.set("result", info.root.encode())
     except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
@@ -470,22 +538,58 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
     return info
 
 
+class _Heartbeat:
+    """Rank 0, from its commit claim until the result is posted: adds 1 to the call's
+    "beat" counter every `timeout`/6 s (at most 1 s), from a thread, so that the other
+    ranks, whose deadline may pass while a slow storage write goes on, can tell a slow
+    rank 0 (the count moves: keep waiting) from a dead or stopped one (it does not move
+    for `timeout`: ask the ref table)."""
+
+    def __init__(self, ch: _Channel):
+        self._stop = threading.Event()
+        key, interval = ch.pfx + "beat", max(0.02, min(1.0, ch.timeout / 6))
+
+        def run():
+            while not self._stop.is_set():
+                try:
+                    ch.kv.add(key, 1)
+                except Exception:  # noqa: BLE001 - the store is gone: nobody is listening
+                    return
+                self._stop.wait(interval)
+        self._thread = threading.Thread(target=run, name="tsck-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _await_result(ch: _Channel, publisher, args):
     """A rank other than 0, its part written: wait for the outcome. Once rank 0 has
-    claimed "commit", this rank's deadline no longer aborts: it waits one more timeout
-    for the result, then asks the ref table whether the ref moved to the snapshot."""
+    claimed "commit", this rank's deadline no longer aborts: it waits for the result as
+    long as rank 0's heartbeat moves; if it stops for `timeout` (rank 0 dead or stopped)
+    or the Store goes away, it asks the ref table whether the ref moved to the snapshot."""
     try:
         root = _guard(ch, lambda: ch.wait_key("result", "rank 0 to publish", per_rank="done"))
         return publisher.info(Digest.parse(root.decode()))
     except _CommitUnderWay:
         pass
-    ch.deadline = time.monotonic() + ch.timeout
     try:
-        root = ch.wait_key("result", "rank 0 to finish publishing")
-        return publisher.info(Digest.parse(root.decode()))
+        last, seen, delay = None, time.monotonic(), 0.001
+        while True:
+            ch._check_abort()  # rank 0's own commit failed: it wrote the abort record
+            if ch.kv.check([ch.pfx + "result"]):
+                return publisher.info(Digest.parse(ch.get("result").decode()))
+            beat, now = ch.add("beat", 0), time.monotonic()
+            if beat != last:
+                last, seen = beat, now
+            elif now - seen > ch.timeout:
+                break
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
     except SnapshotAborted:
         raise
-    except Exception:  # noqa: BLE001 - _CommitUnderWay again, or the store went away
+    except Exception:  # noqa: BLE001 - the store went away
         pass
     decided = b""
     try:
@@ -496,23 +600,77 @@ def _await_result(ch: _Channel, publisher, args):
     info = None if top is None else publisher.find_published(args.ref, top, ch.t_start - CLOCK_SKEW)
     if info is not None:
         return info
-    raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: rank 0 began publishing but reported no outcome "
-                          f"within a further {ch.timeout:g}s, and {args.ref!r} has not moved to the snapshot")
+    raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: rank 0 began publishing, then showed no sign of "
+                          f"life for {ch.timeout:g}s (dead or stopped), and {args.ref!r} has not moved to the "
+                          "snapshot")
+
+
+def _target_hash(spelled: str) -> int:
+    """40 bits of the target as written: W of them summed fit in the Store's int64 counter."""
+    return int.from_bytes(hashlib.blake2b(spelled.encode(), digest_size=5).digest(), "little")
+
+
+def _target_disagreement(ch: _Channel, root: Digest, spelled: str, resolve) -> str | None:
+    """Rank 0, when the ranks did not all write the target as it did: read what each asked
+    for (only now: O(W)) and resolve each distinct one; the same snapshot written two ways
+    (its ref, its root) is agreement. -> the refusal, or None."""
+    asked: dict = {}
+    for r in range(ch.world):
+        t = ch.get(f"hello/{r}").decode(errors="replace") if ch.kv.check([ch.pfx + f"hello/{r}"]) else "?"
+        asked.setdefault(t, []).append(r)
+    roots = {spelled: root.hex()}
+    for t in list(asked)[:8]:
+        if t not in roots:
+            try:
+                roots[t] = resolve(t).hex()
+            except TsckError as e:
+                roots[t] = f"{type(e).__name__}: {e}"
+    if len(asked) <= 8 and all(roots[t] == root.hex() for t in asked):
+        return None
+    parts = [f"{_ranks(rs)} {'asks' if len(rs) == 1 else 'ask'} for {t!r} ({roots.get(t, '?')[:16]})"
+             for t, rs in sorted(asked.items(), key=lambda kv: kv[1][0])[:4]]
+    return ("ranks disagree on the snapshot to check out: " + "; ".join(parts)
+            + " (a collective checkout reads one snapshot on every rank; nothing was read)")
 
 
 def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group, timeout, kv=None):
-    """Rank 0 resolves `target` (so every rank reads the same snapshot even if the ref
-    moves meanwhile); every rank then reads its own view with read(root, rank)."""
+    """Every rank says what it asks for (a hello); rank 0 checks that they all ask for
+    the same snapshot and resolves `target` (so every rank reads the same snapshot even if
+    the ref moves meanwhile); every rank then reads its own view with read(root, rank).
+    The check costs each rank O(1) messages: each adds a 40-bit hash of its target to the
+    counter "tsum", which equals W times rank 0's hash when all agree; rank 0 reads the
+    hellos themselves only when it does not."""
     ch = _open_channel(ctx, group, "checkout", timeout, kv)
     ch.cleanup_old()
+    spelled = target if isinstance(target, str) else repr(target)
+
+    def hello():
+        ch.set(f"hello/{ch.rank}", spelled.encode())
+        ch.add("tsum", _target_hash(spelled))
+        ch.add("hello_n")
+
     if ch.rank != 0:
+        def wait_root():
+            _guard(ch, hello)
+            return Digest.parse(_guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target",
+                                                               per_rank="hello")).decode())
         # The outcome is the root (or the error); the rest is this rank's own reading.
-        root = _outcome_round(ch, lambda: Digest.parse(
-            _guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target")).decode()), "")
+        root = _outcome_round(ch, wait_root, "")
         return read(root, ch.rank)
 
+    def agree():
+        ch.wait_count("hello_n", ch.world, "arrive", per_rank="hello")
+        root = resolve(target)
+        if ch.add("tsum", 0) != ch.world * _target_hash(spelled):
+            problem = _target_disagreement(ch, root, spelled, resolve)
+            if problem is not None:  # every rank raises it as what it is
+                ch.abort(problem, "invalid_argument", shared=True)
+                raise InvalidArgument(problem)
+        return root
+
     def body():
-        root = _guard(ch, lambda: resolve(target))
+        _guard(ch, hello)
+        root = _guard(ch, agree)
         _guard(ch, lambda: ch.set("root", root.hex().encode()))
         return read(root, 0)  # while the others pick up the root
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from . import chunker
 from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
-from .dist import CollectiveContext, collective_checkout, collective_put, is_collective
+from .dist import CALLS, collective_checkout, collective_put, is_collective
 from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
                      OutcomeUnknown, ReadOnlyStore, RefConflict, RefNotFound, StorageError, StoreClosed, TsckError,
                      storage_error)
@@ -259,7 +259,7 @@ class Store:
         self._bg_error: BaseException | None = None
         self._failed: list[SnapshotFuture] = []  # failures no put or raise_pending_error() raised yet
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
-        self._collective = CollectiveContext()  # per (group, op) call counters of collectives
+        self._collective = CALLS  # the process's call counters of collectives (shared by its Stores)
         self._read_only = read_only
         self._closed = False
         _STORES.add(self)

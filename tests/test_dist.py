@@ -453,3 +453,121 @@ def test_a_lost_chunk_index_falls_back_to_merging_every_rank(tmp_path):
             assert torch.equal(dw.get_path(after, path), dw.get_path(before, path)), path
         findings = [str(f) for f in s.fsck(full=True).findings]
         assert any(ix.hex()[:16] in f or "missing" in f for f in findings), findings
+
+
+# -- the collective protocol's outcomes: call naming, rank 0's liveness, late ranks, members,
+# -- checkout targets -------------------------------------------------------------------------
+
+def _small_full(version: int) -> torch.Tensor:
+    return dw.small_global(version)
+
+
+def test_collective_puts_through_new_or_several_stores_publish_each_call_once(tmp_path):
+    """A Store opened per call, and two Stores used in turn, with 2 ranks: each call is its own
+    snapshot on every rank. Before the fix a call's keys in the c10d Store were named by a
+    counter kept in the Store object: a new Store (or the second one) reused the previous
+    call's keys: stale hellos, go, done and result, a commit claim taken as its own."""
+    rounds = 3
+    out = run_scenario(tmp_path, "newstore", rounds, limit=200.0)
+    res = rank_results(out, "newstore", 2)
+    for name in ("percall", "fast", "durable"):
+        roots = []
+        for v in range(1, rounds + 1):
+            key = f"{name}{v}"
+            for d in res:
+                assert d[key] == "returned", f"{key}, rank {d['rank']}: {d[key]}: {d.get(key + '_message')}"
+            assert len({d[key + "_root"] for d in res}) == 1, f"{key}: ranks returned different roots"
+            roots.append(res[0][key + "_root"])
+        with tsck.open_store(out / name, create=False) as s:
+            assert [i.root for i in s.log(REF)] == roots[::-1], name
+            for v, root in enumerate(roots, 1):
+                got = s.checkout(root, group=False)
+                assert got["v"] == v and s.show(root).step == v
+                assert same_bits(_small_full(v), got["w"]), f"{name}: the snapshot of step {v} holds other rows"
+            assert s.fsck().ok
+    keys = res[0]["keys"]  # after each round (3 calls): rank 0 deletes what every rank has acked
+    assert keys[-1] == keys[-2], f"the c10d Store grows with every call: {keys}"
+
+
+def test_slow_rank_0_publishing_is_reported_published_on_every_rank(tmp_path):
+    """timeout=4 and rank 0's commit object write takes 12 s: rank 0 is slow, not dead. Before
+    the fix rank 1 gave rank 0 one more timeout after its commit claim and raised
+    SnapshotAborted (at ~2x the timeout); then the ref moved. Rank 0's heartbeat now decides."""
+    out = run_scenario(tmp_path, "slowcommit")
+    res = rank_results(out, "slowcommit", 2)
+    for d in res:
+        assert d["first"] == "returned", d.get("first_message")
+        assert d["second"] == "returned", f"rank {d['rank']}: {d['second']}: {d.get('second_message')}"
+        assert d["second_elapsed"] >= 3 * d["timeout"] * 0.9  # it did wait for the slow write
+    root = res[0]["second_root"]
+    assert res[1]["second_root"] == root
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.resolve(REF) == root and s.show(REF).step == 2
+
+
+def test_rank_0_dead_after_its_commit_claim_ends_in_an_abort_not_a_hang(tmp_path):
+    """The other side of the heartbeat: rank 0 is killed as it writes the commit object (its
+    commit claim taken, the ref not moved). Rank 1 waits while the beat moves, then gives up
+    once it has stood still for the timeout, asks the ref table (which did not move) and
+    raises SnapshotAborted."""
+    out = run_scenario(tmp_path, "deadcommit")
+    launcher = json.loads((out / "deadcommit_launcher.json").read_text())
+    assert launcher["exitcodes"][0] == -signal.SIGKILL
+    r1 = rank_results(out, "deadcommit", 2, dead=(0,))[1]
+    assert r1["first"] == "returned"
+    assert r1["second"] == "SnapshotAborted", f"{r1['second']}: {r1.get('second_message')}"
+    assert "no sign of life" in r1["second_message"], r1["second_message"]
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.resolve(REF) == r1["first_root"] and [i.step for i in s.log(REF)] == [1]
+
+
+def test_rank_stopped_across_two_later_puts_learns_the_true_outcome(tmp_path):
+    """Rank 1 is SIGSTOPped after posting done for put 1; rank 0 publishes put 1, put 2
+    aborts (rank 1 is missing), rank 0 starts put 3, then rank 1 resumes. Before the fix
+    rank 0 deleted put 1's outcome when it started put 3, and rank 1 raised SnapshotAborted
+    for the published put 1."""
+    out = run_scenario(tmp_path, "stopped", limit=200.0)
+    res = rank_results(out, "stopped", 2)
+    r0, r1 = res
+    assert r0["put1"] == "returned", r0.get("put1_message")
+    assert r1["put1"] == "returned", f"rank 1 was told {r1['put1']}: {r1.get('put1_message')}"
+    assert r1["put1_root"] == r0["put1_root"]
+    for d in res:
+        assert d["put2"] == "SnapshotAborted", f"rank {d['rank']}: {d['put2']}"
+        assert d["put3"] == "returned", f"rank {d['rank']}: {d['put3']}: {d.get('put3_message')}"
+    assert r1["put3_root"] == r0["put3_root"]
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.root for i in s.log(REF)] == [r0["put3_root"], r0["put1_root"]]
+        assert [i.step for i in s.log(REF)] == [3, 1]
+
+
+def test_rank_outside_the_group_is_refused(tmp_path):
+    """group= holds ranks 0 and 1 of 3; rank 2 passes it too. Before the fix rank 2 took part
+    and was told "published" although its state is in no snapshot."""
+    out = run_scenario(tmp_path, "nonmember")
+    res = rank_results(out, "nonmember", 3)
+    for op in ("put", "checkout"):
+        assert res[2][op] == "InvalidArgument", f"rank 2 {op}: {res[2][op]}: {res[2].get(op + '_message')}"
+        assert "not a member" in res[2][op + "_message"], res[2][op + "_message"]
+        for d in res[:2]:
+            assert d[op] == "returned", f"rank {d['rank']} {op}: {d[op]}: {d.get(op + '_message')}"
+    assert res[0]["put_root"] == res[1]["put_root"]
+    with tsck.open_store(out / "store", create=False) as s:
+        info = s.show(REF)
+        assert info.root == res[0]["put_root"] and info.meta.get("world") == 2
+        assert [i.root for i in s.log(REF)] == [info.root]
+
+
+def test_collective_checkout_refuses_ranks_asking_for_different_snapshots(tmp_path):
+    """Rank 0 asks for the head, rank 1 for step 1's root: before the fix rank 1 silently
+    received the head. Now every rank raises InvalidArgument naming both targets; the head
+    spelled as its ref and as its root is one snapshot and is read."""
+    out = run_scenario(tmp_path, "cotarget")
+    res = rank_results(out, "cotarget", 2)
+    for d in res:
+        assert d["differ"] == "InvalidArgument", f"rank {d['rank']}: {d['differ']}: {d.get('differ_message')}"
+        msg = d["differ_message"]
+        assert "disagree" in msg and REF in msg and d["roots"][0][:16] in msg, msg
+        assert d["spelled"] == "returned", f"rank {d['rank']}: {d['spelled']}: {d.get('spelled_message')}"
+        assert d["same"] == "returned", f"rank {d['rank']}: {d['same']}: {d.get('same_message')}"
+        assert d["got_v"] == [2, 1], d["got_v"]

@@ -3,7 +3,8 @@
     python dist_worker.py SCENARIO OUTDIR [ARG]
 
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
-desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling.
+desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
+newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -612,6 +613,170 @@ def tiling_case(rank, world, out, res, _arg):
         _try_put(store, res, "second", {"w": good, "rank": rank}, 2)
 
 
+# -- the collective protocol's outcomes: naming, liveness, late ranks, members, targets -----
+
+def small_global(version: int) -> torch.Tensor:
+    return torch.randn(64, 32, generator=_gen(500 + version))
+
+
+def small_state(rank: int, world: int, version: int) -> dict:
+    """Rank `rank`'s rows of a small row-sharded tensor (contents differ per version)."""
+    import tensorstore_ck as tsck
+    a, b = row_split(64, world, rank)
+    return {"w": tsck.Sharded(small_global(version)[a:b].clone(), (64, 32), (a, 0)), "rank": rank, "v": version}
+
+
+def _outcome(res, key, fn):
+    """Run fn (a put: -> SnapshotInfo, or anything else): record "returned" and the root, or the error."""
+    t0 = time.monotonic()
+    try:
+        got = fn()
+        res[key] = "returned"
+        if hasattr(got, "root"):
+            res[key + "_root"] = got.root
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        res[key], res[key + "_message"] = type(e).__name__, str(e)
+    res[key + "_elapsed"] = time.monotonic() - t0
+
+
+def newstore_case(rank, world, out, res, rounds):
+    """Collective puts through Store objects opened per call, and through two stores held
+    open side by side (a fast one and a durable one): every call is one snapshot."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    kv = dist.distributed_c10d._get_default_store()
+    two = [tsck.open_store(os.path.join(out, name), block_size=BLOCK, inline_threshold=INLINE)
+           for name in ("fast", "durable")]
+    for v in range(1, rounds + 1):
+        with tsck.open_store(os.path.join(out, "percall"), block_size=BLOCK, inline_threshold=INLINE) as s:
+            _outcome(res, f"percall{v}", lambda: s.put_snapshot(small_state(rank, world, v), REF, step=v, timeout=30))
+        for name, s in zip(("fast", "durable"), two):
+            _outcome(res, f"{name}{v}", lambda: s.put_snapshot(small_state(rank, world, v), REF, step=v, timeout=30))
+        dist.barrier()
+        res.setdefault("keys", []).append(kv.num_keys())  # the c10d Store must not grow with every call
+    for s in two:
+        s.close()
+
+
+def slow_store_class():
+    WrappedStore = _wrapped_base()
+
+    class Slow(WrappedStore):
+        """When armed, writing a commit object takes `delay` seconds (a slow object store);
+        `then` (if set) runs first."""
+
+        def __init__(self, inner, delay: float):
+            super().__init__(inner)
+            self.delay, self.armed, self.then = delay, False, None
+
+        def put_if_absent(self, key, bufs):
+            if self.armed and key.startswith("commits/"):
+                self.armed = False
+                if self.then is not None:
+                    self.then()
+                time.sleep(self.delay)
+            return self.inner.put_if_absent(key, bufs)
+
+    return Slow
+
+
+def slowcommit_case(rank, world, out, res, _arg):
+    """timeout=T; rank 0's commit object write takes 3T: it is slow, not dead, and
+    publishes; every rank must say so. (T = 4 s, not less: rank 0 must claim the commit
+    before rank 1's deadline, on a loaded machine too.)"""
+    import torch.distributed as dist
+    Slow = slow_store_class()
+    holder = {}
+    T = 4.0
+    res["timeout"] = T
+    wrap = (lambda s: holder.setdefault("w", Slow(s, 3 * T))) if rank == 0 else None
+    with _open(out, wrap_storage=wrap) as store:
+        _outcome(res, "first", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=30))
+        dist.barrier()
+        if rank == 0:
+            holder["w"].armed = True
+        _outcome(res, "second", lambda: store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=T))
+
+
+def stopped_case(rank, world, out, res, _arg):
+    """Rank 1 is SIGSTOPped (by rank 0, as it writes the commit object of put 1, so rank 1
+    has posted done) across put 1's publication and put 2 (aborted: rank 1 is missing);
+    rank 0 resumes it once it has started put 3. Rank 1 must learn that put 1 was published,
+    that put 2 was aborted, and then take part in put 3."""
+    import torch.distributed as dist
+    kv = dist.distributed_c10d._get_default_store()
+    Slow = slow_store_class()
+    holder = {}
+    T = 5.0  # put 1 must reach rank 0's commit within it, on a loaded machine too
+    kv.set(f"test/pid/{rank}", str(os.getpid()))
+    wrap = (lambda s: holder.setdefault("w", Slow(s, 0.0))) if rank == 0 else None
+    with _open(out, wrap_storage=wrap) as store:
+        dist.barrier()
+        if rank == 0:
+            victim = int(kv.get("test/pid/1"))
+            holder["w"].then = lambda: os.kill(victim, signal.SIGSTOP)
+            holder["w"].armed = True
+        _outcome(res, "put1", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=T))
+        _outcome(res, "put2", lambda: store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=T))
+        if rank == 0:
+            def resume():
+                # once put 3 has begun (its first act is to tidy the Store: the key count drops)
+                base, deadline = kv.num_keys(), time.monotonic() + 10.0
+                while kv.num_keys() >= base and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.5)
+                os.kill(victim, signal.SIGCONT)
+            threading.Thread(target=resume, daemon=True).start()
+        _outcome(res, "put3", lambda: store.put_snapshot(small_state(rank, world, 3), REF, step=3, timeout=60))
+
+
+def deadcommit_case(rank, world, out, res, _arg):
+    """Rank 0 dies (SIGKILL, by itself) as it writes the commit object of put 2, after its
+    commit claim: its heartbeat stops, and rank 1 must give up (SnapshotAborted, the ref
+    did not move), not wait for ever."""
+    import torch.distributed as dist
+    Slow = slow_store_class()
+    holder = {}
+    T = 3.0
+    res["timeout"] = T
+    wrap = (lambda s: holder.setdefault("w", Slow(s, 0.0))) if rank == 0 else None
+    with _open(out, wrap_storage=wrap) as store:
+        _outcome(res, "first", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=30))
+        dist.barrier()
+        if rank == 0:
+            holder["w"].then = lambda: os.kill(os.getpid(), signal.SIGKILL)
+            holder["w"].armed = True
+        _outcome(res, "second", lambda: store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=T))
+
+
+def nonmember_case(rank, world, out, res, _arg):
+    """group= holds ranks 0 and 1; rank 2 passes it too."""
+    import torch.distributed as dist
+    g = dist.new_group([0, 1])
+    with _open(out) as store:
+        st = {"x": torch.full((3000,), float(rank)), "rank": rank}
+        _outcome(res, "put", lambda: store.put_snapshot(st, REF, step=1, group=g, timeout=30))
+        _outcome(res, "checkout", lambda: store.checkout(REF, group=g, timeout=30))
+        if "checkout" in res and res["checkout"] == "returned":
+            res["checkout_rank"] = store.checkout(REF, group=False)["rank"]
+
+
+def cotarget_case(rank, world, out, res, _arg):
+    """Two snapshots; then collective checkouts: rank 1 asks for step 1's root while rank 0
+    asks for the head (refused on every rank); then the head spelled two ways (the ref, its
+    root) is one snapshot; then the same target on every rank."""
+    with _open(out) as store:
+        roots = [store.put_snapshot(small_state(rank, world, v), REF, step=v, timeout=30).root for v in (1, 2)]
+        res["roots"] = roots
+
+        def co(target):
+            got = store.checkout(target, timeout=30)
+            res.setdefault("got_v", []).append(got["v"])
+        _outcome(res, "differ", lambda: co(REF if rank == 0 else roots[0]))
+        _outcome(res, "spelled", lambda: co(REF if rank == 0 else roots[1]))
+        _outcome(res, "same", lambda: co(roots[0]))
+
+
 def main(argv) -> int:
     scenario, out = argv[1], argv[2]
     arg = int(argv[3]) if len(argv) > 3 else None
@@ -642,6 +807,18 @@ def main(argv) -> int:
         infos = [launch("diverged", 4, diverged_case, out, 2 if arg is None else arg)]
     elif scenario == "tiling":
         infos = [launch("tiling", 2, tiling_case, out)]
+    elif scenario == "newstore":
+        infos = [launch("newstore", 2, newstore_case, out, 3 if arg is None else arg, limit=120.0)]
+    elif scenario == "slowcommit":
+        infos = [launch("slowcommit", 2, slowcommit_case, out, limit=90.0)]
+    elif scenario == "stopped":
+        infos = [launch("stopped", 2, stopped_case, out, limit=120.0)]
+    elif scenario == "deadcommit":
+        infos = [launch("deadcommit", 2, deadcommit_case, out, limit=90.0)]
+    elif scenario == "nonmember":
+        infos = [launch("nonmember", 3, nonmember_case, out)]
+    elif scenario == "cotarget":
+        infos = [launch("cotarget", 2, cotarget_case, out)]
     elif scenario == "notfound":
         infos = [launch("notfound", 4, notfound_case, out)]
     else:

@@ -12,6 +12,10 @@ prints {"root", "time", "job", "fenced", "mismatch"?} or {"result": <error type>
 It dies with its worker (PDEATHSIG): a worker killed -9 mid-put leaves the outcome
 unknown, as for any put.
 
+In about half the rounds (seeded, the same on both ranks) each call goes through a Store
+opened for it and closed after it, as a script that opens the store per snapshot does: the
+collective calls' names in the c10d Store must not depend on the Store object.
+
 Faults: the worker's profile without its kill points (a rank's death would only be
 reported by the worker killing itself, see Worker.op_cput): delays, slow keys and
 injected storage failures (a failed rank aborts the collective put on every rank).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import random
 import sys
 
 import torch
@@ -43,10 +48,13 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", store=kv, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     profile = {k: v for k, v in (cfg.get("faults") or {}).items() if not k.startswith("kill")}
     faults = Faults(profile, cfg["seed"] * 31 + rank)
+    per_call = random.Random(cfg["seed"] * 7 + 3).random() < 0.5  # the config's seed: the same on every rank
     s = open_store(cfg, faults)
-    faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
+    faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases  # the Store of the moment
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
+        if per_call and s.closed:
+            s = open_store(cfg, faults)
         cmd = json.loads(line)
         spec = cmd["spec"]
         kw = {"expected": cmd["expected"]} if "expected" in cmd else {}
@@ -67,8 +75,11 @@ def main(argv=None) -> int:
                 out["mismatch"] = [f"rank {rank}: raw {type(e).__name__} in the checkout of its rows: {str(e)[:300]}"]
         except Exception as e:  # noqa: BLE001 - reported to the worker, which journals it
             out = _err(e)
+        if per_call:
+            s.close()
         print(json.dumps(out), flush=True)
-    s.close()
+    if not s.closed:
+        s.close()
     return 0
 
 
