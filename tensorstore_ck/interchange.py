@@ -30,7 +30,7 @@ from .errors import InvalidArgument, TsckError, UnsupportedType, storage_error
 from .format.dtypes import QUANT_NAMES, TORCH_DTYPES
 from .info import SnapshotInfo
 from .listing import MAX_ENTRIES, Entry, list_tree
-from .localfile import write_atomic, write_dir
+from .localfile import NotRegularFile, open_regular, reopen_path, write_atomic, write_dir
 from .paths import dotted, key_str as _key_str, toward as _toward, under as _under
 from .shard import Sharded
 from .validate import check_snapshot_args
@@ -398,10 +398,19 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _sniff(path: str) -> str:
+def _open_input(path: str) -> int:
+    """A descriptor of the input file `path`; InvalidArgument for anything but a regular
+    file (a FIFO is never waited on: localfile.open_regular)."""
+    try:
+        return open_regular(path, "tsck import reads regular files only")
+    except FileNotFoundError:
+        raise InvalidArgument(f"{path}: no such file or directory") from None
+    except NotRegularFile as e:
+        raise InvalidArgument(e.strerror) from None
+
+
+def _sniff(path: str, head: bytes) -> str:
     """"torch" or "safetensors" by the file's first bytes (not its name: HF's .bin are torch)."""
-    with open(path, "rb") as f:
-        head = f.read(9)
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save's zip, or a legacy pickle
         return "torch"
     if len(head) == 9 and head[8:9] == b"{":  # u64 header length, then the JSON header
@@ -410,47 +419,64 @@ def _sniff(path: str) -> str:
                           "folder)")
 
 
-def _load_safetensors(path: str) -> tuple[dict, dict]:
+def _load_safetensors(src: str, path: str) -> tuple[dict, dict]:
     from safetensors import SafetensorError, safe_open
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(src, framework="pt") as f:
             meta = dict(f.metadata() or {})
             return {k: f.get_tensor(k) for k in f.keys()}, meta
     except SafetensorError as e:
-        raise InvalidArgument(f"{path} is not a readable safetensors file: {_first_line(e)}") from None
+        raise InvalidArgument(f"{path} is not a readable safetensors file: "
+                              f"{_first_line(e).replace(src, path)}") from None
 
 
-def _load_torch(path: str, zipped: bool):
+def _load_torch(src: str, path: str, zipped: bool):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        return torch.load(src, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
         m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         if "Weights only load failed" in str(e) and m:
             raise UnsupportedType(f"{path} needs pickle to load (it holds {m.group(1)}); tsck import loads "
                                   "torch files with weights_only=True: load it in Python, only if you trust "
                                   "its source, and put_snapshot the state") from None
-        raise InvalidArgument(f"{path} is not a readable torch.save file: {_first_line(e)}") from None
+        raise InvalidArgument(f"{path} is not a readable torch.save file: "
+                              f"{_first_line(e).replace(src, path)}") from None
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, ... on a bad file
-        raise InvalidArgument(f"{path} is not a readable torch.save file: {_first_line(e)}") from None
+        raise InvalidArgument(f"{path} is not a readable torch.save file: "
+                              f"{_first_line(e).replace(src, path)}") from None
 
 
 def _load_file(path: str):
-    kind = _sniff(path)
-    if kind == "safetensors":
-        return _load_safetensors(path) + ("safetensors",)
-    with open(path, "rb") as f:
-        zipped = f.read(4) == b"PK\x03\x04"
-    return _load_torch(path, zipped), {}, "torch"
+    fd = _open_input(path)
+    with open(fd, "rb") as f:
+        head = f.read(9)
+        kind = _sniff(path, head)
+        # The libraries open by name: the name of this open file, so nothing swapped in
+        # at `path` since (a FIFO) is opened.
+        src = reopen_path(fd, path)
+        if kind == "safetensors":
+            return _load_safetensors(src, path) + ("safetensors",)
+        return _load_torch(src, path, head[:4] == b"PK\x03\x04"), {}, "torch"
+
+
+def _read_small(path: str, limit: int, what: str) -> bytes:
+    """The bytes of a small input file (a model index, a config.json); InvalidArgument
+    past `limit` (sized on the open file) or for anything but a regular file."""
+    with open(_open_input(path), "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise InvalidArgument(f"{path} is larger than {limit} bytes: {what}")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # grew meanwhile
+        raise InvalidArgument(f"{path} is larger than {limit} bytes: {what}")
+    return data
 
 
 def _shards(folder: str, index: str) -> tuple[list[tuple[str, list]], list[str]]:
     """([(shard file, [names the index puts there])], [every name, in the index's order])
     of a sharded model's index json."""
+    data = _read_small(index, MAX_INDEX_BYTES, "not a model index")
     try:
-        if os.path.getsize(index) > MAX_INDEX_BYTES:
-            raise InvalidArgument(f"{index} is larger than {MAX_INDEX_BYTES} bytes: not a model index")
-        with open(index, "rb") as f:
-            obj = json.load(f)
+        obj = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise InvalidArgument(f"{index} is not valid JSON: {_first_line(e)}") from None
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
@@ -472,7 +498,7 @@ def _load_folder(folder: str) -> tuple[dict, dict, str]:
     """A Hugging Face model folder: its (sharded) safetensors weights, else its pytorch_model.bin."""
     for name, is_index in _HF_FILES:
         p = os.path.join(folder, name)
-        if not os.path.isfile(p):
+        if not os.path.lexists(p):
             continue
         if not is_index:
             state, meta, kind = _load_file(p)
@@ -485,7 +511,7 @@ def _load_folder(folder: str) -> tuple[dict, dict, str]:
         shards, order = _shards(folder, p)
         for shard, names in shards:
             sp = os.path.join(folder, shard)
-            if not os.path.isfile(sp):
+            if not os.path.lexists(sp):
                 raise InvalidArgument(f"{p} names the shard {shard}, which is not in {folder}")
             part, m, _ = _load_file(sp)
             if not isinstance(part, dict):
@@ -512,13 +538,9 @@ def _folder_configs(folder: str) -> dict:
     out = {}
     for key, fname in _CONFIG_FILES:
         p = os.path.join(folder, fname)
-        if not os.path.isfile(p):
+        if not os.path.lexists(p):
             continue
-        if os.path.getsize(p) > MAX_CONFIG_BYTES:
-            raise InvalidArgument(f"{p} is larger than {MAX_CONFIG_BYTES} bytes: too large to keep in the "
-                                  "snapshot's meta")
-        with open(p, "rb") as f:
-            raw = f.read()
+        raw = _read_small(p, MAX_CONFIG_BYTES, "too large to keep in the snapshot's meta")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:

@@ -1,15 +1,72 @@
-"""Files written for other tools (`tsck checkout`'s DEST, `tsck du --plot`'s image): whole
-or not at all. Not the store's own objects (those go through storage/)."""
+"""Files outside the store's objects: those written for other tools (`tsck checkout`'s
+DEST, `tsck du --plot`'s image), whole or not at all; and the rule for every file the
+package reads, the store's own included: only a regular file is read (open_regular).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import uuid
 
 from .errors import InvalidArgument
 
-__all__ = ["write_atomic", "write_dir", "umask", "sync_dir"]
+__all__ = ["write_atomic", "write_dir", "umask", "sync_dir", "open_regular", "NotRegularFile", "reopen_path"]
+
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+class NotRegularFile(OSError):
+    """Something other than a regular file (a folder, a FIFO, a device, a socket) where a
+    file was to be read. errno EINVAL (EISDIR for a folder, which is also an
+    IsADirectoryError): not worth retrying, reading it again changes nothing."""
+
+
+class _NotRegularDir(NotRegularFile, IsADirectoryError):
+    pass
+
+
+def not_regular(path: str, mode: int, note: str = "") -> NotRegularFile:
+    what = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+    text = f"{path} is {what}, not a regular file" + (f" ({note})" if note else "")
+    if stat.S_ISDIR(mode):
+        return _NotRegularDir(errno.EISDIR, text)
+    return NotRegularFile(errno.EINVAL, text)
+
+
+def open_regular(path: str, note: str = "") -> int:
+    """A descriptor of the regular file at `path`, opened for reading; NotRegularFile
+    for anything else. O_NONBLOCK: opening a FIFO would otherwise wait for a writer
+    forever. The type is checked on the open file (fstat), not on the name, so nothing
+    swapped in after a check is read; a device (a link to /dev/zero) would otherwise be
+    read without end. `note` ends the error's text (what the file was for)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode, note)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def reopen_path(fd: int, path: str) -> str:
+    """A name that opens the very file `fd` is open on, for libraries that take a path
+    (torch.load(mmap=True), safetensors): /proc/self/fd/N where there is one, so a file
+    swapped in at `path` after open_regular checked it (a FIFO) is never opened; else
+    `path` itself."""
+    p = f"/proc/self/fd/{fd}"
+    try:
+        if os.path.samestat(os.stat(p), os.fstat(fd)):
+            return p
+    except OSError:
+        pass
+    return path
 
 
 def _fsync_path(p: str, flags: int = os.O_RDONLY) -> None:
