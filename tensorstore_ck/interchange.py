@@ -246,10 +246,11 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
             from safetensors.torch import save_file
             tensors, meta = _safetensors_items(value, prefix, where)
             meta.setdefault("format", "pt")  # what transformers checks before it loads a file
-            write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force)
+            write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force,
+                         needed=_nbytes(tensors))
             summary = {"tensors": len(tensors), "metadata": len(meta)}
         else:
-            write_atomic(dest, lambda tmp: torch.save(value, tmp), force=force)
+            write_atomic(dest, lambda tmp: _torch_save(value, tmp), force=force, needed=_nbytes(value))
             summary = {}
     except TsckError:
         raise
@@ -257,6 +258,52 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         raise storage_error(e, f"writing {dest}") from e
     return {"root": root, "target": target, "dest": dest, "format": fmt, "path": path,
             "bytes": os.path.getsize(dest), **summary}
+
+
+class _RecordingFile:
+    """A file torch.save writes through that keeps the OSError of a failed write: torch
+    turns it into a RuntimeError that says only "unexpected pos"."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, b):
+        try:
+            return self._f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self._f.flush()
+
+
+def _nbytes(value) -> int:
+    """The bytes of the tensors and arrays in a state (about what a file of it takes)."""
+    n, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, torch.Tensor):
+            n += v.numel() * v.element_size()
+        elif isinstance(v, np.ndarray):
+            n += v.nbytes
+    return n
+
+
+def _torch_save(value, path: str) -> None:
+    with open(path, "wb") as f:
+        sink = _RecordingFile(f)
+        try:
+            torch.save(value, sink)
+        except Exception:
+            if sink.error is not None:
+                raise sink.error from None
+            raise
 
 
 # -- checkout to a Hugging Face model folder ---------------------------------------------
@@ -382,7 +429,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
         names = write_dir(dest, lambda tmp: write_pretrained(tmp, tensors, config=config,
                                                              generation_config=generation_config,
                                                              max_shard_bytes=max_shard_bytes),
-                          force=force, stale=_is_weights_file)
+                          force=force, stale=_is_weights_file, needed=_nbytes(tensors))
     except TsckError:
         raise
     except OSError as e:
