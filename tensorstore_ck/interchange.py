@@ -94,15 +94,36 @@ def _st_refusal(kind: str, dtype) -> str | None:
             "pickled": "a pickled object"}.get(kind, f"a value of type {kind}")
 
 
+# The key of a safetensors header that holds the file's metadata: a tensor of that name
+# makes a header no reader opens (a duplicate key, or a tensor where strings belong).
+ST_RESERVED = "__metadata__"
+
+
+def _reserved_name(where: str, path: str) -> UnsupportedType:
+    return UnsupportedType(f"{where} cannot be written as safetensors: the tensor at {path} would be named "
+                           f"{ST_RESERVED!r}, which safetensors reserves for the file's metadata (no reader opens "
+                           "such a file); use --format torch, or --path to write another part")
+
+
+def _check_st_names(names, where: str) -> None:
+    if ST_RESERVED in names:
+        raise _reserved_name(where, ST_RESERVED)
+
+
 def _refuse(where: str, what: str, path: str) -> UnsupportedType:
     return UnsupportedType(f"{where} cannot be written as safetensors: it holds {what} at {path or 'its top'} "
                            "(use --format torch, or --path to take out the tensors only)")
 
 
-def _check_for_safetensors(entries, where: str) -> None:
-    """Refuse from the manifest alone, before a block is read."""
+def _check_for_safetensors(entries, where: str, strip: str | None = None) -> None:
+    """Refuse from the manifest alone, before a block is read. strip: the prefix the
+    tensors' names lose (a model folder's weights at PATH)."""
     for e in entries:
         dtype = None
+        if e.kind in ("tensor", "sharded", "array"):
+            name = e.path[len(strip) + 1:] if strip and e.path.startswith(strip + ".") else e.path
+            if name == ST_RESERVED:
+                raise _reserved_name(where, e.path)
         if e.kind in ("tensor", "sharded"):
             if e.dtype in QUANT_NAMES:
                 raise _refuse(where, f"a quantized tensor of {e.dtype}", e.path)
@@ -245,6 +266,7 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         if fmt == "safetensors":
             from safetensors.torch import save_file
             tensors, meta = _safetensors_items(value, prefix, where)
+            _check_st_names(tensors, where)
             meta.setdefault("format", "pt")  # what transformers checks before it loads a file
             write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force,
                          needed=_nbytes(tensors))
@@ -348,6 +370,7 @@ def write_pretrained(folder: str, tensors: dict, *, config: str | None = None, g
     -> the file names written."""
     from safetensors.torch import save_file
     _check_shard_bytes(max_shard_bytes)
+    _check_st_names(tensors, "a model folder")
     sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     shards: list[list[str]] = [[]]
     used = 0
@@ -413,7 +436,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     generation_config = _config_text(generation_config if generation_config is not None
                                      else hf.get("generation_config"), f"the generation config of {where}")
     _, entries = list_tree(store, root, path)
-    _check_for_safetensors(entries, where)
+    _check_for_safetensors(entries, where, strip=path)
     state = store.checkout(root, paths=None if path is None else [path], progress=progress)  # only PATH's blocks
     value, prefix = (state, "") if path is None else _select(state, path)
     tensors, plain = _safetensors_items(value, prefix, where)
@@ -477,15 +500,122 @@ def _load_safetensors(src: str, path: str) -> tuple[dict, dict]:
                               f"{_first_line(e).replace(src, path)}") from None
 
 
+def _storage_sizes(pkl: bytes) -> dict | None:
+    """{record key: bytes} of the storages a torch.save zip's data.pkl names, as torch.load's
+    own weights-only unpickler reads them (tensors rebuilt on the meta device: no data is
+    read). None when this torch cannot say (its private unpickler changed): the caller then
+    loads without mmap, where torch checks every record itself. A global the unpickler
+    refuses raises its UnpicklingError, as torch.load would."""
+    import io
+    try:
+        from torch import _weights_only_unpickler as wou
+        from torch._utils import _element_size
+        from torch.storage import TypedStorage
+    except ImportError:
+        return None
+    sizes: dict[str, int] = {}
+    made: dict[str, object] = {}
+
+    def persistent_load(pid):
+        _, storage_type, key, _location, numel = pid
+        key = key.decode("ascii") if isinstance(key, bytes) else str(key)
+        if key not in made:  # torch.load too reads a key once and shares it
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            sizes[key] = int(numel) * _element_size(dtype)
+            made[key] = TypedStorage(wrap_storage=torch.UntypedStorage(sizes[key], device="meta"), dtype=dtype,
+                                     _internal=True)
+        return made[key]
+
+    try:
+        u = wou.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+        u.persistent_load = persistent_load
+        u.load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception:  # noqa: BLE001 - whatever it is, torch.load without mmap says it in its words
+        return None
+    return sizes
+
+
+def _zip_records_checked(src: str, path: str) -> bool:
+    """Whether torch.load(mmap=True) of this torch.save zip reads exactly what torch.load
+    without mmap reads. The mmap path takes each tensor's bytes from where its record's
+    data begins, as many as the tensor needs, and checks neither that the record is
+    stored uncompressed nor that it holds that many bytes: a DEFLATE-compressed record
+    would be read as its compressed bytes, a record cut short as the zip entries after
+    it. Both are refused here (InvalidArgument naming the record). False when this
+    cannot be told (the file is not one Python's zipfile reads, this torch's unpickler
+    changed): then the file is loaded without mmap, and torch checks each record."""
+    import struct
+    import zipfile
+    try:
+        zf = zipfile.ZipFile(src)
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError):
+        return False
+    with zf:
+        infos = zf.infolist()
+        names = [i.filename for i in infos]
+        if not infos or len(set(names)) != len(names):  # two records of one name: torch's own reader decides
+            return False
+        archive = names[0].split("/", 1)[0]  # torch reads the records under its first record's folder
+        pkl = zf.NameToInfo.get(f"{archive}/data.pkl")
+        if pkl is None:
+            return False
+        try:
+            data = zf.read(pkl)
+        except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError, RuntimeError):
+            return False
+        sizes = _storage_sizes(data)
+        if sizes is None:
+            return False
+        end = os.fstat(zf.fp.fileno()).st_size
+        for key, nbytes in sizes.items():
+            name = f"{archive}/data/{key}"
+            info = zf.NameToInfo.get(name)
+            if info is None:
+                raise InvalidArgument(f"{path} is not a readable torch.save file: it names a tensor record {name} "
+                                      "that it does not hold")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise InvalidArgument(
+                    f"{path} holds the tensor record {name} compressed (zip method {info.compress_type}); torch.save "
+                    "stores tensor data uncompressed, and tsck import reads records in place, so it refuses the "
+                    "file: load it with torch.load and re-save it with torch.save")
+            zf.fp.seek(info.header_offset)
+            local = zf.fp.read(30)
+            if len(local) != 30 or local[:4] != b"PK\x03\x04":
+                return False  # torch's reader refuses it, in its words
+            start = info.header_offset + 30 + sum(struct.unpack("<HH", local[26:30]))  # name, extra field
+            if info.file_size != nbytes or info.compress_size != nbytes or start + nbytes > end:
+                raise InvalidArgument(
+                    f"{path} is not a readable torch.save file: its record {name} holds {info.file_size} bytes where "
+                    f"its tensor needs {nbytes} (the file is cut short or damaged; torch.load refuses it too)")
+    return True
+
+
+def _blocked_global(message: str) -> str | None:
+    """The global a weights-only load refused, from torch's message (its first line is
+    generic: "Weights only load failed ...")."""
+    for pattern in (r"GLOBAL (\S+) was not an allowed global", r"unsupported GLOBAL (\S+) whose module \S+ is blocked",
+                    r"Trying to call reduce for unrecognized function (.+?)(?: which belongs to .*)?$",
+                    r"classes allowlisted via `add_safe_globals` but got (.+)$"):
+        m = re.search(pattern, message, re.MULTILINE)
+        if m:
+            return m.group(1).strip().rstrip(".")
+    return None
+
+
 def _load_torch(src: str, path: str, zipped: bool):
     try:
-        return torch.load(src, map_location="cpu", weights_only=True, mmap=zipped)
+        mmap = zipped and _zip_records_checked(src, path)
+        return torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
+    except TsckError:
+        raise
     except pickle.UnpicklingError as e:
-        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        if "Weights only load failed" in str(e) and m:
-            raise UnsupportedType(f"{path} needs pickle to load (it holds {m.group(1)}); tsck import loads "
-                                  "torch files with weights_only=True: load it in Python, only if you trust "
-                                  "its source, and put_snapshot the state") from None
+        name = _blocked_global(str(e))
+        if name is not None:
+            raise UnsupportedType(f"{path} needs pickle to load (it holds {name}, which a weights-only load refuses); "
+                                  "tsck import loads torch files with weights_only=True: load it in Python, only if "
+                                  "you trust its source, and put_snapshot the state") from None
         raise InvalidArgument(f"{path} is not a readable torch.save file: "
                               f"{_first_line(e).replace(src, path)}") from None
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, ... on a bad file
