@@ -479,12 +479,14 @@ def _open_input(path: str) -> int:
         raise InvalidArgument(e.strerror) from None
 
 
-def _sniff(path: str, head: bytes) -> str:
-    """"torch" or "safetensors" by the file's first bytes (not its name: HF's .bin are torch)."""
+def _sniff(path: str, head: bytes, size: int) -> str:
+    """"torch" or "safetensors" by the file's first bytes (not its name: HF's .bin are torch).
+    safetensors first: its u64 header length may begin with the byte 0x80 that begins a
+    pickle (a header of 384 bytes does), but its ninth byte opens the JSON header."""
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
+        return "safetensors"
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save's zip, or a legacy pickle
         return "torch"
-    if len(head) == 9 and head[8:9] == b"{":  # u64 header length, then the JSON header
-        return "safetensors"
     raise InvalidArgument(f"{path} is neither a torch.save nor a safetensors file (nor a Hugging Face model "
                           "folder)")
 
@@ -627,7 +629,7 @@ def _load_file(path: str):
     fd = _open_input(path)
     with open(fd, "rb") as f:
         head = f.read(9)
-        kind = _sniff(path, head)
+        kind = _sniff(path, head, os.fstat(fd).st_size)
         # The libraries open by name: the name of this open file, so nothing swapped in
         # at `path` since (a FIFO) is opened.
         src = reopen_path(fd, path)

@@ -617,3 +617,19 @@ def test_cli_hostile_imports_and_reserved_names_are_one_line_errors(tmp_path):
     with tsck.open_store(p, create=False) as s:
         assert (object_listing(p), refs_snapshot(s)) == before
     assert os.listdir(out) == []
+
+
+def test_a_safetensors_file_whose_header_length_begins_with_0x80_is_read_as_safetensors(tmp_path):
+    """A header of 384 bytes begins the file with 0x80, the byte that begins a pickle: the
+    file was taken for a legacy torch file (torch.load itself reads it as safetensors
+    only when its name ends in .safetensors, which the name of an open file does not)."""
+    t = {"w": torch.arange(6.0)}
+    for n in range(512):  # a metadata value that makes the header's length 0x?80
+        save_file(t, str(tmp_path / "w.bin"), metadata={"pad": "x" * n})
+        head = (tmp_path / "w.bin").read_bytes()[:9]
+        if head[0] == 0x80:
+            break
+    assert head[0] == 0x80 and head[8:9] == b"{"
+    with tsck.open_store(tmp_path / "s") as s:
+        import_files(s, "imp/main", [tmp_path / "w.bin"])
+        assert s.checkout("imp/main")["w"].equal(t["w"])
