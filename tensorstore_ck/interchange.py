@@ -560,7 +560,8 @@ def _zip_records_checked(src: str, path: str) -> bool:
         if not infos or len(set(names)) != len(names):  # two records of one name: torch's own reader decides
             return False
         archive = names[0].split("/", 1)[0]  # torch reads the records under its first record's folder
-        pkl = zf.NameToInfo.get(f"{archive}/data.pkl")
+        by_name = {i.filename: i for i in infos}
+        pkl = by_name.get(f"{archive}/data.pkl")
         if pkl is None:
             return False
         try:
@@ -573,7 +574,7 @@ def _zip_records_checked(src: str, path: str) -> bool:
         end = os.fstat(zf.fp.fileno()).st_size
         for key, nbytes in sizes.items():
             name = f"{archive}/data/{key}"
-            info = zf.NameToInfo.get(name)
+            info = by_name.get(name)
             if info is None:
                 raise InvalidArgument(f"{path} is not a readable torch.save file: it names a tensor record {name} "
                                       "that it does not hold")
