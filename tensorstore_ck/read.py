@@ -33,7 +33,7 @@ from .format import tree
 from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
-from .paths import FULL, SKIP, Selection, dotted, is_stateful
+from .paths import FULL, SKIP, Selection, is_stateful
 from .shard import Sharded, find_overlap
 
 __all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING", "check_map_location"]
@@ -262,7 +262,7 @@ class Reader:
         With into=, a failure leaves each value in the tree either untouched, fully
         replaced or (the few whose blocks were being copied) partly replaced, by
         verified snapshot bytes only; an IntegrityError says which paths are which."""
-        sel = FULL if self.select is None else dotted(path)
+        sel = FULL if self.select is None else self.select.at(path)
         values, nbytes = self._measure(value, path, len(path), sel, _MISSING if ext else into)
         if values * VALUE_COST > self.max_bytes or (into is _MISSING and nbytes > self.max_bytes):
             raise self._fmt(f"the snapshot's tree holds {values} values and {nbytes} tensor bytes at its paths, "
@@ -326,12 +326,14 @@ class Reader:
         Only what the selection and a plain into= dict keep is measured (and read)."""
         t = type(v)
         if t is tree.Ref:
-            if sel is not FULL or into is not _MISSING:
+            if into is not _MISSING:  # the caller's tree bounds this walk
                 return self._measure(self._node(v.digest, path, depth), path, depth, sel, into)
-            key = (v.digest, depth)
+            # A selection state is a node of the paths' trie (kept alive by the Selection),
+            # so a node under the same part of the selection is measured once too.
+            key = (v.digest, depth, None if sel is FULL else id(sel))
             hit = self._sizes.get(key)
             if hit is None:
-                hit = self._sizes[key] = self._measure(self._node(v.digest, path, depth), path, depth)
+                hit = self._sizes[key] = self._measure(self._node(v.digest, path, depth), path, depth, sel)
             return hit
         if t is tree.Container:
             values, nbytes = 1, 0
