@@ -183,3 +183,83 @@ def test_a_node_met_again_deeper_is_held_to_the_depth_cap(tmp_path):
             s.checkout("deep/x")
         bad = [f for f in s.fsck().findings if f.snapshot == info.root]
         assert bad and "deeper than" in bad[0].message, bad
+
+
+def _leafless_bomb(s, levels: int = LEVELS) -> str:
+    """LEVELS nodes each naming the one below twice, over a node that holds no tensor:
+    2^LEVELS paths, none to a tensor (diff counted 0 paths, then walked all 2^40)."""
+    d = s.assets.put_node(encode_node({"l": [1]})).digest
+    for _ in range(levels):
+        d = s.assets.put_node(encode_node({"l": [{"r": d}, {"r": d}]})).digest
+    s.assets.sync()
+    return s.commit_tree(d, ref="bomb/x", job="bomb", step=1, metrics={}, meta={}, stats=dict(STATS)).root
+
+
+def test_diff_of_a_bomb_without_tensors_ends(tmp_path):
+    """2^40 paths to no tensor: diff lists nothing, after reading each node once."""
+    with tsck.open_store(tmp_path / "s") as s:
+        good = s.put_snapshot({"w": torch.arange(16.0)}, ref="good/main", step=1)
+        _leafless_bomb(s)
+        reads = []
+        orig = s.assets.get_node
+        s.assets.get_node = lambda digest, **kw: reads.append(digest) or orig(digest, **kw)
+        with _deadline(60):  # the old code's 2^40 steps never end
+            assert iter_leaves(s.assets, bytes.fromhex(s.resolve("bomb/x"))) == {}
+            d = s.diff("good/main", "bomb/x")
+        assert d["removed"] == ["['w']"] and not d["added"] and not d["changed"], d
+        assert len(reads) == 2 * (LEVELS + 1) + 1, len(reads)  # each node once per snapshot walked
+        assert good.root == s.resolve("good/main")
+
+
+def test_ls_refuses_a_bomb_before_listing_anything(tmp_path, monkeypatch):
+    """ls (and `tsck checkout` to safetensors, which lists first) counts the values it
+    would visit over distinct nodes: a bomb is refused after a few hundred items
+    visited, not after walking the cap's 4 Mi paths (40 s)."""
+    from tensorstore_ck import listing
+    from tensorstore_ck.format import tree
+
+    visited = [0]
+    visit = tree.visit
+
+    def counting(*a, **kw):
+        for x in visit(*a, **kw):
+            visited[0] += 1
+            yield x
+
+    with tsck.open_store(tmp_path / "s") as s:
+        good = s.put_snapshot({"w": torch.arange(16.0), "n": 1}, ref="good/main", step=1)
+        d = s.reftable.catalog_get(bytes.fromhex(good.root))["tree"]
+        for _ in range(LEVELS):
+            d = s.assets.put_node(encode_node({"d": [["a", {"r": d}], ["b", {"r": d}]]})).digest
+        s.assets.sync()
+        s.commit_tree(d, ref="bomb/x", job="bomb", step=1, metrics={}, meta={}, stats=dict(STATS))
+        monkeypatch.setattr(tree, "visit", counting)
+        with pytest.raises(tsck.FormatError, match=f"more than {listing.MAX_ENTRIES} values"):
+            listing.list_tree(s, "bomb/x")
+        assert visited[0] <= 10 * LEVELS, visited[0]
+        visited[0] = 0
+        _, part = listing.list_tree(s, "bomb/x", "a.b." * (LEVELS // 2 - 1) + "a.b.w")
+        assert [e.path for e in part] == ["a.b." * (LEVELS // 2) + "w"]
+        assert visited[0] <= 20 * LEVELS, visited[0]
+        with pytest.raises(tsck.InvalidArgument, match="holds nothing"):
+            listing.list_tree(s, "bomb/x", "a.c")
+
+
+@pytest.mark.slow
+def test_cli_walkers_end_on_a_bomb_without_tensors(tmp_path):
+    """`tsck diff`, `tsck ls` and `tsck checkout` to a file, each in a subprocess killed at
+    TIMEOUT (the old diff never finished; ls and checkout to safetensors took ~40 s)."""
+    path = tmp_path / "s"
+    with tsck.open_store(path) as s:
+        s.put_snapshot({"w": torch.arange(16.0)}, ref="good/main", step=1)
+        _leafless_bomb(s)
+    out = tmp_path / "x.safetensors"
+    cmds = [["-m", "tensorstore_ck", "diff", str(path), "good/main", "bomb/x"],
+            ["-m", "tensorstore_ck", "ls", str(path), "bomb/x"],
+            ["-m", "tensorstore_ck", "checkout", str(path), "bomb/x", str(out)]]
+    with ThreadPoolExecutor(3) as ex:
+        diff, ls, checkout = ex.map(_run, cmds)
+    assert diff is not None and diff.returncode == 0 and "1 removed" in diff.stdout, diff
+    assert ls is not None and ls.returncode == 2 and "values (nodes shared" in ls.stderr, ls
+    assert checkout is not None and checkout.returncode == 2 and "values (nodes shared" in checkout.stderr, checkout
+    assert "Traceback" not in ls.stderr + checkout.stderr + diff.stderr and not out.exists()
