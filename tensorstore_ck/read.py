@@ -268,6 +268,9 @@ class Reader:
             raise self._fmt(f"the snapshot's tree holds {values} values and {nbytes} tensor bytes at its paths, "
                             f"more than max_bytes={self.max_bytes} allows ({VALUE_COST} bytes per value; "
                             "checkout(..., max_bytes=N) raises the cap)", path)
+        if values > tree.MAX_VALUES:  # what no writer makes, whatever max_bytes allows
+            raise self._fmt(f"the snapshot's tree holds {values} values at its paths, more than the format's "
+                            f"{tree.MAX_VALUES} (nodes shared at many paths)", path)
         if self.select is not None:
             self.select.check_matched(self.snapshot)
         written: dict = {}

@@ -263,3 +263,60 @@ def test_cli_walkers_end_on_a_bomb_without_tensors(tmp_path):
     assert ls is not None and ls.returncode == 2 and "values (nodes shared" in ls.stderr, ls
     assert checkout is not None and checkout.returncode == 2 and "values (nodes shared" in checkout.stderr, checkout
     assert "Traceback" not in ls.stderr + checkout.stderr + diff.stderr and not out.exists()
+
+
+def test_checkout_under_a_raised_cap_is_held_to_the_format_limit(tmp_path):
+    """max_bytes raised past what 2^40 values cost: the writers' shared limit on values
+    (format/tree.MAX_VALUES) still refuses the bomb, counted over distinct nodes, before
+    anything is materialised (the old checkout set out to build 2^40 values)."""
+    with tsck.open_store(tmp_path / "s") as s:
+        good = s.put_snapshot({"w": torch.arange(16.0)}, ref="good/main", step=1)
+        d = s.reftable.catalog_get(bytes.fromhex(good.root))["tree"]
+        for _ in range(LEVELS):
+            d = s.assets.put_node(encode_node({"l": [{"r": d}, {"r": d}]})).digest
+        s.assets.sync()
+        s.commit_tree(d, ref="bomb/x", job="bomb", step=1, metrics={}, meta={}, stats=dict(STATS))
+        with _deadline(60), pytest.raises(tsck.FormatError, match="more than the format's"):
+            s.checkout("bomb/x", max_bytes=1 << 62)
+        with _deadline(60), pytest.raises(tsck.FormatError, match="more than the format's"):
+            s.checkout("bomb/x", max_bytes=1 << 62, paths=["0.1.0"])
+
+
+def test_writers_and_readers_share_the_limit_on_values(tmp_path, monkeypatch):
+    """What put_snapshot accepts, checkout takes: both count values alike (a container,
+    a leaf, a plain value, each at every path) against one MAX_VALUES."""
+    from tensorstore_ck.format import tree
+    monkeypatch.setattr(tree, "MAX_VALUES", 1000)
+    with tsck.open_store(tmp_path / "s") as s:
+        ok = {"a": list(range(998))}                      # 1 + 1 + 998 values
+        s.put_snapshot(ok, ref="v/ok", step=1)
+        assert s.checkout("v/ok") == ok
+        before = sorted(o.key for o in s.storage.list(""))
+        with pytest.raises(tsck.UnsupportedType, match="more than 1000 values"):
+            s.put_snapshot({"a": list(range(999))}, ref="v/big", step=1)
+        assert sorted(o.key for o in s.storage.list("")) == before
+        x = s.reftable.catalog_get(bytes.fromhex(s.resolve("v/ok")))["tree"]
+        top = s.assets.put_node(encode_node({"d": [["x", {"r": x}], ["y", 1]]})).digest  # 1002 values
+        s.assets.sync()
+        s.commit_tree(top, ref="v/hand", job="v", step=1, metrics={}, meta={}, stats=dict(STATS))
+        with pytest.raises(tsck.FormatError, match="more than the format's 1000"):
+            s.checkout("v/hand", max_bytes=1 << 62)
+
+
+def test_a_selection_through_a_bomb_measures_each_node_once_per_selection_state(tmp_path):
+    """Keys "a" and "a.a" naming the same node: a dotted path of 40 a's is reached along
+    Fibonacci(40) ~ 10^8 ways. The measure is memoised per (node, depth, selection
+    state) and counts node decodes, not ways."""
+    with tsck.open_store(tmp_path / "s") as s:
+        good = s.put_snapshot({"w": torch.arange(16.0)}, ref="good/main", step=1)
+        d = s.reftable.catalog_get(bytes.fromhex(good.root))["tree"]
+        for _ in range(LEVELS):
+            d = s.assets.put_node(encode_node({"d": [["a", {"r": d}], ["a.a", {"r": d}]]})).digest
+        s.assets.sync()
+        s.commit_tree(d, ref="bomb/y", job="bomb", step=1, metrics={}, meta={}, stats=dict(STATS))
+        reads = []
+        orig = s.assets.get_node
+        s.assets.get_node = lambda digest, **kw: reads.append(digest) or orig(digest, **kw)
+        with _deadline(60), pytest.raises(tsck.FormatError, match="values"):
+            s.checkout("bomb/y", paths=["a." * (LEVELS - 1) + "a"])
+        assert len(reads) <= 2 * (LEVELS + 1), len(reads)
