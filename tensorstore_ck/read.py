@@ -228,6 +228,8 @@ class Reader:
         self._decoded: dict = {}
         self._sizes: dict = {}
         self._keymaps: dict = {}   # id(decoded dict container) -> (it, {key: value}): rank-tree lookups
+        self._merged: dict = {}    # (rank nodes, depth, selection state) -> their merged value
+        self._ix_prefixes: dict = {}  # id(chunk index) -> (it, format_paths at and above its tensors)
 
     def read(self, top: bytes, into=_MISSING):
         """The state under the top node `top` (into=: update that tree in place)."""
@@ -601,7 +603,10 @@ class Reader:
 
     def _indexed(self, v, me, ranks, ix, path, depth, sel, lazy):
         """This rank's tree with each sharded tensor made a _Gathered (or, not lazy, a
-        Global of every rank's chunks)."""
+        Global of every rank's chunks). A sub-tree above no tensor of the index is
+        itself (nodes shared at many paths are not expanded)."""
+        if type(v) is tree.Ref and path and format_path(path) not in self._prefixes(ix):
+            return v
         v = self._deref(v, path, depth)
         t = type(v)
         if t is tree.Global:
@@ -622,6 +627,15 @@ class Reader:
         if v.kind in ("d", "o"):
             return tree.Container(v.kind, [(k, child(k, x)) for k, x in v.items])
         return tree.Container(v.kind, [child(i, x) for i, x in enumerate(v.items)])
+
+    def _prefixes(self, ix: dict) -> set:
+        hit = self._ix_prefixes.get(id(ix))
+        if hit is None:
+            out = set()
+            for p in ix:  # "['a'][0]['w']" -> "['a']", "['a'][0]", "['a'][0]['w']"
+                out.update(p[:i] for i in range(1, len(p) + 1) if p[i - 1] == "]")
+            hit = self._ix_prefixes[id(ix)] = (ix, out)
+        return hit[1]
 
     def _gather(self, g: "_Gathered", box, path) -> tree.Global:
         """The chunks of `g` that intersect `box` ((offsets, shape); None: all of it), read
@@ -669,6 +683,16 @@ class Reader:
         return v
 
     def _merge(self, vals, me, path, depth, sel=FULL):
+        if all(type(v) is tree.Ref for v in vals):
+            # The same nodes merge alike at every path that names them (a DAG bomb: once).
+            key = (tuple(v.digest for v in vals), depth, None if sel is FULL else id(sel))
+            hit = self._merged.get(key)
+            if hit is None:
+                hit = self._merged[key] = self._merge_values(vals, me, path, depth, sel)
+            return hit
+        return self._merge_values(vals, me, path, depth, sel)
+
+    def _merge_values(self, vals, me, path, depth, sel):
         vals = [self._deref(v, path, depth) for v in vals]
         v0 = vals[me]
         if type(v0) is tree.Global:

@@ -320,3 +320,42 @@ def test_a_selection_through_a_bomb_measures_each_node_once_per_selection_state(
         with _deadline(60), pytest.raises(tsck.FormatError, match="values"):
             s.checkout("bomb/y", paths=["a." * (LEVELS - 1) + "a"])
         assert len(reads) <= 2 * (LEVELS + 1), len(reads)
+
+
+@pytest.mark.parametrize("kind", ["dict", "no-items", "multi-rank", "indexed", "one-item"])
+def test_the_dcp_view_of_a_bomb_counts_its_nodes(tmp_path, kind):
+    """dcp.load of a native snapshot (TsckReader) flattens its tree to DCP items. Over a
+    bomb it walked every path: 2^40 dicts to no item never ended, a dict bomb ended at
+    the 4 Mi item cap (minutes), a multi-rank one expanded every rank's tree, and lists
+    of lists asked "is this one item?" of each path again. Items are counted per node."""
+    from tensorstore_ck.dcp.reader import TsckReader
+
+    with tsck.open_store(tmp_path / "s") as s:
+        good = s.put_snapshot({"w": torch.arange(16.0)}, ref="good/main", step=1)
+        d = s.reftable.catalog_get(bytes.fromhex(good.root))["tree"]
+        if kind == "no-items":
+            d = s.assets.put_node(encode_node({"d": []})).digest
+        if kind == "one-item":
+            d = s.assets.put_node(encode_node({"l": [1, 2, 3]})).digest
+        for _ in range(LEVELS):
+            body = {"l": [{"r": d}, {"r": d}]} if kind == "one-item" else {"d": [["a", {"r": d}], ["b", {"r": d}]]}
+            d = s.assets.put_node(encode_node(body)).digest
+        d = s.assets.put_node(encode_node({"d": [["x", {"r": d}]]})).digest
+        if kind in ("multi-rank", "one-item"):
+            d = s.assets.put_node(encode_node({"W": {"ranks": [d], "world": 1}})).digest
+        if kind == "indexed":  # with a chunk index (of no sharded tensor)
+            ix = s.assets.put_node(encode_node({"d": []})).digest
+            d = s.assets.put_node(encode_node({"W": {"ranks": [d], "world": 1, "ix": ix}})).digest
+        s.assets.sync()
+        s.commit_tree(d, ref="bomb/x", job="bomb", step=1, metrics={}, meta={}, stats=dict(STATS))
+        reads = []
+        orig = s.assets.get_node
+        s.assets.get_node = lambda digest, **kw: reads.append(digest) or orig(digest, **kw)
+        with _deadline(60):
+            if kind in ("dict", "multi-rank", "indexed"):
+                with pytest.raises(tsck.FormatError, match="1099511627776 DCP items"):
+                    TsckReader(s, "bomb/x").read_metadata()
+            else:
+                md = TsckReader(s, "bomb/x").read_metadata()
+                assert list(md.state_dict_metadata) == ([] if kind == "no-items" else ["x"])
+        assert len(reads) <= 3 * (LEVELS + 3), len(reads)
