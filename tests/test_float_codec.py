@@ -418,3 +418,55 @@ def test_a_zstd_plane_asking_for_a_large_window_is_refused():
         + struct.pack("<BI", 0, 0) + b"".join(ok)
     out = frame.decode_payload(frame.Header(frame.CODEC_FLOAT, 4, frame.KIND_BLOCK, 4 * n), payload)
     assert np.frombuffer(out, np.uint8).reshape(n, 4)[:, 3].tolist()[:5] == (e >> 1).tolist()[:5]
+
+
+_FSCK_RSS = """
+import sys
+import tensorstore_ck as tsck
+
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+
+with tsck.open_store(sys.argv[1]) as s:
+    before = hwm()
+    rep = s.fsck()
+    after = hwm()
+assert rep.ok, rep.findings
+print(after - before)
+"""
+
+
+@pytest.mark.slow
+def test_fsck_of_a_hostile_float_block_holds_one_block(tmp_path):
+    """A 0.5 MB block that decodes to 128 MiB: fsck verifies it holding the block once
+    (and the 32 MiB of FORMAT.md's bound), where it held it three times."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import blake3
+
+    from tensorstore_ck.assets import block_key
+    from tensorstore_ck.format.manifest import encode_node
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("peak RSS is read from /proc/self/status (Linux)")
+    raw_len = 128 << 20
+    blob = _hostile_float_block(raw_len)
+    path = tmp_path / "s"
+    with tsck.open_store(path) as s:
+        d = blake3.blake3(frame.decode_payload(frame.decode_header(blob[:16]), memoryview(blob)[16:])).digest()
+        (path / block_key(d)).parent.mkdir(parents=True, exist_ok=True)
+        (path / block_key(d)).write_bytes(blob)
+        leaf = {"T": {"dt": "float32", "sh": [raw_len // 4], "n": raw_len, "bs": raw_len, "b": [d]}}
+        top = s.assets.put_node(encode_node({"d": [["w", leaf]]})).digest
+        s.assets.sync()
+        stats = {"bytes_total": raw_len, "bytes_new": 0, "blocks_total": 1, "blocks_new": 0}
+        s.commit_tree(top, ref="h/x", job="h", step=1, metrics={}, meta={}, stats=stats)
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _FSCK_RSS, str(path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(repo)}, cwd=str(repo))
+    assert r.returncode == 0, r.stderr
+    grew = int(r.stdout.split()[-1])
+    assert grew <= raw_len + (48 << 20), f"fsck took {grew >> 20} MiB for a {raw_len >> 20} MiB block"
