@@ -247,7 +247,7 @@ def test_ls_refuses_a_bomb_before_listing_anything(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_cli_walkers_end_on_a_bomb_without_tensors(tmp_path):
-    """`tsck diff`, `tsck ls` and `tsck checkout` to a file, each in a subprocess killed at
+    """`tsck diff`, `tsck ls`, `tsck checkout` to a file and `tsck du`, each in a subprocess killed at
     TIMEOUT (the old diff never finished; ls and checkout to safetensors took ~40 s)."""
     path = tmp_path / "s"
     with tsck.open_store(path) as s:
@@ -256,9 +256,11 @@ def test_cli_walkers_end_on_a_bomb_without_tensors(tmp_path):
     out = tmp_path / "x.safetensors"
     cmds = [["-m", "tensorstore_ck", "diff", str(path), "good/main", "bomb/x"],
             ["-m", "tensorstore_ck", "ls", str(path), "bomb/x"],
-            ["-m", "tensorstore_ck", "checkout", str(path), "bomb/x", str(out)]]
+            ["-m", "tensorstore_ck", "checkout", str(path), "bomb/x", str(out)],
+            ["-m", "tensorstore_ck", "du", str(path)]]
     with ThreadPoolExecutor(3) as ex:
-        diff, ls, checkout = ex.map(_run, cmds)
+        diff, ls, checkout, du = ex.map(_run, cmds)
+    assert du is not None and du.returncode == 0 and "job bomb" in du.stdout, du
     assert diff is not None and diff.returncode == 0 and "1 removed" in diff.stdout, diff
     assert ls is not None and ls.returncode == 2 and "values (nodes shared" in ls.stderr, ls
     assert checkout is not None and checkout.returncode == 2 and "values (nodes shared" in checkout.stderr, checkout
