@@ -470,3 +470,26 @@ def test_fsck_of_a_hostile_float_block_holds_one_block(tmp_path):
     assert r.returncode == 0, r.stderr
     grew = int(r.stdout.split()[-1])
     assert grew <= raw_len + (48 << 20), f"fsck took {grew >> 20} MiB for a {raw_len >> 20} MiB block"
+
+
+@pytest.mark.slow
+def test_an_object_declaring_more_than_its_kind_holds_is_not_decoded(tmp_path):
+    """fsck --repair re-verifies a damaged object on its own (no manifest says its size):
+    a 1 MB lz4 block declaring 256 MiB + 4 KiB, more than any block holds, is corrupt
+    from its header, not inflated (a frame may declare up to 2 GiB)."""
+    import blake3
+    import lz4.block
+
+    from tensorstore_ck.assets import block_key
+    from tensorstore_ck.format.tree import MAX_BLOCK_SIZE
+
+    raw = bytes(MAX_BLOCK_SIZE + 4096)
+    d = blake3.blake3(raw).digest()
+    blob = frame.encode_header(frame.CODEC_LZ4, 1, frame.KIND_BLOCK, len(raw)) + \
+        lz4.block.compress(raw, store_size=False)
+    del raw
+    with tsck.open_store(tmp_path / "s") as s:
+        (tmp_path / "s" / block_key(d)).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "s" / block_key(d)).write_bytes(blob)
+        err, data = s.assets.verify_stored(block_key(d))
+        assert data is None and err is not None and "more than its kind may hold" in str(err), err
