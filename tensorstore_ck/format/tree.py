@@ -424,10 +424,12 @@ class NodeWriter:
         self.values = 0  # values laid out, counted as readers count them (each path of the tree)
 
     def check(self, value) -> None:
+        self.values = 0
         v, size = self._emit(value, (), 0, None)
         self._cap(size, ())
 
     def write(self, value, put: Callable[[bytes], bytes]) -> bytes:
+        self.values = 0
         v, _ = self._emit(value, (), 0, put)
         return self._put(v, (), put)
 
