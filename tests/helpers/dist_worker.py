@@ -4,7 +4,8 @@
 
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
 desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
-newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget.
+newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget,
+gcphase (ARG: world), unknown.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -777,6 +778,99 @@ def cotarget_case(rank, world, out, res, _arg):
         _outcome(res, "same", lambda: co(roots[0]))
 
 
+# -- a gc or prune deletion phase overlapping a collective put; a move whose answer is lost ---
+
+GC_CODE = """
+import json, sys
+import tensorstore_ck as tsck
+with tsck.open_store(sys.argv[1]) as s:
+    r = s.gc(grace=0) if sys.argv[2] == "gc" else s.prune(sys.argv[2])
+print(json.dumps({"deleted": r.deleted_by_kind, "expired": len(r.expired)}))
+"""
+
+
+def _deletion_phase(out, what: str) -> dict:
+    """A whole gc (grace 0: every object no snapshot references yet goes) or prune of job
+    `what`, in another process, to its end -> what it deleted and expired."""
+    import subprocess
+    p = subprocess.run([sys.executable, "-c", GC_CODE, os.path.join(out, "store"), what], capture_output=True,
+                       text=True, timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} failed: {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def gcphase_case(rank, world, out, res, _arg):
+    """Put 1 (version 0); put 2 (version 1), during which a gc with grace 0 runs in another
+    process as rank 0 writes the commit object (after every rank posted done): it deletes
+    every block and node of put 2, and its deletion phase fences the ref move. Then with
+    keep_last=1 on the job, put 3 (version 0 again: it reuses put 1's blocks and nodes),
+    during which a prune of the job expires put 1 and deletes those. Both puts must
+    publish on every rank, re-uploading what was deleted."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    Slow = slow_store_class()
+    holder = {}
+    wrap = (lambda s: holder.setdefault("w", Slow(s, 0.0))) if rank == 0 else None
+    with _open(out, wrap_storage=wrap) as store:
+        _outcome(res, "put1", lambda: store.put_snapshot(sharded_state(rank, world, 0), REF, step=1, timeout=60))
+        for key, step, version, what in (("put2", 2, 1, "gc"), ("put3", 3, 0, "j")):
+            dist.barrier()
+            if rank == 0:
+                if what != "gc":
+                    store.set_retention("j", tsck.Retention(keep_last=1))
+                holder["w"].then = lambda what=what, key=key: res.update({key + "_phase": _deletion_phase(out, what)})
+                holder["w"].armed = True
+            _outcome(res, key, lambda: store.put_snapshot(sharded_state(rank, world, version), REF, step=step,
+                                                          timeout=60))
+
+
+class _LostAnswer:
+    """Rank 0's ref table as seen across a network that failed at the ref move: the move
+    (its COMMIT) went out and no answer came back (OutcomeUnknown), and the table cannot
+    be asked afterwards. Every other call goes to the real table."""
+
+    def __init__(self, inner):
+        self.inner, self.armed, self.lost = inner, False, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def compare_and_swap(self, *a, **kw):
+        if self.armed:
+            import tensorstore_ck as tsck
+            self.lost = True
+            raise tsck.OutcomeUnknown("the ref table's answer to the COMMIT was lost")
+        return self.inner.compare_and_swap(*a, **kw)
+
+    def get_or_none(self, ref):
+        if self.lost:
+            import tensorstore_ck as tsck
+            raise tsck.StorageError("the ref table is unreachable")
+        return self.inner.get_or_none(ref)
+
+
+def unknown_case(rank, world, out, res, _arg):
+    """Put 1 publishes; put 2's ref move on rank 0 ends in OutcomeUnknown: every rank must
+    say so (with the root and the ref), not that nothing was published."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    with _open(out) as store:
+        _outcome(res, "put1", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=30))
+        if rank == 0:
+            store.publisher.reftable = _LostAnswer(store.publisher.reftable)
+            store.publisher.reftable.armed = True
+        dist.barrier()
+        try:
+            store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=30)
+            res["put2"] = "returned"
+        except tsck.OutcomeUnknown as e:
+            res["put2"], res["put2_message"] = "OutcomeUnknown", str(e)
+            res["put2_root"], res["put2_ref"] = e.root.hex() if e.root else None, e.ref
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            res["put2"], res["put2_message"] = type(e).__name__, str(e)
+
+
 def main(argv) -> int:
     scenario, out = argv[1], argv[2]
     arg = int(argv[3]) if len(argv) > 3 else None
@@ -819,6 +913,10 @@ def main(argv) -> int:
         infos = [launch("nonmember", 3, nonmember_case, out)]
     elif scenario == "cotarget":
         infos = [launch("cotarget", 2, cotarget_case, out)]
+    elif scenario == "gcphase":
+        infos = [launch("gcphase", arg or 2, gcphase_case, out, limit=240.0)]
+    elif scenario == "unknown":
+        infos = [launch("unknown", 2, unknown_case, out)]
     elif scenario == "notfound":
         infos = [launch("notfound", 4, notfound_case, out)]
     else:
