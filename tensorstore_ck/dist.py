@@ -584,13 +584,19 @@ class _Heartbeat:
         self._stop = threading.Event()
         key, interval = ch.pfx + "beat", max(0.02, min(1.0, ch.timeout / 6))
 
+        def beat() -> bool:
+            try:
+                ch.kv.add(key, 1)
+                return True
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is listening
+                return False
+
         def run():
-            while not self._stop.is_set():
-                try:
-                    ch.kv.add(key, 1)
-                except Exception:  # noqa: BLE001 - the store is gone: nobody is listening
-                    return
-                self._stop.wait(interval)
+            while not self._stop.wait(interval) and beat():
+                pass
+        # The first beat here, not in the thread: the call's keys are then the same whether
+        # or not the thread ran before a fast commit stopped it.
+        beat()
         self._thread = threading.Thread(target=run, name="tsck-heartbeat", daemon=True)
         self._thread.start()
 
