@@ -14,6 +14,9 @@ put_snapshot and checkout are collective when torch.distributed is initialised
     rank 0       checks that the replicas agree (else abort: nobody wrote the blocks of
                  a diverged replica), composes one commit {"W": [root of rank 0, ..., root of rank W-1]},
                  claims the outcome ("decided" = commit), moves the ref once -> result
+                 (if a gc deletion phase fenced the move: a re-validation round, in
+                 which every rank re-uploads what the phase deleted of its own part,
+                 then the move again)
     every rank   acks once it holds the outcome (result or abort); rank 0, which
                  usually hosts the Store, returns only when every rank has acked
 
