@@ -626,3 +626,26 @@ def test_a_lost_answer_to_rank_0s_ref_move_is_outcome_unknown_on_every_rank(tmp_
     assert res[0]["put2_root"] and res[1]["put2_root"] == res[0]["put2_root"]
     assert res[0]["put2_ref"] == res[1]["put2_ref"] == REF
     assert "may or may not be published" in res[1]["put2_message"]
+
+
+def test_a_rank_that_cannot_reupload_after_a_deletion_phase_aborts_every_rank(tmp_path):
+    """The re-validation round fails on one rank (its storage refuses the blocks the gc
+    deleted): rank 0 must not move the ref; rank 1 raises its own StorageError, the others
+    SnapshotAborted naming rank 1; the ref stays at put 1, and the next put publishes."""
+    out = run_scenario(tmp_path, "gcfail", limit=300.0)
+    res = rank_results(out, "gcfail", 3)
+    assert [d["put1"] for d in res] == ["returned"] * 3
+    assert [d["put2"] for d in res] == ["SnapshotAborted", "StorageError", "SnapshotAborted"], \
+        [d.get("put2_message") for d in res]
+    assert "no space left on device" in res[1]["put2_message"]
+    for r in (0, 2):
+        assert "rank 1 could not re-validate its part" in res[r]["put2_message"]
+        assert "nothing was published" in res[r]["put2_message"]
+    assert res[0]["put2_phase"]["deleted"].get("blocks", 0) >= 3  # the phase did delete the put's blocks
+    assert [d["put3"] for d in res] == ["returned"] * 3
+    with tsck.open_store(str(out / "store")) as s:
+        assert [e.step for e in s.log(REF)] == [3, 1]
+        assert s.fsck().ok
+        got = s.checkout(REF)
+        for path in dw.SHARDED:
+            assert same_bits(dw.global_tensor(path, 2), dw.get_path(got, path)), path

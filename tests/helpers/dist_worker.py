@@ -5,7 +5,7 @@
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
 desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
 newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget,
-gcphase (ARG: world), unknown.
+gcphase (ARG: world), gcfail, unknown.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -825,6 +825,43 @@ def gcphase_case(rank, world, out, res, _arg):
                                                           timeout=60))
 
 
+def gcfail_case(rank, world, out, res, _arg):
+    """As put 2 of gcphase (a gc deleting every block and node of the put before the ref
+    moves), but rank 1's storage refuses block writes from then on (a file `fail` marks
+    it): rank 1 cannot re-upload its part, so the snapshot must abort on every rank and
+    the ref stay where it was. Then, storage healthy again, put 3 publishes."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    WrappedStore = _wrapped_base()
+    flag = os.path.join(out, "fail")
+
+    class Failing(WrappedStore):
+        def put_if_absent(self, key, bufs):
+            if key.startswith("blocks/") and os.path.exists(flag):
+                raise tsck.StorageError(f"{key}: no space left on device")
+            return self.inner.put_if_absent(key, bufs)
+
+    def after_gc():
+        res["put2_phase"] = _deletion_phase(out, "gc")
+        open(flag, "w").close()
+
+    Slow = slow_store_class()
+    holder = {}
+    wrap = {0: lambda s: holder.setdefault("w", Slow(s, 0.0)), 1: Failing}.get(rank)
+    with _open(out, wrap_storage=wrap) as store:
+        _outcome(res, "put1", lambda: store.put_snapshot(sharded_state(rank, world, 0), REF, step=1, timeout=60))
+        dist.barrier()
+        if rank == 0:
+            holder["w"].then = after_gc
+            holder["w"].armed = True
+        _outcome(res, "put2", lambda: store.put_snapshot(sharded_state(rank, world, 1), REF, step=2, timeout=60))
+        dist.barrier()
+        if rank == 0:
+            os.unlink(flag)
+        dist.barrier()
+        _outcome(res, "put3", lambda: store.put_snapshot(sharded_state(rank, world, 2), REF, step=3, timeout=60))
+
+
 class _LostAnswer:
     """Rank 0's ref table as seen across a network that failed at the ref move: the move
     (its COMMIT) went out and no answer came back (OutcomeUnknown), and the table cannot
@@ -915,6 +952,8 @@ def main(argv) -> int:
         infos = [launch("cotarget", 2, cotarget_case, out)]
     elif scenario == "gcphase":
         infos = [launch("gcphase", arg or 2, gcphase_case, out, limit=240.0)]
+    elif scenario == "gcfail":
+        infos = [launch("gcfail", 3, gcfail_case, out, limit=240.0)]
     elif scenario == "unknown":
         infos = [launch("unknown", 2, unknown_case, out)]
     elif scenario == "notfound":
