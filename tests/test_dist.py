@@ -649,3 +649,20 @@ def test_a_rank_that_cannot_reupload_after_a_deletion_phase_aborts_every_rank(tm
         got = s.checkout(REF)
         for path in dw.SHARDED:
             assert same_bits(dw.global_tensor(path, 2), dw.get_path(got, path)), path
+
+
+def test_a_held_commit_of_rank_0s_ref_move_is_outcome_unknown_on_every_rank(tmp_path, pg_dsn, monkeypatch):
+    """The same against a real PostgreSQL behind a real TCP proxy: rank 0's COMMIT is held
+    in the network past the connect timeout (OutcomeUnknown on rank 0), then lands: the
+    snapshot rank 1 would have called "nothing was published" is the ref's head."""
+    monkeypatch.setenv("TSCK_DIST_PG_DSN", pg_dsn)
+    out = run_scenario(tmp_path, "pgunknown", limit=150.0)
+    res = rank_results(out, "pgunknown", 2)
+    assert [d["put1"] for d in res] == ["returned", "returned"]
+    assert res[0]["held"] == 1 and res[0]["released"] == 1
+    assert [d["put2"] for d in res] == ["OutcomeUnknown", "OutcomeUnknown"], [d.get("put2_message") for d in res]
+    assert res[1]["put2_root"] == res[0]["put2_root"] and res[1]["put2_ref"] == REF
+    with tsck.open_store(str(out / "store"), refs=pg_dsn) as s:
+        assert s.resolve(REF) == res[0]["put2_root"]  # it was published after all
+        assert s.checkout(REF)["v"] == 2
+        assert s.fsck().ok

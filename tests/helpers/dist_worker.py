@@ -5,7 +5,7 @@
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
 desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
 newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget,
-gcphase (ARG: world), gcfail, unknown.
+gcphase (ARG: world), gcfail, unknown, pgunknown (env TSCK_DIST_PG_DSN).
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -908,6 +908,60 @@ def unknown_case(rank, world, out, res, _arg):
             res["put2"], res["put2_message"] = type(e).__name__, str(e)
 
 
+def pgunknown_case(rank, world, out, res, _arg):
+    """The ref table is a real PostgreSQL server; rank 0 reaches it through a TCP proxy
+    (tests/sim/netproxy.py) that holds back the COMMIT of put 2's ref move, kills the
+    connection and black-holes the server past the client's connect timeout: rank 0's
+    move ends in OutcomeUnknown. Then rank 0 lets the held COMMIT through: it lands, the
+    snapshot is published after all. Rank 1 must have said OutcomeUnknown, not aborted."""
+    import logging
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    from psycopg.conninfo import conninfo_to_dict
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.sim.netproxy import NetProxy
+    dsn, timeout = os.environ["TSCK_DIST_PG_DSN"], 3
+    proxy = None
+    if rank == 0:
+        d = conninfo_to_dict(dsn)
+        proxy = NetProxy(int(d.get("port", 5432)), d.get("host", "127.0.0.1"))
+        d.update(host="127.0.0.1", port=str(proxy.port), connect_timeout=str(timeout))
+        dsn = " ".join(f"{k}={v}" for k, v in d.items())
+
+        class Restorer(logging.Handler):  # ends the blackout once the write has given up
+            def emit(self, record):
+                if "commit unanswered" in record.getMessage():
+                    threading.Timer(timeout + 0.3, proxy.restore).start()
+        logging.getLogger("tensorstore_ck").addHandler(Restorer(logging.WARNING))
+    store = _open(out, refs=dsn)
+    try:
+        _outcome(res, "put1", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=60))
+        dist.barrier()
+        if rank == 0:
+            proxy.arm_hold()
+            proxy.blackout_after_fault = float("inf")
+        try:
+            store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=60)
+            res["put2"] = "returned"
+        except tsck.OutcomeUnknown as e:
+            res["put2"], res["put2_message"] = "OutcomeUnknown", str(e)
+            res["put2_root"], res["put2_ref"] = e.root.hex() if e.root else None, e.ref
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            res["put2"], res["put2_message"] = type(e).__name__, str(e)
+        if rank == 0:
+            res["held"] = proxy.holds
+            proxy.restore()
+            res["released"] = proxy.release()  # the COMMIT lands now
+        dist.barrier()
+    finally:
+        if proxy is not None:
+            proxy.restore()
+            proxy.release()
+        store.close()
+        if proxy is not None:
+            proxy.close()
+
+
 def main(argv) -> int:
     scenario, out = argv[1], argv[2]
     arg = int(argv[3]) if len(argv) > 3 else None
@@ -954,6 +1008,8 @@ def main(argv) -> int:
         infos = [launch("gcphase", arg or 2, gcphase_case, out, limit=240.0)]
     elif scenario == "gcfail":
         infos = [launch("gcfail", 3, gcfail_case, out, limit=240.0)]
+    elif scenario == "pgunknown":
+        infos = [launch("pgunknown", 2, pgunknown_case, out, limit=120.0)]
     elif scenario == "unknown":
         infos = [launch("unknown", 2, unknown_case, out)]
     elif scenario == "notfound":
