@@ -800,6 +800,15 @@ def _deletion_phase(out, what: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def _create_first(rank, out) -> None:
+    """Rank 0 creates the store before the others open it: ranks that create a new store
+    all at once can leave its ref table marked as found empty (then gc refuses to run)."""
+    import torch.distributed as dist
+    if rank == 0:
+        _open(out).close()
+    dist.barrier()
+
+
 def gcphase_case(rank, world, out, res, _arg):
     """Put 1 (version 0); put 2 (version 1), during which a gc with grace 0 runs in another
     process as rank 0 writes the commit object (after every rank posted done): it deletes
@@ -812,6 +821,7 @@ def gcphase_case(rank, world, out, res, _arg):
     Slow = slow_store_class()
     holder = {}
     wrap = (lambda s: holder.setdefault("w", Slow(s, 0.0))) if rank == 0 else None
+    _create_first(rank, out)
     with _open(out, wrap_storage=wrap) as store:
         _outcome(res, "put1", lambda: store.put_snapshot(sharded_state(rank, world, 0), REF, step=1, timeout=60))
         for key, step, version, what in (("put2", 2, 1, "gc"), ("put3", 3, 0, "j")):
@@ -848,6 +858,7 @@ def gcfail_case(rank, world, out, res, _arg):
     Slow = slow_store_class()
     holder = {}
     wrap = {0: lambda s: holder.setdefault("w", Slow(s, 0.0)), 1: Failing}.get(rank)
+    _create_first(rank, out)
     with _open(out, wrap_storage=wrap) as store:
         _outcome(res, "put1", lambda: store.put_snapshot(sharded_state(rank, world, 0), REF, step=1, timeout=60))
         dist.barrier()
