@@ -14,6 +14,9 @@ put_snapshot and checkout are collective when torch.distributed is initialised
     rank 0       checks that the replicas agree (else abort: nobody wrote the blocks of
                  a diverged replica), composes one commit {"W": [root of rank 0, ..., root of rank W-1]},
                  claims the outcome ("decided" = commit), moves the ref once -> result
+                 (if a gc deletion phase fenced the move: a re-validation round, in
+                 which every rank re-uploads what the phase deleted of its own part,
+                 then the move again)
     every rank   acks once it holds the outcome (result or abort); rank 0, which
                  usually hosts the Store, returns only when every rank has acked
 
@@ -43,7 +46,8 @@ import warnings
 
 import msgpack
 
-from .errors import AmbiguousTarget, InvalidArgument, InvalidName, RefNotFound, SnapshotAborted, TsckError
+from .errors import (AmbiguousTarget, InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, SnapshotAborted,
+                     TsckError)
 from .ids import Digest
 from .shard import find_overlap
 from .validate import UNSET
@@ -62,11 +66,17 @@ CLOCK_SKEW = 120.0
 # (group, op): beyond, the oldest go (a rank that never comes back must not grow the Store).
 KEEP_UNACKED = 256
 # The keys of a call that every rank reads (rank 0 deletes them); the rest are per rank.
-_SHARED_KEYS = ("hello_n", "done_n", "go", "result", "abort", "root", "decided", "acked", "beat", "tsum")
+_SHARED_KEYS = ("hello_n", "done_n", "go", "result", "abort", "root", "decided", "acked", "beat", "tsum",
+                "reval", "rdone_n", "rfail")
 
 
 class _CommitUnderWay(Exception):
     """This rank's deadline passed, but rank 0 had already claimed the outcome "commit"."""
+
+
+class _RevalFailed(Exception):
+    """This rank could not re-validate its part after a gc deletion phase (args[0]: the
+    error it raises; rank 0 has been told through "rfail" and aborts)."""
 
 
 class CollectiveContext:
@@ -159,31 +169,39 @@ class _Channel:
         return self.kv.compare_set(self.pfx + "decided", b"", outcome)
 
     def abort(self, why: str, kind: str = "snapshot_aborted", *, late=(), shared: bool = False,
-              force: bool = False) -> bool:
+              force: bool = False, extra: dict | None = None) -> bool:
         """Abort this call on every rank. False, and nothing written, when rank 0 has
         already claimed the outcome "commit" (it may be moving the ref right now):
         then nobody may say aborted, except rank 0 itself if its commit fails (force).
-        shared: every rank raises the error of `kind`, not SnapshotAborted."""
+        shared: every rank raises the error of `kind`, not SnapshotAborted (extra: its
+        fields, as OutcomeUnknown's root and ref)."""
         self.late = sorted(set(self.late) | set(late))
         try:
             if not force and self.claim(b"abort") != b"abort":
                 return False
             self.aborted = True
-            self.kv.set(self.pfx + "abort", msgpack.packb([kind, why[:4000], self.late, shared]))
+            self.kv.set(self.pfx + "abort", msgpack.packb([kind, why[:4000], self.late, shared, extra or {}]))
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing more we can tell anyone
             pass
         return True
 
     def _check_abort(self) -> None:
         if self.kv.check([self.pfx + "abort"]):
-            kind, why, late, shared = "snapshot_aborted", "unreadable abort record", [], False
+            kind, why, late, shared, extra = "snapshot_aborted", "unreadable abort record", [], False, {}
             try:
                 rec = msgpack.unpackb(self.kv.get(self.pfx + "abort"))
                 kind, why = rec[:2]
                 late, shared = (rec[2], rec[3]) if len(rec) >= 4 else ([], False)
+                extra = rec[4] if len(rec) >= 5 and isinstance(rec[4], dict) else {}
                 self.late = sorted(set(self.late) | {int(r) for r in late})
             except Exception:  # noqa: BLE001
                 pass
+            if kind == "outcome_unknown" and shared:
+                # Rank 0's ref move went unanswered: the snapshot may be published. Every rank
+                # says so (never "nothing published"), with the root and ref to look up.
+                root = extra.get("root")
+                raise OutcomeUnknown(why, root=bytes.fromhex(root) if isinstance(root, str) else None,
+                                     ref=extra.get("ref"))
             cls = _REraise.get(kind) if self.op == "checkout" or shared else None
             if cls is not None:  # the user's mistake, told to every rank as what it is
                 raise cls(why)
@@ -238,7 +256,7 @@ class _Channel:
         if self.seq - 2 >= 1:
             old = f"{self.base}{self.seq - 2}/"
             delete(old + k for k in (f"hello/{self.rank}", f"done/{self.rank}", f"ack/{self.rank}",
-                                     f"rep/{self.rank}"))
+                                     f"rep/{self.rank}", f"rdone/{self.rank}"))
         if self.rank != 0:
             return
         kept = self.ctx.kept(self.key)
@@ -299,7 +317,7 @@ def _guard(ch: _Channel, fn):
     or for a checkout the same user error (RefNotFound, InvalidName, ...)."""
     try:
         return fn()
-    except (SnapshotAborted, _CommitUnderWay):
+    except (SnapshotAborted, _CommitUnderWay, _RevalFailed):
         raise
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         kind = getattr(e, "kind", "error") if isinstance(e, TsckError) else "error"
@@ -462,11 +480,14 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         fence = msgpack.unpackb(_guard(ch, lambda: ch.wait_key("go", "rank 0 to start the snapshot",
                                                                 per_rank="hello")))
 
+    owns = lambda leaf, i: _owner(leaf.path, i, W) == rank  # noqa: E731
+    part: dict = {}  # this rank's node payloads: re-written if a gc deletion phase fences the commit
+
     def write():
         # Every rank writes under rank 0's fence: what it saw present under that epoch
         # needs no request (assets.Presence); a deletion phase since fences the commit.
-        publisher.write_blocks(plan_, owns=lambda leaf, i: _owner(leaf.path, i, W) == rank, fence=fence)
-        tree, _payloads = publisher.write_nodes(plan_.value, fence)
+        publisher.write_blocks(plan_, owns=owns, fence=fence)
+        tree, part["payloads"] = publisher.write_nodes(plan_.value, fence)
         from .plan import plan_stats, replica_digests  # torch: only where tensors are
         st = plan_stats(plan_)
         reps = replica_digests(plan_)
@@ -481,9 +502,15 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         ch.add("done_n")
 
     _guard(ch, write)
+
+    def revalidate_mine(new_fence: int) -> None:
+        # What this rank wrote or reused: it still holds the data (the plan) and its nodes.
+        publisher.revalidate_plan(plan_, part["payloads"], None, new_fence, owns=owns)
+        part["fence"] = new_fence
+
     if rank != 0:
-        info = _await_result(ch, publisher, args)
-        publisher.assets.presence.settle(fence)  # published: what this rank wrote is there
+        info = _await_result(ch, publisher, args, revalidate_mine)
+        publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there
         return info
 
     def compose():
@@ -499,9 +526,10 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         for r, pieces in enumerate(pieces_by_rank):
             for p, _dt, _gs, off, sh in pieces:
                 ix.setdefault(p, []).append({"l": [r, {"l": list(off)}, {"l": list(sh)}]})
-        index, _ = publisher.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]}, fence)
-        top, _payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones], "ix": index}},
-                                               fence)
+        index, ix_payloads = publisher.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]}, fence)
+        top, top_payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones],
+                                                         "ix": index}}, fence)
+        part["top"] = ix_payloads + top_payloads
         sums = [sum(d["stats"][i] for d in dones) for i in range(5)]
         return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), sums))
 
@@ -519,8 +547,18 @@ def _put(ch: _Channel, publisher, state, planner, prepare):
         ch.abort(why, force=True)
         raise SnapshotAborted(f"snapshot aborted: {why}")
     beat = _Heartbeat(ch)  # the others wait for the result as long as this rank shows it is alive
+    rounds = [0]
     try:
-        info = publisher.commit(top, args, stats=stats, fence=fence, meta_extra={"world": W})
+        info = publisher.commit(
+            top, args, stats=stats, fence=fence, meta_extra={"world": W},
+            revalidate=lambda body, new_fence: _revalidation_round(ch, publisher, rounds, revalidate_mine,
+                                                                   part["top"], body, new_fence))
+    except OutcomeUnknown as e:
+        # The ref may have moved (or may yet): every rank must say so, never "nothing published".
+        beat.stop()
+        ch.abort(str(e), "outcome_unknown", force=True, shared=True,
+                 extra={"root": e.root.hex() if e.root else None, "ref": e.ref})
+        raise
     except Exception as e:
         beat.stop()
         why = str(e) if isinstance(e, SnapshotAborted) else f"rank 0: {type(e).__name__}: {e}"
@@ -549,13 +587,19 @@ class _Heartbeat:
         self._stop = threading.Event()
         key, interval = ch.pfx + "beat", max(0.02, min(1.0, ch.timeout / 6))
 
+        def beat() -> bool:
+            try:
+                ch.kv.add(key, 1)
+                return True
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is listening
+                return False
+
         def run():
-            while not self._stop.is_set():
-                try:
-                    ch.kv.add(key, 1)
-                except Exception:  # noqa: BLE001 - the store is gone: nobody is listening
-                    return
-                self._stop.wait(interval)
+            while not self._stop.wait(interval) and beat():
+                pass
+        # The first beat here, not in the thread: the call's keys are then the same whether
+        # or not the thread ran before a fast commit stopped it.
+        beat()
         self._thread = threading.Thread(target=run, name="tsck-heartbeat", daemon=True)
         self._thread.start()
 
@@ -564,22 +608,91 @@ class _Heartbeat:
         self._thread.join()
 
 
-def _await_result(ch: _Channel, publisher, args):
-    """A rank other than 0, its part written: wait for the outcome. Once rank 0 has
+def _revalidation_round(ch: _Channel, publisher, rounds: list, revalidate_mine, top_payloads: list, body: bytes,
+                        fence: int) -> None:
+    """Rank 0, called by Publisher.commit after its ref move was fenced by a gc deletion
+    phase (the phase is over and rank 0 holds a gc hold, so no new one opens): every rank
+    re-validates what it wrote or reused, re-uploading from the state it still holds
+    whatever the phase deleted, under the new fence; then rank 0 re-writes the top
+    nodes and the commit object, and commit() moves the ref. O(1) messages per rank:
+    rank 0 posts "reval" = [round, fence]; each rank posts rdone/{rank} and adds to
+    "rdone_n" (or writes "rfail", and rank 0 aborts)."""
+    rounds[0] += 1
+    n, others = rounds[0], ch.world - 1
+    ch.set("reval", msgpack.packb([n, fence]))
+    revalidate_mine(fence)  # rank 0's own part, while the others do theirs
+    deadline, delay = time.monotonic() + ch.timeout, 0.001
+    while ch.add("rdone_n", 0) < n * others:
+        if ch.kv.check([ch.pfx + "rfail"]):
+            raise SnapshotAborted(f"snapshot aborted: a gc deletion phase overlapped this snapshot and "
+                                  f"{ch.get('rfail').decode(errors='replace')}; nothing was published")
+        if time.monotonic() > deadline:
+            late = [r for r in range(1, ch.world) if not ch.kv.check([ch.pfx + f"rdone/{r}"])
+                    or msgpack.unpackb(ch.get(f"rdone/{r}")) < n]
+            raise SnapshotAborted(f"snapshot aborted: a gc deletion phase overlapped this snapshot and ranks {late} "
+                                  f"did not re-validate their part within {ch.timeout:g}s; nothing was published")
+        time.sleep(delay)
+        delay = min(0.05, delay * 2)
+    publisher._rewrite(top_payloads, body)
+
+
+def _serve_revalidation(ch: _Channel, done: int, revalidate_mine) -> int:
+    """A rank other than 0, waiting for the outcome: if rank 0 asked for a re-validation
+    round this rank has not done, do it and say so. -> the last round done. A failure is
+    written to "rfail" (rank 0 then aborts, and cannot have moved the ref: it waits for
+    every rank) and raised as _RevalFailed(the error this rank raises)."""
+    if not ch.kv.check([ch.pfx + "reval"]):
+        return done
+    n, fence = msgpack.unpackb(ch.get("reval"))
+    if n <= done:
+        return done
+    try:
+        revalidate_mine(fence)
+    except Exception as e:  # noqa: BLE001 - every failure must reach rank 0
+        why = f"rank {ch.rank} could not re-validate its part: {type(e).__name__}: {e}"
+        try:
+            ch.kv.compare_set(ch.pfx + "rfail", b"", why[:4000].encode())
+        except Exception:  # noqa: BLE001 - the store is gone: rank 0 times out instead
+            pass
+        own = e if isinstance(e, TsckError) else SnapshotAborted(f"snapshot aborted: {why}")
+        raise _RevalFailed(own) from e
+    ch.set(f"rdone/{ch.rank}", msgpack.packb(n))
+    ch.add("rdone_n")
+    return n
+
+
+def _await_result(ch: _Channel, publisher, args, revalidate_mine):
+    """A rank other than 0, its part written: wait for the outcome, re-validating its
+    part whenever rank 0 asks (a gc deletion phase fenced the move). Once rank 0 has
     claimed "commit", this rank's deadline no longer aborts: it waits for the result as
     long as rank 0's heartbeat moves; if it stops for `timeout` (rank 0 dead or stopped)
     or the Store goes away, it asks the ref table whether the ref moved to the snapshot."""
+    done = 0
+
+    def ready():
+        nonlocal done
+        done = _serve_revalidation(ch, done, revalidate_mine)
+        return ch.get("result") if ch.kv.check([ch.pfx + "result"]) else None
+
     try:
-        root = _guard(ch, lambda: ch.wait_key("result", "rank 0 to publish", per_rank="done"))
-        return publisher.info(Digest.parse(root.decode()))
-    except _CommitUnderWay:
-        pass
+        try:
+            root = _guard(ch, lambda: ch._poll(ready, "rank 0 to publish", per_rank="done"))
+            return publisher.info(Digest.parse(root.decode()))
+        except _CommitUnderWay:
+            pass
+        return _await_result_alive(ch, publisher, args, ready)
+    except _RevalFailed as e:
+        raise e.args[0] from e.__cause__
+
+
+def _await_result_alive(ch: _Channel, publisher, args, ready):
     try:
         last, seen, delay = None, time.monotonic(), 0.001
         while True:
             ch._check_abort()  # rank 0's own commit failed: it wrote the abort record
-            if ch.kv.check([ch.pfx + "result"]):
-                return publisher.info(Digest.parse(ch.get("result").decode()))
+            root = ready()
+            if root is not None:
+                return publisher.info(Digest.parse(root.decode()))
             beat, now = ch.add("beat", 0), time.monotonic()
             if beat != last:
                 last, seen = beat, now
@@ -587,7 +700,7 @@ def _await_result(ch: _Channel, publisher, args):
                 break
             time.sleep(delay)
             delay = min(0.05, delay * 2)
-    except SnapshotAborted:
+    except (SnapshotAborted, OutcomeUnknown, _RevalFailed):
         raise
     except Exception:  # noqa: BLE001 - the store went away
         pass

@@ -276,23 +276,28 @@ class Publisher:
             done.set()
             t.join()
 
-    def _rewrite(self, payloads: list, commit_body: bytes) -> None:
+    def _rewrite(self, payloads: list, commit_body: bytes | None) -> None:
         for payload in payloads:
             self.assets.put_node(payload)
-        self.assets.put_commit(commit_body)
+        if commit_body is not None:
+            self.assets.put_commit(commit_body)
         self.assets.sync()
 
-    def revalidate_plan(self, plan: Plan, payloads: list, commit_body: bytes, fence: int) -> None:
+    def revalidate_plan(self, plan: Plan, payloads: list, commit_body: bytes | None, fence: int,
+                        owns=None) -> None:
         """After a fenced move (no deletion phase runs: commit() waited it out and holds
         the store), make sure every object this snapshot references exists, writing
-        again, from the data still held, what gc removed."""
+        again, from the data still held, what gc removed. A rank of a collective put
+        passes its own part (no commit body) and its `owns` (run_block_jobs): each
+        replicated block is checked by the one rank that wrote it."""
         # A leaf that is not private is copied again and checked against its address (put_block).
         # Under the new fence: what this Store saw before the phase is of an older epoch and
         # is asked of storage again like any block (assets.Presence); only what was seen
         # after this fence was read may be reused.
         futs = [self.pool.submit(self.assets.put_block, leaf.raw[a:b], leaf.itemsize, r.digest, private=leaf.private,
                                  fence=fence)
-                for leaf in plan.leaves for (a, b), r in zip(leaf.ranges, leaf.results)]
+                for leaf in plan.leaves for i, ((a, b), r) in enumerate(zip(leaf.ranges, leaf.results))
+                if owns is None or not leaf.replicated or owns(leaf, i)]
         for f in futs:
             f.result()
         self._rewrite(payloads, commit_body)

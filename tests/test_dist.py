@@ -571,3 +571,98 @@ def test_collective_checkout_refuses_ranks_asking_for_different_snapshots(tmp_pa
         assert d["spelled"] == "returned", f"rank {d['rank']}: {d['spelled']}: {d.get('spelled_message')}"
         assert d["same"] == "returned", f"rank {d['rank']}: {d['same']}: {d.get('same_message')}"
         assert d["got_v"] == [2, 1], d["got_v"]
+
+
+# -- a gc or prune deletion phase overlapping a collective put; a lost ref-move answer -------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_deletion_phase_overlapping_a_collective_put_is_revalidated_not_aborted(tmp_path, world):
+    """A gc (grace 0, another process) runs its whole deletion phase while rank 0 writes the
+    commit object of put 2, deleting every block and node the ranks just wrote; then a
+    prune expires put 1, whose blocks and nodes put 3 reused, while rank 0 writes put 3's
+    commit. Both moves are fenced; each rank re-uploads its own part from the state it
+    still holds, rank 0 re-writes the top, and the ref moves: published on every rank (it
+    raised SnapshotAborted on every rank), bit-exact, fsck clean."""
+    out = run_scenario(tmp_path, "gcphase", world, limit=300.0)
+    res = rank_results(out, "gcphase", world)
+    for key in ("put1", "put2", "put3"):
+        got = {d[key] + " " + d.get(key + "_message", "") for d in res}
+        assert got == {"returned "}, f"{key}: {got}"
+        roots = {d[key + "_root"] for d in res}
+        assert len(roots) == 1, f"{key}: ranks returned different roots {roots}"
+    phase2, phase3 = res[0]["put2_phase"], res[0]["put3_phase"]
+    # The phases did happen and deleted what the puts had written or reused.
+    assert phase2["deleted"].get("blocks", 0) >= world and phase2["deleted"].get("nodes", 0) >= world, phase2
+    assert phase3["expired"] == 1 and phase3["deleted"].get("blocks", 0) >= world, phase3
+
+    store_dir = out / "store"
+    with tsck.open_store(str(store_dir)) as s:
+        assert s.fsck().ok
+        log = s.log(REF)
+        assert [e.step for e in log] == [3, 2]  # put 1 expired by the prune
+        assert [e.root for e in log] == [res[0]["put3_root"], res[0]["put2_root"]]
+        for e, version in zip(log, (0, 1)):
+            got = s.checkout(e.root)
+            for path in dw.SHARDED:
+                assert same_bits(dw.global_tensor(path, version), dw.get_path(got, path)), (e.step, path)
+            assert same_bits(dw.rank_local(0, version)["rng"], got["local"]["rng"])
+    on_disk = stored_keys(store_dir, "blocks")
+    for version in (0, 1):
+        for path, (rows, _c, _d) in dw.SHARDED.items():
+            for r in range(world):
+                a, b = dw.row_split(rows, world, r)
+                assert set(block_keys(dw.global_tensor(path, version)[a:b])) <= on_disk
+
+
+def test_a_lost_answer_to_rank_0s_ref_move_is_outcome_unknown_on_every_rank(tmp_path):
+    """Rank 0's ref move ends in OutcomeUnknown (its COMMIT went out, the answer was lost,
+    the table cannot be asked): the snapshot may be published, so every rank raises
+    OutcomeUnknown with the same root and ref; the other ranks used to raise
+    SnapshotAborted ("nothing was published"), which may be false."""
+    out = run_scenario(tmp_path, "unknown")
+    res = rank_results(out, "unknown", 2)
+    assert [d["put1"] for d in res] == ["returned", "returned"]
+    assert [d["put2"] for d in res] == ["OutcomeUnknown", "OutcomeUnknown"], [d.get("put2_message") for d in res]
+    assert res[0]["put2_root"] and res[1]["put2_root"] == res[0]["put2_root"]
+    assert res[0]["put2_ref"] == res[1]["put2_ref"] == REF
+    assert "may or may not be published" in res[1]["put2_message"]
+
+
+def test_a_rank_that_cannot_reupload_after_a_deletion_phase_aborts_every_rank(tmp_path):
+    """The re-validation round fails on one rank (its storage refuses the blocks the gc
+    deleted): rank 0 must not move the ref; rank 1 raises its own StorageError, the others
+    SnapshotAborted naming rank 1; the ref stays at put 1, and the next put publishes."""
+    out = run_scenario(tmp_path, "gcfail", limit=300.0)
+    res = rank_results(out, "gcfail", 3)
+    assert [d["put1"] for d in res] == ["returned"] * 3
+    assert [d["put2"] for d in res] == ["SnapshotAborted", "StorageError", "SnapshotAborted"], \
+        [d.get("put2_message") for d in res]
+    assert "no space left on device" in res[1]["put2_message"]
+    for r in (0, 2):
+        assert "rank 1 could not re-validate its part" in res[r]["put2_message"]
+        assert "nothing was published" in res[r]["put2_message"]
+    assert res[0]["put2_phase"]["deleted"].get("blocks", 0) >= 3  # the phase did delete the put's blocks
+    assert [d["put3"] for d in res] == ["returned"] * 3
+    with tsck.open_store(str(out / "store")) as s:
+        assert [e.step for e in s.log(REF)] == [3, 1]
+        assert s.fsck().ok
+        got = s.checkout(REF)
+        for path in dw.SHARDED:
+            assert same_bits(dw.global_tensor(path, 2), dw.get_path(got, path)), path
+
+
+def test_a_held_commit_of_rank_0s_ref_move_is_outcome_unknown_on_every_rank(tmp_path, pg_dsn, monkeypatch):
+    """The same against a real PostgreSQL behind a real TCP proxy: rank 0's COMMIT is held
+    in the network past the connect timeout (OutcomeUnknown on rank 0), then lands: the
+    snapshot rank 1 would have called "nothing was published" is the ref's head."""
+    monkeypatch.setenv("TSCK_DIST_PG_DSN", pg_dsn)
+    out = run_scenario(tmp_path, "pgunknown", limit=150.0)
+    res = rank_results(out, "pgunknown", 2)
+    assert [d["put1"] for d in res] == ["returned", "returned"]
+    assert res[0]["held"] == 1 and res[0]["released"] == 1
+    assert [d["put2"] for d in res] == ["OutcomeUnknown", "OutcomeUnknown"], [d.get("put2_message") for d in res]
+    assert res[1]["put2_root"] == res[0]["put2_root"] and res[1]["put2_ref"] == REF
+    with tsck.open_store(str(out / "store"), refs=pg_dsn) as s:
+        assert s.resolve(REF) == res[0]["put2_root"]  # it was published after all
+        assert s.checkout(REF)["v"] == 2
+        assert s.fsck().ok

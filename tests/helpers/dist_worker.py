@@ -4,7 +4,8 @@
 
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
 desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
-newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget.
+newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget,
+gcphase (ARG: world), gcfail, unknown, pgunknown (env TSCK_DIST_PG_DSN).
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -777,6 +778,201 @@ def cotarget_case(rank, world, out, res, _arg):
         _outcome(res, "same", lambda: co(roots[0]))
 
 
+# -- a gc or prune deletion phase overlapping a collective put; a move whose answer is lost ---
+
+GC_CODE = """
+import json, sys
+import tensorstore_ck as tsck
+with tsck.open_store(sys.argv[1]) as s:
+    r = s.gc(grace=0) if sys.argv[2] == "gc" else s.prune(sys.argv[2])
+print(json.dumps({"deleted": r.deleted_by_kind, "expired": len(r.expired)}))
+"""
+
+
+def _deletion_phase(out, what: str) -> dict:
+    """A whole gc (grace 0: every object no snapshot references yet goes) or prune of job
+    `what`, in another process, to its end -> what it deleted and expired."""
+    import subprocess
+    p = subprocess.run([sys.executable, "-c", GC_CODE, os.path.join(out, "store"), what], capture_output=True,
+                       text=True, timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} failed: {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _create_first(rank, out) -> None:
+    """Rank 0 creates the store before the others open it: ranks that create a new store
+    all at once can leave its ref table marked as found empty (then gc refuses to run)."""
+    import torch.distributed as dist
+    if rank == 0:
+        _open(out).close()
+    dist.barrier()
+
+
+def gcphase_case(rank, world, out, res, _arg):
+    """Put 1 (version 0); put 2 (version 1), during which a gc with grace 0 runs in another
+    process as rank 0 writes the commit object (after every rank posted done): it deletes
+    every block and node of put 2, and its deletion phase fences the ref move. Then with
+    keep_last=1 on the job, put 3 (version 0 again: it reuses put 1's blocks and nodes),
+    during which a prune of the job expires put 1 and deletes those. Both puts must
+    publish on every rank, re-uploading what was deleted."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    Slow = slow_store_class()
+    holder = {}
+    wrap = (lambda s: holder.setdefault("w", Slow(s, 0.0))) if rank == 0 else None
+    _create_first(rank, out)
+    with _open(out, wrap_storage=wrap) as store:
+        _outcome(res, "put1", lambda: store.put_snapshot(sharded_state(rank, world, 0), REF, step=1, timeout=60))
+        for key, step, version, what in (("put2", 2, 1, "gc"), ("put3", 3, 0, "j")):
+            dist.barrier()
+            if rank == 0:
+                if what != "gc":
+                    store.set_retention("j", tsck.Retention(keep_last=1))
+                holder["w"].then = lambda what=what, key=key: res.update({key + "_phase": _deletion_phase(out, what)})
+                holder["w"].armed = True
+            _outcome(res, key, lambda: store.put_snapshot(sharded_state(rank, world, version), REF, step=step,
+                                                          timeout=60))
+
+
+def gcfail_case(rank, world, out, res, _arg):
+    """As put 2 of gcphase (a gc deleting every block and node of the put before the ref
+    moves), but rank 1's storage refuses block writes from then on (a file `fail` marks
+    it): rank 1 cannot re-upload its part, so the snapshot must abort on every rank and
+    the ref stay where it was. Then, storage healthy again, put 3 publishes."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    WrappedStore = _wrapped_base()
+    flag = os.path.join(out, "fail")
+
+    class Failing(WrappedStore):
+        def put_if_absent(self, key, bufs):
+            if key.startswith("blocks/") and os.path.exists(flag):
+                raise tsck.StorageError(f"{key}: no space left on device")
+            return self.inner.put_if_absent(key, bufs)
+
+    def after_gc():
+        res["put2_phase"] = _deletion_phase(out, "gc")
+        open(flag, "w").close()
+
+    Slow = slow_store_class()
+    holder = {}
+    wrap = {0: lambda s: holder.setdefault("w", Slow(s, 0.0)), 1: Failing}.get(rank)
+    _create_first(rank, out)
+    with _open(out, wrap_storage=wrap) as store:
+        _outcome(res, "put1", lambda: store.put_snapshot(sharded_state(rank, world, 0), REF, step=1, timeout=60))
+        dist.barrier()
+        if rank == 0:
+            holder["w"].then = after_gc
+            holder["w"].armed = True
+        _outcome(res, "put2", lambda: store.put_snapshot(sharded_state(rank, world, 1), REF, step=2, timeout=60))
+        dist.barrier()
+        if rank == 0:
+            os.unlink(flag)
+        dist.barrier()
+        _outcome(res, "put3", lambda: store.put_snapshot(sharded_state(rank, world, 2), REF, step=3, timeout=60))
+
+
+class _LostAnswer:
+    """Rank 0's ref table as seen across a network that failed at the ref move: the move
+    (its COMMIT) went out and no answer came back (OutcomeUnknown), and the table cannot
+    be asked afterwards. Every other call goes to the real table."""
+
+    def __init__(self, inner):
+        self.inner, self.armed, self.lost = inner, False, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def compare_and_swap(self, *a, **kw):
+        if self.armed:
+            import tensorstore_ck as tsck
+            self.lost = True
+            raise tsck.OutcomeUnknown("the ref table's answer to the COMMIT was lost")
+        return self.inner.compare_and_swap(*a, **kw)
+
+    def get_or_none(self, ref):
+        if self.lost:
+            import tensorstore_ck as tsck
+            raise tsck.StorageError("the ref table is unreachable")
+        return self.inner.get_or_none(ref)
+
+
+def unknown_case(rank, world, out, res, _arg):
+    """Put 1 publishes; put 2's ref move on rank 0 ends in OutcomeUnknown: every rank must
+    say so (with the root and the ref), not that nothing was published."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    with _open(out) as store:
+        _outcome(res, "put1", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=30))
+        if rank == 0:
+            store.publisher.reftable = _LostAnswer(store.publisher.reftable)
+            store.publisher.reftable.armed = True
+        dist.barrier()
+        try:
+            store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=30)
+            res["put2"] = "returned"
+        except tsck.OutcomeUnknown as e:
+            res["put2"], res["put2_message"] = "OutcomeUnknown", str(e)
+            res["put2_root"], res["put2_ref"] = e.root.hex() if e.root else None, e.ref
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            res["put2"], res["put2_message"] = type(e).__name__, str(e)
+
+
+def pgunknown_case(rank, world, out, res, _arg):
+    """The ref table is a real PostgreSQL server; rank 0 reaches it through a TCP proxy
+    (tests/sim/netproxy.py) that holds back the COMMIT of put 2's ref move, kills the
+    connection and black-holes the server past the client's connect timeout: rank 0's
+    move ends in OutcomeUnknown. Then rank 0 lets the held COMMIT through: it lands, the
+    snapshot is published after all. Rank 1 must have said OutcomeUnknown, not aborted."""
+    import logging
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    from psycopg.conninfo import conninfo_to_dict
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.sim.netproxy import NetProxy
+    dsn, timeout = os.environ["TSCK_DIST_PG_DSN"], 3
+    proxy = None
+    if rank == 0:
+        d = conninfo_to_dict(dsn)
+        proxy = NetProxy(int(d.get("port", 5432)), d.get("host", "127.0.0.1"))
+        d.update(host="127.0.0.1", port=str(proxy.port), connect_timeout=str(timeout))
+        dsn = " ".join(f"{k}={v}" for k, v in d.items())
+
+        class Restorer(logging.Handler):  # ends the blackout once the write has given up
+            def emit(self, record):
+                if "commit unanswered" in record.getMessage():
+                    threading.Timer(timeout + 0.3, proxy.restore).start()
+        logging.getLogger("tensorstore_ck").addHandler(Restorer(logging.WARNING))
+    store = _open(out, refs=dsn)
+    try:
+        _outcome(res, "put1", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=60))
+        dist.barrier()
+        if rank == 0:
+            proxy.arm_hold()
+            proxy.blackout_after_fault = float("inf")
+        try:
+            store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=60)
+            res["put2"] = "returned"
+        except tsck.OutcomeUnknown as e:
+            res["put2"], res["put2_message"] = "OutcomeUnknown", str(e)
+            res["put2_root"], res["put2_ref"] = e.root.hex() if e.root else None, e.ref
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            res["put2"], res["put2_message"] = type(e).__name__, str(e)
+        if rank == 0:
+            res["held"] = proxy.holds
+            proxy.restore()
+            res["released"] = proxy.release()  # the COMMIT lands now
+        dist.barrier()
+    finally:
+        if proxy is not None:
+            proxy.restore()
+            proxy.release()
+        store.close()
+        if proxy is not None:
+            proxy.close()
+
+
 def main(argv) -> int:
     scenario, out = argv[1], argv[2]
     arg = int(argv[3]) if len(argv) > 3 else None
@@ -819,6 +1015,14 @@ def main(argv) -> int:
         infos = [launch("nonmember", 3, nonmember_case, out)]
     elif scenario == "cotarget":
         infos = [launch("cotarget", 2, cotarget_case, out)]
+    elif scenario == "gcphase":
+        infos = [launch("gcphase", arg or 2, gcphase_case, out, limit=240.0)]
+    elif scenario == "gcfail":
+        infos = [launch("gcfail", 3, gcfail_case, out, limit=240.0)]
+    elif scenario == "pgunknown":
+        infos = [launch("pgunknown", 2, pgunknown_case, out, limit=120.0)]
+    elif scenario == "unknown":
+        infos = [launch("unknown", 2, unknown_case, out)]
     elif scenario == "notfound":
         infos = [launch("notfound", 4, notfound_case, out)]
     else:
