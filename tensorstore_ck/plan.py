@@ -25,7 +25,7 @@ from .format import tree
 from .format.dtypes import QUANT_NAMES, QUANT_REPR, np_dtype_out, torch_dtype_name
 from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWriter, Pending, format_path
 from .paths import is_stateful
-from .shard import Replicated, Sharded
+from .shard import Replicated, Sharded, all_replicate, from_dtensor, is_dtensor
 
 __all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous",
            "replica_digests"]
@@ -202,10 +202,11 @@ class Planner:
         if t is Replicated:
             tt = obj.tensor
             return self._plan_global(tt, tuple(tt.shape), (0,) * tt.dim(), path, replicated=True)
-        if getattr(t, "__name__", "") == "DTensor":
-            from .shard import from_dtensor
-            sh = from_dtensor(obj)
-            return self._plan_global(sh.local, sh.global_shape, sh.offsets, path)
+        if is_dtensor(obj):
+            sh = from_dtensor(obj, format_path(path))
+            # Replicated on every mesh dim: one tensor, written once with the work spread
+            # over the ranks (and the replicas compared), as tsck.Replicated.
+            return self._plan_global(sh.local, sh.global_shape, sh.offsets, path, replicated=all_replicate(obj))
         if t is np.ndarray:
             return self._plan_array(obj, path)
         if isinstance(obj, np.generic):

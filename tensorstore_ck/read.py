@@ -34,7 +34,7 @@ from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
 from .paths import FULL, SKIP, Selection, dotted, is_stateful
-from .shard import Sharded, find_overlap
+from .shard import Sharded, find_overlap, from_dtensor, is_dtensor
 
 __all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING", "check_map_location"]
 
@@ -405,6 +405,12 @@ class Reader:
         Stateful's state_dict(), which gets every key of the snapshot, not only its own."""
         if into is not _MISSING and is_stateful(into):
             return self._stateful(v, path, depth, into, sel)
+        if into is not _MISSING and is_dtensor(into):
+            # Its local shard is filled as a Sharded target: the region its placements
+            # cover on this rank, only that region's blocks read; the DTensor stays in the tree.
+            piece = from_dtensor(into, format_path(path))
+            out = self._value(v, path, depth, piece, sel, ext)
+            return into if out is piece else out
         t = type(v)
         if t is tree.Ref:
             # A node stands in for a value at the same level of the state tree.
@@ -773,6 +779,12 @@ class Reader:
     # -- dense leaves ------------------------------------------------------------
     def _tensor(self, leaf: tree.Tensor, path, into):
         self._cap(leaf.nbytes, path)
+        if isinstance(into, Sharded) and leaf.quant is None:
+            # A whole tensor (a one-process snapshot) into a piece: its region, as from a
+            # sharded tensor saved as one chunk.
+            whole = tree.Chunk(leaf.shape, leaf.nbytes, leaf.inline, leaf.block_size, leaf.blocks,
+                               offsets=(0,) * len(leaf.shape))
+            return self._global(tree.Global(leaf.dt, tuple(leaf.shape), [whole]), path, into)
         if leaf.quant is not None:
             return self._quantized(leaf, path, into)
         dtype, sh = leaf.dtype, list(leaf.shape)
@@ -855,7 +867,7 @@ class Reader:
     def _quantized(self, leaf: tree.Tensor, path, into):
         _qt, repr_dtype = QUANT_BY_NAME[leaf.dt]
         q, sh = leaf.quant, list(leaf.shape)
-        if into is not _MISSING and isinstance(into, torch.Tensor):
+        if into is not _MISSING and isinstance(into, (torch.Tensor, Sharded)):
             raise CheckoutMismatch(f"checkout(into=) cannot fill the quantized tensor at {format_path(path)}")
         self._reserve(leaf, path)
         try:
