@@ -188,7 +188,7 @@ def test_partial_dtensor_is_refused_by_put_and_checkout_on_every_rank(reshard):
     for d in results(out, "partial", 2):
         assert d["put"][0] == "UnsupportedType" and "state['p']" in d["put"][1], d
         assert d["checkout"][0] == "UnsupportedType" and "state['r']" in d["checkout"][1], d
-        assert d["ref_moved"] is False
+        assert d["published"] is False
         assert d["target_kept"] is True
 
 
