@@ -575,6 +575,9 @@ class Assets:
             hdr = frame.decode_header(data[:frame.HEADER_SIZE])
             if KIND_PREFIX[hdr.kind] != kind:
                 raise FormatError(f"object is of kind {hdr.kind}, stored as {kind}")
+            cap = MAX_BLOCK_SIZE if hdr.kind == frame.KIND_BLOCK else MAX_NODE_BYTES
+            if hdr.raw_len > cap:  # no writer makes one; decoding it could take 2 GiB (FORMAT.md, "Memory")
+                raise FormatError(f"object declares {hdr.raw_len} bytes, more than its kind may hold ({cap})")
             raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:])
         except FormatError as e:
             return IntegrityError(f"corrupt object: {e}", key=where), None

@@ -254,6 +254,21 @@ def _seconds(v: str) -> float:
     return x
 
 
+def _count(low: int):
+    """An argparse type: an int from `low` to the largest a retention rule holds."""
+    from .retention import MAX_COUNT
+
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an int: {v!r}") from None
+        if not low <= n <= MAX_COUNT:
+            raise argparse.ArgumentTypeError(f"must be an int from {low} to {MAX_COUNT} (2**64-1), got {v}")
+        return n
+    return parse
+
+
 def _seconds0(v: str) -> float:
     return 0.0 if v.strip() in ("0", "0.0") else _seconds(v)
 
@@ -506,11 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
     r = add("retention", cmd_retention, "show, set (replacing them) or clear a job's retention rules")
     r.add_argument("job", nargs="?", default=None, help="the job (none: list every job's rules)")
-    r.add_argument("--keep-last", type=int, default=None, metavar="N", help="the N newest snapshots")
-    r.add_argument("--keep-best", type=int, default=None, metavar="K", help="the K best by --metric")
+    r.add_argument("--keep-last", type=_count(0), default=None, metavar="N", help="the N newest snapshots")
+    r.add_argument("--keep-best", type=_count(0), default=None, metavar="K", help="the K best by --metric")
     r.add_argument("--metric", default=None, metavar="M", help="the metric of --keep-best")
     r.add_argument("--mode", choices=("min", "max"), default=None, help="best is min (default) or max")
-    r.add_argument("--keep-every-steps", type=int, default=None, metavar="S", help="one snapshot per S steps")
+    r.add_argument("--keep-every-steps", type=_count(1), default=None, metavar="S", help="one snapshot per S steps")
     r.add_argument("--max-age-days", type=float, default=None, metavar="D", help="every snapshot younger than D days")
     r.add_argument("--clear", action="store_true", help="remove the job's rules (it keeps everything)")
     g = add("gc", cmd_gc, "apply retention, then delete unreferenced objects")
@@ -552,7 +567,8 @@ def _dash_hint(parser, argv) -> str:
             known |= {o for x in sub._actions for o in x.option_strings}
     argv = list(argv)
     head = argv[:argv.index("--")] if "--" in argv else argv
-    odd = [x for x in head if x.startswith("-") and x.split("=")[0] not in known and x != "-"]
+    odd = [x for x in head if x.startswith("-") and x.split("=")[0] not in known and x != "-"
+           and not x[1:].replace(".", "", 1).isdigit()]  # a negative number is a value, not a name
     return f" ({odd[0]!r} was read as an option; a name that begins with '-' goes after `--`: " \
            f"tsck log STORE -- {odd[0]})" if odd else ""
 

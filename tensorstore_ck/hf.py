@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 from .errors import InvalidArgument
 from .interchange import (HF_META, MAX_CONFIG_BYTES, SHARD_BYTES, _config_text, export_folder, import_files,
                           write_pretrained)
-from .localfile import write_dir
+from .localfile import NotRegularFile, open_regular, write_dir
 from .train import capture_rng
 
 __all__ = ["TsckCallback", "resume_checkpoint", "export_pretrained", "import_pretrained", "trainer_state",
@@ -110,6 +110,17 @@ def trainer_state(model, optimizer, lr_scheduler, state, *, scaler: dict | None 
     return snap, meta
 
 
+def _read_scaler(path: str) -> dict | None:
+    """The grad scaler's state the Trainer saved at `path`; None when there is none (or
+    something other than a regular file is there: never waited on, as a FIFO would be)."""
+    try:
+        fd = open_regular(path)
+    except (FileNotFoundError, NotRegularFile):
+        return None
+    with open(fd, "rb") as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
 class TsckCallback(TrainerCallback):
     """Snapshots the run into `store` at every save of the Trainer (on_save, after it
     wrote its checkpoint-N folder): the model's state_dict, optimizer, LR scheduler,
@@ -150,9 +161,7 @@ class TsckCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        scaler = None
-        if os.path.isfile(os.path.join(folder, _SCALER)):
-            scaler = torch.load(os.path.join(folder, _SCALER), map_location="cpu", weights_only=True)
+        scaler = _read_scaler(os.path.join(folder, _SCALER))
         snap, meta = trainer_state(model, optimizer, lr_scheduler, state, scaler=scaler)
         res = self.store.put_snapshot(snap, ref=self.ref, job=self.job, step=state.global_step,
                                       metrics=_metrics(state.log_history), meta=meta, blocking=not self.async_)

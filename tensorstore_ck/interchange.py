@@ -30,7 +30,7 @@ from .errors import InvalidArgument, TsckError, UnsupportedType, storage_error
 from .format.dtypes import QUANT_NAMES, TORCH_DTYPES
 from .info import SnapshotInfo
 from .listing import MAX_ENTRIES, Entry, list_tree
-from .localfile import write_atomic, write_dir
+from .localfile import NotRegularFile, open_regular, reopen_path, write_atomic, write_dir
 from .paths import dotted, key_str as _key_str, toward as _toward, under as _under
 from .shard import Sharded
 from .validate import check_snapshot_args
@@ -94,15 +94,36 @@ def _st_refusal(kind: str, dtype) -> str | None:
             "pickled": "a pickled object"}.get(kind, f"a value of type {kind}")
 
 
+# The key of a safetensors header that holds the file's metadata: a tensor of that name
+# makes a header no reader opens (a duplicate key, or a tensor where strings belong).
+ST_RESERVED = "__metadata__"
+
+
+def _reserved_name(where: str, path: str) -> UnsupportedType:
+    return UnsupportedType(f"{where} cannot be written as safetensors: the tensor at {path} would be named "
+                           f"{ST_RESERVED!r}, which safetensors reserves for the file's metadata (no reader opens "
+                           "such a file); use --format torch, or --path to write another part")
+
+
+def _check_st_names(names, where: str) -> None:
+    if ST_RESERVED in names:
+        raise _reserved_name(where, ST_RESERVED)
+
+
 def _refuse(where: str, what: str, path: str) -> UnsupportedType:
     return UnsupportedType(f"{where} cannot be written as safetensors: it holds {what} at {path or 'its top'} "
                            "(use --format torch, or --path to take out the tensors only)")
 
 
-def _check_for_safetensors(entries, where: str) -> None:
-    """Refuse from the manifest alone, before a block is read."""
+def _check_for_safetensors(entries, where: str, strip: str | None = None) -> None:
+    """Refuse from the manifest alone, before a block is read. strip: the prefix the
+    tensors' names lose (a model folder's weights at PATH)."""
     for e in entries:
         dtype = None
+        if e.kind in ("tensor", "sharded", "array"):
+            name = e.path[len(strip) + 1:] if strip and e.path.startswith(strip + ".") else e.path
+            if name == ST_RESERVED:
+                raise _reserved_name(where, e.path)
         if e.kind in ("tensor", "sharded"):
             if e.dtype in QUANT_NAMES:
                 raise _refuse(where, f"a quantized tensor of {e.dtype}", e.path)
@@ -245,11 +266,13 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         if fmt == "safetensors":
             from safetensors.torch import save_file
             tensors, meta = _safetensors_items(value, prefix, where)
+            _check_st_names(tensors, where)
             meta.setdefault("format", "pt")  # what transformers checks before it loads a file
-            write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force)
+            write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force,
+                         needed=_nbytes(tensors))
             summary = {"tensors": len(tensors), "metadata": len(meta)}
         else:
-            write_atomic(dest, lambda tmp: torch.save(value, tmp), force=force)
+            write_atomic(dest, lambda tmp: _torch_save(value, tmp), force=force, needed=_nbytes(value))
             summary = {}
     except TsckError:
         raise
@@ -257,6 +280,52 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         raise storage_error(e, f"writing {dest}") from e
     return {"root": root, "target": target, "dest": dest, "format": fmt, "path": path,
             "bytes": os.path.getsize(dest), **summary}
+
+
+class _RecordingFile:
+    """A file torch.save writes through that keeps the OSError of a failed write: torch
+    turns it into a RuntimeError that says only "unexpected pos"."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, b):
+        try:
+            return self._f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self._f.flush()
+
+
+def _nbytes(value) -> int:
+    """The bytes of the tensors and arrays in a state (about what a file of it takes)."""
+    n, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, torch.Tensor):
+            n += v.numel() * v.element_size()
+        elif isinstance(v, np.ndarray):
+            n += v.nbytes
+    return n
+
+
+def _torch_save(value, path: str) -> None:
+    with open(path, "wb") as f:
+        sink = _RecordingFile(f)
+        try:
+            torch.save(value, sink)
+        except Exception:
+            if sink.error is not None:
+                raise sink.error from None
+            raise
 
 
 # -- checkout to a Hugging Face model folder ---------------------------------------------
@@ -301,6 +370,7 @@ def write_pretrained(folder: str, tensors: dict, *, config: str | None = None, g
     -> the file names written."""
     from safetensors.torch import save_file
     _check_shard_bytes(max_shard_bytes)
+    _check_st_names(tensors, "a model folder")
     sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     shards: list[list[str]] = [[]]
     used = 0
@@ -366,7 +436,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     generation_config = _config_text(generation_config if generation_config is not None
                                      else hf.get("generation_config"), f"the generation config of {where}")
     _, entries = list_tree(store, root, path)
-    _check_for_safetensors(entries, where)
+    _check_for_safetensors(entries, where, strip=path)
     state = store.checkout(root, paths=None if path is None else [path], progress=progress)  # only PATH's blocks
     value, prefix = (state, "") if path is None else _select(state, path)
     tensors, plain = _safetensors_items(value, prefix, where)
@@ -382,7 +452,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
         names = write_dir(dest, lambda tmp: write_pretrained(tmp, tensors, config=config,
                                                              generation_config=generation_config,
                                                              max_shard_bytes=max_shard_bytes),
-                          force=force, stale=_is_weights_file)
+                          force=force, stale=_is_weights_file, needed=_nbytes(tensors))
     except TsckError:
         raise
     except OSError as e:
@@ -398,59 +468,195 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _sniff(path: str) -> str:
-    """"torch" or "safetensors" by the file's first bytes (not its name: HF's .bin are torch)."""
-    with open(path, "rb") as f:
-        head = f.read(9)
+def _open_input(path: str) -> int:
+    """A descriptor of the input file `path`; InvalidArgument for anything but a regular
+    file (a FIFO is never waited on: localfile.open_regular)."""
+    try:
+        return open_regular(path, "tsck import reads regular files only")
+    except FileNotFoundError:
+        raise InvalidArgument(f"{path}: no such file or directory") from None
+    except NotRegularFile as e:
+        raise InvalidArgument(e.strerror) from None
+
+
+def _sniff(path: str, head: bytes, size: int) -> str:
+    """"torch" or "safetensors" by the file's first bytes (not its name: HF's .bin are torch).
+    safetensors first: its u64 header length may begin with the byte 0x80 that begins a
+    pickle (a header of 384 bytes does), but its ninth byte opens the JSON header."""
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
+        return "safetensors"
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save's zip, or a legacy pickle
         return "torch"
-    if len(head) == 9 and head[8:9] == b"{":  # u64 header length, then the JSON header
-        return "safetensors"
     raise InvalidArgument(f"{path} is neither a torch.save nor a safetensors file (nor a Hugging Face model "
                           "folder)")
 
 
-def _load_safetensors(path: str) -> tuple[dict, dict]:
+def _load_safetensors(src: str, path: str) -> tuple[dict, dict]:
     from safetensors import SafetensorError, safe_open
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(src, framework="pt") as f:
             meta = dict(f.metadata() or {})
             return {k: f.get_tensor(k) for k in f.keys()}, meta
     except SafetensorError as e:
-        raise InvalidArgument(f"{path} is not a readable safetensors file: {_first_line(e)}") from None
+        raise InvalidArgument(f"{path} is not a readable safetensors file: "
+                              f"{_first_line(e).replace(src, path)}") from None
 
 
-def _load_torch(path: str, zipped: bool):
+def _storage_sizes(pkl: bytes) -> dict | None:
+    """{record key: bytes} of the storages a torch.save zip's data.pkl names, as torch.load's
+    own weights-only unpickler reads them (tensors rebuilt on the meta device: no data is
+    read). None when this torch cannot say (its private unpickler changed): the caller then
+    loads without mmap, where torch checks every record itself. A global the unpickler
+    refuses raises its UnpicklingError, as torch.load would."""
+    import io
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        from torch import _weights_only_unpickler as wou
+        from torch._utils import _element_size
+        from torch.storage import TypedStorage
+    except ImportError:
+        return None
+    sizes: dict[str, int] = {}
+    made: dict[str, object] = {}
+
+    def persistent_load(pid):
+        _, storage_type, key, _location, numel = pid
+        key = key.decode("ascii") if isinstance(key, bytes) else str(key)
+        if key not in made:  # torch.load too reads a key once and shares it
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            sizes[key] = int(numel) * _element_size(dtype)
+            made[key] = TypedStorage(wrap_storage=torch.UntypedStorage(sizes[key], device="meta"), dtype=dtype,
+                                     _internal=True)
+        return made[key]
+
+    try:
+        u = wou.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+        u.persistent_load = persistent_load
+        u.load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception:  # noqa: BLE001 - whatever it is, torch.load without mmap says it in its words
+        return None
+    return sizes
+
+
+def _zip_records_checked(src: str, path: str) -> bool:
+    """Whether torch.load(mmap=True) of this torch.save zip reads exactly what torch.load
+    without mmap reads. The mmap path takes each tensor's bytes from where its record's
+    data begins, as many as the tensor needs, and checks neither that the record is
+    stored uncompressed nor that it holds that many bytes: a DEFLATE-compressed record
+    would be read as its compressed bytes, a record cut short as the zip entries after
+    it. Both are refused here (InvalidArgument naming the record). False when this
+    cannot be told (the file is not one Python's zipfile reads, this torch's unpickler
+    changed): then the file is loaded without mmap, and torch checks each record."""
+    import struct
+    import zipfile
+    try:
+        zf = zipfile.ZipFile(src)
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError):
+        return False
+    with zf:
+        infos = zf.infolist()
+        names = [i.filename for i in infos]
+        if not infos or len(set(names)) != len(names):  # two records of one name: torch's own reader decides
+            return False
+        archive = names[0].split("/", 1)[0]  # torch reads the records under its first record's folder
+        by_name = {i.filename: i for i in infos}
+        pkl = by_name.get(f"{archive}/data.pkl")
+        if pkl is None:
+            return False
+        try:
+            data = zf.read(pkl)
+        except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError, RuntimeError):
+            return False
+        sizes = _storage_sizes(data)
+        if sizes is None:
+            return False
+        end = os.fstat(zf.fp.fileno()).st_size
+        for key, nbytes in sizes.items():
+            name = f"{archive}/data/{key}"
+            info = by_name.get(name)
+            if info is None:
+                raise InvalidArgument(f"{path} is not a readable torch.save file: it names a tensor record {name} "
+                                      "that it does not hold")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise InvalidArgument(
+                    f"{path} holds the tensor record {name} compressed (zip method {info.compress_type}); torch.save "
+                    "stores tensor data uncompressed, and tsck import reads records in place, so it refuses the "
+                    "file: load it with torch.load and re-save it with torch.save")
+            zf.fp.seek(info.header_offset)
+            local = zf.fp.read(30)
+            if len(local) != 30 or local[:4] != b"PK\x03\x04":
+                return False  # torch's reader refuses it, in its words
+            start = info.header_offset + 30 + sum(struct.unpack("<HH", local[26:30]))  # name, extra field
+            if info.file_size != nbytes or info.compress_size != nbytes or start + nbytes > end:
+                raise InvalidArgument(
+                    f"{path} is not a readable torch.save file: its record {name} holds {info.file_size} bytes where "
+                    f"its tensor needs {nbytes} (the file is cut short or damaged; torch.load refuses it too)")
+    return True
+
+
+def _blocked_global(message: str) -> str | None:
+    """The global a weights-only load refused, from torch's message (its first line is
+    generic: "Weights only load failed ...")."""
+    for pattern in (r"GLOBAL (\S+) was not an allowed global", r"unsupported GLOBAL (\S+) whose module \S+ is blocked",
+                    r"Trying to call reduce for unrecognized function (.+?)(?: which belongs to .*)?$",
+                    r"classes allowlisted via `add_safe_globals` but got (.+)$"):
+        m = re.search(pattern, message, re.MULTILINE)
+        if m:
+            return m.group(1).strip().rstrip(".")
+    return None
+
+
+def _load_torch(src: str, path: str, zipped: bool):
+    try:
+        mmap = zipped and _zip_records_checked(src, path)
+        return torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
+    except TsckError:
+        raise
     except pickle.UnpicklingError as e:
-        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        if "Weights only load failed" in str(e) and m:
-            raise UnsupportedType(f"{path} needs pickle to load (it holds {m.group(1)}); tsck import loads "
-                                  "torch files with weights_only=True: load it in Python, only if you trust "
-                                  "its source, and put_snapshot the state") from None
-        raise InvalidArgument(f"{path} is not a readable torch.save file: {_first_line(e)}") from None
+        name = _blocked_global(str(e))
+        if name is not None:
+            raise UnsupportedType(f"{path} needs pickle to load (it holds {name}, which a weights-only load refuses); "
+                                  "tsck import loads torch files with weights_only=True: load it in Python, only if "
+                                  "you trust its source, and put_snapshot the state") from None
+        raise InvalidArgument(f"{path} is not a readable torch.save file: "
+                              f"{_first_line(e).replace(src, path)}") from None
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, ... on a bad file
-        raise InvalidArgument(f"{path} is not a readable torch.save file: {_first_line(e)}") from None
+        raise InvalidArgument(f"{path} is not a readable torch.save file: "
+                              f"{_first_line(e).replace(src, path)}") from None
 
 
 def _load_file(path: str):
-    kind = _sniff(path)
-    if kind == "safetensors":
-        return _load_safetensors(path) + ("safetensors",)
-    with open(path, "rb") as f:
-        zipped = f.read(4) == b"PK\x03\x04"
-    return _load_torch(path, zipped), {}, "torch"
+    fd = _open_input(path)
+    with open(fd, "rb") as f:
+        head = f.read(9)
+        kind = _sniff(path, head, os.fstat(fd).st_size)
+        # The libraries open by name: the name of this open file, so nothing swapped in
+        # at `path` since (a FIFO) is opened.
+        src = reopen_path(fd, path)
+        if kind == "safetensors":
+            return _load_safetensors(src, path) + ("safetensors",)
+        return _load_torch(src, path, head[:4] == b"PK\x03\x04"), {}, "torch"
+
+
+def _read_small(path: str, limit: int, what: str) -> bytes:
+    """The bytes of a small input file (a model index, a config.json); InvalidArgument
+    past `limit` (sized on the open file) or for anything but a regular file."""
+    with open(_open_input(path), "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise InvalidArgument(f"{path} is larger than {limit} bytes: {what}")
+        data = f.read(limit + 1)
+    if len(data) > limit:  # grew meanwhile
+        raise InvalidArgument(f"{path} is larger than {limit} bytes: {what}")
+    return data
 
 
 def _shards(folder: str, index: str) -> tuple[list[tuple[str, list]], list[str]]:
     """([(shard file, [names the index puts there])], [every name, in the index's order])
     of a sharded model's index json."""
+    data = _read_small(index, MAX_INDEX_BYTES, "not a model index")
     try:
-        if os.path.getsize(index) > MAX_INDEX_BYTES:
-            raise InvalidArgument(f"{index} is larger than {MAX_INDEX_BYTES} bytes: not a model index")
-        with open(index, "rb") as f:
-            obj = json.load(f)
+        obj = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise InvalidArgument(f"{index} is not valid JSON: {_first_line(e)}") from None
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
@@ -472,7 +678,7 @@ def _load_folder(folder: str) -> tuple[dict, dict, str]:
     """A Hugging Face model folder: its (sharded) safetensors weights, else its pytorch_model.bin."""
     for name, is_index in _HF_FILES:
         p = os.path.join(folder, name)
-        if not os.path.isfile(p):
+        if not os.path.lexists(p):
             continue
         if not is_index:
             state, meta, kind = _load_file(p)
@@ -485,7 +691,7 @@ def _load_folder(folder: str) -> tuple[dict, dict, str]:
         shards, order = _shards(folder, p)
         for shard, names in shards:
             sp = os.path.join(folder, shard)
-            if not os.path.isfile(sp):
+            if not os.path.lexists(sp):
                 raise InvalidArgument(f"{p} names the shard {shard}, which is not in {folder}")
             part, m, _ = _load_file(sp)
             if not isinstance(part, dict):
@@ -512,13 +718,9 @@ def _folder_configs(folder: str) -> dict:
     out = {}
     for key, fname in _CONFIG_FILES:
         p = os.path.join(folder, fname)
-        if not os.path.isfile(p):
+        if not os.path.lexists(p):
             continue
-        if os.path.getsize(p) > MAX_CONFIG_BYTES:
-            raise InvalidArgument(f"{p} is larger than {MAX_CONFIG_BYTES} bytes: too large to keep in the "
-                                  "snapshot's meta")
-        with open(p, "rb") as f:
-            raw = f.read()
+        raw = _read_small(p, MAX_CONFIG_BYTES, "too large to keep in the snapshot's meta")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:

@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 from .errors import FormatError, InvalidArgument, RefConflict, RefNotFound, UnsupportedType
 from .format.names import MAX_NAME_BYTES, validate_component
-from .localfile import sync_dir, write_atomic
+from .localfile import NotRegularFile, open_regular, sync_dir, write_atomic
 
 __all__ = ["TsckCheckpointIO", "ref_for_path", "POINTER_FORMAT"]
 
@@ -119,28 +119,37 @@ def _read_pointer(path, *, strict: bool = True) -> dict | None:
     a pointer). FormatError naming the path for a file that is not one."""
     fs, p = _fs(path)
     try:
-        with fs.open(p, "rb") as f:
-            data = f.read(MAX_POINTER_BYTES + 1)
+        if _is_local(fs):  # a regular file only: open() of a FIFO would wait for a writer forever
+            with open(open_regular(p), "rb") as f:
+                ptr, why = _parse_pointer(f.read(MAX_POINTER_BYTES + 1))
+        else:
+            with fs.open(p, "rb") as f:
+                ptr, why = _parse_pointer(f.read(MAX_POINTER_BYTES + 1))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    why = None
-    if data[:2] == b"PK" or data[:1] == b"\x80":
-        why = "it looks like a torch.save checkpoint (load it with Lightning's TorchCheckpointIO)"
-    elif len(data) > MAX_POINTER_BYTES:
-        why = f"it is larger than a pointer file ({MAX_POINTER_BYTES} bytes)"
-    else:
-        try:
-            ptr = json.loads(data)
-        except (UnicodeDecodeError, ValueError) as e:
-            ptr, why = None, f"it is not JSON ({e})"
-        if why is None and (not isinstance(ptr, dict) or ptr.get("format") != POINTER_FORMAT
-                            or not isinstance(ptr.get("root"), str) or not isinstance(ptr.get("ref"), str)):
-            why = f"it is not a {POINTER_FORMAT} file"
+    except NotRegularFile as e:
+        ptr, why = None, "it " + e.strerror.removeprefix(f"{p} ")  # "it is a FIFO, not a regular file"
     if why is None:
         return ptr
     if not strict:
         return None
     raise FormatError(f"{os.fspath(path)} is not a checkpoint saved by TsckCheckpointIO: {why}")
+
+
+def _parse_pointer(data: bytes) -> tuple[dict | None, str | None]:
+    """(pointer, None), or (None, why the bytes are not one)."""
+    if data[:2] == b"PK" or data[:1] == b"\x80":
+        return None, "it looks like a torch.save checkpoint (load it with Lightning's TorchCheckpointIO)"
+    if len(data) > MAX_POINTER_BYTES:
+        return None, f"it is larger than a pointer file ({MAX_POINTER_BYTES} bytes)"
+    try:
+        ptr = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        return None, f"it is not JSON ({e})"
+    if not isinstance(ptr, dict) or ptr.get("format") != POINTER_FORMAT or not isinstance(ptr.get("root"), str) \
+            or not isinstance(ptr.get("ref"), str):
+        return None, f"it is not a {POINTER_FORMAT} file"
+    return ptr, None
 
 
 def _write_pointer(path, ptr: dict) -> None:

@@ -12,7 +12,7 @@ from .format import tree
 from .format.dtypes import DTYPE_ITEMSIZES
 from .format.manifest import decode_commit
 from .ids import Digest
-from .paths import dotted, toward as _toward, under as _under
+from .paths import FULL, SKIP, Selection, dotted
 from .walk import read_node
 
 __all__ = ["Entry", "list_tree", "MAX_ENTRIES"]
@@ -90,7 +90,9 @@ def list_tree(store, target: str, path: str | None = None, *, limit: int = MAX_E
 def _entries(store, root: Digest, path: str | None, limit: int):
     assets, verify, snap = store.assets, store.verify, root.hex()
     top = decode_commit(assets.get_commit(root, verify=verify))["tree"]
+    sel = None if path is None else Selection([path])
     decoded: dict = {}
+    sizes: dict = {}  # (node, depth, selection state) -> (values visited, entries listed) under it
 
     def node(d, parts, depth, world=False):
         key = (d, depth, world)
@@ -98,27 +100,51 @@ def _entries(store, root: Digest, path: str | None, limit: int):
             decoded[key] = read_node(assets, d, parts, depth, snapshot=snap, verify=verify, world=world)
         return decoded[key]
 
-    seen = [0]
-    found = [False]
-
-    def values(v, parts, depth):
+    def items(v, parts, depth, state):
+        """(path, depth, item, its selection state) of the values of one node's value."""
         for p, dp, item in tree.visit(v, parts, depth, plain=True):
-            seen[0] += 1
-            if seen[0] > limit:
+            st = state
+            for k in p[len(parts):]:
+                if st is FULL or st is SKIP:
+                    break
+                st = sel.step(st, k)
+            yield p, dp, item, st
+
+    def key(item, dp, st):
+        return item.digest, dp, None if st is FULL else id(st)
+
+    def measure(v, parts, depth, state) -> tuple[int, int]:
+        # What the listing below will visit, over distinct nodes: a DAG of 40 nodes can
+        # name 2^40 paths, and is refused here before one is listed.
+        seen = found = 0
+        for p, dp, item, st in items(v, parts, depth, state):
+            seen += 1
+            if type(item) is tree.Ref:
+                if st is not SKIP:
+                    k = key(item, dp, st)
+                    if k not in sizes:
+                        sizes[k] = measure(node(item.digest, p, dp), p, dp, st)
+                    seen, found = seen + sizes[k][0], found + sizes[k][1]
+            elif st is FULL:
+                found += 1
+            if seen > limit:
                 raise FormatError(f"snapshot {snap[:16]} names more than {limit} values (nodes shared at many "
                                   "paths); give a PATH to list a part of it")
-            dp_str = dotted(p)
+        return seen, found
+
+    def values(v, parts, depth, state):
+        for p, dp, item, st in items(v, parts, depth, state):
             if type(item) is tree.Ref:
-                if _toward(dp_str, path):
-                    yield from values(node(item.digest, p, dp), p, dp)
-            elif _under(dp_str, path):
-                found[0] = True
-                yield _entry(dp_str, item)
+                if st is not SKIP and sizes[key(item, dp, st)][1]:
+                    yield from values(node(item.digest, p, dp), p, dp, st)
+            elif st is FULL:
+                yield _entry(dotted(p), item)
 
     v = node(top, (), 0, world=True)
     if type(v) is tree.World:
         v = node(v.ranks[0], (), 0)
-    yield from values(v, (), 0)
-    if path is not None and not found[0]:
+    state = FULL if sel is None else sel.root
+    if measure(v, (), 0, state)[1] == 0 and path is not None:
         raise InvalidArgument(f"snapshot {snap[:16]} in {store.url} holds nothing at {path!r} (paths are "
                               "dotted: model.layers.0.weight; `tsck ls` lists them)")
+    yield from values(v, (), 0, state)

@@ -40,11 +40,19 @@ def toward(p: str, path: str | None) -> bool:
 
 FULL = None    # Selection.step: everything under this child is selected
 SKIP = False   # Selection.step: nothing under this child is
+_END = object()  # in a trie node: the requested path that ends there
 
 
 class Selection:
     """The sub-trees `paths` name. Walking down, each position is FULL (all of it is
-    selected), SKIP (none of it), or its dotted path (something below it is)."""
+    selected), SKIP (none of it), or a node of the requested paths' trie (something
+    below it is).
+
+    The paths are split at their dots into one trie, built once: a step costs the
+    components of its key, whatever the number of paths, so a walk costs keys + paths
+    (comparing each key with every path cost keys x paths: 14,000 keys all named took
+    100x a full checkout). Splitting is exact for keys holding dots too: `p` is `s` or
+    starts with `s` and a dot exactly when `s`'s components begin `p`'s."""
 
     def __init__(self, paths):
         if isinstance(paths, (str, bytes)) or not hasattr(paths, "__iter__"):
@@ -62,27 +70,47 @@ class Selection:
             raise InvalidArgument("paths is empty: pass at least one path, or paths=None for everything")
         self.paths = tuple(dict.fromkeys(out))
         self.matched: set[str] = set()
-
-    def step(self, here: str, key):
-        """The state of the child `key` of the position `here` (a dotted path, "" at the top)."""
-        k = key_str(key)
-        p = f"{here}.{k}" if here else k
-        hit = False
+        self.root: dict = {}
         for s in self.paths:
-            if p == s or p.startswith(s + "."):
-                self.matched.add(s)
+            node = self.root
+            for c in s.split("."):
+                node = node.setdefault(c, {})
+            node[_END] = s
+
+    def at(self, parts):
+        """The state of the position `parts` (keys from the top; () is the top)."""
+        state = self.root
+        for k in parts:
+            state = self.step(state, k)
+            if state is FULL or state is SKIP:
+                break
+        return state
+
+    def step(self, here, key):
+        """The state of the child `key` of a position in state `here` (a trie node)."""
+        return self._walk(here, key_str(key).split("."), True)
+
+    def _walk(self, node, comps, record: bool):
+        for i, c in enumerate(comps):
+            node = node.get(c)
+            if node is None:
+                return SKIP
+            end = node.get(_END)
+            if end is not None:
+                if record:
+                    self.matched.add(end)
+                    for c2 in comps[i + 1:]:  # requested paths below it that this key also reaches
+                        node = node.get(c2)
+                        if node is None:
+                            break
+                        if _END in node:
+                            self.matched.add(node[_END])
                 return FULL
-            hit = hit or s.startswith(p + ".")
-        return p if hit else SKIP
+        return node
 
     def covers(self, p: str, *, record: bool = True) -> bool:
         """The value at dotted path `p` is selected (is at or under one of the paths)."""
-        for s in self.paths:
-            if p == s or p.startswith(s + "."):
-                if record:
-                    self.matched.add(s)
-                return True
-        return False
+        return self._walk(self.root, p.split("."), record) is FULL
 
     def unmatched(self) -> list[str]:
         return [s for s in self.paths if s not in self.matched]

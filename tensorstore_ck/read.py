@@ -33,7 +33,7 @@ from .format import tree
 from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
-from .paths import FULL, SKIP, Selection, dotted, is_stateful
+from .paths import FULL, SKIP, Selection, is_stateful
 from .shard import Sharded, find_overlap, from_dtensor, is_dtensor
 
 __all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING", "check_map_location"]
@@ -228,6 +228,8 @@ class Reader:
         self._decoded: dict = {}
         self._sizes: dict = {}
         self._keymaps: dict = {}   # id(decoded dict container) -> (it, {key: value}): rank-tree lookups
+        self._merged: dict = {}    # (rank nodes, depth, selection state) -> their merged value
+        self._ix_prefixes: dict = {}  # id(chunk index) -> (it, format_paths at and above its tensors)
 
     def read(self, top: bytes, into=_MISSING):
         """The state under the top node `top` (into=: update that tree in place)."""
@@ -262,12 +264,15 @@ class Reader:
         With into=, a failure leaves each value in the tree either untouched, fully
         replaced or (the few whose blocks were being copied) partly replaced, by
         verified snapshot bytes only; an IntegrityError says which paths are which."""
-        sel = FULL if self.select is None else dotted(path)
+        sel = FULL if self.select is None else self.select.at(path)
         values, nbytes = self._measure(value, path, len(path), sel, _MISSING if ext else into)
         if values * VALUE_COST > self.max_bytes or (into is _MISSING and nbytes > self.max_bytes):
             raise self._fmt(f"the snapshot's tree holds {values} values and {nbytes} tensor bytes at its paths, "
                             f"more than max_bytes={self.max_bytes} allows ({VALUE_COST} bytes per value; "
                             "checkout(..., max_bytes=N) raises the cap)", path)
+        if values > tree.MAX_VALUES:  # what no writer makes, whatever max_bytes allows
+            raise self._fmt(f"the snapshot's tree holds {values} values at its paths, more than the format's "
+                            f"{tree.MAX_VALUES} (nodes shared at many paths)", path)
         if self.select is not None:
             self.select.check_matched(self.snapshot)
         written: dict = {}
@@ -326,12 +331,14 @@ class Reader:
         Only what the selection and a plain into= dict keep is measured (and read)."""
         t = type(v)
         if t is tree.Ref:
-            if sel is not FULL or into is not _MISSING:
+            if into is not _MISSING:  # the caller's tree bounds this walk
                 return self._measure(self._node(v.digest, path, depth), path, depth, sel, into)
-            key = (v.digest, depth)
+            # A selection state is a node of the paths' trie (kept alive by the Selection),
+            # so a node under the same part of the selection is measured once too.
+            key = (v.digest, depth, None if sel is FULL else id(sel))
             hit = self._sizes.get(key)
             if hit is None:
-                hit = self._sizes[key] = self._measure(self._node(v.digest, path, depth), path, depth)
+                hit = self._sizes[key] = self._measure(self._node(v.digest, path, depth), path, depth, sel)
             return hit
         if t is tree.Container:
             values, nbytes = 1, 0
@@ -602,7 +609,10 @@ class Reader:
 
     def _indexed(self, v, me, ranks, ix, path, depth, sel, lazy):
         """This rank's tree with each sharded tensor made a _Gathered (or, not lazy, a
-        Global of every rank's chunks)."""
+        Global of every rank's chunks). A sub-tree above no tensor of the index is
+        itself (nodes shared at many paths are not expanded)."""
+        if type(v) is tree.Ref and path and format_path(path) not in self._prefixes(ix):
+            return v
         v = self._deref(v, path, depth)
         t = type(v)
         if t is tree.Global:
@@ -623,6 +633,15 @@ class Reader:
         if v.kind in ("d", "o"):
             return tree.Container(v.kind, [(k, child(k, x)) for k, x in v.items])
         return tree.Container(v.kind, [child(i, x) for i, x in enumerate(v.items)])
+
+    def _prefixes(self, ix: dict) -> set:
+        hit = self._ix_prefixes.get(id(ix))
+        if hit is None:
+            out = set()
+            for p in ix:  # "['a'][0]['w']" -> "['a']", "['a'][0]", "['a'][0]['w']"
+                out.update(p[:i] for i in range(1, len(p) + 1) if p[i - 1] == "]")
+            hit = self._ix_prefixes[id(ix)] = (ix, out)
+        return hit[1]
 
     def _gather(self, g: "_Gathered", box, path) -> tree.Global:
         """The chunks of `g` that intersect `box` ((offsets, shape); None: all of it), read
@@ -670,6 +689,16 @@ class Reader:
         return v
 
     def _merge(self, vals, me, path, depth, sel=FULL):
+        if all(type(v) is tree.Ref for v in vals):
+            # The same nodes merge alike at every path that names them (a DAG bomb: once).
+            key = (tuple(v.digest for v in vals), depth, None if sel is FULL else id(sel))
+            hit = self._merged.get(key)
+            if hit is None:
+                hit = self._merged[key] = self._merge_values(vals, me, path, depth, sel)
+            return hit
+        return self._merge_values(vals, me, path, depth, sel)
+
+    def _merge_values(self, vals, me, path, depth, sel):
         vals = [self._deref(v, path, depth) for v in vals]
         v0 = vals[me]
         if type(v0) is tree.Global:

@@ -22,7 +22,9 @@ from typing import Iterable
 
 from .errors import InvalidArgument
 
-__all__ = ["Retention", "SnapRow", "select_kept", "explain_kept"]
+__all__ = ["Retention", "SnapRow", "select_kept", "explain_kept", "MAX_COUNT"]
+
+MAX_COUNT = 2**64 - 1  # a count in a rule: the rules are msgpack records, whose ints end there
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,10 @@ class Retention:
     def __post_init__(self):
         for name in ("keep_last", "keep_best", "keep_every_steps"):
             v = getattr(self, name)
-            if v is not None and (type(v) is not int or v < 0 or (name == "keep_every_steps" and v == 0)):
-                raise InvalidArgument(f"Retention.{name} must be a non-negative int"
-                                  f"{' > 0' if name == 'keep_every_steps' else ''}, got {v!r}")
+            low = 1 if name == "keep_every_steps" else 0
+            if v is not None and (type(v) is not int or not low <= v <= MAX_COUNT):
+                raise InvalidArgument(f"Retention.{name} must be an int from {low} to {MAX_COUNT} (2**64-1, the "
+                                      f"largest the ref table stores), got {v!r}")
         if self.mode not in ("min", "max"):
             raise InvalidArgument(f"Retention.mode must be 'min' or 'max', got {self.mode!r}")
         if self.keep_best and not (isinstance(self.metric, str) and self.metric):

@@ -160,13 +160,19 @@ def _leaf_paths(assets: Assets, top: bytes, *, snapshot: str, verify: bool, limi
     if n > limit:
         raise FormatError(f"snapshot {snapshot[:16]} names {n} tensor paths, more than {limit} "
                           "(nodes shared at many paths)")
-    todo = [(top, 0, ())]
+    # Only the children that hold a path are listed (each at most `limit` times): a tree
+    # of 2^40 paths to no tensor at all is counted 0 above, and must not be walked here.
+    live: dict = {}
+    todo = [(top, 0, ())] if n else []
     while todo:
         d, depth, prefix = todo.pop()
         leaves, kids = info[(d, depth)]
         for p, item in leaves:
             yield prefix + p, item
-        todo.extend((r, dp, prefix + p) for p, dp, r in reversed(kids))
+        keep = live.get((d, depth))
+        if keep is None:
+            keep = live[(d, depth)] = [(p, dp, r) for p, dp, r in reversed(kids) if total[(r, dp)]]
+        todo.extend((r, dp, prefix + p) for p, dp, r in keep)
 
 
 def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True,

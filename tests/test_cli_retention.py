@@ -59,6 +59,22 @@ def test_retention_set_show_clear(store_path):
         assert s.retention() == {"a": tsck.Retention(keep_last=2, keep_best=1, metric="loss")}
 
 
+def test_a_count_past_what_the_ref_table_stores_is_one_line_naming_the_option(store_path):
+    """--keep-last / --keep-best / --keep-every-steps of 2**64 or more ended in msgpack's
+    OverflowError (a traceback); now argparse refuses it naming the option and its bound."""
+    big = str(2**64)
+    bads = (["a", "--keep-last", big], ["a", "--keep-best", big, "--metric", "loss"], ["a", "--keep-every-steps", big])
+    with ThreadPoolExecutor(3) as ex:  # each run imports torch: side by side
+        results = list(ex.map(lambda bad: run_cli("retention", store_path, *bad), bads))
+    for bad, r in zip(bads, results):
+        assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, (bad, r.stderr)
+        assert r.stderr.strip().splitlines() == [f"tsck: error: argument {bad[1]}: must be an int from "
+                                                 f"{0 if bad[1] != '--keep-every-steps' else 1} to {2**64 - 1} "
+                                                 f"(2**64-1), got {big}"], r.stderr
+    with tsck.open_store(store_path, create=False) as s:  # nothing written
+        assert s.retention() == {}
+
+
 def test_gc_dry_run_explains_each_snapshot_and_changes_nothing(store_path):
     assert run_cli("retention", store_path, "a", "--keep-last", "2", "--keep-best", "1", "--metric",
                    "loss").returncode == 0

@@ -6,6 +6,7 @@ allocated; the option picks what is written, never what can be read, and never
 an address."""
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
@@ -331,3 +332,164 @@ def test_auto_is_float_on_s3(s3_server, s3_url):
 def test_any_bytes_round_trip(data, k, use):
     """Lossless for any bytes, not only floats (the probe may pick it for integers)."""
     assert bytes(decode(float_frame(data, k, use))) == data
+
+
+# ---------------------------------------------------------------- memory of a hostile block
+_DECODE_RSS = """
+import sys
+from tensorstore_ck.format import frame
+
+def hwm():  # this process's peak RSS (per address space: unlike ru_maxrss, not the parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+
+blob = open(sys.argv[1], "rb").read()
+hdr = frame.decode_header(blob[:frame.HEADER_SIZE])
+out = bytearray(hdr.raw_len) if sys.argv[2] == "into" else None
+if out is not None:
+    out[::4096] = b"\\1" * len(out[::4096])  # touch every page: the output counts before the decode
+before = hwm()
+res = frame.decode_payload(hdr, memoryview(blob)[frame.HEADER_SIZE:], out)
+after = hwm()
+assert memoryview(res).nbytes == hdr.raw_len and not any(memoryview(res).cast("B")[-4096:])
+print(after - before)
+"""
+
+
+def _hostile_float_block(raw_len: int) -> bytes:
+    """A block of zeros as the float codec stores it, its T plane padded with enough
+    incompressible bytes that it stays within the 255x expansion every reader allows:
+    one byte of store per 255 bytes of memory."""
+    k, n = 4, raw_len // 4
+    e = f = np.zeros(n, dtype=np.uint8)
+    t = np.zeros(2 * n, dtype=np.uint8)
+    t[:raw_len // 250] = np.random.default_rng(0).integers(0, 256, raw_len // 250, dtype=np.uint8)
+    zc = pyzstd.ZstdCompressor(frame._ZSTD_FAST)
+    planes = [zc.compress(p, zc.FLUSH_FRAME) for p in (e, f, t)]
+    sub = struct.pack("<BB", 0, 4) + b"".join(struct.pack("<BI", 1, len(p)) for p in planes) \
+        + struct.pack("<BI", 0, 0)
+    payload = sub + b"".join(planes)
+    assert raw_len <= 255 * len(payload) + 16
+    return frame.encode_header(frame.CODEC_FLOAT, k, frame.KIND_BLOCK, raw_len) + payload
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["into", "fresh"])
+def test_a_hostile_float_block_costs_its_output_and_a_few_mib(tmp_path, mode):
+    """docs/FORMAT.md's bound: decoding a float block holds its output buffer plus at most
+    32 MiB (slices of the planes and the zstd windows), whatever its size. The planes
+    were decoded whole: 3x the block per worker (four 256 MiB blocks of a 4.8 MB store
+    took 2.7 GB to fsck). Peak RSS of a process that decodes one, measured."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("peak RSS is read from /proc/self/status (Linux)")
+    raw_len = 128 << 20
+    blob = tmp_path / "block"
+    blob.write_bytes(_hostile_float_block(raw_len))
+    assert blob.stat().st_size < raw_len // 200
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _DECODE_RSS, str(blob), mode], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(repo)}, cwd=str(repo))
+    assert r.returncode == 0, r.stderr
+    grew = int(r.stdout.split()[-1])
+    bound = (32 << 20) + (raw_len if mode == "fresh" else 0)
+    assert grew <= bound, f"decoding took {grew >> 20} MiB above the output, bound {bound >> 20} MiB"
+
+
+def test_a_zstd_plane_asking_for_a_large_window_is_refused():
+    """A plane's decoder may take a window of at most 2^20 bytes (the writer's are at
+    most 2^19); a frame declaring a 4 MiB single-segment window is refused, not given it."""
+    n = 4 << 20
+    e = np.random.default_rng(0).integers(0, 4, n, dtype=np.uint8)
+    big = pyzstd.compress(e, {pyzstd.CParameter.windowLog: 23, pyzstd.CParameter.compressionLevel: 3})
+    zc = pyzstd.ZstdCompressor(frame._ZSTD_FAST)
+    zeros = [zc.compress(np.zeros(m, np.uint8), zc.FLUSH_FRAME) for m in (n, 2 * n)]
+    planes = [big] + zeros
+    payload = struct.pack("<BB", 0, 4) + b"".join(struct.pack("<BI", 1, len(p)) for p in planes) \
+        + struct.pack("<BI", 0, 0) + b"".join(planes)
+    with pytest.raises(FormatError, match="too much memory"):
+        frame.decode_payload(frame.Header(frame.CODEC_FLOAT, 4, frame.KIND_BLOCK, 4 * n), payload)
+    # the same plane as the writer codes it decodes
+    ok = [zc.compress(e, zc.FLUSH_FRAME)] + zeros
+    payload = struct.pack("<BB", 0, 4) + b"".join(struct.pack("<BI", 1, len(p)) for p in ok) \
+        + struct.pack("<BI", 0, 0) + b"".join(ok)
+    out = frame.decode_payload(frame.Header(frame.CODEC_FLOAT, 4, frame.KIND_BLOCK, 4 * n), payload)
+    assert np.frombuffer(out, np.uint8).reshape(n, 4)[:, 3].tolist()[:5] == (e >> 1).tolist()[:5]
+
+
+_FSCK_RSS = """
+import sys
+import tensorstore_ck as tsck
+
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+
+with tsck.open_store(sys.argv[1]) as s:
+    before = hwm()
+    rep = s.fsck()
+    after = hwm()
+assert rep.ok, rep.findings
+print(after - before)
+"""
+
+
+@pytest.mark.slow
+def test_fsck_of_a_hostile_float_block_holds_one_block(tmp_path):
+    """A 0.5 MB block that decodes to 128 MiB: fsck verifies it holding the block once
+    (and the 32 MiB of FORMAT.md's bound), where it held it three times."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import blake3
+
+    from tensorstore_ck.assets import block_key
+    from tensorstore_ck.format.manifest import encode_node
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("peak RSS is read from /proc/self/status (Linux)")
+    raw_len = 128 << 20
+    blob = _hostile_float_block(raw_len)
+    path = tmp_path / "s"
+    with tsck.open_store(path) as s:
+        d = blake3.blake3(frame.decode_payload(frame.decode_header(blob[:16]), memoryview(blob)[16:])).digest()
+        (path / block_key(d)).parent.mkdir(parents=True, exist_ok=True)
+        (path / block_key(d)).write_bytes(blob)
+        leaf = {"T": {"dt": "float32", "sh": [raw_len // 4], "n": raw_len, "bs": raw_len, "b": [d]}}
+        top = s.assets.put_node(encode_node({"d": [["w", leaf]]})).digest
+        s.assets.sync()
+        stats = {"bytes_total": raw_len, "bytes_new": 0, "blocks_total": 1, "blocks_new": 0}
+        s.commit_tree(top, ref="h/x", job="h", step=1, metrics={}, meta={}, stats=stats)
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _FSCK_RSS, str(path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(repo)}, cwd=str(repo))
+    assert r.returncode == 0, r.stderr
+    grew = int(r.stdout.split()[-1])
+    assert grew <= raw_len + (48 << 20), f"fsck took {grew >> 20} MiB for a {raw_len >> 20} MiB block"
+
+
+@pytest.mark.slow
+def test_an_object_declaring_more_than_its_kind_holds_is_not_decoded(tmp_path):
+    """fsck --repair re-verifies a damaged object on its own (no manifest says its size):
+    a 1 MB lz4 block declaring 256 MiB + 4 KiB, more than any block holds, is corrupt
+    from its header, not inflated (a frame may declare up to 2 GiB)."""
+    import blake3
+    import lz4.block
+
+    from tensorstore_ck.assets import block_key
+    from tensorstore_ck.format.tree import MAX_BLOCK_SIZE
+
+    raw = bytes(MAX_BLOCK_SIZE + 4096)
+    d = blake3.blake3(raw).digest()
+    blob = frame.encode_header(frame.CODEC_LZ4, 1, frame.KIND_BLOCK, len(raw)) + \
+        lz4.block.compress(raw, store_size=False)
+    del raw
+    with tsck.open_store(tmp_path / "s") as s:
+        (tmp_path / "s" / block_key(d)).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "s" / block_key(d)).write_bytes(blob)
+        err, data = s.assets.verify_stored(block_key(d))
+        assert data is None and err is not None and "more than its kind may hold" in str(err), err

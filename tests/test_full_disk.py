@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import lmdb
 import pytest
@@ -260,3 +261,80 @@ def test_a_gc_stopped_by_a_full_ref_table_disk_releases_the_store(tmp_path, op):
             assert s.reftable.gc_state()["phase"] == "idle"
             s.put_snapshot(_state(9), "a/main", step=9, job="a")
             assert s.fsck().ok
+
+
+# ---------------------------------------------------------------- `tsck checkout` onto a full disk
+def _export_store(path) -> None:
+    """A snapshot of about 1 MB of tensors (random: it does not compress)."""
+    g = torch.Generator().manual_seed(3)
+    with tsck.open_store(path) as s:
+        s.put_snapshot({"w": torch.rand(200_000, generator=g), "b": torch.rand(60_000, generator=g)}, "a/main")
+
+
+_DESTS = {"torch": "w.pt", "safetensors": "w.safetensors", "folder": "model" + os.sep}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", sorted(_DESTS))
+def test_checkout_onto_a_full_disk_is_one_line_and_leaves_no_file(tmp_path, fmt):
+    """torch.save raises RuntimeError and safetensors SafetensorError for a full disk
+    (torch's says only "unexpected pos"): before, only OSError was caught and `tsck
+    checkout` ended in a traceback. Now: exit 1, one line saying which disk is full and
+    about how much the file needed; DEST (new, or replaced with --force) is untouched and
+    nothing is left beside it. A real tmpfs filled to the last byte; no fakes."""
+    _export_store(tmp_path / "s")
+    with tmpfs(tmp_path / "small", "4m") as small:
+        old = os.path.join(small, "old" + (".pt" if fmt == "torch" else ".safetensors"))
+        with open(old, "wb") as f:
+            f.write(b"the old file")
+        if fmt == "folder":
+            os.unlink(old)
+            old = os.path.join(small, "old")  # a folder written into with --force
+            os.mkdir(old)
+            with open(os.path.join(old, "model.safetensors"), "wb") as f:
+                f.write(b"the old file")
+        fillers = fill(small)
+        before = sorted(os.listdir(small))
+        new = os.path.join(small, _DESTS[fmt])
+        with ThreadPoolExecutor(2) as ex:
+            runs = list(ex.map(lambda a: _cli("checkout", tmp_path / "s", "a/main", *a),
+                               [(new,), (old + (os.sep if fmt == "folder" else ""), "--force")]))
+        for r in runs:
+            assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+            assert "Traceback" not in r.stdout + r.stderr, r.stderr
+            lines = r.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("tsck: error: [Errno 28] no space left on the filesystem "
+                                                           f"of {small} writing "), r.stderr
+            assert "it needed about 1040000 bytes" in lines[0] and "is untouched" in lines[0], lines[0]
+        assert sorted(os.listdir(small)) == before  # no DEST, no temporary file
+        if fmt == "folder":
+            assert os.listdir(old) == ["model.safetensors"]
+            old = os.path.join(old, "model.safetensors")
+        with open(old, "rb") as f:
+            assert f.read() == b"the old file"
+        for p in fillers:
+            os.unlink(p)
+        r = _cli("checkout", tmp_path / "s", "a/main", new)  # with room: the whole file
+        assert r.returncode == 0, r.stderr
+        with tsck.open_store(tmp_path / "s", create=False) as s:
+            want = s.checkout("a/main")
+        if fmt == "torch":
+            got = torch.load(new, weights_only=True)
+        else:
+            from safetensors.torch import load_file
+            got = load_file(os.path.join(new, "model.safetensors") if fmt == "folder" else new)
+        assert set(got) == set(want) and all(got[k].equal(want[k]) for k in want)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_export_file_onto_a_full_disk_raises_no_space(tmp_path, fmt):
+    """The same through the API: StorageError ENOSPC (not RuntimeError / SafetensorError)."""
+    from tensorstore_ck.interchange import export_file
+    _export_store(tmp_path / "s")
+    with tmpfs(tmp_path / "small", "4m") as small, tsck.open_store(tmp_path / "s", create=False) as s:
+        fill(small)
+        before = sorted(os.listdir(small))
+        with pytest.raises(tsck.StorageError) as ei:
+            export_file(s, "a/main", os.path.join(small, _DESTS[fmt]))
+        _assert_no_space(ei.value, small)
+        assert sorted(os.listdir(small)) == before

@@ -11,7 +11,9 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import tensorstore_ck as tsck
-from tensorstore_ck.errors import FormatError, InvalidArgument, StorageError, UnsupportedType
+from tensorstore_ck.errors import FormatError, InvalidArgument, UnsupportedType
 from tensorstore_ck.interchange import export_file, import_files, list_tree
 
 try:
@@ -410,29 +412,6 @@ def test_refusal_comes_before_any_block_is_read(tmp_path):
         assert not (tmp_path / "x.safetensors").exists()
 
 
-def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
-    """A write that fails half way (a full disk) leaves DEST as it was (absent, or the old
-    file with --force) and no temporary file."""
-    with tsck.open_store(tmp_path / "s") as s:
-        s.put_snapshot({"w": torch.ones(1000)}, ref="a/main")
-
-        def half(obj, f, *a, **k):
-            with open(f, "wb") as fh:
-                fh.write(b"PK\x03\x04 half a file")
-            raise OSError(28, "No space left on device")
-
-        monkeypatch.setattr(torch, "save", half)
-        dest = tmp_path / "out" / "w.pt"
-        dest.parent.mkdir()
-        with pytest.raises(StorageError, match="No space left"):
-            export_file(s, "a/main", dest)
-        assert os.listdir(dest.parent) == []
-        dest.write_bytes(b"old")
-        with pytest.raises(StorageError):
-            export_file(s, "a/main", dest, force=True)
-        assert dest.read_bytes() == b"old" and os.listdir(dest.parent) == ["w.pt"]
-
-
 def test_ls_bounds_a_dag_bomb(tmp_path):
     """A node named at many paths: the listing counts the paths it visits and stops at the cap."""
     leaf = {"x": 1}
@@ -511,3 +490,146 @@ def test_api_bad_inputs_change_nothing(tmp_path, files, exc, words):
         with pytest.raises(exc, match=words):
             import_files(s, "imp/main", [tmp_path / f for f in files])
         assert (object_listing(tmp_path / "s"), refs_snapshot(s)) == before
+
+
+# ---------------------------------------------------------------- hostile torch.save zips, reserved names
+def _torch_zip(path, state) -> None:
+    torch.save(state, path)
+    assert zipfile.is_zipfile(path)
+
+
+def _rewrite_records(src, dst, *, method=zipfile.ZIP_STORED, cut=0) -> None:
+    """A copy of the torch.save zip `src` whose tensor records (ARCHIVE/data/N) are stored
+    by `method` (DEFLATE: compressed) and each cut short by `cut` bytes; every other
+    record as it was. Python's zipfile writes a well-formed zip: only those records differ."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if re.fullmatch(r"[^/]+/data/\d+", info.filename):
+                zout.writestr(info.filename, data[:len(data) - cut], compress_type=method)
+            else:
+                zout.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
+
+
+def _hostile_state():
+    # A record that deflates well before one that does not: an mmap read of the first past
+    # its compressed bytes lands inside the file (on the second's), not past its end.
+    return {"a": torch.arange(1.0, 1001.0), "b": rand_tensor(torch.float32, (4096,), seed=7)}
+
+
+def test_a_compressed_tensor_record_is_refused_not_stored_as_its_compressed_bytes(tmp_path):
+    """torch.load reads a DEFLATE-compressed record right (1, 2, 3, ...); the mmap load
+    read its compressed bytes as the tensor's, and import stored those. Now refused
+    by name, nothing published."""
+    state = _hostile_state()
+    _torch_zip(tmp_path / "ok.pt", state)
+    _rewrite_records(tmp_path / "ok.pt", tmp_path / "deflated.pt", method=zipfile.ZIP_DEFLATED)
+    assert_same(state, torch.load(tmp_path / "deflated.pt", weights_only=True))  # a file torch reads
+    with tsck.open_store(tmp_path / "s") as s:
+        s.put_snapshot({"w": torch.ones(10)}, ref="a/main")
+        before = (object_listing(tmp_path / "s"), refs_snapshot(s))
+        with pytest.raises(InvalidArgument, match=r"deflated\.pt holds the tensor record \S+/data/0 compressed"):
+            import_files(s, "imp/main", [tmp_path / "deflated.pt"])
+        assert (object_listing(tmp_path / "s"), refs_snapshot(s)) == before
+        import_files(s, "imp/main", [tmp_path / "ok.pt"])  # the same tensors, stored as torch.save stores them
+        assert_same(state, s.checkout("imp/main"))
+
+
+def test_a_tensor_record_cut_short_is_refused_not_read_into_the_zip_entries_after_it(tmp_path):
+    """A record 8 bytes short of its tensor: torch.load refuses the file; the mmap load
+    took the next zip entry's header as the tensor's last two floats."""
+    _torch_zip(tmp_path / "ok.pt", _hostile_state())
+    _rewrite_records(tmp_path / "ok.pt", tmp_path / "short.pt", cut=8)
+    with pytest.raises(RuntimeError, match="does not match expected size"):
+        torch.load(tmp_path / "short.pt", weights_only=True)
+    with tsck.open_store(tmp_path / "s") as s:
+        before = (object_listing(tmp_path / "s"), refs_snapshot(s))
+        with pytest.raises(InvalidArgument, match=r"short\.pt is not a readable torch.save file: its record "
+                                                  r"\S+/data/0 holds 3992 bytes where its tensor needs 4000"):
+            import_files(s, "imp/main", [tmp_path / "short.pt"])
+        assert (object_listing(tmp_path / "s"), refs_snapshot(s)) == before
+
+
+def test_a_blocked_global_is_named(tmp_path):
+    """torch.load's first line for a global of a blocked module (os, sys) is "Weights only
+    load failed..."; the error names the global, as for any other refused one."""
+    torch.save({"w": torch.ones(3), "f": os.getcwd}, tmp_path / "blocked.pt")
+    with tsck.open_store(tmp_path / "s") as s:
+        with pytest.raises(UnsupportedType, match=r"blocked\.pt needs pickle to load \(it holds (posix|nt)\.getcwd"):
+            import_files(s, "imp/main", [tmp_path / "blocked.pt"])
+        assert s.refs() == {}
+
+
+@pytest.mark.parametrize("where", ["top", "path", "folder", "folder-path"])
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused_before_writing(tmp_path, where):
+    """A tensor at `__metadata__` made a safetensors header with two `__metadata__` keys (or
+    a tensor where the metadata's strings belong): a file no reader opens, exit 0. Refused
+    from the manifest, before a block is read, and nothing is written."""
+    big = torch.ones(4096)  # stored in blocks, not inline
+    state = {"__metadata__": big, "w": torch.zeros(2), "sub": {"__metadata__": big + 1}}
+    dest = {"top": tmp_path / "out" / "m.safetensors", "path": tmp_path / "out" / "m.safetensors",
+            "folder": str(tmp_path / "out" / "model") + os.sep, "folder-path": str(tmp_path / "out" / "model") + os.sep}[where]
+    path = {"top": None, "path": None, "folder": None, "folder-path": "sub"}[where]
+    if where == "path":
+        state = {"x": {"__metadata__": big}}  # a nested one keeps its dotted name: x.__metadata__
+    (tmp_path / "out").mkdir()
+    p = tmp_path / "s"
+    with tsck.open_store(p, block_size=BS, inline_threshold=256) as s:
+        s.put_snapshot(state, ref="a/main")
+    if where == "path":
+        with tsck.open_store(p, create=False) as s:  # not reserved once it has a prefix: written, and it opens
+            export_file(s, "a/main", dest, path="x")
+        assert load_file(str(dest))["x.__metadata__"].equal(big)
+        return
+    shutil.rmtree(p / "blocks")  # refused from the manifest: no block is needed
+    with tsck.open_store(p, create=False) as s:
+        with pytest.raises(UnsupportedType, match=r"would be named '__metadata__', which safetensors reserves"):
+            export_file(s, "a/main", dest, path=path)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_cli_hostile_imports_and_reserved_names_are_one_line_errors(tmp_path):
+    """Through the real entry point: exit 2, one line, no traceback, nothing published."""
+    _torch_zip(tmp_path / "ok.pt", _hostile_state())
+    _rewrite_records(tmp_path / "ok.pt", tmp_path / "deflated.pt", method=zipfile.ZIP_DEFLATED)
+    _rewrite_records(tmp_path / "ok.pt", tmp_path / "short.pt", cut=8)
+    torch.save({"w": torch.ones(3), "f": os.getcwd}, tmp_path / "blocked.pt")
+    p = tmp_path / "s"
+    with tsck.open_store(p) as s:
+        s.put_snapshot({"__metadata__": torch.ones(3)}, ref="m/main")
+        before = (object_listing(p), refs_snapshot(s))
+    out = tmp_path / "out"
+    out.mkdir()
+    argvs = {"deflated": ("import", p, "imp/main", tmp_path / "deflated.pt"),
+             "short": ("import", p, "imp/main", tmp_path / "short.pt"),
+             "blocked": ("import", p, "imp/main", tmp_path / "blocked.pt"),
+             "st": ("checkout", p, "m/main", out / "m.safetensors"),
+             "folder": ("checkout", p, "m/main", str(out / "model") + os.sep)}
+    with ThreadPoolExecutor(max_workers=len(argvs)) as ex:
+        res = dict(zip(argvs, ex.map(lambda a: run_cli(*a), argvs.values())))
+    words = {"deflated": "compressed", "short": "holds 3992 bytes where its tensor needs 4000",
+             "blocked": "getcwd", "st": "__metadata__", "folder": "__metadata__"}
+    for k, r in res.items():
+        assert r.returncode == 2, f"{k}: rc={r.returncode}\n{r.stdout}\n{r.stderr}"
+        assert "Traceback" not in r.stdout + r.stderr, f"{k}: {r.stderr}"
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("tsck: error: ") and words[k] in lines[0], f"{k}: {r.stderr}"
+    with tsck.open_store(p, create=False) as s:
+        assert (object_listing(p), refs_snapshot(s)) == before
+    assert os.listdir(out) == []
+
+
+def test_a_safetensors_file_whose_header_length_begins_with_0x80_is_read_as_safetensors(tmp_path):
+    """A header of 384 bytes begins the file with 0x80, the byte that begins a pickle: the
+    file was taken for a legacy torch file (torch.load itself reads it as safetensors
+    only when its name ends in .safetensors, which the name of an open file does not)."""
+    t = {"w": torch.arange(6.0)}
+    for n in range(512):  # a metadata value that makes the header's length 0x?80
+        save_file(t, str(tmp_path / "w.bin"), metadata={"pad": "x" * n})
+        head = (tmp_path / "w.bin").read_bytes()[:9]
+        if head[0] == 0x80:
+            break
+    assert head[0] == 0x80 and head[8:9] == b"{"
+    with tsck.open_store(tmp_path / "s") as s:
+        import_files(s, "imp/main", [tmp_path / "w.bin"])
+        assert s.checkout("imp/main")["w"].equal(t["w"])

@@ -323,3 +323,43 @@ def test_tsck_checkout_path_reads_only_that_part(store, big_state, tmp_path):
     got = load_file(tmp_path / "l7.safetensors")
     assert list(got) == ["model.layers.7.weight"]
     assert torch.equal(got["model.layers.7.weight"], big_state["model"]["layers.7.weight"])
+
+
+# ---------------------------------------------------------------- cost of paths=
+def _lines_of_selected_checkout(store, n: int) -> int:
+    """Python lines run in paths.py and read.py (this thread) by a checkout of n keys,
+    every key named: a count of the work, the same on a loaded machine and a quiet one."""
+    import sys
+
+    from tensorstore_ck import paths as paths_mod, read as read_mod
+
+    state = {f"layers.{i}.weight": torch.full((2,), float(i)) for i in range(n)}  # inline: no block reads
+    ref = f"n/k{n}"
+    store.put_snapshot(state, ref=ref, step=1)
+    files = {paths_mod.__file__, read_mod.__file__}
+    count = 0
+
+    def line(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return line
+
+    def call(frame, event, arg):
+        return line if frame.f_code.co_filename in files else None
+
+    sys.settrace(call)
+    try:
+        out = store.checkout(ref, paths=list(state))
+    finally:
+        sys.settrace(None)
+    assert len(out) == n and out["layers.7.weight"].equal(torch.full((2,), 7.0))
+    return count
+
+
+def test_paths_cost_is_linear_in_keys_and_paths(store):
+    """Naming every key of a state must cost keys + paths, not keys x paths (14,000 keys
+    all named took 100x a full checkout): doubling both doubles the work."""
+    small, large = _lines_of_selected_checkout(store, 300), _lines_of_selected_checkout(store, 600)
+    assert large <= 2.3 * small, (small, large)  # keys x paths: 4x
+    assert small <= 300 * 200, small  # a few dozen lines per key, not one per key and path

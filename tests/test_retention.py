@@ -511,6 +511,24 @@ def test_retention_validation():
     assert math.isfinite(R(max_age_days=0.5).max_age_days)
 
 
+@pytest.mark.parametrize("name", ["keep_last", "keep_best", "keep_every_steps"])
+def test_a_count_past_what_the_ref_table_stores_is_refused_naming_its_bound(tmp_path, name):
+    """A count of 2**64 or more raised msgpack's OverflowError from set_retention, after
+    Retention() had accepted it. Now Retention refuses it (InvalidArgument naming the
+    field and the bound) and nothing is written; 2**64-1 is stored and read back."""
+    extra = {"metric": "loss"} if name == "keep_best" else {}
+    with tsck.open_store(tmp_path / "s") as s:
+        s.set_retention("j", R(keep_last=3))
+        for big in (2**64, 2**100):
+            with pytest.raises(tsck.InvalidArgument, match=rf"Retention\.{name} must be an int from [01] to "
+                                                           rf"{2**64 - 1} \(2\*\*64-1"):
+                s.set_retention("j", R(**{name: big}, **extra))
+        assert s.retention() == {"j": R(keep_last=3)}
+        s.set_retention("j", R(**{name: 2**64 - 1}, **extra))
+    with tsck.open_store(tmp_path / "s", create=False) as s:
+        assert s.retention() == {"j": R(**{name: 2**64 - 1}, **extra)}
+
+
 def test_empty_retention_is_refused_not_keep_nothing():
     """Retention() with no rule would silently keep only the ref tips: refused instead."""
     with pytest.raises(tsck.InvalidArgument):

@@ -45,6 +45,14 @@ class NativeTree:
         self.tensors: dict = {}  # fqn -> (dtype, shape, {offsets: leaf})
         self.bytes: dict = {}    # fqn -> (decoded value, state path): torch.save'd on request
         self.paths: dict = {}    # fqn -> DCP's object path (planner_data)
+        # Per decoded container (nodes are decoded once per depth, and shared sub-trees merge
+        # to one object): whether it is one DCP item, how many it flattens to. A DAG of 40
+        # nodes names 2^40 paths: it is counted over its nodes and refused before the walk.
+        self._terminals: dict = {}
+        self._counts: dict = {}
+        n = self._count(v, ())
+        if n > MAX_ITEMS:
+            raise self.fmt(f"{n} DCP items (nodes shared at many paths), more than {MAX_ITEMS}", "top")
         self._walk(v, (), ())
         self.metadata = self._metadata()
 
@@ -65,11 +73,35 @@ class NativeTree:
             return True  # a leaf or a tuple: one item
         if v.kind in ("d", "o"):
             return False
+        hit = self._terminals.get(id(v))
+        if hit is not None:
+            return hit[1]
+        out = True
         for i, x in enumerate(v.items):
             x = self._d(x, path + (i,))
-            if self._is_tensor(x) or (type(x) is tree.Container and x.kind != "t" and not self._terminal(x, path)):
-                return False
-        return True
+            if self._is_tensor(x) or (type(x) is tree.Container and x.kind != "t"
+                                      and not self._terminal(x, path + (i,))):
+                out = False
+                break
+        self._terminals[id(v)] = (v, out)  # v kept: its id stays its own
+        return out
+
+    def _count(self, v, path) -> int:
+        """The DCP items `v` flattens to (as _walk adds them), each container counted once."""
+        v = self._d(v, path)
+        if type(v) is not tree.Container:
+            return 1
+        hit = self._counts.get(id(v))
+        if hit is not None:
+            return hit[1]
+        if v.kind in ("d", "o"):
+            n = sum(self._count(x, path + (k,)) for k, x in v.items)
+        elif v.kind == "l" and not self._terminal(v, path):
+            n = sum(self._count(x, path + (i,)) for i, x in enumerate(v.items))
+        else:
+            n = 1
+        self._counts[id(v)] = (v, n)
+        return n
 
     def _add(self, fqn, obj_path):
         if fqn in self.paths:
@@ -84,11 +116,13 @@ class NativeTree:
         fqn = ".".join(map(str, obj_path))
         if type(v) is tree.Container and v.kind in ("d", "o"):
             for k, x in v.items:
-                self._walk(x, state_path + (k,), obj_path + (str(k),))
+                if self._count(x, state_path + (k,)):  # a sub-tree of no item (2^40 empty dicts) is not walked
+                    self._walk(x, state_path + (k,), obj_path + (str(k),))
             return
         if type(v) is tree.Container and v.kind == "l" and not self._terminal(v, state_path):
             for i, x in enumerate(v.items):
-                self._walk(x, state_path + (i,), obj_path + (i,))
+                if self._count(x, state_path + (i,)):
+                    self._walk(x, state_path + (i,), obj_path + (i,))
             return
         if not obj_path:
             raise self.fmt("the snapshot's top is not a dict: DCP loads state_dicts", "top")

@@ -110,11 +110,11 @@ def _shuffle(raw, itemsize: int) -> bytes:
     return body + a[n:].tobytes()
 
 
-def _unshuffle(data: bytes, itemsize: int, raw_len: int) -> bytes:
+def _unshuffle_into(data, itemsize: int, res: np.ndarray) -> None:
     a = np.frombuffer(data, dtype=np.uint8)
-    n = raw_len - raw_len % itemsize
-    body = a[:n].reshape(itemsize, -1).T.tobytes()
-    return body + a[n:].tobytes()
+    n = len(res) - len(res) % itemsize
+    res[:n].reshape(-1, itemsize)[...] = a[:n].reshape(itemsize, -1).T
+    res[n:] = a[n:]
 
 
 # -- codec 3: float planes ---------------------------------------------------------
@@ -216,23 +216,71 @@ def _float_encode(mv, k: int, use: list[bool]) -> list:
     return [sub] + bufs
 
 
-def _unzstd(data, expect: int) -> bytes:
-    """One zstd frame that must declare and hold exactly `expect` bytes; the
-    declared size is checked before the decoder allocates anything."""
-    try:
-        info = pyzstd.get_frame_info(data)
-    except pyzstd.ZstdError as e:
-        raise FormatError(f"float plane is not a zstd frame: {e}") from None
-    if info.decompressed_size != expect:
-        raise FormatError(f"zstd plane declares {info.decompressed_size} bytes, expected {expect}")
-    d = pyzstd.ZstdDecompressor()
-    try:
-        out = d.decompress(data, max_length=expect)
-    except pyzstd.ZstdError as e:
-        raise FormatError(f"zstd plane does not decode: {e}") from None
-    if len(out) != expect or not d.eof or d.unused_data:
-        raise FormatError(f"zstd plane decodes to {len(out)} bytes (of {expect}) or has trailing bytes")
-    return out
+# Decoding holds only slices of the planes, never a whole one: the memory a float
+# block costs beyond its output buffer is bounded whatever its size (docs/FORMAT.md).
+_SLICE = 1 << 20        # elements rebuilt at a time
+_ZSTD_IN = 1 << 17      # compressed bytes fed to a plane's decoder at a time
+# The writer's frames use windows of at most 2^19 bytes (windowLog 17, or 19 for
+# zstd level 1 where libzstd lacks the fast parameters; a plane smaller than its
+# window declares its own size). A frame asking for more is not one of ours: refused
+# before its window is allocated (zstd's default limit is 2^27, 128 MiB per plane).
+ZSTD_WINDOW_LOG_MAX = 20
+
+
+class _Plane:
+    """One stored plane, read front to back in slices: a raw plane is sliced in place,
+    a zstd plane is decoded as a stream that must hold exactly `expect` bytes."""
+
+    def __init__(self, i: int, codec: int, data, expect: int):
+        self.i, self.data, self.expect, self.pos, self.got = i, data, expect, 0, 0
+        self.d = None
+        if codec == _PLANE_ZSTD:
+            try:
+                info = pyzstd.get_frame_info(data)
+            except pyzstd.ZstdError as e:
+                raise FormatError(f"float plane is not a zstd frame: {e}") from None
+            if info.decompressed_size != expect:  # checked before the decoder allocates anything
+                raise FormatError(f"zstd plane declares {info.decompressed_size} bytes, expected {expect}")
+            self.d = pyzstd.ZstdDecompressor(option={pyzstd.DParameter.windowLogMax: ZSTD_WINDOW_LOG_MAX})
+
+    def _feed(self, max_length: int) -> bytes:
+        chunk = b""
+        if self.d.needs_input:
+            chunk = self.data[self.pos:self.pos + _ZSTD_IN]
+            self.pos += len(chunk)
+        try:
+            return self.d.decompress(chunk, max_length=max_length)
+        except pyzstd.ZstdError as e:
+            raise FormatError(f"zstd plane does not decode: {e}") from None
+
+    def read(self, n: int) -> np.ndarray:
+        """The plane's next n bytes."""
+        if self.d is None:
+            out = np.frombuffer(self.data[self.pos:self.pos + n], dtype=np.uint8)
+            self.pos += n
+            return out
+        parts, got = [], 0
+        while got < n:
+            more = self._feed(n - got)
+            if not more and self.d.needs_input and self.pos >= len(self.data):
+                raise FormatError(f"zstd plane decodes to {self.got + got} bytes (of {self.expect})")
+            parts.append(more)
+            got += len(more)
+        self.got += n
+        return np.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=np.uint8)
+
+    def finish(self) -> None:
+        """The frame ends exactly here: no more bytes, no second frame, nothing after it."""
+        if self.d is None:
+            return
+        while not self.d.eof:
+            before = self.pos
+            if self._feed(1):
+                raise FormatError(f"zstd plane decodes to more than {self.expect} bytes")
+            if not self.d.eof and self.pos == before and self.pos >= len(self.data):
+                raise FormatError(f"zstd plane decodes to {self.got} bytes (of {self.expect}) and is cut short")
+        if self.d.unused_data or self.pos < len(self.data):
+            raise FormatError(f"zstd plane decodes to {self.expect} bytes and has trailing bytes")
 
 
 def _float_decode(data, k: int, raw_len: int, out):
@@ -256,27 +304,34 @@ def _float_decode(data, k: int, raw_len: int, out):
         pos += size
     if pos != len(mv):
         raise FormatError(f"float payload holds {len(mv) - pos} bytes after its planes")
-    e, f, t, r = (np.frombuffer(_unzstd(b, want[i]) if c == _PLANE_ZSTD else b, dtype=np.uint8)
-                  for i, (c, b) in enumerate(planes))
+    pe, pf, pt = (_Plane(i, c, b, want[i]) for i, (c, b) in enumerate(planes[:3]))
     res = np.empty(raw_len, dtype=np.uint8) if out is None else np.frombuffer(memoryview(out).cast("B"), np.uint8)
     if res.nbytes != raw_len:
         raise FormatError(f"output buffer holds {res.nbytes} bytes, the object {raw_len}")
     # E and F are the bytes of `top` rotated left by one: lay them down as those bytes,
     # then rotate back right in place (1.4-1.8x faster here than building top from
-    # u16 shifts of each plane; the zstd plane's decoding is the rest).
-    w = res[:n * k].view(_U2)
-    top = w if k == 2 else np.empty(n, dtype=_U2)
-    tb = top.view(np.uint8).reshape(n, 2)
-    tb[:, 1] = e
-    tb[:, 0] = f
-    tmp = np.left_shift(top, 15)
-    np.right_shift(top, 1, out=top)
-    top |= tmp
-    if k > 2:
-        wk = w.reshape(n, k // 2)
-        wk[:, k // 2 - 1] = top
-        wk[:, :k // 2 - 1] = t.view(_U2).reshape(n, k // 2 - 1)
-    res[n * k:] = r
+    # u16 shifts of each plane; the zstd plane's decoding is the rest). A slice at a
+    # time, straight into the output: the planes are never whole in memory.
+    m0 = min(n, _SLICE)
+    scratch = np.empty(m0, dtype=_U2) if k > 2 else None
+    tmp = np.empty(m0, dtype=_U2)
+    for i0 in range(0, n, _SLICE):
+        m = min(_SLICE, n - i0)
+        w = res[i0 * k:(i0 + m) * k].view(_U2)
+        top = w if k == 2 else scratch[:m]
+        tb = top.view(np.uint8).reshape(m, 2)
+        tb[:, 1] = pe.read(m)
+        tb[:, 0] = pf.read(m)
+        np.left_shift(top, 15, out=tmp[:m])
+        np.right_shift(top, 1, out=top)
+        top |= tmp[:m]
+        if k > 2:
+            wk = w.reshape(m, k // 2)
+            wk[:, k // 2 - 1] = top
+            wk[:, :k // 2 - 1] = pt.read(m * (k - 2)).view(_U2).reshape(m, k // 2 - 1)
+    for p in (pe, pf, pt):
+        p.finish()
+    res[n * k:] = np.frombuffer(planes[3][1], dtype=np.uint8)
     return out if out is not None else res
 
 
@@ -342,8 +397,11 @@ def decode_payload(hdr: Header, data, out=None):
         raise FormatError(f"lz4 payload does not decode: {e}") from None
     if len(raw) != hdr.raw_len:
         raise FormatError(f"payload decodes to {len(raw)} bytes, header says {hdr.raw_len}")
-    if hdr.codec == CODEC_SHUFFLE_LZ4:
-        raw = _unshuffle(raw, hdr.itemsize, hdr.raw_len)
+    if hdr.codec == CODEC_SHUFFLE_LZ4:  # unshuffled straight into the output: no third copy
+        res = np.empty(hdr.raw_len, dtype=np.uint8) if out is None else \
+            np.frombuffer(memoryview(out).cast("B"), np.uint8)
+        _unshuffle_into(raw, hdr.itemsize, res)
+        return out if out is not None else res
     if out is not None:
         memoryview(out).cast("B")[:] = raw
         return out

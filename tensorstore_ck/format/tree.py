@@ -36,7 +36,7 @@ from .manifest import MAX_DEPTH, MAX_NODE_BYTES, encode_node
 
 __all__ = [
     "MAX_DEPTH", "MAX_NODE_BYTES", "MAX_DIMS", "MAX_DIM", "MAX_BIGINT_BYTES", "MAX_BLOCK_SIZE", "MAX_CHUNKS",
-    "MAX_RANKS", "NODE_SPLIT", "DIGEST_SIZE", "format_path",
+    "MAX_RANKS", "MAX_VALUES", "NODE_SPLIT", "DIGEST_SIZE", "format_path",
     "Ref", "Container", "Leaf", "Tensor", "Array", "Chunk", "Global", "NpScalar", "Pickled", "World",
     "decode_value", "decode_node_value", "check_leaf", "visit", "Pending", "OwnNode", "NodeWriter",
     "INT_MIN", "INT_MAX", "int_value",
@@ -49,6 +49,8 @@ MAX_BIGINT_BYTES = 1 << 16    # an int beyond 64 bits, as signed big-endian byte
 MAX_BLOCK_SIZE = 256 << 20    # bytes per block (chunker cuts within this)
 MAX_CHUNKS = 1 << 20          # chunks of one sharded tensor
 MAX_RANKS = 1 << 20           # trees of one multi-rank snapshot
+MAX_VALUES = 1 << 28          # values of one tree (containers, leaves, plain values) over all its
+                              # paths: a DAG of 40 nodes can name 2^40; a rank's tree of a multi-rank one
 MAX_DEVICE_NAME = 64
 NODE_SPLIT = 4096             # a value encoding past this at depth > 0 gets a node of its own
 DIGEST_SIZE = 32
@@ -419,12 +421,15 @@ class NodeWriter:
     def __init__(self, split: int = NODE_SPLIT):
         self.split = split
         self.payloads: list[bytes] = []
+        self.values = 0  # values laid out, counted as readers count them (each path of the tree)
 
     def check(self, value) -> None:
+        self.values = 0
         v, size = self._emit(value, (), 0, None)
         self._cap(size, ())
 
     def write(self, value, put: Callable[[bytes], bytes]) -> bytes:
+        self.values = 0
         v, _ = self._emit(value, (), 0, put)
         return self._put(v, (), put)
 
@@ -453,6 +458,11 @@ class NodeWriter:
     def _emit(self, v, path, depth, put):
         """-> (raw value, exact encoded size)."""
         t = type(v)
+        if t is not OwnNode:
+            self.values += 1
+            if self.values > MAX_VALUES:
+                raise UnsupportedType(f"the state holds more than {MAX_VALUES} values (containers, tensors and "
+                                      "plain values), more than a reader takes", format_path(path))
         if t is bytes:  # sizes of msgpack bin/str headers, without packing (values can be big)
             n = len(v)
             return self._maybe_split(v, n + (2 if n < 256 else 3 if n < 1 << 16 else 5), path, depth, put)

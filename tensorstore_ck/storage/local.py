@@ -18,6 +18,7 @@ import uuid
 from typing import BinaryIO, Iterator, Sequence
 
 from ..errors import no_space, storage_error
+from ..localfile import not_regular, open_regular
 from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["LocalBlockStore"]
@@ -33,33 +34,17 @@ def _write_all(fd: int, bufs: Sequence) -> None:
             mv = mv[n:]
 
 
-_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_NOTE = "never read or replaced as a stored object"
 
 
 def _not_regular(path: str, mode: int) -> OSError:
-    what = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
-    text = f"{path} is {what}, not a regular file (never read or replaced as a stored object)"
-    if stat.S_ISDIR(mode):
-        return IsADirectoryError(errno.EISDIR, text)
-    return OSError(errno.EINVAL, text)  # not retried: reading it again changes nothing
+    return not_regular(path, mode, _NOTE)
 
 
 def _open_regular(path: str) -> int:
-    """A descriptor of the regular file at `path`, opened for reading. O_NONBLOCK: opening
-    a FIFO would otherwise wait for a writer forever. The type is checked on the open
-    file (fstat), not on the name, so nothing swapped in after a check is read; a
-    device (a link to /dev/zero) would otherwise be read without end."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, mode)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    """A descriptor of the regular file at `path` (localfile.open_regular: a FIFO is
+    never waited on, a device never read)."""
+    return open_regular(path, _NOTE)
 
 
 def _fsync_dir(path: str) -> None:
