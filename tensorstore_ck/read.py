@@ -453,6 +453,8 @@ class Reader:
     def _stateful(self, v, path, depth, obj, sel):
         """A DCP Stateful target: its state_dict() is filled (tensors in place, the keys it
         lacks added), then handed to its load_state_dict() once every read succeeded."""
+        if isinstance(obj, torch.optim.Optimizer):
+            self._sharded_optim_state(obj, self._deref(v, path, depth), path, depth)
         try:
             sd = obj.state_dict()
         except Exception as e:  # noqa: BLE001
@@ -476,6 +478,27 @@ class Reader:
         if out is not _SKIPPED:
             self._loads.append((obj, out, path))
         return obj
+
+    def _sharded_optim_state(self, optim, node, path, depth) -> None:
+        """A fresh optimizer over DTensor parameters (FSDP2) has no state: the snapshot's
+        would be added as whole plain tensors, which its next step() cannot mix with its
+        DTensor gradients. So its state is created first, as DCP's get_optimizer_state_dict
+        does (one step with zero gradients at lr 0): its state_dict() then holds DTensors,
+        filled in place from the blocks of the local shards only. Only when the snapshot
+        holds optimizer state to fill them with."""
+        if optim.state or not any(is_dtensor(p) for g in optim.param_groups for p in g["params"]):
+            return
+        if type(node) is not tree.Container or node.kind not in ("d", "o"):
+            return
+        state = self._deref(dict(node.items).get("state"), path + ("state",), depth + 1)
+        if type(state) is not tree.Container or not state.items:
+            return
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+        try:
+            _init_optim_state(optim)
+        except Exception as e:  # noqa: BLE001 - the optimizer's own step
+            raise CheckoutMismatch(f"{type(optim).__name__} at {format_path(path) or 'top'}: creating its state "
+                                   f"for the snapshot's failed: {type(e).__name__}: {e}") from e
 
     def _dict(self, v, path, depth, into, sel, ext):
         given = isinstance(into, dict)

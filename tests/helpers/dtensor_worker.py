@@ -1,11 +1,12 @@
 """DTensor and FSDP2 scenarios for tests/test_dtensor.py (gloo on CPU, forked ranks).
 
-    python dtensor_worker.py SCENARIO OUTDIR
+    python dtensor_worker.py SCENARIO OUTDIR [ARG]
 
 SCENARIO is one of: reshard (DTensors saved at world 4 on a 1-D and a 2x2 mesh,
 checked out at world 2 with Shard(0), Shard(1), Replicate, at world 4 on a 2x2
 mesh, and from the 2x2 snapshot at world 2; Partial refused on put and checkout),
-fsdp (an FSDP2 model + Adam saved at world 2, resumed into a fresh one at world 3).
+fsdp [1] (an FSDP2 model + Adam saved at world 2, resumed into a fresh one at world 3;
+1: the bare model and optimizer as targets, else torchtitan-style wrappers).
 Ranks are launched by dist_worker.launch (the c10d store lives in the launcher).
 Every rank writes OUTDIR/<phase>_rank<r>.json and .pt with what it observed
 (local shards, their offsets, full_tensor() gathered over gloo, block keys read,
@@ -220,24 +221,30 @@ def _train(model, optim, rank, steps, seed):
     return losses
 
 
-def fsdp_save(rank, world, out, res, _arg):
+def _targets(model, optim, bare):
+    """bare: the model and optimizer themselves (their own state_dict(): the optimizer's
+    keyed by parameter index), as the README's one-process form; else torchtitan's wrappers."""
+    if bare:
+        return {"model": model, "optim": optim}
+    return {"model": _ModelState(model), "optim": _OptimState(model, optim)}
+
+
+def fsdp_save(rank, world, out, res, bare):
     model, optim = _fsdp_model(world, seed=1)
     res["losses"] = _train(model, optim, rank, 3, seed=10)
     res["param_types"] = sorted({type(p).__name__ for p in model.parameters()})
     with _open(out) as store:
-        store.put_snapshot({"model": _ModelState(model), "optim": _OptimState(model, optim), "step": 3},
-                           "j/fsdp", step=3, timeout=60)
-    _dump(out, "fsdp_save", rank, _full_state(model, optim))
+        store.put_snapshot({**_targets(model, optim, bare), "step": 3}, f"j/fsdp{bare}", step=3, timeout=60)
+    _dump(out, f"fsdp{bare}_save", rank, _full_state(model, optim))
 
 
-def fsdp_resume(rank, world, out, res, _arg):
+def fsdp_resume(rank, world, out, res, bare):
     model, optim = _fsdp_model(world, seed=2)  # other initial values: the checkout must replace them all
     with _open(out) as store:
-        got = store.checkout("j/fsdp", into={"model": _ModelState(model), "optim": _OptimState(model, optim),
-                                             "step": None}, timeout=60)
+        got = store.checkout(f"j/fsdp{bare}", into={**_targets(model, optim, bare), "step": None}, timeout=60)
     res["step"] = got["step"]
     res["local_shapes"] = {n: list(p.to_local().shape) for n, p in model.named_parameters()}
-    _dump(out, "fsdp_resume", rank, _full_state(model, optim))
+    _dump(out, f"fsdp{bare}_resume", rank, _full_state(model, optim))
     res["losses"] = _train(model, optim, rank, 2, seed=20)  # training goes on from the restored state
 
 
@@ -250,9 +257,10 @@ def main(argv) -> int:
             infos.append(launch(f"load2_{code}", 2, load_world2, out, code))
         infos += [launch("loadw", 2, load_only_w, out), launch("load2x2", 4, load_2x2, out),
                   launch("from2d", 2, load_from_2d, out), launch("partial", 2, partial_case, out)]
-    elif scenario == "fsdp":
-        infos = [launch("fsdp_save", 2, fsdp_save, out, limit=120.0),
-                 launch("fsdp_resume", 3, fsdp_resume, out, limit=120.0)]
+    elif scenario == "fsdp":  # ARG 1: the bare model and optimizer as targets, not wrappers
+        bare = int(argv[3]) if len(argv) > 3 else 0
+        infos = [launch(f"fsdp{bare}_save", 2, fsdp_save, out, bare, limit=120.0),
+                 launch(f"fsdp{bare}_resume", 3, fsdp_resume, out, bare, limit=120.0)]
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     print(json.dumps(infos))
