@@ -227,3 +227,13 @@ def test_whole_tensor_snapshot_into_a_sharded_target_fills_its_region(tmp_path):
         assert same_bits(g[150:250], target.local)
         with pytest.raises(tsck.errors.CheckoutMismatch):
             s.checkout("a/b", into={"t": tsck.Sharded(torch.zeros(10, 40), (301, 40), (0, 0))})
+
+
+def test_quantized_tensor_into_a_sharded_target_is_a_clear_mismatch(tmp_path):
+    q = torch.quantize_per_tensor(torch.randn(64, 8), 0.1, 3, torch.qint8)
+    with tsck.open_store(tmp_path / "s") as s:
+        s.put_snapshot({"q": q}, "a/b", step=1)
+        target = tsck.Sharded(torch.zeros(32, 8, dtype=torch.int8), (64, 8), (0, 0))
+        with pytest.raises(tsck.errors.CheckoutMismatch, match="quantized"):
+            s.checkout("a/b", into={"q": target})
+        assert not target.local.any()
