@@ -26,7 +26,7 @@ from .errors import InvalidArgument, UnsupportedType
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Sharded", "Replicated", "from_dtensor", "is_dtensor", "all_replicate", "find_overlap", "tiling_problem"]
+__all__ = ["Sharded", "Replicated", "from_dtensor", "is_dtensor", "find_overlap", "tiling_problem"]
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,6 @@ def from_dtensor(t, path: str = "") -> "Sharded":
         raise UnsupportedType(f"DTensor's local shard is {list(local.shape)}, its placements "
                               f"{list(t.placements)} give {list(shape)}", path)
     return Sharded(local, tuple(t.shape), tuple(offsets))
-
-
-def all_replicate(t) -> bool:
-    """A DTensor whose every mesh dim replicates it: the whole tensor on every rank."""
-    from torch.distributed.tensor import Replicate
-    return all(type(p) is Replicate for p in t.placements)
 
 
 # -- tiling: the pieces of a global tensor, exactly ------------------------------------
