@@ -251,6 +251,10 @@ def fsdp_resume(rank, world, out, res, bare):
 def main(argv) -> int:
     scenario, out = argv[1], argv[2]
     os.makedirs(out, exist_ok=True)
+    # Made here, before any rank opens it: ranks racing to create a new store can find its
+    # ref table unbound and mark it for a rebuild (gc then refuses until a recover).
+    with _open(out):
+        pass
     if scenario == "reshard":
         infos = [launch("save", 4, save_1d, out), launch("save2d", 4, save_2d, out)]
         for code in ("S0", "S1", "R"):
