@@ -25,7 +25,7 @@ from .format import tree
 from .format.dtypes import QUANT_NAMES, QUANT_REPR, np_dtype_out, torch_dtype_name
 from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWriter, Pending, format_path
 from .paths import is_stateful
-from .shard import Replicated, Sharded
+from .shard import Replicated, Sharded, from_dtensor, is_dtensor
 
 __all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous",
            "replica_digests"]
@@ -202,9 +202,11 @@ class Planner:
         if t is Replicated:
             tt = obj.tensor
             return self._plan_global(tt, tuple(tt.shape), (0,) * tt.dim(), path, replicated=True)
-        if getattr(t, "__name__", "") == "DTensor":
-            from .shard import from_dtensor
-            sh = from_dtensor(obj)
+        if is_dtensor(obj):
+            # Its box of the global tensor. Replicated mesh dims give identical pieces, which
+            # tile as one; not tsck.Replicated, whose blocks are spread over every rank of the
+            # group, while a DTensor's mesh may be a part of it (a pipeline stage).
+            sh = from_dtensor(obj, format_path(path))
             return self._plan_global(sh.local, sh.global_shape, sh.offsets, path)
         if t is np.ndarray:
             return self._plan_array(obj, path)

@@ -34,7 +34,7 @@ from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
 from .paths import FULL, SKIP, Selection, is_stateful
-from .shard import Sharded, find_overlap
+from .shard import Sharded, find_overlap, from_dtensor, is_dtensor
 
 __all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING", "check_map_location"]
 
@@ -412,6 +412,12 @@ class Reader:
         Stateful's state_dict(), which gets every key of the snapshot, not only its own."""
         if into is not _MISSING and is_stateful(into):
             return self._stateful(v, path, depth, into, sel)
+        if into is not _MISSING and is_dtensor(into):
+            # Its local shard is filled as a Sharded target: the region its placements
+            # cover on this rank, only that region's blocks read; the DTensor stays in the tree.
+            piece = from_dtensor(into, format_path(path))
+            out = self._value(v, path, depth, piece, sel, ext)
+            return into if out is piece else out
         t = type(v)
         if t is tree.Ref:
             # A node stands in for a value at the same level of the state tree.
@@ -447,6 +453,8 @@ class Reader:
     def _stateful(self, v, path, depth, obj, sel):
         """A DCP Stateful target: its state_dict() is filled (tensors in place, the keys it
         lacks added), then handed to its load_state_dict() once every read succeeded."""
+        if isinstance(obj, torch.optim.Optimizer):
+            self._sharded_optim_state(obj, self._deref(v, path, depth), path, depth)
         try:
             sd = obj.state_dict()
         except Exception as e:  # noqa: BLE001
@@ -470,6 +478,27 @@ class Reader:
         if out is not _SKIPPED:
             self._loads.append((obj, out, path))
         return obj
+
+    def _sharded_optim_state(self, optim, node, path, depth) -> None:
+        """A fresh optimizer over DTensor parameters (FSDP2) has no state: the snapshot's
+        would be added as whole plain tensors, which its next step() cannot mix with its
+        DTensor gradients. So its state is created first, as DCP's get_optimizer_state_dict
+        does (one step with zero gradients at lr 0): its state_dict() then holds DTensors,
+        filled in place from the blocks of the local shards only. Only when the snapshot
+        holds optimizer state to fill them with."""
+        if optim.state or not any(is_dtensor(p) for g in optim.param_groups for p in g["params"]):
+            return
+        if type(node) is not tree.Container or node.kind not in ("d", "o"):
+            return
+        state = self._deref(dict(node.items).get("state"), path + ("state",), depth + 1)
+        if type(state) is not tree.Container or not state.items:
+            return
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+        try:
+            _init_optim_state(optim)
+        except Exception as e:  # noqa: BLE001 - the optimizer's own step
+            raise CheckoutMismatch(f"{type(optim).__name__} at {format_path(path) or 'top'}: creating its state "
+                                   f"for the snapshot's failed: {type(e).__name__}: {e}") from e
 
     def _dict(self, v, path, depth, into, sel, ext):
         given = isinstance(into, dict)
@@ -802,6 +831,12 @@ class Reader:
     # -- dense leaves ------------------------------------------------------------
     def _tensor(self, leaf: tree.Tensor, path, into):
         self._cap(leaf.nbytes, path)
+        if isinstance(into, Sharded) and leaf.quant is None:
+            # A whole tensor (a one-process snapshot) into a piece: its region, as from a
+            # sharded tensor saved as one chunk.
+            whole = tree.Chunk(leaf.shape, leaf.nbytes, leaf.inline, leaf.block_size, leaf.blocks,
+                               offsets=(0,) * len(leaf.shape))
+            return self._global(tree.Global(leaf.dt, tuple(leaf.shape), [whole]), path, into)
         if leaf.quant is not None:
             return self._quantized(leaf, path, into)
         dtype, sh = leaf.dtype, list(leaf.shape)
@@ -884,7 +919,7 @@ class Reader:
     def _quantized(self, leaf: tree.Tensor, path, into):
         _qt, repr_dtype = QUANT_BY_NAME[leaf.dt]
         q, sh = leaf.quant, list(leaf.shape)
-        if into is not _MISSING and isinstance(into, torch.Tensor):
+        if into is not _MISSING and isinstance(into, (torch.Tensor, Sharded)):
             raise CheckoutMismatch(f"checkout(into=) cannot fill the quantized tensor at {format_path(path)}")
         self._reserve(leaf, path)
         try:

@@ -21,12 +21,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, UnsupportedType
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Sharded", "Replicated", "from_dtensor", "find_overlap", "tiling_problem"]
+__all__ = ["Sharded", "Replicated", "from_dtensor", "is_dtensor", "find_overlap", "tiling_problem"]
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,34 @@ class Replicated:
     tensor: torch.Tensor
 
 
-def from_dtensor(t) -> "Sharded":
-    """A DTensor's local shard, with its global shape and offsets."""
+def is_dtensor(t) -> bool:
+    """A torch.distributed DTensor (without importing torch.distributed when it is not one)."""
+    return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
+
+
+def from_dtensor(t, path: str = "") -> "Sharded":
+    """A DTensor's local shard, with its global shape and offsets: a view of its memory
+    (detached, so a checkout may fill it in place, parameters included).
+
+    Only Shard(d) and Replicate placements make the local shard one box of the global
+    tensor, on any mesh (2-D: each mesh dim splits the box further). A Partial
+    placement holds addends of the values, not the values, and a strided shard
+    (FSDP2 over tensor parallelism) holds interleaved rows: neither is a box, so both
+    are refused (UnsupportedType; `full_tensor()` or `redistribute` first)."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    _shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return Sharded(t.to_local(), tuple(t.shape), tuple(offsets))
+    for i, p in enumerate(t.placements):
+        if type(p) is not Shard and type(p) is not Replicate:
+            raise UnsupportedType(f"DTensor with placement {p} on mesh dim {i}: only Shard(dim) and Replicate "
+                                  "name a box of the global tensor (redistribute it, or use full_tensor())", path)
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    with torch.no_grad():
+        local = t.to_local().detach()
+    if tuple(local.shape) != tuple(shape):
+        raise UnsupportedType(f"DTensor's local shard is {list(local.shape)}, its placements "
+                              f"{list(t.placements)} give {list(shape)}", path)
+    return Sharded(local, tuple(t.shape), tuple(offsets))
 
 
 # -- tiling: the pieces of a global tensor, exactly ------------------------------------
