@@ -131,9 +131,10 @@ class CheckpointManager:
     tensorstore_ck) and kept in `prune_errors`; the next snapshot tries again. Jobs
     in one store keep independent policies (each manager has its own job and ref).
 
-    Under torch.distributed (initialised, world size > 1, or a group= given) every
-    rank constructs the manager the same way and calls step() with the same step
-    numbers; the snapshots are collective (one commit covers every rank's state):
+    Under torch.distributed (initialised, world size > 1, or a group= given; group=False:
+    this process alone) every rank constructs the manager the same way and calls
+    step() with the same step numbers; the snapshots are collective (one commit
+    covers every rank's state):
     - They are taken blocking, whatever async_ says, until collective puts can run
       in the background (logged once at INFO).
     - Every rank decides alike: every_steps uses the step number each rank passes;
@@ -241,7 +242,7 @@ class CheckpointManager:
             res = self._collective_snapshot(kw, best_before)
         else:
             res = self.store.put_snapshot(self.state.state_dict(), **kw, blocking=not self.async_,
-                                          when_busy=self.when_busy)
+                                          when_busy=self.when_busy, **self._local())
         if res is not None:
             self.last_time = self.clock()
             self.last_step = step
@@ -256,6 +257,10 @@ class CheckpointManager:
     # -- under torch.distributed -------------------------------------------------
     def _collective(self) -> bool:
         return self.group is not False and is_collective(self.group)
+
+    def _local(self) -> dict:
+        """group=False: this process alone, even under torch.distributed."""
+        return {"group": False} if self.group is False else {}
 
     def _group(self):
         return None if self.group in (None, True) else self.group
@@ -362,7 +367,7 @@ class CheckpointManager:
                 raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
                                   f"store at {self.store.url}; {held}")
             return None
-        sd = self.store.checkout(history[0].root)
+        sd = self.store.checkout(history[0].root, **self._local())
         state.load_state_dict(sd)
         self._restored(state, history)
         return state.step
