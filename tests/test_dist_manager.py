@@ -123,6 +123,19 @@ def test_a_snapshot_that_fails_is_reported_and_training_goes_on(tmp_path):
     assert kept_roots(out / "store") == {s: taken(r0)[s] for s in (8, 10)}
 
 
+def test_a_snapshot_met_by_a_gc_deletion_phase_is_reported_and_training_goes_on(tmp_path):
+    """Another party's gc holds its deletion phase open across step 4 (the ref table's own
+    gc lock, taken by rank 0's process as `tsck gc` would): the collective put aborts on
+    every rank, step() reports it, and step 6, after the phase ended, takes one."""
+    out = run_scenario(tmp_path, "fenced")
+    r0, r1 = ranks(out, "fenced")
+    assert r0["steps"] == r1["steps"]
+    assert sorted(taken(r0)) == [2, 6, 8]
+    assert r0["failed"] == r1["failed"] == 1
+    assert all("deletion phase" in d["errors"][0] for d in (r0, r1))
+    assert kept_roots(out / "store") == taken(r0)
+
+
 def test_restore_latest_is_collective_and_resumes_bit_exact_on_every_rank(tmp_path):
     """Train 9 steps (snapshots every 3), exit; new processes restore_latest(): every rank
     resumes at 9 with exactly the state it snapshotted there (its own RNG streams), and

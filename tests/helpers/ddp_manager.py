@@ -8,6 +8,7 @@ SCENARIO is one of:
                 async_=False), every_steps=2, on_metric on each rank's own loss, retention
   clock         every_seconds with clocks that disagree between ranks
   fail          rank 1's block writes fail during one snapshot
+  fenced        another party's gc deletion phase is open during one snapshot
   resume        train 9 steps, then new processes restore_latest and train on to 12; also
                 an uninterrupted 12-step run in another store (losses to compare)
 The ranks are forked by dist_worker.launch (the c10d TCPStore hosted by the launcher).
@@ -156,6 +157,28 @@ def fail_case(rank, world, out, res, _arg):
         res.update(_counters(mgr))
 
 
+def fenced_case(rank, world, out, res, _arg):
+    """Another party's gc holds its deletion phase open (as one killed in it does until its
+    lease runs out) while step 4 is snapshotted, and ends it after: step 4's snapshot
+    fails on every rank, training goes on, step 6 takes one."""
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    with tsck.open_store(os.path.join(out, "store")) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=2)
+        res["steps"] = {}
+        for step in range(1, 9):
+            _train_step(model, opt, rank, step)
+            if rank == 0 and step == 3:
+                store.reftable.gc_begin("other-gc", lease=300.0)
+                store.reftable.gc_freeze("other-gc")
+            if rank == 0 and step == 5:
+                store.reftable.gc_finish("other-gc")
+            res["steps"][step] = _root(mgr.step(step))
+        mgr.close()
+        res.update(_counters(mgr))
+
+
 def resume_case(rank, world, out, res, arg):
     """arg = (store name, first step, last step, dump snapshots?): a training script that
     restores the newest snapshot, then trains to the last step."""
@@ -193,6 +216,8 @@ def main(argv) -> int:
         infos = [dw.launch("clock", 2, clock_case, out, limit=240.0)]
     elif scenario == "fail":
         infos = [dw.launch("fail", 2, fail_case, out, limit=240.0)]
+    elif scenario == "fenced":
+        infos = [dw.launch("fenced", 2, fenced_case, out, limit=240.0)]
     elif scenario == "resume":
         infos = [dw.launch("first", 2, resume_case, out, ("store", 9), limit=240.0),
                  dw.launch("second", 2, resume_case, out, ("store", 12), limit=240.0),
