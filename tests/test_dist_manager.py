@@ -99,6 +99,20 @@ def test_readme_manager_under_ddp_snapshots_prunes_and_never_raises(tmp_path, mo
     assert kept_roots(out / "store") == {s: snaps[s] for s in {*last2, best_step}}
 
 
+def test_the_managers_own_prune_never_overlaps_its_collective_snapshots(tmp_path):
+    """async_=False, a snapshot at every one of 24 steps, keep_last=2: the prune rank 0
+    runs after each snapshot used to overlap the next one, whose SnapshotAborted ("a gc
+    deletion phase overlapped this snapshot") escaped step() and killed both ranks."""
+    out = run_scenario(tmp_path, "prune")
+    r0, r1 = ranks(out, "prune")
+    assert r0["steps"] == r1["steps"]
+    snaps = taken(r0)
+    assert sorted(snaps) == list(range(1, 25))
+    assert r0["failed"] == r1["failed"] == 0, (r0["errors"], r1["errors"])
+    assert r0["prune_runs"] >= 1 and r0["prune_errors"] == []
+    assert kept_roots(out / "store") == {23: snaps[23], 24: snaps[24]}
+
+
 def test_a_time_trigger_is_rank_0s_decision_on_every_rank(tmp_path):
     """every_seconds=10; rank 0's clock moves 1 s per step, rank 1's 100 s: rank 1 alone
     would snapshot at every step and wait for a rank 0 that never joins."""

@@ -6,6 +6,7 @@ for tests/test_dist_manager.py.
 SCENARIO is one of:
   loop ARG      the README's manager code (ARG "async": async_ left at its default; "sync":
                 async_=False), every_steps=2, on_metric on each rank's own loss, retention
+  prune         a snapshot at every step beside rank 0's prune (async_=False)
   clock         every_seconds with clocks that disagree between ranks
   fail          rank 1's block writes fail during one snapshot
   fenced        another party's gc deletion phase is open during one snapshot
@@ -118,6 +119,22 @@ def clock_case(rank, world, out, res, _arg):
         res.update(_counters(mgr))
 
 
+def prune_case(rank, world, out, res, _arg):
+    """async_=False, a snapshot at every step, retention keep_last=2: rank 0's background
+    prune of one snapshot runs while the next is taken, unless the manager keeps them apart."""
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    with tsck.open_store(os.path.join(out, "store")) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=1, async_=False, retention=tsck.Retention(keep_last=2))
+        res["steps"] = {}
+        for step in range(1, 25):
+            _train_step(model, opt, rank, step)
+            res["steps"][step] = _root(mgr.step(step))
+        mgr.close()
+        res.update(_counters(mgr))
+
+
 def _failing_store_class():
     from tensorstore_ck.storage.wrappers import WrappedStore
 
@@ -216,6 +233,8 @@ def main(argv) -> int:
         infos = [dw.launch("clock", 2, clock_case, out, limit=240.0)]
     elif scenario == "fail":
         infos = [dw.launch("fail", 2, fail_case, out, limit=240.0)]
+    elif scenario == "prune":
+        infos = [dw.launch("prune", 2, prune_case, out, limit=240.0)]
     elif scenario == "fenced":
         infos = [dw.launch("fenced", 2, fenced_case, out, limit=240.0)]
     elif scenario == "resume":
