@@ -81,7 +81,10 @@ def torchrun(args, *, store: str, tag: str, kill_at: int = 0) -> int:
            os.path.abspath(__file__), "--train", "--store", store, "--out", args.out, "--tag", tag,
            "--steps", str(args.steps), "--kill-at", str(kill_at)]
     env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", LOGLEVEL="ERROR")
-    return subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0 and not kill_at:
+        print(proc.stderr[-3000:], file=sys.stderr)
+    return proc.returncode
 
 
 def read_log(out: str, tag: str, rank: int) -> tuple[list[int], dict[int, str], list]:
