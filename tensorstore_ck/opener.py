@@ -276,6 +276,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         fresh = True
         reftable = _open_refs(refs, proto, rest, create=True, store_id=store_id)
     try:
+        if not fresh and not read_only and reftable.bound_store() is None and not holds_snapshots(storage):
+            # An unbound table while the store holds no snapshot: another process is creating
+            # the store right now (every rank of a job opens it at once) and has not bound its
+            # new table yet, or a creator died before binding it. It lacks nothing: not a lost
+            # table, so no rebuild mark (which would refuse every prune until a recover).
+            fresh = True
         reftable.bind_store(store_id, new=fresh)
     except BaseException:
         if not isinstance(refs, RefTable):

@@ -36,7 +36,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import GcBusy, InvalidArgument, OutcomeUnknown, RefNotFound, TsckError
+from .dist import is_collective
+from .errors import GcBusy, InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, TsckError, UnsupportedType
 from .retention import Retention
 
 __all__ = ["TrainState", "CheckpointManager", "capture_rng", "restore_rng"]
@@ -128,13 +129,41 @@ class CheckpointManager:
     beside other writers and `tsck gc`), so the job's storage stays bounded by its
     rules without stalling the training step. A prune that fails is logged (logger
     tensorstore_ck) and kept in `prune_errors`; the next snapshot tries again. Jobs
-    in one store keep independent policies (each manager has its own job and ref)."""
+    in one store keep independent policies (each manager has its own job and ref).
+
+    Under torch.distributed (initialised, world size > 1, or a group= given; group=False:
+    this process alone) every rank constructs the manager the same way and calls
+    step() with the same step numbers; the snapshots are collective (one commit
+    covers every rank's state):
+    - They are taken blocking, whatever async_ says, until collective puts can run
+      in the background (logged once at INFO).
+    - Every rank decides alike: every_steps uses the step number each rank passes;
+      when every_seconds or on_metric is set, rank 0's decision (its clock, the
+      metric value rank 0 passes) is broadcast to the group once per step() (one
+      8-byte broadcast, the only collective the policy adds), so a rank-local clock
+      or a rank-local loss cannot make ranks disagree. force=True must be passed on
+      every rank alike.
+    - Prune runs on rank 0 only, in the background between snapshots: rank 0's next
+      snapshot first waits for it, so the job's prune never overlaps its own
+      snapshots.
+    - A snapshot that cannot be taken (SnapshotAborted: a rank died or stalled, a gc
+      deletion phase of another job overlapped it; a storage error) is logged as a
+      warning and counted in `failed_snapshots` (the error in `snapshot_errors`),
+      never raised out of step(): training goes on, and the next policy point takes
+      one (a failed metric snapshot leaves the best value where it was). Errors that
+      are the caller's own (InvalidArgument, UnsupportedType) are raised.
+    - restore_latest() is collective: rank 0 resolves the ref's newest snapshot, every
+      rank reads its own part of that one snapshot and resumes at the same step.
+    - close() waits for the last snapshot (done on every rank when step() returns)
+      and, on rank 0, for the prune.
+    For one process, a failed background snapshot is raised by the next step() (or
+    close()), as before."""
 
     def __init__(self, store, *, job: str, state: TrainState | None = None, ref: str | None = None,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  on_metric: tuple | None = None, retention: Retention | None = None,
                  async_: bool = True, when_busy: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 prune: bool | None = None):
+                 prune: bool | None = None, group=None):
         if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
             raise InvalidArgument(f"every_steps must be an int >= 1, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
@@ -156,6 +185,10 @@ class CheckpointManager:
         self.last_step: int | None = None
         self.best: float | None = None
         self.last = None  # SnapshotInfo or Future of the last snapshot taken
+        self.group = group  # None: the default process group when torch.distributed is initialised
+        self.failed_snapshots = 0  # collective snapshots that could not be taken (reported, not raised)
+        self.snapshot_errors: list = []  # their errors, the newest 16
+        self._told_blocking = False
         if retention is not None:
             store.set_retention(job, retention)
         if prune is None:
@@ -181,13 +214,20 @@ class CheckpointManager:
         """Call once per training step. Snapshots when a trigger fires (or force=True);
         returns the SnapshotInfo (blocking), a Future (async), or None. A failed
         background snapshot is raised here, at the next call (one whose ref move went
-        unanswered is not, if the ref table now shows it published)."""
-        self._raise_pending()
+        unanswered is not, if the ref table now shows it published). Under
+        torch.distributed a snapshot that cannot be taken is reported instead (a
+        warning, `failed_snapshots`) and step() returns None (see the class)."""
+        collective = self._collective()
+        if not collective:
+            self._raise_pending()
         why = self.reasons(step, metrics)
+        best_before = self.best
         if self.on_metric is not None and metrics and self.on_metric[0] in metrics:
             v = metrics[self.on_metric[0]]
             if v == v and (self.best is None or (v < self.best if self.on_metric[1] == "min" else v > self.best)):
                 self.best = v
+        if collective and (self.every_seconds is not None or self.on_metric is not None):
+            why, force = self._rank0_decides(why, force)
         if not why and not force:
             return None
         if self.state is None:
@@ -197,19 +237,82 @@ class CheckpointManager:
                    for k, v in (metrics or {}).items()}
         metrics = {k: v for k, v in metrics.items()
                    if isinstance(v, numbers.Real) and not isinstance(v, bool)}
-        res = self.store.put_snapshot(self.state.state_dict(), ref=self.ref, job=self.job, step=step,
-                                      metrics=metrics, meta={"triggers": why or ["forced"]},
-                                      blocking=not self.async_, when_busy=self.when_busy)
+        kw = dict(ref=self.ref, job=self.job, step=step, metrics=metrics, meta={"triggers": why or ["forced"]})
+        if collective:
+            res = self._collective_snapshot(kw, best_before)
+        else:
+            res = self.store.put_snapshot(self.state.state_dict(), **kw, blocking=not self.async_,
+                                          when_busy=self.when_busy, **self._local())
         if res is not None:
             self.last_time = self.clock()
             self.last_step = step
             self.last = res
-            if self._pruner is not None:
+            if self._pruner is not None and not (collective and self._rank() != 0):
                 if hasattr(res, "add_done_callback"):
                     res.add_done_callback(self._pruner.after)
                 else:
                     self._pruner.request()
         return res
+
+    # -- under torch.distributed -------------------------------------------------
+    def _collective(self) -> bool:
+        return self.group is not False and is_collective(self.group)
+
+    def _local(self) -> dict:
+        """group=False: this process alone, even under torch.distributed."""
+        return {"group": False} if self.group is False else {}
+
+    def _group(self):
+        return None if self.group in (None, True) else self.group
+
+    def _rank(self) -> int:
+        import torch.distributed as dist
+        return dist.get_rank(self._group())
+
+    _BITS = {"steps": 1, "seconds": 2, "metric": 4}
+    _FORCE = 8
+
+    def _rank0_decides(self, why: list[str], force: bool) -> tuple[list[str], bool]:
+        """Rank 0's triggers, on every rank: one broadcast of an int64 from the group's
+        rank 0. A clock or a metric of each rank's own would otherwise let one rank
+        enter a collective snapshot that another never joins."""
+        import torch.distributed as dist
+        g = self._group()
+        mask = sum(b for k, b in self._BITS.items() if k in why) | (self._FORCE if force else 0)
+        backend = str(dist.get_backend(g))
+        dev = (torch.device("cuda", torch.cuda.current_device())
+               if "nccl" in backend and "gloo" not in backend else torch.device("cpu"))
+        t = torch.tensor([mask], dtype=torch.int64, device=dev)
+        dist.broadcast(t, src=0 if g is None else dist.get_global_rank(g, 0), group=g)
+        mask = int(t.item())
+        return [k for k, b in self._BITS.items() if mask & b], bool(mask & self._FORCE)
+
+    def _collective_snapshot(self, kw: dict, best_before):
+        """One collective snapshot, blocking. Rank 0 first waits for the prune the last
+        snapshot asked for, so the job's own deletion phase never overlaps it. -> the
+        SnapshotInfo, or None when it could not be taken (reported, not raised)."""
+        if self.async_ and not self._told_blocking:
+            self._told_blocking = True
+            log.info("CheckpointManager %s: under torch.distributed, snapshots are collective and taken blocking "
+                     "(collective puts do not run in the background yet)", self.job)
+        if self._pruner is not None and self._rank() == 0:
+            self._pruner.wait()
+        try:
+            return self.store.put_snapshot(self.state.state_dict(), **kw, blocking=True, group=self.group)
+        except (InvalidArgument, UnsupportedType, InvalidName):
+            raise  # the caller's own mistake: every snapshot would fail alike
+        except (TsckError, OSError) as e:
+            if isinstance(e, OutcomeUnknown) and e.root is not None and self._published(e.root, e.ref):
+                log.warning("snapshot %s of ref %s: the answer to its ref move was lost, but the ref table shows "
+                            "it published; going on", e.root.hex()[:16], e.ref)
+                return self.store.show(e.root.hex())
+            self.failed_snapshots += 1
+            self.snapshot_errors = (self.snapshot_errors + [e])[-_Pruner.KEEP_ERRORS:]
+            self.best = best_before  # the next improvement on what is stored takes one
+            log.warning("CheckpointManager %s: the snapshot of step %s could not be taken: %s: %s (training goes "
+                        "on; the next policy point takes one; %d failed so far)", self.job, kw["step"],
+                        type(e).__name__, e, self.failed_snapshots)
+            return None
 
     def _raise_pending(self) -> None:
         """The store's pending background failure, except an OutcomeUnknown whose
@@ -250,6 +353,8 @@ class CheckpointManager:
         state = state or self.state
         if state is None:
             raise InvalidArgument("restore_latest needs a TrainState")
+        if self._collective():
+            return self._restore_collective(state, must_exist)
         try:
             history = self.store.log(self.ref)
         except RefNotFound:
@@ -262,8 +367,12 @@ class CheckpointManager:
                 raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
                                   f"store at {self.store.url}; {held}")
             return None
-        sd = self.store.checkout(history[0].root)
+        sd = self.store.checkout(history[0].root, **self._local())
         state.load_state_dict(sd)
+        self._restored(state, history)
+        return state.step
+
+    def _restored(self, state: TrainState, history: list) -> None:
         self.last_step = state.step
         self.last_time = self.clock()
         if self.on_metric is not None:
@@ -271,13 +380,39 @@ class CheckpointManager:
             vals = [v for v in vals if v == v]
             if vals:
                 self.best = min(vals) if self.on_metric[1] == "min" else max(vals)
+
+    def _restore_collective(self, state: TrainState, must_exist: bool) -> int | None:
+        """A collective checkout of the ref: rank 0 resolves its head and hands every rank
+        that root through the c10d Store, so every rank reads the same snapshot (its own
+        part of it) even if the ref moves meanwhile, and resumes at the same step. No
+        snapshot: RefNotFound on every rank alike, so every rank returns None alike."""
+        try:
+            sd = self.store.checkout(self.ref, group=self.group)
+        except RefNotFound:
+            if must_exist:
+                names = sorted(self.store.refs())
+                held = (f"it holds {len(names)} ref(s): {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}"
+                        if names else "it holds no snapshot at all (a new store: is the path right?)")
+                raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
+                                  f"store at {self.store.url}; {held}") from None
+            return None
+        state.load_state_dict(sd)
+        history = []
+        if self.on_metric is not None:  # the best so far (rank 0's decides; the others' are kept alike)
+            try:
+                history = self.store.log(self.ref)
+            except RefNotFound:
+                pass
+        self._restored(state, history)
         return state.step
 
     def wait(self, *, prune: bool = True) -> None:
         """Wait for snapshots in flight (raise if one failed), then, with prune=True,
-        for the background prune they asked for."""
+        for the background prune they asked for. Under torch.distributed the snapshots
+        are done on every rank when step() returns (failures were reported there)."""
         self.store.wait()
-        self._raise_pending()
+        if not self._collective():
+            self._raise_pending()
         if prune and self._pruner is not None:
             self._pruner.wait()
 

@@ -118,3 +118,41 @@ def test_an_unknown_scheme_is_named_before_anything_is_written(tmp_path, scheme)
     with pytest.raises(tsck.InvalidArgument, match=f"unknown URL scheme '{scheme}://'"):
         tsck.open_store(f"{scheme}://{tmp_path}/store", refs=str(tmp_path / "refs.lmdb"))
     assert os.listdir(tmp_path) == []
+
+
+def _open_at_once(path: str, barrier, out) -> None:
+    try:
+        barrier.wait(30)
+        with tsck.open_store(path) as s:
+            out.put(("ok", s.reftable.rebuild_unfinished()))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def test_ranks_opening_a_new_store_at_once_leave_no_rebuild_mark(tmp_path):
+    """Every rank of a job calls open_store(path) on a new path at the same moment. One
+    creates the marker and the ref table; another opened that table before the creator
+    bound it, took it for a lost table recreated empty and marked it "rebuild", so every
+    prune and gc of the store was refused until a `tsck recover`. Real processes, started
+    together by a barrier, over many fresh paths (the window is small)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    marked = []
+    for i in range(12):
+        path = str(tmp_path / f"s{i}")
+        barrier, out = ctx.Barrier(3), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(path, barrier, out)) for _ in range(3)]
+        for p in procs:
+            p.start()
+        got = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(60)
+        assert all(kind == "ok" for kind, _ in got), got
+        with tsck.open_store(path, create=False) as s:
+            if s.reftable.rebuild_unfinished() is not None:
+                marked.append(i)
+                continue
+            s.put_snapshot({"x": torch.arange(4)}, ref="j/main", step=1)
+            s.set_retention("j", tsck.Retention(keep_last=1))
+            s.prune("j")  # refused (RebuildUnfinished) on a marked table
+    assert marked == [], f"fresh stores {marked} of 12 were marked as lost ref tables"

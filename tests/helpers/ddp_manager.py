@@ -1,0 +1,251 @@
+"""CheckpointManager under torch.distributed: DDP-style training loops on real gloo ranks,
+for tests/test_dist_manager.py.
+
+    python ddp_manager.py SCENARIO OUTDIR [ARG]
+
+SCENARIO is one of:
+  loop ARG      the README's manager code (ARG "async": async_ left at its default; "sync":
+                async_=False), every_steps=2, on_metric on each rank's own loss, retention
+  prune         a snapshot at every step beside rank 0's prune (async_=False)
+  clock         every_seconds with clocks that disagree between ranks
+  fail          rank 1's block writes fail during one snapshot
+  fenced        another party's gc deletion phase is open during one snapshot
+  resume        train 9 steps, then new processes restore_latest and train on to 12; also
+                an uninterrupted 12-step run in another store (losses to compare)
+The ranks are forked by dist_worker.launch (the c10d TCPStore hosted by the launcher).
+Each rank writes OUTDIR/<phase>_rank<r>.json: what step() returned at each step (root or
+None), the manager's counters, losses; for resume, OUTDIR/<phase>_rank<r>_step<s>.pt
+(the state it snapshotted at step s) and <phase>_rank<r>_restored.pt. The test judges.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+import dist_worker as dw  # noqa: E402
+
+JOB = "llm"
+REF = f"{JOB}/main"
+
+
+def _model_and_opt():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator()
+    g.manual_seed(1000 * rank + step)
+    x = torch.randn(8, 16, generator=g)
+    return x, x.sum(dim=1, keepdim=True) * 0.1
+
+
+def _train_step(model, opt, rank: int, step: int) -> float:
+    x, y = _batch(rank, step)
+    x = x + 0.01 * torch.randn_like(x)  # the global RNG too: a resume must restore it per rank
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _root(res):
+    return None if res is None else res.root
+
+
+def _counters(mgr) -> dict:
+    p = mgr._pruner
+    return {"failed": mgr.failed_snapshots, "errors": [f"{type(e).__name__}: {e}" for e in mgr.snapshot_errors],
+            "prune_runs": None if p is None else p.runs,
+            "prune_errors": [f"{type(e).__name__}: {e}" for e in mgr.prune_errors]}
+
+
+def loop_case(rank, world, out, res, mode):
+    """The README's quick start, as each rank of a DDP job runs it (the loss each rank
+    passes is its own: ranks see different batches)."""
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    torch.manual_seed(100 + rank)
+    store = tsck.open_store(os.path.join(out, "store"))
+    extra = {} if mode == "async" else {"async_": False}
+    mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                 every_steps=2, on_metric=("val_loss", "min"),
+                                 retention=tsck.Retention(keep_last=2, keep_best=1, metric="val_loss"), **extra)
+    start = mgr.restore_latest() or 0
+    res["start"] = start
+    res["steps"], res["vals"] = {}, {}
+    for step in range(start + 1, 17):
+        val = res["vals"][step] = _train_step(model, opt, rank, step)
+        res["steps"][step] = _root(mgr.step(step, metrics={"val_loss": val}))
+    mgr.close()
+    res.update(_counters(mgr))
+    store.close()
+
+
+class _Clock:
+    def __init__(self, per_tick: float):
+        self.t, self.per_tick = 0.0, per_tick
+
+    def __call__(self):
+        return self.t
+
+
+def clock_case(rank, world, out, res, _arg):
+    """every_seconds=10: rank 0's clock moves 1 s per step, rank 1's 100 s (its own clock
+    would fire at every step)."""
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    clock = _Clock(1.0 if rank == 0 else 100.0)
+    with tsck.open_store(os.path.join(out, "store")) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_seconds=10, clock=clock)
+        res["steps"] = {}
+        for step in range(1, 26):
+            clock.t += clock.per_tick
+            _train_step(model, opt, rank, step)
+            res["steps"][step] = _root(mgr.step(step))
+        mgr.close()
+        res.update(_counters(mgr))
+
+
+def prune_case(rank, world, out, res, _arg):
+    """async_=False, a snapshot at every step, retention keep_last=2: rank 0's background
+    prune of one snapshot runs while the next is taken, unless the manager keeps them apart."""
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    with tsck.open_store(os.path.join(out, "store")) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=1, async_=False, retention=tsck.Retention(keep_last=2))
+        res["steps"] = {}
+        for step in range(1, 25):
+            _train_step(model, opt, rank, step)
+            res["steps"][step] = _root(mgr.step(step))
+        mgr.close()
+        res.update(_counters(mgr))
+
+
+def _failing_store_class():
+    from tensorstore_ck.storage.wrappers import WrappedStore
+
+    class Failing(WrappedStore):
+        """When armed, every object write fails (a full or broken disk on this rank)."""
+
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.armed = False
+
+        def put_if_absent(self, key, bufs):
+            if self.armed:
+                raise OSError(28, "No space left on device (injected)")
+            return self.inner.put_if_absent(key, bufs)
+
+    return Failing
+
+
+def fail_case(rank, world, out, res, _arg):
+    """Rank 1 cannot write blocks while step 4 is snapshotted: that snapshot fails on
+    every rank; training goes on and step 6 takes one."""
+    import tensorstore_ck as tsck
+    Failing = _failing_store_class()
+    holder = {}
+    wrap = (lambda s: holder.setdefault("w", Failing(s))) if rank == 1 else None
+    model, opt = _model_and_opt()
+    with tsck.open_store(os.path.join(out, "store"), wrap_storage=wrap) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=2, retention=tsck.Retention(keep_last=2))
+        res["steps"] = {}
+        for step in range(1, 11):
+            _train_step(model, opt, rank, step)
+            if rank == 1:  # (the weights changed since step 2: the snapshot must write blocks)
+                holder["w"].armed = step == 4
+            res["steps"][step] = _root(mgr.step(step, metrics={"loss": float(step)}))
+        mgr.close()
+        res.update(_counters(mgr))
+
+
+def fenced_case(rank, world, out, res, _arg):
+    """Another party's gc holds its deletion phase open (as one killed in it does until its
+    lease runs out) while step 4 is snapshotted, and ends it after: step 4's snapshot
+    fails on every rank, training goes on, step 6 takes one."""
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    with tsck.open_store(os.path.join(out, "store")) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=2)
+        res["steps"] = {}
+        for step in range(1, 9):
+            _train_step(model, opt, rank, step)
+            if rank == 0 and step == 3:
+                store.reftable.gc_begin("other-gc", lease=300.0)
+                store.reftable.gc_freeze("other-gc")
+            if rank == 0 and step == 5:
+                store.reftable.gc_finish("other-gc")
+            res["steps"][step] = _root(mgr.step(step))
+        mgr.close()
+        res.update(_counters(mgr))
+
+
+def resume_case(rank, world, out, res, arg):
+    """arg = (store name, first step, last step, dump snapshots?): a training script that
+    restores the newest snapshot, then trains to the last step."""
+    import tensorstore_ck as tsck
+    name, last = arg
+    model, opt = _model_and_opt()
+    torch.manual_seed(100 + rank)
+    ts = tsck.TrainState(model=model, optimizer=opt)
+    with tsck.open_store(os.path.join(out, name)) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=ts, every_steps=3,
+                                     retention=tsck.Retention(keep_last=2))
+        start = mgr.restore_latest()
+        res["start"] = start
+        phase = res["phase"]
+        if start is not None:
+            torch.save(ts.state_dict(), os.path.join(out, f"{phase}_rank{rank}_restored.pt"))
+        res["losses"], res["steps"] = {}, {}
+        for step in range((start or 0) + 1, last + 1):
+            res["losses"][step] = _train_step(model, opt, rank, step)
+            got = mgr.step(step)
+            res["steps"][step] = _root(got)
+            if got is not None:
+                torch.save(ts.state_dict(), os.path.join(out, f"{phase}_rank{rank}_step{step}.pt"))
+        mgr.close()
+        res.update(_counters(mgr))
+
+
+def main(argv) -> int:
+    scenario, out = argv[1], argv[2]
+    arg = argv[3] if len(argv) > 3 else None
+    os.makedirs(out, exist_ok=True)
+    if scenario == "loop":
+        infos = [dw.launch("loop", 2, loop_case, out, arg or "async", limit=240.0)]
+    elif scenario == "clock":
+        infos = [dw.launch("clock", 2, clock_case, out, limit=240.0)]
+    elif scenario == "fail":
+        infos = [dw.launch("fail", 2, fail_case, out, limit=240.0)]
+    elif scenario == "prune":
+        infos = [dw.launch("prune", 2, prune_case, out, limit=240.0)]
+    elif scenario == "fenced":
+        infos = [dw.launch("fenced", 2, fenced_case, out, limit=240.0)]
+    elif scenario == "resume":
+        infos = [dw.launch("first", 2, resume_case, out, ("store", 9), limit=240.0),
+                 dw.launch("second", 2, resume_case, out, ("store", 12), limit=240.0),
+                 dw.launch("straight", 2, resume_case, out, ("straight", 12), limit=240.0)]
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    print(json.dumps(infos))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
