@@ -9,7 +9,7 @@ SCENARIO is one of:
   prune         a snapshot at every step beside rank 0's prune (async_=False)
   clock         every_seconds with clocks that disagree between ranks
   fail          rank 1's block writes fail during one snapshot
-  fenced        another party's gc deletion phase is open during one snapshot
+  fenced        another party's gc deletion phase is open while one snapshot starts
   resume        train 9 steps, then new processes restore_latest and train on to 12; also
                 an uninterrupted 12-step run in another store (losses to compare)
 The ranks are forked by dist_worker.launch (the c10d TCPStore hosted by the launcher).
@@ -175,9 +175,13 @@ def fail_case(rank, world, out, res, _arg):
 
 
 def fenced_case(rank, world, out, res, _arg):
-    """Another party's gc holds its deletion phase open (as one killed in it does until its
-    lease runs out) while step 4 is snapshotted, and ends it after: step 4's snapshot
-    fails on every rank, training goes on, step 6 takes one."""
+    """Another party's gc opens its deletion phase before step 4 and ends it 3 s into step
+    4's snapshot: the collective put waits the phase out and re-validates (every rank
+    re-uploads what the phase could have deleted), so step 4 is published on every rank
+    and nothing fails."""
+    import threading
+    import time
+
     import tensorstore_ck as tsck
     model, opt = _model_and_opt()
     with tsck.open_store(os.path.join(out, "store")) as store:
@@ -189,9 +193,17 @@ def fenced_case(rank, world, out, res, _arg):
             if rank == 0 and step == 3:
                 store.reftable.gc_begin("other-gc", lease=300.0)
                 store.reftable.gc_freeze("other-gc")
-            if rank == 0 and step == 5:
-                store.reftable.gc_finish("other-gc")
+            timer = None
+            if rank == 0 and step == 4:
+                def finish():
+                    store.reftable.gc_finish("other-gc")
+                    res["gc_end"] = time.monotonic()
+                timer = threading.Timer(3.0, finish)
+                timer.start()
             res["steps"][step] = _root(mgr.step(step))
+            if timer is not None:
+                res["step4_end"] = time.monotonic()
+                timer.join()
         mgr.close()
         res.update(_counters(mgr))
 
