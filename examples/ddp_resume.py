@@ -9,9 +9,9 @@ Runs `torchrun --standalone --nproc_per_node WORLD` three times (gloo on CPU):
   2. the same script again: restore_latest() resumes every rank at the same step (the
      newest snapshot) and trains to --steps;
   3. an uninterrupted run into another store.
-The resumed run may report a snapshot that could not be taken (training goes on): the
-killed job's rank 0 may have died inside its prune's deletion phase, which fences
-collective snapshots until that prune's lease expires.
+The resumed run's first snapshot may wait: the killed job's rank 0 may have died inside
+its prune's deletion phase, which stays open until that prune's lease runs out; the
+snapshot then waits it out and re-validates.
 Each rank's losses of the resumed steps must equal the uninterrupted run's bit for bit,
 and every rank must have resumed at the same step (exit 1 if not). What makes it exact:
 the manager snapshots every rank's state (DDP model, optimizer, RNG streams: dropout)

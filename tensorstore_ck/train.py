@@ -146,8 +146,8 @@ class CheckpointManager:
     - Prune runs on rank 0 only, in the background between snapshots: rank 0's next
       snapshot first waits for it, so the job's prune never overlaps its own
       snapshots.
-    - A snapshot that cannot be taken (SnapshotAborted: a rank died or stalled, a gc
-      deletion phase of another job overlapped it; a storage error) is logged as a
+    - A snapshot that cannot be taken (SnapshotAborted: a rank died or stalled, or could not
+      re-upload its part after a gc deletion phase; a storage error) is logged as a
       warning and counted in `failed_snapshots` (the error in `snapshot_errors`),
       never raised out of step(): training goes on, and the next policy point takes
       one (a failed metric snapshot leaves the best value where it was). Errors that
