@@ -464,9 +464,9 @@ def _small_full(version: int) -> torch.Tensor:
 
 def test_collective_puts_through_new_or_several_stores_publish_each_call_once(tmp_path):
     """A Store opened per call, and two Stores used in turn, with 2 ranks: each call is its own
-    snapshot on every rank. Before the fix a call's keys in the c10d Store were named by a
-    counter kept in the Store object: a new Store (or the second one) reused the previous
-    call's keys: stale hellos, go, done and result, a commit claim taken as its own."""
+    snapshot on every rank. Call names must not depend on the Store object: a counter kept
+    in it would make a new Store (or the second one) reuse the previous call's keys: stale
+    hellos, go, done and result, a commit claim taken as its own."""
     rounds = 3
     out = run_scenario(tmp_path, "newstore", rounds, limit=200.0)
     res = rank_results(out, "newstore", 2)
@@ -523,9 +523,9 @@ def test_rank_0_dead_after_its_commit_claim_ends_in_an_abort_not_a_hang(tmp_path
 
 def test_rank_stopped_across_two_later_puts_learns_the_true_outcome(tmp_path):
     """Rank 1 is SIGSTOPped after posting done for put 1; rank 0 publishes put 1, put 2
-    aborts (rank 1 is missing), rank 0 starts put 3, then rank 1 resumes. Before the fix
-    rank 0 deleted put 1's outcome when it started put 3, and rank 1 raised SnapshotAborted
-    for the published put 1."""
+    aborts (rank 1 is missing), rank 0 starts put 3, then rank 1 resumes: put 1's outcome
+    must still be there for it (deleted at put 3, rank 1 would raise SnapshotAborted for
+    the published put 1)."""
     out = run_scenario(tmp_path, "stopped", limit=200.0)
     res = rank_results(out, "stopped", 2)
     r0, r1 = res
@@ -542,8 +542,8 @@ def test_rank_stopped_across_two_later_puts_learns_the_true_outcome(tmp_path):
 
 
 def test_rank_outside_the_group_is_refused(tmp_path):
-    """group= holds ranks 0 and 1 of 3; rank 2 passes it too. Before the fix rank 2 took part
-    and was told "published" although its state is in no snapshot."""
+    """group= holds ranks 0 and 1 of 3; rank 2 passes it too: rank 2 is refused (taking part, it
+    would be told "published" although its state is in no snapshot)."""
     out = run_scenario(tmp_path, "nonmember")
     res = rank_results(out, "nonmember", 3)
     for op in ("put", "checkout"):
@@ -617,8 +617,8 @@ def test_a_deletion_phase_overlapping_a_collective_put_is_revalidated_not_aborte
 def test_a_lost_answer_to_rank_0s_ref_move_is_outcome_unknown_on_every_rank(tmp_path):
     """Rank 0's ref move ends in OutcomeUnknown (its COMMIT went out, the answer was lost,
     the table cannot be asked): the snapshot may be published, so every rank raises
-    OutcomeUnknown with the same root and ref; the other ranks used to raise
-    SnapshotAborted ("nothing was published"), which may be false."""
+    OutcomeUnknown with the same root and ref, never SnapshotAborted ("nothing was
+    published"), which may be false."""
     out = run_scenario(tmp_path, "unknown")
     res = rank_results(out, "unknown", 2)
     assert [d["put1"] for d in res] == ["returned", "returned"]

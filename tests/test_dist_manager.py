@@ -101,8 +101,8 @@ def test_readme_manager_under_ddp_snapshots_prunes_and_never_raises(tmp_path, mo
 
 def test_the_managers_own_prune_never_overlaps_its_collective_snapshots(tmp_path):
     """async_=False, a snapshot at every one of 24 steps, keep_last=2: the prune rank 0
-    runs after each snapshot used to overlap the next one, whose SnapshotAborted ("a gc
-    deletion phase overlapped this snapshot") escaped step() and killed both ranks."""
+    runs after each snapshot must never overlap the next one (whose deletion phase would
+    fence it) nor let an error out of step()."""
     out = run_scenario(tmp_path, "prune")
     r0, r1 = ranks(out, "prune")
     assert r0["steps"] == r1["steps"]

@@ -181,7 +181,7 @@ HOSTILE = [
 def test_resume_of_a_snapshot_the_callback_did_not_write_is_refused_and_writes_nothing(run_a, tmp_path, store,
                                                                                        change):
     """Stored values are untrusted: global_step names the folder resume writes, and
-    "../../../../escaped" used to write the checkpoint two levels above output_dir.
+    "../../../../escaped" must not write the checkpoint above output_dir.
     A snapshot crafted through the public API, with the callback's meta: InvalidArgument
     naming it, not a KeyError/TypeError/JSONDecodeError, and no file anywhere."""
     state = run_a["store"].checkout("gpt/main")
