@@ -32,7 +32,7 @@ mon allow pool size one = true
 mon warn on pool no redundancy = false
 mon max pg per osd = 1000
 osd objectstore = memstore
-memstore device bytes = 4294967296
+memstore device bytes = 8589934592
 mon data = $D/\$name
 osd data = $D/\$name
 [client.rgw]
