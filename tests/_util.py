@@ -131,3 +131,30 @@ def refs_snapshot(store) -> dict:
 
 def tags_snapshot(store) -> dict:
     return {name: info.root for name, info in store.tags().items()}
+
+
+def run_worker_scenario(worker, tmp_path, scenario: str, *args, limit: float) -> "os.PathLike":
+    """Run `python WORKER SCENARIO OUT ARGS...` (a launcher that forks real gloo ranks) with
+    the repository on PYTHONPATH; -> OUT. Past `limit` seconds the launcher and every rank
+    it forked are killed and the test fails with the launcher's stderr."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / scenario
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    proc = subprocess.Popen([sys.executable, str(worker), scenario, str(out), *map(str, args)], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _o, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it forked
+        _o, err = proc.communicate()
+        pytest.fail(f"scenario {scenario} {args} ran past {limit}s:\n{err.decode(errors='replace')[-4000:]}")
+    assert proc.returncode == 0, err.decode(errors="replace")[-4000:]
+    return out

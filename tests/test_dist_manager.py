@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import same_bits
+from _util import run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -29,20 +28,7 @@ REF = "llm/main"
 
 
 def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 300.0) -> Path:
-    out = tmp_path / scenario
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    proc = subprocess.Popen([sys.executable, str(WORKER), scenario, str(out), *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _o, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _o, err = proc.communicate()
-        pytest.fail(f"scenario {scenario} {args} ran past {limit}s:\n{err.decode(errors='replace')[-4000:]}")
-    assert proc.returncode == 0, err.decode(errors="replace")[-4000:]
-    return out
+    return run_worker_scenario(WORKER, tmp_path, scenario, *args, limit=limit)
 
 
 def ranks(out: Path, phase: str, world: int = 2) -> list[dict]:
