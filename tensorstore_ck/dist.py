@@ -52,7 +52,7 @@ from .ids import Digest
 from .shard import find_overlap
 from .validate import UNSET
 
-__all__ = ["collective_put", "collective_checkout", "is_collective", "CollectiveContext", "CALLS"]
+__all__ = ["collective_put", "begin_put", "run_put", "collective_checkout", "is_collective", "CollectiveContext", "CALLS"]
 
 AUTO = object()
 
@@ -91,6 +91,7 @@ class CollectiveContext:
     def __init__(self):
         self._seq: dict = {}
         self._kept: dict = {}  # (group, op) -> [seq, ...], oldest first
+        self._own: dict = {}   # (group, op) -> [seq, ...]: calls ended here whose own keys are still there
         self._lock = threading.Lock()
 
     def next(self, key) -> int:
@@ -102,13 +103,27 @@ class CollectiveContext:
         with self._lock:
             self._kept.setdefault(key, []).append(seq)
 
+    def ended(self, key, seq: int) -> None:
+        """This rank is done with call seq (asynchronous calls of several Stores may end
+        out of order): its own keys may go once two later calls have started."""
+        with self._lock:
+            self._own.setdefault(key, []).append(seq)
+
+    def own_to_delete(self, key, below: int) -> list[int]:
+        with self._lock:
+            own = self._own.get(key, [])
+            out = [s for s in own if s <= below]
+            self._own[key] = [s for s in own if s > below]
+            return out
+
     def kept(self, key) -> list[int]:
         with self._lock:
             return list(self._kept.get(key, ()))
 
     def forget(self, key, seq: int) -> None:
-        with self._lock:
-            self._kept[key].remove(seq)
+        with self._lock:  # (two threads of one process may clean up at once)
+            if seq in self._kept.get(key, ()):
+                self._kept[key].remove(seq)
 
 
 CALLS = CollectiveContext()
@@ -149,10 +164,14 @@ class _Channel:
         self.pfx = f"{self.base}{self.seq}/"
         self.op = op
         self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
-        self.t_start = time.time()
+        self.restart()
         self.late: list[int] = []  # ranks known not to be waiting for the outcome (dead or stalled)
         self.aborted = False       # this rank has written an abort record
+
+    def restart(self) -> None:
+        """The call's deadline counts from now (when it starts talking to the others)."""
+        self.deadline = time.monotonic() + self.timeout
+        self.t_start = time.time()
 
     def set(self, k: str, v: bytes) -> None:
         self.kv.set(self.pfx + k, v)
@@ -227,7 +246,9 @@ class _Channel:
         deadline = max(self.deadline, time.monotonic() + min(self.timeout, ACK_GRACE))
         delay = 0.001
         try:
-            while not self.kv.check(keys):
+            # Every rank acked: the counter says so even if a rank, gone on to later calls,
+            # has deleted its own ack key already.
+            while not self.kv.check(keys) and self.kv.add(self.pfx + "acked", 0) < self.world:
                 if time.monotonic() > deadline:
                     return [r for r, k in zip(expect, keys) if not self.kv.check([k])]
                 time.sleep(delay)
@@ -242,7 +263,7 @@ class _Channel:
 
     def cleanup_old(self) -> None:
         """So the Store does not grow with every snapshot: delete this rank's own keys of
-        two calls ago (it has passed that call, and nobody reads them after it), and on
+        the calls it has ended, two calls or more ago (nobody reads them after that), and on
         rank 0 the shared keys of each earlier call once every rank has acked it (its
         counter "acked" reached W). The outcome of a call some rank has not acked (a
         stopped rank) stays, so that rank reads the truth when it resumes, however many
@@ -253,8 +274,8 @@ class _Channel:
                     self.kv.delete_key(k)
                 except Exception:  # noqa: BLE001 - best effort
                     pass
-        if self.seq - 2 >= 1:
-            old = f"{self.base}{self.seq - 2}/"
+        for seq in self.ctx.own_to_delete(self.key, self.seq - 2):
+            old = f"{self.base}{seq}/"
             delete(old + k for k in (f"hello/{self.rank}", f"done/{self.rank}", f"ack/{self.rank}",
                                      f"rep/{self.rank}", f"rdone/{self.rank}"))
         if self.rank != 0:
@@ -418,11 +439,13 @@ def _outcome_round(ch: _Channel, body, what: str):
         out = body()
     except Exception:
         ch.ack()
+        ch.ctx.ended(ch.key, ch.seq)
         if ch.rank == 0:
             ch.wait_acks()
             ch.ctx.finished(ch.key, ch.seq)
         raise
     ch.ack()
+    ch.ctx.ended(ch.key, ch.seq)
     if ch.rank == 0:
         silent = ch.wait_acks()
         ch.ctx.finished(ch.key, ch.seq)
@@ -437,15 +460,31 @@ def collective_put(publisher, ctx: CollectiveContext, state, *, planner, prepare
     """One snapshot of every rank's `state`, published once by rank 0 through `publisher`.
     prepare() -> SnapshotArgs checks the arguments (on every rank, inside the collective)."""
     ch = _open_channel(ctx, group, "put", timeout, kv)
+    return run_put(ch, publisher, prepare, lambda: planner.plan(state))
+
+
+def begin_put(ctx: CollectiveContext, group, timeout: float, kv=None) -> "_Channel":
+    """Name the next collective put of this process (on the caller's thread: the names
+    follow the order of the calls, the same on every rank) without talking to anyone
+    yet; run_put(channel, ...) makes it, later and on any thread. An asynchronous put
+    stages its state between the two."""
+    return _open_channel(ctx, group, "put", timeout, kv)
+
+
+def run_put(ch: "_Channel", publisher, prepare, plan):
+    """The collective put named by ch: prepare() -> SnapshotArgs and plan() -> Plan run
+    inside it (a failure of either aborts it on every rank). The deadline counts from
+    here, not from begin_put: a staged put may wait behind earlier ones."""
+    ch.restart()
     ch.cleanup_old()
-    return _outcome_round(ch, lambda: _put(ch, publisher, state, planner, prepare),
+    return _outcome_round(ch, lambda: _put(ch, publisher, plan, prepare),
                           f"collective put_snapshot (call {ch.pfx})")
 
 
-def _put(ch: _Channel, publisher, state, planner, prepare):
+def _put(ch: _Channel, publisher, plan, prepare):
     W, rank = ch.world, ch.rank
     args = _guard(ch, prepare)
-    plan_ = _guard(ch, lambda: planner.plan(state))
+    plan_ = _guard(ch, plan)
     expected = args.expected
     exp_hex = None if expected is UNSET else ("-" if expected is None else expected.hex())
     # Where this rank's pieces of sharded tensors lie: rank 0 checks that they tile.

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from . import chunker
 from .assets import Assets
 from .dist import AUTO as _AUTO_GROUP
-from .dist import CALLS, collective_checkout, collective_put, is_collective
+from .dist import CALLS, begin_put, collective_checkout, collective_put, is_collective, run_put
 from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
                      OutcomeUnknown, ReadOnlyStore, RefConflict, RefNotFound, StorageError, StoreClosed, TsckError,
                      storage_error)
@@ -125,6 +125,14 @@ class SnapshotFuture(Future):
 
 
 _STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _quietly(fn, *args) -> None:
+    """Run fn for its effect on others; its error is known to the caller already."""
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001
+        pass
 
 
 def _note(err: BaseException, text: str) -> None:
@@ -394,18 +402,15 @@ class Store:
             return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected)
 
         if is_collective(group):
-            def prepare_collective():
-                if not blocking:
-                    raise InvalidArgument("collective snapshots are blocking (use dcp.async_save with TsckWriter "
-                                      "for an asynchronous distributed save)")
-                out = prepare()
-                self.wait()
-                return out
+            if not blocking:
+                return self._put_collective_async(state, prepare, allow_pickle, when_busy, group, timeout)
+
+            self.wait()  # the asynchronous ones first (named already): the calls run in call order
             # Every rank enters the collective before checking its arguments, so a bad
             # argument on one rank aborts this snapshot everywhere instead of leaving
             # that rank one collective behind the others.
             return collective_put(self.publisher, self._collective, state, planner=self.planner(allow_pickle),
-                                  prepare=prepare_collective, group=group, timeout=timeout)
+                                  prepare=prepare, group=group, timeout=timeout)
         args = prepare()
         plan = self.planner(allow_pickle, defer_device=not blocking).plan(state)  # validates it all first
         if blocking:
@@ -429,24 +434,75 @@ class Store:
             self._inflight.append(fut)
         return fut
 
+    def _put_collective_async(self, state, prepare, allow_pickle, when_busy, group, timeout):
+        """blocking=False under torch.distributed: stage this rank's state on the caller's
+        thread, then make the collective put (hello, writes, rank 0's commit, the outcome
+        round) on the background publisher, behind the snapshots already in flight, so the
+        calls run in the same order on every rank. Every rank's future gets the same
+        outcome. A failure here, before anything is staged (bad arguments, a state that
+        cannot be snapshotted), is raised to this caller at once, and the call still
+        runs in the background, only to abort it on every rank."""
+        ch = begin_put(self._collective, group, timeout)  # names the call: in call order, on every rank
+        try:
+            args = prepare()
+            if (when_busy or self.when_busy) != "wait":
+                raise InvalidArgument(
+                    "when_busy='skip' cannot apply to a collective snapshot: the ranks would skip different ones; "
+                    "pass when_busy='wait' (an asynchronous collective put waits for a free slot)")
+            plan = self.planner(allow_pickle, defer_device=True).plan(state)
+            self._slots.acquire()
+            try:
+                buf = self._staging.take(plan.staged_bytes)
+                plan.stage(buf)
+            except BaseException:
+                self._slots.release()
+                raise
+        except BaseException as e:
+            def refuse():  # (an interrupt, too, must reach the others as an abort)
+                raise e if isinstance(e, Exception) else SnapshotAborted(f"snapshot aborted: {type(e).__name__}")
+            with self._bg_lock:
+                self._bg.submit(_quietly, run_put, ch, self.publisher, refuse, refuse)
+            raise
+        fut = SnapshotFuture(args.ref)
+        fut.set_running_or_notify_cancel()  # cancel() refuses: the other ranks expect this one
+        with self._bg_lock:
+            self._bg.submit(self._publish_staged, fut, buf, plan, args,
+                            lambda: run_put(ch, self.publisher, lambda: args, lambda: plan))
+            self._inflight.append(fut)
+        return fut
+
+    def _after_in_flight(self, fn) -> None:
+        """Run fn() on the background publisher once the snapshots queued so far have
+        ended (in their order; the CheckpointManager's prune between its collective
+        snapshots). Its errors are fn's to handle."""
+        with self._bg_lock:
+            self._inflight.append(self._bg.submit(_quietly, fn))
+
     def planner(self, allow_pickle: bool = False, defer_device: bool = False) -> Planner:
         """A planner with this store's block layout (validates a state before any write)."""
         from .plan import Planner  # torch, imported where tensors are (not by `tsck refs`)
         return Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
                        allow_pickle=allow_pickle, defer_device=defer_device)
 
-    def _publish_staged(self, fut: SnapshotFuture, buf, plan, args) -> None:
+    def _publish_staged(self, fut: SnapshotFuture, buf, plan, args, collective=None) -> None:
+        """collective: the collective put to make (run_put), instead of publishing alone.
+        Its failure goes to its future and close(), not to the next put: the ranks learn
+        it at different moments, and one rank raising it from its next put would abort
+        that snapshot on every rank."""
         info = err = None
         started = False
         try:
-            started = fut.set_running_or_notify_cancel()  # False: cancelled while queued, nothing written
+            # False: cancelled while queued, nothing written. (A collective put's future runs
+            # from the start: it cannot be cancelled, the other ranks expect this rank.)
+            started = collective is not None or fut.set_running_or_notify_cancel()
             if started:
                 try:
-                    info = self._publish(plan, args)
+                    info = self._publish(plan, args) if collective is None else collective()
                 except BaseException as e:  # noqa: BLE001 - handed to the future, the next put and close()
                     err = e
                     with self._bg_lock:
-                        self._bg_error = e
+                        if collective is None:
+                            self._bg_error = e
                         self._failed.append(fut)
         finally:
             try:

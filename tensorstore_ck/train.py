@@ -188,7 +188,7 @@ class CheckpointManager:
         self.group = group  # None: the default process group when torch.distributed is initialised
         self.failed_snapshots = 0  # collective snapshots that could not be taken (reported, not raised)
         self.snapshot_errors: list = []  # their errors, the newest 16
-        self._told_blocking = False
+        self._failures_lock = threading.Lock()  # asynchronous failures are counted from the background
         if retention is not None:
             store.set_retention(job, retention)
         if prune is None:
@@ -247,7 +247,7 @@ class CheckpointManager:
             self.last_time = self.clock()
             self.last_step = step
             self.last = res
-            if self._pruner is not None and not (collective and self._rank() != 0):
+            if self._pruner is not None and not collective:  # (a collective one: _collective_snapshot)
                 if hasattr(res, "add_done_callback"):
                     res.add_done_callback(self._pruner.after)
                 else:
@@ -288,31 +288,61 @@ class CheckpointManager:
         return [k for k, b in self._BITS.items() if mask & b], bool(mask & self._FORCE)
 
     def _collective_snapshot(self, kw: dict, best_before):
-        """One collective snapshot, blocking. Rank 0 first waits for the prune the last
-        snapshot asked for, so the job's own deletion phase never overlaps it. -> the
-        SnapshotInfo, or None when it could not be taken (reported, not raised)."""
-        if self.async_ and not self._told_blocking:
-            self._told_blocking = True
-            log.info("CheckpointManager %s: under torch.distributed, snapshots are collective and taken blocking "
-                     "(collective puts do not run in the background yet)", self.job)
-        if self._pruner is not None and self._rank() == 0:
+        """One collective snapshot. async_ (the default): the state is staged and the
+        put runs on the store's background publisher; rank 0 queues the prune behind
+        it there, so the job's own deletion phase never overlaps its next snapshot and
+        training never waits for either. Blocking: rank 0 first waits for the prune.
+        -> the Future or SnapshotInfo, or None when it could not be taken (reported,
+        not raised; an asynchronous failure is reported when its future completes)."""
+        rank0_prunes = self._pruner is not None and self._rank() == 0
+        if rank0_prunes and not self.async_:
             self._pruner.wait()
         try:
-            return self.store.put_snapshot(self.state.state_dict(), **kw, blocking=True, group=self.group)
+            res = self.store.put_snapshot(self.state.state_dict(), **kw, blocking=not self.async_, group=self.group,
+                                          when_busy="wait")
         except (InvalidArgument, UnsupportedType, InvalidName):
             raise  # the caller's own mistake: every snapshot would fail alike
         except (TsckError, OSError) as e:
-            if isinstance(e, OutcomeUnknown) and e.root is not None and self._published(e.root, e.ref):
-                log.warning("snapshot %s of ref %s: the answer to its ref move was lost, but the ref table shows "
-                            "it published; going on", e.root.hex()[:16], e.ref)
-                return self.store.show(e.root.hex())
+            return self._snapshot_failed(e, kw["step"], best_before)
+        if self.async_:
+            res.add_done_callback(lambda fut: self._collective_done(fut, kw["step"], best_before))
+            if rank0_prunes:
+                self.store._after_in_flight(lambda: self._pruner.run_after(res))
+        elif rank0_prunes:
+            self._pruner.request()
+        return res
+
+    def _collective_done(self, fut, step: int, best_before) -> None:
+        """An asynchronous collective snapshot ended (on the background publisher, or here
+        if it had already): a failure is reported as for a blocking one, never raised."""
+        err = fut.failure()
+        if err is None:
+            return
+        fut.retrieved = True  # heard: reported here, so close() does not raise it again
+        if isinstance(err, (TsckError, OSError)):
+            self._snapshot_failed(err, step, best_before)
+        else:  # a bug: still never out of step(), but loudly
+            log.error("CheckpointManager %s: the snapshot of step %s failed unexpectedly", self.job, step,
+                      exc_info=err)
+            self._count_failure(err)
+
+    def _snapshot_failed(self, e: BaseException, step, best_before):
+        if isinstance(e, OutcomeUnknown) and e.root is not None and self._published(e.root, e.ref):
+            log.warning("snapshot %s of ref %s: the answer to its ref move was lost, but the ref table shows "
+                        "it published; going on", e.root.hex()[:16], e.ref)
+            return self.store.show(e.root.hex())
+        self._count_failure(e)
+        if self.best is not None and best_before != self.best:
+            self.best = best_before  # the next improvement on what is stored takes one
+        log.warning("CheckpointManager %s: the snapshot of step %s could not be taken: %s: %s (training goes "
+                    "on; the next policy point takes one; %d failed so far)", self.job, step,
+                    type(e).__name__, e, self.failed_snapshots)
+        return None
+
+    def _count_failure(self, e: BaseException) -> None:
+        with self._failures_lock:
             self.failed_snapshots += 1
             self.snapshot_errors = (self.snapshot_errors + [e])[-_Pruner.KEEP_ERRORS:]
-            self.best = best_before  # the next improvement on what is stored takes one
-            log.warning("CheckpointManager %s: the snapshot of step %s could not be taken: %s: %s (training goes "
-                        "on; the next policy point takes one; %d failed so far)", self.job, kw["step"],
-                        type(e).__name__, e, self.failed_snapshots)
-            return None
 
     def _raise_pending(self) -> None:
         """The store's pending background failure, except an OutcomeUnknown whose
@@ -448,6 +478,22 @@ class _Pruner:
     def after(self, fut) -> None:  # done-callback of an async snapshot: only committed ones prune
         if not fut.cancelled() and fut.failure() is None:  # not a retrieval: close() still reports it
             self.request()
+
+    def run_after(self, fut) -> None:
+        """On the store's background publisher, once fut's snapshot has ended: prune here,
+        now, if it was committed (between this job's collective snapshots, in their order)."""
+        if fut.cancelled() or fut.failure() is not None:
+            return
+        with self._cv:
+            if self._closed:
+                return
+            self._busy = True
+        try:
+            self._prune_once()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def request(self) -> None:
         with self._cv:

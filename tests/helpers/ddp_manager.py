@@ -61,7 +61,19 @@ def _train_step(model, opt, rank: int, step: int) -> float:
 
 
 def _root(res):
-    return None if res is None else res.root
+    """The root of what step() returned: a SnapshotInfo (blocking), a future (asynchronous:
+    waited for here; one that failed was reported by the manager: None), or None."""
+    if res is None:
+        return None
+    if hasattr(res, "add_done_callback"):
+        res.exception()  # waits (the manager reports a failure; it is not raised)
+        return None if res.failure() is not None else res.result().root
+    return res.root
+
+
+def _roots(steps: dict) -> dict:
+    """step -> what step() returned, turned into roots once the manager has closed."""
+    return {s: _root(r) for s, r in steps.items()}
 
 
 def _counters(mgr) -> dict:
@@ -87,8 +99,9 @@ def loop_case(rank, world, out, res, mode):
     res["steps"], res["vals"] = {}, {}
     for step in range(start + 1, 17):
         val = res["vals"][step] = _train_step(model, opt, rank, step)
-        res["steps"][step] = _root(mgr.step(step, metrics={"val_loss": val}))
+        res["steps"][step] = mgr.step(step, metrics={"val_loss": val})
     mgr.close()
+    res["steps"] = _roots(res["steps"])
     res.update(_counters(mgr))
     store.close()
 
@@ -114,24 +127,40 @@ def clock_case(rank, world, out, res, _arg):
         for step in range(1, 26):
             clock.t += clock.per_tick
             _train_step(model, opt, rank, step)
-            res["steps"][step] = _root(mgr.step(step))
+            res["steps"][step] = mgr.step(step)
         mgr.close()
+        res["steps"] = _roots(res["steps"])
         res.update(_counters(mgr))
 
 
-def prune_case(rank, world, out, res, _arg):
-    """async_=False, a snapshot at every step, retention keep_last=2: rank 0's background
-    prune of one snapshot runs while the next is taken, unless the manager keeps them apart."""
+def prune_case(rank, world, out, res, mode):
+    """A snapshot at every step, retention keep_last=2 (mode "sync": async_=False; "async":
+    the default): rank 0's prune of one snapshot runs while the next is taken, unless the
+    manager keeps them apart."""
     import tensorstore_ck as tsck
     model, opt = _model_and_opt()
+    extra = {} if mode == "async" else {"async_": False}
+    import logging
+
+    class Fences(logging.Handler):  # the publisher logs each ref move a deletion phase fenced
+        n = 0
+
+        def emit(self, record):
+            Fences.n += "deletion phase overlapped" in record.getMessage()
+
+    lg = logging.getLogger("tensorstore_ck")
+    lg.setLevel(logging.INFO)
+    lg.addHandler(Fences())
     with tsck.open_store(os.path.join(out, "store")) as store:
         mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_steps=1, async_=False, retention=tsck.Retention(keep_last=2))
+                                     every_steps=1, retention=tsck.Retention(keep_last=2), **extra)
         res["steps"] = {}
         for step in range(1, 25):
             _train_step(model, opt, rank, step)
-            res["steps"][step] = _root(mgr.step(step))
+            res["steps"][step] = mgr.step(step)
         mgr.close()
+        res["fenced"] = Fences.n
+        res["steps"] = _roots(res["steps"])
         res.update(_counters(mgr))
 
 
@@ -168,9 +197,13 @@ def fail_case(rank, world, out, res, _arg):
         for step in range(1, 11):
             _train_step(model, opt, rank, step)
             if rank == 1:  # (the weights changed since step 2: the snapshot must write blocks)
+                store.wait()  # (asynchronous: the snapshot before ended; only step 4's meets the failing disk)
                 holder["w"].armed = step == 4
-            res["steps"][step] = _root(mgr.step(step, metrics={"loss": float(step)}))
+            res["steps"][step] = mgr.step(step, metrics={"loss": float(step)})
+            if rank == 1 and step == 4:
+                store.wait()  # (an asynchronous snapshot writes after step() returned: armed until it ended)
         mgr.close()
+        res["steps"] = _roots(res["steps"])
         res.update(_counters(mgr))
 
 
@@ -200,11 +233,13 @@ def fenced_case(rank, world, out, res, _arg):
                     res["gc_end"] = time.monotonic()
                 timer = threading.Timer(3.0, finish)
                 timer.start()
-            res["steps"][step] = _root(mgr.step(step))
+            res["steps"][step] = mgr.step(step)
             if timer is not None:
+                store.wait()  # (asynchronous: the snapshot ends after step() returned)
                 res["step4_end"] = time.monotonic()
                 timer.join()
         mgr.close()
+        res["steps"] = _roots(res["steps"])
         res.update(_counters(mgr))
 
 
@@ -228,10 +263,11 @@ def resume_case(rank, world, out, res, arg):
         for step in range((start or 0) + 1, last + 1):
             res["losses"][step] = _train_step(model, opt, rank, step)
             got = mgr.step(step)
-            res["steps"][step] = _root(got)
+            res["steps"][step] = got
             if got is not None:
                 torch.save(ts.state_dict(), os.path.join(out, f"{phase}_rank{rank}_step{step}.pt"))
         mgr.close()
+        res["steps"] = _roots(res["steps"])
         res.update(_counters(mgr))
 
 
@@ -246,7 +282,7 @@ def main(argv) -> int:
     elif scenario == "fail":
         infos = [dw.launch("fail", 2, fail_case, out, limit=240.0)]
     elif scenario == "prune":
-        infos = [dw.launch("prune", 2, prune_case, out, limit=240.0)]
+        infos = [dw.launch("prune", 2, prune_case, out, arg or "sync", limit=240.0)]
     elif scenario == "fenced":
         infos = [dw.launch("fenced", 2, fenced_case, out, limit=240.0)]
     elif scenario == "resume":
