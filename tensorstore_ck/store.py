@@ -391,6 +391,15 @@ class Store:
         future and again by the next put_snapshot call; close() raises one whose
         outcome nobody retrieved (see close()).
 
+        Under torch.distributed (or with group=) the put is collective: every rank
+        calls it alike and one snapshot holds every rank's state. blocking=False there
+        stages this rank's state, returns its future, and makes the collective call
+        on the background publisher, in call order on every rank (the same outcome on
+        every rank's future, never re-raised by the next put; when_busy must be
+        "wait"; the future cannot be cancelled: the other ranks expect this one). A
+        rank whose state cannot be staged raises at once, and the call aborts on
+        every rank. timeout counts from when the call starts in the background.
+
         A blocking put first waits for the asynchronous ones in flight, so the
         ref never moves back to an older snapshot. progress=True: a blocking put
         shows the bytes it hashes and writes as a bar on stderr (`tsck import`)."""

@@ -135,27 +135,30 @@ class CheckpointManager:
     this process alone) every rank constructs the manager the same way and calls
     step() with the same step numbers; the snapshots are collective (one commit
     covers every rank's state):
-    - They are taken blocking, whatever async_ says, until collective puts can run
-      in the background (logged once at INFO).
+    - They are asynchronous by default as for one process (async_=False: blocking):
+      each rank's state is staged, the collective put runs on the store's background
+      publisher, and step() returns its future.
     - Every rank decides alike: every_steps uses the step number each rank passes;
       when every_seconds or on_metric is set, rank 0's decision (its clock, the
       metric value rank 0 passes) is broadcast to the group once per step() (one
       8-byte broadcast, the only collective the policy adds), so a rank-local clock
       or a rank-local loss cannot make ranks disagree. force=True must be passed on
       every rank alike.
-    - Prune runs on rank 0 only, in the background between snapshots: rank 0's next
-      snapshot first waits for it, so the job's prune never overlaps its own
-      snapshots.
+    - Prune runs on rank 0 only, between snapshots: asynchronous, rank 0 queues it on
+      the store's background publisher behind the snapshot (training waits for
+      neither); blocking, rank 0's next snapshot waits for it. The job's prune never
+      overlaps its own snapshots.
     - A snapshot that cannot be taken (SnapshotAborted: a rank died or stalled, or could not
       re-upload its part after a gc deletion phase; a storage error) is logged as a
       warning and counted in `failed_snapshots` (the error in `snapshot_errors`),
-      never raised out of step(): training goes on, and the next policy point takes
-      one (a failed metric snapshot leaves the best value where it was). Errors that
-      are the caller's own (InvalidArgument, UnsupportedType) are raised.
+      never raised out of step() (an asynchronous one is reported when its future
+      completes): training goes on, and the next policy point takes one (a failed
+      metric snapshot leaves the best value where it was). Errors that are the
+      caller's own (InvalidArgument, UnsupportedType) are raised.
     - restore_latest() is collective: rank 0 resolves the ref's newest snapshot, every
       rank reads its own part of that one snapshot and resumes at the same step.
-    - close() waits for the last snapshot (done on every rank when step() returns)
-      and, on rank 0, for the prune.
+    - close() (and wait()) waits on every rank for the snapshots in flight and, on
+      rank 0, for the prune.
     For one process, a failed background snapshot is raised by the next step() (or
     close()), as before."""
 
@@ -384,6 +387,7 @@ class CheckpointManager:
         if state is None:
             raise InvalidArgument("restore_latest needs a TrainState")
         if self._collective():
+            self.store.wait()  # (snapshots of this process still in flight come first, in call order)
             return self._restore_collective(state, must_exist)
         try:
             history = self.store.log(self.ref)
@@ -438,8 +442,8 @@ class CheckpointManager:
 
     def wait(self, *, prune: bool = True) -> None:
         """Wait for snapshots in flight (raise if one failed), then, with prune=True,
-        for the background prune they asked for. Under torch.distributed the snapshots
-        are done on every rank when step() returns (failures were reported there)."""
+        for the background prune they asked for. Under torch.distributed a failed
+        snapshot is not raised (the manager reported it when it ended)."""
         self.store.wait()
         if not self._collective():
             self._raise_pending()

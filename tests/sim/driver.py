@@ -300,7 +300,7 @@ class Harness:
         t2 = time.time()
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
-        hits, fenced, collective = {}, 0, 0  # the presence record, writers' holds and collective puts
+        hits, fenced, collective, collective_async = {}, 0, 0, 0  # the presence record, writers' holds, collective puts
         unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
             unknown += 1 if o.w in ids and o.result == "OutcomeUnknown" else 0
@@ -308,8 +308,10 @@ class Harness:
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
                 fenced += o.out.get("fenced") or 0
                 collective += 1 if o.args.get("collective") else 0
+                collective_async += 1 if o.args.get("collective") and not o.args.get("blocking", True) else 0
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"fenced_puts={fenced} collective_puts={collective} unknown_outcomes={unknown} "
+                 f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async) "
+                 f"unknown_outcomes={unknown} "
                  f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "

@@ -16,6 +16,9 @@ In about half the rounds (seeded, the same on both ranks) each call goes through
 opened for it and closed after it, as a script that opens the store per snapshot does: the
 collective calls' names in the c10d Store must not depend on the Store object.
 
+Half the calls (the worker's seeded choice, journaled as blocking=False) are asynchronous:
+the rank scribbles over its state as soon as its future returns, then waits for it.
+
 Faults: the worker's profile without its kill points (a rank's death would only be
 reported by the worker killing itself, see Worker.op_cput): delays, slow keys and
 injected storage failures (a failed rank aborts the collective put on every rank).
@@ -33,6 +36,23 @@ import torch
 from . import content
 from .faults import Faults
 from .worker import FENCES, _die_with_parent, _err, open_store
+
+
+def _scribble(x) -> None:
+    """Overwrite every tensor of a rank's state in place."""
+    import tensorstore_ck as tsck
+    if isinstance(x, dict):
+        for v in x.values():
+            _scribble(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _scribble(v)
+    elif isinstance(x, tsck.Replicated):
+        _scribble(x.tensor)
+    elif isinstance(x, tsck.Sharded):
+        _scribble(x.local)
+    elif isinstance(x, torch.Tensor):
+        x.fill_(-7)
 
 
 def main(argv=None) -> int:
@@ -60,8 +80,17 @@ def main(argv=None) -> int:
         kw = {"expected": cmd["expected"]} if "expected" in cmd else {}
         fenced0 = FENCES.n
         try:
-            info = s.put_snapshot(content.rank_state(spec, rank, world), ref=cmd["ref"], step=cmd["step"],
-                                  meta={"sim": spec}, timeout=60, **kw)
+            st = content.rank_state(spec, rank, world)
+            if cmd.get("async"):
+                # Asynchronous: the rank gets its future once its state is staged and may
+                # change its tensors at once (scribbled here): the snapshot must hold them
+                # as they were at the call (check.py reads it back against the spec).
+                fut = s.put_snapshot(st, ref=cmd["ref"], step=cmd["step"], meta={"sim": spec}, timeout=60,
+                                     blocking=False, **kw)
+                _scribble(st)
+                info = fut.result(timeout=150)
+            else:
+                info = s.put_snapshot(st, ref=cmd["ref"], step=cmd["step"], meta={"sim": spec}, timeout=60, **kw)
             out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0}
             want, a = content.own_piece(spec, rank, world)
             into = {"own": tsck.Sharded(torch.zeros_like(want), (content.OWN_LEN,), (a,))}

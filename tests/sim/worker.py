@@ -185,8 +185,11 @@ class Worker:
             earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
             own = self.rng.choice(earlier) if earlier else None
         spec = dict(content.make_spec(self.wid, i, self.rng.randrange(content.VARIANTS), step, own), c=RANKS)
-        args = {"ref": ref, "step": step, "spec": spec, "blocking": True, "collective": RANKS}
-        cmd = {"ref": ref, "step": step, "spec": spec}
+        # Asynchronous in half the calls: a Random of its own (seeded by the call), so the
+        # worker's stream of choices, which seeds reproduce, stays what it was.
+        asyn = random.Random(f"{self.cfg['seed']}-{self.wid}-{i}").random() < 0.5
+        args = {"ref": ref, "step": step, "spec": spec, "blocking": not asyn, "collective": RANKS}
+        cmd = {"ref": ref, "step": step, "spec": spec, "async": asyn}
         if self.rng.random() < 0.15:
             cur = s.reftable.get_or_none(ref)
             cmd["expected"] = args["expected"] = None if cur is None else cur.hex()
