@@ -74,13 +74,13 @@ def pause(dist, rest: float) -> None:
 
 
 def part_stall(tsck, dist, rank, world, args, base) -> dict:
-    state, _model, _opt = build_state(args.mb * 1e6, d=256, seed=rank, vocab=8192, log=lambda *a: None)
+    state, _model, _opt = build_state(args.mb * 1e6, d=args.d, seed=rank, vocab=8192, log=lambda *a: None)
     src = [t for _, t in iter_tensors(state)]
     dst = [torch.zeros_like(t) for t in src]
     for a, b in zip(dst, src):  # touched: a copy into memory already mapped
         a.copy_(b)
     nbytes = sum(t.numel() * t.element_size() for t in src)
-    out = {"bytes": nbytes, "stall": [], "copy": [], "commit": [], "cpu": [], "cold": None}
+    out = {"bytes": nbytes, "tensors": len(src), "stall": [], "copy": [], "commit": [], "cpu": [], "cold": None}
     with tsck.open_store(os.path.join(base, "stall_store")) as store:
         for k in range(args.snapshots + 1):
             with torch.no_grad():
@@ -232,7 +232,8 @@ def report(world, res, args) -> dict:
     ratios = [s / c for r in st for s, c in zip(r["stall"], r["copy"])]
     per_rank_med = [med([s / c for s, c in zip(r["stall"], r["copy"])]) for r in st]
     mb = st[0]["bytes"] / 1e6
-    log(f"\n## W = {world} ranks, {mb:.0f} MB of state per rank ({world * mb:.0f} MB per snapshot)")
+    log(f"\n## W = {world} ranks, {mb:.0f} MB of state per rank in {st[0]['tensors']} tensors "
+        f"({world * mb:.0f} MB per snapshot)")
     log("| what (per rank, per snapshot) | median (range over ranks x snapshots) |")
     log("|---|---|")
     all_ = lambda key: [x for r in st for x in r[key]]  # noqa: E731
@@ -268,6 +269,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--mb", type=float, default=256, help="MB of state per rank in part 1")
+    ap.add_argument("--d", type=int, default=512, help="model width of part 1's state (256: 5x as many tensors)")
     ap.add_argument("--snapshots", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--every", type=int, default=10)
