@@ -253,14 +253,14 @@ class TsckCallback(TrainerCallback):
             if _dist_world() != args.world_size:
                 raise InvalidArgument(f"TsckCallback: the Trainer runs {args.world_size} processes but "
                                       "torch.distributed is not initialised with as many (launch with torchrun)")
-            sharded = [name for name, on in (("fsdp", bool(args.fsdp)), ("deepspeed", bool(args.deepspeed))) if on]
+            sharded = _sharded_by(kwargs.get("model"))
             if sharded:
                 raise InvalidArgument(
                     f"TsckCallback snapshots DDP runs (every rank holds the whole model and optimizer); this one "
-                    f"uses {' and '.join(sharded)}, whose ranks hold pieces of them that the Trainer saves through "
-                    "accelerate. Use DDP (no fsdp=/deepspeed=), or put the sharded state yourself as one "
-                    "collective snapshot: tsck.CheckpointManager, or store.put_snapshot of "
-                    "get_state_dict(model, optimizer) (DTensors) on every rank")
+                    f"runs {sharded}, whose ranks hold pieces of them that the Trainer saves through accelerate. "
+                    "Use DDP (no fsdp=/deepspeed=), or put the sharded state yourself as one collective snapshot "
+                    "on every rank: tsck.CheckpointManager, or store.put_snapshot of "
+                    "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) (DTensors)")
         if not self.keep_local and (args.load_best_model_at_end or args.push_to_hub):
             raise InvalidArgument("TsckCallback(keep_local=False) deletes the Trainer's checkpoint folders, which "
                                   "load_best_model_at_end and push_to_hub read later: keep them (keep_local=True)")
@@ -321,6 +321,26 @@ class TsckCallback(TrainerCallback):
             elif not res.cancelled() and res.failure() is None:  # looking is not the caller retrieving it
                 shutil.rmtree(folder, ignore_errors=True)
         self._pending = left
+
+
+def _sharded_by(model) -> str | None:
+    """What shards this run's model and optimizer over the ranks (accelerate's FSDP or
+    DeepSpeed, a model of DTensors), or None. Asked of accelerate, not of args.fsdp:
+    accelerate turns FSDP on for accelerator devices only, so fsdp= with use_cpu=True
+    trains plain DDP."""
+    try:
+        from accelerate.state import AcceleratorState
+        if AcceleratorState._shared_state:  # the Trainer's Accelerator exists: its state, not a new one
+            kind = str(AcceleratorState().distributed_type).rsplit(".", 1)[-1]
+            if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+                return kind
+    except ImportError:  # pragma: no cover - transformers' Trainer needs accelerate
+        pass
+    if model is not None:
+        from .shard import is_dtensor
+        if type(model).__name__ == "FullyShardedDataParallel" or any(is_dtensor(p) for p in model.parameters()):
+            return "FSDP"
+    return None
 
 
 def _newest_local(output_dir: str) -> int | None:
