@@ -372,7 +372,10 @@ def _write_latest(store, ref: str, args) -> str | None:
 
     if args.world_size <= 1:
         got = decide()
-        return None if got is None else resume_checkpoint(store, got[0], out, group=False)
+        if got is None:
+            return None
+        path = _WRITTEN[(out, got[0])] = resume_checkpoint(store, got[0], out, group=False)
+        return path
     import torch.distributed as dist
     msg = [None]
     if dist.get_rank() == 0:
@@ -388,7 +391,8 @@ def _write_latest(store, ref: str, args) -> str | None:
         return None
     root, step = got
     writes = args.should_save and not os.path.isdir(os.path.join(out, f"checkpoint-{step}"))
-    return resume_checkpoint(store, root, out, writer=writes)
+    path = _WRITTEN[(out, root)] = resume_checkpoint(store, root, out, writer=writes)
+    return path
 
 
 def _hf_rng(rng: dict, *, distributed: bool = False) -> dict:
@@ -410,12 +414,12 @@ def _is_rng(rng) -> bool:
 MAX_STEP = 2**63 - 1  # a step as the store keeps one (int64)
 
 
-def _trainer_snapshot(store, target: str) -> tuple[dict, dict, str, int]:
+def _trainer_snapshot(store, target: str, root: str | None = None) -> tuple[dict, dict, str, int]:
     """(state, meta["hf"], trainer_state text, global_step) of a snapshot TsckCallback
     took, every stored value resume_checkpoint uses checked first: stored values are
     untrusted, and global_step names the folder written (checkpoint-N), so it must be
     an int >= 0, never text such as "../../x". InvalidArgument naming the snapshot."""
-    root = store.resolve(target)
+    root = store.resolve(target) if root is None else root
     where = f"snapshot {root[:16]} ({target}) of {store.url}"
 
     def refuse(why: str) -> InvalidArgument:
@@ -529,9 +533,19 @@ def _resume_collective(store, target: str, output_dir, *, force: bool, writer: b
     return os.path.join(os.path.abspath(os.fspath(output_dir)), names.pop())
 
 
+# (output_dir, root) -> the folder TsckCallback(latest=True) wrote there from that snapshot
+# when the Trainer was built: a resume_checkpoint of the same snapshot afterwards (the
+# recipe of the module docstring) gets that folder back instead of "exists".
+_WRITTEN: dict = {}
+
+
 def _write_checkpoint(store, target: str, output_dir, *, force: bool) -> str:
-    state, hf, ts, step = _trainer_snapshot(store, target)
     output_dir = os.path.abspath(os.fspath(output_dir))
+    root = store.resolve(target)
+    done = _WRITTEN.get((output_dir, root))
+    if done is not None and not force and os.path.isdir(done):
+        return done
+    state, hf, ts, step = _trainer_snapshot(store, target, root)
     os.makedirs(output_dir, exist_ok=True)
     dest = os.path.join(output_dir, f"checkpoint-{step}")
     tied = hf.get("tied") or {}
