@@ -40,8 +40,9 @@ Take sharded state as one collective snapshot instead (every rank: tensorstore_c
 TsckWriter with torch.distributed.checkpoint.save, or store.put_snapshot of
 get_model_state_dict / get_optimizer_state_dict, whose DTensors are stored as their shards).
 Lightning hands a CheckpointIO no reference to its strategy, so the plugin finds the
-strategy calling it on the call stack: at a save (the gathered, rank-0 saves) or, when
-every save bypassed it, at the run's teardown.
+strategy calling it on the call stack: at a save (the gathered, rank-0 saves), or at
+ModelCheckpoint's removal of an older checkpoint (the first call a run whose saves all
+bypass the plugin makes; a run that removes none never calls it).
 """
 
 from __future__ import annotations
@@ -257,16 +258,6 @@ class TsckCheckpointIO(CheckpointIO):
         self.store = store
         self.job = job
         self.allow_pickle = bool(allow_pickle)
-        self._saved = False  # a save reached the plugin (a sharded strategy's never do)
-
-    def teardown(self) -> None:
-        """The end of a run: under a sharded strategy whose saves all bypassed the plugin
-        (torch.distributed.checkpoint folders at Lightning's paths), the first point where
-        it can say that nothing of the run is in the store."""
-        sharded = _calling_sharded_strategy()
-        if sharded is not None and not self._saved and sys.exc_info()[0] is None:
-            raise _refuse_sharded(sharded, "the run's checkpoints were written as torch.distributed.checkpoint "
-                                           "folders at Lightning's paths; none is in the store")
 
     def ref_for(self, path) -> str:
         return ref_for_path(self.job, path)
@@ -279,7 +270,6 @@ class TsckCheckpointIO(CheckpointIO):
         sharded = _calling_sharded_strategy()
         if sharded is not None:  # before anything is written: no snapshot, no pointer file
             raise _refuse_sharded(sharded, f"saving {os.fspath(path)}")
-        self._saved = True
         ref = self.ref_for(path)
         # A link (save_last="link") names another path's snapshot: replacing it keeps that one.
         old = None if os.path.islink(os.fspath(path)) else _read_pointer(path, strict=False)
