@@ -330,7 +330,7 @@ def _sharded_by(model) -> str | None:
     trains plain DDP."""
     try:
         from accelerate.state import AcceleratorState
-        if AcceleratorState._shared_state:  # the Trainer's Accelerator exists: its state, not a new one
+        if getattr(AcceleratorState, "_shared_state", None):  # the Trainer's Accelerator's state, not a new one
             kind = str(AcceleratorState().distributed_type).rsplit(".", 1)[-1]
             if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
                 return kind
