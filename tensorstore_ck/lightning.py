@@ -29,6 +29,20 @@ removals forget the other's, but a ref's tip may then outlive its file).
 The checkpoint dict is stored natively (tensors, dicts, lists, tuples, str, numbers, None);
 Lightning's AttributeDict is stored as the dict it is. A value that would need pickle is
 refused (UnsupportedType naming where it is) unless TsckCheckpointIO(allow_pickle=True).
+
+Strategies: single device and DDP (Lightning saves on global rank 0, every rank loads).
+The sharded strategies (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy, in
+Lightning and in Fabric) are refused with InvalidArgument: they load their checkpoints
+themselves (torch.load of the file, or torch.distributed.checkpoint of a folder), never
+through a CheckpointIO, and their sharded saves bypass it too, so a snapshot taken through
+the plugin could never be resumed and a sharded save would silently not reach the store.
+Take sharded state as one collective snapshot instead (every rank: tensorstore_ck.dcp's
+TsckWriter with torch.distributed.checkpoint.save, or store.put_snapshot of
+get_model_state_dict / get_optimizer_state_dict, whose DTensors are stored as their shards).
+Lightning hands a CheckpointIO no reference to its strategy, so the plugin finds the
+strategy calling it on the call stack: at a save (the gathered, rank-0 saves), or at
+ModelCheckpoint's removal of an older checkpoint (the first call a run whose saves all
+bypass the plugin makes; a run that removes none never calls it).
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections import OrderedDict
 
 import torch
@@ -75,6 +90,43 @@ def ref_for_path(job: str, path) -> str:
         tail = "-" + hashlib.blake2b(stem.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
         comp = comp[:room - len(tail)] + tail
     return f"{job}/{comp}"
+
+
+def _sharded_strategy_classes() -> tuple:
+    out = []
+    for mod in ("lightning.pytorch.strategies", "lightning.fabric.strategies"):
+        try:
+            m = __import__(mod, fromlist=["FSDPStrategy"])
+        except ImportError:  # pragma: no cover - lightning without one of its halves
+            continue
+        out += [getattr(m, n) for n in ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy") if hasattr(m, n)]
+    return tuple(out)
+
+
+def _calling_sharded_strategy():
+    """The sharded Lightning strategy among this call's callers, or None. A CheckpointIO
+    is handed no reference to its strategy; the strategy's own method (save_checkpoint,
+    remove_checkpoint, teardown) is on the stack when it calls the plugin."""
+    classes = _sharded_strategy_classes()
+    f = sys._getframe(1)
+    while f is not None:
+        s = f.f_locals.get("self")
+        if s is not None and isinstance(s, classes):
+            return s
+        f = f.f_back
+    return None
+
+
+def _refuse_sharded(strategy, doing: str) -> InvalidArgument:
+    name = type(strategy).__name__
+    return InvalidArgument(
+        f"TsckCheckpointIO cannot take {name}'s checkpoints ({doing}): {name} loads its checkpoints itself "
+        "(torch.load of the file, or torch.distributed.checkpoint of a folder), never through a CheckpointIO, and its "
+        "sharded saves bypass the CheckpointIO, so they would not be resumable from the store or not reach it. Use "
+        "strategy='ddp' with TsckCheckpointIO, or take the sharded state as one collective snapshot on every rank: "
+        "torch.distributed.checkpoint.save with tensorstore_ck.dcp's TsckWriter, or store.put_snapshot of "
+        "get_model_state_dict(model) and get_optimizer_state_dict(model, optimizer) (DTensors are stored as "
+        "their shards)")
 
 
 def _native(obj):
@@ -215,6 +267,9 @@ class TsckCheckpointIO(CheckpointIO):
         the snapshot the old file there named is forgotten."""
         if storage_options is not None:
             raise InvalidArgument(f"TsckCheckpointIO takes no storage_options (got {storage_options!r})")
+        sharded = _calling_sharded_strategy()
+        if sharded is not None:  # before anything is written: no snapshot, no pointer file
+            raise _refuse_sharded(sharded, f"saving {os.fspath(path)}")
         ref = self.ref_for(path)
         # A link (save_last="link") names another path's snapshot: replacing it keeps that one.
         old = None if os.path.islink(os.fspath(path)) else _read_pointer(path, strict=False)
@@ -285,6 +340,9 @@ class TsckCheckpointIO(CheckpointIO):
         """Delete the pointer file at `path`, then forget its snapshot (and drop its ref
         when that held only this snapshot), unless another pointer in the directory names it."""
         p = os.fspath(path)
+        sharded = _calling_sharded_strategy()
+        if sharded is not None:
+            raise _refuse_sharded(sharded, f"removing {p}")
         link = os.path.islink(p)
         ptr = None if link else _read_pointer(path, strict=False)
         fs, fp = _fs(path)

@@ -170,6 +170,9 @@ HOSTILE = [
     ("model a tensor", lambda st, m: st.update(model=torch.ones(3))),
     ("model holds text", lambda st, m: st["model"].update({"x": "y"})),
     ("rng missing torch", lambda st, m: st["rng"].pop("torch")),
+    ("rng_ranks a dict", lambda st, m: st.update(rng_ranks={"0": st["rng"]})),
+    ("rng_ranks empty", lambda st, m: st.update(rng_ranks=[])),
+    ("rng_ranks holds no rng", lambda st, m: st.update(rng_ranks=[st["rng"], {"python": 1}])),
     ("hf meta a list", lambda st, m: m.update(hf=[1])),
     ("tied a list", lambda st, m: m["hf"].update(tied=["a"])),
     ("config not JSON", lambda st, m: m["hf"].update(config="{")),
@@ -324,3 +327,61 @@ def test_example_killed_and_resumed_is_bit_identical(tmp_path):
     assert "committed snapshots (steps): [5, 10]" in r.stdout
     assert "losses of all 20 steps bit-identical to run A: True" in r.stdout
     assert "final parameters bit-identical to run A: True" in r.stdout
+
+
+class StopAt(TrainerCallback):
+    """Ends training after step `at` (the save at that step is taken first)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+
+
+def test_resume_from_checkpoint_true_finds_the_stores_newest_snapshot(run_a, tmp_path):
+    """keep_local=False leaves no checkpoint folder behind, so HF's "latest checkpoint in
+    output_dir" would find nothing: the callback writes the store's newest snapshot there
+    when the Trainer is built. Steps 11..20 and the final parameters equal run A's bit for
+    bit, and the folder it wrote goes again at the next save."""
+    out = tmp_path / "out"
+    with tsck.open_store(tmp_path / "store") as s:
+        trainer(out, [hf.TsckCallback(s, job="j", keep_local=False), StopAt(10)]).train()
+        assert [i.step for i in s.log("j/main")] == [10, 5]
+        assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")]
+        rec = Losses()
+        t = trainer(out, [hf.TsckCallback(s, job="j", keep_local=False), rec])
+        assert os.listdir(out / "checkpoint-10")  # written when the Trainer was built
+        t.train(resume_from_checkpoint=True)
+        assert sorted(rec.by_step) == list(range(11, STEPS + 1))
+        assert all(rec.by_step[k] == run_a["losses"][k] for k in rec.by_step), (rec.by_step, run_a["losses"])
+        assert_same(run_a["params"], params(t.model))
+        assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")]
+        assert [i.step for i in s.log("j/main")][:2] == [20, 15]
+
+
+def test_latest_leaves_an_output_dir_that_has_that_checkpoint_or_a_newer_one(run_a, tmp_path):
+    out = run_a["out"]  # run A kept its folders (keep_local=True): checkpoint-20 is there
+    before = {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out)}
+    trainer(out, [hf.TsckCallback(run_a["store"], job="gpt")])
+    assert {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out)} == before
+    trainer(tmp_path / "none", [hf.TsckCallback(run_a["store"], job="gpt", latest=False)])
+    assert not (tmp_path / "none").exists() or not os.listdir(tmp_path / "none")
+    trainer(tmp_path / "fresh", [hf.TsckCallback(run_a["store"], job="gpt")])
+    assert sorted(os.listdir(tmp_path / "fresh")) == ["checkpoint-20"]
+
+
+def test_save_total_limit_is_the_jobs_retention_unless_one_is_given(tmp_path):
+    """save_total_limit=2: the Trainer keeps 2 folders, the store keeps the job's 2 newest
+    snapshots (Retention(keep_last=2), applied after each save); retention= wins."""
+    with tsck.open_store(tmp_path / "store") as s:
+        cb = hf.TsckCallback(s, job="lim")
+        trainer(tmp_path / "a", [cb], save_total_limit=2).train()
+        assert s.retention()["lim"] == tsck.Retention(keep_last=2)
+        assert [i.step for i in s.log("lim/main")] == [20, 15]
+        assert cb.prune_errors == []
+        trainer(tmp_path / "b", [hf.TsckCallback(s, job="own", retention=tsck.Retention(keep_last=3))],
+                save_total_limit=2).train()
+        assert s.retention()["own"] == tsck.Retention(keep_last=3)
+        assert [i.step for i in s.log("own/main")] == [20, 15, 10]

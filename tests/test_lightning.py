@@ -341,6 +341,32 @@ def test_ddp_saves_on_rank_zero_and_every_rank_loads(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["gathered", "distributed"])
+def test_a_sharded_strategy_is_refused_and_nothing_goes_into_the_store(tmp_path, mode):
+    """A real ModelParallelStrategy (FSDP2 through fully_shard, one CPU process over gloo;
+    Lightning's FSDPStrategy refuses a CPU accelerator). It loads checkpoints itself, never
+    through the CheckpointIO: a gathered save (save_distributed_checkpoint=False) taken into
+    the store resumed with a raw torch.load RuntimeError on the pointer file. So its first
+    save is refused (InvalidArgument naming the strategy and what to use instead) before a
+    snapshot or a pointer is written. Its torch.distributed.checkpoint saves bypass the
+    plugin altogether; the first call that reaches it (ModelCheckpoint removing the older
+    checkpoint at step 10) is refused the same way."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "lightning_sharded.py"), mode,
+                        str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["error"] is not None and got["error"][0] == "InvalidArgument", got
+    doing = "saving" if mode == "gathered" else "removing"
+    assert f"cannot take ModelParallelStrategy's checkpoints ({doing} " in got["error"][1]
+    assert "strategy='ddp'" in got["error"][1] and "TsckWriter" in got["error"][1]
+    assert got["refs"] == []
+    if mode == "gathered":
+        assert got["files"] == []  # no pointer file either
+
+
+@pytest.mark.slow
 def test_example_kill_and_resume_is_bit_identical(tmp_path):
     """examples/lightning_resume.py: the killed run's and the resumed run's losses equal the
     uninterrupted run's step for step, and the final checkpoints (weights, optimizer, scheduler,
