@@ -283,7 +283,11 @@ class TsckCallback(TrainerCallback):
                                       metrics=_metrics(state.log_history), meta=meta, blocking=not self.async_)
         self.last = res
         if self._pruner is not None:
-            if hasattr(res, "add_done_callback"):
+            if collective and hasattr(res, "add_done_callback"):
+                # Asynchronous and collective: behind the snapshot on the background publisher,
+                # before the next one (as CheckpointManager does): never beside its own snapshots.
+                self.store._after_in_flight(lambda: self._pruner.run_after(res))
+            elif hasattr(res, "add_done_callback"):
                 res.add_done_callback(self._pruner.after)
             else:
                 self._pruner.request()

@@ -53,15 +53,17 @@ def _same_folder(got: Path, trainer_wrote: Path) -> None:
             assert (got / n).read_bytes() == (trainer_wrote / n).read_bytes(), n
 
 
-def test_ddp_saves_one_collective_snapshot_and_resume_writes_every_ranks_folder(tmp_path):
+@pytest.mark.parametrize("mode", ["keep", "async"])
+def test_ddp_saves_one_collective_snapshot_and_resume_writes_every_ranks_folder(tmp_path, mode):
     """2 ranks, saves at steps 5 and 10: one snapshot per save holding both ranks (meta
     world 2), and resume_checkpoint, collective on both ranks or from one process later,
     writes the folder the Trainer wrote at step 10: each rank's own rng_state_{r}.pth (the
     ranks' streams differ), the optimizer and scheduler, the weights and trainer_state.json.
     A snapshot that is not a Trainer's, or a missing ref: the same error on every rank,
-    nothing written, nobody left waiting."""
-    out = run_worker_scenario(WORKER, tmp_path, "keep", limit=400)
-    ranks = _ranks(out, "keep")
+    nothing written, nobody left waiting. async: TsckCallback(async_=True), each save's
+    collective snapshot taken in the background on every rank."""
+    out = run_worker_scenario(WORKER, tmp_path, mode, limit=400)
+    ranks = _ranks(out, mode)
     trainer_wrote = out / "output" / "checkpoint-10"
     with tsck.open_store(out / "store", create=False) as s:
         log = s.log("j/main")

@@ -71,12 +71,12 @@ def _error(f):
     return None
 
 
-def body_keep(rank, world, out, res, arg):
+def body_keep(rank, world, out, res, arg, cb=None):
     import tensorstore_ck as tsck
     from tensorstore_ck import hf
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # what torchrun sets besides env://
     store = tsck.open_store(os.path.join(out, "store"))
-    t = _trainer(out, rank, [hf.TsckCallback(store, job=JOB)], **(arg or {}))
+    t = _trainer(out, rank, [hf.TsckCallback(store, job=JOB, **(cb or {}))], **(arg or {}))
     t.train()
     res["folders"] = sorted(os.listdir(os.path.join(out, "output")))
     path = hf.resume_checkpoint(store, f"{JOB}/main", os.path.join(out, "again"))
@@ -93,7 +93,11 @@ def body_fsdp(rank, world, out, res, arg):
     body_keep(rank, world, out, res, {"fsdp": "full_shard"})
 
 
-SCENARIOS = {"keep": body_keep, "fsdp": body_fsdp}
+def body_async(rank, world, out, res, arg):
+    body_keep(rank, world, out, res, None, {"async_": True})
+
+
+SCENARIOS = {"keep": body_keep, "fsdp": body_fsdp, "async": body_async}
 
 
 def main():
