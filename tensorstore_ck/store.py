@@ -470,7 +470,7 @@ class Store:
             def refuse():  # (an interrupt, too, must reach the others as an abort)
                 raise e if isinstance(e, Exception) else SnapshotAborted(f"snapshot aborted: {type(e).__name__}")
             with self._bg_lock:
-                self._bg.submit(_quietly, run_put, ch, self.publisher, refuse, refuse)
+                self._inflight.append(self._bg.submit(_quietly, run_put, ch, self.publisher, refuse, refuse))
             raise
         fut = SnapshotFuture(args.ref)
         fut.set_running_or_notify_cancel()  # cancel() refuses: the other ranks expect this one
