@@ -6,7 +6,8 @@ tests/test_fsdp_manager.py.
 SCENARIO is one of:
   fsdp   FSDP2 on 2 ranks trains steps 1-6 (a snapshot at every step, keep_last=2); fresh
          models and optimizers restore_latest() and train on to step 10 on 2 ranks ("same")
-         and on 3 ranks ("grow"), each from its own copy of the store; an uninterrupted
+         on 3 ranks ("grow") and on one ("one": a 1-rank mesh, where the manager is not
+         collective), each from its own copy of the store; an uninterrupted
          10-step run on 2 ranks ("straight") into another store
   hsdp   the same with HSDP on 4 ranks (a (replicate 2, shard 2) mesh); resumed as HSDP on
          4 ranks ("hsame") and as FSDP2 on 2 ranks ("hshrink"); "hstraight" uninterrupted
@@ -78,12 +79,13 @@ def _train_step(model, opt, step: int) -> float:
 
 
 def _full_state(model, opt) -> dict:
-    """Every parameter and optimizer tensor, gathered whole (a gloo all-gather)."""
-    out = {f"model.{n}": p.full_tensor().detach() for n, p in model.named_parameters()}
+    """Every parameter and optimizer tensor, gathered whole (a gloo all-gather), copied (on a
+    1-rank mesh full_tensor() is the parameter's own memory, which training goes on changing)."""
+    out = {f"model.{n}": p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for k, v in st.items():
-            out[f"optim.{names[id(p)]}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+            out[f"optim.{names[id(p)]}.{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
     return out
 
 
@@ -123,7 +125,7 @@ def main(argv) -> int:
     os.makedirs(out, exist_ok=True)
     import tensorstore_ck as tsck
     if scenario == "fsdp":
-        big, phases = [2], [("same", [2]), ("grow", [3])]
+        big, phases = [2], [("same", [2]), ("grow", [3]), ("one", [1])]
         first, straight = "first", "straight"
     elif scenario == "hsdp":
         big, phases = [2, 2], [("hsame", [2, 2]), ("hshrink", [2])]
