@@ -48,7 +48,7 @@ JOB = "fsdp2"
 
 
 def build(world: int):
-    """The model (every Linear and the whole a FSDP2 unit on a 1-D mesh of `world` ranks) and Adam."""
+    """The model (each Linear and the whole model an FSDP2 unit, on a 1-D mesh of `world` ranks) and Adam."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
