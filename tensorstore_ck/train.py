@@ -104,6 +104,30 @@ class TrainState:
             "rng": capture_rng(self.numpy_generators),
         }
 
+    def checkout_targets(self) -> dict:
+        """The into= tree that checks this state out into its live objects: modules and
+        optimizers as themselves (tensors filled in place, a DTensor's local shard from the
+        blocks it needs only; then their load_state_dict(); a fresh optimizer over DTensor
+        parameters gets DTensor state), the rest read as stored. FSDP2 needs it: a sharded
+        model refuses whole plain tensors in load_state_dict. load_checked_out() finishes."""
+        def live(obj):
+            return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+        return {"step": None, **{k: v if live(v) else None for k, v in self.components.items()},
+                "objects": {k: v if live(v) else None for k, v in self.objects.items()}, "rng": None}
+
+    def load_checked_out(self, sd: dict) -> None:
+        """The tree checkout(into=checkout_targets()) returned: what it did not load already."""
+        for k, v in self.components.items():
+            if k not in sd:
+                raise InvalidArgument(f"snapshot has no {k!r} to restore")
+            if sd[k] is not v:
+                v.load_state_dict(sd[k])
+        for k, v in self.objects.items():
+            if sd["objects"][k] is not v:
+                v.load_state_dict(sd["objects"][k])
+        restore_rng(sd["rng"], self.numpy_generators)
+        self.step = sd["step"]
+
     def load_state_dict(self, sd: dict) -> None:
         for k, v in self.components.items():
             if k not in sd:
@@ -401,8 +425,8 @@ class CheckpointManager:
                 raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
                                   f"store at {self.store.url}; {held}")
             return None
-        sd = self.store.checkout(history[0].root, **self._local())
-        state.load_state_dict(sd)
+        sd = self.store.checkout(history[0].root, into=state.checkout_targets(), **self._local())
+        state.load_checked_out(sd)
         self._restored(state, history)
         return state.step
 
@@ -421,7 +445,7 @@ class CheckpointManager:
         part of it) even if the ref moves meanwhile, and resumes at the same step. No
         snapshot: RefNotFound on every rank alike, so every rank returns None alike."""
         try:
-            sd = self.store.checkout(self.ref, group=self.group)
+            sd = self.store.checkout(self.ref, into=state.checkout_targets(), group=self.group)
         except RefNotFound:
             if must_exist:
                 names = sorted(self.store.refs())
@@ -430,7 +454,7 @@ class CheckpointManager:
                 raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
                                   f"store at {self.store.url}; {held}") from None
             return None
-        state.load_state_dict(sd)
+        state.load_checked_out(sd)
         history = []
         if self.on_metric is not None:  # the best so far (rank 0's decides; the others' are kept alike)
             try:
