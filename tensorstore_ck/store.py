@@ -428,8 +428,21 @@ class Store:
                 return self._publish(plan, args)
             with _bytes_bar("put", sum(b - a for leaf in plan.leaves for a, b in leaf.ranges)) as bar:
                 return self._publish(plan, args, progress=bar.update)
-        if not self._slots.acquire(blocking=(when_busy or self.when_busy) == "wait"):
+        buf = self._stage(plan, wait=(when_busy or self.when_busy) == "wait")
+        if buf is None:
             self.skipped += 1
+            return None
+        fut = SnapshotFuture(args.ref)
+        with self._bg_lock:
+            self._bg.submit(self._publish_staged, fut, buf, plan, args)
+            self._inflight.append(fut)
+        return fut
+
+    def _stage(self, plan, *, wait: bool):
+        """Take one of the max_inflight slots (wait for one, or None when none is free and
+        not wait) and copy the plan's bytes into a staging buffer -> the buffer. The slot and
+        buffer go back when the background publisher is done with the snapshot."""
+        if not self._slots.acquire(blocking=wait):
             return None
         try:
             buf = self._staging.take(plan.staged_bytes)
@@ -437,11 +450,7 @@ class Store:
         except BaseException:
             self._slots.release()
             raise
-        fut = SnapshotFuture(args.ref)
-        with self._bg_lock:
-            self._bg.submit(self._publish_staged, fut, buf, plan, args)
-            self._inflight.append(fut)
-        return fut
+        return buf
 
     def _put_collective_async(self, state, prepare, allow_pickle, when_busy, group, timeout):
         """blocking=False under torch.distributed: stage this rank's state on the caller's
@@ -459,13 +468,7 @@ class Store:
                     "when_busy='skip' cannot apply to a collective snapshot: the ranks would skip different ones; "
                     "pass when_busy='wait' (an asynchronous collective put waits for a free slot)")
             plan = self.planner(allow_pickle, defer_device=True).plan(state)
-            self._slots.acquire()
-            try:
-                buf = self._staging.take(plan.staged_bytes)
-                plan.stage(buf)
-            except BaseException:
-                self._slots.release()
-                raise
+            buf = self._stage(plan, wait=True)
         except BaseException as e:
             def refuse():  # (an interrupt, too, must reach the others as an abort)
                 raise e if isinstance(e, Exception) else SnapshotAborted(f"snapshot aborted: {type(e).__name__}")
