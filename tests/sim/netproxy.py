@@ -295,7 +295,10 @@ class NetProxy:
                     self._after_fault()
                     break
                 k.c.sendall(data)
-                if k.dark_after:
+                # The blackout starts once the whole answer is through: it ends with
+                # PostgreSQL's ReadyForQuery ('Z', length 5, status); a reply the server
+                # sent in pieces would otherwise be cut after its first one.
+                if k.dark_after and data[-6:-1] == b"Z\x00\x00\x00\x05":
                     k.dark_after = False
                     self._after_fault()
         except OSError:
