@@ -81,6 +81,7 @@ class CountingKV:
 
     def reset(self) -> None:
         self.requests = self.bytes = 0
+        self.polls = 0  # of the requests, those that only look (check, add 0): how often it waited
         self.t_hello = self.t_out = None
         self.c_hello = self.c_out = None  # this thread's CPU time then (rank 0 makes both calls itself)
 
@@ -103,6 +104,7 @@ class CountingKV:
     def add(self, key, n):
         v = self.inner.add(key, n)
         self._count(len(key) + 16)  # the increment out, the count back
+        self.polls += n == 0
         if n and key.endswith("/hello_n"):
             self.t_hello, self.c_hello = time.monotonic(), time.thread_time()
         return v
@@ -110,6 +112,7 @@ class CountingKV:
     def check(self, keys):
         v = self.inner.check(keys)
         self._count(sum(len(k) for k in keys) + 1)
+        self.polls += 1
         return v
 
     def compare_set(self, key, expected, desired):
@@ -302,6 +305,7 @@ class Harness:
         coord = kv0.t_out - max(hellos) if kv0.t_out is not None and None not in hellos else None
         ccpu = kv0.c_out - kv0.c_hello if kv0.c_out is not None and kv0.c_hello is not None else None
         return {"world": len(ranks), "requests": [rk.kv.requests for rk in ranks],
+                "polls": [rk.kv.polls for rk in ranks],
                 "bytes": [rk.kv.bytes for rk in ranks], "cpu0": cpu0, "cpu0_coord": ccpu, "coord": coord,
                 "wall": wall}
 
@@ -337,7 +341,7 @@ def _mean(xs) -> float:
 
 
 def table(results: list) -> str:
-    lines = ["| W | N/rank | scenario | Store requests/rank: mean (max) | Store bytes/rank: mean (max) | Store bytes, "
+    lines = ["| W | N/rank | scenario | Store requests/rank: mean (max); polls: mean | Store bytes/rank: mean (max) | Store bytes, "
              "all | rank 0 CPU s: call (hello→outcome) | last hello→outcome s | wall s | nodes read/rank: mean (max) "
              "| bytes read/rank: mean (max) | checkout CPU s/rank: mean (max) | ranks read |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -351,7 +355,8 @@ def table(results: list) -> str:
                          "all" if len(r["readers"]) == r["world"] else ", ".join(map(str, r["readers"])))
             coord = "" if r["coord"] is None else f"{r['coord']:.2f}"
             ccpu = "" if r["cpu0_coord"] is None else f" ({r['cpu0_coord']:.2f})"
-            lines.append(f"| {r['world']} | {N} | {sc} | {_mean(r['requests']):.1f} ({max(r['requests'])}) | "
+            lines.append(f"| {r['world']} | {N} | {sc} | {_mean(r['requests']):.1f} ({max(r['requests'])}); "
+                         f"{_mean(r['polls']):.1f} | "
                          f"{_mean(r['bytes']) / 1e3:.2f} KB ({max(r['bytes']) / 1e3:.1f} KB) | "
                          f"{sum(r['bytes']) / 1e6:.2f} MB | {r['cpu0']:.2f}{ccpu} | {coord} | {r['wall']:.1f} | "
                          f"{reads[0]} | {reads[1]} | {reads[2]} | {reads[3]} |")
