@@ -81,7 +81,7 @@ class CountingKV:
 
     def reset(self) -> None:
         self.requests = self.bytes = 0
-        self.polls = 0  # of the requests, those that only look (check, add 0): how often it waited
+        self.polls = self.poll_bytes = 0  # of the requests, those that only look (check, add 0): it waited
         self.t_hello = self.t_out = None
         self.c_hello = self.c_out = None  # this thread's CPU time then (rank 0 makes both calls itself)
 
@@ -104,7 +104,9 @@ class CountingKV:
     def add(self, key, n):
         v = self.inner.add(key, n)
         self._count(len(key) + 16)  # the increment out, the count back
-        self.polls += n == 0
+        if n == 0:
+            self.polls += 1
+            self.poll_bytes += len(key) + 16
         if n and key.endswith("/hello_n"):
             self.t_hello, self.c_hello = time.monotonic(), time.thread_time()
         return v
@@ -113,6 +115,7 @@ class CountingKV:
         v = self.inner.check(keys)
         self._count(sum(len(k) for k in keys) + 1)
         self.polls += 1
+        self.poll_bytes += sum(len(k) for k in keys) + 1
         return v
 
     def compare_set(self, key, expected, desired):
@@ -305,7 +308,7 @@ class Harness:
         coord = kv0.t_out - max(hellos) if kv0.t_out is not None and None not in hellos else None
         ccpu = kv0.c_out - kv0.c_hello if kv0.c_out is not None and kv0.c_hello is not None else None
         return {"world": len(ranks), "requests": [rk.kv.requests for rk in ranks],
-                "polls": [rk.kv.polls for rk in ranks],
+                "polls": [rk.kv.polls for rk in ranks], "poll_bytes": [rk.kv.poll_bytes for rk in ranks],
                 "bytes": [rk.kv.bytes for rk in ranks], "cpu0": cpu0, "cpu0_coord": ccpu, "coord": coord,
                 "wall": wall}
 
