@@ -156,7 +156,7 @@ class StoreGroup:
     name: the key prefix of the group's calls in the Store."""
 
     def __init__(self, kv, rank: int, world: int, name: str = "kv"):
-        if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
+        if not (type(world) is int and world >= 1 and type(rank) is int and 0 <= rank < world):  # (not a bool)
             raise InvalidArgument(f"StoreGroup: rank must be in [0, world) and world >= 1, got rank={rank!r}, "
                                   f"world={world!r}")
         if not isinstance(name, str) or not name or "/" in name:
