@@ -403,9 +403,10 @@ def projection(results: list, *, world: int = 8192, tensors: int = 4600) -> str:
         lines.append("Waiting is polling: a waiting rank made " + ", ".join(
             f"{x:.1f}" for _W, _N, _sc, x in rates) + " polls per second of the snapshot's wall time ("
             + ", ".join(f"W={W} N={N} {sc}" for W, N, sc, _x in rates) + "; bounded here by the GIL the "
-            "simulated ranks share; on its own host a rank polls up to ~40 requests/s: two per <= 50 ms), so a "
-            "rank's requests grow with how long it waits, whoever it waits for; at W = "
-            f"{world:,} that is up to ~{40 * world / 1e3:.0f} k requests/s on the Store while the ranks wait.")
+            "simulated ranks share; on its own host a rank in a long wait polls ~40 requests/s or more: two or three "
+            "per <= 50 ms, more at the start of each wait, whose backoff starts at 1 ms), so a rank's requests grow "
+            f"with how long it waits, whoever it waits for; at W = {world:,} that is ~{40 * world / 1e3:.0f} k "
+            "requests/s or more on the Store while the ranks wait.")
     return "\n".join(lines)
 
 
