@@ -375,8 +375,8 @@ def _lstsq(xs: list, ys: list) -> list:
 
 def projection(results: list, *, world: int = 8192, tensors: int = 4600) -> str:
     """Fit, on the "second" snapshots (a repeated layout, nobody late):
-        Store bytes per rank (mean) = a + b*N     (a: the fixed keys; b: per piece, sent in the
-                                                   rank's hello and read back by rank 0)
+        Store bytes per rank (mean, polls apart) = a + b*N   (a: the fixed keys; b: per piece,
+                                                   sent in the rank's hello and read back by rank 0)
         rank 0 CPU, hello->outcome  = c*W*N + d*W (c: per piece it decodes, tiles and indexes;
                                                    d: per rank it reads and checks)
     and project to `world` ranks of `tensors` sharded tensors each: 5 TB under FSDP, where
@@ -386,12 +386,14 @@ def projection(results: list, *, world: int = 8192, tensors: int = 4600) -> str:
     pts = [(W, N, r["second"]) for (W, N), r in results if "second" in r]
     if len({N for _W, N, _r in pts}) < 2 or len({W for W, _N, _r in pts}) < 2:
         return "(the projection needs two values of W and of N)"
-    a, b = _lstsq([[1.0, N] for _W, N, _r in pts], [_mean(r["bytes"]) for _W, N, r in pts])
+    # polls apart: their bytes follow the wait, not the layout
+    a, b = _lstsq([[1.0, N] for _W, N, _r in pts],
+                  [_mean([x - y for x, y in zip(r["bytes"], r["poll_bytes"])]) for _W, N, r in pts])
     c, d = _lstsq([[W * N, W] for W, N, _r in pts], [r["cpu0_coord"] for W, N, r in pts])
     per_rank = a + b * tensors
     cpu = c * world * tensors + d * world
     lines = [
-        f"Fit on the 'second' rows (a repeated layout): Store bytes/rank = {a:.0f} B + {b:.1f} B x N; "
+        f"Fit on the 'second' rows (a repeated layout): Store bytes/rank, polls apart = {a:.0f} B + {b:.1f} B x N; "
         f"rank 0 CPU from its hello to the result = {c * 1e6:.2f} us x W x N + {d * 1e3:.3f} ms x W.",
         f"Projected to W = {world:,} ranks x N = {tensors:,} tensors per rank (5 TB under FSDP): "
         f"{per_rank / 1e3:.0f} KB per rank and {per_rank * world / 1e9:.2f} GB through the one Store per snapshot, "
