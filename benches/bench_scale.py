@@ -38,7 +38,8 @@ request counts in "late" are then a lower bound at large W). Counts of bytes, no
 requests outside "late" do not depend on speed.
 
 Usage:
-    .venv/bin/python benches/bench_scale.py | tee benches/results/scale.txt          # full (~30 min)
+    .venv/bin/python benches/bench_scale.py --worlds 64 256 --tensors 100 1000 --also 1024x100 \
+        | tee benches/results/scale.txt              # docs/PERFORMANCE.md's figures (~1.5 h on 2 cores)
     .venv/bin/python benches/bench_scale.py --worlds 64 --tensors 100 --late 0.5     # smoke run
 """
 
@@ -344,9 +345,10 @@ def _mean(xs) -> float:
 
 
 def table(results: list) -> str:
-    lines = ["| W | N/rank | scenario | Store requests/rank: mean (max); polls: mean | Store bytes/rank: mean (max) | Store bytes, "
-             "all | rank 0 CPU s: call (hello→outcome) | last hello→outcome s | wall s | nodes read/rank: mean (max) "
-             "| bytes read/rank: mean (max) | checkout CPU s/rank: mean (max) | ranks read |",
+    lines = ["| W | N/rank | scenario | Store requests/rank: mean (max); polls: mean | Store bytes/rank: mean (max) "
+             "| Store bytes, all | rank 0 CPU s: call (hello→outcome) | last hello→outcome s | wall s "
+             "| nodes read/rank: mean (max) | bytes read/rank: mean (max) | checkout CPU s/rank: mean (max) "
+             "| ranks read |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (_W, N), rows in results:
         for sc, r in rows.items():

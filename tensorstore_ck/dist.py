@@ -52,8 +52,8 @@ from .ids import Digest
 from .shard import find_overlap
 from .validate import UNSET
 
-__all__ = ["collective_put", "begin_put", "run_put", "collective_checkout", "is_collective", "CollectiveContext", "CALLS",
-           "StoreGroup"]
+__all__ = ["collective_put", "begin_put", "run_put", "collective_checkout", "is_collective", "CollectiveContext",
+           "CALLS", "StoreGroup"]
 
 AUTO = object()
 
