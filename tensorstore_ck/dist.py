@@ -52,7 +52,8 @@ from .ids import Digest
 from .shard import find_overlap
 from .validate import UNSET
 
-__all__ = ["collective_put", "begin_put", "run_put", "collective_checkout", "is_collective", "CollectiveContext", "CALLS"]
+__all__ = ["collective_put", "begin_put", "run_put", "collective_checkout", "is_collective", "CollectiveContext",
+           "CALLS", "StoreGroup"]
 
 AUTO = object()
 
@@ -143,21 +144,46 @@ def is_collective(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+class StoreGroup:
+    """A collective group given as (a c10d Store client, this member's rank, the world
+    size), for group= of put_snapshot and checkout, instead of a torch.distributed process
+    group: the protocol only ever talks through the Store, so members that share one
+    (a torch.distributed.TCPStore, each with its own client) can make collective calls
+    without a process group. This is how benches/bench_scale.py runs thousands of ranks
+    as threads of one process (a process group cannot be initialised per thread). Each
+    member must also count its calls in a CollectiveContext of its own (a Store's
+    `_collective`): CALLS is per process, and the simulated ranks share one process.
+    name: the key prefix of the group's calls in the Store."""
+
+    def __init__(self, kv, rank: int, world: int, name: str = "kv"):
+        if not (type(world) is int and world >= 1 and type(rank) is int and 0 <= rank < world):  # (not a bool)
+            raise InvalidArgument(f"StoreGroup: rank must be in [0, world) and world >= 1, got rank={rank!r}, "
+                                  f"world={world!r}")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise InvalidArgument(f"StoreGroup: name must be a non-empty string without '/', got {name!r}")
+        self.kv, self.rank, self.world, self.name = kv, rank, world, name
+
+
 class _Channel:
     """Keys under one prefix in the c10d Store, waited on with a deadline."""
 
     def __init__(self, ctx: CollectiveContext, group, op: str, timeout: float, kv=None):
-        dist = _dist()
-        g = None if group in (AUTO, None, True) else group
-        self.rank = dist.get_rank(g)
-        if self.rank < 0:  # (torch's answer for a process outside the group) before it counts a call
-            raise InvalidArgument(
-                f"this process (global rank {dist.get_rank()}) is not a member of the process group passed as "
-                "group=: a collective put_snapshot or checkout is made by the group's members only (group=False "
-                "for this process alone); nothing was written")
-        self.world = dist.get_world_size(g)
-        self.kv = kv if kv is not None else dist.distributed_c10d._get_default_store()
-        gid = "world" if g is None else "g" + "-".join(map(str, dist.get_process_group_ranks(g)))
+        if isinstance(group, StoreGroup):  # no torch.distributed at all: the group says it all
+            self.rank, self.world = group.rank, group.world
+            self.kv = kv if kv is not None else group.kv
+            gid = group.name
+        else:
+            dist = _dist()
+            g = None if group in (AUTO, None, True) else group
+            self.rank = dist.get_rank(g)
+            if self.rank < 0:  # (torch's answer for a process outside the group) before it counts a call
+                raise InvalidArgument(
+                    f"this process (global rank {dist.get_rank()}) is not a member of the process group passed as "
+                    "group=: a collective put_snapshot or checkout is made by the group's members only "
+                    "(group=False for this process alone); nothing was written")
+            self.world = dist.get_world_size(g)
+            self.kv = kv if kv is not None else dist.distributed_c10d._get_default_store()
+            gid = "world" if g is None else "g" + "-".join(map(str, dist.get_process_group_ranks(g)))
         self.ctx, self.key = ctx, (gid, op)
         self.seq = ctx.next(self.key)
         self.base = f"tsck/{gid}/{op}/"
