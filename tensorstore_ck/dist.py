@@ -485,8 +485,7 @@ def _outcome_round(ch: _Channel, body, what: str):
 def collective_put(publisher, ctx: CollectiveContext, state, *, planner, prepare, group, timeout, kv=None):
     """One snapshot of every rank's `state`, published once by rank 0 through `publisher`.
     prepare() -> SnapshotArgs checks the arguments (on every rank, inside the collective)."""
-    ch = _open_channel(ctx, group, "put", timeout, kv)
-    return run_put(ch, publisher, prepare, lambda: planner.plan(state))
+    return run_put(begin_put(ctx, group, timeout, kv), publisher, prepare, lambda: planner.plan(state))
 
 
 def begin_put(ctx: CollectiveContext, group, timeout: float, kv=None) -> "_Channel":
