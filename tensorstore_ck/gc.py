@@ -15,17 +15,23 @@ The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argumen
 5. freeze   bump the deletion epoch to odd (phase "deleting"): from here on a writer's
             ref move fenced on an older epoch is refused; it re-validates the objects
             it references (re-uploading any that are gone) and retries.
-6. re-mark  walk the commits published since step 3: they may reuse candidates.
+6. re-mark  walk the commits published since step 3 (or the last re-mark): they may
+            reuse candidates.
 7. sweep    delete candidates not re-marked: commits, then nodes, then blocks; no
             delete request starts unless it ends, at the storage's request timeout,
-            a margin before the lease could have run out.
+            a margin before the lease could have run out. After PHASE_OBJECTS
+            deletions or PHASE_SECONDS of them, thaw (epoch even, lock kept) and
+            go back to 5: a writer a phase fences waits for that phase only.
 8. finish   bump the epoch to even (phase "idle").
 
 plan_gc does 2-4 (a dry run stops there), execute_gc 5-8; run_gc composes them
 under the lock and its lease. prune_job is the same protocol for one job's rules
 (what a CheckpointManager runs after each snapshot): its candidates are the
 objects of the snapshots it expired that no kept snapshot reaches, found by
-walking those snapshots instead of listing storage. Reachability (mark, the packed set of reached
+walking those snapshots instead of listing storage; it also applies the rules
+of every job whose prune found the lock taken and queued itself in the ref
+table (RefTable.prune_request), so no job's retention waits on winning the
+lock. Reachability (mark, the packed set of reached
 addresses, the streaming of unreachable objects) is in reach.py; every key is
 assets.py's. Candidates are spooled to a temporary file, not held in memory. A
 stored name that is not a well-formed key (a stray) is reported, never deleted.
