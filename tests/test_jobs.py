@@ -34,7 +34,7 @@ WORKER = HERE / "helpers" / "jobs_worker.py"
 
 
 def run_jobs(tmp_path: Path, store: str, jobs: int, steps: int, *, keep: int = 2, interval: float = 0.0,
-             deadline: float = 600.0) -> list[dict]:
+             deadline: float = 1800.0) -> list[dict]:
     """Start `jobs` worker processes, release them together, wait for all; their reports."""
     tsck.open_store(store).close()
     bar = tmp_path / "barrier"
