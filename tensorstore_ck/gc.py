@@ -15,17 +15,23 @@ The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argumen
 5. freeze   bump the deletion epoch to odd (phase "deleting"): from here on a writer's
             ref move fenced on an older epoch is refused; it re-validates the objects
             it references (re-uploading any that are gone) and retries.
-6. re-mark  walk the commits published since step 3: they may reuse candidates.
+6. re-mark  walk the commits published since step 3 (or the last re-mark): they may
+            reuse candidates.
 7. sweep    delete candidates not re-marked: commits, then nodes, then blocks; no
             delete request starts unless it ends, at the storage's request timeout,
-            a margin before the lease could have run out.
+            a margin before the lease could have run out. After PHASE_OBJECTS
+            deletions or PHASE_SECONDS of them, thaw (epoch even, lock kept) and
+            go back to 5: a writer a phase fences waits for that phase only.
 8. finish   bump the epoch to even (phase "idle").
 
 plan_gc does 2-4 (a dry run stops there), execute_gc 5-8; run_gc composes them
 under the lock and its lease. prune_job is the same protocol for one job's rules
 (what a CheckpointManager runs after each snapshot): its candidates are the
 objects of the snapshots it expired that no kept snapshot reaches, found by
-walking those snapshots instead of listing storage. Reachability (mark, the packed set of reached
+walking those snapshots instead of listing storage; it also applies the rules
+of every job whose prune found the lock taken and queued itself in the ref
+table (RefTable.prune_request), so no job's retention waits on winning the
+lock. Reachability (mark, the packed set of reached
 addresses, the streaming of unreachable objects) is in reach.py; every key is
 assets.py's. Candidates are spooled to a temporary file, not held in memory. A
 stored name that is not a well-formed key (a stray) is reported, never deleted.
@@ -43,6 +49,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError, UnreadableObject
 from .progress import progress_bar
 from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots, mark
@@ -58,6 +66,11 @@ __all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "prune_job",
 
 DEFAULT_LEASE = 120.0        # seconds a gc holds the store between two renewals
 SWEEP_BATCH = 512            # deletes between two checks of the lock
+# A deletion phase ends after this many deletions or this many seconds of deleting,
+# whichever comes first, and the next one opens after it (re-marking first): a writer
+# that a phase fences waits for that one phase, not for the whole sweep.
+PHASE_OBJECTS = 8192
+PHASE_SECONDS = 1.0
 
 
 @dataclass
@@ -76,6 +89,9 @@ class GCReport:
     strays: list = field(default_factory=list)        # stored names that are no object key (kept)
     malformed_rows: list = field(default_factory=list)  # root hex of catalog rows that do not decode (kept)
     reflog_compacted: int = 0                         # history records of snapshots no longer kept, removed
+    phases: int = 0                                   # deletion phases opened (writers fenced in each)
+    jobs: list = field(default_factory=list)          # prune: the jobs whose rules it applied (its own and
+                                                      # those queued because they found the store busy)
     snapshots: list = field(default_factory=list)     # dry run: per snapshot {root, ref, job, step, time,
                                                       # metrics, keep, why}: what retention decides and why
     seconds: float = 0.0
@@ -133,13 +149,14 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
     rep = GCReport(dry_run=dry_run)
     refs = store.reftable
     rules = refs.retention_all()
+    queued = {} if dry_run else refs.prune_requests()  # every job's rules apply: read before the catalog
     bad: list = []
     decisions = retention_plan(store, refs.wall_now(), rules, bad)  # ages on the table's clock, like commits
     doomed = [d["root"] for d in decisions if not d["keep"]]
     if dry_run:  # what was decided for each snapshot and why (tsck gc --dry-run prints it)
         rep.snapshots = [{**d, "root": d["root"].hex()} for d in decisions]
     rep.malformed_rows = [r.hex() for r, _e in bad]
-    expired = doomed if dry_run else refs.catalog_expire(doomed, rules=rules)
+    expired = doomed if dry_run else refs.catalog_expire(doomed, rules=rules, served=queued)
     rep.expired = [r.hex() for r in expired]
     if not dry_run:
         # The history follows what is kept: log(), REF@STEP and restore_latest() then
@@ -183,29 +200,63 @@ def _dry_report(store, plan: GCPlan) -> GCReport:
     return rep
 
 
-def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -> GCReport:
-    """Steps 5-7: freeze (epoch odd), re-mark what was published since the plan's mark,
-    delete the candidates nothing reaches, each request within the lease."""
+def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
+               phase_objects: int = PHASE_OBJECTS, phase_seconds: float = PHASE_SECONDS) -> GCReport:
+    """Steps 5-8, in deletion phases of at most `phase_objects` deletions or
+    `phase_seconds` of deleting: each phase freezes (epoch odd), re-marks what was
+    published since the plan's mark or the last re-mark, deletes a share of the
+    candidates that nothing reaches, each request within the lease, and thaws
+    (epoch even) keeping the lock. Writers a phase fences wait for that phase only."""
     rep = plan.report
     if rep.candidates == 0:
         # Nothing to delete: no deletion phase, so writers are not fenced. (A gc loop
         # that froze on every run kept a writer re-validating; benches/bench_gc_put.py.)
         rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
         return rep
-    lease.removed = {}  # every deletion is noted (a phase that moves objects aside notes none: None)
-    lease.freeze()
-    log.info("gc %s: deletion phase began (writers are fenced): %d candidates", lease.owner, rep.candidates)
-    extra, extra_visited = Marked(), set(plan.visited)
-    mark(store, kept_roots(store) - plan.kept, extra, extra_visited)
-    extra.freeze()
     bar = progress_bar(progress, "gc: sweep", total=rep.candidates)
-    rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
+    walked, visited = set(plan.kept), set(plan.visited)
+    remarks: list[Marked] = []  # one per phase: what the commits published meanwhile reach
+    phase = {"open": False, "deleted": 0, "t0": 0.0}
+
+    def open_phase() -> None:
+        lease.removed = {}  # every deletion is noted (a phase that moves objects aside notes none: None)
+        lease.freeze()
+        rep.phases += 1
+        log.info("gc %s: deletion phase %d began (writers are fenced): %d candidates left", lease.owner,
+                 rep.phases, rep.candidates - rep.deleted_objects - rep.rescued)
+        # Every commit kept now and not yet walked (published since the plan's mark, or since
+        # the last phase's re-mark): what it reaches is kept. Walks of earlier phases still
+        # count: their marks only keep more.
+        new = kept_roots(store) - walked
+        extra = Marked()
+        mark(store, new, extra, visited)
+        extra.freeze()
+        walked.update(new)
+        remarks.append(extra)
+        if rep.phases == 1:
+            rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
+        phase.update(open=True, deleted=0, t0=time.monotonic())
+
+    def close_phase() -> None:
+        st = lease.thaw()
+        phase["open"] = False
+        if st is not None:
+            before, after, removed = st
+            if removed is not None:
+                # This process ran the only deletion phase between the two even epochs and
+                # knows all it deleted: the presence record survives it less those.
+                store.assets.presence.carry(before, after, removed)
 
     def sweep(kind: str, batch: list) -> None:
+        if not phase["open"]:
+            open_phase()
         digests = [bytes.fromhex(h) for h, _s in batch]
+        live = np.zeros(len(digests), dtype=bool)
+        for extra in remarks:
+            live |= extra.contains(kind, digests)
         todo = []
-        for d, (_h, size), live in zip(digests, batch, extra.contains(kind, digests)):
-            if live:
+        for d, (_h, size), is_live in zip(digests, batch, live):
+            if is_live:
                 rep.rescued += 1
             else:
                 todo.append((d, int(size)))
@@ -219,14 +270,19 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
         lease.note_removed(kind, ds)
         for _d, size in todo:
             _count(rep, kind, size)
+        phase["deleted"] += len(ds)
         if bar is not None:
             bar.update(len(batch))
             bar.set_postfix_str(f"{rep.deleted_bytes / 2**20:.1f} MiB freed", refresh=False)
+        if phase["deleted"] >= phase_objects or time.monotonic() - phase["t0"] >= phase_seconds:
+            store.storage.sync()  # what this phase deleted is gone before writers may look again
+            close_phase()
 
+    limit = max(1, min(SWEEP_BATCH, phase_objects))
     kind, batch = None, []
     for line in plan.spool:
         k, hexd, size = line.split()
-        if batch and (len(batch) >= SWEEP_BATCH or k != kind):
+        if batch and (len(batch) >= limit or k != kind):
             sweep(kind, batch)
             batch = []
             lease.check()  # raises if another gc took the lock over: stop deleting
@@ -237,6 +293,8 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False) -
     if bar is not None:
         bar.close()
     store.storage.sync()
+    if phase["open"]:
+        close_phase()
     return rep
 
 
@@ -265,7 +323,8 @@ def _refuse_if_the_ref_table_knows_nothing(store) -> None:
 
 
 def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float = DEFAULT_LEASE,
-           renew_every: float | None = None, grace: float = 0.0) -> GCReport:
+           renew_every: float | None = None, grace: float = 0.0, phase_objects: int = PHASE_OBJECTS,
+           phase_seconds: float = PHASE_SECONDS) -> GCReport:
     """1-8: take the lock under a lease (not for a dry run), plan, execute, release.
     grace: objects younger than this (seconds) are left alone, so a writer whose
     snapshot is in flight keeps its new, not yet referenced objects (the fence keeps
@@ -291,7 +350,8 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
                        beat=hold)
         log.info("gc %s: marked; %d snapshots expired, %d kept, %d candidates", owner, len(plan.report.expired),
                  plan.report.kept_snapshots, plan.report.candidates)
-        rep = execute_gc(store, plan, lease=hold, progress=progress)
+        rep = execute_gc(store, plan, lease=hold, progress=progress, phase_objects=phase_objects,
+                         phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_gc": {"at": refs.wall_now(), "deleted": rep.deleted_objects}}
     log.info("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
@@ -299,14 +359,17 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
     return rep
 
 
-def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None) -> GCReport:
-    """Expire what `job`'s retention drops and delete the objects only those snapshots
-    held, under the gc lock and with gc's protocol (freeze, re-mark what was published
-    meanwhile, fenced writers), so it is safe beside writers and an offline gc (GcBusy
-    while one holds the lock). Storage is not listed: the candidates are the expired
-    snapshots' own objects that the mark of every kept snapshot does not reach. What
-    a killed prune leaves (expired rows whose objects were not yet deleted) is garbage
-    the next `tsck gc` reclaims."""
+def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
+              phase_objects: int = PHASE_OBJECTS, phase_seconds: float = PHASE_SECONDS) -> GCReport:
+    """Expire what `job`'s retention drops, and what the rules of every job whose
+    prune is queued (RefTable.prune_request: it found the store busy) drop, and delete
+    the objects only those snapshots held, under the gc lock and with gc's protocol
+    (short deletion phases, each re-marking what was published meanwhile, fenced
+    writers), so it is safe beside writers and an offline gc (GcBusy while one holds
+    the lock). Storage is not listed: the candidates are the expired snapshots' own
+    objects that the mark of every kept snapshot does not reach. What a killed prune
+    leaves (expired rows whose objects were not yet deleted) is garbage the next
+    `tsck gc` reclaims."""
     t_start = time.time()
     refs = store.reftable
     rep = GCReport(dry_run=False)
@@ -316,9 +379,14 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
         return rep
     with holding_gc_lock(store, lease=lease, role="prune:", renew_every=renew_every) as hold:
         began = store.storage.clock_now()
+        # The jobs whose prunes found the store busy are served here too, read before the
+        # catalog is (their requests cover the snapshots committed before them).
+        queued = refs.prune_requests()
+        jobs = sorted({job} | (set(queued) & set(rules)))
+        rep.jobs = jobs
         bad: list = []
-        doomed = plan_expiry(store, refs.wall_now(), {job: rules[job]}, bad)
-        expired = refs.catalog_expire(doomed, rules=rules) if doomed else []
+        doomed = plan_expiry(store, refs.wall_now(), {j: rules[j] for j in jobs}, bad)
+        expired = refs.catalog_expire(doomed, rules=rules, served=queued) if doomed or queued else []
         rep.expired = [r.hex() for r in expired]
         if not expired:
             hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": 0}}
@@ -349,7 +417,8 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
                     spool.write(f"{kind} {d.hex()} {found[kind][d]}\n")
                     rep.candidates += 1
         spool.seek(0)
-        rep = execute_gc(store, GCPlan(began, k0, marked, visited, spool, rep), lease=hold)
+        rep = execute_gc(store, GCPlan(began, k0, marked, visited, spool, rep), lease=hold,
+                         phase_objects=phase_objects, phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
     log.info("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
@@ -473,6 +542,21 @@ class Lease:
             time.sleep(min(0.05, st["held"]))
         if told:
             log.info("gc %s: writers' holds gone after %.2fs", self.owner, time.monotonic() - t0)
+
+    def thaw(self):
+        """Close the deletion phase freeze() opened (epoch even) and keep the lock. ->
+        (the even epoch the phase closed, the even epoch now, the objects it deleted or
+        None when not all were noted), or None if no phase was open."""
+        if self.froze_from is None:
+            return None
+        self.check()
+        m0 = time.monotonic()
+        st = self.refs.gc_thaw(self.owner)
+        with self._lock:
+            self.until = max(self.until, m0 + self.seconds)
+        out = (self.froze_from, st["epoch"], self.removed)
+        self.froze_from, self.removed = None, None
+        return out
 
     def note_removed(self, kind: str, digests) -> None:
         """Objects this phase deleted (gc's sweep): with all of them known at the finish,

@@ -226,11 +226,16 @@ class Publisher:
         """Wait until no gc deletion phase is running (closing a dead gc's phase once
         its lease ran out on the ref table's clock: the gc's own declaration, never this
         process's opinion); the even epoch, as a new fence. With `hold`, take that gc
-        hold in the same transaction that finds the epoch even."""
+        hold at once (so the gc's next deletion phase waits for this writer) and return
+        the epoch read in the transaction that renews it and finds it even."""
         t0, told = time.monotonic(), False
+        held_at = None  # when the hold was last taken or renewed (monotonic)
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         while True:
-            if hold is not None:
+            # The hold is taken at once, even while a phase runs (the gc's next phase then
+            # waits for this writer), and renewed while waiting; the epoch is polled by reads.
+            if hold is not None and (held_at is None or time.monotonic() - held_at >= HOLD_SECONDS / 4):
+                held_at = time.monotonic()
                 epoch = self.reftable.gc_hold(hold)
                 if epoch is not None:
                     if told:
@@ -239,7 +244,8 @@ class Publisher:
             st = self.reftable.gc_state()
             if st["epoch"] % 2 == 0:
                 if hold is not None:
-                    continue  # it ended between the two reads: take the hold
+                    held_at = None
+                    continue  # it ended: take the hold (it is ours already; this reads the new fence)
                 if told:
                     log.info("gc deletion phase over after %.2fs; going on", time.monotonic() - t0)
                 return st["epoch"]

@@ -151,9 +151,12 @@ class CheckpointManager:
     snapshot a thread of the manager's own expires what the rules drop and deletes
     what only those snapshots held (store.prune: gc's protocol for one job, safe
     beside other writers and `tsck gc`), so the job's storage stays bounded by its
-    rules without stalling the training step. A prune that fails is logged (logger
-    tensorstore_ck) and kept in `prune_errors`; the next snapshot tries again. Jobs
-    in one store keep independent policies (each manager has its own job and ref).
+    rules without stalling the training step. A prune that finds the store busy
+    (another job's prune, an offline gc) is queued in the store and retried until it
+    runs or another job's prune serves it (many jobs on one store each keep their
+    rules); one that cannot run for _Pruner.PATIENCE seconds, or fails, is logged as
+    a warning (logger tensorstore_ck) and kept in `prune_errors`. Jobs in one store
+    keep independent policies (each manager has its own job and ref).
 
     Under torch.distributed (initialised, world size > 1, or a group= given; group=False:
     this process alone) every rank constructs the manager the same way and calls
@@ -393,7 +396,9 @@ class CheckpointManager:
 
     @property
     def prune_errors(self) -> list:
-        """Errors of background prunes (the newest 16), oldest first."""
+        """Errors of background prunes (the newest 16), oldest first: a prune that failed,
+        or a GcBusy for one that could not take the store's gc lock for PATIENCE seconds
+        (it stays queued in the store and is still tried)."""
         return [] if self._pruner is None else list(self._pruner.errors)
 
     @property
@@ -487,20 +492,29 @@ class CheckpointManager:
 
 class _Pruner:
     """store.prune(job) on a thread of its own. Requests that arrive while a prune runs
-    fold into one more run; a prune that finds the gc lock taken (an offline gc,
-    another job's prune) tries again a little later, a few times, then waits for the
-    next snapshot's request."""
+    fold into one more run. A prune that finds the gc lock taken (an offline gc,
+    another job's prune) queues its job in the ref table (RefTable.prune_request: the
+    prune or gc that holds the lock applies this job's rules too) and tries again,
+    with a short backoff, until it runs or its request was served; never dropped. One
+    that cannot run for PATIENCE seconds is reported (a warning, and a GcBusy in
+    prune_errors) and still tried in the background while the manager is open;
+    wait() and close() stop waiting for it then (its request stays queued in the
+    store for the next prune or gc of any job)."""
 
-    RETRIES, BACKOFF = 5, 1.0
+    PATIENCE = 60.0                      # seconds of a busy store before a prune is reported
+    BACKOFF, BACKOFF_MAX = 0.05, 2.0     # first pause between two tries, and the longest
+    AFTER_PATIENCE = 1.0                 # a collective job's prune on the background publisher
     KEEP_ERRORS = 16
 
     def __init__(self, store, job: str):
         self.store, self.job = store, job
         self._cv = threading.Condition()
-        self._wanted = self._busy = self._closed = self._closing = False
+        self._wanted = self._busy = self._closed = self._closing = self._deferred = False
+        self._owed = False  # a collective job's prune left queued in the store (run_after)
         self._thread: threading.Thread | None = None
         self.last = None
         self.runs = 0
+        self.served = 0  # prunes another job's prune (or a gc) applied for this job
         self.errors: list = []
 
     def after(self, fut) -> None:  # done-callback of an async snapshot: only committed ones prune
@@ -509,7 +523,10 @@ class _Pruner:
 
     def run_after(self, fut) -> None:
         """On the store's background publisher, once fut's snapshot has ended: prune here,
-        now, if it was committed (between this job's collective snapshots, in their order)."""
+        now, if it was committed (between this job's collective snapshots, in their order).
+        A busy store is waited for AFTER_PATIENCE at most (the job's next snapshot is
+        queued behind this); then the prune stays queued in the store and close(), or
+        the next snapshot's prune, sees to it."""
         if fut.cancelled() or fut.failure() is not None:
             return
         with self._cv:
@@ -517,7 +534,7 @@ class _Pruner:
                 return
             self._busy = True
         try:
-            self._prune_once()
+            self._owed = not self._prune_once(self.AFTER_PATIENCE, report=False)
         finally:
             with self._cv:
                 self._busy = False
@@ -540,41 +557,85 @@ class _Pruner:
                     self._cv.wait()
                 if not self._wanted:
                     return
-                self._wanted, self._busy = False, True
+                self._wanted, self._busy, self._deferred = False, True, False
             try:
-                self._prune_once()
+                self._prune_once(self.PATIENCE)
             finally:
                 with self._cv:
-                    self._busy = False
+                    self._busy = self._deferred = False
                     self._cv.notify_all()
 
-    def _prune_once(self) -> None:
-        for attempt in range(self.RETRIES):
+    def _error(self, e: BaseException) -> None:
+        self.errors = (self.errors + [e])[-self.KEEP_ERRORS:]
+
+    def _prune_once(self, patience: float, report: bool = True) -> bool:
+        """Prune until it ran or another's prune served this job's queued request ->
+        True; False: gave up (an error; or the store stayed busy past `patience` without
+        report=True, or the manager is closing after that was reported)."""
+        token = None
+        t0 = time.monotonic()
+        delay = self.BACKOFF
+        while True:
             try:
                 self.last = self.store.prune(self.job)
                 self.runs += 1
-                return
+                return True
             except GcBusy as e:
-                log.info("prune %s: the store's gc lock is taken (%s); trying again", self.job, e)
-                with self._cv:  # closing: no more waiting for the lock; the next gc reclaims
-                    if self._cv.wait_for(lambda: self._closing, self.BACKOFF * (attempt + 1)):
-                        return
+                busy = e
             except TsckError as e:
                 log.warning("prune %s failed: %s: %s (the next snapshot tries again; `tsck gc` reclaims "
                             "anything left)", self.job, type(e).__name__, e)
-                self.errors = (self.errors + [e])[-self.KEEP_ERRORS:]
-                return
+                self._error(e)
+                return False
             except Exception as e:  # noqa: BLE001 - a bug must not kill training; it is logged and kept
                 log.exception("prune %s failed unexpectedly", self.job)
-                self.errors = (self.errors + [e])[-self.KEEP_ERRORS:]
-                return
+                self._error(e)
+                return False
+            try:
+                if token is None:  # whoever holds the lock now, or takes it next, serves this job too
+                    token = self.store.reftable.prune_request(self.job)
+                elif not self.store.reftable.prune_pending(self.job, token):
+                    self.served += 1
+                    log.info("prune %s: applied by another job's prune or a gc", self.job)
+                    return True
+            except TsckError as e:
+                log.warning("prune %s: could not queue it in the store: %s: %s (the next snapshot tries again)",
+                            self.job, type(e).__name__, e)
+                self._error(e)
+                return False
+            waited = time.monotonic() - t0
+            if waited >= patience:
+                if not report:
+                    log.info("prune %s: the store stayed busy for %.1fs (%s); it stays queued", self.job, waited,
+                             busy)
+                    return False
+                with self._cv:
+                    if not self._deferred:
+                        self._deferred = True  # wait() and close() stop waiting for it
+                        self._cv.notify_all()
+                        log.warning("prune %s could not take the store's gc lock for %.0fs (%s); it stays queued "
+                                    "in the store (the next prune of any job, or `tsck gc`, applies this job's "
+                                    "retention) and is tried again while the manager is open", self.job, waited,
+                                    busy)
+                        self._error(GcBusy(f"prune of job {self.job!r} could not run for {waited:.0f}s: {busy}; "
+                                           "it stays queued in the store"))
+                    if self._closing:
+                        return False
+            log.debug("prune %s: the store's gc lock is taken (%s); trying again", self.job, busy)
+            with self._cv:  # jittered, so jobs that lost together do not retry together
+                self._cv.wait_for(lambda: self._closing and self._deferred, delay * random.uniform(0.5, 1.5))
+            delay = min(self.BACKOFF_MAX, delay * 2)
 
     def wait(self) -> None:
+        """Until no prune is asked for or running, or the one running was reported as
+        deferred (the store stayed busy past PATIENCE)."""
         with self._cv:
-            while self._wanted or self._busy:
+            while (self._wanted or self._busy) and not self._deferred:
                 self._cv.wait()
 
     def close(self) -> None:
+        if self._owed:  # a collective job's last prune was left queued: see it through (or report it)
+            self.request()
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -585,4 +646,3 @@ class _Pruner:
             t = self._thread
         if t is not None:
             t.join()
-

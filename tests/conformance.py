@@ -903,6 +903,46 @@ class RefTableTests:
         assert "holds" not in table.gc_state()  # the freeze cleared them
         assert table.get("r") == R[1]
 
+    def test_a_gc_deletes_in_phases_and_a_hold_taken_during_one_defers_the_next(self, table):
+        """gc_thaw closes a phase and keeps the lock; a writer fenced by that phase takes
+        its hold while the phase still runs (None: no fence yet), and the next freeze
+        waits for it, so the gap between two phases cannot be missed by polling."""
+        R = self.R
+        table.gc_begin("g1", lease=10, now=100.0)
+        assert table.gc_freeze("g1", now=100.5)["epoch"] == 1
+        assert table.gc_hold("w1", seconds=5, now=101.0) is None  # recorded, no fence yet
+        st = table.gc_thaw("g1", now=101.5)
+        assert (st["epoch"], st["phase"], st["owner"]) == (2, "marking", "g1")
+        st = table.gc_freeze("g1", now=102.0)
+        assert (st["epoch"], st["phase"]) == (2, "marking") and st["held"] == pytest.approx(4.0)
+        assert table.gc_hold("w1", seconds=5, now=102.5) == 2  # the new fence
+        table.compare_and_swap("r", None, R[1], message="c", fence=2, hold="w1")
+        assert table.gc_freeze("g1", now=103.0)["epoch"] == 3  # the move released the hold
+        with pytest.raises(GcBusy):
+            table.gc_thaw("g2", now=103.5)  # not the owner
+        table.gc_thaw("g1", now=104.0)
+        with pytest.raises(GcBusy):
+            table.gc_thaw("g1", now=104.5)  # no phase open
+        st = table.gc_finish("g1", now=105.0)
+        assert (st["epoch"], st["phase"]) == (4, "idle")
+
+    def test_prune_requests_are_queued_and_served_by_an_expiry(self, table):
+        R = self.R
+        table.compare_and_swap("a", None, R[1], message="c", catalog_row={"job": "a"})
+        table.compare_and_swap("a", R[1], R[2], message="c", catalog_row={"job": "a"})
+        tok_a = table.prune_request("a")
+        tok_b = table.prune_request("b")
+        assert table.prune_pending("a", tok_a) and table.prune_pending("b", tok_b)
+        read = table.prune_requests()
+        assert set(read) == {"a", "b"}
+        tok_b2 = table.prune_request("b")  # queued again after the read: not served by it
+        assert not table.prune_pending("b", tok_b)
+        assert table.catalog_expire([R[1]], served=read) == [R[1]]
+        assert not table.prune_pending("a", tok_a)
+        assert table.prune_pending("b", tok_b2)
+        assert set(table.prune_requests()) == {"b"}
+        assert table.gc_state()["epoch"] == 0  # the queue is beside the gc state, not in it
+
     def test_gc_abort_stale_closes_a_dead_deletion_phase(self, table):
         st = table.gc_abort_stale(now=50.0)
         assert (st["epoch"], st["phase"]) == (0, "idle")  # nothing to close

@@ -50,6 +50,7 @@ REFLOG_TAIL = 10          # moves of each ref that gc's compaction always leaves
 _STEPS_MARK = b"steps_seq"  # meta: the reflog sequence number up to which `steps` covers every move
 _REBUILD = b"rebuild"       # meta: a recover began and none has finished since ({owner, started})
 _INCOMPLETE = object()
+_PRUNE_KEY = b"prune:"      # gc: a queued prune request of job <name> ({at, id})
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,11 +546,14 @@ class RefTable(ABC):
         rows = self._read(lambda t: list(t.items("retention")))
         return {_name(k, "retention"): decode_record(v, "retention") for k, v in rows}
 
-    def catalog_expire(self, roots: list[bytes], *, rules: dict | None = None) -> list[bytes]:
+    def catalog_expire(self, roots: list[bytes], *, rules: dict | None = None,
+                       served: dict[str, bytes] | None = None) -> list[bytes]:
         """Drop the catalog rows of `roots` that are, at that moment, no ref's tip,
         no tag's target and not pinned. Returns the roots dropped. rules: the retention
         rules the roots were chosen by; if they changed since (set_retention raced the
-        gc), nothing is dropped: the next gc decides by the new rules."""
+        gc), nothing is dropped: the next gc decides by the new rules. served: the
+        prune requests (prune_requests()) whose jobs' rules chose `roots`; each is
+        removed in the same transaction unless it was queued again since it was read."""
         def txn(t):
             if rules is not None and {_name(k, "retention"): decode_record(v, "retention")
                                       for k, v in t.items("retention")} != rules:
@@ -560,8 +564,53 @@ class RefTable(ABC):
                 if r not in protected and t.get("catalog", r) is not None:
                     t.delete("catalog", r)
                     gone.append(r)
+            for job, raw in (served or {}).items():
+                key = _PRUNE_KEY + job.encode()
+                if t.get("gc", key) == raw:
+                    t.delete("gc", key)
             return gone
         return self._write(txn)
+
+    # The queue of prunes that found the store busy (docs/ARCHITECTURE.md, "Many jobs
+    # on one store"). A job whose prune cannot take the gc lock queues a request; the
+    # prune or gc that holds the lock applies the rules of every queued job along with
+    # its own and removes the requests it served in its expiry transaction. A request
+    # read before the catalog is read covers every snapshot committed before it was
+    # queued, which is what the job asked for.
+    def prune_request(self, job: str) -> bytes:
+        """Queue a prune of `job` (replacing one already queued) -> its token, for prune_pending."""
+        token = os.urandom(8)
+
+        def txn(t):
+            t.put("gc", _PRUNE_KEY + job.encode(), encode_record({"at": t.wall(), "id": token}))
+        self._write(txn)
+        return token
+
+    def prune_requests(self) -> dict[str, bytes]:
+        """The queued prune requests: job -> the stored request (compared, never trusted, by
+        catalog_expire). A key that is not UTF-8 is no job: left alone."""
+        def txn(t):
+            out = {}
+            for k, v in t.items("gc", _PRUNE_KEY):
+                try:
+                    out[k[len(_PRUNE_KEY):].decode("utf-8")] = v
+                except UnicodeDecodeError:
+                    continue
+            return out
+        return self._read(txn)
+
+    def prune_pending(self, job: str, token: bytes) -> bool:
+        """Is the request `token` of `job` still queued (not yet served by a prune or gc)?"""
+        def txn(t):
+            raw = t.get("gc", _PRUNE_KEY + job.encode())
+            if raw is None:
+                return False
+            try:
+                rec = decode_record(raw, "prune request")
+            except FormatError:
+                return True  # unreadable: not known to be served
+            return rec.get("id") == token if isinstance(rec, dict) else True
+        return self._read(txn)
 
     def catalog_put_if_absent(self, root, row):
         def txn(t):
@@ -718,20 +767,21 @@ class RefTable(ABC):
     # through. Holds expire on the table's clock; the safety of the fence never depends
     # on them.
     def gc_hold(self, holder: str, *, seconds: float | None = None, now: float | None = None) -> int | None:
-        """Take or renew `holder`'s hold for `seconds` (default HOLD_SECONDS) if no
-        deletion phase runs -> the (even) epoch, the writer's new fence; None while one runs."""
+        """Take or renew `holder`'s hold for `seconds` (default HOLD_SECONDS) -> the epoch,
+        the writer's new fence, if it is even; None while a deletion phase runs. The hold
+        is recorded either way: one taken during a phase keeps the gc's next phase (a gc
+        deletes in several) from opening until the writer has moved, so a writer that
+        polls the epoch cannot miss the short gap between two phases."""
         seconds = HOLD_SECONDS if seconds is None else float(seconds)
 
         def txn(t):
             st = _gc_state(t)
-            if st["epoch"] % 2:
-                return None
             clock, tnow = _clock(t, now)
             live = _live_holds(st, clock, tnow)
             live[holder] = [clock, tnow + seconds]
             st["holds"] = live
             t.put("gc", b"state", encode_record(st))
-            return st["epoch"]
+            return None if st["epoch"] % 2 else st["epoch"]
         return self._write(txn)
 
     def gc_unhold(self, holder: str) -> None:
@@ -739,6 +789,16 @@ class RefTable(ABC):
         def txn(t):
             _drop_hold(t, holder)
         self._write(txn)
+
+    def gc_thaw(self, owner, *, now: float | None = None):
+        """Close `owner`'s deletion phase (epoch even) and keep the lock (phase "marking"):
+        a gc deletes in several short phases, so a writer it fences waits for one
+        phase, never for the whole sweep. The next gc_freeze opens the next phase."""
+        def fn(st, _clock, _tnow):
+            if st["epoch"] % 2:
+                st["epoch"] += 1
+            st["phase"] = "marking"
+        return self._gc_owned(owner, now, ("deleting",), fn)
 
     def gc_finish(self, owner, *, now: float | None = None, **fields):
         def fn(st, _clock, _tnow):
