@@ -201,13 +201,17 @@ def _dry_report(store, plan: GCPlan) -> GCReport:
 
 
 def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
-               phase_objects: int = PHASE_OBJECTS, phase_seconds: float = PHASE_SECONDS) -> GCReport:
+               phase_objects: int | None = None, phase_seconds: float | None = None) -> GCReport:
     """Steps 5-8, in deletion phases of at most `phase_objects` deletions or
     `phase_seconds` of deleting: each phase freezes (epoch odd), re-marks what was
     published since the plan's mark or the last re-mark, deletes a share of the
     candidates that nothing reaches, each request within the lease, and thaws
     (epoch even) keeping the lock. Writers a phase fences wait for that phase only."""
     rep = plan.report
+    # None: the module's limits as they are at the call (the harness shrinks them to make
+    # many phases out of a small store).
+    phase_objects = PHASE_OBJECTS if phase_objects is None else phase_objects
+    phase_seconds = PHASE_SECONDS if phase_seconds is None else phase_seconds
     if rep.candidates == 0:
         # Nothing to delete: no deletion phase, so writers are not fenced. (A gc loop
         # that froze on every run kept a writer re-validating; benches/bench_gc_put.py.)
@@ -323,8 +327,8 @@ def _refuse_if_the_ref_table_knows_nothing(store) -> None:
 
 
 def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float = DEFAULT_LEASE,
-           renew_every: float | None = None, grace: float = 0.0, phase_objects: int = PHASE_OBJECTS,
-           phase_seconds: float = PHASE_SECONDS) -> GCReport:
+           renew_every: float | None = None, grace: float = 0.0, phase_objects: int | None = None,
+           phase_seconds: float | None = None) -> GCReport:
     """1-8: take the lock under a lease (not for a dry run), plan, execute, release.
     grace: objects younger than this (seconds) are left alone, so a writer whose
     snapshot is in flight keeps its new, not yet referenced objects (the fence keeps
@@ -360,7 +364,7 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
 
 
 def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
-              phase_objects: int = PHASE_OBJECTS, phase_seconds: float = PHASE_SECONDS) -> GCReport:
+              phase_objects: int | None = None, phase_seconds: float | None = None) -> GCReport:
     """Expire what `job`'s retention drops, and what the rules of every job whose
     prune is queued (RefTable.prune_request: it found the store busy) drop, and delete
     the objects only those snapshots held, under the gc lock and with gc's protocol

@@ -302,8 +302,10 @@ class Harness:
         ids = {c["id"] for c in cfgs}
         hits, fenced, collective, collective_async = {}, 0, 0, 0  # the presence record, writers' holds, collective puts
         unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
+        phases = 0  # deletion phases the round's gcs and prunes opened (writers fenced in each)
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
             unknown += 1 if o.w in ids and o.result == "OutcomeUnknown" else 0
+            phases += (o.out.get("phases") or 0) if o.w in ids and o.ok and o.op in ("gc", "prune") else 0
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
                 fenced += o.out.get("fenced") or 0
@@ -311,7 +313,7 @@ class Harness:
                 collective_async += 1 if o.args.get("collective") and not o.args.get("blocking", True) else 0
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
                  f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async) "
-                 f"unknown_outcomes={unknown} "
+                 f"unknown_outcomes={unknown} deletion_phases={phases} "
                  f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "

@@ -31,6 +31,7 @@ import traceback
 import warnings
 
 import tensorstore_ck as tsck
+import tensorstore_ck.gc as tsck_gc
 
 from . import content
 from .faults import Faults, SimStore, slow_reftable
@@ -115,6 +116,11 @@ class Worker:
         self.ranks: list = []
         self.wid = cfg["id"]
         self.rng = random.Random(cfg["seed"])
+        # gc and prune delete in short phases; small limits make many phases out of the few
+        # candidates a round has (drawn from a stream of their own: the worker's stays as it was).
+        ph = random.Random(f"{cfg['seed']}-phases")
+        tsck_gc.PHASE_OBJECTS = ph.choice([1, 3, 16, 64, tsck_gc.PHASE_OBJECTS])
+        tsck_gc.PHASE_SECONDS = ph.choice([0.005, 0.05, tsck_gc.PHASE_SECONDS])
         self.j = Journal(cfg["journal"], self.wid)
         profile = dict(cfg.get("faults") or {})
         self.kill_auto = profile.get("kill_at") == "auto"  # recover: chosen once the commits are counted
@@ -312,7 +318,8 @@ class Worker:
 
         def call():
             rep = s.gc(lease=lease)
-            return {"expired": rep.expired, "deleted": rep.deleted_objects, "rescued": rep.rescued}
+            return {"expired": rep.expired, "deleted": rep.deleted_objects, "rescued": rep.rescued,
+                    "phases": rep.phases}
         return {"via": "api", "lease": lease}, call
 
     def _gc_cli(self, lease: float):
@@ -336,7 +343,7 @@ class Worker:
 
         def call():
             rep = s.prune(job, lease=lease)
-            return {"expired": rep.expired, "deleted": rep.deleted_objects}
+            return {"expired": rep.expired, "deleted": rep.deleted_objects, "phases": rep.phases}
         return {"job": job, "lease": lease}, call
 
     # -- removals by name (issue 14): delete_ref, forget, untag --------------------------
