@@ -120,12 +120,13 @@ def retention_plan(store, now: float, records: dict | None = None, bad: list | N
     stays kept; fsck reports it); it goes to `bad` as (root, error)."""
     records = store.reftable.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
-    order = store.reftable.publication_order()
+    order = store.reftable.publication_record()
     by_job: dict[str, list] = {}
     for root, row in store.reftable.catalog_iter(bad=[] if bad is None else bad):
+        seq, recovered = order.get(root, (None, False))
         by_job.setdefault(str(row.get("job", "")), []).append((SnapRow(
-            root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}), order.get(root)),
-            row))
+            root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}), seq,
+            str(row.get("ref", "")), recovered), row))
     words = {"ref": "tip of {}", "tag": "tag {}", "pin": "pinned"}
     protected = {root: [words[kind].format(name) for kind, name in hs] for root, hs in holders(store).items()}
     out = []

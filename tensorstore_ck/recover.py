@@ -26,6 +26,7 @@ while a gc holds the store (GcBusy; `wait` seconds for it to end).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import socket
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import FormatError, GcBusy, IntegrityError, RefConflict, UnreadableObject
 from .format.manifest import decode_commit
 from .format.names import validate_name
+from .refs.base import RECOVERED
 from .walk import walk_commit
 
 __all__ = ["RecoverReport", "run_recover"]
@@ -56,7 +58,6 @@ class RecoverReport:
         return asdict(self)
 
 
-RECOVERED = "recovered from storage"  # the reflog message of recover's ref moves
 
 
 def _moved_by_recover(rt, ref: str, cur: bytes) -> bool:
@@ -82,7 +83,6 @@ def _history_order(items) -> list:
     among them), otherwise by (time, step). A topological order, not a depth: gc deletes
     the commits of expired snapshots, so chains have gaps, and a commit whose parent is
     gone still follows older ones by time."""
-    import heapq
     by_root = {root: it for it in items for root in [it[2]]}
     children: dict = {}
     waiting: dict = {}
@@ -173,6 +173,8 @@ def run_recover(store, *, progress: bool = False, wait: float = 0.0) -> RecoverR
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
     if bar is not None:
         bar.close()
+    moving: dict = {}  # ref -> [where it is, how many commits its history has, moved meanwhile]
+    queues = []
     for ref, items in sorted(by_ref.items()):
         items = _history_order(items)
         roots = [root for _t, _s, root, _row in items]
@@ -184,16 +186,25 @@ def run_recover(store, *, progress: bool = False, wait: float = 0.0) -> RecoverR
         # A recover killed half-way left the ref on an intermediate commit: go on from
         # there, so a second run ends exactly where one uninterrupted run ends.
         start = 0 if cur is None else roots.index(cur) + 1
-        prev = cur
+        moving[ref] = [cur, len(items), False]
+        queues.append([(t, st, ref, root, row) for t, st, root, row in items[start:]])
+    # Each ref moves along its own history; the refs' moves interleave by (time, step), so
+    # the reflog's numbers follow the job's history across its refs too (what retention
+    # counts as the order of a ref's recovered snapshots is the order of these moves).
+    for _t, _s, ref, root, row in heapq.merge(*queues, key=lambda m: (m[0], m[1])):
+        state = moving[ref]
+        if state[2]:
+            continue
         try:
-            for _t, _s, root, row in items[start:]:
-                rt.compare_and_swap(ref, prev, root, message=RECOVERED, catalog_row=row)
-                prev = root
+            rt.compare_and_swap(ref, state[0], root, message=RECOVERED, catalog_row=row)
+            state[0] = root
         except RefConflict:  # a writer moved it meanwhile: its view wins
             log.info("recover: ref %s was moved by a writer meanwhile; left as it is", ref)
-            continue
-        rep.refs_restored[ref] = prev.hex()
-        log.info("recover: ref %s restored at %s (%d commits in its reflog)", ref, prev.hex()[:16], len(items))
+            state[2] = True
+    for ref, (prev, n, conflict) in moving.items():
+        if not conflict:
+            rep.refs_restored[ref] = prev.hex()
+            log.info("recover: ref %s restored at %s (%d commits in its reflog)", ref, prev.hex()[:16], n)
     rep.unreadable += [f"{key}: not an object key" for key in strays]
     for key, rec in store.assets.tags():
         if isinstance(rec, Exception):

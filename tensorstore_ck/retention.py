@@ -4,7 +4,9 @@ Each rule keeps some snapshots; a snapshot is kept if *any* rule keeps it
 (the union). Tags, pins and the tip of every ref are kept by gc whatever the
 rules say; a job with no rules keeps everything.
 
-- keep_last=N: the N newest snapshots of the job (by time, then step).
+- keep_last=N: the N newest snapshots of the job, in publication order
+  (newest_first_order: the reflog's sequence, and by (time, step) what recover
+  brought back).
 - keep_best=K, metric=M, mode="min"|"max": the K snapshots with the best value
   of metric M; snapshots without M (or with NaN) are not candidates; ties go
   to the newer snapshot.
@@ -16,13 +18,15 @@ rules say; a job with no rules keeps everything.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
 from .errors import InvalidArgument
 
-__all__ = ["Retention", "SnapRow", "select_kept", "explain_kept", "MAX_COUNT"]
+__all__ = ["Retention", "SnapRow", "select_kept", "explain_kept", "newest_first_order", "MAX_COUNT"]
 
 MAX_COUNT = 2**64 - 1  # a count in a rule: the rules are msgpack records, whose ints end there
 
@@ -73,6 +77,51 @@ class SnapRow:
     time: float
     metrics: dict
     seq: int | None = None  # order of publication (the ref table's reflog), if known
+    ref: str | None = None  # the ref it was published on
+    recovered: bool = False  # seq is recover's replay of a lost history, not a publication
+
+
+def _age(r: SnapRow) -> tuple:
+    return (r.time, r.step if r.step is not None else -math.inf)
+
+
+def newest_first_order(rows: list[SnapRow]) -> list[SnapRow]:
+    """The job's snapshots newest first, the order keep_last counts (and keep_best's ties).
+
+    "Last" is publication order, not the wall clock: a clock stepped back (NTP, a restored
+    VM, writers on several hosts) must not make the newest snapshots look oldest. So rows
+    a writer published (a sequence number of the ref table's reflog) go by that number.
+    The others have no such order: rows recover moved a ref through (recovered, numbered
+    ref by ref, in whatever run of recover reached them) and rows without a number (recover
+    added them to a ref a writer had moved meanwhile; rows of tables older than the
+    reflog's numbers). Their order is what they say: along one ref, recover's numbers
+    (the ref's parent chain); across refs, by (time, step). Each goes just above the
+    newest published row older than it (and above what comes before it in that order),
+    so a published row never outranks a newer one without a publication number, and
+    published rows keep their order among themselves."""
+    published = sorted((r for r in rows if r.seq is not None and not r.recovered), key=lambda r: r.seq)
+    lists: dict = {}
+    for r in rows:
+        if r.seq is None or r.recovered:
+            lists.setdefault((r.ref or "", r.seq is None), []).append(r)
+    for (_ref, no_seq), lst in lists.items():
+        lst.sort(key=(lambda r: (_age(r), r.root)) if no_seq else (lambda r: r.seq))
+    # Merge the lists by age, each kept in its own order (heapq.merge takes the oldest head).
+    others = list(heapq.merge(*(lists[k] for k in sorted(lists)), key=_age))
+    by_age = sorted(range(len(published)), key=lambda i: _age(published[i]))
+    ages = [_age(published[i]) for i in by_age]
+    newest_below, m = [], -1  # newest_below[k]: the highest rank among the k+1 oldest published rows
+    for i in by_age:
+        m = max(m, i)
+        newest_below.append(m)
+    keyed = [((i, 0, 0), r) for i, r in enumerate(published)]
+    slot = -1
+    for j, r in enumerate(others):
+        k = bisect.bisect_left(ages, _age(r))  # published rows strictly older than r
+        slot = max(slot, newest_below[k - 1] if k else -1)
+        keyed.append(((slot, 1, j), r))
+    keyed.sort(key=lambda kr: kr[0], reverse=True)
+    return [r for _k, r in keyed]
 
 
 def select_kept(rows: Iterable[SnapRow], rule: Retention | None, now: float) -> set[bytes]:
@@ -90,10 +139,7 @@ def explain_kept(rows: Iterable[SnapRow], rule: Retention | None, now: float) ->
         for root in roots:
             why.setdefault(root, []).append(rule_name)
 
-    # "Last" is publication order, not the wall clock: a clock stepped back (NTP, a restored
-    # VM, writers on several hosts) must not make the newest snapshots look oldest.
-    newest_first = sorted(rows, key=lambda r: (r.seq is not None, r.seq or 0, r.time,
-                                               r.step if r.step is not None else -math.inf), reverse=True)
+    newest_first = newest_first_order(rows)
     if rule.keep_last:
         keep(f"last {rule.keep_last}", (r.root for r in newest_first[: rule.keep_last]))
     if rule.keep_best:

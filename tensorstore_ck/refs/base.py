@@ -51,6 +51,7 @@ _STEPS_MARK = b"steps_seq"  # meta: the reflog sequence number up to which `step
 _REBUILD = b"rebuild"       # meta: a recover began and none has finished since ({owner, started})
 _INCOMPLETE = object()
 _PRUNE_KEY = b"prune:"      # gc: a queued prune request of job <name> ({at, id})
+RECOVERED = "recovered from storage"  # the reflog message of recover's ref moves
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,15 +340,22 @@ class RefTable(ABC):
     def publication_order(self) -> dict[bytes, int]:
         """root -> the sequence number of the latest ref move that published it (one
         counter for the whole table, so it orders snapshots across refs)."""
+        return {root: seq for root, (seq, _rec) in self.publication_record().items()}
+
+    def publication_record(self) -> dict[bytes, tuple[int, bool]]:
+        """root -> (the sequence number of the latest ref move to it, whether that move was
+        recover's). A recover's moves replay a lost history in the order recover rebuilt
+        for each ref, whenever recover runs: their numbers order one ref's snapshots, not
+        snapshots of different refs, nor a recovered snapshot against a writer's."""
         def txn(t):
-            out = {}
+            out: dict = {}
             for k, v in t.items("reflog"):
                 if len(k) < _SEQ.size + 1:
                     raise FormatError("malformed reflog key")
                 seq = _SEQ.unpack(k[-_SEQ.size:])[0]
-                _t, _old, new, _msg, op = decode_reflog(v, "?")
-                if op == "move" and seq > out.get(new, -1):
-                    out[new] = seq
+                _t, _old, new, msg, op = decode_reflog(v, "?")
+                if op == "move" and seq > out.get(new, (-1, False))[0]:
+                    out[new] = (seq, msg == RECOVERED)
             return out
         return self._read(txn)
 

@@ -1,0 +1,188 @@
+"""keep_last over a ref table that recover rebuilt: the newest snapshots of the job stay.
+
+recover moves each ref through its commits one ref after the other, so the reflog's
+sequence numbers it writes order one ref's snapshots, not a job's: counted as
+publications, a job's second ref outranked every snapshot of its first, and keep_last
+expired snapshots newer than ones it kept (found by the interleaving harness, file
+seed 7, `--focus mix`). Rows recover adds without a move (their ref was moved by a
+writer meanwhile) have no number at all, and a writer's numbered rows outranked them
+whatever their age. The store-level tests run on real LMDB and PostgreSQL (the table
+removed, `recover` run); the ordering itself is checked over every mix of rows with
+and without numbers (hypothesis).
+"""
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tensorstore_ck as tsck
+from _backends import Backend
+from tensorstore_ck.retention import Retention, SnapRow, explain_kept, newest_first_order
+
+
+@pytest.fixture(params=["file", pytest.param("pg", marks=pytest.mark.slow)])
+def where(request, tmp_path) -> Backend:
+    if request.param == "pg":
+        return Backend("pg", tmp_path, pg_dsn=request.getfixturevalue("pg_dsn"))
+    return Backend("file", tmp_path)
+
+
+def _lose_table(b: Backend, store_id: str) -> None:
+    if b.kind == "file":
+        shutil.rmtree(Path(b.url) / "refs.lmdb")
+        return
+    import psycopg
+    with psycopg.connect(b.refs, autocommit=True) as conn:
+        conn.execute("DELETE FROM tsck_kv WHERE ns = %s", (store_id,))
+
+
+def _interleaved(b: Backend, n: int = 4) -> list[bytes]:
+    """Job j on two refs, published a1 b1 a2 b2 ...: the roots, oldest first."""
+    roots = []
+    with b.open(create=True) as s:
+        for i in range(n):
+            for ref in ("j/a", "j/b"):
+                info = s.put_snapshot({"w": torch.full((256,), float(len(roots)))}, ref=ref, step=len(roots))
+                roots.append(bytes.fromhex(info.root))
+        store_id = s.config["id"]
+    _lose_table(b, store_id)
+    return roots
+
+
+def _catalog(s: tsck.Store) -> set[bytes]:
+    return s.reftable.catalog_roots()
+
+
+def test_keep_last_after_recover_keeps_the_newest_of_the_job(where):
+    """Before: recover numbered j/a's moves 1-4 and j/b's 5-8; keep_last=3 kept b4, b3, b2
+    (and a4, a tip) and expired a3, newer than b2 and b3's peer."""
+    roots = _interleaved(where)
+    with where.open(create_refs=True) as s:
+        rep = s.recover()
+        assert set(rep.refs_restored) == {"j/a", "j/b"}
+        assert s.resolve("j/a") == roots[-2].hex() and s.resolve("j/b") == roots[-1].hex()
+        # recover's moves interleave the refs by age: the reflog's numbers follow the job.
+        order = s.reftable.publication_order()
+        assert sorted(roots, key=order.__getitem__) == roots
+        s.set_retention("j", tsck.Retention(keep_last=3))
+        s.gc()
+        assert _catalog(s) == set(roots[-3:])  # b3 a4 b4
+        # A snapshot published after the rebuild is the newest: it and the two newest
+        # recovered ones stay.
+        info = s.put_snapshot({"w": torch.full((256,), -1.0)}, ref="j/b", step=100)
+        s.gc()
+        assert _catalog(s) == set(roots[-2:]) | {bytes.fromhex(info.root)}
+        assert s.fsck().ok
+
+
+def test_keep_last_after_recover_beside_a_writer_keeps_the_newest_of_the_job(where):
+    """A writer publishes on j/a over the recreated table before recover runs: recover
+    leaves j/a where the writer put it and adds a1-a4 without a move (no number), and
+    numbers j/b's moves after the writer's. Before: keep_last=3 kept b4, b3, b2 (and the
+    writer's a5, a tip) and expired a4, newer than b3 and b2."""
+    roots = _interleaved(where)
+    with where.open(create_refs=True) as s:
+        a5 = bytes.fromhex(s.put_snapshot({"w": torch.full((256,), 99.0)}, ref="j/a", step=99).root)
+        rep = s.recover()
+        assert set(rep.refs_restored) == {"j/b"} and s.resolve("j/a") == a5.hex()
+        order = s.reftable.publication_order()
+        assert roots[0] not in order and order[roots[1]] > order[a5]  # the mix the fix is about
+        s.set_retention("j", tsck.Retention(keep_last=3))
+        s.gc()
+        assert _catalog(s) == {a5, roots[-1], roots[-2]}  # a5, b4, a4
+        assert s.fsck().ok
+
+
+def test_recovered_numbers_count_within_a_ref_not_across_refs():
+    """Along one ref recover's numbers are the parent chain (they win over a clock that
+    went back); across refs, and against published rows, age decides."""
+    # j/a's clock stepped back: a2 is older by time than a1, but recover put it after a1.
+    a1 = SnapRow(b"a1", 1, 500.0, {}, seq=5, ref="j/a", recovered=True)
+    a2 = SnapRow(b"a2", 2, 100.0, {}, seq=6, ref="j/a", recovered=True)
+    b1 = SnapRow(b"b1", 1, 200.0, {}, seq=1, ref="j/b", recovered=True)
+    b2 = SnapRow(b"b2", 2, 300.0, {}, seq=2, ref="j/b", recovered=True)
+    c1 = SnapRow(b"c1", 1, 250.0, {}, seq=None, ref="j/c")
+    w1 = SnapRow(b"w1", 7, 400.0, {}, seq=9, ref="j/b")   # published after the rebuild
+    w2 = SnapRow(b"w2", 8, 450.0, {}, seq=10, ref="j/a")
+    rows = [a1, a2, b1, b2, c1, w1, w2]
+    got = [r.root for r in newest_first_order(rows)]
+    # a1 is newer than both published rows, a2 follows a1 on its chain; b1, c1, b2 are
+    # older than both, whatever recover numbered them.
+    assert got == [b"a2", b"a1", b"w2", b"w1", b"b2", b"c1", b"b1"]
+    for _ in range(20):
+        random.shuffle(rows)
+        assert [r.root for r in newest_first_order(rows)] == got
+
+
+# ------------------------------------------------------------------ every mix, hypothesis
+KINDS = ("published", "recovered", "none")
+
+
+@st.composite
+def _rows(draw, consistent: bool):
+    """Rows of one job: published (a writer's number), recovered (recover's number, per
+    ref) or without a number. With `consistent`, every number agrees with the age (a
+    clock that never went back): published numbers across the job, recovered ones
+    along each ref."""
+    n = draw(st.integers(0, 14))
+    ages = draw(st.lists(st.tuples(st.integers(0, 40), st.one_of(st.none(), st.integers(0, 40))),
+                         min_size=n, max_size=n, unique=True))
+    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=n, max_size=n))
+    refs = draw(st.lists(st.sampled_from(["j/a", "j/b", "j/c"]), min_size=n, max_size=n))
+    order = list(range(n))
+    if consistent:
+        order.sort(key=lambda i: (ages[i][0], -1 if ages[i][1] is None else ages[i][1]))
+    else:
+        order = draw(st.permutations(order))
+    seq = {i: k for k, i in enumerate(order)}  # one counter, as the reflog's
+    return [SnapRow(f"r{i}".encode(), ages[i][1], float(ages[i][0]), {},
+                    None if kinds[i] == "none" else seq[i], refs[i], kinds[i] == "recovered") for i in range(n)]
+
+
+def _age(r: SnapRow) -> tuple:
+    return (r.time, -1 if r.step is None else r.step)
+
+
+def _kept(rows, k: int) -> set[bytes]:
+    return set(explain_kept(rows, Retention(keep_last=k), 0.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_rows(consistent=False))
+def test_keep_last_never_expires_what_its_order_says_is_newer(rows):
+    """Whatever the numbers say: published rows keep their order; a published row is never
+    kept while a newer one without a publication number goes; recover's numbers order
+    one ref; and the rows' order in the input does not matter."""
+    ranked = newest_first_order(rows)
+    assert sorted(r.root for r in ranked) == sorted(r.root for r in rows)
+    rank = {r.root: i for i, r in enumerate(ranked)}  # 0 = newest
+    for x in rows:
+        for y in rows:
+            pub = lambda r: r.seq is not None and not r.recovered  # noqa: E731
+            if pub(x) and pub(y) and x.seq > y.seq:
+                assert rank[x.root] < rank[y.root]
+            if pub(y) and not pub(x) and _age(x) > _age(y):
+                assert rank[x.root] < rank[y.root], (x, y)
+            if x.recovered and y.recovered and x.ref == y.ref and x.seq > y.seq:
+                assert rank[x.root] < rank[y.root]
+            if x.seq is None and y.seq is None and x.ref == y.ref and _age(x) > _age(y):
+                assert rank[x.root] < rank[y.root]
+    for k in range(len(rows) + 1):
+        assert _kept(rows, k) == {r.root for r in ranked[:k]}
+        assert _kept(list(reversed(rows)), k) == _kept(rows, k)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_rows(consistent=True))
+def test_keep_last_keeps_the_newest_whatever_mix_of_numbers(rows):
+    """When no clock went back, keep_last=N keeps exactly the N newest by (time, step),
+    whichever rows have a publication number, recover's or none."""
+    by_age = sorted(rows, key=_age, reverse=True)
+    for k in range(len(rows) + 1):
+        assert _kept(rows, k) == {r.root for r in by_age[:k]}, k
