@@ -559,6 +559,22 @@ class RefTableTests:
         table.compare_and_swap("c/m", R[15], R[5], message="after", catalog_row={"step": 5})
         assert table.step_root("c/m", 5) == R[5]  # the sequence goes on, the index still covers it
 
+    def test_publication_record_says_which_moves_were_recovers(self, table):
+        """The latest move to a root decides its number and whether it was recover's
+        (retention ranks recover's numbers within one ref only)."""
+        from tensorstore_ck.refs.base import RECOVERED
+        R = self.R
+        table.compare_and_swap("p/a", None, R[1], message=RECOVERED)
+        table.compare_and_swap("p/a", R[1], R[2], message="put")
+        table.compare_and_swap("p/b", None, R[3], message=RECOVERED)
+        table.compare_and_swap("p/b", R[3], R[1], message="reset")  # a writer's later move to R1
+        table.catalog_put_if_absent(R[4], {"ref": "p/c", "step": 1})  # a row recover added, no move
+        rec = table.publication_record()
+        assert set(rec) == {R[1], R[2], R[3]}
+        assert [rec[r][1] for r in (R[1], R[2], R[3])] == [False, False, True]
+        assert rec[R[1]][0] > rec[R[3]][0] > rec[R[2]][0]
+        assert table.publication_order() == {r: seq for r, (seq, _rec) in rec.items()}
+
     def test_list_is_a_sorted_string_prefix(self, table):
         names = ["a/x", "a/y", "b/x", "ab", "a", "a-b", "a.b", "a_b", "aB", "a/x/y"]
         for i, name in enumerate(names):
