@@ -8,7 +8,10 @@ first, so ``log`` and ``REF@STEP`` work again. "Newest" follows the ref's
 history: a commit comes after its parent (when that is still stored) whatever
 the writers' clocks said (a clock stepped back must not put a ref on an old
 snapshot); otherwise times and steps order them (gc removes expired commits, so
-chains have gaps; forks; a commit whose ref move lost a race).
+chains have gaps; forks; a commit whose ref move lost a race). The refs' moves
+interleave by time and step, so the reflog's numbers follow a job's history
+across its refs; retention ranks recover's moves within a ref only (see
+retention.newest_first_order).
 Refs and tags that still exist are left as they are, except a ref a killed
 recover left on an intermediate commit: it is moved on, so running recover
 again always ends where one uninterrupted run ends. A commit whose tree is not
