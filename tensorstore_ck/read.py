@@ -700,6 +700,10 @@ class Reader:
             chunks += found
         return tree.Global(g.dt, g.shape, chunks, False)
 
+    def _world_error(self, e: FormatError, path) -> FormatError:
+        # a node that does not decode already names the snapshot; a bad fan tree or bucket does not
+        return e if f"of snapshot {self.snapshot[:16]}" in str(e) else self._fmt(str(e), path)
+
     def _rank_top(self, w: tree.World, r: int, path, depth) -> bytes:
         """Rank r's tree address (version 2: one rank-tree node per level, read once)."""
         hit = self._rank_tops.get(r)
@@ -720,27 +724,11 @@ class Reader:
         try:
             d = worldfmt.fan_lookup(w.range_index, w.nbuckets, w.fan, b, node, "chunk index")
         except FormatError as e:
-            raise self._fmt(str(e), path) from None
-        bad = lambda: self._fmt("malformed chunk index of a multi-rank snapshot", path)  # noqa: E731
-        v = self._deref(node(d), (), 0)
-        if type(v) is not tree.Container or v.kind not in ("d", "o"):
-            raise bad()
-        out: dict = {}
-        for p, pieces in v.items:
-            pieces = self._deref(pieces, (), 1)
-            if type(p) is not str or type(pieces) is not tree.Container or pieces.kind != "l":
-                raise bad()
-            got = out.setdefault(p, [])
-            for e in pieces.items:
-                e = self._deref(e, (), 2)
-                if not (type(e) is tree.Container and e.kind == "l" and len(e.items) == 3):
-                    raise bad()
-                r, off, sh = (self._deref(x, (), 3) for x in e.items)
-                if not (type(r) is int and 0 <= r < w.world and type(off) is tree.Container and off.kind == "l"
-                        and type(sh) is tree.Container and sh.kind == "l" and len(off.items) == len(sh.items)
-                        and all(type(x) is int and x >= 0 for x in off.items + sh.items)):
-                    raise bad()
-                got.append((r, tuple(off.items), tuple(sh.items)))
+            raise self._world_error(e, path) from None
+        try:
+            out = worldfmt.bucket_entries(node(d), w.world, lambda v, depth: self._deref(v, (), depth))
+        except FormatError as e:
+            raise self._world_error(e, path) from None
         self._buckets[b] = out
         return out
 
@@ -776,11 +764,12 @@ class Reader:
             if not 0 <= b < w.nbuckets:
                 raise self._fmt("a sharded tensor's region lies outside its shape", path)  # pragma: no cover
             for r, off, sh in self._bucket(b, path).get(p, ()):
-                if r != me and meets(off, sh):
+                if meets(off, sh):
                     need.setdefault(r, set()).add(off)
-        chunks = [c for c in own.chunks if meets(c.offsets, c.shape)]
+        need.setdefault(me, set()).update(c.offsets for c in own.chunks if meets(c.offsets, c.shape))
+        chunks: list = []
         for r in sorted(need):
-            leaf = self._rank_leaf(self._rank_top(w, r, path, 0), path)
+            leaf = own if r == me else self._rank_leaf(self._rank_top(w, r, path, 0), path)
             if type(leaf) is not tree.Global or leaf.dt != own.dt or leaf.shape != own.shape:
                 raise self._fmt(f"the chunk index names a piece of rank {r}, whose tree has no such sharded "
                                 "tensor there", path)

@@ -17,7 +17,7 @@ from .errors import FormatError
 from .format import tree
 from .format.manifest import decode_commit, decode_node
 from .format.tree import format_path
-from .format.world import fan_children, fan_height, rank_tops
+from .format.world import bucket_entries, fan_children, fan_height, rank_tops
 
 __all__ = ["Obj", "walk_commit", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS"]
 
@@ -54,7 +54,7 @@ def _fan_roots(w: tree.World, path, depth) -> list:
     """The children of a version-2 multi-rank top: the roots of its two fan trees (rank
     tree: its items are the rank trees, walked at the top's path and depth; range index:
     its items are the bucket nodes, plain trees)."""
-    return [(root, path, depth, ("fan", what, fan_height(n, w.fan), 0, n, w.fan, path, depth))
+    return [(root, path, depth, ("fan", what, fan_height(n, w.fan), 0, n, w.fan, path, depth, w.world))
             for root, what, n in ((w.rank_tree, "rank tree", w.world), (w.range_index, "chunk index", w.nbuckets))]
 
 
@@ -85,17 +85,25 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
         children: list = []
 
         def read(d=d, path=path, depth=depth, world=world, children=children):
-            if type(world) is tuple:  # a node of a fan tree: its shape is fixed by its item count
-                _f, what, h, lo, n, fan, wpath, wdepth = world
+            if type(world) is tuple and world[0] == "fan":  # a fan-tree node: its item count fixes its shape
+                _f, what, h, lo, n, fan, wpath, wdepth, wn = world
                 value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify)
                 kids = fan_children(value, min(fan, -(-(n - lo) // fan ** h)), what)
                 if h:
-                    children.extend((k, path, depth, ("fan", what, h - 1, lo + j * fan ** h, n, fan, wpath, wdepth))
-                                    for j, k in enumerate(kids))
+                    children.extend((k, path, depth, ("fan", what, h - 1, lo + j * fan ** h, n, fan, wpath, wdepth,
+                                                      wn)) for j, k in enumerate(kids))
+                elif what == "chunk index":  # the buckets: checked as checkout reads them
+                    children.extend((k, wpath, wdepth, ("bucket", wn)) for k in kids)
                 else:
                     children.extend((k, wpath, wdepth, False) for k in kids)
                 return []
-            value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify, world=world)
+            value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify, world=world is True)
+            if type(world) is tuple:
+                def deref(v, dp):
+                    while type(v) is tree.Ref:
+                        v = read_node(assets, v.digest, path, depth + dp, snapshot=snapshot, verify=verify)
+                    return v
+                bucket_entries(value, world[1], deref)
             leaves = []
             for p, dp, item in tree.visit(value, path, depth):
                 if type(item) is tree.Ref:

@@ -30,7 +30,7 @@ from ..errors import FormatError
 from .tree import DIGEST_SIZE, MAX_RANKS, Container, World
 
 __all__ = ["FAN", "fan_height", "fan_children", "fan_lookup", "fan_all", "build_fan",
-           "span", "bucket_range", "bucket_count", "buckets", "write_world", "rank_top", "rank_tops"]
+           "span", "bucket_range", "bucket_count", "buckets", "write_world", "bucket_entries", "rank_top", "rank_tops"]
 
 FAN = 64  # items per fan-tree node: 64 x 34 B = 2.2 KB, one node per 64 ranks (or buckets)
 
@@ -165,6 +165,34 @@ def write_world(rank_tops: list, pieces_by_rank: list, put: Callable, fan: int =
 
 
 # -- reading -----------------------------------------------------------------------------
+def bucket_entries(value, world: int, deref: Callable) -> dict:
+    """One decoded bucket node -> {format_path: [(rank, offsets, shape)]}, every field
+    checked (FormatError). deref(value, depth) follows a node reference (a long list of
+    one tensor's pieces may be a node of its own)."""
+    def bad():
+        return FormatError("malformed chunk index of a multi-rank snapshot")
+
+    if type(value) is not Container or value.kind not in ("d", "o"):
+        raise bad()
+    out: dict = {}
+    for p, pieces in value.items:
+        pieces = deref(pieces, 1)
+        if type(p) is not str or type(pieces) is not Container or pieces.kind != "l":
+            raise bad()
+        got = out.setdefault(p, [])
+        for e in pieces.items:
+            e = deref(e, 2)
+            if not (type(e) is Container and e.kind == "l" and len(e.items) == 3):
+                raise bad()
+            r, off, sh = (deref(x, 3) for x in e.items)
+            if not (type(r) is int and 0 <= r < world and type(off) is Container and off.kind == "l"
+                    and type(sh) is Container and sh.kind == "l" and len(off.items) == len(sh.items)
+                    and all(type(x) is int and x >= 0 for x in off.items + sh.items)):
+                raise bad()
+            got.append((r, tuple(off.items), tuple(sh.items)))
+    return out
+
+
 def rank_top(w: World, i: int, read: Callable) -> bytes:
     """The address of rank i's tree (version 2: one rank-tree node per level read)."""
     if w.ranks is not None:
