@@ -32,7 +32,7 @@ from .tree import DIGEST_SIZE, MAX_RANKS, Container, World
 __all__ = ["FAN", "fan_height", "fan_children", "fan_lookup", "fan_all", "build_fan",
            "span", "bucket_range", "bucket_count", "buckets", "write_world", "bucket_entries", "rank_top", "rank_tops"]
 
-FAN = 64  # items per fan-tree node: 64 x 34 B = 2.2 KB, one node per 64 ranks (or buckets)
+FAN = 16  # items per fan-tree node: 16 x 34 B = 0.55 KB; a level per 16x ranks (or buckets)
 
 
 def fan_height(n: int, fan: int) -> int:
