@@ -399,3 +399,16 @@ def test_msgpack_of_the_top_is_small_at_4096_ranks():
     """The top node no longer grows with W: a few fields (the rank list was 33 B x W)."""
     assert len(msgpack.packb({"W": {"v": 2, "world": 4096, "fan": 64, "rt": b"\0" * 32, "nb": 4096,
                                     "ri": b"\0" * 32}})) < 120
+
+
+def test_dcp_load_of_a_version_2_snapshot(grp):
+    """dcp.load through TsckReader gathers every rank's pieces (its metadata lists them all:
+    the DCP view merges every rank's tree through the rank tree)."""
+    import torch.distributed.checkpoint as dcp
+
+    from tensorstore_ck.dcp import TsckReader
+    grp.put(3)
+    sd = {"model": {name: torch.zeros(_global(name, 0).shape) for name in ("rows", "uneven", "cols")}}
+    dcp.load(sd, storage_reader=TsckReader(grp.first, REF), no_dist=True)
+    for name in ("rows", "uneven", "cols"):
+        assert torch.equal(sd["model"][name], _global(name, 3)), name
