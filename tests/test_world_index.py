@@ -412,3 +412,18 @@ def test_dcp_load_of_a_version_2_snapshot(grp):
     dcp.load(sd, storage_reader=TsckReader(grp.first, REF), no_dist=True)
     for name in ("rows", "uneven", "cols"):
         assert torch.equal(sd["model"][name], _global(name, 3)), name
+
+
+def test_a_rank_beyond_the_saved_world_reads_its_region(grp):
+    """Checked out at a larger world (rank >= W): rank 0's tree gives the structure, the
+    index the pieces of its region."""
+    from tensorstore_ck.read import Reader
+    root = grp.put(1)
+    s = grp.first
+    c = decode_commit(s.assets.get_commit(bytes.fromhex(root)))
+    for r in (4, 5, 7):
+        into, want = _region_into(8, r)
+        reader = Reader(s.assets, s._pool, snapshot=root, rank=r)
+        got = reader.materialize(reader.top(c["tree"]), (), into)
+        for name, (rs, cs) in want.items():
+            assert torch.equal(got["model"][name].local, _global(name, 1)[rs, cs]), (r, name)
