@@ -333,6 +333,7 @@ def write_direct(store, world: int, state, ref: str, step: int, *, top_version: 
     ranks can be measured on this machine. state(rank) -> that rank's state.
     top_version=1: the top as the writer of version 1 composed it (every rank's tree
     address and one chunk-index node listing every piece), to compare. -> the root."""
+    from tensorstore_ck.format.manifest import encode_node
     from tensorstore_ck.format.world import write_world
     from tensorstore_ck.validate import check_snapshot_args
     pub = store.publisher
@@ -345,14 +346,14 @@ def write_direct(store, world: int, state, ref: str, step: int, *, top_version: 
         pieces_by_rank.append([[p, dt, list(gs), list(off), list(sh)]
                                for p, dt, gs, off, sh, rep in plan.pieces if not rep])
 
-    def put(value):
-        return pub.write_nodes(value, fence)[0]
+    def put(value):  # one node, as rank 0 writes the index nodes (compose() in dist.py)
+        return store.assets.put_node(encode_node(value), fence).digest
     if top_version == 1:
         ix: dict = {}
         for r, pieces in enumerate(pieces_by_rank):
             for p, _dt, _gs, off, sh in pieces:
                 ix.setdefault(p, []).append({"l": [r, {"l": list(off)}, {"l": list(sh)}]})
-        index = put({"d": [[p, {"l": v}] for p, v in ix.items()]})
+        index = pub.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]}, fence)[0]  # as it was written
         top = put({"W": {"world": world, "ranks": tops, "ix": index}})
     else:
         top = put(write_world(tops, pieces_by_rank, put))

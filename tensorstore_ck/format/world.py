@@ -26,8 +26,10 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import msgpack
+
 from ..errors import FormatError
-from .tree import DIGEST_SIZE, MAX_RANKS, Container, World
+from .tree import DIGEST_SIZE, MAX_RANKS, NODE_SPLIT, Container, World
 
 __all__ = ["FAN", "fan_height", "fan_children", "fan_lookup", "fan_all", "build_fan",
            "span", "bucket_range", "bucket_count", "buckets", "write_world", "bucket_entries", "rank_top", "rank_tops"]
@@ -140,26 +142,42 @@ def bucket_count(pieces_by_rank: list, world: int) -> int:
 
 
 def buckets(pieces_by_rank: list, nb: int) -> list:
-    """The nb bucket values: {format_path: [[rank, offsets, shape], ...]} (raw, for the
-    node writer), pieces in rank order."""
+    """The nb buckets: [{format_path: [entry, ...]}], entry = [rank, offsets, shape] (raw),
+    pieces in rank order."""
     out: list = [{} for _ in range(nb)]
     for r, rank_pieces in enumerate(pieces_by_rank):
         for p, _dt, gs, off, sh in rank_pieces:
             entry = {"l": [r, {"l": list(off)}, {"l": list(sh)}]}
             sp = span(off, sh, gs)
-            where = bucket_range(sp[0], sp[1], math.prod(gs), nb) if sp is not None \
-                else (_empty_bucket(off, gs, nb),)
-            for b in where:
+            if sp is None:
+                out[_empty_bucket(off, gs, nb)].setdefault(p, []).append(entry)
+                continue
+            numel = math.prod(gs)
+            for b in range(sp[0] * nb // numel, sp[1] * nb // numel + 1):
                 out[b].setdefault(p, []).append(entry)
-    return [{"d": [[p, {"l": es}] for p, es in bk.items()]} for bk in out]
+    return out
+
+
+def _bucket_node(bk: dict, put: Callable) -> dict:
+    """A bucket's raw node value, laid out as the node writer lays values out: a tensor's
+    list of pieces whose encoding passes NODE_SPLIT is a node of its own (a row split has
+    one or two per bucket: never)."""
+    items = []
+    for p, es in bk.items():
+        v = {"l": es}
+        if len(es) > 8 and len(msgpack.packb(v, use_bin_type=True)) > NODE_SPLIT:
+            v = {"r": put(v)}
+        items.append([p, v])
+    return {"d": items}
 
 
 def write_world(rank_tops: list, pieces_by_rank: list, put: Callable, fan: int = FAN) -> dict:
-    """Write the index nodes of a multi-rank snapshot through put(raw value) -> digest
-    (bottom-up) -> the raw "W" value of its top node (version 2)."""
+    """Write the index nodes of a multi-rank snapshot through put(raw value) -> digest,
+    which writes the value as one node (its layout is made here: every value is small),
+    bottom-up -> the raw "W" value of its top node (version 2)."""
     world = len(rank_tops)
     nb = bucket_count(pieces_by_rank, world)
-    ri = build_fan([put(b) for b in buckets(pieces_by_rank, nb)], fan, put)
+    ri = build_fan([put(_bucket_node(b, put)) for b in buckets(pieces_by_rank, nb)], fan, put)
     rt = build_fan(rank_tops, fan, put)
     return {"W": {"v": 2, "world": world, "fan": fan, "rt": rt, "nb": nb, "ri": ri}}
 
