@@ -327,6 +327,7 @@ def _bad_bucket(entries):
 
 MALFORMED = {
     "version 3": lambda s, b: b.update(v=3),
+    "version 2.0 (a float)": lambda s, b: b.update(v=2.0),
     "fan 1": lambda s, b: b.update(fan=1),
     "no buckets": lambda s, b: b.update(nb=0),
     "world past the rank tree": lambda s, b: b.update(world=W + 1),

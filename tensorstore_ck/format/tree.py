@@ -353,8 +353,8 @@ def decode_value(v, path=(), depth: int = 0, *, world: bool = False):
 
 def _world_v2(body: dict, path) -> World:
     """{"v": 2, "world": W, "fan": F, "rt": bin32, "nb": B, "ri": bin32} (FORMAT.md)."""
-    if body.get("v") != 2:
-        raise _bad(f"multi-rank snapshot of version {body.get('v')!r}; this reader supports 1..2", path)
+    if not (_is_int(body.get("v")) and body["v"] == 2):
+        raise _bad(f"multi-rank snapshot of version {body.get('v')!r}; this reader reads 1 (no \"v\") and 2", path)
     w, fan, nb = body.get("world"), body.get("fan"), body.get("nb")
     if not (_is_int(w) and 0 < w <= MAX_RANKS and _is_int(fan) and 2 <= fan <= MAX_FAN
             and _is_int(nb) and 0 < nb <= MAX_RANKS and _is_digest(body.get("rt")) and _is_digest(body.get("ri"))):
