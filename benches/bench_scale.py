@@ -552,8 +552,9 @@ def main() -> None:
                     help="with --reads: the multi-rank top to write (1: the rank list and one chunk-index node)")
     args = ap.parse_args()
     if args.reads:
-        print(f"# bench_scale --reads (top version {args.top_version}): {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-              f"{time.strftime('%Y-%m-%d %H:%M')}, loadavg {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"# bench_scale --reads (top version {args.top_version}): {platform.node()}, {os.cpu_count()} cores, "
+              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, loadavg {os.getloadavg()[0]:.1f}",
+              flush=True)
         results = []
         for s in args.reads:
             W, N = (int(x) for x in s.split("x"))

@@ -596,16 +596,17 @@ class Reader:
 
         Version 2 (format/world.py): only this rank's tree is read here, found through the
         rank tree; the index buckets and other ranks' pieces a sharded tensor's region
-        needs are read when it is filled (_ranged). Version 1 with a chunk index: only this
-        rank's tree and the index are read here; another rank's chunks of a sharded tensor are read when the region
+        needs are read when it is filled (_ranged; lazy=False: every rank's tree merged).
+        Version 1 with a chunk index: only this rank's tree and the index are read here;
+        another rank's chunks of a sharded tensor are read when the region
         being filled needs them (lazy=False: every chunk now). Without one, or if the
         index node cannot be read (an older gc did not know to keep it), every rank's
         tree is merged (O(W) node reads per rank)."""
         me = self.rank if self.rank < w.world else 0
         if w.ranks is None:  # version 2: this rank's tree; _global reads the index for its regions
             if not lazy:
-                vals = [self._node(d, path, depth) for d in worldfmt.rank_tops(w, lambda d: self._node(d, path, depth))]
-                return self._merge(vals, me, path, depth, sel)
+                tops = worldfmt.rank_tops(w, lambda d: self._node(d, path, depth))
+                return self._merge([self._node(d, path, depth) for d in tops], me, path, depth, sel)
             self._world = w
             return self._node(self._rank_top(w, me, path, depth), path, depth)
         ix = self._chunk_index(w, path, depth) if w.index is not None else None
@@ -711,7 +712,7 @@ class Reader:
             try:
                 hit = self._rank_tops[r] = worldfmt.rank_top(w, r, lambda d: self._node(d, path, depth))
             except FormatError as e:
-                raise self._fmt(str(e), path) from None
+                raise self._world_error(e, path) from None
         return hit
 
     def _bucket(self, b: int, path) -> dict:
