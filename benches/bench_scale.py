@@ -41,6 +41,16 @@ Usage:
     .venv/bin/python benches/bench_scale.py --worlds 64 256 --tensors 100 1000 --also 1024x100 \
         | tee benches/results/scale.txt              # docs/PERFORMANCE.md's figures (~1.5 h on 2 cores)
     .venv/bin/python benches/bench_scale.py --worlds 64 --tensors 100 --late 0.5     # smoke run
+    .venv/bin/python benches/bench_scale.py --reads 64x100 256x100 1024x100 4096x100 \
+        [--top-version 1]    # the checkout's reads alone (benches/results/scale_checkout.txt)
+
+--reads: the checkout's reads alone, at sizes the threaded protocol cannot reach here. The
+snapshot is written by one Store as a collective put writes it (write_direct: the same rank
+trees and the same top, composed by format.world.write_world as rank 0 does at commit; no
+c10d round trips), then a few ranks spread over the group read their region through the
+Reader that Store.checkout runs once the ranks agree on the root (read_rank): same layout
+(its own row of every tensor) and resharded (W/2 ranks, two rows each). --top-version 1
+writes the top as the previous writer did (rank list, one chunk-index node), to compare.
 """
 
 from __future__ import annotations
@@ -264,8 +274,8 @@ class Harness:
         over the group, read their region through Store.checkout (and are counted); the
         others make the same collective call (dist.collective_checkout, what Store.checkout
         calls) with a read that does nothing: a rank's reads depend only on its region and
-        the snapshot, and reading every rank's region at W = 1,024 would take hours here
-        (each rank decodes the whole chunk index, O(W x N))."""
+        the snapshot, and 1,024 ranks reading on 2 cores take long (--reads measures the
+        reads alone, up to 4,096 ranks)."""
         W, N = self.world, self.tensors
         k = 2 if reshard else 1
         ranks = self.ranks[: W // k]
@@ -312,6 +322,116 @@ class Harness:
                 "polls": [rk.kv.polls for rk in ranks], "poll_bytes": [rk.kv.poll_bytes for rk in ranks],
                 "bytes": [rk.kv.bytes for rk in ranks], "cpu0": cpu0, "cpu0_coord": ccpu, "coord": coord,
                 "wall": wall}
+
+
+def write_direct(store, world: int, state, ref: str, step: int, *, top_version: int = 2) -> str:
+    """A collective snapshot of `world` ranks written by one Store without the c10d
+    protocol: each rank's tree as collective_put writes it (plan, blocks, nodes) and the top
+    composed as rank 0 does at commit (format.world.write_world), then published. The
+    stored objects are those of a collective put of the same states; only the coordination
+    is skipped (its cost is what the put scenarios measure), so the checkout at 4,096
+    ranks can be measured on this machine. state(rank) -> that rank's state.
+    top_version=1: the top as the writer of version 1 composed it (every rank's tree
+    address and one chunk-index node listing every piece), to compare. -> the root."""
+    from tensorstore_ck.format.manifest import encode_node
+    from tensorstore_ck.format.world import write_world
+    from tensorstore_ck.validate import check_snapshot_args
+    pub = store.publisher
+    fence = pub.fence()
+    tops, pieces_by_rank = [], []
+    for r in range(world):
+        plan = store.planner().plan(state(r))
+        pub.write_blocks(plan, owns=lambda leaf, i: True, fence=fence)
+        tops.append(pub.write_nodes(plan.value, fence)[0])
+        pieces_by_rank.append([[p, dt, list(gs), list(off), list(sh)]
+                               for p, dt, gs, off, sh, rep in plan.pieces if not rep])
+
+    def put(value):  # one node, as rank 0 writes the index nodes (compose() in dist.py)
+        return store.assets.put_node(encode_node(value), fence).digest
+    if top_version == 1:
+        ix: dict = {}
+        for r, pieces in enumerate(pieces_by_rank):
+            for p, _dt, _gs, off, sh in pieces:
+                ix.setdefault(p, []).append({"l": [r, {"l": list(off)}, {"l": list(sh)}]})
+        index = pub.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]}, fence)[0]  # as it was written
+        top = put({"W": {"world": world, "ranks": tops, "ix": index}})
+    else:
+        top = put(write_world(tops, pieces_by_rank, put))
+    pub.sync()
+    stats = dict.fromkeys(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), 0)
+    return pub.commit(top, check_snapshot_args(ref, step=step), stats=stats, fence=fence,
+                      meta_extra={"world": world}).root
+
+
+def read_rank(store, root: str, rank: int, into):
+    """What Store.checkout's read does on `rank` of a collective checkout of `root` once
+    the ranks agree on it (the coordination costs O(1) requests per rank: the checkout
+    scenarios above count it): this rank's view, into `into`."""
+    from tensorstore_ck.format.manifest import decode_commit
+    from tensorstore_ck.read import Reader
+    c = decode_commit(store.assets.get_commit(bytes.fromhex(root)))
+    reader = Reader(store.assets, store._pool, snapshot=root, rank=rank, fence=store.assets.fence_now())
+    return reader.materialize(reader.top(c["tree"]), (), into)
+
+
+def run_reads(world: int, tensors: int, *, readers: int = 4, top_version: int = 2, log=print) -> dict:
+    """The checkout of a snapshot of `world` ranks (written by write_direct), read by
+    `readers` ranks spread over the group: "checkout" (each its own rows) and "reshard"
+    (world/2 ranks, each two ranks' rows), counted as in the full run: nodes and bytes
+    read per rank, CPU per rank. No c10d Store: -> {scenario: row}."""
+    tmp = tempfile.mkdtemp(prefix="tsck-scale-", dir=os.environ.get("TSCK_BENCH_DIR"))
+    rows: dict = {}
+    try:
+        path = os.path.join(tmp, "store")
+        h = Harness.__new__(Harness)  # only its state(): the same states as the full run
+        h.world, h.tensors = world, tensors
+        t0 = time.monotonic()
+        with tsck.open_store(path) as s:
+            root = write_direct(s, world, lambda r: h.state(r, 1), REF, 1, top_version=top_version)
+        log(f"# W={world} N={tensors}: snapshot (top version {top_version}) written directly in "
+            f"{time.monotonic() - t0:.1f}s")
+        for sc, k in (("checkout", 1), ("reshard", 2)):
+            n = world // k
+            chosen = sorted({round(i * (n - 1) / (readers - 1)) for i in range(readers)} if readers > 1 else {0})
+            row = {"world": n, "readers": chosen, "nodes": [], "read_bytes": [], "blocks": [], "reader_cpu": []}
+            for r in chosen:
+                counted: list = []
+
+                def wrap(st):
+                    counted.append(ReadCounting(st))
+                    return counted[0]
+                with tsck.open_store(path, wrap_storage=wrap, workers=1) as s:
+                    into = {"t": {f"p{i:05d}": tsck.Sharded(torch.zeros(k, COLS), (world, COLS), (k * r, 0))
+                                  for i in range(tensors)}}
+                    c0 = time.thread_time()
+                    got = read_rank(s, root, r, into)
+                    row["reader_cpu"].append(time.thread_time() - c0)
+                for i in range(tensors):
+                    t = got["t"][f"p{i:05d}"].local
+                    want = [value(k * r + j, i, 1) for j in range(k)]
+                    if t[:, 0].tolist() != want or t[:, 1].tolist() != want:
+                        raise AssertionError(f"rank {r}: p{i:05d} read {t.tolist()}, wrote {want}")
+                c = counted[0]
+                row["nodes"].append(c.n["nodes"])
+                row["read_bytes"].append(sum(c.b.values()))
+                row["blocks"].append(c.n["blocks"])
+            rows[sc] = row
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def reads_table(results: list) -> str:
+    lines = ["| W (saved) | N/rank | scenario | ranks reading | nodes read/rank: mean (max) "
+             "| bytes read/rank: mean (max) | checkout CPU s/rank: mean (max) | ranks read |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (W, N), rows in results:
+        for sc, r in rows.items():
+            lines.append(f"| {W} | {N} | {sc} | {r['world']} | {_mean(r['nodes']):.1f} ({max(r['nodes'])}) | "
+                         f"{_mean(r['read_bytes']) / 1e3:.1f} KB ({max(r['read_bytes']) / 1e3:.1f} KB) | "
+                         f"{_mean(r['reader_cpu']):.3f} ({max(r['reader_cpu']):.3f}) | "
+                         f"{', '.join(map(str, r['readers']))} |")
+    return "\n".join(lines)
 
 
 def run(world: int, tensors: int, *, late: float = 3.0, reshard: bool = True, timeout: float = 600.0,
@@ -425,7 +545,27 @@ def main() -> None:
                     help="ranks that read their region in a checkout above --all-read ranks (the others coordinate)")
     ap.add_argument("--all-read", type=int, default=64, help="up to this many ranks, every rank reads its region")
     ap.add_argument("--json-out")
+    ap.add_argument("--reads", nargs="*", metavar="WxN",
+                    help="only the checkout's reads, of snapshots written without the c10d protocol "
+                         "(write_direct), at these sizes: e.g. --reads 64x100 256x100 1024x100 4096x100")
+    ap.add_argument("--top-version", type=int, default=2, choices=(1, 2),
+                    help="with --reads: the multi-rank top to write (1: the rank list and one chunk-index node)")
     args = ap.parse_args()
+    if args.reads:
+        print(f"# bench_scale --reads (top version {args.top_version}): {platform.node()}, {os.cpu_count()} cores, "
+              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, loadavg {os.getloadavg()[0]:.1f}",
+              flush=True)
+        results = []
+        for s in args.reads:
+            W, N = (int(x) for x in s.split("x"))
+            rows = run_reads(W, N, readers=args.readers, top_version=args.top_version,
+                             log=lambda m: print(m, flush=True))
+            results.append(((W, N), rows))
+            print(reads_table([((W, N), rows)]).split("\n", 2)[2], f"   (loadavg {os.getloadavg()[0]:.1f})",
+                  flush=True)
+        print()
+        print(reads_table(results))
+        return
     sizes = [(W, N) for W in args.worlds for N in args.tensors]
     sizes += [tuple(int(x) for x in s.split("x")) for s in args.also or ()]
     print(f"# bench_scale: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "

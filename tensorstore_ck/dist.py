@@ -584,16 +584,17 @@ def _put(ch: _Channel, publisher, plan, prepare):
             why = _replica_disagreement(ch)
             ch.abort(why)
             raise SnapshotAborted(f"snapshot aborted: {why}")
-        # The chunk index: by tensor path, which rank holds which piece, so a rank reads one
-        # index plus the rank trees its region needs (O(W) node reads in all, not O(W^2)).
-        ix: dict = {}
-        for r, pieces in enumerate(pieces_by_rank):
-            for p, _dt, _gs, off, sh in pieces:
-                ix.setdefault(p, []).append({"l": [r, {"l": list(off)}, {"l": list(sh)}]})
-        index, ix_payloads = publisher.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]}, fence)
-        top, top_payloads = publisher.write_nodes({"W": {"world": W, "ranks": [d["tree"] for d in dones],
-                                                         "ix": index}}, fence)
-        part["top"] = ix_payloads + top_payloads
+        # The rank tree and the range-cut chunk index (format/world.py): a rank's checkout
+        # reads the few nodes its own region needs, whatever W (not O(W) or O(W x N)).
+        from .format.manifest import encode_node
+        from .format.world import write_world
+        payloads: list = []
+
+        def put(value):  # one node, laid out by write_world (the node writer's walk costs ~15 us a piece)
+            payloads.append(encode_node(value))
+            return publisher.assets.put_node(payloads[-1], fence).digest
+        top = put(write_world([d["tree"] for d in dones], pieces_by_rank, put))
+        part["top"] = payloads
         sums = [sum(d["stats"][i] for d in dones) for i in range(5)]
         return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), sums))
 

@@ -11,6 +11,7 @@ from .errors import FormatError, InvalidArgument, storage_error
 from .format import tree
 from .format.dtypes import DTYPE_ITEMSIZES
 from .format.manifest import decode_commit
+from .format.world import rank_top
 from .ids import Digest
 from .paths import FULL, SKIP, Selection, dotted
 from .walk import read_node
@@ -142,7 +143,7 @@ def _entries(store, root: Digest, path: str | None, limit: int):
 
     v = node(top, (), 0, world=True)
     if type(v) is tree.World:
-        v = node(v.ranks[0], (), 0)
+        v = node(rank_top(v, 0, lambda d: node(d, (), 0)), (), 0)
     state = FULL if sel is None else sel.root
     if measure(v, (), 0, state)[1] == 0 and path is not None:
         raise InvalidArgument(f"snapshot {snap[:16]} in {store.url} holds nothing at {path!r} (paths are "

@@ -30,6 +30,7 @@ from .assets import Assets
 from .errors import (CheckoutMismatch, DeviceUnavailable, FormatError, IntegrityError, InvalidArgument,
                      UnsupportedType, into_summary)
 from .format import tree
+from .format import world as worldfmt
 from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
@@ -230,6 +231,9 @@ class Reader:
         self._keymaps: dict = {}   # id(decoded dict container) -> (it, {key: value}): rank-tree lookups
         self._merged: dict = {}    # (rank nodes, depth, selection state) -> their merged value
         self._ix_prefixes: dict = {}  # id(chunk index) -> (it, format_paths at and above its tensors)
+        self._world: tree.World | None = None  # a version-2 multi-rank snapshot being read
+        self._buckets: dict = {}   # bucket number -> {format_path: [(rank, offsets, shape)]}
+        self._rank_tops: dict = {}  # rank -> its tree's address (version 2)
 
     def read(self, top: bytes, into=_MISSING):
         """The state under the top node `top` (into=: update that tree in place)."""
@@ -352,9 +356,9 @@ class Reader:
                 values, nbytes = values + a, nbytes + b
             return values, nbytes
         if t is tree.World:  # one rank's view: the largest rank tree bounds it
-            if v.index is not None:  # with a chunk index the view is this rank's tree: O(1) nodes
-                me = self.rank if self.rank < len(v.ranks) else 0
-                return self._measure(tree.Ref(v.ranks[me]), path, depth, sel, into)
+            if v.index is not None or v.ranks is None:  # with a chunk index the view is this rank's tree
+                me = self.rank if self.rank < v.world else 0
+                return self._measure(tree.Ref(self._rank_top(v, me, path, depth)), path, depth, sel, into)
             return max((self._measure(tree.Ref(d), path, depth, sel, into) for d in v.ranks), default=(1, 0))
         if sel is not FULL:
             return 0, 0  # a leaf above what the selection names: left out
@@ -590,12 +594,21 @@ class Reader:
         have), with every sharded tensor's chunks gathered from all ranks. Only what
         the selection keeps is merged (and read).
 
-        With a chunk index (snapshots since issue 16) only this rank's tree and the index
-        are read here; another rank's chunks of a sharded tensor are read when the region
+        Version 2 (format/world.py): only this rank's tree is read here, found through the
+        rank tree; the index buckets and other ranks' pieces a sharded tensor's region
+        needs are read when it is filled (_ranged; lazy=False: every rank's tree merged).
+        Version 1 with a chunk index: only this rank's tree and the index are read here;
+        another rank's chunks of a sharded tensor are read when the region
         being filled needs them (lazy=False: every chunk now). Without one, or if the
         index node cannot be read (an older gc did not know to keep it), every rank's
         tree is merged (O(W) node reads per rank)."""
-        me = self.rank if self.rank < len(w.ranks) else 0
+        me = self.rank if self.rank < w.world else 0
+        if w.ranks is None:  # version 2: this rank's tree; _global reads the index for its regions
+            if not lazy:
+                tops = worldfmt.rank_tops(w, lambda d: self._node(d, path, depth))
+                return self._merge([self._node(d, path, depth) for d in tops], me, path, depth, sel)
+            self._world = w
+            return self._node(self._rank_top(w, me, path, depth), path, depth)
         ix = self._chunk_index(w, path, depth) if w.index is not None else None
         if ix is not None:
             return self._indexed(self._node(w.ranks[me], path, depth), me, w.ranks, ix, path, depth, sel, lazy)
@@ -688,6 +701,85 @@ class Reader:
             chunks += found
         return tree.Global(g.dt, g.shape, chunks, False)
 
+    def _world_error(self, e: FormatError, path) -> FormatError:
+        # a node that does not decode already names the snapshot; a bad fan tree or bucket does not
+        return e if f"of snapshot {self.snapshot[:16]}" in str(e) else self._fmt(str(e), path)
+
+    def _rank_top(self, w: tree.World, r: int, path, depth) -> bytes:
+        """Rank r's tree address (version 2: one rank-tree node per level, read once)."""
+        hit = self._rank_tops.get(r)
+        if hit is None:
+            try:
+                hit = self._rank_tops[r] = worldfmt.rank_top(w, r, lambda d: self._node(d, path, depth))
+            except FormatError as e:
+                raise self._world_error(e, path) from None
+        return hit
+
+    def _bucket(self, b: int, path) -> dict:
+        """Bucket b of the range index -> {format_path: [(rank, offsets, shape)]} (read once)."""
+        hit = self._buckets.get(b)
+        if hit is not None:
+            return hit
+        w = self._world
+        node = lambda d: self._node(d, (), 0)  # noqa: E731 - the index hangs off the top
+        try:
+            d = worldfmt.fan_lookup(w.range_index, w.nbuckets, w.fan, b, node, "chunk index")
+        except FormatError as e:
+            raise self._world_error(e, path) from None
+        try:
+            out = worldfmt.bucket_entries(node(d), w.world, lambda v, depth: self._deref(v, (), depth))
+        except FormatError as e:
+            raise self._world_error(e, path) from None
+        self._buckets[b] = out
+        return out
+
+    def _ranged(self, own: tree.Global, box, path) -> tree.Global:
+        """A sharded tensor of a version-2 multi-rank snapshot: the chunks that meet `box`
+        ((offsets, shape); None: all of it). This rank's own chunks serve when they cover the
+        region (a checkout in the layout it was saved with reads no index); else the index
+        buckets the region's element range meets name the other ranks' pieces, which are
+        read from their trees along this tensor's path only."""
+        w = self._world
+        me = self.rank if self.rank < w.world else 0
+        if box is not None:
+            want = math.prod(box[1])
+            got = 0
+            for c in own.chunks:
+                got += math.prod(max(0, min(a + s, r + rs) - max(a, r))
+                                 for a, s, r, rs in zip(c.offsets, c.shape, *box))
+            if got >= want:
+                return own
+            sp = worldfmt.span(box[0], box[1], own.shape)
+            if sp is None:
+                return own
+            which = worldfmt.bucket_range(sp[0], sp[1], math.prod(own.shape), w.nbuckets)
+        else:
+            which = range(w.nbuckets)  # the whole tensor: every rank's pieces of it
+
+        def meets(off, sh):
+            return box is None or all(a < r + rs and r < a + s for a, s, r, rs in zip(off, sh, *box))
+
+        need: dict = {}
+        p = format_path(path)
+        for b in which:
+            if not 0 <= b < w.nbuckets:
+                raise self._fmt("a sharded tensor's region lies outside its shape", path)  # pragma: no cover
+            for r, off, sh in self._bucket(b, path).get(p, ()):
+                if meets(off, sh):
+                    need.setdefault(r, set()).add(off)
+        need.setdefault(me, set()).update(c.offsets for c in own.chunks if meets(c.offsets, c.shape))
+        chunks: list = []
+        for r in sorted(need):
+            leaf = own if r == me else self._rank_leaf(self._rank_top(w, r, path, 0), path)
+            if type(leaf) is not tree.Global or leaf.dt != own.dt or leaf.shape != own.shape:
+                raise self._fmt(f"the chunk index names a piece of rank {r}, whose tree has no such sharded "
+                                "tensor there", path)
+            found = [c for c in leaf.chunks if c.offsets in need[r]]
+            if len({c.offsets for c in found}) != len(need[r]):
+                raise self._fmt(f"the chunk index names a piece rank {r} does not hold", path)
+            chunks += found
+        return tree.Global(own.dt, own.shape, chunks, False)
+
     def _rank_leaf(self, top: bytes, path):
         """The value at `path` in the rank tree `top` (nodes read along the path only)."""
         v = self._node(top, (), 0)
@@ -776,6 +868,9 @@ class Reader:
         if type(g) is _Gathered:  # only the pieces the region needs are read
             box = (tuple(into.offsets), tuple(into.local.shape)) if isinstance(into, Sharded) else None
             g = self._gather(g, box, path)
+        elif self._world is not None and not g.replicated:
+            box = (tuple(into.offsets), tuple(into.local.shape)) if isinstance(into, Sharded) else None
+            g = self._ranged(g, box, path)
         dtype, gs = g.dtype, g.shape
         chunks = self._chunks(g, path)
         if isinstance(into, Sharded):

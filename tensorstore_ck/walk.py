@@ -17,6 +17,7 @@ from .errors import FormatError
 from .format import tree
 from .format.manifest import decode_commit, decode_node
 from .format.tree import format_path
+from .format.world import bucket_entries, fan_children, fan_height, rank_tops
 
 __all__ = ["Obj", "walk_commit", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS"]
 
@@ -49,6 +50,14 @@ def _leaf_blocks(leaf) -> Iterator[tuple[bytes, int]]:
             yield d, b - a
 
 
+def _fan_roots(w: tree.World, path, depth) -> list:
+    """The children of a version-2 multi-rank top: the roots of its two fan trees (rank
+    tree: its items are the rank trees, walked at the top's path and depth; range index:
+    its items are the bucket nodes, plain trees)."""
+    return [(root, path, depth, ("fan", what, fan_height(n, w.fan), 0, n, w.fan, path, depth, w.world))
+            for root, what, n in ((w.rank_tree, "rank tree", w.world), (w.range_index, "chunk index", w.nbuckets))]
+
+
 def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_nodes: set | None = None):
     """Depth first over the nodes under `top`: (digest, path, read) per node, where
     read() fetches and decodes the node and returns its leaves, [(path, Tensor | Array
@@ -76,11 +85,31 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
         children: list = []
 
         def read(d=d, path=path, depth=depth, world=world, children=children):
-            value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify, world=world)
+            if type(world) is tuple and world[0] == "fan":  # a fan-tree node: its item count fixes its shape
+                _f, what, h, lo, n, fan, wpath, wdepth, wn = world
+                value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify)
+                kids = fan_children(value, min(fan, -(-(n - lo) // fan ** h)), what)
+                if h:
+                    children.extend((k, path, depth, ("fan", what, h - 1, lo + j * fan ** h, n, fan, wpath, wdepth,
+                                                      wn)) for j, k in enumerate(kids))
+                elif what == "chunk index":  # the buckets: checked as checkout reads them
+                    children.extend((k, wpath, wdepth, ("bucket", wn)) for k in kids)
+                else:
+                    children.extend((k, wpath, wdepth, False) for k in kids)
+                return []
+            value = read_node(assets, d, path, depth, snapshot=snapshot, verify=verify, world=world is True)
+            if type(world) is tuple:
+                def deref(v, dp):
+                    while type(v) is tree.Ref:
+                        v = read_node(assets, v.digest, path, depth + dp, snapshot=snapshot, verify=verify)
+                    return v
+                bucket_entries(value, world[1], deref)
             leaves = []
             for p, dp, item in tree.visit(value, path, depth):
                 if type(item) is tree.Ref:
                     children.append((item.digest, p, dp, False))
+                elif type(item) is tree.World and item.ranks is None:
+                    children.extend(_fan_roots(item, p, dp))
                 elif type(item) is tree.World:
                     children.extend((r, p, dp, False) for r in item.ranks)
                     if item.index is not None:
@@ -150,7 +179,8 @@ def _leaf_paths(assets: Assets, top: bytes, *, snapshot: str, verify: bool, limi
             if type(item) is tree.Ref:
                 kids.append((p, dp, item.digest))
             elif type(item) is tree.World:
-                kids.extend((p, dp, r) for r in item.ranks)
+                kids.extend((p, dp, r) for r in rank_tops(item, lambda x: read_node(
+                    assets, x, path + p, dp, snapshot=snapshot, verify=verify)))
             else:
                 leaves.append((p, item))
         info[key] = (leaves, kids)

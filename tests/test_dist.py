@@ -401,9 +401,10 @@ def test_overlapping_shards_refused_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("world", [4, 16, 64])
 def test_multi_rank_checkout_reads_o_w_nodes_with_the_chunk_index(tmp_path, world):
-    """Issue 16 item 4: with the chunk index rank 0 writes at commit, a rank that checks out
-    its own pieces reads the commit's top, the index and its own tree: a number of nodes
-    that does not grow with W (O(W) in all, where merging every rank's tree is O(W^2))."""
+    """With the rank tree and chunk index rank 0 writes at commit, a rank that checks out
+    its own pieces reads the commit's top, its path in the rank tree and its own tree: a
+    number of nodes that does not grow with W (O(W) in all, where merging every rank's tree
+    is O(W^2))."""
     out = run_scenario(tmp_path, "index", world, limit=600.0)
     loads = rank_results(out, "indexed", world)
     assert all(r["mismatches"] == [] for r in loads), [r["mismatches"] for r in loads]
@@ -416,27 +417,27 @@ def test_multi_rank_checkout_reads_o_w_nodes_with_the_chunk_index(tmp_path, worl
             assert torch.equal(dw.get_path(full, path), dw.global_tensor(path)), path
 
 
-def test_a_lost_chunk_index_falls_back_to_merging_every_rank(tmp_path):
-    """The index is redundant (the rank trees are whole): a snapshot whose index node is gone
-    (a gc by a build that did not know to keep it) still checks out, by the O(W) merge, and
-    fsck names the missing node."""
+def test_gc_keeps_the_rank_tree_and_the_chunk_index(tmp_path):
+    """The top of a collective snapshot points at its rank tree and its chunk index (fan
+    trees of nodes, format/world.py): gc keeps both (it walks them), and a lost index
+    node is damage fsck names."""
     from tensorstore_ck.assets import node_key
     from tensorstore_ck.format.manifest import decode_commit, decode_node
     out = run_scenario(tmp_path, "index", 4, limit=300.0)
     with tsck.open_store(out / "store") as s:
         root = bytes.fromhex(s.resolve(REF))
         top = decode_node(s.assets.get_node(decode_commit(s.assets.get_commit(root))["tree"]))
-        ix = top["W"]["ix"]
-        assert isinstance(ix, bytes) and len(ix) == 32
+        rt, ri = top["W"]["rt"], top["W"]["ri"]
+        assert isinstance(ri, bytes) and len(ri) == 32 and isinstance(rt, bytes) and len(rt) == 32
         before = s.checkout(REF)
         s.gc(grace=0)
-        assert s.storage.exists(node_key(ix)), "gc must keep the chunk index node (it walks it)"
-        s.storage.delete(node_key(ix))
+        assert s.storage.exists(node_key(ri)) and s.storage.exists(node_key(rt)), "gc must keep the index nodes"
         after = s.checkout(REF)
         for path in dw.SHARDED:
             assert torch.equal(dw.get_path(after, path), dw.get_path(before, path)), path
+        s.storage.delete(node_key(ri))
         findings = [str(f) for f in s.fsck(full=True).findings]
-        assert any(ix.hex()[:16] in f or "missing" in f for f in findings), findings
+        assert any(ri.hex()[:16] in f or "missing" in f for f in findings), findings
 
 
 # -- the collective protocol's outcomes: call naming, rank 0's liveness, late ranks, members,

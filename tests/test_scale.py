@@ -80,25 +80,27 @@ def test_waiting_is_polling_recorded(measured):
 
 
 def test_checkout_reads_a_constant_number_of_nodes_per_rank(measured):
-    for kind, most in (("checkout", 8), ("reshard", 12)):
+    for kind, most in (("checkout", 8), ("reshard", 16)):
         nodes = {W: rows[kind]["nodes"] for W, rows in measured.items()}
         assert all(len(ns) == (W if kind == "checkout" else W // 2) for W, ns in nodes.items()), "a rank did not read"
-        # the commit's top, the chunk index and this rank's own tree (resharded: the trees of the
-        # ranks whose rows its target covers): the same at 16 and 64 ranks
+        # the commit's top, this rank's path in the rank tree and its own tree (resharded: the
+        # index's path to the one or two buckets its rows meet, and the trees of the ranks whose
+        # rows its target covers): a fan tree gains a level per 16x ranks, nothing else grows
         assert max(nodes[64]) <= most and max(nodes[16]) <= most, nodes
-        assert max(nodes[64]) == max(nodes[16]), nodes
+        assert max(nodes[64]) <= max(nodes[16]) + 3, nodes
         assert all(b == 0 for rows in measured.values() for b in rows[kind]["blocks"])  # 8-byte pieces: inline
 
 
-def test_checkout_bytes_per_rank_today(measured):
-    """Every rank reads the whole chunk index, one node listing every piece of every sharded
-    tensor: its bytes grow with W x N (lz4 keeps them small for regular row splits), so a
-    rank's checkout is not O(own region) in bytes and CPU yet. Today's factor from 16 to
-    64 ranks is ~2x at N = 100; the bound fails if it gets worse."""
+def test_checkout_bytes_per_rank_stay_flat_from_16_to_64_ranks(measured):
+    """A rank reads the nodes its own region needs: the top, its path in the rank tree, its
+    own tree, and (resharded) the index buckets its region's rows meet and the other ranks'
+    trees along each tensor's path: the same bytes at 16 and 64 ranks, up to a fan-tree
+    level (~0.5 KB). Reading the whole chunk index and rank list (O(W x N) and O(W)) made
+    them ~2x from 16 to 64 ranks at N = 100."""
     for kind in ("checkout", "reshard"):
         b16 = max(measured[16][kind]["read_bytes"])
         b64 = max(measured[64][kind]["read_bytes"])
-        assert b64 <= 3 * b16, (kind, b16, b64)
+        assert b64 <= 1.3 * b16, (kind, b16, b64)
 
 
 def test_checkout_coordination_is_a_constant_number_of_requests_per_rank(measured):

@@ -36,7 +36,7 @@ from .manifest import MAX_DEPTH, MAX_NODE_BYTES, encode_node
 
 __all__ = [
     "MAX_DEPTH", "MAX_NODE_BYTES", "MAX_DIMS", "MAX_DIM", "MAX_BIGINT_BYTES", "MAX_BLOCK_SIZE", "MAX_CHUNKS",
-    "MAX_RANKS", "MAX_VALUES", "NODE_SPLIT", "DIGEST_SIZE", "format_path",
+    "MAX_RANKS", "MAX_FAN", "MAX_VALUES", "NODE_SPLIT", "DIGEST_SIZE", "format_path",
     "Ref", "Container", "Leaf", "Tensor", "Array", "Chunk", "Global", "NpScalar", "Pickled", "World",
     "decode_value", "decode_node_value", "check_leaf", "visit", "Pending", "OwnNode", "NodeWriter",
     "INT_MIN", "INT_MAX", "int_value",
@@ -49,6 +49,7 @@ MAX_BIGINT_BYTES = 1 << 16    # an int beyond 64 bits, as signed big-endian byte
 MAX_BLOCK_SIZE = 256 << 20    # bytes per block (chunker cuts within this)
 MAX_CHUNKS = 1 << 20          # chunks of one sharded tensor
 MAX_RANKS = 1 << 20           # trees of one multi-rank snapshot
+MAX_FAN = 1 << 12             # items per node of a multi-rank snapshot's fan trees (format/world.py)
 MAX_VALUES = 1 << 28          # values of one tree (containers, leaves, plain values) over all its
                               # paths: a DAG of 40 nodes can name 2^40; a rank's tree of a multi-rank one
 MAX_DEVICE_NAME = 64
@@ -157,8 +158,15 @@ class Pickled:
 
 @dataclass(frozen=True, slots=True)
 class World:
-    ranks: list
-    index: bytes | None = None  # the chunk-index node: where each rank's pieces of each sharded tensor lie
+    ranks: list | None          # version 1: every rank's tree address (version 2: None, see rank_tree)
+    index: bytes | None = None  # version 1: the chunk-index node: where each rank's pieces of each sharded tensor lie
+    world: int = 0
+    # version 2 (format/world.py): fan trees over the rank-tree addresses and over the
+    # buckets of the range-cut chunk index
+    fan: int = 0
+    rank_tree: bytes | None = None
+    nbuckets: int = 0
+    range_index: bytes | None = None
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -329,6 +337,8 @@ def decode_value(v, path=(), depth: int = 0, *, world: bool = False):
         if not isinstance(body, bytes):
             raise _bad("bad pickle body", path)
         return Pickled(body)
+    if tag == "W" and world and isinstance(body, dict) and "v" in body:
+        return _world_v2(body, path)
     if tag == "W":
         if not world or not isinstance(body, dict) or not isinstance(body.get("ranks"), list) \
                 or not 0 < len(body["ranks"]) <= MAX_RANKS or body.get("world") != len(body["ranks"]) \
@@ -337,8 +347,19 @@ def decode_value(v, path=(), depth: int = 0, *, world: bool = False):
         ix = body.get("ix")
         if ix is not None and not _is_digest(ix):
             raise _bad("bad chunk index of a multi-rank snapshot", path)
-        return World(list(body["ranks"]), ix)
+        return World(list(body["ranks"]), ix, len(body["ranks"]))
     raise _bad(f"unknown manifest tag {tag!r}", path)
+
+
+def _world_v2(body: dict, path) -> World:
+    """{"v": 2, "world": W, "fan": F, "rt": bin32, "nb": B, "ri": bin32} (FORMAT.md)."""
+    if not (_is_int(body.get("v")) and body["v"] == 2):
+        raise _bad(f"multi-rank snapshot of version {body.get('v')!r}; this reader reads 1 (no \"v\") and 2", path)
+    w, fan, nb = body.get("world"), body.get("fan"), body.get("nb")
+    if not (_is_int(w) and 0 < w <= MAX_RANKS and _is_int(fan) and 2 <= fan <= MAX_FAN
+            and _is_int(nb) and 0 < nb <= MAX_RANKS and _is_digest(body.get("rt")) and _is_digest(body.get("ri"))):
+        raise _bad("bad multi-rank snapshot", path)
+    return World(None, None, w, fan, body["rt"], nb, body["ri"])
 
 
 def decode_node_value(raw, path=(), depth: int = 0, *, world: bool = False):
