@@ -5,7 +5,7 @@ stores of millions of objects, and the projection to 180 M objects.
 Builds one local store through the project's own put path (``put_snapshot``; every
 object is a valid stored object: framed, lz4, BLAKE3-addressed), with tiny blocks so
 that millions of objects cost little disk: each block is 4 KiB of raw bytes, all zero
-but a unique 8-byte stamp, so lz4 stores it in ~40 bytes (one filesystem block).
+but a unique 8-byte stamp, so lz4 stores it in ~120 bytes (one filesystem block).
 Tensors hold 64 blocks each. Two jobs:
 
 * ``archive`` (no retention rules: keeps everything): each snapshot adds 2 x
@@ -32,13 +32,18 @@ stages are fitted with a line, peak = a + b x listed objects (least squares), an
 projected to --project objects (180 M) with the same share of reachable objects.
 
 The builder writes without fsync (a throwaway store; ``os.sync()`` before each gc):
-building is what takes time here, not gc. Typical use (about an hour at 5 M on 2
-busy cores; ~25 GB of disk and ~6 M inodes under --dir; the store is deleted at the
-end unless --keep-store):
+building is what takes time here, not gc (~1,600 objects/s on 2 busy cores: 5 M
+take ~50 minutes). Each object is a small file: on a filesystem with 4 KiB blocks 5 M
+of them take ~20 GB, and removing them one by one takes as long again, so give the
+store a filesystem of its own, with 1 KiB blocks, and drop it with one umount
+(~6 GB and ~5 M inodes at 5 M objects). Typical use:
 
-    git archive BASE | tar -x -C /work/tmp-gcmem/peer     # the checkout to compare with
-    .venv/bin/python benches/bench_gc_scale.py --dir /work/tmp-gcmem --peer /work/tmp-gcmem/peer \
+    truncate -s 12G /work/tmp-gcmem/img && mkfs.ext4 -q -b 1024 -I 128 -i 1600 /work/tmp-gcmem/img
+    mkdir -p /work/tmp-gcmem/mnt && mount -o loop,noatime /work/tmp-gcmem/img /work/tmp-gcmem/mnt
+    git archive BASE tensorstore_ck | tar -x -C /work/tmp-gcmem/peer   # the checkout to compare with
+    .venv/bin/python benches/bench_gc_scale.py --dir /work/tmp-gcmem/mnt --peer /work/tmp-gcmem/peer \
         | tee benches/results/gc_scale.txt
+    umount /work/tmp-gcmem/mnt && rm /work/tmp-gcmem/img
     .venv/bin/python benches/bench_gc_scale.py --sizes 100000 250000 --per-put 10000   # smoke run
 """
 
@@ -201,6 +206,75 @@ def _fit(xs, ys):
     return float(a), float(b)
 
 
+def report(stages: list, peer: bool, project: float) -> None:
+    """The table, the fit and the projection."""
+    mib = 2 ** 20
+    print()
+    print(f"Local store, 4 KiB blocks (~120 B each stored, after lz4), tensors of {ROWS} blocks; "
+          f"{os.cpu_count()} cpus shared; 1-minute load average when each gc ended: "
+          f"{', '.join(format(st['gc']['load'][0], '.1f') for st in stages)}.")
+    print()
+    print("| objects (blocks / nodes / commits) | reachable | garbage deleted | mark | list | sweep | gc wall "
+          "| gc peak added | B / reachable | B / listed |" + (" peer dry-run peak | peer B / listed |" if peer else ""))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if peer else ""))
+    for st in stages:
+        g, k = st["gc"], st["by_kind"]
+        # the gc's own mark and list; the dry run's memory beside the peer's on the same store
+        row = [f"{st['objects']:,} ({k['blocks']:,} / {k['nodes']:,} / {k['commits']:,})",
+               f"{g['reachable_objects']:,}", f"{g['deleted_objects']:,}",
+               f"{g.get('mark_seconds', 0):.1f} s ({g['reachable_objects'] / max(1e-9, g.get('mark_seconds', 0)):,.0f}/s)",
+               f"{g.get('list_seconds', 0):.1f} s ({g['listed'] / max(1e-9, g.get('list_seconds', 0)):,.0f}/s)",
+               f"{g.get('sweep_seconds', 0):.1f} s ({g['deleted_objects'] / max(1e-9, g.get('sweep_seconds', 0)):,.0f}/s)",
+               f"{g['wall']:.1f} s", f"{g['added'] / mib:.1f} MiB",
+               f"{g['added'] / max(1, g['reachable_objects']):.1f}", f"{g['added'] / max(1, g['listed']):.1f}"]
+        if peer:
+            p = st["peer"]
+            row += [f"{p['added'] / mib:.1f} MiB (this: {st['dry']['added'] / mib:.1f})",
+                    f"{p['added'] / max(1, p['listed']):.1f} (this: {st['dry']['added'] / max(1, st['dry']['listed']):.1f})"]
+        print("| " + " | ".join(row) + " |")
+    print()
+    xs = [st["gc"]["listed"] for st in stages]
+    ys = [st["gc"]["added"] for st in stages]
+    ia, ib = _fit(xs, ys)
+    share = sum(st["gc"]["reachable_objects"] for st in stages) / max(1, sum(xs))
+    n = project
+    print(f"Fit over {len(stages)} stages: gc peak added = {ia / mib:.1f} MiB + {ib:.1f} B x listed objects "
+          f"(reachable share {share:.0%}).")
+    last = stages[-1]["gc"]
+    mark_rate = last["reachable_objects"] / max(1e-9, last.get("mark_seconds", 0))
+    list_rate = last["listed"] / max(1e-9, last.get("list_seconds", 0))
+    sweep_rate = last["deleted_objects"] / max(1e-9, last.get("sweep_seconds", 0))
+    print(f"Projection to {n / 1e6:.0f} M objects: {ia / mib:.0f} MiB + {ib:.1f} B x {n / 1e6:.0f} M = "
+          f"{(ia + ib * n) / 2**30:.2f} GiB. At the last stage's rates (mark {mark_rate:,.0f} reachable/s, "
+          f"list {list_rate:,.0f}/s, sweep {sweep_rate:,.0f} deleted/s): mark {n * share / mark_rate / 60:.0f} min, "
+          f"list {n / list_rate / 60:.0f} min, sweep {n * (1 - share) / sweep_rate / 60:.0f} min "
+          f"({1 - share:.0%} garbage).")
+    if peer:
+        pa, pb = _fit([st["peer"]["listed"] for st in stages], [st["peer"]["added"] for st in stages])
+        da, db = _fit([st["dry"]["listed"] for st in stages], [st["dry"]["added"] for st in stages])
+        print(f"gc --dry-run, same stores: peer {pa / mib:.1f} MiB + {pb:.1f} B x listed -> "
+              f"{(pa + pb * n) / 2**30:.2f} GiB at {n / 1e6:.0f} M; this checkout {da / mib:.1f} MiB + {db:.1f} B x "
+              f"listed -> {(da + db * n) / 2**30:.2f} GiB (peer / this at the last stage: "
+              f"{stages[-1]['peer']['added'] / max(1, stages[-1]['dry']['added']):.2f}x).")
+
+
+def stages_from_log(path: str) -> list:
+    """The stages a run printed (its "built" and child lines): the table again without
+    re-running, e.g. from a run whose store removal was cut short."""
+    stages, st = [], None
+    with open(path) as f:
+        for line in f:
+            if line.startswith("built "):
+                n = int(line.split()[1].replace(",", ""))
+                kinds = json.loads(line[line.index("{"):line.index("}") + 1].replace("'", '"'))
+                st = {"objects": n, "by_kind": kinds}
+                stages.append(st)
+            elif st is not None and line.startswith("  gc"):
+                key = "dry" if "(this checkout)" in line else "peer" if "(peer)" in line else "gc"
+                st[key] = json.loads(line[line.index("{"):])
+    return [st for st in stages if "gc" in st]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=None, help="where to build the store (default: a temp dir under /work or /tmp)")
@@ -211,11 +285,16 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", default=None, help="another checkout of the project: its gc --dry-run, same store")
     ap.add_argument("--project", type=float, default=180e6, help="objects to project to")
     ap.add_argument("--keep-store", action="store_true")
+    ap.add_argument("--from-log", metavar="LOG", help="print the table of an earlier run's output and exit")
     ap.add_argument("--child-gc", metavar="STORE", help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child_gc:
         return child_gc(a.child_gc, a.dry_run)
+    if a.from_log:
+        stages = stages_from_log(a.from_log)
+        report(stages, all("peer" in st for st in stages), a.project)
+        return 0
 
     parent = a.dir or ("/work" if os.access("/work", os.W_OK) else None)
     if parent:
@@ -251,49 +330,7 @@ def main(argv=None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
             print(f"(store removed in {time.perf_counter() - t:.0f}s)", flush=True)
 
-    mib = 2 ** 20
-    print()
-    print(f"Local store, 4 KiB blocks (~40 B each on disk after lz4), tensors of {ROWS} blocks; "
-          f"{os.cpu_count()} cpus shared; load average at the end {os.getloadavg()}.")
-    print()
-    print("| objects (blocks / nodes / commits) | reachable | garbage deleted | mark | list | sweep | gc wall "
-          "| gc peak added | B / reachable | B / listed |" + (" peer dry-run peak | peer B / listed |" if a.peer else ""))
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if a.peer else ""))
-    for st in stages:
-        g, k = st["gc"], st["by_kind"]
-        # the gc's own mark and list; the dry run's memory beside the peer's on the same store
-        row = [f"{st['objects']:,} ({k['blocks']:,} / {k['nodes']:,} / {k['commits']:,})",
-               f"{g['reachable_objects']:,}", f"{g['deleted_objects']:,}",
-               f"{g.get('mark_seconds', 0):.1f} s ({g['reachable_objects'] / max(1e-9, g.get('mark_seconds', 0)):,.0f}/s)",
-               f"{g.get('list_seconds', 0):.1f} s ({g['listed'] / max(1e-9, g.get('list_seconds', 0)):,.0f}/s)",
-               f"{g.get('sweep_seconds', 0):.1f} s ({g['deleted_objects'] / max(1e-9, g.get('sweep_seconds', 0)):,.0f}/s)",
-               f"{g['wall']:.1f} s", f"{g['added'] / mib:.1f} MiB",
-               f"{g['added'] / max(1, g['reachable_objects']):.1f}", f"{g['added'] / max(1, g['listed']):.1f}"]
-        if a.peer:
-            p = st["peer"]
-            row += [f"{p['added'] / mib:.1f} MiB (this: {st['dry']['added'] / mib:.1f})",
-                    f"{p['added'] / max(1, p['listed']):.1f} (this: {st['dry']['added'] / max(1, st['dry']['listed']):.1f})"]
-        print("| " + " | ".join(row) + " |")
-    print()
-    xs = [st["gc"]["listed"] for st in stages]
-    ys = [st["gc"]["added"] for st in stages]
-    ia, ib = _fit(xs, ys)
-    share = sum(st["gc"]["reachable_objects"] for st in stages) / max(1, sum(xs))
-    n = a.project
-    print(f"Fit over {len(stages)} stages: gc peak added = {ia / mib:.1f} MiB + {ib:.1f} B x listed objects "
-          f"(reachable share {share:.0%}).")
-    print(f"Projection to {n / 1e6:.0f} M objects: {ia / mib:.0f} MiB + {ib:.1f} B x {n / 1e6:.0f} M = "
-          f"{(ia + ib * n) / 2**30:.2f} GiB; mark at {xs[-1] and stages[-1]['gc']['reachable_objects'] / max(1e-9, stages[-1]['gc'].get('mark_seconds', 0)):,.0f} "
-          f"reachable/s and list at {stages[-1]['gc']['listed'] / max(1e-9, stages[-1]['gc'].get('list_seconds', 0)):,.0f}/s "
-          f"(the 5 M stage's rates): mark {n * share / max(1, stages[-1]['gc']['reachable_objects'] / max(1e-9, stages[-1]['gc'].get('mark_seconds', 0))) / 60:.0f} min, "
-          f"list {n / max(1, stages[-1]['gc']['listed'] / max(1e-9, stages[-1]['gc'].get('list_seconds', 0))) / 60:.0f} min.")
-    if a.peer:
-        pa, pb = _fit([st["peer"]["listed"] for st in stages], [st["peer"]["added"] for st in stages])
-        da, db = _fit([st["dry"]["listed"] for st in stages], [st["dry"]["added"] for st in stages])
-        print(f"gc --dry-run, same stores: peer {pa / mib:.1f} MiB + {pb:.1f} B x listed -> "
-              f"{(pa + pb * n) / 2**30:.2f} GiB at {n / 1e6:.0f} M; this checkout {da / mib:.1f} MiB + {db:.1f} B x "
-              f"listed -> {(da + db * n) / 2**30:.2f} GiB (peer / this at the last stage: "
-              f"{stages[-1]['peer']['added'] / max(1, stages[-1]['dry']['added']):.2f}x).")
+    report(stages, bool(a.peer), a.project)
     return 0
 
 
