@@ -97,7 +97,9 @@ def count_objects(root: str) -> dict:
 class Builder:
     """Fills the store in rounds (archive, run0) through put_snapshot."""
 
-    def __init__(self, path: str, per_put: int, workers: int):
+    def __init__(self, path: str, per_put: int, workers: int, stamp: int = 0):
+        """stamp: where new blocks' stamps start (a store built before, grown further:
+        past every stamp it holds, so new blocks are new objects)."""
         self.path, self.per_put, self.workers = path, per_put, workers
         self.puts = 0
         self.seconds = 0.0
@@ -105,7 +107,7 @@ class Builder:
         store.set_retention("run0", tsck.Retention(keep_last=2))
         store.close()
         self.base = _tensors(0, BASE_TENSORS * ROWS, "b")
-        self.stamp = BASE_TENSORS * ROWS
+        self.stamp = max(stamp, BASE_TENSORS * ROWS)
         self.run = _tensors(self.stamp, 2 * per_put, "w")  # run0's state; half changes per snapshot
         self.stamp += 2 * per_put
 
@@ -227,7 +229,9 @@ def report(stages: list, peer: bool, project: float) -> None:
                f"{g.get('sweep_seconds', 0):.1f} s ({g['deleted_objects'] / max(1e-9, g.get('sweep_seconds', 0)):,.0f}/s)",
                f"{g['wall']:.1f} s", f"{g['added'] / mib:.1f} MiB",
                f"{g['added'] / max(1, g['reachable_objects']):.1f}", f"{g['added'] / max(1, g['listed']):.1f}"]
-        if peer:
+        if peer and "peer" not in st:
+            row += ["", ""]
+        elif peer:
             p = st["peer"]
             row += [f"{p['added'] / mib:.1f} MiB (this: {st['dry']['added'] / mib:.1f})",
                     f"{p['added'] / max(1, p['listed']):.1f} (this: {st['dry']['added'] / max(1, st['dry']['listed']):.1f})"]
@@ -249,13 +253,14 @@ def report(stages: list, peer: bool, project: float) -> None:
           f"list {list_rate:,.0f}/s, sweep {sweep_rate:,.0f} deleted/s): mark {n * share / mark_rate / 60:.0f} min, "
           f"list {n / list_rate / 60:.0f} min, sweep {n * (1 - share) / sweep_rate / 60:.0f} min "
           f"({1 - share:.0%} garbage).")
-    if peer:
-        pa, pb = _fit([st["peer"]["listed"] for st in stages], [st["peer"]["added"] for st in stages])
-        da, db = _fit([st["dry"]["listed"] for st in stages], [st["dry"]["added"] for st in stages])
+    ab = [st for st in stages if "peer" in st and "dry" in st]
+    if ab:
+        pa, pb = _fit([st["peer"]["listed"] for st in ab], [st["peer"]["added"] for st in ab])
+        da, db = _fit([st["dry"]["listed"] for st in ab], [st["dry"]["added"] for st in ab])
         print(f"gc --dry-run, same stores: peer {pa / mib:.1f} MiB + {pb:.1f} B x listed -> "
               f"{(pa + pb * n) / 2**30:.2f} GiB at {n / 1e6:.0f} M; this checkout {da / mib:.1f} MiB + {db:.1f} B x "
               f"listed -> {(da + db * n) / 2**30:.2f} GiB (peer / this at the last stage: "
-              f"{stages[-1]['peer']['added'] / max(1, stages[-1]['dry']['added']):.2f}x).")
+              f"{ab[-1]['peer']['added'] / max(1, ab[-1]['dry']['added']):.2f}x; {len(ab)} stages).")
 
 
 def stages_from_log(path: str) -> list:
@@ -286,6 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--project", type=float, default=180e6, help="objects to project to")
     ap.add_argument("--keep-store", action="store_true")
     ap.add_argument("--from-log", metavar="LOG", help="print the table of an earlier run's output and exit")
+    ap.add_argument("--resume", metavar="STORE", help="grow a store an earlier run kept (--keep-store) instead")
+    ap.add_argument("--gc-only", action="store_true", help="no dry runs (this checkout's or the peer's)")
     ap.add_argument("--child-gc", metavar="STORE", help=argparse.SUPPRESS)
     ap.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -293,7 +300,7 @@ def main(argv=None) -> int:
         return child_gc(a.child_gc, a.dry_run)
     if a.from_log:
         stages = stages_from_log(a.from_log)
-        report(stages, all("peer" in st for st in stages), a.project)
+        report(stages, any("peer" in st for st in stages), a.project)
         return 0
 
     parent = a.dir or ("/work" if os.access("/work", os.W_OK) else None)
@@ -301,22 +308,25 @@ def main(argv=None) -> int:
         os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="tsck-bench-gc-scale-", dir=parent)
     path = os.path.join(tmp, "store")
+    if a.resume:  # grown in place; removed with tmp unless --keep-store
+        os.rename(a.resume, path)
     here = os.path.dirname(os.path.dirname(os.path.abspath(tsck.__file__)))
     stages = []
     try:
         print(f"# bench_gc_scale: tensorstore_ck {tsck.__version__} from {here}, python {platform.python_version()}, "
               f"numpy {np.__version__}, {os.cpu_count()} cpus, store under {tmp}; "
               f"load average at start {os.getloadavg()}", flush=True)
-        b = Builder(path, a.per_put, a.workers)
+        b = Builder(path, a.per_put, a.workers, stamp=(1 << 48) + (int(time.time()) << 20) if a.resume else 0)
         for target in a.sizes:
             b.fill(target)
             objs = count_objects(path)
             st = {"objects": sum(objs.values()), "by_kind": objs, "build_s": b.seconds, "snapshots": b.puts}
             print(f"built {st['objects']:,} objects {objs} ({b.puts} snapshots) in {b.seconds:.0f}s so far; "
                   f"load {os.getloadavg()}", flush=True)
-            st["dry"] = _child(path, True, here)
-            print("  gc --dry-run (this checkout):", json.dumps(st["dry"]), flush=True)
-            if a.peer:
+            if not a.gc_only:
+                st["dry"] = _child(path, True, here)
+                print("  gc --dry-run (this checkout):", json.dumps(st["dry"]), flush=True)
+            if a.peer and not a.gc_only:
                 st["peer"] = _child(path, True, os.path.abspath(a.peer))
                 print("  gc --dry-run (peer):", json.dumps(st["peer"]), flush=True)
             st["gc"] = _child(path, False, here)
