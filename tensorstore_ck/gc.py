@@ -53,7 +53,7 @@ import numpy as np
 
 from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError, UnreadableObject
 from .progress import progress_bar
-from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots, mark
+from .reach import KINDS, Marked, NodeSet, holders, iter_unreachable, kept_roots, mark
 from .refs.base import rebuild_message
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
@@ -95,6 +95,9 @@ class GCReport:
     snapshots: list = field(default_factory=list)     # dry run: per snapshot {root, ref, job, step, time,
                                                       # metrics, keep, why}: what retention decides and why
     seconds: float = 0.0
+    mark_seconds: float = 0.0                         # walking the kept snapshots
+    list_seconds: float = 0.0                         # listing storage against the mark
+    sweep_seconds: float = 0.0                        # the deletion phases (re-marks included)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -107,7 +110,7 @@ class GCPlan:
     began: float                  # objects written after this are a writer's, in flight
     kept: set
     marked: Marked
-    visited: set
+    visited: NodeSet              # the nodes the mark walked (exact addresses)
     spool: object
     report: GCReport
 
@@ -165,12 +168,15 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
         rep.reflog_compacted = refs.compact_history()
     k0 = kept_roots(store, exclude=set(expired) if dry_run else None)
     rep.kept_snapshots = len(k0)
-    marked, visited = Marked(), set()
+    marked, visited = Marked(), NodeSet()
     bar = progress_bar(progress, "gc: mark")
+    t0 = time.monotonic()
     rep.reachable_objects = mark(store, k0, marked, visited, bar)
     if bar is not None:
         bar.close()
     marked.freeze()
+    rep.mark_seconds = time.monotonic() - t0
+    t0 = time.monotonic()
     spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-gc-")
     bar = progress_bar(progress, "gc: list")
     for kind in KINDS:
@@ -181,6 +187,7 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
             beat.check()
     if bar is not None:
         bar.close()
+    rep.list_seconds = time.monotonic() - t0
     spool.seek(0)
     return GCPlan(began, k0, marked, visited, spool, rep)
 
@@ -218,8 +225,10 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
         # that froze on every run kept a writer re-validating; benches/bench_gc_put.py.)
         rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
         return rep
+    t_sweep = time.monotonic()
     bar = progress_bar(progress, "gc: sweep", total=rep.candidates)
-    walked, visited = set(plan.kept), set(plan.visited)
+    # the plan's walked nodes stay as they are; the re-marks' go to an overlay
+    walked, visited = set(plan.kept), NodeSet(base=plan.visited)
     remarks: list[Marked] = []  # one per phase: what the commits published meanwhile reach
     phase = {"open": False, "deleted": 0, "t0": 0.0}
 
@@ -300,6 +309,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
     store.storage.sync()
     if phase["open"]:
         close_phase()
+    rep.sweep_seconds = time.monotonic() - t_sweep
     return rep
 
 
@@ -399,14 +409,14 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
         rep.reflog_compacted = refs.compact_history()
         k0 = kept_roots(store)
         rep.kept_snapshots = len(k0)
-        marked, visited = Marked(), set()
+        marked, visited = Marked(), NodeSet()
         rep.reachable_objects = mark(store, k0, marked, visited)
         marked.freeze()
         hold.check()
         # Nodes a kept snapshot reaches are in `visited`: walking with it skips them and
         # everything under them; blocks are checked against the mark one by one.
         found: dict[str, dict[bytes, int]] = {k: {} for k in KINDS}
-        skip = set(visited)
+        skip = NodeSet(base=visited)  # the expired snapshots' nodes must not count as kept ones
         for root in expired:
             try:
                 for o in walk_commit(store.assets, root, verify=True, skip_nodes=skip):

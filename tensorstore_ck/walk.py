@@ -69,7 +69,9 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
     a DAG may name one node at many paths (40 nodes can name 2^40). A node met again
     deeper than before is decoded and descended again at that depth without being
     yielded, so the depth cap refuses exactly what checkout refuses (at most
-    MAX_DEPTH + 1 times per node)."""
+    MAX_DEPTH + 1 times per node). With `skip_nodes` a node met again is skipped
+    whatever its depth, so no depths are kept: memory stays that of skip_nodes (gc's
+    compact NodeSet), not a dict entry per node of the walk."""
     deepest: dict[bytes, int] = {}
     stack = [(top, (), 0, True)]
     while stack:
@@ -78,10 +80,12 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
             if d in skip_nodes:
                 continue
             skip_nodes.add(d)
-        again = d in deepest
-        if again and depth <= deepest[d]:
-            continue
-        deepest[d] = depth
+            again = False
+        else:
+            again = d in deepest
+            if again and depth <= deepest[d]:
+                continue
+            deepest[d] = depth
         children: list = []
 
         def read(d=d, path=path, depth=depth, world=world, children=children):
