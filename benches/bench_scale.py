@@ -83,6 +83,7 @@ class CountingKV:
     def reset(self) -> None:
         self.requests = self.bytes = 0
         self.polls = self.poll_bytes = 0  # of the requests, those that only look (check, add 0): it waited
+        self.waits = 0  # of the requests, blocking waits (c10d wait: the Store answers when the keys exist)
         self.t_hello = self.t_out = None
         self.c_hello = self.c_out = None  # this thread's CPU time then (rank 0 makes both calls itself)
 
@@ -130,8 +131,15 @@ class CountingKV:
         return v
 
     def wait(self, keys, *args):
-        v = self.inner.wait(keys, *args)
-        self._count(sum(len(k) for k in keys))
+        try:
+            return self.inner.wait(keys, *args)
+        finally:  # (a wait that runs out its time raises: counted all the same)
+            self._count(sum(len(k) for k in keys))
+            self.waits += 1
+
+    def multi_get(self, keys):
+        v = self.inner.multi_get(keys)
+        self._count(sum(len(k) for k in keys) + sum(len(x) for x in v))
         return v
 
 
