@@ -107,7 +107,7 @@ class CollectiveContext:
     def __init__(self):
         self._seq: dict = {}
         self._kept: dict = {}  # (group, op) -> [seq, ...], oldest first
-        self._extra: dict = {}  # ((group, op), seq) -> shared keys beyond _SHARED_KEYS (re-validation rounds)
+        self._shared: dict = {}  # ((group, op), seq) -> the shared keys of that call (rank 0 deletes them)
         self._own: dict = {}   # (group, op) -> [(seq, [own key, ...]), ...]: calls ended here, keys still there
         self._layouts: OrderedDict = OrderedDict()  # (group, world) -> _Layouts (rank 0)
         self._lock = threading.Lock()
@@ -117,15 +117,15 @@ class CollectiveContext:
             self._seq[key] = self._seq.get(key, 0) + 1
             return self._seq[key]
 
-    def finished(self, key, seq: int, extra=()) -> None:
+    def finished(self, key, seq: int, shared) -> None:
+        """Rank 0 ended call seq, whose shared keys are `shared`."""
         with self._lock:
             self._kept.setdefault(key, []).append(seq)
-            if extra:
-                self._extra[(key, seq)] = list(extra)
+            self._shared[(key, seq)] = list(shared)
 
-    def extra(self, key, seq: int) -> list:
+    def shared(self, key, seq: int) -> list:
         with self._lock:
-            return self._extra.pop((key, seq), [])
+            return self._shared.pop((key, seq), list(_SHARED_KEYS))
 
     def ended(self, key, seq: int, own=()) -> None:
         """This rank is done with call seq (asynchronous calls of several Stores may end
@@ -282,12 +282,18 @@ class _Channel:
         self.timeout = timeout
         self.restart()
         self.late: list[int] = []  # ranks known not to be waiting for the outcome (dead or stalled)
-        self.aborted = False       # this rank has written an abort record
+        self.aborted = False       # this rank has written (or read) the abort record: it aborts nothing more
         self.round = 0             # rank 0: re-validation rounds asked for (the outcome's key: _result_key)
         self.mine: list[str] = []  # the keys of this rank's own that it wrote (it deletes them later)
         self.extra: list[str] = []  # rank 0: shared keys beyond _SHARED_KEYS (re-validation rounds)
+        # Rank 0, once the call succeeded: the shared keys it made (cleanup_old deletes only
+        # those); None: any of _SHARED_KEYS (an abort writes WOKEN into several).
+        self.used: list[str] | None = None
         # One blocking wait lasts at most this long: WAIT_SLICES of them span the timeout.
         self.slice = max(0.01, timeout / WAIT_SLICES)
+
+    def shared_keys(self) -> list[str]:
+        return (list(_SHARED_KEYS) if self.used is None else self.used) + self.extra
 
     def restart(self) -> None:
         """The call's deadline counts from now (when it starts talking to the others)."""
@@ -361,6 +367,10 @@ class _Channel:
                 self.late = sorted(set(self.late) | {int(r) for r in late})
             except Exception:  # noqa: BLE001
                 pass
+            # Whatever this raises is the abort's own error: _guard must not abort again (a
+            # second claim of "abort" reads "abort", and its record, not shared, would
+            # replace the first: the ranks reading it after would raise another error).
+            self.aborted = True
             if kind == "outcome_unknown" and shared:
                 # Rank 0's ref move went unanswered: the snapshot may be published. Every rank
                 # says so (never "nothing published"), with the root and ref to look up.
@@ -374,13 +384,18 @@ class _Channel:
 
     def ack(self) -> None:
         """This rank holds the outcome (it returns or raises next). ack/{rank} tells rank 0
-        who is still reading; the counter "acked" (never deleted before the call's shared
-        keys) tells it when the outcome may go, and the rank that makes it W posts
-        "ack_all", on which rank 0 blocks."""
+        who is still reading (rank 0 itself needs none); the counter "acked" tells when the
+        outcome may go: the rank that makes it W posts "ack_all", on which rank 0 blocks,
+        and deletes the call's other shared keys (every rank holds the outcome: nobody reads
+        them again), so rank 0 does not make a dozen deletes per call."""
         try:
-            self.set_mine("ack", b"1")
+            if self.rank != 0:
+                self.set_mine("ack", b"1")
             if self.kv.add(self.pfx + "acked", 1) == self.world:
                 self.kv.set(self.pfx + "ack_all", b"1")
+                for k in self.shared_keys():
+                    if k not in ("acked", "ack_all"):  # (rank 0 blocks on ack_all, and then deletes both)
+                        self.kv.delete_key(self.pfx + k)
         except Exception:  # noqa: BLE001 - the store is gone: nobody is waiting for us any more
             pass
 
@@ -412,10 +427,11 @@ class _Channel:
     def cleanup_old(self) -> None:
         """So the Store does not grow with every snapshot: delete this rank's own keys of
         the calls it has ended, two calls or more ago (nobody reads them after that), and on
-        rank 0 the shared keys of each earlier call once every rank has acked it (its
-        counter "acked" reached W). The outcome of a call some rank has not acked (a
-        stopped rank) stays, so that rank reads the truth when it resumes, however many
-        calls later; of at most KEEP_UNACKED calls (a rank that never comes back)."""
+        rank 0 the last two shared keys of each earlier call once every rank has acked it
+        ("ack_all": the last rank to ack deleted the others). The outcome of a call some
+        rank has not acked (a stopped rank) stays, so that rank reads the truth when it
+        resumes, however many calls later; of at most KEEP_UNACKED calls (a rank that never
+        comes back: then all its shared keys go)."""
         def delete(keys):
             for k in keys:
                 try:
@@ -430,12 +446,13 @@ class _Channel:
         for i, seq in enumerate(kept):  # oldest first; a rank acks calls in order
             old = f"{self.base}{seq}/"
             try:
-                acked = self.kv.add(old + "acked", 0) >= self.world
+                acked = self.kv.check([old + "ack_all"])
             except Exception:  # noqa: BLE001 - the store is unreachable: the call itself will say so
                 return
             if not acked and len(kept) - i <= KEEP_UNACKED:
                 break
-            delete(old + k for k in _SHARED_KEYS + tuple(self.ctx.extra(self.key, seq)))
+            shared = self.ctx.shared(self.key, seq)
+            delete(old + k for k in (("ack_all", "acked") if acked else shared))
             self.ctx.forget(self.key, seq)
 
     def _block(self, keys, until: float) -> bool:
@@ -453,12 +470,15 @@ class _Channel:
                 return False
             raise
 
-    def wait_for(self, keys, what: str, per_rank: str | None = None, among=None, of_ranks: bool = False) -> list:
+    def wait_for(self, keys, what: str, per_rank: str | None = None, among=None, of_ranks: bool = False,
+                 also=()) -> list:
         """Block until every key in `keys` exists (at most WAIT_SLICES + 1 requests however
         long it takes), then read them in one request. A woken wait (WOKEN: the call was
         aborted) raises the abort; the deadline aborts the call. per_rank: the key every
         rank (of `among`) posts before these can come: on a timeout the ranks that have not
-        posted it are named (and not waited for in the outcome round)."""
+        posted it are named (and not waited for in the outcome round). also: keys that exist
+        once these do (unless woken), read after them in one request (their values follow:
+        not with them, as a get of a key that does not exist blocks)."""
         while not self._block(keys, self.deadline):
             if time.monotonic() >= self.deadline:
                 self._timed_out(what, per_rank, among, of_ranks)
@@ -466,7 +486,7 @@ class _Channel:
         if WOKEN in vals:
             self._check_abort()
             raise SnapshotAborted("snapshot aborted by another rank")  # (the record is written first)
-        return vals
+        return vals + (self.get_many(also) if also else [])
 
     def _timed_out(self, what: str, per_rank, among, of_ranks: bool):
         self._check_abort()
@@ -484,9 +504,11 @@ class _Channel:
     def wait_key(self, k: str, what: str, per_rank: str | None = None, among=None) -> bytes:
         return self.wait_for([k], what, per_rank, among)[0]
 
-    def wait_all(self, k: str, what: str, among=None) -> None:
-        """Rank 0: until every rank (of `among`) has arrived at k (arrive())."""
-        self.wait_for([f"{k}_all"], what, k, among, of_ranks=True)
+    def wait_all(self, k: str, what: str, among=None) -> list[bytes]:
+        """Rank 0: until every rank (of `among`, default all) has arrived at k (arrive())
+        -> what each posted (k/{rank})."""
+        ranks = range(self.world) if among is None else among
+        return self.wait_for([f"{k}_all"], what, k, among, of_ranks=True, also=[f"{k}/{r}" for r in ranks])[1:]
 
 
 def _wait_timed_out(e: Exception) -> bool:
@@ -506,6 +528,8 @@ def _result_key(n: int) -> str:
 # The keys a rank may be blocked on, by op (an abort writes WOKEN into them).
 _WAKE = {"put": ("hello_all", "need", "pieces_all", "go", "done_all"), "checkout": ("hello_all", "root")}
 REVAL = b"\x00reval"
+# The shared keys of a checkout whose root was posted (no abort).
+_CHECKOUT_KEYS = ["hello_n", "hello_all", "tsum", "root", "acked", "ack_all"]
 
 
 def _owner(path: str, i: int, world: int) -> int:
@@ -627,13 +651,13 @@ def _outcome_round(ch: _Channel, body, what: str):
         ch.ctx.ended(ch.key, ch.seq, ch.mine)
         if ch.rank == 0:
             ch.wait_acks()
-            ch.ctx.finished(ch.key, ch.seq, ch.extra)
+            ch.ctx.finished(ch.key, ch.seq, ch.shared_keys())
         raise
     ch.ack()
     ch.ctx.ended(ch.key, ch.seq, ch.mine)
     if ch.rank == 0:
         silent = ch.wait_acks()
-        ch.ctx.finished(ch.key, ch.seq, ch.extra)
+        ch.ctx.finished(ch.key, ch.seq, ch.shared_keys())
         if silent:
             warnings.warn(f"{what} succeeded, but ranks {silent} did not confirm within the deadline that they "
                           "read the outcome (dead or stalled?): they may report an error for it", RuntimeWarning,
@@ -682,8 +706,7 @@ def _put(ch: _Channel, publisher, plan, prepare):
         layouts = ch.ctx.layouts(ch.key, W)
 
         def agree():
-            ch.wait_all("hello", "arrive")
-            hellos = [msgpack.unpackb(h) for h in ch.get_many([f"hello/{r}" for r in range(W)])]
+            hellos = [msgpack.unpackb(h) for h in ch.wait_all("hello", "arrive")]
             for r, h in enumerate(hellos):
                 if h[:4] != hellos[0][:4]:
                     raise SnapshotAborted(
@@ -698,11 +721,11 @@ def _put(ch: _Channel, publisher, plan, prepare):
             got = {0: pieces}
             if need:  # those ranks send their pieces; the others wait for "go"
                 ch.set("need", msgpack.packb([need, None]))
-                ch.wait_all("pieces", "send their layout", among=need)
-                for r, v in zip(need, ch.get_many([f"pieces/{r}" for r in need])):
+                for r, v in zip(need, ch.wait_all("pieces", "send their layout", among=need)):
                     got[r] = msgpack.unpackb(v)
                     if _layout_digest(got[r]) != digests[r]:  # never hold pieces under a digest not theirs
                         raise SnapshotAborted(f"rank {r} sent a layout that does not match its digest")
+            layout["need"] = need
             pieces_by_rank[:] = [got[r] if r in got else held_pieces[r] for r in range(W)]
             layout["job"] = job = _job_digest(digests)
             if not layouts.validated(job):  # a new layout anywhere: the whole check, as on a first snapshot
@@ -724,8 +747,11 @@ def _put(ch: _Channel, publisher, plan, prepare):
                 ch.abort(str(e).removeprefix("snapshot aborted: "))
             raise
     else:
+        started: dict = {}
+
         def start():
             need, fence = msgpack.unpackb(ch.wait_key("need", "rank 0 to start the snapshot", per_rank="hello"))
+            started["need"] = need
             if fence is None:  # rank 0 checks a layout it does not hold (all of it, or these ranks')
                 if rank in need:
                     ch.arrive("pieces", msgpack.packb(pieces), len(need))
@@ -764,11 +790,11 @@ def _put(ch: _Channel, publisher, plan, prepare):
     if rank != 0:
         info = _await_result(ch, publisher, args, revalidate_mine)
         publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there
+        _published(ch, started["need"])
         return info
 
     def compose():
-        ch.wait_all("done", "finish writing")
-        dones = [msgpack.unpackb(d) for d in ch.get_many([f"done/{r}" for r in range(W)])]
+        dones = [msgpack.unpackb(d) for d in ch.wait_all("done", "finish writing")]
         if len({d.get("rep") for d in dones}) > 1:
             why = _replica_disagreement(ch)
             ch.abort(why)
@@ -824,11 +850,20 @@ def _put(ch: _Channel, publisher, plan, prepare):
     finally:
         beat.stop()  # (also on a KeyboardInterrupt: a beat that outlived the commit would keep the others waiting)
     try:
-        ch.set("result", info.root.encode())
+        ch.set(_result_key(ch.round), info.root.encode())
     except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
         warnings.warn(f"snapshot {info.root[:16]} was published, but the other ranks could not be told: "
                       f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+    _published(ch, layout["need"])
     return info
+
+
+def _published(ch: _Channel, need: list) -> None:
+    """Published, so nobody aborted (the claim): the call's shared keys are these (the last
+    rank to ack deletes them)."""
+    ch.used = ["hello_n", "hello_all", "need", "done_n", "done_all", "decided", "result", "beat", "acked",
+               "ack_all"] + (["reval", "rdone_n"] if ch.round else []) + (["pieces_n", "pieces_all", "go"] if need
+                                                                          else [])
 
 
 def _chunk_index(layouts: _Layouts, job: bytes, publisher, fence: int, build):
@@ -944,7 +979,10 @@ def _await_result(ch: _Channel, publisher, args, revalidate_mine):
     def outcome(v: bytes):
         """-> the root posted, or None: a re-validation round served (then wait on the next key)."""
         if v == REVAL:
-            done[0] = _serve_revalidation(ch, done[0], revalidate_mine)
+            n = _serve_revalidation(ch, done[0], revalidate_mine)
+            if n > done[0]:
+                done[0] = ch.round = n
+                ch.extra += [_result_key(n), f"rdone_all.{n}"]
             return None
         return v
 
@@ -1043,16 +1081,18 @@ def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group,
         ch.arrive("hello", spelled.encode(), ch.world)  # (after tsum: rank 0 reads it once all arrived)
 
     if ch.rank != 0:
+        # The outcome is the root (or the error); the rest is this rank's own reading.
         def wait_root():
             _guard(ch, hello)
-            return Digest.parse(_guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target",
+            root = Digest.parse(_guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target",
                                                                per_rank="hello")).decode())
-        # The outcome is the root (or the error); the rest is this rank's own reading.
+            ch.used = _CHECKOUT_KEYS
+            return root
         root = _outcome_round(ch, wait_root, "")
         return read(root, ch.rank)
 
     def agree():
-        ch.wait_all("hello", "arrive")
+        ch.wait_for(["hello_all"], "arrive", "hello", of_ranks=True)  # (the hellos are read only if they differ)
         root = resolve(target)
         if ch.add("tsum", 0) != ch.world * _target_hash(spelled):
             problem = _target_disagreement(ch, root, spelled, resolve)
@@ -1065,6 +1105,8 @@ def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group,
         _guard(ch, hello)
         root = _guard(ch, agree)
         _guard(ch, lambda: ch.set("root", root.hex().encode()))
-        return read(root, 0)  # while the others pick up the root
+        out = read(root, 0)  # while the others pick up the root
+        ch.used = _CHECKOUT_KEYS  # (no abort: this rank read)
+        return out
 
     return _outcome_round(ch, body, f"collective checkout of {target!r}")
