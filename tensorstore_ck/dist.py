@@ -3,10 +3,12 @@
 put_snapshot and checkout are collective when torch.distributed is initialised
 (or a group= is given). No tensor data crosses ranks, ever:
 
-    every rank   plans (validates) its own state -> hello (step, ref, job, its pieces
-                 of sharded tensors)
-    rank 0       checks that all ranks agree and that the pieces tile each sharded
-                 tensor exactly, reads the gc fence -> go
+    every rank   plans (validates) its own state -> hello (step, ref, job, a 16-byte
+                 digest of its pieces of sharded tensors: its layout)
+    rank 0       checks that all ranks agree; asks the ranks whose layout it does not
+                 hold (from the job's previous snapshot) for their pieces -> need; checks
+                 that the pieces tile each sharded tensor exactly (once per layout of the
+                 whole job), reads the gc fence -> go
     every rank   hashes and writes its own blocks (a Replicated tensor's blocks
                  are spread over the ranks: each is written by exactly one),
                  writes its own manifest sub-tree, syncs -> done (32-byte root + stats +
@@ -20,7 +22,7 @@ put_snapshot and checkout are collective when torch.distributed is initialised
     every rank   acks once it holds the outcome (result or abort); rank 0, which
                  usually hosts the Store, returns only when every rank has acked
 
-Coordination goes through the process group's c10d Store (set/add/check with
+Coordination goes through the process group's c10d Store (set/add/wait with
 our own deadlines), never through collectives, so a dead or stalled rank cannot
 poison the process group: when the deadline passes, rank 0 (or any rank that
 fails) claims the outcome "abort" and writes an abort key, every live rank
@@ -32,8 +34,11 @@ reported aborted while the Store is reachable; and rank 0 beats a counter while 
 publishes, so the others wait for a slow rank 0 and give up only on a silent one.
 A call's keys are named by a per-process counter (CALLS), the same on every rank
 whichever Store object makes the call; a call's outcome stays in the Store until
-every rank has acked it. The argument is in docs/ARCHITECTURE.md ("Distributed
-snapshots").
+every rank has acked it. Nobody polls: a rank blocks on the keys it needs (c10d
+`wait`, in a few slices of its timeout), an abort writes those keys to wake it, and a
+counter's last arrival posts the one key rank 0 blocks on, so a rank's requests per
+call are a constant however long it waits. The argument is in docs/ARCHITECTURE.md
+("Distributed snapshots").
 """
 
 from __future__ import annotations
@@ -243,7 +248,9 @@ class StoreGroup:
     as threads of one process (a process group cannot be initialised per thread). Each
     member must also count its calls in a CollectiveContext of its own (a Store's
     `_collective`): CALLS is per process, and the simulated ranks share one process.
-    name: the key prefix of the group's calls in the Store."""
+    name: the key prefix of the group's calls in the Store. kv: any c10d Store client
+    (set, get, add, check, compare_set, delete_key, wait(keys, timedelta); multi_get if
+    it has one)."""
 
     def __init__(self, kv, rank: int, world: int, name: str = "kv"):
         if not (type(world) is int and world >= 1 and type(rank) is int and 0 <= rank < world):  # (not a bool)
@@ -404,10 +411,12 @@ class _Channel:
         waiting for the outcome has read it, so that leaving (and taking the Store down)
         cannot turn their outcome into a connection error. Ranks known to be dead or
         stalled are not waited for. -> the ranks that did not ack in time."""
-        expect = [r for r in range(self.world) if r not in self.late]
+        expect = [r for r in range(1, self.world) if r not in self.late]  # (rank 0 posts no ack key)
         # Every rank: "ack_all" (a rank gone on to later calls may have deleted its ack key
         # already); else the ack keys of those still expected.
-        keys = ["ack_all"] if len(expect) == self.world else [f"ack/{r}" for r in expect]
+        keys = ["ack_all"] if len(expect) == self.world - 1 else [f"ack/{r}" for r in expect]
+        if not keys:
+            return []
         deadline = max(self.deadline, time.monotonic() + min(self.timeout, ACK_GRACE))
         try:
             while not self._block(keys, deadline):
