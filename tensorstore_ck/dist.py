@@ -290,11 +290,11 @@ class _Channel:
         self.restart()
         self.late: list[int] = []  # ranks known not to be waiting for the outcome (dead or stalled)
         self.aborted = False       # this rank has written (or read) the abort record: it aborts nothing more
-        self.round = 0             # rank 0: re-validation rounds asked for (the outcome's key: _result_key)
+        self.round = 0             # re-validation rounds asked for or done (the outcome's key: _result_key)
         self.mine: list[str] = []  # the keys of this rank's own that it wrote (it deletes them later)
-        self.extra: list[str] = []  # rank 0: shared keys beyond _SHARED_KEYS (re-validation rounds)
-        # Rank 0, once the call succeeded: the shared keys it made (cleanup_old deletes only
-        # those); None: any of _SHARED_KEYS (an abort writes WOKEN into several).
+        self.extra: list[str] = []  # shared keys beyond _SHARED_KEYS (those of re-validation rounds)
+        # Once the call succeeded: its shared keys (the last rank to ack deletes these);
+        # None: any of _SHARED_KEYS (an abort writes WOKEN into several).
         self.used: list[str] | None = None
         # One blocking wait lasts at most this long: WAIT_SLICES of them span the timeout.
         self.slice = max(0.01, timeout / WAIT_SLICES)
