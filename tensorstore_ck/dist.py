@@ -50,6 +50,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import msgpack
 
@@ -171,12 +172,31 @@ class CollectiveContext:
 CALLS = CollectiveContext()
 
 
-def _layout_digest(pieces: list) -> bytes:
-    """16 bytes over a rank's layout: its pieces of sharded tensors, each [path, dtype,
-    global shape, offsets, shape], in its plan's order (canonical: msgpack of plain str
-    and int lists). Equal digests mean equal layouts (blake2b-128), nothing less: rank 0
-    re-computes it over any pieces it is sent and refuses a mismatch."""
-    return hashlib.blake2b(msgpack.packb(pieces), digest_size=16, person=b"tsck-layout-v1").digest()
+def _layout_digest(packed: bytes) -> bytes:
+    """16 bytes over a rank's layout, `packed`: the msgpack of its pieces of sharded
+    tensors, each [path, dtype, global shape, offsets, shape] (plain str and int lists),
+    in its plan's order; the very bytes it sends when rank 0 asks. Equal digests mean
+    equal layouts (blake2b-128), nothing less: rank 0 re-computes it over the bytes it is
+    sent and refuses a mismatch."""
+    return hashlib.blake2b(packed, digest_size=16, person=b"tsck-layout-v1").digest()
+
+
+class _Pieces(Sequence):
+    """Every rank's pieces (rank r's: self[r]), held as the msgpack each rank sent (~36 B
+    a piece, where the decoded lists take ~470 B: rank 0 keeps W x N of them between
+    snapshots) and decoded when read (the tiling check and the chunk index: once per
+    whole-job layout)."""
+
+    def __init__(self, packed: list):
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [msgpack.unpackb(b) for b in self.packed[i]]
+        return msgpack.unpackb(self.packed[i])
 
 
 def _job_digest(digests: list) -> bytes:
@@ -195,7 +215,7 @@ class _Layouts:
 
     def __init__(self, world: int):
         self.digests: list = [None] * world
-        self.pieces: list = [None] * world
+        self.pieces: list = [None] * world  # rank r's pieces, packed (_Pieces)
         self.jobs: OrderedDict = OrderedDict()  # job digest -> (index node, its payloads) or None
         self.lock = threading.Lock()
 
@@ -207,10 +227,10 @@ class _Layouts:
         with self.lock:
             return job in self.jobs
 
-    def remember(self, job: bytes, digests: list, pieces_by_rank: list) -> None:
-        """A whole-job layout that passed the tiling check."""
+    def remember(self, job: bytes, digests: list, packed: list) -> None:
+        """A whole-job layout that passed the tiling check (packed: each rank's pieces)."""
         with self.lock:
-            self.digests[:], self.pieces[:] = digests, pieces_by_rank
+            self.digests[:], self.pieces[:] = digests, packed
             self.jobs[job] = self.jobs.pop(job, None)
             while len(self.jobs) > LAYOUT_JOBS:
                 self.jobs.popitem(last=False)
@@ -706,15 +726,17 @@ def _put(ch: _Channel, publisher, plan, prepare):
     exp_hex = None if expected is UNSET else ("-" if expected is None else expected.hex())
     # Where this rank's pieces of sharded tensors lie: rank 0 checks that they tile. The
     # hello carries their digest; the pieces themselves go only if rank 0 asks ("need").
-    pieces = [[p, dt, list(gs), list(off), list(sh)] for p, dt, gs, off, sh, rep in plan_.pieces if not rep]
+    pieces = msgpack.packb([[p, dt, list(gs), list(off), list(sh)]
+                            for p, dt, gs, off, sh, rep in plan_.pieces if not rep])
     digest = _layout_digest(pieces)
     _guard(ch, lambda: ch.arrive("hello", msgpack.packb([args.step, args.ref, args.job, exp_hex, digest]), W))
-    pieces_by_rank: list = []  # rank 0: every rank's pieces of sharded tensors (the chunk index)
+    pieces_by_rank: Sequence = ()  # rank 0: every rank's pieces of sharded tensors (the chunk index)
     layout: dict = {}  # rank 0: the whole job's layout digest
     if rank == 0:
         layouts = ch.ctx.layouts(ch.key, W)
 
         def agree():
+            nonlocal pieces_by_rank
             hellos = [msgpack.unpackb(h) for h in ch.wait_all("hello", "arrive")]
             for r, h in enumerate(hellos):
                 if h[:4] != hellos[0][:4]:
@@ -731,18 +753,18 @@ def _put(ch: _Channel, publisher, plan, prepare):
             if need:  # those ranks send their pieces; the others wait for "go"
                 ch.set("need", msgpack.packb([need, None]))
                 for r, v in zip(need, ch.wait_all("pieces", "send their layout", among=need)):
-                    got[r] = msgpack.unpackb(v)
-                    if _layout_digest(got[r]) != digests[r]:  # never hold pieces under a digest not theirs
+                    if _layout_digest(v) != digests[r]:  # never hold pieces under a digest not theirs
                         raise SnapshotAborted(f"rank {r} sent a layout that does not match its digest")
+                    got[r] = v
             layout["need"] = need
-            pieces_by_rank[:] = [got[r] if r in got else held_pieces[r] for r in range(W)]
+            pieces_by_rank = _Pieces([got[r] if r in got else held_pieces[r] for r in range(W)])
             layout["job"] = job = _job_digest(digests)
             if not layouts.validated(job):  # a new layout anywhere: the whole check, as on a first snapshot
                 problem = _tiling(pieces_by_rank)
                 if problem is not None:  # no rank's own mistake: every rank raises it as what it is
                     ch.abort(problem, "invalid_argument", shared=True)
                     raise InvalidArgument(problem)
-                layouts.remember(job, digests, list(pieces_by_rank))
+                layouts.remember(job, digests, pieces_by_rank.packed)
             fence = publisher.fence()  # read before any rank looks at storage
             if need:
                 ch.set("go", msgpack.packb(fence))
@@ -763,7 +785,7 @@ def _put(ch: _Channel, publisher, plan, prepare):
             started["need"] = need
             if fence is None:  # rank 0 checks a layout it does not hold (all of it, or these ranks')
                 if rank in need:
-                    ch.arrive("pieces", msgpack.packb(pieces), len(need))
+                    ch.arrive("pieces", pieces, len(need))  # (the bytes its digest is over)
                 fence = msgpack.unpackb(ch.wait_key("go", "rank 0 to check the layout", per_rank="pieces",
                                                     among=need))
             return fence

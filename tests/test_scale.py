@@ -225,9 +225,9 @@ def test_an_abort_wakes_the_waiting_ranks(harness):
 
 
 def test_the_requests_of_a_rank_do_not_grow_with_lateness(harness):
-    """The same snapshot with the last rank 0.2 s and then 4 s late: every rank's request
-    count stays the same (within the one request of whoever arrives last), none of its waits
-    runs out (a slice is 150 s)."""
+    """The same snapshot with the last rank 0.2 s and then 4 s late: the requests stay the
+    same (per rank within a few: which rank arrives last, and which acks last and deletes the
+    call's shared keys, varies), none of its waits runs out (a slice is 150 s)."""
     bs, h = harness
     for step in (1, 2):
         assert len(set(_put_all(bs, h, step))) == 1
@@ -236,5 +236,5 @@ def test_the_requests_of_a_rank_do_not_grow_with_lateness(harness):
         assert len(set(_put_all(bs, h, step, delay={W8 - 1: late}))) == 1
         counts[late] = [rk.kv.requests for rk in h.ranks]
         assert all(rk.kv.timeouts == 0 for rk in h.ranks)
-    assert max(counts[4.0]) <= 30, counts
-    assert all(b <= a + 2 for a, b in zip(counts[0.2], counts[4.0])), counts
+    assert max(counts[4.0]) <= 30 and max(counts[0.2]) <= 30, counts
+    assert sum(counts[4.0]) <= sum(counts[0.2]) + W8, counts
