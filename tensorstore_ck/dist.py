@@ -316,6 +316,7 @@ class _Channel:
         # Once the call succeeded: its shared keys (the last rank to ack deletes these);
         # None: any of _SHARED_KEYS (an abort writes WOKEN into several).
         self.used: list[str] | None = None
+        self.acked = False  # ack() was called
         # One blocking wait lasts at most this long: WAIT_SLICES of them span the timeout.
         self.slice = max(0.01, timeout / WAIT_SLICES)
 
@@ -410,11 +411,15 @@ class _Channel:
             raise SnapshotAborted(f"snapshot aborted: {why}")
 
     def ack(self) -> None:
-        """This rank holds the outcome (it returns or raises next). ack/{rank} tells rank 0
+        """(Once per call: rank 0 acks before it posts a result, so that the last rank to ack,
+        which deletes the call's shared keys, is another one when it can be.) This rank holds the outcome (it returns or raises next). ack/{rank} tells rank 0
         who is still reading (rank 0 itself needs none); the counter "acked" tells when the
         outcome may go: the rank that makes it W posts "ack_all", on which rank 0 blocks,
         and deletes the call's other shared keys (every rank holds the outcome: nobody reads
         them again), so rank 0 does not make a dozen deletes per call."""
+        if self.acked:
+            return
+        self.acked = True
         try:
             if self.rank != 0:
                 self.set_mine("ack", b"1")
@@ -880,12 +885,13 @@ def _put(ch: _Channel, publisher, plan, prepare):
         raise SnapshotAborted(f"snapshot aborted: {why}") from e
     finally:
         beat.stop()  # (also on a KeyboardInterrupt: a beat that outlived the commit would keep the others waiting)
+    _published(ch, layout["need"])
+    ch.ack()  # (it holds the outcome and reads nothing of the call's after: the others' acks come after)
     try:
         ch.set(_result_key(ch.round), info.root.encode())
     except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
         warnings.warn(f"snapshot {info.root[:16]} was published, but the other ranks could not be told: "
                       f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
-    _published(ch, layout["need"])
     return info
 
 
@@ -913,14 +919,16 @@ def _chunk_index(layouts: _Layouts, job: bytes, publisher, fence: int, build):
 
 class _Heartbeat:
     """Rank 0, from its commit claim until the result is posted: adds 1 to the call's
-    "beat" counter every `timeout`/6 s (at most 1 s), from a thread, so that the other
+    "beat" counter every `timeout`/6 s, from a thread, so that the other
     ranks, whose deadline may pass while a slow storage write goes on, can tell a slow
     rank 0 (the count moves: keep waiting) from a dead or stopped one (it does not move
     for `timeout`: ask the ref table)."""
 
     def __init__(self, ch: _Channel):
         self._stop = threading.Event()
-        key, interval = ch.pfx + "beat", max(0.02, min(1.0, ch.timeout / 6))
+        # (every timeout/6: the others look at it once a slice, timeout/4, so it always moves
+        # between two looks; more often would only add requests)
+        key, interval = ch.pfx + "beat", max(0.02, ch.timeout / 6)
 
         def beat() -> bool:
             try:
