@@ -424,10 +424,11 @@ class _Channel:
             if self.rank != 0:
                 self.set_mine("ack", b"1")
             if self.kv.add(self.pfx + "acked", 1) == self.world:
-                self.kv.set(self.pfx + "ack_all", b"1")
                 for k in self.shared_keys():
-                    if k not in ("acked", "ack_all"):  # (rank 0 blocks on ack_all, and then deletes both)
+                    if k not in ("acked", "ack_all"):  # (rank 0 blocks on ack_all, and later deletes both)
                         self.kv.delete_key(self.pfx + k)
+                # Last: rank 0, which may take the Store down when it returns, waits for the deletes too.
+                self.kv.set(self.pfx + "ack_all", b"1")
         except Exception:  # noqa: BLE001 - the store is gone: nobody is waiting for us any more
             pass
 
