@@ -16,7 +16,7 @@ the load, not the bytes).
 
 Counted, per snapshot (everything is counted, nothing is modelled):
   requests, bytes   through the Store, per rank and in all: every call of the rank's client
-                    (set/get/add/check/compare_set/delete_key), bytes = the keys and values
+                    (set/get/multi_get/add/check/compare_set/delete_key/wait), bytes = the keys and values
                     it sends plus the values it gets back (the payload; the TCPStore wire
                     format adds ~9-17 bytes of framing per request)
   rank 0 CPU        time.thread_time() of rank 0's thread over its call (the coordination:
@@ -33,9 +33,9 @@ its own pieces) and "reshard" (W/2 ranks, each a Sharded target covering two ran
 Every checkout's values are checked against what was written.
 
 The GIL: the ranks share this process's 2 cores, so rank 0's wall times include the other
-ranks' work, and waiting ranks poll less often than they would on their own hosts (their
-request counts in "late" are then a lower bound at large W). Counts of bytes, nodes and
-requests outside "late" do not depend on speed.
+ranks' work. Counts of bytes, nodes and requests do not depend on speed: a waiting rank
+blocks on the keys it needs (c10d wait, counted under "waits"; a wait that runs out one of
+its slices of the timeout is counted under "wait_timeouts"), it does not poll.
 
 Usage:
     .venv/bin/python benches/bench_scale.py --worlds 64 256 --tensors 100 1000 --also 1024x100 \
@@ -93,6 +93,8 @@ class CountingKV:
     def reset(self) -> None:
         self.requests = self.bytes = 0
         self.polls = self.poll_bytes = 0  # of the requests, those that only look (check, add 0): it waited
+        self.waits = 0  # of the requests, blocking waits (c10d wait: the Store answers when the keys exist)
+        self.timeouts = 0  # of the waits, those that ran out their time (a slice) instead of being answered
         self.t_hello = self.t_out = None
         self.c_hello = self.c_out = None  # this thread's CPU time then (rank 0 makes both calls itself)
 
@@ -140,8 +142,17 @@ class CountingKV:
         return v
 
     def wait(self, keys, *args):
-        v = self.inner.wait(keys, *args)
         self._count(sum(len(k) for k in keys))
+        self.waits += 1
+        try:
+            return self.inner.wait(keys, *args)
+        except Exception:  # a wait that ran out its time (or the Store went away)
+            self.timeouts += 1
+            raise
+
+    def multi_get(self, keys):
+        v = self.inner.multi_get(keys)
+        self._count(sum(len(k) for k in keys) + sum(len(x) for x in v))
         return v
 
 
@@ -320,6 +331,7 @@ class Harness:
         ccpu = kv0.c_out - kv0.c_hello if kv0.c_out is not None and kv0.c_hello is not None else None
         return {"world": len(ranks), "requests": [rk.kv.requests for rk in ranks],
                 "polls": [rk.kv.polls for rk in ranks], "poll_bytes": [rk.kv.poll_bytes for rk in ranks],
+                "waits": [rk.kv.waits for rk in ranks], "wait_timeouts": [rk.kv.timeouts for rk in ranks],
                 "bytes": [rk.kv.bytes for rk in ranks], "cpu0": cpu0, "cpu0_coord": ccpu, "coord": coord,
                 "wall": wall}
 
@@ -334,7 +346,7 @@ def write_direct(store, world: int, state, ref: str, step: int, *, top_version: 
     top_version=1: the top as the writer of version 1 composed it (every rank's tree
     address and one chunk-index node listing every piece), to compare. -> the root."""
     from tensorstore_ck.format.manifest import encode_node
-    from tensorstore_ck.format.world import write_world
+    from tensorstore_ck.format.world import write_index, write_world
     from tensorstore_ck.validate import check_snapshot_args
     pub = store.publisher
     fence = pub.fence()
@@ -356,7 +368,7 @@ def write_direct(store, world: int, state, ref: str, step: int, *, top_version: 
         index = pub.write_nodes({"d": [[p, {"l": v}] for p, v in ix.items()]}, fence)[0]  # as it was written
         top = put({"W": {"world": world, "ranks": tops, "ix": index}})
     else:
-        top = put(write_world(tops, pieces_by_rank, put))
+        top = put(write_world(tops, write_index(pieces_by_rank, put), put))
     pub.sync()
     stats = dict.fromkeys(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), 0)
     return pub.commit(top, check_snapshot_args(ref, step=step), stats=stats, fence=fence,
@@ -465,7 +477,8 @@ def _mean(xs) -> float:
 
 
 def table(results: list) -> str:
-    lines = ["| W | N/rank | scenario | Store requests/rank: mean (max); polls: mean | Store bytes/rank: mean (max) "
+    lines = ["| W | N/rank | scenario | Store requests/rank: mean (max); polls, waits: mean "
+             "| Store bytes/rank: mean (max) "
              "| Store bytes, all | rank 0 CPU s: call (hello→outcome) | last hello→outcome s | wall s "
              "| nodes read/rank: mean (max) | bytes read/rank: mean (max) | checkout CPU s/rank: mean (max) "
              "| ranks read |",
@@ -481,7 +494,7 @@ def table(results: list) -> str:
             coord = "" if r["coord"] is None else f"{r['coord']:.2f}"
             ccpu = "" if r["cpu0_coord"] is None else f" ({r['cpu0_coord']:.2f})"
             lines.append(f"| {r['world']} | {N} | {sc} | {_mean(r['requests']):.1f} ({max(r['requests'])}); "
-                         f"{_mean(r['polls']):.1f} | "
+                         f"{_mean(r['polls']):.1f}, {_mean(r.get('waits', [0])):.1f} | "
                          f"{_mean(r['bytes']) / 1e3:.2f} KB ({max(r['bytes']) / 1e3:.1f} KB) | "
                          f"{sum(r['bytes']) / 1e6:.2f} MB | {r['cpu0']:.2f}{ccpu} | {coord} | {r['wall']:.1f} | "
                          f"{reads[0]} | {reads[1]} | {reads[2]} | {reads[3]} |")
@@ -496,42 +509,42 @@ def _lstsq(xs: list, ys: list) -> list:
 
 
 def projection(results: list, *, world: int = 8192, tensors: int = 4600) -> str:
-    """Fit, on the "second" snapshots (a repeated layout, nobody late):
-        Store bytes per rank (mean, polls apart) = a + b*N   (a: the fixed keys; b: per piece,
-                                                   sent in the rank's hello and read back by rank 0)
+    """Fit, on the "second" snapshots (a repeated layout, nobody late: the steady state)
+    and on the "first" ones (a layout rank 0 does not hold: a first snapshot, a new rank 0
+    process, a changed layout), each:
+        Store bytes per rank (mean) = a + b*N    (b: per piece, sent by a rank whose layout
+                                                  rank 0 lacks and read back by rank 0)
         rank 0 CPU, hello->outcome  = c*W*N + d*W (c: per piece it decodes, tiles and indexes;
                                                    d: per rank it reads and checks)
     and project to `world` ranks of `tensors` sharded tensors each: 5 TB under FSDP, where
     every rank holds a piece of each of the model's ~4,600 tensors whatever W is. Assumes
     the costs stay linear (no cache or memory effects beyond the sizes measured) and one
     core of this machine for rank 0."""
-    pts = [(W, N, r["second"]) for (W, N), r in results if "second" in r]
-    if len({N for _W, N, _r in pts}) < 2 or len({W for W, _N, _r in pts}) < 2:
-        return "(the projection needs two values of W and of N)"
-    # polls apart: their bytes follow the wait, not the layout
-    a, b = _lstsq([[1.0, N] for _W, N, _r in pts],
-                  [_mean([x - y for x, y in zip(r["bytes"], r["poll_bytes"])]) for _W, N, r in pts])
-    c, d = _lstsq([[W * N, W] for W, N, _r in pts], [r["cpu0_coord"] for W, N, r in pts])
-    per_rank = a + b * tensors
-    cpu = c * world * tensors + d * world
-    lines = [
-        f"Fit on the 'second' rows (a repeated layout): Store bytes/rank, polls apart = {a:.0f} B + {b:.1f} B x N; "
-        f"rank 0 CPU from its hello to the result = {c * 1e6:.2f} us x W x N + {d * 1e3:.3f} ms x W.",
-        f"Projected to W = {world:,} ranks x N = {tensors:,} tensors per rank (5 TB under FSDP): "
-        f"{per_rank / 1e3:.0f} KB per rank and {per_rank * world / 1e9:.2f} GB through the one Store per snapshot, "
-        f"rank 0 CPU ~{cpu:.0f} s per snapshot (one core of this machine), on every snapshot (nothing is cached).",
-    ]
-    rates = [(W, N, sc, _mean(rows[sc]["polls"]) / rows[sc]["wall"]) for (W, N), rows in results
-             for sc in ("second", "late") if sc in rows]
-    if rates:
-        lines.append("Waiting is polling: a waiting rank made " + ", ".join(
-            f"{x:.1f}" for _W, _N, _sc, x in rates) + " polls per second of the snapshot's wall time ("
-            + ", ".join(f"W={W} N={N} {sc}" for W, N, sc, _x in rates) + "; bounded here by the GIL the "
-            "simulated ranks share; on its own host a rank in a long wait polls ~40 requests/s or more: two or three "
-            "per <= 50 ms, more at the start of each wait, whose backoff starts at 1 ms), so a rank's requests grow "
-            f"with how long it waits, whoever it waits for; at W = {world:,} that is ~{40 * world / 1e3:.0f} k "
-            "requests/s or more on the Store while the ranks wait.")
-    return "\n".join(lines)
+    out = []
+    for sc, what in (("second", "a repeated layout (every snapshot after the first)"),
+                     ("first", "a layout rank 0 does not hold (the first snapshot of a rank 0 process, or a "
+                               "changed layout)")):
+        pts = [(W, N, r[sc]) for (W, N), r in results if sc in r]
+        if len({N for _W, N, _r in pts}) < 2 or len({W for W, _N, _r in pts}) < 2:
+            return "(the projection needs two values of W and of N)"
+        a, b = _lstsq([[1.0, N] for _W, N, _r in pts], [_mean(r["bytes"]) for _W, N, r in pts])
+        c, d = _lstsq([[W * N, W] for W, N, _r in pts], [r["cpu0_coord"] for W, N, r in pts])
+        per_rank = a + b * tensors
+        cpu = c * world * tensors + d * world
+        out.append(
+            f"{what}: fit on the '{sc}' rows: Store bytes/rank = {a:.0f} B + {b:.2f} B x N; rank 0 CPU from its "
+            f"hello to the result = {c * 1e6:.3f} us x W x N + {d * 1e3:.3f} ms x W. Projected to W = {world:,} "
+            f"ranks x N = {tensors:,} tensors per rank (5 TB under FSDP): {per_rank / 1e3:.1f} KB per rank and "
+            f"{per_rank * world / 1e6:.1f} MB through the one Store, rank 0 CPU ~{cpu:.1f} s (one core of this "
+            "machine).")
+    reqs = [(W, N, sc, max(rows[sc]["requests"][1:]), rows[sc]["requests"][0], max(rows[sc]["wait_timeouts"]))
+            for (W, N), rows in results for sc in ("first", "second", "late") if sc in rows and "waits" in rows[sc]]
+    if reqs:
+        out.append("Nobody polls: a waiting rank blocks on the keys it needs (c10d wait, in at most 4 slices of its "
+                   "timeout). Requests per snapshot, most of any rank other than 0 / rank 0: " + ", ".join(
+                       f"W={W} N={N} {sc} {m}/{r0}" for W, N, sc, m, r0, _t in reqs)
+                   + f"; waits that ran out a slice: {max(t for *_x, t in reqs)} at most per rank.")
+    return "\n".join(out)
 
 
 def main() -> None:

@@ -3,10 +3,12 @@
 put_snapshot and checkout are collective when torch.distributed is initialised
 (or a group= is given). No tensor data crosses ranks, ever:
 
-    every rank   plans (validates) its own state -> hello (step, ref, job, its pieces
-                 of sharded tensors)
-    rank 0       checks that all ranks agree and that the pieces tile each sharded
-                 tensor exactly, reads the gc fence -> go
+    every rank   plans (validates) its own state -> hello (step, ref, job, a 16-byte
+                 digest of its pieces of sharded tensors: its layout)
+    rank 0       checks that all ranks agree; asks the ranks whose layout it does not
+                 hold (from the job's previous snapshot) for their pieces -> need; checks
+                 that the pieces tile each sharded tensor exactly (once per layout of the
+                 whole job), reads the gc fence -> go
     every rank   hashes and writes its own blocks (a Replicated tensor's blocks
                  are spread over the ranks: each is written by exactly one),
                  writes its own manifest sub-tree, syncs -> done (32-byte root + stats +
@@ -20,7 +22,7 @@ put_snapshot and checkout are collective when torch.distributed is initialised
     every rank   acks once it holds the outcome (result or abort); rank 0, which
                  usually hosts the Store, returns only when every rank has acked
 
-Coordination goes through the process group's c10d Store (set/add/check with
+Coordination goes through the process group's c10d Store (set/add/wait with
 our own deadlines), never through collectives, so a dead or stalled rank cannot
 poison the process group: when the deadline passes, rank 0 (or any rank that
 fails) claims the outcome "abort" and writes an abort key, every live rank
@@ -32,17 +34,23 @@ reported aborted while the Store is reachable; and rank 0 beats a counter while 
 publishes, so the others wait for a slow rank 0 and give up only on a silent one.
 A call's keys are named by a per-process counter (CALLS), the same on every rank
 whichever Store object makes the call; a call's outcome stays in the Store until
-every rank has acked it. The argument is in docs/ARCHITECTURE.md ("Distributed
-snapshots").
+every rank has acked it. Nobody polls: a rank blocks on the keys it needs (c10d
+`wait`, in a few slices of its timeout), an abort writes those keys to wake it, and a
+counter's last arrival posts the one key rank 0 blocks on, so a rank's requests per
+call are a constant however long it waits. The argument is in docs/ARCHITECTURE.md
+("Distributed snapshots").
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import math
 import threading
 import time
 import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import msgpack
 
@@ -67,8 +75,21 @@ CLOCK_SKEW = 120.0
 # (group, op): beyond, the oldest go (a rank that never comes back must not grow the Store).
 KEEP_UNACKED = 256
 # The keys of a call that every rank reads (rank 0 deletes them); the rest are per rank.
-_SHARED_KEYS = ("hello_n", "done_n", "go", "result", "abort", "root", "decided", "acked", "beat", "tsum",
-                "reval", "rdone_n", "rfail")
+_SHARED_KEYS = ("hello_n", "hello_all", "need", "pieces_n", "pieces_all", "go", "done_n", "done_all", "result",
+                "abort", "root", "decided", "acked", "ack_all", "beat", "tsum", "reval", "rdone_n", "rfail")
+# A rank blocks on the keys it needs (c10d `wait`: the Store answers when they exist, no
+# polling) in at most this many slices of its timeout, so that its requests per call are a
+# constant however long it waits; between slices it looks at what a wait cannot see (rank
+# 0's heartbeat). An abort wakes every waiter by writing the keys they block on (WOKEN).
+WAIT_SLICES = 4
+# The value an aborting rank writes into every key the others may be blocked on: whoever
+# reads it reads the abort record. (No real value starts with a zero byte: see its writers.)
+WOKEN = b"\x00aborted"
+# Rank 0 keeps, per group, the validated layout of every rank (its pieces of sharded
+# tensors, by digest) from the job's previous snapshot; of at most this many groups, and
+# this many validated whole-job layouts (with their chunk index) per group.
+LAYOUT_GROUPS = 4
+LAYOUT_JOBS = 2
 
 
 class _CommitUnderWay(Exception):
@@ -92,7 +113,9 @@ class CollectiveContext:
     def __init__(self):
         self._seq: dict = {}
         self._kept: dict = {}  # (group, op) -> [seq, ...], oldest first
-        self._own: dict = {}   # (group, op) -> [seq, ...]: calls ended here whose own keys are still there
+        self._shared: dict = {}  # ((group, op), seq) -> the shared keys of that call (rank 0 deletes them)
+        self._own: dict = {}   # (group, op) -> [(seq, [own key, ...]), ...]: calls ended here, keys still there
+        self._layouts: OrderedDict = OrderedDict()  # (group, world) -> _Layouts (rank 0)
         self._lock = threading.Lock()
 
     def next(self, key) -> int:
@@ -100,22 +123,41 @@ class CollectiveContext:
             self._seq[key] = self._seq.get(key, 0) + 1
             return self._seq[key]
 
-    def finished(self, key, seq: int) -> None:
+    def finished(self, key, seq: int, shared) -> None:
+        """Rank 0 ended call seq, whose shared keys are `shared`."""
         with self._lock:
             self._kept.setdefault(key, []).append(seq)
+            self._shared[(key, seq)] = list(shared)
 
-    def ended(self, key, seq: int) -> None:
-        """This rank is done with call seq (asynchronous calls of several Stores may end
-        out of order): its own keys may go once two later calls have started."""
+    def shared(self, key, seq: int) -> list:
         with self._lock:
-            self._own.setdefault(key, []).append(seq)
+            return self._shared.pop((key, seq), list(_SHARED_KEYS))
 
-    def own_to_delete(self, key, below: int) -> list[int]:
+    def ended(self, key, seq: int, own=()) -> None:
+        """This rank is done with call seq (asynchronous calls of several Stores may end
+        out of order): its own keys (`own`, the ones it wrote) may go once two later calls
+        have started."""
+        with self._lock:
+            self._own.setdefault(key, []).append((seq, list(own)))
+
+    def own_to_delete(self, key, below: int) -> list:
+        """-> [(seq, [own key, ...]), ...] of the calls ended here up to `below`."""
         with self._lock:
             own = self._own.get(key, [])
-            out = [s for s in own if s <= below]
-            self._own[key] = [s for s in own if s > below]
+            out = [e for e in own if e[0] <= below]
+            self._own[key] = [e for e in own if e[0] > below]
             return out
+
+    def layouts(self, key, world: int) -> "_Layouts":
+        """Rank 0: the validated layouts of group `key` (a new one, empty, for a new group
+        or world size; the least recently used group beyond LAYOUT_GROUPS goes)."""
+        with self._lock:
+            k = (key, world)
+            got = self._layouts.pop(k, None) or _Layouts(world)
+            self._layouts[k] = got
+            while len(self._layouts) > LAYOUT_GROUPS:
+                self._layouts.popitem(last=False)
+            return got
 
     def kept(self, key) -> list[int]:
         with self._lock:
@@ -128,6 +170,79 @@ class CollectiveContext:
 
 
 CALLS = CollectiveContext()
+
+
+def _layout_digest(packed: bytes) -> bytes:
+    """16 bytes over a rank's layout, `packed`: the msgpack of its pieces of sharded
+    tensors, each [path, dtype, global shape, offsets, shape] (plain str and int lists),
+    in its plan's order; the very bytes it sends when rank 0 asks. Equal digests mean
+    equal layouts (blake2b-128), nothing less: rank 0 re-computes it over the bytes it is
+    sent and refuses a mismatch."""
+    return hashlib.blake2b(packed, digest_size=16, person=b"tsck-layout-v1").digest()
+
+
+class _Pieces(Sequence):
+    """Every rank's pieces (rank r's: self[r]), held as the msgpack each rank sent (~36 B
+    a piece, where the decoded lists take ~470 B: rank 0 keeps W x N of them between
+    snapshots) and decoded when read (the tiling check and the chunk index: once per
+    whole-job layout)."""
+
+    def __init__(self, packed: list):
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [msgpack.unpackb(b) for b in self.packed[i]]
+        return msgpack.unpackb(self.packed[i])
+
+
+def _job_digest(digests: list) -> bytes:
+    """16 bytes over every rank's layout digest, in rank order (the whole job's layout)."""
+    return hashlib.blake2b(b"".join(digests), digest_size=16, person=b"tsck-job-v1").digest()
+
+
+class _Layouts:
+    """Rank 0, per group: each rank's layout (digest, pieces) as of the last layout of the
+    whole job that passed the tiling check, and the whole-job layouts that passed it (by
+    _job_digest, the last LAYOUT_JOBS, each with the chunk index compose() wrote for it).
+    So a snapshot whose layout repeats costs each rank a 16-byte digest in its hello and
+    rank 0 O(W) work: a rank sends its pieces only when its digest is not the one held
+    here, and the tiling is checked again whenever the whole job's digest is new (one
+    piece moved anywhere). Per process (CALLS): a new rank 0 process asks every rank."""
+
+    def __init__(self, world: int):
+        self.digests: list = [None] * world
+        self.pieces: list = [None] * world  # rank r's pieces, packed (_Pieces)
+        self.jobs: OrderedDict = OrderedDict()  # job digest -> (index node, its payloads) or None
+        self.lock = threading.Lock()
+
+    def view(self) -> tuple[list, list]:
+        with self.lock:
+            return list(self.digests), list(self.pieces)
+
+    def validated(self, job: bytes) -> bool:
+        with self.lock:
+            return job in self.jobs
+
+    def remember(self, job: bytes, digests: list, packed: list) -> None:
+        """A whole-job layout that passed the tiling check (packed: each rank's pieces)."""
+        with self.lock:
+            self.digests[:], self.pieces[:] = digests, packed
+            self.jobs[job] = self.jobs.pop(job, None)
+            while len(self.jobs) > LAYOUT_JOBS:
+                self.jobs.popitem(last=False)
+
+    def index(self, job: bytes):
+        with self.lock:
+            return self.jobs.get(job)
+
+    def set_index(self, job: bytes, index) -> None:
+        with self.lock:
+            if job in self.jobs:
+                self.jobs[job] = index
 
 
 def _dist():
@@ -153,7 +268,9 @@ class StoreGroup:
     as threads of one process (a process group cannot be initialised per thread). Each
     member must also count its calls in a CollectiveContext of its own (a Store's
     `_collective`): CALLS is per process, and the simulated ranks share one process.
-    name: the key prefix of the group's calls in the Store."""
+    name: the key prefix of the group's calls in the Store. kv: any c10d Store client
+    (set, get, add, check, compare_set, delete_key, wait(keys, timedelta); multi_get if
+    it has one)."""
 
     def __init__(self, kv, rank: int, world: int, name: str = "kv"):
         if not (type(world) is int and world >= 1 and type(rank) is int and 0 <= rank < world):  # (not a bool)
@@ -192,7 +309,19 @@ class _Channel:
         self.timeout = timeout
         self.restart()
         self.late: list[int] = []  # ranks known not to be waiting for the outcome (dead or stalled)
-        self.aborted = False       # this rank has written an abort record
+        self.aborted = False       # this rank has written (or read) the abort record: it aborts nothing more
+        self.round = 0             # re-validation rounds asked for or done (the outcome's key: _result_key)
+        self.mine: list[str] = []  # the keys of this rank's own that it wrote (it deletes them later)
+        self.extra: list[str] = []  # shared keys beyond _SHARED_KEYS (those of re-validation rounds)
+        # Once the call succeeded: its shared keys (the last rank to ack deletes these);
+        # None: any of _SHARED_KEYS (an abort writes WOKEN into several).
+        self.used: list[str] | None = None
+        self.acked = False  # ack() was called
+        # One blocking wait lasts at most this long: WAIT_SLICES of them span the timeout.
+        self.slice = max(0.01, timeout / WAIT_SLICES)
+
+    def shared_keys(self) -> list[str]:
+        return (list(_SHARED_KEYS) if self.used is None else self.used) + self.extra
 
     def restart(self) -> None:
         """The call's deadline counts from now (when it starts talking to the others)."""
@@ -207,6 +336,28 @@ class _Channel:
 
     def add(self, k: str, n: int = 1) -> int:
         return self.kv.add(self.pfx + k, n)
+
+    def set_mine(self, k: str, v: bytes) -> None:
+        """Set a key of this rank's own (k/{rank}), noted for its later deletion."""
+        key = f"{k}/{self.rank}"
+        self.set(key, v)
+        self.mine.append(key)
+
+    def get_many(self, ks) -> list[bytes]:
+        """One request (multi_get) for keys that exist."""
+        keys = [self.pfx + k for k in ks]
+        mg = getattr(self.kv, "multi_get", None)
+        return list(mg(keys)) if mg is not None else [self.kv.get(k) for k in keys]
+
+    def arrive(self, k: str, value: bytes, expect: int) -> None:
+        """Post k/{rank} and count it in k_n; the rank whose count reaches `expect` posts
+        k_all, the one key rank 0 blocks on (O(1) requests per rank, and one for rank 0
+        whatever W). A set, never a compare_set: the TCPStore wakes no waiter on a
+        compare_set. (If it overwrites an abort's WOKEN, rank 0 goes on to its claim,
+        which the abort holds: it raises there.)"""
+        self.set_mine(k, value)
+        if self.add(f"{k}_n") == expect:
+            self.set(f"{k}_all", b"1")
 
     def claim(self, outcome: bytes) -> bytes:
         """The outcome of this call: the first claim wins (an atomic compare_set), and
@@ -226,6 +377,9 @@ class _Channel:
                 return False
             self.aborted = True
             self.kv.set(self.pfx + "abort", msgpack.packb([kind, why[:4000], self.late, shared, extra or {}]))
+            # Wake whoever is blocked on a key of this call (after the record: a woken rank reads it).
+            for k in _WAKE[self.op] + ((_result_key(self.round),) if self.op == "put" else ()):
+                self.kv.set(self.pfx + k, WOKEN)
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing more we can tell anyone
             pass
         return True
@@ -241,6 +395,10 @@ class _Channel:
                 self.late = sorted(set(self.late) | {int(r) for r in late})
             except Exception:  # noqa: BLE001
                 pass
+            # Whatever this raises is the abort's own error: _guard must not abort again (a
+            # second claim of "abort" reads "abort", and its record, not shared, would
+            # replace the first: the ranks reading it after would raise another error).
+            self.aborted = True
             if kind == "outcome_unknown" and shared:
                 # Rank 0's ref move went unanswered: the snapshot may be published. Every rank
                 # says so (never "nothing published"), with the root and ref to look up.
@@ -253,12 +411,24 @@ class _Channel:
             raise SnapshotAborted(f"snapshot aborted: {why}")
 
     def ack(self) -> None:
-        """This rank holds the outcome (it returns or raises next). ack/{rank} tells rank 0
-        who is still reading; the counter "acked" (never deleted before the call's shared
-        keys) tells it when the outcome may go."""
+        """(Once per call: rank 0 acks before it posts a result, so that the last rank to ack,
+        which deletes the call's shared keys, is another one when it can be.) This rank holds the outcome (it returns or raises next). ack/{rank} tells rank 0
+        who is still reading (rank 0 itself needs none); the counter "acked" tells when the
+        outcome may go: the rank that makes it W posts "ack_all", on which rank 0 blocks,
+        and deletes the call's other shared keys (every rank holds the outcome: nobody reads
+        them again), so rank 0 does not make a dozen deletes per call."""
+        if self.acked:
+            return
+        self.acked = True
         try:
-            self.kv.set(self.pfx + f"ack/{self.rank}", b"1")
-            self.kv.add(self.pfx + "acked", 1)
+            if self.rank != 0:
+                self.set_mine("ack", b"1")
+            if self.kv.add(self.pfx + "acked", 1) == self.world:
+                for k in self.shared_keys():
+                    if k not in ("acked", "ack_all"):  # (rank 0 blocks on ack_all, and later deletes both)
+                        self.kv.delete_key(self.pfx + k)
+                # Last: rank 0, which may take the Store down when it returns, waits for the deletes too.
+                self.kv.set(self.pfx + "ack_all", b"1")
         except Exception:  # noqa: BLE001 - the store is gone: nobody is waiting for us any more
             pass
 
@@ -267,86 +437,134 @@ class _Channel:
         waiting for the outcome has read it, so that leaving (and taking the Store down)
         cannot turn their outcome into a connection error. Ranks known to be dead or
         stalled are not waited for. -> the ranks that did not ack in time."""
-        expect = [r for r in range(self.world) if r not in self.late]
-        keys = [self.pfx + f"ack/{r}" for r in expect]
+        expect = [r for r in range(1, self.world) if r not in self.late]  # (rank 0 posts no ack key)
+        # Every rank: "ack_all" (a rank gone on to later calls may have deleted its ack key
+        # already); else the ack keys of those still expected.
+        keys = ["ack_all"] if len(expect) == self.world - 1 else [f"ack/{r}" for r in expect]
+        if not keys:
+            return []
         deadline = max(self.deadline, time.monotonic() + min(self.timeout, ACK_GRACE))
-        delay = 0.001
         try:
-            # Every rank acked: the counter says so even if a rank, gone on to later calls,
-            # has deleted its own ack key already.
-            while not self.kv.check(keys) and self.kv.add(self.pfx + "acked", 0) < self.world:
-                if time.monotonic() > deadline:
-                    return [r for r, k in zip(expect, keys) if not self.kv.check([k])]
-                time.sleep(delay)
-                delay = min(0.05, delay * 2)
+            while not self._block(keys, deadline):
+                if time.monotonic() >= deadline:
+                    if self.kv.add(self.pfx + "acked", 0) >= self.world:
+                        return []
+                    return [r for r in expect if not self.kv.check([self.pfx + f"ack/{r}"])]
         except Exception:  # noqa: BLE001 - the store is gone: nobody can read anything from it now
             return []
         return []
 
-    def missing(self, k: str) -> list[int]:
-        """Ranks that have not posted key k/{rank}."""
-        return [r for r in range(self.world) if not self.kv.check([self.pfx + f"{k}/{r}"])]
+    def missing(self, k: str, among=None) -> list[int]:
+        """Ranks (of `among`, default all) that have not posted key k/{rank}."""
+        return [r for r in (range(self.world) if among is None else among)
+                if not self.kv.check([self.pfx + f"{k}/{r}"])]
 
     def cleanup_old(self) -> None:
         """So the Store does not grow with every snapshot: delete this rank's own keys of
         the calls it has ended, two calls or more ago (nobody reads them after that), and on
-        rank 0 the shared keys of each earlier call once every rank has acked it (its
-        counter "acked" reached W). The outcome of a call some rank has not acked (a
-        stopped rank) stays, so that rank reads the truth when it resumes, however many
-        calls later; of at most KEEP_UNACKED calls (a rank that never comes back)."""
+        rank 0 the last two shared keys of each earlier call once every rank has acked it
+        ("ack_all": the last rank to ack deleted the others). The outcome of a call some
+        rank has not acked (a stopped rank) stays, so that rank reads the truth when it
+        resumes, however many calls later; of at most KEEP_UNACKED calls (a rank that never
+        comes back: then all its shared keys go)."""
         def delete(keys):
             for k in keys:
                 try:
                     self.kv.delete_key(k)
                 except Exception:  # noqa: BLE001 - best effort
                     pass
-        for seq in self.ctx.own_to_delete(self.key, self.seq - 2):
-            old = f"{self.base}{seq}/"
-            delete(old + k for k in (f"hello/{self.rank}", f"done/{self.rank}", f"ack/{self.rank}",
-                                     f"rep/{self.rank}", f"rdone/{self.rank}"))
+        for seq, own in self.ctx.own_to_delete(self.key, self.seq - 2):
+            delete(f"{self.base}{seq}/{k}" for k in own)
         if self.rank != 0:
             return
         kept = self.ctx.kept(self.key)
         for i, seq in enumerate(kept):  # oldest first; a rank acks calls in order
             old = f"{self.base}{seq}/"
             try:
-                acked = self.kv.add(old + "acked", 0) >= self.world
+                acked = self.kv.check([old + "ack_all"])
             except Exception:  # noqa: BLE001 - the store is unreachable: the call itself will say so
                 return
             if not acked and len(kept) - i <= KEEP_UNACKED:
                 break
-            delete(old + k for k in _SHARED_KEYS)
+            shared = self.ctx.shared(self.key, seq)
+            delete(old + k for k in (("ack_all", "acked") if acked else shared))
             self.ctx.forget(self.key, seq)
 
-    def _poll(self, ready, what: str, per_rank: str | None = None, of_ranks: bool = False):
-        delay = 0.001
-        while True:
+    def _block(self, keys, until: float) -> bool:
+        """Block until every key of this call in `keys` exists (c10d `wait`: the Store
+        answers when they do; one request), for at most one slice and not past `until`.
+        -> whether they exist."""
+        left = until - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            self.kv.wait([self.pfx + k for k in keys], datetime.timedelta(seconds=min(left, self.slice)))
+            return True
+        except Exception as e:  # noqa: BLE001 - told apart below
+            if _wait_timed_out(e):
+                return False
+            raise
+
+    def wait_for(self, keys, what: str, per_rank: str | None = None, among=None, of_ranks: bool = False,
+                 also=()) -> list:
+        """Block until every key in `keys` exists (at most WAIT_SLICES + 1 requests however
+        long it takes), then read them in one request. A woken wait (WOKEN: the call was
+        aborted) raises the abort; the deadline aborts the call. per_rank: the key every
+        rank (of `among`) posts before these can come: on a timeout the ranks that have not
+        posted it are named (and not waited for in the outcome round). also: keys that exist
+        once these do (unless woken), read after them in one request (their values follow:
+        not with them, as a get of a key that does not exist blocks)."""
+        while not self._block(keys, self.deadline):
+            if time.monotonic() >= self.deadline:
+                self._timed_out(what, per_rank, among, of_ranks)
+        vals = self.get_many(keys)
+        if WOKEN in vals:
             self._check_abort()
-            out = ready()
-            if out is not None:
-                return out
-            if time.monotonic() > self.deadline:
-                late = self.missing(per_rank) if per_rank is not None else []
-                if of_ranks:  # `what` is what the late ranks did not do
-                    why = f"rank {self.rank}: ranks {late} did not {what} within {self.timeout:g}s"
-                else:
-                    why = f"rank {self.rank}: timed out after {self.timeout:g}s waiting for {what}"
-                    if late:
-                        why += f" (ranks {late} are behind)"
-                if not self.abort(why, late=late):
-                    raise _CommitUnderWay()
-                raise SnapshotAborted(f"snapshot aborted: {why}")
-            time.sleep(delay)
-            delay = min(0.05, delay * 2)
+            raise SnapshotAborted("snapshot aborted by another rank")  # (the record is written first)
+        return vals + (self.get_many(also) if also else [])
 
-    def wait_key(self, k: str, what: str, per_rank: str | None = None) -> bytes:
-        """per_rank: the key every rank posts before this one can come; on a timeout the
-        ranks that have not posted it are named (and not waited for in the outcome round)."""
-        return self._poll(lambda: self.get(k) if self.kv.check([self.pfx + k]) else None, what, per_rank)
+    def _timed_out(self, what: str, per_rank, among, of_ranks: bool):
+        self._check_abort()
+        late = self.missing(per_rank, among) if per_rank is not None else []
+        if of_ranks:  # `what` is what the late ranks did not do
+            why = f"rank {self.rank}: ranks {late} did not {what} within {self.timeout:g}s"
+        else:
+            why = f"rank {self.rank}: timed out after {self.timeout:g}s waiting for {what}"
+            if late:
+                why += f" (ranks {late} are behind)"
+        if not self.abort(why, late=late):
+            raise _CommitUnderWay()
+        raise SnapshotAborted(f"snapshot aborted: {why}")
 
-    def wait_count(self, k: str, n: int, what: str, per_rank: str | None = None) -> int:
-        return self._poll(lambda: (lambda c: c if c >= n else None)(self.add(k, 0)), what, per_rank,
-                          of_ranks=per_rank is not None)
+    def wait_key(self, k: str, what: str, per_rank: str | None = None, among=None) -> bytes:
+        return self.wait_for([k], what, per_rank, among)[0]
+
+    def wait_all(self, k: str, what: str, among=None) -> list[bytes]:
+        """Rank 0: until every rank (of `among`, default all) has arrived at k (arrive())
+        -> what each posted (k/{rank})."""
+        ranks = range(self.world) if among is None else among
+        return self.wait_for([f"{k}_all"], what, k, among, of_ranks=True, also=[f"{k}/{r}" for r in ranks])[1:]
+
+
+def _wait_timed_out(e: Exception) -> bool:
+    """A c10d wait that ran out its time (DistStoreError "wait timeout ..."), not a Store
+    that went away (DistNetworkError)."""
+    return (isinstance(e, RuntimeError) and type(e).__name__ != "DistNetworkError"
+            and "timeout" in str(e).lower())
+
+
+def _result_key(n: int) -> str:
+    """The key the ranks other than 0 block on for the outcome after n re-validation
+    rounds: rank 0 writes REVAL into the previous one to start a round (a wait cannot
+    see two keys at once, and a key, once written, wakes every later wait on it)."""
+    return "result" if n == 0 else f"result.{n}"
+
+
+# The keys a rank may be blocked on, by op (an abort writes WOKEN into them).
+_WAKE = {"put": ("hello_all", "need", "pieces_all", "go", "done_all"), "checkout": ("hello_all", "root")}
+REVAL = b"\x00reval"
+# The shared keys of a checkout whose root was posted (no abort).
+_CHECKOUT_KEYS = ["hello_n", "hello_all", "tsum", "root", "acked", "ack_all"]
 
 
 def _owner(path: str, i: int, world: int) -> int:
@@ -465,16 +683,16 @@ def _outcome_round(ch: _Channel, body, what: str):
         out = body()
     except Exception:
         ch.ack()
-        ch.ctx.ended(ch.key, ch.seq)
+        ch.ctx.ended(ch.key, ch.seq, ch.mine)
         if ch.rank == 0:
             ch.wait_acks()
-            ch.ctx.finished(ch.key, ch.seq)
+            ch.ctx.finished(ch.key, ch.seq, ch.shared_keys())
         raise
     ch.ack()
-    ch.ctx.ended(ch.key, ch.seq)
+    ch.ctx.ended(ch.key, ch.seq, ch.mine)
     if ch.rank == 0:
         silent = ch.wait_acks()
-        ch.ctx.finished(ch.key, ch.seq)
+        ch.ctx.finished(ch.key, ch.seq, ch.shared_keys())
         if silent:
             warnings.warn(f"{what} succeeded, but ranks {silent} did not confirm within the deadline that they "
                           "read the outcome (dead or stalled?): they may report an error for it", RuntimeWarning,
@@ -512,27 +730,52 @@ def _put(ch: _Channel, publisher, plan, prepare):
     plan_ = _guard(ch, plan)
     expected = args.expected
     exp_hex = None if expected is UNSET else ("-" if expected is None else expected.hex())
-    # Where this rank's pieces of sharded tensors lie: rank 0 checks that they tile.
-    pieces = [[p, dt, list(gs), list(off), list(sh)] for p, dt, gs, off, sh, rep in plan_.pieces if not rep]
-    _guard(ch, lambda: (ch.set(f"hello/{rank}", msgpack.packb([args.step, args.ref, args.job, exp_hex, pieces])),
-                        ch.add("hello_n")))
-    pieces_by_rank: list = []  # rank 0: every rank's pieces of sharded tensors (the chunk index)
+    # Where this rank's pieces of sharded tensors lie: rank 0 checks that they tile. The
+    # hello carries their digest; the pieces themselves go only if rank 0 asks ("need").
+    pieces = msgpack.packb([[p, dt, list(gs), list(off), list(sh)]
+                            for p, dt, gs, off, sh, rep in plan_.pieces if not rep])
+    digest = _layout_digest(pieces)
+    _guard(ch, lambda: ch.arrive("hello", msgpack.packb([args.step, args.ref, args.job, exp_hex, digest]), W))
+    pieces_by_rank: Sequence = ()  # rank 0: every rank's pieces of sharded tensors (the chunk index)
+    layout: dict = {}  # rank 0: the whole job's layout digest
     if rank == 0:
+        layouts = ch.ctx.layouts(ch.key, W)
+
         def agree():
-            ch.wait_count("hello_n", W, "arrive", per_rank="hello")
-            hellos = [msgpack.unpackb(ch.get(f"hello/{r}")) for r in range(W)]
+            nonlocal pieces_by_rank
+            hellos = [msgpack.unpackb(h) for h in ch.wait_all("hello", "arrive")]
             for r, h in enumerate(hellos):
                 if h[:4] != hellos[0][:4]:
                     raise SnapshotAborted(
                         f"ranks disagree: rank 0 has (step, ref, job) = {tuple(hellos[0][:3])}, rank {r} has "
                         f"{tuple(h[:3])}")
-            pieces_by_rank[:] = [h[4] for h in hellos]
-            problem = _tiling([h[4] for h in hellos])
-            if problem is not None:  # no rank's own mistake: every rank raises it as what it is
-                ch.abort(problem, "invalid_argument", shared=True)
-                raise InvalidArgument(problem)
+                if not (isinstance(h[4], bytes) and len(h[4]) == 16):
+                    raise SnapshotAborted(f"rank {r}'s hello carries no layout digest (another version of "
+                                          "tensorstore_ck?)")
+            digests = [h[4] for h in hellos]
+            held, held_pieces = layouts.view()
+            need = [r for r in range(1, W) if digests[r] != held[r]]
+            got = {0: pieces}
+            if need:  # those ranks send their pieces; the others wait for "go"
+                ch.set("need", msgpack.packb([need, None]))
+                for r, v in zip(need, ch.wait_all("pieces", "send their layout", among=need)):
+                    if _layout_digest(v) != digests[r]:  # never hold pieces under a digest not theirs
+                        raise SnapshotAborted(f"rank {r} sent a layout that does not match its digest")
+                    got[r] = v
+            layout["need"] = need
+            pieces_by_rank = _Pieces([got[r] if r in got else held_pieces[r] for r in range(W)])
+            layout["job"] = job = _job_digest(digests)
+            if not layouts.validated(job):  # a new layout anywhere: the whole check, as on a first snapshot
+                problem = _tiling(pieces_by_rank)
+                if problem is not None:  # no rank's own mistake: every rank raises it as what it is
+                    ch.abort(problem, "invalid_argument", shared=True)
+                    raise InvalidArgument(problem)
+                layouts.remember(job, digests, pieces_by_rank.packed)
             fence = publisher.fence()  # read before any rank looks at storage
-            ch.set("go", msgpack.packb(fence))
+            if need:
+                ch.set("go", msgpack.packb(fence))
+            else:
+                ch.set("need", msgpack.packb([[], fence]))
             return fence
         try:
             fence = _guard(ch, agree)
@@ -541,8 +784,18 @@ def _put(ch: _Channel, publisher, plan, prepare):
                 ch.abort(str(e).removeprefix("snapshot aborted: "))
             raise
     else:
-        fence = msgpack.unpackb(_guard(ch, lambda: ch.wait_key("go", "rank 0 to start the snapshot",
-                                                                per_rank="hello")))
+        started: dict = {}
+
+        def start():
+            need, fence = msgpack.unpackb(ch.wait_key("need", "rank 0 to start the snapshot", per_rank="hello"))
+            started["need"] = need
+            if fence is None:  # rank 0 checks a layout it does not hold (all of it, or these ranks')
+                if rank in need:
+                    ch.arrive("pieces", pieces, len(need))  # (the bytes its digest is over)
+                fence = msgpack.unpackb(ch.wait_key("go", "rank 0 to check the layout", per_rank="pieces",
+                                                    among=need))
+            return fence
+        fence = _guard(ch, start)
 
     owns = lambda leaf, i: _owner(leaf.path, i, W) == rank  # noqa: E731
     part: dict = {}  # this rank's node payloads: re-written if a gc deletion phase fences the commit
@@ -557,13 +810,12 @@ def _put(ch: _Channel, publisher, plan, prepare):
         reps = replica_digests(plan_)
         rep = None
         if reps:  # the full list only for rank 0 to read if the replicas disagree; one digest in done
-            ch.set(f"rep/{rank}", msgpack.packb(reps))
+            ch.set_mine("rep", msgpack.packb(reps))
             rep = hashlib.blake2b(msgpack.packb(reps), digest_size=16).digest()
         publisher.sync()  # this rank's objects are durable before rank 0 publishes
-        ch.set(f"done/{rank}", msgpack.packb({"tree": tree, "rep": rep,
-                                              "stats": [st.bytes_total, st.bytes_new, st.blocks_total,
-                                                        st.blocks_new, st.stored_new]}))
-        ch.add("done_n")
+        ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep,
+                                         "stats": [st.bytes_total, st.bytes_new, st.blocks_total,
+                                                   st.blocks_new, st.stored_new]}), W)
 
     _guard(ch, write)
 
@@ -575,26 +827,35 @@ def _put(ch: _Channel, publisher, plan, prepare):
     if rank != 0:
         info = _await_result(ch, publisher, args, revalidate_mine)
         publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there
+        _published(ch, started["need"])
         return info
 
     def compose():
-        ch.wait_count("done_n", W, "finish writing", per_rank="done")
-        dones = [msgpack.unpackb(ch.get(f"done/{r}")) for r in range(W)]
+        dones = [msgpack.unpackb(d) for d in ch.wait_all("done", "finish writing")]
         if len({d.get("rep") for d in dones}) > 1:
             why = _replica_disagreement(ch)
             ch.abort(why)
             raise SnapshotAborted(f"snapshot aborted: {why}")
         # The rank tree and the range-cut chunk index (format/world.py): a rank's checkout
-        # reads the few nodes its own region needs, whatever W (not O(W) or O(W x N)).
+        # reads the few nodes its own region needs, whatever W (not O(W) or O(W x N)). The
+        # index depends on the layout alone: built once per checked layout, then put again.
         from .format.manifest import encode_node
-        from .format.world import write_world
-        payloads: list = []
+        from .format.world import write_index, write_world
 
-        def put(value):  # one node, laid out by write_world (the node writer's walk costs ~15 us a piece)
-            payloads.append(encode_node(value))
-            return publisher.assets.put_node(payloads[-1], fence).digest
-        top = put(write_world([d["tree"] for d in dones], pieces_by_rank, put))
-        part["top"] = payloads
+        def putter(payloads: list):
+            def put(value):  # one node, laid out by format/world.py (the node writer's walk costs ~15 us a piece)
+                payloads.append(encode_node(value))
+                return publisher.assets.put_node(payloads[-1], fence).digest
+            return put
+
+        def chunk_index():
+            payloads: list = []
+            return write_index(pieces_by_rank, putter(payloads)), payloads
+        index, ix_payloads = _chunk_index(layouts, layout["job"], publisher, fence, chunk_index)
+        payloads: list = []
+        put = putter(payloads)
+        top = put(write_world([d["tree"] for d in dones], index, put))
+        part["top"] = ix_payloads + payloads
         sums = [sum(d["stats"][i] for d in dones) for i in range(5)]
         return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), sums))
 
@@ -633,24 +894,50 @@ def _put(ch: _Channel, publisher, plan, prepare):
         raise SnapshotAborted(f"snapshot aborted: {why}") from e
     finally:
         beat.stop()  # (also on a KeyboardInterrupt: a beat that outlived the commit would keep the others waiting)
+    _published(ch, layout["need"])
+    ch.ack()  # (it holds the outcome and reads nothing of the call's after: the others' acks come after)
     try:
-        ch.set("result", info.root.encode())
+        ch.set(_result_key(ch.round), info.root.encode())
     except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
         warnings.warn(f"snapshot {info.root[:16]} was published, but the other ranks could not be told: "
                       f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
     return info
 
 
+def _published(ch: _Channel, need: list) -> None:
+    """Published, so nobody aborted (the claim): the call's shared keys are these (the last
+    rank to ack deletes them)."""
+    ch.used = ["hello_n", "hello_all", "need", "done_n", "done_all", "decided", "result", "beat", "acked",
+               "ack_all"] + (["reval", "rdone_n"] if ch.round else []) + (["pieces_n", "pieces_all", "go"] if need
+                                                                          else [])
+
+
+def _chunk_index(layouts: _Layouts, job: bytes, publisher, fence: int, build):
+    """The chunk index of a whole-job layout: built (O(W x N)) once per layout, then the
+    same nodes again, put under this snapshot's fence (a deletion phase may have removed
+    them: put_node checks, as for any node)."""
+    got = layouts.index(job)
+    if got is None:
+        got = build()
+        layouts.set_index(job, got)
+        return got
+    for payload in got[1]:
+        publisher.assets.put_node(payload, fence)
+    return got
+
+
 class _Heartbeat:
     """Rank 0, from its commit claim until the result is posted: adds 1 to the call's
-    "beat" counter every `timeout`/6 s (at most 1 s), from a thread, so that the other
+    "beat" counter every `timeout`/6 s, from a thread, so that the other
     ranks, whose deadline may pass while a slow storage write goes on, can tell a slow
     rank 0 (the count moves: keep waiting) from a dead or stopped one (it does not move
     for `timeout`: ask the ref table)."""
 
     def __init__(self, ch: _Channel):
         self._stop = threading.Event()
-        key, interval = ch.pfx + "beat", max(0.02, min(1.0, ch.timeout / 6))
+        # (every timeout/6: the others look at it once a slice, timeout/4, so it always moves
+        # between two looks; more often would only add requests)
+        key, interval = ch.pfx + "beat", max(0.02, ch.timeout / 6)
 
         def beat() -> bool:
             try:
@@ -680,34 +967,35 @@ def _revalidation_round(ch: _Channel, publisher, rounds: list, revalidate_mine, 
     re-validates what it wrote or reused, re-uploading from the state it still holds
     whatever the phase deleted, under the new fence; then rank 0 re-writes the top
     nodes and the commit object, and commit() moves the ref. O(1) messages per rank:
-    rank 0 posts "reval" = [round, fence]; each rank posts rdone/{rank} and adds to
-    "rdone_n" (or writes "rfail", and rank 0 aborts)."""
+    rank 0 posts "reval" = [round, fence] and wakes the others (REVAL in the key they
+    block on for the outcome); each rank posts rdone/{rank}, adds to "rdone_n" and the
+    last one posts "rdone_all.<round>" (or a rank writes "rfail" and wakes rank 0, which
+    aborts)."""
     rounds[0] += 1
     n, others = rounds[0], ch.world - 1
+    ch.round = n  # first: an abort from here on wakes the others on the next outcome key
+    ch.extra += [_result_key(n), f"rdone_all.{n}"]
     ch.set("reval", msgpack.packb([n, fence]))
+    ch.set(_result_key(n - 1), REVAL)
     revalidate_mine(fence)  # rank 0's own part, while the others do theirs
-    deadline, delay = time.monotonic() + ch.timeout, 0.001
-    while ch.add("rdone_n", 0) < n * others:
-        if ch.kv.check([ch.pfx + "rfail"]):
-            raise SnapshotAborted(f"snapshot aborted: a gc deletion phase overlapped this snapshot and "
-                                  f"{ch.get('rfail').decode(errors='replace')}; nothing was published")
-        if time.monotonic() > deadline:
+    until = time.monotonic() + ch.timeout
+    while others and not ch._block([f"rdone_all.{n}"], until):
+        if time.monotonic() >= until:
             late = [r for r in range(1, ch.world) if not ch.kv.check([ch.pfx + f"rdone/{r}"])
                     or msgpack.unpackb(ch.get(f"rdone/{r}")) < n]
             raise SnapshotAborted(f"snapshot aborted: a gc deletion phase overlapped this snapshot and ranks {late} "
                                   f"did not re-validate their part within {ch.timeout:g}s; nothing was published")
-        time.sleep(delay)
-        delay = min(0.05, delay * 2)
+    if ch.kv.check([ch.pfx + "rfail"]):
+        raise SnapshotAborted(f"snapshot aborted: a gc deletion phase overlapped this snapshot and "
+                              f"{ch.get('rfail').decode(errors='replace')}; nothing was published")
     publisher._rewrite(top_payloads, body)
 
 
 def _serve_revalidation(ch: _Channel, done: int, revalidate_mine) -> int:
-    """A rank other than 0, waiting for the outcome: if rank 0 asked for a re-validation
-    round this rank has not done, do it and say so. -> the last round done. A failure is
-    written to "rfail" (rank 0 then aborts, and cannot have moved the ref: it waits for
-    every rank) and raised as _RevalFailed(the error this rank raises)."""
-    if not ch.kv.check([ch.pfx + "reval"]):
-        return done
+    """A rank other than 0, woken by REVAL while waiting for the outcome: do the round
+    rank 0 asked for and say so. -> the last round done. A failure is written to "rfail"
+    (rank 0 then aborts, and cannot have moved the ref: it waits for every rank) and
+    raised as _RevalFailed(the error this rank raises)."""
     n, fence = msgpack.unpackb(ch.get("reval"))
     if n <= done:
         return done
@@ -717,54 +1005,68 @@ def _serve_revalidation(ch: _Channel, done: int, revalidate_mine) -> int:
         why = f"rank {ch.rank} could not re-validate its part: {type(e).__name__}: {e}"
         try:
             ch.kv.compare_set(ch.pfx + "rfail", b"", why[:4000].encode())
+            ch.kv.set(ch.pfx + f"rdone_all.{n}", b"rfail")  # wakes rank 0 (a compare_set would not)
         except Exception:  # noqa: BLE001 - the store is gone: rank 0 times out instead
             pass
         own = e if isinstance(e, TsckError) else SnapshotAborted(f"snapshot aborted: {why}")
         raise _RevalFailed(own) from e
-    ch.set(f"rdone/{ch.rank}", msgpack.packb(n))
-    ch.add("rdone_n")
+    ch.set_mine("rdone", msgpack.packb(n))
+    if ch.add("rdone_n") == n * (ch.world - 1):
+        ch.set(f"rdone_all.{n}", b"1")
     return n
 
 
 def _await_result(ch: _Channel, publisher, args, revalidate_mine):
-    """A rank other than 0, its part written: wait for the outcome, re-validating its
+    """A rank other than 0, its part written: block on the outcome, re-validating its
     part whenever rank 0 asks (a gc deletion phase fenced the move). Once rank 0 has
     claimed "commit", this rank's deadline no longer aborts: it waits for the result as
     long as rank 0's heartbeat moves; if it stops for `timeout` (rank 0 dead or stopped)
     or the Store goes away, it asks the ref table whether the ref moved to the snapshot."""
-    done = 0
+    done = [0]  # re-validation rounds done: the outcome's key is _result_key(done[0])
 
-    def ready():
-        nonlocal done
-        done = _serve_revalidation(ch, done, revalidate_mine)
-        return ch.get("result") if ch.kv.check([ch.pfx + "result"]) else None
+    def outcome(v: bytes):
+        """-> the root posted, or None: a re-validation round served (then wait on the next key)."""
+        if v == REVAL:
+            n = _serve_revalidation(ch, done[0], revalidate_mine)
+            if n > done[0]:
+                done[0] = ch.round = n
+                ch.extra += [_result_key(n), f"rdone_all.{n}"]
+            return None
+        return v
 
     try:
         try:
-            root = _guard(ch, lambda: ch._poll(ready, "rank 0 to publish", per_rank="done"))
-            return publisher.info(Digest.parse(root.decode()))
+            while True:
+                root = outcome(_guard(ch, lambda: ch.wait_key(_result_key(done[0]), "rank 0 to publish",
+                                                              per_rank="done")))
+                if root is not None:
+                    return publisher.info(Digest.parse(root.decode()))
         except _CommitUnderWay:
             pass
-        return _await_result_alive(ch, publisher, args, ready)
+        return _await_result_alive(ch, publisher, args, done, outcome)
     except _RevalFailed as e:
         raise e.args[0] from e.__cause__
 
 
-def _await_result_alive(ch: _Channel, publisher, args, ready):
+def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome):
     try:
-        last, seen, delay = None, time.monotonic(), 0.001
+        last, seen = None, time.monotonic()
         while True:
-            ch._check_abort()  # rank 0's own commit failed: it wrote the abort record
-            root = ready()
-            if root is not None:
-                return publisher.info(Digest.parse(root.decode()))
+            # One slice of blocking, then one look at rank 0's heartbeat: two requests per slice.
+            key = _result_key(done[0])
+            if ch._block([key], time.monotonic() + ch.slice):
+                v = ch.get(key)
+                if v == WOKEN:  # rank 0's own commit failed: it wrote the abort record
+                    ch._check_abort()
+                root = outcome(v)
+                if root is not None:
+                    return publisher.info(Digest.parse(root.decode()))
+                continue
             beat, now = ch.add("beat", 0), time.monotonic()
             if beat != last:
                 last, seen = beat, now
             elif now - seen > ch.timeout:
                 break
-            time.sleep(delay)
-            delay = min(0.05, delay * 2)
     except (SnapshotAborted, OutcomeUnknown, _RevalFailed):
         raise
     except Exception:  # noqa: BLE001 - the store went away
@@ -823,21 +1125,22 @@ def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group,
     spelled = target if isinstance(target, str) else repr(target)
 
     def hello():
-        ch.set(f"hello/{ch.rank}", spelled.encode())
         ch.add("tsum", _target_hash(spelled))
-        ch.add("hello_n")
+        ch.arrive("hello", spelled.encode(), ch.world)  # (after tsum: rank 0 reads it once all arrived)
 
     if ch.rank != 0:
+        # The outcome is the root (or the error); the rest is this rank's own reading.
         def wait_root():
             _guard(ch, hello)
-            return Digest.parse(_guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target",
+            root = Digest.parse(_guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target",
                                                                per_rank="hello")).decode())
-        # The outcome is the root (or the error); the rest is this rank's own reading.
+            ch.used = _CHECKOUT_KEYS
+            return root
         root = _outcome_round(ch, wait_root, "")
         return read(root, ch.rank)
 
     def agree():
-        ch.wait_count("hello_n", ch.world, "arrive", per_rank="hello")
+        ch.wait_for(["hello_all"], "arrive", "hello", of_ranks=True)  # (the hellos are read only if they differ)
         root = resolve(target)
         if ch.add("tsum", 0) != ch.world * _target_hash(spelled):
             problem = _target_disagreement(ch, root, spelled, resolve)
@@ -850,6 +1153,8 @@ def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group,
         _guard(ch, hello)
         root = _guard(ch, agree)
         _guard(ch, lambda: ch.set("root", root.hex().encode()))
-        return read(root, 0)  # while the others pick up the root
+        out = read(root, 0)  # while the others pick up the root
+        ch.used = _CHECKOUT_KEYS  # (no abort: this rank read)
+        return out
 
     return _outcome_round(ch, body, f"collective checkout of {target!r}")

@@ -62,3 +62,64 @@ def test_two_ranks_as_threads_put_and_check_out_through_one_tcpstore(tmp_path):
     for s in stores.values():
         s.close()
     first.close()
+
+
+def test_a_tcpstore_wait_blocks_in_the_server_and_wakes_on_a_set_not_a_compare_set():
+    """What the protocol's waits rest on (torch's TCPStore, checked through a byte-counting TCP
+    proxy): a wait on a missing key is one request, answered by the server when the key is
+    set; the client sends nothing while it blocks (no polling). A compare_set that creates the
+    key does not wake the waiter: so every key a rank blocks on is written with set (or add)."""
+    import socket
+    import time
+    import torch.distributed as dist
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, use_libuv=False,
+                           timeout=datetime.timedelta(seconds=60))
+    ls = socket.create_server(("127.0.0.1", 0))
+    sent = [0]
+    socks = []
+
+    def pump(a, b, count):
+        try:
+            while d := a.recv(65536):
+                if count:
+                    sent[0] += len(d)
+                b.sendall(d)
+        except OSError:
+            pass
+
+    def accept():
+        c, _ = ls.accept()
+        s = socket.create_connection(("127.0.0.1", server.port))
+        socks.extend((c, s))
+        threading.Thread(target=pump, args=(c, s, True), daemon=True).start()
+        threading.Thread(target=pump, args=(s, c, False), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    client = dist.TCPStore("127.0.0.1", ls.getsockname()[1], None, False, timeout=datetime.timedelta(seconds=60))
+    client.set("warm", b"1")
+    woke = threading.Event()
+
+    def waiter(key):
+        client.wait([key], datetime.timedelta(seconds=60))
+        woke.set()
+    before = sent[0]
+    t = threading.Thread(target=waiter, args=("k",), daemon=True)
+    t.start()
+    time.sleep(0.5)
+    asked = sent[0]
+    time.sleep(1.5)  # blocked all along: one request of a few bytes, then nothing
+    assert not woke.is_set() and 0 < asked - before < 100 and sent[0] == asked, (before, asked, sent[0])
+    server.set("k", b"v")
+    assert woke.wait(30)
+    t.join(30)
+    woke.clear()
+    t = threading.Thread(target=waiter, args=("c",), daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert server.compare_set("c", b"", b"v") == b"v"
+    assert not woke.wait(1.5)  # (the key exists, the waiter still blocks)
+    server.set("c", b"v")
+    assert woke.wait(30)
+    t.join(30)
+    for s in socks:
+        s.close()
+    ls.close()

@@ -207,7 +207,7 @@ def _direct(store, world: int, state, ref: str) -> str:
         tops.append(pub.write_nodes(plan.value, fence)[0])
         pieces.append([[p, dt, list(gs), list(off), list(sh)] for p, dt, gs, off, sh, rep in plan.pieces if not rep])
     put = lambda v: store.assets.put_node(encode_node(v), fence).digest  # noqa: E731 - as compose() writes them
-    top = put(wf.write_world(tops, pieces, put))
+    top = put(wf.write_world(tops, wf.write_index(pieces, put), put))
     stats = dict.fromkeys(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), 0)
     return pub.commit(top, check_snapshot_args(ref, step=1), stats=stats, fence=fence,
                       meta_extra={"world": world}).root

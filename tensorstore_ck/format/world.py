@@ -32,7 +32,7 @@ from ..errors import FormatError
 from .tree import DIGEST_SIZE, MAX_RANKS, NODE_SPLIT, Container, World
 
 __all__ = ["FAN", "fan_height", "fan_children", "fan_lookup", "fan_all", "build_fan",
-           "span", "bucket_range", "bucket_count", "buckets", "write_world", "bucket_entries", "rank_top", "rank_tops"]
+           "span", "bucket_range", "bucket_count", "buckets", "write_index", "write_world", "bucket_entries", "rank_top", "rank_tops"]
 
 FAN = 16  # items per fan-tree node: 16 x 34 B = 0.55 KB; a level per 16x ranks (or buckets)
 
@@ -171,15 +171,21 @@ def _bucket_node(bk: dict, put: Callable) -> dict:
     return {"d": items}
 
 
-def write_world(rank_tops: list, pieces_by_rank: list, put: Callable, fan: int = FAN) -> dict:
-    """Write the index nodes of a multi-rank snapshot through put(raw value) -> digest,
+def write_index(pieces_by_rank: list, put: Callable, fan: int = FAN) -> tuple[int, bytes]:
+    """Write the chunk index of a multi-rank snapshot through put(raw value) -> digest,
     which writes the value as one node (its layout is made here: every value is small),
-    bottom-up -> the raw "W" value of its top node (version 2)."""
-    world = len(rank_tops)
-    nb = bucket_count(pieces_by_rank, world)
-    ri = build_fan([put(_bucket_node(b, put)) for b in buckets(pieces_by_rank, nb)], fan, put)
+    bottom-up -> (nb, ri): its bucket count and the root of its bucket fan. It depends on
+    the layout alone, so a repeated layout writes the same nodes."""
+    nb = bucket_count(pieces_by_rank, len(pieces_by_rank))
+    return nb, build_fan([put(_bucket_node(b, put)) for b in buckets(pieces_by_rank, nb)], fan, put)
+
+
+def write_world(rank_tops: list, index: tuple[int, bytes], put: Callable, fan: int = FAN) -> dict:
+    """Write the rank tree through put (as write_index) -> the raw "W" value of the top
+    node (version 2), with index = write_index(...) of the same world."""
+    nb, ri = index
     rt = build_fan(rank_tops, fan, put)
-    return {"W": {"v": 2, "world": world, "fan": fan, "rt": rt, "nb": nb, "ri": ri}}
+    return {"W": {"v": 2, "world": len(rank_tops), "fan": fan, "rt": rt, "nb": nb, "ri": ri}}
 
 
 # -- reading -----------------------------------------------------------------------------
