@@ -14,7 +14,9 @@ put_snapshot and checkout are collective when torch.distributed is initialised
                  writes its own manifest sub-tree, syncs -> done (32-byte root + stats +
                  a digest of its Replicated tensors' block addresses)
     rank 0       checks that the replicas agree (else abort: nobody wrote the blocks of
-                 a diverged replica), composes one commit {"W": [root of rank 0, ..., root of rank W-1]},
+                 a diverged replica), composes one commit whose top names every rank's
+                 tree through a rank tree and a chunk index cut by offset range
+                 (format/world.py; the index built once per layout it checks),
                  claims the outcome ("decided" = commit), moves the ref once -> result
                  (if a gc deletion phase fenced the move: a re-validation round, in
                  which every rank re-uploads what the phase deleted of its own part,
