@@ -689,17 +689,22 @@ class Reader:
         for r, off, sh in g.pieces:
             if meets(off, sh):
                 need.setdefault(r, set()).add(off)
-        chunks = []
+        return self._pieces_of(need, g.own, g.me, lambda r: self._rank_leaf(g.ranks[r], path), path)
+
+    def _pieces_of(self, need: dict, own: tree.Global, me: int, leaf_of, path) -> tree.Global:
+        """The chunks the index names ({rank: {offsets}}), each read from its rank's leaf
+        (leaf_of(rank); this rank's own: `own`), checked against what the index said."""
+        chunks: list = []
         for r in sorted(need):
-            leaf = g.own if r == g.me else self._rank_leaf(g.ranks[r], path)
-            if type(leaf) is not tree.Global or leaf.dt != g.dt or leaf.shape != g.shape:
+            leaf = own if r == me else leaf_of(r)
+            if type(leaf) is not tree.Global or leaf.dt != own.dt or leaf.shape != own.shape:
                 raise self._fmt(f"the chunk index names a piece of rank {r}, whose tree has no such sharded "
                                 "tensor there", path)
             found = [c for c in leaf.chunks if c.offsets in need[r]]
             if len({c.offsets for c in found}) != len(need[r]):
                 raise self._fmt(f"the chunk index names a piece rank {r} does not hold", path)
             chunks += found
-        return tree.Global(g.dt, g.shape, chunks, False)
+        return tree.Global(own.dt, own.shape, chunks, False)
 
     def _world_error(self, e: FormatError, path) -> FormatError:
         # a node that does not decode already names the snapshot; a bad fan tree or bucket does not
@@ -768,17 +773,7 @@ class Reader:
                 if meets(off, sh):
                     need.setdefault(r, set()).add(off)
         need.setdefault(me, set()).update(c.offsets for c in own.chunks if meets(c.offsets, c.shape))
-        chunks: list = []
-        for r in sorted(need):
-            leaf = own if r == me else self._rank_leaf(self._rank_top(w, r, path, 0), path)
-            if type(leaf) is not tree.Global or leaf.dt != own.dt or leaf.shape != own.shape:
-                raise self._fmt(f"the chunk index names a piece of rank {r}, whose tree has no such sharded "
-                                "tensor there", path)
-            found = [c for c in leaf.chunks if c.offsets in need[r]]
-            if len({c.offsets for c in found}) != len(need[r]):
-                raise self._fmt(f"the chunk index names a piece rank {r} does not hold", path)
-            chunks += found
-        return tree.Global(own.dt, own.shape, chunks, False)
+        return self._pieces_of(need, own, me, lambda r: self._rank_leaf(self._rank_top(w, r, path, 0), path), path)
 
     def _rank_leaf(self, top: bytes, path):
         """The value at `path` in the rank tree `top` (nodes read along the path only)."""
