@@ -18,6 +18,8 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
     listing.py            `tsck ls`: a snapshot's values from its nodes (no blocks, no torch)
     plan.py, read.py,     state -> plan (validated before any write); nodes -> state (read_box:
     walk.py               sharded regions); the DAG without tensor data (gc, fsck, diff)
+    core.py               Core: storage, assets, ref table, I/O pool and settings of one store,
+                          what the layers below the facade are given
     assets.py             typed, verified object I/O; the only module that knows keys
     validate.py, info.py, snapshot arguments; SnapshotInfo; retention rules; Sharded/Replicated;
     retention.py, shard.py, reused host buffers for async snapshots

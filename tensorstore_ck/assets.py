@@ -232,8 +232,9 @@ SCRATCH_KEEP = 64 << 20
 
 class Assets:
     def __init__(self, storage: BlockStore, *, compress: bool = True, shuffle: bool = False,
-                 codecs: str | None = None):
-        """codecs: what blocks may be written with: "none" (raw), "lz4", "shuffle" (byte
+                 codecs: str | None = None, epoch_now=None):
+        """epoch_now: a callable returning the ref table's current gc deletion epoch (None:
+        no ref table). codecs: what blocks may be written with: "none" (raw), "lz4", "shuffle" (byte
         shuffle then lz4), "float" (the float codec or lz4, whichever a probe finds
         smaller); each only where it shrinks the block. None: from the older flags
         compress= and shuffle=. Reading never depends on it."""
@@ -245,9 +246,9 @@ class Assets:
         self.codecs = codecs
         self._local = threading.local()
         self.presence = Presence()
-        # The current gc deletion epoch (the Store reads its ref table), for readers that
-        # consult `presence`; None: no ref table, the record is never used to read.
-        self.epoch_now = None
+        # The current gc deletion epoch (read from the ref table), for readers that consult
+        # `presence`; None: no ref table, the record is never used to read.
+        self.epoch_now = epoch_now
 
     def _scratch(self, n: int) -> np.ndarray:
         """This thread's private buffer of n bytes. A thread runs one block job at a

@@ -25,7 +25,7 @@ from concurrent.futures import wait as _wait_all
 from typing import TYPE_CHECKING
 
 from . import chunker
-from .assets import Assets
+from .core import DEFAULT_WORKERS, Core, Settings
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CALLS, begin_put, collective_checkout, collective_put, is_collective, run_put
 from .errors import (AmbiguousTarget, Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName,
@@ -250,10 +250,13 @@ class Store:
                                                         where=f"{storage.url}/tsck.json")
         # What blocks are written with ("none", "lz4", "shuffle", "float"); any store reads every codec.
         self.codecs = codecs_for(compression, storage, compress=compress, shuffle=shuffle)
-        self.assets = Assets(storage, codecs=self.codecs)
-        self.assets.epoch_now = lambda: refs.gc_state()["epoch"]  # for checkouts that consult assets.presence
-        self.workers = workers or min(8, 2 * (os.cpu_count() or 2))
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
+        self.workers = workers or DEFAULT_WORKERS
+        # What the layers below the facade are given (gc, fsck, recover, dist, ...).
+        self.core = Core.build(storage, refs, codecs=self.codecs, settings=Settings(
+            verify=verify, workers=self.workers, gc_lease=self.gc_lease, block_size=self.block_size,
+            inline_threshold=self.inline_threshold, read_only=read_only))
+        self.assets = self.core.assets
+        self._pool = self.core.pool
         # The one way anything is published into this store (put, collective put, DCP writer).
         self.publisher = Publisher(self.assets, refs, self._pool)
         # One background publisher: asynchronous snapshots commit in the order they were taken.
@@ -279,7 +282,7 @@ class Store:
         storage reopen their own handles (refs/base.py track_for_fork, _after_fork below)."""
         if self._closed:
             return
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
+        self._pool = self.core.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tsck-io")
         self.publisher.pool = self._pool
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
         self._slots = threading.BoundedSemaphore(self.max_inflight)
