@@ -26,7 +26,7 @@ import tensorstore_ck as tsck
 from tensorstore_ck.gc import holding_gc_lock
 from tensorstore_ck.storage.base import check_deadline
 from tensorstore_ck.storage.wrappers import WrappedStore
-from tensorstore_ck.train import _Pruner
+from tensorstore_ck.pruner import Pruner
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -170,7 +170,7 @@ def test_a_gc_serves_queued_prunes(tmp_path):
 def test_a_prune_that_finds_the_store_busy_is_retried_until_it_runs(tmp_path, monkeypatch):
     """However many tries a busy store costs, the prune runs once the lock is free: it
     is never dropped (the tries are made quick here, so a budget of tries runs out)."""
-    monkeypatch.setattr(_Pruner, "BACKOFF", 0.01)
+    monkeypatch.setattr(Pruner, "BACKOFF", 0.01)
     with tsck.open_store(tmp_path / "s") as store:
         model = Model()
         mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
@@ -194,7 +194,7 @@ def test_a_prune_that_finds_the_store_busy_is_retried_until_it_runs(tmp_path, mo
 def test_a_prune_that_cannot_run_is_reported_and_still_runs_later(tmp_path, monkeypatch, caplog):
     """Past PATIENCE of a busy store the prune is reported (a warning and a GcBusy in
     prune_errors) and wait() returns; it is still tried, and runs once the lock is free."""
-    monkeypatch.setattr(_Pruner, "PATIENCE", 0.5, raising=False)
+    monkeypatch.setattr(Pruner, "PATIENCE", 0.5, raising=False)
     with tsck.open_store(tmp_path / "s") as store:
         model = Model()
         mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
