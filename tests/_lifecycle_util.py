@@ -8,7 +8,7 @@ Everything here is written independently of tensorstore_ck's internals:
   reference to collect the keys of all nodes and blocks a snapshot reaches,
   with the state path of every block (format per docs/FORMAT.md).
 - `model_kept` is a plain model of the retention rules, written from their
-  definitions in ../shared/DESIGN.md and docs/ARCHITECTURE.md (not from tensorstore_ck/retention.py).
+  definitions in ../shared/DESIGN.md and docs/design/gc.md (not from tensorstore_ck/retention.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def key_of(kind_dir: str, hexd: str) -> str:
 
 
 def fmt_path(parts) -> str:
-    """The path format of IntegrityError.path (docs/ARCHITECTURE.md): ['model']['w'], ['opt']['state'][3]."""
+    """The path format of IntegrityError.path (docs/design/reading.md): ['model']['w'], ['opt']['state'][3]."""
     return "".join(f"[{p!r}]" for p in parts)
 
 

@@ -1,4 +1,4 @@
-"""The command line's own words (issue 14 item 7), through the real entry point."""
+"""The command line's own words, through the real entry point."""
 from __future__ import annotations
 
 import fcntl

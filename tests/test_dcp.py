@@ -151,7 +151,7 @@ def test_read_metadata_reconstructs_dcp_metadata_exactly(small_store):
 
 
 def test_plain_checkout_returns_the_saved_state(small_store):
-    """store.checkout of a dcp.save snapshot gives the state_dict that was saved (issue 15):
+    """store.checkout of a dcp.save snapshot gives the state_dict that was saved:
     tensors whole, non-tensor values loaded, dict keys as DCP flattens them (str)."""
     sd = _state(0)
     want = copy.deepcopy(sd)
@@ -319,7 +319,7 @@ def test_errors(small_store):
     with pytest.raises(tsck.InvalidName):
         TsckWriter(small_store, ref="bad ref")
     small_store.put_snapshot({"w": torch.ones(2)}, "plain/main")
-    got = {"w": torch.zeros(2)}  # a put_snapshot snapshot loads (issue 15)...
+    got = {"w": torch.zeros(2)}  # a put_snapshot snapshot loads...
     dcp.load(got, storage_reader=TsckReader(small_store, "plain/main"))
     assert torch.equal(got["w"], torch.ones(2))
     with pytest.raises((CheckpointException, RuntimeError), match="Missing key"):  # ...and DCP's own checks stay
@@ -422,7 +422,7 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
 
 def test_overlapping_chunks_in_a_stored_dcp_tree_are_refused(small_store):
     """A DCP tree is untrusted input too: a tensor whose stored chunks overlap (which
-    chunk would a read get?) is a FormatError, not a silent pick (issue 11, failure 11)."""
+    chunk would a read get?) is a FormatError, not a silent pick."""
     from tensorstore_ck.dcp.layout import DcpTree, compose
     from tensorstore_ck.validate import check_snapshot_args
     sd = {"w": torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)}

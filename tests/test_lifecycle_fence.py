@@ -1,11 +1,11 @@
-"""Issue 11, failure 1: a tag or pin made while gc runs can land on a snapshot gc deletes.
+"""A tag or pin made while gc runs never lands on a snapshot gc deletes.
 
-tag() resolved its target, wrote tags/<hex> (slow under S3 throttling), then inserted
-the tag row; nothing fenced that insert against a deletion phase. With the tags/ PUT
-held while gc expired and deleted the target, the old code created the tag and
-tag() returned success; afterwards fsck reported a dangling tag and checkout of the
-tag raised IntegrityError. Now the row is fenced like a ref move (the deletion epoch
-read before the target is resolved) and tag()/pin() fail with RefNotFound instead.
+tag() resolves its target, writes tags/<hex> (slow under S3 throttling), then inserts
+the tag row. Unfenced, that insert could land while gc expires and deletes the target:
+tag() would return success, fsck would report a dangling tag and checkout of the tag
+raise IntegrityError. The row is fenced like a ref move (the deletion epoch read
+before the target is resolved), so tag()/pin() fail with RefNotFound instead; the
+PUT of tags/ is held at a gate while gc runs.
 Also: set_retention racing gc's expiry. The gate makes each interleaving exact.
 """
 from __future__ import annotations
@@ -116,9 +116,9 @@ def test_set_retention_racing_expiry_drops_nothing(tmp_path):
 
 
 def test_keep_last_follows_publication_order_not_the_clock(tmp_path, monkeypatch):
-    """Issue 11, failure 13: after the clock steps back an hour (NTP, a restored VM,
-    writers on hosts whose clocks differ), the newest snapshots looked oldest and
-    keep_last=3 of steps 1..8 kept [8, 5, 4, 3]."""
+    """After the clock steps back an hour (NTP, a restored VM, writers on hosts whose
+    clocks differ) the newest snapshots carry the oldest times; keep_last=3 of steps
+    1..8 must still keep [8, 7, 6] (by the clock it would keep [8, 5, 4, 3])."""
     import tensorstore_ck.publish as publish
     real = publish.time.time
     with tsck.open_store(tmp_path / "s") as s:
@@ -147,8 +147,8 @@ class ReadGate(WrappedStore):
 
 
 def test_fsck_beside_gc_reports_no_false_damage(tmp_path):
-    """Issue 11, failure 5: commits gc deleted while fsck walked were reported missing and
-    fsck exited 1 on a healthy store."""
+    """Commits gc deletes while fsck walks are not reported missing: fsck on a healthy
+    store beside a gc exits 0."""
     _store(tmp_path / "s")[0].close()
     gate = {}
 

@@ -1,8 +1,8 @@
-"""Issue 11, failure 6: dedup reused a damaged block forever.
+"""A damaged block does not stay damaged: dedup never keeps reusing it.
 
-Once a stored block was damaged (bit rot, a truncated copy after a migration), every
-later put of the same content "succeeded" with blocks_new=0 and committed a snapshot
-that could not be read, although the writer held the right bytes. Now:
+Were a damaged stored block (bit rot, a truncated copy after a migration) reused by
+dedup, every later put of the same content would "succeed" with blocks_new=0 and
+commit a snapshot that cannot be read, although the writer holds the right bytes. So:
 
 - `fsck --repair` moves damaged objects aside (quarantine/..., never deleted), so the
   next put of that content stores it again under the same address, which heals every
@@ -156,7 +156,7 @@ def test_repair_then_put_heals_a_damaged_manifest_node(tmp_path):
 
 
 def test_a_damaged_commit_is_moved_aside_and_gc_runs_again(tmp_path):
-    """A commit never heals (a re-put has another time), but moved aside it no longer stops
+    """A commit never heals (a re-put has another time), but moved aside it does not stop
     gc: gc keeps its snapshot's tree through the catalog row."""
     b = Backend("file", tmp_path)
     with b.open(**OPEN) as s:
