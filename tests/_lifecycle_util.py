@@ -24,6 +24,8 @@ import blake3
 import lz4.block
 import msgpack
 
+from _util import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 HEADER = struct.Struct("<4sBBBBQ")
 KIND_DIRS = {0: "blocks", 1: "nodes", 2: "commits"}
@@ -226,18 +228,10 @@ def model_kept(rows, rule, now: float) -> set:
 
 
 # ---------------------------------------------------------------- CLI
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("PYTHONWARNINGS", None)
-    env["COLUMNS"] = "200"
-    return env
-
-
 def run_cli(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
     """`tsck ARGS`; a Backend among ARGS stands for its store URL, and its --refs and
     storage options travel in the environment (TSCK_REFS, TSCK_STORAGE_OPTIONS)."""
-    full = _env()
+    full = child_env(cli=True)
     argv = []
     for a in args:
         if hasattr(a, "cli_env"):

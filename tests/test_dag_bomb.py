@@ -10,7 +10,6 @@ sub-trees are one node): checkout and diff still give both paths.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from _util import child_env
 
 import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import decode_node, encode_node
@@ -30,17 +31,11 @@ LEVELS = 40
 TIMEOUT = 90  # seconds; each run imports torch. A walk of every path never finishes.
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def _run(args):
     """One command in a subprocess, killed at TIMEOUT: a hang is a failure, not a stuck suite."""
     try:
         return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT,
-                              env=_env(), cwd=str(REPO))
+                              env=child_env(), cwd=str(REPO))
     except subprocess.TimeoutExpired:
         return None
 

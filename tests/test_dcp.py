@@ -9,7 +9,6 @@ loads at 2 ranks with another sharding.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import json
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import assert_same
+from _util import assert_same, load_helper
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -367,13 +366,6 @@ def test_writer_pickles_for_process_executor(small_store):
 
 
 # ---------------------------------------------------------------- several processes
-def _load_dist_helper():
-    spec = importlib.util.spec_from_file_location("tsck_test_dcp_dist", DIST_HELPER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.slow
 def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
     store_dir, out = tmp_path / "store", tmp_path / "out"
@@ -398,7 +390,7 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
     assert info["step"] == 100 and info["metrics"] == {"loss": 1.5} and info["blocks_new"] == 16
 
     # One snapshot holds every rank's chunks; plain checkout assembles the global tensors.
-    helper = _load_dist_helper()
+    helper = load_helper(DIST_HELPER)
     G = helper.make_globals()
     with tsck.open_store(store_dir) as s:
         assert len(s.log("jobA/main")) == 1

@@ -12,7 +12,6 @@ afterwards.
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import math
 import signal
@@ -22,7 +21,7 @@ import blake3
 import pytest
 import torch
 
-from _util import run_worker_scenario, same_bits
+from _util import load_helper, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -33,14 +32,7 @@ REPO = HERE.parent
 WORKER = HERE / "helpers" / "dist_worker.py"
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("tsck_test_dist_worker", WORKER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-dw = _load_worker()  # data definitions shared with the ranks (specs, contents, row splits)
+dw = load_helper(WORKER)  # data definitions shared with the ranks (specs, contents, row splits)
 REF = dw.REF
 SAVE_WORLD = 4
 

@@ -6,15 +6,13 @@ record what they saw and this file judges against the data computed here and the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _util import run_worker_scenario, same_bits
+from _util import load_helper, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -24,18 +22,7 @@ WORKER = HERE / "helpers" / "async_worker.py"
 pytestmark = pytest.mark.slow
 
 
-def _load(name: str, path: Path):
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(path.parent))
-    return mod
-
-
-dw = _load("tsck_test_async_dist_worker", HERE / "helpers" / "dist_worker.py")
+dw = load_helper(HERE / "helpers" / "dist_worker.py", name="tsck_test_async_dist_worker", sibling_imports=True)
 
 
 def results(out: Path, phase: str, world: int, ok: bool = True) -> list[dict]:

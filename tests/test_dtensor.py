@@ -10,17 +10,15 @@ file judges against data and block layouts computed here.
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import blake3
 import pytest
 import torch
 
-from _util import run_worker_scenario, same_bits
+from _util import load_helper, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -29,18 +27,7 @@ REPO = HERE.parent
 WORKER = HERE / "helpers" / "dtensor_worker.py"
 
 
-def _load_worker():
-    sys.path.insert(0, str(WORKER.parent))  # it imports dist_worker, its launcher
-    try:
-        spec = importlib.util.spec_from_file_location("tsck_test_dtensor_worker", WORKER)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(WORKER.parent))
-    return mod
-
-
-dtw = _load_worker()
+dtw = load_helper(WORKER, sibling_imports=True)  # it imports dist_worker, its launcher
 
 
 def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 400.0) -> Path:

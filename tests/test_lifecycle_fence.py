@@ -15,6 +15,8 @@ import threading
 import pytest
 import torch
 
+from _util import in_thread
+
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
 
@@ -46,23 +48,10 @@ def _store(path, gate_prefix=None):
     return s, gate["g"]
 
 
-def _in_thread(fn):
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - judged by the test
-            out["error"] = e
-    t = threading.Thread(target=run)
-    t.start()
-    return t, out
-
-
 def test_tag_of_a_snapshot_gc_deletes_meanwhile_fails_cleanly(tmp_path):
     s, gate = _store(tmp_path / "s", "tags/")
     with s:
-        t, out = _in_thread(lambda: s.tag("keep-me", "a/main@1"))
+        t, out = in_thread(lambda: s.tag("keep-me", "a/main@1"))
         assert gate.reached.wait(30)        # tag() resolved a/main@1 and is writing tags/<hex>
         rep = s.gc()                        # expires step 1 (keep_last=1) and deletes it
         assert rep.expired and rep.deleted_objects > 0
@@ -78,7 +67,7 @@ def test_tag_of_a_snapshot_gc_deletes_meanwhile_fails_cleanly(tmp_path):
 def test_tag_made_during_a_gc_that_keeps_its_target_succeeds(tmp_path):
     s, gate = _store(tmp_path / "s", "tags/")
     with s:
-        t, out = _in_thread(lambda: s.tag("tip", "a/main"))
+        t, out = in_thread(lambda: s.tag("tip", "a/main"))
         assert gate.reached.wait(30)
         s.gc()
         gate.release.set()
@@ -157,7 +146,7 @@ def test_fsck_beside_gc_reports_no_false_damage(tmp_path):
         return gate["g"]
     with tsck.open_store(tmp_path / "s", wrap_storage=wrap) as s:
         other = s
-        t, out = _in_thread(lambda: s.fsck())       # lists the 3 catalog rows, then waits at its first read
+        t, out = in_thread(lambda: s.fsck())       # lists the 3 catalog rows, then waits at its first read
         assert gate["g"].reached.wait(30)
         assert other.gc().expired                   # steps 1 and 2 expired and deleted meanwhile
         gate["g"].release.set()
@@ -218,10 +207,10 @@ def test_tag_or_pin_of_a_snapshot_expired_meanwhile_fails_cleanly(tmp_path, how)
                 return real_pin(root, fence=fence)
             s.reftable.pin = slow_pin
             call = lambda: s.pin("a/main@1")  # noqa: E731
-        t, out = _in_thread(call)
+        t, out = in_thread(call)
         assert held.wait(30)
         gate["g"].armed = True
-        g, gout = _in_thread(s.gc)
+        g, gout = in_thread(s.gc)
         assert gate["g"].reached.wait(30)   # gc expired steps 1 and 2 and marked; epoch still even
         assert s.reftable.catalog_get(bytes.fromhex(root1)) is None
         go.set()

@@ -33,6 +33,8 @@ except ImportError:  # tests/ is not a package
     from _lifecycle_util import run_clis
     from _backends import Backend
 
+from _util import in_thread
+
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
 
@@ -238,19 +240,6 @@ class Gate(WrappedStore):
         return super().put_if_absent(key, bufs)
 
 
-def _in_thread(fn):
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - judged by the test
-            out["error"] = e
-    t = threading.Thread(target=run)
-    t.start()
-    return t, out
-
-
 def test_repair_beside_a_writer_that_reused_the_damaged_block(backend):
     """The writer found the damaged block present (reused it) and is about to commit when
     repair moves the block aside. Without the fence its ref would move onto a snapshot
@@ -270,7 +259,7 @@ def test_repair_beside_a_writer_that_reused_the_damaged_block(backend):
         damage(backend, key, "flip")
         g.puts.clear()
         g.armed = True
-        t, out = _in_thread(lambda: s.put_snapshot(state, ref="job2/main", step=1))
+        t, out = in_thread(lambda: s.put_snapshot(state, ref="job2/main", step=1))
         assert g.reached.wait(60)             # blocks and nodes done (the damaged one reused)
         assert g.puts.get(key, 0) == 0
         rep = s.fsck(repair=True)
