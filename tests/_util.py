@@ -84,6 +84,53 @@ def in_thread(fn):
     return t, out
 
 
+
+def launcher_main(scenarios) -> None:
+    """The __main__ of a launcher script (tests/helpers/dist_worker.py and the scripts that
+    launch through it): `python SCRIPT SCENARIO OUT [ARG...]` makes OUT, asks
+    scenarios(scenario, out, argv) for the launch infos of that scenario (None: no such
+    scenario), prints them as one JSON line and exits 0. The ranks write their results
+    under OUT, where the test reads them (run_worker_scenario)."""
+    import json
+    scenario, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    infos = scenarios(scenario, out, sys.argv)
+    if infos is None:
+        raise SystemExit(f"unknown scenario {scenario}")
+    print(json.dumps(infos))
+    sys.exit(0)
+
+
+def rank_results(out, phase: str, world: int, *, ok: bool = True, dead=(), missing_ok: bool = False,
+                 exit_zero: bool = False) -> list:
+    """What each rank of one launch reported: OUT/<phase>_rank<r>.json for r < world, after
+    checking the launcher's own record (OUT/<phase>_launcher.json) that no rank timed out.
+    ok: each report says ok (else its error is the failure). dead: ranks that must have
+    died without reporting (None in their place). missing_ok: a rank with no report is
+    None instead of a failure. exit_zero: each reporting rank also exited 0."""
+    import json
+    out = Path(out)
+    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
+    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
+    res = []
+    for r in range(world):
+        f = out / f"{phase}_rank{r}.json"
+        if r in dead:
+            assert not f.exists(), f"{phase}: rank {r} should have died, but it reported"
+            res.append(None)
+            continue
+        if not f.exists():
+            assert missing_ok, f"{phase}: rank {r} left no result (exit code {launcher['exitcodes'][r]})"
+            res.append(None)
+            continue
+        d = json.loads(f.read_text())
+        if ok:
+            assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
+        if exit_zero:
+            assert launcher["exitcodes"][r] == 0
+        res.append(d)
+    return res
+
 # ---------------------------------------------------------------- comparison
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """Raw bytes of a tensor's logical content (row-major), bit-exact."""

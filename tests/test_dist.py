@@ -21,6 +21,7 @@ import blake3
 import pytest
 import torch
 
+import _util
 from _util import load_helper, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
@@ -44,21 +45,7 @@ def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 100.0) -> 
 
 
 def rank_results(out: Path, phase: str, world: int, *, dead=()) -> list[dict | None]:
-    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
-    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
-    res = []
-    for r in range(world):
-        f = out / f"{phase}_rank{r}.json"
-        if r in dead:
-            assert not f.exists(), f"{phase}: rank {r} should have died, but it reported"
-            res.append(None)
-            continue
-        assert f.exists(), f"{phase}: rank {r} left no result (exit code {launcher['exitcodes'][r]})"
-        d = json.loads(f.read_text())
-        assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
-        assert launcher["exitcodes"][r] == 0
-        res.append(d)
-    return res
+    return _util.rank_results(out, phase, world, dead=dead, exit_zero=True)
 
 
 # -- independent oracle: bytes, block layout, block keys --------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import load_helper, run_worker_scenario, same_bits
+from _util import load_helper, rank_results, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -26,19 +26,7 @@ dw = load_helper(HERE / "helpers" / "dist_worker.py", name="tsck_test_async_dist
 
 
 def results(out: Path, phase: str, world: int, ok: bool = True) -> list[dict]:
-    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
-    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
-    res = []
-    for r in range(world):
-        p = out / f"{phase}_rank{r}.json"
-        if not p.exists():
-            res.append(None)
-            continue
-        d = json.loads(p.read_text())
-        if ok:
-            assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
-        res.append(d)
-    return res
+    return rank_results(out, phase, world, ok=ok, missing_ok=True)
 
 
 def _store(out: Path, name: str = "store"):

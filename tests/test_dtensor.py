@@ -10,7 +10,6 @@ file judges against data and block layouts computed here.
 from __future__ import annotations
 
 import collections
-import json
 import math
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import blake3
 import pytest
 import torch
 
-from _util import load_helper, run_worker_scenario, same_bits
+from _util import load_helper, rank_results, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -35,14 +34,7 @@ def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 400.0) -> 
 
 
 def results(out: Path, phase: str, world: int) -> list[dict]:
-    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
-    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
-    res = []
-    for r in range(world):
-        d = json.loads((out / f"{phase}_rank{r}.json").read_text())
-        assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
-        res.append(d)
-    return res
+    return rank_results(out, phase, world)
 
 
 def dumped(out: Path, phase: str, rank: int) -> dict:
