@@ -1,9 +1,9 @@
 """The docs and the code say what is and why, and the docs' links lead somewhere.
 
-- No tracker numbers ("issue 12") in the package, the docs or the tests, and no history
-  narrated in the docs and tests ("the old code", "before the fix"): a reader of a
-  docstring or a design note should learn what the code does and why, not which ticket
-  it came from (history belongs to CHANGELOG.md and git).
+- No tracker numbers (the word "issue" and a number) in the package, the docs or the
+  tests, and no history narrated in the docs and tests ("the old code", "before the
+  fix"): a reader of a docstring or a design note should learn what the code does and
+  why, not which ticket it came from (history belongs to CHANGELOG.md and git).
 - Every relative link in a Markdown file under docs/ (and the READMEs beside the code)
   names a file or folder that exists, so moving a design note cannot strand a link.
 
