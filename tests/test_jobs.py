@@ -8,7 +8,6 @@ What is kept is counted from the ref table after every process has exited.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from _util import load_helper
 
 import tensorstore_ck as tsck
 from tensorstore_ck.gc import holding_gc_lock
@@ -264,9 +265,7 @@ def test_bench_jobs_small_configuration_counts(tmp_path):
     ~10 s beside each other. Counts only: no failed or skipped snapshot, no prune
     reported deferred, every job keeps exactly keep_last, nothing left queued, and
     nothing stored beyond what retention keeps."""
-    spec = importlib.util.spec_from_file_location("tsck_bench_jobs", REPO / "benches" / "bench_jobs.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_helper(REPO / "benches" / "bench_jobs.py", name="tsck_bench_jobs")
     r = bench.run(str(tmp_path / "s"), jobs=4, seconds=10, interval=0.5, keep=2, mb=0.25, workdir=str(tmp_path),
                   log=lambda *a: None)
     assert (r["snapshots"], r["failed"], r["skipped"], r["errors"], r["prune_errors"]) == (80, 0, 0, [], []), r
