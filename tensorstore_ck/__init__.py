@@ -16,10 +16,13 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
     recover.py            snapshots; rebuild the ref table from storage
     publish.py            the one publisher: blocks -> nodes -> commit -> fenced CAS -> retry
     listing.py            `tsck ls`: a snapshot's values from its nodes (no blocks, no torch)
-    plan.py, read.py,     state -> plan (validated before any write); nodes -> state (read_box:
-    walk.py               sharded regions); the DAG without tensor data (gc, fsck, diff)
+    plan.py, read.py,     state -> plan (validated before any write); nodes -> state (the
+    walk.py               Reader of one snapshot); the DAG without tensor data (gc, fsck, diff)
     core.py               Core: storage, assets, ref table, I/O pool and settings of one store,
                           what the layers below the facade are given
+    read_world.py         sharded tensors and multi-rank snapshots read (read_box: a chunk's
+                          region; a rank's view merged from the rank trees and chunk index)
+    placement.py          map_location: where a checkout's fresh tensors go, unknown devices refused
     assets.py             typed, verified object I/O; the only module that knows keys
     validate.py, info.py, snapshot arguments; SnapshotInfo; retention rules; Sharded/Replicated;
     retention.py, shard.py, reused host buffers for async snapshots
