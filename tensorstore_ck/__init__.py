@@ -27,8 +27,10 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
     validate.py, info.py, snapshot arguments; SnapshotInfo; retention rules; Sharded/Replicated;
     retention.py, shard.py, reused host buffers for async snapshots
     staging.py
-    storage/, refs/       BlockStore backends (local, fsspec, wrappers); RefTable (LMDB,
-                          PostgreSQL, in-memory)
+    storage/, refs/       BlockStore backends (local, fsspec, s3, wrappers); RefTable (LMDB,
+                          PostgreSQL, in-memory) over refs/txn.py's transactions;
+                          refs/history.py: the reflog and REF@STEP's index; refs/gcstate.py:
+                          the gc lock, lease, phases, holds, fences
     chunker.py, ids.py    tensor bytes -> element-aligned blocks; digests and hex prefixes
     format/               bytes <-> objects, no I/O: frame, manifest envelopes, tree (the
                           manifest grammar), dtypes

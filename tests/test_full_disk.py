@@ -23,7 +23,7 @@ import torch
 
 import tensorstore_ck as tsck
 from _mounts import fill, tmpfs
-from tensorstore_ck.refs.base import TABLES
+from tensorstore_ck.refs.txn import TABLES
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 
