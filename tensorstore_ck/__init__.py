@@ -31,6 +31,7 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
                           PostgreSQL, in-memory) over refs/txn.py's transactions;
                           refs/history.py: the reflog and REF@STEP's index; refs/gcstate.py:
                           the gc lock, lease, phases, holds, fences
+    presence.py           the presence record: objects a Store saw present, per gc epoch
     chunker.py, ids.py    tensor bytes -> element-aligned blocks; digests and hex prefixes
     format/               bytes <-> objects, no I/O: frame, manifest envelopes, tree (the
                           manifest grammar), dtypes

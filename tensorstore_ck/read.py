@@ -115,7 +115,7 @@ class Reader(WorldReading):
                           progress=progress, fence=fence)
         # fence: the gc epoch read before this checkout began (Store.checkout): what it
         # reads is recorded present under it, and a big tensor's blocks seen under it are
-        # not asked again (assets.Presence)
+        # not asked again (presence.py)
         self.fence = fence
         # paths: only the sub-trees these dotted paths name are read (nodes and blocks)
         self.select = None if paths is None else Selection(paths)
