@@ -7,6 +7,10 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
                           transformers: the [hf] extra; nothing here imports it)
     dcp/                  torch.distributed.checkpoint StorageWriter/Reader (metadata, layout,
                           writer, reader, handle)
+    export.py,            a snapshot out as one safetensors / torch.save file (`tsck checkout`);
+    importing.py          torch.save, safetensors files and model folders in (`tsck import`)
+    hf_folder.py          the Hugging Face model folder (save_pretrained's layout, meta "hf")
+                          and the safetensors view of a state
     train.py, loader.py   TrainState, CheckpointManager; ResumableDataLoader (exact resume)
     lightning.py          PyTorch Lightning CheckpointIO (the [lightning] extra; never imported here)
     opener.py             open_store(): URL -> storage stack + ref table + Store
