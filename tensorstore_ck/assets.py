@@ -151,7 +151,7 @@ class Assets:
         """epoch_now: a callable returning the ref table's current gc deletion epoch (None:
         no ref table). codecs: what blocks may be written with: "none" (raw), "lz4", "shuffle" (byte
         shuffle then lz4), "float" (the float codec or lz4, whichever a probe finds
-        smaller); each only where it shrinks the block. None: from the older flags
+        smaller); each only where it shrinks the block. None: from the flags
         compress= and shuffle=. Reading never depends on it."""
         if codecs is None:
             codecs = "none" if not compress else "shuffle" if shuffle else "lz4"

@@ -313,7 +313,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     config.json / generation_config.json: `config`/`generation_config` (JSON text or a
     dict), else the snapshot's own (meta "hf"); none is written when there is neither.
     A DEST that does not exist appears whole; into an existing directory, files that are
-    there already are replaced only with force=True (and an older export's weight files
+    there already are replaced only with force=True (and an earlier export's weight files
     are then removed). Values safetensors cannot hold are refused before a block is read.
     -> a summary dict."""
     _check_shard_bytes(max_shard_bytes)  # before the snapshot is read

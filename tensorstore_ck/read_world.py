@@ -184,7 +184,7 @@ class WorldReading:
         Version 1 with a chunk index: only this rank's tree and the index are read here;
         another rank's chunks of a sharded tensor are read when the region
         being filled needs them (lazy=False: every chunk now). Without one, or if the
-        index node cannot be read (an older gc did not know to keep it), every rank's
+        index node cannot be read (a gc that did not keep it), every rank's
         tree is merged (O(W) node reads per rank)."""
         me = self.rank if self.rank < w.world else 0
         if w.ranks is None:  # version 2: this rank's tree; _global reads the index for its regions
