@@ -9,7 +9,7 @@ under it). A module over ~600 lines says which one job it does.
     hf.py                 Hugging Face Trainer integration, one job over ~600 lines: the callback
                           that snapshots each save, resume_checkpoint (a snapshot back as the
                           checkpoint-N folder the Trainer resumes from), and from_pretrained
-                          folders in and out (over interchange.py). Imports transformers: the
+                          folders in and out (over hf_folder.py, importing.py). Imports transformers: the
                           [hf] extra; nothing else here imports it
     lightning.py          PyTorch Lightning CheckpointIO (the [lightning] extra; never imported here)
     dcp/                  torch.distributed.checkpoint StorageWriter/Reader (dcp.save, dcp.load)
@@ -21,9 +21,11 @@ under it). A module over ~600 lines says which one job it does.
       handle.py           reopening a store in another process (async_save's PROCESS checkpointer)
     train.py              TrainState (exact resume: the state and every RNG stream) and
                           CheckpointManager (when to snapshot; collective under torch.distributed)
-    interchange.py        `tsck ls/checkout/import`: snapshots as files other tools read
-                          (safetensors, torch.save, Hugging Face model folders)
+    export.py             a snapshot out as one safetensors / torch.save file (`tsck checkout`)
+    importing.py          torch.save, safetensors files and model folders in (`tsck import`)
     plot.py               `tsck du --plot`: the store's usage as a picture
+    hf_folder.py          the Hugging Face model folder (save_pretrained's layout, meta "hf")
+                          and the safetensors view of a state
     opener.py             open_store(): URL -> storage stack + ref table + Store
     pruner.py             a training job's retention applied while it trains, in the background
                           (CheckpointManager's and the Hugging Face callback's)
@@ -37,12 +39,18 @@ under it). A module over ~600 lines says which one job it does.
     usage.py              `tsck du`: the store's bytes per job and over time
     dcpview.py            a dcp.save snapshot read by checkout as the state that was saved
     listing.py            `tsck ls`: a snapshot's values from its nodes (no blocks, no torch)
-    read.py               nodes -> state (read_box: sharded regions)
+    read.py               nodes -> state: the Reader of one snapshot
     walk.py               the DAG without tensor data (gc, fsck, diff)
     plan.py               state -> plan: every value validated and cut into block jobs before
                           any write; nothing in it writes
     core.py               Core: storage, assets, ref table, I/O pool and settings of one store,
                           what the layers below the facade are given
+    read_world.py         sharded tensors and multi-rank snapshots read (read_box: a chunk's
+                          region; a rank's view merged from the rank trees and chunk index)
+    placement.py          map_location: where a checkout's fresh tensors go, unknown devices refused
+    read_world.py         sharded tensors and multi-rank snapshots read (read_box: a chunk's
+                          region; a rank's view merged from the rank trees and chunk index)
+    placement.py          map_location: where a checkout's fresh tensors go, unknown devices refused
     assets.py             typed, verified object I/O; the only module that knows keys
     validate.py           snapshot arguments, checked once for every writer
     retention.py          retention rules and the snapshots they keep
@@ -58,10 +66,14 @@ under it). A module over ~600 lines says which one job it does.
       wrappers.py         read-only, retrying, throttled and fault-injecting wrappers
     refs/                 RefTable: ref name -> root, with reflog, catalog, tags and pins
       base.py             the interface and its logic over a small transactional key-value layer
+      history.py          the reflog and REF@STEP's index
+      gcstate.py          the gc lock, lease, phases, holds, fences and the prune queue
+      txn.py              the transactions both halves run in; the tables; the host clock
       lmdb.py             the embedded table (LMDB, beside local data)
       memory.py           the in-memory twin (memory:// stores, tests)
       postgres.py         PostgreSQL, for many hosts sharing one store
     chunker.py            tensor bytes -> element-aligned blocks
+    presence.py           the presence record: objects a Store saw present, per gc epoch
     retry.py              the one backoff policy for transient backend failures
     localfile.py          files outside the store's objects, whole or not at all; only
                           regular files are read

@@ -431,7 +431,7 @@ def cmd_ls(store, args):
 
 
 def cmd_checkout(store, args):
-    from .interchange import export_file
+    from .export import export_file
     r = export_file(store, args.target, args.dest, fmt=args.format, path=args.path, force=args.force,
                     progress=_bar(args))
     if r["format"] == "hf-folder":
@@ -445,7 +445,7 @@ def cmd_checkout(store, args):
 
 
 def cmd_import(store, args):
-    from .interchange import import_files
+    from .importing import import_files
     i = import_files(store, args.ref, args.files, step=args.step, job=args.job, progress=_bar(args))
     _out(args, i.to_json(), f"imported {len(args.files)} input(s) as {i.ref} -> {i.root}\n"
                             f"{_human(i.bytes_total)} in {i.blocks_total} blocks; {_human(i.bytes_new)} in "

@@ -1,6 +1,6 @@
 """The narrow core of an open store: what the layers below the Store facade are given.
 
-gc, fsck, recover, usage, listing, the collective protocol, interchange and the DCP
+gc, fsck, recover, usage, listing, the collective protocol and the DCP
 adapter need a store's storage, its typed object I/O, its ref table, its I/O pool and
 a few settings; none of them needs the facade (put_snapshot, checkout, the async
 queue). open_store() builds one Core per Store (Store.core) and passes it down, so

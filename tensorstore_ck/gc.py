@@ -54,7 +54,7 @@ import numpy as np
 from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError, UnreadableObject
 from .progress import progress_bar
 from .reach import KINDS, Marked, NodeSet, holders, iter_unreachable, kept_roots, mark
-from .refs.base import rebuild_message
+from .refs.gcstate import rebuild_message
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, explain_kept

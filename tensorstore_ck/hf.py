@@ -14,7 +14,7 @@
 A Trainer snapshot holds {"model": state_dict, "optimizer", "scheduler"[, "scaler"],
 "rng": {python, numpy, torch, cuda} (train.capture_rng), "trainer_state": the text of
 trainer_state.json}; its meta["hf"] says where the weights are and carries config.json
-(interchange.HF_META), meta["hf_trainer"] the layout and the transformers version.
+(hf_folder.HF_META), meta["hf_trainer"] the layout and the transformers version.
 resume_checkpoint writes them back as the checkpoint-N folder this transformers
 version's Trainer reads (model.safetensors, optimizer.pt, scheduler.pt, scaler.pt,
 rng_state.pth, trainer_state.json, config.json), so the Trainer's own resume path
@@ -48,8 +48,8 @@ import transformers
 from transformers import TrainerCallback
 
 from .errors import InvalidArgument, RefNotFound
-from .interchange import (HF_META, MAX_CONFIG_BYTES, SHARD_BYTES, _config_text, export_folder, import_files,
-                          write_pretrained)
+from .hf_folder import HF_META, MAX_CONFIG_BYTES, SHARD_BYTES, _config_text, export_folder, write_pretrained
+from .importing import import_files
 from .localfile import NotRegularFile, open_regular, write_dir
 from .retention import Retention
 from .shard import Replicated
@@ -582,7 +582,7 @@ def _write_checkpoint(store, target: str, output_dir, *, force: bool) -> str:
 def export_pretrained(store, target: str, folder, *, config=None, max_shard_bytes: int = SHARD_BYTES,
                       force: bool = False) -> dict:
     """The model of snapshot `target` as a folder from_pretrained loads (model.safetensors
-    or shards + index, config.json): interchange.export_folder, which `tsck checkout
+    or shards + index, config.json): hf_folder.export_folder, which `tsck checkout
     TARGET DIR/` runs. config: a PretrainedConfig, dict or JSON text, when the snapshot
     carries none (or to replace its own)."""
     if config is not None and hasattr(config, "to_json_string"):

@@ -29,7 +29,7 @@ from .errors import Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAb
 from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter, Pending
 from .info import SnapshotInfo, row_to_info
-from .refs.base import HOLD_SECONDS
+from .refs.gcstate import HOLD_SECONDS
 from .validate import UNSET, SnapshotArgs
 
 if TYPE_CHECKING:

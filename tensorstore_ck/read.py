@@ -3,8 +3,10 @@
 Every node is decoded by the manifest grammar (format/tree.py), which checks
 every field; this module only materialises typed values: allocates each
 tensor once, schedules one read per block straight into its memory, and
-bounds what a hostile manifest can make it allocate. `read_box` is the one
-region reader for sharded tensors (checkout here, the DCP reader in dcp/).
+bounds what a hostile manifest can make it allocate. A Reader reads one
+snapshot; its sharded tensors and the merge of a multi-rank snapshot's rank
+trees are read_world.py's (the WorldReading it inherits), and where a fresh
+tensor is placed (map_location) is placement.py's.
 
 The caller's memory (checkout(into=), DCP's load targets) only ever receives
 verified bytes: a block bound for it is read and verified in a per-thread
@@ -16,7 +18,6 @@ tensors are read into directly: a failed checkout never hands them out.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import pickle
@@ -27,73 +28,24 @@ import numpy as np
 import torch
 
 from .assets import Assets
-from .errors import (CheckoutMismatch, DeviceUnavailable, FormatError, IntegrityError, InvalidArgument,
-                     UnsupportedType, into_summary)
+from .errors import CheckoutMismatch, FormatError, IntegrityError, UnsupportedType, into_summary
 from .format import tree
-from .format import world as worldfmt
 from .format.dtypes import QUANT_BY_NAME, code_units
 from .format.manifest import decode_node
 from .format.tree import format_path
 from .paths import FULL, SKIP, Selection, is_stateful
-from .shard import Sharded, find_overlap, from_dtensor, is_dtensor
+from .placement import Placement, check_map_location
+from .read_world import Gathered, WorldReading
+from .shard import Sharded, from_dtensor, is_dtensor
 
-__all__ = ["Reader", "read_box", "run_reads", "default_max_bytes", "MISSING", "check_map_location"]
+__all__ = ["Reader", "run_reads", "default_max_bytes", "MISSING"]
 
 # A fresh tensor bigger than this is allocated only once all its blocks are known
 # to exist (one HEAD / stat per distinct block; smaller ones are not worth it).
 PRESENCE_CHECK_ABOVE = 64 << 20
 
-logger = logging.getLogger("tensorstore_ck")
-
 MISSING = _MISSING = object()  # checkout without into=
 _SKIPPED = object()  # a value the selection (paths=) leaves out
-
-
-class _Gathered:
-    """A sharded tensor of a multi-rank snapshot with a chunk index: this rank's own leaf
-    and where every rank's pieces lie. Other ranks' chunks are read (Reader._gather) only
-    for the region a checkout fills."""
-    __slots__ = ("own", "me", "pieces", "ranks", "dt", "dtype", "shape", "replicated")
-
-    def __init__(self, own: tree.Global, me: int, pieces, ranks):
-        self.own, self.me, self.pieces, self.ranks = own, me, pieces, ranks
-        self.dt, self.dtype, self.shape, self.replicated = own.dt, own.dtype, own.shape, False
-
-
-def check_map_location(ml):
-    """torch.load's map_location: None, a device (str or torch.device), a dict from saved
-    location to location, or a callable(tensor, location) -> tensor (None: the default)."""
-    if ml is None or callable(ml):
-        return ml
-    if isinstance(ml, dict):
-        out = {}
-        for k, v in ml.items():
-            out[str(_device(k, "map_location key"))] = str(_device(v, "map_location value"))
-        return out
-    return str(_device(ml, "map_location"))
-
-
-def _device(d, what: str) -> torch.device:
-    if not isinstance(d, (str, torch.device)):
-        raise InvalidArgument(f"{what} must be a device (str or torch.device), got {type(d).__name__}")
-    try:
-        return torch.device(d)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise InvalidArgument(f"{what} {d!r} is not a device: {e}") from None
-
-
-def _available(dev: torch.device) -> bool:
-    if dev.type == "cpu":
-        return True
-    if dev.type == "meta":
-        return False  # no data there: a snapshot never restores onto it
-    mod = getattr(torch, dev.type, None)
-    try:
-        if mod is None or not mod.is_available():
-            return False
-        return dev.index is None or dev.index < mod.device_count()
-    except Exception:  # noqa: BLE001 - backends' probes fail in their own ways
-        return False
 
 # What one value of the state (a container, a scalar, a leaf) is charged against
 # max_bytes before a checkout materialises anything: roughly a small Python object and
@@ -117,46 +69,6 @@ def default_max_bytes() -> int:
         pass
     return total
 
-
-def read_box(leaf: tree.Leaf, dtype: torch.dtype, box: tuple, target: torch.Tensor, jobs: list, path: str,
-             *, caller: bool = True):
-    """Schedule the reads that fill `target` (shaped like leaf[box]) with leaf[box],
-    reading only the blocks that hold the box's rows (blocks are row-aligned).
-    Appends (digest, destination, path, bounce) to `jobs`; returns (after, staged_bytes):
-    a function to run once the reads are done (None when the blocks land in the
-    target directly) and the bytes of the staging buffer it holds.
-    caller: `target` is the caller's memory (blocks read into it directly bounce)."""
-    sh = leaf.shape
-    nd = len(sh)
-    if target.numel() == 0 or leaf.nbytes == 0:
-        return None, 0
-    if leaf.inline is not None:
-        src = torch.frombuffer(bytearray(leaf.inline), dtype=torch.uint8).view(dtype).reshape(sh)
-        return (lambda: target.copy_(src[box])), 0
-    row = dtype.itemsize * math.prod(sh[1:]) if nd else dtype.itemsize
-    r0, r1 = (box[0].start, box[0].stop) if nd else (0, 1)
-    b_lo, b_hi = r0 * row, r1 * row
-    bs, n = leaf.block_size, leaf.nbytes
-    i0, i1 = b_lo // bs, -(-b_hi // bs)
-    inner_full = all(box[d].start == 0 and box[d].stop == sh[d] for d in range(1, nd))
-    if inner_full and target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype \
-            and b_lo % bs == 0 and (b_hi % bs == 0 or b_hi == n):
-        # The requested rows are whole blocks: read them straight into the target.
-        dst = target.reshape(-1).view(torch.uint8).numpy()
-        for i in range(i0, i1):
-            a, b = i * bs, min(n, (i + 1) * bs)
-            jobs.append((leaf.blocks[i], dst[a - b_lo:b - b_lo], path, caller))
-        return None, 0
-    base = i0 * bs
-    tmp = torch.empty(min(n, i1 * bs) - base, dtype=torch.uint8)
-    flat = tmp.numpy()
-    for i in range(i0, i1):
-        a, b = i * bs, min(n, (i + 1) * bs)
-        jobs.append((leaf.blocks[i], flat[a - base:b - base], path, False))
-    rows = tmp[b_lo - base:b_hi - base].view(dtype)
-    rows = rows.reshape((r1 - r0,) + tuple(sh[1:])) if nd else rows.reshape(())
-    src = rows[(slice(None),) + tuple(box[1:])] if nd else rows
-    return (lambda: target.copy_(src)), tmp.numel()
 
 
 def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,
@@ -190,7 +102,7 @@ def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot:
             raise f.exception()
 
 
-class Reader:
+class Reader(WorldReading):
     """Decode a manifest tree back into a state, reading blocks in parallel.
 
     Stored bytes are untrusted: the grammar checks every field before use, and
@@ -203,11 +115,12 @@ class Reader:
                           progress=progress, fence=fence)
         # fence: the gc epoch read before this checkout began (Store.checkout): what it
         # reads is recorded present under it, and a big tensor's blocks seen under it are
-        # not asked again (assets.Presence)
+        # not asked again (presence.py)
         self.fence = fence
         # paths: only the sub-trees these dotted paths name are read (nodes and blocks)
         self.select = None if paths is None else Selection(paths)
         self.map_location = check_map_location(map_location)
+        self._place = Placement(self.map_location, snapshot)
         self.progress = progress  # progress(bytes) per block read (a terminal's bar)
         self.rank = rank  # whose rank-local values a multi-rank snapshot yields
         self.assets = assets
@@ -364,7 +277,7 @@ class Reader:
             return 0, 0  # a leaf above what the selection names: left out
         if t in (tree.Tensor, tree.Array):
             return 1, v.nbytes
-        if t is tree.Global or t is _Gathered:
+        if t is tree.Global or t is Gathered:
             return 1, math.prod(v.shape) * v.dtype.itemsize
         return 1, 0
 
@@ -438,7 +351,7 @@ class Reader:
             return v
         if t is tree.Tensor:
             return self._tensor(v, path, into)
-        if t is tree.Global or t is _Gathered:
+        if t is tree.Global or t is Gathered:
             return self._global(v, path, into)
         if t is tree.Array:
             return self._array(v, path, into)
@@ -587,336 +500,10 @@ class Reader:
         finally:
             self._jobs = pending
 
-    # -- multi-rank snapshots ----------------------------------------------------
-    def _merge_world(self, w: tree.World, path, depth, sel=FULL, *, lazy: bool = True):
-        """A collective snapshot holds one tree per rank. Merge them into this rank's
-        view: its own rank-local values (rank 0's for a rank the snapshot did not
-        have), with every sharded tensor's chunks gathered from all ranks. Only what
-        the selection keeps is merged (and read).
-
-        Version 2 (format/world.py): only this rank's tree is read here, found through the
-        rank tree; the index buckets and other ranks' pieces a sharded tensor's region
-        needs are read when it is filled (_ranged; lazy=False: every rank's tree merged).
-        Version 1 with a chunk index: only this rank's tree and the index are read here;
-        another rank's chunks of a sharded tensor are read when the region
-        being filled needs them (lazy=False: every chunk now). Without one, or if the
-        index node cannot be read (an older gc did not know to keep it), every rank's
-        tree is merged (O(W) node reads per rank)."""
-        me = self.rank if self.rank < w.world else 0
-        if w.ranks is None:  # version 2: this rank's tree; _global reads the index for its regions
-            if not lazy:
-                tops = worldfmt.rank_tops(w, lambda d: self._node(d, path, depth))
-                return self._merge([self._node(d, path, depth) for d in tops], me, path, depth, sel)
-            self._world = w
-            return self._node(self._rank_top(w, me, path, depth), path, depth)
-        ix = self._chunk_index(w, path, depth) if w.index is not None else None
-        if ix is not None:
-            return self._indexed(self._node(w.ranks[me], path, depth), me, w.ranks, ix, path, depth, sel, lazy)
-        vals = [self._node(d, path, depth) for d in w.ranks]
-        return self._merge(vals, me, path, depth, sel)
-
-    def _chunk_index(self, w: tree.World, path, depth) -> dict | None:
-        """{format_path of a sharded tensor: [(rank, offsets, shape)]} from the index node."""
-        try:
-            raw = Reader(self.assets, self.pool, snapshot=self.snapshot, verify=self.verify).materialize(
-                self._node(w.index, path, depth), path)
-        except IntegrityError as e:
-            logger.warning("snapshot %s: its chunk index cannot be read (%s); merging every rank's tree instead",
-                           self.snapshot[:16], e)
-            return None
-        out: dict = {}
-        ok = isinstance(raw, dict)
-        for p, pieces in (raw.items() if ok else ()):
-            if type(p) is not str or type(pieces) is not list:
-                ok = False
-                break
-            got = []
-            for e in pieces:
-                if not (type(e) is list and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < len(w.ranks)
-                        and type(e[1]) is list and type(e[2]) is list and len(e[1]) == len(e[2])
-                        and all(type(x) is int and x >= 0 for x in e[1] + e[2])):
-                    ok = False
-                    break
-                got.append((e[0], tuple(e[1]), tuple(e[2])))
-            out[p] = got
-        if not ok:
-            raise self._fmt("malformed chunk index of a multi-rank snapshot", path)
-        return out
-
-    def _indexed(self, v, me, ranks, ix, path, depth, sel, lazy):
-        """This rank's tree with each sharded tensor made a _Gathered (or, not lazy, a
-        Global of every rank's chunks). A sub-tree above no tensor of the index is
-        itself (nodes shared at many paths are not expanded)."""
-        if type(v) is tree.Ref and path and format_path(path) not in self._prefixes(ix):
-            return v
-        v = self._deref(v, path, depth)
-        t = type(v)
-        if t is tree.Global:
-            pieces = None if v.replicated else ix.get(format_path(path))
-            if pieces is None:
-                return v  # replicated (whole on every rank) or not in the index: its own view
-            g = _Gathered(v, me, pieces, ranks)
-            return g if lazy else self._gather(g, None, path)
-        if t is not tree.Container:
-            return v
-
-        def child(k, x):
-            csel = FULL if sel is FULL else self.select.step(sel, k)
-            if csel is SKIP:
-                return x  # left out: not read
-            return self._indexed(x, me, ranks, ix, path + (k,), depth + 1, csel, lazy)
-
-        if v.kind in ("d", "o"):
-            return tree.Container(v.kind, [(k, child(k, x)) for k, x in v.items])
-        return tree.Container(v.kind, [child(i, x) for i, x in enumerate(v.items)])
-
-    def _prefixes(self, ix: dict) -> set:
-        hit = self._ix_prefixes.get(id(ix))
-        if hit is None:
-            out = set()
-            for p in ix:  # "['a'][0]['w']" -> "['a']", "['a'][0]", "['a'][0]['w']"
-                out.update(p[:i] for i in range(1, len(p) + 1) if p[i - 1] == "]")
-            hit = self._ix_prefixes[id(ix)] = (ix, out)
-        return hit[1]
-
-    def _gather(self, g: "_Gathered", box, path) -> tree.Global:
-        """The chunks of `g` that intersect `box` ((offsets, shape); None: all of it), read
-        from the trees of the ranks that hold them."""
-        def meets(off, sh):
-            return box is None or all(a < r + rs and r < a + s for a, s, r, rs in zip(off, sh, *box))
-
-        need: dict = {}
-        for r, off, sh in g.pieces:
-            if meets(off, sh):
-                need.setdefault(r, set()).add(off)
-        return self._pieces_of(need, g.own, g.me, lambda r: self._rank_leaf(g.ranks[r], path), path)
-
-    def _pieces_of(self, need: dict, own: tree.Global, me: int, leaf_of, path) -> tree.Global:
-        """The chunks the index names ({rank: {offsets}}), each read from its rank's leaf
-        (leaf_of(rank); this rank's own: `own`), checked against what the index said."""
-        chunks: list = []
-        for r in sorted(need):
-            leaf = own if r == me else leaf_of(r)
-            if type(leaf) is not tree.Global or leaf.dt != own.dt or leaf.shape != own.shape:
-                raise self._fmt(f"the chunk index names a piece of rank {r}, whose tree has no such sharded "
-                                "tensor there", path)
-            found = [c for c in leaf.chunks if c.offsets in need[r]]
-            if len({c.offsets for c in found}) != len(need[r]):
-                raise self._fmt(f"the chunk index names a piece rank {r} does not hold", path)
-            chunks += found
-        return tree.Global(own.dt, own.shape, chunks, False)
-
-    def _world_error(self, e: FormatError, path) -> FormatError:
-        # a node that does not decode already names the snapshot; a bad fan tree or bucket does not
-        return e if f"of snapshot {self.snapshot[:16]}" in str(e) else self._fmt(str(e), path)
-
-    def _rank_top(self, w: tree.World, r: int, path, depth) -> bytes:
-        """Rank r's tree address (version 2: one rank-tree node per level, read once)."""
-        hit = self._rank_tops.get(r)
-        if hit is None:
-            try:
-                hit = self._rank_tops[r] = worldfmt.rank_top(w, r, lambda d: self._node(d, path, depth))
-            except FormatError as e:
-                raise self._world_error(e, path) from None
-        return hit
-
-    def _bucket(self, b: int, path) -> dict:
-        """Bucket b of the range index -> {format_path: [(rank, offsets, shape)]} (read once)."""
-        hit = self._buckets.get(b)
-        if hit is not None:
-            return hit
-        w = self._world
-        node = lambda d: self._node(d, (), 0)  # noqa: E731 - the index hangs off the top
-        try:
-            d = worldfmt.fan_lookup(w.range_index, w.nbuckets, w.fan, b, node, "chunk index")
-        except FormatError as e:
-            raise self._world_error(e, path) from None
-        try:
-            out = worldfmt.bucket_entries(node(d), w.world, lambda v, depth: self._deref(v, (), depth))
-        except FormatError as e:
-            raise self._world_error(e, path) from None
-        self._buckets[b] = out
-        return out
-
-    def _ranged(self, own: tree.Global, box, path) -> tree.Global:
-        """A sharded tensor of a version-2 multi-rank snapshot: the chunks that meet `box`
-        ((offsets, shape); None: all of it). This rank's own chunks serve when they cover the
-        region (a checkout in the layout it was saved with reads no index); else the index
-        buckets the region's element range meets name the other ranks' pieces, which are
-        read from their trees along this tensor's path only."""
-        w = self._world
-        me = self.rank if self.rank < w.world else 0
-        if box is not None:
-            want = math.prod(box[1])
-            got = 0
-            for c in own.chunks:
-                got += math.prod(max(0, min(a + s, r + rs) - max(a, r))
-                                 for a, s, r, rs in zip(c.offsets, c.shape, *box))
-            if got >= want:
-                return own
-            sp = worldfmt.span(box[0], box[1], own.shape)
-            if sp is None:
-                return own
-            which = worldfmt.bucket_range(sp[0], sp[1], math.prod(own.shape), w.nbuckets)
-        else:
-            which = range(w.nbuckets)  # the whole tensor: every rank's pieces of it
-
-        def meets(off, sh):
-            return box is None or all(a < r + rs and r < a + s for a, s, r, rs in zip(off, sh, *box))
-
-        need: dict = {}
-        p = format_path(path)
-        for b in which:
-            if not 0 <= b < w.nbuckets:
-                raise self._fmt("a sharded tensor's region lies outside its shape", path)  # pragma: no cover
-            for r, off, sh in self._bucket(b, path).get(p, ()):
-                if meets(off, sh):
-                    need.setdefault(r, set()).add(off)
-        need.setdefault(me, set()).update(c.offsets for c in own.chunks if meets(c.offsets, c.shape))
-        return self._pieces_of(need, own, me, lambda r: self._rank_leaf(self._rank_top(w, r, path, 0), path), path)
-
-    def _rank_leaf(self, top: bytes, path):
-        """The value at `path` in the rank tree `top` (nodes read along the path only)."""
-        v = self._node(top, (), 0)
-        for i, k in enumerate(path):
-            v = self._deref(v, path[:i], i)
-            if type(v) is not tree.Container:
-                return None
-            if v.kind in ("d", "o"):
-                m = self._keymaps.get(id(v))
-                if m is None:
-                    m = self._keymaps[id(v)] = (v, dict(v.items))  # v kept: its id stays its own
-                v = m[1].get(k)
-            else:
-                v = v.items[k] if type(k) is int and 0 <= k < len(v.items) else None
-            if v is None:
-                return None
-        return self._deref(v, path, len(path))
-
     def _deref(self, v, path, depth):
         while type(v) is tree.Ref:
             v = self._node(v.digest, path, depth)
         return v
-
-    def _merge(self, vals, me, path, depth, sel=FULL):
-        if all(type(v) is tree.Ref for v in vals):
-            # The same nodes merge alike at every path that names them (a DAG bomb: once).
-            key = (tuple(v.digest for v in vals), depth, None if sel is FULL else id(sel))
-            hit = self._merged.get(key)
-            if hit is None:
-                hit = self._merged[key] = self._merge_values(vals, me, path, depth, sel)
-            return hit
-        return self._merge_values(vals, me, path, depth, sel)
-
-    def _merge_values(self, vals, me, path, depth, sel):
-        vals = [self._deref(v, path, depth) for v in vals]
-        v0 = vals[me]
-        if type(v0) is tree.Global:
-            chunks = [c for v in vals if type(v) is tree.Global and v.dt == v0.dt and v.shape == v0.shape
-                      for c in v.chunks]
-            return tree.Global(v0.dt, v0.shape, chunks, v0.replicated)
-        if type(v0) is not tree.Container:
-            return v0
-        same = [v for v in vals if type(v) is tree.Container and v.kind == v0.kind]
-        if len(same) != len(vals):
-            return v0  # the ranks' trees differ here: this rank's own view
-
-        def child(items, k, i):
-            csel = FULL if sel is FULL else self.select.step(sel, k)
-            if csel is SKIP:
-                return v0.items[i][1] if v0.kind in ("d", "o") else v0.items[i]  # left out: not read
-            return self._merge(items, me, path + (k,), depth + 1, csel)
-
-        if v0.kind in ("d", "o"):
-            keys = [[k for k, _ in v.items] for v in same]
-            if all(k == keys[me] for k in keys):
-                return tree.Container(v0.kind, [(k, child([v.items[i][1] for v in same], k, i))
-                                                for i, k in enumerate(keys[me])])
-            return v0
-        if all(len(v.items) == len(v0.items) for v in same):
-            return tree.Container(v0.kind, [child([v.items[i] for v in same], i, i) for i in range(len(v0.items))])
-        return v0
-
-    # -- global (sharded) tensors ------------------------------------------------
-    def _chunks(self, g: tree.Global, path):
-        if math.prod(g.shape) * g.dtype.itemsize > self.max_bytes:
-            raise self._fmt(f"sharded tensor of shape {list(g.shape)} exceeds max_bytes={self.max_bytes}", path)
-        out, seen = [], set()
-        for c in g.chunks:
-            self._cap(c.nbytes, path)
-            key = (c.offsets, c.shape)
-            if key in seen:  # the same piece from several ranks (replicated): read it once
-                continue
-            seen.add(key)
-            out.append(c)
-        # A stored manifest is untrusted: its pieces must not overlap, so that the
-        # elements _fill_region counts are the elements it fills (an overlap must not
-        # make up for a gap, leaving torch.empty() memory in a "complete" tensor).
-        hit = find_overlap([(c.offsets, c.shape) for c in out])
-        if hit is not None:
-            a, b = out[hit[0]], out[hit[1]]
-            raise self._fmt(f"sharded tensor's pieces at offsets {list(a.offsets)} (shape {list(a.shape)}) and "
-                            f"{list(b.offsets)} (shape {list(b.shape)}) overlap", path)
-        return out
-
-    def _global(self, g: tree.Global, path, into):
-        if type(g) is _Gathered:  # only the pieces the region needs are read
-            box = (tuple(into.offsets), tuple(into.local.shape)) if isinstance(into, Sharded) else None
-            g = self._gather(g, box, path)
-        elif self._world is not None and not g.replicated:
-            box = (tuple(into.offsets), tuple(into.local.shape)) if isinstance(into, Sharded) else None
-            g = self._ranged(g, box, path)
-        dtype, gs = g.dtype, g.shape
-        chunks = self._chunks(g, path)
-        if isinstance(into, Sharded):
-            tgt, roff = into.local, into.offsets
-            if tgt.dtype != dtype or tuple(into.global_shape) != gs:
-                raise CheckoutMismatch(f"sharded tensor at {format_path(path)} is {dtype} {list(gs)}, "
-                                       f"target is {tgt.dtype} {list(into.global_shape)}")
-            self._fill_region(chunks, dtype, tgt, roff, path, caller=True)
-            return into
-        if isinstance(into, torch.Tensor):
-            if into.dtype != dtype or tuple(into.shape) != gs:
-                raise CheckoutMismatch(f"tensor at {format_path(path)} is {into.dtype} {list(into.shape)}, "
-                                       f"snapshot has {dtype} {list(gs)}")
-            self._fill_region(chunks, dtype, into, (0,) * len(gs), path, caller=True)
-            return into
-        covered = sum(math.prod(c.shape) for c in chunks)
-        if len(chunks) == 1 and covered < math.prod(gs):
-            c = chunks[0]  # one rank's piece saved on its own: give the piece back
-            local = torch.empty(c.shape, dtype=dtype)
-            self._fill_region(chunks, dtype, local, c.offsets, path)
-            return Sharded(local, gs, c.offsets)
-        try:
-            t = torch.empty(gs, dtype=dtype)
-        except Exception as e:
-            raise self._fmt(f"cannot allocate tensor of {dtype} {list(gs)}: {type(e).__name__}", path) from None
-        self._fill_region(chunks, dtype, t, (0,) * len(gs), path)
-        return t
-
-    def _fill_region(self, chunks, dtype, dst: torch.Tensor, roff, path, caller: bool = False):
-        """Fill dst (the region of the global tensor at offsets roff) from the chunks
-        that intersect it, reading only the blocks that overlap it. caller: dst is
-        the caller's memory."""
-        rshape = tuple(dst.shape)
-        filled = 0
-        p = format_path(path)
-        for c in chunks:
-            lo = [max(a, b) for a, b in zip(c.offsets, roff)]
-            hi = [min(a + x, b + y) for a, x, b, y in zip(c.offsets, c.shape, roff, rshape)]
-            if any(a >= b for a, b in zip(lo, hi)) and len(c.shape):
-                continue
-            filled += math.prod(b - a for a, b in zip(lo, hi))
-            src_box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, c.offsets))
-            dst_box = tuple(slice(a - r, b - r) for a, b, r in zip(lo, hi, roff))
-            after, _ = read_box(c, dtype, src_box, dst[dst_box], self._jobs, p, caller=caller)
-            if after is not None:
-                self._after.append(after)
-                if caller:
-                    self._staged.add(p)
-        if filled < math.prod(rshape):
-            raise CheckoutMismatch(f"the snapshot does not hold all of the requested region of the tensor "
-                                   f"at {format_path(path)} ({filled} of {math.prod(rshape)} elements)")
 
     # -- dense leaves ------------------------------------------------------------
     def _tensor(self, leaf: tree.Tensor, path, into):
@@ -943,7 +530,7 @@ class Reader:
             if leaf.nbytes:
                 self._fill(dst.reshape(-1).view(torch.uint8).numpy(), leaf, path, caller=caller)
             return into
-        place = self._placement(leaf.device, path)  # before anything is allocated or read
+        place = self._place.where(leaf.device, path)  # before anything is allocated or read
         self._reserve(leaf, path)
         try:
             t = torch.empty(sh, dtype=dtype)
@@ -955,56 +542,13 @@ class Reader:
             # is placed in the tree.
             (self._fill_now if place is not None else self._fill)(flat, leaf, path)
         if place is not None:
-            t = self._move(t, place, path)
+            t = self._place.move(t, place, path)
         rg = leaf.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)  # only those can
         if leaf.param:
             return torch.nn.Parameter(t, requires_grad=rg)
         if rg:
             t.requires_grad_(True)
         return t
-
-    def _placement(self, saved: str | None, path):
-        """Where a fresh tensor saved on `saved` goes, by map_location (torch.load's
-        meanings): None for the CPU, else (device, None) or (None, location) for a callable.
-        A device this process lacks is refused before anything is read."""
-        loc = saved or "cpu"
-        ml = self.map_location
-        if callable(ml):
-            return None, loc
-        dest = loc if ml is None else ml.get(loc, loc) if isinstance(ml, dict) else ml
-        return self._device_for(dest, loc, path)
-
-    def _device_for(self, dest: str, loc: str, path):
-        if dest == "cpu":
-            return None
-        try:
-            dev = torch.device(dest)
-        except (RuntimeError, ValueError, TypeError):
-            dev = None
-        if dev is None or not _available(dev):
-            where = "was saved on" if dest == loc else "is mapped to"
-            raise DeviceUnavailable(f"the tensor at {format_path(path) or 'top'} of snapshot {self.snapshot[:16]} "
-                                    f"{where} {dest[:64]!r}, which this process does not have; pass "
-                                    "map_location='cpu' (or another device, a dict or a callable, as for "
-                                    "torch.load) to checkout")
-        return dev, None
-
-    def _move(self, t: torch.Tensor, place, path) -> torch.Tensor:
-        dev, loc = place
-        if dev is not None:
-            return t.to(dev)
-        try:
-            out = self.map_location(t, loc)
-        except Exception as e:  # noqa: BLE001 - the caller's function
-            raise CheckoutMismatch(f"map_location({loc!r}) failed for the tensor at {format_path(path) or 'top'}: "
-                                   f"{type(e).__name__}: {e}") from e
-        if out is None:  # torch.load's default: where it was saved
-            saved = self._device_for(loc, loc, path)
-            return t if saved is None else t.to(saved[0])
-        if not isinstance(out, torch.Tensor) or out.dtype != t.dtype or out.shape != t.shape:
-            raise CheckoutMismatch(f"map_location({loc!r}) returned {type(out).__name__} for the tensor at "
-                                   f"{format_path(path) or 'top'}: it must return the tensor it was given, moved")
-        return out
 
     def _quantized(self, leaf: tree.Tensor, path, into):
         _qt, repr_dtype = QUANT_BY_NAME[leaf.dt]

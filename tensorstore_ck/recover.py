@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import FormatError, GcBusy, IntegrityError, RefConflict, UnreadableObject
 from .format.manifest import decode_commit
 from .format.names import validate_name
-from .refs.base import RECOVERED
+from .refs.history import RECOVERED
 from .walk import walk_commit
 
 __all__ = ["RecoverReport", "run_recover"]

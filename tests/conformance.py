@@ -562,7 +562,7 @@ class RefTableTests:
     def test_publication_record_says_which_moves_were_recovers(self, table):
         """The latest move to a root decides its number and whether it was recover's
         (retention ranks recover's numbers within one ref only)."""
-        from tensorstore_ck.refs.base import RECOVERED
+        from tensorstore_ck.refs.history import RECOVERED
         R = self.R
         table.compare_and_swap("p/a", None, R[1], message=RECOVERED)
         table.compare_and_swap("p/a", R[1], R[2], message="put")

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import tensorstore_ck as tsck
 from tensorstore_ck.dcp import TsckReader, TsckWriter, decode_metadata, encode_metadata
-from tensorstore_ck.interchange import _select
+from tensorstore_ck.hf_folder import _select
 
 try:
     from ._util import assert_same, tensor_bytes

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.refs.base import REFLOG_TAIL
+from tensorstore_ck.refs.history import REFLOG_TAIL
 
 
 def test_gc_compacts_the_history_to_what_it_keeps(tmp_path):

@@ -122,3 +122,83 @@ def test_the_package_docstring_names_every_module(tmp_path):
     (tmp_path / "tensorstore_ck" / "planted.py").write_text('"""A module nobody wrote a line for."""\n')
     (tmp_path / "tensorstore_ck" / "format" / "planted.py").write_text('"""The same, inside a package."""\n')
     assert missing(tmp_path / "tensorstore_ck") == ["format/planted.py", "planted.py"]
+
+
+# The object namespaces of a store (assets.py's keys). tmp/ is storage's own (BlockStore.TEMP_PREFIX).
+_NAMESPACES = ("blocks", "nodes", "commits", "tags", "quarantine")
+
+
+def _literal_parts(node) -> list | None:
+    """The pieces of a string expression in order: text for a literal piece, None for a
+    computed one; None if `node` is not a string literal, f-string or + of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return [v.value if isinstance(v, ast.Constant) else None for v in node.values]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _literal_parts(node.left), _literal_parts(node.right)
+        if left is not None and right is not None:
+            return left + right
+    return None
+
+
+def _fans_out(node: ast.JoinedStr) -> bool:
+    """An f-string with a '/'-separated `x[:2]` piece: a key's two-digit fan-out directory."""
+    vals = node.values
+    for i, v in enumerate(vals):
+        if isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Subscript):
+            sl = v.value.slice
+            if isinstance(sl, ast.Slice) and sl.lower is None and isinstance(sl.upper, ast.Constant) \
+                    and sl.upper.value == 2:
+                after = vals[i + 1] if i + 1 < len(vals) else None
+                if isinstance(after, ast.Constant) and after.value.startswith("/"):
+                    return True
+    return False
+
+
+def _key_constructions(pkg: Path) -> list[str]:
+    """Where a module other than assets.py writes an object key: a string that begins with
+    an object namespace and a '/' ("blocks/...", f"tags/{...}", "nodes/" + ...), or an
+    f-string with a key's fan-out directory (f"{kind}/{h[:2]}/{h}"). Docstrings aside."""
+    bad = []
+    for p in sorted(pkg.rglob("*.py")):
+        name = p.relative_to(pkg).as_posix()
+        if name == "assets.py":
+            continue
+        tree = ast.parse(p.read_text(), filename=str(p))
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if id(node) in docs:
+                continue
+            parts = _literal_parts(node)
+            if parts is None:
+                continue
+            text = "".join("\0" if x is None else x for x in parts)  # \0: a computed piece
+            if "/" in text and text.partition("/")[0] in _NAMESPACES:
+                bad.append(f"{name}:{node.lineno}")
+            elif isinstance(node, ast.JoinedStr) and _fans_out(node):
+                bad.append(f"{name}:{node.lineno}")
+    return sorted(set(bad))
+
+
+def test_no_module_but_assets_builds_an_object_key():
+    """Keys are made in assets.py alone; a backend places the keys it is given under its
+    URL (storage/s3.py: S3BlockStore._s3_key) and builds none of its own."""
+    assert _key_constructions(PKG) == []
+
+
+@pytest.mark.parametrize("module, planted", [
+    ("storage/s3.py", 'def _block(d):\n    return f"blocks/{d.hex()[:2]}/{d.hex()}"  # planted\n'),
+    ("storage/s3.py", 'TAGS = "tags/"  # planted\n'),
+    ("gc.py", 'def _key(kind, h):\n    return f"{kind}/{h[:2]}/{h}"  # planted\n'),
+    ("refs/base.py", 'def _tag(name):\n    return "tags/" + name.encode().hex()  # planted\n'),
+])
+def test_a_key_built_outside_assets_fails(tmp_path, module, planted):
+    """The check bites: the same check on a copy with one key built elsewhere fails."""
+    shutil.copytree(PKG, tmp_path / "tensorstore_ck", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "tensorstore_ck" / module
+    target.write_text(target.read_text() + "\n\n" + planted)
+    line = next(i for i, text in enumerate(target.read_text().splitlines(), 1) if "# planted" in text)
+    assert _key_constructions(tmp_path / "tensorstore_ck") == [f"{module}:{line}"]

@@ -312,10 +312,10 @@ def test_stateful_whose_state_dict_fails_is_refused_before_any_write(store):
 
 
 def test_tsck_checkout_path_reads_only_that_part(store, big_state, tmp_path):
-    """`tsck checkout STORE TARGET DEST --path P` is interchange.export_file(path=P)."""
+    """`tsck checkout STORE TARGET DEST --path P` is export.export_file(path=P)."""
     from safetensors.torch import load_file
 
-    from tensorstore_ck.interchange import export_file
+    from tensorstore_ck.export import export_file
     store.put_snapshot(big_state, ref="j/main", step=10)
     cnt = _counting(store)
     export_file(store, "j/main", tmp_path / "l7.safetensors", path="model.layers.7")

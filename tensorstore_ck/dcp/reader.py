@@ -29,7 +29,8 @@ from torch.futures import Future
 from ..errors import CheckoutMismatch, FormatError, InvalidArgument
 from ..dcpview import is_dcp_top, load_bytes_item
 from ..format.manifest import decode_commit
-from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes, read_box, run_reads
+from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes, run_reads
+from ..read_world import read_box
 from ..format.names import parse_target
 from ..store import Store
 from .layout import DcpTree

@@ -25,7 +25,8 @@ import threading
 import lmdb
 
 from ..errors import FormatError, NotAStore, StorageError, StoreClosed, TsckError, free_bytes, no_space
-from .base import TABLES, RefTable, Txn, track_for_fork
+from .base import RefTable, track_for_fork
+from .txn import TABLES, Txn
 
 __all__ = ["LmdbRefTable"]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from .base import TABLES, RefTable, Txn, track_for_fork
+from .base import RefTable, track_for_fork
+from .txn import TABLES, Txn
 
 __all__ = ["MemoryRefTable"]
 

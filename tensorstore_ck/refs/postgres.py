@@ -42,7 +42,8 @@ import msgpack
 
 from ..errors import NotAStore, OutcomeUnknown, StorageError, StoreClosed, TsckError
 from ..retry import DEFAULT_BACKOFF, Backoff
-from .base import RefTable, Txn, track_for_fork
+from .base import RefTable, track_for_fork
+from .txn import Txn
 
 __all__ = ["PostgresRefTable", "TOKEN_TABLE", "TOKEN_TTL"]
 

@@ -116,7 +116,7 @@ class S3BlockStore(FsspecBlockStore):
 
     @_translated
     def exists(self, key: str) -> bool:
-        bucket, _, obj = self._path(key).partition("/")
+        bucket, obj = self._s3_key(key)
         try:
             self.fs.call_s3("head_object", Bucket=bucket, Key=obj)
             return True
@@ -125,7 +125,7 @@ class S3BlockStore(FsspecBlockStore):
 
     @_translated
     def size_of(self, key: str) -> int | None:
-        bucket, _, obj = self._path(key).partition("/")
+        bucket, obj = self._s3_key(key)
         try:  # the HEAD that exists() sends, its Content-Length read
             return int(self.fs.call_s3("head_object", Bucket=bucket, Key=obj)["ContentLength"])
         except FileNotFoundError:
@@ -136,11 +136,11 @@ class S3BlockStore(FsspecBlockStore):
         keys = list(keys)
         # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key errors
         # silently). A key that is already gone is not an error in S3.
-        bucket, pre = self._bucket_and_base()
+        bucket, _ = self._bucket_and_base()
         for i in range(0, len(keys), 1000):
             check_deadline(deadline)
             out = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={
-                "Objects": [{"Key": pre + k} for k in keys[i:i + 1000]], "Quiet": True})
+                "Objects": [{"Key": self._s3_key(k)[1]} for k in keys[i:i + 1000]], "Quiet": True})
             errs = [e for e in out.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
             if errs:
                 raise OSError(f"delete of {len(errs)} object(s) failed under {self.url}: "
@@ -151,14 +151,23 @@ class S3BlockStore(FsspecBlockStore):
         bucket, _, base = self.root.partition("/")
         return bucket, f"{base}/" if base else ""
 
+    def _s3_key(self, key: str) -> tuple[str, str]:
+        """(bucket, S3 key) of the store key `key`: its fsspec path (FsspecBlockStore._path,
+        the URL's path then the key) split at the bucket, so requests made here and through
+        s3fs name the same object. Store keys come from assets.py as they are; this backend
+        only places them under its URL."""
+        bucket, _, obj = self._path(key).partition("/")
+        return bucket, obj
+
     # docstring inherited
     @_translated
     def list_page(self, prefix: str, start_after: str | None = None) -> tuple[list[ObjectInfo], str | None]:
-        bucket, pre = self._bucket_and_base()
         folder = prefix.rstrip("/")  # a folder: "blocks/a" does not list blocks/ab/
-        kw = {"Bucket": bucket, "Prefix": pre + (folder + "/" if folder else ""), "MaxKeys": self.PAGE_KEYS}
+        bucket, s3_prefix = self._s3_key(folder + "/" if folder else "")
+        _, pre = self._bucket_and_base()  # cut from the listed S3 keys: the store keys
+        kw = {"Bucket": bucket, "Prefix": s3_prefix, "MaxKeys": self.PAGE_KEYS}
         if start_after is not None:
-            kw["StartAfter"] = pre + start_after
+            kw["StartAfter"] = self._s3_key(start_after)[1]
         while True:
             try:
                 out = self.fs.call_s3("list_objects_v2", **kw)

@@ -1,0 +1,360 @@
+"""The gc state machine of a ref table: the gc lock and its lease, the deletion phases
+(freeze / thaw, the epoch writers fence on), writers' holds, the queue of prunes, and
+the mark of a rebuild (recover) in progress, as the part of RefTable (refs/base.py)
+that reads and writes them.
+
+One record (gc: b"state" -> {epoch, phase, owner, lease, clock, expires, holds, ...})
+moves idle -> marking -> deleting -> marking ... -> idle. The epoch is odd exactly
+while a deletion phase may be running; a writer that decided which objects exist
+under an even epoch moves a ref only while the epoch is still that one (_check_fence,
+in the move's own transaction). A gc declares its lease (seconds; gc.py's Lease
+renews it) and the lock is judged on the table's clock only (Txn.clock), so no
+party's own clock or setting can declare a live gc dead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..errors import Fenced, FormatError, GcBusy, RebuildUnfinished, RefNotFound, TsckError
+from ..format.records import decode_gc_state, decode_record, encode_record
+from .txn import Txn
+
+__all__ = ["GcStateMachine", "HOLD_SECONDS", "UNDECLARED_LEASE", "rebuild_message"]
+
+_REBUILD = b"rebuild"       # meta: a recover began and none has finished since ({owner, started})
+_PRUNE_KEY = b"prune:"      # gc: a queued prune request of job <name> ({at, id})
+# A gc state with no declared lease (no `expires`): the lock is judged by its heartbeat's
+# age on the wall clock, and runs out this many seconds after it.
+UNDECLARED_LEASE = 120.0
+HOLD_SECONDS = 30.0  # a writer's hold, renewed every HOLD_SECONDS / 4 while it re-validates
+
+
+class GcStateMachine:
+    """The gc lock, lease, phases, holds, fences, prune queue and rebuild mark of RefTable
+    (a mixin over its _read/_write)."""
+
+    # The queue of prunes that found the store busy (docs/ARCHITECTURE.md, "Many jobs
+    # on one store"). A job whose prune cannot take the gc lock queues a request; the
+    # prune or gc that holds the lock applies the rules of every queued job along with
+    # its own and removes the requests it served in its expiry transaction. A request
+    # read before the catalog is read covers every snapshot committed before it was
+    # queued, which is what the job asked for.
+    def prune_request(self, job: str) -> bytes:
+        """Queue a prune of `job` (replacing one already queued) -> its token, for prune_pending."""
+        token = os.urandom(8)
+
+        def txn(t):
+            t.put("gc", _PRUNE_KEY + job.encode(), encode_record({"at": t.wall(), "id": token}))
+        self._write(txn)
+        return token
+
+    def prune_requests(self) -> dict[str, bytes]:
+        """The queued prune requests: job -> the stored request (compared, never trusted, by
+        catalog_expire). A key that is not UTF-8 is no job: left alone."""
+        def txn(t):
+            out = {}
+            for k, v in t.items("gc", _PRUNE_KEY):
+                try:
+                    out[k[len(_PRUNE_KEY):].decode("utf-8")] = v
+                except UnicodeDecodeError:
+                    continue
+            return out
+        return self._read(txn)
+
+    def prune_pending(self, job: str, token: bytes) -> bool:
+        """Is the request `token` of `job` still queued (not yet served by a prune or gc)?"""
+        def txn(t):
+            raw = t.get("gc", _PRUNE_KEY + job.encode())
+            if raw is None:
+                return False
+            try:
+                rec = decode_record(raw, "prune request")
+            except FormatError:
+                return True  # unreadable: not known to be served
+            return rec.get("id") == token if isinstance(rec, dict) else True
+        return self._read(txn)
+
+    def gc_state(self) -> dict:
+        """The gc state, with `lease_left`: seconds the current gc's lease still runs on
+        the table's clock (0.0 once it ran out; None when no gc holds the store)."""
+        def txn(t):
+            st = _gc_state(t)
+            st["lease_left"] = None if st["phase"] == "idle" and st["epoch"] % 2 == 0 else _lease_left(t, st, None)
+            return st
+        return self._read(txn)
+
+    # gc state machine: idle -> marking -> deleting -> idle. The epoch is odd exactly while
+    # a deletion phase may be running (docs/ARCHITECTURE.md, "GC and concurrent writers").
+    # A gc holds the store under a lease it declares (seconds) and renews; whether it ran
+    # out is judged on the table's clock only, so no party's own clock or setting can
+    # declare a live gc dead. `now` (a reading of the table's clock) is for tests.
+    def gc_abandoned(self, owner: str) -> None:
+        """A gc of this process that stopped and could not record its end (the table's
+        disk was full, its server away): released at this handle's next chance
+        (release_abandoned_gc) instead of holding the store until its lease runs out."""
+        self.__dict__.setdefault("_abandoned_gcs", set()).add(owner)
+
+    def release_abandoned_gc(self) -> None:
+        """End the gcs of this process that gc_abandoned() recorded, if the table takes
+        writes again; one that another party closed or took over is forgotten."""
+        owners = self.__dict__.get("_abandoned_gcs")
+        for owner in list(owners or ()):
+            try:
+                self.gc_finish(owner)
+            except GcBusy:
+                pass  # no longer ours: closed as stale, or another gc holds the store
+            except TsckError:
+                continue  # still failing: try again next time
+            owners.discard(owner)
+
+    def gc_begin(self, owner: str, *, lease: float, now: float | None = None, rebuilding_ok: bool = False,
+                 what: str = "gc") -> dict:
+        """Take the gc lock. RebuildUnfinished while a recover has not finished (the
+        table may not list every snapshot: nothing may be deleted by reachability),
+        unless rebuilding_ok (fsck --repair, which deletes nothing a snapshot reaches)."""
+        if not (isinstance(lease, (int, float)) and 0 < lease < 1e7):
+            raise ValueError(f"gc lease must be a positive number of seconds, got {lease!r}")
+        self.release_abandoned_gc()
+
+        def txn(t):
+            if not rebuilding_ok:
+                _refuse_if_rebuilding(t, what)
+            st = _gc_state(t)
+            if st["phase"] != "idle" or st["epoch"] % 2:
+                left = _lease_left(t, st, now)
+                if left > 0:
+                    raise GcBusy(f"another gc ({st.get('owner')}) is {st['phase']}; its lease runs "
+                                 f"{left:.1f}s more")
+                if st["epoch"] % 2:  # a dead gc's deletion phase is over: close it
+                    st["epoch"] += 1
+            clock, tnow = _clock(t, now)
+            st.update(phase="marking", owner=owner, lease=float(lease), clock=clock, expires=tnow + lease,
+                      heartbeat=t.wall(), started=t.wall())
+            t.put("gc", b"state", encode_record(st))
+            return st
+        return self._write(txn)
+
+    # A rebuild in progress (docs/ARCHITECTURE.md, "recover under gc"). recover's first
+    # transaction sets the mark, its last one clears it; while it is set no gc lock is
+    # given for deleting, and the mark is set only while no live gc holds the lock (a
+    # dead one's lock is closed, so it can never renew and go on). Both checks run
+    # inside the transaction that acts, so a gc and a recover cannot overlap.
+    def rebuild_begin(self, owner: str, *, now: float | None = None) -> dict | None:
+        """Mark the table as being rebuilt by `owner` (recover), before anything is
+        adopted. GcBusy while a gc (or prune, or fsck --repair) holds a live lease.
+        -> the mark an earlier recover left unfinished, or None."""
+        def txn(t):
+            st = _gc_state(t)
+            if st["phase"] != "idle" or st["epoch"] % 2:
+                left = _lease_left(t, st, now)
+                if left > 0:
+                    raise GcBusy(f"a gc ({st.get('owner')}) is {st['phase']}; its lease runs {left:.1f}s more")
+                # Its lease ran out: it deletes no more (it never deletes past its lease);
+                # closing the lock makes its next renewal fail, so it cannot go on.
+                if st["epoch"] % 2:
+                    st["epoch"] += 1
+                st.update(phase="idle", owner=None, aborted=t.wall())
+                for k in ("clock", "expires"):
+                    st.pop(k, None)
+                t.put("gc", b"state", encode_record(st))
+            prev = _rebuild_mark(t)
+            t.put("meta", _REBUILD, encode_record({"owner": owner, "started": t.wall()}))
+            return prev
+        return self._write(txn)
+
+    def rebuild_finish(self) -> None:
+        """A recover finished: every complete commit in storage has its catalog row, so
+        the table is complete again and gc may delete by it."""
+        self._write(lambda t: t.delete("meta", _REBUILD))
+
+    def rebuild_unfinished(self) -> dict | None:
+        """The mark of a recover that began and has not finished ({owner, started}), or
+        None (a table without the mark is complete)."""
+        return self._read(_rebuild_mark)
+
+    def _gc_owned(self, owner, now, phases, fn):
+        def txn(t):
+            st = _gc_state(t)
+            if st.get("owner") != owner or st["phase"] not in phases:
+                raise GcBusy(f"this gc lost the store's gc lock (state {st['phase']} held by {st.get('owner')})")
+            # Renewing after the lease ran out is safe: nobody closed it (the owner and
+            # phase are unchanged, and closing one is a write this transaction would see).
+            clock, tnow = _clock(t, now)
+            st.update(clock=clock, expires=tnow + float(st.get("lease", UNDECLARED_LEASE)), heartbeat=t.wall())
+            fn(st, clock, tnow)
+            t.put("gc", b"state", encode_record(st))
+            return st
+        return self._write(txn)
+
+    def gc_heartbeat(self, owner, *, now: float | None = None):
+        """Renew the lease of `owner` (GcBusy if it lost the lock)."""
+        return self._gc_owned(owner, now, ("marking", "deleting"), lambda st, clock, tnow: None)
+
+    def gc_freeze(self, owner, *, now: float | None = None):
+        """Open the deletion phase (epoch odd), unless a writer holds the store while it
+        re-validates (gc_hold): then nothing changes but the lease's renewal, and the
+        returned state says for how long at most (`held`, seconds) the gc should wait."""
+        held = 0.0
+
+        def fn(st, clock, tnow):
+            nonlocal held
+            held = 0.0  # a transaction the table retries runs fn again
+            live = _live_holds(st, clock, tnow)
+            if live:
+                st["holds"] = live  # the expired ones go
+                held = max(e for _c, e in live.values()) - tnow
+                return
+            st.pop("holds", None)
+            st["phase"] = "deleting"
+            st["epoch"] += 1  # odd: writers that commit from now on re-validate first
+        st = dict(self._gc_owned(owner, now, ("marking",), fn))
+        st["held"] = held
+        return st
+
+    # Liveness for writers (docs/ARCHITECTURE.md, "Writers are not starved"). A writer
+    # whose move was fenced takes a hold in the transaction that finds the epoch even;
+    # while a hold lives no deletion phase opens, so its re-validation and move go
+    # through. Holds expire on the table's clock; the safety of the fence never depends
+    # on them.
+    def gc_hold(self, holder: str, *, seconds: float | None = None, now: float | None = None) -> int | None:
+        """Take or renew `holder`'s hold for `seconds` (default HOLD_SECONDS) -> the epoch,
+        the writer's new fence, if it is even; None while a deletion phase runs. The hold
+        is recorded either way: one taken during a phase keeps the gc's next phase (a gc
+        deletes in several) from opening until the writer has moved, so a writer that
+        polls the epoch cannot miss the short gap between two phases."""
+        seconds = HOLD_SECONDS if seconds is None else float(seconds)
+
+        def txn(t):
+            st = _gc_state(t)
+            clock, tnow = _clock(t, now)
+            live = _live_holds(st, clock, tnow)
+            live[holder] = [clock, tnow + seconds]
+            st["holds"] = live
+            t.put("gc", b"state", encode_record(st))
+            return None if st["epoch"] % 2 else st["epoch"]
+        return self._write(txn)
+
+    def gc_unhold(self, holder: str) -> None:
+        """Release `holder`'s hold (a move with hold= releases it too)."""
+        def txn(t):
+            _drop_hold(t, holder)
+        self._write(txn)
+
+    def gc_thaw(self, owner, *, now: float | None = None):
+        """Close `owner`'s deletion phase (epoch even) and keep the lock (phase "marking"):
+        a gc deletes in several short phases, so a writer it fences waits for one
+        phase, never for the whole sweep. The next gc_freeze opens the next phase."""
+        def fn(st, _clock, _tnow):
+            if st["epoch"] % 2:
+                st["epoch"] += 1
+            st["phase"] = "marking"
+        return self._gc_owned(owner, now, ("deleting",), fn)
+
+    def gc_finish(self, owner, *, now: float | None = None, **fields):
+        def fn(st, _clock, _tnow):
+            if st["epoch"] % 2:
+                st["epoch"] += 1
+            st.update(fields, phase="idle", owner=None)
+            for k in ("clock", "expires"):
+                st.pop(k, None)
+        return self._gc_owned(owner, now, ("marking", "deleting"), fn)
+
+    def gc_abort_stale(self, *, now: float | None = None):
+        """Close a deletion phase whose gc's lease ran out (on the table's clock): a gc
+        never deletes past its lease, so its epoch can be closed."""
+        def txn(t):
+            st = _gc_state(t)
+            # Any odd epoch whose lease ran out is closed, whatever its phase says.
+            if st["epoch"] % 2 and _lease_left(t, st, now) <= 0:
+                st["epoch"] += 1
+                st.update(phase="idle", owner=None, aborted=t.wall())
+                for k in ("clock", "expires"):
+                    st.pop(k, None)
+                t.put("gc", b"state", encode_record(st))
+            st["lease_left"] = None if st["epoch"] % 2 == 0 else _lease_left(t, st, now)
+            return st
+        return self._write(txn)
+
+
+def _clock(t: Txn, now: float | None) -> tuple[str, float]:
+    clock, tnow = t.clock()
+    return clock, (tnow if now is None else now)
+
+
+def _lease_left(t: Txn, st: dict, now: float | None) -> float:
+    if "expires" not in st:  # no declared lease: its heartbeat's age on the wall clock
+        return max(0.0, float(st.get("heartbeat", 0.0)) + UNDECLARED_LEASE - (t.wall() if now is None else now))
+    clock, tnow = _clock(t, now)
+    if st.get("clock") != clock:
+        return 0.0  # another boot of the table's host: that gc is gone
+    return max(0.0, float(st["expires"]) - tnow)
+
+
+def _live_holds(st: dict, clock: str, tnow: float) -> dict:
+    """The writers' holds that have not run out on the table's clock (one of another boot has)."""
+    return {h: [c, e] for h, (c, e) in (st.get("holds") or {}).items() if c == clock and e > tnow}
+
+
+def _drop_hold(t: Txn, holder: str) -> None:
+    st = _gc_state(t)
+    holds = st.get("holds") or {}
+    if holder in holds:
+        del holds[holder]
+        t.put("gc", b"state", encode_record(st))
+
+
+def _check_fence(t: Txn, fence: int | None) -> None:
+    if fence is not None:
+        epoch = _gc_state(t).get("epoch", 0)
+        if epoch != fence or epoch % 2:
+            raise Fenced(f"gc deletion epoch moved from {fence} to {epoch}")
+
+
+def _check_kept(t: Txn, root: bytes, fence: int | None) -> None:
+    """A fenced tag or pin names a snapshot that is kept now: it has a catalog row or is a
+    ref's tip. Checked in the transaction that inserts the row, so a gc's expiry either
+    saw the tag or pin (and kept the snapshot) or happened before it (and this refuses)."""
+    if fence is None or t.get("catalog", root) is not None:
+        return
+    if any(v == root for _k, v in t.items("refs")):
+        return
+    raise RefNotFound(f"snapshot {root.hex()[:16]} is no longer kept (retention dropped it meanwhile)")
+
+
+def _rebuild_mark(t: Txn) -> dict | None:
+    raw = t.get("meta", _REBUILD)
+    if raw is None:
+        return None
+    try:
+        mark = decode_record(raw, "rebuild mark")
+    except FormatError:
+        return {"owner": "?", "started": None}  # unreadable: still a rebuild nobody finished
+    owner = mark.get("owner")
+    return {"owner": None if owner is None else str(owner), "started": mark.get("started")}
+
+
+def rebuild_message(mark: dict, what: str = "gc") -> str:
+    started = mark.get("started")
+    when = (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+            if isinstance(started, (int, float)) and not isinstance(started, bool) and 0 <= started < 1e11 else "?")
+    if mark.get("owner") is None:
+        return (f"{what} refused: this ref table was found empty ({when}) for a store made before it (a lost or "
+                f"emptied table, or the wrong --refs / $TSCK_REFS?) and no `tsck recover` has finished on it "
+                f"since; it may not list every snapshot. Run `tsck recover` first, then {what}; nothing was "
+                f"deleted")
+    return (f"{what} refused: the ref table is being rebuilt from storage by `tsck recover` (begun {when} by "
+            f"{mark.get('owner', '?')}), or that recover stopped before it finished; until a recover finishes, "
+            f"the table may not list every snapshot, so nothing may be deleted by it. Run `tsck recover` "
+            f"again (or let the running one finish), then {what}; nothing was deleted")
+
+
+def _refuse_if_rebuilding(t: Txn, what: str = "gc") -> None:
+    mark = _rebuild_mark(t)
+    if mark is not None:
+        raise RebuildUnfinished(rebuild_message(mark, what))
+
+
+def _gc_state(t: Txn) -> dict:
+    return decode_gc_state(t.get("gc", b"state"))
