@@ -1,6 +1,6 @@
 """Snapshots in and out as files other tools read: `tsck ls`, `tsck checkout`, `tsck import`.
 
-    list_tree(store, target, path)         the tree's values: path, kind, dtype, shape, bytes;
+    list_tree(core, root, path)            the tree's values: path, kind, dtype, shape, bytes;
                                            manifest nodes only, no block is read
     export_file(store, target, dest, ...)  one standalone file, safetensors or torch.save, written
                                            to a temp file beside DEST and renamed: never half a file
@@ -255,10 +255,10 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     root = store.resolve(target)  # once: the ref may move while we read
     where = f"snapshot {root[:16]} ({target}) of {store.url}"
     if fmt == "safetensors":
-        _, entries = list_tree(store, root, path)
+        _, entries = list_tree(store.core, root, path)
         _check_for_safetensors(entries, where)
     elif path is not None:
-        list_tree(store, root, path)  # refuses a path that holds nothing before a block is read
+        list_tree(store.core, root, path)  # refuses a path that holds nothing before a block is read
     # Reads only the blocks under PATH; _select then finds the value in the pruned tree.
     state = store.checkout(root, paths=None if path is None else [path], progress=progress)
     value, prefix = (state, "") if path is None else _select(state, path)
@@ -435,7 +435,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     config = _config_text(config if config is not None else hf.get("config"), f"the config of {where}")
     generation_config = _config_text(generation_config if generation_config is not None
                                      else hf.get("generation_config"), f"the generation config of {where}")
-    _, entries = list_tree(store, root, path)
+    _, entries = list_tree(store.core, root, path)
     _check_for_safetensors(entries, where, strip=path)
     state = store.checkout(root, paths=None if path is None else [path], progress=progress)  # only PATH's blocks
     value, prefix = (state, "") if path is None else _select(state, path)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .core import Core
 from .errors import FormatError, InvalidArgument, storage_error
 from .format import tree
 from .format.dtypes import DTYPE_ITEMSIZES
@@ -75,21 +76,23 @@ def _entry(p: str, item) -> Entry:
     return Entry(p, t.__name__, value=item)  # bool, int, float
 
 
-def list_tree(store, target: str, path: str | None = None, *, limit: int = MAX_ENTRIES) -> tuple[str, list]:
-    """(root hex, [Entry]) of the values of a snapshot, in state order; with `path`, only
+def list_tree(core: Core, root: Digest | str, path: str | None = None, *,
+              limit: int = MAX_ENTRIES) -> tuple[str, list]:
+    """(root hex, [Entry]) of the values of the snapshot `root` (a Digest or its hex:
+    Store.resolve(target) names it), in state order; with `path`, only
     that value or the values under it (nodes elsewhere are not read). Reads the commit
     and the manifest nodes it needs, never a block. A multi-rank snapshot lists rank 0's
     tree (what a single process's checkout returns; sharded tensors at their global
     shape). InvalidArgument when nothing is at `path`; FormatError past `limit` values."""
-    root = Digest.parse(store.resolve(target))
+    root = root if isinstance(root, Digest) else Digest.parse(root)
     try:
-        return root.hex(), list(_entries(store, root, path, limit))
+        return root.hex(), list(_entries(core, root, path, limit))
     except OSError as e:
-        raise storage_error(e, f"reading snapshot {root.hex()[:16]} of {store.url}") from e
+        raise storage_error(e, f"reading snapshot {root.hex()[:16]} of {core.url}") from e
 
 
-def _entries(store, root: Digest, path: str | None, limit: int):
-    assets, verify, snap = store.assets, store.verify, root.hex()
+def _entries(core: Core, root: Digest, path: str | None, limit: int):
+    assets, verify, snap = core.assets, core.settings.verify, root.hex()
     top = decode_commit(assets.get_commit(root, verify=verify))["tree"]
     sel = None if path is None else Selection([path])
     decoded: dict = {}
@@ -146,6 +149,6 @@ def _entries(store, root: Digest, path: str | None, limit: int):
         v = node(rank_top(v, 0, lambda d: node(d, (), 0)), (), 0)
     state = FULL if sel is None else sel.root
     if measure(v, (), 0, state)[1] == 0 and path is not None:
-        raise InvalidArgument(f"snapshot {snap[:16]} in {store.url} holds nothing at {path!r} (paths are "
+        raise InvalidArgument(f"snapshot {snap[:16]} in {core.url} holds nothing at {path!r} (paths are "
                               "dotted: model.layers.0.weight; `tsck ls` lists them)")
     yield from values(v, (), 0, state)

@@ -598,7 +598,7 @@ class Store:
         from .gc import run_gc
         if not dry_run:
             self._writable("gc")
-        return run_gc(self, dry_run=dry_run, progress=progress, lease=self.gc_lease if lease is None else lease,
+        return run_gc(self.core, dry_run=dry_run, progress=progress, lease=self.gc_lease if lease is None else lease,
                       grace=grace)
 
     @_public
@@ -610,7 +610,7 @@ class Store:
         from .gc import prune_job
         validate_component(job, "job name")
         self._writable("prune")
-        return prune_job(self, job, lease=self.gc_lease if lease is None else lease)
+        return prune_job(self.core, job, lease=self.gc_lease if lease is None else lease)
 
     @_public
     def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False):
@@ -621,7 +621,7 @@ class Store:
         from .fsck import run_fsck
         if repair:
             self._writable("fsck --repair")
-        return run_fsck(self, full=full, progress=progress, repair=repair, lease=self.gc_lease)
+        return run_fsck(self.core, full=full, progress=progress, repair=repair, lease=self.gc_lease)
 
     # -- reading ---------------------------------------------------------------
     @_public
@@ -852,7 +852,7 @@ class Store:
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e7:
             raise InvalidArgument(f"recover wait must be a number of seconds >= 0, got {wait!r}")
         self._writable("recover")
-        return run_recover(self, progress=progress, wait=wait)
+        return run_recover(self.core, progress=progress, wait=wait)
 
     @_public
     def diff(self, a: str, b: str) -> dict:

@@ -1,6 +1,6 @@
 """What the store's bytes are, per job and over time: the numbers behind `tsck du --plot`.
 
-    usage(store) -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}}, "unreadable"}
+    usage(core) -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}}, "unreadable"}
 
 Per job, over its kept snapshots in commit order (catalog rows: nothing is read for it):
 
@@ -23,6 +23,7 @@ fraction and are left out of held_bytes and only_bytes.
 
 from __future__ import annotations
 
+from .core import Core
 from .errors import FormatError, IntegrityError, storage_error
 from .info import row_to_info
 from .walk import walk_commit
@@ -32,10 +33,10 @@ __all__ = ["usage"]
 _SHARED = -1
 
 
-def usage(store) -> dict:
+def usage(core: Core) -> dict:
     rows = []
     bad: list = []
-    for root, row in store.reftable.catalog_iter(bad=bad):
+    for root, row in core.refs.catalog_iter(bad=bad):
         rows.append(row_to_info(root, row))
     rows.sort(key=lambda i: (i.time, i.step if i.step is not None else -1, i.root))
     names = sorted({i.job for i in rows})
@@ -58,7 +59,7 @@ def usage(store) -> dict:
     owner: dict[bytes, int] = {}
     unreadable: dict[str, str] = {}
     try:
-        sizes = {o.digest: o.size for o in store.assets.list_objects("blocks")}
+        sizes = {o.digest: o.size for o in core.assets.list_objects("blocks")}
         for job in names:
             n, j = index[job], jobs[job]
             seen: set = set()   # nodes walked for this job: a shared sub-tree once per job
@@ -67,7 +68,7 @@ def usage(store) -> dict:
                 if i.job != job:
                     continue
                 try:
-                    for o in walk_commit(store.assets, bytes.fromhex(i.root), verify=store.verify,
+                    for o in walk_commit(core.assets, bytes.fromhex(i.root), verify=core.settings.verify,
                                          skip_nodes=seen):
                         if o.kind != "block" or o.digest in mine:
                             continue
@@ -83,12 +84,12 @@ def usage(store) -> dict:
                 except (IntegrityError, FormatError) as e:
                     unreadable[i.root] = str(e)  # fsck names it; the numbers leave its rest out
     except OSError as e:
-        raise storage_error(e, f"reading the snapshots of {store.url}") from e
+        raise storage_error(e, f"reading the snapshots of {core.url}") from e
     for d, n in owner.items():
         if n != _SHARED:
             j = jobs[names[n]]
             j["only_bytes"] += sizes[d]
             j["only_blocks"] += 1
-    return {"store": store.url, "logical_bytes": sum(i.bytes_total for i in rows),
+    return {"store": core.url, "logical_bytes": sum(i.bytes_total for i in rows),
             "block_bytes": sum(sizes.values()), "blocks": len(sizes), "jobs": jobs,
             "malformed_rows": [r.hex() for r, _e in bad], "unreadable": unreadable}

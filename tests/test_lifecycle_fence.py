@@ -108,7 +108,7 @@ def test_set_retention_racing_expiry_drops_nothing(tmp_path):
     with s:
         rules = s.reftable.retention_all()
         from tensorstore_ck.gc import plan_expiry
-        doomed = plan_expiry(s, 1e12, rules)
+        doomed = plan_expiry(s.core, 1e12, rules)
         assert len(doomed) == 2
         s.set_retention("a", tsck.Retention(keep_last=10))
         assert s.reftable.catalog_expire(doomed, rules=rules) == []
