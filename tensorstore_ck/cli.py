@@ -124,7 +124,7 @@ def _out(args, obj, text: str) -> None:
 
 def _holds_snapshots(store) -> bool:
     try:
-        return holds_snapshots(store.storage)
+        return holds_snapshots(store.core.storage)
     except OSError as e:
         raise storage_error(e, f"listing the commits of {store.url}") from e
 

@@ -390,7 +390,7 @@ class CheckpointManager:
         try:
             if ref is not None and self.store.resolve(ref) == root.hex():
                 return True
-            return self.store.reftable.catalog_has(root)
+            return self.store.core.refs.catalog_has(root)
         except TsckError:  # still cannot tell: the caller raises the OutcomeUnknown
             return False
 
@@ -593,8 +593,8 @@ class _Pruner:
                 return False
             try:
                 if token is None:  # whoever holds the lock now, or takes it next, serves this job too
-                    token = self.store.reftable.prune_request(self.job)
-                elif not self.store.reftable.prune_pending(self.job, token):
+                    token = self.store.core.refs.prune_request(self.job)
+                elif not self.store.core.refs.prune_pending(self.job, token):
                     self.served += 1
                     log.info("prune %s: applied by another job's prune or a gc", self.job)
                     return True
