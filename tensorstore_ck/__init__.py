@@ -9,13 +9,18 @@ Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
                           writer, reader, handle)
     train.py, loader.py   TrainState, CheckpointManager; ResumableDataLoader (exact resume)
     lightning.py          PyTorch Lightning CheckpointIO (the [lightning] extra; never imported here)
-    opener.py             open_store(): URL -> storage stack + ref table + Store
-    store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls
-    dist.py               collective put/checkout under torch.distributed (over the Publisher)
+    opener.py             open_store(): URL -> storage stack + ref table + Core + Store; the
+                          options, checked and translated into Settings in one place
+    store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls;
+                          it hands the layers below its Core, never itself
+    asyncput.py           put_snapshot(blocking=False): staging, slots, the background publisher
+    lifecycle.py          tags, pins, forget, delete_ref: fenced against gc, rolled back on failure
+    dist.py               collective put/checkout under torch.distributed (a CollectiveJob)
     gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
     recover.py            snapshots; rebuild the ref table from storage
     publish.py            the one publisher: blocks -> nodes -> commit -> fenced CAS -> retry
-    listing.py            `tsck ls`: a snapshot's values from its nodes (no blocks, no torch)
+    reach.py, usage.py    what the kept snapshots reach (gc's mark); `tsck du` and its plot's numbers
+    listing.py            `tsck ls`, `tsck diff`: values from the nodes (no blocks, no torch)
     plan.py, read.py,     state -> plan (validated before any write); nodes -> state (read_box:
     walk.py               sharded regions); the DAG without tensor data (gc, fsck, diff)
     core.py               Core: storage, assets, ref table, I/O pool and settings of one store,

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .core import Core
+from .core import DEFAULT_LEASE, Core
 from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError, UnreadableObject
 from .progress import progress_bar
 from .reach import KINDS, Marked, NodeSet, holders, iter_unreachable, kept_roots, mark
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 __all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "prune_job", "plan_expiry", "retention_plan", "DEFAULT_LEASE",
            "Lease", "holding_gc_lock"]
 
-DEFAULT_LEASE = 120.0        # seconds a gc holds the store between two renewals
 SWEEP_BATCH = 512            # deletes between two checks of the lock
 # A deletion phase ends after this many deletions or this many seconds of deleting,
 # whichever comes first, and the next one opens after it (re-marking first): a writer

@@ -1,6 +1,9 @@
-"""What the store's bytes are, per job and over time: the numbers behind `tsck du --plot`.
+"""What the store's bytes are, per job and over time: the numbers behind `tsck du` and
+`tsck du --plot`.
 
-    usage(core) -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}}, "unreadable"}
+    summary(core) -> Store.du(): logical bytes (the catalog rows) vs physical (one count
+                     of the stored objects per kind), per job the totals and latest step
+    usage(core)   -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}}, "unreadable"}
 
 Per job, over its kept snapshots in commit order (catalog rows: nothing is read for it):
 
@@ -28,16 +31,47 @@ from .errors import FormatError, IntegrityError, storage_error
 from .info import row_to_info
 from .walk import walk_commit
 
-__all__ = ["usage"]
+__all__ = ["summary", "usage"]
 
 _SHARED = -1
 
 
-def usage(core: Core) -> dict:
-    rows = []
+def _kept(core: Core, bad: list) -> list:
+    """SnapshotInfo of every catalog row; a row that does not decode goes to `bad`
+    as (root, error) (tsck fsck names it)."""
+    return [row_to_info(root, row) for root, row in core.refs.catalog_iter(bad=bad)]
+
+
+def summary(core: Core) -> dict:
+    """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
+    jobs: dict[str, dict] = {}
     bad: list = []
-    for root, row in core.refs.catalog_iter(bad=bad):
-        rows.append(row_to_info(root, row))
+    rows = _kept(core, bad)
+    for info in rows:
+        j = jobs.setdefault(info.job, {"snapshots": 0, "logical_bytes": 0, "new_bytes": 0,
+                                       "latest_step": None, "latest_time": 0.0})
+        j["snapshots"] += 1
+        j["logical_bytes"] += info.bytes_total
+        j["new_bytes"] += info.bytes_new
+        if info.time >= j["latest_time"]:
+            j["latest_time"], j["latest_step"] = info.time, info.step
+    logical = sum(i.bytes_total for i in rows)
+    phys = core.assets.object_stats()
+    return {
+        "store": core.url, "snapshots": len(rows),
+        "logical_bytes": logical, "physical_bytes": sum(v[1] for v in phys.values()),
+        "block_bytes": phys["blocks"][1], "blocks": phys["blocks"][0],
+        "nodes": phys["nodes"][0], "commits": phys["commits"][0],
+        "malformed_rows": [r.hex() for r, _e in bad],  # catalog rows left out (tsck fsck names them)
+        "dedup_ratio": (logical / phys["blocks"][1]) if phys["blocks"][1] else None,
+        "jobs": jobs,
+    }
+
+
+def usage(core: Core) -> dict:
+    """The numbers per job over time (the module docstring), for `tsck du --plot`."""
+    bad: list = []
+    rows = _kept(core, bad)
     rows.sort(key=lambda i: (i.time, i.step if i.step is not None else -1, i.root))
     names = sorted({i.job for i in rows})
     index = {j: n for n, j in enumerate(names)}

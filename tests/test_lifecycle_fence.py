@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
+from tensorstore_ck import lifecycle
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 
@@ -97,8 +98,8 @@ def test_pin_fenced_like_a_ref_move(tmp_path):
         with pytest.raises(tsck.Fenced):
             s.reftable.pin(bytes.fromhex(root1), fence=fence)
         with pytest.raises(tsck.RefNotFound):
-            s._fenced(bytes.fromhex(root1), "a/main@1", fence,
-                      lambda f: s.reftable.pin(bytes.fromhex(root1), fence=f))
+            lifecycle.fenced(s.core, s.publisher, bytes.fromhex(root1), "a/main@1", fence,
+                             lambda f: s.reftable.pin(bytes.fromhex(root1), fence=f))
         assert s.reftable.pins() == set() and s.fsck().ok
 
 
