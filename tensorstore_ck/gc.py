@@ -35,6 +35,8 @@ lock. Reachability (mark, the packed set of reached
 addresses, the streaming of unreachable objects) is in reach.py; every key is
 assets.py's. Candidates are spooled to a temporary file, not held in memory. A
 stored name that is not a well-formed key (a stray) is reported, never deleted.
+Every entry point takes the store's Core (core.py: storage, assets, ref table, pool,
+settings), so a gc is built and tested without a Store.
 """
 
 from __future__ import annotations

@@ -254,12 +254,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     "lz4" on a local disk or memory://; docs/ARCHITECTURE.md, "Compression"), "float"
     (the float codec where it pays, lz4 where that pays, raw otherwise), "lz4", "none".
     Any store reads every codec; an object's address never depends on it.
-    compress=False: the old spelling of compression="none". shuffle=True (deprecated):
+    compress=False: another spelling of compression="none". shuffle=True (deprecated):
     byte shuffle then lz4, the codec "float" supersedes.
     gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
     two renewals (default 120); others judge it on the ref table's clock.
-    gc_stale_after: the old name of gc_lease (deprecated; it no longer decides when
-    another process's gc counts as dead).
+    gc_stale_after: another name of gc_lease (deprecated; it does not decide when another
+    process's gc counts as dead: that gc's own declared lease does).
     read_only: True opens an existing store for reading only: checkout, log, refs, show,
     du, diff, fsck and gc(dry_run=True) work; every write raises ReadOnlyStore before
     anything is written, nothing is created, and a PostgreSQL ref table is used in
