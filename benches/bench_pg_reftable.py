@@ -6,7 +6,7 @@ script starts on 127.0.0.1 (initdb/pg_ctl, like the tests' fixture).
 
 N operations of each kind per round (default 300), 3 rounds; prints the median round
 and every round (ms per operation). What it measures: the pool's hand-off and check,
-and the idempotency token each write transaction writes (docs/ARCHITECTURE.md, "The
+and the idempotency token each write transaction writes (docs/design/reftable.md, "The
 PostgreSQL ref table across a lost connection").
 """
 

@@ -1,39 +1,87 @@
 """tensorstore_ck: a content-addressed snapshot store for the state of ML training jobs.
 
-Layers, top to bottom (nothing imports upward; checked by tests/test_layers.py):
+Every module, by layer, top to bottom. Nothing imports upward (pyproject.toml's
+import-linter contracts); tests/test_layers.py checks both that and that every
+module is named here (a name in the first column; a package's modules indented
+under it). A module over ~600 lines says which one job it does.
 
     cli.py, __main__.py   `tsck`: --json, exit codes 0 / 1 / 2
-    hf.py                 Hugging Face Trainer callback and resume, model folders (imports
-                          transformers: the [hf] extra; nothing here imports it)
-    dcp/                  torch.distributed.checkpoint StorageWriter/Reader (metadata, layout,
-                          writer, reader, handle)
-    train.py, loader.py   TrainState, CheckpointManager; ResumableDataLoader (exact resume)
+    hf.py                 Hugging Face Trainer integration, one job over ~600 lines: the callback
+                          that snapshots each save, resume_checkpoint (a snapshot back as the
+                          checkpoint-N folder the Trainer resumes from), and from_pretrained
+                          folders in and out (over interchange.py). Imports transformers: the
+                          [hf] extra; nothing else here imports it
     lightning.py          PyTorch Lightning CheckpointIO (the [lightning] extra; never imported here)
+    dcp/                  torch.distributed.checkpoint StorageWriter/Reader (dcp.save, dcp.load)
+      metadata.py         DCP Metadata <-> plain values (no pickle)
+      layout.py           the tree of a DCP snapshot, composed by the writer, read by the reader
+      writer.py           TsckWriter: one snapshot per dcp.save
+      reader.py           TsckReader: a StorageReader over one snapshot
+      native.py           a put_snapshot snapshot seen by dcp.load
+      handle.py           reopening a store in another process (async_save's PROCESS checkpointer)
+    train.py              TrainState (exact resume: the state and every RNG stream) and
+                          CheckpointManager (when to snapshot; collective under torch.distributed)
+    interchange.py        `tsck ls/checkout/import`: snapshots as files other tools read
+                          (safetensors, torch.save, Hugging Face model folders)
+    plot.py               `tsck du --plot`: the store's usage as a picture
     opener.py             open_store(): URL -> storage stack + ref table + Core + Store; the
-                          options, checked and translated into Settings in one place
+                          options checked and translated into Settings in one place
+    pruner.py             a training job's retention applied while it trains, in the background
+                          (CheckpointManager's and the Hugging Face callback's)
     store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls;
                           it hands the layers below its Core, never itself
     asyncput.py           put_snapshot(blocking=False): staging, slots, the background publisher
     lifecycle.py          tags, pins, forget, delete_ref: fenced against gc, rolled back on failure
-    dist.py               collective put/checkout under torch.distributed (a CollectiveJob)
+    dist.py               collective put/checkout under torch.distributed (a CollectiveJob),
+                          one job over ~600 lines: the collective protocol
     gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
     recover.py            snapshots; rebuild the ref table from storage
-    publish.py            the one publisher: blocks -> nodes -> commit -> fenced CAS -> retry
-    reach.py, usage.py    what the kept snapshots reach (gc's mark); `tsck du` and its plot's numbers
-    listing.py            `tsck ls`, `tsck diff`: values from the nodes (no blocks, no torch)
-    plan.py, read.py,     state -> plan (validated before any write); nodes -> state (read_box:
-    walk.py               sharded regions); the DAG without tensor data (gc, fsck, diff)
+    publish.py            the whole write path: block jobs -> nodes -> commit -> fenced CAS ->
+                          retry, and the stats of what was written
+    reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)
+    usage.py              `tsck du` and its plot: the store's bytes per job and over time
+    dcpview.py            a dcp.save snapshot read by checkout as the state that was saved
+    listing.py            `tsck ls`, `tsck diff`, `tsck log/refs`: snapshots described from their
+                          nodes and catalog rows (no blocks, no torch)
+    read.py               nodes -> state (read_box: sharded regions)
+    walk.py               the DAG without tensor data (gc, fsck, diff)
+    plan.py               state -> plan: every value validated and cut into block jobs before
+                          any write; nothing in it writes
     core.py               Core: storage, assets, ref table, I/O pool and settings of one store,
                           what the layers below the facade are given
     assets.py             typed, verified object I/O; the only module that knows keys
-    validate.py, info.py, snapshot arguments; SnapshotInfo; retention rules; Sharded/Replicated;
-    retention.py, shard.py, reused host buffers for async snapshots
-    staging.py
-    storage/, refs/       BlockStore backends (local, fsspec, wrappers); RefTable (LMDB,
-                          PostgreSQL, in-memory)
-    chunker.py, ids.py    tensor bytes -> element-aligned blocks; digests and hex prefixes
-    format/               bytes <-> objects, no I/O: frame, manifest envelopes, tree (the
-                          manifest grammar), dtypes
+    validate.py           snapshot arguments, checked once for every writer
+    retention.py          retention rules and the snapshots they keep
+    shard.py              Sharded / Replicated: a rank's piece of a global tensor
+    staging.py            reused host buffers for async snapshots
+    loader.py             ResumableDataLoader: the data order, resumed exactly
+    info.py               SnapshotInfo
+    storage/              BlockStore backends: immutable objects under one root
+      base.py             the BlockStore interface
+      local.py            a local filesystem (atomic, durable writes)
+      fsspec.py           any fsspec filesystem (memory://, gs://, az://, ...)
+      s3.py               S3: its request model and error classes (through s3fs)
+      wrappers.py         read-only, retrying, throttled and fault-injecting wrappers
+    refs/                 RefTable: ref name -> root, with reflog, catalog, tags and pins
+      base.py             the interface and its logic over a small transactional key-value layer
+      lmdb.py             the embedded table (LMDB, beside local data)
+      memory.py           the in-memory twin (memory:// stores, tests)
+      postgres.py         PostgreSQL, for many hosts sharing one store
+    chunker.py            tensor bytes -> element-aligned blocks
+    retry.py              the one backoff policy for transient backend failures
+    localfile.py          files outside the store's objects, whole or not at all; only
+                          regular files are read
+    progress.py           progress bars on stderr
+    paths.py              dotted paths inside a state ("model.layers.0.weight")
+    format/               bytes <-> objects, no I/O
+      frame.py            the object frame: header, then the (maybe compressed) payload
+      manifest.py         manifest node and commit envelopes
+      tree.py             the manifest grammar: every value a node holds
+      world.py            the top of a multi-rank snapshot: rank tree and chunk index
+      dtypes.py           stored dtype names <-> torch and numpy dtypes
+      names.py            ref/tag names and target strings
+      records.py          ref-table records and stored tag objects
+    ids.py                BLAKE3-256 digests, their hex form and prefixes
     errors.py             the TsckError tree
 """
 

@@ -832,7 +832,7 @@ def _put(ch: _Channel, publisher, plan, prepare):
         # needs no request (assets.Presence); a deletion phase since fences the commit.
         publisher.write_blocks(plan_, owns=owns, fence=fence)
         tree, part["payloads"] = publisher.write_nodes(plan_.value, fence)
-        from .plan import plan_stats, replica_digests  # torch: only where tensors are
+        from .publish import plan_stats, replica_digests
         st = plan_stats(plan_)
         reps = replica_digests(plan_)
         rep = None

@@ -53,7 +53,8 @@ from .interchange import (HF_META, MAX_CONFIG_BYTES, SHARD_BYTES, _config_text, 
 from .localfile import NotRegularFile, open_regular, write_dir
 from .retention import Retention
 from .shard import Replicated
-from .train import _Pruner, capture_rng
+from .pruner import Pruner
+from .train import capture_rng
 
 __all__ = ["TsckCallback", "resume_checkpoint", "export_pretrained", "import_pretrained", "trainer_state",
            "LAYOUT"]
@@ -238,7 +239,7 @@ class TsckCallback(TrainerCallback):
             if args.process_index == 0:
                 self.store.set_retention(self.job, rules)
         if rules is not None and self._prune is not False and args.process_index == 0:
-            self._pruner = _Pruner(self.store, self.job)
+            self._pruner = Pruner(self.store, self.job)
 
     def on_init_end(self, args, state, control, **kwargs):
         self._setup(args)

@@ -1,25 +1,21 @@
-"""The write side: a state tree -> a plan (every value validated, tensors cut into
-block jobs) before anything is written; then the block jobs run and the nodes
-are laid out by the grammar's NodeWriter.
+"""State -> plan: every value of a state tree validated and every tensor cut into
+block jobs before anything is written. The publisher (publish.py) runs the block
+jobs, lays the nodes out and commits; nothing here writes.
 
 Validation uses the manifest grammar's own decoder (format/tree.py) on every
 planned leaf, so put_snapshot refuses exactly what checkout would refuse.
-No storage keys here; block I/O goes through assets.Assets.
 """
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 from collections import OrderedDict
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from . import chunker
-from .assets import Assets
 from .errors import UnsupportedType
 from .format import tree
 from .format.dtypes import QUANT_NAMES, QUANT_REPR, np_dtype_out, torch_dtype_name
@@ -27,8 +23,7 @@ from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWrit
 from .paths import is_stateful
 from .shard import Replicated, Sharded, from_dtensor, is_dtensor
 
-__all__ = ["Planner", "Plan", "BuildStats", "run_block_jobs", "build_tree", "plan_stats", "contiguous",
-           "replica_digests"]
+__all__ = ["Planner", "Plan", "contiguous"]
 
 _PLACEHOLDER = b"\0" * tree.DIGEST_SIZE
 
@@ -84,7 +79,7 @@ class _Leaf(Pending):
                              # staged for a device tensor
     itemsize: int
     ranges: list             # [(start, stop)]
-    results: list = field(default_factory=list)  # PutResult per block, filled by run()
+    results: list = field(default_factory=list)  # PutResult per block, filled by publish.run_block_jobs
     device_src: object = None  # flat uint8 view of a contiguous device tensor (async staging)
     replicated: bool = False   # the same bytes on every rank (a collective put spreads its blocks)
     path: str = ""             # where in the state (spreads replicated blocks over ranks)
@@ -328,92 +323,3 @@ class Planner:
         raw = body.reshape(-1).view(np.uint8)
         return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape),
                           private=not np.may_share_memory(body, a))
-
-
-def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None, progress=None,
-                   fence: int | None = None) -> None:
-    """Hash, compress and write every block of the plan in parallel (fence: the gc
-    epoch read before, Assets.put_block).
-
-    owns(leaf, i) -> bool, for replicated leaves of a collective snapshot: a
-    block another rank owns is only hashed here (its address goes into this
-    rank's manifest), so each replicated block is written exactly once."""
-    futs: list[tuple[_Leaf, Future]] = []
-    try:
-        for leaf in plan.leaves:
-            for i, (a, b) in enumerate(leaf.ranges):
-                if owns is not None and leaf.replicated and not owns(leaf, i):
-                    futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
-                else:
-                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
-                                                   private=leaf.private, fence=fence)))
-        if progress is not None:  # progress(bytes) as each block is hashed (and written)
-            sizes = [b - a for leaf in plan.leaves for a, b in leaf.ranges]
-            for (_leaf, f), n in zip(futs, sizes):
-                f.add_done_callback(lambda f, n=n: None if f.cancelled() or f.exception() is not None
-                                    else progress(n))
-        wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
-        for _, f in futs:
-            if f.done() and f.exception() is not None:
-                raise f.exception()
-    except BaseException:
-        for _, f in futs:
-            f.cancel()
-        raise
-    for leaf, f in futs:
-        leaf.results.append(f.result())
-
-
-def replica_digests(plan: Plan) -> list[tuple[str, bytes]]:
-    """(path, 16-byte digest of dtype, shape and block addresses or inline bytes) of every
-    Replicated tensor, once its blocks are hashed: equal on every rank iff the replicas
-    are (a collective put compares them before it publishes)."""
-    out = []
-    for where, chunk in plan.replicas:
-        h = hashlib.blake2b(digest_size=16)
-        meta = chunk.meta if isinstance(chunk, _Leaf) else chunk
-        h.update(repr((meta["dt"], list(meta["sh"]))).encode())
-        if isinstance(chunk, _Leaf):
-            for r in chunk.results:
-                h.update(r.digest)
-        else:
-            h.update(b"x" + meta["x"])
-        out.append((where, h.digest()))
-    return out
-
-
-@dataclass
-class BuildStats:
-    bytes_total: int = 0
-    blocks_total: int = 0
-    bytes_new: int = 0
-    blocks_new: int = 0
-    stored_new: int = 0  # bytes the new blocks take in storage (framed, compressed)
-
-    def as_dict(self) -> dict:
-        return {"bytes_total": self.bytes_total, "bytes_new": self.bytes_new,
-                "blocks_total": self.blocks_total, "blocks_new": self.blocks_new, "stored_new": self.stored_new}
-
-
-def plan_stats(plan: Plan) -> BuildStats:
-    """What the written blocks add up to (a replicated block counts on its owner rank only)."""
-    st = BuildStats(bytes_total=plan.inline_bytes)
-    for leaf in plan.leaves:
-        for r in leaf.results:
-            if not r.counted:
-                continue
-            st.blocks_total += 1
-            st.bytes_total += r.raw_len
-            if r.new:
-                st.blocks_new += 1
-                st.bytes_new += r.raw_len
-                st.stored_new += r.stored
-    return st
-
-
-def build_tree(plan: Plan, assets: Assets) -> tuple[bytes, BuildStats, list]:
-    """Write the plan's nodes bottom-up (blocks already written) -> the top node's
-    address, the stats and the node payloads (kept so a fenced writer can re-validate)."""
-    w = NodeWriter()
-    top = w.write(plan.value, lambda payload: assets.put_node(payload).digest)
-    return top, plan_stats(plan), w.payloads

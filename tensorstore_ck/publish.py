@@ -1,16 +1,18 @@
-"""The one publisher: blocks -> manifest nodes -> commit object -> storage sync ->
-fenced compare-and-swap of the ref -> (if a gc deletion phase overlapped)
-re-validate and retry.
+"""The write path: a plan's blocks -> manifest nodes -> commit object -> storage
+sync -> fenced compare-and-swap of the ref -> (if a gc deletion phase overlapped)
+re-validate and retry; and the stats of what was written.
 
-Store.put_snapshot, the collective put (dist.py) and the DCP writer (dcp/) all
-publish through a Publisher; none of them moves a ref itself. The argument for
-why the fence makes reuse of existing blocks safe while gc runs is in
-docs/ARCHITECTURE.md ("GC and concurrent writers").
+plan.py turns a state into a Plan (validated, cut into block jobs) and writes
+nothing; everything that writes is here. Store.put_snapshot, the collective put
+(dist.py) and the DCP writer (dcp/) all publish through a Publisher; none of
+them moves a ref itself. The argument for why the fence makes reuse of existing
+blocks safe while gc runs is in docs/ARCHITECTURE.md ("GC and concurrent writers").
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -18,13 +20,14 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .assets import Assets, PutResult
 from .errors import Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StorageError
 from .format.manifest import decode_commit, encode_commit
-from .format.tree import NodeWriter
+from .format.tree import NodeWriter, Pending
 from .info import SnapshotInfo, row_to_info
 from .refs.base import HOLD_SECONDS
 from .validate import UNSET, SnapshotArgs
@@ -32,11 +35,94 @@ from .validate import UNSET, SnapshotArgs
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Publisher", "COMMIT_ATTEMPTS"]
+__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "run_block_jobs", "plan_stats", "replica_digests"]
 
 log = logging.getLogger(__name__)
 
 COMMIT_ATTEMPTS = 1000  # ref moves tried before a put gives up (each lost one is a real race)
+
+
+# -- the blocks of a plan and what they add up to -----------------------------------
+def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None, progress=None,
+                   fence: int | None = None) -> None:
+    """Hash, compress and write every block of the plan in parallel (fence: the gc
+    epoch read before, Assets.put_block).
+
+    owns(leaf, i) -> bool, for replicated leaves of a collective snapshot: a
+    block another rank owns is only hashed here (its address goes into this
+    rank's manifest), so each replicated block is written exactly once."""
+    futs: list[tuple[Pending, Future]] = []
+    try:
+        for leaf in plan.leaves:
+            for i, (a, b) in enumerate(leaf.ranges):
+                if owns is not None and leaf.replicated and not owns(leaf, i):
+                    futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
+                else:
+                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
+                                                   private=leaf.private, fence=fence)))
+        if progress is not None:  # progress(bytes) as each block is hashed (and written)
+            sizes = [b - a for leaf in plan.leaves for a, b in leaf.ranges]
+            for (_leaf, f), n in zip(futs, sizes):
+                f.add_done_callback(lambda f, n=n: None if f.cancelled() or f.exception() is not None
+                                    else progress(n))
+        wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
+        for _, f in futs:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+    except BaseException:
+        for _, f in futs:
+            f.cancel()
+        raise
+    for leaf, f in futs:
+        leaf.results.append(f.result())
+
+
+def replica_digests(plan: Plan) -> list[tuple[str, bytes]]:
+    """(path, 16-byte digest of dtype, shape and block addresses or inline bytes) of every
+    Replicated tensor, once its blocks are hashed: equal on every rank iff the replicas
+    are (a collective put compares them before it publishes)."""
+    out = []
+    for where, chunk in plan.replicas:
+        h = hashlib.blake2b(digest_size=16)
+        meta = chunk.meta if isinstance(chunk, Pending) else chunk  # a block leaf, or inline chunk meta
+        h.update(repr((meta["dt"], list(meta["sh"]))).encode())
+        if isinstance(chunk, Pending):
+            for r in chunk.results:
+                h.update(r.digest)
+        else:
+            h.update(b"x" + meta["x"])
+        out.append((where, h.digest()))
+    return out
+
+
+@dataclass
+class BuildStats:
+    """What a snapshot's blocks add up to: the stats its commit object and catalog row carry."""
+    bytes_total: int = 0
+    blocks_total: int = 0
+    bytes_new: int = 0
+    blocks_new: int = 0
+    stored_new: int = 0  # bytes the new blocks take in storage (framed, compressed)
+
+    def as_dict(self) -> dict:
+        return {"bytes_total": self.bytes_total, "bytes_new": self.bytes_new,
+                "blocks_total": self.blocks_total, "blocks_new": self.blocks_new, "stored_new": self.stored_new}
+
+
+def plan_stats(plan: Plan) -> BuildStats:
+    """What the written blocks add up to (a replicated block counts on its owner rank only)."""
+    st = BuildStats(bytes_total=plan.inline_bytes)
+    for leaf in plan.leaves:
+        for r in leaf.results:
+            if not r.counted:
+                continue
+            st.blocks_total += 1
+            st.bytes_total += r.raw_len
+            if r.new:
+                st.blocks_new += 1
+                st.bytes_new += r.raw_len
+                st.stored_new += r.stored
+    return st
 
 
 class Publisher:
@@ -61,7 +147,6 @@ class Publisher:
         return self.reftable.gc_state()["epoch"]
 
     def write_blocks(self, plan: Plan, owns=None, progress=None, fence: int | None = None) -> None:
-        from .plan import run_block_jobs  # plan.py imports torch; publishing nodes needs none
         run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress, fence=fence)
 
     def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":
@@ -108,7 +193,6 @@ class Publisher:
         fence = self.fence()
         self.write_blocks(plan, progress=progress, fence=fence)
         top, payloads = self.write_nodes(plan.value, fence)
-        from .plan import plan_stats
         return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence,
                            revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
 

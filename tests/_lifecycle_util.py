@@ -8,7 +8,7 @@ Everything here is written independently of tensorstore_ck's internals:
   reference to collect the keys of all nodes and blocks a snapshot reaches,
   with the state path of every block (format per docs/FORMAT.md).
 - `model_kept` is a plain model of the retention rules, written from their
-  definitions in ../shared/DESIGN.md and docs/ARCHITECTURE.md (not from tensorstore_ck/retention.py).
+  definitions in ../shared/DESIGN.md and docs/design/gc.md (not from tensorstore_ck/retention.py).
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import blake3
 import lz4.block
 import msgpack
 
+from _util import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 HEADER = struct.Struct("<4sBBBBQ")
 KIND_DIRS = {0: "blocks", 1: "nodes", 2: "commits"}
@@ -34,7 +36,7 @@ def key_of(kind_dir: str, hexd: str) -> str:
 
 
 def fmt_path(parts) -> str:
-    """The path format of IntegrityError.path (docs/ARCHITECTURE.md): ['model']['w'], ['opt']['state'][3]."""
+    """The path format of IntegrityError.path (docs/design/reading.md): ['model']['w'], ['opt']['state'][3]."""
     return "".join(f"[{p!r}]" for p in parts)
 
 
@@ -226,18 +228,10 @@ def model_kept(rows, rule, now: float) -> set:
 
 
 # ---------------------------------------------------------------- CLI
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("PYTHONWARNINGS", None)
-    env["COLUMNS"] = "200"
-    return env
-
-
 def run_cli(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
     """`tsck ARGS`; a Backend among ARGS stands for its store URL, and its --refs and
     storage options travel in the environment (TSCK_REFS, TSCK_STORAGE_OPTIONS)."""
-    full = _env()
+    full = child_env(cli=True)
     argv = []
     for a in args:
         if hasattr(a, "cli_env"):

@@ -1,21 +1,135 @@
-"""Shared helpers for the round-trip / bad-input / CLI tests.
+"""Shared helpers of the test suite.
 
 Nothing here touches tensorstore_ck internals: only the public API and the
 on-disk directory names documented in docs/FORMAT.md (blocks/ nodes/ commits/).
 assert_same / same_bits are the suite's one bit-exact comparison of state trees.
+child_env, load_helper, in_thread and run_worker_scenario are its one copy of the
+subprocess and thread plumbing (a test that starts a process or loads a helper
+script by path uses these, so a fix to one reaches every test).
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import struct
+import sys
+import threading
+from pathlib import Path
 
 import numpy as np
 import torch
 
 OBJECT_DIRS = ("blocks", "nodes", "commits")
+REPO = Path(__file__).resolve().parent.parent
+HELPERS = REPO / "tests" / "helpers"
 
+
+# ---------------------------------------------------------------- processes and threads
+def child_env(*, drop: tuple[str, ...] = (), cli: bool = False, **set_vars: str | None) -> dict:
+    """The environment of a subprocess that must import this checkout's tensorstore_ck:
+    os.environ with the repository first on PYTHONPATH.
+
+    drop: prefixes of variables to leave out (("TSCK_",): a developer's $TSCK_REFS must
+    not reach a CLI under test; ("AWS_", "TSCK_"): nor credentials a backend did not set).
+    cli: what the CLI tests compare against: no PYTHONWARNINGS (a warning on stderr would
+    be taken for the CLI's words) and COLUMNS=200 (argparse wraps at the terminal width).
+    set_vars: further variables; None removes one."""
+    env = {k: v for k, v in os.environ.items() if not (drop and k.startswith(tuple(drop)))}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if cli:
+        set_vars = {"PYTHONWARNINGS": None, "COLUMNS": "200", **set_vars}
+    for k, v in set_vars.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def load_helper(path, *, name: str | None = None, sibling_imports: bool = False):
+    """Import a script by its file path and return the module: tests/helpers/ and
+    benches/ are not packages on sys.path. `path`: a path, or a bare name for
+    tests/helpers/<name>.py. name: the module's name (default tsck_test_<stem>, so two
+    loads of one file in a session are the same name). sibling_imports: the script
+    imports modules beside it (dtensor_worker imports dist_worker): its folder is on
+    sys.path while it loads, and only then."""
+    path = Path(path) if os.sep in str(path) or str(path).endswith(".py") else HELPERS / f"{path}.py"
+    spec = importlib.util.spec_from_file_location(name or f"tsck_test_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    if sibling_imports:
+        sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if sibling_imports:
+            sys.path.remove(str(path.parent))
+    return mod
+
+
+def in_thread(fn):
+    """Start fn() in a thread; -> (thread, out). After thread.join(), out holds "value"
+    (what fn returned) or "error" (what it raised, BaseException included), for the test
+    to judge: an exception in a bare thread would only be printed."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - judged by the test
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+
+def launcher_main(scenarios) -> None:
+    """The __main__ of a launcher script (tests/helpers/dist_worker.py and the scripts that
+    launch through it): `python SCRIPT SCENARIO OUT [ARG...]` makes OUT, asks
+    scenarios(scenario, out, argv) for the launch infos of that scenario (None: no such
+    scenario), prints them as one JSON line and exits 0. The ranks write their results
+    under OUT, where the test reads them (run_worker_scenario)."""
+    import json
+    scenario, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    infos = scenarios(scenario, out, sys.argv)
+    if infos is None:
+        raise SystemExit(f"unknown scenario {scenario}")
+    print(json.dumps(infos))
+    sys.exit(0)
+
+
+def rank_results(out, phase: str, world: int, *, ok: bool = True, dead=(), missing_ok: bool = False,
+                 exit_zero: bool = False) -> list:
+    """What each rank of one launch reported: OUT/<phase>_rank<r>.json for r < world, after
+    checking the launcher's own record (OUT/<phase>_launcher.json) that no rank timed out.
+    ok: each report says ok (else its error is the failure). dead: ranks that must have
+    died without reporting (None in their place). missing_ok: a rank with no report is
+    None instead of a failure. exit_zero: each reporting rank also exited 0."""
+    import json
+    out = Path(out)
+    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
+    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
+    res = []
+    for r in range(world):
+        f = out / f"{phase}_rank{r}.json"
+        if r in dead:
+            assert not f.exists(), f"{phase}: rank {r} should have died, but it reported"
+            res.append(None)
+            continue
+        if not f.exists():
+            assert missing_ok, f"{phase}: rank {r} left no result (exit code {launcher['exitcodes'][r]})"
+            res.append(None)
+            continue
+        d = json.loads(f.read_text())
+        if ok:
+            assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
+        if exit_zero:
+            assert launcher["exitcodes"][r] == 0
+        res.append(d)
+    return res
 
 # ---------------------------------------------------------------- comparison
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -139,16 +253,11 @@ def run_worker_scenario(worker, tmp_path, scenario: str, *args, limit: float) ->
     it forked are killed and the test fails with the launcher's stderr."""
     import signal
     import subprocess
-    import sys
-    from pathlib import Path
 
     import pytest
-    repo = Path(__file__).resolve().parent.parent
     out = tmp_path / scenario
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    proc = subprocess.Popen([sys.executable, str(worker), scenario, str(out), *map(str, args)], cwd=repo, env=env,
+    env = child_env(TORCH_CPP_LOG_LEVEL="ERROR")
+    proc = subprocess.Popen([sys.executable, str(worker), scenario, str(out), *map(str, args)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         _o, err = proc.communicate(timeout=limit)

@@ -491,7 +491,7 @@ class RefTableTests:
         assert [e.new for e in table.reflog("job/main2")] == [R[9]]
         assert table.reflog("job/mai") == []
 
-    # -- history: the steps index (REF@STEP) and gc's compaction (issue 12, failure 12) ------
+    # -- history: the steps index (REF@STEP) and gc's compaction -------------------------------
     def test_step_index_and_history(self, table):
         R = self.R
         prev = None

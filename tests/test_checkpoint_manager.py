@@ -194,7 +194,8 @@ def test_restore_latest_empty_store(tmp_path):
 
 
 def test_the_safe_resume_form_refuses_a_typo_instead_of_starting_over(tmp_path):
-    """Issue 14 item 2: open_store(create=False) + restore_latest(must_exist=True)."""
+    """open_store(create=False) + restore_latest(must_exist=True): a mistyped path is an
+    error, never a fresh start."""
     path = tmp_path / "ckpts"
     with tsck.open_store(path) as store:
         mgr = tsck.CheckpointManager(store, job="llm", state=small_state(3), async_=False, every_steps=1)

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from _util import child_env
+
 import tensorstore_ck as tsck
 
 try:
@@ -27,17 +29,9 @@ except ImportError:  # tests/ is not a package
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.pop("PYTHONWARNINGS", None)
-    env["COLUMNS"] = "200"
-    return env
-
-
 def run_cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=_env(),
+                          capture_output=True, text=True, timeout=timeout, env=child_env(cli=True),
                           cwd=str(REPO))
 
 
@@ -273,7 +267,7 @@ def test_missing_store_not_created(filled):
 
 # ---------------------------------------------------------------- remote stores
 def _cli_env(extra: dict) -> dict:
-    env = {k: v for k, v in _env().items() if not k.startswith(("AWS_", "TSCK_"))}
+    env = child_env(drop=("AWS_", "TSCK_"), cli=True)
     env.update(extra)
     return env
 

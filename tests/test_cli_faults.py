@@ -1,4 +1,4 @@
-"""Every `tsck` command against every planted fault (issue 12, "Also"): each ends in
+"""Every `tsck` command against every planted fault: each ends in
 bounded time with exit 0, 1 or 2, never a Python traceback; a nonzero exit says why
 in one `tsck: ...` line on stderr (exit 2) or in a report (fsck's findings, exit 1).
 

@@ -1,4 +1,4 @@
-"""The command line's own words (issue 14 item 7), through the real entry point."""
+"""The command line's own words, through the real entry point."""
 from __future__ import annotations
 
 import fcntl
@@ -19,11 +19,11 @@ import tensorstore_ck as tsck
 from tensorstore_ck.cli import build_parser
 
 try:
-    from ._util import rand_tensor
-    from .test_cli import REPO, _env, run_cli
+    from ._util import child_env, rand_tensor
+    from .test_cli import REPO, run_cli
 except ImportError:  # tests/ is not a package
-    from _util import rand_tensor
-    from test_cli import REPO, _env, run_cli
+    from _util import child_env, rand_tensor
+    from test_cli import REPO, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def _on_a_terminal(*args, timeout=120) -> str:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a terminal has a size
     p = subprocess.Popen([sys.executable, "-m", "tensorstore_ck", *map(str, args)], stdout=subprocess.PIPE,
-                         stderr=slave, env={**_env(), "COLUMNS": "120"}, cwd=str(REPO))
+                         stderr=slave, env=child_env(cli=True, COLUMNS="120"), cwd=str(REPO))
     os.close(slave)
     got = b""
     while True:

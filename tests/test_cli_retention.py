@@ -1,4 +1,4 @@
-"""`tsck retention` and `tsck gc --dry-run`'s explanation (issue 14 item 6), through the
+"""`tsck retention` and `tsck gc --dry-run`'s explanation, through the
 real entry point in a subprocess."""
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ swap) that each round had exactly one winner.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from _util import load_helper
 
 import tensorstore_ck as tsck
 
@@ -29,14 +30,7 @@ INLINE = 1024
 ROUNDS = 15
 
 
-def _load_statelib():
-    spec = importlib.util.spec_from_file_location("tsck_test_statelib", HERE / "helpers" / "statelib.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-statelib = _load_statelib()
+statelib = load_helper("statelib")
 
 
 class Result:

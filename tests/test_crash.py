@@ -13,7 +13,6 @@ writers get `backend.spec()` and open it with tests/helpers/target.py.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import re
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from _util import child_env, load_helper
 
 import tensorstore_ck as tsck
 
@@ -40,21 +41,7 @@ CREATE_KILLS = {"file": 12, "s3": 8, "pg": 8}  # kills of the create test, per b
 CONTENT_KEY = re.compile(r"(blocks|nodes|commits)/[0-9a-f]{2}/[0-9a-f]{64}")
 
 
-def _load_statelib():
-    spec = importlib.util.spec_from_file_location("tsck_test_statelib", HERE / "helpers" / "statelib.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-statelib = _load_statelib()
-
-
-def child_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+statelib = load_helper("statelib")
 
 
 _LIVE: list["Writer"] = []
@@ -86,7 +73,7 @@ class Writer:
             stdout=subprocess.PIPE,
             stderr=self._err,
             cwd=REPO,
-            env=child_env(),
+            env=child_env(PYTHONUNBUFFERED="1"),
         )
         self.lines: list[tuple[float, str]] = []
         self._cv = threading.Condition()

@@ -1,7 +1,7 @@
-"""Issue 12, failure 8: a manifest DAG bomb. Nodes whose lists name the same child twice,
-40 levels deep (under the depth cap, every address valid), name 2^40 paths: `tsck fsck`
-and `tsck diff` walked every path (forever) and checkout allocated without bound. Every
-walker now visits a node once (diff counts paths over distinct nodes first), and
+"""A manifest DAG bomb. Nodes whose lists name the same child twice, 40 levels deep
+(under the depth cap, every address valid), name 2^40 paths: a walker that visited
+every path would never end, and a checkout that did not measure first would allocate
+without bound. Every walker visits a node once (diff counts paths over distinct nodes first), and
 checkout measures the tree over distinct nodes before it allocates anything.
 
 A node named at two paths is also what legitimate dedup produces (two identical
@@ -10,7 +10,6 @@ sub-trees are one node): checkout and diff still give both paths.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _util import child_env
+
 import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import decode_node, encode_node
 from tensorstore_ck.walk import iter_leaves
@@ -27,20 +28,14 @@ from tensorstore_ck.walk import iter_leaves
 REPO = Path(__file__).resolve().parent.parent
 STATS = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
 LEVELS = 40
-TIMEOUT = 90  # seconds; each run imports torch. The old code never finished.
-
-
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+TIMEOUT = 90  # seconds; each run imports torch. A walk of every path never finishes.
 
 
 def _run(args):
     """One command in a subprocess, killed at TIMEOUT: a hang is a failure, not a stuck suite."""
     try:
         return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT,
-                              env=_env(), cwd=str(REPO))
+                              env=child_env(), cwd=str(REPO))
     except subprocess.TimeoutExpired:
         return None
 
@@ -205,7 +200,7 @@ def test_diff_of_a_bomb_without_tensors_ends(tmp_path):
         reads = []
         orig = s.assets.get_node
         s.assets.get_node = lambda digest, **kw: reads.append(digest) or orig(digest, **kw)
-        with _deadline(60):  # the old code's 2^40 steps never end
+        with _deadline(60):  # a walk of all 2^40 paths never ends
             assert iter_leaves(s.assets, bytes.fromhex(s.resolve("bomb/x"))) == {}
             d = s.diff("good/main", "bomb/x")
         assert d["removed"] == ["['w']"] and not d["added"] and not d["changed"], d
@@ -250,7 +245,8 @@ def test_ls_refuses_a_bomb_before_listing_anything(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_cli_walkers_end_on_a_bomb_without_tensors(tmp_path):
     """`tsck diff`, `tsck ls`, `tsck checkout` to a file and `tsck du`, each in a subprocess killed at
-    TIMEOUT (the old diff never finished; ls and checkout to safetensors took ~40 s)."""
+    TIMEOUT (a diff over every path never finishes; ls and checkout to safetensors over
+    every path take ~40 s)."""
     path = tmp_path / "s"
     with tsck.open_store(path) as s:
         s.put_snapshot({"w": torch.arange(16.0)}, ref="good/main", step=1)
@@ -272,7 +268,7 @@ def test_cli_walkers_end_on_a_bomb_without_tensors(tmp_path):
 def test_checkout_under_a_raised_cap_is_held_to_the_format_limit(tmp_path):
     """max_bytes raised past what 2^40 values cost: the writers' shared limit on values
     (format/tree.MAX_VALUES) still refuses the bomb, counted over distinct nodes, before
-    anything is materialised (the old checkout set out to build 2^40 values)."""
+    anything is materialised (2^40 values would never fit)."""
     with tsck.open_store(tmp_path / "s") as s:
         good = s.put_snapshot({"w": torch.arange(16.0)}, ref="good/main", step=1)
         d = s.reftable.catalog_get(bytes.fromhex(good.root))["tree"]

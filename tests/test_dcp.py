@@ -9,7 +9,6 @@ loads at 2 ranks with another sharding.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import json
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import assert_same
+from _util import assert_same, load_helper
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -151,7 +150,7 @@ def test_read_metadata_reconstructs_dcp_metadata_exactly(small_store):
 
 
 def test_plain_checkout_returns_the_saved_state(small_store):
-    """store.checkout of a dcp.save snapshot gives the state_dict that was saved (issue 15):
+    """store.checkout of a dcp.save snapshot gives the state_dict that was saved:
     tensors whole, non-tensor values loaded, dict keys as DCP flattens them (str)."""
     sd = _state(0)
     want = copy.deepcopy(sd)
@@ -319,7 +318,7 @@ def test_errors(small_store):
     with pytest.raises(tsck.InvalidName):
         TsckWriter(small_store, ref="bad ref")
     small_store.put_snapshot({"w": torch.ones(2)}, "plain/main")
-    got = {"w": torch.zeros(2)}  # a put_snapshot snapshot loads (issue 15)...
+    got = {"w": torch.zeros(2)}  # a put_snapshot snapshot loads...
     dcp.load(got, storage_reader=TsckReader(small_store, "plain/main"))
     assert torch.equal(got["w"], torch.ones(2))
     with pytest.raises((CheckpointException, RuntimeError), match="Missing key"):  # ...and DCP's own checks stay
@@ -367,13 +366,6 @@ def test_writer_pickles_for_process_executor(small_store):
 
 
 # ---------------------------------------------------------------- several processes
-def _load_dist_helper():
-    spec = importlib.util.spec_from_file_location("tsck_test_dcp_dist", DIST_HELPER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.slow
 def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
     store_dir, out = tmp_path / "store", tmp_path / "out"
@@ -398,7 +390,7 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
     assert info["step"] == 100 and info["metrics"] == {"loss": 1.5} and info["blocks_new"] == 16
 
     # One snapshot holds every rank's chunks; plain checkout assembles the global tensors.
-    helper = _load_dist_helper()
+    helper = load_helper(DIST_HELPER)
     G = helper.make_globals()
     with tsck.open_store(store_dir) as s:
         assert len(s.log("jobA/main")) == 1
@@ -422,7 +414,7 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
 
 def test_overlapping_chunks_in_a_stored_dcp_tree_are_refused(small_store):
     """A DCP tree is untrusted input too: a tensor whose stored chunks overlap (which
-    chunk would a read get?) is a FormatError, not a silent pick (issue 11, failure 11)."""
+    chunk would a read get?) is a FormatError, not a silent pick."""
     from tensorstore_ck.dcp.layout import DcpTree, compose
     from tensorstore_ck.validate import check_snapshot_args
     sd = {"w": torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)}

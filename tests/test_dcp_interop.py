@@ -1,4 +1,4 @@
-"""Native and DCP snapshots readable both ways (issue 15, item 3): dcp.load through
+"""Native and DCP snapshots readable both ways: dcp.load through
 TsckReader loads a put_snapshot snapshot, and store.checkout gives the state a
 dcp.save through TsckWriter saved, so switching API never strands a checkpoint."""
 

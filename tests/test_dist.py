@@ -12,7 +12,6 @@ afterwards.
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import math
 import signal
@@ -22,7 +21,8 @@ import blake3
 import pytest
 import torch
 
-from _util import run_worker_scenario, same_bits
+import _util
+from _util import load_helper, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -33,14 +33,7 @@ REPO = HERE.parent
 WORKER = HERE / "helpers" / "dist_worker.py"
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("tsck_test_dist_worker", WORKER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-dw = _load_worker()  # data definitions shared with the ranks (specs, contents, row splits)
+dw = load_helper(WORKER)  # data definitions shared with the ranks (specs, contents, row splits)
 REF = dw.REF
 SAVE_WORLD = 4
 
@@ -52,21 +45,7 @@ def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 100.0) -> 
 
 
 def rank_results(out: Path, phase: str, world: int, *, dead=()) -> list[dict | None]:
-    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
-    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
-    res = []
-    for r in range(world):
-        f = out / f"{phase}_rank{r}.json"
-        if r in dead:
-            assert not f.exists(), f"{phase}: rank {r} should have died, but it reported"
-            res.append(None)
-            continue
-        assert f.exists(), f"{phase}: rank {r} left no result (exit code {launcher['exitcodes'][r]})"
-        d = json.loads(f.read_text())
-        assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
-        assert launcher["exitcodes"][r] == 0
-        res.append(d)
-    return res
+    return _util.rank_results(out, phase, world, dead=dead, exit_zero=True)
 
 
 # -- independent oracle: bytes, block layout, block keys --------------------------------
@@ -340,14 +319,14 @@ def test_collective_checkout_of_missing_ref_raises_ref_not_found(tmp_path):
         assert d["checkout"] == "RefNotFound", f"rank {d['rank']}: {d['checkout']}"
 
 
-# -- regressions: issue 11 (collective outcomes, replicas, tiling) --------------------------
+# -- collective outcomes, replicas, tiling ----------------------------------------------------
 
 def test_script_that_exits_right_after_its_collective_gets_the_outcome_on_every_rank(tmp_path):
     """init via MASTER_ADDR/PORT puts the c10d store in rank 0. Each rank does its put (or
     checkout), destroy_process_group() and exits at once: rank 0 must not take the store
-    down before every rank has read the outcome (before the fix the others raised
-    SnapshotAborted: Connection reset by peer for a snapshot rank 0 had published)."""
-    rounds = 6  # each round fails on the old code with p ~ 0.4 (put) / 0.6 (checkout)
+    down before every rank has read the outcome (else the others raise SnapshotAborted:
+    Connection reset by peer, for a snapshot rank 0 published)."""
+    rounds = 6  # without the outcome round each round fails with p ~ 0.4 (put) / 0.6 (checkout)
     out = run_scenario(tmp_path, "exit", rounds, limit=200.0)
     roots = []
     for i in range(rounds):
@@ -361,9 +340,9 @@ def test_script_that_exits_right_after_its_collective_gets_the_outcome_on_every_
 
 
 def test_diverged_replicas_abort_every_rank_naming_tensor_and_ranks(tmp_path):
-    """Rank 2's replica of "emb" differs: before the fix every put returned, with each
-    rank's manifest naming its own replica's blocks while each block was written by one
-    rank only (a committed snapshot referencing blocks nobody wrote)."""
+    """Rank 2's replica of "emb" differs: every rank aborts. Unchecked, every put would
+    return, each rank's manifest naming its own replica's blocks while each block is
+    written by one rank only (a committed snapshot referencing blocks nobody wrote)."""
     out = run_scenario(tmp_path, "diverged", 2)
     res = rank_results(out, "diverged", 4)
     for d in res:
@@ -384,8 +363,8 @@ def test_diverged_replicas_abort_every_rank_naming_tensor_and_ranks(tmp_path):
 
 def test_overlapping_shards_refused_on_every_rank(tmp_path):
     """Rows [0, 3072) from rank 0 and [0, 1024) from rank 1: the sizes add up, the pieces
-    overlap and leave rows [3072, 4096) unwritten. Before the fix the put succeeded and
-    checkout returned those rows as whatever torch.empty() left there."""
+    overlap and leave rows [3072, 4096) unwritten. Unchecked, the put would succeed and checkout return those rows as whatever
+    torch.empty() left there."""
     out = run_scenario(tmp_path, "tiling")
     res = rank_results(out, "tiling", 2)
     for d in res:
@@ -544,8 +523,8 @@ def test_rank_outside_the_group_is_refused(tmp_path):
 
 
 def test_collective_checkout_refuses_ranks_asking_for_different_snapshots(tmp_path):
-    """Rank 0 asks for the head, rank 1 for step 1's root: before the fix rank 1 silently
-    received the head. Now every rank raises InvalidArgument naming both targets; the head
+    """Rank 0 asks for the head, rank 1 for step 1's root: unchecked, rank 1 would silently
+    receive the head. Every rank raises InvalidArgument naming both targets; the head
     spelled as its ref and as its root is one snapshot and is read."""
     out = run_scenario(tmp_path, "cotarget")
     res = rank_results(out, "cotarget", 2)

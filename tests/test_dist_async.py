@@ -6,15 +6,13 @@ record what they saw and this file judges against the data computed here and the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _util import run_worker_scenario, same_bits
+from _util import load_helper, rank_results, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -24,34 +22,11 @@ WORKER = HERE / "helpers" / "async_worker.py"
 pytestmark = pytest.mark.slow
 
 
-def _load(name: str, path: Path):
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(path.parent))
-    return mod
-
-
-dw = _load("tsck_test_async_dist_worker", HERE / "helpers" / "dist_worker.py")
+dw = load_helper(HERE / "helpers" / "dist_worker.py", name="tsck_test_async_dist_worker", sibling_imports=True)
 
 
 def results(out: Path, phase: str, world: int, ok: bool = True) -> list[dict]:
-    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
-    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
-    res = []
-    for r in range(world):
-        p = out / f"{phase}_rank{r}.json"
-        if not p.exists():
-            res.append(None)
-            continue
-        d = json.loads(p.read_text())
-        if ok:
-            assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
-        res.append(d)
-    return res
+    return rank_results(out, phase, world, ok=ok, missing_ok=True)
 
 
 def _store(out: Path, name: str = "store"):

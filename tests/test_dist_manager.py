@@ -6,7 +6,6 @@ and from the store as this process sees it afterwards.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import run_worker_scenario, same_bits
+from _util import rank_results, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -33,16 +32,7 @@ def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 300.0) -> 
 
 
 def ranks(out: Path, phase: str, world: int = 2) -> list[dict]:
-    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
-    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
-    res = []
-    for r in range(world):
-        f = out / f"{phase}_rank{r}.json"
-        assert f.exists(), f"{phase}: rank {r} left no result (exit code {launcher['exitcodes'][r]})"
-        d = json.loads(f.read_text())
-        assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
-        res.append(d)
-    return res
+    return rank_results(out, phase, world)
 
 
 def taken(d: dict) -> dict[int, str]:

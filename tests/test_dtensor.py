@@ -10,17 +10,14 @@ file judges against data and block layouts computed here.
 from __future__ import annotations
 
 import collections
-import importlib.util
-import json
 import math
-import sys
 from pathlib import Path
 
 import blake3
 import pytest
 import torch
 
-from _util import run_worker_scenario, same_bits
+from _util import load_helper, rank_results, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -29,18 +26,7 @@ REPO = HERE.parent
 WORKER = HERE / "helpers" / "dtensor_worker.py"
 
 
-def _load_worker():
-    sys.path.insert(0, str(WORKER.parent))  # it imports dist_worker, its launcher
-    try:
-        spec = importlib.util.spec_from_file_location("tsck_test_dtensor_worker", WORKER)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(WORKER.parent))
-    return mod
-
-
-dtw = _load_worker()
+dtw = load_helper(WORKER, sibling_imports=True)  # it imports dist_worker, its launcher
 
 
 def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 400.0) -> Path:
@@ -48,14 +34,7 @@ def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 400.0) -> 
 
 
 def results(out: Path, phase: str, world: int) -> list[dict]:
-    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
-    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
-    res = []
-    for r in range(world):
-        d = json.loads((out / f"{phase}_rank{r}.json").read_text())
-        assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
-        res.append(d)
-    return res
+    return rank_results(out, phase, world)
 
 
 def dumped(out: Path, phase: str, rank: int) -> dict:

@@ -1,4 +1,4 @@
-"""The float codec (frame codec 3, issue 16 item 1) and open_store(compression=...).
+"""The float codec (frame codec 3) and open_store(compression=...).
 
 Round trips are bit-exact for every float width and any length; hostile frames
 raise FormatError (IntegrityError through a store) before anything big is
@@ -300,7 +300,7 @@ class _nothing:
         return False
 
 
-def test_shuffle_is_a_deprecated_alias_that_still_writes_codec_2(tmp_path):
+def test_shuffle_true_warns_and_writes_codec_2(tmp_path):
     t = torch.arange(100_000, dtype=torch.float32) * 0.001
     with pytest.warns(DeprecationWarning):
         s = tsck.open_store(tmp_path / "s", shuffle=True)

@@ -6,7 +6,6 @@ then restore_latest() into fresh models and optimizers at the same and at anothe
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import run_worker_scenario, same_bits
+from _util import rank_results, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
@@ -30,16 +29,7 @@ FIRST, LAST = 6, 10
 WORLD = {"first": 2, "same": 2, "grow": 3, "one": 1, "straight": 2, "hfirst": 4, "hsame": 4, "hshrink": 2, "hstraight": 4}
 
 def ranks(out: Path, phase: str) -> list[dict]:
-    launcher = json.loads((out / f"{phase}_launcher.json").read_text())
-    assert launcher["timed_out"] == [], f"{phase}: ranks {launcher['timed_out']} never finished"
-    res = []
-    for r in range(WORLD[phase]):
-        f = out / f"{phase}_rank{r}.json"
-        assert f.exists(), f"{phase}: rank {r} left no result (exit code {launcher['exitcodes'][r]})"
-        d = json.loads(f.read_text())
-        assert d["ok"], f"{phase}: rank {r} failed:\n{d.get('error')}"
-        res.append(d)
-    return res
+    return rank_results(out, phase, WORLD[phase])
 
 
 def dumped(out: Path, phase: str, rank: int) -> dict:

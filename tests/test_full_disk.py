@@ -1,4 +1,4 @@
-"""A full filesystem under the ref table or under the blocks (issue 12 item 4).
+"""A full filesystem under the ref table or under the blocks.
 
 Every write operation either succeeds (it did not need that disk) or raises a
 StorageError (ENOSPC) that says which filesystem, what it was writing and how much
@@ -278,8 +278,8 @@ _DESTS = {"torch": "w.pt", "safetensors": "w.safetensors", "folder": "model" + o
 @pytest.mark.parametrize("fmt", sorted(_DESTS))
 def test_checkout_onto_a_full_disk_is_one_line_and_leaves_no_file(tmp_path, fmt):
     """torch.save raises RuntimeError and safetensors SafetensorError for a full disk
-    (torch's says only "unexpected pos"): before, only OSError was caught and `tsck
-    checkout` ended in a traceback. Now: exit 1, one line saying which disk is full and
+    (torch's says only "unexpected pos"), so catching OSError alone would end `tsck
+    checkout` in a traceback. The CLI gives exit 1, one line saying which disk is full and
     about how much the file needed; DEST (new, or replaced with --force) is untouched and
     nothing is left beside it. A real tmpfs filled to the last byte; no fakes."""
     _export_store(tmp_path / "s")

@@ -318,9 +318,9 @@ def test_regression_state_roundtrip(make):
 
 def test_regression_reader_tensor_bytes_checked_before_allocating(monkeypatch):
     """A 600-byte manifest leaf that declares a 4 GiB tensor in 16 blocks that do
-    not exist: found by fuzz_manifest. The reader used to allocate the 4 GiB
-    tensor (torch.empty) before reading a single block; now a big tensor's blocks
-    must exist before its memory is taken."""
+    not exist: found by fuzz_manifest. Allocating first would take 4 GiB
+    (torch.empty) before reading a single block; a big tensor's blocks must exist before
+    its memory is taken."""
     requested = []
     real_empty = torch.empty
 
@@ -416,10 +416,10 @@ def _nested(n: int, kind: str, leaf=None):
                   use_bin_type=True),           # at MAX_DEPTH, the leaf split into a node of its own
 ], ids=["list1023", "l511", "d200-split-leaf"])
 def test_fuzz_tree_deep_values(data):
-    """fuzz_tree's own harness used to fail on deep values (the package was right):
-    msgpack's packer refused to plant a value past 1024 levels in a DCP top node
-    (now the input bytes are spliced in as given, and the readers refuse the node),
-    and the writer check's reassembly recursed past Python's limit."""
+    """fuzz_tree's own harness handles deep values: msgpack's packer refuses to plant a
+    value past 1024 levels in a DCP top node (so the input bytes are spliced in as given,
+    and the readers refuse the node), and the writer check's reassembly must not recurse
+    past Python's limit."""
     assert run_input(_target("fuzz_tree"), data) is None
 
 

@@ -30,21 +30,14 @@ from pathlib import Path
 
 import pytest
 
+from _util import load_helper
+
 import tensorstore_ck as tsck
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 
 
-def _load_gc_proc():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tsck_test_gc_proc", HELPERS / "gc_proc.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gc_proc = _load_gc_proc()
+gc_proc = load_helper("gc_proc")
 gc_states = gc_proc.load("gc_states")
 
 STALE = 1.0  # the lease of every gc here

@@ -1,6 +1,6 @@
 """A gc holds the store under a lease it declares; nobody else's clock or setting
 decides that it is dead, and it never deletes after the moment another party may
-consider it dead (issue 11, failure 2; docs/ARCHITECTURE.md, "The gc lease").
+consider it dead (docs/design/gc.md, "The gc lease and the one clock").
 
 - A gc whose renewals stall (a hung ref-table connection, a paused process) stops
   starting delete requests a margin before its lease could run out on the ref

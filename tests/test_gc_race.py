@@ -16,8 +16,7 @@ after each commit (during the race); afterwards the test process checks out
 every acknowledged snapshot that retention kept, bit-exact, and fsck finds
 nothing; a last gc leaves exactly the kept snapshots and no orphan.
 
-The second test: a writer must not take a live gc for dead, whatever its own
-settings say (issue 11 failure 2; see its docstring).
+The second test: a writer must not take a live gc for dead, whatever its own settings say (see its docstring).
 
 Both tests run on every backend (the `backend` fixture: file, s3, pg); the
 helper processes get `backend.spec()` and open it with tests/helpers/target.py.
@@ -34,21 +33,14 @@ from pathlib import Path
 
 import pytest
 
+from _util import load_helper
+
 import tensorstore_ck as tsck
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 
 
-def _load_gc_proc():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tsck_test_gc_proc", HELPERS / "gc_proc.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gc_proc = _load_gc_proc()
+gc_proc = load_helper("gc_proc")
 gc_states = gc_proc.load("gc_states")
 
 WRITERS = 3
@@ -222,15 +214,14 @@ def test_gc_loop_races_three_dedup_writers(backend, tmp_path, procs):
 def test_writer_does_not_commit_over_a_live_gc_whatever_its_own_setting(backend, tmp_path, procs):
     """A gc that is alive and deleting must not be treated as dead, whatever the
     writer's own settings say: a writer that reuses its condemned blocks must not
-    commit while that gc can still delete them (issue 11, failure 2).
+    commit while that gc can still delete them.
 
-    The writer is opened with gc_stale_after=0.5 (the old per-process setting; now a
-    deprecated name for the lease of the writer's own gcs) while the gc holds a lease
-    of several seconds and renews it every lease/4, as `tsck gc` does. Before leases
-    the writer judged the gc's heartbeat age by its own 0.5 s, found it dead between
-    two heartbeats, closed its deletion epoch and committed; the live gc then deleted
-    the reused objects under the new ref tip. Now liveness is the gc's own declared
-    lease, judged on the ref table's clock; the writer waits for the gc to finish.
+    The writer is opened with gc_stale_after=0.5 (another name for the lease of the
+    writer's own gcs) while the gc holds a lease of several seconds and renews it every
+    lease/4, as `tsck gc` does. Were the writer to judge the gc's heartbeat age by its own
+    0.5 s, it would find it dead between two heartbeats, close its deletion epoch and
+    commit, and the live gc would delete the reused objects under the new ref tip.
+    Liveness is the gc's own declared lease, judged on the ref table's clock; the writer waits for the gc to finish.
 
     The deletion phase is made long with leftover objects (what crashed writers
     leave behind) under nodes/: on file 160,000 stray names, deleted at full
@@ -311,8 +302,8 @@ def test_writer_does_not_commit_over_a_live_gc_whatever_its_own_setting(backend,
             f"a live gc lost its lock to a writer that presumed it dead after its own {stale}s "
             f"(gc exit {rc}): {gcp.stderr().strip().splitlines()[-1:]}")
         # The scenario really happened: the deletion phase outlasted the writer's setting by far
-        # (the freeze renews the lease; the next renewal comes lease/4 later, so the old judge
-        # found the gc "dead" 0.5 s after the freeze).
+        # (the freeze renews the lease; the next renewal comes lease/4 later, so a writer-side
+        # judge would find the gc "dead" 0.5 s after the freeze).
         assert gone > 2 * stale, f"the gc finished {gone:.2f}s after its freeze: too fast to test"
     finally:
         store.close()

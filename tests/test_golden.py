@@ -1,8 +1,7 @@
 """Golden stores: every version of tensorstore_ck reads the stores older versions wrote.
 
 tests/data/golden/<version>/ is a small store written by an older release
-(v1 and v1-collective: the code before the November 2026 redesign, commit
-34bdd15) plus expected.json (what was written: refs, steps, roots, builders,
+(v1 and v1-collective: written by commit 34bdd15) plus expected.json (what was written: refs, steps, roots, builders,
 tags, pins, retention rules). v1-collective holds 2-rank collective snapshots
 (a "W" top node), read here without a process group. The states are rebuilt
 from tests/data/golden_states.py and every snapshot must check out bit for
@@ -197,7 +196,7 @@ def test_collective_snapshots_read_by_region(golden, version):
                     d = d[k]
                 assert type(d) is tsck.Sharded and d.offsets == (a, 0), path
                 assert_same(gs.dist_global(path, step)[a:b], d.local, f"{path} rows {a}:{b}")
-            # into= names what is read: the rest is not added (issue 15); paths= reads it.
+            # into= names what is read: the rest is not added; paths= reads it.
             assert "norm" not in got["model"] and "local" not in got and "step" not in got
             rest = store.checkout(snap["root"], paths=["model.norm", "local", "step"])
             assert_same(want["model"]["norm"], rest["model"]["norm"], "norm")

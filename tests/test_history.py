@@ -1,6 +1,6 @@
-"""Issue 12, failure 12: the reflog grew with every snapshot ever taken (keep_last=2 and
-100,000 snapshots left 100,001 reflog entries after gc; log() 0.6 s, REF@STEP 0.5 s,
-paid again by every restore_latest()). gc now compacts each ref's history to the moves
+"""History costs what retention keeps, not every snapshot ever taken: without
+compaction, keep_last=2 and 100,000 snapshots leave 100,001 reflog entries after gc
+(log() 0.6 s, REF@STEP 0.5 s, paid again by every restore_latest()). gc compacts each ref's history to the moves
 of kept snapshots plus its latest REFLOG_TAIL moves, and REF@STEP reads an index.
 benches/bench_history.py measures the figures."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile files in a store (issue 12, items 1 and 3): an object that cannot be read,
+"""Hostile files in a store: an object that cannot be read,
 and special files where objects should be.
 
 - An I/O error (EIO) on one object, or a folder in its place (EISDIR), is an
@@ -9,9 +9,9 @@ and special files where objects should be.
   to /dev/zero, is never read: no hang, no MemoryError. Local reads open regular
   files only (O_NONBLOCK, fstat after open) and every read is bounded.
 
-Before the fix: fsck raised StorageError on the first EIO, `tsck fsck` ended in
-`tsck: error: [Errno 21]` on a folder, a FIFO hung fsck/checkout/gc/`tsck refs`
-forever, and /dev/zero as tsck.json or a tag ended in MemoryError. Every test here
+What this guards against: fsck stopping with StorageError at the first EIO, `tsck fsck`
+ending in `tsck: error: [Errno 21]` on a folder, a FIFO hanging fsck/checkout/gc/`tsck
+refs` forever, /dev/zero as tsck.json or a tag ending in MemoryError. Every test here
 ends in bounded time: in-process calls run under `bounded()`, the CLI under a
 subprocess timeout.
 """
@@ -77,7 +77,7 @@ def _listing(path) -> dict:
 
 
 def _unblock(path) -> None:
-    """Release a reader stuck opening the FIFOs under `path` (the code before the fix)."""
+    """Release a reader stuck opening the FIFOs under `path` (so a reader that does open one cannot hang the suite)."""
     for d, _dirs, files in os.walk(path):
         for f in files:
             p = os.path.join(d, f)
@@ -129,7 +129,7 @@ def _one_error_line(r) -> str:
     return lines[0]
 
 
-# ----------------------------------------------------------------- item 1: EIO on file and s3
+# ----------------------------------------------------------------- EIO on file and s3
 def _eio_store(backend, target: dict):
     """The backend's store under a fault wrapper that fails every read of target["key"] with EIO."""
     def wrap(st):

@@ -1,4 +1,4 @@
-"""Issue 12, the ref table and the Store's lifecycle under hostile environments:
+"""The ref table and the Store's lifecycle under hostile environments:
 a restarted or vanished PostgreSQL server, a commit whose answer is lost, a fork,
 use after close, a corrupt LMDB file, an empty ref table over a full store, and
 the logging of retries and fences. Real servers, real files, real forks."""

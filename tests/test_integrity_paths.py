@@ -1,4 +1,4 @@
-"""Issue 11, failures 7 and 12: the bytes that land and the bytes that are stored are
+"""The bytes that land and the bytes that are stored are
 exactly the verified / hashed ones.
 
 * checkout(into=) with a corrupt block: no unverified byte ever reaches the caller's
@@ -8,7 +8,7 @@ exactly the verified / hashed ones.
   the tree (inline tensors, scalars, missing keys) changed.
 * a blocking put whose source tensor changes between hashing and writing (a
   storage wrapper changes it from inside the store's exists / put_if_absent, the
-  window of the old code): what is stored under every address hashes to that
+  window between hashing and writing): what is stored under every address hashes to that
   address, and a later put of the same content dedups onto a readable object.
 """
 
@@ -176,7 +176,7 @@ def test_checkout_into_intact_snapshot_is_exact(snap):
     with tsck.open_store(root, create=False) as s:
         out = s.checkout(REF, into=into)
     assert out is into
-    # into= names what is read: "d", which it lacks, is neither read nor added (issue 15).
+    # into= names what is read: "d", which it lacks, is neither read nor added.
     want = dict(state, model={k: v for k, v in state["model"].items() if k != "d"})
     assert "d" not in into["model"]
     assert same_bits(into, want), "checkout(into=) differs from the snapshot"

@@ -8,7 +8,6 @@ What is kept is counted from the ref table after every process has exited.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -22,11 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from _util import load_helper
+
 import tensorstore_ck as tsck
 from tensorstore_ck.gc import holding_gc_lock
 from tensorstore_ck.storage.base import check_deadline
 from tensorstore_ck.storage.wrappers import WrappedStore
-from tensorstore_ck.train import _Pruner
+from tensorstore_ck.pruner import Pruner
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -170,7 +171,7 @@ def test_a_gc_serves_queued_prunes(tmp_path):
 def test_a_prune_that_finds_the_store_busy_is_retried_until_it_runs(tmp_path, monkeypatch):
     """However many tries a busy store costs, the prune runs once the lock is free: it
     is never dropped (the tries are made quick here, so a budget of tries runs out)."""
-    monkeypatch.setattr(_Pruner, "BACKOFF", 0.01)
+    monkeypatch.setattr(Pruner, "BACKOFF", 0.01)
     with tsck.open_store(tmp_path / "s") as store:
         model = Model()
         mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
@@ -194,7 +195,7 @@ def test_a_prune_that_finds_the_store_busy_is_retried_until_it_runs(tmp_path, mo
 def test_a_prune_that_cannot_run_is_reported_and_still_runs_later(tmp_path, monkeypatch, caplog):
     """Past PATIENCE of a busy store the prune is reported (a warning and a GcBusy in
     prune_errors) and wait() returns; it is still tried, and runs once the lock is free."""
-    monkeypatch.setattr(_Pruner, "PATIENCE", 0.5, raising=False)
+    monkeypatch.setattr(Pruner, "PATIENCE", 0.5, raising=False)
     with tsck.open_store(tmp_path / "s") as store:
         model = Model()
         mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
@@ -264,9 +265,7 @@ def test_bench_jobs_small_configuration_counts(tmp_path):
     ~10 s beside each other. Counts only: no failed or skipped snapshot, no prune
     reported deferred, every job keeps exactly keep_last, nothing left queued, and
     nothing stored beyond what retention keeps."""
-    spec = importlib.util.spec_from_file_location("tsck_bench_jobs", REPO / "benches" / "bench_jobs.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_helper(REPO / "benches" / "bench_jobs.py", name="tsck_bench_jobs")
     r = bench.run(str(tmp_path / "s"), jobs=4, seconds=10, interval=0.5, keep=2, mb=0.25, workdir=str(tmp_path),
                   log=lambda *a: None)
     assert (r["snapshots"], r["failed"], r["skipped"], r["errors"], r["prune_errors"]) == (80, 0, 0, [], []), r

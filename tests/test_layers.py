@@ -148,3 +148,38 @@ def test_a_store_received_below_the_facade_fails(tmp_path, module, planted):
     target.write_text(target.read_text() + "\n\n" + planted)
     bad = _store_receivers(tmp_path)
     assert len(bad) == 1 and bad[0].startswith(module + ":"), bad
+
+
+def test_the_package_docstring_names_every_module(tmp_path):
+    """The package docstring is the map a newcomer reads first: every module under
+    tensorstore_ck/ is named in its first column (a package's modules indented under
+    the package), so a module added without its line fails here. A planted module in a
+    copy of the package shows the check bites."""
+    def missing(pkg: Path) -> list[str]:
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()), clean=False)
+        named, package = set(), None
+        for line in doc.splitlines():
+            if len(line) - len(line.lstrip()) not in (4, 6):
+                continue  # a continuation of the description column, or prose
+            column = line[:26].strip()  # the names sit before the description at column 26
+            if not column:
+                continue
+            if line.startswith("    ") and not line.startswith("      "):
+                for name in filter(None, (n.strip() for n in column.split(","))):
+                    named.add(name)
+                    package = name if name.endswith("/") else None
+            elif package is not None:  # indented under a package: its modules
+                named.add(package + column)
+        want = set()
+        for p in pkg.rglob("*.py"):
+            rel = p.relative_to(pkg).as_posix()
+            if rel == "__init__.py":
+                continue
+            want.add(rel[: -len("__init__.py")] if rel.endswith("/__init__.py") else rel)
+        return sorted(want - named)
+
+    assert missing(PKG) == []
+    shutil.copytree(PKG, tmp_path / "tensorstore_ck", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "tensorstore_ck" / "planted.py").write_text('"""A module nobody wrote a line for."""\n')
+    (tmp_path / "tensorstore_ck" / "format" / "planted.py").write_text('"""The same, inside a package."""\n')
+    assert missing(tmp_path / "tensorstore_ck") == ["format/planted.py", "planted.py"]

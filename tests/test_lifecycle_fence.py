@@ -1,11 +1,11 @@
-"""Issue 11, failure 1: a tag or pin made while gc runs can land on a snapshot gc deletes.
+"""A tag or pin made while gc runs never lands on a snapshot gc deletes.
 
-tag() resolved its target, wrote tags/<hex> (slow under S3 throttling), then inserted
-the tag row; nothing fenced that insert against a deletion phase. With the tags/ PUT
-held while gc expired and deleted the target, the old code created the tag and
-tag() returned success; afterwards fsck reported a dangling tag and checkout of the
-tag raised IntegrityError. Now the row is fenced like a ref move (the deletion epoch
-read before the target is resolved) and tag()/pin() fail with RefNotFound instead.
+tag() resolves its target, writes tags/<hex> (slow under S3 throttling), then inserts
+the tag row. Unfenced, that insert could land while gc expires and deletes the target:
+tag() would return success, fsck would report a dangling tag and checkout of the tag
+raise IntegrityError. The row is fenced like a ref move (the deletion epoch read
+before the target is resolved), so tag()/pin() fail with RefNotFound instead; the
+PUT of tags/ is held at a gate while gc runs.
 Also: set_retention racing gc's expiry. The gate makes each interleaving exact.
 """
 from __future__ import annotations
@@ -14,6 +14,8 @@ import threading
 
 import pytest
 import torch
+
+from _util import in_thread
 
 import tensorstore_ck as tsck
 from tensorstore_ck import lifecycle
@@ -47,23 +49,10 @@ def _store(path, gate_prefix=None):
     return s, gate["g"]
 
 
-def _in_thread(fn):
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - judged by the test
-            out["error"] = e
-    t = threading.Thread(target=run)
-    t.start()
-    return t, out
-
-
 def test_tag_of_a_snapshot_gc_deletes_meanwhile_fails_cleanly(tmp_path):
     s, gate = _store(tmp_path / "s", "tags/")
     with s:
-        t, out = _in_thread(lambda: s.tag("keep-me", "a/main@1"))
+        t, out = in_thread(lambda: s.tag("keep-me", "a/main@1"))
         assert gate.reached.wait(30)        # tag() resolved a/main@1 and is writing tags/<hex>
         rep = s.gc()                        # expires step 1 (keep_last=1) and deletes it
         assert rep.expired and rep.deleted_objects > 0
@@ -79,7 +68,7 @@ def test_tag_of_a_snapshot_gc_deletes_meanwhile_fails_cleanly(tmp_path):
 def test_tag_made_during_a_gc_that_keeps_its_target_succeeds(tmp_path):
     s, gate = _store(tmp_path / "s", "tags/")
     with s:
-        t, out = _in_thread(lambda: s.tag("tip", "a/main"))
+        t, out = in_thread(lambda: s.tag("tip", "a/main"))
         assert gate.reached.wait(30)
         s.gc()
         gate.release.set()
@@ -117,9 +106,9 @@ def test_set_retention_racing_expiry_drops_nothing(tmp_path):
 
 
 def test_keep_last_follows_publication_order_not_the_clock(tmp_path, monkeypatch):
-    """Issue 11, failure 13: after the clock steps back an hour (NTP, a restored VM,
-    writers on hosts whose clocks differ), the newest snapshots looked oldest and
-    keep_last=3 of steps 1..8 kept [8, 5, 4, 3]."""
+    """After the clock steps back an hour (NTP, a restored VM, writers on hosts whose
+    clocks differ) the newest snapshots carry the oldest times; keep_last=3 of steps
+    1..8 must still keep [8, 7, 6] (by the clock it would keep [8, 5, 4, 3])."""
     import tensorstore_ck.publish as publish
     real = publish.time.time
     with tsck.open_store(tmp_path / "s") as s:
@@ -148,8 +137,8 @@ class ReadGate(WrappedStore):
 
 
 def test_fsck_beside_gc_reports_no_false_damage(tmp_path):
-    """Issue 11, failure 5: commits gc deleted while fsck walked were reported missing and
-    fsck exited 1 on a healthy store."""
+    """Commits gc deletes while fsck walks are not reported missing: fsck on a healthy
+    store beside a gc exits 0."""
     _store(tmp_path / "s")[0].close()
     gate = {}
 
@@ -158,7 +147,7 @@ def test_fsck_beside_gc_reports_no_false_damage(tmp_path):
         return gate["g"]
     with tsck.open_store(tmp_path / "s", wrap_storage=wrap) as s:
         other = s
-        t, out = _in_thread(lambda: s.fsck())       # lists the 3 catalog rows, then waits at its first read
+        t, out = in_thread(lambda: s.fsck())       # lists the 3 catalog rows, then waits at its first read
         assert gate["g"].reached.wait(30)
         assert other.gc().expired                   # steps 1 and 2 expired and deleted meanwhile
         gate["g"].release.set()
@@ -219,10 +208,10 @@ def test_tag_or_pin_of_a_snapshot_expired_meanwhile_fails_cleanly(tmp_path, how)
                 return real_pin(root, fence=fence)
             s.reftable.pin = slow_pin
             call = lambda: s.pin("a/main@1")  # noqa: E731
-        t, out = _in_thread(call)
+        t, out = in_thread(call)
         assert held.wait(30)
         gate["g"].armed = True
-        g, gout = _in_thread(s.gc)
+        g, gout = in_thread(s.gc)
         assert gate["g"].reached.wait(30)   # gc expired steps 1 and 2 and marked; epoch still even
         assert s.reftable.catalog_get(bytes.fromhex(root1)) is None
         go.set()

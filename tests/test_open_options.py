@@ -1,6 +1,6 @@
-"""open_store checks every option before it writes anything (issue 14 item 3): one
-plausible argument (block_size=4096) used to write tsck.json and then raise, leaving a
-store no later open could get past, from Python or the CLI."""
+"""open_store checks every option before it writes anything: one plausible
+argument (block_size=4096) that wrote tsck.json and then raised would leave a store no
+later open could get past, from Python or the CLI."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""checkout(paths=), checkout(into=subset), map_location and DCP Stateful objects (issue 15, items 1-3).
+"""checkout(paths=), checkout(into=subset), map_location and DCP Stateful objects.
 
 Reads are counted on the store's own Assets (the real storage below answers them):
 a partial checkout must read only the nodes on the way to what it names and the

@@ -1,8 +1,8 @@
-"""S3 requests in proportion to change (issue 16, item 3): a Store remembers the blocks
+"""S3 requests in proportion to change: a Store remembers the blocks
 and nodes it saw present under the gc deletion epoch it read before looking
 (assets.Presence), so an incremental snapshot asks storage only about what changed, and
 a checkout of a big tensor does not HEAD blocks it knows. Safety: nothing seen before a
-gc deletion phase is trusted after it (docs/ARCHITECTURE.md, "The presence record").
+gc deletion phase is trusted after it (docs/design/presence.md).
 
 Requests are counted at the S3 client (botocore's before-call event) on a real S3
 server (moto, or radosgw via TEST_S3_ENDPOINT)."""

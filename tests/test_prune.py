@@ -1,4 +1,4 @@
-"""Pruning while training (issue 14, item 1): a CheckpointManager with retention
+"""Pruning while training: a CheckpointManager with retention
 expires what its rules drop and deletes what only those snapshots held, after each
 committed snapshot, in a thread of its own, with gc's protocol.
 

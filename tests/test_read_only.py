@@ -1,4 +1,4 @@
-"""Read-only stores (issue 12 item 14).
+"""Read-only stores.
 
 A store published on a read-only mount opens (read-only, by itself) and every
 reading call works: checkout, log, refs, tags, show, du, diff, fsck, REF@STEP,

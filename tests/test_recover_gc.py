@@ -8,7 +8,6 @@ commit), then killed -9 or left running beside a `tsck gc`. On LMDB and PostgreS
 """
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import torch
 
 import tensorstore_ck as tsck
 from _backends import Backend
+from _util import child_env
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -37,10 +37,7 @@ def where(request, tmp_path) -> Backend:
 
 
 def _env(b: Backend) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TSCK_")}
-    env.update(b.cli_env())
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return child_env(drop=("TSCK_",), **b.cli_env())
 
 
 def _tsck(b: Backend, *args, timeout: float = 300) -> subprocess.CompletedProcess:

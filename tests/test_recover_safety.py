@@ -1,4 +1,4 @@
-"""Issue 11, failures 3 and 4: recover adopts only whole snapshots, and a recover
+"""recover adopts only whole snapshots, and a recover
 killed half-way and run again ends exactly where one uninterrupted run ends."""
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def test_recover_leaves_a_ref_a_user_moved_back(tmp_path):
 def test_recover_follows_the_refs_history_not_the_clock(tmp_path, monkeypatch):
     """After the host's clock stepped back an hour (NTP, a restored VM), the newest
     commits carry the oldest times. recover must still put the ref on the last one
-    published (its parent chain), not on the one whose clock read latest: the old code
-    restored the ref at step 3 of 6, and restore_latest would have resumed from there."""
+    published (its parent chain), not on the one whose clock read latest (by the clock, the ref would land at step 3
+    of 6, and restore_latest would resume from there)."""
     path = tmp_path / "s"
     with _store(path, n=3) as s:
         real = time.time

@@ -1,9 +1,8 @@
-"""Issue 11, failure 14: gc with an empty or wrong ref table must never delete the store.
+"""gc with an empty or wrong ref table must never delete the store.
 
-Three ways there, reproduced on the old code: refs.lmdb lost and a scheduled gc runs
-before recover; a typo in --refs; $TSCK_REFS exported for another store. Each one
-opened (and created) an empty ref table, and gc, finding nothing kept, deleted every
-object. Now: a ref table is created only with its store (or by recover), it is bound
+Three ways there: refs.lmdb lost and a scheduled gc runs
+before recover; a typo in --refs; $TSCK_REFS exported for another store. Each would open (and create) an empty ref table, and a gc finding nothing kept would
+delete every object. So a ref table is created only with its store (or by recover), it is bound
 to its store's id, and gc refuses to run over an empty table while storage holds
 snapshots.
 """

@@ -1,4 +1,4 @@
-"""Removal by name (issue 14 item 4): delete_ref, untag, forget, from Python and `tsck`.
+"""Removal by name: delete_ref, untag, forget, from Python and `tsck`.
 
 Each removal is one ref-table transaction recorded in the reflog; gc then reclaims
 what only the removed snapshots held; recover over the live table does not bring

@@ -1,8 +1,8 @@
-"""Issue 11, failure 6: dedup reused a damaged block forever.
+"""A damaged block does not stay damaged: dedup never keeps reusing it.
 
-Once a stored block was damaged (bit rot, a truncated copy after a migration), every
-later put of the same content "succeeded" with blocks_new=0 and committed a snapshot
-that could not be read, although the writer held the right bytes. Now:
+Were a damaged stored block (bit rot, a truncated copy after a migration) reused by
+dedup, every later put of the same content would "succeed" with blocks_new=0 and
+commit a snapshot that cannot be read, although the writer holds the right bytes. So:
 
 - `fsck --repair` moves damaged objects aside (quarantine/..., never deleted), so the
   next put of that content stores it again under the same address, which heals every
@@ -32,6 +32,8 @@ except ImportError:  # tests/ is not a package
     from _util import assert_same, rand_tensor
     from _lifecycle_util import run_clis
     from _backends import Backend
+
+from _util import in_thread
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
@@ -156,7 +158,7 @@ def test_repair_then_put_heals_a_damaged_manifest_node(tmp_path):
 
 
 def test_a_damaged_commit_is_moved_aside_and_gc_runs_again(tmp_path):
-    """A commit never heals (a re-put has another time), but moved aside it no longer stops
+    """A commit never heals (a re-put has another time), but moved aside it does not stop
     gc: gc keeps its snapshot's tree through the catalog row."""
     b = Backend("file", tmp_path)
     with b.open(**OPEN) as s:
@@ -238,19 +240,6 @@ class Gate(WrappedStore):
         return super().put_if_absent(key, bufs)
 
 
-def _in_thread(fn):
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - judged by the test
-            out["error"] = e
-    t = threading.Thread(target=run)
-    t.start()
-    return t, out
-
-
 def test_repair_beside_a_writer_that_reused_the_damaged_block(backend):
     """The writer found the damaged block present (reused it) and is about to commit when
     repair moves the block aside. Without the fence its ref would move onto a snapshot
@@ -270,7 +259,7 @@ def test_repair_beside_a_writer_that_reused_the_damaged_block(backend):
         damage(backend, key, "flip")
         g.puts.clear()
         g.armed = True
-        t, out = _in_thread(lambda: s.put_snapshot(state, ref="job2/main", step=1))
+        t, out = in_thread(lambda: s.put_snapshot(state, ref="job2/main", step=1))
         assert g.reached.wait(60)             # blocks and nodes done (the damaged one reused)
         assert g.puts.get(key, 0) == 0
         rep = s.fsck(repair=True)

@@ -9,10 +9,11 @@ wait), so no count depends on how long it waits.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from _util import load_helper
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +22,7 @@ N = 100
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("tsck_bench_scale", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_helper(BENCH, name="tsck_bench_scale")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Issue 11's seeded interleaving harness (tests/sim/), on a short budget per backend.
+"""The seeded interleaving harness (tests/sim/), on a short budget per backend.
 
 The long run is by hand (docs/TESTING.md): `python -m tests.sim --backend file --seconds 1800`.
 Here: a few rounds on each backend with fixed seeds (SIM_SEED overrides), so CI runs
@@ -6,9 +6,8 @@ the same schedule of operations, faults and kills each time (the timing still va
 On a violation the harness prints the seed, the invariant, the journal events and a
 replay command, and this test fails with that output.
 
-The default mix runs: gcs declare different leases and writers open with the old,
-deprecated gc_stale_after (issue 11 failure 2's window: leases decide, so nothing
-may break).
+The default mix runs: gcs declare different leases and writers open with gc_stale_after (another name for a gc's own lease: only the gc's
+lease decides that it is dead, so nothing may break).
 """
 from __future__ import annotations
 

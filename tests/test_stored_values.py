@@ -1,12 +1,11 @@
-"""Issue 12, failures 9 and 13: stored values the CLI could not print, and one odd
-commit that broke the whole store.
+"""Stored values the CLI must print, and odd commits that must not break the whole store.
 
 Values reach the catalog through `tsck recover`, which copies what each stored
-commit says: a commit time outside time_t (OverflowError in log/refs/show), bytes
-in a commit's meta (TypeError from json.dumps in show), a NaN time (accepted by
-the decoder, then refused by every reader of the catalog: refs, gc, fsck and du
-failed for every snapshot). And --json wrote NaN/Infinity, which strict parsers
-(jq) reject.
+commit says: a commit time outside time_t (an OverflowError in log/refs/show if
+unguarded), bytes in a commit's meta (a TypeError from json.dumps in show), a NaN time
+(refused by the decoder: accepted, it would make every reader of the catalog, refs, gc,
+fsck and du, fail for every snapshot). And --json writes strict JSON: no NaN/Infinity,
+which strict parsers (jq) reject.
 """
 from __future__ import annotations
 
@@ -64,8 +63,8 @@ def _good(path):
 
 
 def test_odd_times_and_bytes_in_meta_print(tmp_path):
-    """Failure 9: a time beyond time_t and bytes in meta, brought in by recover: log, refs
-    and show (text and --json) print them; before, OverflowError / TypeError tracebacks."""
+    """A time beyond time_t and bytes in meta, brought in by recover: log, refs and show
+    (text and --json) print them, never an OverflowError / TypeError traceback."""
     path = tmp_path / "s"
     s, _info, tree = _good(path)
     far = _plant_commit(s, ref="far/main", time=1e18, tree=tree)            # year ~3e10
@@ -87,7 +86,8 @@ def test_odd_times_and_bytes_in_meta_print(tmp_path):
 
 
 def test_json_output_is_strict_json(tmp_path):
-    """Failure 9: a diverged run's NaN/inf metrics were written as NaN / Infinity by --json."""
+    """A diverged run's NaN/inf metrics are written by --json as null (strict JSON), never
+    as NaN / Infinity."""
     path = tmp_path / "s"
     with tsck.open_store(path) as s:
         s.put_snapshot({"w": torch.zeros(3)}, ref="div/main", step=5,
@@ -103,8 +103,8 @@ def test_json_output_is_strict_json(tmp_path):
 
 
 def test_a_nan_time_commit_is_one_finding_not_a_broken_store(tmp_path):
-    """Failure 13: recover brought a NaN-time commit into the catalog; refs, gc, fsck and du
-    then failed for every snapshot. Now the commit is refused where it is decoded."""
+    """A NaN-time commit in storage is refused where it is decoded, so recover does not
+    bring it into the catalog, where refs, gc, fsck and du would fail for every snapshot."""
     path = tmp_path / "s"
     s, info, tree = _good(path)
     odd = _plant_commit(s, ref="odd/main", time=float("nan"), tree=tree)
@@ -130,7 +130,7 @@ def _plant_row(s, root_hex: str, row: dict, ref: str | None = None):
 
 
 def test_a_malformed_catalog_row_is_one_finding(tmp_path):
-    """Failure 13, on a table an older recover already filled: one malformed catalog row
+    """A table that already holds a NaN-time row (written by hand or another tool): one malformed catalog row
     (NaN time) is a finding of fsck, kept by gc, left out of du with its root named; refs
     lists it from its commit object, and a snapshot whose commit is bad too is one
     'unreadable' line of `tsck refs` (exit 1) while the others are listed."""

@@ -1,9 +1,9 @@
-"""Exact tiling of sharded tensors (issue 11, failure 11).
+"""Exact tiling of sharded tensors.
 
 The pieces of a global tensor must tile it: no overlap, no gap. A collective put
 refuses pieces that do not (tests/test_dist.py, real processes); here: the box
 algebra against a brute-force oracle, and checkout of stored manifests whose pieces
-overlap (hand-made or written by the old code), which must raise FormatError
+overlap (hand-made, or composed as a collective put without the tiling check would), which must raise FormatError
 instead of returning a "complete" tensor with torch.empty() rows in it.
 """
 
@@ -81,7 +81,7 @@ ROWS, COLS = 4096, 8
 
 
 def _hostile_world_snapshot(store, ref="j/bad") -> torch.Tensor:
-    """What the old collective put committed for rank 0 = rows [0, 3072) and rank 1 =
+    """What a collective put without the tiling check commits for rank 0 = rows [0, 3072) and rank 1 =
     rows [0, 1024) (its offset should have been 3072): two rank trees, merged at checkout.
     Written with the store's own planner and publisher, exactly as dist.py composes them."""
     g = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)

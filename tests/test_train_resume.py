@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from _util import assert_same
+from _util import assert_same, child_env
 
 import tensorstore_ck as tsck
 
@@ -53,14 +53,6 @@ TIMEOUT = 120
 pytestmark = pytest.mark.slow
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 class Run:
     """A train_run.py subprocess whose stdout lines are collected by a thread."""
 
@@ -68,7 +60,7 @@ class Run:
         self.errpath = tmp / f"{name}.stderr"
         self._err = open(self.errpath, "wb")
         self.proc = subprocess.Popen([sys.executable, str(HELPER), str(store), "--job", JOB, *args],
-                                     stdout=subprocess.PIPE, stderr=self._err, cwd=REPO, env=_env())
+                                     stdout=subprocess.PIPE, stderr=self._err, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
         self.lines: list[str] = []
         self._q: queue.Queue = queue.Queue()
         self._t = threading.Thread(target=self._read, daemon=True)

@@ -398,7 +398,7 @@ def test_bucket_arithmetic():
 
 
 def test_msgpack_of_the_top_is_small_at_4096_ranks():
-    """The top node no longer grows with W: a few fields (the rank list was 33 B x W)."""
+    """The top node does not grow with W: a few fields (a flat rank list is 33 B x W)."""
     assert len(msgpack.packb({"W": {"v": 2, "world": 4096, "fan": 64, "rt": b"\0" * 32, "nb": 4096,
                                     "ri": b"\0" * 32}})) < 120
 

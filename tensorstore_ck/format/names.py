@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 from ..errors import InvalidName
-from ..ids import is_hex_prefix
 
 __all__ = ["validate_name", "validate_new_name", "validate_component", "parse_target", "MAX_NAME_BYTES"]
 
@@ -45,7 +44,7 @@ def validate_name(name, what: str = "ref name") -> str:
 def validate_new_name(name, what: str = "ref name") -> str:
     """A name about to be created (a ref by a put, a tag, a job): validate_name, and not
     beginning with '-', which the command line would read as an option (names made by
-    older versions stay readable: `tsck log STORE -- -rf`)."""
+    earlier versions stay readable: `tsck log STORE -- -rf`)."""
     validate_name(name, what)
     if name.startswith("-"):
         raise InvalidName(f"{what} {name!r} begins with '-': the command line would read it as an option")
@@ -53,8 +52,8 @@ def validate_new_name(name, what: str = "ref name") -> str:
 
 
 def parse_target(target) -> tuple[str, str, int | None]:
-    """-> (kind, text, step): kind 'name' (a ref or tag, or maybe a hex prefix),
-    'step' (REF@STEP) or 'hex' (only a root-hash prefix can be meant)."""
+    """-> (kind, text, step): kind 'name' (a ref or tag, or maybe a root-hash prefix:
+    the caller looks it up in that order) or 'step' (REF@STEP)."""
     if not isinstance(target, str):
         raise InvalidName(f"target must be a str, got {type(target).__name__}")
     if "@" in target:
@@ -63,12 +62,5 @@ def parse_target(target) -> tuple[str, str, int | None]:
         if not re.fullmatch(r"-?[0-9]{1,30}", step):
             raise InvalidName(f"target {target!r}: the part after '@' must be a step number")
         return "step", ref, int(step)
-    try:
-        validate_name(target, "target")
-    except InvalidName:
-        raise
+    validate_name(target, "target")
     return "name", target, None
-
-
-def looks_like_root(text: str) -> bool:
-    return is_hex_prefix(text)

@@ -1,8 +1,7 @@
 """(Re)generate a golden store: tests/data/golden/v1/ by default, or with
 --collective the multi-rank store tests/data/golden/v1-collective/.
 
-Writes with whatever tensorstore_ck is importable. The committed v1 was written
-by the code before the November 2026 redesign (commit 34bdd15):
+Writes with whatever tensorstore_ck is importable. The committed v1 was written by commit 34bdd15:
 
     PYTHONPATH=/path/to/checkout-of-34bdd15 python tests/data/make_golden.py
     PYTHONPATH=/path/to/checkout-of-34bdd15 python tests/data/make_golden.py --collective

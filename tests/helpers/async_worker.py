@@ -19,6 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_worker as dw  # noqa: E402  (the launcher and the shared state definitions)
+from dist_worker import launcher_main  # noqa: E402
 import torch  # noqa: E402
 
 REF = dw.REF
@@ -126,11 +127,9 @@ def gcphase_case(rank, world, out, res, _arg):
         res["gcs"] = int(gc_proc.communicate(timeout=120)[0] or 0)
 
 
-def main(argv) -> int:
-    import json
-    scenario, out = argv[1], argv[2]
+def scenarios(scenario: str, out: str, argv: list) -> list | None:
+    """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     arg = int(argv[3]) if len(argv) > 3 else None
-    os.makedirs(out, exist_ok=True)
     torch.set_num_threads(1)
     if scenario == "inflight":
         infos = [dw.launch("inflight", arg or 2, inflight_case, out, limit=180.0)]
@@ -141,10 +140,9 @@ def main(argv) -> int:
     elif scenario == "gcphase":
         infos = [dw.launch("gcphase", 2, gcphase_case, out, limit=240.0)]
     else:
-        raise SystemExit(f"unknown scenario {scenario}")
-    print(json.dumps(infos))
-    return 0
+        return None
+    return infos
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    launcher_main(scenarios)

@@ -25,11 +25,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import json  # noqa: E402
 
 import torch  # noqa: E402
 
 import dist_worker as dw  # noqa: E402
+from dist_worker import launcher_main  # noqa: E402
 
 JOB = "llm"
 REF = f"{JOB}/main"
@@ -271,10 +271,9 @@ def resume_case(rank, world, out, res, arg):
         res.update(_counters(mgr))
 
 
-def main(argv) -> int:
-    scenario, out = argv[1], argv[2]
+def scenarios(scenario: str, out: str, argv: list) -> list | None:
+    """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     arg = argv[3] if len(argv) > 3 else None
-    os.makedirs(out, exist_ok=True)
     if scenario == "loop":
         infos = [dw.launch("loop", 2, loop_case, out, arg or "async", limit=240.0)]
     elif scenario == "clock":
@@ -290,10 +289,9 @@ def main(argv) -> int:
                  dw.launch("second", 2, resume_case, out, ("store", 12), limit=240.0),
                  dw.launch("straight", 2, resume_case, out, ("straight", 12), limit=240.0)]
     else:
-        raise SystemExit(f"unknown scenario {scenario}")
-    print(json.dumps(infos))
-    return 0
+        return None
+    return infos
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    launcher_main(scenarios)

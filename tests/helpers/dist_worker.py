@@ -38,6 +38,11 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 import zlib  # noqa: E402
 
+# tests/ (appended: tests/helpers stays first) holds _util, whose launcher_main is this
+# script's __main__ and that of the scripts that launch through it.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _util import launcher_main  # noqa: E402,F401
+
 import torch  # noqa: E402
 
 BLOCK = 4096
@@ -973,10 +978,9 @@ def pgunknown_case(rank, world, out, res, _arg):
             proxy.close()
 
 
-def main(argv) -> int:
-    scenario, out = argv[1], argv[2]
+def scenarios(scenario: str, out: str, argv: list) -> list | None:
+    """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     arg = int(argv[3]) if len(argv) > 3 else None
-    os.makedirs(out, exist_ok=True)
     if scenario == "sharded":
         infos = [launch("save", 4, sharded_save, out)]
         for w in (4, 2, 8):
@@ -1026,10 +1030,9 @@ def main(argv) -> int:
     elif scenario == "notfound":
         infos = [launch("notfound", 4, notfound_case, out)]
     else:
-        raise SystemExit(f"unknown scenario {scenario}")
-    print(json.dumps(infos))
-    return 0
+        return None
+    return infos
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    launcher_main(scenarios)

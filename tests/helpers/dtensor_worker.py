@@ -15,14 +15,12 @@ errors); the test judges against data computed on its own.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import zlib
 
 import torch
 
-from dist_worker import counting_store_class, launch
+from dist_worker import counting_store_class, launch, launcher_main
 
 BLOCK = 4096
 INLINE = 256
@@ -248,9 +246,8 @@ def fsdp_resume(rank, world, out, res, bare):
     res["losses"] = _train(model, optim, rank, 2, seed=20)  # training goes on from the restored state
 
 
-def main(argv) -> int:
-    scenario, out = argv[1], argv[2]
-    os.makedirs(out, exist_ok=True)
+def scenarios(scenario: str, out: str, argv: list) -> list | None:
+    """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     # Made here, before any rank opens it: ranks racing to create a new store can find its
     # ref table unbound and mark it for a rebuild (gc then refuses until a recover).
     with _open(out):
@@ -266,10 +263,9 @@ def main(argv) -> int:
         infos = [launch(f"fsdp{bare}_save", 2, fsdp_save, out, bare, limit=120.0),
                  launch(f"fsdp{bare}_resume", 3, fsdp_resume, out, bare, limit=120.0)]
     else:
-        raise SystemExit(f"unknown scenario {scenario}")
-    print(json.dumps(infos))
-    return 0
+        return None
+    return infos
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    launcher_main(scenarios)

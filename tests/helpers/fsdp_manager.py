@@ -35,13 +35,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 
 import torch  # noqa: E402
 
 import dist_worker as dw  # noqa: E402
+from dist_worker import launcher_main  # noqa: E402
 
 JOB = "fsdp"
 REF = f"{JOB}/main"
@@ -120,9 +120,8 @@ def run_case(rank, world, out, res, arg):
     torch.save(dump, os.path.join(out, f"{phase}_rank{rank}.pt"))
 
 
-def main(argv) -> int:
-    scenario, out = argv[1], argv[2]
-    os.makedirs(out, exist_ok=True)
+def scenarios(scenario: str, out: str, argv: list) -> list | None:
+    """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     import tensorstore_ck as tsck
     if scenario == "fsdp":
         big, phases = [2], [("same", [2]), ("grow", [3]), ("one", [1])]
@@ -131,7 +130,7 @@ def main(argv) -> int:
         big, phases = [2, 2], [("hsame", [2, 2]), ("hshrink", [2])]
         first, straight = "hfirst", "hstraight"
     else:
-        raise SystemExit(f"unknown scenario {scenario}")
+        return None
     world = math.prod(big)
     # Made here, before any rank opens them: ranks racing to create a new store can find its
     # ref table unbound and mark it for a rebuild.
@@ -143,9 +142,8 @@ def main(argv) -> int:
     for phase, mesh in phases:
         infos.append(dw.launch(phase, math.prod(mesh), run_case, out, (f"store_{phase}", mesh, LAST, 1), limit=240.0))
     infos.append(dw.launch(straight, world, run_case, out, ("straight", big, LAST, 0), limit=240.0))
-    print(json.dumps(infos))
-    return 0
+    return infos
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    launcher_main(scenarios)

@@ -7,7 +7,6 @@ timestamped, in a reader thread.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -16,24 +15,19 @@ import threading
 import time
 from pathlib import Path
 
+from _util import child_env as _child_env
+from _util import load_helper
+
 HELPERS = Path(__file__).resolve().parent
 REPO = HELPERS.parent.parent
 
 
-def load(name: str):
-    """Import tests/helpers/<name>.py by path (the test process has no helpers on sys.path)."""
-    spec = importlib.util.spec_from_file_location(f"tsck_test_{name}", HELPERS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+load = load_helper  # tests/helpers/<name>.py by path (the test process has no helpers on sys.path)
 
 
 def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONFAULTHANDLER"] = "1"  # a crash of a child (not our SIGKILL) leaves its traceback in its stderr
-    return env
+    # PYTHONFAULTHANDLER: a crash of a child (not our SIGKILL) leaves its traceback in its stderr
+    return _child_env(drop=("AWS_", "TSCK_"), PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
 
 
 class Proc:

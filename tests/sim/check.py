@@ -238,8 +238,8 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
     # Calls judged on their own: fsck beside everything else reports no damage; a read
     # returns exactly what was put; nothing raises a raw (non-TsckError) exception.
     for o in ops:
-        # An object the injector made unreadable (EIO) is rightly an "unreadable" finding
-        # (issue 12): that is the environment, not damage.
+        # An object the injector made unreadable (EIO) is rightly an "unreadable" finding:
+        # that is the environment, not damage.
         damage = [f for f in o.out.get("findings") or [] if not (f.startswith("unreadable:") and "sim: injected" in f)]
         if o.op == "fsck" and o.ok and damage:
             bad.append(f"I4 fsck beside the others reported damage: {o.brief()}")

@@ -1,4 +1,4 @@
-"""The seeded interleaving harness (issue 11): the FoundationDB-simulation / Jepsen idea at
+"""The seeded interleaving harness: the FoundationDB-simulation / Jepsen idea at
 this project's scale.
 
     python -m tests.sim --backend file|pg|s3 --seed N (--rounds R | --seconds S) [--focus F]
@@ -91,22 +91,22 @@ _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "sel
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "cput": 2, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
                                 "fsck": 0.7, "read": 1, "prune": 0.5}),
-    # failure 1's window: tag/pin of a snapshot while a gc expires and deletes it
+    # the window of a tag or pin landing on a snapshot a gc expires and deletes
     "tag-gc": dict(_BASE, weights={"put": 4, "cput": 1, "tag": 3, "pin": 2, "unpin": 0.5, "retention": 0.7, "gc": 2.5,
                                    "read": 0.5}, slow_tags=0.8, fail=0.05, recover_p=0.1),
-    # failure 5's window: fsck walking snapshots that a gc beside it expires and deletes
+    # the window of fsck walking snapshots that a gc beside it expires and deletes
     "fsck-gc": dict(_BASE, weights={"put": 4, "cput": 1, "gc": 2.5, "fsck": 2.5, "retention": 0.7, "read": 0.5},
                     slow_delete=0.6, fail=0.05, recover_p=0.1),
-    # failures 3 and 4: writers killed while gc deletes what they reuse, then the ref
+    # recover's windows: writers killed while gc deletes what they reuse, then the ref
     # table lost and rebuilt by a recover that is itself killed part-way
     "recover": dict(_BASE, weights={"put": 6, "cput": 2, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
                     slow_delete=1.0, kill_after_p=1.0, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6,
                     reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8, slow_commit=0.6, vulture_p=0.5),
-    # failure 2's window: gc and writers judging staleness differently (needs --stale-skew)
+    # the window of gc and writers judging staleness differently (needs --stale-skew)
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
                   fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9,
                   delete_delay=[0.1, 0.3], slow_commit=0.8, vulture_p=0.6),
-    # removals by name (issue 14) and pruning beside writers, tags, pins, gc and recover:
+    # removals by name and pruning beside writers, tags, pins, gc and recover:
     # delete_ref/forget/untag drop catalog rows and tags while gc and prune reclaim, and a
     # recover run over the live table must not bring back what was removed
     "remove": dict(_BASE, weights={"put": 5, "cput": 1, "delete_ref": 1, "forget": 1.5, "untag": 1, "tag": 1.5, "pin": 1,
@@ -114,8 +114,8 @@ FLAVORS = {
                    slow_tags=0.5, recover_p=0.15, recover_live_p=0.6),
     # recover beside gc, prune and writers: the ref table is lost at the start of the round
     # and `recover` runs while the workers do, killed -9 at random moments and started
-    # again; only a finished recover may let a gc or prune delete (docs/ARCHITECTURE.md,
-    # "recover under gc"). No retention op: the driver sets keep_last high, so prune runs
+    # again; only a finished recover may let a gc or prune delete (docs/design/recover.md,
+    # "Why no gc deletes over a table being rebuilt"). No retention op: the driver sets keep_last high, so prune runs
     # and any snapshot a gc or prune took over the incomplete table is missed by I3.
     "recover-live": dict(_BASE, weights={"put": 5, "gc": 3, "prune": 1.5, "tag": 0.5, "pin": 0.3, "read": 0.5,
                                          "fsck": 0.3}, recover_p=0.0, live_recover_p=1.0, live_kill=0.8,
@@ -242,8 +242,8 @@ class Harness:
                 "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
                 "reuse": reuse, "reuse_p": fl["reuse_p"], "resave_p": fl["resave_p"],
                 "vulture_p": fl.get("vulture_p", 0.0),
-                # failure 2: writers opened with their own (small) gc_stale_after, the old
-                # per-process setting; leases now decide, so it must change nothing
+                # writers opened with their own (small) gc_stale_after, another name for
+                # their own gcs' lease; only a gc's lease decides, so it must change nothing
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,
                 "gc_stale": gc_stale, "gc_leases": leases if self.stale_skew else [gc_stale], "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         # Driver kills: (seconds after that worker is ready, which worker).

@@ -5,8 +5,8 @@ random operations, journaling each one before and after the call.
 
 CONFIG (written by the driver): id, seed, role ("ops" | "recover"), store (url, refs,
 storage_options), journal path, ops (how many), seconds (after it is ready), weights (op ->
-weight), refs/jobs to use, gc_stale_after (this process's old per-process setting, now
-deprecated: leases decide; failure 2), gc_stale / gc_leases (the leases its gc runs declare), faults (faults.py profile; kill_at may be "auto" for recover:
+weight), refs/jobs to use, gc_stale_after (this process's own gcs' lease under its other name: it must not decide
+another gc is dead), gc_stale / gc_leases (the leases its gc runs declare), faults (faults.py profile; kill_at may be "auto" for recover:
 a random ref-table write of the run, so that a kill lands in its ref moves).
 
 Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
@@ -346,7 +346,7 @@ class Worker:
             return {"expired": rep.expired, "deleted": rep.deleted_objects, "phases": rep.phases}
         return {"job": job, "lease": lease}, call
 
-    # -- removals by name (issue 14): delete_ref, forget, untag --------------------------
+    # -- removals by name: delete_ref, forget, untag ------------------------------------
     def op_delete_ref(self, s, i):
         ref = self.rng.choice(self.cfg["refs"])
         args = {"ref": ref}
@@ -402,7 +402,7 @@ class Worker:
     def run_ops(self) -> int:
         cfg = self.cfg
         kw = {} if cfg.get("gc_stale_after") is None else {"gc_stale_after": cfg["gc_stale_after"]}
-        with warnings.catch_warnings():  # the deprecated setting is used on purpose (failure 2)
+        with warnings.catch_warnings():  # the setting's other name is used on purpose (it warns)
             warnings.simplefilter("ignore", DeprecationWarning)
             s = open_store(cfg, self.faults, **kw)
         self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
