@@ -208,11 +208,11 @@ def main(argv=None) -> int:
                      f"{dry.candidates} would go, {dry.reachable_objects} reachable"))
 
         from tensorstore_ck.reach import Marked, kept_roots, mark  # the mark phase alone
-        roots = kept_roots(store, exclude={bytes.fromhex(r) for r in dry.expired})
+        roots = kept_roots(store.core, exclude={bytes.fromhex(r) for r in dry.expired})
         evict(path)
         t = time.perf_counter()
         marked = Marked()
-        n_marked = mark(store, roots, marked, set())
+        n_marked = mark(store.core, roots, marked, set())
         marked.freeze()
         t_mark = time.perf_counter() - t
         print(f"mark only: {t_mark:.2f}s for {n_marked} reachable objects of {len(roots)} kept snapshots",

@@ -75,7 +75,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensorstore_ck as tsck  # noqa: E402
-from tensorstore_ck.dist import CollectiveContext, StoreGroup, collective_checkout  # noqa: E402
+from tensorstore_ck.dist import CollectiveContext, CollectiveJob, StoreGroup, collective_checkout  # noqa: E402
 from tensorstore_ck.storage.wrappers import WrappedStore  # noqa: E402
 
 REF = "scale/main"
@@ -297,8 +297,8 @@ class Harness:
 
         def one(rk: Rank):
             if rk.rank not in chosen:
-                collective_checkout(rk.store._collective, REF, resolve=rk.store._root, read=lambda root, rank: None,
-                                    group=groups[rk.rank], timeout=self.timeout)
+                collective_checkout(CollectiveJob(rk.store.core, rk.store.publisher, rk.store._collective,
+                                                  groups[rk.rank], self.timeout, read=lambda root, rank: None), REF)
                 return None
             into = {"t": {f"p{i:05d}": tsck.Sharded(torch.zeros(k, COLS), (W, COLS), (k * rk.rank, 0))
                           for i in range(N)}}

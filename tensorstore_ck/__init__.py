@@ -26,19 +26,25 @@ under it). A module over ~600 lines says which one job it does.
     plot.py               `tsck du --plot`: the store's usage as a picture
     hf_folder.py          the Hugging Face model folder (save_pretrained's layout, meta "hf")
                           and the safetensors view of a state
-    opener.py             open_store(): URL -> storage stack + ref table + Store
+    opener.py             open_store(): URL -> storage stack + ref table + Core + Store; the
+                          options checked and translated into Settings in one place
     pruner.py             a training job's retention applied while it trains, in the background
                           (CheckpointManager's and the Hugging Face callback's)
-    store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls
-    dist.py               collective put/checkout under torch.distributed (over the Publisher)
+    store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls;
+                          it hands the layers below its Core, never itself
+    asyncput.py           put_snapshot(blocking=False): staging, slots, the background publisher
+    lifecycle.py          tags, pins, forget, delete_ref: fenced against gc, rolled back on failure
+    dist.py               collective put/checkout under torch.distributed (a CollectiveJob),
+                          one job over ~600 lines: the collective protocol
     gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
     recover.py            snapshots; rebuild the ref table from storage
     publish.py            the whole write path: block jobs -> nodes -> commit -> fenced CAS ->
                           retry, and the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)
-    usage.py              `tsck du`: the store's bytes per job and over time
+    usage.py              `tsck du` and its plot: the store's bytes per job and over time
     dcpview.py            a dcp.save snapshot read by checkout as the state that was saved
-    listing.py            `tsck ls`: a snapshot's values from its nodes (no blocks, no torch)
+    listing.py            `tsck ls`, `tsck diff`, `tsck log/refs`: snapshots described from their
+                          nodes and catalog rows (no blocks, no torch)
     read.py               nodes -> state: the Reader of one snapshot
     walk.py               the DAG without tensor data (gc, fsck, diff)
     plan.py               state -> plan: every value validated and cut into block jobs before

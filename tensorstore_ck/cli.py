@@ -124,7 +124,7 @@ def _out(args, obj, text: str) -> None:
 
 def _holds_snapshots(store) -> bool:
     try:
-        return holds_snapshots(store.storage)
+        return holds_snapshots(store.core.storage)
     except OSError as e:
         raise storage_error(e, f"listing the commits of {store.url}") from e
 
@@ -196,7 +196,7 @@ def _du_plot(store, args, lines) -> dict:
     from .plot import plot_usage, require_matplotlib
     from .usage import usage
     require_matplotlib()  # missing: say so before walking the store
-    u = usage(store)
+    u = usage(store.core)
     path = plot_usage(u, args.plot)
     for job, j in sorted(u["jobs"].items(), key=lambda x: -x[1]["only_bytes"]):
         lines.append(f"  job {job:<20} holds {_human(j['held_bytes']):>10} of blocks; deleting it would free "
@@ -404,7 +404,7 @@ def _shape(shape) -> str:
 
 def cmd_ls(store, args):
     from .listing import list_tree
-    root, entries = list_tree(store, args.target, args.path)
+    root, entries = list_tree(store.core, store.resolve(args.target), args.path)
     tensors = [e for e in entries if e.kind in ("tensor", "array", "sharded")]
     total = sum(e.nbytes for e in tensors)
     obj = {"root": root, "path": args.path, "entries": [e.to_json() for e in entries],

@@ -30,7 +30,7 @@ from .format import tree
 from .paths import is_stateful
 from .read import MISSING, Reader
 
-__all__ = ["DCP_FORMAT", "DCP_LAYOUT_VERSION", "MIN_LAYOUT_VERSION", "MAX_LAYOUT_VERSION", "TOP_KEYS",
+__all__ = ["read_state", "DCP_FORMAT", "DCP_LAYOUT_VERSION", "MIN_LAYOUT_VERSION", "MAX_LAYOUT_VERSION", "TOP_KEYS",
            "is_dcp_top", "read_dcp", "load_bytes_item"]
 
 DCP_FORMAT = "dcp"
@@ -121,6 +121,15 @@ def _set_element(root: dict, path: tuple, value) -> None:
                 cur[k] = value
             else:
                 cur = cur.setdefault(k, nxt)
+
+
+def read_state(reader: Reader, top: bytes, into=MISSING, *, allow_pickle: bool = False):
+    """The state a snapshot's top (its commit's tree) holds: what dcp.save wrote through
+    TsckWriter (read_dcp), else the tree put_snapshot wrote (Store.checkout reads it so)."""
+    v = reader.top(top)
+    if is_dcp_top(v):
+        return read_dcp(reader, v, into, allow_pickle=allow_pickle)
+    return reader.materialize(v, (), into)
 
 
 def read_dcp(reader: Reader, top: tree.Container, into=MISSING, *, allow_pickle: bool = False):

@@ -54,6 +54,9 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
 import msgpack
 
 from .errors import (AmbiguousTarget, InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, SnapshotAborted,
@@ -62,8 +65,14 @@ from .ids import Digest
 from .shard import find_overlap
 from .validate import UNSET
 
+if TYPE_CHECKING:  # annotations only: publish.py and plan.py are the Store's to load
+    from .core import Core
+    from .plan import Plan
+    from .publish import Publisher
+    from .validate import SnapshotArgs
+
 __all__ = ["collective_put", "begin_put", "run_put", "collective_checkout", "is_collective", "CollectiveContext",
-           "CALLS", "StoreGroup"]
+           "CollectiveJob", "CALLS", "StoreGroup"]
 
 AUTO = object()
 
@@ -702,27 +711,43 @@ def _outcome_round(ch: _Channel, body, what: str):
     return out
 
 
-def collective_put(publisher, ctx: CollectiveContext, state, *, planner, prepare, group, timeout, kv=None):
-    """One snapshot of every rank's `state`, published once by rank 0 through `publisher`.
-    prepare() -> SnapshotArgs checks the arguments (on every rank, inside the collective)."""
-    return run_put(begin_put(ctx, group, timeout, kv), publisher, prepare, lambda: planner.plan(state))
+@dataclass(frozen=True)
+class CollectiveJob:
+    """What one collective put or checkout needs, built by the Store that makes it; nothing
+    here calls back into the Store. A put fills prepare and plan, a checkout read."""
+    core: "Core"                     # the store's core: rank 0 resolves the target with it
+    publisher: "Publisher"           # rank 0 publishes the snapshot through it
+    calls: CollectiveContext         # the process's call counters: they name the call's keys
+    group: Any                       # the process group (AUTO: the default one)
+    timeout: float                   # seconds every rank waits for the others
+    prepare: "Callable[[], SnapshotArgs] | None" = None  # put: the arguments, checked inside the call
+    plan: "Callable[[], Plan] | None" = None             # put: this rank's plan (validates its state)
+    read: "Callable[[Digest, int], Any] | None" = None   # checkout: the state of a root, as a rank reads it
+    kv: Any = None                   # the c10d store (None: the group's default one)
 
 
-def begin_put(ctx: CollectiveContext, group, timeout: float, kv=None) -> "_Channel":
+def collective_put(job: CollectiveJob):
+    """One snapshot of every rank's state (job.plan), published once by rank 0 through
+    job.publisher. job.prepare() -> SnapshotArgs checks the arguments (on every rank,
+    inside the collective)."""
+    return run_put(begin_put(job), job)
+
+
+def begin_put(job: CollectiveJob) -> "_Channel":
     """Name the next collective put of this process (on the caller's thread: the names
     follow the order of the calls, the same on every rank) without talking to anyone
-    yet; run_put(channel, ...) makes it, later and on any thread. An asynchronous put
+    yet; run_put(channel, job) makes it, later and on any thread. An asynchronous put
     stages its state between the two."""
-    return _open_channel(ctx, group, "put", timeout, kv)
+    return _open_channel(job.calls, job.group, "put", job.timeout, job.kv)
 
 
-def run_put(ch: "_Channel", publisher, prepare, plan):
-    """The collective put named by ch: prepare() -> SnapshotArgs and plan() -> Plan run
-    inside it (a failure of either aborts it on every rank). The deadline counts from
-    here, not from begin_put: a staged put may wait behind earlier ones."""
+def run_put(ch: "_Channel", job: CollectiveJob):
+    """The collective put named by ch: job.prepare() -> SnapshotArgs and job.plan() ->
+    Plan run inside it (a failure of either aborts it on every rank). The deadline counts
+    from here, not from begin_put: a staged put may wait behind earlier ones."""
     ch.restart()
     ch.cleanup_old()
-    return _outcome_round(ch, lambda: _put(ch, publisher, plan, prepare),
+    return _outcome_round(ch, lambda: _put(ch, job.publisher, job.plan, job.prepare),
                           f"collective put_snapshot (call {ch.pfx})")
 
 
@@ -1115,15 +1140,17 @@ def _target_disagreement(ch: _Channel, root: Digest, spelled: str, resolve) -> s
             + " (a collective checkout reads one snapshot on every rank; nothing was read)")
 
 
-def collective_checkout(ctx: CollectiveContext, target, *, resolve, read, group, timeout, kv=None):
+def collective_checkout(job: CollectiveJob, target):
     """Every rank says what it asks for (a hello); rank 0 checks that they all ask for
-    the same snapshot and resolves `target` (so every rank reads the same snapshot even if
-    the ref moves meanwhile); every rank then reads its own view with read(root, rank).
+    the same snapshot and resolves `target` (job.core.resolve: so every rank reads the same
+    snapshot even if the ref moves meanwhile); every rank then reads its own view with
+    job.read(root, rank).
     The check costs each rank O(1) messages: each adds a 40-bit hash of its target to the
     counter "tsum", which equals W times rank 0's hash when all agree; rank 0 reads the
     hellos themselves only when it does not."""
-    ch = _open_channel(ctx, group, "checkout", timeout, kv)
+    ch = _open_channel(job.calls, job.group, "checkout", job.timeout, job.kv)
     ch.cleanup_old()
+    resolve, read = job.core.resolve, job.read
     spelled = target if isinstance(target, str) else repr(target)
 
     def hello():

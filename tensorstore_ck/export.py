@@ -70,10 +70,10 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     root = store.resolve(target)  # once: the ref may move while we read
     where = f"snapshot {root[:16]} ({target}) of {store.url}"
     if fmt == "safetensors":
-        _, entries = list_tree(store, root, path)
+        _, entries = list_tree(store.core, root, path)
         _check_for_safetensors(entries, where)
     elif path is not None:
-        list_tree(store, root, path)  # refuses a path that holds nothing before a block is read
+        list_tree(store.core, root, path)  # refuses a path that holds nothing before a block is read
     # Reads only the blocks under PATH; _select then finds the value in the pruned tree.
     state = store.checkout(root, paths=None if path is None else [path], progress=progress)
     value, prefix = (state, "") if path is None else _select(state, path)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+from .core import Core
 from .errors import FormatError, IntegrityError, UnreadableObject
 from .format import frame
 from .gc import DEFAULT_LEASE, Lease, holding_gc_lock
@@ -91,8 +92,8 @@ class FsckReport:
         return d
 
 
-def _names(store) -> dict[bytes, list[str]]:
-    return {root: [f"{kind}:{name}" if name else kind for kind, name in hs] for root, hs in holders(store).items()}
+def _names(core: Core) -> dict[bytes, list[str]]:
+    return {root: [f"{kind}:{name}" if name else kind for kind, name in hs] for root, hs in holders(core).items()}
 
 
 def _unreadable(e: UnreadableObject, snap: str, names: list, path: str | None) -> Finding:
@@ -101,7 +102,7 @@ def _unreadable(e: UnreadableObject, snap: str, names: list, path: str | None) -
                    f"cannot read the object ({code}{e.detail or e.strerror or e})", e.errno)
 
 
-def run_fsck(store, *, full: bool = True, progress: bool = False, repair: bool = False,
+def run_fsck(core: Core, *, full: bool = True, progress: bool = False, repair: bool = False,
              lease: float = DEFAULT_LEASE) -> FsckReport:
     t0 = time.time()
     rep = FsckReport(full=full, repair=repair)
@@ -110,51 +111,51 @@ def run_fsck(store, *, full: bool = True, progress: bool = False, repair: bool =
         # the whole check; held through the check, gc cannot delete beside it either.
         # Repair only moves aside damaged objects of kept snapshots: an unfinished
         # rebuild (fewer kept snapshots known) makes it do less, never delete more.
-        with holding_gc_lock(store, lease=lease, role="fsck-repair:", rebuilding_ok=True) as hold:
-            _check(store, rep, progress)
-            _repair(store, rep, hold)
+        with holding_gc_lock(core, lease=lease, role="fsck-repair:", rebuilding_ok=True) as hold:
+            _check(core, rep, progress)
+            _repair(core, rep, hold)
     else:
-        _check(store, rep, progress)
-    for a in store.assets.list_aside():
+        _check(core, rep, progress)
+    for a in core.assets.list_aside():
         rep.quarantined += 1
         rep.quarantined_bytes += a.size
     rep.seconds = time.time() - t0
     return rep
 
 
-def _check(store, rep: FsckReport, progress: bool) -> None:
+def _check(core: Core, rep: FsckReport, progress: bool) -> None:
     full = rep.full
-    epoch0 = store.reftable.gc_state()["epoch"]
-    names = _names(store)
+    epoch0 = core.refs.gc_state()["epoch"]
+    names = _names(core)
     bad_rows: list = []
     logical = 0  # the bar's total: every snapshot's bytes, as the walk meets them
-    for _r, row in store.reftable.catalog_iter(bad=bad_rows):
+    for _r, row in core.refs.catalog_iter(bad=bad_rows):
         logical += int(row.get("bytes_total", 0))
     for root, err in bad_rows:  # the snapshot is still checked below, from its commit
         rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
-    roots = sorted(store.reftable.catalog_roots() | set(names))
+    roots = sorted(core.refs.catalog_roots() | set(names))
     block_status: dict[bytes, IntegrityError | None] = {}
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()
-    pool = store.pool
+    pool = core.pool
     bar = progress_bar(progress, "fsck", total=logical or None, unit="B")
 
     def check_block(d: bytes, n: int):
         if full:
             buf = bytearray(n)
             try:
-                store.assets.read_block_into(d, buf, verify=True)
+                core.assets.read_block_into(d, buf, verify=True)
             except (IntegrityError, UnreadableObject) as e:
                 return e
             return None
-        return store.assets.check_quick(frame.KIND_BLOCK, d, n)
+        return core.assets.check_quick(frame.KIND_BLOCK, d, n)
 
     for root in roots:
         rep.snapshots_checked += 1
         snap, nm = root.hex(), names.get(root, [])
         pending: list = []  # (digest, nbytes, path) of blocks this snapshot references
         try:
-            for obj in walk_commit(store.assets, root, verify=full):
+            for obj in walk_commit(core.assets, root, verify=full):
                 marked.add(obj.kind + "s", obj.digest)
                 if obj.kind == "block":
                     pending.append((obj.digest, obj.nbytes, obj.path))
@@ -165,7 +166,7 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
             rep.findings.append(_unreadable(e, snap, nm, e.path))
         except (IntegrityError, FormatError) as e:
             problem = getattr(e, "reason", "undecodable") if isinstance(e, IntegrityError) else "undecodable"
-            if isinstance(e, IntegrityError) and store.assets.kind_of_key(e.key) == "commits" and problem == "missing":
+            if isinstance(e, IntegrityError) and core.assets.kind_of_key(e.key) == "commits" and problem == "missing":
                 problem = "dangling_ref" if nm else "missing"
             rep.findings.append(Finding(problem, snap, nm, getattr(e, "path", None) or None,
                                         getattr(e, "key", None), str(e.args[0]) if e.args else str(e)))
@@ -200,7 +201,7 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
     marked.freeze()
     strays: list = []
     for kind in KINDS:
-        for o in iter_unreachable(store, marked, kind, strays=strays):
+        for o in iter_unreachable(core, marked, kind, strays=strays):
             rep.orphans += 1
             rep.orphan_bytes += o.size
     for key in strays:  # never parsed, never deleted: an operator looks at them
@@ -208,9 +209,9 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
     # A gc running beside fsck expires snapshots and then deletes their objects: what fsck
     # saw missing of those is not damage. Report only snapshots still kept now (expiry
     # always precedes deletion, so a snapshot whose objects went is no longer kept).
-    epoch1 = store.reftable.gc_state()["epoch"]
+    epoch1 = core.refs.gc_state()["epoch"]
     rep.gc_ran = epoch1 != epoch0 or bool(epoch1 % 2)
-    still = kept_roots(store)
+    still = kept_roots(core)
     keep = [f for f in rep.findings if f.snapshot is None or bytes.fromhex(f.snapshot) in still]
     rep.dropped_after_gc = len(rep.findings) - len(keep)
     rep.findings = keep
@@ -220,9 +221,9 @@ def _check(store, rep: FsckReport, progress: bool) -> None:
 _DAMAGE = ("corrupt", "truncated", "undecodable")
 
 
-def _repair(store, rep: FsckReport, hold: Lease) -> None:
+def _repair(core: Core, rep: FsckReport, hold: Lease) -> None:
     """Move aside every object the check found damaged, inside a deletion phase."""
-    assets = store.assets
+    assets = core.assets
     problem = {f.key: f.problem for f in rep.findings if f.problem in _DAMAGE and assets.kind_of_key(f.key)}
     todo = []
     for key in sorted(problem):  # again, one by one: only an object that fails verification moves
@@ -260,5 +261,5 @@ def _repair(store, rep: FsckReport, hold: Lease) -> None:
             rep.left.append({"key": key, "why": "healthy again (written anew meanwhile); left in place"})
             continue
         rep.moved.append({"key": key, "aside": aside, "problem": problem[key]})
-    store.storage.sync()
+    core.storage.sync()
 

@@ -35,6 +35,8 @@ lock. Reachability (mark, the packed set of reached
 addresses, the streaming of unreachable objects) is in reach.py; every key is
 assets.py's. Candidates are spooled to a temporary file, not held in memory. A
 stored name that is not a well-formed key (a stray) is reported, never deleted.
+Every entry point takes the store's Core (core.py: storage, assets, ref table, pool,
+settings), so a gc is built and tested without a Store.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .core import DEFAULT_LEASE, Core
 from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError, UnreadableObject
 from .progress import progress_bar
 from .reach import KINDS, Marked, NodeSet, holders, iter_unreachable, kept_roots, mark
@@ -64,7 +67,6 @@ log = logging.getLogger(__name__)
 __all__ = ["GCReport", "GCPlan", "plan_gc", "execute_gc", "run_gc", "prune_job", "plan_expiry", "retention_plan", "DEFAULT_LEASE",
            "Lease", "holding_gc_lock"]
 
-DEFAULT_LEASE = 120.0        # seconds a gc holds the store between two renewals
 SWEEP_BATCH = 512            # deletes between two checks of the lock
 # A deletion phase ends after this many deletions or this many seconds of deleting,
 # whichever comes first, and the next one opens after it (re-marking first): a writer
@@ -115,23 +117,23 @@ class GCPlan:
     report: GCReport
 
 
-def retention_plan(store, now: float, records: dict | None = None, bad: list | None = None) -> list[dict]:
+def retention_plan(core: Core, now: float, records: dict | None = None, bad: list | None = None) -> list[dict]:
     """Every kept snapshot with what retention (`records`, default: the stored rules)
     decides for it and why: {root, ref, job, step, time, metrics, keep, why}. A ref
     tip, tag target or pin is kept whatever the rules say; a job without rules keeps
     everything. A catalog row that does not decode is never expired (its snapshot
     stays kept; fsck reports it); it goes to `bad` as (root, error)."""
-    records = store.reftable.retention_all() if records is None else records
+    records = core.refs.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
-    order = store.reftable.publication_record()
+    order = core.refs.publication_record()
     by_job: dict[str, list] = {}
-    for root, row in store.reftable.catalog_iter(bad=[] if bad is None else bad):
+    for root, row in core.refs.catalog_iter(bad=[] if bad is None else bad):
         seq, recovered = order.get(root, (None, False))
         by_job.setdefault(str(row.get("job", "")), []).append((SnapRow(
             root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}), seq,
             str(row.get("ref", "")), recovered), row))
     words = {"ref": "tip of {}", "tag": "tag {}", "pin": "pinned"}
-    protected = {root: [words[kind].format(name) for kind, name in hs] for root, hs in holders(store).items()}
+    protected = {root: [words[kind].format(name) for kind, name in hs] for root, hs in holders(core).items()}
     out = []
     for job, rows in by_job.items():
         why = explain_kept([sr for sr, _row in rows], rules.get(job), now)
@@ -143,19 +145,19 @@ def retention_plan(store, now: float, records: dict | None = None, bad: list | N
     return out
 
 
-def plan_expiry(store, now: float, records: dict | None = None, bad: list | None = None) -> list[bytes]:
+def plan_expiry(core: Core, now: float, records: dict | None = None, bad: list | None = None) -> list[bytes]:
     """Roots that retention no longer keeps (see retention_plan)."""
-    return [d["root"] for d in retention_plan(store, now, records, bad) if not d["keep"]]
+    return [d["root"] for d in retention_plan(core, now, records, bad) if not d["keep"]]
 
 
-def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=None) -> GCPlan:
+def plan_gc(core: Core, *, dry_run: bool, began: float, progress: bool = False, beat=None) -> GCPlan:
     """Steps 2-4: expire (a dry run only computes what would expire), mark, list."""
     rep = GCReport(dry_run=dry_run)
-    refs = store.reftable
+    refs = core.refs
     rules = refs.retention_all()
     queued = {} if dry_run else refs.prune_requests()  # every job's rules apply: read before the catalog
     bad: list = []
-    decisions = retention_plan(store, refs.wall_now(), rules, bad)  # ages on the table's clock, like commits
+    decisions = retention_plan(core, refs.wall_now(), rules, bad)  # ages on the table's clock, like commits
     doomed = [d["root"] for d in decisions if not d["keep"]]
     if dry_run:  # what was decided for each snapshot and why (tsck gc --dry-run prints it)
         rep.snapshots = [{**d, "root": d["root"].hex()} for d in decisions]
@@ -166,12 +168,12 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
         # The history follows what is kept: log(), REF@STEP and restore_latest() then
         # cost what retention keeps, not every snapshot ever taken.
         rep.reflog_compacted = refs.compact_history()
-    k0 = kept_roots(store, exclude=set(expired) if dry_run else None)
+    k0 = kept_roots(core, exclude=set(expired) if dry_run else None)
     rep.kept_snapshots = len(k0)
     marked, visited = Marked(), NodeSet()
     bar = progress_bar(progress, "gc: mark")
     t0 = time.monotonic()
-    rep.reachable_objects = mark(store, k0, marked, visited, bar)
+    rep.reachable_objects = mark(core, k0, marked, visited, bar)
     if bar is not None:
         bar.close()
     marked.freeze()
@@ -180,7 +182,7 @@ def plan_gc(store, *, dry_run: bool, began: float, progress: bool = False, beat=
     spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-gc-")
     bar = progress_bar(progress, "gc: list")
     for kind in KINDS:
-        for o in iter_unreachable(store, marked, kind, before=began, bar=bar, strays=rep.strays):
+        for o in iter_unreachable(core, marked, kind, before=began, bar=bar, strays=rep.strays):
             spool.write(f"{kind} {o.digest.hex()} {o.size}\n")
             rep.candidates += 1
         if beat is not None:
@@ -198,17 +200,17 @@ def _count(rep: GCReport, kind: str, size: int) -> None:
     rep.deleted_by_kind[kind] = rep.deleted_by_kind.get(kind, 0) + 1
 
 
-def _dry_report(store, plan: GCPlan) -> GCReport:
+def _dry_report(core: Core, plan: GCPlan) -> GCReport:
     rep = plan.report
     for line in plan.spool:
         kind, hexd, size = line.split()
         _count(rep, kind, int(size))
         if len(rep.would_delete) < 10000:
-            rep.would_delete.append(store.assets.object_key(kind, bytes.fromhex(hexd)))
+            rep.would_delete.append(core.assets.object_key(kind, bytes.fromhex(hexd)))
     return rep
 
 
-def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
+def execute_gc(core: Core, plan: GCPlan, *, lease: "Lease", progress: bool = False,
                phase_objects: int | None = None, phase_seconds: float | None = None) -> GCReport:
     """Steps 5-8, in deletion phases of at most `phase_objects` deletions or
     `phase_seconds` of deleting: each phase freezes (epoch odd), re-marks what was
@@ -223,7 +225,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
     if rep.candidates == 0:
         # Nothing to delete: no deletion phase, so writers are not fenced. (A gc loop
         # that froze on every run kept a writer re-validating; benches/bench_gc_put.py.)
-        rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
+        rep.temp_files_removed = core.assets.sweep_temp(plan.began - lease.seconds)
         return rep
     t_sweep = time.monotonic()
     bar = progress_bar(progress, "gc: sweep", total=rep.candidates)
@@ -241,14 +243,14 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
         # Every commit kept now and not yet walked (published since the plan's mark, or since
         # the last phase's re-mark): what it reaches is kept. Walks of earlier phases still
         # count: their marks only keep more.
-        new = kept_roots(store) - walked
+        new = kept_roots(core) - walked
         extra = Marked()
-        mark(store, new, extra, visited)
+        mark(core, new, extra, visited)
         extra.freeze()
         walked.update(new)
         remarks.append(extra)
         if rep.phases == 1:
-            rep.temp_files_removed = store.assets.sweep_temp(plan.began - lease.seconds)
+            rep.temp_files_removed = core.assets.sweep_temp(plan.began - lease.seconds)
         phase.update(open=True, deleted=0, t0=time.monotonic())
 
     def close_phase() -> None:
@@ -259,7 +261,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
             if removed is not None:
                 # This process ran the only deletion phase between the two even epochs and
                 # knows all it deleted: the presence record survives it less those.
-                store.assets.presence.carry(before, after, removed)
+                core.assets.presence.carry(before, after, removed)
 
     def sweep(kind: str, batch: list) -> None:
         if not phase["open"]:
@@ -278,8 +280,8 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
         # commits -> nodes -> blocks order and a batch never mixes kinds, so a kind is
         # gone before the next starts.
         ds = [d for d, _s in todo]
-        n = max(1, min(len(ds), store.workers))
-        for f in [store.pool.submit(lease.run, store.assets.delete_objects, kind, ds[i::n]) for i in range(n)]:
+        n = max(1, min(len(ds), core.settings.workers))
+        for f in [core.pool.submit(lease.run, core.assets.delete_objects, kind, ds[i::n]) for i in range(n)]:
             f.result()
         lease.note_removed(kind, ds)
         for _d, size in todo:
@@ -289,7 +291,7 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
             bar.update(len(batch))
             bar.set_postfix_str(f"{rep.deleted_bytes / 2**20:.1f} MiB freed", refresh=False)
         if phase["deleted"] >= phase_objects or time.monotonic() - phase["t0"] >= phase_seconds:
-            store.storage.sync()  # what this phase deleted is gone before writers may look again
+            core.storage.sync()  # what this phase deleted is gone before writers may look again
             close_phase()
 
     limit = max(1, min(SWEEP_BATCH, phase_objects))
@@ -306,38 +308,38 @@ def execute_gc(store, plan: GCPlan, *, lease: "Lease", progress: bool = False,
         sweep(kind, batch)
     if bar is not None:
         bar.close()
-    store.storage.sync()
+    core.storage.sync()
     if phase["open"]:
         close_phase()
     rep.sweep_seconds = time.monotonic() - t_sweep
     return rep
 
 
-def _refuse_if_rebuilding(store, what: str) -> None:
+def _refuse_if_rebuilding(core: Core, what: str) -> None:
     """A recover that began and has not finished: the table may lack snapshots that
     storage holds, and a gc by it would delete them. Checked here for a clear refusal
     before any work; the gc lock's own transaction checks it again (gc_begin), which is
     what makes a gc and a recover unable to overlap."""
-    mark = store.reftable.rebuild_unfinished()
+    mark = core.refs.rebuild_unfinished()
     if mark is not None:
         raise RebuildUnfinished(rebuild_message(mark, what))
 
 
-def _refuse_if_the_ref_table_knows_nothing(store) -> None:
+def _refuse_if_the_ref_table_knows_nothing(core: Core) -> None:
     """An empty ref table over a store that holds commits is a lost or wrong table, not a
     store with nothing to keep: gc would delete every snapshot (and recover would then
     find nothing). Deleting needs the table rebuilt first."""
-    rt = store.reftable
+    rt = core.refs
     if rt.born_with_store() or rt.catalog_roots() or rt.list() or rt.tags() \
             or rt.pins():
         return  # a table made with its store: empty means a fresh store (commits in flight)
-    found = next(store.assets.list_objects("commits"), None)
+    found = next(core.assets.list_objects("commits"), None)
     if found is not None:
         raise TsckError("gc refused: storage holds snapshots but the ref table knows none of them (a lost "
                         "or wrong ref table?); run `tsck recover` first, then gc; nothing was deleted")
 
 
-def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float = DEFAULT_LEASE,
+def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: float = DEFAULT_LEASE,
            renew_every: float | None = None, grace: float = 0.0, phase_objects: int | None = None,
            phase_seconds: float | None = None) -> GCReport:
     """1-8: take the lock under a lease (not for a dry run), plan, execute, release.
@@ -347,25 +349,25 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
     if not (isinstance(grace, (int, float)) and 0 <= grace < 1e9):
         raise InvalidArgument(f"gc grace must be a number of seconds >= 0, got {grace!r}")
     t_start = time.time()
-    refs = store.reftable
-    _refuse_if_rebuilding(store, "gc --dry-run" if dry_run else "gc")
+    refs = core.refs
+    _refuse_if_rebuilding(core, "gc --dry-run" if dry_run else "gc")
     if dry_run:
-        rep = _dry_report(store, plan_gc(store, dry_run=True, began=store.storage.clock_now() - grace,
+        rep = _dry_report(core, plan_gc(core, dry_run=True, began=core.storage.clock_now() - grace,
                                          progress=progress))
         rep.seconds = time.time() - t_start
         return rep
-    _refuse_if_the_ref_table_knows_nothing(store)
-    with holding_gc_lock(store, lease=lease, renew_every=renew_every) as hold:
+    _refuse_if_the_ref_table_knows_nothing(core)
+    with holding_gc_lock(core, lease=lease, renew_every=renew_every) as hold:
         owner = hold.owner
-        log.info("gc %s on %s: began (lease %gs, grace %gs)", owner, store.url, lease, grace)
+        log.info("gc %s on %s: began (lease %gs, grace %gs)", owner, core.url, lease, grace)
         # began is compared with stored objects' mtimes, so it is read on the storage's
         # clock (a gc host's clock that is off would only cost writers re-uploads or
         # keep garbage longer: the fence, not the time, keeps data safe).
-        plan = plan_gc(store, dry_run=False, began=store.storage.clock_now() - grace, progress=progress,
+        plan = plan_gc(core, dry_run=False, began=core.storage.clock_now() - grace, progress=progress,
                        beat=hold)
         log.info("gc %s: marked; %d snapshots expired, %d kept, %d candidates", owner, len(plan.report.expired),
                  plan.report.kept_snapshots, plan.report.candidates)
-        rep = execute_gc(store, plan, lease=hold, progress=progress, phase_objects=phase_objects,
+        rep = execute_gc(core, plan, lease=hold, progress=progress, phase_objects=phase_objects,
                          phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_gc": {"at": refs.wall_now(), "deleted": rep.deleted_objects}}
@@ -374,7 +376,7 @@ def run_gc(store, *, dry_run: bool = False, progress: bool = False, lease: float
     return rep
 
 
-def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
+def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
               phase_objects: int | None = None, phase_seconds: float | None = None) -> GCReport:
     """Expire what `job`'s retention drops, and what the rules of every job whose
     prune is queued (RefTable.prune_request: it found the store busy) drop, and delete
@@ -386,31 +388,31 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
     leaves (expired rows whose objects were not yet deleted) is garbage the next
     `tsck gc` reclaims."""
     t_start = time.time()
-    refs = store.reftable
+    refs = core.refs
     rep = GCReport(dry_run=False)
-    _refuse_if_rebuilding(store, "prune")
+    _refuse_if_rebuilding(core, "prune")
     rules = refs.retention_all()
     if job not in rules:
         return rep
-    with holding_gc_lock(store, lease=lease, role="prune:", renew_every=renew_every) as hold:
-        began = store.storage.clock_now()
+    with holding_gc_lock(core, lease=lease, role="prune:", renew_every=renew_every) as hold:
+        began = core.storage.clock_now()
         # The jobs whose prunes found the store busy are served here too, read before the
         # catalog is (their requests cover the snapshots committed before them).
         queued = refs.prune_requests()
         jobs = sorted({job} | (set(queued) & set(rules)))
         rep.jobs = jobs
         bad: list = []
-        doomed = plan_expiry(store, refs.wall_now(), {j: rules[j] for j in jobs}, bad)
+        doomed = plan_expiry(core, refs.wall_now(), {j: rules[j] for j in jobs}, bad)
         expired = refs.catalog_expire(doomed, rules=rules, served=queued) if doomed or queued else []
         rep.expired = [r.hex() for r in expired]
         if not expired:
             hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": 0}}
             return rep
         rep.reflog_compacted = refs.compact_history()
-        k0 = kept_roots(store)
+        k0 = kept_roots(core)
         rep.kept_snapshots = len(k0)
         marked, visited = Marked(), NodeSet()
-        rep.reachable_objects = mark(store, k0, marked, visited)
+        rep.reachable_objects = mark(core, k0, marked, visited)
         marked.freeze()
         hold.check()
         # Nodes a kept snapshot reaches are in `visited`: walking with it skips them and
@@ -419,7 +421,7 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
         skip = NodeSet(base=visited)  # the expired snapshots' nodes must not count as kept ones
         for root in expired:
             try:
-                for o in walk_commit(store.assets, root, verify=True, skip_nodes=skip):
+                for o in walk_commit(core.assets, root, verify=True, skip_nodes=skip):
                     found[o.kind + "s"].setdefault(o.digest, o.nbytes or 0)
             except (IntegrityError, FormatError, UnreadableObject) as e:  # left for an offline gc
                 log.warning("prune %s: expired snapshot %s not walked (%s); `tsck gc` reclaims it",
@@ -432,7 +434,7 @@ def prune_job(store, job: str, *, lease: float = DEFAULT_LEASE, renew_every: flo
                     spool.write(f"{kind} {d.hex()} {found[kind][d]}\n")
                     rep.candidates += 1
         spool.seek(0)
-        rep = execute_gc(store, GCPlan(began, k0, marked, visited, spool, rep), lease=hold,
+        rep = execute_gc(core, GCPlan(began, k0, marked, visited, spool, rep), lease=hold,
                          phase_objects=phase_objects, phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
@@ -445,7 +447,7 @@ REMOVED_KEPT = 1 << 20  # deletions noted for the presence record (Lease.note_re
 
 
 @contextlib.contextmanager
-def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None,
+def holding_gc_lock(core: Core, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None,
                     rebuilding_ok: bool = False):
     """The store's gc lock under a lease (gc itself, and work other than gc that removes
     objects from their addresses: fsck --repair moves damaged ones aside): yields the
@@ -454,9 +456,9 @@ def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", rene
     finish_fields recorded in the gc state when all went well). RebuildUnfinished while
     a recover has not finished, unless rebuilding_ok (work that deletes nothing a
     snapshot reaches)."""
-    refs = store.reftable
+    refs = core.refs
     owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    hold = Lease(refs, owner, lease, request_timeout=store.storage.request_timeout, renew_every=renew_every,
+    hold = Lease(refs, owner, lease, request_timeout=core.storage.request_timeout, renew_every=renew_every,
                  rebuilding_ok=rebuilding_ok, what=role.rstrip(":") or "gc")
     try:
         yield hold
@@ -482,7 +484,7 @@ def holding_gc_lock(store, *, lease: float = DEFAULT_LEASE, role: str = "", rene
         raise
     if hold.froze_from is not None and hold.removed is not None:
         # This process ran the only deletion phase since froze_from and knows all it deleted.
-        store.assets.presence.carry(hold.froze_from, st["epoch"], hold.removed)
+        core.assets.presence.carry(hold.froze_from, st["epoch"], hold.removed)
 
 
 class Lease:

@@ -1,5 +1,8 @@
-"""`tsck ls`: the values of a snapshot's tree, read from its manifest nodes only (never a
-block, never torch: listing a snapshot starts as fast as `tsck refs`)."""
+"""What a store holds, described: `tsck ls` and `tsck diff` (the values of a snapshot's
+tree, and which of them differ between two snapshots, read from manifest nodes only:
+never a block, never torch, so listing a snapshot starts as fast as `tsck refs`), and
+`tsck log`, `tsck refs`, `tsck tags` (snapshots as SnapshotInfo, one odd one reported
+apart from the others)."""
 
 from __future__ import annotations
 
@@ -7,16 +10,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FormatError, InvalidArgument, storage_error
+from .core import Core
+from .errors import FormatError, IntegrityError, InvalidArgument, RefNotFound, storage_error
 from .format import tree
 from .format.dtypes import DTYPE_ITEMSIZES
 from .format.manifest import decode_commit
 from .format.world import rank_top
 from .ids import Digest
+from .info import SnapshotInfo, row_to_info
 from .paths import FULL, SKIP, Selection, dotted
-from .walk import read_node
+from .walk import iter_leaves, read_node
 
-__all__ = ["Entry", "list_tree", "MAX_ENTRIES"]
+__all__ = ["Entry", "list_tree", "diff", "history", "describe", "MAX_ENTRIES"]
 
 MAX_ENTRIES = 1 << 22  # values one listing visits (a DAG of 40 nodes can name 2^40 paths)
 
@@ -75,21 +80,23 @@ def _entry(p: str, item) -> Entry:
     return Entry(p, t.__name__, value=item)  # bool, int, float
 
 
-def list_tree(store, target: str, path: str | None = None, *, limit: int = MAX_ENTRIES) -> tuple[str, list]:
-    """(root hex, [Entry]) of the values of a snapshot, in state order; with `path`, only
+def list_tree(core: Core, root: Digest | str, path: str | None = None, *,
+              limit: int = MAX_ENTRIES) -> tuple[str, list]:
+    """(root hex, [Entry]) of the values of the snapshot `root` (a Digest or its hex:
+    Store.resolve(target) names it), in state order; with `path`, only
     that value or the values under it (nodes elsewhere are not read). Reads the commit
     and the manifest nodes it needs, never a block. A multi-rank snapshot lists rank 0's
     tree (what a single process's checkout returns; sharded tensors at their global
     shape). InvalidArgument when nothing is at `path`; FormatError past `limit` values."""
-    root = Digest.parse(store.resolve(target))
+    root = root if isinstance(root, Digest) else Digest.parse(root)
     try:
-        return root.hex(), list(_entries(store, root, path, limit))
+        return root.hex(), list(_entries(core, root, path, limit))
     except OSError as e:
-        raise storage_error(e, f"reading snapshot {root.hex()[:16]} of {store.url}") from e
+        raise storage_error(e, f"reading snapshot {root.hex()[:16]} of {core.url}") from e
 
 
-def _entries(store, root: Digest, path: str | None, limit: int):
-    assets, verify, snap = store.assets, store.verify, root.hex()
+def _entries(core: Core, root: Digest, path: str | None, limit: int):
+    assets, verify, snap = core.assets, core.settings.verify, root.hex()
     top = decode_commit(assets.get_commit(root, verify=verify))["tree"]
     sel = None if path is None else Selection([path])
     decoded: dict = {}
@@ -146,6 +153,59 @@ def _entries(store, root: Digest, path: str | None, limit: int):
         v = node(rank_top(v, 0, lambda d: node(d, (), 0)), (), 0)
     state = FULL if sel is None else sel.root
     if measure(v, (), 0, state)[1] == 0 and path is not None:
-        raise InvalidArgument(f"snapshot {snap[:16]} in {store.url} holds nothing at {path!r} (paths are "
+        raise InvalidArgument(f"snapshot {snap[:16]} in {core.url} holds nothing at {path!r} (paths are "
                               "dotted: model.layers.0.weight; `tsck ls` lists them)")
     yield from values(v, (), 0, state)
+
+
+def diff(core: Core, ra: Digest, rb: Digest) -> dict:
+    """Which tensors differ between the snapshots `ra` and `rb`, and in how many blocks
+    (from their manifests: no block is read)."""
+    la = iter_leaves(core.assets, ra, verify=core.settings.verify)
+    lb = iter_leaves(core.assets, rb, verify=core.settings.verify)
+    out = {"a": ra.hex(), "b": rb.hex(), "added": sorted(lb.keys() - la.keys()),
+           "removed": sorted(la.keys() - lb.keys()), "changed": [], "unchanged": 0}
+    for p in la.keys() & lb.keys():
+        (da, ba), (db, bb) = la[p], lb[p]
+        if da == db and ba == bb:
+            out["unchanged"] += 1
+            continue
+        differ = sum(1 for x, y in zip(ba, bb) if x != y) + abs(len(ba) - len(bb))
+        out["changed"].append({"path": p, "a": da, "b": db, "blocks_differ": differ, "blocks": max(len(ba), len(bb))})
+    out["changed"].sort(key=lambda x: x["path"])
+    return out
+
+
+def history(core: Core, ref: str, errors: dict | None) -> list[SnapshotInfo]:
+    """The kept snapshots `ref` has pointed at, newest first (Store.log). A catalog row
+    that does not decode raises its FormatError, or with errors={} goes there (root hex
+    -> error) and the others are listed."""
+    hist = core.refs.history(ref)
+    if hist is None:
+        raise RefNotFound(f"no ref named {ref!r}")
+    out = []
+    for root, row in hist:
+        if isinstance(row, FormatError):
+            if errors is None:
+                raise row
+            errors[root.hex()] = row
+            continue
+        out.append(row_to_info(root, row))
+    return out
+
+
+def describe(named, info, errors: dict | None) -> dict[str, SnapshotInfo]:
+    """name -> info(root) for each (name, root) (Store.refs and tags; info: the
+    publisher's, catalog row or commit). One that cannot be described raises, or with
+    errors={} goes there (name -> error) and the others are listed."""
+    out = {}
+    for name, root in named:
+        try:
+            out[name] = info(root)
+        except (FormatError, IntegrityError) as e:
+            if errors is None:
+                if isinstance(e, FormatError):
+                    raise FormatError(f"{name!r}: {e}") from None
+                raise
+            errors[name] = e  # one odd snapshot: the others are still listed
+    return out

@@ -20,11 +20,13 @@ import threading
 import time
 import uuid
 
+from . import chunker
 from .assets import MAX_MARKER_BYTES, STORE_MARKER, create_marker, holds_snapshots, read_marker
+from .core import DEFAULT_LEASE, DEFAULT_WORKERS, Core, Settings
 from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
-from .store import Store, check_options, layout
+from .store import Store
 
 __all__ = ["open_store", "STORE_MARKER"]
 
@@ -134,6 +136,88 @@ def _read_config(storage: BlockStore) -> dict | None:
     return cfg
 
 
+def layout(block_size, inline_threshold, config: dict | None = None, *, where: str = "") -> tuple[int, int]:
+    """The block size and inline threshold a Store writes with: the arguments, else the
+    store marker's, else the defaults (the inline threshold is never above the block
+    size unless asked for). open_store calls it before writing anything, so a bad
+    argument never leaves a half-made store; a marker whose values do not fit (written
+    by hand, or by a build with other limits) is a FormatError that says how to go on."""
+    for name, v in (("block_size", block_size), ("inline_threshold", inline_threshold)):
+        if v is not None and (type(v) is not int or v < 0):
+            raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
+    cfg = config or {}
+    bs = block_size if block_size is not None else cfg.get("block_size", chunker.DEFAULT_BLOCK_SIZE)
+    if inline_threshold is not None:
+        it = inline_threshold
+    else:
+        it = cfg.get("inline_threshold", min(chunker.DEFAULT_INLINE_THRESHOLD, bs))
+    problem = None
+    if not chunker.MIN_BLOCK_SIZE <= bs <= chunker.MAX_BLOCK_SIZE:
+        problem = f"block_size must be within {chunker.MIN_BLOCK_SIZE}..{chunker.MAX_BLOCK_SIZE}, got {bs}"
+    elif not 0 <= it <= bs:
+        problem = f"inline_threshold must be within 0..block_size ({bs}), got {it}"
+    if problem is None:
+        return int(bs), int(it)
+    if (block_size is None and "block_size" in cfg) or (inline_threshold is None and "inline_threshold" in cfg):
+        raise FormatError(f"{where or 'the store marker'} holds a layout this build cannot write with: {problem}; "
+                          "open the store with block_size=/inline_threshold= arguments that fit, or correct those "
+                          "fields of the marker (they only decide how new snapshots are cut; stored ones read "
+                          "either way)")
+    raise InvalidArgument(problem)
+
+
+COMPRESSION = ("auto", "float", "lz4", "none")
+
+
+def codecs_for(compression: str, storage: BlockStore, *, compress: bool = True, shuffle: bool = False) -> str:
+    """The codecs a writer uses (Assets(codecs=)) for open_store(compression=...).
+
+    "auto" is the measured best for the backend (docs/ARCHITECTURE.md, "Compression"):
+    the float codec where the bytes cross a network (object stores: fewer bytes is
+    time and money saved), lz4 where they do not (a local disk, memory://), where
+    coding floats costs more CPU time than the disk saves. The flags map in too:
+    compress=False is "none", shuffle=True the byte-shuffle codec (deprecated).
+    The options are checked first (check_options)."""
+    if not compress:
+        return "none"
+    if shuffle:
+        return "shuffle"
+    if compression == "auto":
+        return "lz4" if storage.local or storage.url.startswith("memory://") else "float"
+    return compression
+
+
+def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto",
+                  compress=True, shuffle=False) -> None:
+    """A Store's other options, checked before open_store writes anything."""
+    if compression not in COMPRESSION:
+        raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")
+    if not compress and compression not in ("auto", "none"):
+        raise InvalidArgument(f"compress=False contradicts compression={compression!r}")
+    if shuffle and compression not in ("auto", "lz4"):
+        raise InvalidArgument(f"shuffle=True contradicts compression={compression!r}")
+    if workers is not None and (type(workers) is not int or not 1 <= workers <= 1024):
+        raise InvalidArgument(f"workers must be an int within 1..1024, got {workers!r}")
+    if gc_lease is not None and not (isinstance(gc_lease, (int, float)) and not isinstance(gc_lease, bool)
+                                     and 0 < gc_lease < 1e7):
+        raise InvalidArgument(f"gc_lease must be a positive number of seconds, got {gc_lease!r}")
+    if type(max_inflight) is not int or max_inflight < 1:
+        raise InvalidArgument(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+    if when_busy not in ("wait", "skip"):
+        raise InvalidArgument(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+
+
+def _settings(storage: BlockStore, cfg: dict, *, workers, verify, compression, compress, shuffle, block_size,
+              inline_threshold, gc_lease, read_only) -> tuple[Settings, str]:
+    """open_store()'s options (checked by check_options) as the store's Settings and the
+    codecs its writers use: the one place they, the deprecated flags among them, are read."""
+    bs, it = layout(block_size, inline_threshold, cfg, where=f"{storage.url}/{STORE_MARKER}")
+    return Settings(verify=verify, workers=workers or DEFAULT_WORKERS,
+                    gc_lease=float(gc_lease if gc_lease is not None else DEFAULT_LEASE), block_size=bs,
+                    inline_threshold=it, read_only=read_only), codecs_for(compression, storage, compress=compress,
+                                                                         shuffle=shuffle)
+
+
 def _open_errors(fn):
     """open_store's backend failures (unreachable server, refused credentials, full
     disk) reach the caller as StorageError naming the store."""
@@ -170,12 +254,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     "lz4" on a local disk or memory://; docs/ARCHITECTURE.md, "Compression"), "float"
     (the float codec where it pays, lz4 where that pays, raw otherwise), "lz4", "none".
     Any store reads every codec; an object's address never depends on it.
-    compress=False: the old spelling of compression="none". shuffle=True (deprecated):
+    compress=False: another spelling of compression="none". shuffle=True (deprecated):
     byte shuffle then lz4, the codec "float" supersedes.
     gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
     two renewals (default 120); others judge it on the ref table's clock.
-    gc_stale_after: the old name of gc_lease (deprecated; it no longer decides when
-    another process's gc counts as dead).
+    gc_stale_after: another name of gc_lease (deprecated; it does not decide when another
+    process's gc counts as dead: that gc's own declared lease does).
     read_only: True opens an existing store for reading only: checkout, log, refs, show,
     du, diff, fsck and gc(dry_run=True) work; every write raises ReadOnlyStore before
     anything is written, nothing is created, and a PostgreSQL ref table is used in
@@ -296,10 +380,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     if wrap_storage is not None:  # cross-cutting behaviour (fault injection, limits) as a wrapper
         storage = wrap_storage(storage)
     try:
-        return Store(storage, reftable, config=cfg, workers=workers, verify=verify, compress=compress,
-                     shuffle=shuffle, compression=compression, block_size=block_size, inline_threshold=inline_threshold,
-                     gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
-                     read_only=why_ro if read_only else None)
+        settings, codecs = _settings(storage, cfg, workers=workers, verify=verify, compression=compression,
+                                     compress=compress, shuffle=shuffle, block_size=block_size,
+                                     inline_threshold=inline_threshold, gc_lease=gc_lease,
+                                     read_only=why_ro if read_only else None)
+        return Store(Core.build(storage, reftable, codecs=codecs, settings=settings), config=cfg,
+                     max_inflight=max_inflight, when_busy=when_busy)
     except BaseException:
         if not isinstance(refs, RefTable):  # a table we opened, not the caller's
             reftable.close()

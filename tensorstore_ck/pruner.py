@@ -123,8 +123,8 @@ class Pruner:
                 return False
             try:
                 if token is None:  # whoever holds the lock now, or takes it next, serves this job too
-                    token = self.store.reftable.prune_request(self.job)
-                elif not self.store.reftable.prune_pending(self.job, token):
+                    token = self.store.core.refs.prune_request(self.job)
+                elif not self.store.core.refs.prune_pending(self.job, token):
                     self.served += 1
                     log.info("prune %s: applied by another job's prune or a gc", self.job)
                     return True

@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from .assets import KINDS, Listed
+from .core import Core
 from .errors import FormatError, IntegrityError, TsckError, UnreadableObject
 from .format.manifest import commit_tree
 from .walk import walk_tree
@@ -174,47 +175,47 @@ class NodeSet:
                                    if self._recent else 0)
 
 
-def kept_roots(store, exclude: set | None = None) -> set[bytes]:
+def kept_roots(core: Core, exclude: set | None = None) -> set[bytes]:
     """Every catalog row (less `exclude`), ref tip, tag target and pin."""
-    rt = store.reftable
+    rt = core.refs
     roots = rt.catalog_roots()  # a row that does not decode still keeps its snapshot
     if exclude:
         roots -= exclude
     return roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
 
 
-def holders(store) -> dict[bytes, list[tuple[str, str]]]:
+def holders(core: Core) -> dict[bytes, list[tuple[str, str]]]:
     """root -> what holds it whatever retention says: ("ref", name) for a ref's tip,
     ("tag", name), ("pin", "")."""
     out: dict[bytes, list[tuple[str, str]]] = {}
-    for name, root in store.reftable.list():
+    for name, root in core.refs.list():
         out.setdefault(root, []).append(("ref", name))
-    for name, root in store.reftable.tags():
+    for name, root in core.refs.tags():
         out.setdefault(root, []).append(("tag", name))
-    for root in store.reftable.pins():
+    for root in core.refs.pins():
         out.setdefault(root, []).append(("pin", ""))
     return out
 
 
-def mark(store, roots, marked: Marked, visited: NodeSet | set, bar=None) -> int:
+def mark(core: Core, roots, marked: Marked, visited: NodeSet | set, bar=None) -> int:
     """Mark everything reachable from `roots`. A damaged or unreadable node or commit
     aborts (its children are unknown, so nothing could be deleted safely); a missing
     commit object is marked through its catalog row's tree instead."""
     n = 0
     for root in sorted(roots):
         try:
-            if store.assets.has_commit(root):
+            if core.assets.has_commit(root):
                 # A commit a reader refuses for a field other than its tree (a NaN time,
                 # brought in by an older recover) still keeps what its tree holds.
-                tree = commit_tree(store.assets.get_commit(root, verify=True))
+                tree = commit_tree(core.assets.get_commit(root, verify=True))
                 marked.add("commits", root)
                 n += 1
             else:
-                row = store.reftable.catalog_get(root, checked=False) or {}
+                row = core.refs.catalog_get(root, checked=False) or {}
                 tree = row.get("tree")
                 if not isinstance(tree, bytes) or len(tree) != 32:
                     continue  # nothing known to keep for it; fsck reports the dangling name
-            objs = walk_tree(store.assets, tree, snapshot=root.hex(), verify=True, skip_nodes=visited)
+            objs = walk_tree(core.assets, tree, snapshot=root.hex(), verify=True, skip_nodes=visited)
             for obj in objs:
                 marked.add(obj.kind + "s", obj.digest)
                 n += 1
@@ -232,7 +233,7 @@ def mark(store, roots, marked: Marked, visited: NodeSet | set, bar=None) -> int:
     return n
 
 
-def iter_unreachable(store, marked: Marked, kind: str, *, before: float | None = None, bar=None,
+def iter_unreachable(core: Core, marked: Marked, kind: str, *, before: float | None = None, bar=None,
                      strays: list | None = None) -> Iterator[Listed]:
     """Stream the stored objects of `kind` that `marked` does not reach (written before
     `before`, when given), in batches so memory stays bounded. Malformed names go to
@@ -244,7 +245,7 @@ def iter_unreachable(store, marked: Marked, kind: str, *, before: float | None =
         batch.clear()
         return out
 
-    for o in store.assets.list_objects(kind, strays):
+    for o in core.assets.list_objects(kind, strays):
         if bar is not None:
             bar.update(1)
         if before is not None and o.mtime > before:

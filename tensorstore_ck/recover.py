@@ -37,6 +37,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from .core import Core
 from .errors import FormatError, GcBusy, IntegrityError, RefConflict, UnreadableObject
 from .format.manifest import decode_commit
 from .format.names import validate_name
@@ -68,12 +69,12 @@ def _moved_by_recover(rt, ref: str, cur: bytes) -> bool:
     return bool(log) and log[-1].new == cur and log[-1].message == RECOVERED
 
 
-def _incomplete(store, root: bytes, present: set) -> str | None:
+def _incomplete(core: Core, root: bytes, present: set) -> str | None:
     """Why the snapshot `root` cannot be adopted (a node unreadable, a block missing), or None."""
     try:
-        for obj in walk_commit(store.assets, root, verify=True):
+        for obj in walk_commit(core.assets, root, verify=True):
             if obj.kind == "block" and obj.digest not in present:
-                if not store.assets.block_exists(obj.digest):
+                if not core.assets.block_exists(obj.digest):
                     return f"block {obj.digest.hex()[:16]} of {obj.path or 'its tree'} is missing"
                 present.add(obj.digest)
     except (IntegrityError, FormatError, UnreadableObject) as e:
@@ -127,9 +128,9 @@ def _begin(rt, owner: str, wait: float) -> None:
         log.info("recover: finishing the rebuild begun by %s", prev.get("owner"))
 
 
-def run_recover(store, *, progress: bool = False, wait: float = 0.0) -> RecoverReport:
+def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> RecoverReport:
     from .progress import progress_bar
-    rt = store.reftable
+    rt = core.refs
     _begin(rt, f"recover:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}", wait)
     rep = RecoverReport()
     bar = progress_bar(progress, "recover: commits", unit="commit")
@@ -140,15 +141,15 @@ def run_recover(store, *, progress: bool = False, wait: float = 0.0) -> RecoverR
     # the reflog keeps those records. A lost ref table has none; then all comes back.
     deleted, forgotten = rt.removed()
     deleted_roots = {e.new for ref in deleted for e in rt.reflog(ref)}
-    for o in store.assets.list_objects("commits", strays):
+    for o in core.assets.list_objects("commits", strays):
         if bar is not None:
             bar.update(1)
         root = o.digest
         try:
-            c = decode_commit(store.assets.get_commit(root, verify=True))
+            c = decode_commit(core.assets.get_commit(root, verify=True))
             validate_name(c["ref"])
         except (ValueError, IntegrityError, FormatError, UnreadableObject) as e:
-            rep.unreadable.append(f"{store.assets.object_key('commits', root)}: {e}")
+            rep.unreadable.append(f"{core.assets.object_key('commits', root)}: {e}")
             log.warning("recover: commit %s is unreadable, left out: %s", root.hex()[:16], e)
             continue
         rep.commits_found += 1
@@ -156,7 +157,7 @@ def run_recover(store, *, progress: bool = False, wait: float = 0.0) -> RecoverR
                                                           or float(c["time"]) <= deleted[c["ref"]])):
             rep.skipped[root.hex()] = "removed by a user (forget or delete-ref): not brought back"
             continue
-        why = _incomplete(store, root, present)
+        why = _incomplete(core, root, present)
         if why is not None:
             # A commit whose tree gc swept (written just after a gc began, its writer's
             # fenced move failed and it re-uploaded) or that a crash left half-written:
@@ -209,12 +210,12 @@ def run_recover(store, *, progress: bool = False, wait: float = 0.0) -> RecoverR
             rep.refs_restored[ref] = prev.hex()
             log.info("recover: ref %s restored at %s (%d commits in its reflog)", ref, prev.hex()[:16], n)
     rep.unreadable += [f"{key}: not an object key" for key in strays]
-    for key, rec in store.assets.tags():
+    for key, rec in core.assets.tags():
         if isinstance(rec, Exception):
             rep.unreadable.append(f"{key}: {rec}")
             continue
         name, root, _t = rec
-        if rt.tag_get(name) is None and store.assets.has_commit(root):
+        if rt.tag_get(name) is None and core.assets.has_commit(root):
             try:
                 rt.tag_create(name, root)
                 rep.tags_restored[name] = root.hex()

@@ -391,7 +391,7 @@ class CheckpointManager:
         try:
             if ref is not None and self.store.resolve(ref) == root.hex():
                 return True
-            return self.store.reftable.catalog_has(root)
+            return self.store.core.refs.catalog_has(root)
         except TsckError:  # still cannot tell: the caller raises the OutcomeUnknown
             return False
 

@@ -1,6 +1,9 @@
-"""What the store's bytes are, per job and over time: the numbers behind `tsck du --plot`.
+"""What the store's bytes are, per job and over time: the numbers behind `tsck du` and
+`tsck du --plot`.
 
-    usage(store) -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}}, "unreadable"}
+    summary(core) -> Store.du(): logical bytes (the catalog rows) vs physical (one count
+                     of the stored objects per kind), per job the totals and latest step
+    usage(core)   -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}}, "unreadable"}
 
 Per job, over its kept snapshots in commit order (catalog rows: nothing is read for it):
 
@@ -23,20 +26,52 @@ fraction and are left out of held_bytes and only_bytes.
 
 from __future__ import annotations
 
+from .core import Core
 from .errors import FormatError, IntegrityError, storage_error
 from .info import row_to_info
 from .walk import walk_commit
 
-__all__ = ["usage"]
+__all__ = ["summary", "usage"]
 
 _SHARED = -1
 
 
-def usage(store) -> dict:
-    rows = []
+def _kept(core: Core, bad: list) -> list:
+    """SnapshotInfo of every catalog row; a row that does not decode goes to `bad`
+    as (root, error) (tsck fsck names it)."""
+    return [row_to_info(root, row) for root, row in core.refs.catalog_iter(bad=bad)]
+
+
+def summary(core: Core) -> dict:
+    """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
+    jobs: dict[str, dict] = {}
     bad: list = []
-    for root, row in store.reftable.catalog_iter(bad=bad):
-        rows.append(row_to_info(root, row))
+    rows = _kept(core, bad)
+    for info in rows:
+        j = jobs.setdefault(info.job, {"snapshots": 0, "logical_bytes": 0, "new_bytes": 0,
+                                       "latest_step": None, "latest_time": 0.0})
+        j["snapshots"] += 1
+        j["logical_bytes"] += info.bytes_total
+        j["new_bytes"] += info.bytes_new
+        if info.time >= j["latest_time"]:
+            j["latest_time"], j["latest_step"] = info.time, info.step
+    logical = sum(i.bytes_total for i in rows)
+    phys = core.assets.object_stats()
+    return {
+        "store": core.url, "snapshots": len(rows),
+        "logical_bytes": logical, "physical_bytes": sum(v[1] for v in phys.values()),
+        "block_bytes": phys["blocks"][1], "blocks": phys["blocks"][0],
+        "nodes": phys["nodes"][0], "commits": phys["commits"][0],
+        "malformed_rows": [r.hex() for r, _e in bad],  # catalog rows left out (tsck fsck names them)
+        "dedup_ratio": (logical / phys["blocks"][1]) if phys["blocks"][1] else None,
+        "jobs": jobs,
+    }
+
+
+def usage(core: Core) -> dict:
+    """The numbers per job over time (the module docstring), for `tsck du --plot`."""
+    bad: list = []
+    rows = _kept(core, bad)
     rows.sort(key=lambda i: (i.time, i.step if i.step is not None else -1, i.root))
     names = sorted({i.job for i in rows})
     index = {j: n for n, j in enumerate(names)}
@@ -58,7 +93,7 @@ def usage(store) -> dict:
     owner: dict[bytes, int] = {}
     unreadable: dict[str, str] = {}
     try:
-        sizes = {o.digest: o.size for o in store.assets.list_objects("blocks")}
+        sizes = {o.digest: o.size for o in core.assets.list_objects("blocks")}
         for job in names:
             n, j = index[job], jobs[job]
             seen: set = set()   # nodes walked for this job: a shared sub-tree once per job
@@ -67,7 +102,7 @@ def usage(store) -> dict:
                 if i.job != job:
                     continue
                 try:
-                    for o in walk_commit(store.assets, bytes.fromhex(i.root), verify=store.verify,
+                    for o in walk_commit(core.assets, bytes.fromhex(i.root), verify=core.settings.verify,
                                          skip_nodes=seen):
                         if o.kind != "block" or o.digest in mine:
                             continue
@@ -83,12 +118,12 @@ def usage(store) -> dict:
                 except (IntegrityError, FormatError) as e:
                     unreadable[i.root] = str(e)  # fsck names it; the numbers leave its rest out
     except OSError as e:
-        raise storage_error(e, f"reading the snapshots of {store.url}") from e
+        raise storage_error(e, f"reading the snapshots of {core.url}") from e
     for d, n in owner.items():
         if n != _SHARED:
             j = jobs[names[n]]
             j["only_bytes"] += sizes[d]
             j["only_blocks"] += 1
-    return {"store": store.url, "logical_bytes": sum(i.bytes_total for i in rows),
+    return {"store": core.url, "logical_bytes": sum(i.bytes_total for i in rows),
             "block_bytes": sum(sizes.values()), "blocks": len(sizes), "jobs": jobs,
             "malformed_rows": [r.hex() for r, _e in bad], "unreadable": unreadable}

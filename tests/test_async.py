@@ -275,7 +275,7 @@ def test_staging_buffer_is_reused(tmp_path):
     gate = Gate()
     store, _ = gated_store(tmp_path / "s", gate)
     with store:
-        pool = store._staging
+        pool = store._puts.staging  # the async queue's buffers (asyncput.py)
         assert pool._free == []
         store.put_snapshot(big_state(1.0), "a/main", step=1, blocking=False).result(timeout=60)
         assert len(pool._free) == 1

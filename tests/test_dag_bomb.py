@@ -232,14 +232,14 @@ def test_ls_refuses_a_bomb_before_listing_anything(tmp_path, monkeypatch):
         s.commit_tree(d, ref="bomb/x", job="bomb", step=1, metrics={}, meta={}, stats=dict(STATS))
         monkeypatch.setattr(tree, "visit", counting)
         with pytest.raises(tsck.FormatError, match=f"more than {listing.MAX_ENTRIES} values"):
-            listing.list_tree(s, "bomb/x")
+            listing.list_tree(s.core, s.resolve("bomb/x"))
         assert visited[0] <= 10 * LEVELS, visited[0]
         visited[0] = 0
-        _, part = listing.list_tree(s, "bomb/x", "a.b." * (LEVELS // 2 - 1) + "a.b.w")
+        _, part = listing.list_tree(s.core, s.resolve("bomb/x"), "a.b." * (LEVELS // 2 - 1) + "a.b.w")
         assert [e.path for e in part] == ["a.b." * (LEVELS // 2) + "w"]
         assert visited[0] <= 20 * LEVELS, visited[0]
         with pytest.raises(tsck.InvalidArgument, match="holds nothing"):
-            listing.list_tree(s, "bomb/x", "a.c")
+            listing.list_tree(s.core, s.resolve("bomb/x"), "a.c")
 
 
 @pytest.mark.slow

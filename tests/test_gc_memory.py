@@ -49,7 +49,7 @@ def test_mark_memory_grows_with_objects_not_with_references(tmp_path, monkeypatc
         for s in range(snaps):
             state[f"t{s}"] = np.full(8, -1 - s, dtype=np.float32)
             store.put_snapshot({"w": state}, ref="main", step=s)
-        roots = kept_roots(store)
+        roots = kept_roots(store.core)
         assert len(roots) == snaps
         blocks = _stored(path, "blocks")
         assert n_tensors < len(blocks) <= n_tensors + snaps
@@ -57,7 +57,7 @@ def test_mark_memory_grows_with_objects_not_with_references(tmp_path, monkeypatc
         tracemalloc.start()
         try:
             marked, visited = Marked(), NodeSet()
-            refs = mark(store, roots, marked, visited)
+            refs = mark(store.core, roots, marked, visited)
             held = _reach_bytes(tracemalloc.take_snapshot())
         finally:
             tracemalloc.stop()

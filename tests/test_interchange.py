@@ -422,14 +422,14 @@ def test_ls_bounds_a_dag_bomb(tmp_path):
         state = {"a": state, "b": state}  # identical sub-trees: one node each level, 2^12 paths
     with tsck.open_store(tmp_path / "s") as s:
         s.put_snapshot(state, ref="a/main")
-        root, entries = list_tree(s, "a/main")
+        root, entries = list_tree(s.core, s.resolve("a/main"))
         assert len(entries) == 2 ** 12
         with pytest.raises(FormatError, match="more than 1000 values"):
-            list_tree(s, "a/main", limit=1000)
-        _, sub = list_tree(s, "a/main", "a.b.a")
+            list_tree(s.core, s.resolve("a/main"), limit=1000)
+        _, sub = list_tree(s.core, s.resolve("a/main"), "a.b.a")
         assert len(sub) == 2 ** 9 and all(e.path.startswith("a.b.a.") for e in sub)
         with pytest.raises(InvalidArgument, match="holds nothing at 'a.c'"):
-            list_tree(s, "a/main", "a.c")
+            list_tree(s.core, s.resolve("a/main"), "a.c")
 
 
 def test_api_round_trips(tmp_path):

@@ -111,7 +111,7 @@ def train(mgr, model, steps):
 
 
 def hold_lock(store, release: threading.Event, held: threading.Event):
-    with holding_gc_lock(store, lease=60.0):
+    with holding_gc_lock(store.core, lease=60.0):
         held.set()
         release.wait(60)
 

@@ -1,8 +1,11 @@
 """The package's structure, checked: import-linter's layer contracts (pyproject.toml,
-[tool.importlinter]) and two rules a module graph cannot express (AST checks)."""
+[tool.importlinter]) and the rules a module graph cannot express (AST checks): no
+torch.distributed at import time, keys only in assets.py, and no module below the
+Store facade receiving a Store (they are given a Core: tensorstore_ck/core.py)."""
 from __future__ import annotations
 
 import ast
+import re
 import os
 import shutil
 import subprocess
@@ -87,6 +90,64 @@ def test_only_assets_knows_the_object_keys():
             if isinstance(node, ast.ImportFrom) and helpers & {a.name for a in node.names}:
                 bad.append(f"{name}:{node.lineno}")
     assert not bad, bad
+
+
+def _below_the_facade(root: Path) -> list[Path]:
+    """The files of the modules in the layers under "store" in pyproject.toml's layer contract."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: tomli, where installed (pip's own vendored copy is not public)
+        tomllib = pytest.importorskip("tomli")
+    layers = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    files = []
+    for layer in layers[layers.index("store") + 1:]:
+        for name in (m.strip() for m in re.split(r"[|:]", layer)):
+            p = root / "tensorstore_ck" / name
+            files += sorted(p.rglob("*.py")) if p.is_dir() else [p.with_suffix(".py")]
+    return files
+
+
+def _store_receivers(root: Path) -> list[str]:
+    """Where a module below the facade takes a Store: a parameter named `store` or annotated
+    with Store, or an import of the name Store (under TYPE_CHECKING too, which a graph of
+    run-time imports may not weigh). Passing the Store down would let a lower layer reach
+    back up into it at run time while its imports look clean."""
+    bad = []
+    for f in _below_the_facade(root):
+        assert f.exists(), f"{f}: named in the layer contract, not found"
+        where = f.relative_to(root / "tensorstore_ck").as_posix()
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                a = node.args
+                for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
+                    ann = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                    if arg.arg == "store" or re.search(r"\bStore\b", ann):
+                        bad.append(f"{where}:{node.lineno}: parameter {arg.arg}{': ' + ann if ann else ''}")
+            elif isinstance(node, ast.ImportFrom) and "Store" in {a.name for a in node.names}:
+                bad.append(f"{where}:{node.lineno}: imports Store")
+    return bad
+
+
+def test_no_module_below_the_facade_receives_a_store():
+    """gc, fsck, recover, usage, listing, dist, publish ... are given a Core (and what
+    else they need as explicit arguments), never the Store."""
+    assert not _store_receivers(ROOT), _store_receivers(ROOT)
+
+
+@pytest.mark.parametrize("module, planted", [
+    ("gc.py", "def planted(store, n: int) -> int:\n    return n\n"),                  # named store
+    ("fsck.py", "def planted(x: \"Store\") -> None:\n    pass\n"),                    # annotated Store
+    ("listing.py", "planted = lambda *, store=None: store\n"),                         # a keyword lambda
+    ("storage/base.py", "if False:\n    from ..store import Store  # noqa: F401\n"),  # an import of it
+])
+def test_a_store_received_below_the_facade_fails(tmp_path, module, planted):
+    """The check bites: a copy of the package with one planted receiver fails it."""
+    shutil.copytree(PKG, tmp_path / "tensorstore_ck", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "tensorstore_ck" / module
+    target.write_text(target.read_text() + "\n\n" + planted)
+    bad = _store_receivers(tmp_path)
+    assert len(bad) == 1 and bad[0].startswith(module + ":"), bad
 
 
 def test_the_package_docstring_names_every_module(tmp_path):

@@ -18,6 +18,7 @@ import torch
 from _util import in_thread
 
 import tensorstore_ck as tsck
+from tensorstore_ck import lifecycle
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 
@@ -86,8 +87,8 @@ def test_pin_fenced_like_a_ref_move(tmp_path):
         with pytest.raises(tsck.Fenced):
             s.reftable.pin(bytes.fromhex(root1), fence=fence)
         with pytest.raises(tsck.RefNotFound):
-            s._fenced(bytes.fromhex(root1), "a/main@1", fence,
-                      lambda f: s.reftable.pin(bytes.fromhex(root1), fence=f))
+            lifecycle.fenced(s.core, s.publisher, bytes.fromhex(root1), "a/main@1", fence,
+                             lambda f: s.reftable.pin(bytes.fromhex(root1), fence=f))
         assert s.reftable.pins() == set() and s.fsck().ok
 
 
@@ -97,7 +98,7 @@ def test_set_retention_racing_expiry_drops_nothing(tmp_path):
     with s:
         rules = s.reftable.retention_all()
         from tensorstore_ck.gc import plan_expiry
-        doomed = plan_expiry(s, 1e12, rules)
+        doomed = plan_expiry(s.core, 1e12, rules)
         assert len(doomed) == 2
         s.set_retention("a", tsck.Retention(keep_last=10))
         assert s.reftable.catalog_expire(doomed, rules=rules) == []

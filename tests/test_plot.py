@@ -78,7 +78,7 @@ def test_usage_numbers(tmp_path):
     states = fill(path)
     want, sizes = expected_numbers(path, states)
     with tsck.open_store(path, create=False) as s:
-        u = usage(s)
+        u = usage(s.core)
         logs = {job: list(reversed(s.log(f"{job}/main"))) for job in states}
     assert set(u["jobs"]) == set(states)
     for job, (held, only) in want.items():

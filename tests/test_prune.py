@@ -128,7 +128,7 @@ def test_prune_waits_out_a_held_gc_lock_and_then_runs(tmp_path, caplog):
         release = threading.Event()
 
         def hold():
-            with holding_gc_lock(store, lease=30.0):
+            with holding_gc_lock(store.core, lease=30.0):
                 release.wait(10)
 
         t = threading.Thread(target=hold)
@@ -208,7 +208,7 @@ def test_a_fenced_writer_publishes_the_commit_it_wrote_not_a_new_one(tmp_path):
             out = self.inner.put_if_absent(key, bufs)
             if key.startswith("commits/") and not state["fired"]:
                 state["fired"] = True  # a whole deletion phase between this write and the ref move
-                with holding_gc_lock(state["store"], lease=30.0) as hold:
+                with holding_gc_lock(state["store"].core, lease=30.0) as hold:
                     hold.freeze()
             return out
 

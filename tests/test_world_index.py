@@ -159,7 +159,7 @@ def test_collective_put_writes_a_version_2_top_that_reads_by_region(grp):
     assert torch.equal(full["local"], torch.zeros(2)) and full["step"] == 1
     assert s.fsck(full=True).ok
     from tensorstore_ck.listing import list_tree
-    _root, entries = list_tree(s, REF)  # `tsck ls`: rank 0's tree, found through the rank tree
+    _root, entries = list_tree(s.core, s.resolve(REF))  # `tsck ls`: rank 0's tree, found through the rank tree
     assert any("rows" in e.path for e in entries), entries
     from tensorstore_ck.walk import iter_leaves  # `tsck diff`: every rank's tree
     leaves = iter_leaves(s.assets, bytes.fromhex(root))

@@ -23,14 +23,15 @@ class StoreHandle:
     def of(store: Store) -> "StoreHandle":
         from ..refs import LmdbRefTable
         url = store.url
-        rt = store.reftable
+        rt, st, codecs = store.core.refs, store.core.settings, store.core.assets.codecs
         if not url.startswith("file://") or not isinstance(rt, LmdbRefTable) or \
                 os.path.abspath(rt.path) != os.path.join(url[len("file://"):], "refs.lmdb"):
             raise TypeError("a TsckWriter can be pickled only with a store on a local folder whose ref table "
                             "is beside it; use the default (thread) async checkpointer")
-        opts = (("block_size", store.block_size), ("inline_threshold", store.inline_threshold),
-                ("verify", store.verify), ("compression", "lz4" if store.codecs == "shuffle" else store.codecs),
-                ("shuffle", store.codecs == "shuffle"))
+        # The options that reopen it alike (the byte-shuffle codec is asked for with its flag).
+        opts = (("block_size", st.block_size), ("inline_threshold", st.inline_threshold),
+                ("verify", st.verify), ("compression", "lz4" if codecs == "shuffle" else codecs),
+                ("shuffle", codecs == "shuffle"))
         h = StoreHandle(url, opts)
         with _OPEN_LOCK:
             _REGISTERED.setdefault((os.getpid(), url), store)

@@ -61,7 +61,7 @@ class TsckReader(StorageReader):
         parse_target(target)
         store.resolve(target)  # RefNotFound now rather than from inside DCP
         self.target = target
-        self.verify = store.verify if verify is None else bool(verify)
+        self.verify = store.core.settings.verify if verify is None else bool(verify)
         self.allow_pickle = bool(allow_pickle)
         self.load_id = uuid.uuid4().hex
         self.root: str | None = None
@@ -91,12 +91,12 @@ class TsckReader(StorageReader):
     def _open(self, root: str):
         """The snapshot's DCP view: its own layout (TsckWriter), or a put_snapshot tree flattened
         as DCP flattens a state_dict (native.py)."""
-        assets = self.store.assets
-        top = Reader(assets, self.store.pool, snapshot=root, verify=self.verify).top(
+        assets = self.store.core.assets
+        top = Reader(assets, self.store.core.pool, snapshot=root, verify=self.verify).top(
             decode_commit(assets.get_commit(bytes.fromhex(root), verify=self.verify))["tree"])
         if is_dcp_top(top):
-            return DcpTree(assets, self.store.pool, root, self.verify)
-        return NativeTree(assets, self.store.pool, root, self.verify, rank=self.rank or 0,
+            return DcpTree(assets, self.store.core.pool, root, self.verify)
+        return NativeTree(assets, self.store.core.pool, root, self.verify, rank=self.rank or 0,
                           allow_pickle=self.allow_pickle)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -173,10 +173,10 @@ class TsckReader(StorageReader):
         if leaf.nbytes > default_max_bytes():
             raise m.fmt(f"bytes item of {leaf.nbytes} bytes exceeds this host's memory", repr(fqn))
         if leaf.nbytes > PRESENCE_CHECK_ABOVE:
-            self.store.assets.require_blocks(dict.fromkeys(leaf.blocks), self.store.pool, snapshot=m.root,
+            self.store.core.assets.require_blocks(dict.fromkeys(leaf.blocks), self.store.core.pool, snapshot=m.root,
                                              path=repr(fqn))
         buf = np.empty(leaf.nbytes, dtype=np.uint8)
-        run_reads(self.store.assets, self.store.pool,  # a fresh buffer: read into directly
+        run_reads(self.store.core.assets, self.store.core.pool,  # a fresh buffer: read into directly
                   [(d, buf[a:b], repr(fqn), False) for _i, d, a, b in leaf.block_spans()],
                   snapshot=m.root, verify=self.verify)
         return buf.tobytes()
@@ -218,7 +218,7 @@ class _ReadBatch:
     def flush(self) -> None:
         jobs, after = self.jobs, self.after
         self.jobs, self.after, self.tmp_bytes = [], [], 0
-        run_reads(self.store.assets, self.store.pool, jobs, snapshot=self.m.root, verify=self.verify)
+        run_reads(self.store.core.assets, self.store.core.pool, jobs, snapshot=self.m.root, verify=self.verify)
         for req, target, fn in after:
             if fn is not None:
                 fn()

@@ -199,7 +199,8 @@ class TsckWriter(StorageWriter):
         store = self.store
         n = flat.nbytes
         meta["n"] = n
-        layout = chunker.plan_blocks(n, itemsize, shape, store.block_size, store.inline_threshold)
+        st = store.core.settings
+        layout = chunker.plan_blocks(n, itemsize, shape, st.block_size, st.inline_threshold)
         if layout.block_size == 0:
             meta["x"] = flat.tobytes()
             return []

@@ -1,0 +1,167 @@
+"""Tags, pins, forgetting and deleting refs: the ref-table rows that keep or drop a
+snapshot, made safely beside gc and beside failures.
+
+A tag or pin of a snapshot is fenced against gc like a ref move (fenced): its row goes
+in only while the gc deletion epoch is still the one read before the target was
+resolved, so a snapshot a deletion phase is removing cannot be kept by a row that came
+too late. A tag is also a storage object (tags/<hex>, created exclusively: the tag's
+single source of truth across hosts, what `tsck recover` rebuilds it from); creating or
+removing one rolls back its other half when the table refuses, and when the table's
+answer is lost (OutcomeUnknown) keeps what the table may hold.
+
+The Store's tag(), pin(), untag(), forget() and delete_ref() call these with its Core
+(and publisher).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .core import Core
+from .errors import (Fenced, InvalidArgument, InvalidName, OutcomeUnknown, RefConflict, RefNotFound, StorageError,
+                     TsckError)
+from .format.manifest import decode_commit
+from .format.names import validate_name, validate_new_name
+from .ids import MIN_PREFIX, is_hex_prefix
+from .info import SnapshotInfo, row_to_info
+from .publish import Publisher
+
+__all__ = ["tag", "pin", "untag", "forget", "delete_ref", "fenced", "MAX_TAG_BYTES"]
+
+MAX_TAG_BYTES = 120
+
+
+def landed(check) -> bool:
+    """After a write whose answer was lost: does the table now show it? False when
+    it does not or cannot be asked."""
+    try:
+        return bool(check())
+    except TsckError:
+        return False
+
+
+def _tag_in_table(core: Core, name: str, root: bytes) -> bool:
+    """Whether the table holds the tag after a failed create (a lost acknowledgement
+    may hide a commit); when it cannot tell, say yes: the stored tag is kept."""
+    try:
+        return core.refs.tag_get(name) == root
+    except Exception:  # noqa: BLE001 - the table is failing: keep what is stored
+        return True
+
+
+def fenced(core: Core, publisher: Publisher, root: bytes, target: str, fence: int, make) -> None:
+    """Make a tag or pin of `root` with make(fence), fenced against gc like a ref move:
+    the row goes in only while the deletion epoch is still the one read before `root`
+    was resolved. If a deletion phase overlapped, wait it out and go on only if the
+    snapshot is still kept (catalog row, commit object); else it is gone: RefNotFound."""
+    refs = core.refs
+    while True:
+        try:
+            return make(fence)
+        except Fenced:
+            fence = publisher.wait_gc_idle()
+            kept = refs.catalog_has(root) or root in {r for _, r in refs.list()}
+            if not kept or not core.assets.has_commit(root):
+                raise RefNotFound(f"snapshot {root.hex()[:16]} ({target!r}) was removed by a gc that ran "
+                                  "meanwhile; nothing was created") from None
+
+
+def tag(core: Core, publisher: Publisher, name: str, target: str) -> SnapshotInfo:
+    """Create the immutable tag `name` of `target`; RefConflict if the name is taken."""
+    validate_new_name(name, "tag name")
+    if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
+        raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
+    refs, assets = core.refs, core.assets
+    fence = publisher.fence()  # before the target is looked at (see fenced)
+    root = core.resolve(target)
+    if refs.get_or_none(name) is not None:
+        raise RefConflict(name, None, refs.get_or_none(name).hex(), what="tag (a ref has this name)")
+    cur = refs.tag_get(name)
+    if cur is not None:
+        raise RefConflict(name, None, cur.hex(), what="tag")
+    stored = assets.put_tag(name, root, time.time())
+    if stored is not None and stored != root:  # another tag by this name exists in storage
+        raise RefConflict(name, None, stored.hex() if stored else None, what="tag")
+    assets.sync()
+    try:
+        fenced(core, publisher, root, target, fence, lambda f: refs.tag_create(name, root, fence=f))
+    except OutcomeUnknown as e:
+        # Its answer was lost: the row may be in or still landing, so the stored tag
+        # stays (deleting it could leave a table tag that recover cannot rebuild).
+        if landed(lambda: refs.tag_get(name) == root):
+            return publisher.info(root)
+        raise OutcomeUnknown(f"{e}; tag {name!r} of {root.hex()[:16]} may or may not have been created: check "
+                             "`tsck tags` before creating it again", root=root, ref=name) from None
+    except BaseException:
+        # Ours, and the table refused it (gone snapshot, full disk): the name stays free,
+        # and recover cannot bring back a tag the caller was told failed.
+        if stored is None and not _tag_in_table(core, name, root):
+            assets.delete_tag(name)
+        raise
+    try:
+        return publisher.info(root)
+    except StorageError:
+        # The tag is made; the table went away after: describe the snapshot from its
+        # commit object rather than report a failure for a tag that exists.
+        c = decode_commit(assets.get_commit(root))
+        return row_to_info(root, {**c, **c["stats"]})
+
+
+def pin(core: Core, publisher: Publisher, target: str) -> str:
+    """Pin `target` (gc keeps it whatever retention says) -> its root hex."""
+    fence = publisher.fence()
+    root = core.resolve(target)
+    try:
+        fenced(core, publisher, root, target, fence, lambda f: core.refs.pin(root, fence=f))
+    except OutcomeUnknown as e:
+        if not landed(lambda: root in core.refs.pins()):
+            raise OutcomeUnknown(f"{e}; the pin of {root.hex()[:16]} may or may not have been made",
+                                 root=root) from None
+    return root.hex()
+
+
+def untag(core: Core, name: str) -> str:
+    """Remove tag `name` (RefNotFound if there is none) -> the root it named. Its
+    storage object goes first, so recover cannot bring it back after a crash here."""
+    validate_name(name, "tag name")
+    refs, assets = core.refs, core.assets
+    root = refs.tag_get(name)
+    if root is None:
+        raise RefNotFound(f"no tag named {name!r}")
+    saved = assets.tag_object(name)
+    assets.delete_tag(name)
+    assets.sync()
+    try:
+        refs.tag_delete(name)
+    except BaseException:
+        # The table kept the tag (its disk full, its server away): put its object back,
+        # so the tag is whole again and recover still knows it.
+        if saved is not None and _tag_in_table(core, name, root):
+            assets.restore_tag(name, saved)
+            assets.sync()
+        raise
+    return root.hex()
+
+
+def forget(core: Core, publisher: Publisher, target: str) -> SnapshotInfo:
+    """Drop one snapshot from the catalog (recorded in its ref's reflog) -> what it was."""
+    root = core.resolve(target)
+    info = publisher.info(root)
+    core.refs.forget(root, info.ref)
+    return info
+
+
+def delete_ref(core: Core, ref: str, expected: str | None) -> dict:
+    """Remove ref `ref`, only if it still points where `expected` (a root's hex or prefix)
+    says when given -> {"ref", "root", "snapshots_dropped"} (Store.delete_ref)."""
+    want = None
+    if expected is not None:
+        if not is_hex_prefix(expected):
+            raise InvalidArgument(f"expected must be a root: {MIN_PREFIX} to 64 lowercase hex digits, "
+                                  f"got {expected!r}")
+        actual = core.refs.get(ref)
+        if not actual.hex().startswith(expected):
+            raise RefConflict(ref, expected, actual.hex())
+        want = actual  # the transaction deletes only if the ref still points exactly here
+    root, dropped = core.refs.delete_ref(ref, want)
+    return {"ref": ref, "root": root.hex(), "snapshots_dropped": dropped}
