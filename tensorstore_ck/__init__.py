@@ -5,7 +5,8 @@ import-linter contracts); tests/test_layers.py checks both that and that every
 module is named here (a name in the first column; a package's modules indented
 under it). A module over ~600 lines says which one job it does.
 
-    cli.py, __main__.py   `tsck`: --json, exit codes 0 / 1 / 2
+    cli.py, __main__.py   `tsck`: --json, exit codes 0 / 1 / 2 (cli.py one job over ~600 lines:
+                          every command's arguments, output and exit code)
     hf.py                 Hugging Face Trainer integration, one job over ~600 lines: the callback
                           that snapshots each save, resume_checkpoint (a snapshot back as the
                           checkpoint-N folder the Trainer resumes from), and from_pretrained
@@ -37,7 +38,8 @@ under it). A module over ~600 lines says which one job it does.
     dist.py               collective put/checkout under torch.distributed (a CollectiveJob),
                           one job over ~600 lines: the collective protocol
     gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
-    recover.py            snapshots; rebuild the ref table from storage
+    recover.py            snapshots; rebuild the ref table from storage (gc.py one job over
+                          ~600 lines: a gc or prune from its lock to its report)
     publish.py            the whole write path: block jobs -> nodes -> commit -> fenced CAS ->
                           retry, and the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)
@@ -45,7 +47,7 @@ under it). A module over ~600 lines says which one job it does.
     dcpview.py            a dcp.save snapshot read by checkout as the state that was saved
     listing.py            `tsck ls`, `tsck diff`, `tsck log/refs`: snapshots described from their
                           nodes and catalog rows (no blocks, no torch)
-    read.py               nodes -> state: the Reader of one snapshot
+    read.py               nodes -> state: the Reader of one snapshot (one job, ~600 lines)
     walk.py               the DAG without tensor data (gc, fsck, diff)
     plan.py               state -> plan: every value validated and cut into block jobs before
                           any write; nothing in it writes
@@ -57,7 +59,8 @@ under it). A module over ~600 lines says which one job it does.
     read_world.py         sharded tensors and multi-rank snapshots read (read_box: a chunk's
                           region; a rank's view merged from the rank trees and chunk index)
     placement.py          map_location: where a checkout's fresh tensors go, unknown devices refused
-    assets.py             typed, verified object I/O; the only module that knows keys
+    assets.py             typed, verified object I/O; the only module that knows keys (one
+                          job over ~600 lines: every object kind in and out, verified)
     validate.py           snapshot arguments, checked once for every writer
     retention.py          retention rules and the snapshots they keep
     shard.py              Sharded / Replicated: a rank's piece of a global tensor

@@ -39,8 +39,8 @@ whichever Store object makes the call; a call's outcome stays in the Store until
 every rank has acked it. Nobody polls: a rank blocks on the keys it needs (c10d
 `wait`, in a few slices of its timeout), an abort writes those keys to wake it, and a
 counter's last arrival posts the one key rank 0 blocks on, so a rank's requests per
-call are a constant however long it waits. The argument is in docs/ARCHITECTURE.md
-("Distributed snapshots").
+call are a constant however long it waits. The argument is in
+docs/design/collective.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Repair holds the store's gc lock for the whole run (a gc cannot delete beside
 it) and moves objects only inside a deletion phase (the epoch fence, as gc
 deletes): a writer that found a damaged object present and reused it before the
 move sees its ref move refused, re-validates (the object is gone now: it writes
-it again from the bytes it holds) and retries. docs/ARCHITECTURE.md, "fsck
+it again from the bytes it holds) and retries. docs/design/fsck.md, "fsck
 --repair", has the argument.
 """
 

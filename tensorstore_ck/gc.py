@@ -1,11 +1,11 @@
 """Garbage collection: expire what retention drops, mark, sweep. Safe while writers write.
 
-The protocol (docs/ARCHITECTURE.md, "GC and concurrent writers", has the argument):
+The protocol (docs/design/gc.md, "GC and concurrent writers", has the argument):
 
 1. begin    take the store's gc lock in the ref table (phase "marking") under a lease
             the gc declares and renews (judged on the ref table's clock only);
             refused while a recover has not finished (the rebuild mark: the
-            table may lack snapshots; ARCHITECTURE.md, "recover under gc").
+            table may lack snapshots; docs/design/recover.md, "recover under gc").
 2. expire   drop the catalog rows retention no longer keeps (never a ref tip, tag or pin;
             re-checked inside the ref-table transaction), then compact the reflog to the
             moves of kept snapshots plus each ref's latest few (RefTable.compact_history).

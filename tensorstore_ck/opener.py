@@ -172,7 +172,7 @@ COMPRESSION = ("auto", "float", "lz4", "none")
 def codecs_for(compression: str, storage: BlockStore, *, compress: bool = True, shuffle: bool = False) -> str:
     """The codecs a writer uses (Assets(codecs=)) for open_store(compression=...).
 
-    "auto" is the measured best for the backend (docs/ARCHITECTURE.md, "Compression"):
+    "auto" is the measured best for the backend (docs/design/codecs.md, "Compression"):
     the float codec where the bytes cross a network (object stores: fewer bytes is
     time and money saved), lz4 where they do not (a local disk, memory://), where
     coding floats costs more CPU time than the disk saves. The flags map in too:
@@ -251,7 +251,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     or lmdb:// URL, postgresql://..., memory://name, or a RefTable.
     storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...).
     compression: how new blocks are written: "auto" (default: "float" on object stores,
-    "lz4" on a local disk or memory://; docs/ARCHITECTURE.md, "Compression"), "float"
+    "lz4" on a local disk or memory://; docs/design/codecs.md, "Compression"), "float"
     (the float codec where it pays, lz4 where that pays, raw otherwise), "lz4", "none".
     Any store reads every codec; an object's address never depends on it.
     compress=False: another spelling of compression="none". shuffle=True (deprecated):

@@ -18,7 +18,7 @@ __all__ = ["Presence"]
 
 class Presence:
     """Blocks and nodes this Store saw present, each valid only under the gc deletion
-    epoch read *before* it was seen (docs/ARCHITECTURE.md, "Presence cache"): a HEAD that
+    epoch read *before* it was seen (docs/design/presence.md): a HEAD that
     found it whole, or this Store's own write. A writer that fenced on that same even
     epoch may reference such an object without asking storage again: no deletion phase
     can have run since it was seen (one would have moved the epoch), and one that starts

@@ -6,7 +6,7 @@ plan.py turns a state into a Plan (validated, cut into block jobs) and writes
 nothing; everything that writes is here. Store.put_snapshot, the collective put
 (dist.py) and the DCP writer (dcp/) all publish through a Publisher; none of
 them moves a ref itself. The argument for why the fence makes reuse of existing
-blocks safe while gc runs is in docs/ARCHITECTURE.md ("GC and concurrent writers").
+blocks safe while gc runs is in docs/design/gc.md ("GC and concurrent writers").
 """
 
 from __future__ import annotations

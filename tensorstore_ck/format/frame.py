@@ -62,7 +62,7 @@ _KINDS = (KIND_BLOCK, KIND_NODE, KIND_COMMIT)
 MAX_RAW_LEN = 2**31 - 1
 
 # Compress only if the sample shrinks to this fraction or less: on float weights lz4
-# saves ~0% and costs CPU (see docs/ARCHITECTURE.md, "Compression").
+# saves ~0% and costs CPU (see docs/design/codecs.md, "Compression").
 _SAMPLE = 64 * 1024
 _WORTH = 0.90
 

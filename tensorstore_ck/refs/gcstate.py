@@ -35,7 +35,7 @@ class GcStateMachine:
     """The gc lock, lease, phases, holds, fences, prune queue and rebuild mark of RefTable
     (a mixin over its _read/_write)."""
 
-    # The queue of prunes that found the store busy (docs/ARCHITECTURE.md, "Many jobs
+    # The queue of prunes that found the store busy (docs/design/gc.md, "Many jobs
     # on one store"). A job whose prune cannot take the gc lock queues a request; the
     # prune or gc that holds the lock applies the rules of every queued job along with
     # its own and removes the requests it served in its expiry transaction. A request
@@ -86,7 +86,7 @@ class GcStateMachine:
         return self._read(txn)
 
     # gc state machine: idle -> marking -> deleting -> idle. The epoch is odd exactly while
-    # a deletion phase may be running (docs/ARCHITECTURE.md, "GC and concurrent writers").
+    # a deletion phase may be running (docs/design/gc.md, "GC and concurrent writers").
     # A gc holds the store under a lease it declares (seconds) and renews; whether it ran
     # out is judged on the table's clock only, so no party's own clock or setting can
     # declare a live gc dead. `now` (a reading of the table's clock) is for tests.
@@ -136,7 +136,7 @@ class GcStateMachine:
             return st
         return self._write(txn)
 
-    # A rebuild in progress (docs/ARCHITECTURE.md, "recover under gc"). recover's first
+    # A rebuild in progress (docs/design/recover.md, "recover under gc"). recover's first
     # transaction sets the mark, its last one clears it; while it is set no gc lock is
     # given for deleting, and the mark is set only while no live gc holds the lock (a
     # dead one's lock is closed, so it can never renew and go on). Both checks run
@@ -213,7 +213,7 @@ class GcStateMachine:
         st["held"] = held
         return st
 
-    # Liveness for writers (docs/ARCHITECTURE.md, "Writers are not starved"). A writer
+    # Liveness for writers (docs/design/gc.md, "Writers are not starved"). A writer
     # whose move was fenced takes a hold in the transaction that finds the epoch even;
     # while a hold lives no deletion phase opens, so its re-validation and move go
     # through. Holds expire on the table's clock; the safety of the fence never depends
