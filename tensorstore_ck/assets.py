@@ -146,15 +146,12 @@ SCRATCH_KEEP = 64 << 20
 
 
 class Assets:
-    def __init__(self, storage: BlockStore, *, compress: bool = True, shuffle: bool = False,
-                 codecs: str | None = None, epoch_now=None):
-        """epoch_now: a callable returning the ref table's current gc deletion epoch (None:
-        no ref table). codecs: what blocks may be written with: "none" (raw), "lz4", "shuffle" (byte
+    def __init__(self, storage: BlockStore, *, codecs: str = "lz4", epoch_now=None):
+        """codecs: what blocks may be written with: "none" (raw), "lz4", "shuffle" (byte
         shuffle then lz4), "float" (the float codec or lz4, whichever a probe finds
-        smaller); each only where it shrinks the block. None: from the flags
-        compress= and shuffle=. Reading never depends on it."""
-        if codecs is None:
-            codecs = "none" if not compress else "shuffle" if shuffle else "lz4"
+        smaller); each only where it shrinks the block (open_store translates its options
+        into one). Reading never depends on it. epoch_now: a callable returning the ref
+        table's current gc deletion epoch (None: no ref table)."""
         if codecs not in CODEC_MODES:
             raise ValueError(f"codecs must be one of {CODEC_MODES}, got {codecs!r}")
         self.storage = storage
