@@ -215,14 +215,14 @@ class Assets:
         bufs = frame.encode_payload(mv, kind, compress=c != "none",
                                     shuffle_itemsize=itemsize if c == "shuffle" else 0,
                                     float_itemsize=itemsize if c == "float" else 0)
-        new = self.storage.put_if_absent(key, bufs)
+        new = self.storage.put_addressed(key, bufs)
         if not new and not ask:
             # It was there after all: judge it by its size, as the HEAD would have.
             size = self.storage.size_of(key)
             if size is None or not self._reusable(key, kind, size, mv.nbytes):
                 if size is not None:
                     self.move_aside(key)
-                new = self.storage.put_if_absent(key, bufs)
+                new = self.storage.put_addressed(key, bufs)
         self.presence.add(kind, d, fence)
         return PutResult(d, new, mv.nbytes, stored=sum(memoryview(b).nbytes for b in bufs) if new else 0)
 
@@ -280,7 +280,13 @@ class Assets:
         return self._put(frame.KIND_COMMIT, payload)
 
     def sync(self) -> None:
-        self.storage.sync()
+        try:
+            self.storage.sync()
+        except BaseException:
+            # What this Store recorded as written may never have been named (a local
+            # disk names its writes here): ask storage again from now on.
+            self.presence.forget()
+            raise
 
     # -- reading -------------------------------------------------------------
     def _open(self, key: str, ctx: dict, expect_len: int | None):
@@ -568,10 +574,13 @@ class Assets:
         return out
 
     def sweep_temp(self, before: float) -> int:
-        """Remove temp files of writes that died (modified before `before`)."""
+        """Remove temp files of writes that died (modified before `before`; a whole
+        object waiting to be named, PENDING_GRACE seconds before that: its writer, if
+        alive, names it at its next sync)."""
         n = 0
-        for o in self.storage.temp_files():
-            if o.mtime < before:
+        st = self.storage
+        for o in st.temp_files():
+            if o.mtime < (before - st.PENDING_GRACE if o.key.endswith(st.PENDING_SUFFIX) else before):
                 self.storage.delete(o.key)
                 n += 1
         return n

@@ -101,6 +101,12 @@ class Presence:
             kept = {k: v - set(removed.get(self._names[k], ())) for k, v in sets.items()}
             self._state = (after, kept, warm)
 
+    def forget(self) -> None:
+        """Start afresh: a sync failed, so this Store's own writes since the last one may
+        not be stored."""
+        with self._lock:
+            self._state = (None, {}, False)
+
     def after_fork(self) -> None:
         """In a forked child: the lock may have been held by a thread that is not there."""
         self._lock = threading.Lock()

@@ -313,6 +313,7 @@ def test_orphans_are_counted_not_findings(pristine):
         b = s.assets.put_block(b"a leftover block nobody references " * 10)
         n = s.assets.put_node(b"not even a valid node, but nobody reaches it")
         assert b.new and n.new
+        s.assets.sync()  # named (a local disk names a put's objects at sync)
         keys = [key_of("blocks", b.digest.hex()), key_of("nodes", n.digest.hex())]
         assert all(p.b.exists(k) for k in keys)
         for rep in (s.fsck(full=True), s.fsck(full=False)):

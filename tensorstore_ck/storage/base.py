@@ -4,6 +4,7 @@ Implementations may assume a key is never rewritten with different bytes
 (keys are content addresses). Call order for a writer:
 
     put_if_absent(key, bufs)   ... any number, from any thread
+    put_addressed(key, bufs)   (blocks, nodes, commits: the name is the content's hash)
     sync()                     every put before it is durable once it returns
     (only then may anything that references those keys be published)
 
@@ -47,6 +48,11 @@ class BlockStore(ABC):
     # In-flight writes of backends that write a temp file and then link it (local disk):
     # they live under this prefix and are never objects.
     TEMP_PREFIX: ClassVar[str] = "tmp/"
+    # A temp file holding a whole object that waits for the next sync() to be named
+    # (put_addressed on local disks). A live writer names it within seconds; gc leaves
+    # it PENDING_GRACE seconds longer than a partial one before it removes it.
+    PENDING_SUFFIX: ClassVar[str] = ".pending"
+    PENDING_GRACE: ClassVar[float] = 600.0
     # Objects are files on this host: a stat or a read of a few bytes costs no request
     # (Assets reads a reused object's header only where this holds).
     local: ClassVar[bool] = False
@@ -81,6 +87,16 @@ class BlockStore(ABC):
         Returns True if this call created the object. The object is never
         visible half-written; its bytes are durable before this returns, its
         name once sync() returns."""
+
+    def put_addressed(self, key: str, bufs: Sequence) -> bool:
+        """put_if_absent for an object whose key is the hash of its bytes, so that two
+        writers of one key always write the same bytes. A backend may make it visible
+        to other Store objects only at the next sync() (and then durable first, named
+        second: never visible half-written, never named before its bytes are durable);
+        this object's own reads and listings see it at once. True if this call wrote it (two racing
+        writers may both say so). Not for anything whose creation must be exclusive
+        (tags, markers): put_if_absent is."""
+        return self.put_if_absent(key, bufs)
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -141,8 +157,9 @@ class BlockStore(ABC):
         return found[0]
 
     def temp_files(self) -> Iterator[ObjectInfo]:
-        """Leftover temp files of writes in flight (or of writers that died)."""
-        return (o for o in self.list(self.TEMP_PREFIX) if o.key.endswith(".partial"))
+        """Leftover temp files of writes in flight (or of writers that died): partial
+        writes (.partial) and whole objects waiting to be named (PENDING_SUFFIX)."""
+        return (o for o in self.list(self.TEMP_PREFIX) if o.key.endswith((".partial", self.PENDING_SUFFIX)))
 
     def is_empty(self) -> bool:
         """True if nothing but temp files is stored (a creator killed mid-write leaves one)."""

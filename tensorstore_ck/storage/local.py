@@ -3,6 +3,17 @@
 fsspec's LocalFileSystem cannot fsync, so local stores use os directly (as
 zarr's LocalStore does); every other URL goes through FsspecBlockStore.
 
+Content-addressed objects (put_addressed: blocks, nodes, commits) are written
+to temp files without an fsync each and named together at the next sync():
+one syncfs(2) of the store's filesystem makes their bytes durable, then each
+is linked to its name and the directories are fsynced. Each file's writeback is
+started as soon as it is written (sync_file_range, no waiting). A put of N blocks pays
+one device flush instead of N, and the disk sees one long stream of writeback
+instead of N short ones waited on in turn; the order that makes a crash safe is
+unchanged (bytes durable, then named, then published). Where syncfs is missing
+each file is fdatasync'ed at sync() instead. Everything else (tags, markers,
+probes) goes through put_if_absent: durable and named before it returns.
+
 Only regular files are read: a folder, a FIFO or a device found under an
 object's name (a symlink to /dev/zero included) is an OSError naming it, never
 opened for a read that would block forever or never end (see _open_regular).
@@ -10,10 +21,12 @@ opened for a read that would block forever or never end (see _open_regular).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
 import threading
+import time
 import uuid
 from typing import BinaryIO, Iterator, Sequence
 
@@ -47,6 +60,37 @@ def _open_regular(path: str) -> int:
     return open_regular(path, _NOTE)
 
 
+def _load_syncfs():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):  # not Linux: fdatasync each pending file instead
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_syncfs = _load_syncfs()
+
+
+def _load_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range; wait for nothing
+
+# A live writer names its pending objects at least this often (seconds) even inside one
+# long put: gc leaves a pending file alone for its lease plus PENDING_GRACE, far longer.
+FLUSH_AGE = 10.0
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -67,6 +111,20 @@ class LocalBlockStore(BlockStore):
         self._dirs: set[str] = set()
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
+        # key -> its temp file, written whole, not yet durable or named (put_addressed);
+        # in write order, so a commit is named after what it references
+        self._pending: dict[str, str] = {}
+        self._pending_since: float | None = None  # monotonic time of the oldest pending write
+        self._flush_lock = threading.Lock()  # one naming pass at a time (sync())
+        # Opened once: syncfs reports a writeback error that happened since its fd was
+        # opened, so an fd opened at each sync would miss one that came before it.
+        self._root_fd: int | None = None
+
+    def _after_fork(self) -> None:
+        # Threads of the parent may have held them. The pending files stay this child's
+        # to name too: naming one twice is harmless (content-addressed, link never replaces).
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -90,35 +148,106 @@ class LocalBlockStore(BlockStore):
         with self._lock:
             self._dirs.add(d)
 
+    def _pending_path(self, key: str) -> str | None:
+        if not self._pending:  # the common case, without the lock
+            return None
+        with self._lock:
+            return self._pending.get(key)
+
+    def _open_object(self, key: str) -> int:
+        # This object's own pending writes are readable before they are named (the named
+        # one is the same bytes: the key is their hash); a sync may name it meanwhile.
+        p = self._pending_path(key)
+        if p is not None:
+            try:
+                return _open_regular(p)
+            except FileNotFoundError:
+                pass
+        return _open_regular(self._path(key))
+
     # docstring inherited
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
-        with open(_open_regular(self._path(key)), "rb") as f:
+        with open(self._open_object(key), "rb") as f:
             return f.read() if max_bytes is None else f.read(max_bytes)
 
     def open_read(self, key: str, max_bytes: int | None = None) -> BinaryIO:
-        return open(_open_regular(self._path(key)), "rb", buffering=0)
+        return open(self._open_object(key), "rb", buffering=0)
+
+    def _write_error(self, e: OSError, key: str, bufs: Sequence) -> Exception:
+        # Name the object and the space it needed: a bare "[Errno 28]" says neither
+        # which disk to clean nor by how much.
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return no_space(f"writing {key}", self.root, needed=f"{n} bytes", cause=os.strerror(e.errno))
+        return storage_error(e, f"writing {key} ({n} bytes) to {self.url}")
 
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:
         try:
             return self._put_if_absent(key, bufs)
         except OSError as e:
-            # Name the object and the space it needed: a bare "[Errno 28]" says neither
-            # which disk to clean nor by how much.
-            n = sum(memoryview(b).nbytes for b in bufs)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise no_space(f"writing {key}", self.root, needed=f"{n} bytes",
-                               cause=os.strerror(e.errno)) from e
-            raise storage_error(e, f"writing {key} ({n} bytes) to {self.url}") from e
+            raise self._write_error(e, key, bufs) from e
 
-    def _put_if_absent(self, key: str, bufs: Sequence) -> bool:
-        path = self._path(key)
+    def put_addressed(self, key: str, bufs: Sequence) -> bool:
+        if not self._fsync:  # nothing to batch: written and named at once
+            return self.put_if_absent(key, bufs)
+        try:
+            created = self._put_pending(key, bufs)
+        except OSError as e:
+            raise self._write_error(e, key, bufs) from e
+        if self._pending_since is not None and time.monotonic() - self._pending_since > FLUSH_AGE:
+            self._flush(block=False)  # a long put names what it wrote so far (see FLUSH_AGE)
+        return created
+
+    def _stored(self, path: str) -> bool:
+        """Whether a regular file is stored at `path` (anything else there is an error:
+        "already stored" would be a lie)."""
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
-            mode = None
-        if mode is not None:
-            if not stat.S_ISREG(mode):  # a FIFO or folder in its place: "already stored" would be a lie
-                raise _not_regular(path, mode)
+            return False
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        return True
+
+    def _put_pending(self, key: str, bufs: Sequence) -> bool:
+        if self._pending_path(key) is not None:
+            return False  # this object wrote it and names it at the next sync
+        path = self._path(key)
+        if self._stored(path):
+            return False
+        self._ensure_dir(os.path.dirname(path))
+        tmpdir = os.path.join(self.root, TMP_DIR)
+        self._ensure_dir(tmpdir)
+        tmp = os.path.join(tmpdir, f"{os.getpid()}-{uuid.uuid4().hex}{self.PENDING_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, bufs)
+            if _sync_file_range is not None:
+                # Start its writeback now without waiting for it, so the disk works while
+                # the workers hash and write the next blocks and the sync() before the
+                # commit finds little left to do. A hint only: a failure here changes
+                # nothing (syncfs decides what is durable).
+                _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        with self._lock:
+            if key in self._pending:  # another thread of this object wrote it meanwhile
+                dup = True
+            else:
+                dup = False
+                self._pending[key] = tmp
+                if self._pending_since is None:
+                    self._pending_since = time.monotonic()
+        if dup:
+            os.unlink(tmp)
+        return not dup
+
+    def _put_if_absent(self, key: str, bufs: Sequence) -> bool:
+        path = self._path(key)
+        if self._stored(path):
             return False
         d = os.path.dirname(path)
         self._ensure_dir(d)
@@ -150,9 +279,15 @@ class LocalBlockStore(BlockStore):
         return created
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
+        return self._pending_path(key) is not None or os.path.exists(self._path(key))
 
     def size_of(self, key: str) -> int | None:
+        p = self._pending_path(key)
+        if p is not None:
+            try:
+                return os.stat(p).st_size
+            except FileNotFoundError:
+                pass  # named meanwhile
         try:
             st = os.stat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
@@ -195,6 +330,8 @@ class LocalBlockStore(BlockStore):
             os.unlink(probe)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        if self._pending and self._fsync:
+            self._flush()  # this object's own writes are listed too, as they are read
         base = self._path(prefix.rstrip("/"))
         if not os.path.isdir(base):
             return
@@ -208,9 +345,83 @@ class LocalBlockStore(BlockStore):
                 key = fn if rel == "." else f"{rel}/{fn}".replace(os.sep, "/")
                 yield ObjectInfo(key, st.st_size, st.st_mtime)
 
+    def _durable(self, tmps: list[str]) -> None:
+        """Make the bytes of `tmps` durable: one syncfs of the store's filesystem, or an
+        fdatasync of each where the platform has no syncfs."""
+        if _syncfs is not None:
+            if self._root_fd is None:
+                self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            if _syncfs(self._root_fd) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, f"syncfs of {self.root}: {os.strerror(e)}")
+            return
+        for t in tmps:
+            fd = os.open(t, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+    def _flush(self, block: bool = True) -> None:
+        """Name every pending object: durable first (one syncfs), then linked under its
+        key in write order. block=False: skip if another thread is at it."""
+        if not self._flush_lock.acquire(blocking=block):
+            return
+        try:
+            with self._lock:
+                batch = list(self._pending.items())
+                self._pending_since = time.monotonic() if batch else None
+            if not batch:
+                return
+            try:
+                self._durable([t for _, t in batch])
+            except OSError as e:
+                # Their bytes may not be on disk: never name them. Whoever referenced one
+                # fails its put (this sync raises), and the next writer writes it again.
+                self._drop(batch)
+                raise storage_error(e, f"making {len(batch)} objects durable in {self.url}") from e
+            lost = []
+            for key, tmp in batch:
+                final = self._path(key)
+                try:
+                    os.link(tmp, final)  # never replaces: a racing writer's copy is the same bytes
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:
+                    if not os.path.exists(final):
+                        lost.append(key)  # removed unnamed (a gc swept it as a dead writer's)
+                    continue
+                with self._lock:
+                    self._dirty.add(os.path.dirname(final))
+            self._drop(batch)
+            if lost:
+                raise storage_error(FileNotFoundError(errno.ENOENT, "temp file removed before it was named"),
+                                    f"naming {len(lost)} objects written to {self.url} (first: {lost[0]}); "
+                                    "a snapshot referencing them was not published")
+        finally:
+            self._flush_lock.release()
+
+    def _drop(self, batch: list[tuple[str, str]]) -> None:
+        """Forget `batch` as pending (named, or never to be) and remove its temp files."""
+        with self._lock:
+            for key, tmp in batch:
+                if self._pending.get(key) == tmp:
+                    del self._pending[key]
+            if not self._pending:
+                self._pending_since = None
+        mine = f"{os.getpid()}-"
+        for _key, tmp in batch:
+            if not os.path.basename(tmp).startswith(mine):
+                continue  # a forked child's copy of its parent's: the parent removes its own
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
     def sync(self) -> None:
         if not self._fsync:
             return
+        self._flush()
         with self._lock:
             dirty, self._dirty = self._dirty, set()
         # Deepest first, so a new directory's own entries are durable before its name.
@@ -219,3 +430,17 @@ class LocalBlockStore(BlockStore):
                 _fsync_dir(d)
             except FileNotFoundError:
                 pass
+
+    def close(self) -> None:
+        # Pending objects nobody synced belong to no snapshot (a put that references one
+        # syncs before it publishes): drop their temp files rather than leave them to gc.
+        with self._lock:
+            batch = list(self._pending.items())
+        if batch and self._flush_lock.acquire(blocking=False):
+            try:
+                self._drop(batch)
+            finally:
+                self._flush_lock.release()
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
