@@ -201,7 +201,10 @@ class Harness:
         if rng.random() < fl["self_kill"]:
             p["kill_at"] = rng.randint(10, 500)
         if rng.random() < fl["kill_after_commit"]:
-            p["kill_after"] = {"op": "put-done", "prefix": "commits/", "p": fl["kill_after_p"],
+            # put-done of a commit: on a local disk it is written, not yet named (sync names
+            # it); sync-done: everything named, the ref not moved
+            op = rng.choice(["put-done", "sync-done"])
+            p["kill_after"] = {"op": op, "prefix": "commits/" if op == "put-done" else "", "p": fl["kill_after_p"],
                                "during_gc": ["deleting"] if fl["kill_after_p"] >= 1 else ["marking", "deleting"]}
         return p
 

@@ -96,6 +96,12 @@ class SimStore(WrappedStore):
         self.f.point("put-done", key)  # a kill here: the object landed, the caller never heard
         return out
 
+    def put_addressed(self, key, bufs):
+        self.f.point("put", key)
+        out = self.inner.put_addressed(key, bufs)  # local disks: named only at the next sync
+        self.f.point("put-done", key)
+        return out
+
     def exists(self, key):
         self.f.point("exists", key)
         return self.inner.exists(key)
@@ -116,7 +122,9 @@ class SimStore(WrappedStore):
 
     def sync(self):
         self.f.point("sync")
-        return self.inner.sync()
+        out = self.inner.sync()
+        self.f.point("sync-done")  # a kill here: every pending object named, no ref moved
+        return out
 
 
 def slow_reftable(rt, faults: Faults) -> None:
