@@ -292,6 +292,24 @@ def evict(*paths: str) -> str:
     return "fadvise"
 
 
+def fill_cache(path: str, gb: float) -> None:
+    """Read `gb` GB (one file, made once) through the page cache, so the next write has
+    to take its pages from a full cache, as on a training host."""
+    n = int(gb * 1e9)
+    if not os.path.exists(path) or os.path.getsize(path) != n:
+        chunk = os.urandom(16 << 20)
+        with open(path, "wb") as f:
+            left = n
+            while left:
+                f.write(chunk[: min(left, len(chunk))])
+                left -= min(left, len(chunk))
+        os.sync()
+    buf = bytearray(16 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
 def rm(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -371,6 +389,11 @@ def main(argv=None) -> int:
                     help="open_store(compression=...) (default: the store's, auto)")
     ap.add_argument("--changed", type=float, default=0.10, help="fraction of tensors changed before the 2nd put")
     ap.add_argument("--skip-peers", action="store_true", help="only tsck")
+    ap.add_argument("--write-cache", choices=["as-is", "dropped", "populated"], default="as-is",
+                    help="the page cache before each write: as left by the run (default), dropped "
+                         "(drop_caches), or populated (a --fill-gb file read through it first, as a "
+                         "training host that reads its data through the cache keeps it full)")
+    ap.add_argument("--fill-gb", type=float, default=12.0, help="bytes read through the cache for populated")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="after the run, cProfile one put_snapshot and one checkout into FILE (.txt)")
@@ -478,6 +501,14 @@ def main(argv=None) -> int:
                 list(ex.map(one, enumerate(t for _, t in iter_tensors(state) if isinstance(t, torch.Tensor))))
         return timed(run)
 
+    p_fill = os.path.join(base, "fill.bin")
+
+    def before_write():
+        if args.write_cache == "dropped":
+            evict(base)
+        elif args.write_cache == "populated":
+            fill_cache(p_fill, args.fill_gb)
+
     try:
         for rep in range(args.repeats):
             log(f"## repeat {rep+1}/{args.repeats}")
@@ -488,6 +519,7 @@ def main(argv=None) -> int:
                 [] if args.skip_peers else [("torch", save_torch), ("dcp", save_dcp)])
             k = rep % len(writers)
             for name, fn in writers[k:] + writers[:k]:
+                before_write()
                 tm = fn()
                 if name == "tsck":
                     info = tm.result
@@ -639,7 +671,9 @@ def main(argv=None) -> int:
 
     tsck_ver = getattr(tsck, "__version__", "?")
     hdr = (f"State: GPT-style {'bf16' if args.bf16 else 'fp32'} model + AdamW moments, {nbytes/GB:.2f} GB in {len(tensors)} tensors; "
-           f"{n} repeat(s); page cache evicted before reads ({evict_mode}); every write timed through os.sync(). "
+           f"{n} repeat(s); page cache evicted before reads ({evict_mode}); every write timed through os.sync(), "
+           f"the page cache before each write: {args.write_cache}"
+           f"{f' ({args.fill_gb:g} GB read through it)' if args.write_cache == 'populated' else ''}. "
            f"tensorstore_ck {tsck_ver}, torch {torch.__version__}, {os.cpu_count()} cores. 1 GB = 1e9 B. "
            f"Cells: median (min–max).")
     lines = [hdr, "",
