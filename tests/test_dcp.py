@@ -336,7 +336,7 @@ class _StaleFenceWriter(TsckWriter):
         return out
 
     def finish(self, metadata, results):
-        if self.drop_block:  # what that gc would have deleted
+        if self.drop_block:  # what that gc would have deleted (named: write_data synced it)
             d = results[0][0].storage_data.value["b"][0]
             root = Path(self.store.url[len("file://"):])
             (root / "blocks" / d.hex()[:2] / d.hex()).unlink()

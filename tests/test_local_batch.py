@@ -1,5 +1,5 @@
 """A local store writes blocks, nodes and commits without an fsync each and names
-them together at sync(): durable first (one syncfs), then linked under their
+them together at sync(): durable first (fdatasync), then linked under their
 keys, then published. These tests hold the parts of that order a crash or a gc
 could break: nothing is named before sync, a killed writer leaves only temp
 files that gc removes after their grace, a pending file removed before it was

@@ -183,6 +183,9 @@ class TsckWriter(StorageWriter):
                     copied_inflight -= done.copied
             while pending:
                 results.append(self._finish_item(pending.pop(0)))
+            # This rank's blocks are durable and named before its results go to the
+            # coordinator, which publishes a commit that references them.
+            self.store.publisher.sync()
         except BaseException:
             for p in pending:
                 for f in p.futs:

@@ -4,15 +4,14 @@ fsspec's LocalFileSystem cannot fsync, so local stores use os directly (as
 zarr's LocalStore does); every other URL goes through FsspecBlockStore.
 
 Content-addressed objects (put_addressed: blocks, nodes, commits) are written
-to temp files without an fsync each and named together at the next sync():
-one syncfs(2) of the store's filesystem makes their bytes durable, then each
-is linked to its name and the directories are fsynced. Each file's writeback is
-started as soon as it is written (sync_file_range, no waiting). A put of N blocks pays
-one device flush instead of N, and the disk sees one long stream of writeback
-instead of N short ones waited on in turn; the order that makes a crash safe is
-unchanged (bytes durable, then named, then published). Where syncfs is missing
-each file is fdatasync'ed at sync() instead. Everything else (tags, markers,
-probes) goes through put_if_absent: durable and named before it returns.
+to temp files without an fsync each and named together at the next sync().
+Each file's writeback is started as soon as it is written (sync_file_range,
+no waiting), so the disk works while the workers hash the next blocks instead of
+idling through N fsyncs waited on in turn; at sync() the files are fdatasync'ed
+together (the journal commits them in a few transactions), then each is linked
+to its name and the directories are fsynced. The order that makes a crash safe
+is unchanged: bytes durable, then named, then published. Everything else (tags,
+markers, probes) goes through put_if_absent: durable and named before it returns.
 
 Only regular files are read: a folder, a FIFO or a device found under an
 object's name (a symlink to /dev/zero included) is an OSError naming it, never
@@ -28,6 +27,7 @@ import stat
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Iterator, Sequence
 
 from ..errors import no_space, storage_error
@@ -60,19 +60,6 @@ def _open_regular(path: str) -> int:
     return open_regular(path, _NOTE)
 
 
-def _load_syncfs():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):  # not Linux: fdatasync each pending file instead
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_syncfs = _load_syncfs()
-
-
 def _load_sync_file_range():
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
@@ -85,6 +72,8 @@ def _load_sync_file_range():
 
 _sync_file_range = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range; wait for nothing
+
+SYNC_THREADS = 8  # fdatasyncs in flight at a sync (each mostly waits for the journal)
 
 # A live writer names its pending objects at least this often (seconds) even inside one
 # long put: gc leaves a pending file alone for its lease plus PENDING_GRACE, far longer.
@@ -116,9 +105,6 @@ class LocalBlockStore(BlockStore):
         self._pending: dict[str, str] = {}
         self._pending_since: float | None = None  # monotonic time of the oldest pending write
         self._flush_lock = threading.Lock()  # one naming pass at a time (sync())
-        # Opened once: syncfs reports a writeback error that happened since its fd was
-        # opened, so an fd opened at each sync would miss one that came before it.
-        self._root_fd: int | None = None
 
     def _after_fork(self) -> None:
         # Threads of the parent may have held them. The pending files stay this child's
@@ -226,7 +212,7 @@ class LocalBlockStore(BlockStore):
                 # Start its writeback now without waiting for it, so the disk works while
                 # the workers hash and write the next blocks and the sync() before the
                 # commit finds little left to do. A hint only: a failure here changes
-                # nothing (syncfs decides what is durable).
+                # nothing (the fdatasync at sync() decides what is durable).
                 _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
         except BaseException:
             os.close(fd)
@@ -346,24 +332,29 @@ class LocalBlockStore(BlockStore):
                 yield ObjectInfo(key, st.st_size, st.st_mtime)
 
     def _durable(self, tmps: list[str]) -> None:
-        """Make the bytes of `tmps` durable: one syncfs of the store's filesystem, or an
-        fdatasync of each where the platform has no syncfs."""
-        if _syncfs is not None:
-            if self._root_fd is None:
-                self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-            if _syncfs(self._root_fd) != 0:
-                e = ctypes.get_errno()
-                raise OSError(e, f"syncfs of {self.root}: {os.strerror(e)}")
-            return
-        for t in tmps:
-            fd = os.open(t, os.O_RDONLY)
+        """Make the bytes of `tmps` durable: an fdatasync of each, from a few threads at
+        once (the filesystem's journal commits them together). Not syncfs: that waits
+        for every dirty page on the filesystem, other writers' included (a database, a
+        second job), so one put's latency would be everybody's."""
+        def one(t: str) -> None:
+            try:
+                fd = os.open(t, os.O_RDONLY)
+            except FileNotFoundError:
+                return  # removed unnamed: the naming pass below reports it lost
             try:
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
+        if len(tmps) <= 2:
+            for t in tmps:
+                one(t)
+            return
+        with ThreadPoolExecutor(min(SYNC_THREADS, len(tmps)), thread_name_prefix="tsck-sync") as ex:
+            for f in [ex.submit(one, t) for t in tmps]:
+                f.result()  # the first error, after every submitted one ran
 
     def _flush(self, block: bool = True) -> None:
-        """Name every pending object: durable first (one syncfs), then linked under its
+        """Name every pending object: durable first (fdatasync), then linked under its
         key in write order. block=False: skip if another thread is at it."""
         if not self._flush_lock.acquire(blocking=block):
             return
@@ -441,6 +432,3 @@ class LocalBlockStore(BlockStore):
                 self._drop(batch)
             finally:
                 self._flush_lock.release()
-        if self._root_fd is not None:
-            os.close(self._root_fd)
-            self._root_fd = None
