@@ -17,6 +17,8 @@ Strategies (each leaves every block durable and named when its timer stops):
                each and fsync the directories (durable before it is named)
   batch_kick   batch_syncfs, each file's writeback started as it is written
                (sync_file_range WRITE: the disk works while the CPU hashes the next)
+  kick_fdsync  writeback started per file as written, then every file fdatasync'ed
+               from 8 threads, links, directories (LocalBlockStore's path)
   batch_fdsync temp files written without fsync; every one fdatasync'ed by the
                workers at the end; then link + unlink, directories fsynced
   no_sync      temp, link, unlink, nothing synced until one os.sync() at the end
@@ -160,6 +162,27 @@ def s_batch_kick(root, blocks, workers):
     _dirs_sync(root, dirs)
 
 
+def _fdatasync_all(tmps, threads=8):
+    def one(t):
+        fd = os.open(t, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, tmps))
+
+
+def s_kick_fdsync(root, blocks, workers):
+    """What LocalBlockStore does: writeback started per file, fdatasync of each from 8
+    threads at the end (only this writer's files), then links."""
+    with ThreadPoolExecutor(workers) as ex:
+        tmps = list(ex.map(lambda i: _write_tmp(root, blocks[i], False, kick=True), range(len(blocks))))
+    _fdatasync_all(tmps)
+    dirs = {_name(root, i, t) for i, t in enumerate(tmps)}
+    _dirs_sync(root, dirs)
+
+
 def s_batch_fdsync(root, blocks, workers):
     with ThreadPoolExecutor(workers) as ex:
         tmps = list(ex.map(lambda i: _write_tmp(root, blocks[i], False), range(len(blocks))))
@@ -184,7 +207,7 @@ def s_no_sync(root, blocks, workers):
 
 
 STRATEGIES = {"stream": s_stream, "per_object": s_per_object, "batch_syncfs": s_batch_syncfs,
-              "batch_kick": s_batch_kick,
+              "batch_kick": s_batch_kick, "kick_fdsync": s_kick_fdsync,
               "batch_fdsync": s_batch_fdsync, "no_sync": s_no_sync}
 
 
