@@ -1,0 +1,239 @@
+"""A local tier in front of a remote store (open_store(remote, local=PATH)): a put
+publishes in the local tier and returns; the uploader sends the objects the remote lacks,
+as stored, and then moves the remote ref to the same root (docs/design/tiers.md).
+
+Against a real S3 server (moto, or radosgw via TEST_S3_ENDPOINT) with an LMDB remote ref
+table; remote writes are counted or stalled by a WrappedStore around the real S3 store
+(wrap_storage= wraps the remote's storage); the crash is a real subprocess killed -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+from tensorstore_ck.storage.wrappers import WrappedStore
+
+pytestmark = pytest.mark.slow  # a real S3 server
+
+BS = 16 * 1024
+DEADLINE = 120.0  # generous: the machine is shared
+
+
+class Counting(WrappedStore):
+    """Records the key of every object written to the remote store."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.keys: list[str] = []
+        self._lock = threading.Lock()
+
+    def _note(self, key):
+        with self._lock:
+            self.keys.append(key)
+
+    def put_if_absent(self, key, bufs):
+        self._note(key)
+        return self.inner.put_if_absent(key, bufs)
+
+    def put_addressed(self, key, bufs):
+        self._note(key)
+        return self.inner.put_addressed(key, bufs)
+
+
+class Gated(Counting):
+    """Holds every remote object write until `gate` is set."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def put_addressed(self, key, bufs):
+        assert self.gate.wait(DEADLINE)
+        return super().put_addressed(key, bufs)
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g),
+            "step": torch.tensor(seed)}
+
+
+def _open(s3_url, s3_server, tmp_path, **kw) -> tsck.Store:
+    return tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server,
+                           block_size=BS, inline_threshold=256, **kw)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        x.dtype == y.dtype and x.shape == y.shape and x.reshape(-1).view(torch.uint8).equal(y.reshape(-1).view(torch.uint8))
+        for x, y in ((a[k].contiguous(), b[k].contiguous()) for k in a))
+
+
+def test_put_returns_local_then_wait_durable_lands_it_remotely(s3_url, s3_server, tmp_path):
+    """The put returns while the remote has nothing (its writes are held): durable False,
+    in the put's answer and in log; the remote ref does not exist. Once the writes may go,
+    wait_durable() returns True, log says durable, and the remote store opened without a
+    tier names the same root, checks it out bit for bit and fscks clean."""
+    wrapped = []
+    store = _open(s3_url, s3_server, tmp_path, local=str(tmp_path / "nvme"),
+                  wrap_storage=lambda s: wrapped.append(Gated(s)) or wrapped[-1])
+    gated = wrapped[0]
+    state = _state(1)
+    info = store.put_snapshot(state, "job/main", step=1)
+    assert info.durable is False
+    assert [i.durable for i in store.log("job/main")] == [False]
+    assert store.show("job/main").durable is False
+    assert store.wait_durable(timeout=0.2) is False  # held: not durable yet
+    assert store.remote_core.refs.get_or_none("job/main") is None
+    gated.gate.set()
+    assert store.wait_durable(timeout=DEADLINE) is True
+    assert [i.durable for i in store.log("job/main")] == [True]
+    assert store.remote_core.refs.get_or_none("job/main") == bytes.fromhex(info.root)
+    store.close()
+
+    with _open(s3_url, s3_server, tmp_path) as remote:
+        assert remote.resolve("job/main") == info.root
+        assert _equal(remote.checkout("job/main"), state)
+        report = remote.fsck(full=True)
+        assert report.findings == [] and report.snapshots_checked == 1
+
+
+def test_unchanged_tensors_are_not_uploaded_again(s3_url, s3_server, tmp_path):
+    """A second snapshot that changes one tensor sends only that tensor's blocks, its new
+    nodes and its commit: no remote object is written twice."""
+    wrapped = []
+    store = _open(s3_url, s3_server, tmp_path, local=str(tmp_path / "nvme"),
+                  wrap_storage=lambda s: wrapped.append(Counting(s)) or wrapped[-1])
+    counting = wrapped[0]
+    state = _state(2)
+    store.put_snapshot(state, "job/main", step=1)
+    assert store.wait_durable(timeout=DEADLINE)
+    first = list(counting.keys)
+    assert sum(k.startswith("blocks/") for k in first) == 5  # w: 4 blocks, b: 1 ("step" is inline)
+    state["b"] = state["b"] + 1  # one block changes
+    info = store.put_snapshot(state, "job/main", step=2)
+    assert store.wait_durable(timeout=DEADLINE)
+    second = counting.keys[len(first):]
+    assert len(second) == len(set(second)) and not set(second) & set(first)
+    assert sum(k.startswith("blocks/") for k in second) == 1  # b's block only
+    assert any(k.startswith("commits/") for k in second) and any(k.startswith("nodes/") for k in second)
+    store.close()
+    with _open(s3_url, s3_server, tmp_path) as remote:
+        assert remote.resolve("job/main") == info.root
+        assert [i.step for i in remote.log("job/main")] == [2, 1]
+        assert _equal(remote.checkout("job/main"), state)
+
+
+_WRITER = r"""
+import sys, threading, time
+import torch
+import tensorstore_ck as tsck
+from tensorstore_ck.storage.wrappers import WrappedStore
+s3_url, refs, local, opts = sys.argv[1], sys.argv[2], sys.argv[3], __import__("json").loads(sys.argv[4])
+lock = threading.Lock()
+
+class Stall(WrappedStore):
+    n = 0
+    def put_addressed(self, key, bufs):
+        with lock:
+            Stall.n += 1
+            n = Stall.n
+        if n > 2:  # the third object write never happens: the upload is killed midway
+            time.sleep(3600)
+        got = self.inner.put_addressed(key, bufs)
+        print("PUT", key, flush=True)
+        return got
+
+store = tsck.open_store(s3_url, refs=refs, storage_options=opts, block_size=16384, inline_threshold=256,
+                        local=local, wrap_storage=Stall, workers=1)
+g = torch.Generator().manual_seed(3)
+state = {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g), "step": torch.tensor(3)}
+info = store.put_snapshot(state, "job/main", step=3)
+print("RETURNED", info.root, info.durable, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_kill_9_midway_through_an_upload_resumes_at_the_next_open(s3_url, s3_server, tmp_path):
+    """A writer process whose put returned is killed -9 while its upload has sent two
+    objects and hangs on the third. The remote ref does not exist then. Reopened with
+    the same local tier, the uploader resumes from the queue in the local table: it
+    sends only what the remote lacks (none of the two objects again), and the remote ref
+    lands on the snapshot, which checks out bit for bit from the remote alone."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    refs, local = str(tmp_path / "refs.lmdb"), str(tmp_path / "nvme")
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, s3_url, refs, local, json.dumps(s3_server)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    sent_before: list[str] = []
+    root = None
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while root is None or len(sent_before) < 2:
+            assert time.monotonic() < deadline, "the writer did not get there"
+            line = proc.stdout.readline()
+            assert line, f"the writer ended: {proc.stderr.read()[-2000:]}"
+            word, *rest = line.split()
+            if word == "PUT":
+                sent_before.append(rest[0])
+            elif word == "RETURNED":
+                root, durable = rest
+                assert durable == "False"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+    with _open(s3_url, s3_server, tmp_path) as remote:  # killed before the move
+        assert remote.reftable.get_or_none("job/main") is None
+
+    wrapped = []
+    store = _open(s3_url, s3_server, tmp_path, local=local,
+                  wrap_storage=lambda s: wrapped.append(Counting(s)) or wrapped[-1])
+    assert [i.durable for i in store.log("job/main")] == [False]
+    assert store.wait_durable(timeout=DEADLINE) is True
+    resumed = wrapped[0].keys
+    assert resumed and not set(resumed) & set(sent_before)
+    assert store.log("job/main")[0].durable is True
+    store.close()
+    with _open(s3_url, s3_server, tmp_path) as remote:
+        assert remote.resolve("job/main") == root
+        g = torch.Generator().manual_seed(3)
+        want = {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g), "step": torch.tensor(3)}
+        assert _equal(remote.checkout("job/main"), want)
+        assert remote.fsck(full=True).findings == []
+
+
+def test_checkpoint_manager_on_a_tiered_store(s3_url, s3_server, tmp_path):
+    """CheckpointManager, unchanged, over a store with a local tier: asynchronous
+    snapshots publish locally, restore_latest reads the newest one, and after
+    wait_durable the remote store holds every snapshot of the job."""
+    store = _open(s3_url, s3_server, tmp_path, local=str(tmp_path / "nvme"))
+    model = torch.nn.Linear(8, 4)
+    state = tsck.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    mgr = tsck.CheckpointManager(store, job="job", ref="job/main", state=state, every_steps=2)
+    for step in range(1, 7):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        mgr.step(step)
+    mgr.wait()
+    want = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    assert mgr.restore_latest() == 6
+    assert torch.equal(model.weight, want)
+    mgr.close()
+    assert store.wait_durable(timeout=DEADLINE)
+    assert [i.durable for i in store.log("job/main")] == [True, True, True]
+    store.close()
+    with _open(s3_url, s3_server, tmp_path) as remote:
+        assert [i.step for i in remote.log("job/main")] == [6, 4, 2]
