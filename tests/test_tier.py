@@ -22,8 +22,6 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
 
-pytestmark = pytest.mark.slow  # a real S3 server
-
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 
@@ -78,6 +76,7 @@ def _equal(a: dict, b: dict) -> bool:
         for x, y in ((a[k].contiguous(), b[k].contiguous()) for k in a))
 
 
+@pytest.mark.slow  # a real S3 server
 def test_put_returns_local_then_wait_durable_lands_it_remotely(s3_url, s3_server, tmp_path):
     """The put returns while the remote has nothing (its writes are held): durable False,
     in the put's answer and in log; the remote ref does not exist. Once the writes may go,
@@ -107,6 +106,7 @@ def test_put_returns_local_then_wait_durable_lands_it_remotely(s3_url, s3_server
         assert report.findings == [] and report.snapshots_checked == 1
 
 
+@pytest.mark.slow  # a real S3 server
 def test_unchanged_tensors_are_not_uploaded_again(s3_url, s3_server, tmp_path):
     """A second snapshot that changes one tensor sends only that tensor's blocks, its new
     nodes and its commit: no remote object is written twice."""
@@ -163,6 +163,7 @@ time.sleep(3600)
 """
 
 
+@pytest.mark.slow  # a real S3 server
 def test_kill_9_midway_through_an_upload_resumes_at_the_next_open(s3_url, s3_server, tmp_path):
     """A writer process whose put returned is killed -9 while its upload has sent two
     objects and hangs on the third. The remote ref does not exist then. Reopened with
@@ -213,6 +214,7 @@ def test_kill_9_midway_through_an_upload_resumes_at_the_next_open(s3_url, s3_ser
         assert remote.fsck(full=True).findings == []
 
 
+@pytest.mark.slow  # a real S3 server
 def test_checkpoint_manager_on_a_tiered_store(s3_url, s3_server, tmp_path):
     """CheckpointManager, unchanged, over a store with a local tier: asynchronous
     snapshots publish locally, restore_latest reads the newest one, and after
@@ -237,3 +239,78 @@ def test_checkpoint_manager_on_a_tiered_store(s3_url, s3_server, tmp_path):
     store.close()
     with _open(s3_url, s3_server, tmp_path) as remote:
         assert [i.step for i in remote.log("job/main")] == [6, 4, 2]
+
+
+class HoldNodes(Counting):
+    """Lets blocks through and holds the first node write until `gate` is set."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate, self.waiting = threading.Event(), threading.Event()
+
+    def put_addressed(self, key, bufs):
+        if key.startswith("nodes/"):
+            self.waiting.set()
+            assert self.gate.wait(DEADLINE)
+        return super().put_addressed(key, bufs)
+
+
+@pytest.mark.slow  # a real S3 server
+def test_gc_deleting_an_upload_in_flight_fences_the_move_and_it_revalidates(s3_url, s3_server, tmp_path):
+    """The remote blocks of an upload in flight are garbage to a remote gc (no remote
+    snapshot names them yet): a gc that runs while the upload holds its first node deletes
+    them. The remote ref move, fenced on the epoch read before the upload, is refused;
+    the uploader waits out the phase, asks for every object again, sends what the gc
+    removed, and only then moves the ref: the remote snapshot is whole (fsck clean)."""
+    from tensorstore_ck.gc import run_gc
+    wrapped = []
+    store = _open(s3_url, s3_server, tmp_path, local=str(tmp_path / "nvme"),
+                  wrap_storage=lambda s: wrapped.append(HoldNodes(s)) or wrapped[-1])
+    held = wrapped[0]
+    state = _state(4)
+    info = store.put_snapshot(state, "job/main", step=1)
+    assert held.waiting.wait(DEADLINE)
+    blocks = [k for k in held.keys if k.startswith("blocks/")]
+    assert len(blocks) == 5
+    remote = store.remote_core
+    report = run_gc(remote, grace=0.0)
+    assert report.deleted_objects >= 5
+    assert not any(remote.storage.exists(k) for k in blocks)  # the gc took them
+    held.gate.set()
+    assert store.wait_durable(timeout=DEADLINE) is True
+    assert [k for k in held.keys if k.startswith("blocks/")].count(blocks[0]) == 2  # sent again
+    store.close()
+    with _open(s3_url, s3_server, tmp_path) as r:
+        assert r.resolve("job/main") == info.root
+        assert r.fsck(full=True).findings == []
+        assert _equal(r.checkout("job/main"), state)
+
+
+def test_local_tier_in_front_of_a_local_store(tmp_path, capsys):
+    """No server: the tier works in front of any store (here a directory). The put's
+    answer says local-only; the remote store, opened by itself, names the snapshot once
+    wait_durable() returned; the tier opened as a store of its own (`tsck log
+    /nvme/tsck REF`) marks a queued snapshot local-only and the uploaded one not."""
+    from tensorstore_ck.cli import main
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256)
+    state = _state(5)
+    info = store.put_snapshot(state, "job/main", step=7)
+    assert info.durable is False
+    assert store.wait_durable() is True
+    assert store.show(info.root).durable is True
+    store.close()
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert remote.resolve("job/main") == info.root and _equal(remote.checkout("job/main"), state)
+    # A snapshot still in the queue (here put into the tier by itself and queued by hand,
+    # as a put killed before its upload leaves it):
+    with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
+        late = tier.put_snapshot(_state(6), "job/main", step=8)
+        tier.reftable.upload_enqueue(bytes.fromhex(late.root), "job/main", 8)
+        assert [(i.step, i.durable) for i in tier.log("job/main")] == [(8, False), (7, True)]
+    capsys.readouterr()
+    assert main(["log", str(tmp_path / "nvme"), "job/main"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [("local-only" in line) for line in lines] == [True, False]
+    assert main(["log", "--json", str(tmp_path / "nvme"), "job/main"]) == 0
+    assert [e["durable"] for e in json.loads(capsys.readouterr().out)] == [False, True]
