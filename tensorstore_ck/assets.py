@@ -299,26 +299,36 @@ class Assets:
             raise err
         return data
 
-    def put_frame(self, kind: str, d: bytes, fetch, fence: int | None) -> bool:
-        """Store the frame fetch() returns (another store's stored_frame()) as it is (same
-        address, same bytes: no decode, no re-encode) unless this store has it: known
-        present under `fence` (Presence) or found by a HEAD. -> whether it was written."""
+    def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None) -> bool:
+        """Store object `d` of `kind` as `src` stores it (same address, same bytes: no
+        decode, no re-encode; src.stored_frame checks it first) unless this store has it:
+        known present under `fence` (Presence) or found by a HEAD (judged by its size as
+        a put judges what it finds; src's 16-byte header gives the raw length, so a
+        found object costs no read of its bytes). -> whether it was written."""
         fk = _FRAME_KIND[kind]
         if self.presence.known(fk, d, fence):
             return False
         key = _key(kind + "s", d)
-        data = fetch()
         size = self.storage.size_of(key)
         if size is not None:
-            # Judged as a put judges what it finds (another codec's frame of the same
-            # content is as good); a damaged one goes aside and the checked copy is stored.
-            if self._reusable(key, fk, size, frame.decode_header(data[:frame.HEADER_SIZE]).raw_len):
+            if self._reusable(key, fk, size, src.stored_raw_len(kind, d)):
                 self.presence.add(fk, d, fence)
                 return False
-            self.move_aside(key)
-        new = self.storage.put_addressed(key, [data])
+            self.move_aside(key)  # damaged: the checked copy goes under its address
+        new = self.storage.put_addressed(key, [src.stored_frame(kind, d)])
         self.presence.add(fk, d, fence)
         return new
+
+    def stored_raw_len(self, kind: str, d: bytes) -> int:
+        """The raw length object `d`'s stored header declares (its first 16 bytes)."""
+        key = _key(kind + "s", d)
+        try:
+            with self.storage.open_read(key, frame.HEADER_SIZE) as f:
+                return frame.decode_header(f.read(frame.HEADER_SIZE)).raw_len
+        except FileNotFoundError:
+            raise IntegrityError("missing object", key=key, reason="missing") from None
+        except FormatError as e:
+            raise IntegrityError(f"corrupt object header: {e}", key=key) from None
 
     # -- reading -------------------------------------------------------------
     def _open(self, key: str, ctx: dict, expect_len: int | None):

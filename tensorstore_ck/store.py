@@ -118,6 +118,7 @@ class Store:
         self.core = core
         # With a local tier: `core` is the local store and the uploader holds the remote one.
         self._uploader = uploader
+        self._tier: bool | None = None  # see _is_tier
         st = core.settings
         self.storage, self.reftable, self.assets, self.config = core.storage, core.refs, core.assets, config
         self.verify, self.workers, self.gc_lease = st.verify, st.workers, st.gc_lease
@@ -140,6 +141,10 @@ class Store:
             return
         self.core.after_fork()
         self.publisher.pool = self.core.pool
+        if self._uploader is not None:
+            # The uploader's thread is the parent's: the child's puts are queued in the
+            # table, and the parent's uploader (or the next open) sends them.
+            self._uploader.after_fork()
         self._puts.reset()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -170,6 +175,8 @@ class Store:
         self.reftable.close()
         self.storage.close()
         err = self._puts.unheard()
+        if err is None and self._uploader is not None:
+            err = self._uploader.unheard()
         if err is not None:
             raise err
 
@@ -361,11 +368,18 @@ class Store:
         """The remote store's Core behind a local tier (None without one)."""
         return None if self._uploader is None else self._uploader.remote
 
+    def _is_tier(self) -> bool:
+        """Whether this store is a local tier (with its uploader, or opened by itself):
+        asked of the table once per Store, not once per snapshot described."""
+        if self._tier is None:
+            self._tier = self._uploader is not None or self.reftable.upload_last_seq() > 0
+        return self._tier
+
     def _durable(self, infos: list) -> list:
         """`infos` with durable=False for the snapshots only the local tier has. A local
         tier opened as a store of its own (`tsck log /nvme/tsck REF`) says so too: its
         table has an upload queue."""
-        if not infos or (self._uploader is None and not self.reftable.upload_last_seq()):
+        if not infos or not self._is_tier():
             return infos
         done = self.reftable.durable(bytes.fromhex(i.root) for i in infos)
         return [i if bytes.fromhex(i.root) in done else dataclasses.replace(i, durable=False) for i in infos]

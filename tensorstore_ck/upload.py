@@ -52,6 +52,8 @@ class Uploader:
         self._stop = False
         self._busy = False  # an upload is running (wait_durable waits for it too)
         self.error: BaseException | None = None  # the failure that stopped the uploader
+        self._heard = False  # wait_durable raised it (close() does not raise it again)
+        self._forked = False
         self.sent = self.skipped = 0
         self._requeue_unqueued()
         self._thread = threading.Thread(target=self._run, name="tsck-upload", daemon=True)
@@ -90,13 +92,15 @@ class Uploader:
         with self._cond:
             while True:
                 if self.error is not None:
+                    self._heard = True
                     raise self.error
                 pending = [seq for seq, _ in self.local.refs.upload_pending() if seq <= target]
                 if not pending:
                     return True
                 if self._stop:
-                    raise TsckError("the store was closed before its uploads finished; they resume at the next "
-                                    "open_store(..., local=) of this local tier")
+                    raise TsckError("the uploader stopped (the store was closed, or this is a forked child) before "
+                                    "these uploads finished; they resume at the next open_store(..., local=) of "
+                                    "this local tier")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -107,7 +111,20 @@ class Uploader:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join()
+        if not self._forked:
+            self._thread.join()
+
+    def unheard(self) -> BaseException | None:
+        """The failure that stopped the uploader, if wait_durable() never raised it:
+        Store.close() raises it, so a script that ends with close() hears it."""
+        return None if self._heard else self.error
+
+    def after_fork(self) -> None:
+        """In a forked child: no uploader thread here (the parent's sends what the child
+        queues); the remote core drops the parent's pool and locks."""
+        self._forked, self._stop = True, True
+        self._cond = threading.Condition()
+        self.remote.after_fork()
 
     # -- the thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -188,4 +205,4 @@ class Uploader:
         self.remote.assets.sync()
 
     def _copy(self, kind: str, d: bytes, fence: int) -> bool:
-        return self.remote.assets.put_frame(kind, d, lambda: self.local.assets.stored_frame(kind, d), fence)
+        return self.remote.assets.copy_from(self.local.assets, kind, d, fence)

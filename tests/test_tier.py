@@ -314,3 +314,41 @@ def test_local_tier_in_front_of_a_local_store(tmp_path, capsys):
     assert [("local-only" in line) for line in lines] == [True, False]
     assert main(["log", "--json", str(tmp_path / "nvme"), "job/main"]) == 0
     assert [e["durable"] for e in json.loads(capsys.readouterr().out)] == [False, True]
+
+
+class HoldLookups(WrappedStore):
+    """Holds the first question about an object (the uploader's HEAD) until `gate` is set."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def size_of(self, key):
+        assert self.gate.wait(DEADLINE)
+        return self.inner.size_of(key)
+
+
+def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path):
+    """Stored bytes are untrusted, the tier's too: a local block damaged after the put
+    returned is checked before it is sent, so the remote never receives it and its ref
+    does not move; wait_durable() raises the IntegrityError naming the object, once
+    (close() then says nothing more); the snapshot stays queued."""
+    wrapped = []
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
+    info = store.put_snapshot(_state(7), "job/main", step=1)
+    blocks = sorted((tmp_path / "nvme" / "blocks").rglob("*"))
+    victim = [p for p in blocks if p.is_file()][0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    wrapped[0].gate.set()
+    with pytest.raises(tsck.IntegrityError) as e:
+        store.wait_durable(timeout=DEADLINE)
+    assert victim.name in str(e.value)
+    assert store.remote_core.refs.get_or_none("job/main") is None
+    assert not store.remote_core.storage.exists(f"blocks/{victim.parent.name}/{victim.name}")
+    assert [i.durable for i in store.log("job/main")] == [False]
+    store.close()  # heard already: not raised again
+    with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
+        assert [e["root"].hex() for _, e in tier.reftable.upload_pending()] == [info.root]
