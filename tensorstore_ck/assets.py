@@ -302,22 +302,38 @@ class Assets:
     def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None) -> bool:
         """Store object `d` of `kind` as `src` stores it (same address, same bytes: no
         decode, no re-encode; src.stored_frame checks it first) unless this store has it:
-        known present under `fence` (Presence) or found by a HEAD (judged by its size as
-        a put judges what it finds; src's 16-byte header gives the raw length, so a
-        found object costs no read of its bytes). -> whether it was written."""
+        known present under `fence` (Presence), found by a HEAD, or (a warm record on an
+        object store) refused by the conditional PUT. What is found is judged by its size
+        as a put judges it (src's 16-byte header gives the raw length, so a found object
+        costs no read of its bytes). -> whether it was written."""
         fk = _FRAME_KIND[kind]
         if self.presence.known(fk, d, fence):
             return False
         key = _key(kind + "s", d)
-        size = self.storage.size_of(key)
-        if size is not None:
-            if self._reusable(key, fk, size, src.stored_raw_len(kind, d)):
-                self.presence.add(fk, d, fence)
-                return False
-            self.move_aside(key)  # damaged: the checked copy goes under its address
-        new = self.storage.put_addressed(key, [src.stored_frame(kind, d)])
+        # As _put: once a snapshot under this epoch told us what exists, a miss is most
+        # likely new, and on an object store the conditional PUT is the question and the
+        # write in one request.
+        ask = self.storage.local or not self.presence.warm(fence)
+        if ask and self._found(src, kind, key, d):
+            self.presence.add(fk, d, fence)
+            return False
+        data = src.stored_frame(kind, d)
+        new = self.storage.put_addressed(key, [data])
+        if not new and not ask and not self._found(src, kind, key, d):
+            new = self.storage.put_addressed(key, [data])  # it was damaged: moved aside, stored again
         self.presence.add(fk, d, fence)
         return new
+
+    def _found(self, src: "Assets", kind: str, key: str, d: bytes) -> bool:
+        """Whether this store holds `key` in a shape a put would reuse (a damaged one is
+        moved aside: False)."""
+        size = self.storage.size_of(key)
+        if size is None:
+            return False
+        if self._reusable(key, _FRAME_KIND[kind], size, src.stored_raw_len(kind, d)):
+            return True
+        self.move_aside(key)
+        return False
 
     def stored_raw_len(self, kind: str, d: bytes) -> int:
         """The raw length object `d`'s stored header declares (its first 16 bytes)."""
