@@ -65,8 +65,8 @@ def _state(seed: int = 0) -> dict:
             "step": torch.tensor(seed)}
 
 
-def _open(s3_url, s3_server, tmp_path, **kw) -> tsck.Store:
-    return tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server,
+def _open(s3_url, s3_server, tmp_path, refs=None, **kw) -> tsck.Store:
+    return tsck.open_store(s3_url, refs=refs or str(tmp_path / "refs.lmdb"), storage_options=s3_server,
                            block_size=BS, inline_threshold=256, **kw)
 
 
@@ -77,13 +77,16 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.slow  # a real S3 server
-def test_put_returns_local_then_wait_durable_lands_it_remotely(s3_url, s3_server, tmp_path):
+@pytest.mark.parametrize("table", ["lmdb", "postgresql"])
+def test_put_returns_local_then_wait_durable_lands_it_remotely(s3_url, s3_server, tmp_path, table, request):
     """The put returns while the remote has nothing (its writes are held): durable False,
     in the put's answer and in log; the remote ref does not exist. Once the writes may go,
     wait_durable() returns True, log says durable, and the remote store opened without a
-    tier names the same root, checks it out bit for bit and fscks clean."""
+    tier names the same root, checks it out bit for bit and fscks clean. The remote ref
+    table is LMDB or PostgreSQL."""
+    refs = request.getfixturevalue("pg_dsn") if table == "postgresql" else None
     wrapped = []
-    store = _open(s3_url, s3_server, tmp_path, local=str(tmp_path / "nvme"),
+    store = _open(s3_url, s3_server, tmp_path, refs=refs, local=str(tmp_path / "nvme"),
                   wrap_storage=lambda s: wrapped.append(Gated(s)) or wrapped[-1])
     gated = wrapped[0]
     state = _state(1)
@@ -99,7 +102,7 @@ def test_put_returns_local_then_wait_durable_lands_it_remotely(s3_url, s3_server
     assert store.remote_core.refs.get_or_none("job/main") == bytes.fromhex(info.root)
     store.close()
 
-    with _open(s3_url, s3_server, tmp_path) as remote:
+    with _open(s3_url, s3_server, tmp_path, refs=refs) as remote:
         assert remote.resolve("job/main") == info.root
         assert _equal(remote.checkout("job/main"), state)
         report = remote.fsck(full=True)
