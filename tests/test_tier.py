@@ -355,3 +355,20 @@ def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path
     store.close()  # heard already: not raised again
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
         assert [e["root"].hex() for _, e in tier.reftable.upload_pending()] == [info.root]
+
+
+def test_a_local_tip_never_queued_is_queued_at_open(tmp_path):
+    """The state a put killed between its local ref move and its enqueue leaves: a local
+    snapshot neither queued nor durable (made here by putting into the tier opened as a
+    store of its own). The next open with local= queues the ref's tip and uploads it."""
+    tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                    inline_threshold=256).close()
+    state = _state(8)
+    with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
+        info = tier.put_snapshot(state, "job/main", step=4)
+        assert tier.reftable.upload_pending() == []
+    with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme")) as store:
+        assert store.wait_durable(timeout=DEADLINE) is True
+        assert store.show("job/main").durable is True
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert remote.resolve("job/main") == info.root and _equal(remote.checkout("job/main"), state)
