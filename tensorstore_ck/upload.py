@@ -175,23 +175,34 @@ class Uploader:
         root, local = entry["root"], self.local
         row = local.refs.catalog_get(root)
         if row is None:
-            log.warning("local tier: queued snapshot %s is no longer in the local catalog; dropped from the "
-                        "queue", root.hex()[:16])
-            local.refs.upload_done(seq, root)  # nothing to send; marks nothing the remote lacks as in use
+            self._expired(seq, root)
             return
         fence = self.publisher.fence()  # before the remote is asked about any object
         objs = {"block": [], "node": [], "commit": []}
         seen: set[bytes] = set()
-        for o in walk_commit(local.assets, root, verify=True):
-            if o.digest not in seen:
-                seen.add(o.digest)
-                objs[o.kind].append(o.digest)
-        self._send(objs, fence)
+        try:
+            for o in walk_commit(local.assets, root, verify=True):
+                if o.digest not in seen:
+                    seen.add(o.digest)
+                    objs[o.kind].append(o.digest)
+            self._send(objs, fence)
+        except IntegrityError:
+            # Missing or damaged here: a local prune may have expired the snapshot (and
+            # deleted its objects) meanwhile; otherwise the tier is damaged, and that stops us.
+            if local.refs.catalog_get(root) is None:
+                self._expired(seq, root)
+                return
+            raise
         info = self.publisher.move_to(root, row, fence=fence, revalidate=lambda f: self._send(objs, f))
         local.refs.upload_done(seq, root)
         with self._cond:
             self._cond.notify_all()
         log.info("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
+
+    def _expired(self, seq: int, root: bytes) -> None:
+        log.warning("local tier: queued snapshot %s left the local catalog (expired by retention) before it was "
+                    "uploaded; dropped from the queue", root.hex()[:16])
+        self.local.refs.upload_drop(seq)
 
     def _send(self, objs: dict, fence: int) -> None:
         """Blocks, then nodes, then the commit: each kind complete before the next, so

@@ -372,3 +372,23 @@ def test_a_local_tip_never_queued_is_queued_at_open(tmp_path):
         assert store.show("job/main").durable is True
     with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
         assert remote.resolve("job/main") == info.root and _equal(remote.checkout("job/main"), state)
+
+
+def test_a_snapshot_expired_locally_during_its_upload_is_dropped_not_fatal(tmp_path):
+    """A local prune or gc may remove a queued snapshot before or while it is sent (here:
+    forget + gc while its upload waits on its first remote question). The uploader finds
+    its objects gone and its catalog row too: it drops it from the queue and goes on
+    with the next, instead of stopping on the missing objects."""
+    wrapped = []
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
+    a = store.put_snapshot(_state(9), "job/main", step=1)
+    b = store.put_snapshot(_state(10), "job/main", step=2)
+    store.forget(a.root)
+    assert store.gc().deleted_objects > 0
+    wrapped[0].gate.set()
+    assert store.wait_durable(timeout=DEADLINE) is True
+    assert [(i.step, i.durable) for i in store.log("job/main")] == [(2, True)]
+    assert store.remote_core.refs.get_or_none("job/main") == bytes.fromhex(b.root)
+    assert not store.remote_core.refs.catalog_has(bytes.fromhex(a.root))
+    store.close()

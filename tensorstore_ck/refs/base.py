@@ -426,6 +426,11 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             t.delete("meta", _UPLOAD + _SEQ.pack(seq))
         self._write(txn)
 
+    def upload_drop(self, seq: int) -> None:
+        """Drop entry `seq` from the queue without marking anything durable (its snapshot
+        left the local catalog before it was sent: expired by retention)."""
+        self._write(lambda t: t.delete("meta", _UPLOAD + _SEQ.pack(seq)))
+
     def durable(self, roots) -> set[bytes]:
         """Which of `roots` are marked durable (one transaction)."""
         roots = list(roots)
