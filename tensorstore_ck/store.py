@@ -155,7 +155,8 @@ class Store:
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
-        """Finish every asynchronous snapshot in flight, release everything (pools,
+        """Finish every asynchronous snapshot in flight (and, with a local tier, every
+        upload queued: Store.wait_durable), release everything (pools,
         staging buffers, the ref table, storage), then raise the failure of an
         asynchronous snapshot whose outcome the caller never learnt: one whose future's
         result() or exception() was not called and that no later put_snapshot,
@@ -181,15 +182,21 @@ class Store:
             raise err
 
     def _close_tier(self) -> None:
-        """Stop the uploader after the upload in progress (the queue stays in the local
-        table: the next open resumes it) and release the remote store."""
+        """Finish the uploads queued (as close() finishes asynchronous puts: a job that
+        ends with close() leaves its snapshots in the remote store), then stop the uploader
+        and release the remote store. An uploader that stopped on a failure is not waited
+        for (close() raises it at the end, unless wait_durable() did); whatever stays
+        queued (a failure, an interrupt) is resumed by the next open of the tier."""
         up = self._uploader
-        up.close()
-        remote = up.remote
-        remote.pool.shutdown(wait=True)
-        remote.refs.release_abandoned_gc()
-        remote.refs.close()
-        remote.storage.close()
+        try:
+            up.drain()
+        finally:
+            up.close()
+            remote = up.remote
+            remote.pool.shutdown(wait=True)
+            remote.refs.release_abandoned_gc()
+            remote.refs.close()
+            remote.storage.close()
 
     def __enter__(self):
         return self

@@ -106,6 +106,13 @@ class Uploader:
                     return False
                 self._cond.wait(0.5 if left is None else min(0.5, left))
 
+    def drain(self) -> None:
+        """Wait until the queue is empty, or the uploader stopped (its error is kept for
+        unheard()); no timeout: Store.close() finishes uploads as it finishes puts."""
+        with self._cond:
+            while self.error is None and not self._stop and self.local.refs.upload_pending():
+                self._cond.wait(0.5)
+
     def close(self) -> None:
         """Stop after the upload in progress; what is queued stays queued (the next open resumes)."""
         with self._cond:

@@ -392,3 +392,27 @@ def test_a_snapshot_expired_locally_during_its_upload_is_dropped_not_fatal(tmp_p
     assert store.remote_core.refs.get_or_none("job/main") == bytes.fromhex(b.root)
     assert not store.remote_core.refs.catalog_has(bytes.fromhex(a.root))
     store.close()
+
+
+class Slow(WrappedStore):
+    """Each remote object write takes a while: uploads are still queued when close() begins."""
+
+    def put_addressed(self, key, bufs):
+        time.sleep(0.2)
+        return self.inner.put_addressed(key, bufs)
+
+
+def test_close_finishes_the_queued_uploads(tmp_path):
+    """close() right after two puts, with remote writes slow enough that both are still
+    queued: it returns once both are remote (as it finishes asynchronous puts), so a job
+    that ends with close() leaves nothing local-only."""
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256, wrap_storage=Slow)
+    store.put_snapshot(_state(11), "job/main", step=1)
+    last = store.put_snapshot(_state(12), "job/main", step=2)
+    store.close()
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert [i.step for i in remote.log("job/main")] == [2, 1]
+        assert remote.resolve("job/main") == last.root
+    with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
+        assert tier.reftable.upload_pending() == []
