@@ -50,7 +50,6 @@ class Uploader:
         self.publisher = Publisher(remote.assets, remote.refs, remote.pool)
         self._cond = threading.Condition()
         self._stop = False
-        self._busy = False  # an upload is running (wait_durable waits for it too)
         self.error: BaseException | None = None  # the failure that stopped the uploader
         self._heard = False  # wait_durable raised it (close() does not raise it again)
         self._forked = False
