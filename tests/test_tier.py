@@ -416,3 +416,26 @@ def test_close_finishes_the_queued_uploads(tmp_path):
         assert remote.resolve("job/main") == last.root
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
         assert tier.reftable.upload_pending() == []
+
+
+def test_a_forked_child_queues_and_the_parent_uploads(tmp_path):
+    """After os.fork() the child has no uploader thread: its put publishes in the tier
+    and queues the snapshot in the shared table, and the parent's uploader sends it."""
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256)
+    store.put_snapshot(_state(13), "job/main", step=1)
+    assert store.wait_durable(timeout=DEADLINE)
+    pid = os.fork()
+    if pid == 0:  # the child: put, and leave without running the parent's cleanup
+        code = 1
+        try:
+            info = store.put_snapshot(_state(14), "job/child", step=2)
+            code = 0 if info.durable is False else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert store.wait_durable(timeout=DEADLINE) is True
+    assert store.show("job/child").durable is True
+    assert store.remote_core.refs.get_or_none("job/child") == bytes.fromhex(store.resolve("job/child"))
+    store.close()
