@@ -294,6 +294,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             raise InvalidArgument("a local tier is for writing: open the store read-only without local=")
         read_only = False
     proto, rest = _split_url(url)
+    if local is not None and proto == "file" and os.path.realpath(rest) == os.path.realpath(os.fspath(local)):
+        raise InvalidArgument(f"local tier {os.fspath(local)!r} is the store itself: give it a directory of its own")
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         _open_refs(refs, proto, rest, create=False)
     why_ro = "read_only=True was asked for" if read_only else ""

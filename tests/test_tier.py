@@ -439,3 +439,16 @@ def test_a_forked_child_queues_and_the_parent_uploads(tmp_path):
     assert store.show("job/child").durable is True
     assert store.remote_core.refs.get_or_none("job/child") == bytes.fromhex(store.resolve("job/child"))
     store.close()
+
+
+def test_bad_local_tiers_are_refused_before_anything_is_written(tmp_path):
+    """local= naming the store itself, or not a path, or with read_only=True: InvalidArgument,
+    and nothing is created; a tier of another store: NotAStore."""
+    for kw in (dict(local=str(tmp_path / "s")), dict(local=3), dict(local=""),
+               dict(local=str(tmp_path / "t"), read_only=True)):
+        with pytest.raises(tsck.InvalidArgument):
+            tsck.open_store(str(tmp_path / "s"), **kw)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "t").exists()
+    tsck.open_store(str(tmp_path / "a"), local=str(tmp_path / "t")).close()
+    with pytest.raises(tsck.NotAStore, match="belongs to store"):
+        tsck.open_store(str(tmp_path / "b"), local=str(tmp_path / "t"))
