@@ -40,6 +40,8 @@ under it). A module over ~600 lines says which one job it does.
     gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
     recover.py            snapshots; rebuild the ref table from storage (gc.py one job over
                           ~600 lines: a gc or prune from its lock to its report)
+    upload.py             a local tier's uploader: queued local snapshots -> the remote store,
+                          objects it lacks as stored, then the fenced move of its ref
     publish.py            the whole write path: block jobs -> nodes -> commit -> fenced CAS ->
                           retry, and the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)

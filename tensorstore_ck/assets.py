@@ -51,6 +51,7 @@ QUARANTINE_PREFIX = "quarantine/"
 _ASIDE_KEY = re.compile(r"quarantine/(commits|nodes|blocks)/([0-9a-f]{64})\.[0-9TZ]+-[0-9a-f]+\Z")
 
 KIND_PREFIX = {frame.KIND_BLOCK: "blocks", frame.KIND_NODE: "nodes", frame.KIND_COMMIT: "commits"}
+_FRAME_KIND = {"block": frame.KIND_BLOCK, "node": frame.KIND_NODE, "commit": frame.KIND_COMMIT}
 
 
 def _key(prefix: str, d: bytes) -> str:
@@ -287,6 +288,63 @@ class Assets:
             # disk names its writes here): ask storage again from now on.
             self.presence.forget()
             raise
+
+    # -- copying between stores (a local tier's uploads) ---------------------------
+    def stored_frame(self, kind: str, d: bytes) -> bytes:
+        """The stored bytes of object `d` of `kind` ("block", "node", "commit"), checked
+        (frame, length, BLAKE3) before they go anywhere: a damaged local copy is an
+        IntegrityError here, never a remote object."""
+        err, data = self.verify_stored(_key(kind + "s", d))
+        if err is not None:
+            raise err
+        return data
+
+    def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None) -> bool:
+        """Store object `d` of `kind` as `src` stores it (same address, same bytes: no
+        decode, no re-encode; src.stored_frame checks it first) unless this store has it:
+        known present under `fence` (Presence), found by a HEAD, or (a warm record on an
+        object store) refused by the conditional PUT. What is found is judged by its size
+        as a put judges it (src's 16-byte header gives the raw length, so a found object
+        costs no read of its bytes). -> whether it was written."""
+        fk = _FRAME_KIND[kind]
+        if self.presence.known(fk, d, fence):
+            return False
+        key = _key(kind + "s", d)
+        # As _put: once a snapshot under this epoch told us what exists, a miss is most
+        # likely new, and on an object store the conditional PUT is the question and the
+        # write in one request.
+        ask = self.storage.local or not self.presence.warm(fence)
+        if ask and self._found(src, kind, key, d):
+            self.presence.add(fk, d, fence)
+            return False
+        data = src.stored_frame(kind, d)
+        new = self.storage.put_addressed(key, [data])
+        if not new and not ask and not self._found(src, kind, key, d):
+            new = self.storage.put_addressed(key, [data])  # it was damaged: moved aside, stored again
+        self.presence.add(fk, d, fence)
+        return new
+
+    def _found(self, src: "Assets", kind: str, key: str, d: bytes) -> bool:
+        """Whether this store holds `key` in a shape a put would reuse (a damaged one is
+        moved aside: False)."""
+        size = self.storage.size_of(key)
+        if size is None:
+            return False
+        if self._reusable(key, _FRAME_KIND[kind], size, src.stored_raw_len(kind, d)):
+            return True
+        self.move_aside(key)
+        return False
+
+    def stored_raw_len(self, kind: str, d: bytes) -> int:
+        """The raw length object `d`'s stored header declares (its first 16 bytes)."""
+        key = _key(kind + "s", d)
+        try:
+            with self.storage.open_read(key, frame.HEADER_SIZE) as f:
+                return frame.decode_header(f.read(frame.HEADER_SIZE)).raw_len
+        except FileNotFoundError:
+            raise IntegrityError("missing object", key=key, reason="missing") from None
+        except FormatError as e:
+            raise IntegrityError(f"corrupt object header: {e}", key=key) from None
 
     # -- reading -------------------------------------------------------------
     def _open(self, key: str, ctx: dict, expect_len: int | None):

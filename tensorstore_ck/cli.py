@@ -111,8 +111,9 @@ def _metrics_text(m: dict) -> str:
 
 def _line(info: SnapshotInfo) -> str:
     m = _metrics_text(info.metrics)
+    tier = "" if info.durable else "local-only  "  # in a local tier, not yet uploaded
     return (f"{info.root[:16]}  step {info.step if info.step is not None else '-':>8}  {_when(info.time)}  "
-            f"{_human(info.bytes_total):>10} ({_human(info.bytes_new)} new)  {m}").rstrip()
+            f"{_human(info.bytes_total):>10} ({_human(info.bytes_new)} new)  {tier}{m}").rstrip()
 
 
 def _out(args, obj, text: str) -> None:

@@ -24,6 +24,9 @@ class SnapshotInfo:
     # Bytes the new blocks take in storage (framed, compressed); None for a snapshot
     # committed before this was recorded.
     stored_new: int | None = None
+    # False while the snapshot is only in a local tier (open_store(local=)), True once
+    # the remote ref moved to it; a store without a tier publishes durably.
+    durable: bool = True
 
     def to_json(self) -> dict:
         return asdict(self)

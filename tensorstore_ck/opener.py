@@ -239,7 +239,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                compress: bool = True, shuffle: bool = False, gc_lease: float | None = None, max_inflight: int = 2,
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
                write_concurrency: int | None = None, create_refs: bool = False,
-               gc_stale_after: float | None = None, read_only: bool | None = None) -> Store:
+               gc_stale_after: float | None = None, read_only: bool | None = None, local=None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     A ref table is created only with a new store, or with create_refs=True (what
@@ -265,7 +265,13 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     anything is written, nothing is created, and a PostgreSQL ref table is used in
     READ ONLY transactions. None (default): read-only exactly when the files of a local
     store (its folder, its LMDB ref table) are on a read-only filesystem or not
-    writable by this process. False: writable, whatever the files say."""
+    writable by this process. False: writable, whatever the files say.
+    local: a directory on a fast local disk (NVMe) for a local tier in front of the store
+    at `url` (docs/design/tiers.md): put_snapshot publishes there (a local disk and an LMDB
+    ref table under it, made on first use, with the store's id and layout) and returns;
+    a background uploader sends each snapshot's missing objects to `url` and moves its
+    ref there (SnapshotInfo.durable, Store.wait_durable()). wrap_storage= wraps the
+    remote store's storage."""
     if gc_stale_after is not None:
         warnings.warn("open_store(gc_stale_after=) is deprecated: use gc_lease= (the lease of the gcs this "
                       "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
@@ -281,7 +287,15 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                   compression=compression, compress=compress, shuffle=shuffle)
     if read_only is not None and not isinstance(read_only, bool):
         raise InvalidArgument(f"read_only must be True, False or None, got {read_only!r}")
+    if local is not None:
+        if not isinstance(local, (str, os.PathLike)) or not os.fspath(local):
+            raise InvalidArgument(f"local must be a directory path, got {local!r}")
+        if read_only:
+            raise InvalidArgument("a local tier is for writing: open the store read-only without local=")
+        read_only = False
     proto, rest = _split_url(url)
+    if local is not None and proto == "file" and os.path.realpath(rest) == os.path.realpath(os.fspath(local)):
+        raise InvalidArgument(f"local tier {os.fspath(local)!r} is the store itself: give it a directory of its own")
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         _open_refs(refs, proto, rest, create=False)
     why_ro = "read_only=True was asked for" if read_only else ""
@@ -384,9 +398,54 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                                      compress=compress, shuffle=shuffle, block_size=block_size,
                                      inline_threshold=inline_threshold, gc_lease=gc_lease,
                                      read_only=why_ro if read_only else None)
-        return Store(Core.build(storage, reftable, codecs=codecs, settings=settings), config=cfg,
-                     max_inflight=max_inflight, when_busy=when_busy)
+        core = Core.build(storage, reftable, codecs=codecs, settings=settings)
+        if local is None:
+            return Store(core, config=cfg, max_inflight=max_inflight, when_busy=when_busy)
+        try:
+            return _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy)
+        except BaseException:
+            core.pool.shutdown(wait=False)
+            raise
     except BaseException:
         if not isinstance(refs, RefTable):  # a table we opened, not the caller's
             reftable.close()
         raise
+
+
+def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, settings: Settings,
+            max_inflight: int, when_busy: str) -> Store:
+    """A Store over a local tier at `path` in front of `remote`: the tier's marker is a copy
+    of the remote's (same id, same block layout: a block cut here is the block the remote
+    would hold), its LMDB ref table is bound to the same store id, and its blocks use the
+    remote's codecs (they travel as stored)."""
+    from .upload import Uploader
+    root = os.path.abspath(path)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise NotAStore(f"local tier {root} is a file, not a directory")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise NotAStore(f"cannot create a local tier at {root}: {e.strerror}") from None
+    lstorage = LocalBlockStore(root)
+    lcfg = _read_config(lstorage)
+    if lcfg is None:
+        if not lstorage.is_empty():
+            lcfg = _read_config(lstorage)
+            if lcfg is None:
+                raise NotAStore(f"local tier {root} is not empty and holds no {STORE_MARKER}: not a local tier")
+        else:
+            create_marker(lstorage, json.dumps(cfg, indent=1).encode() + b"\n")
+            lcfg = _read_config(lstorage) or cfg
+    if str(lcfg.get("id")) != store_id:
+        raise NotAStore(f"local tier {root} belongs to store {lcfg.get('id')!r}, not to {store_id!r} "
+                        f"({remote.url}): give each store its own local directory")
+    refs_dir = os.path.join(root, "refs.lmdb")
+    fresh = not os.path.isdir(refs_dir)
+    lrefs = LmdbRefTable(refs_dir, create=True)
+    try:
+        lrefs.bind_store(store_id, new=fresh)
+        lcore = Core.build(lstorage, lrefs, codecs=codecs, settings=settings)
+    except BaseException:
+        lrefs.close()
+        raise
+    return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy, uploader=Uploader(lcore, remote))

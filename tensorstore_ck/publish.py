@@ -280,6 +280,52 @@ class Publisher:
                 except Exception as e:  # noqa: BLE001 - it expires on its own
                     log.info("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
 
+    def move_to(self, root: bytes, row: dict, *, fence: int, revalidate) -> SnapshotInfo:
+        """Publish a commit object that is already stored, with every object it references
+        (a local tier's upload): the fenced compare-and-swap of row["ref"] to `root` itself,
+        never a new commit (the same root in every tier; its parent is a weak link and this
+        store's reflog records the moves as they happen here). The lost races, fenced moves
+        and lost answers are handled as in commit(); revalidate(fence) must make every object
+        of the snapshot exist again under the new fence."""
+        ref = row["ref"]
+        holder = None
+        try:
+            for _attempt in range(COMMIT_ATTEMPTS):
+                if self.reftable.catalog_has(root):
+                    return self.info(root)  # published here already (an upload resumed after the move)
+                parent = self.reftable.get_or_none(ref)
+                try:
+                    self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {row.get('step')}",
+                                                   catalog_row=row, fence=fence, hold=holder)
+                except Fenced:
+                    log.info("ref %s: a gc deletion phase overlapped this upload; re-validating its objects", ref)
+                    holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+                    fence = self.wait_gc_idle(hold=holder)
+                    with self._renewing(holder):
+                        revalidate(fence)
+                    continue
+                except OutcomeUnknown:
+                    if self._landed(ref, root):
+                        holder = None
+                        self.assets.presence.settle(fence)
+                        return row_to_info(root, row)
+                    raise
+                except RefConflict as e:
+                    if e.what != "ref":  # the name is a tag's here
+                        raise
+                    time.sleep(random.uniform(0, 0.05))
+                    continue
+                holder = None  # the move released it
+                self.assets.presence.settle(fence)
+                return row_to_info(root, row)
+            raise SnapshotAborted(f"gave up moving {ref!r} to {root.hex()[:16]} after {COMMIT_ATTEMPTS} attempts")
+        finally:
+            if holder is not None:
+                try:
+                    self.reftable.gc_unhold(holder)
+                except Exception as e:  # noqa: BLE001 - it expires on its own
+                    log.info("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
+
     def _landed(self, ref: str, root: bytes) -> bool:
         """After a move whose answer was lost: does the table show `root` published (the
         ref at it, or its catalog row, written in the same transaction as the move)?

@@ -41,6 +41,7 @@ from .validate import UNSET, SnapshotArgs, _utf8, check_snapshot_args
 
 if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
     from .plan import Planner
+    from .upload import Uploader
 
 __all__ = ["Store", "SnapshotInfo", "SnapshotFuture"]
 
@@ -112,8 +113,12 @@ class Store:
     the options translated once, in opener.py) and hands that Core, never the Store, to
     the layers below (gc, fsck, recover, usage, listing, lifecycle, dist)."""
 
-    def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait"):
+    def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait",
+                 uploader: "Uploader | None" = None):
         self.core = core
+        # With a local tier: `core` is the local store and the uploader holds the remote one.
+        self._uploader = uploader
+        self._tier: bool | None = None  # see _is_tier
         st = core.settings
         self.storage, self.reftable, self.assets, self.config = core.storage, core.refs, core.assets, config
         self.verify, self.workers, self.gc_lease = st.verify, st.workers, st.gc_lease
@@ -136,6 +141,10 @@ class Store:
             return
         self.core.after_fork()
         self.publisher.pool = self.core.pool
+        if self._uploader is not None:
+            # The uploader's thread is the parent's: the child's puts are queued in the
+            # table, and the parent's uploader (or the next open) sends them.
+            self._uploader.after_fork()
         self._puts.reset()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -146,7 +155,8 @@ class Store:
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
-        """Finish every asynchronous snapshot in flight, release everything (pools,
+        """Finish every asynchronous snapshot in flight (and, with a local tier, every
+        upload queued: Store.wait_durable), release everything (pools,
         staging buffers, the ref table, storage), then raise the failure of an
         asynchronous snapshot whose outcome the caller never learnt: one whose future's
         result() or exception() was not called and that no later put_snapshot,
@@ -159,13 +169,34 @@ class Store:
             return
         self._closed = True
         self._puts.shutdown()
+        if self._uploader is not None:
+            self._close_tier()
         self.core.pool.shutdown(wait=True)
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
         self.storage.close()
         err = self._puts.unheard()
+        if err is None and self._uploader is not None:
+            err = self._uploader.unheard()
         if err is not None:
             raise err
+
+    def _close_tier(self) -> None:
+        """Finish the uploads queued (as close() finishes asynchronous puts: a job that
+        ends with close() leaves its snapshots in the remote store), then stop the uploader
+        and release the remote store. An uploader that stopped on a failure is not waited
+        for (close() raises it at the end, unless wait_durable() did); whatever stays
+        queued (a failure, an interrupt) is resumed by the next open of the tier."""
+        up = self._uploader
+        try:
+            up.drain()
+        finally:
+            up.close()
+            remote = up.remote
+            remote.pool.shutdown(wait=True)
+            remote.refs.release_abandoned_gc()
+            remote.refs.close()
+            remote.storage.close()
 
     def __enter__(self):
         return self
@@ -261,6 +292,9 @@ class Store:
             return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected)
 
         if is_collective(group):
+            if self._uploader is not None:
+                raise InvalidArgument("a store with a local tier takes no collective puts yet: open it without "
+                                      "local= under torch.distributed (or pass group=None)")
             call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare)
             if not blocking:
                 def stage():
@@ -313,7 +347,49 @@ class Store:
 
     @_storage_errors
     def _publish(self, plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
-        return self.publisher.publish(plan, args, progress=progress)
+        info = self.publisher.publish(plan, args, progress=progress)
+        if self._uploader is None:
+            return info
+        # Published in the local tier: durable once the uploader has moved the remote ref.
+        self._uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
+        return dataclasses.replace(info, durable=False)
+
+    @_public
+    def wait_durable(self, timeout: float | None = None) -> bool:
+        """With a local tier (open_store(local=)): wait until every snapshot published
+        before this call is durable (in the remote store, its remote ref moved) -> True,
+        or False once `timeout` seconds passed. Raises the failure that stopped the
+        uploader (the queue keeps the snapshot: the next open retries it). Without a
+        tier every put is durable when it returns: True at once. Asynchronous puts in
+        flight are waited for first."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0):
+            raise InvalidArgument(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        self.wait()
+        if self._uploader is None:
+            return True
+        return self._uploader.wait_durable(timeout)
+
+    @property
+    def remote_core(self) -> Core | None:
+        """The remote store's Core behind a local tier (None without one)."""
+        return None if self._uploader is None else self._uploader.remote
+
+    def _is_tier(self) -> bool:
+        """Whether this store is a local tier (with its uploader, or opened by itself):
+        asked of the table once per Store, not once per snapshot described."""
+        if self._tier is None:
+            self._tier = self._uploader is not None or self.reftable.upload_last_seq() > 0
+        return self._tier
+
+    def _durable(self, infos: list) -> list:
+        """`infos` with durable=False for the snapshots only the local tier has. A local
+        tier opened as a store of its own (`tsck log /nvme/tsck REF`) says so too: its
+        table has an upload queue."""
+        if not infos or not self._is_tier():
+            return infos
+        done = self.reftable.durable(bytes.fromhex(i.root) for i in infos)
+        return [i if bytes.fromhex(i.root) in done else dataclasses.replace(i, durable=False) for i in infos]
 
     @_public
     def gc_fence(self) -> int:
@@ -395,7 +471,7 @@ class Store:
         return self.core.resolve(target)
 
     def _info(self, root: bytes) -> SnapshotInfo:
-        return self.publisher.info(root)
+        return self._durable([self.publisher.info(root)])[0]
 
     @_public
     def show(self, target: str) -> SnapshotInfo:
@@ -458,7 +534,7 @@ class Store:
         (root hex -> error) and the others are listed."""
         from .listing import history
         validate_name(ref)
-        return history(self.core, ref, errors)
+        return self._durable(history(self.core, ref, errors))
 
     def _infos(self, named, errors: dict | None) -> dict[str, SnapshotInfo]:
         from .listing import describe

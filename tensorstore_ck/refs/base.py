@@ -14,6 +14,11 @@ Sub-tables (each a sorted key-value space):
                                          `rebuild`: a recover that has not finished)
     steps     name \0 step \0 seq      -> root (REF@STEP's index; step in decimal, seq as in reflog)
 
+A local tier's table (open_store(local=)) also keeps, in `meta`, its upload queue
+(`upload:` seq (u64 BE) -> msgpack {root, ref, step}) and the snapshots the remote
+store has (`durable:` root -> b""): rows in an existing table, so a table of any age
+opens as a tier's and no other reader sees them.
+
 The reflog and the steps index (REF@STEP) are refs/history.py's part of RefTable;
 the gc state (lock, lease, phases, holds, fences, prune queue, rebuild mark) is
 refs/gcstate.py's. RefTable inherits both; this module holds the refs, catalog,
@@ -27,6 +32,7 @@ separated by another writer.
 from __future__ import annotations
 
 import os
+import struct
 import weakref
 from abc import ABC, abstractmethod
 from typing import Callable
@@ -389,9 +395,56 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             return True
         return self._write(txn)
 
+    # -- a local tier's upload queue (tier.py) -------------------------------------------
+    def upload_enqueue(self, root: bytes, ref: str, step) -> int:
+        """Queue `root` (published locally on `ref`) for upload -> its sequence number.
+        A root queued already keeps its place."""
+        def txn(t: Txn):
+            for k, v in t.items("meta", _UPLOAD):
+                if decode_record(v, "upload queue entry").get("root") == root:
+                    return _SEQ.unpack(k[len(_UPLOAD):])[0]
+            raw = t.get("meta", _UPLOAD_SEQ)
+            seq = (_SEQ.unpack(raw)[0] if raw is not None else 0) + 1
+            t.put("meta", _UPLOAD_SEQ, _SEQ.pack(seq))
+            t.put("meta", _UPLOAD + _SEQ.pack(seq), encode_record({"root": root, "ref": ref, "step": step}))
+            return seq
+        return self._write(txn)
+
+    def upload_pending(self) -> list[tuple[int, dict]]:
+        """The queue, oldest first: (seq, {root, ref, step})."""
+        return self._read(lambda t: [(_SEQ.unpack(k[len(_UPLOAD):])[0], decode_record(v, "upload queue entry"))
+                                     for k, v in t.items("meta", _UPLOAD)])
+
+    def upload_last_seq(self) -> int:
+        raw = self._read(lambda t: t.get("meta", _UPLOAD_SEQ))
+        return _SEQ.unpack(raw)[0] if raw is not None else 0
+
+    def upload_done(self, seq: int, root: bytes) -> None:
+        """The remote ref moved to `root`: mark it durable and drop entry `seq`, at once."""
+        def txn(t: Txn):
+            t.put("meta", _DURABLE + root, b"")
+            t.delete("meta", _UPLOAD + _SEQ.pack(seq))
+        self._write(txn)
+
+    def upload_drop(self, seq: int) -> None:
+        """Drop entry `seq` from the queue without marking anything durable (its snapshot
+        left the local catalog before it was sent: expired by retention)."""
+        self._write(lambda t: t.delete("meta", _UPLOAD + _SEQ.pack(seq)))
+
+    def durable(self, roots) -> set[bytes]:
+        """Which of `roots` are marked durable (one transaction)."""
+        roots = list(roots)
+        return self._read(lambda t: {r for r in roots if t.get("meta", _DURABLE + r) is not None})
+
     def wall_now(self) -> float:
         """The table's calendar clock (what commit times are stamped with)."""
         return self._read(lambda t: t.wall())
+
+
+_UPLOAD = b"upload:"
+_UPLOAD_SEQ = b"upload_seq"
+_DURABLE = b"durable:"
+_SEQ = struct.Struct(">Q")
 
 
 def _protected(t: Txn) -> set[bytes]:
