@@ -449,8 +449,11 @@ def test_collective_puts_through_new_or_several_stores_publish_each_call_once(tm
                 assert got["v"] == v and s.show(root).step == v
                 assert same_bits(_small_full(v), got["w"]), f"{name}: the snapshot of step {v} holds other rows"
             assert s.fsck().ok
-    keys = res[0]["keys"]  # after each round (3 calls): rank 0 deletes what every rank has acked
-    assert keys[-1] == keys[-2], f"the c10d Store grows with every call: {keys}"
+    # After each round (3 calls): rank 0 deletes what every rank has acked. Keys left behind
+    # would add several per call (hellos, go, done, result), 15+ per round; a key or two of a
+    # rank still closing its last call may be there or not when the count is taken.
+    keys = res[0]["keys"]
+    assert max(keys) - min(keys) <= 2, f"the c10d Store grows with every call: {keys}"
 
 
 def test_slow_rank_0_publishing_is_reported_published_on_every_rank(tmp_path):
