@@ -31,7 +31,8 @@ from .asyncput import AsyncPuts, SnapshotFuture, note
 from .core import Core
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CALLS, CollectiveJob, collective_checkout, collective_put, is_collective
-from .errors import IntegrityError, InvalidArgument, ReadOnlyStore, RefNotFound, StoreClosed, TsckError, storage_error
+from .errors import (IntegrityError, InvalidArgument, ReadOnlyStore, RefNotFound, StorageError, StoreClosed, TsckError,
+                     storage_error)
 from .format.manifest import decode_commit
 from .ids import Digest
 from .info import SnapshotInfo
@@ -488,20 +489,29 @@ class Store:
             return [self._root(target)]
         from .upload import newer
         remote = self._uploader.remote
-        found = []
-        missing = None
+        found, missing, away = [], None, None
         for core in (self.core, remote):
             try:
-                found.append((core, core.resolve(target)))
+                root = core.resolve(target)
+                found.append((core, root, core.refs.catalog_get(root)))
             except RefNotFound as e:
                 missing = missing or e
+            except (StorageError, OSError) as e:
+                if core is self.core:
+                    raise
+                # The remote store is unreachable: the local tier alone is what can be
+                # read. With nothing local, its error, not RefNotFound (which
+                # restore_latest would take for a first run, and start over).
+                _log.warning("checkout %s: the remote store at %s is unreachable (%s); using the local tier only",
+                             target, remote.url, e)
+                away = e
         if not found:
-            raise missing
+            raise away or missing
         if len(found) == 2 and found[0][1] == found[1][1]:
             found = found[:1]  # the same snapshot: read it where it is nearest
-        if len(found) == 2 and newer(remote.refs.catalog_get(found[1][1]), self.core.refs.catalog_get(found[0][1])):
+        if len(found) == 2 and newer(found[1][2], found[0][2]):
             found.reverse()
-        return [root for _, root in found]
+        return [root for _, root, _ in found]
 
     def _info(self, root: bytes) -> SnapshotInfo:
         return self._durable([self.publisher.info(root)])[0]

@@ -239,3 +239,41 @@ def test_a_local_only_snapshot_that_does_not_read_whole_gives_the_older_durable_
         wrapped[0].gate.set()
         with pytest.raises(tsck.IntegrityError):
             store.close()
+
+
+@pytest.mark.slow  # PostgreSQL behind a real TCP proxy
+def test_remote_unreachable_reads_the_local_tier_and_never_looks_like_a_first_run(tmp_path, pg_dsn, caplog):
+    """The remote ref table (PostgreSQL through a real TCP proxy) goes dark. With the
+    local tier intact, restore_latest restores the local tip, with a warning. With the
+    local tier lost, restore_latest raises the remote's StorageError: it does not
+    return None, which a training script takes for a first run and starts over from step 0."""
+    from psycopg.conninfo import conninfo_to_dict
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    from tests.sim.netproxy import NetProxy
+    d = conninfo_to_dict(pg_dsn)
+    proxy = NetProxy(int(d.get("port", 5432)), d.get("host", "127.0.0.1"), marker=None)
+    d.update(host="127.0.0.1", port=str(proxy.port), connect_timeout="2")
+    dsn = " ".join(f"{k}={v}" for k, v in d.items())
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "nvme")
+    opened = []
+    try:
+        store = tsck.open_store(remote, refs=dsn, local=local, block_size=BS, inline_threshold=256)
+        opened.append(store)
+        want = _put_durable(store, 1)
+        proxy.blackout()
+        with caplog.at_level(logging.WARNING):
+            step, got = _restore(store)
+        assert step == 1 and _equal(got, want)
+        assert any("unreachable" in r.getMessage() for r in caplog.records)
+        proxy.restore()
+        lost = tsck.open_store(remote, refs=dsn, local=str(tmp_path / "empty"), block_size=BS, inline_threshold=256)
+        opened.append(lost)
+        proxy.blackout()
+        with pytest.raises(tsck.StorageError):
+            _restore(lost)
+    finally:
+        proxy.restore()
+        proxy.release()
+        for s in opened:
+            s.close()
+        proxy.close()
