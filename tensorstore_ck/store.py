@@ -154,6 +154,7 @@ class Store:
             # The uploader's thread is the parent's: the child's puts are queued in the
             # table, and the parent's uploader (or the next open) sends them.
             self._uploader.after_fork()
+            self._reads.after_fork()
         self._puts.reset()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -502,7 +503,7 @@ class Store:
                 # The remote store is unreachable: the local tier alone is what can be
                 # read. With nothing local, its error, not RefNotFound (which
                 # restore_latest would take for a first run, and start over).
-                _log.warning("checkout %s: the remote store at %s is unreachable (%s); using the local tier only",
+                _log.warning("resolving %s: the remote store at %s is unreachable (%s); using the local tier only",
                              target, remote.url, e)
                 away = e
         if not found:

@@ -259,6 +259,9 @@ class ReadThrough:
     def __getattr__(self, name):
         return getattr(self.local, name)
 
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()  # the parent's may have been held by a thread not here
+
     def _fell(self, what: str, d: bytes, err: BaseException) -> None:
         with self._lock:
             if d in self._told:
