@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import weakref
@@ -30,7 +31,8 @@ from .asyncput import AsyncPuts, SnapshotFuture, note
 from .core import Core
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CALLS, CollectiveJob, collective_checkout, collective_put, is_collective
-from .errors import InvalidArgument, ReadOnlyStore, StoreClosed, TsckError, storage_error
+from .errors import (IntegrityError, InvalidArgument, ReadOnlyStore, RefNotFound, StorageError, StoreClosed, TsckError,
+                     storage_error)
 from .format.manifest import decode_commit
 from .ids import Digest
 from .info import SnapshotInfo
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
 __all__ = ["Store", "SnapshotInfo", "SnapshotFuture"]
 
 _UNSET = UNSET
+_log = logging.getLogger(__name__)
 
 
 def _storage_errors(fn):
@@ -130,6 +133,12 @@ class Store:
         self._collective = CALLS  # the process's call counters of collectives (shared by its Stores)
         self._read_only = st.read_only
         self._closed = False
+        # What checkout reads through: with a tier, the local copies first, the remote
+        # store's where a local one is missing or fails its check (upload.ReadThrough).
+        self._reads = self.assets
+        if uploader is not None:
+            from .upload import ReadThrough
+            self._reads = ReadThrough(self.assets, uploader.remote)
         _STORES.add(self)
 
     def _after_fork(self) -> None:
@@ -145,6 +154,7 @@ class Store:
             # The uploader's thread is the parent's: the child's puts are queued in the
             # table, and the parent's uploader (or the next open) sends them.
             self._uploader.after_fork()
+            self._reads.after_fork()
         self._puts.reset()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -470,6 +480,40 @@ class Store:
     def _root(self, target: str) -> Digest:
         return self.core.resolve(target)
 
+    def _tier_roots(self, target: str) -> list[Digest]:
+        """The snapshots `target` names in the tiers, the newest first (upload.newer on
+        their catalog rows): with a local tier, the local one and the remote one where
+        they differ (after a process crash the local tip is the newer; after the node's
+        disk was lost, or when another node wrote on, the remote one), else the one root.
+        RefNotFound when no tier knows the target."""
+        if self._uploader is None:
+            return [self._root(target)]
+        from .upload import newer
+        remote = self._uploader.remote
+        found, missing, away = [], None, None
+        for core in (self.core, remote):
+            try:
+                root = core.resolve(target)
+                found.append((core, root, core.refs.catalog_get(root)))
+            except RefNotFound as e:
+                missing = missing or e
+            except (StorageError, OSError) as e:
+                if core is self.core:
+                    raise
+                # The remote store is unreachable: the local tier alone is what can be
+                # read. With nothing local, its error, not RefNotFound (which
+                # restore_latest would take for a first run, and start over).
+                _log.warning("resolving %s: the remote store at %s is unreachable (%s); using the local tier only",
+                             target, remote.url, e)
+                away = e
+        if not found:
+            raise away or missing
+        if len(found) == 2 and found[0][1] == found[1][1]:
+            found = found[:1]  # the same snapshot: read it where it is nearest
+        if len(found) == 2 and newer(found[1][2], found[0][2]):
+            found.reverse()
+        return [root for _, root, _ in found]
+
     def _info(self, root: bytes) -> SnapshotInfo:
         return self._durable([self.publisher.info(root)])[0]
 
@@ -515,16 +559,28 @@ class Store:
             # Read before any object is: what this checkout reads is then known present under
             # it, for later puts and checkouts of this Store (assets.Presence).
             fence = self.assets.fence_now()
-            c = decode_commit(self.assets.get_commit(root, verify=verify))
+            c = decode_commit(self._reads.get_commit(root, verify=verify))
             st = c.get("stats") or {}
             with _bytes_bar(progress, "checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                return read_with(Reader(self.assets, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
+                return read_with(Reader(self._reads, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
                                         progress=bar, **opts), c["tree"])
 
         if is_collective(group):
             return collective_checkout(CollectiveJob(self.core, self.publisher, self._collective, group, timeout,
                                                      read=read), target)
-        return read(self._root(target))
+        roots = self._tier_roots(target)
+        for i, root in enumerate(roots):
+            try:
+                return read(root)
+            except IntegrityError as e:
+                if i + 1 == len(roots):
+                    raise
+                # Complete and verified in no tier (a local-only snapshot with a damaged
+                # block): the other tier's snapshot of the target, older, is the newest
+                # one that can be trusted.
+                _log.warning("checkout %s: snapshot %s cannot be read whole from any tier (%s); reading the older "
+                             "%s instead", target, root.hex()[:16], e, roots[i + 1].hex()[:16])
+        raise AssertionError("unreachable")
 
     @_public
     def log(self, ref: str, *, errors: dict | None = None) -> list[SnapshotInfo]:
@@ -534,6 +590,12 @@ class Store:
         (root hex -> error) and the others are listed."""
         from .listing import history
         validate_name(ref)
+        if self._uploader is not None:
+            roots = self._tier_roots(ref)
+            if not self.core.refs.catalog_has(roots[0]):
+                # The remote tip is the newer (the local tier lost, or behind another
+                # node's uploads): its history, all durable, is what checkout(ref) reads.
+                return history(self._uploader.remote, ref, errors)
         return self._durable(history(self.core, ref, errors))
 
     def _infos(self, named, errors: dict | None) -> dict[str, SnapshotInfo]:

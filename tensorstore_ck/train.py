@@ -431,7 +431,10 @@ class CheckpointManager:
                 raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
                                   f"store at {self.store.url}; {held}")
             return None
-        sd = self.store.checkout(history[0].root, into=state.checkout_targets(), **self._local())
+        # With a local tier the ref is read, not the root log() named: checkout takes the
+        # newest snapshot of either tier that reads whole, an older one if that one does not.
+        target = self.ref if self.store.remote_core is not None else history[0].root
+        sd = self.store.checkout(target, into=state.checkout_targets(), **self._local())
         state.load_checked_out(sd)
         self._restored(state, history)
         return state.step

@@ -27,11 +27,11 @@ import threading
 import time
 
 from .core import Core
-from .errors import IntegrityError, StorageError, TsckError
+from .errors import IntegrityError, StorageError, TsckError, UnreadableObject
 from .publish import Publisher
 from .walk import walk_commit
 
-__all__ = ["Uploader", "UPLOAD_ATTEMPTS"]
+__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer"]
 
 log = logging.getLogger(__name__)
 
@@ -223,3 +223,100 @@ class Uploader:
 
     def _copy(self, kind: str, d: bytes, fence: int) -> bool:
         return self.remote.assets.copy_from(self.local.assets, kind, d, fence)
+
+
+# -- recovery: the newest trusted copy in either tier -------------------------------
+def newer(a: dict | None, b: dict | None) -> bool:
+    """Whether catalog row `a` names a newer snapshot than row `b` (rows of two tiers'
+    tips): the higher step, then (no step on one side, or the same step) the later
+    publication time; a tie is not newer. The step first because it is the training's
+    own order and is the same number on every host, where the times of two tiers can
+    come from two hosts' clocks (a node's tier and the uploads of another node)."""
+    if a is None:
+        return False
+    if b is None:
+        return True
+    sa, sb = a.get("step"), b.get("step")
+    if isinstance(sa, int) and isinstance(sb, int) and sa != sb:
+        return sa > sb
+    return float(a.get("time", 0.0)) > float(b.get("time", 0.0))
+
+
+class ReadThrough:
+    """The local tier's Assets for reading, with the remote store behind them: a block,
+    node or commit missing locally, or failing its check there (frame, length, BLAKE3
+    against its address: an IntegrityError, or an unreadable file), is read from the
+    remote store instead, and checked there as any read is; never the damaged bytes.
+    Each such fall-through is logged once per object. Everything else (writes, gc, fsck,
+    the uploader) sees the local Assets alone, so a damaged local copy is still found
+    and reported there."""
+
+    def __init__(self, local, remote: Core):
+        self.local, self.remote = local, remote
+        self._told: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()  # the parent's may have been held by a thread not here
+
+    def _fell(self, what: str, d: bytes, err: BaseException) -> None:
+        with self._lock:
+            if d in self._told:
+                return
+            self._told.add(d)
+        log.warning("local tier: %s %s %s (%s); reading it from %s", what, d.hex()[:16],
+                    "is missing" if getattr(err, "reason", None) == "missing" else "failed its check", err,
+                    self.remote.url)
+
+    # The remote reads pass no fence: the caller's is the local table's gc epoch, and an
+    # object recorded present in the remote's presence record under another store's
+    # epoch could let the uploader skip it wrongly.
+    def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
+                        bounce: bool = False, fence: int | None = None) -> None:
+        try:
+            return self.local.read_block_into(d, out, verify=verify, snapshot=snapshot, path=path, bounce=bounce,
+                                              fence=fence)
+        except (IntegrityError, UnreadableObject) as e:
+            self._fell("block", d, e)
+            err = e
+        try:
+            self.remote.assets.read_block_into(d, out, verify=verify, snapshot=snapshot, path=path, bounce=bounce)
+        except (IntegrityError, UnreadableObject):
+            raise err from None  # in neither tier: the local copy's fault says the most
+
+    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence: int | None = None) -> bytes:
+        try:
+            return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
+        except (IntegrityError, UnreadableObject) as e:
+            self._fell("node", d, e)
+            err = e
+        try:
+            return self.remote.assets.get_node(d, verify=verify, snapshot=snapshot, path=path)
+        except (IntegrityError, UnreadableObject):
+            raise err from None
+
+    def get_commit(self, d: bytes, *, verify: bool = True) -> bytes:
+        try:
+            return self.local.get_commit(d, verify=verify)
+        except (IntegrityError, UnreadableObject) as e:
+            self._fell("commit", d, e)
+            err = e
+        try:
+            return self.remote.assets.get_commit(d, verify=verify)
+        except (IntegrityError, UnreadableObject):
+            raise err from None
+
+    def require_blocks(self, digests, pool, *, snapshot=None, path=None, fence: int | None = None) -> None:
+        digests = list(digests)
+        try:
+            return self.local.require_blocks(digests, pool, snapshot=snapshot, path=path, fence=fence)
+        except IntegrityError:
+            pass
+
+        def one(d: bytes) -> None:
+            if not self.local.block_exists(d):
+                self.remote.assets.require_block(d, snapshot=snapshot, path=path)
+        list(pool.map(one, digests))
