@@ -43,7 +43,7 @@ class Uploader:
     """Sends a local tier's queued snapshots to the remote store, on one thread.
 
     Counters (tests, the harness): `sent` objects written remotely, `skipped` objects
-    the remote had."""
+    the remote had, `superseded` snapshots not sent (Uploader._superseded)."""
 
     def __init__(self, local: Core, remote: Core):
         self.local, self.remote = local, remote
@@ -54,6 +54,7 @@ class Uploader:
         self._heard = False  # wait_durable raised it (close() does not raise it again)
         self._forked = False
         self.sent = self.skipped = 0
+        self.superseded = 0  # queued snapshots not sent: a newer one of their ref was queued (the backlog rule)
         self._requeue_unqueued()
         self._thread = threading.Thread(target=self._run, name="tsck-upload", daemon=True)
         self._thread.start()
@@ -151,6 +152,8 @@ class Uploader:
                 continue
             seq, entry = pending[0]
             try:
+                if self._superseded(seq, entry, pending):
+                    continue
                 self._upload(seq, entry)
                 tries = 0
             except IntegrityError as e:  # a damaged local object: no retry makes it whole
@@ -170,6 +173,32 @@ class Uploader:
             except BaseException as e:  # noqa: BLE001 - said by wait_durable and close
                 self._fail(e)
                 return
+
+    def _superseded(self, seq: int, entry: dict, pending: list) -> bool:
+        """The backlog rule: a queued snapshot with a newer one of the same ref queued
+        behind it is not sent (dropped from the queue, logged), unless a tag or a pin
+        names it. When uploads fall behind the snapshot cadence, a superseded snapshot is
+        not worth the bandwidth: the newest is what recovery wants, and what it shares
+        with the older one is sent with it. It stays local-only (never marked durable)
+        and the local retention expires it as any other snapshot."""
+        root, ref = entry["root"], entry.get("ref")
+        newer_seq = next((s for s, e in pending if s > seq and e.get("ref") == ref and e.get("root") != root), None)
+        if newer_seq is None:
+            return False
+        refs = self.local.refs
+        held = [f"tag {name!r}" for name, r in refs.tags() if r == root] + (["a pin"] if root in refs.pins() else [])
+        if held:
+            log.info("local tier: snapshot %s of ref %s (step %s) is superseded in the queue but %s names it: "
+                     "uploading it", root.hex()[:16], ref, entry.get("step"), " and ".join(held))
+            return False
+        log.warning("local tier: skipping the upload of snapshot %s of ref %s (step %s): a newer snapshot of the "
+                    "ref is queued behind it (uploads fell behind the snapshot cadence; no tag or pin names it); "
+                    "it stays local-only", root.hex()[:16], ref, entry.get("step"))
+        refs.upload_drop(seq)
+        self.superseded += 1
+        with self._cond:
+            self._cond.notify_all()
+        return True
 
     def _fail(self, e: BaseException) -> None:
         log.error("local tier: uploads to %s stopped: %s", self.remote.url, e)
