@@ -31,7 +31,7 @@ from .errors import IntegrityError, StorageError, TsckError, UnreadableObject
 from .publish import Publisher
 from .walk import walk_commit
 
-__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer"]
+__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer", "fit_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,12 @@ class Uploader:
     Counters (tests, the harness): `sent` objects written remotely, `skipped` objects
     the remote had, `superseded` snapshots not sent (Uploader._superseded)."""
 
-    def __init__(self, local: Core, remote: Core):
+    def __init__(self, local: Core, remote: Core, budget: int | None = None):
         self.local, self.remote = local, remote
+        self.budget = budget  # the tier's byte budget (open_store(local_budget=)); None: none
+        # An eviction to the budget is due or running (at open, after each upload):
+        # wait_durable() returns once it is done, so the budget holds when it returns.
+        self._fitting = budget is not None
         self.publisher = Publisher(remote.assets, remote.refs, remote.pool)
         self._cond = threading.Condition()
         self._stop = False
@@ -95,7 +99,7 @@ class Uploader:
                     self._heard = True
                     raise self.error
                 pending = [seq for seq, _ in self.local.refs.upload_pending() if seq <= target]
-                if not pending:
+                if not pending and not self._fitting:
                     return True
                 if self._stop:
                     raise TsckError("the uploader stopped (the store was closed, or this is a forked child) before "
@@ -130,12 +134,14 @@ class Uploader:
         """In a forked child: no uploader thread here (the parent's sends what the child
         queues); the remote core drops the parent's pool and locks."""
         self._forked, self._stop = True, True
+        self._fitting = False  # the parent's uploader keeps the budget
         self._cond = threading.Condition()
         self.remote.after_fork()
 
     # -- the thread ------------------------------------------------------------------
     def _run(self) -> None:
         tries = 0
+        self._fit()  # at open: a tier over its budget (a smaller budget than last time)
         while True:
             with self._cond:
                 if self._stop:
@@ -229,10 +235,28 @@ class Uploader:
                 return
             raise
         info = self.publisher.move_to(root, row, fence=fence, revalidate=lambda f: self._send(objs, f))
+        with self._cond:
+            self._fitting = self.budget is not None
         local.refs.upload_done(seq, root)
         with self._cond:
             self._cond.notify_all()
         log.info("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
+        self._fit()
+
+    def _fit(self) -> None:
+        """Keep the tier under its budget; a failure here is logged, never fatal (an
+        eviction left undone is retried after the next upload)."""
+        if self.budget is None:
+            return
+        try:
+            fit_budget(self.local, self.budget)
+        except Exception as e:  # noqa: BLE001 - the uploads matter more than the budget
+            log.warning("local tier: could not evict to the budget of %d bytes (%s: %s); retried after the next "
+                        "upload", self.budget, type(e).__name__, e)
+        finally:
+            with self._cond:
+                self._fitting = False
+                self._cond.notify_all()
 
     def _expired(self, seq: int, root: bytes) -> None:
         log.warning("local tier: queued snapshot %s left the local catalog (expired by retention) before it was "
@@ -252,6 +276,71 @@ class Uploader:
 
     def _copy(self, kind: str, d: bytes, fence: int) -> bool:
         return self.remote.assets.copy_from(self.local.assets, kind, d, fence)
+
+
+# -- the byte budget ----------------------------------------------------------------
+def fit_budget(local: Core, budget: int) -> list[bytes]:
+    """Evict local copies until the tier's stored objects fit in `budget` bytes -> the
+    roots evicted. Never what a queued upload or a local-only snapshot needs: only
+    snapshots marked durable are candidates, the older first, each ref's newest durable
+    tip (and a tag's or pin's target) after every other, so they stay while the budget
+    allows. The bytes an eviction frees are the objects no remaining snapshot reaches
+    (counted by walking every snapshot of the tier; a put in flight's objects are not
+    counted and not deleted). The deletion is a local gc (gc.evict_snapshots: the gc
+    lock, its lease and fence), not files removed by hand: a put that reused an evicted
+    object is fenced and writes it again. When what must stay exceeds the budget: a
+    warning, and nothing more is evicted."""
+    from .gc import evict_snapshots
+    stats = local.assets.object_stats()
+    total = sum(b for _, b in stats.values())
+    if total <= budget:
+        return []
+    refs = local.refs
+    sizes = {kind: {o.digest: o.size for o in local.assets.list_objects(kind)} for kind in ("commits", "nodes", "blocks")}
+    evicted = refs.evicted()
+    rows = {root: row for root, row in refs.catalog_iter(bad=[])}
+    held = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()
+    roots = (set(rows) | held) - evicted
+    queued = {e["root"] for _, e in refs.upload_pending()}
+    durable = refs.durable(roots) - queued
+    # What each snapshot reaches here, and how many snapshots reach each object.
+    reach: dict[bytes, set] = {}
+    count: dict[tuple, int] = {}
+    for root in roots:
+        objs = set()
+        try:
+            for o in walk_commit(local.assets, root, verify=False):
+                objs.add((o.kind + "s", o.digest))
+        except (TsckError, OSError):
+            durable.discard(root)  # not whole here: left to fsck, and kept
+        reach[root] = objs
+        for k in objs:
+            count[k] = count.get(k, 0) + 1
+    tips = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()
+
+    def order(root: bytes):
+        row = rows.get(root) or {}
+        return (root in tips, float(row.get("time", 0.0)), root)
+
+    now, chosen = total, []  # objects no snapshot reaches (a put in flight's) count: they take the space
+    for root in sorted(durable, key=order):
+        if now <= budget:
+            break
+        for k in reach[root]:
+            count[k] -= 1
+            if count[k] == 0:
+                now -= sizes[k[0]].get(k[1], 0)
+        chosen.append(root)
+    if now > budget:
+        log.warning("local tier: its budget of %d bytes cannot hold what must stay local (%d bytes: snapshots not "
+                    "yet uploaded, or local-only); nothing more is evicted", budget, now)
+    if not chosen:
+        return []
+    rep = evict_snapshots(local, chosen)
+    gone = [bytes.fromhex(r) for r in rep.expired]
+    log.info("local tier: evicted the local copies of %d durable snapshots (%d bytes) to fit the budget of %d "
+             "bytes; their reads go to the remote store", len(gone), rep.deleted_bytes, budget)
+    return gone
 
 
 # -- recovery: the newest trusted copy in either tier -------------------------------

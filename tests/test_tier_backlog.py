@@ -92,3 +92,71 @@ def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path
     with _open(tmp_path) as again:
         assert again.show(infos[1].root).durable is False
         assert _equal(again.checkout(infos[1].root), _state(2))
+
+
+def _stored(path) -> int:
+    return sum(p.stat().st_size for kind in ("blocks", "nodes", "commits") for p in (path / kind).rglob("*")
+               if p.is_file())
+
+
+def test_the_budget_holds_after_many_puts_and_evicted_snapshots_read_from_the_remote(tmp_path):
+    """Eight puts of unrelated states (each about 64 KiB stored) under a budget of three
+    snapshots' bytes: once wait_durable() returns, the tier's objects fit the budget; the
+    newest snapshot is still whole locally, the oldest were evicted (their rows, log and
+    refs stay) and check out bit for bit through the remote; the tier fscks clean and
+    says how many it evicted; a local gc keeps the rest."""
+    nvme = tmp_path / "nvme"
+    with _open(tmp_path) as probe:
+        probe.put_snapshot(_state(100), "job/probe", step=0)
+        assert probe.wait_durable(timeout=DEADLINE)
+    one = _stored(nvme)
+    budget = 3 * one + one // 2
+    with _open(tmp_path, local_budget=budget) as store:
+        infos = []
+        for step in range(1, 9):
+            infos.append(store.put_snapshot(_state(step), "job/main", step=step))
+            assert store.wait_durable(timeout=DEADLINE)
+            assert _stored(nvme) <= budget
+        assert [i.step for i in store.log("job/main")] == list(range(8, 0, -1))
+        evicted = store.reftable.evicted()
+        assert bytes.fromhex(infos[-1].root) not in evicted and bytes.fromhex(infos[0].root) in evicted
+        assert len(evicted) >= 5
+        for step in (1, 8):
+            assert _equal(store.checkout(infos[step - 1].root), _state(step))
+        report = store.fsck(full=True)
+        assert report.findings == [] and report.evicted == len(evicted)
+        store.gc()
+        assert _equal(store.checkout("job/main"), _state(8))
+    with tsck.open_store(str(nvme), create=False) as tier:  # the tier by itself: nothing evicted is missing
+        assert tier.fsck(full=True).findings == []
+
+
+def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only_one(tmp_path, caplog):
+    """A budget of one byte: a snapshot held in the upload queue (the remote's writes
+    held) and a local-only one (skipped by the backlog rule) are never evicted; the put
+    never fails; a warning says the budget cannot hold them. Once they are durable, the
+    older durable ones go, and the local-only one stays whole."""
+    wrapped = []
+    caplog.set_level(logging.WARNING, logger="tensorstore_ck.upload")
+    store = _open(tmp_path, local_budget=1, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
+    held = wrapped[0]
+    a = store.put_snapshot(_state(1), "job/main", step=1)
+    assert held.waiting.wait(DEADLINE)
+    b = store.put_snapshot(_state(2), "job/main", step=2)  # superseded by c: stays local-only
+    c = store.put_snapshot(_state(3), "job/main", step=3)
+    assert store.wait_durable(timeout=0.5) is False
+    assert store.reftable.evicted() == set()  # nothing durable yet: nothing may go
+    held.gate.set()
+    assert store.wait_durable(timeout=DEADLINE) is True
+    assert [(i.step, i.durable) for i in store.log("job/main")] == [(3, True), (2, False), (1, True)]
+    evicted = store.reftable.evicted()
+    assert bytes.fromhex(b.root) not in evicted
+    assert {bytes.fromhex(a.root), bytes.fromhex(c.root)} == evicted
+    assert any("cannot hold" in r.getMessage() for r in caplog.records)
+    assert store.fsck(full=True).findings == []
+    store.close()
+    with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:  # b read from the tier alone
+        assert _equal(tier.checkout(b.root), _state(2))
+        assert tier.fsck(full=True).findings == []
+    with _open(tmp_path) as again:
+        assert _equal(again.checkout("job/main"), _state(3))
