@@ -369,8 +369,11 @@ class ReadThrough:
     the uploader) sees the local Assets alone, so a damaged local copy is still found
     and reported there."""
 
-    def __init__(self, local, remote: Core):
+    def __init__(self, local, remote: Core, evicted=None):
         self.local, self.remote = local, remote
+        # -> the roots the tier's budget evicted (RefTable.evicted): their local copies are
+        # gone on purpose, so a fall-through for them is the plan, not news (logged at debug).
+        self._evicted = evicted
         self._told: set[bytes] = set()
         self._lock = threading.Lock()
 
@@ -385,9 +388,21 @@ class ReadThrough:
             if d in self._told:
                 return
             self._told.add(d)
+        if getattr(err, "reason", None) == "missing" and self._evicted is not None and self._was_evicted(d, err):
+            log.debug("local tier: %s %s of an evicted snapshot: reading it from %s", what, d.hex()[:16],
+                      self.remote.url)
+            return
         log.warning("local tier: %s %s %s (%s); reading it from %s", what, d.hex()[:16],
                     "is missing" if getattr(err, "reason", None) == "missing" else "failed its check", err,
                     self.remote.url)
+
+    def _was_evicted(self, d: bytes, err: BaseException) -> bool:
+        try:
+            evicted = self._evicted()
+            snap = getattr(err, "snapshot", None)
+            return d in evicted or (isinstance(snap, str) and bytes.fromhex(snap) in evicted)
+        except (TsckError, ValueError):
+            return False
 
     # The remote reads pass no fence: the caller's is the local table's gc epoch, and an
     # object recorded present in the remote's presence record under another store's
