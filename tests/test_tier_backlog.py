@@ -165,6 +165,28 @@ def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only
         assert _equal(again.checkout("job/main"), _state(3))
 
 
+def test_a_tier_over_a_new_budget_is_evicted_at_open_and_bad_budgets_are_refused(tmp_path):
+    """Four durable snapshots put without a budget; the tier reopened with a budget of
+    about one snapshot evicts at open (wait_durable() returns once that is done), the
+    ref's newest tip last: it alone stays. A budget that is not a positive int, or one
+    without local=, is refused before anything is written."""
+    with _open(tmp_path) as store:
+        infos = [store.put_snapshot(_state(s), "job/main", step=s) for s in range(1, 5)]
+        assert store.wait_durable(timeout=DEADLINE)
+    one = _stored(tmp_path / "nvme") // 4
+    with _open(tmp_path, local_budget=one + one // 2) as store:
+        assert store.wait_durable(timeout=DEADLINE)
+        assert store.reftable.evicted() == {bytes.fromhex(i.root) for i in infos[:3]}
+        assert _stored(tmp_path / "nvme") <= one + one // 2
+        assert _equal(store.checkout("job/main"), _state(4)) and _equal(store.checkout(infos[0].root), _state(1))
+    for bad in (0, -1, 1.5, True, "1G"):
+        with pytest.raises(tsck.InvalidArgument, match="local_budget"):
+            _open(tmp_path, local_budget=bad)
+    with pytest.raises(tsck.InvalidArgument, match="needs local="):
+        tsck.open_store(str(tmp_path / "elsewhere"), local_budget=1 << 30)
+    assert not (tmp_path / "elsewhere").exists()
+
+
 _WRITER = r"""
 import json, sys, threading, time
 import torch
