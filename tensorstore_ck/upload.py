@@ -254,6 +254,7 @@ class ReadThrough:
     def __init__(self, local, remote: Core):
         self.local, self.remote = local, remote
         self._told: set[bytes] = set()
+        self.missing = 0  # objects read from the remote because the tier lacks them
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
@@ -263,13 +264,25 @@ class ReadThrough:
         self._lock = threading.Lock()  # the parent's may have been held by a thread not here
 
     def _fell(self, what: str, d: bytes, err: BaseException) -> None:
+        # A damaged copy is news about this disk: told once per object. A missing one is
+        # the ordinary case after the tier was lost or trimmed to its budget (every block
+        # of a checkout): told once, then counted, not one line per block.
+        missing = getattr(err, "reason", None) == "missing"
         with self._lock:
-            if d in self._told:
+            if missing:
+                self.missing += 1
+                if self.missing > 1:
+                    return
+            elif d in self._told:
                 return
-            self._told.add(d)
-        log.warning("local tier: %s %s %s (%s); reading it from %s", what, d.hex()[:16],
-                    "is missing" if getattr(err, "reason", None) == "missing" else "failed its check", err,
-                    self.remote.url)
+            else:
+                self._told.add(d)
+        if missing:
+            log.warning("local tier: %s %s is missing; reading it, and any other object the tier lacks, from %s",
+                        what, d.hex()[:16], self.remote.url)
+        else:
+            log.warning("local tier: %s %s failed its check (%s); reading it from %s", what, d.hex()[:16], err,
+                        self.remote.url)
 
     # The remote reads pass no fence: the caller's is the local table's gc epoch, and an
     # object recorded present in the remote's presence record under another store's

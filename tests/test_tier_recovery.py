@@ -138,20 +138,24 @@ def _put_durable(store: tsck.Store, step: int) -> dict:
 
 
 @pytest.mark.slow  # a real S3 server
-def test_local_tier_lost_restores_the_remote_tip(s3_url, s3_server, tmp_path):
+def test_local_tier_lost_restores_the_remote_tip(s3_url, s3_server, tmp_path, caplog):
     """The node's disk is lost (the local tier deleted): open_store(remote, local=) on the
     same, now empty, path restores the remote tip, through restore_latest and through
-    checkout(ref), and log(ref) lists the remote history."""
+    checkout(ref), and log(ref) lists the remote history. The objects the tier lacks are
+    told once, not one warning per block."""
     local = tmp_path / "nvme"
     with _open(s3_url, s3_server, tmp_path, local=str(local)) as store:
         _put_durable(store, 1)
         want = _put_durable(store, 2)
     shutil.rmtree(local)
     with _open(s3_url, s3_server, tmp_path, local=str(local)) as store:
-        step, got = _restore(store)
-        assert step == 2 and _equal(got, want)
-        assert _equal(store.checkout("job/main")["model"], want)
+        with caplog.at_level(logging.WARNING, logger="tensorstore_ck.upload"):
+            step, got = _restore(store)
+            assert step == 2 and _equal(got, want)
+            assert _equal(store.checkout("job/main")["model"], want)
         assert [(i.step, i.durable) for i in store.log("job/main")] == [(2, True), (1, True)]
+        told = [r.getMessage() for r in caplog.records if "is missing" in r.getMessage()]
+        assert len(told) == 1 and store._reads.missing > 2, (told, store._reads.missing)
 
 
 @pytest.mark.slow  # a real S3 server
