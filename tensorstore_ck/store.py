@@ -357,6 +357,8 @@ class Store:
 
     @_storage_errors
     def _publish(self, plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
+        if self._uploader is not None:
+            self._uploader.tee_begin()
         info = self.publisher.publish(plan, args, progress=progress)
         if self._uploader is None:
             return info
