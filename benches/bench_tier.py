@@ -50,6 +50,35 @@ GB = 1e9
 REF = "bench/main"
 
 
+class ServerCPU:
+    """CPU seconds used by the S3 server's processes (radosgw, its OSD and monitor), read
+    from /proc: on this machine they share the cores with the writer, so what they burn
+    while a put runs is time the put does not get."""
+
+    def __init__(self, run_dir: str | None):
+        self.pids = []
+        if run_dir:
+            d = os.path.join(run_dir, "run")
+            for n in os.listdir(d) if os.path.isdir(d) else ():
+                if n.endswith(".pid"):
+                    self.pids.append(int(open(os.path.join(d, n)).read().split()[0]))
+
+    def seconds(self) -> float:
+        tick, total = os.sysconf("SC_CLK_TCK"), 0
+        for pid in self.pids:
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+            except (OSError, IndexError, ValueError):
+                pass
+        return total / tick
+
+
+def own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def restore(open_fn, cache_dirs, state, check: bool):
     """Seconds for a fresh open + checkout of REF, the page cache dropped first."""
     core.evict(*cache_dirs)
@@ -76,7 +105,16 @@ def main() -> int:
     ap.add_argument("--secret", default=os.environ.get("TEST_S3_SECRET", "testsecret"))
     ap.add_argument("--bucket", default="tsck-bench-tier")
     ap.add_argument("--dir", default="/work", help="parent folder for the local tier and the file:// store")
+    ap.add_argument("--compression", default="auto",
+                    help="open_store(compression=) of the direct S3 store and of the tier (whose blocks travel as "
+                         "stored); the file:// store keeps its default (lz4)")
+    ap.add_argument("--tee-bytes", type=int, default=None,
+                    help="the early upload's memory bound (upload.TEE_BYTES); 0 turns it off")
     a = ap.parse_args()
+    if a.tee_bytes is not None:
+        from tensorstore_ck import upload
+        upload.TEE_BYTES = a.tee_bytes
+    from tensorstore_ck import upload as _up
 
     import s3fs
     rgw_dir = None
@@ -90,12 +128,14 @@ def main() -> int:
     except (FileExistsError, OSError):
         pass
 
+    server = ServerCPU(rgw_dir or os.environ.get("TSCK_BENCH_RGW_DIR"))
     state, _model, _opt = core.build_state(a.scale * GB, a.d_model, vocab=a.vocab)
     nbytes = core.state_nbytes(state)
     ntensors = sum(1 for _ in core.iter_tensors(state))
     print(f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, S3 at {a.endpoint}"
           f"{' (radosgw started by this script)' if rgw_dir else ''}; local disk under {a.dir}")
-    print(f"# state: {nbytes / GB:.3f} GB in {ntensors} tensors; repeats {a.repeats}")
+    print(f"# state: {nbytes / GB:.3f} GB in {ntensors} tensors; repeats {a.repeats}; compression {a.compression} "
+          f"(S3 and tier); early upload bound {_up.TEE_BYTES >> 20} MiB")
 
     rows = collections.defaultdict(list)
     try:
@@ -105,14 +145,16 @@ def main() -> int:
             try:
                 # --- file://
                 st = tsck.open_store(os.path.join(scratch, "file"))
+                c0 = own_cpu()
                 t = core.timed(lambda: st.put_snapshot(state, ref=REF, step=1), sync=False)
                 rows["file put, s"].append(t.seconds)
+                rows["file put: writer CPU, s"].append(own_cpu() - c0)
                 st.close()
 
                 # --- direct s3://
                 direct = f"s3://{a.bucket}/{run}/direct"
                 direct_refs = os.path.join(scratch, "direct-refs.lmdb")
-                st = tsck.open_store(direct, refs=direct_refs, storage_options=opts)
+                st = tsck.open_store(direct, refs=direct_refs, storage_options=opts, compression=a.compression)
                 t = core.timed(lambda: st.put_snapshot(state, ref=REF, step=1), sync=False)
                 rows["s3 put, s"].append(t.seconds)
                 st.close()
@@ -123,13 +165,16 @@ def main() -> int:
                 tier = os.path.join(scratch, "tier")
 
                 def open_tier(path=tier):
-                    return tsck.open_store(remote, refs=refs, storage_options=opts, local=path)
+                    return tsck.open_store(remote, refs=refs, storage_options=opts, local=path, compression=a.compression)
 
                 st = open_tier()
                 os.sync()
+                c0, s0 = own_cpu(), server.seconds()
                 t0 = time.perf_counter()
                 info = st.put_snapshot(state, ref=REF, step=1)
                 t_ret = time.perf_counter() - t0
+                rows["tier put returns: writer CPU, s"].append(own_cpu() - c0)
+                rows["tier put returns: S3 server CPU, s"].append(server.seconds() - s0)
                 assert not info.durable
                 assert st.wait_durable(timeout=600), "the upload did not finish"
                 t_dur = time.perf_counter() - t0
