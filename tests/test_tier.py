@@ -505,3 +505,61 @@ def test_bad_local_tiers_are_refused_before_anything_is_written(tmp_path):
     tsck.open_store(str(tmp_path / "a"), local=str(tmp_path / "t")).close()
     with pytest.raises(tsck.NotAStore, match="belongs to store"):
         tsck.open_store(str(tmp_path / "b"), local=str(tmp_path / "t"))
+
+
+def test_a_dcp_save_through_the_tier_is_queued_and_becomes_durable(tmp_path):
+    """dcp.save with TsckWriter into a tiered store publishes in the tier and queues the
+    snapshot like a put: the writer's info says local-only, wait_durable() lands it, and
+    the remote alone loads it back bit for bit through TsckReader."""
+    import torch.distributed.checkpoint as dcp
+    from tensorstore_ck.dcp import TsckReader, TsckWriter
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256)
+    sd = _state(11)
+    w = TsckWriter(store, ref="job/main", step=3)
+    dcp.save(sd, storage_writer=w)
+    assert w.info is not None and w.info.durable is False
+    assert store.wait_durable(timeout=DEADLINE)
+    assert store.show("job/main").durable is True
+    store.close()
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert remote.refs()["job/main"].root == w.info.root
+        assert remote.fsck().ok
+        target = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(target, storage_reader=TsckReader(remote, "job/main"))
+        assert _equal(target, sd)
+
+
+_DCP_RANK = r"""
+import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+import tensorstore_ck as tsck
+from tensorstore_ck.dcp import TsckWriter
+rank, init, remote, tier = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+store = tsck.open_store(remote, local=tier)
+try:
+    dcp.save({"w": torch.full((8,), float(rank))}, storage_writer=TsckWriter(store, ref="job/main", step=1))
+    print("SAVED")
+except BaseException as e:  # DCP raises its CheckpointException, a BaseException
+    print("REFUSED", type(e).__name__, str(e).replace("\n", " "))
+store.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two real gloo ranks
+def test_a_multi_rank_dcp_save_through_tiers_is_refused_before_any_write(tmp_path):
+    """Two gloo ranks, each with its own tier (a node each): the coordinator's commit
+    would name blocks its tier lacks, so TsckWriter refuses before any rank writes, with
+    a clear error, and neither tier nor the remote holds a snapshot."""
+    remote = str(tmp_path / "remote")
+    tsck.open_store(remote).close()
+    init = f"file://{tmp_path / 'rdv'}"
+    procs = [subprocess.Popen([sys.executable, "-c", _DCP_RANK, str(r), init, remote, str(tmp_path / f"tier{r}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=DEADLINE) for p in procs]
+    for out, err in outs:
+        assert "REFUSED" in out and "local tier" in out, (out, err[-2000:])
+    for path in [remote] + [str(tmp_path / f"tier{r}") for r in range(2)]:
+        with tsck.open_store(path, create=False) as s:
+            assert s.refs() == {}
