@@ -18,7 +18,9 @@ with the page cache dropped first (drop_caches; radosgw's memstore is not page c
 * local        after a process restart, the tier intact;
 * remote       after the tier was lost (an empty local= path): every object read from S3
                through the tier's read-through;
-* s3 direct    open_store(s3://...) without a tier, for reference.
+* s3 direct    open_store(s3://...) without a tier, for reference;
+* file://      the file:// store's checkout, for reference (its codec is lz4, the
+               tier's is the remote's: the float codec on S3 by default).
 With --peer (when the build has peer replicas) a restore from a peer's tier is added.
 Ratios are per repeat, then median (min-max).
 
@@ -184,6 +186,8 @@ def main() -> int:
 
                 # --- restores of the latest snapshot
                 check = rep == 0
+                rows["restore file:// (reference), s"].append(
+                    restore(lambda: tsck.open_store(os.path.join(scratch, "file")), [scratch], state, check))
                 rows["restore local (restart), s"].append(restore(open_tier, [scratch], state, check))
                 lost = os.path.join(scratch, "tier-lost")
                 rows["restore remote (tier lost), s"].append(
