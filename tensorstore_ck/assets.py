@@ -159,6 +159,9 @@ class Assets:
         self.codecs = codecs
         self._local = threading.local()
         self.presence = Presence(KIND_PREFIX)
+        # Given (digest, bufs) of each block this Assets writes new, as it is written: a
+        # local tier's early upload (upload.Uploader.tee). It must not block or raise.
+        self.tee = None
         # The current gc deletion epoch (read from the ref table), for readers that consult
         # `presence`; None: no ref table, the record is never used to read.
         self.epoch_now = epoch_now
@@ -217,6 +220,8 @@ class Assets:
                                     shuffle_itemsize=itemsize if c == "shuffle" else 0,
                                     float_itemsize=itemsize if c == "float" else 0)
         new = self.storage.put_addressed(key, bufs)
+        if new and kind == frame.KIND_BLOCK and self.tee is not None:
+            self.tee(d, bufs)
         if not new and not ask:
             # It was there after all: judge it by its size, as the HEAD would have.
             size = self.storage.size_of(key)
@@ -298,6 +303,20 @@ class Assets:
         if err is not None:
             raise err
         return data
+
+    def put_frame(self, kind: str, d: bytes, data: bytes, fence: int | None) -> bool:
+        """Store `data`, the stored frame of object `d` of `kind` as this process just
+        encoded it (from memory, not read back from a disk), unless this store is known
+        to hold `d` under `fence`. Conditional: an object already stored is left as it is
+        and not recorded present (its health is for a later put or copy_from to judge).
+        -> whether it was written."""
+        fk = _FRAME_KIND[kind]
+        if self.presence.known(fk, d, fence):
+            return False
+        new = self.storage.put_addressed(_key(kind + "s", d), [data])
+        if new:
+            self.presence.add(fk, d, fence)
+        return new
 
     def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None) -> bool:
         """Store object `d` of `kind` as `src` stores it (same address, same bytes: no

@@ -357,10 +357,20 @@ class Store:
 
     @_storage_errors
     def _publish(self, plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
-        info = self.publisher.publish(plan, args, progress=progress)
+        self._tier_begin()
+        return self._tier_published(self.publisher.publish(plan, args, progress=progress))
+
+    def _tier_begin(self) -> None:
+        """Before a writer (a put, the DCP writer) writes blocks: with a local tier, the
+        remote fence its early uploads are recorded under."""
+        if self._uploader is not None:
+            self._uploader.tee_begin()
+
+    def _tier_published(self, info: SnapshotInfo) -> SnapshotInfo:
+        """After a writer published `info` in this store: with a local tier, queue it for
+        upload (it is durable once the uploader has moved the remote ref)."""
         if self._uploader is None:
             return info
-        # Published in the local tier: durable once the uploader has moved the remote ref.
         self._uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
         return dataclasses.replace(info, durable=False)
 

@@ -35,6 +35,10 @@ __all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer", "fit_budget"]
 
 log = logging.getLogger(__name__)
 
+# Bytes of early-upload sends a tiered store holds in memory at once; past this a new
+# block waits for the uploader, which reads it back from the local tier.
+TEE_BYTES = 256 << 20
+
 UPLOAD_ATTEMPTS = 8  # tries of one snapshot (storage or ref-table failures) before the uploader gives up
 _BACKOFF = (0.5, 30.0)  # first and longest pause between tries, seconds
 
@@ -59,6 +63,12 @@ class Uploader:
         self._forked = False
         self.sent = self.skipped = 0
         self.superseded = 0  # queued snapshots not sent: a newer one of their ref was queued (the backlog rule)
+        # The early upload (tee): each new block a put writes here is also sent to the
+        # remote as it is written, from memory, so the upload overlaps the local write.
+        self._tee_fence: int | None = None  # the remote fence, read before the put wrote
+        self._tee_bytes = 0  # bytes held by sends in flight (bounded by TEE_BYTES)
+        self.teed = self.tee_dropped = 0
+        local.assets.tee = self.tee
         self._requeue_unqueued()
         self._thread = threading.Thread(target=self._run, name="tsck-upload", daemon=True)
         self._thread.start()
@@ -137,6 +147,55 @@ class Uploader:
         self._fitting = False  # the parent's uploader keeps the budget
         self._cond = threading.Condition()
         self.remote.after_fork()
+
+    # -- the early upload ------------------------------------------------------------
+    def tee_begin(self) -> None:
+        """Before a put writes its blocks: the remote fence its early sends are recorded
+        under (read before they are written, as a direct put reads it)."""
+        if not self._forked and not self._stop:
+            self._tee_fence = self.publisher.fence()
+
+    def tee(self, d: bytes, bufs) -> None:
+        """A new block the local tier just wrote: send a copy of its stored bytes to the
+        remote now, best effort. The uploader stays the authority: it walks the snapshot
+        after publication and sends whatever this did not (a send dropped because
+        TEE_BYTES were in flight, one that failed, one of a later gc phase's epoch), and
+        the remote ref moves only after it. A block sent here and never named remotely
+        (the put failed, the process died) is garbage to the remote gc, as any orphan."""
+        fence = self._tee_fence
+        if fence is None or self._forked or self._stop:
+            return
+        data = b"".join(bufs)  # the put's buffers are reused once it returns
+        with self._cond:
+            if self._tee_bytes + len(data) > TEE_BYTES:
+                self.tee_dropped += 1
+                return
+            self._tee_bytes += len(data)
+        try:
+            self.remote.pool.submit(self._tee_send, d, data, fence)
+        except RuntimeError:  # the pool is shut down (closing)
+            self._tee_done(len(data))
+
+    def _tee_send(self, d: bytes, data: bytes, fence: int) -> None:
+        try:
+            if self.remote.assets.put_frame("block", d, data, fence):
+                with self._cond:
+                    self.teed += 1
+        except Exception as e:  # noqa: BLE001 - the uploader sends it (and hears the error)
+            log.debug("local tier: early upload of block %s failed: %s", d.hex()[:16], e)
+        finally:
+            self._tee_done(len(data))
+
+    def _tee_done(self, n: int) -> None:
+        with self._cond:
+            self._tee_bytes -= n
+            self._cond.notify_all()
+
+    def _tee_settle(self) -> None:
+        """Wait for the early sends in flight: the uploader then asks about them once."""
+        with self._cond:
+            while self._tee_bytes > 0:
+                self._cond.wait(0.5)
 
     # -- the thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -218,6 +277,7 @@ class Uploader:
         if row is None:
             self._expired(seq, root)
             return
+        self._tee_settle()
         fence = self.publisher.fence()  # before the remote is asked about any object
         objs = {"block": [], "node": [], "commit": []}
         seen: set[bytes] = set()
@@ -375,6 +435,8 @@ class ReadThrough:
         # gone on purpose, so a fall-through for them is the plan, not news (logged at debug).
         self._evicted = evicted
         self._told: set[bytes] = set()
+        self.missing = 0  # objects read from the remote because the tier lacks them
+        self._told_missing = False
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
@@ -384,16 +446,29 @@ class ReadThrough:
         self._lock = threading.Lock()  # the parent's may have been held by a thread not here
 
     def _fell(self, what: str, d: bytes, err: BaseException) -> None:
+        # A damaged copy is news about this disk: told once per object. A missing one is
+        # the ordinary case after the tier was lost or trimmed to its budget (every block
+        # of a checkout): told once, then counted, not one line per block; one of a
+        # snapshot the budget evicted is the plan, not news: counted, not told.
+        missing = getattr(err, "reason", None) == "missing"
+        if missing:
+            evicted = self._evicted is not None and self._was_evicted(d, err)
+            with self._lock:
+                self.missing += 1
+                quiet = evicted or self._told_missing
+                self._told_missing = self._told_missing or not evicted
+            if evicted:
+                log.debug("local tier: %s %s of an evicted snapshot: reading it from %s", what, d.hex()[:16],
+                          self.remote.url)
+            if not quiet:
+                log.warning("local tier: %s %s is missing; reading it, and any other object the tier lacks, "
+                            "from %s", what, d.hex()[:16], self.remote.url)
+            return
         with self._lock:
             if d in self._told:
                 return
             self._told.add(d)
-        if getattr(err, "reason", None) == "missing" and self._evicted is not None and self._was_evicted(d, err):
-            log.debug("local tier: %s %s of an evicted snapshot: reading it from %s", what, d.hex()[:16],
-                      self.remote.url)
-            return
-        log.warning("local tier: %s %s %s (%s); reading it from %s", what, d.hex()[:16],
-                    "is missing" if getattr(err, "reason", None) == "missing" else "failed its check", err,
+        log.warning("local tier: %s %s failed its check (%s); reading it from %s", what, d.hex()[:16], err,
                     self.remote.url)
 
     def _was_evicted(self, d: bytes, err: BaseException) -> bool:

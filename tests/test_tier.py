@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
+from tensorstore_ck import upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 BS = 16 * 1024
@@ -333,11 +334,14 @@ class HoldLookups(WrappedStore):
         return self.inner.size_of(key)
 
 
-def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path):
+def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path, monkeypatch):
     """Stored bytes are untrusted, the tier's too: a local block damaged after the put
     returned is checked before it is sent, so the remote never receives it and its ref
     does not move; wait_durable() raises the IntegrityError naming the object, once
-    (close() then says nothing more); the snapshot stays queued."""
+    (close() then says nothing more); the snapshot stays queued. The early upload is off
+    here (TEE_BYTES 0): a block it sends leaves from memory, before any damage, and the
+    next test shows that case."""
+    monkeypatch.setattr(upload, "TEE_BYTES", 0)
     wrapped = []
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
@@ -357,6 +361,55 @@ def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path
     store.close()  # heard already: not raised again
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
         assert [e["root"].hex() for _, e in tier.reftable.upload_pending()] == [info.root]
+
+
+def test_the_early_upload_sends_blocks_as_they_are_written_and_the_uploader_only_the_rest(tmp_path):
+    """The early upload (tee): each new block a tiered put writes is sent to the remote
+    from memory as it is written, so the uploader, after publication, finds the blocks
+    there (recorded present under the fence read before they were sent) and sends only
+    the nodes and the commit. A local block damaged after the put returned changes
+    nothing remotely: the remote copy left from memory, and the durable snapshot reads
+    whole from the remote alone."""
+    wrapped = []
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
+    state = _state(7)
+    info = store.put_snapshot(state, "job/main", step=1)
+    up = store._uploader
+    blocks = [p for p in sorted((tmp_path / "nvme" / "blocks").rglob("*")) if p.is_file()]
+    victim = blocks[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    wrapped[0].gate.set()
+    assert store.wait_durable(timeout=DEADLINE)
+    assert up.teed == len(blocks) > 1 and up.tee_dropped == 0
+    assert up.sent < len(blocks) and up.skipped >= len(blocks), (up.sent, up.skipped)
+    store.close()
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert remote.refs()["job/main"].root == info.root
+        assert remote.fsck().ok
+        assert _equal(remote.checkout("job/main"), state)
+
+
+def test_early_upload_over_its_memory_bound_leaves_the_rest_to_the_uploader(tmp_path, monkeypatch):
+    """At most TEE_BYTES of early sends are held in memory: past that a block is left to
+    the uploader, which reads it back from the tier (checked) after publication. The
+    snapshot is durable and whole either way."""
+    monkeypatch.setattr(upload, "TEE_BYTES", BS + 64)  # about one block in flight
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256)
+    state = _state(8)
+    info = store.put_snapshot(state, "job/main", step=1)
+    assert store.wait_durable(timeout=DEADLINE)
+    up = store._uploader
+    blocks = [p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file()]
+    assert up.tee_dropped > 0 and up.teed + up.tee_dropped == len(blocks), (up.teed, up.tee_dropped, len(blocks))
+    store.close()
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert remote.refs()["job/main"].root == info.root
+        assert remote.fsck().ok
+        assert _equal(remote.checkout("job/main"), state)
 
 
 def test_a_local_tip_never_queued_is_queued_at_open(tmp_path):
@@ -456,3 +509,61 @@ def test_bad_local_tiers_are_refused_before_anything_is_written(tmp_path):
     tsck.open_store(str(tmp_path / "a"), local=str(tmp_path / "t")).close()
     with pytest.raises(tsck.NotAStore, match="belongs to store"):
         tsck.open_store(str(tmp_path / "b"), local=str(tmp_path / "t"))
+
+
+def test_a_dcp_save_through_the_tier_is_queued_and_becomes_durable(tmp_path):
+    """dcp.save with TsckWriter into a tiered store publishes in the tier and queues the
+    snapshot like a put: the writer's info says local-only, wait_durable() lands it, and
+    the remote alone loads it back bit for bit through TsckReader."""
+    import torch.distributed.checkpoint as dcp
+    from tensorstore_ck.dcp import TsckReader, TsckWriter
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256)
+    sd = _state(11)
+    w = TsckWriter(store, ref="job/main", step=3)
+    dcp.save(sd, storage_writer=w)
+    assert w.info is not None and w.info.durable is False
+    assert store.wait_durable(timeout=DEADLINE)
+    assert store.show("job/main").durable is True
+    store.close()
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert remote.refs()["job/main"].root == w.info.root
+        assert remote.fsck().ok
+        target = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(target, storage_reader=TsckReader(remote, "job/main"))
+        assert _equal(target, sd)
+
+
+_DCP_RANK = r"""
+import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+import tensorstore_ck as tsck
+from tensorstore_ck.dcp import TsckWriter
+rank, init, remote, tier = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+store = tsck.open_store(remote, local=tier)
+try:
+    dcp.save({"w": torch.full((8,), float(rank))}, storage_writer=TsckWriter(store, ref="job/main", step=1))
+    print("SAVED")
+except BaseException as e:  # DCP raises its CheckpointException, a BaseException
+    print("REFUSED", type(e).__name__, str(e).replace("\n", " "))
+store.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two real gloo ranks
+def test_a_multi_rank_dcp_save_through_tiers_is_refused_before_any_write(tmp_path):
+    """Two gloo ranks, each with its own tier (a node each): the coordinator's commit
+    would name blocks its tier lacks, so TsckWriter refuses before any rank writes, with
+    a clear error, and neither tier nor the remote holds a snapshot."""
+    remote = str(tmp_path / "remote")
+    tsck.open_store(remote).close()
+    init = f"file://{tmp_path / 'rdv'}"
+    procs = [subprocess.Popen([sys.executable, "-c", _DCP_RANK, str(r), init, remote, str(tmp_path / f"tier{r}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=DEADLINE) for p in procs]
+    for out, err in outs:
+        assert "REFUSED" in out and "local tier" in out, (out, err[-2000:])
+    for path in [remote] + [str(tmp_path / f"tier{r}") for r in range(2)]:
+        with tsck.open_store(path, create=False) as s:
+            assert s.refs() == {}

@@ -24,6 +24,7 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
+from tensorstore_ck import upload
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
@@ -138,20 +139,24 @@ def _put_durable(store: tsck.Store, step: int) -> dict:
 
 
 @pytest.mark.slow  # a real S3 server
-def test_local_tier_lost_restores_the_remote_tip(s3_url, s3_server, tmp_path):
+def test_local_tier_lost_restores_the_remote_tip(s3_url, s3_server, tmp_path, caplog):
     """The node's disk is lost (the local tier deleted): open_store(remote, local=) on the
     same, now empty, path restores the remote tip, through restore_latest and through
-    checkout(ref), and log(ref) lists the remote history."""
+    checkout(ref), and log(ref) lists the remote history. The objects the tier lacks are
+    told once, not one warning per block."""
     local = tmp_path / "nvme"
     with _open(s3_url, s3_server, tmp_path, local=str(local)) as store:
         _put_durable(store, 1)
         want = _put_durable(store, 2)
     shutil.rmtree(local)
     with _open(s3_url, s3_server, tmp_path, local=str(local)) as store:
-        step, got = _restore(store)
-        assert step == 2 and _equal(got, want)
-        assert _equal(store.checkout("job/main")["model"], want)
+        with caplog.at_level(logging.WARNING, logger="tensorstore_ck.upload"):
+            step, got = _restore(store)
+            assert step == 2 and _equal(got, want)
+            assert _equal(store.checkout("job/main")["model"], want)
         assert [(i.step, i.durable) for i in store.log("job/main")] == [(2, True), (1, True)]
+        told = [r.getMessage() for r in caplog.records if "is missing" in r.getMessage()]
+        assert len(told) == 1 and store._reads.missing > 2, (told, store._reads.missing)
 
 
 @pytest.mark.slow  # a real S3 server
@@ -209,11 +214,13 @@ class HoldLookups(WrappedStore):
         return self.inner.size_of(key)
 
 
-def test_a_local_only_snapshot_that_does_not_read_whole_gives_the_older_durable_one(tmp_path, caplog):
+def test_a_local_only_snapshot_that_does_not_read_whole_gives_the_older_durable_one(tmp_path, caplog, monkeypatch):
     """The newest snapshot is local-only and one of its blocks is damaged: no tier holds it
-    whole. checkout(ref) and restore_latest take the newest one that reads whole, the
-    durable older one, and say so; never the damaged bytes. (The uploader, let go, then
-    stops on the damaged block, as it does without recovery.)"""
+    whole (the early upload is off, TEE_BYTES 0, so no block of it reached the remote).
+    checkout(ref) and restore_latest take the newest one that reads whole, the durable
+    older one, and say so; never the damaged bytes. (The uploader, let go, then stops on
+    the damaged block, as it does without recovery.)"""
+    monkeypatch.setattr(upload, "TEE_BYTES", 0)
     remote, local = str(tmp_path / "remote"), tmp_path / "nvme"
     with tsck.open_store(remote, local=str(local), block_size=BS, inline_threshold=256) as store:
         want = _put_durable(store, 1)

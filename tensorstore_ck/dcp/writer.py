@@ -135,11 +135,16 @@ class TsckWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
-        if not kwargs.get("use_collectives", True):
-            import torch.distributed as dist
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                raise InvalidArgument("TsckWriter needs use_collectives=True under a process group of more than "
+        import torch.distributed as dist
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if ranks > 1 and not kwargs.get("use_collectives", True):
+            raise InvalidArgument("TsckWriter needs use_collectives=True under a process group of more than "
                                   "one rank: one snapshot covers all ranks")
+        if ranks > 1 and self.store.remote_core is not None:
+            # Each rank's blocks would land in its own node's tier, and the coordinator's
+            # commit would name blocks its tier (and its uploader) does not have.
+            raise InvalidArgument("TsckWriter does not take a store with a local tier (open_store(local=)) under "
+                                  "a process group of more than one rank; open the remote store itself")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Refuse what cannot be stored before any rank writes anything.
@@ -162,6 +167,7 @@ class TsckWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.store._tier_begin()
         pending: list[_Pending] = []
         results: list[WriteResult] = []
         copied_inflight = 0
@@ -329,10 +335,10 @@ class TsckWriter(StorageWriter):
         pub = store.publisher
         tree, payloads = pub.write_nodes(value)
         fence = self._fence if self._fence is not None else pub.fence()
-        self.info = pub.commit(
+        self.info = store._tier_published(pub.commit(
             tree, self.args, stats=st, fence=fence, meta_extra={"format": DCP_FORMAT},
             revalidate=lambda body, fence: pub.revalidate_addresses(digests, payloads, body, fence,
-                                                             what=f"this DCP snapshot of {self.ref!r}"))
+                                                             what=f"this DCP snapshot of {self.ref!r}")))
 
     # -- pickling (AsyncCheckpointerType.PROCESS sends the writer to another process) -----
     def __getstate__(self):
