@@ -399,7 +399,7 @@ def cmd_fsck(store, args):
 def _fsck_tiers(store, args, r):
     """fsck STORE --local PATH: the remote store (above), then the local tier as a store
     of its own; every finding says its tier. Across the tiers: a snapshot the tier marks
-    durable must be in the remote catalog (an evicted one has no other copy)."""
+    durable and evicted must be in the remote catalog (it has no other copy)."""
     from .fsck import Finding
     with _open_tier(store, args) as tier:
         lr = tier.fsck(full=not args.quick, progress=_bar(args), repair=args.repair)
@@ -408,20 +408,27 @@ def _fsck_tiers(store, args, r):
         marked = trefs.durable(trefs.catalog_roots() | evicted)
         lost = sorted(root for root in marked if not store.reftable.catalog_has(root))
         queued = len(trefs.upload_pending())
+    # Evicted and gone remotely: the tier lists a snapshot no tier can read (a problem).
+    # Whole locally and gone remotely (the remote's retention expired it): a note.
+    only_here = [root for root in lost if root not in evicted]
     for root in lost:
-        gone = root in evicted
-        lr.findings.append(Finding("not_remote", root.hex(), [], None, None,
-                                   "marked durable in the local tier but not in the remote catalog"
-                                   + (" and evicted locally: no copy is left" if gone else
-                                      " (expired or forgotten there; the local copy is the only one)")))
+        if root in evicted:
+            lr.findings.append(Finding("not_remote", root.hex(), [], None, None,
+                                       "marked durable and evicted in the local tier, but not in the remote "
+                                       "catalog: no copy is left"))
     lines = [f"[remote] {x}" for x in _fsck_lines(r)]
     lines += [f"[local]  {x}" for x in _fsck_lines(lr)]
+    if only_here:
+        lines.append(f"note: {len(only_here)} durable snapshot(s) of the local tier are no longer in the remote "
+                     f"catalog (expired or forgotten there); the local copy is the only one: "
+                     f"{', '.join(r.hex()[:16] for r in only_here[:5])}")
     lines.append(f"local tier {args.local}: {lr.evicted} snapshot(s) evicted by its budget (in the remote, not "
                  f"checked here); {queued} queued for upload")
     ok = r.ok and lr.ok
     lines.append("ok: both tiers" if ok else
                  f"PROBLEMS: {len(r.findings)} in the remote store, {len(lr.findings)} in the local tier")
-    _out(args, {**r.to_json(), "ok": ok, "local": {**lr.to_json(), "queued": queued}}, "\n".join(lines))
+    _out(args, {**r.to_json(), "ok": ok, "local": {**lr.to_json(), "queued": queued,
+                                                   "only_local": [x.hex() for x in only_here]}}, "\n".join(lines))
     return 0 if ok else 1
 
 
