@@ -409,8 +409,10 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
             hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": 0}}
             return rep
         rep.reflog_compacted = refs.compact_history()
-        rep = _delete_only_theirs(core, expired, hold, began, rep, f"prune {job}", phase_objects=phase_objects,
-                                  phase_seconds=phase_seconds)
+        # A local tier's evicted snapshots have no objects here left to walk (or delete).
+        evicted = refs.evicted()
+        rep = _delete_only_theirs(core, [r for r in expired if r not in evicted], hold, began, rep, f"prune {job}",
+                                  phase_objects=phase_objects, phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
     log.info("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),

@@ -312,3 +312,22 @@ def test_kill_9_at_random_moments_of_uploads_then_resume(s3_url, s3_server, tmp_
         g = torch.Generator().manual_seed(403)
         want = {"shared": torch.arange(8192, dtype=torch.float32), "w": torch.randn(48, 256, generator=g)}
         assert _equal(remote.checkout("job/main"), want)
+
+
+def test_the_tiers_retention_expires_evicted_snapshots_quietly(tmp_path, caplog):
+    """A budget of one byte evicts every durable snapshot; the tier's retention (keep the
+    newest one) then expires the older ones: the prune has nothing of theirs to walk or
+    delete (no warning about objects it could not walk), and the tier fscks clean."""
+    with _open(tmp_path, local_budget=1) as store:
+        store.set_retention("job", tsck.Retention(keep_last=1))
+        for step in (1, 2, 3):
+            store.put_snapshot(_state(step), "job/main", job="job", step=step)
+            assert store.wait_durable(timeout=DEADLINE)
+        assert len(store.reftable.evicted()) == 3
+        caplog.set_level(logging.WARNING)
+        rep = store.prune("job")
+        assert len(rep.expired) == 2
+        assert not [r for r in caplog.records if "not walked" in r.getMessage()]
+        assert [i.step for i in store.log("job/main")] == [3]
+        assert store.fsck(full=True).findings == []
+        assert _equal(store.checkout("job/main"), _state(3))
