@@ -403,14 +403,15 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
         rep.jobs = jobs
         bad: list = []
         doomed = plan_expiry(core, refs.wall_now(), {j: rules[j] for j in jobs}, bad)
+        # A local tier's evicted snapshots have no objects here left to walk or delete
+        # (read before the expiry, which drops their marks with their rows).
+        evicted = refs.evicted()
         expired = refs.catalog_expire(doomed, rules=rules, served=queued) if doomed or queued else []
         rep.expired = [r.hex() for r in expired]
         if not expired:
             hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": 0}}
             return rep
         rep.reflog_compacted = refs.compact_history()
-        # A local tier's evicted snapshots have no objects here left to walk (or delete).
-        evicted = refs.evicted()
         rep = _delete_only_theirs(core, [r for r in expired if r not in evicted], hold, began, rep, f"prune {job}",
                                   phase_objects=phase_objects, phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start

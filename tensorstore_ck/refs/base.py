@@ -222,6 +222,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             for root in (mine | {actual}) - others:
                 if t.get("catalog", root) is not None:
                     t.delete("catalog", root)
+                    t.delete("meta", _EVICTED + root)  # a local tier's mark goes with its row
                     dropped += 1
             _append_reflog(t, key, actual, actual, message, "delete", None)
             return actual, dropped
@@ -245,6 +246,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                 raise InvalidArgument(f"snapshot {root.hex()[:16]} is {', '.join(why)}: move or delete the ref, "
                                       "untag or unpin it first")
             t.delete("catalog", root)
+            t.delete("meta", _EVICTED + root)
             _append_reflog(t, key, root, root, message, "forget", None)
 
         self._write(txn)
@@ -379,6 +381,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             for r in roots:
                 if r not in protected and t.get("catalog", r) is not None:
                     t.delete("catalog", r)
+                    t.delete("meta", _EVICTED + r)
                     gone.append(r)
             for job, raw in (served or {}).items():
                 key = _PRUNE_KEY + job.encode()
