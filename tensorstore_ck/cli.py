@@ -24,7 +24,7 @@ import os
 import sys
 
 from .assets import holds_snapshots
-from .errors import InvalidArgument, StorageError, TsckError, storage_error
+from .errors import InvalidArgument, NotAStore, StorageError, TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
 
@@ -189,8 +189,39 @@ def cmd_du(store, args):
                      f"  written {_human(j['new_bytes']):>10}  latest step {j['latest_step']}")
     if args.plot:
         d["plot"] = _du_plot(store, args, lines)
+    if args.local:
+        from .usage import tier_usage
+        with _open_tier(store, args) as tier:
+            t = tier_usage(tier.core)
+        d["local"] = t
+        lines.append(f"local tier {t['local']}: {_human(t['bytes'])}")
+        for key, what in (("pending", "queued for upload"), ("local_only", "local-only (not uploaded)"),
+                          ("durable", "cached copies of durable snapshots"),
+                          ("unreferenced", "reached by no snapshot (a put in flight, or a local gc's)")):
+            c = t[key]
+            n = f"{c['snapshots']:>5} snapshots" if key != "unreferenced" else " " * 15
+            lines.append(f"  {key:<13}{n}  {_human(c['bytes']):>10}  {what}")
+        lines.append(f"  evicted      {t['evicted']['snapshots']:>5} snapshots  (local copies dropped by the budget; "
+                     "read from the remote)")
+        if t["unreadable"]:
+            lines.append(f"  {len(t['unreadable'])} local snapshot(s) could not be read whole (tsck fsck --local "
+                         "names them)")
     _out(args, d, "\n".join(lines))
     return 0
+
+
+def _open_tier(store, args):
+    """The local tier at args.local, opened as a store of its own (no uploader: du and
+    fsck look, they send nothing), refused unless it is a tier of `store`."""
+    if not os.path.isdir(args.local):
+        raise NotAStore(f"no local tier at {args.local} (no such directory)")
+    tier = open_store(args.local, create=False, read_only=True if args.read_only else None)
+    want, got = store.config.get("id"), tier.config.get("id")
+    if want != got:
+        tier.close()
+        raise NotAStore(f"{args.local} is not a local tier of {store.url} (it belongs to store {got!r}, "
+                        f"not {want!r})")
+    return tier
 
 
 def _du_plot(store, args, lines) -> dict:
@@ -356,6 +387,52 @@ def cmd_retention(store, args):
 
 def cmd_fsck(store, args):
     r = store.fsck(full=not args.quick, progress=_bar(args), repair=args.repair)
+    if args.local:
+        return _fsck_tiers(store, args, r)
+    lines = _fsck_lines(r)
+    _out(args, r.to_json(), "\n".join(lines))
+    # Exit 1 whenever problems were found, repaired or not: what was moved is still
+    # missing from its snapshots until a put stores that content again.
+    return 0 if r.ok else 1
+
+
+def _fsck_tiers(store, args, r):
+    """fsck STORE --local PATH: the remote store (above), then the local tier as a store
+    of its own; every finding says its tier. Across the tiers: a snapshot the tier marks
+    durable and evicted must be in the remote catalog (it has no other copy)."""
+    from .fsck import Finding
+    with _open_tier(store, args) as tier:
+        lr = tier.fsck(full=not args.quick, progress=_bar(args), repair=args.repair)
+        trefs = tier.reftable
+        evicted = trefs.evicted()
+        marked = trefs.durable(trefs.catalog_roots() | evicted)
+        lost = sorted(root for root in marked if not store.reftable.catalog_has(root))
+        queued = len(trefs.upload_pending())
+    # Evicted and gone remotely: the tier lists a snapshot no tier can read (a problem).
+    # Whole locally and gone remotely (the remote's retention expired it): a note.
+    only_here = [root for root in lost if root not in evicted]
+    for root in lost:
+        if root in evicted:
+            lr.findings.append(Finding("not_remote", root.hex(), [], None, None,
+                                       "marked durable and evicted in the local tier, but not in the remote "
+                                       "catalog: no copy is left"))
+    lines = [f"[remote] {x}" for x in _fsck_lines(r)]
+    lines += [f"[local]  {x}" for x in _fsck_lines(lr)]
+    if only_here:
+        lines.append(f"note: {len(only_here)} durable snapshot(s) of the local tier are no longer in the remote "
+                     f"catalog (expired or forgotten there); the local copy is the only one: "
+                     f"{', '.join(r.hex()[:16] for r in only_here[:5])}")
+    lines.append(f"local tier {args.local}: {lr.evicted} snapshot(s) evicted by its budget (in the remote, not "
+                 f"checked here); {queued} queued for upload")
+    ok = r.ok and lr.ok
+    lines.append("ok: both tiers" if ok else
+                 f"PROBLEMS: {len(r.findings)} in the remote store, {len(lr.findings)} in the local tier")
+    _out(args, {**r.to_json(), "ok": ok, "local": {**lr.to_json(), "queued": queued,
+                                                   "only_local": [x.hex() for x in only_here]}}, "\n".join(lines))
+    return 0 if ok else 1
+
+
+def _fsck_lines(r) -> list[str]:
     lines = [str(f) for f in r.findings]
     lines += [f"moved aside: {m['key']} -> {m['aside']} ({m['problem']})" for m in r.moved]
     lines += [f"not moved: {x['key']}: {x['why']}" for x in r.left]
@@ -371,10 +448,7 @@ def cmd_fsck(store, args):
     if r.quarantined:
         lines.append(f"note: {r.quarantined} object(s) ({_human(r.quarantined_bytes)}) kept aside under "
                      "quarantine/ (never read, never deleted by gc: inspect, then remove them by hand)")
-    _out(args, r.to_json(), "\n".join(lines))
-    # Exit 1 whenever problems were found, repaired or not: what was moved is still
-    # missing from its snapshots until a put stores that content again.
-    return 0 if r.ok else 1
+    return lines
 
 
 def cmd_recover(store, args):
@@ -508,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("log", cmd_log, "snapshots of a ref, newest first", "ref")
     add("show", cmd_show, "one snapshot", "target")
     du = add("du", cmd_du, "logical vs physical bytes, per job")
+    du.add_argument("--local", default=None, metavar="PATH",
+                    help="also the bytes of this store's local tier at PATH: queued for upload, local-only, "
+                         "cached durable copies, unreferenced")
     du.add_argument("--plot", default=None, metavar="FILE.png",
                     help="also draw bytes over time per job and what deleting each job would free "
                          "(needs matplotlib: the [plot] extra)")
@@ -541,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "their new objects (default 0)")
     f = add("fsck", cmd_fsck, "verify every kept snapshot (exit 1 on problems)")
     f.add_argument("--quick", action="store_true", help="presence and sizes only, no re-hashing")
+    f.add_argument("--local", default=None, metavar="PATH",
+                   help="also check this store's local tier at PATH (opened by itself: nothing is uploaded); "
+                        "each problem names its tier")
     f.add_argument("--repair", action="store_true",
                    help="move damaged objects aside (quarantine/, never deleted) so that the next put of "
                         "their content stores them again and heals every snapshot using them")

@@ -78,6 +78,7 @@ class FsckReport:
     repair: bool = False
     moved: list = field(default_factory=list)   # {"key", "aside", "problem"}: damaged objects moved aside
     left: list = field(default_factory=list)    # {"key", "why"}: objects found bad but not moved
+    evicted: int = 0              # a local tier's snapshots whose local copies its budget dropped (not checked)
     quarantined: int = 0          # objects under quarantine/ after this run (kept; never read, never gc'd)
     quarantined_bytes: int = 0
     seconds: float = 0.0
@@ -133,7 +134,9 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
         logical += int(row.get("bytes_total", 0))
     for root, err in bad_rows:  # the snapshot is still checked below, from its commit
         rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
-    roots = sorted(core.refs.catalog_roots() | set(names))
+    evicted = core.refs.evicted()  # a local tier's budget dropped them on purpose: the remote has them
+    rep.evicted = len(evicted)
+    roots = sorted((core.refs.catalog_roots() | set(names)) - evicted)
     block_status: dict[bytes, IntegrityError | None] = {}
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()

@@ -403,43 +403,74 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
         rep.jobs = jobs
         bad: list = []
         doomed = plan_expiry(core, refs.wall_now(), {j: rules[j] for j in jobs}, bad)
+        # A local tier's evicted snapshots have no objects here left to walk or delete
+        # (read before the expiry, which drops their marks with their rows).
+        evicted = refs.evicted()
         expired = refs.catalog_expire(doomed, rules=rules, served=queued) if doomed or queued else []
         rep.expired = [r.hex() for r in expired]
         if not expired:
             hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": 0}}
             return rep
         rep.reflog_compacted = refs.compact_history()
-        k0 = kept_roots(core)
-        rep.kept_snapshots = len(k0)
-        marked, visited = Marked(), NodeSet()
-        rep.reachable_objects = mark(core, k0, marked, visited)
-        marked.freeze()
-        hold.check()
-        # Nodes a kept snapshot reaches are in `visited`: walking with it skips them and
-        # everything under them; blocks are checked against the mark one by one.
-        found: dict[str, dict[bytes, int]] = {k: {} for k in KINDS}
-        skip = NodeSet(base=visited)  # the expired snapshots' nodes must not count as kept ones
-        for root in expired:
-            try:
-                for o in walk_commit(core.assets, root, verify=True, skip_nodes=skip):
-                    found[o.kind + "s"].setdefault(o.digest, o.nbytes or 0)
-            except (IntegrityError, FormatError, UnreadableObject) as e:  # left for an offline gc
-                log.warning("prune %s: expired snapshot %s not walked (%s); `tsck gc` reclaims it",
-                            job, root.hex()[:16], e)
-        spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-prune-")
-        for kind in KINDS:  # commits, nodes, blocks: the order gc deletes in
-            ds = list(found[kind])
-            for d, live in zip(ds, marked.contains(kind, ds) if ds else []):
-                if not live:
-                    spool.write(f"{kind} {d.hex()} {found[kind][d]}\n")
-                    rep.candidates += 1
-        spool.seek(0)
-        rep = execute_gc(core, GCPlan(began, k0, marked, visited, spool, rep), lease=hold,
-                         phase_objects=phase_objects, phase_seconds=phase_seconds)
+        rep = _delete_only_theirs(core, [r for r in expired if r not in evicted], hold, began, rep, f"prune {job}",
+                                  phase_objects=phase_objects, phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
     log.info("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
              rep.deleted_objects, rep.deleted_bytes, rep.seconds)
+    return rep
+
+
+def _delete_only_theirs(core: Core, gone: list, hold: "Lease", began: float, rep: GCReport, what: str, *,
+                        phase_objects: int | None = None, phase_seconds: float | None = None) -> GCReport:
+    """Delete the objects of the snapshots `gone` (no longer kept: expired, or evicted)
+    that no kept snapshot reaches, with gc's deletion phases: storage is not listed, the
+    candidates are found by walking those snapshots."""
+    k0 = kept_roots(core)
+    rep.kept_snapshots = len(k0)
+    marked, visited = Marked(), NodeSet()
+    rep.reachable_objects = mark(core, k0, marked, visited)
+    marked.freeze()
+    hold.check()
+    # Nodes a kept snapshot reaches are in `visited`: walking with it skips them and
+    # everything under them; blocks are checked against the mark one by one.
+    found: dict[str, dict[bytes, int]] = {k: {} for k in KINDS}
+    skip = NodeSet(base=visited)  # the gone snapshots' nodes must not count as kept ones
+    for root in gone:
+        try:
+            for o in walk_commit(core.assets, root, verify=True, skip_nodes=skip):
+                found[o.kind + "s"].setdefault(o.digest, o.nbytes or 0)
+        except (IntegrityError, FormatError, UnreadableObject) as e:  # left for an offline gc
+            log.warning("%s: snapshot %s not walked (%s); `tsck gc` reclaims it", what, root.hex()[:16], e)
+    spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-prune-")
+    for kind in KINDS:  # commits, nodes, blocks: the order gc deletes in
+        ds = list(found[kind])
+        for d, live in zip(ds, marked.contains(kind, ds) if ds else []):
+            if not live:
+                spool.write(f"{kind} {d.hex()} {found[kind][d]}\n")
+                rep.candidates += 1
+    spool.seek(0)
+    return execute_gc(core, GCPlan(began, k0, marked, visited, spool, rep), lease=hold,
+                      phase_objects=phase_objects, phase_seconds=phase_seconds)
+
+
+def evict_snapshots(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) -> GCReport:
+    """A local tier's budget (upload.fit_budget): drop the local copies of `roots`,
+    snapshots the remote store holds, keeping their catalog rows, refs and history.
+    Under the gc lock: mark them evicted in the tier's table (RefTable.evict_mark takes
+    only roots marked durable and not queued), then delete what only they reach, with
+    gc's protocol (a writer that reused one of those objects is fenced and writes it
+    again). Reads of an evicted snapshot fall through to the remote (upload.ReadThrough)."""
+    t_start = time.time()
+    rep = GCReport(dry_run=False)
+    _refuse_if_rebuilding(core, "eviction")
+    with holding_gc_lock(core, lease=lease, role="evict:") as hold:
+        began = core.storage.clock_now()
+        gone = core.refs.evict_mark(roots)
+        rep.expired = [r.hex() for r in gone]  # evicted here, not expired: their rows stay
+        if gone:
+            rep = _delete_only_theirs(core, gone, hold, began, rep, "local tier eviction")
+        rep.seconds = time.time() - t_start
     return rep
 
 

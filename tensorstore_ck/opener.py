@@ -239,7 +239,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                compress: bool = True, shuffle: bool = False, gc_lease: float | None = None, max_inflight: int = 2,
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
                write_concurrency: int | None = None, create_refs: bool = False,
-               gc_stale_after: float | None = None, read_only: bool | None = None, local=None) -> Store:
+               gc_stale_after: float | None = None, read_only: bool | None = None, local=None,
+               local_budget: int | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     A ref table is created only with a new store, or with create_refs=True (what
@@ -271,7 +272,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     ref table under it, made on first use, with the store's id and layout) and returns;
     a background uploader sends each snapshot's missing objects to `url` and moves its
     ref there (SnapshotInfo.durable, Store.wait_durable()). wrap_storage= wraps the
-    remote store's storage."""
+    remote store's storage.
+    local_budget: bytes the local tier's objects may take (default: no limit). After a
+    snapshot becomes durable, and at open, the local copies of durable snapshots are
+    evicted, the older first, each ref's newest durable tip last (their reads go to the
+    remote store); never what a queued upload or a local-only snapshot needs: a budget
+    too small for those is a warning, never a failed put (docs/design/tiers.md, "Budget")."""
     if gc_stale_after is not None:
         warnings.warn("open_store(gc_stale_after=) is deprecated: use gc_lease= (the lease of the gcs this "
                       "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
@@ -293,6 +299,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if read_only:
             raise InvalidArgument("a local tier is for writing: open the store read-only without local=")
         read_only = False
+    if local_budget is not None:
+        if local is None:
+            raise InvalidArgument("local_budget= is the byte budget of a local tier: it needs local=")
+        if isinstance(local_budget, bool) or not isinstance(local_budget, int) or local_budget < 1:
+            raise InvalidArgument(f"local_budget must be a number of bytes (an int >= 1), got {local_budget!r}")
     proto, rest = _split_url(url)
     if local is not None and proto == "file" and os.path.realpath(rest) == os.path.realpath(os.fspath(local)):
         raise InvalidArgument(f"local tier {os.fspath(local)!r} is the store itself: give it a directory of its own")
@@ -402,7 +413,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if local is None:
             return Store(core, config=cfg, max_inflight=max_inflight, when_busy=when_busy)
         try:
-            return _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy)
+            return _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy,
+                           local_budget)
         except BaseException:
             core.pool.shutdown(wait=False)
             raise
@@ -413,7 +425,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
 
 
 def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, settings: Settings,
-            max_inflight: int, when_busy: str) -> Store:
+            max_inflight: int, when_busy: str, budget: int | None = None) -> Store:
     """A Store over a local tier at `path` in front of `remote`: the tier's marker is a copy
     of the remote's (same id, same block layout: a block cut here is the block the remote
     would hold), its LMDB ref table is bound to the same store id, and its blocks use the
@@ -448,4 +460,4 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
     except BaseException:
         lrefs.close()
         raise
-    return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy, uploader=Uploader(lcore, remote))
+    return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy, uploader=Uploader(lcore, remote, budget))

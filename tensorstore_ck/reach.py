@@ -176,12 +176,14 @@ class NodeSet:
 
 
 def kept_roots(core: Core, exclude: set | None = None) -> set[bytes]:
-    """Every catalog row (less `exclude`), ref tip, tag target and pin."""
+    """Every catalog row (less `exclude`), ref tip, tag target and pin, less the
+    snapshots a local tier evicted (RefTable.evict_mark: durable in the remote store,
+    their local copies dropped on purpose)."""
     rt = core.refs
     roots = rt.catalog_roots()  # a row that does not decode still keeps its snapshot
     if exclude:
         roots -= exclude
-    return roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()
+    return (roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()) - rt.evicted()
 
 
 def holders(core: Core) -> dict[bytes, list[tuple[str, str]]]:

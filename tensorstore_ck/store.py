@@ -138,7 +138,7 @@ class Store:
         self._reads = self.assets
         if uploader is not None:
             from .upload import ReadThrough
-            self._reads = ReadThrough(self.assets, uploader.remote)
+            self._reads = ReadThrough(self.assets, uploader.remote, evicted=self.reftable.evicted)
         _STORES.add(self)
 
     def _after_fork(self) -> None:

@@ -31,7 +31,7 @@ from .errors import IntegrityError, StorageError, TsckError, UnreadableObject
 from .publish import Publisher
 from .walk import walk_commit
 
-__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer"]
+__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer", "fit_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,14 @@ class Uploader:
     """Sends a local tier's queued snapshots to the remote store, on one thread.
 
     Counters (tests, the harness): `sent` objects written remotely, `skipped` objects
-    the remote had."""
+    the remote had, `superseded` snapshots not sent (Uploader._superseded)."""
 
-    def __init__(self, local: Core, remote: Core):
+    def __init__(self, local: Core, remote: Core, budget: int | None = None):
         self.local, self.remote = local, remote
+        self.budget = budget  # the tier's byte budget (open_store(local_budget=)); None: none
+        # An eviction to the budget is due or running (at open, after each upload):
+        # wait_durable() returns once it is done, so the budget holds when it returns.
+        self._fitting = budget is not None
         self.publisher = Publisher(remote.assets, remote.refs, remote.pool)
         self._cond = threading.Condition()
         self._stop = False
@@ -58,6 +62,7 @@ class Uploader:
         self._heard = False  # wait_durable raised it (close() does not raise it again)
         self._forked = False
         self.sent = self.skipped = 0
+        self.superseded = 0  # queued snapshots not sent: a newer one of their ref was queued (the backlog rule)
         # The early upload (tee): each new block a put writes here is also sent to the
         # remote as it is written, from memory, so the upload overlaps the local write.
         self._tee_fence: int | None = None  # the remote fence, read before the put wrote
@@ -104,7 +109,7 @@ class Uploader:
                     self._heard = True
                     raise self.error
                 pending = [seq for seq, _ in self.local.refs.upload_pending() if seq <= target]
-                if not pending:
+                if not pending and not self._fitting:
                     return True
                 if self._stop:
                     raise TsckError("the uploader stopped (the store was closed, or this is a forked child) before "
@@ -139,6 +144,7 @@ class Uploader:
         """In a forked child: no uploader thread here (the parent's sends what the child
         queues); the remote core drops the parent's pool and locks."""
         self._forked, self._stop = True, True
+        self._fitting = False  # the parent's uploader keeps the budget
         self._cond = threading.Condition()
         self.remote.after_fork()
 
@@ -194,6 +200,7 @@ class Uploader:
     # -- the thread ------------------------------------------------------------------
     def _run(self) -> None:
         tries = 0
+        self._fit()  # at open: a tier over its budget (a smaller budget than last time)
         while True:
             with self._cond:
                 if self._stop:
@@ -210,6 +217,8 @@ class Uploader:
                 continue
             seq, entry = pending[0]
             try:
+                if self._superseded(seq, entry, pending):
+                    continue
                 self._upload(seq, entry)
                 tries = 0
             except IntegrityError as e:  # a damaged local object: no retry makes it whole
@@ -229,6 +238,32 @@ class Uploader:
             except BaseException as e:  # noqa: BLE001 - said by wait_durable and close
                 self._fail(e)
                 return
+
+    def _superseded(self, seq: int, entry: dict, pending: list) -> bool:
+        """The backlog rule: a queued snapshot with a newer one of the same ref queued
+        behind it is not sent (dropped from the queue, logged), unless a tag or a pin
+        names it. When uploads fall behind the snapshot cadence, a superseded snapshot is
+        not worth the bandwidth: the newest is what recovery wants, and what it shares
+        with the older one is sent with it. It stays local-only (never marked durable)
+        and the local retention expires it as any other snapshot."""
+        root, ref = entry["root"], entry.get("ref")
+        newer_seq = next((s for s, e in pending if s > seq and e.get("ref") == ref and e.get("root") != root), None)
+        if newer_seq is None:
+            return False
+        refs = self.local.refs
+        held = [f"tag {name!r}" for name, r in refs.tags() if r == root] + (["a pin"] if root in refs.pins() else [])
+        if held:
+            log.info("local tier: snapshot %s of ref %s (step %s) is superseded in the queue but %s names it: "
+                     "uploading it", root.hex()[:16], ref, entry.get("step"), " and ".join(held))
+            return False
+        log.warning("local tier: skipping the upload of snapshot %s of ref %s (step %s): a newer snapshot of the "
+                    "ref is queued behind it (uploads fell behind the snapshot cadence; no tag or pin names it); "
+                    "it stays local-only", root.hex()[:16], ref, entry.get("step"))
+        refs.upload_drop(seq)
+        self.superseded += 1
+        with self._cond:
+            self._cond.notify_all()
+        return True
 
     def _fail(self, e: BaseException) -> None:
         log.error("local tier: uploads to %s stopped: %s", self.remote.url, e)
@@ -260,10 +295,28 @@ class Uploader:
                 return
             raise
         info = self.publisher.move_to(root, row, fence=fence, revalidate=lambda f: self._send(objs, f))
+        with self._cond:
+            self._fitting = self.budget is not None
         local.refs.upload_done(seq, root)
         with self._cond:
             self._cond.notify_all()
         log.info("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
+        self._fit()
+
+    def _fit(self) -> None:
+        """Keep the tier under its budget; a failure here is logged, never fatal (an
+        eviction left undone is retried after the next upload)."""
+        if self.budget is None:
+            return
+        try:
+            fit_budget(self.local, self.budget)
+        except Exception as e:  # noqa: BLE001 - the uploads matter more than the budget
+            log.warning("local tier: could not evict to the budget of %d bytes (%s: %s); retried after the next "
+                        "upload", self.budget, type(e).__name__, e)
+        finally:
+            with self._cond:
+                self._fitting = False
+                self._cond.notify_all()
 
     def _expired(self, seq: int, root: bytes) -> None:
         log.warning("local tier: queued snapshot %s left the local catalog (expired by retention) before it was "
@@ -283,6 +336,71 @@ class Uploader:
 
     def _copy(self, kind: str, d: bytes, fence: int) -> bool:
         return self.remote.assets.copy_from(self.local.assets, kind, d, fence)
+
+
+# -- the byte budget ----------------------------------------------------------------
+def fit_budget(local: Core, budget: int) -> list[bytes]:
+    """Evict local copies until the tier's stored objects fit in `budget` bytes -> the
+    roots evicted. Never what a queued upload or a local-only snapshot needs: only
+    snapshots marked durable are candidates, the older first, each ref's newest durable
+    tip (and a tag's or pin's target) after every other, so they stay while the budget
+    allows. The bytes an eviction frees are the objects no remaining snapshot reaches
+    (counted by walking every snapshot of the tier; a put in flight's objects are not
+    counted and not deleted). The deletion is a local gc (gc.evict_snapshots: the gc
+    lock, its lease and fence), not files removed by hand: a put that reused an evicted
+    object is fenced and writes it again. When what must stay exceeds the budget: a
+    warning, and nothing more is evicted."""
+    from .gc import evict_snapshots
+    stats = local.assets.object_stats()
+    total = sum(b for _, b in stats.values())
+    if total <= budget:
+        return []
+    refs = local.refs
+    sizes = {kind: {o.digest: o.size for o in local.assets.list_objects(kind)} for kind in ("commits", "nodes", "blocks")}
+    evicted = refs.evicted()
+    rows = {root: row for root, row in refs.catalog_iter(bad=[])}
+    held = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()
+    roots = (set(rows) | held) - evicted
+    queued = {e["root"] for _, e in refs.upload_pending()}
+    durable = refs.durable(roots) - queued
+    # What each snapshot reaches here, and how many snapshots reach each object.
+    reach: dict[bytes, set] = {}
+    count: dict[tuple, int] = {}
+    for root in roots:
+        objs = set()
+        try:
+            for o in walk_commit(local.assets, root, verify=False):
+                objs.add((o.kind + "s", o.digest))
+        except (TsckError, OSError):
+            durable.discard(root)  # not whole here: left to fsck, and kept
+        reach[root] = objs
+        for k in objs:
+            count[k] = count.get(k, 0) + 1
+    tips = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()
+
+    def order(root: bytes):
+        row = rows.get(root) or {}
+        return (root in tips, float(row.get("time", 0.0)), root)
+
+    now, chosen = total, []  # objects no snapshot reaches (a put in flight's) count: they take the space
+    for root in sorted(durable, key=order):
+        if now <= budget:
+            break
+        for k in reach[root]:
+            count[k] -= 1
+            if count[k] == 0:
+                now -= sizes[k[0]].get(k[1], 0)
+        chosen.append(root)
+    if now > budget:
+        log.warning("local tier: its budget of %d bytes cannot hold what must stay local (%d bytes: snapshots not "
+                    "yet uploaded, or local-only); nothing more is evicted", budget, now)
+    if not chosen:
+        return []
+    rep = evict_snapshots(local, chosen)
+    gone = [bytes.fromhex(r) for r in rep.expired]
+    log.info("local tier: evicted the local copies of %d durable snapshots (%d bytes) to fit the budget of %d "
+             "bytes; their reads go to the remote store", len(gone), rep.deleted_bytes, budget)
+    return gone
 
 
 # -- recovery: the newest trusted copy in either tier -------------------------------
@@ -311,10 +429,14 @@ class ReadThrough:
     the uploader) sees the local Assets alone, so a damaged local copy is still found
     and reported there."""
 
-    def __init__(self, local, remote: Core):
+    def __init__(self, local, remote: Core, evicted=None):
         self.local, self.remote = local, remote
+        # -> the roots the tier's budget evicted (RefTable.evicted): their local copies are
+        # gone on purpose, so a fall-through for them is the plan, not news (logged at debug).
+        self._evicted = evicted
         self._told: set[bytes] = set()
         self.missing = 0  # objects read from the remote because the tier lacks them
+        self._told_missing = False
         self._lock = threading.Lock()
 
     def __getattr__(self, name):
@@ -326,23 +448,36 @@ class ReadThrough:
     def _fell(self, what: str, d: bytes, err: BaseException) -> None:
         # A damaged copy is news about this disk: told once per object. A missing one is
         # the ordinary case after the tier was lost or trimmed to its budget (every block
-        # of a checkout): told once, then counted, not one line per block.
+        # of a checkout): told once, then counted, not one line per block; one of a
+        # snapshot the budget evicted is the plan, not news: counted, not told.
         missing = getattr(err, "reason", None) == "missing"
-        with self._lock:
-            if missing:
-                self.missing += 1
-                if self.missing > 1:
-                    return
-            elif d in self._told:
-                return
-            else:
-                self._told.add(d)
         if missing:
-            log.warning("local tier: %s %s is missing; reading it, and any other object the tier lacks, from %s",
-                        what, d.hex()[:16], self.remote.url)
-        else:
-            log.warning("local tier: %s %s failed its check (%s); reading it from %s", what, d.hex()[:16], err,
-                        self.remote.url)
+            evicted = self._evicted is not None and self._was_evicted(d, err)
+            with self._lock:
+                self.missing += 1
+                quiet = evicted or self._told_missing
+                self._told_missing = self._told_missing or not evicted
+            if evicted:
+                log.debug("local tier: %s %s of an evicted snapshot: reading it from %s", what, d.hex()[:16],
+                          self.remote.url)
+            if not quiet:
+                log.warning("local tier: %s %s is missing; reading it, and any other object the tier lacks, "
+                            "from %s", what, d.hex()[:16], self.remote.url)
+            return
+        with self._lock:
+            if d in self._told:
+                return
+            self._told.add(d)
+        log.warning("local tier: %s %s failed its check (%s); reading it from %s", what, d.hex()[:16], err,
+                    self.remote.url)
+
+    def _was_evicted(self, d: bytes, err: BaseException) -> bool:
+        try:
+            evicted = self._evicted()
+            snap = getattr(err, "snapshot", None)
+            return d in evicted or (isinstance(snap, str) and bytes.fromhex(snap) in evicted)
+        except (TsckError, ValueError):
+            return False
 
     # The remote reads pass no fence: the caller's is the local table's gc epoch, and an
     # object recorded present in the remote's presence record under another store's

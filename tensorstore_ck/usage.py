@@ -31,7 +31,7 @@ from .errors import FormatError, IntegrityError, storage_error
 from .info import row_to_info
 from .walk import walk_commit
 
-__all__ = ["summary", "usage"]
+__all__ = ["summary", "usage", "tier_usage"]
 
 _SHARED = -1
 
@@ -127,3 +127,46 @@ def usage(core: Core) -> dict:
     return {"store": core.url, "logical_bytes": sum(i.bytes_total for i in rows),
             "block_bytes": sum(sizes.values()), "blocks": len(sizes), "jobs": jobs,
             "malformed_rows": [r.hex() for r, _e in bad], "unreadable": unreadable}
+
+
+def tier_usage(core: Core) -> dict:
+    """A local tier's bytes by what they are for (`tsck du STORE --local PATH`): every
+    stored object (blocks, nodes, commits, as stored) goes to the first of
+
+        pending      reached by a snapshot queued for upload
+        local_only   reached by a snapshot not durable and not queued (skipped by the
+                     backlog rule, or left by a put that was never queued)
+        durable      reached by a durable snapshot: a cached copy of what the remote holds
+        unreferenced reached by none (a put in flight, or garbage a local gc removes)
+
+    and `evicted` counts the durable snapshots whose local copies the budget dropped."""
+    refs = core.refs
+    evicted = refs.evicted()
+    queued = {e["root"] for _, e in refs.upload_pending()}
+    roots = (refs.catalog_roots() | {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()) - evicted
+    durable = refs.durable(roots)
+    cls = {r: ("pending" if r in queued else "durable" if r in durable else "local_only") for r in roots}
+    rank = {"pending": 0, "local_only": 1, "durable": 2}
+    owner: dict[tuple, str] = {}
+    unreadable: dict[str, str] = {}
+    try:
+        sizes = {(kind, o.digest): o.size for kind in ("commits", "nodes", "blocks")
+                 for o in core.assets.list_objects(kind)}
+        for root in sorted(roots, key=lambda r: rank[cls[r]]):  # a shared object counts for the first class
+            c = cls[root]
+            try:
+                for o in walk_commit(core.assets, root, verify=False):
+                    owner.setdefault((o.kind + "s", o.digest), c)
+            except (IntegrityError, FormatError) as e:
+                unreadable[root.hex()] = str(e)  # fsck names it
+    except OSError as e:
+        raise storage_error(e, f"reading the snapshots of the local tier {core.url}") from e
+    out = {k: {"snapshots": 0, "bytes": 0, "objects": 0} for k in ("pending", "local_only", "durable", "unreferenced")}
+    for c in cls.values():
+        out[c]["snapshots"] += 1
+    for k, size in sizes.items():
+        c = out[owner.get(k, "unreferenced")]
+        c["bytes"] += size
+        c["objects"] += 1
+    return {"local": core.url, "bytes": sum(sizes.values()), **out, "evicted": {"snapshots": len(evicted)},
+            "unreadable": unreadable}

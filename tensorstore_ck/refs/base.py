@@ -16,7 +16,8 @@ Sub-tables (each a sorted key-value space):
 
 A local tier's table (open_store(local=)) also keeps, in `meta`, its upload queue
 (`upload:` seq (u64 BE) -> msgpack {root, ref, step}) and the snapshots the remote
-store has (`durable:` root -> b""): rows in an existing table, so a table of any age
+store has (`durable:` root -> b""), and those whose local copies its byte budget
+dropped (`evicted:` root -> b""): rows in an existing table, so a table of any age
 opens as a tier's and no other reader sees them.
 
 The reflog and the steps index (REF@STEP) are refs/history.py's part of RefTable;
@@ -221,6 +222,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             for root in (mine | {actual}) - others:
                 if t.get("catalog", root) is not None:
                     t.delete("catalog", root)
+                    t.delete("meta", _EVICTED + root)  # a local tier's mark goes with its row
                     dropped += 1
             _append_reflog(t, key, actual, actual, message, "delete", None)
             return actual, dropped
@@ -244,6 +246,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                 raise InvalidArgument(f"snapshot {root.hex()[:16]} is {', '.join(why)}: move or delete the ref, "
                                       "untag or unpin it first")
             t.delete("catalog", root)
+            t.delete("meta", _EVICTED + root)
             _append_reflog(t, key, root, root, message, "forget", None)
 
         self._write(txn)
@@ -378,6 +381,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             for r in roots:
                 if r not in protected and t.get("catalog", r) is not None:
                     t.delete("catalog", r)
+                    t.delete("meta", _EVICTED + r)
                     gone.append(r)
             for job, raw in (served or {}).items():
                 key = _PRUNE_KEY + job.encode()
@@ -403,6 +407,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             for k, v in t.items("meta", _UPLOAD):
                 if decode_record(v, "upload queue entry").get("root") == root:
                     return _SEQ.unpack(k[len(_UPLOAD):])[0]
+            t.delete("meta", _EVICTED + root)  # published again here: its objects are local again
             raw = t.get("meta", _UPLOAD_SEQ)
             seq = (_SEQ.unpack(raw)[0] if raw is not None else 0) + 1
             t.put("meta", _UPLOAD_SEQ, _SEQ.pack(seq))
@@ -436,6 +441,25 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         roots = list(roots)
         return self._read(lambda t: {r for r in roots if t.get("meta", _DURABLE + r) is not None})
 
+    def evict_mark(self, roots) -> list[bytes]:
+        """Mark `roots` evicted (a local tier's budget: their local copies may go, the
+        remote store has them) -> those marked: only a root marked durable and not
+        queued, checked in the transaction. An evicted root keeps nothing alive in a gc
+        of this table (reach.kept_roots), so it must be one the remote store holds."""
+        roots = list(roots)
+
+        def txn(t: Txn):
+            queued = {decode_record(v, "upload queue entry").get("root") for _, v in t.items("meta", _UPLOAD)}
+            done = [r for r in roots if r not in queued and t.get("meta", _DURABLE + r) is not None]
+            for r in done:
+                t.put("meta", _EVICTED + r, b"")
+            return done
+        return self._write(txn)
+
+    def evicted(self) -> set[bytes]:
+        """The roots whose local copies a tier's budget dropped (evict_mark)."""
+        return self._read(lambda t: {k[len(_EVICTED):] for k, _ in t.items("meta", _EVICTED)})
+
     def wall_now(self) -> float:
         """The table's calendar clock (what commit times are stamped with)."""
         return self._read(lambda t: t.wall())
@@ -444,6 +468,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
 _UPLOAD = b"upload:"
 _UPLOAD_SEQ = b"upload_seq"
 _DURABLE = b"durable:"
+_EVICTED = b"evicted:"
 _SEQ = struct.Struct(">Q")
 
 
