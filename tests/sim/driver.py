@@ -44,6 +44,12 @@ Invariants (tests/sim/check.py), after every round:
   I9  the converse of I3, as strict: no call reported failure for something that
       happened (a put that raised, not OutcomeUnknown, published nothing; a tag that
       raised does not exist; a pin that raised is not there by its own doing).
+Writers through a local tier (open_store(local=), in seeded rounds; --focus tier: all):
+their uploads are killed at the uploader's stages and at random, and check.check_tiers
+judges T1-T7 (a remote ref names no missing object; a durable mark means the remote
+catalog has it; each tier passes its fsck; one root in every tier; tier checkouts
+bit-exact; wait_durable's True; no close() on damage). To I1-I9 such a put is of unknown
+outcome: it reaches the remote only if and when an uploader gets there.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
 ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds

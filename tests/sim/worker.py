@@ -7,7 +7,9 @@ CONFIG (written by the driver): id, seed, role ("ops" | "recover"), store (url, 
 storage_options), journal path, ops (how many), seconds (after it is ready), weights (op ->
 weight), refs/jobs to use, gc_stale_after (this process's own gcs' lease under its other name: it must not decide
 another gc is dead), gc_stale / gc_leases (the leases its gc runs declare), faults (faults.py profile; kill_at may be "auto" for recover:
-a random ref-table write of the run, so that a kill lands in its ref moves).
+a random ref-table write of the run, so that a kill lands in its ref moves); tier (a
+local tier's directory: the store is opened through it, ops put/read/durable) and
+tier_end ("close" | "wait" | "kill": how such a writer ends).
 
 Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
     {"w", "i", "op", "args", "start"}                      before the call
