@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import decode_commit
 from tensorstore_ck.ids import Digest
+from tensorstore_ck.refs.history import RECOVERED
 
 from . import content
 
@@ -415,7 +416,10 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           tier bit-exact against its spec;
       T6  wait_durable() that said True left none of the caller's earlier puts unmarked;
       T7  no uploader stopped on damage (IntegrityError at close()) and no close() raised
-          a raw exception.
+          a raw exception;
+      T8  an uploader never moves a remote ref back to a tier snapshot the ref had left
+          (one already named by an earlier entry of the ref's reflog: an upload resumed
+          after its move must not move the ref again).
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable})."""
     from tensorstore_ck.walk import walk_commit
     rt, bad = store.reftable, []
@@ -491,6 +495,14 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                     if root not in lcat:
                         bad.append(f"T4 the remote catalog has {root[:16]} for a put through tier {tname}, which "
                                    f"never published that root: {put.brief()}")
+            for name in sorted(refs):  # T8
+                seen: set[str] = set()
+                for e in rt.reflog(name):
+                    new = e.new.hex()
+                    if e.op == "move" and new in lcat and new in seen and e.message != RECOVERED:
+                        bad.append(f"T8 remote ref {name} moved back to {new[:16]} (tier {tname}'s), a snapshot it "
+                                   f"had left: reflog entry at {e.time:.3f} '{e.message}'")
+                    seen.add(new)
             for name, root in refs.items():
                 if root in lcat and lcat[root].get("ref") != name:
                     bad.append(f"T4 remote ref {name} names {root[:16]}, tier {tname}'s snapshot of ref "
