@@ -55,6 +55,8 @@ class Uploader:
         self._forked = False
         self.sent = self.skipped = 0
         self._requeue_unqueued()
+        # Queued by an earlier process: its upload may have moved the remote ref already.
+        self._resumed = {seq for seq, _ in local.refs.upload_pending()}
         self._thread = threading.Thread(target=self._run, name="tsck-upload", daemon=True)
         self._thread.start()
 
@@ -183,6 +185,8 @@ class Uploader:
         if row is None:
             self._expired(seq, root)
             return
+        if seq in self._resumed and self._moved_before(seq, root, entry["ref"]):
+            return
         fence = self.publisher.fence()  # before the remote is asked about any object
         objs = {"block": [], "node": [], "commit": []}
         seen: set[bytes] = set()
@@ -204,6 +208,23 @@ class Uploader:
         with self._cond:
             self._cond.notify_all()
         log.info("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
+
+    def _moved_before(self, seq: int, root: bytes, ref: str) -> bool:
+        """A process killed after the remote move and before the durable mark left `root`
+        queued. If the remote catalog still lists it, move_to sees that; if it has left
+        the catalog since (the remote retention expired it, or a forget), only the remote
+        reflog remembers the move, and moving the ref to it again would move the ref back
+        past the snapshots published there since: mark it durable, move nothing."""
+        remote = self.remote.refs
+        if remote.catalog_has(root) or not any(e.op == "move" and e.new == root for e in remote.reflog(ref)):
+            return False
+        self.local.refs.upload_done(seq, root)
+        with self._cond:
+            self._cond.notify_all()
+        log.warning("local tier: snapshot %s of ref %s was published at %s before a restart and has left its "
+                    "catalog since (expired there); marked durable, the ref not moved back to it",
+                    root.hex()[:16], ref, self.remote.url)
+        return True
 
     def _expired(self, seq: int, root: bytes) -> None:
         log.warning("local tier: queued snapshot %s left the local catalog (expired by retention) before it was "
