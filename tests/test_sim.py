@@ -155,9 +155,10 @@ def test_checker_reports_damage_and_false_claims(tmp_path):
 
 
 def test_checker_reports_tier_violations(tmp_path):
-    """check_tiers (T1-T7) bites: a durable-marked snapshot the remote lacks, a remote ref
+    """check_tiers (T1-T8) bites: a durable-marked snapshot the remote lacks, a remote ref
     on a missing block, a damaged tier, a remote root for a tier put that the tier never
-    published, and a wait_durable that said True too early are each reported."""
+    published, a wait_durable that said True too early, and a remote ref moved back to a
+    tier snapshot it had left are each reported."""
     from tensorstore_ck.walk import walk_commit
     url, tier = tmp_path / "store", tmp_path / "tier"
     tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
@@ -205,3 +206,10 @@ def test_checker_reports_tier_violations(tmp_path):
                        ("T4", "never published that root"), ("T5", "tier t0"), ("T6", infos[0].root[:16]),
                        ("T7", "IntegrityError")]:
         assert any(b.startswith(code) and what in b for b in bad), (code, bad)
+    assert not any(b.startswith("T8") for b in bad), bad
+    # The remote ref moved back to a tier snapshot it had left (as a resumed upload did).
+    with tsck.open_store(url) as s:
+        back = bytes.fromhex(infos[1].root)
+        s.reftable.compare_and_swap("ja/main", tip, back, message=f"snapshot step {specs[1]['s']}")
+        bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)))
+    assert any(b.startswith("T8 remote ref ja/main moved back to " + infos[1].root[:16]) for b in bad), bad
