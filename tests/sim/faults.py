@@ -113,6 +113,8 @@ class SimStore(WrappedStore):
         self.f.point("put", key)
         out = self.inner.put_if_absent(key, bufs)
         self.f.point("put-done", key)  # a kill here: the object landed, the caller never heard
+        if self.f.p.get("kill_upload"):
+            self.f.upload_point(key.split("/", 1)[0].rstrip("s"), key)
         return out
 
     def put_addressed(self, key, bufs):
