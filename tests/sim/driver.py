@@ -369,8 +369,9 @@ class Harness:
         return out
 
     def _tier_brief(self, tiered: list, ids: set) -> str:
-        """tier=W:T:END[:kill-STAGE],... and the round's uploads seen: puts through a tier
-        and, of those, the ones whose tier marked them durable by the checks."""
+        """tier=W:T:END[:kill-STAGE],... then the snapshots in all the tiers so far, of
+        those the ones marked durable (as the checks found them), and the round's workers
+        killed inside their uploader."""
         if not tiered:
             return "off"
         parts = [f"{c['id']}:{os.path.basename(c['tier'])}:{c['tier_end']}"
