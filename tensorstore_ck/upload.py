@@ -70,6 +70,8 @@ class Uploader:
         self.teed = self.tee_dropped = 0
         local.assets.tee = self.tee
         self._requeue_unqueued()
+        # Queued by an earlier process: its upload may have moved the remote ref already.
+        self._resumed = {seq for seq, _ in local.refs.upload_pending()}
         self._thread = threading.Thread(target=self._run, name="tsck-upload", daemon=True)
         self._thread.start()
 
@@ -277,6 +279,8 @@ class Uploader:
         if row is None:
             self._expired(seq, root)
             return
+        if seq in self._resumed and self._moved_before(seq, root, entry["ref"]):
+            return
         self._tee_settle()
         fence = self.publisher.fence()  # before the remote is asked about any object
         objs = {"block": [], "node": [], "commit": []}
@@ -317,6 +321,23 @@ class Uploader:
             with self._cond:
                 self._fitting = False
                 self._cond.notify_all()
+
+    def _moved_before(self, seq: int, root: bytes, ref: str) -> bool:
+        """A process killed after the remote move and before the durable mark left `root`
+        queued. If the remote catalog still lists it, move_to sees that; if it has left
+        the catalog since (the remote retention expired it, or a forget), only the remote
+        reflog remembers the move, and moving the ref to it again would move the ref back
+        past the snapshots published there since: mark it durable, move nothing."""
+        remote = self.remote.refs
+        if remote.catalog_has(root) or not any(e.op == "move" and e.new == root for e in remote.reflog(ref)):
+            return False
+        self.local.refs.upload_done(seq, root)
+        with self._cond:
+            self._cond.notify_all()
+        log.warning("local tier: snapshot %s of ref %s was published at %s before a restart and has left its "
+                    "catalog since (expired there); marked durable, the ref not moved back to it",
+                    root.hex()[:16], ref, self.remote.url)
+        return True
 
     def _expired(self, seq: int, root: bytes) -> None:
         log.warning("local tier: queued snapshot %s left the local catalog (expired by retention) before it was "

@@ -28,11 +28,11 @@ sys.path.insert(0, str(REPO))
 
 from tests.sim import check, content  # noqa: E402
 
-SEEDS = {"file": 20275, "pg": 20262, "s3": 20263}
+SEEDS = {"file": 20275, "pg": 20262, "s3": 20263, "tier": 20288}
 
 
-def _run_harness(backend: str, extra_env: dict, args: list, timeout: float = 170) -> str:
-    seed = int(os.environ.get("SIM_SEED", SEEDS[backend]))
+def _run_harness(backend: str, extra_env: dict, args: list, timeout: float = 170, seeds: str | None = None) -> str:
+    seed = int(os.environ.get("SIM_SEED", SEEDS[seeds or backend]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_", "TEST_S3_"))}
     env.update(extra_env)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -60,6 +60,16 @@ def test_harness_recover_live():
     """recover beside gc, prune and writers, killed -9 and run again (flavor recover-live)."""
     out = _run_harness("file", {}, ["--rounds", "2", "--round-seconds", "2", "--focus", "recover-live"])
     assert out.count("live recover:") == 2, out[-3000:]
+
+
+@pytest.mark.slow
+def test_harness_tier():
+    """Writers through local tiers beside the others (flavor tier): uploads killed at the
+    uploader's stages and by the driver, tiers re-opened by later rounds' workers."""
+    out = _run_harness("file", {}, ["--rounds", "2", "--round-seconds", "3", "--focus", "tier"], seeds="tier")
+    tiers = re.findall(r" tier=(\S+)", out)
+    assert len(tiers) == 2 and "off" not in tiers, out[-3000:]
+    assert sum(int(n) for n in re.findall(r"upload_kills=(\d+)", out)) >= 1, out[-3000:]
 
 
 @pytest.mark.slow
@@ -142,3 +152,64 @@ def test_checker_reports_damage_and_false_claims(tmp_path):
         victim[0].unlink()
         assert any(b.startswith("I1 tag t") for b in check.check_readable(s))
         assert check.check_fsck(s, "x")
+
+
+def test_checker_reports_tier_violations(tmp_path):
+    """check_tiers (T1-T8) bites: a durable-marked snapshot the remote lacks, a remote ref
+    on a missing block, a damaged tier, a remote root for a tier put that the tier never
+    published, a wait_durable that said True too early, and a remote ref moved back to a
+    tier snapshot it had left are each reported."""
+    from tensorstore_ck.walk import walk_commit
+    url, tier = tmp_path / "store", tmp_path / "tier"
+    tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
+    specs = [content.make_spec("w", i, i % content.VARIANTS, i) for i in range(3)]
+    with tsck.open_store(url, local=tier) as s:
+        infos = [s.put_snapshot(content.state(sp), ref="ja/main", step=sp["s"], meta={"sim": sp}) for sp in specs]
+        assert s.wait_durable(timeout=60)
+    t = time.time()
+    recs = []
+    for k, (sp, inf) in enumerate(zip(specs, infos)):
+        recs += [{"w": "w", "i": k, "op": "put", "args": {"ref": "ja/main", "step": sp["s"], "spec": sp, "tier": "t0"},
+                  "start": t + k},
+                 {"w": "w", "i": k, "end": t + k + 0.5, "result": "ok", "root": inf.root, "durable": False}]
+    recs += [{"w": "w", "i": 5, "op": "close", "args": {"tier": "t0"}, "start": t + 5},
+             {"w": "w", "i": 5, "end": t + 5.5, "result": "ok"}]
+    _journal(tmp_path, recs)
+    tiers = {"t0": str(tier)}
+    with tsck.open_store(url) as s:
+        ops = check.load_ops(str(tmp_path))
+        assert all(o.local_only and o.unknown and not o.ok for o in ops if o.op == "put")  # to I3/I9: unknown
+        bad, stats = check.check_tiers(s, tiers, ops)
+        assert bad == [] and stats == {"puts": 3, "durable": 3}, bad
+
+        # The remote catalog loses a snapshot the tier marked durable, behind the harness's back.
+        s.forget(infos[0].root)
+        # A remote snapshot of a tier put's spec under another root (a re-commit, not the tier's).
+        s.put_snapshot(content.state(specs[1]), ref="jb/main", step=specs[1]["s"], meta={"sim": specs[1]})
+        # A remote block of the ref tip removed.
+        tip = bytes.fromhex(infos[-1].root)
+        blk = next(o.digest for o in walk_commit(s.assets, tip) if o.kind == "block").hex()
+        next(p for p in (url / "blocks").rglob("*") if p.name.startswith(blk)).unlink()
+        # A wait_durable that said True with an earlier put unmarked; a close that hit damage.
+        _journal(tmp_path, recs + [
+            {"w": "w", "i": 6, "op": "durable", "args": {"tier": "t0", "timeout": 1}, "start": t + 6},
+            {"w": "w", "i": 6, "end": t + 6.5, "result": "ok", "durable": True, "unmarked": [infos[0].root]},
+            {"w": "w", "i": 7, "op": "close", "args": {"tier": "t0"}, "start": t + 7},
+            {"w": "w", "i": 7, "end": t + 7.5, "result": "IntegrityError", "error": "damaged"}])
+        # A tier block damaged (flipped byte).
+        lblk = next(p for p in (tier / "blocks").rglob("*") if p.is_file())
+        data = bytearray(lblk.read_bytes())
+        data[-1] ^= 0xFF
+        lblk.write_bytes(bytes(data))
+        bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)))
+    for code, what in [("T1", "missing remotely"), ("T2", infos[0].root[:16]), ("T3", "tier t0 fsck"),
+                       ("T4", "never published that root"), ("T5", "tier t0"), ("T6", infos[0].root[:16]),
+                       ("T7", "IntegrityError")]:
+        assert any(b.startswith(code) and what in b for b in bad), (code, bad)
+    assert not any(b.startswith("T8") for b in bad), bad
+    # The remote ref moved back to a tier snapshot it had left (as a resumed upload did).
+    with tsck.open_store(url) as s:
+        back = bytes.fromhex(infos[1].root)
+        s.reftable.compare_and_swap("ja/main", tip, back, message=f"snapshot step {specs[1]['s']}")
+        bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)))
+    assert any(b.startswith("T8 remote ref ja/main moved back to " + infos[1].root[:16]) for b in bad), bad

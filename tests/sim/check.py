@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import decode_commit
 from tensorstore_ck.ids import Digest
+from tensorstore_ck.refs.history import RECOVERED
 
 from . import content
 
@@ -34,12 +35,19 @@ class Op:
 
     @property
     def ok(self) -> bool:
-        return self.result == "ok"
+        return self.result == "ok" and not self.local_only
+
+    @property
+    def local_only(self) -> bool:
+        """A put through a local tier that returned: published in the tier, and in the
+        remote store (what the other checks judge) only if and when its uploader gets
+        there. To them its outcome is unknown: it may take effect, even much later."""
+        return self.result == "ok" and self.op == "put" and bool(self.args.get("tier"))
 
     @property
     def unknown(self) -> bool:
         # killed, or the call itself said so (a lost answer: it may still take effect later)
-        return self.end is None or self.result == "OutcomeUnknown"
+        return self.end is None or self.result == "OutcomeUnknown" or self.local_only
 
     @property
     def failed(self) -> bool:
@@ -48,6 +56,8 @@ class Op:
 
     def brief(self) -> str:
         res = "UNKNOWN (killed)" if self.end is None else self.result
+        if self.local_only:
+            res = f"ok (local tier {self.args['tier']})"
         extra = {k: v for k, v in self.out.items() if k in ("root", "error", "findings", "diff", "expired")}
         return f"[{self.w}#{self.i} {self.op} {json.dumps(self.args, sort_keys=True)} t={self.start:.3f}" \
                f"..{'?' if self.end is None else f'{self.end:.3f}'} -> {res} {json.dumps(extra)[:600]}]"
@@ -374,3 +384,127 @@ def check_recovered(store) -> list[str]:
             bad.append(f"I6 after recover ref {ref} is on {str(refs.get(ref))[:16]}, not on its newest whole "
                        f"commit {root[:16]} (time {t:.3f}, step {s})")
     return bad
+
+
+# -- writers with a local tier ------------------------------------------------------------
+def _dropped_legitimately(ops: list[Op], put: Op, root: str) -> bool:
+    """Whether the remote catalog may have lost `root` (of `put`) by a user's doing:
+    retention of its job (keep_last=N and >= N other puts of the job possibly published
+    after it began), its ref deleted, or the snapshot forgotten, after the put began."""
+    job = job_of(put.args["ref"])
+    k = _min_keep(ops, job)
+    puts = [p for p in ops if p.op == "put" and (p.ok or p.unknown)]
+    later = sum(1 for p in puts if p is not put and job_of(p.args["ref"]) == job and (p.unknown or p.end > put.start))
+    names = {root, f"{put.args['ref']}@{put.args.get('step')}"}
+    forgotten = any(f.op == "forget" and (f.out.get("root") == root or (f.unknown and f.args["target"] in names))
+                    and _may_follow(f, put.start) for f in ops)
+    return (k is not None and later >= k) or _deleted_after(ops, put.args["ref"], put.start) or forgotten
+
+
+def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str], dict]:
+    """T1-T7, the local tiers against the remote store (`store`, quiescent, no tier open):
+
+      T1  every remote ref tip names no object missing remotely (its commit, every node
+          and block walked and found);
+      T2  a snapshot a tier marked durable is in the remote catalog (unless a user's
+          retention, delete_ref or forget may have dropped it there since);
+      T3  every tier passes its own fsck (nothing in the harness damages a tier's disk);
+      T4  one root in every tier: a remote catalog row or ref tip whose spec a tier's put
+          published is that tier's root (the put's own, if it returned), on the same ref,
+          and its row holds the same spec;
+      T5  every snapshot in a tier's catalog, and every tier ref tip, checks out of the
+          tier bit-exact against its spec;
+      T6  wait_durable() that said True left none of the caller's earlier puts unmarked;
+      T7  no uploader stopped on damage (IntegrityError at close()) and no close() raised
+          a raw exception;
+      T8  an uploader never moves a remote ref back to a tier snapshot the ref had left
+          (one already named by an earlier entry of the ref's reflog: an upload resumed
+          after its move must not move the ref again).
+    -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable})."""
+    from tensorstore_ck.walk import walk_commit
+    rt, bad = store.reftable, []
+    stats = {"puts": 0, "durable": 0}
+    catalog = {r.hex(): row for r, row in rt.catalog_iter()}
+    refs = {n: r.hex() for n, r in rt.list()}
+    for name, root in sorted(refs.items()):  # T1
+        try:
+            for o in walk_commit(store.assets, bytes.fromhex(root), verify=True):
+                if o.kind == "block" and not store.assets.block_exists(o.digest):
+                    bad.append(f"T1 remote ref {name} -> {root[:16]} names block {o.digest.hex()[:16]}, "
+                               "missing remotely")
+        except tsck.TsckError as e:
+            bad.append(f"T1 remote ref {name} -> {root[:16]}: {type(e).__name__}: {str(e)[:300]}")
+    tier_puts: dict[tuple, Op] = {}
+    for o in ops:
+        if o.op == "put" and o.args.get("tier"):
+            tier_puts[(o.args["spec"]["w"], o.args["spec"]["o"])] = o
+        if o.op == "durable" and o.ok and o.out.get("unmarked"):
+            bad.append(f"T6 wait_durable said True but these earlier puts are not marked durable: "
+                       f"{[r[:16] for r in o.out['unmarked']]}: {o.brief()}")
+        if o.op == "close" and (o.result == "IntegrityError" or o.out.get("raw")):
+            bad.append(f"T7 close() of a tiered store raised {o.result}: {o.brief()} {o.out.get('trace', '')[-800:]}")
+    remote_by_spec: dict[tuple, list] = {}
+    for root, row in catalog.items():
+        sp = (row.get("meta") or {}).get("sim") or {}
+        remote_by_spec.setdefault((sp.get("w"), sp.get("o")), []).append(root)
+    for tname, path in sorted(tiers.items()):
+        try:
+            t = tsck.open_store(path, create=False)  # the tier as a store of its own: no uploader
+        except tsck.TsckError as e:
+            bad.append(f"T3 tier {tname} does not open as a store: {type(e).__name__}: {e}")
+            continue
+        with t:
+            rep = t.fsck(full=True)
+            bad += [f"T3 tier {tname} fsck: {f}" for f in rep.findings[:20]]
+            lcat = {r.hex(): row for r, row in t.reftable.catalog_iter()}
+            marked = {r.hex() for r in t.reftable.durable(bytes.fromhex(r) for r in lcat)}
+            stats["puts"] += len(lcat)
+            stats["durable"] += len(marked)
+            for root in sorted(lcat):  # T5
+                why = verify_root(t, bytes.fromhex(root))
+                if why is not None:
+                    bad.append(f"T5 tier {tname} snapshot {root[:16]}: {why}")
+            for name, root in t.reftable.list():
+                why = verify_root(t, root, name)
+                if why is not None:
+                    bad.append(f"T5 tier {tname} ref {name} -> {root.hex()[:16]}: {why}")
+            for root, lrow in sorted(lcat.items()):
+                spec = (lrow.get("meta") or {}).get("sim") or {}
+                put = tier_puts.get((spec.get("w"), spec.get("o")))
+                if put is None or put.args["tier"] != tname:
+                    bad.append(f"T4 tier {tname} holds snapshot {root[:16]} of spec {spec} that no put through "
+                               "it journaled")
+                    continue
+                if put.local_only and put.out.get("root") != root:
+                    bad.append(f"T4 tier {tname} holds {root[:16]} for a put that returned "
+                               f"{put.out.get('root', '')[:16]}: {put.brief()}")
+                row = catalog.get(root)
+                if row is None:
+                    if root in marked and not _dropped_legitimately(ops, put, root):  # T2
+                        bad.append(f"T2 tier {tname} marked {root[:16]} durable but the remote catalog lacks it "
+                                   f"(no retention, delete_ref or forget explains it): {put.brief()}")
+                    continue
+                if (row.get("meta") or {}).get("sim") != spec or row.get("ref") != lrow.get("ref"):
+                    bad.append(f"T4 remote row of {root[:16]} differs from tier {tname}'s (spec/ref "
+                               f"{(row.get('meta') or {}).get('sim')} {row.get('ref')} vs {spec} {lrow.get('ref')})")
+            # T4: whatever the remote holds of this tier's puts is the tier's own root
+            for key, put in tier_puts.items():
+                if put.args["tier"] != tname:
+                    continue
+                for root in remote_by_spec.get(key, []):
+                    if root not in lcat:
+                        bad.append(f"T4 the remote catalog has {root[:16]} for a put through tier {tname}, which "
+                                   f"never published that root: {put.brief()}")
+            for name in sorted(refs):  # T8
+                seen: set[str] = set()
+                for e in rt.reflog(name):
+                    new = e.new.hex()
+                    if e.op == "move" and new in lcat and new in seen and e.message != RECOVERED:
+                        bad.append(f"T8 remote ref {name} moved back to {new[:16]} (tier {tname}'s), a snapshot it "
+                                   f"had left: reflog entry at {e.time:.3f} '{e.message}'")
+                    seen.add(new)
+            for name, root in refs.items():
+                if root in lcat and lcat[root].get("ref") != name:
+                    bad.append(f"T4 remote ref {name} names {root[:16]}, tier {tname}'s snapshot of ref "
+                               f"{lcat[root].get('ref')}")
+    return bad, stats

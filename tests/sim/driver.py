@@ -44,6 +44,12 @@ Invariants (tests/sim/check.py), after every round:
   I9  the converse of I3, as strict: no call reported failure for something that
       happened (a put that raised, not OutcomeUnknown, published nothing; a tag that
       raised does not exist; a pin that raised is not there by its own doing).
+Writers through a local tier (open_store(local=), in seeded rounds; --focus tier: all):
+their uploads are killed at the uploader's stages and at random, and check.check_tiers
+judges T1-T8 (a remote ref names no missing object; a durable mark means the remote
+catalog has it; each tier passes its fsck; one root in every tier; tier checkouts
+bit-exact; wait_durable's True; no close() on damage; no ref moved back). To I1-I9 such a put is of unknown
+outcome: it reaches the remote only if and when an uploader gets there.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
 ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
@@ -129,6 +135,23 @@ FLAVORS["net"] = dict(_BASE, weights={"put": 6, "tag": 1.5, "pin": 1, "unpin": 0
                                       "read": 1}, fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.0,
                       kill_after_commit=0.0, net="heavy")
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1, "remove": 2}
+# Writers with a local tier (open_store(remote, local=TIER)), beside the others: in a
+# round drawn with probability tier_p (a stream of its own, so the other workers'
+# schedules stay what they were), 1-2 of the workers after the first. They put (blocking
+# and async), read through the tier, wait_durable; their uploader may be killed at one of
+# its stages (faults.py kill_upload) with probability tier_kill; they end by closing
+# (uploads finished), waiting a while, or being killed with uploads queued. The tiers
+# persist across rounds: a later worker re-opens one and resumes its queue.
+TIERS = 3
+TIER_WEIGHTS = {"put": 5, "read": 1, "durable": 1.5}
+TIER_STAGES = ["block", "block", "node", "commit", "move", "durable"]
+TIER_ENDS = ["close", "close", "wait", "kill"]
+for _f in FLAVORS.values():
+    _f.setdefault("tier_p", 0.4)
+    _f.setdefault("tier_kill", 0.4)
+FLAVORS["recover-live"]["tier_p"] = 0.0  # the table is rebuilt under the writers there: not mixed with tiers
+# --focus tier: every round has tier writers, their uploaders killed more often.
+FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7)
 
 
 def _net_brief(net: dict) -> str:
@@ -152,6 +175,8 @@ class Harness:
         self.dj = Journal(os.path.join(self.run_dir, "journal", "driver.jsonl"), "driver")
         self.di = 0
         self.barriers: list[float] = []  # when the ref table was deleted
+        self._tier_puts = self._tier_durable = 0
+        self.tiers = {f"t{k}": os.path.join(self.run_dir, "tiers", f"t{k}") for k in range(TIERS)}
         self.procs: dict[str, subprocess.Popen] = {}
 
     # -- plumbing ---------------------------------------------------------------------
@@ -249,6 +274,7 @@ class Harness:
                 # their own gcs' lease; only a gc's lease decides, so it must change nothing
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,
                 "gc_stale": gc_stale, "gc_leases": leases if self.stale_skew else [gc_stale], "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
+        tiered = self._tier_writers(r, fl, cfgs)
         # Driver kills: (seconds after that worker is ready, which worker).
         kills = [(rng.uniform(0.0, self.round_seconds), rng.randrange(n))
                  for _ in range(2) if rng.random() < fl["driver_kill"]]
@@ -316,13 +342,55 @@ class Harness:
                 collective_async += 1 if o.args.get("collective") and not o.args.get("blocking", True) else 0
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
                  f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async) "
-                 f"unknown_outcomes={unknown} deletion_phases={phases} "
+                 f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
                  f"checks {time.time() - t2:.1f})")
         return bad
+
+    def _tier_writers(self, r: int, fl: dict, cfgs: list) -> list[dict]:
+        """Make 1-2 of the round's workers (never the first: it drives the collective puts)
+        writers through a local tier, each its own (two processes never share a tier)."""
+        trng = random.Random(f"{self.seed}:{r}:tier")
+        if len(cfgs) < 2 or trng.random() >= fl["tier_p"]:
+            return []
+        m = trng.randint(1, min(2, len(cfgs) - 1))
+        out = []
+        for k, name in zip(trng.sample(range(1, len(cfgs)), m), trng.sample(sorted(self.tiers), m)):
+            c = cfgs[k]
+            c.update(tier=self.tiers[name], weights=dict(TIER_WEIGHTS), vulture_p=0.0,
+                     tier_end=trng.choice(TIER_ENDS))
+            if trng.random() < fl["tier_kill"]:
+                at = trng.choice(TIER_STAGES)
+                c["faults"]["kill_upload"] = {"at": at, "n": trng.randint(1, 6) if at == "block" else 1}
+            out.append(c)
+        return out
+
+    def _tier_brief(self, tiered: list, ids: set) -> str:
+        """tier=W:T:END[:kill-STAGE],... then the snapshots in all the tiers so far, of
+        those the ones marked durable (as the checks found them), and the round's workers
+        killed inside their uploader."""
+        if not tiered:
+            return "off"
+        parts = [f"{c['id']}:{os.path.basename(c['tier'])}:{c['tier_end']}"
+                 + (f":kill-{c['faults']['kill_upload']['at']}" if "kill_upload" in c["faults"] else "")
+                 for c in tiered]
+        return ",".join(parts) + f"(puts={self._tier_puts}, durable={self._tier_durable}, " \
+                                 f"upload_kills={self._upload_kills(ids)})"
+
+    def _upload_kills(self, ids: set) -> int:
+        """Workers of the round killed inside their uploader (journaled kill records; two
+        I/O threads may both reach the stage before the signal lands: one kill)."""
+        n = 0
+        for w in ids:
+            try:
+                with open(os.path.join(self.run_dir, "journal", f"{w}.jsonl")) as f:
+                    n += any('"op": "upload-' in line for line in f)
+            except OSError:
+                pass
+        return n
 
     def _recover_phase(self, rng: random.Random, fl: dict, r: int) -> list[str]:
         """The ref table is lost; an operator runs recover (with no writer running). The
@@ -499,6 +567,10 @@ class Harness:
             bad += check.check_fsck(s, "quiescent")
             bad += check.check_history(s, ops, self.barriers)
             bad += check.check_failures(s, ops)
+            tiers = {n: p for n, p in self.tiers.items() if os.path.isdir(p)}
+            tb, stats = check.check_tiers(s, tiers, ops)
+            bad += tb
+            self._tier_puts, self._tier_durable = stats["puts"], stats["durable"]
         return bad
 
     # -- the run ------------------------------------------------------------------------

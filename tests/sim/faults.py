@@ -19,6 +19,11 @@ The profile (chosen by the driver from the seed) says, per point:
   kill_after           {"op", "prefix", "p", "during_gc"}: SIGKILL at such a point with
                        probability p (only while a gc runs, if during_gc); e.g. put-done
                        of commits/: a commit landed, its ref not moved
+  kill_upload          {"at", "n"}: a writer with a local tier: SIGKILL inside its
+                       uploader at the n-th such stage (upload_point): "block", "node",
+                       "commit" (after that many objects of the kind reached the remote),
+                       "move" (everything sent and synced, the remote ref not moved),
+                       "durable" (the remote ref moved, the tier not told yet)
 The random choices come from one seeded generator; threads reach points in an order
 that varies, so a seed fixes the schedule of faults, not the exact interleaving.
 """
@@ -47,6 +52,20 @@ class Faults:
         self.on_kill = on_kill
         self.gc_busy = None  # set by the worker: is a gc marking or deleting now?
         self.armed = True
+        self.upload_seen: dict[str, int] = {}  # uploader stages reached (kill_upload)
+
+    def upload_point(self, stage: str, key: str = "") -> None:
+        """A stage inside a local tier's uploader: SIGKILL at the profile's n-th one."""
+        ku = self.p.get("kill_upload")
+        if not self.armed or not ku or ku["at"] != stage:
+            return
+        with self.lock:
+            n = self.upload_seen[stage] = self.upload_seen.get(stage, 0) + 1
+        if n >= ku.get("n", 1):
+            if self.on_kill is not None:
+                self.on_kill(n, f"upload-{stage}", key)
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10)  # never returns
 
     def point(self, op: str, key: str = "") -> None:
         if not self.armed:
@@ -94,12 +113,16 @@ class SimStore(WrappedStore):
         self.f.point("put", key)
         out = self.inner.put_if_absent(key, bufs)
         self.f.point("put-done", key)  # a kill here: the object landed, the caller never heard
+        if self.f.p.get("kill_upload"):
+            self.f.upload_point(key.split("/", 1)[0].rstrip("s"), key)
         return out
 
     def put_addressed(self, key, bufs):
         self.f.point("put", key)
         out = self.inner.put_addressed(key, bufs)  # local disks: named only at the next sync
         self.f.point("put-done", key)
+        if self.f.p.get("kill_upload"):  # behind a local tier only the uploader writes here
+            self.f.upload_point(key.split("/", 1)[0].rstrip("s"), key)
         return out
 
     def exists(self, key):

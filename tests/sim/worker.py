@@ -7,7 +7,9 @@ CONFIG (written by the driver): id, seed, role ("ops" | "recover"), store (url, 
 storage_options), journal path, ops (how many), seconds (after it is ready), weights (op ->
 weight), refs/jobs to use, gc_stale_after (this process's own gcs' lease under its other name: it must not decide
 another gc is dead), gc_stale / gc_leases (the leases its gc runs declare), faults (faults.py profile; kill_at may be "auto" for recover:
-a random ref-table write of the run, so that a kill lands in its ref moves).
+a random ref-table write of the run, so that a kill lands in its ref moves); tier (a
+local tier's directory: the store is opened through it, ops put/read/durable) and
+tier_end ("close" | "wait" | "kill": how such a writer ends).
 
 Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
     {"w", "i", "op", "args", "start"}                      before the call
@@ -67,8 +69,13 @@ class Journal:
 
 
 def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
+    """The round's store; with cfg["tier"], through that local tier (open_store(local=)):
+    wrap_storage then wraps the remote storage, which only the uploader writes, and both
+    ref tables (the tier's and the remote one) get the fault points."""
     st = cfg["store"]
     wrap = (lambda inner: SimStore(inner, faults)) if faults is not None else None
+    if cfg.get("tier"):
+        kw["local"] = cfg["tier"]
     give_up = time.time() + 60
     while True:
         try:
@@ -81,7 +88,29 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
             time.sleep(0.5)
     if faults is not None:
         slow_reftable(s.reftable, faults)
+        if cfg.get("tier"):
+            slow_reftable(s.remote_core.refs, faults)
+            _upload_kill_points(s, faults)
     return s
+
+
+def _upload_kill_points(s, faults: Faults) -> None:
+    """The uploader's last two stages as kill points (faults.kill_upload): "move", every
+    object sent and synced, the remote ref not moved yet; "durable", the remote ref moved,
+    the tier not told (its queue still holds the snapshot). The uploader's thread is
+    already running (it resumes a queue at open): a stage it passed before this is missed."""
+    up = s._uploader
+    move_to, upload_done = up.publisher.move_to, up.local.refs.upload_done
+
+    def move(*a, **k):
+        faults.upload_point("move")
+        return move_to(*a, **k)
+
+    def done(*a, **k):
+        faults.upload_point("durable")
+        return upload_done(*a, **k)
+
+    up.publisher.move_to, up.local.refs.upload_done = move, done
 
 
 def _die_with_parent() -> None:
@@ -153,6 +182,8 @@ class Worker:
         spec = content.make_spec(self.wid, i, self.rng.randrange(content.VARIANTS), step, own)
         blocking = self.rng.random() < 0.6
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
+        if self.cfg.get("tier"):  # published in the tier: durable (remote) only once uploaded
+            args["tier"] = os.path.basename(self.cfg["tier"])
         kw = {}
         if self.rng.random() < 0.15:  # a conditional move on the tip seen now
             cur = s.reftable.get_or_none(ref)
@@ -175,8 +206,23 @@ class Worker:
             # hits: objects this Store reused from its presence record so far (the driver
             # reports them, so a run shows the record was exercised beside gc)
             return {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
-                    "hits": s.assets.presence.hits}
+                    "hits": s.assets.presence.hits, "durable": info.durable}
         return args, call
+
+    def op_durable(self, s, i):
+        """A writer with a local tier waits for its uploads (wait_durable with a timeout):
+        once it says True, every snapshot this worker put before must be marked durable."""
+        timeout = self.rng.choice([0.2, 1.0, 4.0])
+        roots = [p["root"] for p in self.puts]
+
+        def call():
+            done = s.wait_durable(timeout=timeout)
+            out = {"durable": done, "roots": roots}
+            if done:
+                marked = s.reftable.durable(bytes.fromhex(r) for r in roots)
+                out["unmarked"] = [r for r in roots if bytes.fromhex(r) not in marked]
+            return out
+        return {"timeout": timeout, "tier": os.path.basename(self.cfg["tier"])}, call
 
     def op_cput(self, s, i):
         """A collective put by this worker's ranks (tests/sim/ranks.py, a real gloo group of
@@ -433,6 +479,8 @@ class Worker:
                 self.j.write(i=i, end=time.time(), **out)
                 time.sleep(self.rng.random() * cfg.get("pause", 0.05))
         finally:
+            if cfg.get("tier"):
+                self._close_tier(s)
             self.faults.armed = False
             try:
                 s.close()
@@ -446,6 +494,32 @@ class Worker:
                 except subprocess.TimeoutExpired:
                     p.kill()
         return 0
+
+    def _close_tier(self, s) -> None:
+        """How a writer with a local tier ends (seeded, cfg["tier_end"]): "close" finishes
+        its uploads in close(), kill points still armed; "wait" waits a while for them
+        (wait_durable), then closes; "kill" dies with its uploads queued (kill -9): the
+        next worker that opens this tier resumes them. Journaled as op "close"."""
+        end = self.cfg.get("tier_end", "close")
+        i = self.cfg["ops"] + 1
+        if end == "kill":
+            self.j.write(kill="end", op="close", key="uploads left queued")
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10)
+        if end == "wait":
+            args, call = self.op_durable(s, i - 1)
+            self._journaled(i - 1, "durable", args, call)
+        tier = os.path.basename(self.cfg["tier"])
+        self._journaled(i, "close", {"tier": tier}, lambda: (s.close(), {})[1])
+
+    def _journaled(self, i: int, op: str, args: dict, call) -> None:
+        self.j.write(i=i, op=op, args=args, start=time.time())
+        try:
+            out = call() or {}
+        except Exception as e:  # noqa: BLE001 - judged by check.py
+            out = _err(e)
+        out.setdefault("result", "ok")
+        self.j.write(i=i, end=time.time(), **out)
 
     def run_recover(self) -> int:
         s = open_store(self.cfg, self.faults, create_refs=True)
