@@ -414,7 +414,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           and its row holds the same spec;
       T5  every snapshot in a tier's catalog, and every tier ref tip, checks out of the
           tier bit-exact against its spec;
-      T6  wait_durable() that said True left none of the caller's earlier puts unmarked;
+      T6  wait_durable() that said True left the newest earlier put of each of the
+          caller's refs marked durable (older ones may be skipped by the backlog rule);
       T7  no uploader stopped on damage (IntegrityError at close()) and no close() raised
           a raw exception;
       T8  an uploader never moves a remote ref back to a tier snapshot the ref had left
