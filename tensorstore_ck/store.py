@@ -302,10 +302,8 @@ class Store:
             return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected)
 
         if is_collective(group):
-            if self._uploader is not None:
-                raise InvalidArgument("a store with a local tier takes no collective puts yet: open it without "
-                                      "local= under torch.distributed (or pass group=None)")
-            call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare)
+            call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare,
+                                 tier=self._collective_tier())
             if not blocking:
                 def stage():
                     args = prepare()
@@ -334,6 +332,14 @@ class Store:
             self._puts.skipped += 1
             return None
         return self._puts.submit(args.ref, buf, lambda: self._publish(plan, args))
+
+    def _collective_tier(self):
+        """With a local tier: what a collective put does besides the protocol (each rank
+        publishes in its own tier and queues its own upload: peers.py); else None."""
+        if self._uploader is None:
+            return None
+        from .peers import CollectiveTier
+        return CollectiveTier(self.core, self._uploader)
 
     def _after_in_flight(self, fn) -> None:
         """Run fn() on the background publisher once the snapshots queued so far have ended."""
@@ -566,8 +572,11 @@ class Store:
                                         progress=bar, **opts), c["tree"])
 
         if is_collective(group):
+            # Rank 0 resolves the target in both tiers (the newer snapshot, as for one
+            # process); every rank reads its region through its own tier, the remote behind.
+            resolve = None if self._uploader is None else (lambda t: self._tier_roots(t)[0])
             return collective_checkout(CollectiveJob(self.core, self.publisher, self._collective, group, timeout,
-                                                     read=read), target)
+                                                     read=read, resolve=resolve), target)
         roots = self._tier_roots(target)
         for i, root in enumerate(roots):
             try:

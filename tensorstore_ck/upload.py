@@ -59,8 +59,9 @@ class Uploader:
         self._thread.start()
 
     # -- the queue -----------------------------------------------------------------
-    def enqueue(self, root: bytes, ref: str, step) -> int:
-        seq = self.local.refs.upload_enqueue(root, ref, step)
+    def enqueue(self, root: bytes, ref: str, step, part: bytes | None = None) -> int:
+        """part: this rank's sub-tree of a collective snapshot (peers.py), not the snapshot."""
+        seq = self.local.refs.upload_enqueue(root, ref, step, part=part)
         with self._cond:
             self._cond.notify_all()
         return seq
@@ -179,10 +180,17 @@ class Uploader:
 
     def _upload(self, seq: int, entry: dict) -> None:
         root, local = entry["root"], self.local
+        if entry.get("part") is not None:  # a rank's part of a collective snapshot (peers.py)
+            from .peers import upload_part
+            return upload_part(self, seq, entry)
         row = local.refs.catalog_get(root)
         if row is None:
             self._expired(seq, root)
             return
+        world = (row.get("meta") or {}).get("world") if isinstance(row.get("meta"), dict) else None
+        if isinstance(world, int) and world > 1:  # a collective snapshot: the other ranks send their parts
+            from .peers import upload_world
+            return upload_world(self, seq, entry, row)
         fence = self.publisher.fence()  # before the remote is asked about any object
         objs = {"block": [], "node": [], "commit": []}
         seen: set[bytes] = set()

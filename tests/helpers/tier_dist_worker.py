@@ -1,0 +1,104 @@
+"""Collective snapshots through local tiers, for tests/test_tier_dist.py.
+
+    python tier_dist_worker.py SCENARIO OUTDIR CONFIG.json
+
+CONFIG: {"url": remote store URL, "opts": storage_options, "refs": the remote ref table,
+"world": W, ...}. Every rank opens `open_store(url, refs=..., local=TIERS/<tier><rank>)`
+(one local directory per rank under CONFIG's "tiers", standing for one node each), the remote storage wrapped by
+a recorder of the keys read there. Ranks write OUTDIR/<phase>_rank<r>.json (roots, durable
+flags, remote keys read) and OUTDIR/<phase>_rank<r>.pt (what a checkout returned); the
+test judges against the data definitions of dist_worker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dist_worker as dw  # noqa: E402  (the launcher and the shared state definitions)
+from dist_worker import launcher_main  # noqa: E402
+import torch  # noqa: E402
+
+REF = dw.REF
+
+
+def _reads_class():
+    from tensorstore_ck.storage.wrappers import WrappedStore
+
+    class Reads(WrappedStore):
+        """Records every object key read from the remote store (blocks, nodes, commits)."""
+
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.lock = threading.Lock()
+            self.reads: list[str] = []
+
+        def _note(self, key):
+            if key.split("/", 1)[0] in ("blocks", "nodes", "commits"):
+                with self.lock:
+                    self.reads.append(key)
+
+        def open_read(self, key, max_bytes=None):
+            self._note(key)
+            return self.inner.open_read(key, max_bytes)
+
+        def get(self, key, max_bytes=None):
+            self._note(key)
+            return self.inner.get(key, max_bytes)
+    return Reads
+
+
+def _open(cfg, out, rank, tier, holder, **kw):
+    import tensorstore_ck as tsck
+    Reads = _reads_class()
+    return tsck.open_store(cfg["url"], refs=cfg["refs"], storage_options=cfg["opts"],
+                           local=os.path.join(cfg["tiers"], f"{tier}{rank}"), block_size=dw.BLOCK,
+                           inline_threshold=dw.INLINE, wrap_storage=lambda s: holder.setdefault("w", Reads(s)), **kw)
+
+
+def put_body(rank, world, out, res, cfg):
+    """Two collective puts through the tiers (versions 0 and 1), then wait until durable."""
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder) as store:
+        infos = [store.put_snapshot(dw.sharded_state(rank, world, v), REF, step=v + 1, timeout=60)
+                 for v in (0, 1)]
+        res["roots"] = [i.root for i in infos]
+        res["durable_at_return"] = [i.durable for i in infos]
+        res["waited"] = store.wait_durable(timeout=240)
+        res["durable_after"] = store.show(infos[-1].root).durable if rank == 0 else None
+        res["queue_left"] = len(store.core.refs.upload_pending())
+
+
+def load_body(rank, world, out, res, cfg):
+    """A collective checkout of REF into this rank's view, through tier `cfg["tier"]`."""
+    import tensorstore_ck as tsck
+    holder: dict = {}
+    with _open(cfg, out, rank, cfg["tier"], holder) as store:
+        into: dict = {}
+        for path, (rows, cols, dtype) in dw.SHARDED.items():
+            a, b = dw.row_split(rows, world, rank)
+            dw._set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
+        into["local"] = None
+        got = store.checkout(REF, into=into, timeout=60)
+        res["remote_reads"] = list(holder["w"].reads)
+        dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
+        torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+
+
+def scenarios(scenario: str, out: str, argv: list) -> list | None:
+    with open(argv[3]) as f:
+        cfg = json.load(f)
+    world = cfg["world"]
+    if scenario == "put":
+        return [dw.launch("put", world, put_body, out, cfg, limit=300)]
+    if scenario == "load":
+        return [dw.launch(cfg["phase"], world, load_body, out, cfg, limit=200)]
+    return None
+
+
+if __name__ == "__main__":
+    launcher_main(scenarios)

@@ -1,0 +1,93 @@
+"""Collective snapshots through local tiers (open_store(remote, local=NODE_DIR) on every
+rank): each rank writes its part to its own tier and returns; the uploaders make the
+snapshot durable (docs/design/tiers.md, "Collective puts").
+
+Real gloo ranks (forked by tests/helpers/tier_dist_worker.py), a real S3 server (moto, or
+radosgw via TEST_S3_ENDPOINT) behind one local directory per rank, an LMDB remote ref
+table. The ranks only record what they see; the test judges against the data definitions
+of tests/helpers/dist_worker.py and against the remote store as it sees it afterwards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import _util
+from _util import load_helper, run_worker_scenario, same_bits
+
+import tensorstore_ck as tsck
+
+pytestmark = pytest.mark.slow  # real ranks and a real S3 server
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "helpers" / "tier_dist_worker.py"
+dw = load_helper(HERE / "helpers" / "dist_worker.py")
+REF = dw.REF
+
+
+def _run(tmp_path: Path, scenario: str, cfg: dict, limit: float = 400.0) -> Path:
+    f = tmp_path / f"cfg-{scenario}-{cfg.get('phase', '')}.json"
+    f.write_text(json.dumps(cfg))
+    return run_worker_scenario(WORKER, tmp_path / "out", scenario, f, limit=limit)
+
+
+def _results(out: Path, phase: str, world: int) -> list[dict]:
+    return _util.rank_results(out, phase, world, exit_zero=True)
+
+
+def _check_view(out: Path, phase: str, world: int, version: int) -> None:
+    for r in range(world):
+        got = torch.load(out / f"{phase}_rank{r}.pt", weights_only=False)
+        for path, (rows, _cols, _dt) in dw.SHARDED.items():
+            a, b = dw.row_split(rows, world, r)
+            assert same_bits(dw.global_tensor(path, version)[a:b], got["sharded"]["/".join(path)]), (phase, r, path)
+        want = dw.rank_local(r, version)
+        assert got["local"]["rank"] == r and same_bits(want["rng"], got["local"]["rng"])
+
+
+def _config(tmp_path, s3_url, s3_server, world: int) -> dict:
+    cfg = {"url": s3_url, "opts": s3_server, "refs": str(tmp_path / "refs.lmdb"), "world": world,
+           "tiers": str(tmp_path / "nodes")}
+    # The remote store is made here, once: the ranks open it, none races to create it.
+    tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server, block_size=dw.BLOCK,
+                    inline_threshold=dw.INLINE).close()
+    (tmp_path / "out").mkdir(exist_ok=True)
+    return cfg
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_tier(tmp_path, s3_url, s3_server,
+                                                                                     world):
+    """Each rank writes its part to its own tier and returns local-only; the uploaders
+    (every rank its part, rank 0 the top and the move) make it durable: the remote ref
+    names the snapshot, the remote fscks clean, and a collective checkout through fresh,
+    empty tiers restores every rank's view bit for bit from the remote."""
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    out = _run(tmp_path, "put", cfg)
+    res = _results(out, "put", world)
+    roots = {tuple(r["roots"]) for r in res}
+    assert len(roots) == 1, roots  # one snapshot per put, the same on every rank
+    (root0, root1), = roots
+    assert root0 != root1
+    for r in res:
+        assert r["durable_at_return"] == [False, False]  # returned at local speed, before any upload
+        assert r["waited"] is True and r["queue_left"] == 0
+    assert res[0]["durable_after"] is True
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve(REF) == root1
+        assert remote.fsck(full=True).findings == []
+
+    # The tiers are gone (new nodes): the checkout reads everything from the remote.
+    out = _run(tmp_path, "load", {**cfg, "tier": "fresh", "phase": "fresh"})
+    res = _results(out, "fresh", world)
+    _check_view(out, "fresh", world, 1)
+    assert all(r["remote_reads"] for r in res)
+
+    # The tiers intact: every rank reads its region from its own tier, nothing remote.
+    out = _run(tmp_path, "load", {**cfg, "tier": "tier", "phase": "same"})
+    res = _results(out, "same", world)
+    _check_view(out, "same", world, 1)
+    assert [r["remote_reads"] for r in res] == [[]] * world
