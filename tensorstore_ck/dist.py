@@ -849,6 +849,10 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None):
             ch.set_mine("rep", msgpack.packb(reps))
             rep = hashlib.blake2b(msgpack.packb(reps), digest_size=16).digest()
         publisher.sync()  # this rank's objects are durable before rank 0 publishes
+        if tier is not None and rank != 0:
+            # Rank 0's tier holds every rank's nodes (not their blocks): what its local gc
+            # and prune walk to know what the snapshot keeps (peers.py).
+            ch.set_mine("tnodes", msgpack.packb(part["payloads"]))
         ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep,
                                          "stats": [st.bytes_total, st.bytes_new, st.blocks_total,
                                                    st.blocks_new, st.stored_new]}), W)
@@ -878,6 +882,10 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None):
             why = _replica_disagreement(ch)
             ch.abort(why)
             raise SnapshotAborted(f"snapshot aborted: {why}")
+        if tier is not None and W > 1:  # every rank's nodes into this rank's tier (put: checked by address)
+            for blob in ch.get_many([f"tnodes/{r}" for r in range(1, W)]):
+                for payload in msgpack.unpackb(blob):
+                    publisher.assets.put_node(payload, fence)
         # The rank tree and the range-cut chunk index (format/world.py): a rank's checkout
         # reads the few nodes its own region needs, whatever W (not O(W) or O(W x N)). The
         # index depends on the layout alone: built once per checked layout, then put again.

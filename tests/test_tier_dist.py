@@ -91,3 +91,29 @@ def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_
     res = _results(out, "same", world)
     _check_view(out, "same", world, 1)
     assert [r["remote_reads"] for r in res] == [[]] * world
+
+
+def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_server):
+    """CheckpointManager as a DDP job runs it (asynchronous collective snapshots, retention
+    pruning on rank 0), each rank's store with a local tier: every snapshot is taken, close()
+    leaves them durable, and new processes on new nodes (fresh tiers) resume from the
+    remote store with the state of the last snapshot."""
+    world = 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    out = _run(tmp_path, "manager", {**cfg, "tier": "tier", "phase": "train", "mode": "train"})
+    res = _results(out, "train", world)
+    for r in res:
+        assert r["failed"] == 0 and r["errors"] == [] and r["prune_errors"] == [], r
+        assert [s for s, root in r["steps"].items() if root] == ["2", "4", "6"]
+    assert res[0]["steps"] == res[1]["steps"]
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve("llm/main") == res[0]["steps"]["6"]
+        assert remote.fsck(full=True).findings == []
+    out = _run(tmp_path, "manager", {**cfg, "tier": "fresh", "phase": "resume", "mode": "resume"})
+    res = _results(out, "resume", world)
+    assert [r["start"] for r in res] == [6, 6]
+    for r in range(world):
+        saved = torch.load(out / f"train_rank{r}.pt", weights_only=False)
+        got = torch.load(out / f"resume_rank{r}.pt", weights_only=False)
+        for k, v in saved["model"].items():
+            assert same_bits(v, got["model"][k]), (r, k)

@@ -89,12 +89,40 @@ def load_body(rank, world, out, res, cfg):
         torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
 
 
+def manager_body(rank, world, out, res, cfg):
+    """CheckpointManager unchanged over a tiered store (asynchronous collective snapshots,
+    retention): cfg["mode"] "train" takes snapshots at steps 2, 4, 6 and closes (close()
+    waits for the uploads); "resume" restores the latest through tier cfg["tier"]."""
+    import tensorstore_ck as tsck
+    import ddp_manager as dm
+    holder: dict = {}
+    with _open(cfg, out, rank, cfg["tier"], holder) as store:
+        model, opt = dm._model_and_opt()
+        mgr = tsck.CheckpointManager(store, job=dm.JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=2, retention=tsck.Retention(keep_last=2))
+        if cfg["mode"] == "train":
+            steps = {}
+            for step in range(1, 7):
+                dm._train_step(model, opt, rank, step)
+                steps[step] = mgr.step(step)
+            mgr.close()
+            res["steps"] = dm._roots(steps)
+            res.update(dm._counters(mgr))
+        else:
+            res["start"] = mgr.restore_latest()
+            mgr.close()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                   os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+
+
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     with open(argv[3]) as f:
         cfg = json.load(f)
     world = cfg["world"]
     if scenario == "put":
         return [dw.launch("put", world, put_body, out, cfg, limit=300)]
+    if scenario == "manager":
+        return [dw.launch(cfg["phase"], world, manager_body, out, cfg, limit=300)]
     if scenario == "load":
         return [dw.launch(cfg["phase"], world, load_body, out, cfg, limit=200)]
     return None
