@@ -874,7 +874,7 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None):
         info = _await_result(ch, publisher, args, revalidate_mine, info_of)
         publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there
         _published(ch, started["need"], tier is not None)
-        return info if tier is None else tier.published(info, part["tree"])
+        return info if tier is None else tier.published(info, part["tree"], False)
 
     def compose():
         dones = [msgpack.unpackb(d) for d in ch.wait_all("done", "finish writing")]
@@ -951,7 +951,7 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None):
         except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
             warnings.warn(f"snapshot {info.root[:16]} was published locally, but its top nodes could not be handed "
                           f"to the other ranks: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
-        info = tier.published(info, None)
+        info = tier.published(info, part["tree"], True)
     ch.ack()  # (it holds the outcome and reads nothing of the call's after: the others' acks come after)
     try:
         ch.set(_result_key(ch.round), info.root.encode())

@@ -55,8 +55,8 @@ class CollectiveTier:
     """What a collective put through local tiers does besides the protocol of dist.py,
     built by the Store for one call (dist.py calls it, and knows nothing of tiers)."""
 
-    def __init__(self, core, uploader):
-        self.core, self.uploader = core, uploader
+    def __init__(self, core, uploader, peers: "Peers | None" = None):
+        self.core, self.uploader, self.peers = core, uploader, peers
 
     def top_blob(self, root: bytes, top_payloads: list) -> bytes:
         """Rank 0, after its local publication: the commit and the top nodes, for the others."""
@@ -76,11 +76,14 @@ class CollectiveTier:
                                  f"(its bytes hash to {got.hex()[:16]})", reason="corrupt")
         assets.sync()
 
-    def published(self, info, tree: bytes | None):
-        """Every rank once the snapshot is published locally: queue its upload (rank 0,
-        tree None: the snapshot; another rank: its part, the sub-tree `tree`)."""
+    def published(self, info, tree: bytes, rank0: bool):
+        """Every rank once the snapshot is published locally: queue its upload (rank 0: the
+        snapshot; another rank: its part, the sub-tree `tree`); with replicas, send the
+        part to the peers in the background."""
         root = bytes.fromhex(info.root)
-        self.uploader.enqueue(root, info.ref, info.step, part=tree)
+        self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
+        if self.peers is not None:
+            self.peers.replicate(root, tree)
         return dataclasses.replace(info, durable=False)
 
 
@@ -184,7 +187,7 @@ def _confirm(up, theirs: list) -> None:
 
     def there(kd) -> bool:
         kind, d = kd
-        return up.remote.storage.exists(remote.object_key(kind, d))
+        return up.remote.storage.exists(remote.object_key(kind + "s", d))
     missing = [kd for kd, ok in zip(theirs, up.remote.pool.map(there, theirs)) if not ok]
     if missing:
         raise _Pending(f"{len(missing)} object(s) of the other ranks, e.g. {missing[0][0]} {missing[0][1].hex()[:16]}")
@@ -234,3 +237,302 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         up._cond.notify_all()
     log.info("local tier: collective snapshot %s of ref %s durable at %s", info.root[:16], info.ref,
              up.remote.url)
+
+
+# -- peer replicas ---------------------------------------------------------------------
+#
+# A TCP side channel, not the process group: an asynchronous collective put runs on the
+# store's background publisher while training runs its own collectives (DDP's all-reduce)
+# on the same group from the main thread, and gloo matches a group's operations by their
+# order, so sends from two threads would pair with the wrong receives; a group of our own
+# (new_group) must be made by every rank at one point of the program, which open_store is
+# not. Point-to-point connections have no order to keep: a rank's server answers whoever
+# asks, whenever. The addresses go through the c10d Store (key tsck/peer/<rank>).
+#
+# Requests: op (1 byte) kind (1 byte: b, n, c) address (32 bytes) length (8 bytes) data.
+#   H  has it?            -> 1 byte (1 yes, 0 no)
+#   G  get it             -> 8-byte length (all ones: not here) + the stored bytes
+#   P  store this copy    -> 1 byte (1 stored, 0 refused: it is not the object of that address)
+#   S  sync what was put  -> 1 byte
+
+_KINDS = {b"b": "block", b"n": "node", b"c": "commit"}
+_CODES = {v: k for k, v in _KINDS.items()}
+_NONE = (1 << 64) - 1
+PEER_TIMEOUT = 60.0  # seconds a connection to a peer may stay silent, and a rank waits for a peer's address
+
+
+def _recv(sock, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _local_host(kv) -> str:
+    """The address the other ranks reach this one at: TSCK_PEER_HOST, else that of the
+    interface that reaches the c10d Store's host (every rank reaches it), else the host name's."""
+    import os
+    import socket
+    host = os.environ.get("TSCK_PEER_HOST")
+    if host:
+        return host
+    store = kv
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    target = getattr(store, "host", None)
+    if target:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))  # (no packet is sent: it picks the route)
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Peers:
+    """This rank's side of the peer replicas: a server that answers for its tier's objects
+    by address and stores the replicas other ranks send (each checked against its address
+    first), and a client that sends this rank's part to the next `k` ranks and fetches
+    what its tier lacks from them. Counters (tests): `fetched` objects got from peers,
+    `sent` replicas sent, `refused` copies refused for not matching their address."""
+
+    def __init__(self, core, k: int):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+        self.core, self.k = core, k
+        self._sock = None
+        self._lock = threading.Lock()
+        self._addrs: dict[int, tuple[str, int]] = {}
+        self._dead: set[int] = set()
+        self._pending: list = []
+        self._send = ThreadPoolExecutor(1, thread_name_prefix="tsck-replicas")
+        self.rank = self.world = None
+        self.kv = None
+        self.fetched = self.sent = self.refused = 0
+
+    # -- set-up --------------------------------------------------------------------------
+    def join(self) -> None:
+        """Listen (once) and post this rank's address; the world is torch.distributed's."""
+        import socket
+        import threading
+
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+        with self._lock:
+            if self._sock is not None:
+                return
+            self.kv = _get_default_store()
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("0.0.0.0", 0))
+            sock.listen(64)
+            self._sock = sock
+            threading.Thread(target=self._serve, name="tsck-peer-server", daemon=True).start()
+            self.kv.set(f"tsck/peer/{self.rank}", f"{_local_host(self.kv)}:{sock.getsockname()[1]}".encode())
+
+    def holders(self) -> list[int]:
+        """The ranks that hold this rank's replicas: r+1 .. r+k (mod W)."""
+        return [(self.rank + i) % self.world for i in range(1, min(self.k, self.world - 1) + 1)]
+
+    def close(self) -> None:
+        self.wait()
+        self._send.shutdown(wait=True)
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    # -- the server ----------------------------------------------------------------------
+    def _serve(self) -> None:
+        import threading
+        sock = self._sock
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._answer, args=(conn,), name="tsck-peer", daemon=True).start()
+
+    def _answer(self, conn) -> None:
+        from .assets import Assets
+        assets, storage = self.core.assets, self.core.storage
+        conn.settimeout(PEER_TIMEOUT)
+        try:
+            while True:
+                try:
+                    head = _recv(conn, 42)
+                except ConnectionError:
+                    return
+                op, kind, d, n = head[:1], _KINDS.get(head[1:2]), head[2:34], int.from_bytes(head[34:], "big")
+                if kind is None:
+                    return
+                key = Assets.object_key(kind + "s", d)
+                if op == b"H":
+                    conn.sendall(b"\x01" if storage.exists(key) else b"\x00")
+                elif op == b"G":
+                    try:
+                        data = assets.stored_frame(kind, d)  # checked: a damaged copy is not handed on
+                    except (IntegrityError, UnreadableObject, OSError):
+                        data = None
+                    conn.sendall(_NONE.to_bytes(8, "big") if data is None else len(data).to_bytes(8, "big") + data)
+                elif op == b"P":
+                    data = _recv(conn, n)
+                    if Assets.object_frame_error(kind, d, data) is not None:
+                        with self._lock:
+                            self.refused += 1
+                        log.warning("peer replicas: a copy of %s %s sent by a peer does not match its address; "
+                                    "refused", kind, d.hex()[:16])
+                        conn.sendall(b"\x00")
+                    else:
+                        storage.put_addressed(key, [data])
+                        conn.sendall(b"\x01")
+                elif op == b"S":
+                    assets.sync()
+                    conn.sendall(b"\x01")
+                else:
+                    return
+        except (OSError, TsckError) as e:
+            log.info("peer replicas: a connection ended: %s", e)
+        finally:
+            conn.close()
+
+    # -- the client ----------------------------------------------------------------------
+    def _connect(self, peer: int):
+        import socket
+        if peer in self._dead:
+            return None
+        try:
+            if peer not in self._addrs:
+                key = f"tsck/peer/{peer}"
+                import datetime
+                self.kv.wait([key], datetime.timedelta(seconds=PEER_TIMEOUT))
+                host, port = self.kv.get(key).decode().rsplit(":", 1)
+                self._addrs[peer] = (host, int(port))
+            return socket.create_connection(self._addrs[peer], timeout=PEER_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - a peer away is a peer we do without
+            log.warning("peer replicas: rank %d cannot be reached (%s); going on without it", peer, e)
+            self._dead.add(peer)
+            return None
+
+    @staticmethod
+    def _ask(conn, op: bytes, kind: str, d: bytes, data: bytes = b""):
+        conn.sendall(op + _CODES[kind] + d + len(data).to_bytes(8, "big") + data)
+
+    def replicate(self, root: bytes, tree: bytes) -> None:
+        """In the background: send the objects of this rank's part (sub-tree `tree` of
+        snapshot `root`) that its tier holds to each holder that lacks them."""
+        fut = self._send.submit(self._replicate, root, tree)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    def wait(self, timeout: float | None = None) -> None:
+        from concurrent.futures import wait
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending, timeout)
+
+    def _replicate(self, root: bytes, tree: bytes) -> None:
+        assets = self.core.assets
+        objs, seen = [], set()
+        for o in walk_tree(assets, tree, snapshot=root.hex(), verify=True):
+            if o.digest not in seen:
+                seen.add(o.digest)
+                objs.append((o.kind, o.digest))
+        # (a Replicated tensor's blocks written by another rank are not in this tier: theirs to send)
+        objs = [(k, d) for k, d in objs if k != "block" or assets.block_exists(d)]
+        for peer in self.holders():
+            conn = self._connect(peer)
+            if conn is None:
+                continue
+            try:
+                with conn:
+                    n = 0
+                    for kind, d in objs:
+                        self._ask(conn, b"H", kind, d)
+                        if _recv(conn, 1) == b"\x01":
+                            continue
+                        self._ask(conn, b"P", kind, d, assets.stored_frame(kind, d))
+                        if _recv(conn, 1) != b"\x01":
+                            raise TsckError(f"rank {peer} refused the copy of {kind} {d.hex()[:16]}")
+                        n += 1
+                    self._ask(conn, b"S", "block", bytes(32))
+                    _recv(conn, 1)
+                with self._lock:
+                    self.sent += n
+                log.info("peer replicas: snapshot %s: %d object(s) of this rank's part sent to rank %d",
+                         root.hex()[:16], n, peer)
+            except (OSError, TsckError) as e:
+                log.warning("peer replicas: snapshot %s: sending this rank's part to rank %d failed (%s); the "
+                            "remote store stays its copy", root.hex()[:16], peer, e)
+
+    def fetch(self, kind: str, d: bytes) -> bool:
+        """Get object `d` from a holder into this rank's tier, checked against its address
+        first -> whether one had it."""
+        from .assets import Assets
+        for peer in self.holders():
+            conn = self._connect(peer)
+            if conn is None:
+                continue
+            try:
+                with conn:
+                    self._ask(conn, b"G", kind, d)
+                    n = int.from_bytes(_recv(conn, 8), "big")
+                    if n == _NONE:
+                        continue
+                    data = _recv(conn, n)
+            except OSError as e:
+                log.warning("peer replicas: fetching %s %s from rank %d failed (%s)", kind, d.hex()[:16], peer, e)
+                continue
+            if Assets.object_frame_error(kind, d, data) is not None:
+                log.warning("peer replicas: rank %d's copy of %s %s does not match its address; not used", peer,
+                            kind, d.hex()[:16])
+                continue
+            self.core.storage.put_addressed(Assets.object_key(kind + "s", d), [data])
+            with self._lock:
+                self.fetched += 1
+            return True
+        return False
+
+
+def peer_reads(reads, peers: Peers):
+    """A ReadThrough (upload.py) with the peers between the local tier and the remote: an
+    object the tier lacks is fetched from a holder into the tier (checked against its
+    address), then read there; one no peer has is read from the remote as before."""
+    from .upload import ReadThrough
+
+    class PeerReads(ReadThrough):
+        def _have(self, kind: str, d: bytes) -> bool:
+            return self.local.storage.exists(self.local.object_key(kind + "s", d))
+
+        def _fill(self, kind: str, d: bytes) -> None:
+            if not self._have(kind, d):
+                peers.fetch(kind, d)
+
+        def read_block_into(self, d, out, **kw):
+            self._fill("block", d)
+            return super().read_block_into(d, out, **kw)
+
+        def get_node(self, d, **kw):
+            self._fill("node", d)
+            return super().get_node(d, **kw)
+
+        def get_commit(self, d, **kw):
+            self._fill("commit", d)
+            return super().get_commit(d, **kw)
+
+        def require_blocks(self, digests, pool, **kw):
+            digests = list(digests)
+            list(pool.map(lambda d: self._fill("block", d), digests))
+            return super().require_blocks(digests, pool, **kw)
+
+    return PeerReads(reads.local, reads.remote)

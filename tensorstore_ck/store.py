@@ -117,7 +117,7 @@ class Store:
     the layers below (gc, fsck, recover, usage, listing, lifecycle, dist)."""
 
     def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait",
-                 uploader: "Uploader | None" = None):
+                 uploader: "Uploader | None" = None, replicas: int = 0):
         self.core = core
         # With a local tier: `core` is the local store and the uploader holds the remote one.
         self._uploader = uploader
@@ -136,9 +136,13 @@ class Store:
         # What checkout reads through: with a tier, the local copies first, the remote
         # store's where a local one is missing or fails its check (upload.ReadThrough).
         self._reads = self.assets
+        self._peers = None  # with replicas=: this rank's side of the peer replicas (peers.py)
         if uploader is not None:
             from .upload import ReadThrough
             self._reads = ReadThrough(self.assets, uploader.remote)
+            if replicas:
+                from .peers import Peers
+                self._peers = Peers(core, replicas)
         _STORES.add(self)
 
     def _after_fork(self) -> None:
@@ -179,8 +183,14 @@ class Store:
             return
         self._closed = True
         self._puts.shutdown()
-        if self._uploader is not None:
-            self._close_tier()
+        if self._peers is not None:
+            self._peers.wait()  # the replicas being sent (the server goes once the uploads are done)
+        try:
+            if self._uploader is not None:
+                self._close_tier()
+        finally:
+            if self._peers is not None:
+                self._peers.close()
         self.core.pool.shutdown(wait=True)
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
@@ -339,7 +349,9 @@ class Store:
         if self._uploader is None:
             return None
         from .peers import CollectiveTier
-        return CollectiveTier(self.core, self._uploader)
+        if self._peers is not None:
+            self._peers.join()
+        return CollectiveTier(self.core, self._uploader, self._peers)
 
     def _after_in_flight(self, fn) -> None:
         """Run fn() on the background publisher once the snapshots queued so far have ended."""
@@ -384,6 +396,8 @@ class Store:
         self.wait()
         if self._uploader is None:
             return True
+        if self._peers is not None:
+            self._peers.wait(timeout)  # (the replicas go first: a part is sent to the peers, then uploaded)
         return self._uploader.wait_durable(timeout)
 
     @property
@@ -561,14 +575,22 @@ class Store:
         def read_with(reader: Reader, top: bytes):
             return read_state(reader, top, MISSING if into is None else into, allow_pickle=allow_pickle)
 
+        reads = self._reads
+        if self._peers is not None and is_collective(group):
+            # A collective checkout: what this rank's tier lacks (lost with its node) is
+            # fetched from the ranks that hold its replicas before the remote is read.
+            from .peers import peer_reads
+            self._peers.join()
+            reads = peer_reads(self._reads, self._peers)
+
         def read(root: Digest, rank: int = 0):
             # Read before any object is: what this checkout reads is then known present under
             # it, for later puts and checkouts of this Store (assets.Presence).
             fence = self.assets.fence_now()
-            c = decode_commit(self._reads.get_commit(root, verify=verify))
+            c = decode_commit(reads.get_commit(root, verify=verify))
             st = c.get("stats") or {}
             with _bytes_bar(progress, "checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                return read_with(Reader(self._reads, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
+                return read_with(Reader(reads, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
                                         progress=bar, **opts), c["tree"])
 
         if is_collective(group):

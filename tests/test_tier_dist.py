@@ -117,3 +117,31 @@ def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_serv
         got = torch.load(out / f"resume_rank{r}.pt", weights_only=False)
         for k, v in saved["model"].items():
             assert same_bits(v, got["model"][k]), (r, k)
+
+
+@pytest.mark.parametrize("lost", [[1], [1, 2]], ids=["peer-holds-it", "no-replica-left"])
+def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost):
+    """replicas=1 on 3 ranks: each rank's part is copied to the next rank's tier. The job
+    restarts after rank 1's node lost its tier: rank 1's checkout gets every object it
+    lacks from rank 2, by address, and reads nothing from the remote store. When rank 2's
+    tier is lost too (no replica of rank 1's part is left), rank 1 reads the remote store,
+    and rank 2 still gets its part from rank 0. Both restore bit for bit."""
+    world = 3
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1}
+    out = _run(tmp_path, "rput", cfg)
+    res = _results(out, "rput", world)
+    assert len({tuple(r["roots"]) for r in res}) == 1
+    assert all(r["waited"] is True and r["sent"] > 0 and r["refused"] == 0 for r in res)
+
+    phase = "lost" + "".join(map(str, lost))
+    out = _run(tmp_path, "rload", {**cfg, "lost": lost, "phase": phase})
+    res = _results(out, phase, world)
+    _check_view(out, phase, world, 1)
+    for r in range(world):
+        peer_has_it = r in lost and (r + 1) % world not in lost
+        if r not in lost:  # its own tier holds its region
+            assert res[r]["remote_reads"] == [] and res[r]["fetched"] == 0, (r, res[r])
+        elif peer_has_it:  # from its peer, by address: nothing from the remote
+            assert res[r]["remote_reads"] == [] and res[r]["fetched"] > 0, (r, res[r])
+        else:  # no replica left: the remote store
+            assert res[r]["remote_reads"], (r, res[r])

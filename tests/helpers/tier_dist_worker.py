@@ -115,12 +115,56 @@ def manager_body(rank, world, out, res, cfg):
                    os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
 
 
+def rput_body(rank, world, out, res, cfg):
+    """Two collective puts with replicas=cfg["replicas"]; every rank waits until durable
+    (its replicas sent first), then a barrier: no rank closes its peer server while
+    another still sends to it."""
+    import torch.distributed as dist
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
+        infos = [store.put_snapshot(dw.sharded_state(rank, world, v), REF, step=v + 1, timeout=60)
+                 for v in (0, 1)]
+        res["roots"] = [i.root for i in infos]
+        res["waited"] = store.wait_durable(timeout=240)
+        res["sent"], res["refused"] = store._peers.sent, store._peers.refused
+        dist.barrier()
+
+
+def rload_body(rank, world, out, res, cfg):
+    """The job restarted after the nodes of cfg["lost"] lost their tiers (removed here,
+    before the store opens): a collective checkout with replicas."""
+    import shutil
+
+    import tensorstore_ck as tsck
+    import torch.distributed as dist
+    if rank in cfg["lost"]:
+        shutil.rmtree(os.path.join(cfg["tiers"], f"tier{rank}"))
+    dist.barrier()  # (every loss before any rank reads: a lost tier must not serve the old copies)
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
+        into: dict = {}
+        for path, (rows, cols, dtype) in dw.SHARDED.items():
+            a, b = dw.row_split(rows, world, rank)
+            dw._set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
+        into["local"] = None
+        got = store.checkout(REF, into=into, timeout=60)
+        res["remote_reads"] = list(holder["w"].reads)
+        res["fetched"] = store._peers.fetched
+        dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
+        torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+        dist.barrier()  # (the others may still be fetching from this rank)
+
+
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     with open(argv[3]) as f:
         cfg = json.load(f)
     world = cfg["world"]
     if scenario == "put":
         return [dw.launch("put", world, put_body, out, cfg, limit=300)]
+    if scenario == "rput":
+        return [dw.launch("rput", world, rput_body, out, cfg, limit=300)]
+    if scenario == "rload":
+        return [dw.launch(cfg["phase"], world, rload_body, out, cfg, limit=200)]
     if scenario == "manager":
         return [dw.launch(cfg["phase"], world, manager_body, out, cfg, limit=300)]
     if scenario == "load":
