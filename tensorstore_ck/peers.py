@@ -75,6 +75,14 @@ class CollectiveTier:
             raise IntegrityError(f"rank 0 sent a commit object that is not snapshot {root.hex()[:16]} "
                                  f"(its bytes hash to {got.hex()[:16]})", reason="corrupt")
         assets.sync()
+        # A catalog row (no ref): this tier keeps the snapshot. Its other ranks' nodes are
+        # not here, so a gc of this tier stops before deleting anything (a kept snapshot it
+        # cannot walk) instead of taking this rank's part and the replicas it holds for
+        # the untracked garbage they would otherwise look like.
+        from .format.manifest import decode_commit
+        c = decode_commit(body)
+        self.core.refs.catalog_put_if_absent(root, {k: c.get(k) for k in (
+            "job", "ref", "step", "time", "metrics", "meta", "parent", "tree")} | dict(c.get("stats") or {}))
 
     def published(self, info, tree: bytes, rank0: bool):
         """Every rank once the snapshot is published locally: queue its upload (rank 0: the

@@ -128,6 +128,21 @@ def rput_body(rank, world, out, res, cfg):
         res["waited"] = store.wait_durable(timeout=240)
         res["sent"], res["refused"] = store._peers.sent, store._peers.refused
         dist.barrier()
+        # A gc of each rank's own tier keeps its part and the replicas it holds (rank 0's
+        # tier holds every node: it walks the snapshot; another's stops before deleting).
+        tier = os.path.join(cfg["tiers"], f"tier{rank}")
+        before = _objects(tier)
+        try:
+            store.gc()
+            res["gc"] = "ran"
+        except Exception as e:  # noqa: BLE001 - judged by the test
+            res["gc"] = f"{type(e).__name__}: {e}"
+        res["gc_lost"] = sorted(before - _objects(tier))
+
+
+def _objects(tier: str) -> set:
+    return {os.path.relpath(os.path.join(d, f), tier) for kind in ("blocks", "nodes", "commits")
+            for d, _s, fs in os.walk(os.path.join(tier, kind)) for f in fs}
 
 
 def rload_body(rank, world, out, res, cfg):
