@@ -328,9 +328,6 @@ class Peers:
     # -- set-up --------------------------------------------------------------------------
     def join(self) -> None:
         """Listen (once) and post this rank's address; the world is torch.distributed's."""
-        import socket
-        import threading
-
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
         with self._lock:
@@ -338,13 +335,20 @@ class Peers:
                 return
             self.kv = _get_default_store()
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("0.0.0.0", 0))
-            sock.listen(64)
-            self._sock = sock
-            threading.Thread(target=self._serve, name="tsck-peer-server", daemon=True).start()
-            self.kv.set(f"tsck/peer/{self.rank}", f"{_local_host(self.kv)}:{sock.getsockname()[1]}".encode())
+            port = self._listen()
+            self.kv.set(f"tsck/peer/{self.rank}", f"{_local_host(self.kv)}:{port}".encode())
+
+    def _listen(self, host: str = "0.0.0.0") -> int:
+        """Start the server -> its port."""
+        import socket
+        import threading
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(64)
+        self._sock = sock
+        threading.Thread(target=self._serve, name="tsck-peer-server", daemon=True).start()
+        return sock.getsockname()[1]
 
     def holders(self) -> list[int]:
         """The ranks that hold this rank's replicas: r+1 .. r+k (mod W)."""

@@ -20,8 +20,6 @@ from _util import load_helper, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
 
-pytestmark = pytest.mark.slow  # real ranks and a real S3 server
-
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "helpers" / "tier_dist_worker.py"
 dw = load_helper(HERE / "helpers" / "dist_worker.py")
@@ -58,6 +56,7 @@ def _config(tmp_path, s3_url, s3_server, world: int) -> dict:
     return cfg
 
 
+@pytest.mark.slow  # real ranks and a real S3 server
 @pytest.mark.parametrize("world", [2, 4])
 def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_tier(tmp_path, s3_url, s3_server,
                                                                                      world):
@@ -93,6 +92,7 @@ def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_
     assert [r["remote_reads"] for r in res] == [[]] * world
 
 
+@pytest.mark.slow
 def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_server):
     """CheckpointManager as a DDP job runs it (asynchronous collective snapshots, retention
     pruning on rank 0), each rank's store with a local tier: every snapshot is taken, close()
@@ -119,6 +119,7 @@ def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_serv
             assert same_bits(v, got["model"][k]), (r, k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lost", [[1], [1, 2]], ids=["peer-holds-it", "no-replica-left"])
 def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost):
     """replicas=1 on 3 ranks: each rank's part is copied to the next rank's tier. The job
@@ -149,3 +150,48 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
             assert res[r]["remote_reads"] == [] and res[r]["fetched"] > 0, (r, res[r])
         else:  # no replica left: the remote store
             assert res[r]["remote_reads"], (r, res[r])
+
+
+def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
+    """The receiving side of the replicas (a real server on a real socket): a copy whose
+    bytes are not the object of the address it is sent under, or that is damaged, is
+    refused and not stored; the genuine copy is stored, and served back only whole."""
+    import socket
+
+    from tensorstore_ck.assets import Assets
+    from tensorstore_ck.peers import Peers
+
+    with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a, \
+            tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
+        a.put_snapshot({"x": torch.arange(4096, dtype=torch.float32)}, "r")
+        d = next(iter(o.digest for o in __import__("tensorstore_ck.walk", fromlist=["x"]).walk_commit(
+            a.assets, bytes.fromhex(a.resolve("r"))) if o.kind == "block"))
+        good = a.assets.stored_frame("block", d)
+        other = bytes(32)
+        peers = Peers(b.core, 1)
+        port = peers._listen("127.0.0.1")
+        try:
+            def ask(op, digest, data=b""):
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                    c.sendall(op + b"b" + digest + len(data).to_bytes(8, "big") + data)
+                    if op == b"G":
+                        n = int.from_bytes(c.recv(8), "big")
+                        return None if n == (1 << 64) - 1 else n
+                    return c.recv(1)
+            bad = bytearray(good)
+            bad[-1] ^= 1
+            assert ask(b"P", other, good) == b"\x00"  # another address's bytes
+            assert ask(b"P", d, bytes(bad)) == b"\x00"  # damaged
+            assert peers.refused == 2
+            assert not b.assets.block_exists(d) and not b.assets.block_exists(other)
+            assert ask(b"G", d) is None
+            assert ask(b"P", d, good) == b"\x01"
+            assert b.assets.block_exists(d) and b.assets.stored_frame("block", d) == good
+            assert ask(b"G", d) == len(good)
+            assert ask(b"S", bytes(32)) == b"\x01"  # (named on disk at the sync: the store batches its writes)
+            key = tmp_path / "b" / Assets.object_key("blocks", d)
+            key.chmod(0o644)
+            key.write_bytes(bytes(bad))  # the holder's own copy damaged: never handed on
+            assert ask(b"G", d) is None
+        finally:
+            peers.close()
