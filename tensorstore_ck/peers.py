@@ -326,17 +326,21 @@ class Peers:
         self.fetched = self.sent = self.refused = 0
 
     # -- set-up --------------------------------------------------------------------------
-    def join(self) -> None:
-        """Listen (once) and post this rank's address; the world is torch.distributed's."""
+    def join(self) -> bool:
+        """Listen (once) and post this rank's address; the world is torch.distributed's
+        (False, and no replicas for the call, without it: a StoreGroup of threads)."""
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
         with self._lock:
             if self._sock is not None:
-                return
+                return True
             self.kv = _get_default_store()
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             port = self._listen()
             self.kv.set(f"tsck/peer/{self.rank}", f"{_local_host(self.kv)}:{port}".encode())
+            return True
 
     def _listen(self, host: str = "0.0.0.0") -> int:
         """Start the server -> its port."""

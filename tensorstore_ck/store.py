@@ -159,6 +159,9 @@ class Store:
             # table, and the parent's uploader (or the next open) sends them.
             self._uploader.after_fork()
             self._reads.after_fork()
+        # The peer server and the replica sender are the parent's threads: a child neither
+        # serves nor sends replicas (its collective checkouts read the tier, then the remote).
+        self._peers = None
         self._puts.reset()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -349,9 +352,8 @@ class Store:
         if self._uploader is None:
             return None
         from .peers import CollectiveTier
-        if self._peers is not None:
-            self._peers.join()
-        return CollectiveTier(self.core, self._uploader, self._peers)
+        peers = self._peers if self._peers is not None and self._peers.join() else None
+        return CollectiveTier(self.core, self._uploader, peers)
 
     def _after_in_flight(self, fn) -> None:
         """Run fn() on the background publisher once the snapshots queued so far have ended."""
@@ -396,8 +398,11 @@ class Store:
         self.wait()
         if self._uploader is None:
             return True
-        if self._peers is not None:
-            self._peers.wait(timeout)  # (the replicas go first: a part is sent to the peers, then uploaded)
+        if self._peers is not None:  # (the replicas go first: a part is sent to the peers, then uploaded)
+            import time
+            t0 = time.monotonic()
+            self._peers.wait(timeout)
+            timeout = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
         return self._uploader.wait_durable(timeout)
 
     @property
@@ -576,11 +581,10 @@ class Store:
             return read_state(reader, top, MISSING if into is None else into, allow_pickle=allow_pickle)
 
         reads = self._reads
-        if self._peers is not None and is_collective(group):
+        if self._peers is not None and is_collective(group) and self._peers.join():
             # A collective checkout: what this rank's tier lacks (lost with its node) is
             # fetched from the ranks that hold its replicas before the remote is read.
             from .peers import peer_reads
-            self._peers.join()
             reads = peer_reads(self._reads, self._peers)
 
         def read(root: Digest, rank: int = 0):
