@@ -11,10 +11,8 @@ Under torch.distributed with `open_store(remote, local=NODE_DIR)` on every rank:
     every rank   queues its upload: rank 0 the snapshot, the others their part
 
     the uploader of a rank other than 0 (upload_part): its sub-tree's blocks, then its
-                 nodes, skipping what the remote has; then it waits (bounded, with
-                 backoff) for the remote catalog to list the snapshot, re-sending under
-                 the new fence if a gc deletion phase ran meanwhile: then the snapshot is
-                 durable for that rank
+                 nodes, skipping what the remote has: then the snapshot is durable for
+                 that rank (its part is remote)
     the uploader of rank 0 (upload_world): reads the remote gc fence, then walks the
                  snapshot: what its tier holds (its sub-tree, the top, the commit) is sent
                  as by a single-process upload; every object it lacks (the other ranks'
@@ -45,8 +43,8 @@ __all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT"]
 
 log = logging.getLogger(__name__)
 
-# How long an uploader waits, without progress, for the other ranks' part of a
-# collective snapshot (rank 0) or for rank 0's remote move (the others), seconds.
+# How long rank 0's uploader waits, without progress, for the other ranks' parts of a
+# collective snapshot, seconds.
 PART_WAIT = 900.0
 _PAUSE = (0.1, 5.0)  # first and longest pause between two looks, seconds
 
@@ -109,10 +107,12 @@ def _pause(up, pause: float) -> None:
 
 def upload_part(up, seq: int, entry: dict) -> None:
     """A rank other than 0: send this rank's part of a collective snapshot (blocks, then
-    nodes), then wait for rank 0's remote move; the snapshot is durable for this rank then."""
+    nodes, skipping what the remote has); then it is durable *for this rank*. It does not
+    wait for rank 0's remote move: rank 0 may never make it (its retention expired the
+    snapshot before its upload, or it took a newer one first), and this rank's later
+    parts, queued behind, are what rank 0 waits for then."""
     root, tree, local, remote = entry["root"], entry["part"], up.local, up.remote
-    since, pause = time.monotonic(), _PAUSE[0]
-    while not remote.refs.catalog_has(root):
+    if not remote.refs.catalog_has(root):
         fence = up.publisher.fence()  # before the remote is asked about any object
         objs: dict = {"block": [], "node": [], "commit": []}
         seen: set[bytes] = set()
@@ -121,18 +121,10 @@ def upload_part(up, seq: int, entry: dict) -> None:
                 seen.add(o.digest)
                 objs[o.kind].append(o.digest)
         up._send(objs, fence)
-        # Rank 0 moves the remote ref once every part is there; a gc deletion phase that
-        # ran meanwhile (the fence moved) may have removed this part: send it again.
-        while not remote.refs.catalog_has(root) and up.publisher.fence() == fence:
-            if time.monotonic() - since > PART_WAIT:
-                raise TsckError(f"part of snapshot {root.hex()[:16]} uploaded, but rank 0 did not publish it in "
-                                f"the remote store within {PART_WAIT:g}s")
-            _pause(up, pause)
-            pause = min(_PAUSE[1], pause * 2)
     local.refs.upload_done(seq, root)
     with up._cond:
         up._cond.notify_all()
-    log.info("local tier: this rank's part of snapshot %s of ref %s is durable at %s", root.hex()[:16],
+    log.info("local tier: this rank's part of snapshot %s of ref %s is in %s", root.hex()[:16],
              entry.get("ref"), remote.url)
 
 
@@ -234,8 +226,8 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
     up._send(mine, fence)
 
     def revalidate(new_fence: int) -> None:
-        # A gc deletion phase ran: everything again, under the new fence (the owners of
-        # what it removed send it again when they see the fence move: upload_part).
+        # A gc deletion phase ran: everything again, under the new fence (what it removed
+        # of the others' parts is waited for, bounded: its owners sent it once).
         _until_present(up, root, lambda: _confirm(up, theirs))
         up._send(mine, new_fence)
 
