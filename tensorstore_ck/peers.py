@@ -218,12 +218,14 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
     fence = up.publisher.fence()  # before the remote is asked about any object
     try:
         mine, theirs = _until_present(up, root, lambda: _survey(up, root, fence))
+        up._send(mine, fence)
     except IntegrityError:
-        if local.refs.catalog_get(root) is None:  # expired locally meanwhile (as upload.py says)
+        # Missing or damaged here: the job's retention may have expired the snapshot
+        # locally meanwhile (and deleted its objects); else the tier is damaged (upload.py).
+        if local.refs.catalog_get(root) is None:
             up._expired(seq, root)
             return
         raise
-    up._send(mine, fence)
 
     def revalidate(new_fence: int) -> None:
         # A gc deletion phase ran: everything again, under the new fence (what it removed
