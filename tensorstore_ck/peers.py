@@ -216,8 +216,12 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
     """Rank 0: make a collective snapshot durable once every rank's part is in the remote."""
     root, local = entry["root"], up.local
     fence = up.publisher.fence()  # before the remote is asked about any object
+    def look():
+        if local.refs.catalog_get(root) is None:  # (a node of its own deleted looks like another rank's)
+            raise IntegrityError(f"snapshot {root.hex()[:16]} left the local catalog", reason="missing")
+        return _survey(up, root, fence)
     try:
-        mine, theirs = _until_present(up, root, lambda: _survey(up, root, fence))
+        mine, theirs = _until_present(up, root, look)
         up._send(mine, fence)
     except IntegrityError:
         # Missing or damaged here: the job's retention may have expired the snapshot
