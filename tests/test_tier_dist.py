@@ -93,14 +93,19 @@ def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_
 
 
 @pytest.mark.slow
-def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_server):
+@pytest.mark.parametrize("uploads", ["free", "held"])
+def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_server, uploads):
     """CheckpointManager as a DDP job runs it (asynchronous collective snapshots, retention
     pruning on rank 0), each rank's store with a local tier: every snapshot is taken, close()
     leaves them durable, and new processes on new nodes (fresh tiers) resume from the
-    remote store with the state of the last snapshot."""
+    remote store with the state of the last snapshot. "held": every remote write waits
+    until all three snapshots were taken and rank 0's retention (keep_last=1) expired the
+    first two locally, before their upload: rank 0 drops them, rank 1's parts of them do
+    not hold up its part of the last one, and the last one lands."""
     world = 2
     cfg = _config(tmp_path, s3_url, s3_server, world)
-    out = _run(tmp_path, "manager", {**cfg, "tier": "tier", "phase": "train", "mode": "train"})
+    extra = {"gate": str(tmp_path / "gate"), "keep": 1, "limit": 150} if uploads == "held" else {}
+    out = _run(tmp_path, "manager", {**cfg, **extra, "tier": "tier", "phase": "train", "mode": "train"})
     res = _results(out, "train", world)
     for r in res:
         assert r["failed"] == 0 and r["errors"] == [] and r["prune_errors"] == [], r

@@ -55,6 +55,21 @@ def _reads_class():
 def _open(cfg, out, rank, tier, holder, **kw):
     import tensorstore_ck as tsck
     Reads = _reads_class()
+    if cfg.get("gate"):  # every remote write waits until the file cfg["gate"] exists
+        import time
+
+        class Reads(Reads):  # noqa: F811
+            def _wait(self):
+                while not os.path.exists(cfg["gate"]):
+                    time.sleep(0.05)
+
+            def put_addressed(self, key, bufs):
+                self._wait()
+                return self.inner.put_addressed(key, bufs)
+
+            def put_if_absent(self, key, bufs):
+                self._wait()
+                return self.inner.put_if_absent(key, bufs)
     return tsck.open_store(cfg["url"], refs=cfg["refs"], storage_options=cfg["opts"],
                            local=os.path.join(cfg["tiers"], f"{tier}{rank}"), block_size=dw.BLOCK,
                            inline_threshold=dw.INLINE, wrap_storage=lambda s: holder.setdefault("w", Reads(s)), **kw)
@@ -99,12 +114,19 @@ def manager_body(rank, world, out, res, cfg):
     with _open(cfg, out, rank, cfg["tier"], holder) as store:
         model, opt = dm._model_and_opt()
         mgr = tsck.CheckpointManager(store, job=dm.JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_steps=2, retention=tsck.Retention(keep_last=2))
+                                     every_steps=2, retention=tsck.Retention(keep_last=cfg.get("keep", 2)))
         if cfg["mode"] == "train":
             steps = {}
             for step in range(1, 7):
                 dm._train_step(model, opt, rank, step)
                 steps[step] = mgr.step(step)
+            if cfg.get("gate"):  # uploads held until every snapshot was taken (and rank 0 pruned)
+                import torch.distributed as dist
+                store.wait()
+                dist.barrier()
+                if rank == 0:
+                    mgr._pruner.wait()
+                    open(cfg["gate"], "w").close()
             mgr.close()
             res["steps"] = dm._roots(steps)
             res.update(dm._counters(mgr))
@@ -181,7 +203,7 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
     if scenario == "rload":
         return [dw.launch(cfg["phase"], world, rload_body, out, cfg, limit=200)]
     if scenario == "manager":
-        return [dw.launch(cfg["phase"], world, manager_body, out, cfg, limit=300)]
+        return [dw.launch(cfg["phase"], world, manager_body, out, cfg, limit=cfg.get("limit", 300))]
     if scenario == "load":
         return [dw.launch(cfg["phase"], world, load_body, out, cfg, limit=200)]
     return None
