@@ -216,6 +216,7 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
     """Rank 0: make a collective snapshot durable once every rank's part is in the remote."""
     root, local = entry["root"], up.local
     fence = up.publisher.fence()  # before the remote is asked about any object
+
     def look():
         if local.refs.catalog_get(root) is None:  # (a node of its own deleted looks like another rank's)
             raise IntegrityError(f"snapshot {root.hex()[:16]} left the local catalog", reason="missing")
