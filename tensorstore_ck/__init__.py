@@ -42,6 +42,8 @@ under it). A module over ~600 lines says which one job it does.
                           ~600 lines: a gc or prune from its lock to its report)
     upload.py             a local tier's uploader: queued local snapshots -> the remote store,
                           objects it lacks as stored, then the fenced move of its ref
+    peers.py              collective puts through local tiers (each rank's part, rank 0's
+                          move once all is remote) and peer replicas over a TCP side channel
     publish.py            the whole write path: block jobs -> nodes -> commit -> fenced CAS ->
                           retry, and the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)

@@ -565,23 +565,14 @@ class Assets:
             data = self.storage.get(where, _MAX_OBJECT + 1)
         except FileNotFoundError:
             return IntegrityError("missing object", key=where, reason="missing"), None
-        try:
-            if len(data) > _MAX_OBJECT:
-                raise FormatError(f"longer than any object may be ({_MAX_OBJECT} bytes)")
-            hdr = frame.decode_header(data[:frame.HEADER_SIZE])
-            if KIND_PREFIX[hdr.kind] != kind:
-                raise FormatError(f"object is of kind {hdr.kind}, stored as {kind}")
-            cap = MAX_BLOCK_SIZE if hdr.kind == frame.KIND_BLOCK else MAX_NODE_BYTES
-            if hdr.raw_len > cap:  # no writer makes one; decoding it could take 2 GiB (FORMAT.md, "Memory")
-                raise FormatError(f"object declares {hdr.raw_len} bytes, more than its kind may hold ({cap})")
-            raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:])
-        except FormatError as e:
-            return IntegrityError(f"corrupt object: {e}", key=where), None
-        got = blake3.blake3(raw).digest()
-        if got != d:
-            return IntegrityError("content does not match its address", key=where, expected=d.hex(),
-                                  got=got.hex()), None
-        return None, data
+        err = check_frame(kind, d, data, where)
+        return (err, None) if err is not None else (None, data)
+
+    @staticmethod
+    def object_frame_error(kind: str, d: bytes, data: bytes) -> IntegrityError | None:
+        """Whether `data` is a whole, healthy stored object of `kind` ("block", "node",
+        "commit") with address `d` (bytes from elsewhere: a peer's copy). -> the error or None."""
+        return check_frame(kind + "s", d, data, _key(kind + "s", d))
 
     def move_aside(self, key: str, *, deadline=None) -> str | None:
         """Move the object `key` to a fresh quarantine name -> that name, or None if
@@ -714,3 +705,24 @@ class Assets:
 
     def store_is_empty(self) -> bool:
         return self.storage.is_empty()
+
+
+def check_frame(kind: str, d: bytes, data: bytes, where: str) -> IntegrityError | None:
+    """Frame, kind ("blocks", "nodes", "commits"), caps and BLAKE3 of stored bytes against address `d`."""
+    try:
+        if len(data) > _MAX_OBJECT:
+            raise FormatError(f"longer than any object may be ({_MAX_OBJECT} bytes)")
+        hdr = frame.decode_header(data[:frame.HEADER_SIZE])
+        if KIND_PREFIX[hdr.kind] != kind:
+            raise FormatError(f"object is of kind {hdr.kind}, stored as {kind}")
+        cap = MAX_BLOCK_SIZE if hdr.kind == frame.KIND_BLOCK else MAX_NODE_BYTES
+        if hdr.raw_len > cap:  # no writer makes one; decoding it could take 2 GiB (FORMAT.md, "Memory")
+            raise FormatError(f"object declares {hdr.raw_len} bytes, more than its kind may hold ({cap})")
+        raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:])
+    except FormatError as e:
+        return IntegrityError(f"corrupt object: {e}", key=where)
+    got = blake3.blake3(raw).digest()
+    if got != d:
+        return IntegrityError("content does not match its address", key=where, expected=d.hex(),
+                              got=got.hex())
+    return None

@@ -87,7 +87,7 @@ CLOCK_SKEW = 120.0
 KEEP_UNACKED = 256
 # The keys of a call that every rank reads (rank 0 deletes them); the rest are per rank.
 _SHARED_KEYS = ("hello_n", "hello_all", "need", "pieces_n", "pieces_all", "go", "done_n", "done_all", "result",
-                "abort", "root", "decided", "acked", "ack_all", "beat", "tsum", "reval", "rdone_n", "rfail")
+                "abort", "root", "decided", "acked", "ack_all", "beat", "tsum", "reval", "rdone_n", "rfail", "tier")
 # A rank blocks on the keys it needs (c10d `wait`: the Store answers when they exist, no
 # polling) in at most this many slices of its timeout, so that its requests per call are a
 # constant however long it waits; between slices it looks at what a wait cannot see (rank
@@ -724,6 +724,11 @@ class CollectiveJob:
     plan: "Callable[[], Plan] | None" = None             # put: this rank's plan (validates its state)
     read: "Callable[[Digest, int], Any] | None" = None   # checkout: the state of a root, as a rank reads it
     kv: Any = None                   # the c10d store (None: the group's default one)
+    # Through local tiers (peers.CollectiveTier: each rank's store is its own tier): each
+    # rank writes under its own tier's fence, rank 0 hands its commit and top nodes to the
+    # others, and every rank queues its upload once the snapshot is published locally.
+    tier: Any = None
+    resolve: "Callable[[str], Digest] | None" = None     # checkout: rank 0 resolves with it (default core.resolve)
 
 
 def collective_put(job: CollectiveJob):
@@ -747,11 +752,11 @@ def run_put(ch: "_Channel", job: CollectiveJob):
     from here, not from begin_put: a staged put may wait behind earlier ones."""
     ch.restart()
     ch.cleanup_old()
-    return _outcome_round(ch, lambda: _put(ch, job.publisher, job.plan, job.prepare),
+    return _outcome_round(ch, lambda: _put(ch, job.publisher, job.plan, job.prepare, job.tier),
                           f"collective put_snapshot (call {ch.pfx})")
 
 
-def _put(ch: _Channel, publisher, plan, prepare):
+def _put(ch: _Channel, publisher, plan, prepare, tier=None):
     W, rank = ch.world, ch.rank
     args = _guard(ch, prepare)
     plan_ = _guard(ch, plan)
@@ -830,8 +835,12 @@ def _put(ch: _Channel, publisher, plan, prepare):
     def write():
         # Every rank writes under rank 0's fence: what it saw present under that epoch
         # needs no request (assets.Presence); a deletion phase since fences the commit.
-        publisher.write_blocks(plan_, owns=owns, fence=fence)
-        tree, part["payloads"] = publisher.write_nodes(plan_.value, fence)
+        # Through local tiers each rank writes to its own tier, another store with its own
+        # gc epoch: under that one (rank 0's would be another table's number).
+        wfence = part["fence"] = fence if tier is None or rank == 0 else publisher.fence()
+        publisher.write_blocks(plan_, owns=owns, fence=wfence)
+        tree, part["payloads"] = publisher.write_nodes(plan_.value, wfence)
+        part["tree"] = tree
         from .publish import plan_stats, replica_digests
         st = plan_stats(plan_)
         reps = replica_digests(plan_)
@@ -840,6 +849,10 @@ def _put(ch: _Channel, publisher, plan, prepare):
             ch.set_mine("rep", msgpack.packb(reps))
             rep = hashlib.blake2b(msgpack.packb(reps), digest_size=16).digest()
         publisher.sync()  # this rank's objects are durable before rank 0 publishes
+        if tier is not None and rank != 0:
+            # Rank 0's tier holds every rank's nodes (not their blocks): what its local gc
+            # and prune walk to know what the snapshot keeps (peers.py).
+            ch.set_mine("tnodes", msgpack.packb(part["payloads"]))
         ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep,
                                          "stats": [st.bytes_total, st.bytes_new, st.blocks_total,
                                                    st.blocks_new, st.stored_new]}), W)
@@ -848,14 +861,20 @@ def _put(ch: _Channel, publisher, plan, prepare):
 
     def revalidate_mine(new_fence: int) -> None:
         # What this rank wrote or reused: it still holds the data (the plan) and its nodes.
+        if tier is not None and rank != 0:
+            new_fence = publisher.fence()  # its own tier's (see write)
         publisher.revalidate_plan(plan_, part["payloads"], None, new_fence, owns=owns)
         part["fence"] = new_fence
 
     if rank != 0:
-        info = _await_result(ch, publisher, args, revalidate_mine)
+        def info_of(root: Digest):
+            if tier is not None:  # rank 0's commit and top nodes into this rank's tier first
+                tier.adopt(bytes(root), ch.get("tier"))
+            return publisher.info(root)
+        info = _await_result(ch, publisher, args, revalidate_mine, info_of)
         publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there
-        _published(ch, started["need"])
-        return info
+        _published(ch, started["need"], tier is not None)
+        return info if tier is None else tier.published(info, part["tree"], False)
 
     def compose():
         dones = [msgpack.unpackb(d) for d in ch.wait_all("done", "finish writing")]
@@ -863,6 +882,10 @@ def _put(ch: _Channel, publisher, plan, prepare):
             why = _replica_disagreement(ch)
             ch.abort(why)
             raise SnapshotAborted(f"snapshot aborted: {why}")
+        if tier is not None and W > 1:  # every rank's nodes into this rank's tier (put: checked by address)
+            for blob in ch.get_many([f"tnodes/{r}" for r in range(1, W)]):
+                for payload in msgpack.unpackb(blob):
+                    publisher.assets.put_node(payload, fence)
         # The rank tree and the range-cut chunk index (format/world.py): a rank's checkout
         # reads the few nodes its own region needs, whatever W (not O(W) or O(W x N)). The
         # index depends on the layout alone: built once per checked layout, then put again.
@@ -921,7 +944,14 @@ def _put(ch: _Channel, publisher, plan, prepare):
         raise SnapshotAborted(f"snapshot aborted: {why}") from e
     finally:
         beat.stop()  # (also on a KeyboardInterrupt: a beat that outlived the commit would keep the others waiting)
-    _published(ch, layout["need"])
+    _published(ch, layout["need"], tier is not None)
+    if tier is not None:
+        try:  # (before the result: the others read it once they hold the root)
+            ch.set("tier", tier.top_blob(bytes.fromhex(info.root), part["top"]))
+        except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
+            warnings.warn(f"snapshot {info.root[:16]} was published locally, but its top nodes could not be handed "
+                          f"to the other ranks: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+        info = tier.published(info, part["tree"], True)
     ch.ack()  # (it holds the outcome and reads nothing of the call's after: the others' acks come after)
     try:
         ch.set(_result_key(ch.round), info.root.encode())
@@ -931,12 +961,12 @@ def _put(ch: _Channel, publisher, plan, prepare):
     return info
 
 
-def _published(ch: _Channel, need: list) -> None:
+def _published(ch: _Channel, need: list, tier: bool = False) -> None:
     """Published, so nobody aborted (the claim): the call's shared keys are these (the last
     rank to ack deletes them)."""
     ch.used = ["hello_n", "hello_all", "need", "done_n", "done_all", "decided", "result", "beat", "acked",
                "ack_all"] + (["reval", "rdone_n"] if ch.round else []) + (["pieces_n", "pieces_all", "go"] if need
-                                                                          else [])
+                                                                          else []) + (["tier"] if tier else [])
 
 
 def _chunk_index(layouts: _Layouts, job: bytes, publisher, fence: int, build):
@@ -1043,13 +1073,14 @@ def _serve_revalidation(ch: _Channel, done: int, revalidate_mine) -> int:
     return n
 
 
-def _await_result(ch: _Channel, publisher, args, revalidate_mine):
+def _await_result(ch: _Channel, publisher, args, revalidate_mine, info_of=None):
     """A rank other than 0, its part written: block on the outcome, re-validating its
     part whenever rank 0 asks (a gc deletion phase fenced the move). Once rank 0 has
     claimed "commit", this rank's deadline no longer aborts: it waits for the result as
     long as rank 0's heartbeat moves; if it stops for `timeout` (rank 0 dead or stopped)
     or the Store goes away, it asks the ref table whether the ref moved to the snapshot."""
     done = [0]  # re-validation rounds done: the outcome's key is _result_key(done[0])
+    info_of = info_of or publisher.info
 
     def outcome(v: bytes):
         """-> the root posted, or None: a re-validation round served (then wait on the next key)."""
@@ -1067,15 +1098,15 @@ def _await_result(ch: _Channel, publisher, args, revalidate_mine):
                 root = outcome(_guard(ch, lambda: ch.wait_key(_result_key(done[0]), "rank 0 to publish",
                                                               per_rank="done")))
                 if root is not None:
-                    return publisher.info(Digest.parse(root.decode()))
+                    return info_of(Digest.parse(root.decode()))
         except _CommitUnderWay:
             pass
-        return _await_result_alive(ch, publisher, args, done, outcome)
+        return _await_result_alive(ch, publisher, args, done, outcome, info_of)
     except _RevalFailed as e:
         raise e.args[0] from e.__cause__
 
 
-def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome):
+def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome, info_of):
     try:
         last, seen = None, time.monotonic()
         while True:
@@ -1087,7 +1118,7 @@ def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome):
                     ch._check_abort()
                 root = outcome(v)
                 if root is not None:
-                    return publisher.info(Digest.parse(root.decode()))
+                    return info_of(Digest.parse(root.decode()))
                 continue
             beat, now = ch.add("beat", 0), time.monotonic()
             if beat != last:
@@ -1150,7 +1181,7 @@ def collective_checkout(job: CollectiveJob, target):
     hellos themselves only when it does not."""
     ch = _open_channel(job.calls, job.group, "checkout", job.timeout, job.kv)
     ch.cleanup_old()
-    resolve, read = job.core.resolve, job.read
+    resolve, read = job.resolve or job.core.resolve, job.read
     spelled = target if isinstance(target, str) else repr(target)
 
     def hello():

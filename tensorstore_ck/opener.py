@@ -240,7 +240,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
                write_concurrency: int | None = None, create_refs: bool = False,
                gc_stale_after: float | None = None, read_only: bool | None = None, local=None,
-               local_budget: int | None = None) -> Store:
+               local_budget: int | None = None, replicas: int = 0) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     A ref table is created only with a new store, or with create_refs=True (what
@@ -277,7 +277,13 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     snapshot becomes durable, and at open, the local copies of durable snapshots are
     evicted, the older first, each ref's newest durable tip last (their reads go to the
     remote store); never what a queued upload or a local-only snapshot needs: a budget
-    too small for those is a warning, never a failed put (docs/design/tiers.md, "Budget")."""
+    too small for those is a warning, never a failed put (docs/design/tiers.md, "Budget").
+    replicas: with local=, under torch.distributed: after each collective put, every rank
+    copies the objects of its part into the local tiers of the next `replicas` ranks
+    (r+1 .. r+replicas mod W), and a collective checkout fetches what its tier lacks from
+    them, by address, before it reads the remote store (docs/design/tiers.md, "Peer
+    replicas"). Set per store, not per put: the ranks must agree, and a CheckpointManager
+    needs no new argument."""
     if gc_stale_after is not None:
         warnings.warn("open_store(gc_stale_after=) is deprecated: use gc_lease= (the lease of the gcs this "
                       "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
@@ -293,6 +299,10 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                   compression=compression, compress=compress, shuffle=shuffle)
     if read_only is not None and not isinstance(read_only, bool):
         raise InvalidArgument(f"read_only must be True, False or None, got {read_only!r}")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise InvalidArgument(f"replicas must be an int >= 0, got {replicas!r}")
+    if replicas and local is None:
+        raise InvalidArgument("replicas= copies into the local tiers of other ranks: it needs local=")
     if local is not None:
         if not isinstance(local, (str, os.PathLike)) or not os.fspath(local):
             raise InvalidArgument(f"local must be a directory path, got {local!r}")
@@ -414,7 +424,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             return Store(core, config=cfg, max_inflight=max_inflight, when_busy=when_busy)
         try:
             return _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy,
-                           local_budget)
+                           local_budget, replicas)
         except BaseException:
             core.pool.shutdown(wait=False)
             raise
@@ -425,7 +435,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
 
 
 def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, settings: Settings,
-            max_inflight: int, when_busy: str, budget: int | None = None) -> Store:
+            max_inflight: int, when_busy: str, budget: int | None = None, replicas: int = 0) -> Store:
     """A Store over a local tier at `path` in front of `remote`: the tier's marker is a copy
     of the remote's (same id, same block layout: a block cut here is the block the remote
     would hold), its LMDB ref table is bound to the same store id, and its blocks use the
@@ -460,4 +470,5 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
     except BaseException:
         lrefs.close()
         raise
-    return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy, uploader=Uploader(lcore, remote, budget))
+    return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy,
+                 uploader=Uploader(lcore, remote, budget), replicas=replicas)

@@ -117,7 +117,7 @@ class Store:
     the layers below (gc, fsck, recover, usage, listing, lifecycle, dist)."""
 
     def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait",
-                 uploader: "Uploader | None" = None):
+                 uploader: "Uploader | None" = None, replicas: int = 0):
         self.core = core
         # With a local tier: `core` is the local store and the uploader holds the remote one.
         self._uploader = uploader
@@ -136,9 +136,13 @@ class Store:
         # What checkout reads through: with a tier, the local copies first, the remote
         # store's where a local one is missing or fails its check (upload.ReadThrough).
         self._reads = self.assets
+        self._peers = None  # with replicas=: this rank's side of the peer replicas (peers.py)
         if uploader is not None:
             from .upload import ReadThrough
             self._reads = ReadThrough(self.assets, uploader.remote, evicted=self.reftable.evicted)
+            if replicas:
+                from .peers import Peers
+                self._peers = Peers(core, replicas)
         _STORES.add(self)
 
     def _after_fork(self) -> None:
@@ -155,6 +159,9 @@ class Store:
             # table, and the parent's uploader (or the next open) sends them.
             self._uploader.after_fork()
             self._reads.after_fork()
+        # The peer server and the replica sender are the parent's threads: a child neither
+        # serves nor sends replicas (its collective checkouts read the tier, then the remote).
+        self._peers = None
         self._puts.reset()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -179,8 +186,14 @@ class Store:
             return
         self._closed = True
         self._puts.shutdown()
-        if self._uploader is not None:
-            self._close_tier()
+        if self._peers is not None:
+            self._peers.wait()  # the replicas being sent (the server goes once the uploads are done)
+        try:
+            if self._uploader is not None:
+                self._close_tier()
+        finally:
+            if self._peers is not None:
+                self._peers.close()
         self.core.pool.shutdown(wait=True)
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
@@ -302,10 +315,8 @@ class Store:
             return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected)
 
         if is_collective(group):
-            if self._uploader is not None:
-                raise InvalidArgument("a store with a local tier takes no collective puts yet: open it without "
-                                      "local= under torch.distributed (or pass group=None)")
-            call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare)
+            call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare,
+                                 tier=self._collective_tier())
             if not blocking:
                 def stage():
                     args = prepare()
@@ -334,6 +345,15 @@ class Store:
             self._puts.skipped += 1
             return None
         return self._puts.submit(args.ref, buf, lambda: self._publish(plan, args))
+
+    def _collective_tier(self):
+        """With a local tier: what a collective put does besides the protocol (each rank
+        publishes in its own tier and queues its own upload: peers.py); else None."""
+        if self._uploader is None:
+            return None
+        from .peers import CollectiveTier
+        peers = self._peers if self._peers is not None and self._peers.join() else None
+        return CollectiveTier(self.core, self._uploader, peers)
 
     def _after_in_flight(self, fn) -> None:
         """Run fn() on the background publisher once the snapshots queued so far have ended."""
@@ -388,6 +408,11 @@ class Store:
         self.wait()
         if self._uploader is None:
             return True
+        if self._peers is not None:  # (the replicas go first: a part is sent to the peers, then uploaded)
+            import time
+            t0 = time.monotonic()
+            self._peers.wait(timeout)
+            timeout = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
         return self._uploader.wait_durable(timeout)
 
     @property
@@ -565,19 +590,29 @@ class Store:
         def read_with(reader: Reader, top: bytes):
             return read_state(reader, top, MISSING if into is None else into, allow_pickle=allow_pickle)
 
+        reads = self._reads
+        if self._peers is not None and is_collective(group) and self._peers.join():
+            # A collective checkout: what this rank's tier lacks (lost with its node) is
+            # fetched from the ranks that hold its replicas before the remote is read.
+            from .peers import peer_reads
+            reads = peer_reads(self._reads, self._peers)
+
         def read(root: Digest, rank: int = 0):
             # Read before any object is: what this checkout reads is then known present under
             # it, for later puts and checkouts of this Store (assets.Presence).
             fence = self.assets.fence_now()
-            c = decode_commit(self._reads.get_commit(root, verify=verify))
+            c = decode_commit(reads.get_commit(root, verify=verify))
             st = c.get("stats") or {}
             with _bytes_bar(progress, "checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                return read_with(Reader(self._reads, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
+                return read_with(Reader(reads, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
                                         progress=bar, **opts), c["tree"])
 
         if is_collective(group):
+            # Rank 0 resolves the target in both tiers (the newer snapshot, as for one
+            # process); every rank reads its region through its own tier, the remote behind.
+            resolve = None if self._uploader is None else (lambda t: self._tier_roots(t)[0])
             return collective_checkout(CollectiveJob(self.core, self.publisher, self._collective, group, timeout,
-                                                     read=read), target)
+                                                     read=read, resolve=resolve), target)
         roots = self._tier_roots(target)
         for i, root in enumerate(roots):
             try:

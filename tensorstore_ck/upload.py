@@ -76,8 +76,9 @@ class Uploader:
         self._thread.start()
 
     # -- the queue -----------------------------------------------------------------
-    def enqueue(self, root: bytes, ref: str, step) -> int:
-        seq = self.local.refs.upload_enqueue(root, ref, step)
+    def enqueue(self, root: bytes, ref: str, step, part: bytes | None = None) -> int:
+        """part: this rank's sub-tree of a collective snapshot (peers.py), not the snapshot."""
+        seq = self.local.refs.upload_enqueue(root, ref, step, part=part)
         with self._cond:
             self._cond.notify_all()
         return seq
@@ -247,7 +248,11 @@ class Uploader:
         names it. When uploads fall behind the snapshot cadence, a superseded snapshot is
         not worth the bandwidth: the newest is what recovery wants, and what it shares
         with the older one is sent with it. It stays local-only (never marked durable)
-        and the local retention expires it as any other snapshot."""
+        and the local retention expires it as any other snapshot. A rank's part of a
+        collective snapshot is always sent: rank 0's tier decides by its own queue, and
+        waits for the parts of the snapshot it sends."""
+        if entry.get("part") is not None:
+            return False
         root, ref = entry["root"], entry.get("ref")
         newer_seq = next((s for s, e in pending if s > seq and e.get("ref") == ref and e.get("root") != root), None)
         if newer_seq is None:
@@ -275,12 +280,19 @@ class Uploader:
 
     def _upload(self, seq: int, entry: dict) -> None:
         root, local = entry["root"], self.local
+        if entry.get("part") is not None:  # a rank's part of a collective snapshot (peers.py)
+            from .peers import upload_part
+            return upload_part(self, seq, entry)
         row = local.refs.catalog_get(root)
         if row is None:
             self._expired(seq, root)
             return
         if seq in self._resumed and self._moved_before(seq, root, entry["ref"]):
             return
+        world = (row.get("meta") or {}).get("world") if isinstance(row.get("meta"), dict) else None
+        if isinstance(world, int) and world > 1:  # a collective snapshot: the other ranks send their parts
+            from .peers import upload_world
+            return upload_world(self, seq, entry, row)
         self._tee_settle()
         fence = self.publisher.fence()  # before the remote is asked about any object
         objs = {"block": [], "node": [], "commit": []}

@@ -400,9 +400,10 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         return self._write(txn)
 
     # -- a local tier's upload queue (tier.py) -------------------------------------------
-    def upload_enqueue(self, root: bytes, ref: str, step) -> int:
+    def upload_enqueue(self, root: bytes, ref: str, step, part: bytes | None = None) -> int:
         """Queue `root` (published locally on `ref`) for upload -> its sequence number.
-        A root queued already keeps its place."""
+        A root queued already keeps its place. part: a rank's sub-tree of a collective
+        snapshot (what that rank uploads of it), kept in the entry as "part"."""
         def txn(t: Txn):
             for k, v in t.items("meta", _UPLOAD):
                 if decode_record(v, "upload queue entry").get("root") == root:
@@ -411,7 +412,10 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             raw = t.get("meta", _UPLOAD_SEQ)
             seq = (_SEQ.unpack(raw)[0] if raw is not None else 0) + 1
             t.put("meta", _UPLOAD_SEQ, _SEQ.pack(seq))
-            t.put("meta", _UPLOAD + _SEQ.pack(seq), encode_record({"root": root, "ref": ref, "step": step}))
+            rec = {"root": root, "ref": ref, "step": step}
+            if part is not None:
+                rec["part"] = part
+            t.put("meta", _UPLOAD + _SEQ.pack(seq), encode_record(rec))
             return seq
         return self._write(txn)
 

@@ -1,0 +1,553 @@
+"""Collective snapshots through local tiers: each rank's tier, the remote store behind.
+
+Under torch.distributed with `open_store(remote, local=NODE_DIR)` on every rank:
+
+    every rank   writes its own blocks and sub-tree to its own local tier (the collective
+                 protocol of dist.py, unchanged; each rank under its own tier's gc fence)
+    rank 0       writes the top nodes and the commit to its tier and moves its local ref
+                 (the local publication), then hands the commit and the top nodes to the
+                 others (one c10d key): every rank's tier can then read its own region of
+                 the snapshot, and says what the snapshot is, without the remote
+    every rank   queues its upload: rank 0 the snapshot, the others their part
+
+    the uploader of a rank other than 0 (upload_part): its sub-tree's blocks, then its
+                 nodes, skipping what the remote has: then the snapshot is durable for
+                 that rank (its part is remote)
+    the uploader of rank 0 (upload_world): reads the remote gc fence, then walks the
+                 snapshot: what its tier holds (its sub-tree, the top, the commit) is sent
+                 as by a single-process upload; every object it lacks (the other ranks'
+                 sub-trees) must be found in the remote after that fence read (a node is
+                 read from there, checked against its address; a block is asked with a
+                 HEAD); what is not there yet is waited for with backoff, bounded, while
+                 the other ranks upload; then the fenced move of the remote ref to the
+                 same root (Publisher.move_to), whose re-validation asks for every
+                 object again under the new fence
+
+The remote ref therefore never names an object missing remotely: every object was
+either sent and synced by rank 0 or seen present in the remote by rank 0 itself after
+it read the fence its move is conditional on (docs/design/tiers.md, "Collective puts").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import msgpack
+
+from .errors import IntegrityError, TsckError, UnreadableObject
+from .walk import walk_commit, walk_tree
+
+__all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT"]
+
+log = logging.getLogger(__name__)
+
+# How long rank 0's uploader waits, without progress, for the other ranks' parts of a
+# collective snapshot, seconds.
+PART_WAIT = 900.0
+_PAUSE = (0.1, 5.0)  # first and longest pause between two looks, seconds
+
+
+class CollectiveTier:
+    """What a collective put through local tiers does besides the protocol of dist.py,
+    built by the Store for one call (dist.py calls it, and knows nothing of tiers)."""
+
+    def __init__(self, core, uploader, peers: "Peers | None" = None):
+        self.core, self.uploader, self.peers = core, uploader, peers
+
+    def top_blob(self, root: bytes, top_payloads: list) -> bytes:
+        """Rank 0, after its local publication: the commit and the top nodes, for the others."""
+        return msgpack.packb([self.core.assets.get_commit(root), list(top_payloads)])
+
+    def adopt(self, root: bytes, blob: bytes) -> None:
+        """A rank other than 0: store rank 0's commit and top nodes in this rank's tier.
+        Each is stored under the address of its own bytes, and the commit must be `root`:
+        nothing rank 0 sends can stand for another object."""
+        body, payloads = msgpack.unpackb(blob)
+        assets = self.core.assets
+        for p in payloads:
+            assets.put_node(p)
+        got = assets.put_commit(body).digest
+        if got != root:
+            raise IntegrityError(f"rank 0 sent a commit object that is not snapshot {root.hex()[:16]} "
+                                 f"(its bytes hash to {got.hex()[:16]})", reason="corrupt")
+        assets.sync()
+        # A catalog row (no ref): this tier keeps the snapshot. Its other ranks' nodes are
+        # not here, so a gc of this tier stops before deleting anything (a kept snapshot it
+        # cannot walk) instead of taking this rank's part and the replicas it holds for
+        # the untracked garbage they would otherwise look like.
+        from .format.manifest import decode_commit
+        c = decode_commit(body)
+        self.core.refs.catalog_put_if_absent(root, {k: c.get(k) for k in (
+            "job", "ref", "step", "time", "metrics", "meta", "parent", "tree")} | dict(c.get("stats") or {}))
+
+    def published(self, info, tree: bytes, rank0: bool):
+        """Every rank once the snapshot is published locally: queue its upload (rank 0: the
+        snapshot; another rank: its part, the sub-tree `tree`); with replicas, send the
+        part to the peers in the background."""
+        root = bytes.fromhex(info.root)
+        self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
+        if self.peers is not None:
+            self.peers.replicate(root, tree)
+        return dataclasses.replace(info, durable=False)
+
+
+class _Pending(TsckError):
+    """Objects of the snapshot that the remote does not hold yet (another rank uploads them)."""
+
+
+def _pause(up, pause: float) -> None:
+    with up._cond:
+        if not up._stop:
+            up._cond.wait(pause)
+    if up._stop:
+        raise TsckError("the uploader was stopped while it waited for the other ranks")
+
+
+def upload_part(up, seq: int, entry: dict) -> None:
+    """A rank other than 0: send this rank's part of a collective snapshot (blocks, then
+    nodes, skipping what the remote has); then it is durable *for this rank*. It does not
+    wait for rank 0's remote move: rank 0 may never make it (its retention expired the
+    snapshot before its upload, or it took a newer one first), and this rank's later
+    parts, queued behind, are what rank 0 waits for then."""
+    root, tree, local, remote = entry["root"], entry["part"], up.local, up.remote
+    if not remote.refs.catalog_has(root):
+        fence = up.publisher.fence()  # before the remote is asked about any object
+        objs: dict = {"block": [], "node": [], "commit": []}
+        seen: set[bytes] = set()
+        for o in walk_tree(local.assets, tree, snapshot=root.hex(), verify=True):
+            if o.digest not in seen:
+                seen.add(o.digest)
+                objs[o.kind].append(o.digest)
+        up._send(objs, fence)
+    local.refs.upload_done(seq, root)
+    with up._cond:
+        up._cond.notify_all()
+    log.info("local tier: this rank's part of snapshot %s of ref %s is in %s", root.hex()[:16],
+             entry.get("ref"), remote.url)
+
+
+class _Nearest:
+    """The local tier's Assets for rank 0's walk of a collective snapshot: a node the
+    tier lacks (another rank's) is read from the remote store, checked there, and
+    recorded; missing there too, the walk stops with _Pending. A node the tier holds
+    damaged is the tier's fault, as in a single-process upload (IntegrityError)."""
+
+    def __init__(self, local, remote):
+        self.local, self.remote = local, remote
+        self.theirs: list[tuple[str, bytes]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence=None) -> bytes:
+        try:
+            return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
+        except (IntegrityError, UnreadableObject) as e:
+            if getattr(e, "reason", None) != "missing":
+                raise
+        try:
+            data = self.remote.get_node(d, verify=verify, snapshot=snapshot, path=path)
+        except (IntegrityError, UnreadableObject) as e:
+            if getattr(e, "reason", None) != "missing":
+                raise
+            raise _Pending(f"node {d.hex()[:16]} at {path or '(top)'}") from None
+        self.theirs.append(("node", d))
+        return data
+
+
+def _survey(up, root: bytes, fence: int):
+    """-> (this tier's objects of the snapshot, by kind; the others' objects, each seen in
+    the remote after `fence` was read). _Pending when some are not there yet."""
+    local, remote = up.local.assets, up.remote.assets
+    nearest = _Nearest(local, remote)
+    mine: dict = {"block": [], "node": [], "commit": []}
+    seen: set[bytes] = set()
+    blocks, nodes = [], []
+    for o in walk_commit(nearest, root, verify=True):
+        if o.digest in seen:
+            continue
+        seen.add(o.digest)
+        (blocks if o.kind == "block" else nodes if o.kind == "node" else mine[o.kind]).append(o.digest)
+    remote_nodes = {d for _, d in nearest.theirs}  # (known once the walk is over: a node is named before it is read)
+    mine["node"] = [d for d in nodes if d not in remote_nodes]
+    here = list(up.remote.pool.map(local.block_exists, blocks))
+    mine["block"] = [d for d, h in zip(blocks, here) if h]
+    theirs = [d for d, h in zip(blocks, here) if not h]
+    missing = [d for d, ok in zip(theirs, up.remote.pool.map(remote.block_exists, theirs)) if not ok]
+    if missing:
+        raise _Pending(f"{len(missing)} block(s), e.g. {missing[0].hex()[:16]}")
+    return mine, nearest.theirs + [("block", d) for d in theirs]
+
+
+def _confirm(up, theirs: list) -> None:
+    """Every object of `theirs` is in the remote now (asked of storage: a HEAD each)."""
+    remote = up.remote.assets
+
+    def there(kd) -> bool:
+        kind, d = kd
+        return up.remote.storage.exists(remote.object_key(kind + "s", d))
+    missing = [kd for kd, ok in zip(theirs, up.remote.pool.map(there, theirs)) if not ok]
+    if missing:
+        raise _Pending(f"{len(missing)} object(s) of the other ranks, e.g. {missing[0][0]} {missing[0][1].hex()[:16]}")
+
+
+def _until_present(up, root: bytes, look):
+    """look() until it stops raising _Pending (another rank's upload is still under way):
+    with backoff, for up to PART_WAIT seconds without progress (the count of what is
+    missing going down)."""
+    since, pause, best = time.monotonic(), _PAUSE[0], None
+    while True:
+        try:
+            return look()
+        except _Pending as e:
+            if str(e) != best:  # progress: what is missing changed
+                best, since = str(e), time.monotonic()
+            if time.monotonic() - since > PART_WAIT:
+                raise TsckError(f"snapshot {root.hex()[:16]}: the other ranks' parts are not in the remote store "
+                                f"after {PART_WAIT:g}s ({e} missing)") from None
+            log.debug("snapshot %s: waiting for the other ranks' uploads (%s missing)", root.hex()[:16], e)
+            _pause(up, pause)
+            pause = min(_PAUSE[1], pause * 2)
+
+
+def upload_world(up, seq: int, entry: dict, row: dict) -> None:
+    """Rank 0: make a collective snapshot durable once every rank's part is in the remote."""
+    root, local = entry["root"], up.local
+    fence = up.publisher.fence()  # before the remote is asked about any object
+
+    def look():
+        if local.refs.catalog_get(root) is None:  # (a node of its own deleted looks like another rank's)
+            raise IntegrityError(f"snapshot {root.hex()[:16]} left the local catalog", reason="missing")
+        return _survey(up, root, fence)
+    try:
+        mine, theirs = _until_present(up, root, look)
+        up._send(mine, fence)
+    except IntegrityError:
+        # Missing or damaged here: the job's retention may have expired the snapshot
+        # locally meanwhile (and deleted its objects); else the tier is damaged (upload.py).
+        if local.refs.catalog_get(root) is None:
+            up._expired(seq, root)
+            return
+        raise
+
+    def revalidate(new_fence: int) -> None:
+        # A gc deletion phase ran: everything again, under the new fence (what it removed
+        # of the others' parts is waited for, bounded: its owners sent it once).
+        _until_present(up, root, lambda: _confirm(up, theirs))
+        up._send(mine, new_fence)
+
+    info = up.publisher.move_to(root, row, fence=fence, revalidate=revalidate)
+    local.refs.upload_done(seq, root)
+    with up._cond:
+        up._cond.notify_all()
+    log.info("local tier: collective snapshot %s of ref %s durable at %s", info.root[:16], info.ref,
+             up.remote.url)
+
+
+# -- peer replicas ---------------------------------------------------------------------
+#
+# A TCP side channel, not the process group: an asynchronous collective put runs on the
+# store's background publisher while training runs its own collectives (DDP's all-reduce)
+# on the same group from the main thread, and gloo matches a group's operations by their
+# order, so sends from two threads would pair with the wrong receives; a group of our own
+# (new_group) must be made by every rank at one point of the program, which open_store is
+# not. Point-to-point connections have no order to keep: a rank's server answers whoever
+# asks, whenever. The addresses go through the c10d Store (key tsck/peer/<rank>).
+#
+# Requests: op (1 byte) kind (1 byte: b, n, c) address (32 bytes) length (8 bytes) data.
+#   H  has it?            -> 1 byte (1 yes, 0 no)
+#   G  get it             -> 8-byte length (all ones: not here) + the stored bytes
+#   P  store this copy    -> 1 byte (1 stored, 0 refused: it is not the object of that address)
+#   S  sync what was put  -> 1 byte
+
+_KINDS = {b"b": "block", b"n": "node", b"c": "commit"}
+_CODES = {v: k for k, v in _KINDS.items()}
+_NONE = (1 << 64) - 1
+PEER_TIMEOUT = 60.0  # seconds a connection to a peer may stay silent, and a rank waits for a peer's address
+
+
+def _recv(sock, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _local_host(kv) -> str:
+    """The address the other ranks reach this one at: TSCK_PEER_HOST, else that of the
+    interface that reaches the c10d Store's host (every rank reaches it), else the host name's."""
+    import os
+    import socket
+    host = os.environ.get("TSCK_PEER_HOST")
+    if host:
+        return host
+    store = kv
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    target = getattr(store, "host", None)
+    if target:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))  # (no packet is sent: it picks the route)
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Peers:
+    """This rank's side of the peer replicas: a server that answers for its tier's objects
+    by address and stores the replicas other ranks send (each checked against its address
+    first), and a client that sends this rank's part to the next `k` ranks and fetches
+    what its tier lacks from them. Counters (tests): `fetched` objects got from peers,
+    `sent` replicas sent, `refused` copies refused for not matching their address."""
+
+    def __init__(self, core, k: int):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+        self.core, self.k = core, k
+        self._sock = None
+        self._lock = threading.Lock()
+        self._addrs: dict[int, tuple[str, int]] = {}
+        self._dead: set[int] = set()
+        self._pending: list = []
+        self._send = ThreadPoolExecutor(1, thread_name_prefix="tsck-replicas")
+        self.rank = self.world = None
+        self.kv = None
+        self.fetched = self.sent = self.refused = 0
+
+    # -- set-up --------------------------------------------------------------------------
+    def join(self) -> bool:
+        """Listen (once) and post this rank's address; the world is torch.distributed's
+        (False, and no replicas for the call, without it: a StoreGroup of threads)."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        with self._lock:
+            if self._sock is not None:
+                return True
+            self.kv = _get_default_store()
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            port = self._listen()
+            self.kv.set(f"tsck/peer/{self.rank}", f"{_local_host(self.kv)}:{port}".encode())
+            return True
+
+    def _listen(self, host: str = "0.0.0.0") -> int:
+        """Start the server -> its port."""
+        import socket
+        import threading
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(64)
+        self._sock = sock
+        threading.Thread(target=self._serve, name="tsck-peer-server", daemon=True).start()
+        return sock.getsockname()[1]
+
+    def holders(self) -> list[int]:
+        """The ranks that hold this rank's replicas: r+1 .. r+k (mod W)."""
+        return [(self.rank + i) % self.world for i in range(1, min(self.k, self.world - 1) + 1)]
+
+    def close(self) -> None:
+        self.wait()
+        self._send.shutdown(wait=True)
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    # -- the server ----------------------------------------------------------------------
+    def _serve(self) -> None:
+        import threading
+        sock = self._sock
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._answer, args=(conn,), name="tsck-peer", daemon=True).start()
+
+    def _answer(self, conn) -> None:
+        from .assets import Assets
+        assets, storage = self.core.assets, self.core.storage
+        conn.settimeout(PEER_TIMEOUT)
+        try:
+            while True:
+                try:
+                    head = _recv(conn, 42)
+                except ConnectionError:
+                    return
+                op, kind, d, n = head[:1], _KINDS.get(head[1:2]), head[2:34], int.from_bytes(head[34:], "big")
+                if kind is None:
+                    return
+                key = Assets.object_key(kind + "s", d)
+                if op == b"H":
+                    conn.sendall(b"\x01" if storage.exists(key) else b"\x00")
+                elif op == b"G":
+                    try:
+                        data = assets.stored_frame(kind, d)  # checked: a damaged copy is not handed on
+                    except (IntegrityError, UnreadableObject, OSError):
+                        data = None
+                    conn.sendall(_NONE.to_bytes(8, "big") if data is None else len(data).to_bytes(8, "big") + data)
+                elif op == b"P":
+                    data = _recv(conn, n)
+                    if Assets.object_frame_error(kind, d, data) is not None:
+                        with self._lock:
+                            self.refused += 1
+                        log.warning("peer replicas: a copy of %s %s sent by a peer does not match its address; "
+                                    "refused", kind, d.hex()[:16])
+                        conn.sendall(b"\x00")
+                    else:
+                        storage.put_addressed(key, [data])
+                        conn.sendall(b"\x01")
+                elif op == b"S":
+                    assets.sync()
+                    conn.sendall(b"\x01")
+                else:
+                    return
+        except (OSError, TsckError) as e:
+            log.info("peer replicas: a connection ended: %s", e)
+        finally:
+            conn.close()
+
+    # -- the client ----------------------------------------------------------------------
+    def _connect(self, peer: int):
+        import socket
+        if peer in self._dead:
+            return None
+        try:
+            if peer not in self._addrs:
+                key = f"tsck/peer/{peer}"
+                import datetime
+                self.kv.wait([key], datetime.timedelta(seconds=PEER_TIMEOUT))
+                host, port = self.kv.get(key).decode().rsplit(":", 1)
+                self._addrs[peer] = (host, int(port))
+            return socket.create_connection(self._addrs[peer], timeout=PEER_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - a peer away is a peer we do without
+            log.warning("peer replicas: rank %d cannot be reached (%s); going on without it", peer, e)
+            self._dead.add(peer)
+            return None
+
+    @staticmethod
+    def _ask(conn, op: bytes, kind: str, d: bytes, data: bytes = b""):
+        conn.sendall(op + _CODES[kind] + d + len(data).to_bytes(8, "big") + data)
+
+    def replicate(self, root: bytes, tree: bytes) -> None:
+        """In the background: send the objects of this rank's part (sub-tree `tree` of
+        snapshot `root`) that its tier holds to each holder that lacks them."""
+        fut = self._send.submit(self._replicate, root, tree)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    def wait(self, timeout: float | None = None) -> None:
+        from concurrent.futures import wait
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending, timeout)
+
+    def _replicate(self, root: bytes, tree: bytes) -> None:
+        assets = self.core.assets
+        objs, seen = [], set()
+        for o in walk_tree(assets, tree, snapshot=root.hex(), verify=True):
+            if o.digest not in seen:
+                seen.add(o.digest)
+                objs.append((o.kind, o.digest))
+        # (a Replicated tensor's blocks written by another rank are not in this tier: theirs to send)
+        objs = [(k, d) for k, d in objs if k != "block" or assets.block_exists(d)]
+        for peer in self.holders():
+            conn = self._connect(peer)
+            if conn is None:
+                continue
+            try:
+                with conn:
+                    n = 0
+                    for kind, d in objs:
+                        self._ask(conn, b"H", kind, d)
+                        if _recv(conn, 1) == b"\x01":
+                            continue
+                        self._ask(conn, b"P", kind, d, assets.stored_frame(kind, d))
+                        if _recv(conn, 1) != b"\x01":
+                            raise TsckError(f"rank {peer} refused the copy of {kind} {d.hex()[:16]}")
+                        n += 1
+                    self._ask(conn, b"S", "block", bytes(32))
+                    _recv(conn, 1)
+                with self._lock:
+                    self.sent += n
+                log.info("peer replicas: snapshot %s: %d object(s) of this rank's part sent to rank %d",
+                         root.hex()[:16], n, peer)
+            except (OSError, TsckError) as e:
+                log.warning("peer replicas: snapshot %s: sending this rank's part to rank %d failed (%s); the "
+                            "remote store stays its copy", root.hex()[:16], peer, e)
+
+    def fetch(self, kind: str, d: bytes) -> bool:
+        """Get object `d` from a holder into this rank's tier, checked against its address
+        first -> whether one had it."""
+        from .assets import Assets
+        for peer in self.holders():
+            conn = self._connect(peer)
+            if conn is None:
+                continue
+            try:
+                with conn:
+                    self._ask(conn, b"G", kind, d)
+                    n = int.from_bytes(_recv(conn, 8), "big")
+                    if n == _NONE:
+                        continue
+                    data = _recv(conn, n)
+            except OSError as e:
+                log.warning("peer replicas: fetching %s %s from rank %d failed (%s)", kind, d.hex()[:16], peer, e)
+                continue
+            if Assets.object_frame_error(kind, d, data) is not None:
+                log.warning("peer replicas: rank %d's copy of %s %s does not match its address; not used", peer,
+                            kind, d.hex()[:16])
+                continue
+            self.core.storage.put_addressed(Assets.object_key(kind + "s", d), [data])
+            with self._lock:
+                self.fetched += 1
+            return True
+        return False
+
+
+def peer_reads(reads, peers: Peers):
+    """A ReadThrough (upload.py) with the peers between the local tier and the remote: an
+    object the tier lacks is fetched from a holder into the tier (checked against its
+    address), then read there; one no peer has is read from the remote as before."""
+    from .upload import ReadThrough
+
+    class PeerReads(ReadThrough):
+        def _have(self, kind: str, d: bytes) -> bool:
+            return self.local.storage.exists(self.local.object_key(kind + "s", d))
+
+        def _fill(self, kind: str, d: bytes) -> None:
+            if not self._have(kind, d):
+                peers.fetch(kind, d)
+
+        def read_block_into(self, d, out, **kw):
+            self._fill("block", d)
+            return super().read_block_into(d, out, **kw)
+
+        def get_node(self, d, **kw):
+            self._fill("node", d)
+            return super().get_node(d, **kw)
+
+        def get_commit(self, d, **kw):
+            self._fill("commit", d)
+            return super().get_commit(d, **kw)
+
+        def require_blocks(self, digests, pool, **kw):
+            digests = list(digests)
+            list(pool.map(lambda d: self._fill("block", d), digests))
+            return super().require_blocks(digests, pool, **kw)
+
+    return PeerReads(reads.local, reads.remote)

@@ -1,0 +1,213 @@
+"""Collective snapshots through local tiers, for tests/test_tier_dist.py.
+
+    python tier_dist_worker.py SCENARIO OUTDIR CONFIG.json
+
+CONFIG: {"url": remote store URL, "opts": storage_options, "refs": the remote ref table,
+"world": W, ...}. Every rank opens `open_store(url, refs=..., local=TIERS/<tier><rank>)`
+(one local directory per rank under CONFIG's "tiers", standing for one node each), the remote storage wrapped by
+a recorder of the keys read there. Ranks write OUTDIR/<phase>_rank<r>.json (roots, durable
+flags, remote keys read) and OUTDIR/<phase>_rank<r>.pt (what a checkout returned); the
+test judges against the data definitions of dist_worker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dist_worker as dw  # noqa: E402  (the launcher and the shared state definitions)
+from dist_worker import launcher_main  # noqa: E402
+import torch  # noqa: E402
+
+REF = dw.REF
+
+
+def _reads_class():
+    from tensorstore_ck.storage.wrappers import WrappedStore
+
+    class Reads(WrappedStore):
+        """Records every object key read from the remote store (blocks, nodes, commits)."""
+
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.lock = threading.Lock()
+            self.reads: list[str] = []
+
+        def _note(self, key):
+            if key.split("/", 1)[0] in ("blocks", "nodes", "commits"):
+                with self.lock:
+                    self.reads.append(key)
+
+        def open_read(self, key, max_bytes=None):
+            self._note(key)
+            return self.inner.open_read(key, max_bytes)
+
+        def get(self, key, max_bytes=None):
+            self._note(key)
+            return self.inner.get(key, max_bytes)
+    return Reads
+
+
+def _open(cfg, out, rank, tier, holder, **kw):
+    import tensorstore_ck as tsck
+    Reads = _reads_class()
+    if cfg.get("gate"):  # every remote write waits until the file cfg["gate"] exists
+        import time
+
+        class Reads(Reads):  # noqa: F811
+            def _wait(self):
+                while not os.path.exists(cfg["gate"]):
+                    time.sleep(0.05)
+
+            def put_addressed(self, key, bufs):
+                self._wait()
+                return self.inner.put_addressed(key, bufs)
+
+            def put_if_absent(self, key, bufs):
+                self._wait()
+                return self.inner.put_if_absent(key, bufs)
+    return tsck.open_store(cfg["url"], refs=cfg["refs"], storage_options=cfg["opts"],
+                           local=os.path.join(cfg["tiers"], f"{tier}{rank}"), block_size=dw.BLOCK,
+                           inline_threshold=dw.INLINE, wrap_storage=lambda s: holder.setdefault("w", Reads(s)), **kw)
+
+
+def put_body(rank, world, out, res, cfg):
+    """Two collective puts through the tiers (versions 0 and 1), then wait until durable."""
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder) as store:
+        infos = [store.put_snapshot(dw.sharded_state(rank, world, v), REF, step=v + 1, timeout=60)
+                 for v in (0, 1)]
+        res["roots"] = [i.root for i in infos]
+        res["durable_at_return"] = [i.durable for i in infos]
+        res["waited"] = store.wait_durable(timeout=240)
+        res["durable_after"] = store.show(infos[-1].root).durable if rank == 0 else None
+        res["queue_left"] = len(store.core.refs.upload_pending())
+
+
+def load_body(rank, world, out, res, cfg):
+    """A collective checkout of REF into this rank's view, through tier `cfg["tier"]`."""
+    import tensorstore_ck as tsck
+    holder: dict = {}
+    with _open(cfg, out, rank, cfg["tier"], holder) as store:
+        into: dict = {}
+        for path, (rows, cols, dtype) in dw.SHARDED.items():
+            a, b = dw.row_split(rows, world, rank)
+            dw._set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
+        into["local"] = None
+        got = store.checkout(REF, into=into, timeout=60)
+        res["remote_reads"] = list(holder["w"].reads)
+        dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
+        torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+
+
+def manager_body(rank, world, out, res, cfg):
+    """CheckpointManager unchanged over a tiered store (asynchronous collective snapshots,
+    retention): cfg["mode"] "train" takes snapshots at steps 2, 4, 6 and closes (close()
+    waits for the uploads); "resume" restores the latest through tier cfg["tier"]."""
+    import tensorstore_ck as tsck
+    import ddp_manager as dm
+    holder: dict = {}
+    with _open(cfg, out, rank, cfg["tier"], holder) as store:
+        model, opt = dm._model_and_opt()
+        mgr = tsck.CheckpointManager(store, job=dm.JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=2, retention=tsck.Retention(keep_last=cfg.get("keep", 2)))
+        if cfg["mode"] == "train":
+            steps = {}
+            for step in range(1, 7):
+                dm._train_step(model, opt, rank, step)
+                steps[step] = mgr.step(step)
+            if cfg.get("gate"):  # uploads held until every snapshot was taken (and rank 0 pruned)
+                import torch.distributed as dist
+                store.wait()
+                dist.barrier()
+                if rank == 0:
+                    mgr._pruner.wait()
+                    open(cfg["gate"], "w").close()
+            mgr.close()
+            res["steps"] = dm._roots(steps)
+            res.update(dm._counters(mgr))
+        else:
+            res["start"] = mgr.restore_latest()
+            mgr.close()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                   os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+
+
+def rput_body(rank, world, out, res, cfg):
+    """Two collective puts with replicas=cfg["replicas"]; every rank waits until durable
+    (its replicas sent first), then a barrier: no rank closes its peer server while
+    another still sends to it."""
+    import torch.distributed as dist
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
+        infos = [store.put_snapshot(dw.sharded_state(rank, world, v), REF, step=v + 1, timeout=60)
+                 for v in (0, 1)]
+        res["roots"] = [i.root for i in infos]
+        res["waited"] = store.wait_durable(timeout=240)
+        res["sent"], res["refused"] = store._peers.sent, store._peers.refused
+        dist.barrier()
+        # A gc of each rank's own tier keeps its part and the replicas it holds (rank 0's
+        # tier holds every node: it walks the snapshot; another's stops before deleting).
+        tier = os.path.join(cfg["tiers"], f"tier{rank}")
+        before = _objects(tier)
+        try:
+            store.gc()
+            res["gc"] = "ran"
+        except Exception as e:  # noqa: BLE001 - judged by the test
+            res["gc"] = f"{type(e).__name__}: {e}"
+        res["gc_lost"] = sorted(before - _objects(tier))
+
+
+def _objects(tier: str) -> set:
+    return {os.path.relpath(os.path.join(d, f), tier) for kind in ("blocks", "nodes", "commits")
+            for d, _s, fs in os.walk(os.path.join(tier, kind)) for f in fs}
+
+
+def rload_body(rank, world, out, res, cfg):
+    """The job restarted after the nodes of cfg["lost"] lost their tiers (removed here,
+    before the store opens): a collective checkout with replicas."""
+    import shutil
+
+    import tensorstore_ck as tsck
+    import torch.distributed as dist
+    if rank in cfg["lost"]:
+        shutil.rmtree(os.path.join(cfg["tiers"], f"tier{rank}"))
+    dist.barrier()  # (every loss before any rank reads: a lost tier must not serve the old copies)
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
+        into: dict = {}
+        for path, (rows, cols, dtype) in dw.SHARDED.items():
+            a, b = dw.row_split(rows, world, rank)
+            dw._set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
+        into["local"] = None
+        got = store.checkout(REF, into=into, timeout=60)
+        res["remote_reads"] = list(holder["w"].reads)
+        res["fetched"] = store._peers.fetched
+        dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
+        torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+        dist.barrier()  # (the others may still be fetching from this rank)
+
+
+def scenarios(scenario: str, out: str, argv: list) -> list | None:
+    with open(argv[3]) as f:
+        cfg = json.load(f)
+    world = cfg["world"]
+    if scenario == "put":
+        return [dw.launch("put", world, put_body, out, cfg, limit=300)]
+    if scenario == "rput":
+        return [dw.launch("rput", world, rput_body, out, cfg, limit=300)]
+    if scenario == "rload":
+        return [dw.launch(cfg["phase"], world, rload_body, out, cfg, limit=200)]
+    if scenario == "manager":
+        return [dw.launch(cfg["phase"], world, manager_body, out, cfg, limit=cfg.get("limit", 300))]
+    if scenario == "load":
+        return [dw.launch(cfg["phase"], world, load_body, out, cfg, limit=200)]
+    return None
+
+
+if __name__ == "__main__":
+    launcher_main(scenarios)

@@ -1,0 +1,202 @@
+"""Collective snapshots through local tiers (open_store(remote, local=NODE_DIR) on every
+rank): each rank writes its part to its own tier and returns; the uploaders make the
+snapshot durable (docs/design/tiers.md, "Collective puts").
+
+Real gloo ranks (forked by tests/helpers/tier_dist_worker.py), a real S3 server (moto, or
+radosgw via TEST_S3_ENDPOINT) behind one local directory per rank, an LMDB remote ref
+table. The ranks only record what they see; the test judges against the data definitions
+of tests/helpers/dist_worker.py and against the remote store as it sees it afterwards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import _util
+from _util import load_helper, run_worker_scenario, same_bits
+
+import tensorstore_ck as tsck
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "helpers" / "tier_dist_worker.py"
+dw = load_helper(HERE / "helpers" / "dist_worker.py")
+REF = dw.REF
+
+
+def _run(tmp_path: Path, scenario: str, cfg: dict, limit: float = 400.0) -> Path:
+    f = tmp_path / f"cfg-{scenario}-{cfg.get('phase', '')}.json"
+    f.write_text(json.dumps(cfg))
+    return run_worker_scenario(WORKER, tmp_path / "out", scenario, f, limit=limit)
+
+
+def _results(out: Path, phase: str, world: int) -> list[dict]:
+    return _util.rank_results(out, phase, world, exit_zero=True)
+
+
+def _check_view(out: Path, phase: str, world: int, version: int) -> None:
+    for r in range(world):
+        got = torch.load(out / f"{phase}_rank{r}.pt", weights_only=False)
+        for path, (rows, _cols, _dt) in dw.SHARDED.items():
+            a, b = dw.row_split(rows, world, r)
+            assert same_bits(dw.global_tensor(path, version)[a:b], got["sharded"]["/".join(path)]), (phase, r, path)
+        want = dw.rank_local(r, version)
+        assert got["local"]["rank"] == r and same_bits(want["rng"], got["local"]["rng"])
+
+
+def _config(tmp_path, s3_url, s3_server, world: int) -> dict:
+    cfg = {"url": s3_url, "opts": s3_server, "refs": str(tmp_path / "refs.lmdb"), "world": world,
+           "tiers": str(tmp_path / "nodes")}
+    # The remote store is made here, once: the ranks open it, none races to create it.
+    tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server, block_size=dw.BLOCK,
+                    inline_threshold=dw.INLINE).close()
+    (tmp_path / "out").mkdir(exist_ok=True)
+    return cfg
+
+
+@pytest.mark.slow  # real ranks and a real S3 server
+@pytest.mark.parametrize("world", [2, 4])
+def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_tier(tmp_path, s3_url, s3_server,
+                                                                                     world):
+    """Each rank writes its part to its own tier and returns local-only; the uploaders
+    (every rank its part, rank 0 the top and the move) make it durable: the remote ref
+    names the snapshot, the remote fscks clean, and a collective checkout through fresh,
+    empty tiers restores every rank's view bit for bit from the remote."""
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    out = _run(tmp_path, "put", cfg)
+    res = _results(out, "put", world)
+    roots = {tuple(r["roots"]) for r in res}
+    assert len(roots) == 1, roots  # one snapshot per put, the same on every rank
+    (root0, root1), = roots
+    assert root0 != root1
+    for r in res:
+        assert r["durable_at_return"] == [False, False]  # returned at local speed, before any upload
+        assert r["waited"] is True and r["queue_left"] == 0
+    assert res[0]["durable_after"] is True
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve(REF) == root1
+        assert remote.fsck(full=True).findings == []
+
+    # The tiers are gone (new nodes): the checkout reads everything from the remote.
+    out = _run(tmp_path, "load", {**cfg, "tier": "fresh", "phase": "fresh"})
+    res = _results(out, "fresh", world)
+    _check_view(out, "fresh", world, 1)
+    assert all(r["remote_reads"] for r in res)
+
+    # The tiers intact: every rank reads its region from its own tier, nothing remote.
+    out = _run(tmp_path, "load", {**cfg, "tier": "tier", "phase": "same"})
+    res = _results(out, "same", world)
+    _check_view(out, "same", world, 1)
+    assert [r["remote_reads"] for r in res] == [[]] * world
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("uploads", ["free", "held"])
+def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_server, uploads):
+    """CheckpointManager as a DDP job runs it (asynchronous collective snapshots, retention
+    pruning on rank 0), each rank's store with a local tier: every snapshot is taken, close()
+    leaves them durable, and new processes on new nodes (fresh tiers) resume from the
+    remote store with the state of the last snapshot. "held": every remote write waits
+    until all three snapshots were taken and rank 0's retention (keep_last=1) expired the
+    first two locally, before their upload: rank 0 drops them, rank 1's parts of them do
+    not hold up its part of the last one, and the last one lands."""
+    world = 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    extra = {"gate": str(tmp_path / "gate"), "keep": 1, "limit": 150} if uploads == "held" else {}
+    out = _run(tmp_path, "manager", {**cfg, **extra, "tier": "tier", "phase": "train", "mode": "train"})
+    res = _results(out, "train", world)
+    for r in res:
+        assert r["failed"] == 0 and r["errors"] == [] and r["prune_errors"] == [], r
+        assert [s for s, root in r["steps"].items() if root] == ["2", "4", "6"]
+    assert res[0]["steps"] == res[1]["steps"]
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve("llm/main") == res[0]["steps"]["6"]
+        assert remote.fsck(full=True).findings == []
+    out = _run(tmp_path, "manager", {**cfg, "tier": "fresh", "phase": "resume", "mode": "resume"})
+    res = _results(out, "resume", world)
+    assert [r["start"] for r in res] == [6, 6]
+    for r in range(world):
+        saved = torch.load(out / f"train_rank{r}.pt", weights_only=False)
+        got = torch.load(out / f"resume_rank{r}.pt", weights_only=False)
+        for k, v in saved["model"].items():
+            assert same_bits(v, got["model"][k]), (r, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [[1], [1, 2]], ids=["peer-holds-it", "no-replica-left"])
+def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost):
+    """replicas=1 on 3 ranks: each rank's part is copied to the next rank's tier. The job
+    restarts after rank 1's node lost its tier: rank 1's checkout gets every object it
+    lacks from rank 2, by address, and reads nothing from the remote store. When rank 2's
+    tier is lost too (no replica of rank 1's part is left), rank 1 reads the remote store,
+    and rank 2 still gets its part from rank 0. Both restore bit for bit."""
+    world = 3
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1}
+    out = _run(tmp_path, "rput", cfg)
+    res = _results(out, "rput", world)
+    assert len({tuple(r["roots"]) for r in res}) == 1
+    assert all(r["waited"] is True and r["sent"] > 0 and r["refused"] == 0 for r in res)
+    # The replicas are kept: a gc of a tier deletes none of its objects (rank 0's walks the
+    # whole manifest; the others' hold a catalog row they cannot walk whole and stop).
+    assert res[0]["gc"] == "ran"
+    assert all(r["gc_lost"] == [] for r in res), [r["gc_lost"][:3] for r in res]
+
+    phase = "lost" + "".join(map(str, lost))
+    out = _run(tmp_path, "rload", {**cfg, "lost": lost, "phase": phase})
+    res = _results(out, phase, world)
+    _check_view(out, phase, world, 1)
+    for r in range(world):
+        peer_has_it = r in lost and (r + 1) % world not in lost
+        if r not in lost:  # its own tier holds its region
+            assert res[r]["remote_reads"] == [] and res[r]["fetched"] == 0, (r, res[r])
+        elif peer_has_it:  # from its peer, by address: nothing from the remote
+            assert res[r]["remote_reads"] == [] and res[r]["fetched"] > 0, (r, res[r])
+        else:  # no replica left: the remote store
+            assert res[r]["remote_reads"], (r, res[r])
+
+
+def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
+    """The receiving side of the replicas (a real server on a real socket): a copy whose
+    bytes are not the object of the address it is sent under, or that is damaged, is
+    refused and not stored; the genuine copy is stored, and served back only whole."""
+    import socket
+
+    from tensorstore_ck.assets import Assets
+    from tensorstore_ck.peers import Peers
+
+    with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a, \
+            tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
+        a.put_snapshot({"x": torch.arange(4096, dtype=torch.float32)}, "r")
+        d = next(iter(o.digest for o in __import__("tensorstore_ck.walk", fromlist=["x"]).walk_commit(
+            a.assets, bytes.fromhex(a.resolve("r"))) if o.kind == "block"))
+        good = a.assets.stored_frame("block", d)
+        other = bytes(32)
+        peers = Peers(b.core, 1)
+        port = peers._listen("127.0.0.1")
+        try:
+            def ask(op, digest, data=b""):
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                    c.sendall(op + b"b" + digest + len(data).to_bytes(8, "big") + data)
+                    if op == b"G":
+                        n = int.from_bytes(c.recv(8), "big")
+                        return None if n == (1 << 64) - 1 else n
+                    return c.recv(1)
+            bad = bytearray(good)
+            bad[-1] ^= 1
+            assert ask(b"P", other, good) == b"\x00"  # another address's bytes
+            assert ask(b"P", d, bytes(bad)) == b"\x00"  # damaged
+            assert peers.refused == 2
+            assert not b.assets.block_exists(d) and not b.assets.block_exists(other)
+            assert ask(b"G", d) is None
+            assert ask(b"P", d, good) == b"\x01"
+            assert b.assets.block_exists(d) and b.assets.stored_frame("block", d) == good
+            assert ask(b"G", d) == len(good)
+            assert ask(b"S", bytes(32)) == b"\x01"  # (named on disk at the sync: the store batches its writes)
+            key = tmp_path / "b" / Assets.object_key("blocks", d)
+            key.chmod(0o644)
+            key.write_bytes(bytes(bad))  # the holder's own copy damaged: never handed on
+            assert ask(b"G", d) is None
+        finally:
+            peers.close()
