@@ -37,6 +37,8 @@ import time
 import msgpack
 
 from .errors import IntegrityError, TsckError, UnreadableObject
+from .format.frame import HEADER_SIZE
+from .format.manifest import MAX_NODE_BYTES
 from .walk import walk_commit, walk_tree
 
 __all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT"]
@@ -268,6 +270,13 @@ _NONE = (1 << 64) - 1
 PEER_TIMEOUT = 60.0  # seconds a connection to a peer may stay silent, and a rank waits for a peer's address
 
 
+def _limit(core, kind: str) -> int:
+    """The most bytes a stored object of `kind` can take: what a peer may send or be
+    asked to receive (a length past it is refused before any buffer is made)."""
+    body = max(core.settings.block_size, 1 << 20) if kind == "block" else MAX_NODE_BYTES
+    return HEADER_SIZE + body
+
+
 def _recv(sock, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -401,6 +410,10 @@ class Peers:
                         data = None
                     conn.sendall(_NONE.to_bytes(8, "big") if data is None else len(data).to_bytes(8, "big") + data)
                 elif op == b"P":
+                    if n > _limit(self.core, kind):
+                        log.warning("peer replicas: a peer offered %d bytes for %s %s, more than such an object "
+                                    "can take; connection closed", n, kind, d.hex()[:16])
+                        return
                     data = _recv(conn, n)
                     if Assets.object_frame_error(kind, d, data) is not None:
                         with self._lock:
@@ -504,6 +517,8 @@ class Peers:
                     n = int.from_bytes(_recv(conn, 8), "big")
                     if n == _NONE:
                         continue
+                    if n > _limit(self.core, kind):
+                        raise OSError(f"it announced {n} bytes, more than such an object can take")
                     data = _recv(conn, n)
             except OSError as e:
                 log.warning("peer replicas: fetching %s %s from rank %d failed (%s)", kind, d.hex()[:16], peer, e)
@@ -550,4 +565,4 @@ def peer_reads(reads, peers: Peers):
             list(pool.map(lambda d: self._fill("block", d), digests))
             return super().require_blocks(digests, pool, **kw)
 
-    return PeerReads(reads.local, reads.remote)
+    return PeerReads(reads.local, reads.remote, evicted=reads._evicted)

@@ -198,5 +198,11 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
             key.chmod(0o644)
             key.write_bytes(bytes(bad))  # the holder's own copy damaged: never handed on
             assert ask(b"G", d) is None
+            # A length no object can take is refused before a buffer is made: the
+            # connection is closed at once (no answer), and the server goes on serving.
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                c.sendall(b"P" + b"b" + d + ((1 << 62)).to_bytes(8, "big"))
+                assert c.recv(1) == b""
+            assert ask(b"H", d) == b"\x01"
         finally:
             peers.close()
