@@ -240,7 +240,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
                write_concurrency: int | None = None, create_refs: bool = False,
                gc_stale_after: float | None = None, read_only: bool | None = None, local=None,
-               local_budget: int | None = None, replicas: int = 0) -> Store:
+               local_budget: int | None = None, replicas: int = 0, early_upload: bool | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     A ref table is created only with a new store, or with create_refs=True (what
@@ -283,7 +283,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     (r+1 .. r+replicas mod W), and a collective checkout fetches what its tier lacks from
     them, by address, before it reads the remote store (docs/design/tiers.md, "Peer
     replicas"). Set per store, not per put: the ranks must agree, and a CheckpointManager
-    needs no new argument."""
+    needs no new argument.
+    early_upload: with local=, send each new block to the remote store from memory while
+    the put writes it (docs/design/tiers.md, "The early upload"): the snapshot is durable
+    sooner, and the sends take CPU from the put. None (the default): on when the host has
+    8 cores or more (upload.EARLY_UPLOAD_CORES), where the sends find cores to spare."""
     if gc_stale_after is not None:
         warnings.warn("open_store(gc_stale_after=) is deprecated: use gc_lease= (the lease of the gcs this "
                       "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
@@ -309,6 +313,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if read_only:
             raise InvalidArgument("a local tier is for writing: open the store read-only without local=")
         read_only = False
+    if early_upload is not None:
+        if not isinstance(early_upload, bool):
+            raise InvalidArgument(f"early_upload must be True, False or None, got {early_upload!r}")
+        if early_upload and local is None:
+            raise InvalidArgument("early_upload= sends a local tier's blocks early: it needs local=")
     if local_budget is not None:
         if local is None:
             raise InvalidArgument("local_budget= is the byte budget of a local tier: it needs local=")
@@ -424,7 +433,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             return Store(core, config=cfg, max_inflight=max_inflight, when_busy=when_busy)
         try:
             return _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy,
-                           local_budget, replicas)
+                           local_budget, replicas, early_upload)
         except BaseException:
             core.pool.shutdown(wait=False)
             raise
@@ -435,12 +444,13 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
 
 
 def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, settings: Settings,
-            max_inflight: int, when_busy: str, budget: int | None = None, replicas: int = 0) -> Store:
+            max_inflight: int, when_busy: str, budget: int | None = None, replicas: int = 0,
+            early_upload: bool | None = None) -> Store:
     """A Store over a local tier at `path` in front of `remote`: the tier's marker is a copy
     of the remote's (same id, same block layout: a block cut here is the block the remote
     would hold), its LMDB ref table is bound to the same store id, and its blocks use the
     remote's codecs (they travel as stored)."""
-    from .upload import Uploader
+    from .upload import Uploader, early_default
     root = os.path.abspath(path)
     if os.path.exists(root) and not os.path.isdir(root):
         raise NotAStore(f"local tier {root} is a file, not a directory")
@@ -471,4 +481,5 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
         lrefs.close()
         raise
     return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy,
-                 uploader=Uploader(lcore, remote, budget), replicas=replicas)
+                 uploader=Uploader(lcore, remote, budget, early=early_default() if early_upload is None else early_upload),
+                 replicas=replicas)

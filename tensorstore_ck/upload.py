@@ -23,6 +23,7 @@ moment resumes at its next open: what the remote has is skipped, the move is mad
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -39,6 +40,15 @@ log = logging.getLogger(__name__)
 # block waits for the uploader, which reads it back from the local tier.
 TEE_BYTES = 256 << 20
 
+# The early upload is on by default on hosts with at least this many cores: its sends
+# (request signing, the HTTP client) cost about as much CPU per byte as the put itself,
+# which on a small host is taken from the put (docs/PERFORMANCE.md, "The local tier").
+EARLY_UPLOAD_CORES = 8
+
+
+def early_default() -> bool:
+    return (os.cpu_count() or 1) >= EARLY_UPLOAD_CORES
+
 UPLOAD_ATTEMPTS = 8  # tries of one snapshot (storage or ref-table failures) before the uploader gives up
 _BACKOFF = (0.5, 30.0)  # first and longest pause between tries, seconds
 
@@ -49,7 +59,7 @@ class Uploader:
     Counters (tests, the harness): `sent` objects written remotely, `skipped` objects
     the remote had, `superseded` snapshots not sent (Uploader._superseded)."""
 
-    def __init__(self, local: Core, remote: Core, budget: int | None = None):
+    def __init__(self, local: Core, remote: Core, budget: int | None = None, early: bool = True):
         self.local, self.remote = local, remote
         self.budget = budget  # the tier's byte budget (open_store(local_budget=)); None: none
         # An eviction to the budget is due or running (at open, after each upload):
@@ -68,7 +78,7 @@ class Uploader:
         self._tee_fence: int | None = None  # the remote fence, read before the put wrote
         self._tee_bytes = 0  # bytes held by sends in flight (bounded by TEE_BYTES)
         self.teed = self.tee_dropped = 0
-        local.assets.tee = self.tee
+        local.assets.tee = self.tee if early else None
         self._requeue_unqueued()
         # Queued by an earlier process: its upload may have moved the remote ref already.
         self._resumed = {seq for seq, _ in local.refs.upload_pending()}

@@ -334,17 +334,16 @@ class HoldLookups(WrappedStore):
         return self.inner.size_of(key)
 
 
-def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path, monkeypatch):
+def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path):
     """Stored bytes are untrusted, the tier's too: a local block damaged after the put
     returned is checked before it is sent, so the remote never receives it and its ref
     does not move; wait_durable() raises the IntegrityError naming the object, once
     (close() then says nothing more); the snapshot stays queued. The early upload is off
-    here (TEE_BYTES 0): a block it sends leaves from memory, before any damage, and the
+    here (early_upload=False): a block it sends leaves from memory, before any damage, and the
     next test shows that case."""
-    monkeypatch.setattr(upload, "TEE_BYTES", 0)
     wrapped = []
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
-                            inline_threshold=256, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
+                            inline_threshold=256, early_upload=False, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
     info = store.put_snapshot(_state(7), "job/main", step=1)
     blocks = sorted((tmp_path / "nvme" / "blocks").rglob("*"))
     victim = [p for p in blocks if p.is_file()][0]
@@ -372,7 +371,8 @@ def test_the_early_upload_sends_blocks_as_they_are_written_and_the_uploader_only
     whole from the remote alone."""
     wrapped = []
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
-                            inline_threshold=256, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
+                            inline_threshold=256, early_upload=True,
+                            wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
     state = _state(7)
     info = store.put_snapshot(state, "job/main", step=1)
     up = store._uploader
@@ -398,7 +398,7 @@ def test_early_upload_over_its_memory_bound_leaves_the_rest_to_the_uploader(tmp_
     snapshot is durable and whole either way."""
     monkeypatch.setattr(upload, "TEE_BYTES", BS + 64)  # about one block in flight
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
-                            inline_threshold=256)
+                            inline_threshold=256, early_upload=True)
     state = _state(8)
     info = store.put_snapshot(state, "job/main", step=1)
     assert store.wait_durable(timeout=DEADLINE)
@@ -410,6 +410,22 @@ def test_early_upload_over_its_memory_bound_leaves_the_rest_to_the_uploader(tmp_
         assert remote.refs()["job/main"].root == info.root
         assert remote.fsck().ok
         assert _equal(remote.checkout("job/main"), state)
+
+
+def test_early_upload_defaults_by_the_hosts_cores_and_checks_its_value(tmp_path):
+    """early_upload=None (the default) is on where the host has upload.EARLY_UPLOAD_CORES
+    cores or more, off below (its sends would take the put's CPU); True and False say so;
+    anything else, or True without a local tier, is refused before anything is made."""
+    for given, want in ((None, (os.cpu_count() or 1) >= upload.EARLY_UPLOAD_CORES), (True, True), (False, False)):
+        with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                             inline_threshold=256, early_upload=given) as store:
+            assert (store.assets.tee is not None) is want, given
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(tsck.InvalidArgument, match="early_upload"):
+            tsck.open_store(str(tmp_path / "r2"), local=str(tmp_path / "n2"), early_upload=bad)
+    with pytest.raises(tsck.InvalidArgument, match="needs local="):
+        tsck.open_store(str(tmp_path / "r3"), early_upload=True)
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "n2").exists() and not (tmp_path / "r3").exists()
 
 
 def test_a_local_tip_never_queued_is_queued_at_open(tmp_path):

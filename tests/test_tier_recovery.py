@@ -24,7 +24,6 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
-from tensorstore_ck import upload
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
@@ -214,19 +213,18 @@ class HoldLookups(WrappedStore):
         return self.inner.size_of(key)
 
 
-def test_a_local_only_snapshot_that_does_not_read_whole_gives_the_older_durable_one(tmp_path, caplog, monkeypatch):
+def test_a_local_only_snapshot_that_does_not_read_whole_gives_the_older_durable_one(tmp_path, caplog):
     """The newest snapshot is local-only and one of its blocks is damaged: no tier holds it
-    whole (the early upload is off, TEE_BYTES 0, so no block of it reached the remote).
+    whole (the early upload is off, so no block of it reached the remote).
     checkout(ref) and restore_latest take the newest one that reads whole, the durable
     older one, and say so; never the damaged bytes. (The uploader, let go, then stops on
     the damaged block, as it does without recovery.)"""
-    monkeypatch.setattr(upload, "TEE_BYTES", 0)
     remote, local = str(tmp_path / "remote"), tmp_path / "nvme"
     with tsck.open_store(remote, local=str(local), block_size=BS, inline_threshold=256) as store:
         want = _put_durable(store, 1)
     before = {p for p in (local / "blocks").rglob("*") if p.is_file()}
     wrapped = []
-    store = tsck.open_store(remote, local=str(local), block_size=BS, inline_threshold=256,
+    store = tsck.open_store(remote, local=str(local), block_size=BS, inline_threshold=256, early_upload=False,
                             wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
     try:
         state, _ = _train_state(2)

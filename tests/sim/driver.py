@@ -365,16 +365,20 @@ class Harness:
             if trng.random() < fl["tier_kill"]:
                 at = trng.choice(TIER_STAGES)
                 c["faults"]["kill_upload"] = {"at": at, "n": trng.randint(1, 6) if at == "block" else 1}
+            # The early upload (blocks sent from memory as the put writes them) in half the
+            # writers, from a stream of its own so the draws above keep their seeds' schedule.
+            c["early_upload"] = random.Random(f"{self.seed}:{r}:{k}:early").random() < 0.5
             out.append(c)
         return out
 
     def _tier_brief(self, tiered: list, ids: set) -> str:
-        """tier=W:T:END[:kill-STAGE],... then the snapshots in all the tiers so far, of
+        """tier=W:T:END[:early][:kill-STAGE],... then the snapshots in all the tiers so far, of
         those the ones marked durable (as the checks found them), and the round's workers
         killed inside their uploader."""
         if not tiered:
             return "off"
         parts = [f"{c['id']}:{os.path.basename(c['tier'])}:{c['tier_end']}"
+                 + (":early" if c.get("early_upload") else "")
                  + (f":kill-{c['faults']['kill_upload']['at']}" if "kill_upload" in c["faults"] else "")
                  for c in tiered]
         return ",".join(parts) + f"(puts={self._tier_puts}, durable={self._tier_durable}, " \

@@ -76,6 +76,7 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     wrap = (lambda inner: SimStore(inner, faults)) if faults is not None else None
     if cfg.get("tier"):
         kw["local"] = cfg["tier"]
+        kw["early_upload"] = bool(cfg.get("early_upload"))
     give_up = time.time() + 60
     while True:
         try:
