@@ -24,7 +24,7 @@ with the page cache dropped first (drop_caches; radosgw's memstore is not page c
 With --peer (when the build has peer replicas) a restore from a peer's tier is added.
 Ratios are per repeat, then median (min-max).
 
-    .venv/bin/python benches/bench_tier.py --repeats 3 | tee benches/results/tier.txt
+    .venv/bin/python benches/bench_tier.py --scale 0.5 --repeats 3 --early-upload on|off | tee -a benches/results/tier.txt
 """
 
 from __future__ import annotations
@@ -110,13 +110,12 @@ def main() -> int:
     ap.add_argument("--compression", default="auto",
                     help="open_store(compression=) of the direct S3 store and of the tier (whose blocks travel as "
                          "stored); the file:// store keeps its default (lz4)")
-    ap.add_argument("--tee-bytes", type=int, default=None,
-                    help="the early upload's memory bound (upload.TEE_BYTES); 0 turns it off")
+    ap.add_argument("--early-upload", choices=("auto", "on", "off"), default="auto",
+                    help="open_store(early_upload=) of the tier: auto (None: on with 8 cores or more), on, off")
     a = ap.parse_args()
-    if a.tee_bytes is not None:
-        from tensorstore_ck import upload
-        upload.TEE_BYTES = a.tee_bytes
+    early = {"auto": None, "on": True, "off": False}[a.early_upload]
     from tensorstore_ck import upload as _up
+    early_now = _up.early_default() if early is None else early
 
     import s3fs
     rgw_dir = None
@@ -137,7 +136,8 @@ def main() -> int:
     print(f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, S3 at {a.endpoint}"
           f"{' (radosgw started by this script)' if rgw_dir else ''}; local disk under {a.dir}")
     print(f"# state: {nbytes / GB:.3f} GB in {ntensors} tensors; repeats {a.repeats}; compression {a.compression} "
-          f"(S3 and tier); early upload bound {_up.TEE_BYTES >> 20} MiB")
+          f"(S3 and tier); early upload {a.early_upload} ({'on' if early_now else 'off'}, "
+          f"{_up.TEE_BYTES >> 20} MiB in flight at most)")
 
     rows = collections.defaultdict(list)
     try:
@@ -167,7 +167,8 @@ def main() -> int:
                 tier = os.path.join(scratch, "tier")
 
                 def open_tier(path=tier):
-                    return tsck.open_store(remote, refs=refs, storage_options=opts, local=path, compression=a.compression)
+                    return tsck.open_store(remote, refs=refs, storage_options=opts, local=path, compression=a.compression,
+                                   early_upload=early)
 
                 st = open_tier()
                 os.sync()
