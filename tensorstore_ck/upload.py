@@ -204,10 +204,13 @@ class Uploader:
             self._tee_bytes -= n
             self._cond.notify_all()
 
-    def _tee_settle(self) -> None:
-        """Wait for the early sends in flight: the uploader then asks about them once."""
+    def _tee_settle(self, limit: float = 10.0) -> None:
+        """Wait for the early sends in flight, so the uploader asks about them once; at
+        most `limit` seconds: the next puts' sends may keep some in flight for as long as
+        puts keep coming, and a block both send is only sent twice, never lost."""
+        deadline = time.monotonic() + limit
         with self._cond:
-            while self._tee_bytes > 0:
+            while self._tee_bytes > 0 and time.monotonic() < deadline:
                 self._cond.wait(0.5)
 
     # -- the thread ------------------------------------------------------------------
