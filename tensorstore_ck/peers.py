@@ -246,6 +246,7 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         up._cond.notify_all()
     log.info("local tier: collective snapshot %s of ref %s durable at %s", info.root[:16], info.ref,
              up.remote.url)
+    up._remote_retention(row)
 
 
 # -- peer replicas ---------------------------------------------------------------------

@@ -460,12 +460,18 @@ class Store:
     @_public
     def set_retention(self, job: str, retention: "Retention | None") -> None:
         """Set (or with None, clear) the retention rules of `job`; kept in the ref
-        table so an offline `tsck gc` applies each job's own rules."""
+        table so an offline `tsck gc` applies each job's own rules. With a local tier, in
+        both tiers' tables: the uploader applies them to the remote store after each
+        upload."""
         self._writable("set_retention")
         validate_component(job, "job name")
         if retention is not None and not isinstance(retention, Retention):
             raise InvalidArgument(f"retention must be a tsck.Retention, got {type(retention).__name__}")
         self.reftable.retention_set(job, None if retention is None else retention.to_dict())
+        if self._uploader is not None:
+            # The remote store's table too: the uploader prunes the job there after each
+            # upload, and an offline `tsck gc` of the remote store applies the job's rules.
+            self._uploader.remote.refs.retention_set(job, None if retention is None else retention.to_dict())
 
     @_public
     def retention(self) -> dict[str, Retention]:

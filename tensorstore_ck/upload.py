@@ -28,7 +28,7 @@ import threading
 import time
 
 from .core import Core
-from .errors import IntegrityError, StorageError, TsckError, UnreadableObject
+from .errors import GcBusy, IntegrityError, StorageError, TsckError, UnreadableObject
 from .publish import Publisher
 from .walk import walk_commit
 
@@ -330,7 +330,32 @@ class Uploader:
         with self._cond:
             self._cond.notify_all()
         log.info("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
+        self._remote_retention(row)
         self._fit()
+
+    def _remote_retention(self, row: dict) -> None:
+        """After a snapshot became durable: its job's retention, where the remote table
+        holds one (Store.set_retention sets it on both tables), applied to the remote
+        store by a prune, as a CheckpointManager runs one after each snapshot. The
+        tier's own prune keeps the tier in hand; this keeps the remote store from
+        growing without end. A gc holding the remote store (GcBusy) applies the rules
+        itself; any other failure is logged, never fatal to the uploads."""
+        job = row.get("job") if isinstance(row, dict) else None
+        if not job:
+            return
+        try:
+            if job not in self.remote.refs.retention_all():
+                return
+            from .gc import prune_job
+            rep = prune_job(self.remote, job, lease=self.remote.settings.gc_lease)
+            if rep.expired:
+                log.info("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(rep.expired),
+                         self.remote.url)
+        except GcBusy:
+            log.info("local tier: a gc holds %s; it applies job %s's retention there", self.remote.url, job)
+        except Exception as e:  # noqa: BLE001 - the uploads matter more than the remote prune
+            log.warning("local tier: the retention of job %s could not be applied at %s (%s: %s); the next "
+                        "upload tries again", job, self.remote.url, type(e).__name__, e)
 
     def _fit(self) -> None:
         """Keep the tier under its budget; a failure here is logged, never fatal (an

@@ -583,3 +583,23 @@ def test_a_multi_rank_dcp_save_through_tiers_is_refused_before_any_write(tmp_pat
     for path in [remote] + [str(tmp_path / f"tier{r}") for r in range(2)]:
         with tsck.open_store(path, create=False) as s:
             assert s.refs() == {}
+
+
+def test_the_jobs_retention_is_applied_to_the_remote_store_after_each_upload(tmp_path):
+    """A job's retention set on a tiered store is set in both tiers' tables, and the
+    uploader prunes the job in the remote store after each upload, as a CheckpointManager
+    prunes after each snapshot: the remote keeps the job's last two snapshots and holds
+    nothing else (a gc of it finds nothing to delete), instead of growing without end."""
+    store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                            inline_threshold=256)
+    store.set_retention("job", tsck.Retention(keep_last=2))
+    for step in range(1, 6):
+        store.put_snapshot(_state(20 + step), "job/main", job="job", step=step)
+        assert store.wait_durable(timeout=DEADLINE)  # each durable: none skipped by the backlog rule
+    store.close()
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert [i.step for i in remote.log("job/main")] == [5, 4]
+        assert remote.retention()["job"].keep_last == 2
+        assert remote.gc(dry_run=True).candidates == 0
+        assert remote.fsck().ok
+        assert _equal(remote.checkout("job/main"), _state(25))
