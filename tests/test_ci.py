@@ -14,3 +14,18 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert [ln for ln in ci if ln and not ln.startswith("#")][-1] == test_cmd
     # the S3 tests' server (moto) comes with it, and torch stays the pinned build
     assert "'moto[server]'" in test_cmd and "'torch==2.13.0'" in test_cmd
+
+
+def test_package_states_a_torch_range_and_the_commands_pin_the_build():
+    import tomllib
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_dep = next(d for d in deps if d.replace(" ", "").startswith("torch"))
+    # a library states the range it supports: users keep the torch they train with
+    assert "==" not in torch_dep and ">=" in torch_dep, torch_dep
+    readme = [ln.strip() for ln in (ROOT / "README.md").read_text().splitlines()]
+    cmds = [ln for ln in readme if ln.startswith("python3 -m venv")]
+    assert len(cmds) == 2
+    for cmd in cmds:
+        # the pin rides in the same pip invocation as the package, so pip never resolves the range
+        first_pip = cmd.split("&&")[1]
+        assert "-e '.[test]'" in first_pip and "'torch==2.13.0'" in first_pip, cmd
