@@ -574,6 +574,11 @@ class Assets:
         "commit") with address `d` (bytes from elsewhere: a peer's copy). -> the error or None."""
         return check_frame(kind + "s", d, data, _key(kind + "s", d))
 
+    @staticmethod
+    def object_from_frame(kind: str, d: bytes, data: bytes):
+        """object_frame_error, and the object's bytes it decoded -> (error, None) or (None, bytes)."""
+        return frame_payload(kind + "s", d, data, _key(kind + "s", d))
+
     def move_aside(self, key: str, *, deadline=None) -> str | None:
         """Move the object `key` to a fresh quarantine name -> that name, or None if
         `key` was absent. Nothing under quarantine/ is ever read as an object or deleted
@@ -709,6 +714,12 @@ class Assets:
 
 def check_frame(kind: str, d: bytes, data: bytes, where: str) -> IntegrityError | None:
     """Frame, kind ("blocks", "nodes", "commits"), caps and BLAKE3 of stored bytes against address `d`."""
+    return frame_payload(kind, d, data, where)[0]
+
+
+def frame_payload(kind: str, d: bytes, data: bytes, where: str):
+    """check_frame, and the payload it decoded -> (None, the object's bytes) when healthy,
+    else (the IntegrityError, None): bytes from elsewhere used without a second pass."""
     try:
         if len(data) > _MAX_OBJECT:
             raise FormatError(f"longer than any object may be ({_MAX_OBJECT} bytes)")
@@ -720,9 +731,9 @@ def check_frame(kind: str, d: bytes, data: bytes, where: str) -> IntegrityError 
             raise FormatError(f"object declares {hdr.raw_len} bytes, more than its kind may hold ({cap})")
         raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:])
     except FormatError as e:
-        return IntegrityError(f"corrupt object: {e}", key=where)
+        return IntegrityError(f"corrupt object: {e}", key=where), None
     got = blake3.blake3(raw).digest()
     if got != d:
         return IntegrityError("content does not match its address", key=where, expected=d.hex(),
-                              got=got.hex())
-    return None
+                              got=got.hex()), None
+    return None, raw

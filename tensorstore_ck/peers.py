@@ -278,14 +278,15 @@ def _limit(core, kind: str) -> int:
     return HEADER_SIZE + body
 
 
-def _recv(sock, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
+def _recv(sock, n: int) -> bytearray:
+    buf = bytearray(n)  # n is checked against _limit by the callers before this allocation
+    mv, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(mv[got:], min(n - got, 1 << 22))
+        if not k:
             raise ConnectionError("the peer closed the connection")
-        buf += chunk
-    return bytes(buf)
+        got += k
+    return buf
 
 
 def _local_host(kv) -> str:
@@ -318,7 +319,8 @@ class Peers:
     by address and stores the replicas other ranks send (each checked against its address
     first), and a client that sends this rank's part to the next `k` ranks and fetches
     what its tier lacks from them. Counters (tests): `fetched` objects got from peers,
-    `sent` replicas sent, `refused` copies refused for not matching their address."""
+    `sent` replicas sent, `refused` copies refused for not matching their address, `bad`
+    fetched copies not used for the same reason."""
 
     def __init__(self, core, k: int):
         import threading
@@ -332,7 +334,7 @@ class Peers:
         self._send = ThreadPoolExecutor(1, thread_name_prefix="tsck-replicas")
         self.rank = self.world = None
         self.kv = None
-        self.fetched = self.sent = self.refused = 0
+        self.fetched = self.sent = self.refused = self.bad = 0
 
     # -- set-up --------------------------------------------------------------------------
     def join(self) -> bool:
@@ -395,7 +397,7 @@ class Peers:
         try:
             while True:
                 try:
-                    head = _recv(conn, 42)
+                    head = bytes(_recv(conn, 42))
                 except ConnectionError:
                     return
                 op, kind, d, n = head[:1], _KINDS.get(head[1:2]), head[2:34], int.from_bytes(head[34:], "big")
@@ -405,9 +407,12 @@ class Peers:
                 if op == b"H":
                     conn.sendall(b"\x01" if storage.exists(key) else b"\x00")
                 elif op == b"G":
+                    # Sent as stored, unchecked here: the asker checks every copy against its
+                    # address before any use (a damaged one sends it to the next holder), so
+                    # a second pass here would only double the CPU of a restore.
                     try:
-                        data = assets.stored_frame(kind, d)  # checked: a damaged copy is not handed on
-                    except (IntegrityError, UnreadableObject, OSError):
+                        data = storage.get(key, _limit(self.core, kind) + 1)
+                    except (FileNotFoundError, OSError):
                         data = None
                     conn.sendall(_NONE.to_bytes(8, "big") if data is None else len(data).to_bytes(8, "big") + data)
                 elif op == b"P":
@@ -508,6 +513,39 @@ class Peers:
         """Get object `d` from a holder into this rank's tier, checked against its address
         first -> whether one had it."""
         from .assets import Assets
+        got = self.fetch_checked(kind, d)
+        if got is None:
+            return False
+        self.core.storage.put_addressed(Assets.object_key(kind + "s", d), [got[0]])
+        return True
+
+    def present(self, kind: str, digests) -> set:
+        """The `digests` some holder says it stores (one connection per holder, the
+        questions sent in a row, then the answers read): what a checkout may count on
+        fetching. A holder that lies is caught by the fetch's check, which then goes on
+        to the next holder or the remote."""
+        todo, have = list(digests), set()
+        for peer in self.holders():
+            if not todo:
+                break
+            conn = self._connect(peer)
+            if conn is None:
+                continue
+            try:
+                with conn:
+                    conn.sendall(b"".join(b"H" + _CODES[kind] + d + bytes(8) for d in todo))
+                    answers = _recv(conn, len(todo))
+            except OSError as e:
+                log.warning("peer replicas: asking rank %d what it holds failed (%s)", peer, e)
+                continue
+            have.update(d for d, a in zip(todo, answers) if a == 1)
+            todo = [d for d, a in zip(todo, answers) if a != 1]
+        return have
+
+    def fetch_checked(self, kind: str, d: bytes):
+        """Object `d` from a holder, checked against its address -> (its stored frame, its
+        bytes as decoded by the check), or None when no holder has a good copy."""
+        from .assets import Assets
         for peer in self.holders():
             conn = self._connect(peer)
             if conn is None:
@@ -524,21 +562,24 @@ class Peers:
             except OSError as e:
                 log.warning("peer replicas: fetching %s %s from rank %d failed (%s)", kind, d.hex()[:16], peer, e)
                 continue
-            if Assets.object_frame_error(kind, d, data) is not None:
+            err, raw = Assets.object_from_frame(kind, d, data)
+            if err is not None:
+                with self._lock:
+                    self.bad += 1
                 log.warning("peer replicas: rank %d's copy of %s %s does not match its address; not used", peer,
                             kind, d.hex()[:16])
                 continue
-            self.core.storage.put_addressed(Assets.object_key(kind + "s", d), [data])
             with self._lock:
                 self.fetched += 1
-            return True
-        return False
+            return data, raw
+        return None
 
 
 def peer_reads(reads, peers: Peers):
     """A ReadThrough (upload.py) with the peers between the local tier and the remote: an
-    object the tier lacks is fetched from a holder into the tier (checked against its
-    address), then read there; one no peer has is read from the remote as before."""
+    object the tier lacks is fetched from a holder (checked against its address), used,
+    and kept in the tier; one no peer has is read from the remote as before."""
+    import numpy as np
     from .upload import ReadThrough
 
     class PeerReads(ReadThrough):
@@ -550,8 +591,21 @@ def peer_reads(reads, peers: Peers):
                 peers.fetch(kind, d)
 
         def read_block_into(self, d, out, **kw):
-            self._fill("block", d)
-            return super().read_block_into(d, out, **kw)
+            if self._have("block", d):
+                return super().read_block_into(d, out, **kw)
+            got = peers.fetch_checked("block", d)
+            if got is None:
+                return super().read_block_into(d, out, **kw)  # the remote's copy, checked there
+            data, raw = got
+            mv = memoryview(out).cast("B")
+            if len(raw) != mv.nbytes:
+                key = self.local.object_key("blocks", d)
+                raise IntegrityError(f"object holds {len(raw)} bytes, expected {mv.nbytes}", key=key,
+                                     snapshot=kw.get("snapshot"), path=kw.get("path"))
+            # The bytes the check just hashed go to the caller: no write, read back and hash
+            # again through the tier (a restore's CPU is what bounds it on a small host).
+            np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
+            self.local.storage.put_addressed(self.local.object_key("blocks", d), [data])
 
         def get_node(self, d, **kw):
             self._fill("node", d)
@@ -563,7 +617,9 @@ def peer_reads(reads, peers: Peers):
 
         def require_blocks(self, digests, pool, **kw):
             digests = list(digests)
-            list(pool.map(lambda d: self._fill("block", d), digests))
-            return super().require_blocks(digests, pool, **kw)
+            here = list(pool.map(lambda d: self._have("block", d), digests))
+            lacking = [d for d, h in zip(digests, here) if not h]
+            at_peers = peers.present("block", lacking) if lacking else set()
+            return super().require_blocks([d for d in digests if d not in at_peers], pool, **kw)
 
     return PeerReads(reads.local, reads.remote, evicted=reads._evicted)

@@ -125,13 +125,16 @@ def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_serv
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lost", [[1], [1, 2]], ids=["peer-holds-it", "no-replica-left"])
-def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost):
+@pytest.mark.parametrize("lost,damaged", [([1], []), ([1, 2], []), ([1], [2])],
+                         ids=["peer-holds-it", "no-replica-left", "replica-damaged"])
+def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost, damaged):
     """replicas=1 on 3 ranks: each rank's part is copied to the next rank's tier. The job
     restarts after rank 1's node lost its tier: rank 1's checkout gets every object it
     lacks from rank 2, by address, and reads nothing from the remote store. When rank 2's
     tier is lost too (no replica of rank 1's part is left), rank 1 reads the remote store,
-    and rank 2 still gets its part from rank 0. Both restore bit for bit."""
+    and rank 2 still gets its part from rank 0. When rank 2's tier holds damaged blocks
+    (its replica of rank 1's part among them), rank 1 uses none of them: it reads those
+    blocks from the remote store. Every rank restores bit for bit."""
     world = 3
     cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1}
     out = _run(tmp_path, "rput", cfg)
@@ -143,10 +146,13 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
     assert res[0]["gc"] == "ran"
     assert all(r["gc_lost"] == [] for r in res), [r["gc_lost"][:3] for r in res]
 
-    phase = "lost" + "".join(map(str, lost))
-    out = _run(tmp_path, "rload", {**cfg, "lost": lost, "phase": phase})
+    phase = "lost" + "".join(map(str, lost)) + ("damaged" + "".join(map(str, damaged)) if damaged else "")
+    out = _run(tmp_path, "rload", {**cfg, "lost": lost, "damaged": damaged, "phase": phase})
     res = _results(out, phase, world)
     _check_view(out, phase, world, 1)
+    if damaged:
+        assert res[1]["bad_copies"] > 0 and res[1]["remote_reads"], res[1]
+        return
     for r in range(world):
         peer_has_it = r in lost and (r + 1) % world not in lost
         if r not in lost:  # its own tier holds its region
@@ -194,10 +200,17 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
             assert b.assets.block_exists(d) and b.assets.stored_frame("block", d) == good
             assert ask(b"G", d) == len(good)
             assert ask(b"S", bytes(32)) == b"\x01"  # (named on disk at the sync: the store batches its writes)
+            # The asking side: a rank whose holder is this server.
+            asker = Peers(a.core, 1)
+            asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
+            assert asker.present("block", [d, other]) == {d}
+            got = asker.fetch_checked("block", d)
+            assert got is not None and bytes(got[0]) == good and asker.fetched == 1
             key = tmp_path / "b" / Assets.object_key("blocks", d)
             key.chmod(0o644)
-            key.write_bytes(bytes(bad))  # the holder's own copy damaged: never handed on
-            assert ask(b"G", d) is None
+            key.write_bytes(bytes(bad))  # the holder's own copy damaged: sent as stored, never used
+            assert ask(b"G", d) == len(bad)
+            assert asker.fetch_checked("block", d) is None and asker.fetched == 1
             # A length no object can take is refused before a buffer is made: the
             # connection is closed at once (no answer), and the server goes on serving.
             with socket.create_connection(("127.0.0.1", port), timeout=30) as c:

@@ -176,6 +176,16 @@ def rload_body(rank, world, out, res, cfg):
     import torch.distributed as dist
     if rank in cfg["lost"]:
         shutil.rmtree(os.path.join(cfg["tiers"], f"tier{rank}"))
+    if rank in cfg.get("damaged", []):  # every block this node's tier holds, its last byte flipped
+        for d, _s, fs in os.walk(os.path.join(cfg["tiers"], f"tier{rank}", "blocks")):
+            for f in fs:
+                path = os.path.join(d, f)
+                os.chmod(path, 0o644)
+                with open(path, "r+b") as fh:
+                    fh.seek(-1, os.SEEK_END)
+                    last = fh.read(1)
+                    fh.seek(-1, os.SEEK_END)
+                    fh.write(bytes([last[0] ^ 1]))
     dist.barrier()  # (every loss before any rank reads: a lost tier must not serve the old copies)
     holder: dict = {}
     with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
@@ -186,7 +196,7 @@ def rload_body(rank, world, out, res, cfg):
         into["local"] = None
         got = store.checkout(REF, into=into, timeout=60)
         res["remote_reads"] = list(holder["w"].reads)
-        res["fetched"] = store._peers.fetched
+        res["fetched"], res["bad_copies"] = store._peers.fetched, store._peers.bad
         dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
         torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
         dist.barrier()  # (the others may still be fetching from this rank)
