@@ -261,7 +261,7 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
 #
 # Requests: op (1 byte) kind (1 byte: b, n, c) address (32 bytes) length (8 bytes) data.
 #   H  has it?            -> 1 byte (1 yes, 0 no)
-#   G  get it             -> 8-byte length (all ones: not here) + the stored bytes
+#   G  get it             -> 8-byte length (all ones: not here) + the bytes as stored (the asker checks them)
 #   P  store this copy    -> 1 byte (1 stored, 0 refused: it is not the object of that address)
 #   S  sync what was put  -> 1 byte
 
