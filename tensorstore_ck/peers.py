@@ -195,15 +195,21 @@ def _confirm(up, theirs: list) -> None:
         raise _Pending(f"{len(missing)} object(s) of the other ranks, e.g. {missing[0][0]} {missing[0][1].hex()[:16]}")
 
 
-def _until_present(up, root: bytes, look):
+class _Skipped(Exception):
+    """The snapshot waited for was dropped from the queue meanwhile (the backlog rule)."""
+
+
+def _until_present(up, root: bytes, look, give_up=None):
     """look() until it stops raising _Pending (another rank's upload is still under way):
     with backoff, for up to PART_WAIT seconds without progress (the count of what is
-    missing going down)."""
+    missing going down). give_up() -> True between tries: stop waiting (_Skipped)."""
     since, pause, best = time.monotonic(), _PAUSE[0], None
     while True:
         try:
             return look()
         except _Pending as e:
+            if give_up is not None and give_up():
+                raise _Skipped() from None
             if str(e) != best:  # progress: what is missing changed
                 best, since = str(e), time.monotonic()
             if time.monotonic() - since > PART_WAIT:
@@ -223,9 +229,17 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         if local.refs.catalog_get(root) is None:  # (a node of its own deleted looks like another rank's)
             raise IntegrityError(f"snapshot {root.hex()[:16]} left the local catalog", reason="missing")
         return _survey(up, root, fence)
+
+    def superseded() -> bool:
+        # A part that never comes (its rank was killed after the snapshot was published
+        # and before it queued its part) must not hold the queue for PART_WAIT: once a
+        # newer snapshot of the ref is queued, the backlog rule drops this one.
+        return up._superseded(seq, entry, local.refs.upload_pending())
     try:
-        mine, theirs = _until_present(up, root, look)
+        mine, theirs = _until_present(up, root, look, give_up=superseded)
         up._send(mine, fence)
+    except _Skipped:
+        return
     except IntegrityError:
         # Missing or damaged here: the job's retention may have expired the snapshot
         # locally meanwhile (and deleted its objects); else the tier is damaged (upload.py).

@@ -163,6 +163,28 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
             assert res[r]["remote_reads"], (r, res[r])
 
 
+@pytest.mark.slow
+def test_a_part_that_never_comes_does_not_hold_the_queue(tmp_path, s3_url, s3_server):
+    """Rank 1 is killed (SIGKILL) after snapshot A was published and before it queued its
+    part: no rank will ever send that part. After the restart, rank 0's uploader waits
+    for it, but once snapshot B of the ref is queued the backlog rule drops A: B becomes
+    durable without A's wait (PART_WAIT, 15 minutes), and A stays local-only."""
+    world = 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    out = _run(tmp_path, "stuckkill", cfg)
+    launcher = json.loads((out / "stuckkill_launcher.json").read_text())
+    assert launcher.get("killed") == 1, launcher
+    res0 = json.loads((out / "stuckkill_rank0.json").read_text())
+    assert res0["ok"], res0.get("error")
+    out = _run(tmp_path, "stuckresume", {**cfg, "root_a": res0["root"]})
+    res = _results(out, "stuckresume", world)
+    assert all(r["waited"] is True for r in res), [(r["waited"], r["wait_s"]) for r in res]
+    assert res[0]["superseded"] == 1
+    assert res[0]["durable"] == {res[0]["root"]: True, res0["root"]: False}
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve(REF) == res[0]["root"]
+
+
 def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
     """The receiving side of the replicas (a real server on a real socket): a copy whose
     bytes are not the object of the address it is sent under, or that is damaged, is

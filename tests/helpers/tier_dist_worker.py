@@ -202,6 +202,39 @@ def rload_body(rank, world, out, res, cfg):
         dist.barrier()  # (the others may still be fetching from this rank)
 
 
+def stuck_kill_body(rank, world, out, res, cfg):
+    """Snapshot A, collective through tiers; rank 1 is SIGKILLed after A was published and
+    before it queued its part (the launcher kills it at the trap), so A's part of rank 1
+    never reaches the remote store. Rank 0 leaves without closing (the job died with it)."""
+    import time
+
+    import tensorstore_ck.peers as peers
+    if rank == 1:
+        def trap(self, info, tree, rank0):
+            open(os.path.join(out, "trap_rank1"), "w").close()
+            time.sleep(120)
+        peers.CollectiveTier.published = trap
+    store = _open(cfg, out, rank, "tier", {})
+    res["root"] = store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=60).root
+
+
+def stuck_resume_body(rank, world, out, res, cfg):
+    """The job restarted: rank 0's uploader resumes A (waiting for rank 1's part, which no
+    rank will send); snapshot B is put and must become durable without waiting for A."""
+    import time
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder) as store:
+        info = store.put_snapshot(dw.sharded_state(rank, world, 1), REF, step=2, timeout=60)
+        t0 = time.monotonic()
+        res["root"], res["waited"] = info.root, store.wait_durable(timeout=150)
+        res["wait_s"] = time.monotonic() - t0
+        if rank == 0:
+            res["superseded"] = store._uploader.superseded
+            res["durable"] = {r: store.show(r).durable for r in (info.root, cfg["root_a"])}
+        import torch.distributed as dist
+        dist.barrier()
+
+
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     with open(argv[3]) as f:
         cfg = json.load(f)
@@ -212,6 +245,10 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         return [dw.launch("rput", world, rput_body, out, cfg, limit=300)]
     if scenario == "rload":
         return [dw.launch(cfg["phase"], world, rload_body, out, cfg, limit=200)]
+    if scenario == "stuckkill":
+        return [dw.launch("stuckkill", world, stuck_kill_body, out, cfg, kill_rank=1, limit=200)]
+    if scenario == "stuckresume":
+        return [dw.launch("stuckresume", world, stuck_resume_body, out, cfg, limit=300)]
     if scenario == "manager":
         return [dw.launch(cfg["phase"], world, manager_body, out, cfg, limit=cfg.get("limit", 300))]
     if scenario == "load":
