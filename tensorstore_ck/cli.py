@@ -189,6 +189,7 @@ def cmd_du(store, args):
     for job, j in sorted(d["jobs"].items()):
         lines.append(f"  job {job:<20} {j['snapshots']:>5} snapshots  logical {_human(j['logical_bytes']):>10}"
                      f"  written {_human(j['new_bytes']):>10}  latest step {j['latest_step']}")
+    lines += _temp_lines(d.get("temp_files"))
     if args.plot:
         d["plot"] = _du_plot(store, args, lines)
     if args.local:
@@ -240,6 +241,28 @@ def _du_plot(store, args, lines) -> dict:
                      "the numbers leave out what they hold beyond the part read")
     lines.append(f"plot written to {path}")
     return {"file": path, **u}
+
+
+def _temp_lines(t: dict, *, dry_run: bool = False) -> list[str]:
+    """tmp/'s leftover temp files (Assets.temp_report): how many, their bytes, and when gc
+    sweeps them. None at all: no line."""
+    if not t or not t.get("files"):
+        return []
+    kinds = ", ".join(f"{t[k]} {what}" for k, what in (("partial", ".partial (writes cut short)"),
+                                                        ("pending", ".pending (objects waiting to be named)"))
+                      if t[k])
+    head = (f"tmp/: {t['files']} temp file(s), {_human(t['bytes'])} ({kinds}): writes in flight, or left by a "
+            "save that died (killed)")
+    rule = f"gc removes one once it is older than the gc's lease ({t['lease']:g} s"
+    rule += f" + --grace {t['grace']:g} s" if t["grace"] else ""
+    rule += (f"; a .pending file {t['pending_grace']:g} s more)" if t["pending"] else ")")
+    if dry_run:
+        now = [f"this gc would remove {t['sweepable']} ({_human(t['sweepable_bytes'])})"]
+    else:
+        now = [f"{t['sweepable']} ({_human(t['sweepable_bytes'])}) are old enough for the next gc"]
+    if t["next_due"] is not None:
+        now.append(f"the others from {_when(t['next_due'])}, all by {_when(t['all_due'])}")
+    return [head, f"  {rule}: {'; '.join(now)}"]
 
 
 def _bar(args) -> bool:
@@ -320,7 +343,7 @@ def cmd_gc(store, args):
             f"would expire {len(r.expired)} snapshot(s); keep {r.kept_snapshots}",
             f"would delete {r.deleted_objects} objects, {_human(r.deleted_bytes)} "
             f"({', '.join(f'{v} {k}' for k, v in sorted(r.deleted_by_kind.items())) or 'nothing'}); "
-            "--json lists their keys"]
+            "--json lists their keys"] + _temp_lines(r.temp_files, dry_run=True)
     _out(args, r.to_json(), "\n".join(lines))
     return 0
 
@@ -454,6 +477,7 @@ def _fsck_lines(r) -> list[str]:
     lines = [str(f) for f in r.findings]
     lines += [f"moved aside: {m['key']} -> {m['aside']} ({m['problem']})" for m in r.moved]
     lines += [f"not moved: {x['key']}: {x['why']}" for x in r.left]
+    lines += _temp_lines(r.temp_files)
     lines.append(f"{'ok' if r.ok else 'PROBLEMS'}: {r.snapshots_checked} snapshots, {r.objects_checked} objects, "
                  f"{_human(r.bytes_checked)} {'re-hashed' if r.full else 'sized'}; {len(r.findings)} problems; "
                  f"{r.orphans} orphans ({_human(r.orphan_bytes)}, gc removes them)")

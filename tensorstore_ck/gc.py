@@ -87,6 +87,8 @@ class GCReport:
     deleted_bytes: int = 0
     deleted_by_kind: dict = field(default_factory=dict)
     temp_files_removed: int = 0
+    temp_files: dict = field(default_factory=dict)    # dry run: tmp/'s temp files, which this gc would sweep
+    #                                                   and when the rest become due (Assets.temp_report)
     would_delete: list = field(default_factory=list)  # dry run: keys (capped at 10000)
     strays: list = field(default_factory=list)        # stored names that are no object key (kept)
     malformed_rows: list = field(default_factory=list)  # root hex of catalog rows that do not decode (kept)
@@ -352,8 +354,9 @@ def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: 
     refs = core.refs
     _refuse_if_rebuilding(core, "gc --dry-run" if dry_run else "gc")
     if dry_run:
-        rep = _dry_report(core, plan_gc(core, dry_run=True, began=core.storage.clock_now() - grace,
-                                         progress=progress))
+        now = core.storage.clock_now()
+        rep = _dry_report(core, plan_gc(core, dry_run=True, began=now - grace, progress=progress))
+        rep.temp_files = core.assets.temp_report(lease=lease, grace=grace, now=now)
         rep.seconds = time.time() - t_start
         return rep
     _refuse_if_the_ref_table_knows_nothing(core)

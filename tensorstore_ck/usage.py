@@ -42,8 +42,10 @@ def _kept(core: Core, bad: list) -> list:
     return [row_to_info(root, row) for root, row in core.refs.catalog_iter(bad=bad)]
 
 
-def summary(core: Core) -> dict:
-    """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
+def summary(core: Core, *, lease: float | None = None) -> dict:
+    """Logical bytes (what the kept snapshots hold) vs physical (what storage holds), and
+    the temp files under tmp/ (a killed save's .partial files; when a gc with `lease`
+    sweeps them: Assets.temp_report)."""
     jobs: dict[str, dict] = {}
     bad: list = []
     rows = _kept(core, bad)
@@ -65,7 +67,16 @@ def summary(core: Core) -> dict:
         "malformed_rows": [r.hex() for r, _e in bad],  # catalog rows left out (tsck fsck names them)
         "dedup_ratio": (logical / phys["blocks"][1]) if phys["blocks"][1] else None,
         "jobs": jobs,
+        "temp_files": _temp(core, lease),
     }
+
+
+def _temp(core: Core, lease: float | None) -> dict:
+    from .core import DEFAULT_LEASE
+    try:
+        return core.assets.temp_report(lease=DEFAULT_LEASE if lease is None else lease)
+    except OSError as e:
+        raise storage_error(e, f"listing the temp files of {core.url}") from e
 
 
 def usage(core: Core) -> dict:
