@@ -186,9 +186,19 @@ def cmd_du(store, args):
         f"{d['commits']} commits)",
         f"dedup      {d['dedup_ratio']:.2f}x" if d["dedup_ratio"] else "dedup      -",
     ]
-    for job, j in sorted(d["jobs"].items()):
+    # Per job: what its snapshots reference (holds) and, of that, what no other job's does
+    # (alone: what deleting the job would free). Not who wrote a block first: a block
+    # shared by two jobs is freed only once both are gone.
+    for job, j in sorted(d["jobs"].items(), key=lambda x: (-x[1]["only_bytes"], x[0])):
         lines.append(f"  job {job:<20} {j['snapshots']:>5} snapshots  logical {_human(j['logical_bytes']):>10}"
-                     f"  written {_human(j['new_bytes']):>10}  latest step {j['latest_step']}")
+                     f"  holds {_human(j['held_bytes']):>10}  alone {_human(j['only_bytes']):>10}"
+                     f"  latest step {j['latest_step']}")
+    if d["jobs"]:
+        lines.append("  (holds: stored bytes of the blocks its snapshots use; alone: of those, the ones no other "
+                     "job uses: what deleting the job and a gc would free, tags and pins aside)")
+    if d.get("unreadable"):
+        lines.append(f"  {len(d['unreadable'])} snapshot(s) could not be read whole (tsck fsck names them); "
+                     "the numbers leave out what they hold beyond the part read")
     lines += _temp_lines(d.get("temp_files"))
     if args.plot:
         d["plot"] = _du_plot(store, args, lines)
@@ -233,12 +243,9 @@ def _du_plot(store, args, lines) -> dict:
     require_matplotlib()  # missing: say so before walking the store
     u = usage(store.core)
     path = plot_usage(u, args.plot)
-    for job, j in sorted(u["jobs"].items(), key=lambda x: -x[1]["only_bytes"]):
-        lines.append(f"  job {job:<20} holds {_human(j['held_bytes']):>10} of blocks; deleting it would free "
-                     f"{_human(j['only_bytes'])}")
-    if u["unreadable"]:
-        lines.append(f"  {len(u['unreadable'])} snapshot(s) could not be read whole (tsck fsck names them); "
-                     "the numbers leave out what they hold beyond the part read")
+    p = u["physical"]
+    if p["gcs"]:
+        lines.append(f"plot: {p['gcs']} gc/prune run(s) on record reclaimed {_human(p['reclaimed'][-1])} of blocks")
     lines.append(f"plot written to {path}")
     return {"file": path, **u}
 

@@ -85,6 +85,7 @@ class GCReport:
     rescued: int = 0                                  # candidates re-marked (reused meanwhile)
     deleted_objects: int = 0
     deleted_bytes: int = 0
+    deleted_block_bytes: int = 0                      # of deleted_bytes, those of blocks
     deleted_by_kind: dict = field(default_factory=dict)
     temp_files_removed: int = 0
     temp_files: dict = field(default_factory=dict)    # dry run: tmp/'s temp files, which this gc would sweep
@@ -199,6 +200,8 @@ def plan_gc(core: Core, *, dry_run: bool, began: float, progress: bool = False, 
 def _count(rep: GCReport, kind: str, size: int) -> None:
     rep.deleted_objects += 1
     rep.deleted_bytes += size
+    if kind == "blocks":
+        rep.deleted_block_bytes += size
     rep.deleted_by_kind[kind] = rep.deleted_by_kind.get(kind, 0) + 1
 
 
@@ -376,7 +379,19 @@ def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: 
         hold.finish_fields = {"last_gc": {"at": refs.wall_now(), "deleted": rep.deleted_objects}}
     log.info("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
              owner, rep.seconds, rep.deleted_objects, rep.deleted_bytes, rep.rescued)
+    _note_reclaimed(core, rep)
     return rep
+
+
+def _note_reclaimed(core: Core, rep: GCReport) -> None:
+    """Record what was deleted, for `tsck du --plot`'s size over time: a picture's data,
+    so a failure to record is logged, never raised."""
+    if not rep.deleted_bytes:
+        return
+    try:
+        core.refs.note_reclaimed(block_bytes=rep.deleted_block_bytes, total_bytes=rep.deleted_bytes)
+    except Exception as e:  # noqa: BLE001 - the deletion itself is done and reported
+        log.info("not recorded for du --plot: %d bytes reclaimed (%s)", rep.deleted_bytes, e)
 
 
 def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
@@ -421,6 +436,7 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
     log.info("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
              rep.deleted_objects, rep.deleted_bytes, rep.seconds)
+    _note_reclaimed(core, rep)
     return rep
 
 
