@@ -12,6 +12,10 @@ postgresql://host/db; `-o KEY=VALUE` (repeatable) or $TSCK_STORAGE_OPTIONS (a
 JSON object) pass fsspec storage options. Credentials belong in the backend's
 own environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...), not on a command
 line that `ps` shows; nothing here ever prints an option's value.
+
+$TSCK_STORE is the default STORE of every command (with_env_store): when it is set and
+the first positional is not a URL (scheme://...) or an existing path, the store is
+$TSCK_STORE and the positionals keep their meaning (`tsck log jobA/main -n 5`).
 """
 
 from __future__ import annotations
@@ -622,7 +626,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state",
                 formatter_class=_HelpFormatter,
                 epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
-                       "tsck log STORE -- -rf. Exit codes: 0 ok, 1 problems found or a failure of the "
+                       "tsck log STORE -- -rf. $TSCK_STORE is the default STORE: it is used when the first "
+                       "positional is not a URL (scheme://) or an existing path. Exit codes: 0 ok, 1 problems found or a failure of the "
                        "environment (a full disk, a server away), 2 a user error.")
     p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
