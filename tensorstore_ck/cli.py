@@ -627,8 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=_HelpFormatter,
                 epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
                        "tsck log STORE -- -rf. $TSCK_STORE is the default STORE: it is used when the first "
-                       "positional is not a URL (scheme://) or an existing path. Exit codes: 0 ok, 1 problems found or a failure of the "
-                       "environment (a full disk, a server away), 2 a user error.")
+                       "positional is not a URL (scheme://) or an existing path. Exit codes: 0 ok, 1 problems "
+                       "found or a failure of the environment (a full disk, a server away), 2 a user error.")
     p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
 
@@ -659,8 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also the bytes of this store's local tier at PATH: queued for upload, local-only, "
                          "cached durable copies, unreferenced")
     du.add_argument("--plot", default=None, metavar="FILE.png",
-                    help="also draw bytes over time per job and what deleting each job would free "
-                         "(needs matplotlib: the [plot] extra)")
+                    help="also draw the store's size over time (what gc reclaimed included) and what deleting "
+                         "each job would free (needs matplotlib: the [plot] extra)")
     df = add("diff", cmd_diff, "which tensors and how many blocks differ", "a", "b")
     df.add_argument("path", nargs="?", default=None,
                     help="only the tensors at this dotted path and under it (model.layers.0), as in ls")
@@ -736,9 +736,8 @@ def _verb(parser, argv) -> tuple[int | None, "argparse.ArgumentParser | None"]:
     for i, a in enumerate(argv):
         if not a.startswith("-"):
             for act in parser._actions:
-                sub = (getattr(act, "choices", None) or {}).get(a) if isinstance(act.choices, dict) else None
-                if sub is not None:
-                    return i, sub
+                if isinstance(act.choices, dict) and a in act.choices:
+                    return i, act.choices[a]
             return None, None
     return None, None
 
@@ -794,8 +793,8 @@ def _forget_hint(parser, argv) -> str | None:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    argv = with_env_store(parser, argv)
+    given_argv = list(sys.argv[1:] if argv is None else argv)
+    argv = with_env_store(parser, given_argv)
     try:
         args = parser.parse_args(argv)
     except _Usage as e:
@@ -803,7 +802,10 @@ def main(argv=None) -> int:
         if hint is not None:
             print(f"tsck: error: {hint}", file=sys.stderr)
             return 2
-        print(f"tsck: error: {e}{_dash_hint(parser, argv)}", file=sys.stderr)
+        given = argv != given_argv  # $TSCK_STORE was put in as the store
+        note = f" (the store is $TSCK_STORE, {os.environ['TSCK_STORE']}: the first argument is not a URL or an " \
+               "existing path)" if given else ""
+        print(f"tsck: error: {e}{_dash_hint(parser, argv)}{note}", file=sys.stderr)
         return 2
     if args.cmd is None:  # bare `tsck`: what it can do, not a complaint about a missing argument
         parser.print_help(sys.stderr)

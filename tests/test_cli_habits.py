@@ -113,6 +113,8 @@ def test_tsck_store_default(store, tmp_path, capsys, monkeypatch):
     assert rc == 0 and json.loads(out)[0]["step"] == 9, err
     rc, out, err = tsck_cli(capsys, "log", "--", "o/main")  # after --: a positional, not the store
     assert rc == 2 and "o/main" in err
+    rc, out, err = tsck_cli(capsys, "refs", tmp_path / "typo")  # a store path that does not exist
+    assert rc == 2 and "the store is $TSCK_STORE" in err and len(err.splitlines()) == 1
     # the real command, as a shell runs it
     r = subprocess.run([sys.executable, "-m", "tensorstore_ck", "log", "a/main", "--json"], capture_output=True,
                        text=True, timeout=120, env=child_env(cli=True, TSCK_STORE=store), cwd=str(tmp_path))
