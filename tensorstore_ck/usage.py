@@ -2,8 +2,10 @@
 `tsck du --plot`.
 
     summary(core) -> Store.du(): logical bytes (the catalog rows) vs physical (one count
-                     of the stored objects per kind), per job the totals and latest step
-    usage(core)   -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}}, "unreadable"}
+                     of the stored objects per kind), per job the totals, latest step,
+                     held_bytes and only_bytes (below), and tmp/'s leftover temp files
+    usage(core)   -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}},
+                      "physical" (the store over time: physical_over_time), "unreadable"}
 
 Per job, over its kept snapshots in commit order (catalog rows: nothing is read for it):
 
