@@ -5,19 +5,15 @@ against the files on disk and gc's own reports (the figure's data, not its pixel
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck import cli
 
 try:
-    from ._util import rand_tensor
     from .test_plot import BS, block_digests, block_sizes_on_disk, expected_numbers, fill, vec
 except ImportError:  # tests/ is not a package
-    from _util import rand_tensor  # noqa: F401
     from test_plot import BS, block_digests, block_sizes_on_disk, expected_numbers, fill, vec
 
 
