@@ -653,10 +653,41 @@ class Assets:
         n = 0
         st = self.storage
         for o in st.temp_files():
-            if o.mtime < (before - st.PENDING_GRACE if o.key.endswith(st.PENDING_SUFFIX) else before):
+            if o.mtime + self._temp_wait(o) < before:
                 self.storage.delete(o.key)
                 n += 1
         return n
+
+    def _temp_wait(self, o) -> float:
+        """How much longer than a gc's lease a temp file is left alone (sweep_temp)."""
+        st = self.storage
+        return st.PENDING_GRACE if o.key.endswith(st.PENDING_SUFFIX) else 0.0
+
+    def temp_report(self, *, lease: float, grace: float = 0.0, now: float | None = None) -> dict:
+        """The temp files under tmp/ (writes in flight, or left by a writer that died: a
+        save killed -9 leaves its .partial files) and when a gc with this lease and grace
+        sweeps each (sweep_temp's rule: once the storage's clock is past mtime + lease +
+        grace, PENDING_GRACE more for a .pending file). Nothing is removed here.
+        now: the storage's clock, if known (gc --dry-run reads it); None: this host's.
+        -> {files, bytes, partial, pending, lease, grace, now, sweepable, sweepable_bytes,
+            next_due (the first time a gc sweeps one not yet due), all_due}"""
+        st = self.storage
+        now = time.time() if now is None else now
+        out = {"files": 0, "bytes": 0, "partial": 0, "pending": 0, "lease": lease, "grace": grace,
+               "pending_grace": st.PENDING_GRACE, "now": now,
+               "sweepable": 0, "sweepable_bytes": 0, "next_due": None, "all_due": None}
+        for o in st.temp_files():
+            due = o.mtime + lease + grace + self._temp_wait(o)
+            out["files"] += 1
+            out["bytes"] += o.size
+            out["pending" if o.key.endswith(st.PENDING_SUFFIX) else "partial"] += 1
+            if due < now:
+                out["sweepable"] += 1
+                out["sweepable_bytes"] += o.size
+            elif out["next_due"] is None or due < out["next_due"]:
+                out["next_due"] = due
+            out["all_due"] = due if out["all_due"] is None else max(out["all_due"], due)
+        return out
 
     def put_tag(self, name: str, root: bytes, time: float) -> bytes | None:
         """Create the tag object of `name` exclusively (it is the tag's single source of

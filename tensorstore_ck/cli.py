@@ -12,6 +12,10 @@ postgresql://host/db; `-o KEY=VALUE` (repeatable) or $TSCK_STORAGE_OPTIONS (a
 JSON object) pass fsspec storage options. Credentials belong in the backend's
 own environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...), not on a command
 line that `ps` shows; nothing here ever prints an option's value.
+
+$TSCK_STORE is the default STORE of every command (with_env_store): when it is set and
+the first positional is not a URL (scheme://...) or an existing path, the store is
+$TSCK_STORE and the positionals keep their meaning (`tsck log jobA/main -n 5`).
 """
 
 from __future__ import annotations
@@ -155,6 +159,8 @@ def cmd_refs(store, args):
 def cmd_log(store, args):
     bad: dict = {}
     infos = store.log(args.ref, errors=bad)
+    if args.max_count is not None:  # git log -n: the newest N
+        infos = infos[:args.max_count]
     _out(args, [i.to_json() for i in infos], "\n".join(_line(i) for i in infos) or "(empty)")
     for r, e in bad.items():  # one odd snapshot is one line; the others are listed (exit 1)
         print(f"tsck: unreadable snapshot {r[:16]} in the history of {args.ref}: {e}", file=sys.stderr)
@@ -184,9 +190,20 @@ def cmd_du(store, args):
         f"{d['commits']} commits)",
         f"dedup      {d['dedup_ratio']:.2f}x" if d["dedup_ratio"] else "dedup      -",
     ]
-    for job, j in sorted(d["jobs"].items()):
+    # Per job: what its snapshots reference (holds) and, of that, what no other job's does
+    # (alone: what deleting the job would free). Not who wrote a block first: a block
+    # shared by two jobs is freed only once both are gone.
+    for job, j in sorted(d["jobs"].items(), key=lambda x: (-x[1]["only_bytes"], x[0])):
         lines.append(f"  job {job:<20} {j['snapshots']:>5} snapshots  logical {_human(j['logical_bytes']):>10}"
-                     f"  written {_human(j['new_bytes']):>10}  latest step {j['latest_step']}")
+                     f"  holds {_human(j['held_bytes']):>10}  alone {_human(j['only_bytes']):>10}"
+                     f"  latest step {j['latest_step']}")
+    if d["jobs"]:
+        lines.append("  (holds: stored bytes of the blocks its snapshots use; alone: of those, the ones no other "
+                     "job uses: what deleting the job and a gc would free, tags and pins aside)")
+    if d.get("unreadable"):
+        lines.append(f"  {len(d['unreadable'])} snapshot(s) could not be read whole (tsck fsck names them); "
+                     "the numbers leave out what they hold beyond the part read")
+    lines += _temp_lines(d.get("temp_files"))
     if args.plot:
         d["plot"] = _du_plot(store, args, lines)
     if args.local:
@@ -230,14 +247,33 @@ def _du_plot(store, args, lines) -> dict:
     require_matplotlib()  # missing: say so before walking the store
     u = usage(store.core)
     path = plot_usage(u, args.plot)
-    for job, j in sorted(u["jobs"].items(), key=lambda x: -x[1]["only_bytes"]):
-        lines.append(f"  job {job:<20} holds {_human(j['held_bytes']):>10} of blocks; deleting it would free "
-                     f"{_human(j['only_bytes'])}")
-    if u["unreadable"]:
-        lines.append(f"  {len(u['unreadable'])} snapshot(s) could not be read whole (tsck fsck names them); "
-                     "the numbers leave out what they hold beyond the part read")
+    p = u["physical"]
+    if p["gcs"]:
+        lines.append(f"plot: {p['gcs']} gc/prune run(s) on record reclaimed {_human(p['reclaimed'][-1])} of blocks")
     lines.append(f"plot written to {path}")
     return {"file": path, **u}
+
+
+def _temp_lines(t: dict, *, dry_run: bool = False) -> list[str]:
+    """tmp/'s leftover temp files (Assets.temp_report): how many, their bytes, and when gc
+    sweeps them. None at all: no line."""
+    if not t or not t.get("files"):
+        return []
+    kinds = ", ".join(f"{t[k]} {what}" for k, what in (("partial", ".partial (writes cut short)"),
+                                                        ("pending", ".pending (objects waiting to be named)"))
+                      if t[k])
+    head = (f"tmp/: {t['files']} temp file(s), {_human(t['bytes'])} ({kinds}): writes in flight, or left by a "
+            "save that died (killed)")
+    rule = f"gc removes one once it is older than the gc's lease ({t['lease']:g} s"
+    rule += f" + --grace {t['grace']:g} s" if t["grace"] else ""
+    rule += (f"; a .pending file {t['pending_grace']:g} s more)" if t["pending"] else ")")
+    if dry_run:
+        now = [f"this gc would remove {t['sweepable']} ({_human(t['sweepable_bytes'])})"]
+    else:
+        now = [f"{t['sweepable']} ({_human(t['sweepable_bytes'])}) are old enough for the next gc"]
+    if t["next_due"] is not None:
+        now.append(f"the others from {_when(t['next_due'])}, all by {_when(t['all_due'])}")
+    return [head, f"  {rule}: {'; '.join(now)}"]
 
 
 def _bar(args) -> bool:
@@ -318,7 +354,7 @@ def cmd_gc(store, args):
             f"would expire {len(r.expired)} snapshot(s); keep {r.kept_snapshots}",
             f"would delete {r.deleted_objects} objects, {_human(r.deleted_bytes)} "
             f"({', '.join(f'{v} {k}' for k, v in sorted(r.deleted_by_kind.items())) or 'nothing'}); "
-            "--json lists their keys"]
+            "--json lists their keys"] + _temp_lines(r.temp_files, dry_run=True)
     _out(args, r.to_json(), "\n".join(lines))
     return 0
 
@@ -375,6 +411,14 @@ def cmd_retention(store, args):
         return 0
     if args.clear and given:
         raise InvalidArgument("--clear takes no other rule option")
+    if args.keep_best is not None and args.metric is None:
+        raise InvalidArgument(f"--keep-best {args.keep_best} needs --metric M: the name of a metric the snapshots "
+                              "record (put_snapshot(metrics={'val_loss': ...}); `tsck log STORE REF` shows them); "
+                              "the lowest is best, --mode max for the highest")
+    if not args.clear and not {k: v for k, v in given.items() if k not in ("metric", "mode")} \
+            and (args.metric is not None or args.mode is not None):
+        raise InvalidArgument("--metric and --mode go with --keep-best K; give a rule: --keep-last N, --keep-best K "
+                              "--metric M, --keep-every-steps S or --max-age-days D (or --clear)")
     if args.clear:
         store.set_retention(args.job, None)
     elif given:
@@ -386,7 +430,7 @@ def cmd_retention(store, args):
 
 
 def cmd_fsck(store, args):
-    r = store.fsck(full=not args.quick, progress=_bar(args), repair=args.repair)
+    r = _dotted_findings(store.fsck(full=not args.quick, progress=_bar(args), repair=args.repair))
     if args.local:
         return _fsck_tiers(store, args, r)
     lines = _fsck_lines(r)
@@ -402,7 +446,7 @@ def _fsck_tiers(store, args, r):
     durable and evicted must be in the remote catalog (it has no other copy)."""
     from .fsck import Finding
     with _open_tier(store, args) as tier:
-        lr = tier.fsck(full=not args.quick, progress=_bar(args), repair=args.repair)
+        lr = _dotted_findings(tier.fsck(full=not args.quick, progress=_bar(args), repair=args.repair))
         trefs = tier.reftable
         evicted = trefs.evicted()
         marked = trefs.durable(trefs.catalog_roots() | evicted)
@@ -432,10 +476,19 @@ def _fsck_tiers(store, args, r):
     return 0 if ok else 1
 
 
+def _dotted_findings(r):
+    """The report with each finding's tensor path dotted as `tsck ls` writes it (model.layers.0.w)."""
+    import dataclasses
+    from .paths import dotted_from_formatted
+    r.findings = [dataclasses.replace(f, path=dotted_from_formatted(f.path)) if f.path else f for f in r.findings]
+    return r
+
+
 def _fsck_lines(r) -> list[str]:
     lines = [str(f) for f in r.findings]
     lines += [f"moved aside: {m['key']} -> {m['aside']} ({m['problem']})" for m in r.moved]
     lines += [f"not moved: {x['key']}: {x['why']}" for x in r.left]
+    lines += _temp_lines(r.temp_files)
     lines.append(f"{'ok' if r.ok else 'PROBLEMS'}: {r.snapshots_checked} snapshots, {r.objects_checked} objects, "
                  f"{_human(r.bytes_checked)} {'re-hashed' if r.full else 'sized'}; {len(r.findings)} problems; "
                  f"{r.orphans} orphans ({_human(r.orphan_bytes)}, gc removes them)")
@@ -462,15 +515,33 @@ def cmd_recover(store, args):
 
 
 def cmd_diff(store, args):
-    d = store.diff(args.a, args.b)
+    d = _dotted_diff(store.diff(args.a, args.b), args.path)
     lines = [f"a {d['a'][:16]}  b {d['b'][:16]}"]
     lines += [f"+ {p}" for p in d["added"]] + [f"- {p}" for p in d["removed"]]
     lines += [f"~ {c['path']}: {c['blocks_differ']}/{c['blocks']} blocks differ"
               + (f" ({c['a']} -> {c['b']})" if c["a"] != c["b"] else "") for c in d["changed"]]
-    lines.append(f"{len(d['changed'])} changed, {len(d['added'])} added, {len(d['removed'])} removed, "
-                 f"{d['unchanged']} unchanged")
+    lines.append(f"{len(d['changed'])} changed, {len(d['added'])} added, {len(d['removed'])} removed"
+                 + (f", {d['unchanged']} unchanged" if d["unchanged"] is not None else f" under {d['path']}"))
     _out(args, d, "\n".join(lines))
+    if args.exit_code:  # git diff --exit-code: 1 when the snapshots differ, 0 when they are the same
+        return 1 if d["changed"] or d["added"] or d["removed"] else 0
     return 0
+
+
+def _dotted_diff(d: dict, path: str | None) -> dict:
+    """Store.diff's answer with its paths dotted as `tsck ls` writes them (model.layers.0.w),
+    only those at or under `path` when one is given (as `tsck ls STORE TARGET PATH`)."""
+    from .paths import dotted_from_formatted, under
+    out = {**d, "added": [], "removed": [], "changed": []}
+    for k in ("added", "removed"):
+        out[k] = sorted(p for p in map(dotted_from_formatted, d[k]) if under(p, path))
+    out["changed"] = sorted(({**c, "path": dotted_from_formatted(c["path"])} for c in d["changed"]),
+                            key=lambda c: c["path"])
+    out["changed"] = [c for c in out["changed"] if under(c["path"], path)]
+    if path is not None:
+        out["path"] = path
+        out["unchanged"] = None  # counted over the whole snapshot only
+    return out
 
 
 def _shape(shape) -> str:
@@ -555,14 +626,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tsck", description="tensorstore_ck: content-addressed snapshots of training state",
                 formatter_class=_HelpFormatter,
                 epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
-                       "tsck log STORE -- -rf. Exit codes: 0 ok, 1 problems found or a failure of the "
-                       "environment (a full disk, a server away), 2 a user error.")
+                       "tsck log STORE -- -rf. $TSCK_STORE is the default STORE: it is used when the first "
+                       "positional is not a URL (scheme://) or an existing path. Exit codes: 0 ok, 1 problems "
+                       "found or a failure of the environment (a full disk, a server away), 2 a user error.")
     p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
 
     def add(name, fn, help, *pos):
         s = sub.add_parser(name, help=help)
-        s.add_argument("store", help="store path or URL")
+        s.add_argument("store", help="store path or URL (may be left out when $TSCK_STORE names it)")
         for a in pos:
             s.add_argument(a)
         s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -579,16 +651,21 @@ def build_parser() -> argparse.ArgumentParser:
         return s
 
     add("refs", cmd_refs, "list refs and tags")
-    add("log", cmd_log, "snapshots of a ref, newest first", "ref")
+    lg = add("log", cmd_log, "snapshots of a ref, newest first", "ref")
+    lg.add_argument("-n", "--max-count", type=_count(1), default=None, metavar="N", help="only the newest N")
     add("show", cmd_show, "one snapshot", "target")
     du = add("du", cmd_du, "logical vs physical bytes, per job")
     du.add_argument("--local", default=None, metavar="PATH",
                     help="also the bytes of this store's local tier at PATH: queued for upload, local-only, "
                          "cached durable copies, unreferenced")
     du.add_argument("--plot", default=None, metavar="FILE.png",
-                    help="also draw bytes over time per job and what deleting each job would free "
-                         "(needs matplotlib: the [plot] extra)")
-    add("diff", cmd_diff, "which tensors and how many blocks differ", "a", "b")
+                    help="also draw the store's size over time (what gc reclaimed included) and what deleting "
+                         "each job would free (needs matplotlib: the [plot] extra)")
+    df = add("diff", cmd_diff, "which tensors and how many blocks differ", "a", "b")
+    df.add_argument("path", nargs="?", default=None,
+                    help="only the tensors at this dotted path and under it (model.layers.0), as in ls")
+    df.add_argument("--exit-code", action="store_true",
+                    help="as git diff: exit 1 when the snapshots differ, 0 when they hold the same tensors")
     add("tag", cmd_tag, "create an immutable tag", "name", "target")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
     add("unpin", cmd_pin, "release a pin", "target")
@@ -654,12 +731,81 @@ def _dash_hint(parser, argv) -> str:
            f"tsck log STORE -- {odd[0]})" if odd else ""
 
 
+def _verb(parser, argv) -> tuple[int | None, "argparse.ArgumentParser | None"]:
+    """(index, sub-parser) of the command in argv: its first argument that is no option."""
+    for i, a in enumerate(argv):
+        if not a.startswith("-"):
+            for act in parser._actions:
+                if isinstance(act.choices, dict) and a in act.choices:
+                    return i, act.choices[a]
+            return None, None
+    return None, None
+
+
+def _names_store(x: str) -> bool:
+    """A positional that names a store: a URL (scheme://...) or a path that exists here."""
+    return "://" in x or os.path.exists(x)
+
+
+def with_env_store(parser, argv: list) -> list:
+    """$TSCK_STORE as the default STORE: when it is set and the command's first positional
+    does not name a store (a URL, or a path that exists), the store is $TSCK_STORE and every
+    positional keeps its meaning: `tsck log jobA/main` = `tsck log $TSCK_STORE jobA/main`.
+    A first positional that is a URL or an existing path is the store, as without it."""
+    env = os.environ.get("TSCK_STORE")
+    i, sub = _verb(parser, argv)
+    if not env or sub is None:
+        return argv
+    takes_value = {o for a in sub._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
+    k, first = i + 1, None
+    while k < len(argv):
+        a = argv[k]
+        if a == "--":
+            first = argv[k + 1] if k + 1 < len(argv) else None
+            break
+        if a.startswith("-") and a != "-":
+            k += 2 if a in takes_value else 1  # an option, and its value when it takes one
+            continue
+        first = a
+        break
+    if first is not None and _names_store(first):
+        return argv
+    return argv[:i + 1] + [env] + argv[i + 1:]
+
+
+_RESTIC_FORGET = ("--keep-", "--prune")
+
+
+def _forget_hint(parser, argv) -> str | None:
+    """restic's `forget --keep-last N` typed here: point at retention rules and gc."""
+    i, sub = _verb(parser, argv)
+    if sub is None or argv[i] != "forget" or not any(a.startswith(_RESTIC_FORGET) for a in argv[i + 1:]):
+        return None
+    opt = next(a for a in argv[i + 1:] if a.startswith(_RESTIC_FORGET))
+    rule = opt.split("=")[0]
+    n = opt.split("=", 1)[1] if "=" in opt else next(iter(argv[argv.index(opt) + 1:argv.index(opt) + 2]), "N")
+    rule = {"--keep-last": f"--keep-last {n}"}.get(rule, "--keep-last N (or --keep-best K --metric M, "
+                                                          "--keep-every-steps S, --max-age-days D)")
+    return ("`tsck forget` drops one snapshot (STORE REF@STEP or a root); keeping only some snapshots is a "
+            f"retention rule per job, applied by gc: `tsck retention STORE JOB {rule}`, then "
+            "`tsck gc STORE --dry-run` (what would go, and why) and `tsck gc STORE`")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
+    given_argv = list(sys.argv[1:] if argv is None else argv)
+    argv = with_env_store(parser, given_argv)
     try:
         args = parser.parse_args(argv)
     except _Usage as e:
-        print(f"tsck: error: {e}{_dash_hint(parser, sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        hint = _forget_hint(parser, argv)
+        if hint is not None:
+            print(f"tsck: error: {hint}", file=sys.stderr)
+            return 2
+        given = argv != given_argv  # $TSCK_STORE was put in as the store
+        note = f" (the store is $TSCK_STORE, {os.environ['TSCK_STORE']}: the first argument is not a URL or an " \
+               "existing path)" if given else ""
+        print(f"tsck: error: {e}{_dash_hint(parser, argv)}{note}", file=sys.stderr)
         return 2
     if args.cmd is None:  # bare `tsck`: what it can do, not a complaint about a missing argument
         parser.print_help(sys.stderr)

@@ -327,3 +327,13 @@ def storage_error(e: OSError, what: str) -> StorageError:
     text = f"{what}: {name if msg in ('', 'None') else f'{name}: {msg}'}"  # s3fs's str() can be 'None'
     # OSError(None, msg) would print "[Errno None] msg"
     return StorageError(e.errno, text) if e.errno is not None else StorageError(text)
+
+
+class StepReusedWarning(UserWarning):
+    """A snapshot was published at a step its ref already has (a script re-run from the
+    start, a DCP save with the same step): both are kept, and REF@STEP names the newer.
+    A warning, not an error: a re-run may be on purpose. Silence it with
+    warnings.filterwarnings("ignore", category=tsck.errors.StepReusedWarning)."""
+
+
+__all__.append("StepReusedWarning")

@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .core import Core
-from .errors import FormatError, IntegrityError, UnreadableObject
+from .errors import FormatError, IntegrityError, UnreadableObject, storage_error
 from .format import frame
 from .gc import DEFAULT_LEASE, Lease, holding_gc_lock
 from .progress import progress_bar
@@ -81,6 +81,9 @@ class FsckReport:
     evicted: int = 0              # a local tier's snapshots whose local copies its budget dropped (not checked)
     quarantined: int = 0          # objects under quarantine/ after this run (kept; never read, never gc'd)
     quarantined_bytes: int = 0
+    # tmp/: temp files of writes in flight or of writers that died (Assets.temp_report:
+    # count, bytes, when a gc sweeps them); not problems, and never part of a snapshot
+    temp_files: dict = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -120,6 +123,10 @@ def run_fsck(core: Core, *, full: bool = True, progress: bool = False, repair: b
     for a in core.assets.list_aside():
         rep.quarantined += 1
         rep.quarantined_bytes += a.size
+    try:
+        rep.temp_files = core.assets.temp_report(lease=lease)
+    except OSError as e:
+        raise storage_error(e, f"listing the temp files of {core.url}") from e
     rep.seconds = time.time() - t0
     return rep
 

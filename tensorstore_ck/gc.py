@@ -85,8 +85,11 @@ class GCReport:
     rescued: int = 0                                  # candidates re-marked (reused meanwhile)
     deleted_objects: int = 0
     deleted_bytes: int = 0
+    deleted_block_bytes: int = 0                      # of deleted_bytes, those of blocks
     deleted_by_kind: dict = field(default_factory=dict)
     temp_files_removed: int = 0
+    temp_files: dict = field(default_factory=dict)    # dry run: tmp/'s temp files, which this gc would sweep
+    #                                                   and when the rest become due (Assets.temp_report)
     would_delete: list = field(default_factory=list)  # dry run: keys (capped at 10000)
     strays: list = field(default_factory=list)        # stored names that are no object key (kept)
     malformed_rows: list = field(default_factory=list)  # root hex of catalog rows that do not decode (kept)
@@ -197,6 +200,8 @@ def plan_gc(core: Core, *, dry_run: bool, began: float, progress: bool = False, 
 def _count(rep: GCReport, kind: str, size: int) -> None:
     rep.deleted_objects += 1
     rep.deleted_bytes += size
+    if kind == "blocks":
+        rep.deleted_block_bytes += size
     rep.deleted_by_kind[kind] = rep.deleted_by_kind.get(kind, 0) + 1
 
 
@@ -352,8 +357,9 @@ def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: 
     refs = core.refs
     _refuse_if_rebuilding(core, "gc --dry-run" if dry_run else "gc")
     if dry_run:
-        rep = _dry_report(core, plan_gc(core, dry_run=True, began=core.storage.clock_now() - grace,
-                                         progress=progress))
+        now = core.storage.clock_now()
+        rep = _dry_report(core, plan_gc(core, dry_run=True, began=now - grace, progress=progress))
+        rep.temp_files = core.assets.temp_report(lease=lease, grace=grace, now=now)
         rep.seconds = time.time() - t_start
         return rep
     _refuse_if_the_ref_table_knows_nothing(core)
@@ -373,7 +379,19 @@ def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: 
         hold.finish_fields = {"last_gc": {"at": refs.wall_now(), "deleted": rep.deleted_objects}}
     log.info("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
              owner, rep.seconds, rep.deleted_objects, rep.deleted_bytes, rep.rescued)
+    _note_reclaimed(core, rep)
     return rep
+
+
+def _note_reclaimed(core: Core, rep: GCReport) -> None:
+    """Record what was deleted, for `tsck du --plot`'s size over time: a picture's data,
+    so a failure to record is logged, never raised."""
+    if not rep.deleted_bytes:
+        return
+    try:
+        core.refs.note_reclaimed(block_bytes=rep.deleted_block_bytes, total_bytes=rep.deleted_bytes)
+    except Exception as e:  # noqa: BLE001 - the deletion itself is done and reported
+        log.info("not recorded for du --plot: %d bytes reclaimed (%s)", rep.deleted_bytes, e)
 
 
 def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
@@ -418,6 +436,7 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
     log.info("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
              rep.deleted_objects, rep.deleted_bytes, rep.seconds)
+    _note_reclaimed(core, rep)
     return rep
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .errors import InvalidArgument
 
-__all__ = ["key_str", "dotted", "under", "toward", "Selection", "FULL", "SKIP", "is_stateful"]
+__all__ = ["key_str", "dotted", "dotted_from_formatted", "under", "toward", "Selection", "FULL", "SKIP", "is_stateful"]
 
 MAX_PATHS = 1 << 16
 MAX_PATH_LEN = 1 << 16
@@ -129,3 +129,29 @@ def is_stateful(obj) -> bool:
     saved as obj.state_dict(), loaded with obj.load_state_dict(). Containers are not."""
     return (not isinstance(obj, (dict, list, tuple, str, bytes)) and callable(getattr(obj, "state_dict", None))
             and callable(getattr(obj, "load_state_dict", None)))
+
+
+def dotted_from_formatted(p: str) -> str:
+    """A path as format/tree.format_path writes it in messages and reports (['model'][0]['w'])
+    -> dotted as `tsck ls` writes it (model.0.w). A path that is not a chain of str or int
+    subscripts (a huge int's placeholder) comes back as it was."""
+    import ast
+    if not p.startswith("["):
+        return p
+    try:
+        node = ast.parse("x" + p, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return p
+    parts = []
+    while isinstance(node, ast.Subscript):
+        k = node.slice
+        if isinstance(k, ast.UnaryOp) and isinstance(k.op, ast.USub) and isinstance(k.operand, ast.Constant) \
+                and type(k.operand.value) is int:
+            k = ast.Constant(-k.operand.value)  # a negative int key
+        if not (isinstance(k, ast.Constant) and type(k.value) in (str, int)):
+            return p
+        parts.append(k.value)
+        node = node.value
+    if not (isinstance(node, ast.Name) and node.id == "x"):
+        return p
+    return dotted(reversed(parts))

@@ -1,8 +1,10 @@
 """`tsck du --plot FILE.png`: a picture of the store from usage.usage()'s numbers.
 
-Left: per job, over commit time, the logical bytes its kept snapshots hold (solid) and
-the bytes its commits wrote to storage (dashed): the gap between them is what dedup
-and compression saved. Right: per job, the stored bytes of the blocks it references,
+Left: the store over time (usage.physical_over_time): its physical size (stored block
+bytes, solid), what was written in all (dashed: physical plus what gc reclaimed, the
+shaded band) and the logical bytes the kept snapshots hold (dotted: the gap down to
+the physical line is what dedup and compression save). Legends sit below the axes,
+clear of the data. Right: per job, the stored bytes of the blocks it references,
 split into those only it references (what deleting it would free) and those it shares.
 matplotlib is an optional extra (`pip install 'tensorstore_ck[plot]'`).
 """
@@ -15,10 +17,9 @@ import os
 from .errors import InvalidArgument, TsckError, storage_error
 from .localfile import write_atomic
 
-__all__ = ["plot_usage", "require_matplotlib", "FORMATS"]
+__all__ = ["plot_usage", "left_panel", "require_matplotlib", "FORMATS"]
 
 FORMATS = (".png", ".svg", ".pdf")
-MAX_LINES = 10  # jobs drawn over time (the largest by logical bytes); a sweep may have hundreds
 MAX_BARS = 25   # jobs in the bar chart (the most freed if deleted)
 
 
@@ -46,6 +47,15 @@ def require_matplotlib():
     return plt, matplotlib.dates
 
 
+def left_panel(u: dict) -> dict:
+    """What the left panel draws, all from usage()["physical"] (usage.physical_over_time):
+    times, stored (the physical line), written (stored + reclaimed, the dashed line; the
+    band between them is what gc reclaimed), logical, gcs."""
+    p = u.get("physical") or {}
+    return {k: list(p.get(k, [])) for k in ("times", "stored", "written", "reclaimed", "logical")} | \
+        {"gcs": p.get("gcs", 0)}
+
+
 def plot_usage(u: dict, dest, *, force: bool = True) -> str:
     """Draw usage(store)'s numbers into `dest` (.png, .svg or .pdf), written whole or not
     at all (a temporary file beside it, then renamed). -> the absolute path."""
@@ -57,38 +67,33 @@ def plot_usage(u: dict, dest, *, force: bool = True) -> str:
         raise InvalidArgument(f"cannot write {dest}: no directory {os.path.dirname(dest)}")
     plt, mdates = require_matplotlib()
     jobs = u["jobs"]
-    lined = sorted(jobs, key=lambda j: (-max(jobs[j]["logical"], default=0), j))[:MAX_LINES]
     names = sorted(jobs, key=lambda j: (-jobs[j]["only_bytes"], -jobs[j]["held_bytes"], j))[:MAX_BARS]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, max(5.0, 0.45 * len(names) + 2.5)),
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, max(5.5, 0.45 * len(names) + 3.0)),
                                  gridspec_kw={"width_ratios": [3, 2]})
-    top = max([max(j["logical"], default=0) for j in jobs.values()] + [1])
+    drawn = left_panel(u)
+    top = max(drawn["written"] + drawn["logical"] + [1])
     scale, unit = _units(top)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for n, job in enumerate(lined):
-        j = jobs[job]
-        if not j["times"]:
-            continue
-        c = colors[n % len(colors)]
-        t = [_dt.datetime.fromtimestamp(x, _dt.timezone.utc) for x in j["times"]]
-        ax.step(t, [v / scale for v in j["logical"]], where="post", color=c, marker="o", markersize=3,
-                label=f"{job} logical")
-        est = f" (~{j['estimated']} est.)" if j["estimated"] else ""
-        ax.step(t, [v / scale for v in j["written"]], where="post", color=c, linestyle="--", marker="o",
-                markersize=4, mfc="white", label=f"{job} physical (written){est}")
-        if len(t) == 1:
-            ax.plot(t, [j["logical"][0] / scale], "o", color=c)
-            ax.plot(t, [j["written"][0] / scale], "o", color=c, mfc="none")
-    more = f" ({len(lined)} largest of {len(jobs)} jobs)" if len(jobs) > len(lined) else ""
-    ax.set_title(f"logical (solid) vs physical written (dashed), per job{more}")
+    if drawn["times"]:
+        t = [_dt.datetime.fromtimestamp(x, _dt.timezone.utc) for x in drawn["times"]]
+        ax.step(t, [v / scale for v in drawn["logical"]], where="post", color="#1f77b4", linestyle=":",
+                label="logical: what the kept snapshots hold")
+        ax.step(t, [v / scale for v in drawn["written"]], where="post", color="#7f7f7f", linestyle="--",
+                label="written in all (stored + reclaimed)")
+        runs = f"{drawn['gcs']} run{'' if drawn['gcs'] == 1 else 's'} on record"
+        ax.fill_between(t, [v / scale for v in drawn["stored"]], [v / scale for v in drawn["written"]],
+                        step="post", color="#2ca02c", alpha=0.25, label=f"reclaimed by gc ({runs})")
+        ax.step(t, [v / scale for v in drawn["stored"]], where="post", color="#d62728", marker="o", markersize=3,
+                label="physical: the store's stored block bytes")
+    ax.set_title("the store's size over time")
     ax.set_ylabel(unit)
-    ax.set_xlabel("commit time (UTC)")
+    ax.set_xlabel("commit or gc time (UTC)")
     ax.grid(True, alpha=0.3)
     loc = mdates.AutoDateLocator(tz=_dt.timezone.utc)
     ax.xaxis.set_major_locator(loc)
     ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc, tz=_dt.timezone.utc))
     ax.set_ylim(bottom=0)
-    if lined:
-        ax.legend(fontsize="small", loc="upper left")
+    if drawn["times"]:  # below the axes: never over the data
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
 
     hscale, hunit = _units(max([j["held_bytes"] for j in jobs.values()] + [1]))
     ys = range(len(names))
@@ -104,7 +109,7 @@ def plot_usage(u: dict, dest, *, force: bool = True) -> str:
     bx.set_xlabel(f"stored block bytes ({hunit})")
     more = f" ({len(names)} of {len(jobs)} jobs)" if len(jobs) > len(names) else ""
     bx.set_title(f"what deleting each job would free{more}")
-    bx.legend(fontsize="small", loc="lower right")
+    bx.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
     bx.margins(x=0.35)
     ratio = u["logical_bytes"] / u["block_bytes"] if u["block_bytes"] else 0
     fig.suptitle(f"{u['store']}: {_human(u['logical_bytes'])} logical in {_human(u['block_bytes'])} of blocks"

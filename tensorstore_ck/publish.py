@@ -20,12 +20,14 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .assets import Assets, PutResult
-from .errors import Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StorageError
+from .errors import (Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StepReusedWarning,
+                     StorageError, TsckError)
 from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter, Pending
 from .info import SnapshotInfo, row_to_info
@@ -93,6 +95,15 @@ def replica_digests(plan: Plan) -> list[tuple[str, bytes]]:
             h.update(b"x" + meta["x"])
         out.append((where, h.digest()))
     return out
+
+
+def _warn_step_reused(ref: str, step, earlier: bytes, root: bytes) -> None:
+    msg = (f"ref {ref!r} already had a snapshot at step {step} ({earlier.hex()[:16]}); {root.hex()[:16]} was "
+           f"published after it at the same step and both are kept ({ref}@{step} now names the newer). A script "
+           "re-run from its start? Resume from the ref (restore_latest, TsckReader) or give the new run a ref "
+           "of its own")
+    log.warning("%s", msg)
+    warnings.warn(msg, StepReusedWarning, stacklevel=4)
 
 
 @dataclass
@@ -210,6 +221,7 @@ class Publisher:
         both land in its history."""
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
+        had = self._step_taken(ref, args.step)
         races = fenced = 0
         body = last_parent = None
         holder = None  # the gc hold this commit took after a fenced move, until the move releases it
@@ -269,6 +281,8 @@ class Publisher:
                     continue
                 holder = None  # the move released it
                 self.assets.presence.settle(fence)
+                if had is not None:
+                    _warn_step_reused(ref, args.step, had, root)
                 return row_to_info(root, row)
             raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
                                   f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
@@ -279,6 +293,17 @@ class Publisher:
                     self.reftable.gc_unhold(holder)
                 except Exception as e:  # noqa: BLE001 - it expires on its own
                     log.info("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
+
+    def _step_taken(self, ref: str, step) -> bytes | None:
+        """The kept snapshot of `ref`'s history at `step`, if any (the steps index: a few
+        reads). Only for a warning: a table that cannot answer says None."""
+        if step is None:
+            return None
+        try:
+            return self.reftable.step_root(ref, step)
+        except (TsckError, OSError) as e:
+            log.debug("ref %s: could not look for an earlier snapshot at step %s: %s", ref, step, e)
+            return None
 
     def move_to(self, root: bytes, row: dict, *, fence: int, revalidate) -> SnapshotInfo:
         """Publish a commit object that is already stored, with every object it references

@@ -741,4 +741,4 @@ class Store:
     def du(self) -> dict:
         """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
         from .usage import summary
-        return summary(self.core)
+        return summary(self.core, lease=self.gc_lease)

@@ -2,8 +2,10 @@
 `tsck du --plot`.
 
     summary(core) -> Store.du(): logical bytes (the catalog rows) vs physical (one count
-                     of the stored objects per kind), per job the totals and latest step
-    usage(core)   -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}}, "unreadable"}
+                     of the stored objects per kind), per job the totals, latest step,
+                     held_bytes and only_bytes (below), and tmp/'s leftover temp files
+    usage(core)   -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}},
+                      "physical" (the store over time: physical_over_time), "unreadable"}
 
 Per job, over its kept snapshots in commit order (catalog rows: nothing is read for it):
 
@@ -42,14 +44,17 @@ def _kept(core: Core, bad: list) -> list:
     return [row_to_info(root, row) for root, row in core.refs.catalog_iter(bad=bad)]
 
 
-def summary(core: Core) -> dict:
-    """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
+def summary(core: Core, *, lease: float | None = None) -> dict:
+    """Logical bytes (what the kept snapshots hold) vs physical (what storage holds), and
+    the temp files under tmp/ (a killed save's .partial files; when a gc with `lease`
+    sweeps them: Assets.temp_report)."""
     jobs: dict[str, dict] = {}
     bad: list = []
     rows = _kept(core, bad)
     for info in rows:
         j = jobs.setdefault(info.job, {"snapshots": 0, "logical_bytes": 0, "new_bytes": 0,
-                                       "latest_step": None, "latest_time": 0.0})
+                                       "latest_step": None, "latest_time": 0.0, "held_bytes": 0, "only_bytes": 0,
+                                       "blocks": 0, "only_blocks": 0})
         j["snapshots"] += 1
         j["logical_bytes"] += info.bytes_total
         j["new_bytes"] += info.bytes_new
@@ -57,6 +62,7 @@ def summary(core: Core) -> dict:
             j["latest_time"], j["latest_step"] = info.time, info.step
     logical = sum(i.bytes_total for i in rows)
     phys = core.assets.object_stats()
+    unreadable = _holdings(core, rows, jobs)
     return {
         "store": core.url, "snapshots": len(rows),
         "logical_bytes": logical, "physical_bytes": sum(v[1] for v in phys.values()),
@@ -65,7 +71,17 @@ def summary(core: Core) -> dict:
         "malformed_rows": [r.hex() for r, _e in bad],  # catalog rows left out (tsck fsck names them)
         "dedup_ratio": (logical / phys["blocks"][1]) if phys["blocks"][1] else None,
         "jobs": jobs,
+        "unreadable": unreadable,
+        "temp_files": _temp(core, lease),
     }
+
+
+def _temp(core: Core, lease: float | None) -> dict:
+    from .core import DEFAULT_LEASE
+    try:
+        return core.assets.temp_report(lease=DEFAULT_LEASE if lease is None else lease)
+    except OSError as e:
+        raise storage_error(e, f"listing the temp files of {core.url}") from e
 
 
 def usage(core: Core) -> dict:
@@ -74,7 +90,6 @@ def usage(core: Core) -> dict:
     rows = _kept(core, bad)
     rows.sort(key=lambda i: (i.time, i.step if i.step is not None else -1, i.root))
     names = sorted({i.job for i in rows})
-    index = {j: n for n, j in enumerate(names)}
     jobs: dict[str, dict] = {j: {"snapshots": 0, "times": [], "steps": [], "logical": [], "written": [],
                                  "estimated": 0, "held_bytes": 0, "only_bytes": 0, "blocks": 0,
                                  "only_blocks": 0} for j in names}
@@ -89,11 +104,31 @@ def usage(core: Core) -> dict:
         new = i.stored_new if i.stored_new is not None else i.bytes_new
         j["written"].append((j["written"][-1] if j["written"] else 0) + new)
 
+    try:
+        sizes = {o.digest: o.size for o in core.assets.list_objects("blocks")}
+    except OSError as e:
+        raise storage_error(e, f"listing the blocks of {core.url}") from e
+    unreadable = _holdings(core, rows, jobs, sizes)
+    return {"store": core.url, "logical_bytes": sum(i.bytes_total for i in rows),
+            "block_bytes": sum(sizes.values()), "blocks": len(sizes), "jobs": jobs,
+            "physical": physical_over_time(rows, sum(sizes.values()), core.refs.reclaimed()),
+            "malformed_rows": [r.hex() for r, _e in bad], "unreadable": unreadable}
+
+
+def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None) -> dict[str, str]:
+    """Per job (rows: its kept snapshots), from one walk of their manifests (nodes are
+    read, blocks never): held_bytes / blocks, the stored bytes of the blocks they
+    reference, and only_bytes / only_blocks, of those the blocks no other job's snapshot
+    references (what deleting the job would free). Added into jobs[job]; -> the
+    snapshots that could not be read whole (root hex -> error; fsck names them)."""
+    names = sorted({i.job for i in rows})
+    index = {j: n for n, j in enumerate(names)}
     # Which job references each block: its index, or _SHARED once a second job does.
     owner: dict[bytes, int] = {}
     unreadable: dict[str, str] = {}
     try:
-        sizes = {o.digest: o.size for o in core.assets.list_objects("blocks")}
+        if sizes is None:
+            sizes = {o.digest: o.size for o in core.assets.list_objects("blocks")}
         for job in names:
             n, j = index[job], jobs[job]
             seen: set = set()   # nodes walked for this job: a shared sub-tree once per job
@@ -124,9 +159,36 @@ def usage(core: Core) -> dict:
             j = jobs[names[n]]
             j["only_bytes"] += sizes[d]
             j["only_blocks"] += 1
-    return {"store": core.url, "logical_bytes": sum(i.bytes_total for i in rows),
-            "block_bytes": sum(sizes.values()), "blocks": len(sizes), "jobs": jobs,
-            "malformed_rows": [r.hex() for r, _e in bad], "unreadable": unreadable}
+    return unreadable
+
+
+def physical_over_time(rows: list, block_bytes: int, reclaimed: list) -> dict:
+    """The store's stored block bytes over time, reclaimed space included (`tsck du --plot`'s
+    left panel), from what is on record: each kept commit added its stored_new (its
+    uncompressed bytes_new when older than that record) at its time, each recorded gc or
+    prune (RefTable.reclaimed) took its block bytes away at its time, and the line ends at
+    `block_bytes`, what storage holds now. Written backwards from now, so what is on no
+    record (commits since expired, gcs before the record was kept) is the `start`, where
+    the line begins. -> {"times", "stored", "reclaimed" (summed up to each time),
+    "written" (stored + reclaimed: every byte put, none taken back), "logical" (what the
+    kept snapshots committed up to each time hold), "start", "gcs" (recorded runs drawn)}"""
+    events = [(i.time, i.stored_new if i.stored_new is not None else i.bytes_new, i.bytes_total) for i in rows]
+    gcs = [(float(at), -int(blocks), 0) for at, blocks, _all in reclaimed if blocks]
+    events = sorted(events + gcs, key=lambda e: (e[0], e[1] < 0))  # a gc at the time of a commit: after it
+    start = block_bytes - sum(d for _t, d, _l in events)
+    out = {"times": [], "stored": [], "reclaimed": [], "written": [], "logical": [], "start": start,
+           "gcs": len(gcs)}
+    level, gone, logical = start, 0, 0
+    for t, d, lb in events:
+        level += d
+        gone += -d if d < 0 else 0
+        logical += lb
+        out["times"].append(t)
+        out["stored"].append(level)
+        out["reclaimed"].append(gone)
+        out["written"].append(level + gone)
+        out["logical"].append(logical)
+    return out
 
 
 def tier_usage(core: Core) -> dict:

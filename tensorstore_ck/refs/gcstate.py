@@ -25,6 +25,11 @@ __all__ = ["GcStateMachine", "HOLD_SECONDS", "UNDECLARED_LEASE", "rebuild_messag
 
 _REBUILD = b"rebuild"       # meta: a recover began and none has finished since ({owner, started})
 _PRUNE_KEY = b"prune:"      # gc: a queued prune request of job <name> ({at, id})
+# gc: what each of the last RECLAIMED_KEPT gcs and prunes that deleted anything deleted
+# ({"runs": [[at, block bytes, all bytes], ...]}, oldest first): `tsck du --plot` draws the
+# store's size over time from it and the commits' stored_new.
+_RECLAIMED = b"reclaimed"
+RECLAIMED_KEPT = 1000
 # A gc state with no declared lease (no `expires`): the lock is judged by its heartbeat's
 # age on the wall clock, and runs out this many seconds after it.
 UNDECLARED_LEASE = 120.0
@@ -41,6 +46,19 @@ class GcStateMachine:
     # its own and removes the requests it served in its expiry transaction. A request
     # read before the catalog is read covers every snapshot committed before it was
     # queued, which is what the job asked for.
+    def note_reclaimed(self, *, block_bytes: int, total_bytes: int) -> None:
+        """Record that a gc or prune just deleted these bytes (at the table's wall clock)."""
+        def txn(t):
+            runs = _reclaimed_runs(t.get("gc", _RECLAIMED))
+            runs.append([t.wall(), int(block_bytes), int(total_bytes)])
+            t.put("gc", _RECLAIMED, encode_record({"runs": runs[-RECLAIMED_KEPT:]}))
+        self._write(txn)
+
+    def reclaimed(self) -> list[list]:
+        """[[at, block bytes, all bytes], ...] of the recorded gcs and prunes, oldest first
+        (note_reclaimed); a record that does not decode reads as none."""
+        return self._read(lambda t: _reclaimed_runs(t.get("gc", _RECLAIMED)))
+
     def prune_request(self, job: str) -> bytes:
         """Queue a prune of `job` (replacing one already queued) -> its token, for prune_pending."""
         token = os.urandom(8)
@@ -276,6 +294,23 @@ class GcStateMachine:
             st["lease_left"] = None if st["epoch"] % 2 == 0 else _lease_left(t, st, now)
             return st
         return self._write(txn)
+
+
+def _reclaimed_runs(raw: bytes | None) -> list[list]:
+    """The stored runs, each [at, block bytes, all bytes] of finite numbers; stored bytes
+    are untrusted: an undecodable record or entry is left out (it only feeds a picture)."""
+    if raw is None:
+        return []
+    try:
+        runs = decode_record(raw, "gc reclaimed").get("runs")
+    except FormatError:
+        return []
+    ok = []
+    for r in runs if isinstance(runs, list) else []:
+        if isinstance(r, list) and len(r) == 3 and all(type(x) in (int, float) for x in r) \
+                and all(abs(x) < 1e18 for x in r) and r[1] >= 0 and r[2] >= 0:
+            ok.append(r)
+    return ok[-RECLAIMED_KEPT:]
 
 
 def _clock(t: Txn, now: float | None) -> tuple[str, float]:
