@@ -65,6 +65,57 @@ LAYOUT = 1  # of a Trainer snapshot (meta["hf_trainer"]["layout"]); resume_check
 _SCALER = "scaler.pt"  # transformers.trainer.SCALER_NAME
 MAX_RANKS = 1 << 16  # rng_ranks of a stored snapshot: one rng_state_{r}.pth is written per entry
 _CHECKPOINT = re.compile(r"^checkpoint-([0-9]+)$")  # transformers.trainer_utils' PREFIX_CHECKPOINT_DIR
+# Files of a checkpoint folder kept as they are (snapshot key "files"): what the Trainer writes
+# beside the model that the rest of the snapshot does not hold, the processing class's above
+# all (tokenizer.json, tokenizer_config.json, special_tokens_map.json, vocab.json, merges.txt,
+# chat_template.jinja, spiece.model, preprocessor_config.json, processor_config.json, ...).
+# A name is a plain file name; one that resume_checkpoint writes itself is the Trainer's.
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}$")
+_TRAINER_FILES = {"optimizer.pt", "scheduler.pt", _SCALER, "trainer_state.json", "training_args.bin", "config.json",
+                  "generation_config.json"}
+_TRAINER_FILE = re.compile(r"^(rng_state(_[0-9]+)?\.pth|.*\.safetensors|.*\.safetensors\.index\.json|"
+                           r"pytorch_model.*\.bin|pytorch_model.*\.bin\.index\.json)$")
+MAX_FILE_BYTES = 1 << 30  # one kept file; a bigger one is left in the folder (a warning says so)
+MAX_FILES = 1024
+
+
+def _trainer_file(name: str) -> bool:
+    """A file of a checkpoint folder the snapshot holds otherwise (weights, optimizer, RNG, state)."""
+    return name in _TRAINER_FILES or _TRAINER_FILE.match(name) is not None
+
+
+def _folder_files(folder: str) -> dict:
+    """{name: bytes} of the files in a Trainer's checkpoint folder that the snapshot keeps as
+    files: every regular file at its top that is not the Trainer's own. Subfolders, links and
+    odd names are left out with a warning: resume_checkpoint could not write them back."""
+    try:
+        names = sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    out = {}
+    for name in names:
+        if _trainer_file(name):
+            continue
+        path = os.path.join(folder, name)
+        if not _FILE_NAME.match(name) or os.path.islink(path) or not os.path.isfile(path) or len(out) >= MAX_FILES:
+            log.warning("%s: not kept in the snapshot (only up to %d regular files with plain names are)", path,
+                        MAX_FILES)
+            continue
+        try:
+            fd = open_regular(path)
+        except (FileNotFoundError, NotRegularFile):
+            continue
+        with open(fd, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            log.warning("%s is larger than %d bytes: not kept in the snapshot", path, MAX_FILE_BYTES)
+            continue
+        out[name] = data
+    return out
+
+
+def _file_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
 def _dist_world() -> int:
@@ -124,8 +175,9 @@ def _metrics(log_history) -> dict:
 
 
 def trainer_state(model, optimizer, lr_scheduler, state, *, scaler: dict | None = None,
-                  rng_ranks: list | None = None) -> tuple[dict, dict]:
-    """(snapshot state, meta) of a Trainer at a save: what TsckCallback puts. rng_ranks
+                  rng_ranks: list | None = None, files: dict | None = None) -> tuple[dict, dict]:
+    """(snapshot state, meta) of a Trainer at a save: what TsckCallback puts. files:
+    {name: bytes} kept as they are (the tokenizer's and processor's files). rng_ranks
     (a run of W > 1 processes: every rank's capture_rng(), in rank order) makes the
     snapshot one rank's part of a collective one: the parameters and the optimizer's
     state are then Replicated (DDP keeps them equal on every rank; buffers stay each
@@ -148,6 +200,9 @@ def trainer_state(model, optimizer, lr_scheduler, state, *, scaler: dict | None 
         snap["rng_ranks"] = list(rng_ranks)
     if scaler is not None:
         snap["scaler"] = scaler
+    if files:  # each rank's part holds the same bytes: written once
+        wrap = Replicated if rng_ranks is not None else (lambda t: t)
+        snap["files"] = {k: wrap(_file_tensor(v)) for k, v in files.items()}
     hf = {"weights": "model", "tied": _tied(sd)}
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
@@ -235,7 +290,7 @@ class TsckCallback(TrainerCallback):
         self._set_up = True
         rules = self._retention
         if rules is None and args.save_total_limit:
-            rules = Retention(keep_last=int(args.save_total_limit))
+            rules = _limit_rules(args)
             if args.process_index == 0:
                 self.store.set_retention(self.job, rules)
         if rules is not None and self._prune is not False and args.process_index == 0:
@@ -273,13 +328,18 @@ class TsckCallback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         scaler = _read_scaler(os.path.join(folder, _SCALER))
         rng_ranks = None
+        files = _folder_files(folder) if state.is_world_process_zero else None
         if collective:  # every rank's streams in every rank's part: one process can write all rng_state_{r}.pth
             import torch.distributed as dist
             rng_ranks = [None] * args.world_size
             dist.all_gather_object(rng_ranks, capture_rng())
+            sent = [files]  # process zero's folder: every rank's part holds the same files (Replicated)
+            dist.broadcast_object_list(sent, src=0)
+            files = sent[0]
             if self._pruner is not None:
                 self._pruner.wait()  # the job's own deletion phase never meets its next snapshot
-        snap, meta = trainer_state(model, optimizer, lr_scheduler, state, scaler=scaler, rng_ranks=rng_ranks)
+        snap, meta = trainer_state(model, optimizer, lr_scheduler, state, scaler=scaler, rng_ranks=rng_ranks,
+                                   files=files)
         res = self.store.put_snapshot(snap, ref=self.ref, job=self.job, step=state.global_step,
                                       metrics=_metrics(state.log_history), meta=meta, blocking=not self.async_)
         self.last = res
@@ -326,6 +386,21 @@ class TsckCallback(TrainerCallback):
             elif not res.cancelled() and res.failure() is None:  # looking is not the caller retrieving it
                 shutil.rmtree(folder, ignore_errors=True)
         self._pending = left
+
+
+def _limit_rules(args) -> Retention:
+    """The job's rules for the Trainer's save_total_limit N: the N newest snapshots, and
+    with load_best_model_at_end also the best by metric_for_best_model (the Trainer keeps
+    that folder past the limit: its rotation never deletes state.best_model_checkpoint).
+    The store then keeps what the Trainer keeps, or one more: the Trainer counts the best
+    among its N folders, the store keeps the N newest and the best."""
+    n = int(args.save_total_limit)
+    if not (args.load_best_model_at_end and args.metric_for_best_model):
+        return Retention(keep_last=n)
+    metric = args.metric_for_best_model  # as Trainer._determine_best_metric names it in the logs
+    if not metric.startswith("eval_"):
+        metric = f"eval_{metric}"
+    return Retention(keep_last=n, keep_best=1, metric=metric, mode="max" if args.greater_is_better else "min")
 
 
 def _sharded_by(model) -> str | None:
@@ -462,6 +537,16 @@ def _trainer_snapshot(store, target: str, root: str | None = None) -> tuple[dict
     if ranks is not None and not (isinstance(ranks, (list, tuple)) and 1 <= len(ranks) <= MAX_RANKS
                                   and all(map(_is_rng, ranks))):
         raise refuse(f"its 'rng_ranks' is not a list of 1 to {MAX_RANKS} ranks' train.capture_rng streams")
+    files = state.get("files")
+    if files is not None:
+        if not isinstance(files, dict) or len(files) > MAX_FILES:
+            raise refuse(f"its 'files' is not a dict of at most {MAX_FILES} files")
+        for name, t in files.items():
+            if type(name) is not str or not _FILE_NAME.match(name) or _trainer_file(name):
+                raise refuse(f"its 'files' has the name {name!r:.80}, not a plain file name the Trainer's own "
+                             "files leave free")
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+                raise refuse(f"its 'files'[{name!r}] is not the bytes of a file (a 1-D uint8 tensor)")
     ts = state["trainer_state"]
     if type(ts) is not str:
         raise refuse(f"its 'trainer_state' is a {type(ts).__name__}, not the text of trainer_state.json")
@@ -573,7 +658,11 @@ def _write_checkpoint(store, target: str, output_dir, *, force: bool) -> str:
             torch.save(obj, os.path.join(tmp, name))
         with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
             f.write(ts)
-        return names + list(files) + ["trainer_state.json"]
+        kept = state.get("files") or {}
+        for name, t in kept.items():  # the tokenizer's and processor's files, byte for byte
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(t.contiguous().numpy().tobytes())
+        return names + list(files) + ["trainer_state.json"] + list(kept)
 
     write_dir(dest, fill, force=force)
     return dest
