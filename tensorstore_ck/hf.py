@@ -13,11 +13,12 @@
 
 A Trainer snapshot holds {"model": state_dict, "optimizer", "scheduler"[, "scaler"],
 "rng": {python, numpy, torch, cuda} (train.capture_rng), "trainer_state": the text of
-trainer_state.json}; its meta["hf"] says where the weights are and carries config.json
+trainer_state.json[, "files": the other files of the folder, the tokenizer's and processor's,
+as bytes]}; its meta["hf"] says where the weights are and carries config.json
 (hf_folder.HF_META), meta["hf_trainer"] the layout and the transformers version.
 resume_checkpoint writes them back as the checkpoint-N folder this transformers
 version's Trainer reads (model.safetensors, optimizer.pt, scheduler.pt, scaler.pt,
-rng_state.pth, trainer_state.json, config.json), so the Trainer's own resume path
+rng_state.pth, trainer_state.json, config.json, the tokenizer's files), so the Trainer's own resume path
 (data skipping included) does the rest. This module imports transformers; the rest
 of the package does not.
 
@@ -249,8 +250,14 @@ class TsckCallback(TrainerCallback):
     Pass the callback in Trainer(callbacks=[...]) for that: add_callback() comes after
     on_init_end. With keep_local=False that folder goes again at the next save.
 
+    Files the Trainer writes beside the model (the processing class's: tokenizer.json,
+    tokenizer_config.json, vocab.json, merges.txt, chat_template.jinja, preprocessor_config.json,
+    ...) are kept in the snapshot as bytes and written back by resume_checkpoint.
+
     retention=: the job's rules, set in the store; without it, the Trainer's
-    save_total_limit N sets Retention(keep_last=N) for the job. Rules the callback sets
+    save_total_limit N sets Retention(keep_last=N) for the job, and with
+    load_best_model_at_end also keep_best=1 by metric_for_best_model (the Trainer keeps
+    the best folder past the limit: the store keeps the N newest and the best). Rules the callback sets
     it also applies (prune=None means: when it sets rules): after each committed
     snapshot the world's process zero prunes the job on a thread (store.prune), as the
     Trainer deletes its older folders; prune=False leaves that to `tsck gc`.

@@ -12,8 +12,8 @@ Lightning names a checkpoint by a file path; the plugin maps it:
   outside ``[A-Za-z0-9._-]`` replaced by ``_`` (``epoch=0-step=10.ckpt`` -> ``run1/epoch_0-step_10``,
   ``last.ckpt`` -> ``run1/last``), with step = the checkpoint's ``global_step``, and the score
   ModelCheckpoint monitors as a metric;
-- at the path itself a small pointer file (JSON: store, ref, root, step) is written after the
-  snapshot is committed, so everything Lightning does with files (``exists``, the version
+- at the path itself a small pointer file (store, ref, root, step; ckpt_pointer.py) is written
+  after the snapshot is committed, so everything Lightning does with files (``exists``, the version
   counter, ``ckpt_path="last"`` by modification time, ``save_last="link"`` symlinks) works
   unchanged; load_checkpoint reads the snapshot the pointer names (its root, not the ref's tip);
 - saving over a path forgets the snapshot its old pointer named, and remove_checkpoint
@@ -21,6 +21,13 @@ Lightning names a checkpoint by a file path; the plugin maps it:
   once no pointer file names anything in its history. A snapshot another pointer file in the
   same directory names (a copy, a name that maps to the same ref, a link) is never forgotten,
   nor one saved from another directory.
+
+Outside the Trainer a pointer is not a torch file (torch.load and Net.load_from_checkpoint of it
+fail, with an error naming the way out):
+
+    ckpt = tensorstore_ck.lightning.load_checkpoint("ckpt/last.ckpt")          # the checkpoint dict
+    net = Net.load_from_checkpoint(tensorstore_ck.lightning.open_checkpoint("ckpt/last.ckpt"))
+    $ tsck checkout STORE ckpt/last.ckpt out.ckpt     # a real .ckpt, for torch.load and every tool
 
 Give each checkpoint directory its own job: two directories with the same file names under
 one job share refs (each pointer file still names its own snapshot, and neither directory's
