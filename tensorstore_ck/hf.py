@@ -49,7 +49,9 @@ import transformers
 from transformers import TrainerCallback
 
 from .errors import InvalidArgument, RefNotFound
-from .hf_folder import HF_META, MAX_CONFIG_BYTES, SHARD_BYTES, _config_text, export_folder, write_pretrained
+from .hf_folder import (_FILE_NAME, HF_META, MAX_CONFIG_BYTES, MAX_FILE_BYTES, MAX_FILES, SHARD_BYTES,
+                        _config_text, _trainer_file, check_kept_files, export_folder, write_kept_files,
+                        write_pretrained)
 from .importing import import_files
 from .localfile import NotRegularFile, open_regular, write_dir
 from .retention import Retention
@@ -66,25 +68,6 @@ LAYOUT = 1  # of a Trainer snapshot (meta["hf_trainer"]["layout"]); resume_check
 _SCALER = "scaler.pt"  # transformers.trainer.SCALER_NAME
 MAX_RANKS = 1 << 16  # rng_ranks of a stored snapshot: one rng_state_{r}.pth is written per entry
 _CHECKPOINT = re.compile(r"^checkpoint-([0-9]+)$")  # transformers.trainer_utils' PREFIX_CHECKPOINT_DIR
-# Files of a checkpoint folder kept as they are (snapshot key "files"): what the Trainer writes
-# beside the model that the rest of the snapshot does not hold, the processing class's above
-# all (tokenizer.json, tokenizer_config.json, special_tokens_map.json, vocab.json, merges.txt,
-# chat_template.jinja, spiece.model, preprocessor_config.json, processor_config.json, ...).
-# A name is a plain file name; one that resume_checkpoint writes itself is the Trainer's.
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}$")
-_TRAINER_FILES = {"optimizer.pt", "scheduler.pt", _SCALER, "trainer_state.json", "training_args.bin", "config.json",
-                  "generation_config.json"}
-_TRAINER_FILE = re.compile(r"^(rng_state(_[0-9]+)?\.pth|.*\.safetensors|.*\.safetensors\.index\.json|"
-                           r"pytorch_model.*\.bin|pytorch_model.*\.bin\.index\.json)$")
-MAX_FILE_BYTES = 1 << 30  # one kept file; a bigger one is left in the folder (a warning says so)
-MAX_FILES = 1024
-
-
-def _trainer_file(name: str) -> bool:
-    """A file of a checkpoint folder the snapshot holds otherwise (weights, optimizer, RNG, state)."""
-    return name in _TRAINER_FILES or _TRAINER_FILE.match(name) is not None
-
-
 def _folder_files(folder: str) -> dict:
     """{name: bytes} of the files in a Trainer's checkpoint folder that the snapshot keeps as
     files: every regular file at its top that is not the Trainer's own. Subfolders, links and
@@ -205,6 +188,8 @@ def trainer_state(model, optimizer, lr_scheduler, state, *, scaler: dict | None 
         wrap = Replicated if rng_ranks is not None else (lambda t: t)
         snap["files"] = {k: wrap(_file_tensor(v)) for k, v in files.items()}
     hf = {"weights": "model", "tied": _tied(sd)}
+    if files:
+        hf["files"] = "files"  # where export_folder finds them
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         hf["config"] = _small(config.to_json_string(), "config.json")
@@ -544,16 +529,8 @@ def _trainer_snapshot(store, target: str, root: str | None = None) -> tuple[dict
     if ranks is not None and not (isinstance(ranks, (list, tuple)) and 1 <= len(ranks) <= MAX_RANKS
                                   and all(map(_is_rng, ranks))):
         raise refuse(f"its 'rng_ranks' is not a list of 1 to {MAX_RANKS} ranks' train.capture_rng streams")
-    files = state.get("files")
-    if files is not None:
-        if not isinstance(files, dict) or len(files) > MAX_FILES:
-            raise refuse(f"its 'files' is not a dict of at most {MAX_FILES} files")
-        for name, t in files.items():
-            if type(name) is not str or not _FILE_NAME.match(name) or _trainer_file(name):
-                raise refuse(f"its 'files' has the name {name!r:.80}, not a plain file name the Trainer's own "
-                             "files leave free")
-            if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
-                raise refuse(f"its 'files'[{name!r}] is not the bytes of a file (a 1-D uint8 tensor)")
+    if state.get("files") is not None:
+        check_kept_files(state["files"], refuse)
     ts = state["trainer_state"]
     if type(ts) is not str:
         raise refuse(f"its 'trainer_state' is a {type(ts).__name__}, not the text of trainer_state.json")
@@ -665,11 +642,7 @@ def _write_checkpoint(store, target: str, output_dir, *, force: bool) -> str:
             torch.save(obj, os.path.join(tmp, name))
         with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
             f.write(ts)
-        kept = state.get("files") or {}
-        for name, t in kept.items():  # the tokenizer's and processor's files, byte for byte
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(t.contiguous().numpy().tobytes())
-        return names + list(files) + ["trainer_state.json"] + list(kept)
+        return names + list(files) + ["trainer_state.json"] + write_kept_files(tmp, state.get("files") or {})
 
     write_dir(dest, fill, force=force)
     return dest

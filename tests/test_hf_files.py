@@ -29,8 +29,10 @@ from tensorstore_ck import hf  # noqa: E402
 from tensorstore_ck.errors import InvalidArgument  # noqa: E402
 
 try:
+    from .test_cli import run_cli
     from .test_hf import Tokens, tiny_model
 except ImportError:  # tests/ is not a package
+    from test_cli import run_cli
     from test_hf import Tokens, tiny_model
 
 
@@ -146,7 +148,24 @@ def test_stored_files_are_checked_before_anything_is_written(with_tokenizer, tmp
     with pytest.raises(InvalidArgument, match="'files'") as ei:
         hf.resume_checkpoint(store, "evil/main", tmp_path / "a" / "out")
     assert info.root[:16] in str(ei.value)
+    with pytest.raises(InvalidArgument, match="'files'"):  # and as a model folder
+        hf.export_pretrained(store, "evil/main", tmp_path / "a" / "model")
     assert [p.name for p in tmp_path.rglob("*")] == ["a"]
+
+
+def test_a_model_folder_out_of_the_store_carries_the_tokenizer(with_tokenizer, tmp_path):
+    """export_pretrained and `tsck checkout STORE REF DIR/`: the weights, config.json and the
+    tokenizer's files, so from_pretrained of the folder gives the model and its tokenizer."""
+    store, tok = with_tokenizer["store"], with_tokenizer["tok"]
+    r = hf.export_pretrained(store, "gone/main", tmp_path / "model")
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "model.safetensors",
+            "config.json"} <= set(r["files"])
+    assert AutoTokenizer.from_pretrained(tmp_path / "model")("the thing")["input_ids"] == tok("the thing")["input_ids"]
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model") is not None
+    p = run_cli("checkout", with_tokenizer["base"] / "store", "gone/main", str(tmp_path / "cli") + "/")
+    assert p.returncode == 0, p.stderr
+    assert "tokenizer.json" in p.stdout
+    assert (tmp_path / "cli" / "tokenizer.json").read_bytes() == (tmp_path / "model" / "tokenizer.json").read_bytes()
 
 
 def test_save_total_limit_keeps_the_best_snapshot_as_the_trainer_keeps_its_folder(tmp_path):
