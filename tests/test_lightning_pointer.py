@@ -162,3 +162,22 @@ def test_a_pointer_file_written_before_the_preamble_still_reads(fitted, tmp_path
     (tmp_path / "bad.ckpt").write_text(json.dumps({**ptr}) + "\n")
     with pytest.raises(tsck.FormatError, match="no preamble"):
         read_pointer(tmp_path / "bad.ckpt")
+
+
+def test_saving_over_and_removing_a_version_1_pointer(tmp_path):
+    """A directory of pointers written before the preamble: a save over one forgets the
+    snapshot it named and leaves a version 2 pointer; a removal forgets its snapshot."""
+    with tsck.open_store(tmp_path / "store") as store:
+        io = TsckCheckpointIO(store, job="lt")
+        a, b = tmp_path / "ck" / "epoch=0-step=5.ckpt", tmp_path / "ck" / "last.ckpt"
+        io.save_checkpoint({"global_step": 5, "state_dict": {"w": torch.zeros(2)}}, a)
+        io.save_checkpoint({"global_step": 5, "state_dict": {"w": torch.ones(2)}, "last": True}, b)
+        for p in (a, b):  # as the previous version wrote them
+            ptr = read_pointer(p)
+            p.write_text(json.dumps({**ptr, "format": "tensorstore_ck.lightning-pointer/1"}, sort_keys=True) + "\n")
+        old = read_pointer(b)["root"]
+        io.save_checkpoint({"global_step": 10, "state_dict": {"w": torch.ones(2)}, "last": True}, b)
+        assert read_pointer(b)["format"] == "tensorstore_ck.lightning-pointer/2"
+        assert [h.step for h in store.log("lt/last")] == [10] and old not in {h.root for h in store.log("lt/last")}
+        io.remove_checkpoint(a)
+        assert not a.exists() and sorted(store.refs()) == ["lt/last"] and store.du()["snapshots"] == 1
