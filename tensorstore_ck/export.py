@@ -20,11 +20,11 @@ import os
 
 import torch
 
+from .ckpt_pointer import read_local_pointer
 from .errors import InvalidArgument, RefNotFound, TsckError, storage_error
 from .hf_folder import (_check_for_safetensors, _check_st_names, _nbytes, _safetensors_items, _select, export_folder,
                         is_folder_dest)
 from .listing import list_tree
-from .ckpt_pointer import read_local_pointer
 from .localfile import write_atomic
 
 __all__ = ["export_file", "format_for", "FORMATS"]

@@ -68,6 +68,8 @@ LAYOUT = 1  # of a Trainer snapshot (meta["hf_trainer"]["layout"]); resume_check
 _SCALER = "scaler.pt"  # transformers.trainer.SCALER_NAME
 MAX_RANKS = 1 << 16  # rng_ranks of a stored snapshot: one rng_state_{r}.pth is written per entry
 _CHECKPOINT = re.compile(r"^checkpoint-([0-9]+)$")  # transformers.trainer_utils' PREFIX_CHECKPOINT_DIR
+
+
 def _folder_files(folder: str) -> dict:
     """{name: bytes} of the files in a Trainer's checkpoint folder that the snapshot keeps as
     files: every regular file at its top that is not the Trainer's own. Subfolders, links and

@@ -83,7 +83,6 @@ def write_kept_files(folder: str, files: dict) -> list[str]:
     return list(files)
 
 
-
 # What the safetensors format holds (dtype codes F64 ... U64, F8_*); this installed
 # safetensors reads each of them back. Anything else is refused by name before a block is read.
 SAFETENSORS_DTYPES = frozenset(
