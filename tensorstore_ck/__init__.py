@@ -71,6 +71,7 @@ under it). A module over ~600 lines says which one job it does.
     staging.py            reused host buffers for async snapshots
     loader.py             ResumableDataLoader: the data order, resumed exactly
     info.py               SnapshotInfo
+    ckpt_pointer.py       the pointer file at a Lightning checkpoint path (no Lightning needed)
     storage/              BlockStore backends: immutable objects under one root
       base.py             the BlockStore interface
       local.py            a local filesystem (atomic, durable writes)

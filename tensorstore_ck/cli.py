@@ -585,7 +585,8 @@ def cmd_checkout(store, args):
         _out(args, r, f"wrote the model folder {r['dest']} ({r['tensors']} tensors in {', '.join(r['files'])}; "
                       f"{cfg}; {_human(r['bytes'])}) from {r['root'][:16]}")
         return 0
-    what = f"{r['tensors']} tensors, {r['metadata']} metadata entries" if r["format"] == "safetensors" else "torch.save"
+    what = f"{r['tensors']} tensors, {r['metadata']} metadata entries" if r["format"] == "safetensors" else \
+        "torch.save of a Lightning checkpoint" if r["format"] == "lightning" else "torch.save"
     _out(args, r, f"wrote {r['dest']} ({r['format']}: {what}; {_human(r['bytes'])}) from {r['root'][:16]}")
     return 0
 
@@ -705,9 +706,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls = add("ls", cmd_ls, "a snapshot's tree: paths, dtypes, shapes, sizes", "target")
     ls.add_argument("path", nargs="?", default=None, help="only the value at this dotted path and those under it")
     co = add("checkout", cmd_checkout, "write a snapshot as a file or a Hugging Face model folder", "target", "dest")
-    co.add_argument("--format", choices=("safetensors", "torch"), default=None,
-                    help="default: by DEST's suffix (.safetensors; .pt, .pth, .bin); a DEST that is a directory, "
-                         "or ends with /, gets a save_pretrained folder (model.safetensors, config.json)")
+    co.add_argument("--format", choices=("safetensors", "torch", "lightning"), default=None,
+                    help="default: by DEST's suffix (.safetensors; .pt, .pth, .bin; .ckpt: lightning, a .ckpt "
+                         "that torch.load and Net.load_from_checkpoint read, TARGET may be the pointer file "
+                         "TsckCheckpointIO left); a DEST that is a directory, or ends with /, gets a "
+                         "save_pretrained folder (model.safetensors, config.json)")
     co.add_argument("--path", default=None, help="only the value at this dotted path (model.layers.0)")
     co.add_argument("--force", action="store_true", help="replace DEST if it exists")
     im = add("import", cmd_import, "torch, safetensors or Hugging Face files as a snapshot", "ref")

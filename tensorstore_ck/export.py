@@ -4,7 +4,9 @@ export_file writes the snapshot (or the part at a dotted path) as safetensors (t
 by dotted name, plain values as metadata strings; hf_folder.py's safetensors view) or
 torch.save (the state as checkout returns it), to a temporary file beside DEST renamed
 into place: never half a file. A DEST that names a folder is a Hugging Face model
-folder (hf_folder.export_folder).
+folder (hf_folder.export_folder). "lightning" is torch.save of a snapshot TsckCheckpointIO
+took (a dict with a "state_dict"): the .ckpt file torch.load and `Net.load_from_checkpoint`
+read; its TARGET may be the pointer file Lightning left at the checkpoint's path.
 
 Paths are dotted, as safetensors names and state_dict keys are: the keys from the top
 joined by "." ("model.layers.0.weight"), list and tuple items by their index. A key that
@@ -18,7 +20,8 @@ import os
 
 import torch
 
-from .errors import InvalidArgument, TsckError, storage_error
+from .ckpt_pointer import read_local_pointer
+from .errors import InvalidArgument, RefNotFound, TsckError, storage_error
 from .hf_folder import (_check_for_safetensors, _check_st_names, _nbytes, _safetensors_items, _select, export_folder,
                         is_folder_dest)
 from .listing import list_tree
@@ -26,7 +29,7 @@ from .localfile import write_atomic
 
 __all__ = ["export_file", "format_for", "FORMATS"]
 
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "lightning")
 
 
 def format_for(dest: str, fmt: str | None = None) -> str:
@@ -40,8 +43,33 @@ def format_for(dest: str, fmt: str | None = None) -> str:
         return "safetensors"
     if low.endswith((".pt", ".pth", ".bin")):
         return "torch"
+    if low.endswith(".ckpt"):
+        return "lightning"
     raise InvalidArgument(f"cannot tell the format from the name {os.path.basename(str(dest))!r} (.safetensors, "
-                          ".pt, .pth, .bin): pass --format safetensors|torch")
+                          ".pt, .pth, .bin, .ckpt): pass --format safetensors|torch|lightning")
+
+
+def _pointer_target(store, target: str) -> str:
+    """TARGET, or the root a Lightning pointer file at TARGET names (a file wins over a ref
+    of the same name: it is what Lightning calls that checkpoint)."""
+    if not os.path.isfile(target):
+        return target
+    try:
+        ptr, why = read_local_pointer(target)
+    except OSError:
+        return target
+    if ptr is None:
+        if target.endswith(".ckpt"):
+            raise InvalidArgument(f"{target} is not a tensorstore_ck pointer file ({why}): give a ref, tag or "
+                                  "snapshot root")
+        return target
+    url = ptr.get("store")
+    try:
+        return store.resolve(ptr["root"])
+    except RefNotFound:
+        raise RefNotFound(f"{target} names snapshot {ptr['root'][:16]} (ref {ptr['ref']}, step {ptr.get('step')}) "
+                          f"of the store {url}, which {store.url} does not hold (forgotten, or another store)") \
+            from None
 
 
 def export_file(store, target: str, dest, *, fmt: str | None = None, path: str | None = None,
@@ -67,7 +95,11 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         raise InvalidArgument(f"cannot write {dest}: it is a directory")
     if os.path.lexists(dest) and not force:
         raise InvalidArgument(f"{dest} exists (pass --force to replace it)")
-    root = store.resolve(target)  # once: the ref may move while we read
+    if fmt == "lightning" and path is not None:
+        raise InvalidArgument("--format lightning writes a whole Lightning checkpoint: drop --path (or use "
+                              "--format torch for the part at a path)")
+    # once: the ref may move while we read
+    root = store.resolve(_pointer_target(store, os.fspath(target)))
     where = f"snapshot {root[:16]} ({target}) of {store.url}"
     if fmt == "safetensors":
         _, entries = list_tree(store.core, root, path)
@@ -77,6 +109,9 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     # Reads only the blocks under PATH; _select then finds the value in the pruned tree.
     state = store.checkout(root, paths=None if path is None else [path], progress=progress)
     value, prefix = (state, "") if path is None else _select(state, path)
+    if fmt == "lightning" and not (isinstance(value, dict) and isinstance(value.get("state_dict"), dict)):
+        raise InvalidArgument(f"{where} is not a Lightning checkpoint (a dict with a 'state_dict', as "
+                              "TsckCheckpointIO stores them): write it with --format torch")
     try:
         if fmt == "safetensors":
             from safetensors.torch import save_file

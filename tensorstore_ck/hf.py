@@ -13,11 +13,12 @@
 
 A Trainer snapshot holds {"model": state_dict, "optimizer", "scheduler"[, "scaler"],
 "rng": {python, numpy, torch, cuda} (train.capture_rng), "trainer_state": the text of
-trainer_state.json}; its meta["hf"] says where the weights are and carries config.json
+trainer_state.json[, "files": the other files of the folder, the tokenizer's and processor's,
+as bytes]}; its meta["hf"] says where the weights are and carries config.json
 (hf_folder.HF_META), meta["hf_trainer"] the layout and the transformers version.
 resume_checkpoint writes them back as the checkpoint-N folder this transformers
 version's Trainer reads (model.safetensors, optimizer.pt, scheduler.pt, scaler.pt,
-rng_state.pth, trainer_state.json, config.json), so the Trainer's own resume path
+rng_state.pth, trainer_state.json, config.json, the tokenizer's files), so the Trainer's own resume path
 (data skipping included) does the rest. This module imports transformers; the rest
 of the package does not.
 
@@ -48,7 +49,9 @@ import transformers
 from transformers import TrainerCallback
 
 from .errors import InvalidArgument, RefNotFound
-from .hf_folder import HF_META, MAX_CONFIG_BYTES, SHARD_BYTES, _config_text, export_folder, write_pretrained
+from .hf_folder import (_FILE_NAME, HF_META, MAX_CONFIG_BYTES, MAX_FILE_BYTES, MAX_FILES, SHARD_BYTES,
+                        _config_text, _trainer_file, check_kept_files, export_folder, write_kept_files,
+                        write_pretrained)
 from .importing import import_files
 from .localfile import NotRegularFile, open_regular, write_dir
 from .retention import Retention
@@ -65,6 +68,40 @@ LAYOUT = 1  # of a Trainer snapshot (meta["hf_trainer"]["layout"]); resume_check
 _SCALER = "scaler.pt"  # transformers.trainer.SCALER_NAME
 MAX_RANKS = 1 << 16  # rng_ranks of a stored snapshot: one rng_state_{r}.pth is written per entry
 _CHECKPOINT = re.compile(r"^checkpoint-([0-9]+)$")  # transformers.trainer_utils' PREFIX_CHECKPOINT_DIR
+
+
+def _folder_files(folder: str) -> dict:
+    """{name: bytes} of the files in a Trainer's checkpoint folder that the snapshot keeps as
+    files: every regular file at its top that is not the Trainer's own. Subfolders, links and
+    odd names are left out with a warning: resume_checkpoint could not write them back."""
+    try:
+        names = sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    out = {}
+    for name in names:
+        if _trainer_file(name):
+            continue
+        path = os.path.join(folder, name)
+        if not _FILE_NAME.match(name) or os.path.islink(path) or not os.path.isfile(path) or len(out) >= MAX_FILES:
+            log.warning("%s: not kept in the snapshot (only up to %d regular files with plain names are)", path,
+                        MAX_FILES)
+            continue
+        try:
+            fd = open_regular(path)
+        except (FileNotFoundError, NotRegularFile):
+            continue
+        with open(fd, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            log.warning("%s is larger than %d bytes: not kept in the snapshot", path, MAX_FILE_BYTES)
+            continue
+        out[name] = data
+    return out
+
+
+def _file_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
 def _dist_world() -> int:
@@ -124,8 +161,9 @@ def _metrics(log_history) -> dict:
 
 
 def trainer_state(model, optimizer, lr_scheduler, state, *, scaler: dict | None = None,
-                  rng_ranks: list | None = None) -> tuple[dict, dict]:
-    """(snapshot state, meta) of a Trainer at a save: what TsckCallback puts. rng_ranks
+                  rng_ranks: list | None = None, files: dict | None = None) -> tuple[dict, dict]:
+    """(snapshot state, meta) of a Trainer at a save: what TsckCallback puts. files:
+    {name: bytes} kept as they are (the tokenizer's and processor's files). rng_ranks
     (a run of W > 1 processes: every rank's capture_rng(), in rank order) makes the
     snapshot one rank's part of a collective one: the parameters and the optimizer's
     state are then Replicated (DDP keeps them equal on every rank; buffers stay each
@@ -148,7 +186,12 @@ def trainer_state(model, optimizer, lr_scheduler, state, *, scaler: dict | None 
         snap["rng_ranks"] = list(rng_ranks)
     if scaler is not None:
         snap["scaler"] = scaler
+    if files:  # each rank's part holds the same bytes: written once
+        wrap = Replicated if rng_ranks is not None else (lambda t: t)
+        snap["files"] = {k: wrap(_file_tensor(v)) for k, v in files.items()}
     hf = {"weights": "model", "tied": _tied(sd)}
+    if files:
+        hf["files"] = "files"  # where export_folder finds them
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         hf["config"] = _small(config.to_json_string(), "config.json")
@@ -194,8 +237,14 @@ class TsckCallback(TrainerCallback):
     Pass the callback in Trainer(callbacks=[...]) for that: add_callback() comes after
     on_init_end. With keep_local=False that folder goes again at the next save.
 
+    Files the Trainer writes beside the model (the processing class's: tokenizer.json,
+    tokenizer_config.json, vocab.json, merges.txt, chat_template.jinja, preprocessor_config.json,
+    ...) are kept in the snapshot as bytes and written back by resume_checkpoint.
+
     retention=: the job's rules, set in the store; without it, the Trainer's
-    save_total_limit N sets Retention(keep_last=N) for the job. Rules the callback sets
+    save_total_limit N sets Retention(keep_last=N) for the job, and with
+    load_best_model_at_end also keep_best=1 by metric_for_best_model (the Trainer keeps
+    the best folder past the limit: the store keeps the N newest and the best). Rules the callback sets
     it also applies (prune=None means: when it sets rules): after each committed
     snapshot the world's process zero prunes the job on a thread (store.prune), as the
     Trainer deletes its older folders; prune=False leaves that to `tsck gc`.
@@ -235,7 +284,7 @@ class TsckCallback(TrainerCallback):
         self._set_up = True
         rules = self._retention
         if rules is None and args.save_total_limit:
-            rules = Retention(keep_last=int(args.save_total_limit))
+            rules = _limit_rules(args)
             if args.process_index == 0:
                 self.store.set_retention(self.job, rules)
         if rules is not None and self._prune is not False and args.process_index == 0:
@@ -273,13 +322,18 @@ class TsckCallback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         scaler = _read_scaler(os.path.join(folder, _SCALER))
         rng_ranks = None
+        files = _folder_files(folder) if state.is_world_process_zero else None
         if collective:  # every rank's streams in every rank's part: one process can write all rng_state_{r}.pth
             import torch.distributed as dist
             rng_ranks = [None] * args.world_size
             dist.all_gather_object(rng_ranks, capture_rng())
+            sent = [files]  # process zero's folder: every rank's part holds the same files (Replicated)
+            dist.broadcast_object_list(sent, src=0)
+            files = sent[0]
             if self._pruner is not None:
                 self._pruner.wait()  # the job's own deletion phase never meets its next snapshot
-        snap, meta = trainer_state(model, optimizer, lr_scheduler, state, scaler=scaler, rng_ranks=rng_ranks)
+        snap, meta = trainer_state(model, optimizer, lr_scheduler, state, scaler=scaler, rng_ranks=rng_ranks,
+                                   files=files)
         res = self.store.put_snapshot(snap, ref=self.ref, job=self.job, step=state.global_step,
                                       metrics=_metrics(state.log_history), meta=meta, blocking=not self.async_)
         self.last = res
@@ -326,6 +380,21 @@ class TsckCallback(TrainerCallback):
             elif not res.cancelled() and res.failure() is None:  # looking is not the caller retrieving it
                 shutil.rmtree(folder, ignore_errors=True)
         self._pending = left
+
+
+def _limit_rules(args) -> Retention:
+    """The job's rules for the Trainer's save_total_limit N: the N newest snapshots, and
+    with load_best_model_at_end also the best by metric_for_best_model (the Trainer keeps
+    that folder past the limit: its rotation never deletes state.best_model_checkpoint).
+    The store then keeps what the Trainer keeps, or one more: the Trainer counts the best
+    among its N folders, the store keeps the N newest and the best."""
+    n = int(args.save_total_limit)
+    if not (args.load_best_model_at_end and args.metric_for_best_model):
+        return Retention(keep_last=n)
+    metric = args.metric_for_best_model  # as Trainer._determine_best_metric names it in the logs
+    if not metric.startswith("eval_"):
+        metric = f"eval_{metric}"
+    return Retention(keep_last=n, keep_best=1, metric=metric, mode="max" if args.greater_is_better else "min")
 
 
 def _sharded_by(model) -> str | None:
@@ -462,6 +531,8 @@ def _trainer_snapshot(store, target: str, root: str | None = None) -> tuple[dict
     if ranks is not None and not (isinstance(ranks, (list, tuple)) and 1 <= len(ranks) <= MAX_RANKS
                                   and all(map(_is_rng, ranks))):
         raise refuse(f"its 'rng_ranks' is not a list of 1 to {MAX_RANKS} ranks' train.capture_rng streams")
+    if state.get("files") is not None:
+        check_kept_files(state["files"], refuse)
     ts = state["trainer_state"]
     if type(ts) is not str:
         raise refuse(f"its 'trainer_state' is a {type(ts).__name__}, not the text of trainer_state.json")
@@ -573,7 +644,7 @@ def _write_checkpoint(store, target: str, output_dir, *, force: bool) -> str:
             torch.save(obj, os.path.join(tmp, name))
         with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
             f.write(ts)
-        return names + list(files) + ["trainer_state.json"]
+        return names + list(files) + ["trainer_state.json"] + write_kept_files(tmp, state.get("files") or {})
 
     write_dir(dest, fill, force=force)
     return dest

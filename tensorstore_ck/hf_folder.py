@@ -37,10 +37,51 @@ MAX_CONFIG_BYTES = 1 << 20  # a config.json carried in a snapshot's meta (a few 
 SHARD_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size ("50GB") in transformers 5
 # A snapshot that holds a Hugging Face model says so in its meta: meta[HF_META] = {"weights": the
 # dotted path of its state_dict in the tree ("" for the top), "config": config.json's text,
-# "generation_config": generation_config.json's text, "tied": {name: name it is tied to}}; every
+# "generation_config": generation_config.json's text, "tied": {name: name it is tied to}, "files":
+# the dotted path of the files kept beside the model (a Trainer snapshot's tokenizer)}; every
 # key is optional. `tsck import FOLDER` and hf.TsckCallback write it; export_folder reads it.
 HF_META = "hf"
 _CONFIG_FILES = (("config", "config.json"), ("generation_config", "generation_config.json"))
+
+# Files of a checkpoint folder kept as they are (snapshot key "files"): what the Trainer writes
+# beside the model that the rest of the snapshot does not hold, the processing class's above
+# all (tokenizer.json, tokenizer_config.json, special_tokens_map.json, vocab.json, merges.txt,
+# chat_template.jinja, spiece.model, preprocessor_config.json, processor_config.json, ...).
+# A name is a plain file name; one that resume_checkpoint writes itself is the Trainer's.
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}$")
+_TRAINER_FILES = {"optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin", "config.json",
+                  "generation_config.json"}
+_TRAINER_FILE = re.compile(r"^(rng_state(_[0-9]+)?\.pth|.*\.safetensors|.*\.safetensors\.index\.json|"
+                           r"pytorch_model.*\.bin|pytorch_model.*\.bin\.index\.json)$")
+MAX_FILE_BYTES = 1 << 30  # one kept file; a bigger one is left in the folder (a warning says so)
+MAX_FILES = 1024
+
+
+def _trainer_file(name: str) -> bool:
+    """A file of a checkpoint folder the snapshot holds otherwise (weights, optimizer, RNG, state)."""
+    return name in _TRAINER_FILES or _TRAINER_FILE.match(name) is not None
+
+
+def check_kept_files(files, refuse) -> None:
+    """Stored kept files are untrusted: a dict of plain file names (none the Trainer's or a
+    model folder's own) -> 1-D uint8 tensors; else raise refuse(why)."""
+    if not isinstance(files, dict) or len(files) > MAX_FILES:
+        raise refuse(f"its 'files' is not a dict of at most {MAX_FILES} files")
+    for name, t in files.items():
+        if type(name) is not str or not _FILE_NAME.match(name) or _trainer_file(name):
+            raise refuse(f"its 'files' has the name {name!r:.80}, not a plain file name the Trainer's own "
+                         "files leave free")
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+            raise refuse(f"its 'files'[{name!r}] is not the bytes of a file (a 1-D uint8 tensor)")
+
+
+def write_kept_files(folder: str, files: dict) -> list[str]:
+    """Write checked kept files (check_kept_files) into `folder`, byte for byte. -> their names."""
+    for name, t in files.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(t.contiguous().numpy().tobytes())
+    return list(files)
+
 
 # What the safetensors format holds (dtype codes F64 ... U64, F8_*); this installed
 # safetensors reads each of them back. Anything else is refused by name before a block is read.
@@ -341,6 +382,11 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     tensors, plain = _safetensors_items(value, prefix, where)
     if plain:
         raise _refuse(where, "a value that is not a tensor (a model folder holds tensors only)", next(iter(plain)))
+    kept = {}
+    fpath = hf.get("files") if path == wpath and isinstance(hf.get("files"), str) and hf.get("files") else None
+    if fpath is not None:  # the tokenizer's and processor's files the Trainer wrote beside the model
+        kept, _ = _select(store.checkout(root, paths=[fpath]), fpath)
+        check_kept_files(kept, lambda why: InvalidArgument(f"{where} cannot be written as a model folder: {why}"))
     if path:  # the names the state_dict has, not its place in the snapshot
         tensors = {k[len(path) + 1:] if k.startswith(path + ".") else k: v for k, v in tensors.items()}
     if isinstance(tied, dict):
@@ -350,7 +396,8 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     try:
         names = write_dir(dest, lambda tmp: write_pretrained(tmp, tensors, config=config,
                                                              generation_config=generation_config,
-                                                             max_shard_bytes=max_shard_bytes),
+                                                             max_shard_bytes=max_shard_bytes)
+                          + write_kept_files(tmp, kept),
                           force=force, stale=_is_weights_file, needed=_nbytes(tensors))
     except TsckError:
         raise

@@ -12,8 +12,8 @@ Lightning names a checkpoint by a file path; the plugin maps it:
   outside ``[A-Za-z0-9._-]`` replaced by ``_`` (``epoch=0-step=10.ckpt`` -> ``run1/epoch_0-step_10``,
   ``last.ckpt`` -> ``run1/last``), with step = the checkpoint's ``global_step``, and the score
   ModelCheckpoint monitors as a metric;
-- at the path itself a small pointer file (JSON: store, ref, root, step) is written after the
-  snapshot is committed, so everything Lightning does with files (``exists``, the version
+- at the path itself a small pointer file (store, ref, root, step; ckpt_pointer.py) is written
+  after the snapshot is committed, so everything Lightning does with files (``exists``, the version
   counter, ``ckpt_path="last"`` by modification time, ``save_last="link"`` symlinks) works
   unchanged; load_checkpoint reads the snapshot the pointer names (its root, not the ref's tip);
 - saving over a path forgets the snapshot its old pointer named, and remove_checkpoint
@@ -21,6 +21,13 @@ Lightning names a checkpoint by a file path; the plugin maps it:
   once no pointer file names anything in its history. A snapshot another pointer file in the
   same directory names (a copy, a name that maps to the same ref, a link) is never forgotten,
   nor one saved from another directory.
+
+Outside the Trainer a pointer is not a torch file (torch.load and Net.load_from_checkpoint of it
+fail, with an error naming the way out):
+
+    ckpt = tensorstore_ck.lightning.load_checkpoint("ckpt/last.ckpt")          # the checkpoint dict
+    net = Net.load_from_checkpoint(tensorstore_ck.lightning.open_checkpoint("ckpt/last.ckpt"))
+    $ tsck checkout STORE ckpt/last.ckpt out.ckpt     # a real .ckpt, for torch.load and every tool
 
 Give each checkpoint directory its own job: two directories with the same file names under
 one job share refs (each pointer file still names its own snapshot, and neither directory's
@@ -48,7 +55,7 @@ bypass the plugin makes; a run that removes none never calls it).
 from __future__ import annotations
 
 import hashlib
-import json
+import io
 import logging
 import os
 import re
@@ -64,16 +71,15 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("tensorstore_ck.lightning needs PyTorch Lightning: pip install 'tensorstore_ck[lightning]'") \
         from e
 
+from .ckpt_pointer import MAX_POINTER_BYTES, POINTER_FORMAT, parse_pointer, pointer_bytes, read_local_pointer
 from .errors import FormatError, InvalidArgument, RefConflict, RefNotFound, UnsupportedType
 from .format.names import MAX_NAME_BYTES, validate_component
-from .localfile import NotRegularFile, open_regular, sync_dir, write_atomic
+from .localfile import sync_dir, write_atomic
 
-__all__ = ["TsckCheckpointIO", "ref_for_path", "POINTER_FORMAT"]
+__all__ = ["TsckCheckpointIO", "ref_for_path", "POINTER_FORMAT", "read_pointer", "load_checkpoint", "open_checkpoint"]
 
 log = logging.getLogger(__name__)
 
-POINTER_FORMAT = "tensorstore_ck.lightning-pointer/1"
-MAX_POINTER_BYTES = 4096  # a pointer is ~300 bytes; a bigger file is something else (a torch checkpoint)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -172,15 +178,12 @@ def _read_pointer(path, *, strict: bool = True) -> dict | None:
     fs, p = _fs(path)
     try:
         if _is_local(fs):  # a regular file only: open() of a FIFO would wait for a writer forever
-            with open(open_regular(p), "rb") as f:
-                ptr, why = _parse_pointer(f.read(MAX_POINTER_BYTES + 1))
+            ptr, why = read_local_pointer(p)
         else:
             with fs.open(p, "rb") as f:
-                ptr, why = _parse_pointer(f.read(MAX_POINTER_BYTES + 1))
+                ptr, why = parse_pointer(f.read(MAX_POINTER_BYTES + 1))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    except NotRegularFile as e:
-        ptr, why = None, "it " + e.strerror.removeprefix(f"{p} ")  # "it is a FIFO, not a regular file"
     if why is None:
         return ptr
     if not strict:
@@ -188,24 +191,8 @@ def _read_pointer(path, *, strict: bool = True) -> dict | None:
     raise FormatError(f"{os.fspath(path)} is not a checkpoint saved by TsckCheckpointIO: {why}")
 
 
-def _parse_pointer(data: bytes) -> tuple[dict | None, str | None]:
-    """(pointer, None), or (None, why the bytes are not one)."""
-    if data[:2] == b"PK" or data[:1] == b"\x80":
-        return None, "it looks like a torch.save checkpoint (load it with Lightning's TorchCheckpointIO)"
-    if len(data) > MAX_POINTER_BYTES:
-        return None, f"it is larger than a pointer file ({MAX_POINTER_BYTES} bytes)"
-    try:
-        ptr = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        return None, f"it is not JSON ({e})"
-    if not isinstance(ptr, dict) or ptr.get("format") != POINTER_FORMAT or not isinstance(ptr.get("root"), str) \
-            or not isinstance(ptr.get("ref"), str):
-        return None, f"it is not a {POINTER_FORMAT} file"
-    return ptr, None
-
-
 def _write_pointer(path, ptr: dict) -> None:
-    data = (json.dumps(ptr, sort_keys=True) + "\n").encode()
+    data = pointer_bytes(ptr)
     fs, p = _fs(path)
     fs.makedirs(fs._parent(p), exist_ok=True)
     if _is_local(fs):
@@ -384,3 +371,47 @@ class TsckCheckpointIO(CheckpointIO):
         else:
             log.info("checkpoint %s: snapshot %s stays while it is the tip of ref %s, whose older "
                      "snapshots are still named", os.fspath(path), root[:16], ref)
+
+
+# -- outside the Trainer: inference scripts, LightningCLI, model registries ----------------
+def read_pointer(path) -> dict:
+    """The pointer file at `path` (a local path or an fsspec URL) as a dict: format, store,
+    ref, root, step, job. RefNotFound if there is no file, FormatError if it is not a pointer."""
+    ptr = _read_pointer(path)
+    if ptr is None:
+        raise RefNotFound(f"no checkpoint at {os.fspath(path)} (no such file)")
+    return ptr
+
+
+def load_checkpoint(path, *, store=None, refs=None, storage_options: dict | None = None, map_location=None,
+                    allow_pickle: bool = False) -> dict:
+    """The checkpoint dict a pointer file names, read from its store: what torch.load of a
+    .ckpt returns, where torch.load of a pointer file cannot work (it is not a torch file).
+
+    store: an open Store to read from; default: the store the pointer names, opened
+    read-only (refs= and storage_options= as for open_store, for a remote one) and closed
+    again. map_location as for torch.load (default: the CPU). allow_pickle: read values the
+    checkpoint was saved with pickled (TsckCheckpointIO(allow_pickle=True)); off by default.
+    Give it to Lightning as a file: Net.load_from_checkpoint(open_checkpoint(path))."""
+    ptr = read_pointer(path)
+    if store is not None:
+        return TsckCheckpointIO(store, job="lightning", allow_pickle=allow_pickle) \
+            .load_checkpoint(path, map_location=map_location)
+    url = ptr.get("store")
+    if not isinstance(url, str) or not url:
+        raise FormatError(f"{os.fspath(path)} names no store: pass store= (an open Store)")
+    from .opener import open_store
+    with open_store(url, refs=refs, storage_options=storage_options, create=False, read_only=True) as st:
+        return TsckCheckpointIO(st, job="lightning", allow_pickle=allow_pickle) \
+            .load_checkpoint(path, map_location=map_location)
+
+
+def open_checkpoint(path, **kwargs) -> io.BytesIO:
+    """The checkpoint a pointer file names as an in-memory torch.save file, for what takes
+    a .ckpt file object: Net.load_from_checkpoint(open_checkpoint(path)), torch.load(...).
+    Arguments as for load_checkpoint. Holds the whole checkpoint in memory (twice, while it
+    is written); `tsck checkout STORE POINTER OUT.ckpt` writes one to disk instead."""
+    buf = io.BytesIO()
+    torch.save(load_checkpoint(path, **kwargs), buf)
+    buf.seek(0)
+    return buf

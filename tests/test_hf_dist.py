@@ -71,6 +71,7 @@ def test_ddp_saves_one_collective_snapshot_and_resume_writes_every_ranks_folder(
         single = Path(hf.resume_checkpoint(s, "j/main", tmp_path / "single"))
     rng0, rng1 = (torch.load(trainer_wrote / f"rng_state_{r}.pth", weights_only=False) for r in (0, 1))
     assert not torch.equal(rng0["cpu"], rng1["cpu"])  # each rank's own stream, and each comes back as its own
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(trainer_wrote))  # kept through the store:
     _same_folder(single, trainer_wrote)
     _same_folder(out / "again" / "checkpoint-10", trainer_wrote)
     for r in ranks:

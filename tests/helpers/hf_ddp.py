@@ -41,11 +41,31 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+def _tokenizer(out):
+    """A tiny byte-level BPE tokenizer (no downloads): the Trainer saves its files into every
+    checkpoint folder, and the collective snapshot must keep them."""
+    import json
+
+    from transformers import GPT2Tokenizer
+    where = os.path.join(out, f"tok{os.getpid()}")
+    os.makedirs(where, exist_ok=True)
+    vocab = {chr(c): i for i, c in enumerate(range(33, 127))}
+    vocab.update({"ab": len(vocab), "<|endoftext|>": len(vocab) + 1})
+    with open(os.path.join(where, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(where, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\na b\n")
+    tok = GPT2Tokenizer(os.path.join(where, "vocab.json"), os.path.join(where, "merges.txt"))
+    tok.pad_token = tok.eos_token
+    return tok
+
+
 def _trainer(out, rank, callbacks, **kw):
     import random
 
     import numpy as np
-    from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments, set_seed
+    from transformers import (GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments,
+                              default_data_collator, set_seed)
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -55,7 +75,8 @@ def _trainer(out, rank, callbacks, **kw):
     args = TrainingArguments(os.path.join(out, "output"), max_steps=10, save_steps=5, logging_steps=1,
                              per_device_train_batch_size=4, learning_rate=1e-3, seed=0, use_cpu=True,
                              ddp_backend="gloo", report_to=[], dataloader_num_workers=0, disable_tqdm=True, **kw)
-    t = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    t = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks, processing_class=_tokenizer(out),
+                data_collator=default_data_collator)
     t.remove_callback(PrinterCallback)
     random.seed(1000 + rank)  # dropout: a stream of each rank's own (the Trainer seeded every rank alike)
     np.random.seed(1000 + rank)
