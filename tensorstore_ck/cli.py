@@ -479,7 +479,7 @@ def _shape(shape) -> str:
 
 def cmd_ls(store, args):
     from .listing import list_tree
-    root, entries = list_tree(store.core, store.resolve(args.target), args.path)
+    root, entries = list_tree(store.core, store.resolve(args.target), args.path, raw=args.raw)
     tensors = [e for e in entries if e.kind in ("tensor", "array", "sharded")]
     total = sum(e.nbytes for e in tensors)
     obj = {"root": root, "path": args.path, "entries": [e.to_json() for e in entries],
@@ -627,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("recover", cmd_recover, "rebuild the catalog, refs and tags from storage")
     ls = add("ls", cmd_ls, "a snapshot's tree: paths, dtypes, shapes, sizes", "target")
     ls.add_argument("path", nargs="?", default=None, help="only the value at this dotted path and those under it")
+    ls.add_argument("--raw", action="store_true",
+                    help="the stored layout, not the state that was saved (a dcp.save snapshot: its tensors.*, "
+                         "bytes.* and DCP's metadata)")
     co = add("checkout", cmd_checkout, "write a snapshot as a file or a Hugging Face model folder", "target", "dest")
     co.add_argument("--format", choices=("safetensors", "torch"), default=None,
                     help="default: by DEST's suffix (.safetensors; .pt, .pth, .bin); a DEST that is a directory, "
