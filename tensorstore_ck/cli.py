@@ -257,9 +257,17 @@ def cmd_pin(store, args):
 
 
 def cmd_delete_ref(store, args):
-    d = store.delete_ref(args.ref, expected=args.expected)
+    d = store.delete_ref(args.ref, expected=args.expected, dry_run=args.dry_run)
+    if args.dry_run:
+        lines = [f"would delete ref {d['ref']} (at {d['root']}); {d['snapshots_dropped']} snapshot(s) of its "
+                 "history would no longer be kept, and the next gc would reclaim what only they hold:"]
+        lines += [f"  {r}" for r in d["dropped"]]
+        lines.append("nothing was changed (--dry-run)")
+        _out(args, d, "\n".join(lines))
+        return 0
     _out(args, d, f"deleted ref {d['ref']} (was {d['root']}); {d['snapshots_dropped']} snapshot(s) of its "
-                  "history are no longer kept: the next gc reclaims what only they held")
+                  "history are no longer kept: the next gc reclaims what only they held (until then, "
+                  f"`tsck tag {args.store} NAME {d['root']}` brings it back)")
     return 0
 
 
@@ -270,9 +278,15 @@ def cmd_untag(store, args):
 
 
 def cmd_forget(store, args):
-    i = store.forget(args.target)
+    i = store.forget(args.target, dry_run=args.dry_run)
+    if args.dry_run:
+        _out(args, {"would_forget": i.to_json(), "dry_run": True},
+             f"would forget {i.root} ({i.ref} step {i.step}); the next gc would reclaim what only it holds\n"
+             "nothing was changed (--dry-run)")
+        return 0
     _out(args, {"forgot": i.to_json()}, f"forgot {i.root} ({i.ref} step {i.step}); the next gc reclaims what "
-                                        "only it held")
+                                        f"only it held (until then, `tsck tag {args.store} NAME {i.root}` brings it "
+                                        "back)")
     return 0
 
 
@@ -589,14 +603,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also draw bytes over time per job and what deleting each job would free "
                          "(needs matplotlib: the [plot] extra)")
     add("diff", cmd_diff, "which tensors and how many blocks differ", "a", "b")
-    add("tag", cmd_tag, "create an immutable tag", "name", "target")
+    add("tag", cmd_tag, "create an immutable tag (TARGET: also the full root of a removed snapshot gc has not "
+                        "reclaimed: it is brought back)", "name", "target")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
     add("unpin", cmd_pin, "release a pin", "target")
     d = add("delete-ref", cmd_delete_ref, "remove a ref; gc then reclaims what only its history held", "ref")
     d.add_argument("--expected", default=None, metavar="ROOT",
                    help="delete only if the ref still points at this root (hex, 8 digits or more)")
+    d.add_argument("--dry-run", action="store_true",
+                   help="say what would be deleted and which snapshots would no longer be kept; change nothing")
     add("untag", cmd_untag, "remove a tag", "name")
-    add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
+    fo = add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
+    fo.add_argument("--dry-run", action="store_true", help="say what would be forgotten; change nothing")
     r = add("retention", cmd_retention, "show, set (replacing them) or clear a job's retention rules")
     r.add_argument("job", nargs="?", default=None, help="the job (none: list every job's rules)")
     r.add_argument("--keep-last", type=_count(0), default=None, metavar="N", help="the N newest snapshots")
