@@ -220,8 +220,9 @@ def forget(core: Core, publisher: Publisher, target: str, *, dry_run: bool = Fal
 
 def delete_ref(core: Core, ref: str, expected: str | None, *, dry_run: bool = False) -> dict:
     """Remove ref `ref`, only if it still points where `expected` (a root's hex or prefix)
-    says when given -> {"ref", "root", "snapshots_dropped", "dropped"} (Store.delete_ref).
-    dry_run: the same checks and answer; nothing changes."""
+    says when given -> {"ref", "root", "snapshots_dropped"} (Store.delete_ref). dry_run:
+    the same checks and answer, with "dropped" (the roots that would leave the catalog)
+    and "dry_run": True; nothing changes."""
     want = None
     if expected is not None:
         if not is_hex_prefix(expected):
@@ -231,6 +232,10 @@ def delete_ref(core: Core, ref: str, expected: str | None, *, dry_run: bool = Fa
         if not actual.hex().startswith(expected):
             raise RefConflict(ref, expected, actual.hex())
         want = actual  # the transaction deletes only if the ref still points exactly here
-    root, dropped = core.refs.delete_ref(ref, want, dry_run=dry_run)
-    return {"ref": ref, "root": root.hex(), "snapshots_dropped": len(dropped), "dropped": [r.hex() for r in dropped],
-            **({"dry_run": True} if dry_run else {})}
+    if not dry_run:
+        root, n = core.refs.delete_ref(ref, want)
+        return {"ref": ref, "root": root.hex(), "snapshots_dropped": n}
+    dropped: list = []
+    root, n = core.refs.delete_ref(ref, want, dry_run=True, dropped=dropped)
+    return {"ref": ref, "root": root.hex(), "snapshots_dropped": n, "dropped": [r.hex() for r in dropped],
+            "dry_run": True}

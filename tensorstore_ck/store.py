@@ -725,7 +725,8 @@ class Store:
         prune reclaims their objects. The name may be used again by a later put. Until a
         gc reclaims it, tag(name, root) brings a removed snapshot back.
         dry_run: the same checks and answer, nothing changed (a read-only store answers too).
-        -> {"ref", "root", "snapshots_dropped", "dropped" (their roots' hex)}."""
+        -> {"ref", "root", "snapshots_dropped"}; a dry run adds "dropped" (the roots' hex of
+        the snapshots that would no longer be kept) and "dry_run": True."""
         validate_name(ref)
         if not dry_run:
             self._writable("delete_ref")

@@ -203,3 +203,21 @@ def test_a_tag_that_lands_after_gc_marked_is_kept_by_its_deletion_phase(tmp_path
         assert "error" not in out, out
         assert out["value"].rescued > 0  # candidates of the rescued snapshot, kept
         assert torch.equal(s.checkout("rescued")["w"], _w(2)) and s.fsck().ok
+
+
+def test_rescue_and_dry_runs_on_each_backend(backend):
+    """The same through the API on every ref table and storage: a dry run changes no
+    row, and a deleted ref's tip comes back by its root and survives a gc."""
+    with backend.open(create=True, block_size=64 * 1024) as s:
+        for step in (1, 2):
+            s.put_snapshot({"w": _w(step)}, ref="a/main", step=step)
+        roots = [i.root for i in s.log("a/main")]
+        rows = (sorted(s.reftable.list()), sorted(s.reftable.catalog_roots()), len(s.reftable.reflog("a/main")))
+        d = s.delete_ref("a/main", dry_run=True)
+        assert d["dry_run"] and sorted(d["dropped"]) == sorted(roots)
+        assert s.forget("a/main@1", dry_run=True).root == roots[1]
+        assert (sorted(s.reftable.list()), sorted(s.reftable.catalog_roots()), len(s.reftable.reflog("a/main"))) == rows
+        s.delete_ref("a/main")
+        assert s.tag("rescued", roots[0]).root == roots[0]
+        s.gc()
+        assert torch.equal(s.checkout("rescued")["w"], _w(2)) and s.fsck().ok

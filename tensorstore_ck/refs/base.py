@@ -187,14 +187,15 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         self._write(txn)
 
     def delete_ref(self, name: str, expected: bytes | None = None, *, message: str = "deleted",
-                   dry_run: bool = False) -> tuple[bytes, list[bytes]]:
+                   dry_run: bool = False, dropped: list | None = None) -> tuple[bytes, int]:
         """Remove ref `name` (RefConflict if `expected` is given and it points elsewhere;
         RefNotFound if there is no such ref), recording the removal in its reflog. In the
         same transaction the catalog rows of its history go, except those something else
         keeps (another ref's tip or history, a tag, a pin), so gc reclaims their objects.
-        -> (the root it pointed at, the roots whose catalog rows were dropped). Needs no
-        gc fence: it only shrinks what is kept, and a gc that already marked keeps more,
-        never less. dry_run: the same answer from a read transaction; nothing changes."""
+        -> (the root it pointed at, catalog rows dropped; `dropped`, when given, gets their
+        roots). Needs no gc fence: it only shrinks what is kept, and a gc that already
+        marked keeps more, never less. dry_run: the same answer from a read transaction;
+        nothing changes."""
         key = name.encode()
 
         def txn(t: Txn):
@@ -221,8 +222,10 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                 except FormatError:
                     pass  # an odd row is fsck's business, not a reason to refuse the delete
             drop = [root for root in sorted((mine | {actual}) - others) if t.get("catalog", root) is not None]
+            if dropped is not None:
+                dropped[:] = drop
             if dry_run:
-                return actual, drop
+                return actual, len(drop)
             t.delete("refs", key)
             for k, _root in list(t.items("steps", key + b"\0")):  # REF@STEP names the ref no more
                 t.delete("steps", k)
@@ -230,7 +233,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                 t.delete("catalog", root)
                 t.delete("meta", _EVICTED + root)  # a local tier's mark goes with its row
             _append_reflog(t, key, actual, actual, message, "delete", None)
-            return actual, drop
+            return actual, len(drop)
 
         return self._read(txn) if dry_run else self._write(txn)
 
