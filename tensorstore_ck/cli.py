@@ -603,8 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also draw bytes over time per job and what deleting each job would free "
                          "(needs matplotlib: the [plot] extra)")
     add("diff", cmd_diff, "which tensors and how many blocks differ", "a", "b")
-    add("tag", cmd_tag, "create an immutable tag (TARGET: also the full root of a removed snapshot gc has not "
-                        "reclaimed: it is brought back)", "name", "target")
+    t = add("tag", cmd_tag, "create an immutable tag (or bring a removed snapshot back)", "name")
+    t.add_argument("target", help="a ref, tag, REF@STEP or root; the full root of a snapshot removed by delete-ref "
+                                  "or forget brings it back while gc has not reclaimed it (checked whole first)")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
     add("unpin", cmd_pin, "release a pin", "target")
     d = add("delete-ref", cmd_delete_ref, "remove a ref; gc then reclaims what only its history held", "ref")
