@@ -142,3 +142,31 @@ def test_what_cannot_be_exported_is_named_with_the_paths_that_can(store, capsys,
     assert _cli(capsys, "checkout", store, "job/odd", tmp_path / "m.safetensors", "--path", "model")[0] == 0
     rc, out, _ = _cli(capsys, "ls", store, "job/odd", "extra")
     assert rc == 0 and "extra.frac" in out and "pickled" in out and "extra.lr" in out
+
+
+class _Touch:
+    """A value whose unpickling runs code: touches `path`."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import pathlib
+        return pathlib.Path.touch, (pathlib.Path(self.path),)
+
+
+def test_ls_and_checkout_never_run_a_stored_pickle(tmp_path, capsys):
+    """ls reads a bytes item through an unpickler that refuses every global; checkout
+    through torch's weights_only loader: a hostile item is listed, never run."""
+    marker = tmp_path / "ran"
+    path = str(tmp_path / "s")
+    with tsck.open_store(path) as s:
+        dcp.save({"w": torch.ones(3), "boom": _Touch(str(marker))},
+                 storage_writer=TsckWriter(s, ref="j/main", step=1, allow_pickle=True))
+    rc, out, _ = _cli(capsys, "ls", path, "j/main")
+    assert rc == 0 and "boom" in out and "pickled" in out
+    rc, _, err = _cli(capsys, "checkout", path, "j/main", tmp_path / "x.pt")
+    assert rc == 2 and "'boom'" in err and "--path w" in err, err
+    rc, _, err = _cli(capsys, "checkout", path, "j/main", tmp_path / "x.safetensors")
+    assert rc == 2 and "a pickled object at boom" in err, err
+    assert not marker.exists()
