@@ -70,7 +70,7 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     root = store.resolve(target)  # once: the ref may move while we read
     where = f"snapshot {root[:16]} ({target}) of {store.url}"
     # Refuses a path that holds nothing, or a value safetensors cannot hold, before a block is read.
-    _, entries = list_tree(store.core, root, path)
+    entries = list_tree(store.core, root, path)[1] if fmt == "safetensors" or path is not None else None
     if fmt == "safetensors":
         try:
             _check_for_safetensors(entries, where)
@@ -81,6 +81,11 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     try:
         state = store.checkout(root, paths=None if path is None else [path], progress=progress)
     except UnsupportedType as e:
+        try:
+            if entries is None:
+                entries = list_tree(store.core, root, path)[1]
+        except TsckError:
+            raise e from None  # the refusal itself is what to report
         if not any(x.kind == "pickled" for x in entries):
             raise
         # A value only a full unpickle loads (a DCP bytes item): the CLI never unpickles.
