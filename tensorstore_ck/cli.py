@@ -293,9 +293,17 @@ def cmd_pin(store, args):
 
 
 def cmd_delete_ref(store, args):
-    d = store.delete_ref(args.ref, expected=args.expected)
+    d = store.delete_ref(args.ref, expected=args.expected, dry_run=args.dry_run)
+    if args.dry_run:
+        lines = [f"would delete ref {d['ref']} (at {d['root']}); {d['snapshots_dropped']} snapshot(s) of its "
+                 "history would no longer be kept, and the next gc would reclaim what only they hold:"]
+        lines += [f"  {r}" for r in d["dropped"]]
+        lines.append("nothing was changed (--dry-run)")
+        _out(args, d, "\n".join(lines))
+        return 0
     _out(args, d, f"deleted ref {d['ref']} (was {d['root']}); {d['snapshots_dropped']} snapshot(s) of its "
-                  "history are no longer kept: the next gc reclaims what only they held")
+                  "history are no longer kept: the next gc reclaims what only they held (until then, "
+                  f"`tsck tag {args.store} NAME {d['root']}` brings it back)")
     return 0
 
 
@@ -306,9 +314,15 @@ def cmd_untag(store, args):
 
 
 def cmd_forget(store, args):
-    i = store.forget(args.target)
+    i = store.forget(args.target, dry_run=args.dry_run)
+    if args.dry_run:
+        _out(args, {"would_forget": i.to_json(), "dry_run": True},
+             f"would forget {i.root} ({i.ref} step {i.step}); the next gc would reclaim what only it holds\n"
+             "nothing was changed (--dry-run)")
+        return 0
     _out(args, {"forgot": i.to_json()}, f"forgot {i.root} ({i.ref} step {i.step}); the next gc reclaims what "
-                                        "only it held")
+                                        f"only it held (until then, `tsck tag {args.store} NAME {i.root}` brings it "
+                                        "back)")
     return 0
 
 
@@ -550,7 +564,7 @@ def _shape(shape) -> str:
 
 def cmd_ls(store, args):
     from .listing import list_tree
-    root, entries = list_tree(store.core, store.resolve(args.target), args.path)
+    root, entries = list_tree(store.core, store.resolve(args.target), args.path, raw=args.raw)
     tensors = [e for e in entries if e.kind in ("tensor", "array", "sharded")]
     total = sum(e.nbytes for e in tensors)
     obj = {"root": root, "path": args.path, "entries": [e.to_json() for e in entries],
@@ -667,14 +681,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only the tensors at this dotted path and under it (model.layers.0), as in ls")
     df.add_argument("--exit-code", action="store_true",
                     help="as git diff: exit 1 when the snapshots differ, 0 when they hold the same tensors")
-    add("tag", cmd_tag, "create an immutable tag", "name", "target")
+    t = add("tag", cmd_tag, "create an immutable tag (or bring a removed snapshot back)", "name")
+    t.add_argument("target", help="a ref, tag, REF@STEP or root; the full root of a snapshot removed by delete-ref "
+                                  "or forget brings it back while gc has not reclaimed it (checked whole first)")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
     add("unpin", cmd_pin, "release a pin", "target")
     d = add("delete-ref", cmd_delete_ref, "remove a ref; gc then reclaims what only its history held", "ref")
     d.add_argument("--expected", default=None, metavar="ROOT",
                    help="delete only if the ref still points at this root (hex, 8 digits or more)")
+    d.add_argument("--dry-run", action="store_true",
+                   help="say what would be deleted and which snapshots would no longer be kept; change nothing")
     add("untag", cmd_untag, "remove a tag", "name")
-    add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
+    fo = add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
+    fo.add_argument("--dry-run", action="store_true", help="say what would be forgotten; change nothing")
     r = add("retention", cmd_retention, "show, set (replacing them) or clear a job's retention rules")
     r.add_argument("job", nargs="?", default=None, help="the job (none: list every job's rules)")
     r.add_argument("--keep-last", type=_count(0), default=None, metavar="N", help="the N newest snapshots")
@@ -705,6 +724,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("recover", cmd_recover, "rebuild the catalog, refs and tags from storage")
     ls = add("ls", cmd_ls, "a snapshot's tree: paths, dtypes, shapes, sizes", "target")
     ls.add_argument("path", nargs="?", default=None, help="only the value at this dotted path and those under it")
+    ls.add_argument("--raw", action="store_true",
+                    help="the stored layout, not the state that was saved (a dcp.save snapshot: its tensors.*, "
+                         "bytes.* and DCP's metadata)")
     co = add("checkout", cmd_checkout, "write a snapshot as a file or a Hugging Face model folder", "target", "dest")
     co.add_argument("--format", choices=("safetensors", "torch", "lightning"), default=None,
                     help="default: by DEST's suffix (.safetensors; .pt, .pth, .bin; .ckpt: lightning, a .ckpt "

@@ -2,7 +2,8 @@
 that was saved, so switching from the DCP API to the native one never strands a
 checkpoint (dcp/reader.py does the other direction).
 
-The DCP layout (dcp/layout.py composes it; the constants live here, below both):
+The DCP layout (dcp/layout.py composes it; format/dcp.py holds its constants and how it is
+recognized, for this module and `tsck ls` alike):
 
     {"format": "dcp", "version": 1,
      "tensors":  {fqn: G leaf}, "bytes": {fqn: bytes | 1-D uint8 T leaf},
@@ -27,41 +28,13 @@ import torch
 
 from .errors import CheckoutMismatch, FormatError, UnsupportedType
 from .format import tree
+from .format.dcp import (DCP_FORMAT, DCP_LAYOUT_VERSION, MAX_LAYOUT_VERSION, MIN_LAYOUT_VERSION, TOP_KEYS,
+                         check_version, fqn_paths, is_dcp_top)
 from .paths import is_stateful
 from .read import MISSING, Reader
 
 __all__ = ["read_state", "DCP_FORMAT", "DCP_LAYOUT_VERSION", "MIN_LAYOUT_VERSION", "MAX_LAYOUT_VERSION", "TOP_KEYS",
            "is_dcp_top", "read_dcp", "load_bytes_item"]
-
-DCP_FORMAT = "dcp"
-DCP_LAYOUT_VERSION = 1          # the "version" field of the tree; readers accept 1..1
-MIN_LAYOUT_VERSION = MAX_LAYOUT_VERSION = 1
-TOP_KEYS = ("format", "version", "tensors", "bytes", "metadata")
-
-
-def is_dcp_top(v) -> bool:
-    """A decoded top value laid out by TsckWriter: exactly its five keys, format "dcp" and
-    its sections in nodes of their own (a put_snapshot state cannot look like it by chance)."""
-    if type(v) is not tree.Container or v.kind != "d" or tuple(k for k, _ in v.items) != TOP_KEYS:
-        return False
-    d = dict(v.items)
-    return d["format"] == DCP_FORMAT and type(d["tensors"]) is tree.Ref and type(d["metadata"]) is tree.Ref
-
-
-def _fqn_paths(md: dict, snap: str) -> dict:
-    pd = md.get("planner_data") if isinstance(md, dict) else None
-    if pd is None:
-        return {}
-    if not isinstance(pd, dict):
-        raise FormatError(f"DCP snapshot {snap[:16]}: planner_data is not a map")
-    out = {}
-    for fqn, p in pd.items():
-        if type(fqn) is not str or not isinstance(p, (tuple, list)) or not p or not all(
-                type(k) is str or (type(k) is int and 0 <= k < 1 << 31) for k in p):
-            raise FormatError(f"DCP snapshot {snap[:16]}: planner_data entry {fqn!r:.80} is not a path")
-        out[fqn] = tuple(p)
-    return out
-
 
 def _flatten_into(into: dict, loads: list) -> dict:
     """{fqn: (container, key)} of the caller's tree as DCP flattens a state_dict; a Stateful
@@ -136,13 +109,10 @@ def read_dcp(reader: Reader, top: tree.Container, into=MISSING, *, allow_pickle:
     """The state a TsckWriter snapshot holds, as dcp.load would give it (into=: filled in place)."""
     snap = reader.snapshot
     d = dict(top.items)
-    v = d["version"]
-    if type(v) is not int or not MIN_LAYOUT_VERSION <= v <= MAX_LAYOUT_VERSION:
-        raise FormatError(f"DCP snapshot layout version {v!r} not readable (this build reads "
-                          f"{MIN_LAYOUT_VERSION}..{MAX_LAYOUT_VERSION})")
+    check_version(d["version"])
     plain = reader.plain()
     md = plain.materialize(d["metadata"], ("metadata",))
-    paths = _fqn_paths(md, snap)
+    paths = fqn_paths(md, snap)
 
     def section(name):
         s = reader.deref(d[name], (name,))

@@ -21,7 +21,7 @@ import os
 import torch
 
 from .ckpt_pointer import read_local_pointer
-from .errors import InvalidArgument, RefNotFound, TsckError, storage_error
+from .errors import InvalidArgument, RefNotFound, TsckError, UnsupportedType, storage_error
 from .hf_folder import (_check_for_safetensors, _check_st_names, _nbytes, _safetensors_items, _select, export_folder,
                         is_folder_dest)
 from .listing import list_tree
@@ -101,13 +101,28 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     # once: the ref may move while we read
     root = store.resolve(_pointer_target(store, os.fspath(target)))
     where = f"snapshot {root[:16]} ({target}) of {store.url}"
+    # Refuses a path that holds nothing, or a value safetensors cannot hold, before a block is read.
+    entries = list_tree(store.core, root, path)[1] if fmt == "safetensors" or path is not None else None
     if fmt == "safetensors":
-        _, entries = list_tree(store.core, root, path)
-        _check_for_safetensors(entries, where)
-    elif path is not None:
-        list_tree(store.core, root, path)  # refuses a path that holds nothing before a block is read
+        try:
+            _check_for_safetensors(entries, where)
+        except UnsupportedType as e:
+            raise UnsupportedType(f"{e}{_parts_hint(entries, path, lambda es: _check_for_safetensors(es, where))}") \
+                from None
     # Reads only the blocks under PATH; _select then finds the value in the pruned tree.
-    state = store.checkout(root, paths=None if path is None else [path], progress=progress)
+    try:
+        state = store.checkout(root, paths=None if path is None else [path], progress=progress)
+    except UnsupportedType as e:
+        try:
+            if entries is None:
+                entries = list_tree(store.core, root, path)[1]
+        except TsckError:
+            raise e from None  # the refusal itself is what to report
+        if not any(x.kind == "pickled" for x in entries):
+            raise
+        # A value only a full unpickle loads (a DCP bytes item): the CLI never unpickles.
+        raise UnsupportedType(f"{e}; that is Store.checkout in Python: `tsck checkout` loads nothing beyond "
+                              f"torch's weights_only loader{_parts_hint(entries, path, _no_pickled)}") from None
     value, prefix = (state, "") if path is None else _select(state, path)
     if fmt == "lightning" and not (isinstance(value, dict) and isinstance(value.get("state_dict"), dict)):
         raise InvalidArgument(f"{where} is not a Lightning checkpoint (a dict with a 'state_dict', as "
@@ -130,6 +145,36 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         raise storage_error(e, f"writing {dest}") from e
     return {"root": root, "target": target, "dest": dest, "format": fmt, "path": path,
             "bytes": os.path.getsize(dest), **summary}
+
+
+def _no_pickled(entries) -> None:
+    for e in entries:
+        if e.kind == "pickled":
+            raise UnsupportedType(e.path)
+
+
+def _parts_hint(entries, path: str | None, check) -> str:
+    """"; the parts that can be: --path A, --path B": the values one key below `path` (the
+    top's keys without one) whose entries all pass `check`, so that a refusal of one
+    value (a pickled optimizer hyper-parameter) says how to take out the rest."""
+    groups: dict = {}
+    cut = 0 if path is None else len(path) + 1
+    for e in entries:
+        if len(e.path) <= cut:
+            return ""  # the value at PATH itself: no part below it
+        head = e.path[:cut] + e.path[cut:].split(".", 1)[0]
+        groups.setdefault(head, []).append(e)
+    ok = []
+    for head, es in groups.items():
+        try:
+            check(es)
+        except UnsupportedType:
+            continue
+        ok.append(head)
+    if not ok:
+        return ""
+    more = f" (and {len(ok) - 8} more)" if len(ok) > 8 else ""
+    return "; the parts that can be: " + ", ".join(f"--path {h}" for h in ok[:8]) + more
 
 
 class _RecordingFile:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import time
 
 from .core import Core
-from .errors import (Fenced, InvalidArgument, InvalidName, OutcomeUnknown, RefConflict, RefNotFound, StorageError,
-                     TsckError)
+from .errors import (Fenced, IntegrityError, InvalidArgument, InvalidName, OutcomeUnknown, RefConflict, RefNotFound,
+                     StorageError, TsckError)
 from .format.manifest import decode_commit
 from .format.names import validate_name, validate_new_name
-from .ids import MIN_PREFIX, is_hex_prefix
+from .format.tree import DIGEST_SIZE
+from .ids import MIN_PREFIX, Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
 from .publish import Publisher
 
@@ -67,24 +68,89 @@ def fenced(core: Core, publisher: Publisher, root: bytes, target: str, fence: in
 
 
 def tag(core: Core, publisher: Publisher, name: str, target: str) -> SnapshotInfo:
-    """Create the immutable tag `name` of `target`; RefConflict if the name is taken."""
+    """Create the immutable tag `name` of `target`; RefConflict if the name is taken.
+    A full root (64 hex digits) that nothing keeps any more (its ref deleted, it
+    forgotten) but whose commit storage still holds is adopted, when every node and
+    block of it is present (as recover checks): see adopt."""
     validate_new_name(name, "tag name")
     if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
         raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
-    refs, assets = core.refs, core.assets
+    refs = core.refs
     fence = publisher.fence()  # before the target is looked at (see fenced)
-    root = core.resolve(target)
+    try:
+        root = core.resolve(target)
+    except RefNotFound as e:
+        root = _removed_root(core, target, e)
+        _check_free(refs, name)
+        row = _complete_row(core, root)  # before anything is written
+        return _make_tag(core, publisher, name, root, lambda: _adopt(core, publisher, name, root, row, fence))
+    _check_free(refs, name)
+    return _make_tag(core, publisher, name, root,
+                     lambda: fenced(core, publisher, root, target, fence, lambda f: refs.tag_create(name, root, fence=f)))
+
+
+def _check_free(refs, name: str) -> None:
     if refs.get_or_none(name) is not None:
         raise RefConflict(name, None, refs.get_or_none(name).hex(), what="tag (a ref has this name)")
     cur = refs.tag_get(name)
     if cur is not None:
         raise RefConflict(name, None, cur.hex(), what="tag")
+
+
+def _removed_root(core: Core, target: str, err: RefNotFound) -> Digest:
+    """The root `target` names when no ref, tag or catalog row does: a full root whose
+    commit storage still holds (a snapshot removed, gc not yet run); else `err`, told
+    how to name a removed snapshot."""
+    if len(target) == 2 * DIGEST_SIZE and is_hex_prefix(target):
+        root = Digest.parse(target)
+        if core.assets.has_commit(root):
+            return root
+        raise RefNotFound(f"no snapshot {target[:16]} in {core.url}: nothing keeps it and storage holds no commit "
+                          "of it (gc reclaimed it, or it never was)") from None
+    if is_hex_prefix(target):
+        raise RefNotFound(f"{err} (a snapshot removed by delete-ref or forget is named by its full root, 64 hex "
+                          "digits, as they print it, until gc reclaims it)") from None
+    raise err
+
+
+def _complete_row(core: Core, root: Digest) -> dict:
+    """The catalog row of the removed snapshot `root`, once every node of it verified
+    and every block of it was found present (as recover adopts a commit); IntegrityError
+    naming what is missing otherwise."""
+    from .recover import commit_row, incomplete
+    why = incomplete(core, root, set())
+    if why is not None:
+        raise IntegrityError(f"snapshot {root.hex()[:16]} cannot be tagged: nothing keeps it any more and {why} "
+                             "(gc has begun reclaiming it); nothing was created")
+    return commit_row(decode_commit(core.assets.get_commit(root)))
+
+
+def _adopt(core: Core, publisher: Publisher, name: str, root: Digest, row: dict, fence: int) -> None:
+    """The tag row of a removed snapshot, with its catalog row back (RefTable.tag_adopt),
+    in only while the gc epoch is still `fence`, read before the snapshot was found
+    complete: no deletion phase ran in between, and every later one re-marks what tags
+    and the catalog keep (gc.execute_gc) before it deletes, so it keeps the snapshot.
+    A deletion phase meanwhile (Fenced) may have swept part of it: wait it out, look
+    again, and go on only if it is still complete."""
+    while True:
+        try:
+            core.refs.tag_adopt(name, root, row, fence=fence)
+            return
+        except Fenced:
+            fence = publisher.wait_gc_idle()
+            row = _complete_row(core, root)
+
+
+def _make_tag(core: Core, publisher: Publisher, name: str, root: bytes, make) -> SnapshotInfo:
+    """The tag's storage object, then its row (make()); either half rolled back when the
+    other fails."""
+    refs, assets = core.refs, core.assets
     stored = assets.put_tag(name, root, time.time())
     if stored is not None and stored != root:  # another tag by this name exists in storage
         raise RefConflict(name, None, stored.hex() if stored else None, what="tag")
     assets.sync()
     try:
-        fenced(core, publisher, root, target, fence, lambda f: refs.tag_create(name, root, fence=f))
+        make()
     except OutcomeUnknown as e:
         # Its answer was lost: the row may be in or still landing, so the stored tag
         # stays (deleting it could leave a table tag that recover cannot rebuild).
@@ -143,17 +209,20 @@ def untag(core: Core, name: str) -> str:
     return root.hex()
 
 
-def forget(core: Core, publisher: Publisher, target: str) -> SnapshotInfo:
-    """Drop one snapshot from the catalog (recorded in its ref's reflog) -> what it was."""
+def forget(core: Core, publisher: Publisher, target: str, *, dry_run: bool = False) -> SnapshotInfo:
+    """Drop one snapshot from the catalog (recorded in its ref's reflog) -> what it was.
+    dry_run: the same checks and answer; nothing changes."""
     root = core.resolve(target)
     info = publisher.info(root)
-    core.refs.forget(root, info.ref)
+    core.refs.forget(root, info.ref, dry_run=dry_run)
     return info
 
 
-def delete_ref(core: Core, ref: str, expected: str | None) -> dict:
+def delete_ref(core: Core, ref: str, expected: str | None, *, dry_run: bool = False) -> dict:
     """Remove ref `ref`, only if it still points where `expected` (a root's hex or prefix)
-    says when given -> {"ref", "root", "snapshots_dropped"} (Store.delete_ref)."""
+    says when given -> {"ref", "root", "snapshots_dropped"} (Store.delete_ref). dry_run:
+    the same checks and answer, with "dropped" (the roots that would leave the catalog)
+    and "dry_run": True; nothing changes."""
     want = None
     if expected is not None:
         if not is_hex_prefix(expected):
@@ -163,5 +232,10 @@ def delete_ref(core: Core, ref: str, expected: str | None) -> dict:
         if not actual.hex().startswith(expected):
             raise RefConflict(ref, expected, actual.hex())
         want = actual  # the transaction deletes only if the ref still points exactly here
-    root, dropped = core.refs.delete_ref(ref, want)
-    return {"ref": ref, "root": root.hex(), "snapshots_dropped": dropped}
+    if not dry_run:
+        root, n = core.refs.delete_ref(ref, want)
+        return {"ref": ref, "root": root.hex(), "snapshots_dropped": n}
+    dropped: list = []
+    root, n = core.refs.delete_ref(ref, want, dry_run=True, dropped=dropped)
+    return {"ref": ref, "root": root.hex(), "snapshots_dropped": n, "dropped": [r.hex() for r in dropped],
+            "dry_run": True}

@@ -6,6 +6,9 @@ apart from the others)."""
 
 from __future__ import annotations
 
+import io
+import pickle
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,12 +16,13 @@ import numpy as np
 from .core import Core
 from .errors import FormatError, IntegrityError, InvalidArgument, RefNotFound, storage_error
 from .format import tree
+from .format.dcp import check_version, fqn_paths, is_dcp_top
 from .format.dtypes import DTYPE_ITEMSIZES
 from .format.manifest import decode_commit
 from .format.world import rank_top
 from .ids import Digest
 from .info import SnapshotInfo, row_to_info
-from .paths import FULL, SKIP, Selection, dotted
+from .paths import FULL, SKIP, Selection, dotted, key_str
 from .walk import iter_leaves, read_node
 
 __all__ = ["Entry", "list_tree", "diff", "history", "describe", "MAX_ENTRIES"]
@@ -81,21 +85,23 @@ def _entry(p: str, item) -> Entry:
 
 
 def list_tree(core: Core, root: Digest | str, path: str | None = None, *,
-              limit: int = MAX_ENTRIES) -> tuple[str, list]:
+              limit: int = MAX_ENTRIES, raw: bool = False) -> tuple[str, list]:
     """(root hex, [Entry]) of the values of the snapshot `root` (a Digest or its hex:
     Store.resolve(target) names it), in state order; with `path`, only
     that value or the values under it (nodes elsewhere are not read). Reads the commit
     and the manifest nodes it needs, never a block. A multi-rank snapshot lists rank 0's
     tree (what a single process's checkout returns; sharded tensors at their global
-    shape). InvalidArgument when nothing is at `path`; FormatError past `limit` values."""
+    shape). A snapshot written through dcp.save lists the state that was saved, at the
+    paths checkout(paths=) takes (raw=True: its stored layout, tensors.* and DCP's
+    metadata). InvalidArgument when nothing is at `path`; FormatError past `limit` values."""
     root = root if isinstance(root, Digest) else Digest.parse(root)
     try:
-        return root.hex(), list(_entries(core, root, path, limit))
+        return root.hex(), list(_entries(core, root, path, limit, raw))
     except OSError as e:
         raise storage_error(e, f"reading snapshot {root.hex()[:16]} of {core.url}") from e
 
 
-def _entries(core: Core, root: Digest, path: str | None, limit: int):
+def _entries(core: Core, root: Digest, path: str | None, limit: int, raw: bool = False):
     assets, verify, snap = core.assets, core.settings.verify, root.hex()
     top = decode_commit(assets.get_commit(root, verify=verify))["tree"]
     sel = None if path is None else Selection([path])
@@ -151,11 +157,147 @@ def _entries(core: Core, root: Digest, path: str | None, limit: int):
     v = node(top, (), 0, world=True)
     if type(v) is tree.World:
         v = node(rank_top(v, 0, lambda d: node(d, (), 0)), (), 0)
+    if not raw and is_dcp_top(v):
+        yield from _dcp_entries(v, node, sel, path, limit, snap, core.url)
+        return
     state = FULL if sel is None else sel.root
     if measure(v, (), 0, state)[1] == 0 and path is not None:
         raise InvalidArgument(f"snapshot {snap[:16]} in {core.url} holds nothing at {path!r} (paths are "
                               "dotted: model.layers.0.weight; `tsck ls` lists them)")
     yield from values(v, (), 0, state)
+
+
+def _dcp_entries(v, node, sel, path, limit: int, snap: str, url: str):
+    """The values of a dcp.save snapshot (top `v`) at the paths of the state that was
+    saved, in its order, as dcpview.read_dcp gives them back: each fqn at the path DCP
+    flattened it from (planner_data); a tensor at its global shape; a bytes item (what
+    DCP torch.save'd) as its plain value when it is one (read without torch), else
+    "pickled" with its size. Only the nodes of the top's sections are read."""
+    d = dict(v.items)
+    check_version(d["version"])
+    paths = fqn_paths(_plain(d["metadata"], node, ("metadata",), limit, snap), snap)
+
+    def section(name):
+        s = d[name]
+        if type(s) is tree.Ref:
+            s = node(s.digest, (name,), 1)
+        if type(s) is not tree.Container or s.kind != "d" or not all(type(k) is str for k, _ in s.items):
+            raise FormatError(f"DCP snapshot {snap[:16]}: its {name} are not a map of str keys")
+        return dict(s.items)
+
+    tensors, byts = section("tensors"), section("bytes")
+    stored = [f for f in paths if f in tensors or f in byts]
+    stored += [f for f in list(tensors) + list(byts) if f not in paths]
+    n = 0
+    for f in stored:
+        p = dotted(paths.get(f, (f,)))
+        if sel is not None and not sel.covers(p):
+            continue
+        if f in tensors:
+            item = tensors[f]
+            if type(item) is tree.Ref:
+                item = node(item.digest, ("tensors", f), 2)
+            e = _entry(p, item)
+            got = [Entry(p, "tensor" if e.kind == "sharded" else e.kind, e.dtype, e.shape, e.nbytes,
+                         blocks=e.blocks)]
+        else:
+            got = _bytes_entries(p, byts[f], node, f)
+        n += len(got)
+        if n > limit:
+            raise FormatError(f"snapshot {snap[:16]} names more than {limit} values; give a PATH to list a part of it")
+        yield from got
+    if n == 0 and path is not None:
+        raise InvalidArgument(f"snapshot {snap[:16]} in {url} holds nothing at {path!r} (paths are dotted: "
+                              "model.layers.0.weight; `tsck ls` lists them)")
+
+
+def _plain(v, node, parts, limit: int, snap: str):
+    """A manifest value of plain values (DCP's metadata) -> python, its nodes read."""
+    count = 0
+
+    def conv(x, p):
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise FormatError(f"DCP snapshot {snap[:16]}: its metadata holds more than {limit} values")
+        if type(x) is tree.Ref:
+            x = node(x.digest, p, len(p))
+        if type(x) is tree.Container:
+            if x.kind in ("d", "o"):
+                return {k: conv(y, p + (k,)) for k, y in x.items}
+            out = [conv(y, p + (i,)) for i, y in enumerate(x.items)]
+            return tuple(out) if x.kind == "t" else out
+        return x
+
+    return conv(v, parts)
+
+
+_SAVED_MAX = 1 << 20  # the pickle of a bytes item read for ls (DCP stores larger ones in blocks)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Plain values only: every global and persistent id is refused, so nothing runs."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"global {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent id")
+
+
+def _saved_plain(raw: bytes):
+    """(True, value) of a torch.save'd value that is plain data (None, bool, int, float,
+    str, bytes, and lists, tuples and dicts of them), read without torch; (False, None)
+    for anything else (a tensor, an object: checkout loads those with torch's
+    weights_only loader, or refuses them)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            infos = [i for i in z.infolist() if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+            if len(infos) != 1 or infos[0].compress_type != zipfile.ZIP_STORED or infos[0].file_size > _SAVED_MAX:
+                return False, None
+            data = z.read(infos[0])
+        value = _PlainUnpickler(io.BytesIO(data)).load()
+    except Exception:  # noqa: BLE001 - stored bytes are untrusted: anything odd is "pickled"
+        return False, None
+    budget = [10_000]
+
+    def plain(x, depth) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 32:
+            return False
+        if x is None or type(x) in (bool, int, float, str, bytes):
+            return True
+        if type(x) in (list, tuple):
+            return all(plain(y, depth + 1) for y in x)
+        if type(x) is dict:
+            return all(type(k) in (str, int) and plain(y, depth + 1) for k, y in x.items())
+        return False
+
+    return (True, value) if plain(value, 0) else (False, None)
+
+
+def _bytes_entries(p: str, item, node, fqn: str) -> list:
+    """The entries of one DCP bytes item at path `p`: its plain value's, as a native
+    snapshot of the same value lists them; else one "pickled" entry."""
+    if type(item) is tree.Ref:
+        item = node(item.digest, ("bytes", fqn), 2)
+    if type(item) is not bytes:  # a large item, in blocks: ls reads none
+        return [Entry(p, "pickled", nbytes=getattr(item, "nbytes", 0), blocks=len(getattr(item, "blocks", ())))]
+    ok, value = _saved_plain(item)
+    if not ok:
+        return [Entry(p, "pickled", nbytes=len(item))]
+    out = []
+    stack = [(value, p)]
+    while stack:
+        x, q = stack.pop()
+        if type(x) in (list, tuple, dict) and x:
+            kids = list(x.items()) if type(x) is dict else list(enumerate(x))
+            stack.extend((y, f"{q}.{key_str(k)}") for k, y in reversed(kids))
+        elif type(x) in (list, tuple, dict):
+            out.append(Entry(q, {list: "list", tuple: "tuple", dict: "dict"}[type(x)]))
+        else:
+            out.append(_entry(q, x))
+    return out
 
 
 def diff(core: Core, ra: Digest, rb: Digest) -> dict:

@@ -44,7 +44,7 @@ from .format.names import validate_name
 from .refs.history import RECOVERED
 from .walk import walk_commit
 
-__all__ = ["RecoverReport", "run_recover"]
+__all__ = ["RecoverReport", "run_recover", "incomplete", "commit_row"]
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,10 @@ def _moved_by_recover(rt, ref: str, cur: bytes) -> bool:
     return bool(log) and log[-1].new == cur and log[-1].message == RECOVERED
 
 
-def _incomplete(core: Core, root: bytes, present: set) -> str | None:
-    """Why the snapshot `root` cannot be adopted (a node unreadable, a block missing), or None."""
+def incomplete(core: Core, root: bytes, present: set) -> str | None:
+    """Why the snapshot `root` cannot be adopted (a node unreadable, a block missing), or
+    None: every node verified, every block present (recover, and a tag of a removed
+    snapshot by its root: lifecycle.tag). present: blocks known to exist (filled in)."""
     try:
         for obj in walk_commit(core.assets, root, verify=True):
             if obj.kind == "block" and obj.digest not in present:
@@ -80,6 +82,16 @@ def _incomplete(core: Core, root: bytes, present: set) -> str | None:
     except (IntegrityError, FormatError, UnreadableObject) as e:
         return f"its tree is incomplete: {e}"
     return None
+
+
+def commit_row(c: dict) -> dict:
+    """The catalog row of a snapshot, from its decoded commit."""
+    st = c.get("stats") or {}
+    return {"job": c["job"], "ref": c["ref"], "step": c["step"], "time": c["time"],
+            "metrics": c["metrics"], "meta": c.get("meta") or {}, "parent": c.get("parent"),
+            "tree": c["tree"], **{k: int(st.get(k, 0)) for k in
+                                  ("bytes_total", "bytes_new", "blocks_total", "blocks_new")},
+            **({"stored_new": int(st["stored_new"])} if "stored_new" in st else {})}
 
 
 def _history_order(items) -> list:
@@ -157,7 +169,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
                                                           or float(c["time"]) <= deleted[c["ref"]])):
             rep.skipped[root.hex()] = "removed by a user (forget or delete-ref): not brought back"
             continue
-        why = _incomplete(core, root, present)
+        why = incomplete(core, root, present)
         if why is not None:
             # A commit whose tree gc swept (written just after a gc began, its writer's
             # fenced move failed and it re-uploaded) or that a crash left half-written:
@@ -165,12 +177,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
             rep.skipped[root.hex()] = why
             log.info("recover: commit %s not adopted: %s", root.hex()[:16], why)
             continue
-        st = c.get("stats") or {}
-        row = {"job": c["job"], "ref": c["ref"], "step": c["step"], "time": c["time"],
-               "metrics": c["metrics"], "meta": c.get("meta") or {}, "parent": c.get("parent"),
-               "tree": c["tree"], **{k: int(st.get(k, 0)) for k in
-                                     ("bytes_total", "bytes_new", "blocks_total", "blocks_new")},
-               **({"stored_new": int(st["stored_new"])} if "stored_new" in st else {})}
+        row = commit_row(c)
         if rt.catalog_put_if_absent(root, row):
             rep.catalog_rows_added += 1
         step = c["step"] if isinstance(c["step"], int) else -1

@@ -675,7 +675,14 @@ class Store:
 
         The tag is also written to storage (``tags/<hex>``), so `recover` can
         rebuild it; that object is created exclusively, so it is the tag's
-        single source of truth across hosts (lifecycle.py)."""
+        single source of truth across hosts (lifecycle.py).
+
+        `target` may be the full root (64 hex digits) of a snapshot nothing keeps any
+        more (its ref deleted, it forgotten) whose commit storage still holds: it is
+        brought back (tagged, its catalog row restored) when every node and block of
+        it is present, as recover checks, and IntegrityError names what is missing
+        otherwise (a gc has begun reclaiming it). Safe beside a gc: fenced on its
+        deletion epoch (lifecycle.tag)."""
         validate_new_name(name, "tag name")
         self._writable("tag")
         return lifecycle.tag(self.core, self.publisher, name, target)
@@ -710,16 +717,20 @@ class Store:
         return root.hex()
 
     @_public
-    def delete_ref(self, ref: str, *, expected: str | None = None) -> dict:
+    def delete_ref(self, ref: str, *, expected: str | None = None, dry_run: bool = False) -> dict:
         """Remove ref `ref` (RefConflict if `expected`, a root's hex or prefix, no longer
         names what it points at; RefNotFound if there is no such ref). Its reflog keeps a
         record of the removal; the snapshots of its history that nothing else keeps (another
         ref, a tag, a pin) leave the catalog in the same transaction, so the next gc or
-        prune reclaims their objects. The name may be used again by a later put.
-        -> {"ref", "root", "snapshots_dropped"}."""
+        prune reclaims their objects. The name may be used again by a later put. Until a
+        gc reclaims it, tag(name, root) brings a removed snapshot back.
+        dry_run: the same checks and answer, nothing changed (a read-only store answers too).
+        -> {"ref", "root", "snapshots_dropped"}; a dry run adds "dropped" (the roots' hex of
+        the snapshots that would no longer be kept) and "dry_run": True."""
         validate_name(ref)
-        self._writable("delete_ref")
-        return lifecycle.delete_ref(self.core, ref, expected)
+        if not dry_run:
+            self._writable("delete_ref")
+        return lifecycle.delete_ref(self.core, ref, expected, dry_run=dry_run)
 
     @_public
     def untag(self, name: str) -> str:
@@ -730,12 +741,14 @@ class Store:
         return lifecycle.untag(self.core, name)
 
     @_public
-    def forget(self, target: str) -> SnapshotInfo:
+    def forget(self, target: str, *, dry_run: bool = False) -> SnapshotInfo:
         """Drop one snapshot (REF@STEP, or a root) from the catalog so gc reclaims what
         only it holds; recorded in its ref's reflog. Refused (InvalidArgument) while it is
-        a ref's tip, a tag's target or pinned. -> what it was."""
-        self._writable("forget")
-        return lifecycle.forget(self.core, self.publisher, target)
+        a ref's tip, a tag's target or pinned. Until a gc reclaims it, tag(name, root)
+        brings it back. dry_run: the same checks and answer, nothing changed. -> what it was."""
+        if not dry_run:
+            self._writable("forget")
+        return lifecycle.forget(self.core, self.publisher, target, dry_run=dry_run)
 
     @_public
     def du(self) -> dict:

@@ -186,13 +186,16 @@ class RefTable(RefHistory, GcStateMachine, ABC):
 
         self._write(txn)
 
-    def delete_ref(self, name: str, expected: bytes | None = None, *, message: str = "deleted") -> tuple[bytes, int]:
+    def delete_ref(self, name: str, expected: bytes | None = None, *, message: str = "deleted",
+                   dry_run: bool = False, dropped: list | None = None) -> tuple[bytes, int]:
         """Remove ref `name` (RefConflict if `expected` is given and it points elsewhere;
         RefNotFound if there is no such ref), recording the removal in its reflog. In the
         same transaction the catalog rows of its history go, except those something else
         keeps (another ref's tip or history, a tag, a pin), so gc reclaims their objects.
-        -> (the root it pointed at, catalog rows dropped). Needs no gc fence: it only
-        shrinks what is kept, and a gc that already marked keeps more, never less."""
+        -> (the root it pointed at, catalog rows dropped; `dropped`, when given, gets their
+        roots). Needs no gc fence: it only shrinks what is kept, and a gc that already
+        marked keeps more, never less. dry_run: the same answer from a read transaction;
+        nothing changes."""
         key = name.encode()
 
         def txn(t: Txn):
@@ -201,9 +204,11 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                 raise RefNotFound(f"no ref named {name!r}")
             if expected is not None and actual != expected:
                 raise RefConflict(name, _hex(expected), _hex(actual))
-            t.delete("refs", key)
-            mine, others = set(), _protected(t)  # without this ref's tip
-            live = {k for k, _ in t.items("refs")}
+            # What else keeps a snapshot: the other refs' tips, tags, pins (and, below, histories).
+            others = {v for k, v in t.items("refs") if k != key} | {v for _, v in t.items("tags")} \
+                | {k for k, _ in t.items("pins")}
+            mine = set()
+            live = {k for k, _ in t.items("refs")} - {key}
             for k, v in t.items("reflog"):
                 name_key, _seq = _split_reflog_key(k)
                 if name_key == key or name_key in live:  # a deleted ref's history keeps nothing
@@ -216,24 +221,27 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                         mine.add(root)
                 except FormatError:
                     pass  # an odd row is fsck's business, not a reason to refuse the delete
+            drop = [root for root in sorted((mine | {actual}) - others) if t.get("catalog", root) is not None]
+            if dropped is not None:
+                dropped[:] = drop
+            if dry_run:
+                return actual, len(drop)
+            t.delete("refs", key)
             for k, _root in list(t.items("steps", key + b"\0")):  # REF@STEP names the ref no more
                 t.delete("steps", k)
-            dropped = 0
-            for root in (mine | {actual}) - others:
-                if t.get("catalog", root) is not None:
-                    t.delete("catalog", root)
-                    t.delete("meta", _EVICTED + root)  # a local tier's mark goes with its row
-                    dropped += 1
+            for root in drop:
+                t.delete("catalog", root)
+                t.delete("meta", _EVICTED + root)  # a local tier's mark goes with its row
             _append_reflog(t, key, actual, actual, message, "delete", None)
-            return actual, dropped
+            return actual, len(drop)
 
-        return self._write(txn)
+        return self._read(txn) if dry_run else self._write(txn)
 
-    def forget(self, root: bytes, ref: str, *, message: str = "forgotten") -> None:
+    def forget(self, root: bytes, ref: str, *, message: str = "forgotten", dry_run: bool = False) -> None:
         """Drop the catalog row of snapshot `root` (of ref `ref`'s history), so gc reclaims
         what only it holds; recorded in `ref`'s reflog. Refused (InvalidArgument, naming
         what keeps it) while it is a ref's tip, a tag's target or pinned; RefNotFound if
-        it has no catalog row."""
+        it has no catalog row. dry_run: the same checks in a read transaction; nothing changes."""
         key = ref.encode()
 
         def txn(t: Txn):
@@ -245,12 +253,13 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             if why:
                 raise InvalidArgument(f"snapshot {root.hex()[:16]} is {', '.join(why)}: move or delete the ref, "
                                       "untag or unpin it first")
+            if dry_run:
+                return
             t.delete("catalog", root)
             t.delete("meta", _EVICTED + root)
             _append_reflog(t, key, root, root, message, "forget", None)
 
-        self._write(txn)
-
+        self._read(txn) if dry_run else self._write(txn)
 
     def list(self, prefix=""):
         return self._read(lambda t: [(_name(k, "ref"), v) for k, v in t.items("refs", prefix.encode())])
@@ -322,6 +331,31 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             t.put("tags", key, root)
 
         self._write(txn)
+
+    def tag_adopt(self, name: str, root: bytes, row: dict, *, fence: int) -> bool:
+        """Tag `root`, a snapshot that may be kept no more (its ref deleted, it forgotten)
+        but whose objects the caller found all present under the gc epoch `fence`: the
+        tag and, if it has none, its catalog row `row` go in together, only while the
+        epoch is still `fence` and even (Fenced otherwise): no deletion phase ran since
+        the caller looked, and every later one re-marks what tags and the catalog keep.
+        RefConflict as for tag_create. -> whether the catalog row was added."""
+        key = name.encode()
+
+        def txn(t):
+            _check_fence(t, fence)
+            cur = t.get("tags", key)
+            if cur is not None:
+                raise RefConflict(name, None, _hex(cur), what="tag")
+            ref = t.get("refs", key)
+            if ref is not None:
+                raise RefConflict(name, None, _hex(ref), what="tag (a ref has this name)")
+            added = t.get("catalog", root) is None
+            if added:
+                t.put("catalog", root, encode_record(row))
+            t.put("tags", key, root)
+            return added
+
+        return self._write(txn)
 
     def tags(self):
         return self._read(lambda t: [(_name(k, "tag"), v) for k, v in t.items("tags")])
