@@ -170,7 +170,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
                "metrics": c["metrics"], "meta": c.get("meta") or {}, "parent": c.get("parent"),
                "tree": c["tree"], **{k: int(st.get(k, 0)) for k in
                                      ("bytes_total", "bytes_new", "blocks_total", "blocks_new")},
-               **({"stored_new": int(st["stored_new"])} if "stored_new" in st else {})}
+               **{k: int(st[k]) for k in ("stored_new", "put_us", "stall_us") if k in st}}
         if rt.catalog_put_if_absent(root, row):
             rep.catalog_rows_added += 1
         step = c["step"] if isinstance(c["step"], int) else -1
