@@ -725,6 +725,15 @@ class Store:
         return lifecycle.pin(self.core, self.publisher, target)
 
     @_public
+    def pins(self, *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
+        """root hex -> SnapshotInfo of every pinned snapshot (pin() keeps one until
+        unpin(), through retention and gc), oldest commit first. One that cannot be
+        described raises FormatError (or IntegrityError), or with errors={} goes there
+        (root hex -> error) and the others are listed, as for refs()."""
+        infos = self._infos(((r.hex(), r) for r in self.reftable.pins()), errors)
+        return dict(sorted(infos.items(), key=lambda kv: (kv[1].time, kv[0])))
+
+    @_public
     def unpin(self, target: str) -> str:
         self._writable("unpin")
         root = self._root(target)
