@@ -214,7 +214,8 @@ class CheckpointManager:
 
     on_commit=fn: fn(CommitEvent) after each committed snapshot of the manager (on the
     store's background thread for an asynchronous one; on every rank of a collective
-    one). An exception in fn is logged, never raised into training. Each commit is also
+    one; wait() and close() return once it ran). An exception in fn is logged, never
+    raised into training; fn must not call the manager's wait() or close(). Each commit is also
     logged at INFO (logger tensorstore_ck), each failed or skipped snapshot with why.
     restore_latest(progress=True) shows the bytes read as a bar on stderr."""
 
@@ -322,7 +323,28 @@ class CheckpointManager:
         self.on_commit = on_commit
         self._local_failures = 0   # this process's own failed snapshots (a collective one: failed_snapshots)
         self._last_commit: float | None = None  # commit time of the job's newest committed snapshot
-        self._watch_lock = threading.Lock()
+        self._watch_lock = threading.Condition()
+        self._callbacks = 0  # done-callbacks of asynchronous snapshots not run yet (wait() waits for them)
+
+    def _track(self, fut, callback) -> None:
+        """fut.add_done_callback(callback), counted until it ran: a future's waiters wake
+        before its callbacks run, so wait() and close() wait for these too (the hook has
+        seen every snapshot they waited for)."""
+        with self._watch_lock:
+            self._callbacks += 1
+
+        def run(f):
+            try:
+                callback(f)
+            finally:
+                with self._watch_lock:
+                    self._callbacks -= 1
+                    self._watch_lock.notify_all()
+        fut.add_done_callback(run)
+
+    def _wait_callbacks(self) -> None:
+        with self._watch_lock:
+            self._watch_lock.wait_for(lambda: self._callbacks == 0)
 
     def _watched(self, put):
         """A put of this process alone: its commit (now, or when its future completes) goes
@@ -331,14 +353,14 @@ class CheckpointManager:
             res = put()
         except (InvalidArgument, UnsupportedType, InvalidName):
             raise
-        except BaseException:
+        except Exception:
             with self._watch_lock:
                 self._local_failures += 1
             raise
         if res is None:
             pass  # skipped (when_busy="skip"): the store logged it
         elif hasattr(res, "add_done_callback"):
-            res.add_done_callback(self._async_done)
+            self._track(res, self._async_done)
         else:
             self._committed(res)
         return res
@@ -428,7 +450,7 @@ class CheckpointManager:
         except (TsckError, OSError) as e:
             return self._snapshot_failed(e, kw["step"], best_before)
         if self.async_:
-            res.add_done_callback(lambda fut: self._collective_done(fut, kw["step"], best_before))
+            self._track(res, lambda fut: self._collective_done(fut, kw["step"], best_before))
             if rank0_prunes:
                 self.store._after_in_flight(lambda: self._pruner.run_after(res))
         else:
@@ -575,6 +597,7 @@ class CheckpointManager:
         for the background prune they asked for. Under torch.distributed a failed
         snapshot is not raised (the manager reported it when it ended)."""
         self.store.wait()
+        self._wait_callbacks()
         if not self._collective():
             self._raise_pending()
         if prune and self._pruner is not None:
