@@ -484,8 +484,13 @@ class CheckpointManager:
             self.best = best_before  # the next improvement on what is stored takes one
         log.warning("CheckpointManager %s: the snapshot of step %s could not be taken: %s: %s (training goes "
                     "on; the next policy point takes one; %d failed so far)", self.job, step,
-                    type(e).__name__, e, self.failed_snapshots)
+                    type(e).__name__, e, self.failed_snapshots, extra=self._failed_fields(e, step))
         return None
+
+    def _failed_fields(self, e: BaseException, step) -> dict:
+        """The fields of a failed snapshot's log record (`tsck --log-format json`, a log shipper)."""
+        return {"tsck": {"event": "failed", "ref": self.ref, "job": self.job, "step": step,
+                         "why": f"{type(e).__name__}: {e}", "failures": self.failed_snapshots}}
 
     def _count_failure(self, e: BaseException) -> None:
         with self._failures_lock:
