@@ -318,8 +318,10 @@ class Store:
             return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected)
 
         if is_collective(group):
+            stalled: list = []  # an asynchronous put's staging time, once staged
             call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare,
-                                 tier=self._collective_tier())
+                                 tier=self._collective_tier(),
+                                 timing=lambda: Timing(started, stall=stalled[0] if stalled else None))
             if not blocking:
                 def stage():
                     args = prepare()
@@ -328,7 +330,9 @@ class Store:
                             "when_busy='skip' cannot apply to a collective snapshot: the ranks would skip different "
                             "ones; pass when_busy='wait' (an asynchronous collective put waits for a free slot)")
                     plan = self.planner(allow_pickle, defer_device=True).plan(state)
-                    return args, plan, self._puts.stage(plan, wait=True)
+                    buf = self._puts.stage(plan, wait=True)
+                    stalled.append(time.monotonic() - started)
+                    return args, plan, buf
                 return self._puts.submit_collective(call, stage)
 
             self.wait()  # the asynchronous ones first (named already): the calls run in call order
