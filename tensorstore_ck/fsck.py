@@ -146,7 +146,7 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
     epoch0 = core.refs.gc_state()["epoch"]
     names = _names(core)
     bad_rows: list = []
-    for _r, _row in core.refs.catalog_iter(bad=bad_rows):
+    for _ in core.refs.catalog_iter(bad=bad_rows):  # (read for its malformed rows)
         pass
     for root, err in bad_rows:  # the snapshot is still checked below, from its commit
         rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
