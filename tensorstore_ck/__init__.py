@@ -124,7 +124,8 @@ __version__ = "0.1.0"
 # The training helpers import torch (as do put_snapshot and checkout, when first called);
 # loaded when first named, so `import tensorstore_ck` and the `tsck` commands that only
 # read refs and manifests (refs, log, fsck, gc) start without torch.
-_LAZY = {"ResumableDataLoader": "loader", "TrainState": "train", "CheckpointManager": "train"}
+_LAZY = {"ResumableDataLoader": "loader", "TrainState": "train", "CheckpointManager": "train",
+         "CommitEvent": "train"}
 
 
 def __getattr__(name: str):
@@ -145,7 +146,7 @@ def __dir__():
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
-    "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager",
+    "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager", "CommitEvent",
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",

@@ -137,14 +137,19 @@ def _holds_snapshots(store) -> bool:
 def cmd_refs(store, args):
     bad_refs: dict = {}
     bad_tags: dict = {}
+    bad_pins: dict = {}
     refs = store.refs(errors=bad_refs)
     tags = store.tags(errors=bad_tags)
-    obj = {"refs": {k: v.to_json() for k, v in refs.items()}, "tags": {k: v.to_json() for k, v in tags.items()}}
+    pins = store.pins(errors=bad_pins)
+    obj = {"refs": {k: v.to_json() for k, v in refs.items()}, "tags": {k: v.to_json() for k, v in tags.items()},
+           "pins": {k: v.to_json() for k, v in pins.items()}}
     lines = [f"{name:<32} {_line(info)}" for name, info in refs.items()]
     lines += [f"tag {name:<28} {_line(info)}" for name, info in tags.items()]
-    if bad_refs or bad_tags:  # one odd snapshot is one line; the others are listed (exit 1)
+    lines += _pin_lines(pins)
+    if bad_refs or bad_tags or bad_pins:  # one odd snapshot is one line; the others are listed (exit 1)
         obj["unreadable"] = {**{k: str(e) for k, e in bad_refs.items()},
-                             **{f"tag:{k}": str(e) for k, e in bad_tags.items()}}
+                             **{f"tag:{k}": str(e) for k, e in bad_tags.items()},
+                             **{f"pin:{k}": str(e) for k, e in bad_pins.items()}}
         lines += [f"{name:<32} unreadable: {e}" for name, e in obj["unreadable"].items()]
     if not lines and _holds_snapshots(store):
         # An empty ref table over a store that holds commits is a lost table, not an empty store.
@@ -153,7 +158,18 @@ def cmd_refs(store, args):
         _out(args, {**obj, "problem": problem}, f"(no refs)\nPROBLEM: {problem}")
         return 1
     _out(args, obj, "\n".join(lines) if lines else "(no refs)")
-    return 1 if bad_refs or bad_tags else 0
+    return 1 if bad_refs or bad_tags or bad_pins else 0
+
+
+def _pin_lines(pins: dict) -> list[str]:
+    """`tsck refs`: a pinned snapshot is kept until unpinned, so it is listed with the refs
+    and tags that keep snapshots (by its ref and step: a pin has no name of its own)."""
+    return [f"pin {f'{i.ref}@{i.step}' if i.step is not None else i.ref:<28} {_line(i)}" for i in pins.values()]
+
+
+def _pinned(store) -> set[str]:
+    """The pinned roots (hex), to mark them in `log` and `show`."""
+    return {r.hex() for r in store.reftable.pins()}
 
 
 def cmd_log(store, args):
@@ -161,7 +177,9 @@ def cmd_log(store, args):
     infos = store.log(args.ref, errors=bad)
     if args.max_count is not None:  # git log -n: the newest N
         infos = infos[:args.max_count]
-    _out(args, [i.to_json() for i in infos], "\n".join(_line(i) for i in infos) or "(empty)")
+    pinned = _pinned(store)
+    _out(args, [{**i.to_json(), "pinned": i.root in pinned} for i in infos],
+         "\n".join(_line(i) + ("  [pinned]" if i.root in pinned else "") for i in infos) or "(empty)")
     for r, e in bad.items():  # one odd snapshot is one line; the others are listed (exit 1)
         print(f"tsck: unreadable snapshot {r[:16]} in the history of {args.ref}: {e}", file=sys.stderr)
     return 1 if bad else 0
@@ -175,9 +193,20 @@ def cmd_show(store, args):
         f"metrics   {_dumps(i.metrics)}", f"meta      {_dumps(i.meta)}",
         f"bytes     {_human(i.bytes_total)} in {i.blocks_total} blocks; "
         f"{_human(i.bytes_new)} in {i.blocks_new} blocks were new",
-    ])
-    _out(args, i.to_json(), text)
+    ] + _watch_lines(i, pinned := i.root in _pinned(store)))
+    _out(args, {**i.to_json(), "pinned": pinned}, text)
     return 0
+
+
+def _watch_lines(i: SnapshotInfo, pinned: bool) -> list[str]:
+    """`tsck show`: how long the put took and how long it stalled its caller (when the
+    commit recorded it), and whether a pin keeps the snapshot."""
+    lines = []
+    if i.seconds is not None:
+        lines.append(f"took      {i.seconds:.3f}s" + (f" (the caller was blocked {i.stall:.3f}s)"
+                                                      if i.stall is not None else ""))
+    lines.append(f"pinned    {'yes (kept until `tsck unpin`)' if pinned else 'no'}")
+    return lines
 
 
 def cmd_du(store, args):
@@ -645,6 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "positional is not a URL (scheme://) or an existing path. Exit codes: 0 ok, 1 problems "
                        "found or a failure of the environment (a full disk, a server away), 2 a user error.")
     p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
+    _add_log_options(p, top=True)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
 
     def add(name, fn, help, *pos):
@@ -662,6 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                        help="fsspec storage option (VALUE parsed as JSON when it is JSON); "
                             "adds to $TSCK_STORAGE_OPTIONS")
+        _add_log_options(s, top=False)
         s.set_defaults(fn=fn)
         return s
 
@@ -740,6 +771,79 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--step", type=int, default=None, help="the snapshot's step")
     im.add_argument("--job", default=None, help="the snapshot's job (default: the ref's first component)")
     return p
+
+
+_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _level(v: str) -> str:
+    if v.lower() not in _LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(_LEVELS)}, got {v!r}")
+    return v.lower()
+
+
+def _log_format(v: str) -> str:
+    if v not in ("text", "json"):
+        raise argparse.ArgumentTypeError(f"must be text or json, got {v!r}")
+    return v
+
+
+def _add_log_options(p, *, top: bool) -> None:
+    """-v, --log-level, --log-format: before the command (`tsck -v gc STORE`) or after it
+    (`tsck gc STORE -v`); after it they are only set when given (SUPPRESS), so they never
+    undo what was given before the command."""
+    d = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("-v", "--verbose", action="count", help="log what the store does on stderr: -v INFO "
+                   "(each snapshot, gc and prune step), -vv DEBUG", **({"default": 0} if top else d))
+    p.add_argument("--log-level", type=_level, metavar="LEVEL", help=f"log at LEVEL ({', '.join(_LEVELS)})",
+                   **({"default": None} if top else d))
+    # (a type, not choices=: _dash_hint reads a top-level action's choices as the commands)
+    p.add_argument("--log-format", type=_log_format, metavar="FORMAT", help="log lines as text (default) or json: one JSON "
+                   "object a line (time, level, logger, message and the event's fields)",
+                   **({"default": None} if top else d))
+
+
+class _JsonLogFormatter:
+    """One JSON object per log record: what a log shipper indexes. A record with a `tsck`
+    attribute (a committed, skipped or failed snapshot) carries its fields too."""
+
+    def format(self, record) -> str:
+        import datetime
+        obj = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(),
+               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        fields = getattr(record, "tsck", None)
+        if isinstance(fields, dict):
+            obj.update({k: v for k, v in fields.items() if k not in obj})
+        if record.exc_info:
+            import logging
+            obj["exception"] = logging.Formatter().formatException(record.exc_info)
+        return _dumps(obj)
+
+
+def _setup_logging(args):
+    """Log records of the tensorstore_ck loggers on stderr when asked (-v, --log-level,
+    --log-format) -> a function that undoes it (main() may run again in one process).
+    Not asked: nothing changes (warnings reach stderr through Python's last resort)."""
+    import logging
+    verbose, level, fmt = args.verbose or 0, args.log_level, args.log_format
+    if not verbose and level is None and fmt is None:
+        return lambda: None
+    if level is None:
+        level = "debug" if verbose >= 2 else "info" if verbose == 1 else "warning"
+    lg = logging.getLogger("tensorstore_ck")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLogFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    old_level, old_propagate = lg.level, lg.propagate
+    lg.addHandler(handler)
+    lg.setLevel(getattr(logging, level.upper()))
+    lg.propagate = False  # (once, not again through a handler the root logger may have)
+
+    def undo():
+        lg.removeHandler(handler)
+        lg.setLevel(old_level)
+        lg.propagate = old_propagate
+    return undo
 
 
 def _dash_hint(parser, argv) -> str:
@@ -840,6 +944,7 @@ def main(argv=None) -> int:
     except _Usage as e:
         print(f"tsck: error: {e}", file=sys.stderr)
         return 2
+    undo_logging = _setup_logging(args)
     try:
         # Only recover may create a ref table (to rebuild a lost one); nothing creates a store.
         with open_store(args.store, refs=refs, storage_options=storage_options, create=False,
@@ -855,3 +960,5 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # `tsck ... | head`: the reader left; not an error of ours
         sys.stdout = None
         return 0
+    finally:
+        undo_logging()

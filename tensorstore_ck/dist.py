@@ -729,6 +729,7 @@ class CollectiveJob:
     # others, and every rank queues its upload once the snapshot is published locally.
     tier: Any = None
     resolve: "Callable[[str], Digest] | None" = None     # checkout: rank 0 resolves with it (default core.resolve)
+    timing: "Callable[[], Any] | None" = None  # put: -> publish.Timing of this rank's call (rank 0's is recorded)
 
 
 def collective_put(job: CollectiveJob):
@@ -752,11 +753,11 @@ def run_put(ch: "_Channel", job: CollectiveJob):
     from here, not from begin_put: a staged put may wait behind earlier ones."""
     ch.restart()
     ch.cleanup_old()
-    return _outcome_round(ch, lambda: _put(ch, job.publisher, job.plan, job.prepare, job.tier),
+    return _outcome_round(ch, lambda: _put(ch, job.publisher, job.plan, job.prepare, job.tier, job.timing),
                           f"collective put_snapshot (call {ch.pfx})")
 
 
-def _put(ch: _Channel, publisher, plan, prepare, tier=None):
+def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
     W, rank = ch.world, ch.rank
     args = _guard(ch, prepare)
     plan_ = _guard(ch, plan)
@@ -926,7 +927,7 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None):
     rounds = [0]
     try:
         info = publisher.commit(
-            top, args, stats=stats, fence=fence, meta_extra={"world": W},
+            top, args, stats=stats, fence=fence, meta_extra={"world": W}, timing=timing() if timing else None,
             revalidate=lambda body, new_fence: _revalidation_round(ch, publisher, rounds, revalidate_mine,
                                                                    part["top"], body, new_fence))
     except OutcomeUnknown as e:

@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .core import Core
-from .errors import FormatError, IntegrityError, UnreadableObject, storage_error
+from .errors import FormatError, IntegrityError, TsckError, UnreadableObject, storage_error
 from .format import frame
 from .gc import DEFAULT_LEASE, Lease, holding_gc_lock
 from .progress import progress_bar
@@ -131,14 +131,30 @@ def run_fsck(core: Core, *, full: bool = True, progress: bool = False, repair: b
     return rep
 
 
+def _block_bytes(core: Core, roots: list) -> int:
+    """The bar's total: the bytes of the distinct blocks the check reads, each once however
+    many snapshots share it (what _check re-hashes, so the bar ends at 100%). One walk of
+    the distinct nodes, unverified (the check verifies them); only when a bar is shown.
+    What cannot be walked here is left out: the check reports it."""
+    sizes: dict[bytes, int] = {}
+    seen: set = set()
+    for root in roots:
+        try:
+            for obj in walk_commit(core.assets, root, verify=False, skip_nodes=seen):
+                if obj.kind == "block":
+                    sizes[obj.digest] = obj.nbytes or 0
+        except TsckError:
+            continue
+    return sum(sizes.values())
+
+
 def _check(core: Core, rep: FsckReport, progress: bool) -> None:
     full = rep.full
     epoch0 = core.refs.gc_state()["epoch"]
     names = _names(core)
     bad_rows: list = []
-    logical = 0  # the bar's total: every snapshot's bytes, as the walk meets them
-    for _r, row in core.refs.catalog_iter(bad=bad_rows):
-        logical += int(row.get("bytes_total", 0))
+    for _ in core.refs.catalog_iter(bad=bad_rows):  # (read for its malformed rows)
+        pass
     for root, err in bad_rows:  # the snapshot is still checked below, from its commit
         rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
     evicted = core.refs.evicted()  # a local tier's budget dropped them on purpose: the remote has them
@@ -148,7 +164,7 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()
     pool = core.pool
-    bar = progress_bar(progress, "fsck", total=logical or None, unit="B")
+    bar = progress_bar(progress, "fsck", total=_block_bytes(core, roots) or None, unit="B") if progress else None
 
     def check_block(d: bytes, n: int):
         if full:
@@ -191,8 +207,7 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
             rep.objects_checked += 1
             if bar is not None:
                 bar.update(sizes[d])
-        if bar is not None:  # blocks checked for an earlier snapshot count as done at once
-            bar.update(sum(n for d, n, _p in pending) - sum(sizes[d] for d in todo))
+        if bar is not None:
             bar.set_postfix_str(f"{rep.snapshots_checked}/{len(roots)} snapshots, {rep.objects_checked} objects",
                                 refresh=False)
         reported = set()

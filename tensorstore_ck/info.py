@@ -27,6 +27,12 @@ class SnapshotInfo:
     # False while the snapshot is only in a local tier (open_store(local=)), True once
     # the remote ref moved to it; a store without a tier publishes durably.
     durable: bool = True
+    # Seconds from put_snapshot's call to the commit object, and of those the seconds
+    # its caller was blocked (the stall: all of it for a blocking put, the staging for
+    # an asynchronous one; rank 0's call for a collective one); None where not recorded
+    # (an older commit, a DCP snapshot). Stored in the commit's stats as put_us / stall_us.
+    seconds: float | None = None
+    stall: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -41,4 +47,10 @@ def row_to_info(root: bytes, row: dict) -> SnapshotInfo:
         meta=dict(row.get("meta") or {}), parent=parent.hex() if isinstance(parent, bytes) else None,
         bytes_total=int(row.get("bytes_total", 0)), bytes_new=int(row.get("bytes_new", 0)),
         blocks_total=int(row.get("blocks_total", 0)), blocks_new=int(row.get("blocks_new", 0)),
-        stored_new=int(row["stored_new"]) if row.get("stored_new") is not None else None)
+        stored_new=int(row["stored_new"]) if row.get("stored_new") is not None else None,
+        seconds=_seconds(row.get("put_us")), stall=_seconds(row.get("stall_us")))
+
+
+def _seconds(us) -> float | None:
+    """A duration stored in microseconds (a count, checked by the readers) -> seconds."""
+    return us / 1e6 if isinstance(us, int) and not isinstance(us, bool) and us >= 0 else None

@@ -156,6 +156,12 @@ class Pruner:
                 self._cv.wait_for(lambda: self._closing and self._deferred, delay * random.uniform(0.5, 1.5))
             delay = min(self.BACKOFF_MAX, delay * 2)
 
+    def backlog(self) -> int:
+        """Prunes asked for and not done yet: one running, one asked for after it, one left
+        queued in the store (deferred past PATIENCE, or a collective job's owed one)."""
+        with self._cv:
+            return int(self._busy) + int(self._wanted) + int((self._deferred or self._owed) and not self._busy)
+
     def wait(self) -> None:
         """Until no prune is asked for or running, or the one running was reported as
         deferred (the store stayed busy past PATIENCE)."""

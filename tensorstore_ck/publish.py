@@ -37,7 +37,7 @@ from .validate import UNSET, SnapshotArgs
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "run_block_jobs", "plan_stats", "replica_digests"]
+__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "run_block_jobs", "plan_stats", "replica_digests"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,21 @@ class BuildStats:
                 "blocks_total": self.blocks_total, "blocks_new": self.blocks_new, "stored_new": self.stored_new}
 
 
+@dataclass(frozen=True)
+class Timing:
+    """When a put began (time.monotonic()) and how long its caller was blocked (None: all
+    along, a blocking put). The commit records both as durations in its stats
+    (`put_us`: from the call to the commit object; `stall_us`), so `tsck log` and
+    SnapshotInfo show them for as long as the snapshot is kept."""
+    started: float
+    stall: float | None = None
+
+    def stats(self) -> dict:
+        us = max(0, int((time.monotonic() - self.started) * 1e6))
+        stall = us if self.stall is None else max(0, int(self.stall * 1e6))
+        return {"put_us": us, "stall_us": min(stall, us)}
+
+
 def plan_stats(plan: Plan) -> BuildStats:
     """What the written blocks add up to (a replicated block counts on its owner rank only)."""
     st = BuildStats(bytes_total=plan.inline_bytes)
@@ -134,6 +149,31 @@ def plan_stats(plan: Plan) -> BuildStats:
                 st.bytes_new += r.raw_len
                 st.stored_new += r.stored
     return st
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def snapshot_fields(info: SnapshotInfo) -> dict:
+    """What a log line (and a JSON log line: the record's `tsck` attribute) says of a snapshot."""
+    return {"event": "committed", "ref": info.ref, "job": info.job, "step": info.step, "root": info.root,
+            "bytes": info.bytes_total, "bytes_new": info.bytes_new, "seconds": info.seconds, "stall": info.stall}
+
+
+def log_committed(info: SnapshotInfo) -> SnapshotInfo:
+    """One INFO line per committed snapshot: the line an operator looks for in a training log."""
+    if log.isEnabledFor(logging.INFO):
+        took = "" if info.seconds is None else f" in {info.seconds:.2f}s"
+        took += "" if info.stall is None else f" (stall {info.stall:.2f}s)"
+        log.info("snapshot committed: ref %s step %s, %s (%s new)%s, root %s", info.ref,
+                 "-" if info.step is None else info.step, _size(info.bytes_total), _size(info.bytes_new), took,
+                 info.root[:16], extra={"tsck": snapshot_fields(info)})
+    return info
 
 
 class Publisher:
@@ -199,16 +239,16 @@ class Publisher:
                 return row_to_info(e.new, row)
         return None
 
-    def publish(self, plan: Plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
+    def publish(self, plan: Plan, args: SnapshotArgs, progress=None, timing: Timing | None = None) -> SnapshotInfo:
         """The whole pipeline for one planned snapshot."""
         fence = self.fence()
         self.write_blocks(plan, progress=progress, fence=fence)
         top, payloads = self.write_nodes(plan.value, fence)
-        return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence,
+        return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence, timing=timing,
                            revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
 
     def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,
-               meta_extra: dict | None = None) -> SnapshotInfo:
+               meta_extra: dict | None = None, timing: Timing | None = None) -> SnapshotInfo:
         """Publish a manifest tree whose objects are all written: commit object,
         storage sync, then the fenced compare-and-swap of the ref. After a fenced move
         the commit waits out the deletion phase, takes a gc hold (no new phase opens
@@ -218,7 +258,11 @@ class Publisher:
 
         Without expected=, a writer that loses the race re-encodes only its small
         commit object with the new parent and tries again, so two writers on one ref
-        both land in its history."""
+        both land in its history.
+
+        timing: the put's durations go into the commit's stats (see Timing). Each
+        commit that lands is logged at INFO (logger tensorstore_ck.publish), the line
+        a training log wants: ref, step, bytes, new bytes, seconds, stall."""
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
         had = self._step_taken(ref, args.step)
@@ -233,6 +277,8 @@ class Publisher:
                     # published: a new one each time would leave the old as garbage for every
                     # snapshot that overlaps a gc's (or a prune's) deletion phase.
                     now = self.reftable.wall_now()  # one clock for every writer's commit times
+                    if timing is not None:
+                        stats = {**stats, **timing.stats()}
                     body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
                                          meta=meta, parent=parent, tree=tree, stats=stats)
                     last_parent = parent
@@ -262,7 +308,7 @@ class Publisher:
                                     ref, root.hex()[:16])
                         holder = None  # the move released it
                         self.assets.presence.settle(fence)
-                        return row_to_info(root, row)
+                        return log_committed(row_to_info(root, row))
                     # Never delete here: a COMMIT still in flight may yet publish `root`,
                     # and no read can order itself after it (gc reclaims it if it never lands).
                     raise OutcomeUnknown(f"{e}; snapshot {root.hex()} may or may not be published on ref {ref!r}: "
@@ -283,7 +329,7 @@ class Publisher:
                 self.assets.presence.settle(fence)
                 if had is not None:
                     _warn_step_reused(ref, args.step, had, root)
-                return row_to_info(root, row)
+                return log_committed(row_to_info(root, row))
             raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
                                   f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
                                   "nothing was published, take the snapshot again")

@@ -91,7 +91,7 @@ def commit_row(c: dict) -> dict:
             "metrics": c["metrics"], "meta": c.get("meta") or {}, "parent": c.get("parent"),
             "tree": c["tree"], **{k: int(st.get(k, 0)) for k in
                                   ("bytes_total", "bytes_new", "blocks_total", "blocks_new")},
-            **({"stored_new": int(st["stored_new"])} if "stored_new" in st else {})}
+            **{k: int(st[k]) for k in ("stored_new", "put_us", "stall_us") if k in st}}
 
 
 def _history_order(items) -> list:

@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import sys
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -36,7 +37,7 @@ from .errors import (IntegrityError, InvalidArgument, ReadOnlyStore, RefNotFound
 from .format.manifest import decode_commit
 from .ids import Digest
 from .info import SnapshotInfo
-from .publish import Publisher
+from .publish import Publisher, Timing
 from .format.names import validate_component, validate_name, validate_new_name
 from .retention import Retention
 from .validate import UNSET, SnapshotArgs, _utf8, check_snapshot_args
@@ -308,6 +309,8 @@ class Store:
         ref never moves back to an older snapshot. progress=True: a blocking put
         shows the bytes it hashes and writes as a bar on stderr (`tsck import`)."""
         self._writable("put_snapshot")
+        started = time.monotonic()
+
         def prepare() -> SnapshotArgs:
             self.raise_pending_error()
             if when_busy is not None and when_busy not in ("wait", "skip"):
@@ -315,8 +318,10 @@ class Store:
             return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected)
 
         if is_collective(group):
+            stalled: list = []  # an asynchronous put's staging time, once staged
             call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare,
-                                 tier=self._collective_tier())
+                                 tier=self._collective_tier(),
+                                 timing=lambda: Timing(started, stall=stalled[0] if stalled else None))
             if not blocking:
                 def stage():
                     args = prepare()
@@ -325,7 +330,9 @@ class Store:
                             "when_busy='skip' cannot apply to a collective snapshot: the ranks would skip different "
                             "ones; pass when_busy='wait' (an asynchronous collective put waits for a free slot)")
                     plan = self.planner(allow_pickle, defer_device=True).plan(state)
-                    return args, plan, self._puts.stage(plan, wait=True)
+                    buf = self._puts.stage(plan, wait=True)
+                    stalled.append(time.monotonic() - started)
+                    return args, plan, buf
                 return self._puts.submit_collective(call, stage)
 
             self.wait()  # the asynchronous ones first (named already): the calls run in call order
@@ -339,12 +346,31 @@ class Store:
         if blocking:
             self.wait()
             with _bytes_bar(progress, "put", sum(b - a for leaf in plan.leaves for a, b in leaf.ranges)) as bar:
-                return self._publish(plan, args, progress=bar)
+                return self._publish(plan, args, progress=bar, timing=Timing(started))
         buf = self._puts.stage(plan, wait=(when_busy or self.when_busy) == "wait")
         if buf is None:
             self._puts.skipped += 1
+            _log.info("snapshot skipped: ref %s step %s: %d snapshot(s) still in flight (max_inflight) and "
+                      "when_busy='skip'; %d skipped so far", args.ref, "-" if args.step is None else args.step,
+                      self.max_inflight, self._puts.skipped,
+                      extra={"tsck": {"event": "skipped", "ref": args.ref, "job": args.job, "step": args.step,
+                                      "why": "busy", "skipped": self._puts.skipped}})
             return None
-        return self._puts.submit(args.ref, buf, lambda: self._publish(plan, args))
+        timing = Timing(started, stall=time.monotonic() - started)
+        return self._puts.submit(args.ref, buf, lambda: self._publish_async(plan, args, timing))
+
+    def _publish_async(self, plan, args: SnapshotArgs, timing) -> SnapshotInfo:
+        """An asynchronous put in the background: its failure is logged when it happens
+        (a WARNING; it is raised by its future and the next put), so a training log shows it
+        at the moment it failed."""
+        try:
+            return self._publish(plan, args, timing=timing)
+        except BaseException as e:
+            _log.warning("snapshot failed: ref %s step %s: %s: %s", args.ref, "-" if args.step is None else args.step,
+                         type(e).__name__, e,
+                         extra={"tsck": {"event": "failed", "ref": args.ref, "job": args.job, "step": args.step,
+                                         "why": f"{type(e).__name__}: {e}"}})
+            raise
 
     def _collective_tier(self):
         """With a local tier: what a collective put does besides the protocol (each rank
@@ -376,9 +402,9 @@ class Store:
         self._puts.wait()
 
     @_storage_errors
-    def _publish(self, plan, args: SnapshotArgs, progress=None) -> SnapshotInfo:
+    def _publish(self, plan, args: SnapshotArgs, progress=None, timing=None) -> SnapshotInfo:
         self._tier_begin()
-        return self._tier_published(self.publisher.publish(plan, args, progress=progress))
+        return self._tier_published(self.publisher.publish(plan, args, progress=progress, timing=timing))
 
     def _tier_begin(self) -> None:
         """Before a writer (a put, the DCP writer) writes blocks: with a local tier, the
@@ -708,6 +734,15 @@ class Store:
     def pin(self, target: str) -> str:
         self._writable("pin")
         return lifecycle.pin(self.core, self.publisher, target)
+
+    @_public
+    def pins(self, *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
+        """root hex -> SnapshotInfo of every pinned snapshot (pin() keeps one until
+        unpin(), through retention and gc), oldest commit first. One that cannot be
+        described raises FormatError (or IntegrityError), or with errors={} goes there
+        (root hex -> error) and the others are listed, as for refs()."""
+        infos = self._infos(((r.hex(), r) for r in self.reftable.pins()), errors)
+        return dict(sorted(infos.items(), key=lambda kv: (kv[1].time, kv[0])))
 
     @_public
     def unpin(self, target: str) -> str:

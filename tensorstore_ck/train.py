@@ -31,6 +31,8 @@ import numbers
 import random
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -41,7 +43,7 @@ from .errors import InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, T
 from .pruner import Pruner
 from .retention import Retention
 
-__all__ = ["TrainState", "CheckpointManager", "capture_rng", "restore_rng"]
+__all__ = ["TrainState", "CheckpointManager", "CommitEvent", "capture_rng", "restore_rng"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +142,26 @@ class TrainState:
         self.step = sd["step"]
 
 
+@dataclass(frozen=True)
+class CommitEvent:
+    """What CheckpointManager(on_commit=) hands its hook once a snapshot of the job is
+    committed: the numbers an operator watches (export them to a metrics system, a
+    dashboard, an alert on `since_last` or `failures`)."""
+    ref: str
+    step: int | None
+    root: str
+    since_last: float | None  # seconds since the job's previous committed snapshot (commit times); None: the first
+    seconds: float | None     # the put's duration, call to commit (SnapshotInfo.seconds)
+    stall: float | None       # of which the training step was blocked (SnapshotInfo.stall)
+    bytes_total: int
+    bytes_new: int            # what this snapshot added to the store (uncompressed)
+    failures: int             # snapshots of this manager that failed so far
+    skipped: int              # asynchronous snapshots the store skipped so far (when_busy="skip")
+    prune_backlog: int        # the job's earlier prunes not done yet (Pruner.backlog; not this commit's own)
+    store_size: int | None    # the store's size in bytes where cheap to know; None otherwise (tsck du tells)
+    info: object              # the SnapshotInfo
+
+
 class CheckpointManager:
     """Decides when to snapshot a TrainState and snapshots it (asynchronously by default).
 
@@ -188,13 +210,20 @@ class CheckpointManager:
     - close() (and wait()) waits on every rank for the snapshots in flight and, on
       rank 0, for the prune.
     For one process, a failed background snapshot is raised by the next step() (or
-    close())."""
+    close()).
+
+    on_commit=fn: fn(CommitEvent) after each committed snapshot of the manager (on the
+    store's background thread for an asynchronous one; on every rank of a collective
+    one; wait() and close() return once it ran). An exception in fn is logged, never
+    raised into training; fn must not call the manager's wait() or close(). Each commit is also
+    logged at INFO (logger tensorstore_ck), each failed or skipped snapshot with why.
+    restore_latest(progress=True) shows the bytes read as a bar on stderr."""
 
     def __init__(self, store, *, job: str, state: TrainState | None = None, ref: str | None = None,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  on_metric: tuple | None = None, retention: Retention | None = None,
                  async_: bool = True, when_busy: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 prune: bool | None = None, group=None):
+                 prune: bool | None = None, group=None, on_commit: Callable | None = None):
         if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
             raise InvalidArgument(f"every_steps must be an int >= 1, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
@@ -225,6 +254,7 @@ class CheckpointManager:
         if prune is None:
             prune = retention is not None
         self._pruner = Pruner(store, job) if prune else None
+        self._init_watch(on_commit)
 
     def reasons(self, step: int, metrics: dict | None = None) -> list[str]:
         """Which triggers fire at this step (does not change any state)."""
@@ -272,8 +302,9 @@ class CheckpointManager:
         if collective:
             res = self._collective_snapshot(kw, best_before)
         else:
-            res = self.store.put_snapshot(self.state.state_dict(), **kw, blocking=not self.async_,
-                                          when_busy=self.when_busy, **self._local())
+            res = self._watched(lambda: self.store.put_snapshot(self.state.state_dict(), **kw,
+                                                                blocking=not self.async_,
+                                                                when_busy=self.when_busy, **self._local()))
         if res is not None:
             self.last_time = self.clock()
             self.last_step = step
@@ -284,6 +315,89 @@ class CheckpointManager:
                 else:
                     self._pruner.request()
         return res
+
+    # -- what an operator watches: the on_commit hook, the log lines ---------------
+    def _init_watch(self, on_commit) -> None:
+        if on_commit is not None and not callable(on_commit):
+            raise InvalidArgument(f"on_commit must be a callable taking a CommitEvent, got {type(on_commit).__name__}")
+        self.on_commit = on_commit
+        self._local_failures = 0   # this process's own failed snapshots (a collective one: failed_snapshots)
+        self._last_commit: float | None = None  # commit time of the job's newest committed snapshot
+        self._watch_lock = threading.Condition()
+        self._callbacks = 0  # done-callbacks of asynchronous snapshots not run yet (wait() waits for them)
+
+    def _track(self, fut, callback) -> None:
+        """fut.add_done_callback(callback), counted until it ran: a future's waiters wake
+        before its callbacks run, so wait() and close() wait for these too (the hook has
+        seen every snapshot they waited for)."""
+        with self._watch_lock:
+            self._callbacks += 1
+
+        def run(f):
+            try:
+                callback(f)
+            finally:
+                with self._watch_lock:
+                    self._callbacks -= 1
+                    self._watch_lock.notify_all()
+        fut.add_done_callback(run)
+
+    def _wait_callbacks(self) -> None:
+        with self._watch_lock:
+            self._watch_lock.wait_for(lambda: self._callbacks == 0)
+
+    def _watched(self, put):
+        """A put of this process alone: its commit (now, or when its future completes) goes
+        to _committed; a failure is counted (and still raised, as before)."""
+        try:
+            res = put()
+        except (InvalidArgument, UnsupportedType, InvalidName):
+            raise
+        except Exception:
+            with self._watch_lock:
+                self._local_failures += 1
+            raise
+        if res is None:
+            pass  # skipped (when_busy="skip"): the store logged it
+        elif hasattr(res, "add_done_callback"):
+            self._track(res, self._async_done)
+        else:
+            self._committed(res)
+        return res
+
+    def _async_done(self, fut) -> None:
+        if fut.cancelled():
+            return
+        if fut.failure() is not None:  # (the store logged it; it is raised by the next step())
+            with self._watch_lock:
+                self._local_failures += 1
+            return
+        self._committed(Future.result(fut, 0))  # (not a retrieval: close() still reports failures)
+
+    def _committed(self, info) -> None:
+        """One committed snapshot: the hook, if any, gets its CommitEvent."""
+        if info is None:
+            return
+        with self._watch_lock:
+            last, self._last_commit = self._last_commit, max(info.time, self._last_commit or info.time)
+        if self.on_commit is None:
+            return
+        try:
+            if last is None and info.parent is not None:
+                try:  # the first of this manager: since the ref's previous snapshot (one catalog read)
+                    last = self.store.show(info.parent).time
+                except TsckError:
+                    last = None
+            ev = CommitEvent(ref=info.ref, step=info.step, root=info.root,
+                             since_last=None if last is None else max(0.0, info.time - last),
+                             seconds=info.seconds, stall=info.stall, bytes_total=info.bytes_total,
+                             bytes_new=info.bytes_new, failures=self.failed_snapshots + self._local_failures,
+                             skipped=self.store.skipped,
+                             prune_backlog=0 if self._pruner is None else self._pruner.backlog(),
+                             store_size=None, info=info)
+            self.on_commit(ev)
+        except Exception:  # noqa: BLE001 - an operator's hook must never stop training
+            log.warning("CheckpointManager %s: on_commit hook failed for step %s", self.job, info.step, exc_info=True)
 
     # -- under torch.distributed -------------------------------------------------
     def _collective(self) -> bool:
@@ -336,11 +450,13 @@ class CheckpointManager:
         except (TsckError, OSError) as e:
             return self._snapshot_failed(e, kw["step"], best_before)
         if self.async_:
-            res.add_done_callback(lambda fut: self._collective_done(fut, kw["step"], best_before))
+            self._track(res, lambda fut: self._collective_done(fut, kw["step"], best_before))
             if rank0_prunes:
                 self.store._after_in_flight(lambda: self._pruner.run_after(res))
-        elif rank0_prunes:
-            self._pruner.request()
+        else:
+            self._committed(res)
+            if rank0_prunes:
+                self._pruner.request()
         return res
 
     def _collective_done(self, fut, step: int, best_before) -> None:
@@ -348,6 +464,7 @@ class CheckpointManager:
         if it had already): a failure is reported as for a blocking one, never raised."""
         err = fut.failure()
         if err is None:
+            self._committed(Future.result(fut, 0))
             return
         fut.retrieved = True  # heard: reported here, so close() does not raise it again
         if isinstance(err, (TsckError, OSError)):
@@ -367,8 +484,13 @@ class CheckpointManager:
             self.best = best_before  # the next improvement on what is stored takes one
         log.warning("CheckpointManager %s: the snapshot of step %s could not be taken: %s: %s (training goes "
                     "on; the next policy point takes one; %d failed so far)", self.job, step,
-                    type(e).__name__, e, self.failed_snapshots)
+                    type(e).__name__, e, self.failed_snapshots, extra=self._failed_fields(e, step))
         return None
+
+    def _failed_fields(self, e: BaseException, step) -> dict:
+        """The fields of a failed snapshot's log record (`tsck --log-format json`, a log shipper)."""
+        return {"tsck": {"event": "failed", "ref": self.ref, "job": self.job, "step": step,
+                         "why": f"{type(e).__name__}: {e}", "failures": self.failed_snapshots}}
 
     def _count_failure(self, e: BaseException) -> None:
         with self._failures_lock:
@@ -407,18 +529,20 @@ class CheckpointManager:
         """The GCReport of the newest background prune that ran, or None."""
         return None if self._pruner is None else self._pruner.last
 
-    def restore_latest(self, state: TrainState | None = None, *, must_exist: bool = False) -> int | None:
+    def restore_latest(self, state: TrainState | None = None, *, must_exist: bool = False,
+                       progress: bool = False) -> int | None:
         """Load the newest committed snapshot of this job's ref into the state; its step,
         or None when there is none (a first run). must_exist=True is for resume scripts:
         no snapshot to resume from is then RefNotFound naming the store, the ref and the
         refs the store does hold, so a mistyped path or job fails loudly instead of
-        starting training over from step 0."""
+        starting training over from step 0. progress=True: the bytes read as a bar on
+        stderr (a long restore shows it is moving)."""
         state = state or self.state
         if state is None:
             raise InvalidArgument("restore_latest needs a TrainState")
         if self._collective():
             self.store.wait()  # (snapshots of this process still in flight come first, in call order)
-            return self._restore_collective(state, must_exist)
+            return self._restore_collective(state, must_exist, progress)
         try:
             history = self.store.log(self.ref)
         except RefNotFound:
@@ -434,7 +558,7 @@ class CheckpointManager:
         # With a local tier the ref is read, not the root log() named: checkout takes the
         # newest snapshot of either tier that reads whole, an older one if that one does not.
         target = self.ref if self.store.remote_core is not None else history[0].root
-        sd = self.store.checkout(target, into=state.checkout_targets(), **self._local())
+        sd = self.store.checkout(target, into=state.checkout_targets(), progress=progress, **self._local())
         state.load_checked_out(sd)
         self._restored(state, history)
         return state.step
@@ -448,13 +572,13 @@ class CheckpointManager:
             if vals:
                 self.best = min(vals) if self.on_metric[1] == "min" else max(vals)
 
-    def _restore_collective(self, state: TrainState, must_exist: bool) -> int | None:
+    def _restore_collective(self, state: TrainState, must_exist: bool, progress: bool = False) -> int | None:
         """A collective checkout of the ref: rank 0 resolves its head and hands every rank
         that root through the c10d Store, so every rank reads the same snapshot (its own
         part of it) even if the ref moves meanwhile, and resumes at the same step. No
         snapshot: RefNotFound on every rank alike, so every rank returns None alike."""
         try:
-            sd = self.store.checkout(self.ref, into=state.checkout_targets(), group=self.group)
+            sd = self.store.checkout(self.ref, into=state.checkout_targets(), group=self.group, progress=progress)
         except RefNotFound:
             if must_exist:
                 names = sorted(self.store.refs())
@@ -478,6 +602,7 @@ class CheckpointManager:
         for the background prune they asked for. Under torch.distributed a failed
         snapshot is not raised (the manager reported it when it ended)."""
         self.store.wait()
+        self._wait_callbacks()
         if not self._collective():
             self._raise_pending()
         if prune and self._pruner is not None:

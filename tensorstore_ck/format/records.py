@@ -24,7 +24,8 @@ __all__ = ["encode_record", "decode_record", "decode_catalog", "encode_reflog", 
            "decode_gc_state", "encode_tag", "decode_tag", "MAX_TAG_OBJECT"]
 
 MAX_TAG_OBJECT = 4096
-_COUNTS = ("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new")  # stored_new: optional
+# stored_new, put_us and stall_us: optional
+_COUNTS = ("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new", "put_us", "stall_us")
 
 
 def _number(v) -> bool:

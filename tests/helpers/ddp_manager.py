@@ -93,7 +93,9 @@ def loop_case(rank, world, out, res, mode):
     extra = {} if mode == "async" else {"async_": False}
     mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
                                  every_steps=2, on_metric=("val_loss", "min"),
-                                 retention=tsck.Retention(keep_last=2, keep_best=1, metric="val_loss"), **extra)
+                                 retention=tsck.Retention(keep_last=2, keep_best=1, metric="val_loss"), **extra,
+                                 on_commit=lambda e: res["commits"].append([e.step, e.root, e.seconds]))
+    res["commits"] = []  # what the on_commit hook heard, on each rank
     start = mgr.restore_latest() or 0
     res["start"] = start
     res["steps"], res["vals"] = {}, {}
