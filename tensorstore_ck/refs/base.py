@@ -82,6 +82,16 @@ def _hex(b: bytes | None) -> str | None:
     return b.hex() if b is not None else None
 
 
+def _check_tag_free(t, name: str, key: bytes) -> None:
+    """RefConflict if `name` is a tag or a ref already (a tag's name is new or nothing)."""
+    cur = t.get("tags", key)
+    if cur is not None:
+        raise RefConflict(name, None, _hex(cur), what="tag")
+    ref = t.get("refs", key)
+    if ref is not None:
+        raise RefConflict(name, None, _hex(ref), what="tag (a ref has this name)")
+
+
 class RefTable(RefHistory, GcStateMachine, ABC):
     """name -> root with compare-and-swap; reflog; catalog; tags; pins; retention rules;
     the gc state. The logic is written once, here and in the two halves it inherits
@@ -322,12 +332,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         def txn(t):
             _check_fence(t, fence)
             _check_kept(t, root, fence)
-            cur = t.get("tags", key)
-            if cur is not None:
-                raise RefConflict(name, None, _hex(cur), what="tag")
-            ref = t.get("refs", key)
-            if ref is not None:
-                raise RefConflict(name, None, _hex(ref), what="tag (a ref has this name)")
+            _check_tag_free(t, name, key)
             t.put("tags", key, root)
 
         self._write(txn)
@@ -343,12 +348,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
 
         def txn(t):
             _check_fence(t, fence)
-            cur = t.get("tags", key)
-            if cur is not None:
-                raise RefConflict(name, None, _hex(cur), what="tag")
-            ref = t.get("refs", key)
-            if ref is not None:
-                raise RefConflict(name, None, _hex(ref), what="tag (a ref has this name)")
+            _check_tag_free(t, name, key)
             added = t.get("catalog", root) is None
             if added:
                 t.put("catalog", root, encode_record(row))
