@@ -210,6 +210,14 @@ def _as_state(state) -> TrainState | None:
 class CheckpointManager:
     """Decides when to snapshot a TrainState and snapshots it (asynchronously by default).
 
+    state=: a TrainState, or a dict {name: object with state_dict()/load_state_dict(), or
+    tensor} as DCP takes (TrainState.from_dict); anything else is refused here, with
+    InvalidArgument naming the key. A snapshot taken by step(n) holds the state after
+    training step n, so restore_latest() returns n and training resumes at n + 1.
+    Asynchronous by default (async_=True, as hf.TsckCallback): the state is staged (copied)
+    before step() returns, so the steps that follow cannot change what is stored, and the
+    put runs on the store's publisher; a failure is raised at the next step() or close().
+
     Triggers (any one fires a snapshot):
       every_steps=N      when step % N == 0
       every_seconds=T    when clock() - time of the last snapshot (or of the start) >= T
