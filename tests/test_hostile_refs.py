@@ -448,7 +448,8 @@ def test_retries_and_fence_waits_are_logged(store_path, caplog):
         s.put_snapshot(_state(0), "a/main", step=0)
         retry = [r for r in caplog.records if r.name == "tensorstore_ck.storage.wrappers"]
         assert len(retry) == 1 and retry[0].levelno == logging.WARNING
-        assert "ConnectionResetError" in retry[0].getMessage() and "retry 1/5" in retry[0].getMessage()
+        assert "ConnectionResetError" in retry[0].getMessage() and "retry 1 in" in retry[0].getMessage()
+        assert "retry budget" in retry[0].getMessage()  # how long it will go on, for the operator
         # A gc in its deletion phase whose lease runs out: the writer waits it out, logged.
         s.reftable.gc_begin("test-gc", lease=0.5)
         s.reftable.gc_freeze("test-gc")
