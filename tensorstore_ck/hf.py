@@ -185,8 +185,10 @@ class TsckCallback(TrainerCallback):
     which read those folders later). async_=True (the default, as for CheckpointManager)
     snapshots in the background: the state is staged (copied) first, so training goes on
     at once and cannot change what is stored; a failure is raised at the next save or at
-    on_train_end, which waits for every snapshot in flight. async_=False: each save
-    returns once its snapshot is committed.
+    on_train_end, which waits for every snapshot in flight. A process killed while a put
+    is in flight resumes from the save before (with keep_local=False that save's folder
+    is still there: folders go only once committed). async_=False: each save returns
+    once its snapshot is committed.
 
     latest=True: when the Trainer is built (on_init_end, before train() resolves
     resume_from_checkpoint=True to output_dir's newest checkpoint-N), the ref's newest
