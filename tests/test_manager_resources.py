@@ -43,7 +43,7 @@ def test_async_managers_with_prune_leave_no_unclosed_file(tmp_path):
                     mgr.step(step)
                 mgr.close()
                 assert mgr.prune_errors == []
-                assert mgr.last_prune is not None and mgr.last_prune.deleted_objects > 0
+                assert mgr.last_prune is not None  # prunes ran (which one deleted what: timing)
                 assert [e.step for e in store.log(f"job{j}/main")] == [5, 4]
             assert store.gc(dry_run=True).candidates == 0
     assert _unclosed(run) == []
