@@ -23,8 +23,8 @@ botocore's "adaptive" retry mode is used for what only it does: a client-side
 rate limiter shared by every request of the client, which slows the whole
 client's send rate (CUBIC) once S3 answers SlowDown/Throttling and raises it
 again as answers come back; the hand-written loop can only delay the one request
-that was throttled while the other workers keep sending. Its max_attempts stays 1,
-so the two loops never multiply. Transport errors that are not OSErrors (botocore's
+that was throttled while the other workers keep sending. Its total_max_attempts is
+1, so the two loops never multiply. Transport errors that are not OSErrors (botocore's
 EndpointConnectionError, ReadTimeoutError, aiohttp's) become ConnectionError /
 TimeoutError here, so callers only ever see OSError (StorageError above), and an
 OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
@@ -83,8 +83,9 @@ class S3BlockStore(FsspecBlockStore):
         cfg.setdefault("connect_timeout", 10)
         cfg.setdefault("read_timeout", 60)
         # adaptive: botocore's client-wide rate limiter on throttling (see the module
-        # docstring); one attempt: RetryingStore is the one retry loop.
-        cfg.setdefault("retries", {"max_attempts": 1, "mode": "adaptive"})
+        # docstring); one attempt: RetryingStore is the one retry loop. (total_max_attempts:
+        # botocore's max_attempts counts retries, so max_attempts=1 was two attempts.)
+        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "adaptive"})
         # One attempt's bound: connecting, then at most read_timeout between bytes of a
         # response (a DeleteObjects answer is small).
         self.request_timeout = float(cfg["connect_timeout"]) + float(cfg["read_timeout"])
