@@ -89,7 +89,9 @@ def train(args) -> None:
                               learning_rate=1e-3, seed=0, use_cpu=True, ddp_backend="gloo", report_to=[],
                               dataloader_num_workers=0, disable_tqdm=True)
     store = tsck.open_store(args.store)
-    cb = hf.TsckCallback(store, job=JOB, keep_local=False)
+    # async_=False: rank 1 is killed two steps after a save that the resume must find
+    # committed (the default, asynchronous, may still be writing it then).
+    cb = hf.TsckCallback(store, job=JOB, keep_local=False, async_=False)
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[cb, Record()])
     trainer.remove_callback(PrinterCallback)
     # a dropout stream of each rank's own (the Trainer seeded every rank alike)

@@ -89,7 +89,10 @@ def make_trainer(out: str, steps: int, callbacks) -> Trainer:
 
 def child(store_path: str, out: str, steps: int, kill_at: int | None, resume: bool, final: str) -> None:
     with tsck.open_store(store_path, create=not resume) as store:
-        trainer = make_trainer(out, steps, [hf.TsckCallback(store, job=JOB, keep_local=False),
+        # async_=False: the kill comes two steps after a save, and the parent checks that
+        # save is committed. The default (asynchronous) commits it in the background, so a
+        # process killed within the put's time would resume from the save before.
+        trainer = make_trainer(out, steps, [hf.TsckCallback(store, job=JOB, keep_local=False, async_=False),
                                             PrintLoss(pause_at=kill_at)])
         path = None
         if resume:

@@ -119,6 +119,11 @@ class GCPlan:
     spool: object
     report: GCReport
 
+    def close(self) -> None:
+        """Close the spool (a temporary file: unclosed, each plan left an open file
+        descriptor and a ResourceWarning behind until the collector found it)."""
+        self.spool.close()
+
 
 def retention_plan(core: Core, now: float, records: dict | None = None, bad: list | None = None) -> list[dict]:
     """Every kept snapshot with what retention (`records`, default: the stored rules)
@@ -183,15 +188,19 @@ def plan_gc(core: Core, *, dry_run: bool, began: float, progress: bool = False, 
     rep.mark_seconds = time.monotonic() - t0
     t0 = time.monotonic()
     spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-gc-")
-    bar = progress_bar(progress, "gc: list")
-    for kind in KINDS:
-        for o in iter_unreachable(core, marked, kind, before=began, bar=bar, strays=rep.strays):
-            spool.write(f"{kind} {o.digest.hex()} {o.size}\n")
-            rep.candidates += 1
-        if beat is not None:
-            beat.check()
-    if bar is not None:
-        bar.close()
+    try:
+        bar = progress_bar(progress, "gc: list")
+        for kind in KINDS:
+            for o in iter_unreachable(core, marked, kind, before=began, bar=bar, strays=rep.strays):
+                spool.write(f"{kind} {o.digest.hex()} {o.size}\n")
+                rep.candidates += 1
+            if beat is not None:
+                beat.check()
+        if bar is not None:
+            bar.close()
+    except BaseException:
+        spool.close()
+        raise
     rep.list_seconds = time.monotonic() - t0
     spool.seek(0)
     return GCPlan(began, k0, marked, visited, spool, rep)
@@ -206,6 +215,13 @@ def _count(rep: GCReport, kind: str, size: int) -> None:
 
 
 def _dry_report(core: Core, plan: GCPlan) -> GCReport:
+    try:
+        return _count_plan(core, plan)
+    finally:
+        plan.close()
+
+
+def _count_plan(core: Core, plan: GCPlan) -> GCReport:
     rep = plan.report
     for line in plan.spool:
         kind, hexd, size = line.split()
@@ -221,7 +237,17 @@ def execute_gc(core: Core, plan: GCPlan, *, lease: "Lease", progress: bool = Fal
     `phase_seconds` of deleting: each phase freezes (epoch odd), re-marks what was
     published since the plan's mark or the last re-mark, deletes a share of the
     candidates that nothing reaches, each request within the lease, and thaws
-    (epoch even) keeping the lock. Writers a phase fences wait for that phase only."""
+    (epoch even) keeping the lock. Writers a phase fences wait for that phase only.
+    The plan is closed on return (its spool is read once)."""
+    try:
+        return _execute(core, plan, lease=lease, progress=progress, phase_objects=phase_objects,
+                        phase_seconds=phase_seconds)
+    finally:
+        plan.close()
+
+
+def _execute(core: Core, plan: GCPlan, *, lease: "Lease", progress: bool, phase_objects: int | None,
+             phase_seconds: float | None) -> GCReport:
     rep = plan.report
     # None: the module's limits as they are at the call (the harness shrinks them to make
     # many phases out of a small store).
@@ -462,13 +488,17 @@ def _delete_only_theirs(core: Core, gone: list, hold: "Lease", began: float, rep
         except (IntegrityError, FormatError, UnreadableObject) as e:  # left for an offline gc
             log.warning("%s: snapshot %s not walked (%s); `tsck gc` reclaims it", what, root.hex()[:16], e)
     spool = tempfile.TemporaryFile(mode="w+", prefix="tsck-prune-")
-    for kind in KINDS:  # commits, nodes, blocks: the order gc deletes in
-        ds = list(found[kind])
-        for d, live in zip(ds, marked.contains(kind, ds) if ds else []):
-            if not live:
-                spool.write(f"{kind} {d.hex()} {found[kind][d]}\n")
-                rep.candidates += 1
-    spool.seek(0)
+    try:
+        for kind in KINDS:  # commits, nodes, blocks: the order gc deletes in
+            ds = list(found[kind])
+            for d, live in zip(ds, marked.contains(kind, ds) if ds else []):
+                if not live:
+                    spool.write(f"{kind} {d.hex()} {found[kind][d]}\n")
+                    rep.candidates += 1
+        spool.seek(0)
+    except BaseException:
+        spool.close()
+        raise
     return execute_gc(core, GCPlan(began, k0, marked, visited, spool, rep), lease=hold,
                       phase_objects=phase_objects, phase_seconds=phase_seconds)
 

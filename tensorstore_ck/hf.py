@@ -225,9 +225,13 @@ class TsckCallback(TrainerCallback):
 
     keep_local=False deletes the checkpoint-N folder once its snapshot is committed, so
     the store holds the only copy (refused with load_best_model_at_end or push_to_hub,
-    which read those folders later). async_=True snapshots in the background (the
-    state is staged first, so training goes on at once); on_train_end waits for them
-    and raises a failure.
+    which read those folders later). async_=True (the default, as for CheckpointManager)
+    snapshots in the background: the state is staged (copied) first, so training goes on
+    at once and cannot change what is stored; a failure is raised at the next save or at
+    on_train_end, which waits for every snapshot in flight. A process killed while a put
+    is in flight resumes from the save before (with keep_local=False that save's folder
+    is still there: folders go only once committed). async_=False: each save returns
+    once its snapshot is committed.
 
     latest=True: when the Trainer is built (on_init_end, before train() resolves
     resume_from_checkpoint=True to output_dir's newest checkpoint-N), the ref's newest
@@ -258,7 +262,7 @@ class TsckCallback(TrainerCallback):
     optimizer state, which the Trainer saves through accelerate, not in on_save's
     arguments."""
 
-    def __init__(self, store, *, job: str, ref: str | None = None, keep_local: bool = True, async_: bool = False,
+    def __init__(self, store, *, job: str, ref: str | None = None, keep_local: bool = True, async_: bool = True,
                  retention=None, prune: bool | None = None, latest: bool = True):
         self.store = store
         self.job = job

@@ -92,7 +92,7 @@ def _unwritable(paths) -> str | None:
 
 
 def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "default",
-               read_only: bool = False) -> RefTable:
+               read_only: bool = False, backoff=None) -> RefTable:
     if isinstance(refs, RefTable):
         return refs
     if refs is None:
@@ -110,7 +110,8 @@ def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "defau
             return _MEMORY_REFS.setdefault(refs, MemoryRefTable())
     if refs.startswith(("postgresql://", "postgres://")) or refs.startswith("host=") or " dbname=" in refs:
         from .refs.postgres import PostgresRefTable
-        return PostgresRefTable(refs, namespace=store_id, read_only=read_only)
+        return PostgresRefTable(refs, namespace=store_id, read_only=read_only,
+                                **({} if backoff is None else {"backoff": backoff}))
     return LmdbRefTable(_lmdb_path(refs, proto, root), create=create, read_only=read_only)
 
 
@@ -240,7 +241,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
                write_concurrency: int | None = None, create_refs: bool = False,
                gc_stale_after: float | None = None, read_only: bool | None = None, local=None,
-               local_budget: int | None = None, replicas: int = 0, early_upload: bool | None = None) -> Store:
+               local_budget: int | None = None, replicas: int = 0, early_upload: bool | None = None,
+               retry_budget: float | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     A ref table is created only with a new store, or with create_refs=True (what
@@ -287,7 +289,13 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     early_upload: with local=, send each new block to the remote store from memory while
     the put writes it (docs/design/tiers.md, "The early upload"): the snapshot is durable
     sooner, and the sends take CPU from the put. None (the default): on when the host has
-    8 cores or more (upload.EARLY_UPLOAD_CORES), where the sends find cores to spare."""
+    8 cores or more (upload.EARLY_UPLOAD_CORES), where the sends find cores to spare.
+    retry_budget: seconds a failed request to remote storage or to a PostgreSQL ref table
+    is retried for (connection lost or refused, timeouts, 5xx, throttling), from its
+    first failure, with capped exponential backoff and jitter (retry.py). None (the
+    default): $TSCK_RETRY_BUDGET, else 60, which rides out a PostgreSQL failover or a
+    spell of S3 throttling; 0 retries nothing. What retrying cannot cure (refused
+    credentials, a missing database, a 4xx other than throttling) fails at once."""
     if gc_stale_after is not None:
         warnings.warn("open_store(gc_stale_after=) is deprecated: use gc_lease= (the lease of the gcs this "
                       "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
@@ -301,6 +309,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                       DeprecationWarning, stacklevel=3)
     check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
                   compression=compression, compress=compress, shuffle=shuffle)
+    from .retry import backoff_for
+    backoff = backoff_for(retry_budget)
     if read_only is not None and not isinstance(read_only, bool):
         raise InvalidArgument(f"read_only must be True, False or None, got {read_only!r}")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
@@ -358,7 +368,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             raise NotAStore(f"cannot open {proto}:// storage: {type(e).__name__}: {e}") from None
         if proto != "memory":
             from .storage.wrappers import RetryingStore
-            storage = RetryingStore(storage)  # transient network errors are retried, not surfaced
+            storage = RetryingStore(storage, backoff=backoff)  # transient network errors are retried, not surfaced
     read_only = bool(read_only)
     if read_only:  # nothing below creates anything; a write that slips through is refused here
         from .storage.wrappers import ReadOnlyStorage
@@ -391,7 +401,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     fresh = created
     try:
         reftable = _open_refs(refs, proto, rest, create=created or create_refs, store_id=store_id,
-                              read_only=read_only)
+                              read_only=read_only, backoff=backoff)
     except NotAStore as e:
         if not str(e).startswith("no ref table") or read_only:
             raise
@@ -402,7 +412,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         # A creator killed between the marker and the table: no snapshot is stored, so
         # there is nothing to lose; the table is made as it would have been with the store.
         fresh = True
-        reftable = _open_refs(refs, proto, rest, create=True, store_id=store_id)
+        reftable = _open_refs(refs, proto, rest, create=True, store_id=store_id, backoff=backoff)
     try:
         if not fresh and not read_only and reftable.bound_store() is None and not holds_snapshots(storage):
             # An unbound table while the store holds no snapshot: another process is creating

@@ -1,35 +1,83 @@
 """The one backoff policy for transient failures of a backend.
 
 Storage requests (storage/wrappers.py RetryingStore) and ref-table transactions
-(refs/postgres.py) retry with the same policy: `attempts` tries in all, the n-th
-wait is base_delay * 2**n (capped at max_delay) times a jitter in [0.5, 1.5), so
-many processes that lost one server do not come back in lockstep. With the
-defaults the waits add up to about 1.5 s: a server that restarts in about a
-second is ridden out; one that stays down is reported after that.
+(refs/postgres.py) retry with the same policy, bounded by time, not by a count: a
+failed request is tried again until `budget` seconds have passed since its first
+failure (the attempts' own time included), waiting base_delay * 2**n between tries,
+capped at max_delay, times a jitter in [0.5, 1.5) (so many processes that lost one
+server do not come back in lockstep). The default budget, 60 s, rides out what
+operators see in practice: a PostgreSQL failover to a standby (10-60 s), S3
+throttling (SlowDown for tens of seconds), a load balancer's restart. A failure that
+retrying cannot cure (a refused credential, a missing bucket, a full disk) is raised
+at once whatever the budget: the callers only retry what they classify as transient.
+
+open_store(retry_budget=seconds) sets the budget of a store's storage and ref table;
+$TSCK_RETRY_BUDGET is its default (so the `tsck` CLI and scripts that do not pass it
+take it from the environment).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import random
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
-__all__ = ["Backoff", "DEFAULT_BACKOFF"]
+from .errors import InvalidArgument
+
+__all__ = ["Backoff", "DEFAULT_BACKOFF", "DEFAULT_RETRY_BUDGET", "RETRY_BUDGET_ENV", "backoff_for"]
+
+DEFAULT_RETRY_BUDGET = 60.0
+RETRY_BUDGET_ENV = "TSCK_RETRY_BUDGET"
 
 
 @dataclass(frozen=True)
 class Backoff:
-    attempts: int = 6
+    """budget: seconds from the first failure after which no new attempt starts.
+    attempts: an optional cap on the attempts in all (None: the budget alone decides)."""
+    budget: float = DEFAULT_RETRY_BUDGET
     base_delay: float = 0.05
     max_delay: float = 5.0
+    attempts: int | None = None
 
-    def delays(self, rng: random.Random | None = None) -> Iterator[float]:
-        """The waits before attempts 2..attempts (attempts - 1 of them)."""
+    def delays(self, rng: random.Random | None = None,
+               clock: Callable[[], float] = time.monotonic) -> Iterator[float]:
+        """The waits before each retry, as long as the budget lasts: the clock starts at
+        the first next() (the first failure); a wait that would end past the budget is
+        cut to what is left, and none is given once nothing is left."""
         rng = rng or random
+        start = clock()
         delay = self.base_delay
-        for _ in range(self.attempts - 1):
-            yield delay * (0.5 + rng.random())
+        n = 1
+        while self.attempts is None or n < self.attempts:
+            left = start + self.budget - clock()
+            if left <= 0:
+                return
+            yield min(left, min(self.max_delay, delay * (0.5 + rng.random())))
             delay = min(self.max_delay, delay * 2)
+            n += 1
 
 
 DEFAULT_BACKOFF = Backoff()
+
+
+def check_budget(budget) -> float:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (0 <= budget < math.inf):
+        raise InvalidArgument(f"retry_budget must be a number of seconds >= 0, got {budget!r}")
+    return float(budget)
+
+
+def backoff_for(retry_budget: float | None) -> Backoff:
+    """The policy of a store opened with retry_budget= (None: $TSCK_RETRY_BUDGET, else
+    DEFAULT_RETRY_BUDGET). 0 retries nothing."""
+    if retry_budget is None:
+        env = os.environ.get(RETRY_BUDGET_ENV)
+        if env is None or not env.strip():
+            return DEFAULT_BACKOFF
+        try:
+            retry_budget = float(env)
+        except ValueError:
+            raise InvalidArgument(f"${RETRY_BUDGET_ENV} must be a number of seconds, got {env!r}") from None
+    return Backoff(budget=check_budget(retry_budget))

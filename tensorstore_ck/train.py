@@ -79,19 +79,42 @@ def _has_state(obj) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+_COMPONENTS = ("model", "optimizer", "scheduler", "scaler", "dataloader")
+
+
+def _not_stateful(name: str, obj, *, tensors: bool) -> InvalidArgument:
+    what = "must have state_dict() and load_state_dict()" + (", or be a tensor" if tensors else "")
+    hint = ""
+    if isinstance(obj, torch.utils.data.DataLoader):
+        hint = ("; a torch DataLoader cannot say where it stands: use tsck.ResumableDataLoader or "
+                "torchdata's StatefulDataLoader")
+    elif isinstance(obj, dict):
+        hint = "; pass the object itself (the model, not model.state_dict()), so a restore loads into it"
+    return InvalidArgument(f"TrainState {name}= {what} (got {type(obj).__name__}){hint}")
+
+
 class TrainState:
-    """Everything a run needs to continue exactly: captured by state_dict(), put back by load_state_dict()."""
+    """Everything a run needs to continue exactly: captured by state_dict(), put back by load_state_dict().
+
+    model, optimizer, scheduler, scaler, dataloader and the other keyword objects are
+    anything with state_dict() and load_state_dict() (torch's protocol, what DCP calls
+    Stateful). The data loader's position is captured the same way: tsck's
+    ResumableDataLoader, torchdata's StatefulDataLoader (what Lightning and accelerate
+    resume with) or any loader of your own with that pair; a plain torch DataLoader has
+    no position to capture and is refused. A keyword object may also be a tensor (a
+    counter, an EMA buffer): stored as is, copied back into the same tensor on restore.
+    Every RNG stream is captured besides (capture_rng)."""
 
     def __init__(self, model=None, optimizer=None, scheduler=None, scaler=None, dataloader=None, *,
                  numpy_generators: dict | None = None, step: int = 0, **objects):
-        self.components = {k: v for k, v in (("model", model), ("optimizer", optimizer),
-                                             ("scheduler", scheduler), ("scaler", scaler),
-                                             ("dataloader", dataloader)) if v is not None}
-        for name, obj in {**self.components, **objects}.items():
+        self.components = {k: v for k, v in zip(_COMPONENTS, (model, optimizer, scheduler, scaler, dataloader))
+                           if v is not None}
+        for name, obj in self.components.items():
             if not _has_state(obj):
-                raise InvalidArgument(f"TrainState {name}= must have state_dict() and load_state_dict() "
-                                  f"(got {type(obj).__name__}); for a torch DataLoader use "
-                                  "tsck.ResumableDataLoader")
+                raise _not_stateful(name, obj, tensors=False)
+        for name, obj in objects.items():
+            if not (_has_state(obj) or isinstance(obj, torch.Tensor)):
+                raise _not_stateful(name, obj, tensors=True)
         self.objects = objects
         self.numpy_generators = dict(numpy_generators or {})
         for name, g in self.numpy_generators.items():
@@ -99,11 +122,33 @@ class TrainState:
                 raise InvalidArgument(f"numpy_generators[{name!r}] is not a numpy Generator")
         self.step = step
 
+    @classmethod
+    def from_dict(cls, state: dict, *, numpy_generators: dict | None = None) -> "TrainState":
+        """A TrainState of a dict {name: Stateful object or tensor} (what DCP's save and
+        load take): model, optimizer, scheduler, scaler and dataloader by those names, the
+        rest as keyword objects. Anything else (a plain number, a state_dict() instead of
+        its object) is refused here, naming the key: nothing could be restored into it."""
+        if not isinstance(state, dict):
+            raise InvalidArgument(f"TrainState.from_dict takes a dict, got {type(state).__name__}")
+        parts, objects = {}, {}
+        for k, v in state.items():
+            if not isinstance(k, str) or not k:
+                raise InvalidArgument(f"state= keys must be non-empty str, got {k!r}")
+            if not (_has_state(v) or isinstance(v, torch.Tensor)):
+                raise _not_stateful(k, v, tensors=True)
+            if k in _COMPONENTS and not isinstance(v, torch.Tensor):
+                parts[k] = v
+            else:
+                objects[k] = v
+        ts = cls(**parts, numpy_generators=numpy_generators)
+        ts.objects = objects  # not as keywords: a key such as "step" is an object here
+        return ts
+
     def state_dict(self) -> dict:
         return {
             "step": self.step,
             **{k: v.state_dict() for k, v in self.components.items()},
-            "objects": {k: v.state_dict() for k, v in self.objects.items()},
+            "objects": {k: v if isinstance(v, torch.Tensor) else v.state_dict() for k, v in self.objects.items()},
             "rng": capture_rng(self.numpy_generators),
         }
 
@@ -116,7 +161,8 @@ class TrainState:
         def live(obj):
             return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
         return {"step": None, **{k: v if live(v) else None for k, v in self.components.items()},
-                "objects": {k: v if live(v) else None for k, v in self.objects.items()}, "rng": None}
+                "objects": {k: v if live(v) or isinstance(v, torch.Tensor) else None for k, v in self.objects.items()},
+                "rng": None}
 
     def load_checked_out(self, sd: dict) -> None:
         """The tree checkout(into=checkout_targets()) returned: what it did not load already."""
@@ -127,7 +173,7 @@ class TrainState:
                 v.load_state_dict(sd[k])
         for k, v in self.objects.items():
             if sd["objects"][k] is not v:
-                v.load_state_dict(sd["objects"][k])
+                _load_object(v, sd["objects"][k])
         restore_rng(sd["rng"], self.numpy_generators)
         self.step = sd["step"]
 
@@ -137,7 +183,7 @@ class TrainState:
                 raise InvalidArgument(f"snapshot has no {k!r} to restore")
             v.load_state_dict(sd[k])
         for k, v in self.objects.items():
-            v.load_state_dict(sd["objects"][k])
+            _load_object(v, sd["objects"][k])
         restore_rng(sd["rng"], self.numpy_generators)
         self.step = sd["step"]
 
@@ -162,8 +208,37 @@ class CommitEvent:
     info: object              # the SnapshotInfo
 
 
+def _load_object(obj, stored) -> None:
+    if isinstance(obj, torch.Tensor):
+        with torch.no_grad():  # a parameter or buffer is updated in place, as into= does
+            obj.copy_(stored)
+    else:
+        obj.load_state_dict(stored)
+
+
+def _as_state(state) -> TrainState | None:
+    """state= as the manager takes it: a TrainState, or a dict of Stateful objects and
+    tensors (TrainState.from_dict); anything else is refused when the manager is made,
+    not at the first snapshot."""
+    if state is None or isinstance(state, TrainState):
+        return state
+    if isinstance(state, dict):
+        return TrainState.from_dict(state)
+    raise InvalidArgument(f"CheckpointManager state= takes a TrainState or a dict of objects with "
+                          f"state_dict()/load_state_dict() and tensors, got {type(state).__name__}"
+                          + (" (wrap it: TrainState(model=...) or state={'model': ...})" if _has_state(state) else ""))
+
+
 class CheckpointManager:
     """Decides when to snapshot a TrainState and snapshots it (asynchronously by default).
+
+    state=: a TrainState, or a dict {name: object with state_dict()/load_state_dict(), or
+    tensor} as DCP takes (TrainState.from_dict); anything else is refused here, with
+    InvalidArgument naming the key. A snapshot taken by step(n) holds the state after
+    training step n, so restore_latest() returns n and training resumes at n + 1.
+    Asynchronous by default (async_=True, as hf.TsckCallback): the state is staged (copied)
+    before step() returns, so the steps that follow cannot change what is stored, and the
+    put runs on the store's publisher; a failure is raised at the next step() or close().
 
     Triggers (any one fires a snapshot):
       every_steps=N      when step % N == 0
@@ -219,7 +294,7 @@ class CheckpointManager:
     logged at INFO (logger tensorstore_ck), each failed or skipped snapshot with why.
     restore_latest(progress=True) shows the bytes read as a bar on stderr."""
 
-    def __init__(self, store, *, job: str, state: TrainState | None = None, ref: str | None = None,
+    def __init__(self, store, *, job: str, state: TrainState | dict | None = None, ref: str | None = None,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  on_metric: tuple | None = None, retention: Retention | None = None,
                  async_: bool = True, when_busy: str | None = None, clock: Callable[[], float] = time.monotonic,
@@ -234,7 +309,7 @@ class CheckpointManager:
         self.store = store
         self.job = job
         self.ref = ref or f"{job}/main"
-        self.state = state
+        self.state = _as_state(state)
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.on_metric = on_metric
@@ -537,7 +612,7 @@ class CheckpointManager:
         refs the store does hold, so a mistyped path or job fails loudly instead of
         starting training over from step 0. progress=True: the bytes read as a bar on
         stderr (a long restore shows it is moving)."""
-        state = state or self.state
+        state = self.state if state is None else _as_state(state)
         if state is None:
             raise InvalidArgument("restore_latest needs a TrainState")
         if self._collective():

@@ -35,7 +35,10 @@ class _Proxied:
         self.proxy = NetProxy(int(d.get("port", 5432)), d.get("host", "127.0.0.1"), **proxy_kw)
         d.update(host="127.0.0.1", port=str(self.proxy.port), connect_timeout=str(TIMEOUT))
         self.dsn = " ".join(f"{k}={v}" for k, v in d.items())
-        self.store = tsck.open_store(str(tmp_path / "store"), refs=self.dsn)
+        # The retry budget of the first write these cases were written for (about 1.5 s): a
+        # write whose COMMIT went unanswered gives up when its connect timeout ends, before
+        # the restorer ends the blackout (the default budget would ride the blackout out).
+        self.store = tsck.open_store(str(tmp_path / "store"), refs=self.dsn, retry_budget=1.5)
 
     def close(self):
         self.proxy.restore()

@@ -262,7 +262,8 @@ def test_remote_unreachable_reads_the_local_tier_and_never_looks_like_a_first_ru
     remote, local = str(tmp_path / "remote"), str(tmp_path / "nvme")
     opened = []
     try:
-        store = tsck.open_store(remote, refs=dsn, local=local, block_size=BS, inline_threshold=256)
+        # The outage lasts until restore(): a short retry budget, or each read waits out 60 s.
+        store = tsck.open_store(remote, refs=dsn, local=local, block_size=BS, inline_threshold=256, retry_budget=2)
         opened.append(store)
         want = _put_durable(store, 1)
         proxy.blackout()
@@ -271,7 +272,8 @@ def test_remote_unreachable_reads_the_local_tier_and_never_looks_like_a_first_ru
         assert step == 1 and _equal(got, want)
         assert any("unreachable" in r.getMessage() for r in caplog.records)
         proxy.restore()
-        lost = tsck.open_store(remote, refs=dsn, local=str(tmp_path / "empty"), block_size=BS, inline_threshold=256)
+        lost = tsck.open_store(remote, refs=dsn, local=str(tmp_path / "empty"), block_size=BS, inline_threshold=256,
+                               retry_budget=2)
         opened.append(lost)
         proxy.blackout()
         with pytest.raises(tsck.StorageError):

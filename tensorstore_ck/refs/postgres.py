@@ -97,6 +97,20 @@ def _lost(e: Exception, conn) -> bool:
     return state.startswith(("08", "57P")) or state == "53300"
 
 
+# What a server that answered says when it will not take this connection: no retry helps.
+_REFUSALS = ("authentication failed", "does not exist", "no pg_hba.conf entry", "permission denied",
+             "password authentication", "invalid password")
+
+
+def _refused(e: Exception) -> bool:
+    """A connection the server refused for good (credentials, no such database or role),
+    as opposed to one it could not take now (down, starting, failing over)."""
+    text = str(e).lower()
+    if "the database system is" in text:  # starting up / shutting down / in recovery: transient
+        return False
+    return any(w in text for w in _REFUSALS)
+
+
 class _PgTxn(Txn):
     def __init__(self, cur, ns: str):
         self.cur = cur
@@ -233,8 +247,10 @@ class PostgresRefTable(RefTable):
             except psycopg.Error as e:
                 # libpq's message says which (refused, no such database, authentication
                 # failed: it names host, port, user and database, never a password); it
-                # carries no SQLSTATE, so a wrong DSN is retried like an outage, briefly.
-                delay = next(delays, None) if _lost(e, None) else None
+                # carries no SQLSTATE. What the server refused (a credential, a database or
+                # role that does not exist) fails at once; the rest is retried like an
+                # outage, for the retry budget (a server failing over refuses connections).
+                delay = next(delays, None) if _lost(e, None) and not _refused(e) else None
                 if delay is None:
                     why = " ".join(str(e).split())[:300]
                     raise StorageError(f"cannot reach the ref table at {self.where}: {type(e).__name__}: {why} "
@@ -297,7 +313,17 @@ class PostgresRefTable(RefTable):
                 except self._psycopg_pool.PoolClosed:
                     raise StoreClosed(f"the ref table at {self.where} is closed") from None
                 except self._psycopg_pool.PoolTimeout:
-                    raise self._give_up("no connection", pending) from None
+                    # No connection within the connect timeout: a server failing over takes
+                    # longer; the pool goes on reconnecting while the retry budget lasts.
+                    lost += 1
+                    delay = next(delays, None)
+                    if delay is None:
+                        raise self._give_up(f"no connection (retry budget {self.backoff.budget:g}s spent)",
+                                            pending) from None
+                    log.warning("ref table %s: no connection in %gs; retry %d in %.2fs (retry budget %gs)",
+                                self.where, self.timeout, lost, delay, self.backoff.budget)
+                    time.sleep(delay)
+                    continue
                 token = None
                 committing = False
                 try:
@@ -349,11 +375,11 @@ class PostgresRefTable(RefTable):
                     self.reconnects += 1
                     delay = next(delays, None)
                     if delay is None:
-                        raise self._give_up(f"lost the connection {lost} times ({type(e).__name__})",
-                                            pending) from None
-                    log.warning("ref table %s: connection lost (%s)%s; retry %d/%d in %.2fs", self.where,
-                                type(e).__name__, ", commit unanswered" if pending is not None else "", lost,
-                                self.backoff.attempts - 1, delay)
+                        raise self._give_up(f"lost the connection {lost} times ({type(e).__name__}; retry budget "
+                                            f"{self.backoff.budget:g}s spent)", pending) from None
+                    log.warning("ref table %s: connection lost (%s)%s; retry %d in %.2fs (retry budget %gs)",
+                                self.where, type(e).__name__, ", commit unanswered" if pending is not None else "",
+                                lost, delay, self.backoff.budget)
                     time.sleep(delay)
                 except BaseException:
                     _rollback(conn)

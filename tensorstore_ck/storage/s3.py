@@ -17,7 +17,14 @@ One request per object and direction:
 Retries live in one layer, RetryingStore: botocore's and s3fs's own loops are
 switched off (the three multiplied: a hung server held one request for
 minutes), and explicit connect/read timeouts turn a hung connection into a
-retryable error. Transport errors that are not OSErrors (botocore's
+retryable error. RetryingStore retries by time (retry.py: a budget, 60 s by
+default), which is what rides out an outage; botocore's loop retries by count.
+botocore's "adaptive" retry mode is used for what only it does: a client-side
+rate limiter shared by every request of the client, which slows the whole
+client's send rate (CUBIC) once S3 answers SlowDown/Throttling and raises it
+again as answers come back; the hand-written loop can only delay the one request
+that was throttled while the other workers keep sending. Its total_max_attempts is
+1, so the two loops never multiply. Transport errors that are not OSErrors (botocore's
 EndpointConnectionError, ReadTimeoutError, aiohttp's) become ConnectionError /
 TimeoutError here, so callers only ever see OSError (StorageError above), and an
 OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
@@ -75,7 +82,10 @@ class S3BlockStore(FsspecBlockStore):
         cfg = dict(opts.get("config_kwargs") or {})
         cfg.setdefault("connect_timeout", 10)
         cfg.setdefault("read_timeout", 60)
-        cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        # adaptive: botocore's client-wide rate limiter on throttling (see the module
+        # docstring); one attempt: RetryingStore is the one retry loop. (total_max_attempts:
+        # botocore's max_attempts counts retries, so max_attempts=1 was two attempts.)
+        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "adaptive"})
         # One attempt's bound: connecting, then at most read_timeout between bytes of a
         # response (a DeleteObjects answer is small).
         self.request_timeout = float(cfg["connect_timeout"]) + float(cfg["read_timeout"])

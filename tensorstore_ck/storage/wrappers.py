@@ -306,37 +306,47 @@ class RetryingStore(WrappedStore):
     immutable and content-addressed: a put whose first attempt landed but whose
     answer was lost is retried and reports "already there", which is true."""
 
-    def __init__(self, inner: BlockStore, *, attempts: int = DEFAULT_BACKOFF.attempts,
+    def __init__(self, inner: BlockStore, *, attempts: int | None = DEFAULT_BACKOFF.attempts,
                  base_delay: float = DEFAULT_BACKOFF.base_delay, max_delay: float = DEFAULT_BACKOFF.max_delay,
-                 seed: int | None = None):
+                 seed: int | None = None, budget: float = DEFAULT_BACKOFF.budget, backoff: Backoff | None = None):
         super().__init__(inner)
-        self.backoff = Backoff(attempts, base_delay, max_delay)  # the policy the ref table retries with too
+        # The policy the ref table retries with too (retry.py): until `budget` seconds
+        # have passed since a request's first failure.
+        self.backoff = backoff or Backoff(budget=budget, base_delay=base_delay, max_delay=max_delay,
+                                          attempts=attempts)
         self.retries = 0
         self._rng = random.Random(seed)
 
     @property
-    def attempts(self) -> int:
+    def attempts(self) -> int | None:
         return self.backoff.attempts
 
     def _call(self, fn, *args):
-        delays = self.backoff.delays(self._rng)
+        delays = None  # the budget's clock starts at the first failure
         attempt = 0
+        t0 = time.monotonic()
         while True:
             attempt += 1
             try:
                 return fn(*args)
             except Exception as e:  # noqa: BLE001 - filtered by _transient
-                delay = next(delays, None) if _transient(e) else None
+                if _transient(e):
+                    if delays is None:
+                        delays = self.backoff.delays(self._rng)
+                    delay = next(delays, None)
+                else:
+                    delay = None
                 if delay is None:
                     if attempt > 1:
-                        log.warning("storage %s: %s failed after %d attempts: %s: %s", self.url,
-                                    getattr(fn, "__name__", "request"), attempt, type(e).__name__, e)
+                        log.warning("storage %s: %s failed after %d attempts in %.1fs (retry budget %gs): %s: %s",
+                                    self.url, getattr(fn, "__name__", "request"), attempt, time.monotonic() - t0,
+                                    self.backoff.budget, type(e).__name__, e)
                     raise
                 self.retries += 1
                 # Silent retries are how operators lose days: each one is logged.
-                log.warning("storage %s: %s failed (%s: %s); retry %d/%d in %.2fs", self.url,
-                            getattr(fn, "__name__", "request"), type(e).__name__, e, attempt,
-                            self.backoff.attempts - 1, delay)
+                log.warning("storage %s: %s failed (%s: %s); retry %d in %.2fs (%.1fs of the %gs retry budget "
+                            "spent)", self.url, getattr(fn, "__name__", "request"), type(e).__name__, e, attempt,
+                            delay, time.monotonic() - t0, self.backoff.budget)
                 time.sleep(delay)
 
     def get(self, key, max_bytes=None):

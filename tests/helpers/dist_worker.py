@@ -949,7 +949,9 @@ def pgunknown_case(rank, world, out, res, _arg):
                 if "commit unanswered" in record.getMessage():
                     threading.Timer(timeout + 0.3, proxy.restore).start()
         logging.getLogger("tensorstore_ck").addHandler(Restorer(logging.WARNING))
-    store = _open(out, refs=dsn)
+    # A short retry budget: rank 0's write gives up when its connect timeout ends, before
+    # the blackout does (the default budget would ride the blackout out).
+    store = _open(out, refs=dsn, retry_budget=1.5)
     try:
         _outcome(res, "put1", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=60))
         dist.barrier()

@@ -97,7 +97,8 @@ def body_keep(rank, world, out, res, arg, cb=None):
     from tensorstore_ck import hf
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # what torchrun sets besides env://
     store = tsck.open_store(os.path.join(out, "store"))
-    t = _trainer(out, rank, [hf.TsckCallback(store, job=JOB, **(cb or {}))], **(arg or {}))
+    # "keep" is the blocking collective save ("async" the default, asynchronous one)
+    t = _trainer(out, rank, [hf.TsckCallback(store, job=JOB, **{"async_": False, **(cb or {})})], **(arg or {}))
     t.train()
     res["folders"] = sorted(os.listdir(os.path.join(out, "output")))
     path = hf.resume_checkpoint(store, f"{JOB}/main", os.path.join(out, "again"))
