@@ -265,7 +265,6 @@ class Publisher:
         a training log wants: ref, step, bytes, new bytes, seconds, stall."""
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
-        had = self._step_taken(ref, args.step)
         races = fenced = 0
         body = last_parent = None
         holder = None  # the gc hold this commit took after a fenced move, until the move releases it
@@ -327,6 +326,10 @@ class Publisher:
                     continue
                 holder = None  # the move released it
                 self.assets.presence.settle(fence)
+                # After the move, not before: the commit's own round trips are the ones a
+                # fault (a held or lost COMMIT) meets, and a warning costs no read to a put
+                # that fails.
+                had = self._step_taken(ref, args.step, root)
                 if had is not None:
                     _warn_step_reused(ref, args.step, had, root)
                 return log_committed(row_to_info(root, row))
@@ -340,13 +343,13 @@ class Publisher:
                 except Exception as e:  # noqa: BLE001 - it expires on its own
                     log.info("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
 
-    def _step_taken(self, ref: str, step) -> bytes | None:
-        """The kept snapshot of `ref`'s history at `step`, if any (the steps index: a few
-        reads). Only for a warning: a table that cannot answer says None."""
+    def _step_taken(self, ref: str, step, root: bytes) -> bytes | None:
+        """A kept snapshot of `ref`'s history at `step` other than `root`, if any (the
+        steps index: a few reads). Only for a warning: a table that cannot answer says None."""
         if step is None:
             return None
         try:
-            return self.reftable.step_root(ref, step)
+            return self.reftable.step_root(ref, step, besides=root)
         except (TsckError, OSError) as e:
             log.debug("ref %s: could not look for an earlier snapshot at step %s: %s", ref, step, e)
             return None

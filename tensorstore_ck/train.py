@@ -222,6 +222,8 @@ def _as_state(state) -> TrainState | None:
     not at the first snapshot."""
     if state is None or isinstance(state, TrainState):
         return state
+    if callable(getattr(state, "state_dict", None)) and hasattr(state, "step"):
+        return state  # TrainState's own protocol (state_dict(), step): a class of the user's that speaks it
     if isinstance(state, dict):
         return TrainState.from_dict(state)
     raise InvalidArgument(f"CheckpointManager state= takes a TrainState or a dict of objects with "

@@ -113,9 +113,10 @@ class RefHistory:
 
         return self._read(txn)
 
-    def step_root(self, name: str, step: int) -> bytes | None:
+    def step_root(self, name: str, step: int, *, besides: bytes | None = None) -> bytes | None:
         """The newest snapshot of `name`'s history at `step` that still has a catalog row
         (REF@STEP), from the steps index: a few reads, whatever the history's length.
+        besides: a root not to count (a snapshot just published: was there another?).
         A table whose index does not cover every move (steps_seq behind the reflog's
         sequence) gets it rebuilt first, once."""
         prefix = _step_prefix(name.encode(), step)
@@ -125,7 +126,7 @@ class RefHistory:
                 return _INCOMPLETE
             best = None
             for _k, root in t.items("steps", prefix):  # ascending seq: the last one kept wins
-                if t.get("catalog", root) is not None:
+                if root != besides and t.get("catalog", root) is not None:
                     best = root
             return best
 
@@ -135,7 +136,7 @@ class RefHistory:
                 self._write(_rebuild_steps)
             except Exception:  # noqa: BLE001 - a table we cannot write (read-only): search the history
                 for root, row in self.history(name) or []:
-                    if isinstance(row, dict) and row.get("step") == step:
+                    if root != besides and isinstance(row, dict) and row.get("step") == step:
                         return root
                 return None
             found = self._read(look)
