@@ -12,9 +12,6 @@ servers themselves are never touched.
 from __future__ import annotations
 
 import logging
-import select
-import socket
-import threading
 import time
 
 import pytest
@@ -22,106 +19,16 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.cli import main
+from tests.sim.netproxy import NetProxy
 
 pytestmark = pytest.mark.slow  # real servers, outages of seconds
-
-
-class DropProxy:
-    """127.0.0.1:port -> host:upstream. outage(seconds): every connection is reset, and
-    new ones are closed at once until the outage ends; then it forwards again."""
-
-    def __init__(self, host: str, upstream: int):
-        self.host, self.upstream = host, upstream
-        self.dropped = 0  # connections closed at accept during an outage
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self._socks: set[socket.socket] = set()
-        self._stop = False
-        self.lsock = socket.socket()
-        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.lsock.bind(("127.0.0.1", 0))
-        self.lsock.listen(64)
-        self.port = self.lsock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True, name="dropproxy").start()
-
-    def outage(self, seconds: float) -> None:
-        with self._lock:
-            self._down_until = time.monotonic() + seconds
-            socks, self._socks = self._socks, set()
-        for s in socks:
-            _reset(s)
-
-    def down(self) -> bool:
-        return time.monotonic() < self._down_until
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                c, _ = self.lsock.accept()
-            except OSError:
-                return
-            if self.down():
-                self.dropped += 1
-                _reset(c)
-                continue
-            try:
-                u = socket.create_connection((self.host, self.upstream), timeout=5)
-            except OSError:
-                _reset(c)
-                continue
-            with self._lock:
-                self._socks |= {c, u}
-            threading.Thread(target=self._pump, args=(c, u), daemon=True).start()
-
-    def _pump(self, c: socket.socket, u: socket.socket) -> None:
-        # An end that closes is passed on as a half-close, the other direction drained:
-        # a server's last answer before it closes reaches the client whole (only an
-        # outage resets connections).
-        peer = {c: u, u: c}
-        open_ = [c, u]
-        try:
-            while open_:
-                r, _, _ = select.select(open_, [], [], 1.0)
-                for s in r:
-                    data = s.recv(65536)
-                    if data:
-                        peer[s].sendall(data)
-                    else:
-                        open_.remove(s)
-                        peer[s].shutdown(socket.SHUT_WR)
-        except (OSError, ValueError):
-            pass
-        finally:
-            with self._lock:
-                self._socks -= {c, u}
-            for s in (c, u):
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop = True
-        self.lsock.close()
-        self.outage(0)
-
-
-def _reset(s: socket.socket) -> None:
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
-    except OSError:
-        pass
-    try:
-        s.close()
-    except OSError:
-        pass
 
 
 @pytest.fixture
 def pg_proxy(pg_dsn):
     from psycopg.conninfo import conninfo_to_dict
     d = conninfo_to_dict(pg_dsn)
-    proxy = DropProxy(d.get("host") or "127.0.0.1", int(d.get("port") or 5432))
+    proxy = NetProxy(int(d.get("port") or 5432), d.get("host") or "127.0.0.1", marker=None)
     d.update(host="127.0.0.1", port=str(proxy.port), connect_timeout="2")
     yield proxy, " ".join(f"{k}={v}" for k, v in d.items())
     proxy.close()
@@ -131,7 +38,7 @@ def pg_proxy(pg_dsn):
 def s3_proxy(s3_server):
     from urllib.parse import urlsplit
     ep = urlsplit(s3_server["endpoint_url"])
-    proxy = DropProxy(ep.hostname, ep.port or 80)
+    proxy = NetProxy(ep.port or 80, ep.hostname, marker=None)
     opts = {**s3_server, "endpoint_url": f"http://127.0.0.1:{proxy.port}",
             "config_kwargs": {"connect_timeout": 2, "read_timeout": 5}}
     yield proxy, opts
@@ -152,7 +59,7 @@ def test_a_pg_ref_table_outage_is_ridden_out(tmp_path, pg_proxy, caplog):
         proxy.outage(OUTAGE)
         with caplog.at_level(logging.WARNING, logger="tensorstore_ck"):
             info = store.put_snapshot(_state(2), ref="j/main", job="j", step=2)
-        assert not proxy.down() and proxy.dropped > 0  # it did run into the outage
+        assert not proxy.down() and proxy.refused > 0  # it did run into the outage
         assert store.resolve("j/main") == info.root
         assert [e.step for e in store.log("j/main")] == [2, 1]
     assert any("ref table" in r.getMessage() and "retry" in r.getMessage() for r in caplog.records)
@@ -197,7 +104,7 @@ def test_an_s3_outage_is_ridden_out(tmp_path, s3_proxy, s3_url, caplog):
         proxy.outage(OUTAGE)
         with caplog.at_level(logging.WARNING, logger="tensorstore_ck"):
             store.put_snapshot(_state(2), ref="j/main", job="j", step=2)
-        assert not proxy.down() and proxy.dropped > 0
+        assert not proxy.down() and proxy.refused > 0
         assert torch.equal(store.checkout("j/main")["w"], _state(2)["w"])
     assert any("storage" in r.getMessage() and "retry" in r.getMessage() for r in caplog.records)
 

@@ -10,6 +10,8 @@ Faults:
                it is forwarded on the server session that sent it (it lands then)
     blackout   every connection is killed and new ones are black-holed (accepted, held
                without a byte) until it ends; then the held ones go through
+    outage     every connection is reset and new ones are reset as soon as accepted
+               until it ends (a server that went away), then it forwards again
 
 Threads, plain sockets; nothing here knows a protocol beyond spotting b"COMMIT" (a
 PostgreSQL simple query) and, to pick the transactions whose COMMIT is interesting, a
@@ -42,6 +44,16 @@ def _close(*socks) -> None:
             pass
 
 
+def _reset(*socks) -> None:
+    """Close with a reset (RST), as a peer that went away does, not a FIN."""
+    for s in socks:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        except OSError:
+            pass
+        _close(s)
+
+
 class Chaos:
     """Rates for NetProxy's random faults (per request forwarded; a blackout lasts up to
     `blackout_s`, a held COMMIT up to `hold_s`)."""
@@ -70,7 +82,8 @@ class _Conn:
 class NetProxy:
     """127.0.0.1:<port> -> host:upstream. Manual faults: arm_drop(), arm_hold(),
     blackout()/restore(), release(). With chaos=Chaos(seed): random ones too.
-    Counters: drops, holds, blackouts, delays (what happened, for reports)."""
+    outage() (a server gone: connections reset, not held).
+    Counters: drops, holds, blackouts, delays, refused (what happened, for reports)."""
 
     def __init__(self, upstream: int, host: str = "127.0.0.1", *, chaos: Chaos | None = None,
                  marker: bytes | None = REF_MOVE):
@@ -79,6 +92,8 @@ class NetProxy:
         self.marker = marker  # a COMMIT is faulted only in a transaction that sent it (None: any)
         self.armed_drop = self.armed_hold = self.armed_dark = 0
         self.drops = self.holds = self.blackouts = self.delays = 0
+        self.refused = 0  # connections reset at accept during an outage()
+        self._gone_until = 0.0  # monotonic: outage() resets what connects before then
         self.blackout_after_fault = 0.0  # manual: seconds of blackout started by an armed fault (0: none)
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
@@ -120,6 +135,20 @@ class NetProxy:
             conns = [k for k in self._conns if not k.held]
         for k in conns:
             _close(k.c, k.u)
+
+    def outage(self, seconds: float) -> None:
+        """Reset every connection, and each new one as soon as it is accepted, for
+        `seconds` (0 ends an outage now): a server that went away, where blackout() is
+        one that stopped answering."""
+        with self._lock:
+            self._gone_until = time.monotonic() + seconds
+            conns = [k for k in self._conns if not k.held]
+        for k in conns:
+            _reset(k.c, k.u)
+
+    def down(self) -> bool:
+        """Whether an outage() is under way."""
+        return time.monotonic() < self._gone_until
 
     def restore(self) -> None:
         """End a blackout: the connections held meanwhile go through."""
@@ -168,6 +197,10 @@ class NetProxy:
             except OSError:
                 return
             with self._lock:
+                if self.down():
+                    self.refused += 1
+                    _reset(c)
+                    continue
                 if self._dark():  # black-holed: the client waits for a first byte that is late
                     self._waiting.append(c)
                     continue
