@@ -22,24 +22,12 @@ from tensorstore_ck.gc import run_gc
 from tensorstore_ck.reach import kept_roots
 from tensorstore_ck.storage.wrappers import WrappedStore
 
-BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 
-
-def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g)}
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        x.dtype == y.dtype and x.shape == y.shape and x.reshape(-1).view(torch.uint8).equal(y.reshape(-1).view(torch.uint8))
-        for x, y in ((a[k].contiguous(), b[k].contiguous()) for k in a))
-
-
-def _open(tmp_path, **kw) -> tsck.Store:
-    return tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
-                           inline_threshold=256, **kw)
+try:  # the tier's test state and store, as the backlog tests make them
+    from .test_tier_backlog import BS, _equal, _open, _state
+except ImportError:  # tests/ is not a package
+    from test_tier_backlog import BS, _equal, _open, _state
 
 
 class HoldAfter(WrappedStore):
