@@ -87,6 +87,29 @@ def start_rgw():
     return d, env
 
 
+def connect(a):
+    """The S3 server of a bench run: a.endpoint (with a.key, a.secret), else a radosgw
+    started here (a.endpoint and the keys set from it); a.bucket made if absent.
+    -> (the radosgw directory to stop, or None; storage_options; an s3fs filesystem)."""
+    import s3fs
+    rgw_dir = None
+    if not a.endpoint:
+        rgw_dir, env = start_rgw()
+        a.endpoint, a.key, a.secret = env["TEST_S3_ENDPOINT"], env["TEST_S3_KEY"], env["TEST_S3_SECRET"]
+    opts = {"endpoint_url": a.endpoint, "key": a.key, "secret": a.secret}
+    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True, use_listings_cache=False)
+    try:
+        fs.mkdir(a.bucket)
+    except (FileExistsError, OSError):
+        pass
+    return rgw_dir, opts, fs
+
+
+def stop_rgw(rgw_dir) -> None:
+    if rgw_dir:
+        subprocess.run(["bash", os.path.join(core.REPO, ".ci", "stop-rgw.sh"), rgw_dir], capture_output=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=0.25, help="state size in GB (default 0.25)")
@@ -102,21 +125,11 @@ def main() -> int:
     ap.add_argument("--dir", default="/work", help="parent folder for the file:// store")
     a = ap.parse_args()
 
-    import s3fs
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     core.quiet_dcp()
 
-    rgw_dir = None
-    if not a.endpoint:
-        rgw_dir, env = start_rgw()
-        a.endpoint, a.key, a.secret = env["TEST_S3_ENDPOINT"], env["TEST_S3_KEY"], env["TEST_S3_SECRET"]
-    opts = {"endpoint_url": a.endpoint, "key": a.key, "secret": a.secret}
-    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True, use_listings_cache=False)
-    try:
-        fs.mkdir(a.bucket)
-    except (FileExistsError, OSError):
-        pass
+    rgw_dir, opts, fs = connect(a)
     reqs = Requests()
 
     state, _model, _opt = core.build_state(a.scale * GB, a.d_model, vocab=a.vocab)
@@ -201,8 +214,7 @@ def main() -> int:
                   f"file checkout {rows['file checkout'][-1]:.3f}, dcp load {rows['dcp load'][-1]:.3f}",
                   flush=True)
     finally:
-        if rgw_dir:
-            subprocess.run(["bash", os.path.join(core.REPO, ".ci", "stop-rgw.sh"), rgw_dir], capture_output=True)
+        stop_rgw(rgw_dir)
 
     print()
     print(f"| measure ({a.repeats} repeats, workers {workers}, DCP thread_count {threads}) | median (min–max) |")

@@ -34,7 +34,6 @@ import collections
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -117,17 +116,7 @@ def main() -> int:
     from tensorstore_ck import upload as _up
     early_now = _up.early_default() if early is None else early
 
-    import s3fs
-    rgw_dir = None
-    if not a.endpoint:
-        rgw_dir, env = bench_s3.start_rgw()
-        a.endpoint, a.key, a.secret = env["TEST_S3_ENDPOINT"], env["TEST_S3_KEY"], env["TEST_S3_SECRET"]
-    opts = {"endpoint_url": a.endpoint, "key": a.key, "secret": a.secret}
-    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True, use_listings_cache=False)
-    try:
-        fs.mkdir(a.bucket)
-    except (FileExistsError, OSError):
-        pass
+    rgw_dir, opts, fs = bench_s3.connect(a)
 
     server = ServerCPU(rgw_dir or os.environ.get("TSCK_BENCH_RGW_DIR"))
     state, _model, _opt = core.build_state(a.scale * GB, a.d_model, vocab=a.vocab)
@@ -215,8 +204,7 @@ def main() -> int:
                 except (FileNotFoundError, OSError):
                     pass
     finally:
-        if rgw_dir:
-            subprocess.run(["bash", os.path.join(core.REPO, ".ci", "stop-rgw.sh"), rgw_dir], capture_output=True)
+        bench_s3.stop_rgw(rgw_dir)
 
     print()
     print(f"| measure ({a.repeats} repeats, {nbytes / GB:.3f} GB) | median (min–max) |")

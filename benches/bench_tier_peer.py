@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -124,19 +123,9 @@ def main() -> int:
 
     import bench_core as core
     import bench_s3
-    import s3fs
     import torch
     tsck = core.import_tsck()
-    rgw_dir = None
-    if not a.endpoint:
-        rgw_dir, env = bench_s3.start_rgw()
-        a.endpoint, a.key, a.secret = env["TEST_S3_ENDPOINT"], env["TEST_S3_KEY"], env["TEST_S3_SECRET"]
-    opts = {"endpoint_url": a.endpoint, "key": a.key, "secret": a.secret}
-    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True, use_listings_cache=False)
-    try:
-        fs.mkdir(a.bucket)
-    except (FileExistsError, OSError):
-        pass
+    rgw_dir, opts, fs = bench_s3.connect(a)
     rows = _rows(a.scale)
     print(f"# {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, S3 at {a.endpoint}"
           f"{' (radosgw started by this script)' if rgw_dir else ''}; tiers under {a.dir}")
@@ -184,8 +173,7 @@ def main() -> int:
                 except (FileNotFoundError, OSError):
                     pass
     finally:
-        if rgw_dir:
-            subprocess.run(["bash", os.path.join(core.REPO, ".ci", "stop-rgw.sh"), rgw_dir], capture_output=True)
+        bench_s3.stop_rgw(rgw_dir)
     print()
     print(f"| measure ({a.repeats} repeats, {a.world} ranks) | median (min–max) |")
     print("|---|---|")
