@@ -870,7 +870,7 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
     if rank != 0:
         def info_of(root: Digest):
             if tier is not None:  # rank 0's commit and top nodes into this rank's tier first
-                tier.adopt(bytes(root), ch.get("tier"))
+                tier.adopt(bytes(root), ch.get("tier"), part["tree"])
             return publisher.info(root)
         info = _await_result(ch, publisher, args, revalidate_mine, info_of)
         publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there

@@ -138,9 +138,10 @@ def _block_bytes(core: Core, roots: list) -> int:
     What cannot be walked here is left out: the check reports it."""
     sizes: dict[bytes, int] = {}
     seen: set = set()
+    parts = core.refs.parts()
     for root in roots:
         try:
-            for obj in walk_commit(core.assets, root, verify=False, skip_nodes=seen):
+            for obj in walk_commit(core.assets, root, verify=False, skip_nodes=seen, part=parts.get(root)):
                 if obj.kind == "block":
                     sizes[obj.digest] = obj.nbytes or 0
         except TsckError:
@@ -158,6 +159,7 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
     for root, err in bad_rows:  # the snapshot is still checked below, from its commit
         rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
     evicted = core.refs.evicted()  # a local tier's budget dropped them on purpose: the remote has them
+    parts = core.refs.parts()  # a rank's tier: its part of a collective snapshot (walk_commit(part=))
     rep.evicted = len(evicted)
     roots = sorted((core.refs.catalog_roots() | set(names)) - evicted)
     block_status: dict[bytes, IntegrityError | None] = {}
@@ -179,12 +181,12 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
     for root in roots:
         rep.snapshots_checked += 1
         snap, nm = root.hex(), names.get(root, [])
-        pending: list = []  # (digest, nbytes, path) of blocks this snapshot references
+        pending: list = []  # (digest, nbytes, path, elsewhere) of blocks this snapshot references
         try:
-            for obj in walk_commit(core.assets, root, verify=full):
+            for obj in walk_commit(core.assets, root, verify=full, part=parts.get(root)):
                 marked.add(obj.kind + "s", obj.digest)
                 if obj.kind == "block":
-                    pending.append((obj.digest, obj.nbytes, obj.path))
+                    pending.append((obj.digest, obj.nbytes, obj.path, obj.elsewhere))
                 elif obj.kind == "node" and obj.digest not in node_status:
                     node_status[obj.digest] = None
                     rep.objects_checked += 1
@@ -197,7 +199,7 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
             rep.findings.append(Finding(problem, snap, nm, getattr(e, "path", None) or None,
                                         getattr(e, "key", None), str(e.args[0]) if e.args else str(e)))
         todo, sizes = {}, {}
-        for d, n, _p in pending:
+        for d, n, _p, _e in pending:
             if d not in block_status and d not in todo:
                 todo[d] = pool.submit(check_block, d, n)
                 sizes[d] = n
@@ -211,8 +213,10 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
             bar.set_postfix_str(f"{rep.snapshots_checked}/{len(roots)} snapshots, {rep.objects_checked} objects",
                                 refresh=False)
         reported = set()
-        for d, n, p in pending:
+        for d, n, p, elsewhere in pending:
             err = block_status[d]
+            if elsewhere and isinstance(err, IntegrityError) and err.reason == "missing":
+                continue  # another rank's block: in its own tier, not this one's to hold
             if err is not None and (d, p) not in reported:
                 reported.add((d, p))
                 if isinstance(err, UnreadableObject):

@@ -450,6 +450,7 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
         # A local tier's evicted snapshots have no objects here left to walk or delete
         # (read before the expiry, which drops their marks with their rows).
         evicted = refs.evicted()
+        parts = refs.parts()
         expired = refs.catalog_expire(doomed, rules=rules, served=queued) if doomed or queued else []
         rep.expired = [r.hex() for r in expired]
         if not expired:
@@ -457,7 +458,7 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
             return rep
         rep.reflog_compacted = refs.compact_history()
         rep = _delete_only_theirs(core, [r for r in expired if r not in evicted], hold, began, rep, f"prune {job}",
-                                  phase_objects=phase_objects, phase_seconds=phase_seconds)
+                                  parts=parts, phase_objects=phase_objects, phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
     log.info("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
@@ -467,10 +468,15 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
 
 
 def _delete_only_theirs(core: Core, gone: list, hold: "Lease", began: float, rep: GCReport, what: str, *,
-                        phase_objects: int | None = None, phase_seconds: float | None = None) -> GCReport:
+                        parts: dict | None = None, phase_objects: int | None = None,
+                        phase_seconds: float | None = None) -> GCReport:
     """Delete the objects of the snapshots `gone` (no longer kept: expired, or evicted)
     that no kept snapshot reaches, with gc's deletion phases: storage is not listed, the
-    candidates are found by walking those snapshots."""
+    candidates are found by walking those snapshots. parts: RefTable.parts() as read
+    before their rows were dropped (a rank's tier walks a collective snapshot through its
+    own part); None: read now."""
+    if parts is None:
+        parts = core.refs.parts()
     k0 = kept_roots(core)
     rep.kept_snapshots = len(k0)
     marked, visited = Marked(), NodeSet()
@@ -483,7 +489,7 @@ def _delete_only_theirs(core: Core, gone: list, hold: "Lease", began: float, rep
     skip = NodeSet(base=visited)  # the gone snapshots' nodes must not count as kept ones
     for root in gone:
         try:
-            for o in walk_commit(core.assets, root, verify=True, skip_nodes=skip):
+            for o in walk_commit(core.assets, root, verify=True, skip_nodes=skip, part=parts.get(root)):
                 found[o.kind + "s"].setdefault(o.digest, o.nbytes or 0)
         except (IntegrityError, FormatError, UnreadableObject) as e:  # left for an offline gc
             log.warning("%s: snapshot %s not walked (%s); `tsck gc` reclaims it", what, root.hex()[:16], e)
@@ -520,6 +526,28 @@ def evict_snapshots(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) ->
         if gone:
             rep = _delete_only_theirs(core, gone, hold, began, rep, "local tier eviction")
         rep.seconds = time.time() - t_start
+    return rep
+
+
+def drop_parts(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) -> GCReport:
+    """The local tier of a rank other than 0: drop the catalog rows of `roots`, collective
+    snapshots rank 0's tier no longer keeps (peers.CollectiveTier.adopt), then delete what
+    only they reached here (this rank's part, the replicas it held), with gc's protocol.
+    RefTable.parts_expire drops only parts not queued for upload, in its transaction."""
+    t_start = time.time()
+    rep = GCReport(dry_run=False)
+    _refuse_if_rebuilding(core, "the cleanup of a rank's tier")
+    with holding_gc_lock(core, lease=lease, role="parts:") as hold:
+        began = core.storage.clock_now()
+        parts = core.refs.parts()
+        evicted = core.refs.evicted()
+        gone = core.refs.parts_expire(roots)
+        rep.expired = [r.hex() for r in gone]
+        if gone:
+            rep = _delete_only_theirs(core, [r for r in gone if r not in evicted], hold, began, rep,
+                                      "a rank's tier cleanup", parts=parts)
+        rep.seconds = time.time() - t_start
+    _note_reclaimed(core, rep)
     return rep
 
 

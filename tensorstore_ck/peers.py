@@ -59,14 +59,21 @@ class CollectiveTier:
         self.core, self.uploader, self.peers = core, uploader, peers
 
     def top_blob(self, root: bytes, top_payloads: list) -> bytes:
-        """Rank 0, after its local publication: the commit and the top nodes, for the others."""
-        return msgpack.packb([self.core.assets.get_commit(root), list(top_payloads)])
+        """Rank 0, after its local publication: the commit and the top nodes, for the
+        others, and the snapshots of the job that rank 0's tier keeps (its catalog rows:
+        what its retention has left), which the others' tiers follow."""
+        job = (self.core.refs.catalog_get(root, checked=False) or {}).get("job")
+        kept = [r for r, row in self.core.refs.catalog_iter(bad=[]) if row.get("job") == job]
+        return msgpack.packb([self.core.assets.get_commit(root), list(top_payloads), kept])
 
-    def adopt(self, root: bytes, blob: bytes) -> None:
+    def adopt(self, root: bytes, blob: bytes, part: bytes) -> None:
         """A rank other than 0: store rank 0's commit and top nodes in this rank's tier.
         Each is stored under the address of its own bytes, and the commit must be `root`:
-        nothing rank 0 sends can stand for another object."""
-        body, payloads = msgpack.unpackb(blob)
+        nothing rank 0 sends can stand for another object. Then the tier follows rank 0's:
+        the snapshots of the job rank 0 no longer keeps are dropped here, in the background
+        (Uploader.follow), once their parts are uploaded."""
+        body, payloads, *rest = msgpack.unpackb(blob)
+        kept = rest[0] if rest else None
         assets = self.core.assets
         for p in payloads:
             assets.put_node(p)
@@ -75,20 +82,23 @@ class CollectiveTier:
             raise IntegrityError(f"rank 0 sent a commit object that is not snapshot {root.hex()[:16]} "
                                  f"(its bytes hash to {got.hex()[:16]})", reason="corrupt")
         assets.sync()
-        # A catalog row (no ref): this tier keeps the snapshot. Its other ranks' nodes are
-        # not here, so a gc of this tier stops before deleting anything (a kept snapshot it
-        # cannot walk) instead of taking this rank's part and the replicas it holds for
-        # the untracked garbage they would otherwise look like.
+        # A catalog row (no ref) with this rank's part: this tier keeps the snapshot. gc,
+        # fsck and the budget walk it through the part and what else is here (the other
+        # ranks' sub-trees are in their tiers: walk.walk_commit(part=)).
         from .format.manifest import decode_commit
         c = decode_commit(body)
-        self.core.refs.catalog_put_if_absent(root, {k: c.get(k) for k in (
-            "job", "ref", "step", "time", "metrics", "meta", "parent", "tree")} | dict(c.get("stats") or {}))
+        self.core.refs.catalog_put_part(root, {k: c.get(k) for k in (
+            "job", "ref", "step", "time", "metrics", "meta", "parent", "tree")} | dict(c.get("stats") or {}), part)
+        if isinstance(kept, list) and all(isinstance(r, bytes) and len(r) == 32 for r in kept):
+            self.uploader.follow(c.get("job"), set(kept) | {root})
 
     def published(self, info, tree: bytes, rank0: bool):
         """Every rank once the snapshot is published locally: queue its upload (rank 0: the
         snapshot; another rank: its part, the sub-tree `tree`); with replicas, send the
         part to the peers in the background."""
         root = bytes.fromhex(info.root)
+        if rank0:  # (the others' rows carry theirs: adopt)
+            self.core.refs.mark_part0(root, tree)
         self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.peers is not None:
             self.peers.replicate(root, tree)
@@ -118,10 +128,23 @@ def upload_part(up, seq: int, entry: dict) -> None:
         fence = up.publisher.fence()  # before the remote is asked about any object
         objs: dict = {"block": [], "node": [], "commit": []}
         seen: set[bytes] = set()
-        for o in walk_tree(local.assets, tree, snapshot=root.hex(), verify=True):
-            if o.digest not in seen:
-                seen.add(o.digest)
-                objs[o.kind].append(o.digest)
+        try:
+            for o in walk_tree(local.assets, tree, snapshot=root.hex(), verify=True):
+                if o.digest not in seen:
+                    seen.add(o.digest)
+                    objs[o.kind].append(o.digest)
+        except IntegrityError:
+            # As for a whole snapshot: a gc of this tier may have expired the row (its
+            # retention) and deleted the part meanwhile; otherwise the tier is damaged.
+            if local.refs.catalog_get(root, checked=False) is None:
+                up._expired(seq, root)
+                return
+            raise
+        # A Replicated tensor's blocks are split among the ranks (each writes those it
+        # owns) and every rank's nodes name them all: the blocks this tier lacks are the
+        # others' to send. Rank 0 moves the ref only once it saw each one in the remote.
+        here = list(remote.pool.map(local.assets.block_exists, objs["block"]))
+        objs["block"] = [d for d, h in zip(objs["block"], here) if h]
         up._send(objs, fence)
     local.refs.upload_done(seq, root)
     with up._cond:

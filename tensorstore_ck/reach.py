@@ -22,7 +22,7 @@ from .assets import KINDS, Listed
 from .core import Core
 from .errors import FormatError, IntegrityError, TsckError, UnreadableObject
 from .format.manifest import commit_tree
-from .walk import walk_tree
+from .walk import walk_parted
 
 __all__ = ["KINDS", "Marked", "NodeSet", "kept_roots", "holders", "mark", "iter_unreachable"]
 
@@ -204,6 +204,7 @@ def mark(core: Core, roots, marked: Marked, visited: NodeSet | set, bar=None) ->
     aborts (its children are unknown, so nothing could be deleted safely); a missing
     commit object is marked through its catalog row's tree instead."""
     n = 0
+    parts = core.refs.parts()  # a rank's tier: its part of each collective snapshot, the rest elsewhere
     for root in sorted(roots):
         try:
             if core.assets.has_commit(root):
@@ -217,7 +218,8 @@ def mark(core: Core, roots, marked: Marked, visited: NodeSet | set, bar=None) ->
                 tree = row.get("tree")
                 if not isinstance(tree, bytes) or len(tree) != 32:
                     continue  # nothing known to keep for it; fsck reports the dangling name
-            objs = walk_tree(core.assets, tree, snapshot=root.hex(), verify=True, skip_nodes=visited)
+            objs = walk_parted(core.assets, tree, parts.get(root), snapshot=root.hex(), verify=True,
+                               skip_nodes=visited)
             for obj in objs:
                 marked.add(obj.kind + "s", obj.digest)
                 n += 1

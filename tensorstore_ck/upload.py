@@ -51,6 +51,7 @@ def early_default() -> bool:
 
 UPLOAD_ATTEMPTS = 8  # tries of one snapshot (storage or ref-table failures) before the uploader gives up
 _BACKOFF = (0.5, 30.0)  # first and longest pause between tries, seconds
+TIDY_EVERY = 8  # uploads in a row after which a rank's due cleanup runs, even with more queued (Uploader.follow)
 
 
 class Uploader:
@@ -73,6 +74,12 @@ class Uploader:
         self._forked = False
         self.sent = self.skipped = 0
         self.superseded = 0  # queued snapshots not sent: a newer one of their ref was queued (the backlog rule)
+        # A rank other than 0 of collective snapshots: job -> what rank 0's tier keeps of
+        # it, told at the last snapshot (follow); the rest of the job's parts go (_tidy).
+        self._follow: dict = {}
+        self._tidying = False  # a _tidy is running (wait_durable waits for it)
+        self._since_tidy = 0
+        self.tidied = 0  # part rows dropped by _tidy
         # The early upload (tee): each new block a put writes here is also sent to the
         # remote as it is written, from memory, so the upload overlaps the local write.
         self._tee_fence: int | None = None  # the remote fence, read before the put wrote
@@ -93,12 +100,59 @@ class Uploader:
             self._cond.notify_all()
         return seq
 
+    def follow(self, job, keep: set) -> None:
+        """A rank other than 0 (peers.CollectiveTier.adopt): `keep` is what rank 0's tier
+        keeps of `job` (its retention's doing); this rank's parts of the job's other
+        snapshots are dropped from its tier, with what only they reach, by the uploader
+        thread when its queue is empty (or every TIDY_EVERY uploads), never a part still
+        queued. The latest word per job wins: the rule is stateless, so one missed (the
+        process ended first) is made good by the next."""
+        with self._cond:
+            self._follow[job] = set(keep)
+            self._cond.notify_all()
+
+    def _tidy(self) -> None:
+        with self._cond:
+            follow, self._follow, self._tidying = self._follow, {}, True
+        self._since_tidy = 0
+        refs = self.local.refs
+        try:
+            parts = refs.parts(rank0=False)
+            jobs = {r: (refs.catalog_get(r, checked=False) or {}).get("job") for r in parts}
+            drop = [r for r, job in jobs.items() if job in follow and r not in follow[job]]
+            if drop:
+                from .gc import drop_parts
+                rep = drop_parts(self.local, drop, lease=self.local.settings.gc_lease)
+                self.tidied += len(rep.expired)
+                log.info("local tier: dropped this rank's part of %d collective snapshot(s) rank 0's tier no "
+                         "longer keeps (%d objects, %d bytes)", len(rep.expired), rep.deleted_objects,
+                         rep.deleted_bytes)
+        except GcBusy:
+            log.info("local tier: a gc holds %s; this rank's old parts are dropped after the next snapshot",
+                     self.local.url)
+        except Exception as e:  # noqa: BLE001 - the uploads matter more than the cleanup
+            log.warning("local tier: could not drop this rank's old parts (%s: %s); tried again after the next "
+                        "snapshot", type(e).__name__, e)
+        finally:
+            with self._cond:
+                self._tidying = False
+                self._cond.notify_all()
+
     def _requeue_unqueued(self) -> None:
         """A put killed between its local ref move and its enqueue left a local tip that
         is neither durable nor queued: queue it (the ref's tip is what counts; an older
-        snapshot of that ref superseded before the kill is not sent)."""
+        snapshot of that ref superseded before the kill is not sent). The same for a
+        rank's part of a collective snapshot (its row is written before the enqueue)."""
         refs = self.local.refs
         queued = {e["root"] for _, e in refs.upload_pending()}
+        parts = {r: t for r, t in refs.parts(rank0=False).items() if r not in queued}
+        done = refs.durable(parts)
+        for root, tree in parts.items():
+            if root not in done:
+                row = refs.catalog_get(root, checked=False) or {}
+                log.info("local tier: queueing this rank's part of snapshot %s, published and never queued",
+                         root.hex()[:16])
+                refs.upload_enqueue(root, row.get("ref"), row.get("step"), part=tree)
         tips = [(name, root) for name, root in refs.list() if root not in queued]
         done = refs.durable(root for _, root in tips)
         for name, root in tips:
@@ -122,7 +176,7 @@ class Uploader:
                     self._heard = True
                     raise self.error
                 pending = [seq for seq, _ in self.local.refs.upload_pending() if seq <= target]
-                if not pending and not self._fitting:
+                if not pending and not self._fitting and not self._follow and not self._tidying:
                     return True
                 if self._stop:
                     raise TsckError("the uploader stopped (the store was closed, or this is a forked child) before "
@@ -137,7 +191,8 @@ class Uploader:
         """Wait until the queue is empty, or the uploader stopped (its error is kept for
         unheard()); no timeout: Store.close() finishes uploads as it finishes puts."""
         with self._cond:
-            while self.error is None and not self._stop and self.local.refs.upload_pending():
+            while self.error is None and not self._stop and (self.local.refs.upload_pending() or self._follow
+                                                                   or self._tidying):
                 self._cond.wait(0.5)
 
     def close(self) -> None:
@@ -226,9 +281,12 @@ class Uploader:
             except Exception as e:  # noqa: BLE001 - the local table is gone (closed): stop
                 self._fail(e)
                 return
+            if self._follow and (not pending or self._since_tidy >= TIDY_EVERY):
+                self._tidy()
+                continue
             if not pending:
                 with self._cond:
-                    if not self._stop:
+                    if not self._stop and not self._follow:
                         self._cond.wait(1.0)
                 continue
             seq, entry = pending[0]
@@ -236,6 +294,7 @@ class Uploader:
                 if self._superseded(seq, entry, pending):
                     continue
                 self._upload(seq, entry)
+                self._since_tidy += 1
                 tries = 0
             except IntegrityError as e:  # a damaged local object: no retry makes it whole
                 self._fail(e)
@@ -428,7 +487,7 @@ def fit_budget(local: Core, budget: int) -> list[bytes]:
         return []
     refs = local.refs
     sizes = {kind: {o.digest: o.size for o in local.assets.list_objects(kind)} for kind in ("commits", "nodes", "blocks")}
-    evicted = refs.evicted()
+    evicted, parts = refs.evicted(), refs.parts()
     rows = {root: row for root, row in refs.catalog_iter(bad=[])}
     held = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()
     roots = (set(rows) | held) - evicted
@@ -440,7 +499,7 @@ def fit_budget(local: Core, budget: int) -> list[bytes]:
     for root in roots:
         objs = set()
         try:
-            for o in walk_commit(local.assets, root, verify=False):
+            for o in walk_commit(local.assets, root, verify=False, part=parts.get(root)):
                 objs.add((o.kind + "s", o.digest))
         except (TsckError, OSError):
             durable.discard(root)  # not whole here: left to fsck, and kept

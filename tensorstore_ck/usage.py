@@ -126,6 +126,7 @@ def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None) -> 
     # Which job references each block: its index, or _SHARED once a second job does.
     owner: dict[bytes, int] = {}
     unreadable: dict[str, str] = {}
+    parts = core.refs.parts()
     try:
         if sizes is None:
             sizes = {o.digest: o.size for o in core.assets.list_objects("blocks")}
@@ -138,7 +139,7 @@ def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None) -> 
                     continue
                 try:
                     for o in walk_commit(core.assets, bytes.fromhex(i.root), verify=core.settings.verify,
-                                         skip_nodes=seen):
+                                         skip_nodes=seen, part=parts.get(bytes.fromhex(i.root))):
                         if o.kind != "block" or o.digest in mine:
                             continue
                         mine.add(o.digest)
@@ -203,7 +204,7 @@ def tier_usage(core: Core) -> dict:
 
     and `evicted` counts the durable snapshots whose local copies the budget dropped."""
     refs = core.refs
-    evicted = refs.evicted()
+    evicted, parts = refs.evicted(), refs.parts()
     queued = {e["root"] for _, e in refs.upload_pending()}
     roots = (refs.catalog_roots() | {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()) - evicted
     durable = refs.durable(roots)
@@ -217,7 +218,7 @@ def tier_usage(core: Core) -> dict:
         for root in sorted(roots, key=lambda r: rank[cls[r]]):  # a shared object counts for the first class
             c = cls[root]
             try:
-                for o in walk_commit(core.assets, root, verify=False):
+                for o in walk_commit(core.assets, root, verify=False, part=parts.get(root)):
                     owner.setdefault((o.kind + "s", o.digest), c)
             except (IntegrityError, FormatError) as e:
                 unreadable[root.hex()] = str(e)  # fsck names it

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from .assets import Assets
-from .errors import FormatError
+from .errors import FormatError, IntegrityError
 from .format import tree
 from .format.manifest import decode_commit, decode_node
 from .format.tree import format_path
 from .format.world import bucket_entries, fan_children, fan_height, rank_tops
 
-__all__ = ["Obj", "walk_commit", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS"]
+__all__ = ["Obj", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class Obj:
     digest: bytes
     path: str            # where in the state it sits ("" for the commit and top node)
     nbytes: int | None = None  # blocks: the length the manifest expects
+    elsewhere: bool = False    # outside the part this store holds whole (walk_commit(part=)): may be absent
 
 
 def read_node(assets: Assets, d: bytes, path: tuple, depth: int, *, snapshot: str, verify: bool = True,
@@ -130,24 +131,53 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
 
 
 def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
-              skip_nodes: set | None = None) -> Iterator[Obj]:
+              skip_nodes: set | None = None, absent_ok: bool = False, elsewhere: bool = False) -> Iterator[Obj]:
     """Every node and block under `top`, depth first. Nodes in `skip_nodes`
     (already walked elsewhere) are neither yielded nor descended; new nodes are
-    added to it."""
+    added to it. absent_ok: a node that is missing here is passed over with what is
+    under it (not yielded); a damaged one still raises. Blocks are yielded `elsewhere` with
+    absent_ok or elsewhere (they may be in another store)."""
     for d, path, leaves in _nodes(assets, top, snapshot=snapshot, verify=verify, skip_nodes=skip_nodes):
-        yield Obj("node", d, format_path(path))
-        for p, item in leaves():
+        if absent_ok:
+            try:
+                items = leaves()
+            except IntegrityError as e:
+                if e.reason != "missing":
+                    raise
+                continue
+            yield Obj("node", d, format_path(path))
+        else:
+            yield Obj("node", d, format_path(path))
+            items = leaves()
+        for p, item in items:
             fp = format_path(p)
             for bd, nb in _leaf_blocks(item):
-                yield Obj("block", bd, fp, nb)
+                yield Obj("block", bd, fp, nb, absent_ok or elsewhere)
 
 
-def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes: set | None = None
-                ) -> Iterator[Obj]:
-    """The commit object itself, then everything under its tree."""
+def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes: set | None = None,
+                part: bytes | None = None) -> Iterator[Obj]:
+    """The commit object itself, then everything under its tree. part: the sub-tree of
+    a collective snapshot whose nodes this store holds (a rank's own part, in its local
+    tier: RefTable.parts), walked first, a missing node of it an error; of the rest,
+    only the nodes present here are walked (the commit and top nodes, every node on rank
+    0, the replicas a rank keeps). Every block is yielded `elsewhere`: the other ranks'
+    are in their own tiers, and a rank's part names the blocks of its Replicated tensors
+    that the other ranks wrote (each writes those it owns)."""
     yield Obj("commit", root, "")
     c = decode_commit(assets.get_commit(root, verify=verify))
-    yield from walk_tree(assets, c["tree"], snapshot=root.hex(), verify=verify, skip_nodes=skip_nodes)
+    yield from walk_parted(assets, c["tree"], part, snapshot=root.hex(), verify=verify, skip_nodes=skip_nodes)
+
+
+def walk_parted(assets: Assets, top: bytes, part: bytes | None, *, snapshot: str, verify: bool = True,
+                skip_nodes: set | None = None) -> Iterator[Obj]:
+    """walk_tree of `top`; with `part`, as walk_commit(part=) says."""
+    if part is None:
+        yield from walk_tree(assets, top, snapshot=snapshot, verify=verify, skip_nodes=skip_nodes)
+        return
+    seen = skip_nodes if skip_nodes is not None else set()
+    yield from walk_tree(assets, part, snapshot=snapshot, verify=verify, skip_nodes=seen, elsewhere=True)
+    yield from walk_tree(assets, top, snapshot=snapshot, verify=verify, skip_nodes=seen, absent_ok=True)
 
 
 def _describe(item) -> str:

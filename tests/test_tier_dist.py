@@ -125,6 +125,47 @@ def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_serv
 
 
 @pytest.mark.slow
+def test_every_ranks_tier_follows_rank_0s_retention(tmp_path, s3_url, s3_server):
+    """A job of 3 ranks with replicas=1 takes a snapshot every step for 8 steps, keeping
+    the last 2. Every rank's tier, not only rank 0's (where the job's prune runs), ends
+    with the snapshots rank 0 keeps (and the newest, one snapshot behind at most), and
+    nothing else: each tier fscks clean with no orphan (its part, the commit, the top
+    nodes and the replicas of what it keeps; the other ranks' sub-trees are not missing
+    there) and its gc runs and keeps what rank 0 keeps; the job restores from the tiers
+    with no remote read."""
+    world, steps, keep = 3, 8, 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    tidy = _run(tmp_path, "tidy", {**cfg, "steps": steps, "keep": keep}, limit=500)
+    res = _results(tidy, "tidy", world)
+    taken = [root for _s, root in sorted(res[0]["steps"].items(), key=lambda kv: int(kv[0])) if root]
+    last = taken[-1]
+    assert len(taken) >= keep + 2, res[0]["steps"]  # (a step may be skipped while one is in flight)
+    for r in res:
+        assert r["waited"] is True and r["steps"] == res[0]["steps"]
+        assert r["fsck"] == [] and r["orphans"] == 0, r
+        assert r["gc"] == "ran" and r["fsck_after_gc"] == [], r
+    kept0 = set(res[0]["rows"])
+    assert len(kept0) == keep and last in kept0
+    for r in res[1:]:
+        rows = set(r["rows"])
+        assert last in rows and len(rows) <= keep + 1, r["rows"]  # rank 0's word comes with the next snapshot
+        assert rows - kept0 <= set(taken[-keep - 1:]), r
+        assert r["parts"] == len(rows) and r["tidied"] == len(taken) - len(rows), r
+        # Its gc applies the job's rules (set on every rank's tier) and agrees with rank 0.
+        assert set(r["rows_after_gc"]) == kept0 and (r["gc_deleted"] > 0) == (rows != kept0), r
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve("llm/main") == last
+        assert remote.fsck(full=True).findings == []
+    out = _run(tmp_path, "manager", {**cfg, "tier": "tier", "phase": "resume", "mode": "resume", "keep": keep})
+    for r, got in enumerate(_results(out, "resume", world)):
+        assert got["start"] == int(max(s for s, root in res[0]["steps"].items() if root == last)), got
+        assert got["remote_reads"] == [], got
+        saved = torch.load(tidy / f"tidy_rank{r}.pt", weights_only=False)["model"]
+        now = torch.load(out / f"resume_rank{r}.pt", weights_only=False)["model"]
+        assert all(same_bits(v, now[k]) for k, v in saved.items()), r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("lost,damaged", [([1], []), ([1, 2], []), ([1], [2])],
                          ids=["peer-holds-it", "no-replica-left", "replica-damaged"])
 def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost, damaged):
@@ -164,14 +205,17 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
 
 
 @pytest.mark.slow
-def test_a_part_that_never_comes_does_not_hold_the_queue(tmp_path, s3_url, s3_server):
-    """Rank 1 is killed (SIGKILL) after snapshot A was published and before it queued its
-    part: no rank will ever send that part. After the restart, rank 0's uploader waits
+@pytest.mark.parametrize("trap", ["adopt", "published"], ids=["before-its-row", "after-its-row"])
+def test_a_part_that_never_comes_does_not_hold_the_queue(tmp_path, s3_url, s3_server, trap):
+    """Rank 1 is killed (SIGKILL) after snapshot A was published, before its tier had A's
+    row: no rank will ever send that part. After the restart, rank 0's uploader waits
     for it, but once snapshot B of the ref is queued the backlog rule drops A: B becomes
-    durable without A's wait (PART_WAIT, 15 minutes), and A stays local-only."""
+    durable without A's wait (PART_WAIT, 15 minutes), and A stays local-only. Killed
+    after the row and before it queued its part, the restarted rank queues the part
+    again and sends it (A is then durable, or dropped for B if B came first)."""
     world = 2
     cfg = _config(tmp_path, s3_url, s3_server, world)
-    out = _run(tmp_path, "stuckkill", cfg)
+    out = _run(tmp_path, "stuckkill", {**cfg, "trap": trap})
     launcher = json.loads((out / "stuckkill_launcher.json").read_text())
     assert launcher.get("killed") == 1, launcher
     res0 = json.loads((out / "stuckkill_rank0.json").read_text())
@@ -179,8 +223,13 @@ def test_a_part_that_never_comes_does_not_hold_the_queue(tmp_path, s3_url, s3_se
     out = _run(tmp_path, "stuckresume", {**cfg, "root_a": res0["root"]})
     res = _results(out, "stuckresume", world)
     assert all(r["waited"] is True for r in res), [(r["waited"], r["wait_s"]) for r in res]
-    assert res[0]["superseded"] == 1
-    assert res[0]["durable"] == {res[0]["root"]: True, res0["root"]: False}
+    assert res[1]["a_part_sent"] is (trap == "published")
+    if trap == "adopt":
+        assert res[0]["superseded"] == 1
+        assert res[0]["durable"] == {res[0]["root"]: True, res0["root"]: False}
+    else:
+        assert res[0]["superseded"] + res[0]["durable"][res0["root"]] == 1, res[0]
+        assert res[0]["durable"][res[0]["root"]] is True
     with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
         assert remote.resolve(REF) == res[0]["root"]
 

@@ -240,8 +240,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             for k, _root in list(t.items("steps", key + b"\0")):  # REF@STEP names the ref no more
                 t.delete("steps", k)
             for root in drop:
-                t.delete("catalog", root)
-                t.delete("meta", _EVICTED + root)  # a local tier's mark goes with its row
+                _drop_row(t, root)
             _append_reflog(t, key, actual, actual, message, "delete", None)
             return actual, len(drop)
 
@@ -265,8 +264,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                                       "untag or unpin it first")
             if dry_run:
                 return
-            t.delete("catalog", root)
-            t.delete("meta", _EVICTED + root)
+            _drop_row(t, root)
             _append_reflog(t, key, root, root, message, "forget", None)
 
         self._read(txn) if dry_run else self._write(txn)
@@ -414,8 +412,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             gone = []
             for r in roots:
                 if r not in protected and t.get("catalog", r) is not None:
-                    t.delete("catalog", r)
-                    t.delete("meta", _EVICTED + r)
+                    _drop_row(t, r)
                     gone.append(r)
             for job, raw in (served or {}).items():
                 key = _PRUNE_KEY + job.encode()
@@ -431,6 +428,52 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                 return False
             t.put("catalog", root, encode_record(row))
             return True
+        return self._write(txn)
+
+    # -- a rank's part of collective snapshots in its local tier (peers.py) ---------------
+    def catalog_put_part(self, root: bytes, row: dict, part: bytes) -> None:
+        """The catalog row of collective snapshot `root` in the tier of a rank other than
+        0, with the rank's sub-tree `part` (meta `part:` root): the tier holds that part,
+        the commit and the top nodes, and of the other ranks' sub-trees only the replicas
+        it keeps. gc, fsck and the budget walk such a snapshot through what is here
+        (walk.walk_commit(part=)). A row already there is kept as it is."""
+        def txn(t: Txn):
+            if t.get("catalog", root) is None:
+                t.put("catalog", root, encode_record(row))
+            t.put("meta", _PART + root, part)
+        self._write(txn)
+
+    def mark_part0(self, root: bytes, part: bytes) -> None:
+        """Rank 0's tier: its own sub-tree of collective snapshot `root` (meta `part0:`
+        root). The tier holds every node of the snapshot but only this part's blocks
+        (and the replicas it keeps): fsck asks for the rest only where it is present."""
+        self._write(lambda t: t.put("meta", _PART0 + root, part) if t.get("catalog", root) is not None else None)
+
+    def parts(self, rank0: bool = True) -> dict[bytes, bytes]:
+        """root -> this rank's sub-tree, for the collective snapshots of catalog_put_part
+        and (rank0) mark_part0."""
+        def read(t):
+            out = {k[len(_PART):]: v for k, v in t.items("meta", _PART)}
+            if rank0:
+                out.update({k[len(_PART0):]: v for k, v in t.items("meta", _PART0)})
+            return out
+        return self._read(read)
+
+    def parts_expire(self, roots) -> list[bytes]:
+        """Drop the rows of `roots` that are, in the transaction, parts (catalog_put_part)
+        not queued for upload, and no ref's tip, tag's target or pin -> those dropped.
+        What rank 0's tier no longer keeps goes from the other ranks' tiers so (peers.py)."""
+        roots = list(roots)
+
+        def txn(t: Txn):
+            queued = {decode_record(v, "upload queue entry").get("root") for _, v in t.items("meta", _UPLOAD)}
+            protected = _protected(t)
+            gone = [r for r in roots if r not in queued and r not in protected
+                    and t.get("meta", _PART + r) is not None and t.get("catalog", r) is not None]
+            for r in gone:
+                _drop_row(t, r)
+                t.delete("meta", _DURABLE + r)
+            return gone
         return self._write(txn)
 
     # -- a local tier's upload queue (tier.py) -------------------------------------------
@@ -507,7 +550,17 @@ _UPLOAD = b"upload:"
 _UPLOAD_SEQ = b"upload_seq"
 _DURABLE = b"durable:"
 _EVICTED = b"evicted:"
+_PART = b"part:"
+_PART0 = b"part0:"
 _SEQ = struct.Struct(">Q")
+
+
+def _drop_row(t: Txn, root: bytes) -> None:
+    """A catalog row and the local tier's marks that go with it."""
+    t.delete("catalog", root)
+    t.delete("meta", _EVICTED + root)
+    t.delete("meta", _PART + root)
+    t.delete("meta", _PART0 + root)
 
 
 def _protected(t: Txn) -> set[bytes]:

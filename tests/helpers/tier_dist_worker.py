@@ -75,11 +75,19 @@ def _open(cfg, out, rank, tier, holder, **kw):
                            inline_threshold=dw.INLINE, wrap_storage=lambda s: holder.setdefault("w", Reads(s)), **kw)
 
 
+def _with_replicated(st: dict) -> dict:
+    """A rank's state with Replicated tensors of many blocks: each rank writes only the
+    blocks it owns, and its part's nodes name them all (the others' too)."""
+    import tensorstore_ck as tsck
+    st["rep"] = {k: tsck.Replicated(v) for k, v in dw.replicated_tensors().items()}
+    return st
+
+
 def put_body(rank, world, out, res, cfg):
     """Two collective puts through the tiers (versions 0 and 1), then wait until durable."""
     holder: dict = {}
     with _open(cfg, out, rank, "tier", holder) as store:
-        infos = [store.put_snapshot(dw.sharded_state(rank, world, v), REF, step=v + 1, timeout=60)
+        infos = [store.put_snapshot(_with_replicated(dw.sharded_state(rank, world, v)), REF, step=v + 1, timeout=60)
                  for v in (0, 1)]
         res["roots"] = [i.root for i in infos]
         res["durable_at_return"] = [i.durable for i in infos]
@@ -132,9 +140,61 @@ def manager_body(rank, world, out, res, cfg):
             res.update(dm._counters(mgr))
         else:
             res["start"] = mgr.restore_latest()
+            res["remote_reads"] = list(holder["w"].reads)
             mgr.close()
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
                    os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+
+
+def tidy_body(rank, world, out, res, cfg):
+    """CheckpointManager (a snapshot every step, keep_last=cfg["keep"], replicas=1) over
+    tiers for cfg["steps"] steps; close() waits for the uploads and rank 0's prune. Then
+    each rank's tier, opened as a store of its own, as an operator would: its catalog, its
+    objects, fsck, gc."""
+    import logging
+
+    import tensorstore_ck as tsck
+    import ddp_manager as dm
+    import torch.distributed as dist
+    said = res["said"] = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+    logging.getLogger("tensorstore_ck").addHandler(Said(logging.INFO))
+    logging.getLogger("tensorstore_ck").setLevel(logging.INFO)
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder, replicas=1) as store:
+        model, opt = dm._model_and_opt()
+        mgr = tsck.CheckpointManager(store, job=dm.JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=1, retention=tsck.Retention(keep_last=cfg["keep"]))
+        steps = {}
+        for step in range(1, cfg["steps"] + 1):
+            dm._train_step(model, opt, rank, step)
+            steps[step] = mgr.step(step)
+        mgr.close()
+        res["waited"] = store.wait_durable(timeout=240)
+        res["steps"] = dm._roots(steps)
+        res["tidied"] = store._uploader.tidied
+        torch.save({"model": model.state_dict()}, os.path.join(out, f"tidy_rank{rank}.pt"))
+        dist.barrier()  # (no rank closes its peer server while another still sends to it)
+    tier = os.path.join(cfg["tiers"], f"tier{rank}")
+    with tsck.open_store(tier) as t:
+        res["rows"] = sorted(r.hex() for r in t.core.refs.catalog_roots())
+        res["parts"] = len(t.core.refs.parts())
+        rep = t.fsck(full=True)
+        res["fsck"] = [str(f) for f in rep.findings]
+        res["orphans"] = rep.orphans
+        before = _objects(tier)
+        res["objects"] = len(before)
+        try:
+            t.gc()
+            res["gc"] = "ran"
+        except Exception as e:  # noqa: BLE001 - judged by the test
+            res["gc"] = f"{type(e).__name__}: {e}"
+        res["gc_deleted"] = len(before - _objects(tier))
+        res["rows_after_gc"] = sorted(r.hex() for r in t.core.refs.catalog_roots())
+        res["fsck_after_gc"] = [str(f) for f in t.fsck(full=True).findings]
 
 
 def rput_body(rank, world, out, res, cfg):
@@ -203,17 +263,19 @@ def rload_body(rank, world, out, res, cfg):
 
 
 def stuck_kill_body(rank, world, out, res, cfg):
-    """Snapshot A, collective through tiers; rank 1 is SIGKILLed after A was published and
-    before it queued its part (the launcher kills it at the trap), so A's part of rank 1
-    never reaches the remote store. Rank 0 leaves without closing (the job died with it)."""
+    """Snapshot A, collective through tiers; rank 1 is SIGKILLed after A was published
+    (the launcher kills it at the trap), before its tier has A's row (cfg["trap"]
+    "adopt": A's part of rank 1 never reaches the remote store) or after the row and
+    before it queued its part ("published"). Rank 0 leaves without closing (the job died
+    with it)."""
     import time
 
     import tensorstore_ck.peers as peers
     if rank == 1:
-        def trap(self, info, tree, rank0):
+        def trap(self, *args):
             open(os.path.join(out, "trap_rank1"), "w").close()
             time.sleep(120)
-        peers.CollectiveTier.published = trap
+        setattr(peers.CollectiveTier, cfg.get("trap", "adopt"), trap)
     store = _open(cfg, out, rank, "tier", {})
     res["root"] = store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=60).root
 
@@ -231,6 +293,8 @@ def stuck_resume_body(rank, world, out, res, cfg):
         if rank == 0:
             res["superseded"] = store._uploader.superseded
             res["durable"] = {r: store.show(r).durable for r in (info.root, cfg["root_a"])}
+        else:  # A's part: sent (durable for this rank) only if it was queued again at open
+            res["a_part_sent"] = bool(store.core.refs.durable([bytes.fromhex(cfg["root_a"])]))
         import torch.distributed as dist
         dist.barrier()
 
@@ -249,6 +313,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         return [dw.launch("stuckkill", world, stuck_kill_body, out, cfg, kill_rank=1, limit=200)]
     if scenario == "stuckresume":
         return [dw.launch("stuckresume", world, stuck_resume_body, out, cfg, limit=300)]
+    if scenario == "tidy":
+        return [dw.launch("tidy", world, tidy_body, out, cfg, limit=400)]
     if scenario == "manager":
         return [dw.launch(cfg["phase"], world, manager_body, out, cfg, limit=cfg.get("limit", 300))]
     if scenario == "load":
