@@ -435,6 +435,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                                "missing remotely")
         except tsck.TsckError as e:
             bad.append(f"T1 remote ref {name} -> {root[:16]}: {type(e).__name__}: {str(e)[:300]}")
+    def through(put: Op, tname: str) -> bool:
+        return put.args.get("tier") == tname or tname in put.args.get("rank_tiers", ())
     tier_puts: dict[tuple, Op] = {}
     for o in ops:
         if o.op == "put" and o.args.get("tier"):
@@ -461,18 +463,23 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
             marked = {r.hex() for r in t.reftable.durable(bytes.fromhex(r) for r in lcat)}
             stats["puts"] += len(lcat)
             stats["durable"] += len(marked)
-            for root in sorted(lcat):  # T5
+            # A collective snapshot is whole in no single tier (each holds its rank's part):
+            # T3's fsck checks the part, T1 and the checks of puts the remote copy.
+            parts = {r.hex() for r in t.reftable.parts()}
+            for root in sorted(set(lcat) - parts):  # T5
                 why = verify_root(t, bytes.fromhex(root))
                 if why is not None:
                     bad.append(f"T5 tier {tname} snapshot {root[:16]}: {why}")
             for name, root in t.reftable.list():
+                if root.hex() in parts:
+                    continue
                 why = verify_root(t, root, name)
                 if why is not None:
                     bad.append(f"T5 tier {tname} ref {name} -> {root.hex()[:16]}: {why}")
             for root, lrow in sorted(lcat.items()):
                 spec = (lrow.get("meta") or {}).get("sim") or {}
                 put = tier_puts.get((spec.get("w"), spec.get("o")))
-                if put is None or put.args["tier"] != tname:
+                if put is None or not through(put, tname):
                     bad.append(f"T4 tier {tname} holds snapshot {root[:16]} of spec {spec} that no put through "
                                "it journaled")
                     continue
@@ -481,7 +488,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                                f"{put.out.get('root', '')[:16]}: {put.brief()}")
                 row = catalog.get(root)
                 if row is None:
-                    if root in marked and not _dropped_legitimately(ops, put, root):  # T2
+                    # (a rank's part marked durable means that part is remote, not the snapshot)
+                    if root in marked and root not in parts and not _dropped_legitimately(ops, put, root):  # T2
                         bad.append(f"T2 tier {tname} marked {root[:16]} durable but the remote catalog lacks it "
                                    f"(no retention, delete_ref or forget explains it): {put.brief()}")
                     continue
@@ -490,7 +498,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                                f"{(row.get('meta') or {}).get('sim')} {row.get('ref')} vs {spec} {lrow.get('ref')})")
             # T4: whatever the remote holds of this tier's puts is the tier's own root
             for key, put in tier_puts.items():
-                if put.args["tier"] != tname:
+                # (a rank's tier keeps what rank 0's tier keeps: its own prune drops rows)
+                if put.args.get("tier") != tname or put.args.get("rank_tiers"):
                     continue
                 for root in remote_by_spec.get(key, []):
                     if root not in lcat:

@@ -149,9 +149,16 @@ TIER_ENDS = ["close", "close", "wait", "kill"]
 for _f in FLAVORS.values():
     _f.setdefault("tier_p", 0.4)
     _f.setdefault("tier_kill", 0.4)
+    _f.setdefault("ctier_p", 0.3)
 FLAVORS["recover-live"]["tier_p"] = 0.0  # the table is rebuilt under the writers there: not mixed with tiers
 # --focus tier: every round has tier writers, their uploaders killed more often.
-FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7)
+FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6)
+# Collective puts through local tiers: in a round drawn with probability ctier_p (a stream
+# of its own), the first worker's ranks open the store each through its own tier (RANK_TIERS,
+# one per rank, kept across rounds: rank 0's tier c0, rank 1's c1), rank 0's tier pruned by
+# a rule of its own at times (the tier's prune, as a CheckpointManager's), so that rank 1's
+# tier follows it (peers.py); check.check_tiers judges them with the other tiers.
+RANK_TIERS = ("c0", "c1")
 
 
 def _net_brief(net: dict) -> str:
@@ -177,6 +184,7 @@ class Harness:
         self.barriers: list[float] = []  # when the ref table was deleted
         self._tier_puts = self._tier_durable = 0
         self.tiers = {f"t{k}": os.path.join(self.run_dir, "tiers", f"t{k}") for k in range(TIERS)}
+        self.rank_tiers = {n: os.path.join(self.run_dir, "tiers", n) for n in RANK_TIERS}
         self.procs: dict[str, subprocess.Popen] = {}
 
     # -- plumbing ---------------------------------------------------------------------
@@ -275,6 +283,8 @@ class Harness:
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,
                 "gc_stale": gc_stale, "gc_leases": leases if self.stale_skew else [gc_stale], "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         tiered = self._tier_writers(r, fl, cfgs)
+        if cfgs[0]["weights"].get("cput") and random.Random(f"{self.seed}:{r}:ctier").random() < fl["ctier_p"]:
+            cfgs[0]["rank_tiers"] = [self.rank_tiers[n] for n in RANK_TIERS]
         # Driver kills: (seconds after that worker is ready, which worker).
         kills = [(rng.uniform(0.0, self.round_seconds), rng.randrange(n))
                  for _ in range(2) if rng.random() < fl["driver_kill"]]
@@ -330,18 +340,20 @@ class Harness:
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
         hits, fenced, collective, collective_async = {}, 0, 0, 0  # the presence record, writers' holds, collective puts
+        ctier = 0  # collective puts through the ranks' tiers (published there; their outcome remote is unknown)
         unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
         phases = 0  # deletion phases the round's gcs and prunes opened (writers fenced in each)
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
             unknown += 1 if o.w in ids and o.result == "OutcomeUnknown" else 0
             phases += (o.out.get("phases") or 0) if o.w in ids and o.ok and o.op in ("gc", "prune") else 0
+            ctier += 1 if o.w in ids and o.result == "ok" and o.op == "put" and o.args.get("rank_tiers") else 0
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
                 fenced += o.out.get("fenced") or 0
                 collective += 1 if o.args.get("collective") else 0
                 collective_async += 1 if o.args.get("collective") and not o.args.get("blocking", True) else 0
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async) "
+                 f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
@@ -571,7 +583,7 @@ class Harness:
             bad += check.check_fsck(s, "quiescent")
             bad += check.check_history(s, ops, self.barriers)
             bad += check.check_failures(s, ops)
-            tiers = {n: p for n, p in self.tiers.items() if os.path.isdir(p)}
+            tiers = {n: p for n, p in {**self.tiers, **self.rank_tiers}.items() if os.path.isdir(p)}
             tb, stats = check.check_tiers(s, tiers, ops)
             bad += tb
             self._tier_puts, self._tier_durable = stats["puts"], stats["durable"]

@@ -55,6 +55,19 @@ def _scribble(x) -> None:
         x.fill_(-7)
 
 
+def _tier_prune(s, job: str, rng: random.Random) -> str:
+    """Rank 0's tier pruned by a rule of its own (the tier's table only: the remote's rules
+    are the harness's retention ops), as a CheckpointManager's prune after a snapshot; the
+    other rank's tier then follows it."""
+    import tensorstore_ck as tsck
+    from tensorstore_ck.gc import prune_job
+    s.core.refs.retention_set(job, tsck.Retention(keep_last=rng.randint(1, 3)).to_dict())
+    try:
+        return f"expired {len(prune_job(s.core, job).expired)}"
+    except tsck.GcBusy:
+        return "busy"
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     path, rank, world, port = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
@@ -69,12 +82,18 @@ def main(argv=None) -> int:
     profile = {k: v for k, v in (cfg.get("faults") or {}).items() if not k.startswith("kill")}
     faults = Faults(profile, cfg["seed"] * 31 + rank)
     per_call = random.Random(cfg["seed"] * 7 + 3).random() < 0.5  # the config's seed: the same on every rank
-    s = open_store(cfg, faults)
+    kw = {}
+    if cfg.get("rank_tiers"):  # each rank through its own local tier (docs/design/tiers.md, "Collective puts")
+        cfg = dict(cfg, tier=cfg["rank_tiers"][rank])
+        if random.Random(cfg["seed"] * 7 + 5).random() < 0.5:
+            kw["replicas"] = 1
+    prunes = random.Random(cfg["seed"] * 7 + 11 + rank)
+    s = open_store(cfg, faults, **kw)
     faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases  # the Store of the moment
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if per_call and s.closed:
-            s = open_store(cfg, faults)
+            s = open_store(cfg, faults, **kw)
         cmd = json.loads(line)
         spec = cmd["spec"]
         kw = {"expected": cmd["expected"]} if "expected" in cmd else {}
@@ -102,6 +121,8 @@ def main(argv=None) -> int:
                 out["read"] = f"{type(e).__name__}: {str(e)[:200]}"  # worker moved the ref)
             except Exception as e:  # noqa: BLE001 - a raw exception in a read is a bug; the put stands
                 out["mismatch"] = [f"rank {rank}: raw {type(e).__name__} in the checkout of its rows: {str(e)[:300]}"]
+            if cfg.get("rank_tiers") and rank == 0 and prunes.random() < 0.35:
+                out["tier_prune"] = _tier_prune(s, info.job, prunes)
         except Exception as e:  # noqa: BLE001 - reported to the worker, which journals it
             out = _err(e)
         if per_call:

@@ -250,6 +250,9 @@ class Worker:
         # worker's stream of choices, which seeds reproduce, stays what it was.
         asyn = random.Random(f"{self.cfg['seed']}-{self.wid}-{i}").random() < 0.5
         args = {"ref": ref, "step": step, "spec": spec, "blocking": not asyn, "collective": RANKS}
+        if self.cfg.get("rank_tiers"):  # each rank through its own tier: published there, uploaded later
+            args["rank_tiers"] = [os.path.basename(t) for t in self.cfg["rank_tiers"]]
+            args["tier"] = args["rank_tiers"][0]
         cmd = {"ref": ref, "step": step, "spec": spec, "async": asyn}
         if self.rng.random() < 0.15:
             cur = s.reftable.get_or_none(ref)
