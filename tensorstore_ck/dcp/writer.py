@@ -85,7 +85,9 @@ class TsckWriter(StorageWriter):
     coordinator (dcp.save's set-up of this writer; dcp.async_save's staging) to its
     commit; the stall, what the caller was blocked: all of it for dcp.save, the staging
     for dcp.async_save (the writer is its AsyncStager: the state dict is copied to CPU
-    memory, as async_save's default stager does, and the caller goes on)."""
+    memory, as async_save's default stager does, and the caller goes on). Given an
+    async_stager= of the caller's own, async_save stages without the writer, which then
+    cannot tell the caller's wait: it records the save from its set-up, as dcp.save's."""
 
     # dcp.async_save: stage() returns the staged copy itself, nothing to synchronize after
     _synchronize_after_execute = False
