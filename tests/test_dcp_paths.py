@@ -63,7 +63,8 @@ def _ls_paths(capsys, path, target, *more) -> set:
 def test_diff_of_two_dcp_saves_names_the_paths_ls_shows(saved, capsys):
     rc, out, err = _cli(capsys, "diff", saved, "job/main@1", "job/main@2")
     assert rc == 0, err
-    assert out.splitlines()[1:] == ["~ model.0.weight: 4/4 blocks differ", "1 changed, 0 added, 0 removed, 15 unchanged"]
+    assert out.splitlines()[1:] == ["~ model.0.weight: 4/4 blocks differ",
+                                    "1 changed, 0 added, 0 removed, 15 unchanged"]
     rc, out, _ = _cli(capsys, "diff", saved, "job/main@1", "job/main@2", "--json")
     d = json.loads(out)
     assert rc == 0 and [c["path"] for c in d["changed"]] == ["model.0.weight"]
