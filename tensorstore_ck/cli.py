@@ -473,7 +473,7 @@ def cmd_retention(store, args):
 
 
 def cmd_fsck(store, args):
-    r = _dotted_findings(store.fsck(full=not args.quick, progress=_bar(args), repair=args.repair))
+    r = _dotted_findings(store.fsck(full=not args.quick, progress=_bar(args), repair=args.repair, raw=args.raw))
     if args.local:
         return _fsck_tiers(store, args, r)
     lines = _fsck_lines(r)
@@ -489,7 +489,8 @@ def _fsck_tiers(store, args, r):
     durable and evicted must be in the remote catalog (it has no other copy)."""
     from .fsck import Finding
     with _open_tier(store, args) as tier:
-        lr = _dotted_findings(tier.fsck(full=not args.quick, progress=_bar(args), repair=args.repair))
+        lr = _dotted_findings(tier.fsck(full=not args.quick, progress=_bar(args), repair=args.repair,
+                                        raw=args.raw))
         trefs = tier.reftable
         evicted = trefs.evicted()
         marked = trefs.durable(trefs.catalog_roots() | evicted)
@@ -558,7 +559,7 @@ def cmd_recover(store, args):
 
 
 def cmd_diff(store, args):
-    d = _dotted_diff(store.diff(args.a, args.b), args.path)
+    d = _dotted_diff(store.diff(args.a, args.b, raw=args.raw), args.path)
     lines = [f"a {d['a'][:16]}  b {d['b'][:16]}"]
     lines += [f"+ {p}" for p in d["added"]] + [f"- {p}" for p in d["removed"]]
     lines += [f"~ {c['path']}: {c['blocks_differ']}/{c['blocks']} blocks differ"
@@ -712,6 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only the tensors at this dotted path and under it (model.layers.0), as in ls")
     df.add_argument("--exit-code", action="store_true",
                     help="as git diff: exit 1 when the snapshots differ, 0 when they hold the same tensors")
+    df.add_argument("--raw", action="store_true",
+                    help="paths in the stored layout, as `ls --raw` (a dcp.save snapshot: tensors.*), not in the "
+                         "state that was saved")
     t = add("tag", cmd_tag, "create an immutable tag (or bring a removed snapshot back)", "name")
     t.add_argument("target", help="a ref, tag, REF@STEP or root; the full root of a snapshot removed by delete-ref "
                                   "or forget brings it back while gc has not reclaimed it (checked whole first)")
@@ -746,6 +750,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "their new objects (default 0)")
     f = add("fsck", cmd_fsck, "verify every kept snapshot (exit 1 on problems)")
     f.add_argument("--quick", action="store_true", help="presence and sizes only, no re-hashing")
+    f.add_argument("--raw", action="store_true",
+                   help="paths in the stored layout, as `ls --raw` (a dcp.save snapshot: tensors.*), not in the "
+                        "state that was saved")
     f.add_argument("--local", default=None, metavar="PATH",
                    help="also check this store's local tier at PATH (opened by itself: nothing is uploaded); "
                         "each problem names its tier")

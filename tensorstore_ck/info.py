@@ -29,8 +29,8 @@ class SnapshotInfo:
     durable: bool = True
     # Seconds from put_snapshot's call to the commit object, and of those the seconds
     # its caller was blocked (the stall: all of it for a blocking put, the staging for
-    # an asynchronous one; rank 0's call for a collective one); None where not recorded
-    # (an older commit, a DCP snapshot). Stored in the commit's stats as put_us / stall_us.
+    # an asynchronous one; rank 0's call for a collective one; a DCP save's, TsckWriter);
+    # None where not recorded (an older commit). Stored in the commit's stats as put_us / stall_us.
     seconds: float | None = None
     stall: float | None = None
 

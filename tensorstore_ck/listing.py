@@ -14,18 +14,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from .core import Core
-from .errors import FormatError, IntegrityError, InvalidArgument, RefNotFound, storage_error
+from .errors import FormatError, IntegrityError, InvalidArgument, RefNotFound, TsckError, storage_error
 from .format import tree
-from .format.dcp import check_version, fqn_paths, is_dcp_top
+from .format.dcp import DCP_FORMAT, check_version, fqn_paths, is_dcp_top
 from .format.dtypes import DTYPE_ITEMSIZES
 from .format.manifest import decode_commit
 from .format.world import rank_top
 from .ids import Digest
 from .info import SnapshotInfo, row_to_info
-from .paths import FULL, SKIP, Selection, dotted, key_str
+from .paths import FULL, SKIP, Selection, dotted, key_str, parts_from_formatted
 from .walk import iter_leaves, read_node
 
-__all__ = ["Entry", "list_tree", "diff", "history", "describe", "MAX_ENTRIES"]
+__all__ = ["Entry", "list_tree", "diff", "history", "describe", "dcp_saved_paths", "as_saved", "saved_findings",
+           "MAX_ENTRIES"]
 
 MAX_ENTRIES = 1 << 22  # values one listing visits (a DAG of 40 nodes can name 2^40 paths)
 
@@ -300,11 +301,79 @@ def _bytes_entries(p: str, item, node, fqn: str) -> list:
     return out
 
 
-def diff(core: Core, ra: Digest, rb: Digest) -> dict:
+def dcp_saved_paths(core: Core, root: Digest, *, limit: int = MAX_ENTRIES) -> dict | None:
+    """For a snapshot written through dcp.save: {fqn: the path in the state as saved that
+    DCP flattened it from} ({} without planner_data: each fqn is its own path), what
+    `tsck ls` shows it at; None for any other snapshot. Reads the commit, and for one
+    whose commit says it was written by TsckWriter (meta "format": "dcp") the top node
+    and DCP's metadata; never a block."""
+    assets, verify, snap = core.assets, core.settings.verify, root.hex()
+    c = decode_commit(assets.get_commit(root, verify=verify))
+    if c.get("meta", {}).get("format") != DCP_FORMAT:
+        return None  # (no node read for the snapshots of put_snapshot)
+    top = c["tree"]
+
+    def node(d, parts, depth, world=False):
+        return read_node(assets, d, parts, depth, snapshot=snap, verify=verify, world=world)
+
+    v = node(top, (), 0, world=True)
+    if type(v) is tree.World:
+        v = node(rank_top(v, 0, lambda d: node(d, (), 0)), (), 0)
+    if not is_dcp_top(v):
+        return None
+    d = dict(v.items)
+    check_version(d["version"])
+    return fqn_paths(_plain(d["metadata"], node, ("metadata",), limit, snap), snap)
+
+
+def as_saved(parts: tuple, paths: dict) -> tuple:
+    """A path in a DCP snapshot's stored layout -> the path in the state as saved (as
+    `tsck ls` shows it): tensors.FQN -> FQN's path (what is under it kept), bytes.FQN and
+    anything under it (the blocks of a large one) -> FQN's path; anything else (DCP's
+    metadata) as it is."""
+    if len(parts) >= 2 and parts[0] in ("tensors", "bytes") and type(parts[1]) is str:
+        base = paths.get(parts[1], (parts[1],))
+        return base if parts[0] == "bytes" else base + tuple(parts[2:])
+    return parts
+
+
+def _saved_formatted(p: str, paths: dict) -> str:
+    parts = parts_from_formatted(p)
+    return p if parts is None else tree.format_path(as_saved(parts, paths))
+
+
+def saved_findings(core: Core, report):
+    """An fsck report with the paths of its findings in DCP snapshots as `tsck ls` shows
+    them (the state as saved). A snapshot whose DCP metadata cannot be read keeps its
+    stored paths (the finding says what is wrong with it)."""
+    import dataclasses
+    maps: dict = {}
+
+    def paths_of(snap: str):
+        if snap not in maps:
+            try:
+                maps[snap] = dcp_saved_paths(core, Digest.parse(snap))
+            except (TsckError, OSError, ValueError):
+                maps[snap] = None
+        return maps[snap]
+
+    out = []
+    for f in report.findings:
+        m = paths_of(f.snapshot) if f.path and f.snapshot else None
+        out.append(f if m is None else dataclasses.replace(f, path=_saved_formatted(f.path, m)))
+    report.findings = out
+    return report
+
+
+def diff(core: Core, ra: Digest, rb: Digest, *, raw: bool = False) -> dict:
     """Which tensors differ between the snapshots `ra` and `rb`, and in how many blocks
-    (from their manifests: no block is read)."""
+    (from their manifests: no block is read). A snapshot written through dcp.save names
+    its tensors at their paths in the state as saved, as `tsck ls` does (raw=True: at
+    their stored ones, tensors.FQN)."""
     la = iter_leaves(core.assets, ra, verify=core.settings.verify)
     lb = iter_leaves(core.assets, rb, verify=core.settings.verify)
+    if not raw:
+        la, lb = _as_saved_leaves(core, ra, la), _as_saved_leaves(core, rb, lb)
     out = {"a": ra.hex(), "b": rb.hex(), "added": sorted(lb.keys() - la.keys()),
            "removed": sorted(la.keys() - lb.keys()), "changed": [], "unchanged": 0}
     for p in la.keys() & lb.keys():
@@ -316,6 +385,11 @@ def diff(core: Core, ra: Digest, rb: Digest) -> dict:
         out["changed"].append({"path": p, "a": da, "b": db, "blocks_differ": differ, "blocks": max(len(ba), len(bb))})
     out["changed"].sort(key=lambda x: x["path"])
     return out
+
+
+def _as_saved_leaves(core: Core, root: Digest, leaves: dict) -> dict:
+    m = dcp_saved_paths(core, root)
+    return leaves if m is None else {_saved_formatted(p, m): v for p, v in leaves.items()}
 
 
 def history(core: Core, ref: str, errors: dict | None) -> list[SnapshotInfo]:

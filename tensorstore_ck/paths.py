@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .errors import InvalidArgument
 
-__all__ = ["key_str", "dotted", "dotted_from_formatted", "under", "toward", "Selection", "FULL", "SKIP", "is_stateful"]
+__all__ = ["key_str", "dotted", "dotted_from_formatted", "parts_from_formatted", "under", "toward", "Selection", "FULL", "SKIP", "is_stateful"]
 
 MAX_PATHS = 1 << 16
 MAX_PATH_LEN = 1 << 16
@@ -135,13 +135,20 @@ def dotted_from_formatted(p: str) -> str:
     """A path as format/tree.format_path writes it in messages and reports (['model'][0]['w'])
     -> dotted as `tsck ls` writes it (model.0.w). A path that is not a chain of str or int
     subscripts (a huge int's placeholder) comes back as it was."""
+    parts = parts_from_formatted(p)
+    return p if parts is None else dotted(parts)
+
+
+def parts_from_formatted(p: str) -> tuple | None:
+    """The keys of a path as format/tree.format_path writes it (['model'][0]['w'] ->
+    ('model', 0, 'w')); None when it is not a chain of str or int subscripts."""
     import ast
     if not p.startswith("["):
-        return p
+        return None
     try:
         node = ast.parse("x" + p, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return p
+        return None
     parts = []
     while isinstance(node, ast.Subscript):
         k = node.slice
@@ -149,9 +156,9 @@ def dotted_from_formatted(p: str) -> str:
                 and type(k.operand.value) is int:
             k = ast.Constant(-k.operand.value)  # a negative int key
         if not (isinstance(k, ast.Constant) and type(k.value) in (str, int)):
-            return p
+            return None
         parts.append(k.value)
         node = node.value
     if not (isinstance(node, ast.Name) and node.id == "x"):
-        return p
-    return dotted(reversed(parts))
+        return None
+    return tuple(reversed(parts))

@@ -528,15 +528,19 @@ class Store:
         return prune_job(self.core, job, lease=self.gc_lease if lease is None else lease)
 
     @_public
-    def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False):
+    def fsck(self, *, full: bool = True, progress: bool = False, repair: bool = False, raw: bool = False):
         """Check every kept snapshot and every ref/tag/pin; full=True re-hashes every byte.
         repair=True also moves every damaged object aside (quarantine/, never deleted),
         so the next put of its content stores it again and heals the snapshots using it;
-        it takes the store's gc lock (GcBusy while a gc runs)."""
+        it takes the store's gc lock (GcBusy while a gc runs). A finding in a snapshot
+        written through dcp.save names its path in the state as saved, as ls does
+        (raw=True: the stored layout's, tensors.FQN)."""
         from .fsck import run_fsck
+        from .listing import saved_findings
         if repair:
             self._writable("fsck --repair")
-        return run_fsck(self.core, full=full, progress=progress, repair=repair, lease=self.gc_lease)
+        r = run_fsck(self.core, full=full, progress=progress, repair=repair, lease=self.gc_lease)
+        return r if raw else saved_findings(self.core, r)
 
     # -- reading ---------------------------------------------------------------
     @_public
@@ -725,10 +729,12 @@ class Store:
         return run_recover(self.core, progress=progress, wait=wait)
 
     @_public
-    def diff(self, a: str, b: str) -> dict:
-        """Which tensors differ between two targets, and in how many blocks."""
+    def diff(self, a: str, b: str, *, raw: bool = False) -> dict:
+        """Which tensors differ between two targets, and in how many blocks. A snapshot
+        written through dcp.save names its tensors at their paths in the state as saved,
+        as ls does (raw=True: the stored layout's, tensors.FQN)."""
         from .listing import diff
-        return diff(self.core, self._root(a), self._root(b))
+        return diff(self.core, self._root(a), self._root(b), raw=raw)
 
     @_public
     def pin(self, target: str) -> str:

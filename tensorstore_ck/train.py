@@ -204,8 +204,88 @@ class CommitEvent:
     failures: int             # snapshots of this manager that failed so far
     skipped: int              # asynchronous snapshots the store skipped so far (when_busy="skip")
     prune_backlog: int        # the job's earlier prunes not done yet (Pruner.backlog; not this commit's own)
-    store_size: int | None    # the store's size in bytes where cheap to know; None otherwise (tsck du tells)
+    # The store's physical size in bytes (`tsck du`'s "physical": every stored commit, node
+    # and block) as last measured off the training thread (CheckpointManager(store_size_every=));
+    # None until first measured. With a local tier: the remote store's (the one at the URL).
+    store_size: int | None
+    store_size_at: float | None  # when that listing began (time.time()): what committed before it is counted
+    local_size: int | None    # with a local tier, the tier's physical size measured alongside; None without one
     info: object              # the SnapshotInfo
+
+
+class _StoreSize:
+    """The store's physical size (what `tsck du` prints as physical), measured by listing
+    its commits, nodes and blocks on a thread of its own, at most once every `every`
+    seconds (0: after every request), when asked (after a commit): a listing (on S3, one
+    LIST request per 1000 objects) never runs on the training thread nor on the store's
+    publisher, so neither a snapshot nor the on_commit hook ever waits for one. known()
+    is the last measurement; a failed listing is logged and keeps the one before."""
+
+    def __init__(self, store, every: float):
+        self.store, self.every = store, every
+        self._cv = threading.Condition()
+        self._busy = self._again = self._closed = False
+        self._started: float | None = None  # time.monotonic() of the last listing's start
+        self._known: tuple[int | None, float | None, int | None] = (None, None, None)
+
+    def known(self) -> tuple[int | None, float | None, int | None]:
+        """(store_size, store_size_at, local_size) of the last listing that ended."""
+        with self._cv:
+            return self._known
+
+    def request(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            if self._busy:  # a commit during the listing: one more after it, if due by then
+                self._again = True
+                return
+            if self._started is not None and time.monotonic() - self._started < self.every:
+                return
+            self._busy = True
+            self._started = time.monotonic()
+        threading.Thread(target=self._run, name="tsck-store-size", daemon=True).start()
+
+    def _measure(self) -> tuple[int, float, int | None]:
+        at = time.time()
+        remote = self.store.remote_core
+        if remote is None:
+            return _physical(self.store.core), at, None
+        return _physical(remote), at, _physical(self.store.core)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                got = self._measure()
+            except Exception as e:  # noqa: BLE001 - a size for a dashboard must never stop training
+                log.warning("the store's size could not be measured: %s: %s (the last known one is kept)",
+                            type(e).__name__, e)
+                got = None
+            with self._cv:
+                if got is not None:
+                    self._known = got
+                if self._again and not self._closed and time.monotonic() - self._started >= self.every:
+                    self._again = False
+                    self._started = time.monotonic()
+                    continue
+                self._busy = self._again = False
+                self._cv.notify_all()
+                return
+
+    def wait(self) -> None:
+        """Until no listing runs."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._busy)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+        self.wait()
+
+
+def _physical(core) -> int:
+    """Bytes of every stored commit, node and block (one listing of each kind)."""
+    return sum(b for _n, b in core.assets.object_stats().values())
 
 
 def _load_object(obj, stored) -> None:
@@ -292,7 +372,15 @@ class CheckpointManager:
     on_commit=fn: fn(CommitEvent) after each committed snapshot of the manager (on the
     store's background thread for an asynchronous one; on every rank of a collective
     one; wait() and close() return once it ran). An exception in fn is logged, never
-    raised into training; fn must not call the manager's wait() or close(). Each commit is also
+    raised into training; fn must not call the manager's wait() or close(). The event's
+    store_size is the store's physical size (`tsck du`'s) as last measured, with
+    store_size_at, when: a listing of the store on a thread of the manager's own, never the
+    training thread or the hook's, asked for after a commit and run at most once every
+    store_size_every seconds (default 300: a listing of a large S3 store is many LIST
+    requests; 0: after every commit; None: never, store_size stays None); the first is
+    asked for when the manager is made. With a local tier store_size is the remote
+    store's and local_size the tier's. Under torch.distributed only rank 0 lists (the
+    other ranks' events say None). Each commit is also
     logged at INFO (logger tensorstore_ck), each failed or skipped snapshot with why.
     restore_latest(progress=True) shows the bytes read as a bar on stderr."""
 
@@ -300,7 +388,8 @@ class CheckpointManager:
                  every_steps: int | None = None, every_seconds: float | None = None,
                  on_metric: tuple | None = None, retention: Retention | None = None,
                  async_: bool = True, when_busy: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 prune: bool | None = None, group=None, on_commit: Callable | None = None):
+                 prune: bool | None = None, group=None, on_commit: Callable | None = None,
+                 store_size_every: float | None = 300.0):
         if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
             raise InvalidArgument(f"every_steps must be an int >= 1, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
@@ -331,7 +420,7 @@ class CheckpointManager:
         if prune is None:
             prune = retention is not None
         self._pruner = Pruner(store, job) if prune else None
-        self._init_watch(on_commit)
+        self._init_watch(on_commit, store_size_every)
 
     def reasons(self, step: int, metrics: dict | None = None) -> list[str]:
         """Which triggers fire at this step (does not change any state)."""
@@ -394,9 +483,20 @@ class CheckpointManager:
         return res
 
     # -- what an operator watches: the on_commit hook, the log lines ---------------
-    def _init_watch(self, on_commit) -> None:
+    def _init_watch(self, on_commit, store_size_every) -> None:
         if on_commit is not None and not callable(on_commit):
             raise InvalidArgument(f"on_commit must be a callable taking a CommitEvent, got {type(on_commit).__name__}")
+        if store_size_every is not None and (isinstance(store_size_every, bool)
+                                             or not isinstance(store_size_every, numbers.Real)
+                                             or not store_size_every >= 0):
+            raise InvalidArgument(f"store_size_every must be a number of seconds >= 0 or None, "
+                                  f"got {store_size_every!r}")
+        # Only a hook reads the size; under torch.distributed only rank 0 lists the store.
+        self._size = (_StoreSize(self.store, float(store_size_every))
+                      if on_commit is not None and store_size_every is not None
+                      and (not self._collective() or self._rank() == 0) else None)
+        if self._size is not None:
+            self._size.request()
         self.on_commit = on_commit
         self._local_failures = 0   # this process's own failed snapshots (a collective one: failed_snapshots)
         self._last_commit: float | None = None  # commit time of the job's newest committed snapshot
@@ -471,10 +571,19 @@ class CheckpointManager:
                              bytes_new=info.bytes_new, failures=self.failed_snapshots + self._local_failures,
                              skipped=self.store.skipped,
                              prune_backlog=0 if self._pruner is None else self._pruner.backlog(),
-                             store_size=None, info=info)
+                             **self._sizes(), info=info)
             self.on_commit(ev)
         except Exception:  # noqa: BLE001 - an operator's hook must never stop training
             log.warning("CheckpointManager %s: on_commit hook failed for step %s", self.job, info.step, exc_info=True)
+
+    def _sizes(self) -> dict:
+        """The event's store_size fields: the last measurement (a new one is asked for, to
+        run off this thread; the hook never waits for it)."""
+        if self._size is None:
+            return {"store_size": None, "store_size_at": None, "local_size": None}
+        size, at, local = self._size.known()
+        self._size.request()
+        return {"store_size": size, "store_size_at": at, "local_size": local}
 
     # -- under torch.distributed -------------------------------------------------
     def _collective(self) -> bool:
@@ -680,6 +789,8 @@ class CheckpointManager:
         snapshot is not raised (the manager reported it when it ended)."""
         self.store.wait()
         self._wait_callbacks()
+        if self._size is not None:
+            self._size.wait()  # (the listing the last commit asked for: the next event reports it)
         if not self._collective():
             self._raise_pending()
         if prune and self._pruner is not None:
@@ -692,5 +803,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._size is not None:
+                self._size.close()
             if self._pruner is not None:
                 self._pruner.close()

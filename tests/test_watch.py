@@ -139,7 +139,7 @@ def test_on_commit_gets_one_event_per_committed_snapshot(tmp_path, async_):
         assert e.seconds is not None and e.seconds > 0 and e.stall is not None and 0 <= e.stall <= e.seconds
         assert e.bytes_new == e.info.bytes_new > 0 and e.bytes_total == e.info.bytes_total
         assert e.failures == 0 and e.skipped == 0 and e.prune_backlog >= 0
-        assert e.store_size is None
+        assert e.store_size is None or e.store_size >= 0  # (measured off the training thread: test_store_size)
     assert log[8].root == events[-1].root  # what the hook was told is what the store holds
 
 

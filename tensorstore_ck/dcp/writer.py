@@ -8,6 +8,7 @@ composes the tree (layout.py) and publishes it with one fenced ref move.
 from __future__ import annotations
 
 import io
+import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from .. import chunker
 from ..dcpview import load_bytes_item
 from ..errors import FormatError, InvalidArgument, SnapshotAborted, UnsupportedType
 from ..plan import contiguous
+from ..publish import Timing
 from ..format.names import parse_target, validate_name
 from ..store import Store
 from ..validate import SnapshotArgs, check_snapshot_args
@@ -76,7 +78,19 @@ class TsckWriter(StorageWriter):
     allow_pickle: as for put_snapshot: a non-tensor value that only a full unpickle
     loads (DCP torch.saves non-tensor values; torch's weights_only loader is the test)
     is stored only with True, else UnsupportedType before this rank writes anything.
-    After a save, `writer.info` (on the coordinator) is the SnapshotInfo."""
+    After a save, `writer.info` (on the coordinator) is the SnapshotInfo.
+
+    The commit records the save's durations as put_snapshot's do (SnapshotInfo.seconds
+    and .stall, `tsck log --json`): seconds from the start of the save on the
+    coordinator (dcp.save's set-up of this writer; dcp.async_save's staging) to its
+    commit; the stall, what the caller was blocked: all of it for dcp.save, the staging
+    for dcp.async_save (the writer is its AsyncStager: the state dict is copied to CPU
+    memory, as async_save's default stager does, and the caller goes on). Given an
+    async_stager= of the caller's own, async_save stages without the writer, which then
+    cannot tell the caller's wait: it records the save from its set-up, as dcp.save's."""
+
+    # dcp.async_save: stage() returns the staged copy itself, nothing to synchronize after
+    _synchronize_after_execute = False
 
     def __init__(self, store: Store, ref: str, step: int | None = None, *, job: str | None = None,
                  metrics: dict | None = None, meta: dict | None = None, allow_pickle: bool = False):
@@ -94,6 +108,8 @@ class TsckWriter(StorageWriter):
         self.rank = None
         self._fence: int | None = None
         self.save_id = uuid.uuid4().hex
+        self._staged: tuple[float, float] | None = None  # async_save's staging: (began, seconds)
+        self._timing: Timing | None = None
 
     def _set_ref(self, ref, step):
         a = self.args
@@ -133,6 +149,11 @@ class TsckWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.ref, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # The save begins here (dcp.save calls this first on every rank), or at the
+        # staging that dcp.async_save did before it on the caller's thread.
+        began, stall = self._staged if self._staged is not None else (time.monotonic(), None)
+        self._staged = None
+        self._timing = Timing(began, stall)
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         import torch.distributed as dist
@@ -335,10 +356,37 @@ class TsckWriter(StorageWriter):
         pub = store.publisher
         tree, payloads = pub.write_nodes(value)
         fence = self._fence if self._fence is not None else pub.fence()
+        timing, self._timing = self._timing, None
         self.info = store._tier_published(pub.commit(
-            tree, self.args, stats=st, fence=fence, meta_extra={"format": DCP_FORMAT},
+            tree, self.args, stats=st, fence=fence, meta_extra={"format": DCP_FORMAT}, timing=timing,
             revalidate=lambda body, fence: pub.revalidate_addresses(digests, payloads, body, fence,
                                                              what=f"this DCP snapshot of {self.ref!r}")))
+
+    # -- AsyncStager (dcp.async_save stages through the writer) ----------------------------
+    def stage(self, state_dict):
+        """A copy of state_dict in CPU memory that training cannot change: what async_save
+        stages with when given no stager (DefaultStager, synchronous, no pinned memory),
+        timed, so the commit records how long the caller was blocked."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        began = time.monotonic()
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))
+        try:
+            staged = stager.stage(state_dict)
+        finally:
+            stager.close()
+        self._staged = (began, time.monotonic() - began)
+        return staged
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def synchronize_staging(self) -> None:
+        pass  # stage() returned the copy whole
+
+    def close(self) -> None:
+        pass
 
     # -- pickling (AsyncCheckpointerType.PROCESS sends the writer to another process) -----
     def __getstate__(self):
