@@ -553,8 +553,7 @@ class Peers:
         got = self.fetch_checked(kind, d)
         if got is None:
             return False
-        self.core.storage.put_addressed(Assets.object_key(kind + "s", d), [got[0]])
-        return True
+        return _keep(self.core.storage, Assets.object_key(kind + "s", d), got[0])
 
     def present(self, kind: str, digests) -> set:
         """The `digests` some holder says it stores (one connection per holder, the
@@ -612,6 +611,19 @@ class Peers:
         return None
 
 
+def _keep(storage, key: str, data) -> bool:
+    """Keep a checked copy fetched from a peer in this rank's tier -> whether it is there.
+    Only a cache for the next restore: a tier that cannot take it (a full disk) costs a
+    warning, never the restore, which has the checked bytes (a node or commit not kept is
+    read from the remote)."""
+    try:
+        storage.put_addressed(key, [data])
+        return True
+    except (OSError, TsckError) as e:
+        log.warning("peer replicas: %s fetched from a peer could not be kept in this rank's tier (%s)", key, e)
+        return False
+
+
 def peer_reads(reads, peers: Peers):
     """A ReadThrough (upload.py) with the peers between the local tier and the remote: an
     object the tier lacks is fetched from a holder (checked against its address), used,
@@ -642,7 +654,7 @@ def peer_reads(reads, peers: Peers):
             # The bytes the check just hashed go to the caller: no write, read back and hash
             # again through the tier (a restore's CPU is what bounds it on a small host).
             np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
-            self.local.storage.put_addressed(self.local.object_key("blocks", d), [data])
+            _keep(self.local.storage, self.local.object_key("blocks", d), data)
 
         def get_node(self, d, **kw):
             self._fill("node", d)

@@ -290,3 +290,33 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
             assert ask(b"H", d) == b"\x01"
         finally:
             peers.close()
+
+
+def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
+    """A rank restoring from a peer whose own tier is on a full disk: the checked copy
+    goes to the caller all the same (keeping it in the tier is a cache, with a warning),
+    never an error that fails the restore."""
+    import _mounts
+    from tensorstore_ck.peers import Peers, peer_reads
+    from tensorstore_ck.upload import ReadThrough
+    from tensorstore_ck.walk import walk_commit
+
+    x = torch.arange(4096, dtype=torch.float32)
+    with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b, \
+            _mounts.tmpfs(tmp_path / "small", "2m") as small:
+        b.put_snapshot({"x": x}, "r")
+        blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
+        holder = Peers(b.core, 1)
+        port = holder._listen("127.0.0.1")
+        try:
+            with tsck.open_store(small + "/a", block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
+                _mounts.fill(small)
+                asker = Peers(a.core, 1)
+                asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
+                reads = peer_reads(ReadThrough(a.assets, b.core), asker)
+                out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
+                reads.read_block_into(blocks[0], out.numpy())
+                assert torch.equal(out, x[:dw.BLOCK // 4]) and asker.fetched == 1
+                assert not a.assets.block_exists(blocks[0])  # (not kept: the disk is full)
+        finally:
+            holder.close()
