@@ -655,7 +655,7 @@ def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backo
     lrefs = LmdbRefTable(refs_dir, create=False)
     reftable = None
     try:
-        if _verified(lrefs, location) != store_id or lrefs.bound_store() != store_id:
+        if lrefs.bound_store() != store_id:
             lrefs.close()
             return None
         try:
@@ -663,9 +663,13 @@ def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backo
         except NotAStore:  # no ref table there: the eager open says what to do
             lrefs.close()
             return None
-        if reftable.bound_store() != store_id:
-            # Another store's table (the eager open refuses the tier, naming both), or one
-            # not bound yet (the eager open decides what it is).
+        bound = reftable.bound_store()
+        if bound is not None and bound != store_id:  # the remote's table serves another store
+            raise NotAStore(f"local tier {root} belongs to store {store_id!r}, not to {bound!r} "
+                            f"({proto}://{rest}): give each store its own local directory")
+        if bound is None or _verified(lrefs, location) != store_id:
+            # A table not bound yet (the eager open decides what it is), or a location this
+            # tier never found its store at: the eager open reads the marker there.
             if not isinstance(refs, RefTable):
                 reftable.close()
             lrefs.close()
