@@ -124,7 +124,7 @@ got = store.checkout("job/main")
 g = torch.Generator().manual_seed(seed)
 want = {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g)}
 same = all(got[k].view(torch.uint8).equal(want[k].view(torch.uint8)) for k in want)
-print("RESTORED", same, store.remote_core.storage.opened, flush=True)
+print("RESTORED", same, getattr(store.remote_core.storage, "opened", None), flush=True)
 sys.stdin.readline()  # the test reads the proxy's counters here, then lets the store close
 store.close()
 """
@@ -148,8 +148,9 @@ def test_a_restore_from_the_local_tier_in_a_fresh_process_makes_no_request_to_th
                             env=env)
     try:
         line = proc.stdout.readline()
-        assert line.split() == ["RESTORED", "True", "False"], (line, proc.stderr.read()[-3000:] if not line else "")
+        assert line.split()[:2] == ["RESTORED", "True"], (line, proc.stderr.read()[-3000:] if not line else "")
         assert (proxy.sent, proxy.conns) == before, "the restore made requests to the remote store"
+        assert line.split()[2] == "False"  # the remote storage was never opened
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert proc.wait(timeout=DEADLINE) == 0, proc.stderr.read()[-3000:]
