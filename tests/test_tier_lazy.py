@@ -200,7 +200,8 @@ def test_a_store_replaced_at_the_tiers_location_is_refused_at_first_use(s3_url, 
     """The tier saw its store at this location; since then another store's marker took
     its place there. The open stays lazy (nothing asks the remote), and the first read
     that falls through to the remote checks the marker first: NotAStore, never a block
-    of the other store."""
+    of the other store; an upload is refused so too, and stops the uploader (no retry
+    makes it the right store)."""
     import s3fs
     opts, refs, local = _opts(s3_server, proxy), tmp_path / "refs.lmdb", tmp_path / "nvme"
     with _open(s3_url, opts, refs, local=str(local)) as store:
@@ -214,6 +215,9 @@ def test_a_store_replaced_at_the_tiers_location_is_refused_at_first_use(s3_url, 
     with _open(s3_url, opts, refs, local=str(local)) as store:
         with pytest.raises(tsck.NotAStore, match="belongs to store"):
             store.checkout("job/main")
+        store.put_snapshot(_state(2), "job/main", step=2)  # its upload: the same refusal stops the uploader
+        with pytest.raises(tsck.NotAStore, match="belongs to store"):
+            store.wait_durable()
 
 
 @pytest.mark.slow  # a real S3 server
