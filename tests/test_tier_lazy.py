@@ -245,3 +245,22 @@ def test_a_remote_down_at_open_leaves_the_local_restore_and_fails_clearly_on_the
             assert store.wait_durable(timeout=DEADLINE)
     with _open(s3_url, _opts(s3_server, proxy), refs) as remote:
         assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), _state(2))
+
+
+@pytest.mark.slow  # a real S3 server
+def test_the_early_upload_opens_the_remote_from_the_io_threads(s3_url, s3_server, proxy, tmp_path):
+    """With early_upload=True a put's first new blocks are what open the remote storage,
+    from several I/O threads at once: it opens once, the blocks are sent early, and the
+    snapshot lands whole."""
+    opts, refs, local = _opts(s3_server, proxy), tmp_path / "refs.lmdb", str(tmp_path / "nvme")
+    with _open(s3_url, opts, refs, local=local) as store:
+        store.put_snapshot(_state(1), "job/main", step=1)
+        assert store.wait_durable(timeout=DEADLINE)
+    with _open(s3_url, opts, refs, local=local, early_upload=True, workers=8) as store:
+        assert not store.remote_core.storage.opened
+        store.put_snapshot(_state(2), "job/main", step=2)
+        assert store.wait_durable(timeout=DEADLINE)
+        assert store.remote_core.storage.opened and store._uploader.teed > 0
+    with _open(s3_url, opts, refs) as remote:
+        assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), _state(2))
+        assert remote.fsck().ok
