@@ -280,7 +280,10 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     ref table under it, made on first use, with the store's id and layout) and returns;
     a background uploader sends each snapshot's missing objects to `url` and moves its
     ref there (SnapshotInfo.durable, Store.wait_durable()). wrap_storage= wraps the
-    remote store's storage.
+    remote store's storage. An s3:// remote is opened on first use (an upload, a read
+    the tier cannot serve) once the tier has found its store at that URL and endpoint:
+    a restore from the tier makes no request to S3, and a server that is down at open
+    fails that first use instead (docs/design/tiers.md, "Opening the remote on first use").
     local_budget: bytes the local tier's objects may take (default: no limit). After a
     snapshot becomes durable, and at open, the local copies of durable snapshots are
     evicted, the older first, each ref's newest durable tip last (their reads go to the
@@ -639,7 +642,8 @@ def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backo
     remote Core has a LazyStorage, or None where the eager open must run. Taken when
     the tier exists (its marker and its table) and records that an earlier open found
     its store at this location (_VERIFIED), and the remote ref table is bound to the
-    tier's store id: the checks an eager open makes without the remote marker. The
+    tier's store id (a table bound to another store refuses the tier here, before any
+    request): the checks an eager open makes without the remote marker. The
     marker itself is checked at the remote storage's first use (LazyStorage), before
     anything else is read from it or sent to it. Any other case (a new tier, a table not
     bound yet, a lost table to report) is the eager open's, with its messages."""
