@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import warnings
 import threading
@@ -30,6 +31,8 @@ from .store import Store
 
 __all__ = ["open_store", "STORE_MARKER"]
 
+log = logging.getLogger(__name__)
+
 STORE_VERSION = 1
 MIN_STORE_VERSION = 1
 MAX_STORE_VERSION = 1
@@ -43,6 +46,9 @@ def _known_protocol(proto: str) -> bool:
     import fsspec
     if not proto:  # fsspec reads "" as its default, the local disk: "://x" is a typo
         return False
+    from fsspec.registry import known_implementations, registry
+    if proto in known_implementations or proto in registry:  # no import: s3fs alone takes 0.5 s
+        return True
     try:
         fsspec.get_filesystem_class(proto)
     except ValueError:  # "Protocol not known"
@@ -274,7 +280,10 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     ref table under it, made on first use, with the store's id and layout) and returns;
     a background uploader sends each snapshot's missing objects to `url` and moves its
     ref there (SnapshotInfo.durable, Store.wait_durable()). wrap_storage= wraps the
-    remote store's storage.
+    remote store's storage. An s3:// remote is opened on first use (an upload, a read
+    the tier cannot serve) once the tier has found its store at that URL and endpoint:
+    a restore from the tier makes no request to S3, and a server that is down at open
+    fails that first use instead (docs/design/tiers.md, "Opening the remote on first use").
     local_budget: bytes the local tier's objects may take (default: no limit). After a
     snapshot becomes durable, and at open, the local copies of durable snapshots are
     evicted, the older first, each ref's newest durable tip last (their reads go to the
@@ -338,6 +347,16 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         raise InvalidArgument(f"local tier {os.fspath(local)!r} is the store itself: give it a directory of its own")
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         _open_refs(refs, proto, rest, create=False)
+    if local is not None and proto in LAZY_PROTOCOLS and not create_refs:
+        store = _lazy_tiered(os.fspath(local), proto, rest, refs, storage_options, backoff,
+                             lambda: _remote_storage(proto, rest, storage_options, backoff),
+                             lambda s: _wrapped(s, write_bandwidth, write_concurrency, wrap_storage),
+                             dict(workers=workers, verify=verify, compression=compression, compress=compress,
+                                  shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
+                                  gc_lease=gc_lease, read_only=None),
+                             (max_inflight, when_busy, local_budget, replicas, early_upload))
+        if store is not None:
+            return store
     why_ro = "read_only=True was asked for" if read_only else ""
     if proto == "file":
         root = os.path.abspath(rest)
@@ -361,14 +380,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         storage: BlockStore = LocalBlockStore(root)
         rest = root
     else:
-        try:
-            cls = S3BlockStore if proto in ("s3", "s3a") else FsspecBlockStore
-            storage = cls(f"{proto}://{rest}", storage_options)
-        except (ImportError, ValueError, TypeError) as e:
-            raise NotAStore(f"cannot open {proto}:// storage: {type(e).__name__}: {e}") from None
-        if proto != "memory":
-            from .storage.wrappers import RetryingStore
-            storage = RetryingStore(storage, backoff=backoff)  # transient network errors are retried, not surfaced
+        storage = _remote_storage(proto, rest, storage_options, backoff)
     read_only = bool(read_only)
     if read_only:  # nothing below creates anything; a write that slips through is refused here
         from .storage.wrappers import ReadOnlyStorage
@@ -425,14 +437,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if not isinstance(refs, RefTable):
             reftable.close()
         raise
-    if write_bandwidth is not None or write_concurrency is not None:
-        from .storage.wrappers import ThrottledStore
-        try:
-            storage = ThrottledStore(storage, bytes_per_second=write_bandwidth, max_concurrent=write_concurrency)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
-    if wrap_storage is not None:  # cross-cutting behaviour (fault injection, limits) as a wrapper
-        storage = wrap_storage(storage)
+    storage = _wrapped(storage, write_bandwidth, write_concurrency, wrap_storage)
     try:
         settings, codecs = _settings(storage, cfg, workers=workers, verify=verify, compression=compression,
                                      compress=compress, shuffle=shuffle, block_size=block_size,
@@ -443,7 +448,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             return Store(core, config=cfg, max_inflight=max_inflight, when_busy=when_busy)
         try:
             return _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy,
-                           local_budget, replicas, early_upload)
+                           local_budget, replicas, early_upload, location=_location(proto, rest, storage_options))
         except BaseException:
             core.pool.shutdown(wait=False)
             raise
@@ -453,15 +458,263 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         raise
 
 
+# Remote protocols whose storage a tiered open leaves unopened until first use (an S3
+# client and its first request cost about 0.8 s in a fresh process). Their location is
+# the URL and the endpoint: what the tier records as verified (below).
+LAZY_PROTOCOLS = ("s3", "s3a")
+# meta row of a local tier's table: `verified:` + a remote location (_location) -> the
+# store id whose marker an open found there. A later open of the tier in front of the
+# same location may then leave the remote storage unopened (_lazy_tiered).
+_VERIFIED = b"verified:"
+
+
+def _remote_storage(proto: str, rest: str, storage_options: dict | None, backoff) -> BlockStore:
+    """The storage of a store at an fsspec URL, its transient network errors retried."""
+    try:
+        cls = S3BlockStore if proto in ("s3", "s3a") else FsspecBlockStore
+        storage = cls(f"{proto}://{rest}", storage_options)
+    except (ImportError, ValueError, TypeError) as e:
+        raise NotAStore(f"cannot open {proto}:// storage: {type(e).__name__}: {e}") from None
+    if proto != "memory":
+        from .storage.wrappers import RetryingStore
+        storage = RetryingStore(storage, backoff=backoff)  # transient network errors are retried, not surfaced
+    return storage
+
+
+def _wrapped(storage: BlockStore, write_bandwidth, write_concurrency, wrap_storage) -> BlockStore:
+    """open_store's throttles and caller's wrapper, around storage whose marker was read."""
+    if write_bandwidth is not None or write_concurrency is not None:
+        from .storage.wrappers import ThrottledStore
+        try:
+            storage = ThrottledStore(storage, bytes_per_second=write_bandwidth, max_concurrent=write_concurrency)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+    if wrap_storage is not None:  # cross-cutting behaviour (fault injection, limits) as a wrapper
+        storage = wrap_storage(storage)
+    return storage
+
+
+def _location(proto: str, rest: str, storage_options: dict | None) -> str | None:
+    """Where a remote store is, as a tier records it verified: the URL and the endpoint
+    it is reached at (an s3:// URL names a bucket of whichever server the endpoint is).
+    None for a protocol whose storage opens eagerly."""
+    if proto not in LAZY_PROTOCOLS:
+        return None
+    opts = storage_options or {}
+    endpoint = (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "")
+    return json.dumps(["s3://" + rest.strip("/"), str(endpoint).rstrip("/")])
+
+
+def _verified(lrefs: LmdbRefTable, location: str) -> str | None:
+    v = lrefs._read(lambda t: t.get("meta", _VERIFIED + location.encode()))
+    return None if v is None else v.decode(errors="replace")
+
+
+class LazyStorage(BlockStore):
+    """A remote store's storage, opened on first use: the client is built and the store's
+    marker read and checked against the local tier's (_check_tier: NotAStore) before any
+    call passes. The throttles and wrap_storage= are put around it at open, as around
+    an eager open's storage: a call through them reaches the storage once it is checked.
+    A failed open (the server away) is raised to that use, as the eager open raises it
+    (StorageError naming the store), and tried again at the next use."""
+
+    local = False  # an object store: every call is a request
+
+    def __init__(self, url: str, make, tier_root: str, tier_cfg: dict):
+        """make() -> the storage (its retries included)."""
+        self.url = url
+        self._make, self._root, self._cfg = make, tier_root, tier_cfg
+        self._storage: BlockStore | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def opened(self) -> bool:
+        return self._storage is not None
+
+    def _open(self) -> BlockStore:
+        s = self._storage
+        if s is not None:
+            return s
+        with self._lock:
+            if self._storage is None:
+                try:
+                    inner = self._make()
+                except TsckError:
+                    raise
+                except OSError as e:
+                    raise storage_error(e, f"cannot open the store at {self.url}") from e
+                try:
+                    cfg = _read_config(inner)
+                    if cfg is None:
+                        raise NotAStore(f"local tier {self._root} belongs to store {self._cfg.get('id')!r}, and "
+                                        f"{self.url} holds no store: give each store its own local directory")
+                    _check_tier(self._root, self._cfg, cfg, str(cfg.get("id") or self.url), self.url)
+                    self._storage = inner
+                except OSError as e:
+                    inner.close()
+                    raise storage_error(e, f"cannot open the store at {self.url}") from e
+                except BaseException:
+                    inner.close()
+                    raise
+                log.debug("opened the remote store at %s (its first use)", self.url)
+            return self._storage
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it
+        s = self._storage
+        while s is not None:
+            hook = getattr(s, "_after_fork", None)
+            if hook is not None:
+                hook()
+            s = getattr(s, "inner", None)
+
+    def __getattr__(self, name):  # a backend's own attributes (fs, root, ...): an open
+        if name.startswith("_") or name == "inner":  # Core.after_fork walks `inner`: no open there
+            raise AttributeError(name)
+        return getattr(self._open(), name)
+
+    def get(self, key, max_bytes=None):
+        return self._open().get(key, max_bytes)
+
+    def open_read(self, key, max_bytes=None):
+        return self._open().open_read(key, max_bytes)
+
+    def put_if_absent(self, key, bufs):
+        return self._open().put_if_absent(key, bufs)
+
+    def put_addressed(self, key, bufs):
+        return self._open().put_addressed(key, bufs)
+
+    def exists(self, key):
+        return self._open().exists(key)
+
+    def size_of(self, key):
+        return self._open().size_of(key)
+
+    def move(self, key, new_key, *, deadline=None):
+        return self._open().move(key, new_key, deadline=deadline)
+
+    def delete(self, key):
+        return self._open().delete(key)
+
+    def delete_many(self, keys, *, deadline=None):
+        return self._open().delete_many(keys, deadline=deadline)
+
+    @property
+    def request_timeout(self) -> float:
+        return self._open().request_timeout
+
+    @property
+    def pages(self):
+        return self._open().pages
+
+    @property
+    def supports_deletes(self):
+        return self._open().supports_deletes
+
+    def list(self, prefix):
+        return self._open().list(prefix)
+
+    def list_page(self, prefix, start_after=None):
+        return self._open().list_page(prefix, start_after)
+
+    def sync(self):
+        return self._open().sync()
+
+    def clock_now(self):
+        return self._open().clock_now()
+
+    def temp_files(self):
+        return self._open().temp_files()
+
+    def is_empty(self):
+        return self._open().is_empty()
+
+    def close(self):
+        if self._storage is not None:  # never opened: nothing to release (and no request made)
+            self._storage.close()
+
+
+def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backoff, make_storage, wrap,
+                 options: dict, store_args: tuple) -> Store | None:
+    """open_store(remote, local=PATH) without opening the remote storage: a Store whose
+    remote Core has a LazyStorage, or None where the eager open must run. Taken when
+    the tier exists (its marker and its table) and records that an earlier open found
+    its store at this location (_VERIFIED), and the remote ref table is bound to the
+    tier's store id (a table bound to another store refuses the tier here, before any
+    request): the checks an eager open makes without the remote marker. The
+    marker itself is checked at the remote storage's first use (LazyStorage), before
+    anything else is read from it or sent to it. Any other case (a new tier, a table not
+    bound yet, a lost table to report) is the eager open's, with its messages."""
+    location = _location(proto, rest, storage_options)
+    root = os.path.abspath(local)
+    refs_dir = os.path.join(root, "refs.lmdb")
+    if location is None or not (os.path.isfile(os.path.join(root, STORE_MARKER)) and os.path.isdir(refs_dir)):
+        return None
+    lcfg = _read_config(LocalBlockStore(root))
+    if lcfg is None or not isinstance(lcfg.get("id"), str):
+        return None
+    store_id = lcfg["id"]
+    lrefs = LmdbRefTable(refs_dir, create=False)
+    reftable = None
+    try:
+        if lrefs.bound_store() != store_id:
+            lrefs.close()
+            return None
+        try:
+            reftable = _open_refs(refs, proto, rest, create=False, store_id=store_id, backoff=backoff)
+        except NotAStore:  # no ref table there: the eager open says what to do
+            lrefs.close()
+            return None
+        bound = reftable.bound_store()
+        if bound is not None and bound != store_id:  # the remote's table serves another store
+            raise NotAStore(f"local tier {root} belongs to store {store_id!r}, not to {bound!r} "
+                            f"({proto}://{rest}): give each store its own local directory")
+        if bound is None or _verified(lrefs, location) != store_id:
+            # A table not bound yet (the eager open decides what it is), or a location this
+            # tier never found its store at: the eager open reads the marker there.
+            if not isinstance(refs, RefTable):
+                reftable.close()
+            lrefs.close()
+            return None
+        storage = wrap(LazyStorage(f"{proto}://{rest}", make_storage, root, lcfg))
+        settings, codecs = _settings(storage, lcfg, **options)
+        core = Core.build(storage, reftable, codecs=codecs, settings=settings)
+    except BaseException:
+        lrefs.close()
+        if reftable is not None and not isinstance(refs, RefTable):
+            reftable.close()
+        raise
+    max_inflight, when_busy, budget, replicas, early_upload = store_args
+    try:
+        return _tiered(root, core, lcfg, store_id, codecs, settings, max_inflight, when_busy, budget, replicas,
+                       early_upload, lrefs=lrefs)
+    except BaseException:
+        core.pool.shutdown(wait=False)
+        if not isinstance(refs, RefTable):
+            reftable.close()
+        raise
+
+
 def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, settings: Settings,
             max_inflight: int, when_busy: str, budget: int | None = None, replicas: int = 0,
-            early_upload: bool | None = None) -> Store:
+            early_upload: bool | None = None, *, location: str | None = None,
+            lrefs: LmdbRefTable | None = None) -> Store:
     """A Store over a local tier at `path` in front of `remote`: the tier's marker is a copy
     of the remote's (same id, same block layout: a block cut here is the block the remote
     would hold), its LMDB ref table is bound to the same store id, and its blocks use the
-    remote's codecs (they travel as stored)."""
-    from .upload import Uploader, early_default
+    remote's codecs (they travel as stored). `cfg` is the remote's marker, read here
+    (eager: `location` names where, recorded in the tier as verified), or the tier's own
+    when the remote opens on first use (_lazy_tiered: `lrefs` is the tier's table, open)."""
     root = os.path.abspath(path)
+    if lrefs is not None:  # the lazy open: the tier's marker was read and checked there
+        try:
+            lcore = Core.build(LocalBlockStore(root), lrefs, codecs=codecs, settings=settings)
+        except BaseException:
+            lrefs.close()
+            raise
+        return _tier_store(lcore, remote, cfg, max_inflight, when_busy, budget, replicas, early_upload)
     if os.path.exists(root) and not os.path.isdir(root):
         raise NotAStore(f"local tier {root} is a file, not a directory")
     try:
@@ -478,18 +731,40 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
         else:
             create_marker(lstorage, json.dumps(cfg, indent=1).encode() + b"\n")
             lcfg = _read_config(lstorage) or cfg
-    if str(lcfg.get("id")) != store_id:
-        raise NotAStore(f"local tier {root} belongs to store {lcfg.get('id')!r}, not to {store_id!r} "
-                        f"({remote.url}): give each store its own local directory")
+    _check_tier(root, lcfg, cfg, store_id, remote.url)
     refs_dir = os.path.join(root, "refs.lmdb")
     fresh = not os.path.isdir(refs_dir)
     lrefs = LmdbRefTable(refs_dir, create=True)
     try:
         lrefs.bind_store(store_id, new=fresh)
+        if location is not None and _verified(lrefs, location) != store_id:
+            lrefs._write(lambda t: t.put("meta", _VERIFIED + location.encode(), store_id.encode()))
         lcore = Core.build(lstorage, lrefs, codecs=codecs, settings=settings)
     except BaseException:
         lrefs.close()
         raise
+    return _tier_store(lcore, remote, cfg, max_inflight, when_busy, budget, replicas, early_upload)
+
+
+def _tier_store(lcore: Core, remote: Core, cfg: dict, max_inflight: int, when_busy: str, budget, replicas: int,
+                early_upload) -> Store:
+    from .upload import Uploader, early_default
     return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy,
                  uploader=Uploader(lcore, remote, budget, early=early_default() if early_upload is None else early_upload),
                  replicas=replicas)
+
+
+def _check_tier(root: str, lcfg: dict, cfg: dict, store_id: str, url: str) -> None:
+    """The tier at `root` (marker `lcfg`) must be a tier of the store whose marker is `cfg`:
+    the same id (NotAStore: a directory of another store), the same block layout (a block
+    cut in the tier is the block the store would hold)."""
+    if str(lcfg.get("id")) != store_id:
+        raise NotAStore(f"local tier {root} belongs to store {lcfg.get('id')!r}, not to {store_id!r} "
+                        f"({url}): give each store its own local directory")
+    mine = (lcfg.get("block_size"), lcfg.get("inline_threshold"))
+    theirs = (cfg.get("block_size"), cfg.get("inline_threshold"))
+    if mine != theirs:
+        raise NotAStore(f"local tier {root} cuts blocks as block_size={mine[0]}, inline_threshold={mine[1]}, the "
+                        f"store at {url} as block_size={theirs[0]}, inline_threshold={theirs[1]}: its marker "
+                        f"({STORE_MARKER}) must be a copy of the store's; correct it, or give the tier a new "
+                        "directory")

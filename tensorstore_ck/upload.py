@@ -28,7 +28,7 @@ import threading
 import time
 
 from .core import Core
-from .errors import GcBusy, IntegrityError, StorageError, TsckError, UnreadableObject
+from .errors import GcBusy, IntegrityError, NotAStore, StorageError, TsckError, UnreadableObject
 from .publish import Publisher
 from .walk import walk_commit
 
@@ -296,7 +296,8 @@ class Uploader:
                 self._upload(seq, entry)
                 self._since_tidy += 1
                 tries = 0
-            except IntegrityError as e:  # a damaged local object: no retry makes it whole
+            except (IntegrityError, NotAStore) as e:  # a damaged local object, or a remote of another
+                # store (found at its first use, opener.LazyStorage): no retry makes it right
                 self._fail(e)
                 return
             except (StorageError, TsckError, OSError) as e:

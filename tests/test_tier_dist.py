@@ -85,11 +85,13 @@ def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_
     _check_view(out, "fresh", world, 1)
     assert all(r["remote_reads"] for r in res)
 
-    # The tiers intact: every rank reads its region from its own tier, nothing remote.
+    # The tiers intact: every rank reads its region from its own tier, nothing remote,
+    # and no rank's remote storage was even opened (the ref tables say which tier is newer).
     out = _run(tmp_path, "load", {**cfg, "tier": "tier", "phase": "same"})
     res = _results(out, "same", world)
     _check_view(out, "same", world, 1)
     assert [r["remote_reads"] for r in res] == [[]] * world
+    assert [r["remote_opened"] for r in res] == [False] * world
 
 
 @pytest.mark.slow

@@ -96,6 +96,16 @@ def put_body(rank, world, out, res, cfg):
         res["queue_left"] = len(store.core.refs.upload_pending())
 
 
+def _storage_opened(s) -> bool:
+    """Whether the remote storage under wrapper `s` was opened: a lazily opened one
+    (opener.LazyStorage) says so; any other was opened with the store."""
+    while s is not None:
+        if type(s).__name__ == "LazyStorage":
+            return s.opened
+        s = getattr(s, "inner", None)
+    return True
+
+
 def load_body(rank, world, out, res, cfg):
     """A collective checkout of REF into this rank's view, through tier `cfg["tier"]`."""
     import tensorstore_ck as tsck
@@ -108,6 +118,7 @@ def load_body(rank, world, out, res, cfg):
         into["local"] = None
         got = store.checkout(REF, into=into, timeout=60)
         res["remote_reads"] = list(holder["w"].reads)
+        res["remote_opened"] = _storage_opened(holder["w"])
         dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
         torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
 
