@@ -462,10 +462,9 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
 # client and its first request cost about 0.8 s in a fresh process). Their location is
 # the URL and the endpoint: what the tier records as verified (below).
 LAZY_PROTOCOLS = ("s3", "s3a")
-# meta row of a local tier's table: `verified:` + a remote location (_location) -> the
-# store id whose marker an open found there. A later open of the tier in front of the
-# same location may then leave the remote storage unopened (_lazy_tiered).
-_VERIFIED = b"verified:"
+# A local tier's table records, per remote location (_location), the store id whose
+# marker an open found there (RefTable.verified_put, meta `verified:`): a later open of the
+# tier in front of the same location may then leave the remote storage unopened (_lazy_tiered).
 
 
 def _remote_storage(proto: str, rest: str, storage_options: dict | None, backoff) -> BlockStore:
@@ -507,8 +506,7 @@ def _location(proto: str, rest: str, storage_options: dict | None) -> str | None
 
 
 def _verified(lrefs: LmdbRefTable, location: str) -> str | None:
-    v = lrefs._read(lambda t: t.get("meta", _VERIFIED + location.encode()))
-    return None if v is None else v.decode(errors="replace")
+    return lrefs.verified_get(location)
 
 
 class LazyStorage(BlockStore):
@@ -641,7 +639,7 @@ def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backo
     """open_store(remote, local=PATH) without opening the remote storage: a Store whose
     remote Core has a LazyStorage, or None where the eager open must run. Taken when
     the tier exists (its marker and its table) and records that an earlier open found
-    its store at this location (_VERIFIED), and the remote ref table is bound to the
+    its store at this location (RefTable.verified_get), and the remote ref table is bound to the
     tier's store id (a table bound to another store refuses the tier here, before any
     request): the checks an eager open makes without the remote marker. The
     marker itself is checked at the remote storage's first use (LazyStorage), before
@@ -738,7 +736,7 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
     try:
         lrefs.bind_store(store_id, new=fresh)
         if location is not None and _verified(lrefs, location) != store_id:
-            lrefs._write(lambda t: t.put("meta", _VERIFIED + location.encode(), store_id.encode()))
+            lrefs.verified_put(location, store_id)
         lcore = Core.build(lstorage, lrefs, codecs=codecs, settings=settings)
     except BaseException:
         lrefs.close()

@@ -449,6 +449,14 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         (and the replicas it keeps): fsck asks for the rest only where it is present."""
         self._write(lambda t: t.put("meta", _PART0 + root, part) if t.get("catalog", root) is not None else None)
 
+    def verified_get(self, location: str) -> str | None:
+        """A local tier: the store id an open found at remote `location` (meta `verified:`)."""
+        v = self._read(lambda t: t.get("meta", _VERIFIED + location.encode()))
+        return None if v is None else v.decode(errors="replace")
+
+    def verified_put(self, location: str, store_id: str) -> None:
+        self._write(lambda t: t.put("meta", _VERIFIED + location.encode(), store_id.encode()))
+
     def parts(self, rank0: bool = True) -> dict[bytes, bytes]:
         """root -> this rank's sub-tree, for the collective snapshots of catalog_put_part
         and (rank0) mark_part0."""
@@ -551,6 +559,7 @@ _UPLOAD_SEQ = b"upload_seq"
 _DURABLE = b"durable:"
 _EVICTED = b"evicted:"
 _PART = b"part:"
+_VERIFIED = b"verified:"
 _PART0 = b"part0:"
 _SEQ = struct.Struct(">Q")
 
