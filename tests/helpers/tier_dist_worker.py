@@ -196,14 +196,9 @@ def tidy_body(rank, world, out, res, cfg):
         rep = t.fsck(full=True)
         res["fsck"] = [str(f) for f in rep.findings]
         res["orphans"] = rep.orphans
-        before = _objects(tier)
-        res["objects"] = len(before)
-        try:
-            t.gc()
-            res["gc"] = "ran"
-        except Exception as e:  # noqa: BLE001 - judged by the test
-            res["gc"] = f"{type(e).__name__}: {e}"
-        res["gc_deleted"] = len(before - _objects(tier))
+        res["objects"] = len(_objects(tier))
+        res["gc"], lost = _gc(t, tier)
+        res["gc_deleted"] = len(lost)
         res["rows_after_gc"] = sorted(r.hex() for r in t.core.refs.catalog_roots())
         res["fsck_after_gc"] = [str(f) for f in t.fsck(full=True).findings]
 
@@ -221,16 +216,19 @@ def rput_body(rank, world, out, res, cfg):
         res["waited"] = store.wait_durable(timeout=240)
         res["sent"], res["refused"] = store._peers.sent, store._peers.refused
         dist.barrier()
-        # A gc of each rank's own tier keeps its part and the replicas it holds (rank 0's
-        # tier holds every node: it walks the snapshot; another's stops before deleting).
-        tier = os.path.join(cfg["tiers"], f"tier{rank}")
-        before = _objects(tier)
-        try:
-            store.gc()
-            res["gc"] = "ran"
-        except Exception as e:  # noqa: BLE001 - judged by the test
-            res["gc"] = f"{type(e).__name__}: {e}"
-        res["gc_lost"] = sorted(before - _objects(tier))
+        # A gc of each rank's own tier keeps its part and the replicas it holds.
+        res["gc"], res["gc_lost"] = _gc(store, os.path.join(cfg["tiers"], f"tier{rank}"))
+
+
+def _gc(store, tier: str) -> tuple[str, list]:
+    """store.gc() -> ("ran" or its error, the object files of `tier` it removed)."""
+    before = _objects(tier)
+    try:
+        store.gc()
+        ran = "ran"
+    except Exception as e:  # noqa: BLE001 - judged by the test
+        ran = f"{type(e).__name__}: {e}"
+    return ran, sorted(before - _objects(tier))
 
 
 def _objects(tier: str) -> set:
