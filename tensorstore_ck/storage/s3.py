@@ -43,8 +43,14 @@ __all__ = ["S3BlockStore"]
 _TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
 
 
+# What says "too many requests, slow down" rather than a fault: S3's SlowDown (503), and
+# 429 Too Many Requests, which S3-compatible servers and gateways send instead (a throttled
+# HEAD has no body, so its status is all there is to go by).
+_SLOW_DOWN = ("SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "TooManyRequestsException",
+              "RequestLimitExceeded")
+_THROTTLED_STATUS = (429, 503)
 # Error codes worth a retry although their status is 4xx.
-_THROTTLING = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed")
+_THROTTLING = _SLOW_DOWN + ("RequestTimeout", "RequestTimeTooSkewed")
 
 
 def _response(e: BaseException) -> dict | None:
@@ -107,7 +113,10 @@ class S3BlockStore(FsspecBlockStore):
         if resp is not None:
             status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             code = resp.get("Error", {}).get("Code", "")
-            e.transient = status >= 500 or code in _THROTTLING
+            e.transient = status >= 500 or status == 429 or code in _THROTTLING
+            # RetryingStore names throttling when the budget runs out under it
+            e.throttled = status in _THROTTLED_STATUS or code in _SLOW_DOWN
+            e.response_status = f"HTTP {status} {code}" if code and code != str(status) else f"HTTP {status}"
 
     def _read(self, path: str) -> bytes:
         return self.fs.cat_file(path, max_concurrency=1)  # one GET, no sizing HEAD
