@@ -127,3 +127,29 @@ def test_each_request_kind_is_retried_within_the_one_budget(tmp_path, throttle, 
             _request(store.core.storage, kind, 0)
         assert proxy.refused_by[kind] > 1  # retried, then given up
         proxy.throttle(0)
+
+
+WORKERS = 16
+
+
+@pytest.mark.parametrize("status,code", [(503, "SlowDown"), (429, "TooManyRequests")], ids=["503-SlowDown", "429"])
+def test_the_client_slows_down_while_throttled(tmp_path, throttle, s3_url, status, code):
+    """A new process's put HEADs its blocks first (is it there already?), from WORKERS
+    threads at once. Throttled, each thread's own backoff alone still lets the client
+    send ~WORKERS requests a second at first (over a hundred in the window); the client's
+    rate limiter (botocore's adaptive mode) slows every request of the client once S3
+    says slow down, to about one a second. What the proxy was asked during the window
+    counts that; load only lowers it."""
+    proxy, opts = throttle
+    with _open(tmp_path, s3_url, opts) as store:
+        store.put_snapshot(_state(0, 1), ref="j/main", job="j", step=1)
+    st = {f"t{i}": torch.full((16384,), float(i)) for i in range(4 * WORKERS)}  # a block each
+    with _open(tmp_path, s3_url, opts, workers=WORKERS, block_size=64 * 1024) as store:  # a new client
+        proxy.reset_counts()
+        proxy.throttle(4.0, status=status, code=code)
+        store.put_snapshot(st, ref="j/main", job="j", step=2)
+        refused = proxy.refused
+        # every thread's first request may be out before the first answer; then about
+        # one a second (botocore's floor is one every two seconds)
+        assert 0 < refused <= 2 * WORKERS, (refused, proxy.refused_by)
+        assert _equal(store.checkout("j/main"), st)

@@ -71,6 +71,40 @@ def _is_precondition_failed(e: BaseException) -> bool:
     return False
 
 
+class _ThrottlingDetector:
+    """botocore's throttling detector (error codes: SlowDown, Throttling, ...), and any
+    429 or 503 whatever its code. botocore goes by the parsed error code alone, and a
+    throttled HEAD has no body to parse: its code is "503", which botocore's adaptive
+    mode does not count, so a put that starts by HEADing its blocks (every new process)
+    was never slowed down however much S3 throttled it."""
+
+    def __init__(self):
+        from botocore.retries import standard
+        self._codes = standard.ThrottlingErrorDetector(retry_event_adapter=standard.RetryEventAdapter())
+
+    def is_throttling_error(self, **kwargs) -> bool:
+        resp = kwargs.get("response")
+        status = getattr(resp[0], "status_code", None) if isinstance(resp, tuple) and resp else None
+        return status in _THROTTLED_STATUS or self._codes.is_throttling_error(**kwargs)
+
+
+def _add_rate_limiter(client) -> None:
+    """botocore's adaptive retry mode's client-side rate limiter (aiobotocore's async
+    one; what retries={"mode": "adaptive"} registers) on `client`, with _ThrottlingDetector:
+    once S3 throttles, every request of the client waits for a token; the send rate
+    drops (CUBIC) with each throttled answer and climbs back as answers come."""
+    from aiobotocore.retries import adaptive, bucket
+    from botocore.retries import throttling
+    from botocore.retries.adaptive import RateClocker
+    clock = bucket.Clock()
+    limiter = adaptive.AsyncClientRateLimiter(
+        rate_adjustor=throttling.CubicCalculator(starting_max_rate=0, start_time=clock.current_time()),
+        rate_clocker=RateClocker(clock), token_bucket=bucket.AsyncTokenBucket(max_rate=1, clock=clock),
+        throttling_detector=_ThrottlingDetector(), clock=clock)
+    client.meta.events.register("before-send", limiter.on_sending_request)
+    client.meta.events.register("needs-retry", limiter.on_receiving_response)
+
+
 class S3BlockStore(FsspecBlockStore):
     """s3:// (and s3a://) through s3fs."""
 
@@ -79,7 +113,17 @@ class S3BlockStore(FsspecBlockStore):
 
     def __init__(self, url: str, storage_options: dict | None = None):
         super().__init__(url, storage_options)
+        self._own_fs()
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._own_fs()  # a new filesystem, a new client: the same settings
+
+    def _own_fs(self) -> None:
         self.fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): see the module docstring
+        if self._rate_limited:
+            self.fs.connect()  # the client (no request is sent), to give it the rate limiter
+            _add_rate_limiter(self.fs.s3)
 
     # docstring inherited
     def _options(self, opts: dict) -> dict:
@@ -88,10 +132,13 @@ class S3BlockStore(FsspecBlockStore):
         cfg = dict(opts.get("config_kwargs") or {})
         cfg.setdefault("connect_timeout", 10)
         cfg.setdefault("read_timeout", 60)
-        # adaptive: botocore's client-wide rate limiter on throttling (see the module
-        # docstring); one attempt: RetryingStore is the one retry loop. (total_max_attempts:
-        # botocore's max_attempts counts retries, so max_attempts=1 was two attempts.)
-        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "adaptive"})
+        # One attempt: RetryingStore is the one retry loop. (total_max_attempts: botocore's
+        # max_attempts counts retries, so max_attempts=1 was two attempts.) "standard", not
+        # "adaptive": the client gets botocore's adaptive rate limiter from _own_fs(), with a
+        # throttling detector that knows a HEAD's (see _add_rate_limiter). A caller's own
+        # "retries" setting is taken as it is, without it.
+        self._rate_limited = "retries" not in cfg
+        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         # One attempt's bound: connecting, then at most read_timeout between bytes of a
         # response (a DeleteObjects answer is small).
         self.request_timeout = float(cfg["connect_timeout"]) + float(cfg["read_timeout"])
