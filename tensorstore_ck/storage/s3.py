@@ -19,12 +19,19 @@ switched off (the three multiplied: a hung server held one request for
 minutes), and explicit connect/read timeouts turn a hung connection into a
 retryable error. RetryingStore retries by time (retry.py: a budget, 60 s by
 default), which is what rides out an outage; botocore's loop retries by count.
-botocore's "adaptive" retry mode is used for what only it does: a client-side
-rate limiter shared by every request of the client, which slows the whole
-client's send rate (CUBIC) once S3 answers SlowDown/Throttling and raises it
-again as answers come back; the hand-written loop can only delay the one request
-that was throttled while the other workers keep sending. Its total_max_attempts is
-1, so the two loops never multiply. Transport errors that are not OSErrors (botocore's
+botocore's "adaptive" retry mode's rate limiter is used for what only it does: a
+client-side limiter shared by every request of the client, which slows the whole
+client's send rate (CUBIC) once S3 throttles and raises it again as answers come
+back; the hand-written loop can only delay the one request that was throttled
+while the other workers keep sending. botocore tells throttling by the parsed error
+code alone (SlowDown, Throttling, ...), and a throttled HEAD has no body: its code
+is "503", so under botocore's own adaptive mode the HEADs a new process's put
+starts with were never slowed (tests/test_s3_throttle.py saw over a hundred in four
+seconds from 16 threads). The client is therefore built in "standard" mode and
+given the same limiter (aiobotocore's) with a detector that also counts any 429 or
+503 (_add_rate_limiter). botocore's total_max_attempts is 1, so the loops never
+multiply. A 429 Too Many Requests (S3-compatible servers and gateways send it
+instead of SlowDown) is transient like a 503. Transport errors that are not OSErrors (botocore's
 EndpointConnectionError, ReadTimeoutError, aiohttp's) become ConnectionError /
 TimeoutError here, so callers only ever see OSError (StorageError above), and an
 OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
@@ -33,6 +40,8 @@ OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Iterator, Sequence
 
 from .base import Deadline, ObjectInfo, check_deadline, paged_list
@@ -41,6 +50,8 @@ from .fsspec import FsspecBlockStore, _translated
 __all__ = ["S3BlockStore"]
 
 _TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
+
+log = logging.getLogger(__name__)
 
 
 # What says "too many requests, slow down" rather than a fault: S3's SlowDown (503), and
@@ -112,18 +123,36 @@ class S3BlockStore(FsspecBlockStore):
     PAGE_KEYS = 1000  # S3's largest page
 
     def __init__(self, url: str, storage_options: dict | None = None):
+        self._limiter_lock = threading.Lock()
         super().__init__(url, storage_options)
-        self._own_fs()
 
     def _after_fork(self) -> None:
+        self._limiter_lock = threading.Lock()  # a thread of the parent may have held it
         super()._after_fork()
-        self._own_fs()  # a new filesystem, a new client: the same settings
 
-    def _own_fs(self) -> None:
-        self.fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): see the module docstring
-        if self._rate_limited:
-            self.fs.connect()  # the client (no request is sent), to give it the rate limiter
-            _add_rate_limiter(self.fs.s3)
+    # The filesystem (FsspecBlockStore sets it, again after a fork): one attempt per call,
+    # and its client gets the rate limiter at the first use, not when it is set: in a
+    # forked child that may be before fsspec's own at-fork reset (its event loop is the
+    # parent's until then), and a child that never uses the store must not pay for it.
+    @property
+    def fs(self):
+        if self._limiter_due:
+            with self._limiter_lock:
+                if self._limiter_due:
+                    self._limiter_due = False
+                    try:
+                        self._fs.connect()  # the client (no request is sent), to give it the limiter
+                        _add_rate_limiter(self._fs.s3)
+                    except Exception as e:  # noqa: BLE001 - the request itself meets it again, translated
+                        log.warning("S3 storage %s: no client yet (%s: %s); it runs without a rate limiter "
+                                    "on throttling", self.url, type(e).__name__, e)
+        return self._fs
+
+    @fs.setter
+    def fs(self, fs) -> None:
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): see the module docstring
+        self._fs = fs
+        self._limiter_due = self._rate_limited
 
     # docstring inherited
     def _options(self, opts: dict) -> dict:
@@ -134,7 +163,7 @@ class S3BlockStore(FsspecBlockStore):
         cfg.setdefault("read_timeout", 60)
         # One attempt: RetryingStore is the one retry loop. (total_max_attempts: botocore's
         # max_attempts counts retries, so max_attempts=1 was two attempts.) "standard", not
-        # "adaptive": the client gets botocore's adaptive rate limiter from _own_fs(), with a
+        # "adaptive": the client gets botocore's adaptive rate limiter at its first use (fs), with a
         # throttling detector that knows a HEAD's (see _add_rate_limiter). A caller's own
         # "retries" setting is taken as it is, without it.
         self._rate_limited = "retries" not in cfg

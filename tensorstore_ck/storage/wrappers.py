@@ -364,11 +364,13 @@ class RetryingStore(WrappedStore):
         cause = f"{type(e).__name__}{f' ({said})' if said else ''}: {getattr(e, 'strerror', None) or e}"
         if getattr(e, "throttled", False):
             cause = f"the server is throttling requests: {cause}"
-        limit = (f"its {self.attempts} attempts" if self.attempts is not None and attempts >= self.attempts
-                 else f"the {self.backoff.budget:g}s retry budget")
-        text = (f"storage {self.url}: {what} failed {attempts} time(s) in {elapsed:.1f}s, {limit} spent: {cause}; "
-                f"try again later, or open the store with a longer retry_budget (open_store(retry_budget=), "
-                f"${RETRY_BUDGET_ENV})")
+        if self.attempts is not None and attempts >= self.attempts:
+            limit, more = f"its {self.attempts} attempts", ""
+        else:
+            limit = f"the {self.backoff.budget:g}s retry budget"
+            more = f", or open the store with a longer retry_budget (open_store(retry_budget=), ${RETRY_BUDGET_ENV})"
+        text = f"storage {self.url}: {what} failed {attempts} time(s) in {elapsed:.1f}s, {limit} spent: {cause}; " \
+               f"try again later{more}"
         errno_ = getattr(e, "errno", None)
         return StorageError(errno_, text) if errno_ is not None else StorageError(text)
 
