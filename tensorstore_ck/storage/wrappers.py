@@ -372,7 +372,9 @@ class RetryingStore(WrappedStore):
         text = f"storage {self.url}: {what} failed {attempts} time(s) in {elapsed:.1f}s, {limit} spent: {cause}; " \
                f"try again later{more}"
         errno_ = getattr(e, "errno", None)
-        return StorageError(errno_, text) if errno_ is not None else StorageError(text)
+        err = StorageError(errno_, text) if errno_ is not None else StorageError(text)
+        err.transient = False  # retried already: a RetryingStore above this one does not start over
+        return err
 
     def get(self, key, max_bytes=None):
         return self._call(self.inner.get, key, max_bytes)
