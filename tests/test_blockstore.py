@@ -408,9 +408,11 @@ def test_s3_listing_that_keeps_failing_stops_with_the_error(s3bs):
     rs = RetryingStore(_ListResets(s3bs, when=lambda op, key: op == "list" and key == keys[3]),
                        attempts=3, base_delay=0.001)
     got = []
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(tsck.StorageError) as ei:  # the reset, named as a retry loop given up
         for o in rs.list("blocks/"):
             got.append(o.key)
+    assert isinstance(ei.value.__cause__, ConnectionResetError) and ei.value.errno == errno.ECONNRESET
+    assert "3 attempts spent" in str(ei.value)
     assert got == keys[:4] and rs.retries == 2
 
 

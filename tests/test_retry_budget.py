@@ -132,12 +132,12 @@ def test_retry_budget_is_checked(tmp_path):
             tsck.open_store(tmp_path / "s", retry_budget=bad)
 
 
-def test_s3_client_uses_botocores_adaptive_rate_limiter_and_one_attempt(tmp_path, s3_server, s3_url):
-    """botocore's adaptive mode for its client-wide rate limiter on throttling; its own
-    retry loop stays at one attempt (RetryingStore is the one loop, by time)."""
+def test_s3_client_makes_one_attempt_per_call(tmp_path, s3_server, s3_url):
+    """botocore's and s3fs's own retry loops stay at one attempt (RetryingStore is the one
+    loop, by time). The client's rate limiter on throttling: tests/test_s3_throttle.py."""
     with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as store:
         store.put_snapshot(_state(1), ref="j/main", job="j", step=1)
         fs = store.core.storage.inner.fs
         client = fs.s3  # the live aiobotocore client s3fs made with these options
-        assert client.meta.config.retries["mode"] == "adaptive"
         assert client.meta.config.retries.get("total_max_attempts", client.meta.config.retries.get("max_attempts")) == 1
+        assert fs.retries == 1

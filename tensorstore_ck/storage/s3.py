@@ -19,12 +19,19 @@ switched off (the three multiplied: a hung server held one request for
 minutes), and explicit connect/read timeouts turn a hung connection into a
 retryable error. RetryingStore retries by time (retry.py: a budget, 60 s by
 default), which is what rides out an outage; botocore's loop retries by count.
-botocore's "adaptive" retry mode is used for what only it does: a client-side
-rate limiter shared by every request of the client, which slows the whole
-client's send rate (CUBIC) once S3 answers SlowDown/Throttling and raises it
-again as answers come back; the hand-written loop can only delay the one request
-that was throttled while the other workers keep sending. Its total_max_attempts is
-1, so the two loops never multiply. Transport errors that are not OSErrors (botocore's
+botocore's "adaptive" retry mode's rate limiter is used for what only it does: a
+client-side limiter shared by every request of the client, which slows the whole
+client's send rate (CUBIC) once S3 throttles and raises it again as answers come
+back; the hand-written loop can only delay the one request that was throttled
+while the other workers keep sending. botocore tells throttling by the parsed error
+code alone (SlowDown, Throttling, ...), and a throttled HEAD has no body: its code
+is "503", so under botocore's own adaptive mode the HEADs a new process's put
+starts with were never slowed (tests/test_s3_throttle.py saw over a hundred in four
+seconds from 16 threads). The client is therefore built in "standard" mode and
+given the same limiter (aiobotocore's) with a detector that also counts any 429 or
+503 (_add_rate_limiter). botocore's total_max_attempts is 1, so the loops never
+multiply. A 429 Too Many Requests (S3-compatible servers and gateways send it
+instead of SlowDown) is transient like a 503. Transport errors that are not OSErrors (botocore's
 EndpointConnectionError, ReadTimeoutError, aiohttp's) become ConnectionError /
 TimeoutError here, so callers only ever see OSError (StorageError above), and an
 OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
@@ -33,6 +40,8 @@ OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Iterator, Sequence
 
 from .base import Deadline, ObjectInfo, check_deadline, paged_list
@@ -42,9 +51,17 @@ __all__ = ["S3BlockStore"]
 
 _TRANSPORT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
 
+log = logging.getLogger(__name__)
 
+
+# What says "too many requests, slow down" rather than a fault: S3's SlowDown (503), and
+# 429 Too Many Requests, which S3-compatible servers and gateways send instead (a throttled
+# HEAD has no body, so its status is all there is to go by).
+_SLOW_DOWN = ("SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "TooManyRequestsException",
+              "RequestLimitExceeded")
+_THROTTLED_STATUS = (429, 503)
 # Error codes worth a retry although their status is 4xx.
-_THROTTLING = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed")
+_THROTTLING = _SLOW_DOWN + ("RequestTimeout", "RequestTimeTooSkewed")
 
 
 def _response(e: BaseException) -> dict | None:
@@ -65,6 +82,40 @@ def _is_precondition_failed(e: BaseException) -> bool:
     return False
 
 
+class _ThrottlingDetector:
+    """botocore's throttling detector (error codes: SlowDown, Throttling, ...), and any
+    429 or 503 whatever its code. botocore goes by the parsed error code alone, and a
+    throttled HEAD has no body to parse: its code is "503", which botocore's adaptive
+    mode does not count, so a put that starts by HEADing its blocks (every new process)
+    was never slowed down however much S3 throttled it."""
+
+    def __init__(self):
+        from botocore.retries import standard
+        self._codes = standard.ThrottlingErrorDetector(retry_event_adapter=standard.RetryEventAdapter())
+
+    def is_throttling_error(self, **kwargs) -> bool:
+        resp = kwargs.get("response")
+        status = getattr(resp[0], "status_code", None) if isinstance(resp, tuple) and resp else None
+        return status in _THROTTLED_STATUS or self._codes.is_throttling_error(**kwargs)
+
+
+def _add_rate_limiter(client) -> None:
+    """botocore's adaptive retry mode's client-side rate limiter (aiobotocore's async
+    one; what retries={"mode": "adaptive"} registers) on `client`, with _ThrottlingDetector:
+    once S3 throttles, every request of the client waits for a token; the send rate
+    drops (CUBIC) with each throttled answer and climbs back as answers come."""
+    from aiobotocore.retries import adaptive, bucket
+    from botocore.retries import throttling
+    from botocore.retries.adaptive import RateClocker
+    clock = bucket.Clock()
+    limiter = adaptive.AsyncClientRateLimiter(
+        rate_adjustor=throttling.CubicCalculator(starting_max_rate=0, start_time=clock.current_time()),
+        rate_clocker=RateClocker(clock), token_bucket=bucket.AsyncTokenBucket(max_rate=1, clock=clock),
+        throttling_detector=_ThrottlingDetector(), clock=clock)
+    client.meta.events.register("before-send", limiter.on_sending_request)
+    client.meta.events.register("needs-retry", limiter.on_receiving_response)
+
+
 class S3BlockStore(FsspecBlockStore):
     """s3:// (and s3a://) through s3fs."""
 
@@ -72,8 +123,36 @@ class S3BlockStore(FsspecBlockStore):
     PAGE_KEYS = 1000  # S3's largest page
 
     def __init__(self, url: str, storage_options: dict | None = None):
+        self._limiter_lock = threading.Lock()
         super().__init__(url, storage_options)
-        self.fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): see the module docstring
+
+    def _after_fork(self) -> None:
+        self._limiter_lock = threading.Lock()  # a thread of the parent may have held it
+        super()._after_fork()
+
+    # The filesystem (FsspecBlockStore sets it, again after a fork): one attempt per call,
+    # and its client gets the rate limiter at the first use, not when it is set: in a
+    # forked child that may be before fsspec's own at-fork reset (its event loop is the
+    # parent's until then), and a child that never uses the store must not pay for it.
+    @property
+    def fs(self):
+        if self._limiter_due:
+            with self._limiter_lock:
+                if self._limiter_due:
+                    self._limiter_due = False
+                    try:
+                        self._fs.connect()  # the client (no request is sent), to give it the limiter
+                        _add_rate_limiter(self._fs.s3)
+                    except Exception as e:  # noqa: BLE001 - the request itself meets it again, translated
+                        log.warning("S3 storage %s: no client yet (%s: %s); it runs without a rate limiter "
+                                    "on throttling", self.url, type(e).__name__, e)
+        return self._fs
+
+    @fs.setter
+    def fs(self, fs) -> None:
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, 5): see the module docstring
+        self._fs = fs
+        self._limiter_due = self._rate_limited
 
     # docstring inherited
     def _options(self, opts: dict) -> dict:
@@ -82,10 +161,13 @@ class S3BlockStore(FsspecBlockStore):
         cfg = dict(opts.get("config_kwargs") or {})
         cfg.setdefault("connect_timeout", 10)
         cfg.setdefault("read_timeout", 60)
-        # adaptive: botocore's client-wide rate limiter on throttling (see the module
-        # docstring); one attempt: RetryingStore is the one retry loop. (total_max_attempts:
-        # botocore's max_attempts counts retries, so max_attempts=1 was two attempts.)
-        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "adaptive"})
+        # One attempt: RetryingStore is the one retry loop. (total_max_attempts: botocore's
+        # max_attempts counts retries, so max_attempts=1 was two attempts.) "standard", not
+        # "adaptive": the client gets botocore's adaptive rate limiter at its first use (fs), with a
+        # throttling detector that knows a HEAD's (see _add_rate_limiter). A caller's own
+        # "retries" setting is taken as it is, without it.
+        self._rate_limited = "retries" not in cfg
+        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         # One attempt's bound: connecting, then at most read_timeout between bytes of a
         # response (a DeleteObjects answer is small).
         self.request_timeout = float(cfg["connect_timeout"]) + float(cfg["read_timeout"])
@@ -107,7 +189,10 @@ class S3BlockStore(FsspecBlockStore):
         if resp is not None:
             status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             code = resp.get("Error", {}).get("Code", "")
-            e.transient = status >= 500 or code in _THROTTLING
+            e.transient = status >= 500 or status == 429 or code in _THROTTLING
+            # RetryingStore names throttling when the budget runs out under it
+            e.throttled = status in _THROTTLED_STATUS or code in _SLOW_DOWN
+            e.response_status = f"HTTP {status} {code}" if code and code != str(status) else f"HTTP {status}"
 
     def _read(self, path: str) -> bytes:
         return self.fs.cat_file(path, max_concurrency=1)  # one GET, no sizing HEAD

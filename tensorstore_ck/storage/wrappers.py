@@ -11,8 +11,8 @@ import time
 import uuid
 from typing import Callable, Sequence
 
-from ..errors import ReadOnlyStore
-from ..retry import DEFAULT_BACKOFF, Backoff
+from ..errors import ReadOnlyStore, StorageError
+from ..retry import DEFAULT_BACKOFF, RETRY_BUDGET_ENV, Backoff
 from .base import BlockStore, check_deadline, paged_list
 
 __all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore",
@@ -330,7 +330,8 @@ class RetryingStore(WrappedStore):
             try:
                 return fn(*args)
             except Exception as e:  # noqa: BLE001 - filtered by _transient
-                if _transient(e):
+                transient = _transient(e)
+                if transient:
                     if delays is None:
                         delays = self.backoff.delays(self._rng)
                     delay = next(delays, None)
@@ -341,13 +342,39 @@ class RetryingStore(WrappedStore):
                         log.warning("storage %s: %s failed after %d attempts in %.1fs (retry budget %gs): %s: %s",
                                     self.url, getattr(fn, "__name__", "request"), attempt, time.monotonic() - t0,
                                     self.backoff.budget, type(e).__name__, e)
-                    raise
+                    if not transient:
+                        raise  # no retry cures it: as it came
+                    raise self._spent(fn, args, e, attempt, time.monotonic() - t0) from e
                 self.retries += 1
                 # Silent retries are how operators lose days: each one is logged.
                 log.warning("storage %s: %s failed (%s: %s); retry %d in %.2fs (%.1fs of the %gs retry budget "
                             "spent)", self.url, getattr(fn, "__name__", "request"), type(e).__name__, e, attempt,
                             delay, time.monotonic() - t0, self.backoff.budget)
                 time.sleep(delay)
+
+    def _spent(self, fn, args, e: BaseException, attempts: int, elapsed: float) -> StorageError:
+        """A transient failure that outlasted the retry budget, as StorageError naming the
+        request, what the server said (throttling, where it was), the budget and how to
+        give it more: an operator's next step, where the bare error ("Please reduce your
+        request rate.") left them guessing. errno kept."""
+        what = getattr(fn, "__name__", "request")
+        if args and isinstance(args[0], str):
+            what += f" {args[0]}"
+        said = getattr(e, "response_status", None)
+        cause = f"{type(e).__name__}{f' ({said})' if said else ''}: {getattr(e, 'strerror', None) or e}"
+        if getattr(e, "throttled", False):
+            cause = f"the server is throttling requests: {cause}"
+        if self.attempts is not None and attempts >= self.attempts:
+            limit, more = f"its {self.attempts} attempts", ""
+        else:
+            limit = f"the {self.backoff.budget:g}s retry budget"
+            more = f", or open the store with a longer retry_budget (open_store(retry_budget=), ${RETRY_BUDGET_ENV})"
+        text = f"storage {self.url}: {what} failed {attempts} time(s) in {elapsed:.1f}s, {limit} spent: {cause}; " \
+               f"try again later{more}"
+        errno_ = getattr(e, "errno", None)
+        err = StorageError(errno_, text) if errno_ is not None else StorageError(text)
+        err.transient = False  # retried already: a RetryingStore above this one does not start over
+        return err
 
     def get(self, key, max_bytes=None):
         return self._call(self.inner.get, key, max_bytes)
