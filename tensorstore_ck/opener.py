@@ -24,7 +24,7 @@ import uuid
 from . import chunker
 from .assets import MAX_MARKER_BYTES, STORE_MARKER, create_marker, holds_snapshots, read_marker
 from .core import DEFAULT_LEASE, DEFAULT_WORKERS, Core, Settings
-from .errors import FormatError, InvalidArgument, NotAStore, TsckError, storage_error
+from .errors import FormatError, InvalidArgument, NotAStore, StorageError, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
 from .store import Store
@@ -232,6 +232,13 @@ def _open_errors(fn):
     def wrapper(url, *args, **kwargs):
         try:
             return fn(url, *args, **kwargs)
+        except StorageError as e:
+            if type(e) is not StorageError or str(e).startswith("cannot open"):
+                raise
+            # (a request that spent its retry budget, as RetryingStore words it): named as
+            # a failure to open, like any other
+            text = f"cannot open the store at {url}: {e.strerror or e}"
+            raise (StorageError(e.errno, text) if e.errno is not None else StorageError(text)) from e
         except TsckError:
             raise
         except OSError as e:
