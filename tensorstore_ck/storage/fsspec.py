@@ -70,6 +70,12 @@ class FsspecBlockStore(BlockStore):
         """In a forked child (Store._after_fork): an async filesystem (s3fs) runs on the
         parent's event-loop thread, which the child lacks; build a new one."""
         if self._fs_args is not None:
+            # fsspec's own at-fork reset of its loop may run after this hook (handlers run
+            # in the order they were registered, and tensorstore_ck's may come first): a
+            # filesystem built before it would run on the parent's loop, whose thread the
+            # child lacks, and its first request would wait forever. Reset it here first.
+            import fsspec.asyn
+            fsspec.asyn.reset_lock()
             url, opts = self._fs_args
             self.fs = fsspec.core.url_to_fs(url, **self._options(dict(opts)))[0]
 
