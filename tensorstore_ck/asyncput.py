@@ -123,7 +123,8 @@ class AsyncPuts:
         try:
             args, plan, buf = stage()
         except BaseException as e:
-            def refuse():  # (an interrupt, too, must reach the others as an abort)
+            def refuse(e=e):  # (an interrupt, too, must reach the others as an abort; e bound now: the
+                # name is unbound once the except clause ends, and refuse runs later)
                 raise e if isinstance(e, Exception) else SnapshotAborted(f"snapshot aborted: {type(e).__name__}")
             self.after_in_flight(lambda: run_put(ch, dataclasses.replace(job, prepare=refuse, plan=refuse)))
             raise

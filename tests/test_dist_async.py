@@ -71,6 +71,9 @@ def test_a_rank_whose_state_cannot_be_staged_raises_and_the_others_futures_abort
     assert res[1]["put2"] == "UnsupportedType" and res[1].get("put2_raised"), res[1]
     assert [res[r]["put2"] for r in (0, 2)] == ["SnapshotAborted"] * 2, [r.get("put2_message") for r in res]
     assert all("rank 1" in res[r]["put2_message"] for r in (0, 2)), [r.get("put2_message") for r in res]
+    # ... and why: rank 1's own error, not one raised while passing it on
+    assert all("UnsupportedType" in res[r]["put2_message"] and "NameError" not in res[r]["put2_message"]
+               for r in (0, 2)), [r.get("put2_message") for r in res]
     assert [r["put3"] for r in res] == ["returned"] * 3
     with _store(out) as s:
         assert [i.step for i in s.log(dw.REF)] == [3, 1]
