@@ -26,6 +26,7 @@ from .assets import MAX_MARKER_BYTES, STORE_MARKER, create_marker, holds_snapsho
 from .core import DEFAULT_LEASE, DEFAULT_WORKERS, Core, Settings
 from .errors import FormatError, InvalidArgument, NotAStore, StorageError, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
+from .refs.postgres import LOCATIONS_NS
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
 from .store import Store
 
@@ -123,19 +124,22 @@ def _open_refs(refs, proto: str, root: str, create: bool, store_id: str = "defau
 
 def _read_config(storage: BlockStore) -> dict | None:
     data = read_marker(storage)
-    if data is None:
-        return None
+    return None if data is None else _parse_config(data, storage.url)
+
+
+def _parse_config(data: bytes, where: str) -> dict:
+    """A store marker's bytes (untrusted) -> its fields, checked."""
     try:
         if len(data) > MAX_MARKER_BYTES:
             raise ValueError("too large")
         cfg = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise NotAStore(f"{storage.url}/{STORE_MARKER} is not a tensorstore_ck store marker") from None
+        raise NotAStore(f"{where}/{STORE_MARKER} is not a tensorstore_ck store marker") from None
     if not isinstance(cfg, dict) or cfg.get("format") != "tensorstore_ck":
-        raise NotAStore(f"{storage.url} is not a tensorstore_ck store")
+        raise NotAStore(f"{where} is not a tensorstore_ck store")
     for k in ("block_size", "inline_threshold"):
         if k in cfg and (not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or not 0 <= cfg[k] < 2**40):
-            raise FormatError(f"{storage.url}/{STORE_MARKER}: {k} is not a valid size")
+            raise FormatError(f"{where}/{STORE_MARKER}: {k} is not a valid size")
     v = cfg.get("version")
     if not isinstance(v, int) or not MIN_STORE_VERSION <= v <= MAX_STORE_VERSION:
         raise FormatError(f"store format version {v!r} is not readable by this build "
@@ -454,8 +458,12 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if local is None:
             return Store(core, config=cfg, max_inflight=max_inflight, when_busy=when_busy)
         try:
-            return _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy,
-                           local_budget, replicas, early_upload, location=_location(proto, rest, storage_options))
+            location = _location(proto, rest, storage_options)
+            store = _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy,
+                            local_budget, replicas, early_upload, location=location)
+            if location is not None:
+                _record_location(reftable, location, cfg)
+            return store
         except BaseException:
             core.pool.shutdown(wait=False)
             raise
@@ -526,10 +534,11 @@ class LazyStorage(BlockStore):
 
     local = False  # an object store: every call is a request
 
-    def __init__(self, url: str, make, tier_root: str, tier_cfg: dict):
-        """make() -> the storage (its retries included)."""
+    def __init__(self, url: str, make, tier_root: str, tier_cfg: dict, on_checked=None):
+        """make() -> the storage (its retries included); on_checked() once its marker is
+        found to be the tier's store's."""
         self.url = url
-        self._make, self._root, self._cfg = make, tier_root, tier_cfg
+        self._make, self._root, self._cfg, self._on_checked = make, tier_root, tier_cfg, on_checked
         self._storage: BlockStore | None = None
         self._lock = threading.Lock()
 
@@ -556,6 +565,8 @@ class LazyStorage(BlockStore):
                                         f"{self.url} holds no store: give each store its own local directory")
                     _check_tier(self._root, self._cfg, cfg, str(cfg.get("id") or self.url), self.url)
                     self._storage = inner
+                    if self._on_checked is not None:
+                        self._on_checked()
                 except OSError as e:
                     inner.close()
                     raise storage_error(e, f"cannot open the store at {self.url}") from e
@@ -641,63 +652,155 @@ class LazyStorage(BlockStore):
             self._storage.close()
 
 
+def _recorded(reftable: RefTable, location: str) -> dict | None:
+    """The marker of the store a tiered open found at `location`, as the ref table records
+    it (RefTable.location_get), checked as a marker is; None where it records none or one
+    that does not read."""
+    data = reftable.location_get(location)
+    if data is None:
+        return None
+    try:
+        cfg = _parse_config(data, f"the ref table's record of {location}")
+    except TsckError:
+        return None
+    return cfg if isinstance(cfg.get("id"), str) else None
+
+
+def _record_location(reftable: RefTable, location: str, cfg: dict) -> None:
+    """An eager tiered open read the store's marker at `location`: the ref table keeps it,
+    for a new tier to be made from (best effort: without it that tier opens eagerly)."""
+    data = json.dumps(cfg, indent=1).encode() + b"\n"
+    try:
+        if reftable.location_get(location) != data:
+            reftable.location_put(location, data)
+    except Exception as e:  # noqa: BLE001 - a missing record costs the next new tier an eager open
+        log.info("the ref table could not record the store found at %s (%s)", location, e)
+
+
+def _new_tier(root: str, cfg: dict) -> LmdbRefTable | None:
+    """Make a local tier at `root` (absent or an empty directory) from the store marker
+    `cfg` -> its table, bound to the store; None where it could not be made as asked (the
+    eager open then says why)."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        lstorage = LocalBlockStore(root)
+        create_marker(lstorage, json.dumps(cfg, indent=1).encode() + b"\n")
+        lcfg = _read_config(lstorage)
+    except (OSError, TsckError):
+        return None
+    if lcfg is None or lcfg.get("id") != cfg["id"] or _layout_of(lcfg) != _layout_of(cfg):
+        return None  # another process made it meanwhile, otherwise
+    refs_dir = os.path.join(root, "refs.lmdb")
+    fresh = not os.path.isdir(refs_dir)
+    lrefs = LmdbRefTable(refs_dir, create=True)
+    try:
+        lrefs.bind_store(cfg["id"], new=fresh)
+    except BaseException:
+        lrefs.close()
+        raise
+    return lrefs
+
+
+def _listing(path: str) -> list[str] | None:
+    """What a directory holds; None where it cannot be listed (the eager open says why)."""
+    try:
+        return os.listdir(path)
+    except OSError:
+        return None
+
+
+def _layout_of(cfg: dict) -> tuple:
+    return cfg.get("block_size"), cfg.get("inline_threshold")
+
+
 def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backoff, make_storage, wrap,
                  options: dict, store_args: tuple) -> Store | None:
     """open_store(remote, local=PATH) without opening the remote storage: a Store whose
     remote Core has a LazyStorage, or None where the eager open must run. Taken when
-    the tier exists (its marker and its table) and records that an earlier open found
-    its store at this location (RefTable.verified_get), and the remote ref table is bound to the
-    tier's store id (a table bound to another store refuses the tier here, before any
-    request): the checks an eager open makes without the remote marker. The
-    marker itself is checked at the remote storage's first use (LazyStorage), before
-    anything else is read from it or sent to it. Any other case (a new tier, a table not
-    bound yet, a lost table to report) is the eager open's, with its messages."""
+    the remote ref table is bound to the tier's store, and an open found that store at
+    this location before: this tier (RefTable.verified_get), or any tiered open, as the
+    remote ref table records (RefTable.location_get). A tier that is absent or empty (the
+    node's disk lost, a new node) is made from the ref table's record. These are the
+    checks an eager open makes without the remote marker; the marker itself is checked at
+    the remote storage's first use (LazyStorage), before anything else is read from it or
+    sent to it. Any other case (a tier never seen with this store, a table not bound yet,
+    a lost table to report) is the eager open's, with its messages."""
     location = _location(proto, rest, storage_options)
     root = os.path.abspath(local)
     refs_dir = os.path.join(root, "refs.lmdb")
-    if location is None or not (os.path.isfile(os.path.join(root, STORE_MARKER)) and os.path.isdir(refs_dir)):
+    if location is None:
         return None
-    lcfg = _read_config(LocalBlockStore(root))
-    if lcfg is None or not isinstance(lcfg.get("id"), str):
+    if os.path.isfile(os.path.join(root, STORE_MARKER)) and os.path.isdir(refs_dir):
+        lcfg = _read_config(LocalBlockStore(root))
+        if lcfg is None or not isinstance(lcfg.get("id"), str):
+            return None
+        new = False
+    elif not os.path.exists(root) or (os.path.isdir(root) and _listing(root) == []):
+        lcfg, new = None, True
+    else:
         return None
-    store_id = lcfg["id"]
-    lrefs = LmdbRefTable(refs_dir, create=False)
-    reftable = None
+    ours = not isinstance(refs, RefTable)
+    lrefs = reftable = core = None
     try:
-        if lrefs.bound_store() != store_id:
-            lrefs.close()
-            return None
         try:
-            reftable = _open_refs(refs, proto, rest, create=False, store_id=store_id, backoff=backoff)
+            # (a table serving several stores is opened for one: the new tier's id comes first)
+            reftable = _open_refs(refs, proto, rest, create=False, store_id=lcfg["id"] if lcfg else LOCATIONS_NS,
+                                  backoff=backoff)
         except NotAStore:  # no ref table there: the eager open says what to do
-            lrefs.close()
             return None
+        recorded = _recorded(reftable, location)
+        if new:
+            if recorded is None:
+                return None
+            lcfg = recorded
+            if ours and getattr(reftable, "namespace", None) == LOCATIONS_NS:
+                reftable.close()
+                reftable = None
+                reftable = _open_refs(refs, proto, rest, create=False, store_id=lcfg["id"], backoff=backoff)
+        store_id = lcfg["id"]
         bound = reftable.bound_store()
         if bound is not None and bound != store_id:  # the remote's table serves another store
+            if new:
+                return None
             raise NotAStore(f"local tier {root} belongs to store {store_id!r}, not to {bound!r} "
                             f"({proto}://{rest}): give each store its own local directory")
-        if bound is None or _verified(lrefs, location) != store_id:
-            # A table not bound yet (the eager open decides what it is), or a location this
-            # tier never found its store at: the eager open reads the marker there.
-            if not isinstance(refs, RefTable):
-                reftable.close()
-            lrefs.close()
-            return None
-        storage = wrap(LazyStorage(f"{proto}://{rest}", make_storage, root, lcfg))
+        if bound is None:
+            return None  # a table not bound yet: the eager open decides what it is
+        if new:
+            lrefs = _new_tier(root, lcfg)
+            if lrefs is None:
+                return None
+        else:
+            lrefs = LmdbRefTable(refs_dir, create=False)
+            if lrefs.bound_store() != store_id:
+                return None
+            seen = _verified(lrefs, location) == store_id or (
+                recorded is not None and recorded["id"] == store_id and _layout_of(recorded) == _layout_of(lcfg))
+            if not seen:  # a location where no open found this store: the eager open reads its marker
+                return None
+
+        def verified(lrefs=lrefs, location=location, store_id=store_id) -> None:
+            try:
+                if _verified(lrefs, location) != store_id:
+                    lrefs.verified_put(location, store_id)
+            except Exception as e:  # noqa: BLE001 - unrecorded, the next open of the tier reads the marker
+                log.debug("the tier could not record its store's location (%s)", e)
+        storage = wrap(LazyStorage(f"{proto}://{rest}", make_storage, root, lcfg, on_checked=verified))
         settings, codecs = _settings(storage, lcfg, **options)
         core = Core.build(storage, reftable, codecs=codecs, settings=settings)
-    except BaseException:
-        lrefs.close()
-        if reftable is not None and not isinstance(refs, RefTable):
-            reftable.close()
-        raise
+    finally:
+        if core is None:  # not taken (None returned) or failed: what was opened here is closed
+            if lrefs is not None:
+                lrefs.close()
+            if reftable is not None and ours:
+                reftable.close()
     max_inflight, when_busy, budget, replicas, early_upload = store_args
     try:
         return _tiered(root, core, lcfg, store_id, codecs, settings, max_inflight, when_busy, budget, replicas,
                        early_upload, lrefs=lrefs)
     except BaseException:
         core.pool.shutdown(wait=False)
-        if not isinstance(refs, RefTable):
+        if ours:
             reftable.close()
         raise
 

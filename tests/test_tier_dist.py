@@ -173,7 +173,9 @@ def test_every_ranks_tier_follows_rank_0s_retention(tmp_path, s3_url, s3_server)
 def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost, damaged):
     """replicas=1 on 3 ranks: each rank's part is copied to the next rank's tier. The job
     restarts after rank 1's node lost its tier: rank 1's checkout gets every object it
-    lacks from rank 2, by address, and reads nothing from the remote store. When rank 2's
+    lacks from rank 2, by address, and reads nothing from the remote store; no rank
+    even opens the remote storage (rank 1's new tier is made from the remote ref table's
+    record of the store, not from the remote's marker). When rank 2's
     tier is lost too (no replica of rank 1's part is left), rank 1 reads the remote store,
     and rank 2 still gets its part from rank 0. When rank 2's tier holds damaged blocks
     (its replica of rank 1's part among them), rank 1 uses none of them: it reads those
@@ -202,6 +204,8 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
             assert res[r]["remote_reads"] == [] and res[r]["fetched"] == 0, (r, res[r])
         elif peer_has_it:  # from its peer, by address: nothing from the remote
             assert res[r]["remote_reads"] == [] and res[r]["fetched"] > 0, (r, res[r])
+        if r not in lost or peer_has_it:
+            assert res[r]["remote_opened"] is False, (r, res[r])
         else:  # no replica left: the remote store
             assert res[r]["remote_reads"], (r, res[r])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -170,6 +171,56 @@ def test_a_restore_from_the_local_tier_in_a_fresh_process_makes_no_request_to_th
     with _open(s3_url, opts, refs) as remote:  # no tier: the upload is there, whole
         assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), _state(2))
         assert remote.fsck().ok
+
+
+@pytest.mark.slow  # a real S3 server (and a real PostgreSQL server)
+@pytest.mark.parametrize("table", ["lmdb", "postgresql"])
+def test_a_lost_tier_is_made_again_from_the_ref_tables_record_without_a_request(
+        s3_url, s3_server, proxy, tmp_path, table, request):
+    """The node's disk is lost: the tier's directory is gone, or empty. The open makes
+    the tier again from the remote ref table's record of the store at that location
+    (written by the first, eager open): no request reaches the S3 server at open. The
+    restore then needs the remote, opens it, checks its marker first and restores bit
+    for bit; the tier now records the location verified. A record naming another
+    store, or no record at all, leaves the open eager, as before (a tier of another
+    store is never made from it)."""
+    opts, local = _opts(s3_server, proxy), tmp_path / "nvme"
+    refs = request.getfixturevalue("pg_dsn") if table == "postgresql" else str(tmp_path / "refs.lmdb")
+    url = f"{s3_url}/{table}"
+    with _open(url, opts, refs, local=str(local)) as store:
+        store.put_snapshot(_state(1), "job/main", step=1)
+        assert store.wait_durable(timeout=DEADLINE)
+        store_id = store.config["id"]
+    from tensorstore_ck.opener import _location
+    location = _location("s3", url[len("s3://"):], opts)
+    for lost in ("removed", "emptied"):
+        shutil.rmtree(local)
+        if lost == "emptied":
+            local.mkdir()
+        before = proxy.sent, proxy.conns
+        with _open(url, opts, refs, local=str(local)) as store:
+            assert (proxy.sent, proxy.conns) == before, "the open of a lost tier made requests to the remote"
+            assert not store.remote_core.storage.opened
+            assert json.loads((local / "tsck.json").read_text())["id"] == store_id
+            assert _equal(store.checkout("job/main"), _state(1))
+            assert store.remote_core.storage.opened and proxy.sent > before[0]
+            assert store.core.refs.verified_get(location) == store_id
+    # A record that does not read, or one of another store: the eager open reads the marker.
+    def record(data=None):  # (the LMDB table is opened once per process at a time: a store of its own)
+        with _open(url, opts, refs) as remote:
+            if data is not None:
+                remote.reftable.location_put(location, data)
+            return remote.reftable.location_get(location)
+    cfg = json.loads(record())
+    for data in (b"{}", json.dumps(dict(cfg, id="0" * 32)).encode()):  # unreadable; another store's
+        record(data)
+        shutil.rmtree(local)
+        before = proxy.sent
+        with _open(url, opts, refs, local=str(local)) as store:
+            assert proxy.sent > before  # the marker was read at open
+            assert json.loads((local / "tsck.json").read_text())["id"] == store_id
+            assert _equal(store.checkout("job/main"), _state(1))
+        assert json.loads(record())["id"] == store_id  # the eager open wrote it again
 
 
 @pytest.mark.slow  # a real S3 server

@@ -457,6 +457,15 @@ class RefTable(RefHistory, GcStateMachine, ABC):
     def verified_put(self, location: str, store_id: str) -> None:
         self._write(lambda t: t.put("meta", _VERIFIED + location.encode(), store_id.encode()))
 
+    def location_get(self, location: str) -> bytes | None:
+        """The marker of the store that a tiered open found at remote `location` (meta
+        `location:`): a new local tier is made from it without asking the remote (opener).
+        A table serving several stores (PostgreSQL) keeps these apart from every store's."""
+        return self._read(lambda t: t.get("meta", _LOCATION + location.encode()))
+
+    def location_put(self, location: str, marker: bytes) -> None:
+        self._write(lambda t: t.put("meta", _LOCATION + location.encode(), bytes(marker)))
+
     def parts(self, rank0: bool = True) -> dict[bytes, bytes]:
         """root -> this rank's sub-tree, for the collective snapshots of catalog_put_part
         and (rank0) mark_part0."""
@@ -560,6 +569,7 @@ _DURABLE = b"durable:"
 _EVICTED = b"evicted:"
 _PART = b"part:"
 _VERIFIED = b"verified:"
+_LOCATION = b"location:"
 _PART0 = b"part0:"
 _SEQ = struct.Struct(">Q")
 

@@ -62,6 +62,7 @@ CREATE TABLE IF NOT EXISTS tsck_kv (
 TOKEN_TABLE = "txn"     # idempotency tokens of write transactions (never read by RefTable's logic)
 TOKEN_TTL = 86400.0     # a token is needed for seconds (one retry); leftovers of killed processes go after this
 DEFAULT_CONNECT_TIMEOUT = 10.0
+LOCATIONS_NS = "tsck:locations"  # the stores found at remote locations (location_get), for every store
 CHECK_IDLE = 1.0        # seconds idle after which a pooled connection is checked before use
 _MS = struct.Struct(">Q")
 _ABANDONED: list = []   # pools inherited across a fork: the parent's; never closed by the child
@@ -200,6 +201,16 @@ class PostgresRefTable(RefTable):
         self._setup()
         self._pool = self._new_pool()
         track_for_fork(self)
+
+    # The stores found at remote locations (RefTable.location_get) are looked up before
+    # the store's id, hence its namespace, is known: they live in a namespace of their own
+    # (no store id has a colon).
+    def location_get(self, location: str) -> bytes | None:
+        return self._read(lambda t: _PgTxn(t.cur, LOCATIONS_NS).get("meta", b"location:" + location.encode()))
+
+    def location_put(self, location: str, marker: bytes) -> None:
+        self._write(lambda t: _PgTxn(t.cur, LOCATIONS_NS).put("meta", b"location:" + location.encode(),
+                                                               bytes(marker)))
 
     # -- connections -------------------------------------------------------------------
     def _new_pool(self):

@@ -265,6 +265,7 @@ def rload_body(rank, world, out, res, cfg):
         into["local"] = None
         got = store.checkout(REF, into=into, timeout=60)
         res["remote_reads"] = list(holder["w"].reads)
+        res["remote_opened"] = _storage_opened(holder["w"])
         res["fetched"], res["bad_copies"] = store._peers.fetched, store._peers.bad
         dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
         torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
