@@ -372,6 +372,8 @@ class Peers:
         self.rank = self.world = None
         self.kv = None
         self.fetched = self.sent = self.refused = self.bad = 0
+        self._idle: dict[int, list] = {}  # peer -> connections between two requests (fetch_checked)
+        self._keeper = _Keeper(core.storage)
 
     # -- set-up --------------------------------------------------------------------------
     def join(self) -> bool:
@@ -409,6 +411,12 @@ class Peers:
     def close(self) -> None:
         self.wait()
         self._send.shutdown(wait=True)
+        self._keeper.close()
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for c in conns:
+                c.close()
         sock, self._sock = self._sock, None
         if sock is not None:
             try:
@@ -553,7 +561,10 @@ class Peers:
         got = self.fetch_checked(kind, d)
         if got is None:
             return False
-        return _keep(self.core.storage, Assets.object_key(kind + "s", d), got[0])
+        kept = _keep(self.core.storage, Assets.object_key(kind + "s", d), got[0])
+        if kept:
+            self._keeper.wrote()
+        return kept
 
     def present(self, kind: str, digests) -> set:
         """The `digests` some holder says it stores (one connection per holder, the
@@ -578,25 +589,41 @@ class Peers:
             todo = [d for d, a in zip(todo, answers) if a != 1]
         return have
 
+    def _checkout_conn(self, peer: int):
+        """A connection to `peer`: an idle one (a checkout's fetches reuse them), else a new one."""
+        with self._lock:
+            idle = self._idle.get(peer)
+            if idle:
+                return idle.pop()
+        return self._connect(peer)
+
+    def _checkin_conn(self, peer: int, conn) -> None:
+        with self._lock:
+            if self._sock is not None:  # (not closed meanwhile)
+                self._idle.setdefault(peer, []).append(conn)
+                return
+        conn.close()
+
     def fetch_checked(self, kind: str, d: bytes):
         """Object `d` from a holder, checked against its address -> (its stored frame, its
         bytes as decoded by the check), or None when no holder has a good copy."""
         from .assets import Assets
         for peer in self.holders():
-            conn = self._connect(peer)
+            conn = self._checkout_conn(peer)
             if conn is None:
                 continue
             try:
-                with conn:
-                    self._ask(conn, b"G", kind, d)
-                    n = int.from_bytes(_recv(conn, 8), "big")
-                    if n == _NONE:
-                        continue
-                    if n > _limit(self.core, kind):
-                        raise OSError(f"it announced {n} bytes, more than such an object can take")
-                    data = _recv(conn, n)
+                self._ask(conn, b"G", kind, d)
+                n = int.from_bytes(_recv(conn, 8), "big")
+                if n != _NONE and n > _limit(self.core, kind):
+                    raise OSError(f"it announced {n} bytes, more than such an object can take")
+                data = None if n == _NONE else _recv(conn, n)
             except OSError as e:
+                conn.close()
                 log.warning("peer replicas: fetching %s %s from rank %d failed (%s)", kind, d.hex()[:16], peer, e)
+                continue
+            self._checkin_conn(peer, conn)  # (the exchange is complete: the connection can serve the next)
+            if data is None:
                 continue
             err, raw = Assets.object_from_frame(kind, d, data)
             if err is not None:
@@ -609,6 +636,98 @@ class Peers:
                 self.fetched += 1
             return data, raw
         return None
+
+
+class _Keeper:
+    """Keeps the blocks a checkout fetched from peers in this rank's tier, off the
+    checkout's path: a background thread writes them (and makes them durable once it has
+    nothing queued), so the restore spends its CPU and disk on the restore. Only a cache
+    for the next restore: past KEEP_QUEUED bytes waiting, a copy is not kept (counted in
+    `dropped`); a tier that cannot take one costs a warning (_keep)."""
+
+    def __init__(self, storage):
+        import threading
+        self.storage = storage
+        self.dropped = 0
+        self._queue: list = []
+        self._queued = 0
+        self._cond = threading.Condition()
+        self._thread = None
+        self._closed = self._dirty = False
+
+    def keep(self, key: str, data) -> None:
+        n = len(data)
+        with self._cond:
+            if self._closed or self._queued + n > KEEP_QUEUED:
+                self.dropped += 1
+                return
+            self._queue.append((key, data))
+            self._queued += n
+            self._start()
+            self._cond.notify()
+
+    def wrote(self) -> None:
+        """A copy was written into the tier by the caller (a node, read back at once): the
+        thread makes it durable with the rest."""
+        with self._cond:
+            if self._closed:
+                return
+            self._dirty = True
+            self._start()
+            self._cond.notify()
+
+    def _start(self) -> None:
+        import threading
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tsck-peer-keep", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        import os
+        import threading
+        try:  # a cache's writes yield the CPU to the restore and the training it serves
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), KEEP_NICE)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._cond:
+                if not self._queue and self._dirty and not self._closed:
+                    self._cond.wait(KEEP_SETTLE)  # more may come: one sync for a checkout's copies
+                while not self._queue and not self._closed and not self._dirty:
+                    self._cond.wait()
+                batch, self._queue, self._queued = self._queue, [], 0
+                closed = self._closed
+            wrote = False
+            for key, data in batch:
+                wrote = _keep(self.storage, key, data) or wrote
+            with self._cond:
+                self._dirty = self._dirty or wrote
+                sync = self._dirty and (closed or not self._queue)
+                if sync:
+                    self._dirty = False
+            if sync:  # nothing more came: the copies are named and durable
+                try:
+                    self.storage.sync()
+                except (OSError, TsckError) as e:
+                    log.warning("peer replicas: the copies fetched from peers could not be synced in this "
+                                "rank's tier (%s)", e)
+            if closed:
+                with self._cond:
+                    if not self._queue and not self._dirty:
+                        return
+
+    def close(self) -> None:
+        """Write and sync what is queued, then stop."""
+        with self._cond:
+            thread, self._closed = self._thread, True
+            self._cond.notify()
+        if thread is not None:
+            thread.join()
+
+
+KEEP_QUEUED = 256 << 20  # bytes of fetched copies that may wait to be kept
+KEEP_SETTLE = 0.5  # seconds without a new copy before the kept ones are synced
+KEEP_NICE = 10  # the keeping thread's nice value (Linux: per thread)
 
 
 def _keep(storage, key: str, data) -> bool:
@@ -654,7 +773,7 @@ def peer_reads(reads, peers: Peers):
             # The bytes the check just hashed go to the caller: no write, read back and hash
             # again through the tier (a restore's CPU is what bounds it on a small host).
             np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
-            _keep(self.local.storage, self.local.object_key("blocks", d), data)
+            peers._keeper.keep(self.local.object_key("blocks", d), data)
 
         def get_node(self, d, **kw):
             self._fill("node", d)

@@ -323,6 +323,41 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
                 out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
                 reads.read_block_into(blocks[0], out.numpy())
                 assert torch.equal(out, x[:dw.BLOCK // 4]) and asker.fetched == 1
+                asker.close()  # (the copy is kept in the background: done here)
                 assert not a.assets.block_exists(blocks[0])  # (not kept: the disk is full)
         finally:
             holder.close()
+
+
+def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(tmp_path):
+    """The blocks a checkout fetched from a peer go to the caller at once and are kept in
+    the rank's tier by a background thread: once it is done (at the latest when the store
+    closes) they are stored under their addresses, durable, and a later open finds them
+    (so the next restore needs no peer)."""
+    from tensorstore_ck.peers import Peers, peer_reads
+    from tensorstore_ck.upload import ReadThrough
+    from tensorstore_ck.walk import walk_commit
+
+    x = torch.arange(4 * dw.BLOCK // 4, dtype=torch.float32)
+    with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
+        b.put_snapshot({"x": x}, "r")
+        blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
+        assert len(blocks) == 4
+        holder = Peers(b.core, 1)
+        port = holder._listen("127.0.0.1")
+        try:
+            with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
+                asker = Peers(a.core, 1)
+                asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
+                reads = peer_reads(ReadThrough(a.assets, b.core), asker)
+                for i, d in enumerate(blocks):
+                    out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
+                    reads.read_block_into(d, out.numpy())
+                    assert torch.equal(out, x[i * (dw.BLOCK // 4):(i + 1) * (dw.BLOCK // 4)])
+                assert asker.fetched == 4
+                asker.close()
+        finally:
+            holder.close()
+    with tsck.open_store(str(tmp_path / "a")) as a:
+        assert all(a.assets.block_exists(d) for d in blocks)
+        assert not list((tmp_path / "a").glob("tmp/*"))  # (no copy left pending)
