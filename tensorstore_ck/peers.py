@@ -590,12 +590,13 @@ class Peers:
         return have
 
     def _checkout_conn(self, peer: int):
-        """A connection to `peer`: an idle one (a checkout's fetches reuse them), else a new one."""
+        """A connection to `peer` -> (it, whether it is a reused one): an idle one (a
+        checkout's fetches reuse them), else a new one."""
         with self._lock:
             idle = self._idle.get(peer)
             if idle:
-                return idle.pop()
-        return self._connect(peer)
+                return idle.pop(), True
+        return self._connect(peer), False
 
     def _checkin_conn(self, peer: int, conn) -> None:
         with self._lock:
@@ -609,18 +610,24 @@ class Peers:
         bytes as decoded by the check), or None when no holder has a good copy."""
         from .assets import Assets
         for peer in self.holders():
-            conn = self._checkout_conn(peer)
+            conn, reused = self._checkout_conn(peer)
+            while conn is not None:
+                try:
+                    self._ask(conn, b"G", kind, d)
+                    n = int.from_bytes(_recv(conn, 8), "big")
+                    if n != _NONE and n > _limit(self.core, kind):
+                        raise OSError(f"it announced {n} bytes, more than such an object can take")
+                    data = None if n == _NONE else _recv(conn, n)
+                    break
+                except OSError as e:
+                    conn.close()
+                    if reused:  # an idle connection the holder has closed since (its timeout): a new one
+                        conn, reused = self._connect(peer), False
+                        continue
+                    conn = None
+                    log.warning("peer replicas: fetching %s %s from rank %d failed (%s)", kind, d.hex()[:16], peer,
+                                e)
             if conn is None:
-                continue
-            try:
-                self._ask(conn, b"G", kind, d)
-                n = int.from_bytes(_recv(conn, 8), "big")
-                if n != _NONE and n > _limit(self.core, kind):
-                    raise OSError(f"it announced {n} bytes, more than such an object can take")
-                data = None if n == _NONE else _recv(conn, n)
-            except OSError as e:
-                conn.close()
-                log.warning("peer replicas: fetching %s %s from rank %d failed (%s)", kind, d.hex()[:16], peer, e)
                 continue
             self._checkin_conn(peer, conn)  # (the exchange is complete: the connection can serve the next)
             if data is None:

@@ -361,3 +361,42 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
     with tsck.open_store(str(tmp_path / "a")) as a:
         assert all(a.assets.block_exists(d) for d in blocks)
         assert not list((tmp_path / "a").glob("tmp/*"))  # (no copy left pending)
+
+
+def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(tmp_path, monkeypatch):
+    """A checkout's fetches reuse their connection to a holder; one left idle past the
+    holder's timeout is closed at that end. The next fetch over it opens a new connection
+    and gets the copy from the peer (not a failure that sends the read to the remote)."""
+    import time
+
+    import tensorstore_ck.peers as peers_mod
+    from tensorstore_ck.peers import Peers, peer_reads
+    from tensorstore_ck.upload import ReadThrough
+    from tensorstore_ck.walk import walk_commit
+
+    monkeypatch.setattr(peers_mod, "PEER_TIMEOUT", 0.5)  # the holder closes a connection idle this long
+    x = torch.arange(2 * dw.BLOCK // 4, dtype=torch.float32)
+    with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
+        b.put_snapshot({"x": x}, "r")
+        blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
+        holder = Peers(b.core, 1)
+        port = holder._listen("127.0.0.1")
+        try:
+            with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
+                asker = Peers(a.core, 1)
+                asker._listen("127.0.0.1")  # (a rank's Peers serves too: its idle connections are kept)
+                asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
+                reads = peer_reads(ReadThrough(a.assets, b.core), asker)
+                try:
+                    for i, d in enumerate(blocks):
+                        if i:
+                            assert asker._idle.get(1), "the first fetch's connection was not kept"
+                            time.sleep(1.5)  # past the holder's timeout: it closed that connection
+                        out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
+                        reads.read_block_into(d, out.numpy())
+                        assert torch.equal(out, x[i * (dw.BLOCK // 4):(i + 1) * (dw.BLOCK // 4)])
+                    assert asker.fetched == 2 and reads.missing == 0  # both from the peer, none from the remote
+                finally:
+                    asker.close()
+        finally:
+            holder.close()
