@@ -127,6 +127,11 @@ def _read_config(storage: BlockStore) -> dict | None:
     return None if data is None else _parse_config(data, storage.url)
 
 
+def _marker_bytes(cfg: dict) -> bytes:
+    """A store marker's fields as written (the store's, a tier's copy, the ref table's record)."""
+    return json.dumps(cfg, indent=1).encode() + b"\n"
+
+
 def _parse_config(data: bytes, where: str) -> dict:
     """A store marker's bytes (untrusted) -> its fields, checked."""
     try:
@@ -416,7 +421,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
                "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
                "block_size": new_layout[0], "inline_threshold": new_layout[1]}
         # Exclusive create: if another process won the race, its marker is the one we read.
-        created = create_marker(storage, json.dumps(cfg, indent=1).encode() + b"\n")
+        created = create_marker(storage, _marker_bytes(cfg))
         cfg = _read_config(storage) or cfg
     store_id = str(cfg.get("id") or storage.url)
     # A missing ref table next to an existing store is never silently created empty:
@@ -669,7 +674,7 @@ def _recorded(reftable: RefTable, location: str) -> dict | None:
 def _record_location(reftable: RefTable, location: str, cfg: dict) -> None:
     """An eager tiered open read the store's marker at `location`: the ref table keeps it,
     for a new tier to be made from (best effort: without it that tier opens eagerly)."""
-    data = json.dumps(cfg, indent=1).encode() + b"\n"
+    data = _marker_bytes(cfg)
     try:
         if reftable.location_get(location) != data:
             reftable.location_put(location, data)
@@ -684,7 +689,7 @@ def _new_tier(root: str, cfg: dict) -> LmdbRefTable | None:
     try:
         os.makedirs(root, exist_ok=True)
         lstorage = LocalBlockStore(root)
-        create_marker(lstorage, json.dumps(cfg, indent=1).encode() + b"\n")
+        create_marker(lstorage, _marker_bytes(cfg))
         lcfg = _read_config(lstorage)
     except (OSError, TsckError):
         return None
@@ -837,7 +842,7 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
             if lcfg is None:
                 raise NotAStore(f"local tier {root} is not empty and holds no {STORE_MARKER}: not a local tier")
         else:
-            create_marker(lstorage, json.dumps(cfg, indent=1).encode() + b"\n")
+            create_marker(lstorage, _marker_bytes(cfg))
             lcfg = _read_config(lstorage) or cfg
     _check_tier(root, lcfg, cfg, store_id, remote.url)
     refs_dir = os.path.join(root, "refs.lmdb")

@@ -649,13 +649,12 @@ class _Keeper:
     """Keeps the blocks a checkout fetched from peers in this rank's tier, off the
     checkout's path: a background thread writes them (and makes them durable once it has
     nothing queued), so the restore spends its CPU and disk on the restore. Only a cache
-    for the next restore: past KEEP_QUEUED bytes waiting, a copy is not kept (counted in
-    `dropped`); a tier that cannot take one costs a warning (_keep)."""
+    for the next restore: past KEEP_QUEUED bytes waiting, a copy is not kept; a tier that
+    cannot take one costs a warning (_keep)."""
 
     def __init__(self, storage):
         import threading
         self.storage = storage
-        self.dropped = 0
         self._queue: list = []
         self._queued = 0
         self._cond = threading.Condition()
@@ -666,7 +665,8 @@ class _Keeper:
         n = len(data)
         with self._cond:
             if self._closed or self._queued + n > KEEP_QUEUED:
-                self.dropped += 1
+                log.debug("peer replicas: %s fetched from a peer is not kept (%d bytes wait already)", key,
+                          self._queued)
                 return
             self._queue.append((key, data))
             self._queued += n
