@@ -496,6 +496,7 @@ def test_rank_stopped_across_two_later_puts_learns_the_true_outcome(tmp_path):
     out = run_scenario(tmp_path, "stopped", limit=200.0)
     res = rank_results(out, "stopped", 2)
     r0, r1 = res
+    assert "resume_error" not in r0, r0["resume_error"]
     assert r0["put1"] == "returned", r0.get("put1_message")
     assert r1["put1"] == "returned", f"rank 1 was told {r1['put1']}: {r1.get('put1_message')}"
     assert r1["put1_root"] == r0["put1_root"]
