@@ -854,6 +854,7 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
             # Rank 0's tier holds every rank's nodes (not their blocks): what its local gc
             # and prune walk to know what the snapshot keeps (peers.py).
             ch.set_mine("tnodes", msgpack.packb(part["payloads"]))
+            tier.intend(tree, args)  # (a rank killed from here until the outcome still uploads its part)
         ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep,
                                          "stats": [st.bytes_total, st.bytes_new, st.blocks_total,
                                                    st.blocks_new, st.stored_new]}), W)
@@ -872,7 +873,12 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
             if tier is not None:  # rank 0's commit and top nodes into this rank's tier first
                 tier.adopt(bytes(root), ch.get("tier"), part["tree"])
             return publisher.info(root)
-        info = _await_result(ch, publisher, args, revalidate_mine, info_of)
+        try:
+            info = _await_result(ch, publisher, args, revalidate_mine, info_of)
+        except SnapshotAborted:
+            if tier is not None and "tree" in part:
+                tier.abandon(part["tree"])
+            raise
         publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there
         _published(ch, started["need"], tier is not None)
         return info if tier is None else tier.published(info, part["tree"], False)

@@ -66,6 +66,22 @@ class CollectiveTier:
         kept = [r for r, row in self.core.refs.catalog_iter(bad=[]) if row.get("job") == job]
         return msgpack.packb([self.core.assets.get_commit(root), list(top_payloads), kept])
 
+    def intend(self, part: bytes, args) -> None:
+        """A rank other than 0, its part written and synced, before it says "done": the
+        intent to upload `part` (RefTable.intent_put), kept until the snapshot's row
+        (adopt) or its abort (abandon) is here. A rank killed between the two leaves it,
+        and its next open uploads the part: rank 0 may have published the snapshot."""
+        self.core.refs.intent_put(part, {"ref": args.ref, "step": args.step, "job": args.job})
+
+    def abandon(self, part: bytes) -> None:
+        """The snapshot was aborted: its part is nobody's to upload (a gc of the tier
+        reclaims what nothing else holds)."""
+        try:
+            self.core.refs.intent_drop(part)
+        except Exception as e:  # noqa: BLE001 - the abort is the outcome to raise; a part left queued is harmless
+            log.warning("local tier: the intent to upload part %s of an aborted snapshot was not dropped (%s: %s); "
+                        "the next open uploads it", part.hex()[:16], type(e).__name__, e)
+
     def adopt(self, root: bytes, blob: bytes, part: bytes) -> None:
         """A rank other than 0: store rank 0's commit and top nodes in this rank's tier.
         Each is stored under the address of its own bytes, and the commit must be `root`:
@@ -124,6 +140,8 @@ def upload_part(up, seq: int, entry: dict) -> None:
     snapshot before its upload, or it took a newer one first), and this rank's later
     parts, queued behind, are what rank 0 waits for then."""
     root, tree, local, remote = entry["root"], entry["part"], up.local, up.remote
+    if entry.get("orphan"):
+        return _upload_orphan(up, seq, entry)
     if not remote.refs.catalog_has(root):
         fence = up.publisher.fence()  # before the remote is asked about any object
         objs: dict = {"block": [], "node": [], "commit": []}
@@ -151,6 +169,39 @@ def upload_part(up, seq: int, entry: dict) -> None:
         up._cond.notify_all()
     log.info("local tier: this rank's part of snapshot %s of ref %s is in %s", root.hex()[:16],
              entry.get("ref"), remote.url)
+
+
+def _upload_orphan(up, seq: int, entry: dict) -> None:
+    """A part this rank wrote and said "done" for, and then died before the snapshot's
+    row reached its tier (RefTable.intents_queue): the snapshot's root is unknown here,
+    but rank 0 may have published it and waits for this part in the remote. Send what
+    the remote lacks of it (conditional writes, as any part); nothing is marked durable
+    here (this tier keeps no row of the snapshot). Its objects gone from the tier (a gc
+    took them after the grace period) or damaged: nothing to send, the entry goes."""
+    tree, local = entry["part"], up.local
+    fence = up.publisher.fence()
+    objs: dict = {"block": [], "node": [], "commit": []}
+    seen: set[bytes] = set()
+    try:
+        for o in walk_tree(local.assets, tree, snapshot=f"(part {tree.hex()[:16]})", verify=True):
+            if o.digest not in seen:
+                seen.add(o.digest)
+                objs[o.kind].append(o.digest)
+    except (IntegrityError, UnreadableObject) as e:
+        log.warning("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a "
+                    "restart, is not whole here (%s): not uploaded", tree.hex()[:16], entry.get("ref"),
+                    entry.get("step"), e)
+        local.refs.upload_drop(seq)
+        return
+    here = list(up.remote.pool.map(local.assets.block_exists, objs["block"]))
+    objs["block"] = [d for d, h in zip(objs["block"], here) if h]
+    up._send(objs, fence)
+    local.refs.upload_drop(seq)
+    up.orphans += 1
+    with up._cond:
+        up._cond.notify_all()
+    log.info("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a restart, "
+             "is in %s", tree.hex()[:16], entry.get("ref"), entry.get("step"), up.remote.url)
 
 
 class _Nearest:

@@ -73,6 +73,7 @@ class Uploader:
         self._heard = False  # wait_durable raised it (close() does not raise it again)
         self._forked = False
         self.sent = self.skipped = 0
+        self.orphans = 0  # parts sent whose snapshot's outcome never reached this tier (peers._upload_orphan)
         self.superseded = 0  # queued snapshots not sent: a newer one of their ref was queued (the backlog rule)
         # A rank other than 0 of collective snapshots: job -> what rank 0's tier keeps of
         # it, told at the last snapshot (follow); the rest of the job's parts go (_tidy).
@@ -144,6 +145,9 @@ class Uploader:
         snapshot of that ref superseded before the kill is not sent). The same for a
         rank's part of a collective snapshot (its row is written before the enqueue)."""
         refs = self.local.refs
+        for part in refs.intents_queue():
+            log.info("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
+                     "process ended before the snapshot's outcome reached this tier", part.hex()[:16])
         queued = {e["root"] for _, e in refs.upload_pending()}
         parts = {r: t for r, t in refs.parts(rank0=False).items() if r not in queued}
         done = refs.durable(parts)

@@ -157,10 +157,11 @@ def test_checker_reports_damage_and_false_claims(tmp_path):
 
 
 def test_checker_reports_tier_violations(tmp_path):
-    """check_tiers (T1-T8) bites: a durable-marked snapshot the remote lacks, a remote ref
+    """check_tiers (T1-T9) bites: a durable-marked snapshot the remote lacks, a remote ref
     on a missing block, a damaged tier, a remote root for a tier put that the tier never
     published, a wait_durable that said True too early, and a remote ref moved back to a
-    tier snapshot it had left are each reported."""
+    tier snapshot it had left, and a rank's part intent outliving a heard outcome
+    are each reported."""
     from tensorstore_ck.walk import walk_commit
     url, tier = tmp_path / "store", tmp_path / "tier"
     tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
@@ -215,3 +216,17 @@ def test_checker_reports_tier_violations(tmp_path):
         s.reftable.compare_and_swap("ja/main", tip, back, message=f"snapshot step {specs[1]['s']}")
         bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)))
     assert any(b.startswith("T8 remote ref ja/main moved back to " + infos[1].root[:16]) for b in bad), bad
+    # A rank's tier keeps the intent to upload its part of a collective put that every rank
+    # heard aborted: T9. The same intent after a put whose worker was killed is allowed.
+    t1 = tmp_path / "tier1"
+    with tsck.open_store(t1) as r1:
+        r1.reftable.intent_put(bytes(32), {"ref": "ja/main", "step": 99, "job": "ja"})
+    cput = {"w": "w", "i": 8, "op": "put", "start": t + 8,
+            "args": {"ref": "ja/main", "step": 99, "spec": specs[0], "collective": 2, "tier": "t0",
+                     "rank_tiers": ["t0", "t1"]}}
+    for end, t9 in (([], False), ([{"w": "w", "i": 8, "end": t + 8.5, "result": "SnapshotAborted", "error": "x"}],
+                                  True)):
+        _journal(tmp_path, recs + [cput] + end)
+        with tsck.open_store(url) as s:
+            bad, _ = check.check_tiers(s, {**tiers, "t1": str(t1)}, check.load_ops(str(tmp_path)))
+        assert any(b.startswith("T9 tier t1") for b in bad) is t9, bad

@@ -445,6 +445,40 @@ def test_a_local_tip_never_queued_is_queued_at_open(tmp_path):
         assert remote.resolve("job/main") == info.root and _equal(remote.checkout("job/main"), state)
 
 
+def test_a_part_intent_left_by_a_killed_rank_is_sent_at_open(tmp_path):
+    """The state a rank other than 0 leaves when it is killed after saying "done" for its
+    part of a collective snapshot, before the snapshot's row reached its tier: the part's
+    objects and an intent naming its sub-tree, no row (made here by putting into the tier
+    opened as a store of its own, then dropping the ref and the row). The next open with
+    local= queues the part and sends its blocks and nodes (not the commit: rank 0 sends
+    it), leaving no intent and no durable mark. An intent whose objects are gone is
+    dropped with a warning; the uploader goes on."""
+    from tensorstore_ck.walk import walk_tree
+    tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                    inline_threshold=256).close()
+    with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
+        info = tier.put_snapshot(_state(11), "job/main", step=7)
+        root = bytes.fromhex(info.root)
+        tree = tier.reftable.catalog_get(root)["tree"]
+        objs = {(o.kind, o.digest) for o in walk_tree(tier.assets, tree, snapshot="t")}
+        tier.delete_ref("job/main")  # (its only snapshot's row goes with it)
+        assert tier.reftable.catalog_get(root, checked=False) is None and tier.assets.has_commit(root)
+        tier.reftable.intent_put(tree, {"ref": "job/main", "step": 7, "job": "job"})
+        tier.reftable.intent_put(bytes(32), {"ref": "job/main", "step": 6, "job": "job"})  # nothing of it here
+    with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme")) as store:
+        assert store.wait_durable(timeout=DEADLINE) is True
+        assert store._uploader.orphans == 1 and store._uploader.error is None
+        refs = store.core.refs
+        assert refs.intents() == {} and refs.upload_pending() == [] and refs.durable([tree, root]) == set()
+        remote = store.remote_core
+        assert objs and all(remote.storage.exists(remote.assets.object_key(k + "s", d)) for k, d in objs), objs
+        assert not remote.assets.has_commit(root)
+        # A row that reaches the tier clears the part's intent (RefTable.catalog_put_part).
+        refs.intent_put(tree, {"ref": "job/main", "step": 7, "job": "job"})
+        refs.catalog_put_part(root, {"job": "job", "ref": "job/main", "step": 7, "tree": tree}, tree)
+        assert refs.intents() == {}
+
+
 def test_a_snapshot_expired_locally_during_its_upload_is_dropped_not_fatal(tmp_path):
     """A local prune or gc may remove a queued snapshot before or while it is sent (here:
     forget + gc while its upload waits on its first remote question). The uploader finds

@@ -74,6 +74,8 @@ def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_
     for r in res:
         assert r["durable_at_return"] == [False, False]  # returned at local speed, before any upload
         assert r["waited"] is True and r["queue_left"] == 0
+        assert r["disagree"].startswith("SnapshotAborted") and "differs between ranks" in r["disagree"], r["disagree"]
+        assert (r["intents_after_abort"], r["queue_after_abort"]) == (0, 0), r
     assert res[0]["durable_after"] is True
     with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
         assert remote.resolve(REF) == root1
@@ -211,14 +213,16 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trap", ["adopt", "published"], ids=["before-its-row", "after-its-row"])
-def test_a_part_that_never_comes_does_not_hold_the_queue(tmp_path, s3_url, s3_server, trap):
-    """Rank 1 is killed (SIGKILL) after snapshot A was published, before its tier had A's
-    row: no rank will ever send that part. After the restart, rank 0's uploader waits
-    for it, but once snapshot B of the ref is queued the backlog rule drops A: B becomes
-    durable without A's wait (PART_WAIT, 15 minutes), and A stays local-only. Killed
-    after the row and before it queued its part, the restarted rank queues the part
-    again and sends it (A is then durable, or dropped for B if B came first)."""
+@pytest.mark.parametrize("trap,wipe", [("adopt", False), ("published", False), ("adopt", True)],
+                         ids=["before-its-row", "after-its-row", "its-tier-lost"])
+def test_a_rank_killed_after_its_done_still_sends_its_part(tmp_path, s3_url, s3_server, trap, wipe):
+    """Rank 1 is killed (SIGKILL) after snapshot A was published: before its tier had A's
+    row (it holds only the intent written before it said "done") or after the row and
+    before it queued its part. After the restart its open queues the part again and
+    sends it, and rank 0's uploader, which waits for that part, makes A durable before
+    B is put. With rank 1's tier lost as well, no rank will ever send that part: once
+    snapshot B of the ref is queued the backlog rule drops A, B becomes durable without
+    A's wait (PART_WAIT, 15 minutes), and A stays local-only."""
     world = 2
     cfg = _config(tmp_path, s3_url, s3_server, world)
     out = _run(tmp_path, "stuckkill", {**cfg, "trap": trap})
@@ -226,18 +230,23 @@ def test_a_part_that_never_comes_does_not_hold_the_queue(tmp_path, s3_url, s3_se
     assert launcher.get("killed") == 1, launcher
     res0 = json.loads((out / "stuckkill_rank0.json").read_text())
     assert res0["ok"], res0.get("error")
-    out = _run(tmp_path, "stuckresume", {**cfg, "root_a": res0["root"]})
+    out = _run(tmp_path, "stuckresume", {**cfg, "root_a": res0["root"], "wipe": wipe, "first_a": not wipe})
     res = _results(out, "stuckresume", world)
     assert all(r["waited"] is True for r in res), [(r["waited"], r["wait_s"]) for r in res]
-    assert res[1]["a_part_sent"] is (trap == "published")
-    if trap == "adopt":
-        assert res[0]["superseded"] == 1
+    assert res[1]["intents"] == 0
+    if wipe:
+        assert res[0]["superseded"] == 1 and res[1]["orphans"] == 0
         assert res[0]["durable"] == {res[0]["root"]: True, res0["root"]: False}
     else:
-        assert res[0]["superseded"] + res[0]["durable"][res0["root"]] == 1, res[0]
-        assert res[0]["durable"][res[0]["root"]] is True
+        assert [r["a_first"] for r in res] == [True, True], res
+        assert res[0]["superseded"] == 0 and res[0]["durable"] == {res[0]["root"]: True, res0["root"]: True}, res[0]
+        # Killed before its row: sent from the intent (no row here to mark durable).
+        assert (res[1]["orphans"], res[1]["a_part_sent"]) == ((1, False) if trap == "adopt" else (0, True)), res[1]
     with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
         assert remote.resolve(REF) == res[0]["root"]
+        if not wipe:
+            assert res0["root"] in [i.root for i in remote.log(REF)]
+            assert remote.fsck(full=True).findings == []
 
 
 def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):

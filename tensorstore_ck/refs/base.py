@@ -441,7 +441,42 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             if t.get("catalog", root) is None:
                 t.put("catalog", root, encode_record(row))
             t.put("meta", _PART + root, part)
+            t.delete("meta", _INTENT + part)  # the row names the part now (intent_put)
         self._write(txn)
+
+    def intent_put(self, part: bytes, rec: dict) -> None:
+        """A rank other than 0, before it tells rank 0 that its part of a collective
+        snapshot is written (meta `intent:` part -> {ref, step, job}): should the rank
+        die before the snapshot's row reaches this tier (catalog_put_part clears the
+        intent) or its abort does (intent_drop), the next open queues the part's upload
+        (intents_queue): rank 0 may have published the snapshot and waits for that part."""
+        self._write(lambda t: t.put("meta", _INTENT + part, encode_record(rec)))
+
+    def intent_drop(self, part: bytes) -> None:
+        self._write(lambda t: t.delete("meta", _INTENT + part))
+
+    def intents(self) -> dict[bytes, dict]:
+        return self._read(lambda t: {k[len(_INTENT):]: decode_record(v, "part intent")
+                                     for k, v in t.items("meta", _INTENT)})
+
+    def intents_queue(self) -> list[bytes]:
+        """Each part intent becomes an upload queue entry {root: part, part, orphan: True}
+        (its snapshot's root is not known here), in one transaction -> the parts queued."""
+        def txn(t: Txn):
+            got = [(k[len(_INTENT):], v) for k, v in t.items("meta", _INTENT)]
+            if not got:
+                return []
+            raw = t.get("meta", _UPLOAD_SEQ)
+            seq = _SEQ.unpack(raw)[0] if raw is not None else 0
+            for part, v in got:
+                rec = decode_record(v, "part intent")
+                seq += 1
+                t.put("meta", _UPLOAD + _SEQ.pack(seq), encode_record(
+                    {"root": part, "ref": rec.get("ref"), "step": rec.get("step"), "part": part, "orphan": True}))
+                t.delete("meta", _INTENT + part)
+            t.put("meta", _UPLOAD_SEQ, _SEQ.pack(seq))
+            return [p for p, _ in got]
+        return self._write(txn)
 
     def mark_part0(self, root: bytes, part: bytes) -> None:
         """Rank 0's tier: its own sub-tree of collective snapshot `root` (meta `part0:`
@@ -571,6 +606,7 @@ _PART = b"part:"
 _VERIFIED = b"verified:"
 _LOCATION = b"location:"
 _PART0 = b"part0:"
+_INTENT = b"intent:"
 _SEQ = struct.Struct(">Q")
 
 

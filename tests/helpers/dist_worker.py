@@ -724,13 +724,15 @@ def stopped_case(rank, world, out, res, _arg):
             holder["w"].armed = True
         _outcome(res, "put1", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=T))
         _outcome(res, "put2", lambda: store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=T))
-        resumer = None
+        resumer, calling = None, threading.Event()
         if rank == 0:
             def resume():
-                # once put 3 has begun (its first act is to tidy the Store: the key count drops)
+                # once put 3 has begun: rank 0's hello (after the call tidied the Store)
+                # changes the key count
                 try:
+                    calling.wait()
                     base, deadline = kv.num_keys(), time.monotonic() + 10.0
-                    while kv.num_keys() >= base and time.monotonic() < deadline:
+                    while kv.num_keys() == base and time.monotonic() < deadline:
                         time.sleep(0.01)
                     time.sleep(0.5)
                 except Exception as e:  # noqa: BLE001 - recorded; rank 1 is resumed anyway
@@ -739,6 +741,7 @@ def stopped_case(rank, world, out, res, _arg):
             resumer = threading.Thread(target=resume, daemon=True)
             resumer.start()
         try:
+            calling.set()
             _outcome(res, "put3", lambda: store.put_snapshot(small_state(rank, world, 3), REF, step=3, timeout=60))
         finally:
             if resumer is not None:

@@ -94,6 +94,17 @@ def put_body(rank, world, out, res, cfg):
         res["waited"] = store.wait_durable(timeout=240)
         res["durable_after"] = store.show(infos[-1].root).durable if rank == 0 else None
         res["queue_left"] = len(store.core.refs.upload_pending())
+        # Aborted after every rank said "done" (the replicas disagree): no rank's tier
+        # keeps an intent to upload its part, nothing is queued.
+        import tensorstore_ck as tsck
+        bad = {"w": tsck.Replicated(torch.full((dw.BLOCK // 2,), float(rank)))}
+        try:
+            store.put_snapshot(bad, REF, step=3, timeout=60)
+            res["disagree"] = "returned"
+        except tsck.errors.SnapshotAborted as e:
+            res["disagree"] = "SnapshotAborted: " + str(e)
+        res["intents_after_abort"] = len(store.core.refs.intents())
+        res["queue_after_abort"] = len(store.core.refs.upload_pending())
 
 
 def _storage_opened(s) -> bool:
@@ -292,20 +303,30 @@ def stuck_kill_body(rank, world, out, res, cfg):
 
 
 def stuck_resume_body(rank, world, out, res, cfg):
-    """The job restarted: rank 0's uploader resumes A (waiting for rank 1's part, which no
-    rank will send); snapshot B is put and must become durable without waiting for A."""
+    """The job restarted: rank 0's uploader resumes A, waiting for rank 1's part. Rank 1
+    left its part's intent (killed before A's row) or A's row (killed after it): its open
+    queues the part again and sends it, and A becomes durable before B is put
+    (cfg["first_a"]). Rank 1's tier lost instead (cfg["wipe"]): no rank will send that
+    part, and snapshot B must become durable without waiting for A."""
+    import shutil
     import time
+    if rank == 1 and cfg.get("wipe"):
+        shutil.rmtree(os.path.join(cfg["tiers"], "tier1"))
     holder: dict = {}
     with _open(cfg, out, rank, "tier", holder) as store:
+        if cfg.get("first_a"):
+            res["a_first"] = store.wait_durable(timeout=90)
         info = store.put_snapshot(dw.sharded_state(rank, world, 1), REF, step=2, timeout=60)
         t0 = time.monotonic()
         res["root"], res["waited"] = info.root, store.wait_durable(timeout=150)
         res["wait_s"] = time.monotonic() - t0
+        res["orphans"] = store._uploader.orphans
         if rank == 0:
             res["superseded"] = store._uploader.superseded
             res["durable"] = {r: store.show(r).durable for r in (info.root, cfg["root_a"])}
-        else:  # A's part: sent (durable for this rank) only if it was queued again at open
+        else:  # A's part: sent (durable for this rank) where its row was here
             res["a_part_sent"] = bool(store.core.refs.durable([bytes.fromhex(cfg["root_a"])]))
+            res["intents"] = len(store.core.refs.intents())
         import torch.distributed as dist
         dist.barrier()
 

@@ -402,7 +402,7 @@ def _dropped_legitimately(ops: list[Op], put: Op, root: str) -> bool:
 
 
 def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str], dict]:
-    """T1-T7, the local tiers against the remote store (`store`, quiescent, no tier open):
+    """T1-T9, the local tiers against the remote store (`store`, quiescent, no tier open):
 
       T1  every remote ref tip names no object missing remotely (its commit, every node
           and block walked and found);
@@ -420,7 +420,10 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           a raw exception;
       T8  an uploader never moves a remote ref back to a tier snapshot the ref had left
           (one already named by an earlier entry of the ref's reflog: an upload resumed
-          after its move must not move the ref again).
+          after its move must not move the ref again);
+      T9  a rank's tier keeps no intent to upload its part of a collective put whose
+          outcome every rank heard (published: the row replaced it; aborted: dropped);
+          only a rank killed before hearing it leaves one, which its next open sends.
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable})."""
     from tensorstore_ck.walk import walk_commit
     rt, bad = store.reftable, []
@@ -505,6 +508,13 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                     if root not in lcat:
                         bad.append(f"T4 the remote catalog has {root[:16]} for a put through tier {tname}, which "
                                    f"never published that root: {put.brief()}")
+            for part, rec in sorted(t.reftable.intents().items()):  # T9
+                heard = [o for o in ops if o.op == "put" and tname in o.args.get("rank_tiers", ())[1:]
+                         and (o.args.get("ref"), o.args.get("step")) == (rec.get("ref"), rec.get("step"))
+                         and o.end is not None and o.result not in ("OutcomeUnknown", "mismatch")]
+                if heard:
+                    bad.append(f"T9 tier {tname} keeps the intent to upload part {part.hex()[:16]} of a collective "
+                               f"put whose outcome every rank heard: {heard[0].brief()}")
             for name in sorted(refs):  # T8
                 seen: set[str] = set()
                 for e in rt.reflog(name):

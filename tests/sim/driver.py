@@ -46,9 +46,10 @@ Invariants (tests/sim/check.py), after every round:
       raised does not exist; a pin that raised is not there by its own doing).
 Writers through a local tier (open_store(local=), in seeded rounds; --focus tier: all):
 their uploads are killed at the uploader's stages and at random, and check.check_tiers
-judges T1-T8 (a remote ref names no missing object; a durable mark means the remote
+judges T1-T9 (a remote ref names no missing object; a durable mark means the remote
 catalog has it; each tier passes its fsck; one root in every tier; tier checkouts
-bit-exact; wait_durable's True; no close() on damage; no ref moved back). To I1-I9 such a put is of unknown
+bit-exact; wait_durable's True; no close() on damage; no ref moved back; no part intent left
+by a rank that heard its put's outcome). To I1-I9 such a put is of unknown
 outcome: it reaches the remote only if and when an uploader gets there.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
