@@ -64,6 +64,15 @@ class ServerCPU:
                 if n.endswith(".pid"):
                     self.pids.append(int(open(os.path.join(d, n)).read().split()[0]))
 
+    def renice(self, value: int) -> None:
+        """Every thread of the server's processes (Linux: a nice value is per thread;
+        threads made later inherit their maker's)."""
+        if not self.pids:
+            raise SystemExit("--server-nice: no server processes known (the server was not started by this script)")
+        for pid in self.pids:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), value)
+
     def seconds(self) -> float:
         tick, total = os.sysconf("SC_CLK_TCK"), 0
         for pid in self.pids:
@@ -111,6 +120,9 @@ def main() -> int:
                          "stored); the file:// store keeps its default (lz4)")
     ap.add_argument("--early-upload", choices=("auto", "on", "off"), default="auto",
                     help="open_store(early_upload=) of the tier: auto (None: on with 8 cores or more), on, off")
+    ap.add_argument("--server-nice", type=int, default=0,
+                    help="renice the S3 server's processes (every thread) to this value: a server that yields "
+                         "the cores to the writer, standing for one on another host (default 0: as started)")
     a = ap.parse_args()
     early = {"auto": None, "on": True, "off": False}[a.early_upload]
     from tensorstore_ck import upload as _up
@@ -119,6 +131,8 @@ def main() -> int:
     rgw_dir, opts, fs = bench_s3.connect(a)
 
     server = ServerCPU(rgw_dir or os.environ.get("TSCK_BENCH_RGW_DIR"))
+    if a.server_nice:
+        server.renice(a.server_nice)
     state, _model, _opt = core.build_state(a.scale * GB, a.d_model, vocab=a.vocab)
     nbytes = core.state_nbytes(state)
     ntensors = sum(1 for _ in core.iter_tensors(state))
@@ -126,7 +140,7 @@ def main() -> int:
           f"{' (radosgw started by this script)' if rgw_dir else ''}; local disk under {a.dir}")
     print(f"# state: {nbytes / GB:.3f} GB in {ntensors} tensors; repeats {a.repeats}; compression {a.compression} "
           f"(S3 and tier); early upload {a.early_upload} ({'on' if early_now else 'off'}, "
-          f"{_up.TEE_BYTES >> 20} MiB in flight at most)")
+          f"{_up.TEE_BYTES >> 20} MiB in flight at most); S3 server nice {a.server_nice}")
 
     rows = collections.defaultdict(list)
     try:

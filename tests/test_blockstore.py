@@ -242,6 +242,35 @@ def s3bs(s3_url, s3_server):
     s.close()
 
 
+def test_s3_writes_send_a_checksum_and_no_body_signature(s3bs, s3_url, s3_server):
+    """A write's body is covered by a CRC32 checksum header (S3 checks it and refuses a
+    body that does not match) and not hashed for the signature (SHA-256 of every byte
+    over plain http, about 1 s of CPU per GB sent: the objects verify themselves by
+    address when read); the body and the stored object are the bytes given. A caller's
+    own "s3" settings are kept."""
+    import base64
+    import zlib
+    sent = []
+    s3bs.fs.s3.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request))
+    data = bytes(range(256)) * 4096
+    assert s3bs.put_addressed("blocks/ab/cd", [data])
+    (req,) = sent
+    headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in req.headers.items()}
+    assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD", headers
+    assert headers["x-amz-checksum-crc32"] == base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    assert "x-amz-checksum-crc32" in headers["authorization"]  # the checksum header is signed
+    import s3fs
+    assert s3fs.S3FileSystem(**s3_server, skip_instance_cache=True).cat_file(s3bs._path("blocks/ab/cd")) == data
+    signed = S3BlockStore(s3_url, {**s3_server, "config_kwargs": {"s3": {"payload_signing_enabled": True}}})
+    try:
+        sent.clear()
+        signed.fs.s3.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request))
+        assert signed.put_addressed("blocks/ab/ce", [data])
+        assert sent[0].headers["X-Amz-Content-SHA256"] not in ("UNSIGNED-PAYLOAD", b"UNSIGNED-PAYLOAD")
+    finally:
+        signed.close()
+
+
 def _count_requests(bs) -> list:
     """The S3 operations bs's client sends, by name (botocore's before-call event)."""
     seen = []

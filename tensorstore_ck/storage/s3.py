@@ -167,6 +167,12 @@ class S3BlockStore(FsspecBlockStore):
         # throttling detector that knows a HEAD's (see _add_rate_limiter). A caller's own
         # "retries" setting is taken as it is, without it.
         self._rate_limited = "retries" not in cfg
+        # The body is not signed (SigV4 over plain http hashes every byte with SHA-256:
+        # about 1 s of CPU per GB sent here), as botocore does by default over https: S3
+        # still checks the request's CRC32 checksum (sent as a signed header), and every
+        # object this store writes is verified by its BLAKE3 address when read. The
+        # caller's "s3" settings win.
+        cfg["s3"] = {"payload_signing_enabled": False, **(cfg.get("s3") or {})}
         cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         # One attempt's bound: connecting, then at most read_timeout between bytes of a
         # response (a DeleteObjects answer is small).
