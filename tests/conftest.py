@@ -27,7 +27,7 @@ def store(store_path):
 
 
 # ---------------------------------------------------------------- real servers
-from _pgserver import PgServer, free_port, pg_bindir  # noqa: E402
+from _pgserver import PgServer, pg_bindir  # noqa: E402
 
 
 @pytest.fixture(scope="session")

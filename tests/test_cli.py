@@ -61,7 +61,6 @@ def filled(tmp_path_factory):
     not_store = base / "not_a_store"
     not_store.mkdir()
     (not_store / "x.txt").write_text("hello")
-    root_a = api["show_A"].root
     missing = base / "does" / "not" / "exist"
     # kept short: every invocation imports torch (~2 s of CPU each)
     cmds = {

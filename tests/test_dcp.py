@@ -9,7 +9,6 @@ loads at 2 ranks with another sharding.
 from __future__ import annotations
 
 import copy
-import io
 import json
 import os
 import pickle

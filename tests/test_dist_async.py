@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from _util import load_helper, rank_results, run_worker_scenario, same_bits
 

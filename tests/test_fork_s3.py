@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import time
 
 import pytest
 import torch

@@ -73,6 +73,7 @@ def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path
     durable = {i.step: i.durable for i in store.log("job/main")}
     assert durable == {5: True, 4: False, 3: True, 2: False, 1: True}
     assert store.show("job/other").durable is True
+    assert store.remote_core.refs.get_or_none("job/other") == bytes.fromhex(other.root)
     remote = store.remote_core
     assert remote.refs.get_or_none("job/main") == bytes.fromhex(infos[4].root)
     assert remote.refs.catalog_has(bytes.fromhex(infos[2].root))

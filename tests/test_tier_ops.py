@@ -25,9 +25,9 @@ from tensorstore_ck.storage.wrappers import WrappedStore
 DEADLINE = 120.0  # generous: the machine is shared
 
 try:  # the tier's test state and store, as the backlog tests make them
-    from .test_tier_backlog import BS, _equal, _open, _state
+    from .test_tier_backlog import _equal, _open, _state
 except ImportError:  # tests/ is not a package
-    from test_tier_backlog import BS, _equal, _open, _state
+    from test_tier_backlog import _equal, _open, _state
 
 
 class HoldAfter(WrappedStore):

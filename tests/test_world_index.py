@@ -19,7 +19,7 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.assets import node_key
 from tensorstore_ck.dist import CollectiveContext, StoreGroup
-from tensorstore_ck.errors import FormatError, IntegrityError, TsckError
+from tensorstore_ck.errors import FormatError, IntegrityError
 from tensorstore_ck.format import tree
 from tensorstore_ck.format import world as wf
 from tensorstore_ck.format.manifest import decode_commit, decode_node, encode_node
