@@ -133,6 +133,23 @@ def _pause(up, pause: float) -> None:
         raise TsckError("the uploader was stopped while it waited for the other ranks")
 
 
+def _part_objects(up, tree: bytes, snapshot: str) -> dict:
+    """This rank's objects under its sub-tree `tree`, by kind, each once. A Replicated
+    tensor's blocks are split among the ranks (each writes those it owns) and every
+    rank's nodes name them all: the blocks this tier lacks are the others' to send. Rank
+    0 moves the ref only once it saw each one in the remote."""
+    local = up.local.assets
+    objs: dict = {"block": [], "node": [], "commit": []}
+    seen: set[bytes] = set()
+    for o in walk_tree(local, tree, snapshot=snapshot, verify=True):
+        if o.digest not in seen:
+            seen.add(o.digest)
+            objs[o.kind].append(o.digest)
+    here = list(up.remote.pool.map(local.block_exists, objs["block"]))
+    objs["block"] = [d for d, h in zip(objs["block"], here) if h]
+    return objs
+
+
 def upload_part(up, seq: int, entry: dict) -> None:
     """A rank other than 0: send this rank's part of a collective snapshot (blocks, then
     nodes, skipping what the remote has); then it is durable *for this rank*. It does not
@@ -144,13 +161,8 @@ def upload_part(up, seq: int, entry: dict) -> None:
         return _upload_orphan(up, seq, entry)
     if not remote.refs.catalog_has(root):
         fence = up.publisher.fence()  # before the remote is asked about any object
-        objs: dict = {"block": [], "node": [], "commit": []}
-        seen: set[bytes] = set()
         try:
-            for o in walk_tree(local.assets, tree, snapshot=root.hex(), verify=True):
-                if o.digest not in seen:
-                    seen.add(o.digest)
-                    objs[o.kind].append(o.digest)
+            objs = _part_objects(up, tree, root.hex())
         except IntegrityError:
             # As for a whole snapshot: a gc of this tier may have expired the row (its
             # retention) and deleted the part meanwhile; otherwise the tier is damaged.
@@ -158,11 +170,6 @@ def upload_part(up, seq: int, entry: dict) -> None:
                 up._expired(seq, root)
                 return
             raise
-        # A Replicated tensor's blocks are split among the ranks (each writes those it
-        # owns) and every rank's nodes name them all: the blocks this tier lacks are the
-        # others' to send. Rank 0 moves the ref only once it saw each one in the remote.
-        here = list(remote.pool.map(local.assets.block_exists, objs["block"]))
-        objs["block"] = [d for d, h in zip(objs["block"], here) if h]
         up._send(objs, fence)
     local.refs.upload_done(seq, root)
     with up._cond:
@@ -178,25 +185,18 @@ def _upload_orphan(up, seq: int, entry: dict) -> None:
     the remote lacks of it (conditional writes, as any part); nothing is marked durable
     here (this tier keeps no row of the snapshot). Its objects gone from the tier (a gc
     took them after the grace period) or damaged: nothing to send, the entry goes."""
-    tree, local = entry["part"], up.local
+    tree = entry["part"]
     fence = up.publisher.fence()
-    objs: dict = {"block": [], "node": [], "commit": []}
-    seen: set[bytes] = set()
     try:
-        for o in walk_tree(local.assets, tree, snapshot=f"(part {tree.hex()[:16]})", verify=True):
-            if o.digest not in seen:
-                seen.add(o.digest)
-                objs[o.kind].append(o.digest)
+        objs = _part_objects(up, tree, f"(part {tree.hex()[:16]})")
     except (IntegrityError, UnreadableObject) as e:
         log.warning("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a "
                     "restart, is not whole here (%s): not uploaded", tree.hex()[:16], entry.get("ref"),
                     entry.get("step"), e)
-        local.refs.upload_drop(seq)
+        up.local.refs.upload_drop(seq)
         return
-    here = list(up.remote.pool.map(local.assets.block_exists, objs["block"]))
-    objs["block"] = [d for d, h in zip(objs["block"], here) if h]
     up._send(objs, fence)
-    local.refs.upload_drop(seq)
+    up.local.refs.upload_drop(seq)
     up.orphans += 1
     with up._cond:
         up._cond.notify_all()
