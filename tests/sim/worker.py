@@ -477,6 +477,10 @@ class Worker:
                 if time.time() > deadline:
                     break
                 op = self.rng.choices(names, [weights[n] for n in names])[0]
+                if i == 0 and weights.get("cput"):
+                    # A collective put first: on a loaded machine a round's few seconds may
+                    # otherwise end before the draw picks one (its ranks cost most to start).
+                    op = "cput"
                 try:
                     args, call = getattr(self, f"op_{op}")(s, i)
                 except tsck.StorageError:  # choosing its arguments read the table; the network is down
