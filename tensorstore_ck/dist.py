@@ -874,7 +874,7 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
                 tier.adopt(bytes(root), ch.get("tier"), part["tree"])
             return publisher.info(root)
         try:
-            info = _await_result(ch, publisher, args, revalidate_mine, info_of)
+            info = _await_result(ch, publisher, args, revalidate_mine, info_of, tiered=tier is not None)
         except SnapshotAborted:
             if tier is not None and "tree" in part:
                 tier.abandon(part["tree"])
@@ -1080,12 +1080,14 @@ def _serve_revalidation(ch: _Channel, done: int, revalidate_mine) -> int:
     return n
 
 
-def _await_result(ch: _Channel, publisher, args, revalidate_mine, info_of=None):
+def _await_result(ch: _Channel, publisher, args, revalidate_mine, info_of=None, tiered: bool = False):
     """A rank other than 0, its part written: block on the outcome, re-validating its
     part whenever rank 0 asks (a gc deletion phase fenced the move). Once rank 0 has
     claimed "commit", this rank's deadline no longer aborts: it waits for the result as
     long as rank 0's heartbeat moves; if it stops for `timeout` (rank 0 dead or stopped)
-    or the Store goes away, it asks the ref table whether the ref moved to the snapshot."""
+    or the Store goes away, it asks the ref table whether the ref moved to the snapshot.
+    Through tiers (`tiered`) rank 0 publishes in its own tier, which this rank cannot ask:
+    the outcome is unknown, and the part's intent to upload stays."""
     done = [0]  # re-validation rounds done: the outcome's key is _result_key(done[0])
     info_of = info_of or publisher.info
 
@@ -1108,12 +1110,12 @@ def _await_result(ch: _Channel, publisher, args, revalidate_mine, info_of=None):
                     return info_of(Digest.parse(root.decode()))
         except _CommitUnderWay:
             pass
-        return _await_result_alive(ch, publisher, args, done, outcome, info_of)
+        return _await_result_alive(ch, publisher, args, done, outcome, info_of, tiered)
     except _RevalFailed as e:
         raise e.args[0] from e.__cause__
 
 
-def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome, info_of):
+def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome, info_of, tiered: bool = False):
     try:
         last, seen = None, time.monotonic()
         while True:
@@ -1136,6 +1138,14 @@ def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome, info
         raise
     except Exception:  # noqa: BLE001 - the store went away
         pass
+    if tiered:
+        # Rank 0 may have published in its tier (and its uploader would wait for this
+        # rank's part): "aborted" could be false, so the part stays to be sent.
+        raise OutcomeUnknown(
+            f"rank {ch.rank}: rank 0 began publishing {args.ref!r} in its local tier, then showed no sign of life "
+            f"for {ch.timeout:g}s (dead or stopped); this rank cannot ask rank 0's tier whether it did. This rank's "
+            "part stays queued for upload (the next open of its tier sends it); look at rank 0's tier "
+            f"(store.log({args.ref!r})) before taking the snapshot again", ref=args.ref)
     decided = b""
     try:
         decided = ch.kv.get(ch.pfx + "decided")

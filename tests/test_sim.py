@@ -217,15 +217,17 @@ def test_checker_reports_tier_violations(tmp_path):
         bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)))
     assert any(b.startswith("T8 remote ref ja/main moved back to " + infos[1].root[:16]) for b in bad), bad
     # A rank's tier keeps the intent to upload its part of a collective put that every rank
-    # heard aborted: T9. The same intent after a put whose worker was killed is allowed.
+    # heard aborted: T9. The same intent after a put whose worker was killed, or whose rank 1
+    # was told OutcomeUnknown (rank 0 went silent: it cannot know), is allowed.
     t1 = tmp_path / "tier1"
     with tsck.open_store(t1) as r1:
         r1.reftable.intent_put(bytes(32), {"ref": "ja/main", "step": 99, "job": "ja"})
     cput = {"w": "w", "i": 8, "op": "put", "start": t + 8,
             "args": {"ref": "ja/main", "step": 99, "spec": specs[0], "collective": 2, "tier": "t0",
                      "rank_tiers": ["t0", "t1"]}}
-    for end, t9 in (([], False), ([{"w": "w", "i": 8, "end": t + 8.5, "result": "SnapshotAborted", "error": "x"}],
-                                  True)):
+    aborted = {"w": "w", "i": 8, "end": t + 8.5, "result": "SnapshotAborted", "error": "x"}
+    for end, t9 in (([], False), ([aborted], True), ([{**aborted, "ranks": ["SnapshotAborted"] * 2}], True),
+                    ([{**aborted, "ranks": ["SnapshotAborted", "OutcomeUnknown"]}], False)):
         _journal(tmp_path, recs + [cput] + end)
         with tsck.open_store(url) as s:
             bad, _ = check.check_tiers(s, {**tiers, "t1": str(t1)}, check.load_ops(str(tmp_path)))

@@ -249,6 +249,38 @@ def test_a_rank_killed_after_its_done_still_sends_its_part(tmp_path, s3_url, s3_
             assert remote.fsck(full=True).findings == []
 
 
+@pytest.mark.slow
+def test_a_rank_whose_rank_0_died_publishing_keeps_its_part_to_send(tmp_path, s3_url, s3_server):
+    """Rank 0 is killed (SIGKILL) once snapshot A is published in its tier, before it told
+    rank 1. Rank 1 cannot ask rank 0's tier whether A was published: it reports
+    OutcomeUnknown (not SnapshotAborted, which would be false here) and keeps its part's
+    intent. After the restart rank 0's uploader sends A and waits for rank 1's part, which
+    rank 1's open sends from the intent: A becomes durable before B is put."""
+    world = 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    out = _run(tmp_path, "deadzero", cfg)
+    launcher = json.loads((out / "deadzero_launcher.json").read_text())
+    assert launcher.get("killed") == 0, launcher
+    r1 = json.loads((out / "deadzero_rank1.json").read_text())
+    assert r1["ok"], r1.get("error")
+    assert r1["outcome"] == "OutcomeUnknown", (r1["outcome"], r1.get("message"))
+    assert "rank 0's tier" in r1["message"] and REF in r1["message"], r1["message"]
+    assert r1["intents"] == 1
+    with tsck.open_store(tmp_path / "nodes" / "tier0", create=False) as t0:  # A, published there
+        root_a = t0.resolve(REF)
+        assert t0.show(root_a).step == 1
+    out = _run(tmp_path, "stuckresume", {**cfg, "root_a": root_a, "wipe": False, "first_a": True})
+    res = _results(out, "stuckresume", world)
+    assert [r["a_first"] for r in res] == [True, True], res
+    assert all(r["waited"] is True for r in res), [(r["waited"], r["wait_s"]) for r in res]
+    assert (res[1]["orphans"], res[1]["intents"]) == (1, 0), res[1]
+    assert res[0]["superseded"] == 0 and res[0]["durable"] == {res[0]["root"]: True, root_a: True}, res[0]
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve(REF) == res[0]["root"]
+        assert root_a in [i.root for i in remote.log(REF)]
+        assert remote.fsck(full=True).findings == []
+
+
 def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
     """The receiving side of the replicas (a real server on a real socket): a copy whose
     bytes are not the object of the address it is sent under, or that is damaged, is

@@ -302,6 +302,32 @@ def stuck_kill_body(rank, world, out, res, cfg):
     res["root"] = store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=20).root
 
 
+def dead_zero_body(rank, world, out, res, cfg):
+    """Snapshot A, collective through tiers; rank 0 is SIGKILLed once A is published in
+    its tier (the launcher kills it at the trap, before it hands the top nodes and the
+    result to the others). Rank 1 sees rank 0's heartbeat stop and cannot ask rank 0's
+    tier whether A was published: it records what it was told and whether its part's
+    intent to upload is still in its tier. Neither closes (the job died with rank 0)."""
+    import time
+
+    import tensorstore_ck as tsck
+    import tensorstore_ck.peers as peers
+    if rank == 0:
+        def trap(self, *args):
+            open(os.path.join(out, "trap_rank0"), "w").close()
+            time.sleep(120)
+        peers.CollectiveTier.top_blob = trap
+    store = _open(cfg, out, rank, "tier", {})
+    t0 = time.monotonic()
+    try:
+        res["root"] = store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=8).root
+        res["outcome"] = "returned"
+    except tsck.TsckError as e:
+        res["outcome"], res["message"] = type(e).__name__, str(e)
+    res["elapsed"] = time.monotonic() - t0
+    res["intents"] = len(store.core.refs.intents())
+
+
 def stuck_resume_body(rank, world, out, res, cfg):
     """The job restarted: rank 0's uploader resumes A, waiting for rank 1's part. Rank 1
     left its part's intent (killed before A's row) or A's row (killed after it): its open
@@ -343,6 +369,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         return [dw.launch(cfg["phase"], world, rload_body, out, cfg, limit=200)]
     if scenario == "stuckkill":
         return [dw.launch("stuckkill", world, stuck_kill_body, out, cfg, kill_rank=1, limit=200)]
+    if scenario == "deadzero":
+        return [dw.launch("deadzero", world, dead_zero_body, out, cfg, kill_rank=0, limit=200)]
     if scenario == "stuckresume":
         return [dw.launch("stuckresume", world, stuck_resume_body, out, cfg, limit=300)]
     if scenario == "tidy":

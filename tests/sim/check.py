@@ -422,8 +422,9 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           (one already named by an earlier entry of the ref's reflog: an upload resumed
           after its move must not move the ref again);
       T9  a rank's tier keeps no intent to upload its part of a collective put whose
-          outcome every rank heard (published: the row replaced it; aborted: dropped);
-          only a rank killed before hearing it leaves one, which its next open sends.
+          outcome that rank heard (published: the row replaced it; aborted: dropped);
+          only a rank killed before hearing it, or told OutcomeUnknown, leaves one,
+          which its next open sends.
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable})."""
     from tensorstore_ck.walk import walk_commit
     rt, bad = store.reftable, []
@@ -509,9 +510,13 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                         bad.append(f"T4 the remote catalog has {root[:16]} for a put through tier {tname}, which "
                                    f"never published that root: {put.brief()}")
             for part, rec in sorted(t.reftable.intents().items()):  # T9
+                def told(o: Op) -> str | None:  # what this tier's rank was told (None: killed first)
+                    ranks = o.out.get("ranks") or []
+                    k = list(o.args["rank_tiers"]).index(tname)
+                    return None if o.end is None else ranks[k] if k < len(ranks) else o.result
                 heard = [o for o in ops if o.op == "put" and tname in o.args.get("rank_tiers", ())[1:]
                          and (o.args.get("ref"), o.args.get("step")) == (rec.get("ref"), rec.get("step"))
-                         and o.end is not None and o.result not in ("OutcomeUnknown", "mismatch")]
+                         and told(o) in ("ok", "SnapshotAborted") and "mismatch" not in o.out]
                 if heard:
                     bad.append(f"T9 tier {tname} keeps the intent to upload part {part.hex()[:16]} of a collective "
                                f"put whose outcome every rank heard: {heard[0].brief()}")

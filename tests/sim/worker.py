@@ -264,7 +264,9 @@ class Worker:
                 p.stdin.write(line)
                 p.stdin.flush()
             outs = [self._rank_line(p, 150.0) for p in self.ranks]
+            heard = [o.get("result", "ok") for o in outs]  # what each rank was told (T9 judges each tier by its own)
             out = outs[0]
+            out["ranks"] = heard
             for r, o in enumerate(outs[1:], 1):  # every rank must hear the same outcome
                 if o.get("raw"):
                     out.update(raw=True, trace=f"rank {r}: " + o.get("trace", ""))
