@@ -875,8 +875,17 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
             return publisher.info(root)
         try:
             info = _await_result(ch, publisher, args, revalidate_mine, info_of, tiered=tier is not None)
-        except SnapshotAborted:
+        except SnapshotAborted as e:
             if tier is not None and "tree" in part:
+                if not ch.aborted:
+                    # No abort was won or read here: the c10d Store went away (it often lives in
+                    # rank 0's process). Rank 0 may have published in its tier: keep the intent.
+                    raise OutcomeUnknown(
+                        f"rank {rank}: the c10d Store went away while this rank waited for rank 0 to publish "
+                        f"{args.ref!r} in its local tier ({e}); this rank cannot ask rank 0's tier whether it "
+                        "did. This rank's part stays queued for upload (the next open of its tier sends it); "
+                        f"look at rank 0's tier (store.log({args.ref!r})) before taking the snapshot again",
+                        ref=args.ref) from e
                 tier.abandon(part["tree"])
             raise
         publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there
@@ -934,6 +943,7 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
     try:
         info = publisher.commit(
             top, args, stats=stats, fence=fence, meta_extra={"world": W}, timing=timing() if timing else None,
+            part0=None if tier is None else part["tree"],  # (rank 0's own part, in its tier: with the move)
             revalidate=lambda body, new_fence: _revalidation_round(ch, publisher, rounds, revalidate_mine,
                                                                    part["top"], body, new_fence))
     except OutcomeUnknown as e:

@@ -112,9 +112,7 @@ class CollectiveTier:
         """Every rank once the snapshot is published locally: queue its upload (rank 0: the
         snapshot; another rank: its part, the sub-tree `tree`); with replicas, send the
         part to the peers in the background."""
-        root = bytes.fromhex(info.root)
-        if rank0:  # (the others' rows carry theirs: adopt)
-            self.core.refs.mark_part0(root, tree)
+        root = bytes.fromhex(info.root)  # (rank 0's part is marked with its move, the others' by adopt)
         self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.peers is not None:
             self.peers.replicate(root, tree)

@@ -248,7 +248,8 @@ class Publisher:
                            revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
 
     def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,
-               meta_extra: dict | None = None, timing: Timing | None = None) -> SnapshotInfo:
+               meta_extra: dict | None = None, timing: Timing | None = None,
+               part0: bytes | None = None) -> SnapshotInfo:
         """Publish a manifest tree whose objects are all written: commit object,
         storage sync, then the fenced compare-and-swap of the ref. After a fenced move
         the commit waits out the deletion phase, takes a gc hold (no new phase opens
@@ -259,6 +260,9 @@ class Publisher:
         Without expected=, a writer that loses the race re-encodes only its small
         commit object with the new parent and tries again, so two writers on one ref
         both land in its history.
+
+        part0: rank 0's sub-tree, marked with the move (RefTable.compare_and_swap), when
+        this is rank 0's tier.
 
         timing: the put's durations go into the commit's stats (see Timing). Each
         commit that lands is logged at INFO (logger tensorstore_ck.publish), the line
@@ -287,7 +291,7 @@ class Publisher:
                        "meta": meta, "parent": parent, "tree": tree, **stats}
                 try:
                     self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {args.step}",
-                                                   catalog_row=row, fence=fence, hold=holder)
+                                                   catalog_row=row, fence=fence, hold=holder, part0=part0)
                 except Fenced:
                     if revalidate is None:
                         raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "

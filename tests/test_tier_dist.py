@@ -254,8 +254,9 @@ def test_a_rank_whose_rank_0_died_publishing_keeps_its_part_to_send(tmp_path, s3
     """Rank 0 is killed (SIGKILL) once snapshot A is published in its tier, before it told
     rank 1. Rank 1 cannot ask rank 0's tier whether A was published: it reports
     OutcomeUnknown (not SnapshotAborted, which would be false here) and keeps its part's
-    intent. After the restart rank 0's uploader sends A and waits for rank 1's part, which
-    rank 1's open sends from the intent: A becomes durable before B is put."""
+    intent; rank 0's tier, its part of A marked with its local move, checks clean. After the
+    restart rank 0's uploader sends A and waits for rank 1's part, which rank 1's open sends
+    from the intent: A becomes durable before B is put, and every tier checks clean."""
     world = 2
     cfg = _config(tmp_path, s3_url, s3_server, world)
     out = _run(tmp_path, "deadzero", cfg)
@@ -269,6 +270,9 @@ def test_a_rank_whose_rank_0_died_publishing_keeps_its_part_to_send(tmp_path, s3
     with tsck.open_store(tmp_path / "nodes" / "tier0", create=False) as t0:  # A, published there
         root_a = t0.resolve(REF)
         assert t0.show(root_a).step == 1
+        # killed right after its local move: its own part was marked with it, so the tier does
+        # not take A for a whole snapshot (it holds only rank 0's blocks)
+        assert t0.fsck(full=True).findings == []
     out = _run(tmp_path, "stuckresume", {**cfg, "root_a": root_a, "wipe": False, "first_a": True})
     res = _results(out, "stuckresume", world)
     assert [r["a_first"] for r in res] == [True, True], res
@@ -279,6 +283,9 @@ def test_a_rank_whose_rank_0_died_publishing_keeps_its_part_to_send(tmp_path, s3
         assert remote.resolve(REF) == res[0]["root"]
         assert root_a in [i.root for i in remote.log(REF)]
         assert remote.fsck(full=True).findings == []
+    for r in range(world):
+        with tsck.open_store(tmp_path / "nodes" / f"tier{r}", create=False) as t:
+            assert t.fsck(full=True).findings == [], (r, t.fsck(full=True).findings)
 
 
 def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):

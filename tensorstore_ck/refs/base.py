@@ -172,12 +172,14 @@ class RefTable(RefHistory, GcStateMachine, ABC):
 
     def compare_and_swap(self, name: str, expected: bytes | None, new: bytes, *, message: str,
                          catalog_row: dict | None = None, fence: int | None = None,
-                         hold: str | None = None) -> None:
+                         hold: str | None = None, part0: bytes | None = None) -> None:
         """Point `name` at `new` if it now points at `expected` (None: absent), appending
         to the reflog and storing `catalog_row` for `new` in the same transaction;
         RefConflict(expected, actual) otherwise. fence: the gc epoch the writer saw before it decided which objects exist
         (None: unfenced). The move is refused with Fenced if a deletion phase
-        started since, or is running. hold: the writer's gc_hold, released by the move."""
+        started since, or is running. hold: the writer's gc_hold, released by the move.
+        part0: rank 0's tier, its own sub-tree of the collective snapshot `new`, marked in
+        the same transaction (meta `part0:` root; unmarked, the tip would be walked whole)."""
         key = name.encode()
 
         def txn(t: Txn):
@@ -192,6 +194,8 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             t.put("refs", key, new)
             if catalog_row is not None:
                 t.put("catalog", new, encode_record(catalog_row))
+                if part0 is not None:
+                    t.put("meta", _PART0 + new, part0)
             _append_reflog(t, key, expected, new, message, "move", catalog_row)
 
         self._write(txn)
@@ -478,12 +482,6 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             return [p for p, _ in got]
         return self._write(txn)
 
-    def mark_part0(self, root: bytes, part: bytes) -> None:
-        """Rank 0's tier: its own sub-tree of collective snapshot `root` (meta `part0:`
-        root). The tier holds every node of the snapshot but only this part's blocks
-        (and the replicas it keeps): fsck asks for the rest only where it is present."""
-        self._write(lambda t: t.put("meta", _PART0 + root, part) if t.get("catalog", root) is not None else None)
-
     def verified_get(self, location: str) -> str | None:
         """A local tier: the store id an open found at remote `location` (meta `verified:`)."""
         v = self._read(lambda t: t.get("meta", _VERIFIED + location.encode()))
@@ -503,7 +501,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
 
     def parts(self, rank0: bool = True) -> dict[bytes, bytes]:
         """root -> this rank's sub-tree, for the collective snapshots of catalog_put_part
-        and (rank0) mark_part0."""
+        and (rank0) the move of rank 0's tier (compare_and_swap(part0=))."""
         def read(t):
             out = {k[len(_PART):]: v for k, v in t.items("meta", _PART)}
             if rank0:
