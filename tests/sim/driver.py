@@ -343,11 +343,15 @@ class Harness:
         hits, fenced, collective, collective_async = {}, 0, 0, 0  # the presence record, writers' holds, collective puts
         ctier = 0  # collective puts through the ranks' tiers (published there; their outcome remote is unknown)
         unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
+        kill0: dict = {}  # collective puts through tiers whose rank 0 died publishing: what rank 1 was told
         phases = 0  # deletion phases the round's gcs and prunes opened (writers fenced in each)
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
             unknown += 1 if o.w in ids and o.result == "OutcomeUnknown" else 0
             phases += (o.out.get("phases") or 0) if o.w in ids and o.ok and o.op in ("gc", "prune") else 0
             ctier += 1 if o.w in ids and o.result == "ok" and o.op == "put" and o.args.get("rank_tiers") else 0
+            if o.w in ids and o.op == "put" and o.args.get("kill0") and o.end is not None:
+                told = (o.out.get("ranks") or [None, None])[1]
+                kill0[told] = kill0.get(told, 0) + 1
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
                 fenced += o.out.get("fenced") or 0
@@ -355,6 +359,7 @@ class Harness:
                 collective_async += 1 if o.args.get("collective") and not o.args.get("blocking", True) else 0
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
                  f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
+                 f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "

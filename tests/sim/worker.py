@@ -254,6 +254,12 @@ class Worker:
             args["rank_tiers"] = [os.path.basename(t) for t in self.cfg["rank_tiers"]]
             args["tier"] = args["rank_tiers"][0]
         cmd = {"ref": ref, "step": step, "spec": spec, "async": asyn}
+        if self.cfg.get("rank_tiers") and random.Random(f"{self.cfg['seed']}-{self.wid}-{i}-k0").random() < 0.25:
+            # Rank 0 SIGKILLs itself once the snapshot is published in its tier, before the
+            # others hear it (its c10d Store goes with it): rank 1 cannot ask rank 0's tier,
+            # so it must say OutcomeUnknown and keep its part's intent (T9); the next round's
+            # opens send both (the tip never queued, the part from the intent).
+            args["kill0"] = cmd["kill0"] = True
         if self.rng.random() < 0.15:
             cur = s.reftable.get_or_none(ref)
             cmd["expected"] = args["expected"] = None if cur is None else cur.hex()
@@ -263,6 +269,11 @@ class Worker:
             for p in self.ranks:
                 p.stdin.write(line)
                 p.stdin.flush()
+            if cmd.get("kill0"):  # rank 0 is gone; rank 1 says what it could learn, then this worker dies
+                told = self._rank_line(self.ranks[1], 150.0)
+                self._die_after = True
+                return {"result": "OutcomeUnknown", "ranks": [None, told.get("result", "ok")],
+                        "rank1": {k: str(v)[:300] for k, v in told.items()}}
             outs = [self._rank_line(p, 150.0) for p in self.ranks]
             heard = [o.get("result", "ok") for o in outs]  # what each rank was told (T9 judges each tier by its own)
             out = outs[0]
@@ -495,6 +506,9 @@ class Worker:
                     out = _err(e)
                 out.setdefault("result", "ok")
                 self.j.write(i=i, end=time.time(), **out)
+                if getattr(self, "_die_after", False):  # its ranks' group is broken: as torchrun would
+                    self.j.write(kill="rank", op="cput", key="rank 0 killed itself publishing (planned)")
+                    os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(self.rng.random() * cfg.get("pause", 0.05))
         finally:
             if cfg.get("tier"):
