@@ -37,6 +37,7 @@ class HoldAfter(WrappedStore):
         super().__init__(inner)
         self.n, self.keys = n, []
         self.gate, self.waiting = threading.Event(), threading.Event()
+        self.landed = threading.Semaphore(0)  # released as each of the first n writes lands
         self._lock = threading.Lock()
 
     def put_addressed(self, key, bufs):
@@ -47,7 +48,10 @@ class HoldAfter(WrappedStore):
         if not mine:
             self.waiting.set()
             assert self.gate.wait(DEADLINE)
-        return self.inner.put_addressed(key, bufs)
+        out = self.inner.put_addressed(key, bufs)
+        if mine:
+            self.landed.release()
+        return out
 
 
 def test_a_local_only_snapshot_keeps_nothing_alive_remotely(tmp_path):
@@ -59,6 +63,8 @@ def test_a_local_only_snapshot_keeps_nothing_alive_remotely(tmp_path):
     held = wrapped[0]
     info = store.put_snapshot(_state(1), "job/main", step=1)
     assert held.waiting.wait(DEADLINE)
+    for _ in range(held.n):  # (the writes let through may still be under way when the next one waits)
+        assert held.landed.acquire(timeout=DEADLINE)
     remote = store.remote_core
     assert bytes.fromhex(info.root) not in kept_roots(remote)
     report = run_gc(remote, grace=0.0)
