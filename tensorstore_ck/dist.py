@@ -874,18 +874,19 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
                 tier.adopt(bytes(root), ch.get("tier"), part["tree"])
             return publisher.info(root)
         try:
-            info = _await_result(ch, publisher, args, revalidate_mine, info_of, tiered=tier is not None)
+            info = _await_result(ch, publisher, args, revalidate_mine, info_of)
         except SnapshotAborted as e:
             if tier is not None and "tree" in part:
                 if not ch.aborted:
-                    # No abort was won or read here: the c10d Store went away (it often lives in
-                    # rank 0's process). Rank 0 may have published in its tier: keep the intent.
+                    # No abort was won or read here, only inferred (rank 0 silent after its
+                    # commit claim, or the c10d Store gone, which often lives in rank 0's
+                    # process). Rank 0 publishes in its own tier, which this rank cannot ask:
+                    # it may have published, and its uploader would wait for this part.
                     raise OutcomeUnknown(
-                        f"rank {rank}: the c10d Store went away while this rank waited for rank 0 to publish "
-                        f"{args.ref!r} in its local tier ({e}); this rank cannot ask rank 0's tier whether it "
-                        "did. This rank's part stays queued for upload (the next open of its tier sends it); "
-                        f"look at rank 0's tier (store.log({args.ref!r})) before taking the snapshot again",
-                        ref=args.ref) from e
+                        f"rank {rank}: rank 0 did not tell this rank the outcome of its put to {args.ref!r} ({e}); "
+                        "through local tiers this rank cannot ask rank 0's tier whether it published. This "
+                        "rank's part stays queued for upload (the next open of its tier sends it); look at rank "
+                        f"0's tier (store.log({args.ref!r})) before taking the snapshot again", ref=args.ref) from e
                 tier.abandon(part["tree"])
             raise
         publisher.assets.presence.settle(part.get("fence", fence))  # published: what this rank wrote is there
@@ -1090,14 +1091,13 @@ def _serve_revalidation(ch: _Channel, done: int, revalidate_mine) -> int:
     return n
 
 
-def _await_result(ch: _Channel, publisher, args, revalidate_mine, info_of=None, tiered: bool = False):
+def _await_result(ch: _Channel, publisher, args, revalidate_mine, info_of=None):
     """A rank other than 0, its part written: block on the outcome, re-validating its
     part whenever rank 0 asks (a gc deletion phase fenced the move). Once rank 0 has
     claimed "commit", this rank's deadline no longer aborts: it waits for the result as
     long as rank 0's heartbeat moves; if it stops for `timeout` (rank 0 dead or stopped)
-    or the Store goes away, it asks the ref table whether the ref moved to the snapshot.
-    Through tiers (`tiered`) rank 0 publishes in its own tier, which this rank cannot ask:
-    the outcome is unknown, and the part's intent to upload stays."""
+    or the Store goes away, it asks the ref table whether the ref moved to the snapshot
+    (through tiers its own tier's, which cannot know: _put says OutcomeUnknown then)."""
     done = [0]  # re-validation rounds done: the outcome's key is _result_key(done[0])
     info_of = info_of or publisher.info
 
@@ -1120,12 +1120,12 @@ def _await_result(ch: _Channel, publisher, args, revalidate_mine, info_of=None, 
                     return info_of(Digest.parse(root.decode()))
         except _CommitUnderWay:
             pass
-        return _await_result_alive(ch, publisher, args, done, outcome, info_of, tiered)
+        return _await_result_alive(ch, publisher, args, done, outcome, info_of)
     except _RevalFailed as e:
         raise e.args[0] from e.__cause__
 
 
-def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome, info_of, tiered: bool = False):
+def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome, info_of):
     try:
         last, seen = None, time.monotonic()
         while True:
@@ -1148,14 +1148,6 @@ def _await_result_alive(ch: _Channel, publisher, args, done: list, outcome, info
         raise
     except Exception:  # noqa: BLE001 - the store went away
         pass
-    if tiered:
-        # Rank 0 may have published in its tier (and its uploader would wait for this
-        # rank's part): "aborted" could be false, so the part stays to be sent.
-        raise OutcomeUnknown(
-            f"rank {ch.rank}: rank 0 began publishing {args.ref!r} in its local tier, then showed no sign of life "
-            f"for {ch.timeout:g}s (dead or stopped); this rank cannot ask rank 0's tier whether it did. This rank's "
-            "part stays queued for upload (the next open of its tier sends it); look at rank 0's tier "
-            f"(store.log({args.ref!r})) before taking the snapshot again", ref=args.ref)
     decided = b""
     try:
         decided = ch.kv.get(ch.pfx + "decided")

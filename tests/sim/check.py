@@ -519,7 +519,7 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                          and told(o) in ("ok", "SnapshotAborted") and "mismatch" not in o.out]
                 if heard:
                     bad.append(f"T9 tier {tname} keeps the intent to upload part {part.hex()[:16]} of a collective "
-                               f"put whose outcome every rank heard: {heard[0].brief()}")
+                               f"put whose outcome its rank heard: {heard[0].brief()}")
             for name in sorted(refs):  # T8
                 seen: set[str] = set()
                 for e in rt.reflog(name):

@@ -143,6 +143,8 @@ JOURNAL_AS = {"cput": "put"}
 
 
 class Worker:
+    _die_after = False  # a planned rank-0 kill broke its ranks' group: this worker dies next
+
     def __init__(self, cfg: dict, cfg_path: str = ""):
         self.cfg = cfg
         self.cfg_path = cfg_path
@@ -506,7 +508,7 @@ class Worker:
                     out = _err(e)
                 out.setdefault("result", "ok")
                 self.j.write(i=i, end=time.time(), **out)
-                if getattr(self, "_die_after", False):  # its ranks' group is broken: as torchrun would
+                if self._die_after:  # its ranks' group is broken: as torchrun would
                     self.j.write(kill="rank", op="cput", key="rank 0 killed itself publishing (planned)")
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(self.rng.random() * cfg.get("pause", 0.05))
