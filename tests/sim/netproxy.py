@@ -327,11 +327,15 @@ class NetProxy:
                         self.drops += 1
                     self._after_fault()
                     break
+                # Read before forwarding: once this answer is through, the client may send
+                # its COMMIT (which arms dark_after) before the check below runs, and the
+                # blackout would then cut the COMMIT instead of following its answer.
+                dark = k.dark_after
                 k.c.sendall(data)
                 # The blackout starts once the whole answer is through: it ends with
                 # PostgreSQL's ReadyForQuery ('Z', length 5, status); a reply the server
                 # sent in pieces would otherwise be cut after its first one.
-                if k.dark_after and data[-6:-1] == b"Z\x00\x00\x00\x05":
+                if dark and data[-6:-1] == b"Z\x00\x00\x00\x05":
                     k.dark_after = False
                     self._after_fault()
         except OSError:
