@@ -298,6 +298,7 @@ class Harness:
         ready: dict[int, float] = {}
         killed = stuck = 0
         stuck_pids: set = set()
+        driver_pids: set = set()  # SIGKILLed by a driver kill (a worker may have ended meanwhile)
         hard_stop = time.time() + 60  # none got ready (an open that hangs)
         while any(p.poll() is None for p in procs):
             now = time.time()
@@ -313,6 +314,7 @@ class Harness:
                 if procs[kill[1]].poll() is None:
                     procs[kill[1]].send_signal(signal.SIGKILL)
                     killed += 1
+                    driver_pids.add(procs[kill[1]].pid)
             if live is not None:
                 self._live_recover_tick(live, rng, now)
             if now > hard_stop:
@@ -329,7 +331,9 @@ class Harness:
                     bad.append(f"I4 worker {c['id']} exited {p.returncode}: {f.read()[-1500:]}")
         net = self.net.end_round()  # held COMMITs land now, after their clients gave up
         t_work = time.time() - t0
-        self_killed = sum(1 for p in procs if p.returncode == -signal.SIGKILL) - killed - stuck
+        # by the worker itself (Worker._die_after): SIGKILLed, and not by this driver
+        self_killed = sum(1 for p in procs if p.returncode == -signal.SIGKILL
+                          and p.pid not in driver_pids and p.pid not in stuck_pids)
         recovered = rng.random() < fl["recover_p"]
         t1 = time.time()
         if recovered:
