@@ -26,6 +26,7 @@ import re
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -159,8 +160,8 @@ class Assets:
         self.codecs = codecs
         self._local = threading.local()
         self.presence = Presence(KIND_PREFIX)
-        # Given (digest, bufs) of each block this Assets writes new, as it is written: a
-        # local tier's early upload (upload.Uploader.tee). It must not block or raise.
+        # Given (kind, digest, bufs) of each block and node this Assets writes new, as it
+        # is written: a local tier's uploader (upload.Uploader.tee). It must not block or raise.
         self.tee = None
         # The current gc deletion epoch (read from the ref table), for readers that consult
         # `presence`; None: no ref table, the record is never used to read.
@@ -220,8 +221,8 @@ class Assets:
                                     shuffle_itemsize=itemsize if c == "shuffle" else 0,
                                     float_itemsize=itemsize if c == "float" else 0)
         new = self.storage.put_addressed(key, bufs)
-        if new and kind == frame.KIND_BLOCK and self.tee is not None:
-            self.tee(d, bufs)
+        if new and kind != frame.KIND_COMMIT and self.tee is not None:
+            self.tee(kind, d, bufs)
         if not new and not ask:
             # It was there after all: judge it by its size, as the HEAD would have.
             size = self.storage.size_of(key)
@@ -295,11 +296,24 @@ class Assets:
             raise
 
     # -- copying between stores (a local tier's uploads) ---------------------------
-    def stored_frame(self, kind: str, d: bytes) -> bytes:
+    def stored_frame(self, kind: str, d: bytes, written: tuple[int, int] | None = None) -> bytes:
         """The stored bytes of object `d` of `kind` ("block", "node", "commit"), checked
         (frame, length, BLAKE3) before they go anywhere: a damaged local copy is an
-        IntegrityError here, never a remote object."""
-        err, data = self.verify_stored(_key(kind + "s", d))
+        IntegrityError here, never a remote object.
+
+        written: (length, CRC32) of the frame this process encoded for `d` and wrote here
+        (upload.Uploader.tee, taken from the bytes as they were written). Bytes that match
+        both are that frame, which was encoded from the bytes hashed to `d`: one read and a
+        CRC32 instead of a decode and a BLAKE3. Any mismatch is judged whole, as without."""
+        key = _key(kind + "s", d)
+        if written is not None:
+            try:
+                data = self.storage.get(key, written[0] + 1)
+            except FileNotFoundError:
+                data = None
+            if data is not None and len(data) == written[0] and zlib.crc32(data) == written[1]:
+                return data
+        err, data = self.verify_stored(key)
         if err is not None:
             raise err
         return data
@@ -318,25 +332,27 @@ class Assets:
             self.presence.add(fk, d, fence)
         return new
 
-    def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None) -> bool:
+    def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None,
+                  written: tuple[int, int] | None = None) -> bool:
         """Store object `d` of `kind` as `src` stores it (same address, same bytes: no
         decode, no re-encode; src.stored_frame checks it first) unless this store has it:
         known present under `fence` (Presence), found by a HEAD, or (a warm record on an
-        object store) refused by the conditional PUT. What is found is judged by its size
-        as a put judges it (src's 16-byte header gives the raw length, so a found object
-        costs no read of its bytes). -> whether it was written."""
+        object store, or an object src's process wrote new: `written`, see stored_frame)
+        refused by the conditional PUT. What is found is judged by its size as a put
+        judges it (src's 16-byte header gives the raw length, so a found object costs no
+        read of its bytes). -> whether it was written."""
         fk = _FRAME_KIND[kind]
         if self.presence.known(fk, d, fence):
             return False
         key = _key(kind + "s", d)
         # As _put: once a snapshot under this epoch told us what exists, a miss is most
         # likely new, and on an object store the conditional PUT is the question and the
-        # write in one request.
-        ask = self.storage.local or not self.presence.warm(fence)
+        # write in one request. So is an object that was new where it comes from.
+        ask = self.storage.local or (written is None and not self.presence.warm(fence))
         if ask and self._found(src, kind, key, d):
             self.presence.add(fk, d, fence)
             return False
-        data = src.stored_frame(kind, d)
+        data = src.stored_frame(kind, d, written)
         new = self.storage.put_addressed(key, [data])
         if not new and not ask and not self._found(src, kind, key, d):
             new = self.storage.put_addressed(key, [data])  # it was damaged: moved aside, stored again

@@ -26,11 +26,15 @@ import logging
 import os
 import threading
 import time
+import zlib
 
 from .core import Core
 from .errors import GcBusy, IntegrityError, NotAStore, StorageError, TsckError, UnreadableObject
+from .format import frame
 from .publish import Publisher
 from .walk import walk_commit
+
+_FRAME_KIND = {"block": frame.KIND_BLOCK, "node": frame.KIND_NODE}
 
 __all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer", "fit_budget"]
 
@@ -44,6 +48,11 @@ TEE_BYTES = 256 << 20
 # (request signing, the HTTP client) cost about as much CPU per byte as the put itself,
 # which on a small host is taken from the put (docs/PERFORMANCE.md, "The local tier").
 EARLY_UPLOAD_CORES = 8
+
+
+# Objects this process's puts wrote new in the tier that the uploader remembers at once
+# (Uploader.tee); past this the record starts afresh (an object it forgot is checked whole).
+WRITTEN_MAX = 1 << 16
 
 
 def early_default() -> bool:
@@ -86,7 +95,14 @@ class Uploader:
         self._tee_fence: int | None = None  # the remote fence, read before the put wrote
         self._tee_bytes = 0  # bytes held by sends in flight (bounded by TEE_BYTES)
         self.teed = self.tee_dropped = 0
-        local.assets.tee = self.tee if early else None
+        self.early = early
+        # (kind, digest) -> (length, CRC32) of each block and node this process's puts
+        # wrote new here, as written (tee). The upload checks the tier's copy against them
+        # (Assets.stored_frame) and sends it as the conditional PUT alone: new here, most
+        # likely new there (Assets.copy_from). Forgotten once sent.
+        self._written: dict[tuple[int, bytes], tuple[int, int]] = {}
+        self.sent_written = 0  # objects copied with such a record (tests)
+        local.assets.tee = self.tee
         self._requeue_unqueued()
         # Queued by an earlier process: its upload may have moved the remote ref already.
         self._resumed = {seq for seq, _ in local.refs.upload_pending()}
@@ -227,15 +243,24 @@ class Uploader:
         if not self._forked and not self._stop:
             self._tee_fence = self.publisher.fence()
 
-    def tee(self, d: bytes, bufs) -> None:
-        """A new block the local tier just wrote: send a copy of its stored bytes to the
-        remote now, best effort. The uploader stays the authority: it walks the snapshot
+    def tee(self, kind: int, d: bytes, bufs) -> None:
+        """A new block or node the local tier just wrote: its frame's length and CRC32
+        recorded for its upload (see _written); with the early upload, a block's stored
+        bytes also sent to the remote now, best effort. The uploader stays the authority: it walks the snapshot
         after publication and sends whatever this did not (a send dropped because
         TEE_BYTES were in flight, one that failed, one of a later gc phase's epoch), and
         the remote ref moves only after it. A block sent here and never named remotely
         (the put failed, the process died) is garbage to the remote gc, as any orphan."""
+        n = crc = 0
+        for b in bufs:  # zlib releases the GIL over large buffers
+            crc = zlib.crc32(b, crc)
+            n += memoryview(b).nbytes
+        with self._cond:
+            if len(self._written) >= WRITTEN_MAX:
+                self._written.clear()
+            self._written[(kind, d)] = (n, crc)
         fence = self._tee_fence
-        if fence is None or self._forked or self._stop:
+        if not self.early or kind != frame.KIND_BLOCK or fence is None or self._forked or self._stop:
             return
         data = b"".join(bufs)  # the put's buffers are reused once it returns
         with self._cond:
@@ -470,7 +495,14 @@ class Uploader:
         self.remote.assets.sync()
 
     def _copy(self, kind: str, d: bytes, fence: int) -> bool:
-        return self.remote.assets.copy_from(self.local.assets, kind, d, fence)
+        fk = _FRAME_KIND.get(kind)
+        written = self._written.get((fk, d)) if fk is not None else None
+        new = self.remote.assets.copy_from(self.local.assets, kind, d, fence, written)
+        if written is not None:
+            with self._cond:
+                self._written.pop((fk, d), None)
+                self.sent_written += 1
+        return new
 
 
 # -- the byte budget ----------------------------------------------------------------

@@ -419,7 +419,7 @@ def test_early_upload_defaults_by_the_hosts_cores_and_checks_its_value(tmp_path)
     for given, want in ((None, (os.cpu_count() or 1) >= upload.EARLY_UPLOAD_CORES), (True, True), (False, False)):
         with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                              inline_threshold=256, early_upload=given) as store:
-            assert (store.assets.tee is not None) is want, given
+            assert store._uploader.early is want, given
     for bad in ("yes", 1, 0.0):
         with pytest.raises(tsck.InvalidArgument, match="early_upload"):
             tsck.open_store(str(tmp_path / "r2"), local=str(tmp_path / "n2"), early_upload=bad)

@@ -1,0 +1,195 @@
+"""What a tiered store's own puts wrote is uploaded without asking the remote first and
+without a second decode: the uploader keeps, for each block and node its process wrote
+new in the tier, the frame's length and CRC32 taken from the bytes as they were written
+(upload.Uploader.tee). Its upload checks the tier's copy against them (one read, one
+CRC32, not a decode and a BLAKE3) and sends it as the conditional PUT alone; a copy that
+changed since is judged whole, as any other (docs/design/tiers.md, "What this process
+wrote").
+
+Against a real S3 server (moto, or radosgw via TEST_S3_ENDPOINT): its HEADs and PUTs are
+counted by a WrappedStore around the real S3 store."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+from tensorstore_ck.format import frame
+from tensorstore_ck.storage.wrappers import WrappedStore
+
+BS = 16 * 1024
+DEADLINE = 120.0
+
+pytestmark = pytest.mark.slow  # a real S3 server
+
+
+class Asked(WrappedStore):
+    """Counts the questions (HEADs) and the writes that reach the remote, by key prefix."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.asked: list[str] = []
+        self.written: list[str] = []
+        self._lock = threading.Lock()
+
+    def size_of(self, key):
+        with self._lock:
+            self.asked.append(key)
+        return self.inner.size_of(key)
+
+    def exists(self, key):
+        with self._lock:
+            self.asked.append(key)
+        return self.inner.exists(key)
+
+    def put_addressed(self, key, bufs):
+        new = self.inner.put_addressed(key, bufs)
+        if new:
+            with self._lock:
+                self.written.append(key)
+        return new
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g),
+            "step": torch.tensor(seed)}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(x.equal(y) for x, y in ((a[k], b[k]) for k in a))
+
+
+def _open(s3_url, s3_server, tmp_path, local: str, wrapped: list, **kw) -> tsck.Store:
+    return tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server, block_size=BS,
+                           inline_threshold=256, local=str(tmp_path / local), early_upload=False,
+                           wrap_storage=lambda s: wrapped.append(Asked(s)) or wrapped[-1], **kw)
+
+
+def _objects(tier) -> dict[str, set[str]]:
+    return {kind: {p.name for p in (tier / kind).rglob("*") if p.is_file()} for kind in ("blocks", "nodes")}
+
+
+def test_an_upload_sends_what_its_process_wrote_without_asking_first(s3_url, s3_server, tmp_path):
+    """A fresh process's first upload (a cold presence record, which asks the remote about
+    every object before it writes) sends the blocks and nodes its put wrote with no HEAD,
+    each checked by its recorded CRC32; the remote then holds a whole snapshot. A second
+    snapshot that changes one tensor again asks nothing about what it wrote new."""
+    wrapped: list[Asked] = []
+    store = _open(s3_url, s3_server, tmp_path, "nvme", wrapped)
+    state = _state(1)
+    store.put_snapshot(state, "job/main", step=1)
+    assert store.wait_durable(timeout=DEADLINE)
+    remote, up = wrapped[0], store._uploader
+    wrote = _objects(tmp_path / "nvme")
+    n = len(wrote["blocks"]) + len(wrote["nodes"])
+    assert len(wrote["blocks"]) == 5 and n > 5
+    assert not [k for k in remote.asked if k.startswith(("blocks/", "nodes/"))], remote.asked
+    assert up.sent_written == n and not up._written
+    assert sorted(k.rsplit("/", 1)[1] for k in remote.written if k.startswith("blocks/")) == sorted(wrote["blocks"])
+
+    state["b"] = state["b"] + 1
+    asked = len(remote.asked)
+    info = store.put_snapshot(state, "job/main", step=2)
+    assert store.wait_durable(timeout=DEADLINE)
+    assert not [k for k in remote.asked[asked:] if k.startswith(("blocks/", "nodes/"))]
+    store.close()
+    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as direct:
+        assert direct.resolve("job/main") == info.root
+        assert direct.fsck().ok
+        assert _equal(direct.checkout("job/main"), state)
+
+
+def test_what_a_new_tier_wrote_that_the_remote_has_is_found_not_written_again(s3_url, s3_server, tmp_path):
+    """The guess 'new here, so new there' is only a guess: a tier made afresh (its disk
+    lost) writes the same blocks again, and its upload's conditional PUTs find them in the
+    remote; each is then judged by its size (a HEAD, as dedup does) and skipped, never
+    written twice, and the snapshot is durable."""
+    wrapped: list[Asked] = []
+    state = _state(2)
+    with _open(s3_url, s3_server, tmp_path, "nvme", wrapped) as first:
+        first.put_snapshot(state, "job/main", step=1)
+        assert first.wait_durable(timeout=DEADLINE)
+    blocks = {k for k in wrapped[0].written if k.startswith("blocks/")}
+    assert len(blocks) == 5
+    with _open(s3_url, s3_server, tmp_path, "nvme2", wrapped) as second:
+        info = second.put_snapshot(state, "job/main", step=2)
+        assert second.wait_durable(timeout=DEADLINE)
+        up = second._uploader
+        assert up.sent_written >= 5 and up.skipped >= 5
+    again = wrapped[1]
+    assert not [k for k in again.written if k.startswith("blocks/")], again.written
+    assert blocks <= set(again.asked)  # each refused create was judged by a HEAD
+    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as direct:
+        assert direct.resolve("job/main") == info.root
+        assert direct.fsck().ok
+        assert _equal(direct.checkout("job/main"), state)
+
+
+def _held(store) -> threading.Event:
+    """Hold the uploader before its next snapshot until the returned event is set."""
+    up, gate = store._uploader, threading.Event()
+    orig = up._upload
+
+    def held(seq, entry):
+        assert gate.wait(DEADLINE)
+        return orig(seq, entry)
+
+    up._upload = held
+    return gate
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_tier_copy_damaged_after_it_was_written_is_never_sent(s3_url, s3_server, tmp_path, damage):
+    """A block changed in the tier after its put wrote it (one byte flipped, or cut short)
+    no longer matches the recorded CRC32; judged whole, it is damaged: the uploader stops
+    with the IntegrityError naming it, the remote never receives it and its ref does not
+    move."""
+    wrapped: list[Asked] = []
+    store = _open(s3_url, s3_server, tmp_path, "nvme", wrapped)
+    gate = _held(store)
+    store.put_snapshot(_state(3), "job/main", step=1)
+    victim = sorted(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file())[0]
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        del data[-100:]
+    victim.write_bytes(bytes(data))
+    gate.set()
+    with pytest.raises(tsck.IntegrityError) as e:
+        store.wait_durable(timeout=DEADLINE)
+    assert victim.name in str(e.value)
+    assert not [k for k in wrapped[0].written if victim.name in k]
+    assert store.remote_core.refs.get_or_none("job/main") is None
+    store.close()
+
+
+def test_a_tier_copy_rewritten_whole_since_is_checked_and_sent(s3_url, s3_server, tmp_path):
+    """A block whose tier copy is another healthy frame of the same bytes (here stored
+    raw, as another writer may have) does not match the record either; judged whole it is
+    sound, and it is sent as it is now stored."""
+    wrapped: list[Asked] = []
+    store = _open(s3_url, s3_server, tmp_path, "nvme", wrapped, compression="float")
+    gate = _held(store)
+    state = _state(4)
+    info = store.put_snapshot(state, "job/main", step=1)
+    victim = sorted(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file())[0]
+    old = victim.read_bytes()
+    hdr = frame.decode_header(old[:frame.HEADER_SIZE])
+    assert hdr.codec == frame.CODEC_FLOAT  # so that the raw frame differs
+    raw = bytes(frame.decode_payload(hdr, memoryview(old)[frame.HEADER_SIZE:]))
+    new = b"".join(bytes(b) for b in frame.encode_payload(raw, frame.KIND_BLOCK, compress=False))
+    victim.write_bytes(new)
+    gate.set()
+    assert store.wait_durable(timeout=DEADLINE)
+    store.close()
+    key = f"blocks/{victim.parent.name}/{victim.name}"
+    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as direct:
+        assert direct.resolve("job/main") == info.root
+        assert direct.storage.get(key) == new
+        assert direct.fsck().ok
+        assert _equal(direct.checkout("job/main"), state)
