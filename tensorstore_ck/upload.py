@@ -246,19 +246,23 @@ class Uploader:
     def tee(self, kind: int, d: bytes, bufs) -> None:
         """A new block or node the local tier just wrote: its frame's length and CRC32
         recorded for its upload (see _written); with the early upload, a block's stored
-        bytes also sent to the remote now, best effort. The uploader stays the authority: it walks the snapshot
-        after publication and sends whatever this did not (a send dropped because
+        bytes also sent to the remote now, best effort. The uploader stays the authority:
+        it walks the snapshot after publication and sends whatever this did not (a send dropped because
         TEE_BYTES were in flight, one that failed, one of a later gc phase's epoch), and
         the remote ref moves only after it. A block sent here and never named remotely
         (the put failed, the process died) is garbage to the remote gc, as any orphan."""
-        n = crc = 0
-        for b in bufs:  # zlib releases the GIL over large buffers
-            crc = zlib.crc32(b, crc)
-            n += memoryview(b).nbytes
-        with self._cond:
-            if len(self._written) >= WRITTEN_MAX:
-                self._written.clear()
-            self._written[(kind, d)] = (n, crc)
+        try:
+            n = crc = 0
+            for b in bufs:  # zlib releases the GIL over large buffers
+                crc = zlib.crc32(b, crc)
+                n += memoryview(b).nbytes
+        except (TypeError, ValueError, BufferError):  # never the put's failure: no record, checked whole
+            n = None
+        if n is not None:
+            with self._cond:
+                if len(self._written) >= WRITTEN_MAX:
+                    self._written.clear()
+                self._written[(kind, d)] = (n, crc)
         fence = self._tee_fence
         if not self.early or kind != frame.KIND_BLOCK or fence is None or self._forked or self._stop:
             return
