@@ -408,27 +408,44 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           and block walked and found);
       T2  a snapshot a tier marked durable is in the remote catalog (unless a user's
           retention, delete_ref or forget may have dropped it there since);
-      T3  every tier passes its own fsck (nothing in the harness damages a tier's disk);
+      T3  every tier passes its own fsck, but for the blocks a writer damaged on its
+          tier's disk (worker op "rot"), which its fsck must name;
       T4  one root in every tier: a remote catalog row or ref tip whose spec a tier's put
           published is that tier's root (the put's own, if it returned), on the same ref,
           and its row holds the same spec;
       T5  every snapshot in a tier's catalog, and every tier ref tip, checks out of the
-          tier bit-exact against its spec;
+          tier bit-exact against its spec (or fails naming a block damaged there);
       T6  wait_durable() that said True left the newest earlier put of each of the
           caller's refs marked durable (older ones may be skipped by the backlog rule);
-      T7  no uploader stopped on damage (IntegrityError at close()) and no close() raised
-          a raw exception;
+      T7  no uploader stopped on damage (IntegrityError at close()) but the damage done
+          to its tier's disk, and no close() raised a raw exception;
       T8  an uploader never moves a remote ref back to a tier snapshot the ref had left
           (one already named by an earlier entry of the ref's reflog: an upload resumed
           after its move must not move the ref again);
       T9  a rank's tier keeps no intent to upload its part of a collective put whose
           outcome that rank heard (published: the row replaced it; aborted: dropped);
           only a rank killed before hearing it, or told OutcomeUnknown, leaves one,
-          which its next open sends.
+          which its next open sends;
+      T10 a block damaged on a tier's disk never reaches the remote damaged: if the
+          remote holds it, its copy there is whole (it left from memory, or before).
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable})."""
     from tensorstore_ck.walk import walk_commit
     rt, bad = store.reftable, []
     stats = {"puts": 0, "durable": 0}
+    rotted: dict[str, set[str]] = {}  # tier -> the digests of the blocks a writer damaged there
+    for o in ops:
+        if o.op == "rot" and o.ok and o.out.get("key"):
+            rotted.setdefault(o.args["tier"], set()).add(o.out["key"].rsplit("/", 1)[-1])
+
+    def damaged(tname: str, text: str) -> bool:
+        return any(h in text for h in rotted.get(tname, ()))
+    for tname, hexes in sorted(rotted.items()):  # T10
+        for h in sorted(hexes):
+            key = f"blocks/{h[:2]}/{h}"
+            if store.assets.storage.size_of(key) is not None:
+                err, _ = store.assets.verify_stored(key)
+                if err is not None:
+                    bad.append(f"T10 block {h[:16]}, damaged in tier {tname}, reached the remote damaged: {err}")
     catalog = {r.hex(): row for r, row in rt.catalog_iter()}
     refs = {n: r.hex() for n, r in rt.list()}
     for name, root in sorted(refs.items()):  # T1
@@ -448,6 +465,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
         if o.op == "durable" and o.ok and o.out.get("unmarked"):
             bad.append(f"T6 wait_durable said True but these earlier puts are not marked durable: "
                        f"{[r[:16] for r in o.out['unmarked']]}: {o.brief()}")
+        if o.op == "close" and o.result == "IntegrityError" and damaged(o.args.get("tier", ""), o.out.get("error", "")):
+            continue  # its uploader found the damage done to its disk, and stopped there
         if o.op == "close" and (o.result == "IntegrityError" or o.out.get("raw")):
             bad.append(f"T7 close() of a tiered store raised {o.result}: {o.brief()} {o.out.get('trace', '')[-800:]}")
     remote_by_spec: dict[tuple, list] = {}
@@ -462,7 +481,7 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
             continue
         with t:
             rep = t.fsck(full=True)
-            bad += [f"T3 tier {tname} fsck: {f}" for f in rep.findings[:20]]
+            bad += [f"T3 tier {tname} fsck: {f}" for f in rep.findings[:20] if not damaged(tname, str(f))]
             lcat = {r.hex(): row for r, row in t.reftable.catalog_iter()}
             marked = {r.hex() for r in t.reftable.durable(bytes.fromhex(r) for r in lcat)}
             stats["puts"] += len(lcat)
@@ -472,13 +491,13 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
             parts = {r.hex() for r in t.reftable.parts()}
             for root in sorted(set(lcat) - parts):  # T5
                 why = verify_root(t, bytes.fromhex(root))
-                if why is not None:
+                if why is not None and not damaged(tname, why):
                     bad.append(f"T5 tier {tname} snapshot {root[:16]}: {why}")
             for name, root in t.reftable.list():
                 if root.hex() in parts:
                     continue
                 why = verify_root(t, root, name)
-                if why is not None:
+                if why is not None and not damaged(tname, why):
                     bad.append(f"T5 tier {tname} ref {name} -> {root.hex()[:16]}: {why}")
             for root, lrow in sorted(lcat.items()):
                 spec = (lrow.get("meta") or {}).get("sim") or {}

@@ -49,7 +49,8 @@ their uploads are killed at the uploader's stages and at random, and check.check
 judges T1-T9 (a remote ref names no missing object; a durable mark means the remote
 catalog has it; each tier passes its fsck; one root in every tier; tier checkouts
 bit-exact; wait_durable's True; no close() on damage; no ref moved back; no part intent left
-by a rank that heard its put's outcome). To I1-I9 such a put is of unknown
+by a rank that heard its put's outcome; a block damaged on a tier's disk, worker op rot,
+never reaches the remote damaged: T10, and only it excuses T3, T5 and T7). To I1-I9 such a put is of unknown
 outcome: it reaches the remote only if and when an uploader gets there.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
@@ -153,7 +154,7 @@ for _f in FLAVORS.values():
     _f.setdefault("ctier_p", 0.3)
 FLAVORS["recover-live"]["tier_p"] = 0.0  # the table is rebuilt under the writers there: not mixed with tiers
 # --focus tier: every round has tier writers, their uploaders killed more often.
-FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6)
+FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6, rot_p=0.3)
 # Collective puts through local tiers: in a round drawn with probability ctier_p (a stream
 # of its own), the first worker's ranks open the store each through its own tier (RANK_TIERS,
 # one per rank, kept across rounds: rank 0's tier c0, rank 1's c1), rank 0's tier pruned by
@@ -349,7 +350,11 @@ class Harness:
         unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
         kill0: dict = {}  # collective puts through tiers whose rank 0 died publishing: what rank 1 was told
         phases = 0  # deletion phases the round's gcs and prunes opened (writers fenced in each)
+        rots = stopped = 0  # blocks damaged on a tier's disk (op rot); uploaders that stopped on damage
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
+            rots += 1 if o.w in ids and o.op == "rot" and o.ok and o.out.get("key") else 0
+            # (wait_durable raises the uploader's stop once; close() then says nothing more)
+            stopped += 1 if o.w in ids and o.op in ("close", "durable") and o.result == "IntegrityError" else 0
             unknown += 1 if o.w in ids and o.result == "OutcomeUnknown" else 0
             phases += (o.out.get("phases") or 0) if o.w in ids and o.ok and o.op in ("gc", "prune") else 0
             ctier += 1 if o.w in ids and o.result == "ok" and o.op == "put" and o.args.get("rank_tiers") else 0
@@ -365,6 +370,7 @@ class Harness:
                  f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
+                 f"rot={rots}(uploaders stopped on it: {stopped}) "
                  f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
@@ -390,17 +396,27 @@ class Harness:
             # The early upload (blocks sent from memory as the put writes them) in half the
             # writers, from a stream of its own so the draws above keep their seeds' schedule.
             c["early_upload"] = random.Random(f"{self.seed}:{r}:{k}:early").random() < 0.5
+            # Some damage their own tier's disk (worker op "rot"), drawn from a stream of its own too.
+            rot_rng = random.Random(f"{self.seed}:{r}:{k}:rot")
+            if rot_rng.random() < fl.get("rot_p", 0.1):
+                c["rot"] = True
+                # mostly without the early upload: the uploader then reads back what it sends
+                c["early_upload"] = c["early_upload"] and rot_rng.random() < 0.3
+                c["weights"]["rot"] = 1.5
+                # Its remote block writes slowed, so the damage it does as a put returns
+                # often lands before the uploader reads that block.
+                c["faults"]["slow"] = dict(c["faults"].get("slow") or {}, **{"blocks/": 0.2})
             out.append(c)
         return out
 
     def _tier_brief(self, tiered: list, ids: set) -> str:
-        """tier=W:T:END[:early][:kill-STAGE],... then the snapshots in all the tiers so far, of
+        """tier=W:T:END[:early][:rot][:kill-STAGE],... then the snapshots in all the tiers so far, of
         those the ones marked durable (as the checks found them), and the round's workers
         killed inside their uploader."""
         if not tiered:
             return "off"
         parts = [f"{c['id']}:{os.path.basename(c['tier'])}:{c['tier_end']}"
-                 + (":early" if c.get("early_upload") else "")
+                 + (":early" if c.get("early_upload") else "") + (":rot" if c.get("rot") else "")
                  + (f":kill-{c['faults']['kill_upload']['at']}" if "kill_upload" in c["faults"] else "")
                  for c in tiered]
         return ",".join(parts) + f"(puts={self._tier_puts}, durable={self._tier_durable}, " \
@@ -597,7 +613,19 @@ class Harness:
             tb, stats = check.check_tiers(s, tiers, ops)
             bad += tb
             self._tier_puts, self._tier_durable = stats["puts"], stats["durable"]
+            self._retire_rotted(ops)
         return bad
+
+    def _retire_rotted(self, ops: list) -> None:
+        """A tier whose disk a writer damaged (op "rot") is replaced after its round's
+        checks by a fresh one under a new name, as a node's disk is: its uploader would
+        stop on the damage at every open, and its puts' names stay its own for T4."""
+        for o in ops:
+            name = o.args.get("tier")
+            if o.op == "rot" and o.ok and o.out.get("key") and name in self.tiers:
+                fresh = f"{name.split('g')[0]}g{len(self.tiers) + len(ops)}"
+                del self.tiers[name]
+                self.tiers[fresh] = os.path.join(self.run_dir, "tiers", fresh)
 
     # -- the run ------------------------------------------------------------------------
     def replay_command(self, rounds: int) -> str:

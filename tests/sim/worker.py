@@ -8,7 +8,8 @@ storage_options), journal path, ops (how many), seconds (after it is ready), wei
 weight), refs/jobs to use, gc_stale_after (this process's own gcs' lease under its other name: it must not decide
 another gc is dead), gc_stale / gc_leases (the leases its gc runs declare), faults (faults.py profile; kill_at may be "auto" for recover:
 a random ref-table write of the run, so that a kill lands in its ref moves); tier (a
-local tier's directory: the store is opened through it, ops put/read/durable) and
+local tier's directory: the store is opened through it, ops put/read/durable, and rot
+where cfg["rot"]: it damages a block on that tier's disk) and
 tier_end ("close" | "wait" | "kill": how such a writer ends).
 
 Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
@@ -138,6 +139,7 @@ def _err(e: BaseException) -> dict:
 
 
 RANKS = 2  # the world size of a worker's collective puts
+ROT_I = 1_000_000  # journal index offset of the damage done as a put returns (Worker._rot_after_put)
 # Operations journaled under another name (every check of puts judges collective ones).
 JOURNAL_AS = {"cput": "put"}
 
@@ -198,6 +200,7 @@ class Worker:
 
         def call():
             fenced0 = FENCES.n
+            t0 = time.time_ns()
             if blocking:
                 info = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
                                       meta={"sim": spec}, **kw)
@@ -208,6 +211,8 @@ class Worker:
                     if hasattr(v, "fill_"):
                         v.fill_(7)
                 info = fut.result()
+            if self.cfg.get("rot"):
+                self._rot_after_put(i, t0 - 20_000_000)  # mtimes come from a coarse clock
             self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
             # hits: objects this Store reused from its presence record so far (the driver
             # reports them, so a run shows the record was exercised beside gc)
@@ -234,6 +239,62 @@ class Worker:
                 out["unmarked"] = [r for r in roots if bytes.fromhex(r) not in marked]
             return out
         return {"timeout": timeout, "tier": os.path.basename(self.cfg["tier"])}, call
+
+    def op_rot(self, s, i):
+        """A writer with a local tier damages its own tier's disk (cfg["rot"]): one stored
+        block, one byte flipped in its middle or its last bytes cut. What must follow (T3,
+        T5, T7, T10): the damaged copy never reaches the remote; the uploader stops on it
+        if it still had to send it (close() then raises the IntegrityError naming it); a
+        read through the tier takes the remote copy or raises; the tier's own fsck names
+        only it. The driver retires the tier after the round (a node's disk replaced)."""
+        names = self._tier_blocks()
+        how = self.rng.choice(["flip", "cut"])
+        if names and self.rng.random() < 0.7:  # mostly a block just written: its upload may still be due
+            names = sorted(names, key=lambda n: os.stat(n).st_mtime_ns)[-8:]
+        path = self.rng.choice(names) if names else None
+        return {"tier": os.path.basename(self.cfg["tier"]), "how": how}, lambda: {"key": self._damage(path, how)}
+
+    def _tier_blocks(self, since_ns: int = 0) -> list[str]:
+        """The stored blocks of this writer's tier (modified at since_ns or later)."""
+        root, out = os.path.join(self.cfg["tier"], "blocks"), []
+        for d, _, fs in os.walk(root):
+            for n in fs:
+                p = os.path.join(d, n)
+                try:
+                    if len(n) == 64 and all(c in "0123456789abcdef" for c in n) and \
+                            (not since_ns or os.stat(p).st_mtime_ns >= since_ns):
+                        out.append(p)
+                except FileNotFoundError:
+                    pass
+        return sorted(out)
+
+    def _damage(self, path: str | None, how: str) -> str | None:
+        """Flip a byte in the middle of the stored block at `path`, or cut its last bytes ->
+        its key (None: no block to damage)."""
+        if path is None or not os.path.exists(path):
+            return None
+        with open(path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            if how == "flip" and size:
+                f.seek(size // 2)
+                b = f.read(1)
+                f.seek(size // 2)
+                f.write(bytes([b[0] ^ 0x10]))
+            else:
+                f.truncate(max(0, size - 1 - self.rng.randrange(64)))
+        return "blocks/" + os.path.relpath(path, os.path.join(self.cfg["tier"], "blocks"))
+
+    def _rot_after_put(self, i: int, since_ns: int) -> None:
+        """A writer with cfg["rot"] sometimes damages a block its put just wrote, as the put
+        returns: racing its uploader, which must not send it damaged. Journaled as its own
+        op "rot" (index ROT_I + i)."""
+        names = self._tier_blocks(since_ns)
+        if not names or self.rng.random() >= 0.4:
+            return
+        how = self.rng.choice(["flip", "cut"])
+        path = self.rng.choice(names)
+        self._journaled(ROT_I + i, "rot", {"tier": os.path.basename(self.cfg["tier"]), "how": how, "after_put": True},
+                        lambda: {"key": self._damage(path, how)})
 
     def op_cput(self, s, i):
         """A collective put by this worker's ranks (tests/sim/ranks.py, a real gloo group of
