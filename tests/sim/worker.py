@@ -138,6 +138,13 @@ def _err(e: BaseException) -> dict:
     return out
 
 
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
 RANKS = 2  # the world size of a worker's collective puts
 ROT_I = 1_000_000  # journal index offset of the damage done as a put returns (Worker._rot_after_put)
 # Operations journaled under another name (every check of puts judges collective ones).
@@ -244,13 +251,13 @@ class Worker:
         """A writer with a local tier damages its own tier's disk (cfg["rot"]): one stored
         block, one byte flipped in its middle or its last bytes cut. What must follow (T3,
         T5, T7, T10): the damaged copy never reaches the remote; the uploader stops on it
-        if it still had to send it (close() then raises the IntegrityError naming it); a
+        if it still had to send it (wait_durable() or close() raises the IntegrityError naming it); a
         read through the tier takes the remote copy or raises; the tier's own fsck names
         only it. The driver retires the tier after the round (a node's disk replaced)."""
         names = self._tier_blocks()
         how = self.rng.choice(["flip", "cut"])
         if names and self.rng.random() < 0.7:  # mostly a block just written: its upload may still be due
-            names = sorted(names, key=lambda n: os.stat(n).st_mtime_ns)[-8:]
+            names = sorted(names, key=_mtime)[-8:]
         path = self.rng.choice(names) if names else None
         return {"tier": os.path.basename(self.cfg["tier"]), "how": how}, lambda: {"key": self._damage(path, how)}
 
@@ -271,17 +278,20 @@ class Worker:
     def _damage(self, path: str | None, how: str) -> str | None:
         """Flip a byte in the middle of the stored block at `path`, or cut its last bytes ->
         its key (None: no block to damage)."""
-        if path is None or not os.path.exists(path):
+        if path is None:
             return None
-        with open(path, "r+b") as f:
-            size = os.fstat(f.fileno()).st_size
-            if how == "flip" and size:
-                f.seek(size // 2)
-                b = f.read(1)
-                f.seek(size // 2)
-                f.write(bytes([b[0] ^ 0x10]))
-            else:
-                f.truncate(max(0, size - 1 - self.rng.randrange(64)))
+        try:
+            with open(path, "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                if how == "flip" and size:
+                    f.seek(size // 2)
+                    b = f.read(1)
+                    f.seek(size // 2)
+                    f.write(bytes([b[0] ^ 0x10]))
+                else:
+                    f.truncate(max(0, size - 1 - self.rng.randrange(64)))
+        except FileNotFoundError:  # moved aside meanwhile (a put found it damaged and healed it)
+            return None
         return "blocks/" + os.path.relpath(path, os.path.join(self.cfg["tier"], "blocks"))
 
     def _rot_after_put(self, i: int, since_ns: int) -> None:
