@@ -52,7 +52,8 @@ QUARANTINE_PREFIX = "quarantine/"
 _ASIDE_KEY = re.compile(r"quarantine/(commits|nodes|blocks)/([0-9a-f]{64})\.[0-9TZ]+-[0-9a-f]+\Z")
 
 KIND_PREFIX = {frame.KIND_BLOCK: "blocks", frame.KIND_NODE: "nodes", frame.KIND_COMMIT: "commits"}
-_FRAME_KIND = {"block": frame.KIND_BLOCK, "node": frame.KIND_NODE, "commit": frame.KIND_COMMIT}
+# An object kind's name -> its frame kind byte (docs/FORMAT.md).
+FRAME_KIND = {"block": frame.KIND_BLOCK, "node": frame.KIND_NODE, "commit": frame.KIND_COMMIT}
 
 
 def _key(prefix: str, d: bytes) -> str:
@@ -324,7 +325,7 @@ class Assets:
         to hold `d` under `fence`. Conditional: an object already stored is left as it is
         and not recorded present (its health is for a later put or copy_from to judge).
         -> whether it was written."""
-        fk = _FRAME_KIND[kind]
+        fk = FRAME_KIND[kind]
         if self.presence.known(fk, d, fence):
             return False
         new = self.storage.put_addressed(_key(kind + "s", d), [data])
@@ -341,7 +342,7 @@ class Assets:
         refused by the conditional PUT. What is found is judged by its size as a put
         judges it (src's 16-byte header gives the raw length, so a found object costs no
         read of its bytes). -> whether it was written."""
-        fk = _FRAME_KIND[kind]
+        fk = FRAME_KIND[kind]
         if self.presence.known(fk, d, fence):
             return False
         key = _key(kind + "s", d)
@@ -365,7 +366,7 @@ class Assets:
         size = self.storage.size_of(key)
         if size is None:
             return False
-        if self._reusable(key, _FRAME_KIND[kind], size, src.stored_raw_len(kind, d)):
+        if self._reusable(key, FRAME_KIND[kind], size, src.stored_raw_len(kind, d)):
             return True
         self.move_aside(key)
         return False

@@ -28,13 +28,12 @@ import threading
 import time
 import zlib
 
+from .assets import FRAME_KIND
 from .core import Core
 from .errors import GcBusy, IntegrityError, NotAStore, StorageError, TsckError, UnreadableObject
 from .format import frame
 from .publish import Publisher
 from .walk import walk_commit
-
-_FRAME_KIND = {"block": frame.KIND_BLOCK, "node": frame.KIND_NODE}
 
 __all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer", "fit_budget"]
 
@@ -499,12 +498,11 @@ class Uploader:
         self.remote.assets.sync()
 
     def _copy(self, kind: str, d: bytes, fence: int) -> bool:
-        fk = _FRAME_KIND.get(kind)
-        written = self._written.get((fk, d)) if fk is not None else None
+        written = self._written.get((FRAME_KIND[kind], d))  # (commits are never recorded)
         new = self.remote.assets.copy_from(self.local.assets, kind, d, fence, written)
         if written is not None:
             with self._cond:
-                self._written.pop((fk, d), None)
+                self._written.pop((FRAME_KIND[kind], d), None)
                 self.sent_written += 1
         return new
 

@@ -432,16 +432,15 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
     from tensorstore_ck.walk import walk_commit
     rt, bad = store.reftable, []
     stats = {"puts": 0, "durable": 0}
-    rotted: dict[str, set[str]] = {}  # tier -> the digests of the blocks a writer damaged there
+    rotted: dict[str, dict[str, str]] = {}  # tier -> {digest: key} of the blocks a writer damaged there
     for o in ops:
         if o.op == "rot" and o.ok and o.out.get("key"):
-            rotted.setdefault(o.args["tier"], set()).add(o.out["key"].rsplit("/", 1)[-1])
+            rotted.setdefault(o.args["tier"], {})[o.out["key"].rsplit("/", 1)[-1]] = o.out["key"]
 
     def damaged(tname: str, text: str) -> bool:
         return any(h in text for h in rotted.get(tname, ()))
-    for tname, hexes in sorted(rotted.items()):  # T10
-        for h in sorted(hexes):
-            key = f"blocks/{h[:2]}/{h}"
+    for tname, keys in sorted(rotted.items()):  # T10
+        for h, key in sorted(keys.items()):
             if store.assets.storage.size_of(key) is not None:
                 err, _ = store.assets.verify_stored(key)
                 if err is not None:
