@@ -28,13 +28,14 @@ class StagingPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least `nbytes` (reused when one is free and big enough)."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            # By position, never by value: list.remove compares tensors with ==, which raises
+            # for two buffers of different sizes and is ambiguous for two of the same size.
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
-                return buf
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             if self._free and len(self._free) >= self.max_buffers:
-                self._free.remove(min(self._free, key=lambda b: b.numel()))  # too small: replace it
+                # Too small: replace the smallest.
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
         import torch  # here: a Store that never snapshots asynchronously never needs it
         pin = torch.cuda.is_available()
         # A little headroom so a state that grows slightly does not reallocate every time.

@@ -527,3 +527,51 @@ def test_a_put_cancelled_while_queued_gives_back_its_slot(tmp_path):
         for f in taken:
             f.result(timeout=60)
         assert [e.step for e in store.log("a/main")] == [3, 1] and not gate.timed_out
+
+
+def test_staging_pool_holds_several_buffers_of_any_sizes(tmp_path):
+    """With max_inflight=2 the pool keeps two buffers; taking one must pick it by identity
+    (list.remove compares tensors with ==: two of different sizes raise, two of the same
+    size are ambiguous). A state whose size changes between asynchronous snapshots (one
+    taken before the optimizer's first step) met it on the third put."""
+    with tsck.open_store(str(tmp_path / "s"), create=True, max_inflight=2) as store:
+        pool = store._puts.staging
+        sizes = (1_000, 200_000, 200_000, 200_000)
+        for i, n in enumerate(sizes, 1):
+            state = {"w": torch.full((n,), float(i))}
+            store.put_snapshot(state, "a/main", step=i, blocking=False).result(timeout=60)
+        assert len(pool._free) == 2, "the pool never held two buffers: the case is not exercised"
+        for i, n in enumerate(sizes, 1):
+            assert torch.equal(store.checkout(f"a/main@{i}")["w"], torch.full((n,), float(i)))
+
+
+def test_staging_pool_two_buffers_of_one_size(tmp_path):
+    """Two snapshots in flight at once leave two buffers of the same size in the pool;
+    the next put takes one of them (by value, "Boolean value of Tensor is ambiguous")."""
+    gate = Gate()
+    store, _ = gated_store(tmp_path / "s", gate)
+    with store:
+        pool = store._puts.staging
+        gate.close()
+        f1 = within(gate, store.put_snapshot, big_state(1.0), "a/main", step=1, blocking=False)
+        assert gate.entered.wait(30)
+        f2 = store.put_snapshot(big_state(2.0), "a/main", step=2, blocking=False)  # staged meanwhile
+        gate.open.set()
+        f1.result(timeout=60), f2.result(timeout=60)
+        assert len(pool._free) == 2 and pool._free[0].numel() == pool._free[1].numel()
+        store.put_snapshot(big_state(3.0), "a/main", step=3, blocking=False).result(timeout=60)
+        assert_same(big_state(3.0), store.checkout("a/main@3"))
+        assert_same(big_state(1.0), store.checkout("a/main@1"))
+
+
+def test_staging_pool_take_and_give_by_identity():
+    from tensorstore_ck.staging import StagingPool
+    pool = StagingPool(3)
+    a, b, c = pool.take(100), pool.take(100), pool.take(5_000)
+    for buf in (c, a, b):  # the one taken is not the first: a comparison by value would meet c
+        pool.give(buf)
+    got = pool.take(50)
+    assert got is a or got is b  # the smallest that fits, the others stay
+    assert len(pool._free) == 2 and any(x is c for x in pool._free)
+    big = pool.take(10_000)  # none fits, the pool is not full: a new one, the free ones stay
+    assert all(big is not x for x in (a, b, c)) and len(pool._free) == 2
