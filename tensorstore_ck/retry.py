@@ -9,7 +9,27 @@ server do not come back in lockstep). The default budget, 60 s, rides out what
 operators see in practice: a PostgreSQL failover to a standby (10-60 s), S3
 throttling (SlowDown for tens of seconds), a load balancer's restart. A failure that
 retrying cannot cure (a refused credential, a missing bucket, a full disk) is raised
-at once whatever the budget: the callers only retry what they classify as transient.
+at once whatever the budget: the callers only retry what is_transient() says a retry
+may cure.
+
+Which failures are transient (is_transient, the one rule every storage backend's
+errors go through; docs/design/storage.md, "Which errors are retried"):
+
+    retried     a backend's own mark `e.transient` (S3: 5xx, 408, 429, throttling codes);
+                ConnectionError, TimeoutError; errnos of the network or of a busy
+                resource (ECONNRESET, ECONNREFUSED, ETIMEDOUT, EHOSTUNREACH, EPIPE,
+                EAGAIN, EBUSY, EINTR, EREMOTEIO, ...); an OSError with no errno and no
+                mark (a network backend's failure it did not describe); a non-OSError
+                whose type names a timeout or a lost connection
+    at once     FileNotFoundError, FileExistsError, PermissionError (EACCES, EPERM, a
+                403), IsADirectoryError, NotADirectoryError; every other errno (EIO: a
+                bad sector is not cured by asking again; ENOSPC, EDQUOT, EROFS, EINVAL,
+                ENAMETOOLONG, ...); refused credentials (the S3 store turns botocore's
+                NoCredentialsError and its kin into PermissionError marked so); anything
+                else
+
+A mark wins over the rest: a backend that knows its protocol (S3's status codes) says
+so, and a StorageError that already spent a retry budget is marked not transient.
 
 open_store(retry_budget=seconds) sets the budget of a store's storage and ref table;
 $TSCK_RETRY_BUDGET is its default (so the `tsck` CLI and scripts that do not pass it
@@ -18,6 +38,7 @@ take it from the environment).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import random
@@ -27,7 +48,7 @@ from typing import Callable, Iterator
 
 from .errors import InvalidArgument
 
-__all__ = ["Backoff", "DEFAULT_BACKOFF", "DEFAULT_RETRY_BUDGET", "RETRY_BUDGET_ENV", "backoff_for"]
+__all__ = ["Backoff", "DEFAULT_BACKOFF", "DEFAULT_RETRY_BUDGET", "RETRY_BUDGET_ENV", "backoff_for", "is_transient"]
 
 DEFAULT_RETRY_BUDGET = 60.0
 RETRY_BUDGET_ENV = "TSCK_RETRY_BUDGET"
@@ -81,3 +102,28 @@ def backoff_for(retry_budget: float | None) -> Backoff:
         except ValueError:
             raise InvalidArgument(f"${RETRY_BUDGET_ENV} must be a number of seconds, got {env!r}") from None
     return Backoff(budget=check_budget(retry_budget))
+
+
+# A network's or a busy resource's errnos: the same request may succeed a moment later.
+TRANSIENT_ERRNOS = frozenset(getattr(errno, n) for n in (
+    "ECONNRESET", "ECONNREFUSED", "ECONNABORTED", "ETIMEDOUT", "EHOSTUNREACH", "EHOSTDOWN",
+    "ENETUNREACH", "ENETDOWN", "ENETRESET", "EPIPE", "EAGAIN", "EWOULDBLOCK", "EBUSY", "EINTR",
+    "EINPROGRESS", "EREMOTEIO", "ENOBUFS") if hasattr(errno, n))
+_PERMANENT_TYPES = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+_TRANSIENT_NAMES = ("Timeout", "Connection", "ServerDisconnected", "ClientPayloadError")
+
+
+def is_transient(e: BaseException) -> bool:
+    """May a retry of the request that raised `e` succeed? The module docstring's table."""
+    if isinstance(e, OSError):
+        marked = getattr(e, "transient", None)
+        if isinstance(marked, bool):  # the backend knew (S3BlockStore: the status code)
+            return marked
+        if isinstance(e, _PERMANENT_TYPES):
+            return False
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if e.errno is None:
+            return True
+        return e.errno in TRANSIENT_ERRNOS
+    return any(w in type(e).__name__ for w in _TRANSIENT_NAMES)

@@ -12,6 +12,8 @@ import uuid
 import pytest
 from conformance import BlockStoreTests
 
+import tests.sim.faults  # noqa: F401 - registers dirfs:// (a filesystem with folders)
+
 import tensorstore_ck as tsck
 from tensorstore_ck.storage import FsspecBlockStore, LocalBlockStore, S3BlockStore
 from tensorstore_ck.storage.wrappers import (FaultInjectingStore, InjectedFault, ReadOnlyStorage, RetryingStore,
@@ -44,6 +46,30 @@ class TestMemoryBlockStore(BlockStoreTests):
         s = FsspecBlockStore(memory_url)
         yield s
         s.close()
+
+
+class TestDirectoryFsspecBlockStore(BlockStoreTests):
+    """The generic fsspec store on a filesystem with real folders (a LocalFileSystem
+    subclass registered as dirfs://, as a user registers a share): folders are made as
+    writes need them, objects are named whole."""
+
+    @pytest.fixture
+    def block_store(self, tmp_path):
+        s = FsspecBlockStore(f"dirfs://{tmp_path}/bs")
+        assert s.directories
+        yield s
+        s.close()
+
+
+class TestOpenStoreDirectoryFsspecStorage(BlockStoreTests):
+    """The exact stack open_store builds for such a URL: RetryingStore(FsspecBlockStore)."""
+
+    @pytest.fixture
+    def block_store(self, tmp_path):
+        st = tsck.open_store(f"dirfs://{tmp_path}/store", refs=str(tmp_path / "refs.lmdb"))
+        assert type(st.storage) is RetryingStore and type(st.storage.inner) is FsspecBlockStore
+        yield st.storage
+        st.close()
 
 
 @pytest.mark.slow

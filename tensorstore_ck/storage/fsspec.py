@@ -1,11 +1,23 @@
-"""A BlockStore over any fsspec filesystem (memory://, gs://, az://, ...).
+"""A BlockStore over any fsspec filesystem (memory://, gs://, az://, sftp://, ...).
 
 Generic: it knows fsspec's interface and nothing of any one service. Object
-stores: put-if-absent is fsspec's atomic create (mode="create") where the
-backend has one, else a check-then-put (safe for content-addressed keys).
-Listing caches are switched off: a cached "exists" could hide a gc deletion
-from a writer that re-validates its objects. S3's request model and error
-classification are S3BlockStore's (s3.py).
+stores (a flat namespace, a PUT that is atomic): put-if-absent is fsspec's atomic
+create (mode="create") where the backend has one, else a check-then-put (safe for
+content-addressed keys). Listing caches are switched off: a cached "exists" could
+hide a gc deletion from a writer that re-validates its objects. S3's request model
+and error classification are S3BlockStore's (s3.py).
+
+Filesystems with directories (every protocol not known to be an object store: a
+LocalFileSystem subclass, sftp, hdfs, smb, a share mounted through fsspec): a write
+there is not atomic and its folder must exist. An object is written whole to
+tmp/<random>.partial (what gc sweeps when a writer dies) and then named: by a hard
+link where the filesystem's paths are this host's (a LocalFileSystem: exclusive, so
+racing creators of one key have exactly one winner), else by a rename after an
+existence check (two racing creators of one key may both be told they made it; for
+content-addressed keys they wrote the same bytes). A missing parent folder is made
+when a write or rename reports it missing, once per folder and process, so a store
+whose folders exist costs no mkdir at all. Local paths get their file and folders
+fsync'ed (the file before it is named, the folders at sync()).
 """
 
 from __future__ import annotations
@@ -13,7 +25,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
+import posixpath
 import threading
+import uuid
 from typing import BinaryIO, Iterator, Sequence
 
 import fsspec
@@ -47,6 +62,9 @@ def _translated(fn):
 
 class FsspecBlockStore(BlockStore):
     REMOTE = ("s3", "s3a", "gs", "gcs", "az", "abfs")
+    # Object stores: no folders to make, and a PUT is atomic. Any other protocol is
+    # taken to have directories (the safe side: it costs a rename per object).
+    FLAT = REMOTE + ("abfss", "adl", "oci", "oss", "memory")
 
     def __init__(self, url: str, storage_options: dict | None = None):
         # memory:// works in-process; a remote filesystem without known timeouts keeps
@@ -65,6 +83,13 @@ class FsspecBlockStore(BlockStore):
         self.url = url  # never the storage options: they may hold credentials
         self._atomic_create = True
         self._create_lock = _MEMORY_CREATE_LOCK if proto == "memory" else contextlib.nullcontext()
+        self.directories = proto not in self.FLAT
+        # This host's paths (a LocalFileSystem or a subclass): link, fsync.
+        from fsspec.implementations.local import LocalFileSystem
+        self._os_paths = self.directories and isinstance(fs, LocalFileSystem)
+        self._made: set[str] = set()      # folders known to exist (made or seen)
+        self._unsynced: set[str] = set()  # folders that got an entry since the last sync()
+        self._dirs_lock = threading.Lock()
 
     def _after_fork(self) -> None:
         """In a forked child (Store._after_fork): an async filesystem (s3fs) runs on the
@@ -124,6 +149,8 @@ class FsspecBlockStore(BlockStore):
         # Joining copies the caller's memory: a later mutation of a staged tensor
         # must not rewrite a stored object (in-memory backends keep what they get).
         data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+        if self.directories:
+            return self._put_in_folders(path, data)
         if self._atomic_create:
             # One conditional PUT (If-None-Match: *) is both the existence check and
             # the write; callers that want to skip the upload HEAD first themselves.
@@ -143,6 +170,65 @@ class FsspecBlockStore(BlockStore):
             return False
         self.fs.pipe_file(path, data)
         return True
+
+    # -- filesystems with directories ---------------------------------------------
+    def _in_folder(self, path: str, call):
+        """call(); once more after making path's folder if it reported something missing
+        and the folder was not known to exist when it started (threads racing into a new
+        folder may each make it once; a known folder costs nothing)."""
+        parent = posixpath.dirname(path)
+        with self._dirs_lock:
+            known = parent in self._made
+        try:
+            return call()
+        except FileNotFoundError:
+            if known:
+                raise
+        self.fs.makedirs(parent, exist_ok=True)
+        with self._dirs_lock:
+            self._made.add(parent)
+        return call()
+
+    def _put_in_folders(self, path: str, data: bytes) -> bool:
+        tmp = f"{self.root}/{self.TEMP_PREFIX}{uuid.uuid4().hex}.partial"
+
+        def write():
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+                if self._os_paths:  # durable before it is named
+                    f.flush()
+                    os.fsync(f.fileno())
+        self._in_folder(tmp, write)
+        try:
+            if self._os_paths:
+                try:  # exclusive: an existing name is never replaced
+                    self._in_folder(path, lambda: os.link(tmp, path))
+                except FileExistsError:
+                    return False
+            else:
+                if self.fs.exists(path):
+                    return False
+                self._in_folder(path, lambda: self.fs.mv(tmp, path))
+                tmp = None
+            with self._dirs_lock:
+                self._unsynced.add(posixpath.dirname(path))
+            return True
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(tmp)
+
+    def sync(self) -> None:
+        if not self._os_paths:
+            return
+        with self._dirs_lock:
+            dirs, self._unsynced = self._unsynced, set()
+        for d in sorted(dirs):  # the new names durable, as the bytes already are
+            fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -165,8 +251,20 @@ class FsspecBlockStore(BlockStore):
     def move(self, key: str, new_key: str, *, deadline: Deadline | None = None) -> bool:
         # Copy first, then delete: a crash in between leaves the object under both names
         # (a server-side copy on object stores: the bytes do not travel through here).
+        src, dst = self._path(key), self._path(new_key)
+        if self.directories:  # a rename, into a folder made if need be
+            if not self.fs.exists(src):
+                return False
+            check_deadline(deadline)
+            try:
+                self._in_folder(dst, lambda: self.fs.mv(src, dst))
+            except FileNotFoundError:
+                if self.fs.exists(src):
+                    raise
+                return False  # gone meanwhile
+            return True
         try:
-            self.fs.cp_file(self._path(key), self._path(new_key))
+            self.fs.cp_file(src, dst)
         except (FileNotFoundError, KeyError):
             return False
         check_deadline(deadline)

@@ -33,13 +33,17 @@ given the same limiter (aiobotocore's) with a detector that also counts any 429 
 multiply. A 429 Too Many Requests (S3-compatible servers and gateways send it
 instead of SlowDown) is transient like a 503. Transport errors that are not OSErrors (botocore's
 EndpointConnectionError, ReadTimeoutError, aiohttp's) become ConnectionError /
-TimeoutError here, so callers only ever see OSError (StorageError above), and an
-OSError carrying an S3 response is marked `transient` (5xx, throttling) or not
-(other 4xx) for RetryingStore.
+TimeoutError here, so callers only ever see OSError (StorageError above); the client's
+other refusals (NoCredentialsError and its kin as PermissionError, a bad parameter,
+no region) become OSErrors marked not transient: they fail at once, naming the
+cause. An OSError carrying an S3 response is marked `transient` (5xx, 408, 429,
+throttling) or not (other 4xx: a 403 on one object, NoSuchBucket) for RetryingStore
+(retry.py's is_transient, the one rule).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from typing import Iterator, Sequence
@@ -62,6 +66,34 @@ _SLOW_DOWN = ("SlowDown", "Throttling", "ThrottlingException", "TooManyRequests"
 _THROTTLED_STATUS = (429, 503)
 # Error codes worth a retry although their status is 4xx.
 _THROTTLING = _SLOW_DOWN + ("RequestTimeout", "RequestTimeTooSkewed")
+
+
+# botocore's names for credentials it has not got or cannot use (NoCredentialsError,
+# PartialCredentialsError, CredentialRetrievalError, TokenRetrievalError, SSO and login
+# token errors): permanent, as PermissionError.
+_CREDENTIAL_WORDS = ("Credential", "Token", "SSO", "Login")
+
+
+def _transport_failure(e: BaseException) -> bool:
+    """A failure of the connection or of the answer's transfer (what botocore's retry
+    modes retry: its ConnectionError and HTTPClientError families, a read cut short;
+    aiohttp's connection, payload and timeout errors; urllib3's by name)."""
+    try:
+        from botocore import exceptions as bx
+        if isinstance(e, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
+            return True
+        if isinstance(e, bx.BotoCoreError):
+            return False
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+        if isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+            return True
+    except ImportError:
+        pass
+    name = type(e).__name__
+    return any(w in name for w in ("Timeout", "Connection", "ServerDisconnected", "Protocol", "ClientPayloadError"))
 
 
 def _response(e: BaseException) -> dict | None:
@@ -184,7 +216,16 @@ class S3BlockStore(FsspecBlockStore):
         if not mod.startswith(_TRANSPORT_MODULES):
             return None
         name = type(e).__name__
-        return (TimeoutError if "Timeout" in name else ConnectionError)(f"{name}: {e}")
+        if _transport_failure(e):
+            return (TimeoutError if "Timeout" in name else ConnectionError)(f"{name}: {e}")
+        # The client refused before sending anything (no credentials, a bad parameter, no
+        # region): asking again cannot cure it, so it fails at once, naming the cause.
+        if any(w in name for w in _CREDENTIAL_WORDS):
+            err: OSError = PermissionError(errno.EACCES, f"{name}: {e}")
+        else:
+            err = OSError(errno.EINVAL, f"{name}: {e}")
+        err.transient = False
+        return err
 
     def _exists_error(self, e: OSError) -> bool:
         return _is_precondition_failed(e)
@@ -195,7 +236,7 @@ class S3BlockStore(FsspecBlockStore):
         if resp is not None:
             status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             code = resp.get("Error", {}).get("Code", "")
-            e.transient = status >= 500 or status == 429 or code in _THROTTLING
+            e.transient = status >= 500 or status in (408, 429) or code in _THROTTLING
             # RetryingStore names throttling when the budget runs out under it
             e.throttled = status in _THROTTLED_STATUS or code in _SLOW_DOWN
             e.response_status = f"HTTP {status} {code}" if code and code != str(status) else f"HTTP {status}"

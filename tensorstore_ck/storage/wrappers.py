@@ -12,7 +12,7 @@ import uuid
 from typing import Callable, Sequence
 
 from ..errors import ReadOnlyStore, StorageError
-from ..retry import DEFAULT_BACKOFF, RETRY_BUDGET_ENV, Backoff
+from ..retry import DEFAULT_BACKOFF, RETRY_BUDGET_ENV, Backoff, is_transient
 from .base import BlockStore, check_deadline, paged_list
 
 __all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore",
@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class InjectedFault(OSError):
-    """An error raised on purpose by FaultInjectingStore."""
+    """An error raised on purpose by FaultInjectingStore. Never retried (whatever its
+    errno): a test that injects one means the caller to meet it."""
+    transient = False
 
 
 class WrappedStore(BlockStore):
@@ -283,26 +285,15 @@ class ThrottledStore(WrappedStore):
         return self._throttled(self.inner.put_addressed, key, bufs)
 
 
-def _transient(e: BaseException) -> bool:
-    if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                      NotADirectoryError, InjectedFault)):
-        return False
-    if isinstance(e, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(e, OSError):
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EINVAL):
-            return False
-        marked = getattr(e, "transient", None)
-        if isinstance(marked, bool):  # the backend knew (S3BlockStore: 5xx/throttling vs 4xx)
-            return marked
-        return True
-    name = type(e).__name__
-    return any(w in name for w in ("Timeout", "Connection", "ServerDisconnected", "ClientPayloadError"))
+# The one rule (retry.py): what may succeed if asked again is retried; EIO, a refused
+# permission, a folder in an object's place and the like fail at once with their cause.
+_transient = is_transient
 
 
 class RetryingStore(WrappedStore):
-    """Retries transient failures (5xx, throttling, connection resets, timeouts) with
-    exponential backoff and jitter. Safe for every operation because objects are
+    """Retries transient failures (5xx, throttling, connection resets, timeouts: retry.py's
+    is_transient) with exponential backoff and jitter; a permanent one (EIO, a permission,
+    credentials, other 4xx) is raised at once, as it came. Safe for every operation because objects are
     immutable and content-addressed: a put whose first attempt landed but whose
     answer was lost is retried and reports "already there", which is true."""
 

@@ -31,11 +31,15 @@ that varies, so a seed fixes the schedule of faults, not the exact interleaving.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import signal
 import threading
 import time
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from tensorstore_ck.storage.wrappers import WrappedStore
 
@@ -166,3 +170,70 @@ def slow_reftable(rt, faults: Faults) -> None:
         return out
 
     rt._read, rt._write = _read, _write
+
+
+# -- filesystems with directories, through fsspec -----------------------------------------
+# A store at dirfs:///PATH or faultyfs:///PATH goes through FsspecBlockStore (under its
+# RetryingStore), not LocalBlockStore: the generic store on a filesystem with real folders.
+
+class DirFS(LocalFileSystem):
+    """A LocalFileSystem subclass under a protocol of its own: what a user registers for
+    a share, an sftp or hdfs mount (folders must exist before a file is written in them)."""
+    protocol = ("dirfs",)
+
+
+# FAULTY_ENV: the path of a JSON file {"<absolute path>": errno, ...}: reads of those files
+# fail with that errno (re-read when it changes, so a harness driver arms it for workers
+# that are already running).
+FAULTY_ENV = "TSCK_SIM_FAULTY"
+
+
+class FaultyFS(DirFS):
+    """DirFS whose reads of chosen files fail with a non-transient error, as a disk's bad
+    sector (EIO), a file a user cannot read (EACCES) or a folder in a file's place (EISDIR)
+    does: opening for a read raises OSError(errno), while stat (exists, size) still works,
+    as it does on a real disk with a bad sector. Which files: FaultyFS.bad in this process,
+    and the JSON file named by $TSCK_SIM_FAULTY."""
+    protocol = ("faultyfs",)
+    bad: dict = {}
+    _seen: tuple = (None, {})  # (mtime_ns of the control file, what it said)
+
+    @classmethod
+    def _errno_of(cls, path: str) -> int | None:
+        code = cls.bad.get(path)
+        if code is not None:
+            return code
+        ctl = os.environ.get(FAULTY_ENV)
+        if not ctl:
+            return None
+        try:
+            m = os.stat(ctl).st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if cls._seen[0] != m:
+            try:
+                with open(ctl) as f:
+                    cls._seen = (m, {k: int(v) for k, v in json.load(f).items()})
+            except (OSError, ValueError):  # being rewritten: the next read sees it
+                return None
+        return cls._seen[1].get(path)
+
+    def _open(self, path, mode="rb", *args, **kwargs):
+        if "r" in mode:
+            code = self._errno_of(self._strip_protocol(path))
+            if code is not None:
+                cls = PermissionError if code in (errno.EACCES, errno.EPERM) else OSError
+                raise cls(code, f"sim: {os.strerror(code)}", path)
+        return super()._open(path, mode, *args, **kwargs)
+
+
+def arm_faulty(ctl: str, paths: dict) -> None:
+    """Write the control file (atomically): reads of `paths` {abs path: errno} fail."""
+    tmp = f"{ctl}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(paths, f)
+    os.replace(tmp, ctl)
+
+
+fsspec.register_implementation("dirfs", DirFS, clobber=True)
+fsspec.register_implementation("faultyfs", FaultyFS, clobber=True)
