@@ -111,8 +111,8 @@ import logging as _logging
 from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, DeviceUnavailable, Fenced, FormatError, GcBusy,
                      IntegrityError, InvalidArgument, InvalidName, NotAStore, OutcomeUnknown, ReadOnlyStore,
-                     RebuildUnfinished, RefConflict, RefNotFound, SnapshotAborted, StorageError, StoreClosed,
-                     TsckError, UnreadableObject, UnsupportedType)
+                     OutOfStep, RebuildUnfinished, RefConflict, RefNotFound, SnapshotAborted, SnapshotsFailed,
+                     SnapshotWarning, StorageError, StoreClosed, TsckError, UnreadableObject, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
 from .info import SnapshotInfo
@@ -125,7 +125,7 @@ __version__ = "0.1.0"
 # loaded when first named, so `import tensorstore_ck` and the `tsck` commands that only
 # read refs and manifests (refs, log, fsck, gc) start without torch.
 _LAZY = {"ResumableDataLoader": "loader", "TrainState": "train", "CheckpointManager": "train",
-         "CommitEvent": "train"}
+         "CommitEvent": "train", "CloseReport": "train"}
 
 
 def __getattr__(name: str):
@@ -150,5 +150,6 @@ __all__ = [
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
-    "ReadOnlyStore", "RebuildUnfinished", "UnreadableObject", "OutcomeUnknown", "__version__",
+    "ReadOnlyStore", "RebuildUnfinished", "UnreadableObject", "OutcomeUnknown", "OutOfStep", "SnapshotsFailed",
+    "SnapshotWarning", "CloseReport", "__version__",
 ]

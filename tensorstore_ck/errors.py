@@ -280,6 +280,38 @@ class ReadOnlyStore(TsckError):
 __all__.append("ReadOnlyStore")
 
 
+class SnapshotsFailed(TsckError):
+    """CheckpointManager.close(): the newest snapshot the manager attempted was not
+    committed (training ended on a failed snapshot: resuming would repeat the steps since
+    the newest committed one). `report` holds the counts and steps (a CloseReport)."""
+    kind = "snapshots_failed"
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
+
+
+__all__.append("SnapshotsFailed")
+
+
+class OutOfStep(SnapshotAborted):
+    """A collective call that the ranks did not make alike: one rank skipped a put, or
+    made another call (a checkout, another step) in its place. Nothing was published; the
+    group realigns by itself (docs/design/collective.md, "Call identity")."""
+    kind = "out_of_step"
+
+
+__all__.append("OutOfStep")
+
+
+class SnapshotWarning(UserWarning):
+    """A snapshot that could not be taken while training goes on (CheckpointManager):
+    shown by default, once per kind of failure, with the count so far."""
+
+
+__all__.append("SnapshotWarning")
+
+
 def free_bytes(path: str) -> int | None:
     """Bytes an unprivileged writer may still use on the filesystem holding `path` (or
     its nearest existing parent); None where that cannot be known."""

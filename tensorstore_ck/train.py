@@ -31,6 +31,7 @@ import numbers
 import random
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -39,7 +40,8 @@ import numpy as np
 import torch
 
 from .dist import is_collective
-from .errors import InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, TsckError, UnsupportedType
+from .errors import (InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, SnapshotsFailed, SnapshotWarning,
+                     TsckError, UnsupportedType)
 from .pruner import Pruner
 from .retention import Retention
 
@@ -213,6 +215,36 @@ class CommitEvent:
     info: object              # the SnapshotInfo
 
 
+def _caller_level() -> int:
+    """warnings.warn's stacklevel naming the first frame outside this package (the training
+    script's step() or close() line; on a background thread, the thread's own start)."""
+    import os
+    import sys
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    f, level = sys._getframe(1), 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(pkg + os.sep):
+        f, level = f.f_back, level + 1
+    return level
+
+
+@dataclass(frozen=True)
+class CloseReport:
+    """What CheckpointManager.close() returns, and SnapshotsFailed carries: how the run's
+    snapshots ended. ok: the newest snapshot the manager attempted is committed (or none
+    was attempted), so a resume loses no step since it."""
+    attempted: int                    # snapshots the manager started (a skipped one is not counted)
+    committed: int
+    failed: int
+    last_attempted_step: int | None
+    last_committed_step: int | None   # the newest this manager committed (None: none)
+    newest_committed: bool            # the newest attempted snapshot ended committed
+    errors: tuple                     # the newest failures' errors (at most 16), oldest first
+
+    @property
+    def ok(self) -> bool:
+        return self.attempted == 0 or self.newest_committed
+
+
 class _StoreSize:
     """The store's physical size (what `tsck du` prints as physical), measured by listing
     its commits, nodes and blocks on a thread of its own, at most once every `every`
@@ -345,19 +377,19 @@ class CheckpointManager:
     - They are asynchronous by default as for one process (async_=False: blocking):
       each rank's state is staged, the collective put runs on the store's background
       publisher, and step() returns its future.
-    - Every rank decides alike: every_steps uses the step number each rank passes;
-      when every_seconds or on_metric is set, rank 0's decision (its clock, the
-      metric value rank 0 passes) is broadcast to the group once per step() (one
-      8-byte broadcast, the only collective the policy adds), so a rank-local clock
-      or a rank-local loss cannot make ranks disagree. force=True must be passed on
-      every rank alike.
+    - Every rank decides alike: rank 0's decision (its step number, its clock, the
+      metric value rank 0 passes, its force=) is broadcast to the group once per
+      step() (one 8-byte broadcast, the only collective the policy adds), so a
+      rank-local clock, a rank-local loss or a force=True on one rank alone cannot make
+      ranks disagree. timeout= is each collective snapshot's deadline (put_snapshot's).
     - Prune runs on rank 0 only, between snapshots: asynchronous, rank 0 queues it on
       the store's background publisher behind the snapshot (training waits for
       neither); blocking, rank 0's next snapshot waits for it. The job's prune never
       overlaps its own snapshots.
     - A snapshot that cannot be taken (SnapshotAborted: a rank died or stalled, or could not
-      re-upload its part after a gc deletion phase; a storage error) is logged as a
-      warning and counted in `failed_snapshots` (the error in `snapshot_errors`),
+      re-upload its part after a gc deletion phase; a storage error; any exception of a
+      snapshot, a bug's included) is logged as a warning and counted in
+      `failed_snapshots` (the error in `snapshot_errors`),
       never raised out of step() (an asynchronous one is reported when its future
       completes): training goes on, and the next policy point takes one (a failed
       metric snapshot leaves the best value where it was). Errors that are the
@@ -367,7 +399,11 @@ class CheckpointManager:
     - close() (and wait()) waits on every rank for the snapshots in flight and, on
       rank 0, for the prune.
     For one process, a failed background snapshot is raised by the next step() (or
-    close()).
+    close()) when it is the store's (a TsckError or OSError); any other exception of a
+    snapshot is reported, never raised into training.
+    Every failed snapshot is also a SnapshotWarning (shown by default, with no logging
+    set up), the first of each kind; close() returns a CloseReport, and raises
+    SnapshotsFailed when the newest snapshot attempted was not committed.
 
     on_commit=fn: fn(CommitEvent) after each committed snapshot of the manager (on the
     store's background thread for an asynchronous one; on every rank of a collective
@@ -389,7 +425,7 @@ class CheckpointManager:
                  on_metric: tuple | None = None, retention: Retention | None = None,
                  async_: bool = True, when_busy: str | None = None, clock: Callable[[], float] = time.monotonic,
                  prune: bool | None = None, group=None, on_commit: Callable | None = None,
-                 store_size_every: float | None = 300.0):
+                 store_size_every: float | None = 300.0, timeout: float | None = None):
         if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
             raise InvalidArgument(f"every_steps must be an int >= 1, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
@@ -397,6 +433,10 @@ class CheckpointManager:
         if on_metric is not None and (not isinstance(on_metric, tuple) or len(on_metric) != 2
                                       or on_metric[1] not in ("min", "max")):
             raise InvalidArgument(f"on_metric must be (name, 'min'|'max'), got {on_metric!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or not timeout > 0):
+            raise InvalidArgument(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        self.timeout = timeout  # a collective snapshot's deadline (None: put_snapshot's default)
         self.store = store
         self.job = job
         self.ref = ref or f"{job}/main"
@@ -415,6 +455,17 @@ class CheckpointManager:
         self.failed_snapshots = 0  # collective snapshots that could not be taken (reported, not raised)
         self.snapshot_errors: list = []  # their errors, the newest 16
         self._failures_lock = threading.Lock()  # asynchronous failures are counted from the background
+        # How the run's snapshots ended (close() reports them). Outcomes arrive in the order
+        # the snapshots were taken (the store's publisher runs them in order), so the last
+        # outcome heard, once nothing is in flight, is the newest attempt's.
+        self._attempted = 0
+        self._committed_n = 0
+        self._last_attempted_step: int | None = None
+        self._last_committed_step: int | None = None
+        self._prev_attempted_step: int | None = None
+        self._newest_ok = True
+        self._errors: list = []
+        self._warned: dict[str, int] = {}  # failures by kind (the first of each is warned)
         if retention is not None:
             store.set_retention(job, retention)
         if prune is None:
@@ -453,7 +504,7 @@ class CheckpointManager:
             v = metrics[self.on_metric[0]]
             if v == v and (self.best is None or (v < self.best if self.on_metric[1] == "min" else v > self.best)):
                 self.best = v
-        if collective and (self.every_seconds is not None or self.on_metric is not None):
+        if collective:  # (force too: one rank's force alone would enter a call the others never make)
             why, force = self._rank0_decides(why, force)
         if not why and not force:
             return None
@@ -465,12 +516,15 @@ class CheckpointManager:
         metrics = {k: v for k, v in metrics.items()
                    if isinstance(v, numbers.Real) and not isinstance(v, bool)}
         kw = dict(ref=self.ref, job=self.job, step=step, metrics=metrics, meta={"triggers": why or ["forced"]})
+        attempt = self._attempt(step)
         if collective:
             res = self._collective_snapshot(kw, best_before)
         else:
             res = self._watched(lambda: self.store.put_snapshot(self.state.state_dict(), **kw,
                                                                 blocking=not self.async_,
-                                                                when_busy=self.when_busy, **self._local()))
+                                                                when_busy=self.when_busy, **self._local()), step)
+            if res is None and attempt == self._attempted and self._newest_ok:
+                self._unattempt(attempt)  # skipped (when_busy="skip"), not failed: no attempt
         if res is not None:
             self.last_time = self.clock()
             self.last_step = step
@@ -523,31 +577,39 @@ class CheckpointManager:
         with self._watch_lock:
             self._watch_lock.wait_for(lambda: self._callbacks == 0)
 
-    def _watched(self, put):
+    def _watched(self, put, step):
         """A put of this process alone: its commit (now, or when its future completes) goes
-        to _committed; a failure is counted (and still raised, as before)."""
+        to _committed; a failure is counted and warned, and raised when it is a TsckError
+        or an OSError (the store's failures, as documented). Any other exception is a bug
+        in a snapshot, never a reason to stop training: reported, and step() returns None."""
         try:
             res = put()
         except (InvalidArgument, UnsupportedType, InvalidName):
             raise
-        except Exception:
+        except Exception as e:
             with self._watch_lock:
                 self._local_failures += 1
-            raise
+            self._failure(e, step)
+            if isinstance(e, (TsckError, OSError)):
+                raise
+            log.error("CheckpointManager %s: the snapshot of step %s failed unexpectedly", self.job, step,
+                      exc_info=e)
+            return None
         if res is None:
             pass  # skipped (when_busy="skip"): the store logged it
         elif hasattr(res, "add_done_callback"):
-            self._track(res, self._async_done)
+            self._track(res, lambda fut: self._async_done(fut, step))
         else:
             self._committed(res)
         return res
 
-    def _async_done(self, fut) -> None:
+    def _async_done(self, fut, step) -> None:
         if fut.cancelled():
             return
         if fut.failure() is not None:  # (the store logged it; it is raised by the next step())
             with self._watch_lock:
                 self._local_failures += 1
+            self._failure(fut.failure(), step)
             return
         self._committed(Future.result(fut, 0))  # (not a retrieval: close() still reports failures)
 
@@ -555,6 +617,7 @@ class CheckpointManager:
         """One committed snapshot: the hook, if any, gets its CommitEvent."""
         if info is None:
             return
+        self._outcome_ok(info.step)
         with self._watch_lock:
             last, self._last_commit = self._last_commit, max(info.time, self._last_commit or info.time)
         if self.on_commit is None:
@@ -630,10 +693,14 @@ class CheckpointManager:
             self._pruner.wait()
         try:
             res = self.store.put_snapshot(self.state.state_dict(), **kw, blocking=not self.async_, group=self.group,
-                                          when_busy="wait")
+                                          when_busy="wait",
+                                          **({} if self.timeout is None else {"timeout": self.timeout}))
         except (InvalidArgument, UnsupportedType, InvalidName):
             raise  # the caller's own mistake: every snapshot would fail alike
-        except (TsckError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - a snapshot's failure, even a bug's, never stops training
+            if not isinstance(e, (TsckError, OSError)):
+                log.error("CheckpointManager %s: the snapshot of step %s failed unexpectedly", self.job,
+                          kw["step"], exc_info=e)
             return self._snapshot_failed(e, kw["step"], best_before)
         if self.async_:
             self._track(res, lambda fut: self._collective_done(fut, kw["step"], best_before))
@@ -658,14 +725,15 @@ class CheckpointManager:
         else:  # a bug: still never out of step(), but loudly
             log.error("CheckpointManager %s: the snapshot of step %s failed unexpectedly", self.job, step,
                       exc_info=err)
-            self._count_failure(err)
+            self._count_failure(err, step)
 
     def _snapshot_failed(self, e: BaseException, step, best_before):
         if isinstance(e, OutcomeUnknown) and e.root is not None and self._published(e.root, e.ref):
             log.warning("snapshot %s of ref %s: the answer to its ref move was lost, but the ref table shows "
                         "it published; going on", e.root.hex()[:16], e.ref)
+            self._outcome_ok(step)
             return self.store.show(e.root.hex())
-        self._count_failure(e)
+        self._count_failure(e, step)
         if self.best is not None and best_before != self.best:
             self.best = best_before  # the next improvement on what is stored takes one
         log.warning("CheckpointManager %s: the snapshot of step %s could not be taken: %s: %s (training goes "
@@ -678,10 +746,51 @@ class CheckpointManager:
         return {"tsck": {"event": "failed", "ref": self.ref, "job": self.job, "step": step,
                          "why": f"{type(e).__name__}: {e}", "failures": self.failed_snapshots}}
 
-    def _count_failure(self, e: BaseException) -> None:
+    def _count_failure(self, e: BaseException, step) -> None:
         with self._failures_lock:
             self.failed_snapshots += 1
             self.snapshot_errors = (self.snapshot_errors + [e])[-Pruner.KEEP_ERRORS:]
+        self._failure(e, step)
+
+    # -- how the run's snapshots ended: warned as they fail, reported by close() ------
+    def _attempt(self, step) -> int:
+        with self._failures_lock:
+            self._attempted += 1
+            self._prev_attempted_step, self._last_attempted_step = self._last_attempted_step, step
+            return self._attempted
+
+    def _unattempt(self, n: int) -> None:
+        with self._failures_lock:
+            if n == self._attempted:
+                self._attempted -= 1
+                self._last_attempted_step = self._prev_attempted_step
+
+    def _outcome_ok(self, step) -> None:
+        with self._failures_lock:
+            self._newest_ok = True
+            self._committed_n += 1
+            self._last_committed_step = step
+
+    def _failure(self, e: BaseException, step) -> None:
+        """A snapshot that could not be taken: a SnapshotWarning (shown by default, without
+        any logging set up) for the first of each kind, the rest counted."""
+        kind = type(e).__name__
+        with self._failures_lock:
+            self._newest_ok = False
+            n = self._warned[kind] = self._warned.get(kind, 0) + 1
+            self._errors = (self._errors + [e])[-Pruner.KEEP_ERRORS:]
+        if n == 1:
+            warnings.warn(f"CheckpointManager {self.job}: the snapshot of step {step} could not be taken: {kind}: "
+                          f"{e} (training goes on; later failures of this kind are counted, not shown: "
+                          "close() reports them)", SnapshotWarning, stacklevel=_caller_level())
+
+    def report(self) -> CloseReport:
+        """How the manager's snapshots ended so far (close() returns it once nothing is in flight)."""
+        with self._failures_lock:
+            return CloseReport(attempted=self._attempted, committed=self._committed_n,
+                               failed=sum(self._warned.values()), last_attempted_step=self._last_attempted_step,
+                               last_committed_step=self._last_committed_step, newest_committed=self._newest_ok,
+                               errors=tuple(self._errors))
 
     def _raise_pending(self) -> None:
         """The store's pending background failure, except an OutcomeUnknown whose
@@ -689,9 +798,17 @@ class CheckpointManager:
         would stop a run whose snapshot is committed, and a retry would publish it twice)."""
         try:
             self.store.raise_pending_error()
-        except OutcomeUnknown as e:
+        except (InvalidArgument, UnsupportedType, InvalidName):
+            raise
+        except Exception as e:  # noqa: BLE001 - told apart below
+            if not isinstance(e, OutcomeUnknown):
+                if isinstance(e, (TsckError, OSError)):
+                    raise
+                return  # a bug in a snapshot: reported when its future failed (_async_done), never raised
             if e.root is None or not self._published(e.root, e.ref):
                 raise
+            with self._failures_lock:  # it did commit: the newest outcome is not a failure after all
+                self._newest_ok = True
             log.warning("snapshot %s of ref %s: the answer to its ref move was lost, but the ref table shows it "
                         "published; going on", e.root.hex()[:16], e.ref)
 
@@ -796,10 +913,16 @@ class CheckpointManager:
         if prune and self._pruner is not None:
             self._pruner.wait()
 
-    def close(self) -> None:
+    def close(self) -> CloseReport:
         """Wait for the snapshots in flight and the prune; raise a snapshot's failure not
         raised before (as wait() does), after stopping the prune thread. The store stays
-        open (it is the caller's); a failure raised here is not raised by store.close()."""
+        open (it is the caller's); a failure raised here is not raised by store.close().
+        -> a CloseReport. A run must not end quietly on a failed snapshot: when the newest
+        snapshot the manager attempted is not committed, close() raises SnapshotsFailed
+        (its `report` the same CloseReport; on every rank alike under torch.distributed),
+        so the script exits non-zero and the operator learns that a resume would start at
+        the newest committed step. Earlier failures, each kind warned as it happened, are
+        summed up in one more SnapshotWarning."""
         try:
             self.wait()
         finally:
@@ -807,3 +930,20 @@ class CheckpointManager:
                 self._size.close()
             if self._pruner is not None:
                 self._pruner.close()
+        rep = self.report()
+        with self._failures_lock:
+            kinds = ", ".join(f"{k} x{n}" for k, n in self._warned.items())
+        if rep.failed:
+            if rep.ok:
+                warnings.warn(f"CheckpointManager {self.job}: {rep.failed} of {rep.attempted} snapshot(s) failed in "
+                              f"this run ({kinds}); the newest, of step {rep.last_attempted_step}, is committed",
+                              SnapshotWarning, stacklevel=_caller_level())
+        if not rep.ok:
+            last = (f"the newest committed by this run is of step {rep.last_committed_step}"
+                    if rep.last_committed_step is not None else "none of its snapshots was committed")
+            err = rep.errors[-1] if rep.errors else None
+            raise SnapshotsFailed(
+                f"CheckpointManager {self.job}: the newest snapshot attempted (step {rep.last_attempted_step}) was not "
+                f"committed: {type(err).__name__ if err else 'failed'}: {err}; {rep.failed} of {rep.attempted} "
+                f"snapshot(s) failed ({kinds}); {last}, so a resume starts there", rep) from err
+        return rep

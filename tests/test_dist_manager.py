@@ -171,3 +171,34 @@ def test_example_ddp_resume_after_a_rank_is_killed_is_bit_identical(tmp_path):
     with tsck.open_store(tmp_path / "store", create=False) as s:  # (retention keeps the newest few)
         steps = sorted(e.step for e in s.log("ddp/main"))
     assert steps == [15, 20], steps  # keep_last=2 of the resumed run's snapshots
+
+
+def test_a_state_that_grows_between_asynchronous_snapshots_never_stops_training(tmp_path):
+    """A snapshot before the optimizer's first step, then one per step: the staged states
+    have two sizes, so each rank's store holds two staging buffers of different sizes.
+    Every snapshot commits; nothing escapes step() (a value comparison of the buffers
+    raised RuntimeError out of step() on both ranks at the third)."""
+    out = run_scenario(tmp_path, "grow")
+    r0, r1 = ranks(out, "grow")
+    assert r0["steps"] == r1["steps"]
+    assert sorted(taken(r0)) == list(range(0, 7))
+    assert r0["failed"] == r1["failed"] == 0, (r0["errors"], r1["errors"])
+    assert len(r0["buffers"]) == 2 and r0["buffers"][0] < r0["buffers"][1], r0["buffers"]  # the case is met
+    assert kept_roots(out / "store") == taken(r0)
+
+
+def test_the_last_snapshots_failing_are_shown_and_close_raises(tmp_path):
+    """Rank 1's disk fails from step 6 on: steps 6, 8 and 10 fail on both ranks. With no
+    logging configured, each rank is shown one SnapshotWarning (the first of its kind,
+    the rest counted) and close() raises SnapshotsFailed naming the newest committed
+    step (4): the run cannot end quietly on a failed snapshot."""
+    out = run_scenario(tmp_path, "failend")
+    r0, r1 = ranks(out, "failend")
+    for r in (r0, r1):
+        assert r["failed"] == 3, r["errors"]
+        assert r["closed"].startswith("SnapshotsFailed"), r["closed"]
+        assert "step 10" in r["closed"] and "step 4" in r["closed"], r["closed"]
+        assert r["report"] == [5, 2, 3, 10, 4]
+        warned = [w for w in r["shown"] if w.startswith("SnapshotWarning")]
+        assert len(warned) == 1 and "step 6" in warned[0], r["shown"]  # one of its kind; the rest counted
+    assert sorted(kept_roots(out / "store")) == [2, 4]

@@ -209,6 +209,62 @@ def fail_case(rank, world, out, res, _arg):
         res.update(_counters(mgr))
 
 
+def grow_case(rank, world, out, res, _arg):
+    """The README's loop with a snapshot before the optimizer's first step: the state grows
+    (Adam's moments appear), so the asynchronous snapshots stage states of two sizes and
+    the store keeps two staging buffers of different sizes (max_inflight=2, the default)."""
+    import tensorstore_ck as tsck
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)  # (weights big enough to be staged, not inlined in the manifest)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with tsck.open_store(os.path.join(out, "store")) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=1)
+        res["steps"] = {0: mgr.step(0)}  # before any optimizer step: no moments yet
+        for step in range(1, 7):
+            _train_step(model, opt, rank, step)
+            res["steps"][step] = mgr.step(step)
+        res["close"] = repr(mgr.close())
+        res["steps"] = _roots(res["steps"])
+        res.update(_counters(mgr))
+        res["buffers"] = sorted(b.numel() for b in store._puts.staging._free)
+
+
+def failend_case(rank, world, out, res, _arg):
+    """Rank 1's disk fails for good from step 6 on: the last snapshots of the run fail.
+    Nothing configures logging here, as in a user's script: what is shown is recorded
+    through warnings.showwarning (called only for a warning the filters show)."""
+    import warnings
+    import tensorstore_ck as tsck
+    shown = res["shown"] = []
+    warnings.showwarning = lambda m, c, *a, **k: shown.append(f"{c.__name__}: {m}")
+    Failing = _failing_store_class()
+    holder = {}
+    wrap = (lambda s: holder.setdefault("w", Failing(s))) if rank == 1 else None
+    model, opt = _model_and_opt()
+    with tsck.open_store(os.path.join(out, "store"), wrap_storage=wrap) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=2)
+        res["steps"] = {}
+        for step in range(1, 11):
+            _train_step(model, opt, rank, step)
+            if rank == 1 and step == 6:
+                store.wait()
+                holder["w"].armed = True
+            res["steps"][step] = mgr.step(step)
+        try:
+            mgr.close()
+            res["closed"] = "returned"
+        except tsck.SnapshotsFailed as e:
+            res["closed"] = f"SnapshotsFailed: {e}"
+            rep = e.report
+            res["report"] = [rep.attempted, rep.committed, rep.failed, rep.last_attempted_step,
+                             rep.last_committed_step]
+        res["steps"] = _roots(res["steps"])
+        res.update(_counters(mgr))
+
+
 def fenced_case(rank, world, out, res, _arg):
     """Another party's gc opens its deletion phase before step 4 and ends it 3 s into step
     4's snapshot: the collective put waits the phase out and re-validates (every rank
@@ -284,6 +340,10 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         infos = [dw.launch("fail", 2, fail_case, out, limit=240.0)]
     elif scenario == "prune":
         infos = [dw.launch("prune", 2, prune_case, out, arg or "sync", limit=240.0)]
+    elif scenario == "grow":
+        infos = [dw.launch("grow", 2, grow_case, out, limit=240.0)]
+    elif scenario == "failend":
+        infos = [dw.launch("failend", 2, failend_case, out, limit=240.0)]
     elif scenario == "fenced":
         infos = [dw.launch("fenced", 2, fenced_case, out, limit=240.0)]
     elif scenario == "resume":
