@@ -26,6 +26,13 @@ this handle deletes the tokens whose commits were acknowledged; tokens left by a
 killed process are swept after TOKEN_TTL when a table is opened. A server that
 stays down past the connect timeout is a StorageError naming the ref table.
 
+Every wait on the server is bounded (docs/design/reftable.md, "Bounded waits"): each
+session of the table sets lock_timeout, statement_timeout and
+idle_in_transaction_session_timeout (so the server ends a session whose client went
+away holding a ref row's lock) and server-side TCP keepalives; the client turns on
+libpq's keepalives. A lock or statement timeout is retried within the retry budget,
+then is a StorageError (OutcomeUnknown after an unanswered COMMIT), never a hang.
+
 Passwords in the DSN are never printed: errors name the host and database only.
 """
 
@@ -64,6 +71,9 @@ TOKEN_TTL = 86400.0     # a token is needed for seconds (one retry); leftovers o
 DEFAULT_CONNECT_TIMEOUT = 10.0
 LOCATIONS_NS = "tsck:locations"  # the stores found at remote locations (location_get), for every store
 CHECK_IDLE = 1.0        # seconds idle after which a pooled connection is checked before use
+IDLE_IN_TXN_MIN = 5.0   # s: the least idle_in_transaction_session_timeout the table sets
+STATEMENT_MIN = 60.0    # s: the least statement_timeout the table sets
+KEEPALIVE_COUNT = 3     # unanswered keepalive probes before a peer is dead (client and server)
 _MS = struct.Struct(">Q")
 _ABANDONED: list = []   # pools inherited across a fork: the parent's; never closed by the child
 
@@ -110,6 +120,68 @@ def _refused(e: Exception) -> bool:
     if "the database system is" in text:  # starting up / shutting down / in recovery: transient
         return False
     return any(w in text for w in _REFUSALS)
+
+
+def session_limits(connect_timeout: float, budget: float) -> dict[str, int]:
+    """The server-side bounds the table sets on each of its sessions, in each setting's
+    own unit (ms for the timeouts, s for the keepalives), from the connect timeout T and
+    the retry budget B (docs/design/reftable.md, "Bounded waits"):
+
+        lock_timeout                         T: a row lock held longer is not a live
+                                             writer's (they hold one for milliseconds)
+        idle_in_transaction_session_timeout  2T, at least 5 s: our sessions are idle in a
+                                             transaction only between two statements; one
+                                             idle that long lost its client, and its locks
+                                             go with it, inside the default budget
+        statement_timeout                    B, at least 60 s: a backstop, no statement of
+                                             the table runs near it
+        tcp_keepalives_idle/interval/count   the server notices a client host that is gone
+    """
+    ka_idle, ka_interval = _keepalive(connect_timeout)
+    return {"lock_timeout": max(1, int(connect_timeout * 1000)),
+            "idle_in_transaction_session_timeout": int(max(IDLE_IN_TXN_MIN, 2 * connect_timeout) * 1000),
+            "statement_timeout": int(max(STATEMENT_MIN, budget) * 1000),
+            "tcp_keepalives_idle": ka_idle, "tcp_keepalives_interval": ka_interval,
+            "tcp_keepalives_count": KEEPALIVE_COUNT}
+
+
+def _keepalive(connect_timeout: float) -> tuple[int, int]:
+    """(idle, interval) seconds of TCP keepalive: a peer silent for about twice the
+    connect timeout is dead."""
+    return max(1, round(connect_timeout)), max(1, round(connect_timeout / KEEPALIVE_COUNT))
+
+
+# Each limit is set unless the DSN set it (source 'client': libpq's options=, $PGOPTIONS),
+# or a role, database or server setting already has a shorter one (an operator's stricter
+# rule stands); 0 (off) is replaced. One statement when a connection is made.
+_LIMIT_SESSION = """
+SELECT set_config(s.name, w.v::text, false)
+  FROM unnest(%s::text[], %s::bigint[]) AS w(name, v) JOIN pg_settings s ON s.name = w.name
+ WHERE s.source <> 'client' AND (s.setting::bigint <= 0 OR s.setting::bigint > w.v)
+"""
+
+
+def _limit_session(conn, limits: dict[str, int]) -> None:
+    conn.execute(_LIMIT_SESSION, (list(limits), list(limits.values())))
+
+
+def _client_keepalives(dsn: str, connect_timeout: float) -> dict:
+    """libpq's keepalives (and TCP_USER_TIMEOUT for data the server never acknowledges),
+    as connect() keywords, for those the DSN does not set itself: a client waiting for
+    an answer from a server host that went away notices it instead of waiting forever."""
+    try:
+        from psycopg import pq
+        from psycopg.conninfo import conninfo_to_dict
+        given = conninfo_to_dict(dsn)
+        user_timeout = pq.version() >= 120000
+    except Exception:  # noqa: BLE001 - an unparseable DSN fails at connect, with its own error
+        return {}
+    idle, interval = _keepalive(connect_timeout)
+    want = {"keepalives": 1, "keepalives_idle": idle, "keepalives_interval": interval,
+            "keepalives_count": KEEPALIVE_COUNT}
+    if user_timeout:
+        want["tcp_user_timeout"] = (idle + interval * KEEPALIVE_COUNT) * 1000
+    return {k: v for k, v in want.items() if k not in given}
 
 
 class _PgTxn(Txn):
@@ -173,7 +245,8 @@ class PostgresRefTable(RefTable):
     backoff: the retry policy after a lost connection (default: storage's).
     read_only: issue no writes: no table is created, no token swept, every transaction
     is READ ONLY on the server (so even a write that got past RefTable's refusal would
-    fail there), and a write is refused with ReadOnlyStore before it starts."""
+    fail there), and a write is refused with ReadOnlyStore before it starts.
+    limits: the server-side bounds set on each session (session_limits())."""
 
     def __init__(self, dsn: str, *, namespace: str = "default", connect_timeout: float | None = None,
                  backoff: Backoff = DEFAULT_BACKOFF, pool_size: int = 4, read_only: bool = False):
@@ -192,6 +265,9 @@ class PostgresRefTable(RefTable):
         self.backoff = backoff
         self.pool_size = pool_size
         self.read_only = read_only
+        self.limits = session_limits(self.timeout, backoff.budget)  # set on each session (session_limits)
+        self._connect_kw = {"connect_timeout": max(1, int(self.timeout)), **_client_keepalives(dsn, self.timeout)}
+        self.lock_waits = 0       # statements that gave up on a lock (lock_timeout) or ran out of time
         self.reconnects = 0       # transactions re-run after a lost connection
         self.unknown_commits = 0  # ... of which had sent COMMIT without an answer
         self._rng = random.Random()
@@ -218,8 +294,11 @@ class PostgresRefTable(RefTable):
         level = self._psycopg.IsolationLevel.SERIALIZABLE
 
         read_only = self.read_only
+        limits = self.limits
 
         def configure(conn):
+            _limit_session(conn, limits)
+            conn.commit()
             conn.isolation_level = level
             conn.read_only = read_only  # BEGIN ... READ ONLY: the server refuses any write
 
@@ -231,7 +310,7 @@ class PostgresRefTable(RefTable):
                 pool_cls.check_connection(conn)
 
         pool = pool_cls(self._dsn, min_size=1, max_size=self.pool_size, open=False, name=f"tsck-refs {self.where}",
-                        kwargs={"autocommit": False, "connect_timeout": max(1, int(self.timeout))},
+                        kwargs={"autocommit": False, **self._connect_kw},
                         configure=configure, check=check, timeout=self.timeout)
         pool.open(wait=False)
         return pool
@@ -242,7 +321,8 @@ class PostgresRefTable(RefTable):
         delays = self.backoff.delays(self._rng)
         while True:
             try:
-                with psycopg.connect(self._dsn, autocommit=True, connect_timeout=max(1, int(self.timeout))) as conn:
+                with psycopg.connect(self._dsn, autocommit=True, **self._connect_kw) as conn:
+                    _limit_session(conn, self.limits)
                     if self.read_only:  # look, touch nothing
                         if conn.execute("SELECT to_regclass('tsck_kv')").fetchone()[0] is None:
                             raise NotAStore(f"no ref table at {self.where} (no tsck_kv table; opened read-only: "
@@ -302,6 +382,22 @@ class PostgresRefTable(RefTable):
         if pending is None:
             return self._down(why)
         return self._unknown(f"{why}; the server is down or unreachable, waited {self.timeout:g}s for it")
+
+    def _what_waited(self, e: Exception) -> str:
+        if isinstance(e, self._psycopg.errors.LockNotAvailable):
+            return (f"a row stayed locked by another session past lock_timeout "
+                    f"({self.limits['lock_timeout'] / 1000:g}s)")
+        return f"a statement ran past statement_timeout ({self.limits['statement_timeout'] / 1000:g}s) or was cancelled"
+
+    def _waited_out(self, e: Exception, write: bool, pending: bytes | None) -> StorageError:
+        why = (f"{self._what_waited(e)} until the retry budget ({self.backoff.budget:g}s) was spent; "
+               "a session whose client went away mid-transaction holds its locks until the server ends "
+               f"it (idle_in_transaction_session_timeout "
+               f"{self.limits['idle_in_transaction_session_timeout'] / 1000:g}s on this table's sessions)")
+        if pending is not None:  # an earlier attempt's COMMIT went unanswered: it may have landed
+            return self._unknown(why)
+        what = "the write did not happen" if write else "the read was given up"
+        return StorageError(f"ref table at {self.where}: {why}; {what}, try again later")
 
     # -- transactions ------------------------------------------------------------------
     def _run(self, fn, write: bool):
@@ -372,6 +468,19 @@ class PostgresRefTable(RefTable):
                 except TsckError:
                     _rollback(conn)
                     raise
+                except (errors.LockNotAvailable, errors.QueryCanceled) as e:
+                    # A lock held past lock_timeout (by a session whose client went away,
+                    # until the server ends it; or by someone else's long transaction), or a
+                    # statement past statement_timeout: rolled back on the server, so this
+                    # attempt wrote nothing. Tried again within the retry budget.
+                    _rollback(conn)
+                    self.lock_waits += 1
+                    delay = next(delays, None)
+                    if delay is None:
+                        raise self._waited_out(e, write, pending) from None
+                    log.warning("ref table %s: %s; retry in %.2fs (retry budget %gs)", self.where,
+                                self._what_waited(e), delay, self.backoff.budget)
+                    time.sleep(delay)
                 except psycopg.Error as e:
                     if not _lost(e, conn):
                         _rollback(conn)

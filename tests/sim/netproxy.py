@@ -8,6 +8,11 @@ Faults:
                (for a COMMIT: it landed, the client never hears so)
     hold       a COMMIT is kept back, the client's connection killed; released later,
                it is forwarded on the server session that sent it (it lands then)
+    orphan     a ref move's COMMIT is swallowed and the client's connection killed, while
+               the server's side is kept open and silent: the server session stays idle
+               in its transaction, holding the ref row's lock, with its client gone (a
+               partition after the COMMIT left); it ends only when the server ends it
+               (idle_in_transaction_session_timeout) or at end_orphans()
     blackout   every connection is killed and new ones are black-holed (accepted, held
                without a byte) until it ends; then the held ones go through
     outage     every connection is reset and new ones are reset as soon as accepted
@@ -61,12 +66,13 @@ class Chaos:
     def __init__(self, seed: int, *, delay: float = 0.02, delay_s: float = 0.2, drop: float = 0.003,
                  drop_commit: float = 0.08, hold_commit: float = 0.04, hold_s: float = 3.0,
                  blackout: float = 0.002, blackout_s: float = 2.5, dark_after: float = 0.7,
-                 dark_s: tuple = (0.5, 2.5)):
+                 dark_s: tuple = (0.5, 2.5), orphan_commit: float = 0.0):
         self.rng = random.Random(seed)
         self.delay, self.delay_s, self.drop, self.drop_commit = delay, delay_s, drop, drop_commit
         self.hold_commit, self.hold_s, self.blackout, self.blackout_s = hold_commit, hold_s, blackout, blackout_s
         self.dark_after = dark_after  # how often a dropped or held request is followed by a blackout ...
         self.dark_s = dark_s  # ... lasting this long (s, uniform)
+        self.orphan_commit = orphan_commit  # a ref move's COMMIT swallowed, its server session left open
 
 
 class _Conn:
@@ -76,22 +82,30 @@ class _Conn:
         self.drop_reply = False
         self.dark_after = False  # a blackout once this answer is through
         self.held = False  # a COMMIT kept back: the client side is gone, the server side kept
+        self.ref_move = False  # a request of this transaction moved a ref (REF_MOVE)
+        self.orphan = False  # its COMMIT swallowed: the client side gone, the server side open, silent
+        self.heard = b""  # what the server said on an orphan's session (its last words)
+        self.u_reset = False  # end_orphans() reset the server's side (not the server's own doing)
         self.answered = threading.Event()
 
 
 class NetProxy:
     """127.0.0.1:<port> -> host:upstream. Manual faults: arm_drop(), arm_hold(),
-    blackout()/restore(), release(). With chaos=Chaos(seed): random ones too.
-    outage() (a server gone: connections reset, not held).
-    Counters: drops, holds, blackouts, delays, refused (what happened, for reports)."""
+    arm_orphan(), blackout()/restore(), release(), end_orphans(). With chaos=Chaos(seed):
+    random ones too. outage() (a server gone: connections reset, not held).
+    Counters: drops, holds, orphans, blackouts, delays, refused (what happened, for
+    reports); orphans_ended: orphans whose session the server ended itself."""
 
     def __init__(self, upstream: int, host: str = "127.0.0.1", *, chaos: Chaos | None = None,
                  marker: bytes | None = REF_MOVE):
         self.host, self.upstream = host, upstream
         self.chaos = chaos
         self.marker = marker  # a COMMIT is faulted only in a transaction that sent it (None: any)
-        self.armed_drop = self.armed_hold = self.armed_dark = 0
-        self.drops = self.holds = self.blackouts = self.delays = 0
+        self.armed_drop = self.armed_hold = self.armed_dark = self.armed_orphan = 0
+        self.drops = self.holds = self.blackouts = self.delays = self.orphans = 0
+        self.orphans_ended = 0  # orphan sessions the server closed (not end_orphans())
+        self.orphan_words: list[bytes] = []  # what the server sent on each orphan it closed
+        self._orphan_cv = threading.Condition()  # notified as the server ends an orphan
         self.refused = 0  # connections reset at accept during an outage()
         self._gone_until = 0.0  # monotonic: outage() resets what connects before then
         self.blackout_after_fault = 0.0  # manual: seconds of blackout started by an armed fault (0: none)
@@ -126,13 +140,50 @@ class NetProxy:
         with self._lock:
             self.armed_hold += n
 
+    def arm_orphan(self, n: int = 1) -> None:
+        """The next n ref-move COMMITs are swallowed: the client's connection is killed, the
+        server's kept open and silent (its session idle in its transaction, holding the
+        ref's lock) until the server ends it or end_orphans()."""
+        with self._lock:
+            self.armed_orphan += n
+
+    def wait_orphans(self, n: int, timeout: float) -> list[int]:
+        """Wait until n orphans were made; -> the local ports of the server sides still
+        open (the server's pg_stat_activity.client_port of each orphan session)."""
+        with self._orphan_cv:
+            self._orphan_cv.wait_for(lambda: self.orphans >= n, timeout)
+        with self._lock:
+            ks = [k for k in self._conns if k.orphan]
+        ports = []
+        for k in ks:
+            try:
+                ports.append(k.u.getsockname()[1])
+            except OSError:  # ended meanwhile
+                pass
+        return ports
+
+    def wait_orphans_ended(self, n: int, timeout: float) -> bool:
+        """Wait until the server has ended n orphan sessions itself; -> whether it did."""
+        with self._orphan_cv:
+            return self._orphan_cv.wait_for(lambda: self.orphans_ended >= n, timeout)
+
+    def end_orphans(self) -> int:
+        """The partition heals with the clients gone: each orphan's server side is reset
+        (its session ends, its transaction rolls back). -> how many were still open."""
+        with self._lock:
+            ks = [k for k in self._conns if k.orphan]
+        for k in ks:
+            k.u_reset = True
+            _reset(k.u)
+        return len(ks)
+
     def blackout(self, seconds: float = float("inf")) -> None:
         """Kill every connection (a held COMMIT's server session excepted) and black-hole
         new ones for `seconds` (until restore() by default)."""
         with self._lock:
             self.blackouts += 1
             self._dark_until = max(self._dark_until, time.monotonic() + seconds)
-            conns = [k for k in self._conns if not k.held]
+            conns = [k for k in self._conns if not k.held and not k.orphan]
         for k in conns:
             _close(k.c, k.u)
 
@@ -142,7 +193,7 @@ class NetProxy:
         one that stopped answering."""
         with self._lock:
             self._gone_until = time.monotonic() + seconds
-            conns = [k for k in self._conns if not k.held]
+            conns = [k for k in self._conns if not k.held and not k.orphan]
         for k in conns:
             _reset(k.c, k.u)
 
@@ -220,9 +271,13 @@ class NetProxy:
         threading.Thread(target=self._down, args=(k,), daemon=True, name="netproxy-down").start()
 
     def _fault_for(self, k: _Conn, data: bytes) -> str | None:
-        """What to do with this request: None, 'delay', 'drop', 'hold' (and maybe a blackout)."""
+        """What to do with this request: None, 'delay', 'drop', 'hold', 'orphan' (and maybe
+        a blackout)."""
         is_commit = b"COMMIT" in data and (k.commit_seen or self.marker is None)
         with self._lock:
+            if is_commit and k.ref_move and self.armed_orphan:
+                self.armed_orphan -= 1
+                return "orphan"
             if is_commit and self.armed_hold:
                 self.armed_hold -= 1
                 return "hold"
@@ -241,6 +296,8 @@ class NetProxy:
                     return "hold"
                 if r < ch.hold_commit + ch.drop_commit:
                     return "drop"
+                if k.ref_move and r < ch.hold_commit + ch.drop_commit + ch.orphan_commit:
+                    return "orphan"
             elif r < ch.drop:
                 return "drop"
             if ch.rng.random() < ch.blackout:
@@ -267,9 +324,21 @@ class NetProxy:
             while data := k.c.recv(65536):
                 if self.marker is not None and self.marker in data:
                     k.commit_seen = True
+                if REF_MOVE in data:
+                    k.ref_move = True
                 fault = self._fault_for(k, data)
                 if b"COMMIT" in data:
-                    k.commit_seen = False
+                    k.commit_seen = k.ref_move = False
+                if fault == "orphan":
+                    with self._lock:
+                        k.orphan = True
+                        self.orphans += 1
+                    # The client's side dies; the COMMIT never reaches the server, whose side
+                    # stays open and hears nothing more (so keepalives cannot help either).
+                    _reset(k.c)
+                    with self._orphan_cv:
+                        self._orphan_cv.notify_all()
+                    return
                 if fault == "hold":
                     k.held = True
                     with self._lock:
@@ -319,6 +388,9 @@ class NetProxy:
     def _down(self, k: _Conn) -> None:
         try:
             while data := k.u.recv(65536):
+                if k.orphan:  # the server speaks to a client that is gone (a FATAL as it ends it)
+                    k.heard = (k.heard + data)[-4096:]
+                    continue
                 if k.held:  # the answer to a held COMMIT: nobody is there to hear it
                     k.answered.set()
                     continue
@@ -341,6 +413,12 @@ class NetProxy:
         except OSError:
             pass
         k.answered.set()
+        if k.orphan:
+            with self._orphan_cv:
+                if not self._stop and k in self._conns and not k.u_reset:
+                    self.orphans_ended += 1  # the server closed the session itself
+                    self.orphan_words.append(k.heard)
+                self._orphan_cv.notify_all()
         if not k.held:
             self._forget(k)
 
