@@ -19,11 +19,12 @@ from .format import tree
 from .format.dcp import DCP_FORMAT, check_version, fqn_paths, is_dcp_top
 from .format.dtypes import DTYPE_ITEMSIZES
 from .format.manifest import decode_commit
-from .format.world import rank_top
+from .format.world import rank_top, rank_tops
 from .ids import Digest
 from .info import SnapshotInfo, row_to_info
 from .paths import FULL, SKIP, Selection, dotted, key_str, parts_from_formatted
 from .walk import iter_leaves, read_node
+from .world_view import Merged, Union, deref_merged
 
 __all__ = ["Entry", "list_tree", "diff", "history", "describe", "dcp_saved_paths", "as_saved", "saved_findings",
            "MAX_ENTRIES"]
@@ -91,8 +92,10 @@ def list_tree(core: Core, root: Digest | str, path: str | None = None, *,
     Store.resolve(target) names it), in state order; with `path`, only
     that value or the values under it (nodes elsewhere are not read). Reads the commit
     and the manifest nodes it needs, never a block. A multi-rank snapshot lists rank 0's
-    tree (what a single process's checkout returns; sharded tensors at their global
-    shape). A snapshot written through dcp.save lists the state that was saved, at the
+    tree: every rank's tree merged, as a single process's checkout returns it
+    (world_view.py: sharded tensors at their global shape with every rank's pieces,
+    whichever ranks hold them; rank-local values rank 0's, else the lowest rank's that
+    holds them; CheckoutMismatch naming a path one tree cannot show). A snapshot written through dcp.save lists the state that was saved, at the
     paths checkout(paths=) takes (raw=True: its stored layout, tensors.* and DCP's
     metadata). InvalidArgument when nothing is at `path`; FormatError past `limit` values."""
     root = root if isinstance(root, Digest) else Digest.parse(root)
@@ -126,7 +129,11 @@ def _entries(core: Core, root: Digest, path: str | None, limit: int, raw: bool =
             yield p, dp, item, st
 
     def key(item, dp, st):
-        return item.digest, dp, None if st is FULL else id(st)
+        # a Merged (rank trees merged) is one object per distinct node tuple, kept by the Union
+        return item.digest if type(item) is tree.Ref else ("m", id(item)), dp, None if st is FULL else id(st)
+
+    def sub(item, p, dp):
+        return item.value if type(item) is Merged else node(item.digest, p, dp)
 
     def measure(v, parts, depth, state) -> tuple[int, int]:
         # What the listing below will visit, over distinct nodes: a DAG of 40 nodes can
@@ -134,11 +141,11 @@ def _entries(core: Core, root: Digest, path: str | None, limit: int, raw: bool =
         seen = found = 0
         for p, dp, item, st in items(v, parts, depth, state):
             seen += 1
-            if type(item) is tree.Ref:
+            if type(item) is tree.Ref or type(item) is Merged:
                 if st is not SKIP:
                     k = key(item, dp, st)
                     if k not in sizes:
-                        sizes[k] = measure(node(item.digest, p, dp), p, dp, st)
+                        sizes[k] = measure(sub(item, p, dp), p, dp, st)
                     seen, found = seen + sizes[k][0], found + sizes[k][1]
             elif st is FULL:
                 found += 1
@@ -149,23 +156,36 @@ def _entries(core: Core, root: Digest, path: str | None, limit: int, raw: bool =
 
     def values(v, parts, depth, state):
         for p, dp, item, st in items(v, parts, depth, state):
-            if type(item) is tree.Ref:
+            if type(item) is tree.Ref or type(item) is Merged:
                 if st is not SKIP and sizes[key(item, dp, st)][1]:
-                    yield from values(node(item.digest, p, dp), p, dp, st)
+                    yield from values(sub(item, p, dp), p, dp, st)
             elif st is FULL:
                 yield _entry(dotted(p), item)
 
     v = node(top, (), 0, world=True)
+    state = FULL if sel is None else sel.root
     if type(v) is tree.World:
-        v = node(rank_top(v, 0, lambda d: node(d, (), 0)), (), 0)
+        v = deref_merged(_one_view(v, node, sel, state, snap, limit))
     if not raw and is_dcp_top(v):
         yield from _dcp_entries(v, node, sel, path, limit, snap, core.url)
         return
-    state = FULL if sel is None else sel.root
     if measure(v, (), 0, state)[1] == 0 and path is not None:
         raise InvalidArgument(f"snapshot {snap[:16]} in {core.url} holds nothing at {path!r} (paths are "
                               "dotted: model.layers.0.weight; `tsck ls` lists them)")
     yield from values(v, (), 0, state)
+
+
+def _one_view(w: tree.World, node, sel, state, snap: str, limit: int):
+    """Every rank's tree of a collective snapshot merged (world_view.Union), as one
+    process's checkout merges them; only what the selection keeps is read."""
+    def deref(v, parts, depth):
+        while type(v) is tree.Ref:
+            v = node(v.digest, parts, depth)
+        return v
+
+    tops = rank_tops(w, lambda d: node(d, (), 0))
+    u = Union(deref, None if sel is None else sel.step, snapshot=snap, budget=limit)
+    return u.merge([(r, tree.Ref(d)) for r, d in enumerate(tops)], (), 0, state)
 
 
 def _dcp_entries(v, node, sel, path, limit: int, snap: str, url: str):

@@ -37,6 +37,7 @@ from .paths import FULL, SKIP, Selection, is_stateful
 from .placement import Placement, check_map_location
 from .read_world import Gathered, WorldReading
 from .shard import Sharded, from_dtensor, is_dtensor
+from .world_view import Merged
 
 __all__ = ["Reader", "run_reads", "default_max_bytes", "MISSING"]
 
@@ -109,7 +110,7 @@ class Reader(WorldReading):
     nothing from a manifest is executed (pickle only if allowed)."""
 
     def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
-                 allow_pickle: bool = False, max_bytes: int | None = None, rank: int = 0, progress=None,
+                 allow_pickle: bool = False, max_bytes: int | None = None, rank: int | None = 0, progress=None,
                  paths=None, map_location=None, fence: int | None = None):
         self._opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank,
                           progress=progress, fence=fence)
@@ -122,7 +123,10 @@ class Reader(WorldReading):
         self.map_location = check_map_location(map_location)
         self._place = Placement(self.map_location, snapshot)
         self.progress = progress  # progress(bytes) per block read (a terminal's bar)
-        self.rank = rank  # whose rank-local values a multi-rank snapshot yields
+        # rank: whose tree of a multi-rank snapshot this reads (a collective checkout);
+        # None: one process's view, every rank's tree merged (world_view.py)
+        self.one = rank is None
+        self.rank = 0 if rank is None else rank
         self.assets = assets
         self.pool = pool
         self.snapshot = snapshot
@@ -142,7 +146,10 @@ class Reader(WorldReading):
         self._decoded: dict = {}
         self._sizes: dict = {}
         self._keymaps: dict = {}   # id(decoded dict container) -> (it, {key: value}): rank-tree lookups
-        self._merged: dict = {}    # (rank nodes, depth, selection state) -> their merged value
+        self._unions: dict = {}    # extend -> the world_view.Union merging this snapshot's rank trees
+        self._whole: dict = {}     # id -> a sharded tensor merged from every rank's pieces
+        self._multi: tree.World | None = None  # the multi-rank snapshot being read (any version)
+        self._views: dict = {}     # (preferred rank, extend, selection state) -> its merged rank trees
         self._ix_prefixes: dict = {}  # id(chunk index) -> (it, format_paths at and above its tensors)
         self._world: tree.World | None = None  # a version-2 multi-rank snapshot being read
         self._buckets: dict = {}   # bucket number -> {format_path: [(rank, offsets, shape)]}
@@ -247,6 +254,14 @@ class Reader(WorldReading):
         measured once per depth (memoised), so a DAG bomb costs its nodes, not its paths.
         Only what the selection and a plain into= dict keep is measured (and read)."""
         t = type(v)
+        if t is Merged:  # rank trees merged (world_view.py): measured once, as a node is
+            if into is not _MISSING:
+                return self._measure(v.value, path, depth, sel, into)
+            key = ("m", id(v), depth, None if sel is FULL else id(sel))
+            hit = self._sizes.get(key)
+            if hit is None:
+                hit = self._sizes[key] = self._measure(v.value, path, depth, sel)
+            return hit
         if t is tree.Ref:
             if into is not _MISSING:  # the caller's tree bounds this walk
                 return self._measure(self._node(v.digest, path, depth), path, depth, sel, into)
@@ -269,6 +284,8 @@ class Reader(WorldReading):
                 values, nbytes = values + a, nbytes + b
             return values, nbytes
         if t is tree.World:  # one rank's view: the largest rank tree bounds it
+            if self.one and into is _MISSING:  # every rank's tree merged: that tree
+                return self._measure(self._merge_world(v, path, depth, sel, lazy=False), path, depth, sel)
             if v.index is not None or v.ranks is None:  # with a chunk index the view is this rank's tree
                 me = self.rank if self.rank < v.world else 0
                 return self._measure(tree.Ref(self._rank_top(v, me, path, depth)), path, depth, sel, into)
@@ -339,8 +356,13 @@ class Reader(WorldReading):
         if t is tree.Ref:
             # A node stands in for a value at the same level of the state tree.
             return self._value(self._node(v.digest, path, depth), path, depth, into, sel, ext)
+        if t is Merged:
+            return self._value(v.value, path, depth, into, sel, ext)
         if t is tree.World:
-            return self._value(self._merge_world(v, path, depth, sel), path, depth, into, sel, ext)
+            # One process's view without into=: every rank's tree merged (world_view.py);
+            # else this rank's tree (rank 0's for one process), into= naming what it lacks.
+            view = self._merge_world(v, path, depth, sel, lazy=not (self.one and into is _MISSING))
+            return self._value(view, path, depth, into, sel, ext)
         if t is tree.Container:
             if v.kind in ("d", "o"):
                 return self._dict(v, path, depth, into, sel, ext)
@@ -425,6 +447,12 @@ class Reader(WorldReading):
             have = {k for k, _ in v.items}
             lacks = [k for k in into if k not in have
                      and (sel is FULL or self.select.step(sel, k) is not SKIP)]
+            if lacks and self._multi is not None:
+                # A read of a multi-rank snapshot in another layout: a path this rank's tree
+                # lacks (a pipeline stage the saved rank did not hold) from the ranks that hold it.
+                v = self._borrow(v, path, depth, lacks, sel)
+                have = {k for k, _ in v.items}
+                lacks = [k for k in lacks if k not in have]
             if lacks:
                 raise CheckoutMismatch(f"the snapshot has no {', '.join(repr(k) for k in lacks[:5])}"
                                        f"{f' (and {len(lacks) - 5} more)' if len(lacks) > 5 else ''} under "
@@ -501,9 +529,13 @@ class Reader(WorldReading):
             self._jobs = pending
 
     def _deref(self, v, path, depth):
-        while type(v) is tree.Ref:
-            v = self._node(v.digest, path, depth)
-        return v
+        while True:
+            if type(v) is tree.Ref:
+                v = self._node(v.digest, path, depth)
+            elif type(v) is Merged:
+                v = v.value
+            else:
+                return v
 
     # -- dense leaves ------------------------------------------------------------
     def _tensor(self, leaf: tree.Tensor, path, into):

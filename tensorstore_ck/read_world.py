@@ -8,7 +8,9 @@ chunks that meet it, refusing overlapping pieces (an overlap must not hide a gap
 
 A collective snapshot holds one tree per rank (format/world.py). A rank's view of it
 is merged here: its own rank-local values, with each sharded tensor's chunks gathered
-from the ranks that hold them. With a chunk index (version 1's index node, version
+from the ranks that hold them, and what an into= target names that its own tree lacks
+merged from the ranks that hold it. One process's view (Reader(rank=None): no process
+group) is every rank's tree merged (world_view.py). With a chunk index (version 1's index node, version
 2's range-bucketed index) only this rank's tree and the index are read up front, and
 other ranks' pieces when the region being filled needs them, so a checkout in the
 layout it was saved with costs one rank's nodes, not the world's.
@@ -30,10 +32,13 @@ from .format import world as worldfmt
 from .format.tree import format_path
 from .paths import FULL, SKIP
 from .shard import Sharded, find_overlap
+from .world_view import Union
 
 __all__ = ["Gathered", "WorldReading", "read_box"]
 
 logger = logging.getLogger("tensorstore_ck")
+
+_ABSENT = object()  # a path a rank's tree does not have (None is a value)
 
 
 class Gathered:
@@ -116,7 +121,7 @@ class WorldReading:
         if type(g) is Gathered:  # only the pieces the region needs are read
             box = (tuple(into.offsets), tuple(into.local.shape)) if isinstance(into, Sharded) else None
             g = self._gather(g, box, path)
-        elif self._world is not None and not g.replicated:
+        elif self._world is not None and not g.replicated and id(g) not in self._whole:
             box = (tuple(into.offsets), tuple(into.local.shape)) if isinstance(into, Sharded) else None
             g = self._ranged(g, box, path)
         dtype, gs = g.dtype, g.shape
@@ -176,28 +181,70 @@ class WorldReading:
         """A collective snapshot holds one tree per rank. Merge them into this rank's
         view: its own rank-local values (rank 0's for a rank the snapshot did not
         have), with every sharded tensor's chunks gathered from all ranks. Only what
-        the selection keeps is merged (and read).
+        the selection keeps is merged (and read). lazy=False (one process's view without
+        into=; DCP's metadata, which lists every chunk): every rank's tree merged into
+        one (world_view.py), O(W) rank trees.
 
         Version 2 (format/world.py): only this rank's tree is read here, found through the
         rank tree; the index buckets and other ranks' pieces a sharded tensor's region
-        needs are read when it is filled (_ranged; lazy=False: every rank's tree merged).
+        needs are read when it is filled (_ranged).
         Version 1 with a chunk index: only this rank's tree and the index are read here;
         another rank's chunks of a sharded tensor are read when the region
-        being filled needs them (lazy=False: every chunk now). Without one, or if the
+        being filled needs them. Without one, or if the
         index node cannot be read (a gc that did not keep it), every rank's
         tree is merged (O(W) node reads per rank)."""
         me = self.rank if self.rank < w.world else 0
+        self._multi = w
+        if not lazy:
+            return self._view(w, me, path, depth, sel, extend=True)
         if w.ranks is None:  # version 2: this rank's tree; _global reads the index for its regions
-            if not lazy:
-                tops = worldfmt.rank_tops(w, lambda d: self._node(d, path, depth))
-                return self._merge([self._node(d, path, depth) for d in tops], me, path, depth, sel)
             self._world = w
             return self._node(self._rank_top(w, me, path, depth), path, depth)
         ix = self._chunk_index(w, path, depth) if w.index is not None else None
         if ix is not None:
-            return self._indexed(self._node(w.ranks[me], path, depth), me, w.ranks, ix, path, depth, sel, lazy)
-        vals = [self._node(d, path, depth) for d in w.ranks]
-        return self._merge(vals, me, path, depth, sel)
+            return self._indexed(self._node(w.ranks[me], path, depth), me, w.ranks, ix, path, depth, sel, True)
+        return self._view(w, me, path, depth, sel, extend=False)
+
+    def _union(self, extend: bool) -> Union:
+        u = self._unions.get(extend)
+        if u is None:
+            step = None if self.select is None else self.select.step
+            from .read import VALUE_COST  # (read.py imports this module)
+            budget = min(tree.MAX_VALUES, self.max_bytes // VALUE_COST)  # the values a checkout may hold
+            u = self._unions[extend] = Union(self._deref, step, snapshot=self.snapshot, extend=extend,
+                                             whole=self._whole, budget=budget)
+        return u
+
+    def _order(self, w: tree.World, me: int) -> list:
+        """The ranks in the order their rank-local values are preferred: `me`, then the rest."""
+        return [me] + [r for r in range(w.world) if r != me]
+
+    def _view(self, w: tree.World, me: int, path, depth, sel, *, extend: bool):
+        """Every rank's tree merged, `me`'s values preferred (extend: with what only the others hold)."""
+        key = (me, extend, None if sel is FULL else id(sel))
+        hit = self._views.get(key)
+        if hit is None:
+            vals = [(r, tree.Ref(self._rank_top(w, r, path, depth))) for r in self._order(w, me)]
+            hit = self._views[key] = self._union(extend).merge(vals, path, depth, sel)
+        return hit
+
+    def _borrow(self, v: tree.Container, path, depth, keys, sel) -> tree.Container:
+        """This rank's dict `v` at `path` with `keys` (which it lacks) added from the ranks
+        whose trees hold them, each merged over those ranks (sharded tensors whole), read
+        along `path` only: O(W) rank trees, only when an into= target needs it."""
+        w = self._multi
+        me = self.rank if self.rank < w.world else 0
+        extra = []
+        for k in keys:
+            vals = []
+            for r in self._order(w, me):
+                x = self._rank_leaf(self._rank_top(w, r, path, 0), path + (k,), missing=_ABSENT)
+                if x is not _ABSENT:
+                    vals.append((r, x))
+            if vals:
+                csel = FULL if sel is FULL else self.select.step(sel, k)
+                extra.append((k, self._union(True).merge(vals, path + (k,), depth + 1, csel)))
+        return tree.Container(v.kind, list(v.items) + extra) if extra else v
 
     def _chunk_index(self, w: tree.World, path, depth) -> dict | None:
         """{format_path of a sharded tensor: [(rank, offsets, shape)]} from the index node."""
@@ -359,59 +406,21 @@ class WorldReading:
         need.setdefault(me, set()).update(c.offsets for c in own.chunks if meets(c.offsets, c.shape))
         return self._pieces_of(need, own, me, lambda r: self._rank_leaf(self._rank_top(w, r, path, 0), path), path)
 
-    def _rank_leaf(self, top: bytes, path):
-        """The value at `path` in the rank tree `top` (nodes read along the path only)."""
+    def _rank_leaf(self, top: bytes, path, missing=None):
+        """The value at `path` in the rank tree `top` (nodes read along the path only);
+        `missing` where it has none."""
         v = self._node(top, (), 0)
         for i, k in enumerate(path):
             v = self._deref(v, path[:i], i)
             if type(v) is not tree.Container:
-                return None
+                return missing
             if v.kind in ("d", "o"):
                 m = self._keymaps.get(id(v))
                 if m is None:
                     m = self._keymaps[id(v)] = (v, dict(v.items))  # v kept: its id stays its own
-                v = m[1].get(k)
+                v = m[1].get(k, _ABSENT)
             else:
-                v = v.items[k] if type(k) is int and 0 <= k < len(v.items) else None
-            if v is None:
-                return None
+                v = v.items[k] if type(k) is int and 0 <= k < len(v.items) else _ABSENT
+            if v is _ABSENT or (v is None and missing is None):
+                return missing
         return self._deref(v, path, len(path))
-
-    def _merge(self, vals, me, path, depth, sel=FULL):
-        if all(type(v) is tree.Ref for v in vals):
-            # The same nodes merge alike at every path that names them (a DAG bomb: once).
-            key = (tuple(v.digest for v in vals), depth, None if sel is FULL else id(sel))
-            hit = self._merged.get(key)
-            if hit is None:
-                hit = self._merged[key] = self._merge_values(vals, me, path, depth, sel)
-            return hit
-        return self._merge_values(vals, me, path, depth, sel)
-
-    def _merge_values(self, vals, me, path, depth, sel):
-        vals = [self._deref(v, path, depth) for v in vals]
-        v0 = vals[me]
-        if type(v0) is tree.Global:
-            chunks = [c for v in vals if type(v) is tree.Global and v.dt == v0.dt and v.shape == v0.shape
-                      for c in v.chunks]
-            return tree.Global(v0.dt, v0.shape, chunks, v0.replicated)
-        if type(v0) is not tree.Container:
-            return v0
-        same = [v for v in vals if type(v) is tree.Container and v.kind == v0.kind]
-        if len(same) != len(vals):
-            return v0  # the ranks' trees differ here: this rank's own view
-
-        def child(items, k, i):
-            csel = FULL if sel is FULL else self.select.step(sel, k)
-            if csel is SKIP:
-                return v0.items[i][1] if v0.kind in ("d", "o") else v0.items[i]  # left out: not read
-            return self._merge(items, me, path + (k,), depth + 1, csel)
-
-        if v0.kind in ("d", "o"):
-            keys = [[k for k, _ in v.items] for v in same]
-            if all(k == keys[me] for k in keys):
-                return tree.Container(v0.kind, [(k, child([v.items[i][1] for v in same], k, i))
-                                                for i, k in enumerate(keys[me])])
-            return v0
-        if all(len(v.items) == len(v0.items) for v in same):
-            return tree.Container(v0.kind, [child([v.items[i] for v in same], i, i) for i in range(len(v0.items))])
-        return v0

@@ -633,7 +633,9 @@ class Store:
             from .peers import peer_reads
             reads = peer_reads(self._reads, self._peers)
 
-        def read(root: Digest, rank: int = 0):
+        def read(root: Digest, rank: int | None = None):
+            # rank: this rank's tree of a collective snapshot (a collective checkout); None:
+            # one process's view, every rank's tree merged (world_view.py).
             # Read before any object is: what this checkout reads is then known present under
             # it, for later puts and checkouts of this Store (assets.Presence).
             fence = self.assets.fence_now()
