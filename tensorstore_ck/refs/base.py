@@ -9,7 +9,7 @@ Sub-tables (each a sorted key-value space):
     tags      name                    -> root
     pins      root                    -> b""
     retention job                     -> msgpack Retention record
-    gc        b"state"                -> msgpack {epoch, phase, owner, lease, clock, expires, ...}
+    gc        b"state"                -> msgpack {epoch, phase, owner, lease, clock, expires, proc, ...}
     meta      key                     -> value (the reflog sequence counter, steps_seq, the store id,
                                          `rebuild`: a recover that has not finished)
     steps     name \0 step \0 seq      -> root (REF@STEP's index; step in decimal, seq as in reflog)

@@ -9,19 +9,27 @@ while a deletion phase may be running; a writer that decided which objects exist
 under an even epoch moves a ref only while the epoch is still that one (_check_fence,
 in the move's own transaction). A gc declares its lease (seconds; gc.py's Lease
 renews it) and the lock is judged on the table's clock only (Txn.clock), so no
-party's own clock or setting can declare a live gc dead.
+party's own clock or setting can declare a live gc dead. The one exception is a
+holder known dead: the lock records its process (`proc`: host, pid, start time), and
+a party on the same host that finds that process gone takes the lock over at once
+(holder_gone; docs/design/gc.md, "A holder known dead").
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from typing import Any
 
 from ..errors import Fenced, FormatError, GcBusy, RebuildUnfinished, RefNotFound, TsckError
 from ..format.records import decode_gc_state, decode_record, encode_record
 from .txn import Txn
 
-__all__ = ["GcStateMachine", "HOLD_SECONDS", "UNDECLARED_LEASE", "rebuild_message"]
+log = logging.getLogger(__name__)
+
+__all__ = ["GcStateMachine", "HOLD_SECONDS", "UNDECLARED_LEASE", "rebuild_message", "process_identity",
+           "holder_gone"]
 
 _REBUILD = b"rebuild"       # meta: a recover began and none has finished since ({owner, started})
 _PRUNE_KEY = b"prune:"      # gc: a queued prune request of job <name> ({at, id})
@@ -34,6 +42,7 @@ RECLAIMED_KEPT = 1000
 # age on the wall clock, and runs out this many seconds after it.
 UNDECLARED_LEASE = 120.0
 HOLD_SECONDS = 30.0  # a writer's hold, renewed every HOLD_SECONDS / 4 while it re-validates
+_LOCK_FIELDS = ("clock", "expires", "proc")  # what a released lock leaves out of the gc state
 
 
 class GcStateMachine:
@@ -96,10 +105,14 @@ class GcStateMachine:
 
     def gc_state(self) -> dict:
         """The gc state, with `lease_left`: seconds the current gc's lease still runs on
-        the table's clock (0.0 once it ran out; None when no gc holds the store)."""
+        the table's clock (0.0 once it ran out, or once its holder is known dead; None
+        when no gc holds the store), and `holder_gone`: its holder's process is known
+        to be gone (holder_gone)."""
         def txn(t):
             st = _gc_state(t)
-            st["lease_left"] = None if st["phase"] == "idle" and st["epoch"] % 2 == 0 else _lease_left(t, st, None)
+            locked = not (st["phase"] == "idle" and st["epoch"] % 2 == 0)
+            st["lease_left"] = _lease_left(t, st, None) if locked else None
+            st["holder_gone"] = locked and holder_gone(st.get("proc"))
             return st
         return self._read(txn)
 
@@ -140,19 +153,27 @@ class GcStateMachine:
             if not rebuilding_ok:
                 _refuse_if_rebuilding(t, what)
             st = _gc_state(t)
+            took = None
             if st["phase"] != "idle" or st["epoch"] % 2:
                 left = _lease_left(t, st, now)
                 if left > 0:
                     raise GcBusy(f"another gc ({st.get('owner')}) is {st['phase']}; its lease runs "
-                                 f"{left:.1f}s more")
+                                 f"{left:.1f}s more (its process is alive, or on another host)")
+                took = st.get("owner"), holder_gone(st.get("proc"))
                 if st["epoch"] % 2:  # a dead gc's deletion phase is over: close it
                     st["epoch"] += 1
             clock, tnow = _clock(t, now)
             st.update(phase="marking", owner=owner, lease=float(lease), clock=clock, expires=tnow + lease,
                       heartbeat=t.wall(), started=t.wall())
+            _set_proc(st)
             t.put("gc", b"state", encode_record(st))
-            return st
-        return self._write(txn)
+            return st, took
+        st, took = self._write(txn)
+        if took is not None and took[1]:
+            log.warning("gc lock of %s taken over by %s at once: its process on this host is gone", took[0], owner)
+        elif took is not None:
+            log.warning("gc lock of %s taken over by %s: its lease ran out", took[0], owner)
+        return st
 
     # A rebuild in progress (docs/design/recover.md, "recover under gc"). recover's first
     # transaction sets the mark, its last one clears it; while it is set no gc lock is
@@ -174,7 +195,7 @@ class GcStateMachine:
                 if st["epoch"] % 2:
                     st["epoch"] += 1
                 st.update(phase="idle", owner=None, aborted=t.wall())
-                for k in ("clock", "expires"):
+                for k in _LOCK_FIELDS:
                     st.pop(k, None)
                 t.put("gc", b"state", encode_record(st))
             prev = _rebuild_mark(t)
@@ -275,20 +296,21 @@ class GcStateMachine:
             if st["epoch"] % 2:
                 st["epoch"] += 1
             st.update(fields, phase="idle", owner=None)
-            for k in ("clock", "expires"):
+            for k in _LOCK_FIELDS:
                 st.pop(k, None)
         return self._gc_owned(owner, now, ("marking", "deleting"), fn)
 
     def gc_abort_stale(self, *, now: float | None = None):
-        """Close a deletion phase whose gc's lease ran out (on the table's clock): a gc
-        never deletes past its lease, so its epoch can be closed."""
+        """Close a deletion phase whose gc's lease ran out (on the table's clock), or whose
+        gc's process is known to be gone: a gc never deletes past its lease, and a dead
+        one deletes nothing more, so its epoch can be closed."""
         def txn(t):
             st = _gc_state(t)
             # Any odd epoch whose lease ran out is closed, whatever its phase says.
             if st["epoch"] % 2 and _lease_left(t, st, now) <= 0:
                 st["epoch"] += 1
                 st.update(phase="idle", owner=None, aborted=t.wall())
-                for k in ("clock", "expires"):
+                for k in _LOCK_FIELDS:
                     st.pop(k, None)
                 t.put("gc", b"state", encode_record(st))
             st["lease_left"] = None if st["epoch"] % 2 == 0 else _lease_left(t, st, now)
@@ -319,6 +341,8 @@ def _clock(t: Txn, now: float | None) -> tuple[str, float]:
 
 
 def _lease_left(t: Txn, st: dict, now: float | None) -> float:
+    if holder_gone(st.get("proc")):
+        return 0.0  # a dead process deletes nothing more (docs/design/gc.md, "A holder known dead")
     if "expires" not in st:  # no declared lease: its heartbeat's age on the wall clock
         return max(0.0, float(st.get("heartbeat", 0.0)) + UNDECLARED_LEASE - (t.wall() if now is None else now))
     clock, tnow = _clock(t, now)
@@ -393,3 +417,93 @@ def _refuse_if_rebuilding(t: Txn, what: str = "gc") -> None:
 
 def _gc_state(t: Txn) -> dict:
     return decode_gc_state(t.get("gc", b"state"))
+
+
+# A holder known dead (docs/design/gc.md, "A holder known dead"). The lock records the
+# process that took it; a party that shares its host (the same boot, pid namespace and
+# time namespace: pids and start times mean the same there) and finds that pid gone,
+# or held by a process that started at another time, or a zombie, knows the holder
+# deletes nothing more. Anything else (another host, a record it cannot read, a
+# /proc that is not its own) is no proof of death: the lease decides.
+_IDENTITY: tuple[int, dict | None] | None = None
+
+
+def _read_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, start time in clock ticks since boot, threads) of `pid` from /proc, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        fields = raw[raw.rindex(b")") + 2:].split()  # the name may hold spaces and parentheses
+        return fields[0].decode(), int(fields[19]), int(fields[17])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _ns(name: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/ns/{name}")
+    except OSError:
+        return ""
+
+
+def process_identity() -> dict | None:
+    """This process as the gc lock records it: {host, pid, start}, or None where it
+    cannot be told apart reliably (no /proc, or a /proc of another pid namespace)."""
+    global _IDENTITY
+    pid = os.getpid()
+    if _IDENTITY is not None and _IDENTITY[0] == pid:  # computed again in a forked child
+        return _IDENTITY[1]
+    ident = None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        with open("/proc/self/stat", "rb") as f:
+            own = int(f.read().split(b" ", 1)[0])
+    except (OSError, ValueError):
+        boot, own = "", -1
+    stat = _read_stat(pid)
+    pidns = _ns("pid")
+    if boot and own == pid and stat is not None and pidns:
+        ident = {"host": f"{boot}/{pidns}/{_ns('time')}", "pid": pid, "start": stat[1]}
+    _IDENTITY = (pid, ident)
+    return ident
+
+
+def _set_proc(st: dict) -> None:
+    ident = process_identity()
+    if ident is None:
+        st.pop("proc", None)
+    else:
+        st["proc"] = dict(ident)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 < x < 2**63
+
+
+def holder_gone(proc: Any) -> bool:
+    """Is the process a gc lock records (`proc`, untrusted stored data) known to be gone?
+    Only where this process shares its host and pid namespace; never for its own."""
+    me = process_identity()
+    if me is None or not isinstance(proc, dict) or proc.get("host") != me["host"]:
+        return False
+    pid, start = proc.get("pid"), proc.get("start")
+    if not (_int(pid) and isinstance(start, int) and not isinstance(start, bool)):
+        return False
+    if pid == me["pid"]:
+        return start != me["start"]  # this pid was the holder's, in another process's life
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # it exists (another user's)
+    except OSError:
+        return False
+    stat = _read_stat(pid)
+    if stat is None:  # hidden from us (hidepid), or gone this instant: not proven
+        return False
+    state, started, threads = stat
+    if started != start:
+        return True  # the pid was reused after the holder ended
+    return state in ("Z", "X") and threads <= 1  # exited; only its exit status is left
