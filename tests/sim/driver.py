@@ -164,7 +164,9 @@ RANK_TIERS = ("c0", "c1")
 
 
 def _net_brief(net: dict) -> str:
-    return ",".join(f"{k}:{v['drops']}d/{v['holds']}h/{v['blackouts']}b" for k, v in net.items())
+    # o: ref moves' COMMITs orphaned (the session kept, holding the ref's lock, its client gone)
+    return ",".join(f"{k}:{v['drops']}d/{v['holds']}h/{v.get('orphans', 0)}o/{v['blackouts']}b"
+                    for k, v in net.items())
 
 
 def leases_for(backend: str) -> list[float]:

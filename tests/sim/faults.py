@@ -31,10 +31,12 @@ that varies, so a seed fixes the schedule of faults, not the exact interleaving.
 from __future__ import annotations
 
 import errno
+import faulthandler
 import json
 import os
 import random
 import signal
+import sys
 import threading
 import time
 
@@ -154,10 +156,59 @@ class SimStore(WrappedStore):
         return out
 
 
+# A PostgreSQL ref-table transaction still running after HUNG_S is a hang: the table
+# bounds every wait on the server (lock and idle-in-transaction timeouts, the workers'
+# 1 s connect timeout and 1.5 s retry budget: a few seconds at worst), so the process
+# prints its threads' stacks and exits HUNG_EXIT, which the driver reports as I4
+# (before its own kill of a worker past the round's end would hide it as "stuck").
+HUNG_S = 8.0
+HUNG_EXIT = 3
+
+
+class _Watchdog:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running: dict[int, tuple[float, str]] = {}
+        self.n = 0
+        self.thread = None
+
+    def enter(self, what: str) -> int:
+        with self.lock:
+            self.n += 1
+            self.running[self.n] = (time.monotonic(), what)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._watch, daemon=True, name="sim-hung-watch")
+                self.thread.start()
+            return self.n
+
+    def leave(self, n: int) -> None:
+        with self.lock:
+            self.running.pop(n, None)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.1)
+            now = time.monotonic()
+            with self.lock:
+                hung = [(now - t0, what) for t0, what in self.running.values() if now - t0 > HUNG_S]
+            if hung:
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.write(f"\nsim: HUNG: a {hung[0][1]} of the PostgreSQL ref table still running after "
+                                 f"{hung[0][0]:.1f}s (bound {HUNG_S:g}s)\n")
+                sys.stderr.flush()
+                os._exit(HUNG_EXIT)
+
+
+_WATCHDOG = _Watchdog()
+
+
 def slow_reftable(rt, faults: Faults) -> None:
     """Route the ref table's transactions through fault points (delays, kill points; no
-    failures: a ref-table error is a different fault, out of this harness's scope)."""
+    failures: a ref-table error is a different fault, out of this harness's scope); on
+    PostgreSQL each transaction is bounded (HUNG_S)."""
     read, write = rt._read, rt._write
+    if type(rt).__name__ == "PostgresRefTable":
+        read, write = _bounded(read, "read"), _bounded(write, "write")
 
     def _read(fn):
         faults.point("ref-read")
@@ -170,6 +221,16 @@ def slow_reftable(rt, faults: Faults) -> None:
         return out
 
     rt._read, rt._write = _read, _write
+
+
+def _bounded(run, what: str):
+    def bounded(fn):
+        n = _WATCHDOG.enter(f"{what} transaction")
+        try:
+            return run(fn)
+        finally:
+            _WATCHDOG.leave(n)
+    return bounded
 
 
 # -- filesystems with directories, through fsspec -----------------------------------------

@@ -433,9 +433,17 @@ class NetFaults:
     one in front of the S3 server (s3). Workers reach both through them (spec()); the
     driver's own checks go direct. Each round draws its rates (or none) from the round's
     seed; at the round's end the faults stop and held COMMITs are let through (a COMMIT
-    delayed in the network lands after its client gave up: what the checks must survive)."""
+    delayed in the network lands after its client gave up: what the checks must survive).
+    On the ref table some ref moves' COMMITs are orphaned (NetProxy "orphan"): the session
+    keeps the ref's lock with its client gone until the server ends it; puts behind it
+    must end all the same (faults.py bounds each ref-table transaction of a worker). The
+    orphans left at the round's end are reset, as a partition that heals."""
 
     CONNECT_TIMEOUT = 1  # s: the workers' ref-table connect timeout, shorter than most blackouts
+    # Of ref moves' COMMITs, the share orphaned: one stalls every ref move of the store
+    # (they all write the reflog sequence) until the server ends it (5 s at this connect
+    # timeout), so a few per run, not per round.
+    ORPHAN, ORPHAN_HEAVY = 0.02, 0.1
 
     def __init__(self, loc):
         self.loc = loc
@@ -475,10 +483,11 @@ class NetFaults:
             # often short enough for its clean-up's read to get through while a COMMIT is
             # still held (released after 1-5 s)
             self.pg.chaos = Chaos(rng.getrandbits(32), drop_commit=0.25, hold_commit=0.2, dark_after=0.9,
-                                  dark_s=(1.1, 2.5), hold_s=5.0)
+                                  dark_s=(1.1, 2.5), hold_s=5.0, orphan_commit=self.ORPHAN_HEAVY)
         elif self.pg is not None:
             self.pg.chaos = Chaos(rng.getrandbits(32), drop_commit=rng.choice([0.05, 0.12]),
-                                  hold_commit=rng.choice([0.03, 0.08]), dark_s=(0.5, rng.choice([2.0, 3.0])))
+                                  hold_commit=rng.choice([0.03, 0.08]), dark_s=(0.5, rng.choice([2.0, 3.0])),
+                                  orphan_commit=self.ORPHAN)
         if self.s3 is not None:
             self.s3.chaos = Chaos(rng.getrandbits(32), drop=0.01, drop_commit=0.0, hold_commit=0.0,
                                   blackout=0.001, blackout_s=2.0)
@@ -492,9 +501,10 @@ class NetFaults:
                 continue
             p.chaos = None
             p.restore()
+            p.end_orphans()
             p.release(wait=10.0)
-            out[name] = {"drops": p.drops, "holds": p.holds, "blackouts": p.blackouts}
-            p.drops = p.holds = p.blackouts = p.delays = 0
+            out[name] = {"drops": p.drops, "holds": p.holds, "orphans": p.orphans, "blackouts": p.blackouts}
+            p.drops = p.holds = p.blackouts = p.delays = p.orphans = 0
         return out
 
     def close(self) -> None:
