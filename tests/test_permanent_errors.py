@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 
 import tensorstore_ck as tsck
-from tensorstore_ck.retry import is_transient
 from tests.sim.faults import FAULTY_ENV, arm_faulty
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_rule_on_what_backends_raise(tmp_path):
+    from tensorstore_ck.retry import is_transient
     d = tmp_path / "d"
     d.mkdir()
     real = []
@@ -60,6 +60,7 @@ def test_s3_client_refusals_are_permanent_and_transport_failures_transient():
     request sent): refused credentials fail at once as PermissionError naming them."""
     from botocore import exceptions as bx
 
+    from tensorstore_ck.retry import is_transient
     from tensorstore_ck.storage.s3 import S3BlockStore
     tr = S3BlockStore._translate
     e = tr(None, bx.NoCredentialsError())

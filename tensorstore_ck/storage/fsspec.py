@@ -87,6 +87,8 @@ class FsspecBlockStore(BlockStore):
         # This host's paths (a LocalFileSystem or a subclass): link, fsync.
         from fsspec.implementations.local import LocalFileSystem
         self._os_paths = self.directories and isinstance(fs, LocalFileSystem)
+        if self._os_paths:  # synchronous local calls, as LocalBlockStore's
+            self.request_timeout = 0.1
         self._made: set[str] = set()      # folders known to exist (made or seen)
         self._unsynced: set[str] = set()  # folders that got an entry since the last sync()
         self._dirs_lock = threading.Lock()

@@ -3,6 +3,8 @@
     file  a local directory, LMDB ref table beside it (refs.lmdb)
     pg    a local directory, ref table on PostgreSQL (one namespace per store)
     s3    s3://tsck-tests/<uuid>/store on a real S3 server, ref table on PostgreSQL
+    dirfs faultyfs://<dir>/store: a filesystem of folders through fsspec (FsspecBlockStore
+          under its retry layer, faults.FaultyFS), LMDB ref table beside it
 
 PostgreSQL: --pg-dsn / $TEST_PG_DSN, else a throwaway server is started here with the
 Debian binaries (initdb/pg_ctl, as tests/conftest.py does). S3: $TEST_S3_ENDPOINT,
@@ -17,7 +19,7 @@ import uuid
 
 from tests._pgserver import PgServer, pg_bindir
 
-KINDS = ("file", "pg", "s3")
+KINDS = ("file", "pg", "s3", "dirfs")
 
 
 class Postgres:
@@ -45,6 +47,9 @@ class Location:
             pg_dsn = self._pg.dsn
         if kind == "file":
             self.url = os.path.join(run_dir, "store")
+        elif kind == "dirfs":
+            # its LMDB table is named by spec() alone: `refs` stays None (no PostgreSQL to proxy)
+            self.url, self.lmdb = f"faultyfs://{os.path.join(run_dir, 'store')}", os.path.join(run_dir, "refs.lmdb")
         elif kind == "pg":
             self.url, self.refs = os.path.join(run_dir, "store"), pg_dsn
         elif kind == "s3":
@@ -67,13 +72,14 @@ class Location:
             raise SystemExit(f"unknown backend {kind!r} (one of {', '.join(KINDS)})")
 
     def spec(self) -> dict:
-        return {"url": self.url, "refs": self.refs, "storage_options": self.storage_options}
+        return {"url": self.url, "refs": self.refs if self.kind != "dirfs" else self.lmdb,
+                "storage_options": self.storage_options}
 
     def delete_ref_table(self, store_id: str) -> None:
         """Lose the ref table, as an operator might (LMDB directory removed; the store's
         PostgreSQL namespace emptied). Nothing may have it open."""
         if self.refs is None:
-            shutil.rmtree(os.path.join(self.url, "refs.lmdb"))
+            shutil.rmtree(self.lmdb if self.kind == "dirfs" else os.path.join(self.url, "refs.lmdb"))
             return
         import psycopg
         with psycopg.connect(self.refs, autocommit=True) as conn:

@@ -155,6 +155,12 @@ for _f in FLAVORS.values():
 FLAVORS["recover-live"]["tier_p"] = 0.0  # the table is rebuilt under the writers there: not mixed with tiers
 # --focus tier: every round has tier writers, their uploaders killed more often.
 FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6, rot_p=0.3)
+# Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
+# worker's fsck or gc runs (faults.py `unreadable`; a stream of its own): in every round of
+# --focus unreadable, and in 30% of a worker's rounds on the dirfs backend (a filesystem of
+# folders through fsspec, where the fault comes from below the store's retry layer).
+FLAVORS["unreadable"] = dict(FLAVORS["fsck-gc"], unreadable_p=1.0)
+UNREADABLE = {"p": 0.5, "errnos": [5, 5, 13, 21]}  # EIO, EIO, EACCES, EISDIR
 # Collective puts through local tiers: in a round drawn with probability ctier_p (a stream
 # of its own), the first worker's ranks open the store each through its own tier (RANK_TIERS,
 # one per rank, kept across rounds: rank 0's tier c0, rank 1's c1), rank 0's tier pruned by
@@ -287,6 +293,10 @@ class Harness:
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,
                 "gc_stale": gc_stale, "gc_leases": leases if self.stale_skew else [gc_stale], "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         tiered = self._tier_writers(r, fl, cfgs)
+        urng = random.Random(f"{self.seed}:{r}:unreadable")
+        for c in cfgs:
+            if urng.random() < fl.get("unreadable_p", 0.3 if self.backend == "dirfs" else 0.0):
+                c["faults"]["unreadable"] = UNREADABLE
         if cfgs[0]["weights"].get("cput") and random.Random(f"{self.seed}:{r}:ctier").random() < fl["ctier_p"]:
             cfgs[0]["rank_tiers"] = [self.rank_tiers[n] for n in RANK_TIERS]
         # Driver kills: (seconds after that worker is ready, which worker).
@@ -353,7 +363,10 @@ class Harness:
         kill0: dict = {}  # collective puts through tiers whose rank 0 died publishing: what rank 1 was told
         phases = 0  # deletion phases the round's gcs and prunes opened (writers fenced in each)
         rots = stopped = 0  # blocks damaged on a tier's disk (op rot); uploaders that stopped on damage
+        unread: dict = {}  # fsck/gc calls under the `unreadable` fault, by outcome ("fsck:ok", "gc:UnreadableObject")
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
+            if o.w in ids and o.args.get("unreadable") and o.end is not None:
+                unread[f"{o.op}:{o.result}"] = unread.get(f"{o.op}:{o.result}", 0) + 1
             rots += 1 if o.w in ids and o.op == "rot" and o.ok and o.out.get("key") else 0
             # (wait_durable raises the uploader's stop once; close() then says nothing more)
             stopped += 1 if o.w in ids and o.op in ("close", "durable") and o.result == "IntegrityError" else 0
@@ -373,6 +386,7 @@ class Harness:
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"rot={rots}(uploaders stopped on it: {stopped}) "
+                 f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "
                  f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
@@ -645,7 +659,7 @@ class Harness:
                  f"focus={self.focus or 'mix'} stale_skew={'on' if self.stale_skew else 'off'} "
                  f"package={os.path.dirname(tsck.__file__)} dir={self.run_dir}")
         t0 = time.time()
-        with tsck.open_store(self.loc.url, refs=self.loc.refs, storage_options=self.loc.storage_options,
+        with tsck.open_store(self.loc.url, refs=self.loc.spec()["refs"], storage_options=self.loc.storage_options,
                              block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD):
             pass
         try:

@@ -19,6 +19,13 @@ The profile (chosen by the driver from the seed) says, per point:
   kill_after           {"op", "prefix", "p", "during_gc"}: SIGKILL at such a point with
                        probability p (only while a gc runs, if during_gc); e.g. put-done
                        of commits/: a commit landed, its ref not moved
+  unreadable           {"p", "errnos"}: with probability p, a worker's fsck or gc runs
+                       while 1-2 stored objects (blocks or nodes, seeded) fail every read
+                       with a non-transient error (EIO, EACCES, EISDIR): below the retry
+                       layer where the store is a filesystem of folders through fsspec
+                       (faultyfs://, the harness's dirfs backend), else here. fsck must
+                       report them as findings, gc stop naming them (UnreadableObject) or
+                       finish without deleting what they hold (check.py, U1)
   kill_upload          {"at", "n"}: a writer with a local tier: SIGKILL inside its
                        uploader at the n-th such stage (upload_point): "block", "node",
                        "commit" (after that many objects of the kind reached the remote),
@@ -50,6 +57,7 @@ class Faults:
     def __init__(self, profile: dict, seed: int, on_kill=None):
         self.p = dict(profile or {})
         self.rng = random.Random(seed)
+        self.unreadable_rng = random.Random(f"{seed}:unreadable")
         self.lock = threading.Lock()
         self.points = 0
         self.kill_at = self.p.get("kill_at")
@@ -106,13 +114,58 @@ class SimStore(WrappedStore):
     def __init__(self, inner, faults: Faults):
         super().__init__(inner)
         self.f = faults
+        self.unreadable: dict[str, int] = {}  # key -> errno, raised here (no folder filesystem below)
+        self._faulty: dict[str, int] = {}     # path -> errno, armed in FaultyFS.bad
+
+    # -- the `unreadable` fault ---------------------------------------------------------
+    def arm_unreadable(self, op: str) -> dict | None:
+        """Before a worker's fsck or gc: with the profile's probability, make 1-2 stored
+        objects unreadable until disarm_unreadable(). Returns {key: errno} (journaled)."""
+        u = self.f.p.get("unreadable")
+        if not u or not self.f.armed:
+            return None
+        rng = self.f.unreadable_rng  # a stream of its own: the other faults' schedule is unchanged
+        if rng.random() >= u.get("p", 0.5):
+            return None
+        keys = [o.key for pre in ("blocks/", "nodes/") for _, o in zip(range(2000), self.inner.list(pre))]
+        if not keys:
+            return None
+        errnos = u.get("errnos") or [errno.EIO]
+        picked = {k: rng.choice(errnos) for k in rng.sample(sorted(keys), min(len(keys), rng.choice([1, 2])))}
+        base = self._folder_store()
+        if base is not None:  # a real fsspec filesystem's error, under the store's retry layer
+            self._faulty = {f"{base.root}/{k}": code for k, code in picked.items()}
+            FaultyFS.bad = {**FaultyFS.bad, **self._faulty}
+        else:
+            self.unreadable = dict(picked)
+        return picked
+
+    def disarm_unreadable(self) -> None:
+        self.unreadable = {}
+        if self._faulty:
+            FaultyFS.bad = {p: c for p, c in FaultyFS.bad.items() if p not in self._faulty}
+            self._faulty = {}
+
+    def _folder_store(self):
+        """The FsspecBlockStore on a FaultyFS under this wrapper, if there is one."""
+        s = self.inner
+        while s is not None and not isinstance(getattr(s, "fs", None), FaultyFS):
+            s = getattr(s, "inner", None)
+        return s
+
+    def _read_fault(self, key: str) -> None:
+        code = self.unreadable.get(key)
+        if code is not None:
+            raise _unreadable_error(code, key)
 
     def get(self, key, max_bytes=None):
         self.f.point("get", key)
+        self._read_fault(key)
         return self.inner.get(key, max_bytes)
 
     def open_read(self, key, max_bytes=None):
         self.f.point("get", key)
+        self._read_fault(key)
         return self.inner.open_read(key, max_bytes)
 
     def put_if_absent(self, key, bufs):
@@ -154,6 +207,13 @@ class SimStore(WrappedStore):
         out = self.inner.sync()
         self.f.point("sync-done")  # a kill here: every pending object named, no ref moved
         return out
+
+
+def _unreadable_error(code: int, where: str) -> OSError:
+    """What a read of an unreadable file raises: "sim: injected" in its text tells the
+    checks (I4) that the environment, not the store, made it."""
+    cls = {errno.EACCES: PermissionError, errno.EPERM: PermissionError, errno.EISDIR: IsADirectoryError}.get(code, OSError)
+    return cls(code, f"sim: injected {os.strerror(code)}", where)
 
 
 # A PostgreSQL ref-table transaction still running after HUNG_S is a hang: the table
@@ -283,8 +343,7 @@ class FaultyFS(DirFS):
         if "r" in mode:
             code = self._errno_of(self._strip_protocol(path))
             if code is not None:
-                cls = PermissionError if code in (errno.EACCES, errno.EPERM) else OSError
-                raise cls(code, f"sim: {os.strerror(code)}", path)
+                raise _unreadable_error(code, path)
         return super()._open(path, mode, *args, **kwargs)
 
 

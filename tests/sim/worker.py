@@ -572,11 +572,17 @@ class Worker:
                 except tsck.StorageError:  # choosing its arguments read the table; the network is down
                     time.sleep(0.2)
                     continue
+                sim = s.storage if op in ("fsck", "gc") and args.get("via") != "cli" else None
+                if isinstance(sim, SimStore):  # faults.py's `unreadable`: objects failing every read
+                    args["unreadable"] = sim.arm_unreadable(op)
                 self.j.write(i=i, op=JOURNAL_AS.get(op, op), args=args, start=time.time())
                 try:
                     out = call() or {}
                 except Exception as e:  # noqa: BLE001 - every outcome is journaled and judged
                     out = _err(e)
+                finally:
+                    if isinstance(sim, SimStore):
+                        sim.disarm_unreadable()
                 out.setdefault("result", "ok")
                 self.j.write(i=i, end=time.time(), **out)
                 if self._die_after:  # its ranks' group is broken: as torchrun would
