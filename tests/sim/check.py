@@ -13,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import torch
+
 import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import decode_commit
 from tensorstore_ck.ids import Digest
@@ -105,8 +107,28 @@ def _spec_of(store, root: bytes):
     return (store.publisher.info(root).meta or {}).get("sim")
 
 
+def ranks_union(spec: dict) -> dict:
+    """What one process must read back from a collective put of `spec`: the union of its
+    ranks' states (content.rank_state), built here from those states: a sharded tensor
+    whole from its pieces, whichever ranks hold them ("stage": none on rank 0); a
+    Replicated tensor; any other value rank 0's, else the lowest rank's that holds it
+    (docs/design/reading.md, "One process's view of a collective snapshot")."""
+    world = int(spec["c"])
+    out: dict = {}
+    for r in range(world):
+        for k, v in content.rank_state(spec, r, world).items():
+            if isinstance(v, tsck.Sharded):
+                t = out.setdefault(k, torch.zeros(v.global_shape, dtype=v.local.dtype))
+                t[tuple(slice(o, o + n) for o, n in zip(v.offsets, v.local.shape))] = v.local
+            else:
+                out.setdefault(k, v.tensor if isinstance(v, tsck.Replicated) else v)
+    return out
+
+
 def verify_root(store, root: bytes, target: str | None = None) -> str | None:
-    """None if the snapshot checks out bit-exact against its spec, else why not."""
+    """None if the snapshot checks out bit-exact against its spec, else why not. A
+    collective put's snapshot, read by this one process, against the union of its ranks'
+    states."""
     try:
         spec = _spec_of(store, root)
         got = store.checkout(target or root.hex())
@@ -114,6 +136,10 @@ def verify_root(store, root: bytes, target: str | None = None) -> str | None:
         return f"{type(e).__name__}: {str(e)[:300]}"
     if spec is None:
         return "no sim spec in its meta"
+    if "c" in spec:
+        diff = content.differences(got, ranks_union(spec))
+        return None if not diff else "one process's view differs from the union of the ranks' states: " + \
+            "; ".join(diff[:3])
     diff = content.differences(got, content.state(spec))
     return None if not diff else "content differs: " + "; ".join(diff[:3])
 

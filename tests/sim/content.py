@@ -12,6 +12,8 @@ Content is chosen to exercise dedup and gc's windows:
         expired is a gc candidate that the next writer may reuse meanwhile
   own   unique to (worker, op), or again the one of an earlier op of that worker
   step, note  plain values (inlined in the manifest)
+  stage half the collective puts (staged(spec)): a tensor sharded over ranks 1.. only, a
+        pipeline stage rank 0 holds no piece of (one process must still read it back)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ BLOCK_SIZE = 16384        # the harness store's block layout (set at creation)
 INLINE_THRESHOLD = 1024
 VARIANTS = 5
 OWN_LEN = 6000          # own: 24000 B, 2 blocks (cut into row ranges by a collective put)
+STAGE_SHAPE = (48, 160)  # stage: 30720 B, 2 blocks
 
 
 def _seed(*parts) -> int:
@@ -59,9 +62,17 @@ def _own(spec: dict) -> tuple:
     return tuple(spec["u"]) if "u" in spec else (spec["w"], spec["o"])
 
 
+def staged(spec: dict) -> bool:
+    """Whether a collective put of `spec` also puts "stage", sharded over ranks 1.. only:
+    those of an even op index (the round's first, which every worker with ranks makes, and
+    about half the others), decided by the spec: no draw from a worker's seeded stream."""
+    return "c" in spec and int(spec["o"]) % 2 == 0
+
+
 def state(spec: dict) -> dict:
-    """The state for `spec`, freshly allocated (callers may mutate it)."""
-    return {
+    """The state for `spec`, freshly allocated (callers may mutate it): for a collective
+    put, what one process reads back (the union of the ranks' states)."""
+    st = {
         "base": _base().clone(),
         "var": _variant(int(spec["v"])).clone(),
         "own": _floats(OWN_LEN, "own", *_own(spec)),  # 24000 B: 2 blocks
@@ -69,6 +80,9 @@ def state(spec: dict) -> dict:
         "step": int(spec["s"]),
         "note": f"{spec['w']}:{spec['o']}",
     }
+    if staged(spec):
+        st["stage"] = _floats(STAGE_SHAPE[0] * STAGE_SHAPE[1], "stage", spec["w"], spec["o"]).reshape(STAGE_SHAPE)
+    return st
 
 
 def rank_state(spec: dict, rank: int, world: int) -> dict:
@@ -82,6 +96,12 @@ def rank_state(spec: dict, rank: int, world: int) -> dict:
     st["base"] = tsck.Replicated(st["base"])
     st["var"] = tsck.Replicated(st["var"])
     st["own"] = tsck.Sharded(st["own"][a:b].clone(), (OWN_LEN,), (a,))
+    if "stage" in st:  # rows over ranks 1..world-1; rank 0 holds none (not even the key)
+        whole = st.pop("stage")
+        if rank:
+            n = STAGE_SHAPE[0]
+            a, b = n * (rank - 1) // (world - 1), n * rank // (world - 1)
+            st["stage"] = tsck.Sharded(whole[a:b].clone(), STAGE_SHAPE, (a, 0))
     return st
 
 
