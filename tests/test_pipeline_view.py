@@ -156,3 +156,19 @@ def test_what_one_tree_cannot_show_is_refused_by_path(conflict, tmp_path, capsys
     dest = tmp_path / "c.safetensors"
     rc, _out, err = tsck_cli(capsys, "checkout", store, pw.CONFLICT_REF, dest)
     assert rc == 2 and "['x']" in err and not dest.exists()
+
+
+def test_dcp_load_in_one_process_finds_stage1(pipeline):
+    """TsckReader's metadata is every rank's tree merged: dcp.load without a process group
+    fills both stages."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from tensorstore_ck.dcp import TsckReader
+    sd = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype, _h) in pw.STAGES.items()}
+    with tsck.open_store(pipeline / "store") as s, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to load in a single process"
+        dcp.load(sd, storage_reader=TsckReader(s, pw.REF))
+    for name in pw.STAGES:
+        assert same(sd[name], whole(name)), name
