@@ -95,8 +95,8 @@ def list_tree(core: Core, root: Digest | str, path: str | None = None, *,
     tree: every rank's tree merged, as a single process's checkout returns it
     (world_view.py: sharded tensors at their global shape with every rank's pieces,
     whichever ranks hold them; rank-local values rank 0's, else the lowest rank's that
-    holds them; CheckoutMismatch naming a path one tree cannot show). A snapshot written through dcp.save lists the state that was saved, at the
-    paths checkout(paths=) takes (raw=True: its stored layout, tensors.* and DCP's
+    holds them; CheckoutMismatch naming a path one tree cannot show). A snapshot
+    written through dcp.save lists the state that was saved, at the paths checkout(paths=) takes (raw=True: its stored layout, tensors.* and DCP's
     metadata). InvalidArgument when nothing is at `path`; FormatError past `limit` values."""
     root = root if isinstance(root, Digest) else Digest.parse(root)
     try:

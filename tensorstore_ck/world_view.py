@@ -182,7 +182,8 @@ class Union:
         if type(va) is tree.Global and type(vb) is tree.Global:
             raise FormatError(f"the ranks of snapshot {self.snapshot[:16]} disagree on the sharded tensor at "
                               f"{where}: rank {ra} holds {_what(va)}, rank {rb} {_what(vb)}")
+        inside = "" if type(vb) is tree.Global else " (with a sharded tensor in it)"
         raise CheckoutMismatch(
             f"snapshot {self.snapshot[:16]} cannot be shown as one tree at {where}: rank {ra} holds "
-            f"{_what(va)} there, rank {rb} {_what(vb)}{' (with a sharded tensor in it)' if type(vb) is not tree.Global else ''}; "
+            f"{_what(va)} there, rank {rb} {_what(vb)}{inside}; "
             "read it under torch.distributed (each rank its own tree), or leave that path out with paths=")
