@@ -443,7 +443,7 @@ class NetFaults:
     # Of ref moves' COMMITs, the share orphaned: one stalls every ref move of the store
     # (they all write the reflog sequence) until the server ends it (5 s at this connect
     # timeout), so a few per run, not per round.
-    ORPHAN, ORPHAN_HEAVY = 0.02, 0.1
+    ORPHAN, ORPHAN_HEAVY = 0.02, 0.2
 
     def __init__(self, loc):
         self.loc = loc
