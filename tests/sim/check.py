@@ -279,6 +279,14 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
         damage = [f for f in o.out.get("findings") or [] if not (f.startswith("unreadable:") and "sim: injected" in f)]
         if o.op == "fsck" and o.ok and damage:
             bad.append(f"I4 fsck beside the others reported damage: {o.brief()}")
+        # U1: objects the injector made unreadable (faults.py `unreadable`: EIO, EACCES,
+        # EISDIR, never cured by asking again) are findings of fsck, at once; gc stops
+        # naming one (UnreadableObject) or goes on without reading it. Neither fails on
+        # one otherwise (a retry budget spent on it, a raw error).
+        armed = o.args.get("unreadable") or {}
+        if armed and not o.ok and not o.unknown and o.result != "UnreadableObject" \
+                and any(k in o.out.get("error", "") for k in armed):
+            bad.append(f"U1 {o.op} failed on an unreadable object instead of reporting it: {o.brief()}")
         if o.result == "mismatch":
             bad.append(f"I4 read returned other bytes than were put: {o.brief()}")
         if o.out.get("mismatch") and o.result != "mismatch":  # a collective put's ranks read their rows back
@@ -305,14 +313,6 @@ def check_failures(store, ops: list[Op]) -> list[str]:
 
     def judged(o: Op) -> bool:
         return o.failed and not any(r.unknown or r.end > o.start for r in recovers)
-        # U1: objects the injector made unreadable (faults.py `unreadable`: EIO, EACCES,
-        # EISDIR, never cured by asking again) are findings of fsck, at once; gc stops
-        # naming one (UnreadableObject) or goes on without reading it. Neither fails on
-        # one otherwise (a retry budget spent on it, a raw error).
-        armed = o.args.get("unreadable") or {}
-        if armed and not o.ok and not o.unknown and o.result != "UnreadableObject" \
-                and any(k in o.out.get("error", "") for k in armed):
-            bad.append(f"U1 {o.op} failed on an unreadable object instead of reporting it: {o.brief()}")
 
     failed_puts = {(o.args["spec"]["w"], o.args["spec"]["o"]): o for o in ops if o.op == "put" and judged(o)}
     if failed_puts:
