@@ -154,6 +154,7 @@ def test_puts_behind_an_orphan_session_past_the_budget_fail_clearly(tmp_path, pg
             b.close()
 
 
+@pytest.mark.slow
 def test_put_behind_another_clients_long_transaction_is_a_clear_error(tmp_path, pg_dsn):
     """A lock held by a session that is not the table's (an operator's open transaction,
     which no timeout of ours ends): the put gives up within its retry budget with a
