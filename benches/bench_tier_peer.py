@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, cfg: dict) -> None:
     try:
         if phase == "put":
             part = _part(rows, world, rank)
-            info = store.put_snapshot({"w": tsck.Sharded(part, (rows, COLS), (a, 0))}, REF)
+            info = store.put_snapshot({"w": tsck.Sharded(part, (rows, COLS), (a, 0))}, REF, step=1)
             res["return_s"] = time.perf_counter() - t0
             assert store.wait_durable(timeout=1800), "the upload did not finish"
             res["durable"] = info.root

@@ -34,9 +34,14 @@ rank 0 has claimed "commit", a rank whose deadline passes waits for the
 result instead of declaring an abort, so a published snapshot is never
 reported aborted while the Store is reachable; and rank 0 beats a counter while it
 publishes, so the others wait for a slow rank 0 and give up only on a silent one.
-A call's keys are named by a per-process counter (CALLS), the same on every rank
-whichever Store object makes the call; a call's outcome stays in the Store until
-every rank has acked it. Nobody polls: a rank blocks on the keys it needs (c10d
+A call's keys are named by what the call is, never by how many calls a process has
+made: a put by its ref, its step (which a collective put must be given) and how many
+puts of that ref and step this process made before; a checkout by the put named last
+and how many checkouts followed it. A rank that skips a call, or makes another in its
+place, costs that one call (OutOfStep, named as such: each rank posts which call it is
+in, and a rank waiting for another reads it), never every later one: the next call has
+the same name on every rank again. A call's outcome stays in the Store until every rank
+has acked it. Nobody polls: a rank blocks on the keys it needs (c10d
 `wait`, in a few slices of its timeout), an abort writes those keys to wake it, and a
 counter's last arrival posts the one key rank 0 blocks on, so a rank's requests per
 call are a constant however long it waits. The argument is in
@@ -59,8 +64,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import msgpack
 
-from .errors import (AmbiguousTarget, InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, SnapshotAborted,
-                     TsckError)
+from .errors import (AmbiguousTarget, InvalidArgument, InvalidName, OutcomeUnknown, OutOfStep, RefNotFound,
+                     SnapshotAborted, TsckError)
 from .ids import Digest
 from .shard import find_overlap
 from .validate import UNSET
@@ -103,6 +108,18 @@ LAYOUT_GROUPS = 4
 LAYOUT_JOBS = 2
 
 
+# The names of calls (a put's ref and step) whose count a process keeps (CollectiveContext).
+OCCURRENCES = 4096
+# Rank 0, waiting for the ranks' hellos, looks at least this often whether a late rank is
+# already in a later put (it skipped this one: OutOfStep, not a wait for the timeout).
+HELLO_SLICE = 2.0
+
+
+def _short(v) -> str:
+    """A piece of a call's name: an int as itself, anything else as a short hash."""
+    return str(v) if type(v) is int else hashlib.blake2b(repr(v).encode(), digest_size=6).hexdigest()
+
+
 class _CommitUnderWay(Exception):
     """This rank's deadline passed, but rank 0 had already claimed the outcome "commit"."""
 
@@ -123,16 +140,78 @@ class CollectiveContext:
 
     def __init__(self):
         self._seq: dict = {}
+        self._names: dict = {}   # (group, op) -> {seq: the call's name (its keys' prefix)}
+        self._occur: OrderedDict = OrderedDict()  # (group, "put", ref, step) | (group, "checkout", epoch) -> calls
+        self._epoch: dict = {}   # group -> the name of the last put named in it
+        self._made: dict = {}    # group -> the names of this process's recent puts (OutOfStep tells them apart)
+        self._waiting: dict = {}  # group -> {name: step}: rank 0 saw a rank wait in that later put
         self._kept: dict = {}  # (group, op) -> [seq, ...], oldest first
         self._shared: dict = {}  # ((group, op), seq) -> the shared keys of that call (rank 0 deletes them)
         self._own: dict = {}   # (group, op) -> [(seq, [own key, ...]), ...]: calls ended here, keys still there
         self._layouts: OrderedDict = OrderedDict()  # (group, world) -> _Layouts (rank 0)
         self._lock = threading.Lock()
 
-    def next(self, key) -> int:
+    def next(self, key, ident=None) -> tuple[int, str]:
+        """-> (seq, name) of this process's next call of key = (group, op): seq orders its
+        own calls (the cleanup of their keys), name is the call's on every rank that makes
+        the same call: ident = (ref, step) names a put; a checkout is named after the last
+        put named in the group. (Without ident: by the count, as a group with no steps.)"""
+        gid, op = key
         with self._lock:
-            self._seq[key] = self._seq.get(key, 0) + 1
-            return self._seq[key]
+            seq = self._seq[key] = self._seq.get(key, 0) + 1
+            if op == "put" and ident is not None:
+                name = f"{_short(ident[0])}.{_short(ident[1])}.{self._count((gid, op) + tuple(map(repr, ident)))}"
+                self._epoch[gid] = name
+                made = self._made.setdefault(gid, OrderedDict())
+                made[name] = True
+                while len(made) > 64:
+                    made.popitem(last=False)
+            elif op == "checkout":
+                epoch = self._epoch.get(gid, "0")
+                name = f"{epoch}~{self._count((gid, op, epoch))}"
+            else:
+                name = f"n{seq}"
+            names = self._names.setdefault(key, {})
+            names[seq] = name
+            while len(names) > 4 * KEEP_UNACKED:  # (the oldest: their keys are gone or given up)
+                names.pop(next(iter(names)))
+            return seq, name
+
+    def made(self, gid, name: str) -> bool:
+        """Whether this process named a put `name` lately (it made, or is making, that call)."""
+        with self._lock:
+            return name in self._made.get(gid, ())
+
+    def remember_waiting(self, gid, name: str, step: int) -> None:
+        """Rank 0: a rank waits in the later put `name` (it skipped rank 0's call)."""
+        with self._lock:
+            w = self._waiting.setdefault(gid, {})
+            w[name] = step
+            while len(w) > 16:
+                w.pop(next(iter(w)))
+
+    def passed_by(self, gid, name: str, step: int) -> list:
+        """Rank 0, starting the put `name` at `step`: the remembered puts of other ranks it
+        goes past without making (a lower or equal step, another name) -> [(name, step)];
+        the one it makes is forgotten too (it joins it)."""
+        with self._lock:
+            w = self._waiting.get(gid, {})
+            out = [(n, st) for n, st in w.items() if n != name and st <= step]
+            for n in [n for n, st in w.items() if n == name or st <= step]:
+                w.pop(n)
+            return out
+
+    def _count(self, o) -> int:
+        """How many calls named `o` this process made, this one included (the last
+        OCCURRENCES kept: a name older than those is not made again in practice)."""
+        n = self._occur[o] = self._occur.pop(o, 0) + 1
+        while len(self._occur) > OCCURRENCES:
+            self._occur.popitem(last=False)
+        return n
+
+    def name(self, key, seq: int) -> str:
+        with self._lock:
+            return self._names.get(key, {}).get(seq, f"n{seq}")
 
     def finished(self, key, seq: int, shared) -> None:
         """Rank 0 ended call seq, whose shared keys are `shared`."""
@@ -295,7 +374,7 @@ class StoreGroup:
 class _Channel:
     """Keys under one prefix in the c10d Store, waited on with a deadline."""
 
-    def __init__(self, ctx: CollectiveContext, group, op: str, timeout: float, kv=None):
+    def __init__(self, ctx: CollectiveContext, group, op: str, timeout: float, kv=None, ident=None):
         if isinstance(group, StoreGroup):  # no torch.distributed at all: the group says it all
             self.rank, self.world = group.rank, group.world
             self.kv = kv if kv is not None else group.kv
@@ -313,14 +392,17 @@ class _Channel:
             self.kv = kv if kv is not None else dist.distributed_c10d._get_default_store()
             gid = "world" if g is None else "g" + "-".join(map(str, dist.get_process_group_ranks(g)))
         self.ctx, self.key = ctx, (gid, op)
-        self.seq = ctx.next(self.key)
+        self.seq, self.name = ctx.next(self.key, ident)
+        self.ident = ident
         self.base = f"tsck/{gid}/{op}/"
-        self.pfx = f"{self.base}{self.seq}/"
+        self.pfx = f"{self.base}{self.name}/"
+        self.at = f"tsck/{gid}/at/"  # at/{rank}: the call each rank is in (OutOfStep names it)
         self.op = op
         self.timeout = timeout
         self.restart()
         self.late: list[int] = []  # ranks known not to be waiting for the outcome (dead or stalled)
         self.aborted = False       # this rank has written (or read) the abort record: it aborts nothing more
+        self.abort_kind: str | None = None
         self.round = 0             # re-validation rounds asked for or done (the outcome's key: _result_key)
         self.mine: list[str] = []  # the keys of this rank's own that it wrote (it deletes them later)
         self.extra: list[str] = []  # shared keys beyond _SHARED_KEYS (those of re-validation rounds)
@@ -338,6 +420,118 @@ class _Channel:
         """The call's deadline counts from now (when it starts talking to the others)."""
         self.deadline = time.monotonic() + self.timeout
         self.t_start = time.time()
+
+    def post_at(self) -> None:
+        """at/{rank}: the call this rank is in now (one set per call): a rank that waits for
+        this one in another call reads it, to tell a skipped call from a slow rank."""
+        ref, step = self.ident if self.ident is not None else (None, None)
+        try:
+            self.kv.set(self.at + str(self.rank), msgpack.packb([self.op, self.name, ref, step, self.t_start]))
+        except Exception:  # noqa: BLE001 - the call itself will meet the store's failure
+            pass
+
+    def abort_call(self, name: str, step, why: str) -> None:
+        """Abort another put of this group by name: one this rank will never make (it skipped
+        it, or went past it), in which other ranks wait. Its ranks raise OutOfStep."""
+        pfx = f"{self.base}{name}/"
+        try:
+            if self.kv.compare_set(pfx + "decided", b"", b"abort") != b"abort":
+                return  # (decided already: committed, or aborted by another)
+            why = f"the ranks are out of step: {why}"
+            self.kv.set(pfx + "abort", msgpack.packb(["out_of_step", why[:4000], [self.rank], False,
+                                                      {"name": self.name, "step": self.ident[1]}]))
+            for k in _WAKE["put"] + ("result",):
+                self.kv.set(pfx + k, WOKEN)
+        except Exception:  # noqa: BLE001 - the store is gone: the call itself will say so
+            pass
+
+    def check_entry(self) -> None:
+        """At the start of a put: is a rank already in a call this one can never meet?
+        Rank 0 reads the last put any rank entered (one get); any other rank reads rank 0's
+        (one get). A call that rank 0 waits in and this rank skipped is aborted at once (its
+        ranks raise OutOfStep, and rank 0 then comes to this one); this call, if rank 0 or
+        another rank is already past it, raises OutOfStep at once. Then this rank posts
+        itself as the last to enter."""
+        if self.op != "put" or self.ident is None or type(self.ident[1]) is not int:
+            return
+        ref, step = self.ident
+        gid = self.key[0]
+        latest = f"tsck/{gid}/latest"
+        try:
+            if self.rank == 0:
+                for name, st in self.ctx.passed_by(gid, self.name, step):
+                    self.abort_call(name, st, f"rank 0 went on to {self.describe()} without making the put of "
+                                              f"{ref!r} at step {st}, in which other ranks wait")
+                got = self.kv.get(latest) if self.kv.check([latest]) else None
+                rec = msgpack.unpackb(got) if got else None
+                src = "a rank"
+            else:
+                got = self.kv.get(self.at + "0") if self.kv.check([self.at + "0"]) else None
+                rec = msgpack.unpackb(got)[1:4] if got else None
+                src = "rank 0"
+            self.kv.set(latest, msgpack.packb([self.name, ref, step]))
+        except Exception:  # noqa: BLE001 - only the early word is lost: the waits still tell
+            return
+        if not (isinstance(rec, list) and len(rec) == 3):
+            return
+        name, r_ref, r_step = rec
+        if name == self.name or r_ref != ref or type(r_step) is not int or self.ctx.made(gid, name):
+            return
+        if r_step > step:  # someone is past this call: it can never complete
+            self._check_abort()  # (unless it ended already: its own outcome, as recorded, first)
+            if self.rank == 0:
+                self.ctx.remember_waiting(gid, name, r_step)
+            why = (f"rank {self.rank}: the ranks are out of step: this rank is in {self.describe()}, but {src} is "
+                   f"already in the put at step {r_step}, without this one (a rank skipped a call or passed another "
+                   "step). Nothing was published; the next call the ranks make alike goes ahead")
+            if self.abort(why, "out_of_step", extra={"name": name, "step": r_step}):
+                raise OutOfStep(f"snapshot aborted: {why}")
+        elif self.rank != 0 and r_step < step:  # rank 0 waits in a put this rank skipped
+            self.abort_call(name, r_step, f"rank {self.rank} skipped this call: it is in {self.describe()}. "
+                                          "Nothing was published; the next call the ranks make alike goes ahead")
+
+    def where(self, ranks) -> dict:
+        """-> {rank: (op, name, ref, step, since)} for those of `ranks` that posted at/."""
+        out = {}
+        for r in ranks:
+            try:
+                if self.kv.check([self.at + str(r)]):
+                    rec = msgpack.unpackb(self.kv.get(self.at + str(r)))
+                    if isinstance(rec, list) and len(rec) == 5 and rec[1] != self.name:
+                        out[r] = tuple(rec)
+            except Exception:  # noqa: BLE001 - only a better message is lost
+                pass
+        return out
+
+    def describe(self) -> str:
+        if self.op == "put" and self.ident is not None:
+            return f"put_snapshot of {self.ident[0]!r} at step {self.ident[1]}"
+        return "checkout" if self.op == "checkout" else f"{self.op} call"
+
+    def skipped_by(self, where: dict) -> list[int]:
+        """The ranks of `where` that are in a put of this call's ref at a later step: they
+        made that one without this one (skipped it), so this call can never complete."""
+        if self.op != "put" or self.ident is None:
+            return []
+        ref, step = self.ident
+        return [r for r, (op, _n, r_ref, r_step, _t) in where.items()
+                if op == "put" and r_ref == ref and type(r_step) is int and type(step) is int and r_step > step]
+
+    def out_of_step(self, where: dict, late: list[int]) -> str:
+        """Why `late` ranks are not in this call, from where they are."""
+        parts = []
+        for r in late:
+            if r in where:
+                op, _name, ref, step, since = where[r]
+                what = (f"put_snapshot of {ref!r} at step {step}" if op == "put" and ref is not None
+                        else "a checkout" if op == "checkout" else f"a {op} call")
+                parts.append(f"rank {r} is in {what} (for {max(0.0, time.time() - since):.0f}s)")
+        if not parts:
+            return ""
+        return (f"the ranks are out of step: this rank is in {self.describe()}, but " + "; ".join(parts)
+                + ": a rank skipped a call or made another in its place (every rank must make the same "
+                "collective calls, in the same order, with the same step). Nothing was published; the next "
+                "call the ranks make alike goes ahead")
 
     def set(self, k: str, v: bytes) -> None:
         self.kv.set(self.pfx + k, v)
@@ -387,6 +581,7 @@ class _Channel:
             if not force and self.claim(b"abort") != b"abort":
                 return False
             self.aborted = True
+            self.abort_kind = kind
             self.kv.set(self.pfx + "abort", msgpack.packb([kind, why[:4000], self.late, shared, extra or {}]))
             # Wake whoever is blocked on a key of this call (after the record: a woken rank reads it).
             for k in _WAKE[self.op] + ((_result_key(self.round),) if self.op == "put" else ()):
@@ -416,6 +611,11 @@ class _Channel:
                 root = extra.get("root")
                 raise OutcomeUnknown(why, root=bytes.fromhex(root) if isinstance(root, str) else None,
                                      ref=extra.get("ref"))
+            if kind == "out_of_step":
+                self.abort_kind = kind
+                if self.rank == 0 and isinstance(extra.get("name"), str) and type(extra.get("step")) is int:
+                    self.ctx.remember_waiting(self.key[0], extra["name"], extra["step"])
+                raise OutOfStep(f"snapshot aborted: {why}")
             cls = _REraise.get(kind) if self.op == "checkout" or shared else None
             if cls is not None:  # the user's mistake, told to every rank as what it is
                 raise cls(why)
@@ -449,6 +649,11 @@ class _Channel:
         cannot turn their outcome into a connection error. Ranks known to be dead or
         stalled are not waited for. -> the ranks that did not ack in time."""
         expect = [r for r in range(1, self.world) if r not in self.late]  # (rank 0 posts no ack key)
+        if self.abort_kind == "out_of_step":  # a rank in another call never acks this one
+            try:
+                expect = [r for r in expect if r not in self.missing("hello", expect)]
+            except Exception:  # noqa: BLE001 - the store is gone: nobody can read anything from it now
+                return []
         # Every rank: "ack_all" (a rank gone on to later calls may have deleted its ack key
         # already); else the ack keys of those still expected.
         keys = ["ack_all"] if len(expect) == self.world - 1 else [f"ack/{r}" for r in expect]
@@ -485,12 +690,12 @@ class _Channel:
                 except Exception:  # noqa: BLE001 - best effort
                     pass
         for seq, own in self.ctx.own_to_delete(self.key, self.seq - 2):
-            delete(f"{self.base}{seq}/{k}" for k in own)
+            delete(f"{self.base}{self.ctx.name(self.key, seq)}/{k}" for k in own)
         if self.rank != 0:
             return
         kept = self.ctx.kept(self.key)
         for i, seq in enumerate(kept):  # oldest first; a rank acks calls in order
-            old = f"{self.base}{seq}/"
+            old = f"{self.base}{self.ctx.name(self.key, seq)}/"
             try:
                 acked = self.kv.check([old + "ack_all"])
             except Exception:  # noqa: BLE001 - the store is unreachable: the call itself will say so
@@ -501,7 +706,7 @@ class _Channel:
             delete(old + k for k in (("ack_all", "acked") if acked else shared))
             self.ctx.forget(self.key, seq)
 
-    def _block(self, keys, until: float) -> bool:
+    def _block(self, keys, until: float, slice_: float | None = None) -> bool:
         """Block until every key of this call in `keys` exists (c10d `wait`: the Store
         answers when they do; one request), for at most one slice and not past `until`.
         -> whether they exist."""
@@ -509,7 +714,8 @@ class _Channel:
         if left <= 0:
             return False
         try:
-            self.kv.wait([self.pfx + k for k in keys], datetime.timedelta(seconds=min(left, self.slice)))
+            self.kv.wait([self.pfx + k for k in keys],
+                         datetime.timedelta(seconds=min(left, self.slice if slice_ is None else slice_)))
             return True
         except Exception as e:  # noqa: BLE001 - told apart below
             if _wait_timed_out(e):
@@ -525,14 +731,40 @@ class _Channel:
         posted it are named (and not waited for in the outcome round). also: keys that exist
         once these do (unless woken), read after them in one request (their values follow:
         not with them, as a get of a key that does not exist blocks)."""
-        while not self._block(keys, self.deadline):
+        # Rank 0 waiting for the hellos looks for skipped calls every HELLO_SLICE at most: a
+        # rank already in a later put never comes (its requests: O(late ranks), while any are).
+        short = HELLO_SLICE if self.rank == 0 and per_rank == "hello" else None
+        while not self._block(keys, self.deadline, short):
             if time.monotonic() >= self.deadline:
                 self._timed_out(what, per_rank, among, of_ranks)
+            if per_rank is not None:  # one slice passed: a rank that skipped this call never comes
+                self._skipped(per_rank, among)
         vals = self.get_many(keys)
         if WOKEN in vals:
             self._check_abort()
             raise SnapshotAborted("snapshot aborted by another rank")  # (the record is written first)
         return vals + (self.get_many(also) if also else [])
+
+    def _skipped(self, per_rank: str, among) -> None:
+        """Between two slices of a wait: abort this call as OutOfStep if a rank it waits
+        for is already in a later put of the same ref (it skipped this one)."""
+        if per_rank != "hello":  # (a skip shows at a call's start; later waits are for slow ranks)
+            return
+        self._check_abort()
+        # Rank 0 looks at the late ranks (while some are late), the others at rank 0 alone
+        # (O(1) requests each per slice, whatever W).
+        late = self.missing(per_rank, among if self.rank == 0 else [0])[:16]
+        if not late:
+            return
+        where = {r: w for r, w in self.where(late).items() if not self.ctx.made(self.key[0], w[1])}
+        gone = self.skipped_by(where)
+        if gone:
+            if self.rank == 0:
+                for r in gone:
+                    self.ctx.remember_waiting(self.key[0], where[r][1], where[r][3])
+            why = f"rank {self.rank}: {self.out_of_step(where, gone)}"
+            if self.abort(why, "out_of_step", late=gone):
+                raise OutOfStep(f"snapshot aborted: {why}")
 
     def _timed_out(self, what: str, per_rank, among, of_ranks: bool):
         self._check_abort()
@@ -543,9 +775,18 @@ class _Channel:
             why = f"rank {self.rank}: timed out after {self.timeout:g}s waiting for {what}"
             if late:
                 why += f" (ranks {late} are behind)"
-        if not self.abort(why, late=late):
+        where = self.where(late[:16]) if late else {}
+        odd = [r for r in self.skipped_by(where)] + [r for r, w in where.items() if w[0] != self.op]
+        step = self.out_of_step(where, sorted(set(odd)))
+        if step:
+            why += f"; {step}"
+        elif where:  # behind, in an earlier call: slow or stopped, not out of step
+            why += "; " + "; ".join(f"rank {r} is still in an earlier call ({w[0]}"
+                                    + (f" of {w[2]!r} at step {w[3]}" if w[2] is not None else "")
+                                    + f", for {max(0.0, time.time() - w[4]):.0f}s)" for r, w in where.items())
+        if not self.abort(why, "out_of_step" if step else "snapshot_aborted", late=late):
             raise _CommitUnderWay()
-        raise SnapshotAborted(f"snapshot aborted: {why}")
+        raise (OutOfStep if step else SnapshotAborted)(f"snapshot aborted: {why}")
 
     def wait_key(self, k: str, what: str, per_rank: str | None = None, among=None) -> bytes:
         return self.wait_for([k], what, per_rank, among)[0]
@@ -675,9 +916,9 @@ def _replica_disagreement(ch: _Channel) -> str:
     return ("; ".join(found) + " (a Replicated tensor must be identical on every rank; nothing was published)")
 
 
-def _open_channel(ctx, group, op, timeout, kv) -> _Channel:
+def _open_channel(ctx, group, op, timeout, kv, ident=None) -> _Channel:
     try:
-        return _Channel(ctx, group, op, timeout, kv)
+        return _Channel(ctx, group, op, timeout, kv, ident)
     except InvalidArgument:
         raise
     except Exception as e:  # noqa: BLE001
@@ -717,7 +958,7 @@ class CollectiveJob:
     here calls back into the Store. A put fills prepare and plan, a checkout read."""
     core: "Core"                     # the store's core: rank 0 resolves the target with it
     publisher: "Publisher"           # rank 0 publishes the snapshot through it
-    calls: CollectiveContext         # the process's call counters: they name the call's keys
+    calls: CollectiveContext         # the process's call names: they name the call's keys
     group: Any                       # the process group (AUTO: the default one)
     timeout: float                   # seconds every rank waits for the others
     prepare: "Callable[[], SnapshotArgs] | None" = None  # put: the arguments, checked inside the call
@@ -730,6 +971,7 @@ class CollectiveJob:
     tier: Any = None
     resolve: "Callable[[str], Digest] | None" = None     # checkout: rank 0 resolves with it (default core.resolve)
     timing: "Callable[[], Any] | None" = None  # put: -> publish.Timing of this rank's call (rank 0's is recorded)
+    ident: Any = None  # put: (ref, step) as the caller gave them: they name the call (CollectiveContext.next)
 
 
 def collective_put(job: CollectiveJob):
@@ -744,7 +986,7 @@ def begin_put(job: CollectiveJob) -> "_Channel":
     follow the order of the calls, the same on every rank) without talking to anyone
     yet; run_put(channel, job) makes it, later and on any thread. An asynchronous put
     stages its state between the two."""
-    return _open_channel(job.calls, job.group, "put", job.timeout, job.kv)
+    return _open_channel(job.calls, job.group, "put", job.timeout, job.kv, job.ident)
 
 
 def run_put(ch: "_Channel", job: CollectiveJob):
@@ -752,9 +994,12 @@ def run_put(ch: "_Channel", job: CollectiveJob):
     Plan run inside it (a failure of either aborts it on every rank). The deadline counts
     from here, not from begin_put: a staged put may wait behind earlier ones."""
     ch.restart()
+    ch.post_at()
     ch.cleanup_old()
-    return _outcome_round(ch, lambda: _put(ch, job.publisher, job.plan, job.prepare, job.tier, job.timing),
-                          f"collective put_snapshot (call {ch.pfx})")
+    def body():
+        ch.check_entry()
+        return _put(ch, job.publisher, job.plan, job.prepare, job.tier, job.timing)
+    return _outcome_round(ch, body, f"collective put_snapshot (call {ch.pfx})")
 
 
 def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
@@ -1199,6 +1444,7 @@ def collective_checkout(job: CollectiveJob, target):
     counter "tsum", which equals W times rank 0's hash when all agree; rank 0 reads the
     hellos themselves only when it does not."""
     ch = _open_channel(job.calls, job.group, "checkout", job.timeout, job.kv)
+    ch.post_at()
     ch.cleanup_old()
     resolve, read = job.resolve or job.core.resolve, job.read
     spelled = target if isinstance(target, str) else repr(target)

@@ -131,7 +131,7 @@ class Store:
         # The one way anything is published into this store (put, collective put, DCP writer).
         self.publisher = Publisher(self.assets, self.reftable, core.pool)
         self._puts = AsyncPuts(max_inflight, when_busy)  # blocking=False: in order, on one thread
-        self._collective = CALLS  # the process's call counters of collectives (shared by its Stores)
+        self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only
         self._closed = False
         # What checkout reads through: with a tier, the local copies first, the remote
@@ -297,7 +297,10 @@ class Store:
         outcome nobody retrieved (see close()).
 
         Under torch.distributed (or with group=) the put is collective: every rank
-        calls it alike and one snapshot holds every rank's state. blocking=False there
+        calls it alike, with the same step= (required: the ref and step name the call,
+        docs/design/collective.md "Call identity"), and one snapshot holds every rank's
+        state. A rank that skips a put, or makes another call in its place, makes that
+        one call fail on every rank (OutOfStep), never a later one. blocking=False there
         stages this rank's state, returns its future, and makes the collective call
         on the background publisher, in call order on every rank (the same outcome on
         every rank's future, never re-raised by the next put; when_busy must be
@@ -318,9 +321,14 @@ class Store:
             return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected)
 
         if is_collective(group):
+            if step is None:  # (before the call is named: every rank that omits it raises alike)
+                raise InvalidArgument(
+                    f"a collective put_snapshot needs step= (put of {ref!r}): every rank passes the same step, "
+                    "which names the call, so a rank that skipped a put can never join the others' next one with "
+                    "another version of its state; nothing was written")
             stalled: list = []  # an asynchronous put's staging time, once staged
             call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare,
-                                 tier=self._collective_tier(),
+                                 tier=self._collective_tier(), ident=(ref, step),
                                  timing=lambda: Timing(started, stall=stalled[0] if stalled else None))
             if not blocking:
                 def stage():

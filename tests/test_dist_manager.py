@@ -202,3 +202,15 @@ def test_the_last_snapshots_failing_are_shown_and_close_raises(tmp_path):
         warned = [w for w in r["shown"] if w.startswith("SnapshotWarning")]
         assert len(warned) == 1 and "step 6" in warned[0], r["shown"]  # one of its kind; the rest counted
     assert sorted(kept_roots(out / "store")) == [2, 4]
+
+
+def test_force_is_rank_0s_decision_on_every_rank(tmp_path):
+    """force=True passed by one rank alone made it enter a collective call the others never
+    made: that snapshot and, with calls named by count, every later one failed. Rank 0's
+    force decides on every rank, as its clock and metric do."""
+    out = run_scenario(tmp_path, "force")
+    r0, r1 = ranks(out, "force")
+    assert r0["steps"] == r1["steps"]
+    assert sorted(taken(r0)) == [2, 4, 5, 6, 8]
+    assert r0["failed"] == r1["failed"] == 0, (r0["errors"], r1["errors"])
+    assert kept_roots(out / "store") == taken(r0)

@@ -265,6 +265,25 @@ def failend_case(rank, world, out, res, _arg):
         res.update(_counters(mgr))
 
 
+def force_case(rank, world, out, res, _arg):
+    """force=True on one rank alone: rank 1's at step 3 (rank 0 does not force: no snapshot
+    on either rank), rank 0's at step 5 (a snapshot on both). Every other snapshot is the
+    policy's (every_steps=2), and none fails."""
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    with tsck.open_store(os.path.join(out, "store")) as store:
+        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
+                                     every_steps=2, timeout=20)
+        res["steps"] = {}
+        for step in range(1, 9):
+            _train_step(model, opt, rank, step)
+            force = (rank == 1 and step == 3) or (rank == 0 and step == 5)
+            res["steps"][step] = mgr.step(step, force=force)
+        mgr.close()
+        res["steps"] = _roots(res["steps"])
+        res.update(_counters(mgr))
+
+
 def fenced_case(rank, world, out, res, _arg):
     """Another party's gc opens its deletion phase before step 4 and ends it 3 s into step
     4's snapshot: the collective put waits the phase out and re-validates (every rank
@@ -340,6 +359,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         infos = [dw.launch("fail", 2, fail_case, out, limit=240.0)]
     elif scenario == "prune":
         infos = [dw.launch("prune", 2, prune_case, out, arg or "sync", limit=240.0)]
+    elif scenario == "force":
+        infos = [dw.launch("force", 2, force_case, out, limit=240.0)]
     elif scenario == "grow":
         infos = [dw.launch("grow", 2, grow_case, out, limit=240.0)]
     elif scenario == "failend":

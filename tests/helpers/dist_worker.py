@@ -508,10 +508,44 @@ def mismatch_case(rank, world, out, res, odd):
         store.put_snapshot(sharded_state(r, world, 1), REF, step=6 if r == odd else 5, timeout=30)
 
     store = _failure_common(rank, world, out, res, -1, 0.0, put2)
+    t0 = time.monotonic()
+    # The same put on every rank again: the call names realign (the odd rank's step-6 call,
+    # which nobody else made, ends as rank 0 goes past it).
+    res["root3"] = store.put_snapshot(sharded_state(rank, world, 2), REF, step=7, timeout=30).root
+    res["third_elapsed"] = time.monotonic() - t0
     x = torch.tensor([float(rank + 1)])
     dist.all_reduce(x)
     res["allreduce"] = x.item()
     store.close()
+
+
+def skip_case(rank, world, out, res, odd):
+    """Rank `odd` skips the put of step 2 (and makes no call in its place), asynchronous
+    or blocking: the others' step 2 fails as OutOfStep, at once; step 3 is published with
+    every rank's own step-3 state; later calls and a checkout are aligned."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    blocking = os.environ.get("TSCK_SKIP_MODE", "blocking") == "blocking"
+    with _open(out) as store:
+        try:  # no step: nothing names the call, so it is refused on every rank, before anything
+            store.put_snapshot(small_state(rank, world, 0), REF, timeout=30, blocking=blocking)
+            res["no_step"] = "returned"
+        except tsck.TsckError as e:
+            res["no_step"] = f"{type(e).__name__}: {e}"
+        outcomes = {}
+        for v in (1, 2, 3, 4):
+            if v == 2 and rank == odd:
+                continue
+            t0 = time.monotonic()
+            try:
+                got = store.put_snapshot(small_state(rank, world, v), REF, step=v, timeout=30, blocking=blocking)
+                info = got if blocking else got.result()
+                outcomes[v] = ["ok", info.root, time.monotonic() - t0]
+            except tsck.SnapshotAborted as e:
+                outcomes[v] = [type(e).__name__, str(e), time.monotonic() - t0]
+        res["outcomes"] = outcomes
+        res["checkout_v"] = store.checkout(REF)["v"]  # (collective: each rank its own view of step 4)
+        dist.barrier()
 
 
 def desync_case(rank, world, out, res, odd):
@@ -1011,6 +1045,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         infos = [launch("kill", 4, kill_case, out, arg, kill_rank=arg)]
     elif scenario == "stall":
         infos = [launch("stall", 4, stall_case, out, 1 if arg is None else arg)]
+    elif scenario == "skip":
+        infos = [launch("skip", 3, skip_case, out, 1 if arg is None else int(arg), limit=120.0)]
     elif scenario == "mismatch":
         infos = [launch("mismatch", 4, mismatch_case, out, 2 if arg is None else arg)]
     elif scenario == "desync":

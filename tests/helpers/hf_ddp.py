@@ -104,7 +104,7 @@ def body_keep(rank, world, out, res, arg, cb=None):
     path = hf.resume_checkpoint(store, f"{JOB}/main", os.path.join(out, "again"))
     res["again"] = path
     res["again_files"] = sorted(os.listdir(path))  # whole on every rank when the call returns
-    store.put_snapshot({"w": torch.ones(3)}, "plain/main")  # collective, every rank
+    store.put_snapshot({"w": torch.ones(3)}, "plain/main", step=1)  # collective, every rank
     res["not_trainer"] = _error(lambda: hf.resume_checkpoint(store, "plain/main", os.path.join(out, "bad")))
     res["missing"] = _error(lambda: hf.resume_checkpoint(store, "nope/main", os.path.join(out, "bad")))
     res["bad_exists"] = os.path.exists(os.path.join(out, "bad"))
