@@ -14,6 +14,8 @@ Content is chosen to exercise dedup and gc's windows:
   step, note  plain values (inlined in the manifest)
   stage half the collective puts (staged(spec)): a tensor sharded over ranks 1.. only, a
         pipeline stage rank 0 holds no piece of (one process must still read it back)
+  grow  some asynchronous puts (spec["g"]): a tensor of a size drawn per call, so the
+        staged states change size between calls
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def state(spec: dict) -> dict:
         "step": int(spec["s"]),
         "note": f"{spec['w']}:{spec['o']}",
     }
+    if "g" in spec:  # an asynchronous put's extra tensor of a size drawn per call (Worker.op_put)
+        st["grow"] = _floats(int(spec["g"]), "grow", spec["w"], spec["o"])
     if staged(spec):
         st["stage"] = _floats(STAGE_SHAPE[0] * STAGE_SHAPE[1], "stage", spec["w"], spec["o"]).reshape(STAGE_SHAPE)
     return st

@@ -152,7 +152,13 @@ for _f in FLAVORS.values():
     _f.setdefault("tier_p", 0.4)
     _f.setdefault("tier_kill", 0.4)
     _f.setdefault("ctier_p", 0.3)
+    _f.setdefault("skip_p", 0.1)   # a collective put that rank 1 skips (Worker._skip_pair)
+    _f.setdefault("grow_p", 0.3)   # an asynchronous put whose state's size is not the last one's
 FLAVORS["recover-live"]["tier_p"] = 0.0  # the table is rebuilt under the writers there: not mixed with tiers
+# --focus step: collective puts often, a rank skipping one (with and without steps) in half,
+# asynchronous puts of states whose size changes between calls (the staging buffers).
+FLAVORS["step"] = dict(FLAVORS["mix"], weights=dict(FLAVORS["mix"]["weights"], cput=5, put=8), skip_p=0.5,
+                       grow_p=0.9, blocking_p=0.2)
 # --focus tier: every round has tier writers, their uploaders killed more often.
 FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6, rot_p=0.3)
 # Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
@@ -292,6 +298,8 @@ class Harness:
                 # their own gcs' lease; only a gc's lease decides, so it must change nothing
                 "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,
                 "gc_stale": gc_stale, "gc_leases": leases if self.stale_skew else [gc_stale], "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
+        for c in cfgs:
+            c["skip_p"], c["grow_p"], c["blocking_p"] = fl["skip_p"], fl["grow_p"], fl.get("blocking_p", 0.6)
         tiered = self._tier_writers(r, fl, cfgs)
         urng = random.Random(f"{self.seed}:{r}:unreadable")
         for c in cfgs:
@@ -364,7 +372,14 @@ class Harness:
         phases = 0  # deletion phases the round's gcs and prunes opened (writers fenced in each)
         rots = stopped = 0  # blocks damaged on a tier's disk (op rot); uploaders that stopped on damage
         unread: dict = {}  # fsck/gc calls under the `unreadable` fault, by outcome ("fsck:ok", "gc:UnreadableObject")
+        skips: dict = {}  # collective puts one rank skipped, by what rank 0 was told; "next:" the put after
+        grown = 0  # asynchronous puts of a state whose size was drawn for the call
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
+            if o.w in ids and o.op == "put" and (o.args.get("skipped_by") or o.args.get("after_skip") is not None):
+                k = ("next:" if o.args.get("after_skip") is not None else "") + \
+                    ("nostep:" if o.args.get("nostep") else "") + (str(o.result) if o.end is not None else "unknown")
+                skips[k] = skips.get(k, 0) + 1
+            grown += 1 if o.w in ids and o.op == "put" and o.ok and "g" in (o.args.get("spec") or {}) else 0
             if o.w in ids and o.args.get("unreadable") and o.end is not None:
                 unread[f"{o.op}:{o.result}"] = unread.get(f"{o.op}:{o.result}", 0) + 1
             rots += 1 if o.w in ids and o.op == "rot" and o.ok and o.out.get("key") else 0
@@ -384,6 +399,7 @@ class Harness:
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
                  f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
+                 f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "

@@ -18,6 +18,9 @@ collective calls' names in the c10d Store must not depend on the Store object.
 
 Half the calls (the worker's seeded choice, journaled as blocking=False) are asynchronous:
 the rank scribbles over its state as soon as its future returns, then waits for it.
+A call may name a rank that skips it ({"skip": RANK}: it answers {"result": "skipped"} and
+goes on to the next line at once, as a rank whose own policy decided otherwise), and may
+be made without a step ({"nostep": true}: every rank must refuse it).
 
 Faults: the worker's profile without its kill points (a rank's death would only be
 reported by the worker killing itself, see Worker.op_cput): delays, slow keys and
@@ -97,8 +100,14 @@ def main(argv=None) -> int:
         if per_call and s.closed:
             s = open_store(cfg, faults, **kw)
         cmd = json.loads(line)
+        if cmd.get("skip") == rank:  # this rank skips this call (as a rank whose policy decided alone)
+            print(json.dumps({"result": "skipped"}), flush=True)
+            continue
         spec = cmd["spec"]
-        kw = {"expected": cmd["expected"]} if "expected" in cmd else {}
+        pkw = {"expected": cmd["expected"]} if "expected" in cmd else {}  # (kw: the Store's own options)
+        if not cmd.get("nostep"):  # (without: a put nothing names, which every rank must refuse)
+            pkw["step"] = cmd["step"]
+        timeout = cmd.get("timeout", 60)
         fenced0 = FENCES.n
         if cmd.get("kill0") and rank == 0:
             import tensorstore_ck.peers as peers
@@ -112,12 +121,11 @@ def main(argv=None) -> int:
                 # Asynchronous: the rank gets its future once its state is staged and may
                 # change its tensors at once (scribbled here): the snapshot must hold them
                 # as they were at the call (check.py reads it back against the spec).
-                fut = s.put_snapshot(st, ref=cmd["ref"], step=cmd["step"], meta={"sim": spec}, timeout=60,
-                                     blocking=False, **kw)
+                fut = s.put_snapshot(st, ref=cmd["ref"], meta={"sim": spec}, timeout=timeout, blocking=False, **pkw)
                 _scribble(st)
                 info = fut.result(timeout=150)
             else:
-                info = s.put_snapshot(st, ref=cmd["ref"], step=cmd["step"], meta={"sim": spec}, timeout=60, **kw)
+                info = s.put_snapshot(st, ref=cmd["ref"], meta={"sim": spec}, timeout=timeout, **pkw)
             out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0}
             want, a = content.own_piece(spec, rank, world)
             into = {"own": tsck.Sharded(torch.zeros_like(want), (content.OWN_LEN,), (a,))}

@@ -173,6 +173,7 @@ class Worker:
         self.faults = Faults(profile, self.rng.getrandbits(64),
                              on_kill=lambda n, op, key: self.j.write(kill=n, op=op, key=key))
         self.puts: list[dict] = []   # this worker's successful puts: ref, step, root
+        self._taken: set = set()  # op indices already made (the second put of a skip pair)
         self.pinned: list[str] = []
         self.n = 0
 
@@ -195,7 +196,12 @@ class Worker:
                 earlier = self.cfg.get("reuse", []) + [list(p["own"]) for p in self.puts]
                 own = self.rng.choice(earlier) if earlier else None
         spec = content.make_spec(self.wid, i, self.rng.randrange(content.VARIANTS), step, own)
-        blocking = self.rng.random() < 0.6
+        blocking = self.rng.random() < self.cfg.get("blocking_p", 0.6)
+        grow = random.Random(f"{self.cfg['seed']}-{self.wid}-{i}-grow")  # (a stream of its own)
+        if not blocking and grow.random() < self.cfg.get("grow_p", 0.0):
+            # A state whose size is not the last asynchronous put's: the staging pool keeps
+            # buffers of several sizes (max_inflight=2) and must pick among them by identity.
+            spec["g"] = grow.choice([2_000, 30_000, 90_000])
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
         if self.cfg.get("tier"):  # published in the tier: durable (remote) only once uploaded
             args["tier"] = os.path.basename(self.cfg["tier"])
@@ -336,7 +342,81 @@ class Worker:
         if self.rng.random() < 0.15:
             cur = s.reftable.get_or_none(ref)
             cmd["expected"] = args["expected"] = None if cur is None else cur.hex()
+        # Out of step (a stream of its own, seeded by the call): rank 1 skips this put and goes
+        # on to the next one at once, which the worker makes as op i+1 (step + 1) on every
+        # rank; without a step in a third of those (every rank must refuse both).
+        odd = random.Random(f"{self.cfg['seed']}-{self.wid}-{i}-skip")
+        if (self.cfg.get("skip_p", 0.0) and odd.random() < self.cfg["skip_p"] and not cmd.get("kill0")
+                and i + 1 < self.cfg["ops"] and not self.cfg.get("rank_tiers")):
+            nostep = odd.random() < 0.5
+            cmd.update(skip=1, timeout=8)
+            args.update(skipped_by=[1])
+            if nostep:
+                cmd["nostep"] = True
+                args["nostep"] = True
+            return args, self._skip_pair(s, i, ref, cmd, args, nostep)
+        return args, self._cput_call(cmd, args, ref, step, spec, i)
 
+    def _skip_pair(self, s, i, ref, cmd, args, nostep):
+        """Op i, which rank 1 skips, and op i + 1, which every rank makes (step + 1): rank 1
+        is in op i + 1 while rank 0 is still in op i. Op i must not be published with rank
+        1's part of op i + 1 (a mix: I1 reads it back against op i's spec); op i + 1, which
+        every rank made alike, must not fail as out of step (C1); without steps both are
+        refused on every rank."""
+        step2 = self.cfg["step_base"] + i + 1
+        spec2 = dict(content.make_spec(self.wid, i + 1, self.rng.randrange(content.VARIANTS), step2, None),
+                     c=RANKS)
+        cmd2 = {"ref": ref, "step": step2, "spec": spec2, "async": cmd["async"], "timeout": 8}
+        args2 = {"ref": ref, "step": step2, "spec": spec2, "blocking": not cmd["async"], "collective": RANKS,
+                 "after_skip": i}
+        if nostep:
+            cmd2["nostep"] = args2["nostep"] = True
+        self._taken.add(i + 1)
+
+        def call():
+            self.j.write(i=i + 1, op="put", args=args2, start=time.time())
+            for p in self.ranks:  # rank 1 reads "skip", then op i + 1 at once
+                p.stdin.write(json.dumps(cmd) + "\n" + json.dumps(cmd2) + "\n")
+                p.stdin.flush()
+            first = [self._rank_line(p, 150.0) for p in self.ranks]
+            second = [self._rank_line(p, 150.0) for p in self.ranks]
+            out2 = self._collect(second, ref, step2, spec2, i + 1)
+            if out2.get("root") is None and not nostep and (
+                    out2.get("result") == "OutOfStep" or any(w in out2.get("error", "") for w in (
+                        "disagree", "did not arrive", "out of step"))):
+                out2["raw"] = True  # (I4 judges it: a call every rank made, refused as out of step)
+                out2["trace"] = f"C1 op {i + 1}, made alike by every rank after a skipped one: {out2.get('error')}"
+            out2.setdefault("result", "ok")
+            self.j.write(i=i + 1, end=time.time(), **out2)
+            out = dict(first[0])
+            out["ranks"] = [o.get("result", "ok") for o in first]
+            if "root" in out:
+                self.puts.append({"ref": ref, "step": cmd["step"], "root": out["root"],
+                                  "own": cmd["spec"].get("u", [self.wid, i])})
+            return out
+        return call
+
+    def _collect(self, outs: list, ref, step, spec, i) -> dict:
+        """One collective put's outcome from every rank's line: rank 0's, with what each rank
+        heard, and "mismatch" where two ranks heard different outcomes."""
+        heard = [o.get("result", "ok") for o in outs]  # what each rank was told (T9 judges each tier by its own)
+        out = outs[0]
+        out["ranks"] = heard
+        for r, o in enumerate(outs[1:], 1):  # every rank must hear the same outcome
+            if o.get("raw"):
+                out.update(raw=True, trace=f"rank {r}: " + o.get("trace", ""))
+            if ("root" in o) != ("root" in out) or o.get("root") != out.get("root"):
+                out.setdefault("mismatch", []).append(
+                    f"rank {r} heard {o.get('root') or o.get('result')}, rank 0 {out.get('root') or out.get('result')}")
+        if "root" in out:
+            self.puts.append({"ref": ref, "step": step, "root": out["root"], "own": spec.get("u", [self.wid, i])})
+            # the put's result stays what it was (it published); check.py judges these
+            mismatch = out.pop("mismatch", []) + sum((o.get("mismatch", []) for o in outs), [])
+            if mismatch:
+                out["mismatch"] = mismatch
+        return out
+
+    def _cput_call(self, cmd, args, ref, step, spec, i):
         def call():
             line = json.dumps(cmd) + "\n"
             for p in self.ranks:
@@ -347,24 +427,8 @@ class Worker:
                 self._die_after = True
                 return {"result": "OutcomeUnknown", "ranks": [None, told.get("result", "ok")],
                         "rank1": {k: str(v)[:300] for k, v in told.items()}}
-            outs = [self._rank_line(p, 150.0) for p in self.ranks]
-            heard = [o.get("result", "ok") for o in outs]  # what each rank was told (T9 judges each tier by its own)
-            out = outs[0]
-            out["ranks"] = heard
-            for r, o in enumerate(outs[1:], 1):  # every rank must hear the same outcome
-                if o.get("raw"):
-                    out.update(raw=True, trace=f"rank {r}: " + o.get("trace", ""))
-                if ("root" in o) != ("root" in out) or o.get("root") != out.get("root"):
-                    out.setdefault("mismatch", []).append(
-                        f"rank {r} heard {o.get('root') or o.get('result')}, rank 0 {out.get('root') or out.get('result')}")
-            if "root" in out:
-                self.puts.append({"ref": ref, "step": step, "root": out["root"], "own": spec.get("u", [self.wid, i])})
-                # the put's result stays what it was (it published); check.py judges these
-                mismatch = out.pop("mismatch", []) + sum((o.get("mismatch", []) for o in outs), [])
-                if mismatch:
-                    out["mismatch"] = mismatch
-            return out
-        return args, call
+            return self._collect([self._rank_line(p, 150.0) for p in self.ranks], ref, step, spec, i)
+        return call
 
     def _rank_line(self, p, timeout: float) -> dict:
         """The next line a rank prints. A rank that died or went silent leaves the put's
@@ -562,6 +626,8 @@ class Worker:
             for i in range(cfg["ops"]):
                 if time.time() > deadline:
                     break
+                if i in self._taken:
+                    continue
                 op = self.rng.choices(names, [weights[n] for n in names])[0]
                 if i == 0 and weights.get("cput"):
                     # A collective put first: on a loaded machine a round's few seconds may
