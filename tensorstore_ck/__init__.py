@@ -60,14 +60,12 @@ under it). A module over ~600 lines says which one job it does.
     read_world.py         sharded tensors and multi-rank snapshots read (read_box: a chunk's
                           region; a rank's view merged from the rank trees and chunk index)
     placement.py          map_location: where a checkout's fresh tensors go, unknown devices refused
-    read_world.py         sharded tensors and multi-rank snapshots read (read_box: a chunk's
-                          region; a rank's view merged from the rank trees and chunk index)
-    placement.py          map_location: where a checkout's fresh tensors go, unknown devices refused
     assets.py             typed, verified object I/O; the only module that knows keys (one
                           job over ~600 lines: every object kind in and out, verified)
     validate.py           snapshot arguments, checked once for every writer
     retention.py          retention rules and the snapshots they keep
     shard.py              Sharded / Replicated: a rank's piece of a global tensor
+    world_view.py         one process's view of a collective snapshot: the ranks' trees merged
     staging.py            reused host buffers for async snapshots
     loader.py             ResumableDataLoader: the data order, resumed exactly
     info.py               SnapshotInfo

@@ -37,7 +37,7 @@ from .paths import FULL, SKIP, Selection, is_stateful
 from .placement import Placement, check_map_location
 from .read_world import Gathered, WorldReading
 from .shard import Sharded, from_dtensor, is_dtensor
-from .world_view import Merged
+from .world_view import VALUE_COST, Merged
 
 __all__ = ["Reader", "run_reads", "default_max_bytes", "MISSING"]
 
@@ -48,11 +48,6 @@ PRESENCE_CHECK_ABOVE = 64 << 20
 MISSING = _MISSING = object()  # checkout without into=
 _SKIPPED = object()  # a value the selection (paths=) leaves out
 
-# What one value of the state (a container, a scalar, a leaf) is charged against
-# max_bytes before a checkout materialises anything: roughly a small Python object and
-# the reference to it. A manifest may name one node at many paths (identical sub-trees
-# are stored once), and each path is materialised; a DAG of 40 nodes can name 2^40.
-VALUE_COST = 64
 
 
 def default_max_bytes() -> int:

@@ -32,7 +32,7 @@ from .format import world as worldfmt
 from .format.tree import format_path
 from .paths import FULL, SKIP
 from .shard import Sharded, find_overlap
-from .world_view import Union
+from .world_view import VALUE_COST, Union
 
 __all__ = ["Gathered", "WorldReading", "read_box"]
 
@@ -209,7 +209,6 @@ class WorldReading:
         u = self._unions.get(extend)
         if u is None:
             step = None if self.select is None else self.select.step
-            from .read import VALUE_COST  # (read.py imports this module)
             budget = min(tree.MAX_VALUES, self.max_bytes // VALUE_COST)  # the values a checkout may hold
             u = self._unions[extend] = Union(self._deref, step, snapshot=self.snapshot, extend=extend,
                                              whole=self._whole, budget=budget)

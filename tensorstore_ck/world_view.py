@@ -34,6 +34,12 @@ from .format import tree
 from .format.tree import format_path
 from .paths import FULL, SKIP
 
+# What one value of the state (a container, a scalar, a leaf) is charged against
+# max_bytes before a checkout materialises anything: roughly a small Python object and
+# the reference to it. A manifest may name one node at many paths (identical sub-trees
+# are stored once), and each path is materialised; a DAG of 40 nodes can name 2^40.
+VALUE_COST = 64
+
 __all__ = ["Merged", "Union", "deref_merged"]
 
 
