@@ -110,9 +110,8 @@ LAYOUT_JOBS = 2
 
 # The names of calls (a put's ref and step) whose count a process keeps (CollectiveContext).
 OCCURRENCES = 4096
-# Rank 0, waiting for the ranks' hellos, looks at least this often whether a late rank is
-# already in a later put (it skipped this one: OutOfStep, not a wait for the timeout).
-HELLO_SLICE = 2.0
+# What a look at a key that may not exist reads when it does not (_Channel.peek).
+_ABSENT = b"\x00absent"
 
 
 def _short(v) -> str:
@@ -445,13 +444,20 @@ class _Channel:
         except Exception:  # noqa: BLE001 - the store is gone: the call itself will say so
             pass
 
+    def peek(self, key: str) -> bytes | None:
+        """The value of a key that may not exist, in one request (a get would block on a
+        missing key, a check then a get is two): a compare_set whose expected value no key
+        holds answers the value, or that expected value when there is none."""
+        v = self.kv.compare_set(key, _ABSENT, _ABSENT)
+        return None if v == _ABSENT else v
+
     def check_entry(self) -> None:
         """At the start of a put: is a rank already in a call this one can never meet?
-        Rank 0 reads the last put any rank entered (one get); any other rank reads rank 0's
-        (one get). A call that rank 0 waits in and this rank skipped is aborted at once (its
-        ranks raise OutOfStep, and rank 0 then comes to this one); this call, if rank 0 or
-        another rank is already past it, raises OutOfStep at once. Then this rank posts
-        itself as the last to enter."""
+        Rank 0 reads the last put a rank entered before it (`latest`); any other rank reads
+        rank 0's at/0, and posts itself as `latest` when rank 0 is not in this call yet (one
+        or two requests). A call that rank 0 waits in and this rank skipped is aborted at
+        once (its ranks raise OutOfStep, and rank 0 then comes to this one); this call, if
+        rank 0 or another rank is already past it, raises OutOfStep at once."""
         if self.op != "put" or self.ident is None or type(self.ident[1]) is not int:
             return
         ref, step = self.ident
@@ -462,14 +468,15 @@ class _Channel:
                 for name, st in self.ctx.passed_by(gid, self.name, step):
                     self.abort_call(name, st, f"rank 0 went on to {self.describe()} without making the put of "
                                               f"{ref!r} at step {st}, in which other ranks wait")
-                got = self.kv.get(latest) if self.kv.check([latest]) else None
+                got = self.peek(latest)
                 rec = msgpack.unpackb(got) if got else None
                 src = "a rank"
             else:
-                got = self.kv.get(self.at + "0") if self.kv.check([self.at + "0"]) else None
+                got = self.peek(self.at + "0")
                 rec = msgpack.unpackb(got)[1:4] if got else None
                 src = "rank 0"
-            self.kv.set(latest, msgpack.packb([self.name, ref, step]))
+                if not (isinstance(rec, list) and rec[:1] == [self.name]):  # rank 0 is not in this call yet
+                    self.kv.set(latest, msgpack.packb([self.name, ref, step]))
         except Exception:  # noqa: BLE001 - only the early word is lost: the waits still tell
             return
         if not (isinstance(rec, list) and len(rec) == 3):
@@ -706,7 +713,7 @@ class _Channel:
             delete(old + k for k in (("ack_all", "acked") if acked else shared))
             self.ctx.forget(self.key, seq)
 
-    def _block(self, keys, until: float, slice_: float | None = None) -> bool:
+    def _block(self, keys, until: float) -> bool:
         """Block until every key of this call in `keys` exists (c10d `wait`: the Store
         answers when they do; one request), for at most one slice and not past `until`.
         -> whether they exist."""
@@ -714,8 +721,7 @@ class _Channel:
         if left <= 0:
             return False
         try:
-            self.kv.wait([self.pfx + k for k in keys],
-                         datetime.timedelta(seconds=min(left, self.slice if slice_ is None else slice_)))
+            self.kv.wait([self.pfx + k for k in keys], datetime.timedelta(seconds=min(left, self.slice)))
             return True
         except Exception as e:  # noqa: BLE001 - told apart below
             if _wait_timed_out(e):
@@ -731,10 +737,7 @@ class _Channel:
         posted it are named (and not waited for in the outcome round). also: keys that exist
         once these do (unless woken), read after them in one request (their values follow:
         not with them, as a get of a key that does not exist blocks)."""
-        # Rank 0 waiting for the hellos looks for skipped calls every HELLO_SLICE at most: a
-        # rank already in a later put never comes (its requests: O(late ranks), while any are).
-        short = HELLO_SLICE if self.rank == 0 and per_rank == "hello" else None
-        while not self._block(keys, self.deadline, short):
+        while not self._block(keys, self.deadline):
             if time.monotonic() >= self.deadline:
                 self._timed_out(what, per_rank, among, of_ranks)
             if per_rank is not None:  # one slice passed: a rank that skipped this call never comes

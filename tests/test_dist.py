@@ -295,7 +295,9 @@ def test_step_mismatch_aborts_every_rank_and_the_next_call_realigns(tmp_path):
         assert d["root1"] == root1
         assert d["second"] == "aborted", f"rank {d['rank']}: {d['second']}"
         assert "out of step" in d["message"] and "step 6" in d["message"], d["message"]
-        assert d["elapsed"] + d["third_elapsed"] < 15.0, "a mismatch must end within seconds, not the 30 s timeout"
+        # (at once, or at rank 0's first look after a quarter of the 30 s timeout)
+        assert d["elapsed"] < 20.0, "a mismatch must end before the 30 s timeout"
+        assert d["third_elapsed"] < 20.0
         assert d["allreduce"] == 10.0
     root3 = {d["root3"] for d in res}
     assert len(root3) == 1

@@ -46,7 +46,8 @@ def test_every_rank_makes_a_constant_number_of_requests_whatever_the_lateness(me
     far shorter than a slice of the 300 s timeout: no wait runs out)."""
     for W, rows in measured.items():
         row = rows[scenario]
-        assert max(row["requests"]) <= 30, (W, scenario, row["requests"])  # rank 0 included
+        # rank 0 included; 3 of them say which call each rank is in (at/, one look, latest)
+        assert max(row["requests"]) <= 33, (W, scenario, row["requests"])
         assert max(row["wait_timeouts"]) == 0, (W, scenario, row["wait_timeouts"])
     most = {W: max(rows[scenario]["requests"][1:]) for W, rows in measured.items()}
     assert abs(most[64] - most[16]) <= 2, most  # (which rank arrives last, and posts the "_all" key, varies)
@@ -221,8 +222,9 @@ def test_an_abort_wakes_the_waiting_ranks(harness):
     assert isinstance(out[W8 - 1], bs.tsck.errors.TsckError), out[W8 - 1]
     assert all(isinstance(e, bs.tsck.errors.SnapshotAborted) for e in out[:-1]), out
     assert all(rk.kv.timeouts == 0 for rk in h.ranks), [rk.kv.timeouts for rk in h.ranks]
-    # (~8 each; the last rank to ack deletes the aborted call's shared keys: ~20 more)
-    assert max(rk.kv.requests for rk in h.ranks[:-1]) <= 30, [rk.kv.requests for rk in h.ranks]
+    # (~8 each, 3 of them saying which call each rank is in; the last rank to ack deletes
+    # the aborted call's shared keys: ~20 more)
+    assert max(rk.kv.requests for rk in h.ranks[:-1]) <= 33, [rk.kv.requests for rk in h.ranks]
     assert len(set(_put_all(bs, h, 3))) == 1  # the group goes on
 
 
@@ -238,5 +240,5 @@ def test_the_requests_of_a_rank_do_not_grow_with_lateness(harness):
         assert len(set(_put_all(bs, h, step, delay={W8 - 1: late}))) == 1
         counts[late] = [rk.kv.requests for rk in h.ranks]
         assert all(rk.kv.timeouts == 0 for rk in h.ranks)
-    assert max(counts[4.0]) <= 30 and max(counts[0.2]) <= 30, counts
+    assert max(counts[4.0]) <= 33 and max(counts[0.2]) <= 33, counts
     assert sum(counts[4.0]) <= sum(counts[0.2]) + W8, counts
