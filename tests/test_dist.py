@@ -320,7 +320,7 @@ def test_a_rank_that_skips_a_put_costs_that_put_alone(tmp_path, mode, monkeypatc
         o = d["outcomes"]
         if d["rank"] != 1:
             assert o["2"][0] == "OutOfStep", o["2"]
-            assert o["2"][2] < 10.0, o["2"]
+            assert o["2"][2] < 20.0, o["2"]  # (at once, or at the first look after a quarter of the 30 s timeout)
         assert o["3"][0] == o["4"][0] == "ok", o
         assert d["checkout_v"] == 4
     assert len({d["outcomes"]["3"][1] for d in res}) == 1
