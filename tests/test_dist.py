@@ -307,6 +307,19 @@ def test_step_mismatch_aborts_every_rank_and_the_next_call_realigns(tmp_path):
         assert len(commit_roots(out / "store")) == 2
 
 
+def test_a_checkout_where_the_others_put_costs_those_two_calls_alone(tmp_path):
+    """Rank 1 makes a checkout where rank 0 makes the put of step 2: both end as OutOfStep
+    (each names what the other is in), and the next put and checkout, made alike, succeed."""
+    out = run_scenario(tmp_path, "swap", 1)
+    r0, r1 = rank_results(out, "swap", 2)
+    assert r0["second"].startswith("OutOfStep") and "checkout" in r0["second"], r0["second"]
+    assert r1["second"].startswith("OutOfStep") and "put_snapshot" in r1["second"], r1["second"]
+    assert r0["put3"] == r1["put3"]
+    assert r0["checkout_v"] == r1["checkout_v"] == 3
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log(REF)] == [3, 1]
+
+
 @pytest.mark.parametrize("mode", ["blocking", "async"])
 def test_a_rank_that_skips_a_put_costs_that_put_alone(tmp_path, mode, monkeypatch):
     """Rank 1 skips the put of step 2: the others' step 2 ends as OutOfStep at once (no

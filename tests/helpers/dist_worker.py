@@ -548,6 +548,27 @@ def skip_case(rank, world, out, res, odd):
         dist.barrier()
 
 
+def swap_case(rank, world, out, res, odd):
+    """Rank `odd` makes a checkout where the others make the put of step 2: both calls end
+    (as OutOfStep, at their timeout); then the put of step 3 and a checkout, which every
+    rank makes alike, succeed (with calls named by a count, each later call of either
+    kind failed)."""
+    import tensorstore_ck as tsck
+    T = 4.0
+    with _open(out) as store:
+        res["put1"] = store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=30).root
+        try:
+            if rank == odd:
+                store.checkout(REF, timeout=T)
+            else:
+                store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=T)
+            res["second"] = "returned"
+        except tsck.SnapshotAborted as e:
+            res["second"] = f"{type(e).__name__}: {e}"
+        res["put3"] = store.put_snapshot(small_state(rank, world, 3), REF, step=3, timeout=30).root
+        res["checkout_v"] = store.checkout(REF, timeout=30)["v"]
+
+
 def desync_case(rank, world, out, res, odd):
     """Rank `odd` makes a put that fails its own argument checks; then every rank makes
     the same valid put, which must succeed."""
@@ -1045,6 +1066,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         infos = [launch("kill", 4, kill_case, out, arg, kill_rank=arg)]
     elif scenario == "stall":
         infos = [launch("stall", 4, stall_case, out, 1 if arg is None else arg)]
+    elif scenario == "swap":
+        infos = [launch("swap", 2, swap_case, out, 1 if arg is None else int(arg), limit=120.0)]
     elif scenario == "skip":
         infos = [launch("skip", 3, skip_case, out, 1 if arg is None else int(arg), limit=120.0)]
     elif scenario == "mismatch":
