@@ -18,8 +18,8 @@ collective calls' names in the c10d Store must not depend on the Store object.
 
 Half the calls (the worker's seeded choice, journaled as blocking=False) are asynchronous:
 the rank scribbles over its state as soon as its future returns, then waits for it.
-A call may name a rank that skips it ({"skip": RANK}: it answers {"result": "skipped"} and
-goes on to the next line at once, as a rank whose own policy decided otherwise), and may
+A call may name a rank that skips it ({"skip": RANK}: it prints nothing and goes on to the
+next line at once, as a rank whose own policy decided otherwise), and may
 be made without a step ({"nostep": true}: every rank must refuse it).
 
 Faults: the worker's profile without its kill points (a rank's death would only be
@@ -101,8 +101,7 @@ def main(argv=None) -> int:
             s = open_store(cfg, faults, **kw)
         cmd = json.loads(line)
         if cmd.get("skip") == rank:  # this rank skips this call (as a rank whose policy decided alone)
-            print(json.dumps({"result": "skipped"}), flush=True)
-            continue
+            continue  # (silently: the worker reads one line per call it makes)
         spec = cmd["spec"]
         pkw = {"expected": cmd["expected"]} if "expected" in cmd else {}  # (kw: the Store's own options)
         if not cmd.get("nostep"):  # (without: a put nothing names, which every rank must refuse)

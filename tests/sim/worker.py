@@ -174,6 +174,7 @@ class Worker:
                              on_kill=lambda n, op, key: self.j.write(kill=n, op=op, key=key))
         self.puts: list[dict] = []   # this worker's successful puts: ref, step, root
         self._taken: set = set()  # op indices already made (the second put of a skip pair)
+        self._out: dict = {}  # rank pid -> what it printed that was not read yet (_rank_line)
         self.pinned: list[str] = []
         self.n = 0
 
@@ -364,8 +365,9 @@ class Worker:
         every rank made alike, must not fail as out of step (C1); without steps both are
         refused on every rank."""
         step2 = self.cfg["step_base"] + i + 1
-        spec2 = dict(content.make_spec(self.wid, i + 1, self.rng.randrange(content.VARIANTS), step2, None),
-                     c=RANKS)
+        # The same replicated variant: what a skipping rank's next state shares with the
+        # others' (a mix is told apart by its own rows alone, as in a real job).
+        spec2 = dict(content.make_spec(self.wid, i + 1, cmd["spec"]["v"], step2, None), c=RANKS)
         cmd2 = {"ref": ref, "step": step2, "spec": spec2, "async": cmd["async"], "timeout": 8}
         args2 = {"ref": ref, "step": step2, "spec": spec2, "blocking": not cmd["async"], "collective": RANKS,
                  "after_skip": i}
@@ -378,7 +380,8 @@ class Worker:
             for p in self.ranks:  # rank 1 reads "skip", then op i + 1 at once
                 p.stdin.write(json.dumps(cmd) + "\n" + json.dumps(cmd2) + "\n")
                 p.stdin.flush()
-            first = [self._rank_line(p, 150.0) for p in self.ranks]
+            first = [self._rank_line(p, 150.0) if r != 1 else {"result": "skipped"}  # (rank 1 prints nothing)
+                     for r, p in enumerate(self.ranks)]
             second = [self._rank_line(p, 150.0) for p in self.ranks]
             out2 = self._collect(second, ref, step2, spec2, i + 1)
             if out2.get("root") is None and not nostep and (
@@ -435,8 +438,21 @@ class Worker:
         outcome unknown to this worker: it dies too (kill -9), so the journal says so
         (a start with no result), rather than guess."""
         import select
-        r, _, _ = select.select([p.stdout], [], [], timeout)
-        line = p.stdout.readline() if r else ""
+        # Read the pipe itself, with a buffer of our own: a rank may print two lines at once
+        # (a put it refuses at once, then the next), and a second select() would not see
+        # one that a buffered readline() already took in.
+        buf = self._out.setdefault(p.pid, bytearray())
+        until, r = time.monotonic() + timeout, True
+        while b"\n" not in buf:
+            r, _, _ = select.select([p.stdout], [], [], max(0.0, until - time.monotonic()))
+            chunk = os.read(p.stdout.fileno(), 65536) if r else b""
+            if not chunk:
+                break
+            buf += chunk
+        line = ""
+        if b"\n" in buf:
+            i = buf.index(b"\n") + 1
+            line, buf[:] = buf[:i].decode(), buf[i:]
         if not line:
             self.j.write(kill="rank", op="cput", key=f"rank pid {p.pid} {'died' if r else 'silent'}")
             os.kill(os.getpid(), signal.SIGKILL)
