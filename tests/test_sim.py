@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.sim import check, content  # noqa: E402
 
-SEEDS = {"file": 20275, "pg": 20262, "s3": 20263, "tier": 20288}
+SEEDS = {"file": 20275, "pg": 20262, "s3": 20263, "tier": 20288, "step": 2}
 
 
 def _run_harness(backend: str, extra_env: dict, args: list, timeout: float = 170, seeds: str | None = None) -> str:
@@ -62,6 +62,16 @@ def test_harness_recover_live():
     """recover beside gc, prune and writers, killed -9 and run again (flavor recover-live)."""
     out = _run_harness("file", {}, ["--rounds", "2", "--round-seconds", "2", "--focus", "recover-live"])
     assert out.count("live recover:") == 2, out[-3000:]
+
+
+@pytest.mark.slow
+def test_harness_step():
+    """Collective puts that one rank skips (with and without steps) and asynchronous puts of
+    states whose size changes (flavor step): the skipped put fails, the next one, made
+    alike, is published; nothing raw."""
+    out = _run_harness("file", {}, ["--rounds", "2", "--round-seconds", "10", "--focus", "step"], seeds="step")
+    assert re.search(r"skipped_by_a_rank=\S*next:", out), out[-3000:]
+    assert sum(int(n) for n in re.findall(r"grown_async=(\d+)", out)) >= 1, out[-3000:]
 
 
 @pytest.mark.slow

@@ -152,8 +152,10 @@ for _f in FLAVORS.values():
     _f.setdefault("tier_p", 0.4)
     _f.setdefault("tier_kill", 0.4)
     _f.setdefault("ctier_p", 0.3)
-    _f.setdefault("skip_p", 0.1)   # a collective put that rank 1 skips (Worker._skip_pair)
-    _f.setdefault("grow_p", 0.3)   # an asynchronous put whose state's size is not the last one's
+    # Only --focus step draws these (in the seeded mix they changed the schedules CI's
+    # seeds were chosen for: see TESTING.md, "Out of step").
+    _f.setdefault("skip_p", 0.0)   # a collective put that rank 1 skips (Worker._skip_pair)
+    _f.setdefault("grow_p", 0.0)   # an asynchronous put whose state's size is not the last one's
 FLAVORS["recover-live"]["tier_p"] = 0.0  # the table is rebuilt under the writers there: not mixed with tiers
 # --focus step: collective puts often, a rank skipping one (with and without steps) in half,
 # asynchronous puts of states whose size changes between calls (the staging buffers).
