@@ -114,6 +114,13 @@ OCCURRENCES = 4096
 _ABSENT = b"\x00absent"
 
 
+def _describe(op: str, ref, step) -> str:
+    """A collective call, as a message names it."""
+    if op == "put" and ref is not None:
+        return f"put_snapshot of {ref!r} at step {step}"
+    return "a checkout" if op == "checkout" else f"a {op} call"
+
+
 def _short(v) -> str:
     """A piece of a call's name: an int as itself, anything else as a short hash."""
     return str(v) if type(v) is int else hashlib.blake2b(repr(v).encode(), digest_size=6).hexdigest()
@@ -502,18 +509,16 @@ class _Channel:
         out = {}
         for r in ranks:
             try:
-                if self.kv.check([self.at + str(r)]):
-                    rec = msgpack.unpackb(self.kv.get(self.at + str(r)))
-                    if isinstance(rec, list) and len(rec) == 5 and rec[1] != self.name:
-                        out[r] = tuple(rec)
+                got = self.peek(self.at + str(r))
+                rec = msgpack.unpackb(got) if got else None
+                if isinstance(rec, list) and len(rec) == 5 and rec[1] != self.name:
+                    out[r] = tuple(rec)
             except Exception:  # noqa: BLE001 - only a better message is lost
                 pass
         return out
 
     def describe(self) -> str:
-        if self.op == "put" and self.ident is not None:
-            return f"put_snapshot of {self.ident[0]!r} at step {self.ident[1]}"
-        return "checkout" if self.op == "checkout" else f"{self.op} call"
+        return _describe(self.op, *(self.ident if self.ident is not None else (None, None)))
 
     def skipped_by(self, where: dict) -> list[int]:
         """The ranks of `where` that are in a put of this call's ref at a later step: they
@@ -530,8 +535,7 @@ class _Channel:
         for r in late:
             if r in where:
                 op, _name, ref, step, since = where[r]
-                what = (f"put_snapshot of {ref!r} at step {step}" if op == "put" and ref is not None
-                        else "a checkout" if op == "checkout" else f"a {op} call")
+                what = _describe(op, ref, step)
                 parts.append(f"rank {r} is in {what} (for {max(0.0, time.time() - since):.0f}s)")
         if not parts:
             return ""
@@ -779,14 +783,13 @@ class _Channel:
             if late:
                 why += f" (ranks {late} are behind)"
         where = self.where(late[:16]) if late else {}
-        odd = [r for r in self.skipped_by(where)] + [r for r, w in where.items() if w[0] != self.op]
+        odd = self.skipped_by(where) + [r for r, w in where.items() if w[0] != self.op]
         step = self.out_of_step(where, sorted(set(odd)))
         if step:
             why += f"; {step}"
         elif where:  # behind, in an earlier call: slow or stopped, not out of step
-            why += "; " + "; ".join(f"rank {r} is still in an earlier call ({w[0]}"
-                                    + (f" of {w[2]!r} at step {w[3]}" if w[2] is not None else "")
-                                    + f", for {max(0.0, time.time() - w[4]):.0f}s)" for r, w in where.items())
+            why += "; " + "; ".join(f"rank {r} is still in an earlier call ({_describe(w[0], w[2], w[3])}, for "
+                                    f"{max(0.0, time.time() - w[4]):.0f}s)" for r, w in where.items())
         if not self.abort(why, "out_of_step" if step else "snapshot_aborted", late=late):
             raise _CommitUnderWay()
         raise (OutOfStep if step else SnapshotAborted)(f"snapshot aborted: {why}")

@@ -285,9 +285,6 @@ class ThrottledStore(WrappedStore):
         return self._throttled(self.inner.put_addressed, key, bufs)
 
 
-# The one rule (retry.py): what may succeed if asked again is retried; EIO, a refused
-# permission, a folder in an object's place and the like fail at once with their cause.
-_transient = is_transient
 
 
 class RetryingStore(WrappedStore):
@@ -320,8 +317,8 @@ class RetryingStore(WrappedStore):
             attempt += 1
             try:
                 return fn(*args)
-            except Exception as e:  # noqa: BLE001 - filtered by _transient
-                transient = _transient(e)
+            except Exception as e:  # noqa: BLE001 - filtered by retry.is_transient (the one rule)
+                transient = is_transient(e)
                 if transient:
                     if delays is None:
                         delays = self.backoff.delays(self._rng)
