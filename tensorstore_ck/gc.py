@@ -140,7 +140,7 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
         by_job.setdefault(str(row.get("job", "")), []).append((SnapRow(
             root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}), seq,
             str(row.get("ref", "")), recovered), row))
-    words = {"ref": "tip of {}", "tag": "tag {}", "pin": "pinned"}
+    words = {"ref": "tip of {}", "tag": "tag {}", "pin": "pinned", "upload": "being uploaded"}
     protected = {root: [words[kind].format(name) for kind, name in hs] for root, hs in holders(core).items()}
     out = []
     for job, rows in by_job.items():

@@ -120,7 +120,7 @@ def _complete_row(core: Core, root: Digest) -> dict:
     from .recover import commit_row, incomplete
     why = incomplete(core, root, set())
     if why is not None:
-        raise IntegrityError(f"snapshot {root.hex()[:16]} cannot be tagged: nothing keeps it any more and {why} "
+        raise IntegrityError(f"snapshot {root.hex()[:16]} cannot be tagged or pinned: nothing keeps it any more and {why} "
                              "(gc has begun reclaiming it); nothing was created")
     return commit_row(decode_commit(core.assets.get_commit(root)))
 
@@ -174,9 +174,22 @@ def _make_tag(core: Core, publisher: Publisher, name: str, root: bytes, make) ->
 
 
 def pin(core: Core, publisher: Publisher, target: str) -> str:
-    """Pin `target` (gc keeps it whatever retention says) -> its root hex."""
+    """Pin `target` (gc keeps it whatever retention says) -> its root hex. A full root
+    that nothing keeps any more but whose objects storage still holds is adopted, as
+    tag() adopts one."""
     fence = publisher.fence()
-    root = core.resolve(target)
+    try:
+        root = core.resolve(target)
+    except RefNotFound as e:
+        root = _removed_root(core, target, e)
+        row = _complete_row(core, root)
+        while True:
+            try:
+                core.refs.pin_adopt(root, row, fence=fence)
+                return root.hex()
+            except Fenced:
+                fence = publisher.wait_gc_idle()
+                row = _complete_row(core, root)
     try:
         fenced(core, publisher, root, target, fence, lambda f: core.refs.pin(root, fence=f))
     except OutcomeUnknown as e:

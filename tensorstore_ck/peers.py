@@ -313,10 +313,9 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
     except _Skipped:
         return
     except IntegrityError:
-        # Missing or damaged here: the job's retention may have expired the snapshot
-        # locally meanwhile (and deleted its objects); else the tier is damaged (upload.py).
-        if local.refs.catalog_get(root) is None:
-            up._expired(seq, root)
+        # Missing or damaged here: the snapshot may have left the tier on purpose
+        # meanwhile; else the tier is damaged (Uploader._gone_meanwhile).
+        if up._gone_meanwhile(seq, root):
             return
         raise
 
@@ -326,7 +325,13 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         _until_present(up, root, lambda: _confirm(up, theirs))
         up._send(mine, new_fence)
 
-    info = up.publisher.move_to(root, row, fence=fence, revalidate=revalidate)
+    try:
+        info = up.publisher.move_to(root, row, fence=fence, revalidate=revalidate)
+    except IntegrityError:
+        if up._gone_meanwhile(seq, root):
+            return
+        raise
+    up._publish_holds(root)
     local.refs.upload_done(seq, root)
     with up._cond:
         up._cond.notify_all()

@@ -188,8 +188,11 @@ def kept_roots(core: Core, exclude: set | None = None) -> set[bytes]:
 
 def holders(core: Core) -> dict[bytes, list[tuple[str, str]]]:
     """root -> what holds it whatever retention says: ("ref", name) for a ref's tip,
-    ("tag", name), ("pin", "")."""
+    ("tag", name), ("pin", ""), ("upload", "") for a local tier's snapshot whose upload
+    has started (RefTable.upload_begin)."""
     out: dict[bytes, list[tuple[str, str]]] = {}
+    for root in core.refs.uploading():
+        out.setdefault(root, []).append(("upload", ""))
     for name, root in core.refs.list():
         out.setdefault(root, []).append(("ref", name))
     for name, root in core.refs.tags():

@@ -725,7 +725,10 @@ class Store:
         deletion epoch (lifecycle.tag)."""
         validate_new_name(name, "tag name")
         self._writable("tag")
-        return lifecycle.tag(self.core, self.publisher, name, target)
+        info = lifecycle.tag(self.core, self.publisher, name, target)
+        if self._uploader is not None:  # one catalog: the remote keeps what the tier's tag keeps
+            self._uploader.held(bytes.fromhex(info.root))
+        return info
 
     @_public
     def recover(self, *, progress: bool = False, wait: float = 0.0):
@@ -748,8 +751,14 @@ class Store:
 
     @_public
     def pin(self, target: str) -> str:
+        """Keep `target` whatever retention says, until unpin() -> its root hex. A full
+        root that nothing keeps any more but whose objects storage still holds is brought
+        back, as tag() brings one back. With a local tier the pin is the remote's too."""
         self._writable("pin")
-        return lifecycle.pin(self.core, self.publisher, target)
+        root = lifecycle.pin(self.core, self.publisher, target)
+        if self._uploader is not None:
+            self._uploader.held(bytes.fromhex(root))
+        return root
 
     @_public
     def pins(self, *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
@@ -765,6 +774,8 @@ class Store:
         self._writable("unpin")
         root = self._root(target)
         self.reftable.unpin(root)
+        if self._uploader is not None:
+            self._uploader.unheld(pin=bytes(root))
         return root.hex()
 
     @_public
@@ -789,7 +800,10 @@ class Store:
         storage object goes first, so recover cannot bring it back after a crash here."""
         validate_name(name, "tag name")
         self._writable("untag")
-        return lifecycle.untag(self.core, name)
+        root = lifecycle.untag(self.core, name)
+        if self._uploader is not None:
+            self._uploader.unheld(tag_name=name, root=bytes.fromhex(root))
+        return root
 
     @_public
     def forget(self, target: str, *, dry_run: bool = False) -> SnapshotInfo:

@@ -325,6 +325,8 @@ class Uploader:
             try:
                 if self._superseded(seq, entry, pending):
                     continue
+                if not self.local.refs.upload_begin(seq):
+                    continue  # another process sharing the tier finished or dropped it meanwhile
                 self._upload(seq, entry)
                 self._since_tidy += 1
                 tries = 0
@@ -349,28 +351,36 @@ class Uploader:
 
     def _superseded(self, seq: int, entry: dict, pending: list) -> bool:
         """The backlog rule: a queued snapshot with a newer one of the same ref queued
-        behind it is not sent (dropped from the queue, logged), unless a tag or a pin
-        names it. When uploads fall behind the snapshot cadence, a superseded snapshot is
-        not worth the bandwidth: the newest is what recovery wants, and what it shares
-        with the older one is sent with it. It stays local-only (never marked durable)
-        and the local retention expires it as any other snapshot. A rank's part of a
-        collective snapshot is always sent: rank 0's tier decides by its own queue, and
-        waits for the parts of the snapshot it sends."""
-        if entry.get("part") is not None:
+        behind it is not sent (dropped from the queue, logged) when its job's retention
+        would expire it anyway: the tier's catalog, its rules, tags, pins and ref tips
+        decide (gc.retention_plan), as the next prune would. When uploads fall behind the
+        snapshot cadence, a snapshot no rule keeps is not worth the bandwidth: the newest
+        is what recovery wants, and what it shares with the older one is sent with it. A
+        snapshot a rule keeps (keep_best's best, keep_every_steps' one per N steps, a tag
+        or a pin) is sent, or it would never become durable; a job without rules keeps
+        everything, so nothing of it is skipped. A skipped snapshot stays local-only and
+        the local retention expires it. A rank's part of a collective snapshot is always
+        sent: rank 0's tier decides by its own queue, and waits for the parts of the
+        snapshot it sends; so is an entry queued for a tag or pin (hold)."""
+        if entry.get("part") is not None or entry.get("hold"):
             return False
         root, ref = entry["root"], entry.get("ref")
         newer_seq = next((s for s, e in pending if s > seq and e.get("ref") == ref and e.get("root") != root), None)
         if newer_seq is None:
             return False
         refs = self.local.refs
-        held = [f"tag {name!r}" for name, r in refs.tags() if r == root] + (["a pin"] if root in refs.pins() else [])
-        if held:
-            log.info("local tier: snapshot %s of ref %s (step %s) is superseded in the queue but %s names it: "
-                     "uploading it", root.hex()[:16], ref, entry.get("step"), " and ".join(held))
+        from .gc import retention_plan
+        plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
+        if plan is None:
+            return False  # no catalog row: _upload drops it as expired
+        if plan["keep"]:
+            log.info("local tier: snapshot %s of ref %s (step %s) is superseded in the queue but kept (%s): "
+                     "uploading it", root.hex()[:16], ref, entry.get("step"), ", ".join(plan["why"]))
             return False
         log.warning("local tier: skipping the upload of snapshot %s of ref %s (step %s): a newer snapshot of the "
-                    "ref is queued behind it (uploads fell behind the snapshot cadence; no tag or pin names it); "
-                    "it stays local-only", root.hex()[:16], ref, entry.get("step"))
+                    "ref is queued behind it (uploads fell behind the snapshot cadence) and its job's retention "
+                    "keeps it no more; it stays local-only until a prune expires it", root.hex()[:16], ref,
+                    entry.get("step"))
         refs.upload_drop(seq)
         self.superseded += 1
         with self._cond:
@@ -392,6 +402,8 @@ class Uploader:
         if row is None:
             self._expired(seq, root)
             return
+        if entry.get("hold"):
+            return self._upload_hold(seq, root, row)
         if seq in self._resumed and self._moved_before(seq, root, entry["ref"]):
             return
         world = (row.get("meta") or {}).get("world") if isinstance(row.get("meta"), dict) else None
@@ -400,24 +412,18 @@ class Uploader:
             return upload_world(self, seq, entry, row)
         self._tee_settle()
         fence = self.publisher.fence()  # before the remote is asked about any object
-        objs = {"block": [], "node": [], "commit": []}
-        seen: set[bytes] = set()
         try:
-            for o in walk_commit(local.assets, root, verify=True):
-                if o.digest not in seen:
-                    seen.add(o.digest)
-                    objs[o.kind].append(o.digest)
+            objs = self._walk(root)
             self._send(objs, fence)
+            info = self.publisher.move_to(root, row, fence=fence, revalidate=lambda f: self._send(objs, f))
         except IntegrityError:
-            # Missing or damaged here: a local prune may have expired the snapshot (and
-            # deleted its objects) meanwhile; otherwise the tier is damaged, and that stops us.
-            if local.refs.catalog_get(root) is None:
-                self._expired(seq, root)
+            # Missing or damaged here, in the first send or in a fenced move's re-send.
+            if self._gone_meanwhile(seq, root):
                 return
             raise
-        info = self.publisher.move_to(root, row, fence=fence, revalidate=lambda f: self._send(objs, f))
+        self._publish_holds(root)
         with self._cond:
-            self._fitting = self.budget is not None
+            self._fitting = True  # the remote retention and the budget follow: wait_durable waits for them
         local.refs.upload_done(seq, root)
         with self._cond:
             self._cond.notify_all()
@@ -443,6 +449,10 @@ class Uploader:
             if rep.expired:
                 log.info("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(rep.expired),
                          self.remote.url)
+                # The same rules expire them here too: a snapshot whose local copy went to the
+                # budget would otherwise stay listed in the tier with no copy anywhere.
+                if {bytes.fromhex(r) for r in rep.expired} & self.local.refs.evicted():
+                    prune_job(self.local, job, lease=self.local.settings.gc_lease)
         except GcBusy:
             log.info("local tier: a gc holds %s; it applies job %s's retention there", self.remote.url, job)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the remote prune
@@ -453,6 +463,9 @@ class Uploader:
         """Keep the tier under its budget; a failure here is logged, never fatal (an
         eviction left undone is retried after the next upload)."""
         if self.budget is None:
+            with self._cond:
+                self._fitting = False
+                self._cond.notify_all()
             return
         try:
             fit_budget(self.local, self.budget)
@@ -463,6 +476,142 @@ class Uploader:
             with self._cond:
                 self._fitting = False
                 self._cond.notify_all()
+
+    def _walk(self, root: bytes) -> dict:
+        """The snapshot's objects in the tier by kind, each once (nodes verified)."""
+        objs: dict = {"block": [], "node": [], "commit": []}
+        seen: set[bytes] = set()
+        for o in walk_commit(self.local.assets, root, verify=True):
+            if o.digest not in seen:
+                seen.add(o.digest)
+                objs[o.kind].append(o.digest)
+        return objs
+
+    def _gone_meanwhile(self, seq: int, root: bytes) -> bool:
+        """An object of `root` was missing or damaged here during its upload. Not damage
+        when the snapshot left the tier on purpose meanwhile: its catalog row is gone (a
+        prune or forget, then a gc) -> dropped from the queue; or another process sharing
+        the tier made it durable and its budget evicted the local copy -> the entry goes
+        (the other process's upload_done dropped it already). Otherwise the tier is
+        damaged, and that stops the uploader (False)."""
+        refs = self.local.refs
+        if refs.catalog_get(root, checked=False) is None:
+            self._expired(seq, root)
+            return True
+        if refs.durable([root]):
+            log.info("local tier: snapshot %s was made durable by another process sharing this tier while this "
+                     "one uploaded it", root.hex()[:16])
+            refs.upload_drop(seq)
+            with self._cond:
+                self._cond.notify_all()
+            return True
+        return False
+
+    # -- one catalog: the tier's tags and pins are the remote's -------------------------
+    def _holds(self, root: bytes) -> tuple[list[str], bool]:
+        refs = self.local.refs
+        return [name for name, r in refs.tags() if r == root], root in refs.pins()
+
+    def _publish_holds(self, root: bytes) -> None:
+        """The tags and pins that name `root` in the tier, made in the remote table too
+        (and a tag's storage object, which recover rebuilds it from), so that the remote's
+        retention, an offline `tsck gc` of the remote and a node that lost its tier keep
+        what the tier keeps. The remote must list `root` or hold all of it (a tag or pin
+        there adopts it then: lifecycle.tag, lifecycle.pin). A remote tag of that name
+        naming another snapshot (another tier's) is left, with a warning."""
+        from .lifecycle import pin, tag
+        names, pinned = self._holds(root)
+        remote = self.remote.refs
+        for name in names:
+            have = remote.tag_get(name)
+            if have == root:
+                continue
+            if have is not None:
+                log.warning("local tier: tag %r names snapshot %s here but %s at %s; the remote's is left as it is",
+                            name, root.hex()[:16], have.hex()[:16], self.remote.url)
+                continue
+            tag(self.remote, self.publisher, name, root.hex())
+        if pinned and root not in remote.pins():
+            pin(self.remote, self.publisher, root.hex())
+
+    def held(self, root: bytes) -> None:
+        """A tag or pin naming `root` was just made in the tier: make it the remote's
+        too. Now, when the remote catalog lists `root`; when it does not and `root` is
+        queued, its upload publishes it (_publish_holds runs after the remote move, which
+        comes after this look); else (a snapshot the backlog rule skipped, one the remote
+        retention expired, a remote away) it is queued to be sent for its holds alone,
+        into the remote catalog without moving the remote ref (_upload_hold)."""
+        refs = self.local.refs
+        try:
+            if self.remote.refs.catalog_has(root):
+                self._publish_holds(root)
+                return
+        except (StorageError, TsckError, OSError) as e:
+            log.warning("local tier: the tag or pin of %s could not be made at %s now (%s); the uploader makes it",
+                        root.hex()[:16], self.remote.url, e)
+        else:
+            if any(e["root"] == root and not e.get("hold") for _, e in refs.upload_pending()):
+                return
+        row = refs.catalog_get(root, checked=False) or {}
+        refs.upload_enqueue(root, row.get("ref"), row.get("step"), hold=True)
+        with self._cond:
+            self._cond.notify_all()
+
+    def unheld(self, tag_name: str | None = None, pin: bytes | None = None, root: bytes | None = None) -> None:
+        """A tag or pin removed in the tier: removed in the remote table too, best
+        effort (left there, it keeps more than asked, never less)."""
+        from .lifecycle import untag
+        remote = self.remote
+        try:
+            if tag_name is not None and remote.refs.tag_get(tag_name) == root:
+                untag(remote, tag_name)
+            if pin is not None and pin in remote.refs.pins():
+                remote.refs.unpin(pin)
+        except (StorageError, TsckError, OSError) as e:
+            log.warning("local tier: the %s stays at %s (%s); remove it there with `tsck %s`", "tag" if tag_name
+                        else "pin", remote.url, e, f"untag {remote.url} {tag_name}" if tag_name
+                        else f"unpin {remote.url} {pin.hex() if pin else ''}")
+
+    def _upload_hold(self, seq: int, root: bytes, row: dict) -> None:
+        """An entry queued for the tags and pins of `root` (held): the remote gets the
+        snapshot into its catalog with them, and its ref does not move (a newer snapshot
+        may be its tip). What the remote lacks is sent first, as for any upload; the tag
+        or pin then adopts the snapshot there (every object found present, fenced on the
+        remote gc epoch: a deletion phase in between is waited out and the objects are
+        looked at again)."""
+        refs = self.local.refs
+        names, pinned = self._holds(root)
+        if not names and not pinned:
+            log.info("local tier: snapshot %s was queued for a tag or pin that is gone; not sent", root.hex()[:16])
+            refs.upload_drop(seq)
+            return
+        if not self.remote.refs.catalog_has(root) and root not in refs.evicted():
+            fence = self.publisher.fence()
+            try:
+                self._send(self._walk(root), fence)
+            except IntegrityError:
+                if refs.catalog_get(root, checked=False) is None:
+                    self._expired(seq, root)
+                    return
+                raise
+        try:
+            self._publish_holds(root)
+        except IntegrityError as e:
+            if root in refs.evicted():
+                # Its local copy went to the budget and the remote no longer holds all of
+                # it: neither tier can keep it now; said, not retried for ever.
+                log.error("local tier: snapshot %s cannot be tagged or pinned at %s: %s; its local copy was "
+                          "evicted, so no tier holds it whole", root.hex()[:16], self.remote.url, e)
+                refs.upload_drop(seq)
+                return
+            # A remote gc removed some of what was sent before the tag or pin took it in:
+            # sent again on the next try.
+            raise StorageError(f"snapshot {root.hex()[:16]} is not whole at {self.remote.url} yet ({e})") from e
+        refs.upload_done(seq, root)
+        with self._cond:
+            self._cond.notify_all()
+        log.info("local tier: snapshot %s (step %s) durable at %s for its %s", root.hex()[:16], row.get("step"),
+                 self.remote.url, "tags and pin" if names and pinned else "tags" if names else "pin")
 
     def _moved_before(self, seq: int, root: bytes, ref: str) -> bool:
         """A process killed after the remote move and before the durable mark left `root`

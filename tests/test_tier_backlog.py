@@ -52,14 +52,16 @@ def _open(tmp_path, **kw) -> tsck.Store:
 
 
 def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path, caplog):
-    """Five puts in a row while the remote's writes are held on the first snapshot's
-    upload: the first is in flight (sent whole), the second and fourth are superseded by
-    a newer queued snapshot of the ref and skipped (one warning each naming the ref, the
-    step and the root; local-only), the third is tagged and uploaded, the fifth (the
+    """Five puts in a row, the job keeping its last snapshot, while the remote's writes
+    are held on the first snapshot's upload: the first is in flight (sent whole), the
+    second and fourth are superseded by a newer queued snapshot of the ref and no rule
+    keeps them, so they are skipped (one warning each naming the ref, the step and the
+    root; local-only), the third is tagged and uploaded with its tag, the fifth (the
     newest) is durable and is the remote tip. Another ref's snapshot is not superseded by
     this ref's."""
     wrapped = []
     store = _open(tmp_path, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
+    store.set_retention("job", tsck.Retention(keep_last=1))
     held = wrapped[0]
     infos = [store.put_snapshot(_state(1), "job/main", step=1)]
     assert held.waiting.wait(DEADLINE)  # the first upload is in flight
@@ -86,7 +88,9 @@ def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path
     assert store._uploader.superseded == 2
     store.close()
     with tsck.open_store(str(tmp_path / "remote"), create=False) as r:
-        assert [i.step for i in r.log("job/main")] == [5, 3, 1]
+        # The remote's retention (keep_last=1) expired step 1; the tag keeps step 3.
+        assert [i.step for i in r.log("job/main")] == [5, 3]
+        assert r.tags()["keep-3"].step == 3
         assert _equal(r.checkout("job/main"), _state(5))
         assert r.fsck(full=True).findings == []
     # The skipped snapshots are still in the tier, local-only, and read whole there.
@@ -135,35 +139,31 @@ def test_the_budget_holds_after_many_puts_and_evicted_snapshots_read_from_the_re
         assert tier.fsck(full=True).findings == []
 
 
-def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only_one(tmp_path, caplog):
-    """A budget of one byte: a snapshot held in the upload queue (the remote's writes
-    held) and a local-only one (skipped by the backlog rule) are never evicted; the put
-    never fails; a warning says the budget cannot hold them. Once they are durable, the
-    older durable ones go, and the local-only one stays whole."""
+def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_one(tmp_path, caplog):
+    """A budget of one byte: snapshots held in the upload queue (the remote's writes
+    held) are never evicted, and a warning says the budget cannot hold them. Once they
+    are durable (a job without retention rules: every one is uploaded), their local
+    copies go, and they read through the remote."""
     wrapped = []
     caplog.set_level(logging.WARNING, logger="tensorstore_ck.upload")
     store = _open(tmp_path, local_budget=1, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
     held = wrapped[0]
     a = store.put_snapshot(_state(1), "job/main", step=1)
     assert held.waiting.wait(DEADLINE)
-    b = store.put_snapshot(_state(2), "job/main", step=2)  # superseded by c: stays local-only
+    b = store.put_snapshot(_state(2), "job/main", step=2)
     c = store.put_snapshot(_state(3), "job/main", step=3)
     assert store.wait_durable(timeout=0.5) is False
     assert store.reftable.evicted() == set()  # nothing durable yet: nothing may go
     held.gate.set()
     assert store.wait_durable(timeout=DEADLINE) is True
-    assert [(i.step, i.durable) for i in store.log("job/main")] == [(3, True), (2, False), (1, True)]
-    evicted = store.reftable.evicted()
-    assert bytes.fromhex(b.root) not in evicted
-    assert {bytes.fromhex(a.root), bytes.fromhex(c.root)} == evicted
+    assert [(i.step, i.durable) for i in store.log("job/main")] == [(3, True), (2, True), (1, True)]
+    assert store.reftable.evicted() == {bytes.fromhex(i.root) for i in (a, b, c)}
     assert any("cannot hold" in r.getMessage() for r in caplog.records)
     assert store.fsck(full=True).findings == []
     store.close()
-    with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:  # b read from the tier alone
-        assert _equal(tier.checkout(b.root), _state(2))
-        assert tier.fsck(full=True).findings == []
     with _open(tmp_path) as again:
         assert _equal(again.checkout("job/main"), _state(3))
+        assert _equal(again.checkout(b.root), _state(2))
 
 
 def test_a_tier_over_a_new_budget_is_evicted_at_open_and_bad_budgets_are_refused(tmp_path):
@@ -316,18 +316,18 @@ def test_kill_9_at_random_moments_of_uploads_then_resume(s3_url, s3_server, tmp_
 
 
 def test_the_tiers_retention_expires_evicted_snapshots_quietly(tmp_path, caplog):
-    """A budget of one byte evicts every durable snapshot; the tier's retention (keep the
-    newest one) then expires the older ones: the prune has nothing of theirs to walk or
-    delete (no warning about objects it could not walk), and the tier fscks clean."""
+    """A budget of one byte evicts every durable snapshot; the job's retention (keep the
+    newest one) expires the older ones in the remote after each upload, and with them in
+    the tier (one decision for both: a row with no copy in either tier would stay
+    otherwise): the prune has nothing of theirs to walk or delete (no warning about
+    objects it could not walk), and the tier fscks clean."""
+    caplog.set_level(logging.WARNING)
     with _open(tmp_path, local_budget=1) as store:
         store.set_retention("job", tsck.Retention(keep_last=1))
         for step in (1, 2, 3):
             store.put_snapshot(_state(step), "job/main", job="job", step=step)
             assert store.wait_durable(timeout=DEADLINE)
-        assert len(store.reftable.evicted()) == 3
-        caplog.set_level(logging.WARNING)
-        rep = store.prune("job")
-        assert len(rep.expired) == 2
+        assert store.prune("job").expired == []
         assert not [r for r in caplog.records if "not walked" in r.getMessage()]
         assert [i.step for i in store.log("job/main")] == [3]
         assert len(store.reftable.evicted()) == 1  # the expired ones' marks went with their rows

@@ -359,6 +359,20 @@ class RefTable(RefHistory, GcStateMachine, ABC):
 
         return self._write(txn)
 
+    def pin_adopt(self, root: bytes, row: dict, *, fence: int) -> bool:
+        """Pin `root`, as tag_adopt tags it: the pin and, if it has none, its catalog row
+        go in together, only while the gc epoch is still `fence` and even (Fenced
+        otherwise). -> whether the catalog row was added."""
+        def txn(t):
+            _check_fence(t, fence)
+            added = t.get("catalog", root) is None
+            if added:
+                t.put("catalog", root, encode_record(row))
+            t.put("pins", root, b"")
+            return added
+
+        return self._write(txn)
+
     def tags(self):
         return self._read(lambda t: [(_name(k, "tag"), v) for k, v in t.items("tags")])
 
@@ -527,21 +541,27 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         return self._write(txn)
 
     # -- a local tier's upload queue (tier.py) -------------------------------------------
-    def upload_enqueue(self, root: bytes, ref: str, step, part: bytes | None = None) -> int:
+    def upload_enqueue(self, root: bytes, ref: str, step, part: bytes | None = None, hold: bool = False) -> int:
         """Queue `root` (published locally on `ref`) for upload -> its sequence number.
         A root queued already keeps its place. part: a rank's sub-tree of a collective
-        snapshot (what that rank uploads of it), kept in the entry as "part"."""
+        snapshot (what that rank uploads of it), kept in the entry as "part". hold: the
+        snapshot is sent for the tags and pins that name it, into the remote catalog
+        without moving the remote ref (an older snapshot than the remote tip: tier.md,
+        "One catalog"); kept in the entry as "hold"."""
         def txn(t: Txn):
             for k, v in t.items("meta", _UPLOAD):
                 if decode_record(v, "upload queue entry").get("root") == root:
                     return _SEQ.unpack(k[len(_UPLOAD):])[0]
-            t.delete("meta", _EVICTED + root)  # published again here: its objects are local again
+            if not hold:
+                t.delete("meta", _EVICTED + root)  # published again here: its objects are local again
             raw = t.get("meta", _UPLOAD_SEQ)
             seq = (_SEQ.unpack(raw)[0] if raw is not None else 0) + 1
             t.put("meta", _UPLOAD_SEQ, _SEQ.pack(seq))
             rec = {"root": root, "ref": ref, "step": step}
             if part is not None:
                 rec["part"] = part
+            if hold:
+                rec["hold"] = True
             t.put("meta", _UPLOAD + _SEQ.pack(seq), encode_record(rec))
             return seq
         return self._write(txn)
@@ -550,6 +570,26 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         """The queue, oldest first: (seq, {root, ref, step})."""
         return self._read(lambda t: [(_SEQ.unpack(k[len(_UPLOAD):])[0], decode_record(v, "upload queue entry"))
                                      for k, v in t.items("meta", _UPLOAD)])
+
+    def upload_begin(self, seq: int) -> bool:
+        """The uploader starts sending entry `seq`: mark it "started", so that from now
+        on no prune, gc or eviction of this table expires its snapshot (_protected) until
+        upload_done or upload_drop removes the entry -> False if the entry is gone."""
+        def txn(t: Txn):
+            key = _UPLOAD + _SEQ.pack(seq)
+            raw = t.get("meta", key)
+            if raw is None:
+                return False
+            rec = decode_record(raw, "upload queue entry")
+            if not rec.get("started"):
+                rec["started"] = True
+                t.put("meta", key, encode_record(rec))
+            return True
+        return self._write(txn)
+
+    def uploading(self) -> set[bytes]:
+        """The roots of the queue entries whose upload has started (upload_begin)."""
+        return self._read(_uploading)
 
     def upload_last_seq(self) -> int:
         raw = self._read(lambda t: t.get("meta", _UPLOAD_SEQ))
@@ -617,7 +657,20 @@ def _drop_row(t: Txn, root: bytes) -> None:
 
 
 def _protected(t: Txn) -> set[bytes]:
-    return {v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} | {k for k, _ in t.items("pins")}
+    return ({v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} | {k for k, _ in t.items("pins")}
+            | _uploading(t))
+
+
+def _uploading(t: Txn) -> set[bytes]:
+    # A local tier's snapshots being uploaded (upload_begin): expiring one mid-upload
+    # would throw its sends away, and under retention that outruns the uploads would
+    # leave the remote with no snapshot at all.
+    out = set()
+    for _, v in t.items("meta", _UPLOAD):
+        rec = decode_record(v, "upload queue entry")
+        if rec.get("started") and isinstance(rec.get("root"), bytes):
+            out.add(rec["root"])
+    return out
 
 
 def _empty(t: Txn) -> bool:
