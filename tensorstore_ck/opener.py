@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import os
+import shlex
 import warnings
 import threading
 import time
@@ -361,6 +362,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     proto, rest = _split_url(url)
     if local is not None and proto == "file" and os.path.realpath(rest) == os.path.realpath(os.fspath(local)):
         raise InvalidArgument(f"local tier {os.fspath(local)!r} is the store itself: give it a directory of its own")
+    if local is not None:  # before the remote is opened: a local check, whatever the network does
+        _refuse_lost_tier_table(os.path.abspath(os.fspath(local)))
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         _open_refs(refs, proto, rest, create=False)
     if local is not None and proto in LAZY_PROTOCOLS and not create_refs:
@@ -865,6 +868,24 @@ def _tier_store(lcore: Core, remote: Core, cfg: dict, max_inflight: int, when_bu
     return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy,
                  uploader=Uploader(lcore, remote, budget, early=early_default() if early_upload is None else early_upload),
                  replicas=replicas)
+
+
+def _refuse_lost_tier_table(root: str) -> None:
+    """A tier (its marker) that holds snapshots but no ref table is refused (NotAStore),
+    nothing created, as a plain store in that state is: a table made afresh would lack
+    the snapshots not yet uploaded, so a restore would go back to the remote's older tip,
+    nothing would upload them, and a gc of the tier would delete them. `tsck recover`
+    rebuilds the table from the tier's objects. "Holds snapshots" is the plain store's
+    test (a commit stored): blocks and nodes without a commit are no snapshot to lose."""
+    if not os.path.isfile(os.path.join(root, STORE_MARKER)):
+        return
+    refs_dir = os.path.join(root, "refs.lmdb")
+    if os.path.isfile(os.path.join(refs_dir, "data.mdb")):
+        return
+    if holds_snapshots(LocalBlockStore(root)):
+        raise NotAStore(f"no ref table at {refs_dir}: the local tier {root} holds snapshots but its ref table does "
+                        f"not; if it was lost, run `tsck recover {shlex.quote(root)}` to rebuild it from the "
+                        "tier's objects, then open the store again (what was not uploaded is uploaded then)")
 
 
 def _check_tier(root: str, lcfg: dict, cfg: dict, store_id: str, url: str) -> None:

@@ -164,6 +164,7 @@ class Uploader:
             log.info("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
                      "process ended before the snapshot's outcome reached this tier", part.hex()[:16])
         queued = {e["root"] for _, e in refs.upload_pending()}
+        self._mark_listed(queued)
         parts = {r: t for r, t in refs.parts(rank0=False).items() if r not in queued}
         done = refs.durable(parts)
         for root, tree in parts.items():
@@ -180,6 +181,29 @@ class Uploader:
                 log.info("local tier: queueing the tip of ref %s (%s), published locally and never queued",
                          name, root.hex()[:16])
                 refs.upload_enqueue(root, name, row.get("step"))
+
+    def _mark_listed(self, queued: set) -> None:
+        """The tier's snapshots that are neither durable nor queued but that the remote
+        catalog lists are marked durable: the remote holds them (a table rebuilt by
+        `tsck recover` has lost its marks). So they are not queued or sent again, the
+        budget may evict them, and `log` does not call them local-only. Only the remote
+        ref table is asked (no request to the remote storage), and only about these
+        roots: once marked they are not asked about again."""
+        refs = self.local.refs
+        roots = refs.catalog_roots() - queued
+        roots -= refs.durable(roots)
+        if not roots:
+            return
+        try:
+            listed = self.remote.refs.catalog_which(roots)
+        except Exception as e:  # noqa: BLE001 - unmarked, they are asked about at the next open
+            log.warning("local tier: could not ask %s's ref table which snapshots it holds (%s: %s)",
+                        self.remote.url, type(e).__name__, e)
+            return
+        marked = refs.durable_mark(listed) if listed else []
+        if marked:
+            log.info("local tier: %d snapshot(s) of the tier that %s lists marked durable (not sent again)",
+                     len(marked), self.remote.url)
 
     def is_durable(self, roots) -> set[bytes]:
         return self.local.refs.durable(roots)

@@ -294,6 +294,11 @@ class RefTable(RefHistory, GcStateMachine, ABC):
     def catalog_has(self, root) -> bool:
         return self._read(lambda t: t.get("catalog", root)) is not None
 
+    def catalog_which(self, roots) -> set[bytes]:
+        """Which of `roots` have a catalog row (one transaction)."""
+        roots = list(roots)
+        return self._read(lambda t: {r for r in roots if t.get("catalog", r) is not None})
+
     def catalog_put(self, root: bytes, row: dict) -> None:
         self._write(lambda t: t.put("catalog", root, encode_record(row)))
 
@@ -601,6 +606,20 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             t.put("meta", _DURABLE + root, b"")
             t.delete("meta", _UPLOAD + _SEQ.pack(seq))
         self._write(txn)
+
+    def durable_mark(self, roots) -> list[bytes]:
+        """Mark `roots` durable without an upload (the remote catalog lists them: a table
+        rebuilt by recover has lost its marks) -> those marked: only a root with a catalog
+        row and not queued, checked in the transaction."""
+        roots = list(roots)
+
+        def txn(t: Txn):
+            queued = {decode_record(v, "upload queue entry").get("root") for _, v in t.items("meta", _UPLOAD)}
+            done = [r for r in roots if r not in queued and t.get("catalog", r) is not None]
+            for r in done:
+                t.put("meta", _DURABLE + r, b"")
+            return done
+        return self._write(txn)
 
     def upload_drop(self, seq: int) -> None:
         """Drop entry `seq` from the queue without marking anything durable (its snapshot
