@@ -12,6 +12,7 @@ layout; it is created exclusively, so concurrent creators agree on one.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -25,7 +26,7 @@ import uuid
 from . import chunker
 from .assets import MAX_MARKER_BYTES, STORE_MARKER, create_marker, holds_snapshots, read_marker
 from .core import DEFAULT_LEASE, DEFAULT_WORKERS, Core, Settings
-from .errors import FormatError, InvalidArgument, NotAStore, StorageError, TsckError, storage_error
+from .errors import FormatError, InvalidArgument, NotAStore, ReadOnlyStore, StorageError, TsckError, storage_error
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .refs.postgres import LOCATIONS_NS
 from .storage import BlockStore, FsspecBlockStore, LocalBlockStore, S3BlockStore
@@ -700,13 +701,31 @@ def _new_tier(root: str, cfg: dict) -> LmdbRefTable | None:
         return None  # another process made it meanwhile, otherwise
     refs_dir = os.path.join(root, "refs.lmdb")
     fresh = not os.path.isdir(refs_dir)
-    lrefs = LmdbRefTable(refs_dir, create=True)
+    lrefs = _tier_table(refs_dir, create=True)
     try:
         lrefs.bind_store(cfg["id"], new=fresh)
     except BaseException:
         lrefs.close()
         raise
     return lrefs
+
+
+def _tier_read_only(root: str, e: BaseException) -> str:
+    return (f"the local tier {root} cannot be written ({getattr(e, 'strerror', None) or e}): every put and upload "
+            "writes there; give local= a writable directory, or read the store without local= "
+            "(open_store(url, read_only=True), `tsck --read-only`)")
+
+
+def _tier_table(refs_dir: str, *, create: bool) -> LmdbRefTable:
+    """The tier's LMDB table; one on a read-only disk is refused with the advice that fits
+    a tier (a tier is never opened read-only: open_store refuses local= with read_only)."""
+    try:
+        return LmdbRefTable(refs_dir, create=create)
+    except NotAStore as e:
+        cause = next((c for c in ("Read-only file system", "Permission denied") if c in str(e)), None)
+        if cause is not None:  # (the table's own hint, read_only=True, does not fit a tier)
+            raise ReadOnlyStore(_tier_read_only(os.path.dirname(refs_dir), cause)) from None
+        raise
 
 
 def _listing(path: str) -> list[str] | None:
@@ -779,7 +798,7 @@ def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backo
             if lrefs is None:
                 return None
         else:
-            lrefs = LmdbRefTable(refs_dir, create=False)
+            lrefs = _tier_table(refs_dir, create=False)
             if lrefs.bound_store() != store_id:
                 return None
             seen = _verified(lrefs, location) == store_id or (
@@ -845,12 +864,18 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
             if lcfg is None:
                 raise NotAStore(f"local tier {root} is not empty and holds no {STORE_MARKER}: not a local tier")
         else:
-            create_marker(lstorage, _marker_bytes(cfg))
+            try:
+                create_marker(lstorage, _marker_bytes(cfg))
+            except (OSError, StorageError) as e:  # the tier's disk, not the remote: named so
+                errno_ = getattr(e, "errno", None)
+                if errno_ in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise ReadOnlyStore(_tier_read_only(root, e)) from None
+                raise storage_error(e, f"cannot open the local tier at {root}") from None
             lcfg = _read_config(lstorage) or cfg
     _check_tier(root, lcfg, cfg, store_id, remote.url)
     refs_dir = os.path.join(root, "refs.lmdb")
     fresh = not os.path.isdir(refs_dir)
-    lrefs = LmdbRefTable(refs_dir, create=True)
+    lrefs = _tier_table(refs_dir, create=True)
     try:
         lrefs.bind_store(store_id, new=fresh)
         if location is not None and _verified(lrefs, location) != store_id:

@@ -246,3 +246,25 @@ def test_a_store_published_with_read_only_permissions(tmp_path):
         pytest.skip(f"setpriv cannot drop capabilities here: {r.stderr.strip()}")
     assert r.returncode == 0 and r.stdout.strip() == "refused", r.stdout + r.stderr
     assert _tree(path) == before
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["tier", "empty"])
+def test_a_local_tier_on_a_read_only_mount_is_refused_naming_the_tier(tmp_path, made):
+    """A tier on a read-only mount (made before, or an empty directory) is refused with
+    ReadOnlyStore naming the tier's path, not the remote's URL, and advising what fits a
+    tier: a writable directory, or the store read without local= (never read_only=True
+    with local=, which open_store refuses)."""
+    remote = str(tmp_path / "remote")
+    with tmpfs(tmp_path / "mnt", "16m") as mnt:
+        tier = os.path.join(mnt, "tier")
+        os.makedirs(tier)
+        if made:
+            with tsck.open_store(remote, local=tier) as s:
+                s.put_snapshot(_state(1), "a/main", step=1)
+                assert s.wait_durable(timeout=120)
+        remount(mnt, "ro")
+        with pytest.raises(tsck.ReadOnlyStore) as e:
+            tsck.open_store(remote, local=tier)
+        msg = str(e.value)
+        assert f"the local tier {tier} cannot be written" in msg and "writable directory" in msg
+        assert "without local=" in msg and "open it with read_only=True" not in msg and remote not in msg
