@@ -355,7 +355,7 @@ class Uploader:
                 self._since_tidy += 1
                 tries = 0
             except (IntegrityError, NotAStore) as e:  # a damaged local object, or a remote of another
-                # store (found at its first use, opener.LazyStorage): no retry makes it right
+                # store (found at its first use, tier.opening.LazyStorage): no retry makes it right
                 self._fail(e)
                 return
             except (StorageError, TsckError, OSError) as e:

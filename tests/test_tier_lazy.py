@@ -191,7 +191,7 @@ def test_a_lost_tier_is_made_again_from_the_ref_tables_record_without_a_request(
         store.put_snapshot(_state(1), "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
         store_id = store.config["id"]
-    from tensorstore_ck.opener import _location
+    from tensorstore_ck.tier.opening import remote_location as _location
     location = _location("s3", url[len("s3://"):], opts)
     for lost in ("removed", "emptied"):
         shutil.rmtree(local)

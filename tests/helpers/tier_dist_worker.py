@@ -109,7 +109,7 @@ def put_body(rank, world, out, res, cfg):
 
 def _storage_opened(s) -> bool:
     """Whether the remote storage under wrapper `s` was opened: a lazily opened one
-    (opener.LazyStorage) says so; any other was opened with the store."""
+    (tier.opening.LazyStorage) says so; any other was opened with the store."""
     while s is not None:
         if type(s).__name__ == "LazyStorage":
             return s.opened
