@@ -142,7 +142,7 @@ class Store:
             from .upload import ReadThrough
             self._reads = ReadThrough(self.assets, uploader.remote, evicted=self.reftable.evicted)
             if replicas:
-                from .peers import Peers
+                from .tier.replicas import Peers
                 self._peers = Peers(core, replicas)
         _STORES.add(self)
 
@@ -385,7 +385,7 @@ class Store:
         publishes in its own tier and queues its own upload: peers.py); else None."""
         if self._uploader is None:
             return None
-        from .peers import CollectiveTier
+        from .tier.collective import CollectiveTier
         peers = self._peers if self._peers is not None and self._peers.join() else None
         return CollectiveTier(self.core, self._uploader, peers)
 
@@ -638,7 +638,7 @@ class Store:
         if self._peers is not None and is_collective(group) and self._peers.join():
             # A collective checkout: what this rank's tier lacks (lost with its node) is
             # fetched from the ranks that hold its replicas before the remote is read.
-            from .peers import peer_reads
+            from .tier.replicas import peer_reads
             reads = peer_reads(self._reads, self._peers)
 
         def read(root: Digest, rank: int | None = None):

@@ -420,7 +420,7 @@ class Uploader:
     def _upload(self, seq: int, entry: dict) -> None:
         root, local = entry["root"], self.local
         if entry.get("part") is not None:  # a rank's part of a collective snapshot (peers.py)
-            from .peers import upload_part
+            from .tier.collective import upload_part
             return upload_part(self, seq, entry)
         row = local.refs.catalog_get(root)
         if row is None:
@@ -432,7 +432,7 @@ class Uploader:
             return
         world = (row.get("meta") or {}).get("world") if isinstance(row.get("meta"), dict) else None
         if isinstance(world, int) and world > 1:  # a collective snapshot: the other ranks send their parts
-            from .peers import upload_world
+            from .tier.collective import upload_world
             return upload_world(self, seq, entry, row)
         self._tee_settle()
         fence = self.publisher.fence()  # before the remote is asked about any object

@@ -295,7 +295,7 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
     import socket
 
     from tensorstore_ck.assets import Assets
-    from tensorstore_ck.peers import Peers
+    from tensorstore_ck.tier.replicas import Peers
 
     with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a, \
             tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
@@ -351,7 +351,7 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
     goes to the caller all the same (keeping it in the tier is a cache, with a warning),
     never an error that fails the restore."""
     import _mounts
-    from tensorstore_ck.peers import Peers, peer_reads
+    from tensorstore_ck.tier.replicas import Peers, peer_reads
     from tensorstore_ck.upload import ReadThrough
     from tensorstore_ck.walk import walk_commit
 
@@ -382,7 +382,7 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
     the rank's tier by a background thread: once it is done (at the latest when the store
     closes) they are stored under their addresses, durable, and a later open finds them
     (so the next restore needs no peer)."""
-    from tensorstore_ck.peers import Peers, peer_reads
+    from tensorstore_ck.tier.replicas import Peers, peer_reads
     from tensorstore_ck.upload import ReadThrough
     from tensorstore_ck.walk import walk_commit
 
@@ -417,8 +417,8 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
     and gets the copy from the peer (not a failure that sends the read to the remote)."""
     import time
 
-    import tensorstore_ck.peers as peers_mod
-    from tensorstore_ck.peers import Peers, peer_reads
+    import tensorstore_ck.tier.replicas as peers_mod
+    from tensorstore_ck.tier.replicas import Peers, peer_reads
     from tensorstore_ck.upload import ReadThrough
     from tensorstore_ck.walk import walk_commit
 

@@ -291,7 +291,7 @@ def stuck_kill_body(rank, world, out, res, cfg):
     with it)."""
     import time
 
-    import tensorstore_ck.peers as peers
+    import tensorstore_ck.tier.collective as peers
     if rank == 1:
         def trap(self, *args):
             open(os.path.join(out, "trap_rank1"), "w").close()
@@ -311,7 +311,7 @@ def dead_zero_body(rank, world, out, res, cfg):
     import time
 
     import tensorstore_ck as tsck
-    import tensorstore_ck.peers as peers
+    import tensorstore_ck.tier.collective as peers
     if rank == 0:
         def trap(self, *args):
             open(os.path.join(out, "trap_rank0"), "w").close()

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         timeout = cmd.get("timeout", 60)
         fenced0 = FENCES.n
         if cmd.get("kill0") and rank == 0:
-            import tensorstore_ck.peers as peers
+            import tensorstore_ck.tier.collective as peers
 
             def die(*_a):  # published in this rank's tier; the others not told
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -1,344 +1,22 @@
-"""Collective snapshots through local tiers: each rank's tier, the remote store behind.
-
-Under torch.distributed with `open_store(remote, local=NODE_DIR)` on every rank:
-
-    every rank   writes its own blocks and sub-tree to its own local tier (the collective
-                 protocol of dist.py, unchanged; each rank under its own tier's gc fence)
-    rank 0       writes the top nodes and the commit to its tier and moves its local ref
-                 (the local publication), then hands the commit and the top nodes to the
-                 others (one c10d key): every rank's tier can then read its own region of
-                 the snapshot, and says what the snapshot is, without the remote
-    every rank   queues its upload: rank 0 the snapshot, the others their part
-
-    the uploader of a rank other than 0 (upload_part): its sub-tree's blocks, then its
-                 nodes, skipping what the remote has: then the snapshot is durable for
-                 that rank (its part is remote)
-    the uploader of rank 0 (upload_world): reads the remote gc fence, then walks the
-                 snapshot: what its tier holds (its sub-tree, the top, the commit) is sent
-                 as by a single-process upload; every object it lacks (the other ranks'
-                 sub-trees) must be found in the remote after that fence read (a node is
-                 read from there, checked against its address; a block is asked with a
-                 HEAD); what is not there yet is waited for with backoff, bounded, while
-                 the other ranks upload; then the fenced move of the remote ref to the
-                 same root (Publisher.move_to), whose re-validation asks for every
-                 object again under the new fence
-
-The remote ref therefore never names an object missing remotely: every object was
-either sent and synced by rank 0 or seen present in the remote by rank 0 itself after
-it read the fence its move is conditional on (docs/design/tiers.md, "Collective puts").
+"""Peer replicas (open_store(remote, local=DIR, replicas=k), docs/design/tiers.md, "Peer
+replicas"): after each collective put through tiers every rank sends its part to the
+tiers of the next k ranks, over a TCP side channel; a collective checkout fetches what
+its tier lacks from those holders (each copy checked against its address) before it
+reads the remote.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 
-import msgpack
+from ..errors import IntegrityError, TsckError
+from ..format.frame import HEADER_SIZE
+from ..format.manifest import MAX_NODE_BYTES
+from ..walk import walk_tree
 
-from .errors import IntegrityError, TsckError, UnreadableObject
-from .format.frame import HEADER_SIZE
-from .format.manifest import MAX_NODE_BYTES
-from .walk import walk_commit, walk_tree
-
-__all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT"]
+__all__ = ["Peers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
 
 log = logging.getLogger(__name__)
-
-# How long rank 0's uploader waits, without progress, for the other ranks' parts of a
-# collective snapshot, seconds.
-PART_WAIT = 900.0
-_PAUSE = (0.1, 5.0)  # first and longest pause between two looks, seconds
-
-
-class CollectiveTier:
-    """What a collective put through local tiers does besides the protocol of dist.py,
-    built by the Store for one call (dist.py calls it, and knows nothing of tiers)."""
-
-    def __init__(self, core, uploader, peers: "Peers | None" = None):
-        self.core, self.uploader, self.peers = core, uploader, peers
-
-    def top_blob(self, root: bytes, top_payloads: list) -> bytes:
-        """Rank 0, after its local publication: the commit and the top nodes, for the
-        others, and the snapshots of the job that rank 0's tier keeps (its catalog rows:
-        what its retention has left), which the others' tiers follow."""
-        job = (self.core.refs.catalog_get(root, checked=False) or {}).get("job")
-        kept = [r for r, row in self.core.refs.catalog_iter(bad=[]) if row.get("job") == job]
-        return msgpack.packb([self.core.assets.get_commit(root), list(top_payloads), kept])
-
-    def intend(self, part: bytes, args) -> None:
-        """A rank other than 0, its part written and synced, before it says "done": the
-        intent to upload `part` (RefTable.intent_put), kept until the snapshot's row
-        (adopt) or its abort (abandon) is here. A rank killed between the two leaves it,
-        and its next open uploads the part: rank 0 may have published the snapshot."""
-        self.core.refs.intent_put(part, {"ref": args.ref, "step": args.step, "job": args.job})
-
-    def abandon(self, part: bytes) -> None:
-        """The snapshot was aborted: its part is nobody's to upload (a gc of the tier
-        reclaims what nothing else holds)."""
-        try:
-            self.core.refs.intent_drop(part)
-        except Exception as e:  # noqa: BLE001 - the abort is the outcome to raise; a part left queued is harmless
-            log.warning("local tier: the intent to upload part %s of an aborted snapshot was not dropped (%s: %s); "
-                        "the next open uploads it", part.hex()[:16], type(e).__name__, e)
-
-    def adopt(self, root: bytes, blob: bytes, part: bytes) -> None:
-        """A rank other than 0: store rank 0's commit and top nodes in this rank's tier.
-        Each is stored under the address of its own bytes, and the commit must be `root`:
-        nothing rank 0 sends can stand for another object. Then the tier follows rank 0's:
-        the snapshots of the job rank 0 no longer keeps are dropped here, in the background
-        (Uploader.follow), once their parts are uploaded."""
-        body, payloads, *rest = msgpack.unpackb(blob)
-        kept = rest[0] if rest else None
-        assets = self.core.assets
-        for p in payloads:
-            assets.put_node(p)
-        got = assets.put_commit(body).digest
-        if got != root:
-            raise IntegrityError(f"rank 0 sent a commit object that is not snapshot {root.hex()[:16]} "
-                                 f"(its bytes hash to {got.hex()[:16]})", reason="corrupt")
-        assets.sync()
-        # A catalog row (no ref) with this rank's part: this tier keeps the snapshot. gc,
-        # fsck and the budget walk it through the part and what else is here (the other
-        # ranks' sub-trees are in their tiers: walk.walk_commit(part=)).
-        from .format.manifest import decode_commit
-        c = decode_commit(body)
-        self.core.refs.catalog_put_part(root, {k: c.get(k) for k in (
-            "job", "ref", "step", "time", "metrics", "meta", "parent", "tree")} | dict(c.get("stats") or {}), part)
-        if isinstance(kept, list) and all(isinstance(r, bytes) and len(r) == 32 for r in kept):
-            self.uploader.follow(c.get("job"), set(kept) | {root})
-
-    def published(self, info, tree: bytes, rank0: bool):
-        """Every rank once the snapshot is published locally: queue its upload (rank 0: the
-        snapshot; another rank: its part, the sub-tree `tree`); with replicas, send the
-        part to the peers in the background."""
-        root = bytes.fromhex(info.root)  # (rank 0's part is marked with its move, the others' by adopt)
-        self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
-        if self.peers is not None:
-            self.peers.replicate(root, tree)
-        return dataclasses.replace(info, durable=False)
-
-
-class _Pending(TsckError):
-    """Objects of the snapshot that the remote does not hold yet (another rank uploads them)."""
-
-
-def _pause(up, pause: float) -> None:
-    with up._cond:
-        if not up._stop:
-            up._cond.wait(pause)
-    if up._stop:
-        raise TsckError("the uploader was stopped while it waited for the other ranks")
-
-
-def _part_objects(up, tree: bytes, snapshot: str) -> dict:
-    """This rank's objects under its sub-tree `tree`, by kind, each once. A Replicated
-    tensor's blocks are split among the ranks (each writes those it owns) and every
-    rank's nodes name them all: the blocks this tier lacks are the others' to send. Rank
-    0 moves the ref only once it saw each one in the remote."""
-    local = up.local.assets
-    objs: dict = {"block": [], "node": [], "commit": []}
-    seen: set[bytes] = set()
-    for o in walk_tree(local, tree, snapshot=snapshot, verify=True):
-        if o.digest not in seen:
-            seen.add(o.digest)
-            objs[o.kind].append(o.digest)
-    here = list(up.remote.pool.map(local.block_exists, objs["block"]))
-    objs["block"] = [d for d, h in zip(objs["block"], here) if h]
-    return objs
-
-
-def upload_part(up, seq: int, entry: dict) -> None:
-    """A rank other than 0: send this rank's part of a collective snapshot (blocks, then
-    nodes, skipping what the remote has); then it is durable *for this rank*. It does not
-    wait for rank 0's remote move: rank 0 may never make it (its retention expired the
-    snapshot before its upload, or it took a newer one first), and this rank's later
-    parts, queued behind, are what rank 0 waits for then."""
-    root, tree, local, remote = entry["root"], entry["part"], up.local, up.remote
-    if entry.get("orphan"):
-        return _upload_orphan(up, seq, entry)
-    if not remote.refs.catalog_has(root):
-        fence = up.publisher.fence()  # before the remote is asked about any object
-        try:
-            objs = _part_objects(up, tree, root.hex())
-        except IntegrityError:
-            # As for a whole snapshot: a gc of this tier may have expired the row (its
-            # retention) and deleted the part meanwhile; otherwise the tier is damaged.
-            if local.refs.catalog_get(root, checked=False) is None:
-                up._expired(seq, root)
-                return
-            raise
-        up._send(objs, fence)
-    local.refs.upload_done(seq, root)
-    with up._cond:
-        up._cond.notify_all()
-    log.info("local tier: this rank's part of snapshot %s of ref %s is in %s", root.hex()[:16],
-             entry.get("ref"), remote.url)
-
-
-def _upload_orphan(up, seq: int, entry: dict) -> None:
-    """A part this rank wrote and said "done" for, and then died before the snapshot's
-    row reached its tier (RefTable.intents_queue): the snapshot's root is unknown here,
-    but rank 0 may have published it and waits for this part in the remote. Send what
-    the remote lacks of it (conditional writes, as any part); nothing is marked durable
-    here (this tier keeps no row of the snapshot). Its objects gone from the tier (a gc
-    took them after the grace period) or damaged: nothing to send, the entry goes."""
-    tree = entry["part"]
-    fence = up.publisher.fence()
-    try:
-        objs = _part_objects(up, tree, f"(part {tree.hex()[:16]})")
-    except (IntegrityError, UnreadableObject) as e:
-        log.warning("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a "
-                    "restart, is not whole here (%s): not uploaded", tree.hex()[:16], entry.get("ref"),
-                    entry.get("step"), e)
-        up.local.refs.upload_drop(seq)
-        return
-    up._send(objs, fence)
-    up.local.refs.upload_drop(seq)
-    up.orphans += 1
-    with up._cond:
-        up._cond.notify_all()
-    log.info("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a restart, "
-             "is in %s", tree.hex()[:16], entry.get("ref"), entry.get("step"), up.remote.url)
-
-
-class _Nearest:
-    """The local tier's Assets for rank 0's walk of a collective snapshot: a node the
-    tier lacks (another rank's) is read from the remote store, checked there, and
-    recorded; missing there too, the walk stops with _Pending. A node the tier holds
-    damaged is the tier's fault, as in a single-process upload (IntegrityError)."""
-
-    def __init__(self, local, remote):
-        self.local, self.remote = local, remote
-        self.theirs: list[tuple[str, bytes]] = []
-
-    def __getattr__(self, name):
-        return getattr(self.local, name)
-
-    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence=None) -> bytes:
-        try:
-            return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
-        except (IntegrityError, UnreadableObject) as e:
-            if getattr(e, "reason", None) != "missing":
-                raise
-        try:
-            data = self.remote.get_node(d, verify=verify, snapshot=snapshot, path=path)
-        except (IntegrityError, UnreadableObject) as e:
-            if getattr(e, "reason", None) != "missing":
-                raise
-            raise _Pending(f"node {d.hex()[:16]} at {path or '(top)'}") from None
-        self.theirs.append(("node", d))
-        return data
-
-
-def _survey(up, root: bytes, fence: int):
-    """-> (this tier's objects of the snapshot, by kind; the others' objects, each seen in
-    the remote after `fence` was read). _Pending when some are not there yet."""
-    local, remote = up.local.assets, up.remote.assets
-    nearest = _Nearest(local, remote)
-    mine: dict = {"block": [], "node": [], "commit": []}
-    seen: set[bytes] = set()
-    blocks, nodes = [], []
-    for o in walk_commit(nearest, root, verify=True):
-        if o.digest in seen:
-            continue
-        seen.add(o.digest)
-        (blocks if o.kind == "block" else nodes if o.kind == "node" else mine[o.kind]).append(o.digest)
-    remote_nodes = {d for _, d in nearest.theirs}  # (known once the walk is over: a node is named before it is read)
-    mine["node"] = [d for d in nodes if d not in remote_nodes]
-    here = list(up.remote.pool.map(local.block_exists, blocks))
-    mine["block"] = [d for d, h in zip(blocks, here) if h]
-    theirs = [d for d, h in zip(blocks, here) if not h]
-    missing = [d for d, ok in zip(theirs, up.remote.pool.map(remote.block_exists, theirs)) if not ok]
-    if missing:
-        raise _Pending(f"{len(missing)} block(s), e.g. {missing[0].hex()[:16]}")
-    return mine, nearest.theirs + [("block", d) for d in theirs]
-
-
-def _confirm(up, theirs: list) -> None:
-    """Every object of `theirs` is in the remote now (asked of storage: a HEAD each)."""
-    remote = up.remote.assets
-
-    def there(kd) -> bool:
-        kind, d = kd
-        return up.remote.storage.exists(remote.object_key(kind + "s", d))
-    missing = [kd for kd, ok in zip(theirs, up.remote.pool.map(there, theirs)) if not ok]
-    if missing:
-        raise _Pending(f"{len(missing)} object(s) of the other ranks, e.g. {missing[0][0]} {missing[0][1].hex()[:16]}")
-
-
-class _Skipped(Exception):
-    """The snapshot waited for was dropped from the queue meanwhile (the backlog rule)."""
-
-
-def _until_present(up, root: bytes, look, give_up=None):
-    """look() until it stops raising _Pending (another rank's upload is still under way):
-    with backoff, for up to PART_WAIT seconds without progress (the count of what is
-    missing going down). give_up() -> True between tries: stop waiting (_Skipped)."""
-    since, pause, best = time.monotonic(), _PAUSE[0], None
-    while True:
-        try:
-            return look()
-        except _Pending as e:
-            if give_up is not None and give_up():
-                raise _Skipped() from None
-            if str(e) != best:  # progress: what is missing changed
-                best, since = str(e), time.monotonic()
-            if time.monotonic() - since > PART_WAIT:
-                raise TsckError(f"snapshot {root.hex()[:16]}: the other ranks' parts are not in the remote store "
-                                f"after {PART_WAIT:g}s ({e} missing)") from None
-            log.debug("snapshot %s: waiting for the other ranks' uploads (%s missing)", root.hex()[:16], e)
-            _pause(up, pause)
-            pause = min(_PAUSE[1], pause * 2)
-
-
-def upload_world(up, seq: int, entry: dict, row: dict) -> None:
-    """Rank 0: make a collective snapshot durable once every rank's part is in the remote."""
-    root, local = entry["root"], up.local
-    fence = up.publisher.fence()  # before the remote is asked about any object
-
-    def look():
-        if local.refs.catalog_get(root) is None:  # (a node of its own deleted looks like another rank's)
-            raise IntegrityError(f"snapshot {root.hex()[:16]} left the local catalog", reason="missing")
-        return _survey(up, root, fence)
-
-    def superseded() -> bool:
-        # A part that never comes (its rank was killed after the snapshot was published
-        # and before it queued its part) must not hold the queue for PART_WAIT: once a
-        # newer snapshot of the ref is queued, the backlog rule drops this one.
-        return up._superseded(seq, entry, local.refs.upload_pending())
-    try:
-        mine, theirs = _until_present(up, root, look, give_up=superseded)
-        up._send(mine, fence)
-    except _Skipped:
-        return
-    except IntegrityError:
-        # Missing or damaged here: the snapshot may have left the tier on purpose
-        # meanwhile; else the tier is damaged (Uploader._gone_meanwhile).
-        if up._gone_meanwhile(seq, root):
-            return
-        raise
-
-    def revalidate(new_fence: int) -> None:
-        # A gc deletion phase ran: everything again, under the new fence (what it removed
-        # of the others' parts is waited for, bounded: its owners sent it once).
-        _until_present(up, root, lambda: _confirm(up, theirs))
-        up._send(mine, new_fence)
-
-    try:
-        info = up.publisher.move_to(root, row, fence=fence, revalidate=revalidate)
-    except IntegrityError:
-        if up._gone_meanwhile(seq, root):
-            return
-        raise
-    up._publish_holds(root)
-    local.refs.upload_done(seq, root)
-    with up._cond:
-        up._cond.notify_all()
-    log.info("local tier: collective snapshot %s of ref %s durable at %s", info.root[:16], info.ref,
-             up.remote.url)
-    up._remote_retention(row)
-
 
 # -- peer replicas ---------------------------------------------------------------------
 #
@@ -490,7 +168,7 @@ class Peers:
             threading.Thread(target=self._answer, args=(conn,), name="tsck-peer", daemon=True).start()
 
     def _answer(self, conn) -> None:
-        from .assets import Assets
+        from ..assets import Assets
         assets, storage = self.core.assets, self.core.storage
         conn.settimeout(PEER_TIMEOUT)
         try:
@@ -611,7 +289,7 @@ class Peers:
     def fetch(self, kind: str, d: bytes) -> bool:
         """Get object `d` from a holder into this rank's tier, checked against its address
         first -> whether one had it."""
-        from .assets import Assets
+        from ..assets import Assets
         got = self.fetch_checked(kind, d)
         if got is None:
             return False
@@ -662,7 +340,7 @@ class Peers:
     def fetch_checked(self, kind: str, d: bytes):
         """Object `d` from a holder, checked against its address -> (its stored frame, its
         bytes as decoded by the check), or None when no holder has a good copy."""
-        from .assets import Assets
+        from ..assets import Assets
         for peer in self.holders():
             conn, reused = self._checkout_conn(peer)
             while conn is not None:
@@ -809,7 +487,7 @@ def peer_reads(reads, peers: Peers):
     object the tier lacks is fetched from a holder (checked against its address), used,
     and kept in the tier; one no peer has is read from the remote as before."""
     import numpy as np
-    from .upload import ReadThrough
+    from ..upload import ReadThrough
 
     class PeerReads(ReadThrough):
         def _have(self, kind: str, d: bytes) -> bool:
