@@ -348,6 +348,9 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if read_only:
             raise InvalidArgument("a local tier is for writing: open the store read-only without local=")
         read_only = False
+        # The remote's retries end when the store closes (Uploader.close): a close with
+        # the remote away must not wait out the retry budget.
+        backoff = backoff.stoppable()
     if early_upload is not None:
         if not isinstance(early_upload, bool):
             raise InvalidArgument(f"early_upload must be True, False or None, got {early_upload!r}")
@@ -465,7 +468,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         try:
             location = _location(proto, rest, storage_options)
             store = _tiered(os.fspath(local), core, cfg, store_id, codecs, settings, max_inflight, when_busy,
-                            local_budget, replicas, early_upload, location=location)
+                            local_budget, replicas, early_upload, location=location, stop=backoff.stop)
             if location is not None:
                 _record_location(reftable, location, cfg)
             return store
@@ -802,7 +805,7 @@ def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backo
     max_inflight, when_busy, budget, replicas, early_upload = store_args
     try:
         return _tiered(root, core, lcfg, store_id, codecs, settings, max_inflight, when_busy, budget, replicas,
-                       early_upload, lrefs=lrefs)
+                       early_upload, lrefs=lrefs, stop=backoff.stop)
     except BaseException:
         core.pool.shutdown(wait=False)
         if ours:
@@ -813,13 +816,14 @@ def _lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backo
 def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, settings: Settings,
             max_inflight: int, when_busy: str, budget: int | None = None, replicas: int = 0,
             early_upload: bool | None = None, *, location: str | None = None,
-            lrefs: LmdbRefTable | None = None) -> Store:
+            lrefs: LmdbRefTable | None = None, stop=None) -> Store:
     """A Store over a local tier at `path` in front of `remote`: the tier's marker is a copy
     of the remote's (same id, same block layout: a block cut here is the block the remote
     would hold), its LMDB ref table is bound to the same store id, and its blocks use the
     remote's codecs (they travel as stored). `cfg` is the remote's marker, read here
     (eager: `location` names where, recorded in the tier as verified), or the tier's own
-    when the remote opens on first use (_lazy_tiered: `lrefs` is the tier's table, open)."""
+    when the remote opens on first use (_lazy_tiered: `lrefs` is the tier's table, open).
+    `stop`: the remote's retry policy's stop event, set when the uploader stops."""
     root = os.path.abspath(path)
     if lrefs is not None:  # the lazy open: the tier's marker was read and checked there
         try:
@@ -827,7 +831,7 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
         except BaseException:
             lrefs.close()
             raise
-        return _tier_store(lcore, remote, cfg, max_inflight, when_busy, budget, replicas, early_upload)
+        return _tier_store(lcore, remote, cfg, max_inflight, when_busy, budget, replicas, early_upload, stop)
     if os.path.exists(root) and not os.path.isdir(root):
         raise NotAStore(f"local tier {root} is a file, not a directory")
     try:
@@ -856,14 +860,15 @@ def _tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, sett
     except BaseException:
         lrefs.close()
         raise
-    return _tier_store(lcore, remote, cfg, max_inflight, when_busy, budget, replicas, early_upload)
+    return _tier_store(lcore, remote, cfg, max_inflight, when_busy, budget, replicas, early_upload, stop)
 
 
 def _tier_store(lcore: Core, remote: Core, cfg: dict, max_inflight: int, when_busy: str, budget, replicas: int,
-                early_upload) -> Store:
+                early_upload, stop=None) -> Store:
     from .upload import Uploader, early_default
     return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy,
-                 uploader=Uploader(lcore, remote, budget, early=early_default() if early_upload is None else early_upload),
+                 uploader=Uploader(lcore, remote, budget, early=early_default() if early_upload is None else early_upload,
+                                   stop=stop),
                  replicas=replicas)
 
 
