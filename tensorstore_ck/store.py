@@ -212,8 +212,8 @@ class Store:
         open_store(..., local=PATH) uploads it: close() says so with a SnapshotWarning
         (how many, which tier), and does not raise for it. It still raises a failure
         that stopped the uploader (an IntegrityError, ...) instead, unless
-        wait_durable() raised it. Without a local tier every
-        put is in the store when it returns, and the timeout does nothing."""
+        wait_durable() raised it. Without a local tier every put is in the store when
+        it returns, and the timeout does nothing."""
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or timeout < 0):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
