@@ -148,6 +148,9 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if read_only:
             raise InvalidArgument("a local tier is for writing: open the store read-only without local=")
         read_only = False
+        # The remote's retries end when the store closes (Uploader.close): a close with
+        # the remote away must not wait out the retry budget.
+        backoff = backoff.stoppable()
     if early_upload is not None:
         if not isinstance(early_upload, bool):
             raise InvalidArgument(f"early_upload must be True, False or None, got {early_upload!r}")
@@ -169,7 +172,8 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         from .upload import Uploader, early_default
         return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy,
                      uploader=Uploader(lcore, remote, local_budget,
-                                       early=early_default() if early_upload is None else early_upload),
+                                       early=early_default() if early_upload is None else early_upload,
+                                       stop=backoff.stop),
                      replicas=replicas)
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         open_refs(refs, proto, rest, create=False)

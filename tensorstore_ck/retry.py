@@ -34,6 +34,11 @@ so, and a StorageError that already spent a retry budget is marked not transient
 open_store(retry_budget=seconds) sets the budget of a store's storage and ref table;
 $TSCK_RETRY_BUDGET is its default (so the `tsck` CLI and scripts that do not pass it
 take it from the environment).
+
+A policy may carry a `stop` event (Backoff.stoppable): once it is set, a retry loop
+gives up at once instead of waiting, and starts no new request. A local tier's
+uploader sets it when the store is closed (upload.py): a close with the remote away
+must not wait out the budget.
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ import errno
 import math
 import os
 import random
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from .errors import InvalidArgument
@@ -57,11 +63,29 @@ RETRY_BUDGET_ENV = "TSCK_RETRY_BUDGET"
 @dataclass(frozen=True)
 class Backoff:
     """budget: seconds from the first failure after which no new attempt starts.
-    attempts: an optional cap on the attempts in all (None: the budget alone decides)."""
+    attempts: an optional cap on the attempts in all (None: the budget alone decides).
+    stop: once set, no retry and no new request (pause() says so)."""
     budget: float = DEFAULT_RETRY_BUDGET
     base_delay: float = 0.05
     max_delay: float = 5.0
     attempts: int | None = None
+    stop: threading.Event | None = field(default=None, compare=False, repr=False)
+
+    def stoppable(self) -> "Backoff":
+        """This policy with a stop event of its own (the shared default has none)."""
+        return replace(self, stop=threading.Event())
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def pause(self, seconds: float) -> bool:
+        """Wait `seconds` before a retry -> whether to retry: False as soon as `stop` is
+        set (the wait ends then, not when it would have)."""
+        if self.stop is None:
+            time.sleep(seconds)
+            return True
+        return not self.stop.wait(seconds)
 
     def delays(self, rng: random.Random | None = None,
                clock: Callable[[], float] = time.monotonic) -> Iterator[float]:

@@ -51,6 +51,25 @@ __all__ = ["Store", "SnapshotInfo", "SnapshotFuture"]
 _UNSET = UNSET
 _log = logging.getLogger(__name__)
 
+# How long close() waits by default for a local tier's queued uploads. Long enough for an
+# upload that is making progress to finish (a few GB at the links jobs upload over: a
+# snapshot left queued on a node the job gives back is lost with its disk), bounded so
+# that a remote that answers nothing cannot hold a job's exit; a remote that fails ends
+# the wait at once (Uploader.drain), so a down remote costs one retry budget, not this.
+CLOSE_TIMEOUT = 300.0
+# Seconds close() gives the uploader thread to end once stopped past its deadline (a
+# request in flight); one still running then is left to end by itself (Uploader.close).
+_STOP_GRACE = 2.0
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel naming the first frame outside this package."""
+    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    f, level = sys._getframe(1), 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(pkg):
+        f, level = f.f_back, level + 1
+    return level
+
 
 def _storage_errors(fn):
     """A backend failure (full disk, network, permissions) reaches the caller as
@@ -172,7 +191,7 @@ class Store:
             torch.set_num_threads(1)
 
     # -- lifecycle -------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, timeout: float | None = CLOSE_TIMEOUT) -> None:
         """Finish every asynchronous snapshot in flight (and, with a local tier, every
         upload queued: Store.wait_durable), release everything (pools,
         staging buffers, the ref table, storage), then raise the failure of an
@@ -182,16 +201,32 @@ class Store:
         close() thus hears that its last snapshot failed. Raised once: a second close()
         returns quietly. Several such failures: the first is raised, a note counts the
         others (their futures hold them). As a context manager, an exception already
-        leaving the `with` block is not replaced: it gets the failure as a note."""
+        leaving the `with` block is not replaced: it gets the failure as a note.
+
+        timeout: with a local tier, the seconds close() waits for the queued uploads
+        (from its start; None: no bound; default CLOSE_TIMEOUT, 300). It waits while they
+        make progress, and stops waiting once the timeout passed or as soon as an upload
+        attempt fails (the remote away: after the storage's own retry budget,
+        open_store(retry_budget=)); a remote request still being retried then gives up.
+        What was not uploaded stays queued in the tier, safe on its disk, and the next
+        open_store(..., local=PATH) uploads it: close() says so with a SnapshotWarning
+        (how many, which tier), and does not raise for it. It still raises a failure
+        that stopped the uploader (an IntegrityError, ...) instead, unless
+        wait_durable() raised it. Without a local tier every put is in the store when
+        it returns, and the timeout does nothing."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0):
+            raise InvalidArgument(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         if self._closed:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
         self._puts.shutdown()
         if self._peers is not None:
             self._peers.wait()  # the replicas being sent (the server goes once the uploads are done)
         try:
             if self._uploader is not None:
-                self._close_tier()
+                self._close_tier(deadline)
         finally:
             if self._peers is not None:
                 self._peers.close()
@@ -205,22 +240,42 @@ class Store:
         if err is not None:
             raise err
 
-    def _close_tier(self) -> None:
+    def _close_tier(self, deadline: float | None) -> None:
         """Finish the uploads queued (as close() finishes asynchronous puts: a job that
-        ends with close() leaves its snapshots in the remote store), then stop the uploader
-        and release the remote store. An uploader that stopped on a failure is not waited
-        for (close() raises it at the end, unless wait_durable() did); whatever stays
-        queued (a failure, an interrupt) is resumed by the next open of the tier."""
+        ends with close() leaves its snapshots in the remote store) until `deadline`
+        (time.monotonic(); None: no bound) or a failed upload attempt, then stop the
+        uploader and release the remote store. An uploader that stopped on a failure is
+        not waited for (close() raises it at the end, unless wait_durable() did); whatever
+        stays queued (a failure, the deadline, an interrupt) is resumed by the next open
+        of the tier, and a SnapshotWarning says so."""
         up = self._uploader
+        why = "close() was interrupted"
         try:
-            up.drain()
+            why = up.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         finally:
-            up.close()
+            ended = up.close(None if deadline is None else max(_STOP_GRACE, deadline - time.monotonic()))
+            if not ended:
+                _log.warning("local tier: the uploader to %s is still in a request after close's timeout; it is left "
+                             "to end by itself (it publishes nothing wrongly: its storage requests now fail, and a ref "
+                             "moves only after every object was sent)", up.remote.url)
+            try:
+                queued = up.queued()
+            except TsckError:  # (the local table refused: what is queued stays, said by the next open)
+                queued = 0
             remote = up.remote
-            remote.pool.shutdown(wait=True)
+            # Under a deadline, a copy still in a request (the remote answers nothing) is not
+            # waited for: closing the storage below ends it.
+            remote.pool.shutdown(wait=ended and deadline is None, cancel_futures=True)
             remote.refs.release_abandoned_gc()
             remote.refs.close()
             remote.storage.close()
+            if queued and up.error is None:  # (a failure that stopped the uploader says it all: raised)
+                import warnings
+                from .errors import SnapshotWarning
+                path = getattr(self.storage, "root", self.core.url)
+                warnings.warn(f"store {remote.url}: {queued} snapshot(s) not uploaded stay queued in the local tier "
+                              f"{path} ({why or 'close() ended first'}); they are safe there, and the next open_store(..., local={path!r}) "
+                              f"uploads them", SnapshotWarning, stacklevel=_caller_level())
 
     def __enter__(self):
         return self

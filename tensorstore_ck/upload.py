@@ -68,8 +68,12 @@ class Uploader:
     Counters (tests, the harness): `sent` objects written remotely, `skipped` objects
     the remote had, `superseded` snapshots not sent (Uploader._superseded)."""
 
-    def __init__(self, local: Core, remote: Core, budget: int | None = None, early: bool = True):
+    def __init__(self, local: Core, remote: Core, budget: int | None = None, early: bool = True,
+                 stop: threading.Event | None = None):
+        """stop: the remote's retry policy's stop event (retry.Backoff.stoppable), set by
+        close(): a request being retried gives up then instead of waiting out its budget."""
         self.local, self.remote = local, remote
+        self._retry_stop = stop
         self.budget = budget  # the tier's byte budget (open_store(local_budget=)); None: none
         # An eviction to the budget is due or running (at open, after each upload):
         # wait_durable() returns once it is done, so the budget holds when it returns.
@@ -79,6 +83,10 @@ class Uploader:
         self._stop = False
         self.error: BaseException | None = None  # the failure that stopped the uploader
         self._heard = False  # wait_durable raised it (close() does not raise it again)
+        # Upload attempts that failed, and the last failure: a close stops waiting at a
+        # failure (drain), since the next try would come only after a backoff.
+        self._failures, self._last_failure = 0, None
+        self._closing = False  # drain() is waiting for the queue (Store.close)
         self._forked = False
         self.sent = self.skipped = 0
         self.orphans = 0  # parts sent whose snapshot's outcome never reached this tier (peers._upload_orphan)
@@ -230,21 +238,52 @@ class Uploader:
                     return False
                 self._cond.wait(0.5 if left is None else min(0.5, left))
 
-    def drain(self) -> None:
-        """Wait until the queue is empty, or the uploader stopped (its error is kept for
-        unheard()); no timeout: Store.close() finishes uploads as it finishes puts."""
+    def drain(self, timeout: float | None = None) -> str | None:
+        """Wait while the queued uploads make progress -> None once the queue is empty,
+        else why the wait ended with uploads left: the uploader stopped (its error is kept
+        for unheard()), `timeout` seconds passed (None: no bound), or an upload attempt
+        failed meanwhile (the remote away or failing: its next try would come only after
+        a backoff, while the caller waits to exit). Store.close() finishes uploads as it
+        finishes puts, within its timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self.error is None and not self._stop and (self.local.refs.upload_pending() or self._follow
-                                                                   or self._tidying):
-                self._cond.wait(0.5)
+            failures, self._closing = self._failures, True
+            self._cond.notify_all()  # an uploader pausing after a failed try tries again now
+            while self.local.refs.upload_pending() or self._follow or self._tidying:
+                if self.error is not None:
+                    return f"the uploader stopped: {type(self.error).__name__}: {self.error}"
+                if self._stop:
+                    return "the uploader was stopped"
+                if self._failures != failures:
+                    e = self._last_failure
+                    return f"an upload failed: {type(e).__name__}: {e}"
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return "close's timeout passed"
+                self._cond.wait(0.5 if left is None else min(0.5, left))
+        return None
 
-    def close(self) -> None:
-        """Stop after the upload in progress; what is queued stays queued (the next open resumes)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop after the upload in progress; what is queued stays queued (the next open
+        resumes). A remote request being retried gives up at once (the retry policy's
+        stop), so the thread ends within about one request. -> whether it ended within
+        `timeout` seconds (None: waited for). One that did not is left to end by itself:
+        it can publish nothing wrongly, since the remote ref moves only after every
+        object was sent and synced (and every request now fails), and the durable mark
+        only after that move (a closed table refuses it; the next open sees the move)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if not self._forked:
-            self._thread.join()
+        if self._retry_stop is not None and not self._forked:
+            self._retry_stop.set()
+        if self._forked:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def queued(self) -> int:
+        """Snapshots (or a rank's parts) still queued in the tier."""
+        return len(self.local.refs.upload_pending())
 
     def unheard(self) -> BaseException | None:
         """The failure that stopped the uploader, if wait_durable() never raised it:
@@ -360,6 +399,12 @@ class Uploader:
                 return
             except (StorageError, TsckError, OSError) as e:
                 tries += 1
+                with self._cond:
+                    self._failures, self._last_failure = self._failures + 1, e
+                    closing = self._closing
+                    self._cond.notify_all()
+                    if self._stop:  # closed meanwhile: no retry, no message of one
+                        return
                 if tries >= UPLOAD_ATTEMPTS:
                     self._fail(e)
                     return
@@ -367,7 +412,9 @@ class Uploader:
                 log.warning("upload of %s to %s failed (%s); try %d of %d in %.1fs", entry["root"].hex()[:16],
                             self.remote.url, e, tries + 1, UPLOAD_ATTEMPTS, pause)
                 with self._cond:
-                    if not self._stop:
+                    # A close that began after this failure wants the next try now (drain);
+                    # one that saw it stops waiting, and then stops this thread.
+                    if not self._stop and (closing or not self._closing):
                         self._cond.wait(pause)
             except BaseException as e:  # noqa: BLE001 - said by wait_durable and close
                 self._fail(e)

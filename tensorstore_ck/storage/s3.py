@@ -186,6 +186,25 @@ class S3BlockStore(FsspecBlockStore):
         self._fs = fs
         self._limiter_due = self._rate_limited
 
+    def close(self) -> None:
+        """Close the S3 client (its HTTP session and connections) on the filesystem's
+        event loop, now: a request still in flight (a tier's uploader left in one when
+        the remote answers nothing) fails at once, instead of holding the process's exit
+        for its read timeout, and the session is not left to s3fs's finalizer at
+        interpreter exit (a 0.1 s close, then its connector torn down under whatever
+        asyncio still runs there)."""
+        fs = getattr(self, "_fs", None)
+        client = getattr(fs, "_s3creator", None)
+        if client is None:  # never connected: no session
+            return
+        if self._fs_args is not None and not self._fs_args[1].get("skip_instance_cache"):
+            return  # the caller asked for fsspec's shared instance: other users may hold it
+        try:
+            from fsspec.asyn import sync
+            sync(fs.loop, client.__aexit__, None, None, None, timeout=10)
+        except Exception as e:  # noqa: BLE001 - closing: s3fs's finalizer tries again at exit
+            log.debug("S3 storage %s: closing its client: %s: %s", self.url, type(e).__name__, e)
+
     # docstring inherited
     def _options(self, opts: dict) -> dict:
         # A hung connection becomes a timeout that RetryingStore retries, not a snapshot

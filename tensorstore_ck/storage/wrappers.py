@@ -314,6 +314,8 @@ class RetryingStore(WrappedStore):
         attempt = 0
         t0 = time.monotonic()
         while True:
+            if self.backoff.stopped:
+                raise self._stopped(fn, args, attempt, None)
             attempt += 1
             try:
                 return fn(*args)
@@ -338,7 +340,19 @@ class RetryingStore(WrappedStore):
                 log.warning("storage %s: %s failed (%s: %s); retry %d in %.2fs (%.1fs of the %gs retry budget "
                             "spent)", self.url, getattr(fn, "__name__", "request"), type(e).__name__, e, attempt,
                             delay, time.monotonic() - t0, self.backoff.budget)
-                time.sleep(delay)
+                if not self.backoff.pause(delay):
+                    raise self._stopped(fn, args, attempt, e) from e
+
+    def _stopped(self, fn, args, attempts: int, e: BaseException | None) -> StorageError:
+        """The policy's stop was set (the store is closing: a tier's uploader gave up on
+        the remote): no retry, no new request."""
+        what = getattr(fn, "__name__", "request")
+        if args and isinstance(args[0], str):
+            what += f" {args[0]}"
+        cause = f" after {attempts} attempt(s): {type(e).__name__}: {e}" if e is not None else ""
+        err = StorageError(f"storage {self.url}: {what} given up, the store is closing{cause}")
+        err.transient = False
+        return err
 
     def _spent(self, fn, args, e: BaseException, attempts: int, elapsed: float) -> StorageError:
         """A transient failure that outlasted the retry budget, as StorageError naming the
