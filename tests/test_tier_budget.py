@@ -5,9 +5,10 @@ durable copies, then waits for queued uploads (each upload's eviction frees its
 snapshot's copy), bounded by upload.BUDGET_WAIT; then, or at once where waiting cannot
 help, TierFull before anything is written.
 
-The remote is a real S3-compatible server (moto, or radosgw in CI); its writes are
-slowed by the store's own bandwidth throttle (write_bandwidth=, a token bucket) or held
-by a WrappedStore around its storage (wrap_storage=)."""
+The remote is a real S3-compatible server (moto, or radosgw in CI), or a directory for
+the DCP writer and the forked child; its writes are slowed by the store's own bandwidth
+throttle (write_bandwidth=, a token bucket) or held by a WrappedStore around its
+storage (wrap_storage=)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ import tensorstore_ck as tsck
 from tensorstore_ck import upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 from tensorstore_ck.walk import walk_commit
-
-pytestmark = pytest.mark.slow  # a real S3 server
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
@@ -77,6 +76,7 @@ def _rows(store: tsck.Store) -> set:
     return {root for root, _ in store.reftable.catalog_iter(bad=[])}
 
 
+@pytest.mark.slow  # a real S3 server
 def test_twelve_puts_under_slowed_uploads_keep_the_tier_within_its_budget(s3_url, s3_server, tmp_path, caplog):
     """Twelve puts of about 84 KB each, the remote's writes slowed to 150 KB/s by the
     store's throttle, local_budget=300_000 and no retention: the uploads fall behind,
@@ -113,6 +113,7 @@ def test_twelve_puts_under_slowed_uploads_keep_the_tier_within_its_budget(s3_url
         assert remote.fsck(full=True).findings == []
 
 
+@pytest.mark.slow  # a real S3 server
 def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, s3_server, tmp_path, caplog,
                                                                          monkeypatch):
     """The remote's writes held completely, local_budget=200_000 (about 2.4 snapshots),
@@ -155,6 +156,7 @@ def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, 
     store.close()
 
 
+@pytest.mark.slow  # a real S3 server
 def test_an_asynchronous_put_and_a_checkpoint_manager_see_the_failure(s3_url, s3_server, tmp_path, monkeypatch):
     """The remote's writes held, a budget of one byte, upload.BUDGET_WAIT 1 s. An
     asynchronous put into the empty tier commits; the next one runs the same check on
@@ -197,3 +199,59 @@ def test_an_asynchronous_put_and_a_checkpoint_manager_see_the_failure(s3_url, s3
     assert [(i.step, i.durable) for i in store.log("job/main")] == [(2, True)]
     store.close()
 
+
+
+def _held_file_store(tmp_path, wrapped: list, **kw) -> tsck.Store:
+    return tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
+                           inline_threshold=256, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1], **kw)
+
+
+def test_a_dcp_save_over_the_budget_is_refused_before_it_writes(tmp_path, monkeypatch):
+    """The DCP writer makes the same check before its first block: with a put's upload
+    held and a budget of one byte, dcp.save fails with TierFull in its chain after
+    upload.BUDGET_WAIT, and the tier is unchanged."""
+    import torch.distributed.checkpoint as dcp
+    from tensorstore_ck.dcp import TsckWriter
+    monkeypatch.setattr(upload, "BUDGET_WAIT", 0.5)
+    wrapped = []
+    store = _held_file_store(tmp_path, wrapped, local_budget=1)
+    store.put_snapshot(_state(1), "job/main", step=1)
+    assert wrapped[0].waiting.wait(DEADLINE)
+    before = (_stored(tmp_path / "nvme"), _rows(store))
+    with pytest.raises(BaseException) as got:  # DCP's CheckpointException is a BaseException
+        dcp.save({"w": torch.randn(64, 64)}, storage_writer=TsckWriter(store, ref="job/main", step=2))
+    # DCP gathers each rank's failure into a CheckpointException (.failures: rank -> (error, trace))
+    assert [type(err) for err, _ in got.value.failures.values()] == [tsck.TierFull], got.value
+    assert (_stored(tmp_path / "nvme"), _rows(store)) == before
+    wrapped[0].gate.set()
+    assert store.wait_durable(timeout=DEADLINE) is True
+    store.close()
+
+
+def test_a_forked_child_over_the_budget_fails_at_once(tmp_path):
+    """A forked child has no uploader to wait for (its parent's sends what it queues and
+    keeps the budget): over the budget, its put raises TierFull at once, writing nothing;
+    the parent's uploads go on."""
+    import os
+    wrapped = []
+    store = _held_file_store(tmp_path, wrapped, local_budget=1)
+    store.put_snapshot(_state(1), "job/main", step=1)
+    assert wrapped[0].waiting.wait(DEADLINE)
+    before = _stored(tmp_path / "nvme")
+    pid = os.fork()
+    if pid == 0:  # the child: put, and leave without running the parent's cleanup
+        code = 1
+        try:
+            t0 = time.monotonic()
+            try:
+                store.put_snapshot(_state(2), "job/child", step=2)
+            except tsck.TierFull as e:
+                code = 0 if time.monotonic() - t0 < 30.0 and "forked child" in str(e) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert _stored(tmp_path / "nvme") == before and store.reftable.upload_pending()[-1][1]["ref"] == "job/main"
+    wrapped[0].gate.set()
+    assert store.wait_durable(timeout=DEADLINE) is True
+    store.close()
