@@ -110,7 +110,7 @@ from . import errors
 from .errors import (AmbiguousTarget, CheckoutMismatch, DeviceUnavailable, Fenced, FormatError, GcBusy,
                      IntegrityError, InvalidArgument, InvalidName, NotAStore, OutcomeUnknown, ReadOnlyStore,
                      OutOfStep, RebuildUnfinished, RefConflict, RefNotFound, SnapshotAborted, SnapshotsFailed,
-                     SnapshotWarning, StorageError, StoreClosed, TsckError, UnreadableObject, UnsupportedType)
+                     SnapshotWarning, StorageError, StoreClosed, TierFull, TsckError, UnreadableObject, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
 from .info import SnapshotInfo
@@ -148,6 +148,6 @@ __all__ = [
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
-    "ReadOnlyStore", "RebuildUnfinished", "UnreadableObject", "OutcomeUnknown", "OutOfStep", "SnapshotsFailed",
+    "ReadOnlyStore", "RebuildUnfinished", "UnreadableObject", "OutcomeUnknown", "OutOfStep", "SnapshotsFailed", "TierFull",
     "SnapshotWarning", "CloseReport", "__version__",
 ]

@@ -15,7 +15,8 @@
     ├── SnapshotAborted          a collective snapshot was abandoned; nothing published
     ├── StorageError (OSError)   the storage backend failed (full disk, network); nothing published
     │   ├── UnreadableObject     one stored object cannot be read (EIO, a folder or FIFO in its place): .key
-    │   └── OutcomeUnknown       a ref-table write whose answer was lost: it may have happened (.root, .ref)
+    │   ├── OutcomeUnknown       a ref-table write whose answer was lost: it may have happened (.root, .ref)
+    │   └── TierFull             a put refused: a local tier's budget is held by what must stay local
     ├── Fenced                   a ref move refused: a gc deletion phase overlapped the writer
     ├── GcBusy                   another gc holds the store
     ├── RebuildUnfinished        gc/prune refused: a `tsck recover` has not finished rebuilding the ref table
@@ -239,6 +240,23 @@ def _rebuild_outcome_unknown(args, root, ref):
 
 
 __all__.append("OutcomeUnknown")
+
+
+class TierFull(StorageError):
+    """A put into a local tier with a byte budget (open_store(local=, local_budget=))
+    refused before it wrote anything: the tier holds more than its budget and what holds
+    it must stay local (snapshots waiting for their upload, local-only snapshots), and
+    waiting for the uploader did not free enough (upload.BUDGET_WAIT) or could not (nothing
+    queued, the uploader stopped). errno ENOSPC: a full disk, by the operator's choice,
+    which no retry of the put cures at once. .budget and .held are bytes; .usage is the
+    tier's bytes by what they are for (usage.tier_usage)."""
+    kind = "tier_full"
+    budget: int | None = None
+    held: int | None = None
+    usage: dict | None = None
+
+
+__all__.append("TierFull")
 
 
 class Fenced(TsckError):

@@ -103,8 +103,11 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     local_budget: bytes the local tier's objects may take (default: no limit). After a
     snapshot becomes durable, and at open, the local copies of durable snapshots are
     evicted, the older first, each ref's newest durable tip last (their reads go to the
-    remote store); never what a queued upload or a local-only snapshot needs: a budget
-    too small for those is a warning, never a failed put (docs/design/tiers.md, "Budget").
+    remote store); never what a queued upload or a local-only snapshot needs. A put
+    starts writing only once the tier fits the budget (so it ends at most its own new
+    bytes over): it evicts durable copies, then waits for queued uploads (a warning;
+    at most upload.BUDGET_WAIT seconds), then raises TierFull before writing anything,
+    at once where waiting cannot help (docs/design/tiers.md, "Budget").
     replicas: with local=, under torch.distributed: after each collective put, every rank
     copies the objects of its part into the local tiers of the next `replicas` ranks
     (r+1 .. r+replicas mod W), and a collective checkout fetches what its tier lacks from

@@ -470,9 +470,11 @@ class Store:
         return self._tier_published(self.publisher.publish(plan, args, progress=progress, timing=timing))
 
     def _tier_begin(self) -> None:
-        """Before a writer (a put, the DCP writer) writes blocks: with a local tier, the
-        remote fence its early uploads are recorded under."""
+        """Before a writer (a put, the DCP writer) writes blocks: with a local tier, room
+        under its budget (Uploader.make_room: it may wait for uploads, or raise TierFull
+        with nothing written), then the remote fence its early uploads are recorded under."""
         if self._uploader is not None:
+            self._uploader.make_room()
             self._uploader.tee_begin()
 
     def _tier_published(self, info: SnapshotInfo) -> SnapshotInfo:

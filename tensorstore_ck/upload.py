@@ -30,12 +30,12 @@ import zlib
 
 from .assets import FRAME_KIND
 from .core import Core
-from .errors import GcBusy, IntegrityError, NotAStore, StorageError, TsckError, UnreadableObject
+from .errors import GcBusy, IntegrityError, NotAStore, StorageError, TierFull, TsckError, UnreadableObject
 from .format import frame
 from .publish import Publisher
 from .walk import walk_commit
 
-__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "ReadThrough", "newer", "fit_budget"]
+__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "BUDGET_WAIT", "ReadThrough", "newer", "fit_budget", "tier_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,11 @@ def early_default() -> bool:
 UPLOAD_ATTEMPTS = 8  # tries of one snapshot (storage or ref-table failures) before the uploader gives up
 _BACKOFF = (0.5, 30.0)  # first and longest pause between tries, seconds
 TIDY_EVERY = 8  # uploads in a row after which a rank's due cleanup runs, even with more queued (Uploader.follow)
+# Seconds a put into a tier over its budget waits for uploads to free room (Uploader.make_room)
+# before it fails with TierFull: long enough for a large snapshot's upload over a slow
+# link; past it the remote is as good as away, and a failed put says so where a put that
+# waited on would stall the training without a word.
+BUDGET_WAIT = 600.0
 
 
 class Uploader:
@@ -78,6 +83,7 @@ class Uploader:
         # An eviction to the budget is due or running (at open, after each upload):
         # wait_durable() returns once it is done, so the budget holds when it returns.
         self._fitting = budget is not None
+        self._fit_lock = threading.Lock()  # one eviction at a time: this thread's, or a put's (make_room)
         self.publisher = Publisher(remote.assets, remote.refs, remote.pool)
         self._cond = threading.Condition()
         self._stop = False
@@ -296,7 +302,106 @@ class Uploader:
         self._forked, self._stop = True, True
         self._fitting = False  # the parent's uploader keeps the budget
         self._cond = threading.Condition()
+        self._fit_lock = threading.Lock()
         self.remote.after_fork()
+
+    # -- the budget, before a put ------------------------------------------------------
+    def make_room(self) -> None:
+        """Before a put (or the DCP writer) writes its first block into a tier with a
+        budget: return once the tier's stored bytes fit the budget, so that a put leaves
+        the tier at most its own new bytes over it. Over the budget: evict the local
+        copies of durable snapshots (fit_budget); still over with uploads queued, wait for
+        them (each upload's eviction frees its snapshot's copy), with one warning, at most
+        BUDGET_WAIT seconds. Then, or at once where waiting cannot help (nothing queued,
+        the local-only snapshots alone over the budget, the uploader stopped, a forked
+        child, whose parent keeps the budget), TierFull: nothing was written."""
+        budget = self.budget
+        if budget is None:
+            return
+        held = tier_bytes(self.local)  # the cheap measure: a listing, no walk (the common case ends here)
+        if held <= budget:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + BUDGET_WAIT  # read per put: a test shortens it
+        evict, warned = not self._forked, False
+        while True:
+            if evict:
+                evict = False
+                try:
+                    with self._fit_lock:
+                        fit_budget(self.local, budget, warn=False)
+                except GcBusy:  # a gc of the tier (a prune) is running: it frees bytes too; evict after it
+                    evict = True
+                except TsckError as e:  # the uploader's evictions after each upload may still free room
+                    log.warning("local tier: could not evict to the budget of %d bytes before a put (%s: %s)",
+                                budget, type(e).__name__, e)
+                held = tier_bytes(self.local)
+                if held <= budget:
+                    break
+            stop = self._no_wait()
+            if stop is None and not warned:
+                from .usage import tier_usage
+                use = tier_usage(self.local)
+                if use["local_only"]["bytes"] > budget:
+                    stop = (f"its local-only snapshots alone take {use['local_only']['bytes']} bytes: uploads "
+                            "cannot free enough",
+                            "forget or prune the local-only snapshots (`tsck log` of the tier marks them) and gc "
+                            "the tier, or raise local_budget=")
+                else:
+                    log.warning("local tier %s: it holds %d bytes, over its budget of %d bytes, and %d bytes of it "
+                                "wait for upload to %s (%d snapshot(s)): the put waits for uploads to free room (at "
+                                "most %gs, upload.BUDGET_WAIT)", self.local.url, held, budget,
+                                use["pending"]["bytes"], self.remote.url, use["pending"]["snapshots"], BUDGET_WAIT)
+                    warned = True
+            if stop is not None:
+                raise self._full(held, *stop)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._full(held, f"the uploads did not free enough within {BUDGET_WAIT:g}s (upload.BUDGET_WAIT)",
+                                 f"let the uploads to {self.remote.url} catch up (store.wait_durable()) before the "
+                                 "next put, or raise local_budget= or the remote's write bandwidth")
+            with self._cond:  # an upload's end, and the eviction after it, notify
+                self._cond.wait(min(left, 0.5 if evict else 1.0))
+            held = tier_bytes(self.local)
+            if held <= budget:
+                break
+        log.info("local tier %s: the put waited %.1fs for uploads to free room under the budget of %d bytes",
+                 self.local.url, time.monotonic() - t0, budget)
+
+    def _no_wait(self) -> tuple[str, str] | None:
+        """Why waiting for the uploader cannot free the tier, and what to do; None: it can."""
+        if self._forked:
+            return ("this is a forked child: its parent's uploader sends what it queues and keeps the budget",
+                    "put from the parent process, or raise local_budget=")
+        if self.error is not None:
+            return (f"the uploads to {self.remote.url} stopped ({type(self.error).__name__}: {self.error})",
+                    "fix what stopped them (store.wait_durable() raises it) and reopen the store, or raise "
+                    "local_budget=")
+        if self._stop:
+            return ("the store is closing: its uploader takes no more", "reopen the store")
+        with self._cond:
+            fitting = self._fitting  # an upload just ended: its eviction is still to come
+        if not fitting and not self.local.refs.upload_pending():
+            return ("no snapshot is queued for upload: waiting frees nothing",
+                    "forget or prune the local-only snapshots and gc the tier (store.gc()), or raise local_budget=")
+        return None
+
+    def _full(self, held: int, why: str, fix: str) -> TierFull:
+        import errno
+        from .usage import tier_usage
+        try:
+            use = tier_usage(self.local)
+            parts = (f"{use['pending']['bytes']} bytes of {use['pending']['snapshots']} snapshot(s) waiting for "
+                     f"upload, {use['local_only']['bytes']} of {use['local_only']['snapshots']} local-only "
+                     f"snapshot(s), {use['durable']['bytes']} of durable copies, {use['unreferenced']['bytes']} "
+                     "unreferenced")
+        except (TsckError, OSError):
+            use, parts = None, "what holds them could not be read"
+        err = TierFull(errno.ENOSPC, f"local tier {self.local.url}: a put would exceed its budget of {self.budget} "
+                                     f"bytes (local_budget=): it holds {held} bytes ({parts}); {why}; nothing was "
+                                     f"written: {fix}")
+        err.budget, err.held, err.usage = self.budget, held, use
+        return err
 
     # -- the early upload ------------------------------------------------------------
     def tee_begin(self) -> None:
@@ -539,7 +644,8 @@ class Uploader:
                 self._cond.notify_all()
             return
         try:
-            fit_budget(self.local, self.budget)
+            with self._fit_lock:
+                fit_budget(self.local, self.budget)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the budget
             log.warning("local tier: could not evict to the budget of %d bytes (%s: %s); retried after the next "
                         "upload", self.budget, type(e).__name__, e)
@@ -728,7 +834,13 @@ class Uploader:
 
 
 # -- the byte budget ----------------------------------------------------------------
-def fit_budget(local: Core, budget: int) -> list[bytes]:
+def tier_bytes(local: Core) -> int:
+    """The tier's stored bytes, as the budget counts them: every object (blocks, nodes,
+    commits) as stored, found by listing them (no walk)."""
+    return sum(b for _, b in local.assets.object_stats().values())
+
+
+def fit_budget(local: Core, budget: int, *, warn: bool = True) -> list[bytes]:
     """Evict local copies until the tier's stored objects fit in `budget` bytes -> the
     roots evicted. Never what a queued upload or a local-only snapshot needs: only
     snapshots marked durable are candidates, the older first, each ref's newest durable
@@ -738,10 +850,10 @@ def fit_budget(local: Core, budget: int) -> list[bytes]:
     counted and not deleted). The deletion is a local gc (gc.evict_snapshots: the gc
     lock, its lease and fence), not files removed by hand: a put that reused an evicted
     object is fenced and writes it again. When what must stay exceeds the budget: a
-    warning, and nothing more is evicted."""
+    warning (warn=False: the caller, a put's make_room, says more), and nothing more is
+    evicted; the next put waits for uploads or fails (Uploader.make_room)."""
     from .gc import evict_snapshots
-    stats = local.assets.object_stats()
-    total = sum(b for _, b in stats.values())
+    total = tier_bytes(local)
     if total <= budget:
         return []
     refs = local.refs
@@ -780,7 +892,7 @@ def fit_budget(local: Core, budget: int) -> list[bytes]:
             if count[k] == 0:
                 now -= sizes[k[0]].get(k[1], 0)
         chosen.append(root)
-    if now > budget:
+    if now > budget and warn:
         log.warning("local tier: its budget of %d bytes cannot hold what must stay local (%d bytes: snapshots not "
                     "yet uploaded, or local-only); nothing more is evicted", budget, now)
     if not chosen:

@@ -2,7 +2,8 @@
 when uploads fall behind, a queued snapshot superseded by a newer one of its ref is not
 sent unless a tag or pin names it; the tier's bytes are kept under `local_budget=` by
 evicting durable snapshots' local copies through the local gc, never what a pending
-upload or a local-only snapshot needs.
+upload or a local-only snapshot needs; a put over the budget waits for uploads, or
+fails (TierFull) before writing (more in test_tier_budget.py).
 
 The remote is a real store (a directory, or moto S3 for the slow tests); its writes are
 held or slowed by a WrappedStore around its storage (wrap_storage=)."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -139,31 +141,65 @@ def test_the_budget_holds_after_many_puts_and_evicted_snapshots_read_from_the_re
         assert tier.fsck(full=True).findings == []
 
 
-def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_one(tmp_path, caplog):
-    """A budget of one byte: snapshots held in the upload queue (the remote's writes
-    held) are never evicted, and a warning says the budget cannot hold them. Once they
-    are durable (a job without retention rules: every one is uploaded), their local
-    copies go, and they read through the remote."""
+def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only_one(tmp_path, caplog):
+    """A budget of one byte. The first put writes (the tier was empty); its upload is
+    held, and it is never evicted while pending. The next put waits for that upload (one
+    warning naming the budget and the wait) and goes on once it ended and its eviction
+    emptied the tier. A local-only snapshot (put into the tier opened by itself, never
+    queued) is never evicted either: with it over the budget, a put fails at once with
+    TierFull naming the local-only bytes, before writing anything; forgotten and
+    collected, the next put goes through."""
+    nvme = tmp_path / "nvme"
     wrapped = []
     caplog.set_level(logging.WARNING, logger="tensorstore_ck.upload")
     store = _open(tmp_path, local_budget=1, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
     held = wrapped[0]
     a = store.put_snapshot(_state(1), "job/main", step=1)
     assert held.waiting.wait(DEADLINE)
+    seen = {}
+
+    def release():  # what the tier holds while the upload is held, then let it through
+        seen["evicted"], seen["bytes"] = store.reftable.evicted(), _stored(nvme)
+        held.gate.set()
+    timer = threading.Timer(1.0, release)
+    timer.start()
+    t0 = time.monotonic()
     b = store.put_snapshot(_state(2), "job/main", step=2)
-    c = store.put_snapshot(_state(3), "job/main", step=3)
-    assert store.wait_durable(timeout=0.5) is False
-    assert store.reftable.evicted() == set()  # nothing durable yet: nothing may go
-    held.gate.set()
+    assert time.monotonic() - t0 >= 1.0  # it waited for a's upload
+    timer.join()
+    assert seen["evicted"] == set() and seen["bytes"] > 1  # nothing durable yet: nothing went
+    assert bytes.fromhex(a.root) in store.reftable.evicted()
+    waited = [r.getMessage() for r in caplog.records if "the put waits for uploads" in r.getMessage()]
+    assert len(waited) == 1 and "budget of 1 bytes" in waited[0]
     assert store.wait_durable(timeout=DEADLINE) is True
-    assert [(i.step, i.durable) for i in store.log("job/main")] == [(3, True), (2, True), (1, True)]
-    assert store.reftable.evicted() == {bytes.fromhex(i.root) for i in (a, b, c)}
-    assert any("cannot hold" in r.getMessage() for r in caplog.records)
-    assert store.fsck(full=True).findings == []
+    assert [(i.step, i.durable) for i in store.log("job/main")] == [(2, True), (1, True)]
+    assert store.reftable.evicted() == {bytes.fromhex(a.root), bytes.fromhex(b.root)}
     store.close()
+
+    with tsck.open_store(str(nvme), create=False) as tier:  # no uploader: c is local-only, d the side ref's tip
+        c = tier.put_snapshot(_state(3), "job/side", step=3)
+        tier.put_snapshot(_state(4), "job/side", step=4)
+    with _open(tmp_path, local_budget=1) as store:  # d is queued at open, uploaded and evicted
+        assert store.wait_durable(timeout=DEADLINE) is True
+        before = (_stored(nvme), store.reftable.catalog_roots(), store.resolve("job/main"))
+        assert before[0] > 1
+        t0 = time.monotonic()
+        with pytest.raises(tsck.TierFull, match="local-only") as got:
+            store.put_snapshot(_state(5), "job/main", step=5)
+        assert time.monotonic() - t0 < 30.0  # at once: no upload can free it
+        assert "forget or prune the local-only snapshots" in str(got.value)
+        assert got.value.usage["local_only"]["snapshots"] == 1
+        assert (_stored(nvme), store.reftable.catalog_roots(), store.resolve("job/main")) == before
+        assert bytes.fromhex(c.root) not in store.reftable.evicted()
+        assert _equal(store.checkout(c.root), _state(3))  # whole in the tier
+        assert store.fsck(full=True).findings == []
+        store.forget(c.root)
+        store.gc()
+        e = store.put_snapshot(_state(5), "job/main", step=5)
+        assert store.wait_durable(timeout=DEADLINE) is True
+        assert store.show("job/main").root == e.root
     with _open(tmp_path) as again:
-        assert _equal(again.checkout("job/main"), _state(3))
-        assert _equal(again.checkout(b.root), _state(2))
+        assert _equal(again.checkout("job/main"), _state(5))
 
 
 def test_a_tier_over_a_new_budget_is_evicted_at_open_and_bad_budgets_are_refused(tmp_path):
