@@ -125,7 +125,7 @@ def main() -> int:
                          "the cores to the writer, standing for one on another host (default 0: as started)")
     a = ap.parse_args()
     early = {"auto": None, "on": True, "off": False}[a.early_upload]
-    from tensorstore_ck import upload as _up
+    from tensorstore_ck.tier import uploader as _up
     early_now = _up.early_default() if early is None else early
 
     rgw_dir, opts, fs = bench_s3.connect(a)

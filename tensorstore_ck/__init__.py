@@ -27,8 +27,9 @@ under it). A module over ~600 lines says which one job it does.
     plot.py               `tsck du --plot`: the store's usage as a picture
     hf_folder.py          the Hugging Face model folder (save_pretrained's layout, meta "hf")
                           and the safetensors view of a state
-    opener.py             open_store(): URL -> storage stack + ref table + Core + Store; the
-                          options checked and translated into Settings in one place
+    opener.py             open_store(): URL -> storage stack + ref table + Core + Store
+    locate.py             where a store is: URLs, the marker, its storage and ref table, the
+                          options translated into Settings in one place (open_store and the tier)
     pruner.py             a training job's retention applied while it trains, in the background
                           (CheckpointManager's and the Hugging Face callback's)
     store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls;
@@ -40,10 +41,16 @@ under it). A module over ~600 lines says which one job it does.
     gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
     recover.py            snapshots; rebuild the ref table from storage (gc.py one job over
                           ~600 lines: a gc or prune from its lock to its report)
-    upload.py             a local tier's uploader: queued local snapshots -> the remote store,
-                          objects it lacks as stored, then the fenced move of its ref
-    peers.py              collective puts through local tiers (each rank's part, rank 0's
-                          move once all is remote) and peer replicas over a TCP side channel
+    tier/                 a local tier in front of a remote store (open_store(local=)):
+      local.py            LocalTier, what a Store over a tier holds (the one object it calls)
+      opening.py          the tier's Core and Store made; the remote opened on first use
+      uploader.py         queued local snapshots -> the remote store: objects it lacks as
+                          stored, then the fenced move of its ref; the budget's back-pressure
+      holds.py            one catalog: the tier's tags and pins made in the remote table
+      collective.py       collective puts through tiers: each rank's part, rank 0's move
+      replicas.py         peer replicas over a TCP side channel
+      budget.py           the tier's bytes, and evicting durable copies to fit
+      reads.py            reads through the tier with the remote behind; the newer tier
     publish.py            the whole write path: block jobs -> nodes -> commit -> fenced CAS ->
                           retry, and the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)

@@ -162,7 +162,7 @@ class Assets:
         self._local = threading.local()
         self.presence = Presence(KIND_PREFIX)
         # Given (kind, digest, bufs) of each block and node this Assets writes new, as it
-        # is written: a local tier's uploader (upload.Uploader.tee). It must not block or raise.
+        # is written: a local tier's uploader (tier.uploader.Uploader.tee). It must not block or raise.
         self.tee = None
         # The current gc deletion epoch (read from the ref table), for readers that consult
         # `presence`; None: no ref table, the record is never used to read.
@@ -303,7 +303,7 @@ class Assets:
         IntegrityError here, never a remote object.
 
         written: (length, CRC32) of the frame this process encoded for `d` and wrote here
-        (upload.Uploader.tee, taken from the bytes as they were written). Bytes that match
+        (tier.uploader.Uploader.tee, taken from the bytes as they were written). Bytes that match
         both are that frame, which was encoded from the bytes hashed to `d`: one read and a
         CRC32 instead of a decode and a BLAKE3. Any mismatch is judged whole, as without."""
         key = _key(kind + "s", d)

@@ -971,7 +971,7 @@ class CollectiveJob:
     plan: "Callable[[], Plan] | None" = None             # put: this rank's plan (validates its state)
     read: "Callable[[Digest, int], Any] | None" = None   # checkout: the state of a root, as a rank reads it
     kv: Any = None                   # the c10d store (None: the group's default one)
-    # Through local tiers (peers.CollectiveTier: each rank's store is its own tier): each
+    # Through local tiers (tier.collective.CollectiveTier: each rank's store is its own tier): each
     # rank writes under its own tier's fence, rank 0 hands its commit and top nodes to the
     # others, and every rank queues its upload once the snapshot is published locally.
     tier: Any = None
@@ -1103,7 +1103,7 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
         publisher.sync()  # this rank's objects are durable before rank 0 publishes
         if tier is not None and rank != 0:
             # Rank 0's tier holds every rank's nodes (not their blocks): what its local gc
-            # and prune walk to know what the snapshot keeps (peers.py).
+            # and prune walk to know what the snapshot keeps (tier/collective.py).
             ch.set_mine("tnodes", msgpack.packb(part["payloads"]))
             tier.intend(tree, args)  # (a rank killed from here until the outcome still uploads its part)
         ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep,

@@ -246,7 +246,7 @@ class TierFull(StorageError):
     """A put into a local tier with a byte budget (open_store(local=, local_budget=))
     refused before it wrote anything: the tier holds more than its budget and what holds
     it must stay local (snapshots waiting for their upload, local-only snapshots), and
-    waiting for the uploader did not free enough (upload.BUDGET_WAIT) or could not (nothing
+    waiting for the uploader did not free enough (tier.uploader.BUDGET_WAIT) or could not (nothing
     queued, the uploader stopped). errno ENOSPC: a full disk, by the operator's choice,
     which no retry of the put cures at once. .budget and .held are bytes; .usage is the
     tier's bytes by what they are for (usage.tier_usage)."""

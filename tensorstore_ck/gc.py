@@ -510,12 +510,12 @@ def _delete_only_theirs(core: Core, gone: list, hold: "Lease", began: float, rep
 
 
 def evict_snapshots(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) -> GCReport:
-    """A local tier's budget (upload.fit_budget): drop the local copies of `roots`,
+    """A local tier's budget (tier.budget.fit_budget): drop the local copies of `roots`,
     snapshots the remote store holds, keeping their catalog rows, refs and history.
     Under the gc lock: mark them evicted in the tier's table (RefTable.evict_mark takes
     only roots marked durable and not queued), then delete what only they reach, with
     gc's protocol (a writer that reused one of those objects is fenced and writes it
-    again). Reads of an evicted snapshot fall through to the remote (upload.ReadThrough)."""
+    again). Reads of an evicted snapshot fall through to the remote (tier.reads.ReadThrough)."""
     t_start = time.time()
     rep = GCReport(dry_run=False)
     _refuse_if_rebuilding(core, "eviction")
@@ -531,7 +531,7 @@ def evict_snapshots(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) ->
 
 def drop_parts(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) -> GCReport:
     """The local tier of a rank other than 0: drop the catalog rows of `roots`, collective
-    snapshots rank 0's tier no longer keeps (peers.CollectiveTier.adopt), then delete what
+    snapshots rank 0's tier no longer keeps (tier.collective.CollectiveTier.adopt), then delete what
     only they reached here (this rank's part, the replicas it held), with gc's protocol.
     RefTable.parts_expire drops only parts not queued for upload, in its transaction."""
     t_start = time.time()

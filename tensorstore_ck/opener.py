@@ -27,6 +27,7 @@ from .locate import (STORE_VERSION, check_options, layout, lmdb_path, marker_byt
 from .refs import RefTable
 from .storage import BlockStore, LocalBlockStore
 from .store import Store
+from .tier.local import LocalTier
 from .tier.opening import (LAZY_PROTOCOLS, lazy_tiered, record_location, refuse_lost_table, remote_location,
                            tiered)
 
@@ -106,7 +107,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     remote store); never what a queued upload or a local-only snapshot needs. A put
     starts writing only once the tier fits the budget (so it ends at most its own new
     bytes over): it evicts durable copies, then waits for queued uploads (a warning;
-    at most upload.BUDGET_WAIT seconds), then raises TierFull before writing anything,
+    at most tier.uploader.BUDGET_WAIT seconds), then raises TierFull before writing anything,
     at once where waiting cannot help (docs/design/tiers.md, "Budget").
     replicas: with local=, under torch.distributed: after each collective put, every rank
     copies the objects of its part into the local tiers of the next `replicas` ranks
@@ -172,12 +173,9 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
 
     def tier_store(lcore: Core, remote: Core, cfg: dict) -> Store:
         """The Store over a local tier's Core, the remote Core behind it (tier/opening.py)."""
-        from .upload import Uploader, early_default
         return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy,
-                     uploader=Uploader(lcore, remote, local_budget,
-                                       early=early_default() if early_upload is None else early_upload,
-                                       stop=backoff.stop),
-                     replicas=replicas)
+                     tier=LocalTier(lcore, remote, budget=local_budget, early=early_upload, stop=backoff.stop,
+                                    replicas=replicas))
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         open_refs(refs, proto, rest, create=False)
     if local is not None and proto in LAZY_PROTOCOLS and not create_refs:

@@ -37,7 +37,7 @@ take it from the environment).
 
 A policy may carry a `stop` event (Backoff.stoppable): once it is set, a retry loop
 gives up at once instead of waiting, and starts no new request. A local tier's
-uploader sets it when the store is closed (upload.py): a close with the remote away
+uploader sets it when the store is closed (tier/uploader.py): a close with the remote away
 must not wait out the budget.
 """
 

@@ -32,8 +32,7 @@ from .asyncput import AsyncPuts, SnapshotFuture, note
 from .core import Core
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CALLS, CollectiveJob, collective_checkout, collective_put, is_collective
-from .errors import (IntegrityError, InvalidArgument, ReadOnlyStore, RefNotFound, StorageError, StoreClosed, TsckError,
-                     storage_error)
+from .errors import IntegrityError, InvalidArgument, ReadOnlyStore, StoreClosed, TsckError, storage_error
 from .format.manifest import decode_commit
 from .ids import Digest
 from .info import SnapshotInfo
@@ -44,7 +43,7 @@ from .validate import UNSET, SnapshotArgs, _utf8, check_snapshot_args
 
 if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
     from .plan import Planner
-    from .upload import Uploader
+    from .tier.local import LocalTier
 
 __all__ = ["Store", "SnapshotInfo", "SnapshotFuture"]
 
@@ -57,9 +56,6 @@ _log = logging.getLogger(__name__)
 # that a remote that answers nothing cannot hold a job's exit; a remote that fails ends
 # the wait at once (Uploader.drain), so a down remote costs one retry budget, not this.
 CLOSE_TIMEOUT = 300.0
-# Seconds close() gives the uploader thread to end once stopped past its deadline (a
-# request in flight); one still running then is left to end by itself (Uploader.close).
-_STOP_GRACE = 2.0
 
 
 def _caller_level() -> int:
@@ -137,11 +133,12 @@ class Store:
     the layers below (gc, fsck, recover, usage, listing, lifecycle, dist)."""
 
     def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait",
-                 uploader: "Uploader | None" = None, replicas: int = 0):
+                 tier: "LocalTier | None" = None):
         self.core = core
-        # With a local tier: `core` is the local store and the uploader holds the remote one.
-        self._uploader = uploader
-        self._tier: bool | None = None  # see _is_tier
+        # With a local tier: `core` is the tier's store, and `tier` holds the rest (the
+        # uploader and the remote store, the reads through to it, the peer replicas).
+        self._tier = tier
+        self._queue_seen: bool | None = None  # see _is_tier
         st = core.settings
         self.storage, self.reftable, self.assets, self.config = core.storage, core.refs, core.assets, config
         self.verify, self.workers, self.gc_lease = st.verify, st.workers, st.gc_lease
@@ -153,16 +150,6 @@ class Store:
         self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only
         self._closed = False
-        # What checkout reads through: with a tier, the local copies first, the remote
-        # store's where a local one is missing or fails its check (upload.ReadThrough).
-        self._reads = self.assets
-        self._peers = None  # with replicas=: this rank's side of the peer replicas (peers.py)
-        if uploader is not None:
-            from .upload import ReadThrough
-            self._reads = ReadThrough(self.assets, uploader.remote, evicted=self.reftable.evicted)
-            if replicas:
-                from .tier.replicas import Peers
-                self._peers = Peers(core, replicas)
         _STORES.add(self)
 
     def _after_fork(self) -> None:
@@ -174,14 +161,8 @@ class Store:
             return
         self.core.after_fork()
         self.publisher.pool = self.core.pool
-        if self._uploader is not None:
-            # The uploader's thread is the parent's: the child's puts are queued in the
-            # table, and the parent's uploader (or the next open) sends them.
-            self._uploader.after_fork()
-            self._reads.after_fork()
-        # The peer server and the replica sender are the parent's threads: a child neither
-        # serves nor sends replicas (its collective checkouts read the tier, then the remote).
-        self._peers = None
+        if self._tier is not None:
+            self._tier.after_fork()
         self._puts.reset()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -222,60 +203,17 @@ class Store:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
         self._puts.shutdown()
-        if self._peers is not None:
-            self._peers.wait()  # the replicas being sent (the server goes once the uploads are done)
-        try:
-            if self._uploader is not None:
-                self._close_tier(deadline)
-        finally:
-            if self._peers is not None:
-                self._peers.close()
+        if self._tier is not None:
+            self._tier.close(deadline, getattr(self.storage, "root", self.core.url), stacklevel=_caller_level())
         self.core.pool.shutdown(wait=True)
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
         self.storage.close()
         err = self._puts.unheard()
-        if err is None and self._uploader is not None:
-            err = self._uploader.unheard()
+        if err is None and self._tier is not None:
+            err = self._tier.unheard()
         if err is not None:
             raise err
-
-    def _close_tier(self, deadline: float | None) -> None:
-        """Finish the uploads queued (as close() finishes asynchronous puts: a job that
-        ends with close() leaves its snapshots in the remote store) until `deadline`
-        (time.monotonic(); None: no bound) or a failed upload attempt, then stop the
-        uploader and release the remote store. An uploader that stopped on a failure is
-        not waited for (close() raises it at the end, unless wait_durable() did); whatever
-        stays queued (a failure, the deadline, an interrupt) is resumed by the next open
-        of the tier, and a SnapshotWarning says so."""
-        up = self._uploader
-        why = "close() was interrupted"
-        try:
-            why = up.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        finally:
-            ended = up.close(None if deadline is None else max(_STOP_GRACE, deadline - time.monotonic()))
-            if not ended:
-                _log.warning("local tier: the uploader to %s is still in a request after close's timeout; it is left "
-                             "to end by itself (it publishes nothing wrongly: its storage requests now fail, and a ref "
-                             "moves only after every object was sent)", up.remote.url)
-            try:
-                queued = up.queued()
-            except TsckError:  # (the local table refused: what is queued stays, said by the next open)
-                queued = 0
-            remote = up.remote
-            # Under a deadline, a copy still in a request (the remote answers nothing) is not
-            # waited for: closing the storage below ends it.
-            remote.pool.shutdown(wait=ended and deadline is None, cancel_futures=True)
-            remote.refs.release_abandoned_gc()
-            remote.refs.close()
-            remote.storage.close()
-            if queued and up.error is None:  # (a failure that stopped the uploader says it all: raised)
-                import warnings
-                from .errors import SnapshotWarning
-                path = getattr(self.storage, "root", self.core.url)
-                warnings.warn(f"store {remote.url}: {queued} snapshot(s) not uploaded stay queued in the local tier "
-                              f"{path} ({why or 'close() ended first'}); they are safe there, and the next open_store(..., local={path!r}) "
-                              f"uploads them", SnapshotWarning, stacklevel=_caller_level())
 
     def __enter__(self):
         return self
@@ -437,12 +375,8 @@ class Store:
 
     def _collective_tier(self):
         """With a local tier: what a collective put does besides the protocol (each rank
-        publishes in its own tier and queues its own upload: peers.py); else None."""
-        if self._uploader is None:
-            return None
-        from .tier.collective import CollectiveTier
-        peers = self._peers if self._peers is not None and self._peers.join() else None
-        return CollectiveTier(self.core, self._uploader, peers)
+        publishes in its own tier and queues its own upload: tier/collective.py); else None."""
+        return None if self._tier is None else self._tier.collective()
 
     def _after_in_flight(self, fn) -> None:
         """Run fn() on the background publisher once the snapshots queued so far have ended."""
@@ -473,17 +407,13 @@ class Store:
         """Before a writer (a put, the DCP writer) writes blocks: with a local tier, room
         under its budget (Uploader.make_room: it may wait for uploads, or raise TierFull
         with nothing written), then the remote fence its early uploads are recorded under."""
-        if self._uploader is not None:
-            self._uploader.make_room()
-            self._uploader.tee_begin()
+        if self._tier is not None:
+            self._tier.begin()
 
     def _tier_published(self, info: SnapshotInfo) -> SnapshotInfo:
         """After a writer published `info` in this store: with a local tier, queue it for
         upload (it is durable once the uploader has moved the remote ref)."""
-        if self._uploader is None:
-            return info
-        self._uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
-        return dataclasses.replace(info, durable=False)
+        return info if self._tier is None else self._tier.published(info)
 
     @_public
     def wait_durable(self, timeout: float | None = None) -> bool:
@@ -497,26 +427,19 @@ class Store:
                                     or timeout < 0):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         self.wait()
-        if self._uploader is None:
-            return True
-        if self._peers is not None:  # (the replicas go first: a part is sent to the peers, then uploaded)
-            import time
-            t0 = time.monotonic()
-            self._peers.wait(timeout)
-            timeout = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
-        return self._uploader.wait_durable(timeout)
+        return True if self._tier is None else self._tier.wait_durable(timeout)
 
     @property
     def remote_core(self) -> Core | None:
         """The remote store's Core behind a local tier (None without one)."""
-        return None if self._uploader is None else self._uploader.remote
+        return None if self._tier is None else self._tier.remote
 
     def _is_tier(self) -> bool:
         """Whether this store is a local tier (with its uploader, or opened by itself):
         asked of the table once per Store, not once per snapshot described."""
-        if self._tier is None:
-            self._tier = self._uploader is not None or self.reftable.upload_last_seq() > 0
-        return self._tier
+        if self._queue_seen is None:
+            self._queue_seen = self._tier is not None or self.reftable.upload_last_seq() > 0
+        return self._queue_seen
 
     def _durable(self, infos: list) -> list:
         """`infos` with durable=False for the snapshots only the local tier has. A local
@@ -559,10 +482,8 @@ class Store:
         if retention is not None and not isinstance(retention, Retention):
             raise InvalidArgument(f"retention must be a tsck.Retention, got {type(retention).__name__}")
         self.reftable.retention_set(job, None if retention is None else retention.to_dict())
-        if self._uploader is not None:
-            # The remote store's table too: the uploader prunes the job there after each
-            # upload, and an offline `tsck gc` of the remote store applies the job's rules.
-            self._uploader.remote.refs.retention_set(job, None if retention is None else retention.to_dict())
+        if self._tier is not None:
+            self._tier.set_retention(job, None if retention is None else retention.to_dict())
 
     @_public
     def retention(self) -> dict[str, Retention]:
@@ -617,38 +538,9 @@ class Store:
         return self.core.resolve(target)
 
     def _tier_roots(self, target: str) -> list[Digest]:
-        """The snapshots `target` names in the tiers, the newest first (upload.newer on
-        their catalog rows): with a local tier, the local one and the remote one where
-        they differ (after a process crash the local tip is the newer; after the node's
-        disk was lost, or when another node wrote on, the remote one), else the one root.
-        RefNotFound when no tier knows the target."""
-        if self._uploader is None:
-            return [self._root(target)]
-        from .upload import newer
-        remote = self._uploader.remote
-        found, missing, away = [], None, None
-        for core in (self.core, remote):
-            try:
-                root = core.resolve(target)
-                found.append((core, root, core.refs.catalog_get(root)))
-            except RefNotFound as e:
-                missing = missing or e
-            except (StorageError, OSError) as e:
-                if core is self.core:
-                    raise
-                # The remote store is unreachable: the local tier alone is what can be
-                # read. With nothing local, its error, not RefNotFound (which
-                # restore_latest would take for a first run, and start over).
-                _log.warning("resolving %s: the remote store at %s is unreachable (%s); using the local tier only",
-                             target, remote.url, e)
-                away = e
-        if not found:
-            raise away or missing
-        if len(found) == 2 and found[0][1] == found[1][1]:
-            found = found[:1]  # the same snapshot: read it where it is nearest
-        if len(found) == 2 and newer(found[1][2], found[0][2]):
-            found.reverse()
-        return [root for _, root, _ in found]
+        """The snapshots `target` names, the newest first: with a local tier, the tier's
+        and the remote's where they differ (LocalTier.roots), else the one root."""
+        return [self._root(target)] if self._tier is None else self._tier.roots(target)
 
     def _info(self, root: bytes) -> SnapshotInfo:
         return self._durable([self.publisher.info(root)])[0]
@@ -691,12 +583,9 @@ class Store:
         def read_with(reader: Reader, top: bytes):
             return read_state(reader, top, MISSING if into is None else into, allow_pickle=allow_pickle)
 
-        reads = self._reads
-        if self._peers is not None and is_collective(group) and self._peers.join():
-            # A collective checkout: what this rank's tier lacks (lost with its node) is
-            # fetched from the ranks that hold its replicas before the remote is read.
-            from .tier.replicas import peer_reads
-            reads = peer_reads(self._reads, self._peers)
+        # With a local tier: the tier's copies first, the remote's where one is missing or
+        # fails its check (and a collective checkout asks the peers holding replicas first).
+        reads = self.assets if self._tier is None else self._tier.reads_for(is_collective(group))
 
         def read(root: Digest, rank: int | None = None):
             # rank: this rank's tree of a collective snapshot (a collective checkout); None:
@@ -713,7 +602,7 @@ class Store:
         if is_collective(group):
             # Rank 0 resolves the target in both tiers (the newer snapshot, as for one
             # process); every rank reads its region through its own tier, the remote behind.
-            resolve = None if self._uploader is None else (lambda t: self._tier_roots(t)[0])
+            resolve = None if self._tier is None else (lambda t: self._tier_roots(t)[0])
             return collective_checkout(CollectiveJob(self.core, self.publisher, self._collective, group, timeout,
                                                      read=read, resolve=resolve), target)
         roots = self._tier_roots(target)
@@ -738,12 +627,12 @@ class Store:
         (root hex -> error) and the others are listed."""
         from .listing import history
         validate_name(ref)
-        if self._uploader is not None:
+        if self._tier is not None:
             roots = self._tier_roots(ref)
             if not self.core.refs.catalog_has(roots[0]):
                 # The remote tip is the newer (the local tier lost, or behind another
                 # node's uploads): its history, all durable, is what checkout(ref) reads.
-                return history(self._uploader.remote, ref, errors)
+                return history(self._tier.remote, ref, errors)
         return self._durable(history(self.core, ref, errors))
 
     def _infos(self, named, errors: dict | None) -> dict[str, SnapshotInfo]:
@@ -783,8 +672,8 @@ class Store:
         validate_new_name(name, "tag name")
         self._writable("tag")
         info = lifecycle.tag(self.core, self.publisher, name, target)
-        if self._uploader is not None:  # one catalog: the remote keeps what the tier's tag keeps
-            self._uploader.held(bytes.fromhex(info.root))
+        if self._tier is not None:  # one catalog: the remote keeps what the tier's tag keeps
+            self._tier.held(bytes.fromhex(info.root))
         return info
 
     @_public
@@ -813,8 +702,8 @@ class Store:
         back, as tag() brings one back. With a local tier the pin is the remote's too."""
         self._writable("pin")
         root = lifecycle.pin(self.core, self.publisher, target)
-        if self._uploader is not None:
-            self._uploader.held(bytes.fromhex(root))
+        if self._tier is not None:
+            self._tier.held(bytes.fromhex(root))
         return root
 
     @_public
@@ -831,8 +720,8 @@ class Store:
         self._writable("unpin")
         root = self._root(target)
         self.reftable.unpin(root)
-        if self._uploader is not None:
-            self._uploader.unheld(pin=bytes(root))
+        if self._tier is not None:
+            self._tier.unheld(pin=bytes(root))
         return root.hex()
 
     @_public
@@ -858,8 +747,8 @@ class Store:
         validate_name(name, "tag name")
         self._writable("untag")
         root = lifecycle.untag(self.core, name)
-        if self._uploader is not None:
-            self._uploader.unheld(tag_name=name, root=bytes.fromhex(root))
+        if self._tier is not None:
+            self._tier.unheld(tag_name=name, root=bytes.fromhex(root))
         return root
 
     @_public

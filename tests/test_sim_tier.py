@@ -20,7 +20,7 @@ _KILLED_AFTER_MOVE = r"""
 import os, signal, sys, torch
 import tensorstore_ck as tsck
 s = tsck.open_store(sys.argv[1], local=sys.argv[2])
-up = s._uploader
+up = s._tier.uploader
 def done(*a, **k):  # the remote ref moved, the tier not told: kill -9 here
     os.kill(os.getpid(), signal.SIGKILL)
 up.local.refs.upload_done = done

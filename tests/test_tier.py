@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck import upload
+from tensorstore_ck.tier import uploader as upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 BS = 16 * 1024
@@ -375,7 +375,7 @@ def test_the_early_upload_sends_blocks_as_they_are_written_and_the_uploader_only
                             wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
     state = _state(7)
     info = store.put_snapshot(state, "job/main", step=1)
-    up = store._uploader
+    up = store._tier.uploader
     blocks = [p for p in sorted((tmp_path / "nvme" / "blocks").rglob("*")) if p.is_file()]
     victim = blocks[0]
     data = bytearray(victim.read_bytes())
@@ -402,7 +402,7 @@ def test_early_upload_over_its_memory_bound_leaves_the_rest_to_the_uploader(tmp_
     state = _state(8)
     info = store.put_snapshot(state, "job/main", step=1)
     assert store.wait_durable(timeout=DEADLINE)
-    up = store._uploader
+    up = store._tier.uploader
     blocks = [p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file()]
     assert up.tee_dropped > 0 and up.teed + up.tee_dropped == len(blocks), (up.teed, up.tee_dropped, len(blocks))
     store.close()
@@ -419,7 +419,7 @@ def test_early_upload_defaults_by_the_hosts_cores_and_checks_its_value(tmp_path)
     for given, want in ((None, (os.cpu_count() or 1) >= upload.EARLY_UPLOAD_CORES), (True, True), (False, False)):
         with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                              inline_threshold=256, early_upload=given) as store:
-            assert store._uploader.early is want, given
+            assert store._tier.uploader.early is want, given
     for bad in ("yes", 1, 0.0):
         with pytest.raises(tsck.InvalidArgument, match="early_upload"):
             tsck.open_store(str(tmp_path / "r2"), local=str(tmp_path / "n2"), early_upload=bad)
@@ -467,7 +467,7 @@ def test_a_part_intent_left_by_a_killed_rank_is_sent_at_open(tmp_path):
         tier.reftable.intent_put(bytes(32), {"ref": "job/main", "step": 6, "job": "job"})  # nothing of it here
     with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme")) as store:
         assert store.wait_durable(timeout=DEADLINE) is True
-        assert store._uploader.orphans == 1 and store._uploader.error is None
+        assert store._tier.uploader.orphans == 1 and store._tier.uploader.error is None
         refs = store.core.refs
         assert refs.intents() == {} and refs.upload_pending() == [] and refs.durable([tree, root]) == set()
         remote = store.remote_core

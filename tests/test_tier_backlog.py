@@ -71,7 +71,7 @@ def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path
         infos.append(store.put_snapshot(_state(step), "job/main", step=step))
     other = store.put_snapshot(_state(9), "job/other", step=2)  # queued after main's step 3: its own ref
     store.tag("keep-3", infos[2].root)
-    caplog.set_level(logging.INFO, logger="tensorstore_ck.upload")
+    caplog.set_level(logging.INFO, logger="tensorstore_ck.tier")
     held.gate.set()
     assert store.wait_durable(timeout=DEADLINE) is True
     durable = {i.step: i.durable for i in store.log("job/main")}
@@ -87,7 +87,7 @@ def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path
     assert len(warned) == 2
     for msg, info in zip(warned, (infos[1], infos[3])):
         assert "job/main" in msg and f"step {info.step}" in msg and info.root[:16] in msg and "newer" in msg
-    assert store._uploader.superseded == 2
+    assert store._tier.uploader.superseded == 2
     store.close()
     with tsck.open_store(str(tmp_path / "remote"), create=False) as r:
         # The remote's retention (keep_last=1) expired step 1; the tag keeps step 3.
@@ -129,7 +129,7 @@ def test_the_budget_holds_after_many_puts_and_evicted_snapshots_read_from_the_re
         evicted = store.reftable.evicted()
         assert bytes.fromhex(infos[-1].root) not in evicted and bytes.fromhex(infos[0].root) in evicted
         assert len(evicted) >= 5
-        caplog.set_level(logging.WARNING, logger="tensorstore_ck.upload")
+        caplog.set_level(logging.WARNING, logger="tensorstore_ck.tier")
         for step in (1, 8):
             assert _equal(store.checkout(infos[step - 1].root), _state(step))
         assert not [r for r in caplog.records if "reading it from" in r.getMessage()]  # evicted: not news
@@ -151,7 +151,7 @@ def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only
     collected, the next put goes through."""
     nvme = tmp_path / "nvme"
     wrapped = []
-    caplog.set_level(logging.WARNING, logger="tensorstore_ck.upload")
+    caplog.set_level(logging.WARNING, logger="tensorstore_ck.tier")
     store = _open(tmp_path, local_budget=1, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
     held = wrapped[0]
     a = store.put_snapshot(_state(1), "job/main", step=1)

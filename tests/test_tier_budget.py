@@ -2,7 +2,7 @@
 bytes"): a put starts writing only once the tier fits its budget, so after every put the
 tier holds at most the budget plus that put's new bytes. Over the budget, a put evicts
 durable copies, then waits for queued uploads (each upload's eviction frees its
-snapshot's copy), bounded by upload.BUDGET_WAIT; then, or at once where waiting cannot
+snapshot's copy), bounded by tier.uploader.BUDGET_WAIT; then, or at once where waiting cannot
 help, TierFull before anything is written.
 
 The remote is a real S3-compatible server (moto, or radosgw in CI), or a directory for
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck import upload
+from tensorstore_ck.tier import uploader as upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 from tensorstore_ck.walk import walk_commit
 
@@ -83,7 +83,7 @@ def test_twelve_puts_under_slowed_uploads_keep_the_tier_within_its_budget(s3_url
     and a put over the budget waits for them (one warning each naming the budget and
     the wait). After every put the tier holds at most the budget plus that snapshot's
     bytes; at the end all twelve are durable, in the remote, and check out bit for bit."""
-    caplog.set_level(logging.INFO, logger="tensorstore_ck.upload")
+    caplog.set_level(logging.INFO, logger="tensorstore_ck.tier")
     nvme = tmp_path / "nvme"
     store = _open(s3_url, s3_server, tmp_path, local_budget=BUDGET, write_bandwidth=150_000)
     infos, over = [], []
@@ -117,7 +117,7 @@ def test_twelve_puts_under_slowed_uploads_keep_the_tier_within_its_budget(s3_url
 def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, s3_server, tmp_path, caplog,
                                                                          monkeypatch):
     """The remote's writes held completely, local_budget=200_000 (about 2.4 snapshots),
-    upload.BUDGET_WAIT set to 3 s: three puts go (each starts under the budget); the
+    tier.uploader.BUDGET_WAIT set to 3 s: three puts go (each starts under the budget); the
     fourth waits for the
     uploads (one warning), and at the deadline raises TierFull (a StorageError, errno
     ENOSPC) naming the budget, the bytes held by the snapshots waiting for upload and
@@ -125,7 +125,7 @@ def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, 
     move. Once the writes flow, the same put goes through."""
     import errno
     monkeypatch.setattr(upload, "BUDGET_WAIT", 3.0)
-    caplog.set_level(logging.WARNING, logger="tensorstore_ck.upload")
+    caplog.set_level(logging.WARNING, logger="tensorstore_ck.tier")
     nvme, budget = tmp_path / "nvme", 200_000
     wrapped = []
     store = _open(s3_url, s3_server, tmp_path, local_budget=budget,
@@ -158,7 +158,7 @@ def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, 
 
 @pytest.mark.slow  # a real S3 server
 def test_an_asynchronous_put_and_a_checkpoint_manager_see_the_failure(s3_url, s3_server, tmp_path, monkeypatch):
-    """The remote's writes held, a budget of one byte, upload.BUDGET_WAIT 1 s. An
+    """The remote's writes held, a budget of one byte, tier.uploader.BUDGET_WAIT 1 s. An
     asynchronous put into the empty tier commits; the next one runs the same check on
     the background publisher and its future raises TierFull. A CheckpointManager's
     asynchronous snapshot then fails the same way: step() returns, a SnapshotWarning
@@ -209,7 +209,7 @@ def _held_file_store(tmp_path, wrapped: list, **kw) -> tsck.Store:
 def test_a_dcp_save_over_the_budget_is_refused_before_it_writes(tmp_path, monkeypatch):
     """The DCP writer makes the same check before its first block: with a put's upload
     held and a budget of one byte, dcp.save fails with TierFull in its chain after
-    upload.BUDGET_WAIT, and the tier is unchanged."""
+    tier.uploader.BUDGET_WAIT, and the tier is unchanged."""
     import torch.distributed.checkpoint as dcp
     from tensorstore_ck.dcp import TsckWriter
     monkeypatch.setattr(upload, "BUDGET_WAIT", 0.5)

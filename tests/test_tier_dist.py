@@ -352,7 +352,7 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
     never an error that fails the restore."""
     import _mounts
     from tensorstore_ck.tier.replicas import Peers, peer_reads
-    from tensorstore_ck.upload import ReadThrough
+    from tensorstore_ck.tier.reads import ReadThrough
     from tensorstore_ck.walk import walk_commit
 
     x = torch.arange(4096, dtype=torch.float32)
@@ -383,7 +383,7 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
     closes) they are stored under their addresses, durable, and a later open finds them
     (so the next restore needs no peer)."""
     from tensorstore_ck.tier.replicas import Peers, peer_reads
-    from tensorstore_ck.upload import ReadThrough
+    from tensorstore_ck.tier.reads import ReadThrough
     from tensorstore_ck.walk import walk_commit
 
     x = torch.arange(4 * dw.BLOCK // 4, dtype=torch.float32)
@@ -419,7 +419,7 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
 
     import tensorstore_ck.tier.replicas as peers_mod
     from tensorstore_ck.tier.replicas import Peers, peer_reads
-    from tensorstore_ck.upload import ReadThrough
+    from tensorstore_ck.tier.reads import ReadThrough
     from tensorstore_ck.walk import walk_commit
 
     monkeypatch.setattr(peers_mod, "PEER_TIMEOUT", 0.5)  # the holder closes a connection idle this long

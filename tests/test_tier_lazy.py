@@ -283,7 +283,7 @@ def test_a_remote_down_at_open_leaves_the_local_restore_and_fails_clearly_on_the
         store.put_snapshot(_state(1), "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
     proxy.down = True
-    with caplog.at_level(logging.WARNING, logger="tensorstore_ck.upload"):
+    with caplog.at_level(logging.WARNING, logger="tensorstore_ck.tier"):
         with _open(s3_url, opts, refs, local=local, retry_budget=0) as store:
             assert _equal(store.checkout("job/main"), _state(1))
             store.put_snapshot(_state(2), "job/main", step=2)
@@ -311,7 +311,7 @@ def test_the_early_upload_opens_the_remote_from_the_io_threads(s3_url, s3_server
         assert not store.remote_core.storage.opened
         store.put_snapshot(_state(2), "job/main", step=2)
         assert store.wait_durable(timeout=DEADLINE)
-        assert store.remote_core.storage.opened and store._uploader.teed > 0
+        assert store.remote_core.storage.opened and store._tier.uploader.teed > 0
     with _open(s3_url, opts, refs) as remote:
         assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), _state(2))
         assert remote.fsck().ok

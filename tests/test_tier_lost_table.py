@@ -80,7 +80,7 @@ def test_a_tier_that_lost_its_table_is_refused_naming_recover_and_keeps_every_ob
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
         store.put_snapshot(_state(1), "job/main", job="job", step=1)
         assert store.wait_durable(timeout=DEADLINE)
-        store._uploader.close()  # step 2 stays local-only
+        store._tier.uploader.close()  # step 2 stays local-only
         store.put_snapshot(_state(2), "job/main", job="job", step=2)
     objects = _lose_table(local)
     assert any(k.startswith("commits/") for k in objects)

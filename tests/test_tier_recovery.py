@@ -149,13 +149,13 @@ def test_local_tier_lost_restores_the_remote_tip(s3_url, s3_server, tmp_path, ca
         want = _put_durable(store, 2)
     shutil.rmtree(local)
     with _open(s3_url, s3_server, tmp_path, local=str(local)) as store:
-        with caplog.at_level(logging.WARNING, logger="tensorstore_ck.upload"):
+        with caplog.at_level(logging.WARNING, logger="tensorstore_ck.tier"):
             step, got = _restore(store)
             assert step == 2 and _equal(got, want)
             assert _equal(store.checkout("job/main")["model"], want)
         assert [(i.step, i.durable) for i in store.log("job/main")] == [(2, True), (1, True)]
         told = [r.getMessage() for r in caplog.records if "is missing" in r.getMessage()]
-        assert len(told) == 1 and store._reads.missing > 2, (told, store._reads.missing)
+        assert len(told) == 1 and store._tier.reads.missing > 2, (told, store._tier.reads.missing)
 
 
 @pytest.mark.slow  # a real S3 server
@@ -192,7 +192,7 @@ def test_damaged_local_blocks_are_read_from_the_remote_copy(s3_url, s3_server, t
         data = bytearray(flip.read_bytes())
         data[-1] ^= 0xFF
         flip.write_bytes(bytes(data))
-        with caplog.at_level(logging.WARNING, logger="tensorstore_ck.upload"):
+        with caplog.at_level(logging.WARNING, logger="tensorstore_ck.tier"):
             assert _equal(store.checkout("job/main"), state)
             assert _equal(store.checkout("job/main"), state)
         told = [r.getMessage() for r in caplog.records if "reading it from" in r.getMessage()]

@@ -83,7 +83,7 @@ def test_an_upload_sends_what_its_process_wrote_without_asking_first(s3_url, s3_
     state = _state(1)
     store.put_snapshot(state, "job/main", step=1)
     assert store.wait_durable(timeout=DEADLINE)
-    remote, up = wrapped[0], store._uploader
+    remote, up = wrapped[0], store._tier.uploader
     wrote = _objects(tmp_path / "nvme")
     n = len(wrote["blocks"]) + len(wrote["nodes"])
     assert len(wrote["blocks"]) == 5 and n > 5
@@ -118,7 +118,7 @@ def test_what_a_new_tier_wrote_that_the_remote_has_is_found_not_written_again(s3
     with _open(s3_url, s3_server, tmp_path, "nvme2", wrapped) as second:
         info = second.put_snapshot(state, "job/main", step=2)
         assert second.wait_durable(timeout=DEADLINE)
-        up = second._uploader
+        up = second._tier.uploader
         assert up.sent_written >= 5 and up.skipped >= 5
     again = wrapped[1]
     assert not [k for k in again.written if k.startswith("blocks/")], again.written
@@ -131,7 +131,7 @@ def test_what_a_new_tier_wrote_that_the_remote_has_is_found_not_written_again(s3
 
 def _held(store) -> threading.Event:
     """Hold the uploader before its next snapshot until the returned event is set."""
-    up, gate = store._uploader, threading.Event()
+    up, gate = store._tier.uploader, threading.Event()
     orig = up._upload
 
     def held(seq, entry):

@@ -453,7 +453,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             return True
         return self._write(txn)
 
-    # -- a rank's part of collective snapshots in its local tier (peers.py) ---------------
+    # -- a rank's part of collective snapshots in its local tier (tier/collective.py) ---------------
     def catalog_put_part(self, root: bytes, row: dict, part: bytes) -> None:
         """The catalog row of collective snapshot `root` in the tier of a rank other than
         0, with the rank's sub-tree `part` (meta `part:` root): the tier holds that part,
@@ -531,7 +531,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
     def parts_expire(self, roots) -> list[bytes]:
         """Drop the rows of `roots` that are, in the transaction, parts (catalog_put_part)
         not queued for upload, and no ref's tip, tag's target or pin -> those dropped.
-        What rank 0's tier no longer keeps goes from the other ranks' tiers so (peers.py)."""
+        What rank 0's tier no longer keeps goes from the other ranks' tiers so (tier/collective.py)."""
         roots = list(roots)
 
         def txn(t: Txn):

@@ -38,6 +38,7 @@ import msgpack
 
 from ..errors import IntegrityError, TsckError, UnreadableObject
 from ..walk import walk_commit, walk_tree
+from .holds import publish_holds
 
 __all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT"]
 
@@ -122,10 +123,7 @@ class _Pending(TsckError):
 
 
 def _pause(up, pause: float) -> None:
-    with up._cond:
-        if not up._stop:
-            up._cond.wait(pause)
-    if up._stop:
+    if not up.pause(pause):
         raise TsckError("the uploader was stopped while it waited for the other ranks")
 
 
@@ -163,13 +161,12 @@ def upload_part(up, seq: int, entry: dict) -> None:
             # As for a whole snapshot: a gc of this tier may have expired the row (its
             # retention) and deleted the part meanwhile; otherwise the tier is damaged.
             if local.refs.catalog_get(root, checked=False) is None:
-                up._expired(seq, root)
+                up.expired(seq, root)
                 return
             raise
-        up._send(objs, fence)
+        up.send(objs, fence)
     local.refs.upload_done(seq, root)
-    with up._cond:
-        up._cond.notify_all()
+    up.notify()
     log.info("local tier: this rank's part of snapshot %s of ref %s is in %s", root.hex()[:16],
              entry.get("ref"), remote.url)
 
@@ -191,11 +188,10 @@ def _upload_orphan(up, seq: int, entry: dict) -> None:
                     entry.get("step"), e)
         up.local.refs.upload_drop(seq)
         return
-    up._send(objs, fence)
+    up.send(objs, fence)
     up.local.refs.upload_drop(seq)
     up.orphans += 1
-    with up._cond:
-        up._cond.notify_all()
+    up.notify()
     log.info("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a restart, "
              "is in %s", tree.hex()[:16], entry.get("ref"), entry.get("step"), up.remote.url)
 
@@ -304,16 +300,16 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         # A part that never comes (its rank was killed after the snapshot was published
         # and before it queued its part) must not hold the queue for PART_WAIT: once a
         # newer snapshot of the ref is queued, the backlog rule drops this one.
-        return up._superseded(seq, entry, local.refs.upload_pending())
+        return up.skip_superseded(seq, entry, local.refs.upload_pending())
     try:
         mine, theirs = _until_present(up, root, look, give_up=superseded)
-        up._send(mine, fence)
+        up.send(mine, fence)
     except _Skipped:
         return
     except IntegrityError:
         # Missing or damaged here: the snapshot may have left the tier on purpose
         # meanwhile; else the tier is damaged (Uploader._gone_meanwhile).
-        if up._gone_meanwhile(seq, root):
+        if up.gone_meanwhile(seq, root):
             return
         raise
 
@@ -321,18 +317,17 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         # A gc deletion phase ran: everything again, under the new fence (what it removed
         # of the others' parts is waited for, bounded: its owners sent it once).
         _until_present(up, root, lambda: _confirm(up, theirs))
-        up._send(mine, new_fence)
+        up.send(mine, new_fence)
 
     try:
         info = up.publisher.move_to(root, row, fence=fence, revalidate=revalidate)
     except IntegrityError:
-        if up._gone_meanwhile(seq, root):
+        if up.gone_meanwhile(seq, root):
             return
         raise
-    up._publish_holds(root)
+    publish_holds(up, root)
     local.refs.upload_done(seq, root)
-    with up._cond:
-        up._cond.notify_all()
+    up.notify()
     log.info("local tier: collective snapshot %s of ref %s durable at %s", info.root[:16], info.ref,
              up.remote.url)
-    up._remote_retention(row)
+    up.remote_retention(row)

@@ -483,11 +483,11 @@ def _keep(storage, key: str, data) -> bool:
 
 
 def peer_reads(reads, peers: Peers):
-    """A ReadThrough (upload.py) with the peers between the local tier and the remote: an
+    """A ReadThrough (reads.py) with the peers between the local tier and the remote: an
     object the tier lacks is fetched from a holder (checked against its address), used,
     and kept in the tier; one no peer has is read from the remote as before."""
     import numpy as np
-    from ..upload import ReadThrough
+    from .reads import ReadThrough
 
     class PeerReads(ReadThrough):
         def _have(self, kind: str, d: bytes) -> bool:

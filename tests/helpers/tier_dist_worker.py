@@ -197,7 +197,7 @@ def tidy_body(rank, world, out, res, cfg):
         mgr.close()
         res["waited"] = store.wait_durable(timeout=240)
         res["steps"] = dm._roots(steps)
-        res["tidied"] = store._uploader.tidied
+        res["tidied"] = store._tier.uploader.tidied
         torch.save({"model": model.state_dict()}, os.path.join(out, f"tidy_rank{rank}.pt"))
         dist.barrier()  # (no rank closes its peer server while another still sends to it)
     tier = os.path.join(cfg["tiers"], f"tier{rank}")
@@ -225,7 +225,7 @@ def rput_body(rank, world, out, res, cfg):
                  for v in (0, 1)]
         res["roots"] = [i.root for i in infos]
         res["waited"] = store.wait_durable(timeout=240)
-        res["sent"], res["refused"] = store._peers.sent, store._peers.refused
+        res["sent"], res["refused"] = store._tier.peers.sent, store._tier.peers.refused
         dist.barrier()
         # A gc of each rank's own tier keeps its part and the replicas it holds.
         res["gc"], res["gc_lost"] = _gc(store, os.path.join(cfg["tiers"], f"tier{rank}"))
@@ -277,7 +277,7 @@ def rload_body(rank, world, out, res, cfg):
         got = store.checkout(REF, into=into, timeout=60)
         res["remote_reads"] = list(holder["w"].reads)
         res["remote_opened"] = _storage_opened(holder["w"])
-        res["fetched"], res["bad_copies"] = store._peers.fetched, store._peers.bad
+        res["fetched"], res["bad_copies"] = store._tier.peers.fetched, store._tier.peers.bad
         dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
         torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
         dist.barrier()  # (the others may still be fetching from this rank)
@@ -346,9 +346,9 @@ def stuck_resume_body(rank, world, out, res, cfg):
         t0 = time.monotonic()
         res["root"], res["waited"] = info.root, store.wait_durable(timeout=150)
         res["wait_s"] = time.monotonic() - t0
-        res["orphans"] = store._uploader.orphans
+        res["orphans"] = store._tier.uploader.orphans
         if rank == 0:
-            res["superseded"] = store._uploader.superseded
+            res["superseded"] = store._tier.uploader.superseded
             res["durable"] = {r: store.show(r).durable for r in (info.root, cfg["root_a"])}
         else:  # A's part: sent (durable for this rank) where its row was here
             res["a_part_sent"] = bool(store.core.refs.durable([bytes.fromhex(cfg["root_a"])]))

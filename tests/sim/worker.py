@@ -104,7 +104,7 @@ def _upload_kill_points(s, faults: Faults) -> None:
     object sent and synced, the remote ref not moved yet; "durable", the remote ref moved,
     the tier not told (its queue still holds the snapshot). The uploader's thread is
     already running (it resumes a queue at open): a stage it passed before this is missed."""
-    up = s._uploader
+    up = s._tier.uploader
     move_to, upload_done = up.publisher.move_to, up.local.refs.upload_done
 
     def move(*a, **k):

@@ -28,14 +28,16 @@ import threading
 import time
 import zlib
 
-from .assets import FRAME_KIND
-from .core import Core
-from .errors import GcBusy, IntegrityError, NotAStore, StorageError, TierFull, TsckError, UnreadableObject
-from .format import frame
-from .publish import Publisher
-from .walk import walk_commit
+from ..assets import FRAME_KIND
+from ..core import Core
+from ..errors import GcBusy, IntegrityError, NotAStore, StorageError, TierFull, TsckError
+from ..format import frame
+from ..publish import Publisher
+from ..walk import walk_commit
+from .budget import fit_budget, tier_bytes
+from .holds import publish_holds, upload_hold
 
-__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "BUDGET_WAIT", "ReadThrough", "newer", "fit_budget", "tier_bytes"]
+__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "BUDGET_WAIT", "TEE_BYTES", "early_default"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ class Uploader:
     """Sends a local tier's queued snapshots to the remote store, on one thread.
 
     Counters (tests, the harness): `sent` objects written remotely, `skipped` objects
-    the remote had, `superseded` snapshots not sent (Uploader._superseded)."""
+    the remote had, `superseded` snapshots not sent (Uploader.skip_superseded)."""
 
     def __init__(self, local: Core, remote: Core, budget: int | None = None, early: bool = True,
                  stop: threading.Event | None = None):
@@ -95,7 +97,7 @@ class Uploader:
         self._closing = False  # drain() is waiting for the queue (Store.close)
         self._forked = False
         self.sent = self.skipped = 0
-        self.orphans = 0  # parts sent whose snapshot's outcome never reached this tier (peers._upload_orphan)
+        self.orphans = 0  # parts sent whose snapshot's outcome never reached this tier (collective._upload_orphan)
         self.superseded = 0  # queued snapshots not sent: a newer one of their ref was queued (the backlog rule)
         # A rank other than 0 of collective snapshots: job -> what rank 0's tier keeps of
         # it, told at the last snapshot (follow); the rest of the job's parts go (_tidy).
@@ -124,14 +126,14 @@ class Uploader:
 
     # -- the queue -----------------------------------------------------------------
     def enqueue(self, root: bytes, ref: str, step, part: bytes | None = None) -> int:
-        """part: this rank's sub-tree of a collective snapshot (peers.py), not the snapshot."""
+        """part: this rank's sub-tree of a collective snapshot (tier/collective.py), not the snapshot."""
         seq = self.local.refs.upload_enqueue(root, ref, step, part=part)
         with self._cond:
             self._cond.notify_all()
         return seq
 
     def follow(self, job, keep: set) -> None:
-        """A rank other than 0 (peers.CollectiveTier.adopt): `keep` is what rank 0's tier
+        """A rank other than 0 (tier.collective.CollectiveTier.adopt): `keep` is what rank 0's tier
         keeps of `job` (its retention's doing); this rank's parts of the job's other
         snapshots are dropped from its tier, with what only they reach, by the uploader
         thread when its queue is empty (or every TIDY_EVERY uploads), never a part still
@@ -151,7 +153,7 @@ class Uploader:
             jobs = {r: (refs.catalog_get(r, checked=False) or {}).get("job") for r in parts}
             drop = [r for r, job in jobs.items() if job in follow and r not in follow[job]]
             if drop:
-                from .gc import drop_parts
+                from ..gc import drop_parts
                 rep = drop_parts(self.local, drop, lease=self.local.settings.gc_lease)
                 self.tidied += len(rep.expired)
                 log.info("local tier: dropped this rank's part of %d collective snapshot(s) rank 0's tier no "
@@ -340,7 +342,7 @@ class Uploader:
                     break
             stop = self._no_wait()
             if stop is None and not warned:
-                from .usage import tier_usage
+                from ..usage import tier_usage
                 use = tier_usage(self.local)
                 if use["local_only"]["bytes"] > budget:
                     stop = (f"its local-only snapshots alone take {use['local_only']['bytes']} bytes: uploads "
@@ -350,14 +352,14 @@ class Uploader:
                 else:
                     log.warning("local tier %s: it holds %d bytes, over its budget of %d bytes, and %d bytes of it "
                                 "wait for upload to %s (%d snapshot(s)): the put waits for uploads to free room (at "
-                                "most %gs, upload.BUDGET_WAIT)", self.local.url, held, budget,
+                                "most %gs, tier.uploader.BUDGET_WAIT)", self.local.url, held, budget,
                                 use["pending"]["bytes"], self.remote.url, use["pending"]["snapshots"], BUDGET_WAIT)
                     warned = True
             if stop is not None:
                 raise self._full(held, *stop)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self._full(held, f"the uploads did not free enough within {BUDGET_WAIT:g}s (upload.BUDGET_WAIT)",
+                raise self._full(held, f"the uploads did not free enough within {BUDGET_WAIT:g}s (tier.uploader.BUDGET_WAIT)",
                                  f"let the uploads to {self.remote.url} catch up (store.wait_durable()) before the "
                                  "next put, or raise local_budget= or the remote's write bandwidth")
             with self._cond:  # an upload's end, and the eviction after it, notify
@@ -388,7 +390,7 @@ class Uploader:
 
     def _full(self, held: int, why: str, fix: str) -> TierFull:
         import errno
-        from .usage import tier_usage
+        from ..usage import tier_usage
         try:
             use = tier_usage(self.local)
             parts = (f"{use['pending']['bytes']} bytes of {use['pending']['snapshots']} snapshot(s) waiting for "
@@ -491,7 +493,7 @@ class Uploader:
                 continue
             seq, entry = pending[0]
             try:
-                if self._superseded(seq, entry, pending):
+                if self.skip_superseded(seq, entry, pending):
                     continue
                 if not self.local.refs.upload_begin(seq):
                     continue  # another process sharing the tier finished or dropped it meanwhile
@@ -525,7 +527,7 @@ class Uploader:
                 self._fail(e)
                 return
 
-    def _superseded(self, seq: int, entry: dict, pending: list) -> bool:
+    def skip_superseded(self, seq: int, entry: dict, pending: list) -> bool:
         """The backlog rule: a queued snapshot with a newer one of the same ref queued
         behind it is not sent (dropped from the queue, logged) when its job's retention
         would expire it anyway: the tier's catalog, its rules, tags, pins and ref tips
@@ -545,7 +547,7 @@ class Uploader:
         if newer_seq is None:
             return False
         refs = self.local.refs
-        from .gc import retention_plan
+        from ..gc import retention_plan
         plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
         if plan is None:
             return False  # no catalog row: _upload drops it as expired
@@ -563,6 +565,18 @@ class Uploader:
             self._cond.notify_all()
         return True
 
+    def pause(self, seconds: float) -> bool:
+        """Wait up to `seconds` (woken early by a stop) -> False once the uploader is stopped."""
+        with self._cond:
+            if not self._stop:
+                self._cond.wait(seconds)
+            return not self._stop
+
+    def notify(self) -> None:
+        """The queue or a snapshot's state changed: wake whoever waits on the uploader."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _fail(self, e: BaseException) -> None:
         log.error("local tier: uploads to %s stopped: %s", self.remote.url, e)
         with self._cond:
@@ -571,43 +585,43 @@ class Uploader:
 
     def _upload(self, seq: int, entry: dict) -> None:
         root, local = entry["root"], self.local
-        if entry.get("part") is not None:  # a rank's part of a collective snapshot (peers.py)
-            from .tier.collective import upload_part
+        if entry.get("part") is not None:  # a rank's part of a collective snapshot (tier/collective.py)
+            from .collective import upload_part
             return upload_part(self, seq, entry)
         row = local.refs.catalog_get(root)
         if row is None:
-            self._expired(seq, root)
+            self.expired(seq, root)
             return
         if entry.get("hold"):
-            return self._upload_hold(seq, root, row)
+            return upload_hold(self, seq, root, row)
         if seq in self._resumed and self._moved_before(seq, root, entry["ref"]):
             return
         world = (row.get("meta") or {}).get("world") if isinstance(row.get("meta"), dict) else None
         if isinstance(world, int) and world > 1:  # a collective snapshot: the other ranks send their parts
-            from .tier.collective import upload_world
+            from .collective import upload_world
             return upload_world(self, seq, entry, row)
         self._tee_settle()
         fence = self.publisher.fence()  # before the remote is asked about any object
         try:
-            objs = self._walk(root)
-            self._send(objs, fence)
-            info = self.publisher.move_to(root, row, fence=fence, revalidate=lambda f: self._send(objs, f))
+            objs = self.walk(root)
+            self.send(objs, fence)
+            info = self.publisher.move_to(root, row, fence=fence, revalidate=lambda f: self.send(objs, f))
         except IntegrityError:
             # Missing or damaged here, in the first send or in a fenced move's re-send.
-            if self._gone_meanwhile(seq, root):
+            if self.gone_meanwhile(seq, root):
                 return
             raise
-        self._publish_holds(root)
+        publish_holds(self, root)
         with self._cond:
             self._fitting = True  # the remote retention and the budget follow: wait_durable waits for them
         local.refs.upload_done(seq, root)
         with self._cond:
             self._cond.notify_all()
         log.info("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
-        self._remote_retention(row)
+        self.remote_retention(row)
         self._fit()
 
-    def _remote_retention(self, row: dict) -> None:
+    def remote_retention(self, row: dict) -> None:
         """After a snapshot became durable: its job's retention, where the remote table
         holds one (Store.set_retention sets it on both tables), applied to the remote
         store by a prune, as a CheckpointManager runs one after each snapshot. The
@@ -620,7 +634,7 @@ class Uploader:
         try:
             if job not in self.remote.refs.retention_all():
                 return
-            from .gc import prune_job
+            from ..gc import prune_job
             rep = prune_job(self.remote, job, lease=self.remote.settings.gc_lease)
             if rep.expired:
                 log.info("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(rep.expired),
@@ -654,7 +668,7 @@ class Uploader:
                 self._fitting = False
                 self._cond.notify_all()
 
-    def _walk(self, root: bytes) -> dict:
+    def walk(self, root: bytes) -> dict:
         """The snapshot's objects in the tier by kind, each once (nodes verified)."""
         objs: dict = {"block": [], "node": [], "commit": []}
         seen: set[bytes] = set()
@@ -664,7 +678,7 @@ class Uploader:
                 objs[o.kind].append(o.digest)
         return objs
 
-    def _gone_meanwhile(self, seq: int, root: bytes) -> bool:
+    def gone_meanwhile(self, seq: int, root: bytes) -> bool:
         """An object of `root` was missing or damaged here during its upload. Not damage
         when the snapshot left the tier on purpose meanwhile: its catalog row is gone (a
         prune or forget, then a gc) -> dropped from the queue; or another process sharing
@@ -673,7 +687,7 @@ class Uploader:
         damaged, and that stops the uploader (False)."""
         refs = self.local.refs
         if refs.catalog_get(root, checked=False) is None:
-            self._expired(seq, root)
+            self.expired(seq, root)
             return True
         if refs.durable([root]):
             log.info("local tier: snapshot %s was made durable by another process sharing this tier while this "
@@ -683,112 +697,6 @@ class Uploader:
                 self._cond.notify_all()
             return True
         return False
-
-    # -- one catalog: the tier's tags and pins are the remote's -------------------------
-    def _holds(self, root: bytes) -> tuple[list[str], bool]:
-        refs = self.local.refs
-        return [name for name, r in refs.tags() if r == root], root in refs.pins()
-
-    def _publish_holds(self, root: bytes) -> None:
-        """The tags and pins that name `root` in the tier, made in the remote table too
-        (and a tag's storage object, which recover rebuilds it from), so that the remote's
-        retention, an offline `tsck gc` of the remote and a node that lost its tier keep
-        what the tier keeps. The remote must list `root` or hold all of it (a tag or pin
-        there adopts it then: lifecycle.tag, lifecycle.pin). A remote tag of that name
-        naming another snapshot (another tier's) is left, with a warning."""
-        from .lifecycle import pin, tag
-        names, pinned = self._holds(root)
-        remote = self.remote.refs
-        for name in names:
-            have = remote.tag_get(name)
-            if have == root:
-                continue
-            if have is not None:
-                log.warning("local tier: tag %r names snapshot %s here but %s at %s; the remote's is left as it is",
-                            name, root.hex()[:16], have.hex()[:16], self.remote.url)
-                continue
-            tag(self.remote, self.publisher, name, root.hex())
-        if pinned and root not in remote.pins():
-            pin(self.remote, self.publisher, root.hex())
-
-    def held(self, root: bytes) -> None:
-        """A tag or pin naming `root` was just made in the tier: make it the remote's
-        too. Now, when the remote catalog lists `root`; when it does not and `root` is
-        queued, its upload publishes it (_publish_holds runs after the remote move, which
-        comes after this look); else (a snapshot the backlog rule skipped, one the remote
-        retention expired, a remote away) it is queued to be sent for its holds alone,
-        into the remote catalog without moving the remote ref (_upload_hold)."""
-        refs = self.local.refs
-        try:
-            if self.remote.refs.catalog_has(root):
-                self._publish_holds(root)
-                return
-        except (StorageError, TsckError, OSError) as e:
-            log.warning("local tier: the tag or pin of %s could not be made at %s now (%s); the uploader makes it",
-                        root.hex()[:16], self.remote.url, e)
-        else:
-            if any(e["root"] == root and not e.get("hold") for _, e in refs.upload_pending()):
-                return
-        row = refs.catalog_get(root, checked=False) or {}
-        refs.upload_enqueue(root, row.get("ref"), row.get("step"), hold=True)
-        with self._cond:
-            self._cond.notify_all()
-
-    def unheld(self, tag_name: str | None = None, pin: bytes | None = None, root: bytes | None = None) -> None:
-        """A tag or pin removed in the tier: removed in the remote table too, best
-        effort (left there, it keeps more than asked, never less)."""
-        from .lifecycle import untag
-        remote = self.remote
-        try:
-            if tag_name is not None and remote.refs.tag_get(tag_name) == root:
-                untag(remote, tag_name)
-            if pin is not None and pin in remote.refs.pins():
-                remote.refs.unpin(pin)
-        except (StorageError, TsckError, OSError) as e:
-            log.warning("local tier: the %s stays at %s (%s); remove it there with `tsck %s`", "tag" if tag_name
-                        else "pin", remote.url, e, f"untag {remote.url} {tag_name}" if tag_name
-                        else f"unpin {remote.url} {pin.hex() if pin else ''}")
-
-    def _upload_hold(self, seq: int, root: bytes, row: dict) -> None:
-        """An entry queued for the tags and pins of `root` (held): the remote gets the
-        snapshot into its catalog with them, and its ref does not move (a newer snapshot
-        may be its tip). What the remote lacks is sent first, as for any upload; the tag
-        or pin then adopts the snapshot there (every object found present, fenced on the
-        remote gc epoch: a deletion phase in between is waited out and the objects are
-        looked at again)."""
-        refs = self.local.refs
-        names, pinned = self._holds(root)
-        if not names and not pinned:
-            log.info("local tier: snapshot %s was queued for a tag or pin that is gone; not sent", root.hex()[:16])
-            refs.upload_drop(seq)
-            return
-        if not self.remote.refs.catalog_has(root) and root not in refs.evicted():
-            fence = self.publisher.fence()
-            try:
-                self._send(self._walk(root), fence)
-            except IntegrityError:
-                if refs.catalog_get(root, checked=False) is None:
-                    self._expired(seq, root)
-                    return
-                raise
-        try:
-            self._publish_holds(root)
-        except IntegrityError as e:
-            if root in refs.evicted():
-                # Its local copy went to the budget and the remote no longer holds all of
-                # it: neither tier can keep it now; said, not retried for ever.
-                log.error("local tier: snapshot %s cannot be tagged or pinned at %s: %s; its local copy was "
-                          "evicted, so no tier holds it whole", root.hex()[:16], self.remote.url, e)
-                refs.upload_drop(seq)
-                return
-            # A remote gc removed some of what was sent before the tag or pin took it in:
-            # sent again on the next try.
-            raise StorageError(f"snapshot {root.hex()[:16]} is not whole at {self.remote.url} yet ({e})") from e
-        refs.upload_done(seq, root)
-        with self._cond:
-            self._cond.notify_all()
-        log.info("local tier: snapshot %s (step %s) durable at %s for its %s", root.hex()[:16], row.get("step"),
-                 self.remote.url, "tags and pin" if names and pinned else "tags" if names else "pin")
 
     def _moved_before(self, seq: int, root: bytes, ref: str) -> bool:
         """A process killed after the remote move and before the durable mark left `root`
@@ -807,12 +715,12 @@ class Uploader:
                     root.hex()[:16], ref, self.remote.url)
         return True
 
-    def _expired(self, seq: int, root: bytes) -> None:
+    def expired(self, seq: int, root: bytes) -> None:
         log.warning("local tier: queued snapshot %s left the local catalog (expired by retention) before it was "
                     "uploaded; dropped from the queue", root.hex()[:16])
         self.local.refs.upload_drop(seq)
 
-    def _send(self, objs: dict, fence: int) -> None:
+    def send(self, objs: dict, fence: int) -> None:
         """Blocks, then nodes, then the commit: each kind complete before the next, so
         the remote never holds a node whose blocks are not there yet; then one sync."""
         for kind in ("block", "node", "commit"):
@@ -831,201 +739,3 @@ class Uploader:
                 self._written.pop((FRAME_KIND[kind], d), None)
                 self.sent_written += 1
         return new
-
-
-# -- the byte budget ----------------------------------------------------------------
-def tier_bytes(local: Core) -> int:
-    """The tier's stored bytes, as the budget counts them: every object (blocks, nodes,
-    commits) as stored, found by listing them (no walk)."""
-    return sum(b for _, b in local.assets.object_stats().values())
-
-
-def fit_budget(local: Core, budget: int, *, warn: bool = True) -> list[bytes]:
-    """Evict local copies until the tier's stored objects fit in `budget` bytes -> the
-    roots evicted. Never what a queued upload or a local-only snapshot needs: only
-    snapshots marked durable are candidates, the older first, each ref's newest durable
-    tip (and a tag's or pin's target) after every other, so they stay while the budget
-    allows. The bytes an eviction frees are the objects no remaining snapshot reaches
-    (counted by walking every snapshot of the tier; a put in flight's objects are not
-    counted and not deleted). The deletion is a local gc (gc.evict_snapshots: the gc
-    lock, its lease and fence), not files removed by hand: a put that reused an evicted
-    object is fenced and writes it again. When what must stay exceeds the budget: a
-    warning (warn=False: the caller, a put's make_room, says more), and nothing more is
-    evicted; the next put waits for uploads or fails (Uploader.make_room)."""
-    from .gc import evict_snapshots
-    total = tier_bytes(local)
-    if total <= budget:
-        return []
-    refs = local.refs
-    sizes = {kind: {o.digest: o.size for o in local.assets.list_objects(kind)} for kind in ("commits", "nodes", "blocks")}
-    evicted, parts = refs.evicted(), refs.parts()
-    rows = {root: row for root, row in refs.catalog_iter(bad=[])}
-    held = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()
-    roots = (set(rows) | held) - evicted
-    queued = {e["root"] for _, e in refs.upload_pending()}
-    durable = refs.durable(roots) - queued
-    # What each snapshot reaches here, and how many snapshots reach each object.
-    reach: dict[bytes, set] = {}
-    count: dict[tuple, int] = {}
-    for root in roots:
-        objs = set()
-        try:
-            for o in walk_commit(local.assets, root, verify=False, part=parts.get(root)):
-                objs.add((o.kind + "s", o.digest))
-        except (TsckError, OSError):
-            durable.discard(root)  # not whole here: left to fsck, and kept
-        reach[root] = objs
-        for k in objs:
-            count[k] = count.get(k, 0) + 1
-    tips = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()
-
-    def order(root: bytes):
-        row = rows.get(root) or {}
-        return (root in tips, float(row.get("time", 0.0)), root)
-
-    now, chosen = total, []  # objects no snapshot reaches (a put in flight's) count: they take the space
-    for root in sorted(durable, key=order):
-        if now <= budget:
-            break
-        for k in reach[root]:
-            count[k] -= 1
-            if count[k] == 0:
-                now -= sizes[k[0]].get(k[1], 0)
-        chosen.append(root)
-    if now > budget and warn:
-        log.warning("local tier: its budget of %d bytes cannot hold what must stay local (%d bytes: snapshots not "
-                    "yet uploaded, or local-only); nothing more is evicted", budget, now)
-    if not chosen:
-        return []
-    rep = evict_snapshots(local, chosen)
-    gone = [bytes.fromhex(r) for r in rep.expired]
-    log.info("local tier: evicted the local copies of %d durable snapshots (%d bytes) to fit the budget of %d "
-             "bytes; their reads go to the remote store", len(gone), rep.deleted_bytes, budget)
-    return gone
-
-
-# -- recovery: the newest trusted copy in either tier -------------------------------
-def newer(a: dict | None, b: dict | None) -> bool:
-    """Whether catalog row `a` names a newer snapshot than row `b` (rows of two tiers'
-    tips): the higher step, then (no step on one side, or the same step) the later
-    publication time; a tie is not newer. The step first because it is the training's
-    own order and is the same number on every host, where the times of two tiers can
-    come from two hosts' clocks (a node's tier and the uploads of another node)."""
-    if a is None:
-        return False
-    if b is None:
-        return True
-    sa, sb = a.get("step"), b.get("step")
-    if isinstance(sa, int) and isinstance(sb, int) and sa != sb:
-        return sa > sb
-    return float(a.get("time", 0.0)) > float(b.get("time", 0.0))
-
-
-class ReadThrough:
-    """The local tier's Assets for reading, with the remote store behind them: a block,
-    node or commit missing locally, or failing its check there (frame, length, BLAKE3
-    against its address: an IntegrityError, or an unreadable file), is read from the
-    remote store instead, and checked there as any read is; never the damaged bytes.
-    Each such fall-through is logged once per object. Everything else (writes, gc, fsck,
-    the uploader) sees the local Assets alone, so a damaged local copy is still found
-    and reported there."""
-
-    def __init__(self, local, remote: Core, evicted=None):
-        self.local, self.remote = local, remote
-        # -> the roots the tier's budget evicted (RefTable.evicted): their local copies are
-        # gone on purpose, so a fall-through for them is the plan, not news (logged at debug).
-        self._evicted = evicted
-        self._told: set[bytes] = set()
-        self.missing = 0  # objects read from the remote because the tier lacks them
-        self._told_missing = False
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self.local, name)
-
-    def after_fork(self) -> None:
-        self._lock = threading.Lock()  # the parent's may have been held by a thread not here
-
-    def _fell(self, what: str, d: bytes, err: BaseException) -> None:
-        # A damaged copy is news about this disk: told once per object. A missing one is
-        # the ordinary case after the tier was lost or trimmed to its budget (every block
-        # of a checkout): told once, then counted, not one line per block; one of a
-        # snapshot the budget evicted is the plan, not news: counted, not told.
-        missing = getattr(err, "reason", None) == "missing"
-        if missing:
-            evicted = self._evicted is not None and self._was_evicted(d, err)
-            with self._lock:
-                self.missing += 1
-                quiet = evicted or self._told_missing
-                self._told_missing = self._told_missing or not evicted
-            if evicted:
-                log.debug("local tier: %s %s of an evicted snapshot: reading it from %s", what, d.hex()[:16],
-                          self.remote.url)
-            if not quiet:
-                log.warning("local tier: %s %s is missing; reading it, and any other object the tier lacks, "
-                            "from %s", what, d.hex()[:16], self.remote.url)
-            return
-        with self._lock:
-            if d in self._told:
-                return
-            self._told.add(d)
-        log.warning("local tier: %s %s failed its check (%s); reading it from %s", what, d.hex()[:16], err,
-                    self.remote.url)
-
-    def _was_evicted(self, d: bytes, err: BaseException) -> bool:
-        try:
-            evicted = self._evicted()
-            snap = getattr(err, "snapshot", None)
-            return d in evicted or (isinstance(snap, str) and bytes.fromhex(snap) in evicted)
-        except (TsckError, ValueError):
-            return False
-
-    # The remote reads pass no fence: the caller's is the local table's gc epoch, and an
-    # object recorded present in the remote's presence record under another store's
-    # epoch could let the uploader skip it wrongly.
-    def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
-                        bounce: bool = False, fence: int | None = None) -> None:
-        try:
-            return self.local.read_block_into(d, out, verify=verify, snapshot=snapshot, path=path, bounce=bounce,
-                                              fence=fence)
-        except (IntegrityError, UnreadableObject) as e:
-            self._fell("block", d, e)
-            err = e
-        try:
-            self.remote.assets.read_block_into(d, out, verify=verify, snapshot=snapshot, path=path, bounce=bounce)
-        except (IntegrityError, UnreadableObject):
-            raise err from None  # in neither tier: the local copy's fault says the most
-
-    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence: int | None = None) -> bytes:
-        try:
-            return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
-        except (IntegrityError, UnreadableObject) as e:
-            self._fell("node", d, e)
-            err = e
-        try:
-            return self.remote.assets.get_node(d, verify=verify, snapshot=snapshot, path=path)
-        except (IntegrityError, UnreadableObject):
-            raise err from None
-
-    def get_commit(self, d: bytes, *, verify: bool = True) -> bytes:
-        try:
-            return self.local.get_commit(d, verify=verify)
-        except (IntegrityError, UnreadableObject) as e:
-            self._fell("commit", d, e)
-            err = e
-        try:
-            return self.remote.assets.get_commit(d, verify=verify)
-        except (IntegrityError, UnreadableObject):
-            raise err from None
-
-    def require_blocks(self, digests, pool, *, snapshot=None, path=None, fence: int | None = None) -> None:
-        digests = list(digests)
-        try:
-            return self.local.require_blocks(digests, pool, snapshot=snapshot, path=path, fence=fence)
-        except IntegrityError:
-            pass
-
-        def one(d: bytes) -> None:
-            if not self.local.block_exists(d):
-                self.remote.assets.require_block(d, snapshot=snapshot, path=path)
-        list(pool.map(one, digests))

@@ -1,0 +1,180 @@
+"""LocalTier: what a Store over a local tier holds, in one object (docs/design/tiers.md).
+
+The Store's Core is the tier's (a local disk and an LMDB table under PATH); the LocalTier
+holds the rest: the uploader (the queue, the remote Core), the reads that fall through to
+the remote, the peer replicas, and the rules where the two catalogs meet (tags, pins,
+retention). The Store calls it at a few points of its own work (a put's start and end,
+a checkout's resolution and reads, tags and pins, close) and knows nothing else of tiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+
+from ..core import Core
+from ..errors import RefNotFound, SnapshotWarning, StorageError, TsckError
+from .collective import CollectiveTier
+from .holds import held, unheld
+from .reads import ReadThrough, newer
+from .uploader import Uploader, early_default
+
+__all__ = ["LocalTier", "STOP_GRACE"]
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE = 2.0  # seconds close() gives an uploader still in a request past its deadline
+
+
+class LocalTier:
+    """A Store's local tier: `uploader` (its `remote` Core), `reads` (the tier's objects,
+    the remote behind), `peers` (replicas=k: this rank's side of the peer replicas)."""
+
+    def __init__(self, core: Core, remote: Core, *, budget: int | None = None, early: bool | None = None,
+                 stop=None, replicas: int = 0):
+        self.core = core
+        self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop)
+        self.reads = ReadThrough(core.assets, remote, evicted=core.refs.evicted)
+        self.peers = None
+        if replicas:
+            from .replicas import Peers  # (the side channel's server starts at the first collective put)
+            self.peers = Peers(core, replicas)
+
+    @property
+    def remote(self) -> Core:
+        return self.uploader.remote
+
+    def after_fork(self) -> None:
+        """In a forked child: the uploader's thread is the parent's (the child's puts are
+        queued in the table; the parent's uploader, or the next open, sends them); the
+        peer server and sender are the parent's too, so the child neither serves nor
+        sends replicas (its collective checkouts read the tier, then the remote)."""
+        self.uploader.after_fork()
+        self.reads.after_fork()
+        self.peers = None
+
+    # -- a put ---------------------------------------------------------------------
+    def begin(self) -> None:
+        """Before a writer (a put, the DCP writer) writes blocks: room under the budget
+        (Uploader.make_room: it may wait for uploads, or raise TierFull with nothing
+        written), then the remote fence its early uploads are recorded under."""
+        self.uploader.make_room()
+        self.uploader.tee_begin()
+
+    def published(self, info):
+        """After a writer published `info` in the tier: queued for upload; durable once
+        the uploader has moved the remote ref."""
+        self.uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
+        return dataclasses.replace(info, durable=False)
+
+    def collective(self) -> CollectiveTier:
+        """What a collective put does besides the protocol (each rank publishes in its own
+        tier and queues its own upload: collective.py)."""
+        peers = self.peers if self.peers is not None and self.peers.join() else None
+        return CollectiveTier(self.core, self.uploader, peers)
+
+    def wait_durable(self, timeout: float | None) -> bool:
+        if self.peers is not None:  # (the replicas go first: a part is sent to the peers, then uploaded)
+            t0 = time.monotonic()
+            self.peers.wait(timeout)
+            timeout = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        return self.uploader.wait_durable(timeout)
+
+    # -- one catalog -------------------------------------------------------------------
+    def set_retention(self, job: str, record: dict | None) -> None:
+        """The job's rules in the remote table too: the uploader prunes the job there
+        after each upload, and an offline `tsck gc` of the remote applies them."""
+        self.remote.refs.retention_set(job, record)
+
+    def held(self, root: bytes) -> None:
+        held(self.uploader, root)
+
+    def unheld(self, *, tag_name: str | None = None, pin: bytes | None = None, root: bytes | None = None) -> None:
+        unheld(self.uploader, tag_name=tag_name, pin=pin, root=root)
+
+    # -- reading -------------------------------------------------------------------------
+    def roots(self, target: str) -> list:
+        """The snapshots `target` names in the tiers, the newest first (reads.newer on
+        their catalog rows): the local one and the remote one where they differ (after a
+        process crash the local tip is the newer; after the node's disk was lost, or when
+        another node wrote on, the remote one). RefNotFound when no tier knows it."""
+        remote = self.remote
+        found, missing, away = [], None, None
+        for core in (self.core, remote):
+            try:
+                root = core.resolve(target)
+                found.append((core, root, core.refs.catalog_get(root)))
+            except RefNotFound as e:
+                missing = missing or e
+            except (StorageError, OSError) as e:
+                if core is self.core:
+                    raise
+                # The remote store is unreachable: the local tier alone is what can be
+                # read. With nothing local, its error, not RefNotFound (which
+                # restore_latest would take for a first run, and start over).
+                log.warning("resolving %s: the remote store at %s is unreachable (%s); using the local tier only",
+                            target, remote.url, e)
+                away = e
+        if not found:
+            raise away or missing
+        if len(found) == 2 and found[0][1] == found[1][1]:
+            found = found[:1]  # the same snapshot: read it where it is nearest
+        if len(found) == 2 and newer(found[1][2], found[0][2]):
+            found.reverse()
+        return [root for _, root, _ in found]
+
+    def reads_for(self, collective: bool):
+        """What a checkout reads through: the tier, the remote behind; a collective
+        checkout with replicas also asks the ranks holding this rank's replicas for what
+        its tier lacks (lost with its node) before the remote."""
+        if collective and self.peers is not None and self.peers.join():
+            from .replicas import peer_reads
+            return peer_reads(self.reads, self.peers)
+        return self.reads
+
+    # -- close ---------------------------------------------------------------------------
+    def close(self, deadline: float | None, path: str, stacklevel: int) -> None:
+        """Finish the uploads queued (as close() finishes asynchronous puts: a job that
+        ends with close() leaves its snapshots in the remote store) until `deadline`
+        (time.monotonic(); None: no bound) or a failed upload attempt, then stop the
+        uploader and release the remote store. An uploader that stopped on a failure is
+        not waited for (the Store's close raises it at the end, unless wait_durable()
+        did); whatever stays queued (a failure, the deadline, an interrupt) is resumed by
+        the next open of the tier at `path`, and a SnapshotWarning says so."""
+        if self.peers is not None:
+            self.peers.wait()  # the replicas being sent (the server goes once the uploads are done)
+        up = self.uploader
+        why = "close() was interrupted"
+        try:
+            try:
+                why = up.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            finally:
+                ended = up.close(None if deadline is None else max(STOP_GRACE, deadline - time.monotonic()))
+                if not ended:
+                    log.warning("local tier: the uploader to %s is still in a request after close's timeout; it is "
+                                "left to end by itself (it publishes nothing wrongly: its storage requests now fail, "
+                                "and a ref moves only after every object was sent)", up.remote.url)
+                try:
+                    queued = up.queued()
+                except TsckError:  # (the local table refused: what is queued stays, said by the next open)
+                    queued = 0
+                remote = up.remote
+                # Under a deadline, a copy still in a request (the remote answers nothing) is
+                # not waited for: closing the storage below ends it.
+                remote.pool.shutdown(wait=ended and deadline is None, cancel_futures=True)
+                remote.refs.release_abandoned_gc()
+                remote.refs.close()
+                remote.storage.close()
+                if queued and up.error is None:  # (a failure that stopped the uploader says it all: raised)
+                    warnings.warn(f"store {remote.url}: {queued} snapshot(s) not uploaded stay queued in the local "
+                                  f"tier {path} ({why or 'close() ended first'}); they are safe there, and the next "
+                                  f"open_store(..., local={path!r}) uploads them", SnapshotWarning,
+                                  stacklevel=stacklevel)
+        finally:
+            if self.peers is not None:
+                self.peers.close()
+
+    def unheard(self) -> BaseException | None:
+        return self.uploader.unheard()
