@@ -1,6 +1,15 @@
 """A local tier in front of a remote store (docs/design/tiers.md): open_store(remote,
 local=PATH) publishes on a local disk and a background uploader makes each snapshot
-durable in the remote store.
+durable in the remote store. The Store holds one LocalTier and calls nothing else here.
 
-    opening.py   the tier's Core and the Store over it, the remote opened on first use
+    local.py        LocalTier: what a Store over a tier holds, its few meeting points
+    opening.py      the tier's Core made (and the remote opened on first use)
+    replicas.py     peer replicas over a TCP side channel
+    uploader.py     the queue and its thread: objects the remote lacks, then its ref moved
+    collective.py   a collective put through tiers: each rank's part, rank 0's move
+    holds.py        one catalog: the tier's tags and pins made in the remote table
+    budget.py       the tier's bytes, and durable copies evicted to fit
+    reads.py        reads through the tier with the remote behind; which tier is newer
+
+Each room imports only those listed below it (pyproject.toml, import-linter).
 """
