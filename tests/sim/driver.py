@@ -51,7 +51,14 @@ catalog has it; each tier passes its fsck; one root in every tier; tier checkout
 bit-exact; wait_durable's True; no close() on damage; no ref moved back; no part intent left
 by a rank that heard its put's outcome; a block damaged on a tier's disk, worker op rot,
 never reaches the remote damaged: T10, and only it excuses T3, T5 and T7). To I1-I9 such a put is of unknown
-outcome: it reaches the remote only if and when an uploader gets there.
+outcome: it reaches the remote only if and when an uploader gets there. Some tiers' writers
+have a job of their own (its retention set at start, pruned after puts, tags and pins on its
+snapshots, some removed again), some a budget, some a tier shared by two processes, and a
+tier may lose its ref table before a round (refused at open naming recover, `tsck recover`):
+T11 nothing the job keeps (rules over both catalogs, tags, pins) is lost in both tiers; T12
+after a clean close() what the job keeps is in the remote catalog; T13 a tier's bytes within
+its budget plus a snapshot (judged where the budget bounds: tsck.TierFull); T14 no
+IntegrityError where no tier was damaged; T15 the lost table's open refused naming recover.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
 ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
@@ -472,6 +479,9 @@ class Harness:
             on = crng.random() < fl.get("catalog_p", 0.4)
             keep_last, keep_best = crng.randint(1, 3), crng.choice([0, 1])
             budget = crng.randint(1, 3) * one if crng.random() < fl.get("budget_p", 0.2) else None
+            # Uploads that lag behind the puts (the remote's block requests slowed): a backlog
+            # for the backlog rule, durable copies held back from the budget.
+            lag = crng.random() < 0.5
             if not on:
                 continue
             job = "j" + os.path.basename(path)
@@ -482,6 +492,9 @@ class Harness:
                          budget=budget, sharing=len(cs), reuse=[])
                 if c.get("rot"):
                     c["weights"]["rot"] = 1.5
+                if lag:
+                    c["lag"] = True
+                    c["faults"]["slow"] = dict(c["faults"].get("slow") or {}, **{"blocks/": 0.2})
 
     def _lose_tier_tables(self, r: int, fl: dict, tiered: list) -> list[str]:
         """Before the round's tier writers open their tiers (tier_lost_p each, a stream of
@@ -534,7 +547,7 @@ class Harness:
                  + (f":keep{c['catalog']['keep_last']}{'+best' if c['catalog']['keep_best'] else ''}"
                     if c.get("catalog") else "")
                  + (f":budget{c['budget'] // 1000}k" if c.get("budget") else "")
-                 + (":shared" if c.get("sharing", 1) > 1 else "")
+                 + (":shared" if c.get("sharing", 1) > 1 else "") + (":lag" if c.get("lag") else "")
                  for c in tiered]
         counts: dict = {}  # the catalog writers' calls by outcome (tag:ok, kept:ok, prune:GcBusy...)
         for o in check.load_ops(self.run_dir):
