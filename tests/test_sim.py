@@ -77,10 +77,13 @@ def test_harness_step():
 @pytest.mark.slow
 def test_harness_tier():
     """Writers through local tiers beside the others (flavor tier): uploads killed at the
-    uploader's stages and by the driver, tiers re-opened by later rounds' workers."""
+    uploader's stages and by the driver, tiers re-opened by later rounds' workers; writers
+    with a job of their own (retention, prunes, tags and pins: T11-T14), two of them
+    sharing one tier."""
     out = _run_harness("file", {}, ["--rounds", "2", "--round-seconds", "3", "--focus", "tier"], seeds="tier")
     tiers = re.findall(r" tier=(\S+)", out)
     assert len(tiers) == 2 and "off" not in tiers, out[-3000:]
+    assert ":keep" in tiers[0] and ":shared" in tiers[0], out[-3000:]
     assert sum(int(n) for n in re.findall(r"upload_kills=(\d+)", out)) >= 1, out[-3000:]
 
 

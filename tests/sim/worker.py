@@ -805,8 +805,10 @@ class Worker:
         with tsck.open_store(self.cfg["tier"], create=False) as t, open_store(dict(self.cfg, tier=None), None) as r:
             now = check.kept_over_tiers(t, r, job)
             remote = {root.hex() for root, _ in r.reftable.catalog_iter()}
+            pinned = {root.hex() for root in t.reftable.pins()}
         both = sorted(before & now)
-        return {"kept": len(both), "not_remote": [x for x in both if x not in remote]}
+        missing = [x for x in both if x not in remote]
+        return {"kept": len(both), "not_remote": missing, "pinned": [x for x in missing if x in pinned]}
 
     def _journaled(self, i: int, op: str, args: dict, call) -> dict:
         self.j.write(i=i, op=op, args=args, start=time.time())
