@@ -77,10 +77,13 @@ def test_harness_step():
 @pytest.mark.slow
 def test_harness_tier():
     """Writers through local tiers beside the others (flavor tier): uploads killed at the
-    uploader's stages and by the driver, tiers re-opened by later rounds' workers."""
+    uploader's stages and by the driver, tiers re-opened by later rounds' workers; writers
+    with a job of their own (retention, prunes, tags and pins: T11-T14), two of them
+    sharing one tier."""
     out = _run_harness("file", {}, ["--rounds", "2", "--round-seconds", "3", "--focus", "tier"], seeds="tier")
     tiers = re.findall(r" tier=(\S+)", out)
     assert len(tiers) == 2 and "off" not in tiers, out[-3000:]
+    assert ":keep" in tiers[0] and ":shared" in tiers[0], out[-3000:]
     assert sum(int(n) for n in re.findall(r"upload_kills=(\d+)", out)) >= 1, out[-3000:]
 
 
@@ -167,11 +170,12 @@ def test_checker_reports_damage_and_false_claims(tmp_path):
 
 
 def test_checker_reports_tier_violations(tmp_path):
-    """check_tiers (T1-T9) bites: a durable-marked snapshot the remote lacks, a remote ref
+    """check_tiers (T1-T14) bites: a durable-marked snapshot the remote lacks, a remote ref
     on a missing block, a damaged tier, a remote root for a tier put that the tier never
     published, a wait_durable that said True too early, and a remote ref moved back to a
-    tier snapshot it had left, and a rank's part intent outliving a heard outcome
-    are each reported."""
+    tier snapshot it had left, and a rank's part intent outliving a heard outcome; a
+    tagged snapshot held in neither tier, a kept one missing remotely after close, a tier
+    past its budget, an IntegrityError where nothing was damaged are each reported."""
     from tensorstore_ck.walk import walk_commit
     url, tier = tmp_path / "store", tmp_path / "tier"
     tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
@@ -193,7 +197,7 @@ def test_checker_reports_tier_violations(tmp_path):
         ops = check.load_ops(str(tmp_path))
         assert all(o.local_only and o.unknown and not o.ok for o in ops if o.op == "put")  # to I3/I9: unknown
         bad, stats = check.check_tiers(s, tiers, ops)
-        assert bad == [] and stats == {"puts": 3, "durable": 3}, bad
+        assert bad == [] and stats == {"puts": 3, "durable": 3, "budget_over": 0}, bad
 
         # The remote catalog loses a snapshot the tier marked durable, behind the harness's back.
         s.forget(infos[0].root)
@@ -208,16 +212,31 @@ def test_checker_reports_tier_violations(tmp_path):
             {"w": "w", "i": 6, "op": "durable", "args": {"tier": "t0", "timeout": 1}, "start": t + 6},
             {"w": "w", "i": 6, "end": t + 6.5, "result": "ok", "durable": True, "unmarked": [infos[0].root]},
             {"w": "w", "i": 7, "op": "close", "args": {"tier": "t0"}, "start": t + 7},
-            {"w": "w", "i": 7, "end": t + 7.5, "result": "IntegrityError", "error": "damaged"}])
+            {"w": "w", "i": 7, "end": t + 7.5, "result": "IntegrityError", "error": "damaged"},
+            # A catalog writer's job (no snapshot of it), a tag it made on a root neither tier
+            # holds, a kept snapshot missing remotely after its close, a put past the budget.
+            {"w": "w", "i": 10, "op": "retention", "args": {"job": "jx", "keep_last": 1, "tier": "t0"}, "start": t + 1},
+            {"w": "w", "i": 10, "end": t + 1.1, "result": "ok"},
+            {"w": "w", "i": 11, "op": "tag", "args": {"name": "t-w-11", "target": "ab" * 32, "tier": "t0"},
+             "start": t + 8},
+            {"w": "w", "i": 11, "end": t + 8.1, "result": "ok", "root": "ab" * 32},
+            {"w": "w", "i": 12, "op": "kept", "args": {"tier": "t0", "job": "ja", "before": [infos[0].root]},
+             "start": t + 8},
+            {"w": "w", "i": 12, "end": t + 8.1, "result": "ok", "kept": 1, "not_remote": [infos[0].root]},
+            {"w": "w", "i": 13, "op": "put", "start": t + 9,
+             "args": {"ref": "jx/main", "step": 9, "spec": content.make_spec("w", 13, 0, 9), "tier": "t0",
+                      "budget": 1000, "sharing": 1}},
+            {"w": "w", "i": 13, "end": t + 9.1, "result": "ok", "root": "cd" * 32, "tier_bytes": 10 ** 7}])
         # A tier block damaged (flipped byte).
         lblk = next(p for p in (tier / "blocks").rglob("*") if p.is_file())
         data = bytearray(lblk.read_bytes())
         data[-1] ^= 0xFF
         lblk.write_bytes(bytes(data))
-        bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)))
+        bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)), judge_budget=True)
     for code, what in [("T1", "missing remotely"), ("T2", infos[0].root[:16]), ("T3", "tier t0 fsck"),
                        ("T4", "never published that root"), ("T5", "tier t0"), ("T6", infos[0].root[:16]),
-                       ("T7", "IntegrityError")]:
+                       ("T7", "IntegrityError"), ("T11", "abababababababab"), ("T12", infos[0].root[:16]),
+                       ("T13", "past its budget"), ("T14", "raised IntegrityError")]:
         assert any(b.startswith(code) and what in b for b in bad), (code, bad)
     assert not any(b.startswith("T8") for b in bad), bad
     # The remote ref moved back to a tier snapshot it had left (as a resumed upload did).

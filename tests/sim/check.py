@@ -24,6 +24,10 @@ from . import content
 
 
 # -- the journals ------------------------------------------------------------------------
+# Calls a tier writer makes in its tier, which reach the remote store only through its uploader.
+TIER_OPS = ("put", "tag", "pin", "untag", "unpin")
+
+
 @dataclass
 class Op:
     w: str
@@ -43,8 +47,10 @@ class Op:
     def local_only(self) -> bool:
         """A put through a local tier that returned: published in the tier, and in the
         remote store (what the other checks judge) only if and when its uploader gets
-        there. To them its outcome is unknown: it may take effect, even much later."""
-        return self.result == "ok" and self.op == "put" and bool(self.args.get("tier"))
+        there. To them its outcome is unknown: it may take effect, even much later. So
+        are a tier writer's tags, pins and their removals (made in the remote by the
+        uploader, or best effort)."""
+        return self.result == "ok" and self.op in TIER_OPS and bool(self.args.get("tier"))
 
     @property
     def unknown(self) -> bool:
@@ -53,8 +59,10 @@ class Op:
 
     @property
     def failed(self) -> bool:
-        """The call said it failed: its effect must not exist (I9)."""
-        return not self.unknown and self.result not in ("ok", "mismatch")
+        """The call said it failed: its effect must not exist (I9). A tier writer's tag or
+        pin that failed is the tier's business (check_tiers)."""
+        return not self.unknown and self.result not in ("ok", "mismatch") and \
+            not (self.op in TIER_OPS and self.op != "put" and self.args.get("tier"))
 
     def brief(self) -> str:
         res = "UNKNOWN (killed)" if self.end is None else self.result
@@ -435,7 +443,74 @@ def _dropped_legitimately(ops: list[Op], put: Op, root: str) -> bool:
     return (k is not None and later >= k) or _deleted_after(ops, put.args["ref"], put.start) or forgotten
 
 
-def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str], dict]:
+def kept_over_tiers(tier, remote, job: str) -> set[str]:
+    """The roots of `job` (hex) that must be held in one tier or the other: the tier's
+    tags, pins and ref tips, and what the job's rules keep over the union of both tiers'
+    catalogs (a row the tier holds counts in its publication order, one only the remote
+    holds by its time; where the two tables' rules differ, a snapshot both keep). A job
+    without rules keeps every row."""
+    from tensorstore_ck.retention import Retention, SnapRow, explain_kept
+    lt, rt = tier.reftable, remote.reftable
+    rows: dict[bytes, SnapRow] = {}
+
+    def snap(root, row, seq=None, recovered=False):
+        return SnapRow(root, row.get("step"), float(row.get("time", 0.0)), dict(row.get("metrics") or {}), seq,
+                       str(row.get("ref", "")), recovered)
+    for root, row in rt.catalog_iter():
+        if row.get("job") == job:
+            rows[root] = snap(root, row)
+    order = lt.publication_record()
+    for root, row in lt.catalog_iter():
+        if row.get("job") == job:
+            rows[root] = snap(root, row, *order.get(root, (None, False)))
+    kept = set(rows)
+    for rec in (lt.retention_all().get(job), rt.retention_all().get(job)):
+        if rec is not None:
+            kept &= set(explain_kept(list(rows.values()), Retention.from_dict(rec), lt.wall_now()))
+    return {r.hex() for r in kept | (set(_tier_holds(tier)) & set(rows))}
+
+
+def _tier_holds(tier) -> dict[bytes, str]:
+    """root -> what holds it in the tier whatever the rules say (a tag, a pin, a ref tip)."""
+    lt, out = tier.reftable, {}
+    for name, r in lt.tags():
+        out.setdefault(r, f"tag {name}")
+    for r in lt.pins():
+        out.setdefault(r, "pinned")
+    for name, r in lt.list():
+        out.setdefault(r, f"tip of {name}")
+    return out
+
+
+def _tier_jobs(ops: list[Op], tname: str) -> set[str]:
+    """The jobs of tier `tname`'s catalog writers (their retention calls name them)."""
+    return {o.args["job"] for o in ops if o.op == "retention" and o.args.get("tier") == tname}
+
+
+def _held_somewhere(tier, store, lcat: dict, evicted: set, root: str, cache: dict) -> str | None:
+    """None if `root` checks out bit-exact from the tier (its row there, its copy not
+    evicted) or from the remote store (its row there), else why not."""
+    why = []
+    if root in lcat and root not in evicted:
+        if ("t", root) not in cache:
+            cache[("t", root)] = verify_root(tier, bytes.fromhex(root))
+        if cache[("t", root)] is None:
+            return None
+        why.append(f"tier: {cache[('t', root)]}")
+    else:
+        why.append("tier: " + ("evicted" if root in lcat else "no catalog row"))
+    if store.reftable.catalog_get(bytes.fromhex(root)) is not None:
+        if ("r", root) not in cache:
+            cache[("r", root)] = verify_root(store, bytes.fromhex(root))
+        if cache[("r", root)] is None:
+            return None
+        why.append(f"remote: {cache[('r', root)]}")
+    else:
+        why.append("remote: no catalog row")
+    return "; ".join(why)
+
+
+def check_tiers(store, tiers: dict[str, str], ops: list[Op], judge_budget: bool = False) -> tuple[list[str], dict]:
     """T1-T9, the local tiers against the remote store (`store`, quiescent, no tier open):
 
       T1  every remote ref tip names no object missing remotely (its commit, every node
@@ -461,11 +536,27 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           only a rank killed before hearing it, or told OutcomeUnknown, leaves one,
           which its next open sends;
       T10 a block damaged on a tier's disk never reaches the remote damaged: if the
-          remote holds it, its copy there is whole (it left from memory, or before).
-    -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable})."""
+          remote holds it, its copy there is whole (it left from memory, or before);
+      T11 nothing a catalog writer's job keeps is lost in both tiers: every tag and pin
+          such a writer made (journaled ok) and nobody removed since, and every snapshot
+          its job's rules keep over the union of the tier's and the remote's catalogs
+          (kept_over_tiers), checks out bit-exact from the tier (not evicted) or from the
+          remote (listed there); a pin is excused by a later loss of either ref table
+          (pins live only there), damage done to the tier's disk by a lost copy;
+      T12 what a job keeps becomes durable within the backlog bound: after a catalog
+          writer's close() returned, every snapshot its tier kept before the close and
+          the job still keeps over both tiers is in the remote catalog (worker op "kept");
+      T13 a tier's stored bytes, sampled as each put of a writer with a budget returns,
+          stay within the budget plus one snapshot per process sharing the tier (judged
+          with judge_budget: a budget that bounds, tsck.TierFull);
+      T14 no IntegrityError from a tier writer's put, wait_durable() or close() where no
+          worker damaged that tier's disk (op rot): a snapshot that left the tier on
+          purpose, or that another process sharing it made durable, is no damage.
+    -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable,
+       "budget_over": samples past T13's bound})."""
     from tensorstore_ck.walk import walk_commit
     rt, bad = store.reftable, []
-    stats = {"puts": 0, "durable": 0}
+    stats = {"puts": 0, "durable": 0, "budget_over": 0}
     rotted: dict[str, dict[str, str]] = {}  # tier -> {digest: key} of the blocks a writer damaged there
     for o in ops:
         if o.op == "rot" and o.ok and o.out.get("key"):
@@ -502,6 +593,27 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
             continue  # its uploader found the damage done to its disk, and stopped there
         if o.op == "close" and (o.result == "IntegrityError" or o.out.get("raw")):
             bad.append(f"T7 close() of a tiered store raised {o.result}: {o.brief()} {o.out.get('trace', '')[-800:]}")
+        if o.op in ("put", "durable", "close") and o.result == "IntegrityError" and o.args.get("tier") \
+                and o.args["tier"] not in rotted:  # T14
+            bad.append(f"T14 {o.op} of a writer through tier {o.args['tier']}, whose disk no worker damaged, "
+                       f"raised IntegrityError: {o.brief()}")
+        # (a tier's pin that a lost remote table took with it is not made there again: a
+        # known gap, so a pin in the tier after such a loss is not judged)
+        lost_pins = set(o.out.get("pinned") or ()) if any(b.op == "delete_refs" and b.start < o.start for b in ops) \
+            else set()
+        if o.op == "kept" and o.result == "ok" and set(o.out.get("not_remote") or ()) - lost_pins \
+                and o.args["tier"] not in rotted:  # T12
+            bad.append(f"T12 after close() returned, snapshots tier {o.args['tier']} kept (job {o.args['job']}) and "
+                       f"the job still keeps are not in the remote catalog: "
+                       f"{[r[:16] for r in o.out['not_remote']]}: {o.brief()}")
+        if o.op == "put" and o.result == "ok" and o.args.get("budget") and o.out.get("tier_bytes") is not None:
+            bound = o.args["budget"] + o.args.get("sharing", 1) * content.stored_bytes(o.args["spec"])
+            if o.out["tier_bytes"] > bound:  # T13
+                stats["budget_over"] += 1
+                if judge_budget:
+                    bad.append(f"T13 tier {o.args['tier']} held {o.out['tier_bytes']} B as a put returned, past its "
+                               f"budget {o.args['budget']} B plus {o.args.get('sharing', 1)} snapshot(s) "
+                               f"({bound} B): {o.brief()}")
     remote_by_spec: dict[tuple, list] = {}
     for root, row in catalog.items():
         sp = (row.get("meta") or {}).get("sim") or {}
@@ -517,17 +629,18 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
             bad += [f"T3 tier {tname} fsck: {f}" for f in rep.findings[:20] if not damaged(tname, str(f))]
             lcat = {r.hex(): row for r, row in t.reftable.catalog_iter()}
             marked = {r.hex() for r in t.reftable.durable(bytes.fromhex(r) for r in lcat)}
+            evicted = {r.hex() for r in t.reftable.evicted()}  # (the budget's: read through the remote)
             stats["puts"] += len(lcat)
             stats["durable"] += len(marked)
             # A collective snapshot is whole in no single tier (each holds its rank's part):
             # T3's fsck checks the part, T1 and the checks of puts the remote copy.
             parts = {r.hex() for r in t.reftable.parts()}
-            for root in sorted(set(lcat) - parts):  # T5
+            for root in sorted(set(lcat) - parts - evicted):  # T5
                 why = verify_root(t, bytes.fromhex(root))
                 if why is not None and not damaged(tname, why):
                     bad.append(f"T5 tier {tname} snapshot {root[:16]}: {why}")
             for name, root in t.reftable.list():
-                if root.hex() in parts:
+                if root.hex() in parts or root.hex() in evicted:
                     continue
                 why = verify_root(t, root, name)
                 if why is not None and not damaged(tname, why):
@@ -553,14 +666,24 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                     bad.append(f"T4 remote row of {root[:16]} differs from tier {tname}'s (spec/ref "
                                f"{(row.get('meta') or {}).get('sim')} {row.get('ref')} vs {spec} {lrow.get('ref')})")
             # T4: whatever the remote holds of this tier's puts is the tier's own root
+            local_by_spec: dict[tuple, set] = {}
+            for root, lrow in lcat.items():
+                sp = (lrow.get("meta") or {}).get("sim") or {}
+                local_by_spec.setdefault((sp.get("w"), sp.get("o")), set()).add(root)
             for key, put in tier_puts.items():
                 # (a rank's tier keeps what rank 0's tier keeps: its own prune drops rows)
                 if put.args.get("tier") != tname or put.args.get("rank_tiers"):
                     continue
+                # The put's own root if it returned; else the tier's row of its spec, unless a
+                # prune of the tier (or a lost table) took that row: then nothing says.
+                own = {put.out["root"]} if put.local_only else local_by_spec.get(key, set())
+                if not own and (_tier_jobs(ops, tname) or any(o.op == "tier_lost" for o in ops)):
+                    continue
                 for root in remote_by_spec.get(key, []):
-                    if root not in lcat:
+                    if root not in own:
                         bad.append(f"T4 the remote catalog has {root[:16]} for a put through tier {tname}, which "
                                    f"never published that root: {put.brief()}")
+            bad += _check_kept(store, t, tname, ops, lcat, evicted, damaged)  # T11
             for part, rec in sorted(t.reftable.intents().items()):  # T9
                 def told(o: Op) -> str | None:  # what this tier's rank was told (None: killed first)
                     ranks = o.out.get("ranks") or []
@@ -585,3 +708,35 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                     bad.append(f"T4 remote ref {name} names {root[:16]}, tier {tname}'s snapshot of ref "
                                f"{lcat[root].get('ref')}")
     return bad, stats
+
+
+def _check_kept(store, t, tname: str, ops: list[Op], lcat: dict, evicted: set, damaged) -> list[str]:
+    """T11 for tier `tname` (opened as `t`): its catalog writers' jobs keep nothing that
+    neither tier holds."""
+    bad: list[str] = []
+    cache: dict = {}
+    barriers = [o.start for o in ops if o.op == "delete_refs" or (o.op == "tier_lost" and o.args.get("tier") == tname)]
+    want: dict[str, str] = {}  # root -> why it must be held
+    jobs = sorted(_tier_jobs(ops, tname))
+    if jobs:  # (a tier may hold other jobs' snapshots, of writers without a job of their own)
+        remote_lost = any(o.op == "delete_refs" for o in ops)  # (its pins went with it: see T12)
+        want.update({r.hex(): f"{why} in the tier" for r, why in _tier_holds(t).items()
+                     if (lcat.get(r.hex()) or {}).get("job") in jobs and not (remote_lost and why == "pinned")})
+    for job in jobs:
+        for root in kept_over_tiers(t, store, job):
+            want.setdefault(root, f"job {job}'s rules keep it")
+    for o in ops:
+        if o.result != "ok" or o.args.get("tier") != tname or not o.out.get("root"):
+            continue
+        if o.op == "tag" and not any(u.op == "untag" and u.args.get("name") == o.args["name"] and _may_follow(u, o.start)
+                                     for u in ops):
+            want.setdefault(o.out["root"], f"tag {o.args['name']}")
+        if o.op == "pin" and not any(b > o.start for b in barriers) and not any(
+                u.op == "unpin" and _may_follow(u, o.start)
+                and (u.out.get("root") or u.args.get("target")) in (o.out["root"], o.args["target"]) for u in ops):
+            want.setdefault(o.out["root"], "pinned")
+    for root, why in sorted(want.items()):
+        lost = _held_somewhere(t, store, lcat, evicted, root, cache)
+        if lost is not None and not damaged(tname, lost):
+            bad.append(f"T11 tier {tname}: snapshot {root[:16]} ({why}) is held in neither tier: {lost}")
+    return bad

@@ -89,6 +89,15 @@ def state(spec: dict) -> dict:
     return st
 
 
+def stored_bytes(spec: dict) -> int:
+    """An upper bound of what a put of `spec` stores new in an empty tier: its tensors'
+    bytes (stored uncompressed at worst), plus frames, nodes and the commit (SLACK)."""
+    return sum(v.numel() * v.element_size() for v in state(spec).values() if isinstance(v, torch.Tensor)) + SLACK
+
+
+SLACK = 16384
+
+
 def rank_state(spec: dict, rank: int, world: int) -> dict:
     """Rank `rank`'s part of a collective put of `spec` (spec["c"] == world): base and var
     replicated (each block written by one rank), own cut into row ranges (one sub-tree

@@ -51,7 +51,14 @@ catalog has it; each tier passes its fsck; one root in every tier; tier checkout
 bit-exact; wait_durable's True; no close() on damage; no ref moved back; no part intent left
 by a rank that heard its put's outcome; a block damaged on a tier's disk, worker op rot,
 never reaches the remote damaged: T10, and only it excuses T3, T5 and T7). To I1-I9 such a put is of unknown
-outcome: it reaches the remote only if and when an uploader gets there.
+outcome: it reaches the remote only if and when an uploader gets there. Some tiers' writers
+have a job of their own (its retention set at start, pruned after puts, tags and pins on its
+snapshots, some removed again), some a budget, some a tier shared by two processes, and a
+tier may lose its ref table before a round (refused at open naming recover, `tsck recover`):
+T11 nothing the job keeps (rules over both catalogs, tags, pins) is lost in both tiers; T12
+after a clean close() what the job keeps is in the remote catalog; T13 a tier's bytes within
+its budget plus a snapshot (judged where the budget bounds: tsck.TierFull); T14 no
+IntegrityError where no tier was damaged; T15 the lost table's open refused naming recover.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
 ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
@@ -146,6 +153,10 @@ MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1, "remo
 # persist across rounds: a later worker re-opens one and resumes its queue.
 TIERS = 3
 TIER_WEIGHTS = {"put": 5, "read": 1, "durable": 1.5}
+# A catalog writer (a job of its own in its tier, drawn from a stream of its own): its
+# rules set at start and the job pruned after most puts (as a CheckpointManager does), tags
+# and pins on any of the job's snapshots in the tier, some removed again.
+CATALOG_WEIGHTS = dict(TIER_WEIGHTS, tag=1.0, pin=0.7, untag=0.3, unpin=0.4)
 TIER_STAGES = ["block", "block", "node", "commit", "move", "durable"]
 TIER_ENDS = ["close", "close", "wait", "kill"]
 for _f in FLAVORS.values():
@@ -162,7 +173,8 @@ FLAVORS["recover-live"]["tier_p"] = 0.0  # the table is rebuilt under the writer
 FLAVORS["step"] = dict(FLAVORS["mix"], weights=dict(FLAVORS["mix"]["weights"], cput=5, put=8), skip_p=0.5,
                        grow_p=0.9, blocking_p=0.2)
 # --focus tier: every round has tier writers, their uploaders killed more often.
-FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6, rot_p=0.3)
+FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6, rot_p=0.3, catalog_p=0.8,
+                       share_p=0.5, budget_p=0.5, tier_lost_p=0.2)
 # Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
 # worker's fsck or gc runs (faults.py `unreadable`; a stream of its own): in every round of
 # --focus unreadable, and in 30% of a worker's rounds on the dirfs backend (a filesystem of
@@ -190,8 +202,11 @@ def leases_for(backend: str) -> list[float]:
 class Harness:
     def __init__(self, seed: int, backend: str, *, rounds: int, focus: str | None = None, stale_skew: bool = True,
                  round_seconds: float = 5.0, pg_dsn: str | None = None, run_dir: str | None = None,
-                 keep: bool = False, log=print):
+                 keep: bool = False, log=print, judge_budget: bool | None = None):
         self.seed, self.backend, self.rounds, self.focus = seed, backend, rounds, focus
+        # T13 (a tier's bytes within its budget plus a snapshot) holds once the budget is a
+        # bound: a put waits for room, then fails with TierFull.
+        self.judge_budget = hasattr(tsck, "TierFull") if judge_budget is None else judge_budget
         self.stale_skew, self.round_seconds, self.log, self.keep = stale_skew, round_seconds, log, keep
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"tsck-sim-{seed}-")
         os.makedirs(os.path.join(self.run_dir, "journal"), exist_ok=True)
@@ -200,7 +215,7 @@ class Harness:
         self.dj = Journal(os.path.join(self.run_dir, "journal", "driver.jsonl"), "driver")
         self.di = 0
         self.barriers: list[float] = []  # when the ref table was deleted
-        self._tier_puts = self._tier_durable = 0
+        self._tier_puts = self._tier_durable = self._budget_over = 0
         self.tiers = {f"t{k}": os.path.join(self.run_dir, "tiers", f"t{k}") for k in range(TIERS)}
         self.rank_tiers = {n: os.path.join(self.run_dir, "tiers", n) for n in RANK_TIERS}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -264,7 +279,7 @@ class Harness:
         rng = random.Random(f"{self.seed}:{r}")
         flavor = self.focus or rng.choices(list(MIX_DRAW), list(MIX_DRAW.values()))[0]
         fl = FLAVORS[flavor]
-        t0 = time.time()
+        t0 = self._round_t0 = time.time()
         n = rng.randint(2, 4)
         # gc leases (seconds): each gc declares its own; on s3 a lease must outlast a delete
         # request (the 6 s of client timeouts set in backends.py) and two renewal periods.
@@ -315,6 +330,7 @@ class Harness:
         # (no draw for the other flavors: their seeded schedules stay as they were)
         live = self._live_recover_start(rng, fl, r) if fl.get("live_recover_p") and \
             rng.random() < fl["live_recover_p"] else None
+        bad = self._lose_tier_tables(r, fl, tiered)
         # its own draws: the schedules of operations stay what they were
         net_on = self.net.start_round(random.Random(f"{self.seed}:{r}:net"), heavy=fl.get("net") == "heavy")
         procs = [self._spawn(c) for c in cfgs]
@@ -347,7 +363,6 @@ class Harness:
                         stuck_pids.add(p.pid)
                 stuck = len(stuck_pids)
             time.sleep(0.02)
-        bad = []
         for c, p in zip(cfgs, procs):
             if p.returncode not in (0, -signal.SIGKILL):
                 with open(os.path.join(self.run_dir, f"{c['id']}.err"), errors="replace") as f:
@@ -414,13 +429,18 @@ class Harness:
 
     def _tier_writers(self, r: int, fl: dict, cfgs: list) -> list[dict]:
         """Make 1-2 of the round's workers (never the first: it drives the collective puts)
-        writers through a local tier, each its own (two processes never share a tier)."""
+        writers through a local tier, each its own, or (share_p, a stream of its own) the
+        second opening the first's tier too: two processes, one tier, one queue. Then
+        _catalog_writers gives some a job of their own."""
         trng = random.Random(f"{self.seed}:{r}:tier")
         if len(cfgs) < 2 or trng.random() >= fl["tier_p"]:
             return []
         m = trng.randint(1, min(2, len(cfgs) - 1))
         out = []
-        for k, name in zip(trng.sample(range(1, len(cfgs)), m), trng.sample(sorted(self.tiers), m)):
+        names = trng.sample(sorted(self.tiers), m)
+        if m == 2 and random.Random(f"{self.seed}:{r}:share").random() < fl.get("share_p", 0.2):
+            names[1] = names[0]
+        for k, name in zip(trng.sample(range(1, len(cfgs)), m), names):
             c = cfgs[k]
             c.update(tier=self.tiers[name], weights=dict(TIER_WEIGHTS), vulture_p=0.0,
                      tier_end=trng.choice(TIER_ENDS))
@@ -441,7 +461,79 @@ class Harness:
                 # often lands before the uploader reads that block.
                 c["faults"]["slow"] = dict(c["faults"].get("slow") or {}, **{"blocks/": 0.2})
             out.append(c)
+        self._catalog_writers(r, fl, out)
         return out
+
+    def _catalog_writers(self, r: int, fl: dict, tiered: list) -> None:
+        """Give the writers of some tiers (catalog_p per tier, a stream of its own) the
+        tier's job ("j" + the tier's name, its refs the writer's slot's: a second writer of
+        a shared tier has refs of its own in the same job): its retention (keep_last 1-3,
+        keep_best in half), set at start; prunes after puts; tags, pins and their removals;
+        some a budget of 1-3 snapshots' bytes, one for every process of that tier."""
+        crng = random.Random(f"{self.seed}:{r}:catalog")
+        by_tier: dict[str, list] = {}
+        for c in tiered:
+            by_tier.setdefault(c["tier"], []).append(c)
+        one = content.stored_bytes(content.make_spec("w", 0, 0, 0))
+        for path, cs in sorted(by_tier.items()):
+            on = crng.random() < fl.get("catalog_p", 0.4)
+            keep_last, keep_best = crng.randint(1, 3), crng.choice([0, 1])
+            budget = crng.randint(1, 3) * one if crng.random() < fl.get("budget_p", 0.2) else None
+            # Uploads that lag behind the puts (the remote's block requests slowed): a backlog
+            # for the backlog rule, durable copies held back from the budget.
+            lag = crng.random() < 0.5
+            if not on:
+                continue
+            job = "j" + os.path.basename(path)
+            for slot, c in enumerate(cs):
+                tail = "" if slot == 0 else str(slot + 1)
+                c.update(catalog={"job": job, "keep_last": keep_last, "keep_best": keep_best},
+                         refs=[f"{job}/main{tail}", f"{job}/side{tail}"], jobs=[job], weights=dict(CATALOG_WEIGHTS),
+                         budget=budget, sharing=len(cs), reuse=[])
+                if c.get("rot"):
+                    c["weights"]["rot"] = 1.5
+                if lag:
+                    c["lag"] = True
+                    c["faults"]["slow"] = dict(c["faults"].get("slow") or {}, **{"blocks/": 0.2})
+
+    def _lose_tier_tables(self, r: int, fl: dict, tiered: list) -> list[str]:
+        """Before the round's tier writers open their tiers (tier_lost_p each, a stream of
+        its own): a tier that holds snapshots loses its ref table (refs.lmdb removed, as a
+        disk's table file lost); opening it must be refused, NotAStore naming `tsck recover
+        PATH` (T15), before anything is created; the operator runs `tsck recover PATH`, and
+        the writer's open then finds the rebuilt table and uploads the recovered tip."""
+        lrng = random.Random(f"{self.seed}:{r}:lost")
+        bad = []
+        for path in sorted({c["tier"] for c in tiered}):
+            if lrng.random() >= fl.get("tier_lost_p", 0.03) or not os.path.isdir(os.path.join(path, "commits")):
+                continue
+            name = os.path.basename(path)
+            self._driver_op("tier_lost", {"tier": name}, lambda: shutil.rmtree(os.path.join(path, "refs.lmdb")))
+            st = self.loc.spec()
+
+            def refused_open():
+                try:
+                    tsck.open_store(st["url"], refs=st["refs"], storage_options=st["storage_options"], create=False,
+                                    local=path).close()
+                except tsck.NotAStore as e:
+                    return {"refused": str(e)[:400], "names_recover": f"tsck recover {path}" in str(e)}
+                return {"result": "opened"}
+            out = self._driver_op("tier_open", {"tier": name, "lost_table": True}, refused_open)
+            if out["result"] != "ok" or not out.get("names_recover"):
+                bad.append(f"T15 tier {name} lost its ref table and its open was not refused naming "
+                           f"`tsck recover {path}`: {out}")
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
+            env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+
+            def recover():
+                p = subprocess.run([sys.executable, "-m", "tensorstore_ck", "recover", path], env=env, cwd=REPO,
+                                   capture_output=True, text=True, timeout=300)
+                return {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-400:],
+                        "result": "ok" if p.returncode == 0 else "CliError"}
+            out = self._driver_op("tier_recover", {"tier": name}, recover)
+            if out["result"] != "ok":
+                bad.append(f"T15 `tsck recover {path}` failed: {out}")
+        return bad
 
     def _tier_brief(self, tiered: list, ids: set) -> str:
         """tier=W:T:END[:early][:rot][:kill-STAGE],... then the snapshots in all the tiers so far, of
@@ -452,9 +544,21 @@ class Harness:
         parts = [f"{c['id']}:{os.path.basename(c['tier'])}:{c['tier_end']}"
                  + (":early" if c.get("early_upload") else "") + (":rot" if c.get("rot") else "")
                  + (f":kill-{c['faults']['kill_upload']['at']}" if "kill_upload" in c["faults"] else "")
+                 + (f":keep{c['catalog']['keep_last']}{'+best' if c['catalog']['keep_best'] else ''}"
+                    if c.get("catalog") else "")
+                 + (f":budget{c['budget'] // 1000}k" if c.get("budget") else "")
+                 + (":shared" if c.get("sharing", 1) > 1 else "") + (":lag" if c.get("lag") else "")
                  for c in tiered]
+        counts: dict = {}  # the catalog writers' calls by outcome (tag:ok, kept:ok, prune:GcBusy...)
+        for o in check.load_ops(self.run_dir):
+            if (o.w in ids and o.op in ("tag", "pin", "untag", "unpin", "prune", "kept") and o.args.get("tier")) \
+                    or (o.w == "driver" and o.op == "tier_recover" and o.start >= self._round_t0):
+                k = f"{o.op}:{'killed' if o.end is None else o.result}"
+                counts[k] = counts.get(k, 0) + 1
         return ",".join(parts) + f"(puts={self._tier_puts}, durable={self._tier_durable}, " \
-                                 f"upload_kills={self._upload_kills(ids)})"
+                                 f"upload_kills={self._upload_kills(ids)}, budget_over={self._budget_over}" \
+                                 f"{' judged' if self.judge_budget else ' not judged'}, " \
+                                 f"catalog={','.join(f'{k}x{v}' for k, v in sorted(counts.items())) or 0})"
 
     def _upload_kills(self, ids: set) -> int:
         """Workers of the round killed inside their uploader (journaled kill records; two
@@ -514,12 +618,11 @@ class Harness:
         last = {}
         for o in check.load_ops(self.run_dir):
             if o.op == "retention":
-                last[o.args["job"]] = o.args["keep_last"]
+                last[o.args["job"]] = {k: o.args[k] for k in ("keep_last", "keep_best", "metric") if o.args.get(k)}
         with self._open() as s:
-            for job, keep in sorted(last.items()):
-                rule = None if keep is None else tsck.Retention(keep_last=keep)
-                self._driver_op("retention", {"job": job, "keep_last": keep},
-                                lambda: s.set_retention(job, rule))
+            for job, rule in sorted(last.items()):
+                self._driver_op("retention", dict(rule, job=job, keep_last=rule.get("keep_last")),
+                                lambda: s.set_retention(job, tsck.Retention(**rule) if rule else None))
         return bad
 
     # -- recover beside the workers (flavor recover-live) -------------------------------
@@ -647,9 +750,9 @@ class Harness:
             bad += check.check_history(s, ops, self.barriers)
             bad += check.check_failures(s, ops)
             tiers = {n: p for n, p in {**self.tiers, **self.rank_tiers}.items() if os.path.isdir(p)}
-            tb, stats = check.check_tiers(s, tiers, ops)
+            tb, stats = check.check_tiers(s, tiers, ops, judge_budget=self.judge_budget)
             bad += tb
-            self._tier_puts, self._tier_durable = stats["puts"], stats["durable"]
+            self._tier_puts, self._tier_durable, self._budget_over = stats["puts"], stats["durable"], stats["budget_over"]
             self._retire_rotted(ops)
         return bad
 
@@ -673,6 +776,8 @@ class Harness:
             cmd += " --no-stale-skew"
         if self.round_seconds != 5.0:
             cmd += f" --round-seconds {self.round_seconds}"
+        if self.judge_budget and not hasattr(tsck, "TierFull"):
+            cmd += " --judge-budget"
         return cmd
 
     def run(self, stop_at: float | None = None) -> int:

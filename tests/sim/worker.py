@@ -10,7 +10,10 @@ another gc is dead), gc_stale / gc_leases (the leases its gc runs declare), faul
 a random ref-table write of the run, so that a kill lands in its ref moves); tier (a
 local tier's directory: the store is opened through it, ops put/read/durable, and rot
 where cfg["rot"]: it damages a block on that tier's disk) and
-tier_end ("close" | "wait" | "kill": how such a writer ends).
+tier_end ("close" | "wait" | "kill": how such a writer ends); catalog (a tier writer with a
+job of its own: {"job", "keep_last", "keep_best"}: it sets the job's retention, prunes the job
+after puts, tags, pins, untags and unpins the job's snapshots in its tier), budget (the tier's
+local_budget in bytes) and sharing (how many processes of the round open that tier).
 
 Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
     {"w", "i", "op", "args", "start"}                      before the call
@@ -78,6 +81,8 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     if cfg.get("tier"):
         kw["local"] = cfg["tier"]
         kw["early_upload"] = bool(cfg.get("early_upload"))
+        if cfg.get("budget"):
+            kw["local_budget"] = int(cfg["budget"])
     give_up = time.time() + 60
     while True:
         try:
@@ -147,12 +152,27 @@ def _mtime(path: str) -> int:
 
 RANKS = 2  # the world size of a worker's collective puts
 ROT_I = 1_000_000  # journal index offset of the damage done as a put returns (Worker._rot_after_put)
+CAT_I = 2_000_000  # a catalog writer's own calls: its rules at start (CAT_I), its prune after put i (CAT_I + 1 + i)
+
+
+def tier_bytes(path: str) -> int:
+    """The bytes of a tier's stored objects (blocks, nodes, commits: what its budget bounds)."""
+    n = 0
+    for kind in ("blocks", "nodes", "commits"):
+        for d, _, fs in os.walk(os.path.join(path, kind)):
+            for f in fs:
+                try:
+                    n += os.stat(os.path.join(d, f)).st_size
+                except FileNotFoundError:  # deleted by an eviction or a prune meanwhile
+                    pass
+    return n
 # Operations journaled under another name (every check of puts judges collective ones).
 JOURNAL_AS = {"cput": "put"}
 
 
 class Worker:
     _die_after = False  # a planned rank-0 kill broke its ranks' group: this worker dies next
+    _upload_stopped = False  # a wait_durable() raised the failure that stopped the uploader
 
     def __init__(self, cfg: dict, cfg_path: str = ""):
         self.cfg = cfg
@@ -206,6 +226,8 @@ class Worker:
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
         if self.cfg.get("tier"):  # published in the tier: durable (remote) only once uploaded
             args["tier"] = os.path.basename(self.cfg["tier"])
+            if self.cfg.get("budget"):  # (T13 judges the tier's bytes sampled as the put returns)
+                args.update(budget=self.cfg["budget"], sharing=self.cfg.get("sharing", 1))
         kw = {}
         if self.rng.random() < 0.15:  # a conditional move on the tip seen now
             cur = s.reftable.get_or_none(ref)
@@ -230,8 +252,11 @@ class Worker:
             self.puts.append({"ref": ref, "step": step, "root": info.root, "own": spec.get("u", [self.wid, i])})
             # hits: objects this Store reused from its presence record so far (the driver
             # reports them, so a run shows the record was exercised beside gc)
-            return {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
-                    "hits": s.assets.presence.hits, "durable": info.durable}
+            out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
+                   "hits": s.assets.presence.hits, "durable": info.durable}
+            if self.cfg.get("catalog"):
+                out["tier_bytes"] = tier_bytes(self.cfg["tier"])
+            return out
         return args, call
 
     def op_durable(self, s, i):
@@ -504,26 +529,45 @@ class Worker:
             return self.rng.choice(self.puts)["root"]
         return self.rng.choice(self.cfg["refs"])
 
+    def _catalog_target(self, s) -> str:
+        """A catalog writer's tag, pin or read target: any snapshot of its job in its tier, by
+        its full root (the newest, not yet durable; older ones the backlog skipped; durable
+        ones the budget evicted), else a ref of the job."""
+        job = self.cfg["catalog"]["job"]
+        rows = sorted((row.get("time", 0.0), root.hex()) for root, row in s.reftable.catalog_iter()
+                      if row.get("job") == job)
+        return self.rng.choice(rows)[1] if rows else self.rng.choice(self.cfg["refs"])
+
+    def _tier_args(self, args: dict) -> dict:
+        # A catalog writer's tags, pins and their removals are made in its tier (the remote's
+        # follow): to the remote checks their outcome is unknown, check_tiers judges them.
+        if self.cfg.get("catalog"):
+            args["tier"] = os.path.basename(self.cfg["tier"])
+        return args
+
     def op_tag(self, s, i):
         name = f"t-{self.wid}-{i}"
-        target = self._target()
-        return {"name": name, "target": target}, lambda: {"root": s.tag(name, target).root}
+        target = self._catalog_target(s) if self.cfg.get("catalog") else self._target()
+        return self._tier_args({"name": name, "target": target}), lambda: {"root": s.tag(name, target).root}
 
     def op_pin(self, s, i):
-        target = self._target()
+        target = self._catalog_target(s) if self.cfg.get("catalog") else self._target()
 
         def call():
             root = s.pin(target)
             self.pinned.append(root)
             return {"root": root}
-        return {"target": target}, call
+        return self._tier_args({"target": target}), call
 
     def op_unpin(self, s, i):
-        if self.pinned and self.rng.random() < 0.8:
+        if self.cfg.get("catalog"):  # the tier's pins (a sharing writer's, an earlier round's too)
+            pins = sorted(r.hex() for r in s.reftable.pins())
+            root = self.rng.choice(pins) if pins else self._catalog_target(s)
+        elif self.pinned and self.rng.random() < 0.8:
             root = self.pinned.pop(self.rng.randrange(len(self.pinned)))
         else:
             root = self._target()
-        return {"target": root}, lambda: {"root": s.unpin(root)}
+        return self._tier_args({"target": root}), lambda: {"root": s.unpin(root)}
 
     def op_retention(self, s, i):
         job = self.rng.choice(self.cfg["jobs"])
@@ -592,7 +636,7 @@ class Worker:
     def op_untag(self, s, i):
         tags = [n for n, _ in s.reftable.tags()]
         name = self.rng.choice(tags) if tags else f"t-{self.wid}-none"
-        return {"name": name}, lambda: {"root": s.untag(name)}
+        return self._tier_args({"name": name}), lambda: {"root": s.untag(name)}
 
     def op_fsck(self, s, i):
         def call():
@@ -639,6 +683,8 @@ class Worker:
         deadline = time.time() + cfg["seconds"]
         open(cfg["journal"] + ".ready", "w").close()  # the driver times its kills from here
         try:
+            if cfg.get("catalog"):
+                self._set_rules(s)
             for i in range(cfg["ops"]):
                 if time.time() > deadline:
                     break
@@ -667,6 +713,9 @@ class Worker:
                         sim.disarm_unreadable()
                 out.setdefault("result", "ok")
                 self.j.write(i=i, end=time.time(), **out)
+                self._upload_stopped |= op == "durable" and out["result"] != "ok"
+                if op == "put" and out["result"] == "ok" and cfg.get("catalog"):
+                    self._prune_after_put(s, i)
                 if self._die_after:  # its ranks' group is broken: as torchrun would
                     self.j.write(kill="rank", op="cput", key="rank 0 killed itself publishing (planned)")
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -692,7 +741,8 @@ class Worker:
         """How a writer with a local tier ends (seeded, cfg["tier_end"]): "close" finishes
         its uploads in close(), kill points still armed; "wait" waits a while for them
         (wait_durable), then closes; "kill" dies with its uploads queued (kill -9): the
-        next worker that opens this tier resumes them. Journaled as op "close"."""
+        next worker that opens this tier resumes them. Journaled as op "close". A catalog
+        writer whose close() returned then looks at what its job keeps (op "kept", T12)."""
         end = self.cfg.get("tier_end", "close")
         i = self.cfg["ops"] + 1
         if end == "kill":
@@ -703,9 +753,64 @@ class Worker:
             args, call = self.op_durable(s, i - 1)
             self._journaled(i - 1, "durable", args, call)
         tier = os.path.basename(self.cfg["tier"])
-        self._journaled(i, "close", {"tier": tier}, lambda: (s.close(), {})[1])
+        kept = self._kept_here(s) if self.cfg.get("catalog") else None
+        out = self._journaled(i, "close", {"tier": tier}, lambda: (s.close(), {})[1])
+        # (an uploader stopped on a failure that wait_durable() raised: close() says nothing more)
+        if kept is not None and out["result"] == "ok" and not self._upload_stopped:
+            self.faults.armed = False  # a look, not a fault window
+            self._journaled(i + 1, "kept", {"tier": tier, "job": self.cfg["catalog"]["job"], "before": sorted(kept)},
+                            lambda: self._kept_remote(kept))
 
-    def _journaled(self, i: int, op: str, args: dict, call) -> None:
+    # -- a writer with a job of its own in its tier (cfg["catalog"]) ----------------------
+    def _set_rules(self, s) -> None:
+        """The job's retention, set first (both tiers' tables), as a CheckpointManager's
+        keep= sets it; keep_best by a metric every put carries ("loss"), so the job has a best."""
+        cat = self.cfg["catalog"]
+        rule = {"keep_last": cat["keep_last"]}
+        if cat.get("keep_best"):
+            rule.update(keep_best=cat["keep_best"], metric="loss")
+        args = dict(rule, job=cat["job"], tier=os.path.basename(self.cfg["tier"]))
+        self._journaled(CAT_I, "retention", args, lambda: (s.set_retention(cat["job"], tsck.Retention(**rule)), {})[1])
+
+    def _prune_after_put(self, s, i: int) -> None:
+        """The job pruned after most puts, as CheckpointManager does after each snapshot:
+        what the rules drop leaves the tier while its uploads may lag behind."""
+        if self.rng.random() >= 0.75:
+            return
+        job = self.cfg["catalog"]["job"]
+        lease = self.rng.choice(self.cfg.get("gc_leases") or [self.cfg["gc_stale"]])
+
+        def call():
+            rep = s.prune(job, lease=lease)
+            return {"expired": rep.expired, "deleted": rep.deleted_objects, "phases": rep.phases}
+        self._journaled(CAT_I + 1 + i, "prune", {"job": job, "lease": lease, "tier": os.path.basename(self.cfg["tier"])},
+                        call)
+
+    def _kept_here(self, s) -> set[str]:
+        """What the tier keeps of the job now (its rules, tags, pins, ref tips, the upload
+        in progress), before close() finishes the uploads."""
+        from tensorstore_ck.gc import retention_plan
+        job = self.cfg["catalog"]["job"]
+        try:
+            plan = retention_plan(s.core, s.reftable.wall_now())
+        except tsck.TsckError:
+            return set()
+        return {d["root"].hex() for d in plan if d["keep"] and d["job"] == job}
+
+    def _kept_remote(self, before: set[str]) -> dict:
+        """After a clean close(): of what the tier kept before it, what the job still keeps
+        over both tiers (check.kept_over_tiers) must be in the remote catalog."""
+        from . import check
+        job = self.cfg["catalog"]["job"]
+        with tsck.open_store(self.cfg["tier"], create=False) as t, open_store(dict(self.cfg, tier=None), None) as r:
+            now = check.kept_over_tiers(t, r, job)
+            remote = {root.hex() for root, _ in r.reftable.catalog_iter()}
+            pinned = {root.hex() for root in t.reftable.pins()}
+        both = sorted(before & now)
+        missing = [x for x in both if x not in remote]
+        return {"kept": len(both), "not_remote": missing, "pinned": [x for x in missing if x in pinned]}
+
+    def _journaled(self, i: int, op: str, args: dict, call) -> dict:
         self.j.write(i=i, op=op, args=args, start=time.time())
         try:
             out = call() or {}
@@ -713,6 +818,7 @@ class Worker:
             out = _err(e)
         out.setdefault("result", "ok")
         self.j.write(i=i, end=time.time(), **out)
+        return out
 
     def run_recover(self) -> int:
         s = open_store(self.cfg, self.faults, create_refs=True)
