@@ -232,7 +232,7 @@ def test_checker_reports_tier_violations(tmp_path):
         data = bytearray(lblk.read_bytes())
         data[-1] ^= 0xFF
         lblk.write_bytes(bytes(data))
-        bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)), judge_budget=True)
+        bad, _ = check.check_tiers(s, tiers, check.load_ops(str(tmp_path)))
     for code, what in [("T1", "missing remotely"), ("T2", infos[0].root[:16]), ("T3", "tier t0 fsck"),
                        ("T4", "never published that root"), ("T5", "tier t0"), ("T6", infos[0].root[:16]),
                        ("T7", "IntegrityError"), ("T11", "abababababababab"), ("T12", infos[0].root[:16]),

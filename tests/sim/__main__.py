@@ -38,22 +38,17 @@ def main(argv=None) -> int:
                     help="PostgreSQL for pg/s3 (default $TEST_PG_DSN, else a server of our own)")
     ap.add_argument("--dir", default=None, help="where journals go (default: a temp dir, removed if all pass)")
     ap.add_argument("--keep", action="store_true", help="keep the run's directory even if all pass")
-    ap.add_argument("--judge-budget", dest="judge_budget", action="store_true", default=None,
-                    help="judge T13 (a tier's bytes within its budget plus a snapshot) even where the package "
-                         "has no tsck.TierFull (its budget then only evicts, so T13 fails)")
     a = ap.parse_args(argv)
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
     if a.seconds is None:
         return Harness(seed, a.backend, rounds=a.rounds or 6, focus=a.focus, stale_skew=a.stale_skew,
-                       round_seconds=a.round_seconds, pg_dsn=a.pg_dsn, run_dir=a.dir, keep=a.keep,
-                       judge_budget=a.judge_budget).run()
+                       round_seconds=a.round_seconds, pg_dsn=a.pg_dsn, run_dir=a.dir, keep=a.keep).run()
     stop_at = time.time() + a.seconds
     n = 0
     while time.time() < stop_at:
         run_dir = None if a.dir is None else os.path.join(a.dir, str(seed + n))
         rc = Harness(seed + n, a.backend, rounds=a.rounds or 12, focus=a.focus, stale_skew=a.stale_skew,
-                     round_seconds=a.round_seconds, pg_dsn=a.pg_dsn, run_dir=run_dir, keep=a.keep,
-                     judge_budget=a.judge_budget).run(stop_at)
+                     round_seconds=a.round_seconds, pg_dsn=a.pg_dsn, run_dir=run_dir, keep=a.keep).run(stop_at)
         if rc:
             return rc
         n += 1

@@ -510,7 +510,7 @@ def _held_somewhere(tier, store, lcat: dict, evicted: set, root: str, cache: dic
     return "; ".join(why)
 
 
-def check_tiers(store, tiers: dict[str, str], ops: list[Op], judge_budget: bool = False) -> tuple[list[str], dict]:
+def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str], dict]:
     """T1-T9, the local tiers against the remote store (`store`, quiescent, no tier open):
 
       T1  every remote ref tip names no object missing remotely (its commit, every node
@@ -547,8 +547,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op], judge_budget: bool 
           writer's close() returned, every snapshot its tier kept before the close and
           the job still keeps over both tiers is in the remote catalog (worker op "kept");
       T13 a tier's stored bytes, sampled as each put of a writer with a budget returns,
-          stay within the budget plus one snapshot per process sharing the tier (judged
-          with judge_budget: a budget that bounds, tsck.TierFull);
+          stay within the budget plus one snapshot per process sharing the tier (a put
+          waits for room, else raises TierFull);
       T14 no IntegrityError from a tier writer's put, wait_durable() or close() where no
           worker damaged that tier's disk (op rot): a snapshot that left the tier on
           purpose, or that another process sharing it made durable, is no damage.
@@ -610,10 +610,9 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op], judge_budget: bool 
             bound = o.args["budget"] + o.args.get("sharing", 1) * content.stored_bytes(o.args["spec"])
             if o.out["tier_bytes"] > bound:  # T13
                 stats["budget_over"] += 1
-                if judge_budget:
-                    bad.append(f"T13 tier {o.args['tier']} held {o.out['tier_bytes']} B as a put returned, past its "
-                               f"budget {o.args['budget']} B plus {o.args.get('sharing', 1)} snapshot(s) "
-                               f"({bound} B): {o.brief()}")
+                bad.append(f"T13 tier {o.args['tier']} held {o.out['tier_bytes']} B as a put returned, past its "
+                           f"budget {o.args['budget']} B plus {o.args.get('sharing', 1)} snapshot(s) "
+                           f"({bound} B): {o.brief()}")
     remote_by_spec: dict[tuple, list] = {}
     for root, row in catalog.items():
         sp = (row.get("meta") or {}).get("sim") or {}

@@ -202,11 +202,8 @@ def leases_for(backend: str) -> list[float]:
 class Harness:
     def __init__(self, seed: int, backend: str, *, rounds: int, focus: str | None = None, stale_skew: bool = True,
                  round_seconds: float = 5.0, pg_dsn: str | None = None, run_dir: str | None = None,
-                 keep: bool = False, log=print, judge_budget: bool | None = None):
+                 keep: bool = False, log=print):
         self.seed, self.backend, self.rounds, self.focus = seed, backend, rounds, focus
-        # T13 (a tier's bytes within its budget plus a snapshot) holds once the budget is a
-        # bound: a put waits for room, then fails with TierFull.
-        self.judge_budget = hasattr(tsck, "TierFull") if judge_budget is None else judge_budget
         self.stale_skew, self.round_seconds, self.log, self.keep = stale_skew, round_seconds, log, keep
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"tsck-sim-{seed}-")
         os.makedirs(os.path.join(self.run_dir, "journal"), exist_ok=True)
@@ -556,8 +553,7 @@ class Harness:
                 k = f"{o.op}:{'killed' if o.end is None else o.result}"
                 counts[k] = counts.get(k, 0) + 1
         return ",".join(parts) + f"(puts={self._tier_puts}, durable={self._tier_durable}, " \
-                                 f"upload_kills={self._upload_kills(ids)}, budget_over={self._budget_over}" \
-                                 f"{' judged' if self.judge_budget else ' not judged'}, " \
+                                 f"upload_kills={self._upload_kills(ids)}, budget_over={self._budget_over}, " \
                                  f"catalog={','.join(f'{k}x{v}' for k, v in sorted(counts.items())) or 0})"
 
     def _upload_kills(self, ids: set) -> int:
@@ -750,7 +746,7 @@ class Harness:
             bad += check.check_history(s, ops, self.barriers)
             bad += check.check_failures(s, ops)
             tiers = {n: p for n, p in {**self.tiers, **self.rank_tiers}.items() if os.path.isdir(p)}
-            tb, stats = check.check_tiers(s, tiers, ops, judge_budget=self.judge_budget)
+            tb, stats = check.check_tiers(s, tiers, ops)
             bad += tb
             self._tier_puts, self._tier_durable, self._budget_over = stats["puts"], stats["durable"], stats["budget_over"]
             self._retire_rotted(ops)
@@ -776,8 +772,6 @@ class Harness:
             cmd += " --no-stale-skew"
         if self.round_seconds != 5.0:
             cmd += f" --round-seconds {self.round_seconds}"
-        if self.judge_budget and not hasattr(tsck, "TierFull"):
-            cmd += " --judge-budget"
         return cmd
 
     def run(self, stop_at: float | None = None) -> int:
