@@ -145,12 +145,14 @@ def test_a_tagged_or_pinned_snapshot_survives_both_tiers_retention_and_the_budge
 
 
 def test_a_tag_on_a_snapshot_the_backlog_skipped_sends_it_without_moving_the_remote_ref(remote, tmp_path):
-    """keep_last=1, the remote's writes held while steps 2-4 are put: steps 2 and 3 are
-    superseded and skipped. Tagging step 2 afterwards sends it for the tag alone: it is
-    in the remote catalog with the tag and durable, and the remote ref stays on step 4."""
+    """keep_last=1 in the tier's table alone (no remote prune, so the tier's catalog keeps
+    what the backlog skipped until a prune), the remote's writes held while steps 2-4 are
+    put: one of steps 2 and 3 is superseded and skipped. Tagging it afterwards sends it
+    for the tag alone: it is in the remote catalog with the tag and durable, and the
+    remote ref stays on step 4."""
     gates = []
     with _open(remote, tmp_path, wrap_storage=lambda s: gates.append(Gate(s)) or gates[-1]) as store:
-        store.set_retention("job", tsck.Retention(keep_last=1))
+        store.reftable.retention_set("job", tsck.Retention(keep_last=1).to_dict())
         first = store.put_snapshot(_state(1), "job/main", step=1).root
         assert store.wait_durable(timeout=DEADLINE)
         gates[0].gate.clear()
@@ -291,3 +293,50 @@ def test_another_process_evicting_a_snapshot_this_one_uploads_is_not_damage(remo
         store.close()  # raises the uploader's failure, if it stopped on one
     with _remote(remote) as rem:
         assert _equal(rem.checkout("job/main"), _state(2))
+
+
+def test_the_budget_never_evicts_a_copy_the_remote_retention_expired(remote, tmp_path):
+    """keep_last=1 in both tiers and a budget of about one and a half snapshots, no prune
+    called by hand: after each upload the remote's retention expires the older snapshot
+    and the tier's does too (one decision), before the budget evicts anything; so no
+    snapshot is left listed in the tier, marked evicted, with no copy in the remote."""
+    with _open(remote, tmp_path) as probe:
+        probe.put_snapshot(_state(100), "probe/main", step=0)
+        assert probe.wait_durable(timeout=DEADLINE)
+    one = _stored(tmp_path / "nvme")
+    with _open(remote, tmp_path, local_budget=int(1.5 * one)) as store:
+        store.set_retention("job", tsck.Retention(keep_last=1))
+        for step in range(1, 5):
+            store.put_snapshot(_state(step), "job/main", step=step)
+            assert store.wait_durable(timeout=DEADLINE)
+            refs, r = store.reftable, store.remote_core.refs
+            stranded = [root.hex()[:16] for root in refs.evicted() if refs.catalog_has(root) and not r.catalog_has(root)]
+            assert stranded == [], (step, stranded)
+        assert [i.step for i in store.log("job/main")] == [4]
+        assert _equal(store.checkout("job/main"), _state(4))
+
+
+def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path):
+    """A pin made through the tier lives in the remote ref table only (tags have storage
+    objects, pins none): after that table is lost and rebuilt by `tsck recover`, the next
+    open of the tier makes the pin there again, so the remote's retention keeps it."""
+    import shutil
+    remote = (str(tmp_path / "remote"), {})
+    with _open(remote, tmp_path) as store:
+        store.set_retention("job", tsck.Retention(keep_last=1))
+        roots = [store.put_snapshot(_state(s), "job/main", step=s).root for s in (1, 2)]
+        store.pin(roots[0])
+        assert store.wait_durable(timeout=DEADLINE)
+        assert bytes.fromhex(roots[0]) in store.remote_core.refs.pins()
+    shutil.rmtree(tmp_path / "remote" / "refs.lmdb")
+    out = subprocess.run([sys.executable, "-m", "tensorstore_ck", "recover", str(tmp_path / "remote")],
+                         capture_output=True, text=True, timeout=DEADLINE)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with _open(remote, tmp_path) as store:
+        assert store.wait_durable(timeout=DEADLINE)
+        assert bytes.fromhex(roots[0]) in store.remote_core.refs.pins()
+        store.put_snapshot(_state(3), "job/main", step=3)
+        assert store.wait_durable(timeout=DEADLINE)
+    with _remote(remote) as rem:
+        rem.gc()
+        assert _equal(rem.checkout(roots[0]), _state(1))

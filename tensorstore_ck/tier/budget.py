@@ -21,10 +21,11 @@ def tier_bytes(local: Core) -> int:
     return sum(b for _, b in local.assets.object_stats().values())
 
 
-def fit_budget(local: Core, budget: int, *, warn: bool = True) -> list[bytes]:
+def fit_budget(local: Core, budget: int, *, warn: bool = True, listed=None) -> list[bytes]:
     """Evict local copies until the tier's stored objects fit in `budget` bytes -> the
     roots evicted. Never what a queued upload or a local-only snapshot needs: only
-    snapshots marked durable are candidates, the older first, each ref's newest durable
+    snapshots marked durable (and, with `listed`, -> the roots the remote catalog lists
+    of those given, still listed there) are candidates, the older first, each ref's newest durable
     tip (and a tag's or pin's target) after every other, so they stay while the budget
     allows. The bytes an eviction frees are the objects no remaining snapshot reaches
     (counted by walking every snapshot of the tier; a put in flight's objects are not
@@ -45,6 +46,10 @@ def fit_budget(local: Core, budget: int, *, warn: bool = True) -> list[bytes]:
     roots = (set(rows) | held) - evicted
     queued = {e["root"] for _, e in refs.upload_pending()}
     durable = refs.durable(roots) - queued
+    if listed is not None and durable:
+        # Only what the remote catalog still lists: a durable snapshot its retention has
+        # expired there since has no copy but this one (the tier's prune expires it too).
+        durable = set(listed(durable))
     # What each snapshot reaches here, and how many snapshots reach each object.
     reach: dict[bytes, set] = {}
     count: dict[tuple, int] = {}

@@ -35,7 +35,7 @@ from ..format import frame
 from ..publish import Publisher
 from ..walk import walk_commit
 from .budget import fit_budget, tier_bytes
-from .holds import publish_holds, upload_hold
+from .holds import held, publish_holds, upload_hold
 
 __all__ = ["Uploader", "UPLOAD_ATTEMPTS", "BUDGET_WAIT", "TEE_BYTES", "early_default"]
 
@@ -331,7 +331,7 @@ class Uploader:
                 evict = False
                 try:
                     with self._fit_lock:
-                        fit_budget(self.local, budget, warn=False)
+                        fit_budget(self.local, budget, warn=False, listed=self.remote.refs.catalog_which)
                 except GcBusy:  # a gc of the tier (a prune) is running: it frees bytes too; evict after it
                     evict = True
                 except TsckError as e:  # the uploader's evictions after each upload may still free room
@@ -471,8 +471,23 @@ class Uploader:
                 self._cond.wait(0.5)
 
     # -- the thread ------------------------------------------------------------------
+    def _republish_holds(self) -> None:
+        """At open: the tier's tags and pins of durable snapshots made in the remote table
+        again where it lacks them (a remote table rebuilt by `tsck recover` has its tags
+        back from storage, not its pins; one made while the remote was away): one look
+        at the remote table per tag or pin (holds.held)."""
+        refs = self.local.refs
+        try:
+            roots = {r for _, r in refs.tags()} | refs.pins()
+            for root in refs.durable(roots):
+                held(self, root)
+        except Exception as e:  # noqa: BLE001 - a failure here is retried at the next open
+            log.warning("local tier: the tier's tags and pins could not be checked at %s (%s: %s)", self.remote.url,
+                        type(e).__name__, e)
+
     def _run(self) -> None:
         tries = 0
+        self._republish_holds()
         self._fit()  # at open: a tier over its budget (a smaller budget than last time)
         while True:
             with self._cond:
@@ -639,10 +654,14 @@ class Uploader:
             if rep.expired:
                 log.info("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(rep.expired),
                          self.remote.url)
-                # The same rules expire them here too: a snapshot whose local copy went to the
-                # budget would otherwise stay listed in the tier with no copy anywhere.
-                if {bytes.fromhex(r) for r in rep.expired} & self.local.refs.evicted():
-                    prune_job(self.local, job, lease=self.local.settings.gc_lease)
+                # The same rules expire them here too (one decision): a snapshot the tier
+                # still lists would otherwise stay there as durable with no remote copy,
+                # and with no copy at all once the budget took the local one.
+                if self.local.refs.catalog_which(bytes.fromhex(r) for r in rep.expired):
+                    try:
+                        prune_job(self.local, job, lease=self.local.settings.gc_lease)
+                    except GcBusy:
+                        log.info("local tier: a gc holds the tier; it applies job %s's retention there", job)
         except GcBusy:
             log.info("local tier: a gc holds %s; it applies job %s's retention there", self.remote.url, job)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the remote prune
@@ -659,7 +678,7 @@ class Uploader:
             return
         try:
             with self._fit_lock:
-                fit_budget(self.local, self.budget)
+                fit_budget(self.local, self.budget, listed=self.remote.refs.catalog_which)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the budget
             log.warning("local tier: could not evict to the budget of %d bytes (%s: %s); retried after the next "
                         "upload", self.budget, type(e).__name__, e)
