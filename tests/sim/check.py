@@ -597,8 +597,10 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                 and o.args["tier"] not in rotted:  # T14
             bad.append(f"T14 {o.op} of a writer through tier {o.args['tier']}, whose disk no worker damaged, "
                        f"raised IntegrityError: {o.brief()}")
-        # (a tier's pin that a lost remote table took with it is not made there again: a
-        # known gap, so a pin in the tier after such a loss is not judged)
+        # (a tier's pin that a lost remote table took with it is made there again at the
+        # tier's next open (Uploader._republish_holds), not by a writer already open:
+        # until then the remote's retention may expire its snapshot there, so T12 does
+        # not judge a pin after such a loss; T11 does: the tier keeps its copy)
         lost_pins = set(o.out.get("pinned") or ()) if any(b.op == "delete_refs" and b.start < o.start for b in ops) \
             else set()
         if o.op == "kept" and o.result == "ok" and set(o.out.get("not_remote") or ()) - lost_pins \
