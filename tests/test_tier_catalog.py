@@ -9,7 +9,6 @@ storage (wrap_storage=): real writes, made to wait."""
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import threading
 
 import pytest
 import torch
+from _util import same_bits
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
@@ -79,12 +79,6 @@ def _state(seed: int, n: int = 48) -> dict:
     return {"w": torch.randn(n, 256, generator=g), "b": torch.randn(300, generator=g)}
 
 
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        x.dtype == y.dtype and x.shape == y.shape and x.reshape(-1).view(torch.uint8).equal(y.reshape(-1).view(torch.uint8))
-        for x, y in ((a[k].contiguous(), b[k].contiguous()) for k in a))
-
-
 def _open(remote, tmp_path, **kw) -> tsck.Store:
     url, opts = remote
     return tsck.open_store(url, local=str(tmp_path / "nvme"), block_size=BS, inline_threshold=256, **opts, **kw)
@@ -125,14 +119,14 @@ def test_a_tagged_or_pinned_snapshot_survives_both_tiers_retention_and_the_budge
             store.prune("job")
             assert store.wait_durable(timeout=DEADLINE)
         target = "best" if hold == "tag" else roots[3]
-        assert _equal(store.checkout(target), _state(3))
+        assert same_bits(store.checkout(target), _state(3))
         r = store.remote_core.refs
         assert r.catalog_has(bytes.fromhex(roots[3]))
         assert (r.tag_get("best") if hold == "tag" else (bytes.fromhex(roots[3]) if bytes.fromhex(roots[3]) in r.pins()
                                                           else None)) == bytes.fromhex(roots[3])
     with _remote(remote) as rem:
         rem.gc()
-        assert _equal(rem.checkout(target), _state(3))
+        assert same_bits(rem.checkout(target), _state(3))
         assert rem.fsck(full=True).findings == []
         # Removing the tag or pin in the tier removes it in the remote too.
     with _open(remote, tmp_path) as store:
@@ -173,8 +167,8 @@ def test_a_tag_on_a_snapshot_the_backlog_skipped_sends_it_without_moving_the_rem
         assert r.tag_get("keep") == bytes.fromhex(roots[tagged])
         assert first  # (step 1 is the remote's history)
     with _remote(remote) as rem:
-        assert _equal(rem.checkout("keep"), _state(tagged))
-        assert _equal(rem.checkout("job/main"), _state(4))
+        assert same_bits(rem.checkout("keep"), _state(tagged))
+        assert same_bits(rem.checkout("job/main"), _state(4))
 
 
 def test_what_retention_keeps_is_uploaded_when_uploads_lag(remote, tmp_path):
@@ -201,8 +195,8 @@ def test_what_retention_keeps_is_uploaded_when_uploads_lag(remote, tmp_path):
         assert r.catalog_has(bytes.fromhex(roots[3])) and r.get_or_none("job/main") == bytes.fromhex(roots[8])
     with _remote(remote) as rem:
         rem.gc()
-        assert _equal(rem.checkout(roots[3]), _state(3))
-        assert _equal(rem.checkout("job/main"), _state(8))
+        assert same_bits(rem.checkout(roots[3]), _state(3))
+        assert same_bits(rem.checkout("job/main"), _state(8))
 
 
 def test_local_retention_never_expires_the_snapshot_being_uploaded(remote, tmp_path):
@@ -254,7 +248,7 @@ def test_a_fenced_move_of_a_snapshot_a_prune_tried_to_expire_is_sent_again(remot
             e.new == bytes.fromhex(first) for e in store.remote_core.refs.reflog("job/main"))
     with _remote(remote) as rem:
         assert rem.fsck(full=True).findings == []
-        assert _equal(rem.checkout("job/main"), _state(3))
+        assert same_bits(rem.checkout("job/main"), _state(3))
 
 
 _SHARER = textwrap.dedent("""
@@ -292,7 +286,7 @@ def test_another_process_evicting_a_snapshot_this_one_uploads_is_not_damage(remo
         gates[0].gate.set()
         store.close()  # raises the uploader's failure, if it stopped on one
     with _remote(remote) as rem:
-        assert _equal(rem.checkout("job/main"), _state(2))
+        assert same_bits(rem.checkout("job/main"), _state(2))
 
 
 def test_the_budget_never_evicts_a_copy_the_remote_retention_expired(remote, tmp_path):
@@ -313,7 +307,7 @@ def test_the_budget_never_evicts_a_copy_the_remote_retention_expired(remote, tmp
             stranded = [root.hex()[:16] for root in refs.evicted() if refs.catalog_has(root) and not r.catalog_has(root)]
             assert stranded == [], (step, stranded)
         assert [i.step for i in store.log("job/main")] == [4]
-        assert _equal(store.checkout("job/main"), _state(4))
+        assert same_bits(store.checkout("job/main"), _state(4))
 
 
 def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path):
@@ -339,4 +333,4 @@ def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path)
         assert store.wait_durable(timeout=DEADLINE)
     with _remote(remote) as rem:
         rem.gc()
-        assert _equal(rem.checkout(roots[0]), _state(1))
+        assert same_bits(rem.checkout(roots[0]), _state(1))

@@ -152,8 +152,10 @@ def test_every_ranks_tier_follows_rank_0s_retention(tmp_path, s3_url, s3_server)
     assert len(kept0) == keep and last in kept0
     for r in res[1:]:
         rows = set(r["rows"])
-        assert last in rows and len(rows) <= keep + 1, r["rows"]  # rank 0's word comes with the next snapshot
-        assert rows - kept0 <= set(taken[-keep - 1:]), r
+        # Rank 0's word comes with the next snapshot, and its tier keeps the snapshot it was
+        # uploading when it pruned (the upload in flight is held): one more each.
+        assert last in rows and len(rows) <= keep + 2, r["rows"]
+        assert rows - kept0 <= set(taken[-keep - 2:]), r
         assert r["parts"] == len(rows) and r["tidied"] == len(taken) - len(rows), r
         # Its gc applies the job's rules (set on every rank's tier) and agrees with rank 0.
         assert set(r["rows_after_gc"]) == kept0 and (r["gc_deleted"] > 0) == (rows != kept0), r
@@ -221,8 +223,9 @@ def test_a_rank_killed_after_its_done_still_sends_its_part(tmp_path, s3_url, s3_
     before it queued its part. After the restart its open queues the part again and
     sends it, and rank 0's uploader, which waits for that part, makes A durable before
     B is put. With rank 1's tier lost as well, no rank will ever send that part: once
-    snapshot B of the ref is queued the backlog rule drops A, B becomes durable without
-    A's wait (PART_WAIT, 15 minutes), and A stays local-only."""
+    snapshot B of the ref is queued and A's part has stalled (SUPERSEDED_PART_WAIT, set
+    to 5 s in the ranks) the backlog rule drops A, B becomes durable without A's wait (PART_WAIT, 15 minutes),
+    and A stays local-only."""
     world = 2
     cfg = _config(tmp_path, s3_url, s3_server, world)
     out = _run(tmp_path, "stuckkill", {**cfg, "trap": trap})

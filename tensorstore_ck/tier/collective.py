@@ -268,16 +268,17 @@ class _Skipped(Exception):
 def _until_present(up, root: bytes, look, give_up=None):
     """look() until it stops raising _Pending (another rank's upload is still under way):
     with backoff, for up to PART_WAIT seconds without progress (the count of what is
-    missing going down). give_up() -> True between tries: stop waiting (_Skipped)."""
+    missing going down). give_up(seconds without progress) -> True between tries: stop
+    waiting (_Skipped)."""
     since, pause, best = time.monotonic(), _PAUSE[0], None
     while True:
         try:
             return look()
         except _Pending as e:
-            if give_up is not None and give_up():
-                raise _Skipped() from None
             if str(e) != best:  # progress: what is missing changed
                 best, since = str(e), time.monotonic()
+            if give_up is not None and give_up(time.monotonic() - since):
+                raise _Skipped() from None
             if time.monotonic() - since > PART_WAIT:
                 raise TsckError(f"snapshot {root.hex()[:16]}: the other ranks' parts are not in the remote store "
                                 f"after {PART_WAIT:g}s ({e} missing)") from None
@@ -296,11 +297,12 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
             raise IntegrityError(f"snapshot {root.hex()[:16]} left the local catalog", reason="missing")
         return _survey(up, root, fence)
 
-    def superseded() -> bool:
-        # A part that never comes (its rank was killed after the snapshot was published
-        # and before it queued its part) must not hold the queue for PART_WAIT: once a
-        # newer snapshot of the ref is queued, the backlog rule drops this one.
-        return up.skip_superseded(seq, entry, local.refs.upload_pending())
+    def superseded(stalled: float) -> bool:
+        # A part that never comes (its rank was killed after the snapshot was published,
+        # its tier lost) must not hold the queue for PART_WAIT: once a newer snapshot of
+        # the ref is queued, the backlog rule drops this one, at once where retention
+        # would expire it, else once the part has stalled (Uploader.skip_superseded).
+        return up.skip_superseded(seq, entry, local.refs.upload_pending(), part_stalled=stalled)
     try:
         mine, theirs = _until_present(up, root, look, give_up=superseded)
         up.send(mine, fence)

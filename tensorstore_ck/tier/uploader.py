@@ -67,6 +67,10 @@ TIDY_EVERY = 8  # uploads in a row after which a rank's due cleanup runs, even w
 # link; past it the remote is as good as away, and a failed put says so where a put that
 # waited on would stall the training without a word.
 BUDGET_WAIT = 600.0
+# Seconds rank 0 waits, without progress, for another rank's part of a collective
+# snapshot that a newer queued snapshot of its ref supersedes, before it skips it
+# (Uploader.skip_superseded): long enough for a slow rank's upload to show progress.
+SUPERSEDED_PART_WAIT = 30.0
 
 
 class Uploader:
@@ -542,7 +546,7 @@ class Uploader:
                 self._fail(e)
                 return
 
-    def skip_superseded(self, seq: int, entry: dict, pending: list) -> bool:
+    def skip_superseded(self, seq: int, entry: dict, pending: list, part_stalled: float | None = None) -> bool:
         """The backlog rule: a queued snapshot with a newer one of the same ref queued
         behind it is not sent (dropped from the queue, logged) when its job's retention
         would expire it anyway: the tier's catalog, its rules, tags, pins and ref tips
@@ -554,7 +558,13 @@ class Uploader:
         everything, so nothing of it is skipped. A skipped snapshot stays local-only and
         the local retention expires it. A rank's part of a collective snapshot is always
         sent: rank 0's tier decides by its own queue, and waits for the parts of the
-        snapshot it sends; so is an entry queued for a tag or pin (hold)."""
+        snapshot it sends; so is an entry queued for a tag or pin (hold).
+
+        part_stalled: rank 0's collective snapshot waiting for another rank's part, for
+        that many seconds without progress (tier/collective.py). A newer snapshot of the
+        ref queued behind it and SUPERSEDED_PART_WAIT passed, it is skipped even if a
+        rule keeps it: a part that has stopped coming (its rank killed with its tier)
+        never will, and the newer snapshot is what can still become durable."""
         if entry.get("part") is not None or entry.get("hold"):
             return False
         root, ref = entry["root"], entry.get("ref")
@@ -566,7 +576,19 @@ class Uploader:
         plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
         if plan is None:
             return False  # no catalog row: _upload drops it as expired
+        stalled = part_stalled is not None and part_stalled >= SUPERSEDED_PART_WAIT
+        if plan["keep"] and stalled:
+            log.warning("local tier: skipping the upload of collective snapshot %s of ref %s (step %s), kept (%s): "
+                        "another rank's part has not reached %s for %.0fs and a newer snapshot of the ref is queued "
+                        "behind it; it stays local-only", root.hex()[:16], ref, entry.get("step"),
+                        ", ".join(plan["why"]), self.remote.url, part_stalled)
+            refs.upload_drop(seq)
+            self.superseded += 1
+            self.notify()
+            return True
         if plan["keep"]:
+            if part_stalled is not None:
+                return False  # (asked again at each look while rank 0 waits for parts: said once, below)
             log.info("local tier: snapshot %s of ref %s (step %s) is superseded in the queue but kept (%s): "
                      "uploading it", root.hex()[:16], ref, entry.get("step"), ", ".join(plan["why"]))
             return False

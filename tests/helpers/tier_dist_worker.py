@@ -336,6 +336,11 @@ def stuck_resume_body(rank, world, out, res, cfg):
     part, and snapshot B must become durable without waiting for A."""
     import shutil
     import time
+
+    import tensorstore_ck.tier.uploader as uploader
+    # How long rank 0 waits for a stalled part before the newer snapshot supersedes it:
+    # shorter than the ranks' barrier below may wait (the process group's timeout).
+    uploader.SUPERSEDED_PART_WAIT = 5.0
     if rank == 1 and cfg.get("wipe"):
         shutil.rmtree(os.path.join(cfg["tiers"], "tier1"))
     holder: dict = {}
