@@ -418,7 +418,7 @@ def build_real_store(url: str | None = None, **open_kw):
 
 def drop_memory_store(store) -> None:
     """Close a memory:// store and free its objects and ref table."""
-    from tensorstore_ck import opener as store_mod
+    from tensorstore_ck.locate import forget_memory_refs
     url = store.url
     try:
         store.close()
@@ -432,8 +432,7 @@ def drop_memory_store(store) -> None:
                 fs.rm(root, recursive=True)
         except Exception:
             pass
-        with store_mod._MEMORY_LOCK:
-            store_mod._MEMORY_REFS.pop(url, None)
+        forget_memory_refs(url)
 
 
 # --------------------------------------------------------------------------- msgpack mutator

@@ -15,7 +15,7 @@ from .errors import FormatError, InvalidArgument, NotAStore
 from .refs import LmdbRefTable, MemoryRefTable, RefTable
 from .storage import BlockStore, FsspecBlockStore, S3BlockStore
 
-__all__ = ["STORE_VERSION", "split_url", "lmdb_path", "unwritable", "open_refs", "read_config", "marker_bytes",
+__all__ = ["STORE_VERSION", "forget_memory_refs", "split_url", "lmdb_path", "unwritable", "open_refs", "read_config", "marker_bytes",
            "parse_config", "layout", "COMPRESSION", "codecs_for", "check_options", "settings_for",
            "remote_storage", "wrapped"]
 
@@ -105,6 +105,13 @@ def open_refs(refs, proto: str, root: str, create: bool, store_id: str = "defaul
         return PostgresRefTable(refs, namespace=store_id, read_only=read_only,
                                 **({} if backoff is None else {"backoff": backoff}))
     return LmdbRefTable(lmdb_path(refs, proto, root), create=create, read_only=read_only)
+
+
+def forget_memory_refs(url: str) -> None:
+    """Drop the in-process ref table of the memory:// store at `url` (a test's or a
+    fuzzer's store, thrown away with its storage)."""
+    with _MEMORY_LOCK:
+        _MEMORY_REFS.pop(url, None)
 
 
 def read_config(storage: BlockStore) -> dict | None:

@@ -437,6 +437,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
                 if r not in protected and t.get("catalog", r) is not None:
                     _drop_row(t, r)
                     gone.append(r)
+            _note_spared(t, set(roots) & protected)
             for job, raw in (served or {}).items():
                 key = _PRUNE_KEY + job.encode()
                 if t.get("gc", key) == raw:
@@ -678,6 +679,19 @@ def _drop_row(t: Txn, root: bytes) -> None:
 def _protected(t: Txn) -> set[bytes]:
     return ({v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} | {k for k, _ in t.items("pins")}
             | _uploading(t))
+
+
+def _note_spared(t: Txn, roots: set) -> None:
+    # An expiry left these roots because their upload had started: say so in their queue
+    # entries ("spared"), so that the uploader prunes once the upload is done (the rules
+    # keep them no more; Uploader._prune_here).
+    if not roots:
+        return
+    for k, v in t.items("meta", _UPLOAD):
+        rec = decode_record(v, "upload queue entry")
+        if rec.get("started") and rec.get("root") in roots and not rec.get("spared"):
+            rec["spared"] = True
+            t.put("meta", k, encode_record(rec))
 
 
 def _uploading(t: Txn) -> set[bytes]:

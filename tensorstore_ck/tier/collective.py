@@ -38,7 +38,6 @@ import msgpack
 
 from ..errors import IntegrityError, TsckError, UnreadableObject
 from ..walk import walk_commit, walk_tree
-from .holds import publish_holds
 
 __all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT"]
 
@@ -327,9 +326,6 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         if up.gone_meanwhile(seq, root):
             return
         raise
-    publish_holds(up, root)
-    local.refs.upload_done(seq, root)
-    up.notify()
     log.info("local tier: collective snapshot %s of ref %s durable at %s", info.root[:16], info.ref,
              up.remote.url)
-    up.remote_retention(row)
+    up.after_durable(seq, root, row)

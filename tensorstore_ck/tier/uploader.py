@@ -648,47 +648,71 @@ class Uploader:
             if self.gone_meanwhile(seq, root):
                 return
             raise
-        publish_holds(self, root)
-        with self._cond:
-            self._fitting = True  # the remote retention and the budget follow: wait_durable waits for them
-        local.refs.upload_done(seq, root)
-        with self._cond:
-            self._cond.notify_all()
+        self.after_durable(seq, root, row)
         log.info("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
-        self.remote_retention(row)
-        self._fit()
 
-    def remote_retention(self, row: dict) -> None:
-        """After a snapshot became durable: its job's retention, where the remote table
-        holds one (Store.set_retention sets it on both tables), applied to the remote
-        store by a prune, as a CheckpointManager runs one after each snapshot. The
-        tier's own prune keeps the tier in hand; this keeps the remote store from
-        growing without end. A gc holding the remote store (GcBusy) applies the rules
-        itself; any other failure is logged, never fatal to the uploads."""
+    def after_durable(self, seq: int, root: bytes, row: dict) -> None:
+        """`root`'s remote ref moved: its tags and pins made there, marked durable and
+        dropped from the queue (one transaction), then the job's retention in both tiers
+        and the budget; wait_durable() returns once they are done."""
+        publish_holds(self, root)
+        spared = any(s == seq and e.get("spared") for s, e in self.local.refs.upload_pending())
+        with self._cond:
+            self._fitting = True  # the retention and the budget follow: wait_durable waits for them
+        self.local.refs.upload_done(seq, root)
+        self.notify()
+        try:
+            self.remote_retention(row, root if spared else None)
+        finally:
+            self._fit()
+
+    def remote_retention(self, row: dict, root: bytes | None = None) -> None:
+        """After snapshot `root` became durable: its job's retention, where the remote
+        table holds one (Store.set_retention sets it on both tables), applied to the
+        remote store by a prune, as a CheckpointManager runs one after each snapshot, so
+        the remote store does not grow without end; then to the tier where it is due
+        (_prune_here). A gc holding a store (GcBusy) applies the rules itself; any other
+        failure is logged, never fatal to the uploads."""
         job = row.get("job") if isinstance(row, dict) else None
         if not job:
             return
+        from ..gc import prune_job
         try:
-            if job not in self.remote.refs.retention_all():
-                return
-            from ..gc import prune_job
-            rep = prune_job(self.remote, job, lease=self.remote.settings.gc_lease)
-            if rep.expired:
-                log.info("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(rep.expired),
-                         self.remote.url)
-                # The same rules expire them here too (one decision): a snapshot the tier
-                # still lists would otherwise stay there as durable with no remote copy,
-                # and with no copy at all once the budget took the local one.
-                if self.local.refs.catalog_which(bytes.fromhex(r) for r in rep.expired):
-                    try:
-                        prune_job(self.local, job, lease=self.local.settings.gc_lease)
-                    except GcBusy:
-                        log.info("local tier: a gc holds the tier; it applies job %s's retention there", job)
+            expired: list = []
+            if job in self.remote.refs.retention_all():
+                rep = prune_job(self.remote, job, lease=self.remote.settings.gc_lease)
+                expired = [bytes.fromhex(r) for r in rep.expired]
+                if expired:
+                    log.info("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(expired),
+                             self.remote.url)
+            if self._prune_here(job, root, expired):
+                try:
+                    prune_job(self.local, job, lease=self.local.settings.gc_lease)
+                except GcBusy:
+                    log.info("local tier: a gc holds the tier; it applies job %s's retention there", job)
         except GcBusy:
             log.info("local tier: a gc holds %s; it applies job %s's retention there", self.remote.url, job)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the remote prune
             log.warning("local tier: the retention of job %s could not be applied at %s (%s: %s); the next "
                         "upload tries again", job, self.remote.url, type(e).__name__, e)
+
+    def _prune_here(self, job: str, root: bytes | None, expired: list) -> bool:
+        """Whether the tier's prune of `job` is due after an upload (one decision for both
+        tiers): the remote's retention expired snapshots the tier still lists (they would
+        stay there as durable with no remote copy, and with no copy at all once the budget
+        took the local one); or a prune spared the snapshot just uploaded (`root`: its
+        queue entry said "spared", held while it was sent: RefTable.upload_begin) and the
+        rules keep it no more, so what that prune would have done is done now."""
+        refs = self.local.refs
+        if job not in refs.retention_all():
+            return False
+        if expired and refs.catalog_which(expired):
+            return True
+        if root is None:
+            return False
+        from ..gc import retention_plan
+        plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
+        return plan is not None and not plan["keep"]
 
     def _fit(self) -> None:
         """Keep the tier under its budget; a failure here is logged, never fatal (an
