@@ -71,6 +71,7 @@ BUDGET_WAIT = 600.0
 # snapshot that a newer queued snapshot of its ref supersedes, before it skips it
 # (Uploader.skip_superseded): long enough for a slow rank's upload to show progress.
 SUPERSEDED_PART_WAIT = 30.0
+PRUNE_RETRY = 10.0  # seconds the uploader waits out a prune of the tier before it leaves its own to the next
 
 
 class Uploader:
@@ -686,10 +687,19 @@ class Uploader:
                     log.info("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(expired),
                              self.remote.url)
             if self._prune_here(job, root, expired):
-                try:
-                    prune_job(self.local, job, lease=self.local.settings.gc_lease)
-                except GcBusy:
-                    log.info("local tier: a gc holds the tier; it applies job %s's retention there", job)
+                # A prune of the tier running now (a CheckpointManager's, in the background)
+                # may have read the catalog before this one's reason: wait it out, briefly.
+                deadline = time.monotonic() + PRUNE_RETRY
+                while True:
+                    try:
+                        prune_job(self.local, job, lease=self.local.settings.gc_lease)
+                        break
+                    except GcBusy:
+                        if time.monotonic() > deadline or not self.pause(0.2):
+                            self.local.refs.prune_request(job)  # the tier's next prune serves it
+                            log.info("local tier: a gc holds the tier; its next prune applies job %s's retention",
+                                     job)
+                            break
         except GcBusy:
             log.info("local tier: a gc holds %s; it applies job %s's retention there", self.remote.url, job)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the remote prune
