@@ -454,7 +454,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             return True
         return self._write(txn)
 
-    # -- a rank's part of collective snapshots in its local tier (tier/collective.py) ---------------
+    # -- a rank's part of collective snapshots in its local tier (tier/collective.py) -----
     def catalog_put_part(self, root: bytes, row: dict, part: bytes) -> None:
         """The catalog row of collective snapshot `root` in the tier of a rank other than
         0, with the rank's sub-tree `part` (meta `part:` root): the tier holds that part,
@@ -552,7 +552,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         A root queued already keeps its place. part: a rank's sub-tree of a collective
         snapshot (what that rank uploads of it), kept in the entry as "part". hold: the
         snapshot is sent for the tags and pins that name it, into the remote catalog
-        without moving the remote ref (an older snapshot than the remote tip: tier.md,
+        without moving the remote ref (an older snapshot than the remote tip: tiers.md,
         "One catalog"); kept in the entry as "hold"."""
         def txn(t: Txn):
             for k, v in t.items("meta", _UPLOAD):
