@@ -714,12 +714,19 @@ def test_cuda_tensors(plain_store):
     out = plain_store.checkout("cuda/main")
     expect = {"g": g.cpu(), "small": torch.arange(5), "t": g.t().cpu(),
               "p": torch.nn.Parameter(g.float().cpu())}
-    assert_same(expect, out)  # returned on CPU, exact
+    # As torch.load: back on the device each tensor was saved on, bit-exact.
+    assert all(v.device == torch.device("cuda", 0) for v in out.values())
+    assert_same(expect, _on_cpu(out))
     into = {"g": torch.zeros_like(g), "small": torch.zeros(5, dtype=torch.int64, device="cuda"),
             "t": torch.zeros(70, 300, dtype=torch.bfloat16, device="cuda"),
             "p": torch.nn.Parameter(torch.zeros(300, 70, device="cuda"))}
     ptr = into["g"].data_ptr()
     plain_store.checkout("cuda/main", into=into)
     assert into["g"].data_ptr() == ptr and into["g"].is_cuda
-    assert_same(expect, {k: (torch.nn.Parameter(v.detach().cpu()) if isinstance(v, torch.nn.Parameter)
-                             else v.cpu()) for k, v in into.items()})
+    assert_same(expect, _on_cpu(into))
+    assert_same(expect, plain_store.checkout("cuda/main", map_location="cpu"))
+
+
+def _on_cpu(state):
+    return {k: (torch.nn.Parameter(v.detach().cpu()) if isinstance(v, torch.nn.Parameter) else v.cpu())
+            for k, v in state.items()}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA device, run on a lent GPU machine (never in CI, which has none):
+# the tests that take device tensors (CUDA round trips, mapping, pinned staging, CUDA RNG in
+# resumes) and benches/bench_cuda.py. The machine has torch; the store's own compiled
+# dependencies travel as cp312 wheels in .whl/ (see docs/TESTING.md). Output under $1.
+set -uo pipefail
+OUTDIR=${1:-/tmp/gpu-check}; mkdir -p "$OUTDIR"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUTDIR/gpu.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' | tee -a "$OUTDIR/gpu.txt"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -m "not slow" -o addopts="-ra" \
+  tests/test_roundtrip.py tests/test_partial_checkout.py tests/test_async.py tests/test_async_defaults.py \
+  tests/test_checkpoint_manager.py tests/test_manager_state.py tests/test_train_resume.py tests/test_lightning.py \
+  2>&1 | tee "$OUTDIR/tests.txt"
+timeout 240 python3 benches/bench_cuda.py --scale "${BENCH_GB:-4}" --repeats 3 --dir /tmp 2>&1 | tee "$OUTDIR/bench_cuda.txt"
