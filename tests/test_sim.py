@@ -170,12 +170,13 @@ def test_checker_reports_damage_and_false_claims(tmp_path):
 
 
 def test_checker_reports_tier_violations(tmp_path):
-    """check_tiers (T1-T14) bites: a durable-marked snapshot the remote lacks, a remote ref
+    """check_tiers (T1-T16) bites: a durable-marked snapshot the remote lacks, a remote ref
     on a missing block, a damaged tier, a remote root for a tier put that the tier never
     published, a wait_durable that said True too early, and a remote ref moved back to a
     tier snapshot it had left, and a rank's part intent outliving a heard outcome; a
     tagged snapshot held in neither tier, a kept one missing remotely after close, a tier
-    past its budget, an IntegrityError where nothing was damaged are each reported."""
+    past its budget, an IntegrityError where nothing was damaged, a close with the remote
+    down past its bound or silent on what stays queued are each reported."""
     from tensorstore_ck.walk import walk_commit
     url, tier = tmp_path / "store", tmp_path / "tier"
     tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
@@ -226,7 +227,16 @@ def test_checker_reports_tier_violations(tmp_path):
             {"w": "w", "i": 13, "op": "put", "start": t + 9,
              "args": {"ref": "jx/main", "step": 9, "spec": content.make_spec("w", 13, 0, 9), "tier": "t0",
                       "budget": 1000, "sharing": 1}},
-            {"w": "w", "i": 13, "end": t + 9.1, "result": "ok", "root": "cd" * 32, "tier_bytes": 10 ** 7}])
+            {"w": "w", "i": 13, "end": t + 9.1, "result": "ok", "root": "cd" * 32, "tier_bytes": 10 ** 7},
+            # A close with the remote down past its bound, and one that left 3 queued unsaid.
+            {"w": "v", "i": 14, "op": "close", "args": {"tier": "t0", "down": True, "timeout": 1.0, "sharing": 1},
+             "start": t + 10},
+            {"w": "v", "i": 14, "end": t + 40, "result": "ok", "took": 30.0, "queued_before": 0,
+             "stays_queued": False},
+            {"w": "u", "i": 14, "op": "close", "args": {"tier": "t0", "down": True, "timeout": 3.0, "sharing": 1},
+             "start": t + 10},
+            {"w": "u", "i": 14, "end": t + 11, "result": "ok", "took": 1.0, "queued_before": 3,
+             "stays_queued": False}])
         # A tier block damaged (flipped byte).
         lblk = next(p for p in (tier / "blocks").rglob("*") if p.is_file())
         data = bytearray(lblk.read_bytes())
@@ -236,7 +246,8 @@ def test_checker_reports_tier_violations(tmp_path):
     for code, what in [("T1", "missing remotely"), ("T2", infos[0].root[:16]), ("T3", "tier t0 fsck"),
                        ("T4", "never published that root"), ("T5", "tier t0"), ("T6", infos[0].root[:16]),
                        ("T7", "IntegrityError"), ("T11", "abababababababab"), ("T12", infos[0].root[:16]),
-                       ("T13", "past its budget"), ("T14", "raised IntegrityError")]:
+                       ("T13", "past its budget"), ("T14", "raised IntegrityError"),
+                       ("T16", "took 30.0s, past its bound"), ("T16", "left 3 snapshot(s) queued")]:
         assert any(b.startswith(code) and what in b for b in bad), (code, bad)
     assert not any(b.startswith("T8") for b in bad), bad
     # The remote ref moved back to a tier snapshot it had left (as a resumed upload did).

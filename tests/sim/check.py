@@ -510,6 +510,11 @@ def _held_somewhere(tier, store, lcat: dict, evicted: set, root: str, cache: dic
     return "; ".join(why)
 
 
+# T16: a close's bound is its timeout plus the uploader's stop grace and the release of the
+# remote (its pool, table, storage): seconds on a machine shared with the round's workers.
+DOWN_MARGIN = 15.0
+
+
 def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str], dict]:
     """T1-T9, the local tiers against the remote store (`store`, quiescent, no tier open):
 
@@ -551,7 +556,12 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           waits for room, else raises TierFull);
       T14 no IntegrityError from a tier writer's put, wait_durable() or close() where no
           worker damaged that tier's disk (op rot): a snapshot that left the tier on
-          purpose, or that another process sharing it made durable, is no damage.
+          purpose, or that another process sharing it made durable, is no damage;
+      T16 a close(timeout=) with the remote storage down (a writer's end "down") ends
+          within its timeout plus DOWN_MARGIN and, where two or more
+          snapshots were queued and no other process shared the tier (at most the one
+          upload in flight can finish, its objects sent before the remote went), says
+          with a SnapshotWarning that what was not uploaded stays queued.
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable,
        "budget_over": samples past T13's bound})."""
     from tensorstore_ck.walk import walk_commit
@@ -597,6 +607,15 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                 and o.args["tier"] not in rotted:  # T14
             bad.append(f"T14 {o.op} of a writer through tier {o.args['tier']}, whose disk no worker damaged, "
                        f"raised IntegrityError: {o.brief()}")
+        if o.op == "close" and o.args.get("down"):  # T16
+            took = o.out.get("took")
+            if took is None or took > o.args["timeout"] + DOWN_MARGIN:  # (what it raised: T7, T14)
+                bad.append(f"T16 close(timeout={o.args['timeout']}) with the remote down took {took}s, past "
+                           f"its bound {o.args['timeout'] + DOWN_MARGIN}s: {o.brief()}")
+            elif o.out.get("queued_before", 0) >= 2 and o.args.get("sharing", 1) == 1 \
+                    and not o.out.get("stays_queued"):
+                bad.append(f"T16 close() with the remote down left {o.out['queued_before']} snapshot(s) queued "
+                           f"and said nothing of it: {o.brief()}")
         # (a tier's pin that a lost remote table took with it is made there again at the
         # tier's next open (Uploader._republish_holds), not by a writer already open:
         # until then the remote's retention may expire its snapshot there, so T12 does

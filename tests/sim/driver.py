@@ -58,7 +58,8 @@ tier may lose its ref table before a round (refused at open naming recover, `tsc
 T11 nothing the job keeps (rules over both catalogs, tags, pins) is lost in both tiers; T12
 after a clean close() what the job keeps is in the remote catalog; T13 a tier's bytes within
 its budget plus a snapshot (judged where the budget bounds: tsck.TierFull); T14 no
-IntegrityError where no tier was damaged; T15 the lost table's open refused naming recover.
+IntegrityError where no tier was damaged; T15 the lost table's open refused naming recover;
+T16 a close with the remote down ends within its timeout and says what stays queued.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
 ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
@@ -174,7 +175,7 @@ FLAVORS["step"] = dict(FLAVORS["mix"], weights=dict(FLAVORS["mix"]["weights"], c
                        grow_p=0.9, blocking_p=0.2)
 # --focus tier: every round has tier writers, their uploaders killed more often.
 FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6, rot_p=0.3, catalog_p=0.8,
-                       share_p=0.5, budget_p=0.5, tier_lost_p=0.2)
+                       share_p=0.5, budget_p=0.5, tier_lost_p=0.2, down_p=0.2)
 # Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
 # worker's fsck or gc runs (faults.py `unreadable`; a stream of its own): in every round of
 # --focus unreadable, and in 30% of a worker's rounds on the dirfs backend (a filesystem of
@@ -447,6 +448,10 @@ class Harness:
             # The early upload (blocks sent from memory as the put writes them) in half the
             # writers, from a stream of its own so the draws above keep their seeds' schedule.
             c["early_upload"] = random.Random(f"{self.seed}:{r}:{k}:early").random() < 0.5
+            # Some that would close cleanly close with the remote down (T16), a stream of its own.
+            if c["tier_end"] != "kill" and random.Random(f"{self.seed}:{r}:{k}:down").random() < fl.get("down_p", 0.05):
+                c["tier_end"] = "down"
+            c["sharing"] = names.count(name)
             # Some damage their own tier's disk (worker op "rot"), drawn from a stream of its own too.
             rot_rng = random.Random(f"{self.seed}:{r}:{k}:rot")
             if rot_rng.random() < fl.get("rot_p", 0.1):
@@ -547,13 +552,19 @@ class Harness:
                  + (":shared" if c.get("sharing", 1) > 1 else "") + (":lag" if c.get("lag") else "")
                  for c in tiered]
         counts: dict = {}  # the catalog writers' calls by outcome (tag:ok, kept:ok, prune:GcBusy...)
+        fences = 0  # the uploaders' fenced remote moves: a closing writer's fences less its puts'
         for o in check.load_ops(self.run_dir):
+            if o.w in ids and o.op == "close" and o.args.get("tier") and "fences" in o.out:
+                fences += o.out["fences"]
+            if o.w in ids and o.op == "put" and o.args.get("tier") and o.ok:
+                fences -= o.out.get("fenced", 0)
             if (o.w in ids and o.op in ("tag", "pin", "untag", "unpin", "prune", "kept") and o.args.get("tier")) \
                     or (o.w == "driver" and o.op == "tier_recover" and o.start >= self._round_t0):
                 k = f"{o.op}:{'killed' if o.end is None else o.result}"
                 counts[k] = counts.get(k, 0) + 1
         return ",".join(parts) + f"(puts={self._tier_puts}, durable={self._tier_durable}, " \
-                                 f"upload_kills={self._upload_kills(ids)}, budget_over={self._budget_over}, " \
+                                 f"upload_kills={self._upload_kills(ids)}, upload_fences={max(0, fences)}, " \
+                                 f"budget_over={self._budget_over}, " \
                                  f"catalog={','.join(f'{k}x{v}' for k, v in sorted(counts.items())) or 0})"
 
     def _upload_kills(self, ids: set) -> int:

@@ -31,6 +31,9 @@ The profile (chosen by the driver from the seed) says, per point:
                        "commit" (after that many objects of the kind reached the remote),
                        "move" (everything sent and synced, the remote ref not moved),
                        "durable" (the remote ref moved, the tier not told yet)
+  down                 set by a tier writer ending "down" (Faults.down): from then on every
+                       request of the remote storage is refused (ECONNREFUSED), as by a
+                       server that went away; its close(timeout=) must end within its bound
 The random choices come from one seeded generator; threads reach points in an order
 that varies, so a seed fixes the schedule of faults, not the exact interleaving.
 """
@@ -67,6 +70,7 @@ class Faults:
         self.gc_busy = None  # set by the worker: is a gc marking or deleting now?
         self.armed = True
         self.upload_seen: dict[str, int] = {}  # uploader stages reached (kill_upload)
+        self.down = False  # the remote storage refuses every request (a tier writer's end "down")
 
     def upload_point(self, stage: str, key: str = "") -> None:
         """A stage inside a local tier's uploader: SIGKILL at the profile's n-th one."""
@@ -153,23 +157,28 @@ class SimStore(WrappedStore):
             s = getattr(s, "inner", None)
         return s
 
+    def _point(self, op: str, key: str = "") -> None:
+        if self.f.down:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, f"sim: the remote is down ({op} {key})")
+        self.f.point(op, key)
+
     def _read_fault(self, key: str) -> None:
         code = self.unreadable.get(key)
         if code is not None:
             raise _unreadable_error(code, key)
 
     def get(self, key, max_bytes=None):
-        self.f.point("get", key)
+        self._point("get", key)
         self._read_fault(key)
         return self.inner.get(key, max_bytes)
 
     def open_read(self, key, max_bytes=None):
-        self.f.point("get", key)
+        self._point("get", key)
         self._read_fault(key)
         return self.inner.open_read(key, max_bytes)
 
     def put_if_absent(self, key, bufs):
-        self.f.point("put", key)
+        self._point("put", key)
         out = self.inner.put_if_absent(key, bufs)
         self.f.point("put-done", key)  # a kill here: the object landed, the caller never heard
         if self.f.p.get("kill_upload"):
@@ -177,7 +186,7 @@ class SimStore(WrappedStore):
         return out
 
     def put_addressed(self, key, bufs):
-        self.f.point("put", key)
+        self._point("put", key)
         out = self.inner.put_addressed(key, bufs)  # local disks: named only at the next sync
         self.f.point("put-done", key)
         if self.f.p.get("kill_upload"):  # behind a local tier only the uploader writes here
@@ -185,25 +194,25 @@ class SimStore(WrappedStore):
         return out
 
     def exists(self, key):
-        self.f.point("exists", key)
+        self._point("exists", key)
         return self.inner.exists(key)
 
     def delete(self, key):
-        self.f.point("delete", key)
+        self._point("delete", key)
         return self.inner.delete(key)
 
     def delete_many(self, keys, *, deadline=None):  # one point per key: a gc killed part-way through
         keys = list(keys)                             # a batch; the deadline is checked when it starts
         for k in keys:
-            self.f.point("delete", k)
+            self._point("delete", k)
         return self.inner.delete_many(keys, deadline=deadline)
 
     def list(self, prefix):
-        self.f.point("list", prefix)
+        self._point("list", prefix)
         return self.inner.list(prefix)
 
     def sync(self):
-        self.f.point("sync")
+        self._point("sync")
         out = self.inner.sync()
         self.f.point("sync-done")  # a kill here: every pending object named, no ref moved
         return out

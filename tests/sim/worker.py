@@ -10,7 +10,7 @@ another gc is dead), gc_stale / gc_leases (the leases its gc runs declare), faul
 a random ref-table write of the run, so that a kill lands in its ref moves); tier (a
 local tier's directory: the store is opened through it, ops put/read/durable, and rot
 where cfg["rot"]: it damages a block on that tier's disk) and
-tier_end ("close" | "wait" | "kill": how such a writer ends); catalog (a tier writer with a
+tier_end ("close" | "wait" | "kill" | "down": how such a writer ends); catalog (a tier writer with a
 job of its own: {"job", "keep_last", "keep_best"}: it sets the job's retention, prunes the job
 after puts, tags, pins, untags and unpins the job's snapshots in its tier), budget (the tier's
 local_budget in bytes) and sharing (how many processes of the round open that tier).
@@ -153,6 +153,7 @@ def _mtime(path: str) -> int:
 RANKS = 2  # the world size of a worker's collective puts
 ROT_I = 1_000_000  # journal index offset of the damage done as a put returns (Worker._rot_after_put)
 CAT_I = 2_000_000  # a catalog writer's own calls: its rules at start (CAT_I), its prune after put i (CAT_I + 1 + i)
+DOWN_I = 3_000_000  # a writer ending "down": the moment its remote storage went away
 
 
 def tier_bytes(path: str) -> int:
@@ -681,6 +682,12 @@ class Worker:
         if weights.get("cput"):
             self.start_ranks()
         deadline = time.time() + cfg["seconds"]
+        # A writer ending "down": the remote storage goes away before its last 2-5 ops or
+        # the last 30-50% of its time, whichever comes first (a stream of its own), so that
+        # its last puts queue up in the tier unsent.
+        drng = random.Random(f"{cfg['seed']}:down")
+        down_at = (deadline - drng.uniform(0.3, 0.5) * cfg["seconds"], cfg["ops"] - drng.randint(2, 5)) \
+            if cfg.get("tier_end") == "down" else None
         open(cfg["journal"] + ".ready", "w").close()  # the driver times its kills from here
         try:
             if cfg.get("catalog"):
@@ -688,6 +695,11 @@ class Worker:
             for i in range(cfg["ops"]):
                 if time.time() > deadline:
                     break
+                if down_at is not None and (time.time() > down_at[0] or i >= down_at[1]) and not self.faults.down:
+                    self.faults.down = True
+                    self.j.write(i=DOWN_I, op="remote_down", args={"tier": os.path.basename(cfg["tier"])},
+                                 start=time.time())
+                    self.j.write(i=DOWN_I, end=time.time(), result="ok")
                 if i in self._taken:
                     continue
                 op = self.rng.choices(names, [weights[n] for n in names])[0]
@@ -741,25 +753,55 @@ class Worker:
         """How a writer with a local tier ends (seeded, cfg["tier_end"]): "close" finishes
         its uploads in close(), kill points still armed; "wait" waits a while for them
         (wait_durable), then closes; "kill" dies with its uploads queued (kill -9): the
-        next worker that opens this tier resumes them. Journaled as op "close". A catalog
-        writer whose close() returned then looks at what its job keeps (op "kept", T12)."""
+        next worker that opens this tier resumes them; "down": the remote storage refuses
+        every request from now on (faults.py `down`) and close(timeout=) is timed: it must
+        end within its bound and, with uploads left, say with a SnapshotWarning that they
+        stay queued (T16); the next worker that opens the tier resumes them. Journaled as
+        op "close". A catalog writer whose close() returned then looks at what its job
+        keeps (op "kept", T12)."""
         end = self.cfg.get("tier_end", "close")
         i = self.cfg["ops"] + 1
         if end == "kill":
             self.j.write(kill="end", op="close", key="uploads left queued")
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(10)
+        if end == "down":
+            self._close_down(s, i)
+            return
         if end == "wait":
             args, call = self.op_durable(s, i - 1)
             self._journaled(i - 1, "durable", args, call)
         tier = os.path.basename(self.cfg["tier"])
         kept = self._kept_here(s) if self.cfg.get("catalog") else None
-        out = self._journaled(i, "close", {"tier": tier}, lambda: (s.close(), {})[1])
+        out = self._journaled(i, "close", {"tier": tier}, lambda: (s.close(), {"fences": FENCES.n})[1])
         # (an uploader stopped on a failure that wait_durable() raised: close() says nothing more)
         if kept is not None and out["result"] == "ok" and not self._upload_stopped:
             self.faults.armed = False  # a look, not a fault window
             self._journaled(i + 1, "kept", {"tier": tier, "job": self.cfg["catalog"]["job"], "before": sorted(kept)},
                             lambda: self._kept_remote(kept))
+
+    def _close_down(self, s, i: int) -> None:
+        """close(timeout=) with the remote storage refusing every request (T16)."""
+        timeout = self.rng.choice([1.0, 3.0, 8.0])
+        tier = os.path.basename(self.cfg["tier"])
+
+        def call():
+            self.faults.down = True  # (already, unless the writer's ops ended first)
+            queued = s._tier.uploader.queued()
+            out = {}
+            with warnings.catch_warnings(record=True) as ws:
+                warnings.simplefilter("always")
+                t0 = time.monotonic()
+                try:
+                    s.close(timeout=timeout)
+                except Exception as e:  # noqa: BLE001 - judged by check.py (T7, T14), timed here (T16)
+                    out = _err(e)
+                took = time.monotonic() - t0
+            said = [str(w.message) for w in ws if issubclass(w.category, tsck.SnapshotWarning)]
+            return dict(out, took=round(took, 3), queued_before=queued, fences=FENCES.n,
+                        stays_queued=any("stay queued" in m for m in said), warnings=said[:3])
+        self._journaled(i, "close", {"tier": tier, "down": True, "timeout": timeout,
+                                     "sharing": self.cfg.get("sharing", 1)}, call)
 
     # -- a writer with a job of its own in its tier (cfg["catalog"]) ----------------------
     def _set_rules(self, s) -> None:
