@@ -97,6 +97,13 @@ def replica_digests(plan: Plan) -> list[tuple[str, bytes]]:
     return out
 
 
+def _resumed_past(args: SnapshotArgs) -> bool:
+    """The writer resumed from an earlier snapshot of the ref and this step lies past it:
+    a kept snapshot of the ref at this step belongs to the run it abandoned (a rollback,
+    CheckpointManager.restore(step)), not to a re-run, so it is not a step reused."""
+    return args.resumed_from is not None and args.step is not None and args.step > args.resumed_from
+
+
 def _warn_step_reused(ref: str, step, earlier: bytes, root: bytes) -> None:
     msg = (f"ref {ref!r} already had a snapshot at step {step} ({earlier.hex()[:16]}); {root.hex()[:16]} was "
            f"published after it at the same step and both are kept ({ref}@{step} now names the newer). A script "
@@ -333,7 +340,7 @@ class Publisher:
                 # After the move, not before: the commit's own round trips are the ones a
                 # fault (a held or lost COMMIT) meets, and a warning costs no read to a put
                 # that fails.
-                had = self._step_taken(ref, args.step, root)
+                had = None if _resumed_past(args) else self._step_taken(ref, args.step, root)
                 if had is not None:
                     _warn_step_reused(ref, args.step, had, root)
                 return log_committed(row_to_info(root, row))

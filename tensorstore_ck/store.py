@@ -272,7 +272,8 @@ class Store:
     def put_snapshot(self, state, ref: str, *, step: int | None = None, metrics: dict | None = None,
                      meta: dict | None = None, job: str | None = None, expected=_UNSET,
                      blocking: bool = True, allow_pickle: bool = False, when_busy: str | None = None,
-                     group=_AUTO_GROUP, timeout: float = 300.0, progress: bool = False):
+                     group=_AUTO_GROUP, timeout: float = 300.0, progress: bool = False,
+                     resumed_from: int | None = None):
         """Snapshot `state` and move `ref` to it.
 
         expected: unset moves the ref whatever it points at (retrying if another
@@ -303,7 +304,13 @@ class Store:
 
         A blocking put first waits for the asynchronous ones in flight, so the
         ref never moves back to an older snapshot. progress=True: a blocking put
-        shows the bytes it hashes and writes as a bar on stderr (`tsck import`)."""
+        shows the bytes it hashes and writes as a bar on stderr (`tsck import`).
+
+        A put at a step the ref's kept history already has is published (both are kept,
+        REF@STEP names the newer) with a StepReusedWarning: a script re-run from its start?
+        resumed_from=STEP says the state continues the ref's snapshot at STEP (a run rolled
+        back to it, as CheckpointManager.restore(step) does): the kept snapshots at later
+        steps are the abandoned run's, and taking a step above STEP again is not warned."""
         self._writable("put_snapshot")
         started = time.monotonic()
 
@@ -311,7 +318,8 @@ class Store:
             self.raise_pending_error()
             if when_busy is not None and when_busy not in ("wait", "skip"):
                 raise InvalidArgument(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-            return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected)
+            return check_snapshot_args(ref, job=job, step=step, metrics=metrics, meta=meta, expected=expected,
+                                       resumed_from=resumed_from)
 
         if is_collective(group):
             if step is None:  # (before the call is named: every rank that omits it raises alike)

@@ -1,4 +1,4 @@
-"""The arguments of a snapshot (ref, job, step, metrics, meta, expected), checked once
+"""The arguments of a snapshot (ref, job, step, metrics, meta, expected, resumed_from), checked once
 for every writer: Store.put_snapshot, the collective put and the DCP writer."""
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ class SnapshotArgs:
     metrics: dict
     meta: dict
     expected: object  # UNSET, None (the ref must not exist) or the 32-byte root it must point at
+    # The step of the ref's snapshot the writer resumed from (CheckpointManager after a
+    # restore): kept snapshots of the ref at later steps belong to a run it abandoned, so
+    # taking one of their steps again is expected (no StepReusedWarning). None: not said.
+    resumed_from: int | None = None
 
 
 def _utf8(s: str, what: str) -> None:
@@ -80,11 +84,14 @@ def check_step(step) -> int | None:
     return step
 
 
-def check_snapshot_args(ref, *, job=None, step=None, metrics=None, meta=None, expected=UNSET) -> SnapshotArgs:
+def check_snapshot_args(ref, *, job=None, step=None, metrics=None, meta=None, expected=UNSET,
+                        resumed_from=None) -> SnapshotArgs:
     validate_new_name(ref)
     j = validate_new_name(validate_component(job if job is not None else ref.split("/", 1)[0], "job name"),
                           "job name")
     check_step(step)
+    if resumed_from is not None and (type(resumed_from) is not int or not -(2**63) <= resumed_from < 2**63):
+        raise InvalidArgument(f"resumed_from must be the int step of a snapshot of the ref, got {resumed_from!r}")
     m = {}
     for k, v in dict(metrics or {}).items():
         if type(k) is not str or isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -98,4 +105,4 @@ def check_snapshot_args(ref, *, job=None, step=None, metrics=None, meta=None, ex
     e = UNSET
     if expected is not UNSET:
         e = None if expected is None else parse_hex(expected)
-    return SnapshotArgs(ref, j, step, m, mt, e)
+    return SnapshotArgs(ref, j, step, m, mt, e, resumed_from)
