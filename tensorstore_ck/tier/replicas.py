@@ -213,7 +213,7 @@ class Peers:
                 else:
                     return
         except (OSError, TsckError) as e:
-            log.info("peer replicas: a connection ended: %s", e)
+            log.debug("peer replicas: a connection ended: %s", e)
         finally:
             conn.close()
 
@@ -280,8 +280,8 @@ class Peers:
                     _recv(conn, 1)
                 with self._lock:
                     self.sent += n
-                log.info("peer replicas: snapshot %s: %d object(s) of this rank's part sent to rank %d",
-                         root.hex()[:16], n, peer)
+                log.debug("peer replicas: snapshot %s: %d object(s) of this rank's part sent to rank %d",
+                          root.hex()[:16], n, peer)
             except (OSError, TsckError) as e:
                 log.warning("peer replicas: snapshot %s: sending this rank's part to rank %d failed (%s); the "
                             "remote store stays its copy", root.hex()[:16], peer, e)
