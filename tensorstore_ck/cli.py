@@ -554,6 +554,12 @@ def cmd_recover(store, args):
     lines += [f"  ref {k} -> {v}" for k, v in r.refs_restored.items()]
     lines += [f"  tag {k} -> {v}" for k, v in r.tags_restored.items()]
     lines += [f"  unreadable: {u}" for u in r.unreadable]
+    # (what a user removed is only counted; a commit left out as incomplete is named, with why)
+    from .recover import REMOVED_BY_USER
+    removed = sum(v == REMOVED_BY_USER for v in r.skipped.values())
+    lines += [f"  not adopted: {k[:16]}: {v}" for k, v in r.skipped.items() if v != REMOVED_BY_USER]
+    if removed:
+        lines.append(f"  {removed} commit(s) removed by a user (forget, delete-ref) not brought back")
     _out(args, r.to_json(), "\n".join(lines))
     return 0
 
@@ -801,7 +807,8 @@ def _add_log_options(p, *, top: bool) -> None:
     undo what was given before the command."""
     d = {} if top else {"default": argparse.SUPPRESS}
     p.add_argument("-v", "--verbose", action="count", help="log what the store does on stderr: -v INFO "
-                   "(each snapshot, gc and prune step), -vv DEBUG", **({"default": 0} if top else d))
+                   "(each committed snapshot and restore, and what needs you), -vv DEBUG (gc and prune phases, "
+                   "fence waits, uploads)", **({"default": 0} if top else d))
     p.add_argument("--log-level", type=_level, metavar="LEVEL", help=f"log at LEVEL ({', '.join(_LEVELS)})",
                    **({"default": None} if top else d))
     # (a type, not choices=: _dash_hint reads a top-level action's choices as the commands)

@@ -269,8 +269,8 @@ def _execute(core: Core, plan: GCPlan, *, lease: "Lease", progress: bool, phase_
         lease.removed = {}  # every deletion is noted (a phase that moves objects aside notes none: None)
         lease.freeze()
         rep.phases += 1
-        log.info("gc %s: deletion phase %d began (writers are fenced): %d candidates left", lease.owner,
-                 rep.phases, rep.candidates - rep.deleted_objects - rep.rescued)
+        log.debug("gc %s: deletion phase %d began (writers are fenced): %d candidates left", lease.owner,
+                  rep.phases, rep.candidates - rep.deleted_objects - rep.rescued)
         # Every commit kept now and not yet walked (published since the plan's mark, or since
         # the last phase's re-mark): what it reaches is kept. Walks of earlier phases still
         # count: their marks only keep more.
@@ -391,20 +391,20 @@ def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: 
     _refuse_if_the_ref_table_knows_nothing(core)
     with holding_gc_lock(core, lease=lease, renew_every=renew_every) as hold:
         owner = hold.owner
-        log.info("gc %s on %s: began (lease %gs, grace %gs)", owner, core.url, lease, grace)
+        log.debug("gc %s on %s: began (lease %gs, grace %gs)", owner, core.url, lease, grace)
         # began is compared with stored objects' mtimes, so it is read on the storage's
         # clock (a gc host's clock that is off would only cost writers re-uploads or
         # keep garbage longer: the fence, not the time, keeps data safe).
         plan = plan_gc(core, dry_run=False, began=core.storage.clock_now() - grace, progress=progress,
                        beat=hold)
-        log.info("gc %s: marked; %d snapshots expired, %d kept, %d candidates", owner, len(plan.report.expired),
-                 plan.report.kept_snapshots, plan.report.candidates)
+        log.debug("gc %s: marked; %d snapshots expired, %d kept, %d candidates", owner, len(plan.report.expired),
+                  plan.report.kept_snapshots, plan.report.candidates)
         rep = execute_gc(core, plan, lease=hold, progress=progress, phase_objects=phase_objects,
                          phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_gc": {"at": refs.wall_now(), "deleted": rep.deleted_objects}}
-    log.info("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
-             owner, rep.seconds, rep.deleted_objects, rep.deleted_bytes, rep.rescued)
+    log.debug("gc %s: finished in %.1fs: deleted %d objects (%d bytes), %d reused by writers and kept",
+              owner, rep.seconds, rep.deleted_objects, rep.deleted_bytes, rep.rescued)
     _note_reclaimed(core, rep)
     return rep
 
@@ -417,7 +417,7 @@ def _note_reclaimed(core: Core, rep: GCReport) -> None:
     try:
         core.refs.note_reclaimed(block_bytes=rep.deleted_block_bytes, total_bytes=rep.deleted_bytes)
     except Exception as e:  # noqa: BLE001 - the deletion itself is done and reported
-        log.info("not recorded for du --plot: %d bytes reclaimed (%s)", rep.deleted_bytes, e)
+        log.debug("not recorded for du --plot: %d bytes reclaimed (%s)", rep.deleted_bytes, e)
 
 
 def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
@@ -461,8 +461,8 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
                                   parts=parts, phase_objects=phase_objects, phase_seconds=phase_seconds)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
-    log.info("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
-             rep.deleted_objects, rep.deleted_bytes, rep.seconds)
+    log.debug("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
+              rep.deleted_objects, rep.deleted_bytes, rep.seconds)
     _note_reclaimed(core, rep)
     return rep
 
@@ -662,11 +662,11 @@ class Lease:
                 break
             if not told:
                 told = True
-                log.info("gc %s: %d writer(s) re-validating a fenced snapshot; deletion waits for them",
-                         self.owner, len(st.get("holds") or ()))
+                log.debug("gc %s: %d writer(s) re-validating a fenced snapshot; deletion waits for them",
+                          self.owner, len(st.get("holds") or ()))
             time.sleep(min(0.05, st["held"]))
         if told:
-            log.info("gc %s: writers' holds gone after %.2fs", self.owner, time.monotonic() - t0)
+            log.debug("gc %s: writers' holds gone after %.2fs", self.owner, time.monotonic() - t0)
 
     def thaw(self):
         """Close the deletion phase freeze() opened (epoch even) and keep the lock. ->
@@ -711,7 +711,7 @@ class Lease:
             try:
                 return fn(*args, deadline=self.deadline)
             except DeadlinePassed:
-                log.info("gc %s: a delete would end past the lease's margin; renewing first", self.owner)
+                log.debug("gc %s: a delete would end past the lease's margin; renewing first", self.owner)
                 self.renew()
                 if time.monotonic() >= self.deadline():  # a renewal slower than the lease itself
                     raise GcBusy("gc stopped deleting: it could not renew its lease in time") from None

@@ -303,7 +303,7 @@ class TsckCheckpointIO(CheckpointIO):
         except RefNotFound:
             pass  # already gone
         except InvalidArgument as e:  # tagged, pinned or a ref's tip: kept on purpose
-            log.info("checkpoint %s: snapshot %s kept: %s", os.fspath(path), root[:16], e)
+            log.debug("checkpoint %s: snapshot %s kept: %s", os.fspath(path), root[:16], e)
 
     def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict:
         """The checkpoint the pointer at `path` names. weights_only=True refuses pickled values
@@ -369,8 +369,8 @@ class TsckCheckpointIO(CheckpointIO):
         elif not hist or hist[0].root != root:
             self._forget(path, root)
         else:
-            log.info("checkpoint %s: snapshot %s stays while it is the tip of ref %s, whose older "
-                     "snapshots are still named", os.fspath(path), root[:16], ref)
+            log.debug("checkpoint %s: snapshot %s stays while it is the tip of ref %s, whose older "
+                      "snapshots are still named", os.fspath(path), root[:16], ref)
 
 
 # -- outside the Trainer: inference scripts, LightningCLI, model registries ----------------

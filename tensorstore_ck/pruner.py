@@ -126,7 +126,7 @@ class Pruner:
                     token = self.store.core.refs.prune_request(self.job)
                 elif not self.store.core.refs.prune_pending(self.job, token):
                     self.served += 1
-                    log.info("prune %s: applied by another job's prune or a gc", self.job)
+                    log.debug("prune %s: applied by another job's prune or a gc", self.job)
                     return True
             except TsckError as e:
                 log.warning("prune %s: could not queue it in the store: %s: %s (the next snapshot tries again)",
@@ -136,8 +136,8 @@ class Pruner:
             waited = time.monotonic() - t0
             if waited >= patience:
                 if not report:
-                    log.info("prune %s: the store stayed busy for %.1fs (%s); it stays queued", self.job, waited,
-                             busy)
+                    log.debug("prune %s: the store stayed busy for %.1fs (%s); it stays queued", self.job, waited,
+                              busy)
                     return False
                 with self._cv:
                     if not self._deferred:

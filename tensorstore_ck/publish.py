@@ -304,8 +304,8 @@ class Publisher:
                         raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
                                               "published, take it again") from None
                     fenced += 1
-                    log.info("ref %s: a gc deletion phase overlapped this snapshot; re-validating its objects",
-                             ref)
+                    log.debug("ref %s: a gc deletion phase overlapped this snapshot; re-validating its objects",
+                              ref)
                     holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
                     # With the hold taken no deletion phase opens until the move (or its expiry).
                     fence = self.wait_gc_idle(hold=holder)
@@ -352,7 +352,7 @@ class Publisher:
                 try:
                     self.reftable.gc_unhold(holder)
                 except Exception as e:  # noqa: BLE001 - it expires on its own
-                    log.info("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
+                    log.debug("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
 
     def _step_taken(self, ref: str, step, root: bytes) -> bytes | None:
         """A kept snapshot of `ref`'s history at `step` other than `root`, if any (the
@@ -383,7 +383,7 @@ class Publisher:
                     self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {row.get('step')}",
                                                    catalog_row=row, fence=fence, hold=holder)
                 except Fenced:
-                    log.info("ref %s: a gc deletion phase overlapped this upload; re-validating its objects", ref)
+                    log.debug("ref %s: a gc deletion phase overlapped this upload; re-validating its objects", ref)
                     holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
                     fence = self.wait_gc_idle(hold=holder)
                     with self._renewing(holder):
@@ -409,7 +409,7 @@ class Publisher:
                 try:
                     self.reftable.gc_unhold(holder)
                 except Exception as e:  # noqa: BLE001 - it expires on its own
-                    log.info("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
+                    log.debug("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
 
     def _landed(self, ref: str, root: bytes) -> bool:
         """After a move whose answer was lost: does the table show `root` published (the
@@ -418,7 +418,7 @@ class Publisher:
         try:
             return self.reftable.get_or_none(ref) == root or self.reftable.catalog_has(root)
         except Exception as e:  # noqa: BLE001 - cannot tell: the caller says so
-            log.info("ref %s: cannot tell whether the move to %s landed (%s)", ref, root.hex()[:16], e)
+            log.debug("ref %s: cannot tell whether the move to %s landed (%s)", ref, root.hex()[:16], e)
             return False
 
     def _drop_unpublished(self, ref: str, root: bytes) -> None:
@@ -434,7 +434,7 @@ class Publisher:
             self.assets.delete_objects("commits", [root])
             self.assets.sync()
         except Exception as e:  # noqa: BLE001 - unsure or failing: leave it, gc sees to it
-            log.info("commit %s of a failed put left in storage (%s)", root.hex()[:16], e)
+            log.debug("commit %s of a failed put left in storage (%s)", root.hex()[:16], e)
 
     # -- after a fenced move ---------------------------------------------------------
     def wait_gc_idle(self, hold: str | None = None) -> int:
@@ -454,7 +454,7 @@ class Publisher:
                 epoch = self.reftable.gc_hold(hold)
                 if epoch is not None:
                     if told:
-                        log.info("gc deletion phase over after %.2fs; going on", time.monotonic() - t0)
+                        log.debug("gc deletion phase over after %.2fs; going on", time.monotonic() - t0)
                     return epoch
             st = self.reftable.gc_state()
             if st["epoch"] % 2 == 0:
@@ -462,12 +462,13 @@ class Publisher:
                     held_at = None
                     continue  # it ended: take the hold (it is ours already; this reads the new fence)
                 if told:
-                    log.info("gc deletion phase over after %.2fs; going on", time.monotonic() - t0)
+                    log.debug("gc deletion phase over after %.2fs; going on", time.monotonic() - t0)
                 return st["epoch"]
             if not told:  # once per wait, not per poll
                 told = True
-                log.info("waiting for gc %s's deletion phase (epoch %d) to end; its lease runs %.1fs more",
-                         st.get("owner"), st["epoch"], st["lease_left"] or 0.0)
+                # (the phase usually ends long before its lease: the lease only bounds the wait)
+                log.debug("waiting for gc %s's deletion phase (epoch %d) to end, at most its lease's %.1fs more",
+                          st.get("owner"), st["epoch"], st["lease_left"] or 0.0)
             if not st["lease_left"]:
                 log.warning("closing the deletion phase of gc %s: its lease ran out on the ref table's clock",
                             st.get("owner"))
@@ -487,7 +488,7 @@ class Publisher:
                     if self.reftable.gc_hold(holder) is None:
                         return  # the hold ran out and a gc froze: the move will be fenced again
                 except Exception as e:  # noqa: BLE001 - the move's own transaction tells
-                    log.info("gc hold %s: renewal failed (%s)", holder, e)
+                    log.debug("gc hold %s: renewal failed (%s)", holder, e)
                     return
         t = threading.Thread(target=run, name="tsck-gc-hold", daemon=True)
         t.start()

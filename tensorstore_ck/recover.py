@@ -44,9 +44,13 @@ from .format.names import validate_name
 from .refs.history import RECOVERED
 from .walk import walk_commit
 
-__all__ = ["RecoverReport", "run_recover", "incomplete", "commit_row"]
+__all__ = ["RecoverReport", "REMOVED_BY_USER", "run_recover", "incomplete", "commit_row"]
 
 log = logging.getLogger(__name__)
+
+
+# Why a commit a user removed (forget, delete-ref) is not adopted: RecoverReport.skipped.
+REMOVED_BY_USER = "removed by a user (forget or delete-ref): not brought back"
 
 
 @dataclass
@@ -137,7 +141,7 @@ def _begin(rt, owner: str, wait: float) -> None:
                              "(nothing was changed)") from None
             time.sleep(min(1.0, max(0.05, until - time.monotonic())))
     if prev is not None:
-        log.info("recover: finishing the rebuild begun by %s", prev.get("owner"))
+        log.debug("recover: finishing the rebuild begun by %s", prev.get("owner"))
 
 
 def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> RecoverReport:
@@ -167,7 +171,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
         rep.commits_found += 1
         if root in forgotten or (c["ref"] in deleted and (root in deleted_roots
                                                           or float(c["time"]) <= deleted[c["ref"]])):
-            rep.skipped[root.hex()] = "removed by a user (forget or delete-ref): not brought back"
+            rep.skipped[root.hex()] = REMOVED_BY_USER
             continue
         why = incomplete(core, root, present)
         if why is not None:
@@ -175,7 +179,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
             # fenced move failed and it re-uploaded) or that a crash left half-written:
             # adopting it would name a snapshot that cannot be read.
             rep.skipped[root.hex()] = why
-            log.info("recover: commit %s not adopted: %s", root.hex()[:16], why)
+            log.debug("recover: commit %s not adopted: %s", root.hex()[:16], why)
             continue
         row = commit_row(c)
         if rt.catalog_put_if_absent(root, row):
@@ -191,8 +195,8 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
         roots = [root for _t, _s, root, _row in items]
         cur = rt.get_or_none(ref)
         if cur is not None and (cur not in roots[:-1] or not _moved_by_recover(rt, ref, cur)):
-            log.info("recover: ref %s left at %s (its newest commit, or set by a writer or a user)", ref,
-                     cur.hex()[:16])
+            log.debug("recover: ref %s left at %s (its newest commit, or set by a writer or a user)", ref,
+                      cur.hex()[:16])
             continue  # at its newest commit, or placed there by a writer or a user: their view wins
         # A recover killed half-way left the ref on an intermediate commit: go on from
         # there, so a second run ends exactly where one uninterrupted run ends.
@@ -210,12 +214,12 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
             rt.compare_and_swap(ref, state[0], root, message=RECOVERED, catalog_row=row)
             state[0] = root
         except RefConflict:  # a writer moved it meanwhile: its view wins
-            log.info("recover: ref %s was moved by a writer meanwhile; left as it is", ref)
+            log.debug("recover: ref %s was moved by a writer meanwhile; left as it is", ref)
             state[2] = True
     for ref, (prev, n, conflict) in moving.items():
         if not conflict:
             rep.refs_restored[ref] = prev.hex()
-            log.info("recover: ref %s restored at %s (%d commits in its reflog)", ref, prev.hex()[:16], n)
+            log.debug("recover: ref %s restored at %s (%d commits in its reflog)", ref, prev.hex()[:16], n)
     rep.unreadable += [f"{key}: not an object key" for key in strays]
     for key, rec in core.assets.tags():
         if isinstance(rec, Exception):
@@ -226,7 +230,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
             try:
                 rt.tag_create(name, root)
                 rep.tags_restored[name] = root.hex()
-                log.info("recover: tag %s restored at %s", name, root.hex()[:16])
+                log.debug("recover: tag %s restored at %s", name, root.hex()[:16])
             except RefConflict:
                 pass
     # Every complete commit storage held when this run listed it now has its row (what

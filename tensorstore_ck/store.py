@@ -125,6 +125,28 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_stores_after_fork)
 
 
+def restored_fields(target: str, root: Digest, commit: dict, source: str, seconds: float, partial: bool) -> dict:
+    """What a restore's log line (and a JSON log line: the record's `tsck` attribute) says."""
+    st = commit.get("stats") or {}
+    return {"event": "restored", "target": target, "ref": commit["ref"], "job": commit["job"], "step": commit["step"],
+            "root": root.hex(), "bytes": st.get("bytes_total"), "source": source, "seconds": seconds,
+            "partial": partial}
+
+
+def _log_restored(target: str, root: Digest, commit: dict, source: tuple[str, str], seconds: float,
+                  partial: bool) -> None:
+    """One INFO line per checkout (restore_latest's, a manager's, `tsck checkout`'s): the
+    snapshot it read (ref, step, root) and where from: the store, or with a local tier the
+    tier, peer replicas or the remote store."""
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    fields = restored_fields(target, root, commit, source[0], seconds, partial)
+    named = "" if target in (commit["ref"], root.hex()) else f" ({target})"
+    _log.info("snapshot restored%s: ref %s step %s%s, root %s, from %s in %.2fs", named, commit["ref"],
+              "-" if commit["step"] is None else commit["step"], " (some paths)" if partial else "",
+              root.hex()[:16], source[1], seconds, extra={"tsck": fields})
+
+
 class Store:
     """A content-addressed snapshot store. Thread-safe; use one per process.
 
@@ -601,11 +623,16 @@ class Store:
             # Read before any object is: what this checkout reads is then known present under
             # it, for later puts and checkouts of this Store (assets.Presence).
             fence = self.assets.fence_now()
-            c = decode_commit(reads.get_commit(root, verify=verify))
+            t0 = time.monotonic()
+            served = reads if self._tier is None else self._tier.served(reads)
+            c = decode_commit(served.get_commit(root, verify=verify))
             st = c.get("stats") or {}
             with _bytes_bar(progress, "checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                return read_with(Reader(reads, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
-                                        progress=bar, **opts), c["tree"])
+                out = read_with(Reader(served, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
+                                       progress=bar, **opts), c["tree"])
+            source = ("store", f"the store at {self.url}") if self._tier is None else self._tier.source(served)
+            _log_restored(target, root, c, source, time.monotonic() - t0, paths is not None)
+            return out
 
         if is_collective(group):
             # Rank 0 resolves the target in both tiers (the newer snapshot, as for one

@@ -442,8 +442,10 @@ class CheckpointManager:
     asked for when the manager is made. With a local tier store_size is the remote
     store's and local_size the tier's. Under torch.distributed only rank 0 lists (the
     other ranks' events say None). Each commit is also
-    logged at INFO (logger tensorstore_ck), each failed or skipped snapshot with why.
-    restore_latest(progress=True) shows the bytes read as a bar on stderr."""
+    logged at INFO (logger tensorstore_ck), each failed or skipped snapshot with why, and
+    restore_latest as one INFO line (the ref, step and root it resumed from, and where it
+    read them); its background prunes log at DEBUG. restore_latest(progress=True) shows
+    the bytes read as a bar on stderr."""
 
     def __init__(self, store, *, job: str, state: TrainState | dict | None = None, ref: str | None = None,
                  every_steps: int | None = None, every_seconds: float | None = None,

@@ -344,8 +344,10 @@ def test_a_gc_looping_back_to_back_does_not_starve_a_fenced_writer(tmp_path, mon
     store = tsck.open_store(str(tmp_path / "s"), block_size=gc_states.RACE_BLOCK,
                             inline_threshold=gc_states.RACE_INLINE)
     handler = Count()
-    logging.getLogger("tensorstore_ck.publish").addHandler(handler)
-    logging.getLogger("tensorstore_ck.publish").setLevel(logging.INFO)
+    publish_log = logging.getLogger("tensorstore_ck.publish")
+    level = publish_log.level
+    publish_log.addHandler(handler)
+    publish_log.setLevel(logging.DEBUG)  # (a re-validation is logged at DEBUG)
     stop, runs, deleted, errors = threading.Event(), [0], [0], []
 
     def gc_loop():
@@ -377,5 +379,6 @@ def test_a_gc_looping_back_to_back_does_not_starve_a_fenced_writer(tmp_path, mon
     finally:
         stop.set()
         gc.join()
-        logging.getLogger("tensorstore_ck.publish").removeHandler(handler)
+        publish_log.removeHandler(handler)
+        publish_log.setLevel(level)
         store.close()

@@ -442,7 +442,10 @@ class _ResetsOnce(WrappedStore):
 
 
 def test_retries_and_fence_waits_are_logged(store_path, caplog):
-    caplog.set_level(logging.INFO, logger="tensorstore_ck")
+    """A storage retry is a WARNING; a fence wait and a gc's phases are DEBUG (what the
+    store does by itself: INFO is the committed snapshots and restores), and a gc whose
+    lease ran out, closed by the writer, a WARNING."""
+    caplog.set_level(logging.DEBUG, logger="tensorstore_ck")
     s = tsck.open_store(store_path, wrap_storage=lambda st: RetryingStore(_ResetsOnce(st), base_delay=0.001))
     try:
         s.put_snapshot(_state(0), "a/main", step=0)
@@ -455,13 +458,16 @@ def test_retries_and_fence_waits_are_logged(store_path, caplog):
         s.reftable.gc_freeze("test-gc")
         caplog.clear()
         s.put_snapshot(_state(1), "a/main", step=1)
-        msgs = [r.getMessage() for r in caplog.records if r.name == "tensorstore_ck.publish"]
-        assert any("waiting for gc test-gc's deletion phase" in m for m in msgs), msgs
-        assert any("lease ran out" in m for m in msgs), msgs
-        assert sum("waiting for" in m for m in msgs) == 1  # once per wait, not per poll
+        recs = [r for r in caplog.records if r.name == "tensorstore_ck.publish"]
+        msgs = [r.getMessage() for r in recs]
+        (wait,) = [r for r in recs if "waiting for gc test-gc's deletion phase" in r.getMessage()]  # once per wait
+        assert wait.levelno == logging.DEBUG, msgs
+        assert [r.levelno for r in recs if "lease ran out" in r.getMessage()] == [logging.WARNING], msgs
         caplog.clear()
         s.gc()
-        phases = " | ".join(r.getMessage() for r in caplog.records if r.name == "tensorstore_ck.gc")
+        gc = [r for r in caplog.records if r.name == "tensorstore_ck.gc"]
+        phases = " | ".join(r.getMessage() for r in gc)
         assert "began" in phases and "finished" in phases
+        assert {r.levelno for r in gc} == {logging.DEBUG}, phases
     finally:
         s.close()

@@ -204,14 +204,19 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
         return
     for r in range(world):
         peer_has_it = r in lost and (r + 1) % world not in lost
+        # each rank's restore line says where it read: its tier, its peer, the remote
+        (said,) = res[r]["sources"]
         if r not in lost:  # its own tier holds its region
             assert res[r]["remote_reads"] == [] and res[r]["fetched"] == 0, (r, res[r])
+            assert said == "local", (r, said)
         elif peer_has_it:  # from its peer, by address: nothing from the remote
             assert res[r]["remote_reads"] == [] and res[r]["fetched"] > 0, (r, res[r])
+            assert "peer" in said.split("+") and "remote" not in said, (r, said)
         if r not in lost or peer_has_it:
             assert res[r]["remote_opened"] is False, (r, res[r])
         else:  # no replica left: the remote store
             assert res[r]["remote_reads"], (r, res[r])
+            assert "remote" in said.split("+"), (r, said)
 
 
 @pytest.mark.slow

@@ -454,7 +454,7 @@ class PostgresRefTable(RefTable):
                     if write:
                         taken = [token]
                     if lost:
-                        log.info("ref table %s: reconnected after %d lost connection(s)", self.where, lost)
+                        log.debug("ref table %s: reconnected after %d lost connection(s)", self.where, lost)
                     return out
                 except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                     _rollback(conn)  # another transaction won: re-run ours from its first read
@@ -530,7 +530,7 @@ class PostgresRefTable(RefTable):
                     conn.execute("DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key = ANY(%s)",
                                  (self.namespace, TOKEN_TABLE, acked))
             except Exception as e:  # noqa: BLE001 - closing must not fail on a server that went away
-                log.info("ref table %s: tokens left for the sweep (%s)", self.where, type(e).__name__)
+                log.debug("ref table %s: tokens left for the sweep (%s)", self.where, type(e).__name__)
         with self._lock:
             self._closed = True
         if pool is not None:

@@ -85,6 +85,6 @@ def fit_budget(local: Core, budget: int, *, warn: bool = True, listed=None) -> l
         return []
     rep = evict_snapshots(local, chosen)
     gone = [bytes.fromhex(r) for r in rep.expired]
-    log.info("local tier: evicted the local copies of %d durable snapshots (%d bytes) to fit the budget of %d "
-             "bytes; their reads go to the remote store", len(gone), rep.deleted_bytes, budget)
+    log.debug("local tier: evicted the local copies of %d durable snapshots (%d bytes) to fit the budget of %d "
+              "bytes; their reads go to the remote store", len(gone), rep.deleted_bytes, budget)
     return gone

@@ -166,8 +166,8 @@ def upload_part(up, seq: int, entry: dict) -> None:
         up.send(objs, fence)
     local.refs.upload_done(seq, root)
     up.notify()
-    log.info("local tier: this rank's part of snapshot %s of ref %s is in %s", root.hex()[:16],
-             entry.get("ref"), remote.url)
+    log.debug("local tier: this rank's part of snapshot %s of ref %s is in %s", root.hex()[:16],
+              entry.get("ref"), remote.url)
 
 
 def _upload_orphan(up, seq: int, entry: dict) -> None:
@@ -191,8 +191,8 @@ def _upload_orphan(up, seq: int, entry: dict) -> None:
     up.local.refs.upload_drop(seq)
     up.orphans += 1
     up.notify()
-    log.info("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a restart, "
-             "is in %s", tree.hex()[:16], entry.get("ref"), entry.get("step"), up.remote.url)
+    log.debug("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a restart, "
+              "is in %s", tree.hex()[:16], entry.get("ref"), entry.get("step"), up.remote.url)
 
 
 class _Nearest:
@@ -326,6 +326,6 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         if up.gone_meanwhile(seq, root):
             return
         raise
-    log.info("local tier: collective snapshot %s of ref %s durable at %s", info.root[:16], info.ref,
-             up.remote.url)
+    log.debug("local tier: collective snapshot %s of ref %s durable at %s", info.root[:16], info.ref,
+              up.remote.url)
     up.after_durable(seq, root, row)

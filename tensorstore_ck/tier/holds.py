@@ -91,7 +91,7 @@ def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
     refs = up.local.refs
     names, pinned = _holds(up, root)
     if not names and not pinned:
-        log.info("local tier: snapshot %s was queued for a tag or pin that is gone; not sent", root.hex()[:16])
+        log.debug("local tier: snapshot %s was queued for a tag or pin that is gone; not sent", root.hex()[:16])
         refs.upload_drop(seq)
         return
     if not up.remote.refs.catalog_has(root) and root not in refs.evicted():
@@ -118,5 +118,5 @@ def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
         raise StorageError(f"snapshot {root.hex()[:16]} is not whole at {up.remote.url} yet ({e})") from e
     refs.upload_done(seq, root)
     up.notify()
-    log.info("local tier: snapshot %s (step %s) durable at %s for its %s", root.hex()[:16], row.get("step"),
-             up.remote.url, "tags and pin" if names and pinned else "tags" if names else "pin")
+    log.debug("local tier: snapshot %s (step %s) durable at %s for its %s", root.hex()[:16], row.get("step"),
+              up.remote.url, "tags and pin" if names and pinned else "tags" if names else "pin")

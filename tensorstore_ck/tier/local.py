@@ -18,7 +18,7 @@ from ..core import Core
 from ..errors import RefNotFound, SnapshotWarning, StorageError, TsckError
 from .collective import CollectiveTier
 from .holds import held, unheld
-from .reads import ReadThrough, newer
+from .reads import ReadThrough, Served, newer
 from .uploader import Uploader, early_default
 
 __all__ = ["LocalTier", "STOP_GRACE"]
@@ -133,6 +133,24 @@ class LocalTier:
             from .replicas import peer_reads
             return peer_reads(self.reads, self.peers)
         return self.reads
+
+    @staticmethod
+    def served(reads) -> Served:
+        """One checkout's view of `reads` (reads_for): its objects counted by the tier that
+        gave them, for its log line (source)."""
+        return Served(reads)
+
+    def source(self, served: Served) -> tuple[str, str]:
+        """Where a checkout read its snapshot -> (the tiers, "+"-joined: "local", "peer",
+        "remote"; the words of its log line): one tier by its name, several with the
+        objects each gave."""
+        names = {"local": f"the local tier at {self.core.url}", "peer": "peer replicas",
+                 "remote": f"the remote store at {self.remote.url}"}
+        used = served.sources() or ["local"]
+        if len(used) == 1:
+            return used[0], names[used[0]]
+        parts = [f"{names[s]} ({served.counts[s]} objects)" for s in used]
+        return "+".join(used), ", ".join(parts[:-1]) + " and " + parts[-1]
 
     # -- close ---------------------------------------------------------------------------
     def close(self, deadline: float | None, path: str, stacklevel: int) -> None:

@@ -206,7 +206,7 @@ def record_location(reftable: RefTable, location: str, cfg: dict) -> None:
         if reftable.location_get(location) != data:
             reftable.location_put(location, data)
     except Exception as e:  # noqa: BLE001 - a missing record costs the next new tier an eager open
-        log.info("the ref table could not record the store found at %s (%s)", location, e)
+        log.debug("the ref table could not record the store found at %s (%s)", location, e)
 
 
 def _new_tier(root: str, cfg: dict) -> LmdbRefTable | None:

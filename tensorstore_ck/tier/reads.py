@@ -1,6 +1,6 @@
 """Reading through a local tier (docs/design/tiers.md, "Recovery"): which of two tiers'
-snapshots is the newer, and the tier's objects read with the remote store behind them,
-never the damaged bytes."""
+snapshots is the newer, the tier's objects read with the remote store behind them,
+never the damaged bytes, and which tiers served one checkout (its log line)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 from ..core import Core
 from ..errors import IntegrityError, TsckError, UnreadableObject
 
-__all__ = ["newer", "ReadThrough"]
+__all__ = ["newer", "ReadThrough", "Served", "tally"]
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,13 @@ class ReadThrough:
     # The remote reads pass no fence: the caller's is the local table's gc epoch, and an
     # object recorded present in the remote's presence record under another store's
     # epoch could let the uploader skip it wrongly.
+    # served: a Served tally of one checkout (which tier gave each object), or None.
     def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
-                        bounce: bool = False, fence: int | None = None) -> None:
+                        bounce: bool = False, fence: int | None = None, served: Served | None = None) -> None:
         try:
-            return self.local.read_block_into(d, out, verify=verify, snapshot=snapshot, path=path, bounce=bounce,
-                                              fence=fence)
+            self.local.read_block_into(d, out, verify=verify, snapshot=snapshot, path=path, bounce=bounce,
+                                       fence=fence)
+            return tally(served, "local")
         except (IntegrityError, UnreadableObject) as e:
             self._fell("block", d, e)
             err = e
@@ -105,28 +107,38 @@ class ReadThrough:
             self.remote.assets.read_block_into(d, out, verify=verify, snapshot=snapshot, path=path, bounce=bounce)
         except (IntegrityError, UnreadableObject):
             raise err from None  # in neither tier: the local copy's fault says the most
+        tally(served, "remote")
 
-    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence: int | None = None) -> bytes:
+    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence: int | None = None,
+                 served: Served | None = None) -> bytes:
         try:
-            return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
+            data = self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
+            tally(served, "local")
+            return data
         except (IntegrityError, UnreadableObject) as e:
             self._fell("node", d, e)
             err = e
         try:
-            return self.remote.assets.get_node(d, verify=verify, snapshot=snapshot, path=path)
+            data = self.remote.assets.get_node(d, verify=verify, snapshot=snapshot, path=path)
         except (IntegrityError, UnreadableObject):
             raise err from None
+        tally(served, "remote")
+        return data
 
-    def get_commit(self, d: bytes, *, verify: bool = True) -> bytes:
+    def get_commit(self, d: bytes, *, verify: bool = True, served: Served | None = None) -> bytes:
         try:
-            return self.local.get_commit(d, verify=verify)
+            data = self.local.get_commit(d, verify=verify)
+            tally(served, "local")
+            return data
         except (IntegrityError, UnreadableObject) as e:
             self._fell("commit", d, e)
             err = e
         try:
-            return self.remote.assets.get_commit(d, verify=verify)
+            data = self.remote.assets.get_commit(d, verify=verify)
         except (IntegrityError, UnreadableObject):
             raise err from None
+        tally(served, "remote")
+        return data
 
     def require_blocks(self, digests, pool, *, snapshot=None, path=None, fence: int | None = None) -> None:
         digests = list(digests)
@@ -139,3 +151,43 @@ class ReadThrough:
             if not self.local.block_exists(d):
                 self.remote.assets.require_block(d, snapshot=snapshot, path=path)
         list(pool.map(one, digests))
+
+
+def tally(served: Served | None, source: str) -> None:
+    """Count one object `source` gave to the checkout whose tally is `served` (None: none)."""
+    if served is not None:
+        served.add(source)
+
+
+class Served:
+    """One checkout's view of a ReadThrough: every object it reads is read through, and
+    counted by the tier that gave it ("local", "peer": a peer replica, "remote"), which
+    the checkout's log line names. A checkout's own object: the ReadThrough is shared by
+    every checkout of the Store, at once under threads."""
+
+    SOURCES = ("local", "peer", "remote")
+
+    def __init__(self, reads: ReadThrough):
+        self.reads = reads
+        self.counts = dict.fromkeys(self.SOURCES, 0)
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.reads, name)
+
+    def add(self, source: str) -> None:
+        with self._lock:
+            self.counts[source] += 1
+
+    def read_block_into(self, d: bytes, out, **kw) -> None:
+        return self.reads.read_block_into(d, out, served=self, **kw)
+
+    def get_node(self, d: bytes, **kw) -> bytes:
+        return self.reads.get_node(d, served=self, **kw)
+
+    def get_commit(self, d: bytes, **kw) -> bytes:
+        return self.reads.get_commit(d, served=self, **kw)
+
+    def sources(self) -> list[str]:
+        """The tiers that gave some object, nearest first."""
+        return [s for s in self.SOURCES if self.counts[s]]

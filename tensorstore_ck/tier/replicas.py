@@ -213,7 +213,7 @@ class Peers:
                 else:
                     return
         except (OSError, TsckError) as e:
-            log.info("peer replicas: a connection ended: %s", e)
+            log.debug("peer replicas: a connection ended: %s", e)
         finally:
             conn.close()
 
@@ -280,8 +280,8 @@ class Peers:
                     _recv(conn, 1)
                 with self._lock:
                     self.sent += n
-                log.info("peer replicas: snapshot %s: %d object(s) of this rank's part sent to rank %d",
-                         root.hex()[:16], n, peer)
+                log.debug("peer replicas: snapshot %s: %d object(s) of this rank's part sent to rank %d",
+                          root.hex()[:16], n, peer)
             except (OSError, TsckError) as e:
                 log.warning("peer replicas: snapshot %s: sending this rank's part to rank %d failed (%s); the "
                             "remote store stays its copy", root.hex()[:16], peer, e)
@@ -487,15 +487,15 @@ def peer_reads(reads, peers: Peers):
     object the tier lacks is fetched from a holder (checked against its address), used,
     and kept in the tier; one no peer has is read from the remote as before."""
     import numpy as np
-    from .reads import ReadThrough
+    from .reads import ReadThrough, tally
 
     class PeerReads(ReadThrough):
         def _have(self, kind: str, d: bytes) -> bool:
             return self.local.storage.exists(self.local.object_key(kind + "s", d))
 
-        def _fill(self, kind: str, d: bytes) -> None:
-            if not self._have(kind, d):
-                peers.fetch(kind, d)
+        def _fill(self, kind: str, d: bytes) -> bool:
+            """-> whether a peer's copy of `d` was fetched into the tier just now."""
+            return not self._have(kind, d) and peers.fetch(kind, d)
 
         def read_block_into(self, d, out, **kw):
             if self._have("block", d):
@@ -513,14 +513,23 @@ def peer_reads(reads, peers: Peers):
             # again through the tier (a restore's CPU is what bounds it on a small host).
             np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
             peers._keeper.keep(self.local.object_key("blocks", d), data)
+            tally(kw.get("served"), "peer")
 
-        def get_node(self, d, **kw):
-            self._fill("node", d)
-            return super().get_node(d, **kw)
+        # A node or commit a peer gave is read back from the tier, where it was just kept:
+        # counted as the peer's.
+        def get_node(self, d, served=None, **kw):
+            if self._fill("node", d):
+                data = super().get_node(d, **kw)
+                tally(served, "peer")
+                return data
+            return super().get_node(d, served=served, **kw)
 
-        def get_commit(self, d, **kw):
-            self._fill("commit", d)
-            return super().get_commit(d, **kw)
+        def get_commit(self, d, served=None, **kw):
+            if self._fill("commit", d):
+                data = super().get_commit(d, **kw)
+                tally(served, "peer")
+                return data
+            return super().get_commit(d, served=served, **kw)
 
         def require_blocks(self, digests, pool, **kw):
             digests = list(digests)

@@ -161,12 +161,12 @@ class Uploader:
                 from ..gc import drop_parts
                 rep = drop_parts(self.local, drop, lease=self.local.settings.gc_lease)
                 self.tidied += len(rep.expired)
-                log.info("local tier: dropped this rank's part of %d collective snapshot(s) rank 0's tier no "
-                         "longer keeps (%d objects, %d bytes)", len(rep.expired), rep.deleted_objects,
-                         rep.deleted_bytes)
+                log.debug("local tier: dropped this rank's part of %d collective snapshot(s) rank 0's tier no "
+                          "longer keeps (%d objects, %d bytes)", len(rep.expired), rep.deleted_objects,
+                          rep.deleted_bytes)
         except GcBusy:
-            log.info("local tier: a gc holds %s; this rank's old parts are dropped after the next snapshot",
-                     self.local.url)
+            log.debug("local tier: a gc holds %s; this rank's old parts are dropped after the next snapshot",
+                      self.local.url)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the cleanup
             log.warning("local tier: could not drop this rank's old parts (%s: %s); tried again after the next "
                         "snapshot", type(e).__name__, e)
@@ -182,8 +182,8 @@ class Uploader:
         rank's part of a collective snapshot (its row is written before the enqueue)."""
         refs = self.local.refs
         for part in refs.intents_queue():
-            log.info("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
-                     "process ended before the snapshot's outcome reached this tier", part.hex()[:16])
+            log.debug("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
+                      "process ended before the snapshot's outcome reached this tier", part.hex()[:16])
         queued = {e["root"] for _, e in refs.upload_pending()}
         self._mark_listed(queued)
         parts = {r: t for r, t in refs.parts(rank0=False).items() if r not in queued}
@@ -191,16 +191,16 @@ class Uploader:
         for root, tree in parts.items():
             if root not in done:
                 row = refs.catalog_get(root, checked=False) or {}
-                log.info("local tier: queueing this rank's part of snapshot %s, published and never queued",
-                         root.hex()[:16])
+                log.debug("local tier: queueing this rank's part of snapshot %s, published and never queued",
+                          root.hex()[:16])
                 refs.upload_enqueue(root, row.get("ref"), row.get("step"), part=tree)
         tips = [(name, root) for name, root in refs.list() if root not in queued]
         done = refs.durable(root for _, root in tips)
         for name, root in tips:
             if root not in done:
                 row = refs.catalog_get(root) or {}
-                log.info("local tier: queueing the tip of ref %s (%s), published locally and never queued",
-                         name, root.hex()[:16])
+                log.debug("local tier: queueing the tip of ref %s (%s), published locally and never queued",
+                          name, root.hex()[:16])
                 refs.upload_enqueue(root, name, row.get("step"))
 
     def _mark_listed(self, queued: set) -> None:
@@ -223,8 +223,8 @@ class Uploader:
             return
         marked = refs.durable_mark(listed) if listed else []
         if marked:
-            log.info("local tier: %d snapshot(s) of the tier that %s lists marked durable (not sent again)",
-                     len(marked), self.remote.url)
+            log.debug("local tier: %d snapshot(s) of the tier that %s lists marked durable (not sent again)",
+                      len(marked), self.remote.url)
 
     def is_durable(self, roots) -> set[bytes]:
         return self.local.refs.durable(roots)
@@ -372,8 +372,8 @@ class Uploader:
             held = tier_bytes(self.local)
             if held <= budget:
                 break
-        log.info("local tier %s: the put waited %.1fs for uploads to free room under the budget of %d bytes",
-                 self.local.url, time.monotonic() - t0, budget)
+        log.debug("local tier %s: the put waited %.1fs for uploads to free room under the budget of %d bytes",
+                  self.local.url, time.monotonic() - t0, budget)
 
     def _no_wait(self) -> tuple[str, str] | None:
         """Why waiting for the uploader cannot free the tier, and what to do; None: it can."""
@@ -590,8 +590,8 @@ class Uploader:
         if plan["keep"]:
             if part_stalled is not None:
                 return False  # (asked again at each look while rank 0 waits for parts: said once, below)
-            log.info("local tier: snapshot %s of ref %s (step %s) is superseded in the queue but kept (%s): "
-                     "uploading it", root.hex()[:16], ref, entry.get("step"), ", ".join(plan["why"]))
+            log.debug("local tier: snapshot %s of ref %s (step %s) is superseded in the queue but kept (%s): "
+                      "uploading it", root.hex()[:16], ref, entry.get("step"), ", ".join(plan["why"]))
             return False
         log.warning("local tier: skipping the upload of snapshot %s of ref %s (step %s): a newer snapshot of the "
                     "ref is queued behind it (uploads fell behind the snapshot cadence) and its job's retention "
@@ -650,7 +650,7 @@ class Uploader:
                 return
             raise
         self.after_durable(seq, root, row)
-        log.info("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
+        log.debug("local tier: snapshot %s of ref %s durable at %s", info.root[:16], info.ref, self.remote.url)
 
     def after_durable(self, seq: int, root: bytes, row: dict) -> None:
         """`root`'s remote ref moved: its tags and pins made there, marked durable and
@@ -684,8 +684,8 @@ class Uploader:
                 rep = prune_job(self.remote, job, lease=self.remote.settings.gc_lease)
                 expired = [bytes.fromhex(r) for r in rep.expired]
                 if expired:
-                    log.info("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(expired),
-                             self.remote.url)
+                    log.debug("local tier: the retention of job %s expired %d snapshot(s) at %s", job, len(expired),
+                              self.remote.url)
             if self._prune_here(job, root, expired):
                 # A prune of the tier running now (a CheckpointManager's, in the background)
                 # may have read the catalog before this one's reason: wait it out, briefly.
@@ -697,11 +697,11 @@ class Uploader:
                     except GcBusy:
                         if time.monotonic() > deadline or not self.pause(0.2):
                             self.local.refs.prune_request(job)  # the tier's next prune serves it
-                            log.info("local tier: a gc holds the tier; its next prune applies job %s's retention",
-                                     job)
+                            log.debug("local tier: a gc holds the tier; its next prune applies job %s's retention",
+                                      job)
                             break
         except GcBusy:
-            log.info("local tier: a gc holds %s; it applies job %s's retention there", self.remote.url, job)
+            log.debug("local tier: a gc holds %s; it applies job %s's retention there", self.remote.url, job)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the remote prune
             log.warning("local tier: the retention of job %s could not be applied at %s (%s: %s); the next "
                         "upload tries again", job, self.remote.url, type(e).__name__, e)
@@ -765,8 +765,8 @@ class Uploader:
             self.expired(seq, root)
             return True
         if refs.durable([root]):
-            log.info("local tier: snapshot %s was made durable by another process sharing this tier while this "
-                     "one uploaded it", root.hex()[:16])
+            log.debug("local tier: snapshot %s was made durable by another process sharing this tier while this "
+                      "one uploaded it", root.hex()[:16])
             refs.upload_drop(seq)
             with self._cond:
                 self._cond.notify_all()

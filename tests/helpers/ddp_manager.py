@@ -144,14 +144,14 @@ def prune_case(rank, world, out, res, mode):
     extra = {} if mode == "async" else {"async_": False}
     import logging
 
-    class Fences(logging.Handler):  # the publisher logs each ref move a deletion phase fenced
+    class Fences(logging.Handler):  # the publisher logs each ref move a deletion phase fenced (DEBUG)
         n = 0
 
         def emit(self, record):
             Fences.n += "deletion phase overlapped" in record.getMessage()
 
-    lg = logging.getLogger("tensorstore_ck")
-    lg.setLevel(logging.INFO)
+    lg = logging.getLogger("tensorstore_ck.publish")
+    lg.setLevel(logging.DEBUG)
     lg.addHandler(Fences())
     with tsck.open_store(os.path.join(out, "store")) as store:
         mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),

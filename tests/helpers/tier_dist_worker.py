@@ -267,6 +267,15 @@ def rload_body(rank, world, out, res, cfg):
                     fh.seek(-1, os.SEEK_END)
                     fh.write(bytes([last[0] ^ 1]))
     dist.barrier()  # (every loss before any rank reads: a lost tier must not serve the old copies)
+    import logging
+    sources = res["sources"] = []
+
+    class Restored(logging.Handler):  # the checkout's INFO line: where this rank read from
+        def emit(self, record):
+            if getattr(record, "tsck", {}).get("event") == "restored":
+                sources.append(record.tsck["source"])
+    logging.getLogger("tensorstore_ck").addHandler(Restored(logging.INFO))
+    logging.getLogger("tensorstore_ck").setLevel(logging.INFO)
     holder: dict = {}
     with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
         into: dict = {}

@@ -48,7 +48,7 @@ class FenceCount(logging.Handler):
     journaled and judged (I8: a fenced writer takes a gc hold, so it is fenced once)."""
 
     def __init__(self):
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)  # (a re-validation is logged at DEBUG)
         self.n = 0
 
     def emit(self, record):
@@ -58,7 +58,7 @@ class FenceCount(logging.Handler):
 
 FENCES = FenceCount()
 logging.getLogger("tensorstore_ck.publish").addHandler(FENCES)
-logging.getLogger("tensorstore_ck.publish").setLevel(logging.INFO)
+logging.getLogger("tensorstore_ck.publish").setLevel(logging.DEBUG)
 
 
 class Journal:
