@@ -559,7 +559,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           purpose, or that another process sharing it made durable, is no damage;
       T16 a close(timeout=) with the remote storage down (a writer's end "down") ends
           within its timeout plus DOWN_MARGIN and, where two or more
-          snapshots were queued and no other process shared the tier (at most the one
+          snapshots were queued, no other process shared the tier and its uploader had
+          not stopped on a failure (which close or wait_durable raises) (at most the one
           upload in flight can finish, its objects sent before the remote went), says
           with a SnapshotWarning that what was not uploaded stays queued.
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable,
@@ -613,7 +614,7 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                 bad.append(f"T16 close(timeout={o.args['timeout']}) with the remote down took {took}s, past "
                            f"its bound {o.args['timeout'] + DOWN_MARGIN}s: {o.brief()}")
             elif o.out.get("queued_before", 0) >= 2 and o.args.get("sharing", 1) == 1 \
-                    and not o.out.get("stays_queued"):
+                    and not o.out.get("stopped") and not o.out.get("stays_queued"):
                 bad.append(f"T16 close() with the remote down left {o.out['queued_before']} snapshot(s) queued "
                            f"and said nothing of it: {o.brief()}")
         # (a tier's pin that a lost remote table took with it is made there again at the

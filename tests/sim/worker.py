@@ -788,6 +788,7 @@ class Worker:
         def call():
             self.faults.down = True  # (already, unless the writer's ops ended first)
             queued = s._tier.uploader.queued()
+            stopped = s._tier.uploader.error is not None  # stopped on damage: raised, not warned
             out = {}
             with warnings.catch_warnings(record=True) as ws:
                 warnings.simplefilter("always")
@@ -798,7 +799,7 @@ class Worker:
                     out = _err(e)
                 took = time.monotonic() - t0
             said = [str(w.message) for w in ws if issubclass(w.category, tsck.SnapshotWarning)]
-            return dict(out, took=round(took, 3), queued_before=queued, fences=FENCES.n,
+            return dict(out, took=round(took, 3), queued_before=queued, fences=FENCES.n, stopped=stopped,
                         stays_queued=any("stay queued" in m for m in said), warnings=said[:3])
         self._journaled(i, "close", {"tier": tier, "down": True, "timeout": timeout,
                                      "sharing": self.cfg.get("sharing", 1)}, call)
