@@ -112,21 +112,25 @@ def test_undelete_refuses_and_changes_nothing(tmp_path):
         assert _table(s) == before
 
 
-def test_tags_and_refs_never_share_a_name(tmp_path):
+def test_a_tag_never_takes_a_deleted_refs_name(tmp_path):
     with _fill(tmp_path / "s") as s:
         tip = s.resolve("mine/main")
+        s.delete_ref("mine/main")
+        before = _table(s)
+        # A tag there would make the job's next put to the ref fail (RefConflict).
+        with pytest.raises(tsck.RefConflict, match="a deleted ref has this name.*tsck undelete STORE mine/main"):
+            s.tag("mine/main", tip)  # by its full root, as delete-ref printed it
+        assert _table(s) == before and s.core.assets.tag_object("mine/main") is None
+        s.put_snapshot({"w": _w(4)}, ref="mine/main", step=4)  # the job goes on
+
+
+def test_refs_and_tags_refuse_each_others_names_saying_what_to_do(tmp_path):
+    with _fill(tmp_path / "s") as s:
         with pytest.raises(tsck.RefConflict, match="a ref has this name.*choose another tag name"):
             s.tag("mine/main", "golden")
         with pytest.raises(tsck.RefConflict, match="a tag has this name.*tsck untag STORE golden"):
             s.put_snapshot({"w": _w(5)}, ref="golden", step=5)
-        s.delete_ref("mine/main")
-        before = _table(s)
-        # The deleted ref's name: a tag there would make the job's next put fail.
-        with pytest.raises(tsck.RefConflict, match="a deleted ref has this name.*tsck undelete STORE mine/main"):
-            s.tag("mine/main", tip)  # by its full root, as delete-ref printed it
-        assert _table(s) == before and s.core.assets.tag_object("mine/main") is None
-        # A ref made again frees nothing for tags either; a put to the name still works.
-        s.put_snapshot({"w": _w(4)}, ref="mine/main", step=4)
+        assert "golden" not in dict(s.reftable.list()) and "mine/main" not in dict(s.reftable.tags())
 
 
 def test_a_tag_in_the_refs_place_is_named_by_undelete(tmp_path):
@@ -176,21 +180,32 @@ def test_cli_forget_prints_an_undo_that_works(tmp_path):
         assert old in [i.root for i in s.log("mine/main")]  # back in its ref's history
 
 
-def test_cli_words(tmp_path):
+def test_cli_global_option_in_its_space_form_with_tsck_store(tmp_path):
     path = tmp_path / "s"
     with _fill(path):
         pass
-    new, lmdb = tmp_path / "new", tmp_path / "elsewhere.lmdb"
-    env_store = _tsck("--log-level", "info", "refs", env={"TSCK_STORE": str(path)})
+    space = _tsck("--log-level", "info", "refs", env={"TSCK_STORE": str(path)})
     eq_form = _tsck("--log-level=info", "refs", env={"TSCK_STORE": str(path)})
-    log_tag, log_typo, missing, missing_refs = _runs(
-        ("log", path, "golden"), ("log", path, "mine/mian"), ("refs", new), ("refs", new, "--refs", lmdb))
-    for r in (env_store, eq_form):
+    for r in (space, eq_form):
         assert r.returncode == 0 and "mine/main" in r.stdout and "golden" in r.stdout, r.stderr
+
+
+def test_cli_log_of_a_tag_or_a_mistyped_ref_says_what_to_do(tmp_path):
+    path = tmp_path / "s"
+    with _fill(path):
+        pass
+    log_tag, log_typo = _runs(("log", path, "golden"), ("log", path, "mine/mian"))
     assert log_tag.returncode == 2 and "is a tag" in log_tag.stderr
     assert f"`tsck show {path} golden`" in log_tag.stderr
     assert log_typo.returncode == 2 and "did you mean mine/main?" in log_typo.stderr
     assert f"`tsck refs {path}` lists the refs" in log_typo.stderr
+    for r in (log_tag, log_typo):
+        assert len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_cli_init_and_the_words_for_a_missing_store(tmp_path):
+    new, lmdb = tmp_path / "new", tmp_path / "elsewhere.lmdb"
+    missing, missing_refs = _runs(("refs", new), ("refs", new, "--refs", lmdb))
     for r in (missing, missing_refs):
         assert r.returncode == 2 and "create=True" not in r.stderr and f"`tsck init {new}`" in r.stderr, r.stderr
     assert "(same --refs)" in missing_refs.stderr
