@@ -25,6 +25,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import sys
 
 from .assets import holds_snapshots
@@ -173,8 +174,12 @@ def _pinned(store) -> set[str]:
 
 
 def cmd_log(store, args):
+    from .errors import RefNotFound
     bad: dict = {}
-    infos = store.log(args.ref, errors=bad)
+    try:
+        infos = store.log(args.ref, errors=bad)
+    except RefNotFound as e:
+        raise RefNotFound(f"{e}{_unknown_ref_hint(store, args)}") from None
     if args.max_count is not None:  # git log -n: the newest N
         infos = infos[:args.max_count]
     pinned = _pinned(store)
@@ -183,6 +188,21 @@ def cmd_log(store, args):
     for r, e in bad.items():  # one odd snapshot is one line; the others are listed (exit 1)
         print(f"tsck: unreadable snapshot {r[:16]} in the history of {args.ref}: {e}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _unknown_ref_hint(store, args) -> str:
+    """What a name `tsck log` found no ref by is: a tag, a deleted ref, or a typo of one."""
+    import difflib
+    name = args.ref.partition("@")[0]
+    if store.reftable.tag_get(name) is not None:
+        return (f": {name!r} is a tag, which names one snapshot: `tsck show {args.store} {name}` shows it "
+                "(`tsck log` lists a ref's history)")
+    if store.reftable.deleted_ref_root(name) is not None:
+        return f": it was deleted; `tsck undelete {args.store} {name}` brings it back"
+    names = [n for n, _root in store.reftable.list()]
+    close = difflib.get_close_matches(name, names, n=3)
+    maybe = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"{maybe} (`tsck refs {args.store}` lists the refs)"
 
 
 def cmd_show(store, args):
@@ -332,7 +352,30 @@ def cmd_delete_ref(store, args):
         return 0
     _out(args, d, f"deleted ref {d['ref']} (was {d['root']}); {d['snapshots_dropped']} snapshot(s) of its "
                   "history are no longer kept: the next gc reclaims what only they held (until then, "
-                  f"`tsck tag {args.store} NAME {d['root']}` brings it back)")
+                  f"`tsck undelete {args.store} {d['ref']}` brings the ref back on {d['root'][:16]})")
+    return 0
+
+
+def cmd_undelete(store, args):
+    i = store.undelete(args.ref, to=args.to)
+    _out(args, {"undelete": args.ref, **i.to_json()},
+         f"ref {args.ref} is back on {i.root} (step {i.step if i.step is not None else '-'})")
+    return 0
+
+
+def cmd_init(args, refs, storage_options) -> int:
+    """`tsck init STORE`: an empty store (open_store(create=True)), refused where one is."""
+    from .opener import CREATE_HINT
+    if args.read_only:
+        raise InvalidArgument("init makes a store: --read-only cannot go with it")
+    try:
+        with open_store(args.store, refs=refs, storage_options=storage_options, create=False) as store:
+            raise InvalidArgument(f"there is a store at {store.url} already: nothing was changed")
+    except NotAStore as e:
+        if CREATE_HINT not in str(e):  # not an empty location: a file, a non-empty folder, a lost table
+            raise
+    with open_store(args.store, refs=refs, storage_options=storage_options, create=True) as store:
+        _out(args, {"init": store.url, "id": store.config.get("id")}, f"created an empty store at {store.url}")
     return 0
 
 
@@ -350,8 +393,9 @@ def cmd_forget(store, args):
              "nothing was changed (--dry-run)")
         return 0
     _out(args, {"forgot": i.to_json()}, f"forgot {i.root} ({i.ref} step {i.step}); the next gc reclaims what "
-                                        f"only it held (until then, `tsck tag {args.store} NAME {i.root}` brings it "
-                                        "back)")
+                                        f"only it held (until then, `tsck pin {args.store} {i.root}` brings it "
+                                        f"back into the history of {i.ref}; `tsck unpin` after it leaves it to "
+                                        "retention again)")
     return 0
 
 
@@ -703,6 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
         return s
 
+    add("init", cmd_init, "create an empty store (with --refs: its ref table there)")
     add("refs", cmd_refs, "list refs and tags")
     lg = add("log", cmd_log, "snapshots of a ref, newest first", "ref")
     lg.add_argument("-n", "--max-count", type=_count(1), default=None, metavar="N", help="only the newest N")
@@ -724,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "state that was saved")
     t = add("tag", cmd_tag, "create an immutable tag (or bring a removed snapshot back)", "name")
     t.add_argument("target", help="a ref, tag, REF@STEP or root; the full root of a snapshot removed by delete-ref "
-                                  "or forget brings it back while gc has not reclaimed it (checked whole first)")
+                                  "or forget brings it back while gc has not reclaimed it (checked whole first; a "
+                                  "deleted ref comes back with undelete)")
     add("pin", cmd_pin, "keep a snapshot until unpinned", "target")
     add("unpin", cmd_pin, "release a pin", "target")
     d = add("delete-ref", cmd_delete_ref, "remove a ref; gc then reclaims what only its history held", "ref")
@@ -732,6 +778,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete only if the ref still points at this root (hex, 8 digits or more)")
     d.add_argument("--dry-run", action="store_true",
                    help="say what would be deleted and which snapshots would no longer be kept; change nothing")
+    u = add("undelete", cmd_undelete, "bring back a ref removed by delete-ref (from its reflog)", "ref")
+    u.add_argument("--to", default=None, metavar="ROOT",
+                   help="on this snapshot instead of the one it had when deleted (a target, or the full root of a "
+                        "removed snapshot)")
     add("untag", cmd_untag, "remove a tag", "name")
     fo = add("forget", cmd_forget, "drop one snapshot (REF@STEP or root; not a tip, tag or pin)", "target")
     fo.add_argument("--dry-run", action="store_true", help="say what would be forgotten; change nothing")
@@ -875,13 +925,21 @@ def _dash_hint(parser, argv) -> str:
 
 
 def _verb(parser, argv) -> tuple[int | None, "argparse.ArgumentParser | None"]:
-    """(index, sub-parser) of the command in argv: its first argument that is no option."""
-    for i, a in enumerate(argv):
-        if not a.startswith("-"):
-            for act in parser._actions:
-                if isinstance(act.choices, dict) and a in act.choices:
-                    return i, act.choices[a]
+    """(index, sub-parser) of the command in argv: its first argument that is neither an
+    option nor the value of one (`tsck --log-level info refs`)."""
+    takes_value = {o for a in parser._actions if a.option_strings and a.nargs != 0 for o in a.option_strings}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
             return None, None
+        if a.startswith("-") and a != "-":
+            i += 2 if a in takes_value else 1
+            continue
+        for act in parser._actions:
+            if isinstance(act.choices, dict) and a in act.choices:
+                return i, act.choices[a]
+        return None, None
     return None, None
 
 
@@ -934,6 +992,15 @@ def _forget_hint(parser, argv) -> str | None:
             "`tsck gc STORE --dry-run` (what would go, and why) and `tsck gc STORE`")
 
 
+def _cli_words(e: TsckError, args) -> str:
+    """An error's message, with the API's advice (open_store(create=True)) in the CLI's words."""
+    from .opener import CREATE_HINT
+    same = " (same --refs)" if args.refs or os.environ.get("TSCK_REFS") else ""
+    text = str(e).replace(CREATE_HINT, f"run `tsck init {args.store}`{same} to make a new store")
+    # The API's messages say `tsck CMD STORE ...`: here the store is known.
+    return re.sub(r"`tsck ([a-z-]+) STORE\b", lambda m: f"`tsck {m.group(1)} {args.store}", text)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     given_argv = list(sys.argv[1:] if argv is None else argv)
@@ -960,13 +1027,15 @@ def main(argv=None) -> int:
         return 2
     undo_logging = _setup_logging(args)
     try:
-        # Only recover may create a ref table (to rebuild a lost one); nothing creates a store.
+        if args.fn is cmd_init:
+            return cmd_init(args, refs, storage_options)
+        # Only init creates a store; only recover may create a ref table (to rebuild a lost one).
         with open_store(args.store, refs=refs, storage_options=storage_options, create=False,
                         create_refs=args.fn is cmd_recover and not args.read_only,
                         read_only=True if args.read_only else None) as store:
             return args.fn(store, args)
     except TsckError as e:
-        print(f"tsck: error: {e}", file=sys.stderr)
+        print(f"tsck: error: {_cli_words(e, args)}", file=sys.stderr)
         return 1 if isinstance(e, StorageError) else 2
     except KeyboardInterrupt:
         print("tsck: interrupted", file=sys.stderr)

@@ -60,11 +60,12 @@ class TsckError(Exception):
 class RefConflict(TsckError):
     kind = "ref_conflict"
 
-    def __init__(self, name: str, expected: str | None, actual: str | None, what: str = "ref"):
+    def __init__(self, name: str, expected: str | None, actual: str | None, what: str = "ref", hint: str = ""):
         self.name = name
         self.expected = expected
         self.actual = actual
         self.what = what
+        self.hint = hint  # what to do instead, appended to the message
         kind, _, clash = what.partition(" (")  # e.g. "tag (a ref has this name)"
         if clash:
             text = f"{kind} {name!r} cannot be created: {clash.rstrip(')')} (on {actual})"
@@ -76,10 +77,17 @@ class RefConflict(TsckError):
             text = f"{what} {name!r} does not exist (expected it on {expected})"
         else:
             text = f"{what} {name!r} moved: expected it on {expected}, it is on {actual}"
+        if hint:
+            text += f"; {hint}"
+        elif clash.startswith("a ref has"):  # refs and tags share one namespace
+            text += "; a tag never takes a ref's name: choose another tag name"
+        elif clash.startswith("a tag has"):
+            text += (f"; choose another ref name, or remove the tag first (`tsck untag STORE {name}`) if "
+                     "it was made in the ref's place")
         super().__init__(text)
 
     def __reduce__(self):  # crosses process boundaries (DCP sends errors between ranks)
-        return (type(self), (self.name, self.expected, self.actual, self.what))
+        return (type(self), (self.name, self.expected, self.actual, self.what, self.hint))
 
 
 class RefNotFound(TsckError, KeyError):

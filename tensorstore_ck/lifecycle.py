@@ -9,8 +9,12 @@ single source of truth across hosts, what `tsck recover` rebuilds it from); crea
 removing one rolls back its other half when the table refuses, and when the table's
 answer is lost (OutcomeUnknown) keeps what the table may hold.
 
-The Store's tag(), pin(), untag(), forget() and delete_ref() call these with its Core
-(and publisher).
+A deleted ref comes back by undelete (from its reflog, on the root it had), never by
+a tag: refs and tags share one namespace, and a tag by a ref's name would make the
+job's next put to that ref fail.
+
+The Store's tag(), pin(), untag(), forget(), delete_ref() and undelete() call these with
+its Core (and publisher).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from __future__ import annotations
 import time
 
 from .core import Core
-from .errors import (Fenced, IntegrityError, InvalidArgument, InvalidName, OutcomeUnknown, RefConflict, RefNotFound,
-                     StorageError, TsckError)
+from .errors import (Fenced, FormatError, IntegrityError, InvalidArgument, InvalidName, OutcomeUnknown, RefConflict,
+                     RefNotFound, StorageError, TsckError)
 from .format.manifest import decode_commit
 from .format.names import validate_name, validate_new_name
 from .format.tree import DIGEST_SIZE
@@ -27,7 +31,7 @@ from .ids import MIN_PREFIX, Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
 from .publish import Publisher
 
-__all__ = ["tag", "pin", "untag", "forget", "delete_ref", "fenced", "MAX_TAG_BYTES"]
+__all__ = ["tag", "pin", "untag", "forget", "delete_ref", "undelete", "fenced", "MAX_TAG_BYTES"]
 
 MAX_TAG_BYTES = 120
 
@@ -90,11 +94,18 @@ def tag(core: Core, publisher: Publisher, name: str, target: str) -> SnapshotInf
 
 
 def _check_free(refs, name: str) -> None:
+    """Before anything is written (the table checks again in its transaction:
+    refs/base.py _check_tag_free)."""
     if refs.get_or_none(name) is not None:
         raise RefConflict(name, None, refs.get_or_none(name).hex(), what="tag (a ref has this name)")
     cur = refs.tag_get(name)
     if cur is not None:
         raise RefConflict(name, None, cur.hex(), what="tag")
+    gone = refs.deleted_ref_root(name)
+    if gone is not None:
+        raise RefConflict(name, None, gone.hex(), what="tag (a deleted ref has this name)",
+                          hint=f"bring the ref back with `tsck undelete STORE {name}` (Store.undelete), or "
+                               "choose another tag name")
 
 
 def _removed_root(core: Core, target: str, err: RefNotFound) -> Digest:
@@ -113,14 +124,14 @@ def _removed_root(core: Core, target: str, err: RefNotFound) -> Digest:
     raise err
 
 
-def _complete_row(core: Core, root: Digest) -> dict:
+def _complete_row(core: Core, root: Digest, verb: str = "tagged or pinned") -> dict:
     """The catalog row of the removed snapshot `root`, once every node of it verified
     and every block of it was found present (as recover adopts a commit); IntegrityError
     naming what is missing otherwise."""
     from .recover import commit_row, incomplete
     why = incomplete(core, root, set())
     if why is not None:
-        raise IntegrityError(f"snapshot {root.hex()[:16]} cannot be tagged or pinned: nothing keeps it any more and {why} "
+        raise IntegrityError(f"snapshot {root.hex()[:16]} cannot be {verb}: nothing keeps it any more and {why} "
                              "(gc has begun reclaiming it); nothing was created")
     return commit_row(decode_commit(core.assets.get_commit(root)))
 
@@ -252,3 +263,55 @@ def delete_ref(core: Core, ref: str, expected: str | None, *, dry_run: bool = Fa
     root, n = core.refs.delete_ref(ref, want, dry_run=True, dropped=dropped)
     return {"ref": ref, "root": root.hex(), "snapshots_dropped": n, "dropped": [r.hex() for r in dropped],
             "dry_run": True}
+
+
+def undelete(core: Core, publisher: Publisher, ref: str, to: str | None = None) -> SnapshotInfo:
+    """Create the deleted ref `ref` again on the root it had when delete_ref removed it
+    (its reflog's removal record), or on `to` (a target, or the full root of a removed
+    snapshot, as tag takes) -> what it points at. Refused while the ref exists
+    (RefConflict) or a tag has its name; RefNotFound if its reflog does not end with a
+    removal. A snapshot nothing keeps any more is checked whole first (every node
+    verified, every block present: IntegrityError naming what gc took otherwise) and
+    its catalog row comes back with the ref, fenced against gc as tag() adopts one
+    (_adopt). The older snapshots of its history that delete_ref dropped stay dropped."""
+    refs = core.refs
+    cur = refs.get_or_none(ref)
+    if cur is not None:
+        raise RefConflict(ref, None, cur.hex(), hint="it exists again: undelete brings back a deleted ref only "
+                                                     "(a put moves a live one)")
+    was = refs.deleted_ref_root(ref)
+    if was is None:
+        if refs.tag_get(ref) is not None:
+            raise RefNotFound(f"{ref!r} is a tag, not a deleted ref")
+        raise RefNotFound(f"no deleted ref named {ref!r}: its reflog records no removal (`tsck refs STORE` lists "
+                          "the refs)")
+    fence = publisher.fence()  # before the snapshot is looked at (see _adopt)
+    if to is None:
+        root = Digest(was)
+    else:
+        try:
+            root = core.resolve(to)
+        except RefNotFound as e:
+            root = _removed_root(core, to, e)
+    while True:
+        row = _kept_row(core, root)
+        if row is None:
+            if not core.assets.has_commit(root):
+                raise RefNotFound(f"snapshot {root.hex()[:16]} of ref {ref!r} is gone: nothing kept it and gc "
+                                  "reclaimed it (storage holds no commit of it); nothing was created")
+            row = _complete_row(core, root, "brought back")
+        try:
+            refs.undelete(ref, root, row, fence=fence)
+            return publisher.info(root)
+        except Fenced:
+            fence = publisher.wait_gc_idle()  # a deletion phase ran: look again
+
+
+def _kept_row(core: Core, root: Digest) -> dict | None:
+    """The catalog row of `root` when it has one (something else keeps it: no need to
+    check it whole), else None. A row that does not decode: the commit's."""
+    try:
+        return core.refs.catalog_get(root)
+    except FormatError:
+        from .recover import commit_row
+        return commit_row(decode_commit(core.assets.get_commit(root)))

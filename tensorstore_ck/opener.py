@@ -31,7 +31,11 @@ from .tier.local import LocalTier
 from .tier.opening import (LAZY_PROTOCOLS, lazy_tiered, record_location, refuse_lost_table, remote_location,
                            tiered)
 
-__all__ = ["open_store", "STORE_MARKER"]
+__all__ = ["open_store", "STORE_MARKER", "CREATE_HINT"]
+
+# The end of NotAStore's message for a location that holds nothing: the CLI puts its
+# own way (`tsck init STORE`) in its place.
+CREATE_HINT = "pass create=True to make a new store"
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +206,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             if read_only:
                 raise NotAStore(f"no store at {root} (no such directory; opened read-only: nothing is created)")
             if not create:
-                raise NotAStore(f"no store at {root} (no such directory; check the path, or pass create=True "
-                                "to make a new store)")
+                raise NotAStore(f"no store at {root} (no such directory; check the path, or {CREATE_HINT})")
             try:
                 os.makedirs(root, exist_ok=True)  # several processes may create one store at once
             except OSError as e:
@@ -230,8 +233,7 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if not create:
             if read_only:
                 raise NotAStore(f"no store at {storage.url} (nothing there; opened read-only: nothing is created)")
-            raise NotAStore(f"no store at {storage.url} (nothing there; check the path, or pass create=True "
-                            "to make a new store)")
+            raise NotAStore(f"no store at {storage.url} (nothing there; check the path, or {CREATE_HINT})")
         cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
                "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
                "block_size": new_layout[0], "inline_threshold": new_layout[1]}

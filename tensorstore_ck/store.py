@@ -4,7 +4,7 @@ the module that does it, giving it the store's Core (core.py), never the Store:
     put_snapshot   Planner (plan.py) -> Publisher (publish.py) -> Assets -> BlockStore;
                    blocking=False through AsyncPuts (asyncput.py), collective through dist.py
     checkout       Reader (read.py; a DCP-written snapshot through dcpview.py)
-    tag, pin, untag, forget, delete_ref        lifecycle.py (fenced against gc)
+    tag, pin, untag, forget, delete_ref, undelete  lifecycle.py (fenced against gc)
     gc, prune, fsck, recover, du, diff         gc.py, fsck.py, recover.py, usage.py, listing.py
 
 Publication order, always: blocks -> manifest nodes -> commit object -> storage sync ->
@@ -766,7 +766,7 @@ class Store:
         record of the removal; the snapshots of its history that nothing else keeps (another
         ref, a tag, a pin) leave the catalog in the same transaction, so the next gc or
         prune reclaims their objects. The name may be used again by a later put. Until a
-        gc reclaims it, tag(name, root) brings a removed snapshot back.
+        gc reclaims it, undelete(ref) brings the ref back on the snapshot it pointed at.
         dry_run: the same checks and answer, nothing changed (a read-only store answers too).
         -> {"ref", "root", "snapshots_dropped"}; a dry run adds "dropped" (the roots' hex of
         the snapshots that would no longer be kept) and "dry_run": True."""
@@ -774,6 +774,19 @@ class Store:
         if not dry_run:
             self._writable("delete_ref")
         return lifecycle.delete_ref(self.core, ref, expected, dry_run=dry_run)
+
+    @_public
+    def undelete(self, ref: str, *, to: str | None = None) -> SnapshotInfo:
+        """Bring back ref `ref`, removed by delete_ref, on the snapshot it pointed at then
+        (from its reflog), or on `to` (a target, or the full root of a removed snapshot)
+        -> what it points at. Refused while the ref exists again (RefConflict) or a tag
+        has its name; RefNotFound if it was not deleted. A snapshot nothing else keeps is
+        checked whole first (IntegrityError naming what a gc already reclaimed) and comes
+        back with the ref; safe beside a gc (lifecycle.undelete). The older snapshots of
+        its history that delete_ref dropped stay dropped (tag(name, root) keeps one)."""
+        validate_name(ref)
+        self._writable("undelete")
+        return lifecycle.undelete(self.core, self.publisher, ref, to)
 
     @_public
     def untag(self, name: str) -> str:

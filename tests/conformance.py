@@ -730,6 +730,38 @@ class RefTableTests:
         assert [root for root, _row in table.history("r")] == [R[7]]
         assert table.step_root("r", 1) == R[7] and table.removed()[0] == {}
 
+    def test_undelete_and_the_shared_namespace_of_refs_and_tags(self, table):
+        R = self.R
+        table.compare_and_swap("r", None, R[1], message="m1", catalog_row={"ref": "r", "step": 1})
+        table.compare_and_swap("r", R[1], R[2], message="m2", catalog_row={"ref": "r", "step": 2})
+        epoch = table.gc_state()["epoch"]
+        with pytest.raises(RefConflict, match="exists again"):
+            table.undelete("r", R[2], {"ref": "r", "step": 2}, fence=epoch)
+        with pytest.raises(RefConflict, match="a ref has this name"):
+            table.tag_create("r", R[1])
+        assert table.deleted_ref_root("r") is None
+        table.delete_ref("r")
+        assert table.deleted_ref_root("r") == R[2] and table.catalog_get(R[2]) is None
+        with pytest.raises(RefConflict, match="a deleted ref has this name"):
+            table.tag_create("r", R[2])
+        with pytest.raises(RefConflict, match="a deleted ref has this name"):
+            table.tag_adopt("r", R[2], {"ref": "r", "step": 2}, fence=epoch)
+        assert table.tags() == [] and table.catalog_get(R[2]) is None
+        with pytest.raises(Fenced):
+            table.undelete("r", R[2], {"ref": "r", "step": 2}, fence=epoch + 2)
+        with pytest.raises(RefNotFound):
+            table.undelete("never", R[2], {"ref": "never", "step": 2}, fence=epoch)
+        assert table.get_or_none("r") is None
+        table.undelete("r", R[2], {"ref": "r", "step": 2}, fence=epoch)
+        assert table.get("r") == R[2] and table.catalog_get(R[2])["step"] == 2
+        assert [root for root, _row in table.history("r")] == [R[2]] and table.step_root("r", 2) == R[2]
+        assert table.reflog("r")[-1].op == "move" and table.deleted_ref_root("r") is None
+        assert table.removed()[0] == {}  # recover no longer skips it
+        # A ref is never created over a tag either.
+        table.tag_create("t", R[1])
+        with pytest.raises(RefConflict, match="a tag has this name"):
+            table.compare_and_swap("t", None, R[3], message="x")
+
     def test_forget_refuses_what_is_kept_and_is_recorded(self, table):
         R = self.R
         prev = None

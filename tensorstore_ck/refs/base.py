@@ -83,13 +83,32 @@ def _hex(b: bytes | None) -> str | None:
 
 
 def _check_tag_free(t, name: str, key: bytes) -> None:
-    """RefConflict if `name` is a tag or a ref already (a tag's name is new or nothing)."""
+    """RefConflict if `name` is a tag or a ref already, or a deleted ref's (a tag's name
+    is new or nothing)."""
     cur = t.get("tags", key)
     if cur is not None:
         raise RefConflict(name, None, _hex(cur), what="tag")
     ref = t.get("refs", key)
     if ref is not None:
         raise RefConflict(name, None, _hex(ref), what="tag (a ref has this name)")
+    gone = deleted_root(t, key)
+    if gone is not None:
+        # A tag by that name would make the job's next put to the ref fail (a ref is
+        # never created over a tag), and it is not how a deleted ref comes back.
+        raise RefConflict(name, None, _hex(gone), what="tag (a deleted ref has this name)",
+                          hint=f"bring the ref back with `tsck undelete STORE {name}` (Store.undelete), or "
+                               "choose another tag name")
+
+
+def deleted_root(t: Txn, key: bytes) -> bytes | None:
+    """The root ref `key` pointed at when it was deleted, if its reflog's last move or
+    removal is a removal (delete_ref); None otherwise (alive, moved since, never made)."""
+    last = None
+    for _k, v in t.items("reflog", key + b"\0"):
+        rec = decode_reflog(v, "?")
+        if rec[4] in ("move", "delete"):
+            last = rec
+    return last[2] if last is not None and last[4] == "delete" else None
 
 
 class RefTable(RefHistory, GcStateMachine, ABC):
@@ -249,6 +268,37 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             return actual, len(drop)
 
         return self._read(txn) if dry_run else self._write(txn)
+
+    def deleted_ref_root(self, name: str) -> bytes | None:
+        """The root ref `name` pointed at when delete_ref removed it; None unless the
+        ref's last move or removal is that removal."""
+        return self._read(lambda t: deleted_root(t, name.encode()))
+
+    def undelete(self, name: str, root: bytes, row: dict, *, fence: int, message: str = "undeleted") -> None:
+        """Create ref `name` again, on `root`, with `root`'s catalog row `row` when it has
+        none, recorded as a move in its reflog: only while the ref is still deleted (its
+        reflog ends with the removal; RefConflict if it exists again, or a tag took the
+        name) and the gc epoch is still `fence` and even (Fenced otherwise), as
+        tag_adopt: the caller found the snapshot whole under that epoch."""
+        key = name.encode()
+
+        def txn(t: Txn):
+            _check_fence(t, fence)
+            cur = t.get("refs", key)
+            if cur is not None:
+                raise RefConflict(name, None, _hex(cur), hint="it exists again: undelete brings back a deleted "
+                                                            "ref only (a put moves a live one)")
+            tag = t.get("tags", key)
+            if tag is not None:
+                raise RefConflict(name, None, _hex(tag), what="ref (a tag has this name)")
+            if deleted_root(t, key) is None:
+                raise RefNotFound(f"ref {name!r} is not a deleted ref (its reflog does not end with its removal)")
+            if t.get("catalog", root) is None:
+                t.put("catalog", root, encode_record(row))
+            t.put("refs", key, root)
+            _append_reflog(t, key, None, root, message, "move", None)
+
+        self._write(txn)
 
     def forget(self, root: bytes, ref: str, *, message: str = "forgotten", dry_run: bool = False) -> None:
         """Drop the catalog row of snapshot `root` (of ref `ref`'s history), so gc reclaims

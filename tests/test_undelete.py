@@ -1,0 +1,219 @@
+"""A deleted ref comes back as a ref: `tsck undelete STORE REF` (Store.undelete) moves it
+back, from its reflog, to the root it had (or to --to ROOT), checked whole first, and
+refuses while the ref exists again; delete-ref and forget print the command that undoes
+them. Refs and tags share one namespace: a tag never takes a ref's name (live or
+deleted), a ref never a tag's. And the CLI's words: the space form of a global option
+with $TSCK_STORE, `tsck log` of a tag or a mistyped ref, `tsck init` where the API would
+say create=True. CLI checks go through the real entry point (`python -m tensorstore_ck`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorstore_ck as tsck
+
+try:
+    from ._util import child_env
+except ImportError:  # tests/ is not a package
+    from _util import child_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _tsck(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
+                          text=True, timeout=120, cwd=str(REPO),
+                          env=child_env(drop=("TSCK_",), cli=True, **(env or {})))
+
+
+def _runs(*argvs):
+    with ThreadPoolExecutor(4) as ex:
+        return list(ex.map(lambda a: _tsck(*a), argvs))
+
+
+def _w(step: int) -> np.ndarray:
+    return np.full(40000, float(step), dtype=np.float32)  # 160 KB: several blocks, none shared
+
+
+def _fill(path) -> tsck.Store:
+    s = tsck.open_store(path, block_size=64 * 1024)
+    for step in (1, 2, 3):
+        s.put_snapshot({"w": _w(step)}, ref="mine/main", step=step)
+    s.put_snapshot({"w": _w(9)}, ref="other/main", step=9)
+    s.tag("golden", "other/main")
+    return s
+
+
+def _table(s: tsck.Store) -> dict:
+    rt = s.reftable
+    return {"refs": sorted(rt.list()), "tags": sorted(rt.tags()), "catalog": sorted(rt.catalog_roots()),
+            "reflog": [(e.old, e.new, e.op) for e in rt.reflog("mine/main")]}
+
+
+# -- the API ------------------------------------------------------------------------------
+
+def test_undelete_brings_the_ref_back_and_the_job_goes_on(tmp_path):
+    with _fill(tmp_path / "s") as s:
+        tip = s.resolve("mine/main")
+        s.delete_ref("mine/main")
+        info = s.undelete("mine/main")
+        assert info.root == tip and info.step == 3
+        assert s.resolve("mine/main") == tip and [i.root for i in s.log("mine/main")] == [tip]
+        np.testing.assert_array_equal(s.checkout("mine/main")["w"], _w(3))
+        # The job's next snapshot moves the ref as before (no tag in its way).
+        nxt = s.put_snapshot({"w": _w(4)}, ref="mine/main", step=4, expected=tip)
+        assert s.resolve("mine/main") == nxt.root
+        assert s.gc().kept_snapshots >= 2 and s.fsck().ok
+
+
+def test_undelete_to_an_older_snapshot_of_its_history(tmp_path):
+    with _fill(tmp_path / "s") as s:
+        first = s.resolve("mine/main@1")
+        s.delete_ref("mine/main")
+        assert s.undelete("mine/main", to=first).step == 1  # its full root: nothing keeps it any more
+        np.testing.assert_array_equal(s.checkout("mine/main")["w"], _w(1))
+        assert s.fsck().ok
+
+
+def test_undelete_refuses_and_changes_nothing(tmp_path):
+    with _fill(tmp_path / "s") as s:
+        with pytest.raises(tsck.RefNotFound, match="no deleted ref named 'never/made'"):
+            s.undelete("never/made")
+        with pytest.raises(tsck.RefConflict, match="exists again"):
+            s.undelete("mine/main")  # alive: never deleted
+        tip = s.resolve("mine/main")
+        s.delete_ref("mine/main")
+        # Made again by a put: undelete must not move it back.
+        again = s.put_snapshot({"w": _w(7)}, ref="mine/main", step=7).root
+        with pytest.raises(tsck.RefConflict, match="exists again"):
+            s.undelete("mine/main")
+        assert s.resolve("mine/main") == again
+        s.delete_ref("mine/main")
+        # A block of the snapshot swept (a gc under way): checked whole first, refused.
+        from tensorstore_ck.walk import walk_commit
+        block = next(o.digest for o in walk_commit(s.core.assets, bytes.fromhex(again)) if o.kind == "block")
+        s.core.storage.delete(s.core.assets.object_key("blocks", block))
+        before = _table(s)
+        with pytest.raises(tsck.IntegrityError, match="cannot be brought back.*is missing"):
+            s.undelete("mine/main")
+        assert _table(s) == before
+        # After a gc reclaimed it: no commit left.
+        s.gc()
+        before = _table(s)
+        with pytest.raises(tsck.RefNotFound, match="storage holds no commit"):
+            s.undelete("mine/main", to=tip)
+        assert _table(s) == before
+
+
+def test_a_tag_never_takes_a_deleted_refs_name(tmp_path):
+    with _fill(tmp_path / "s") as s:
+        tip = s.resolve("mine/main")
+        s.delete_ref("mine/main")
+        before = _table(s)
+        # A tag there would make the job's next put to the ref fail (RefConflict).
+        with pytest.raises(tsck.RefConflict, match="a deleted ref has this name.*tsck undelete STORE mine/main"):
+            s.tag("mine/main", tip)  # by its full root, as delete-ref printed it
+        assert _table(s) == before and s.core.assets.tag_object("mine/main") is None
+        s.put_snapshot({"w": _w(4)}, ref="mine/main", step=4)  # the job goes on
+
+
+def test_refs_and_tags_refuse_each_others_names_saying_what_to_do(tmp_path):
+    with _fill(tmp_path / "s") as s:
+        with pytest.raises(tsck.RefConflict, match="a ref has this name.*choose another tag name"):
+            s.tag("mine/main", "golden")
+        with pytest.raises(tsck.RefConflict, match="a tag has this name.*tsck untag STORE golden"):
+            s.put_snapshot({"w": _w(5)}, ref="golden", step=5)
+        assert "golden" not in dict(s.reftable.list()) and "mine/main" not in dict(s.reftable.tags())
+
+
+def test_a_tag_in_the_refs_place_is_named_by_undelete(tmp_path):
+    """A table where a tag took a deleted ref's name (as the old advice made): undelete
+    says to remove the tag first, and does once it is gone."""
+    with _fill(tmp_path / "s") as s:
+        tip = s.resolve("mine/main")
+        s.delete_ref("mine/main")
+        s.reftable._write(lambda t: t.put("tags", b"mine/main", bytes.fromhex(tip)))
+        with pytest.raises(tsck.RefConflict, match="a tag has this name.*untag"):
+            s.undelete("mine/main")
+        s.reftable.tag_delete("mine/main")
+        assert s.undelete("mine/main").root == tip
+
+
+# -- the command line ---------------------------------------------------------------------
+
+def test_cli_delete_ref_prints_undelete_and_it_works(tmp_path):
+    path = tmp_path / "s"
+    with _fill(path) as s:
+        tip = s.resolve("mine/main")
+    r = _tsck("delete-ref", path, "mine/main")
+    assert r.returncode == 0, r.stderr
+    assert f"`tsck undelete {path} mine/main`" in r.stdout and "tsck tag" not in r.stdout
+    tag = _tsck("tag", path, "mine/main", tip)  # the old advice: refused, naming the right command
+    assert tag.returncode == 2 and f"`tsck undelete {path} mine/main`" in tag.stderr, tag.stderr
+    back = _tsck("undelete", path, "mine/main", "--json")
+    assert back.returncode == 0, back.stderr
+    assert json.loads(back.stdout)["root"] == tip
+    again = _tsck("undelete", path, "mine/main")
+    assert again.returncode == 2 and "exists again" in again.stderr and len(again.stderr.splitlines()) == 1
+    with tsck.open_store(path) as s:
+        assert s.resolve("mine/main") == tip and "mine/main" not in dict(s.reftable.tags())
+        s.put_snapshot({"w": _w(4)}, ref="mine/main", step=4)
+
+
+def test_cli_forget_prints_an_undo_that_works(tmp_path):
+    path = tmp_path / "s"
+    with _fill(path) as s:
+        old = s.resolve("mine/main@2")
+    r = _tsck("forget", path, "mine/main@2")
+    assert r.returncode == 0, r.stderr
+    assert f"`tsck pin {path} {old}`" in r.stdout and "tsck tag" not in r.stdout
+    pin = _tsck("pin", path, old)
+    assert pin.returncode == 0, pin.stderr
+    with tsck.open_store(path) as s:
+        assert old in [i.root for i in s.log("mine/main")]  # back in its ref's history
+
+
+def test_cli_global_option_in_its_space_form_with_tsck_store(tmp_path):
+    path = tmp_path / "s"
+    with _fill(path):
+        pass
+    space = _tsck("--log-level", "info", "refs", env={"TSCK_STORE": str(path)})
+    eq_form = _tsck("--log-level=info", "refs", env={"TSCK_STORE": str(path)})
+    for r in (space, eq_form):
+        assert r.returncode == 0 and "mine/main" in r.stdout and "golden" in r.stdout, r.stderr
+
+
+def test_cli_log_of_a_tag_or_a_mistyped_ref_says_what_to_do(tmp_path):
+    path = tmp_path / "s"
+    with _fill(path):
+        pass
+    log_tag, log_typo = _runs(("log", path, "golden"), ("log", path, "mine/mian"))
+    assert log_tag.returncode == 2 and "is a tag" in log_tag.stderr
+    assert f"`tsck show {path} golden`" in log_tag.stderr
+    assert log_typo.returncode == 2 and "did you mean mine/main?" in log_typo.stderr
+    assert f"`tsck refs {path}` lists the refs" in log_typo.stderr
+    for r in (log_tag, log_typo):
+        assert len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_cli_init_and_the_words_for_a_missing_store(tmp_path):
+    new, lmdb = tmp_path / "new", tmp_path / "elsewhere.lmdb"
+    missing, missing_refs = _runs(("refs", new), ("refs", new, "--refs", lmdb))
+    for r in (missing, missing_refs):
+        assert r.returncode == 2 and "create=True" not in r.stderr and f"`tsck init {new}`" in r.stderr, r.stderr
+    assert "(same --refs)" in missing_refs.stderr
+    init = _tsck("init", new, "--refs", lmdb)
+    assert init.returncode == 0, init.stderr
+    refs, twice = _runs(("refs", new, "--refs", lmdb), ("init", new, "--refs", lmdb))
+    assert refs.returncode == 0 and refs.stdout.strip() == "(no refs)", refs.stderr
+    assert twice.returncode == 2 and "already" in twice.stderr
+    assert os.path.isdir(lmdb)  # the table went where --refs said
+    with tsck.open_store(new, refs=str(lmdb), create=False) as s:
+        s.put_snapshot({"w": _w(1)}, ref="a/main", step=1)
