@@ -109,7 +109,10 @@ def test_guide_runs(guide_env, tmp_path):
             assert [i.step for i in s.log("ddp/main")][0] == 20  # the second run went on from 10 to 20
     if name == "operating":
         with tsck.open_store(subs["/data/ckpt"], create=False) as s:
-            assert sorted(i.step for i in s.log("llm/main")) == [5, 6]  # keep_last 2 (6 is also the best)
+            # keep_last 2 kept 5 and 6; delete-ref then undelete brings the ref back on 6
+            assert [i.step for i in s.log("llm/main")] == [6]
+            log = said[f"$ tsck log {subs['/data/ckpt']} llm/main"]  # before the delete-ref
+            assert re.findall(r"step\s+(\d+)\s", log) == ["6", "5"], log
             assert s.resolve("llm-best") == s.resolve("llm/main@6")
     if name == "tier":  # tsck log after wait_durable(): every snapshot uploaded
         log = next(v for k, v in said.items() if k.startswith("$ tsck log"))
