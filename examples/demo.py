@@ -13,8 +13,9 @@
    the last 3 and the best 1) in the background after each snapshot.
 3. The store is inspected with the CLI: `tsck log` (only what retention keeps),
    `tsck du`, `tsck fsck`, `tsck gc --dry-run` (each snapshot, keep or remove, and
-   the rule that decided) and `tsck gc`; then `tsck ls` and `tsck checkout` take
-   the model's weights out as a safetensors file, without Python.
+   the rule that decided) and `tsck gc`; then `tsck ls` and `tsck export-weights`
+   take the model's weights out as a safetensors file that load_state_dict takes,
+   without Python.
 """
 
 from __future__ import annotations
@@ -205,10 +206,11 @@ def main():
     cli("fsck", root)
     cli("gc", root, "--dry-run")  # the manager pruned while training: little or nothing is left to reclaim
     cli("gc", root)
-    # Restoring without Python: the weights as a safetensors file other tools read.
+    # Restoring without Python: the weights as a safetensors file other tools read, named as
+    # the model's state_dict names them (model.load_state_dict(safetensors.torch.load_file(out))).
     cli("ls", root, "demo/main", "model.head")
     out = os.path.join(os.path.dirname(root), "model.safetensors")
-    cli("checkout", root, "demo/main", out, "--path", "model", "--force")
+    cli("export-weights", root, "demo/main", out, "--force")
     if not same:
         sys.exit(1)
     if args.store is None:

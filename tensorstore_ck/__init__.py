@@ -22,7 +22,8 @@ under it). A module over ~600 lines says which one job it does.
       handle.py           reopening a store in another process (async_save's PROCESS checkpointer)
     train.py              TrainState (exact resume: the state and every RNG stream) and
                           CheckpointManager (when to snapshot; collective under torch.distributed)
-    export.py             a snapshot out as one safetensors / torch.save file (`tsck checkout`)
+    export.py             a snapshot out as one safetensors / torch.save file (`tsck checkout`);
+                          the model's weights alone (export_weights, `tsck export-weights`)
     importing.py          torch.save, safetensors files and model folders in (`tsck import`)
     plot.py               `tsck du --plot`: the store's usage as a picture
     hf_folder.py          the Hugging Face model folder (save_pretrained's layout, meta "hf")
@@ -130,7 +131,7 @@ __version__ = "0.1.0"
 # loaded when first named, so `import tensorstore_ck` and the `tsck` commands that only
 # read refs and manifests (refs, log, fsck, gc) start without torch.
 _LAZY = {"ResumableDataLoader": "loader", "TrainState": "train", "CheckpointManager": "train",
-         "CommitEvent": "train", "CloseReport": "train"}
+         "CommitEvent": "train", "CloseReport": "train", "export_weights": "export"}
 
 
 def __getattr__(name: str):
@@ -156,5 +157,5 @@ __all__ = [
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
     "ReadOnlyStore", "RebuildUnfinished", "UnreadableObject", "OutcomeUnknown", "OutOfStep", "SnapshotsFailed", "TierFull",
-    "SnapshotWarning", "CloseReport", "__version__",
+    "SnapshotWarning", "CloseReport", "export_weights", "__version__",
 ]

@@ -3,30 +3,36 @@
 A pointer names a snapshot (store, ref, root, step, job) in one line of JSON. Tools that
 expect a torch.save file there (torch.load, `Net.load_from_checkpoint`, LightningCLI, a
 model registry) can only say what torch says of a file it cannot read, so a pointer
-begins with a few lines of protocol-0 pickle that torch.load reads first:
+begins with a short pickle that torch.load reads first, and that fails with the pointer's
+own message under either of torch's loaders:
 
-    ctensorstore_ck.ckpt_pointer                        GLOBAL: the function below
-    load_with_tensorstore_ck_lightning_load_checkpoint
-    (V<what this file is and what to run instead>       MARK, UNICODE (one line)
-    tR.                                                 TUPLE, REDUCE, STOP
-    {"format": "tensorstore_ck.lightning-pointer/2", ...}
+    c_codecs                                GLOBAL _codecs.encode
+    encode
+    (NX<u32 length><message>tR.             MARK, NONE, BINUNICODE, TUPLE, REDUCE, STOP
+    {"format": "tensorstore_ck.lightning-pointer/3", ...}
 
-torch.load(weights_only=True) (torch's default) refuses the global by its name: "Unsupported
-global: GLOBAL tensorstore_ck.ckpt_pointer.load_with_tensorstore_ck_lightning_load_checkpoint";
-torch.load(weights_only=False), the way that error suggests, calls it, and it raises
-FormatError with the message: the store, the snapshot and the `tsck checkout` that writes a
-real .ckpt. This module never unpickles anything: a reader takes the JSON of the last line.
-Version 1 files (the JSON line alone) are read as before.
+That is `_codecs.encode(None, message)`: a call torch's weights_only unpickler (torch's
+default loader, and `Net.load_from_checkpoint`'s) allows, as does plain pickle
+(weights_only=False), and one that raises LookupError("unknown encoding: <message>")
+before it encodes anything. torch wraps only its unpickler's own errors in its advice
+(add_safe_globals, weights_only=False); a LookupError reaches the caller as it is, so
+what torch.load of a pointer says is the message: what the file is, the store, the
+snapshot and the `tsck checkout` that writes a real .ckpt. This module never unpickles
+anything: a reader takes the JSON of the last line.
+
+Version 2 files (a GLOBAL of load_with_tensorstore_ck_lightning_load_checkpoint below, which
+torch's default loader refuses by name with its own advice) and version 1 files (the JSON
+line alone) are read as before.
 
 Here rather than in lightning.py so that `tsck checkout` (the base package, no Lightning)
-takes a pointer file as its TARGET, and torch.load(weights_only=False) of a pointer needs
-only tensorstore_ck installed.
+takes a pointer file as its TARGET.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 
 from .errors import FormatError
 from .localfile import NotRegularFile, open_regular
@@ -34,16 +40,19 @@ from .localfile import NotRegularFile, open_regular
 __all__ = ["POINTER_FORMAT", "POINTER_FORMATS", "MAX_POINTER_BYTES", "parse_pointer", "pointer_bytes",
            "read_local_pointer", "load_with_tensorstore_ck_lightning_load_checkpoint"]
 
-POINTER_FORMAT = "tensorstore_ck.lightning-pointer/2"
-POINTER_FORMATS = ("tensorstore_ck.lightning-pointer/1", POINTER_FORMAT)  # what a reader takes
+POINTER_FORMAT = "tensorstore_ck.lightning-pointer/3"
+POINTER_FORMATS = ("tensorstore_ck.lightning-pointer/1", "tensorstore_ck.lightning-pointer/2",
+                   POINTER_FORMAT)  # what a reader takes
 # A pointer is well under 1 KiB (twice that with a long store URL); anything bigger is
 # something else (a torch checkpoint).
 MAX_POINTER_BYTES = 16384
-_HEAD = b"ctensorstore_ck.ckpt_pointer\nload_with_tensorstore_ck_lightning_load_checkpoint\n"
+_HEAD = b"c_codecs\nencode\n(NX"  # version 3: GLOBAL _codecs.encode, MARK, NONE, BINUNICODE
+_HEAD_V2 = b"ctensorstore_ck.ckpt_pointer\nload_with_tensorstore_ck_lightning_load_checkpoint\n"
+_HEADS = {POINTER_FORMATS[1]: _HEAD_V2, POINTER_FORMAT: _HEAD}
 
 
 def load_with_tensorstore_ck_lightning_load_checkpoint(message: str):
-    """What torch.load(weights_only=False) of a pointer file calls: raise its message."""
+    """What torch.load(weights_only=False) of a version 2 pointer file calls: raise its message."""
     raise FormatError(str(message))
 
 
@@ -65,22 +74,24 @@ def pointer_bytes(ptr: dict) -> bytes:
     """The file for pointer `ptr` (format, store, ref, root, step, job): the pickle preamble,
     then the JSON line."""
     ptr = {**ptr, "format": POINTER_FORMAT}
-    # pickle's own escaping of a protocol-0 UNICODE argument: it ends at a newline.
-    text = _message(ptr).replace("\\", "\\u005c").replace("\0", "\\u0000").replace("\n", "\\u000a") \
-        .replace("\r", "\\u000d").replace("\x1a", "\\u001a")
-    return _HEAD + b"(V" + text.encode("raw-unicode-escape") + b"\ntR.\n" \
-        + json.dumps(ptr, sort_keys=True).encode() + b"\n"
+    text = _message(ptr).encode("utf-8", "replace")
+    # Trailing spaces, invisible in the message, keep the length's bytes below 0x80 and off
+    # the line breaks: the file stays UTF-8 text (what `cat` shows, what read_text() reads)
+    # whose lines are the preamble's, then the JSON.
+    while any(b >= 0x80 or b in (0x0A, 0x0D) for b in struct.pack("<I", len(text))):
+        text += b" "
+    return _HEAD + struct.pack("<I", len(text)) + text + b"tR.\n" + json.dumps(ptr, sort_keys=True).encode() + b"\n"
 
 
 def parse_pointer(data: bytes) -> tuple[dict | None, str | None]:
     """(pointer, None), or (None, why the bytes are not one). Never unpickles: a version 2
-    file's JSON is its last line."""
+    or 3 file's JSON is its last line."""
     if data[:2] == b"PK" or data[:1] == b"\x80":
         return None, "it looks like a torch.save checkpoint (load it with Lightning's TorchCheckpointIO)"
     if len(data) > MAX_POINTER_BYTES:
         return None, f"it is larger than a pointer file ({MAX_POINTER_BYTES} bytes)"
     body = data
-    if data.startswith(_HEAD):
+    if data.startswith((_HEAD, _HEAD_V2)):
         body = data.rstrip(b"\n").rpartition(b"\n")[2]
     try:
         ptr = json.loads(body)
@@ -89,8 +100,9 @@ def parse_pointer(data: bytes) -> tuple[dict | None, str | None]:
     if not isinstance(ptr, dict) or ptr.get("format") not in POINTER_FORMATS or not isinstance(ptr.get("root"), str) \
             or not isinstance(ptr.get("ref"), str):
         return None, f"it is not a {POINTER_FORMAT} file"
-    if ptr["format"] != POINTER_FORMATS[0] and not data.startswith(_HEAD):
-        return None, f"it is not a {POINTER_FORMAT} file (no preamble)"
+    head = _HEADS.get(ptr["format"])
+    if head is not None and not data.startswith(head):
+        return None, f"it is not a {ptr['format']} file (no preamble)"
     return ptr, None
 
 

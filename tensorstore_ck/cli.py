@@ -681,7 +681,28 @@ def cmd_checkout(store, args):
         return 0
     what = f"{r['tensors']} tensors, {r['metadata']} metadata entries" if r["format"] == "safetensors" else \
         "torch.save of a Lightning checkpoint" if r["format"] == "lightning" else "torch.save"
-    _out(args, r, f"wrote {r['dest']} ({r['format']}: {what}; {_human(r['bytes'])}) from {r['root'][:16]}")
+    hint = ""
+    if r["format"] == "safetensors" and r["path"] is None and r["metadata"] > 1:
+        import shlex  # a whole training state (step, RNG, ... as metadata): not what load_state_dict takes
+        hint = (f"\n(the whole snapshot, names from its top; the model's weights alone, as its load_state_dict "
+                f"takes them: tsck export-weights {shlex.quote(args.store)} {shlex.quote(args.target)} "
+                f"FILE.safetensors [--dtype bf16])")
+    _out(args, r, f"wrote {r['dest']} ({r['format']}: {what}; {_human(r['bytes'])}) from {r['root'][:16]}{hint}")
+    return 0
+
+
+def cmd_export_weights(store, args):
+    from .export import export_weights
+    r = export_weights(store, args.target, args.dest, subtree=args.path, dtype=args.dtype,
+                       strip_prefix=args.strip_prefix, force=args.force, progress=_bar(args))
+    names = [f"{r['subtree']}." if r["subtree"] else None, *r["stripped"]]
+    parts = [f"{r['tensors']} tensors", *([f"{r['cast']} cast to {r['dtype']}"] if r["dtype"] else []),
+             f"names without {', '.join(repr(n) for n in names if n)}" if any(names) else "names as stored"]
+    text = f"wrote {r['dest']} (safetensors: {'; '.join(parts)}; {_human(r['bytes'])}) from {r['root'][:16]}"
+    if r["skipped"]:
+        more = f" and {len(r['skipped']) - 8} more" if len(r["skipped"]) > 8 else ""
+        text += f"\nleft out {len(r['skipped'])} values that are not tensors: {', '.join(r['skipped'][:8])}{more}"
+    _out(args, r, text)
     return 0
 
 
@@ -829,6 +850,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "save_pretrained folder (model.safetensors, config.json)")
     co.add_argument("--path", default=None, help="only the value at this dotted path (model.layers.0)")
     co.add_argument("--force", action="store_true", help="replace DEST if it exists")
+    ew = add("export-weights", cmd_export_weights, "the model's weights alone as one .safetensors file that "
+             "load_state_dict takes", "target", "dest")
+    ew.add_argument("--path", default=None, metavar="SUBTREE",
+                    help="the model's state_dict in the snapshot (default: 'model', as TrainState and the Hugging "
+                         "Face callback store it, else a Lightning checkpoint's 'state_dict'; '' for the whole "
+                         "snapshot); the names lose it")
+    ew.add_argument("--dtype", default=None, metavar="DTYPE",
+                    help="cast floating tensors to it: bf16, fp16, fp32 (or a torch name: bfloat16, ...)")
+    ew.add_argument("--strip-prefix", action="append", default=None, metavar="PREFIX",
+                    help="a prefix the names lose (repeatable); default: DDP's 'module.' and torch.compile's "
+                         "'_orig_mod.' when every name has one; '' strips none")
+    ew.add_argument("--force", action="store_true", help="replace DEST if it exists")
     im = add("import", cmd_import, "torch, safetensors or Hugging Face files as a snapshot", "ref")
     im.add_argument("files", nargs="+", metavar="FILE", help="a file, or a Hugging Face model folder")
     im.add_argument("--step", type=int, default=None, help="the snapshot's step")

@@ -28,6 +28,7 @@ fail, with an error naming the way out):
     ckpt = tensorstore_ck.lightning.load_checkpoint("ckpt/last.ckpt")          # the checkpoint dict
     net = Net.load_from_checkpoint(tensorstore_ck.lightning.open_checkpoint("ckpt/last.ckpt"))
     $ tsck checkout STORE ckpt/last.ckpt out.ckpt     # a real .ckpt, for torch.load and every tool
+    $ tsck export-weights STORE ckpt/last.ckpt model.safetensors   # the weights, for load_state_dict
 
 Give each checkpoint directory its own job: two directories with the same file names under
 one job share refs (each pointer file still names its own snapshot, and neither directory's

@@ -4,14 +4,14 @@ The file at a checkpoint path is a pointer into the store. torch.load and
 Net.load_from_checkpoint of it fail, with an error that names the way out;
 tensorstore_ck.lightning.load_checkpoint / open_checkpoint read it, and
 `tsck checkout STORE POINTER OUT.ckpt` writes the real .ckpt that plain torch.load,
-Net.load_from_checkpoint and a Trainer without the plugin read. Real Trainer, real CLI.
+Net.load_from_checkpoint and a Trainer without the plugin read; `tsck export-weights STORE
+POINTER FILE` the model's weights, for load_state_dict. Real Trainer, real CLI.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import pickle
 import shlex
 import subprocess
 import sys
@@ -29,7 +29,8 @@ from _util import assert_same, child_env  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck.cli import main as cli_main  # noqa: E402
-from tensorstore_ck.lightning import TsckCheckpointIO, load_checkpoint, open_checkpoint, read_pointer  # noqa: E402
+from tensorstore_ck.lightning import (POINTER_FORMAT, TsckCheckpointIO, load_checkpoint, open_checkpoint,  # noqa: E402
+                                      read_pointer)
 
 REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("lightning_resume", REPO / "examples" / "lightning_resume.py")
@@ -67,19 +68,20 @@ def test_torch_load_of_a_pointer_names_the_way_out(fitted, tmp_path):
     store, ck, _, cb = fitted
     last = cb.last_model_path
     ptr = read_pointer(last)
-    # torch's default (weights_only=True) refuses the pointer's global by its name
-    with pytest.raises(pickle.UnpicklingError,
-                       match=r"tensorstore_ck\.ckpt_pointer\.load_with_tensorstore_ck_lightning_load_checkpoint"):
-        torch.load(last)
-    # ... and Lightning's own loader, which calls it
-    with pytest.raises(pickle.UnpicklingError, match="load_with_tensorstore_ck_lightning_load_checkpoint"):
-        ex.Net.load_from_checkpoint(last)
-    # what that error suggests (weights_only=False) says all: the store, the snapshot, the command
-    with pytest.raises(tsck.FormatError) as e:
-        torch.load(last, weights_only=False)
-    msg = str(e.value)
-    assert "tensorstore_ck pointer" in msg and "tensorstore_ck.lightning.load_checkpoint(path)" in msg
-    assert f"tsck checkout {ptr['store']} {ptr['root']} OUT.ckpt --format lightning" in msg
+    # torch's default loader (weights_only=True), Lightning's (which calls it), and the full unpickler
+    # all say what the file is: the store, the snapshot, the command; never torch's advice to load
+    # with weights_only=False
+    msgs = []
+    for load in (lambda: torch.load(last), lambda: ex.Net.load_from_checkpoint(last),
+                 lambda: torch.load(last, weights_only=False)):
+        with pytest.raises(Exception) as e:
+            load()
+        msgs.append(str(e.value))
+    for msg in msgs:
+        assert "tensorstore_ck pointer" in msg and "tensorstore_ck.lightning.load_checkpoint(path)" in msg
+        assert f"tsck checkout {ptr['store']} {ptr['root']} OUT.ckpt --format lightning" in msg
+        assert "weights_only" not in msg and "add_safe_globals" not in msg
+    msg = msgs[0]
     # the command it names works as written
     cmd = shlex.split(msg.split("write a real .ckpt with: ")[1].replace("OUT.ckpt", str(tmp_path / "out.ckpt")))
     assert cmd[:2] == ["tsck", "checkout"]
@@ -129,6 +131,18 @@ def test_tsck_checkout_writes_a_real_ckpt(fitted, tmp_path):
         torch.set_num_threads(n)
 
 
+def test_export_weights_from_a_pointer(fitted, tmp_path, capsys):
+    """The weights of a Lightning checkpoint (its 'state_dict'), named as the module names them."""
+    from safetensors.torch import load_file
+    store, ck, model, cb = fitted
+    out = tmp_path / "net.safetensors"
+    assert cli_main(["export-weights", str(store), cb.last_model_path, str(out)]) == 0
+    assert "names without 'state_dict.'" in capsys.readouterr().out
+    fresh = ex.Net()
+    fresh.load_state_dict(load_file(out), strict=True)
+    assert_same(fresh.state_dict(), model.state_dict())
+
+
 def test_checkout_refusals(fitted, tmp_path, capsys):
     store, ck, model, cb = fitted
     with tsck.open_store(store) as st:
@@ -158,7 +172,7 @@ def test_a_pointer_file_written_before_the_preamble_still_reads(fitted, tmp_path
         assert TsckCheckpointIO(st, job="lt").load_checkpoint(old)["global_step"] == 10
     assert cli_main(["checkout", str(store), str(old), str(tmp_path / "out.ckpt")]) == 0
     assert torch.load(tmp_path / "out.ckpt")["global_step"] == 10
-    # a version 2 format without its preamble is not a pointer
+    # a version 2 or 3 format without its preamble is not a pointer
     (tmp_path / "bad.ckpt").write_text(json.dumps({**ptr}) + "\n")
     with pytest.raises(tsck.FormatError, match="no preamble"):
         read_pointer(tmp_path / "bad.ckpt")
@@ -166,7 +180,7 @@ def test_a_pointer_file_written_before_the_preamble_still_reads(fitted, tmp_path
 
 def test_saving_over_and_removing_a_version_1_pointer(tmp_path):
     """A directory of pointers written before the preamble: a save over one forgets the
-    snapshot it named and leaves a version 2 pointer; a removal forgets its snapshot."""
+    snapshot it named and leaves a pointer of today's version; a removal forgets its snapshot."""
     with tsck.open_store(tmp_path / "store") as store:
         io = TsckCheckpointIO(store, job="lt")
         a, b = tmp_path / "ck" / "epoch=0-step=5.ckpt", tmp_path / "ck" / "last.ckpt"
@@ -177,7 +191,7 @@ def test_saving_over_and_removing_a_version_1_pointer(tmp_path):
             p.write_text(json.dumps({**ptr, "format": "tensorstore_ck.lightning-pointer/1"}, sort_keys=True) + "\n")
         old = read_pointer(b)["root"]
         io.save_checkpoint({"global_step": 10, "state_dict": {"w": torch.ones(2)}, "last": True}, b)
-        assert read_pointer(b)["format"] == "tensorstore_ck.lightning-pointer/2"
+        assert read_pointer(b)["format"] == POINTER_FORMAT
         assert [h.step for h in store.log("lt/last")] == [10] and old not in {h.root for h in store.log("lt/last")}
         io.remove_checkpoint(a)
         assert not a.exists() and sorted(store.refs()) == ["lt/last"] and store.du()["snapshots"] == 1
