@@ -179,7 +179,11 @@ def cmd_log(store, args):
     try:
         infos = store.log(args.ref, errors=bad)
     except RefNotFound as e:
-        raise RefNotFound(f"{e}{_unknown_ref_hint(store, args)}") from None
+        if not args.local:
+            raise RefNotFound(f"{e}{_unknown_ref_hint(store, args)}") from None
+        infos = []  # the ref may be local-only: not uploaded yet
+    if args.local:
+        infos = _with_tier_log(store, args, infos, bad)
     if args.max_count is not None:  # git log -n: the newest N
         infos = infos[:args.max_count]
     pinned = _pinned(store)
@@ -188,6 +192,29 @@ def cmd_log(store, args):
     for r, e in bad.items():  # one odd snapshot is one line; the others are listed (exit 1)
         print(f"tsck: unreadable snapshot {r[:16]} in the history of {args.ref}: {e}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _with_tier_log(store, args, infos: list, bad: dict) -> list:
+    """The ref's history in the store at STORE and in its local tier at --local: the
+    tier's snapshots not uploaded yet (local-only) with the store's, newest first."""
+    from .errors import RefNotFound
+    tier = _open_tier(store, args)
+    try:
+        try:
+            local = tier.log(args.ref, errors=bad)
+        except RefNotFound:
+            local = []
+    finally:
+        tier.close()
+    if not infos and not local:
+        raise RefNotFound(f"no ref named {args.ref!r} in {store.url} nor in its local tier {args.local}"
+                          f"{_unknown_ref_hint(store, args)}")
+    seen = {i.root for i in infos}
+    extra = [i for i in local if i.root not in seen and not i.durable]
+    if not infos:
+        print(f"tsck: ref {args.ref!r} is local-only: its {len(extra)} snapshot(s) are in the local tier "
+              f"{args.local}, not uploaded to {store.url} yet", file=sys.stderr)
+    return sorted(infos + extra, key=lambda i: (i.time, i.step if i.step is not None else -1), reverse=True)
 
 
 def _unknown_ref_hint(store, args) -> str:
@@ -202,7 +229,10 @@ def _unknown_ref_hint(store, args) -> str:
     names = [n for n, _root in store.reftable.list()]
     close = difflib.get_close_matches(name, names, n=3)
     maybe = f"; did you mean {' or '.join(close)}?" if close else ""
-    return f"{maybe} (`tsck refs {args.store}` lists the refs)"
+    tier = "" if getattr(args, "local", None) else (
+        f"; a ref published through a local tier reaches this store once uploaded: `tsck log {args.store} "
+        f"{name} --local TIER_PATH` shows its local-only snapshots")
+    return f"{maybe} (`tsck refs {args.store}` lists the refs){tier}"
 
 
 def cmd_show(store, args):
@@ -772,6 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("refs", cmd_refs, "list refs and tags")
     lg = add("log", cmd_log, "snapshots of a ref, newest first", "ref")
     lg.add_argument("-n", "--max-count", type=_count(1), default=None, metavar="N", help="only the newest N")
+    lg.add_argument("--local", default=None, metavar="PATH",
+                    help="also the snapshots of this store's local tier at PATH not uploaded yet (local-only), "
+                         "and a ref that is only there")
     add("show", cmd_show, "one snapshot", "target")
     du = add("du", cmd_du, "logical vs physical bytes, per job")
     du.add_argument("--local", default=None, metavar="PATH",

@@ -170,6 +170,28 @@ def test_du_with_local_shows_the_tiers_bytes_by_what_they_are_for(tmp_path, caps
     assert snaps
 
 
+def test_log_with_local_shows_what_is_not_uploaded_and_a_ref_only_there(tmp_path, capsys):
+    """`tsck log STORE REF --local PATH`: the ref's remote history with the tier's
+    snapshots not uploaded yet, marked local-only; a ref only the tier has is listed with
+    a note that it is local-only. Without --local, the remote's "no ref" names the way."""
+    snaps = _tier_with_every_kind(tmp_path)
+    remote, nvme = str(tmp_path / "remote"), str(tmp_path / "nvme")
+    capsys.readouterr()
+    assert main(["log", remote, "job/main", "--local", nvme]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln[:16] for ln in lines] == [snaps[k].root[:16] for k in ("s3", "s2", "s1")], lines
+    assert "local-only" in lines[0] and not any("local-only" in ln for ln in lines[1:]), lines
+    assert main(["log", remote, "job/side"]) == 2
+    err = capsys.readouterr().err
+    assert "no ref named 'job/side'" in err and "--local TIER_PATH" in err, err
+    assert main(["log", remote, "job/side", "--local", nvme]) == 0
+    got = capsys.readouterr()
+    assert got.out.startswith(snaps["s4"].root[:16]) and "local-only" in got.out, got
+    assert "is local-only" in got.err and "not uploaded" in got.err, got.err
+    assert main(["log", remote, "job/nothing", "--local", nvme]) == 2
+    assert "nor in its local tier" in capsys.readouterr().err
+
+
 def test_fsck_with_local_checks_both_tiers_and_names_the_tier_of_each_problem(tmp_path, capsys):
     """Clean: exit 0, both tiers ok. Then a damaged local block of the queued snapshot is
     a [local] problem, a remote block deleted under the durable tip a [remote] one, and
