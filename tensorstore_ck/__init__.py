@@ -13,6 +13,9 @@ under it). A module over ~600 lines says which one job it does.
                           folders in and out (over hf_folder.py, importing.py). Imports transformers: the
                           [hf] extra; nothing else here imports it
     lightning.py          PyTorch Lightning CheckpointIO (the [lightning] extra; never imported here)
+    metrics.py            on_commit hooks: snapshot times, stall, bytes and the durable lag as
+                          TensorBoard scalars (any SummaryWriter) and Prometheus metrics (the
+                          [prometheus] extra: prometheus_client, imported only when used)
     dcp/                  torch.distributed.checkpoint StorageWriter/Reader (dcp.save, dcp.load)
       metadata.py         DCP Metadata <-> plain values (no pickle)
       layout.py           the tree of a DCP snapshot, composed by the writer, read by the reader
@@ -76,7 +79,7 @@ under it). A module over ~600 lines says which one job it does.
     world_view.py         one process's view of a collective snapshot: the ranks' trees merged
     staging.py            reused host buffers for async snapshots
     loader.py             ResumableDataLoader: the data order, resumed exactly
-    info.py               SnapshotInfo
+    info.py               SnapshotInfo, DurableEvent
     ckpt_pointer.py       the pointer file at a Lightning checkpoint path (no Lightning needed)
     storage/              BlockStore backends: immutable objects under one root
       base.py             the BlockStore interface
@@ -121,7 +124,7 @@ from .errors import (AmbiguousTarget, CheckoutMismatch, DeviceUnavailable, Fence
                      SnapshotWarning, StorageError, StoreClosed, TierFull, TsckError, UnreadableObject, UnsupportedType)
 from .retention import Retention
 from .shard import Replicated, Sharded
-from .info import SnapshotInfo
+from .info import DurableEvent, SnapshotInfo
 from .opener import open_store
 from .store import Store
 
@@ -135,6 +138,9 @@ _LAZY = {"ResumableDataLoader": "loader", "TrainState": "train", "CheckpointMana
 
 
 def __getattr__(name: str):
+    if name == "metrics":  # tsck.metrics: TensorBoard and Prometheus hooks (torch-free, loaded when named)
+        import importlib
+        return importlib.import_module(".metrics", __name__)
     if name in _LAZY:
         import importlib
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
@@ -144,7 +150,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | {"metrics"})
 
 # The library logs retries, reconnects, gc phases, fences waited out and recover's
 # decisions to the "tensorstore_ck" logger (child loggers per module); it prints
@@ -152,7 +158,7 @@ def __dir__():
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
-    "open_store", "Store", "SnapshotInfo", "Retention", "TrainState", "CheckpointManager", "CommitEvent",
+    "open_store", "Store", "SnapshotInfo", "DurableEvent", "Retention", "TrainState", "CheckpointManager", "CommitEvent",
     "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",

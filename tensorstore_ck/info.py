@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["SnapshotInfo", "row_to_info"]
+__all__ = ["SnapshotInfo", "DurableEvent", "row_to_info"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,19 @@ class SnapshotInfo:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DurableEvent:
+    """What Store.on_durable(fn) hands fn once a snapshot published in a local tier is
+    durable: in the remote store, its remote ref moved to it (open_store(local=))."""
+    root: str
+    ref: str
+    job: str
+    step: int | None
+    committed: float  # the commit's time (SnapshotInfo.time: the local table's clock)
+    time: float       # when it was marked durable, by the same clock
+    lag: float        # time - committed (>= 0): how long the snapshot was in the local tier alone
 
 
 def row_to_info(root: bytes, row: dict) -> SnapshotInfo:

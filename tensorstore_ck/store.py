@@ -35,7 +35,7 @@ from .dist import CALLS, CollectiveJob, collective_checkout, collective_put, is_
 from .errors import IntegrityError, InvalidArgument, ReadOnlyStore, StoreClosed, TsckError, storage_error
 from .format.manifest import decode_commit
 from .ids import Digest
-from .info import SnapshotInfo
+from .info import DurableEvent, SnapshotInfo
 from .publish import Publisher, Timing
 from .format.names import validate_component, validate_name, validate_new_name
 from .retention import Retention
@@ -458,6 +458,27 @@ class Store:
             raise InvalidArgument(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         self.wait()
         return True if self._tier is None else self._tier.wait_durable(timeout)
+
+    @_public
+    def on_durable(self, fn):
+        """With a local tier (open_store(local=)): fn(DurableEvent) after each snapshot
+        published here became durable (its remote ref moved), on the uploader's thread;
+        fn must be quick, and a failure of fn is logged, never raised. -> a function that
+        removes fn. Without a tier every put is durable when it commits and fn is never
+        called. A metrics hook reads the durable lag from it (CheckpointManager(on_commit=)
+        wires a hook's on_durable method here)."""
+        if not callable(fn):
+            raise InvalidArgument(f"on_durable takes a callable, got {type(fn).__name__}")
+        if self._tier is None:
+            return lambda: None
+
+        def heard(root: bytes, row: dict, at: float) -> None:
+            committed = float(row.get("time", at))
+            step = row.get("step")
+            fn(DurableEvent(root=root.hex(), ref=str(row.get("ref", "")), job=str(row.get("job", "")),
+                            step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+                            committed=committed, time=at, lag=max(0.0, at - committed)))
+        return self._tier.on_durable(heard)
 
     @property
     def remote_core(self) -> Core | None:

@@ -215,6 +215,17 @@ class CommitEvent:
     info: object              # the SnapshotInfo
 
 
+def _as_hooks(on_commit) -> tuple:
+    """CheckpointManager(on_commit=): None, a callable, or a list or tuple of callables
+    (each called in turn, each failure its own) -> the callables."""
+    hooks = tuple(on_commit) if isinstance(on_commit, (list, tuple)) else () if on_commit is None else (on_commit,)
+    for h in hooks:
+        if not callable(h):
+            raise InvalidArgument(f"on_commit must be a callable taking a CommitEvent, or a list of them, got "
+                                  f"{type(h).__name__}")
+    return hooks
+
+
 def _caller_level() -> int:
     """warnings.warn's stacklevel naming the first frame outside this package (the training
     script's step() or close() line; on a background thread, the thread's own start)."""
@@ -432,8 +443,13 @@ class CheckpointManager:
 
     on_commit=fn: fn(CommitEvent) after each committed snapshot of the manager (on the
     store's background thread for an asynchronous one; on every rank of a collective
-    one; wait() and close() return once it ran). An exception in fn is logged, never
-    raised into training; fn must not call the manager's wait() or close(). The event's
+    one; wait() and close() return once it ran). A list of callables calls each in turn
+    (tsck.metrics' TensorBoardMetrics and PrometheusMetrics are such callables). An
+    exception in fn is logged, never raised into training, and the next fn still runs;
+    fn must not call the manager's wait() or close(). With a local tier a hook that has
+    an on_durable(DurableEvent) method also hears when each of the manager's snapshots
+    became durable (Store.on_durable: on the uploader's thread, until the store closes;
+    rank 0's under torch.distributed). The event's
     store_size is the store's physical size (`tsck du`'s) as last measured, with
     store_size_at, when: a listing of the store on a thread of the manager's own, never the
     training thread or the hook's, asked for after a commit and run at most once every
@@ -573,8 +589,7 @@ class CheckpointManager:
 
     # -- what an operator watches: the on_commit hook, the log lines ---------------
     def _init_watch(self, on_commit, store_size_every) -> None:
-        if on_commit is not None and not callable(on_commit):
-            raise InvalidArgument(f"on_commit must be a callable taking a CommitEvent, got {type(on_commit).__name__}")
+        hooks = _as_hooks(on_commit)
         if store_size_every is not None and (isinstance(store_size_every, bool)
                                              or not isinstance(store_size_every, numbers.Real)
                                              or not store_size_every >= 0):
@@ -582,11 +597,13 @@ class CheckpointManager:
                                   f"got {store_size_every!r}")
         # Only a hook reads the size; under torch.distributed only rank 0 lists the store.
         self._size = (_StoreSize(self.store, float(store_size_every))
-                      if on_commit is not None and store_size_every is not None
+                      if hooks and store_size_every is not None
                       and (not self._collective() or self._rank() == 0) else None)
         if self._size is not None:
             self._size.request()
         self.on_commit = on_commit
+        self._hooks = hooks
+        self._init_durable(hooks)
         self._local_failures = 0   # this process's own failed snapshots (a collective one: failed_snapshots)
         self._last_commit: float | None = None  # commit time of the job's newest committed snapshot
         self._watch_lock = threading.Condition()
@@ -655,7 +672,7 @@ class CheckpointManager:
         self._outcome_ok(info.step)
         with self._watch_lock:
             last, self._last_commit = self._last_commit, max(info.time, self._last_commit or info.time)
-        if self.on_commit is None:
+        if not self._hooks:
             return
         try:
             if last is None and info.parent is not None:
@@ -670,9 +687,37 @@ class CheckpointManager:
                              skipped=self.store.skipped,
                              prune_backlog=0 if self._pruner is None else self._pruner.backlog(),
                              **self._sizes(), info=info)
-            self.on_commit(ev)
         except Exception:  # noqa: BLE001 - an operator's hook must never stop training
-            log.warning("CheckpointManager %s: on_commit hook failed for step %s", self.job, info.step, exc_info=True)
+            log.warning("CheckpointManager %s: the commit event of step %s could not be made", self.job, info.step,
+                        exc_info=True)
+            return
+        for hook in self._hooks:
+            try:
+                hook(ev)
+            except Exception:  # noqa: BLE001 - an operator's hook must never stop training
+                log.warning("CheckpointManager %s: on_commit hook failed for step %s", self.job, info.step,
+                            exc_info=True)
+
+    def _init_durable(self, hooks) -> None:
+        """With a local tier, each hook's on_durable(DurableEvent), if it has one, for the
+        manager's snapshots once durable (Store.on_durable, on the uploader's thread). The
+        listener stays until the store closes: the store's close() uploads what is still
+        queued, after the manager's close()."""
+        durable = [h.on_durable for h in hooks if callable(getattr(h, "on_durable", None))]
+        if not durable or getattr(self.store, "remote_core", None) is None:
+            return
+        ref, job = self.ref, self.job
+
+        def heard(ev) -> None:
+            if ev.ref != ref:
+                return
+            for fn in durable:
+                try:
+                    fn(ev)
+                except Exception:  # noqa: BLE001 - an operator's hook must never stop the uploads
+                    log.warning("CheckpointManager %s: on_durable hook failed for step %s", job, ev.step,
+                                exc_info=True)
+        self.store.on_durable(heard)
 
     def _sizes(self) -> dict:
         """The event's store_size fields: the last measurement (a new one is asked for, to

@@ -69,6 +69,17 @@ class LocalTier:
         self.uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
         return dataclasses.replace(info, durable=False)
 
+    def on_durable(self, fn):
+        """fn(root, row, at) on the uploader's thread after each snapshot became durable
+        (its remote ref moved) -> a function that removes fn."""
+        listeners = self.uploader.listeners
+        listeners.append(fn)
+
+        def remove() -> None:
+            if fn in listeners:
+                listeners.remove(fn)
+        return remove
+
     def collective(self) -> CollectiveTier:
         """What a collective put does besides the protocol (each rank publishes in its own
         tier and queues its own upload: collective.py)."""

@@ -122,6 +122,9 @@ class Uploader:
         # likely new there (Assets.copy_from). Forgotten once sent.
         self._written: dict[tuple[int, bytes], tuple[int, int]] = {}
         self.sent_written = 0  # objects copied with such a record (tests)
+        # fn(root, row, at) after each snapshot became durable (after_durable), on this
+        # thread: its catalog row and the local table's clock when it was marked durable.
+        self.listeners: list = []
         local.assets.tee = self.tee
         self._requeue_unqueued()
         # Queued by an earlier process: its upload may have moved the remote ref already.
@@ -662,10 +665,26 @@ class Uploader:
             self._fitting = True  # the retention and the budget follow: wait_durable waits for them
         self.local.refs.upload_done(seq, root)
         self.notify()
+        self._tell_durable(root, row)
         try:
             self.remote_retention(row, root if spared else None)
         finally:
             self._fit()
+
+    def _tell_durable(self, root: bytes, row: dict) -> None:
+        """Each listener hears that `root` is durable; one that fails is logged, never
+        raised (a metrics hook must not stop the uploads)."""
+        if not self.listeners:
+            return
+        try:
+            at = self.local.refs.wall_now()
+        except TsckError:
+            at = time.time()
+        for fn in list(self.listeners):
+            try:
+                fn(root, row, at)
+            except Exception:  # noqa: BLE001 - a listener's failure is its own
+                log.warning("local tier: a durable listener failed for snapshot %s", root.hex()[:16], exc_info=True)
 
     def remote_retention(self, row: dict, root: bytes | None = None) -> None:
         """After snapshot `root` became durable: its job's retention, where the remote
