@@ -162,11 +162,17 @@ class Assets:
         self._local = threading.local()
         self.presence = Presence(KIND_PREFIX)
         # Given (kind, digest, bufs) of each block and node this Assets writes new, as it
-        # is written: a local tier's uploader (tier.uploader.Uploader.tee). It must not block or raise.
+        # is written: a local tier's uploader (tier.uploader.Uploader.tee, set by on_written).
         self.tee = None
         # The current gc deletion epoch (read from the ref table), for readers that consult
         # `presence`; None: no ref table, the record is never used to read.
         self.epoch_now = epoch_now
+
+    def on_written(self, fn) -> None:
+        """fn(kind, digest, bufs) for each block and node written new from now on, as it is
+        written (one listener: a local tier's uploader, which sends them from memory). It
+        must not block or raise: it runs inside the writer's put."""
+        self.tee = fn
 
     def _scratch(self, n: int) -> np.ndarray:
         """This thread's private buffer of n bytes. A thread runs one block job at a

@@ -32,8 +32,8 @@ import torch
 from .ckpt_pointer import read_local_pointer
 from .errors import InvalidArgument, RefNotFound, TsckError, UnsupportedType, storage_error
 from .format.dtypes import QUANT_NAMES, TORCH_DTYPES
-from .hf_folder import (HF_META, _check_for_safetensors, _check_st_names, _nbytes, _safetensors_items, _select,
-                        _st_refusal, export_folder, is_folder_dest)
+from .hf_folder import (HF_META, check_for_safetensors, check_st_names, nbytes, safetensors_items, select,
+                        st_refusal, export_folder, is_folder_dest)
 from .listing import list_tree
 from .localfile import write_atomic
 
@@ -109,11 +109,11 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     entries = list_tree(store.core, root, path)[1] if fmt == "safetensors" or path is not None else None
     if fmt == "safetensors":
         try:
-            _check_for_safetensors(entries, where)
+            check_for_safetensors(entries, where)
         except UnsupportedType as e:
-            raise UnsupportedType(f"{e}{_parts_hint(entries, path, lambda es: _check_for_safetensors(es, where))}") \
+            raise UnsupportedType(f"{e}{_parts_hint(entries, path, lambda es: check_for_safetensors(es, where))}") \
                 from None
-    # Reads only the blocks under PATH; _select then finds the value in the pruned tree.
+    # Reads only the blocks under PATH; select then finds the value in the pruned tree.
     try:
         state = store.checkout(root, paths=None if path is None else [path], progress=progress)
     except UnsupportedType as e:
@@ -127,21 +127,21 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
         # A value only a full unpickle loads (a DCP bytes item): the CLI never unpickles.
         raise UnsupportedType(f"{e}; that is Store.checkout in Python: `tsck checkout` loads nothing beyond "
                               f"torch's weights_only loader{_parts_hint(entries, path, _no_pickled)}") from None
-    value, prefix = (state, "") if path is None else _select(state, path)
+    value, prefix = (state, "") if path is None else select(state, path)
     if fmt == "lightning" and not (isinstance(value, dict) and isinstance(value.get("state_dict"), dict)):
         raise InvalidArgument(f"{where} is not a Lightning checkpoint (a dict with a 'state_dict', as "
                               "TsckCheckpointIO stores them): write it with --format torch")
     try:
         if fmt == "safetensors":
             from safetensors.torch import save_file
-            tensors, meta = _safetensors_items(value, prefix, where)
-            _check_st_names(tensors, where)
+            tensors, meta = safetensors_items(value, prefix, where)
+            check_st_names(tensors, where)
             meta.setdefault("format", "pt")  # what transformers checks before it loads a file
             write_atomic(dest, lambda tmp: save_file(tensors, tmp, metadata=meta), force=force,
-                         needed=_nbytes(tensors))
+                         needed=nbytes(tensors))
             summary = {"tensors": len(tensors), "metadata": len(meta)}
         else:
-            write_atomic(dest, lambda tmp: _torch_save(value, tmp), force=force, needed=_nbytes(value))
+            write_atomic(dest, lambda tmp: _torch_save(value, tmp), force=force, needed=nbytes(value))
             summary = {}
     except TsckError:
         raise
@@ -316,10 +316,10 @@ def _weights_refusal(e, cast, where: str) -> UnsupportedType | None:
             why = f"a quantized tensor of {e.dtype}"
         else:
             dt = TORCH_DTYPES.get(e.dtype)
-            why = _st_refusal(e.kind, cast if cast is not None and dt is not None and dt.is_floating_point else dt)
+            why = st_refusal(e.kind, cast if cast is not None and dt is not None and dt.is_floating_point else dt)
     else:
         try:
-            why = _st_refusal("array", np.dtype(e.dtype))
+            why = st_refusal("array", np.dtype(e.dtype))
         except TypeError:
             why = f"a numpy array of {e.dtype}"
     if why is None:
@@ -393,8 +393,8 @@ def export_weights(store, target: str, dest, *, subtree: str | None = None, dtyp
     # Reads only the tensors' blocks (and never a value only pickle loads).
     paths = ([subtree] if subtree else None) if not skipped else [e.path for e in weights]
     state = store.checkout(root, paths=paths, progress=progress)
-    value, prefix = (state, "") if not subtree else _select(state, subtree)
-    tensors, _ = _safetensors_items(value, prefix, where)
+    value, prefix = (state, "") if not subtree else select(state, subtree)
+    tensors, _ = safetensors_items(value, prefix, where)
     if subtree:
         tensors = {k[len(subtree) + 1:] if k.startswith(subtree + ".") else k: v for k, v in tensors.items()}
     names, stripped = _strip_names(list(tensors), strip)
@@ -418,11 +418,11 @@ def export_weights(store, target: str, dest, *, subtree: str | None = None, dtyp
         if t.numel():
             ptrs.add(t.untyped_storage().data_ptr())
         out[new] = t
-    _check_st_names(out, where)
+    check_st_names(out, where)
     from safetensors.torch import save_file
     try:
         write_atomic(dest, lambda tmp: save_file(out, tmp, metadata={"format": "pt"}), force=force,
-                     needed=_nbytes(out))
+                     needed=nbytes(out))
     except TsckError:
         raise
     except OSError as e:

@@ -49,8 +49,8 @@ import transformers
 from transformers import TrainerCallback
 
 from .errors import InvalidArgument, RefNotFound
-from .hf_folder import (_FILE_NAME, HF_META, MAX_CONFIG_BYTES, MAX_FILE_BYTES, MAX_FILES, SHARD_BYTES,
-                        _config_text, _trainer_file, check_kept_files, export_folder, write_kept_files,
+from .hf_folder import (FILE_NAME, HF_META, MAX_CONFIG_BYTES, MAX_FILE_BYTES, MAX_FILES, SHARD_BYTES,
+                        config_text, trainer_file, check_kept_files, export_folder, write_kept_files,
                         write_pretrained)
 from .importing import import_files
 from .localfile import NotRegularFile, open_regular, write_dir
@@ -80,10 +80,10 @@ def _folder_files(folder: str) -> dict:
         return {}
     out = {}
     for name in names:
-        if _trainer_file(name):
+        if trainer_file(name):
             continue
         path = os.path.join(folder, name)
-        if not _FILE_NAME.match(name) or os.path.islink(path) or not os.path.isfile(path) or len(out) >= MAX_FILES:
+        if not FILE_NAME.match(name) or os.path.islink(path) or not os.path.isfile(path) or len(out) >= MAX_FILES:
             log.warning("%s: not kept in the snapshot (only up to %d regular files with plain names are)", path,
                         MAX_FILES)
             continue
@@ -345,7 +345,7 @@ class TsckCallback(TrainerCallback):
             if collective and hasattr(res, "add_done_callback"):
                 # Asynchronous and collective: behind the snapshot on the background publisher,
                 # before the next one (as CheckpointManager does): never beside its own snapshots.
-                self.store._after_in_flight(lambda: self._pruner.run_after(res))
+                self.store.after_in_flight(lambda: self._pruner.run_after(res))
             elif hasattr(res, "add_done_callback"):
                 res.add_done_callback(self._pruner.after)
             else:
@@ -518,7 +518,7 @@ def _trainer_snapshot(store, target: str, root: str | None = None) -> tuple[dict
         raise refuse(f"its meta[{HF_META!r}]['tied'] is not a dict of names")
     hf = dict(hf)
     for k in ("config", "generation_config"):  # as export_pretrained takes them: JSON objects, as text
-        hf[k] = _config_text(hf.get(k), f"the {k.replace('_', ' ')} of {where}")
+        hf[k] = config_text(hf.get(k), f"the {k.replace('_', ' ')} of {where}")
     state = store.checkout(root, group=False)  # this process alone: one rank writes the folder
     if not isinstance(state, dict):
         raise refuse(f"it holds a {type(state).__name__}, not a dict")

@@ -41,14 +41,14 @@ SHARD_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size ("50GB") in
 # the dotted path of the files kept beside the model (a Trainer snapshot's tokenizer)}; every
 # key is optional. `tsck import FOLDER` and hf.TsckCallback write it; export_folder reads it.
 HF_META = "hf"
-_CONFIG_FILES = (("config", "config.json"), ("generation_config", "generation_config.json"))
+CONFIG_FILES = (("config", "config.json"), ("generation_config", "generation_config.json"))
 
 # Files of a checkpoint folder kept as they are (snapshot key "files"): what the Trainer writes
 # beside the model that the rest of the snapshot does not hold, the processing class's above
 # all (tokenizer.json, tokenizer_config.json, special_tokens_map.json, vocab.json, merges.txt,
 # chat_template.jinja, spiece.model, preprocessor_config.json, processor_config.json, ...).
 # A name is a plain file name; one that resume_checkpoint writes itself is the Trainer's.
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}$")
+FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}$")
 _TRAINER_FILES = {"optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.json", "training_args.bin", "config.json",
                   "generation_config.json"}
 _TRAINER_FILE = re.compile(r"^(rng_state(_[0-9]+)?\.pth|.*\.safetensors|.*\.safetensors\.index\.json|"
@@ -57,7 +57,7 @@ MAX_FILE_BYTES = 1 << 30  # one kept file; a bigger one is left in the folder (a
 MAX_FILES = 1024
 
 
-def _trainer_file(name: str) -> bool:
+def trainer_file(name: str) -> bool:
     """A file of a checkpoint folder the snapshot holds otherwise (weights, optimizer, RNG, state)."""
     return name in _TRAINER_FILES or _TRAINER_FILE.match(name) is not None
 
@@ -68,7 +68,7 @@ def check_kept_files(files, refuse) -> None:
     if not isinstance(files, dict) or len(files) > MAX_FILES:
         raise refuse(f"its 'files' is not a dict of at most {MAX_FILES} files")
     for name, t in files.items():
-        if type(name) is not str or not _FILE_NAME.match(name) or _trainer_file(name):
+        if type(name) is not str or not FILE_NAME.match(name) or trainer_file(name):
             raise refuse(f"its 'files' has the name {name!r:.80}, not a plain file name the Trainer's own "
                          "files leave free")
         if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
@@ -94,7 +94,7 @@ _ST_PLAIN = ("None", "bool", "int", "float", "str", "numpy")  # values that go t
 
 
 # -- a state as safetensors -------------------------------------------------------------
-def _st_refusal(kind: str, dtype) -> str | None:
+def st_refusal(kind: str, dtype) -> str | None:
     """Why safetensors cannot hold a value of this kind (None: it can). dtype: the
     torch or numpy dtype of a tensor or array."""
     if kind in ("tensor", "sharded", "array"):
@@ -123,7 +123,7 @@ def _reserved_name(where: str, path: str) -> UnsupportedType:
                            "such a file); use --format torch, or --path to write another part")
 
 
-def _check_st_names(names, where: str) -> None:
+def check_st_names(names, where: str) -> None:
     if ST_RESERVED in names:
         raise _reserved_name(where, ST_RESERVED)
 
@@ -133,7 +133,7 @@ def _refuse(where: str, what: str, path: str) -> UnsupportedType:
                            "(use --format torch, or --path to take out the tensors only)")
 
 
-def _check_for_safetensors(entries, where: str, strip: str | None = None) -> None:
+def check_for_safetensors(entries, where: str, strip: str | None = None) -> None:
     """Refuse from the manifest alone, before a block is read. strip: the prefix the
     tensors' names lose (a model folder's weights at PATH)."""
     for e in entries:
@@ -153,7 +153,7 @@ def _check_for_safetensors(entries, where: str, strip: str | None = None) -> Non
                 dtype = np.dtype(e.dtype)
             except TypeError:
                 raise _refuse(where, f"a numpy array of {e.dtype}", e.path) from None
-        why = _st_refusal(e.kind, dtype)
+        why = st_refusal(e.kind, dtype)
         if why is not None:
             raise _refuse(where, why, e.path)
 
@@ -168,7 +168,7 @@ def _meta_str(v) -> str:
     return json.dumps(v)  # None -> null, True -> true, 0.1 -> 0.1, nan -> NaN
 
 
-def _safetensors_items(value, prefix: str, where: str) -> tuple[dict, dict]:
+def safetensors_items(value, prefix: str, where: str) -> tuple[dict, dict]:
     """A state (or the part of it at `prefix`) -> (name -> tensor, name -> str)."""
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, str] = {}
@@ -186,12 +186,12 @@ def _safetensors_items(value, prefix: str, where: str) -> tuple[dict, dict]:
         if isinstance(v, torch.Tensor):
             if v.is_quantized or v.layout != torch.strided:
                 raise _refuse(where, "a quantized or sparse tensor", p)
-            why = _st_refusal("tensor", v.dtype)
+            why = st_refusal("tensor", v.dtype)
             if why:
                 raise _refuse(where, why, p)
             t = v.detach().cpu().contiguous()
         elif isinstance(v, np.ndarray):
-            why = _st_refusal("array", v.dtype)
+            why = st_refusal("array", v.dtype)
             if why:
                 raise _refuse(where, why, p)
             # safetensors is little-endian: a big-endian array's values go in native order
@@ -203,7 +203,7 @@ def _safetensors_items(value, prefix: str, where: str) -> tuple[dict, dict]:
             meta[p] = _meta_str(v)
             continue
         else:
-            raise _refuse(where, _st_refusal(type(v).__name__, None) or type(v).__name__, p)
+            raise _refuse(where, st_refusal(type(v).__name__, None) or type(v).__name__, p)
         if not p:
             raise UnsupportedType(f"{where} is a single tensor without a name: give --path NAME, or use "
                                   "--format torch")
@@ -213,7 +213,7 @@ def _safetensors_items(value, prefix: str, where: str) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def _select(state, path: str):
+def select(state, path: str):
     """(value, its dotted path) of the value at `path` in a checked-out state; when no one
     value is there (the keys of a flat state_dict under a prefix), a dict of the values
     under it by their full dotted names, and prefix ""."""
@@ -247,7 +247,7 @@ def _select(state, path: str):
     return out, ""
 
 
-def _nbytes(value) -> int:
+def nbytes(value) -> int:
     """The bytes of the tensors and arrays in a state (about what a file of it takes)."""
     n, stack = 0, [value]
     while stack:
@@ -263,7 +263,7 @@ def _nbytes(value) -> int:
     return n
 
 
-def _first_line(e: BaseException, limit: int = 300) -> str:
+def first_line(e: BaseException, limit: int = 300) -> str:
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -281,7 +281,7 @@ def _is_weights_file(name: str) -> bool:
         re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None
 
 
-def _config_text(v, what: str) -> str | None:
+def config_text(v, what: str) -> str | None:
     if v is None:
         return None
     if isinstance(v, dict):
@@ -292,7 +292,7 @@ def _config_text(v, what: str) -> str | None:
         if not isinstance(json.loads(v), dict):
             raise ValueError("not a JSON object")
     except (ValueError, RecursionError) as e:
-        raise InvalidArgument(f"{what} is not a JSON object: {_first_line(e)}") from None
+        raise InvalidArgument(f"{what} is not a JSON object: {first_line(e)}") from None
     return v
 
 
@@ -310,7 +310,7 @@ def write_pretrained(folder: str, tensors: dict, *, config: str | None = None, g
     -> the file names written."""
     from safetensors.torch import save_file
     _check_shard_bytes(max_shard_bytes)
-    _check_st_names(tensors, "a model folder")
+    check_st_names(tensors, "a model folder")
     sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     shards: list[list[str]] = [[]]
     used = 0
@@ -372,20 +372,20 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     if path is None:
         path = wpath
     tied = hf.get("tied") if path == wpath else None
-    config = _config_text(config if config is not None else hf.get("config"), f"the config of {where}")
-    generation_config = _config_text(generation_config if generation_config is not None
+    config = config_text(config if config is not None else hf.get("config"), f"the config of {where}")
+    generation_config = config_text(generation_config if generation_config is not None
                                      else hf.get("generation_config"), f"the generation config of {where}")
     _, entries = list_tree(store.core, root, path)
-    _check_for_safetensors(entries, where, strip=path)
+    check_for_safetensors(entries, where, strip=path)
     state = store.checkout(root, paths=None if path is None else [path], progress=progress)  # only PATH's blocks
-    value, prefix = (state, "") if path is None else _select(state, path)
-    tensors, plain = _safetensors_items(value, prefix, where)
+    value, prefix = (state, "") if path is None else select(state, path)
+    tensors, plain = safetensors_items(value, prefix, where)
     if plain:
         raise _refuse(where, "a value that is not a tensor (a model folder holds tensors only)", next(iter(plain)))
     kept = {}
     fpath = hf.get("files") if path == wpath and isinstance(hf.get("files"), str) and hf.get("files") else None
     if fpath is not None:  # the tokenizer's and processor's files the Trainer wrote beside the model
-        kept, _ = _select(store.checkout(root, paths=[fpath]), fpath)
+        kept, _ = select(store.checkout(root, paths=[fpath]), fpath)
         check_kept_files(kept, lambda why: InvalidArgument(f"{where} cannot be written as a model folder: {why}"))
     if path:  # the names the state_dict has, not its place in the snapshot
         tensors = {k[len(path) + 1:] if k.startswith(path + ".") else k: v for k, v in tensors.items()}
@@ -398,7 +398,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
                                                              generation_config=generation_config,
                                                              max_shard_bytes=max_shard_bytes)
                           + write_kept_files(tmp, kept),
-                          force=force, stale=_is_weights_file, needed=_nbytes(tensors))
+                          force=force, stale=_is_weights_file, needed=nbytes(tensors))
     except TsckError:
         raise
     except OSError as e:

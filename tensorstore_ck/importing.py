@@ -20,7 +20,7 @@ from collections import OrderedDict
 import torch
 
 from .errors import InvalidArgument, TsckError, UnsupportedType
-from .hf_folder import _CONFIG_FILES, HF_META, MAX_CONFIG_BYTES, MAX_INDEX_BYTES, _config_text, _first_line
+from .hf_folder import CONFIG_FILES, HF_META, MAX_CONFIG_BYTES, MAX_INDEX_BYTES, config_text, first_line
 from .info import SnapshotInfo
 from .localfile import NotRegularFile, open_regular, reopen_path
 from .validate import check_snapshot_args
@@ -59,7 +59,7 @@ def _load_safetensors(src: str, path: str) -> tuple[dict, dict]:
             return {k: f.get_tensor(k) for k in f.keys()}, meta
     except SafetensorError as e:
         raise InvalidArgument(f"{path} is not a readable safetensors file: "
-                              f"{_first_line(e).replace(src, path)}") from None
+                              f"{first_line(e).replace(src, path)}") from None
 
 
 def _storage_sizes(pkl: bytes) -> dict | None:
@@ -180,10 +180,10 @@ def _load_torch(src: str, path: str, zipped: bool):
                                   "tsck import loads torch files with weights_only=True: load it in Python, only if "
                                   "you trust its source, and put_snapshot the state") from None
         raise InvalidArgument(f"{path} is not a readable torch.save file: "
-                              f"{_first_line(e).replace(src, path)}") from None
+                              f"{first_line(e).replace(src, path)}") from None
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, ... on a bad file
         raise InvalidArgument(f"{path} is not a readable torch.save file: "
-                              f"{_first_line(e).replace(src, path)}") from None
+                              f"{first_line(e).replace(src, path)}") from None
 
 
 def _load_file(path: str):
@@ -218,7 +218,7 @@ def _shards(folder: str, index: str) -> tuple[list[tuple[str, list]], list[str]]
     try:
         obj = json.loads(data)
     except (ValueError, RecursionError) as e:
-        raise InvalidArgument(f"{index} is not valid JSON: {_first_line(e)}") from None
+        raise InvalidArgument(f"{index} is not valid JSON: {first_line(e)}") from None
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise InvalidArgument(f"{index} has no weight_map of tensor names to shard files")
@@ -276,7 +276,7 @@ def _load_folder(folder: str) -> tuple[dict, dict, str]:
 def _folder_configs(folder: str) -> dict:
     """config.json / generation_config.json of a model folder, as texts (meta "hf")."""
     out = {}
-    for key, fname in _CONFIG_FILES:
+    for key, fname in CONFIG_FILES:
         p = os.path.join(folder, fname)
         if not os.path.lexists(p):
             continue
@@ -285,7 +285,7 @@ def _folder_configs(folder: str) -> dict:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise InvalidArgument(f"{p} is not UTF-8 text") from None
-        out[key] = _config_text(text, p)
+        out[key] = config_text(text, p)
     return out
 
 

@@ -408,7 +408,7 @@ class Store:
         publishes in its own tier and queues its own upload: tier/collective.py); else None."""
         return None if self._tier is None else self._tier.collective()
 
-    def _after_in_flight(self, fn) -> None:
+    def after_in_flight(self, fn) -> None:
         """Run fn() on the background publisher once the snapshots queued so far have ended."""
         self._puts.after_in_flight(fn)
 
@@ -430,18 +430,20 @@ class Store:
 
     @_storage_errors
     def _publish(self, plan, args: SnapshotArgs, progress=None, timing=None) -> SnapshotInfo:
-        self._tier_begin()
-        return self._tier_published(self.publisher.publish(plan, args, progress=progress, timing=timing))
+        self.before_write()
+        return self.after_publish(self.publisher.publish(plan, args, progress=progress, timing=timing))
 
-    def _tier_begin(self) -> None:
-        """Before a writer (a put, the DCP writer) writes blocks: with a local tier, room
+    def before_write(self) -> None:
+        """For the package's writers (put_snapshot, the DCP writer): call before writing blocks.
+        Before a writer writes blocks: with a local tier, room
         under its budget (Uploader.make_room: it may wait for uploads, or raise TierFull
         with nothing written), then the remote fence its early uploads are recorded under."""
         if self._tier is not None:
             self._tier.begin()
 
-    def _tier_published(self, info: SnapshotInfo) -> SnapshotInfo:
-        """After a writer published `info` in this store: with a local tier, queue it for
+    def after_publish(self, info: SnapshotInfo) -> SnapshotInfo:
+        """For the package's writers: call with what they published. After a writer
+        published `info` in this store: with a local tier, queue it for
         upload (it is durable once the uploader has moved the remote ref)."""
         return info if self._tier is None else self._tier.published(info)
 

@@ -785,7 +785,7 @@ class CheckpointManager:
         if self.async_:
             self._track(res, lambda fut: self._collective_done(fut, kw["step"], best_before))
             if rank0_prunes:
-                self.store._after_in_flight(lambda: self._pruner.run_after(res))
+                self.store.after_in_flight(lambda: self._pruner.run_after(res))
         else:
             self._committed(res)
             if rank0_prunes:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import tensorstore_ck as tsck
 from tensorstore_ck.dcp import TsckReader, TsckWriter, decode_metadata, encode_metadata
-from tensorstore_ck.hf_folder import _select
+from tensorstore_ck.hf_folder import select
 
 try:
     from ._util import assert_same, tensor_bytes
@@ -398,7 +398,7 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
                           ("lin.bias", "model.lin.bias"), ("norm.scale", "model.norm.scale"),
                           ("emb.exp_avg", "optim.state.emb.weight.exp_avg"),
                           ("lin.exp_avg", "optim.state.lin.weight.exp_avg")]:
-            assert_same(G[name], _select(snap, fqn)[0], fqn, loose_types=True)
+            assert_same(G[name], select(snap, fqn)[0], fqn, loose_types=True)
         md = TsckReader(s, "jobA/main").read_metadata()
         assert len(md.state_dict_metadata["model.emb.weight"].chunks) == 4
 

@@ -92,7 +92,7 @@ def test_a_skipped_and_a_failed_asynchronous_snapshot_each_log_why(tmp_path, cap
     with tsck.open_store(tmp_path / "s", max_inflight=1) as s:
         first = s.put_snapshot({"w": torch.randn(8, 1024)}, "run/main", step=1)
         gate = threading.Event()
-        s._after_in_flight(lambda: gate.wait(60))  # the background publisher is busy until the gate opens
+        s.after_in_flight(lambda: gate.wait(60))  # the background publisher is busy until the gate opens
         f2 = s.put_snapshot({"w": torch.randn(8, 1024)}, "run/main", step=2, blocking=False)
         mgr = CheckpointManager(s, job="run", state=TrainState(model=torch.nn.Linear(4, 4)), every_steps=1,
                                 when_busy="skip")

@@ -188,7 +188,7 @@ class TsckWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self.store._tier_begin()
+        self.store.before_write()
         pending: list[_Pending] = []
         results: list[WriteResult] = []
         copied_inflight = 0
@@ -357,7 +357,7 @@ class TsckWriter(StorageWriter):
         tree, payloads = pub.write_nodes(value)
         fence = self._fence if self._fence is not None else pub.fence()
         timing, self._timing = self._timing, None
-        self.info = store._tier_published(pub.commit(
+        self.info = store.after_publish(pub.commit(
             tree, self.args, stats=st, fence=fence, meta_extra={"format": DCP_FORMAT}, timing=timing,
             revalidate=lambda body, fence: pub.revalidate_addresses(digests, payloads, body, fence,
                                                              what=f"this DCP snapshot of {self.ref!r}")))

@@ -125,7 +125,7 @@ class Uploader:
         # fn(root, row, at) after each snapshot became durable (after_durable), on this
         # thread: its catalog row and the local table's clock when it was marked durable.
         self.listeners: list = []
-        local.assets.tee = self.tee
+        local.assets.on_written(self.tee)
         self._requeue_unqueued()
         # Queued by an earlier process: its upload may have moved the remote ref already.
         self._resumed = {seq for seq, _ in local.refs.upload_pending()}
