@@ -39,7 +39,7 @@ from .info import DurableEvent, SnapshotInfo
 from .publish import Publisher, Timing
 from .format.names import validate_component, validate_name, validate_new_name
 from .retention import Retention
-from .validate import UNSET, SnapshotArgs, _utf8, check_snapshot_args
+from .validate import UNSET, SnapshotArgs, check_utf8, check_snapshot_args
 
 if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
     from .plan import Planner
@@ -705,7 +705,7 @@ class Store:
         errors={} goes there (name -> error) and the others are listed."""
         if not isinstance(prefix, str):
             raise InvalidArgument(f"prefix must be a str, got {type(prefix).__name__}")
-        _utf8(prefix, "ref prefix")
+        check_utf8(prefix, "ref prefix")
         return self._infos(self.reftable.list(prefix), errors)
 
     @_public

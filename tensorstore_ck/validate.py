@@ -46,7 +46,7 @@ class SnapshotArgs:
     resumed_from: int | None = None
 
 
-def _utf8(s: str, what: str) -> None:
+def check_utf8(s: str, what: str) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
@@ -61,7 +61,7 @@ def check_plain(obj, what: str, depth: int = 0) -> None:
         if type(obj) is int and not -(2**63) <= obj < 2**64:
             raise InvalidArgument(f"{what}: int {obj} is out of the 64-bit range")
         if type(obj) is str:
-            _utf8(obj, what)
+            check_utf8(obj, what)
         return
     if type(obj) is list:
         for x in obj:
@@ -71,7 +71,7 @@ def check_plain(obj, what: str, depth: int = 0) -> None:
         for k, v in obj.items():
             if type(k) is not str:
                 raise InvalidArgument(f"{what}: keys must be str, got {type(k).__name__}")
-            _utf8(k, what)
+            check_utf8(k, what)
             check_plain(v, what, depth + 1)
         return
     raise InvalidArgument(f"{what}: values must be None, bool, int, float, str, list or dict, "
@@ -96,7 +96,7 @@ def check_snapshot_args(ref, *, job=None, step=None, metrics=None, meta=None, ex
     for k, v in dict(metrics or {}).items():
         if type(k) is not str or isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise InvalidArgument(f"metrics must map str to numbers, got {k!r}: {v!r}")
-        _utf8(k, "metrics")
+        check_utf8(k, "metrics")
         # numpy scalars and other numbers are stored as plain int/float
         m[k] = int(v) if isinstance(v, numbers.Integral) else float(v)
     check_plain(m, "metrics")

@@ -176,6 +176,11 @@ FLAVORS["step"] = dict(FLAVORS["mix"], weights=dict(FLAVORS["mix"]["weights"], c
 # --focus tier: every round has tier writers, their uploaders killed more often.
 FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6, rot_p=0.3, catalog_p=0.8,
                        share_p=0.5, budget_p=0.5, tier_lost_p=0.2, down_p=0.2)
+# --focus tier-share: two processes on one tier with a job, a budget and lagging uploads in
+# every round: both uploaders may send the same queued snapshot, and the one that finishes
+# first marks it durable and evicts it while the other still reads it.
+FLAVORS["tier-share"] = dict(FLAVORS["tier"], two_writers=True, share_p=1.0, catalog_p=1.0, budget_p=1.0,
+                             lag_p=1.0, tier_kill=0.2, rot_p=0.0, tier_lost_p=0.0, down_p=0.0, ctier_p=0.0)
 # Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
 # worker's fsck or gc runs (faults.py `unreadable`; a stream of its own): in every round of
 # --focus unreadable, and in 30% of a worker's rounds on the dirfs backend (a filesystem of
@@ -433,7 +438,7 @@ class Harness:
         trng = random.Random(f"{self.seed}:{r}:tier")
         if len(cfgs) < 2 or trng.random() >= fl["tier_p"]:
             return []
-        m = trng.randint(1, min(2, len(cfgs) - 1))
+        m = trng.randint(1, min(2, len(cfgs) - 1)) if not fl.get("two_writers") or len(cfgs) < 3 else 2
         out = []
         names = trng.sample(sorted(self.tiers), m)
         if m == 2 and random.Random(f"{self.seed}:{r}:share").random() < fl.get("share_p", 0.2):
@@ -483,7 +488,7 @@ class Harness:
             budget = crng.randint(1, 3) * one if crng.random() < fl.get("budget_p", 0.2) else None
             # Uploads that lag behind the puts (the remote's block requests slowed): a backlog
             # for the backlog rule, durable copies held back from the budget.
-            lag = crng.random() < 0.5
+            lag = crng.random() < fl.get("lag_p", 0.5)
             if not on:
                 continue
             job = "j" + os.path.basename(path)
