@@ -32,6 +32,7 @@ from .assets import holds_snapshots
 from .errors import InvalidArgument, NotAStore, StorageError, TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
+from .units import human_bytes
 
 __all__ = ["main"]
 
@@ -57,13 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _human(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+    return human_bytes(n)
 
 
 def _when(t: float) -> str:

@@ -32,6 +32,7 @@ from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter, Pending
 from .info import SnapshotInfo, row_to_info
 from .refs.gcstate import HOLD_SECONDS
+from .units import human_bytes
 from .validate import UNSET, SnapshotArgs
 
 if TYPE_CHECKING:
@@ -158,14 +159,6 @@ def plan_stats(plan: Plan) -> BuildStats:
     return st
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def snapshot_fields(info: SnapshotInfo) -> dict:
     """What a log line (and a JSON log line: the record's `tsck` attribute) says of a snapshot."""
     return {"event": "committed", "ref": info.ref, "job": info.job, "step": info.step, "root": info.root,
@@ -178,7 +171,7 @@ def log_committed(info: SnapshotInfo) -> SnapshotInfo:
         took = "" if info.seconds is None else f" in {info.seconds:.2f}s"
         took += "" if info.stall is None else f" (stall {info.stall:.2f}s)"
         log.info("snapshot committed: ref %s step %s, %s (%s new)%s, root %s", info.ref,
-                 "-" if info.step is None else info.step, _size(info.bytes_total), _size(info.bytes_new), took,
+                 "-" if info.step is None else info.step, human_bytes(info.bytes_total), human_bytes(info.bytes_new), took,
                  info.root[:16], extra={"tsck": snapshot_fields(info)})
     return info
 
