@@ -227,12 +227,16 @@ def _watch_lines(i: SnapshotInfo, pinned: bool) -> list[str]:
 def cmd_du(store, args):
     d = store.du()
     lines = [
-        f"store      {d['store']}",
-        f"snapshots  {d['snapshots']}",
-        f"logical    {_human(d['logical_bytes'])}  (what the snapshots hold)",
-        f"physical   {_human(d['physical_bytes'])}  ({d['blocks']} blocks, {d['nodes']} nodes, "
-        f"{d['commits']} commits)",
-        f"dedup      {d['dedup_ratio']:.2f}x" if d["dedup_ratio"] else "dedup      -",
+        f"store        {d['store']}",
+        f"snapshots    {d['snapshots']}",
+        f"logical      {_human(d['logical_bytes'])}  (what the kept snapshots hold)",
+        _ratio("dedup", d["dedup_ratio"], f"logical / the distinct content they use, {_human(d['distinct_bytes'])}"),
+        _ratio("compression", d["compression_ratio"], f"those blocks / their stored bytes, "
+                                                      f"{_human(d['used_block_bytes'])}"),
+        f"physical     {_human(d['physical_bytes'])}  ({d['blocks']} blocks, {d['nodes']} nodes, "
+        f"{d['commits']} commits: everything stored)",
+        f"orphans      {_human(d['orphans']['bytes'])}  ({d['orphans']['objects']} stored objects no kept snapshot "
+        "uses, in physical: the next gc removes them, unless a put in flight uses them)",
     ]
     # Per job: what its snapshots reference (holds) and, of that, what no other job's does
     # (alone: what deleting the job would free). Not who wrote a block first: a block
@@ -269,6 +273,10 @@ def cmd_du(store, args):
                          "names them)")
     _out(args, d, "\n".join(lines))
     return 0
+
+
+def _ratio(name: str, r, what: str) -> str:
+    return f"{name:<12} {'-' if r is None else f'{r:.2f}x'}  ({what})"
 
 
 def _open_tier(store, args):

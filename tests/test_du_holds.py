@@ -128,3 +128,56 @@ def test_plot_left_panel_is_the_store_size_with_reclaimed_space(tmp_path, capsys
     legend = ax.get_legend()
     assert legend is not None and legend.get_bbox_to_anchor().y1 < ax.bbox.y0  # below the axes, off the data
     assert "reclaimed by gc (1 run on record)" in [t.get_text() for t in legend.get_texts()]
+
+
+def _files(path, kinds=("blocks", "nodes", "commits")) -> dict:
+    out = {}
+    for kind in kinds:
+        for f in (path / kind).glob("*/*"):
+            out[(kind, f.name)] = f.stat().st_size
+    return out
+
+
+def test_du_reports_dedup_compression_and_orphans_apart(tmp_path, capsys, monkeypatch):
+    """Dedup (logical bytes of the kept snapshots / the distinct content they use),
+    compression (those distinct blocks' logical bytes / their stored bytes) and the
+    orphans awaiting gc are three figures: a deleted ref's leftovers move none of the
+    ratios, random floats compress 1.00x, and the orphans are exactly what gc then removes."""
+    monkeypatch.delenv("TSCK_STORE", raising=False)
+    path = tmp_path / "s"
+    state = {"w": vec(1, 4), "b": vec(2, 1)[:100]}  # 4 blocks, and 400 bytes inlined in the node
+    with tsck.open_store(path, block_size=BS, inline_threshold=1024) as s:
+        for step in (1, 2):
+            s.put_snapshot(state, ref="a/main", step=step)
+        s.put_snapshot({**state, "x": vec(3, 3)}, ref="b/main", step=1)
+        s.delete_ref("b/main")
+    one = 4 * BS + 400
+    blocks_of_a = {("blocks", d.hex()) for d in block_digests(state["w"])}
+    files = _files(path)
+
+    rc, out, err = tsck_cli(capsys, "du", path, "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["logical_bytes"] == 2 * one and d["distinct_bytes"] == one
+    assert d["dedup_ratio"] == 2.0  # not 2 * one / every stored block, the deleted ref's included
+    assert d["used_block_bytes"] == sum(files[k] for k in blocks_of_a)
+    assert d["compression_ratio"] == 4 * BS / d["used_block_bytes"]
+    assert 0.99 < d["compression_ratio"] <= 1.0  # random floats: stored as they are, a header each
+    assert d["physical_bytes"] == sum(files.values())
+
+    rc, text, _ = tsck_cli(capsys, "du", path)
+    lines = {ln.split()[0]: " ".join(ln.split()) for ln in text.splitlines() if ln and not ln.startswith(" ")}
+    assert lines["dedup"].startswith("dedup 2.00x (")
+    assert lines["compression"].startswith("compression 1.00x (")
+    assert lines["orphans"].startswith(f"orphans {d['orphans']['bytes'] / 1000:.2f} kB "
+                                       f"({d['orphans']['objects']} stored objects")
+
+    assert tsck_cli(capsys, "gc", path)[0] == 0
+    gone = {k: v for k, v in files.items() if k not in _files(path)}
+    # b's 3 blocks of its own, its top node and its commit
+    assert d["orphans"] == {"objects": len(gone), "bytes": sum(gone.values()), "blocks": 3, "nodes": 1,
+                            "commits": 1}
+    rc, out, _ = tsck_cli(capsys, "du", path, "--json")
+    after = json.loads(out)
+    assert after["orphans"] == {"objects": 0, "bytes": 0, "blocks": 0, "nodes": 0, "commits": 0}
+    assert (after["dedup_ratio"], after["compression_ratio"]) == (d["dedup_ratio"], d["compression_ratio"])
