@@ -155,7 +155,8 @@ def usage(core: Core) -> dict:
     unreadable = _holdings(core, rows, jobs, sizes)
     return {"store": core.url, "logical_bytes": sum(i.bytes_total for i in rows),
             "block_bytes": sum(sizes.values()), "blocks": len(sizes), "jobs": jobs,
-            "physical": physical_over_time(rows, sum(sizes.values()), core.refs.reclaimed()),
+            "physical": physical_over_time(rows, sum(sizes.values()), core.refs.reclaimed(),
+                                           core.refs.dropped()),
             "malformed_rows": [r.hex() for r, _e in bad], "unreadable": unreadable}
 
 
@@ -212,22 +213,28 @@ def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None,
     return unreadable
 
 
-def physical_over_time(rows: list, block_bytes: int, reclaimed: list) -> dict:
+def physical_over_time(rows: list, block_bytes: int, reclaimed: list, dropped: dict | None = None) -> dict:
     """The store's stored block bytes over time, reclaimed space included (`tsck du --plot`'s
-    left panel), from what is on record: each kept commit added its stored_new (its
-    uncompressed bytes_new when older than that record) at its time, each recorded gc or
-    prune (RefTable.reclaimed) took its block bytes away at its time, and the line ends at
-    `block_bytes`, what storage holds now. Written backwards from now, so what is on no
-    record (commits since expired, gcs before the record was kept) is the `start`, where
-    the line begins. -> {"times", "stored", "reclaimed" (summed up to each time),
-    "written" (stored + reclaimed: every byte put, none taken back), "logical" (what the
-    kept snapshots committed up to each time hold), "start", "gcs" (recorded runs drawn)}"""
+    left panel), from what is on record: every commit added its stored_new (its
+    uncompressed bytes_new when older than that record) at its time, the kept ones (rows)
+    and those whose rows were dropped since (`dropped`, RefTable.dropped: a prune, gc's
+    retention, delete-ref, forget; their blocks stay stored until a gc removes them), and
+    each recorded gc or prune (RefTable.reclaimed) took its block bytes away at its time.
+    The line ends at `block_bytes`, what storage holds now, and is written backwards from
+    there, so what is on no record (gcs older than the record, commits dropped before the
+    store kept that record) is the `start`, where the line begins: 0 for a store whose
+    whole history is on record. -> {"times", "stored", "reclaimed" (summed up to each
+    time), "written" (stored + reclaimed: every byte put, none taken back), "logical"
+    (what the kept snapshots committed up to each time hold), "start", "gcs" (recorded
+    runs drawn), "dropped" (commits drawn that are no longer kept)}"""
     events = [(i.time, i.stored_new if i.stored_new is not None else i.bytes_new, i.bytes_total) for i in rows]
+    kept = {i.root for i in rows}
+    expired = [(at, n, 0) for root, (at, n, _est) in (dropped or {}).items() if root.hex() not in kept]
     gcs = [(float(at), -int(blocks), 0) for at, blocks, _all in reclaimed if blocks]
-    events = sorted(events + gcs, key=lambda e: (e[0], e[1] < 0))  # a gc at the time of a commit: after it
+    events = sorted(events + expired + gcs, key=lambda e: (e[0], e[1] < 0))  # a gc at the time of a commit: after it
     start = block_bytes - sum(d for _t, d, _l in events)
     out = {"times": [], "stored": [], "reclaimed": [], "written": [], "logical": [], "start": start,
-           "gcs": len(gcs)}
+           "gcs": len(gcs), "dropped": len(expired)}
     level, gone, logical = start, 0, 0
     for t, d, lb in events:
         level += d
