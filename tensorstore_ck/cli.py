@@ -6,6 +6,8 @@ Every command takes --json, which writes strict JSON (NaN/inf as null, bytes as
 a path that is not a store) prints one line, "tsck: error: ...", and exits 2;
 a StorageError prints its one line and exits 1 (retrying may work once it is fixed).
 Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
+Sizes shown (text, progress bars, log lines, messages) are in decimal SI units,
+1 kB = 1000 B, 1 MB = 1e6 B, 1 GB = 1e9 B (units.py); --json gives exact bytes.
 
 Remote stores: `--refs` (or $TSCK_REFS) names the shared ref table, e.g.
 postgresql://host/db; `-o KEY=VALUE` (repeatable) or $TSCK_STORAGE_OPTIONS (a
@@ -747,7 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
                        "tsck log STORE -- -rf. $TSCK_STORE is the default STORE: it is used when the first "
                        "positional is not a URL (scheme://) or an existing path. Exit codes: 0 ok, 1 problems "
-                       "found or a failure of the environment (a full disk, a server away), 2 a user error.")
+                       "found or a failure of the environment (a full disk, a server away), 2 a user error. "
+                       "Sizes are decimal SI units: 1 kB = 1000 B, 1 MB = 1e6 B, 1 GB = 1e9 B (--json: bytes).")
     p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
     _add_log_options(p, top=True)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
