@@ -101,6 +101,7 @@ under it). A module over ~600 lines says which one job it does.
     localfile.py          files outside the store's objects, whole or not at all; only
                           regular files are read
     progress.py           progress bars on stderr
+    units.py              sizes as shown to people: decimal SI (kB, MB, GB), one system
     paths.py              dotted paths inside a state ("model.layers.0.weight")
     format/               bytes <-> objects, no I/O
       frame.py            the object frame: header, then the (maybe compressed) payload

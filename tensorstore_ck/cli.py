@@ -6,6 +6,8 @@ Every command takes --json, which writes strict JSON (NaN/inf as null, bytes as
 a path that is not a store) prints one line, "tsck: error: ...", and exits 2;
 a StorageError prints its one line and exits 1 (retrying may work once it is fixed).
 Long work (gc, fsck) shows a progress bar on stderr when it is a terminal.
+Sizes shown (text, progress bars, log lines, messages) are in decimal SI units,
+1 kB = 1000 B, 1 MB = 1e6 B, 1 GB = 1e9 B (units.py); --json gives exact bytes.
 
 Remote stores: `--refs` (or $TSCK_REFS) names the shared ref table, e.g.
 postgresql://host/db; `-o KEY=VALUE` (repeatable) or $TSCK_STORAGE_OPTIONS (a
@@ -32,6 +34,7 @@ from .assets import holds_snapshots
 from .errors import InvalidArgument, NotAStore, StorageError, TsckError, storage_error
 from .info import SnapshotInfo
 from .opener import open_store
+from .units import human_bytes
 
 __all__ = ["main"]
 
@@ -57,13 +60,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _human(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
+    return human_bytes(n)
 
 
 def _when(t: float) -> str:
@@ -262,12 +259,16 @@ def _watch_lines(i: SnapshotInfo, pinned: bool) -> list[str]:
 def cmd_du(store, args):
     d = store.du()
     lines = [
-        f"store      {d['store']}",
-        f"snapshots  {d['snapshots']}",
-        f"logical    {_human(d['logical_bytes'])}  (what the snapshots hold)",
-        f"physical   {_human(d['physical_bytes'])}  ({d['blocks']} blocks, {d['nodes']} nodes, "
-        f"{d['commits']} commits)",
-        f"dedup      {d['dedup_ratio']:.2f}x" if d["dedup_ratio"] else "dedup      -",
+        f"store        {d['store']}",
+        f"snapshots    {d['snapshots']}",
+        f"logical      {_human(d['logical_bytes'])}  (what the kept snapshots hold)",
+        _ratio("dedup", d["dedup_ratio"], f"logical / the distinct content they use, {_human(d['distinct_bytes'])}"),
+        _ratio("compression", d["compression_ratio"], f"those blocks / their stored bytes, "
+                                                      f"{_human(d['used_block_bytes'])}"),
+        f"physical     {_human(d['physical_bytes'])}  ({d['blocks']} blocks, {d['nodes']} nodes, "
+        f"{d['commits']} commits: everything stored)",
+        f"orphans      {_human(d['orphans']['bytes'])}  ({d['orphans']['objects']} stored objects no kept snapshot "
+        "uses, in physical: the next gc removes them, unless a put in flight uses them)",
     ]
     # Per job: what its snapshots reference (holds) and, of that, what no other job's does
     # (alone: what deleting the job would free). Not who wrote a block first: a block
@@ -304,6 +305,10 @@ def cmd_du(store, args):
                          "names them)")
     _out(args, d, "\n".join(lines))
     return 0
+
+
+def _ratio(name: str, r, what: str) -> str:
+    return f"{name:<12} {'-' if r is None else f'{r:.2f}x'}  ({what})"
 
 
 def _open_tier(store, args):
@@ -774,7 +779,8 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog="`tsck COMMAND --help` for one command. A name that begins with '-' goes after `--`: "
                        "tsck log STORE -- -rf. $TSCK_STORE is the default STORE: it is used when the first "
                        "positional is not a URL (scheme://) or an existing path. Exit codes: 0 ok, 1 problems "
-                       "found or a failure of the environment (a full disk, a server away), 2 a user error.")
+                       "found or a failure of the environment (a full disk, a server away), 2 a user error. "
+                       "Sizes are decimal SI units: 1 kB = 1000 B, 1 MB = 1e6 B, 1 GB = 1e9 B (--json: bytes).")
     p.add_argument("--version", action="version", version=f"tsck (tensorstore_ck) {__version__}")
     _add_log_options(p, top=True)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")

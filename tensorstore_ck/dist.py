@@ -1091,10 +1091,14 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
         # gc epoch: under that one (rank 0's would be another table's number).
         wfence = part["fence"] = fence if tier is None or rank == 0 else publisher.fence()
         publisher.write_blocks(plan_, owns=owns, fence=wfence)
-        tree, part["payloads"] = publisher.write_nodes(plan_.value, wfence)
+        new_nodes: list = []
+        tree, part["payloads"] = publisher.write_nodes(plan_.value, wfence, new_nodes)
         part["tree"] = tree
-        from .publish import plan_stats, replica_digests
+        from .publish import NewObjects, plan_stats, replica_digests
         st = plan_stats(plan_)
+        # What this rank wrote new, by address: rank 0 counts an object two ranks both
+        # wrote new (the same replicated weights of DDP ranks) once.
+        mine_new = NewObjects().add_plan(plan_).add_nodes(new_nodes)
         reps = replica_digests(plan_)
         rep = None
         if reps:  # the full list only for rank 0 to read if the replicas disagree; one digest in done
@@ -1107,8 +1111,8 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
             ch.set_mine("tnodes", msgpack.packb(part["payloads"]))
             tier.intend(tree, args)  # (a rank killed from here until the outcome still uploads its part)
         ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep,
-                                         "stats": [st.bytes_total, st.bytes_new, st.blocks_total,
-                                                   st.blocks_new, st.stored_new]}), W)
+                                         "stats": [st.bytes_total, st.blocks_total],
+                                         "new": mine_new.packed()}), W)
 
     _guard(ch, write)
 
@@ -1174,8 +1178,15 @@ def _put(ch: _Channel, publisher, plan, prepare, tier=None, timing=None):
         put = putter(payloads)
         top = put(write_world([d["tree"] for d in dones], index, put))
         part["top"] = ix_payloads + payloads
-        sums = [sum(d["stats"][i] for d in dones) for i in range(5)]
-        return top, dict(zip(("bytes_total", "bytes_new", "blocks_total", "blocks_new", "stored_new"), sums))
+        # Totals: what each rank's part holds. New: each object written new once, whichever
+        # ranks wrote it (and the nodes written here, which hold no tensor bytes).
+        from .publish import BuildStats, NewObjects
+        new = NewObjects()
+        for d in dones:
+            new.merge_packed(d.get("new"))
+        st = BuildStats(bytes_total=sum(d["stats"][0] for d in dones),
+                        blocks_total=sum(d["stats"][1] for d in dones))
+        return top, new.into(st).as_dict()
 
     top, stats = _guard(ch, compose)
     # The point of no return: from here no other rank may declare this snapshot aborted

@@ -58,6 +58,7 @@ from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, Rebuil
 from .progress import progress_bar
 from .reach import KINDS, Marked, NodeSet, holders, iter_unreachable, kept_roots, mark
 from .refs.gcstate import rebuild_message
+from .units import human_bytes
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, explain_kept
@@ -320,7 +321,7 @@ def _execute(core: Core, plan: GCPlan, *, lease: "Lease", progress: bool, phase_
         phase["deleted"] += len(ds)
         if bar is not None:
             bar.update(len(batch))
-            bar.set_postfix_str(f"{rep.deleted_bytes / 2**20:.1f} MiB freed", refresh=False)
+            bar.set_postfix_str(f"{human_bytes(rep.deleted_bytes)} freed", refresh=False)
         if phase["deleted"] >= phase_objects or time.monotonic() - phase["t0"] >= phase_seconds:
             core.storage.sync()  # what this phase deleted is gone before writers may look again
             close_phase()

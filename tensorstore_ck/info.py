@@ -9,6 +9,25 @@ __all__ = ["SnapshotInfo", "DurableEvent", "row_to_info"]
 
 @dataclass(frozen=True)
 class SnapshotInfo:
+    """One snapshot, as its commit recorded it. The byte counts (the one place they are
+    defined; the committed log line, `tsck log`, `tsck show` and `tsck du` use them):
+
+    bytes_total  logical bytes the snapshot holds: its tensors' bytes, in blocks or
+                 inlined in its manifest nodes; under torch.distributed each rank's part
+                 counts (a Replicated tensor once).
+    bytes_new    logical bytes of what the snapshot added to the store, each object once
+                 per store however many ranks wrote it: the raw bytes of the blocks it
+                 stored first, plus the tensor bytes inlined in the manifest nodes it
+                 stored first (a new node stores its inlined tensors again, unchanged
+                 ones beside it included). A snapshot identical to one already stored
+                 adds 0; one whose only change is a small inlined tensor adds the bytes
+                 inlined in the node that holds it. Node structure and the commit object
+                 are left out (a few hundred bytes per snapshot).
+    blocks_total / blocks_new  the blocks those count.
+    stored_new   what its new blocks take in storage (framed, compressed): the bytes
+                 `tsck du`'s physical line grew by; bytes_new / stored_new is what
+                 compression saved on them.
+    """
     root: str
     ref: str
     job: str
@@ -21,8 +40,7 @@ class SnapshotInfo:
     bytes_new: int = 0
     blocks_total: int = 0
     blocks_new: int = 0
-    # Bytes the new blocks take in storage (framed, compressed); None for a snapshot
-    # committed before this was recorded.
+    # None for a snapshot committed before stored_new was recorded.
     stored_new: int | None = None
     # False while the snapshot is only in a local tier (open_store(local=)), True once
     # the remote ref moved to it; a store without a tier publishes durably.

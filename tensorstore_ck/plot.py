@@ -16,6 +16,7 @@ import os
 
 from .errors import InvalidArgument, TsckError, storage_error
 from .localfile import write_atomic
+from .units import human_bytes, unit_for
 
 __all__ = ["plot_usage", "left_panel", "require_matplotlib", "FORMATS"]
 
@@ -24,15 +25,10 @@ MAX_BARS = 25   # jobs in the bar chart (the most freed if deleted)
 
 
 def _units(n: float) -> tuple[float, str]:
-    for i, unit in enumerate(("B", "KB", "MB", "GB", "TB", "PB")):
-        if n < 1000 ** (i + 1) or unit == "PB":
-            return 1000 ** i, unit
-    return 1, "B"  # pragma: no cover
+    return unit_for(n)
 
 
-def _human(n: float) -> str:
-    scale, unit = _units(abs(n))
-    return f"{n / scale:.0f} {unit}" if unit == "B" else f"{n / scale:.2f} {unit}"
+_human = human_bytes
 
 
 def require_matplotlib():

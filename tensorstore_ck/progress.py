@@ -9,7 +9,8 @@ __all__ = ["progress_bar"]
 
 def progress_bar(enabled: bool, desc: str, total=None, unit: str = "obj"):
     """A progress bar on stderr (the CLI asks for one only on a terminal); unit "B"
-    counts bytes, so one big snapshot moves the bar as its blocks are done."""
+    counts bytes, so one big snapshot moves the bar as its blocks are done, shown in
+    decimal SI units as every size is (units.py: kB, MB, GB; 1 MB = 1e6 B)."""
     if not enabled:
         return None
     try:
@@ -17,7 +18,7 @@ def progress_bar(enabled: bool, desc: str, total=None, unit: str = "obj"):
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
     if unit == "B":
-        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, leave=False,
                     dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B "
                                                    "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
     return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)

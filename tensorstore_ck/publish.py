@@ -22,7 +22,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .assets import Assets, PutResult
@@ -32,12 +32,14 @@ from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter, Pending
 from .info import SnapshotInfo, row_to_info
 from .refs.gcstate import HOLD_SECONDS
+from .units import human_bytes
 from .validate import UNSET, SnapshotArgs
 
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "run_block_jobs", "plan_stats", "replica_digests"]
+__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "run_block_jobs", "plan_stats", "replica_digests",
+           "NewObjects", "inline_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,13 @@ def _warn_step_reused(ref: str, step, earlier: bytes, root: bytes) -> None:
 
 @dataclass
 class BuildStats:
-    """What a snapshot's blocks add up to: the stats its commit object and catalog row carry."""
+    """What a snapshot's blocks add up to: the stats its commit object and catalog row carry.
+
+    bytes_total: the logical bytes the snapshot holds (its tensors' bytes, in blocks or
+    inlined in its manifest nodes). bytes_new: the logical bytes of what it added to the
+    store, each object once: the raw bytes of the blocks it wrote new, and the tensor bytes
+    inlined in the manifest nodes it wrote new (a new node stores its inlined tensors
+    again). stored_new: what its new blocks take in storage (framed, compressed)."""
     bytes_total: int = 0
     blocks_total: int = 0
     bytes_new: int = 0
@@ -125,6 +133,61 @@ class BuildStats:
     def as_dict(self) -> dict:
         return {"bytes_total": self.bytes_total, "bytes_new": self.bytes_new,
                 "blocks_total": self.blocks_total, "blocks_new": self.blocks_new, "stored_new": self.stored_new}
+
+
+def inline_bytes(payload: bytes) -> int:
+    """The tensor bytes inlined in one manifest node (a payload this process encoded)."""
+    from .format import tree
+    from .format.manifest import decode_node
+    n = 0
+    for _p, _d, item in tree.visit(tree.decode_node_value(decode_node(payload))):
+        for leaf in item.chunks if type(item) is tree.Global else (item,):
+            if getattr(leaf, "inline", None) is not None:
+                n += len(leaf.inline)
+    return n
+
+
+@dataclass
+class NewObjects:
+    """The objects one writer (a rank of a collective put) wrote new, by address, so that
+    objects two ranks both wrote new count once: block address -> (raw bytes, stored
+    bytes); node address -> tensor bytes inlined in it. Sent to rank 0 as packed()."""
+    blocks: dict = field(default_factory=dict)
+    nodes: dict = field(default_factory=dict)
+
+    def add_plan(self, plan: Plan) -> "NewObjects":
+        for leaf in plan.leaves:
+            for r in leaf.results:
+                if r.counted and r.new:
+                    self.blocks[r.digest] = (r.raw_len, r.stored)
+        return self
+
+    def add_nodes(self, new_nodes: list) -> "NewObjects":
+        for digest, payload in new_nodes:
+            self.nodes[digest] = inline_bytes(payload)
+        return self
+
+    def packed(self) -> list:
+        return [b"".join(self.blocks), [v for kv in self.blocks.values() for v in kv],
+                b"".join(self.nodes), list(self.nodes.values())]
+
+    def merge_packed(self, p) -> None:
+        """Add another writer's packed() (stored bytes from a c10d Store: checked)."""
+        if not (isinstance(p, list) and len(p) == 4 and isinstance(p[0], bytes) and isinstance(p[2], bytes)
+                and isinstance(p[1], list) and isinstance(p[3], list) and len(p[0]) == 16 * len(p[1]) and
+                len(p[2]) == 32 * len(p[3]) and all(type(x) is int and x >= 0 for x in p[1] + p[3])):
+            raise SnapshotAborted("a rank sent an undecodable list of its new objects")
+        for i in range(len(p[1]) // 2):
+            self.blocks[p[0][32 * i:32 * i + 32]] = (p[1][2 * i], p[1][2 * i + 1])
+        for i in range(len(p[3])):
+            self.nodes[p[2][32 * i:32 * i + 32]] = p[3][i]
+
+    def into(self, st: BuildStats) -> BuildStats:
+        """Set `st`'s new counts from these objects (its totals stay)."""
+        st.blocks_new = len(self.blocks)
+        st.bytes_new = sum(raw for raw, _s in self.blocks.values()) + sum(self.nodes.values())
+        st.stored_new = sum(s for _r, s in self.blocks.values())
+        return st
 
 
 @dataclass(frozen=True)
@@ -142,28 +205,17 @@ class Timing:
         return {"put_us": us, "stall_us": min(stall, us)}
 
 
-def plan_stats(plan: Plan) -> BuildStats:
-    """What the written blocks add up to (a replicated block counts on its owner rank only)."""
+def plan_stats(plan: Plan, new_nodes: list | None = None) -> BuildStats:
+    """What the written blocks add up to (a replicated block counts on its owner rank
+    only), new_nodes (Publisher.write_nodes(new=)) adding the tensor bytes inlined in
+    the nodes written new to bytes_new (BuildStats)."""
     st = BuildStats(bytes_total=plan.inline_bytes)
     for leaf in plan.leaves:
         for r in leaf.results:
-            if not r.counted:
-                continue
-            st.blocks_total += 1
-            st.bytes_total += r.raw_len
-            if r.new:
-                st.blocks_new += 1
-                st.bytes_new += r.raw_len
-                st.stored_new += r.stored
-    return st
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
+            if r.counted:
+                st.blocks_total += 1
+                st.bytes_total += r.raw_len
+    return NewObjects().add_plan(plan).add_nodes(new_nodes or []).into(st)
 
 
 def snapshot_fields(info: SnapshotInfo) -> dict:
@@ -178,7 +230,7 @@ def log_committed(info: SnapshotInfo) -> SnapshotInfo:
         took = "" if info.seconds is None else f" in {info.seconds:.2f}s"
         took += "" if info.stall is None else f" (stall {info.stall:.2f}s)"
         log.info("snapshot committed: ref %s step %s, %s (%s new)%s, root %s", info.ref,
-                 "-" if info.step is None else info.step, _size(info.bytes_total), _size(info.bytes_new), took,
+                 "-" if info.step is None else info.step, human_bytes(info.bytes_total), human_bytes(info.bytes_new), took,
                  info.root[:16], extra={"tsck": snapshot_fields(info)})
     return info
 
@@ -211,10 +263,17 @@ class Publisher:
         """private: nobody else writes `raw` until the block is written (Assets.put_block)."""
         return self.pool.submit(self.assets.put_block, raw, itemsize, private=private)
 
-    def write_nodes(self, value, fence: int | None = None) -> tuple[bytes, list[bytes]]:
-        """Lay `value` out in nodes and write them -> (top node address, payloads)."""
+    def write_nodes(self, value, fence: int | None = None, new: list | None = None) -> tuple[bytes, list[bytes]]:
+        """Lay `value` out in nodes and write them -> (top node address, payloads).
+        new: gets (address, payload) of each node this call stored new."""
         w = NodeWriter()
-        top = w.write(value, lambda payload: self.assets.put_node(payload, fence).digest)
+
+        def put(payload):
+            r = self.assets.put_node(payload, fence)
+            if new is not None and r.new:
+                new.append((r.digest, payload))
+            return r.digest
+        top = w.write(value, put)
         return top, w.payloads
 
     def sync(self) -> None:
@@ -250,8 +309,9 @@ class Publisher:
         """The whole pipeline for one planned snapshot."""
         fence = self.fence()
         self.write_blocks(plan, progress=progress, fence=fence)
-        top, payloads = self.write_nodes(plan.value, fence)
-        return self.commit(top, args, stats=plan_stats(plan).as_dict(), fence=fence, timing=timing,
+        new: list = []
+        top, payloads = self.write_nodes(plan.value, fence, new)
+        return self.commit(top, args, stats=plan_stats(plan, new).as_dict(), fence=fence, timing=timing,
                            revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
 
     def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,

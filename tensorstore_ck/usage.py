@@ -2,8 +2,9 @@
 `tsck du --plot`.
 
     summary(core) -> Store.du(): logical bytes (the catalog rows) vs physical (one count
-                     of the stored objects per kind), per job the totals, latest step,
-                     held_bytes and only_bytes (below), and tmp/'s leftover temp files
+                     of the stored objects per kind), the three figures below, per job
+                     the totals, latest step, held_bytes and only_bytes (below), and
+                     tmp/'s leftover temp files
     usage(core)   -> {"store", "logical_bytes", "block_bytes", "jobs": {job: {...}},
                       "physical" (the store over time: physical_over_time), "unreadable"}
 
@@ -24,6 +25,19 @@ and from one walk of every kept snapshot's manifest (nodes are read, blocks neve
 
 Block sizes are the stored ones (one listing of blocks/). Nodes and commits are a small
 fraction and are left out of held_bytes and only_bytes.
+
+What separates logical from physical, as three figures that never mix (summary):
+
+    dedup_ratio        logical_bytes (the kept snapshots' bytes_total) / distinct_bytes,
+                       the logical bytes of the distinct content they use: each block
+                       they reference once (its raw length), plus the tensor bytes
+                       inlined in each manifest node they reference once. 1.00x: no
+                       content repeats; 2.00x: two DDP ranks' copies of one model.
+    compression_ratio  the logical bytes of those distinct blocks (the ones stored) /
+                       the bytes they take in storage (framed, maybe compressed).
+    orphans            stored objects (blocks, nodes, commits) no kept snapshot uses:
+                       what the next gc removes (or a put still in flight wrote), counted
+                       in physical_bytes and in neither ratio.
 """
 
 from __future__ import annotations
@@ -47,7 +61,8 @@ def _kept(core: Core, bad: list) -> list:
 def summary(core: Core, *, lease: float | None = None) -> dict:
     """Logical bytes (what the kept snapshots hold) vs physical (what storage holds), and
     the temp files under tmp/ (a killed save's .partial files; when a gc with `lease`
-    sweeps them: Assets.temp_report)."""
+    sweeps them: Assets.temp_report). Three separate figures (module docstring):
+    dedup_ratio, compression_ratio and the orphans awaiting gc."""
     jobs: dict[str, dict] = {}
     bad: list = []
     rows = _kept(core, bad)
@@ -61,19 +76,48 @@ def summary(core: Core, *, lease: float | None = None) -> dict:
         if info.time >= j["latest_time"]:
             j["latest_time"], j["latest_step"] = info.time, info.step
     logical = sum(i.bytes_total for i in rows)
-    phys = core.assets.object_stats()
-    unreadable = _holdings(core, rows, jobs)
+    try:
+        stored = {kind: {o.digest: o.size for o in core.assets.list_objects(kind)}
+                  for kind in ("blocks", "nodes", "commits")}
+    except OSError as e:
+        raise storage_error(e, f"listing the objects of {core.url}") from e
+    used = _Used()
+    unreadable = _holdings(core, rows, jobs, stored["blocks"], used)
+    used.commits.update(bytes.fromhex(i.root) for i in rows)
+    distinct = sum(used.blocks.values()) + sum(used.inline.values())
+    here = [(n, stored["blocks"][d]) for d, n in used.blocks.items() if d in stored["blocks"]]
+    orphans = {kind: [sz for d, sz in stored[kind].items() if d not in mine]
+               for kind, mine in (("blocks", used.blocks), ("nodes", used.nodes), ("commits", used.commits))}
     return {
         "store": core.url, "snapshots": len(rows),
-        "logical_bytes": logical, "physical_bytes": sum(v[1] for v in phys.values()),
-        "block_bytes": phys["blocks"][1], "blocks": phys["blocks"][0],
-        "nodes": phys["nodes"][0], "commits": phys["commits"][0],
+        "logical_bytes": logical, "physical_bytes": sum(sum(v.values()) for v in stored.values()),
+        "block_bytes": sum(stored["blocks"].values()), "blocks": len(stored["blocks"]),
+        "nodes": len(stored["nodes"]), "commits": len(stored["commits"]),
         "malformed_rows": [r.hex() for r, _e in bad],  # catalog rows left out (tsck fsck names them)
-        "dedup_ratio": (logical / phys["blocks"][1]) if phys["blocks"][1] else None,
+        "distinct_bytes": distinct,
+        "dedup_ratio": (logical / distinct) if distinct else None,
+        "used_block_bytes": sum(sz for _n, sz in here),
+        "compression_ratio": (sum(n for n, _sz in here) / sum(sz for _n, sz in here)) if here else None,
+        "orphans": {"objects": sum(len(v) for v in orphans.values()), "bytes": sum(sum(v) for v in orphans.values()),
+                    **{kind: len(v) for kind, v in orphans.items()}},
         "jobs": jobs,
         "unreadable": unreadable,
         "temp_files": _temp(core, lease),
     }
+
+
+class _Used:
+    """What the kept snapshots use, from _holdings' walk: block address -> logical bytes,
+    the nodes (address -> tensor bytes inlined in it), the commits."""
+
+    def __init__(self):
+        self.blocks: dict[bytes, int] = {}
+        self.inline: dict[bytes, int] = {}
+        self.commits: set[bytes] = set()
+
+    @property
+    def nodes(self):
+        return self.inline
 
 
 def _temp(core: Core, lease: float | None) -> dict:
@@ -111,16 +155,20 @@ def usage(core: Core) -> dict:
     unreadable = _holdings(core, rows, jobs, sizes)
     return {"store": core.url, "logical_bytes": sum(i.bytes_total for i in rows),
             "block_bytes": sum(sizes.values()), "blocks": len(sizes), "jobs": jobs,
-            "physical": physical_over_time(rows, sum(sizes.values()), core.refs.reclaimed()),
+            "physical": physical_over_time(rows, sum(sizes.values()), core.refs.reclaimed(),
+                                           core.refs.dropped()),
             "malformed_rows": [r.hex() for r, _e in bad], "unreadable": unreadable}
 
 
-def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None) -> dict[str, str]:
+def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None,
+              used: _Used | None = None) -> dict[str, str]:
     """Per job (rows: its kept snapshots), from one walk of their manifests (nodes are
     read, blocks never): held_bytes / blocks, the stored bytes of the blocks they
     reference, and only_bytes / only_blocks, of those the blocks no other job's snapshot
-    references (what deleting the job would free). Added into jobs[job]; -> the
-    snapshots that could not be read whole (root hex -> error; fsck names them)."""
+    references (what deleting the job would free). Added into jobs[job]; `used` gets
+    what the walk met (_Used); -> the snapshots that could not be read whole (root hex
+    -> error; fsck names them)."""
+    inline = used.inline if used is not None else None
     names = sorted({i.job for i in rows})
     index = {j: n for n, j in enumerate(names)}
     # Which job references each block: its index, or _SHARED once a second job does.
@@ -139,10 +187,12 @@ def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None) -> 
                     continue
                 try:
                     for o in walk_commit(core.assets, bytes.fromhex(i.root), verify=core.settings.verify,
-                                         skip_nodes=seen, part=parts.get(bytes.fromhex(i.root))):
+                                         skip_nodes=seen, part=parts.get(bytes.fromhex(i.root)), inline=inline):
                         if o.kind != "block" or o.digest in mine:
                             continue
                         mine.add(o.digest)
+                        if used is not None:
+                            used.blocks[o.digest] = o.nbytes or 0
                         size = sizes.get(o.digest)
                         if size is None:
                             continue  # missing (fsck reports it): it takes no space
@@ -163,22 +213,28 @@ def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None) -> 
     return unreadable
 
 
-def physical_over_time(rows: list, block_bytes: int, reclaimed: list) -> dict:
+def physical_over_time(rows: list, block_bytes: int, reclaimed: list, dropped: dict | None = None) -> dict:
     """The store's stored block bytes over time, reclaimed space included (`tsck du --plot`'s
-    left panel), from what is on record: each kept commit added its stored_new (its
-    uncompressed bytes_new when older than that record) at its time, each recorded gc or
-    prune (RefTable.reclaimed) took its block bytes away at its time, and the line ends at
-    `block_bytes`, what storage holds now. Written backwards from now, so what is on no
-    record (commits since expired, gcs before the record was kept) is the `start`, where
-    the line begins. -> {"times", "stored", "reclaimed" (summed up to each time),
-    "written" (stored + reclaimed: every byte put, none taken back), "logical" (what the
-    kept snapshots committed up to each time hold), "start", "gcs" (recorded runs drawn)}"""
+    left panel), from what is on record: every commit added its stored_new (its
+    uncompressed bytes_new when older than that record) at its time, the kept ones (rows)
+    and those whose rows were dropped since (`dropped`, RefTable.dropped: a prune, gc's
+    retention, delete-ref, forget; their blocks stay stored until a gc removes them), and
+    each recorded gc or prune (RefTable.reclaimed) took its block bytes away at its time.
+    The line ends at `block_bytes`, what storage holds now, and is written backwards from
+    there, so what is on no record (gcs older than the record, commits dropped before the
+    store kept that record) is the `start`, where the line begins: 0 for a store whose
+    whole history is on record. -> {"times", "stored", "reclaimed" (summed up to each
+    time), "written" (stored + reclaimed: every byte put, none taken back), "logical"
+    (what the kept snapshots committed up to each time hold), "start", "gcs" (recorded
+    runs drawn), "dropped" (commits drawn that are no longer kept)}"""
     events = [(i.time, i.stored_new if i.stored_new is not None else i.bytes_new, i.bytes_total) for i in rows]
+    kept = {i.root for i in rows}
+    expired = [(at, n, 0) for root, (at, n, _est) in (dropped or {}).items() if root.hex() not in kept]
     gcs = [(float(at), -int(blocks), 0) for at, blocks, _all in reclaimed if blocks]
-    events = sorted(events + gcs, key=lambda e: (e[0], e[1] < 0))  # a gc at the time of a commit: after it
+    events = sorted(events + expired + gcs, key=lambda e: (e[0], e[1] < 0))  # a gc at the time of a commit: after it
     start = block_bytes - sum(d for _t, d, _l in events)
     out = {"times": [], "stored": [], "reclaimed": [], "written": [], "logical": [], "start": start,
-           "gcs": len(gcs)}
+           "gcs": len(gcs), "dropped": len(expired)}
     level, gone, logical = start, 0, 0
     for t, d, lb in events:
         level += d

@@ -130,13 +130,25 @@ def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_node
         stack.extend(reversed(children))
 
 
+def _inlined(items) -> int:
+    """The tensor bytes inlined in one node's leaves."""
+    n = 0
+    for _p, item in items:
+        for leaf in item.chunks if type(item) is tree.Global else (item,):
+            if leaf.inline is not None:
+                n += len(leaf.inline)
+    return n
+
+
 def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
-              skip_nodes: set | None = None, absent_ok: bool = False, elsewhere: bool = False) -> Iterator[Obj]:
+              skip_nodes: set | None = None, absent_ok: bool = False, elsewhere: bool = False,
+              inline: dict | None = None) -> Iterator[Obj]:
     """Every node and block under `top`, depth first. Nodes in `skip_nodes`
     (already walked elsewhere) are neither yielded nor descended; new nodes are
     added to it. absent_ok: a node that is missing here is passed over with what is
     under it (not yielded); a damaged one still raises. Blocks are yielded `elsewhere` with
-    absent_ok or elsewhere (they may be in another store)."""
+    absent_ok or elsewhere (they may be in another store). inline: gets, per node read,
+    the tensor bytes inlined in it (address -> bytes)."""
     for d, path, leaves in _nodes(assets, top, snapshot=snapshot, verify=verify, skip_nodes=skip_nodes):
         if absent_ok:
             try:
@@ -149,6 +161,8 @@ def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
         else:
             yield Obj("node", d, format_path(path))
             items = leaves()
+        if inline is not None:
+            inline[d] = _inlined(items)
         for p, item in items:
             fp = format_path(p)
             for bd, nb in _leaf_blocks(item):
@@ -156,28 +170,31 @@ def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
 
 
 def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes: set | None = None,
-                part: bytes | None = None) -> Iterator[Obj]:
+                part: bytes | None = None, inline: dict | None = None) -> Iterator[Obj]:
     """The commit object itself, then everything under its tree. part: the sub-tree of
     a collective snapshot whose nodes this store holds (a rank's own part, in its local
     tier: RefTable.parts), walked first, a missing node of it an error; of the rest,
     only the nodes present here are walked (the commit and top nodes, every node on rank
     0, the replicas a rank keeps). Every block is yielded `elsewhere`: the other ranks'
     are in their own tiers, and a rank's part names the blocks of its Replicated tensors
-    that the other ranks wrote (each writes those it owns)."""
+    that the other ranks wrote (each writes those it owns). inline: as walk_tree's."""
     yield Obj("commit", root, "")
     c = decode_commit(assets.get_commit(root, verify=verify))
-    yield from walk_parted(assets, c["tree"], part, snapshot=root.hex(), verify=verify, skip_nodes=skip_nodes)
+    yield from walk_parted(assets, c["tree"], part, snapshot=root.hex(), verify=verify, skip_nodes=skip_nodes,
+                           inline=inline)
 
 
 def walk_parted(assets: Assets, top: bytes, part: bytes | None, *, snapshot: str, verify: bool = True,
-                skip_nodes: set | None = None) -> Iterator[Obj]:
+                skip_nodes: set | None = None, inline: dict | None = None) -> Iterator[Obj]:
     """walk_tree of `top`; with `part`, as walk_commit(part=) says."""
     if part is None:
-        yield from walk_tree(assets, top, snapshot=snapshot, verify=verify, skip_nodes=skip_nodes)
+        yield from walk_tree(assets, top, snapshot=snapshot, verify=verify, skip_nodes=skip_nodes, inline=inline)
         return
     seen = skip_nodes if skip_nodes is not None else set()
-    yield from walk_tree(assets, part, snapshot=snapshot, verify=verify, skip_nodes=seen, elsewhere=True)
-    yield from walk_tree(assets, top, snapshot=snapshot, verify=verify, skip_nodes=seen, absent_ok=True)
+    yield from walk_tree(assets, part, snapshot=snapshot, verify=verify, skip_nodes=seen, elsewhere=True,
+                         inline=inline)
+    yield from walk_tree(assets, top, snapshot=snapshot, verify=verify, skip_nodes=seen, absent_ok=True,
+                         inline=inline)
 
 
 def _describe(item) -> str:

@@ -212,11 +212,37 @@ def test_small_tensors_are_inlined_not_blocks(backend):
         g = torch.Generator().manual_seed(3)
         state = {f"p{i}": torch.randn(256, generator=g) for i in range(50)}  # 1 KiB each
         info = s.put_snapshot(state, ref="jobA/main")
-        assert info.blocks_new == 0 and info.bytes_new == 0
-        assert object_files(backend) == {}
+        assert info.blocks_new == 0 and object_files(backend) == {}
+        # new: the tensor bytes inlined in the (new) node that holds them (SnapshotInfo)
+        assert info.bytes_new == info.bytes_total == 50 * KiB
         got = s.checkout("jobA/main")
         for k, v in state.items():
             assert same_bits(got[k], v), k
+
+
+def test_a_change_to_an_inlined_tensor_alone_is_new_bytes(backend, caplog):
+    """A snapshot whose only change is a tensor inlined in a manifest node (a 64x64 fp32
+    Linear weight under the 16 KiB default threshold) stores a new node: its inlined
+    tensor bytes are new, in SnapshotInfo, the log and the committed log line; the same
+    state again adds nothing."""
+    import logging
+    with backend.open(block_size=BLOCK) as s:
+        lin = torch.nn.Linear(64, 64)
+        big = torch.randn(4 * BLOCK // 4, generator=torch.Generator().manual_seed(1))
+        first = s.put_snapshot({"lin": lin.state_dict(), "big": big}, ref="jobA/main", step=1)
+        assert first.blocks_new == 4 and first.bytes_new == first.bytes_total == 4 * BLOCK + 64 * 64 * 4 + 64 * 4
+        assert s.put_snapshot({"lin": lin.state_dict(), "big": big}, ref="jobA/main", step=2).bytes_new == 0
+        with torch.no_grad():
+            lin.weight[0, 0] += 1
+        before = Snap(backend)
+        with caplog.at_level(logging.INFO, logger="tensorstore_ck.publish"):
+            third = s.put_snapshot({"lin": lin.state_dict(), "big": big}, ref="jobA/main", step=3)
+        assert all_files(backend, "blocks") == before.block_paths and third.blocks_new == 0
+        assert all_files(backend, "nodes") - before.nodes  # the node holding the Linear is new
+        assert third.bytes_new == 64 * 64 * 4 + 64 * 4  # weight and bias share that node
+        assert [i.bytes_new for i in s.log("jobA/main")] == [third.bytes_new, 0, first.bytes_new]
+        line = next(r.getMessage() for r in caplog.records if "snapshot committed" in r.getMessage())
+        assert "(16.64 kB new)" in line, line
 
 
 def test_numpy_arrays_dedup_too(bstore):

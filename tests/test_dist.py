@@ -677,3 +677,36 @@ def test_a_held_commit_of_rank_0s_ref_move_is_outcome_unknown_on_every_rank(tmp_
         assert s.resolve(REF) == res[0]["put2_root"]  # it was published after all
         assert s.checkout(REF)["v"] == 2
         assert s.fsck().ok
+
+
+def test_ddp_ranks_holding_the_same_model_count_each_new_object_once(tmp_path):
+    """DDP: two ranks put the same plain state. What is new is counted once per store,
+    however many ranks wrote it: the first snapshot's bytes_new is one copy of the
+    state, its blocks_new and stored_new are the blocks on disk (what du lists); the same
+    state again adds nothing; a change to an inlined tensor alone adds the tensor bytes
+    inlined in the one new node, and no block (SnapshotInfo.bytes_new)."""
+    out = run_scenario(tmp_path, "ddpnew")
+    res = rank_results(out, "ddpnew", 2)
+    first, same, inl = res[0]["infos"]
+    assert [i["root"] for i in res[1]["infos"]] == [first["root"], same["root"], inl["root"]]
+
+    state = dw.ddp_state(0)
+    one_copy = sum(t.numel() * t.element_size() for t in state.values())
+    inlined = sum(t.numel() * t.element_size() for t in state.values() if t.numel() * t.element_size() <= dw.INLINE)
+    assert 0 < inlined < one_copy
+    blocks = {k: p.stat().st_size for k, p in ((p.name, p) for p in (out / "store" / "blocks").glob("*/*"))}
+    assert first["bytes_total"] == 2 * one_copy  # each rank's part holds its copy
+    assert first["bytes_new"] == one_copy
+    assert first["blocks_new"] == len(blocks) == first["blocks_total"] // 2
+    assert first["stored_new"] == sum(blocks.values())
+    with tsck.open_store(out / "store", create=False) as s:
+        du = s.du()
+        log = {i.step: i for i in s.log(REF)}
+    assert (du["blocks"], du["block_bytes"]) == (first["blocks_new"], first["stored_new"])
+    assert log[1].bytes_new == first["bytes_new"]
+
+    assert (same["bytes_new"], same["blocks_new"], same["stored_new"]) == (0, 0, 0)
+    assert same["bytes_total"] == first["bytes_total"]
+    assert (inl["blocks_new"], inl["stored_new"]) == (0, 0)
+    assert inl["bytes_new"] == inlined  # the biases share the ranks' one new node
+    assert log[3].bytes_new == inlined and log[2].bytes_new == 0

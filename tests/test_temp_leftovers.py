@@ -150,8 +150,8 @@ def test_placed_leftovers_as_a_killed_save_leaves_them(tmp_path, capsys, monkeyp
     assert (t["sweepable"], t["sweepable_bytes"]) == (1, 5000)
     assert t["next_due"] == pytest.approx(now + 120, abs=5) and t["all_due"] == pytest.approx(now + 420, abs=5)
     rc, out, _ = tsck_text(capsys, "du", store)
-    assert "tmp/: 3 temp file(s), 7.30 KB (2 .partial" in out and "1 .pending" in out
-    assert "1 (5.00 KB) are old enough for the next gc" in out
+    assert "tmp/: 3 temp file(s), 7.30 kB (2 .partial" in out and "1 .pending" in out
+    assert "1 (5.00 kB) are old enough for the next gc" in out
     rc, fsck, _ = tsck_json(capsys, "fsck", store)
     assert rc == 0 and fsck["ok"] and fsck["temp_files"]["files"] == 3
     rc, gc, _ = tsck_json(capsys, "gc", store)

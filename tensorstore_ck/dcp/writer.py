@@ -354,7 +354,10 @@ class TsckWriter(StorageWriter):
         planner = store.planner()
         value = compose(tensors, byts, encode_metadata(metadata), planner)
         pub = store.publisher
-        tree, payloads = pub.write_nodes(value)
+        new_nodes: list = []
+        tree, payloads = pub.write_nodes(value, None, new_nodes)
+        from ..publish import inline_bytes
+        st["bytes_new"] += sum(inline_bytes(p) for _d, p in new_nodes)  # (BuildStats says what new is)
         fence = self._fence if self._fence is not None else pub.fence()
         timing, self._timing = self._timing, None
         self.info = store.after_publish(pub.commit(

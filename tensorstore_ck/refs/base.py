@@ -40,7 +40,7 @@ from typing import Callable
 
 from ..errors import FormatError, InvalidArgument, NotAStore, ReadOnlyStore, RefConflict, RefNotFound
 from ..format.records import decode_catalog, decode_record, decode_reflog, encode_record
-from .gcstate import _PRUNE_KEY, _REBUILD, GcStateMachine, _check_fence, _check_kept, _drop_hold
+from .gcstate import _PRUNE_KEY, _REBUILD, GcStateMachine, _check_fence, _check_kept, _drop_hold, note_dropped
 from .history import RefHistory, ReflogEntry, _append_reflog, _name, _split_reflog_key
 from .txn import Txn
 
@@ -719,7 +719,14 @@ _SEQ = struct.Struct(">Q")
 
 
 def _drop_row(t: Txn, root: bytes) -> None:
-    """A catalog row and the local tier's marks that go with it."""
+    """A catalog row and the local tier's marks that go with it; what its commit had
+    stored, and when, stays on record for `tsck du --plot` (gcstate.note_dropped)."""
+    raw = t.get("catalog", root)
+    if raw is not None:
+        try:
+            note_dropped(t, root, decode_catalog(raw))
+        except FormatError:
+            pass  # a malformed row: fsck's business; the picture counts it in its start
     t.delete("catalog", root)
     t.delete("meta", _EVICTED + root)
     t.delete("meta", _PART + root)

@@ -38,6 +38,13 @@ _PRUNE_KEY = b"prune:"      # gc: a queued prune request of job <name> ({at, id}
 # store's size over time from it and the commits' stored_new.
 _RECLAIMED = b"reclaimed"
 RECLAIMED_KEPT = 1000
+# gc: per commit whose catalog row was dropped (a prune, gc's retention, delete-ref,
+# forget), what it had added to storage and when: b"dropped:" + root -> {at, bytes,
+# est} (bytes: its stored_new; its bytes_new, est true, for an older commit without
+# one). `tsck du --plot` draws those writes at their time, as it draws the kept
+# commits' (usage.physical_over_time). A gc keeps the newest DROPPED_KEPT.
+_DROPPED = b"dropped:"
+DROPPED_KEPT = 100_000
 # A gc state with no declared lease (no `expires`): the lock is judged by its heartbeat's
 # age on the wall clock, and runs out this many seconds after it.
 UNDECLARED_LEASE = 120.0
@@ -61,7 +68,17 @@ class GcStateMachine:
             runs = _reclaimed_runs(t.get("gc", _RECLAIMED))
             runs.append([t.wall(), int(block_bytes), int(total_bytes)])
             t.put("gc", _RECLAIMED, encode_record({"runs": runs[-RECLAIMED_KEPT:]}))
+            keys = [k for k, _v in t.items("gc", _DROPPED)]
+            if len(keys) > DROPPED_KEPT:  # the oldest go (their writes join the picture's start)
+                have = _dropped_entries(t)
+                for k in sorted(keys, key=lambda k: have.get(k[len(_DROPPED):], (0.0,))[0])[:-DROPPED_KEPT]:
+                    t.delete("gc", k)
         self._write(txn)
+
+    def dropped(self) -> dict[bytes, tuple[float, int, bool]]:
+        """root -> (commit time, bytes it added to storage, estimated) of the commits whose
+        catalog rows were dropped (note_dropped); an entry that does not decode is left out."""
+        return self._read(lambda t: _dropped_entries(t))
 
     def reclaimed(self) -> list[list]:
         """[[at, block bytes, all bytes], ...] of the recorded gcs and prunes, oldest first
@@ -316,6 +333,31 @@ class GcStateMachine:
             st["lease_left"] = None if st["epoch"] % 2 == 0 else _lease_left(t, st, now)
             return st
         return self._write(txn)
+
+
+def note_dropped(t: Txn, root: bytes, row: dict) -> None:
+    """Record what the commit of a catalog row being dropped had added to storage, and when
+    (_DROPPED): a picture of the store's past draws it (usage.physical_over_time)."""
+    n, est = row.get("stored_new"), False
+    if n is None:
+        n, est = row.get("bytes_new", 0), True
+    at = row.get("time", 0.0)
+    if type(n) is int and 0 <= n < 1 << 62 and type(at) in (int, float) and abs(at) < 1e18:
+        t.put("gc", _DROPPED + root, encode_record({"at": float(at), "bytes": n, "est": est}))
+
+
+def _dropped_entries(t: Txn) -> dict[bytes, tuple[float, int, bool]]:
+    """The stored entries of _DROPPED (untrusted: one that does not decode is left out)."""
+    out = {}
+    for k, raw in t.items("gc", _DROPPED):
+        try:
+            e = decode_record(raw, "dropped commit")
+        except FormatError:
+            continue
+        at, n = e.get("at"), e.get("bytes")
+        if type(at) in (int, float) and abs(at) < 1e18 and type(n) is int and 0 <= n < 1 << 62:
+            out[k[len(_DROPPED):]] = (float(at), n, e.get("est") is True)
+    return out
 
 
 def _reclaimed_runs(raw: bytes | None) -> list[list]:

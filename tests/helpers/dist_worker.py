@@ -5,7 +5,7 @@
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
 desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
 newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget,
-gcphase (ARG: world), gcfail, unknown, pgunknown (env TSCK_DIST_PG_DSN).
+gcphase (ARG: world), gcfail, unknown, pgunknown (env TSCK_DIST_PG_DSN), ddpnew.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -426,6 +426,30 @@ def replicated(rank, world, out, res, _arg):
         got = store.checkout(REF, timeout=30)
         res["rank_view"] = got["rank"]
         torch.save({"emb": got["emb"], "head": got["head"]}, os.path.join(out, f"rep_rank{rank}.pt"))
+
+
+def ddp_state(version: int) -> dict:
+    """What every DDP rank holds (the same replicated model, plain tensors): two Linear
+    layers and a bigger tensor. The weights are cut into blocks; the biases (at most
+    INLINE bytes) are inlined in the manifest node. Versions differ in "1.bias" only."""
+    g = torch.Generator().manual_seed(5)
+    state = {"0.weight": torch.randn(64, 64, generator=g), "0.bias": torch.randn(64, generator=g),
+             "1.weight": torch.randn(8, 64, generator=g), "1.bias": torch.randn(8, generator=g),
+             "big": torch.randn(20 * BLOCK // 4, generator=g)}
+    state["1.bias"] += version
+    return state
+
+
+def ddp_new(rank, world, out, res, _arg):
+    """Every rank puts the same plain state (DDP), three times: a first snapshot, the same
+    again, then one whose only change is an inlined tensor. Records each SnapshotInfo."""
+    import torch.distributed as dist
+    with _open(out) as store:
+        res["infos"] = []
+        for step, version in ((1, 0), (2, 0), (3, 1)):
+            info = store.put_snapshot(ddp_state(version), REF, step=step, timeout=60)
+            res["infos"].append(info.to_json())
+            dist.barrier()
 
 
 def _failure_common(rank, world, out, res, victim, stall, aborting_put):
@@ -1103,6 +1127,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         infos = [launch("pgunknown", 2, pgunknown_case, out, limit=120.0)]
     elif scenario == "unknown":
         infos = [launch("unknown", 2, unknown_case, out)]
+    elif scenario == "ddpnew":
+        infos = [launch("ddpnew", 2, ddp_new, out)]
     elif scenario == "notfound":
         infos = [launch("notfound", 4, notfound_case, out)]
     else:
