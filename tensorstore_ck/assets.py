@@ -762,9 +762,6 @@ class Assets:
                 continue
             yield o.key, rec
 
-    def store_is_empty(self) -> bool:
-        return self.storage.is_empty()
-
 
 def check_frame(kind: str, d: bytes, data: bytes, where: str) -> IntegrityError | None:
     """Frame, kind ("blocks", "nodes", "commits"), caps and BLAKE3 of stored bytes against address `d`."""

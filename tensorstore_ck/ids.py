@@ -26,9 +26,8 @@ def is_hex_prefix(s: str) -> bool:
 
 class Digest(bytes):
     """A BLAKE3-256 address (a snapshot's root, a node, a block): its 32 bytes, so it
-    goes to storage keys, msgpack and the ref table as it is; str() is the full hex
-    and short() its first 12 digits. Parsed once at the API's edge, never converted
-    back and forth inside."""
+    goes to storage keys, msgpack and the ref table as it is; str() is the full hex.
+    Parsed once at the API's edge, never converted back and forth inside."""
     __slots__ = ()
 
     def __new__(cls, raw: bytes):
@@ -45,6 +44,3 @@ class Digest(bytes):
 
     def __repr__(self) -> str:
         return f"Digest({self.hex()[:12]}...)"
-
-    def short(self) -> str:
-        return self.hex()[:12]

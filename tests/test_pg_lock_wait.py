@@ -163,6 +163,7 @@ def test_put_behind_another_clients_long_transaction_is_a_clear_error(tmp_path, 
     s = tsck.open_store(str(tmp_path / "store"), refs=_dsn(pg_dsn), retry_budget=0.5)
     try:
         s.put_snapshot(_state(0), "a/main", step=0)
+        assert s.reftable.lock_waits == 0
         with psycopg.connect(pg_dsn) as op:
             op.execute("SELECT 1 FROM tsck_kv WHERE ns = %s AND tbl = 'meta' AND key = 'reflog_seq' FOR UPDATE",
                        (s.reftable.namespace,))
@@ -172,6 +173,7 @@ def test_put_behind_another_clients_long_transaction_is_a_clear_error(tmp_path, 
             e = r.get("err")
             assert isinstance(e, tsck.StorageError) and not isinstance(e, tsck.OutcomeUnknown), r
             assert "lock_timeout" in str(e), e
+            assert s.reftable.lock_waits >= 1  # each attempt that gave up on the lock is counted
             op.rollback()
         assert [i.step for i in s.log("a/main")] == [0]
         s.put_snapshot(_state(2), "a/main", step=2)

@@ -138,11 +138,10 @@ def test_hostile_names_are_refused_before_any_write(sandbox, name):
         store.tag(name, "a/b")
     with pytest.raises(tsck.InvalidName):
         store.put_snapshot({"n": 2}, ref=name, step=2)
-    if len(name) <= 255:  # job names longer than that: see test_regression_long_job_name
-        with pytest.raises(tsck.InvalidName):
-            store.put_snapshot({"n": 2}, ref="a/b", job=name, step=2)
-        with pytest.raises(tsck.InvalidName):
-            store.set_retention(name, tsck.Retention(keep_last=1))
+    with pytest.raises(tsck.InvalidName):
+        store.put_snapshot({"n": 2}, ref="a/b", job=name, step=2)
+    with pytest.raises(tsck.InvalidName):
+        store.set_retention(name, tsck.Retention(keep_last=1))
     with pytest.raises((tsck.InvalidName, tsck.RefNotFound)):
         store.checkout(name)
     with pytest.raises((tsck.InvalidName, tsck.RefNotFound)):
@@ -181,14 +180,26 @@ def test_regression_long_tag_name_local_store(sandbox):
     assert store.resolve("x" * 120) == store.resolve("a/b")
 
 
-def test_regression_long_job_name(sandbox):
-    """Job names (validate_component) have no length limit; the retention table's
-    LMDB key then overflows (lmdb.BadValsizeError, not a TsckError)."""
-    store, _ = sandbox
-    try:
-        store.set_retention("x" * 600, tsck.Retention(keep_last=1))
-    except tsck.TsckError:
-        pass
+def test_long_job_names(sandbox):
+    """A job name is at most 255 bytes (MAX_NAME_BYTES, as a ref's component): one of 255
+    is a job whose retention and snapshots are stored under it; a longer one is refused
+    with InvalidName before anything is written (not an LMDB key overflow, which is no
+    TsckError)."""
+    store, folder = sandbox
+    job = "x" * 255
+    store.set_retention(job, tsck.Retention(keep_last=1))
+    assert store.retention()[job] == tsck.Retention(keep_last=1)
+    info = store.put_snapshot({"n": 2}, ref="a/b", job=job, step=2)
+    assert info.job == job and [i.job for i in store.log("a/b")] == [job, "a"]
+    before = _files(folder)
+    for name in ("x" * 256, "x" * 600):
+        with pytest.raises(tsck.InvalidName):
+            store.set_retention(name, tsck.Retention(keep_last=1))
+        with pytest.raises(tsck.InvalidName):
+            store.put_snapshot({"n": 3}, ref="a/b", job=name, step=3)
+    assert set(store.retention()) == {job}
+    assert [i.step for i in store.log("a/b")] == [2, 1]
+    assert {f for f in _files(folder) - before if not f.startswith(os.path.join("store", "refs.lmdb"))} == set()
 
 
 def test_recover_does_not_restore_a_ref_named_like_a_path(sandbox):

@@ -229,9 +229,6 @@ class Uploader:
             log.debug("local tier: %d snapshot(s) of the tier that %s lists marked durable (not sent again)",
                       len(marked), self.remote.url)
 
-    def is_durable(self, roots) -> set[bytes]:
-        return self.local.refs.durable(roots)
-
     def wait_durable(self, timeout: float | None = None) -> bool:
         """Wait until every snapshot queued before this call is durable -> True, or False
         once `timeout` seconds passed. Raises the failure that stopped the uploader."""

@@ -370,10 +370,9 @@ def sharded_load(rank, world, out, res, _arg):
         torch.save(dump, os.path.join(out, f"load{world}_rank{rank}.pt"))
 
 
-def index_load(rank, world, out, res, unindexed):
+def index_load(rank, world, out, res, _arg):
     """Each rank checks out its own pieces of the sharded tensors (into= Sharded) and records
-    how many manifest nodes it read. unindexed=1: the snapshot's chunk index is hidden first
-    (what an older snapshot is), so the O(W) per-rank merge runs instead."""
+    how many manifest nodes it read."""
     import tensorstore_ck as tsck
     from tensorstore_ck.storage.wrappers import WrappedStore
 
@@ -1083,7 +1082,7 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
             infos.append(launch(f"load{w}", w, sharded_load, out))
     elif scenario == "index":  # save at W = arg ranks, checkout at W ranks counting node reads
         infos = [launch("save", arg, sharded_save, out, limit=240.0),
-                 launch("indexed", arg, index_load, out, 0, limit=240.0)]
+                 launch("indexed", arg, index_load, out, limit=240.0)]
     elif scenario == "replicated":
         infos = [launch("rep", 4, replicated, out)]
     elif scenario == "kill":
