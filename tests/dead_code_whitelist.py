@@ -59,7 +59,6 @@ _.prune_backlog
 _.store_size
 _.store_size_at
 _.local_size
-_.committed  # CloseReport.committed, which close() returns
 # GCReport's fields: store.gc() returns it, `tsck gc --json` prints them (to_json, asdict)
 _.reachable_objects
 _.temp_files_removed
