@@ -356,7 +356,9 @@ def _temp_lines(t: dict, *, dry_run: bool = False) -> list[str]:
     else:
         now = [f"{t['sweepable']} ({_human(t['sweepable_bytes'])}) are old enough for the next gc"]
     if t["next_due"] is not None:
-        now.append(f"the others from {_when(t['next_due'])}, all by {_when(t['all_due'])}")
+        rest = t["files"] - t["sweepable"]
+        now.append(f"the other {rest} become old enough at {_when(t['next_due'])}"
+                   + (f" (the last at {_when(t['all_due'])})" if rest > 1 else ""))
     return [head, f"  {rule}: {'; '.join(now)}"]
 
 

@@ -152,6 +152,7 @@ def test_placed_leftovers_as_a_killed_save_leaves_them(tmp_path, capsys, monkeyp
     rc, out, _ = tsck_text(capsys, "du", store)
     assert "tmp/: 3 temp file(s), 7.30 kB (2 .partial" in out and "1 .pending" in out
     assert "1 (5.00 kB) are old enough for the next gc" in out
+    assert "the other 2 become old enough at " in out and "(the last at " in out, out
     rc, fsck, _ = tsck_json(capsys, "fsck", store)
     assert rc == 0 and fsck["ok"] and fsck["temp_files"]["files"] == 3
     rc, gc, _ = tsck_json(capsys, "gc", store)
