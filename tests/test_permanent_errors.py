@@ -222,10 +222,25 @@ def test_open_store_with_a_wrong_secret_fails_at_once(tmp_path, s3_server, s3_ur
 @pytest.mark.slow
 def test_a_burst_of_server_errors_is_still_retried(tmp_path, s3_server, s3_url):
     from tests.sim.s3proxy import ThrottleProxy
+    import threading
     with ThrottleProxy(s3_server["endpoint_url"]) as proxy:
-        proxy.throttle(1.5, status=500, code="InternalError", message="We encountered an internal error.")
         with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), retry_budget=60,
                              storage_options={**s3_server, "endpoint_url": proxy.url}) as s:
-            s.put_snapshot(_state(1), ref="j/main", step=1)
-            assert proxy.refused > 0  # it met the 500s, and rode them out
+            # The burst is counted, not timed: every request fails with a 500 until three
+            # have, however slowly the machine brings the put's first request.
+            proxy.throttle(status=500, code="InternalError", message="We encountered an internal error.")
+            done = threading.Event()
+
+            def end_burst():
+                while proxy.refused < 3 and not done.wait(0.01):
+                    pass
+                proxy.throttle(0)
+            t = threading.Thread(target=end_burst, daemon=True)
+            t.start()
+            try:
+                s.put_snapshot(_state(1), ref="j/main", step=1)
+            finally:
+                done.set()
+                t.join(60)
+            assert proxy.refused >= 3  # it met the 500s, and rode them out
             assert np.array_equal(s.checkout("j/main")["w"], _state(1)["w"])
