@@ -518,18 +518,17 @@ def peer_reads(reads, peers: Peers):
         # A node or commit a peer gave is read back from the tier, where it was just kept:
         # counted as the peer's.
         def get_node(self, d, served=None, **kw):
-            if self._fill("node", d):
-                data = super().get_node(d, **kw)
-                tally(served, "peer")
-                return data
-            return super().get_node(d, served=served, **kw)
+            return self._filled("node", super().get_node, d, served, kw)
 
         def get_commit(self, d, served=None, **kw):
-            if self._fill("commit", d):
-                data = super().get_commit(d, **kw)
+            return self._filled("commit", super().get_commit, d, served, kw)
+
+        def _filled(self, kind, read, d, served, kw):
+            if self._fill(kind, d):
+                data = read(d, **kw)
                 tally(served, "peer")
                 return data
-            return super().get_commit(d, served=served, **kw)
+            return read(d, served=served, **kw)
 
         def require_blocks(self, digests, pool, **kw):
             digests = list(digests)
