@@ -1,9 +1,30 @@
 """tensorstore_ck: a content-addressed snapshot store for the state of ML training jobs.
 
-Every module, by layer, top to bottom. Nothing imports upward (pyproject.toml's
-import-linter contracts); tests/test_layers.py checks both that and that every
-module is named here (a name in the first column; a package's modules indented
-under it). A module over ~600 lines says which one job it does.
+Where a put's state goes. Store.put_snapshot (store.py) checks its arguments
+(validate.py), then the Planner (plan.py) validates the whole state and cuts every
+tensor into block jobs (chunker.py) before anything is written; the Publisher
+(publish.py) writes blocks -> manifest nodes (format/tree.py) -> commit, syncs, and
+moves the ref by a fenced compare-and-swap in the ref table (refs/); every object goes
+through Assets (assets.py: keys, frames, BLAKE3) into a BlockStore (storage/).
+blocking=False stages the state first and publishes in the background (asyncput.py,
+staging.py); under torch.distributed the put is collective (dist.py). With a local tier
+(open_store(local=), tier/) the Store's own store is the tier: the put publishes there,
+LocalTier.published (tier/local.py) queues the snapshot, and tier/uploader.py copies
+its objects to the remote store and moves the remote ref.
+
+Where a checkout's target comes from. Store.checkout resolves the target in the ref
+table through Core.resolve (core.py: a ref, a tag, REF@STEP, a root or its prefix); with
+a tier, LocalTier.roots resolves it in both tiers and takes the newer (tier/reads.py).
+The commit and its nodes are read through Assets (with a tier, tier/reads.py's
+ReadThrough: the tier's copy, the remote's where one is missing or fails its check; a
+collective checkout asks peer replicas first, tier/replicas.py), and the Reader
+(read.py) turns nodes into tensors, verifying every block (a dcp.save snapshot through
+dcpview.py; sharded regions read_world.py; devices placement.py).
+
+Every module, by layer, top to bottom, each on one line. Nothing imports upward
+(pyproject.toml's import-linter contracts: tests/test_layers.py); tests/test_docs.py
+checks that every module is named here exactly once (a name in the first column; a
+package's modules indented under it). A module over ~600 lines says which one job it does.
 
     cli.py, __main__.py   `tsck`: --json, exit codes 0 / 1 / 2 (cli.py one job over ~600 lines:
                           every command's arguments, output and exit code)
