@@ -83,3 +83,180 @@ def test_relative_links_resolve(doc):
             if not (doc.parent / path).exists():
                 broken.append(f"{doc.relative_to(REPO)}:{n}: {target}")
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+# -- The maps: every module and test file named once; the docs a reference, not a notebook ----
+
+PKG = REPO / "tensorstore_ck"
+TESTS = REPO / "tests"
+
+
+def _modules() -> list[str]:
+    """Every module of the package as the maps name it, from the file tree: `store.py`,
+    a package as `tier/`, its modules as `tier/local.py` (the package's own __init__.py aside)."""
+    out = []
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG).as_posix()
+        if "__pycache__" in rel or rel == "__init__.py":
+            continue
+        out.append(rel[: -len("__init__.py")] if rel.endswith("/__init__.py") else rel)
+    return out
+
+
+def _docstring_map() -> list[str]:
+    """The names in the package docstring's module map, one entry per mention: a name in
+    the first column (indent 4, before column 26; `a.py, b.py` names two), a package's
+    modules indented under it (indent 6) counted as `package/module.py`."""
+    import ast
+    doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()), clean=False)
+    named, package = [], None
+    for line in doc.splitlines():
+        indent = len(line) - len(line.lstrip())
+        column = line[:26].strip()
+        if indent not in (4, 6) or not column:
+            continue  # prose, or a continuation of the description column
+        if indent == 4:
+            names = [n.strip() for n in column.split(",") if n.strip()]
+            named += names
+            package = names[-1] if names and names[-1].endswith("/") else None
+        elif package is not None:
+            named.append(package + column)
+    return named
+
+
+def test_the_package_docstring_names_every_module_once():
+    """The docstring is the map a newcomer reads first: each module on exactly one line,
+    so a module added or renamed fails here until it has its line."""
+    from collections import Counter
+    mentions = Counter(_docstring_map())
+    modules = _modules()
+    missing = [m for m in modules if mentions[m] == 0]
+    twice = sorted(m for m, n in mentions.items() if n > 1)
+    unknown = sorted(m for m in mentions if m not in modules)
+    assert not (missing or twice or unknown), \
+        f"package docstring: not named {missing}; named more than once {twice}; no such module {unknown}"
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under `## heading` up to the next heading of the same level."""
+    m = re.search(rf"^## {re.escape(heading)}\s*$(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    assert m, f"no '## {heading}' section"
+    return m.group(1)
+
+
+def test_architecture_says_where_every_module_lives():
+    """docs/ARCHITECTURE.md's "Where things live" names every module (a package's modules
+    by their path, `tier/local.py`), and every module its headings name exists."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    where = _section(text, "Where things live")
+    modules = _modules()
+    missing = [m for m in modules if not re.search(rf"(?<![\w/]){re.escape(m)}", where)]
+    assert not missing, f"ARCHITECTURE.md 'Where things live' does not name: {missing}"
+    bad = []
+    for heading in re.findall(r"^#+ (.*)$", text, re.MULTILINE):
+        for name in re.findall(r"`([^`]+)`", heading):
+            stem = name.rstrip("/")
+            if not ((PKG / f"{stem}.py").exists() or (PKG / stem).is_dir()):
+                bad.append(f"{heading!r}: `{name}`")
+    assert not bad, "ARCHITECTURE.md headings name modules that do not exist:\n" + "\n".join(bad)
+
+
+def _readme_map() -> list[str]:
+    """What tests/README.md's tables map, one entry per mention: the files and folders
+    named (in backquotes) in a table row's first cell."""
+    named = []
+    for line in (TESTS / "README.md").read_text().splitlines():
+        if not line.startswith("|") or set(line) <= set("|-: "):
+            continue
+        first = line.split("|")[1]
+        named += re.findall(r"`([\w./]+)`", first)
+    return named
+
+
+def _test_files() -> list[str]:
+    """Every file and folder of tests/ a reader may wonder about: the test_*.py files, the
+    shared modules beside them, and the folders (helpers/, sim/, stateful/, data/)."""
+    out = [p.name for p in sorted(TESTS.glob("*.py")) if p.name != "__init__.py"]
+    out += [p.name + "/" for p in sorted(TESTS.iterdir()) if p.is_dir() and not p.name.startswith((".", "__"))]
+    return out
+
+
+def test_tests_readme_maps_every_test_file_once():
+    """Each test file (and each shared module or folder) has exactly one row in
+    tests/README.md saying what it guards, so a new file fails here until it has one."""
+    from collections import Counter
+    mentions = Counter(_readme_map())
+    files = _test_files()
+    assert any(f.startswith("test_") for f in files)
+    missing = [f for f in files if mentions[f] == 0]
+    twice = sorted(f for f, n in mentions.items() if n > 1)
+    unknown = sorted(f for f in mentions if f not in files)
+    assert not (missing or twice or unknown), \
+        f"tests/README.md: no row for {missing}; more than one row for {twice}; no such file {unknown}"
+
+
+# A lab notebook's words: a comparison with an old commit, or a change that never landed.
+NOTEBOOK = re.compile(r"A/B against|not landed", re.IGNORECASE)
+HEX_WORD = re.compile(r"\b[0-9a-f]{7,40}\b")
+
+
+def _commit_hashes(words: set[str]) -> set[str]:
+    """Those of `words` that name a commit of this checkout (one `git cat-file` for all);
+    None when this is not a git checkout."""
+    import subprocess
+    words = sorted(w for w in words if re.search(r"[0-9]", w))  # a hash has digits; "deadbeef"-like words aside
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "cat-file", "--batch-check"], check=True,
+                             input="".join(f"{w}^{{commit}}\n" for w in words),
+                             capture_output=True, text=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {w for w, line in zip(words, out) if line.endswith(" commit")}
+
+
+@pytest.mark.parametrize("doc", _markdown_files(), ids=lambda p: p.relative_to(REPO).as_posix())
+def test_docs_state_what_is(doc):
+    """The docs are a reference: today's figures and behaviour. A/B tables against old
+    commits, experiments not landed and commit hashes are history: CHANGELOG.md and git."""
+    text = doc.read_text()
+    notebook = [f"{doc.relative_to(REPO)}:{n}: {line.strip()}"
+                for n, line in enumerate(text.splitlines(), 1) if NOTEBOOK.search(line)]
+    assert not notebook, "history in a reference doc:\n" + "\n".join(notebook)
+    hashes = _commit_hashes(set(HEX_WORD.findall(text)))
+    if hashes is None:
+        pytest.skip("not a git checkout: commit hashes cannot be told from hex words")
+    assert not hashes, f"{doc.relative_to(REPO)} names commits {sorted(hashes)}: history belongs to CHANGELOG.md"
+
+
+RESULT = re.compile(r"benches/results/([A-Za-z0-9_.-]*[A-Za-z0-9_-])")
+
+
+def _prose(text: str) -> str:
+    """A Markdown text without its code blocks (fenced, or indented 4): a command's output
+    file is what it will write, not a figure cited."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced and not line.startswith("    "):
+            out.append(line)
+    return "\n".join(out)
+
+
+def test_bench_results_are_the_ones_cited():
+    """benches/results/ holds what the docs cite and nothing else, and every file the
+    docs cite is there."""
+    docs = _markdown_files() + [REPO / "CHANGELOG.md"]
+    cited: dict[str, list[str]] = {}
+    for doc in docs:
+        for name in RESULT.findall(_prose(doc.read_text())):
+            cited.setdefault(name, []).append(doc.relative_to(REPO).as_posix())
+    results = REPO / "benches" / "results"
+    stored = {p.name for p in results.iterdir() if p.is_file()}
+    assert cited, "no doc cites benches/results: the check found nothing to check"
+    absent = sorted(f"{name} (cited by {', '.join(sorted(set(by)))})" for name, by in cited.items()
+                    if name not in stored)
+    uncited = sorted(stored - set(cited))
+    assert not absent and not uncited, \
+        f"cited but not in benches/results: {absent}; in benches/results but cited by no doc: {uncited}"
