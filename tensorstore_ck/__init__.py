@@ -91,7 +91,8 @@ under it). A module over ~600 lines says which one job it does.
       base.py             the interface and its logic over a small transactional key-value layer
       history.py          the reflog and REF@STEP's index
       gcstate.py          the gc lock, lease, phases, holds, fences and the prune queue
-      txn.py              the transactions both halves run in; the tables; the host clock
+      tierstate.py        a local tier's rows: upload queue, durable/evicted marks, parts
+      txn.py              the transactions its parts run in; the tables; the host clock
       lmdb.py             the embedded table (LMDB, beside local data)
       memory.py           the in-memory twin (memory:// stores, tests)
       postgres.py         PostgreSQL, for many hosts sharing one store
