@@ -59,7 +59,8 @@ under it). A module over ~600 lines says which one job it does.
                           retry, and the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)
     usage.py              `tsck du` and its plot: the store's bytes per job and over time
-    dcpview.py            a dcp.save snapshot read by checkout as the state that was saved
+    readpath.py           the read path's front door: every checkout enters through read_state
+    dcpstate.py           a dcp.save snapshot read by checkout as the state that was saved
     listing.py            `tsck ls`, `tsck diff`, `tsck log/refs`: snapshots described from their
                           nodes and catalog rows (no blocks, no torch)
     read.py               nodes -> state: the Reader of one snapshot (one job, ~600 lines)
