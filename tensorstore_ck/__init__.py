@@ -18,8 +18,8 @@ a tier, LocalTier.roots resolves it in both tiers and takes the newer (tier/read
 The commit and its nodes are read through Assets (with a tier, tier/reads.py's
 ReadThrough: the tier's copy, the remote's where one is missing or fails its check; a
 collective checkout asks peer replicas first, tier/replicas.py), and the Reader
-(read.py) turns nodes into tensors, verifying every block (a dcp.save snapshot through
-dcpview.py; sharded regions read_world.py; devices placement.py).
+(read.py, entered through readpath.py's read_state) turns nodes into tensors, verifying
+every block (a dcp.save snapshot through dcpstate.py; sharded regions read_world.py; devices placement.py).
 
 Every module, by layer, top to bottom, each on one line. Nothing imports upward
 (pyproject.toml's import-linter contracts: tests/test_layers.py); tests/test_docs.py
@@ -80,7 +80,8 @@ package's modules indented under it). A module over ~600 lines says which one jo
                           retry, and the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)
     usage.py              `tsck du` and its plot: the store's bytes per job and over time
-    dcpview.py            a dcp.save snapshot read by checkout as the state that was saved
+    readpath.py           the read path's front door: every checkout enters through read_state
+    dcpstate.py           a dcp.save snapshot read by checkout as the state that was saved
     listing.py            `tsck ls`, `tsck diff`, `tsck log/refs`: snapshots described from their
                           nodes and catalog rows (no blocks, no torch)
     read.py               nodes -> state: the Reader of one snapshot (one job, ~600 lines)
@@ -112,12 +113,14 @@ package's modules indented under it). A module over ~600 lines says which one jo
       base.py             the interface and its logic over a small transactional key-value layer
       history.py          the reflog and REF@STEP's index
       gcstate.py          the gc lock, lease, phases, holds, fences and the prune queue
-      txn.py              the transactions both halves run in; the tables; the host clock
+      tierstate.py        a local tier's rows: upload queue, durable/evicted marks, parts
+      txn.py              the transactions its parts run in; the tables; the host clock
       lmdb.py             the embedded table (LMDB, beside local data)
       memory.py           the in-memory twin (memory:// stores, tests)
       postgres.py         PostgreSQL, for many hosts sharing one store
     chunker.py            tensor bytes -> element-aligned blocks
     presence.py           the presence record: objects a Store saw present, per gc epoch
+    roles.py              the roles layers play for one another (Protocols): object reader, ref-table parts
     retry.py              the one backoff policy for transient backend failures
     localfile.py          files outside the store's objects, whole or not at all; only
                           regular files are read

@@ -39,6 +39,7 @@ from .format.manifest import MAX_NODE_BYTES
 from .format.tree import MAX_BLOCK_SIZE
 from .format.records import MAX_TAG_OBJECT, decode_tag, encode_tag
 from .presence import Presence
+from .roles import WrittenListener
 from .storage.base import BlockStore
 
 __all__ = ["Assets", "PutResult", "Listed", "KINDS", "STORE_MARKER", "MAX_MARKER_BYTES", "read_marker", "create_marker",
@@ -161,18 +162,20 @@ class Assets:
         self.codecs = codecs
         self._local = threading.local()
         self.presence = Presence(KIND_PREFIX)
-        # Given (kind, digest, bufs) of each block and node this Assets writes new, as it
-        # is written: a local tier's uploader (tier.uploader.Uploader.tee, set by on_written).
-        self.tee = None
+        # The observer of new writes (on_written), None until one registers.
+        self._written: WrittenListener | None = None
         # The current gc deletion epoch (read from the ref table), for readers that consult
         # `presence`; None: no ref table, the record is never used to read.
         self.epoch_now = epoch_now
 
-    def on_written(self, fn) -> None:
-        """fn(kind, digest, bufs) for each block and node written new from now on, as it is
-        written (one listener: a local tier's uploader, which sends them from memory). It
-        must not block or raise: it runs inside the writer's put."""
-        self.tee = fn
+    def on_written(self, listener: WrittenListener) -> None:
+        """Observe writes: listener(kind, digest, bufs) for each block and node written new
+        from now on, as it is written (roles.WrittenListener; commits are not told). One
+        listener, a later call replaces it: a local tier's uploader (Uploader.tee), which
+        sends them from memory. An observer registered after construction, not a
+        constructor argument, because the uploader is built over the Core whose Assets it
+        observes. It must not block or raise: it runs inside the writer's put."""
+        self._written = listener
 
     def _scratch(self, n: int) -> np.ndarray:
         """This thread's private buffer of n bytes. A thread runs one block job at a
@@ -228,8 +231,8 @@ class Assets:
                                     shuffle_itemsize=itemsize if c == "shuffle" else 0,
                                     float_itemsize=itemsize if c == "float" else 0)
         new = self.storage.put_addressed(key, bufs)
-        if new and kind != frame.KIND_COMMIT and self.tee is not None:
-            self.tee(kind, d, bufs)
+        if new and kind != frame.KIND_COMMIT and self._written is not None:
+            self._written(kind, d, bufs)
         if not new and not ask:
             # It was there after all: judge it by its size, as the HEAD would have.
             size = self.storage.size_of(key)

@@ -62,6 +62,7 @@ from .units import human_bytes
 from .walk import walk_commit
 from .storage.base import DeadlinePassed
 from .retention import Retention, SnapRow, explain_kept
+from .roles import GcTable
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def plan_expiry(core: Core, now: float, records: dict | None = None, bad: list |
 def plan_gc(core: Core, *, dry_run: bool, began: float, progress: bool = False, beat=None) -> GCPlan:
     """Steps 2-4: expire (a dry run only computes what would expire), mark, list."""
     rep = GCReport(dry_run=dry_run)
-    refs = core.refs
+    refs: GcTable = core.refs
     rules = refs.retention_all()
     queued = {} if dry_run else refs.prune_requests()  # every job's rules apply: read before the catalog
     bad: list = []
@@ -361,7 +362,7 @@ def _refuse_if_the_ref_table_knows_nothing(core: Core) -> None:
     """An empty ref table over a store that holds commits is a lost or wrong table, not a
     store with nothing to keep: gc would delete every snapshot (and recover would then
     find nothing). Deleting needs the table rebuilt first."""
-    rt = core.refs
+    rt: GcTable = core.refs
     if rt.born_with_store() or rt.catalog_roots() or rt.list() or rt.tags() \
             or rt.pins():
         return  # a table made with its store: empty means a fresh store (commits in flight)
@@ -381,7 +382,7 @@ def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: 
     if not (isinstance(grace, (int, float)) and 0 <= grace < 1e9):
         raise InvalidArgument(f"gc grace must be a number of seconds >= 0, got {grace!r}")
     t_start = time.time()
-    refs = core.refs
+    refs: GcTable = core.refs
     _refuse_if_rebuilding(core, "gc --dry-run" if dry_run else "gc")
     if dry_run:
         now = core.storage.clock_now()
@@ -433,7 +434,7 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
     leaves (expired rows whose objects were not yet deleted) is garbage the next
     `tsck gc` reclaims."""
     t_start = time.time()
-    refs = core.refs
+    refs: GcTable = core.refs
     rep = GCReport(dry_run=False)
     _refuse_if_rebuilding(core, "prune")
     rules = refs.retention_all()
@@ -565,7 +566,7 @@ def holding_gc_lock(core: Core, *, lease: float = DEFAULT_LEASE, role: str = "",
     finish_fields recorded in the gc state when all went well). RebuildUnfinished while
     a recover has not finished, unless rebuilding_ok (work that deletes nothing a
     snapshot reaches)."""
-    refs = core.refs
+    refs: GcTable = core.refs
     owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     hold = Lease(refs, owner, lease, request_timeout=core.storage.request_timeout, renew_every=renew_every,
                  rebuilding_ok=rebuilding_ok, what=role.rstrip(":") or "gc")
@@ -606,7 +607,7 @@ class Lease:
     starts unless it ends (at the storage's request timeout) a margin before that:
     a gc never deletes after the moment another party may consider it dead."""
 
-    def __init__(self, refs, owner: str, seconds: float, *, request_timeout: float,
+    def __init__(self, refs: GcTable, owner: str, seconds: float, *, request_timeout: float,
                  renew_every: float | None = None, rebuilding_ok: bool = False, what: str = "gc"):
         if not (isinstance(seconds, (int, float)) and 0 < seconds < 1e7):
             raise InvalidArgument(f"gc lease must be a positive number of seconds, got {seconds!r}")

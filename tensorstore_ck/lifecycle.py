@@ -30,6 +30,7 @@ from .format.tree import DIGEST_SIZE
 from .ids import MIN_PREFIX, Digest, is_hex_prefix
 from .info import SnapshotInfo, row_to_info
 from .publish import Publisher
+from .roles import RefNaming
 
 __all__ = ["tag", "pin", "untag", "forget", "delete_ref", "undelete", "fenced", "MAX_TAG_BYTES"]
 
@@ -59,7 +60,7 @@ def fenced(core: Core, publisher: Publisher, root: bytes, target: str, fence: in
     the row goes in only while the deletion epoch is still the one read before `root`
     was resolved. If a deletion phase overlapped, wait it out and go on only if the
     snapshot is still kept (catalog row, commit object); else it is gone: RefNotFound."""
-    refs = core.refs
+    refs: RefNaming = core.refs
     while True:
         try:
             return make(fence)
@@ -79,7 +80,7 @@ def tag(core: Core, publisher: Publisher, name: str, target: str) -> SnapshotInf
     validate_new_name(name, "tag name")
     if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
         raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
-    refs = core.refs
+    refs: RefNaming = core.refs
     fence = publisher.fence()  # before the target is looked at (see fenced)
     try:
         root = core.resolve(target)
@@ -93,7 +94,7 @@ def tag(core: Core, publisher: Publisher, name: str, target: str) -> SnapshotInf
                      lambda: fenced(core, publisher, root, target, fence, lambda f: refs.tag_create(name, root, fence=f)))
 
 
-def _check_free(refs, name: str) -> None:
+def _check_free(refs: RefNaming, name: str) -> None:
     """Before anything is written (the table checks again in its transaction:
     refs/base.py _check_tag_free)."""
     if refs.get_or_none(name) is not None:
@@ -274,7 +275,7 @@ def undelete(core: Core, publisher: Publisher, ref: str, to: str | None = None) 
     verified, every block present: IntegrityError naming what gc took otherwise) and
     its catalog row comes back with the ref, fenced against gc as tag() adopts one
     (_adopt). The older snapshots of its history that delete_ref dropped stay dropped."""
-    refs = core.refs
+    refs: RefNaming = core.refs
     cur = refs.get_or_none(ref)
     if cur is not None:
         raise RefConflict(ref, None, cur.hex(), hint="it exists again: undelete brings back a deleted ref only "

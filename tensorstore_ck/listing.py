@@ -190,7 +190,7 @@ def _one_view(w: tree.World, node, sel, state, snap: str, limit: int):
 
 def _dcp_entries(v, node, sel, path, limit: int, snap: str, url: str):
     """The values of a dcp.save snapshot (top `v`) at the paths of the state that was
-    saved, in its order, as dcpview.read_dcp gives them back: each fqn at the path DCP
+    saved, in its order, as dcpstate.read_dcp gives them back: each fqn at the path DCP
     flattened it from (planner_data); a tensor at its global shape; a bytes item (what
     DCP torch.save'd) as its plain value when it is one (read without torch), else
     "pickled" with its size. Only the nodes of the top's sections are read."""

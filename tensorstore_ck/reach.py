@@ -22,6 +22,7 @@ from .assets import KINDS, Listed
 from .core import Core
 from .errors import FormatError, IntegrityError, TsckError, UnreadableObject
 from .format.manifest import commit_tree
+from .roles import CatalogReader
 from .walk import walk_parted
 
 __all__ = ["KINDS", "Marked", "NodeSet", "kept_roots", "holders", "mark", "iter_unreachable"]
@@ -179,7 +180,7 @@ def kept_roots(core: Core, exclude: set | None = None) -> set[bytes]:
     """Every catalog row (less `exclude`), ref tip, tag target and pin, less the
     snapshots a local tier evicted (RefTable.evict_mark: durable in the remote store,
     their local copies dropped on purpose)."""
-    rt = core.refs
+    rt: CatalogReader = core.refs
     roots = rt.catalog_roots()  # a row that does not decode still keeps its snapshot
     if exclude:
         roots -= exclude

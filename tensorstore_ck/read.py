@@ -27,7 +27,6 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from .assets import Assets
 from .errors import CheckoutMismatch, FormatError, IntegrityError, UnsupportedType, into_summary
 from .format import tree
 from .format.dtypes import QUANT_BY_NAME, code_units
@@ -36,6 +35,7 @@ from .format.tree import format_path
 from .paths import FULL, SKIP, Selection, is_stateful
 from .placement import Placement, check_map_location
 from .read_world import Gathered, WorldReading
+from .roles import ObjectReader
 from .shard import Sharded, from_dtensor, is_dtensor
 from .world_view import VALUE_COST, Merged
 
@@ -67,7 +67,7 @@ def default_max_bytes() -> int:
 
 
 
-def run_reads(assets: Assets, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,
+def run_reads(assets: ObjectReader, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,
               written: dict | None = None, progress=None, fence: int | None = None) -> None:
     """Read (digest, destination, path, bounce) jobs in parallel; the first failure
     cancels the rest. bounce: the destination is the caller's memory, which gets
@@ -104,7 +104,7 @@ class Reader(WorldReading):
     Stored bytes are untrusted: the grammar checks every field before use, and
     nothing from a manifest is executed (pickle only if allowed)."""
 
-    def __init__(self, assets: Assets, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
+    def __init__(self, assets: ObjectReader, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
                  allow_pickle: bool = False, max_bytes: int | None = None, rank: int | None = 0, progress=None,
                  paths=None, map_location=None, fence: int | None = None):
         self._opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank,

@@ -177,6 +177,11 @@ class WorldReading:
                                    f"at {format_path(path)} ({filled} of {math.prod(rshape)} elements)")
 
     # -- multi-rank snapshots ----------------------------------------------------
+    def merged_world(self, w: tree.World):
+        """Every rank's tree of collective snapshot `w` merged into one view, each sharded
+        tensor with all its chunks (what DCP's metadata lists: dcp/native.py)."""
+        return self._merge_world(w, (), 0, lazy=False)
+
     def _merge_world(self, w: tree.World, path, depth, sel=FULL, *, lazy: bool = True):
         """A collective snapshot holds one tree per rank. Merge them into this rank's
         view: its own rank-local values (rank 0's for a rank the snapshot did not

@@ -42,6 +42,7 @@ from .errors import FormatError, GcBusy, IntegrityError, RefConflict, Unreadable
 from .format.manifest import decode_commit
 from .format.names import validate_name
 from .refs.history import RECOVERED
+from .roles import Rebuild
 from .walk import walk_commit
 
 __all__ = ["RecoverReport", "REMOVED_BY_USER", "run_recover", "incomplete", "commit_row"]
@@ -68,7 +69,7 @@ class RecoverReport:
 
 
 
-def _moved_by_recover(rt, ref: str, cur: bytes) -> bool:
+def _moved_by_recover(rt: Rebuild, ref: str, cur: bytes) -> bool:
     log = rt.reflog(ref)
     return bool(log) and log[-1].new == cur and log[-1].message == RECOVERED
 
@@ -127,7 +128,7 @@ def _history_order(items) -> list:
     return out
 
 
-def _begin(rt, owner: str, wait: float) -> None:
+def _begin(rt: Rebuild, owner: str, wait: float) -> None:
     """Set the rebuild mark; while a gc holds the store, wait up to `wait` seconds for
     it to end (a gc that marked before a commit was adopted would delete it)."""
     until = time.monotonic() + wait
@@ -146,7 +147,7 @@ def _begin(rt, owner: str, wait: float) -> None:
 
 def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> RecoverReport:
     from .progress import progress_bar
-    rt = core.refs
+    rt: Rebuild = core.refs
     _begin(rt, f"recover:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}", wait)
     rep = RecoverReport()
     bar = progress_bar(progress, "recover: commits", unit="commit")

@@ -3,7 +3,7 @@ the module that does it, giving it the store's Core (core.py), never the Store:
 
     put_snapshot   Planner (plan.py) -> Publisher (publish.py) -> Assets -> BlockStore;
                    blocking=False through AsyncPuts (asyncput.py), collective through dist.py
-    checkout       Reader (read.py; a DCP-written snapshot through dcpview.py)
+    checkout       Reader (read.py), through readpath.py (a DCP-written one: dcpstate.py)
     tag, pin, untag, forget, delete_ref, undelete  lifecycle.py (fenced against gc)
     gc, prune, fsck, recover, du, diff         gc.py, fsck.py, recover.py, usage.py, listing.py
 
@@ -629,7 +629,7 @@ class Store:
             raise InvalidArgument(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, paths=paths,
                     map_location=map_location)
-        from .dcpview import read_state
+        from .readpath import read_state
         from .read import MISSING, Reader
         Reader(self.assets, self.pool, snapshot="", **opts)  # checks paths and map_location first
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 from .core import Core
 from .errors import FormatError, IntegrityError, storage_error
 from .info import row_to_info
+from .roles import CatalogReader
 from .walk import walk_commit
 
 __all__ = ["summary", "usage", "tier_usage"]
@@ -259,7 +260,7 @@ def tier_usage(core: Core) -> dict:
         unreferenced reached by none (a put in flight, or garbage a local gc removes)
 
     and `evicted` counts the durable snapshots whose local copies the budget dropped."""
-    refs = core.refs
+    refs: CatalogReader = core.refs
     evicted, parts = refs.evicted(), refs.parts()
     queued = {e["root"] for _, e in refs.upload_pending()}
     roots = (refs.catalog_roots() | {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()) - evicted

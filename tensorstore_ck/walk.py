@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from .assets import Assets
 from .errors import FormatError, IntegrityError
 from .format import tree
 from .format.manifest import decode_commit, decode_node
 from .format.tree import format_path
 from .format.world import bucket_entries, fan_children, fan_height, rank_tops
+from .roles import WalkReader
 
 __all__ = ["Obj", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS"]
 
@@ -31,7 +31,7 @@ class Obj:
     elsewhere: bool = False    # outside the part this store holds whole (walk_commit(part=)): may be absent
 
 
-def read_node(assets: Assets, d: bytes, path: tuple, depth: int, *, snapshot: str, verify: bool = True,
+def read_node(assets: WalkReader, d: bytes, path: tuple, depth: int, *, snapshot: str, verify: bool = True,
               world: bool = False):
     """Fetch, verify and decode one node through the grammar. An undecodable node is
     an IntegrityError naming it; a malformed value is a FormatError naming the path."""
@@ -59,7 +59,7 @@ def _fan_roots(w: tree.World, path, depth) -> list:
             for root, what, n in ((w.rank_tree, "rank tree", w.world), (w.range_index, "chunk index", w.nbuckets))]
 
 
-def _nodes(assets: Assets, top: bytes, *, snapshot: str, verify: bool, skip_nodes: set | None = None):
+def _nodes(assets: WalkReader, top: bytes, *, snapshot: str, verify: bool, skip_nodes: set | None = None):
     """Depth first over the nodes under `top`: (digest, path, read) per node, where
     read() fetches and decodes the node and returns its leaves, [(path, Tensor | Array
     | Global)]; its children are visited next. The digest comes before the read, so a
@@ -140,7 +140,7 @@ def _inlined(items) -> int:
     return n
 
 
-def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
+def walk_tree(assets: WalkReader, top: bytes, *, snapshot: str, verify: bool = True,
               skip_nodes: set | None = None, absent_ok: bool = False, elsewhere: bool = False,
               inline: dict | None = None) -> Iterator[Obj]:
     """Every node and block under `top`, depth first. Nodes in `skip_nodes`
@@ -169,7 +169,7 @@ def walk_tree(assets: Assets, top: bytes, *, snapshot: str, verify: bool = True,
                 yield Obj("block", bd, fp, nb, absent_ok or elsewhere)
 
 
-def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes: set | None = None,
+def walk_commit(assets: WalkReader, root: bytes, *, verify: bool = True, skip_nodes: set | None = None,
                 part: bytes | None = None, inline: dict | None = None) -> Iterator[Obj]:
     """The commit object itself, then everything under its tree. part: the sub-tree of
     a collective snapshot whose nodes this store holds (a rank's own part, in its local
@@ -184,7 +184,7 @@ def walk_commit(assets: Assets, root: bytes, *, verify: bool = True, skip_nodes:
                            inline=inline)
 
 
-def walk_parted(assets: Assets, top: bytes, part: bytes | None, *, snapshot: str, verify: bool = True,
+def walk_parted(assets: WalkReader, top: bytes, part: bytes | None, *, snapshot: str, verify: bool = True,
                 skip_nodes: set | None = None, inline: dict | None = None) -> Iterator[Obj]:
     """walk_tree of `top`; with `part`, as walk_commit(part=) says."""
     if part is None:
@@ -208,7 +208,7 @@ def _describe(item) -> str:
 MAX_LEAF_PATHS = 1 << 22  # tensor paths iter_leaves (diff) lists for one snapshot
 
 
-def _leaf_paths(assets: Assets, top: bytes, *, snapshot: str, verify: bool, limit: int) -> Iterator:
+def _leaf_paths(assets: WalkReader, top: bytes, *, snapshot: str, verify: bool, limit: int) -> Iterator:
     """(path, leaf) for every tensor/array path of the tree, shared nodes at each of
     their paths. Each (node, depth) is read once and the paths are counted first: a
     tree naming more than `limit` is a FormatError before any is listed."""
@@ -256,7 +256,7 @@ def _leaf_paths(assets: Assets, top: bytes, *, snapshot: str, verify: bool, limi
         todo.extend((r, dp, prefix + p) for p, dp, r in keep)
 
 
-def iter_leaves(assets: Assets, root: bytes, *, verify: bool = True,
+def iter_leaves(assets: WalkReader, root: bytes, *, verify: bool = True,
                 limit: int = MAX_LEAF_PATHS) -> dict[str, tuple[str, list]]:
     """path -> (dtype/shape summary, [block digests or inline bytes]) for every tensor or
     array of a snapshot (diff). A sharded tensor's chunks from every rank are gathered

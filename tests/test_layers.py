@@ -1,7 +1,8 @@
 """The package's structure, checked: import-linter's layer contracts (pyproject.toml,
 [tool.importlinter]) and the rules a module graph cannot express (AST checks): no
-torch.distributed at import time, keys only in assets.py, and no module below the
-Store facade receiving a Store (they are given a Core: tensorstore_ck/core.py)."""
+torch.distributed at import time, keys only in assets.py, no module below the
+Store facade receiving a Store (they are given a Core: tensorstore_ck/core.py), and no
+module reaching for another's private names."""
 from __future__ import annotations
 
 import ast
@@ -263,3 +264,71 @@ def test_a_key_built_outside_assets_fails(tmp_path, module, planted):
     target.write_text(target.read_text() + "\n\n" + planted)
     line = next(i for i, text in enumerate(target.read_text().splitlines(), 1) if "# planted" in text)
     assert _key_constructions(tmp_path / "tensorstore_ck") == [f"{module}:{line}"]
+
+
+# -- private names stay in their module ------------------------------------------------
+# A module uses another's calls through its public names (and its roles: roles.py); a
+# `_name` is its own module's business. Other libraries' private names a module reaches
+# for, by the expression before the dot:
+FOREIGN_PRIVATE = {
+    ("cli.py", "parser"), ("cli.py", "sub"),  # argparse's _actions: the subcommands' own options
+    ("lightning.py", "sys"), ("store.py", "sys"), ("train.py", "sys"),  # sys._getframe
+    ("lightning.py", "fs"),  # fsspec's _parent
+    ("read.py", "torch"),  # torch's quantized tensor constructors
+    ("dist.py", "dist.distributed_c10d"),  # the default c10d store
+    ("storage/wrappers.py", "self._sem"),  # threading.Semaphore's _initial_value
+}
+# A reach-in across the package's own modules that stands: dist.py's collective put
+# re-publishes through the Publisher's rewrite.
+KNOWN_REACH_INS = {("dist.py", "publisher._rewrite")}
+
+
+def _is_package_import(node: ast.ImportFrom) -> bool:
+    return bool(node.level) or (node.module or "").split(".")[0] == "tensorstore_ck"
+
+
+def _private_reach_ins(pkg: Path) -> list[str]:
+    """`from X import _name` of a module of the package, and `obj._name` where `_name` is
+    not one this module defines (a function, class, or an attribute or name it assigns):
+    another module's private name, or a private attribute of an object made elsewhere."""
+    bad = []
+    for p in sorted(pkg.rglob("*.py")):
+        name = p.relative_to(pkg).as_posix()
+        tree = ast.parse(p.read_text(), filename=str(p))
+        own = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and _is_package_import(node):
+                bad += [f"{name}:{node.lineno}: import {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = ast.unparse(node.value)
+                if base in ("self", "cls", "super()") or node.attr in own or (name, base) in FOREIGN_PRIVATE \
+                        or (name, f"{base}.{node.attr}") in KNOWN_REACH_INS:
+                    continue
+                bad.append(f"{name}:{node.lineno}: {base}.{node.attr}")
+    return sorted(bad)
+
+
+def test_no_module_reaches_for_another_modules_private_names():
+    assert _private_reach_ins(PKG) == []
+
+
+@pytest.mark.parametrize("module, planted, found", [
+    ("refs/base.py", "from .gcstate import _gc_state  # planted\n", "import _gc_state"),
+    ("gc.py", "from .refs.gcstate import _gc_state  # planted\n", "import _gc_state"),
+    ("fsck.py", "def planted(core):\n    return core.refs._read  # planted\n", "core.refs._read"),
+])
+def test_a_private_reach_in_fails(tmp_path, module, planted, found):
+    """The check bites: the same check on a copy with one reach-in fails."""
+    shutil.copytree(PKG, tmp_path / "tensorstore_ck", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "tensorstore_ck" / module
+    target.write_text(target.read_text() + "\n\n" + planted)
+    line = next(i for i, text in enumerate(target.read_text().splitlines(), 1) if "# planted" in text)
+    assert _private_reach_ins(tmp_path / "tensorstore_ck") == [f"{module}:{line}: {found}"]

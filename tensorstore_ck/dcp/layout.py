@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import threading
 
-from ..assets import Assets
-from ..dcpview import DCP_FORMAT, DCP_LAYOUT_VERSION, MAX_LAYOUT_VERSION, MIN_LAYOUT_VERSION
+from ..format.dcp import DCP_FORMAT, DCP_LAYOUT_VERSION, MAX_LAYOUT_VERSION, MIN_LAYOUT_VERSION
 from ..errors import FormatError, UnsupportedType
 from ..format import tree
 from ..format.manifest import decode_commit
 from ..plan import Planner
 from ..read import Reader
+from ..roles import WalkReader
 from ..shard import find_overlap
 from ..walk import read_node
 
@@ -54,7 +54,7 @@ def compose(tensors: dict, byts: dict, metadata_plain: dict, planner: Planner):
 class DcpTree:
     """The DCP tree of one snapshot, decoded through the grammar; tensor entries on first use."""
 
-    def __init__(self, assets: Assets, pool, root_hex: str, verify: bool):
+    def __init__(self, assets: WalkReader, pool, root_hex: str, verify: bool):
         self.assets, self.pool, self.root, self.verify = assets, pool, root_hex, verify
         c = decode_commit(assets.get_commit(bytes.fromhex(root_hex), verify=verify))
         top = self._dict(self._node(c["tree"], ()), "top")

@@ -1,5 +1,5 @@
 """A put_snapshot snapshot seen by dcp.load through TsckReader, so switching from the
-native API to DCP never strands a checkpoint (dcpview.py does the other direction).
+native API to DCP never strands a checkpoint (dcpstate.py does the other direction).
 
 The tree is flattened as DCP flattens a state_dict (torch.distributed.checkpoint's
 traverse_state_dict): dict keys as str joined by ".", lists that hold a tensor or a
@@ -22,6 +22,7 @@ from ..errors import FormatError
 from ..format import tree
 from ..format.manifest import decode_commit
 from ..read import Reader
+from ..roles import ObjectReader
 from ..shard import find_overlap
 
 __all__ = ["NativeTree", "MAX_ITEMS"]
@@ -34,14 +35,14 @@ class NativeTree:
 
     md_digest = None  # ranks that resolved different roots of a moved ref are refused
 
-    def __init__(self, assets, pool, root_hex: str, verify: bool, *, rank: int = 0, allow_pickle: bool = False):
+    def __init__(self, assets: ObjectReader, pool, root_hex: str, verify: bool, *, rank: int = 0, allow_pickle: bool = False):
         self.assets, self.pool, self.root, self.verify = assets, pool, root_hex, verify
         # allow_pickle: whether a pickled value (put_snapshot(allow_pickle=True)) loads, as for checkout
         self.reader = Reader(assets, pool, snapshot=root_hex, verify=verify, rank=rank, allow_pickle=allow_pickle)
         c = decode_commit(assets.get_commit(bytes.fromhex(root_hex), verify=verify))
         v = self.reader.top(c["tree"])
         if type(v) is tree.World:
-            v = self.reader._merge_world(v, (), 0, lazy=False)  # every chunk: DCP's metadata lists them
+            v = self.reader.merged_world(v)  # every chunk: DCP's metadata lists them
         self.tensors: dict = {}  # fqn -> (dtype, shape, {offsets: leaf})
         self.bytes: dict = {}    # fqn -> (decoded value, state path): torch.save'd on request
         self.paths: dict = {}    # fqn -> DCP's object path (planner_data)

@@ -5,7 +5,7 @@ intersect the requested rows (read.read_box, the same region reader checkout
 uses), verifies them against their addresses, and copies the requested box
 into planner.resolve_tensor(item).
 
-Bytes items follow checkout's rule (dcpview.load_bytes_item): DCP's planner
+Bytes items follow checkout's rule (dcpstate.load_bytes_item): DCP's planner
 unpickles them with weights_only=False, so a stored item reaches it only after
 torch's weights_only loader accepted it, and then re-serialized from the value
 that loader built (the planner never parses the stored bytes themselves), unless
@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CheckoutMismatch, FormatError, InvalidArgument
-from ..dcpview import is_dcp_top, load_bytes_item
+from ..dcpstate import load_bytes_item
+from ..format.dcp import is_dcp_top
 from ..format.manifest import decode_commit
 from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes, run_reads
 from ..read_world import read_box

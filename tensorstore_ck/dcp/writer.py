@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import chunker
-from ..dcpview import load_bytes_item
+from ..dcpstate import load_bytes_item
 from ..errors import FormatError, InvalidArgument, SnapshotAborted, UnsupportedType
 from ..plan import contiguous
 from ..publish import Timing

@@ -1,6 +1,6 @@
 """The top of a snapshot written through dcp.save (TsckWriter): its constants, how it is
 recognized and its planner_data read, with neither torch nor I/O, so that `tsck ls`
-(listing.py) and checkout (dcpview.py) agree on what a DCP snapshot is.
+(listing.py) and checkout (dcpstate.py) agree on what a DCP snapshot is.
 
     {"format": "dcp", "version": 1,
      "tensors":  {fqn: G leaf}, "bytes": {fqn: bytes | 1-D uint8 T leaf},

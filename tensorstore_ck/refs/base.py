@@ -14,16 +14,14 @@ Sub-tables (each a sorted key-value space):
                                          `rebuild`: a recover that has not finished)
     steps     name \0 step \0 seq      -> root (REF@STEP's index; step in decimal, seq as in reflog)
 
-A local tier's table (open_store(local=)) also keeps, in `meta`, its upload queue
-(`upload:` seq (u64 BE) -> msgpack {root, ref, step}) and the snapshots the remote
-store has (`durable:` root -> b""), and those whose local copies its byte budget
-dropped (`evicted:` root -> b""): rows in an existing table, so a table of any age
-opens as a tier's and no other reader sees them.
+A local tier's table (open_store(local=)) also keeps, in `meta`, its upload queue,
+durable and evicted marks and collective parts (refs/tierstate.py lists them).
 
 The reflog and the steps index (REF@STEP) are refs/history.py's part of RefTable;
 the gc state (lock, lease, phases, holds, fences, prune queue, rebuild mark) is
-refs/gcstate.py's. RefTable inherits both; this module holds the refs, catalog,
-tags, pins and retention rules, and what a backend implements.
+refs/gcstate.py's; a local tier's rows are refs/tierstate.py's. RefTable inherits
+the three; this module holds the refs, catalog, tags, pins and retention rules, and
+what a backend implements. Who uses which of its calls is declared in roles.py.
 
 Record codecs are in format/records.py. Every conditional operation reads and
 writes inside one write transaction, so the check and the update cannot be
@@ -33,15 +31,15 @@ separated by another writer.
 from __future__ import annotations
 
 import os
-import struct
 import weakref
 from abc import ABC, abstractmethod
 from typing import Callable
 
 from ..errors import FormatError, InvalidArgument, NotAStore, ReadOnlyStore, RefConflict, RefNotFound
 from ..format.records import decode_catalog, decode_record, decode_reflog, encode_record
-from .gcstate import _PRUNE_KEY, _REBUILD, GcStateMachine, _check_fence, _check_kept, _drop_hold, note_dropped
-from .history import RefHistory, ReflogEntry, _append_reflog, _name, _split_reflog_key
+from .gcstate import PRUNE_KEY, REBUILD_KEY, GcStateMachine, check_fence, check_kept, drop_hold
+from .history import RefHistory, ReflogEntry, append_reflog, key_name, split_reflog_key
+from .tierstate import PART0_KEY, TierState, drop_row, note_spared, protected_roots
 from .txn import Txn
 
 __all__ = ["RefTable", "ReflogEntry", "Txn", "track_for_fork"]
@@ -111,10 +109,11 @@ def deleted_root(t: Txn, key: bytes) -> bytes | None:
     return last[2] if last is not None and last[4] == "delete" else None
 
 
-class RefTable(RefHistory, GcStateMachine, ABC):
+class RefTable(RefHistory, GcStateMachine, TierState, ABC):
     """name -> root with compare-and-swap; reflog; catalog; tags; pins; retention rules;
-    the gc state. The logic is written once, here and in the two halves it inherits
-    (RefHistory: refs/history.py; GcStateMachine: refs/gcstate.py); a backend implements only the small
+    the gc state; a local tier's rows. The logic is written once, here and in the parts it
+    inherits (RefHistory: refs/history.py; GcStateMachine: refs/gcstate.py; TierState:
+    refs/tierstate.py); a backend implements only the small
     protocol below: run fn(txn) in one read or one write transaction (a Txn of four
     calls), and close. LMDB, PostgreSQL and the in-memory twin do exactly that."""
 
@@ -155,10 +154,10 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             cur = t.get("meta", b"store_id")
             if cur is None:
                 t.put("meta", b"store_id", want)
-                if not new and _empty(t) and t.get("meta", _REBUILD) is None:
+                if not new and _empty(t) and t.get("meta", REBUILD_KEY) is None:
                     # An empty table met for a store made before it: a lost (or emptied)
                     # table recreated, which lacks every snapshot until a recover finishes.
-                    t.put("meta", _REBUILD, encode_record({"owner": None, "started": t.wall()}))
+                    t.put("meta", REBUILD_KEY, encode_record({"owner": None, "started": t.wall()}))
             elif cur != want:
                 raise _wrong_store(cur, store_id)
             if new:
@@ -202,9 +201,9 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         key = name.encode()
 
         def txn(t: Txn):
-            _check_fence(t, fence)
+            check_fence(t, fence)
             if hold is not None:
-                _drop_hold(t, hold)
+                drop_hold(t, hold)
             actual = t.get("refs", key)
             if actual != expected:
                 raise RefConflict(name, _hex(expected), _hex(actual))
@@ -214,8 +213,8 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             if catalog_row is not None:
                 t.put("catalog", new, encode_record(catalog_row))
                 if part0 is not None:
-                    t.put("meta", _PART0 + new, part0)
-            _append_reflog(t, key, expected, new, message, "move", catalog_row)
+                    t.put("meta", PART0_KEY + new, part0)
+            append_reflog(t, key, expected, new, message, "move", catalog_row)
 
         self._write(txn)
 
@@ -243,7 +242,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             mine = set()
             live = {k for k, _ in t.items("refs")} - {key}
             for k, v in t.items("reflog"):
-                name_key, _seq = _split_reflog_key(k)
+                name_key, _seq = split_reflog_key(k)
                 if name_key == key or name_key in live:  # a deleted ref's history keeps nothing
                     rec = decode_reflog(v, "?")
                     if rec[4] == "move":
@@ -263,8 +262,8 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             for k, _root in list(t.items("steps", key + b"\0")):  # REF@STEP names the ref no more
                 t.delete("steps", k)
             for root in drop:
-                _drop_row(t, root)
-            _append_reflog(t, key, actual, actual, message, "delete", None)
+                drop_row(t, root)
+            append_reflog(t, key, actual, actual, message, "delete", None)
             return actual, len(drop)
 
         return self._read(txn) if dry_run else self._write(txn)
@@ -283,7 +282,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         key = name.encode()
 
         def txn(t: Txn):
-            _check_fence(t, fence)
+            check_fence(t, fence)
             cur = t.get("refs", key)
             if cur is not None:
                 raise RefConflict(name, None, _hex(cur), hint="it exists again: undelete brings back a deleted "
@@ -296,7 +295,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             if t.get("catalog", root) is None:
                 t.put("catalog", root, encode_record(row))
             t.put("refs", key, root)
-            _append_reflog(t, key, None, root, message, "move", None)
+            append_reflog(t, key, None, root, message, "move", None)
 
         self._write(txn)
 
@@ -310,21 +309,21 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         def txn(t: Txn):
             if t.get("catalog", root) is None:
                 raise RefNotFound(f"no kept snapshot {root.hex()[:16]}")
-            why = [f"the tip of ref {_name(k, 'ref')!r}" for k, v in t.items("refs") if v == root]
-            why += [f"the target of tag {_name(k, 'tag')!r}" for k, v in t.items("tags") if v == root]
+            why = [f"the tip of ref {key_name(k, 'ref')!r}" for k, v in t.items("refs") if v == root]
+            why += [f"the target of tag {key_name(k, 'tag')!r}" for k, v in t.items("tags") if v == root]
             why += ["pinned"] if t.get("pins", root) is not None else []
             if why:
                 raise InvalidArgument(f"snapshot {root.hex()[:16]} is {', '.join(why)}: move or delete the ref, "
                                       "untag or unpin it first")
             if dry_run:
                 return
-            _drop_row(t, root)
-            _append_reflog(t, key, root, root, message, "forget", None)
+            drop_row(t, root)
+            append_reflog(t, key, root, root, message, "forget", None)
 
         self._read(txn) if dry_run else self._write(txn)
 
     def list(self, prefix=""):
-        return self._read(lambda t: [(_name(k, "ref"), v) for k, v in t.items("refs", prefix.encode())])
+        return self._read(lambda t: [(key_name(k, "ref"), v) for k, v in t.items("refs", prefix.encode())])
 
 
     def catalog_get(self, root, *, checked: bool = True):
@@ -387,8 +386,8 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         key = name.encode()
 
         def txn(t):
-            _check_fence(t, fence)
-            _check_kept(t, root, fence)
+            check_fence(t, fence)
+            check_kept(t, root, fence)
             _check_tag_free(t, name, key)
             t.put("tags", key, root)
 
@@ -404,7 +403,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         key = name.encode()
 
         def txn(t):
-            _check_fence(t, fence)
+            check_fence(t, fence)
             _check_tag_free(t, name, key)
             added = t.get("catalog", root) is None
             if added:
@@ -419,7 +418,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         go in together, only while the gc epoch is still `fence` and even (Fenced
         otherwise). -> whether the catalog row was added."""
         def txn(t):
-            _check_fence(t, fence)
+            check_fence(t, fence)
             added = t.get("catalog", root) is None
             if added:
                 t.put("catalog", root, encode_record(row))
@@ -429,7 +428,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         return self._write(txn)
 
     def tags(self):
-        return self._read(lambda t: [(_name(k, "tag"), v) for k, v in t.items("tags")])
+        return self._read(lambda t: [(key_name(k, "tag"), v) for k, v in t.items("tags")])
 
     def tag_delete(self, name: str) -> bytes:
         """Remove tag `name` (RefNotFound if there is none); its target."""
@@ -448,8 +447,8 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         """fence: as for compare_and_swap (and, as for tag_create, RefNotFound if `root`
         is no longer kept)."""
         def txn(t):
-            _check_fence(t, fence)
-            _check_kept(t, root, fence)
+            check_fence(t, fence)
+            check_kept(t, root, fence)
             t.put("pins", root, b"")
         self._write(txn)
 
@@ -467,7 +466,7 @@ class RefTable(RefHistory, GcStateMachine, ABC):
 
     def retention_all(self):
         rows = self._read(lambda t: list(t.items("retention")))
-        return {_name(k, "retention"): decode_record(v, "retention") for k, v in rows}
+        return {key_name(k, "retention"): decode_record(v, "retention") for k, v in rows}
 
     def catalog_expire(self, roots: list[bytes], *, rules: dict | None = None,
                        served: dict[str, bytes] | None = None) -> list[bytes]:
@@ -478,18 +477,18 @@ class RefTable(RefHistory, GcStateMachine, ABC):
         prune requests (prune_requests()) whose jobs' rules chose `roots`; each is
         removed in the same transaction unless it was queued again since it was read."""
         def txn(t):
-            if rules is not None and {_name(k, "retention"): decode_record(v, "retention")
+            if rules is not None and {key_name(k, "retention"): decode_record(v, "retention")
                                       for k, v in t.items("retention")} != rules:
                 return []
-            protected = _protected(t)
+            protected = protected_roots(t)
             gone = []
             for r in roots:
                 if r not in protected and t.get("catalog", r) is not None:
-                    _drop_row(t, r)
+                    drop_row(t, r)
                     gone.append(r)
-            _note_spared(t, set(roots) & protected)
+            note_spared(t, set(roots) & protected)
             for job, raw in (served or {}).items():
-                key = _PRUNE_KEY + job.encode()
+                key = PRUNE_KEY + job.encode()
                 if t.get("gc", key) == raw:
                     t.delete("gc", key)
             return gone
@@ -504,263 +503,9 @@ class RefTable(RefHistory, GcStateMachine, ABC):
             return True
         return self._write(txn)
 
-    # -- a rank's part of collective snapshots in its local tier (tier/collective.py) -----
-    def catalog_put_part(self, root: bytes, row: dict, part: bytes) -> None:
-        """The catalog row of collective snapshot `root` in the tier of a rank other than
-        0, with the rank's sub-tree `part` (meta `part:` root): the tier holds that part,
-        the commit and the top nodes, and of the other ranks' sub-trees only the replicas
-        it keeps. gc, fsck and the budget walk such a snapshot through what is here
-        (walk.walk_commit(part=)). A row already there is kept as it is."""
-        def txn(t: Txn):
-            if t.get("catalog", root) is None:
-                t.put("catalog", root, encode_record(row))
-            t.put("meta", _PART + root, part)
-            t.delete("meta", _INTENT + part)  # the row names the part now (intent_put)
-        self._write(txn)
-
-    def intent_put(self, part: bytes, rec: dict) -> None:
-        """A rank other than 0, before it tells rank 0 that its part of a collective
-        snapshot is written (meta `intent:` part -> {ref, step, job}): should the rank
-        die before the snapshot's row reaches this tier (catalog_put_part clears the
-        intent) or its abort does (intent_drop), the next open queues the part's upload
-        (intents_queue): rank 0 may have published the snapshot and waits for that part."""
-        self._write(lambda t: t.put("meta", _INTENT + part, encode_record(rec)))
-
-    def intent_drop(self, part: bytes) -> None:
-        self._write(lambda t: t.delete("meta", _INTENT + part))
-
-    def intents(self) -> dict[bytes, dict]:
-        return self._read(lambda t: {k[len(_INTENT):]: decode_record(v, "part intent")
-                                     for k, v in t.items("meta", _INTENT)})
-
-    def intents_queue(self) -> list[bytes]:
-        """Each part intent becomes an upload queue entry {root: part, part, orphan: True}
-        (its snapshot's root is not known here), in one transaction -> the parts queued."""
-        def txn(t: Txn):
-            got = [(k[len(_INTENT):], v) for k, v in t.items("meta", _INTENT)]
-            if not got:
-                return []
-            raw = t.get("meta", _UPLOAD_SEQ)
-            seq = _SEQ.unpack(raw)[0] if raw is not None else 0
-            for part, v in got:
-                rec = decode_record(v, "part intent")
-                seq += 1
-                t.put("meta", _UPLOAD + _SEQ.pack(seq), encode_record(
-                    {"root": part, "ref": rec.get("ref"), "step": rec.get("step"), "part": part, "orphan": True}))
-                t.delete("meta", _INTENT + part)
-            t.put("meta", _UPLOAD_SEQ, _SEQ.pack(seq))
-            return [p for p, _ in got]
-        return self._write(txn)
-
-    def verified_get(self, location: str) -> str | None:
-        """A local tier: the store id an open found at remote `location` (meta `verified:`)."""
-        v = self._read(lambda t: t.get("meta", _VERIFIED + location.encode()))
-        return None if v is None else v.decode(errors="replace")
-
-    def verified_put(self, location: str, store_id: str) -> None:
-        self._write(lambda t: t.put("meta", _VERIFIED + location.encode(), store_id.encode()))
-
-    def location_get(self, location: str) -> bytes | None:
-        """The marker of the store that a tiered open found at remote `location` (meta
-        `location:`): a new local tier is made from it without asking the remote (opener).
-        A table serving several stores (PostgreSQL) keeps these apart from every store's."""
-        return self._read(lambda t: t.get("meta", _LOCATION + location.encode()))
-
-    def location_put(self, location: str, marker: bytes) -> None:
-        self._write(lambda t: t.put("meta", _LOCATION + location.encode(), bytes(marker)))
-
-    def parts(self, rank0: bool = True) -> dict[bytes, bytes]:
-        """root -> this rank's sub-tree, for the collective snapshots of catalog_put_part
-        and (rank0) the move of rank 0's tier (compare_and_swap(part0=))."""
-        def read(t):
-            out = {k[len(_PART):]: v for k, v in t.items("meta", _PART)}
-            if rank0:
-                out.update({k[len(_PART0):]: v for k, v in t.items("meta", _PART0)})
-            return out
-        return self._read(read)
-
-    def parts_expire(self, roots) -> list[bytes]:
-        """Drop the rows of `roots` that are, in the transaction, parts (catalog_put_part)
-        not queued for upload, and no ref's tip, tag's target or pin -> those dropped.
-        What rank 0's tier no longer keeps goes from the other ranks' tiers so (tier/collective.py)."""
-        roots = list(roots)
-
-        def txn(t: Txn):
-            queued = {decode_record(v, "upload queue entry").get("root") for _, v in t.items("meta", _UPLOAD)}
-            protected = _protected(t)
-            gone = [r for r in roots if r not in queued and r not in protected
-                    and t.get("meta", _PART + r) is not None and t.get("catalog", r) is not None]
-            for r in gone:
-                _drop_row(t, r)
-                t.delete("meta", _DURABLE + r)
-            return gone
-        return self._write(txn)
-
-    # -- a local tier's upload queue (tier.py) -------------------------------------------
-    def upload_enqueue(self, root: bytes, ref: str, step, part: bytes | None = None, hold: bool = False) -> int:
-        """Queue `root` (published locally on `ref`) for upload -> its sequence number.
-        A root queued already keeps its place. part: a rank's sub-tree of a collective
-        snapshot (what that rank uploads of it), kept in the entry as "part". hold: the
-        snapshot is sent for the tags and pins that name it, into the remote catalog
-        without moving the remote ref (an older snapshot than the remote tip: tiers.md,
-        "One catalog"); kept in the entry as "hold"."""
-        def txn(t: Txn):
-            for k, v in t.items("meta", _UPLOAD):
-                if decode_record(v, "upload queue entry").get("root") == root:
-                    return _SEQ.unpack(k[len(_UPLOAD):])[0]
-            if not hold:
-                t.delete("meta", _EVICTED + root)  # published again here: its objects are local again
-            raw = t.get("meta", _UPLOAD_SEQ)
-            seq = (_SEQ.unpack(raw)[0] if raw is not None else 0) + 1
-            t.put("meta", _UPLOAD_SEQ, _SEQ.pack(seq))
-            rec = {"root": root, "ref": ref, "step": step}
-            if part is not None:
-                rec["part"] = part
-            if hold:
-                rec["hold"] = True
-            t.put("meta", _UPLOAD + _SEQ.pack(seq), encode_record(rec))
-            return seq
-        return self._write(txn)
-
-    def upload_pending(self) -> list[tuple[int, dict]]:
-        """The queue, oldest first: (seq, {root, ref, step})."""
-        return self._read(lambda t: [(_SEQ.unpack(k[len(_UPLOAD):])[0], decode_record(v, "upload queue entry"))
-                                     for k, v in t.items("meta", _UPLOAD)])
-
-    def upload_begin(self, seq: int) -> bool:
-        """The uploader starts sending entry `seq`: mark it "started", so that from now
-        on no prune, gc or eviction of this table expires its snapshot (_protected) until
-        upload_done or upload_drop removes the entry -> False if the entry is gone."""
-        def txn(t: Txn):
-            key = _UPLOAD + _SEQ.pack(seq)
-            raw = t.get("meta", key)
-            if raw is None:
-                return False
-            rec = decode_record(raw, "upload queue entry")
-            if not rec.get("started"):
-                rec["started"] = True
-                t.put("meta", key, encode_record(rec))
-            return True
-        return self._write(txn)
-
-    def uploading(self) -> set[bytes]:
-        """The roots of the queue entries whose upload has started (upload_begin)."""
-        return self._read(_uploading)
-
-    def upload_last_seq(self) -> int:
-        raw = self._read(lambda t: t.get("meta", _UPLOAD_SEQ))
-        return _SEQ.unpack(raw)[0] if raw is not None else 0
-
-    def upload_done(self, seq: int, root: bytes) -> None:
-        """The remote ref moved to `root`: mark it durable and drop entry `seq`, at once."""
-        def txn(t: Txn):
-            t.put("meta", _DURABLE + root, b"")
-            t.delete("meta", _UPLOAD + _SEQ.pack(seq))
-        self._write(txn)
-
-    def durable_mark(self, roots) -> list[bytes]:
-        """Mark `roots` durable without an upload (the remote catalog lists them: a table
-        rebuilt by recover has lost its marks) -> those marked: only a root with a catalog
-        row and not queued, checked in the transaction."""
-        roots = list(roots)
-
-        def txn(t: Txn):
-            queued = {decode_record(v, "upload queue entry").get("root") for _, v in t.items("meta", _UPLOAD)}
-            done = [r for r in roots if r not in queued and t.get("catalog", r) is not None]
-            for r in done:
-                t.put("meta", _DURABLE + r, b"")
-            return done
-        return self._write(txn)
-
-    def upload_drop(self, seq: int) -> None:
-        """Drop entry `seq` from the queue without marking anything durable (its snapshot
-        left the local catalog before it was sent: expired by retention)."""
-        self._write(lambda t: t.delete("meta", _UPLOAD + _SEQ.pack(seq)))
-
-    def durable(self, roots) -> set[bytes]:
-        """Which of `roots` are marked durable (one transaction)."""
-        roots = list(roots)
-        return self._read(lambda t: {r for r in roots if t.get("meta", _DURABLE + r) is not None})
-
-    def evict_mark(self, roots) -> list[bytes]:
-        """Mark `roots` evicted (a local tier's budget: their local copies may go, the
-        remote store has them) -> those marked: only a root marked durable and not
-        queued, checked in the transaction. An evicted root keeps nothing alive in a gc
-        of this table (reach.kept_roots), so it must be one the remote store holds."""
-        roots = list(roots)
-
-        def txn(t: Txn):
-            queued = {decode_record(v, "upload queue entry").get("root") for _, v in t.items("meta", _UPLOAD)}
-            done = [r for r in roots if r not in queued and t.get("meta", _DURABLE + r) is not None]
-            for r in done:
-                t.put("meta", _EVICTED + r, b"")
-            return done
-        return self._write(txn)
-
-    def evicted(self) -> set[bytes]:
-        """The roots whose local copies a tier's budget dropped (evict_mark)."""
-        return self._read(lambda t: {k[len(_EVICTED):] for k, _ in t.items("meta", _EVICTED)})
-
     def wall_now(self) -> float:
         """The table's calendar clock (what commit times are stamped with)."""
         return self._read(lambda t: t.wall())
-
-
-_UPLOAD = b"upload:"
-_UPLOAD_SEQ = b"upload_seq"
-_DURABLE = b"durable:"
-_EVICTED = b"evicted:"
-_PART = b"part:"
-_VERIFIED = b"verified:"
-_LOCATION = b"location:"
-_PART0 = b"part0:"
-_INTENT = b"intent:"
-_SEQ = struct.Struct(">Q")
-
-
-def _drop_row(t: Txn, root: bytes) -> None:
-    """A catalog row and the local tier's marks that go with it; what its commit had
-    stored, and when, stays on record for `tsck du --plot` (gcstate.note_dropped)."""
-    raw = t.get("catalog", root)
-    if raw is not None:
-        try:
-            note_dropped(t, root, decode_catalog(raw))
-        except FormatError:
-            pass  # a malformed row: fsck's business; the picture counts it in its start
-    t.delete("catalog", root)
-    t.delete("meta", _EVICTED + root)
-    t.delete("meta", _PART + root)
-    t.delete("meta", _PART0 + root)
-
-
-def _protected(t: Txn) -> set[bytes]:
-    return ({v for _, v in t.items("refs")} | {v for _, v in t.items("tags")} | {k for k, _ in t.items("pins")}
-            | _uploading(t))
-
-
-def _note_spared(t: Txn, roots: set) -> None:
-    # An expiry left these roots because their upload had started: say so in their queue
-    # entries ("spared"), so that the uploader prunes once the upload is done (the rules
-    # keep them no more; Uploader._prune_here).
-    if not roots:
-        return
-    for k, v in t.items("meta", _UPLOAD):
-        rec = decode_record(v, "upload queue entry")
-        if rec.get("started") and rec.get("root") in roots and not rec.get("spared"):
-            rec["spared"] = True
-            t.put("meta", k, encode_record(rec))
-
-
-def _uploading(t: Txn) -> set[bytes]:
-    # A local tier's snapshots being uploaded (upload_begin): expiring one mid-upload
-    # would throw its sends away, and under retention that outruns the uploads would
-    # leave the remote with no snapshot at all.
-    out = set()
-    for _, v in t.items("meta", _UPLOAD):
-        rec = decode_record(v, "upload queue entry")
-        if rec.get("started") and isinstance(rec.get("root"), bytes):
-            out.add(rec["root"])
-    return out
 
 
 def _empty(t: Txn) -> bool:

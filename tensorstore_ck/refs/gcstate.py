@@ -6,7 +6,7 @@ that reads and writes them.
 One record (gc: b"state" -> {epoch, phase, owner, lease, clock, expires, holds, ...})
 moves idle -> marking -> deleting -> marking ... -> idle. The epoch is odd exactly
 while a deletion phase may be running; a writer that decided which objects exist
-under an even epoch moves a ref only while the epoch is still that one (_check_fence,
+under an even epoch moves a ref only while the epoch is still that one (check_fence,
 in the move's own transaction). A gc declares its lease (seconds; gc.py's Lease
 renews it) and the lock is judged on the table's clock only (Txn.clock), so no
 party's own clock or setting can declare a live gc dead. The one exception is a
@@ -29,10 +29,12 @@ from .txn import Txn
 log = logging.getLogger(__name__)
 
 __all__ = ["GcStateMachine", "HOLD_SECONDS", "UNDECLARED_LEASE", "rebuild_message", "process_identity",
-           "holder_gone"]
+           "holder_gone",
+           # the rows and checks RefTable's own transactions share (refs/base.py)
+           "REBUILD_KEY", "PRUNE_KEY", "note_dropped", "check_fence", "check_kept", "drop_hold"]
 
-_REBUILD = b"rebuild"       # meta: a recover began and none has finished since ({owner, started})
-_PRUNE_KEY = b"prune:"      # gc: a queued prune request of job <name> ({at, id})
+REBUILD_KEY = b"rebuild"  # meta: a recover began and none has finished since ({owner, started})
+PRUNE_KEY = b"prune:"  # gc: a queued prune request of job <name> ({at, id})
 # gc: what each of the last RECLAIMED_KEPT gcs and prunes that deleted anything deleted
 # ({"runs": [[at, block bytes, all bytes], ...]}, oldest first): `tsck du --plot` draws the
 # store's size over time from it and the commits' stored_new.
@@ -90,7 +92,7 @@ class GcStateMachine:
         token = os.urandom(8)
 
         def txn(t):
-            t.put("gc", _PRUNE_KEY + job.encode(), encode_record({"at": t.wall(), "id": token}))
+            t.put("gc", PRUNE_KEY + job.encode(), encode_record({"at": t.wall(), "id": token}))
         self._write(txn)
         return token
 
@@ -99,9 +101,9 @@ class GcStateMachine:
         catalog_expire). A key that is not UTF-8 is no job: left alone."""
         def txn(t):
             out = {}
-            for k, v in t.items("gc", _PRUNE_KEY):
+            for k, v in t.items("gc", PRUNE_KEY):
                 try:
-                    out[k[len(_PRUNE_KEY):].decode("utf-8")] = v
+                    out[k[len(PRUNE_KEY):].decode("utf-8")] = v
                 except UnicodeDecodeError:
                     continue
             return out
@@ -110,7 +112,7 @@ class GcStateMachine:
     def prune_pending(self, job: str, token: bytes) -> bool:
         """Is the request `token` of `job` still queued (not yet served by a prune or gc)?"""
         def txn(t):
-            raw = t.get("gc", _PRUNE_KEY + job.encode())
+            raw = t.get("gc", PRUNE_KEY + job.encode())
             if raw is None:
                 return False
             try:
@@ -216,14 +218,14 @@ class GcStateMachine:
                     st.pop(k, None)
                 t.put("gc", b"state", encode_record(st))
             prev = _rebuild_mark(t)
-            t.put("meta", _REBUILD, encode_record({"owner": owner, "started": t.wall()}))
+            t.put("meta", REBUILD_KEY, encode_record({"owner": owner, "started": t.wall()}))
             return prev
         return self._write(txn)
 
     def rebuild_finish(self) -> None:
         """A recover finished: every complete commit in storage has its catalog row, so
         the table is complete again and gc may delete by it."""
-        self._write(lambda t: t.delete("meta", _REBUILD))
+        self._write(lambda t: t.delete("meta", REBUILD_KEY))
 
     def rebuild_unfinished(self) -> dict | None:
         """The mark of a recover that began and has not finished ({owner, started}), or
@@ -295,7 +297,7 @@ class GcStateMachine:
     def gc_unhold(self, holder: str) -> None:
         """Release `holder`'s hold (a move with hold= releases it too)."""
         def txn(t):
-            _drop_hold(t, holder)
+            drop_hold(t, holder)
         self._write(txn)
 
     def gc_thaw(self, owner, *, now: float | None = None):
@@ -398,7 +400,7 @@ def _live_holds(st: dict, clock: str, tnow: float) -> dict:
     return {h: [c, e] for h, (c, e) in (st.get("holds") or {}).items() if c == clock and e > tnow}
 
 
-def _drop_hold(t: Txn, holder: str) -> None:
+def drop_hold(t: Txn, holder: str) -> None:
     st = _gc_state(t)
     holds = st.get("holds") or {}
     if holder in holds:
@@ -406,14 +408,14 @@ def _drop_hold(t: Txn, holder: str) -> None:
         t.put("gc", b"state", encode_record(st))
 
 
-def _check_fence(t: Txn, fence: int | None) -> None:
+def check_fence(t: Txn, fence: int | None) -> None:
     if fence is not None:
         epoch = _gc_state(t).get("epoch", 0)
         if epoch != fence or epoch % 2:
             raise Fenced(f"gc deletion epoch moved from {fence} to {epoch}")
 
 
-def _check_kept(t: Txn, root: bytes, fence: int | None) -> None:
+def check_kept(t: Txn, root: bytes, fence: int | None) -> None:
     """A fenced tag or pin names a snapshot that is kept now: it has a catalog row or is a
     ref's tip. Checked in the transaction that inserts the row, so a gc's expiry either
     saw the tag or pin (and kept the snapshot) or happened before it (and this refuses)."""
@@ -425,7 +427,7 @@ def _check_kept(t: Txn, root: bytes, fence: int | None) -> None:
 
 
 def _rebuild_mark(t: Txn) -> dict | None:
-    raw = t.get("meta", _REBUILD)
+    raw = t.get("meta", REBUILD_KEY)
     if raw is None:
         return None
     try:

@@ -19,7 +19,9 @@ from ..errors import FormatError
 from ..format.records import decode_catalog, decode_record, decode_reflog, encode_reflog
 from .txn import Txn
 
-__all__ = ["RefHistory", "ReflogEntry", "REFLOG_TAIL", "RECOVERED"]
+__all__ = ["RefHistory", "ReflogEntry", "REFLOG_TAIL", "RECOVERED",
+           # what RefTable's own transactions share (refs/base.py)
+           "append_reflog", "key_name", "split_reflog_key"]
 
 _SEQ = struct.Struct(">Q")
 REFLOG_TAIL = 10          # moves of each ref that gc's compaction always leaves, kept or not
@@ -49,12 +51,12 @@ class RefHistory:
             last: dict[bytes, tuple] = {}
             forgotten = set()
             for k, v in t.items("reflog"):
-                name_key, _seq = _split_reflog_key(k)
+                name_key, _seq = split_reflog_key(k)
                 rec = decode_reflog(v, "?")
                 last[name_key] = rec
                 if rec[4] == "forget":
                     forgotten.add(rec[2])
-            refs = {_name(k, "ref"): rec[0] for k, rec in last.items()
+            refs = {key_name(k, "ref"): rec[0] for k, rec in last.items()
                     if rec[4] == "delete" and t.get("refs", k) is None}
             return refs, forgotten
         return self._read(txn)
@@ -170,14 +172,14 @@ class RefHistory:
         return self._read(txn)
 
 
-def _name(k: bytes, what: str) -> str:
+def key_name(k: bytes, what: str) -> str:
     try:
         return k.decode("utf-8")
     except UnicodeDecodeError:
         raise FormatError(f"{what} key is not UTF-8: {k[:40]!r}") from None
 
 
-def _append_reflog(t: Txn, key: bytes, old: bytes | None, new: bytes, message: str, op: str,
+def append_reflog(t: Txn, key: bytes, old: bytes | None, new: bytes, message: str, op: str,
                    catalog_row: dict | None) -> None:
     seq_raw = t.get("meta", b"reflog_seq")
     if seq_raw is not None and len(seq_raw) != _SEQ.size:
@@ -230,7 +232,7 @@ def _steps_complete(t: Txn) -> bool:
     return seq == 0 or t.get("meta", _STEPS_MARK) == _SEQ.pack(seq)
 
 
-def _split_reflog_key(k: bytes) -> tuple[bytes, int]:
+def split_reflog_key(k: bytes) -> tuple[bytes, int]:
     if len(k) < _SEQ.size + 2 or k[-_SEQ.size - 1] != 0:
         raise FormatError("malformed reflog key")
     return k[:-_SEQ.size - 1], _SEQ.unpack(k[-_SEQ.size:])[0]
@@ -240,7 +242,7 @@ def _rebuild_steps(t: Txn) -> None:
     """Index every move of the reflog (a table whose index does not cover every move:
     steps_seq behind the reflog's sequence)."""
     for k, v in t.items("reflog"):
-        name_key, seq = _split_reflog_key(k)
+        name_key, seq = split_reflog_key(k)
         rec = decode_reflog(v, "?")
         if rec[4] == "move":
             _index_step(t, name_key, rec[2], seq, None)
@@ -253,7 +255,7 @@ def _compact_some(t: Txn, tail: int, batch: int) -> int:
         | {k for k, _ in t.items("pins")}
     by_name: dict[bytes, list] = {}
     for k, v in t.items("reflog"):
-        name_key, _seq = _split_reflog_key(k)
+        name_key, _seq = split_reflog_key(k)
         rec = decode_reflog(v, "?")
         by_name.setdefault(name_key, []).append((k, rec[2], rec[4]))
     # Removals stay: they are the audit trail of what users deleted, and recover reads them.

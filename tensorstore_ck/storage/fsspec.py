@@ -35,14 +35,14 @@ import fsspec
 
 from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
-__all__ = ["FsspecBlockStore"]
+__all__ = ["FsspecBlockStore", "translated"]  # translated: S3BlockStore's calls are wrapped by it too
 
 # fsspec's MemoryFileSystem creates (mode="create") with exists() and then a write, unlocked,
 # over one dict per process: racing creates of one key could all report True.
 _MEMORY_CREATE_LOCK = threading.Lock()
 
 
-def _translated(fn):
+def translated(fn):
     """Run a storage call; a backend's own non-OSError failure becomes the OSError its
     store's _translate() names (so RetryingStore and StorageError see one kind)."""
     @functools.wraps(fn)
@@ -134,7 +134,7 @@ class FsspecBlockStore(BlockStore):
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
-    @_translated
+    @translated
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         path = self._path(key)
         try:
@@ -145,7 +145,7 @@ class FsspecBlockStore(BlockStore):
     def open_read(self, key: str, max_bytes: int | None = None) -> BinaryIO:
         return io.BytesIO(self.get(key, max_bytes))
 
-    @_translated
+    @translated
     def put_if_absent(self, key: str, bufs: Sequence) -> bool:
         path = self._path(key)
         # Joining copies the caller's memory: a later mutation of a staged tensor
@@ -235,11 +235,11 @@ class FsspecBlockStore(BlockStore):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
-    @_translated
+    @translated
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))
 
-    @_translated
+    @translated
     def size_of(self, key: str) -> int | None:
         try:
             info = self.fs.info(self._path(key))
@@ -249,7 +249,7 @@ class FsspecBlockStore(BlockStore):
             return None
         return int(info.get("size") or 0)
 
-    @_translated
+    @translated
     def move(self, key: str, new_key: str, *, deadline: Deadline | None = None) -> bool:
         # Copy first, then delete: a crash in between leaves the object under both names
         # (a server-side copy on object stores: the bytes do not travel through here).
@@ -273,14 +273,14 @@ class FsspecBlockStore(BlockStore):
         self.delete(key)
         return True
 
-    @_translated
+    @translated
     def delete(self, key: str) -> None:
         try:
             self.fs.rm_file(self._path(key))
         except FileNotFoundError:
             pass
 
-    @_translated
+    @translated
     def _find(self, base: str) -> dict:
         try:
             return self.fs.find(base, detail=True)

@@ -49,7 +49,7 @@ import threading
 from typing import Iterator, Sequence
 
 from .base import Deadline, ObjectInfo, check_deadline, paged_list
-from .fsspec import FsspecBlockStore, _translated
+from .fsspec import FsspecBlockStore, translated
 
 __all__ = ["S3BlockStore"]
 
@@ -275,7 +275,7 @@ class S3BlockStore(FsspecBlockStore):
                 return b""
             raise
 
-    @_translated
+    @translated
     def exists(self, key: str) -> bool:
         bucket, obj = self._s3_key(key)
         try:
@@ -284,7 +284,7 @@ class S3BlockStore(FsspecBlockStore):
         except FileNotFoundError:
             return False
 
-    @_translated
+    @translated
     def size_of(self, key: str) -> int | None:
         bucket, obj = self._s3_key(key)
         try:  # the HEAD that exists() sends, its Content-Length read
@@ -292,7 +292,7 @@ class S3BlockStore(FsspecBlockStore):
         except FileNotFoundError:
             return None
 
-    @_translated
+    @translated
     def delete_many(self, keys: Sequence[str], *, deadline: Deadline | None = None) -> None:
         keys = list(keys)
         # One DeleteObjects request per 1000 keys (s3fs's rm() would drop per-key errors
@@ -321,7 +321,7 @@ class S3BlockStore(FsspecBlockStore):
         return bucket, obj
 
     # docstring inherited
-    @_translated
+    @translated
     def list_page(self, prefix: str, start_after: str | None = None) -> tuple[list[ObjectInfo], str | None]:
         folder = prefix.rstrip("/")  # a folder: "blocks/a" does not list blocks/ab/
         bucket, s3_prefix = self._s3_key(folder + "/" if folder else "")

@@ -8,6 +8,7 @@ import logging
 
 from ..core import Core
 from ..errors import TsckError
+from ..roles import CatalogReader
 from ..walk import walk_commit
 
 __all__ = ["tier_bytes", "fit_budget"]
@@ -38,7 +39,7 @@ def fit_budget(local: Core, budget: int, *, warn: bool = True, listed=None) -> l
     total = tier_bytes(local)
     if total <= budget:
         return []
-    refs = local.refs
+    refs: CatalogReader = local.refs
     sizes = {kind: {o.digest: o.size for o in local.assets.list_objects(kind)} for kind in ("commits", "nodes", "blocks")}
     evicted, parts = refs.evicted(), refs.parts()
     rows = {root: row for root, row in refs.catalog_iter(bad=[])}

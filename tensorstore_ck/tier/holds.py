@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import IntegrityError, StorageError, TsckError
+from ..roles import RefNaming, UploadQueue
 
 __all__ = ["publish_holds", "held", "unheld", "upload_hold"]
 
@@ -15,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 def _holds(up, root: bytes) -> tuple[list[str], bool]:
-    refs = up.local.refs
+    refs: UploadQueue = up.local.refs
     return [name for name, r in refs.tags() if r == root], root in refs.pins()
 
 
@@ -28,7 +29,7 @@ def publish_holds(up, root: bytes) -> None:
     naming another snapshot (another tier's) is left, with a warning."""
     from ..lifecycle import pin, tag
     names, pinned = _holds(up, root)
-    remote = up.remote.refs
+    remote: RefNaming = up.remote.refs
     for name in names:
         have = remote.tag_get(name)
         if have == root:
@@ -49,7 +50,7 @@ def held(up, root: bytes) -> None:
     comes after this look); else (a snapshot the backlog rule skipped, one the remote
     retention expired, a remote away) it is queued to be sent for its holds alone,
     into the remote catalog without moving the remote ref (upload_hold)."""
-    refs = up.local.refs
+    refs: UploadQueue = up.local.refs
     try:
         if up.remote.refs.catalog_has(root):
             publish_holds(up, root)
@@ -88,7 +89,7 @@ def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
     or pin then adopts the snapshot there (every object found present, fenced on the
     remote gc epoch: a deletion phase in between is waited out and the objects are
     looked at again)."""
-    refs = up.local.refs
+    refs: UploadQueue = up.local.refs
     names, pinned = _holds(up, root)
     if not names and not pinned:
         log.debug("local tier: snapshot %s was queued for a tag or pin that is gone; not sent", root.hex()[:16])

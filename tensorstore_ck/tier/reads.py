@@ -44,7 +44,7 @@ class ReadThrough:
         self.local, self.remote = local, remote
         # -> the roots the tier's budget evicted (RefTable.evicted): their local copies are
         # gone on purpose, so a fall-through for them is the plan, not news (logged at debug).
-        self._evicted = evicted
+        self.evicted = evicted
         self._told: set[bytes] = set()
         self.missing = 0  # objects read from the remote because the tier lacks them
         self._told_missing = False
@@ -63,7 +63,7 @@ class ReadThrough:
         # snapshot the budget evicted is the plan, not news: counted, not told.
         missing = getattr(err, "reason", None) == "missing"
         if missing:
-            evicted = self._evicted is not None and self._was_evicted(d, err)
+            evicted = self.evicted is not None and self._was_evicted(d, err)
             with self._lock:
                 self.missing += 1
                 quiet = evicted or self._told_missing
@@ -84,7 +84,7 @@ class ReadThrough:
 
     def _was_evicted(self, d: bytes, err: BaseException) -> bool:
         try:
-            evicted = self._evicted()
+            evicted = self.evicted()
             snap = getattr(err, "snapshot", None)
             return d in evicted or (isinstance(snap, str) and bytes.fromhex(snap) in evicted)
         except (TsckError, ValueError):

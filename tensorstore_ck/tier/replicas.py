@@ -537,4 +537,4 @@ def peer_reads(reads, peers: Peers):
             at_peers = peers.present("block", lacking) if lacking else set()
             return super().require_blocks([d for d in digests if d not in at_peers], pool, **kw)
 
-    return PeerReads(reads.local, reads.remote, evicted=reads._evicted)
+    return PeerReads(reads.local, reads.remote, evicted=reads.evicted)

@@ -33,6 +33,7 @@ from ..core import Core
 from ..errors import GcBusy, IntegrityError, NotAStore, StorageError, TierFull, TsckError
 from ..format import frame
 from ..publish import Publisher
+from ..roles import UploadQueue
 from ..walk import walk_commit
 from .budget import fit_budget, tier_bytes
 from .holds import held, publish_holds, upload_hold
@@ -155,7 +156,7 @@ class Uploader:
         with self._cond:
             follow, self._follow, self._tidying = self._follow, {}, True
         self._since_tidy = 0
-        refs = self.local.refs
+        refs: UploadQueue = self.local.refs
         try:
             parts = refs.parts(rank0=False)
             jobs = {r: (refs.catalog_get(r, checked=False) or {}).get("job") for r in parts}
@@ -183,7 +184,7 @@ class Uploader:
         is neither durable nor queued: queue it (the ref's tip is what counts; an older
         snapshot of that ref superseded before the kill is not sent). The same for a
         rank's part of a collective snapshot (its row is written before the enqueue)."""
-        refs = self.local.refs
+        refs: UploadQueue = self.local.refs
         for part in refs.intents_queue():
             log.debug("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
                       "process ended before the snapshot's outcome reached this tier", part.hex()[:16])
@@ -213,7 +214,7 @@ class Uploader:
         budget may evict them, and `log` does not call them local-only. Only the remote
         ref table is asked (no request to the remote storage), and only about these
         roots: once marked they are not asked about again."""
-        refs = self.local.refs
+        refs: UploadQueue = self.local.refs
         roots = refs.catalog_roots() - queued
         roots -= refs.durable(roots)
         if not roots:
@@ -481,7 +482,7 @@ class Uploader:
         again where it lacks them (a remote table rebuilt by `tsck recover` has its tags
         back from storage, not its pins; one made while the remote was away): one look
         at the remote table per tag or pin (holds.held)."""
-        refs = self.local.refs
+        refs: UploadQueue = self.local.refs
         try:
             roots = {r for _, r in refs.tags()} | refs.pins()
             for root in refs.durable(roots):
@@ -572,7 +573,7 @@ class Uploader:
         newer_seq = next((s for s, e in pending if s > seq and e.get("ref") == ref and e.get("root") != root), None)
         if newer_seq is None:
             return False
-        refs = self.local.refs
+        refs: UploadQueue = self.local.refs
         from ..gc import retention_plan
         plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
         if plan is None:
@@ -729,7 +730,7 @@ class Uploader:
         took the local one); or a prune spared the snapshot just uploaded (`root`: its
         queue entry said "spared", held while it was sent: RefTable.upload_begin) and the
         rules keep it no more, so what that prune would have done is done now."""
-        refs = self.local.refs
+        refs: UploadQueue = self.local.refs
         if job not in refs.retention_all():
             return False
         if expired and refs.catalog_which(expired):
@@ -776,7 +777,7 @@ class Uploader:
         the tier made it durable and its budget evicted the local copy -> the entry goes
         (the other process's upload_done dropped it already). Otherwise the tier is
         damaged, and that stops the uploader (False)."""
-        refs = self.local.refs
+        refs: UploadQueue = self.local.refs
         if refs.catalog_get(root, checked=False) is None:
             self.expired(seq, root)
             return True

@@ -1,6 +1,7 @@
-"""A snapshot written through dcp.save (TsckWriter) read by store.checkout as the state
-that was saved, so switching from the DCP API to the native one never strands a
-checkpoint (dcp/reader.py does the other direction).
+"""A snapshot written through dcp.save (TsckWriter) read back as the state that was
+saved (read_dcp: readpath.read_state sends every checkout of one here), so switching
+from the DCP API to the native one never strands a checkpoint (dcp/native.py does the
+other direction); and the one rule for DCP's bytes items (load_bytes_item).
 
 The DCP layout (dcp/layout.py composes it; format/dcp.py holds its constants and how it is
 recognized, for this module and `tsck ls` alike):
@@ -28,13 +29,12 @@ import torch
 
 from .errors import CheckoutMismatch, FormatError, UnsupportedType
 from .format import tree
-from .format.dcp import (DCP_FORMAT, DCP_LAYOUT_VERSION, MAX_LAYOUT_VERSION, MIN_LAYOUT_VERSION, TOP_KEYS,
-                         check_version, fqn_paths, is_dcp_top)
+from .format.dcp import check_version, fqn_paths
 from .paths import is_stateful
 from .read import MISSING, Reader
 
-__all__ = ["read_state", "DCP_FORMAT", "DCP_LAYOUT_VERSION", "MIN_LAYOUT_VERSION", "MAX_LAYOUT_VERSION", "TOP_KEYS",
-           "is_dcp_top", "read_dcp", "load_bytes_item"]
+__all__ = ["read_dcp", "load_bytes_item"]
+
 
 def _flatten_into(into: dict, loads: list) -> dict:
     """{fqn: (container, key)} of the caller's tree as DCP flattens a state_dict; a Stateful
@@ -94,15 +94,6 @@ def _set_element(root: dict, path: tuple, value) -> None:
                 cur[k] = value
             else:
                 cur = cur.setdefault(k, nxt)
-
-
-def read_state(reader: Reader, top: bytes, into=MISSING, *, allow_pickle: bool = False):
-    """The state a snapshot's top (its commit's tree) holds: what dcp.save wrote through
-    TsckWriter (read_dcp), else the tree put_snapshot wrote (Store.checkout reads it so)."""
-    v = reader.top(top)
-    if is_dcp_top(v):
-        return read_dcp(reader, v, into, allow_pickle=allow_pickle)
-    return reader.materialize(v, (), into)
 
 
 def read_dcp(reader: Reader, top: tree.Container, into=MISSING, *, allow_pickle: bool = False):
