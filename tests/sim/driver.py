@@ -58,7 +58,9 @@ tier may lose its ref table before a round (refused at open naming recover, `tsc
 T11 nothing the job keeps (rules over both catalogs, tags, pins) is lost in both tiers; T12
 after a clean close() what the job keeps is in the remote catalog; T13 a tier's bytes within
 its budget plus a snapshot (judged where the budget bounds: tsck.TierFull); T14 no
-IntegrityError where no tier was damaged; T15 the lost table's open refused naming recover;
+IntegrityError, and no uploader stopped on one, where no tier was damaged (--focus
+tier-share: one of the two uploaders of a tier trails the other on the same snapshot,
+whose copy the other evicts under it); T15 the lost table's open refused naming recover;
 T16 a close with the remote down ends within its timeout and says what stays queued.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
