@@ -554,7 +554,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
       T13 a tier's stored bytes, sampled as each put of a writer with a budget returns,
           stay within the budget plus one snapshot per process sharing the tier (a put
           waits for room, else raises TierFull);
-      T14 no IntegrityError from a tier writer's put, wait_durable() or close() where no
+      T14 no IntegrityError from a tier writer's put, wait_durable() or close(), and no
+          uploader stopped on one (looked at as the writer ends, op "uploader"), where no
           worker damaged that tier's disk (op rot): a snapshot that left the tier on
           purpose, or that another process sharing it made durable, is no damage;
       T16 a close(timeout=) with the remote storage down (a writer's end "down") ends
@@ -608,6 +609,10 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                 and o.args["tier"] not in rotted:  # T14
             bad.append(f"T14 {o.op} of a writer through tier {o.args['tier']}, whose disk no worker damaged, "
                        f"raised IntegrityError: {o.brief()}")
+        if o.op == "uploader" and o.ok and o.out.get("stopped") == "IntegrityError" \
+                and o.args["tier"] not in rotted:  # T14, however the writer ends (a kill too)
+            bad.append(f"T14 the uploader of a writer through tier {o.args['tier']}, whose disk no worker damaged, "
+                       f"stopped on IntegrityError: {o.out.get('error')}")
         if o.op == "close" and o.args.get("down"):  # T16
             took = o.out.get("took")
             if took is None or took > o.args["timeout"] + DOWN_MARGIN:  # (what it raised: T7, T14)

@@ -58,7 +58,9 @@ tier may lose its ref table before a round (refused at open naming recover, `tsc
 T11 nothing the job keeps (rules over both catalogs, tags, pins) is lost in both tiers; T12
 after a clean close() what the job keeps is in the remote catalog; T13 a tier's bytes within
 its budget plus a snapshot (judged where the budget bounds: tsck.TierFull); T14 no
-IntegrityError where no tier was damaged; T15 the lost table's open refused naming recover;
+IntegrityError, and no uploader stopped on one, where no tier was damaged (--focus
+tier-share: one of the two uploaders of a tier trails the other on the same snapshot,
+whose copy the other evicts under it); T15 the lost table's open refused naming recover;
 T16 a close with the remote down ends within its timeout and says what stays queued.
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
@@ -177,10 +179,14 @@ FLAVORS["step"] = dict(FLAVORS["mix"], weights=dict(FLAVORS["mix"]["weights"], c
 FLAVORS["tier"] = dict(FLAVORS["mix"], tier_p=1.0, tier_kill=0.7, ctier_p=0.6, rot_p=0.3, catalog_p=0.8,
                        share_p=0.5, budget_p=0.5, tier_lost_p=0.2, down_p=0.2)
 # --focus tier-share: two processes on one tier with a job, a budget and lagging uploads in
-# every round: both uploaders may send the same queued snapshot, and the one that finishes
-# first marks it durable and evicts it while the other still reads it.
+# every round, starting together: both uploaders send the same queued snapshot, one of them
+# trailing (its looks at the remote slowed: _trailing), and the other marks it durable and
+# evicts it while the trailing one still reads it. No collective puts (their ranks take
+# the seconds a round has to start on a small host), fewer kills.
 FLAVORS["tier-share"] = dict(FLAVORS["tier"], two_writers=True, share_p=1.0, catalog_p=1.0, budget_p=1.0,
-                             lag_p=1.0, tier_kill=0.2, rot_p=0.0, tier_lost_p=0.0, down_p=0.0, ctier_p=0.0)
+                             lag_p=1.0, tier_kill=0.2, rot_p=0.0, tier_lost_p=0.0, down_p=0.0, ctier_p=0.0,
+                             trail_p=1.0, budget_snaps=(1, 1), driver_kill=0.1, self_kill=0.05,
+                             weights={k: w for k, w in FLAVORS["mix"]["weights"].items() if k != "cput"})
 # Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
 # worker's fsck or gc runs (faults.py `unreadable`; a stream of its own): in every round of
 # --focus unreadable, and in 30% of a worker's rounds on the dirfs backend (a filesystem of
@@ -469,7 +475,26 @@ class Harness:
                 c["faults"]["slow"] = dict(c["faults"].get("slow") or {}, **{"blocks/": 0.2})
             out.append(c)
         self._catalog_writers(r, fl, out)
+        self._trailing(r, fl, out)
         return out
+
+    def _trailing(self, r: int, fl: dict, tiered: list) -> None:
+        """In a tier two processes share (trail_p per tier, a stream of its own): one of
+        them looks at each remote object slowly (faults.py slow_head), so its uploader
+        trails the other's on the same queued snapshot, whose copy the other then marks
+        durable and takes from the tier (its budget's eviction, its job's prune) while
+        this one still reads it: no damage (Uploader.gone_meanwhile)."""
+        trng = random.Random(f"{self.seed}:{r}:trail")
+        by_tier: dict[str, list] = {}
+        for c in tiered:
+            by_tier.setdefault(c["tier"], []).append(c)
+        for path, cs in sorted(by_tier.items()):
+            if len(cs) > 1 and trng.random() < fl.get("trail_p", 0.0):
+                trng.choice(cs)["faults"]["slow_head"] = {"max": trng.choice([0.2, 0.4])}
+                meet = {"path": os.path.join(self.run_dir, "journal", f"r{r}-{os.path.basename(path)}.meet"),
+                        "n": len(cs)}
+                for c in cs:
+                    c["meet"] = meet
 
     def _catalog_writers(self, r: int, fl: dict, tiered: list) -> None:
         """Give the writers of some tiers (catalog_p per tier, a stream of its own) the
@@ -485,7 +510,8 @@ class Harness:
         for path, cs in sorted(by_tier.items()):
             on = crng.random() < fl.get("catalog_p", 0.4)
             keep_last, keep_best = crng.randint(1, 3), crng.choice([0, 1])
-            budget = crng.randint(1, 3) * one if crng.random() < fl.get("budget_p", 0.2) else None
+            budget = crng.randint(*fl.get("budget_snaps", (1, 3))) * one if crng.random() < fl.get("budget_p", 0.2) \
+                else None
             # Uploads that lag behind the puts (the remote's block requests slowed): a backlog
             # for the backlog rule, durable copies held back from the budget.
             lag = crng.random() < fl.get("lag_p", 0.5)
@@ -555,12 +581,15 @@ class Harness:
                     if c.get("catalog") else "")
                  + (f":budget{c['budget'] // 1000}k" if c.get("budget") else "")
                  + (":shared" if c.get("sharing", 1) > 1 else "") + (":lag" if c.get("lag") else "")
+                 + (":trail" if "slow_head" in c["faults"] else "")
                  for c in tiered]
         counts: dict = {}  # the catalog writers' calls by outcome (tag:ok, kept:ok, prune:GcBusy...)
         fences = 0  # the uploaders' fenced remote moves: a closing writer's fences less its puts'
+        gone = 0  # uploads that found their copy taken by another process of the tier (as each writer ended)
         for o in check.load_ops(self.run_dir):
             if o.w in ids and o.op == "close" and o.args.get("tier") and "fences" in o.out:
                 fences += o.out["fences"]
+            gone += o.out.get("gone", 0) if o.w in ids and o.op == "uploader" and o.ok else 0
             if o.w in ids and o.op == "put" and o.args.get("tier") and o.ok:
                 fences -= o.out.get("fenced", 0)
             if (o.w in ids and o.op in ("tag", "pin", "untag", "unpin", "prune", "kept") and o.args.get("tier")) \
@@ -569,6 +598,7 @@ class Harness:
                 counts[k] = counts.get(k, 0) + 1
         return ",".join(parts) + f"(puts={self._tier_puts}, durable={self._tier_durable}, " \
                                  f"upload_kills={self._upload_kills(ids)}, upload_fences={max(0, fences)}, " \
+                                 f"upload_gone={gone}, " \
                                  f"budget_over={self._budget_over}, " \
                                  f"catalog={','.join(f'{k}x{v}' for k, v in sorted(counts.items())) or 0})"
 

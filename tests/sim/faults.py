@@ -31,6 +31,11 @@ The profile (chosen by the driver from the seed) says, per point:
                        "commit" (after that many objects of the kind reached the remote),
                        "move" (everything sent and synced, the remote ref not moved),
                        "durable" (the remote ref moved, the tier not told yet)
+  slow_head            {"max": s}: a writer with a local tier: each look at a remote object
+                       (size_of, the HEAD of an upload's copy) sleeps uniform(0, s), drawn
+                       from a stream of its own (no fault point: the other faults' schedule
+                       stays as it was), so its uploader trails another process's on the
+                       same queued snapshot of a shared tier
   down                 set by a tier writer ending "down" (Faults.down): from then on every
                        request of the remote storage is refused (ECONNREFUSED), as by a
                        server that went away; its close(timeout=) must end within its bound
@@ -71,6 +76,7 @@ class Faults:
         self.armed = True
         self.upload_seen: dict[str, int] = {}  # uploader stages reached (kill_upload)
         self.down = False  # the remote storage refuses every request (a tier writer's end "down")
+        self.head_rng = random.Random(f"{seed}:head")  # slow_head's delays: a stream of their own
 
     def upload_point(self, stage: str, key: str = "") -> None:
         """A stage inside a local tier's uploader: SIGKILL at the profile's n-th one."""
@@ -84,6 +90,15 @@ class Faults:
                 self.on_kill(n, f"upload-{stage}", key)
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(10)  # never returns
+
+    def slow_head(self) -> None:
+        """A look at a remote object (size_of): the profile's slow_head delay, if any."""
+        sh = self.p.get("slow_head")
+        if not sh or not self.armed:
+            return
+        with self.lock:
+            u = self.head_rng.random()
+        time.sleep(u * sh["max"])
 
     def point(self, op: str, key: str = "") -> None:
         if not self.armed:
@@ -196,6 +211,10 @@ class SimStore(WrappedStore):
     def exists(self, key):
         self._point("exists", key)
         return self.inner.exists(key)
+
+    def size_of(self, key):
+        self.f.slow_head()
+        return self.inner.size_of(key)
 
     def delete(self, key):
         self._point("delete", key)

@@ -13,7 +13,8 @@ where cfg["rot"]: it damages a block on that tier's disk) and
 tier_end ("close" | "wait" | "kill" | "down": how such a writer ends); catalog (a tier writer with a
 job of its own: {"job", "keep_last", "keep_best"}: it sets the job's retention, prunes the job
 after puts, tags, pins, untags and unpins the job's snapshots in its tier), budget (the tier's
-local_budget in bytes) and sharing (how many processes of the round open that tier).
+local_budget in bytes), sharing (how many processes of the round open that tier) and meet
+({"path", "n"}: those processes start their operations together).
 
 Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
     {"w", "i", "op", "args", "start"}                      before the call
@@ -59,6 +60,27 @@ class FenceCount(logging.Handler):
 FENCES = FenceCount()
 logging.getLogger("tensorstore_ck.publish").addHandler(FENCES)
 logging.getLogger("tensorstore_ck.publish").setLevel(logging.DEBUG)
+
+
+class GoneCount(logging.Filter):
+    """Counts this process's uploads that found their snapshot's local copy gone because
+    another process sharing the tier made it durable and took it (Uploader.gone_meanwhile
+    logs each, at DEBUG): the round line shows the path was drawn. A filter, not a
+    handler: the uploader's warnings still reach the worker's stderr (logging's last resort)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def filter(self, record):
+        if "made durable by another process" in record.getMessage():
+            self.n += 1
+        return True
+
+
+GONE = GoneCount()
+logging.getLogger("tensorstore_ck.tier.uploader").addFilter(GONE)
+logging.getLogger("tensorstore_ck.tier.uploader").setLevel(logging.DEBUG)
 
 
 class Journal:
@@ -154,6 +176,7 @@ RANKS = 2  # the world size of a worker's collective puts
 ROT_I = 1_000_000  # journal index offset of the damage done as a put returns (Worker._rot_after_put)
 CAT_I = 2_000_000  # a catalog writer's own calls: its rules at start (CAT_I), its prune after put i (CAT_I + 1 + i)
 DOWN_I = 3_000_000  # a writer ending "down": the moment its remote storage went away
+MEET_WAIT = 60.0  # seconds a writer sharing a tier waits for the others to open it (Worker._meet)
 
 
 def tier_bytes(path: str) -> int:
@@ -681,6 +704,7 @@ class Worker:
             content.state(content.make_spec(self.wid, 0, v, 0))
         if weights.get("cput"):
             self.start_ranks()
+        self._meet()
         deadline = time.time() + cfg["seconds"]
         # A writer ending "down": the remote storage goes away before its last 2-5 ops or
         # the last 30-50% of its time, whichever comes first (a stream of its own), so that
@@ -749,6 +773,20 @@ class Worker:
                     p.kill()
         return 0
 
+    def _meet(self) -> None:
+        """cfg["meet"] {"path", "n"}: the writers sharing a tier start their operations
+        together (a process's start takes seconds on a loaded host, a round a few): each
+        says it is open, then waits for the others, at most MEET_WAIT (one killed or stuck
+        meanwhile is not waited for)."""
+        meet = self.cfg.get("meet")
+        if not meet:
+            return
+        open(f"{meet['path']}.{self.wid}", "w").close()
+        folder, name = os.path.split(meet["path"])
+        until = time.time() + MEET_WAIT
+        while time.time() < until and sum(f.startswith(name + ".") for f in os.listdir(folder)) < meet["n"]:
+            time.sleep(0.02)
+
     def _close_tier(self, s) -> None:
         """How a writer with a local tier ends (seeded, cfg["tier_end"]): "close" finishes
         its uploads in close(), kill points still armed; "wait" waits a while for them
@@ -761,6 +799,8 @@ class Worker:
         keeps (op "kept", T12)."""
         end = self.cfg.get("tier_end", "close")
         i = self.cfg["ops"] + 1
+        tier = os.path.basename(self.cfg["tier"])
+        self._journaled(i + 2, "uploader", {"tier": tier}, lambda: self._uploader_state(s))
         if end == "kill":
             self.j.write(kill="end", op="close", key="uploads left queued")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -771,14 +811,36 @@ class Worker:
         if end == "wait":
             args, call = self.op_durable(s, i - 1)
             self._journaled(i - 1, "durable", args, call)
-        tier = os.path.basename(self.cfg["tier"])
         kept = self._kept_here(s) if self.cfg.get("catalog") else None
-        out = self._journaled(i, "close", {"tier": tier}, lambda: (s.close(), {"fences": FENCES.n})[1])
-        # (an uploader stopped on a failure that wait_durable() raised: close() says nothing more)
-        if kept is not None and out["result"] == "ok" and not self._upload_stopped:
+        out = self._journaled(i, "close", {"tier": tier}, lambda: self._close_said(s))
+        # (an uploader stopped on a failure that wait_durable() raised: close() says nothing more;
+        # a close that says uploads stay queued stopped waiting at a failed attempt)
+        if kept is not None and out["result"] == "ok" and not self._upload_stopped and not out.get("stays_queued"):
             self.faults.armed = False  # a look, not a fault window
             self._journaled(i + 1, "kept", {"tier": tier, "job": self.cfg["catalog"]["job"], "before": sorted(kept)},
                             lambda: self._kept_remote(kept))
+
+    @staticmethod
+    def _close_said(s) -> dict:
+        """close(), and whether it said with a SnapshotWarning that uploads stay queued (an
+        upload attempt failed while it waited, Uploader.drain, or, in a shared tier, the
+        other process's): then it is no clean close, and T12 does not judge it."""
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            s.close()
+        for w in ws:  # still in the worker's log
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        said = [str(w.message) for w in ws if issubclass(w.category, tsck.SnapshotWarning)]
+        return {"fences": FENCES.n, "stays_queued": any("stay queued" in m for m in said)}
+
+    @staticmethod
+    def _uploader_state(s) -> dict:
+        """As a tier writer ends, however it ends: the failure that stopped its uploader,
+        if one did (T14: an uploader stops on damage only where a worker did damage), and
+        how many of its uploads found their copy taken by another process (GONE)."""
+        e = s._tier.uploader.error
+        return {"stopped": type(e).__name__ if e is not None else None, "error": str(e)[:400] if e else None,
+                "gone": GONE.n}
 
     def _close_down(self, s, i: int) -> None:
         """close(timeout=) with the remote storage refusing every request (T16)."""
