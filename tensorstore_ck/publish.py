@@ -4,7 +4,7 @@ re-validate and retry; and the stats of what was written.
 
 plan.py turns a state into a Plan (validated, cut into block jobs) and writes
 nothing; everything that writes is here. Store.put_snapshot, the collective put
-(dist.py) and the DCP writer (dcp/) all publish through a Publisher; none of
+(dist/) and the DCP writer (dcp/) all publish through a Publisher; none of
 them moves a ref itself. The argument for why the fence makes reuse of existing
 blocks safe while gc runs is in docs/design/gc.md ("GC and concurrent writers").
 """
@@ -581,7 +581,9 @@ class Publisher:
             done.set()
             t.join()
 
-    def _rewrite(self, payloads: list, commit_body: bytes | None) -> None:
+    def rewrite(self, payloads: list, commit_body: bytes | None) -> None:
+        """Write again, after a fenced move, the nodes and the commit object of a snapshot
+        (what a deletion phase may have removed; the re-validations end with it)."""
         for payload in payloads:
             self.assets.put_node(payload)
         if commit_body is not None:
@@ -605,7 +607,7 @@ class Publisher:
                 if owns is None or not leaf.replicated or owns(leaf, i)]
         for f in futs:
             f.result()
-        self._rewrite(payloads, commit_body)
+        self.rewrite(payloads, commit_body)
 
     def revalidate_addresses(self, digests: list, payloads: list, commit_body: bytes, fence: int, *,
                              what: str) -> None:
@@ -616,4 +618,4 @@ class Publisher:
         if missing:
             raise SnapshotAborted(f"gc removed {missing} block(s) {what} references; nothing was published, "
                                   "save again")
-        self._rewrite(payloads, commit_body)
+        self.rewrite(payloads, commit_body)

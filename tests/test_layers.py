@@ -67,7 +67,7 @@ def _module_level_imports(tree: ast.Module):
 
 
 def test_the_core_does_not_import_torch_distributed_at_import_time():
-    """Only the DCP adapter (dcp/) may; dist.py imports it when a collective runs."""
+    """Only the DCP adapter (dcp/) may; dist/ imports it when a collective runs."""
     bad = []
     for name, tree in _modules():
         if name.startswith("dcp/"):
