@@ -297,8 +297,8 @@ class Harness:
 
         def one(rk: Rank):
             if rk.rank not in chosen:
-                collective_checkout(CollectiveJob(rk.store.core, rk.store.publisher, rk.store._collective,
-                                                  groups[rk.rank], self.timeout, read=lambda root, rank: None), REF)
+                collective_checkout(CollectiveJob(rk.store._collective, groups[rk.rank], self.timeout,
+                                                  resolve=rk.store.core.resolve, read=lambda root, rank: None), REF)
                 return None
             into = {"t": {f"p{i:05d}": tsck.Sharded(torch.zeros(k, COLS), (W, COLS), (k * rk.rank, 0))
                           for i in range(N)}}

@@ -61,8 +61,14 @@ package's modules indented under it). A module over ~600 lines says which one jo
                           it hands the layers below its Core, never itself
     asyncput.py           put_snapshot(blocking=False): staging, slots, the background publisher
     lifecycle.py          tags, pins, forget, delete_ref: fenced against gc, rolled back on failure
-    dist.py               collective put/checkout under torch.distributed (a CollectiveJob),
-                          one job over ~600 lines: the collective protocol
+    dist/                 collective put/checkout under torch.distributed (a CollectiveJob):
+      put.py              the collective put, round by round (PutCall.run)
+      checkout.py         the collective checkout, given resolve and read as roles
+      job.py              CollectiveJob: what a call is given by the Store that makes it
+      channel.py          a call's keys in the c10d Store: waits, aborts, claims, acks, the
+                          out-of-step checks, rank 0's heartbeat; StoreGroup
+      layout.py           rank 0's check that the ranks' pieces tile; the layouts it keeps
+      naming.py           the names of calls (CollectiveContext, CALLS), the same on every rank
     gc.py, fsck.py,       expire, mark, sweep (safe with concurrent writers); verify kept
     recover.py            snapshots; rebuild the ref table from storage (gc.py one job over
                           ~600 lines: a gc or prune from its lock to its report)

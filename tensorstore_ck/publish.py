@@ -4,7 +4,7 @@ re-validate and retry; and the stats of what was written.
 
 plan.py turns a state into a Plan (validated, cut into block jobs) and writes
 nothing; everything that writes is here. Store.put_snapshot, the collective put
-(dist.py) and the DCP writer (dcp/) all publish through a Publisher; none of
+(dist/) and the DCP writer (dcp/) all publish through a Publisher; none of
 them moves a ref itself. The argument for why the fence makes reuse of existing
 blocks safe while gc runs is in docs/design/gc.md ("GC and concurrent writers").
 """
@@ -235,6 +235,16 @@ def log_committed(info: SnapshotInfo) -> SnapshotInfo:
     return info
 
 
+@dataclass(frozen=True)
+class _Move:
+    """One try of a fenced ref move (Publisher._move_ref): the ref from `parent` to
+    `root`, with the catalog row; part0 as in RefTable.compare_and_swap."""
+    parent: bytes | None
+    root: bytes
+    row: dict
+    part0: bytes | None = None
+
+
 class Publisher:
     """Writes and publishes snapshots into one store (thread-safe).
 
@@ -336,83 +346,53 @@ class Publisher:
         a training log wants: ref, step, bytes, new bytes, seconds, stall."""
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
-        races = fenced = 0
-        body = last_parent = None
-        holder = None  # the gc hold this commit took after a fenced move, until the move releases it
-        try:
-            for _attempt in range(COMMIT_ATTEMPTS):
-                parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
-                if body is None or parent != last_parent:
-                    # After a fenced move with the same parent the same commit object is
-                    # published: a new one each time would leave the old as garbage for every
-                    # snapshot that overlaps a gc's (or a prune's) deletion phase.
-                    now = self.reftable.wall_now()  # one clock for every writer's commit times
-                    if timing is not None:
-                        stats = {**stats, **timing.stats()}
-                    body = encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
-                                         meta=meta, parent=parent, tree=tree, stats=stats)
-                    last_parent = parent
-                root = self.assets.put_commit(body).digest
-                self.assets.sync()  # everything the commit references is durable before the ref moves
-                row = {"job": args.job, "ref": ref, "step": args.step, "time": now, "metrics": args.metrics,
-                       "meta": meta, "parent": parent, "tree": tree, **stats}
-                try:
-                    self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {args.step}",
-                                                   catalog_row=row, fence=fence, hold=holder, part0=part0)
-                except Fenced:
-                    if revalidate is None:
-                        raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
-                                              "published, take it again") from None
-                    fenced += 1
-                    log.debug("ref %s: a gc deletion phase overlapped this snapshot; re-validating its objects",
-                              ref)
-                    holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-                    # With the hold taken no deletion phase opens until the move (or its expiry).
-                    fence = self.wait_gc_idle(hold=holder)
-                    with self._renewing(holder):
-                        revalidate(body, fence)
-                    continue
-                except OutcomeUnknown as e:
-                    if self._landed(ref, root):
-                        log.warning("ref %s: the answer to its move to %s was lost; the table shows it landed",
-                                    ref, root.hex()[:16])
-                        holder = None  # the move released it
-                        self.assets.presence.settle(fence)
-                        return log_committed(row_to_info(root, row))
-                    # Never delete here: a COMMIT still in flight may yet publish `root`,
-                    # and no read can order itself after it (gc reclaims it if it never lands).
-                    raise OutcomeUnknown(f"{e}; snapshot {root.hex()} may or may not be published on ref {ref!r}: "
-                                         f"check `tsck log` of the ref (or store.resolve/store.log) before taking it "
-                                         "again, or a retry may publish it twice", root=root, ref=ref) from None
-                except StorageError:
-                    self._drop_unpublished(ref, root)
-                    raise
-                except RefConflict as e:
-                    if exp is not UNSET or e.what != "ref":  # conditional, or the name is a tag's
-                        raise
-                    # Another writer moved the ref: chain onto its snapshot and retry, after a
-                    # short jittered pause so that writers hammering one ref do not livelock.
-                    races += 1
-                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10))))
-                    continue
-                holder = None  # the move released it
-                self.assets.presence.settle(fence)
-                # After the move, not before: the commit's own round trips are the ones a
-                # fault (a held or lost COMMIT) meets, and a warning costs no read to a put
-                # that fails.
-                had = None if _resumed_past(args) else self._step_taken(ref, args.step, root)
-                if had is not None:
-                    _warn_step_reused(ref, args.step, had, root)
-                return log_committed(row_to_info(root, row))
-            raise SnapshotAborted(f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost "
-                                  f"races with other writers moving it, {fenced} overlapping gc deletion phases; "
-                                  "nothing was published, take the snapshot again")
-        finally:
-            if holder is not None:
-                try:
-                    self.reftable.gc_unhold(holder)
-                except Exception as e:  # noqa: BLE001 - it expires on its own
-                    log.debug("gc hold %s not released (%s); it expires in %gs", holder, e, HOLD_SECONDS)
+        made: dict = {}  # the commit object last encoded: body, parent, time, stats
+
+        def attempt() -> _Move:
+            parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
+            if not made or parent != made["parent"]:
+                # After a fenced move with the same parent the same commit object is
+                # published: a new one each time would leave the old as garbage for every
+                # snapshot that overlaps a gc's (or a prune's) deletion phase.
+                now = self.reftable.wall_now()  # one clock for every writer's commit times
+                st = made.get("stats", stats)
+                if timing is not None:
+                    st = {**st, **timing.stats()}
+                made.update(body=encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
+                                               meta=meta, parent=parent, tree=tree, stats=st),
+                            parent=parent, time=now, stats=st)
+            root = self.assets.put_commit(made["body"]).digest
+            self.assets.sync()  # everything the commit references is durable before the ref moves
+            return _Move(parent, root, {"job": args.job, "ref": ref, "step": args.step, "time": made["time"],
+                                        "metrics": args.metrics, "meta": meta, "parent": parent, "tree": tree,
+                                        **made["stats"]}, part0)
+
+        def unknown(e: OutcomeUnknown, root: bytes) -> OutcomeUnknown:
+            # Never delete here: a COMMIT still in flight may yet publish `root`,
+            # and no read can order itself after it (gc reclaims it if it never lands).
+            return OutcomeUnknown(f"{e}; snapshot {root.hex()} may or may not be published on ref {ref!r}: check "
+                                  "`tsck log` of the ref (or store.resolve/store.log) before taking it again, or a "
+                                  "retry may publish it twice", root=root, ref=ref)
+
+        move, lost = self._move_ref(
+            ref, attempt, fence=fence, what="snapshot", conditional=exp is not UNSET, drop_failed=True,
+            revalidate=None if revalidate is None else (lambda new_fence: revalidate(made["body"], new_fence)),
+            unknown=unknown,
+            gave_up=lambda races, fenced: (
+                f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost races with other "
+                f"writers moving it, {fenced} overlapping gc deletion phases; nothing was published, take the "
+                "snapshot again"))
+        if lost:
+            log.warning("ref %s: the answer to its move to %s was lost; the table shows it landed",
+                        ref, move.root.hex()[:16])
+        else:
+            # After the move, not before: the commit's own round trips are the ones a
+            # fault (a held or lost COMMIT) meets, and a warning costs no read to a put
+            # that fails.
+            had = None if _resumed_past(args) else self._step_taken(ref, args.step, move.root)
+            if had is not None:
+                _warn_step_reused(ref, args.step, had, move.root)
+        return log_committed(row_to_info(move.root, move.row))
 
     def _step_taken(self, ref: str, step, root: bytes) -> bytes | None:
         """A kept snapshot of `ref`'s history at `step` other than `root`, if any (the
@@ -430,40 +410,83 @@ class Publisher:
         (a local tier's upload): the fenced compare-and-swap of row["ref"] to `root` itself,
         never a new commit (the same root in every tier; its parent is a weak link and this
         store's reflog records the moves as they happen here). The lost races, fenced moves
-        and lost answers are handled as in commit(); revalidate(fence) must make every object
-        of the snapshot exist again under the new fence."""
+        and lost answers are handled as in commit() (_move_ref); revalidate(fence) must make
+        every object of the snapshot exist again under the new fence."""
         ref = row["ref"]
-        holder = None
+
+        def attempt() -> _Move | None:
+            if self.reftable.catalog_has(root):
+                return None  # published here already (an upload resumed after the move)
+            return _Move(self.reftable.get_or_none(ref), root, row)
+
+        got = self._move_ref(ref, attempt, fence=fence, what="upload", revalidate=revalidate, backoff=False,
+                             gave_up=lambda _races, _fenced: (f"gave up moving {ref!r} to {root.hex()[:16]} after "
+                                                              f"{COMMIT_ATTEMPTS} attempts"))
+        return self.info(root) if got is None else row_to_info(root, row)
+
+    def _move_ref(self, ref: str, attempt, *, fence: int, revalidate, what: str, gave_up, conditional: bool = False,
+                  backoff: bool = True, drop_failed: bool = False, unknown=None) -> tuple[_Move, bool] | None:
+        """The fenced compare-and-swap of `ref`, tried until it lands (commit and move_to).
+        attempt() -> the _Move to try (its objects durable), or None: nothing to move.
+        -> (the move that landed, whether its answer was lost and the table showed it
+        landed), or None as attempt() said.
+
+        Fenced (a gc deletion phase began since `fence`): wait it out holding a gc hold,
+        so that no new phase opens until the move, call revalidate(new fence) under the
+        hold (renewed meanwhile) and try again; without revalidate, SnapshotAborted.
+        OutcomeUnknown (the answer was lost): landed if the table shows it, else raised
+        (as unknown(e, root) when given). A failed move (StorageError) with drop_failed
+        removes the commit object the table confirms unpublished (_drop_unpublished).
+        RefConflict on the ref (another writer moved it): a short jittered pause (growing
+        with the lost races with backoff, else up to 50 ms), then again, unless the move
+        is conditional (expected=). The hold goes in every case."""
+        races = fenced = 0
+        holder = None  # the gc hold taken after a fenced move, until the move releases it
         try:
             for _attempt in range(COMMIT_ATTEMPTS):
-                if self.reftable.catalog_has(root):
-                    return self.info(root)  # published here already (an upload resumed after the move)
-                parent = self.reftable.get_or_none(ref)
+                move = attempt()
+                if move is None:
+                    return None
                 try:
-                    self.reftable.compare_and_swap(ref, parent, root, message=f"snapshot step {row.get('step')}",
-                                                   catalog_row=row, fence=fence, hold=holder)
+                    self.reftable.compare_and_swap(ref, move.parent, move.root,
+                                                   message=f"snapshot step {move.row.get('step')}",
+                                                   catalog_row=move.row, fence=fence, hold=holder, part0=move.part0)
                 except Fenced:
-                    log.debug("ref %s: a gc deletion phase overlapped this upload; re-validating its objects", ref)
+                    if revalidate is None:
+                        raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "
+                                              "published, take it again") from None
+                    fenced += 1
+                    log.debug("ref %s: a gc deletion phase overlapped this %s; re-validating its objects", ref, what)
                     holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+                    # With the hold taken no deletion phase opens until the move (or its expiry).
                     fence = self.wait_gc_idle(hold=holder)
                     with self._renewing(holder):
                         revalidate(fence)
                     continue
-                except OutcomeUnknown:
-                    if self._landed(ref, root):
-                        holder = None
-                        self.assets.presence.settle(fence)
-                        return row_to_info(root, row)
+                except OutcomeUnknown as e:
+                    if not self._landed(ref, move.root):
+                        if unknown is None:
+                            raise
+                        raise unknown(e, move.root) from None
+                    holder = None  # the move released it
+                    self.assets.presence.settle(fence)
+                    return move, True
+                except StorageError:
+                    if drop_failed:
+                        self._drop_unpublished(ref, move.root)
                     raise
                 except RefConflict as e:
-                    if e.what != "ref":  # the name is a tag's here
+                    if conditional or e.what != "ref":  # conditional, or the name is a tag's
                         raise
-                    time.sleep(random.uniform(0, 0.05))
+                    # Another writer moved the ref: chain onto its snapshot and retry, after a
+                    # short jittered pause so that writers hammering one ref do not livelock.
+                    races += 1
+                    time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10)) if backoff else 0.05))
                     continue
                 holder = None  # the move released it
                 self.assets.presence.settle(fence)
-                return row_to_info(root, row)
-            raise SnapshotAborted(f"gave up moving {ref!r} to {root.hex()[:16]} after {COMMIT_ATTEMPTS} attempts")
+                return move, False
+            raise SnapshotAborted(gave_up(races, fenced))
         finally:
             if holder is not None:
                 try:
@@ -558,7 +581,9 @@ class Publisher:
             done.set()
             t.join()
 
-    def _rewrite(self, payloads: list, commit_body: bytes | None) -> None:
+    def rewrite(self, payloads: list, commit_body: bytes | None) -> None:
+        """Write again, after a fenced move, the nodes and the commit object of a snapshot
+        (what a deletion phase may have removed; the re-validations end with it)."""
         for payload in payloads:
             self.assets.put_node(payload)
         if commit_body is not None:
@@ -582,7 +607,7 @@ class Publisher:
                 if owns is None or not leaf.replicated or owns(leaf, i)]
         for f in futs:
             f.result()
-        self._rewrite(payloads, commit_body)
+        self.rewrite(payloads, commit_body)
 
     def revalidate_addresses(self, digests: list, payloads: list, commit_body: bytes, fence: int, *,
                              what: str) -> None:
@@ -593,4 +618,4 @@ class Publisher:
         if missing:
             raise SnapshotAborted(f"gc removed {missing} block(s) {what} references; nothing was published, "
                                   "save again")
-        self._rewrite(payloads, commit_body)
+        self.rewrite(payloads, commit_body)

@@ -2,7 +2,7 @@
 the module that does it, giving it the store's Core (core.py), never the Store:
 
     put_snapshot   Planner (plan.py) -> Publisher (publish.py) -> Assets -> BlockStore;
-                   blocking=False through AsyncPuts (asyncput.py), collective through dist.py
+                   blocking=False through AsyncPuts (asyncput.py), collective through dist/
     checkout       Reader (read.py), through readpath.py (a DCP-written one: dcpstate.py)
     tag, pin, untag, forget, delete_ref, undelete  lifecycle.py (fenced against gc)
     gc, prune, fsck, recover, du, diff         gc.py, fsck.py, recover.py, usage.py, listing.py
@@ -350,7 +350,7 @@ class Store:
                     "which names the call, so a rank that skipped a put can never join the others' next one with "
                     "another version of its state; nothing was written")
             stalled: list = []  # an asynchronous put's staging time, once staged
-            call = CollectiveJob(self.core, self.publisher, self._collective, group, timeout, prepare=prepare,
+            call = CollectiveJob(self._collective, group, timeout, publisher=self.publisher, prepare=prepare,
                                  tier=self._collective_tier(), ident=(ref, step),
                                  timing=lambda: Timing(started, stall=stalled[0] if stalled else None))
             if not blocking:
@@ -660,9 +660,10 @@ class Store:
         if is_collective(group):
             # Rank 0 resolves the target in both tiers (the newer snapshot, as for one
             # process); every rank reads its region through its own tier, the remote behind.
-            resolve = None if self._tier is None else (lambda t: self._tier_roots(t)[0])
-            return collective_checkout(CollectiveJob(self.core, self.publisher, self._collective, group, timeout,
-                                                     read=read, resolve=resolve), target)
+            tier = self._tier
+            resolve = self.core.resolve if tier is None else (lambda t: tier.roots(t)[0])
+            return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=resolve, read=read),
+                                       target)
         roots = self._tier_roots(target)
         for i, root in enumerate(roots):
             try:

@@ -68,7 +68,7 @@ def _module_level_imports(tree: ast.Module):
 
 
 def test_the_core_does_not_import_torch_distributed_at_import_time():
-    """Only the DCP adapter (dcp/) may; dist.py imports it when a collective runs."""
+    """Only the DCP adapter (dcp/) may; dist/ imports it when a collective runs."""
     bad = []
     for name, tree in _modules():
         if name.startswith("dcp/"):
@@ -275,12 +275,11 @@ FOREIGN_PRIVATE = {
     ("lightning.py", "sys"), ("store.py", "sys"), ("train.py", "sys"),  # sys._getframe
     ("lightning.py", "fs"),  # fsspec's _parent
     ("read.py", "torch"),  # torch's quantized tensor constructors
-    ("dist.py", "dist.distributed_c10d"),  # the default c10d store
+    ("dist/channel.py", "dist.distributed_c10d"),  # the default c10d store
     ("storage/wrappers.py", "self._sem"),  # threading.Semaphore's _initial_value
 }
-# A reach-in across the package's own modules that stands: dist.py's collective put
-# re-publishes through the Publisher's rewrite.
-KNOWN_REACH_INS = {("dist.py", "publisher._rewrite")}
+# A reach-in across the package's own modules that stands (none today).
+KNOWN_REACH_INS: set = set()
 
 
 def _is_package_import(node: ast.ImportFrom) -> bool:

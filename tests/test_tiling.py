@@ -83,7 +83,7 @@ ROWS, COLS = 4096, 8
 def _hostile_world_snapshot(store, ref="j/bad") -> torch.Tensor:
     """What a collective put without the tiling check commits for rank 0 = rows [0, 3072) and rank 1 =
     rows [0, 1024) (its offset should have been 3072): two rank trees, merged at checkout.
-    Written with the store's own planner and publisher, exactly as dist.py composes them."""
+    Written with the store's own planner and publisher, exactly as dist/put.py composes them."""
     g = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
     planner = store.planner()
     trees = []

@@ -3,7 +3,7 @@
 Under torch.distributed with `open_store(remote, local=NODE_DIR)` on every rank:
 
     every rank   writes its own blocks and sub-tree to its own local tier (the collective
-                 protocol of dist.py, unchanged; each rank under its own tier's gc fence)
+                 protocol of dist/, unchanged; each rank under its own tier's gc fence)
     rank 0       writes the top nodes and the commit to its tier and moves its local ref
                  (the local publication), then hands the commit and the top nodes to the
                  others (one c10d key): every rank's tier can then read its own region of
@@ -50,8 +50,8 @@ _PAUSE = (0.1, 5.0)  # first and longest pause between two looks, seconds
 
 
 class CollectiveTier:
-    """What a collective put through local tiers does besides the protocol of dist.py,
-    built by the Store for one call (dist.py calls it, and knows nothing of tiers)."""
+    """What a collective put through local tiers does besides the protocol of dist/,
+    built by the Store for one call (dist/put.py calls it, and knows nothing of tiers)."""
 
     def __init__(self, core, uploader, peers=None):  # peers: replicas.Peers
         self.core, self.uploader, self.peers = core, uploader, peers
