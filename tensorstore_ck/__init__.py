@@ -29,8 +29,14 @@ under it). A module over ~600 lines says which one job it does.
       reader.py           TsckReader: a StorageReader over one snapshot
       native.py           a put_snapshot snapshot seen by dcp.load
       handle.py           reopening a store in another process (async_save's PROCESS checkpointer)
-    train.py              TrainState (exact resume: the state and every RNG stream) and
+    train/                TrainState (exact resume: the state and every RNG stream) and
                           CheckpointManager (when to snapshot; collective under torch.distributed)
+      state.py            TrainState: the objects' state and every RNG stream, captured and put back
+      manager.py          CheckpointManager: when to snapshot, and the snapshots taken
+      watch.py            its on_commit and on_durable hooks, CommitEvent, the store's size measured
+      outcomes.py         its failures, warned and counted; CloseReport
+      collective.py       under torch.distributed: rank 0 decides, collective snapshots and restores
+      restoring.py        restore_latest, restore(step), the steps kept, a rollback
     export.py             a snapshot out as one safetensors / torch.save file (`tsck checkout`);
                           the model's weights alone (export_weights, `tsck export-weights`)
     importing.py          torch.save, safetensors files and model folders in (`tsck import`)
