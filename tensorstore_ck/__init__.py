@@ -26,8 +26,14 @@ Every module, by layer, top to bottom, each on one line. Nothing imports upward
 checks that every module is named here exactly once (a name in the first column; a
 package's modules indented under it). A module over ~600 lines says which one job it does.
 
-    cli.py, __main__.py   `tsck`: --json, exit codes 0 / 1 / 2 (cli.py one job over ~600 lines:
-                          every command's arguments, output and exit code)
+    __main__.py           `python -m tensorstore_ck`: the CLI's main()
+    cli/                  `tsck`: --json, exit codes 0 / 1 / 2; main() opens the store, runs
+                          the command and turns its errors into one line and an exit code
+      parser.py           every command's arguments, $TSCK_STORE, the hints for a misread one
+      snapshots.py        refs, log, show, ls, diff; tag, untag, pin, unpin, delete-ref, undelete, forget
+      maintenance.py      init, du, gc, retention, fsck, recover
+      interchange.py      checkout (a file or a model folder), export-weights, import
+      common.py           what the groups share: sizes and times as shown, strict JSON, a local tier
     hf.py                 Hugging Face Trainer integration, one job over ~600 lines: the callback
                           that snapshots each save, resume_checkpoint (a snapshot back as the
                           checkpoint-N folder the Trainer resumes from), and from_pretrained
@@ -44,15 +50,22 @@ package's modules indented under it). A module over ~600 lines says which one jo
       reader.py           TsckReader: a StorageReader over one snapshot
       native.py           a put_snapshot snapshot seen by dcp.load
       handle.py           reopening a store in another process (async_save's PROCESS checkpointer)
-    train.py              TrainState (exact resume: the state and every RNG stream) and
+    train/                TrainState (exact resume: the state and every RNG stream) and
                           CheckpointManager (when to snapshot; collective under torch.distributed)
+      state.py            TrainState: the objects' state and every RNG stream, captured and put back
+      manager.py          CheckpointManager: when to snapshot, and the snapshots taken
+      watch.py            its on_commit and on_durable hooks, CommitEvent, the store's size measured
+      outcomes.py         its failures, warned and counted; CloseReport
+      collective.py       under torch.distributed: rank 0 decides, collective snapshots and restores
+      restoring.py        restore_latest, restore(step), the steps kept, a rollback
     export.py             a snapshot out as one safetensors / torch.save file (`tsck checkout`);
                           the model's weights alone (export_weights, `tsck export-weights`)
     importing.py          torch.save, safetensors files and model folders in (`tsck import`)
     plot.py               `tsck du --plot`: the store's usage as a picture
     hf_folder.py          the Hugging Face model folder (save_pretrained's layout, meta "hf")
                           and the safetensors view of a state
-    opener.py             open_store(): URL -> storage stack + ref table + Core + Store
+    opener.py             open_store(): its options checked by group, then URL -> storage stack +
+                          ref table + Core + Store
     locate.py             where a store is: URLs, the marker, its storage and ref table, the
                           options translated into Settings in one place (open_store and the tier)
     pruner.py             a training job's retention applied while it trains, in the background

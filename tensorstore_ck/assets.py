@@ -140,8 +140,9 @@ class PutResult:
     stored: int = 0       # bytes this call wrote to storage (the frame), 0 when not new
 
 
-# Codec choices of a writer (Assets(codecs=...)); see frame.encode_payload.
-CODEC_MODES = ("none", "lz4", "shuffle", "float")
+# Codec choices of a writer (Assets(codecs=...)); see frame.encode_payload. Codec 2 (byte
+# shuffle then lz4) is read, never written: "float" codes floats better.
+CODEC_MODES = ("none", "lz4", "float")
 
 
 # A worker thread keeps its scratch buffer between blocks up to this size (a few
@@ -151,11 +152,11 @@ SCRATCH_KEEP = 64 << 20
 
 class Assets:
     def __init__(self, storage: BlockStore, *, codecs: str = "lz4", epoch_now=None):
-        """codecs: what blocks may be written with: "none" (raw), "lz4", "shuffle" (byte
-        shuffle then lz4), "float" (the float codec or lz4, whichever a probe finds
-        smaller); each only where it shrinks the block (open_store translates its options
-        into one). Reading never depends on it. epoch_now: a callable returning the ref
-        table's current gc deletion epoch (None: no ref table)."""
+        """codecs: what blocks may be written with: "none" (raw), "lz4", "float" (the
+        float codec or lz4, whichever a probe finds smaller); each only where it shrinks
+        the block (open_store translates its compression= into one). Reading never
+        depends on it. epoch_now: a callable returning the ref table's current gc
+        deletion epoch (None: no ref table)."""
         if codecs not in CODEC_MODES:
             raise ValueError(f"codecs must be one of {CODEC_MODES}, got {codecs!r}")
         self.storage = storage
@@ -228,7 +229,6 @@ class Assets:
                 self.move_aside(key)
         c = self.codecs
         bufs = frame.encode_payload(mv, kind, compress=c != "none",
-                                    shuffle_itemsize=itemsize if c == "shuffle" else 0,
                                     float_itemsize=itemsize if c == "float" else 0)
         new = self.storage.put_addressed(key, bufs)
         if new and kind != frame.KIND_COMMIT and self._written is not None:

@@ -177,33 +177,23 @@ def layout(block_size, inline_threshold, config: dict | None = None, *, where: s
 COMPRESSION = ("auto", "float", "lz4", "none")
 
 
-def codecs_for(compression: str, storage: BlockStore, *, compress: bool = True, shuffle: bool = False) -> str:
+def codecs_for(compression: str, storage: BlockStore) -> str:
     """The codecs a writer uses (Assets(codecs=)) for open_store(compression=...).
 
     "auto" is the measured best for the backend (docs/design/codecs.md, "Compression"):
     the float codec where the bytes cross a network (object stores: fewer bytes is
     time and money saved), lz4 where they do not (a local disk, memory://), where
-    coding floats costs more CPU time than the disk saves. The flags map in too:
-    compress=False is "none", shuffle=True the byte-shuffle codec (deprecated).
-    The options are checked first (check_options)."""
-    if not compress:
-        return "none"
-    if shuffle:
-        return "shuffle"
+    coding floats costs more CPU time than the disk saves. The option is checked
+    first (check_options)."""
     if compression == "auto":
         return "lz4" if storage.local or storage.url.startswith("memory://") else "float"
     return compression
 
 
-def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto",
-                  compress=True, shuffle=False) -> None:
+def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto") -> None:
     """A Store's other options, checked before open_store writes anything."""
     if compression not in COMPRESSION:
         raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")
-    if not compress and compression not in ("auto", "none"):
-        raise InvalidArgument(f"compress=False contradicts compression={compression!r}")
-    if shuffle and compression not in ("auto", "lz4"):
-        raise InvalidArgument(f"shuffle=True contradicts compression={compression!r}")
     if workers is not None and (type(workers) is not int or not 1 <= workers <= 1024):
         raise InvalidArgument(f"workers must be an int within 1..1024, got {workers!r}")
     if gc_lease is not None and not (isinstance(gc_lease, (int, float)) and not isinstance(gc_lease, bool)
@@ -215,16 +205,14 @@ def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wai
         raise InvalidArgument(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
 
 
-def settings_for(storage: BlockStore, cfg: dict, *, workers, verify, compression, compress, shuffle, block_size,
-              inline_threshold, gc_lease, read_only) -> tuple[Settings, str]:
+def settings_for(storage: BlockStore, cfg: dict, *, workers, verify, compression, block_size, inline_threshold,
+                 gc_lease, read_only) -> tuple[Settings, str]:
     """open_store()'s options (checked by check_options) as the store's Settings and the
-    codecs its writers use: the one place they, the deprecated flags among them, are read."""
+    codecs its writers use: the one place they are read."""
     bs, it = layout(block_size, inline_threshold, cfg, where=f"{storage.url}/{STORE_MARKER}")
     return Settings(verify=verify, workers=workers or DEFAULT_WORKERS,
                     gc_lease=float(gc_lease if gc_lease is not None else DEFAULT_LEASE), block_size=bs,
-                    inline_threshold=it, read_only=read_only), codecs_for(compression, storage, compress=compress,
-                                                                         shuffle=shuffle)
-
+                    inline_threshold=it, read_only=read_only), codecs_for(compression, storage)
 
 
 def remote_storage(proto: str, rest: str, storage_options: dict | None, backoff) -> BlockStore:

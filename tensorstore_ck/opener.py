@@ -8,6 +8,11 @@
 
 The store's marker, ``tsck.json``, holds its format version, id and block
 layout; it is created exclusively, so concurrent creators agree on one.
+
+open_store's options come in groups, each checked by a helper of its own before
+anything is written (a bad one never leaves a marker behind that no later open
+could get past): what is stored (_Stored), where the refs live (_Refs), the local
+tier (_Tier), the network's limits (_Network), and the lease of the gcs it runs.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import os
 import time
 import uuid
-import warnings
+from dataclasses import dataclass
 
 from .assets import STORE_MARKER, create_marker, holds_snapshots
 from .core import Core
@@ -38,6 +43,7 @@ __all__ = ["open_store", "STORE_MARKER", "CREATE_HINT"]
 CREATE_HINT = "pass create=True to make a new store"
 
 log = logging.getLogger(__name__)
+
 
 def _open_errors(fn):
     """open_store's backend failures (unreachable server, refused credentials, full
@@ -61,41 +67,49 @@ def _open_errors(fn):
 
 
 @_open_errors
-def open_store(url, *, refs=None, storage_options: dict | None = None, create: bool = True,
-               block_size: int | None = None, inline_threshold: int | None = None,
-               workers: int | None = None, verify: bool = True, compression: str = "auto",
-               compress: bool = True, shuffle: bool = False, gc_lease: float | None = None, max_inflight: int = 2,
-               when_busy: str = "wait", wrap_storage=None, write_bandwidth: float | None = None,
-               write_concurrency: int | None = None, create_refs: bool = False,
-               gc_stale_after: float | None = None, read_only: bool | None = None, local=None,
-               local_budget: int | None = None, replicas: int = 0, early_upload: bool | None = None,
-               retry_budget: float | None = None) -> Store:
+def open_store(url, *, create: bool = True,
+               # what is stored
+               block_size: int | None = None, inline_threshold: int | None = None, compression: str = "auto",
+               verify: bool = True,
+               # where the refs live
+               refs=None, create_refs: bool = False, read_only: bool | None = None,
+               # the local tier
+               local=None, local_budget: int | None = None, replicas: int = 0, early_upload: bool | None = None,
+               # the network's limits
+               write_bandwidth: float | None = None, write_concurrency: int | None = None,
+               workers: int | None = None, max_inflight: int = 2, retry_budget: float | None = None,
+               when_busy: str = "wait", storage_options: dict | None = None, wrap_storage=None,
+               # gc
+               gc_lease: float | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
-    A ref table is created only with a new store, or with create_refs=True (what
-    `tsck recover` passes to rebuild a lost one). It is bound to its store: it
-    records the store's id and refuses to serve another store (NotAStore).
-
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
-    refs: None (LMDB beside local data; in-process table for memory://), a path
-    or lmdb:// URL, postgresql://..., memory://name, or a RefTable.
-    storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...).
+    create: make a new store where the location holds nothing (False: NotAStore there).
+
+    What is stored:
+    block_size, inline_threshold: how a new store cuts tensors into blocks, and below which
+    size a tensor is kept inline in its node (a store's marker fixes them; given for an
+    existing store, they decide how new snapshots are cut).
     compression: how new blocks are written: "auto" (default: "float" on object stores,
     "lz4" on a local disk or memory://; docs/design/codecs.md, "Compression"), "float"
     (the float codec where it pays, lz4 where that pays, raw otherwise), "lz4", "none".
     Any store reads every codec; an object's address never depends on it.
-    compress=False: another spelling of compression="none". shuffle=True (deprecated):
-    byte shuffle then lz4, the codec "float" supersedes.
-    gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
-    two renewals (default 120); others judge it on the ref table's clock.
-    gc_stale_after: another name of gc_lease (deprecated; it does not decide when another
-    process's gc counts as dead: that gc's own declared lease does).
+    verify: check every object read against its address (default True).
+
+    Where the refs live:
+    refs: None (LMDB beside local data; in-process table for memory://), a path
+    or lmdb:// URL, postgresql://..., memory://name, or a RefTable.
+    create_refs: make the ref table where none is (what `tsck recover` passes to rebuild
+    a lost one). Otherwise a ref table is created only with a new store. It is bound to
+    its store: it records the store's id and refuses to serve another store (NotAStore).
     read_only: True opens an existing store for reading only: checkout, log, refs, show,
     du, diff, fsck and gc(dry_run=True) work; every write raises ReadOnlyStore before
     anything is written, nothing is created, and a PostgreSQL ref table is used in
     READ ONLY transactions. None (default): read-only exactly when the files of a local
     store (its folder, its LMDB ref table) are on a read-only filesystem or not
     writable by this process. False: writable, whatever the files say.
+
+    The local tier:
     local: a directory on a fast local disk (NVMe) for a local tier in front of the store
     at `url` (docs/design/tiers.md): put_snapshot publishes there (a local disk and an LMDB
     ref table under it, made on first use, with the store's id and layout) and returns;
@@ -123,75 +137,205 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     the put writes it (docs/design/tiers.md, "The early upload"): the snapshot is durable
     sooner, and the sends take CPU from the put. None (the default): on when the host has
     8 cores or more (upload.EARLY_UPLOAD_CORES), where the sends find cores to spare.
+
+    The network's limits:
+    write_bandwidth, write_concurrency: bytes per second, and requests at once, that the
+    store's writes may take (storage/wrappers.py; default: no limit).
+    workers: threads that hash, code and write blocks (default: core.DEFAULT_WORKERS).
+    max_inflight, when_busy: asynchronous puts queued at once, and what a put past them
+    does: "wait" for a slot or "skip" the snapshot.
     retry_budget: seconds a failed request to remote storage or to a PostgreSQL ref table
     is retried for (connection lost or refused, timeouts, 5xx, throttling), from its
     first failure, with capped exponential backoff and jitter (retry.py). None (the
     default): $TSCK_RETRY_BUDGET, else 60, which rides out a PostgreSQL failover or a
     spell of S3 throttling; 0 retries nothing. What retrying cannot cure (refused
-    credentials, a missing database, a 4xx other than throttling) fails at once."""
-    if gc_stale_after is not None:
-        warnings.warn("open_store(gc_stale_after=) is deprecated: use gc_lease= (the lease of the gcs this "
-                      "Store runs; another party's gc is judged by its own lease)", DeprecationWarning,
-                      stacklevel=3)
-        gc_lease = gc_stale_after if gc_lease is None else gc_lease
-    # Every argument is checked before anything is written: a bad one never leaves a
-    # marker behind that no later open could get past.
-    new_layout = layout(block_size, inline_threshold)
-    if shuffle:
-        warnings.warn("open_store(shuffle=True) is deprecated: compression='float' codes floats better",
-                      DeprecationWarning, stacklevel=3)
-    check_options(workers=workers, gc_lease=gc_lease, max_inflight=max_inflight, when_busy=when_busy,
-                  compression=compression, compress=compress, shuffle=shuffle)
-    from .retry import backoff_for
-    backoff = backoff_for(retry_budget)
-    if read_only is not None and not isinstance(read_only, bool):
-        raise InvalidArgument(f"read_only must be True, False or None, got {read_only!r}")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-        raise InvalidArgument(f"replicas must be an int >= 0, got {replicas!r}")
-    if replicas and local is None:
-        raise InvalidArgument("replicas= copies into the local tiers of other ranks: it needs local=")
-    if local is not None:
-        if not isinstance(local, (str, os.PathLike)) or not os.fspath(local):
-            raise InvalidArgument(f"local must be a directory path, got {local!r}")
-        if read_only:
-            raise InvalidArgument("a local tier is for writing: open the store read-only without local=")
+    credentials, a missing database, a 4xx other than throttling) fails at once.
+    storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...).
+    wrap_storage: a callable given the store's storage and returning the storage to use
+    (a wrapper: fault injection in the tests, a gate).
+
+    gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
+    two renewals (default 120); others judge it on the ref table's clock."""
+    stored = _Stored.checked(block_size, inline_threshold, compression, verify)
+    network = _Network.checked(write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
+                               storage_options, wrap_storage)
+    refs_at = _Refs.checked(refs, create_refs, read_only)
+    tier = _Tier.checked(url, local, local_budget, replicas, early_upload, refs_at)
+    gc_lease = _checked_gc_lease(gc_lease)
+    return _open(url, create, stored, refs_at, tier, network, gc_lease)
+
+
+# -- the option groups, each checked on its own --------------------------------------------
+
+@dataclass(frozen=True)
+class _Stored:
+    """What is stored: the block layout of a new store and the codecs new blocks get."""
+    block_size: int | None
+    inline_threshold: int | None
+    compression: str
+    verify: bool
+    new_layout: tuple[int, int]  # (block_size, inline_threshold) a store made now gets
+
+    @classmethod
+    def checked(cls, block_size, inline_threshold, compression, verify) -> "_Stored":
+        new_layout = layout(block_size, inline_threshold)
+        check_options(compression=compression)
+        return cls(block_size, inline_threshold, compression, verify, new_layout)
+
+
+@dataclass(frozen=True)
+class _Refs:
+    """Where the refs live: the ref table's location, whether it may be made, read-only."""
+    refs: object
+    create_refs: bool
+    read_only: bool | None
+
+    @classmethod
+    def checked(cls, refs, create_refs, read_only) -> "_Refs":
+        if read_only is not None and not isinstance(read_only, bool):
+            raise InvalidArgument(f"read_only must be True, False or None, got {read_only!r}")
+        return cls(refs, create_refs, read_only)
+
+
+@dataclass(frozen=True)
+class _Tier:
+    """The local tier in front of the store: its directory and what it does."""
+    local: str
+    budget: int | None
+    replicas: int
+    early_upload: bool | None
+
+    @classmethod
+    def checked(cls, url, local, local_budget, replicas, early_upload, refs_at: _Refs) -> "_Tier | None":
+        """None without local= (then each tier option is refused, naming local=)."""
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise InvalidArgument(f"replicas must be an int >= 0, got {replicas!r}")
+        if replicas and local is None:
+            raise InvalidArgument("replicas= copies into the local tiers of other ranks: it needs local=")
+        if local is not None:
+            if not isinstance(local, (str, os.PathLike)) or not os.fspath(local):
+                raise InvalidArgument(f"local must be a directory path, got {local!r}")
+            if refs_at.read_only:
+                raise InvalidArgument("a local tier is for writing: open the store read-only without local=")
+        if early_upload is not None:
+            if not isinstance(early_upload, bool):
+                raise InvalidArgument(f"early_upload must be True, False or None, got {early_upload!r}")
+            if early_upload and local is None:
+                raise InvalidArgument("early_upload= sends a local tier's blocks early: it needs local=")
+        if local_budget is not None:
+            if local is None:
+                raise InvalidArgument("local_budget= is the byte budget of a local tier: it needs local=")
+            if isinstance(local_budget, bool) or not isinstance(local_budget, int) or local_budget < 1:
+                raise InvalidArgument(f"local_budget must be a number of bytes (an int >= 1), got {local_budget!r}")
+        if local is None:
+            return None
+        local = os.fspath(local)
+        proto, rest = split_url(url)
+        if proto == "file" and os.path.realpath(rest) == os.path.realpath(local):
+            raise InvalidArgument(f"local tier {local!r} is the store itself: give it a directory of its own")
+        refuse_lost_table(os.path.abspath(local))  # before the remote is opened: whatever the network does
+        return cls(local, local_budget, replicas, early_upload)
+
+
+@dataclass(frozen=True)
+class _Network:
+    """The network's limits: bandwidth, requests and threads, queued puts, retries, and
+    the storage's options and wrapper."""
+    write_bandwidth: float | None
+    write_concurrency: int | None
+    workers: int | None
+    max_inflight: int
+    backoff: object  # retry.Backoff of retry_budget
+    when_busy: str
+    storage_options: dict | None
+    wrap_storage: object
+
+    @classmethod
+    def checked(cls, write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
+                storage_options, wrap_storage) -> "_Network":
+        check_options(workers=workers, max_inflight=max_inflight, when_busy=when_busy)
+        from .retry import backoff_for
+        return cls(write_bandwidth, write_concurrency, workers, max_inflight, backoff_for(retry_budget), when_busy,
+                   storage_options, wrap_storage)
+
+    def wrapped(self, storage: BlockStore) -> BlockStore:
+        return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)
+
+
+def _checked_gc_lease(gc_lease):
+    check_options(gc_lease=gc_lease)
+    return gc_lease
+
+
+# -- opening --------------------------------------------------------------------------------
+
+def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None, network: _Network,
+          gc_lease) -> Store:
+    """The checked options -> the Store: its storage, marker, ref table and Core."""
+    refs, create_refs, read_only = refs_at.refs, refs_at.create_refs, refs_at.read_only
+    backoff = network.backoff
+    if tier is not None:
         read_only = False
         # The remote's retries end when the store closes (Uploader.close): a close with
         # the remote away must not wait out the retry budget.
         backoff = backoff.stoppable()
-    if early_upload is not None:
-        if not isinstance(early_upload, bool):
-            raise InvalidArgument(f"early_upload must be True, False or None, got {early_upload!r}")
-        if early_upload and local is None:
-            raise InvalidArgument("early_upload= sends a local tier's blocks early: it needs local=")
-    if local_budget is not None:
-        if local is None:
-            raise InvalidArgument("local_budget= is the byte budget of a local tier: it needs local=")
-        if isinstance(local_budget, bool) or not isinstance(local_budget, int) or local_budget < 1:
-            raise InvalidArgument(f"local_budget must be a number of bytes (an int >= 1), got {local_budget!r}")
     proto, rest = split_url(url)
-    if local is not None and proto == "file" and os.path.realpath(rest) == os.path.realpath(os.fspath(local)):
-        raise InvalidArgument(f"local tier {os.fspath(local)!r} is the store itself: give it a directory of its own")
-    if local is not None:  # before the remote is opened: a local check, whatever the network does
-        refuse_lost_table(os.path.abspath(os.fspath(local)))
+
+    def settings(storage, cfg, read_only):
+        return settings_for(storage, cfg, workers=network.workers, verify=stored.verify,
+                            compression=stored.compression, block_size=stored.block_size,
+                            inline_threshold=stored.inline_threshold, gc_lease=gc_lease, read_only=read_only)
 
     def tier_store(lcore: Core, remote: Core, cfg: dict) -> Store:
         """The Store over a local tier's Core, the remote Core behind it (tier/opening.py)."""
-        return Store(lcore, config=cfg, max_inflight=max_inflight, when_busy=when_busy,
-                     tier=LocalTier(lcore, remote, budget=local_budget, early=early_upload, stop=backoff.stop,
-                                    replicas=replicas))
+        return Store(lcore, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
+                     tier=LocalTier(lcore, remote, budget=tier.budget, early=tier.early_upload, stop=backoff.stop,
+                                    replicas=tier.replicas))
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         open_refs(refs, proto, rest, create=False)
-    if local is not None and proto in LAZY_PROTOCOLS and not create_refs:
-        store = lazy_tiered(os.fspath(local), proto, rest, refs, storage_options, backoff,
-                             lambda: remote_storage(proto, rest, storage_options, backoff),
-                             lambda s: wrapped(s, write_bandwidth, write_concurrency, wrap_storage),
-                             dict(workers=workers, verify=verify, compression=compression, compress=compress,
-                                  shuffle=shuffle, block_size=block_size, inline_threshold=inline_threshold,
-                                  gc_lease=gc_lease, read_only=None),
-                             tier_store)
+    if tier is not None and proto in LAZY_PROTOCOLS and not create_refs:
+        store = lazy_tiered(tier.local, proto, rest, refs, network.storage_options, backoff,
+                            lambda: remote_storage(proto, rest, network.storage_options, backoff),
+                            network.wrapped,
+                            dict(workers=network.workers, verify=stored.verify, compression=stored.compression,
+                                 block_size=stored.block_size, inline_threshold=stored.inline_threshold,
+                                 gc_lease=gc_lease, read_only=None),
+                            tier_store)
         if store is not None:
             return store
+    storage, rest, read_only, why_ro = _storage(proto, rest, refs, read_only, create, network.storage_options,
+                                                backoff)
+    if read_only:  # nothing below creates anything
+        create = create_refs = False
+    cfg, created = _marker(storage, create, read_only, stored.new_layout)
+    store_id = str(cfg.get("id") or storage.url)
+    reftable = _reftable(url, storage, refs, proto, rest, store_id, created=created, create_refs=create_refs,
+                         read_only=read_only, backoff=backoff)
+    storage = network.wrapped(storage)
+    try:
+        settings_, codecs = settings(storage, cfg, why_ro if read_only else None)
+        core = Core.build(storage, reftable, codecs=codecs, settings=settings_)
+        if tier is None:
+            return Store(core, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy)
+        try:
+            location = remote_location(proto, rest, network.storage_options)
+            store = tiered(tier.local, core, cfg, store_id, codecs, settings_, tier_store, location=location)
+            if location is not None:
+                record_location(reftable, location, cfg)
+            return store
+        except BaseException:
+            core.pool.shutdown(wait=False)
+            raise
+    except BaseException:
+        if not isinstance(refs, RefTable):  # a table we opened, not the caller's
+            reftable.close()
+        raise
+
+
+def _storage(proto: str, rest: str, refs, read_only: bool | None, create: bool, storage_options, backoff):
+    """-> (storage, rest, read_only, why_ro): the store's storage (a local folder made
+    when it may be), whether it is opened read-only and why (asked for, or files that
+    are not writable); read-only storage refuses any write that slips through."""
     why_ro = "read_only=True was asked for" if read_only else ""
     if proto == "file":
         root = os.path.abspath(rest)
@@ -216,10 +360,15 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
     else:
         storage = remote_storage(proto, rest, storage_options, backoff)
     read_only = bool(read_only)
-    if read_only:  # nothing below creates anything; a write that slips through is refused here
+    if read_only:
         from .storage.wrappers import ReadOnlyStorage
-        create = create_refs = False
         storage = ReadOnlyStorage(storage)
+    return storage, rest, read_only, why_ro
+
+
+def _marker(storage: BlockStore, create: bool, read_only: bool, new_layout: tuple[int, int]) -> tuple[dict, bool]:
+    """-> (the store's config, whether this open created the store): the marker read, or
+    written exclusively where the location is empty and `create` allows it."""
     cfg = read_config(storage)
     if cfg is None:
         # Temp files of in-flight writes (a creator killed while writing the marker
@@ -228,25 +377,29 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
             cfg = read_config(storage)  # another process may have just created the store
             if cfg is None:
                 raise NotAStore(f"{storage.url} is not empty and holds no {STORE_MARKER}: not a store")
-    created = False
-    if cfg is None:
-        if not create:
-            if read_only:
-                raise NotAStore(f"no store at {storage.url} (nothing there; opened read-only: nothing is created)")
-            raise NotAStore(f"no store at {storage.url} (nothing there; check the path, or {CREATE_HINT})")
-        cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
-               "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
-               "block_size": new_layout[0], "inline_threshold": new_layout[1]}
-        # Exclusive create: if another process won the race, its marker is the one we read.
-        created = create_marker(storage, marker_bytes(cfg))
-        cfg = read_config(storage) or cfg
-    store_id = str(cfg.get("id") or storage.url)
-    # A missing ref table next to an existing store is never silently created empty:
-    # an empty table makes gc think nothing is kept (recover rebuilds it).
+    if cfg is not None:
+        return cfg, False
+    if not create:
+        if read_only:
+            raise NotAStore(f"no store at {storage.url} (nothing there; opened read-only: nothing is created)")
+        raise NotAStore(f"no store at {storage.url} (nothing there; check the path, or {CREATE_HINT})")
+    cfg = {"format": "tensorstore_ck", "version": STORE_VERSION, "created": time.time(),
+           "id": uuid.uuid4().hex,  # names this store in a shared ref table (PostgreSQL)
+           "block_size": new_layout[0], "inline_threshold": new_layout[1]}
+    # Exclusive create: if another process won the race, its marker is the one we read.
+    created = create_marker(storage, marker_bytes(cfg))
+    return read_config(storage) or cfg, created
+
+
+def _reftable(url, storage: BlockStore, refs, proto: str, rest: str, store_id: str, *, created: bool,
+              create_refs: bool, read_only: bool, backoff) -> RefTable:
+    """The store's ref table, opened and bound to its id. A missing ref table next to an
+    existing store is never silently created empty: an empty table makes gc think nothing
+    is kept (recover rebuilds it)."""
     fresh = created
     try:
         reftable = open_refs(refs, proto, rest, create=created or create_refs, store_id=store_id,
-                              read_only=read_only, backoff=backoff)
+                             read_only=read_only, backoff=backoff)
     except NotAStore as e:
         if not str(e).startswith("no ref table") or read_only:
             raise
@@ -270,26 +423,4 @@ def open_store(url, *, refs=None, storage_options: dict | None = None, create: b
         if not isinstance(refs, RefTable):
             reftable.close()
         raise
-    storage = wrapped(storage, write_bandwidth, write_concurrency, wrap_storage)
-    try:
-        settings, codecs = settings_for(storage, cfg, workers=workers, verify=verify, compression=compression,
-                                     compress=compress, shuffle=shuffle, block_size=block_size,
-                                     inline_threshold=inline_threshold, gc_lease=gc_lease,
-                                     read_only=why_ro if read_only else None)
-        core = Core.build(storage, reftable, codecs=codecs, settings=settings)
-        if local is None:
-            return Store(core, config=cfg, max_inflight=max_inflight, when_busy=when_busy)
-        try:
-            location = remote_location(proto, rest, storage_options)
-            store = tiered(os.fspath(local), core, cfg, store_id, codecs, settings, tier_store, location=location)
-            if location is not None:
-                record_location(reftable, location, cfg)
-            return store
-        except BaseException:
-            core.pool.shutdown(wait=False)
-            raise
-    except BaseException:
-        if not isinstance(refs, RefTable):  # a table we opened, not the caller's
-            reftable.close()
-        raise
-
+    return reftable

@@ -1,7 +1,8 @@
 """Shared helpers of the test suite.
 
-Nothing here touches tensorstore_ck internals: only the public API and the
-on-disk directory names documented in docs/FORMAT.md (blocks/ nodes/ commits/).
+Nothing here touches tensorstore_ck internals: only the public API, the on-disk
+directory names documented in docs/FORMAT.md (blocks/ nodes/ commits/) and its
+object frame (recode_blocks, through tensorstore_ck.format.frame).
 assert_same / same_bits are the suite's one bit-exact comparison of state trees.
 child_env, load_helper, in_thread and run_worker_scenario are its one copy of the
 subprocess and thread plumbing (a test that starts a process or loads a helper
@@ -237,6 +238,30 @@ def object_listing(store_path) -> dict:
                 full = os.path.join(root, f)
                 out[os.path.relpath(full, str(store_path))] = os.path.getsize(full)
     return out
+
+
+def recode_blocks(store_path, *, shuffle_itemsize: int) -> list[Path]:
+    """Rewrite each block file of a local store with the byte-shuffle codec (2) where it
+    shrinks the block: a store as a writer of that codec left it (no store writes it now;
+    every reader reads it). An address is the BLAKE3 of the raw bytes, so it stays. ->
+    the files now in codec 2."""
+    from tensorstore_ck.format import frame
+    recoded = []
+    for p in sorted(Path(store_path, "blocks").rglob("*")):
+        if not p.is_file():
+            continue
+        old = p.read_bytes()
+        hdr = frame.decode_header(old[:frame.HEADER_SIZE])
+        raw = bytes(frame.decode_payload(hdr, memoryview(old)[frame.HEADER_SIZE:]))
+        new = b"".join(bytes(b) for b in frame.encode_payload(raw, frame.KIND_BLOCK,
+                                                              shuffle_itemsize=shuffle_itemsize))
+        if new[5] != frame.CODEC_SHUFFLE_LZ4:
+            continue
+        tmp = p.with_name(p.name + ".recode")
+        tmp.write_bytes(new)
+        os.replace(tmp, p)
+        recoded.append(p)
+    return recoded
 
 
 def refs_snapshot(store) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import same_bits
+from _util import recode_blocks, same_bits
 
 import tensorstore_ck as tsck
 
@@ -299,19 +299,17 @@ def test_block_swapped_for_another_valid_block(pristine, tmp_path):
 
 
 def test_shuffle_codec_block_corruption(tmp_path):
-    """Blocks written with the byte-shuffle codec (2), where the header's itemsize matters.
-    Stores hold such blocks whatever open_store still writes (shuffle=True is deprecated):
-    reads check them, so this test writes them (and fails, not skips, once it cannot)."""
+    """Blocks in the byte-shuffle codec (2), where the header's itemsize matters. No store
+    writes it now, but stores hold such blocks and reads check them: this test recodes a
+    store's blocks to it (recode_blocks: the addresses stay) and corrupts those."""
     root = tmp_path / "sh"
     t = torch.arange(100_000, dtype=torch.float32) * 0.001  # 400000 B, shuffles well
-    with pytest.warns(DeprecationWarning, match="shuffle"):
-        s = tsck.open_store(root, block_size=BLOCK, inline_threshold=INLINE, shuffle=True)
-    with s:
+    with tsck.open_store(root, block_size=BLOCK, inline_threshold=INLINE, compression="lz4") as s:
         snap = s.put_snapshot({"w": t}, ref=REF).root
+    shuffled = recode_blocks(root, shuffle_itemsize=4)
     blocks = object_files(root / "blocks")
     assert blocks
-    shuffled = [f for f in blocks.values() if f.read_bytes()[5] == 2]
-    assert shuffled, "no block used codec 2"
+    assert shuffled and all(f.read_bytes()[5] == 2 for f in shuffled), "no block in codec 2"
     pristine = Pristine(root, snap, {"w": t}, {a: ("['w']", "w") for a in blocks})
     c = Case(pristine, tmp_path)
     for f in shuffled[:3]:

@@ -21,9 +21,9 @@ from tensorstore_ck.errors import FormatError
 from tensorstore_ck.format import frame
 
 try:
-    from ._util import assert_same
+    from ._util import assert_same, recode_blocks
 except ImportError:  # tests/ is not a package
-    from _util import assert_same
+    from _util import assert_same, recode_blocks
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 SUB = frame.FLOAT_SUBHEADER
@@ -282,32 +282,26 @@ def test_verification_catches_a_changed_float_block(tmp_path):
 
 
 @pytest.mark.parametrize("kw", [dict(compression="zstd"), dict(compression=None), dict(compression="FLOAT"),
-                                dict(compression=1), dict(compression="float", shuffle=True),
-                                dict(compression="lz4", compress=False)])
+                                dict(compression=1)])
 def test_bad_compression_options_write_nothing(tmp_path, kw):
     path = tmp_path / "new"
-    with pytest.warns(DeprecationWarning) if kw.get("shuffle") else _nothing():
-        with pytest.raises(tsck.InvalidArgument):
-            tsck.open_store(path, **kw)
+    with pytest.raises(tsck.InvalidArgument):
+        tsck.open_store(path, **kw)
     assert not path.exists()
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-def test_shuffle_true_warns_and_writes_codec_2(tmp_path):
+def test_codec_2_blocks_are_read(tmp_path):
+    """No store writes the byte-shuffle codec (2) now; a store that holds its blocks reads
+    them, verified, whatever its compression= (recode_blocks makes such a store)."""
     t = torch.arange(100_000, dtype=torch.float32) * 0.001
-    with pytest.warns(DeprecationWarning):
-        s = tsck.open_store(tmp_path / "s", shuffle=True)
-    with s:
+    with tsck.open_store(tmp_path / "s", compression="lz4") as s:
         s.put_snapshot({"t": t}, ref="j/main")
-        assert frame.CODEC_SHUFFLE_LZ4 in _codecs(tmp_path / "s")
-        assert_same(s.checkout("j/main"), {"t": t})
+    assert recode_blocks(tmp_path / "s", shuffle_itemsize=4)
+    assert frame.CODEC_SHUFFLE_LZ4 in _codecs(tmp_path / "s")
+    for compression in ("float", "none"):
+        with tsck.open_store(tmp_path / "s", create=False, compression=compression) as s:
+            assert_same(s.checkout("j/main"), {"t": t})
+            assert s.fsck().ok
 
 
 def test_auto_is_lz4_on_local_disk_and_memory(tmp_path):

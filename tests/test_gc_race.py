@@ -216,8 +216,7 @@ def test_writer_does_not_commit_over_a_live_gc_whatever_its_own_setting(backend,
     writer's own settings say: a writer that reuses its condemned blocks must not
     commit while that gc can still delete them.
 
-    The writer is opened with gc_stale_after=0.5 (another name for the lease of the
-    writer's own gcs) while the gc holds a lease of several seconds and renews it every
+    The writer is opened with gc_lease=0.5 (the lease of the writer's own gcs) while the gc holds a lease of several seconds and renews it every
     lease/4, as `tsck gc` does. Were the writer to judge the gc's heartbeat age by its own
     0.5 s, it would find it dead between two heartbeats, close its deletion epoch and
     commit, and the live gc would delete the reused objects under the new ref tip.
@@ -238,9 +237,8 @@ def test_writer_does_not_commit_over_a_live_gc_whatever_its_own_setting(backend,
     stale = 0.5
     lease = {"file": 3.0, "pg": 3.0, "s3": 20.0}[backend.kind]
     stray, rate = STRAY[backend.kind], STRAY_RATE[backend.kind]
-    with pytest.warns(DeprecationWarning, match="gc_stale_after"):
-        store = backend.open(block_size=gc_states.CRASH_BLOCK, inline_threshold=gc_states.CRASH_INLINE,
-                             gc_stale_after=stale)
+    store = backend.open(block_size=gc_states.CRASH_BLOCK, inline_threshold=gc_states.CRASH_INLINE,
+                         gc_lease=stale)
     try:
         store.set_retention("a", tsck.Retention(keep_last=1))
         x, y = gc_states.crash_state("a", 0), gc_states.crash_state("a", 1)

@@ -213,12 +213,12 @@ class MutateOnce(WrappedStore):
         return self.inner.put_if_absent(key, bufs)
 
 
-@pytest.mark.parametrize("compress", [True, False])
+@pytest.mark.parametrize("compression", ["auto", "none"])
 @pytest.mark.parametrize("op", ["exists", "put"])
-def test_tensor_changed_during_blocking_put_never_poisons_an_address(tmp_path, op, compress):
+def test_tensor_changed_during_blocking_put_never_poisons_an_address(tmp_path, op, compression):
     src: dict = {}
     url = tmp_path / "store"
-    opts = dict(block_size=BLOCK, inline_threshold=INLINE, compress=compress, workers=1)
+    opts = dict(block_size=BLOCK, inline_threshold=INLINE, compression=compression, workers=1)
     with tsck.open_store(url, wrap_storage=lambda s: MutateOnce(s, op, src), **opts) as s:
         moments = torch.zeros(BLOCK // 4)  # content A: one all-zero block, as in fresh Adam moments
         src["t"] = moments

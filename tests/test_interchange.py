@@ -458,7 +458,7 @@ def test_api_round_trips(tmp_path):
             export_file(s, "str/main", tmp_path / "str.safetensors")
         import_files(s, "imp/torch", [tmp_path / "ckpt.pt"], step=7)
         assert_same(inputs["torch_state"], s.checkout("imp/torch"))
-    with tsck.open_store(tmp_path / "hf", block_size=BS, inline_threshold=256, compress=False) as s:
+    with tsck.open_store(tmp_path / "hf", block_size=BS, inline_threshold=256, compression="none") as s:
         a = import_files(s, "hf/base", [tmp_path / "hf_a"])
         b = import_files(s, "hf/tuned", [tmp_path / "hf_b"])
         head = inputs["hf_b"]["lm_head.weight"]

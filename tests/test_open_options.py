@@ -56,6 +56,38 @@ def test_a_bad_option_writes_nothing(tmp_path, kw):
     assert os.listdir(empty) == []
 
 
+@pytest.mark.parametrize("kw", [dict(compress=False), dict(shuffle=True), dict(gc_stale_after=1.0)],
+                         ids=lambda kw: next(iter(kw)))
+def test_a_keyword_open_store_does_not_take_is_a_type_error(tmp_path, kw):
+    """compression= and gc_lease= are the spellings; any other keyword is Python's own
+    TypeError naming it, and nothing is written."""
+    path = tmp_path / "new"
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(kw))}'"):
+        tsck.open_store(path, **kw)
+    assert not path.exists()
+
+
+def test_the_options_in_groups_keep_their_names(tmp_path):
+    """Every option is a keyword of its own, whatever its group: all of them at once open
+    a store (the signature is keyword-compatible for each surviving name)."""
+    import inspect
+    names = [p.name for p in inspect.signature(tsck.open_store).parameters.values()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert names == ["create", "block_size", "inline_threshold", "compression", "verify", "refs", "create_refs",
+                     "read_only", "local", "local_budget", "replicas", "early_upload", "write_bandwidth",
+                     "write_concurrency", "workers", "max_inflight", "retry_budget", "when_busy",
+                     "storage_options", "wrap_storage", "gc_lease"]
+    with tsck.open_store(tmp_path / "s", create=True, block_size=4096, inline_threshold=64, compression="lz4",
+                         verify=True, refs=None, create_refs=False, read_only=False, local=tmp_path / "tier",
+                         local_budget=1 << 30, replicas=0, early_upload=False, write_bandwidth=1e9,
+                         write_concurrency=4, workers=2, max_inflight=2, retry_budget=1.0, when_busy="wait",
+                         storage_options=None, wrap_storage=lambda s: s, gc_lease=30.0) as s:
+        s.put_snapshot({"x": torch.ones(3)}, ref="j/main")
+        assert (s.block_size, s.inline_threshold, s.codecs) == (4096, 64, "lz4")
+        assert s.wait_durable(timeout=60)
+        assert_same(s.checkout("j/main"), {"x": torch.ones(3)})
+
+
 def test_a_bad_option_on_an_existing_store_changes_nothing(tmp_path):
     path = tmp_path / "s"
     with tsck.open_store(path) as s:

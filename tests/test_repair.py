@@ -202,17 +202,17 @@ def test_local_block_of_the_wrong_size_is_rewritten_at_put_time(tmp_path, how):
         assert s.put_snapshot(state, ref="a/main", step=3).blocks_new == 0
 
 
-@pytest.mark.parametrize("compress_again", [True, False])
-def test_healthy_compressed_blocks_are_reused_never_rewritten(tmp_path, compress_again):
+@pytest.mark.parametrize("compression_again", ["lz4", "none"])
+def test_healthy_compressed_blocks_are_reused_never_rewritten(tmp_path, compression_again):
     """A compressed frame is shorter than a raw one: its header says so, and it is reused
-    whatever codec the next writer would pick (compress=False stores raw)."""
+    whatever codec the next writer would pick (compression="none" stores raw)."""
     b = Backend("file", tmp_path)
     state = state_compressible()
     with b.open(**OPEN) as s:
         s.put_snapshot(state, ref="a/main", step=1)
     sizes = {k: b.size(k) for k in blocks(b)}
     assert all(n < 16 + BLOCK for n in sizes.values())         # really compressed
-    with b.open(compress=compress_again) as s:
+    with b.open(compression=compression_again) as s:
         again = s.put_snapshot(state, ref="a/main", step=2)
         assert again.blocks_new == 0
         assert s.fsck().ok

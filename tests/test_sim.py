@@ -6,7 +6,7 @@ the same schedule of operations, faults and kills each time (the timing still va
 On a violation the harness prints the seed, the invariant, the journal events and a
 replay command, and this test fails with that output.
 
-The default mix runs: gcs declare different leases and writers open with gc_stale_after (another name for a gc's own lease: only the gc's
+The default mix runs: gcs declare different leases and writers open with their own gc_lease (the lease of their own gcs: only a gc's
 lease decides that it is dead, so nothing may break).
 """
 from __future__ import annotations

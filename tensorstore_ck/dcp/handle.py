@@ -28,10 +28,9 @@ class StoreHandle:
                 os.path.abspath(rt.path) != os.path.join(url[len("file://"):], "refs.lmdb"):
             raise TypeError("a TsckWriter can be pickled only with a store on a local folder whose ref table "
                             "is beside it; use the default (thread) async checkpointer")
-        # The options that reopen it alike (the byte-shuffle codec is asked for with its flag).
+        # The options that reopen it alike.
         opts = (("block_size", st.block_size), ("inline_threshold", st.inline_threshold),
-                ("verify", st.verify), ("compression", "lz4" if codecs == "shuffle" else codecs),
-                ("shuffle", codecs == "shuffle"))
+                ("verify", st.verify), ("compression", codecs))
         h = StoreHandle(url, opts)
         with _OPEN_LOCK:
             _REGISTERED.setdefault((os.getpid(), url), store)

@@ -342,7 +342,8 @@ def encode_payload(raw, kind: int, *, compress: bool = True, shuffle_itemsize: i
     Returns buffers rather than one joined bytes so a raw block is written
     straight from the caller's memory without a copy. compress=False: raw.
     Otherwise a 64 KiB sample picks the codec: float_itemsize 2/4/8 tries the
-    float codec against lz4, shuffle_itemsize > 1 byte-shuffles before lz4;
+    float codec against lz4, shuffle_itemsize > 1 byte-shuffles before lz4 (codec 2,
+    which no store writes: the tests, fuzz targets and benches make such frames);
     whatever wins is kept if it shrinks the block to 90% or less.
     """
     mv = memoryview(raw).cast("B")

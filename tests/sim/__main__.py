@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--focus", choices=sorted(FLAVORS), default=None,
                     help="one flavor of round for every round (default: a seeded mix)")
     ap.add_argument("--stale-skew", dest="stale_skew", action="store_true", default=True,
-                    help="gcs declare different leases and writers open with gc_stale_after "
+                    help="gcs declare different leases and writers open with their own gc_lease "
                          "(default: a writer's setting must not decide a gc is dead)")
     ap.add_argument("--no-stale-skew", dest="stale_skew", action="store_false",
                     help="one gc lease per round, no writer setting")

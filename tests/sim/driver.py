@@ -320,9 +320,9 @@ class Harness:
                 "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
                 "reuse": reuse, "reuse_p": fl["reuse_p"], "resave_p": fl["resave_p"],
                 "vulture_p": fl.get("vulture_p", 0.0),
-                # writers opened with their own (small) gc_stale_after, another name for
-                # their own gcs' lease; only a gc's lease decides, so it must change nothing
-                "gc_stale_after": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,
+                # writers opened with their own (small) gc_lease, the lease of
+                # their own gcs; only a gc's lease decides, so it must change nothing
+                "gc_lease": rng.choice([0.3, 1.0, 5.0, 30.0]) if self.stale_skew else None,
                 "gc_stale": gc_stale, "gc_leases": leases if self.stale_skew else [gc_stale], "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         for c in cfgs:
             c["skip_p"], c["grow_p"], c["blocking_p"] = fl["skip_p"], fl["grow_p"], fl.get("blocking_p", 0.6)
@@ -354,7 +354,7 @@ class Harness:
                 if k not in ready and os.path.exists(c["journal"] + ".ready"):
                     ready[k] = now
                     # Past its time plus a grace, a worker is stuck (waiting out a dead gc
-                    # for its gc_stale_after, say): killed, its last call's outcome unknown.
+                    # for its gc_lease, say): killed, its last call's outcome unknown.
                     hard_stop = min(hard_stop, now + self.round_seconds + 8) if len(ready) == 1 else \
                         max(hard_stop, now + self.round_seconds + 8)
             for kill in [x for x in kills if x[1] in ready and ready[x[1]] + x[0] <= now]:

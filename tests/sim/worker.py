@@ -5,7 +5,7 @@ random operations, journaling each one before and after the call.
 
 CONFIG (written by the driver): id, seed, role ("ops" | "recover"), store (url, refs,
 storage_options), journal path, ops (how many), seconds (after it is ready), weights (op ->
-weight), refs/jobs to use, gc_stale_after (this process's own gcs' lease under its other name: it must not decide
+weight), refs/jobs to use, gc_lease (open_store's: the lease of this process's own gcs; it must not decide
 another gc is dead), gc_stale / gc_leases (the leases its gc runs declare), faults (faults.py profile; kill_at may be "auto" for recover:
 a random ref-table write of the run, so that a kill lands in its ref moves); tier (a
 local tier's directory: the store is opened through it, ops put/read/durable, and rot
@@ -605,7 +605,7 @@ class Worker:
             lease = self.rng.choice(self.cfg.get("gc_leases") or [self.cfg["gc_stale"]])
             return {"via": "cli", "lease": lease}, lambda: self._gc_cli(lease)
         # Each gc declares its own lease (with stale skew: one of several, so gcs and the
-        # writers' old gc_stale_after settings all differ).
+        # writers' own gc_lease settings all differ).
         lease = self.rng.choice(self.cfg.get("gc_leases") or [self.cfg["gc_stale"]])
 
         def call():
@@ -693,10 +693,8 @@ class Worker:
     # -- the loop ---------------------------------------------------------------------
     def run_ops(self) -> int:
         cfg = self.cfg
-        kw = {} if cfg.get("gc_stale_after") is None else {"gc_stale_after": cfg["gc_stale_after"]}
-        with warnings.catch_warnings():  # the setting's other name is used on purpose (it warns)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            s = open_store(cfg, self.faults, **kw)
+        kw = {} if cfg.get("gc_lease") is None else {"gc_lease": cfg["gc_lease"]}
+        s = open_store(cfg, self.faults, **kw)
         self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
         weights = cfg["weights"]
         names = sorted(weights)

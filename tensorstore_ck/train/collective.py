@@ -1,0 +1,142 @@
+"""A CheckpointManager under torch.distributed: rank 0's decision broadcast, the collective
+snapshot and its failures reported (never raised), the collective restore."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+import torch
+
+from ..dist import is_collective
+from ..errors import InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, TsckError, UnsupportedType
+from .state import TrainState
+
+__all__: list[str] = []  # a part of CheckpointManager (manager.py), nothing public of its own
+
+# The records keep the one name of the training helpers, whichever part logs.
+log = logging.getLogger(__package__)
+
+
+class Collective:
+    """CheckpointManager's collective part (mixed into it, manager.py: the attributes
+    are its own, set by its __init__)."""
+
+    def _collective(self) -> bool:
+        return self.group is not False and is_collective(self.group)
+
+    def _local(self) -> dict:
+        """group=False: this process alone, even under torch.distributed."""
+        return {"group": False} if self.group is False else {}
+
+    def _group(self):
+        return None if self.group in (None, True) else self.group
+
+    def _rank(self) -> int:
+        import torch.distributed as dist
+        return dist.get_rank(self._group())
+
+    _BITS = {"steps": 1, "seconds": 2, "metric": 4}
+
+    _FORCE = 8
+
+    def _rank0_decides(self, why: list[str], force: bool) -> tuple[list[str], bool]:
+        """Rank 0's triggers, on every rank: one broadcast of an int64 from the group's
+        rank 0. A clock or a metric of each rank's own would otherwise let one rank
+        enter a collective snapshot that another never joins."""
+        import torch.distributed as dist
+        g = self._group()
+        mask = sum(b for k, b in self._BITS.items() if k in why) | (self._FORCE if force else 0)
+        backend = str(dist.get_backend(g))
+        dev = (torch.device("cuda", torch.cuda.current_device())
+               if "nccl" in backend and "gloo" not in backend else torch.device("cpu"))
+        t = torch.tensor([mask], dtype=torch.int64, device=dev)
+        dist.broadcast(t, src=0 if g is None else dist.get_global_rank(g, 0), group=g)
+        mask = int(t.item())
+        return [k for k, b in self._BITS.items() if mask & b], bool(mask & self._FORCE)
+
+    def _collective_snapshot(self, kw: dict, best_before):
+        """One collective snapshot. async_ (the default): the state is staged and the
+        put runs on the store's background publisher; rank 0 queues the prune behind
+        it there, so the job's own deletion phase never overlaps its next snapshot and
+        training never waits for either. Blocking: rank 0 first waits for the prune.
+        -> the Future or SnapshotInfo, or None when it could not be taken (reported,
+        not raised; an asynchronous failure is reported when its future completes)."""
+        rank0_prunes = self._pruner is not None and self._rank() == 0
+        if rank0_prunes and not self.async_:
+            self._pruner.wait()
+        try:
+            res = self.store.put_snapshot(self.state.state_dict(), **kw, blocking=not self.async_, group=self.group,
+                                          when_busy="wait",
+                                          **({} if self.timeout is None else {"timeout": self.timeout}))
+        except (InvalidArgument, UnsupportedType, InvalidName):
+            raise  # the caller's own mistake: every snapshot would fail alike
+        except Exception as e:  # noqa: BLE001 - a snapshot's failure, even a bug's, never stops training
+            if not isinstance(e, (TsckError, OSError)):
+                log.error("CheckpointManager %s: the snapshot of step %s failed unexpectedly", self.job,
+                          kw["step"], exc_info=e)
+            return self._snapshot_failed(e, kw["step"], best_before)
+        if self.async_:
+            self._track(res, lambda fut: self._collective_done(fut, kw["step"], best_before))
+            if rank0_prunes:
+                self.store.after_in_flight(lambda: self._pruner.run_after(res))
+        else:
+            self._committed(res)
+            if rank0_prunes:
+                self._pruner.request()
+        return res
+
+    def _collective_done(self, fut, step: int, best_before) -> None:
+        """An asynchronous collective snapshot ended (on the background publisher, or here
+        if it had already): a failure is reported as for a blocking one, never raised."""
+        err = fut.failure()
+        if err is None:
+            self._committed(Future.result(fut, 0))
+            return
+        fut.retrieved = True  # heard: reported here, so close() does not raise it again
+        if isinstance(err, (TsckError, OSError)):
+            self._snapshot_failed(err, step, best_before)
+        else:  # a bug: still never out of step(), but loudly
+            log.error("CheckpointManager %s: the snapshot of step %s failed unexpectedly", self.job, step,
+                      exc_info=err)
+            self._count_failure(err, step)
+
+    def _snapshot_failed(self, e: BaseException, step, best_before):
+        if isinstance(e, OutcomeUnknown) and e.root is not None and self._published(e.root, e.ref):
+            log.warning("snapshot %s of ref %s: the answer to its ref move was lost, but the ref table shows "
+                        "it published; going on", e.root.hex()[:16], e.ref)
+            self._outcome_ok(step)
+            return self.store.show(e.root.hex())
+        self._count_failure(e, step)
+        if self.best is not None and best_before != self.best:
+            self.best = best_before  # the next improvement on what is stored takes one
+        log.warning("CheckpointManager %s: the snapshot of step %s could not be taken: %s: %s (training goes "
+                    "on; the next policy point takes one; %d failed so far)", self.job, step,
+                    type(e).__name__, e, self.failed_snapshots, extra=self._failed_fields(e, step))
+        return None
+
+    def _failed_fields(self, e: BaseException, step) -> dict:
+        """The fields of a failed snapshot's log record (`tsck --log-format json`, a log shipper)."""
+        return {"tsck": {"event": "failed", "ref": self.ref, "job": self.job, "step": step,
+                         "why": f"{type(e).__name__}: {e}", "failures": self.failed_snapshots}}
+
+    def _restore_collective(self, state: TrainState, must_exist: bool, progress: bool = False) -> int | None:
+        """A collective checkout of the ref: rank 0 resolves its head and hands every rank
+        that root through the c10d Store, so every rank reads the same snapshot (its own
+        part of it) even if the ref moves meanwhile, and resumes at the same step. No
+        snapshot: RefNotFound on every rank alike, so every rank returns None alike."""
+        try:
+            sd = self.store.checkout(self.ref, into=state.checkout_targets(), group=self.group, progress=progress)
+        except RefNotFound:
+            if must_exist:
+                names = sorted(self.store.refs())
+                held = (f"it holds {len(names)} ref(s): {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}"
+                        if names else "it holds no snapshot at all (a new store: is the path right?)")
+                raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
+                                  f"store at {self.store.url}; {held}") from None
+            return None
+        state.load_checked_out(sd)
+        # The best so far (rank 0's decides; the others' are kept alike) and the later steps
+        # a rollback left behind (they only spare a warning, so each rank reads its own).
+        self._restored(state, self._history())
+        return state.step
