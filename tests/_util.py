@@ -28,6 +28,13 @@ HELPERS = REPO / "tests" / "helpers"
 
 
 # ---------------------------------------------------------------- processes and threads
+def soak(n: int) -> int:
+    """How many trials a kill or race loop runs: n in CI, n times $TSCK_SOAK for a longer
+    run by hand (`TSCK_SOAK=10 pytest tests/test_crash.py`); the harness (tests/sim) is
+    the long random search, these loops the fixed regression cases."""
+    return max(1, round(n * float(os.environ.get("TSCK_SOAK") or 1)))
+
+
 def child_env(*, drop: tuple[str, ...] = (), cli: bool = False, **set_vars: str | None) -> dict:
     """The environment of a subprocess that must import this checkout's tensorstore_ck:
     os.environ with the repository first on PYTHONPATH.

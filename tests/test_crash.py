@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from _util import child_env, load_helper
+from _util import child_env, load_helper, soak
 
 import tensorstore_ck as tsck
 
@@ -36,8 +36,8 @@ WRITER = HERE / "helpers" / "writer.py"
 REF = "crash/main"
 BLOCK = 1 << 20
 INLINE = 4096
-TRIALS = {"file": 16, "s3": 12, "pg": 12}  # kill trials of the put test, per backend kind (the harness kills at random too)
-CREATE_KILLS = {"file": 12, "s3": 8, "pg": 8}  # kills of the create test, per backend kind
+TRIALS = {"file": soak(8), "s3": soak(6), "pg": soak(6)}  # kill trials of the put test, per backend kind (the harness kills at random too)
+CREATE_KILLS = {"file": soak(6), "s3": soak(4), "pg": soak(4)}  # kills of the create test, per backend kind
 CONTENT_KEY = re.compile(r"(blocks|nodes|commits)/[0-9a-f]{2}/[0-9a-f]{64}")
 
 
@@ -383,4 +383,5 @@ def test_kill9_while_creating_store(backend, tmp_path, s3_cleanup):
             assert s.resolve("after/crash") == info.root
         remove_store(b)
     print(f"\ncreate-kill outcomes on {backend.kind} (open takes {t_open:.3f}s): {outcomes}")
-    assert sum(1 for how, _ in outcomes if how == trigger) >= 3, outcomes
+    # every other kill waits for the trigger; all but one of those must have seen it
+    assert sum(1 for how, _ in outcomes if how == trigger) >= max(1, n // 2 - 1), outcomes

@@ -58,7 +58,9 @@ def test_a_manager_run_logs_one_info_line_per_snapshot_and_one_per_restore(tmp_p
                 model.weight.add_(torch.randn_like(model.weight))
             mgr.step(step)
         mgr.close()
-        assert mgr.prune_errors == [] and mgr.last_prune is not None and mgr.last_prune.deleted_objects > 0
+        # Prunes ran (their gc phases log at DEBUG); the newest may have found nothing left,
+        # so that they deleted is shown at the end: an offline gc finds nothing to delete.
+        assert mgr.prune_errors == [] and mgr.last_prune is not None
         assert [i.step for i in store.log("run/main")] == [STEPS, STEPS - 1]
         info = _info(caplog)
         committed = _event(info, "committed")
@@ -80,6 +82,7 @@ def test_a_manager_run_logs_one_info_line_per_snapshot_and_one_per_restore(tmp_p
                                                                                    "store")
         msg = r.getMessage()
         assert f"ref run/main step {STEPS}" in msg and want.root[:16] in msg and store.url in msg, msg
+        assert store.gc().deleted_objects == 0
 
 
 def test_a_tiered_restore_says_which_tier_it_read(tmp_path, caplog):
