@@ -71,7 +71,8 @@ package's modules indented under it). A module over ~600 lines says which one jo
     pruner.py             a training job's retention applied while it trains, in the background
                           (CheckpointManager's and the Hugging Face callback's)
     store.py              Store facade: put_snapshot, checkout, targets, log, lifecycle calls;
-                          it hands the layers below its Core, never itself
+                          it hands the layers below its Core, never itself (one job over
+                          ~600 lines: every public call, each handed to the room that does it)
     asyncput.py           put_snapshot(blocking=False): staging, slots, the background publisher
     lifecycle.py          tags, pins, forget, delete_ref: fenced against gc, rolled back on failure
     dist/                 collective put/checkout under torch.distributed (a CollectiveJob):
@@ -90,6 +91,7 @@ package's modules indented under it). A module over ~600 lines says which one jo
       opening.py          the tier's Core and Store made; the remote opened on first use
       uploader.py         queued local snapshots -> the remote store: objects it lacks as
                           stored, then the fenced move of its ref; the budget's back-pressure
+                          (one job over ~600 lines: a queued snapshot until it is durable)
       holds.py            one catalog: the tier's tags and pins made in the remote table
       collective.py       collective puts through tiers: each rank's part, rank 0's move
       replicas.py         peer replicas over a TCP side channel
