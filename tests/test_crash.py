@@ -238,8 +238,8 @@ def test_kill9_during_put_snapshot(backend, tmp_path, s3_cleanup):
         else:
             put = sorted(put_times)[len(put_times) // 2]
             r = trial % 4
-            if r == 0:  # during open / before the first commit finishes
-                delay, kind = rng.uniform(0, 0.9 * est_first), "before-first"
+            if r == 0:  # during the first put: timed from the writer's "opened", not from go
+                delay, kind = rng.uniform(0, 0.3 * put), "before-first"
             elif r == 1:  # around the end of the first commit (publication)
                 delay, kind = est_first + rng.uniform(-0.25, 0.1) * put, "first-publication"
             else:  # anywhere in the next few puts
@@ -248,7 +248,15 @@ def test_kill9_during_put_snapshot(backend, tmp_path, s3_cleanup):
         # Start the next writer now so its imports overlap with this trial.
         if trial + 1 < trials:
             nxt = Writer(store, tmp_path / f"w{trial + 1}.err", ["--wait-go"])
-        time.sleep(max(0.0, t_go + delay - time.monotonic()))
+        if kind == "before-first":
+            # An event as the clock: the store is open, its first put has begun. A delay
+            # from go alone missed on a fast machine (the first put beat it).
+            opened = w.wait_for(lambda ln: ln == "opened", 60)
+            assert opened, f"writer {trial} never opened the store: {w.stderr()}"
+            time.sleep(max(0.0, opened[0] + delay - time.monotonic()))
+            delay += opened[0] - t_go
+        else:
+            time.sleep(max(0.0, t_go + delay - time.monotonic()))
         alive = w.proc.poll() is None
         rc = w.kill()
         assert alive and rc == -signal.SIGKILL, f"writer {trial} died on its own (rc={rc}): {w.stderr()}"
