@@ -136,7 +136,7 @@ def open_store(url, *, create: bool = True,
     early_upload: with local=, send each new block to the remote store from memory while
     the put writes it (docs/design/tiers.md, "The early upload"): the snapshot is durable
     sooner, and the sends take CPU from the put. None (the default): on when the host has
-    8 cores or more (upload.EARLY_UPLOAD_CORES), where the sends find cores to spare.
+    8 cores or more (tier.uploader.EARLY_UPLOAD_CORES), where the sends find cores to spare.
 
     The network's limits:
     write_bandwidth, write_concurrency: bytes per second, and requests at once, that the

@@ -262,7 +262,7 @@ def recode_blocks(store_path, *, shuffle_itemsize: int) -> list[Path]:
         raw = bytes(frame.decode_payload(hdr, memoryview(old)[frame.HEADER_SIZE:]))
         new = b"".join(bytes(b) for b in frame.encode_payload(raw, frame.KIND_BLOCK,
                                                               shuffle_itemsize=shuffle_itemsize))
-        if new[5] != frame.CODEC_SHUFFLE_LZ4:
+        if frame.decode_header(new[:frame.HEADER_SIZE]).codec != frame.CODEC_SHUFFLE_LZ4:
             continue
         tmp = p.with_name(p.name + ".recode")
         tmp.write_bytes(new)
