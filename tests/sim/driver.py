@@ -211,6 +211,52 @@ def leases_for(backend: str) -> list[float]:
     return [15.0, 20.0] if backend == "s3" else [1.0, 2.0, 5.0]
 
 
+
+def _group_alive(pgid: int) -> bool:
+    """Does a process of group `pgid` still run? A zombie whose threads have all ended (only
+    its exit status left) does not; one whose leader ended first while a thread still
+    finishes (a write in flight) does, and the gc lock rightly calls its holder alive."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and (fields[0] not in (b"Z", b"X") or int(fields[17]) > 1):
+            return True
+    return False
+
+
+def _reap(p: subprocess.Popen, wait: float = 120.0) -> None:
+    """Kill what is left of an ended worker's process group and wait until it is gone.
+
+    A worker's ranks and `tsck gc` children die with it (PDEATHSIG), but later: the
+    kernel delivers that signal as the worker exits, and a loaded host takes a while
+    to end a process holding torch. Until then such a child may hold the gc lock and
+    renew it; the round's checks judge a store whose every writer has stopped (I2)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    until = time.monotonic() + wait
+    while _group_alive(p.pid):
+        if time.monotonic() > until:
+            raise RuntimeError(f"worker pid {p.pid}: its process group outlived SIGKILL by {wait:.0f}s")
+        time.sleep(0.01)
+
+
+def _proc_text(pid) -> str:
+    """What /proc says of a process (state, group, threads), for a violation's message."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return f"state {fields[0].decode()}, group {int(fields[2])}, threads {int(fields[17])}"
+    except (OSError, IndexError, TypeError, ValueError):
+        return "gone"
+
+
 class Harness:
     def __init__(self, seed: int, backend: str, *, rounds: int, focus: str | None = None, stale_skew: bool = True,
                  round_seconds: float = 5.0, pg_dsn: str | None = None, run_dir: str | None = None,
@@ -236,6 +282,7 @@ class Harness:
                                workers=3, **kw)
 
     def _spawn(self, cfg: dict) -> subprocess.Popen:
+        """Start a worker (or a live recover) as the leader of a process group of its own."""
         path = os.path.join(self.run_dir, f"{cfg['id']}.json")
         with open(path, "w") as f:
             json.dump(cfg, f)
@@ -243,8 +290,9 @@ class Harness:
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONFAULTHANDLER"] = "1"
         err = open(os.path.join(self.run_dir, f"{cfg['id']}.err"), "wb")
+        # A process group of its own: its ranks and `tsck gc` children are in it (see _reap).
         p = subprocess.Popen([sys.executable, "-m", "tests.sim.worker", path], cwd=REPO, env=env,
-                             stdout=err, stderr=err)
+                             stdout=err, stderr=err, start_new_session=True)
         err.close()
         self.procs[cfg["id"]] = p
         return p
@@ -372,6 +420,8 @@ class Harness:
                         stuck_pids.add(p.pid)
                 stuck = len(stuck_pids)
             time.sleep(0.02)
+        for p in procs:
+            _reap(p)
         for c, p in zip(cfgs, procs):
             if p.returncode not in (0, -signal.SIGKILL):
                 with open(os.path.join(self.run_dir, f"{c['id']}.err"), errors="replace") as f:
@@ -772,7 +822,8 @@ class Harness:
                 # gc.md, "A holder known dead"), without waiting for its lease.
                 if st["phase"] != "idle" and (st.get("lease_left") or not st.get("holder_gone")):
                     bad.append(f"I2 the gc lock of stopped worker {st.get('owner')} was not taken over at once "
-                               f"(holder_gone={st.get('holder_gone')}, lease_left={st.get('lease_left')})")
+                               f"(holder_gone={st.get('holder_gone')}, lease_left={st.get('lease_left')}; "
+                               f"its process: {_proc_text((st.get('proc') or {}).get('pid'))})")
                     time.sleep((st.get("lease_left") or 0.0) + 0.1)  # the rest of the round is still judged
                 out = self._driver_op("gc", {"quiescent": True, "took_over": st["phase"] != "idle"}, lambda: {
                     "expired": s.gc(lease=max(leases_for(self.backend))).expired})
@@ -844,6 +895,7 @@ class Harness:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+                _reap(p)
             self.net.close()
             self.loc.close()
             if not self.keep and "bad" in locals() and not bad:
