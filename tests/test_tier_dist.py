@@ -135,8 +135,9 @@ def test_every_ranks_tier_follows_rank_0s_retention(tmp_path, s3_url, s3_server)
     with the snapshots rank 0 keeps (and the newest, one snapshot behind at most), and
     nothing else: each tier fscks clean with no orphan (its part, the commit, the top
     nodes and the replicas of what it keeps; the other ranks' sub-trees are not missing
-    there) and its gc runs and keeps what rank 0 keeps; the job restores from the tiers
-    with no remote read."""
+    there) and its gc runs and keeps what rank 0 keeps, rank 1's too, whose last word from
+    rank 0 came while a gc held its tier; the job restores from the tiers with no remote
+    read."""
     world, steps, keep = 3, 8, 2
     cfg = _config(tmp_path, s3_url, s3_server, world)
     tidy = _run(tmp_path, "tidy", {**cfg, "steps": steps, "keep": keep}, limit=500)
@@ -150,6 +151,7 @@ def test_every_ranks_tier_follows_rank_0s_retention(tmp_path, s3_url, s3_server)
         assert r["gc"] == "ran" and r["fsck_after_gc"] == [], r
     kept0 = set(res[0]["rows"])
     assert len(kept0) == keep and last in kept0
+    assert res[1]["held"] in ("met", "idle"), res[1]  # rank 1's last word met a gc holding its tier
     for r in res[1:]:
         rows = set(r["rows"])
         # Rank 0's word comes with the next snapshot, and its tier keeps the snapshot it was

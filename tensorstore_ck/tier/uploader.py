@@ -111,6 +111,7 @@ class Uploader:
         self._tidying = False  # a _tidy is running (wait_durable waits for it)
         self._since_tidy = 0
         self.tidied = 0  # part rows dropped by _tidy
+        self.tidy_busy = 0  # _tidy attempts that found a gc holding the tier
         # The early upload (tee): each new block a put writes here is also sent to the
         # remote as it is written, from memory, so the upload overlaps the local write.
         self._tee_fence: int | None = None  # the remote fence, read before the put wrote
@@ -153,29 +154,45 @@ class Uploader:
             self._cond.notify_all()
 
     def _tidy(self) -> None:
+        """Apply the latest words of follow(). A gc holding the tier is waited out, up to
+        PRUNE_RETRY; past that the words are kept (unless a newer one came) and tried again
+        at the next turn: rank 0 says nothing after its last snapshot, so a word dropped
+        here would leave this rank's tier with parts its job no longer keeps."""
         with self._cond:
             follow, self._follow, self._tidying = self._follow, {}, True
         self._since_tidy = 0
         refs: UploadQueue = self.local.refs
+        busy = False
         try:
             parts = refs.parts(rank0=False)
             jobs = {r: (refs.catalog_get(r, checked=False) or {}).get("job") for r in parts}
             drop = [r for r, job in jobs.items() if job in follow and r not in follow[job]]
             if drop:
                 from ..gc import drop_parts
-                rep = drop_parts(self.local, drop, lease=self.local.settings.gc_lease)
+                deadline = time.monotonic() + PRUNE_RETRY
+                while True:
+                    try:
+                        rep = drop_parts(self.local, drop, lease=self.local.settings.gc_lease)
+                        break
+                    except GcBusy:
+                        self.tidy_busy += 1
+                        if time.monotonic() > deadline or not self.pause(0.2):
+                            raise
                 self.tidied += len(rep.expired)
                 log.debug("local tier: dropped this rank's part of %d collective snapshot(s) rank 0's tier no "
                           "longer keeps (%d objects, %d bytes)", len(rep.expired), rep.deleted_objects,
                           rep.deleted_bytes)
         except GcBusy:
-            log.debug("local tier: a gc holds %s; this rank's old parts are dropped after the next snapshot",
-                      self.local.url)
+            busy = True
+            log.debug("local tier: a gc holds %s; this rank's old parts are dropped once it ends", self.local.url)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the cleanup
             log.warning("local tier: could not drop this rank's old parts (%s: %s); tried again after the next "
                         "snapshot", type(e).__name__, e)
         finally:
             with self._cond:
+                if busy:
+                    for job, keep in follow.items():
+                        self._follow.setdefault(job, keep)  # a newer word wins
                 self._tidying = False
                 self._cond.notify_all()
 

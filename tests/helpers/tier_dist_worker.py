@@ -168,6 +168,42 @@ def manager_body(rank, world, out, res, cfg):
                    os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
 
 
+class _HoldGc:
+    """Hold the gc lock of `store`'s tier from a thread, from now until after done(): until
+    its uploader's cleanup met the lock once more after that (Uploader.tidy_busy: "met"),
+    or has no word of rank 0 left to apply ("idle": nothing to drop met the lock, or a
+    word was lost), at most 120 s ("timeout"). `result` says which."""
+
+    def __init__(self, store):
+        import threading
+        self.up, self.core, self.result = store._tier.uploader, store._tier.core, None
+        self._done, self._busy_at_done = threading.Event(), 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _state(self):
+        if not self._done.is_set():
+            return None
+        if self.up.tidy_busy > self._busy_at_done:
+            return "met"
+        return "idle" if not self.up._follow and not self.up._tidying else None
+
+    def _run(self):
+        import time
+
+        from tensorstore_ck.gc import holding_gc_lock
+        with holding_gc_lock(self.core, lease=30.0, role="test:"):
+            until = time.monotonic() + 120
+            while time.monotonic() < until and self._state() is None:
+                time.sleep(0.02)
+            self.result = self._state() or "timeout"
+
+    def done(self):
+        self._busy_at_done = self.up.tidy_busy
+        self._done.set()
+        self._thread.join()
+
+
 def tidy_body(rank, world, out, res, cfg):
     """CheckpointManager (a snapshot every step, keep_last=cfg["keep"], replicas=1) over
     tiers for cfg["steps"] steps; close() waits for the uploads and rank 0's prune. Then
@@ -191,10 +227,18 @@ def tidy_body(rank, world, out, res, cfg):
         mgr = tsck.CheckpointManager(store, job=dm.JOB, state=tsck.TrainState(model=model, optimizer=opt),
                                      every_steps=1, retention=tsck.Retention(keep_last=cfg["keep"]))
         steps = {}
+        held = None
         for step in range(1, cfg["steps"] + 1):
+            if step == cfg["steps"] and rank == 1:
+                # rank 0's last word reaches this rank while a gc holds its tier (its own
+                # gc, or another process's sharing it): the word must outlast that gc
+                held = _HoldGc(store)
             dm._train_step(model, opt, rank, step)
             steps[step] = mgr.step(step)
         mgr.close()
+        if held is not None:
+            held.done()
+            res["held"] = held.result
         res["waited"] = store.wait_durable(timeout=240)
         res["steps"] = dm._roots(steps)
         res["tidied"] = store._tier.uploader.tidied
