@@ -211,7 +211,6 @@ def leases_for(backend: str) -> list[float]:
     return [15.0, 20.0] if backend == "s3" else [1.0, 2.0, 5.0]
 
 
-
 def _group_alive(pgid: int) -> bool:
     """Does a process of group `pgid` still run? A zombie whose threads have all ended (only
     its exit status left) does not; one whose leader ended first while a thread still
@@ -229,22 +228,24 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _reap(p: subprocess.Popen, wait: float = 120.0) -> None:
+def _reap(p: subprocess.Popen, wait: float = 120.0) -> str | None:
     """Kill what is left of an ended worker's process group and wait until it is gone.
 
     A worker's ranks and `tsck gc` children die with it (PDEATHSIG), but later: the
     kernel delivers that signal as the worker exits, and a loaded host takes a while
     to end a process holding torch. Until then such a child may hold the gc lock and
-    renew it; the round's checks judge a store whose every writer has stopped (I2)."""
+    renew it; the round's checks judge a store whose every writer has stopped (I2).
+    -> None, or what went wrong (a process that outlived SIGKILL by `wait` seconds)."""
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        return
+        return None
     until = time.monotonic() + wait
     while _group_alive(p.pid):
         if time.monotonic() > until:
-            raise RuntimeError(f"worker pid {p.pid}: its process group outlived SIGKILL by {wait:.0f}s")
+            return f"I4 a process of worker pid {p.pid}'s group outlived SIGKILL by {wait:.0f}s"
         time.sleep(0.01)
+    return None
 
 
 def _proc_text(pid) -> str:
@@ -420,8 +421,7 @@ class Harness:
                         stuck_pids.add(p.pid)
                 stuck = len(stuck_pids)
             time.sleep(0.02)
-        for p in procs:
-            _reap(p)
+        bad += [e for e in map(_reap, procs) if e]
         for c, p in zip(cfgs, procs):
             if p.returncode not in (0, -signal.SIGKILL):
                 with open(os.path.join(self.run_dir, f"{c['id']}.err"), errors="replace") as f:
@@ -895,7 +895,8 @@ class Harness:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-                _reap(p)
+                if (left := _reap(p)) is not None:
+                    self.log(left)
             self.net.close()
             self.loc.close()
             if not self.keep and "bad" in locals() and not bad:
