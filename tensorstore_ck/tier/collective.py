@@ -58,10 +58,17 @@ class CollectiveTier:
 
     def top_blob(self, root: bytes, top_payloads: list) -> bytes:
         """Rank 0, after its local publication: the commit and the top nodes, for the
-        others, and the snapshots of the job that rank 0's tier keeps (its catalog rows:
-        what its retention has left), which the others' tiers follow."""
-        job = (self.core.refs.catalog_get(root, checked=False) or {}).get("job")
-        kept = [r for r, row in self.core.refs.catalog_iter(bad=[]) if row.get("job") == job]
+        others, and the snapshots of the job that rank 0's tier keeps, which the others'
+        tiers follow: its catalog rows less what the job's retention drops now (ref
+        tips, tags, pins and the upload in flight stay), the same set whether or not
+        rank 0's own prune has run yet (it runs in the background, and may lag more than
+        a snapshot on a loaded host)."""
+        from ..gc import plan_expiry
+        refs = self.core.refs
+        job = (refs.catalog_get(root, checked=False) or {}).get("job")
+        rules = {j: r for j, r in refs.retention_all().items() if j == job}
+        doomed = set(plan_expiry(self.core, refs.wall_now(), rules)) if rules else set()
+        kept = [r for r, row in refs.catalog_iter(bad=[]) if row.get("job") == job and r not in doomed]
         return msgpack.packb([self.core.assets.get_commit(root), list(top_payloads), kept])
 
     def intend(self, part: bytes, args) -> None:
