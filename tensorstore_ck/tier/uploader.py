@@ -169,15 +169,11 @@ class Uploader:
             drop = [r for r, job in jobs.items() if job in follow and r not in follow[job]]
             if drop:
                 from ..gc import drop_parts
-                deadline = time.monotonic() + PRUNE_RETRY
-                while True:
-                    try:
-                        rep = drop_parts(self.local, drop, lease=self.local.settings.gc_lease)
-                        break
-                    except GcBusy:
-                        self.tidy_busy += 1
-                        if time.monotonic() > deadline or not self.pause(0.2):
-                            raise
+
+                def met_gc():
+                    self.tidy_busy += 1
+                rep = self._waiting_out_gc(lambda: drop_parts(self.local, drop, lease=self.local.settings.gc_lease),
+                                           on_busy=met_gc)
                 self.tidied += len(rep.expired)
                 log.debug("local tier: dropped this rank's part of %d collective snapshot(s) rank 0's tier no "
                           "longer keeps (%d objects, %d bytes)", len(rep.expired), rep.deleted_objects,
@@ -621,6 +617,19 @@ class Uploader:
             self._cond.notify_all()
         return True
 
+    def _waiting_out_gc(self, fn, on_busy=None):
+        """fn(), tried again while a gc holds the tier, for up to PRUNE_RETRY -> its result;
+        GcBusy past that, or once the uploader is stopped. on_busy() at each GcBusy."""
+        deadline = time.monotonic() + PRUNE_RETRY
+        while True:
+            try:
+                return fn()
+            except GcBusy:
+                if on_busy is not None:
+                    on_busy()
+                if time.monotonic() > deadline or not self.pause(0.2):
+                    raise
+
     def pause(self, seconds: float) -> bool:
         """Wait up to `seconds` (woken early by a stop) -> False once the uploader is stopped."""
         with self._cond:
@@ -723,17 +732,11 @@ class Uploader:
             if self._prune_here(job, root, expired):
                 # A prune of the tier running now (a CheckpointManager's, in the background)
                 # may have read the catalog before this one's reason: wait it out, briefly.
-                deadline = time.monotonic() + PRUNE_RETRY
-                while True:
-                    try:
-                        prune_job(self.local, job, lease=self.local.settings.gc_lease)
-                        break
-                    except GcBusy:
-                        if time.monotonic() > deadline or not self.pause(0.2):
-                            self.local.refs.prune_request(job)  # the tier's next prune serves it
-                            log.debug("local tier: a gc holds the tier; its next prune applies job %s's retention",
-                                      job)
-                            break
+                try:
+                    self._waiting_out_gc(lambda: prune_job(self.local, job, lease=self.local.settings.gc_lease))
+                except GcBusy:
+                    self.local.refs.prune_request(job)  # the tier's next prune serves it
+                    log.debug("local tier: a gc holds the tier; its next prune applies job %s's retention", job)
         except GcBusy:
             log.debug("local tier: a gc holds %s; it applies job %s's retention there", self.remote.url, job)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the remote prune

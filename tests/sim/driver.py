@@ -211,19 +211,23 @@ def leases_for(backend: str) -> list[float]:
     return [15.0, 20.0] if backend == "s3" else [1.0, 2.0, 5.0]
 
 
+def _stat(pid) -> tuple[str, int, int] | None:
+    """(state, process group, threads) of `pid` from /proc, or None once it is gone."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and parentheses
+        return fields[0].decode(), int(fields[2]), int(fields[17])
+    except (OSError, IndexError, TypeError, ValueError):
+        return None
+
+
 def _group_alive(pgid: int) -> bool:
     """Does a process of group `pgid` still run? A zombie whose threads have all ended (only
     its exit status left) does not; one whose leader ended first while a thread still
     finishes (a write in flight) does, and the gc lock rightly calls its holder alive."""
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid and (fields[0] not in (b"Z", b"X") or int(fields[17]) > 1):
+        st = _stat(d) if d.isdigit() else None
+        if st is not None and st[1] == pgid and (st[0] not in ("Z", "X") or st[2] > 1):
             return True
     return False
 
@@ -250,12 +254,8 @@ def _reap(p: subprocess.Popen, wait: float = 120.0) -> str | None:
 
 def _proc_text(pid) -> str:
     """What /proc says of a process (state, group, threads), for a violation's message."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return f"state {fields[0].decode()}, group {int(fields[2])}, threads {int(fields[17])}"
-    except (OSError, IndexError, TypeError, ValueError):
-        return "gone"
+    st = _stat(pid)
+    return "gone" if st is None else f"state {st[0]}, group {st[1]}, threads {st[2]}"
 
 
 class Harness:
