@@ -24,6 +24,7 @@ import blake3
 import lz4.block
 import msgpack
 
+import _zygote as zygote
 from _util import child_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -239,8 +240,8 @@ def run_cli(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
             a = a.url
         argv.append(str(a))
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *argv],
-                          capture_output=True, text=True, timeout=timeout, env=full, cwd=str(REPO))
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *argv],
+                      capture_output=True, text=True, timeout=timeout, env=full, cwd=str(REPO))
 
 
 def run_clis(*arglists, timeout=120) -> list:

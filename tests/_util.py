@@ -285,12 +285,13 @@ def run_worker_scenario(worker, tmp_path, scenario: str, *args, limit: float) ->
     it forked are killed and the test fails with the launcher's stderr."""
     import signal
     import subprocess
+    import _zygote as zygote
 
     import pytest
     out = tmp_path / scenario
     env = child_env(TORCH_CPP_LOG_LEVEL="ERROR")
-    proc = subprocess.Popen([sys.executable, str(worker), scenario, str(out), *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = zygote.Popen([sys.executable, str(worker), scenario, str(out), *map(str, args)], cwd=REPO, env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         _o, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:

@@ -12,6 +12,16 @@ for _k in list(os.environ):
         del os.environ[_k]
 
 import tensorstore_ck as tsck  # noqa: E402
+import _zygote  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote():
+    """The fork server the suite's Python helpers start from (tests/_zygote.py): its
+    preload runs while the first tests do."""
+    _zygote.start()
+    yield
+    _zygote.stop()
 
 
 @pytest.fixture

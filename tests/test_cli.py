@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import child_env
 
 import tensorstore_ck as tsck
@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=child_env(cli=True),
-                          cwd=str(REPO))
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)],
+                      capture_output=True, text=True, timeout=timeout, env=child_env(cli=True),
+                      cwd=str(REPO))
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +281,8 @@ def test_cli_reaches_an_s3_store_with_a_postgres_ref_table(s3_server, s3_url, pg
     base = [sys.executable, "-m", "tensorstore_ck"]
 
     def run(args, env):
-        return subprocess.run(base + args, capture_output=True, text=True, timeout=120, env=_cli_env(env),
-                              cwd=str(REPO))
+        return zygote.run(base + args, capture_output=True, text=True, timeout=120, env=_cli_env(env),
+                          cwd=str(REPO))
 
     secret = "s3cr3t-" + os.urandom(6).hex()
     cases = [

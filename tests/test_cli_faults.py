@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,8 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.walk import walk_commit
+
+import _zygote as zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK = 4096
@@ -147,8 +148,8 @@ def results(tmp_path_factory, request):
     spec, out = base / "spec.json", base / "out.json"
     spec.write_text(json.dumps({"timeout": TIMEOUT, "runs": runs}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this process's tensorstore_ck
-    subprocess.run([sys.executable, os.path.join(HERE, "helpers", "cli_matrix.py"), str(spec), str(out)],
-                   check=True, timeout=len(runs) * (TIMEOUT + 5), env=env)
+    zygote.run([sys.executable, os.path.join(HERE, "helpers", "cli_matrix.py"), str(spec), str(out)],
+               check=True, timeout=len(runs) * (TIMEOUT + 5), env=env)
     got: dict = {}
     for r in json.loads(out.read_text()):
         got.setdefault(r["id"].split(":")[0], []).append(r)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 
@@ -17,6 +16,7 @@ import tensorstore_ck as tsck
 from tensorstore_ck import cli
 from tensorstore_ck.errors import StepReusedWarning
 
+import _zygote as zygote
 from _util import child_env
 
 
@@ -116,8 +116,8 @@ def test_tsck_store_default(store, tmp_path, capsys, monkeypatch):
     rc, out, err = tsck_cli(capsys, "refs", tmp_path / "typo")  # a store path that does not exist
     assert rc == 2 and "the store is $TSCK_STORE" in err and len(err.splitlines()) == 1
     # the real command, as a shell runs it
-    r = subprocess.run([sys.executable, "-m", "tensorstore_ck", "log", "a/main", "--json"], capture_output=True,
-                       text=True, timeout=120, env=child_env(cli=True, TSCK_STORE=store), cwd=str(tmp_path))
+    r = zygote.run([sys.executable, "-m", "tensorstore_ck", "log", "a/main", "--json"], capture_output=True,
+                   text=True, timeout=120, env=child_env(cli=True, TSCK_STORE=store), cwd=str(tmp_path))
     assert r.returncode == 0 and [d["step"] for d in json.loads(r.stdout)] == [3, 2, 1], r.stderr
     monkeypatch.delenv("TSCK_STORE")
     rc, _, err = tsck_cli(capsys, "log", "a/main")

@@ -18,6 +18,8 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.cli import build_parser
 
+import _zygote as zygote
+
 try:
     from ._util import child_env, rand_tensor
     from .test_cli import REPO, run_cli
@@ -90,8 +92,8 @@ def _on_a_terminal(*args, timeout=120) -> str:
     """Run tsck with stderr on a pseudo-terminal (stdout piped); what the terminal got."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a terminal has a size
-    p = subprocess.Popen([sys.executable, "-m", "tensorstore_ck", *map(str, args)], stdout=subprocess.PIPE,
-                         stderr=slave, env=child_env(cli=True, COLUMNS="120"), cwd=str(REPO))
+    p = zygote.Popen([sys.executable, "-m", "tensorstore_ck", *map(str, args)], stdout=subprocess.PIPE,
+                     stderr=slave, env=child_env(cli=True, COLUMNS="120"), cwd=str(REPO))
     os.close(slave)
     got = b""
     while True:

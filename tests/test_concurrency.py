@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import load_helper
 
 import tensorstore_ck as tsck
@@ -63,7 +64,7 @@ def run_workers(tmp_path: Path, store: Path, refs: list[str], mode: str, rounds:
     procs = []
     for w, ref in enumerate(refs):
         err = open(tmp_path / f"worker{w}.err", "wb")
-        p = subprocess.Popen(
+        p = zygote.Popen(
             [sys.executable, str(WORKER), str(store), ref, str(w), str(len(refs)), str(rounds), mode, str(bar)],
             stdout=subprocess.PIPE,
             stderr=err,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+import _zygote as zygote
 from _util import child_env, load_helper, soak
 
 import tensorstore_ck as tsck
@@ -67,7 +68,7 @@ class Writer:
         _LIVE.append(self)
         self.errlog = errlog
         self._err = open(errlog, "wb")
-        self.proc = subprocess.Popen(
+        self.proc = zygote.Popen(
             [sys.executable, str(WRITER), store, REF, "0", "--block-size", str(BLOCK), *(extra or [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import child_env
 
 import tensorstore_ck as tsck
@@ -34,8 +35,8 @@ TIMEOUT = 90  # seconds; each run imports torch. A walk of every path never fini
 def _run(args):
     """One command in a subprocess, killed at TIMEOUT: a hang is a failure, not a stuck suite."""
     try:
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT,
-                              env=child_env(), cwd=str(REPO))
+        return zygote.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=child_env(), cwd=str(REPO))
     except subprocess.TimeoutExpired:
         return None
 

@@ -12,13 +12,13 @@ import copy
 import json
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import assert_same, load_helper
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -371,8 +371,8 @@ def test_multiprocess_save_4_ranks_load_2_ranks_resharded(tmp_path):
     out.mkdir()
     env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR",
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(DIST_HELPER), str(store_dir), str(out)], env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = zygote.run([sys.executable, str(DIST_HELPER), str(store_dir), str(out)], env=env,
+                      capture_output=True, text=True, timeout=240)
     reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     errors = {k: r.get("error") for k, r in reports.items() if not r.get("ok")}
     assert proc.returncode == 0 and not errors, (proc.stdout[-3000:], proc.stderr[-5000:], errors)

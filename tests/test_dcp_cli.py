@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fractions
 import json
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,8 @@ from safetensors import safe_open
 import tensorstore_ck as tsck
 from tensorstore_ck.cli import main
 from tensorstore_ck.dcp import TsckWriter
+
+import _zygote as zygote
 
 try:
     from .test_cli_no_torch import _NO_TORCH
@@ -90,8 +91,8 @@ def test_ls_raw_shows_the_stored_dcp_layout(store, capsys):
 
 def test_ls_of_a_dcp_snapshot_starts_without_torch(store):
     """Its bytes items (torch.save'd plain values) are read without torch."""
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, "ls", store, "job/dcp", "optim.param_groups"],
-                       capture_output=True, text=True, timeout=120)
+    p = zygote.run([sys.executable, "-c", _NO_TORCH, "ls", store, "job/dcp", "optim.param_groups"],
+                   capture_output=True, text=True, timeout=120, fresh=True)
     assert p.returncode == 0, p.stderr
     assert "optim.param_groups.0.lr" in p.stdout and "0.001" in p.stdout
 

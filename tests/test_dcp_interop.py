@@ -293,11 +293,11 @@ def test_a_native_state_that_looks_like_the_dcp_layout_is_not_taken_for_one(stor
 def test_example_dcp_swap_runs(tmp_path):
     """examples/dcp_swap.py: one argument changed in a dcp.save/load script; each of its three
     resumes must be bit-identical (it exits 1 otherwise)."""
-    import subprocess
+    import _zygote as zygote
     import sys
     from pathlib import Path
     script = Path(__file__).resolve().parent.parent / "examples" / "dcp_swap.py"
-    r = subprocess.run([sys.executable, str(script), "--store", str(tmp_path / "s")], capture_output=True,
-                       text=True, timeout=300)
+    r = zygote.run([sys.executable, str(script), "--store", str(tmp_path / "s")], capture_output=True,
+                   text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("bit-identical") == 3, r.stdout

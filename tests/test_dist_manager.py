@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import rank_results, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
@@ -161,8 +161,8 @@ def test_example_ddp_resume_after_a_rank_is_killed_is_bit_identical(tmp_path):
     5 steps, asynchronous), and every rank's losses equal an uninterrupted run's bit for bit."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "ddp_resume.py"), "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    proc = zygote.run([sys.executable, str(REPO / "examples" / "ddp_resume.py"), "--out", str(tmp_path)],
+                      cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     # Asynchronous snapshots: the newest one committed before the kill (step 5, 10 or 15:
     # 10 and 15 may still have been in the background), the same on every rank.

@@ -204,11 +204,12 @@ def _commit_hashes(words: set[str]) -> set[str]:
     """Those of `words` that name a commit of this checkout (one `git cat-file` for all);
     None when this is not a git checkout."""
     import subprocess
+    import _zygote as zygote
     words = sorted(w for w in words if re.search(r"[0-9]", w))  # a hash has digits; "deadbeef"-like words aside
     try:
-        out = subprocess.run(["git", "-C", str(REPO), "cat-file", "--batch-check"], check=True,
-                             input="".join(f"{w}^{{commit}}\n" for w in words),
-                             capture_output=True, text=True).stdout.splitlines()
+        out = zygote.run(["git", "-C", str(REPO), "cat-file", "--batch-check"], check=True,
+                         input="".join(f"{w}^{{commit}}\n" for w in words),
+                         capture_output=True, text=True).stdout.splitlines()
     except (OSError, subprocess.CalledProcessError):
         return None
     return {w for w, line in zip(words, out) if line.endswith(" commit")}

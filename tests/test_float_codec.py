@@ -374,7 +374,7 @@ def test_a_hostile_float_block_costs_its_output_and_a_few_mib(tmp_path, mode):
     32 MiB (slices of the planes and the zstd windows), whatever its size. The planes
     were decoded whole: 3x the block per worker (four 256 MiB blocks of a 4.8 MB store
     took 2.7 GB to fsck). Peak RSS of a process that decodes one, measured."""
-    import subprocess
+    import _zygote as zygote
     import sys
     from pathlib import Path
 
@@ -385,8 +385,8 @@ def test_a_hostile_float_block_costs_its_output_and_a_few_mib(tmp_path, mode):
     blob.write_bytes(_hostile_float_block(raw_len))
     assert blob.stat().st_size < raw_len // 200
     repo = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, "-c", _DECODE_RSS, str(blob), mode], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(repo)}, cwd=str(repo))
+    r = zygote.run([sys.executable, "-c", _DECODE_RSS, str(blob), mode], capture_output=True, text=True,
+                   timeout=300, env={**os.environ, "PYTHONPATH": str(repo)}, cwd=str(repo), fresh=True)
     assert r.returncode == 0, r.stderr
     grew = int(r.stdout.split()[-1])
     bound = (32 << 20) + (raw_len if mode == "fresh" else 0)
@@ -435,7 +435,7 @@ print(after - before)
 def test_fsck_of_a_hostile_float_block_holds_one_block(tmp_path):
     """A 0.5 MB block that decodes to 128 MiB: fsck verifies it holding the block once
     (and the 32 MiB of FORMAT.md's bound), where it held it three times."""
-    import subprocess
+    import _zygote as zygote
     import sys
     from pathlib import Path
 
@@ -459,8 +459,8 @@ def test_fsck_of_a_hostile_float_block_holds_one_block(tmp_path):
         stats = {"bytes_total": raw_len, "bytes_new": 0, "blocks_total": 1, "blocks_new": 0}
         s.commit_tree(top, ref="h/x", job="h", step=1, metrics={}, meta={}, stats=stats)
     repo = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, "-c", _FSCK_RSS, str(path)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(repo)}, cwd=str(repo))
+    r = zygote.run([sys.executable, "-c", _FSCK_RSS, str(path)], capture_output=True, text=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(repo)}, cwd=str(repo), fresh=True)
     assert r.returncode == 0, r.stderr
     grew = int(r.stdout.split()[-1])
     assert grew <= raw_len + (48 << 20), f"fsck took {grew >> 20} MiB for a {raw_len >> 20} MiB block"

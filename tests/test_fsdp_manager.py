@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import rank_results, run_worker_scenario, same_bits
 
 import tensorstore_ck as tsck
@@ -126,8 +126,8 @@ def test_example_fsdp2_resume_on_more_ranks_after_a_rank_is_killed_is_bit_identi
     final parameters equal an uninterrupted 2-rank run's bit for bit."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "fsdp2_resume.py"), "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    proc = zygote.run([sys.executable, str(REPO / "examples" / "fsdp2_resume.py"), "--out", str(tmp_path)],
+                      cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     said = re.findall(r"rank (\d) of 3: resumed at step (\d+); losses identical to the uninterrupted 2-rank "
                       r"run's; final parameters identical", proc.stdout)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
+import _zygote as zygote
 from _mounts import fill, tmpfs
 from tensorstore_ck.refs.txn import TABLES
 from tensorstore_ck.storage.wrappers import WrappedStore
@@ -58,8 +59,8 @@ def _table_state(s) -> dict:
 
 def _cli(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
+                      text=True, env=env, timeout=120)
 
 
 @pytest.fixture(params=["refs", "blocks"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -35,6 +34,8 @@ DATA = Path(__file__).resolve().parent / "data"
 GOLDEN = DATA / "golden"
 sys.path.insert(0, str(DATA))
 import golden_states as gs  # noqa: E402
+
+import _zygote as zygote
 
 VERSIONS = sorted(d.name for d in GOLDEN.iterdir() if (d / "expected.json").is_file())
 
@@ -211,8 +212,8 @@ def test_cli_fsck_exits_0(tmp_path, version):
     pkg_root = str(Path(tsck.__file__).resolve().parent.parent)  # the code under test, old or new
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("PYTHONWARNINGS", None)
-    r = subprocess.run([sys.executable, "-m", "tensorstore_ck", "fsck", str(path), "--json"],
-                       capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    r = zygote.run([sys.executable, "-m", "tensorstore_ck", "fsck", str(path), "--json"],
+                   capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["ok"] is True
 

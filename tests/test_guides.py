@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -21,6 +20,8 @@ from pathlib import Path
 import pytest
 
 import tensorstore_ck as tsck
+
+import _zygote as zygote
 
 GUIDE_DIR = Path(__file__).resolve().parents[1] / "docs" / "guide"
 GUIDES = sorted(p.stem for p in GUIDE_DIR.glob("*.md") if p.name != "README.md")
@@ -71,7 +72,7 @@ def _sub(text: str, subs: dict) -> str:
 
 
 def _run(cmd: list[str], env: dict, cwd: Path, what: str) -> str:
-    p = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    p = zygote.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"{what} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck import hf  # noqa: E402
 from tensorstore_ck.errors import InvalidArgument  # noqa: E402
 from tensorstore_ck.export import export_file  # noqa: E402
+
+import _zygote as zygote
 
 try:
     from ._util import assert_same, object_listing
@@ -296,7 +297,7 @@ def test_export_refuses_what_a_model_folder_cannot_hold(run_a, tmp_path, store):
 def test_the_package_does_not_import_transformers():
     code = ("import sys, tensorstore_ck, tensorstore_ck.cli, tensorstore_ck.export, tensorstore_ck.importing, tensorstore_ck.hf_folder; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+    zygote.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120, fresh=True)
 
 
 @pytest.mark.slow
@@ -321,7 +322,7 @@ def test_example_killed_and_resumed_is_bit_identical(tmp_path):
     """examples/hf_trainer_resume.py: a child killed with SIGKILL at step 12, resumed from
     the store in a fresh process and output dir; exit 0 only if every loss and the final
     parameters equal an uninterrupted run's."""
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer_resume.py"), "--store",
+    r = zygote.run([sys.executable, str(ROOT / "examples" / "hf_trainer_resume.py"), "--store",
                         str(tmp_path / "store")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "committed snapshots (steps): [5, 10]" in r.stdout

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ pytest.importorskip("accelerate", reason="the hf extra (transformers, accelerate
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+import _zygote as zygote
 from _util import assert_same, run_worker_scenario  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
@@ -99,8 +99,8 @@ def test_example_hf_ddp_resume_after_a_rank_is_killed_is_bit_identical(tmp_path)
     parameters equal an uninterrupted run's; save_total_limit=2 kept the 2 newest snapshots."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "hf_ddp_resume.py"), "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    proc = zygote.run([sys.executable, str(REPO / "examples" / "hf_ddp_resume.py"), "--out", str(tmp_path)],
+                      cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "committed snapshots (steps): [5, 10]" in proc.stdout
     assert proc.stdout.count("resumed at step 10; losses identical to the uninterrupted run's; final parameters "

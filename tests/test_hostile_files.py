@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import subprocess
 import sys
 import threading
 
@@ -30,6 +29,8 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import FaultInjectingStore
 from tensorstore_ck.walk import walk_commit
+
+import _zygote as zygote
 
 BLOCK = 4096
 
@@ -118,8 +119,8 @@ def bounded(fn, *, timeout: float = 30.0, unblock=None):
 def _cli(*args, env=None, timeout=30):
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=e)
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
+                      text=True, timeout=timeout, env=e)
 
 
 def _one_error_line(r) -> str:

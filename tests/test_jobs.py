@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import load_helper
 
 import tensorstore_ck as tsck
@@ -47,9 +48,9 @@ def run_jobs(tmp_path: Path, store: str, jobs: int, steps: int, *, keep: int = 2
     try:
         for name in names:
             err = open(tmp_path / f"{name}.err", "wb")
-            procs.append((subprocess.Popen([sys.executable, str(WORKER), store, name, str(steps), str(bar),
+            procs.append((zygote.Popen([sys.executable, str(WORKER), store, name, str(steps), str(bar),
                                             "--keep", str(keep), "--interval", str(interval)],
-                                           stdout=subprocess.PIPE, stderr=err, cwd=REPO, env=env), err))
+                                       stdout=subprocess.PIPE, stderr=err, cwd=REPO, env=env), err))
         t_end = time.monotonic() + deadline
         while not all((bar / f"{n}.ready").exists() for n in names):
             assert all(p.poll() is None for p, _e in procs), "a worker died before the start"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import _zygote as zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "tensorstore_ck"
 LINT = Path(sys.executable).with_name("lint-imports")
@@ -24,7 +26,7 @@ def _lint(cwd: Path, pythonpath: Path) -> subprocess.CompletedProcess:
     if not LINT.exists():
         pytest.skip(f"import-linter is not installed beside {sys.executable} (it is in the test extras)")
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    return subprocess.run([str(LINT), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return zygote.run([str(LINT), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_import_contracts_are_kept():

@@ -28,6 +28,7 @@ import pytest
 import tensorstore_ck as tsck
 from tensorstore_ck.format.records import encode_record
 
+import _zygote as zygote
 from _backends import Backend  # noqa: E402
 from _util import child_env, rank_results, run_worker_scenario  # noqa: E402
 from test_gc_race import gc_proc, gc_states  # noqa: E402  (helpers loaded by path)
@@ -70,9 +71,9 @@ def _holder(b: Backend, tmp_path: Path, what: str, procs: list) -> gc_proc.Proc:
 
 
 def _tsck(b: Backend, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *args], cwd=REPO,
-                          env=child_env(drop=("TSCK_",), **b.cli_env()), capture_output=True, text=True,
-                          timeout=timeout)
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *args], cwd=REPO,
+                      env=child_env(drop=("TSCK_",), **b.cli_env()), capture_output=True, text=True,
+                      timeout=timeout)
 
 
 @pytest.mark.slow
@@ -178,7 +179,7 @@ def test_only_a_holder_known_dead_is_taken_over(tmp_path):
     b = Backend("file", tmp_path)
     procs: list = []
     store = _open(b)
-    sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    sleeper = zygote.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         store.set_retention("a", tsck.Retention(keep_last=KEEP))
         for step in range(4):

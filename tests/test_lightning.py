@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+import _zygote as zygote
 from _util import assert_same  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
@@ -312,7 +312,7 @@ def test_the_base_package_never_imports_lightning():
             "assert not [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]\n"
             "sys.modules['lightning'] = None\n"
             "try:\n    import tensorstore_ck.lightning\nexcept ImportError as e:\n    print(e)\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    p = zygote.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, fresh=True)
     assert p.returncode == 0, p.stderr
     assert "pip install 'tensorstore_ck[lightning]'" in p.stdout
 
@@ -326,8 +326,8 @@ def test_ddp_saves_on_rank_zero_and_every_rank_loads(tmp_path):
     end with the same parameters."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "lightning_ddp.py"), str(tmp_path)],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    p = zygote.run([sys.executable, str(REPO / "tests" / "helpers" / "lightning_ddp.py"), str(tmp_path)],
+                   cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     runs = {f.stem: json.loads(f.read_text()) for f in tmp_path.glob("*_rank*.json")}
     assert sorted(runs) == ["fit_rank0", "fit_rank1", "resume_rank0", "resume_rank1"]
@@ -353,7 +353,7 @@ def test_a_sharded_strategy_is_refused_and_nothing_goes_into_the_store(tmp_path,
     checkpoint at step 10) is refused the same way."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
-    p = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "lightning_sharded.py"), mode,
+    p = zygote.run([sys.executable, str(REPO / "tests" / "helpers" / "lightning_sharded.py"), mode,
                         str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
@@ -374,8 +374,8 @@ def test_example_kill_and_resume_is_bit_identical(tmp_path):
     out = tmp_path / "losses.json"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(EXAMPLE), "--dir", str(tmp_path), "--json", str(out)], cwd=REPO,
-                       env=env, capture_output=True, text=True, timeout=300)
+    p = zygote.run([sys.executable, str(EXAMPLE), "--dir", str(tmp_path), "--json", str(out)], cwd=REPO,
+                   env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     runs = json.loads(out.read_text())
     victim, resumed, ref = ({int(k): v for k, v in runs[r].items()} for r in ("victim", "resumed", "reference"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+import _zygote as zygote
 from _util import assert_same, child_env  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
@@ -60,8 +60,8 @@ def fitted(tmp_path_factory):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env=child_env(cli=True), cwd=str(REPO))
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
+                      text=True, timeout=300, env=child_env(cli=True), cwd=str(REPO))
 
 
 def test_torch_load_of_a_pointer_names_the_way_out(fitted, tmp_path):

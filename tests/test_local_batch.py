@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import child_env
 
 import tensorstore_ck as tsck
@@ -88,8 +89,8 @@ def test_a_writer_killed_before_sync_leaves_only_temp_files(tmp_path):
     with tsck.open_store(str(root)) as s:
         s.put_snapshot({"first": torch.arange(10)}, ref="j/main", step=0)
     before = _named(root)
-    p = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(root)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=child_env(), text=True)
+    p = zygote.Popen([sys.executable, "-c", _KILLED_WRITER, str(root)], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, env=child_env(), text=True)
     try:
         line = p.stdout.readline()
         assert line.strip() == "written", p.stderr.read()
@@ -164,8 +165,8 @@ _FORK = textwrap.dedent("""
 
 
 def test_a_forked_child_names_its_writes_and_leaves_its_parents(tmp_path):
-    out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path)], capture_output=True, text=True,
-                         env=child_env(), timeout=120)
+    out = zygote.run([sys.executable, "-c", _FORK, str(tmp_path)], capture_output=True, text=True,
+                     env=child_env(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["parent's", "True"]
     assert _pending(tmp_path) == []

@@ -8,7 +8,6 @@ writes raise), not a stand-in for the manager."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
@@ -17,6 +16,8 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
+
+import _zygote as zygote
 
 
 class Broken(WrappedStore):
@@ -108,7 +109,7 @@ def test_a_script_whose_last_snapshot_fails_shows_it_and_exits_non_zero(tmp_path
         mgr.close()
         print("closed quietly")
     """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    p = zygote.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0, p.stdout + p.stderr
     assert "closed quietly" not in p.stdout
     assert p.stderr.count("SnapshotWarning") == 1, p.stderr  # step 4 shown; step 5, of the same kind, counted

@@ -17,7 +17,6 @@ first to go as the new run publishes.
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -27,6 +26,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
+import _zygote as zygote
 from _util import assert_same, child_env
 from tensorstore_ck.errors import StepReusedWarning
 
@@ -91,7 +91,7 @@ def test_a_fresh_process_sees_the_steps_another_manager_wrote(tmp_path):
                 mgr.step(n)
             mgr.close()
     """)
-    subprocess.run([sys.executable, "-c", writer], env=child_env(), check=True, timeout=120)
+    zygote.run([sys.executable, "-c", writer], env=child_env(), check=True, timeout=120)
     with tsck.open_store(path, create=False) as store:
         mgr = tsck.CheckpointManager(store, job="run", state=make_state())
         # 5 was pruned by keep_last=3 in the writer: only what the catalog keeps is listed

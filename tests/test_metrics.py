@@ -204,11 +204,11 @@ def test_store_on_durable_reports_each_snapshot_once(tmp_path):
 def test_example_runs(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     pytest.importorskip("prometheus_client", reason="prometheus_client is not installed")
-    import subprocess
+    import _zygote as zygote
     import sys
 
     from _util import REPO, child_env
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "metrics.py"), str(tmp_path)], env=child_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = zygote.run([sys.executable, str(REPO / "examples" / "metrics.py"), str(tmp_path)], env=child_env(),
+                   capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tsck_snapshots_total" in r.stdout and "tsck/bytes" in r.stdout, r.stdout

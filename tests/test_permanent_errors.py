@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,8 @@ import pytest
 
 import tensorstore_ck as tsck
 from tests.sim.faults import FAULTY_ENV, arm_faulty
+
+import _zygote as zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,8 +117,8 @@ def test_fsck_reports_an_unreadable_block_and_a_missing_one_in_seconds(damaged):
     code = ("import sys, tests.sim.faults; from tensorstore_ck.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", code, "fsck", d["url"], "--json"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=30)
+    p = zygote.run([sys.executable, "-c", code, "fsck", d["url"], "--json"], cwd=ROOT, env=env,
+                   capture_output=True, text=True, timeout=30)
     took = time.monotonic() - t0
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert took < 20, took
@@ -129,8 +130,8 @@ def test_fsck_reports_an_unreadable_block_and_a_missing_one_in_seconds(damaged):
     (m,) = [f for f in rep["findings"] if f["problem"] == "missing"]
     assert m["key"] == d["gone"] and m["names"] == ["ref:b/main"]
     # the text form names each snapshot and its ref
-    p = subprocess.run([sys.executable, "-c", code, "fsck", d["url"]], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=30)
+    p = zygote.run([sys.executable, "-c", code, "fsck", d["url"]], cwd=ROOT, env=env, capture_output=True,
+                   text=True, timeout=30)
     assert p.returncode == 1
     for r in "ab":
         assert d["roots"][r][:16] in p.stdout and f"ref:{r}/main" in p.stdout, p.stdout

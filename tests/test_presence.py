@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import subprocess
 import sys
 import threading
 
@@ -22,6 +21,8 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck import read
 from tensorstore_ck.storage.wrappers import WrappedStore
+
+import _zygote as zygote
 
 pytestmark = pytest.mark.slow  # a real S3 server
 
@@ -50,8 +51,8 @@ def _objects(store) -> set:
 def _gc_elsewhere(s3_url, s3_server, tmp_path) -> dict:
     """`tsck gc --grace 0` in another process (its own Store): its report."""
     env = {**os.environ, "TSCK_REFS": str(tmp_path / "refs.lmdb"), "TSCK_STORAGE_OPTIONS": json.dumps(s3_server)}
-    r = subprocess.run([sys.executable, "-m", "tensorstore_ck", "gc", s3_url, "--grace", "0", "--json"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = zygote.run([sys.executable, "-m", "tensorstore_ck", "gc", s3_url, "--grace", "0", "--json"],
+                   capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 

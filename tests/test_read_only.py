@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
+import _zygote as zygote
 from _mounts import remount, tmpfs
 
 
@@ -97,8 +98,8 @@ def _tree(root) -> dict:
 
 def _cli(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
+                      text=True, env=env, timeout=120)
 
 
 @pytest.fixture
@@ -240,7 +241,7 @@ def test_a_store_published_with_read_only_permissions(tmp_path):
             os.chmod(os.path.join(d, f), 0o644)
     before = _tree(path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
-    r = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, "-c",
+    r = zygote.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--", sys.executable, "-c",
                         _AS_READER, str(path)], capture_output=True, text=True, env=env, timeout=120)
     if r.returncode != 0 and "setpriv:" in r.stderr:
         pytest.skip(f"setpriv cannot drop capabilities here: {r.stderr.strip()}")

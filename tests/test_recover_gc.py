@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
+import _zygote as zygote
 from _backends import Backend
 from _util import child_env
 
@@ -41,8 +42,8 @@ def _env(b: Backend) -> dict:
 
 
 def _tsck(b: Backend, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *args], cwd=REPO, env=_env(b),
-                          capture_output=True, text=True, timeout=timeout)
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *args], cwd=REPO, env=_env(b),
+                      capture_output=True, text=True, timeout=timeout)
 
 
 def _six(b: Backend, *, lose: bool = True) -> dict:
@@ -78,8 +79,8 @@ def _wait_for(cond, what: str, proc=None, seconds: float = 120.0) -> None:
 def _gated_recover(b: Backend, gate: Path) -> subprocess.Popen:
     """A `tsck recover` stopped after adopting one commit (one catalog row written)."""
     gate.mkdir()
-    p = subprocess.Popen([sys.executable, str(GATED), b.url, str(gate)], cwd=REPO, env=_env(b),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = zygote.Popen([sys.executable, str(GATED), b.url, str(gate)], cwd=REPO, env=_env(b),
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: (gate / "reached").exists(), "the second commit", p)
     with b.open(read_only=True) as s:
         assert len(s.reftable.catalog_roots()) == 1 and s.reftable.list() == []

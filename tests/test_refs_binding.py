@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -18,12 +17,14 @@ import torch
 
 import tensorstore_ck as tsck
 
+import _zygote as zygote
+
 
 def _cli(*args, env=None):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("TSCK_", "AWS_"))}
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, env=e)
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
+                      text=True, timeout=120, env=e)
 
 
 def _objects(path) -> list:

@@ -15,6 +15,8 @@ from conformance import RefTableTests
 
 from tensorstore_ck.refs import LmdbRefTable, MemoryRefTable
 
+import _zygote as zygote
+
 
 class TestLmdbRefTable(RefTableTests):
     persistent = True
@@ -75,8 +77,8 @@ _GROW = textwrap.dedent("""
 def test_lmdb_map_grows_under_two_writer_processes(tmp_path):
     """A full map is grown, not an error, even while another process grows it too."""
     path = str(tmp_path / "refs.lmdb")
-    procs = [subprocess.Popen([sys.executable, "-c", _GROW, path, str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [zygote.Popen([sys.executable, "-c", _GROW, path, str(i)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]  # 8000 fsynced commits: slow on a busy disk
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
@@ -116,8 +118,8 @@ def test_postgres_cas_race_between_processes(pg_dsn):
     from tensorstore_ck.refs.postgres import PostgresRefTable
     ns = uuid.uuid4().hex
     start = str(time.time() + 2.0)
-    procs = [subprocess.Popen([sys.executable, "-c", _RACE, pg_dsn, ns, str(i), start], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(4)]
+    procs = [zygote.Popen([sys.executable, "-c", _RACE, pg_dsn, ns, str(i), start], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for i in range(4)]
     outs = [p.communicate(timeout=600) for p in procs]  # 8000 fsynced commits: slow on a busy disk
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     wins = sum(int(o[0]) for o in outs)
@@ -154,7 +156,7 @@ def test_lmdb_open_adopts_a_map_another_process_grew_meanwhile(tmp_path, monkeyp
 
     def open_then_grow(*a, **kw):
         env = real_open(*a, **kw)
-        subprocess.run([sys.executable, "-c", _GROW_ONCE, path], check=True, timeout=300)
+        zygote.run([sys.executable, "-c", _GROW_ONCE, path], check=True, timeout=300)
         return env
 
     monkeypatch.setattr(L.lmdb, "open", open_then_grow)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.sim import check, content  # noqa: E402
+
+import _zygote as zygote
 
 SEEDS = {"file": 20275, "pg": 20262, "s3": 20263, "tier": 20288, "step": 2}
 
@@ -41,7 +42,7 @@ def _run_harness(backend: str, extra_env: dict, args: list, timeout: float = 600
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "tests.sim", "--backend", backend, "--seed", str(seed), *args]
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    p = zygote.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"harness failed ({time.time() - t0:.0f}s):\n{out[-12000:]}"
     assert f"HARNESS seed={seed} backend={backend}" in out and "rounds OK" in out, out[-4000:]

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 
 import torch
 
 import tensorstore_ck as tsck
+
+import _zygote as zygote
 
 _KILLED_AFTER_MOVE = r"""
 import os, signal, sys, torch
@@ -33,8 +34,8 @@ def test_an_upload_resumed_after_its_move_never_moves_the_ref_back(tmp_path):
     url, tier = str(tmp_path / "store"), str(tmp_path / "tier")
     tsck.open_store(url).close()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    p = subprocess.run([sys.executable, "-c", _KILLED_AFTER_MOVE, url, tier], env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = zygote.run([sys.executable, "-c", _KILLED_AFTER_MOVE, url, tier], env=env, capture_output=True,
+                   text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     with tsck.open_store(url) as remote:
         old = remote.resolve("job/main")  # the move landed before the kill

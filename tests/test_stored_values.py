@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +23,8 @@ import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import encode_commit
 from tensorstore_ck.format.records import encode_record
 
+import _zygote as zygote
+
 REPO = Path(__file__).resolve().parent.parent
 STATS = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
 
@@ -31,8 +32,8 @@ STATS = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
 def _cli(*args):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=str(REPO))
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
+                      text=True, timeout=120, env=env, cwd=str(REPO))
 
 
 def _cli_all(*cmds):

@@ -7,12 +7,13 @@ a 64-character non-hex file under blocks/ ended both with
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import torch
 
 import tensorstore_ck as tsck
+
+import _zygote as zygote
 
 STRAYS = [
     "blocks/00/backup-of-" + "0" * 54,            # 64 characters, not hex
@@ -50,10 +51,10 @@ def test_gc_and_fsck_report_strays_and_keep_them(tmp_path):
 def test_cli_gc_and_fsck_with_a_stray(tmp_path):
     _store_with_strays(tmp_path / "s").close()
     for args, want in ((["fsck"], 1), (["gc"], 0), (["gc", "--dry-run"], 0)):
-        r = subprocess.run([sys.executable, "-m", "tensorstore_ck", *args, str(tmp_path / "s")],
-                           capture_output=True, text=True, timeout=120)
+        r = zygote.run([sys.executable, "-m", "tensorstore_ck", *args, str(tmp_path / "s")],
+                       capture_output=True, text=True, timeout=120)
         assert r.returncode == want, (args, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr and "ValueError" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "tensorstore_ck", "fsck", str(tmp_path / "s")],
-                       capture_output=True, text=True, timeout=120)
+    r = zygote.run([sys.executable, "-m", "tensorstore_ck", "fsck", str(tmp_path / "s")],
+                   capture_output=True, text=True, timeout=120)
     assert "stray" in r.stdout and "backup-of-" in r.stdout

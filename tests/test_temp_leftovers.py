@@ -19,6 +19,7 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck import cli
 
+import _zygote as zygote
 from _util import child_env
 
 SAVER = textwrap.dedent("""
@@ -48,8 +49,8 @@ def _kill_mid_write(store, tmp_path) -> dict[str, int]:
     kill leaves one behind (a write may finish between the look and the kill)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        p = subprocess.Popen([sys.executable, "-c", SAVER, str(store)], env=child_env(),
-                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "saver.err", "wb"))
+        p = zygote.Popen([sys.executable, "-c", SAVER, str(store)], env=child_env(),
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "saver.err", "wb"))
         try:
             while p.poll() is None and time.monotonic() < deadline:
                 if _leftovers(store):

@@ -23,6 +23,8 @@ import tensorstore_ck as tsck
 from tensorstore_ck.tier import uploader as upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 
+import _zygote as zygote
+
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 
@@ -176,8 +178,8 @@ def test_kill_9_midway_through_an_upload_resumes_at_the_next_open(s3_url, s3_ser
     lands on the snapshot, which checks out bit for bit from the remote alone."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     refs, local = str(tmp_path / "refs.lmdb"), str(tmp_path / "nvme")
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, s3_url, refs, local, json.dumps(s3_server)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = zygote.Popen([sys.executable, "-c", _WRITER, s3_url, refs, local, json.dumps(s3_server)],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     sent_before: list[str] = []
     root = None
     try:
@@ -609,8 +611,8 @@ def test_a_multi_rank_dcp_save_through_tiers_is_refused_before_any_write(tmp_pat
     remote = str(tmp_path / "remote")
     tsck.open_store(remote).close()
     init = f"file://{tmp_path / 'rdv'}"
-    procs = [subprocess.Popen([sys.executable, "-c", _DCP_RANK, str(r), init, remote, str(tmp_path / f"tier{r}")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [zygote.Popen([sys.executable, "-c", _DCP_RANK, str(r), init, remote, str(tmp_path / f"tier{r}")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=DEADLINE) for p in procs]
     for out, err in outs:
         assert "REFUSED" in out and "local tier" in out, (out, err[-2000:])

@@ -296,6 +296,7 @@ def test_kill_9_at_random_moments_of_uploads_then_resume(s3_url, s3_server, tmp_
     import random
     import signal
     import subprocess
+    import _zygote as zygote
     import sys
     import time
 
@@ -307,8 +308,8 @@ def test_kill_9_at_random_moments_of_uploads_then_resume(s3_url, s3_server, tmp_
     for it in range(5):
         kill_after = rng.randint(1, 9)  # remote writes seen before the kill (a run makes 10 or more)
         delay = rng.uniform(0.0, 0.15)
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, s3_url, refs, local, json.dumps(s3_server), str(it)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = zygote.Popen([sys.executable, "-c", _WRITER, s3_url, refs, local, json.dumps(s3_server), str(it)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
             seen, deadline = 0, time.monotonic() + DEADLINE
             while seen < kill_after:

@@ -10,13 +10,13 @@ storage (wrap_storage=): real writes, made to wait."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 import threading
 
 import pytest
 import torch
+import _zygote as zygote
 from _util import same_bits
 
 import tensorstore_ck as tsck
@@ -275,8 +275,8 @@ def test_another_process_evicting_a_snapshot_this_one_uploads_is_not_damage(remo
         root = store.put_snapshot(_state(1), "job/main", step=1).root
         assert gates[0].waiting.wait(DEADLINE)
         env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(tsck.__file__)))
-        out = subprocess.run([sys.executable, "-c", _SHARER, url, str(tmp_path / "nvme"), json.dumps(opts)],
-                             capture_output=True, text=True, timeout=DEADLINE, env=env)
+        out = zygote.run([sys.executable, "-c", _SHARER, url, str(tmp_path / "nvme"), json.dumps(opts)],
+                         capture_output=True, text=True, timeout=DEADLINE, env=env)
         assert out.returncode == 0 and "DONE" in out.stdout, out.stderr[-3000:]
         assert store.show(root).durable is True
         gates[0].gate.set()
@@ -323,8 +323,8 @@ def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path)
         assert store.wait_durable(timeout=DEADLINE)
         assert bytes.fromhex(roots[0]) in store.remote_core.refs.pins()
     shutil.rmtree(tmp_path / "remote" / "refs.lmdb")
-    out = subprocess.run([sys.executable, "-m", "tensorstore_ck", "recover", str(tmp_path / "remote")],
-                         capture_output=True, text=True, timeout=DEADLINE)
+    out = zygote.run([sys.executable, "-m", "tensorstore_ck", "recover", str(tmp_path / "remote")],
+                     capture_output=True, text=True, timeout=DEADLINE)
     assert out.returncode == 0, out.stderr[-2000:]
     with _open(remote, tmp_path) as store:
         assert store.wait_durable(timeout=DEADLINE)

@@ -23,6 +23,8 @@ import tensorstore_ck as tsck
 from tensorstore_ck.retry import Backoff
 from tensorstore_ck.storage.wrappers import RetryingStore, WrappedStore
 
+import _zygote as zygote
+
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 MARGIN = 6.0  # a close's bound plus this: the subprocess's own shutdown is not timed, the machine is shared
@@ -111,8 +113,8 @@ print("CLOSED " + json.dumps({"seconds": took, "error": err,
 
 class Server:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, "0"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = zygote.Popen([sys.executable, "-c", _SERVER, "0"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline().split()
         assert line and line[0] == "up", line
         self.port = int(line[1])
@@ -147,9 +149,9 @@ def _close_while_away(server, tmp_path, *, budget: float, timeout, away: str = "
     url, refs, local = "s3://tsck-close/s", str(tmp_path / "refs.lmdb"), str(tmp_path / "tier")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(
         os.path.abspath(tsck.__file__))), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.Popen([sys.executable, "-c", _SCENARIO, url, refs, local, json.dumps(server.opts), str(budget),
+    proc = zygote.Popen([sys.executable, "-c", _SCENARIO, url, refs, local, json.dumps(server.opts), str(budget),
                              str(timeout).lower()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                        stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "DURABLE", proc.communicate(timeout=DEADLINE)
         server.tell(away)

@@ -24,6 +24,8 @@ import torch
 
 import tensorstore_ck as tsck
 
+import _zygote as zygote
+
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 
@@ -144,9 +146,9 @@ def test_a_restore_from_the_local_tier_in_a_fresh_process_makes_no_request_to_th
         assert store.wait_durable(timeout=DEADLINE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     before = proxy.sent, proxy.conns
-    proc = subprocess.Popen([sys.executable, "-c", _RESTORE, s3_url, str(refs), local, json.dumps(opts), "1"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    proc = zygote.Popen([sys.executable, "-c", _RESTORE, s3_url, str(refs), local, json.dumps(opts), "1"],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        env=env)
     try:
         line = proc.stdout.readline()
         assert line.split()[:2] == ["RESTORED", "True"], (line, proc.stderr.read()[-3000:] if not line else "")

@@ -22,6 +22,7 @@ import time
 
 import pytest
 import torch
+import _zygote as zygote
 from _util import REPO, assert_same, child_env, object_listing
 
 import tensorstore_ck as tsck
@@ -49,8 +50,8 @@ def _open(s3_url, s3_server, tmp_path, **kw) -> tsck.Store:
 
 def _tsck(*args) -> subprocess.CompletedProcess:
     """The real `tsck` entry point, with no $TSCK_* of the developer's."""
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True, text=True,
-                          timeout=DEADLINE, env=child_env(cli=True, drop=("TSCK_",)), cwd=str(REPO))
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True, text=True,
+                      timeout=DEADLINE, env=child_env(cli=True, drop=("TSCK_",)), cwd=str(REPO))
 
 
 def _lose_table(local: str) -> dict:
@@ -150,9 +151,9 @@ time.sleep(3600)
 def _killed_writer(s3_url, s3_server, tmp_path, local: str) -> str:
     """A writer process: step 1 durable, step 2 published in the tier only, then killed -9
     -> step 2's root."""
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, s3_url, str(tmp_path / "refs.lmdb"), local,
+    proc = zygote.Popen([sys.executable, "-c", _WRITER, s3_url, str(tmp_path / "refs.lmdb"), local,
                              json.dumps(s3_server)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env())
+                        env=child_env())
     try:
         deadline = time.monotonic() + DEADLINE
         while True:

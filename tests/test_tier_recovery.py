@@ -25,6 +25,8 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
 
+import _zygote as zygote
+
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 
@@ -103,8 +105,8 @@ def test_process_killed_after_a_local_only_put_restores_the_newest_local_snapsho
     (the newer by step) bit for bit, not the remote's step 1."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     refs, local = str(tmp_path / "refs.lmdb"), str(tmp_path / "nvme")
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, s3_url, refs, local, json.dumps(s3_server)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = zygote.Popen([sys.executable, "-c", _WRITER, s3_url, refs, local, json.dumps(s3_server)],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + DEADLINE
         while True:

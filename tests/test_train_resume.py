@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import assert_same, child_env
 
 import tensorstore_ck as tsck
@@ -58,8 +59,8 @@ class Run:
     def __init__(self, store: Path, tmp: Path, name: str, *args: str):
         self.errpath = tmp / f"{name}.stderr"
         self._err = open(self.errpath, "wb")
-        self.proc = subprocess.Popen([sys.executable, str(HELPER), str(store), "--job", JOB, *args],
-                                     stdout=subprocess.PIPE, stderr=self._err, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+        self.proc = zygote.Popen([sys.executable, str(HELPER), str(store), "--job", JOB, *args],
+                                 stdout=subprocess.PIPE, stderr=self._err, cwd=REPO, env=child_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
         self.lines: list[str] = []
         self._q: queue.Queue = queue.Queue()
         self._t = threading.Thread(target=self._read, daemon=True)

@@ -19,6 +19,8 @@ import pytest
 
 import tensorstore_ck as tsck
 
+import _zygote as zygote
+
 try:
     from ._util import child_env
 except ImportError:  # tests/ is not a package
@@ -28,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _tsck(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, cwd=str(REPO),
-                          env=child_env(drop=("TSCK_",), cli=True, **(env or {})))
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
+                      text=True, timeout=120, cwd=str(REPO),
+                      env=child_env(drop=("TSCK_",), cli=True, **(env or {})))
 
 
 def _runs(*argvs):

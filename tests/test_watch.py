@@ -20,6 +20,7 @@ import threading
 import pytest
 import torch
 
+import _zygote as zygote
 from _util import child_env
 
 import tensorstore_ck as tsck
@@ -236,8 +237,8 @@ def _run_on_a_terminal(argv: list) -> tuple[int, str, str]:
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
     env = child_env(cli=True, TQDM_MININTERVAL="0", TQDM_MINITERS="1")
-    p = subprocess.Popen([sys.executable, "-m", "tensorstore_ck", *map(str, argv)], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=slave, env=env, cwd=REPO)
+    p = zygote.Popen([sys.executable, "-m", "tensorstore_ck", *map(str, argv)], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.PIPE, stderr=slave, env=env, cwd=REPO)
     os.close(slave)
     shown = bytearray()
     try:

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import _zygote as zygote
 from _util import child_env as _child_env
 from _util import load_helper
 
@@ -36,7 +37,7 @@ class Proc:
     def __init__(self, script: str, args: list, errlog: Path):
         self.errlog = errlog
         self._err = open(errlog, "wb")
-        self.proc = subprocess.Popen(
+        self.proc = zygote.Popen(
             [sys.executable, str(HELPERS / script), *map(str, args)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=child_env(), cwd=str(REPO))
         self.lines: list[tuple[float, str]] = []

@@ -91,6 +91,7 @@ import time
 
 import tensorstore_ck as tsck
 
+from .. import _zygote
 from . import check, content
 from .backends import Location
 from .netproxy import NetFaults
@@ -292,8 +293,8 @@ class Harness:
         env["PYTHONFAULTHANDLER"] = "1"
         err = open(os.path.join(self.run_dir, f"{cfg['id']}.err"), "wb")
         # A process group of its own: its ranks and `tsck gc` children are in it (see _reap).
-        p = subprocess.Popen([sys.executable, "-m", "tests.sim.worker", path], cwd=REPO, env=env,
-                             stdout=err, stderr=err, start_new_session=True)
+        p = _zygote.Popen([sys.executable, "-m", "tests.sim.worker", path], cwd=REPO, env=env,
+                          stdout=err, stderr=err, start_new_session=True)
         err.close()
         self.procs[cfg["id"]] = p
         return p
@@ -609,8 +610,8 @@ class Harness:
             env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
 
             def recover():
-                p = subprocess.run([sys.executable, "-m", "tensorstore_ck", "recover", path], env=env, cwd=REPO,
-                                   capture_output=True, text=True, timeout=300)
+                p = _zygote.run([sys.executable, "-m", "tensorstore_ck", "recover", path], env=env, cwd=REPO,
+                                capture_output=True, text=True, timeout=300)
                 return {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-400:],
                         "result": "ok" if p.returncode == 0 else "CliError"}
             out = self._driver_op("tier_recover", {"tier": name}, recover)
