@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 
 import fsspec
@@ -136,3 +137,14 @@ class Backend:
 
     def truncate(self, key: str, keep: int) -> None:
         self.write(key, self.read(key)[:keep])
+
+
+def lose_ref_table(b: Backend, store_id: str) -> None:
+    """The ref table lost as an operator loses it: the LMDB directory removed, or the
+    store's rows deleted from PostgreSQL (the objects stay)."""
+    if b.kind == "file":
+        shutil.rmtree(os.path.join(b.url, "refs.lmdb"))
+        return
+    import psycopg
+    with psycopg.connect(b.refs, autocommit=True) as conn:
+        conn.execute("DELETE FROM tsck_kv WHERE ns = %s", (store_id,))

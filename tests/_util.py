@@ -232,6 +232,24 @@ def all_torch_dtypes():
 
 
 # ---------------------------------------------------------------- store listing
+def plant_special(p: str, what: str) -> None:
+    """Put a special file where a stored object (or directory) is: "fifo" (a read would
+    block), "dir", or "zero" (a link to /dev/zero: endless bytes)."""
+    if os.path.isdir(p) and not os.path.islink(p):
+        import shutil
+        shutil.rmtree(p)
+    elif os.path.lexists(p):
+        os.unlink(p)
+    if what == "fifo":
+        os.mkfifo(p)
+    elif what == "dir":
+        os.mkdir(p)
+    elif what == "zero":
+        os.symlink("/dev/zero", p)
+    else:
+        raise ValueError(what)
+
+
 def object_listing(store_path) -> dict:
     """{relative path: size} for every file under blocks/ nodes/ commits/
     (`store_path` may be a tests/_backends.Backend: then on any backend)."""

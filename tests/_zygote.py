@@ -6,22 +6,23 @@ writers): a quarter of the whole run's CPU. The zygote imports torch, torch.dist
 checkpoint package, s3fs, psycopg and every tensorstore_ck module once; a helper is then
 a fork of it, ready in milliseconds.
 
-A forked helper is still a real process of its own: its own pid (SIGKILL it, killpg its
-session), its own exit status (returncode, -9 when killed), its own stdin/stdout/stderr
+A forked helper is still a real process of its own: its own pid (SIGKILL it), its own exit status (returncode, -9 when killed), its own stdin/stdout/stderr
 (pipes, files, /dev/null as subprocess.Popen sets them), argv, environment, cwd and
 session, and it ends the way a fresh interpreter does (non-daemon threads joined, atexit
 handlers run, streams flushed; an uncaught exception prints its traceback and exits 1).
-What differs: its parent is the zygote (which reaps it at once: no zombie outlives it),
-and modules are imported before its environment is set (the zygote refuses a request
-whose import-time variables differ from its own: that one runs as a plain interpreter).
+It starts in its parent's process group (or a session of its own), so a killpg reaches
+it as it would reach a plain child. What differs: its parent is the zygote (which reaps
+it at once: no zombie outlives it, and PR_SET_PDEATHSIG would name the zygote), and
+modules are imported before its environment is set. The zygote refuses what it cannot
+do exactly, and that runs as a plain interpreter: import-time variables that differ from
+its own, a parent in another session (a group there is out of the zygote's reach),
+another executable, preexec_fn, pass_fds, uid/gid/umask, unknown interpreter flags.
 
 Use `Popen`, `run`, `check_output` and `check_call` from this module where a test
 starts `[sys.executable, ...]` (fresh=True: a plain interpreter, for a test of what an
-interpreter imports or of a process's own memory: a fork shares the zygote's); anything the zygote cannot do exactly (another
-executable, preexec_fn, pass_fds, uid/gid/umask, unknown interpreter flags) starts a
-plain interpreter as subprocess does. The pytest process starts the zygote
-(`start()`, from conftest) and puts its address in $TESTS_ZYGOTE, so helpers' own
-helpers use it too. TESTS_NO_ZYGOTE=1 turns it off (every helper a fresh interpreter).
+interpreter imports or of a process's own memory: a fork shares the zygote's). The
+pytest process starts the zygote (`start()`, from conftest) and puts its address in
+$TESTS_ZYGOTE, so helpers' own helpers use it too. TESTS_NO_ZYGOTE=1 turns it off (every helper a fresh interpreter).
 
     python tests/_zygote.py FD      # the server; FD: a listening unix socket
 """
@@ -79,7 +80,7 @@ def start() -> None:
                                    pass_fds=(lsock.fileno(),), cwd=repo, env=env, stdin=subprocess.DEVNULL)
         lsock.close()
         _owner, _address = os.getpid(), path
-        os.environ[ENV] = path
+        os.environ[ENV] = f"{os.getsid(0)}:{path}"  # its session (the zygote's) and its socket
 
 
 def stop() -> None:
@@ -155,7 +156,14 @@ class Popen(subprocess.Popen):
                        restore_signals, gid, gids, uid, umask, start_new_session, process_group):
         rest = None if (self._fresh or shell or executable or preexec_fn or pass_fds or not close_fds or gid is not None
                         or gids is not None or uid is not None or umask >= 0) else _interpreter_args(args)
-        address = os.environ.get(ENV)
+        zsid, _, address = os.environ.get(ENV, "").partition(":")
+        pgid = process_group if process_group is not None and process_group >= 0 else None
+        if not start_new_session and pgid is None:
+            # A child starts in its parent's process group (a killpg of the group reaches
+            # it): the zygote's fork can join that group only within the zygote's session.
+            pgid = os.getpgrp() if zsid == str(os.getsid(0)) else None
+            if pgid is None:
+                rest = None
         env_d = dict(os.environ if env is None else {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
         cwd_s = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
         conn = None
@@ -163,7 +171,7 @@ class Popen(subprocess.Popen):
                 and _import_env_matches(env_d):
             flags = [a for a in list(args)[1:len(args) - len(rest)] if a in ("-u", "faulthandler")]
             req = json.dumps({"argv": rest, "env": env_d, "cwd": cwd_s, "setsid": bool(start_new_session),
-                              "pgid": process_group, "unbuffered": "-u" in flags,
+                              "pgid": pgid, "unbuffered": "-u" in flags,
                               "faulthandler": "faulthandler" in flags}).encode()
             fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
                    errwrite if errwrite != -1 else 2]

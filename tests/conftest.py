@@ -25,6 +25,16 @@ def zygote():
 
 
 @pytest.fixture
+def procs():
+    """Helper processes a test started (objects with close(): helpers/gc_proc.py's), each
+    closed at the test's end however it ends."""
+    live: list = []
+    yield live
+    for p in live:
+        p.close()
+
+
+@pytest.fixture
 def store_path(tmp_path):
     return tmp_path / "store"
 

@@ -23,6 +23,7 @@ import tensorstore_ck as tsck
 from tensorstore_ck.walk import walk_commit
 
 import _zygote as zygote
+from _util import plant_special
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK = 4096
@@ -45,19 +46,6 @@ def _state(i: int) -> dict:
             "sub": sub, "i": i}
 
 
-def _plant_special(p: str, what: str) -> None:
-    if os.path.isdir(p) and not os.path.islink(p):
-        shutil.rmtree(p)
-    elif os.path.lexists(p):
-        os.unlink(p)
-    if what == "fifo":
-        os.mkfifo(p)
-    elif what == "dir":
-        os.mkdir(p)
-    elif what == "zero":
-        os.symlink("/dev/zero", p)
-
-
 def _rewrite(p: str, fn) -> None:
     with open(p, "rb") as f:
         data = f.read()
@@ -77,30 +65,30 @@ FAULTS = {
     "truncated_block": (lambda p, k: _rewrite(os.path.join(p, k["block"]), lambda d: d[: len(d) // 2]), True),
     "huge_block": (lambda p, k: _huge(os.path.join(p, k["block"])), True),
     "stray_under_blocks": (lambda p, k: _write(p, "blocks/00/backup-of-" + "0" * 54, b"x"), True),
-    "fifo_block": (lambda p, k: _plant_special(os.path.join(p, k["block"]), "fifo"), True),
-    "dir_block": (lambda p, k: _plant_special(os.path.join(p, k["block"]), "dir"), True),
-    "zero_block": (lambda p, k: _plant_special(os.path.join(p, k["block"]), "zero"), True),
-    "fifo_node": (lambda p, k: _plant_special(os.path.join(p, k["node"]), "fifo"), True),
-    "dir_node": (lambda p, k: _plant_special(os.path.join(p, k["node"]), "dir"), True),
+    "fifo_block": (lambda p, k: plant_special(os.path.join(p, k["block"]), "fifo"), True),
+    "dir_block": (lambda p, k: plant_special(os.path.join(p, k["block"]), "dir"), True),
+    "zero_block": (lambda p, k: plant_special(os.path.join(p, k["block"]), "zero"), True),
+    "fifo_node": (lambda p, k: plant_special(os.path.join(p, k["node"]), "fifo"), True),
+    "dir_node": (lambda p, k: plant_special(os.path.join(p, k["node"]), "dir"), True),
     "huge_node": (lambda p, k: _huge(os.path.join(p, k["node"])), True),
     "truncated_commit": (lambda p, k: _rewrite(os.path.join(p, k["commit"]), lambda d: d[: len(d) // 2]), True),
-    "fifo_commit": (lambda p, k: _plant_special(os.path.join(p, k["commit"]), "fifo"), True),
-    "dir_commit": (lambda p, k: _plant_special(os.path.join(p, k["commit"]), "dir"), True),
-    "zero_commit": (lambda p, k: _plant_special(os.path.join(p, k["commit"]), "zero"), True),
-    "zero_tag": (lambda p, k: _plant_special(os.path.join(p, k["tag"]), "zero"), False),
-    "fifo_tag": (lambda p, k: _plant_special(os.path.join(p, k["tag"]), "fifo"), False),
+    "fifo_commit": (lambda p, k: plant_special(os.path.join(p, k["commit"]), "fifo"), True),
+    "dir_commit": (lambda p, k: plant_special(os.path.join(p, k["commit"]), "dir"), True),
+    "zero_commit": (lambda p, k: plant_special(os.path.join(p, k["commit"]), "zero"), True),
+    "zero_tag": (lambda p, k: plant_special(os.path.join(p, k["tag"]), "zero"), False),
+    "fifo_tag": (lambda p, k: plant_special(os.path.join(p, k["tag"]), "fifo"), False),
     "corrupt_tag": (lambda p, k: _write(p, k["tag"], b"\xff{not a tag"), False),
     "corrupt_marker": (lambda p, k: _write(p, "tsck.json", b"{not json"), None),
     "missing_marker": (lambda p, k: os.unlink(os.path.join(p, "tsck.json")), None),
-    "fifo_marker": (lambda p, k: _plant_special(os.path.join(p, "tsck.json"), "fifo"), None),
-    "zero_marker": (lambda p, k: _plant_special(os.path.join(p, "tsck.json"), "zero"), None),
-    "dir_marker": (lambda p, k: _plant_special(os.path.join(p, "tsck.json"), "dir"), None),
+    "fifo_marker": (lambda p, k: plant_special(os.path.join(p, "tsck.json"), "fifo"), None),
+    "zero_marker": (lambda p, k: plant_special(os.path.join(p, "tsck.json"), "zero"), None),
+    "dir_marker": (lambda p, k: plant_special(os.path.join(p, "tsck.json"), "dir"), None),
     "huge_marker": (lambda p, k: _huge(os.path.join(p, "tsck.json")), None),
     "missing_ref_table": (lambda p, k: shutil.rmtree(os.path.join(p, "refs.lmdb")), None),
     "corrupt_lmdb": (lambda p, k: _rewrite(os.path.join(p, "refs.lmdb", "data.mdb"),
                                            lambda d: d[:4096] + bytes(b ^ 0x5A for b in d[4096:])), None),
     "truncated_lmdb": (lambda p, k: _rewrite(os.path.join(p, "refs.lmdb", "data.mdb"), lambda d: d[:100]), None),
-    "fifo_lmdb": (lambda p, k: _plant_special(os.path.join(p, "refs.lmdb", "data.mdb"), "fifo"), None),
+    "fifo_lmdb": (lambda p, k: plant_special(os.path.join(p, "refs.lmdb", "data.mdb"), "fifo"), None),
     "tmp_is_a_file": (lambda p, k: (shutil.rmtree(os.path.join(p, "tmp"), ignore_errors=True),
                                     _write(p, "tmp", b"not a folder")), False),
 }

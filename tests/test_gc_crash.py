@@ -49,14 +49,6 @@ TRIALS = 12
 OBJECT_DIRS = ("blocks", "nodes", "commits")
 
 
-@pytest.fixture
-def procs():
-    live: list = []
-    yield live
-    for p in live:
-        p.close()
-
-
 def _open(path):
     return tsck.open_store(path, block_size=gc_states.CRASH_BLOCK, inline_threshold=gc_states.CRASH_INLINE,
                            gc_lease=STALE)

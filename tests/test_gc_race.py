@@ -76,14 +76,6 @@ def _gc_spec(backend) -> str:
     return json.dumps({**spec, "storage_options": opts})
 
 
-@pytest.fixture
-def procs():
-    live: list = []
-    yield live
-    for p in live:
-        p.close()
-
-
 def _pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * q / 100))]

@@ -31,6 +31,7 @@ from tensorstore_ck.storage.wrappers import FaultInjectingStore
 from tensorstore_ck.walk import walk_commit
 
 import _zygote as zygote
+from _util import plant_special
 
 BLOCK = 4096
 
@@ -206,16 +207,7 @@ def filled(tmp_path):
 
 
 def _plant(path, key: str, what: str) -> None:
-    p = os.path.join(path, key)
-    os.unlink(p)
-    if what == "fifo":
-        os.mkfifo(p)
-    elif what == "dir":
-        os.mkdir(p)
-    elif what == "zero":
-        os.symlink("/dev/zero", p)
-    else:
-        raise ValueError(what)
+    plant_special(os.path.join(path, key), what)
 
 
 @pytest.mark.parametrize("what,code", [("dir", errno.EISDIR), ("fifo", errno.EINVAL), ("zero", errno.EINVAL)])

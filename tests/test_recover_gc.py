@@ -8,7 +8,6 @@ commit), then killed -9 or left running beside a `tsck gc`. On LMDB and PostgreS
 """
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import torch
 
 import tensorstore_ck as tsck
 import _zygote as zygote
-from _backends import Backend
+from _backends import Backend, lose_ref_table
 from _util import child_env
 
 HERE = Path(__file__).resolve().parent
@@ -53,17 +52,8 @@ def _six(b: Backend, *, lose: bool = True) -> dict:
         roots = {ref: s.resolve(ref) for ref in REFS}
         store_id = s.config["id"]
     if lose:
-        _lose_table(b, store_id)
+        lose_ref_table(b, store_id)
     return roots
-
-
-def _lose_table(b: Backend, store_id: str) -> None:
-    if b.kind == "file":
-        shutil.rmtree(Path(b.url) / "refs.lmdb")
-        return
-    import psycopg
-    with psycopg.connect(b.refs, autocommit=True) as conn:
-        conn.execute("DELETE FROM tsck_kv WHERE ns = %s", (store_id,))
 
 
 def _wait_for(cond, what: str, proc=None, seconds: float = 120.0) -> None:

@@ -13,8 +13,6 @@ and without numbers (hypothesis).
 from __future__ import annotations
 
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tensorstore_ck as tsck
-from _backends import Backend
+from _backends import Backend, lose_ref_table
 from tensorstore_ck.retention import Retention, SnapRow, explain_kept, newest_first_order
 
 
@@ -31,15 +29,6 @@ def where(request, tmp_path) -> Backend:
     if request.param == "pg":
         return Backend("pg", tmp_path, pg_dsn=request.getfixturevalue("pg_dsn"))
     return Backend("file", tmp_path)
-
-
-def _lose_table(b: Backend, store_id: str) -> None:
-    if b.kind == "file":
-        shutil.rmtree(Path(b.url) / "refs.lmdb")
-        return
-    import psycopg
-    with psycopg.connect(b.refs, autocommit=True) as conn:
-        conn.execute("DELETE FROM tsck_kv WHERE ns = %s", (store_id,))
 
 
 def _interleaved(b: Backend, n: int = 4) -> list[bytes]:
@@ -51,7 +40,7 @@ def _interleaved(b: Backend, n: int = 4) -> list[bytes]:
                 info = s.put_snapshot({"w": torch.full((256,), float(len(roots)))}, ref=ref, step=len(roots))
                 roots.append(bytes.fromhex(info.root))
         store_id = s.config["id"]
-    _lose_table(b, store_id)
+    lose_ref_table(b, store_id)
     return roots
 
 

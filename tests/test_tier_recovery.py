@@ -16,16 +16,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.storage.wrappers import WrappedStore
 
 import _zygote as zygote
+from test_tier import HoldLookups
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
@@ -200,19 +199,6 @@ def test_damaged_local_blocks_are_read_from_the_remote_copy(s3_url, s3_server, t
         told = [r.getMessage() for r in caplog.records if "reading it from" in r.getMessage()]
         assert len(told) == 2, told
         assert any(cut.name[:16] in m for m in told) and any(flip.name[:16] in m for m in told)
-
-
-class HoldLookups(WrappedStore):
-    """Holds the uploader's first question about an object (size_of) until `gate` is set:
-    the snapshot stays local-only, and none of its local objects has been read for sending."""
-
-    def __init__(self, inner):
-        super().__init__(inner)
-        self.gate = threading.Event()
-
-    def size_of(self, key):
-        assert self.gate.wait(DEADLINE)
-        return self.inner.size_of(key)
 
 
 def test_a_local_only_snapshot_that_does_not_read_whole_gives_the_older_durable_one(tmp_path, caplog):

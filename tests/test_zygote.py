@@ -71,6 +71,22 @@ def test_sigkill_and_a_session_of_its_own():
     assert q.wait(timeout=60) == -signal.SIGTERM
 
 
+def test_a_child_starts_in_its_parents_process_group_or_runs_plain():
+    p = zygote.Popen([PY, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    assert p.forked and os.getpgid(p.pid) == os.getpgrp()  # a killpg of this group reaches it
+    p.stdin.close()
+    assert p.wait(timeout=60) == 0
+    # A parent in a session of its own: the zygote (in this session) cannot put a child in
+    # that parent's group, so it runs plain; a child that asks for a session of its own
+    # is forked.
+    r = _run("import os, sys; os.setsid(); sys.path.insert(0, sys.argv[1]); import _zygote as z\n"
+             "p = z.Popen([sys.executable, '-c', 'import os; print(os.getpgrp())'], stdout=-1, text=True)\n"
+             "q = z.Popen([sys.executable, '-c', 'pass'], start_new_session=True)\n"
+             "print(p.forked, int(p.communicate()[0]) == os.getpgrp(), q.forked, q.wait())",
+             os.path.dirname(os.path.abspath(zygote.__file__)))
+    assert (r.returncode, r.stdout) == (0, "False True True 0\n"), r.stderr
+
+
 def test_threads_are_joined_and_atexit_runs_before_the_exit():
     r = _run("import atexit, threading, time\n"
              "atexit.register(lambda: print('atexit', flush=True))\n"

@@ -14,10 +14,7 @@ on this host's wall clock).
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
 import os
-import signal
 import sys
 import threading
 import time
@@ -90,35 +87,7 @@ def second_case(rank, world, out, res, _arg):
 
 def _first(out: str, limit: float) -> dict:
     """dist_worker.launch, but the kill takes the whole job down: rank 0, then rank 1."""
-    from torch.distributed import TCPStore
-    port = dw.free_port()
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=dw._rank_main, args=(r, 2, port, "first", first_case, out, None)) for r in range(2)]
-    for p in procs:
-        p.start()
-    master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
-                      wait_for_workers=False)
-    info = {"phase": "first", "world": 2, "pids": [p.pid for p in procs]}
-    deadline = time.monotonic() + limit
-    marker = os.path.join(out, "trap_rank0")
-    while not os.path.exists(marker) and time.monotonic() < deadline and procs[0].is_alive():
-        time.sleep(0.005)
-    if os.path.exists(marker):
-        for p in procs:
-            os.kill(p.pid, signal.SIGKILL)
-        info["killed"] = 0
-        info["kill_time"] = time.time()
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    info["timed_out"] = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join()
-    info["exitcodes"] = [p.exitcode for p in procs]
-    dw._dump(os.path.join(out, "first_launcher.json"), info)
-    del master
-    return info
+    return dw.launch("first", 2, first_case, out, kill_rank=0, kill_job=True, limit=limit)
 
 
 def scenarios(scenario: str, out: str, argv: list) -> list | None:

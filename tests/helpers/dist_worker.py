@@ -278,7 +278,14 @@ def launch_env(phase, world, body, out, arg=None, *, limit=60.0) -> dict:
     for p in procs:
         p.start()
     info = {"phase": phase, "world": world, "pids": [p.pid for p in procs]}
-    deadline = time.monotonic() + limit
+    reap(procs, info, time.monotonic() + limit)
+    _dump(os.path.join(out, f"{phase}_launcher.json"), info)
+    return info
+
+
+def reap(procs, info: dict, deadline: float) -> None:
+    """Join the ranks until the deadline, SIGKILL those still running; info gets
+    "timed_out" (their ranks) and "exitcodes"."""
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
     info["timed_out"] = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -287,13 +294,12 @@ def launch_env(phase, world, body, out, arg=None, *, limit=60.0) -> dict:
             os.kill(p.pid, signal.SIGKILL)
             p.join()
     info["exitcodes"] = [p.exitcode for p in procs]
-    _dump(os.path.join(out, f"{phase}_launcher.json"), info)
-    return info
 
 
-def launch(phase, world, body, out, arg=None, *, kill_rank=None, limit=60.0) -> dict:
+def launch(phase, world, body, out, arg=None, *, kill_rank=None, kill_job=False, limit=60.0) -> dict:
     """Fork `world` ranks running body(rank, world, out, res, arg) with the c10d
-    store hosted here. kill_rank: SIGKILL that rank as soon as its trap fires."""
+    store hosted here. kill_rank: SIGKILL that rank as soon as its trap fires (kill_job:
+    every rank then, as torchrun takes a job down)."""
     from torch.distributed import TCPStore
     port = free_port()
     ctx = mp.get_context("fork")
@@ -310,17 +316,11 @@ def launch(phase, world, body, out, arg=None, *, kill_rank=None, limit=60.0) -> 
         while not os.path.exists(marker) and time.monotonic() < deadline and procs[kill_rank].is_alive():
             time.sleep(0.005)
         if os.path.exists(marker):
-            os.kill(procs[kill_rank].pid, signal.SIGKILL)
+            for p in (procs if kill_job else [procs[kill_rank]]):
+                os.kill(p.pid, signal.SIGKILL)
             info["killed"] = kill_rank
             info["kill_time"] = time.time()
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    info["timed_out"] = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join()
-    info["exitcodes"] = [p.exitcode for p in procs]
+    reap(procs, info, deadline)
     _dump(os.path.join(out, f"{phase}_launcher.json"), info)
     del master
     return info
