@@ -351,29 +351,17 @@ def resume_case(rank, world, out, res, arg):
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     arg = argv[3] if len(argv) > 3 else None
-    if scenario == "loop":
-        infos = [dw.launch("loop", 2, loop_case, out, arg or "async", limit=240.0)]
-    elif scenario == "clock":
-        infos = [dw.launch("clock", 2, clock_case, out, limit=240.0)]
-    elif scenario == "fail":
-        infos = [dw.launch("fail", 2, fail_case, out, limit=240.0)]
-    elif scenario == "prune":
-        infos = [dw.launch("prune", 2, prune_case, out, arg or "sync", limit=240.0)]
-    elif scenario == "force":
-        infos = [dw.launch("force", 2, force_case, out, limit=240.0)]
-    elif scenario == "grow":
-        infos = [dw.launch("grow", 2, grow_case, out, limit=240.0)]
-    elif scenario == "failend":
-        infos = [dw.launch("failend", 2, failend_case, out, limit=240.0)]
-    elif scenario == "fenced":
-        infos = [dw.launch("fenced", 2, fenced_case, out, limit=240.0)]
-    elif scenario == "resume":
-        infos = [dw.launch("first", 2, resume_case, out, ("store", 9), limit=240.0),
-                 dw.launch("second", 2, resume_case, out, ("store", 12), limit=240.0),
-                 dw.launch("straight", 2, resume_case, out, ("straight", 12), limit=240.0)]
-    else:
-        return None
-    return infos
+    one = {"loop": (loop_case, arg or "async"), "clock": (clock_case, None), "fail": (fail_case, None),
+           "prune": (prune_case, arg or "sync"), "force": (force_case, None), "grow": (grow_case, None),
+           "failend": (failend_case, None), "fenced": (fenced_case, None)}
+    if scenario in one:
+        body, a = one[scenario]
+        return [dw.launch(scenario, 2, body, out, a, limit=240.0)]
+    if scenario == "resume":
+        return [dw.launch("first", 2, resume_case, out, ("store", 9), limit=240.0),
+                dw.launch("second", 2, resume_case, out, ("store", 12), limit=240.0),
+                dw.launch("straight", 2, resume_case, out, ("straight", 12), limit=240.0)]
+    return None
 
 
 if __name__ == "__main__":

@@ -117,21 +117,27 @@ def _storage_opened(s) -> bool:
     return True
 
 
+def _checkout_rows(store, rank, world, holder, res, cfg, out) -> None:
+    """A collective checkout of REF into this rank's rows of each sharded tensor; what it
+    read from the remote goes to res, what it got to OUT/<phase>_rank<r>.pt."""
+    import tensorstore_ck as tsck
+    into: dict = {}
+    for path, (rows, cols, dtype) in dw.SHARDED.items():
+        a, b = dw.row_split(rows, world, rank)
+        dw._set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
+    into["local"] = None
+    got = store.checkout(REF, into=into, timeout=60)
+    res["remote_reads"] = list(holder["w"].reads)
+    res["remote_opened"] = _storage_opened(holder["w"])
+    dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
+    torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+
+
 def load_body(rank, world, out, res, cfg):
     """A collective checkout of REF into this rank's view, through tier `cfg["tier"]`."""
-    import tensorstore_ck as tsck
     holder: dict = {}
     with _open(cfg, out, rank, cfg["tier"], holder) as store:
-        into: dict = {}
-        for path, (rows, cols, dtype) in dw.SHARDED.items():
-            a, b = dw.row_split(rows, world, rank)
-            dw._set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
-        into["local"] = None
-        got = store.checkout(REF, into=into, timeout=60)
-        res["remote_reads"] = list(holder["w"].reads)
-        res["remote_opened"] = _storage_opened(holder["w"])
-        dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
-        torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
+        _checkout_rows(store, rank, world, holder, res, cfg, out)
 
 
 def manager_body(rank, world, out, res, cfg):
@@ -305,7 +311,6 @@ def rload_body(rank, world, out, res, cfg):
     before the store opens): a collective checkout with replicas."""
     import shutil
 
-    import tensorstore_ck as tsck
     import torch.distributed as dist
     if rank in cfg["lost"]:
         shutil.rmtree(os.path.join(cfg["tiers"], f"tier{rank}"))
@@ -331,17 +336,8 @@ def rload_body(rank, world, out, res, cfg):
     logging.getLogger("tensorstore_ck").setLevel(logging.INFO)
     holder: dict = {}
     with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
-        into: dict = {}
-        for path, (rows, cols, dtype) in dw.SHARDED.items():
-            a, b = dw.row_split(rows, world, rank)
-            dw._set(into, path, tsck.Sharded(torch.zeros(b - a, cols, dtype=dtype), (rows, cols), (a, 0)))
-        into["local"] = None
-        got = store.checkout(REF, into=into, timeout=60)
-        res["remote_reads"] = list(holder["w"].reads)
-        res["remote_opened"] = _storage_opened(holder["w"])
+        _checkout_rows(store, rank, world, holder, res, cfg, out)
         res["fetched"], res["bad_copies"] = store._tier.peers.fetched, store._tier.peers.bad
-        dump = {"sharded": {"/".join(p): dw.get_path(got, p).local for p in dw.SHARDED}, "local": got["local"]}
-        torch.save(dump, os.path.join(out, f"{cfg['phase']}_rank{rank}.pt"))
         dist.barrier()  # (the others may still be fetching from this rank)
 
 
