@@ -92,7 +92,13 @@ class BlockStoreTests:
     """The BlockStore contract (tensorstore_ck/storage/base.py).
 
     Subclasses provide the fixture `block_store`: an empty store (apart from what its
-    opener writes, such as a store marker), closed by the fixture afterwards."""
+    opener writes, such as a store marker), closed by the fixture afterwards.
+    RACE_ROUNDS: rounds of the put_if_absent race. A store that creates by
+    check-then-write loses about one round in five; one that leans on the server's
+    conditional PUT (S3) loses every round if it does not send the condition or reads
+    its refusal wrong, so fewer rounds find that."""
+
+    RACE_ROUNDS: ClassVar[int] = 40
 
     @pytest.fixture
     def block_store(self) -> BlockStore:
@@ -342,7 +348,7 @@ class BlockStoreTests:
         """Threads racing put_if_absent on one key: exactly one True per key, and a
         reader never sees the object half-written. (fsspec's memory file system failed
         this: a check-then-write create showed in about one round in five.)"""
-        n, rounds = 16, 40
+        n, rounds = 16, self.RACE_ROUNDS
         data = os.urandom(64 * 1024)
         torn = []
 

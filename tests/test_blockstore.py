@@ -74,6 +74,8 @@ class TestOpenStoreDirectoryFsspecStorage(BlockStoreTests):
 
 @pytest.mark.slow
 class TestS3BlockStore(BlockStoreTests):
+    RACE_ROUNDS = 12  # the server decides each race (If-None-Match); see BlockStoreTests
+
     @pytest.fixture
     def block_store(self, s3_server, s3_url):
         s = S3BlockStore(s3_url, s3_server)
@@ -84,6 +86,8 @@ class TestS3BlockStore(BlockStoreTests):
 @pytest.mark.slow
 class TestS3BlockStoreSmallPages(BlockStoreTests):
     """The contract again with pages of 3 keys: every listing crosses page boundaries."""
+
+    test_racing_put_if_absent_has_exactly_one_winner = None  # blind to the page size: TestS3BlockStore races
 
     @pytest.fixture
     def block_store(self, s3_server, s3_url):
@@ -144,6 +148,8 @@ class TestOpenStoreMemoryStorage(BlockStoreTests):
 
 @pytest.mark.slow
 class TestOpenStoreS3Storage(BlockStoreTests):
+    RACE_ROUNDS = 12  # the server decides each race (If-None-Match); see BlockStoreTests
+
     @pytest.fixture
     def block_store(self, tmp_path, s3_server, s3_url):
         st = tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server)

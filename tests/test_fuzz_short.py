@@ -33,6 +33,7 @@ FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 sys.path.insert(0, str(FUZZ))
 
 import _common  # noqa: E402
+from _util import soak  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck.format.manifest import encode_node  # noqa: E402
@@ -46,7 +47,7 @@ TARGETS = {  # module -> corpus folder
     "fuzz_state_encoder": "state_encoder",
     "fuzz_tree": "tree",
 }
-MUTATIONS = 300
+MUTATIONS = soak(150)      # per target (TSCK_SOAK=N: N times as many, by hand; the fuzzers proper: fuzz/)
 TIME_LIMIT = 5.0          # seconds per input
 RSS_CAP = 256 << 20       # bytes of peak-RSS growth per input
 BUDGET = 20.0             # seconds per target; a run past it stops early (hangs cost TIME_LIMIT each)
