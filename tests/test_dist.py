@@ -493,10 +493,11 @@ def test_collective_puts_through_new_or_several_stores_publish_each_call_once(tm
                 assert same_bits(_small_full(v), got["w"]), f"{name}: the snapshot of step {v} holds other rows"
             assert s.fsck().ok
     # After each round (3 calls): rank 0 deletes what every rank has acked. Keys left behind
-    # would add several per call (hellos, go, done, result), 15+ per round; a key or two of a
-    # rank still closing its last call may be there or not when the count is taken.
+    # would add several per call (hellos, go, done, result), 15+ per round, 30+ over the
+    # three rounds; the keys of calls a rank is still closing when the count is taken (a
+    # loaded machine's ranks lag) may be there or not, fewer than a round's worth.
     keys = res[0]["keys"]
-    assert max(keys) - min(keys) <= 2, f"the c10d Store grows with every call: {keys}"
+    assert max(keys) - min(keys) < 15, f"the c10d Store grows with every call: {keys}"
 
 
 def test_slow_rank_0_publishing_is_reported_published_on_every_rank(tmp_path):
