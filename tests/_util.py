@@ -4,7 +4,7 @@ Nothing here touches tensorstore_ck internals: only the public API, the on-disk
 directory names documented in docs/FORMAT.md (blocks/ nodes/ commits/) and its
 object frame (recode_blocks, through tensorstore_ck.format.frame).
 assert_same / same_bits are the suite's one bit-exact comparison of state trees.
-child_env, load_helper, in_thread and run_worker_scenario are its one copy of the
+child_env, kill_left, load_helper, in_thread and run_worker_scenario are its one copy of the
 subprocess and thread plumbing (a test that starts a process or loads a helper
 script by path uses these, so a fix to one reaches every test).
 """
@@ -33,6 +33,16 @@ def soak(n: int) -> int:
     run by hand (`TSCK_SOAK=10 pytest tests/test_crash.py`); the harness (tests/sim) is
     the long random search, these loops the fixed regression cases."""
     return max(1, round(n * float(os.environ.get("TSCK_SOAK") or 1)))
+
+
+def kill_left(procs) -> None:
+    """(process, its stderr file) pairs a test started: SIGKILL those still running,
+    reap them, close every file (a test's finally, however it ended)."""
+    for p, err in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        err.close()
 
 
 def child_env(*, drop: tuple[str, ...] = (), cli: bool = False, **set_vars: str | None) -> dict:

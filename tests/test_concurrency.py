@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import _zygote as zygote
-from _util import load_helper
+from _util import kill_left, load_helper
 
 import tensorstore_ck as tsck
 
@@ -95,11 +95,7 @@ def run_workers(tmp_path: Path, store: Path, refs: list[str], mode: str, rounds:
             assert r.done, f"worker {w} did not finish: {msg}"
             results.append(r)
     finally:
-        for p, err in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            err.close()
+        kill_left(procs)
     return results
 
 

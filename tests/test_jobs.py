@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import _zygote as zygote
-from _util import load_helper
+from _util import kill_left, load_helper
 
 import tensorstore_ck as tsck
 from tensorstore_ck.gc import holding_gc_lock
@@ -66,11 +66,7 @@ def run_jobs(tmp_path: Path, store: str, jobs: int, steps: int, *, keep: int = 2
             reports.append(json.loads(out.decode().strip().splitlines()[-1]))
         return reports
     finally:
-        for p, err in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            err.close()
+        kill_left(procs)
 
 
 def kept_per_job(store) -> Counter:

@@ -1076,6 +1076,24 @@ def pgunknown_case(rank, world, out, res, _arg):
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     arg = int(argv[3]) if len(argv) > 3 else None
+    # one launch: scenario -> (phase, ranks, body, its argument when none is given, limit s)
+    one = {"replicated": ("rep", 4, replicated, None, 60.0), "stall": ("stall", 4, stall_case, 1, 60.0),
+           "swap": ("swap", 2, swap_case, 1, 120.0), "skip": ("skip", 3, skip_case, 1, 120.0),
+           "mismatch": ("mismatch", 4, mismatch_case, 2, 60.0), "desync": ("desync", 4, desync_case, 2, 60.0),
+           "diverged": ("diverged", 4, diverged_case, 2, 60.0), "tiling": ("tiling", 2, tiling_case, None, 60.0),
+           "newstore": ("newstore", 2, newstore_case, 3, 120.0),
+           "slowcommit": ("slowcommit", 2, slowcommit_case, None, 90.0),
+           "stopped": ("stopped", 2, stopped_case, None, 120.0),
+           "deadcommit": ("deadcommit", 2, deadcommit_case, None, 90.0),
+           "nonmember": ("nonmember", 3, nonmember_case, None, 60.0),
+           "cotarget": ("cotarget", 2, cotarget_case, None, 60.0),
+           "gcfail": ("gcfail", 3, gcfail_case, None, 240.0),
+           "pgunknown": ("pgunknown", 2, pgunknown_case, None, 120.0),
+           "unknown": ("unknown", 2, unknown_case, None, 60.0), "ddpnew": ("ddpnew", 2, ddp_new, None, 60.0),
+           "notfound": ("notfound", 4, notfound_case, None, 60.0)}
+    if scenario in one:
+        phase, world, body, default, limit = one[scenario]
+        return [launch(phase, world, body, out, default if arg is None else arg, limit=limit)]
     if scenario == "sharded":
         infos = [launch("save", 4, sharded_save, out)]
         for w in (4, 2, 8):
@@ -1083,53 +1101,15 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
     elif scenario == "index":  # save at W = arg ranks, checkout at W ranks counting node reads
         infos = [launch("save", arg, sharded_save, out, limit=240.0),
                  launch("indexed", arg, index_load, out, limit=240.0)]
-    elif scenario == "replicated":
-        infos = [launch("rep", 4, replicated, out)]
     elif scenario == "kill":
         infos = [launch("kill", 4, kill_case, out, arg, kill_rank=arg)]
-    elif scenario == "stall":
-        infos = [launch("stall", 4, stall_case, out, 1 if arg is None else arg)]
-    elif scenario == "swap":
-        infos = [launch("swap", 2, swap_case, out, 1 if arg is None else int(arg), limit=120.0)]
-    elif scenario == "skip":
-        infos = [launch("skip", 3, skip_case, out, 1 if arg is None else int(arg), limit=120.0)]
-    elif scenario == "mismatch":
-        infos = [launch("mismatch", 4, mismatch_case, out, 2 if arg is None else arg)]
-    elif scenario == "desync":
-        infos = [launch("desync", 4, desync_case, out, 2 if arg is None else arg)]
     elif scenario == "exit":
         infos = [launch("exitsetup", 4, exit_setup, out)]
         for i in range(6 if arg is None else arg):
             infos.append(launch_env(f"exitput{i}", 4, exit_put, out, i))
             infos.append(launch_env(f"exitco{i}", 4, exit_checkout, out))
-    elif scenario == "diverged":
-        infos = [launch("diverged", 4, diverged_case, out, 2 if arg is None else arg)]
-    elif scenario == "tiling":
-        infos = [launch("tiling", 2, tiling_case, out)]
-    elif scenario == "newstore":
-        infos = [launch("newstore", 2, newstore_case, out, 3 if arg is None else arg, limit=120.0)]
-    elif scenario == "slowcommit":
-        infos = [launch("slowcommit", 2, slowcommit_case, out, limit=90.0)]
-    elif scenario == "stopped":
-        infos = [launch("stopped", 2, stopped_case, out, limit=120.0)]
-    elif scenario == "deadcommit":
-        infos = [launch("deadcommit", 2, deadcommit_case, out, limit=90.0)]
-    elif scenario == "nonmember":
-        infos = [launch("nonmember", 3, nonmember_case, out)]
-    elif scenario == "cotarget":
-        infos = [launch("cotarget", 2, cotarget_case, out)]
     elif scenario == "gcphase":
         infos = [launch("gcphase", arg or 2, gcphase_case, out, limit=240.0)]
-    elif scenario == "gcfail":
-        infos = [launch("gcfail", 3, gcfail_case, out, limit=240.0)]
-    elif scenario == "pgunknown":
-        infos = [launch("pgunknown", 2, pgunknown_case, out, limit=120.0)]
-    elif scenario == "unknown":
-        infos = [launch("unknown", 2, unknown_case, out)]
-    elif scenario == "ddpnew":
-        infos = [launch("ddpnew", 2, ddp_new, out)]
-    elif scenario == "notfound":
-        infos = [launch("notfound", 4, notfound_case, out)]
     else:
         return None
     return infos
