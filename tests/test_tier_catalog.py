@@ -310,11 +310,15 @@ def test_the_budget_never_evicts_a_copy_the_remote_retention_expired(remote, tmp
         assert same_bits(store.checkout("job/main"), _state(4))
 
 
-def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path):
+def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path, monkeypatch):
     """A pin made through the tier lives in the remote ref table only (tags have storage
     objects, pins none): after that table is lost and rebuilt by `tsck recover`, the next
-    open of the tier makes the pin there again, so the remote's retention keeps it."""
+    open of the tier makes the pin there again, so the remote's retention keeps it; its
+    wait_durable() waits for that (a loaded machine starts the uploader's thread late:
+    held here until the first wait has returned)."""
     import shutil
+
+    from tensorstore_ck.tier.uploader import Uploader
     remote = (str(tmp_path / "remote"), {})
     with _open(remote, tmp_path) as store:
         store.set_retention("job", tsck.Retention(keep_last=1))
@@ -326,7 +330,11 @@ def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path)
     out = zygote.run([sys.executable, "-m", "tensorstore_ck", "recover", str(tmp_path / "remote")],
                      capture_output=True, text=True, timeout=DEADLINE)
     assert out.returncode == 0, out.stderr[-2000:]
+    gate, republish = threading.Event(), Uploader._republish_holds
+    monkeypatch.setattr(Uploader, "_republish_holds", lambda self: (gate.wait(DEADLINE), republish(self)))
     with _open(remote, tmp_path) as store:
+        assert store.wait_durable(timeout=0.2) is False  # the open's own work is not done
+        gate.set()
         assert store.wait_durable(timeout=DEADLINE)
         assert bytes.fromhex(roots[0]) in store.remote_core.refs.pins()
         store.put_snapshot(_state(3), "job/main", step=3)

@@ -91,6 +91,9 @@ class Uploader:
         # An eviction to the budget is due or running (at open, after each upload):
         # wait_durable() returns once it is done, so the budget holds when it returns.
         self._fitting = budget is not None
+        # The open's own work is still to come (the tier's tags and pins made again in the
+        # remote table): wait_durable() and drain() wait for it, as for an upload queued.
+        self._opening = True
         self._fit_lock = threading.Lock()  # one eviction at a time: this thread's, or a put's (make_room)
         self.publisher = Publisher(remote.assets, remote.refs, remote.pool)
         self._cond = threading.Condition()
@@ -254,7 +257,8 @@ class Uploader:
                     self._heard = True
                     raise self.error
                 pending = [seq for seq, _ in self.local.refs.upload_pending() if seq <= target]
-                if not pending and not self._fitting and not self._follow and not self._tidying:
+                if not pending and not self._fitting and not self._follow and not self._tidying \
+                        and not self._opening:
                     return True
                 if self._stop:
                     raise TsckError("the uploader stopped (the store was closed, or this is a forked child) before "
@@ -276,7 +280,7 @@ class Uploader:
         with self._cond:
             failures, self._closing = self._failures, True
             self._cond.notify_all()  # an uploader pausing after a failed try tries again now
-            while self.local.refs.upload_pending() or self._follow or self._tidying:
+            while self.local.refs.upload_pending() or self._follow or self._tidying or self._opening:
                 if self.error is not None:
                     return f"the uploader stopped: {type(self.error).__name__}: {self.error}"
                 if self._stop:
@@ -321,7 +325,7 @@ class Uploader:
         """In a forked child: no uploader thread here (the parent's sends what the child
         queues); the remote core drops the parent's pool and locks."""
         self._forked, self._stop = True, True
-        self._fitting = False  # the parent's uploader keeps the budget
+        self._fitting = self._opening = False  # the parent's uploader keeps the budget and its holds
         self._cond = threading.Condition()
         self._fit_lock = threading.Lock()
         self.remote.after_fork()
@@ -506,7 +510,12 @@ class Uploader:
 
     def _run(self) -> None:
         tries = 0
-        self._republish_holds()
+        try:
+            self._republish_holds()
+        finally:
+            with self._cond:
+                self._opening = False
+                self._cond.notify_all()
         self._fit()  # at open: a tier over its budget (a smaller budget than last time)
         while True:
             with self._cond:
