@@ -16,7 +16,7 @@ import _zygote  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def zygote():
+def _zygote_server():
     """The fork server the suite's Python helpers start from (tests/_zygote.py): its
     preload runs while the first tests do."""
     _zygote.start()
