@@ -118,16 +118,10 @@ def _interpreter_args(args) -> list[str] | None:
     return rest
 
 
-def _import_env_matches(env: dict) -> bool:
-    mine = {k: v for k, v in os.environ.items()}
-    mine.update(PINNED)
-    for k in set(env) | set(mine):
-        if k in PINNED:
-            continue
-        if k in IMPORT_TIME or k.startswith(IMPORT_TIME_PREFIXES):
-            if env.get(k) != mine.get(k):
-                return False
-    return True
+def _import_time(env) -> dict:
+    """The variables of `env` that libraries read at import (PINNED aside)."""
+    return {k: v for k, v in env.items()
+            if (k in IMPORT_TIME or k.startswith(IMPORT_TIME_PREFIXES)) and k not in PINNED}
 
 
 def _recv_line(sock: socket.socket) -> bytes:
@@ -167,8 +161,7 @@ class Popen(subprocess.Popen):
         env_d = dict(os.environ if env is None else {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
         cwd_s = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
         conn = None
-        if rest is not None and address and not os.environ.get(OFF) and os.path.isdir(cwd_s) \
-                and _import_env_matches(env_d):
+        if rest is not None and address and not os.environ.get(OFF) and os.path.isdir(cwd_s):
             flags = [a for a in list(args)[1:len(args) - len(rest)] if a in ("-u", "faulthandler")]
             req = json.dumps({"argv": rest, "env": env_d, "cwd": cwd_s, "setsid": bool(start_new_session),
                               "pgid": pgid, "unbuffered": "-u" in flags,
@@ -308,6 +301,7 @@ def _serve(lfd: int) -> None:
     import torch
     threads = torch.get_num_threads()
     zygote_env = dict(os.environ)
+    imported_with = _import_time(zygote_env)
 
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)
@@ -334,6 +328,12 @@ def _serve(lfd: int) -> None:
                 except (OSError, ValueError) as e:
                     _send(conn, b"E %s\n" % repr(e).encode())
                     conn.close()
+                    continue
+                if _import_time(req["env"]) != imported_with:  # the client runs a plain interpreter
+                    _send(conn, b"E import-time environment differs\n")
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
                     continue
                 pid = os.fork()
                 if pid == 0:
