@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import re
 import signal
 from pathlib import Path
 
@@ -314,9 +315,9 @@ def test_a_checkout_where_the_others_put_costs_those_two_calls_alone(tmp_path):
     alike, succeed."""
     out = run_scenario(tmp_path, "swap", 1)
     r0, r1 = rank_results(out, "swap", 2)
-    assert r0["second"].startswith("OutOfStep") and (
-        "checkout" in r0["second"] or "rank 1 skipped this call: it is in put_snapshot of 'j/m' at step 3"
-        in r0["second"]), r0["second"]
+    # rank 1 is in its checkout, or (that over) in its put of step 3: asked, or seen not arriving
+    assert r0["second"].startswith("OutOfStep") and ("checkout" in r0["second"] or re.search(
+        r"rank 1 (skipped this call: it )?is in put_snapshot of 'j/m' at step 3", r0["second"])), r0["second"]
     assert r1["second"].startswith("OutOfStep") and "put_snapshot" in r1["second"], r1["second"]
     assert r0["put3"] == r1["put3"]
     assert r0["checkout_v"] == r1["checkout_v"] == 3

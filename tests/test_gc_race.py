@@ -57,6 +57,7 @@ GC_PAUSE = 0.02  # gc_loop sleeps U(0, GC_PAUSE) between runs
 GC_PAUSE_MOTO = 2.0
 WRITER_PAUSE = 0.05  # each writer sleeps U(0, WRITER_PAUSE) between commits
 KEEP = 2
+GC_RUNS_DURING = 5  # gc runs that end between the writers' first and last commits
 # Leftover object names that make a gc's deletion phase last seconds. On file: 160,000
 # hard links, deleted at full speed. On s3 (each uploaded) and pg: a few hundred, and the
 # gc process deletes at most STRAY_RATE objects a second (tests/helpers/gc_once.py
@@ -115,6 +116,12 @@ def test_gc_loop_races_three_dedup_writers(backend, tmp_path, procs):
             p.send("go\n")
 
         deadline = time.monotonic() + (300 if backend.kind == "s3" else 150)  # radosgw on 2 shared cores is slow
+        # The writers' last commits wait until gc has run GC_RUNS_DURING times after their first
+        # commit: on a loaded machine the writers could otherwise end before gc ran beside them.
+        first_commit = min(p.wait_line("committed ", max(1.0, deadline - time.monotonic()))[0] for p in writers)
+        gcp.wait_count("gc ", GC_RUNS_DURING, max(1.0, deadline - time.monotonic()), since=first_commit)
+        for p in writers:
+            p.send("last\n")
         for w, p in enumerate(writers):
             rc = p.wait(max(1.0, deadline - time.monotonic()))
             assert rc == 0, f"writer {w} exited {rc}: {p.stderr()[-3000:]}"
@@ -156,7 +163,7 @@ def test_gc_loop_races_three_dedup_writers(backend, tmp_path, procs):
         assert not gc_errors, f"gc failed during the race: {gc_errors[:5]}"
         assert verified == WRITERS * (steps - 1)
         assert sum(len(v) for v in acked.values()) == WRITERS * steps
-        assert len(during) >= 5, "gc did not overlap the writers"
+        assert len(during) >= GC_RUNS_DURING, "gc did not overlap the writers"
         assert expired > 0 and deleted > 0, "gc never deleted anything: the race was not exercised"
         # The content is built so that gc condemns blocks a writer reuses; either gc
         # re-marked them (rescued) or it deleted them and a writer wrote them again.

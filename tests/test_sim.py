@@ -51,14 +51,20 @@ def _run_harness(backend: str, extra_env: dict, args: list, timeout: float = 600
 
 @pytest.mark.slow
 def test_harness_file():
-    out = _run_harness("file", {}, ["--rounds", "3", "--round-seconds", "3"])
+    def collective(out):  # collective puts by real 2-rank gloo groups (chunk index), judged
+        # with the rest (published ones, and ones through the ranks' tiers: local-only)
+        return sum(int(n) for pair in re.findall(r"collective_puts=(\d+) \(\d+ async, (\d+) through tiers\)", out)
+                   for n in pair)
+    # A violation fails at once. A run whose rounds ended (a loaded machine's 3 s) before a
+    # collective put was judged proved nothing of those: the same seed runs again, up to three times.
+    for _ in range(3):
+        out = _run_harness("file", {}, ["--rounds", "3", "--round-seconds", "3"])
+        if collective(out):
+            break
     # the seed's schedule includes a lost ref table and recover, and a round of removals by
     # name beside gc and prune (the flavors' mix changes schedules: rescan seeds when it does)
     assert "recover=yes" in out and "flavor=remove" in out
-    # ... and collective puts by real 2-rank gloo groups (chunk index), judged with the rest
-    # (published ones, and ones through the ranks' tiers: local-only, their outcome remote unknown)
-    assert sum(int(n) for pair in re.findall(r"collective_puts=(\d+) \(\d+ async, (\d+) through tiers\)", out)
-               for n in pair) >= 1, out[-3000:]
+    assert collective(out) >= 1, out[-3000:]
 
 
 @pytest.mark.slow

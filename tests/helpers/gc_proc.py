@@ -67,6 +67,17 @@ class Proc:
                                          f"(rc={self.proc.poll()}): {self.stderr()[-3000:]}")
                 self._cv.wait(min(left, 0.5))
 
+    def wait_count(self, prefix: str, n: int, timeout: float, since: float = 0.0) -> None:
+        """Until n lines starting with prefix came at or after `since` (time.monotonic())."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while sum(1 for t, line in self.lines if t >= since and line.startswith(prefix)) < n:
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._t.is_alive()):
+                    raise AssertionError(f"fewer than {n} {prefix!r} lines from {self.proc.args[1]} "
+                                         f"(rc={self.proc.poll()}): {self.stderr()[-3000:]}")
+                self._cv.wait(min(left, 0.5))
+
     def send(self, text: str) -> None:
         self.proc.stdin.write(text.encode())
         self.proc.stdin.flush()

@@ -14,6 +14,8 @@ delete k-3's blocks before k looks them up, some while k is being written.
 
 Protocol on stdout (each line flushed):
     ready                                   store opened; waiting for "go" on stdin
+    (before its last commit it waits for "last" on stdin: the test lets it end once gc has
+    run enough times beside the commits, whatever the machine's load)
     committed <step> <root> <blocks_new> <put_seconds>   after put_snapshot returned
     verified <step>                          snapshot <step> read back bit-exact
     damaged <step> <root> <error kind> <message>          it did not
@@ -55,6 +57,8 @@ def main() -> int:
     damaged = 0
     prev = None
     for k in range(steps):
+        if k == steps - 1 and sys.stdin.readline().strip() != "last":
+            return 3
         state = gc_states.race_state(writer, k)
         t = time.monotonic()
         info = store.put_snapshot(state, ref=ref, step=k, meta={"writer": writer})
