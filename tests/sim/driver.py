@@ -200,6 +200,9 @@ UNREADABLE = {"p": 0.5, "errnos": [5, 5, 13, 21]}  # EIO, EIO, EACCES, EISDIR
 # a rule of its own at times (the tier's prune, as a CheckpointManager's), so that rank 1's
 # tier follows it (peers.py); check.check_tiers judges them with the other tiers.
 RANK_TIERS = ("c0", "c1")
+# Seconds a worker may take to say it is ready (its open, its ranks' start: worker.py waits
+# up to 90 s for each rank's group): past them its open hangs, and it is killed as stuck.
+OPEN_WAIT = 150.0
 
 
 def _net_brief(net: dict) -> str:
@@ -392,21 +395,30 @@ class Harness:
         bad = self._lose_tier_tables(r, fl, tiered)
         # its own draws: the schedules of operations stay what they were
         net_on = self.net.start_round(random.Random(f"{self.seed}:{r}:net"), heavy=fl.get("net") == "heavy")
+        # The round's workers start their operations together (worker.py's meet): the first
+        # one's two ranks take seconds to start on a loaded machine, and its collective puts
+        # are to meet the others' gcs and puts, not follow them.
+        for c in cfgs:
+            c["meet"] = {"path": os.path.join(self.run_dir, "journal", f"r{r}.meet"), "n": len(cfgs)}
         procs = [self._spawn(c) for c in cfgs]
         ready: dict[int, float] = {}
         killed = stuck = 0
         stuck_pids: set = set()
         driver_pids: set = set()  # SIGKILLed by a driver kill (a worker may have ended meanwhile)
-        hard_stop = time.time() + 60  # none got ready (an open that hangs)
+        # A worker not ready by OPEN_WAIT hangs in its open (a loaded machine's start of a
+        # worker and its two rank interpreters takes tens of seconds: that is not the round's
+        # time, so readiness is each worker's own event, never a clock shared with the others).
+        open_stop = time.time() + OPEN_WAIT
+        hard_stop = 0.0
         while any(p.poll() is None for p in procs):
             now = time.time()
             for k, c in enumerate(cfgs):
                 if k not in ready and os.path.exists(c["journal"] + ".ready"):
                     ready[k] = now
                     # Past its time plus a grace, a worker is stuck (waiting out a dead gc
-                    # for its gc_lease, say): killed, its last call's outcome unknown.
-                    hard_stop = min(hard_stop, now + self.round_seconds + 8) if len(ready) == 1 else \
-                        max(hard_stop, now + self.round_seconds + 8)
+                    # for its gc_lease, say): killed, its last call's outcome unknown. The
+                    # ready ones share the latest bound (a late one keeps the others company).
+                    hard_stop = max(hard_stop, now + self.round_seconds + 8)
             for kill in [x for x in kills if x[1] in ready and ready[x[1]] + x[0] <= now]:
                 kills.remove(kill)
                 if procs[kill[1]].poll() is None:
@@ -415,12 +427,12 @@ class Harness:
                     driver_pids.add(procs[kill[1]].pid)
             if live is not None:
                 self._live_recover_tick(live, rng, now)
-            if now > hard_stop:
-                for p in procs:
-                    if p.poll() is None and p.pid not in stuck_pids:  # once each, not every 20 ms
-                        p.send_signal(signal.SIGKILL)
-                        stuck_pids.add(p.pid)
-                stuck = len(stuck_pids)
+            for k, p in enumerate(procs):
+                if (now > hard_stop if k in ready else now > open_stop) and p.poll() is None \
+                        and p.pid not in stuck_pids:  # once each, not every 20 ms
+                    p.send_signal(signal.SIGKILL)
+                    stuck_pids.add(p.pid)
+            stuck = len(stuck_pids)
             time.sleep(0.02)
         bad += [e for e in map(_reap, procs) if e]
         for c, p in zip(cfgs, procs):
@@ -481,7 +493,8 @@ class Harness:
                  f"rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "
                  f"net={'off' if not net_on else _net_brief(net)} "
-                 f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck) "
+                 f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck"
+                 f"{': ' + ','.join(c['id'] + ('' if k in ready else ' never ready') for k, (c, p) in enumerate(zip(cfgs, procs)) if p.pid in stuck_pids) if stuck else ''}) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
                  f"checks {time.time() - t2:.1f})")
@@ -542,10 +555,6 @@ class Harness:
         for path, cs in sorted(by_tier.items()):
             if len(cs) > 1 and trng.random() < fl.get("trail_p", 0.0):
                 trng.choice(cs)["faults"]["slow_head"] = {"max": trng.choice([0.2, 0.4])}
-                meet = {"path": os.path.join(self.run_dir, "journal", f"r{r}-{os.path.basename(path)}.meet"),
-                        "n": len(cs)}
-                for c in cs:
-                    c["meet"] = meet
 
     def _catalog_writers(self, r: int, fl: dict, tiered: list) -> None:
         """Give the writers of some tiers (catalog_p per tier, a stream of its own) the

@@ -13,8 +13,8 @@ where cfg["rot"]: it damages a block on that tier's disk) and
 tier_end ("close" | "wait" | "kill" | "down": how such a writer ends); catalog (a tier writer with a
 job of its own: {"job", "keep_last", "keep_best"}: it sets the job's retention, prunes the job
 after puts, tags, pins, untags and unpins the job's snapshots in its tier), budget (the tier's
-local_budget in bytes), sharing (how many processes of the round open that tier) and meet
-({"path", "n"}: those processes start their operations together).
+local_budget in bytes), sharing (how many processes of the round open that tier); meet
+({"path", "n"}: the round's workers start their operations together).
 
 Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
     {"w", "i", "op", "args", "start"}                      before the call
@@ -176,7 +176,7 @@ RANKS = 2  # the world size of a worker's collective puts
 ROT_I = 1_000_000  # journal index offset of the damage done as a put returns (Worker._rot_after_put)
 CAT_I = 2_000_000  # a catalog writer's own calls: its rules at start (CAT_I), its prune after put i (CAT_I + 1 + i)
 DOWN_I = 3_000_000  # a writer ending "down": the moment its remote storage went away
-MEET_WAIT = 60.0  # seconds a writer sharing a tier waits for the others to open it (Worker._meet)
+MEET_WAIT = 60.0  # seconds a worker waits for the round's others to be open (Worker._meet)
 
 
 def tier_bytes(path: str) -> int:
@@ -772,10 +772,11 @@ class Worker:
         return 0
 
     def _meet(self) -> None:
-        """cfg["meet"] {"path", "n"}: the writers sharing a tier start their operations
-        together (a process's start takes seconds on a loaded host, a round a few): each
-        says it is open, then waits for the others, at most MEET_WAIT (one killed or stuck
-        meanwhile is not waited for)."""
+        """cfg["meet"] {"path", "n"}: the round's workers start their operations together
+        (a process's start takes seconds on a loaded host, a round a few; two writers sharing
+        a tier must overlap, the collective puts' ranks start slowest): each says it is
+        open, then waits for the others, at most MEET_WAIT (one killed or stuck meanwhile
+        is not waited for)."""
         meet = self.cfg.get("meet")
         if not meet:
             return
