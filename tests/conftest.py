@@ -11,6 +11,17 @@ for _k in list(os.environ):
     if _k.startswith(("AWS_", "TSCK_")):
         del os.environ[_k]
 
+# Bytecode caches for the suite's processes. Where PYTHONDONTWRITEBYTECODE is set (this
+# project's CI machine sets it), each of the hundreds of fresh interpreters the suite starts
+# (torchrun's ranks, the harness's, CLI calls) would compile the package, and every module
+# pip was told not to compile, again. They are written to a folder of their own
+# (PYTHONPYCACHEPREFIX), never beside the sources.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    import sys as _sys
+    import tempfile as _tempfile
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(_tempfile.gettempdir(), "tsck-tests-pycache"))
+    _sys.dont_write_bytecode, _sys.pycache_prefix = False, os.environ["PYTHONPYCACHEPREFIX"]
+
 import tensorstore_ck as tsck  # noqa: E402
 import _zygote  # noqa: E402
 

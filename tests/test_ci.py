@@ -14,6 +14,22 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert [ln for ln in ci if ln and not ln.startswith("#")][-1] == test_cmd
     # the S3 tests' server (moto) comes with it, and torch stays the pinned build
     assert "'moto[server]'" in test_cmd and "'torch==2.13.0'" in test_cmd
+    # pip compiles nothing: the suite's processes compile what they import, and keep it
+    assert "pip install -q --no-compile " in test_cmd
+
+
+def test_the_suites_processes_keep_their_bytecode(tmp_path):
+    """Even where PYTHONDONTWRITEBYTECODE is set (tests/conftest.py lifts it, with caches in a
+    folder of their own): a fresh interpreter the suite starts writes what it compiles."""
+    import subprocess
+    import sys
+    mod = tmp_path / "probe_mod.py"
+    mod.write_text("X = 1\n")
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import probe_mod, importlib.util; " \
+           "print(sys.dont_write_bytecode, importlib.util.cache_from_source(probe_mod.__file__))"
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    dont, cache = out.stdout.split()
+    assert dont == "False" and Path(cache).is_file(), out.stdout
 
 
 def test_package_states_a_torch_range_and_the_commands_pin_the_build():
