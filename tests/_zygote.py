@@ -309,6 +309,7 @@ def _serve(lfd: int) -> None:
     signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, socket.socket] = {}
+    tests: dict[int, str] = {}  # the test that asked for each child ($PYTEST_CURRENT_TEST), for cpu_log
     import selectors
     sel = selectors.DefaultSelector()
     sel.register(listen, selectors.EVENT_READ)
@@ -344,18 +345,30 @@ def _serve(lfd: int) -> None:
                 for fd in fds:
                     os.close(fd)
                 children[pid] = conn
+                tests[pid] = req["env"].get("PYTEST_CURRENT_TEST", "")
                 _send(conn, b"P %d\n" % pid)
         while children:
             try:
-                pid, sts = os.waitpid(-1, os.WNOHANG)
+                pid, sts, use = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
+            cpu_log(tests.pop(pid, ""), use.ru_utime + use.ru_stime, "zygote child")
             conn = children.pop(pid, None)
             if conn is not None:
                 _send(conn, b"S %d\n" % sts)
                 conn.close()
+
+
+def cpu_log(test: str, cpu: float, what: str) -> None:
+    """Measurement only (tests/census/by_test.py): with $TESTS_CPU_LOG set, one line per
+    forked child reaped here (its CPU and its waited-for descendants') and per test in each
+    pytest worker (tests/conftest.py: its own CPU and its plain children's)."""
+    path = os.environ.get("TESTS_CPU_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{cpu:.3f}\t{what}\t{test.rsplit(' (', 1)[0]}\n")
 
 
 def _send(conn: socket.socket, data: bytes) -> None:

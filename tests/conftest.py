@@ -35,6 +35,22 @@ def _zygote_server():
     _zygote.stop()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With $TESTS_CPU_LOG: each test's CPU in this worker, its fixtures' included, and in
+    the plain child processes it reaped (the zygote logs its forks: tests/census/by_test.py)."""
+    if not os.environ.get("TESTS_CPU_LOG"):
+        yield
+        return
+    import resource
+    import time
+    t, ch = time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    yield
+    ch2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    _zygote.cpu_log(item.nodeid, time.process_time() - t, "worker")
+    _zygote.cpu_log(item.nodeid, ch2.ru_utime + ch2.ru_stime - ch.ru_utime - ch.ru_stime, "plain child")
+
+
 @pytest.fixture
 def procs():
     """Helper processes a test started (objects with close(): helpers/gc_proc.py's), each
