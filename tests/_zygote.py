@@ -58,6 +58,7 @@ _lock = threading.Lock()
 _server: subprocess.Popen | None = None
 _owner = 0
 _address = ""
+reaped_cpu = 0.0  # CPU of a zygote stop() reaped, all of it logged already (cpu_log)
 
 
 def start() -> None:
@@ -88,6 +89,16 @@ def stop() -> None:
     global _server
     with _lock:
         if _server is not None and os.getpid() == _owner:
+            if os.environ.get("TESTS_CPU_LOG"):  # its own CPU (the preload); its forks logged theirs
+                global reaped_cpu
+                with open(f"/proc/{_server.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                cpu_log("(the zygote's preload)", (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"),
+                        "zygote itself")
+                _server.kill()
+                _pid, sts, use = os.wait4(_server.pid, 0)
+                _server.returncode = os.waitstatus_to_exitcode(sts)
+                reaped_cpu += use.ru_utime + use.ru_stime  # (the worker's hook leaves it out)
             _server.kill()
             _server.wait()
             os.environ.pop(ENV, None)
