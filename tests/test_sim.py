@@ -186,6 +186,29 @@ def test_checker_reports_damage_and_false_claims(tmp_path):
         assert check.check_fsck(s, "x")
 
 
+def test_checker_counts_a_failed_put_a_recover_may_have_adopted_toward_retention(tmp_path):
+    """A put that raised may leave its commit in storage (the ref table was unreachable at
+    its move, and its clean-up too); a recover after it adopts that commit, which then
+    counts for the job's keep_last. An ok put of the job dropped that way is no I3
+    violation; with no recover since, the failed put cannot have pushed it out."""
+    with tsck.open_store(tmp_path / "store") as s:
+        t = time.time()
+        spec = content.make_spec("w", 0, 0, 1)
+        gone = [{"w": "w", "i": 0, "op": "retention", "args": {"job": "jb", "keep_last": 1}, "start": t},
+                {"w": "w", "i": 0, "end": t + 0.1, "result": "ok"},
+                {"w": "w", "i": 1, "op": "put", "args": {"ref": "jb/main", "spec": spec}, "start": t + 1},
+                {"w": "w", "i": 1, "end": t + 1.5, "result": "ok", "root": "cd" * 32},
+                {"w": "w", "i": 2, "op": "put", "args": {"ref": "jb/main", "spec": dict(spec, o=2)}, "start": t + 2},
+                {"w": "w", "i": 2, "end": t + 2.5, "result": "StorageError", "error": "no connection"}]
+        recover = [{"w": "driver", "i": 0, "op": "recover", "args": {}, "start": t + 3},
+                   {"w": "driver", "i": 0, "end": t + 3.5, "result": "ok"}]
+        said = "I3 put returned ok but its snapshot is gone"
+        _journal(tmp_path, gone)
+        assert any(b.startswith(said) for b in check.check_history(s, check.load_ops(str(tmp_path)), []))
+        _journal(tmp_path, gone + recover)
+        assert not any(b.startswith(said) for b in check.check_history(s, check.load_ops(str(tmp_path)), [t + 3]))
+
+
 def test_checker_reports_tier_violations(tmp_path):
     """check_tiers (T1-T16) bites: a durable-marked snapshot the remote lacks, a remote ref
     on a missing block, a damaged tier, a remote root for a tier put that the tier never

@@ -203,7 +203,11 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
     # Each successful put: its snapshot exists with the content it was given, unless
     # retention may have dropped it (keep_last=N of its job, and at least N other puts
     # of the job may have been published after it: they returned after it began, or
-    # their outcome is unknown).
+    # their outcome is unknown, or they failed and a recover since may have adopted the
+    # commit they left in storage, as I9 allows).
+    recovers = [o for o in ops if o.op in ("recover", "delete_refs")]
+    adoptable = [o for o in ops if o.op == "put" and o.failed
+                 and any(r.unknown or r.end > o.start for r in recovers)]
     for o in puts:
         if not o.ok:
             continue
@@ -214,7 +218,7 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
                 bad.append(f"I3 catalog row of {root[:16]} holds another spec than its put: {o.brief()}")
             continue
         k = _min_keep(ops, job)
-        later = sum(1 for p in puts if p is not o and job_of(p.args["ref"]) == job
+        later = sum(1 for p in puts + adoptable if p is not o and job_of(p.args["ref"]) == job
                     and (p.unknown or p.end > o.start))
         protected = root in refs.values() or root in tags.values() or root in pins
         if protected:

@@ -152,6 +152,9 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+_GC_PHASES = (tsck_gc.PHASE_OBJECTS, tsck_gc.PHASE_SECONDS)  # the package's own (_ForkedRank)
+
+
 def job_of(ref: str) -> str:
     return ref.split("/", 1)[0]
 
@@ -509,14 +512,20 @@ class Worker:
 
     def start_ranks(self) -> None:
         """Start this worker's ranks (before it says it is ready: torch.distributed's start
-        is not the round's time)."""
+        is not the round's time). Forked from this process while it has no other thread (it
+        has not opened its store yet): a rank is then the process `python -m tests.sim.ranks`
+        would be without its seconds of importing torch; a plain interpreter otherwise."""
         import socket
+        import threading
         with socket.socket() as sk:
             sk.bind(("127.0.0.1", 0))
             port = sk.getsockname()[1]
-        self.ranks = [subprocess.Popen([sys.executable, "-m", "tests.sim.ranks", self.cfg_path, str(r), str(RANKS),
-                                        str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                      for r in range(RANKS)]
+        argvs = [[self.cfg_path, str(r), str(RANKS), str(port)] for r in range(RANKS)]
+        if threading.active_count() == 1:
+            self.ranks = [_ForkedRank(a) for a in argvs]
+        else:
+            self.ranks = [subprocess.Popen([sys.executable, "-m", "tests.sim.ranks", *a], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True) for a in argvs]
         for p in self.ranks:
             out = self._rank_line(p, 90.0)
             assert out.get("ready"), out
@@ -694,14 +703,14 @@ class Worker:
     def run_ops(self) -> int:
         cfg = self.cfg
         kw = {} if cfg.get("gc_lease") is None else {"gc_lease": cfg["gc_lease"]}
-        s = open_store(cfg, self.faults, **kw)
-        self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
         weights = cfg["weights"]
         names = sorted(weights)
         for v in range(content.VARIANTS):  # warm the caches: the round's clock starts now
             content.state(content.make_spec(self.wid, 0, v, 0))
         if weights.get("cput"):
-            self.start_ranks()
+            self.start_ranks()  # (before the store's threads: see start_ranks)
+        s = open_store(cfg, self.faults, **kw)
+        self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
         self._meet()
         deadline = time.time() + cfg["seconds"]
         # A writer ending "down": the remote storage goes away before its last 2-5 ops or
@@ -953,6 +962,71 @@ class Worker:
                 if time.time() >= until:
                     raise
                 time.sleep(0.1)
+
+
+class _ForkedRank:
+    """A rank (tests/sim/ranks.py main(argv)) in a fork of this worker, with Popen's surface
+    the worker uses: pid, stdin (text), stdout (read by its fd), poll, wait, kill. It ends
+    as an interpreter does (non-daemon threads joined, atexit handlers run, streams
+    flushed), without the worker's own atexit handlers."""
+
+    def __init__(self, argv: list) -> None:
+        r0, w0 = os.pipe()
+        r1, w1 = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.dup2(r0, 0)
+                os.dup2(w1, 1)
+                for fd in (r0, w0, r1, w1):
+                    os.close(fd)
+                import atexit
+                atexit._clear()
+                # what a fresh interpreter's tensorstore_ck has (Worker.__init__ draws its own)
+                tsck_gc.PHASE_OBJECTS, tsck_gc.PHASE_SECONDS = _GC_PHASES
+                sys.stdin = open(0, "r", closefd=False)
+                sys.stdout = open(1, "w", closefd=False)
+                from . import ranks
+                code = ranks.main(argv) or 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:  # noqa: BLE001 - as an interpreter prints it
+                traceback.print_exc()
+            finally:
+                import atexit
+                import threading
+                try:
+                    threading._shutdown()
+                    atexit._run_exitfuncs()
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        os.close(r0)
+        os.close(w1)
+        self.pid, self.returncode = pid, None
+        self.stdin = open(w0, "w")
+        self.stdout = open(r1, "rb", buffering=0)
+
+    def poll(self):
+        if self.returncode is None:
+            done, sts = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(sts)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        until = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if until is not None and time.monotonic() > until:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def main(argv=None) -> int:
