@@ -48,6 +48,12 @@ IMPORT_TIME = ("PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONOPTIMIZE", "PYTHONDONTWR
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "TQDM_")  # tqdm reads its TQDM_* defaults at import
 # ... except these, which the zygote pins (torch's C++ log level) or sets in the child.
 PINNED = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+# ... and these, read when they are used (torchrun sets the first for its ranks; NCCL's
+# process group reads it when one is made, never at import).
+USE_TIME = ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)
+# In a child whose environment sets this, subprocess.Popen is this module's Popen: its own
+# `[sys.executable, ...]` children (torchrun's agent and ranks, Lightning's) are forks too.
+SUBPROCESS = "TESTS_ZYGOTE_SUBPROCESS"
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "numpy", "fsspec", "s3fs",
            "psycopg", "psycopg_pool", "lmdb", "blake3", "lz4.frame", "msgpack", "safetensors.torch")
 SKIP_PRELOAD = ("tensorstore_ck.lightning",)  # lightning's import is heavy and only a few helpers need it
@@ -132,7 +138,7 @@ def _interpreter_args(args) -> list[str] | None:
 def _import_time(env) -> dict:
     """The variables of `env` that libraries read at import (PINNED aside)."""
     return {k: v for k, v in env.items()
-            if (k in IMPORT_TIME or k.startswith(IMPORT_TIME_PREFIXES)) and k not in PINNED}
+            if (k in IMPORT_TIME or k.startswith(IMPORT_TIME_PREFIXES)) and k not in PINNED and k not in USE_TIME}
 
 
 def _recv_line(sock: socket.socket) -> bytes:
@@ -460,6 +466,8 @@ def _child(req, fds, base_path, pristine_filters, threads, zygote_env) -> None:
             torch.set_num_threads(int(n) if n and n.isdigit() and int(n) > 0 else threads)
         import numpy as np
         np.random.seed()  # a fresh interpreter's numpy draws its own seed
+        if env.get(SUBPROCESS):
+            _route_subprocess()
         argv = req["argv"]
         pp = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         code = _run(argv, pp, base_path)
@@ -473,6 +481,15 @@ def _child(req, fds, base_path, pristine_filters, threads, zygote_env) -> None:
         sys.excepthook(etype, e.with_traceback(tb), tb)
         code = 1
     os._exit(_finish(code))
+
+
+def _route_subprocess() -> None:
+    """subprocess.Popen (and run, call, check_output, which use it) as this module's Popen,
+    also where a module bound the name at its import (torch.distributed.elastic's handler)."""
+    subprocess.Popen = Popen
+    handler = sys.modules.get("torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler")
+    if handler is not None:
+        handler.Popen = Popen
 
 
 def _streams(env, *, unbuffered: bool) -> None:

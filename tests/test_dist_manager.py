@@ -159,7 +159,7 @@ def test_example_ddp_resume_after_a_rank_is_killed_is_bit_identical(tmp_path):
     """examples/ddp_resume.py under torchrun: rank 1 SIGKILLed at step 17 (torchrun takes the
     job down), the same script resumes every rank at the newest committed snapshot (every
     5 steps, asynchronous), and every rank's losses equal an uninterrupted run's bit for bit."""
-    env = dict(os.environ)
+    env = dict(os.environ, **{zygote.SUBPROCESS: "1"})  # torchrun's agent and ranks: forks of the zygote
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = zygote.run([sys.executable, str(REPO / "examples" / "ddp_resume.py"), "--out", str(tmp_path)],
                       cwd=REPO, env=env, capture_output=True, text=True, timeout=540)

@@ -124,7 +124,7 @@ def test_example_fsdp2_resume_on_more_ranks_after_a_rank_is_killed_is_bit_identi
     the newest snapshot (every 5 steps: 15 when the manager snapshots in the foreground, an
     earlier one when step 15's was still in the background at the kill), and its losses and
     final parameters equal an uninterrupted 2-rank run's bit for bit."""
-    env = dict(os.environ)
+    env = dict(os.environ, **{zygote.SUBPROCESS: "1"})  # torchrun's agent and ranks: forks of the zygote
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = zygote.run([sys.executable, str(REPO / "examples" / "fsdp2_resume.py"), "--out", str(tmp_path)],
                       cwd=REPO, env=env, capture_output=True, text=True, timeout=540)

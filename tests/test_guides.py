@@ -72,7 +72,9 @@ def _sub(text: str, subs: dict) -> str:
 
 
 def _run(cmd: list[str], env: dict, cwd: Path, what: str) -> str:
-    p = zygote.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    # (what the commands start, torchrun's agent and ranks included: forks of the zygote)
+    p = zygote.run(cmd, env=dict(env, **{zygote.SUBPROCESS: "1"}), cwd=cwd, capture_output=True, text=True,
+                   timeout=600)
     assert p.returncode == 0, f"{what} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout
 

@@ -323,7 +323,8 @@ def test_example_killed_and_resumed_is_bit_identical(tmp_path):
     the store in a fresh process and output dir; exit 0 only if every loss and the final
     parameters equal an uninterrupted run's."""
     r = zygote.run([sys.executable, str(ROOT / "examples" / "hf_trainer_resume.py"), "--store",
-                        str(tmp_path / "store")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                    str(tmp_path / "store")], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                   env=dict(os.environ, **{zygote.SUBPROCESS: "1"}))  # its runs: forks of the zygote
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "committed snapshots (steps): [5, 10]" in r.stdout
     assert "losses of all 20 steps bit-identical to run A: True" in r.stdout

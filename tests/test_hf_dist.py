@@ -97,7 +97,7 @@ def test_example_hf_ddp_resume_after_a_rank_is_killed_is_bit_identical(tmp_path)
     copy), rank 1 SIGKILLed at step 12, the same script resumes with
     resume_from_checkpoint=True at step 10 on both ranks, and every rank's losses and final
     parameters equal an uninterrupted run's; save_total_limit=2 kept the 2 newest snapshots."""
-    env = dict(os.environ)
+    env = dict(os.environ, **{zygote.SUBPROCESS: "1"})  # torchrun's agent and ranks: forks of the zygote
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = zygote.run([sys.executable, str(REPO / "examples" / "hf_ddp_resume.py"), "--out", str(tmp_path)],
                       cwd=REPO, env=env, capture_output=True, text=True, timeout=540)

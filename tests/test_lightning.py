@@ -373,7 +373,7 @@ def test_example_kill_and_resume_is_bit_identical(tmp_path):
     RNG, loop counters) are equal bit for bit."""
     out = tmp_path / "losses.json"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", **{zygote.SUBPROCESS: "1"})  # its runs: forks of the zygote
     p = zygote.run([sys.executable, str(EXAMPLE), "--dir", str(tmp_path), "--json", str(out)], cwd=REPO,
                    env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
