@@ -148,3 +148,22 @@ def test_what_the_zygote_cannot_do_exactly_runs_as_a_plain_interpreter():
 def test_run_times_out_and_kills_the_child():
     with pytest.raises(subprocess.TimeoutExpired):
         _run("import time; time.sleep(600)", timeout=1)
+
+
+def test_a_child_told_so_starts_its_own_interpreter_children_as_forks_too():
+    """TESTS_ZYGOTE_SUBPROCESS: subprocess.Popen/run in the child (and torch.distributed.elastic's
+    handler, which binds Popen at its import) fork from the zygote, in a session of their own
+    as torchrun asks, with torchrun's TORCH_NCCL_ASYNC_ERROR_HANDLING; without it, plainly."""
+    code = ("import os, subprocess, sys\n"
+            "from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as h\n"
+            "env = dict(os.environ, TORCH_NCCL_ASYNC_ERROR_HANDLING='1')\n"
+            "r = subprocess.run([sys.executable, '-c', 'import os; print(os.getppid(), os.getsid(0) == os.getpid())'],"
+            " capture_output=True, text=True, env=env, start_new_session=True)\n"
+            "print(os.getpid(), r.stdout.strip(), r.returncode, h.Popen.__module__ != 'subprocess')\n")
+    for routed in (True, False):
+        env = {**os.environ, zygote.SUBPROCESS: "1"} if routed else dict(os.environ)
+        r = _run(code, env=env)
+        child, parent, own_session, rc, handler_routed = r.stdout.split()
+        assert r.returncode == 0 and rc == "0" and own_session == "True", r.stdout + r.stderr
+        # forked by the zygote (its parent), or a plain child of the child
+        assert (parent != child) == routed and handler_routed == str(routed), r.stdout
