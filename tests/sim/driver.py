@@ -406,7 +406,7 @@ class Harness:
         stuck_pids: set = set()
         driver_pids: set = set()  # SIGKILLed by a driver kill (a worker may have ended meanwhile)
         # A worker not ready by OPEN_WAIT hangs in its open (a loaded machine's start of a
-        # worker and its two rank interpreters takes tens of seconds: that is not the round's
+        # worker and its two ranks takes tens of seconds: that is not the round's
         # time, so readiness is each worker's own event, never a clock shared with the others).
         open_stop = time.time() + OPEN_WAIT
         hard_stop = 0.0
@@ -485,6 +485,8 @@ class Harness:
                 fenced += o.out.get("fenced") or 0
                 collective += 1 if o.args.get("collective") else 0
                 collective_async += 1 if o.args.get("collective") and not o.args.get("blocking", True) else 0
+        stuck_ids = "".join(f"{', ' if k else ': '}{c['id']}{'' if cfgs.index(c) in ready else ' never ready'}"
+                            for k, c in enumerate(c for c, p in zip(cfgs, procs) if p.pid in stuck_pids))
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
                  f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
@@ -493,8 +495,7 @@ class Harness:
                  f"rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "
                  f"net={'off' if not net_on else _net_brief(net)} "
-                 f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck"
-                 f"{': ' + ','.join(c['id'] + ('' if k in ready else ' never ready') for k, (c, p) in enumerate(zip(cfgs, procs)) if p.pid in stuck_pids) if stuck else ''}) "
+                 f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck{stuck_ids}) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
                  f"checks {time.time() - t2:.1f})")
