@@ -522,7 +522,9 @@ class Worker:
             port = sk.getsockname()[1]
         argvs = [[self.cfg_path, str(r), str(RANKS), str(port)] for r in range(RANKS)]
         if threading.active_count() == 1:
-            self.ranks = [_ForkedRank(a) for a in argvs]
+            self.ranks = []
+            for a in argvs:
+                self.ranks.append(_ForkedRank(a, self.ranks))
         else:
             self.ranks = [subprocess.Popen([sys.executable, "-m", "tests.sim.ranks", *a], stdin=subprocess.PIPE,
                                            stdout=subprocess.PIPE, text=True) for a in argvs]
@@ -970,7 +972,7 @@ class _ForkedRank:
     as an interpreter does (non-daemon threads joined, atexit handlers run, streams
     flushed), without the worker's own atexit handlers."""
 
-    def __init__(self, argv: list) -> None:
+    def __init__(self, argv: list, earlier: list) -> None:
         r0, w0 = os.pipe()
         r1, w1 = os.pipe()
         pid = os.fork()
@@ -981,6 +983,9 @@ class _ForkedRank:
                 os.dup2(w1, 1)
                 for fd in (r0, w0, r1, w1):
                     os.close(fd)
+                for other in earlier:  # an earlier rank's stdin must reach EOF when the worker closes it
+                    other.stdin.close()
+                    other.stdout.close()
                 import atexit
                 atexit._clear()
                 # what a fresh interpreter's tensorstore_ck has (Worker.__init__ draws its own)
