@@ -346,11 +346,17 @@ class Publisher:
         a training log wants: ref, step, bytes, new bytes, seconds, stall."""
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
-        made: dict = {}  # the commit object last encoded: body, parent, time, stats
+        made: dict = {}  # the commit object last encoded: body, parent, time, stats, root
+        # Commit objects the table refused (a lost race, a fenced move) and this put then
+        # re-encoded: never published, removed once the put ends, or `recover` after a
+        # lost table would adopt each as a snapshot of its own (one put, two snapshots).
+        refused: list[bytes] = []
 
         def attempt() -> _Move:
             parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
             if not made or parent != made["parent"]:
+                if made.get("root") is not None:
+                    refused.append(made["root"])
                 # After a fenced move with the same parent the same commit object is
                 # published: a new one each time would leave the old as garbage for every
                 # snapshot that overlaps a gc's (or a prune's) deletion phase.
@@ -361,7 +367,7 @@ class Publisher:
                 made.update(body=encode_commit(job=args.job, ref=ref, step=args.step, time=now, metrics=args.metrics,
                                                meta=meta, parent=parent, tree=tree, stats=st),
                             parent=parent, time=now, stats=st)
-            root = self.assets.put_commit(made["body"]).digest
+            root = made["root"] = self.assets.put_commit(made["body"]).digest
             self.assets.sync()  # everything the commit references is durable before the ref moves
             return _Move(parent, root, {"job": args.job, "ref": ref, "step": args.step, "time": made["time"],
                                         "metrics": args.metrics, "meta": meta, "parent": parent, "tree": tree,
@@ -374,14 +380,24 @@ class Publisher:
                                   "`tsck log` of the ref (or store.resolve/store.log) before taking it again, or a "
                                   "retry may publish it twice", root=root, ref=ref)
 
-        move, lost = self._move_ref(
-            ref, attempt, fence=fence, what="snapshot", conditional=exp is not UNSET, drop_failed=True,
-            revalidate=None if revalidate is None else (lambda new_fence: revalidate(made["body"], new_fence)),
-            unknown=unknown,
-            gave_up=lambda races, fenced: (
-                f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost races with other "
-                f"writers moving it, {fenced} overlapping gc deletion phases; nothing was published, take the "
-                "snapshot again"))
+        try:
+            move, lost = self._move_ref(
+                ref, attempt, fence=fence, what="snapshot", conditional=exp is not UNSET, drop_failed=True,
+                revalidate=None if revalidate is None else (lambda new_fence: revalidate(made["body"], new_fence)),
+                unknown=unknown,
+                gave_up=lambda races, fenced: (
+                    f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost races with other "
+                    f"writers moving it, {fenced} overlapping gc deletion phases; nothing was published, take the "
+                    "snapshot again"))
+        except (RefConflict, SnapshotAborted):
+            # The table refused the last one too (expected= not met, attempts spent, a
+            # fenced move that could not be re-validated): the put failed, nothing of it
+            # was published. (After OutcomeUnknown it may yet land; a StorageError's
+            # commit object is _move_ref's to remove.)
+            refused.append(made.get("root"))
+            raise
+        finally:
+            self._drop_refused([r for r in refused if r is not None])
         if lost:
             log.warning("ref %s: the answer to its move to %s was lost; the table shows it landed",
                         ref, move.root.hex()[:16])
@@ -503,6 +519,18 @@ class Publisher:
         except Exception as e:  # noqa: BLE001 - cannot tell: the caller says so
             log.debug("ref %s: cannot tell whether the move to %s landed (%s)", ref, root.hex()[:16], e)
             return False
+
+    def _drop_refused(self, roots: list[bytes]) -> None:
+        """Remove commit objects whose ref move the table refused (a lost race, a fenced
+        move, expected= not met): they were never published. Best effort: one left
+        behind is gc's to reclaim (and recover's to adopt, if the table is lost first)."""
+        if not roots:
+            return
+        try:
+            self.assets.delete_objects("commits", roots)
+            self.assets.sync()
+        except Exception as e:  # noqa: BLE001 - failing: leave them, gc sees to them
+            log.debug("%d refused commit object(s) left in storage (%s)", len(roots), e)
 
     def _drop_unpublished(self, ref: str, root: bytes) -> None:
         """The ref table failed the move (its disk full, its server away): if it confirms

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import _zygote as zygote
-from _util import kill_left, load_helper
+from _util import kill_left, load_helper, object_listing
 
 import tensorstore_ck as tsck
 
@@ -298,3 +298,46 @@ def test_a_ref_that_always_moves_first_gives_up_with_a_clear_error(monkeypatch):
             s.put_snapshot({"w": torch.ones(3)}, ref="hot/ref", step=1)
         assert table.get_or_none("hot/ref") == (25).to_bytes(32, "big")
         s.put_snapshot({"w": torch.ones(3)}, ref="calm/ref", step=1)  # other refs are unaffected
+
+
+def test_a_put_that_lost_races_leaves_only_its_published_commit(tmp_path):
+    """A put that loses the race for its ref re-encodes its commit with the new parent;
+    the commit objects the table refused are removed, and so is the one of a put whose
+    expected= was not met. Otherwise `recover`, after a lost ref table, would adopt each
+    as a snapshot of its own: one put, several snapshots, crowding out older ones that
+    keep_last was told to keep."""
+    from tensorstore_ck.refs import MemoryRefTable
+
+    class RivalWinsTwice(MemoryRefTable):
+        """Before each of the first two moves of job/main, another writer moves it first
+        (to snapshots that exist)."""
+        def __init__(self):
+            super().__init__()
+            self.rival_roots: list[bytes] = []
+
+        def compare_and_swap(self, name, expected, new, **kw):
+            if name == "job/main" and self.rival_roots:
+                super().compare_and_swap(name, self.get_or_none(name), self.rival_roots.pop(0), message="rival")
+            return super().compare_and_swap(name, expected, new, **kw)
+
+    def commits(path) -> set[str]:
+        return {os.path.basename(k) for k in object_listing(path) if k.startswith("commits")}
+
+    path = tmp_path / "s"
+    table = RivalWinsTwice()
+    with tsck.open_store(path, refs=table, block_size=BLOCK, inline_threshold=INLINE) as s:
+        rivals = [s.put_snapshot(statelib.conc_state(1, i), ref=f"job/rival{i}", step=i) for i in range(2)]
+        table.rival_roots = [bytes.fromhex(r.root) for r in rivals]
+        info = s.put_snapshot(statelib.conc_state(0, 0), ref="job/main", step=7)
+        assert table.rival_roots == [] and info.parent == rivals[1].root  # it lost two races, then landed
+        published = {r.root for r in rivals} | {info.root}
+        assert {r.hex() for r, _row in table.catalog_iter()} == published
+        assert commits(path) == published
+        with pytest.raises(tsck.RefConflict):
+            s.put_snapshot(statelib.conc_state(0, 1), ref="job/main", expected=rivals[0].root)
+        assert commits(path) == published, "a put refused by expected= left its commit object"
+
+    # The ref table is lost: recover finds the three snapshots that were published, no more.
+    with tsck.open_store(path, refs=MemoryRefTable(), block_size=BLOCK, inline_threshold=INLINE) as s:
+        rep = s.recover()
+        assert rep.commits_found == 3 and s.resolve("job/main") == info.root

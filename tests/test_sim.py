@@ -209,6 +209,27 @@ def test_checker_counts_a_failed_put_a_recover_may_have_adopted_toward_retention
         assert not any(b.startswith(said) for b in check.check_history(s, check.load_ops(str(tmp_path)), [t + 3]))
 
 
+def test_checker_reports_a_second_snapshot_of_one_put(tmp_path):
+    """A put that lost a race for its ref wrote a commit the table refused; left in
+    storage, recover adopts it as a snapshot of its own. The checker reports a catalog
+    row holding an ok put's spec under another root than the put returned, unless the
+    put said its clean-up left a commit behind (a storage fault on the delete)."""
+    url = tmp_path / "store"
+    with tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD) as s:
+        spec = content.make_spec("w", 0, 0, 1)
+        # The refused commit and the published one: the same state and spec, two roots.
+        first, second = (s.put_snapshot(content.state(spec), ref="ja/main", step=1, meta={"sim": spec})
+                         for _ in range(2))
+        t = time.time()
+        put = [{"w": "w", "i": 0, "op": "put", "args": {"ref": "ja/main", "spec": spec}, "start": t}]
+        said = "I3 one put, two snapshots: " + first.root[:16]
+        for left, judged in ((0, True), (1, False)):
+            _journal(tmp_path, put + [{"w": "w", "i": 0, "end": t + 0.5, "result": "ok", "root": second.root,
+                                       "left": left}])
+            bad = check.check_history(s, check.load_ops(str(tmp_path)), [])
+            assert any(b.startswith(said) for b in bad) == judged, bad
+
+
 def test_checker_reports_tier_violations(tmp_path):
     """check_tiers (T1-T16) bites: a durable-marked snapshot the remote lacks, a remote ref
     on a missing block, a damaged tier, a remote root for a tier put that the tier never

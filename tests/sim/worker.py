@@ -59,6 +59,25 @@ class FenceCount(logging.Handler):
 
 FENCES = FenceCount()
 logging.getLogger("tensorstore_ck.publish").addHandler(FENCES)
+
+
+class LeftCount(logging.Handler):
+    """Counts this process's commit objects a put wrote and could not remove after the
+    table refused or failed their move (the publisher logs each clean-up that failed): a
+    put's count is journaled, and one that left none must have no second snapshot after
+    a recover (I3)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.n = 0
+
+    def emit(self, record):
+        if "left in storage" in record.getMessage():
+            self.n += 1
+
+
+LEFT = LeftCount()
+logging.getLogger("tensorstore_ck.publish").addHandler(LEFT)
 logging.getLogger("tensorstore_ck.publish").setLevel(logging.DEBUG)
 
 
@@ -262,7 +281,7 @@ class Worker:
         state = content.state(spec)
 
         def call():
-            fenced0 = FENCES.n
+            fenced0, left0 = FENCES.n, LEFT.n
             t0 = time.time_ns()
             if blocking:
                 info = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
@@ -280,7 +299,7 @@ class Worker:
             # hits: objects this Store reused from its presence record so far (the driver
             # reports them, so a run shows the record was exercised beside gc)
             out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
-                   "hits": s.assets.presence.hits, "durable": info.durable}
+                   "left": LEFT.n - left0, "hits": s.assets.presence.hits, "durable": info.durable}
             if self.cfg.get("catalog"):
                 out["tier_bytes"] = tier_bytes(self.cfg["tier"])
             return out
