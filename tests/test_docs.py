@@ -137,6 +137,37 @@ def test_the_package_docstring_names_every_module_once():
         f"package docstring: not named {missing}; named more than once {twice}; no such module {unknown}"
 
 
+MODULE_LINES = 650  # past this a module is split, or its map entry says the one job it does
+
+
+def test_a_long_module_holds_one_job():
+    """A module over MODULE_LINES lines is split, or its line in the package docstring's
+    map says which one job it does ("one job"): a long file of several jobs is a house
+    without walls."""
+    import ast
+    doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()), clean=False)
+    entries: dict[str, str] = {}
+    names: list[str] = []
+    package, listing = None, False  # listing: the names' column ended with a comma
+    for line in doc.splitlines():
+        indent = len(line) - len(line.lstrip())
+        column = line[:26].strip()
+        if indent in (4, 6) and column:
+            if indent == 4:
+                more = [n.strip() for n in column.split(",") if n.strip()]
+                names = names + more if listing else more  # `gc.py, fsck.py,` / `recover.py`: one entry
+                package = names[-1] if names and names[-1].endswith("/") else None
+            elif package is not None:
+                names = [package + column]
+            listing = column.endswith(",")
+        for n in names:
+            entries[n] = entries.get(n, "") + " " + line[26:]
+    long = {m: len((PKG / m).read_text().splitlines()) for m in _modules()
+            if m.endswith(".py") and len((PKG / m).read_text().splitlines()) > MODULE_LINES}
+    unsaid = {m: n for m, n in long.items() if "one job" not in " ".join(entries.get(m, "").split())}
+    assert not unsaid, f"modules over {MODULE_LINES} lines whose map entry names no one job: {unsaid}"
+
+
 def _section(text: str, heading: str) -> str:
     """The text under `## heading` up to the next heading of the same level."""
     m = re.search(rf"^## {re.escape(heading)}\s*$(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
