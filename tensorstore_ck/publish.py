@@ -350,13 +350,13 @@ class Publisher:
         # Commit objects the table refused (a lost race, a fenced move) and this put then
         # re-encoded: never published, removed once the put ends, or `recover` after a
         # lost table would adopt each as a snapshot of its own (one put, two snapshots).
-        refused: list[bytes] = []
+        unpublished: list[bytes] = []
 
         def attempt() -> _Move:
             parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
             if not made or parent != made["parent"]:
                 if made.get("root") is not None:
-                    refused.append(made["root"])
+                    unpublished.append(made["root"])
                 # After a fenced move with the same parent the same commit object is
                 # published: a new one each time would leave the old as garbage for every
                 # snapshot that overlaps a gc's (or a prune's) deletion phase.
@@ -394,10 +394,10 @@ class Publisher:
             # fenced move that could not be re-validated): the put failed, nothing of it
             # was published. (After OutcomeUnknown it may yet land; a StorageError's
             # commit object is _move_ref's to remove.)
-            refused.append(made.get("root"))
+            unpublished.append(made.get("root"))
             raise
         finally:
-            self._drop_refused([r for r in refused if r is not None])
+            self._drop_refused([r for r in unpublished if r is not None])
         if lost:
             log.warning("ref %s: the answer to its move to %s was lost; the table shows it landed",
                         ref, move.root.hex()[:16])
