@@ -50,6 +50,7 @@ TARGETS = {  # module -> corpus folder
 MUTATIONS = soak(150)      # per target (TSCK_SOAK=N: N times as many, by hand; the fuzzers proper: fuzz/)
 TIME_LIMIT = 5.0          # seconds per input
 RSS_CAP = 256 << 20       # bytes of peak-RSS growth per input
+QUICK_SHARE = 1 / 3        # of the mutations, run without the slow marker
 BUDGET = 20.0             # seconds per target; a run past it stops early (hangs cost TIME_LIMIT each)
 INTERESTING = [0x00, 0x01, 0x7F, 0x80, 0xFF, 0xC0, 0xC1, 0xC4, 0xCF, 0xD3, 0xDC, 0xDD, 0xDE, 0xDF,
                0x90, 0x91, 0x80, 0x81, 0xA0, 0xA1]
@@ -116,16 +117,21 @@ def run_input(fn, data: bytes) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
-def test_short_fuzz(target):
+@pytest.mark.parametrize("target, part", [
+    p for t in sorted(TARGETS) for p in (pytest.param(t, 0, id=t),
+                                         pytest.param(t, 1, id=f"{t}-rest", marks=pytest.mark.slow))])
+def test_short_fuzz(target, part):
+    """Part 0: the seeds and the first QUICK_SHARE of the mutations (the quick suite's);
+    part 1, slow: the rest of the same stream (the full suite runs both)."""
     mod = importlib.import_module(target)
     files = _common.corpus_files(TARGETS[target])
     assert files, f"no seeds in fuzz/corpus/{TARGETS[target]} (run fuzz/make_corpus.py)"
     seeds = [p.read_bytes() for p in files]
     rng = random.Random(target)  # str seeds are hashed deterministically
-    inputs = [(f"seed {p.name}", d) for p, d in zip(files, seeds)]
-    inputs += [(f"mutation {i}", mutate(rng, rng.choice(seeds), seeds, MSGPACK_PREFIX.get(target)))
-               for i in range(MUTATIONS)]
+    mutations = [(f"mutation {i}", mutate(rng, rng.choice(seeds), seeds, MSGPACK_PREFIX.get(target)))
+                 for i in range(MUTATIONS)]
+    cut = round(MUTATIONS * QUICK_SHARE)
+    inputs = [(f"seed {p.name}", d) for p, d in zip(files, seeds)] + mutations[:cut] if part == 0 else mutations[cut:]
     failures, seen = [], set()
     t0 = time.monotonic()
     for label, data in inputs:

@@ -6,6 +6,7 @@ module reaching for another's private names."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import os
 import shutil
@@ -227,24 +228,31 @@ def _key_constructions(pkg: Path) -> list[str]:
     bad = []
     for p in sorted(pkg.rglob("*.py")):
         name = p.relative_to(pkg).as_posix()
-        if name == "assets.py":
-            continue
-        tree = ast.parse(p.read_text(), filename=str(p))
-        docs = {id(n.body[0].value) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
-        for node in ast.walk(tree):
-            if id(node) in docs:
-                continue
-            parts = _literal_parts(node)
-            if parts is None:
-                continue
-            text = "".join("\0" if x is None else x for x in parts)  # \0: a computed piece
-            if "/" in text and text.partition("/")[0] in _NAMESPACES:
-                bad.append(f"{name}:{node.lineno}")
-            elif isinstance(node, ast.JoinedStr) and _fans_out(node):
-                bad.append(f"{name}:{node.lineno}")
+        if name != "assets.py":
+            bad += _file_key_constructions(name, p.read_text())
     return sorted(set(bad))
+
+
+# Per file and its text: the planted copies of the package re-read only the file planted in.
+@functools.lru_cache(maxsize=None)
+def _file_key_constructions(name: str, source: str) -> tuple[str, ...]:
+    tree = ast.parse(source, filename=name)
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    bad = []
+    for node in ast.walk(tree):
+        if id(node) in docs:
+            continue
+        parts = _literal_parts(node)
+        if parts is None:
+            continue
+        text = "".join("\0" if x is None else x for x in parts)  # \0: a computed piece
+        if "/" in text and text.partition("/")[0] in _NAMESPACES:
+            bad.append(f"{name}:{node.lineno}")
+        elif isinstance(node, ast.JoinedStr) and _fans_out(node):
+            bad.append(f"{name}:{node.lineno}")
+    return tuple(bad)
 
 
 def test_no_module_but_assets_builds_an_object_key():
@@ -294,27 +302,33 @@ def _private_reach_ins(pkg: Path) -> list[str]:
     another module's private name, or a private attribute of an object made elsewhere."""
     bad = []
     for p in sorted(pkg.rglob("*.py")):
-        name = p.relative_to(pkg).as_posix()
-        tree = ast.parse(p.read_text(), filename=str(p))
-        own = set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                own.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                own.add(node.attr)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                own.add(node.id)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and _is_package_import(node):
-                bad += [f"{name}:{node.lineno}: import {a.name}" for a in node.names
-                        if a.name.startswith("_") and not a.name.startswith("__")]
-            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-                base = ast.unparse(node.value)
-                if base in ("self", "cls", "super()") or node.attr in own or (name, base) in FOREIGN_PRIVATE \
-                        or (name, f"{base}.{node.attr}") in KNOWN_REACH_INS:
-                    continue
-                bad.append(f"{name}:{node.lineno}: {base}.{node.attr}")
+        bad += _file_reach_ins(p.relative_to(pkg).as_posix(), p.read_text())
     return sorted(bad)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_reach_ins(name: str, source: str) -> tuple[str, ...]:
+    bad = []
+    tree = ast.parse(source, filename=name)
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and _is_package_import(node):
+            bad += [f"{name}:{node.lineno}: import {a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = ast.unparse(node.value)
+            if base in ("self", "cls", "super()") or node.attr in own or (name, base) in FOREIGN_PRIVATE \
+                    or (name, f"{base}.{node.attr}") in KNOWN_REACH_INS:
+                continue
+            bad.append(f"{name}:{node.lineno}: {base}.{node.attr}")
+    return tuple(bad)
 
 
 def test_no_module_reaches_for_another_modules_private_names():
