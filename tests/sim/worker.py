@@ -44,40 +44,27 @@ from . import content
 from .faults import Faults, SimStore, slow_reftable
 
 
-class FenceCount(logging.Handler):
-    """Counts this process's fenced moves (the publisher logs each one): a put's count is
-    journaled and judged (I8: a fenced writer takes a gc hold, so it is fenced once)."""
+class LogCount(logging.Handler):
+    """Counts this process's publisher log records that say `needle` (logged at DEBUG)."""
 
-    def __init__(self):
-        super().__init__(logging.DEBUG)  # (a re-validation is logged at DEBUG)
-        self.n = 0
-
-    def emit(self, record):
-        if "re-validating" in record.getMessage():
-            self.n += 1
-
-
-FENCES = FenceCount()
-logging.getLogger("tensorstore_ck.publish").addHandler(FENCES)
-
-
-class LeftCount(logging.Handler):
-    """Counts this process's commit objects a put wrote and could not remove after the
-    table refused or failed their move (the publisher logs each clean-up that failed): a
-    put's count is journaled, and one that left none must have no second snapshot after
-    a recover (I3)."""
-
-    def __init__(self):
+    def __init__(self, needle: str):
         super().__init__(logging.DEBUG)
-        self.n = 0
+        self.needle, self.n = needle, 0
 
     def emit(self, record):
-        if "left in storage" in record.getMessage():
+        if self.needle in record.getMessage():
             self.n += 1
 
 
-LEFT = LeftCount()
-logging.getLogger("tensorstore_ck.publish").addHandler(LEFT)
+# Fenced moves (each re-validation): a put's count is journaled and judged (I8: a fenced
+# writer takes a gc hold, so it is fenced once).
+FENCES = LogCount("re-validating")
+# Commit objects a put wrote and could not remove after the table refused or failed their
+# move (each failed clean-up): a put that left none must have no second snapshot after a
+# recover (I3).
+LEFT = LogCount("left in storage")
+for _h in (FENCES, LEFT):
+    logging.getLogger("tensorstore_ck.publish").addHandler(_h)
 logging.getLogger("tensorstore_ck.publish").setLevel(logging.DEBUG)
 
 
