@@ -83,9 +83,24 @@ def quiesce():
 # --------------------------------------------------------------------------------------
 
 
+def many_tensors_state(n: int, seed: int = 0) -> dict:
+    """An FSDP rank's shape of state: n fp32 tensors of 4-64 KiB (a third parameters, two
+    thirds their two Adam moments), sizes drawn log-uniform, in a model/optim tree."""
+    g = torch.Generator().manual_seed(seed)
+    params = max(1, n // 3)
+    sizes = (2 ** (12 + 4 * torch.rand(params, generator=g))).long() // 4  # elements: 4-64 KiB
+    model = {f"layers.{i}.w": torch.randn(int(k), generator=g) for i, k in enumerate(sizes)}
+    moments = {i: {"exp_avg": torch.randn(int(k), generator=g), "exp_avg_sq": torch.rand(int(k), generator=g)}
+               for i, k in enumerate(sizes)}
+    return {"model": model, "optim": {"state": moments}, "step": 1}
+
+
 def bench_stall(tsck, args, base, R):
-    state, model, opt = build_state(args.scale * GB, args.d_model, log=log)
-    del model, opt  # the state dict holds the tensors
+    if args.many:
+        state = many_tensors_state(args.many)
+    else:
+        state, model, opt = build_state(args.scale * GB, args.d_model, log=log)
+        del model, opt  # the state dict holds the tensors
     nbytes = state_nbytes(state)
     src = [t for _, t in iter_tensors(state)]
     log(f"# stall state: {nbytes/GB:.3f} GB in {len(src)} tensors "
@@ -451,6 +466,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=1.5, help="stall state size in GB (default 1.5)")
     ap.add_argument("--d-model", type=int, default=768, help="stall model width (default 768)")
+    ap.add_argument("--many", type=int, default=0,
+                    help="stall state of this many fp32 tensors of 4-64 KiB instead of a model (e.g. 10000)")
     ap.add_argument("--snapshots", type=int, default=10, help="warm snapshots timed (default 10)")
     ap.add_argument("--changed", type=float, default=0.10, help="fraction of tensors changed between snapshots")
     ap.add_argument("--breakdown", type=int, default=3, help="repeats of the plan/stage breakdown")
@@ -521,7 +538,7 @@ def main(argv=None) -> int:
         c = R["cold"]
         ms = lambda xs: summ([1e3 * x for x in xs])  # noqa: E731
         lines += [
-            f"Stall per snapshot: GPT-style fp32 model + AdamW moments, {nbytes/GB:.2f} GB in {R['tensors']} tensors; "
+            f"Stall per snapshot: {'fp32 tensors of 4-64 KiB (params + 2 Adam moments)' if args.many else 'GPT-style fp32 model + AdamW moments'}, {nbytes/GB:.2f} GB in {R['tensors']} tensors; "
             f"{100*args.changed:.0f}% of the tensors change before each snapshot; every snapshot committed and "
             f"os.sync() run before the next timed region; each put is timed between two plain copies and compared with their mean. "
             f"{len(R['stall'])} warm snapshots; gc, os.sync() and a {args.rest} s pause before every timed region; "
