@@ -497,6 +497,7 @@ class Publisher:
                     # Another writer moved the ref: chain onto its snapshot and retry, after a
                     # short jittered pause so that writers hammering one ref do not livelock.
                     races += 1
+                    log.debug("ref %s: this %s lost the race to move it (%d so far)", ref, what, races)
                     time.sleep(random.uniform(0, min(0.05, 0.0005 * 2 ** min(races, 10)) if backoff else 0.05))
                     continue
                 holder = None  # the move released it

@@ -120,7 +120,8 @@ FLAVORS = {
     # table lost and rebuilt by a recover that is itself killed part-way
     "recover": dict(_BASE, weights={"put": 6, "cput": 2, "gc": 3, "retention": 1, "tag": 0.5, "pin": 0.3},
                     slow_delete=1.0, kill_after_p=1.0, self_kill=0.3, driver_kill=0.8, kill_after_commit=0.6,
-                    reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8, slow_commit=0.6, vulture_p=0.5),
+                    reuse_p=0.8, resave_p=0.9, recover_p=1.0, recover_kill=0.8, slow_commit=0.6, vulture_p=0.5,
+                    hot_ref_p=0.5),
     # the window of gc and writers judging staleness differently (needs --stale-skew)
     "stale": dict(_BASE, weights={"put": 5, "gc": 3, "retention": 1, "read": 0.5}, slow_delete=0.9,
                   fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.05, reuse_p=0.8, resave_p=0.9,
@@ -269,6 +270,7 @@ class Harness:
         self.seed, self.backend, self.rounds, self.focus = seed, backend, rounds, focus
         self.stale_skew, self.round_seconds, self.log, self.keep = stale_skew, round_seconds, log, keep
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"tsck-sim-{seed}-")
+        self._hot = False  # this round's writers all on one ref (flavor hot_ref_p)
         os.makedirs(os.path.join(self.run_dir, "journal"), exist_ok=True)
         self.loc = Location(backend, self.run_dir, pg_dsn)
         self.net = NetFaults(self.loc)  # workers reach PostgreSQL and S3 through faulty proxies
@@ -362,6 +364,11 @@ class Harness:
                 if o.op == "put" and o.ok and o.out["root"] not in rows][-20:]
         reuse = [sp.get("u", [sp["w"], sp["o"]]) for sp in gone + specs if sp]
         cfgs = []
+        # One ref for every writer of the round (a stream of its own: the other draws stay as
+        # they were): puts race for it, each loser re-encodes its commit and removes the one
+        # the table refused, and the round's recover must find one snapshot per put (I3).
+        hot = random.Random(f"{self.seed}:{r}:hot").random() < fl.get("hot_ref_p", 0.0)
+        self._hot = hot
         for k in range(n):
             wid = f"r{r}w{k}"
             cfgs.append({
@@ -370,7 +377,7 @@ class Harness:
                 "ops": rng.randint(*fl["ops"]), "seconds": self.round_seconds,
                 # collective puts by the round's first worker only (its ranks are 2 more processes)
                 "weights": {op: w for op, w in fl["weights"].items() if op != "cput" or k == 0},
-                "refs": REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
+                "refs": REFS[:1] if hot else REFS, "jobs": JOBS, "step_base": r * 100000 + k * 1000,
                 "reuse": reuse, "reuse_p": fl["reuse_p"], "resave_p": fl["resave_p"],
                 "vulture_p": fl.get("vulture_p", 0.0),
                 # writers opened with their own (small) gc_lease, the lease of
@@ -379,6 +386,9 @@ class Harness:
                 "gc_stale": gc_stale, "gc_leases": leases if self.stale_skew else [gc_stale], "faults": self._profile(rng, fl), "pause": rng.choice([0.0, 0.05, 0.2])})
         for c in cfgs:
             c["skip_p"], c["grow_p"], c["blocking_p"] = fl["skip_p"], fl["grow_p"], fl.get("blocking_p", 0.6)
+            if hot:  # a commit written slowly: the ref moves meanwhile, its move loses the race
+                slow = c["faults"].setdefault("slow", {})
+                slow["commits/"] = max(slow.get("commits/", 0.0), 0.3)
         tiered = self._tier_writers(r, fl, cfgs)
         urng = random.Random(f"{self.seed}:{r}:unreadable")
         for c in cfgs:
@@ -455,6 +465,7 @@ class Harness:
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
         hits, fenced, collective, collective_async = {}, 0, 0, 0  # the presence record, writers' holds, collective puts
+        raced = 0  # puts that lost a race for their ref (and removed the commit the table refused)
         ctier = 0  # collective puts through the ranks' tiers (published there; their outcome remote is unknown)
         unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
         kill0: dict = {}  # collective puts through tiers whose rank 0 died publishing: what rank 1 was told
@@ -483,12 +494,13 @@ class Harness:
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
                 fenced += o.out.get("fenced") or 0
+                raced += 1 if o.out.get("races") else 0
                 collective += 1 if o.args.get("collective") else 0
                 collective_async += 1 if o.args.get("collective") and not o.args.get("blocking", True) else 0
         stuck_ids = "".join(f"{', ' if k else ': '}{c['id']}{'' if cfgs.index(c) in ready else ' never ready'}"
                             for k, c in enumerate(c for c, p in zip(cfgs, procs) if p.pid in stuck_pids))
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"fenced_puts={fenced} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
+                 f"fenced_puts={fenced} raced_puts={raced}{'(one ref)' if self._hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "

@@ -63,7 +63,10 @@ FENCES = LogCount("re-validating")
 # move (each failed clean-up): a put that left none must have no second snapshot after a
 # recover (I3).
 LEFT = LogCount("left in storage")
-for _h in (FENCES, LEFT):
+# Lost races for the ref (each a commit object the table refused, removed after): the round
+# line shows how many puts, and whether a recover came after them (I3's one put, one snapshot).
+RACES = LogCount("lost the race")
+for _h in (FENCES, LEFT, RACES):
     logging.getLogger("tensorstore_ck.publish").addHandler(_h)
 logging.getLogger("tensorstore_ck.publish").setLevel(logging.DEBUG)
 
@@ -268,7 +271,7 @@ class Worker:
         state = content.state(spec)
 
         def call():
-            fenced0, left0 = FENCES.n, LEFT.n
+            fenced0, left0, races0 = FENCES.n, LEFT.n, RACES.n
             t0 = time.time_ns()
             if blocking:
                 info = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
@@ -286,7 +289,7 @@ class Worker:
             # hits: objects this Store reused from its presence record so far (the driver
             # reports them, so a run shows the record was exercised beside gc)
             out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
-                   "left": LEFT.n - left0, "hits": s.assets.presence.hits, "durable": info.durable}
+                   "left": LEFT.n - left0, "races": RACES.n - races0, "hits": s.assets.presence.hits, "durable": info.durable}
             if self.cfg.get("catalog"):
                 out["tier_bytes"] = tier_bytes(self.cfg["tier"])
             return out
