@@ -97,8 +97,9 @@ package's modules indented under it). A module over ~600 lines says which one jo
       replicas.py         peer replicas over a TCP side channel
       budget.py           the tier's bytes, and evicting durable copies to fit
       reads.py            reads through the tier with the remote behind; the newer tier
-    publish.py            the whole write path: block jobs -> nodes -> commit -> fenced CAS ->
-                          retry, and the stats of what was written
+    publish.py            the whole write path, one job over ~600 lines: block jobs -> nodes ->
+                          commit -> fenced CAS -> retry (the refused commits removed), and
+                          the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)
     usage.py              `tsck du` and its plot: the store's bytes per job and over time
     readpath.py           the read path's front door: every checkout enters through read_state

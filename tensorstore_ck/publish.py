@@ -523,11 +523,20 @@ class Publisher:
 
     def _drop_refused(self, roots: list[bytes]) -> None:
         """Remove commit objects whose ref move the table refused (a lost race, a fenced
-        move, expected= not met): they were never published. Best effort: one left
-        behind is gc's to reclaim (and recover's to adopt, if the table is lost first)."""
+        move, expected= not met): they were never published. One a `recover` running
+        meanwhile adopted (its catalog row exists) stays, as in _drop_unpublished. Best
+        effort: one left behind is gc's to reclaim (and recover's to adopt, if the table
+        is lost first)."""
         if not roots:
             return
         try:
+            adopted = [r for r in roots if self.reftable.catalog_has(r)]
+            if adopted:
+                log.debug("%d refused commit object(s) left in storage: a recover running meanwhile "
+                          "adopted them", len(adopted))
+            roots = [r for r in roots if r not in adopted]
+            if not roots:
+                return
             self.assets.delete_objects("commits", roots)
             self.assets.sync()
         except Exception as e:  # noqa: BLE001 - failing: leave them, gc sees to them

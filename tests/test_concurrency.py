@@ -314,9 +314,12 @@ def test_a_put_that_lost_races_leaves_only_its_published_commit(tmp_path):
         def __init__(self):
             super().__init__()
             self.rival_roots: list[bytes] = []
+            self.adopt = False  # a recover running meanwhile adopts the commit about to be refused
 
         def compare_and_swap(self, name, expected, new, **kw):
             if name == "job/main" and self.rival_roots:
+                if self.adopt:
+                    self.catalog_put_if_absent(new, kw["catalog_row"])
                 super().compare_and_swap(name, self.get_or_none(name), self.rival_roots.pop(0), message="rival")
             return super().compare_and_swap(name, expected, new, **kw)
 
@@ -336,8 +339,17 @@ def test_a_put_that_lost_races_leaves_only_its_published_commit(tmp_path):
         with pytest.raises(tsck.RefConflict):
             s.put_snapshot(statelib.conc_state(0, 1), ref="job/main", expected=rivals[0].root)
         assert commits(path) == published, "a put refused by expected= left its commit object"
+        # A refused commit a recover adopted meanwhile has a catalog row: it stays (a row
+        # naming a deleted commit would be damage).
+        table.rival_roots, table.adopt = [bytes.fromhex(rivals[0].root)], True
+        again = s.put_snapshot(statelib.conc_state(0, 2), ref="job/main", step=8)
+        adopted = {r.hex() for r, _row in table.catalog_iter()} - published - {again.root}
+        assert len(adopted) == 1 and commits(path) == published | {again.root} | adopted
+        assert s.fsck().ok
+        table.adopt = False
+        published |= {again.root} | adopted
 
     # The ref table is lost: recover finds the three snapshots that were published, no more.
     with tsck.open_store(path, refs=MemoryRefTable(), block_size=BLOCK, inline_threshold=INLINE) as s:
         rep = s.recover()
-        assert rep.commits_found == 3 and s.resolve("job/main") == info.root
+        assert rep.commits_found == len(published) == 5 and s.resolve("job/main") == again.root
