@@ -347,9 +347,10 @@ class Publisher:
         ref, exp = args.ref, args.expected
         meta = {**args.meta, **(meta_extra or {})}
         made: dict = {}  # the commit object last encoded: body, parent, time, stats, root
-        # Commit objects the table refused (a lost race, a fenced move) and this put then
-        # re-encoded: never published, removed once the put ends, or `recover` after a
-        # lost table would adopt each as a snapshot of its own (one put, two snapshots).
+        # Commit objects this put wrote and the table did not publish: each one it re-encoded
+        # after a lost race, and the last one if the put fails. Removed once the put ends
+        # (_drop_unpublished), or `recover` after a lost table would adopt each as a
+        # snapshot of its own (one put, two snapshots).
         unpublished: list[bytes] = []
 
         def attempt() -> _Move:
@@ -382,22 +383,23 @@ class Publisher:
 
         try:
             move, lost = self._move_ref(
-                ref, attempt, fence=fence, what="snapshot", conditional=exp is not UNSET, drop_failed=True,
+                ref, attempt, fence=fence, what="snapshot", conditional=exp is not UNSET,
                 revalidate=None if revalidate is None else (lambda new_fence: revalidate(made["body"], new_fence)),
                 unknown=unknown,
                 gave_up=lambda races, fenced: (
                     f"gave up publishing to {ref!r} after {COMMIT_ATTEMPTS} attempts: {races} lost races with other "
                     f"writers moving it, {fenced} overlapping gc deletion phases; nothing was published, take the "
                     "snapshot again"))
-        except (RefConflict, SnapshotAborted):
-            # The table refused the last one too (expected= not met, attempts spent, a
-            # fenced move that could not be re-validated): the put failed, nothing of it
-            # was published. (After OutcomeUnknown it may yet land; a StorageError's
-            # commit object is _move_ref's to remove.)
+        except OutcomeUnknown:
+            raise  # never delete the last one: a COMMIT still in flight may yet publish it
+        except (RefConflict, SnapshotAborted, StorageError):
+            # A definite failure (expected= not met, attempts spent, a fenced move that could
+            # not be re-validated, the table's disk full or server away): the last one was
+            # not published either.
             unpublished.append(made.get("root"))
             raise
         finally:
-            self._drop_refused([r for r in unpublished if r is not None])
+            self._drop_unpublished(ref, [r for r in dict.fromkeys(unpublished) if r is not None])
         if lost:
             log.warning("ref %s: the answer to its move to %s was lost; the table shows it landed",
                         ref, move.root.hex()[:16])
@@ -441,7 +443,7 @@ class Publisher:
         return self.info(root) if got is None else row_to_info(root, row)
 
     def _move_ref(self, ref: str, attempt, *, fence: int, revalidate, what: str, gave_up, conditional: bool = False,
-                  backoff: bool = True, drop_failed: bool = False, unknown=None) -> tuple[_Move, bool] | None:
+                  backoff: bool = True, unknown=None) -> tuple[_Move, bool] | None:
         """The fenced compare-and-swap of `ref`, tried until it lands (commit and move_to).
         attempt() -> the _Move to try (its objects durable), or None: nothing to move.
         -> (the move that landed, whether its answer was lost and the table showed it
@@ -451,9 +453,7 @@ class Publisher:
         so that no new phase opens until the move, call revalidate(new fence) under the
         hold (renewed meanwhile) and try again; without revalidate, SnapshotAborted.
         OutcomeUnknown (the answer was lost): landed if the table shows it, else raised
-        (as unknown(e, root) when given). A failed move (StorageError) with drop_failed
-        removes the commit object the table confirms unpublished (_drop_unpublished).
-        RefConflict on the ref (another writer moved it): a short jittered pause (growing
+        (as unknown(e, root) when given). RefConflict on the ref (another writer moved it): a short jittered pause (growing
         with the lost races with backoff, else up to 50 ms), then again, unless the move
         is conditional (expected=). The hold goes in every case."""
         races = fenced = 0
@@ -487,10 +487,6 @@ class Publisher:
                     holder = None  # the move released it
                     self.assets.presence.settle(fence)
                     return move, True
-                except StorageError:
-                    if drop_failed:
-                        self._drop_unpublished(ref, move.root)
-                    raise
                 except RefConflict as e:
                     if conditional or e.what != "ref":  # conditional, or the name is a tag's
                         raise
@@ -521,41 +517,29 @@ class Publisher:
             log.debug("ref %s: cannot tell whether the move to %s landed (%s)", ref, root.hex()[:16], e)
             return False
 
-    def _drop_refused(self, roots: list[bytes]) -> None:
-        """Remove commit objects whose ref move the table refused (a lost race, a fenced
-        move, expected= not met): they were never published. One a `recover` running
-        meanwhile adopted (its catalog row exists) stays, as in _drop_unpublished. Best
-        effort: one left behind is gc's to reclaim (and recover's to adopt, if the table
-        is lost first)."""
+    def _drop_unpublished(self, ref: str, roots: list[bytes]) -> None:
+        """Remove commit objects of `ref` this put wrote that the table did not publish
+        (refused: a lost race, a fenced move, expected= not met; or a move that failed
+        definitely: the table's disk full, its server away), so that `recover` cannot adopt
+        them. Only after a definite answer: after a COMMIT whose answer was lost the table
+        raises OutcomeUnknown and nothing is deleted (commit() above). One the table shows
+        published (the ref on it, or its catalog row: a recover running meanwhile adopted
+        it) stays, and so does every one when the table cannot tell or the delete fails:
+        gc reclaims them. Blocks and nodes are left to gc."""
         if not roots:
             return
         try:
-            adopted = [r for r in roots if self.reftable.catalog_has(r)]
-            if adopted:
-                log.debug("%d refused commit object(s) left in storage: a recover running meanwhile "
-                          "adopted them", len(adopted))
-            roots = [r for r in roots if r not in adopted]
-            if not roots:
-                return
-            self.assets.delete_objects("commits", roots)
-            self.assets.sync()
-        except Exception as e:  # noqa: BLE001 - failing: leave them, gc sees to them
-            log.debug("%d refused commit object(s) left in storage (%s)", len(roots), e)
-
-    def _drop_unpublished(self, ref: str, root: bytes) -> None:
-        """The ref table failed the move (its disk full, its server away): if it confirms
-        that `root` is not published, remove the commit object, so that `recover` cannot
-        adopt a snapshot whose put failed. Blocks and nodes are left to gc. Only for a
-        definite failure: after a COMMIT whose answer was lost the table raises
-        OutcomeUnknown instead, and nothing is deleted (commit() above). When the table
-        cannot tell, keep it."""
-        try:
-            if self.reftable.get_or_none(ref) == root or self.reftable.catalog_has(root):
-                return
-            self.assets.delete_objects("commits", [root])
-            self.assets.sync()
-        except Exception as e:  # noqa: BLE001 - unsure or failing: leave it, gc sees to it
-            log.debug("commit %s of a failed put left in storage (%s)", root.hex()[:16], e)
+            tip = self.reftable.get_or_none(ref)
+            kept = [r for r in roots if r == tip or self.reftable.catalog_has(r)]
+            if kept:
+                log.debug("%d unpublished commit object(s) left in storage: the table shows them published "
+                          "(a recover adopted them meanwhile)", len(kept))
+            gone = [r for r in roots if r not in kept]
+            if gone:
+                self.assets.delete_objects("commits", gone)
+                self.assets.sync()
+        except Exception as e:  # noqa: BLE001 - unsure or failing: leave them, gc sees to them
+            log.debug("%d unpublished commit object(s) of a put left in storage (%s)", len(roots), e)
 
     # -- after a fenced move ---------------------------------------------------------
     def wait_gc_idle(self, hold: str | None = None) -> int:

@@ -103,25 +103,37 @@ def _modules() -> list[str]:
     return out
 
 
-def _docstring_map() -> list[str]:
-    """The names in the package docstring's module map, one entry per mention: a name in
-    the first column (indent 4, before column 26; `a.py, b.py` names two), a package's
-    modules indented under it (indent 6) counted as `package/module.py`."""
+def _docstring_entries() -> list[tuple[list[str], str]]:
+    """The package docstring's module map as entries: (the names an entry gives, its
+    text). A name is in the first column (indent 4, before column 26; `a.py, b.py` names
+    two, and a line ending in a comma goes on on the next line); a package's modules
+    indented under it (indent 6) are entries `package/module.py`."""
     import ast
     doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()), clean=False)
-    named, package = [], None
+    entries: list[tuple[list[str], str]] = []
+    package, listing = None, False  # listing: the names' column ended with a comma
     for line in doc.splitlines():
         indent = len(line) - len(line.lstrip())
         column = line[:26].strip()
-        if indent not in (4, 6) or not column:
-            continue  # prose, or a continuation of the description column
-        if indent == 4:
-            names = [n.strip() for n in column.split(",") if n.strip()]
-            named += names
-            package = names[-1] if names and names[-1].endswith("/") else None
-        elif package is not None:
-            named.append(package + column)
-    return named
+        if indent in (4, 6) and column:
+            if indent == 4:
+                names = [n.strip() for n in column.split(",") if n.strip()]
+                if listing:
+                    entries[-1][0].extend(names)
+                else:
+                    entries.append((names, ""))
+                package = names[-1] if names and names[-1].endswith("/") else None
+            elif package is not None:
+                entries.append(([package + column], ""))
+            listing = column.endswith(",")
+        if entries:
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line[26:])
+    return entries
+
+
+def _docstring_map() -> list[str]:
+    """The names in the package docstring's module map, one per mention."""
+    return [n for names, _text in _docstring_entries() for n in names]
 
 
 def test_the_package_docstring_names_every_module_once():
@@ -144,27 +156,10 @@ def test_a_long_module_holds_one_job():
     """A module over MODULE_LINES lines is split, or its line in the package docstring's
     map says which one job it does ("one job"): a long file of several jobs is a house
     without walls."""
-    import ast
-    doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()), clean=False)
-    entries: dict[str, str] = {}
-    names: list[str] = []
-    package, listing = None, False  # listing: the names' column ended with a comma
-    for line in doc.splitlines():
-        indent = len(line) - len(line.lstrip())
-        column = line[:26].strip()
-        if indent in (4, 6) and column:
-            if indent == 4:
-                more = [n.strip() for n in column.split(",") if n.strip()]
-                names = names + more if listing else more  # `gc.py, fsck.py,` / `recover.py`: one entry
-                package = names[-1] if names and names[-1].endswith("/") else None
-            elif package is not None:
-                names = [package + column]
-            listing = column.endswith(",")
-        for n in names:
-            entries[n] = entries.get(n, "") + " " + line[26:]
-    long = {m: len((PKG / m).read_text().splitlines()) for m in _modules()
-            if m.endswith(".py") and len((PKG / m).read_text().splitlines()) > MODULE_LINES}
-    unsaid = {m: n for m, n in long.items() if "one job" not in " ".join(entries.get(m, "").split())}
+    said = {n: " ".join(text.split()) for names, text in _docstring_entries() for n in names}
+    long = {m: n for m in _modules() if m.endswith(".py")
+            for n in [len((PKG / m).read_text().splitlines())] if n > MODULE_LINES}
+    unsaid = {m: n for m, n in long.items() if "one job" not in said.get(m, "")}
     assert not unsaid, f"modules over {MODULE_LINES} lines whose map entry names no one job: {unsaid}"
 
 

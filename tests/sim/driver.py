@@ -270,7 +270,6 @@ class Harness:
         self.seed, self.backend, self.rounds, self.focus = seed, backend, rounds, focus
         self.stale_skew, self.round_seconds, self.log, self.keep = stale_skew, round_seconds, log, keep
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"tsck-sim-{seed}-")
-        self._hot = False  # this round's writers all on one ref (flavor hot_ref_p)
         os.makedirs(os.path.join(self.run_dir, "journal"), exist_ok=True)
         self.loc = Location(backend, self.run_dir, pg_dsn)
         self.net = NetFaults(self.loc)  # workers reach PostgreSQL and S3 through faulty proxies
@@ -368,7 +367,6 @@ class Harness:
         # they were): puts race for it, each loser re-encodes its commit and removes the one
         # the table refused, and the round's recover must find one snapshot per put (I3).
         hot = random.Random(f"{self.seed}:{r}:hot").random() < fl.get("hot_ref_p", 0.0)
-        self._hot = hot
         for k in range(n):
             wid = f"r{r}w{k}"
             cfgs.append({
@@ -500,7 +498,7 @@ class Harness:
         stuck_ids = "".join(f"{', ' if k else ': '}{c['id']}{'' if cfgs.index(c) in ready else ' never ready'}"
                             for k, c in enumerate(c for c, p in zip(cfgs, procs) if p.pid in stuck_pids))
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"fenced_puts={fenced} raced_puts={raced}{'(one ref)' if self._hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
+                 f"fenced_puts={fenced} raced_puts={raced}{'(one ref)' if hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
