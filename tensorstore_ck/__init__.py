@@ -101,6 +101,8 @@ package's modules indented under it). A module over ~600 lines says which one jo
                           commit -> fenced CAS -> retry (the refused commits removed), and
                           the stats of what was written
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)
+    plancache.py          the layouts a Store's puts planned lately: a state of the same layout
+                          planned from one, staged in one copy call (thousands of tensors)
     usage.py              `tsck du` and its plot: the store's bytes per job and over time
     readpath.py           the read path's front door: every checkout enters through read_state
     dcpstate.py           a dcp.save snapshot read by checkout as the state that was saved

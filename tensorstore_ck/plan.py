@@ -51,6 +51,13 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def copied(src: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether t, the host bytes planned for the caller's tensor src, is a copy (device -> host,
+    int_repr, conj/neg, non-contiguous): then it is ours alone."""
+    return src.is_quantized or src.device.type != "cpu" \
+        or t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+
+
 def _check_utf8(s: str, path) -> None:
     try:
         s.encode("utf-8")
@@ -59,7 +66,7 @@ def _check_utf8(s: str, path) -> None:
                               format_path(path)) from None
 
 
-def _int_value(x: int, path):
+def stored_int(x: int, path):
     """An int as stored: native within 64 bits, else {"i": signed big-endian bytes}."""
     if INT_MIN <= x <= INT_MAX:
         return x
@@ -71,7 +78,7 @@ def _int_value(x: int, path):
 
 
 @dataclass
-class _Leaf(Pending):
+class Leaf(Pending):
     """A tensor/array whose blocks are still to be written."""
     tag: str                 # "T" or "A"
     meta: dict               # dt, sh, n, bs, and tensor extras
@@ -98,13 +105,13 @@ class _Leaf(Pending):
 
 @dataclass
 class Plan:
-    value: object            # the manifest value with _Leaf placeholders
+    value: object            # the manifest value with Leaf placeholders
     leaves: list
     inline_bytes: int = 0
     # Every piece of a global tensor: (path, dtype name, global shape, offsets, shape, replicated),
     # path as format_path writes it: what a collective put checks across ranks.
     pieces: list = field(default_factory=list)
-    replicas: list = field(default_factory=list)  # (path, _Leaf or inline chunk meta) of each Replicated
+    replicas: list = field(default_factory=list)  # (path, Leaf or inline chunk meta) of each Replicated
 
     @property
     def staged_bytes(self) -> int:
@@ -139,19 +146,28 @@ class Plan:
 
 class Planner:
     def __init__(self, *, block_size: int, inline_threshold: int, allow_pickle: bool = False,
-                 defer_device: bool = False):
+                 defer_device: bool = False, cache=None):
         self.block_size = block_size
         self.inline_threshold = inline_threshold
         self.allow_pickle = allow_pickle
-        self.defer_device = defer_device  # leave device tensors for Plan.stage() to copy
+        self.defer_device = defer_device  # leave device tensors for Plan.stage() to copy (it stages)
+        self.cache = cache  # plancache.PlanCache: the layouts planned lately, or None
 
     def plan(self, state) -> Plan:
-        self._leaves: list[_Leaf] = []
+        flat = None
+        if self.cache is not None:
+            found, flat = self.cache.find(state, staged=self.defer_device)
+            if found is not None:
+                return found
+        self._leaves: list[Leaf] = []
         self._inline = 0
         self._pieces: list = []
         self._replicas: list = []
+        self._tensors: list = []  # each top-level tensor's planned form, in state order
         value = self._plan(state, (), 0)
         NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
+        if flat is not None:
+            self.cache.keep(flat, self._tensors)
         return Plan(value, self._leaves, self._inline, self._pieces, self._replicas)
 
     def _unsupported(self, obj, path, why=None):
@@ -174,7 +190,7 @@ class Planner:
         if obj is None or t is bool or t is bytes or t is float:
             return obj
         if t is int:
-            return _int_value(obj, path)
+            return stored_int(obj, path)
         if t is dict or t is OrderedDict:
             items = []
             for k, v in obj.items():
@@ -182,7 +198,7 @@ class Planner:
                     _check_utf8(k, path + (k,))
                     ek = k
                 elif type(k) is int:
-                    ek = _int_value(k, path + (k,))
+                    ek = stored_int(k, path + (k,))
                 else:
                     raise UnsupportedType(f"dict key of type {type(k).__name__} (only str and int keys)",
                                           format_path(path))
@@ -191,7 +207,9 @@ class Planner:
         if t is list or t is tuple:
             return {"l" if t is list else "t": [self._plan(v, path + (i,), depth + 1) for i, v in enumerate(obj)]}
         if t is torch.Tensor or t is torch.nn.Parameter:
-            return self._plan_tensor(obj, path)
+            v = self._plan_tensor(obj, path)
+            self._tensors.append(v)
+            return v
         if t is Sharded:
             return self._plan_global(obj.local, obj.global_shape, obj.offsets, path)
         if t is Replicated:
@@ -235,7 +253,7 @@ class Planner:
             self._inline += n
             return {tag: meta}
         meta["bs"] = layout.block_size
-        leaf = _Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)],
+        leaf = Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)],
                      device_src=device_src, path=format_path(self._path), private=private)
         tree.check_leaf(leaf.manifest_value(final=False), self._path)
         self._leaves.append(leaf)
@@ -247,19 +265,19 @@ class Planner:
         if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.is_quantized:
             raise UnsupportedType("a sharded tensor's local piece must be a dense tensor", format_path(path))
         leaf = self._plan_tensor(local, path)
-        if isinstance(leaf, _Leaf):
+        if isinstance(leaf, Leaf):
             leaf.tag = None  # finished as a bare chunk, not a {"T": ...} value
             chunk = leaf
         else:
             chunk = leaf["T"]
-        meta = chunk.meta if isinstance(chunk, _Leaf) else chunk
+        meta = chunk.meta if isinstance(chunk, Leaf) else chunk
         meta["off"] = list(offsets)
         g = {"dt": meta["dt"], "sh": list(global_shape), "chunks": [chunk]}
         if replicated:
             g["rep"] = True
-            if isinstance(chunk, _Leaf):
+            if isinstance(chunk, Leaf):
                 chunk.replicated = True
-        probe = chunk.manifest_value(final=False) if isinstance(chunk, _Leaf) else chunk
+        probe = chunk.manifest_value(final=False) if isinstance(chunk, Leaf) else chunk
         tree.check_leaf({"G": {**g, "chunks": [probe]}}, path)
         where = format_path(path)
         self._pieces.append((where, meta["dt"], tuple(global_shape), tuple(offsets), tuple(local.shape), replicated))
@@ -297,9 +315,7 @@ class Planner:
             raw, device_src = (None, flat) if on_device else (flat.numpy(), None)
         except Exception as e:
             return self._unsupported(obj, path, f"tensor of dtype {t.dtype} cannot be viewed as bytes: {e}")
-        # A copy made above (device -> host, int_repr, conj/neg, non-contiguous) is ours alone.
-        private = raw is not None and (src.is_quantized or src.device.type != "cpu"
-                                       or t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr())
+        private = raw is not None and copied(src, t)
         meta = {"dt": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)}
         if quant is not None:
             meta["dt"], meta["q"] = quant
@@ -323,3 +339,4 @@ class Planner:
         raw = body.reshape(-1).view(np.uint8)
         return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape),
                           private=not np.may_share_memory(body, a))
+

@@ -169,6 +169,7 @@ class Store:
         # The one way anything is published into this store (put, collective put, DCP writer).
         self.publisher = Publisher(self.assets, self.reftable, core.pool)
         self._puts = AsyncPuts(max_inflight, when_busy)  # blocking=False: in order, on one thread
+        self._plan_cache = None  # the layouts put_snapshot planned last (plancache.py), made at the first put
         self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only
         self._closed = False
@@ -360,7 +361,7 @@ class Store:
                         raise InvalidArgument(
                             "when_busy='skip' cannot apply to a collective snapshot: the ranks would skip different "
                             "ones; pass when_busy='wait' (an asynchronous collective put waits for a free slot)")
-                    plan = self.planner(allow_pickle, defer_device=True).plan(state)
+                    plan = self.planner(allow_pickle, defer_device=True, cached=True).plan(state)
                     buf = self._puts.stage(plan, wait=True)
                     stalled.append(time.monotonic() - started)
                     return args, plan, buf
@@ -370,10 +371,10 @@ class Store:
             # Every rank enters the collective before checking its arguments, so a bad
             # argument on one rank aborts this snapshot everywhere instead of leaving
             # that rank one collective behind the others.
-            planner = self.planner(allow_pickle)
+            planner = self.planner(allow_pickle, cached=True)
             return collective_put(dataclasses.replace(call, plan=lambda: planner.plan(state)))
         args = prepare()
-        plan = self.planner(allow_pickle, defer_device=not blocking).plan(state)  # validates it all first
+        plan = self.planner(allow_pickle, defer_device=not blocking, cached=True).plan(state)  # validates it all first
         if blocking:
             self.wait()
             with _bytes_bar(progress, "put", sum(b - a for leaf in plan.leaves for a, b in leaf.ranges)) as bar:
@@ -412,11 +413,16 @@ class Store:
         """Run fn() on the background publisher once the snapshots queued so far have ended."""
         self._puts.after_in_flight(fn)
 
-    def planner(self, allow_pickle: bool = False, defer_device: bool = False) -> Planner:
-        """A planner with this store's block layout (validates a state before any write)."""
+    def planner(self, allow_pickle: bool = False, defer_device: bool = False, cached: bool = False) -> Planner:
+        """A planner with this store's block layout (validates a state before any write).
+        cached: it plans a state of a layout put_snapshot planned lately from that plan."""
         from .plan import Planner  # torch, imported where tensors are (not by `tsck refs`)
+        if cached and self._plan_cache is None:
+            from .plancache import PlanCache
+            self._plan_cache = PlanCache()
         return Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
-                       allow_pickle=allow_pickle, defer_device=defer_device)
+                       allow_pickle=allow_pickle, defer_device=defer_device,
+                       cache=self._plan_cache if cached else None)
 
     def raise_pending_error(self) -> None:
         """Raise (once) the failure of an asynchronous snapshot, if one failed. The

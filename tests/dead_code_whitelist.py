@@ -85,3 +85,4 @@ _.opened  # LazyStorage.opened (tier/opening.py): whether the remote was reached
 _.catalog_put  # RefTable: writes a catalog row as given (conformance, test_reftable)
 _.intents  # RefTable: the part intents (test_tier, tests/sim/check.py)
 _.publication_order  # RefTable history: root -> sequence (conformance, test_recover_retention)
+_.misses  # PlanCache: puts planned whole (test_plan_cache: every put asks the cache once)

@@ -285,6 +285,7 @@ FOREIGN_PRIVATE = {
     ("lightning.py", "sys"), ("store.py", "sys"), ("train/outcomes.py", "sys"),  # sys._getframe
     ("lightning.py", "fs"),  # fsspec's _parent
     ("read.py", "torch"),  # torch's quantized tensor constructors
+    ("plancache.py", "torch"),  # torch._foreach_copy_: many tensors copied in one call (torch.optim's foreach path)
     ("dist/channel.py", "dist.distributed_c10d"),  # the default c10d store
     ("storage/wrappers.py", "self._sem"),  # threading.Semaphore's _initial_value
 }

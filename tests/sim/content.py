@@ -16,6 +16,10 @@ Content is chosen to exercise dedup and gc's windows:
         pipeline stage rank 0 holds no piece of (one process must still read it back)
   grow  some asynchronous puts (spec["g"]): a tensor of a size drawn per call, so the
         staged states change size between calls
+  layout  some puts (spec["l"]) change the tree's layout under the same keys: ids as
+        int32, own as a matrix, one more key; a writer's Store plans most puts
+        from the layout it kept (plancache.py), so a kept plan used for a changed layout
+        shows as a snapshot that is not state(spec)
 """
 
 from __future__ import annotations
@@ -82,6 +86,13 @@ def state(spec: dict) -> dict:
         "step": int(spec["s"]),
         "note": f"{spec['w']}:{spec['o']}",
     }
+    lay = int(spec.get("l", 0))  # (Worker.op_put's draw; never for a collective put)
+    if lay == 1:
+        st["ids"] = st["ids"].to(torch.int32)
+    elif lay == 2:
+        st["own"] = st["own"].reshape(60, 100)
+    elif lay == 3:
+        st["note2"] = st["note"]  # (a key added: a read of paths= may name any of the others)
     if "g" in spec:  # an asynchronous put's extra tensor of a size drawn per call (Worker.op_put)
         st["grow"] = _floats(int(spec["g"]), "grow", spec["w"], spec["o"])
     if staged(spec):

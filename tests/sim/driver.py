@@ -463,6 +463,7 @@ class Harness:
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
         hits, fenced, collective, collective_async = {}, 0, 0, 0  # the presence record, writers' holds, collective puts
+        kept, relaid = {}, 0  # puts planned from a kept layout (per writer Store), puts of a changed layout
         raced = 0  # puts that lost a race for their ref (and removed the commit the table refused)
         ctier = 0  # collective puts through the ranks' tiers (published there; their outcome remote is unknown)
         unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
@@ -491,6 +492,8 @@ class Harness:
                 kill0[told] = kill0.get(told, 0) + 1
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
+                kept[o.w] = max(kept.get(o.w, 0), o.out.get("kept_plans", 0))
+                relaid += 1 if "l" in (o.args.get("spec") or {}) else 0
                 fenced += o.out.get("fenced") or 0
                 raced += 1 if o.out.get("races") else 0
                 collective += 1 if o.args.get("collective") else 0
@@ -498,7 +501,7 @@ class Harness:
         stuck_ids = "".join(f"{', ' if k else ': '}{c['id']}{'' if cfgs.index(c) in ready else ' never ready'}"
                             for k, c in enumerate(c for c, p in zip(cfgs, procs) if p.pid in stuck_pids))
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"fenced_puts={fenced} raced_puts={raced}{'(one ref)' if hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
+                 f"kept_plans={sum(kept.values())} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}{'(one ref)' if hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "

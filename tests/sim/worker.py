@@ -259,6 +259,8 @@ class Worker:
             # A state whose size is not the last asynchronous put's: the staging pool keeps
             # buffers of several sizes (max_inflight=2) and must pick among them by identity.
             spec["g"] = grow.choice([2_000, 30_000, 90_000])
+        if grow.random() < self.cfg.get("layout_p", 0.25):
+            spec["l"] = grow.choice([1, 2, 3])  # the same keys, another layout (content.state)
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
         if self.cfg.get("tier"):  # published in the tier: durable (remote) only once uploaded
             args["tier"] = os.path.basename(self.cfg["tier"])
@@ -289,7 +291,8 @@ class Worker:
             # hits: objects this Store reused from its presence record so far (the driver
             # reports them, so a run shows the record was exercised beside gc)
             out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
-                   "left": LEFT.n - left0, "races": RACES.n - races0, "hits": s.assets.presence.hits, "durable": info.durable}
+                   "left": LEFT.n - left0, "races": RACES.n - races0, "hits": s.assets.presence.hits, "durable": info.durable,
+                   "kept_plans": s._plan_cache.hits if s._plan_cache is not None else 0}
             if self.cfg.get("catalog"):
                 out["tier_bytes"] = tier_bytes(self.cfg["tier"])
             return out
