@@ -65,6 +65,8 @@ def main():
     ap.add_argument("--scale", type=float, default=2.0, help="state size in GB (default 2)")
     ap.add_argument("--d-model", type=int, default=1024, help="model width (default 1024)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--many", type=int, default=0,
+                    help="a state of this many fp32 tensors of 4-64 KiB instead of the model (e.g. 10000)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     args = ap.parse_args()
@@ -81,9 +83,13 @@ def main():
 
 
 def run(tsck, dev, root, args):
-    cpu_state, _model, _opt = build_state(args.scale * GB, args.d_model, log=log)
-    state = _to(cpu_state, dev)
-    del cpu_state, _model, _opt
+    if args.many:  # an FSDP rank's count of tensors: params + 2 Adam moments of 4-64 KiB each
+        from bench_train import many_tensors_state
+        state = _to(many_tensors_state(args.many), dev)
+    else:
+        cpu_state, _model, _opt = build_state(args.scale * GB, args.d_model, log=log)
+        state = _to(cpu_state, dev)
+        del cpu_state, _model, _opt
     tensors = [t for _, t in iter_tensors(state)]
     nbytes = state_nbytes(state)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

@@ -259,13 +259,12 @@ class _CachedPlan(Plan):
                 _copy_all(dst, src)
             else:
                 _copy_all([dst[i] for i in lay.cpu], [src[i] for i in lay.cpu])
+                on_host = set(lay.cpu)
+                dev = [i for i in range(len(src)) if i not in on_host]
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())  # see the tensors' final values
-                on_host = set(lay.cpu)
-                with torch.cuda.stream(stream):
-                    for i in range(len(src)):
-                        if i not in on_host:
-                            dst[i].copy_(src[i], non_blocking=True)
+                with torch.cuda.stream(stream):  # into pinned memory: asynchronous copies, one call
+                    _copy_some([dst[i] for i in dev], [src[i] for i in dev], non_blocking=True)
                 stream.synchronize()
         self._buf = buf
         self._tensors = None  # the caller's tensors are not read again
@@ -278,7 +277,7 @@ class _CachedPlan(Plan):
 
     @property
     def value(self):
-        if self._value is None:
+        if self._leaves is None:  # (a state may be None itself: made is told by the leaves)
             self._make()
         return self._value
 
@@ -336,12 +335,14 @@ def _forget_copiers() -> None:
 os.register_at_fork(after_in_child=_forget_copiers)
 
 
-def _copy_some(dst: list, src: list) -> None:
+def _copy_some(dst: list, src: list, non_blocking: bool = False) -> None:
+    if not src:
+        return  # (torch refuses an empty list)
     if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(dst, src)  # a C++ loop: no Python per tensor
+        torch._foreach_copy_(dst, src, non_blocking=non_blocking)  # a C++ loop: no Python per tensor
     else:  # pragma: no cover - torch without it
         for d, s in zip(dst, src):
-            d.copy_(s)
+            d.copy_(s, non_blocking=non_blocking)
 
 
 def _copy_all(dst: list, src: list) -> None:

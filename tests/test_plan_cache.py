@@ -241,6 +241,12 @@ def test_an_async_put_from_a_kept_layout_holds_the_values_it_was_given(tmp_path)
         assert store._plan_cache.hits >= 9
 
 
+@pytest.mark.parametrize("state", [None, 3, "s", torch.arange(3.0), [], {}], ids=repr)
+def test_a_state_that_is_one_value_is_kept_too(stores, state):
+    kept, whole = stores
+    assert [_put_both(kept, whole, state, i, i == 1) for i in range(3)] == [0, 1, 1]
+
+
 def test_what_a_layout_cannot_hold_is_planned_whole_every_time(stores):
     """A quantized tensor's parameters change from snapshot to snapshot, and torch has no
     copy into a staging buffer for the sub-byte dtypes: a state holding one is never
@@ -254,3 +260,25 @@ def test_what_a_layout_cannot_hold_is_planned_whole_every_time(stores):
             state = {"odd": make(i), "w": torch.full((300,), float(i)), "step": i}
             assert _put_both(kept, whole, state, i, i % 2 == 0) == 0
             assert_same(state, kept.checkout("cache/kept"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+def test_device_tensors_from_a_kept_layout(stores):  # pragma: no cover - runs on a GPU machine
+    """Device tensors beside host ones: staged through pinned views of the buffer on a side
+    stream, the same tree as a whole plan, and a value changed once the put returned is not
+    in the snapshot."""
+    kept, whole = stores
+    state = {"w": torch.randn(300, 300, device="cuda"), "ids": torch.arange(5, device="cuda"),
+             "h": torch.randn(400), "many": [torch.randn(700 + i, device="cuda") for i in range(600)], "step": 0}
+    for i in range(4):
+        with torch.no_grad():
+            state["w"].add_(1)
+            state["h"].add_(1)
+        state["step"] = i
+        assert _put_both(kept, whole, state, i, i % 2 == 1) == (1 if i else 0)
+        assert_same(state, kept.checkout("cache/kept"))
+    want = copy.deepcopy(state)
+    fut = kept.put_snapshot(state, ref="cache/kept", blocking=False)
+    for t in [state["w"], state["h"]] + state["many"]:
+        t.fill_(-1)
+    assert_same(want, kept.checkout(fut.result(timeout=60).root))
