@@ -469,7 +469,8 @@ def main(argv=None) -> int:
     ap.add_argument("--snapshots", type=int, default=10, help="warm snapshots timed (default 10)")
     ap.add_argument("--changed", type=float, default=0.10, help="fraction of tensors changed between snapshots")
     ap.add_argument("--breakdown", type=int, default=3, help="repeats of the plan/stage breakdown")
-    ap.add_argument("--target", type=float, default=1.5, help="stall ÷ plain copy target; profile above it")
+    ap.add_argument("--target", type=float, default=None,
+                    help="stall ÷ plain copy target; profile above it (default 1.5; 1.2 with --many)")
     ap.add_argument("--profile", action="store_true", help="always profile the stall")
     ap.add_argument("--profile-out", default=None, help="also write the stall profile to this file")
     ap.add_argument("--every", type=int, default=10, help="snapshot every N steps (default 10)")
@@ -494,6 +495,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /work)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    if args.target is None:
+        args.target = 1.2 if args.many else 1.5
     global REST
     REST = args.rest
     if args.small:
