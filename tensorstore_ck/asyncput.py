@@ -96,7 +96,7 @@ class AsyncPuts:
         if not self.slots.acquire(blocking=wait):
             return None
         try:
-            buf = self.staging.take(plan.staged_bytes)
+            buf = self.staging.take(max(plan.staged_bytes, plan.reserve))
             plan.stage(buf)
         except BaseException:
             self.slots.release()

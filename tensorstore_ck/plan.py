@@ -112,6 +112,9 @@ class Plan:
     # path as format_path writes it: what a collective put checks across ranks.
     pieces: list = field(default_factory=list)
     replicas: list = field(default_factory=list)  # (path, Leaf or inline chunk meta) of each Replicated
+    # Bytes a staging buffer for this state should hold: what a plan from its kept layout
+    # stages (plancache.py: the inline tensors too), so the next put reuses the buffer.
+    reserve: int = 0
 
     @property
     def staged_bytes(self) -> int:
@@ -166,9 +169,10 @@ class Planner:
         self._tensors: list = []  # each top-level tensor's planned form, in state order
         value = self._plan(state, (), 0)
         NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
+        plan = Plan(value, self._leaves, self._inline, self._pieces, self._replicas)
         if flat is not None:
-            self.cache.keep(flat, self._tensors)
-        return Plan(value, self._leaves, self._inline, self._pieces, self._replicas)
+            plan.reserve = self.cache.keep(flat, self._tensors)
+        return plan
 
     def _unsupported(self, obj, path, why=None):
         if self.allow_pickle and why is None:

@@ -150,10 +150,11 @@ class PlanCache:
         lay = self.match(*flat)
         return (None if lay is None else _CachedPlan(lay, flat[1], flat[2], staged=staged)), flat
 
-    def keep(self, flat, forms) -> None:
+    def keep(self, flat, forms) -> int:
         """Keep the layout the planner just planned whole (flat: find()'s; forms: each
-        tensor's planned form, a Leaf or an inline value, in state order)."""
-        self.record(*flat, forms)
+        tensor's planned form, a Leaf or an inline value, in state order) -> the bytes a
+        plan from it stages (0: not kept)."""
+        return self.record(*flat, forms)
 
     def match(self, keys, tensors, plains) -> _Layout | None:
         sig = None
@@ -187,15 +188,15 @@ class PlanCache:
                 return False
         return True
 
-    def record(self, keys, tensors, plains, forms) -> None:
+    def record(self, keys, tensors, plains, forms) -> int:
         """Not kept: quantized tensors (their parameters change) and dtypes torch cannot
         copy into a staging buffer."""
         if len(forms) != len(tensors):  # pragma: no cover - the planner plans each tensor once
-            return
+            return 0
         kept, offsets, off, inline = [], [], 0, 0
         for t, f in zip(tensors, forms):
             if t.is_quantized or not _stageable(t.dtype):
-                return
+                return 0
             if isinstance(f, Leaf):
                 kept.append((f.tag, f.meta, f.itemsize, f.ranges, f.packed_size, f.path))
                 n = f.nbytes
@@ -212,6 +213,7 @@ class PlanCache:
                       kept, offsets, off, inline,
                       [i for i, t in enumerate(tensors) if t.device.type == "cpu"])
         self._layouts = [lay] + [x for x in self._layouts if x.keys != keys][:self.size - 1]
+        return off
 
 
 class _Inline(Pending):

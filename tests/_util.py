@@ -157,7 +157,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    t = t.contiguous()
+    t = t.contiguous().cpu()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 

@@ -282,3 +282,18 @@ def test_device_tensors_from_a_kept_layout(stores):  # pragma: no cover - runs o
     for t in [state["w"], state["h"]] + state["many"]:
         t.fill_(-1)
     assert_same(want, kept.checkout(fut.result(timeout=60).root))
+
+
+def test_the_first_put_from_a_kept_layout_reuses_the_whole_plans_buffer(tmp_path):
+    """A plan from a kept layout stages the inline tensors too, so it needs more bytes than
+    the whole plan that kept it; the whole plan's buffer is sized for it, so the next put
+    copies into memory already mapped (a fresh buffer, pinned on a GPU host, costs more
+    than the copy)."""
+    with tsck.open_store(str(tmp_path / "s"), block_size=BS, inline_threshold=INLINE) as store:
+        state = {"big": torch.randn(100_000), "small": [torch.randn(200) for _ in range(200)]}  # 160 KB inline
+        ptrs = []
+        for i in range(3):
+            store.put_snapshot(state, ref="cache/buf", step=i, blocking=False).result(timeout=60)
+            ptrs.append(sorted(b.data_ptr() for b in store._puts.staging._free))
+        assert store._plan_cache.hits == 2
+        assert ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[0]) == 1, ptrs
