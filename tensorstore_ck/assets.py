@@ -328,24 +328,39 @@ class Assets:
             raise err
         return data
 
+    def framed_here(self, kind: str, data) -> list:
+        """`data`, a sound frame of object `kind` that another store keeps (a local tier's,
+        checked), as this store's writer frames such bytes -> buffers to store. A block
+        kept in lz4 or raw (what a local disk wants) is coded with the float codec where
+        this store's blocks are (what a network wants); the address is of the bytes, not
+        of their coding. Anything else goes as it is: no decode."""
+        if kind != "block" or self.codecs != "float":
+            return [data]
+        hdr = frame.decode_header(data[:frame.HEADER_SIZE])
+        if hdr.codec not in (frame.CODEC_RAW, frame.CODEC_LZ4):
+            return [data]
+        raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:])
+        return frame.encode_payload(raw, frame.KIND_BLOCK, float_itemsize=frame.float_itemsize_for(raw))
+
     def put_frame(self, kind: str, d: bytes, data: bytes, fence: int | None) -> bool:
         """Store `data`, the stored frame of object `d` of `kind` as this process just
-        encoded it (from memory, not read back from a disk), unless this store is known
-        to hold `d` under `fence`. Conditional: an object already stored is left as it is
-        and not recorded present (its health is for a later put or copy_from to judge).
-        -> whether it was written."""
+        encoded it (from memory, not read back from a disk; framed_here first), unless
+        this store is known to hold `d` under `fence`. Conditional: an object already stored
+        is left as it is and not recorded present (its health is for a later put or
+        copy_from to judge). -> whether it was written."""
         fk = FRAME_KIND[kind]
         if self.presence.known(fk, d, fence):
             return False
-        new = self.storage.put_addressed(_key(kind + "s", d), [data])
+        new = self.storage.put_addressed(_key(kind + "s", d), self.framed_here(kind, data))
         if new:
             self.presence.add(fk, d, fence)
         return new
 
     def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None,
                   written: tuple[int, int] | None = None) -> bool:
-        """Store object `d` of `kind` as `src` stores it (same address, same bytes: no
-        decode, no re-encode; src.stored_frame checks it first) unless this store has it:
+        """Store object `d` of `kind` as `src` stores it (same address; the same bytes but
+        for a block framed_here codes for this store; src.stored_frame checks it first)
+        unless this store has it:
         known present under `fence` (Presence), found by a HEAD, or (a warm record on an
         object store, or an object src's process wrote new: `written`, see stored_frame)
         refused by the conditional PUT. What is found is judged by its size as a put
@@ -362,10 +377,10 @@ class Assets:
         if ask and self._found(src, kind, key, d):
             self.presence.add(fk, d, fence)
             return False
-        data = src.stored_frame(kind, d, written)
-        new = self.storage.put_addressed(key, [data])
+        bufs = self.framed_here(kind, src.stored_frame(kind, d, written))
+        new = self.storage.put_addressed(key, bufs)
         if not new and not ask and not self._found(src, kind, key, d):
-            new = self.storage.put_addressed(key, [data])  # it was damaged: moved aside, stored again
+            new = self.storage.put_addressed(key, bufs)  # it was damaged: moved aside, stored again
         self.presence.add(fk, d, fence)
         return new
 

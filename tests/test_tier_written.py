@@ -169,9 +169,9 @@ def test_a_tier_copy_damaged_after_it_was_written_is_never_sent(s3_url, s3_serve
 
 
 def test_a_tier_copy_rewritten_whole_since_is_checked_and_sent(s3_url, s3_server, tmp_path):
-    """A block whose tier copy is another healthy frame of the same bytes (here stored
-    raw, as another writer may have) does not match the record either; judged whole it is
-    sound, and it is sent as it is now stored."""
+    """A block whose tier copy is another healthy frame of the same bytes (here float-coded,
+    as a tier of an older build or a read-through from the remote stores it) does not match
+    the record either; judged whole it is sound, and it is sent as it is now stored."""
     wrapped: list[Asked] = []
     store = _open(s3_url, s3_server, tmp_path, "nvme", wrapped, compression="float")
     gate = _held(store)
@@ -180,9 +180,9 @@ def test_a_tier_copy_rewritten_whole_since_is_checked_and_sent(s3_url, s3_server
     victim = sorted(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file())[0]
     old = victim.read_bytes()
     hdr = frame.decode_header(old[:frame.HEADER_SIZE])
-    assert hdr.codec == frame.CODEC_FLOAT  # so that the raw frame differs
     raw = bytes(frame.decode_payload(hdr, memoryview(old)[frame.HEADER_SIZE:]))
-    new = b"".join(bytes(b) for b in frame.encode_payload(raw, frame.KIND_BLOCK, compress=False))
+    new = b"".join(bytes(b) for b in frame.encode_payload(raw, frame.KIND_BLOCK, compress=True, float_itemsize=4))
+    assert frame.decode_header(new[:frame.HEADER_SIZE]).codec == frame.CODEC_FLOAT != hdr.codec  # another frame
     victim.write_bytes(new)
     gate.set()
     assert store.wait_durable(timeout=DEADLINE)
@@ -191,5 +191,35 @@ def test_a_tier_copy_rewritten_whole_since_is_checked_and_sent(s3_url, s3_server
     with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as direct:
         assert direct.resolve("job/main") == info.root
         assert direct.storage.get(key) == new
+        assert direct.fsck().ok
+        assert _equal(direct.checkout("job/main"), state)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["upload", "early-upload"])
+def test_the_tier_writes_for_its_disk_and_the_remote_gets_the_float_codec(s3_url, s3_server, tmp_path, early):
+    """The tier of an object store writes its blocks as a local disk wants them (lz4, or raw
+    where lz4 does not shrink them: no float codec on the put's path); what reaches the
+    remote is coded as a direct put codes it (the float codec where it shrinks the block),
+    by the uploader in the background or the early upload's sends, under the same
+    addresses. Both copies decode to the same bytes, the remote snapshot checks out whole
+    and fsck finds it sound."""
+    store = tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server, block_size=BS,
+                            inline_threshold=256, local=str(tmp_path / "nvme"), early_upload=early)
+    state = _state(7)
+    info = store.put_snapshot(state, "job/main", step=1)
+    assert store.wait_durable(timeout=DEADLINE)
+    store.close()
+    blocks = sorted(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file())
+    assert len(blocks) == 5
+    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as direct:
+        assert direct.resolve("job/main") == info.root
+        for p in blocks:
+            here = p.read_bytes()
+            there = direct.storage.get(f"blocks/{p.parent.name}/{p.name}")
+            h, t = (frame.decode_header(b[:frame.HEADER_SIZE]) for b in (here, there))
+            assert h.codec in (frame.CODEC_RAW, frame.CODEC_LZ4) and t.codec == frame.CODEC_FLOAT, (h, t)
+            assert t.itemsize == 4 and len(there) < len(here)
+            assert bytes(frame.decode_payload(h, memoryview(here)[frame.HEADER_SIZE:])) == \
+                bytes(frame.decode_payload(t, memoryview(there)[frame.HEADER_SIZE:]))
         assert direct.fsck().ok
         assert _equal(direct.checkout("job/main"), state)

@@ -199,6 +199,16 @@ def _float_probe(sample, k: int) -> tuple[int, list[bool]]:
     return size, use
 
 
+def float_itemsize_for(raw) -> int:
+    """The element size (2, 4 or 8, dividing the length) under which the float codec codes
+    a 64 KiB sample of `raw` smallest; 0 when none divides it. For a block coded again from
+    a frame that does not record its element size (lz4, raw)."""
+    mv = memoryview(raw).cast("B")
+    sample = mv[:_SAMPLE]
+    ks = [k for k in FLOAT_ITEMSIZES if mv.nbytes % k == 0 and mv.nbytes >= 4 * k]
+    return min(ks, key=lambda k: _float_probe(sample[:len(sample) - len(sample) % k], k)[0]) if ks else 0
+
+
 def _float_encode(mv, k: int, use: list[bool]) -> list:
     """The float payload as buffers: the sub-header, then each plane coded or raw."""
     zc = _zstd()

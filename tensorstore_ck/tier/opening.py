@@ -353,18 +353,26 @@ def lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backof
         raise
 
 
+def tier_codecs(remote: str) -> str:
+    """The codecs a local tier writes its blocks with, given its remote's: the float codec's
+    CPU on the put's path costs more than a local disk saves (locate.codecs_for), so a
+    tier of a float-coded remote writes lz4 and its uploader codes for the network."""
+    return "lz4" if remote == "float" else remote
+
+
 def tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, settings: Settings, make_store, *,
            location: str | None = None, lrefs: LmdbRefTable | None = None):
     """A Store over a local tier at `path` in front of `remote`: the tier's marker is a copy
     of the remote's (same id, same block layout: a block cut here is the block the remote
-    would hold), its LMDB ref table is bound to the same store id, and its blocks use the
-    remote's codecs (they travel as stored). `cfg` is the remote's marker, read here
+    would hold), its LMDB ref table is bound to the same store id, and its blocks use what
+    a local disk wants (tier_codecs: lz4 where the remote's are the float codec, which the
+    uploader codes in the background, Assets.framed_here). `cfg` is the remote's marker, read here
     (eager: `location` names where, recorded in the tier as verified), or the tier's own
     when the remote opens on first use (lazy_tiered: `lrefs` is the tier's table, open)."""
     root = os.path.abspath(path)
     if lrefs is not None:  # the lazy open: the tier's marker was read and checked there
         try:
-            lcore = Core.build(LocalBlockStore(root), lrefs, codecs=codecs, settings=settings)
+            lcore = Core.build(LocalBlockStore(root), lrefs, codecs=tier_codecs(codecs), settings=settings)
         except BaseException:
             lrefs.close()
             raise
@@ -399,7 +407,7 @@ def tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, setti
         lrefs.bind_store(store_id, new=fresh)
         if location is not None and _verified(lrefs, location) != store_id:
             lrefs.verified_put(location, store_id)
-        lcore = Core.build(lstorage, lrefs, codecs=codecs, settings=settings)
+        lcore = Core.build(lstorage, lrefs, codecs=tier_codecs(codecs), settings=settings)
     except BaseException:
         lrefs.close()
         raise

@@ -112,6 +112,9 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     if cfg.get("tier"):
         kw["local"] = cfg["tier"]
         kw["early_upload"] = bool(cfg.get("early_upload"))
+        # The remote's blocks float-coded, as an object store's are: the tier writes lz4
+        # and the uploader (or the early upload) codes each block for the remote.
+        kw["compression"] = "float"
         if cfg.get("budget"):
             kw["local_budget"] = int(cfg["budget"])
     give_up = time.time() + 60
