@@ -86,10 +86,9 @@ def _rank(rank: int, world: int, cfg: dict) -> None:
             res["restore_s"] = time.perf_counter() - t0
             res["checkout_s"] = time.perf_counter() - t1
             res["same"] = bool(torch.equal(got["w"].local, _part(rows, world, rank)))
-            peers = getattr(store, "_peers", None)
-            res["fetched_from_peers"] = getattr(peers, "fetched", None)
-            reads = getattr(store, "_reads", None)
-            res["read_from_remote"] = getattr(reads, "missing", None)
+            tier = store._tier  # (its counters: tier/local.py)
+            res["fetched_from_peers"] = getattr(getattr(tier, "peers", None), "fetched", None)
+            res["read_from_remote"] = getattr(getattr(tier, "reads", None), "missing", None)
         dist.barrier()
     finally:
         store.close()
