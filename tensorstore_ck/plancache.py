@@ -45,23 +45,17 @@ def _flatten(state):
     key, tensor, plain = keys.append, tensors.append, plains.append
 
     def walk(obj, t, depth) -> bool:
+        # A container: its length; a dict's keys, all of them first; then each value: its
+        # type, and a container's own walk (an encoding read back one way only: build()).
         if depth > MAX_DEPTH:
             return False
         key(len(obj))
         if t is dict or t is OrderedDict:
-            for k, v in obj.items():
-                tk, tv = type(k), type(v)
-                if tk is not str and tk is not int:
+            for k in obj:
+                if type(k) is not str and type(k) is not int:
                     return False
-                key(k)
-                key(tv)
-                if tv is torch.Tensor or tv is torch.nn.Parameter:
-                    tensor(v)
-                elif tv in _PLAIN_TYPES:
-                    plain(v)
-                elif not (tv in _CONTAINERS and walk(v, tv, depth + 1)):
-                    return False
-            return True
+            keys.extend(obj)
+            obj = obj.values()
         for v in obj:
             tv = type(v)
             key(tv)
@@ -313,8 +307,8 @@ class _CachedPlan(Plan):
             if t in _CONTAINERS:
                 n = nxt()
                 if t is dict or t is OrderedDict:
-                    return {_CONTAINERS[t]: [[stored_int(k, ()) if type(k) is int else k, build()]
-                                             for k in (nxt() for _ in range(n))]}
+                    ks = [nxt() for _ in range(n)]
+                    return {_CONTAINERS[t]: [[stored_int(k, ()) if type(k) is int else k, build()] for k in ks]}
                 return {_CONTAINERS[t]: [build() for _ in range(n)]}
             if t is torch.Tensor or t is torch.nn.Parameter:
                 return leaf()
