@@ -258,7 +258,7 @@ class Planner:
             return {tag: meta}
         meta["bs"] = layout.block_size
         leaf = Leaf(tag, meta, raw, itemsize, [(a, b) for _, a, b in chunker.block_ranges(layout)],
-                     device_src=device_src, path=format_path(self._path), private=private)
+                    device_src=device_src, path=format_path(self._path), private=private)
         tree.check_leaf(leaf.manifest_value(final=False), self._path)
         self._leaves.append(leaf)
         return leaf
@@ -343,4 +343,3 @@ class Planner:
         raw = body.reshape(-1).view(np.uint8)
         return self._leaf("A", meta, raw, a.dtype.itemsize, tuple(body.shape),
                           private=not np.may_share_memory(body, a))
-

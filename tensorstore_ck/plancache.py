@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgpack
 import torch
 
 from .errors import UnsupportedType
@@ -82,7 +84,6 @@ _CONTAINERS = {dict: "d", OrderedDict: "o", list: "l", tuple: "t"}
 
 
 def _plain_size(v) -> int:
-    import msgpack
     return len(msgpack.packb(stored_int(v, ()) if type(v) is int else v, use_bin_type=True))
 
 
@@ -196,7 +197,6 @@ class PlanCache:
                 n = f.nbytes
             else:
                 (tag, meta), = f.items()
-                import msgpack
                 size = len(msgpack.packb(f, use_bin_type=True))
                 kept.append((tag, {k: v for k, v in meta.items() if k != "x"}, t.element_size(), None, size, ""))
                 n = meta["n"]
@@ -321,6 +321,7 @@ class _CachedPlan(Plan):
 
 _COPY_BATCH = 512  # tensors per helper thread at least: below it the hand-off costs more than it saves
 _copiers: ThreadPoolExecutor | None = None  # made at first use; again in a forked child (its threads are gone)
+_copiers_lock = threading.Lock()
 
 
 def _forget_copiers() -> None:
@@ -349,8 +350,9 @@ def _copy_all(dst: list, src: list) -> None:
     if k == 1:
         _copy_some(dst, src)
         return
-    if _copiers is None:
-        _copiers = ThreadPoolExecutor(7, thread_name_prefix="tsck-stage")
+    with _copiers_lock:  # (two stores' puts may stage at once)
+        if _copiers is None:
+            _copiers = ThreadPoolExecutor(7, thread_name_prefix="tsck-stage")
     cut = [len(src) * i // k for i in range(k + 1)]
     futs = [_copiers.submit(_copy_some, dst[a:b], src[a:b]) for a, b in zip(cut[1:-1], cut[2:])]
     try:
