@@ -145,12 +145,6 @@ class PlanCache:
         lay = self.match(*flat)
         return (None if lay is None else _CachedPlan(lay, flat[1], flat[2], staged=staged)), flat
 
-    def keep(self, flat, forms) -> int:
-        """Keep the layout the planner just planned whole (flat: find()'s; forms: each
-        tensor's planned form, a Leaf or an inline value, in state order) -> the bytes a
-        plan from it stages (0: not kept)."""
-        return self.record(*flat, forms)
-
     def match(self, keys, tensors, plains) -> _Layout | None:
         sig = None
         for lay in list(self._layouts):
@@ -183,9 +177,12 @@ class PlanCache:
                 return False
         return True
 
-    def record(self, keys, tensors, plains, forms) -> int:
-        """Not kept: quantized tensors (their parameters change) and dtypes torch cannot
-        copy into a staging buffer."""
+    def keep(self, flat, forms) -> int:
+        """Keep the layout the planner just planned whole (flat: find()'s; forms: each
+        tensor's planned form, a Leaf or an inline value, in state order) -> the bytes a
+        plan from it stages (0: not kept). Not kept: quantized tensors (their parameters
+        change) and dtypes torch cannot copy into a staging buffer."""
+        keys, tensors, plains = flat
         if len(forms) != len(tensors):  # pragma: no cover - the planner plans each tensor once
             return 0
         kept, offsets, off, inline = [], [], 0, 0
