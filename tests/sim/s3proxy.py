@@ -14,21 +14,34 @@ The connection stays open, as S3 keeps it. What the server never saw is counted,
 request kind (HEAD, GET, PUT, LIST, DELETE), with each request's arrival time, so a test
 can tell that throttling happened and how fast the client kept asking while it did.
 
+It can also limit request rates the way S3 does (limit()): S3 serves at least 3,500
+PUT/COPY/POST/DELETE and 5,500 GET/HEAD requests per second per partitioned prefix, a
+new bucket starts as one partition, and S3 splits a partition only after sustained load
+(over minutes; the old partitions answer SlowDown meanwhile). Here each request kind is
+a write (PUT, POST, DELETE) or a read (GET, HEAD, LIST); each partition has one token
+bucket per class, holding `burst` seconds of its rate; a request finds its partition by
+its object key (keys spread evenly: a content-addressed store's keys are hashes) and is
+answered 503 SlowDown when its bucket is empty. With split_after= set, once some request
+has been refused in each of split_after consecutive seconds, the partitions double (up
+to max_partitions), as S3 scales a prefix that stays busy.
+
 Standard library only: threads, http.server on the client side, http.client upstream.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import http.client
 import random
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["ThrottleProxy", "request_kind"]
+__all__ = ["RateLimits", "ThrottleProxy", "request_kind"]
 
 # Hop-by-hop headers of the answer: the proxy frames what it sends back itself.
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade", "te", "trailer"}
@@ -60,6 +73,72 @@ class _Throttle:
         self.rng = random.Random(seed)
 
 
+_WRITES = frozenset({"PUT", "POST", "DELETE"})
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """S3's documented request rates per partitioned prefix (the defaults), and how a
+    prefix that stays throttled is split. A scaled run divides the rates by its scale."""
+    write_rate: float = 3500.0  # PUT/COPY/POST/DELETE per second per partition
+    read_rate: float = 5500.0   # GET/HEAD (and LIST) per second per partition
+    partitions: int = 1         # a new bucket is one partition
+    split_after: float | None = None  # seconds of throttling in a row before the partitions double
+    max_partitions: int = 1
+    burst: float = 1.0          # seconds of its rate a partition's bucket holds
+
+    def __post_init__(self):
+        if not (self.write_rate > 0 and self.read_rate > 0 and self.burst > 0
+                and 1 <= self.partitions <= self.max_partitions):
+            raise ValueError(f"bad RateLimits: {self}")
+
+
+class _Partitions:
+    """The token buckets of RateLimits: tokens[p][cls], refilled by elapsed time."""
+
+    def __init__(self, limits: RateLimits, now: float):
+        self.limits, self.count = limits, limits.partitions
+        self.rate = {"write": limits.write_rate, "read": limits.read_rate}
+        self.tokens = [{c: r * limits.burst for c, r in self.rate.items()} for _ in range(self.count)]
+        self.stamp = now
+        self.busy_since: float | None = None  # start of the current run of throttled seconds
+        self.last_refusal = -1.0
+        self.splits: list[tuple[float, int]] = []  # (time, partitions after it)
+
+    def take(self, key: str, cls: str, now: float) -> bool:
+        """Whether a request of class `cls` for `key` may reach the server now."""
+        dt, self.stamp = now - self.stamp, now
+        for t in self.tokens:
+            for c, r in self.rate.items():
+                t[c] = min(r * self.limits.burst, t[c] + r * dt)
+        p = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") % self.count
+        if self.tokens[p][cls] >= 1:
+            self.tokens[p][cls] -= 1
+            return True
+        self._refused(now)
+        return False
+
+    def _refused(self, now: float) -> None:
+        lim = self.limits
+        if self.busy_since is None or now - self.last_refusal > 1.0:
+            self.busy_since = now  # a second without a refusal ends the run
+        self.last_refusal = now
+        if (lim.split_after is not None and self.count < lim.max_partitions
+                and now - self.busy_since >= lim.split_after):
+            self.count = min(lim.max_partitions, 2 * self.count)
+            full = {c: r * lim.burst for c, r in self.rate.items()}
+            self.tokens = self.tokens + [dict(full) for _ in range(self.count - len(self.tokens))]
+            self.busy_since = now
+            self.splits.append((now, self.count))
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: hundreds of clients connecting at once lose
+    # their SYNs and wait out TCP's retransmission (1, 3, 7, 15 s): silences that are the
+    # proxy's, not the clients' back-off.
+    request_queue_size = 4096
+
+
 class ThrottleProxy:
     """http://127.0.0.1:<port> -> `endpoint` (an S3 server's http:// URL).
 
@@ -67,7 +146,8 @@ class ThrottleProxy:
     which that share of the requests (of those kinds; all by default) is answered with the
     error instead of reaching the server; throttle(0) ends it. Counters: refused (in all),
     refused_by / forwarded_by (per request kind); arrivals: (monotonic time, kind,
-    refused) of every request, in order."""
+    refused) of every request, in order. limit(RateLimits(...)) limits the request rates
+    per partition instead (see the module's docstring); limit(None) ends it."""
 
     def __init__(self, endpoint: str):
         ep = urlsplit(endpoint)
@@ -79,12 +159,15 @@ class ThrottleProxy:
         self.forwarded_by: collections.Counter = collections.Counter()
         self.arrivals: list[tuple[float, str, bool]] = []
         self._throttle: _Throttle | None = None
+        self._limits: _Partitions | None = None
+        self._slowdown = _Throttle(float("inf"), 1.0, 503, "SlowDown", "Please reduce your request rate.",
+                                   None, None, 0)
         self._lock = threading.Lock()
         proxy = self
 
         class Handler(_Handler):
             owner = proxy
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -104,6 +187,17 @@ class ThrottleProxy:
             self._throttle = None if seconds <= 0 else _Throttle(
                 time.monotonic() + seconds, share, status, code, message, retry_after,
                 None if kinds is None else frozenset(kinds), seed)
+
+    def limit(self, limits: RateLimits | None) -> None:
+        """Limit request rates per partition as S3 does (None: no limit)."""
+        with self._lock:
+            self._limits = None if limits is None else _Partitions(limits, time.monotonic())
+
+    @property
+    def splits(self) -> list[tuple[float, int]]:
+        """(monotonic time, partitions after it) of every split the limit made."""
+        with self._lock:
+            return list(self._limits.splits) if self._limits is not None else []
 
     def throttling(self) -> bool:
         """Whether a throttle window is on."""
@@ -128,13 +222,17 @@ class ThrottleProxy:
         self.close()
 
     # -- for the handler ----------------------------------------------------------------
-    def _decide(self, kind: str) -> _Throttle | None:
+    def _decide(self, kind: str, path: str) -> _Throttle | None:
         """The throttle that refuses this request, or None (forward it); counts it."""
         with self._lock:
             t = self._throttle
             now = time.monotonic()
             hit = (t is not None and now < t.until and (t.kinds is None or kind in t.kinds)
                    and (t.share >= 1 or t.rng.random() < t.share))
+            if not hit and self._limits is not None:
+                cls = "write" if kind in _WRITES else "read"
+                if not self._limits.take(urlsplit(path).path, cls, now):
+                    t, hit = self._slowdown, True
             self.arrivals.append((now, kind, hit))
             if hit:
                 self.refused += 1
@@ -173,7 +271,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         body = self._body()
         kind = request_kind(self.command, self.path)
-        t = self.owner._decide(kind)
+        t = self.owner._decide(kind, self.path)
         if t is not None:
             self._refuse(t)
             return
