@@ -329,11 +329,86 @@ class Timed:
     returned: float  # seconds until the call returned (before the trailing os.sync)
     extra_rss: int
     result: object = None
+    disk: dict | None = None  # the disk's counters over the interval (watch_disk)
+    cpu: dict | None = None   # CPU seconds of this process, the machine's jiffies (cpu_counters)
+
+
+class DiskCounters:
+    """The block device under a path, from /proc/diskstats: what a timed write made it do
+    (bytes written, milliseconds busy, cache flushes, discards). None where it cannot be
+    found (not Linux, a filesystem with no block device)."""
+
+    def __init__(self, path: str):
+        st = os.stat(path)
+        link = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        self.name = os.path.basename(os.path.realpath(link))
+        if self.read() is None:
+            raise OSError(f"{self.name} is not in /proc/diskstats")
+
+    def read(self) -> dict | None:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                v = line.split()
+                if v[2] == self.name:
+                    n = list(map(int, v[3:]))
+                    return dict(wbytes=n[6] * 512, busy_ms=n[9], discards=n[11] if len(n) > 11 else 0,
+                                flushes=n[15] if len(n) > 15 else 0)
+        return None
+
+
+_DISK: DiskCounters | None = None
+
+
+def watch_disk(path: str) -> str:
+    """Count the disk under `path` in every timed() from now on -> its name (or why not)."""
+    global _DISK
+    try:
+        _DISK = DiskCounters(path)
+        return _DISK.name
+    except OSError as e:
+        _DISK = None
+        return f"not counted ({e})"
+
+
+def cpu_counters() -> dict:
+    """This process's CPU seconds (every thread) and the machine's jiffies from /proc/stat:
+    all of them and those stolen by the hypervisor (another VM ran on our core)."""
+    t = os.times()
+    out = {"proc_s": t.user + t.system}
+    try:
+        with open("/proc/stat") as f:
+            v = list(map(int, f.readline().split()[1:]))
+        out.update(all_j=sum(v[:8]), steal_j=v[7] if len(v) > 7 else 0, idle_j=v[3] + v[4])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def disk_note(tm: "Timed") -> str:
+    """A timed write's profile: the disk's side (bytes written, busy share of the time, its
+    speed while busy, flushes, discards) and the CPU's (this process's CPU seconds, the
+    machine's idle and stolen shares)."""
+    d, c = tm.disk, tm.cpu
+    out = ""
+    if c:
+        out += f"; CPU {c['proc_s']:.2f} s"
+        if c.get("all_j"):
+            out += f", machine idle {c['idle_j'] / c['all_j']:.0%}, stolen {c['steal_j'] / c['all_j']:.0%}"
+    if d:
+        busy = d["busy_ms"] / 1000
+        out += (f"; disk wrote {d['wbytes'] / GB:.2f} GB, busy {busy / tm.seconds:.0%} of the time "
+                f"({d['wbytes'] / GB / busy if busy else 0:.2f} GB/s while busy), {d['flushes']} flushes, "
+                f"{d['discards']} discards")
+    return out
 
 
 def timed(fn, *, sync: bool = True) -> Timed:
-    """Run fn with the clock and the peak-RSS meter on; the clock stops after os.sync()."""
+    """Run fn with the clock and the peak-RSS meter on; the clock stops after os.sync().
+    With watch_disk() on, the disk's counters over the same interval go in .disk; the
+    process's CPU seconds and the machine's idle and stolen jiffies go in .cpu."""
     os.sync()
+    d0 = _DISK.read() if _DISK else None
+    c0 = cpu_counters()
     with PeakRSS() as mem:
         t0 = time.perf_counter()
         res = fn()
@@ -341,7 +416,10 @@ def timed(fn, *, sync: bool = True) -> Timed:
         if sync:
             os.sync()
         t2 = time.perf_counter()
-    return Timed(t2 - t0, t1 - t0, mem.extra, res)
+    d1 = _DISK.read() if _DISK else None
+    c1 = cpu_counters()
+    disk = {k: d1[k] - d0[k] for k in d0} if d0 and d1 else None
+    return Timed(t2 - t0, t1 - t0, mem.extra, res, disk, {k: c1[k] - c0[k] for k in c0 if k in c1})
 
 
 def summ(xs):
@@ -444,7 +522,7 @@ def main(argv=None) -> int:
     base = args.dir or tempfile.mkdtemp(prefix="tsck-bench-", dir="/work")
     os.makedirs(base, exist_ok=True)
     p_store, p_torch, p_dcp, p_raw = (os.path.join(base, n) for n in ("tsck_store", "torch.pt", "dcp_ckpt", "raw"))
-    log(f"# scratch dir: {base}")
+    log(f"# scratch dir: {base}; disk counted: {watch_disk(base)}")
 
     changed = pick_tensors(state, args.changed, seed=1)
     changed_bytes = sum(t.nbytes for t in changed)
@@ -532,7 +610,7 @@ def main(argv=None) -> int:
                     log(f"  tsck put_snapshot: {tm.seconds:.2f}s (returned {tm.returned:.2f}s) "
                         f"{nbytes/GB/tm.seconds:.3f} GB/s, +RSS {tm.extra_rss/1e6:.0f} MB, "
                         f"bytes_total {info.bytes_total/GB:.3f} GB bytes_new {info.bytes_new/GB:.3f} GB, "
-                        f"blocks {info.blocks_new}/{info.blocks_total}")
+                        f"blocks {info.blocks_new}/{info.blocks_total}{disk_note(tm)}")
                 else:
                     R[f"{name}_save"].append(tm.seconds)
                     R[f"mem_{name}_save"].append(tm.extra_rss)
@@ -541,7 +619,7 @@ def main(argv=None) -> int:
                     else:
                         rm(p_raw)
                     log(f"  {name}.save: {tm.seconds:.2f}s (returned {tm.returned:.2f}s) "
-                        f"{nbytes/GB/tm.seconds:.3f} GB/s, +RSS {tm.extra_rss/1e6:.0f} MB")
+                        f"{nbytes/GB/tm.seconds:.3f} GB/s, +RSS {tm.extra_rss/1e6:.0f} MB{disk_note(tm)}")
                 trim_memory()
 
             # ---- reads, page cache evicted before each
