@@ -197,10 +197,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--world", type=int, default=1024, help="the projection's ranks")
     ap.add_argument("--rank-gbps", type=float, default=1.5, help="the projection's bandwidth per rank, GB/s")
-    ap.add_argument("--endpoint", default=os.environ.get("TEST_S3_ENDPOINT"))
-    ap.add_argument("--key", default=os.environ.get("TEST_S3_KEY", "testkey"))
-    ap.add_argument("--secret", default=os.environ.get("TEST_S3_SECRET", "testsecret"))
-    ap.add_argument("--bucket", default="tsck-objbench")
+    bench_s3.add_server_args(ap, "tsck-objbench")
     ap.add_argument("--layouts-only", action="store_true", help="part 1 alone (no server)")
     a = ap.parse_args()
 

@@ -87,6 +87,15 @@ def start_rgw():
     return d, env
 
 
+def add_server_args(ap, bucket: str) -> None:
+    """--endpoint, --key, --secret (from $TEST_S3_* by default) and --bucket: the S3
+    server connect() uses (none: a radosgw started here)."""
+    ap.add_argument("--endpoint", default=os.environ.get("TEST_S3_ENDPOINT"))
+    ap.add_argument("--key", default=os.environ.get("TEST_S3_KEY", "testkey"))
+    ap.add_argument("--secret", default=os.environ.get("TEST_S3_SECRET", "testsecret"))
+    ap.add_argument("--bucket", default=bucket)
+
+
 def connect(a):
     """The S3 server of a bench run: a.endpoint (with a.key, a.secret), else a radosgw
     started here (a.endpoint and the keys set from it); a.bucket made if absent.
@@ -116,10 +125,7 @@ def main() -> int:
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=8192, help="small enough that --scale stays in memstore's 2 GiB")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--endpoint", default=os.environ.get("TEST_S3_ENDPOINT"))
-    ap.add_argument("--key", default=os.environ.get("TEST_S3_KEY", "testkey"))
-    ap.add_argument("--secret", default=os.environ.get("TEST_S3_SECRET", "testsecret"))
-    ap.add_argument("--bucket", default="tsck-bench")
+    add_server_args(ap, "tsck-bench")
     ap.add_argument("--workers", type=int, default=None, help="store I/O workers (default: the store's)")
     ap.add_argument("--dcp-threads", type=int, default=None, help="FsspecWriter thread_count (default: workers)")
     ap.add_argument("--dir", default="/work", help="parent folder for the file:// store")

@@ -110,10 +110,7 @@ def main() -> int:
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=8192, help="small enough that --scale stays in memstore")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--endpoint", default=os.environ.get("TEST_S3_ENDPOINT"))
-    ap.add_argument("--key", default=os.environ.get("TEST_S3_KEY", "testkey"))
-    ap.add_argument("--secret", default=os.environ.get("TEST_S3_SECRET", "testsecret"))
-    ap.add_argument("--bucket", default="tsck-bench-tier")
+    bench_s3.add_server_args(ap, "tsck-bench-tier")
     ap.add_argument("--dir", default="/work", help="parent folder for the local tier and the file:// store")
     ap.add_argument("--compression", default="auto",
                     help="open_store(compression=) of the direct S3 store and of the tier (whose blocks travel as "

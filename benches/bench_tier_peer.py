@@ -113,15 +113,12 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=0.3, help="GB in all, over the ranks (default 0.3)")
     ap.add_argument("--world", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--endpoint", default=os.environ.get("TEST_S3_ENDPOINT"))
-    ap.add_argument("--key", default=os.environ.get("TEST_S3_KEY", "testkey"))
-    ap.add_argument("--secret", default=os.environ.get("TEST_S3_SECRET", "testsecret"))
-    ap.add_argument("--bucket", default="tsck-bench-peer")
+    import bench_s3
+    bench_s3.add_server_args(ap, "tsck-bench-peer")
     ap.add_argument("--dir", default="/work", help="parent folder of the ranks' local tiers")
     a = ap.parse_args()
 
     import bench_core as core
-    import bench_s3
     import torch
     tsck = core.import_tsck()
     rgw_dir, opts, fs = bench_s3.connect(a)
