@@ -5,8 +5,9 @@ zarr's LocalStore does); every other URL goes through FsspecBlockStore.
 
 Content-addressed objects (put_addressed: blocks, nodes, commits) are written
 to temp files without an fsync each and named together at the next sync().
-Each file's writeback is started as soon as it is written (sync_file_range,
-no waiting), so the disk works while the workers hash the next blocks instead of
+Blocks (1 MiB and more) are written with O_DIRECT (see DIRECT_MIN); a smaller
+file's writeback is started as soon as it is written (sync_file_range, no
+waiting). Either way the disk works while the workers hash the next blocks instead of
 idling through N fsyncs waited on in turn; at sync() the files are fdatasync'ed
 together (the journal commits them in a few transactions), then each is linked
 to its name and the directories are fsynced. The order that makes a crash safe
