@@ -50,7 +50,11 @@ def test_every_rank_makes_a_constant_number_of_requests_whatever_the_lateness(me
         assert max(row["requests"]) <= 33, (W, scenario, row["requests"])
         assert max(row["wait_timeouts"]) == 0, (W, scenario, row["wait_timeouts"])
     most = {W: max(rows[scenario]["requests"][1:]) for W, rows in measured.items()}
-    assert abs(most[64] - most[16]) <= 2, most  # (which rank arrives last, and posts the "_all" key, varies)
+    # Which rank arrives last (it posts the "_all" key) and which ranks start before rank 0
+    # is in its call (they post themselves as latest) varies from run to run: a rank's
+    # count moves by up to 3 with arrival order alone (a loaded CI run saw 31 at 16 ranks,
+    # 28 at 64); what grows with W would exceed the absolute bound above.
+    assert abs(most[64] - most[16]) <= 3, most
 
 
 @pytest.mark.parametrize("scenario", ["second", "late"])
