@@ -335,8 +335,8 @@ class Timed:
 
 class DiskCounters:
     """The block device under a path, from /proc/diskstats: what a timed write made it do
-    (bytes written, milliseconds busy, cache flushes, discards). None where it cannot be
-    found (not Linux, a filesystem with no block device)."""
+    (bytes written, milliseconds busy, cache flushes, discards). OSError where it cannot
+    be found (not Linux, a filesystem with no block device)."""
 
     def __init__(self, path: str):
         st = os.stat(path)

@@ -34,8 +34,8 @@ Part 3, the projection: T = max(N_put / (e_w x 3,500 x P), N_head / (e_r x 5,500
 B / (W x b)) for N_put objects written and N_head existence checks per snapshot (the
 measured requests per object, times part 1's object counts), P partitions, W = 1,024
 ranks, b the bandwidth per rank and B = 4.86 TB; the e are part 2's measured
-efficiencies. The time also includes each rank's manifest nodes (counted in part 2 per
-rank and scaled by tensor count).
+efficiencies. N_put includes each rank's manifest nodes (part 2's PUTs per rank beyond
+its blocks).
 
     .venv/bin/python benches/bench_object_store.py --ranks 64 256 --repeats 2 \
         | tee benches/results/object_store.txt
@@ -99,21 +99,21 @@ def blocks_of(shapes, block_size: int, inline: int = chunker.DEFAULT_INLINE_THRE
     return n, b
 
 
-def layouts(world: int) -> list[dict]:
+def layouts(world: int) -> tuple[list[dict], list, int]:
+    """(a row per layout, a rank's tensors, the snapshot's bytes)."""
     shapes = llama405b_rank(world)
     total = sum(math.prod(s) * i for s, i in shapes) * world
     edit = (126, 16384)  # a one-row edit of the embedding's shard (8.06 MiB): what it rewrites
     rows = []
     for bs in (4, 16, 64, 256):
-        n, b = blocks_of(shapes, bs * MiB)
+        n, in_blocks = blocks_of(shapes, bs * MiB)  # (the bytes in blocks: the same at every size)
         lay = chunker.plan_blocks(math.prod(edit) * 4, 4, edit, bs * MiB, chunker.DEFAULT_INLINE_THRESHOLD)
         rows.append(dict(layout=f"one object per block, {bs} MiB blocks", per_rank=n, total=n * world,
-                         bytes=total, edit=lay.block_size))
-    n4, b4 = blocks_of(shapes, 4 * MiB)
+                         edit=lay.block_size))
     for pack in (64, 256):
-        per_rank = math.ceil(b4 / (pack * MiB))
+        per_rank = math.ceil(in_blocks / (pack * MiB))
         rows.append(dict(layout=f"4 MiB blocks packed per rank and snapshot, {pack} MiB packs", per_rank=per_rank,
-                         total=per_rank * world, bytes=total, edit=4 * MiB))  # the block, into a new pack
+                         total=per_rank * world, edit=4 * MiB))  # the block, into a new pack
     return rows, shapes, total
 
 
@@ -136,13 +136,11 @@ def run_once(scratch: str, opts, bucket: str, ranks: int, tensors: int, kib: int
     proxy.limit(limits)
     go = threading.Barrier(ranks + 1)
     ends, errors = [0.0] * ranks, []
-    nodes = [0] * ranks
 
     def rank(r):
         go.wait()
         try:
-            info = stores[r].put_snapshot(states[r], ref=f"r{r}/main", job=f"r{r}", step=1)
-            nodes[r] = info.nodes_new if hasattr(info, "nodes_new") else 0
+            stores[r].put_snapshot(states[r], ref=f"r{r}/main", job=f"r{r}", step=1)
         except Exception as e:  # noqa: BLE001 -- reported below, the run is void
             errors.append(f"rank {r}: {type(e).__name__}: {e}")
         ends[r] = time.monotonic()
@@ -172,7 +170,7 @@ def run_once(scratch: str, opts, bucket: str, ranks: int, tensors: int, kib: int
         a, b = per_s.get(sec, (0, 0))
         per_s[sec] = (a + 1, b + refused)
     return dict(wall=wall, fwd=fwd, ref=ref, per_s=[per_s.get(s, (0, 0)) for s in range(int(wall) + 1)],
-                errors=errors, splits=[(round(t - t0, 1), n) for t, n in splits], url=url)
+                errors=errors, splits=[(round(t - t0, 1), n) for t, n in splits])
 
 
 def fmt_kinds(d: dict) -> str:

@@ -101,7 +101,7 @@ def _write_aligned(fd: int, out: memoryview, n: int) -> None:
     done = 0
     while done < n:
         k = os.write(fd, out[done:n])
-        if k <= 0 or k % DIRECT_ALIGN and done + k < n:  # a short, unaligned write: cannot go on
+        if k <= 0 or (k % DIRECT_ALIGN and done + k < n):  # a short, unaligned write: cannot go on
             raise OSError(errno.EIO, f"short direct write ({done + k} of {n} bytes)")
         done += k
 
