@@ -7,7 +7,7 @@ tensor into block jobs (chunker.py) before anything is written; the Publisher
 moves the ref by a fenced compare-and-swap in the ref table (refs/); every object goes
 through Assets (assets.py: keys, frames, BLAKE3) into a BlockStore (storage/).
 blocking=False stages the state first and publishes in the background (asyncput.py,
-staging.py); under torch.distributed the put is collective (dist.py). With a local tier
+staging.py; its blocks in a saver process with saver="process", saver.py); under torch.distributed the put is collective (dist.py). With a local tier
 (open_store(local=), tier/) the Store's own store is the tier: the put publishes there,
 LocalTier.published (tier/local.py) queues the snapshot, and tier/uploader.py copies
 its objects to the remote store and moves the remote ref.
@@ -74,6 +74,8 @@ package's modules indented under it). A module over ~600 lines says which one jo
                           it hands the layers below its Core, never itself (one job over
                           ~600 lines: every public call, each handed to the room that does it)
     asyncput.py           put_snapshot(blocking=False): staging, slots, the background publisher
+    saver.py              the saver process: an asynchronous put's blocks written off this
+                          process's GIL (open_store(saver="process")), and its own loop
     lifecycle.py          tags, pins, forget, delete_ref: fenced against gc, rolled back on failure
     dist/                 collective put/checkout under torch.distributed (a CollectiveJob):
       put.py              the collective put, round by round (PutCall.run)

@@ -72,9 +72,10 @@ def note(err: BaseException, text: str) -> None:
 class AsyncPuts:
     """The background publisher, the slots and the staging buffers of one Store."""
 
-    def __init__(self, max_inflight: int, when_busy: str):
+    def __init__(self, max_inflight: int, when_busy: str, saver=None):
         self.max_inflight = max_inflight
         self.when_busy = when_busy
+        self.saver = saver  # saver.Saver: the staging buffers are shared memory it reads
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
         self.reset()
 
@@ -83,7 +84,8 @@ class AsyncPuts:
         and any lock or slot it held, are not there)."""
         self.bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
         self.slots = threading.BoundedSemaphore(self.max_inflight)
-        self.staging = StagingPool(self.max_inflight)
+        self.staging = StagingPool(self.max_inflight, shared=self.saver is not None,
+                                   on_drop=None if self.saver is None else self.saver.forget)
         self.inflight: list[Future] = []
         self.lock = threading.Lock()
         self.error: BaseException | None = None
@@ -95,10 +97,14 @@ class AsyncPuts:
         buffer go back when the background publisher is done with the snapshot."""
         if not self.slots.acquire(blocking=wait):
             return None
+        buf = None
         try:
             buf = self.staging.take(max(plan.staged_bytes, plan.reserve))
             plan.stage(buf)
+            plan.shared = self.staging.shared_of(buf)  # the saver process writes its blocks from there
         except BaseException:
+            if buf is not None:
+                self.staging.give(buf)
             self.slots.release()
             raise
         return buf

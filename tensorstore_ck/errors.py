@@ -196,6 +196,15 @@ class SnapshotAborted(TsckError):
     kind = "snapshot_aborted"
 
 
+class SaverDied(SnapshotAborted):
+    """The saver process (open_store(saver="process")) died while it wrote a snapshot's
+    blocks: that snapshot published nothing; the next one starts a new saver."""
+    kind = "saver_died"
+
+
+__all__.append("SaverDied")
+
+
 class AmbiguousTarget(TsckError, LookupError):
     kind = "ambiguous_target"
 

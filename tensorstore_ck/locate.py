@@ -190,7 +190,8 @@ def codecs_for(compression: str, storage: BlockStore) -> str:
     return compression
 
 
-def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto") -> None:
+def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto",
+                  saver="thread") -> None:
     """A Store's other options, checked before open_store writes anything."""
     if compression not in COMPRESSION:
         raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")
@@ -203,6 +204,8 @@ def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wai
         raise InvalidArgument(f"max_inflight must be an int >= 1, got {max_inflight!r}")
     if when_busy not in ("wait", "skip"):
         raise InvalidArgument(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+    if saver not in ("thread", "process"):
+        raise InvalidArgument(f"saver must be 'thread' or 'process', got {saver!r}")
 
 
 def settings_for(storage: BlockStore, cfg: dict, *, workers, verify, compression, block_size, inline_threshold,

@@ -25,11 +25,12 @@ import uuid
 from dataclasses import dataclass
 
 from .assets import STORE_MARKER, create_marker, holds_snapshots
-from .core import Core
+from .core import Core, Settings
 from .errors import InvalidArgument, NotAStore, StorageError, TsckError, storage_error
 from .locate import (STORE_VERSION, check_options, layout, lmdb_path, marker_bytes, open_refs, read_config,
                      remote_storage, settings_for, split_url, unwritable, wrapped)
 from .refs import RefTable
+from .saver import SaverRecipe
 from .storage import BlockStore, LocalBlockStore
 from .store import Store
 from .tier.local import LocalTier
@@ -78,7 +79,8 @@ def open_store(url, *, create: bool = True,
                # the network's limits
                write_bandwidth: float | None = None, write_concurrency: int | None = None,
                workers: int | None = None, max_inflight: int = 2, retry_budget: float | None = None,
-               when_busy: str = "wait", storage_options: dict | None = None, wrap_storage=None,
+               when_busy: str = "wait", saver: str = "thread", storage_options: dict | None = None,
+               wrap_storage=None,
                # gc
                gc_lease: float | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
@@ -144,6 +146,11 @@ def open_store(url, *, create: bool = True,
     workers: threads that hash, code and write blocks (default: core.DEFAULT_WORKERS).
     max_inflight, when_busy: asynchronous puts queued at once, and what a put past them
     does: "wait" for a slot or "skip" the snapshot.
+    saver: where an asynchronous put's blocks are hashed, coded and written: "thread"
+    (default: threads of this process) or "process" (a saver process fed through shared
+    memory, off this process's GIL; docs/design/saver.md). The staging, the manifest, the
+    commit and the collective protocol stay here. "process" needs a store on a local
+    folder or an object store (not memory://), no local tier and no wrap_storage.
     retry_budget: seconds a failed request to remote storage or to a PostgreSQL ref table
     is retried for (connection lost or refused, timeouts, 5xx, throttling), from its
     first failure, with capped exponential backoff and jitter (retry.py). None (the
@@ -158,9 +165,12 @@ def open_store(url, *, create: bool = True,
     two renewals (default 120); others judge it on the ref table's clock."""
     stored = _Stored.checked(block_size, inline_threshold, compression, verify)
     network = _Network.checked(write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
-                               storage_options, wrap_storage)
+                               storage_options, wrap_storage, saver)
     refs_at = _Refs.checked(refs, create_refs, read_only)
     tier = _Tier.checked(url, local, local_budget, replicas, early_upload, refs_at)
+    if saver == "process" and tier is not None:
+        raise InvalidArgument("saver='process' cannot be used with a local tier (local=): the tier's writes and "
+                              "uploads run on threads of this process; use saver='thread'")
     gc_lease = _checked_gc_lease(gc_lease)
     return _open(url, create, stored, refs_at, tier, network, gc_lease)
 
@@ -249,14 +259,28 @@ class _Network:
     when_busy: str
     storage_options: dict | None
     wrap_storage: object
+    saver: str
 
     @classmethod
     def checked(cls, write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
-                storage_options, wrap_storage) -> "_Network":
-        check_options(workers=workers, max_inflight=max_inflight, when_busy=when_busy)
+                storage_options, wrap_storage, saver="thread") -> "_Network":
+        check_options(workers=workers, max_inflight=max_inflight, when_busy=when_busy, saver=saver)
+        if saver == "process" and wrap_storage is not None:
+            raise InvalidArgument("saver='process' cannot be used with wrap_storage=: the saver process opens the "
+                                  "storage itself, without the wrapper; use saver='thread'")
         from .retry import backoff_for
         return cls(write_bandwidth, write_concurrency, workers, max_inflight, backoff_for(retry_budget), when_busy,
-                   storage_options, wrap_storage)
+                   storage_options, wrap_storage, saver)
+
+    def saver_recipe(self, proto: str, rest: str, settings: Settings, codecs: str) -> SaverRecipe | None:
+        """How a saver process opens this storage (None: saver="thread")."""
+        if self.saver != "process":
+            return None
+        if proto == "memory":
+            raise InvalidArgument("saver='process' cannot be used with a memory:// store: another process cannot "
+                                  "see its objects; use saver='thread'")
+        return SaverRecipe(proto, rest, self.storage_options, self.backoff.budget, self.write_bandwidth,
+                           self.write_concurrency, codecs, settings.workers)
 
     def wrapped(self, storage: BlockStore) -> BlockStore:
         return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)
@@ -316,7 +340,8 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None
         settings_, codecs = settings(storage, cfg, why_ro if read_only else None)
         core = Core.build(storage, reftable, codecs=codecs, settings=settings_)
         if tier is None:
-            return Store(core, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy)
+            return Store(core, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
+                         saver=None if read_only else network.saver_recipe(proto, rest, settings_, codecs))
         try:
             location = remote_location(proto, rest, network.storage_options)
             store = tiered(tier.local, core, cfg, store_id, codecs, settings_, tier_store, location=location)

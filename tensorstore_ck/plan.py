@@ -115,6 +115,9 @@ class Plan:
     # Bytes a staging buffer for this state should hold: what a plan from its kept layout
     # stages (plancache.py: the inline tensors too), so the next put reuses the buffer.
     reserve: int = 0
+    # The staging buffer in shared memory the plan was staged into (staging.SharedBuffer):
+    # a saver process writes its blocks (saver.py); None: written on this process's threads.
+    shared: object = None
 
     @property
     def staged_bytes(self) -> int:

@@ -256,6 +256,9 @@ class Publisher:
         self.assets = assets
         self.reftable = reftable
         self.pool = pool
+        # saver.Saver of a store opened with saver="process": it writes the blocks of a
+        # plan staged in shared memory (an asynchronous put's); None: threads of `pool`.
+        self.saver = None
 
     # -- the steps -----------------------------------------------------------------
     def fence(self) -> int:
@@ -267,6 +270,9 @@ class Publisher:
         return self.reftable.gc_state()["epoch"]
 
     def write_blocks(self, plan: Plan, owns=None, progress=None, fence: int | None = None) -> None:
+        if self.saver is not None and plan.shared is not None and progress is None:
+            self.saver.write_blocks(plan, plan.shared, owns=owns, fence=fence)
+            return
         run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress, fence=fence)
 
     def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":

@@ -39,6 +39,7 @@ from .info import DurableEvent, SnapshotInfo
 from .publish import Publisher, Timing
 from .format.names import validate_component, validate_name, validate_new_name
 from .retention import Retention
+from .saver import Saver, SaverRecipe
 from .validate import UNSET, SnapshotArgs, check_utf8, check_snapshot_args
 
 if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
@@ -155,7 +156,7 @@ class Store:
     the layers below (gc, fsck, recover, usage, listing, lifecycle, dist)."""
 
     def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait",
-                 tier: "LocalTier | None" = None):
+                 tier: "LocalTier | None" = None, saver: "SaverRecipe | None" = None):
         self.core = core
         # With a local tier: `core` is the tier's store, and `tier` holds the rest (the
         # uploader and the remote store, the reads through to it, the peer replicas).
@@ -168,7 +169,10 @@ class Store:
         self.codecs = core.assets.codecs  # what blocks are written with; any store reads every codec
         # The one way anything is published into this store (put, collective put, DCP writer).
         self.publisher = Publisher(self.assets, self.reftable, core.pool)
-        self._puts = AsyncPuts(max_inflight, when_busy)  # blocking=False: in order, on one thread
+        # saver="process": an asynchronous put's blocks are written by a saver process (saver.py)
+        self._saver = None if saver is None else Saver(saver)
+        self.publisher.saver = self._saver
+        self._puts = AsyncPuts(max_inflight, when_busy, self._saver)  # blocking=False: in order, on one thread
         self._plan_cache = None  # the layouts put_snapshot planned last (plancache.py), made at the first put
         self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only
@@ -186,6 +190,8 @@ class Store:
         self.publisher.pool = self.core.pool
         if self._tier is not None:
             self._tier.after_fork()
+        if self._saver is not None:
+            self._saver.after_fork()
         self._puts.reset()
         # torch's intra-op pool (OpenMP here) does not survive a fork either: the child's
         # first parallel op (staging's copy_, a checkout's) waits for workers that are not
@@ -226,6 +232,8 @@ class Store:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
         self._puts.shutdown()
+        if self._saver is not None:
+            self._saver.close()
         if self._tier is not None:
             self._tier.close(deadline, getattr(self.storage, "root", self.core.url), stacklevel=_caller_level())
         self.core.pool.shutdown(wait=True)

@@ -1,0 +1,322 @@
+"""The saver process: an asynchronous put's blocks hashed, coded and written outside the
+training process (open_store(saver="process")).
+
+On threads of the training process, hashing, coding and the storage client's Python work
+contend with the training loop for its GIL. With a saver process, put_snapshot(
+blocking=False) stages the state as before, into reused buffers that are shared memory
+(memfd, passed once to the saver as a file descriptor), and the background publisher
+hands the saver the staged plan's block jobs (offsets into the buffer, no bytes): the
+saver hashes, codes and writes them with its own threads, makes them durable and named
+(storage sync), and answers with their addresses. Everything else stays in the training
+process: the fence, the manifest nodes, the commit and the ref's move, the collective
+protocol, the futures. So the saver never publishes anything, and the crash rules are
+those of a put's block writes:
+
+- the saver killed (SIGKILL, OOM) while it writes: the put fails with SaverDied and
+  publishes nothing (its blocks so far are unreferenced, gc's to sweep); the next put
+  starts a new saver;
+- the training process killed: the saver reads the end of its socket, finishes or
+  abandons its current job and exits, publishing nothing; the snapshots in flight are
+  lost as they would be on threads, and the next open resumes from the last published.
+
+The saver is a plain `python -c ...main(FD)` child (not multiprocessing's
+spawn, which would run the training script's main module again), started on the first
+asynchronous put and stopped by Store.close().
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as _wait
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+
+import numpy as np
+
+from .assets import Assets, PutResult
+from .errors import SaverDied, StorageError, TsckError
+
+__all__ = ["SAVERS", "SaverRecipe", "Saver"]
+
+SAVERS = ("thread", "process")
+# Seconds close() waits for the saver to finish and exit before it kills it.
+CLOSE_WAIT = 30.0
+# One block job: its offset in the buffer, its length, its itemsize and its kind.
+_JOB = np.dtype([("off", "<i8"), ("n", "<i8"), ("itemsize", "<i4"), ("hash_only", "<i4")])
+_RESULT = np.dtype([("digest", "S32"), ("new", "<i1"), ("stored", "<i8")])
+
+
+@dataclass(frozen=True)
+class SaverRecipe:
+    """How the saver opens the store's storage as the training process opened it."""
+    proto: str
+    rest: str                      # a local store's absolute path, else the URL's rest
+    storage_options: dict | None
+    retry_budget: float
+    write_bandwidth: float | None
+    write_concurrency: int | None
+    codecs: str
+    workers: int
+
+    def open_assets(self) -> Assets:
+        from .locate import remote_storage, wrapped
+        from .retry import Backoff
+        if self.proto == "file":
+            from .storage.local import LocalBlockStore
+            storage = LocalBlockStore(self.rest)
+        else:
+            storage = remote_storage(self.proto, self.rest, self.storage_options, Backoff(budget=self.retry_budget))
+        return Assets(wrapped(storage, self.write_bandwidth, self.write_concurrency, None), codecs=self.codecs)
+
+
+# The saver's program (not `-m tensorstore_ck.saver`: the package imports this module first).
+_CHILD = "import sys; from tensorstore_ck.saver import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _package_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Saver:
+    """The training process's end: starts the saver on first use (again after it died),
+    sends it the buffers' descriptors once and each staged plan's block jobs."""
+
+    def __init__(self, recipe: SaverRecipe):
+        self.recipe = recipe
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.mapped: set[int] = set()  # ids of the buffers this saver has mapped
+        self.started = 0  # savers started so far (a restart after one died counts)
+        self.lock = threading.Lock()  # one exchange with the saver at a time
+        self.dropped: list[int] = []  # buffers the staging pool let go, for the saver to unmap
+        self.dropped_lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                                if p])
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())],
+                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.mapped = set()
+        self.started += 1
+        self.conn.send(self.recipe)
+        self._reply()  # ("ready",) once its storage is open; its failure to open is raised here
+
+    def _reply(self):
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            code = self._reap()
+            raise SaverDied(f"the saver process exited ({_exit_text(code)}) while it wrote this snapshot's "
+                            "blocks; nothing was published, and the next snapshot starts a new saver") from None
+        if msg[0] == "err":
+            raise _error_from(msg[1])
+        return msg
+
+    def _reap(self) -> int | None:
+        """The saver is gone (or must go): kill what is left of it -> its exit code."""
+        proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
+        if conn is not None:
+            conn.close()
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        return proc.wait()
+
+    def write_blocks(self, plan, shared, owns=None, fence: int | None = None) -> None:
+        """Have the saver hash and write the block jobs of `plan`, staged in `shared`
+        (staging.SharedBuffer); owns(leaf, i) as run_block_jobs takes it. Fills each
+        leaf's results in order. SaverDied if the saver dies meanwhile."""
+        jobs, leaves = [], []
+        for leaf in plan.leaves:
+            at = shared.offset_of(leaf.raw)  # every leaf of a staged plan is a view of its buffer
+            for i, (a, b) in enumerate(leaf.ranges):
+                hash_only = owns is not None and leaf.replicated and not owns(leaf, i)
+                jobs.append((at + a, b - a, leaf.itemsize, hash_only))
+                leaves.append(leaf)
+        table = np.array(jobs, dtype=_JOB)
+        with self.lock:
+            try:
+                if self.proc is None or self.proc.poll() is not None:
+                    self._reap()
+                    self._start()
+                self._send_drops()
+                if shared.id not in self.mapped:
+                    self.conn.send(("map", shared.id, shared.nbytes))
+                    send_handle(self.conn, shared.fd, self.proc.pid)
+                    self.mapped.add(shared.id)
+                self.conn.send(("write", shared.id, table.tobytes(), fence))
+            except (BrokenPipeError, ConnectionResetError):
+                self._reap()
+                raise SaverDied("the saver process was gone before it got this snapshot's blocks; nothing was "
+                                "published, and the next snapshot starts a new saver") from None
+            msg = self._reply()
+        got = np.frombuffer(msg[1], dtype=_RESULT)
+        for leaf, job, r in zip(leaves, table, got):
+            leaf.results.append(PutResult(bytes(r["digest"]), bool(r["new"]), int(job["n"]),
+                                          counted=not job["hash_only"], stored=int(r["stored"])))
+
+    def forget(self, buf_id: int) -> None:
+        """The staging pool dropped a buffer: the saver unmaps it before its next job (not
+        now: the caller is the training thread, and a job may hold the socket)."""
+        with self.dropped_lock:
+            self.dropped.append(buf_id)
+
+    def _send_drops(self) -> None:
+        with self.dropped_lock:
+            dropped, self.dropped = self.dropped, []
+        for buf_id in dropped:
+            if buf_id in self.mapped:
+                self.mapped.discard(buf_id)
+                self.conn.send(("drop", buf_id))
+
+    def close(self, timeout: float = CLOSE_WAIT) -> None:
+        """Tell the saver to exit once its current job is done; kill it past `timeout`."""
+        with self.lock:
+            if self.proc is None:
+                return
+            try:
+                self.conn.send(("close",))
+                self.proc.wait(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            self._reap()
+
+    def after_fork(self) -> None:
+        """In a forked child: the saver and its socket are the parent's."""
+        self.proc = self.conn = None
+        self.mapped = set()
+        self.lock = threading.Lock()
+        self.dropped, self.dropped_lock = [], threading.Lock()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "not started"
+    if code < 0:
+        import signal
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _error_payload(e: BaseException) -> bytes:
+    """An error of the saver as bytes the training process turns back into it (its own
+    type where it pickles and unpickles, else a StorageError naming it)."""
+    try:
+        data = pickle.dumps(e)
+        pickle.loads(data)
+        return data
+    except Exception:  # noqa: BLE001 - an error type that does not survive pickling
+        return pickle.dumps(StorageError(f"in the saver process: {type(e).__name__}: {e}"))
+
+
+def _error_from(payload: bytes) -> BaseException:
+    try:
+        err = pickle.loads(payload)
+    except Exception as e:  # noqa: BLE001
+        return StorageError(f"the saver process failed and its error could not be read: {type(e).__name__}: {e}")
+    return err if isinstance(err, BaseException) else TsckError(f"the saver process failed: {err!r}")
+
+
+# -- the saver's side -------------------------------------------------------------------------
+
+def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table: np.ndarray, fence) -> bytes:
+    futs = []
+    try:
+        for job in table:
+            a, n = int(job["off"]), int(job["n"])
+            raw = view[a:a + n]
+            if job["hash_only"]:
+                futs.append(pool.submit(assets.hash_block, raw))
+            else:
+                futs.append(pool.submit(assets.put_block, raw, int(job["itemsize"]), private=True, fence=fence))
+        _wait(futs, return_when=FIRST_EXCEPTION)
+        for f in futs:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+    except BaseException:
+        for f in futs:
+            f.cancel()
+        raise
+    out = np.zeros(len(futs), dtype=_RESULT)
+    for i, f in enumerate(futs):
+        r = f.result()
+        out[i] = (r.digest, r.new, r.stored)
+    assets.sync()  # the blocks durable and named before the training process writes a node over them
+    return out.tobytes()
+
+
+def serve(conn: Connection) -> None:
+    """The saver's loop: map buffers, run block jobs, answer; exit at "close" or when the
+    training process's end of the socket closes."""
+    import mmap
+    try:
+        recipe = conn.recv()
+    except EOFError:
+        return
+    try:
+        assets = recipe.open_assets()
+    except BaseException as e:  # noqa: BLE001 - said to the training process, which raises it
+        conn.send(("err", _error_payload(e)))
+        return
+    pool = ThreadPoolExecutor(recipe.workers, thread_name_prefix="tsck-saver")
+    views: dict[int, np.ndarray] = {}
+    conn.send(("ready",))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return  # the training process is gone
+            if msg[0] == "map":
+                fd = recv_handle(conn)
+                try:
+                    views[msg[1]] = np.frombuffer(mmap.mmap(fd, msg[2]), dtype=np.uint8)
+                finally:
+                    os.close(fd)
+            elif msg[0] == "drop":
+                views.pop(msg[1], None)
+            elif msg[0] == "write":
+                _, buf_id, jobs, fence = msg
+                try:
+                    reply = ("ok", _run_jobs(assets, pool, views[buf_id], np.frombuffer(jobs, dtype=_JOB), fence))
+                except BaseException as e:  # noqa: BLE001 - the put's failure, raised in the training process
+                    reply = ("err", _error_payload(e))
+                try:
+                    conn.send(reply)
+                except OSError:
+                    return  # the training process is gone
+            elif msg[0] == "close":
+                return
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        assets.storage.close()
+
+
+def main(argv: list[str]) -> int:
+    conn = Connection(int(argv[0]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+    return 0
