@@ -38,14 +38,16 @@ def _assert_version(store, target: str, world: int, version: int):
     assert got.get("v", version) == version
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_async_collective_puts_in_flight_publish_each_state_as_staged_in_call_order(tmp_path, world):
-    out = run_worker_scenario(WORKER, tmp_path, "inflight", world, limit=240)
+@pytest.mark.parametrize("world,scenario", [(2, "inflight"), (3, "inflight"), (2, "inflight_saver")])
+def test_async_collective_puts_in_flight_publish_each_state_as_staged_in_call_order(tmp_path, world, scenario):
+    """inflight_saver: the same with each rank's blocks written by its saver process."""
+    out = run_worker_scenario(WORKER, tmp_path, scenario, world, limit=240)
     res = results(out, "inflight", world)
     for key in ("put1", "put2", "put3", "put4", "put5", "percall7", "percall8"):
         assert [r[key] for r in res] == ["returned"] * world, [(r[key], r.get(key + "_message")) for r in res]
         assert len({r[key + "_root"] for r in res}) == 1, f"{key}: ranks got different roots"
     assert all(r["type1"] == "SnapshotFuture" for r in res)
+    assert [r["savers"] for r in res] == [1 if scenario == "inflight_saver" else 0] * world
     assert all(r["cancel_refused"] for r in res)
     assert all(r["put5_done_before_6"] for r in res), "a blocking put must wait for the asynchronous ones"
     assert len({r["put6_root"] for r in res}) == 1

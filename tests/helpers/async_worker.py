@@ -3,7 +3,7 @@ with real gloo ranks, for tests/test_dist_async.py.
 
     python async_worker.py SCENARIO OUTDIR [ARG]
 
-SCENARIO: inflight (ARG: world), localerr, dies, mixed, gcphase. The ranks are forked
+SCENARIO: inflight (ARG: world), inflight_saver (the same with saver="process"), localerr, dies, mixed, gcphase. The ranks are forked
 by dist_worker.launch (the c10d TCPStore hosted by the launcher); every rank writes
 OUTDIR/<phase>_rank<r>.json with what it saw (roots, errors, what the call returned
 and when); the test judges.
@@ -23,6 +23,7 @@ from dist_worker import launcher_main  # noqa: E402
 import torch  # noqa: E402
 
 REF = dw.REF
+SAVER = "thread"  # open_store(saver=) of the stores the ranks open ("inflight_saver": "process")
 
 
 def _wait(fut, res, key):
@@ -44,7 +45,7 @@ def inflight_case(rank, world, out, res, _arg):
     (closed at once: close() waits for the collective), and a blocking put after an
     asynchronous one (it waits for it: the ref never moves back)."""
     import tensorstore_ck as tsck
-    with dw._open(out, max_inflight=2) as s:
+    with dw._open(out, max_inflight=2, saver=SAVER) as s:
         st = dw.small_state(rank, world, 1)
         futs = []
         for v in range(1, 5):
@@ -61,8 +62,10 @@ def inflight_case(rank, world, out, res, _arg):
         res["put5_done_before_6"] = f5.done()
         _wait(f5, res, "put5")
         res["put6_root"] = info6.root
+        res["savers"] = 0 if s._saver is None else s._saver.started
     for v in (7, 8):  # a Store per call, closed right after the call returned
-        with tsck.open_store(os.path.join(out, "percall"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as s2:
+        with tsck.open_store(os.path.join(out, "percall"), block_size=dw.BLOCK, inline_threshold=dw.INLINE,
+                             saver=SAVER) as s2:
             f = s2.put_snapshot(dw.small_state(rank, world, v), REF, step=v, blocking=False, timeout=60)
         _wait(f, res, f"percall{v}")
 
@@ -132,6 +135,10 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
     arg = int(argv[3]) if len(argv) > 3 else None
     torch.set_num_threads(1)
     if scenario == "inflight":
+        infos = [dw.launch("inflight", arg or 2, inflight_case, out, limit=180.0)]
+    elif scenario == "inflight_saver":  # the same, each rank's blocks written by its saver process
+        global SAVER
+        SAVER = "process"
         infos = [dw.launch("inflight", arg or 2, inflight_case, out, limit=180.0)]
     elif scenario == "localerr":
         infos = [dw.launch("localerr", 3, localerr_case, out, limit=60.0)]

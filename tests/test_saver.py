@@ -1,0 +1,235 @@
+"""The saver process (open_store(saver="process")): an asynchronous put's blocks written by a
+child fed through shared memory. What it must keep: the same snapshots bit for bit; the
+crash rules of a put (SIGKILL of the saver at any moment: that put fails with SaverDied,
+nothing half-published, the next put starts a new saver; SIGKILL of the training process:
+the saver exits, the store holds only whole snapshots and resumes); its errors raised as
+the put's; and the options it cannot serve refused before anything is written.
+
+Collective puts through saver processes: tests/test_dist_async.py (inflight_saver)."""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import blake3
+import pytest
+import torch
+
+from _util import REPO, assert_same, child_env
+
+import tensorstore_ck as tsck
+from tensorstore_ck.errors import InvalidArgument, SaverDied, StorageError
+
+BLOCK = 64 << 10
+
+
+def state_at(step: int, n: int = 12, numel: int = 48 << 10) -> dict:
+    """A state that is a function of its step (a fresh process rebuilds it to compare)."""
+    g = torch.Generator().manual_seed(step)
+    return {"step": step, "w": [torch.randn(numel, generator=g) for _ in range(n)],
+            "b": torch.arange(step, step + 10), "note": f"at {step}"}
+
+
+def open_(path, **kw):
+    return tsck.open_store(path, block_size=BLOCK, inline_threshold=256, saver="process", **kw)
+
+
+def wait_exit(pid: int, timeout: float) -> bool:
+    """Whether process `pid` (not our child) exited within `timeout`: an event (pidfd), not a poll."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def saver_files(store) -> int:
+    """Temp files the store's writers hold (the saver's blocks not yet named)."""
+    tmp = os.path.join(store.storage.root, "tmp")
+    return len(os.listdir(tmp)) if os.path.isdir(tmp) else 0
+
+
+def test_asynchronous_puts_through_the_saver_are_the_same_snapshots_bit_for_bit(tmp_path):
+    with open_(tmp_path / "s") as s:
+        info = s.put_snapshot(state_at(0), "j/main", step=0)  # blocking: this process's threads
+        assert s._saver.pid is None, "a blocking put must not start the saver"
+        st = state_at(1)
+        f1 = s.put_snapshot(st, "j/main", step=1, blocking=False)
+        st["w"][0].fill_(7.0)  # staged: the snapshot holds the state at its call
+        i1 = f1.result(timeout=120)
+        saver = s._saver.pid
+        assert saver is not None and saver != os.getpid()
+        f2 = s.put_snapshot(st, "j/main", step=2, blocking=False)  # one tensor changed
+        i2 = f2.result(timeout=120)
+        assert s._saver.pid == saver and s._saver.started == 1, "the saver is reused between snapshots"
+        assert i1.blocks_new > 0 and i2.blocks_new == 1, (i1.blocks_new, i2.blocks_new)
+        assert_same(s.checkout(i1.root), state_at(1))
+        assert_same(s.checkout("j/main"), st)
+        assert_same(s.checkout(info.root), state_at(0))
+        assert not s.fsck().findings
+    assert wait_exit(saver, 30), "close() stops the saver"
+
+
+def test_the_manager_snapshots_through_the_saver(tmp_path):
+    with open_(tmp_path / "s") as s:
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        m = tsck.CheckpointManager(s, job="job", state={"model": model, "opt": opt}, every_steps=2, async_=True)
+        for step in range(1, 7):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            m.step(step)
+        m.close()
+        assert [i.step for i in s.log(m.ref)][:3] == [6, 4, 2]
+        assert s._saver.started == 1
+        got = s.checkout(m.ref)
+        assert torch.equal(got["model"]["weight"], model.weight.detach())
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(saver="subprocess"), "saver must be"),
+    (dict(saver="process", wrap_storage=lambda st: st), "wrap_storage"),
+])
+def test_what_a_saver_cannot_serve_is_refused_before_anything_is_written(tmp_path, kw, why):
+    with pytest.raises(InvalidArgument, match=why):
+        tsck.open_store(tmp_path / "s", **kw)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_saver_for_a_memory_store_or_a_tier_is_refused(tmp_path):
+    with pytest.raises(InvalidArgument, match="memory://"):
+        tsck.open_store("memory://saver-refused", saver="process")
+    with pytest.raises(InvalidArgument, match="local tier"):
+        tsck.open_store(tmp_path / "s", local=tmp_path / "tier", saver="process")
+    assert not (tmp_path / "tier").exists()
+
+
+def test_a_storage_error_in_the_saver_is_the_puts_error_and_publishes_nothing(tmp_path):
+    """A block's directory taken by a file: the saver cannot name the block; the put's future
+    and the next put raise that StorageError; the ref stays where it was; the saver lives on."""
+    st = state_at(3)
+    with open_(tmp_path / "s") as s:
+        s.put_snapshot(state_at(0), "j/main", step=0, blocking=False).result(timeout=120)
+        first = blake3.blake3(st["w"][0].numpy().tobytes()[:BLOCK]).hexdigest()
+        os.makedirs(tmp_path / "s" / "blocks", exist_ok=True)
+        (tmp_path / "s" / "blocks" / first[:2]).write_bytes(b"not a folder")
+        fut = s.put_snapshot(st, "j/main", step=3, blocking=False)
+        with pytest.raises(StorageError):
+            fut.result(timeout=120)
+        assert [i.step for i in s.log("j/main")] == [0]
+        (tmp_path / "s" / "blocks" / first[:2]).unlink()
+        with pytest.raises(StorageError):
+            s.put_snapshot(st, "j/main", step=4, blocking=False)  # the failure, raised once more
+        info = s.put_snapshot(st, "j/main", step=4, blocking=False).result(timeout=120)
+        assert s._saver.started == 1, "an error in a job does not cost the saver"
+        assert_same(s.checkout(info.root), st)
+
+
+@pytest.mark.slow
+def test_the_saver_killed_at_random_moments_never_publishes_a_torn_snapshot(tmp_path):
+    """Seeded: each round stages a put (its saver writing at a throttled 8 MB/s), kills the
+    saver with SIGKILL after a random delay, and judges: the put either committed the
+    whole state or raised SaverDied; the ref points at the last committed one; the next
+    put starts a new saver; fsck finds nothing wrong at the end. The first round kills
+    it once it is seen writing, so a kill mid-write is always among them."""
+    rng = random.Random(20261127)
+    committed: dict[int, str] = {}
+    died = 0
+    with open_(tmp_path / "s", write_bandwidth=8e6) as s:
+        for step in range(1, 9):
+            st = state_at(step)  # ~2.4 MB: ~0.3 s of writes
+            fut = s.put_snapshot(st, "j/main", step=step, blocking=False)
+            started = s._saver.started
+            deadline = time.monotonic() + 60
+            while s._saver.pid is None or s._saver.started != started or (step == 1 and not saver_files(s)):
+                if fut.done() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.002)  # waiting for the event "the saver is writing"
+            pid = s._saver.pid
+            if step > 1:
+                time.sleep(rng.uniform(0.0, 0.4))
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                info = fut.result(timeout=120)
+            except SaverDied as e:
+                died += 1
+                assert "nothing was published" in str(e)
+                with pytest.raises(SaverDied):
+                    s.raise_pending_error()  # (the next put would raise it once more)
+            else:
+                committed[step] = info.root
+            if committed:
+                last = max(committed)
+                assert s.resolve("j/main") == committed[last]
+        assert died >= 1, "no kill landed while the saver wrote"
+        # The saver comes back for the next put, and the store resumes from what was committed.
+        s.put_snapshot(state_at(99), "j/main", step=99, blocking=False).result(timeout=120)
+        assert s._saver.started >= died
+        for step, root in committed.items():
+            assert_same(s.checkout(root), state_at(step))
+        report = s.fsck()
+        assert not report.findings, report.findings
+
+
+_TRAINER = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_saver import open_, state_at
+with open_(sys.argv[1], write_bandwidth=float(sys.argv[3])) as s:
+    for step in range(1, 1000):
+        f = s.put_snapshot(state_at(step), "j/main", step=step, blocking=False)
+        if step == 1:
+            f.result()
+            print("saver", s._saver.pid, flush=True)
+        f.add_done_callback(lambda f, step=step: print("committed", step, flush=True)
+                            if f.exception() is None else None)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_training_process_killed_leaves_whole_snapshots_and_its_saver_exits(tmp_path, seed):
+    """A training process putting asynchronously through its saver is killed with SIGKILL
+    at a random moment after its first commit: its saver exits (the socket's end), the
+    store holds only whole snapshots, and the next open resumes from the newest."""
+    rng = random.Random(seed)
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path / "s"), str(REPO / "tests"), "20e6"],
+                            stdout=subprocess.PIPE, env=child_env(), cwd=REPO)
+    try:
+        line = proc.stdout.readline().decode()
+        assert line.startswith("saver "), line
+        saver = int(line.split()[1])
+        want = rng.randint(1, 4)
+        seen = 0
+        while seen < want:  # the event: that many commits announced
+            line = proc.stdout.readline().decode()
+            assert line, "the trainer ended early"
+            seen += line.startswith("committed")
+        time.sleep(rng.uniform(0.0, 0.3))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_exit(saver, 60), "the saver outlived its training process"
+    with open_(tmp_path / "s") as s:
+        log = s.log("j/main")
+        assert len(log) >= want
+        for info in log:
+            assert_same(s.checkout(info.root), state_at(info.step))
+        report = s.fsck()
+        assert not report.findings, report.findings
+        nxt = log[0].step + 1  # resumes: the next snapshot through a new saver
+        s.put_snapshot(state_at(nxt), "j/main", step=nxt, blocking=False).result(timeout=120)
+        assert s.log("j/main")[0].step == nxt
