@@ -473,12 +473,16 @@ class Harness:
         unread: dict = {}  # fsck/gc calls under the `unreadable` fault, by outcome ("fsck:ok", "gc:UnreadableObject")
         skips: dict = {}  # collective puts one rank skipped, by what rank 0 was told; "next:" the put after
         grown = 0  # asynchronous puts of a state whose size was drawn for the call
+        saved: dict = {}  # asynchronous puts through a saver process, by outcome
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
             if o.w in ids and o.op == "put" and (o.args.get("skipped_by") or o.args.get("after_skip") is not None):
                 k = ("next:" if o.args.get("after_skip") is not None else "") + \
                     ("nostep:" if o.args.get("nostep") else "") + (str(o.result) if o.end is not None else "unknown")
                 skips[k] = skips.get(k, 0) + 1
             grown += 1 if o.w in ids and o.op == "put" and o.ok and "g" in (o.args.get("spec") or {}) else 0
+            if o.w in ids and o.op == "put" and o.args.get("saver"):
+                k = str(o.result) if o.end is not None else "killed"
+                saved[k] = saved.get(k, 0) + 1
             if o.w in ids and o.args.get("unreadable") and o.end is not None:
                 unread[f"{o.op}:{o.result}"] = unread.get(f"{o.op}:{o.result}", 0) + 1
             rots += 1 if o.w in ids and o.op == "rot" and o.ok and o.out.get("key") else 0
@@ -504,6 +508,7 @@ class Harness:
                  f"kept_plans={sum(kept.values())} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}{'(one ref)' if hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
+                 f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "

@@ -32,6 +32,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import sys
 import time
 import traceback
@@ -117,6 +118,11 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     # go that way too (padded to the alignment, cut back), under kill -9 and the checks.
     _local.DIRECT_MIN = SIM_DIRECT_MIN
     wrap = (lambda inner: SimStore(inner, faults)) if faults is not None else None
+    if kw.pop("saver", False):
+        # A saver process writes the asynchronous puts' blocks: it opens the storage itself,
+        # without the fault wrapper (the ref table's faults and the kill -9s still apply), and
+        # writes at the default DIRECT_MIN (its own import of storage/local.py).
+        wrap, kw["saver"] = None, "process"
     if cfg.get("tier"):
         kw["local"] = cfg["tier"]
         kw["early_upload"] = bool(cfg.get("early_upload"))
@@ -144,6 +150,17 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
             slow_reftable(s.remote_core.refs, faults)
             _upload_kill_points(s, faults)
     return s
+
+
+def _kill_saver(s) -> None:
+    """SIGKILL the store's saver process, if it runs now (the put it writes fails with
+    SaverDied and publishes nothing; the next put starts another)."""
+    pid = s._saver.pid
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _upload_kill_points(s, faults: Faults) -> None:
@@ -273,6 +290,11 @@ class Worker:
         if grow.random() < self.cfg.get("layout_p", 0.25):
             spec["l"] = grow.choice([1, 2, 3])  # the same keys, another layout (content.state)
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
+        if not blocking and s._saver is not None:
+            args["saver"] = True  # its blocks written by the saver process
+            kills = random.Random(f"{self.cfg['seed']}-{self.wid}-{i}-saver")  # (a stream of its own)
+            if kills.random() < 0.3:  # the saver killed (SIGKILL) this long after the put was staged
+                args["saver_kill"] = round(kills.uniform(0.0, 0.05), 4)
         if self.cfg.get("tier"):  # published in the tier: durable (remote) only once uploaded
             args["tier"] = os.path.basename(self.cfg["tier"])
             if self.cfg.get("budget"):  # (T13 judges the tier's bytes sampled as the put returns)
@@ -292,6 +314,8 @@ class Worker:
             else:
                 fut = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
                                      meta={"sim": spec}, blocking=False, **kw)
+                if args.get("saver_kill") is not None:
+                    threading.Timer(args["saver_kill"], _kill_saver, (s,)).start()
                 for v in state.values():  # staged: the caller may reuse its buffers at once
                     if hasattr(v, "fill_"):
                         v.fill_(7)
@@ -734,6 +758,11 @@ class Worker:
             content.state(content.make_spec(self.wid, 0, v, 0))
         if weights.get("cput"):
             self.start_ranks()  # (before the store's threads: see start_ranks)
+        # Half the writers without a tier, on a store another process can open, put
+        # asynchronously through a saver process (a stream of its own: the others' draws stay).
+        url = cfg["store"]["url"]
+        if not cfg.get("tier") and ("://" not in url or url.startswith("s3://")):
+            kw["saver"] = random.Random(f"{cfg['seed']}:{self.wid}:saver").random() < 1 / 2
         s = open_store(cfg, self.faults, **kw)
         self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
         self._meet()
