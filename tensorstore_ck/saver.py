@@ -50,7 +50,8 @@ SAVERS = ("thread", "process")
 CLOSE_WAIT = 30.0
 # One block job: its offset in the buffer, its length, its itemsize and its kind.
 _JOB = np.dtype([("off", "<i8"), ("n", "<i8"), ("itemsize", "<i4"), ("hash_only", "<i4")])
-_RESULT = np.dtype([("digest", "S32"), ("new", "<i1"), ("stored", "<i8")])
+# (Not "S32": numpy's bytes strip trailing zero bytes, and 1 digest in 256 ends with one.)
+_RESULT = np.dtype([("digest", "u1", (32,)), ("new", "<i1"), ("stored", "<i8")])
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class Saver:
             msg = self._reply()
         got = np.frombuffer(msg[1], dtype=_RESULT)
         for leaf, job, r in zip(leaves, table, got):
-            leaf.results.append(PutResult(bytes(r["digest"]), bool(r["new"]), int(job["n"]),
+            leaf.results.append(PutResult(r["digest"].tobytes(), bool(r["new"]), int(job["n"]),
                                           counted=not job["hash_only"], stored=int(r["stored"])))
 
     def forget(self, buf_id: int) -> None:
@@ -261,7 +262,8 @@ def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table:
     out = np.zeros(len(futs), dtype=_RESULT)
     for i, f in enumerate(futs):
         r = f.result()
-        out[i] = (r.digest, r.new, r.stored)
+        out[i]["digest"] = np.frombuffer(r.digest, dtype=np.uint8)
+        out[i]["new"], out[i]["stored"] = r.new, r.stored
     assets.sync()  # the blocks durable and named before the training process writes a node over them
     return out.tobytes()
 

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Saver benchmark: what asynchronous snapshots cost a training loop, with the snapshot's
+background work on threads of the training process (saver="thread") or in a saver process
+(saver="process"), against the same loop taking no snapshot, on 1 and 2 ranks.
+
+The loop trains an MLP whose state (weights and both AdamW moments) is --gb GB in all
+(split over the ranks: each rank trains a model of its own share, the ranks meeting in an
+all_reduce of the loss every step, and the snapshot is collective). Every weight changes
+every step, so each snapshot writes the whole state anew.
+
+A round runs one segment of --steps steps per mode, in an order rotated each round (drift
+of the machine's speed cancels in a round's ratios). A snapshot mode takes one asynchronous
+snapshot at the segment's first step and waits for it at the segment's end (so the segment
+holds all of its cost: the staging stall, the contention for the cores and the GIL, and any
+wait for the put); "none" takes none. Per round:
+
+    cost per snapshot = segment(mode) - segment(none)      (seconds of training lost)
+    throughput ratio  = segment(none) / segment(mode)      (snapshots every --steps steps)
+    overhead at one snapshot a minute = cost per snapshot / 60 s
+
+Medians and spreads over the rounds. Between segments (untimed) the store keeps the job's
+newest snapshot only and gc reclaims the rest, and the disk is flushed.
+
+    python benches/bench_saver.py [--gb 1.0] [--steps 40] [--rounds 4] [--ranks 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+MODES = ("none", "thread", "process")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def summ(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+
+def fmt(s, f="{:.2f}", unit=""):
+    if s is None:
+        return "n/a"
+    return f"{f.format(s['median'])}{unit} ({f.format(s['min'])}-{f.format(s['max'])}{unit})"
+
+
+def build(gb_rank: float, width: int, seed: int):
+    """An MLP of `width`-wide layers whose weights + 2 AdamW moments are ~gb_rank GB."""
+    per_layer = width * width + width
+    layers = max(1, round(gb_rank * 1e9 / 4 / 3 / per_layer))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+def state_bytes(model, opt) -> int:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    for st in opt.state.values():
+        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return n
+
+
+def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
+    import torch.distributed as dist
+    sys.path.insert(0, REPO)
+    import tensorstore_ck as tsck
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, opt = build(args.gb / world, args.width, seed=rank)
+    x = torch.randn(args.batch, args.width)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        if world > 1:
+            dist.all_reduce(loss.detach())
+
+    for _ in range(3):  # the moments exist (the state's full size) and the code is warm
+        step()
+    state = {"model": model, "opt": opt}
+    nbytes = state_bytes(model, opt)
+    stores = {}
+    for mode in MODES[1:]:
+        path = os.path.join(args.dir, mode)
+        stores[mode] = tsck.open_store(path, saver=mode)
+        if rank == 0:
+            stores[mode].set_retention("job", tsck.Retention(keep_last=1))
+    # Warm each store: a first snapshot (the staging buffer mapped, the saver started).
+    n = 0
+    for mode, s in stores.items():
+        n += 1
+        s.put_snapshot(state, "job/main", step=n, blocking=False).result()
+    rows = []
+    for r in range(args.rounds):
+        order = MODES[r % 3:] + MODES[:r % 3]
+        seg = {}
+        for mode in order:
+            if world > 1:
+                dist.barrier()
+            os.sync()
+            t0 = time.perf_counter()
+            fut, stall = None, 0.0
+            for i in range(args.steps):
+                if i == 0 and mode != "none":
+                    n += 1
+                    a = time.perf_counter()
+                    fut = stores[mode].put_snapshot(state, "job/main", step=n, blocking=False)
+                    stall = time.perf_counter() - a
+                step()
+            waited = 0.0
+            if fut is not None:
+                a = time.perf_counter()
+                fut.result()
+                waited = time.perf_counter() - a
+            seg[mode] = {"s": time.perf_counter() - t0, "stall": stall, "waited": waited}
+            if mode != "none" and rank == 0:  # untimed: keep the newest only, reclaim the rest
+                stores[mode].prune("job")
+                stores[mode].gc()
+        rows.append(seg)
+        if rank == 0:
+            log(f"  round {r}: " + "  ".join(f"{m} {seg[m]['s']:.2f}s" + (
+                f" (stall {seg[m]['stall']:.2f}, waited {seg[m]['waited']:.2f})" if m != "none" else "")
+                for m in MODES))
+    for s in stores.values():
+        s.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "state_bytes_rank": nbytes, "world": world}, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, args) -> dict:
+    out = os.path.join(args.dir, f"w{world}.json")
+    import socket
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    procs = []
+    for rank in range(world):  # every rank writes to one store per mode (collective snapshots)
+        cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--world", str(world),
+               "--port", str(port), "--out", out, "--dir", os.path.join(args.dir, f"w{world}"),
+               "--gb", str(args.gb), "--steps", str(args.steps), "--rounds", str(args.rounds),
+               "--width", str(args.width), "--batch", str(args.batch)]
+        procs.append(subprocess.Popen(cmd))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"world {world}: a rank failed ({codes})")
+    with open(out) as f:
+        return json.load(f)
+
+
+def report(world: int, res: dict, args) -> dict:
+    rows = res["rows"]
+    out = {"world": world, "state_gb": res["state_bytes_rank"] * world / 1e9}
+    none = [r["none"]["s"] for r in rows]
+    log(f"\n{world} rank(s): state {out['state_gb']:.2f} GB in all ({res['state_bytes_rank'] / 1e9:.2f} GB a rank), "
+        f"segments of {args.steps} steps, {len(rows)} rounds")
+    log(f"  segment without a snapshot: {fmt(summ(none), unit=' s')} "
+        f"({args.steps / statistics.median(none):.2f} steps/s)")
+    for mode in MODES[1:]:
+        cost = [r[mode]["s"] - r["none"]["s"] for r in rows]
+        ratio = [r["none"]["s"] / r[mode]["s"] for r in rows]
+        stall = [r[mode]["stall"] for r in rows]
+        waited = [r[mode]["waited"] for r in rows]
+        per_min = [c / 60 * 100 for c in cost]
+        out[mode] = {"cost_s": summ(cost), "throughput": summ(ratio), "stall_s": summ(stall),
+                     "waited_s": summ(waited), "overhead_pct_per_minute": summ(per_min)}
+        log(f"  saver={mode:8s} cost per snapshot {fmt(summ(cost), unit=' s')}; throughput with one every "
+            f"{args.steps} steps {fmt(summ(ratio), '{:.3f}', 'x')} of none; stall {fmt(summ(stall), unit=' s')}; "
+            f"waited at the end {fmt(summ(waited), unit=' s')}")
+        log(f"      -> at one snapshot a minute: overhead {fmt(summ(per_min), '{:.1f}', '%')}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=1.0, help="the job's state in GB, over all ranks (default 1.0)")
+    ap.add_argument("--steps", type=int, default=40, help="steps per segment (default 40)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of the three modes (default 4)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes (default 1 2)")
+    ap.add_argument("--width", type=int, default=2048, help="layer width (default 2048)")
+    ap.add_argument("--batch", type=int, default=16, help="batch rows per step (default 16)")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /work)")
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rank is not None:
+        rank_main(args.rank, args.world, args, args.port, args.out)
+        return 0
+    base = args.dir or tempfile.mkdtemp(prefix="bench-saver-", dir="/work" if os.path.isdir("/work") else None)
+    args.dir = base
+    log(f"bench_saver: {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"python {platform.python_version()}; scratch {base}")
+    results = []
+    try:
+        for world in args.ranks:
+            results.append(report(world, run_world(world, args), args))
+    finally:
+        if args.dir is base and not ap.parse_args(argv).dir:
+            shutil.rmtree(base, ignore_errors=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
