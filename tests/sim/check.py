@@ -315,6 +315,11 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
             bad.append(f"I4 a rank's checkout of its own rows returned other bytes: {o.brief()} {o.out['mismatch']}")
         if o.out.get("raw"):
             bad.append(f"I4 raw exception: {o.brief()} {o.out.get('trace', '')[-800:]}")
+        # A writer never makes a malformed manifest: a put without a tier (nothing damaged
+        # on a tier's disk under it) that fails with FormatError wrote one (a saver's
+        # addresses cut short, a block list out of step with its tensor).
+        if o.op == "put" and o.result == "FormatError" and not o.args.get("tier"):
+            bad.append(f"I4 a put failed on a manifest it made: {o.brief()} {o.out.get('error', '')[-400:]}")
         if o.op == "recover" and not o.ok and not o.unknown:
             bad.append(f"I5 recover failed: {o.brief()}")
         # Liveness: a fenced put takes a gc hold, so no deletion phase opens before its move;
