@@ -58,6 +58,16 @@ def fmt(s, f="{:.2f}", unit=""):
     return f"{f.format(s['median'])}{unit} ({f.format(s['min'])}-{f.format(s['max'])}{unit})"
 
 
+def jiffies() -> tuple[int, int]:
+    """(all, stolen) jiffies of the machine so far (/proc/stat): the hypervisor's share."""
+    try:
+        with open("/proc/stat") as f:
+            v = list(map(int, f.readline().split()[1:]))
+        return sum(v[:8]), (v[7] if len(v) > 7 else 0)
+    except (OSError, ValueError):
+        return 0, 0
+
+
 def build(gb_rank: float, width: int, seed: int):
     """An MLP of `width`-wide layers whose weights + 2 AdamW moments are ~gb_rank GB."""
     per_layer = width * width + width
@@ -116,6 +126,7 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             if world > 1:
                 dist.barrier()
             os.sync()
+            j0 = jiffies()
             t0 = time.perf_counter()
             fut, stall = None, 0.0
             for i in range(args.steps):
@@ -130,13 +141,15 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
                 a = time.perf_counter()
                 fut.result()
                 waited = time.perf_counter() - a
-            seg[mode] = {"s": time.perf_counter() - t0, "stall": stall, "waited": waited}
+            j1 = jiffies()
+            steal = (j1[1] - j0[1]) / max(1, j1[0] - j0[0])
+            seg[mode] = {"s": time.perf_counter() - t0, "stall": stall, "waited": waited, "steal": steal}
             if mode != "none" and rank == 0:  # untimed: keep the newest only, reclaim the rest
                 stores[mode].prune("job")
                 stores[mode].gc()
         rows.append(seg)
         if rank == 0:
-            log(f"  round {r}: " + "  ".join(f"{m} {seg[m]['s']:.2f}s" + (
+            log(f"  round {r}: " + "  ".join(f"{m} {seg[m]['s']:.2f}s steal {seg[m]['steal']:.0%}" + (
                 f" (stall {seg[m]['stall']:.2f}, waited {seg[m]['waited']:.2f})" if m != "none" else "")
                 for m in MODES))
     for s in stores.values():
@@ -174,8 +187,10 @@ def report(world: int, res: dict, args) -> dict:
     none = [r["none"]["s"] for r in rows]
     log(f"\n{world} rank(s): state {out['state_gb']:.2f} GB in all ({res['state_bytes_rank'] / 1e9:.2f} GB a rank), "
         f"segments of {args.steps} steps, {len(rows)} rounds")
+    steal = [r[m]["steal"] * 100 for r in rows for m in MODES]
     log(f"  segment without a snapshot: {fmt(summ(none), unit=' s')} "
-        f"({args.steps / statistics.median(none):.2f} steps/s)")
+        f"({args.steps / statistics.median(none):.2f} steps/s); the hypervisor stole "
+        f"{fmt(summ(steal), '{:.0f}', '%')} of the machine's CPU per segment")
     for mode in MODES[1:]:
         cost = [r[mode]["s"] - r["none"]["s"] for r in rows]
         ratio = [r["none"]["s"] / r[mode]["s"] for r in rows]
@@ -212,7 +227,7 @@ def main(argv=None) -> int:
     base = args.dir or tempfile.mkdtemp(prefix="bench-saver-", dir="/work" if os.path.isdir("/work") else None)
     args.dir = base
     log(f"bench_saver: {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"python {platform.python_version()}; scratch {base}")
+        f"python {platform.python_version()}; load average {os.getloadavg()[0]:.2f} at start; scratch {base}")
     results = []
     try:
         for world in args.ranks:

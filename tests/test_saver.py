@@ -249,3 +249,23 @@ def test_the_training_process_killed_leaves_whole_snapshots_and_its_saver_exits(
         nxt = log[0].step + 1  # resumes: the next snapshot through a new saver
         s.put_snapshot(state_at(nxt), "j/main", step=nxt, blocking=False).result(timeout=120)
         assert s.log("j/main")[0].step == nxt
+
+
+@pytest.mark.slow
+def test_a_saver_writes_to_an_object_store_as_the_training_process_would(s3_url, s3_server, tmp_path):
+    """The saver opens the S3 store from the same URL and storage options (its own client)
+    and codes as this process would (compression "auto": the float codec on object stores):
+    a snapshot through it equals one through threads, object for object."""
+    st = state_at(5)
+    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server, block_size=BLOCK,
+                         inline_threshold=256, saver="process") as s:
+        info = s.put_snapshot(st, "j/main", step=5, blocking=False).result(timeout=120)
+        assert s._saver.started == 1 and info.blocks_new > 0
+        assert_same(s.checkout(info.root), st)
+        saver_stored, tree = info.stored_new, s.reftable.catalog_get(bytes.fromhex(info.root))["tree"]
+    with tsck.open_store(s3_url + "-threads", refs=str(tmp_path / "refs2.lmdb"), storage_options=s3_server,
+                         block_size=BLOCK, inline_threshold=256) as t:
+        again = t.put_snapshot(st, "j/main", step=5, blocking=False).result(timeout=120)
+        assert t.reftable.catalog_get(bytes.fromhex(again.root))["tree"] == tree, \
+            "the same state is the same manifest tree, whoever wrote its blocks"
+    assert again.stored_new == saver_stored, "the saver coded the blocks as this process does"
