@@ -8,7 +8,8 @@ The loop trains an MLP whose state (weights and both AdamW moments) is --gb GB i
 all_reduce of the loss every step, and the snapshot is collective). Every weight changes
 every step, so each snapshot writes the whole state anew.
 
-A round runs one segment of --steps steps per mode, in an order rotated each round (drift
+A round runs one segment of --steps steps per mode (after --warmup rounds not counted: the
+first segments after the warm snapshots ran 2-3x slower), in an order rotated each round (drift
 of the machine's speed cancels in a round's ratios). A snapshot mode takes one asynchronous
 snapshot at the segment's first step and waits for it at the segment's end (so the segment
 holds all of its cost: the staging stall, the contention for the cores and the GIL, and any
@@ -119,7 +120,7 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
         n += 1
         s.put_snapshot(state, "job/main", step=n, blocking=False).result()
     rows = []
-    for r in range(args.rounds):
+    for r in range(-args.warmup, args.rounds):
         order = MODES[r % 3:] + MODES[:r % 3]
         seg = {}
         for mode in order:
@@ -147,9 +148,10 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             if mode != "none" and rank == 0:  # untimed: keep the newest only, reclaim the rest
                 stores[mode].prune("job")
                 stores[mode].gc()
-        rows.append(seg)
+        if r >= 0:
+            rows.append(seg)
         if rank == 0:
-            log(f"  round {r}: " + "  ".join(f"{m} {seg[m]['s']:.2f}s steal {seg[m]['steal']:.0%}" + (
+            log(f"  {'warm-up' if r < 0 else 'round'} {r}: " + "  ".join(f"{m} {seg[m]['s']:.2f}s steal {seg[m]['steal']:.0%}" + (
                 f" (stall {seg[m]['stall']:.2f}, waited {seg[m]['waited']:.2f})" if m != "none" else "")
                 for m in MODES))
     for s in stores.values():
@@ -172,7 +174,7 @@ def run_world(world: int, args) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--world", str(world),
                "--port", str(port), "--out", out, "--dir", os.path.join(args.dir, f"w{world}"),
                "--gb", str(args.gb), "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--width", str(args.width), "--batch", str(args.batch)]
+               "--width", str(args.width), "--batch", str(args.batch), "--warmup", str(args.warmup)]
         procs.append(subprocess.Popen(cmd))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -211,6 +213,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gb", type=float, default=1.0, help="the job's state in GB, over all ranks (default 1.0)")
     ap.add_argument("--steps", type=int, default=40, help="steps per segment (default 40)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds of the three modes (default 4)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="rounds run first and not counted (default 1: the first segment after the warm "
+                         "snapshots ran 2-3x slower in every run)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes (default 1 2)")
     ap.add_argument("--width", type=int, default=2048, help="layer width (default 2048)")
     ap.add_argument("--batch", type=int, default=16, help="batch rows per step (default 16)")
