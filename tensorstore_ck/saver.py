@@ -201,7 +201,14 @@ class Saver:
             self._reap()
 
     def after_fork(self) -> None:
-        """In a forked child: the saver and its socket are the parent's."""
+        """In a forked child: the saver and its socket are the parent's. The child's copy of
+        the socket is closed: the saver sees its end (EOF) only once every copy is gone, so a
+        forked DataLoader worker must not keep a dead trainer's saver alive."""
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
         self.proc = self.conn = None
         self.mapped = set()
         self.lock = threading.Lock()
