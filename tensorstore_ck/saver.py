@@ -48,6 +48,12 @@ __all__ = ["SAVERS", "SaverRecipe", "Saver"]
 SAVERS = ("thread", "process")
 # Seconds close() waits for the saver to finish and exit before it kills it.
 CLOSE_WAIT = 30.0
+# While it runs a job the saver says it is alive every HEARTBEAT seconds (from a thread of
+# its own: a job waiting on a slow storage request still beats). A saver silent for
+# SILENCE seconds (stopped, hung, its machine thrashing) is killed and its put fails with
+# SaverDied: a put must not wait forever, nor Store.close() behind it.
+HEARTBEAT = 1.0
+SILENCE = 60.0
 # One block job: its offset in the buffer, its length, its itemsize and its kind.
 _JOB = np.dtype([("off", "<i8"), ("n", "<i8"), ("itemsize", "<i4"), ("hash_only", "<i4")])
 # (Not "S32": numpy's bytes strip trailing zero bytes, and 1 digest in 256 ends with one.)
@@ -120,15 +126,23 @@ class Saver:
         self._reply()  # ("ready",) once its storage is open; its failure to open is raised here
 
     def _reply(self):
-        try:
-            msg = self.conn.recv()
-        except (EOFError, OSError):
-            code = self._reap()
-            raise SaverDied(f"the saver process exited ({_exit_text(code)}) while it wrote this snapshot's "
-                            "blocks; nothing was published, and the next snapshot starts a new saver") from None
-        if msg[0] == "err":
-            raise _error_from(msg[1])
-        return msg
+        """The saver's answer to the last request (its heartbeats skipped)."""
+        while True:
+            try:
+                if not self.conn.poll(SILENCE):
+                    code = self._reap()
+                    raise SaverDied(f"the saver process was silent for {SILENCE:g} s (stopped or hung) while it "
+                                    f"wrote this snapshot's blocks and was killed ({_exit_text(code)}); nothing was "
+                                    "published, and the next snapshot starts a new saver")
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                code = self._reap()
+                raise SaverDied(f"the saver process exited ({_exit_text(code)}) while it wrote this snapshot's "
+                                "blocks; nothing was published, and the next snapshot starts a new saver") from None
+            if msg[0] == "err":
+                raise _error_from(msg[1])
+            if msg[0] != "alive":
+                return msg
 
     def _reap(self) -> int | None:
         """The saver is gone (or must go): kill what is left of it -> its exit code."""
@@ -275,6 +289,31 @@ def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table:
     return out.tobytes()
 
 
+class _Heartbeat:
+    """("alive",) every HEARTBEAT seconds while a job runs; stopped (and joined) before
+    the job's answer is sent, so the two never interleave on the socket."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="tsck-saver-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(HEARTBEAT):
+            try:
+                self.conn.send(("alive",))
+            except OSError:
+                return  # the training process is gone: the job's answer will find out
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def serve(conn: Connection) -> None:
     """The saver's loop: map buffers, run block jobs, answer; exit at "close" or when the
     training process's end of the socket closes."""
@@ -307,10 +346,11 @@ def serve(conn: Connection) -> None:
                 views.pop(msg[1], None)
             elif msg[0] == "write":
                 _, buf_id, jobs, fence = msg
-                try:
-                    reply = ("ok", _run_jobs(assets, pool, views[buf_id], np.frombuffer(jobs, dtype=_JOB), fence))
-                except BaseException as e:  # noqa: BLE001 - the put's failure, raised in the training process
-                    reply = ("err", _error_payload(e))
+                with _Heartbeat(conn):
+                    try:
+                        reply = ("ok", _run_jobs(assets, pool, views[buf_id], np.frombuffer(jobs, dtype=_JOB), fence))
+                    except BaseException as e:  # noqa: BLE001 - the put's failure, raised in the training process
+                        reply = ("err", _error_payload(e))
                 try:
                     conn.send(reply)
                 except OSError:

@@ -54,7 +54,7 @@ def wait_exit(pid: int, timeout: float) -> bool:
 
 def saver_files(store) -> int:
     """Temp files the store's writers hold (the saver's blocks not yet named)."""
-    tmp = os.path.join(store.storage.root, "tmp")
+    tmp = os.path.join(store.url.removeprefix("file://"), "tmp")
     return len(os.listdir(tmp)) if os.path.isdir(tmp) else 0
 
 
@@ -198,6 +198,35 @@ def test_the_saver_killed_at_random_moments_never_publishes_a_torn_snapshot(tmp_
             assert_same(s.checkout(root), state_at(step))
         report = s.fsck()
         assert not report.findings, report.findings
+
+
+def test_a_saver_stopped_mid_write_is_killed_after_its_silence_and_the_put_fails(tmp_path, monkeypatch):
+    """SIGSTOP (a hung saver): no heartbeat comes; after SILENCE seconds the training
+    process kills it and the put fails with SaverDied instead of waiting forever; the
+    next put starts a new saver. A saver that only writes slowly keeps beating: a put
+    through 0.5 MB/s (longer than SILENCE) still commits."""
+    import tensorstore_ck.saver as saver_mod
+    monkeypatch.setattr(saver_mod, "SILENCE", 3.0)
+    with open_(tmp_path / "s", write_bandwidth=0.5e6) as s:
+        slow = s.put_snapshot(state_at(1), "j/main", step=1, blocking=False).result(timeout=120)
+        assert slow.seconds > 3.0, "the slow put must outlast SILENCE to show the heartbeat"
+        fut = s.put_snapshot(state_at(2), "j/main", step=2, blocking=False)
+        deadline = time.monotonic() + 60
+        while not saver_files(s) and not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.002)  # waiting for the event "the saver is writing"
+        pid = s._saver.pid
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(SaverDied, match="silent"):
+            fut.result(timeout=120)
+        assert time.monotonic() - t0 < 30
+        assert wait_exit(pid, 10), "the stopped saver was killed"
+        with pytest.raises(SaverDied):
+            s.raise_pending_error()
+        assert s.resolve("j/main") == slow.root
+        info = s.put_snapshot(state_at(3), "j/main", step=3, blocking=False).result(timeout=120)
+        assert s._saver.started == 2
+        assert_same(s.checkout(info.root), state_at(3))
 
 
 _TRAINER = r"""
