@@ -481,7 +481,8 @@ class Harness:
                 skips[k] = skips.get(k, 0) + 1
             grown += 1 if o.w in ids and o.op == "put" and o.ok and "g" in (o.args.get("spec") or {}) else 0
             if o.w in ids and o.op == "put" and o.args.get("saver"):
-                k = str(o.result) if o.end is not None else "killed"
+                k = (str(o.result) if o.end is not None else "killed") + \
+                    (f"({o.args['saver_sig'].lower()})" if o.args.get("saver_sig") else "")
                 saved[k] = saved.get(k, 0) + 1
             if o.w in ids and o.args.get("unreadable") and o.end is not None:
                 unread[f"{o.op}:{o.result}"] = unread.get(f"{o.op}:{o.result}", 0) + 1

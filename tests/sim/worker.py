@@ -40,6 +40,7 @@ import warnings
 
 import tensorstore_ck as tsck
 import tensorstore_ck.gc as tsck_gc
+import tensorstore_ck.saver as _saver
 from tensorstore_ck.storage import local as _local
 
 from . import content
@@ -106,6 +107,9 @@ class Journal:
 
 
 SIM_DIRECT_MIN = 8192
+# A stopped saver is killed after this many seconds of silence (saver.SILENCE, 60): the
+# harness's rounds last seconds.
+SIM_SAVER_SILENCE = 2.0
 
 
 def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
@@ -119,6 +123,7 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     _local.DIRECT_MIN = SIM_DIRECT_MIN
     wrap = (lambda inner: SimStore(inner, faults)) if faults is not None else None
     if kw.pop("saver", False):
+        _saver.SILENCE = SIM_SAVER_SILENCE
         # A saver process writes the asynchronous puts' blocks: it opens the storage itself,
         # without the fault wrapper (the ref table's faults and the kill -9s still apply), and
         # writes at the default DIRECT_MIN (its own import of storage/local.py).
@@ -152,13 +157,14 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     return s
 
 
-def _kill_saver(s) -> None:
-    """SIGKILL the store's saver process, if it runs now (the put it writes fails with
-    SaverDied and publishes nothing; the next put starts another)."""
+def _kill_saver(s, sig: str) -> None:
+    """SIGKILL or SIGSTOP the store's saver process, if it runs now (the put it writes
+    fails with SaverDied, at once or after its silence, and publishes nothing; the next
+    put starts another)."""
     pid = s._saver.pid
     if pid is not None:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, getattr(signal, f"SIG{sig}"))
         except ProcessLookupError:
             pass
 
@@ -293,8 +299,10 @@ class Worker:
         if not blocking and s._saver is not None:
             args["saver"] = True  # its blocks written by the saver process
             kills = random.Random(f"{self.cfg['seed']}-{self.wid}-{i}-saver")  # (a stream of its own)
-            if kills.random() < 0.3:  # the saver killed (SIGKILL) this long after the put was staged
+            if kills.random() < 0.3:  # the saver killed (SIGKILL) or stopped (SIGSTOP: hung, killed
+                # by the put after saver.SILENCE) this long after the put was staged
                 args["saver_kill"] = round(kills.uniform(0.0, 0.05), 4)
+                args["saver_sig"] = kills.choice(["KILL", "KILL", "STOP"])
         if self.cfg.get("tier"):  # published in the tier: durable (remote) only once uploaded
             args["tier"] = os.path.basename(self.cfg["tier"])
             if self.cfg.get("budget"):  # (T13 judges the tier's bytes sampled as the put returns)
@@ -315,7 +323,7 @@ class Worker:
                 fut = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
                                      meta={"sim": spec}, blocking=False, **kw)
                 if args.get("saver_kill") is not None:
-                    threading.Timer(args["saver_kill"], _kill_saver, (s,)).start()
+                    threading.Timer(args["saver_kill"], _kill_saver, (s, args["saver_sig"])).start()
                 for v in state.values():  # staged: the caller may reuse its buffers at once
                     if hasattr(v, "fill_"):
                         v.fill_(7)
