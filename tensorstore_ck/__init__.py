@@ -7,8 +7,9 @@ tensor into block jobs (chunker.py) before anything is written; the Publisher
 moves the ref by a fenced compare-and-swap in the ref table (refs/); every object goes
 through Assets (assets.py: keys, frames, BLAKE3) into a BlockStore (storage/).
 blocking=False stages the state first and publishes in the background (asyncput.py,
-staging.py; its blocks in a saver process with saver="process", saver.py); under torch.distributed the put is collective (dist.py). With a local tier
-(open_store(local=), tier/) the Store's own store is the tier: the put publishes there,
+staging.py; with saver="process" a saver process writes its blocks, saver.py); under
+torch.distributed the put is collective (dist.py). With a local tier (open_store(local=),
+tier/) the Store's own store is the tier: the put publishes there,
 LocalTier.published (tier/local.py) queues the snapshot, and tier/uploader.py copies
 its objects to the remote store and moves the remote ref.
 

@@ -168,9 +168,8 @@ def open_store(url, *, create: bool = True,
                                storage_options, wrap_storage, saver)
     refs_at = _Refs.checked(refs, create_refs, read_only)
     tier = _Tier.checked(url, local, local_budget, replicas, early_upload, refs_at)
-    if saver == "process" and tier is not None:
-        raise InvalidArgument("saver='process' cannot be used with a local tier (local=): the tier's writes and "
-                              "uploads run on threads of this process; use saver='thread'")
+    if saver == "process":
+        _check_saver(url, tier)
     gc_lease = _checked_gc_lease(gc_lease)
     return _open(url, create, stored, refs_at, tier, network, gc_lease)
 
@@ -276,14 +275,24 @@ class _Network:
         """How a saver process opens this storage (None: saver="thread")."""
         if self.saver != "process":
             return None
-        if proto == "memory":
-            raise InvalidArgument("saver='process' cannot be used with a memory:// store: another process cannot "
-                                  "see its objects; use saver='thread'")
         return SaverRecipe(proto, rest, self.storage_options, self.backoff.budget, self.write_bandwidth,
                            self.write_concurrency, codecs, settings.workers)
 
     def wrapped(self, storage: BlockStore) -> BlockStore:
         return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)
+
+
+def _check_saver(url, tier: "_Tier | None") -> None:
+    """What saver="process" cannot serve, refused before anything is opened or made."""
+    if tier is not None:
+        raise InvalidArgument("saver='process' cannot be used with a local tier (local=): the tier's writes and "
+                              "uploads run on threads of this process; use saver='thread'")
+    if split_url(url)[0] == "memory":
+        raise InvalidArgument("saver='process' cannot be used with a memory:// store: another process cannot "
+                              "see its objects; use saver='thread'")
+    if not hasattr(os, "memfd_create"):
+        raise InvalidArgument("saver='process' needs Linux (its staging buffers are memfd shared memory); "
+                              "use saver='thread'")
 
 
 def _checked_gc_lease(gc_lease):

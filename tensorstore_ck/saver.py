@@ -43,9 +43,8 @@ import numpy as np
 from .assets import Assets, PutResult
 from .errors import SaverDied, StorageError, TsckError
 
-__all__ = ["SAVERS", "SaverRecipe", "Saver"]
+__all__ = ["SaverRecipe", "Saver"]
 
-SAVERS = ("thread", "process")
 # Seconds close() waits for the saver to finish and exit before it kills it.
 CLOSE_WAIT = 30.0
 # While it runs a job the saver says it is alive every HEARTBEAT seconds (from a thread of
@@ -184,6 +183,8 @@ class Saver:
                                 "published, and the next snapshot starts a new saver") from None
             msg = self._reply()
         got = np.frombuffer(msg[1], dtype=_RESULT)
+        if len(got) != len(table):  # pragma: no cover - a saver out of step with its jobs
+            raise StorageError(f"the saver process answered {len(got)} blocks for {len(table)}; nothing was published")
         for leaf, job, r in zip(leaves, table, got):
             leaf.results.append(PutResult(r["digest"].tobytes(), bool(r["new"]), int(job["n"]),
                                           counted=not job["hash_only"], stored=int(r["stored"])))
@@ -363,6 +364,11 @@ def serve(conn: Connection) -> None:
 
 
 def main(argv: list[str]) -> int:
+    import signal
+    # Ctrl-C in a terminal reaches the whole foreground process group: the training
+    # process decides what an interrupt means (close() waits for the snapshot in flight);
+    # the saver goes when the training process does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(argv[0]))
     try:
         serve(conn)

@@ -95,6 +95,18 @@ def test_every_address_comes_back_whole_even_one_ending_in_zero_bytes(tmp_path):
         assert_same(s.checkout(info.root), st)
 
 
+def test_ctrl_c_is_the_training_processs_to_handle_not_the_savers(tmp_path):
+    """An interrupt from a terminal reaches the saver too (one process group): it ignores
+    it, and the snapshot in flight commits."""
+    with open_(tmp_path / "s") as s:
+        s.put_snapshot(state_at(1), "j/main", step=1, blocking=False).result(timeout=120)
+        fut = s.put_snapshot(state_at(2), "j/main", step=2, blocking=False)
+        os.kill(s._saver.pid, signal.SIGINT)
+        assert fut.result(timeout=120).step == 2
+        s.put_snapshot(state_at(3), "j/main", step=3, blocking=False).result(timeout=120)
+        assert s._saver.started == 1
+
+
 def test_the_manager_snapshots_through_the_saver(tmp_path):
     with open_(tmp_path / "s") as s:
         model = torch.nn.Linear(64, 64)
