@@ -19,6 +19,13 @@ wait for the put); "none" takes none. Per round:
     throughput ratio  = segment(none) / segment(mode)      (snapshots every --steps steps)
     overhead at one snapshot a minute = cost per snapshot / 60 s
 
+--loop python instead trains --layers 32-wide layers with a per-parameter AdamW (a step
+bound by Python dispatch: the loop holds the GIL most of the time), the state's bulk a
+tensor of --gb GB whose every block is changed before each snapshot; with small blocks
+(--block-size 65536) the put's own Python work (a call per block) grows too. That is
+where a saver process should pay: the background work then competes for the GIL, not
+only for cores.
+
 Medians and spreads over the rounds. Between segments (untimed) the store keeps the job's
 newest snapshot only and gc reclaims the rest, and the disk is flushed.
 
@@ -93,8 +100,16 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model, opt = build(args.gb / world, args.width, seed=rank)
-    x = torch.randn(args.batch, args.width)
+    big = None
+    if args.loop == "mlp":
+        model, opt = build(args.gb / world, args.width, seed=rank)
+        x = torch.randn(args.batch, args.width)
+    else:  # "python": a loop bound by Python dispatch, holding the GIL most of each step
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(args.layers)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # a Python loop per parameter
+        x = torch.randn(4, 32)
+        big = torch.randn(int(args.gb / world * 1e9) // 4)  # the rest of the state: changed per snapshot
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -107,11 +122,20 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
     for _ in range(3):  # the moments exist (the state's full size) and the code is warm
         step()
     state = {"model": model, "opt": opt}
-    nbytes = state_bytes(model, opt)
+    if big is not None:
+        state["big"] = big
+    nbytes = state_bytes(model, opt) + (0 if big is None else big.numel() * 4)
+    per_block = args.block_size // 4
+
+    def touch(k):
+        """Every block of `big` differs from the last snapshot's (one element a block)."""
+        if big is not None:
+            big[::per_block] = float(k)
+
     stores = {}
     for mode in MODES[1:]:
         path = os.path.join(args.dir, mode)
-        stores[mode] = tsck.open_store(path, saver=mode)
+        stores[mode] = tsck.open_store(path, saver=mode, block_size=args.block_size)
         if rank == 0:
             stores[mode].set_retention("job", tsck.Retention(keep_last=1))
     # Warm each store: a first snapshot (the staging buffer mapped, the saver started).
@@ -133,6 +157,7 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             for i in range(args.steps):
                 if i == 0 and mode != "none":
                     n += 1
+                    touch(n)
                     a = time.perf_counter()
                     fut = stores[mode].put_snapshot(state, "job/main", step=n, blocking=False)
                     stall = time.perf_counter() - a
@@ -174,7 +199,8 @@ def run_world(world: int, args) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--world", str(world),
                "--port", str(port), "--out", out, "--dir", os.path.join(args.dir, f"w{world}"),
                "--gb", str(args.gb), "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--width", str(args.width), "--batch", str(args.batch), "--warmup", str(args.warmup)]
+               "--width", str(args.width), "--batch", str(args.batch), "--warmup", str(args.warmup),
+               "--loop", args.loop, "--layers", str(args.layers), "--block-size", str(args.block_size)]
         procs.append(subprocess.Popen(cmd))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -187,7 +213,8 @@ def report(world: int, res: dict, args) -> dict:
     rows = res["rows"]
     out = {"world": world, "state_gb": res["state_bytes_rank"] * world / 1e9}
     none = [r["none"]["s"] for r in rows]
-    log(f"\n{world} rank(s): state {out['state_gb']:.2f} GB in all ({res['state_bytes_rank'] / 1e9:.2f} GB a rank), "
+    log(f"\n{world} rank(s), loop {args.loop}, blocks of {args.block_size >> 10} KiB: state "
+        f"{out['state_gb']:.2f} GB in all ({res['state_bytes_rank'] / 1e9:.2f} GB a rank), "
         f"segments of {args.steps} steps, {len(rows)} rounds")
     steal = [r[m]["steal"] * 100 for r in rows for m in MODES]
     log(f"  segment without a snapshot: {fmt(summ(none), unit=' s')} "
@@ -217,6 +244,12 @@ def main(argv=None) -> int:
                     help="rounds run first and not counted (default 1: the first segment after the warm "
                          "snapshots ran 2-3x slower in every run)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes (default 1 2)")
+    ap.add_argument("--loop", choices=("mlp", "python"), default="mlp",
+                    help="mlp: large layers (the steps release the GIL); python: --layers 32-wide layers and "
+                         "a per-parameter AdamW (the steps hold the GIL), the state's bulk a tensor whose every "
+                         "block changes before each snapshot")
+    ap.add_argument("--layers", type=int, default=200, help="layers of the python loop (default 200)")
+    ap.add_argument("--block-size", type=int, default=4 << 20, help="the stores' block size (default 4 MiB)")
     ap.add_argument("--width", type=int, default=2048, help="layer width (default 2048)")
     ap.add_argument("--batch", type=int, default=16, help="batch rows per step (default 16)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /work)")
