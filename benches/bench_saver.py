@@ -11,9 +11,11 @@ every step, so each snapshot writes the whole state anew.
 A round runs one segment of --steps steps per mode (after --warmup rounds not counted: the
 first segments after the warm snapshots ran 2-3x slower), in an order rotated each round (drift
 of the machine's speed cancels in a round's ratios). A snapshot mode takes one asynchronous
-snapshot at the segment's first step and waits for it at the segment's end (so the segment
+snapshot at the segment's first step and waits for it at the segment's end, so the segment
 holds all of its cost: the staging stall, the contention for the cores and the GIL, and any
-wait for the put); "none" takes none. Per round:
+wait for a put still running after the steps (the saver process is niced, saver_nice=10:
+it takes what the loop leaves, and may finish after the steps). "none" takes no snapshot.
+With segments of about a minute, a round is literally one snapshot a minute. Per round:
 
     cost per snapshot = segment(mode) - segment(none)      (seconds of training lost)
     throughput ratio  = segment(none) / segment(mode)      (snapshots every --steps steps)
@@ -162,14 +164,15 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
                     fut = stores[mode].put_snapshot(state, "job/main", step=n, blocking=False)
                     stall = time.perf_counter() - a
                 step()
-            waited = 0.0
+            waited = took = 0.0
+            trained = time.perf_counter() - t0
             if fut is not None:
-                a = time.perf_counter()
-                fut.result()
-                waited = time.perf_counter() - a
+                took = fut.result().seconds  # the put, from its call to its commit
+                waited = time.perf_counter() - t0 - trained
             j1 = jiffies()
             steal = (j1[1] - j0[1]) / max(1, j1[0] - j0[0])
-            seg[mode] = {"s": time.perf_counter() - t0, "stall": stall, "waited": waited, "steal": steal}
+            seg[mode] = {"s": trained + waited, "steps_s": trained, "stall": stall, "waited": waited, "steal": steal,
+                         "took": took}
             if mode != "none" and rank == 0:  # untimed: keep the newest only, reclaim the rest
                 stores[mode].prune("job")
                 stores[mode].gc()
@@ -225,12 +228,14 @@ def report(world: int, res: dict, args) -> dict:
         ratio = [r["none"]["s"] / r[mode]["s"] for r in rows]
         stall = [r[mode]["stall"] for r in rows]
         waited = [r[mode]["waited"] for r in rows]
+        took = [r[mode]["took"] for r in rows]
         per_min = [c / 60 * 100 for c in cost]
         out[mode] = {"cost_s": summ(cost), "throughput": summ(ratio), "stall_s": summ(stall),
-                     "waited_s": summ(waited), "overhead_pct_per_minute": summ(per_min)}
+                     "waited_s": summ(waited), "put_s": summ(took), "overhead_pct_per_minute": summ(per_min)}
         log(f"  saver={mode:8s} cost per snapshot {fmt(summ(cost), unit=' s')}; throughput with one every "
             f"{args.steps} steps {fmt(summ(ratio), '{:.3f}', 'x')} of none; stall {fmt(summ(stall), unit=' s')}; "
-            f"waited at the end {fmt(summ(waited), unit=' s')}")
+            f"the put took {fmt(summ(took), unit=' s')} to commit, {fmt(summ(waited), unit=' s')} of it waited for "
+            "after the segment's steps")
         log(f"      -> at one snapshot a minute: overhead {fmt(summ(per_min), '{:.1f}', '%')}")
     return out
 

@@ -191,7 +191,7 @@ def codecs_for(compression: str, storage: BlockStore) -> str:
 
 
 def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto",
-                  saver="thread") -> None:
+                  saver="thread", saver_nice=10) -> None:
     """A Store's other options, checked before open_store writes anything."""
     if compression not in COMPRESSION:
         raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")
@@ -206,6 +206,8 @@ def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wai
         raise InvalidArgument(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
     if saver not in ("thread", "process"):
         raise InvalidArgument(f"saver must be 'thread' or 'process', got {saver!r}")
+    if type(saver_nice) is not int or not 0 <= saver_nice <= 19:
+        raise InvalidArgument(f"saver_nice must be an int within 0..19, got {saver_nice!r}")
 
 
 def settings_for(storage: BlockStore, cfg: dict, *, workers, verify, compression, block_size, inline_threshold,

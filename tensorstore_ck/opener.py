@@ -79,8 +79,8 @@ def open_store(url, *, create: bool = True,
                # the network's limits
                write_bandwidth: float | None = None, write_concurrency: int | None = None,
                workers: int | None = None, max_inflight: int = 2, retry_budget: float | None = None,
-               when_busy: str = "wait", saver: str = "thread", storage_options: dict | None = None,
-               wrap_storage=None,
+               when_busy: str = "wait", saver: str = "thread", saver_nice: int = 10,
+               storage_options: dict | None = None, wrap_storage=None,
                # gc
                gc_lease: float | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
@@ -151,6 +151,9 @@ def open_store(url, *, create: bool = True,
     memory, off this process's GIL; docs/design/saver.md). The staging, the manifest, the
     commit and the collective protocol stay here. "process" needs a store on a local
     folder or an object store (not memory://), no local tier and no wrap_storage.
+    saver_nice: the saver process's niceness, 0-19 (default 10): the training loop wins
+    the cores and the saver takes what they leave, so a snapshot may take longer where
+    the loop keeps every core busy; 0 shares them equally.
     retry_budget: seconds a failed request to remote storage or to a PostgreSQL ref table
     is retried for (connection lost or refused, timeouts, 5xx, throttling), from its
     first failure, with capped exponential backoff and jitter (retry.py). None (the
@@ -165,7 +168,7 @@ def open_store(url, *, create: bool = True,
     two renewals (default 120); others judge it on the ref table's clock."""
     stored = _Stored.checked(block_size, inline_threshold, compression, verify)
     network = _Network.checked(write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
-                               storage_options, wrap_storage, saver)
+                               storage_options, wrap_storage, saver, saver_nice)
     refs_at = _Refs.checked(refs, create_refs, read_only)
     tier = _Tier.checked(url, local, local_budget, replicas, early_upload, refs_at)
     if saver == "process":
@@ -259,24 +262,26 @@ class _Network:
     storage_options: dict | None
     wrap_storage: object
     saver: str
+    saver_nice: int
 
     @classmethod
     def checked(cls, write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
-                storage_options, wrap_storage, saver="thread") -> "_Network":
-        check_options(workers=workers, max_inflight=max_inflight, when_busy=when_busy, saver=saver)
+                storage_options, wrap_storage, saver="thread", saver_nice=10) -> "_Network":
+        check_options(workers=workers, max_inflight=max_inflight, when_busy=when_busy, saver=saver,
+                      saver_nice=saver_nice)
         if saver == "process" and wrap_storage is not None:
             raise InvalidArgument("saver='process' cannot be used with wrap_storage=: the saver process opens the "
                                   "storage itself, without the wrapper; use saver='thread'")
         from .retry import backoff_for
         return cls(write_bandwidth, write_concurrency, workers, max_inflight, backoff_for(retry_budget), when_busy,
-                   storage_options, wrap_storage, saver)
+                   storage_options, wrap_storage, saver, saver_nice)
 
     def saver_recipe(self, proto: str, rest: str, settings: Settings, codecs: str) -> SaverRecipe | None:
         """How a saver process opens this storage (None: saver="thread")."""
         if self.saver != "process":
             return None
         return SaverRecipe(proto, rest, self.storage_options, self.backoff.budget, self.write_bandwidth,
-                           self.write_concurrency, codecs, settings.workers)
+                           self.write_concurrency, codecs, settings.workers, self.saver_nice)
 
     def wrapped(self, storage: BlockStore) -> BlockStore:
         return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)

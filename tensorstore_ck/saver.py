@@ -70,6 +70,7 @@ class SaverRecipe:
     write_concurrency: int | None
     codecs: str
     workers: int
+    nice: int = 10                 # the saver's niceness (open_store(saver_nice=))
 
     def open_assets(self) -> Assets:
         from .locate import remote_storage, wrapped
@@ -324,6 +325,9 @@ def serve(conn: Connection) -> None:
     except EOFError:
         return
     try:
+        # Below the training process: the loop wins the cores, the saver takes what they
+        # leave. (A thread cannot be deprioritised so: it would hold the GIL the loop needs.)
+        os.nice(recipe.nice)
         assets = recipe.open_assets()
     except BaseException as e:  # noqa: BLE001 - said to the training process, which raises it
         conn.send(("err", _error_payload(e)))

@@ -68,6 +68,8 @@ def test_asynchronous_puts_through_the_saver_are_the_same_snapshots_bit_for_bit(
         i1 = f1.result(timeout=120)
         saver = s._saver.pid
         assert saver is not None and saver != os.getpid()
+        # Below the training process (saver_nice=10): the loop wins the cores.
+        assert os.getpriority(os.PRIO_PROCESS, saver) == os.getpriority(os.PRIO_PROCESS, 0) + 10
         f2 = s.put_snapshot(st, "j/main", step=2, blocking=False)  # one tensor changed
         i2 = f2.result(timeout=120)
         assert s._saver.pid == saver and s._saver.started == 1, "the saver is reused between snapshots"
@@ -126,6 +128,8 @@ def test_the_manager_snapshots_through_the_saver(tmp_path):
 @pytest.mark.parametrize("kw,why", [
     (dict(saver="subprocess"), "saver must be"),
     (dict(saver="process", wrap_storage=lambda st: st), "wrap_storage"),
+    (dict(saver="process", saver_nice=20), "saver_nice"),
+    (dict(saver="process", saver_nice=True), "saver_nice"),
 ])
 def test_what_a_saver_cannot_serve_is_refused_before_anything_is_written(tmp_path, kw, why):
     with pytest.raises(InvalidArgument, match=why):
