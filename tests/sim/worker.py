@@ -32,8 +32,8 @@ import os
 import random
 import signal
 import subprocess
-import threading
 import sys
+import threading
 import time
 import traceback
 import warnings
