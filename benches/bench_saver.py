@@ -51,31 +51,14 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from bench_core import cpu_counters, fmt_s, summ  # noqa: E402
+
 MODES = ("none", "thread", "process")
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-def summ(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
-
-
-def fmt(s, f="{:.2f}", unit=""):
-    if s is None:
-        return "n/a"
-    return f"{f.format(s['median'])}{unit} ({f.format(s['min'])}-{f.format(s['max'])}{unit})"
-
-
-def jiffies() -> tuple[int, int]:
-    """(all, stolen) jiffies of the machine so far (/proc/stat): the hypervisor's share."""
-    try:
-        with open("/proc/stat") as f:
-            v = list(map(int, f.readline().split()[1:]))
-        return sum(v[:8]), (v[7] if len(v) > 7 else 0)
-    except (OSError, ValueError):
-        return 0, 0
 
 
 def build(gb_rank: float, width: int, seed: int):
@@ -153,7 +136,7 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             if world > 1:
                 dist.barrier()
             os.sync()
-            j0 = jiffies()
+            j0 = cpu_counters()
             t0 = time.perf_counter()
             fut, stall = None, 0.0
             for i in range(args.steps):
@@ -169,8 +152,8 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             if fut is not None:
                 took = fut.result().seconds  # the put, from its call to its commit
                 waited = time.perf_counter() - t0 - trained
-            j1 = jiffies()
-            steal = (j1[1] - j0[1]) / max(1, j1[0] - j0[0])
+            j1 = cpu_counters()
+            steal = (j1.get("steal_j", 0) - j0.get("steal_j", 0)) / max(1, j1.get("all_j", 0) - j0.get("all_j", 0))
             seg[mode] = {"s": trained + waited, "steps_s": trained, "stall": stall, "waited": waited, "steal": steal,
                          "took": took}
             if mode != "none" and rank == 0:  # untimed: keep the newest only, reclaim the rest
@@ -220,9 +203,9 @@ def report(world: int, res: dict, args) -> dict:
         f"{out['state_gb']:.2f} GB in all ({res['state_bytes_rank'] / 1e9:.2f} GB a rank), "
         f"segments of {args.steps} steps, {len(rows)} rounds")
     steal = [r[m]["steal"] * 100 for r in rows for m in MODES]
-    log(f"  segment without a snapshot: {fmt(summ(none), unit=' s')} "
+    log(f"  segment without a snapshot: {fmt_s(summ(none), unit=' s')} "
         f"({args.steps / statistics.median(none):.2f} steps/s); the hypervisor stole "
-        f"{fmt(summ(steal), '{:.0f}', '%')} of the machine's CPU per segment")
+        f"{fmt_s(summ(steal), '{:.0f}', '%')} of the machine's CPU per segment")
     for mode in MODES[1:]:
         cost = [r[mode]["s"] - r["none"]["s"] for r in rows]
         ratio = [r["none"]["s"] / r[mode]["s"] for r in rows]
@@ -232,11 +215,11 @@ def report(world: int, res: dict, args) -> dict:
         per_min = [c / 60 * 100 for c in cost]
         out[mode] = {"cost_s": summ(cost), "throughput": summ(ratio), "stall_s": summ(stall),
                      "waited_s": summ(waited), "put_s": summ(took), "overhead_pct_per_minute": summ(per_min)}
-        log(f"  saver={mode:8s} cost per snapshot {fmt(summ(cost), unit=' s')}; throughput with one every "
-            f"{args.steps} steps {fmt(summ(ratio), '{:.3f}', 'x')} of none; stall {fmt(summ(stall), unit=' s')}; "
-            f"the put took {fmt(summ(took), unit=' s')} to commit, {fmt(summ(waited), unit=' s')} of it waited for "
+        log(f"  saver={mode:8s} cost per snapshot {fmt_s(summ(cost), unit=' s')}; throughput with one every "
+            f"{args.steps} steps {fmt_s(summ(ratio), '{:.3f}', 'x')} of none; stall {fmt_s(summ(stall), unit=' s')}; "
+            f"the put took {fmt_s(summ(took), unit=' s')} to commit, {fmt_s(summ(waited), unit=' s')} of it waited for "
             "after the segment's steps")
-        log(f"      -> at one snapshot a minute: overhead {fmt(summ(per_min), '{:.1f}', '%')}")
+        log(f"      -> at one snapshot a minute: overhead {fmt_s(summ(per_min), '{:.1f}', '%')}")
     return out
 
 

@@ -191,7 +191,7 @@ def codecs_for(compression: str, storage: BlockStore) -> str:
 
 
 def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto",
-                  saver="thread", saver_nice=10) -> None:
+                  saver="thread", saver_nice=0) -> None:
     """A Store's other options, checked before open_store writes anything."""
     if compression not in COMPRESSION:
         raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")

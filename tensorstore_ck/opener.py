@@ -266,7 +266,7 @@ class _Network:
 
     @classmethod
     def checked(cls, write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
-                storage_options, wrap_storage, saver="thread", saver_nice=10) -> "_Network":
+                storage_options, wrap_storage, saver, saver_nice) -> "_Network":
         check_options(workers=workers, max_inflight=max_inflight, when_busy=when_busy, saver=saver,
                       saver_nice=saver_nice)
         if saver == "process" and wrap_storage is not None:

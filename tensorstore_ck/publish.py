@@ -38,7 +38,8 @@ from .validate import UNSET, SnapshotArgs
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "run_block_jobs", "plan_stats", "replica_digests",
+__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "run_block_jobs", "only_hashed", "wait_all",
+           "plan_stats", "replica_digests",
            "NewObjects", "inline_bytes"]
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,20 @@ COMMIT_ATTEMPTS = 1000  # ref moves tried before a put gives up (each lost one i
 
 
 # -- the blocks of a plan and what they add up to -----------------------------------
+def only_hashed(leaf, i: int, owns) -> bool:
+    """Block i of `leaf` is another rank's to write (a replicated block of a collective
+    snapshot, owns(leaf, i) False): this rank only hashes it for its manifest."""
+    return owns is not None and leaf.replicated and not owns(leaf, i)
+
+
+def wait_all(futs: list[Future]) -> None:
+    """Wait for every future; raise the first failure at once (the caller cancels the rest)."""
+    wait(futs, return_when=FIRST_EXCEPTION)
+    for f in futs:
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+
+
 def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None, progress=None,
                    fence: int | None = None) -> None:
     """Hash, compress and write every block of the plan in parallel (fence: the gc
@@ -59,7 +74,7 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
     try:
         for leaf in plan.leaves:
             for i, (a, b) in enumerate(leaf.ranges):
-                if owns is not None and leaf.replicated and not owns(leaf, i):
+                if only_hashed(leaf, i, owns):
                     futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
                 else:
                     futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
@@ -69,10 +84,7 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
             for (_leaf, f), n in zip(futs, sizes):
                 f.add_done_callback(lambda f, n=n: None if f.cancelled() or f.exception() is not None
                                     else progress(n))
-        wait([f for _, f in futs], return_when=FIRST_EXCEPTION)
-        for _, f in futs:
-            if f.done() and f.exception() is not None:
-                raise f.exception()
+        wait_all([f for _, f in futs])
     except BaseException:
         for _, f in futs:
             f.cancel()

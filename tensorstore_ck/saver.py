@@ -32,8 +32,7 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
-from concurrent.futures import wait as _wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
@@ -42,6 +41,7 @@ import numpy as np
 
 from .assets import Assets, PutResult
 from .errors import SaverDied, StorageError, TsckError
+from .publish import only_hashed, wait_all
 
 __all__ = ["SaverRecipe", "Saver"]
 
@@ -70,7 +70,7 @@ class SaverRecipe:
     write_concurrency: int | None
     codecs: str
     workers: int
-    nice: int = 10                 # the saver's niceness (open_store(saver_nice=))
+    nice: int                      # the saver's niceness (open_store(saver_nice=))
 
     def open_assets(self) -> Assets:
         from .locate import remote_storage, wrapped
@@ -163,8 +163,7 @@ class Saver:
         for leaf in plan.leaves:
             at = shared.offset_of(leaf.raw)  # every leaf of a staged plan is a view of its buffer
             for i, (a, b) in enumerate(leaf.ranges):
-                hash_only = owns is not None and leaf.replicated and not owns(leaf, i)
-                jobs.append((at + a, b - a, leaf.itemsize, hash_only))
+                jobs.append((at + a, b - a, leaf.itemsize, only_hashed(leaf, i, owns)))
                 leaves.append(leaf)
         table = np.array(jobs, dtype=_JOB)
         with self.lock:
@@ -274,10 +273,7 @@ def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table:
                 futs.append(pool.submit(assets.hash_block, raw))
             else:
                 futs.append(pool.submit(assets.put_block, raw, int(job["itemsize"]), private=True, fence=fence))
-        _wait(futs, return_when=FIRST_EXCEPTION)
-        for f in futs:
-            if f.done() and f.exception() is not None:
-                raise f.exception()
+        wait_all(futs)
     except BaseException:
         for f in futs:
             f.cancel()
