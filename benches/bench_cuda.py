@@ -67,6 +67,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--many", type=int, default=0,
                     help="a state of this many fp32 tensors of 4-64 KiB instead of the model (e.g. 10000)")
+    ap.add_argument("--saver", choices=("thread", "process"), default="thread",
+                    help="the asynchronous put's saver (open_store(saver=)): threads of this process "
+                         "(default) or a saver process fed through page-locked shared memory")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     args = ap.parse_args()
@@ -94,10 +97,10 @@ def run(tsck, dev, root, args):
     nbytes = state_nbytes(state)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     log(f"device {name}; torch {torch.__version__}; state {nbytes / GB:.2f} GB in {len(tensors)} tensors; "
-        f"scratch {root}")
+        f"saver {args.saver}; {os.cpu_count()} CPUs; scratch {root}")
     R = {k: [] for k in ("stall", "floor", "commit", "put", "save", "into", "load", "mapped")}
     pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=dev.type == "cuda") for t in tensors]
-    store = tsck.open_store(os.path.join(root, "store"))
+    store = tsck.open_store(os.path.join(root, "store"), saver=args.saver)
     try:
         for i in range(args.repeats):
             with torch.no_grad():

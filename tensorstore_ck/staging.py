@@ -9,13 +9,16 @@ pinned, so device-to-host copies can run asynchronously on a side stream.
 
 shared=True (a store with a saver process, saver.py): each buffer is shared memory
 (a memfd the saver maps once, by its file descriptor), so the saver reads the staged
-bytes where they are. Those are not pinned: a device tensor's copy into one is
-synchronous.
+bytes where they are. With CUDA present the mapping is page-locked in place
+(cudaHostRegister), so device copies into it are asynchronous as into a pinned
+buffer; where the driver refuses (a locked-memory limit, say) the buffer stays
+pageable and those copies are synchronous, slower but the same bytes.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -27,12 +30,13 @@ if TYPE_CHECKING:
 __all__ = ["StagingPool", "SharedBuffer"]
 
 _IDS = itertools.count(1)
+log = logging.getLogger(__name__)
 
 
 class SharedBuffer:
     """A staging buffer in shared memory: `tensor` over a memfd mapping; `fd` for the saver."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, pin: bool = False):
         import torch
         self.id = next(_IDS)
         self.nbytes = nbytes
@@ -44,6 +48,7 @@ class SharedBuffer:
             os.close(self.fd)
             raise
         self.address = self.tensor.data_ptr()
+        self.pinned = pin and _register(self.address, nbytes)
 
     def offset_of(self, arr) -> int:
         """Where the numpy view `arr` starts in this buffer."""
@@ -53,10 +58,25 @@ class SharedBuffer:
         return off
 
     def close(self) -> None:
-        """The descriptor goes; the mapping lives while a view of the tensor does."""
+        """The descriptor goes, and the page lock (no copy is in flight: the pool lets go of
+        free buffers only); the mapping lives while a view of the tensor does."""
+        if self.pinned:
+            self.pinned = False
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self.address)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _register(address: int, nbytes: int) -> bool:
+    """Page-lock `nbytes` at `address` for CUDA (portable: every device sees it as pinned)."""
+    import torch
+    err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))  # 1: cudaHostRegisterPortable
+    if err != 0:
+        log.warning("staging buffer of %d bytes not page-locked (cudaHostRegister error %d): "
+                    "device copies into it are synchronous", nbytes, err)
+    return err == 0
 
 
 class StagingPool:
@@ -82,7 +102,8 @@ class StagingPool:
         # A little headroom so a state that grows slightly does not reallocate every time.
         n = max(1, nbytes + nbytes // 16)
         if self.shared:
-            sb = SharedBuffer(n)
+            import torch
+            sb = SharedBuffer(n, pin=torch.cuda.is_available())
             with self._lock:
                 self._shared[sb.address] = sb
             return sb.tensor

@@ -97,6 +97,31 @@ def test_every_address_comes_back_whole_even_one_ending_in_zero_bytes(tmp_path):
         assert_same(s.checkout(info.root), st)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by .ci/gpu-check.sh)")
+def test_device_tensors_stage_into_page_locked_shared_memory(tmp_path):
+    """With CUDA, the shared staging buffers are page-locked in place, so a device tensor's
+    copy into one is asynchronous on the side stream as into a pinned buffer; the snapshot
+    is the device state bit for bit, and close() unlocks and drops them without error."""
+    dev = torch.device("cuda")
+    st = {"w": [t.to(dev) for t in state_at(3)["w"]], "b": torch.arange(10, device=dev), "step": 3}
+    with open_(tmp_path / "s") as s:
+        fut = s.put_snapshot(st, "j/main", step=3, blocking=False)
+        st["w"][0].fill_(7.0)  # after the call: not in the snapshot
+        torch.cuda.synchronize()
+        info = fut.result(timeout=120)
+        pool = s._puts.staging
+        bufs = list(pool._free)
+        assert bufs, "the staging buffer went back to the pool"
+        for buf in bufs:
+            assert pool.shared_of(buf) is not None and pool.shared_of(buf).pinned
+            assert buf.is_pinned(), "a shared staging buffer is page-locked for CUDA"
+        got = s.checkout(info.root, map_location=dev)
+        assert got["w"][0].device.type == "cuda"
+        want = {"w": [t.to(dev) for t in state_at(3)["w"]], "b": torch.arange(10, device=dev), "step": 3}
+        assert_same(got, want)
+    assert not any(pool.shared_of(b) for b in bufs), "close() let go of every shared buffer"
+
+
 def test_ctrl_c_is_the_training_processs_to_handle_not_the_savers(tmp_path):
     """An interrupt from a terminal reaches the saver too (one process group): it ignores
     it, and the snapshot in flight commits."""
