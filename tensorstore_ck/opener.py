@@ -149,8 +149,10 @@ def open_store(url, *, create: bool = True,
     saver: where an asynchronous put's blocks are hashed, coded and written: "thread"
     (default: threads of this process) or "process" (a saver process fed through shared
     memory, off this process's GIL; docs/design/saver.md). The staging, the manifest, the
-    commit and the collective protocol stay here. "process" needs a store on a local
-    folder or an object store (not memory://), no local tier and no wrap_storage.
+    commit and the collective protocol stay here. With a local tier (local=), the saver
+    runs the uploads to the remote instead (the tier's puts write its disk on threads;
+    there is no early upload). "process" needs a store on a local folder or an object
+    store (not memory://) and no wrap_storage.
     saver_nice: the saver process's niceness, 0-19 (default 10): the training loop wins
     the cores and the saver takes what they leave, so a snapshot may take longer where
     the loop keeps every core busy; 0 shares them equally.
@@ -276,12 +278,14 @@ class _Network:
         return cls(write_bandwidth, write_concurrency, workers, max_inflight, backoff_for(retry_budget), when_busy,
                    storage_options, wrap_storage, saver, saver_nice)
 
-    def saver_recipe(self, proto: str, rest: str, settings: Settings, codecs: str) -> SaverRecipe | None:
-        """How a saver process opens this storage (None: saver="thread")."""
+    def saver_recipe(self, proto: str, rest: str, settings: Settings, codecs: str,
+                     src: str | None = None) -> SaverRecipe | None:
+        """How a saver process opens this storage (None: saver="thread"); src: the local
+        tier whose uploads it runs."""
         if self.saver != "process":
             return None
         return SaverRecipe(proto, rest, self.storage_options, self.backoff.budget, self.write_bandwidth,
-                           self.write_concurrency, codecs, settings.workers, self.saver_nice)
+                           self.write_concurrency, codecs, settings.workers, self.saver_nice, src)
 
     def wrapped(self, storage: BlockStore) -> BlockStore:
         return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)
@@ -289,9 +293,6 @@ class _Network:
 
 def _check_saver(url, tier: "_Tier | None") -> None:
     """What saver="process" cannot serve, refused before anything is opened or made."""
-    if tier is not None:
-        raise InvalidArgument("saver='process' cannot be used with a local tier (local=): the tier's writes and "
-                              "uploads run on threads of this process; use saver='thread'")
     if split_url(url)[0] == "memory":
         raise InvalidArgument("saver='process' cannot be used with a memory:// store: another process cannot "
                               "see its objects; use saver='thread'")
@@ -328,7 +329,10 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None
         """The Store over a local tier's Core, the remote Core behind it (tier/opening.py)."""
         return Store(lcore, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
                      tier=LocalTier(lcore, remote, budget=tier.budget, early=tier.early_upload, stop=backoff.stop,
-                                    replicas=tier.replicas))
+                                    replicas=tier.replicas),
+                     # saver="process": the saver runs the uploads, from the tier to the remote
+                     saver=network.saver_recipe(proto, rest, remote.settings, remote.assets.codecs,
+                                                src=lcore.storage.root))
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         open_refs(refs, proto, rest, create=False)
     if tier is not None and proto in LAZY_PROTOCOLS and not create_refs:

@@ -43,10 +43,13 @@ from .assets import Assets, PutResult
 from .errors import SaverDied, StorageError, TsckError
 from .publish import only_hashed, wait_all
 
-__all__ = ["SaverRecipe", "Saver"]
+__all__ = ["SaverRecipe", "Saver", "CLOSE_WAIT", "GIVE_UP_WAIT"]
 
 # Seconds close() waits for the saver to finish and exit before it kills it.
 CLOSE_WAIT = 30.0
+# ... where the store's close already waited for the saver's work (a local tier's uploads,
+# up to close(timeout=)): an upload still running in the saver then is given up on.
+GIVE_UP_WAIT = 2.0
 # While it runs a job the saver says it is alive every HEARTBEAT seconds (from a thread of
 # its own: a job waiting on a slow storage request still beats). A saver silent for
 # SILENCE seconds (stopped, hung, its machine thrashing) is killed and its put fails with
@@ -57,6 +60,9 @@ SILENCE = 60.0
 _JOB = np.dtype([("off", "<i8"), ("n", "<i8"), ("itemsize", "<i4"), ("hash_only", "<i4")])
 # (Not "S32": numpy's bytes strip trailing zero bytes, and 1 digest in 256 ends with one.)
 _RESULT = np.dtype([("digest", "u1", (32,)), ("new", "<i1"), ("stored", "<i8")])
+# One object to copy from the tier (an upload): its address and, where this process's put
+# wrote it new, the length and CRC32 of its frame as written (-1: no record).
+_COPY = np.dtype([("digest", "u1", (32,)), ("n", "<i8"), ("crc", "<i8")])
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,15 @@ class SaverRecipe:
     codecs: str
     workers: int
     nice: int                      # the saver's niceness (open_store(saver_nice=))
+    # A local tier's path: the saver serves its uploader (copies the tier's objects to this
+    # storage), not asynchronous puts (a tier's puts write the tier on threads).
+    src: str | None = None
+
+    def open_src(self) -> Assets | None:
+        if self.src is None:
+            return None
+        from .storage.local import LocalBlockStore
+        return Assets(LocalBlockStore(self.src))
 
     def open_assets(self) -> Assets:
         from .locate import remote_storage, wrapped
@@ -82,6 +97,10 @@ class SaverRecipe:
             storage = remote_storage(self.proto, self.rest, self.storage_options, Backoff(budget=self.retry_budget))
         return Assets(wrapped(storage, self.write_bandwidth, self.write_concurrency, None), codecs=self.codecs)
 
+
+# What a put or an upload hears after its saver died.
+_PUT_THEN = "nothing was published, and the next snapshot starts a new saver"
+_UPLOAD_THEN = "the upload is tried again with a new saver (nothing is moved remotely before every object is there)"
 
 # The saver's program (not `-m tensorstore_ck.saver`: the package imports this module first).
 _CHILD = "import sys; from tensorstore_ck.saver import main; sys.exit(main(sys.argv[1:]))"
@@ -109,7 +128,7 @@ class Saver:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def _start(self) -> None:
+    def _start(self, doing: str, then: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
@@ -123,26 +142,41 @@ class Saver:
         self.mapped = set()
         self.started += 1
         self.conn.send(self.recipe)
-        self._reply()  # ("ready",) once its storage is open; its failure to open is raised here
+        self._reply(doing, then)  # ("ready",) once its storage is open; its failure to open is raised here
 
-    def _reply(self):
+    def _reply(self, doing: str, then: str):
         """The saver's answer to the last request (its heartbeats skipped)."""
         while True:
             try:
                 if not self.conn.poll(SILENCE):
                     code = self._reap()
                     raise SaverDied(f"the saver process was silent for {SILENCE:g} s (stopped or hung) while it "
-                                    f"wrote this snapshot's blocks and was killed ({_exit_text(code)}); nothing was "
-                                    "published, and the next snapshot starts a new saver")
+                                    f"{doing} and was killed ({_exit_text(code)}); {then}")
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 code = self._reap()
-                raise SaverDied(f"the saver process exited ({_exit_text(code)}) while it wrote this snapshot's "
-                                "blocks; nothing was published, and the next snapshot starts a new saver") from None
+                raise SaverDied(f"the saver process exited ({_exit_text(code)}) while it {doing}; {then}") from None
             if msg[0] == "err":
                 raise _error_from(msg[1])
             if msg[0] != "alive":
                 return msg
+
+    def _ask(self, msg: tuple, doing: str, then: str, before=None):
+        """Send `msg` (after before(), under the lock, the saver started if it is not
+        running) and return the saver's answer. SaverDied if it dies meanwhile."""
+        with self.lock:
+            try:
+                if self.proc is None or self.proc.poll() is not None:
+                    self._reap()
+                    self._start(doing, then)
+                self._send_drops()
+                if before is not None:
+                    before()
+                self.conn.send(msg)
+            except (BrokenPipeError, ConnectionResetError):
+                self._reap()
+                raise SaverDied(f"the saver process was gone before it {doing}; {then}") from None
+            return self._reply(doing, then)
 
     def _reap(self) -> int | None:
         """The saver is gone (or must go): kill what is left of it -> its exit code."""
@@ -166,28 +200,32 @@ class Saver:
                 jobs.append((at + a, b - a, leaf.itemsize, only_hashed(leaf, i, owns)))
                 leaves.append(leaf)
         table = np.array(jobs, dtype=_JOB)
-        with self.lock:
-            try:
-                if self.proc is None or self.proc.poll() is not None:
-                    self._reap()
-                    self._start()
-                self._send_drops()
-                if shared.id not in self.mapped:
-                    self.conn.send(("map", shared.id, shared.nbytes))
-                    send_handle(self.conn, shared.fd, self.proc.pid)
-                    self.mapped.add(shared.id)
-                self.conn.send(("write", shared.id, table.tobytes(), fence))
-            except (BrokenPipeError, ConnectionResetError):
-                self._reap()
-                raise SaverDied("the saver process was gone before it got this snapshot's blocks; nothing was "
-                                "published, and the next snapshot starts a new saver") from None
-            msg = self._reply()
+
+        def map_buffer():
+            if shared.id not in self.mapped:
+                self.conn.send(("map", shared.id, shared.nbytes))
+                send_handle(self.conn, shared.fd, self.proc.pid)
+                self.mapped.add(shared.id)
+        msg = self._ask(("write", shared.id, table.tobytes(), fence), "wrote this snapshot's blocks", _PUT_THEN,
+                        before=map_buffer)
         got = np.frombuffer(msg[1], dtype=_RESULT)
         if len(got) != len(table):  # pragma: no cover - a saver out of step with its jobs
             raise StorageError(f"the saver process answered {len(got)} blocks for {len(table)}; nothing was published")
         for leaf, job, r in zip(leaves, table, got):
             leaf.results.append(PutResult(r["digest"].tobytes(), bool(r["new"]), int(job["n"]),
                                           counted=not job["hash_only"], stored=int(r["stored"])))
+
+    def copy(self, kind: str, digests: list, fence: int | None, written: list, sync: bool) -> list[bool]:
+        """Have the saver copy objects `digests` of `kind` from the local tier to its
+        storage (Assets.copy_from, each with its `written` record or None), then, with
+        `sync`, sync that storage -> whether each was written. SaverDied if the saver
+        dies meanwhile (the upload is tried again)."""
+        table = np.zeros(len(digests), dtype=_COPY)
+        for row, d, w in zip(table, digests, written):
+            row["digest"] = np.frombuffer(d, dtype=np.uint8)
+            row["n"], row["crc"] = w if w is not None else (-1, -1)
+        msg = self._ask(("copy", kind, table.tobytes(), fence, sync), "uploaded a snapshot", _UPLOAD_THEN)
+        return [bool(x) for x in np.frombuffer(msg[1], dtype=np.int8)]
 
     def forget(self, buf_id: int) -> None:
         """The staging pool dropped a buffer: the saver unmaps it before its next job (not
@@ -204,8 +242,14 @@ class Saver:
                 self.conn.send(("drop", buf_id))
 
     def close(self, timeout: float = CLOSE_WAIT) -> None:
-        """Tell the saver to exit once its current job is done; kill it past `timeout`."""
-        with self.lock:
+        """Tell the saver to exit once its current job is done; kill it past `timeout`
+        (also when a job still holds it then: an upload the store's close gave up on)."""
+        if not self.lock.acquire(timeout=timeout):
+            proc = self.proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()  # the job's caller hears SaverDied
+            return
+        try:
             if self.proc is None:
                 return
             try:
@@ -214,6 +258,8 @@ class Saver:
             except (OSError, subprocess.TimeoutExpired):
                 pass
             self._reap()
+        finally:
+            self.lock.release()
 
     def after_fork(self) -> None:
         """In a forked child: the saver and its socket are the parent's. The child's copy of
@@ -287,6 +333,24 @@ def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table:
     return out.tobytes()
 
 
+def _run_copies(dst: Assets, src: Assets, pool: ThreadPoolExecutor, kind: str, table: np.ndarray, fence,
+                sync: bool) -> bytes:
+    def one(row) -> bool:
+        n, crc = int(row["n"]), int(row["crc"])
+        return dst.copy_from(src, kind, row["digest"].tobytes(), fence, None if n < 0 else (n, crc))
+    futs = [pool.submit(one, row) for row in table]
+    try:
+        wait_all(futs)
+    except BaseException:
+        for f in futs:
+            f.cancel()
+        raise
+    new = np.array([f.result() for f in futs], dtype=np.int8)
+    if sync:
+        dst.sync()  # an upload's last kind: every object durable before the remote ref moves
+    return new.tobytes()
+
+
 class _Heartbeat:
     """("alive",) every HEARTBEAT seconds while a job runs; stopped (and joined) before
     the job's answer is sent, so the two never interleave on the socket."""
@@ -325,6 +389,7 @@ def serve(conn: Connection) -> None:
         # leave. (A thread cannot be deprioritised so: it would hold the GIL the loop needs.)
         os.nice(recipe.nice)
         assets = recipe.open_assets()
+        src = recipe.open_src()
     except BaseException as e:  # noqa: BLE001 - said to the training process, which raises it
         conn.send(("err", _error_payload(e)))
         return
@@ -345,11 +410,16 @@ def serve(conn: Connection) -> None:
                     os.close(fd)
             elif msg[0] == "drop":
                 views.pop(msg[1], None)
-            elif msg[0] == "write":
-                _, buf_id, jobs, fence = msg
+            elif msg[0] in ("write", "copy"):
                 with _Heartbeat(conn):
                     try:
-                        reply = ("ok", _run_jobs(assets, pool, views[buf_id], np.frombuffer(jobs, dtype=_JOB), fence))
+                        if msg[0] == "write":
+                            _, buf_id, jobs, fence = msg
+                            out = _run_jobs(assets, pool, views[buf_id], np.frombuffer(jobs, dtype=_JOB), fence)
+                        else:
+                            _, kind, table, fence, sync = msg
+                            out = _run_copies(assets, src, pool, kind, np.frombuffer(table, dtype=_COPY), fence, sync)
+                        reply = ("ok", out)
                     except BaseException as e:  # noqa: BLE001 - the put's failure, raised in the training process
                         reply = ("err", _error_payload(e))
                 try:
@@ -361,6 +431,8 @@ def serve(conn: Connection) -> None:
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         assets.storage.close()
+        if src is not None:
+            src.storage.close()
 
 
 def main(argv: list[str]) -> int:

@@ -39,7 +39,7 @@ from .info import DurableEvent, SnapshotInfo
 from .publish import Publisher, Timing
 from .format.names import validate_component, validate_name, validate_new_name
 from .retention import Retention
-from .saver import Saver, SaverRecipe
+from .saver import CLOSE_WAIT, GIVE_UP_WAIT, Saver, SaverRecipe
 from .validate import UNSET, SnapshotArgs, check_utf8, check_snapshot_args
 
 if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
@@ -169,10 +169,15 @@ class Store:
         self.codecs = core.assets.codecs  # what blocks are written with; any store reads every codec
         # The one way anything is published into this store (put, collective put, DCP writer).
         self.publisher = Publisher(self.assets, self.reftable, core.pool)
-        # saver="process": an asynchronous put's blocks are written by a saver process (saver.py)
+        # saver="process": an asynchronous put's blocks are written by a saver process
+        # (saver.py); with a local tier, the saver runs the uploads instead (the tier's puts
+        # write its disk on threads).
         self._saver = None if saver is None else Saver(saver)
-        self.publisher.saver = self._saver
-        self._puts = AsyncPuts(max_inflight, when_busy, self._saver)  # blocking=False: in order, on one thread
+        if tier is not None and self._saver is not None:
+            tier.uploader.saver, tier.uploader.early = self._saver, False
+        else:
+            self.publisher.saver = self._saver
+        self._puts = AsyncPuts(max_inflight, when_busy, self.publisher.saver)  # blocking=False: in order, one thread
         self._plan_cache = None  # the layouts put_snapshot planned last (plancache.py), made at the first put
         self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only
@@ -232,10 +237,12 @@ class Store:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
         self._puts.shutdown()
-        if self._saver is not None:
-            self._saver.close()
         if self._tier is not None:
             self._tier.close(deadline, getattr(self.storage, "root", self.core.url), stacklevel=_caller_level())
+        if self._saver is not None:
+            # After the uploads: the tier's close waited for them (past its deadline, a
+            # copy still running in the saver is abandoned: the saver is killed).
+            self._saver.close(GIVE_UP_WAIT if self._tier is not None else CLOSE_WAIT)
         self.core.pool.shutdown(wait=True)
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()

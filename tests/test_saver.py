@@ -162,12 +162,106 @@ def test_what_a_saver_cannot_serve_is_refused_before_anything_is_written(tmp_pat
     assert not (tmp_path / "s").exists()
 
 
-def test_a_saver_for_a_memory_store_or_a_tier_is_refused(tmp_path):
+def test_a_saver_for_a_memory_store_is_refused(tmp_path):
     with pytest.raises(InvalidArgument, match="memory://"):
         tsck.open_store("memory://saver-refused", saver="process")
-    with pytest.raises(InvalidArgument, match="local tier"):
-        tsck.open_store(tmp_path / "s", local=tmp_path / "tier", saver="process")
+    with pytest.raises(InvalidArgument, match="memory://"):
+        tsck.open_store("memory://saver-refused", local=tmp_path / "tier", saver="process")
     assert not (tmp_path / "tier").exists()
+
+
+def open_tiered(path, tier, **kw):
+    """A float-coded remote behind an lz4 tier, as an object store's is: the saver codes
+    each block for the remote as it uploads it."""
+    return tsck.open_store(path, local=tier, block_size=BLOCK, inline_threshold=256, compression="float",
+                           saver="process", **kw)
+
+
+def remote_roots(path) -> dict:
+    with tsck.open_store(path) as r:
+        return {i.step: i.root for i in r.log("j/main")}
+
+
+def test_a_tiers_uploads_run_in_the_saver_and_arrive_whole(tmp_path):
+    """With a local tier, the saver copies the queued snapshots from the tier to the
+    remote (the tier's puts write its disk on threads; no early upload): each snapshot
+    arrives bit for bit, coded for the remote, and the remote's fsck finds nothing."""
+    remote, tier = tmp_path / "remote", tmp_path / "tier"
+    with open_tiered(remote, tier) as s:
+        up = s._tier.uploader
+        assert up.saver is s._saver and not up.early
+        assert s.publisher.saver is None, "a tier's puts write the tier on threads"
+        i1 = s.put_snapshot(state_at(1), "j/main", step=1, blocking=False).result(timeout=120)
+        i2 = s.put_snapshot(state_at(2), "j/main", step=2)
+        assert s.wait_durable(timeout=120)
+        assert s._saver.pid is not None and s._saver.started == 1, "one saver ran both uploads"
+        assert up.sent > 0 and up.teed == 0
+        assert up.sent_written > 0, "the tier's records of what it wrote reached the saver's copies"
+        saver = s._saver.pid
+    assert wait_exit(saver, 30), "close() stops the saver"
+    assert remote_roots(remote) == {1: i1.root, 2: i2.root}
+    with tsck.open_store(remote) as r:
+        assert_same(r.checkout(i1.root), state_at(1))
+        assert_same(r.checkout(i2.root), state_at(2))
+        assert not r.fsck().findings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_saver_killed_during_uploads_loses_nothing(tmp_path, seed):
+    """SIGKILL of the saver at seeded random moments while it uploads: the upload in
+    flight fails with SaverDied and is tried again with a new saver; nothing is moved
+    remotely before every object is there, so every snapshot arrives whole."""
+    rng = random.Random(seed)
+    remote, tier = tmp_path / "remote", tmp_path / "tier"
+    with open_tiered(remote, tier, write_bandwidth=4e6) as s:  # uploads long enough to be hit
+        infos = [s.put_snapshot(state_at(step), "j/main", step=step) for step in range(1, 5)]
+        kills = 0
+        while kills < 3 and not s.wait_durable(timeout=0):
+            pid = s._saver.pid
+            if pid is None:
+                time.sleep(0.005)  # waiting for the event "a saver runs"
+                continue
+            time.sleep(rng.uniform(0.0, 0.3))
+            try:
+                os.kill(pid, signal.SIGKILL)
+                kills += 1
+            except ProcessLookupError:
+                pass
+            wait_exit(pid, 10)
+        assert s.wait_durable(timeout=300), "the uploads were tried again and finished"
+        up = s._tier.uploader
+        assert kills >= 1 and up._failures >= 1, "a kill landed in an upload (its attempt failed)"
+        assert isinstance(up._last_failure, SaverDied), up._last_failure
+        assert s._saver.started >= 2
+    assert remote_roots(remote) == {i.step: i.root for i in infos}
+    with tsck.open_store(remote) as r:
+        for i in infos:
+            assert_same(r.checkout(i.root), state_at(i.step))
+        assert not r.fsck().findings
+
+
+def test_a_stopped_saver_does_not_hold_close_and_the_next_open_uploads(tmp_path, monkeypatch):
+    """A saver hung (SIGSTOP) in an upload: close(timeout=) returns about then (the saver
+    is killed), the snapshot stays queued in the tier, and the next open uploads it."""
+    import tensorstore_ck.saver as saver_mod
+    monkeypatch.setattr(saver_mod, "SILENCE", 600.0)  # not the heartbeat: close's own bound
+    remote, tier = tmp_path / "remote", tmp_path / "tier"
+    s = open_tiered(remote, tier, write_bandwidth=1e6)
+    first = s.put_snapshot(state_at(1), "j/main", step=1)
+    assert s.wait_durable(timeout=120)
+    pid = s._saver.pid
+    os.kill(pid, signal.SIGSTOP)
+    info = s.put_snapshot(state_at(2), "j/main", step=2)
+    t0 = time.monotonic()
+    with pytest.warns(tsck.SnapshotWarning, match="queued"):
+        s.close(timeout=1.0)
+    assert time.monotonic() - t0 < 30, "close() waited for a hung saver"
+    assert wait_exit(pid, 10), "the hung saver was killed"
+    assert remote_roots(remote) == {1: first.root}
+    with open_tiered(remote, tier) as s2:
+        assert s2.wait_durable(timeout=120)
+    assert remote_roots(remote) == {1: first.root, 2: info.root}
 
 
 def test_a_storage_error_in_the_saver_is_the_puts_error_and_publishes_nothing(tmp_path):

@@ -121,6 +121,10 @@ class Uploader:
         self._tee_bytes = 0  # bytes held by sends in flight (bounded by TEE_BYTES)
         self.teed = self.tee_dropped = 0
         self.early = early
+        # saver.Saver (open_store(saver="process")): the uploads' copies run in a saver
+        # process, off this process's GIL; then there is no early upload (its sends would
+        # be this process's work again). Set by the Store.
+        self.saver = None
         # (kind, digest) -> (length, CRC32) of each block and node this process's puts
         # wrote new here, as written (tee). The upload checks the tier's copy against them
         # (Assets.stored_frame) and sends it as the conditional PUT alone: new here, most
@@ -843,7 +847,10 @@ class Uploader:
 
     def send(self, objs: dict, fence: int) -> None:
         """Blocks, then nodes, then the commit: each kind complete before the next, so
-        the remote never holds a node whose blocks are not there yet; then one sync."""
+        the remote never holds a node whose blocks are not there yet; then one sync.
+        With a saver process (open_store(saver="process")), the saver copies them."""
+        if self.saver is not None:
+            return self._send_through_saver(objs, fence)
         for kind in ("block", "node", "commit"):
             for new in self.remote.pool.map(lambda d, kind=kind: self._copy(kind, d, fence), objs[kind]):
                 if new:
@@ -851,6 +858,23 @@ class Uploader:
                 else:
                     self.skipped += 1
         self.remote.assets.sync()
+
+    def _send_through_saver(self, objs: dict, fence: int) -> None:
+        kinds = [k for k in ("block", "node", "commit") if objs[k]]
+        for i, kind in enumerate(kinds):
+            ds = list(objs[kind])
+            with self._cond:
+                written = [self._written.get((FRAME_KIND[kind], d)) for d in ds]
+            news = self.saver.copy(kind, ds, fence, written, sync=i == len(kinds) - 1)
+            with self._cond:
+                for d, w, new in zip(ds, written, news):
+                    if w is not None:
+                        self._written.pop((FRAME_KIND[kind], d), None)
+                        self.sent_written += 1
+                    if new:
+                        self.sent += 1
+                    else:
+                        self.skipped += 1
 
     def _copy(self, kind: str, d: bytes, fence: int) -> bool:
         written = self._written.get((FRAME_KIND[kind], d))  # (commits are never recorded)
