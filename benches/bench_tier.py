@@ -12,7 +12,9 @@ writer into a fresh store:
 * s3://        a direct put_snapshot (refs in a local LMDB);
 * tier         open_store(s3://..., local=DIR): the time put_snapshot takes before it
                returns (training continues), and the time from its start until
-               wait_durable() returns (the remote ref moved to the same root).
+               wait_durable() returns (the remote ref moved to the same root);
+* tier+saver   (--with-saver) the same with saver="process": the uploads run in a saver
+               process, so the writer's CPU until durable leaves out the upload's work.
 Then three restores of the tier's latest snapshot, each a fresh open_store + checkout
 with the page cache dropped first (drop_caches; radosgw's memstore is not page cache):
 * local        after a process restart, the tier intact;
@@ -120,6 +122,9 @@ def main() -> int:
     ap.add_argument("--server-nice", type=int, default=0,
                     help="renice the S3 server's processes (every thread) to this value: a server that yields "
                          "the cores to the writer, standing for one on another host (default 0: as started)")
+    ap.add_argument("--with-saver", action="store_true",
+                    help="also a tier whose uploads run in a saver process (open_store(saver='process')): its put's "
+                         "return, its time to durable and the writer's CPU until then, against the tier on threads")
     a = ap.parse_args()
     early = {"auto": None, "on": True, "off": False}[a.early_upload]
     from tensorstore_ck.tier import uploader as _up
@@ -181,9 +186,24 @@ def main() -> int:
                 assert not info.durable
                 assert st.wait_durable(timeout=600), "the upload did not finish"
                 t_dur = time.perf_counter() - t0
+                rows["tier put durable: writer CPU, s"].append(own_cpu() - c0)
                 st.close()
                 rows["tier put returns, s"].append(t_ret)
                 rows["tier put durable, s"].append(t_dur)
+                if a.with_saver:  # the same, the uploads run by a saver process (its CPU is not the writer's)
+                    path = os.path.join(scratch, "tier-saver")
+                    st = tsck.open_store(f"{remote}-saver", refs=os.path.join(scratch, "tier-saver-refs.lmdb"),
+                                         storage_options=opts, local=path, compression=a.compression, saver="process")
+                    os.sync()
+                    c0 = own_cpu()
+                    t0 = time.perf_counter()
+                    st.put_snapshot(state, ref=REF, step=1)
+                    rows["tier+saver put returns, s"].append(time.perf_counter() - t0)
+                    assert st.wait_durable(timeout=600), "the upload did not finish"
+                    rows["tier+saver put durable, s"].append(time.perf_counter() - t0)
+                    rows["tier+saver put durable: writer CPU, s"].append(own_cpu() - c0)
+                    st.close()
+                    shutil.rmtree(path, ignore_errors=True)
 
                 # --- restores of the latest snapshot
                 check = rep == 0
@@ -199,6 +219,9 @@ def main() -> int:
                 r = {k: v[-1] for k, v in rows.items()}
                 rows["tier returns / file put"].append(r["tier put returns, s"] / r["file put, s"])
                 rows["tier durable / s3 put"].append(r["tier put durable, s"] / r["s3 put, s"])
+                if a.with_saver:
+                    rows["tier+saver returns / file put"].append(r["tier+saver put returns, s"] / r["file put, s"])
+                    rows["tier+saver durable / s3 put"].append(r["tier+saver put durable, s"] / r["s3 put, s"])
                 rows["restore: remote / local (speedup)"].append(
                     r["restore remote (tier lost), s"] / r["restore local (restart), s"])
                 rows["restore: s3 direct / local (speedup)"].append(

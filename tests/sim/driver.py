@@ -484,6 +484,9 @@ class Harness:
                 k = (str(o.result) if o.end is not None else "killed") + \
                     (f"({o.args['saver_sig'].lower()})" if o.args.get("saver_sig") else "")
                 saved[k] = saved.get(k, 0) + 1
+            if o.w in ids and o.op == "put" and o.args.get("upload_saver_sig"):  # a tier's saver hit as it uploads
+                k = f"upload({o.args['upload_saver_sig'].lower()})"
+                saved[k] = saved.get(k, 0) + 1
             if o.w in ids and o.args.get("unreadable") and o.end is not None:
                 unread[f"{o.op}:{o.result}"] = unread.get(f"{o.op}:{o.result}", 0) + 1
             rots += 1 if o.w in ids and o.op == "rot" and o.ok and o.out.get("key") else 0
@@ -546,6 +549,11 @@ class Harness:
             # Some that would close cleanly close with the remote down (T16), a stream of its own.
             if c["tier_end"] != "kill" and random.Random(f"{self.seed}:{r}:{k}:down").random() < fl.get("down_p", 0.05):
                 c["tier_end"] = "down"
+            # Some upload through a saver process (open_store(saver="process")), a stream of
+            # its own; not those ending "down": the saver opens the remote without the fault
+            # wrapper that takes the remote down.
+            if c["tier_end"] != "down" and random.Random(f"{self.seed}:{r}:{k}:saver").random() < 0.3:
+                c["saver"] = True
             c["sharing"] = names.count(name)
             # Some damage their own tier's disk (worker op "rot"), drawn from a stream of its own too.
             rot_rng = random.Random(f"{self.seed}:{r}:{k}:rot")
@@ -649,13 +657,14 @@ class Harness:
         return bad
 
     def _tier_brief(self, tiered: list, ids: set) -> str:
-        """tier=W:T:END[:early][:rot][:kill-STAGE],... then the snapshots in all the tiers so far, of
+        """tier=W:T:END[:early|:saver][:rot][:kill-STAGE],... then the snapshots in all the tiers so far, of
         those the ones marked durable (as the checks found them), and the round's workers
         killed inside their uploader."""
         if not tiered:
             return "off"
         parts = [f"{c['id']}:{os.path.basename(c['tier'])}:{c['tier_end']}"
-                 + (":early" if c.get("early_upload") else "") + (":rot" if c.get("rot") else "")
+                 + (":saver" if c.get("saver") else ":early" if c.get("early_upload") else "")
+                 + (":rot" if c.get("rot") else "")
                  + (f":kill-{c['faults']['kill_upload']['at']}" if "kill_upload" in c["faults"] else "")
                  + (f":keep{c['catalog']['keep_last']}{'+best' if c['catalog']['keep_best'] else ''}"
                     if c.get("catalog") else "")

@@ -13,7 +13,8 @@ where cfg["rot"]: it damages a block on that tier's disk) and
 tier_end ("close" | "wait" | "kill" | "down": how such a writer ends); catalog (a tier writer with a
 job of its own: {"job", "keep_last", "keep_best"}: it sets the job's retention, prunes the job
 after puts, tags, pins, untags and unpins the job's snapshots in its tier), budget (the tier's
-local_budget in bytes), sharing (how many processes of the round open that tier); meet
+local_budget in bytes), sharing (how many processes of the round open that tier), saver (a tier
+writer whose uploads run in a saver process, killed or stopped at random as it uploads); meet
 ({"path", "n"}: the round's workers start their operations together).
 
 Journal: one JSON line per event, fsync'd, in CONFIG["journal"]:
@@ -303,6 +304,12 @@ class Worker:
                 # by the put after saver.SILENCE) this long after the put was staged
                 args["saver_kill"] = round(kills.uniform(0.0, 0.05), 4)
                 args["saver_sig"] = kills.choice(["KILL", "KILL", "STOP"])
+        if self.cfg.get("tier") and s._saver is not None:
+            kills = random.Random(f"{self.cfg['seed']}-{self.wid}-{i}-upsaver")  # (a stream of its own)
+            if kills.random() < 0.3:  # the saver killed or stopped as it uploads what came before:
+                # that upload's attempt fails (SaverDied) and is tried again with a new saver
+                args["upload_saver_kill"] = round(kills.uniform(0.0, 0.3), 4)
+                args["upload_saver_sig"] = kills.choice(["KILL", "KILL", "STOP"])
         if self.cfg.get("tier"):  # published in the tier: durable (remote) only once uploaded
             args["tier"] = os.path.basename(self.cfg["tier"])
             if self.cfg.get("budget"):  # (T13 judges the tier's bytes sampled as the put returns)
@@ -316,6 +323,8 @@ class Worker:
         def call():
             fenced0, left0, races0 = FENCES.n, LEFT.n, RACES.n
             t0 = time.time_ns()
+            if args.get("upload_saver_kill") is not None:
+                threading.Timer(args["upload_saver_kill"], _kill_saver, (s, args["upload_saver_sig"])).start()
             if blocking:
                 info = s.put_snapshot(state, ref=ref, step=step, metrics={"loss": self.rng.random()},
                                       meta={"sim": spec}, **kw)
@@ -771,6 +780,8 @@ class Worker:
         url = cfg["store"]["url"]
         if not cfg.get("tier") and ("://" not in url or url.startswith("s3://")):
             kw["saver"] = random.Random(f"{cfg['seed']}:{self.wid}:saver").random() < 1 / 2
+        elif cfg.get("tier") and cfg.get("saver"):  # the tier's uploads run in a saver process
+            kw["saver"] = True
         s = open_store(cfg, self.faults, **kw)
         self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
         self._meet()
