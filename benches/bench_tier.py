@@ -13,8 +13,9 @@ writer into a fresh store:
 * tier         open_store(s3://..., local=DIR): the time put_snapshot takes before it
                returns (training continues), and the time from its start until
                wait_durable() returns (the remote ref moved to the same root);
-* tier+saver   (--with-saver) the same with saver="process": the uploads run in a saver
-               process, so the writer's CPU until durable leaves out the upload's work.
+* tier+saver   (--with-saver) the same with saver="process" (--saver-nice): the uploads run
+               in a saver process (warm: started by an untimed small snapshot first), so the
+               writer's CPU until durable leaves out the upload's work.
 Then three restores of the tier's latest snapshot, each a fresh open_store + checkout
 with the page cache dropped first (drop_caches; radosgw's memstore is not page cache):
 * local        after a process restart, the tier intact;
@@ -125,6 +126,7 @@ def main() -> int:
     ap.add_argument("--with-saver", action="store_true",
                     help="also a tier whose uploads run in a saver process (open_store(saver='process')): its put's "
                          "return, its time to durable and the writer's CPU until then, against the tier on threads")
+    ap.add_argument("--saver-nice", type=int, default=10, help="open_store(saver_nice=) with --with-saver (default 10)")
     a = ap.parse_args()
     early = {"auto": None, "on": True, "off": False}[a.early_upload]
     from tensorstore_ck.tier import uploader as _up
@@ -193,7 +195,12 @@ def main() -> int:
                 if a.with_saver:  # the same, the uploads run by a saver process (its CPU is not the writer's)
                     path = os.path.join(scratch, "tier-saver")
                     st = tsck.open_store(f"{remote}-saver", refs=os.path.join(scratch, "tier-saver-refs.lmdb"),
-                                         storage_options=opts, local=path, compression=a.compression, saver="process")
+                                         storage_options=opts, local=path, compression=a.compression, saver="process",
+                                         saver_nice=a.saver_nice)
+                    # Warm, as a job's saver is after its first snapshot: started (~1 s of imports) by a
+                    # small snapshot's upload, untimed.
+                    st.put_snapshot({"warm": torch.arange(10)}, ref="bench/warm", step=0)
+                    assert st.wait_durable(timeout=600)
                     os.sync()
                     c0 = own_cpu()
                     t0 = time.perf_counter()
