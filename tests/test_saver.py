@@ -206,6 +206,27 @@ def test_a_tiers_uploads_run_in_the_saver_and_arrive_whole(tmp_path):
         assert not r.fsck().findings
 
 
+def test_a_savers_uploads_reuse_its_memory_instead_of_faulting_in_fresh_pages(tmp_path):
+    """The saver keeps freed buffers in its heap (saver.py: MALLOC_* in its environment):
+    without, glibc returned each block-sized buffer to the kernel and the next one faulted
+    fresh pages in, 0.16-0.22 faults per 4 KiB uploaded here (2.4 with 4 MiB blocks into S3,
+    half the saver's CPU). Counted by the kernel (minor faults), not timed."""
+    def faults(pid: int) -> int:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[7])
+    with tsck.open_store(tmp_path / "remote", local=tmp_path / "tier", compression="float", saver="process") as s:
+        per_page = []
+        for step in range(3):
+            st = {"w": [torch.randn(1 << 20) for _ in range(16)]}  # 64 MiB, every block new
+            pid = s._saver.pid
+            before = None if pid is None else faults(pid)
+            s.put_snapshot(st, "j/main", step=step)
+            assert s.wait_durable(timeout=120)
+            assert s._saver.pid == pid or pid is None
+            if before is not None:
+                per_page.append((faults(s._saver.pid) - before) / ((64 << 20) >> 12))
+        assert max(per_page) < 0.05, per_page
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_the_saver_killed_during_uploads_loses_nothing(tmp_path, seed):
