@@ -28,6 +28,11 @@ tensor of --gb GB whose every block is changed before each snapshot; with small 
 where a saver process should pay: the background work then competes for the GIL, not
 only for cores.
 
+--tier-s3: each store is a local tier in front of S3 (a radosgw started here, or
+$TEST_S3_ENDPOINT): the put writes the tier on threads in both modes, and the upload runs
+on threads (saver="thread") or in the saver process; a segment then also waits for the
+upload (wait_durable), so it holds the upload's cost to the loop too.
+
 Medians and spreads over the rounds. Between segments (untimed) the store keeps the job's
 newest snapshot only and gc reclaims the rest, and the disk is flushed.
 
@@ -120,14 +125,22 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
     stores = {}
     for mode in MODES[1:]:
         path = os.path.join(args.dir, mode)
-        stores[mode] = tsck.open_store(path, saver=mode, block_size=args.block_size)
-        if rank == 0:
+        if args.endpoint:  # a local tier in front of S3: the put writes the tier, the uploads follow
+            opts = {"endpoint_url": args.endpoint, "key": args.key, "secret": args.secret}
+            stores[mode] = tsck.open_store(f"s3://{args.bucket}/{os.path.basename(args.dir)}-{rank}/{mode}",
+                                           refs=path + "-refs.lmdb", storage_options=opts, local=path + "-tier",
+                                           saver=mode, block_size=args.block_size)
+        else:
+            stores[mode] = tsck.open_store(path, saver=mode, block_size=args.block_size)
+        if rank == 0 and not args.endpoint:  # (a tier's retention would run in its uploader: timed)
             stores[mode].set_retention("job", tsck.Retention(keep_last=1))
     # Warm each store: a first snapshot (the staging buffer mapped, the saver started).
     n = 0
     for mode, s in stores.items():
         n += 1
         s.put_snapshot(state, "job/main", step=n, blocking=False).result()
+        if args.endpoint:
+            s.wait_durable()
     rows = []
     for r in range(-args.warmup, args.rounds):
         order = MODES[r % 3:] + MODES[:r % 3]
@@ -151,12 +164,15 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             trained = time.perf_counter() - t0
             if fut is not None:
                 took = fut.result().seconds  # the put, from its call to its commit
+                if args.endpoint:  # and its upload: the segment holds all of its cost
+                    stores[mode].wait_durable()
+                    took = time.perf_counter() - t0  # from the put's call (the segment's start) to durable
                 waited = time.perf_counter() - t0 - trained
             j1 = cpu_counters()
             steal = (j1.get("steal_j", 0) - j0.get("steal_j", 0)) / max(1, j1.get("all_j", 0) - j0.get("all_j", 0))
             seg[mode] = {"s": trained + waited, "steps_s": trained, "stall": stall, "waited": waited, "steal": steal,
                          "took": took}
-            if mode != "none" and rank == 0:  # untimed: keep the newest only, reclaim the rest
+            if mode != "none" and rank == 0 and not args.endpoint:  # untimed: keep the newest only, reclaim the rest
                 stores[mode].prune("job")
                 stores[mode].gc()
         if r >= 0:
@@ -187,6 +203,8 @@ def run_world(world: int, args) -> dict:
                "--gb", str(args.gb), "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--width", str(args.width), "--batch", str(args.batch), "--warmup", str(args.warmup),
                "--loop", args.loop, "--layers", str(args.layers), "--block-size", str(args.block_size)]
+        if args.endpoint:
+            cmd += ["--endpoint", args.endpoint, "--key", args.key, "--secret", args.secret, "--bucket", args.bucket]
         procs.append(subprocess.Popen(cmd))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -217,7 +235,8 @@ def report(world: int, res: dict, args) -> dict:
                      "waited_s": summ(waited), "put_s": summ(took), "overhead_pct_per_minute": summ(per_min)}
         log(f"  saver={mode:8s} cost per snapshot {fmt_s(summ(cost), unit=' s')}; throughput with one every "
             f"{args.steps} steps {fmt_s(summ(ratio), '{:.3f}', 'x')} of none; stall {fmt_s(summ(stall), unit=' s')}; "
-            f"the put took {fmt_s(summ(took), unit=' s')} to commit, {fmt_s(summ(waited), unit=' s')} of it waited for "
+            f"the put took {fmt_s(summ(took), unit=' s')} to {'durable' if args.tier_s3 else 'commit'}, "
+            f"{fmt_s(summ(waited), unit=' s')} of it waited for "
             "after the segment's steps")
         log(f"      -> at one snapshot a minute: overhead {fmt_s(summ(per_min), '{:.1f}', '%')}")
     return out
@@ -242,6 +261,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="batch rows per step (default 16)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /work)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--tier-s3", action="store_true",
+                    help="each store a local tier in front of S3 (a radosgw started here, or $TEST_S3_ENDPOINT): "
+                         "the put writes the tier and a segment also waits for the upload (wait_durable); "
+                         "saver=process runs the uploads in the saver")
+    ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--key", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--secret", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bucket", default="bench-saver", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -255,10 +282,21 @@ def main(argv=None) -> int:
     log(f"bench_saver: {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "
         f"python {platform.python_version()}; load average {os.getloadavg()[0]:.2f} at start; scratch {base}")
     results = []
+    rgw_dir = None
     try:
+        if args.tier_s3:
+            import bench_s3
+            args.endpoint = args.endpoint or os.environ.get("TEST_S3_ENDPOINT")
+            args.key = args.key or os.environ.get("TEST_S3_KEY", "testkey")
+            args.secret = args.secret or os.environ.get("TEST_S3_SECRET", "testsecret")
+            rgw_dir, _opts, _fs = bench_s3.connect(args)
+            log(f"  stores: a local tier each, in front of S3 at {args.endpoint}")
         for world in args.ranks:
             results.append(report(world, run_world(world, args), args))
     finally:
+        if rgw_dir is not None:
+            import bench_s3
+            bench_s3.stop_rgw(rgw_dir)
         if args.dir is base and not ap.parse_args(argv).dir:
             shutil.rmtree(base, ignore_errors=True)
     if args.json_out:
