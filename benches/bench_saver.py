@@ -129,9 +129,9 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             opts = {"endpoint_url": args.endpoint, "key": args.key, "secret": args.secret}
             stores[mode] = tsck.open_store(f"s3://{args.bucket}/{os.path.basename(args.dir)}-{rank}/{mode}",
                                            refs=path + "-refs.lmdb", storage_options=opts, local=path + "-tier",
-                                           saver=mode, block_size=args.block_size)
+                                           saver=mode, block_size=args.block_size, saver_nice=args.saver_nice)
         else:
-            stores[mode] = tsck.open_store(path, saver=mode, block_size=args.block_size)
+            stores[mode] = tsck.open_store(path, saver=mode, block_size=args.block_size, saver_nice=args.saver_nice)
         if rank == 0 and not args.endpoint:  # (a tier's retention would run in its uploader: timed)
             stores[mode].set_retention("job", tsck.Retention(keep_last=1))
     # Warm each store: a first snapshot (the staging buffer mapped, the saver started).
@@ -202,7 +202,8 @@ def run_world(world: int, args) -> dict:
                "--port", str(port), "--out", out, "--dir", os.path.join(args.dir, f"w{world}"),
                "--gb", str(args.gb), "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--width", str(args.width), "--batch", str(args.batch), "--warmup", str(args.warmup),
-               "--loop", args.loop, "--layers", str(args.layers), "--block-size", str(args.block_size)]
+               "--loop", args.loop, "--layers", str(args.layers), "--block-size", str(args.block_size),
+               "--saver-nice", str(args.saver_nice)]
         if args.endpoint:
             cmd += ["--endpoint", args.endpoint, "--key", args.key, "--secret", args.secret, "--bucket", args.bucket]
         procs.append(subprocess.Popen(cmd))
@@ -265,6 +266,7 @@ def main(argv=None) -> int:
                     help="each store a local tier in front of S3 (a radosgw started here, or $TEST_S3_ENDPOINT): "
                          "the put writes the tier and a segment also waits for the upload (wait_durable); "
                          "saver=process runs the uploads in the saver")
+    ap.add_argument("--saver-nice", type=int, default=10, help="open_store(saver_nice=) (default 10)")
     ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--key", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--secret", default=None, help=argparse.SUPPRESS)
