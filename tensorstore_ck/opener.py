@@ -174,7 +174,7 @@ def open_store(url, *, create: bool = True,
     refs_at = _Refs.checked(refs, create_refs, read_only)
     tier = _Tier.checked(url, local, local_budget, replicas, early_upload, refs_at)
     if saver == "process":
-        _check_saver(url, tier)
+        _check_saver(url)
     gc_lease = _checked_gc_lease(gc_lease)
     return _open(url, create, stored, refs_at, tier, network, gc_lease)
 
@@ -291,7 +291,7 @@ class _Network:
         return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)
 
 
-def _check_saver(url, tier: "_Tier | None") -> None:
+def _check_saver(url) -> None:
     """What saver="process" cannot serve, refused before anything is opened or made."""
     if split_url(url)[0] == "memory":
         raise InvalidArgument("saver='process' cannot be used with a memory:// store: another process cannot "

@@ -38,7 +38,7 @@ from .validate import UNSET, SnapshotArgs
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "run_block_jobs", "only_hashed", "wait_all",
+__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "run_block_jobs", "only_hashed", "wait_all", "cancelled_on_failure",
            "plan_stats", "replica_digests",
            "NewObjects", "inline_bytes"]
 
@@ -55,11 +55,24 @@ def only_hashed(leaf, i: int, owns) -> bool:
 
 
 def wait_all(futs: list[Future]) -> None:
-    """Wait for every future; raise the first failure at once (the caller cancels the rest)."""
+    """Wait for every future; raise the first failure at once (the caller cancels the rest:
+    cancelled_on_failure)."""
     wait(futs, return_when=FIRST_EXCEPTION)
     for f in futs:
         if f.done() and f.exception() is not None:
             raise f.exception()
+
+
+@contextlib.contextmanager
+def cancelled_on_failure(futs: list[Future]):
+    """Around submitting `futs` and waiting for them: on any failure (one of them, a
+    submission, an interrupt) the ones not started yet are cancelled before it is raised."""
+    try:
+        yield
+    except BaseException:
+        for f in futs:
+            f.cancel()
+        raise
 
 
 def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None, progress=None,
@@ -70,26 +83,24 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
     owns(leaf, i) -> bool, for replicated leaves of a collective snapshot: a
     block another rank owns is only hashed here (its address goes into this
     rank's manifest), so each replicated block is written exactly once."""
-    futs: list[tuple[Pending, Future]] = []
-    try:
+    leaves: list[Pending] = []
+    futs: list[Future] = []
+    with cancelled_on_failure(futs):
         for leaf in plan.leaves:
             for i, (a, b) in enumerate(leaf.ranges):
+                leaves.append(leaf)
                 if only_hashed(leaf, i, owns):
-                    futs.append((leaf, pool.submit(assets.hash_block, leaf.raw[a:b])))
+                    futs.append(pool.submit(assets.hash_block, leaf.raw[a:b]))
                 else:
-                    futs.append((leaf, pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
-                                                   private=leaf.private, fence=fence)))
+                    futs.append(pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
+                                            private=leaf.private, fence=fence))
         if progress is not None:  # progress(bytes) as each block is hashed (and written)
             sizes = [b - a for leaf in plan.leaves for a, b in leaf.ranges]
-            for (_leaf, f), n in zip(futs, sizes):
+            for f, n in zip(futs, sizes):
                 f.add_done_callback(lambda f, n=n: None if f.cancelled() or f.exception() is not None
                                     else progress(n))
-        wait_all([f for _, f in futs])
-    except BaseException:
-        for _, f in futs:
-            f.cancel()
-        raise
-    for leaf, f in futs:
+        wait_all(futs)
+    for leaf, f in zip(leaves, futs):
         leaf.results.append(f.result())
 
 

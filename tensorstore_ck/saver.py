@@ -41,7 +41,7 @@ import numpy as np
 
 from .assets import Assets, PutResult
 from .errors import SaverDied, StorageError, TsckError
-from .publish import only_hashed, wait_all
+from .publish import cancelled_on_failure, only_hashed, wait_all
 
 __all__ = ["SaverRecipe", "Saver", "CLOSE_WAIT", "GIVE_UP_WAIT"]
 
@@ -319,7 +319,7 @@ def _error_from(payload: bytes) -> BaseException:
 
 def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table: np.ndarray, fence) -> bytes:
     futs = []
-    try:
+    with cancelled_on_failure(futs):
         for job in table:
             a, n = int(job["off"]), int(job["n"])
             raw = view[a:a + n]
@@ -328,10 +328,6 @@ def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table:
             else:
                 futs.append(pool.submit(assets.put_block, raw, int(job["itemsize"]), private=True, fence=fence))
         wait_all(futs)
-    except BaseException:
-        for f in futs:
-            f.cancel()
-        raise
     out = np.zeros(len(futs), dtype=_RESULT)
     for i, f in enumerate(futs):
         r = f.result()
@@ -346,13 +342,10 @@ def _run_copies(dst: Assets, src: Assets, pool: ThreadPoolExecutor, kind: str, t
     def one(row) -> bool:
         n, crc = int(row["n"]), int(row["crc"])
         return dst.copy_from(src, kind, row["digest"].tobytes(), fence, None if n < 0 else (n, crc))
-    futs = [pool.submit(one, row) for row in table]
-    try:
+    futs: list = []
+    with cancelled_on_failure(futs):
+        futs.extend(pool.submit(one, row) for row in table)
         wait_all(futs)
-    except BaseException:
-        for f in futs:
-            f.cancel()
-        raise
     new = np.array([f.result() for f in futs], dtype=np.int8)
     if sync:
         dst.sync()  # an upload's last kind: every object durable before the remote ref moves
