@@ -149,7 +149,7 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             if world > 1:
                 dist.barrier()
             os.sync()
-            j0 = cpu_counters()
+            j0, p0 = cpu_counters(), proc_cpu()
             t0 = time.perf_counter()
             fut, stall = None, 0.0
             for i in range(args.steps):
@@ -168,10 +168,11 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
                     stores[mode].wait_durable()
                     took = time.perf_counter() - t0  # from the put's call (the segment's start) to durable
                 waited = time.perf_counter() - t0 - trained
-            j1 = cpu_counters()
+            j1, p1 = cpu_counters(), proc_cpu()
             steal = (j1.get("steal_j", 0) - j0.get("steal_j", 0)) / max(1, j1.get("all_j", 0) - j0.get("all_j", 0))
             seg[mode] = {"s": trained + waited, "steps_s": trained, "stall": stall, "waited": waited, "steal": steal,
-                         "took": took}
+                         "took": took, "cpu": {k: p1[k] - p0[k] for k in p1},
+                         "idle": (j1.get("idle_j", 0) - j0.get("idle_j", 0)) / max(1, j1.get("all_j", 0) - j0.get("all_j", 0))}
             if mode != "none" and rank == 0 and not args.endpoint:  # untimed: keep the newest only, reclaim the rest
                 stores[mode].prune("job")
                 stores[mode].gc()
@@ -181,6 +182,9 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             log(f"  {'warm-up' if r < 0 else 'round'} {r}: " + "  ".join(f"{m} {seg[m]['s']:.2f}s steal {seg[m]['steal']:.0%}" + (
                 f" (stall {seg[m]['stall']:.2f}, waited {seg[m]['waited']:.2f})" if m != "none" else "")
                 for m in MODES))
+            log("      CPU s (trainer/saver/server/other, idle): " + "  ".join(
+                f"{m} " + "/".join(f"{seg[m]['cpu'][k]:.1f}" for k in ("trainer", "saver", "server", "other"))
+                + f" {seg[m]['idle']:.0%}" for m in MODES))
     for s in stores.values():
         s.close()
     if rank == 0:
@@ -188,6 +192,29 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             json.dump({"rows": rows, "state_bytes_rank": nbytes, "world": world}, f)
     if world > 1:
         dist.destroy_process_group()
+
+
+def proc_cpu() -> dict:
+    """CPU seconds so far of this process, of its children (the saver), of the object
+    store's server (Ceph's processes: radosgw, ceph-osd, ceph-mon) and of everything else,
+    from /proc/*/stat: which of them an upload's CPU went to."""
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    out = {"trainer": 0.0, "saver": 0.0, "server": 0.0, "other": 0.0}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        comm = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        ppid, cpu = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        who = ("trainer" if int(pid) == me else "saver" if ppid == me
+               else "server" if comm.startswith(("radosgw", "ceph-")) else "other")
+        out[who] += cpu
+    return out
 
 
 def run_world(world: int, args) -> dict:

@@ -126,6 +126,7 @@ package's modules indented under it). A module over ~600 lines says which one jo
     retention.py          retention rules and the snapshots they keep
     shard.py              Sharded / Replicated: a rank's piece of a global tensor
     world_view.py         one process's view of a collective snapshot: the ranks' trees merged
+    readjobs.py           block reads run in parallel; a pack read once for all its parts wanted
     staging.py            reused host buffers for async snapshots
     loader.py             ResumableDataLoader: the data order, resumed exactly
     info.py               SnapshotInfo, DurableEvent

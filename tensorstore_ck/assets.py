@@ -148,6 +148,7 @@ CODEC_MODES = ("none", "lz4", "float")
 # A worker thread keeps its scratch buffer between blocks up to this size (a few
 # workers x the 4 MiB default block); a bigger block gets a buffer of its own.
 SCRATCH_KEEP = 64 << 20
+FRAME_KEEP = (64 << 20) + 4096  # an upload thread keeps a buffer of a default pack's frame
 
 
 class Assets:
@@ -318,7 +319,7 @@ class Assets:
         key = _key(kind + "s", d)
         if written is not None:
             try:
-                data = self.storage.get(key, written[0] + 1)
+                data = self._read_reused(key, written[0] + 1)
             except FileNotFoundError:
                 data = None
             if data is not None and len(data) == written[0] and zlib.crc32(data) == written[1]:
@@ -327,6 +328,28 @@ class Assets:
         if err is not None:
             raise err
         return data
+
+    def _read_reused(self, key: str, n: int) -> memoryview:
+        """Up to n bytes of object `key` into this thread's frame buffer, reused while it is
+        at most FRAME_KEEP: a fresh buffer of a pack's size is fresh pages (glibc maps
+        anything past 32 MiB anew), a page fault per 4 KiB read. The view is good until this
+        thread reads again (an upload's object is written before its thread reads the next)."""
+        if not self.storage.local:  # (a tier's objects are on a local disk: what is reused)
+            return memoryview(self.storage.get(key, n))
+        buf = getattr(self._local, "frame", None)
+        if buf is None or len(buf) < n:
+            buf = bytearray(n)
+            if n <= FRAME_KEEP:
+                self._local.frame = buf
+        mv = memoryview(buf)
+        got = 0
+        with self.storage.open_read(key, n) as f:
+            while got < n:
+                k = f.readinto(mv[got:n])
+                if not k:
+                    break
+                got += k
+        return mv[:got]
 
     def framed_here(self, kind: str, data) -> list:
         """`data`, a sound frame of object `kind` that another store keeps (a local tier's,

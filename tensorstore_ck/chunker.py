@@ -15,11 +15,14 @@ object and a request).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
+from .errors import InvalidArgument
 from .format import tree
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_INLINE_THRESHOLD", "Layout", "plan_blocks", "block_ranges"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_INLINE_THRESHOLD", "DEFAULT_PACK_SIZE", "Layout", "plan_blocks",
+           "block_ranges", "default_pack_size"]
 
 # 4 MiB: measured in benches/bench_blocksize.py (docs/PERFORMANCE.md): smaller blocks cost
 # per-object overhead (a file, an fsync, a request on S3) for no gain in
@@ -28,6 +31,25 @@ DEFAULT_BLOCK_SIZE = 4 * 1024 * 1024
 DEFAULT_INLINE_THRESHOLD = 16 * 1024
 MIN_BLOCK_SIZE = 4096
 MAX_BLOCK_SIZE = tree.MAX_BLOCK_SIZE  # the readers' limit (format/tree.py)
+# 64 MiB packs of small tensors on object stores: a rank of a 1,024-rank job of a
+# 405B-parameter model holds ~3,400 tensors of 5 GB, nearly all under 4 MiB; packed, a
+# 5 TB snapshot is ~75 k objects instead of ~2.7 M (docs/design/scaling.md, "Packs").
+DEFAULT_PACK_SIZE = 64 * 1024 * 1024
+
+
+def default_pack_size(object_store: bool) -> int:
+    """open_store(pack_size=None): DEFAULT_PACK_SIZE where an object costs a request (an
+    object store, a tier in front of one), else 0; $TSCK_PACK_SIZE (bytes) overrides it."""
+    env = os.environ.get("TSCK_PACK_SIZE")
+    if env is not None:
+        try:
+            v = int(env)
+        except ValueError:
+            v = -1
+        if not 0 <= v <= MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"$TSCK_PACK_SIZE must be an int within 0..{MAX_BLOCK_SIZE}, got {env!r}")
+        return v
+    return DEFAULT_PACK_SIZE if object_store else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,8 @@ class Settings:
     gc_lease: float = DEFAULT_LEASE  # seconds a gc this store runs holds it between renewals
     block_size: int = 0              # bytes per block of new snapshots (0: not a writer's concern)
     inline_threshold: int = 0        # tensors up to this size live in their manifest node
+    pack_size: int | None = None     # small tensors packed into blocks of up to this (0: never;
+                                     # None: the backend's default, Store.pack_size)
     read_only: str | None = None     # why the store is read-only, or None
 
 

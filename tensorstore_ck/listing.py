@@ -23,7 +23,8 @@ from .format.world import rank_top, rank_tops
 from .ids import Digest
 from .info import SnapshotInfo, row_to_info
 from .paths import FULL, SKIP, Selection, dotted, key_str, parts_from_formatted
-from .walk import iter_leaves, read_node
+from .readjobs import PackCache, PackPart, run_reads
+from .walk import PackedPart, iter_leaves, read_node
 from .world_view import Merged, Union, deref_merged
 
 __all__ = ["Entry", "list_tree", "diff", "history", "describe", "dcp_saved_paths", "as_saved", "saved_findings",
@@ -387,7 +388,8 @@ def saved_findings(core: Core, report):
 
 def diff(core: Core, ra: Digest, rb: Digest, *, raw: bool = False) -> dict:
     """Which tensors differ between the snapshots `ra` and `rb`, and in how many blocks
-    (from their manifests: no block is read). A snapshot written through dcp.save names
+    (from their manifests: no block is read, but for a small tensor in a pack whose pack
+    differs: its own bytes are read from both and compared). A snapshot written through dcp.save names
     its tensors at their paths in the state as saved, as `tsck ls` does (raw=True: at
     their stored ones, tensors.FQN)."""
     la = iter_leaves(core.assets, ra, verify=core.settings.verify)
@@ -396,8 +398,11 @@ def diff(core: Core, ra: Digest, rb: Digest, *, raw: bool = False) -> dict:
         la, lb = _as_saved_leaves(core, ra, la), _as_saved_leaves(core, rb, lb)
     out = {"a": ra.hex(), "b": rb.hex(), "added": sorted(lb.keys() - la.keys()),
            "removed": sorted(la.keys() - lb.keys()), "changed": [], "unchanged": 0}
-    for p in la.keys() & lb.keys():
+    packs = PackCache()
+    for p in sorted(la.keys() & lb.keys()):
         (da, ba), (db, bb) = la[p], lb[p]
+        if da == db and ba != bb and len(ba) == len(bb) and any(type(x) is PackedPart for x in ba + bb):
+            ba, bb = ([_part_bytes(core, x, root, p, packs) for x in v] for v, root in ((ba, ra), (bb, rb)))
         if da == db and ba == bb:
             out["unchanged"] += 1
             continue
@@ -405,6 +410,16 @@ def diff(core: Core, ra: Digest, rb: Digest, *, raw: bool = False) -> dict:
         out["changed"].append({"path": p, "a": da, "b": db, "blocks_differ": differ, "blocks": max(len(ba), len(bb))})
     out["changed"].sort(key=lambda x: x["path"])
     return out
+
+
+def _part_bytes(core: Core, x, root: Digest, path: str, packs: PackCache):
+    """A PackedPart's own bytes, read and verified (other entries as they are)."""
+    if type(x) is not PackedPart:
+        return x
+    buf = np.empty(x.n, dtype=np.uint8)
+    run_reads(core.assets, core.pool, [(x.digest, PackPart(buf, x.off, x.glen), path, False)],
+              snapshot=root.hex(), verify=core.settings.verify, packs=packs)
+    return buf.tobytes()
 
 
 def _as_saved_leaves(core: Core, root: Digest, leaves: dict) -> dict:

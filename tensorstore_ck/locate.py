@@ -191,8 +191,11 @@ def codecs_for(compression: str, storage: BlockStore) -> str:
 
 
 def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wait", compression="auto",
-                  saver="thread", saver_nice=0) -> None:
+                  saver="thread", saver_nice=0, pack_size=None) -> None:
     """A Store's other options, checked before open_store writes anything."""
+    if pack_size is not None and (type(pack_size) is not int or not 0 <= pack_size <= chunker.MAX_BLOCK_SIZE):
+        raise InvalidArgument(f"pack_size must be None or an int within 0..{chunker.MAX_BLOCK_SIZE} bytes, "
+                              f"got {pack_size!r}")
     if compression not in COMPRESSION:
         raise InvalidArgument(f"compression must be one of {', '.join(map(repr, COMPRESSION))}, got {compression!r}")
     if workers is not None and (type(workers) is not int or not 1 <= workers <= 1024):
@@ -211,13 +214,13 @@ def check_options(*, workers=None, gc_lease=None, max_inflight=2, when_busy="wai
 
 
 def settings_for(storage: BlockStore, cfg: dict, *, workers, verify, compression, block_size, inline_threshold,
-                 gc_lease, read_only) -> tuple[Settings, str]:
+                 gc_lease, read_only, pack_size=None) -> tuple[Settings, str]:
     """open_store()'s options (checked by check_options) as the store's Settings and the
     codecs its writers use: the one place they are read."""
     bs, it = layout(block_size, inline_threshold, cfg, where=f"{storage.url}/{STORE_MARKER}")
     return Settings(verify=verify, workers=workers or DEFAULT_WORKERS,
                     gc_lease=float(gc_lease if gc_lease is not None else DEFAULT_LEASE), block_size=bs,
-                    inline_threshold=it, read_only=read_only), codecs_for(compression, storage)
+                    inline_threshold=it, read_only=read_only, pack_size=pack_size), codecs_for(compression, storage)
 
 
 def remote_storage(proto: str, rest: str, storage_options: dict | None, backoff) -> BlockStore:

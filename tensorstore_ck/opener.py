@@ -71,7 +71,7 @@ def _open_errors(fn):
 def open_store(url, *, create: bool = True,
                # what is stored
                block_size: int | None = None, inline_threshold: int | None = None, compression: str = "auto",
-               verify: bool = True,
+               verify: bool = True, pack_size: int | None = None,
                # where the refs live
                refs=None, create_refs: bool = False, read_only: bool | None = None,
                # the local tier
@@ -97,6 +97,12 @@ def open_store(url, *, create: bool = True,
     (the float codec where it pays, lz4 where that pays, raw otherwise), "lz4", "none".
     Any store reads every codec; an object's address never depends on it.
     verify: check every object read against its address (default True).
+    pack_size: new snapshots' small tensors (one block or less, not replicated) are packed,
+    in state order, into blocks of up to this many bytes, so that a rank's thousands of
+    small tensors are tens of objects, not thousands (an object store's request rate, not
+    its bandwidth, bounds a large job's snapshot: docs/design/scaling.md, "Packs"). None
+    (default): 64 MiB on object stores and with local=, 0 (never) on a local disk or
+    memory:// ($TSCK_PACK_SIZE overrides that default). Any store reads packed snapshots.
 
     Where the refs live:
     refs: None (LMDB beside local data; in-process table for memory://), a path
@@ -168,7 +174,7 @@ def open_store(url, *, create: bool = True,
 
     gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
     two renewals (default 120); others judge it on the ref table's clock."""
-    stored = _Stored.checked(block_size, inline_threshold, compression, verify)
+    stored = _Stored.checked(block_size, inline_threshold, compression, verify, pack_size)
     network = _Network.checked(write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
                                storage_options, wrap_storage, saver, saver_nice)
     refs_at = _Refs.checked(refs, create_refs, read_only)
@@ -189,12 +195,13 @@ class _Stored:
     compression: str
     verify: bool
     new_layout: tuple[int, int]  # (block_size, inline_threshold) a store made now gets
+    pack_size: int | None = None
 
     @classmethod
-    def checked(cls, block_size, inline_threshold, compression, verify) -> "_Stored":
+    def checked(cls, block_size, inline_threshold, compression, verify, pack_size=None) -> "_Stored":
         new_layout = layout(block_size, inline_threshold)
-        check_options(compression=compression)
-        return cls(block_size, inline_threshold, compression, verify, new_layout)
+        check_options(compression=compression, pack_size=pack_size)
+        return cls(block_size, inline_threshold, compression, verify, new_layout, pack_size)
 
 
 @dataclass(frozen=True)
@@ -323,7 +330,8 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None
     def settings(storage, cfg, read_only):
         return settings_for(storage, cfg, workers=network.workers, verify=stored.verify,
                             compression=stored.compression, block_size=stored.block_size,
-                            inline_threshold=stored.inline_threshold, gc_lease=gc_lease, read_only=read_only)
+                            inline_threshold=stored.inline_threshold, gc_lease=gc_lease, read_only=read_only,
+                            pack_size=stored.pack_size)
 
     def tier_store(lcore: Core, remote: Core, cfg: dict) -> Store:
         """The Store over a local tier's Core, the remote Core behind it (tier/opening.py)."""
@@ -341,7 +349,7 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None
                             network.wrapped,
                             dict(workers=network.workers, verify=stored.verify, compression=stored.compression,
                                  block_size=stored.block_size, inline_threshold=stored.inline_threshold,
-                                 gc_lease=gc_lease, read_only=None),
+                                 gc_lease=gc_lease, read_only=None, pack_size=stored.pack_size),
                             tier_store)
         if store is not None:
             return store

@@ -23,7 +23,7 @@ from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWrit
 from .paths import is_stateful
 from .shard import Replicated, Sharded, from_dtensor, is_dtensor
 
-__all__ = ["Planner", "Plan", "contiguous"]
+__all__ = ["Planner", "Plan", "Pack", "contiguous", "pack_leaves"]
 
 _PLACEHOLDER = b"\0" * tree.DIGEST_SIZE
 
@@ -97,10 +97,75 @@ class Leaf(Pending):
     def nbytes(self) -> int:
         return self.ranges[-1][1] if self.ranges else 0
 
+    pack: "Pack | None" = None  # the pack holding its bytes (Pack.members), else None
+    pack_off: int = 0
+
     def manifest_value(self, final: bool):
         meta = dict(self.meta)
-        meta["b"] = [r.digest for r in self.results] if final else [_PLACEHOLDER] * len(self.ranges)
+        if self.pack is not None:
+            del meta["bs"]
+            meta["g"] = [self.pack.results[0].digest if final else _PLACEHOLDER, self.pack_off, self.pack.nbytes]
+        else:
+            meta["b"] = [r.digest for r in self.results] if final else [_PLACEHOLDER] * len(self.ranges)
         return meta if self.tag is None else {self.tag: meta}
+
+
+@dataclass(eq=False)
+class Pack(Leaf):
+    """One block holding the bytes of many small leaves (`members`, each at its pack_off, in
+    order, back to back): on an object store a request costs more than its bytes, and a rank
+    of a large job holds thousands of small tensors (docs/design/scaling.md, "Packs"). It
+    takes its members' place among a plan's block jobs; its members name it in the manifest.
+    raw: None until staged (Plan.stage) or gathered (gather())."""
+    members: list = field(default_factory=list)
+
+    def gather(self) -> None:
+        """The members' bytes copied together (a put that does not stage)."""
+        buf = np.empty(self.nbytes, dtype=np.uint8)
+        for m in self.members:
+            buf[m.pack_off:m.pack_off + m.nbytes] = m.raw
+        self.raw, self.private = buf, True
+
+
+def leaf_parts(leaf: Leaf):
+    """The leaves whose bytes a block job's leaf holds: a pack's members, else itself."""
+    return leaf.members if type(leaf) is Pack else (leaf,)
+
+
+def pack_leaves(leaves: list, pack_size: int) -> list:
+    """leaves with the small ones (one block each, not replicated) packed, in order, into
+    Packs of at most pack_size bytes of one item size (the codec codes a block by its item
+    size); a pack of one stays a leaf. Deterministic in the leaves' sizes and order, so one
+    layout packs the same way every time (the same packs' addresses when nothing changed)."""
+    if pack_size <= 0:
+        return leaves
+    out: list = []
+    run: list = []
+    size = 0
+
+    def close():
+        if len(run) > 1:
+            p = Pack(None, {}, None, run[0].itemsize, [(0, size)], members=list(run))
+            off = 0
+            for m in run:
+                m.pack, m.pack_off = p, off
+                off += m.nbytes
+            out.append(p)
+        else:
+            out.extend(run)
+        run.clear()
+
+    for leaf in leaves:
+        if len(leaf.ranges) != 1 or leaf.replicated or leaf.nbytes >= pack_size:
+            out.append(leaf)
+            continue
+        if run and (leaf.itemsize != run[0].itemsize or size + leaf.nbytes > pack_size):
+            close()
+            size = 0
+        run.append(leaf)
+        size += leaf.nbytes
+    close()
+    return out
 
 
 @dataclass
@@ -130,19 +195,21 @@ class Plan:
         tensors go through non_blocking copies on a side stream (into pinned
         memory when the pool pinned it), synchronised before returning."""
         stream = None
-        if any(leaf.device_src is not None for leaf in self.leaves):
+        if any(m.device_src is not None for leaf in self.leaves for m in leaf_parts(leaf)):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())  # see the tensors' final values
         off = 0
         for leaf in self.leaves:
             n = leaf.nbytes
             dst = buf[off:off + n]
-            if leaf.device_src is not None:
-                with torch.cuda.stream(stream):
-                    dst.copy_(leaf.device_src, non_blocking=True)
-                leaf.device_src = None
-            else:
-                dst.copy_(torch.from_numpy(leaf.raw))  # torch's copy runs on several threads
+            for m in leaf_parts(leaf):  # a pack: its members back to back
+                part = dst[m.pack_off:m.pack_off + m.nbytes] if m is not leaf else dst
+                if m.device_src is not None:
+                    with torch.cuda.stream(stream):
+                        part.copy_(m.device_src, non_blocking=True)
+                    m.device_src = None
+                else:
+                    part.copy_(torch.from_numpy(m.raw))  # torch's copy runs on several threads
             leaf.raw = dst.numpy()
             leaf.private = True  # nobody else writes the staging buffer
             off += n
@@ -152,8 +219,9 @@ class Plan:
 
 class Planner:
     def __init__(self, *, block_size: int, inline_threshold: int, allow_pickle: bool = False,
-                 defer_device: bool = False, cache=None):
+                 defer_device: bool = False, cache=None, pack_size: int = 0):
         self.block_size = block_size
+        self.pack_size = pack_size  # small leaves packed into blocks of up to this (0: never)
         self.inline_threshold = inline_threshold
         self.allow_pickle = allow_pickle
         self.defer_device = defer_device  # leave device tensors for Plan.stage() to copy (it stages)
@@ -171,6 +239,7 @@ class Planner:
         self._replicas: list = []
         self._tensors: list = []  # each top-level tensor's planned form, in state order
         value = self._plan(state, (), 0)
+        self._leaves = pack_leaves(self._leaves, self.pack_size)
         NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
         plan = Plan(value, self._leaves, self._inline, self._pieces, self._replicas)
         if flat is not None:

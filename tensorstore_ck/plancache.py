@@ -28,7 +28,7 @@ import torch
 
 from .errors import UnsupportedType
 from .format.tree import MAX_DEPTH, Pending
-from .plan import Plan, copied, stored_int, Leaf, contiguous
+from .plan import Pack, Plan, copied, stored_int, Leaf, contiguous
 
 __all__ = ["PlanCache"]
 
@@ -121,6 +121,8 @@ class _Layout:
     staged_bytes: int
     inline_bytes: int
     cpu: list             # the tensors on the host (copied in one call), by index
+    packs: list           # per Pack: (where it starts in the buffer, item size, bytes); a form's
+                          # last field (pack number, offset in it) or None
 
 
 _SIG = operator.attrgetter("dtype", "shape", "device", "layout", "requires_grad")  # one C call a tensor
@@ -186,23 +188,33 @@ class PlanCache:
         if len(forms) != len(tensors):  # pragma: no cover - the planner plans each tensor once
             return 0
         kept, offsets, off, inline = [], [], 0, 0
+        packs: dict = {}  # id(Pack) -> (its number, where it starts in the buffer): staged whole
         for t, f in zip(tensors, forms):
             if t.is_quantized or not _stageable(t.dtype):
                 return 0
+            if isinstance(f, Leaf) and f.pack is not None:
+                at = packs.get(id(f.pack))
+                if at is None:
+                    at = packs[id(f.pack)] = (len(packs), off, f.pack.itemsize, f.pack.nbytes)
+                    off += -(-f.pack.nbytes // _ALIGN) * _ALIGN
+                kept.append((f.tag, f.meta, f.itemsize, f.ranges, f.packed_size, f.path, (at[0], f.pack_off)))
+                offsets.append(at[1] + f.pack_off)  # (a multiple of its item size: typed views hold)
+                continue
             if isinstance(f, Leaf):
-                kept.append((f.tag, f.meta, f.itemsize, f.ranges, f.packed_size, f.path))
+                kept.append((f.tag, f.meta, f.itemsize, f.ranges, f.packed_size, f.path, None))
                 n = f.nbytes
             else:
                 (tag, meta), = f.items()
                 size = len(msgpack.packb(f, use_bin_type=True))
-                kept.append((tag, {k: v for k, v in meta.items() if k != "x"}, t.element_size(), None, size, ""))
+                kept.append((tag, {k: v for k, v in meta.items() if k != "x"}, t.element_size(), None, size, "", None))
                 n = meta["n"]
                 inline += n
             offsets.append(off)
             off += -(-n // _ALIGN) * _ALIGN
         lay = _Layout(keys, list(map(_SIG, tensors)), list(plains), [_plain_size(v) for v in plains],
                       kept, offsets, off, inline,
-                      [i for i, t in enumerate(tensors) if t.device.type == "cpu"])
+                      [i for i, t in enumerate(tensors) if t.device.type == "cpu"],
+                      [(start, itemsize, n) for _k, start, itemsize, n in packs.values()])
         self._layouts = [lay] + [x for x in self._layouts if x.keys != keys][:self.size - 1]
         return off
 
@@ -287,7 +299,8 @@ class _CachedPlan(Plan):
             raise RuntimeError("a staged plan's leaves were asked for before it was staged")  # pragma: no cover
         self._np = self._buf.numpy() if self._buf is not None else None
         pending, leaves = [], []
-        for i, (tag, meta, itemsize, ranges, size, path) in enumerate(self._lay.forms):
+        packs: list = [None] * len(self._lay.packs)
+        for i, (tag, meta, itemsize, ranges, size, path, in_pack) in enumerate(self._lay.forms):
             if ranges is None:
                 raw, _ = self._bytes(i, meta["n"])
                 p = _Inline(tag, meta, raw, size)
@@ -295,7 +308,17 @@ class _CachedPlan(Plan):
                 raw, private = self._bytes(i, ranges[-1][1])
                 p = Leaf(tag, meta, raw, itemsize, ranges, path=path, private=private)
                 p.packed_size = size
-                leaves.append(p)
+                if in_pack is None:
+                    leaves.append(p)
+                else:
+                    k, p.pack_off = in_pack
+                    if packs[k] is None:  # staged: the pack is its span of the buffer
+                        start, isz, n = self._lay.packs[k]
+                        packs[k] = Pack(None, {}, None if self._np is None else self._np[start:start + n], isz,
+                                        [(0, n)], private=self._np is not None)
+                        leaves.append(packs[k])
+                    p.pack = packs[k]
+                    p.pack.members.append(p)
             pending.append(p)
         nxt, leaf, plain = iter(self._lay.keys).__next__, iter(pending).__next__, iter(self._plains).__next__
 

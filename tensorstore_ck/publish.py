@@ -87,6 +87,8 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
     futs: list[Future] = []
     with cancelled_on_failure(futs):
         for leaf in plan.leaves:
+            if leaf.raw is None:  # a pack of a plan not staged: its members' bytes copied together
+                leaf.gather()
             for i, (a, b) in enumerate(leaf.ranges):
                 leaves.append(leaf)
                 if only_hashed(leaf, i, owns):

@@ -22,7 +22,7 @@ import math
 import os
 import pickle
 from collections import OrderedDict
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -35,11 +35,12 @@ from .format.tree import format_path
 from .paths import FULL, SKIP, Selection, is_stateful
 from .placement import Placement, check_map_location
 from .read_world import Gathered, WorldReading
+from .readjobs import PackCache, part_job, run_reads
 from .roles import ObjectReader
 from .shard import Sharded, from_dtensor, is_dtensor
 from .world_view import VALUE_COST, Merged
 
-__all__ = ["Reader", "run_reads", "default_max_bytes", "MISSING"]
+__all__ = ["Reader", "default_max_bytes", "MISSING"]
 
 # A fresh tensor bigger than this is allocated only once all its blocks are known
 # to exist (one HEAD / stat per distinct block; smaller ones are not worth it).
@@ -65,37 +66,6 @@ def default_max_bytes() -> int:
         pass
     return total
 
-
-
-def run_reads(assets: ObjectReader, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,
-              written: dict | None = None, progress=None, fence: int | None = None) -> None:
-    """Read (digest, destination, path, bounce) jobs in parallel; the first failure
-    cancels the rest. bounce: the destination is the caller's memory, which gets
-    only verified bytes (Assets.read_block_into). `written`, on failure: filled with
-    path -> (blocks copied into the caller's memory, blocks it was to get), for the
-    paths that had bounce jobs, once no job is running any more."""
-    if not jobs:
-        return
-    futs = [pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p, bounce=b,
-                        fence=fence)
-            for d, out, p, b in jobs]
-    if progress is not None:  # progress(bytes) as each block is read and verified
-        for f, (_d, out, _p, _b) in zip(futs, jobs):
-            f.add_done_callback(lambda f, n=out.nbytes:
-                                None if f.cancelled() or f.exception() is not None else progress(n))
-    wait(futs, return_when=FIRST_EXCEPTION)
-    for f in futs:
-        if f.done() and not f.cancelled() and f.exception() is not None:
-            for g in futs:
-                g.cancel()
-            wait(futs)
-            if written is not None:
-                for (_d, _out, p, b), g in zip(jobs, futs):
-                    if b:
-                        done, total = written.get(p, (0, 0))
-                        ok = not g.cancelled() and g.exception() is None
-                        written[p] = (done + ok, total + 1)
-            raise f.exception()
 
 
 class Reader(WorldReading):
@@ -133,6 +103,7 @@ class Reader(WorldReading):
         self._allocated = 0
         self._jobs: list[tuple[bytes, object, str, bool]] = []
         self._after: list = []     # run once every block is read and verified
+        self._packs = PackCache()  # the packs read last (reads of one leaf at a time reuse them)
         self._assign: list = []    # (container, key, value) of the caller's tree, set then too
         self._staged: set = set()  # paths of the caller's tensors that also get an after-copy
         self._loads: list = []     # (Stateful, state dict, path): load_state_dict once all is in place
@@ -327,7 +298,7 @@ class Reader(WorldReading):
     def _run_jobs(self, written: dict | None = None):
         jobs, self._jobs = self._jobs, []
         run_reads(self.assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify, written=written,
-                  progress=self.progress, fence=self.fence)
+                  progress=self.progress, fence=self.fence, packs=self._packs)
 
     def _set(self, container, key, v, given: bool) -> None:
         """container[key] = v; in the caller's tree only once every read has succeeded."""
@@ -512,6 +483,9 @@ class Reader(WorldReading):
                 flat_u8[:] = src
             return
         p = format_path(path)
+        if leaf.part is not None:
+            self._jobs.append((leaf.blocks[0], part_job(leaf, flat_u8), p, caller))
+            return
         for _i, d, a, b in leaf.block_spans():
             self._jobs.append((d, flat_u8[a:b], p, caller))
 
@@ -538,7 +512,7 @@ class Reader(WorldReading):
         if isinstance(into, Sharded) and leaf.quant is None:
             # A whole tensor (a one-process snapshot) into a piece: its region, as from a
             # sharded tensor saved as one chunk.
-            whole = tree.Chunk(leaf.shape, leaf.nbytes, leaf.inline, leaf.block_size, leaf.blocks,
+            whole = tree.Chunk(leaf.shape, leaf.nbytes, leaf.inline, leaf.block_size, leaf.blocks, leaf.part,
                                offsets=(0,) * len(leaf.shape))
             return self._global(tree.Global(leaf.dt, tuple(leaf.shape), [whole]), path, into)
         if leaf.quant is not None:

@@ -31,6 +31,7 @@ from .format import tree
 from .format import world as worldfmt
 from .format.tree import format_path
 from .paths import FULL, SKIP
+from .readjobs import part_job
 from .shard import Sharded, find_overlap
 from .world_view import VALUE_COST, Union
 
@@ -69,6 +70,13 @@ def read_box(leaf: tree.Leaf, dtype: torch.dtype, box: tuple, target: torch.Tens
         return (lambda: target.copy_(src[box])), 0
     row = dtype.itemsize * math.prod(sh[1:]) if nd else dtype.itemsize
     r0, r1 = (box[0].start, box[0].stop) if nd else (0, 1)
+    if leaf.part is not None:  # a small leaf in a pack: its rows out of the pack's part
+        tmp = torch.empty(leaf.nbytes, dtype=torch.uint8)
+        jobs.append((leaf.blocks[0], part_job(leaf, tmp.numpy()), path, False))
+        rows = tmp[r0 * row:r1 * row].view(dtype)
+        rows = rows.reshape((r1 - r0,) + tuple(sh[1:])) if nd else rows.reshape(())
+        src = rows[(slice(None),) + tuple(box[1:])] if nd else rows
+        return (lambda: target.copy_(src)), tmp.numel()
     b_lo, b_hi = r0 * row, r1 * row
     bs, n = leaf.block_size, leaf.nbytes
     i0, i1 = b_lo // bs, -(-b_hi // bs)

@@ -135,9 +135,11 @@ class Saver:
         # the kernel when it is freed and faults fresh pages in for the next one: in a
         # saver, whose heap never warms up as a long-lived training process's does, that was
         # ~2 page faults per 4 KiB it uploads and half its CPU (1.2 GB of fresh pages per
-        # 0.5 GB). Kept in its heap instead: buffers up to 64 MiB from the heap, and freed
-        # memory returned only past 256 MiB. A caller's own settings win.
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 20))
+        # 0.5 GB). Kept in its heap instead: every buffer from the heap (glibc takes no
+        # threshold past 32 MiB, and a pack is 64 MiB: no mmap at all), and freed memory
+        # returned only past 256 MiB. A caller's own settings win.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+        env.setdefault("MALLOC_MMAP_MAX_", "0")
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
         env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                                 if p])

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from . import lifecycle
 from .asyncput import AsyncPuts, SnapshotFuture, note
+from .chunker import default_pack_size
 from .core import Core
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CALLS, CollectiveJob, collective_checkout, collective_put, is_collective
@@ -166,6 +167,10 @@ class Store:
         self.storage, self.reftable, self.assets, self.config = core.storage, core.refs, core.assets, config
         self.verify, self.workers, self.gc_lease = st.verify, st.workers, st.gc_lease
         self.block_size, self.inline_threshold = st.block_size, st.inline_threshold
+        # Small tensors packed into blocks of up to pack_size: by default where an object
+        # costs a request (an object store, or a tier in front of one), not on a local disk.
+        self.pack_size = st.pack_size if st.pack_size is not None else default_pack_size(
+            tier is not None or not (core.storage.local or core.storage.url.startswith("memory://")))
         self.codecs = core.assets.codecs  # what blocks are written with; any store reads every codec
         # The one way anything is published into this store (put, collective put, DCP writer).
         self.publisher = Publisher(self.assets, self.reftable, core.pool)
@@ -436,7 +441,7 @@ class Store:
             from .plancache import PlanCache
             self._plan_cache = PlanCache()
         return Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
-                       allow_pickle=allow_pickle, defer_device=defer_device,
+                       allow_pickle=allow_pickle, defer_device=defer_device, pack_size=self.pack_size,
                        cache=self._plan_cache if cached else None)
 
     def raise_pending_error(self) -> None:

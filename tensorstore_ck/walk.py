@@ -19,7 +19,7 @@ from .format.tree import format_path
 from .format.world import bucket_entries, fan_children, fan_height, rank_tops
 from .roles import WalkReader
 
-__all__ = ["Obj", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS"]
+__all__ = ["Obj", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS", "PackedPart"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +47,7 @@ def read_node(assets: WalkReader, d: bytes, path: tuple, depth: int, *, snapshot
 def _leaf_blocks(leaf) -> Iterator[tuple[bytes, int]]:
     chunks = leaf.chunks if isinstance(leaf, tree.Global) else (leaf,)
     for c in chunks:
-        for _i, d, a, b in c.block_spans():
-            yield d, b - a
+        yield from c.stored_blocks()
 
 
 def _fan_roots(w: tree.World, path, depth) -> list:
@@ -256,6 +255,25 @@ def _leaf_paths(assets: WalkReader, top: bytes, *, snapshot: str, verify: bool, 
         todo.extend((r, dp, prefix + p) for p, dp, r in keep)
 
 
+def _contents(leaf: tree.Leaf) -> list:
+    """What names a leaf's bytes: its inline bytes, its block addresses, or for a part of a
+    pack a PackedPart (its pack may differ where its own bytes do not: diff reads them)."""
+    if leaf.inline is not None:
+        return [leaf.inline]
+    if leaf.part is not None:
+        return [PackedPart(leaf.blocks[0], leaf.part[0], leaf.part[1], leaf.nbytes)]
+    return list(leaf.blocks)
+
+
+@dataclass(frozen=True)
+class PackedPart:
+    """Bytes [off, off + n) of the pack `digest` of raw length glen."""
+    digest: bytes
+    off: int
+    glen: int
+    n: int
+
+
 def iter_leaves(assets: WalkReader, root: bytes, *, verify: bool = True,
                 limit: int = MAX_LEAF_PATHS) -> dict[str, tuple[str, list]]:
     """path -> (dtype/shape summary, [block digests or inline bytes]) for every tensor or
@@ -274,10 +292,10 @@ def iter_leaves(assets: WalkReader, root: bytes, *, verify: bool = True,
                 out[key] = (_describe(item), [])
             sharded.setdefault(key, []).extend(item.chunks)
         else:
-            out[key] = (_describe(item), [item.inline] if item.inline is not None else list(item.blocks))
+            out[key] = (_describe(item), _contents(item))
     for key, chunks in sharded.items():
         blocks = []
         for ch in sorted(chunks, key=lambda ch: ch.offsets):
-            blocks += [ch.inline] if ch.inline is not None else list(ch.blocks)
+            blocks += _contents(ch)
         out[key] = (out[key][0], blocks)
     return out

@@ -138,10 +138,12 @@ def _outcome(store, state, ref, blocking, fresh=False):
         return type(e).__name__, str(e)
 
 
-@pytest.fixture
-def stores(tmp_path):
-    kept = tsck.open_store(str(tmp_path / "kept"), block_size=BS, inline_threshold=INLINE)
-    whole = tsck.open_store(str(tmp_path / "whole"), block_size=BS, inline_threshold=INLINE)
+@pytest.fixture(params=[0, 40_000], ids=["unpacked", "packed"])
+def stores(tmp_path, request):
+    """pack_size 40,000: the 12-13 KB tensors packed three to a pack, so a kept layout must
+    stage each pack whole and name the same packs as a whole plan does."""
+    kept = tsck.open_store(str(tmp_path / "kept"), block_size=BS, inline_threshold=INLINE, pack_size=request.param)
+    whole = tsck.open_store(str(tmp_path / "whole"), block_size=BS, inline_threshold=INLINE, pack_size=request.param)
     yield kept, whole
     kept.close()
     whole.close()

@@ -30,8 +30,9 @@ from ..errors import CheckoutMismatch, FormatError, InvalidArgument
 from ..dcpstate import load_bytes_item
 from ..format.dcp import is_dcp_top
 from ..format.manifest import decode_commit
-from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes, run_reads
+from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes
 from ..read_world import read_box
+from ..readjobs import PackCache, part_job, run_reads
 from ..format.names import parse_target
 from ..store import Store
 from .layout import DcpTree
@@ -177,8 +178,9 @@ class TsckReader(StorageReader):
             self.store.core.assets.require_blocks(dict.fromkeys(leaf.blocks), self.store.core.pool, snapshot=m.root,
                                              path=repr(fqn))
         buf = np.empty(leaf.nbytes, dtype=np.uint8)
-        run_reads(self.store.core.assets, self.store.core.pool,  # a fresh buffer: read into directly
-                  [(d, buf[a:b], repr(fqn), False) for _i, d, a, b in leaf.block_spans()],
+        jobs = [(leaf.blocks[0], part_job(leaf, buf), repr(fqn), False)] if leaf.part is not None \
+            else [(d, buf[a:b], repr(fqn), False) for _i, d, a, b in leaf.block_spans()]
+        run_reads(self.store.core.assets, self.store.core.pool, jobs,  # a fresh buffer: read into directly
                   snapshot=m.root, verify=self.verify)
         return buf.tobytes()
 
@@ -192,6 +194,7 @@ class _ReadBatch:
         self.after: list = []  # (req, target, function to run after the reads or None)
         self.tmp_bytes = 0
         self.planner = None
+        self.packs = PackCache()  # a pack whose parts two batches read is read once
 
     def add(self, req: ReadItem, planner: LoadPlanner) -> None:
         self.planner = planner
@@ -219,7 +222,8 @@ class _ReadBatch:
     def flush(self) -> None:
         jobs, after = self.jobs, self.after
         self.jobs, self.after, self.tmp_bytes = [], [], 0
-        run_reads(self.store.core.assets, self.store.core.pool, jobs, snapshot=self.m.root, verify=self.verify)
+        run_reads(self.store.core.assets, self.store.core.pool, jobs, snapshot=self.m.root, verify=self.verify,
+                  packs=self.packs)
         for req, target, fn in after:
             if fn is not None:
                 fn()

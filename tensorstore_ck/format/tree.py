@@ -94,18 +94,32 @@ class Container:
 
 @dataclass(slots=True)
 class Leaf:
-    """Bytes of a tensor, array or chunk: inline, or cut into blocks of block_size."""
+    """Bytes of a tensor, array or chunk: inline, cut into blocks of block_size, or a part
+    of a pack (a block shared by many small tensors: `part` = (offset, the pack's length),
+    `blocks` = [the pack's address], block_size 0)."""
     shape: tuple
     nbytes: int
     inline: bytes | None
     block_size: int
     blocks: list
+    part: tuple | None = None
 
     def block_spans(self) -> Iterator[tuple[int, bytes, int, int]]:
-        """(index, digest, start, stop) of every block."""
+        """(index, digest, start, stop) of every block; a packed leaf has none of its own
+        (its readers read a part of its pack: `part`)."""
+        if self.part is not None:
+            raise ValueError("a packed leaf has no blocks of its own")  # pragma: no cover - a reader's bug
         bs = self.block_size
         for i, d in enumerate(self.blocks):
             yield i, d, i * bs, min(self.nbytes, (i + 1) * bs)
+
+    def stored_blocks(self) -> Iterator[tuple[bytes, int]]:
+        """(digest, raw length) of every block object it names: its blocks, or its pack."""
+        if self.part is not None:
+            yield self.blocks[0], self.part[1]
+        else:
+            for _i, d, a, b in self.block_spans():
+                yield d, b - a
 
 
 @dataclass(slots=True)
@@ -183,7 +197,7 @@ def _shape(sh, path, what="tensor shape") -> tuple:
 
 
 def _leaf_fields(body, path, itemsize: int):
-    """-> (shape, nbytes, inline, block_size, blocks), everything consistent."""
+    """-> (shape, nbytes, inline, block_size, blocks, part), everything consistent."""
     if not isinstance(body, dict):
         raise _bad("tensor leaf is not a map", path)
     sh = _shape(body.get("sh"), path)
@@ -193,13 +207,20 @@ def _leaf_fields(body, path, itemsize: int):
     if "x" in body:
         if not isinstance(body["x"], bytes) or len(body["x"]) != n:
             raise _bad("inline tensor bytes do not match its size", path)
-        return sh, n, body["x"], 0, []
+        return sh, n, body["x"], 0, [], None
+    if "g" in body:  # a part of a pack: [address, offset, the pack's length]
+        g = body["g"]
+        if "bs" in body or "b" in body or not isinstance(g, list) or len(g) != 3 or not _is_digest(g[0]) \
+                or not _is_int(g[1]) or not _is_int(g[2]) or not 0 < g[2] <= MAX_BLOCK_SIZE \
+                or not 0 <= g[1] <= g[2] - n:
+            raise _bad("bad pack reference", path)
+        return sh, n, None, 0, [g[0]], (g[1], g[2])
     bs, blocks = body.get("bs"), body.get("b")
     if not _is_int(bs) or not 1 <= bs <= MAX_BLOCK_SIZE or bs % max(1, itemsize) or not isinstance(blocks, list):
         raise _bad("bad block layout", path)
     if len(blocks) != -(-n // bs) or not all(_is_digest(b) for b in blocks):
         raise _bad("block list does not match the tensor size", path)
-    return sh, n, None, bs, blocks
+    return sh, n, None, bs, blocks, None
 
 
 def _dtype_itemsize(dt, path, what="torch dtype") -> int:
@@ -227,7 +248,7 @@ def _tensor(body, path) -> Tensor:
     if not isinstance(body, dict):
         raise _bad("tensor leaf is not a map", path)
     itemsize = _dtype_itemsize(body.get("dt"), path)
-    sh, n, inline, bs, blocks = _leaf_fields(body, path, itemsize)
+    sh, n, inline, bs, blocks, part = _leaf_fields(body, path, itemsize)
     quant = None
     if "q" in body or body["dt"] in QUANT_NAMES:
         if body["dt"] in PACKED_QUANT_NAMES:
@@ -236,7 +257,7 @@ def _tensor(body, path) -> Tensor:
     dev = body.get("dev")
     if dev is not None and (not isinstance(dev, str) or len(dev) > MAX_DEVICE_NAME):
         raise _bad("bad device name", path)
-    return Tensor(sh, n, inline, bs, blocks, dt=body["dt"], param=body.get("p") is True,
+    return Tensor(sh, n, inline, bs, blocks, part, dt=body["dt"], param=body.get("p") is True,
                   requires_grad=body.get("rg") is True, device=dev, quant=quant)
 
 
@@ -247,8 +268,8 @@ def _array(body, path) -> Array:
         dtype = np_dtype_in(body.get("dt"))
     except FormatError as e:
         raise _bad(str(e), path) from None
-    sh, n, inline, bs, blocks = _leaf_fields(body, path, dtype.itemsize)
-    return Array(sh, n, inline, bs, blocks, dtype=dtype, fortran=body.get("fo") is True)
+    sh, n, inline, bs, blocks, part = _leaf_fields(body, path, dtype.itemsize)
+    return Array(sh, n, inline, bs, blocks, part, dtype=dtype, fortran=body.get("fo") is True)
 
 
 def _global(body, path) -> Global:
@@ -266,10 +287,10 @@ def _global(body, path) -> Global:
         off = c.get("off")
         if not isinstance(off, list) or len(off) != len(gs) or not all(_is_int(x) and x >= 0 for x in off):
             raise _bad("bad chunk offsets", path)
-        sh, n, inline, bs, blocks = _leaf_fields(c, path, itemsize)
+        sh, n, inline, bs, blocks, part = _leaf_fields(c, path, itemsize)
         if len(sh) != len(gs) or any(o + k > g for o, k, g in zip(off, sh, gs)):
             raise _bad("chunk outside its tensor", path)
-        chunks.append(Chunk(sh, n, inline, bs, blocks, offsets=tuple(off)))
+        chunks.append(Chunk(sh, n, inline, bs, blocks, part, offsets=tuple(off)))
     return Global(dt, gs, chunks, replicated=body.get("rep") is True)
 
 

@@ -16,6 +16,7 @@ Content is chosen to exercise dedup and gc's windows:
         pipeline stage rank 0 holds no piece of (one process must still read it back)
   grow  some asynchronous puts (spec["g"]): a tensor of a size drawn per call, so the
         staged states change size between calls
+  small  a packing writer's puts (spec["p"]): two small tensors in one pack
   layout  some puts (spec["l"]) change the tree's layout under the same keys: ids as
         int32, own as a matrix, one more key; a writer's Store plans most puts
         from the layout it kept (plancache.py), so a kept plan used for a changed layout
@@ -93,6 +94,9 @@ def state(spec: dict) -> dict:
         st["own"] = st["own"].reshape(60, 100)
     elif lay == 3:
         st["note2"] = st["note"]  # (a key added: a read of paths= may name any of the others)
+    if spec.get("p"):  # a packing writer's put (Worker.op_put): small tensors a pack holds together,
+        # one shared by the snapshots of a variant (a pack reused, a gc candidate), one its own
+        st["small"] = [_floats(1500, "small", int(spec["v"])), _floats(1100, "small", *_own(spec))]
     if "g" in spec:  # an asynchronous put's extra tensor of a size drawn per call (Worker.op_put)
         st["grow"] = _floats(int(spec["g"]), "grow", spec["w"], spec["o"])
     if staged(spec):
@@ -146,6 +150,10 @@ def differences(got, want, path: str = "") -> list[str]:
         for k in want:
             out += differences(got[k], want[k], f"{path}/{k}")
         return out
+    if isinstance(want, list):
+        if len(got) != len(want):
+            return [f"{path or '/'}: {len(got)} items != {len(want)}"]
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in differences(g, w, f"{path}/{i}")]
     if isinstance(want, torch.Tensor):
         if got.dtype != want.dtype or got.shape != want.shape:
             return [f"{path}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"]

@@ -474,6 +474,7 @@ class Harness:
         skips: dict = {}  # collective puts one rank skipped, by what rank 0 was told; "next:" the put after
         grown = 0  # asynchronous puts of a state whose size was drawn for the call
         saved: dict = {}  # asynchronous puts through a saver process, by outcome
+        packed = 0  # puts whose small tensors went into packs (open_store(pack_size=))
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
             if o.w in ids and o.op == "put" and (o.args.get("skipped_by") or o.args.get("after_skip") is not None):
                 k = ("next:" if o.args.get("after_skip") is not None else "") + \
@@ -484,6 +485,7 @@ class Harness:
                 k = (str(o.result) if o.end is not None else "killed") + \
                     (f"({o.args['saver_sig'].lower()})" if o.args.get("saver_sig") else "")
                 saved[k] = saved.get(k, 0) + 1
+            packed += 1 if o.w in ids and o.op == "put" and o.result == "ok" and o.args.get("packs") else 0
             if o.w in ids and o.op == "put" and o.args.get("upload_saver_sig"):  # a tier's saver hit as it uploads
                 k = f"upload({o.args['upload_saver_sig'].lower()})"
                 saved[k] = saved.get(k, 0) + 1
@@ -512,7 +514,7 @@ class Harness:
                  f"kept_plans={sum(kept.values())} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}{'(one ref)' if hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
-                 f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} "
+                 f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} packed_puts={packed} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "

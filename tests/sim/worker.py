@@ -297,6 +297,9 @@ class Worker:
         if grow.random() < self.cfg.get("layout_p", 0.25):
             spec["l"] = grow.choice([1, 2, 3])  # the same keys, another layout (content.state)
         args = {"ref": ref, "step": step, "spec": spec, "blocking": blocking}
+        if s.pack_size:
+            args["packs"] = s.pack_size  # its small tensors packed (open_store(pack_size=))
+            spec["p"] = 1
         if not blocking and s._saver is not None:
             args["saver"] = True  # its blocks written by the saver process
             kills = random.Random(f"{self.cfg['seed']}-{self.wid}-{i}-saver")  # (a stream of its own)
@@ -782,6 +785,12 @@ class Worker:
             kw["saver"] = random.Random(f"{cfg['seed']}:{self.wid}:saver").random() < 1 / 2
         elif cfg.get("tier") and cfg.get("saver"):  # the tier's uploads run in a saver process
             kw["saver"] = True
+        # Small tensors packed into shared blocks by some writers (a stream of its own): packs
+        # of a few of the harness's tensors, or the default (0 on a local disk, 64 MiB with a
+        # tier: every small tensor of a put in one pack).
+        pack = random.Random(f"{cfg['seed']}:{self.wid}:pack").choice([0, 12_288, 65_536, None])
+        if pack is not None:
+            kw["pack_size"] = pack
         s = open_store(cfg, self.faults, **kw)
         self.faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases
         self._meet()
