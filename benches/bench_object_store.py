@@ -8,13 +8,14 @@ partitioned prefix; a new prefix is one partition, and S3 splits it only after m
 sustained load, answering 503 SlowDown meanwhile. Past a few hundred thousand objects per
 snapshot, the request rate, not the bandwidth, decides how long a snapshot takes.
 
-Part 1, the layouts (counted with the chunker's own code, nothing written): the state of
+Part 1, the layouts (counted with the writer's own code, the chunker and plan.pack_leaves;
+nothing written): the state of
 one rank of a 1,024-rank FSDP2 job training a Llama-3-405B-shaped model with AdamW in
 fp32 (parameters, exp_avg, exp_avg_sq, each tensor sharded on dim 0 across the ranks:
 4.86 TB in all, 4.75 GB per rank, 3,411 tensors per rank); the objects one snapshot
-makes with one object per block at block sizes 4-256 MiB, and with each rank's new
-blocks packed into objects of 64 or 256 MiB; and the bytes a one-row edit of the embedding's
-8 MiB shard rewrites under each.
+makes with one object per block at block sizes 4-256 MiB, and with the small tensors
+(one block or less) packed into blocks of 16, 64 (open_store's default on object stores) or
+256 MiB; and the bytes a one-row edit of the embedding's 8 MiB shard rewrites under each.
 
 Part 2, measured: --ranks W threads of this process, each a rank with its own Store
 object and S3 client (the LMDB ref table opened once and shared: LMDB forbids opening an
@@ -22,10 +23,12 @@ environment twice in a process), each putting its own state (--blocks B split am
 them: B/W tensors of --kib KiB each, one block apiece, distinct content; compression "none" to keep the CPU
 for the requests) to its own ref, all starting together. The requests go through
 tests/sim/s3proxy.py's ThrottleProxy to a real radosgw (started here; or --endpoint).
-Three runs per repeat, in this order:
+Five runs per repeat, in this order:
   open       no limit: what radosgw, the proxy and the clients reach on these 2 cores
   limited    S3's rates divided by --scale, one partition, no split (a new prefix)
   split      the same, the partitions doubling after --split-after s of throttling (to 8)
+  open, packed / limited, packed   the first two with pack_size --pack-kib (the tensors of a
+             rank packed --pack-kib / --kib to an object, as a 5 TB job's are into 64 MiB)
 Per run: seconds from start to the last rank's put returning; requests by kind, forwarded
 and refused; the refused share per second of the run (the back-off converges when it
 falls and stays low); the write rate achieved over the limit (efficiency e).
@@ -105,16 +108,32 @@ def layouts(world: int) -> tuple[list[dict], list, int]:
     total = sum(math.prod(s) * i for s, i in shapes) * world
     edit = (126, 16384)  # a one-row edit of the embedding's shard (8.06 MiB): what it rewrites
     rows = []
+    lay4 = chunker.plan_blocks(math.prod(edit) * 4, 4, edit, 4 * MiB, chunker.DEFAULT_INLINE_THRESHOLD)
     for bs in (4, 16, 64, 256):
         n, in_blocks = blocks_of(shapes, bs * MiB)  # (the bytes in blocks: the same at every size)
         lay = chunker.plan_blocks(math.prod(edit) * 4, 4, edit, bs * MiB, chunker.DEFAULT_INLINE_THRESHOLD)
         rows.append(dict(layout=f"one object per block, {bs} MiB blocks", per_rank=n, total=n * world,
                          edit=lay.block_size))
-    for pack in (64, 256):
-        per_rank = math.ceil(in_blocks / (pack * MiB))
-        rows.append(dict(layout=f"4 MiB blocks packed per rank and snapshot, {pack} MiB packs", per_rank=per_rank,
-                         total=per_rank * world, edit=4 * MiB))  # the block, into a new pack
+    for pack in (16, 64, 256):
+        per_rank = packed_objects(shapes, 4 * MiB, pack * MiB)
+        # a one-row edit rewrites the pack the edited block is in (the embedding's shard is
+        # two blocks, not packed: its block), or a small tensor's whole pack
+        rows.append(dict(layout=f"4 MiB blocks, small tensors in {pack} MiB packs (built)", per_rank=per_rank,
+                         total=per_rank * world, edit=lay4.block_size, edit_small=pack * MiB, packed=True))
     return rows, shapes, total
+
+
+def packed_objects(shapes, block_size: int, pack_size: int) -> int:
+    """Objects one rank's snapshot makes with packs, counted by the writer's own code: each
+    tensor cut by the chunker, then plan.pack_leaves (what a put with pack_size does)."""
+    from tensorstore_ck.plan import Leaf, pack_leaves
+    leaves = []
+    for shape, item in shapes:
+        nbytes = math.prod(shape) * item
+        lay = chunker.plan_blocks(nbytes, item, shape, block_size, chunker.DEFAULT_INLINE_THRESHOLD)
+        if lay.block_size:
+            leaves.append(Leaf("T", {}, None, item, [(a, b) for _, a, b in chunker.block_ranges(lay)]))
+    return sum(len(leaf.ranges) for leaf in pack_leaves(leaves, pack_size))
 
 
 # ------------------------------------------------------------------ part 2: measured
@@ -124,13 +143,14 @@ def rank_state(rank: int, tensors: int, kib: int) -> dict:
 
 
 def run_once(scratch: str, opts, bucket: str, ranks: int, tensors: int, kib: int, proxy: ThrottleProxy,
-             limits: RateLimits | None, workers: int) -> dict:
+             limits: RateLimits | None, workers: int, pack_size: int = 0) -> dict:
     url = f"s3://{bucket}/obj-{uuid.uuid4().hex[:8]}"
     popts = {**opts, "endpoint_url": proxy.url}
     refs = os.path.join(scratch, url.rsplit("/", 1)[1] + ".lmdb")
     first = tsck.open_store(url, refs=refs, storage_options=opts, compression="none")  # made without the proxy
     states = [rank_state(r, tensors, kib) for r in range(ranks)]
-    stores = [tsck.open_store(url, refs=first.reftable, storage_options=popts, compression="none", workers=workers)
+    stores = [tsck.open_store(url, refs=first.reftable, storage_options=popts, compression="none", workers=workers,
+                              pack_size=pack_size)
               for _ in range(ranks)]
     proxy.reset_counts()
     proxy.limit(limits)
@@ -197,6 +217,8 @@ def main() -> int:
     ap.add_argument("--rank-gbps", type=float, default=1.5, help="the projection's bandwidth per rank, GB/s")
     bench_s3.add_server_args(ap, "tsck-objbench")
     ap.add_argument("--layouts-only", action="store_true", help="part 1 alone (no server)")
+    ap.add_argument("--pack-kib", type=int, default=1024,
+                    help="the packed runs' pack_size in KiB (1024: 16 of the 64 KiB tensors a pack)")
     a = ap.parse_args()
 
     print(f"# bench_object_store: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -208,8 +230,9 @@ def main() -> int:
           "| a one-row edit rewrites |")
     print("|---|---|---|---|---|")
     for r in rows:
+        small = f"; of a small tensor: its pack, {r['edit_small'] / MiB:.0f} MiB at most" if r.get("packed") else ""
         print(f"| {r['layout']} | {r['per_rank']:,} | {r['total']:,} | {r['total'] / S3_WRITE:,.0f} s "
-              f"| {r['edit'] / MiB:.2f} MiB |")
+              f"| {r['edit'] / MiB:.2f} MiB{small} |")
     if a.layouts_only:
         return 0
 
@@ -225,27 +248,31 @@ def main() -> int:
         run_once(scratch, opts, a.bucket, 8, 2, a.kib, proxy, None, a.workers)  # warm up: connections, radosgw
         for world in a.ranks:
             for rep in range(a.repeats):
-                for name, lim in (
-                        ("open", None),
-                        ("limited", RateLimits(S3_WRITE / a.scale, S3_READ / a.scale)),
+                limited = RateLimits(S3_WRITE / a.scale, S3_READ / a.scale)
+                for name, lim, pack in (
+                        ("open", None, 0),
+                        ("limited", limited, 0),
                         ("split", RateLimits(S3_WRITE / a.scale, S3_READ / a.scale, split_after=a.split_after,
-                                             max_partitions=8))):
+                                             max_partitions=8), 0),
+                        ("open, packed", None, a.pack_kib << 10),
+                        ("limited, packed", limited, a.pack_kib << 10)):
                     tensors = max(1, a.blocks // world)
-                    res = run_once(scratch, opts, a.bucket, world, tensors, a.kib, proxy, lim, a.workers)
+                    res = run_once(scratch, opts, a.bucket, world, tensors, a.kib, proxy, lim, a.workers, pack)
                     fwd, ref = res["fwd"], res["ref"]
                     writes = sum(v for k, v in fwd.items() if k in ("PUT", "POST", "DELETE"))
                     reads = sum(v for k, v in fwd.items() if k not in ("PUT", "POST", "DELETE"))
-                    objs = world * tensors
-                    line = (f"W={world} rep {rep + 1} {name:7s}: {res['wall']:.1f} s; forwarded {fmt_kinds(fwd)}; "
+                    objs = world * (tensors if not pack else math.ceil(tensors * a.kib / a.pack_kib))
+                    line = (f"W={world} rep {rep + 1} {name:15s}: {res['wall']:.1f} s; forwarded {fmt_kinds(fwd)}; "
                             f"refused {fmt_kinds(ref)}; writes/s {writes / res['wall']:.0f}, reads/s "
-                            f"{reads / res['wall']:.0f}")
+                            f"{reads / res['wall']:.0f}; {objs} block objects")
                     if name == "limited" and not res["errors"]:
                         e_w = writes / res["wall"] / lim.write_rate
                         effs.setdefault(world, []).append(e_w)
                         line += f"; e_w {e_w:.2f}"
-                    if name == "open":
-                        per_obj.setdefault("head", []).append(fwd.get("HEAD", 0) / max(1, fwd.get("PUT", 0)))
-                        per_obj.setdefault("nodes", []).append((fwd.get("PUT", 0) - objs) / world)
+                    if name.startswith("open"):
+                        key = "packed" if pack else "blocks"
+                        per_obj.setdefault(key + ":head", []).append(fwd.get("HEAD", 0) / max(1, fwd.get("PUT", 0)))
+                        per_obj.setdefault(key + ":nodes", []).append((fwd.get("PUT", 0) - objs) / world)
                     print(line)
                     print(f"    refused share per second: {timeline(res['per_s'])}")
                     if res["splits"]:
@@ -261,20 +288,21 @@ def main() -> int:
     print("\n## Part 3: projection to "
           f"{a.world} ranks x {total / 1e12:.2f} TB, P = 1 partition (a new prefix), b = {a.rank_gbps} GB/s per rank\n")
     e = min(sorted(v)[len(v) // 2] for v in effs.values()) if effs else float("nan")
-    head_per_obj = sorted(per_obj["head"])[len(per_obj["head"]) // 2]
-    nodes = sorted(per_obj["nodes"])[len(per_obj["nodes"]) // 2]
+
+    def med(k):
+        v = sorted(per_obj[k])
+        return v[len(v) // 2]
     print(f"measured: e_w {e:.2f} (the limited runs' write rate over the limit: the lowest world's median); "
-          f"per rank {nodes:.1f} PUTs besides its blocks (its manifest nodes); {head_per_obj:.2f} HEADs per object "
-          "written (a new process asks whether each object is there before sending it). Packs are not built: their rows "
-          "count one PUT per pack plus the same nodes, and no HEAD per block (a pack's blocks are found in its "
-          "index, read once per rank)\n")
+          f"per rank {med('blocks:nodes'):.1f} PUTs besides its blocks (its manifest nodes; packed: "
+          f"{med('packed:nodes'):.1f}); {med('blocks:head'):.2f} HEADs per object written (packed: "
+          f"{med('packed:head'):.2f}; a new process asks whether each object is there before sending it)\n")
     bw = total / (a.world * a.rank_gbps * GB)
     print("| layout | PUTs | HEADs | T_put | T_head | T_bytes | T (max) | ≤ 300 s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        packed = "packed" in r["layout"]
-        puts = r["total"] + nodes * a.world
-        heads = a.world if packed else puts * head_per_obj
+        key = "packed" if r.get("packed") else "blocks"
+        puts = r["total"] + med(key + ":nodes") * a.world
+        heads = puts * med(key + ":head")
         tp, th = puts / (e * S3_WRITE), heads / (e * S3_READ)
         t = max(tp, th, bw)
         print(f"| {r['layout']} | {puts:,.0f} | {heads:,.0f} | {tp:,.0f} s | {th:,.0f} s | {bw:.1f} s | "

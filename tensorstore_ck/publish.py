@@ -88,7 +88,9 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
     with cancelled_on_failure(futs):
         for leaf in plan.leaves:
             if leaf.raw is None:  # a pack of a plan not staged: its members' bytes copied together
-                leaf.gather()
+                leaves.append(leaf)  # in the job (the copies run on the pool too); one block
+                futs.append(pool.submit(_gather_and_put, assets, leaf, fence))
+                continue
             for i, (a, b) in enumerate(leaf.ranges):
                 leaves.append(leaf)
                 if only_hashed(leaf, i, owns):
@@ -104,6 +106,11 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
         wait_all(futs)
     for leaf, f in zip(leaves, futs):
         leaf.results.append(f.result())
+
+
+def _gather_and_put(assets: Assets, pack, fence):
+    pack.gather()
+    return assets.put_block(pack.raw, pack.itemsize, private=True, fence=fence)
 
 
 def replica_digests(plan: Plan) -> list[tuple[str, bytes]]:

@@ -255,10 +255,11 @@ def _leaf_body(**g) -> dict:
     dict(g=[b"\0" * 32, 0, 64], bs=16, b=[b"\0" * 32]),  # a part and blocks at once
     dict(g=[b"\0" * 32, True, 64]),               # a bool is not an offset
     dict(g=(b"\0" * 32, 0, 64, 1)),               # four fields
+    dict(g=[b"\0" * 32, 0, 64], x=b"\0" * 16),     # a part and inline bytes at once
 ], ids=lambda b: repr(b)[:40])
 def test_hostile_pack_references_are_refused(bad):
     raw = msgpack.unpackb(msgpack.packb(_leaf_body(**bad), use_bin_type=True), raw=False)
-    with pytest.raises(tsck.FormatError, match="pack reference|block layout"):
+    with pytest.raises(tsck.FormatError, match="pack reference|block layout|inline tensor bytes"):
         decode_value(raw)
 
 

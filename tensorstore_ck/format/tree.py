@@ -205,7 +205,7 @@ def _leaf_fields(body, path, itemsize: int):
     if not _is_int(n) or n != math.prod(sh) * itemsize:
         raise _bad(f"tensor size {n!r} does not match shape {list(sh)} of {body.get('dt')}", path)
     if "x" in body:
-        if not isinstance(body["x"], bytes) or len(body["x"]) != n:
+        if not isinstance(body["x"], bytes) or len(body["x"]) != n or "g" in body:
             raise _bad("inline tensor bytes do not match its size", path)
         return sh, n, body["x"], 0, [], None
     if "g" in body:  # a part of a pack: [address, offset, the pack's length]
