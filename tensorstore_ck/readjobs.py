@@ -4,6 +4,7 @@ commands that read manifests without tensors (`tsck diff`, `ls`, `fsck`) use it 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
@@ -39,14 +40,17 @@ class PackCache:
 
     def __init__(self, size: int = 2):
         self.size, self._packs = size, OrderedDict()
+        self._lock = threading.Lock()  # (the pool's threads read packs at once)
 
     def get(self, key):
-        return self._packs.get(key)
+        with self._lock:
+            return self._packs.get(key)
 
     def put(self, key, buf) -> None:
-        self._packs[key] = buf
-        while len(self._packs) > self.size:
-            self._packs.popitem(last=False)
+        with self._lock:
+            self._packs[key] = buf
+            while len(self._packs) > self.size:
+                self._packs.popitem(last=False)
 
 
 def _read_pack(assets: ObjectReader, d: bytes, glen: int, parts: list, cache: PackCache | None, **kw) -> None:
