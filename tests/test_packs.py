@@ -274,3 +274,33 @@ def test_a_bad_pack_size_from_the_environment_is_refused(tmp_path, monkeypatch, 
     monkeypatch.setenv("TSCK_PACK_SIZE", value)
     with pytest.raises(tsck.InvalidArgument, match="TSCK_PACK_SIZE"):
         tsck.open_store(str(tmp_path / "s"))
+
+
+def test_dcp_save_packs_small_items_and_dcp_load_and_checkout_read_them(tmp_path):
+    """TsckWriter packs a rank's small items as put_snapshot does (DCP's own write items);
+    dcp.load through TsckReader and store.checkout give the saved bits back, and a second
+    save of the same state writes no pack anew."""
+    import torch.distributed.checkpoint as dcp
+    from tensorstore_ck.dcp import TsckReader, TsckWriter
+    g = torch.Generator().manual_seed(11)
+    sd = {"layers": {f"{i}": torch.randn(30, 50 + i, generator=g) for i in range(20)},
+          "half": {f"{i}": torch.randn(3000, generator=g).to(torch.bfloat16) for i in range(4)},
+          "big": torch.randn(150_000, generator=g)}
+    with _open(tmp_path / "s") as s, \
+            tsck.open_store(str(tmp_path / "plain"), block_size=256 * 1024, inline_threshold=1024,
+                            pack_size=0) as plain:
+        w = TsckWriter(s, ref="d/main", step=1)
+        dcp.save(sd, storage_writer=w)
+        dcp.save(sd, storage_writer=TsckWriter(plain, ref="d/main", step=1))
+        assert len(_blocks(tmp_path / "s")) * 3 < len(_blocks(tmp_path / "plain"))
+        assert _packs_of(s, "d/main")
+        target = {"layers": {k: torch.zeros_like(v) for k, v in sd["layers"].items()},
+                  "half": {k: torch.zeros_like(v) for k, v in sd["half"].items()},
+                  "big": torch.zeros_like(sd["big"])}
+        dcp.load(target, storage_reader=TsckReader(s, "d/main"))
+        assert_same(target, sd)
+        assert_same(s.checkout("d/main"), sd)
+        again = TsckWriter(s, ref="d/main", step=2)
+        dcp.save(sd, storage_writer=again)
+        assert again.info.blocks_new == 0 and again.info.blocks_total == w.info.blocks_total
+        assert s.fsck().ok

@@ -11,6 +11,7 @@ import io
 import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, wait
+from concurrent.futures import Future as FutureOf
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,42 @@ class _Pending:
     def __init__(self, item, kind, meta, wrap, futs, keep, copied):
         self.item, self.kind, self.meta, self.wrap = item, kind, meta, wrap
         self.futs, self.keep, self.copied = futs, keep, copied
+
+
+class _OpenPack:
+    """Small items of one item size gathered for one pack (Store.pack_size; plan.Pack for
+    put_snapshot): each member's future is `fut`, resolved with the pack's PutResult once
+    the pack, closed, is written."""
+    __slots__ = ("itemsize", "chunks", "size", "fut", "closed")
+
+    def __init__(self, itemsize: int):
+        self.itemsize, self.chunks, self.size, self.closed = itemsize, [], 0, False
+        self.fut = FutureOf()
+
+    def add(self, flat: np.ndarray) -> int:
+        off = self.size
+        self.chunks.append(np.array(flat, copy=True))  # the caller's tensor may change after write_data
+        self.size += flat.nbytes
+        return off
+
+    def close(self, publisher, sent: list) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        buf, self.chunks = np.concatenate(self.chunks), []
+        f = publisher.submit_block(buf, self.itemsize, private=True)
+        sent.append(f)
+        f.add_done_callback(self._settle)
+
+    def _settle(self, f) -> None:
+        if self.fut.done():  # (cancelled: the save failed meanwhile)
+            return
+        if f.cancelled():
+            self.fut.cancel()
+        elif f.exception() is not None:
+            self.fut.set_exception(f.exception())
+        else:
+            self.fut.set_result(f.result())
 
 
 class TsckWriter(StorageWriter):
@@ -189,6 +226,8 @@ class TsckWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.store.before_write()
+        self._pack = None  # small items gathered for the next pack (_blocks)
+        self._sent: list = []  # the packs' block writes
         pending: list[_Pending] = []
         results: list[WriteResult] = []
         copied_inflight = 0
@@ -217,7 +256,7 @@ class TsckWriter(StorageWriter):
             for p in pending:
                 for f in p.futs:
                     f.cancel()
-            wait([f for p in pending for f in p.futs])
+            wait([f for p in pending for f in p.futs] + self._sent)
             raise
         fut: Future = Future()
         fut.set_result(results)
@@ -234,6 +273,15 @@ class TsckWriter(StorageWriter):
         if layout.block_size == 0:
             meta["x"] = flat.tobytes()
             return []
+        if layout.nblocks == 1 and 0 < n < store.pack_size:  # a small item: into the open pack
+            pk = self._pack
+            if pk is not None and (pk.itemsize != itemsize or pk.size + n > store.pack_size):
+                pk.close(store.publisher, self._sent)
+                pk = None
+            if pk is None:
+                pk = self._pack = _OpenPack(itemsize)
+            meta["_pack"] = (pk, pk.add(flat))  # ("g" once the pack is written: _finish_item)
+            return [pk.fut]
         meta["bs"] = layout.block_size
         return [store.publisher.submit_block(flat[a:b], itemsize, private=private)
                 for _i, a, b in chunker.block_ranges(layout)]
@@ -261,7 +309,7 @@ class TsckWriter(StorageWriter):
             flat = np.frombuffer(raw, dtype=np.uint8)
             meta = {"dt": "uint8", "sh": [len(raw)]}
             futs = self._blocks(flat, 1, (len(raw),), meta, private=True)  # our own bytes object
-            return _Pending(item, "bytes", meta, "T", futs, flat, 0)
+            return _Pending(item, "bytes", meta, "T", futs, flat, flat.nbytes if "_pack" in meta else 0)
         td = item.tensor_data
         if td is None or td.chunk is None:
             raise FormatError(f"DCP write item {fqn!r} has no tensor data")
@@ -279,9 +327,12 @@ class TsckWriter(StorageWriter):
         flat, copied = _flat_bytes(data)
         meta = {"dt": dtype_name(data.dtype), "sh": list(shape), "off": [int(x) for x in td.chunk.offsets]}
         futs = self._blocks(flat, data.element_size(), shape, meta, private=copied)
-        return _Pending(item, "tensor", meta, None, futs, flat, flat.nbytes if copied else 0)
+        return _Pending(item, "tensor", meta, None, futs, flat, flat.nbytes if copied or "_pack" in meta else 0)
 
     def _finish_item(self, p: _Pending) -> WriteResult:
+        packed = p.meta.get("_pack")
+        if packed is not None:
+            packed[0].close(self.store.publisher, self._sent)  # (its future settles once it is sent)
         wait(p.futs, return_when=FIRST_EXCEPTION)
         for f in p.futs:
             if f.done() and not f.cancelled() and f.exception() is not None:
@@ -291,7 +342,11 @@ class TsckWriter(StorageWriter):
                 raise f.exception()
         res = [f.result() for f in p.futs]
         meta = dict(p.meta)
-        if res:
+        if packed is not None:
+            pk, off = meta.pop("_pack")
+            meta["g"] = [res[0].digest, off, pk.size]
+            res = res if off == 0 else []  # the pack counts once, with its first member
+        elif res:
             meta["b"] = [r.digest for r in res]
         bn = sum(1 for r in res if r.new)
         byn = sum(r.raw_len for r in res if r.new)
