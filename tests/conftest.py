@@ -6,10 +6,15 @@ import pytest
 # The contract suites live in a plain module (tests/conformance.py): rewrite its asserts too.
 pytest.register_assert_rewrite("conformance")
 
-# A developer's AWS_*/TSCK_* settings must not leak into the tests.
+# A developer's AWS_*/TSCK_* settings must not leak into the tests. One knob passes on
+# purpose: TESTS_PACK_SIZE=N runs the whole suite with packs of N bytes as every store's
+# default ($TSCK_PACK_SIZE, chunker.default_pack_size), its subprocesses included.
+_pack = os.environ.get("TESTS_PACK_SIZE")
 for _k in list(os.environ):
     if _k.startswith(("AWS_", "TSCK_")):
         del os.environ[_k]
+if _pack:
+    os.environ["TSCK_PACK_SIZE"] = _pack
 
 # Bytecode caches for the suite's processes. Where PYTHONDONTWRITEBYTECODE is set (this
 # project's CI machine sets it), each of the hundreds of fresh interpreters the suite starts

@@ -220,9 +220,10 @@ def test_cli_fsck_exits_0(tmp_path, version):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_put_of_a_recorded_state_writes_no_new_block(tmp_path, version):
-    """Blocks are format-stable: today's writer cuts and addresses the old states the same way."""
+    """Blocks are format-stable: today's writer cuts and addresses the old states the same way
+    (unpacked, as they were written: packs would be new blocks by design)."""
     exp = _expected(version)
-    with tsck.open_store(_copy(version, tmp_path), create=False) as store:
+    with tsck.open_store(_copy(version, tmp_path), create=False, pack_size=0) as store:
         for i, snap in enumerate(exp["snapshots"]):
             if snap["kind"] != "tree":
                 continue

@@ -24,7 +24,7 @@ from _util import assert_same
 
 import tensorstore_ck as tsck
 from tensorstore_ck.format.tree import decode_value
-from tensorstore_ck.chunker import DEFAULT_PACK_SIZE
+from tensorstore_ck.chunker import default_pack_size
 from tensorstore_ck.storage.wrappers import WrappedStore
 from tensorstore_ck.walk import PackedPart, iter_leaves
 
@@ -227,14 +227,14 @@ def test_a_tier_packs_by_default_and_the_remote_alone_restores(tmp_path):
     st = _state()
     with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "tier"), block_size=256 * 1024,
                          inline_threshold=1024) as s:
-        assert s.pack_size == DEFAULT_PACK_SIZE
+        assert s.pack_size == default_pack_size(True) > 0  # (DEFAULT_PACK_SIZE unless TESTS_PACK_SIZE)
         s.put_snapshot(st, "j/main")
         assert s.wait_durable(timeout=60)
         packs = _packs_of(s, "j/main")
     assert len(packs) >= 2
     assert packs <= _blocks(tmp_path / "remote")
     with tsck.open_store(str(tmp_path / "remote"), create=False) as r:  # the remote alone
-        assert r.pack_size == 0  # a local disk: not packed by default, but read
+        assert r.pack_size == default_pack_size(False)  # a local disk: 0 (unless TESTS_PACK_SIZE); read
         assert_same(r.checkout("j/main"), st)
         assert r.fsck().ok
 
