@@ -45,7 +45,7 @@ def test_mark_memory_grows_with_objects_not_with_references(tmp_path, monkeypatc
     path = str(tmp_path / "s")
     n_tensors, snaps = 1200, 12
     state = {f"t{i}": np.full(8, i, dtype=np.float32) for i in range(n_tensors)}
-    with tsck.open_store(path, inline_threshold=0) as store:
+    with tsck.open_store(path, inline_threshold=0, pack_size=0) as store:  # (one block a tensor)
         for s in range(snaps):
             state[f"t{s}"] = np.full(8, -1 - s, dtype=np.float32)
             store.put_snapshot({"w": state}, ref="main", step=s)
