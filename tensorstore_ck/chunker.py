@@ -22,7 +22,7 @@ from .errors import InvalidArgument
 from .format import tree
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_INLINE_THRESHOLD", "DEFAULT_PACK_SIZE", "Layout", "plan_blocks",
-           "block_ranges", "default_pack_size"]
+           "block_ranges", "default_pack_size", "packable", "pack_full"]
 
 # 4 MiB: measured in benches/bench_blocksize.py (docs/PERFORMANCE.md): smaller blocks cost
 # per-object overhead (a file, an fsync, a request on S3) for no gain in
@@ -35,6 +35,18 @@ MAX_BLOCK_SIZE = tree.MAX_BLOCK_SIZE  # the readers' limit (format/tree.py)
 # 405B-parameter model holds ~3,400 tensors of 5 GB, nearly all under 4 MiB; packed, a
 # 5 TB snapshot is ~75 k objects instead of ~2.7 M (docs/design/scaling.md, "Packs").
 DEFAULT_PACK_SIZE = 64 * 1024 * 1024
+
+
+def packable(nblocks: int, nbytes: int, pack_size: int) -> bool:
+    """Whether a tensor of `nbytes` cut into `nblocks` goes into a pack (pack_size > 0):
+    one block, and less than a pack. (The writers also leave replicated tensors alone.)"""
+    return nblocks == 1 and 0 < nbytes < pack_size
+
+
+def pack_full(size: int, itemsize: int, n: int, its_itemsize: int, pack_size: int) -> bool:
+    """Whether an open pack of `size` bytes of `itemsize` cannot take a tensor of n bytes of
+    its_itemsize: the codec codes a block by one item size, and a pack stays ≤ pack_size."""
+    return its_itemsize != itemsize or size + n > pack_size
 
 
 def default_pack_size(object_store: bool) -> int:

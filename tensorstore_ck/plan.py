@@ -156,10 +156,10 @@ def pack_leaves(leaves: list, pack_size: int) -> list:
         run.clear()
 
     for leaf in leaves:
-        if len(leaf.ranges) != 1 or leaf.replicated or leaf.nbytes >= pack_size:
+        if leaf.replicated or not chunker.packable(len(leaf.ranges), leaf.nbytes, pack_size):
             out.append(leaf)
             continue
-        if run and (leaf.itemsize != run[0].itemsize or size + leaf.nbytes > pack_size):
+        if run and chunker.pack_full(size, run[0].itemsize, leaf.nbytes, leaf.itemsize, pack_size):
             close()
             size = 0
         run.append(leaf)

@@ -273,9 +273,9 @@ class TsckWriter(StorageWriter):
         if layout.block_size == 0:
             meta["x"] = flat.tobytes()
             return []
-        if layout.nblocks == 1 and 0 < n < store.pack_size:  # a small item: into the open pack
+        if chunker.packable(layout.nblocks, n, store.pack_size):  # a small item: into the open pack
             pk = self._pack
-            if pk is not None and (pk.itemsize != itemsize or pk.size + n > store.pack_size):
+            if pk is not None and chunker.pack_full(pk.size, pk.itemsize, n, itemsize, store.pack_size):
                 pk.close(store.publisher, self._sent)
                 pk = None
             if pk is None:
