@@ -170,6 +170,7 @@ class Uploader:
         self._since_tidy = 0
         refs: UploadQueue = self.local.refs
         busy = False
+        again: set = set()  # jobs whose word waits for a queued part (applied once it is sent)
         try:
             parts = refs.parts(rank0=False)
             jobs = {r: (refs.catalog_get(r, checked=False) or {}).get("job") for r in parts}
@@ -182,6 +183,10 @@ class Uploader:
                 rep = self._waiting_out_gc(lambda: drop_parts(self.local, drop, lease=self.local.settings.gc_lease),
                                            on_busy=met_gc)
                 self.tidied += len(rep.expired)
+                # A part still queued is not dropped (its upload comes first); rank 0 may say
+                # nothing more, so the word is kept for the turn after that upload.
+                queued = {e.get("root") for _, e in refs.upload_pending()}
+                again = {jobs[r] for r in set(drop) - {bytes.fromhex(h) for h in rep.expired} if r in queued}
                 log.debug("local tier: dropped this rank's part of %d collective snapshot(s) rank 0's tier no "
                           "longer keeps (%d objects, %d bytes)", len(rep.expired), rep.deleted_objects,
                           rep.deleted_bytes)
@@ -193,8 +198,8 @@ class Uploader:
                         "snapshot", type(e).__name__, e)
         finally:
             with self._cond:
-                if busy:
-                    for job, keep in follow.items():
+                for job, keep in follow.items():
+                    if busy or job in again:
                         self._follow.setdefault(job, keep)  # a newer word wins
                 self._tidying = False
                 self._cond.notify_all()
@@ -656,6 +661,13 @@ class Uploader:
             self._cond.notify_all()
 
     def _fail(self, e: BaseException) -> None:
+        if isinstance(e, OSError) and not isinstance(e, TsckError):
+            # A backend's own error that no retry layer named (one not transient comes
+            # as it came): wait_durable() and close() raise the store's type, errno kept.
+            err = StorageError(e.errno, f"local tier: uploads to {self.remote.url} stopped: {type(e).__name__}: "
+                                        f"{e.strerror or e}") if e.errno is not None else \
+                StorageError(f"local tier: uploads to {self.remote.url} stopped: {type(e).__name__}: {e}")
+            err.__cause__, e = e, err
         log.error("local tier: uploads to %s stopped: %s", self.remote.url, e)
         with self._cond:
             self.error = e

@@ -238,6 +238,26 @@ def tidy_body(rank, world, out, res, cfg):
     logging.getLogger("tensorstore_ck").setLevel(logging.INFO)
     holder: dict = {}
     with _open(cfg, out, rank, "tier", holder, replicas=1) as store:
+        up, words = store._tier.uploader, {}
+        follow = up.follow
+
+        def heard(job, keep):  # rank 0's last word, as this rank's uploader got it
+            words[job] = sorted(r.hex() for r in keep)
+            return follow(job, keep)
+        up.follow = heard
+        if rank == cfg.get("lag_rank"):
+            # Its uploads lag behind the puts and its cleanup runs after each one, with its
+            # older parts still queued: the last word must outlast them.
+            import time
+
+            from tensorstore_ck.tier import uploader
+            uploader.TIDY_EVERY = 1
+            upload = up._upload
+
+            def lagging(seq, entry):
+                time.sleep(0.3)
+                return upload(seq, entry)
+            up._upload = lagging
         model, opt = dm._model_and_opt()
         mgr = tsck.CheckpointManager(store, job=dm.JOB, state=tsck.TrainState(model=model, optimizer=opt),
                                      every_steps=1, retention=tsck.Retention(keep_last=cfg["keep"]))
@@ -257,6 +277,7 @@ def tidy_body(rank, world, out, res, cfg):
         res["waited"] = store.wait_durable(timeout=240)
         res["steps"] = dm._roots(steps)
         res["tidied"] = store._tier.uploader.tidied
+        res["word"] = words.get(dm.JOB)
         torch.save({"model": model.state_dict()}, os.path.join(out, f"tidy_rank{rank}.pt"))
         dist.barrier()  # (no rank closes its peer server while another still sends to it)
     tier = os.path.join(cfg["tiers"], f"tier{rank}")

@@ -61,7 +61,9 @@ its budget plus a snapshot (judged where the budget bounds: tsck.TierFull); T14 
 IntegrityError, and no uploader stopped on one, where no tier was damaged (--focus
 tier-share: one of the two uploaders of a tier trails the other on the same snapshot,
 whose copy the other evicts under it); T15 the lost table's open refused naming recover;
-T16 a close with the remote down ends within its timeout and says what stays queued.
+T16 a close with the remote down ends within its timeout and says what stays queued; T17
+a rank's tier keeps no part rank 0's last word left out once its uploads are done (--focus
+ctier: collective puts through the ranks' tiers in every round).
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
 ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
@@ -189,6 +191,9 @@ FLAVORS["tier-share"] = dict(FLAVORS["tier"], two_writers=True, share_p=1.0, cat
                              lag_p=1.0, tier_kill=0.2, rot_p=0.0, tier_lost_p=0.0, down_p=0.0, ctier_p=0.0,
                              trail_p=1.0, budget_snaps=(1, 1), driver_kill=0.1, self_kill=0.05,
                              weights={k: w for k, w in FLAVORS["mix"]["weights"].items() if k != "cput"})
+# --focus ctier: collective puts through the ranks' tiers in every round, often, so rank 1's
+# tier follows many of rank 0's prunes (T17).
+FLAVORS["ctier"] = dict(FLAVORS["tier"], ctier_p=1.0, weights=dict(FLAVORS["mix"]["weights"], cput=8))
 # Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
 # worker's fsck or gc runs (faults.py `unreadable`; a stream of its own): in every round of
 # --focus unreadable, and in 30% of a worker's rounds on the dirfs backend (a filesystem of

@@ -22,6 +22,14 @@ A call may name a rank that skips it ({"skip": RANK}: it prints nothing and goes
 next line at once, as a rank whose own policy decided otherwise), and may
 be made without a step ({"nostep": true}: every rank must refuse it).
 
+A rank other than 0 whose store is through a tier checks T17 itself before each close of
+its Store: once wait_durable() says nothing is left (no upload queued, no word of rank 0
+unapplied), its tier holds no part of a job's snapshot that the last word it heard from
+rank 0 (Uploader.follow) leaves out, unless the cleanup said it failed; a finding goes to
+TIER-follow.json beside the tier, which check.check_tiers reads. In half the rounds
+(seeded) the cleanup runs after every upload (uploader.TIDY_EVERY = 1) and each upload
+waits 0.3 s first, so that parts of the rank are still queued when it runs.
+
 Faults: the worker's profile without its kill points (a rank's death would only be
 reported by the worker killing itself, see Worker.op_cput): delays, slow keys and
 injected storage failures (a failed rank aborts the collective put on every rank).
@@ -73,6 +81,50 @@ def _tier_prune(s, job: str, rng: random.Random) -> str:
         return "busy"
 
 
+class _Follow:
+    """T17 (module docstring): the last word of rank 0 this process heard per job, and
+    whether a cleanup failed (then the word may be lost: no finding)."""
+
+    def __init__(self, tier: str):
+        import logging
+
+        from tensorstore_ck.tier import uploader
+        self.path, self.words, self.failed = tier.rstrip("/") + "-follow.json", {}, False
+        follow = uploader.Uploader.follow
+        me = self
+
+        def recording(up, job, keep):
+            me.words[job] = {bytes(r) for r in keep}
+            return follow(up, job, keep)
+        uploader.Uploader.follow = recording
+
+        class Failed(logging.Handler):
+            def emit(self, record):
+                if "could not drop this rank's old parts" in record.getMessage():
+                    me.failed = True
+        logging.getLogger("tensorstore_ck").addHandler(Failed(logging.WARNING))
+
+    def check(self, s) -> None:
+        """Before `s` closes: the finding, if any, appended to self.path."""
+        if not self.words or self.failed or s.closed:
+            return
+        try:
+            if not s.wait_durable(timeout=20):
+                return
+            refs = s._tier.core.refs
+            bad = []
+            for root in refs.parts(rank0=False):
+                job = (refs.catalog_get(root, checked=False) or {}).get("job")
+                if job in self.words and root not in self.words[job]:
+                    bad.append(f"T17 tier {os.path.basename(self.path)[:-12]} keeps its part of {root.hex()[:16]} "
+                               f"(job {job}), which rank 0's last word left out, with nothing left queued")
+        except Exception:  # noqa: BLE001 - the close reports a store that fails
+            return
+        if bad:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(bad) + "\n")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     path, rank, world, port = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
@@ -93,6 +145,20 @@ def main(argv=None) -> int:
         if random.Random(cfg["seed"] * 7 + 5).random() < 0.5:
             kw["replicas"] = 1
     prunes = random.Random(cfg["seed"] * 7 + 11 + rank)
+    follow = None
+    if cfg.get("rank_tiers") and rank > 0:
+        follow = _Follow(cfg["tier"])
+        if random.Random(cfg["seed"] * 7 + 13).random() < 0.5:
+            import time
+
+            from tensorstore_ck.tier import uploader
+            uploader.TIDY_EVERY = 1
+            upload = uploader.Uploader._upload
+
+            def lagging(up, seq, entry):  # a backlog of this rank's parts for the cleanup to meet
+                time.sleep(0.3)
+                return upload(up, seq, entry)
+            uploader.Uploader._upload = lagging
     s = open_store(cfg, faults, **kw)
     faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases  # the Store of the moment
     print(json.dumps({"ready": True}), flush=True)
@@ -141,9 +207,13 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - reported to the worker, which journals it
             out = _err(e)
         if per_call:
+            if follow is not None:
+                follow.check(s)
             s.close()
         print(json.dumps(out), flush=True)
     if not s.closed:
+        if follow is not None:
+            follow.check(s)
         s.close()
     return 0
 
