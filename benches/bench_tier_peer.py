@@ -16,7 +16,9 @@ Per repeat:
   peer     rank 1's tier deleted: rank 1's region comes from rank 2's replica;
   remote   every tier deleted: every region comes from S3.
 Before each restore the page cache is dropped (drop_caches). A phase's time is the
-slowest rank's open_store + checkout (the checkout alone is reported too); `peer` also reports rank 1's own. Bit-identity of every
+slowest rank's open_store + checkout (the checkout alone is reported too; the zeroed
+tensors it restores into are made before it, as a job's model is, and timed apart); `peer`
+also reports rank 1's own. Bit-identity of every
 region is checked in every phase.
 
     .venv/bin/python benches/bench_tier_peer.py --repeats 3 | tee benches/results/tier_peer.txt
@@ -75,16 +77,21 @@ def _rank(rank: int, world: int, cfg: dict) -> None:
     try:
         if phase == "put":
             part = _part(rows, world, rank)
+            t1 = time.perf_counter()  # (the state's making is not the put's)
             info = store.put_snapshot({"w": tsck.Sharded(part, (rows, COLS), (a, 0))}, REF, step=1)
-            res["return_s"] = time.perf_counter() - t0
+            res["return_s"] = time.perf_counter() - t1
             assert store.wait_durable(timeout=1800), "the upload did not finish"
             res["durable"] = info.root
         else:
+            # The tensors to restore into exist before the restore, as a job's model does
+            # (made at its start, whatever it restores); making them is reported apart.
+            ta = time.perf_counter()
             into = {"w": tsck.Sharded(torch.zeros(b - a, COLS), (rows, COLS), (a, 0))}
+            res["alloc_s"] = time.perf_counter() - ta
             t1 = time.perf_counter()
             got = store.checkout(REF, into=into, timeout=600)
-            res["restore_s"] = time.perf_counter() - t0
             res["checkout_s"] = time.perf_counter() - t1
+            res["restore_s"] = res["open_s"] + res["checkout_s"]
             res["same"] = bool(torch.equal(got["w"].local, _part(rows, world, rank)))
             tier = store._tier  # (its counters: tier/local.py)
             res["fetched_from_peers"] = getattr(getattr(tier, "peers", None), "fetched", None)
@@ -113,10 +120,15 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=0.3, help="GB in all, over the ranks (default 0.3)")
     ap.add_argument("--world", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--phases", default="local,peer,remote",
+                    help="restores to run, in this order (peer needs --world 2 or more)")
     import bench_s3
     bench_s3.add_server_args(ap, "tsck-bench-peer")
     ap.add_argument("--dir", default="/work", help="parent folder of the ranks' local tiers")
     a = ap.parse_args()
+    phases = [p for p in a.phases.split(",") if p]
+    if set(phases) - {"local", "peer", "remote"} or ("peer" in phases and a.world < 2):
+        ap.error("--phases: local, peer, remote (peer with --world 2 or more)")
 
     import bench_core as core
     import torch
@@ -140,7 +152,7 @@ def main() -> int:
                 put = run_phase(a.world, dict(cfg, phase="put"))
                 rows_out["put returns (slowest rank), s"].append(max(r["return_s"] for r in put))
                 res = {}
-                for phase in ("local", "peer", "remote"):
+                for phase in phases:
                     if phase == "peer":
                         shutil.rmtree(os.path.join(cfg["tiers"], "node1"))
                     if phase == "remote":
@@ -151,17 +163,25 @@ def main() -> int:
                     rows_out[f"restore {phase} (slowest rank), s"].append(max(r["restore_s"] for r in res[phase]))
                     rows_out[f"  of which checkout, {phase} (slowest rank), s"].append(
                         max(r["checkout_s"] for r in res[phase]))
-                rows_out["restore peer (rank 1), s"].append(res["peer"][1]["restore_s"])
-                rows_out["restore remote (rank 1), s"].append(res["remote"][1]["restore_s"])
+                    rows_out[f"  (apart: zeroed tensors made, {phase}, slowest rank), s"].append(
+                        max(r["alloc_s"] for r in res[phase]))
+                one = min(1, a.world - 1)  # rank 1, the rank whose tier the peer phase loses
+                for phase in ("peer", "remote"):
+                    if phase in res:
+                        rows_out[f"restore {phase} (rank {one}), s"].append(res[phase][one]["restore_s"])
                 r = {k: v[-1] for k, v in rows_out.items()}
-                rows_out["remote / local (speedup)"].append(
-                    r["restore remote (slowest rank), s"] / r["restore local (slowest rank), s"])
-                rows_out["remote / peer, rank 1 (speedup)"].append(
-                    r["restore remote (rank 1), s"] / r["restore peer (rank 1), s"])
-                print(f"# repeat {rep + 1}: local {r['restore local (slowest rank), s']:.2f} s, peer (rank 1) "
-                      f"{r['restore peer (rank 1), s']:.2f} s [fetched {res['peer'][1]['fetched_from_peers']}, "
-                      f"remote reads {res['peer'][1]['read_from_remote']}], remote (rank 1) "
-                      f"{r['restore remote (rank 1), s']:.2f} s", flush=True)
+                if "local" in res and "remote" in res:
+                    rows_out["remote / local (speedup)"].append(
+                        r["restore remote (slowest rank), s"] / r["restore local (slowest rank), s"])
+                if "peer" in res and "remote" in res:
+                    rows_out["remote / peer, rank 1 (speedup)"].append(
+                        r["restore remote (rank 1), s"] / r["restore peer (rank 1), s"])
+                said = [f"{p} {max(x['restore_s'] for x in res[p]):.2f} s (open {max(x['open_s'] for x in res[p]):.2f}, "
+                        f"checkout {max(x['checkout_s'] for x in res[p]):.2f})" for p in phases]
+                if "peer" in res:
+                    said.append(f"peer fetched {res['peer'][1]['fetched_from_peers']}, remote reads "
+                                f"{res['peer'][1]['read_from_remote']}")
+                print(f"# repeat {rep + 1}: " + "; ".join(said), flush=True)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
                 try:
