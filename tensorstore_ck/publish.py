@@ -31,6 +31,7 @@ from .errors import (Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotA
 from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter, Pending
 from .info import SnapshotInfo, row_to_info
+from .plan import job_order
 from .refs.gcstate import HOLD_SECONDS
 from .units import human_bytes
 from .validate import UNSET, SnapshotArgs
@@ -85,8 +86,9 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
     rank's manifest), so each replicated block is written exactly once."""
     leaves: list[Pending] = []
     futs: list[Future] = []
+    order = job_order(plan.leaves)
     with cancelled_on_failure(futs):
-        for leaf in plan.leaves:
+        for leaf in order:
             if leaf.raw is None:  # a pack of a plan not staged: its members' bytes copied together
                 leaves.append(leaf)  # in the job (the copies run on the pool too); one block
                 futs.append(pool.submit(_gather_and_put, assets, leaf, fence))
@@ -99,7 +101,7 @@ def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=No
                     futs.append(pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
                                             private=leaf.private, fence=fence))
         if progress is not None:  # progress(bytes) as each block is hashed (and written)
-            sizes = [b - a for leaf in plan.leaves for a, b in leaf.ranges]
+            sizes = [b - a for leaf in order for a, b in leaf.ranges]
             for f, n in zip(futs, sizes):
                 f.add_done_callback(lambda f, n=n: None if f.cancelled() or f.exception() is not None
                                     else progress(n))

@@ -41,6 +41,7 @@ import numpy as np
 
 from .assets import Assets, PutResult
 from .errors import SaverDied, StorageError, TsckError
+from .plan import job_order
 from .publish import cancelled_on_failure, only_hashed, wait_all
 
 __all__ = ["SaverRecipe", "Saver", "CLOSE_WAIT", "GIVE_UP_WAIT"]
@@ -204,7 +205,7 @@ class Saver:
         (staging.SharedBuffer); owns(leaf, i) as run_block_jobs takes it. Fills each
         leaf's results in order. SaverDied if the saver dies meanwhile."""
         jobs, leaves = [], []
-        for leaf in plan.leaves:
+        for leaf in job_order(plan.leaves):
             at = shared.offset_of(leaf.raw)  # every leaf of a staged plan is a view of its buffer
             for i, (a, b) in enumerate(leaf.ranges):
                 jobs.append((at + a, b - a, leaf.itemsize, only_hashed(leaf, i, owns)))

@@ -159,6 +159,36 @@ def test_a_pack_is_read_once_for_all_its_parts(tmp_path):
         assert sum(reads.values()) == 1, reads
 
 
+class WriteOrder(WrappedStore):
+    """The block objects written, in the order they were written."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.order = []
+
+    def put_addressed(self, key, bufs):
+        if key.startswith("blocks/"):
+            self.order.append(key.rsplit("/", 1)[1])
+        return self.inner.put_addressed(key, bufs)
+
+
+def test_a_puts_packs_are_written_before_its_other_blocks(tmp_path):
+    """A pack is the longest block job (up to pack_size where a block is block_size): started
+    last, after the large tensors' blocks, it would be the put's tail. The small tensors
+    here come last in the state; with one writer thread the packs' objects are still
+    written first. (The saver process takes its jobs in the same order: plan.job_order.)"""
+    wrote = []
+    g = torch.Generator().manual_seed(3)
+    st = {"big": torch.randn(300_000, generator=g), "small": [torch.randn(4000 + i, generator=g) for i in range(8)]}
+    with _open(tmp_path / "s", workers=1, wrap_storage=lambda x: wrote.append(WriteOrder(x)) or wrote[-1]) as s:
+        s.put_snapshot(st, "j/main")
+        packs = {p.digest.hex() for _d, parts in _parts(s, "j/main") for p in parts}
+        assert len(packs) >= 2, packs
+        assert_same(s.checkout("j/main"), st)
+    order = wrote[-1].order
+    assert len(order) > len(packs) and set(order[:len(packs)]) == packs, (order, packs)
+
+
 def test_checkout_into_the_callers_tensors_fills_parts_and_a_damaged_pack_leaves_them_as_they_were(tmp_path):
     with _open(tmp_path / "s") as s:
         st = _state()
