@@ -73,22 +73,27 @@ def run_reads(assets: ObjectReader, pool: ThreadPoolExecutor, jobs: list, *, sna
     cancels the rest. bounce: the destination is the caller's memory, which gets
     only verified bytes (Assets.read_block_into). A destination that is a PackPart is a
     part of a pack: the parts of one pack are read with one read of it (through `packs`,
-    the packs read last, if given). `written`, on failure: filled with path -> (blocks
+    the packs read last, if given), the packs' reads started first. `written`, on failure: filled with path -> (blocks
     copied into the caller's memory, blocks it was to get), for the paths that had bounce
     jobs, once no job is running any more."""
     if not jobs:
         return
     tasks: list = []  # (future, [(path, bounce, bytes)])
     grouped: dict = {}
-    for d, out, p, b in jobs:
-        if type(out) is PackPart:
-            grouped.setdefault((d, out.glen), []).append((out, p, b))
-            continue
-        tasks.append((pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p,
-                                  bounce=b, fence=fence), [(p, b, out.nbytes)]))
+    blocks: list = []
+    for job in jobs:
+        if type(job[1]) is PackPart:
+            grouped.setdefault((job[0], job[1].glen), []).append(job[1:])
+        else:
+            blocks.append(job)
+    # The packs first: a pack (up to pack_size) is the longest read, and one started last
+    # is the checkout's tail (as for a put's jobs: plan.job_order).
     for (d, glen), parts in grouped.items():
         tasks.append((pool.submit(_read_pack, assets, d, glen, parts, packs, verify=verify, snapshot=snapshot,
                                   fence=fence), [(p, b, out.nbytes) for out, p, b in parts]))
+    for d, out, p, b in blocks:
+        tasks.append((pool.submit(assets.read_block_into, d, out, verify=verify, snapshot=snapshot, path=p,
+                                  bounce=b, fence=fence), [(p, b, out.nbytes)]))
     futs = [f for f, _ in tasks]
     if progress is not None:  # progress(bytes) as each block (or pack's parts) is read and verified
         for f, what in tasks:

@@ -189,6 +189,42 @@ def test_a_puts_packs_are_written_before_its_other_blocks(tmp_path):
     assert len(order) > len(packs) and set(order[:len(packs)]) == packs, (order, packs)
 
 
+class ReadOrder(WrappedStore):
+    """The block objects read, in the order their reads began."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.order = []
+
+    def _note(self, key):
+        if key.startswith("blocks/"):
+            self.order.append(key.rsplit("/", 1)[1])
+
+    def get(self, key, max_bytes=None):
+        self._note(key)
+        return self.inner.get(key, max_bytes)
+
+    def open_read(self, key, max_bytes=None):
+        self._note(key)
+        return self.inner.open_read(key, max_bytes)
+
+
+def test_a_checkouts_packs_are_read_before_its_other_blocks(tmp_path):
+    """The read side of the rule above: a checkout starts its packs' reads first."""
+    g = torch.Generator().manual_seed(4)
+    st = {"big": torch.randn(300_000, generator=g), "small": [torch.randn(4000 + i, generator=g) for i in range(8)]}
+    with _open(tmp_path / "s") as s:
+        s.put_snapshot(st, "j/main")
+    read = []
+    with _open(tmp_path / "s", workers=1, wrap_storage=lambda x: read.append(ReadOrder(x)) or read[-1]) as s:
+        packs = {p.digest.hex() for _d, parts in _parts(s, "j/main") for p in parts}
+        assert len(packs) >= 2, packs
+        read[-1].order.clear()
+        assert_same(s.checkout("j/main"), st)
+    order = read[-1].order
+    assert len(order) > len(packs) and set(order[:len(packs)]) == packs, (order, packs)
+
+
 def test_checkout_into_the_callers_tensors_fills_parts_and_a_damaged_pack_leaves_them_as_they_were(tmp_path):
     with _open(tmp_path / "s") as s:
         st = _state()
