@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .errors import InvalidArgument
 from .format import tree
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_INLINE_THRESHOLD", "DEFAULT_PACK_SIZE", "Layout", "plan_blocks",
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_INLINE_THRESHOLD", "DEFAULT_PACK_SIZE", "Layout", "job_order", "plan_blocks",
            "block_ranges", "default_pack_size", "packable", "pack_full"]
 
 # 4 MiB: measured in benches/bench_blocksize.py (docs/PERFORMANCE.md): smaller blocks cost
@@ -47,6 +47,15 @@ def pack_full(size: int, itemsize: int, n: int, its_itemsize: int, pack_size: in
     """Whether an open pack of `size` bytes of `itemsize` cannot take a tensor of n bytes of
     its_itemsize: the codec codes a block by one item size, and a pack stays ≤ pack_size."""
     return its_itemsize != itemsize or size + n > pack_size
+
+
+def job_order(leaves: list) -> list:
+    """A plan's leaves in the order their block jobs start: the packs first (plan.Pack,
+    the leaves with `members`: the longest jobs, up to pack_size where a block is
+    block_size; one started last makes the put's tail), then the others as planned. The
+    results of each leaf's jobs stay in its ranges' order."""
+    packs = [x for x in leaves if getattr(x, "members", None) is not None]
+    return packs + [x for x in leaves if getattr(x, "members", None) is None] if packs else list(leaves)
 
 
 def default_pack_size(object_store: bool) -> int:

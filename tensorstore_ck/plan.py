@@ -23,7 +23,7 @@ from .format.tree import INT_MAX, INT_MIN, MAX_BIGINT_BYTES, MAX_DEPTH, NodeWrit
 from .paths import is_stateful
 from .shard import Replicated, Sharded, from_dtensor, is_dtensor
 
-__all__ = ["Planner", "Plan", "Pack", "contiguous", "job_order", "pack_leaves"]
+__all__ = ["Planner", "Plan", "Pack", "contiguous", "pack_leaves"]
 
 _PLACEHOLDER = b"\0" * tree.DIGEST_SIZE
 
@@ -130,13 +130,6 @@ class Pack(Leaf):
 def leaf_parts(leaf: Leaf):
     """The leaves whose bytes a block job's leaf holds: a pack's members, else itself."""
     return leaf.members if type(leaf) is Pack else (leaf,)
-
-
-def job_order(leaves: list) -> list:
-    """leaves in the order their block jobs are started: packs first (the longest jobs, up
-    to pack_size where a block is block_size: one started last makes the put's tail), then
-    the others as planned. The results of each leaf's jobs stay in its ranges' order."""
-    return [x for x in leaves if type(x) is Pack] + [x for x in leaves if type(x) is not Pack]
 
 
 def pack_leaves(leaves: list, pack_size: int) -> list:

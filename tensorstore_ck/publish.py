@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .assets import Assets, PutResult
+from .chunker import job_order
 from .errors import (Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StepReusedWarning,
                      StorageError, TsckError)
 from .format.manifest import decode_commit, encode_commit
 from .format.tree import NodeWriter, Pending
 from .info import SnapshotInfo, row_to_info
-from .plan import job_order
 from .refs.gcstate import HOLD_SECONDS
 from .units import human_bytes
 from .validate import UNSET, SnapshotArgs

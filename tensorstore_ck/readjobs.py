@@ -87,7 +87,7 @@ def run_reads(assets: ObjectReader, pool: ThreadPoolExecutor, jobs: list, *, sna
         else:
             blocks.append(job)
     # The packs first: a pack (up to pack_size) is the longest read, and one started last
-    # is the checkout's tail (as for a put's jobs: plan.job_order).
+    # is the checkout's tail (as for a put's jobs: chunker.job_order).
     for (d, glen), parts in grouped.items():
         tasks.append((pool.submit(_read_pack, assets, d, glen, parts, packs, verify=verify, snapshot=snapshot,
                                   fence=fence), [(p, b, out.nbytes) for out, p, b in parts]))

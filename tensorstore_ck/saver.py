@@ -40,8 +40,8 @@ from multiprocessing.reduction import recv_handle, send_handle
 import numpy as np
 
 from .assets import Assets, PutResult
+from .chunker import job_order
 from .errors import SaverDied, StorageError, TsckError
-from .plan import job_order
 from .publish import cancelled_on_failure, only_hashed, wait_all
 
 __all__ = ["SaverRecipe", "Saver", "CLOSE_WAIT", "GIVE_UP_WAIT"]

@@ -176,7 +176,7 @@ def test_a_puts_packs_are_written_before_its_other_blocks(tmp_path):
     """A pack is the longest block job (up to pack_size where a block is block_size): started
     last, after the large tensors' blocks, it would be the put's tail. The small tensors
     here come last in the state; with one writer thread the packs' objects are still
-    written first. (The saver process takes its jobs in the same order: plan.job_order.)"""
+    written first. (The saver process takes its jobs in the same order: chunker.job_order.)"""
     wrote = []
     g = torch.Generator().manual_seed(3)
     st = {"big": torch.randn(300_000, generator=g), "small": [torch.randn(4000 + i, generator=g) for i in range(8)]}
