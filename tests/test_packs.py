@@ -51,15 +51,17 @@ def _blocks(path) -> set:
 
 
 class CountingReads(WrappedStore):
-    """Counts the reads of each block object (get and open_read)."""
+    """Counts the reads of each block object (get and open_read), and keeps their order."""
 
     def __init__(self, inner):
         super().__init__(inner)
         self.reads = collections.Counter()
+        self.order = []
 
     def _count(self, key):
         if key.startswith("blocks/"):
             self.reads[key.rsplit("/", 1)[1]] += 1
+            self.order.append(key.rsplit("/", 1)[1])
 
     def get(self, key, max_bytes=None):
         self._count(key)
@@ -189,26 +191,6 @@ def test_a_puts_packs_are_written_before_its_other_blocks(tmp_path):
     assert len(order) > len(packs) and set(order[:len(packs)]) == packs, (order, packs)
 
 
-class ReadOrder(WrappedStore):
-    """The block objects read, in the order their reads began."""
-
-    def __init__(self, inner):
-        super().__init__(inner)
-        self.order = []
-
-    def _note(self, key):
-        if key.startswith("blocks/"):
-            self.order.append(key.rsplit("/", 1)[1])
-
-    def get(self, key, max_bytes=None):
-        self._note(key)
-        return self.inner.get(key, max_bytes)
-
-    def open_read(self, key, max_bytes=None):
-        self._note(key)
-        return self.inner.open_read(key, max_bytes)
-
-
 def test_a_checkouts_packs_are_read_before_its_other_blocks(tmp_path):
     """The read side of the rule above: a checkout starts its packs' reads first."""
     g = torch.Generator().manual_seed(4)
@@ -216,7 +198,7 @@ def test_a_checkouts_packs_are_read_before_its_other_blocks(tmp_path):
     with _open(tmp_path / "s") as s:
         s.put_snapshot(st, "j/main")
     read = []
-    with _open(tmp_path / "s", workers=1, wrap_storage=lambda x: read.append(ReadOrder(x)) or read[-1]) as s:
+    with _open(tmp_path / "s", workers=1, wrap_storage=lambda x: read.append(CountingReads(x)) or read[-1]) as s:
         packs = {p.digest.hex() for _d, parts in _parts(s, "j/main") for p in parts}
         assert len(packs) >= 2, packs
         read[-1].order.clear()
