@@ -73,9 +73,9 @@ def run_reads(assets: ObjectReader, pool: ThreadPoolExecutor, jobs: list, *, sna
     cancels the rest. bounce: the destination is the caller's memory, which gets
     only verified bytes (Assets.read_block_into). A destination that is a PackPart is a
     part of a pack: the parts of one pack are read with one read of it (through `packs`,
-    the packs read last, if given), the packs' reads started first. `written`, on failure: filled with path -> (blocks
-    copied into the caller's memory, blocks it was to get), for the paths that had bounce
-    jobs, once no job is running any more."""
+    the cache of the packs read last, if given); the packs' reads start first. `written`,
+    on failure: filled with path -> (blocks copied into the caller's memory, blocks it was
+    to get), for the paths that had bounce jobs, once no job is running any more."""
     if not jobs:
         return
     tasks: list = []  # (future, [(path, bounce, bytes)])
