@@ -664,9 +664,8 @@ class Uploader:
         if isinstance(e, OSError) and not isinstance(e, TsckError):
             # A backend's own error that no retry layer named (one not transient comes
             # as it came): wait_durable() and close() raise the store's type, errno kept.
-            err = StorageError(e.errno, f"local tier: uploads to {self.remote.url} stopped: {type(e).__name__}: "
-                                        f"{e.strerror or e}") if e.errno is not None else \
-                StorageError(f"local tier: uploads to {self.remote.url} stopped: {type(e).__name__}: {e}")
+            why = f"local tier: uploads to {self.remote.url} stopped: {type(e).__name__}: {e.strerror or e}"
+            err = StorageError(e.errno, why) if e.errno is not None else StorageError(why)
             err.__cause__, e = e, err
         log.error("local tier: uploads to %s stopped: %s", self.remote.url, e)
         with self._cond:
