@@ -109,11 +109,12 @@ class AsyncPuts:
             raise
         return buf
 
-    def submit(self, ref: str, buf, publish: Callable) -> SnapshotFuture:
-        """Publish a staged snapshot in the background: publish() -> SnapshotInfo."""
+    def submit(self, ref: str, buf, publish: Callable, kept=None) -> SnapshotFuture:
+        """Publish a staged snapshot in the background: publish() -> SnapshotInfo. kept:
+        the layout its whole plan kept (Plan.kept), whose views of `buf` are made after."""
         fut = SnapshotFuture(ref)
         with self.lock:
-            self.bg.submit(self._run, fut, buf, publish, False)
+            self.bg.submit(self._run, fut, buf, publish, False, kept)
             self.inflight.append(fut)
         return fut
 
@@ -138,7 +139,7 @@ class AsyncPuts:
         fut.set_running_or_notify_cancel()  # cancel() refuses: the other ranks expect this one
         job = dataclasses.replace(job, prepare=lambda: args, plan=lambda: plan)
         with self.lock:
-            self.bg.submit(self._run, fut, buf, lambda: run_put(ch, job), True)
+            self.bg.submit(self._run, fut, buf, lambda: run_put(ch, job), True, plan.kept)
             self.inflight.append(fut)
         return fut
 
@@ -149,10 +150,10 @@ class AsyncPuts:
         with self.lock:
             self.inflight.append(self.bg.submit(quietly, fn))
 
-    def _run(self, fut: SnapshotFuture, buf, publish, collective: bool) -> None:
+    def _run(self, fut: SnapshotFuture, buf, publish, collective: bool, kept=None) -> None:
         """collective: a collective put's failure goes to its future and close(), not to
         the next put: the ranks learn it at different moments, and one rank raising it
-        from its next put would abort that snapshot on every rank."""
+        from its next put would abort that snapshot on every rank. kept: see submit()."""
         info = err = None
         started = False
         try:
@@ -168,6 +169,13 @@ class AsyncPuts:
                         if not collective:
                             self.error = e
                         self.failed.append(fut)
+                if kept is not None and err is None:
+                    # The next put from this layout stages into views of this buffer: made here,
+                    # not on the training thread (a failure: that put makes them).
+                    try:
+                        kept.views(buf)
+                    except Exception:  # noqa: BLE001 - published already; the views are an optimisation
+                        pass
         finally:
             try:
                 # The slot and buffer are free before the future completes: a caller that

@@ -180,6 +180,7 @@ class Plan:
     # Bytes a staging buffer for this state should hold: what a plan from its kept layout
     # stages (plancache.py: the inline tensors too), so the next put reuses the buffer.
     reserve: int = 0
+    kept: object = None  # plancache._Layout this whole plan kept (its staging views are made ahead)
     # The staging buffer in shared memory the plan was staged into (staging.SharedBuffer):
     # a saver process writes its blocks (saver.py); None: written on this process's threads.
     shared: object = None
@@ -243,7 +244,8 @@ class Planner:
         NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
         plan = Plan(value, self._leaves, self._inline, self._pieces, self._replicas)
         if flat is not None:
-            plan.reserve = self.cache.keep(flat, self._tensors)
+            plan.kept = self.cache.keep(flat, self._tensors)
+            plan.reserve = 0 if plan.kept is None else plan.kept.staged_bytes
         return plan
 
     def _unsupported(self, obj, path, why=None):

@@ -124,6 +124,31 @@ class _Layout:
     packs: list           # per Pack: (where it starts in the buffer, item size, bytes); a form's
                           # last field (pack number, offset in it) or None
 
+    def views(self, buf: torch.Tensor) -> list:
+        """Each tensor's typed view of `buf` where a plan from this layout stages it: made
+        once a buffer and layout (kept with the buffer), and ahead of time by the whole
+        plan's background publisher (Plan.kept), so the first put from the layout does not
+        make 10,000 views on the training thread. One as_strided call a tensor, on the
+        buffer viewed once per dtype (every offset is a multiple of its item size)."""
+        got = getattr(buf, "_tsck_views", None)
+        if got is not None and got[0] is self:
+            return got[1]
+        typed: dict = {}
+        n = buf.numel()
+        out = []
+        for off, (dtype, shape, *_) in zip(self.offsets, self.sig):
+            tv = typed.get(dtype)
+            if tv is None:
+                isz = dtype.itemsize
+                tv = typed[dtype] = (buf[:n - n % isz].view(dtype), isz)
+            stride, k = [], 1
+            for d in reversed(shape):
+                stride.append(k)
+                k *= max(d, 1)  # (torch's contiguous strides: a 0-length dim counts as 1)
+            out.append(tv[0].as_strided(shape, stride[::-1], off // tv[1]))
+        buf._tsck_views = (self, out)
+        return out
+
 
 _SIG = operator.attrgetter("dtype", "shape", "device", "layout", "requires_grad")  # one C call a tensor
 
@@ -179,19 +204,19 @@ class PlanCache:
                 return False
         return True
 
-    def keep(self, flat, forms) -> int:
+    def keep(self, flat, forms) -> _Layout | None:
         """Keep the layout the planner just planned whole (flat: find()'s; forms: each
-        tensor's planned form, a Leaf or an inline value, in state order) -> the bytes a
-        plan from it stages (0: not kept). Not kept: quantized tensors (their parameters
+        tensor's planned form, a Leaf or an inline value, in state order) -> the layout
+        (None: not kept). Not kept: quantized tensors (their parameters
         change) and dtypes torch cannot copy into a staging buffer."""
         keys, tensors, plains = flat
         if len(forms) != len(tensors):  # pragma: no cover - the planner plans each tensor once
-            return 0
+            return None
         kept, offsets, off, inline = [], [], 0, 0
         packs: dict = {}  # id(Pack) -> (its number, where it starts in the buffer): staged whole
         for t, f in zip(tensors, forms):
             if t.is_quantized or not _stageable(t.dtype):
-                return 0
+                return None
             if isinstance(f, Leaf) and f.pack is not None:
                 at = packs.get(id(f.pack))
                 if at is None:
@@ -216,7 +241,7 @@ class PlanCache:
                       [i for i, t in enumerate(tensors) if t.device.type == "cpu"],
                       [(start, itemsize, n) for _k, start, itemsize, n in packs.values()])
         self._layouts = [lay] + [x for x in self._layouts if x.keys != keys][:self.size - 1]
-        return off
+        return lay
 
 
 class _Inline(Pending):
@@ -253,12 +278,7 @@ class _CachedPlan(Plan):
 
     def stage(self, buf: torch.Tensor) -> None:
         lay = self._lay
-        views = getattr(buf, "_tsck_views", None)
-        if views is None or views[0] is not lay:  # views of this buffer for this layout, made once
-            views = (lay, [buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                           for o, t in zip(lay.offsets, self._tensors)])
-            buf._tsck_views = views
-        dst, src = views[1], self._tensors
+        dst, src = lay.views(buf), self._tensors
         with torch.no_grad():
             if len(lay.cpu) == len(src):
                 _copy_all(dst, src)

@@ -409,7 +409,7 @@ class Store:
                                       "why": "busy", "skipped": self._puts.skipped}})
             return None
         timing = Timing(started, stall=time.monotonic() - started)
-        return self._puts.submit(args.ref, buf, lambda: self._publish_async(plan, args, timing))
+        return self._puts.submit(args.ref, buf, lambda: self._publish_async(plan, args, timing), kept=plan.kept)
 
     def _publish_async(self, plan, args: SnapshotArgs, timing) -> SnapshotInfo:
         """An asynchronous put in the background: its failure is logged when it happens

@@ -299,3 +299,29 @@ def test_the_first_put_from_a_kept_layout_reuses_the_whole_plans_buffer(tmp_path
             ptrs.append(sorted(b.data_ptr() for b in store._puts.staging._free))
         assert store._plan_cache.hits == 2
         assert ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[0]) == 1, ptrs
+
+
+def test_the_views_a_kept_layout_stages_into_are_made_in_the_background(tmp_path):
+    """The whole plan that kept a layout has its background publisher make that layout's
+    typed views of the staging buffer, so the first put from the layout makes none on the
+    caller's thread; each view is where the layout stages its tensor, whatever its dtype
+    or shape (0-d, an empty dimension, a packed member)."""
+    state = {"w": torch.randn(40, 30), "e": torch.empty(3, 0), "z": torch.tensor(2.5, dtype=torch.float64),
+             "b": torch.ones(5, dtype=torch.bool), "h": torch.randn(7, 9, dtype=torch.bfloat16),
+             "c": torch.randn(4, dtype=torch.complex64), "i": torch.arange(300), "step": 0}
+    with tsck.open_store(str(tmp_path / "s"), block_size=BS, inline_threshold=64, pack_size=BS) as store:
+        store.put_snapshot(state, ref="cache/views", step=0, blocking=False).result(timeout=60)
+        (buf,) = store._puts.staging._free
+        lay, views = buf._tsck_views
+        assert lay is store._plan_cache._layouts[0]
+        for (name, t), v, off in zip(((k, v) for k, v in state.items() if k != "step"), views, lay.offsets):
+            assert (v.dtype, v.shape, v.is_contiguous()) == (t.dtype, t.shape, True), name
+            assert v.numel() == 0 or v.data_ptr() == buf.data_ptr() + off, name  # (empty: no address)
+        for i in range(1, 3):
+            with torch.no_grad():
+                state["w"].add_(1)
+            state["step"] = i
+            store.put_snapshot(state, ref="cache/views", step=i, blocking=False).result(timeout=60)
+            assert buf._tsck_views[1] is views  # staged into the views made in the background
+            assert_same(state, store.checkout("cache/views"))
+        assert store._plan_cache.hits == 2
