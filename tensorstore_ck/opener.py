@@ -97,7 +97,8 @@ def open_store(url, *, create: bool = True,
     (the float codec where it pays, lz4 where that pays, raw otherwise), "lz4", "none".
     Any store reads every codec; an object's address never depends on it.
     verify: check every object read against its address (default True).
-    pack_size: new snapshots' small tensors (one block or less, not replicated) are packed,
+    pack_size: new snapshots' small tensors (one block or less, not replicated; under
+    inline_threshold only those that would be a node of their own) are packed,
     in state order, into blocks of up to this many bytes, so that a rank's thousands of
     small tensors are tens of objects, not thousands (an object store's request rate, not
     its bandwidth, bounds a large job's snapshot: docs/design/scaling.md, "Packs"). None

@@ -12,6 +12,7 @@ import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgpack
 import numpy as np
 import torch
 
@@ -218,6 +219,14 @@ class Plan:
             stream.synchronize()
 
 
+_META_ROOM = 1024  # more than an inline tensor's value holds besides its bytes (64 dims of shape at most)
+
+
+def _inline_size(tag, meta, n: int) -> int:
+    """The encoded size of {tag: meta} with its n bytes inline ("x")."""
+    return len(msgpack.packb({tag: meta}, use_bin_type=True)) + 2 + (3 if n < 1 << 16 else 5) + n
+
+
 class Planner:
     def __init__(self, *, block_size: int, inline_threshold: int, allow_pickle: bool = False,
                  defer_device: bool = False, cache=None, pack_size: int = 0):
@@ -324,7 +333,12 @@ class Planner:
     def _leaf(self, tag, meta, raw, itemsize, shape, device_src=None, private=False):
         n = raw.nbytes if raw is not None else device_src.numel()
         meta["n"] = n
-        layout = chunker.plan_blocks(n, itemsize, shape, self.block_size, self.inline_threshold)
+        inline = self.inline_threshold
+        if self.pack_size > 0 and tree.NODE_SPLIT - _META_ROOM < n <= inline and _inline_size(tag, meta, n) > tree.NODE_SPLIT:
+            # Inline, it would be a node of its own (one object per tensor, what packs are
+            # for: 10,000 tensors of 4-16 KiB made 5,000 node objects); packed instead.
+            inline = 0
+        layout = chunker.plan_blocks(n, itemsize, shape, self.block_size, inline)
         if layout.block_size == 0:
             meta["x"] = raw.tobytes() if raw is not None else device_src.cpu().numpy().tobytes()
             tree.check_leaf({tag: meta}, self._path)

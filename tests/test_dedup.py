@@ -221,16 +221,16 @@ def test_small_tensors_are_inlined_not_blocks(backend):
 
 
 def test_a_change_to_an_inlined_tensor_alone_is_new_bytes(backend, caplog):
-    """A snapshot whose only change is a tensor inlined in a manifest node (a 64x64 fp32
-    Linear weight under the 16 KiB default threshold) stores a new node: its inlined
-    tensor bytes are new, in SnapshotInfo, the log and the committed log line; the same
-    state again adds nothing."""
+    """A snapshot whose only change is a tensor inlined in a manifest node (a 16x16 fp32
+    Linear weight: under the 16 KiB default threshold, and small enough to share its node,
+    so inline with packs too) stores a new node: its inlined tensor bytes are new, in
+    SnapshotInfo, the log and the committed log line; the same state again adds nothing."""
     import logging
     with backend.open(block_size=BLOCK) as s:
-        lin = torch.nn.Linear(64, 64)
+        lin = torch.nn.Linear(16, 16)
         big = torch.randn(4 * BLOCK // 4, generator=torch.Generator().manual_seed(1))
         first = s.put_snapshot({"lin": lin.state_dict(), "big": big}, ref="jobA/main", step=1)
-        assert first.blocks_new == 4 and first.bytes_new == first.bytes_total == 4 * BLOCK + 64 * 64 * 4 + 64 * 4
+        assert first.blocks_new == 4 and first.bytes_new == first.bytes_total == 4 * BLOCK + 16 * 16 * 4 + 16 * 4
         assert s.put_snapshot({"lin": lin.state_dict(), "big": big}, ref="jobA/main", step=2).bytes_new == 0
         with torch.no_grad():
             lin.weight[0, 0] += 1
@@ -239,10 +239,10 @@ def test_a_change_to_an_inlined_tensor_alone_is_new_bytes(backend, caplog):
             third = s.put_snapshot({"lin": lin.state_dict(), "big": big}, ref="jobA/main", step=3)
         assert all_files(backend, "blocks") == before.block_paths and third.blocks_new == 0
         assert all_files(backend, "nodes") - before.nodes  # the node holding the Linear is new
-        assert third.bytes_new == 64 * 64 * 4 + 64 * 4  # weight and bias share that node
+        assert third.bytes_new == 16 * 16 * 4 + 16 * 4  # weight and bias share that node
         assert [i.bytes_new for i in s.log("jobA/main")] == [third.bytes_new, 0, first.bytes_new]
         line = next(r.getMessage() for r in caplog.records if "snapshot committed" in r.getMessage())
-        assert "(16.64 kB new)" in line, line
+        assert "(1.09 kB new)" in line, line
 
 
 def test_numpy_arrays_dedup_too(bstore):

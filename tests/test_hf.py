@@ -113,8 +113,10 @@ def test_callback_snapshots_every_save(run_a):
     assert_same(run_a["params"], dict(state["model"]), loose_types=True)
     # the trainer state is the text the Trainer wrote beside its own checkpoint, to the byte
     assert state["trainer_state"] == (run_a["out"] / "checkpoint-20" / "trainer_state.json").read_text()
-    # GPT-2's tied head is stored once: the two names share their blocks
-    assert s.show("gpt/main").bytes_new < s.show("gpt/main").bytes_total
+    # GPT-2's tied head is stored once: the two names share their blocks (a pack holds a
+    # tensor named twice twice: docs/design/scaling.md, "Packs")
+    if s.pack_size == 0:
+        assert s.show("gpt/main").bytes_new < s.show("gpt/main").bytes_total
 
 
 def test_resume_from_the_store_is_bit_identical(run_a, tmp_path):

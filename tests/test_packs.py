@@ -94,6 +94,32 @@ def test_packed_snapshots_come_back_bit_for_bit_in_few_objects(tmp_path, saver, 
         assert s.fsck().ok
 
 
+def _objects(path, kind) -> int:
+    root = os.path.join(path, kind)
+    return sum(len(os.listdir(os.path.join(root, d))) for d in os.listdir(root)) if os.path.isdir(root) else 0
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_tensor_that_would_be_a_node_of_its_own_is_packed(tmp_path, blocking):
+    """Inline, a tensor whose value passes NODE_SPLIT is a node of its own: one object per
+    tensor, what packs are for (an FSDP rank's 10,000 tensors of 4-16 KiB made 5,000 node
+    objects). With packs it is packed; one that shares its node stays inline; without packs
+    nothing changes."""
+    state = {"mid": [torch.randn(1500 + i) for i in range(40)],  # 6 KB each: inline, a node each
+             "tiny": [torch.randn(50) for _ in range(40)], "step": 1}   # 200 B each: they share nodes
+    got = {}
+    for name, pack in (("packed", 1 << 20), ("plain", 0)):
+        with tsck.open_store(str(tmp_path / name), block_size=1 << 20, inline_threshold=16384,
+                             pack_size=pack) as s:
+            f = s.put_snapshot(state, "j/main", step=1, blocking=blocking)
+            _ = f if blocking else f.result()
+            assert_same(s.checkout("j/main"), state)
+            assert s.fsck().ok
+        got[name] = (_objects(tmp_path / name, "nodes"), _objects(tmp_path / name, "blocks"))
+    assert got["packed"][1] == 1 and got["packed"][0] <= 3, got  # one pack; the tree in a node or three
+    assert got["plain"] == (got["plain"][0], 0) and got["plain"][0] >= 40, got  # a node a "mid" tensor
+
+
 def test_no_pack_passes_pack_size_and_a_pack_holds_one_item_size(tmp_path):
     """Read from the manifest: every part's pack length is at most pack_size, the parts of
     one pack tile it exactly, and a pack's parts share an item size."""
