@@ -104,7 +104,7 @@ def bench_stall(tsck, args, base, R):
     nbytes = state_nbytes(state)
     src = [t for _, t in iter_tensors(state)]
     log(f"# stall state: {nbytes/GB:.3f} GB in {len(src)} tensors "
-        f"({sum(1 for t in src if t.nbytes < 16384)} below 16 KiB, stored inline)")
+        f"({sum(1 for t in src if t.nbytes < 16384)} below 16 KiB: inline, or packed where the store packs)")
     changed = pick_tensors(state, args.changed, seed=1)
     changed_bytes = sum(t.nbytes for t in changed)
     log(f"# {len(changed)} tensors ({changed_bytes/GB:.3f} GB) change before every snapshot")

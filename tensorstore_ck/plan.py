@@ -334,7 +334,8 @@ class Planner:
         n = raw.nbytes if raw is not None else device_src.numel()
         meta["n"] = n
         inline = self.inline_threshold
-        if self.pack_size > 0 and tree.NODE_SPLIT - _META_ROOM < n <= inline and _inline_size(tag, meta, n) > tree.NODE_SPLIT:
+        if (self.pack_size > 0 and tree.NODE_SPLIT - _META_ROOM < n <= inline
+                and _inline_size(tag, meta, n) > tree.NODE_SPLIT):
             # Inline, it would be a node of its own (one object per tensor, what packs are
             # for: 10,000 tensors of 4-16 KiB made 5,000 node objects); packed instead.
             inline = 0
