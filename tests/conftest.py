@@ -252,3 +252,22 @@ def module_backend(request, tmp_path_factory) -> Backend:
     b = _make_backend(request, tmp_path_factory.mktemp(f"mb-{request.param}"), request.param)
     yield b
     b.remove()
+
+
+def pytest_configure(config):
+    # xdist's loadscope hands out modules largest first by test count, which sends the
+    # modules of a few long tests (ranks, servers, crash loops) out last, where one made the
+    # run's tail. Handed out in collection order instead: see pytest_collection_modifyitems.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with the most slow tests first (each keeps its tests' order; the quick
+    modules follow, as collected, and fill the workers' ends): long work first shortens a
+    run spread over a few workers."""
+    import collections
+    module = lambda it: it.nodeid.split("::", 1)[0]  # noqa: E731
+    slow = collections.Counter(module(it) for it in items if it.get_closest_marker("slow"))
+    first = {m: i for i, m in enumerate(dict.fromkeys(map(module, items)))}
+    items.sort(key=lambda it: (-slow[module(it)], first[module(it)]))
