@@ -21,6 +21,13 @@ With segments of about a minute, a round is literally one snapshot a minute. Per
     throughput ratio  = segment(none) / segment(mode)      (snapshots every --steps steps)
     overhead at one snapshot a minute = cost per snapshot / 60 s
 
+The machine's speed drifts from segment to segment by more than a snapshot costs (on the
+project's VM a segment of 20 s without snapshots swings by 2-4 s), so the cost is also read
+within each segment: the steps from the put's call until --margin s after its commit took
+what they took beyond as many of the segment's later steps at their median pace. That
+reading is blind to any cost lasting past the margin; the same reading of the round's
+"none" segment, over the same window, says how far it is from zero by chance alone.
+
 --loop python instead trains --layers 32-wide layers with a per-parameter AdamW (a step
 bound by Python dispatch: the loop holds the GIL most of the time), the state's bulk a
 tensor of --gb GB whose every block is changed before each snapshot; with small blocks
@@ -151,7 +158,7 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             os.sync()
             j0, p0 = cpu_counters(), proc_cpu()
             t0 = time.perf_counter()
-            fut, stall = None, 0.0
+            fut, stall, ends = None, 0.0, []
             for i in range(args.steps):
                 if i == 0 and mode != "none":
                     n += 1
@@ -160,6 +167,7 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
                     fut = stores[mode].put_snapshot(state, "job/main", step=n, blocking=False)
                     stall = time.perf_counter() - a
                 step()
+                ends.append(time.perf_counter() - t0)
             waited = took = 0.0
             trained = time.perf_counter() - t0
             if fut is not None:
@@ -171,6 +179,7 @@ def rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             j1, p1 = cpu_counters(), proc_cpu()
             steal = (j1.get("steal_j", 0) - j0.get("steal_j", 0)) / max(1, j1.get("all_j", 0) - j0.get("all_j", 0))
             seg[mode] = {"s": trained + waited, "steps_s": trained, "stall": stall, "waited": waited, "steal": steal,
+                         "ends": ends,
                          "took": took, "cpu": {k: p1[k] - p0[k] for k in p1},
                          "idle": (j1.get("idle_j", 0) - j0.get("idle_j", 0)) / max(1, j1.get("all_j", 0) - j0.get("all_j", 0))}
             if mode != "none" and rank == 0 and not args.endpoint:  # untimed: keep the newest only, reclaim the rest
@@ -241,6 +250,18 @@ def run_world(world: int, args) -> dict:
         return json.load(f)
 
 
+def window_excess(seg: dict, until: float) -> float:
+    """Seconds the steps that started before `until` (from the segment's start) took
+    beyond the same number of the segment's later steps at their median pace."""
+    ends = seg["ends"]
+    starts = [0.0] + ends[:-1]
+    inside = [e - b for b, e in zip(starts, ends) if b < until]
+    later = [e - b for b, e in zip(starts, ends) if b >= until]
+    if len(later) < 5:
+        return None  # too few steps after the window to pace it: not read
+    return sum(inside) - len(inside) * statistics.median(later) + seg["waited"]
+
+
 def report(world: int, res: dict, args) -> dict:
     rows = res["rows"]
     out = {"world": world, "state_gb": res["state_bytes_rank"] * world / 1e9}
@@ -267,6 +288,24 @@ def report(world: int, res: dict, args) -> dict:
             f"{fmt_s(summ(waited), unit=' s')} of it waited for "
             "after the segment's steps")
         log(f"      -> at one snapshot a minute: overhead {fmt_s(summ(per_min), '{:.1f}', '%')}")
+        # The same cost read inside each segment: the steps from the put's call until
+        # --margin s after its commit, against the pace of the segment's later steps. The
+        # machine's speed drifts from segment to segment by more than a snapshot costs;
+        # within one it drifts less. Blind to anything lasting past the margin; the same
+        # reading of the round's "none" segment over the same window is its noise.
+        local = [window_excess(r[mode], r[mode]["took"] + args.margin) for r in rows]
+        null = [window_excess(r["none"], r[mode]["took"] + args.margin) for r in rows]
+        if None in local or None in null:
+            log(f"      within the segment: not read (the window of {args.margin:g} s after a commit leaves "
+                "too few steps; more --steps)")
+            continue
+        local_min = [c / 60 * 100 for c in local]
+        out[mode].update({"local_cost_s": summ(local), "local_null_s": summ(null),
+                          "local_overhead_pct_per_minute": summ(local_min)})
+        log(f"      within the segment (the steps until {args.margin:g} s after the commit, against its later "
+            f"steps' pace): cost per snapshot {fmt_s(summ(local), unit=' s')}, overhead at one a minute "
+            f"{fmt_s(summ(local_min), '{:.1f}', '%')}; the same reading of the none segment "
+            f"{fmt_s(summ(null), unit=' s')}")
     return out
 
 
@@ -294,6 +333,8 @@ def main(argv=None) -> int:
                          "the put writes the tier and a segment also waits for the upload (wait_durable); "
                          "saver=process runs the uploads in the saver")
     ap.add_argument("--saver-nice", type=int, default=10, help="open_store(saver_nice=) (default 10)")
+    ap.add_argument("--margin", type=float, default=2.0,
+                    help="seconds after a commit still counted to the snapshot, within a segment (default 2)")
     ap.add_argument("--endpoint", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--key", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--secret", default=None, help=argparse.SUPPRESS)
