@@ -143,8 +143,10 @@ def test_the_client_slows_down_while_throttled(tmp_path, throttle, s3_url, statu
     proxy, opts = throttle
     with _open(tmp_path, s3_url, opts) as store:
         store.put_snapshot(_state(0, 1), ref="j/main", job="j", step=1)
-    st = {f"t{i}": torch.full((16384,), float(i)) for i in range(4 * WORKERS)}  # a block each
-    with _open(tmp_path, s3_url, opts, workers=WORKERS, block_size=64 * 1024) as store:  # a new client
+    # A block each: unpacked (packed, the tensors are one object, two requests in all,
+    # which pass without any limiter).
+    st = {f"t{i}": torch.full((16384,), float(i)) for i in range(4 * WORKERS)}
+    with _open(tmp_path, s3_url, opts, workers=WORKERS, block_size=64 * 1024, pack_size=0) as store:  # a new client
         proxy.reset_counts()
         proxy.throttle(4.0, status=status, code=code)
         store.put_snapshot(st, ref="j/main", job="j", step=2)
