@@ -250,7 +250,7 @@ def run_world(world: int, args) -> dict:
         return json.load(f)
 
 
-def window_excess(seg: dict, until: float) -> float:
+def window_excess(seg: dict, until: float) -> float | None:
     """Seconds the steps that started before `until` (from the segment's start) took
     beyond the same number of the segment's later steps at their median pace."""
     ends = seg["ends"]
@@ -288,11 +288,7 @@ def report(world: int, res: dict, args) -> dict:
             f"{fmt_s(summ(waited), unit=' s')} of it waited for "
             "after the segment's steps")
         log(f"      -> at one snapshot a minute: overhead {fmt_s(summ(per_min), '{:.1f}', '%')}")
-        # The same cost read inside each segment: the steps from the put's call until
-        # --margin s after its commit, against the pace of the segment's later steps. The
-        # machine's speed drifts from segment to segment by more than a snapshot costs;
-        # within one it drifts less. Blind to anything lasting past the margin; the same
-        # reading of the round's "none" segment over the same window is its noise.
+        # The same cost read within each segment (the module's docstring says why).
         local = [window_excess(r[mode], r[mode]["took"] + args.margin) for r in rows]
         null = [window_excess(r["none"], r[mode]["took"] + args.margin) for r in rows]
         if None in local or None in null:
