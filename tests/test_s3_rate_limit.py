@@ -88,9 +88,9 @@ def test_many_ranks_through_one_partition_all_land_and_back_off(tmp_path, proxy,
     first = tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server,
                             block_size=64 * 1024, compression="none")
     # Unpacked: each tensor a PUT of its own (128 in all), so the writes outlast the first
-    # burst. Packed, a rank's six tensors are one pack and two nodes (48 in all), sent at
-    # once: the first burst alone (up to 64 requests against a bucket of 20) is then half
-    # of them whatever the clients do after it.
+    # burst. Packed, a rank's six tensors are one pack and two nodes (48 PUTs in all), sent
+    # within about a second against a bucket of 20: about half are refused whatever the
+    # clients do after.
     stores = [tsck.open_store(s3_url, refs=first.reftable, storage_options=opts, workers=4, pack_size=0)
               for _ in range(RANKS)]
     states = [{f"p{i}": torch.full((16384,), float(r * 100 + i)) for i in range(6)} for r in range(RANKS)]
