@@ -291,8 +291,13 @@ class Assets:
         mv = memoryview(raw).cast("B")
         return PutResult(blake3.blake3(mv).digest(), False, mv.nbytes, counted=False)
 
-    def put_node(self, payload: bytes, fence: int | None = None) -> PutResult:
-        return self._put(frame.KIND_NODE, payload, fence=fence)
+    def put_node(self, payload: bytes, fence: int | None = None, d: bytes | None = None) -> PutResult:
+        """d: the payload's address when the caller hashed it already (node_address)."""
+        return self._put(frame.KIND_NODE, payload, d=d, fence=fence)
+
+    @staticmethod
+    def node_address(payload: bytes) -> bytes:
+        return blake3.blake3(payload).digest()
 
     def put_commit(self, payload: bytes) -> PutResult:
         return self._put(frame.KIND_COMMIT, payload)

@@ -24,6 +24,7 @@ from .storage import BlockStore
 __all__ = ["Core", "Settings", "DEFAULT_WORKERS", "DEFAULT_LEASE"]
 
 DEFAULT_WORKERS = min(8, 2 * (os.cpu_count() or 2))
+POOL_PREFIX = "tsck-io"  # the names of the I/O pool's threads
 DEFAULT_LEASE = 120.0  # seconds a gc holds the store between two renewals (gc.py; open_store(gc_lease=))
 
 
@@ -59,7 +60,7 @@ class Core:
         table's gc epoch, and a pool of settings.workers threads (the caller shuts it down)."""
         settings = settings or Settings()
         assets = Assets(storage, codecs=codecs, epoch_now=lambda: refs.gc_state()["epoch"])
-        pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="tsck-io")
+        pool = ThreadPoolExecutor(settings.workers, thread_name_prefix=POOL_PREFIX)
         return cls(storage, assets, refs, pool, settings)
 
     @property
@@ -70,7 +71,7 @@ class Core:
         """In the child of os.fork(): only the forking thread exists there, so the pool's
         workers are the parent's (a new pool), as are the presence record's lock and the
         locks or clients of the storage backends and wrappers (their own _after_fork)."""
-        self.pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="tsck-io")
+        self.pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix=POOL_PREFIX)
         self.assets.presence.after_fork()
         s = self.storage
         while s is not None:

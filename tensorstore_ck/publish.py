@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from .assets import Assets, PutResult
 from .chunker import job_order
+from .core import POOL_PREFIX
 from .errors import (Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StepReusedWarning,
                      StorageError, TsckError)
 from .format.manifest import decode_commit, encode_commit
@@ -317,13 +318,31 @@ class Publisher:
         """Lay `value` out in nodes and write them -> (top node address, payloads).
         new: gets (address, payload) of each node this call stored new."""
         w = NodeWriter()
+        if self.assets.storage.local or threading.current_thread().name.startswith(POOL_PREFIX):
+            # A local disk writes a node in microseconds; a pool worker must not wait on its own pool.
+            def put(payload):
+                r = self.assets.put_node(payload, fence)
+                if new is not None and r.new:
+                    new.append((r.digest, payload))
+                return r.digest
+            return w.write(value, put), w.payloads
+        # An object store answers each request in milliseconds (a HEAD and a PUT per node on a
+        # cold store): the nodes go out in parallel, as the blocks do. A node's address is its
+        # payload's hash, so the parent is laid out before its children are stored; all are
+        # stored before this returns (the commit comes after them).
+        futs: list[Future] = []
+        sent: list[bytes] = []
 
-        def put(payload):
-            r = self.assets.put_node(payload, fence)
-            if new is not None and r.new:
-                new.append((r.digest, payload))
-            return r.digest
-        top = w.write(value, put)
+        def put_async(payload):
+            d = self.assets.node_address(payload)
+            futs.append(self.pool.submit(self.assets.put_node, payload, fence, d))
+            sent.append(payload)
+            return d
+        with cancelled_on_failure(futs):
+            top = w.write(value, put_async)
+            wait_all(futs)
+        if new is not None:
+            new.extend((f.result().digest, p) for f, p in zip(futs, sent) if f.result().new)
         return top, w.payloads
 
     def sync(self) -> None:
