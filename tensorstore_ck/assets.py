@@ -312,7 +312,7 @@ class Assets:
             raise
 
     # -- copying between stores (a local tier's uploads) ---------------------------
-    def stored_frame(self, kind: str, d: bytes, written: tuple[int, int] | None = None) -> bytes:
+    def stored_frame(self, kind: str, d: bytes, written: tuple[int, int | None] | None = None) -> bytes:
         """The stored bytes of object `d` of `kind` ("block", "node", "commit"), checked
         (frame, length, BLAKE3) before they go anywhere: a damaged local copy is an
         IntegrityError here, never a remote object.
@@ -320,15 +320,22 @@ class Assets:
         written: (length, CRC32) of the frame this process encoded for `d` and wrote here
         (tier.uploader.Uploader.tee, taken from the bytes as they were written). Bytes that match
         both are that frame, which was encoded from the bytes hashed to `d`: one read and a
-        CRC32 instead of a decode and a BLAKE3. Any mismatch is judged whole, as without."""
+        CRC32 instead of a decode and a BLAKE3 (a block kept raw needs no decode: its BLAKE3,
+        the cheaper of the two). Any mismatch is judged whole, as without."""
         key = _key(kind + "s", d)
         if written is not None:
             try:
                 data = self._read_reused(key, written[0] + 1)
             except FileNotFoundError:
                 data = None
-            if data is not None and len(data) == written[0] and zlib.crc32(data) == written[1]:
-                return data
+            if data is not None and len(data) == written[0]:
+                if frame.is_raw_block(data):
+                    # Kept raw (a tier on a fast disk): BLAKE3 checks it whole against its
+                    # address for less than a CRC32 costs (here 3.6 against 2.1 GB/s).
+                    if check_frame(kind + "s", d, data, key) is None:
+                        return data
+                elif written[1] is not None and zlib.crc32(data) == written[1]:
+                    return data
         err, data = self.verify_stored(key)
         if err is not None:
             raise err
@@ -385,7 +392,7 @@ class Assets:
         return new
 
     def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None,
-                  written: tuple[int, int] | None = None) -> bool:
+                  written: tuple[int, int | None] | None = None) -> bool:
         """Store object `d` of `kind` as `src` stores it (same address; the same bytes but
         for a block framed_here codes for this store; src.stored_frame checks it first)
         unless this store has it:

@@ -62,7 +62,8 @@ _JOB = np.dtype([("off", "<i8"), ("n", "<i8"), ("itemsize", "<i4"), ("hash_only"
 # (Not "S32": numpy's bytes strip trailing zero bytes, and 1 digest in 256 ends with one.)
 _RESULT = np.dtype([("digest", "u1", (32,)), ("new", "<i1"), ("stored", "<i8")])
 # One object to copy from the tier (an upload): its address and, where this process's put
-# wrote it new, the length and CRC32 of its frame as written (-1: no record).
+# wrote it new, the length and CRC32 of its frame as written (n -1: no record; crc -1: a block
+# kept raw, recorded by its length alone).
 _COPY = np.dtype([("digest", "u1", (32,)), ("n", "<i8"), ("crc", "<i8")])
 
 
@@ -234,7 +235,7 @@ class Saver:
         table = np.zeros(len(digests), dtype=_COPY)
         for row, d, w in zip(table, digests, written):
             row["digest"] = np.frombuffer(d, dtype=np.uint8)
-            row["n"], row["crc"] = w if w is not None else (-1, -1)
+            row["n"], row["crc"] = (-1, -1) if w is None else (w[0], -1 if w[1] is None else w[1])
         msg = self._ask(("copy", kind, table.tobytes(), fence, sync), "uploaded a snapshot", _UPLOAD_THEN)
         return [bool(x) for x in np.frombuffer(msg[1], dtype=np.int8)]
 
@@ -344,7 +345,8 @@ def _run_copies(dst: Assets, src: Assets, pool: ThreadPoolExecutor, kind: str, t
                 sync: bool) -> bytes:
     def one(row) -> bool:
         n, crc = int(row["n"]), int(row["crc"])
-        return dst.copy_from(src, kind, row["digest"].tobytes(), fence, None if n < 0 else (n, crc))
+        return dst.copy_from(src, kind, row["digest"].tobytes(), fence,
+                             None if n < 0 else (n, None if crc < 0 else crc))
     futs: list = []
     with cancelled_on_failure(futs):
         futs.extend(pool.submit(one, row) for row in table)

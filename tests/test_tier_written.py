@@ -2,7 +2,7 @@
 without a second decode: the uploader keeps, for each block and node its process wrote
 new in the tier, the frame's length and CRC32 taken from the bytes as they were written
 (upload.Uploader.tee). Its upload checks the tier's copy against them (one read, one
-CRC32, not a decode and a BLAKE3) and sends it as the conditional PUT alone; a copy that
+CRC32, or for a block kept raw its BLAKE3, not a decode and a BLAKE3) and sends it as the conditional PUT alone; a copy that
 changed since is judged whole, as any other (docs/design/tiers.md, "What this process
 wrote").
 
@@ -142,17 +142,22 @@ def _held(store) -> threading.Event:
     return gate
 
 
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_tier_copy_damaged_after_it_was_written_is_never_sent(s3_url, s3_server, tmp_path, damage):
+def test_a_tier_copy_damaged_after_it_was_written_is_never_sent(s3_url, s3_server, tmp_path, damage, codec):
     """A block changed in the tier after its put wrote it (one byte flipped, or cut short)
-    no longer matches the recorded CRC32; judged whole, it is damaged: the uploader stops
-    with the IntegrityError naming it, the remote never receives it and its ref does not
-    move."""
+    no longer matches the record (kept lz4: its CRC32; kept raw: its address); judged whole,
+    it is damaged: the uploader stops with the IntegrityError naming it, the remote never
+    receives it and its ref does not move."""
     wrapped: list[Asked] = []
     store = _open(s3_url, s3_server, tmp_path, "nvme", wrapped)
     gate = _held(store)
-    store.put_snapshot(_state(3), "job/main", step=1)
-    victim = sorted(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file())[0]
+    # Random floats stay raw in the tier (lz4 does not shrink them); a repeated pattern is kept lz4.
+    state = _state(3) if codec == "raw" else {"w": torch.arange(64 * 256).remainder(7).float().reshape(64, 256)}
+    store.put_snapshot(state, "job/main", step=1)
+    want = frame.CODEC_RAW if codec == "raw" else frame.CODEC_LZ4
+    victim = sorted(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file()
+                    and frame.decode_header(p.read_bytes()[:frame.HEADER_SIZE]).codec == want)[0]
     data = bytearray(victim.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x01

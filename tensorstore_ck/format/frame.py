@@ -36,7 +36,7 @@ __all__ = [
     "MAGIC", "FRAME_VERSION", "HEADER_SIZE", "CODEC_RAW", "CODEC_LZ4", "CODEC_SHUFFLE_LZ4",
     "CODEC_FLOAT", "FLOAT_ITEMSIZES",
     "KIND_BLOCK", "KIND_NODE", "KIND_COMMIT", "Header", "encode_header", "decode_header",
-    "encode_payload", "decode_payload",
+    "encode_payload", "decode_payload", "is_raw_block",
 ]
 
 MAGIC = b"TSKO"
@@ -101,6 +101,16 @@ def decode_header(buf) -> Header:
     if raw_len > MAX_RAW_LEN:
         raise FormatError(f"declared object size {raw_len} exceeds the cap {MAX_RAW_LEN}")
     return Header(codec, itemsize, kind, raw_len)
+
+
+def is_raw_block(head) -> bool:
+    """Whether `head` (a frame's first HEADER_SIZE bytes or more) is a sound header of a
+    block stored raw: its payload is the block's bytes, whose BLAKE3 is its address."""
+    try:
+        hdr = decode_header(memoryview(head)[:HEADER_SIZE])
+    except FormatError:
+        return False
+    return hdr.kind == KIND_BLOCK and hdr.codec == CODEC_RAW
 
 
 def _shuffle(raw, itemsize: int) -> bytes:

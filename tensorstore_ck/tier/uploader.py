@@ -129,7 +129,7 @@ class Uploader:
         # wrote new here, as written (tee). The upload checks the tier's copy against them
         # (Assets.stored_frame) and sends it as the conditional PUT alone: new here, most
         # likely new there (Assets.copy_from). Forgotten once sent.
-        self._written: dict[tuple[int, bytes], tuple[int, int]] = {}
+        self._written: dict[tuple[int, bytes], tuple[int, int | None]] = {}
         self.sent_written = 0  # objects copied with such a record (tests)
         # fn(root, row, at) after each snapshot became durable (after_durable), on this
         # thread: its catalog row and the local table's clock when it was marked durable.
@@ -445,18 +445,19 @@ class Uploader:
             self._tee_fence = self.publisher.fence()
 
     def tee(self, kind: int, d: bytes, bufs) -> None:
-        """A new block or node the local tier just wrote: its frame's length and CRC32
-        recorded for its upload (see _written); with the early upload, a block's stored
+        """A new block or node the local tier just wrote: its frame's length and CRC32 (a
+        block kept raw: its length alone, its address checks it) recorded for its upload (see _written); with the early upload, a block's stored
         bytes also sent to the remote now, best effort. The uploader stays the authority:
         it walks the snapshot after publication and sends whatever this did not (a send dropped because
         TEE_BYTES were in flight, one that failed, one of a later gc phase's epoch), and
         the remote ref moves only after it. A block sent here and never named remotely
         (the put failed, the process died) is garbage to the remote gc, as any orphan."""
         try:
-            n = crc = 0
-            for b in bufs:  # zlib releases the GIL over large buffers
+            n = sum(memoryview(b).nbytes for b in bufs)
+            # A block kept raw is checked by its address (Assets.stored_frame): no CRC32 to take.
+            crc = None if kind == frame.KIND_BLOCK and bufs and frame.is_raw_block(bufs[0]) else 0
+            for b in bufs if crc is not None else ():  # zlib releases the GIL over large buffers
                 crc = zlib.crc32(b, crc)
-                n += memoryview(b).nbytes
         except (TypeError, ValueError, BufferError):  # never the put's failure: no record, checked whole
             n = None
         if n is not None:
