@@ -25,7 +25,9 @@ with the page cache dropped first (drop_caches; radosgw's memstore is not page c
 * file://      the file:// store's checkout, for reference (its codec is lz4, the
                tier's is the remote's: the float codec on S3 by default).
 With --peer (when the build has peer replicas) a restore from a peer's tier is added.
-Ratios are per repeat, then median (min-max).
+For the direct S3 put and the tier until durable, the CPU seconds the writer and the S3
+server spent and the share of the machine's CPU left idle: what bounds either where the
+server shares the cores. Ratios are per repeat, then median (min-max).
 
     .venv/bin/python benches/bench_tier.py --scale 0.5 --repeats 3 --early-upload on|off | tee -a benches/results/tier.txt
 """
@@ -85,6 +87,18 @@ class ServerCPU:
             except (OSError, IndexError, ValueError):
                 pass
         return total / tick
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(idle + iowait, all) jiffies of the whole machine, from /proc/stat."""
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return v[3] + v[4], sum(v)
+
+
+def idle_since(t0: tuple[int, int]) -> float:
+    """The share of the machine's CPU time left idle since t0 (machine_ticks), in %."""
+    t1 = machine_ticks()
+    return 100.0 * (t1[0] - t0[0]) / max(1, t1[1] - t0[1])
 
 
 def own_cpu() -> float:
@@ -164,8 +178,12 @@ def main() -> int:
                 direct = f"s3://{a.bucket}/{run}/direct"
                 direct_refs = os.path.join(scratch, "direct-refs.lmdb")
                 st = tsck.open_store(direct, refs=direct_refs, storage_options=opts, compression=a.compression)
+                c0, s0, m0 = own_cpu(), server.seconds(), machine_ticks()
                 t = core.timed(lambda: st.put_snapshot(state, ref=REF, step=1), sync=False)
                 rows["s3 put, s"].append(t.seconds)
+                rows["s3 put: machine idle, %"].append(idle_since(m0))
+                rows["s3 put: writer CPU, s"].append(own_cpu() - c0)
+                rows["s3 put: S3 server CPU, s"].append(server.seconds() - s0)
                 st.close()
 
                 # --- tier: return, then durable
@@ -179,7 +197,7 @@ def main() -> int:
 
                 st = open_tier()
                 os.sync()
-                c0, s0 = own_cpu(), server.seconds()
+                c0, s0, m0 = own_cpu(), server.seconds(), machine_ticks()
                 t0 = time.perf_counter()
                 info = st.put_snapshot(state, ref=REF, step=1)
                 t_ret = time.perf_counter() - t0
@@ -189,6 +207,8 @@ def main() -> int:
                 assert st.wait_durable(timeout=600), "the upload did not finish"
                 t_dur = time.perf_counter() - t0
                 rows["tier put durable: writer CPU, s"].append(own_cpu() - c0)
+                rows["tier put durable: S3 server CPU, s"].append(server.seconds() - s0)
+                rows["tier put durable: machine idle, %"].append(idle_since(m0))
                 st.close()
                 rows["tier put returns, s"].append(t_ret)
                 rows["tier put durable, s"].append(t_dur)
@@ -251,8 +271,9 @@ def main() -> int:
     print(f"| measure ({a.repeats} repeats, {nbytes / GB:.3f} GB) | median (min–max) |")
     print("|---|---|")
     for name, xs in rows.items():
-        unit = " s" if name.endswith(", s") else "x"
-        print(f"| {name.removesuffix(', s')} | {core.fmt_s(core.summ(xs), '{:.2f}', unit)} |")
+        unit = " s" if name.endswith(", s") else "%" if name.endswith(", %") else "x"
+        print(f"| {name.removesuffix(', s').removesuffix(', %')} | "
+              f"{core.fmt_s(core.summ(xs), '{:.1f}' if unit == '%' else '{:.2f}', unit)} |")
     return 0
 
 
