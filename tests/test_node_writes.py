@@ -23,7 +23,8 @@ WAIT = 60.0  # seconds an event may take on a loaded machine before the test cal
 def many_nodes_state(n: int = 16) -> dict:
     # Modules whose entries encode past tree.NODE_SPLIT (the text): a manifest node each,
     # holding a tensor in a block and one inlined.
-    return {f"m{i}": {"w": torch.arange(20_000, dtype=torch.float32) + i, "b": torch.full((16,), float(i)), "note": f"{i}" + "x" * 5000}
+    return {f"m{i}": {"w": torch.arange(20_000, dtype=torch.float32) + i, "b": torch.full((16,), float(i)),
+                      "note": f"{i}" + "x" * 5000}
             for i in range(n)} | {"step": 7}
 
 
@@ -118,7 +119,8 @@ def test_a_pool_worker_writes_its_nodes_itself(tmp_path):
     st, holder = _open(tmp_path / "remote", meet=False)
     one = ThreadPoolExecutor(1, thread_name_prefix=POOL_PREFIX)
     pub = Publisher(st.core.assets, st.core.refs, one)
-    value = st.planner().plan({f"m{i}": {"v": i, "s": f"{i}" + "x" * 5000} for i in range(20)}).value  # a node per entry
+    # A node per entry (past tree.NODE_SPLIT).
+    value = st.planner().plan({f"m{i}": {"v": i, "s": f"{i}" + "x" * 5000} for i in range(20)}).value
     try:
         fut = pub.pool.submit(pub.write_nodes, value, None, [])
         top, payloads = fut.result(timeout=WAIT)
