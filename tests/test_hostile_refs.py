@@ -86,6 +86,30 @@ def test_pg_server_down_is_storage_error_then_recovers(tmp_path, pg_server):
         _open_pg(tmp_path, pg_server.dsn + " connect_timeout=1", retry_budget=5)
 
 
+@pytest.mark.slow
+def test_pg_reconnects_at_once_after_a_long_outage(tmp_path, pg_server):
+    """The pool's own reconnection backs off (1, 2, 4, 8, 16 s...): after an outage of 20 s
+    its next attempt can be 16 s away, past a 5 s retry budget, with the server long back.
+    A call that finds no connection renews the pool, which connects at once: the first
+    put after the restart succeeds within its budget."""
+    s = _open_pg(tmp_path, pg_server.dsn + " connect_timeout=2", retry_budget=5)
+    try:
+        s.put_snapshot(_state(0), "a/main", step=0)
+        pg_server.stop()
+        down = time.monotonic()
+        with pytest.raises(tsck.StorageError, match="ref table at postgresql://127.0.0.1"):
+            s.log("a/main")  # the pool finds its connection gone and starts reconnecting
+        # The outage is the scenario, not a wait for the code: 20 s of backoff doubling.
+        time.sleep(max(0.0, 20.0 - (time.monotonic() - down)))
+        pg_server.start()
+        t0 = time.monotonic()
+        assert s.put_snapshot(_state(1), "a/main", step=1).step == 1
+        assert time.monotonic() - t0 < 5 + 2  # the budget, plus one connect timeout
+        assert [i.step for i in s.log("a/main")] == [1, 0]
+    finally:
+        s.close()
+
+
 class _CommitDropper:
     """A TCP proxy in front of the server that, when armed, forwards a transaction's
     COMMIT (of a transaction that moved a ref), lets the server

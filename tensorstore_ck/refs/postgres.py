@@ -368,6 +368,30 @@ class PostgresRefTable(RefTable):
                 self._pool = self._new_pool()
             return self._pool
 
+    def _renew_pool(self, old):
+        """A pool whose connection attempts failed tries again on its own backoff (1, 2, 4,
+        8 s... up to minutes), even once the server is back: after a 20 s outage its next
+        attempt can be 16 s away. Replace it by one that connects at once; calls waiting on
+        the old one get PoolClosed and move to the new one (_pool_after_closed)."""
+        with self._lock:
+            if self._closed:
+                raise StoreClosed(f"the ref table at {self.where} is closed")
+            if self._pool is not None and self._pool is not old:
+                return self._pool  # renewed by another call meanwhile
+            self._pool = self._new_pool()
+            new = self._pool
+        if old is not None:
+            old.close(timeout=0)
+        return new
+
+    def _pool_after_closed(self, pool):
+        """`pool` refused a connection as closed: the pool that replaced it, or StoreClosed."""
+        with self._lock:
+            current = None if self._closed else self._pool
+        if current is None or current is pool:
+            raise StoreClosed(f"the ref table at {self.where} is closed")
+        return current
+
     def _down(self, why: str) -> StorageError:
         return StorageError(f"ref table at {self.where}: {why}; the server is down or unreachable "
                             f"(waited {self.timeout:g}s for it)")
@@ -418,10 +442,11 @@ class PostgresRefTable(RefTable):
                 try:
                     conn = pool.getconn(timeout=self.timeout)
                 except self._psycopg_pool.PoolClosed:
-                    raise StoreClosed(f"the ref table at {self.where} is closed") from None
+                    pool = self._pool_after_closed(pool)  # another call renewed it: go on with the new one
+                    continue
                 except self._psycopg_pool.PoolTimeout:
                     # No connection within the connect timeout: a server failing over takes
-                    # longer; the pool goes on reconnecting while the retry budget lasts.
+                    # longer; a fresh pool tries again after each delay while the retry budget lasts.
                     lost += 1
                     delay = next(delays, None)
                     if delay is None:
@@ -430,6 +455,7 @@ class PostgresRefTable(RefTable):
                     log.warning("ref table %s: no connection in %gs; retry %d in %.2fs (retry budget %gs)",
                                 self.where, self.timeout, lost, delay, self.backoff.budget)
                     time.sleep(delay)
+                    pool = self._renew_pool(pool)
                     continue
                 token = None
                 committing = False
@@ -522,6 +548,7 @@ class PostgresRefTable(RefTable):
         with self._lock:
             if self._closed:
                 return
+            self._closed = True  # from here no call makes a pool (_get_pool, _renew_pool)
             pool, self._pool = self._pool, None
             acked, self._acked = self._acked, []
         if pool is not None and acked:
@@ -531,8 +558,6 @@ class PostgresRefTable(RefTable):
                                  (self.namespace, TOKEN_TABLE, acked))
             except Exception as e:  # noqa: BLE001 - closing must not fail on a server that went away
                 log.debug("ref table %s: tokens left for the sweep (%s)", self.where, type(e).__name__)
-        with self._lock:
-            self._closed = True
         if pool is not None:
             pool.close()
 
