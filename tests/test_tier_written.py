@@ -2,9 +2,9 @@
 without a second decode: the uploader keeps, for each block and node its process wrote
 new in the tier, the frame's length and CRC32 taken from the bytes as they were written
 (upload.Uploader.tee). Its upload checks the tier's copy against them (one read, one
-CRC32, or for a block kept raw its BLAKE3, not a decode and a BLAKE3) and sends it as the conditional PUT alone; a copy that
-changed since is judged whole, as any other (docs/design/tiers.md, "What this process
-wrote").
+CRC32, or for a block kept raw its BLAKE3, not a decode and a BLAKE3) and sends it as
+the conditional PUT alone; a copy that changed since is judged whole, as any other
+(docs/design/tiers.md, "What this process wrote").
 
 Against a real S3 server (moto, or radosgw via TEST_S3_ENDPOINT): its HEADs and PUTs are
 counted by a WrappedStore around the real S3 store."""

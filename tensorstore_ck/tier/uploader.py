@@ -446,8 +446,9 @@ class Uploader:
 
     def tee(self, kind: int, d: bytes, bufs) -> None:
         """A new block or node the local tier just wrote: its frame's length and CRC32 (a
-        block kept raw: its length alone, its address checks it) recorded for its upload (see _written); with the early upload, a block's stored
-        bytes also sent to the remote now, best effort. The uploader stays the authority:
+        block kept raw: its length alone, its address checks it) recorded for its upload
+        (see _written); with the early upload, a block's stored bytes also sent to the
+        remote now, best effort. The uploader stays the authority:
         it walks the snapshot after publication and sends whatever this did not (a send dropped because
         TEE_BYTES were in flight, one that failed, one of a later gc phase's epoch), and
         the remote ref moves only after it. A block sent here and never named remotely
@@ -456,8 +457,9 @@ class Uploader:
             n = sum(memoryview(b).nbytes for b in bufs)
             # A block kept raw is checked by its address (Assets.stored_frame): no CRC32 to take.
             crc = None if kind == frame.KIND_BLOCK and bufs and frame.is_raw_block(bufs[0]) else 0
-            for b in bufs if crc is not None else ():  # zlib releases the GIL over large buffers
-                crc = zlib.crc32(b, crc)
+            if crc is not None:
+                for b in bufs:  # zlib releases the GIL over large buffers
+                    crc = zlib.crc32(b, crc)
         except (TypeError, ValueError, BufferError):  # never the put's failure: no record, checked whole
             n = None
         if n is not None:
