@@ -312,36 +312,28 @@ def _files_under(root: Path) -> list[str]:
     return out
 
 
-def _mid_create(b) -> bool:
-    """Is the new store at `b` caught in the middle of being created?"""
-    if b.kind == "s3":
-        # One atomic PUT creates the marker on S3, so no partial marker is observable; the
-        # moment to catch is right after it: the marker is there, the ref table being made.
-        return b.exists("tsck.json")
-    root = Path(b.url)  # file and pg: a local directory, its marker written via tmp/ and a link
-    return root.is_dir() and not (root / "tsck.json").exists() and bool(_files_under(root))
-
-
 @pytest.mark.slow
 def test_kill9_while_creating_store(backend, tmp_path, s3_cleanup):
     """A writer killed while open_store() is creating a brand-new store must not
     leave a location that can no longer be opened (or created) as a store.
 
-    Half the kills land at random moments of open_store; the other half are
-    triggered at the moment of creation that is observable from outside: on
-    file and pg the instant the first file appears in the new store directory
-    before tsck.json exists, i.e. in the middle of writing the store marker; on
-    s3 (the marker is one atomic PUT) the instant the marker is visible, i.e.
-    while the ref table is being created. On s3 the objects under the prefix
-    after each kill are checked too: at most the marker and whole content objects."""
+    Half the kills land at random moments of open_store; the other half at the
+    moment of creation the writer stops itself at (writer.py --freeze-at): on
+    file and pg the marker written in full to a temp file in the new store
+    directory but not yet linked as tsck.json; on s3 (the marker is one atomic
+    PUT) the marker stored and the ref table not yet made. On s3 the objects
+    under the prefix after each kill are checked too: at most the marker and
+    whole content objects."""
     rng = random.Random(7)
     n = CREATE_KILLS[backend.kind]
-    trigger = "marker" if backend.kind == "s3" else "first-file"
+    trigger = "marker-made" if backend.kind == "s3" else "marker-link"
     locs = [backend.sibling(tmp_path, f"s{i}") for i in range(n)]
     cal_b = backend.sibling(tmp_path, "cal")
     for b in [*locs, cal_b]:
         s3_cleanup(b)
-    writers = [Writer(b.spec(), tmp_path / f"c{i}.err", ["--wait-go", "--steps", "1"]) for i, b in enumerate(locs)]
+    writers = [Writer(b.spec(), tmp_path / f"c{i}.err",
+                      ["--wait-go", "--steps", "1", *(["--freeze-at", trigger] if i % 2 else [])])
+               for i, b in enumerate(locs)]
     # calibrate: how long does creating a store take here?
     for w in writers:
         assert w.wait_for(lambda ln: ln == "ready", 120), w.stderr()
@@ -357,17 +349,13 @@ def test_kill9_while_creating_store(backend, tmp_path, s3_cleanup):
 
     outcomes = []
     for i, (w, b) in enumerate(zip(writers, locs)):
-        t_go = w.go(0)
+        w.go(0)
         if i % 2 == 0:
             time.sleep(rng.uniform(0, 1.2 * t_open))
             how = "random"
         else:
-            how = "missed"
-            deadline = t_go + 30
-            while time.monotonic() < deadline and w.proc.poll() is None:
-                if _mid_create(b):
-                    how = trigger
-                    break
+            assert w.wait_for(lambda ln: ln == "frozen", 120), w.stderr()
+            how = trigger
         if b.kind == "s3":
             w.kill()
             # S3 PUTs are atomic and the s3 backend writes no temp objects: whatever the
@@ -394,5 +382,8 @@ def test_kill9_while_creating_store(backend, tmp_path, s3_cleanup):
             assert s.resolve("after/crash") == info.root
         remove_store(b)
     print(f"\ncreate-kill outcomes on {backend.kind} (open takes {t_open:.3f}s): {outcomes}")
-    # every other kill waits for the trigger; all but one of those must have seen it
-    assert sum(1 for how, _ in outcomes if how == trigger) >= max(1, n // 2 - 1), outcomes
+    for how, leftovers in outcomes:  # each frozen moment is the one it claims
+        if how == trigger and backend.kind == "s3":  # the marker, no ref table yet
+            assert "tsck.json" in leftovers, outcomes
+        elif how == trigger:  # a written temp file, no marker
+            assert "tsck.json" not in leftovers and any(f.startswith("tmp/") for f in leftovers), outcomes
