@@ -167,3 +167,137 @@ def test_lmdb_open_adopts_a_map_another_process_grew_meanwhile(tmp_path, monkeyp
         assert len(list(t.catalog_iter())) == 300
     finally:
         t.close()
+
+
+@pytest.mark.slow
+def test_postgres_first_opens_race_to_create_the_table(pg_dsn):
+    """Every rank of a job opens the ref table at once, and the first opens of a new
+    database all try to create tsck_kv. PostgreSQL's CREATE TABLE IF NOT EXISTS is not
+    safe against itself (the losers fail on the catalog's unique index or with
+    DuplicateObject): each open must still succeed and the tables agree afterwards."""
+    import threading
+    import psycopg
+    from tensorstore_ck.refs.postgres import PostgresRefTable
+    errors, tables = [], []
+    for _ in range(6):
+        db = f"tsck_race_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {db}")
+        dsn = psycopg.conninfo.make_conninfo(pg_dsn, dbname=db)
+        gate = threading.Barrier(8)
+
+        def open_one():
+            gate.wait()
+            try:
+                tables.append(PostgresRefTable(dsn, namespace="race"))
+            except Exception as e:  # noqa: BLE001 - collected and shown below
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=open_one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    try:
+        assert not errors, errors
+        tables[0].compare_and_swap("r", None, b"\1" * 32, message="after the race")
+        assert tables[-1].get_or_none("r") is None  # another database: its own table
+    finally:
+        for t in tables:
+            t.close()
+
+
+def test_postgres_role_that_cannot_create_the_table_is_told_so(pg_dsn, caplog):
+    """A role the server lets in but not create tsck_kv gets a StorageError that says the
+    setup was refused, at once, not one that blames the network."""
+    import psycopg
+    import tensorstore_ck as tsck
+    from tensorstore_ck.refs.postgres import PostgresRefTable
+    db, role = f"tsck_nocreate_{uuid.uuid4().hex[:12]}", f"tsck_r_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {db}")
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+    with psycopg.connect(psycopg.conninfo.make_conninfo(pg_dsn, dbname=db), autocommit=True) as conn:
+        conn.execute(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}")
+    with pytest.raises(tsck.StorageError, match=r"cannot set up the ref table .*InsufficientPrivilege.*refused creating"):
+        PostgresRefTable(psycopg.conninfo.make_conninfo(pg_dsn, dbname=db, user=role), namespace="x")
+    assert "retrying" not in caplog.text  # a refusal spends no retry budget
+
+
+def test_lmdb_table_opened_twice_in_one_process_shares_one_environment(tmp_path):
+    """LMDB forbids a second environment on one directory in a process: a second Store on
+    a local store in the same process (an evaluator thread, a test) shares the first's.
+    Each sees the other's writes, and closing one leaves the other working."""
+    import threading
+    import torch
+    import tensorstore_ck as tsck
+    path = str(tmp_path / "s")
+    stores, errors = [], []
+    gate = threading.Barrier(4)
+
+    def open_one():
+        gate.wait()
+        try:
+            stores.append(tsck.open_store(path))
+        except Exception as e:  # noqa: BLE001 - collected and shown below
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len({s.config["id"] for s in stores}) == 1, errors
+    a, b, *rest = stores
+    info = a.put_snapshot({"x": torch.arange(10)}, ref="r")
+    assert b.resolve("r") == info.root
+    a.close()
+    info2 = b.put_snapshot({"x": torch.arange(11)}, ref="r")
+    assert rest[0].resolve("r") == info2.root
+    for s in [b, *rest]:
+        s.close()
+    with tsck.open_store(path) as c:  # all closed: a fresh environment
+        assert c.resolve("r") == info2.root
+
+
+def test_lmdb_read_only_beside_writable_in_one_process(tmp_path):
+    """A read-only Store beside a writable one on the same local store reads through the
+    shared environment and still refuses writes; a writable open while only a read-only
+    one is open is refused with a clear error, and works once that one is closed."""
+    import torch
+    import tensorstore_ck as tsck
+    path = str(tmp_path / "s")
+    with tsck.open_store(path) as w:
+        info = w.put_snapshot({"x": torch.arange(3)}, ref="r")
+        with tsck.open_store(path, read_only=True) as ro:
+            assert ro.resolve("r") == info.root
+            with pytest.raises(tsck.ReadOnlyStore):
+                ro.reftable.compare_and_swap("r", info.root, b"\1" * 32, message="no")
+        assert w.resolve("r") == info.root
+    ro = tsck.open_store(path, read_only=True)
+    with pytest.raises(tsck.StorageError, match="open read-only.*close that one first"):
+        tsck.open_store(path)
+    ro.close()
+    with tsck.open_store(path) as w:
+        assert w.resolve("r") == info.root
+
+
+def test_lmdb_shared_environment_survives_a_fork(tmp_path):
+    """Two tables sharing an environment across os.fork(): the child reopens its own once
+    and both of its tables work; the parent's are untouched."""
+    path = str(tmp_path / "t")
+    a, b = LmdbRefTable(path), LmdbRefTable(path)
+    a.compare_and_swap("r", None, b"\1" * 32, message="parent")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            b.compare_and_swap("r", b"\1" * 32, b"\2" * 32, message="child")
+            code = 0 if a.get_or_none("r") == b"\2" * 32 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert a.get_or_none("r") == b.get_or_none("r") == b"\2" * 32
+    a.close()
+    b.close()

@@ -8,11 +8,12 @@ process that finds another one grew the map adopts the new size.
 
 The table is an index over storage: a corrupt file is a FormatError that says
 how to rebuild it (`tsck recover`); any other LMDB failure is a StorageError
-naming it. Across os.fork(): a fork waits for the transaction in flight (every
-transaction of the process runs under one lock, taken before the fork), so the
-child can close its copy of the environment (closing waits for a write
-transaction another thread owns: with one in flight it would wait forever) and
-open its own, as LMDB requires.
+naming it. One process opens one environment per directory, which every table
+on it shares (LMDB forbids a second). Across os.fork(): a fork waits for the
+transaction in flight (every transaction on an environment runs under its one
+lock, taken before the fork), so the child can close its copy of the
+environment (closing waits for a write transaction another thread owns: with
+one in flight it would wait forever) and open its own, as LMDB requires.
 """
 
 from __future__ import annotations
@@ -106,29 +107,31 @@ class _LmdbTxn(Txn):
             yield bytes(k), bytes(v)
 
 
-class LmdbRefTable(RefTable):
-    """read_only: open the environment read-only (MDB_RDONLY): no write transaction is
-    begun, nothing is created. The reader slot in lock.mdb is still taken when the lock
-    file can be opened (so a writer elsewhere does not reuse the pages being read); on
-    a read-only filesystem LMDB goes on without it, and where lock.mdb cannot be opened
-    for another reason (permissions) the table is opened with lock=False: right for a
-    published, unchanging table; a writer at work meanwhile could be read torn."""
+_ENVS: dict[tuple[int, int], "_Env"] = {}  # by (st_dev, st_ino) of data.mdb: held open, so never reused
+_ENVS_LOCK = threading.Lock()
 
-    def __init__(self, path: str, *, create: bool = True, read_only: bool = False):
-        self.path = path
-        self.read_only = read_only
-        if (not create or read_only) and not os.path.isdir(path):
-            raise NotAStore(f"no ref table at {path}")
-        if read_only and not os.path.isfile(os.path.join(path, "data.mdb")):
-            raise NotAStore(f"no ref table at {path} (no data.mdb in it)")
-        if not read_only:
-            os.makedirs(path, exist_ok=True)
-        self.locked = True  # False: opened without lock.mdb (read-only, see above)
-        self._closed = False
+
+def _new_envs_lock() -> None:
+    global _ENVS_LOCK
+    _ENVS_LOCK = threading.Lock()  # another thread may have held it at the fork: gone in the child
+
+
+os.register_at_fork(after_in_child=_new_envs_lock)
+
+
+class _Env:
+    """The process's one LMDB environment on a directory, shared by every table opened
+    on it: LMDB forbids opening one environment twice in a process (its lock-file locks
+    are per process) and py-lmdb refuses to, so a second Store on one local store in one
+    process uses the first one's. Every transaction of the process runs under its lock."""
+
+    def __init__(self, path: str, read_only: bool):
+        self.path, self.read_only = path, read_only
+        self.locked = True  # False: opened without lock.mdb (read-only, see LmdbRefTable)
+        self.users = 0
+        self.key: tuple[int, int] | None = None
+        self.lock = threading.RLock()
         self.env = self._open()
-        # One lock for every transaction of this process: set_mapsize needs no
-        # transaction open in the process, and writers serialise anyway.
-        self._lock = threading.RLock()
         track_for_fork(self)
 
     def _open(self):
@@ -196,41 +199,114 @@ class LmdbRefTable(RefTable):
             env.close()
             raise _error(self.path, e, "cannot open") from None
 
+    def current(self):
+        """The environment, reopened where a fork closed the parent's copy (under self.lock)."""
+        if self.env is None:
+            self.env = self._open()
+        return self.env
+
     def _before_fork(self) -> None:
-        self._lock.acquire()  # no transaction is half-done at the fork
+        self.lock.acquire()  # no transaction is half-done at the fork
 
     def _after_fork_parent(self) -> None:
-        self._lock.release()
+        self.lock.release()
 
     def _after_fork(self) -> None:
         # This thread held the lock across the fork, so no transaction is open: closing
         # our copy of the parent's environment touches only this process (its locks are
         # the parent's, fcntl locks are not inherited). The next call opens our own.
-        if self.env is not None and not self._closed:
+        if self.env is not None:
             self.env.close()
         self.env = None
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
+
+
+def _data_key(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except FileNotFoundError:  # a new table, or another's file gone (an env open on it holds its own)
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _acquire(path: str, read_only: bool) -> _Env:
+    with _ENVS_LOCK:  # opens of this process one at a time: two creating one table make one
+        key = _data_key(path)
+        env = _ENVS.get(key) if key is not None else None
+        if env is not None and env.read_only and not read_only:
+            raise StorageError(f"cannot open the ref table at {path} for writing: this process has it open "
+                               "read-only (a Store opened with read_only=True); close that one first")
+        if env is None:
+            env = _Env(path, read_only)
+            env.key = _data_key(path)
+            if env.key is not None:
+                _ENVS[env.key] = env
+        env.users += 1
+        return env
+
+
+def _release(env: _Env) -> None:
+    with _ENVS_LOCK:
+        env.users -= 1
+        if env.users:
+            return
+        if _ENVS.get(env.key) is env:
+            del _ENVS[env.key]
+        with env.lock:
+            if env.env is not None:
+                env.env.close()
+                env.env = None
+
+
+class LmdbRefTable(RefTable):
+    """read_only: open the environment read-only (MDB_RDONLY): no write transaction is
+    begun, nothing is created. The reader slot in lock.mdb is still taken when the lock
+    file can be opened (so a writer elsewhere does not reuse the pages being read); on
+    a read-only filesystem LMDB goes on without it, and where lock.mdb cannot be opened
+    for another reason (permissions) the table is opened with lock=False: right for a
+    published, unchanging table; a writer at work meanwhile could be read torn.
+
+    Tables opened on one directory in one process share its environment (_Env): a
+    read-only table beside a writable one reads through the writable environment and
+    still refuses every write itself."""
+
+    def __init__(self, path: str, *, create: bool = True, read_only: bool = False):
+        self.path = path
+        self.read_only = read_only
+        if (not create or read_only) and not os.path.isdir(path):
+            raise NotAStore(f"no ref table at {path}")
+        if read_only and not os.path.isfile(os.path.join(path, "data.mdb")):
+            raise NotAStore(f"no ref table at {path} (no data.mdb in it)")
+        if not read_only:
+            os.makedirs(path, exist_ok=True)
+        self._closed = False
+        self._env = _acquire(path, read_only)
+        self.locked = self._env.locked
+
+    @property
+    def env(self):
+        return self._env.env
 
     def _run(self, fn, write: bool):
-        with self._lock:
+        shared = self._env
+        with shared.lock:
             if self._closed:
                 raise StoreClosed(f"the ref table at {self.path} is closed")
             if write:
                 self._refuse_write(self.path)
-            if self.env is None:
-                self.env = self._open()
+            env = shared.current()
             for _ in range(64):
                 try:
-                    with self.env.begin(write=write) as txn:
-                        out = fn(_LmdbTxn(txn, self.dbs))
+                    with env.begin(write=write) as txn:
+                        out = fn(_LmdbTxn(txn, shared.dbs))
                         if not write and hasattr(out, "__next__"):
                             out = list(out)
                         return out
                 except lmdb.MapFullError:
-                    size = self.env.info()["map_size"]
-                    self.env.set_mapsize(min(MAX_MAP_SIZE, size * 2))
+                    size = env.info()["map_size"]
+                    env.set_mapsize(min(MAX_MAP_SIZE, size * 2))
                 except lmdb.MapResizedError:
-                    self.env.set_mapsize(0)  # adopt the size another process chose
+                    env.set_mapsize(0)  # adopt the size another process chose
                 except lmdb.Error as e:
                     raise _error(self.path, e, "reading" if not write else "writing") from None
             raise StorageError(f"the ref table at {self.path} could not grow past {MAX_MAP_SIZE} bytes")
@@ -242,9 +318,8 @@ class LmdbRefTable(RefTable):
         return self._run(fn, True)
 
     def close(self) -> None:
-        with self._lock:
+        with self._env.lock:
             if self._closed:
                 return
             self._closed = True
-            if self.env is not None:
-                self.env.close()
+        _release(self._env)

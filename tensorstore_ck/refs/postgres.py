@@ -66,6 +66,11 @@ CREATE TABLE IF NOT EXISTS tsck_kv (
 )
 """
 
+# Serializes the first opens of a database, which all create tsck_kv: CREATE TABLE IF NOT
+# EXISTS is not safe against itself (the losers fail with DuplicateObject or a unique
+# violation in the catalog). A transaction-level advisory lock, so a killed creator's goes
+# with its session. The number is "tsck_kv" in ASCII.
+_SCHEMA_LOCK = 0x7473636B5F6B76
 TOKEN_TABLE = "txn"     # idempotency tokens of write transactions (never read by RefTable's logic)
 TOKEN_TTL = 86400.0     # a token is needed for seconds (one retry); leftovers of killed processes go after this
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -328,12 +333,16 @@ class PostgresRefTable(RefTable):
                             raise NotAStore(f"no ref table at {self.where} (no tsck_kv table; opened read-only: "
                                             "nothing is created)")
                         return
-                    conn.execute(_SCHEMA)
+                    if conn.execute("SELECT to_regclass('tsck_kv')").fetchone()[0] is None:
+                        with conn.transaction():
+                            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                            conn.execute(_SCHEMA)
                     now = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()[0]
                     conn.execute("DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key < %s",
                                  (self.namespace, TOKEN_TABLE, _MS.pack(max(0, int((now - TOKEN_TTL) * 1000)))))
                 return
-            except psycopg.errors.UniqueViolation:  # two processes creating the table at once
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable):
+                # a creator that does not take _SCHEMA_LOCK raced this one: the table is there now
                 time.sleep(0.01 * (1 + self._rng.random()))
             except psycopg.Error as e:
                 # libpq's message says which (refused, no such database, authentication
@@ -344,6 +353,9 @@ class PostgresRefTable(RefTable):
                 delay = next(delays, None) if _lost(e, None) and not _refused(e) else None
                 if delay is None:
                     why = " ".join(str(e).split())[:300]
+                    if getattr(e, "sqlstate", None) and not _lost(e, None):  # connected; a statement failed
+                        raise StorageError(f"cannot set up the ref table at {self.where}: {type(e).__name__}: {why} "
+                                           "(the server refused creating or reading tsck_kv)") from None
                     raise StorageError(f"cannot reach the ref table at {self.where}: {type(e).__name__}: {why} "
                                        "(server down, unreachable, or refused the connection)") from None
                 log.warning("ref table %s: cannot connect (%s); retrying in %.2fs", self.where,

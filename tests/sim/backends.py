@@ -7,7 +7,8 @@
           under its retry layer, faults.FaultyFS), LMDB ref table beside it
 
 PostgreSQL: --pg-dsn / $TEST_PG_DSN, else a throwaway server is started here with the
-Debian binaries (initdb/pg_ctl, as tests/conftest.py does). S3: $TEST_S3_ENDPOINT,
+Debian binaries (initdb/pg_ctl, as tests/conftest.py does). Each run gets a database of
+its own on that server, so the run's first opens create tsck_kv (and race to). S3: $TEST_S3_ENDPOINT,
 $TEST_S3_KEY, $TEST_S3_SECRET (`bash .ci/start-rgw.sh DIR && source DIR/env`).
 """
 
@@ -42,9 +43,16 @@ class Location:
         self.refs = None
         self.storage_options = None
         self._pg = None
-        if kind in ("pg", "s3") and not pg_dsn:
-            self._pg = Postgres()
-            pg_dsn = self._pg.dsn
+        self._db = None
+        if kind in ("pg", "s3"):
+            if not pg_dsn:
+                self._pg = Postgres()
+                pg_dsn = self._pg.dsn
+            self._server_dsn, self._db = pg_dsn, f"tsck_sim_{uuid.uuid4().hex[:12]}"
+            import psycopg
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute(f"CREATE DATABASE {self._db}")
+            pg_dsn = psycopg.conninfo.make_conninfo(pg_dsn, dbname=self._db)
         if kind == "file":
             self.url = os.path.join(run_dir, "store")
         elif kind == "dirfs":
@@ -95,3 +103,10 @@ class Location:
                 pass
         if self._pg is not None:
             self._pg.stop()
+        elif self._db is not None:
+            import psycopg
+            try:
+                with psycopg.connect(self._server_dsn, autocommit=True) as conn:
+                    conn.execute(f"DROP DATABASE IF EXISTS {self._db} WITH (FORCE)")
+            except psycopg.Error:
+                pass  # a server gone already: nothing left to drop

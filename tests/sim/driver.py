@@ -89,6 +89,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import tensorstore_ck as tsck
@@ -922,10 +923,8 @@ class Harness:
                  f"focus={self.focus or 'mix'} stale_skew={'on' if self.stale_skew else 'off'} "
                  f"package={os.path.dirname(tsck.__file__)} dir={self.run_dir}")
         t0 = time.time()
-        with tsck.open_store(self.loc.url, refs=self.loc.spec()["refs"], storage_options=self.loc.storage_options,
-                             block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD):
-            pass
         try:
+            self._create_racing(random.Random(f"{self.seed}:create").randint(2, 6))
             for r in range(self.rounds):
                 if stop_at is not None and time.time() > stop_at:
                     break
@@ -947,6 +946,32 @@ class Harness:
             self.loc.close()
             if not self.keep and "bad" in locals() and not bad:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _create_racing(self, k: int) -> None:
+        """Create the store as a job's ranks do: k opens at once, on a location (and, on pg
+        and s3, a database) that holds nothing yet. Every open must succeed and all must
+        agree on one store."""
+        gate, ids, errs = threading.Barrier(k), [], []
+
+        def one():
+            gate.wait()
+            try:
+                with tsck.open_store(self.loc.url, refs=self.loc.spec()["refs"], block_size=content.BLOCK_SIZE,
+                                     storage_options=self.loc.storage_options,
+                                     inline_threshold=content.INLINE_THRESHOLD) as s:
+                    ids.append(s.config["id"])
+            except Exception as e:  # noqa: BLE001 - reported as the run's failure below
+                errs.append(f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=one) for _ in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errs or len(set(ids)) != 1:
+            raise SystemExit(f"HARNESS FAILED seed={self.seed}: {k} opens creating the store at once: "
+                             f"errors {errs}, store ids {sorted(set(ids))}")
+        self.log(f"store created by {k} opens at once")
 
     def _report(self, bad: list[str], r: int) -> None:
         self.log(f"HARNESS FAILED seed={self.seed} backend={self.backend} round={r}: {len(bad)} violation(s)")
