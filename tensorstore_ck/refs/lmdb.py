@@ -22,6 +22,7 @@ import mmap
 import os
 import stat
 import threading
+import weakref
 
 import lmdb
 
@@ -107,7 +108,9 @@ class _LmdbTxn(Txn):
             yield bytes(k), bytes(v)
 
 
-_ENVS: dict[tuple[int, int], "_Env"] = {}  # by (st_dev, st_ino) of data.mdb: held open, so never reused
+# By (st_dev, st_ino) of data.mdb, which an open environment holds: never reused while it
+# is listed. Weak: an environment whose tables were dropped unclosed goes with them.
+_ENVS: "weakref.WeakValueDictionary[tuple[int, int], _Env]" = weakref.WeakValueDictionary()
 _ENVS_LOCK = threading.Lock()
 
 
