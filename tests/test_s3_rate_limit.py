@@ -81,9 +81,9 @@ def test_many_ranks_through_one_partition_all_land_and_back_off(tmp_path, proxy,
     """RANKS stores, each with its own client (a rank of a job), put at once through one
     partition limited to 20 writes and 30 reads a second. Each is throttled, backs off,
     and publishes its whole snapshot. Backing off (botocore's adaptive limiter, per
-    client) keeps the refused writes under half the forwarded ones; without it each
+    client) keeps the refused writes fewer than the forwarded ones; without it each
     request retries alone and the clients go on sending past the rate (more refused
-    than forwarded). Load on this machine only slows the clients: fewer refusals."""
+    than forwarded)."""
     opts = {**s3_server, "endpoint_url": proxy.url}
     first = tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server,
                             block_size=64 * 1024, compression="none")
@@ -114,10 +114,11 @@ def test_many_ranks_through_one_partition_all_land_and_back_off(tmp_path, proxy,
         proxy.limit(None)
         assert not errors, errors
         assert proxy.refused_by["PUT"] > 0, proxy.refused_by  # the limit was met
-        # backing off: at most one write refused for two sent (measured: 0.17-0.26 with
-        # the client's limiter, 1.5-1.7 with each request retrying alone, config_kwargs'
-        # "retries" given)
-        assert proxy.refused_by["PUT"] <= proxy.forwarded_by["PUT"] // 2, (proxy.refused_by, proxy.forwarded_by)
+        # backing off: fewer writes refused than sent. Refused per forwarded, measured:
+        # 0.17-0.26 with the client's limiter on an idle machine, 0.52 with two busy loops
+        # on its 2 cores (starved threads wake and send together); 1.5-1.7 with each
+        # request retrying alone (the limiter left out of the client)
+        assert proxy.refused_by["PUT"] < proxy.forwarded_by["PUT"], (proxy.refused_by, proxy.forwarded_by)
         for r in range(RANKS):
             assert first.resolve(f"r{r}/main") == roots[r]
             got = first.checkout(f"r{r}/main")
