@@ -4,7 +4,7 @@ Nothing here touches tensorstore_ck internals: only the public API, the on-disk
 directory names documented in docs/FORMAT.md (blocks/ nodes/ commits/) and its
 object frame (recode_blocks, through tensorstore_ck.format.frame).
 assert_same / same_bits are the suite's one bit-exact comparison of state trees.
-child_env, kill_left, load_helper, in_thread and run_worker_scenario are its one copy of the
+child_env, kill_left, load_helper, in_thread, at_once and run_worker_scenario are its one copy of the
 subprocess and thread plumbing (a test that starts a process or loads a helper
 script by path uses these, so a fix to one reaches every test).
 """
@@ -101,6 +101,25 @@ def in_thread(fn):
     t.start()
     return t, out
 
+
+def at_once(n: int, fn) -> tuple[list, list[str]]:
+    """fn() called by n threads released together by a barrier (every rank of a job
+    opening a store at once) -> (what the calls returned, "Type: message" of each error)."""
+    gate, got, errors = threading.Barrier(n), [], []
+
+    def one():
+        gate.wait()
+        try:
+            got.append(fn())
+        except Exception as e:  # noqa: BLE001 - returned to the caller, which shows them
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got, errors
 
 
 def launcher_main(scenarios) -> None:

@@ -16,6 +16,7 @@ from conformance import RefTableTests
 from tensorstore_ck.refs import LmdbRefTable, MemoryRefTable
 
 import _zygote as zygote
+from _util import at_once
 
 
 class TestLmdbRefTable(RefTableTests):
@@ -175,7 +176,6 @@ def test_postgres_first_opens_race_to_create_the_table(pg_dsn):
     database all try to create tsck_kv. PostgreSQL's CREATE TABLE IF NOT EXISTS is not
     safe against itself (the losers fail on the catalog's unique index or with
     DuplicateObject): each open must still succeed and the tables agree afterwards."""
-    import threading
     import psycopg
     from tensorstore_ck.refs.postgres import PostgresRefTable
     errors, tables = [], []
@@ -184,20 +184,9 @@ def test_postgres_first_opens_race_to_create_the_table(pg_dsn):
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {db}")
         dsn = psycopg.conninfo.make_conninfo(pg_dsn, dbname=db)
-        gate = threading.Barrier(8)
-
-        def open_one():
-            gate.wait()
-            try:
-                tables.append(PostgresRefTable(dsn, namespace="race"))
-            except Exception as e:  # noqa: BLE001 - collected and shown below
-                errors.append(f"{type(e).__name__}: {e}")
-
-        threads = [threading.Thread(target=open_one) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        got, failed = at_once(8, lambda: PostgresRefTable(dsn, namespace="race"))
+        tables += got
+        errors += failed
     try:
         assert not errors, errors
         tables[0].compare_and_swap("r", None, b"\1" * 32, message="after the race")
@@ -228,25 +217,10 @@ def test_lmdb_table_opened_twice_in_one_process_shares_one_environment(tmp_path)
     """LMDB forbids a second environment on one directory in a process: a second Store on
     a local store in the same process (an evaluator thread, a test) shares the first's.
     Each sees the other's writes, and closing one leaves the other working."""
-    import threading
     import torch
     import tensorstore_ck as tsck
     path = str(tmp_path / "s")
-    stores, errors = [], []
-    gate = threading.Barrier(4)
-
-    def open_one():
-        gate.wait()
-        try:
-            stores.append(tsck.open_store(path))
-        except Exception as e:  # noqa: BLE001 - collected and shown below
-            errors.append(f"{type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=open_one) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    stores, errors = at_once(4, lambda: tsck.open_store(path))
     assert not errors and len({s.config["id"] for s in stores}) == 1, errors
     a, b, *rest = stores
     info = a.put_snapshot({"x": torch.arange(10)}, ref="r")

@@ -89,12 +89,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import tensorstore_ck as tsck
 
 from .. import _zygote
+from .._util import at_once
 from . import check, content
 from .backends import Location
 from .netproxy import NetFaults
@@ -951,23 +951,13 @@ class Harness:
         """Create the store as a job's ranks do: k opens at once, on a location (and, on pg
         and s3, a database) that holds nothing yet. Every open must succeed and all must
         agree on one store."""
-        gate, ids, errs = threading.Barrier(k), [], []
-
         def one():
-            gate.wait()
-            try:
-                with tsck.open_store(self.loc.url, refs=self.loc.spec()["refs"], block_size=content.BLOCK_SIZE,
-                                     storage_options=self.loc.storage_options,
-                                     inline_threshold=content.INLINE_THRESHOLD) as s:
-                    ids.append(s.config["id"])
-            except Exception as e:  # noqa: BLE001 - reported as the run's failure below
-                errs.append(f"{type(e).__name__}: {e}")
+            with tsck.open_store(self.loc.url, refs=self.loc.spec()["refs"], block_size=content.BLOCK_SIZE,
+                                 storage_options=self.loc.storage_options,
+                                 inline_threshold=content.INLINE_THRESHOLD) as s:
+                return s.config["id"]
 
-        threads = [threading.Thread(target=one) for _ in range(k)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        ids, errs = at_once(k, one)
         if errs or len(set(ids)) != 1:
             raise SystemExit(f"HARNESS FAILED seed={self.seed}: {k} opens creating the store at once: "
                              f"errors {errs}, store ids {sorted(set(ids))}")
