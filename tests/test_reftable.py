@@ -16,7 +16,7 @@ from conformance import RefTableTests
 from tensorstore_ck.refs import LmdbRefTable, MemoryRefTable
 
 import _zygote as zygote
-from _util import at_once
+from _util import at_once, in_thread
 
 
 class TestLmdbRefTable(RefTableTests):
@@ -275,3 +275,37 @@ def test_lmdb_shared_environment_survives_a_fork(tmp_path):
     assert a.get_or_none("r") == b.get_or_none("r") == b"\2" * 32
     a.close()
     b.close()
+
+
+@pytest.mark.slow
+def test_postgres_first_open_waits_out_a_held_schema_lock_within_its_budget(pg_dsn):
+    """The creation lock held by a session that stays (a creator stuck mid-transaction):
+    an open waits lock_timeout, tries again within its retry budget, and succeeds once the
+    lock is let go; held past the budget, it fails with a StorageError that says so."""
+    import time
+    import psycopg
+    import tensorstore_ck as tsck
+    from tensorstore_ck.refs.postgres import _SCHEMA_LOCK, PostgresRefTable
+    from tensorstore_ck.retry import Backoff
+
+    db = f"tsck_lock_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {db}")
+    dsn = psycopg.conninfo.make_conninfo(pg_dsn, dbname=db)
+    with psycopg.connect(dsn) as holder:  # a transaction holding the lock until commit
+        holder.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+        with pytest.raises(tsck.StorageError, match="cannot set up the ref table .*LockNotAvailable.*retry budget"):
+            PostgresRefTable(dsn, namespace="x", connect_timeout=0.5, backoff=Backoff(budget=1.5))
+        t, out = in_thread(lambda: PostgresRefTable(dsn, namespace="x", connect_timeout=0.5,
+                                                    backoff=Backoff(budget=60.0)))
+        with psycopg.connect(dsn, autocommit=True) as look:  # the event: the open waits on the lock
+            deadline = time.monotonic() + 60
+            while not look.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                                   ).fetchone()[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+        holder.commit()  # the lock goes
+    t.join()
+    assert "error" not in out, out
+    table = out["value"]
+    table.compare_and_swap("r", None, b"\1" * 32, message="after the wait")
+    table.close()

@@ -68,8 +68,8 @@ CREATE TABLE IF NOT EXISTS tsck_kv (
 
 # Serializes the first opens of a database, which all create tsck_kv: CREATE TABLE IF NOT
 # EXISTS is not safe against itself (the losers fail with DuplicateObject or a unique
-# violation in the catalog). A transaction-level advisory lock, so a killed creator's goes
-# with its session. The number is "tsck_kv" in ASCII.
+# violation in the catalog). A transaction-level advisory lock, so a killed creator's lock
+# goes with its session. The number is "tsck_kv" in ASCII.
 _SCHEMA_LOCK = 0x7473636B5F6B76
 TOKEN_TABLE = "txn"     # idempotency tokens of write transactions (never read by RefTable's logic)
 TOKEN_TTL = 86400.0     # a token is needed for seconds (one retry); leftovers of killed processes go after this
@@ -341,9 +341,15 @@ class PostgresRefTable(RefTable):
                     conn.execute("DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key < %s",
                                  (self.namespace, TOKEN_TABLE, _MS.pack(max(0, int((now - TOKEN_TTL) * 1000)))))
                 return
-            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable):
-                # a creator that does not take _SCHEMA_LOCK raced this one: the table is there now
-                time.sleep(0.01 * (1 + self._rng.random()))
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable,
+                    psycopg.errors.LockNotAvailable) as e:
+                # A creator that does not take _SCHEMA_LOCK raced this one, or one holding it
+                # outlasted lock_timeout: the next try most likely finds the table made.
+                delay = next(delays, None)
+                if delay is None:
+                    raise StorageError(f"cannot set up the ref table at {self.where}: {type(e).__name__} until the "
+                                       f"retry budget ({self.backoff.budget:g}s) was spent") from None
+                time.sleep(delay)
             except psycopg.Error as e:
                 # libpq's message says which (refused, no such database, authentication
                 # failed: it names host, port, user and database, never a password); it
