@@ -109,6 +109,43 @@ def test_pg_reconnects_at_once_after_a_long_outage(tmp_path, pg_server):
         s.close()
 
 
+@pytest.mark.slow
+def test_pg_retry_wait_ends_when_the_stores_retries_stop(pg_server, caplog):
+    """A call waiting to retry the ref table (the server down) ends as soon as the
+    store's retries are stopped (Backoff.stop: a tiered store's close with its remote
+    away), with a StorageError that says why, not when its wait would have ended."""
+    from tensorstore_ck.refs.postgres import PostgresRefTable
+    from tensorstore_ck.retry import Backoff
+    backoff = Backoff(budget=3600.0, base_delay=600.0, max_delay=600.0).stoppable()  # waits of 5-15 minutes
+    table = PostgresRefTable(pg_server.dsn, namespace="stop", connect_timeout=1.0, backoff=backoff)
+    try:
+        table.get_or_none("r")
+        pg_server.stop()
+        with caplog.at_level(logging.WARNING, logger="tensorstore_ck"):
+            out = {}
+
+            def call():
+                try:
+                    out["value"] = table.get_or_none("r")
+                except BaseException as e:  # noqa: BLE001 - judged below
+                    out["error"] = e
+            # daemon: a thread the fix fails to stop must not hold the suite's exit for minutes
+            t = threading.Thread(target=call, daemon=True)
+            t.start()
+            deadline = time.monotonic() + 120  # the event: the call logged its wait to retry
+            while not any("retry 1 in" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert any("retry 1 in" in r.getMessage() for r in caplog.records), caplog.text
+            backoff.stop.set()
+            t.join(timeout=120)  # a bound for a loaded machine; unstopped, the wait is 5-15 minutes
+        assert not t.is_alive(), "the retry wait did not end when the retries were stopped"
+        assert isinstance(out.get("error"), tsck.StorageError), out
+        assert "retries were stopped" in str(out["error"])
+    finally:
+        pg_server.start()
+        table.close()
+
+
 class _CommitDropper:
     """A TCP proxy in front of the server that, when armed, forwards a transaction's
     COMMIT (of a transaction that moved a ref), lets the server

@@ -425,6 +425,15 @@ class PostgresRefTable(RefTable):
             return self._down(why)
         return self._unknown(f"{why}; the server is down or unreachable, waited {self.timeout:g}s for it")
 
+    def _pause(self, delay: float, pending: bytes | None) -> None:
+        """Wait `delay` before a retry. The store's retries stopped (a tiered store's close
+        with its remote away: Backoff.stop) end the wait and the call at once."""
+        if not self.backoff.pause(delay):
+            why = "the store is closing: its retries were stopped"
+            if pending is not None:
+                raise self._unknown(why) from None
+            raise StorageError(f"ref table at {self.where}: {why}; the call was given up") from None
+
     def _what_waited(self, e: Exception) -> str:
         if isinstance(e, self._psycopg.errors.LockNotAvailable):
             return (f"a row stayed locked by another session past lock_timeout "
@@ -472,7 +481,7 @@ class PostgresRefTable(RefTable):
                                             pending) from None
                     log.warning("ref table %s: no connection in %gs; retry %d in %.2fs (retry budget %gs)",
                                 self.where, self.timeout, lost, delay, self.backoff.budget)
-                    time.sleep(delay)
+                    self._pause(delay, pending)
                     pool = self._renew_pool(pool)
                     continue
                 token = None
@@ -524,7 +533,7 @@ class PostgresRefTable(RefTable):
                         raise self._waited_out(e, write, pending) from None
                     log.warning("ref table %s: %s; retry in %.2fs (retry budget %gs)", self.where,
                                 self._what_waited(e), delay, self.backoff.budget)
-                    time.sleep(delay)
+                    self._pause(delay, pending)
                 except psycopg.Error as e:
                     if not _lost(e, conn):
                         _rollback(conn)
@@ -544,7 +553,7 @@ class PostgresRefTable(RefTable):
                     log.warning("ref table %s: connection lost (%s)%s; retry %d in %.2fs (retry budget %gs)",
                                 self.where, type(e).__name__, ", commit unanswered" if pending is not None else "",
                                 lost, delay, self.backoff.budget)
-                    time.sleep(delay)
+                    self._pause(delay, pending)
                 except BaseException:
                     _rollback(conn)
                     raise
