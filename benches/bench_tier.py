@@ -89,16 +89,10 @@ class ServerCPU:
         return total / tick
 
 
-def machine_ticks() -> tuple[int, int]:
-    """(idle + iowait, all) jiffies of the whole machine, from /proc/stat."""
-    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    return v[3] + v[4], sum(v)
-
-
-def idle_since(t0: tuple[int, int]) -> float:
-    """The share of the machine's CPU time left idle since t0 (machine_ticks), in %."""
-    t1 = machine_ticks()
-    return 100.0 * (t1[0] - t0[0]) / max(1, t1[1] - t0[1])
+def idle_since(c0: dict) -> float:
+    """The share of the machine's CPU time left idle since c0 (core.cpu_counters()), in %."""
+    c1 = core.cpu_counters()
+    return 100.0 * (c1.get("idle_j", 0) - c0.get("idle_j", 0)) / max(1, c1.get("all_j", 0) - c0.get("all_j", 0))
 
 
 def own_cpu() -> float:
@@ -178,7 +172,7 @@ def main() -> int:
                 direct = f"s3://{a.bucket}/{run}/direct"
                 direct_refs = os.path.join(scratch, "direct-refs.lmdb")
                 st = tsck.open_store(direct, refs=direct_refs, storage_options=opts, compression=a.compression)
-                c0, s0, m0 = own_cpu(), server.seconds(), machine_ticks()
+                c0, s0, m0 = own_cpu(), server.seconds(), core.cpu_counters()
                 t = core.timed(lambda: st.put_snapshot(state, ref=REF, step=1), sync=False)
                 rows["s3 put, s"].append(t.seconds)
                 rows["s3 put: machine idle, %"].append(idle_since(m0))
@@ -197,7 +191,7 @@ def main() -> int:
 
                 st = open_tier()
                 os.sync()
-                c0, s0, m0 = own_cpu(), server.seconds(), machine_ticks()
+                c0, s0, m0 = own_cpu(), server.seconds(), core.cpu_counters()
                 t0 = time.perf_counter()
                 info = st.put_snapshot(state, ref=REF, step=1)
                 t_ret = time.perf_counter() - t0
