@@ -461,3 +461,41 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
                     asker.close()
         finally:
             holder.close()
+
+
+def test_a_close_past_its_timeout_cuts_the_replicas_sent_to_a_peer_that_stopped_answering(tmp_path, monkeypatch):
+    """A holder that stopped answering (a real socket whose server never reads: its process
+    stopped, its host hung) holds a replica's send in a receive. A close with a deadline
+    cuts it when the deadline passes and returns, instead of waiting PEER_TIMEOUT per
+    request (here an hour: without the cut, this close would not return)."""
+    import socket
+    import threading
+    import time
+
+    import tensorstore_ck.tier.replicas as peers_mod
+    from tensorstore_ck.format.manifest import decode_commit
+    from tensorstore_ck.tier.replicas import Peers
+
+    monkeypatch.setattr(peers_mod, "PEER_TIMEOUT", 3600.0)
+    stalled = socket.socket()
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(8)  # the kernel completes the connection; nobody ever reads from it
+    try:
+        with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
+            a.put_snapshot({"x": torch.arange(4 * dw.BLOCK // 4, dtype=torch.float32)}, "r")
+            root = bytes.fromhex(a.resolve("r"))
+            tree = decode_commit(a.assets.get_commit(root))["tree"]
+            asker = Peers(a.core, 1)
+            asker.rank, asker.world, asker._addrs[1] = 0, 2, stalled.getsockname()
+            asker.replicate(root, tree)
+            stalled.settimeout(120)
+            held, _ = stalled.accept()  # the send is under way before the close is asked for
+            closer = threading.Thread(target=asker.close, args=(time.monotonic() + 0.5,), daemon=True)
+            closer.start()
+            closer.join(120)  # (an event with a bound: the close returns once its deadline passed)
+            assert not closer.is_alive(), "close() waited on a holder that never answers"
+            asker._pending[0].result(timeout=120)  # the send itself ended (cut), not an hour later
+            assert asker.sent == 0
+            held.close()
+    finally:
+        stalled.close()

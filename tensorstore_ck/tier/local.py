@@ -172,8 +172,8 @@ class LocalTier:
         not waited for (the Store's close raises it at the end, unless wait_durable()
         did); whatever stays queued (a failure, the deadline, an interrupt) is resumed by
         the next open of the tier at `path`, and a SnapshotWarning says so."""
-        if self.peers is not None:
-            self.peers.wait()  # the replicas being sent (the server goes once the uploads are done)
+        if self.peers is not None:  # the replicas being sent (the server goes once the uploads are done)
+            self.peers.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         up = self.uploader
         why = "close() was interrupted"
         try:
@@ -203,7 +203,7 @@ class LocalTier:
                                   stacklevel=stacklevel)
         finally:
             if self.peers is not None:
-                self.peers.close()
+                self.peers.close(deadline)
 
     def unheard(self) -> BaseException | None:
         return self.uploader.unheard()

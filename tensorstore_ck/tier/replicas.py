@@ -101,6 +101,11 @@ class Peers:
         self._dead: set[int] = set()
         self._pending: list = []
         self._send = ThreadPoolExecutor(1, thread_name_prefix="tsck-replicas")
+        # The connection the sender is using, and whether close() cut the sends: a close
+        # past its deadline shuts the connection, so a holder that stopped answering (its
+        # process stopped, its host gone) does not hold the close for PEER_TIMEOUT per request.
+        self._live = None
+        self._cut = False
         self.rank = self.world = None
         self.kv = None
         self.fetched = self.sent = self.refused = self.bad = 0
@@ -140,9 +145,27 @@ class Peers:
         """The ranks that hold this rank's replicas: r+1 .. r+k (mod W)."""
         return [(self.rank + i) % self.world for i in range(1, min(self.k, self.world - 1) + 1)]
 
-    def close(self) -> None:
-        self.wait()
-        self._send.shutdown(wait=True)
+    def close(self, deadline: float | None = None) -> None:
+        """Finish sending the replicas until `deadline` (time.monotonic(); None: no bound),
+        then stop: a send still running then is cut (its holder lacks those copies and
+        reads them from the remote store, as after any failed send)."""
+        import socket
+        import time
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._cut = True
+            live = self._live
+            running = any(not f.done() for f in self._pending)
+        if live is not None:
+            try:
+                live.shutdown(socket.SHUT_RDWR)  # its blocked send or receive returns now
+            except OSError:
+                pass
+        if running:
+            log.warning("peer replicas: close's timeout passed while this rank's part was being sent to its peers; "
+                        "the sends were cut (the remote store has the part once uploaded)")
+        # (A connect in progress ends within PEER_TIMEOUT by itself: not waited for under a deadline.)
+        self._send.shutdown(wait=deadline is None or not running, cancel_futures=True)
         self._keeper.close()
         with self._lock:
             idle, self._idle = self._idle, {}
@@ -265,10 +288,17 @@ class Peers:
             conn = self._connect(peer)
             if conn is None:
                 continue
+            with self._lock:
+                if self._cut:
+                    conn.close()
+                    return
+                self._live = conn
             try:
                 with conn:
                     n = 0
                     for kind, d in objs:
+                        if self._cut:
+                            raise TsckError("the store is closing")
                         self._ask(conn, b"H", kind, d)
                         if _recv(conn, 1) == b"\x01":
                             continue
@@ -285,6 +315,9 @@ class Peers:
             except (OSError, TsckError) as e:
                 log.warning("peer replicas: snapshot %s: sending this rank's part to rank %d failed (%s); the "
                             "remote store stays its copy", root.hex()[:16], peer, e)
+            finally:
+                with self._lock:
+                    self._live = None
 
     def fetch(self, kind: str, d: bytes) -> bool:
         """Get object `d` from a holder into this rank's tier, checked against its address
