@@ -29,7 +29,7 @@ from tests.sim import check, content  # noqa: E402
 
 import _zygote as zygote
 
-SEEDS = {"file": 20275, "pg": 20262, "s3": 20263, "tier": 20288, "step": 2}
+SEEDS = {"file": 20275, "pg": 20262, "s3": 20263, "tier": 20288, "step": 2, "tier-down": 20294}
 
 
 # The harness bounds its own rounds (a stuck worker is killed and judged); this limit only
@@ -110,6 +110,16 @@ def test_harness_pg(pg_dsn):
     # the workers' ref table is behind the network-fault proxy (tests/sim/netproxy.py), faulting in
     # the seed's schedule; each round reports its calls with unknown outcome
     assert "net=pg:" in out and "unknown_outcomes=" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_harness_pg_tier_down(pg_dsn):
+    """Tier writers whose remote goes away, its PostgreSQL table too (flavor tier-down):
+    the seed's schedule has puts through a tier after that (T18) and closes with the table
+    black-holed and refused (T16)."""
+    out = _run_harness("pg", {"TEST_PG_DSN": pg_dsn}, ["--rounds", "2", "--round-seconds", "5", "--focus",
+                                                       "tier-down", "--pg-dsn", pg_dsn], seeds="tier-down")
+    assert ":down" in out, out[-3000:]
 
 
 @pytest.mark.slow
@@ -231,13 +241,14 @@ def test_checker_reports_a_second_snapshot_of_one_put(tmp_path):
 
 
 def test_checker_reports_tier_violations(tmp_path):
-    """check_tiers (T1-T16) bites: a durable-marked snapshot the remote lacks, a remote ref
+    """check_tiers (T1-T18) bites: a durable-marked snapshot the remote lacks, a remote ref
     on a missing block, a damaged tier, a remote root for a tier put that the tier never
     published, a wait_durable that said True too early, and a remote ref moved back to a
     tier snapshot it had left, and a rank's part intent outliving a heard outcome; a
     tagged snapshot held in neither tier, a kept one missing remotely after close, a tier
     past its budget, an IntegrityError where nothing was damaged, a close with the remote
-    down past its bound or silent on what stays queued are each reported."""
+    down past its bound or silent on what stays queued, a put through a tier failed on
+    its remote being down are each reported."""
     from tensorstore_ck.walk import walk_commit
     url, tier = tmp_path / "store", tmp_path / "tier"
     tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
@@ -297,7 +308,17 @@ def test_checker_reports_tier_violations(tmp_path):
             {"w": "u", "i": 14, "op": "close", "args": {"tier": "t0", "down": True, "timeout": 3.0, "sharing": 1},
              "start": t + 10},
             {"w": "u", "i": 14, "end": t + 11, "result": "ok", "took": 1.0, "queued_before": 3,
-             "stays_queued": False}])
+             "stays_queued": False},
+            # A put through the tier that failed on the remote being down (T18), and one
+            # that failed so before its writer's remote went down (not judged by T18).
+            {"w": "u", "i": 15, "op": "put", "start": t + 9.2,
+             "args": {"ref": "ju/main", "step": 15, "spec": content.make_spec("u", 15, 0, 15), "tier": "t0"}},
+            {"w": "u", "i": 15, "end": t + 9.3, "result": "StorageError", "error": "before"},
+            {"w": "u", "i": 99, "op": "remote_down", "args": {"tier": "t0"}, "start": t + 9.5},
+            {"w": "u", "i": 99, "end": t + 9.5, "result": "ok"},
+            {"w": "u", "i": 16, "op": "put", "start": t + 9.6,
+             "args": {"ref": "ju/main", "step": 16, "spec": content.make_spec("u", 16, 0, 16), "tier": "t0"}},
+            {"w": "u", "i": 16, "end": t + 9.7, "result": "StorageError", "error": "no connection"}])
         # A tier block damaged (flipped byte).
         lblk = next(p for p in (tier / "blocks").rglob("*") if p.is_file())
         data = bytearray(lblk.read_bytes())
@@ -308,8 +329,10 @@ def test_checker_reports_tier_violations(tmp_path):
                        ("T4", "never published that root"), ("T5", "tier t0"), ("T6", infos[0].root[:16]),
                        ("T7", "IntegrityError"), ("T11", "abababababababab"), ("T12", infos[0].root[:16]),
                        ("T13", "past its budget"), ("T14", "raised IntegrityError"),
-                       ("T16", "took 30.0s, past its bound"), ("T16", "left 3 snapshot(s) queued")]:
+                       ("T16", "took 30.0s, past its bound"), ("T16", "left 3 snapshot(s) queued"),
+                       ("T18", "u#16 put")]:
         assert any(b.startswith(code) and what in b for b in bad), (code, bad)
+    assert not any(b.startswith("T18") and "u#15 put" in b for b in bad), bad
     assert not any(b.startswith("T8") for b in bad), bad
     # The remote ref moved back to a tier snapshot it had left (as a resumed upload did).
     with tsck.open_store(url) as s:

@@ -79,6 +79,8 @@ CHECK_IDLE = 1.0        # seconds idle after which a pooled connection is checke
 IDLE_IN_TXN_MIN = 5.0   # s: the least idle_in_transaction_session_timeout the table sets
 STATEMENT_MIN = 60.0    # s: the least statement_timeout the table sets
 KEEPALIVE_COUNT = 3     # unanswered keepalive probes before a peer is dead (client and server)
+POOL_STOP = 5.0         # s close() waits for the pool's threads (psycopg_pool's default)
+POOL_STOP_AWAY = 0.1    # ... once the store's retries were stopped: the server is away, a close has a deadline
 _MS = struct.Struct(">Q")
 _ABANDONED: list = []   # pools inherited across a fork: the parent's; never closed by the child
 
@@ -578,7 +580,12 @@ class PostgresRefTable(RefTable):
             self._closed = True  # from here no call makes a pool (_get_pool, _renew_pool)
             pool, self._pool = self._pool, None
             acked, self._acked = self._acked, []
-        if pool is not None and acked:
+        # The store's retries stopped (a tiered store closing with its remote away,
+        # retry.Backoff.stop): no new request, and its pool's threads, which may be in a
+        # connect that waits out the connect timeout, are not waited for: they end by
+        # themselves, and the close keeps its deadline.
+        away = self.backoff.stopped
+        if pool is not None and acked and not away:
             try:  # best effort: leave no token behind (they would be swept after TOKEN_TTL anyway)
                 with pool.connection(timeout=min(2.0, self.timeout)) as conn:
                     conn.execute("DELETE FROM tsck_kv WHERE ns = %s AND tbl = %s AND key = ANY(%s)",
@@ -586,7 +593,7 @@ class PostgresRefTable(RefTable):
             except Exception as e:  # noqa: BLE001 - closing must not fail on a server that went away
                 log.debug("ref table %s: tokens left for the sweep (%s)", self.where, type(e).__name__)
         if pool is not None:
-            pool.close()
+            pool.close(timeout=POOL_STOP_AWAY if away else POOL_STOP)
 
 
 def _rollback(conn) -> None:

@@ -164,7 +164,7 @@ def upload_part(up, seq: int, entry: dict) -> None:
     if entry.get("orphan"):
         return _upload_orphan(up, seq, entry)
     if not remote.refs.catalog_has(root):
-        fence = up.publisher.fence()  # before the remote is asked about any object
+        fence = up.read_fence()  # before the remote is asked about any object
         try:
             objs = _part_objects(up, tree, root.hex())
         except IntegrityError:
@@ -189,7 +189,7 @@ def _upload_orphan(up, seq: int, entry: dict) -> None:
     here (this tier keeps no row of the snapshot). Its objects gone from the tier (a gc
     took them after the grace period) or damaged: nothing to send, the entry goes."""
     tree = entry["part"]
-    fence = up.publisher.fence()
+    fence = up.read_fence()
     try:
         objs = _part_objects(up, tree, f"(part {tree.hex()[:16]})")
     except (IntegrityError, UnreadableObject) as e:
@@ -300,7 +300,7 @@ def _until_present(up, root: bytes, look, give_up=None):
 def upload_world(up, seq: int, entry: dict, row: dict) -> None:
     """Rank 0: make a collective snapshot durable once every rank's part is in the remote."""
     root, local = entry["root"], up.local
-    fence = up.publisher.fence()  # before the remote is asked about any object
+    fence = up.read_fence()  # before the remote is asked about any object
 
     def look():
         if local.refs.catalog_get(root) is None:  # (a node of its own deleted looks like another rank's)

@@ -96,7 +96,7 @@ def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
         refs.upload_drop(seq)
         return
     if not up.remote.refs.catalog_has(root) and root not in refs.evicted():
-        fence = up.publisher.fence()
+        fence = up.read_fence()
         try:
             up.send(up.walk(root), fence)
         except IntegrityError:

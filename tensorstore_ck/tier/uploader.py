@@ -117,7 +117,13 @@ class Uploader:
         self.tidy_busy = 0  # _tidy attempts that found a gc holding the tier
         # The early upload (tee): each new block a put writes here is also sent to the
         # remote as it is written, from memory, so the upload overlaps the local write.
-        self._tee_fence: int | None = None  # the remote fence, read before the put wrote
+        self._tee_fence: int | None = None  # the remote fence the put's early sends are recorded under
+        # The remote fence the uploader read last (read_fence): the early sends' fence. A put
+        # never reads it from the remote table itself: with that table away, the tier's puts
+        # go on (they would wait out the retry budget, then fail).
+        self._known_fence: int | None = None
+        self._tee_fence_failed = False  # this put's fence could not be read: no early sends
+        self._fence_lock = threading.Lock()
         self._tee_bytes = 0  # bytes held by sends in flight (bounded by TEE_BYTES)
         self.teed = self.tee_dropped = 0
         self.early = early
@@ -337,6 +343,7 @@ class Uploader:
         self._fitting = self._opening = False  # the parent's uploader keeps the budget and its holds
         self._cond = threading.Condition()
         self._fit_lock = threading.Lock()
+        self._fence_lock = threading.Lock()
         self.remote.after_fork()
 
     # -- the budget, before a put ------------------------------------------------------
@@ -438,11 +445,34 @@ class Uploader:
         return err
 
     # -- the early upload ------------------------------------------------------------
+    def read_fence(self) -> int:
+        """The remote gc fence, read from the remote table (before an upload asks the
+        remote about any object), and kept for the early sends (tee_begin)."""
+        self._known_fence = fence = self.publisher.fence()
+        return fence
+
     def tee_begin(self) -> None:
         """Before a put writes its blocks: the remote fence its early sends are recorded
-        under (read before they are written, as a direct put reads it)."""
-        if not self._forked and not self._stop:
-            self._tee_fence = self.publisher.fence()
+        under, the one the uploader read last (none yet: the first early send reads it,
+        _early_fence). Not read from the remote table here: a put through a tier must not
+        wait on the remote. One older than the remote's is safe: what is recorded present
+        under an older epoch is not trusted under a newer one (presence.py), and the
+        upload reads the fence again before it asks the remote about anything."""
+        with self._fence_lock:
+            self._tee_fence, self._tee_fence_failed = self._known_fence, False
+
+    def _early_fence(self) -> int | None:
+        """The fence of this put's early sends where none was known as it began: read once,
+        by the first send (a send thread, never the put's); None if the remote table did
+        not answer (the uploader sends those blocks)."""
+        with self._fence_lock:
+            if self._tee_fence is None and not self._tee_fence_failed:
+                try:
+                    self._tee_fence = self.read_fence()
+                except (StorageError, TsckError, OSError) as e:
+                    self._tee_fence_failed = True
+                    log.debug("local tier: no early upload for this put: the remote fence was not read (%s)", e)
+            return self._tee_fence
 
     def tee(self, kind: int, d: bytes, bufs) -> None:
         """A new block or node the local tier just wrote: its frame's length and CRC32 (a
@@ -467,8 +497,8 @@ class Uploader:
                 if len(self._written) >= WRITTEN_MAX:
                     self._written.clear()
                 self._written[(kind, d)] = (n, crc)
-        fence = self._tee_fence
-        if not self.early or kind != frame.KIND_BLOCK or fence is None or self._forked or self._stop:
+        fence = self._tee_fence  # (None: read by the send, _early_fence)
+        if not self.early or kind != frame.KIND_BLOCK or self._tee_fence_failed or self._forked or self._stop:
             return
         data = b"".join(bufs)  # the put's buffers are reused once it returns
         with self._cond:
@@ -481,9 +511,11 @@ class Uploader:
         except RuntimeError:  # the pool is shut down (closing)
             self._tee_done(len(data))
 
-    def _tee_send(self, d: bytes, data: bytes, fence: int) -> None:
+    def _tee_send(self, d: bytes, data: bytes, fence: int | None) -> None:
         try:
-            if self.remote.assets.put_frame("block", d, data, fence):
+            if fence is None:
+                fence = self._early_fence()
+            if fence is not None and self.remote.assets.put_frame("block", d, data, fence):
                 with self._cond:
                     self.teed += 1
         except Exception as e:  # noqa: BLE001 - the uploader sends it (and hears the error)
@@ -693,7 +725,7 @@ class Uploader:
             from .collective import upload_world
             return upload_world(self, seq, entry, row)
         self._tee_settle()
-        fence = self.publisher.fence()  # before the remote is asked about any object
+        fence = self.read_fence()  # before the remote is asked about any object
         try:
             objs = self.walk(root)
             self.send(objs, fence)

@@ -585,7 +585,10 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           with a SnapshotWarning that what was not uploaded stays queued;
       T17 a rank's tier follows rank 0's: once its uploads and cleanups are done, it
           holds no part of a snapshot the last word it heard from rank 0 left out (judged
-          by the rank before it closes: tests/sim/ranks.py).
+          by the rank before it closes: tests/sim/ranks.py);
+      T18 a put through a tier after its writer's remote went down (op remote_down: the
+          storage refusing, the PostgreSQL table away) fails with no StorageError but
+          TierFull: the tier's puts never wait on the remote.
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable,
        "budget_over": samples past T13's bound})."""
     from tensorstore_ck.walk import walk_commit
@@ -617,7 +620,12 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
     def through(put: Op, tname: str) -> bool:
         return put.args.get("tier") == tname or tname in put.args.get("rank_tiers", ())
     tier_puts: dict[tuple, Op] = {}
+    down_at = {o.w: o.start for o in ops if o.op == "remote_down"}
     for o in ops:
+        if o.op == "put" and o.args.get("tier") and o.w in down_at and o.start > down_at[o.w] \
+                and o.result in ("StorageError", "OutcomeUnknown", "UnreadableObject"):  # T18
+            bad.append(f"T18 a put through tier {o.args['tier']} after its remote went down failed with "
+                       f"{o.result}: {o.brief()}")
         if o.op == "put" and o.args.get("tier"):
             tier_puts[(o.args["spec"]["w"], o.args["spec"]["o"])] = o
         if o.op == "durable" and o.ok and o.out.get("unmarked"):

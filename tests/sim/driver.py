@@ -63,7 +63,9 @@ tier-share: one of the two uploaders of a tier trails the other on the same snap
 whose copy the other evicts under it); T15 the lost table's open refused naming recover;
 T16 a close with the remote down ends within its timeout and says what stays queued; T17
 a rank's tier keeps no part rank 0's last word left out once its uploads are done (--focus
-ctier: collective puts through the ranks' tiers in every round).
+ctier: collective puts through the ranks' tiers in every round); T18 a put through a tier
+does not fail on its remote being down (--focus tier-down: every tier writer's remote
+goes, its PostgreSQL table too).
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
 ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
@@ -192,6 +194,11 @@ FLAVORS["tier-share"] = dict(FLAVORS["tier"], two_writers=True, share_p=1.0, cat
                              lag_p=1.0, tier_kill=0.2, rot_p=0.0, tier_lost_p=0.0, down_p=0.0, ctier_p=0.0,
                              trail_p=1.0, budget_snaps=(1, 1), driver_kill=0.1, self_kill=0.05,
                              weights={k: w for k, w in FLAVORS["mix"]["weights"].items() if k != "cput"})
+# --focus tier-down: every tier writer that is not killed ends with its remote gone (T16):
+# the storage refuses every request and, on pg and s3, the remote ref table stops answering
+# or refuses connections (Faults.remote_down); no uploader kills or damage, so the closes
+# are reached with uploads queued.
+FLAVORS["tier-down"] = dict(FLAVORS["tier"], down_p=1.0, tier_kill=0.0, rot_p=0.0)
 # --focus ctier: collective puts through the ranks' tiers in every round, often, so rank 1's
 # tier follows many of rank 0's prunes (T17).
 FLAVORS["ctier"] = dict(FLAVORS["tier"], ctier_p=1.0, weights=dict(FLAVORS["mix"]["weights"], cput=8))

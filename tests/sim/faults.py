@@ -36,9 +36,11 @@ The profile (chosen by the driver from the seed) says, per point:
                        from a stream of its own (no fault point: the other faults' schedule
                        stays as it was), so its uploader trails another process's on the
                        same queued snapshot of a shared tier
-  down                 set by a tier writer ending "down" (Faults.down): from then on every
-                       request of the remote storage is refused (ECONNREFUSED), as by a
-                       server that went away; its close(timeout=) must end within its bound
+  down                 set by a tier writer ending "down" (Faults.remote_down): from then on
+                       every request of the remote storage is refused (ECONNREFUSED), as by
+                       a server that went away, and a PostgreSQL remote ref table, reached
+                       through the writer's own proxy, stops answering or refuses
+                       connections; its close(timeout=) must end within its bound
 The random choices come from one seeded generator; threads reach points in an order
 that varies, so a seed fixes the schedule of faults, not the exact interleaving.
 """
@@ -64,6 +66,7 @@ from tensorstore_ck.storage.wrappers import WrappedStore
 class Faults:
     def __init__(self, profile: dict, seed: int, on_kill=None):
         self.p = dict(profile or {})
+        self.seed = seed
         self.rng = random.Random(seed)
         self.unreadable_rng = random.Random(f"{seed}:unreadable")
         self.lock = threading.Lock()
@@ -76,7 +79,24 @@ class Faults:
         self.armed = True
         self.upload_seen: dict[str, int] = {}  # uploader stages reached (kill_upload)
         self.down = False  # the remote storage refuses every request (a tier writer's end "down")
+        # A tier writer ending "down" on a PostgreSQL remote table: its own proxy to the
+        # server (worker.open_store), taken down with the storage (remote_down).
+        self.pg_proxy = None
+        self.pg_how: str | None = None
         self.head_rng = random.Random(f"{seed}:head")  # slow_head's delays: a stream of their own
+
+    def remote_down(self) -> None:
+        """The remote goes away: its storage refuses every request, and its PostgreSQL
+        ref table (if it has one) stops answering (a blackout: every connection killed,
+        new ones black-holed) or refuses connections (an outage), drawn from a stream of
+        its own."""
+        self.down = True
+        if self.pg_proxy is not None and self.pg_how is None:
+            self.pg_how = random.Random(f"{self.seed}:pg-down").choice(["blackout", "outage"])
+            if self.pg_how == "blackout":
+                self.pg_proxy.blackout()
+            else:
+                self.pg_proxy.outage(float("inf"))
 
     def upload_point(self, stage: str, key: str = "") -> None:
         """A stage inside a local tier's uploader: SIGKILL at the profile's n-th one."""

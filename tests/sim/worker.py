@@ -137,10 +137,22 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
         kw["compression"] = "float"
         if cfg.get("budget"):
             kw["local_budget"] = int(cfg["budget"])
+    refs = st.get("refs")
+    if cfg.get("tier_end") == "down" and faults is not None and isinstance(refs, str) \
+            and (refs.startswith(("postgresql://", "postgres://", "host=")) or " dbname=" in refs):
+        # Its remote ref table (PostgreSQL) through a proxy of this process's own, which the
+        # writer takes down with the remote storage (Faults.remote_down): a real connection
+        # to the server that stops answering, or is refused, while the tier closes (T16).
+        from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+        from .netproxy import NetProxy
+        d = conninfo_to_dict(refs)
+        faults.pg_proxy = NetProxy(int(d.get("port") or 5432), d.get("host") or "127.0.0.1", marker=None)
+        refs = make_conninfo(refs, host="127.0.0.1", port=str(faults.pg_proxy.port))
     give_up = time.time() + 60
     while True:
         try:
-            s = tsck.open_store(st["url"], refs=st.get("refs"), storage_options=st.get("storage_options"),
+            s = tsck.open_store(st["url"], refs=refs, storage_options=st.get("storage_options"),
                                 create=False, wrap_storage=wrap, workers=3,
                                 # the budget the harness's blackouts were sized against: a
                                 # write inside one gives up (OutcomeUnknown), as they test
@@ -809,7 +821,7 @@ class Worker:
                 if time.time() > deadline:
                     break
                 if down_at is not None and (time.time() > down_at[0] or i >= down_at[1]) and not self.faults.down:
-                    self.faults.down = True
+                    self.faults.remote_down()
                     self.j.write(i=DOWN_I, op="remote_down", args={"tier": os.path.basename(cfg["tier"])},
                                  start=time.time())
                     self.j.write(i=DOWN_I, end=time.time(), result="ok")
@@ -938,7 +950,7 @@ class Worker:
         tier = os.path.basename(self.cfg["tier"])
 
         def call():
-            self.faults.down = True  # (already, unless the writer's ops ended first)
+            self.faults.remote_down()  # (already, unless the writer's ops ended first)
             queued = s._tier.uploader.queued()
             stopped = s._tier.uploader.error is not None  # stopped on damage: raised, not warned
             out = {}
@@ -952,6 +964,7 @@ class Worker:
                 took = time.monotonic() - t0
             said = [str(w.message) for w in ws if issubclass(w.category, tsck.SnapshotWarning)]
             return dict(out, took=round(took, 3), queued_before=queued, fences=FENCES.n, stopped=stopped,
+                        pg=self.faults.pg_how,
                         stays_queued=any("stay queued" in m for m in said), warnings=said[:3])
         self._journaled(i, "close", {"tier": tier, "down": True, "timeout": timeout,
                                      "sharing": self.cfg.get("sharing", 1)}, call)
