@@ -248,7 +248,7 @@ def test_checker_reports_tier_violations(tmp_path):
     tagged snapshot held in neither tier, a kept one missing remotely after close, a tier
     past its budget, an IntegrityError where nothing was damaged, a close with the remote
     down past its bound or silent on what stays queued, a put through a tier failed on
-    its remote being down are each reported."""
+    its remote being down, a rank's tier past its budget are each reported."""
     from tensorstore_ck.walk import walk_commit
     url, tier = tmp_path / "store", tmp_path / "tier"
     tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
@@ -318,7 +318,13 @@ def test_checker_reports_tier_violations(tmp_path):
             {"w": "u", "i": 99, "end": t + 9.5, "result": "ok"},
             {"w": "u", "i": 16, "op": "put", "start": t + 9.6,
              "args": {"ref": "ju/main", "step": 16, "spec": content.make_spec("u", 16, 0, 16), "tier": "t0"}},
-            {"w": "u", "i": 16, "end": t + 9.7, "result": "StorageError", "error": "no connection"}])
+            {"w": "u", "i": 16, "end": t + 9.7, "result": "StorageError", "error": "no connection"},
+            # A collective put whose rank 1's tier held past its budget plus a snapshot as it returned.
+            {"w": "x", "i": 17, "op": "put", "start": t + 9.8,
+             "args": {"ref": "jx/main", "step": 17, "spec": content.make_spec("x", 17, 0, 17), "tier": "c0",
+                      "rank_tiers": ["c0", "c1"], "rank_budget": 1000}},
+            {"w": "x", "i": 17, "end": t + 9.9, "result": "ok", "root": "ef" * 32,
+             "rank_tier_bytes": [10, 10 ** 7]}])
         # A tier block damaged (flipped byte).
         lblk = next(p for p in (tier / "blocks").rglob("*") if p.is_file())
         data = bytearray(lblk.read_bytes())
@@ -330,9 +336,10 @@ def test_checker_reports_tier_violations(tmp_path):
                        ("T7", "IntegrityError"), ("T11", "abababababababab"), ("T12", infos[0].root[:16]),
                        ("T13", "past its budget"), ("T14", "raised IntegrityError"),
                        ("T16", "took 30.0s, past its bound"), ("T16", "left 3 snapshot(s) queued"),
-                       ("T18", "u#16 put")]:
+                       ("T18", "u#16 put"), ("T13", "rank tier c1 held 10000000 B")]:
         assert any(b.startswith(code) and what in b for b in bad), (code, bad)
     assert not any(b.startswith("T18") and "u#15 put" in b for b in bad), bad
+    assert not any(b.startswith("T13 rank tier c0") for b in bad), bad
     assert not any(b.startswith("T8") for b in bad), bad
     # The remote ref moved back to a tier snapshot it had left (as a resumed upload did).
     with tsck.open_store(url) as s:

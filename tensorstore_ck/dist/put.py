@@ -185,6 +185,8 @@ class PutCall:
         # needs no request (assets.Presence); a deletion phase since fences the commit.
         # Through local tiers each rank writes to its own tier, another store with its own
         # gc epoch: under that one (rank 0's would be another table's number).
+        if tier is not None:
+            tier.make_room()  # a tier's budget holds for collective puts too (TierFull: aborted everywhere)
         wfence = part["fence"] = self.fence if tier is None or self.rank == 0 else publisher.fence()
         publisher.write_blocks(plan, owns=self.owns, fence=wfence)
         new_nodes: list = []

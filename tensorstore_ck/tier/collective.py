@@ -56,6 +56,12 @@ class CollectiveTier:
     def __init__(self, core, uploader, peers=None):  # peers: replicas.Peers
         self.core, self.uploader, self.peers = core, uploader, peers
 
+    def make_room(self) -> None:
+        """Before this rank writes its part: room under its tier's budget, as before a put
+        (Uploader.make_room: it may wait for uploads, or raise TierFull with nothing
+        written, which aborts the snapshot on every rank)."""
+        self.uploader.make_room()
+
     def top_blob(self, root: bytes, top_payloads: list) -> bytes:
         """Rank 0, after its local publication: the commit and the top nodes, for the
         others, and the snapshots of the job that rank 0's tier keeps, which the others'

@@ -441,6 +441,30 @@ def stuck_resume_body(rank, world, out, res, cfg):
         dist.barrier()
 
 
+def budget_body(rank, world, out, res, cfg):
+    """Every rank's tier with a budget its first part already fills, the remote's writes
+    held (cfg["gate"]): the second collective put finds its tier over the budget with no
+    upload able to free it, and fails (TierFull, the snapshot aborted on every rank)
+    within BUDGET_WAIT (cfg["budget_wait"]). Then the gate opens and the first is durable."""
+    import tensorstore_ck as tsck
+    import tensorstore_ck.tier.uploader as uploader
+    from tensorstore_ck.tier.budget import tier_bytes
+    uploader.BUDGET_WAIT = cfg["budget_wait"]
+    holder: dict = {}
+    with _open(cfg, out, rank, "tier", holder, local_budget=cfg["budget"]) as store:
+        res["first"] = store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=60).root
+        before = tier_bytes(store.core)
+        try:
+            store.put_snapshot(dw.sharded_state(rank, world, 1), REF, step=2, timeout=120)
+            res["second"] = "returned"
+        except tsck.TsckError as e:
+            res["second"] = f"{type(e).__name__}: {e}"
+        res["tier_bytes"] = [before, tier_bytes(store.core)]
+        open(cfg["gate"], "w").close()
+        res["waited"] = store.wait_durable(timeout=240)
+        res["tip"] = store.show(REF).root if rank == 0 else None
+
+
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     with open(argv[3]) as f:
         cfg = json.load(f)
@@ -463,6 +487,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         return [dw.launch(cfg["phase"], world, manager_body, out, cfg, limit=cfg.get("limit", 300))]
     if scenario == "load":
         return [dw.launch(cfg["phase"], world, load_body, out, cfg, limit=200)]
+    if scenario == "budget":
+        return [dw.launch("budget", world, budget_body, out, cfg, limit=300)]
     return None
 
 

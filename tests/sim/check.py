@@ -572,7 +572,8 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           the job still keeps over both tiers is in the remote catalog (worker op "kept");
       T13 a tier's stored bytes, sampled as each put of a writer with a budget returns,
           stay within the budget plus one snapshot per process sharing the tier (a put
-          waits for room, else raises TierFull);
+          waits for room, else raises TierFull); so do each rank's tier's as a collective
+          put through the ranks' tiers returns on that rank;
       T14 no IntegrityError from a tier writer's put, wait_durable() or close(), and no
           uploader stopped on one (looked at as the writer ends, op "uploader"), where no
           worker damaged that tier's disk (op rot): a snapshot that left the tier on
@@ -663,6 +664,13 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
             bad.append(f"T12 after close() returned, snapshots tier {o.args['tier']} kept (job {o.args['job']}) and "
                        f"the job still keeps are not in the remote catalog: "
                        f"{[r[:16] for r in o.out['not_remote']]}: {o.brief()}")
+        if o.op == "put" and o.result == "ok" and o.args.get("rank_budget") and o.out.get("rank_tier_bytes"):
+            bound = o.args["rank_budget"] + content.stored_bytes(o.args["spec"])  # (a rank's part: at most the whole)
+            for tname, held in zip(o.args["rank_tiers"], o.out["rank_tier_bytes"]):
+                if held is not None and held > bound:  # T13, a rank's tier
+                    stats["budget_over"] += 1
+                    bad.append(f"T13 rank tier {tname} held {held} B as its collective put returned, past its "
+                               f"budget {o.args['rank_budget']} B plus a snapshot ({bound} B): {o.brief()}")
         if o.op == "put" and o.result == "ok" and o.args.get("budget") and o.out.get("tier_bytes") is not None:
             bound = o.args["budget"] + o.args.get("sharing", 1) * content.stored_bytes(o.args["spec"])
             if o.out["tier_bytes"] > bound:  # T13

@@ -407,6 +407,10 @@ class Harness:
                 c["faults"]["unreadable"] = UNREADABLE
         if cfgs[0]["weights"].get("cput") and random.Random(f"{self.seed}:{r}:ctier").random() < fl["ctier_p"]:
             cfgs[0]["rank_tiers"] = [self.rank_tiers[n] for n in RANK_TIERS]
+            # Some with a budget of 1-3 snapshots' bytes on every rank's tier (a stream of its own).
+            brng = random.Random(f"{self.seed}:{r}:rank-budget")
+            if brng.random() < fl.get("budget_p", 0.2):
+                cfgs[0]["rank_budget"] = brng.randint(1, 3) * content.stored_bytes(content.make_spec("w", 0, 0, 0))
         # Driver kills: (seconds after that worker is ready, which worker).
         kills = [(rng.uniform(0.0, self.round_seconds), rng.randrange(n))
                  for _ in range(2) if rng.random() < fl["driver_kill"]]

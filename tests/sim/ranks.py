@@ -48,7 +48,7 @@ import torch
 
 from . import content
 from .faults import Faults
-from .worker import FENCES, _die_with_parent, _err, open_store
+from .worker import FENCES, _die_with_parent, _err, open_store, tier_bytes
 
 
 def _scribble(x) -> None:
@@ -144,21 +144,29 @@ def main(argv=None) -> int:
         cfg = dict(cfg, tier=cfg["rank_tiers"][rank])
         if random.Random(cfg["seed"] * 7 + 5).random() < 0.5:
             kw["replicas"] = 1
+        if cfg.get("rank_budget"):  # every rank's tier under a budget: a put waits for room (T13)
+            kw["local_budget"] = int(cfg["rank_budget"])
     prunes = random.Random(cfg["seed"] * 7 + 11 + rank)
     follow = None
+    lag = 0.0
     if cfg.get("rank_tiers") and rank > 0:
         follow = _Follow(cfg["tier"])
         if random.Random(cfg["seed"] * 7 + 13).random() < 0.5:
-            import time
-
             from tensorstore_ck.tier import uploader
             uploader.TIDY_EVERY = 1
-            upload = uploader.Uploader._upload
+            lag = 0.3  # a backlog of this rank's parts for the cleanup to meet
+    if cfg.get("rank_budget"):
+        lag = 1.0  # a backlog of parts, slower than the puts, for the budget to meet (T13)
+    if lag:
+        import time
 
-            def lagging(up, seq, entry):  # a backlog of this rank's parts for the cleanup to meet
-                time.sleep(0.3)
-                return upload(up, seq, entry)
-            uploader.Uploader._upload = lagging
+        from tensorstore_ck.tier import uploader
+        upload = uploader.Uploader._upload
+
+        def lagging(up, seq, entry):
+            time.sleep(lag)
+            return upload(up, seq, entry)
+        uploader.Uploader._upload = lagging
     s = open_store(cfg, faults, **kw)
     faults.gc_busy = lambda phases: s.reftable.gc_state()["phase"] in phases  # the Store of the moment
     print(json.dumps({"ready": True}), flush=True)
@@ -192,6 +200,8 @@ def main(argv=None) -> int:
             else:
                 info = s.put_snapshot(st, ref=cmd["ref"], meta={"sim": spec}, timeout=timeout, **pkw)
             out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0}
+            if cfg.get("rank_budget"):
+                out["tier_bytes"] = tier_bytes(cfg["tier"])
             want, a = content.own_piece(spec, rank, world)
             into = {"own": tsck.Sharded(torch.zeros_like(want), (content.OWN_LEN,), (a,))}
             try:

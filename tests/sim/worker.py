@@ -464,6 +464,8 @@ class Worker:
         if self.cfg.get("rank_tiers"):  # each rank through its own tier: published there, uploaded later
             args["rank_tiers"] = [os.path.basename(t) for t in self.cfg["rank_tiers"]]
             args["tier"] = args["rank_tiers"][0]
+            if self.cfg.get("rank_budget"):  # (T13 judges each rank's tier as its put returns)
+                args["rank_budget"] = self.cfg["rank_budget"]
         cmd = {"ref": ref, "step": step, "spec": spec, "async": asyn}
         if self.cfg.get("rank_tiers") and random.Random(f"{self.cfg['seed']}-{self.wid}-{i}-k0").random() < 0.25:
             # Rank 0 SIGKILLs itself once the snapshot is published in its tier, before the
@@ -536,6 +538,8 @@ class Worker:
         heard = [o.get("result", "ok") for o in outs]  # what each rank was told (T9 judges each tier by its own)
         out = outs[0]
         out["ranks"] = heard
+        if any("tier_bytes" in o for o in outs):  # each rank's tier as its put returned (T13)
+            out["rank_tier_bytes"] = [o.get("tier_bytes") for o in outs]
         for r, o in enumerate(outs[1:], 1):  # every rank must hear the same outcome
             if o.get("raw"):
                 out.update(raw=True, trace=f"rank {r}: " + o.get("trace", ""))
