@@ -70,6 +70,7 @@ _.sweep_seconds
 
 # -- counters and inspection the tests read (what the package did, asserted from outside) ---
 _.lock_waits  # PostgresRefTable: attempts that gave up on a lock (test_pg_lock_wait)
+_.pool_waits  # PostgresRefTable: waits while the process's own calls held every connection (test_reftable)
 _.reconnects  # PostgresRefTable (test_hostile_refs)
 _.unknown_commits  # PostgresRefTable (test_hostile_refs, test_pg_unknown_outcome)
 _.retries  # RetryingStore's count (test_blockstore); also s3fs's own attribute, set by S3BlockStore.fs

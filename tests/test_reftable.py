@@ -309,3 +309,67 @@ def test_postgres_first_open_waits_out_a_held_schema_lock_within_its_budget(pg_d
     table = out["value"]
     table.compare_and_swap("r", None, b"\1" * 32, message="after the wait")
     table.close()
+
+
+def _hold_every_connection(table, n: int):
+    """n calls of `table` that each hold a connection (inside a transaction) until the
+    returned event is set; returns once all n are inside."""
+    import threading
+    gate, inside = threading.Event(), threading.Semaphore(0)
+
+    def hold(_t):
+        inside.release()
+        gate.wait(120)
+    threads = [threading.Thread(target=table._read, args=(hold,), daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for _ in range(n):
+        assert inside.acquire(timeout=120), "a holding call never got a connection"
+    return gate, threads
+
+
+def test_postgres_pool_held_by_the_processs_own_calls_is_waited_for_not_renewed(pg_dsn, caplog):
+    """Every connection of the pool held by this process's own calls (here 2 of 2, in
+    transactions that wait): a third call waits for one within its retry budget, says why,
+    and gets it once one is let go. The pool is not replaced, nor the server called down:
+    it answers. Held past the budget, the call fails saying the connections were held."""
+    import logging
+    import time
+
+    import tensorstore_ck as tsck
+    from tensorstore_ck.refs.postgres import PostgresRefTable
+    from tensorstore_ck.retry import Backoff
+
+    table = PostgresRefTable(pg_dsn, namespace=f"held-{uuid.uuid4().hex[:8]}", connect_timeout=1.0, pool_size=2,
+                             backoff=Backoff(budget=60.0))
+    try:
+        table.compare_and_swap("r", None, b"\1" * 32, message="first")
+        gate, holders = _hold_every_connection(table, 2)
+        pool = table._pool
+        with caplog.at_level(logging.WARNING, logger="tensorstore_ck"):
+            t, out = in_thread(lambda: table.get_or_none("r"))
+            deadline = time.monotonic() + 120  # the event: the call said it waits for a held connection
+            while not table.pool_waits and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert table.pool_waits, caplog.text
+            gate.set()
+            t.join(120)
+        assert out.get("value") == b"\1" * 32, out
+        assert table._pool is pool, "the pool was replaced while the server answered"
+        assert "held by this process's calls" in caplog.text and "no connection in" not in caplog.text, caplog.text
+        for h in holders:
+            h.join(120)
+    finally:
+        table.close()
+    short = PostgresRefTable(pg_dsn, namespace=f"held-{uuid.uuid4().hex[:8]}", connect_timeout=0.5, pool_size=1,
+                             backoff=Backoff(budget=1.5))
+    try:
+        short.get_or_none("r")
+        gate, holders = _hold_every_connection(short, 1)
+        with pytest.raises(tsck.StorageError, match="all 1 were held by this process's own calls") as e:
+            short.get_or_none("r")
+        assert "server is down" not in str(e.value)
+        gate.set()
+        holders[0].join(120)
+    finally:
+        short.close()

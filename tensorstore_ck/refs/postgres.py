@@ -275,6 +275,8 @@ class PostgresRefTable(RefTable):
         self.limits = session_limits(self.timeout, backoff.budget)  # set on each session (session_limits)
         self._connect_kw = {"connect_timeout": max(1, int(self.timeout)), **_client_keepalives(dsn, self.timeout)}
         self.lock_waits = 0       # statements that gave up on a lock (lock_timeout) or ran out of time
+        self.pool_waits = 0       # waits for a connection while this process's own calls held them all
+        self._held: dict[int, int] = {}  # id(pool) -> its connections this process's calls hold now
         self.reconnects = 0       # transactions re-run after a lost connection
         self.unknown_commits = 0  # ... of which had sent COMMIT without an answer
         self._rng = random.Random()
@@ -379,6 +381,7 @@ class PostgresRefTable(RefTable):
         self._pool = None
         self._lock = threading.Lock()
         self._acked = []
+        self._held = {}  # (the parent's calls' connections)
 
     def _get_pool(self):
         with self._lock:
@@ -474,6 +477,26 @@ class PostgresRefTable(RefTable):
                     pool = self._pool_after_closed(pool)  # another call renewed it: go on with the new one
                     continue
                 except self._psycopg_pool.PoolTimeout:
+                    with self._lock:
+                        busy = self._held.get(id(pool), 0)
+                    if busy >= self.pool_size:
+                        # Every connection is held by this process's own calls (one waits on
+                        # a lock, or more threads call than pool_size): the server answers, and
+                        # a fresh pool would only add connections. Wait on, within the budget.
+                        self.pool_waits += 1
+                        delay = next(delays, None)
+                        why = (f"no free connection: all {self.pool_size} were held by this process's own calls "
+                               f"for the retry budget ({self.backoff.budget:g}s; a call waiting on a lock, or more "
+                               f"threads than pool_size={self.pool_size})")
+                        if delay is None:
+                            if pending is not None:
+                                raise self._unknown(why) from None
+                            raise StorageError(f"ref table at {self.where}: {why}") from None
+                        log.warning("ref table %s: all %d connections held by this process's calls for %gs; "
+                                    "retry in %.2fs (retry budget %gs)", self.where, self.pool_size, self.timeout,
+                                    delay, self.backoff.budget)
+                        self._pause(delay, pending)
+                        continue
                     # No connection within the connect timeout: a server failing over takes
                     # longer; a fresh pool tries again after each delay while the retry budget lasts.
                     lost += 1
@@ -486,6 +509,8 @@ class PostgresRefTable(RefTable):
                     self._pause(delay, pending)
                     pool = self._renew_pool(pool)
                     continue
+                with self._lock:
+                    self._held[id(pool)] = self._held.get(id(pool), 0) + 1
                 token = None
                 committing = False
                 try:
@@ -562,6 +587,10 @@ class PostgresRefTable(RefTable):
                 finally:
                     conn._tsck_used = time.monotonic()
                     pool.putconn(conn)
+                    with self._lock:
+                        n = self._held.pop(id(pool)) - 1
+                        if n:
+                            self._held[id(pool)] = n
         finally:
             if taken:  # acknowledged tokens still to delete (ours, or older ones not yet deleted)
                 with self._lock:
