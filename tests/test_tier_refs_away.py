@@ -76,3 +76,37 @@ def test_puts_through_a_tier_go_on_while_the_remote_ref_table_is_away(tmp_path, 
         assert r.show("job/main").step == 2
         got = r.checkout("job/main")
         assert np.array_equal(np.asarray(got["w"]), _state(2)["w"])
+
+
+@pytest.mark.slow  # a real server
+def test_early_puts_go_on_when_the_remote_table_went_away_before_any_fence_was_read(tmp_path, pg_dsn):
+    """The early upload on, the remote table black-holed before the uploader read any fence
+    (nothing uploaded since the open), and a retry budget of an hour: the first put's first
+    send reads the fence on a send thread and waits; the puts themselves return, the second
+    too (its start does not wait for that read). Both stay queued, and the next open with
+    the server back makes the second durable."""
+    import threading
+
+    proxy, dsn = _proxied(pg_dsn)
+    remote, tier = f"file://{tmp_path}/remote", str(tmp_path / "tier")
+    try:
+        s = tsck.open_store(remote, refs=dsn, local=tier, early_upload=True, retry_budget=3600)
+        proxy.blackout()
+        out: dict = {}
+
+        def puts():
+            out["infos"] = [s.put_snapshot(_state(i), ref="job/main", step=i) for i in (1, 2)]
+        t = threading.Thread(target=puts, daemon=True)
+        t.start()
+        t.join(120)  # (a bound for a loaded machine; a put that waits on the remote waits an hour)
+        assert not t.is_alive(), "a put waited on the remote table"
+        assert [i.durable for i in out["infos"]] == [False, False]
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            s.close(timeout=1.0)
+    finally:
+        proxy.restore()
+        proxy.close()
+    with tsck.open_store(remote, refs=pg_dsn, local=tier) as s:
+        assert s.wait_durable(timeout=120)
+        assert s.show("job/main").step == 2 and s.show("job/main").durable

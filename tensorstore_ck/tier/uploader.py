@@ -123,6 +123,7 @@ class Uploader:
         # go on (they would wait out the retry budget, then fail).
         self._known_fence: int | None = None
         self._tee_fence_failed = False  # this put's fence could not be read: no early sends
+        self._fence_reading = False  # a send is reading it (_early_fence)
         self._fence_lock = threading.Lock()
         self._tee_bytes = 0  # bytes held by sends in flight (bounded by TEE_BYTES)
         self.teed = self.tee_dropped = 0
@@ -344,6 +345,7 @@ class Uploader:
         self._cond = threading.Condition()
         self._fit_lock = threading.Lock()
         self._fence_lock = threading.Lock()
+        self._fence_reading = False
         self.remote.after_fork()
 
     # -- the budget, before a put ------------------------------------------------------
@@ -462,17 +464,27 @@ class Uploader:
             self._tee_fence, self._tee_fence_failed = self._known_fence, False
 
     def _early_fence(self) -> int | None:
-        """The fence of this put's early sends where none was known as it began: read once,
-        by the first send (a send thread, never the put's); None if the remote table did
-        not answer (the uploader sends those blocks)."""
+        """The fence of this put's early sends where none was known as it began: read by
+        the first send (a send thread, never the put's), outside the lock (the next put's
+        tee_begin takes it, and must not wait on the remote); None meanwhile, or if the
+        remote table did not answer (the uploader sends those blocks)."""
         with self._fence_lock:
-            if self._tee_fence is None and not self._tee_fence_failed:
-                try:
-                    self._tee_fence = self.read_fence()
-                except (StorageError, TsckError, OSError) as e:
+            if self._tee_fence is not None or self._tee_fence_failed or self._fence_reading:
+                return self._tee_fence
+            self._fence_reading = True
+        fence = None
+        try:
+            fence = self.read_fence()
+        except (StorageError, TsckError, OSError) as e:
+            log.debug("local tier: no early upload for this put: the remote fence was not read (%s)", e)
+        finally:
+            with self._fence_lock:
+                self._fence_reading = False
+                if fence is None:
                     self._tee_fence_failed = True
-                    log.debug("local tier: no early upload for this put: the remote fence was not read (%s)", e)
-            return self._tee_fence
+                elif self._tee_fence is None:
+                    self._tee_fence = fence
+        return fence
 
     def tee(self, kind: int, d: bytes, bufs) -> None:
         """A new block or node the local tier just wrote: its frame's length and CRC32 (a
