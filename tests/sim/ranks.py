@@ -148,19 +148,18 @@ def main(argv=None) -> int:
             kw["local_budget"] = int(cfg["rank_budget"])
     prunes = random.Random(cfg["seed"] * 7 + 11 + rank)
     follow = None
+    import time
+
+    from tensorstore_ck.tier import uploader
     lag = 0.0
     if cfg.get("rank_tiers") and rank > 0:
         follow = _Follow(cfg["tier"])
         if random.Random(cfg["seed"] * 7 + 13).random() < 0.5:
-            from tensorstore_ck.tier import uploader
             uploader.TIDY_EVERY = 1
             lag = 0.3  # a backlog of this rank's parts for the cleanup to meet
     if cfg.get("rank_budget"):
         lag = 1.0  # a backlog of parts, slower than the puts, for the budget to meet (T13)
     if lag:
-        import time
-
-        from tensorstore_ck.tier import uploader
         upload = uploader.Uploader._upload
 
         def lagging(up, seq, entry):
