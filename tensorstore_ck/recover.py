@@ -15,8 +15,9 @@ retention.newest_first_order).
 Refs and tags that still exist are left as they are, except a ref a killed
 recover left on an intermediate commit: it is moved on, so running recover
 again always ends where one uninterrupted run ends. A commit whose tree is not
-all present (gc swept it, a crash cut it short) is never adopted; the report
-says which and why. Neither is a snapshot a user forgot nor a ref a user deleted
+all present (gc swept it, a crash cut it short) is never adopted, nor is the
+earlier encoding of a put that lost a race (_one_per_put); the report says which
+and why. Neither is a snapshot a user forgot nor a ref a user deleted
 (their reflog records say so) while gc has not reclaimed them yet. Retention
 rules and pins live only in the ref table and must be set again.
 
@@ -37,21 +38,27 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+import msgpack
+
 from .core import Core
 from .errors import FormatError, GcBusy, IntegrityError, RefConflict, UnreadableObject
 from .format.manifest import decode_commit
 from .format.names import validate_name
+from .publish import TIMING_STATS
 from .refs.history import RECOVERED
 from .roles import Rebuild
 from .walk import walk_commit
 
-__all__ = ["RecoverReport", "REMOVED_BY_USER", "run_recover", "incomplete", "commit_row"]
+__all__ = ["RecoverReport", "REMOVED_BY_USER", "EARLIER_ENCODING", "run_recover", "incomplete", "commit_row"]
 
 log = logging.getLogger(__name__)
 
 
 # Why a commit a user removed (forget, delete-ref) is not adopted: RecoverReport.skipped.
 REMOVED_BY_USER = "removed by a user (forget or delete-ref): not brought back"
+# Why an unpublished commit of a put that lost a race is not adopted (_one_per_put).
+EARLIER_ENCODING = ("an earlier encoding of the put that published {} (its move lost a race to another "
+                    "writer's): not a snapshot of its own")
 
 
 @dataclass
@@ -97,6 +104,49 @@ def commit_row(c: dict) -> dict:
             "tree": c["tree"], **{k: int(st.get(k, 0)) for k in
                                   ("bytes_total", "bytes_new", "blocks_total", "blocks_new")},
             **{k: int(st[k]) for k in ("stored_new", "put_us", "stall_us") if k in st}}
+
+
+def _put_identity(c: dict) -> bytes:
+    """What every encoding of one put shares. A put whose move lost the race re-encodes
+    its commit with the winner as parent (publish.Publisher.commit): only the parent, the
+    time and the timing stats change."""
+    st = sorted((k, v) for k, v in (c.get("stats") or {}).items() if k not in TIMING_STATS)
+    return msgpack.packb([c["job"], c["ref"], c["step"], c["tree"], c["metrics"], c.get("meta") or {}, st],
+                         use_bin_type=True)
+
+
+def _one_per_put(rt: Rebuild, found: list, forgotten: set, tagged: set, skipped: dict) -> list:
+    """`found` ((root, commit) pairs) less the earlier encodings of a put: a put that lost
+    races wrote one commit per try and publishes its last, and removes the others once
+    its move is answered; a writer killed then, or a table or storage away then, leaves
+    them (gc reclaims them). Adopted too, they would make one put several snapshots, and
+    keep_last would count it as many and expire a snapshot it keeps. Of commits alike in
+    everything but parent, time and timing (the same put, or puts of the same state at the
+    same step, which are kept the more safely as one), the one the table has a row for or
+    a tag names stays (every such one), else the newest; a put a user forgot stays
+    forgotten whichever encoding the user named."""
+    groups: dict = {}
+    for root, c in found:
+        groups.setdefault(_put_identity(c), []).append((root, c))
+    out = []
+    for same in groups.values():
+        if len(same) == 1:
+            out += same
+            continue
+        keep = [(root, c) for root, c in same if root in tagged or rt.catalog_has(root)]
+        keep = keep or [max(same, key=lambda rc: (float(rc[1]["time"]), rc[0]))]
+        kept = {root for root, _c in keep}
+        user_removed = any(root in forgotten for root, _c in same)
+        for root, _c in same:
+            if root in kept:
+                continue
+            if user_removed:
+                forgotten.add(root)
+                skipped[root.hex()] = REMOVED_BY_USER
+            else:
+                skipped[root.hex()] = EARLIER_ENCODING.format(keep[-1][0].hex())
+        out += keep
+    return out
 
 
 def _history_order(items) -> list:
@@ -158,6 +208,9 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
     # the reflog keeps those records. A lost ref table has none; then all comes back.
     deleted, forgotten = rt.removed()
     deleted_roots = {e.new for ref in deleted for e in rt.reflog(ref)}
+    tags = list(core.assets.tags())
+    tagged = {rec[1] for _key, rec in tags if not isinstance(rec, Exception)}
+    found: list = []  # (root, commit) of every readable commit storage holds
     for o in core.assets.list_objects("commits", strays):
         if bar is not None:
             bar.update(1)
@@ -170,6 +223,10 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
             log.warning("recover: commit %s is unreadable, left out: %s", root.hex()[:16], e)
             continue
         rep.commits_found += 1
+        found.append((root, c))
+    if bar is not None:
+        bar.close()
+    for root, c in _one_per_put(rt, found, forgotten, tagged, rep.skipped):
         if root in forgotten or (c["ref"] in deleted and (root in deleted_roots
                                                           or float(c["time"]) <= deleted[c["ref"]])):
             rep.skipped[root.hex()] = REMOVED_BY_USER
@@ -187,8 +244,6 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
             rep.catalog_rows_added += 1
         step = c["step"] if isinstance(c["step"], int) else -1
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
-    if bar is not None:
-        bar.close()
     moving: dict = {}  # ref -> [where it is, how many commits its history has, moved meanwhile]
     queues = []
     for ref, items in sorted(by_ref.items()):
@@ -222,7 +277,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
             rep.refs_restored[ref] = prev.hex()
             log.debug("recover: ref %s restored at %s (%d commits in its reflog)", ref, prev.hex()[:16], n)
     rep.unreadable += [f"{key}: not an object key" for key in strays]
-    for key, rec in core.assets.tags():
+    for key, rec in tags:
         if isinstance(rec, Exception):
             rep.unreadable.append(f"{key}: {rec}")
             continue

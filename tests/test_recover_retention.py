@@ -88,6 +88,45 @@ def test_keep_last_after_recover_beside_a_writer_keeps_the_newest_of_the_job(whe
         assert s.fsck().ok
 
 
+def test_a_put_that_lost_its_race_is_one_snapshot_after_recover(where, monkeypatch):
+    """A put whose move lost the race re-encodes its commit on the winner's snapshot and
+    publishes that; its first encoding stays in storage when the put cannot remove it (the
+    writer killed just after its move, the table or the storage away then: here the delete
+    fails). recover after a lost table adopted both encodings: one put counted twice by
+    keep_last, which expired a snapshot it keeps (the harness, pg seed 20262). Now the
+    earlier encoding of a put is not a snapshot of its own."""
+    w = lambda x: {"w": torch.full((256,), float(x))}  # noqa: E731
+    with where.open(create=True) as s, where.open() as other:
+        roots = [bytes.fromhex(s.put_snapshot(w(i), ref="j/main", step=i).root) for i in range(3)]
+        cas, raced = s.reftable.compare_and_swap, []
+
+        def racing(*a, **kw):  # another writer moves the ref between this put's commit write and its move
+            if not raced:
+                raced.append(bytes.fromhex(other.put_snapshot(w(3), ref="j/main", step=3).root))
+            return cas(*a, **kw)
+
+        def delete_fails(*_a, **_kw):
+            raise OSError("injected: the storage refused the delete")
+
+        monkeypatch.setattr(s.reftable, "compare_and_swap", racing)
+        monkeypatch.setattr(s.assets, "delete_objects", delete_fails)
+        last = s.put_snapshot(w(4), ref="j/main", step=4)
+        monkeypatch.undo()
+        assert bytes.fromhex(last.parent) == raced[0]
+        assert len(list(s.assets.list_objects("commits"))) == 6  # 5 snapshots + the first encoding
+        store_id = s.config["id"]
+    lose_ref_table(where, store_id)
+    with where.open(create_refs=True) as s:
+        rep = s.recover()
+        assert s.resolve("j/main") == last.root
+        assert [i.step for i in s.log("j/main")] == [4, 3, 2, 1, 0]
+        assert len(rep.skipped) == 1 and "earlier encoding" in next(iter(rep.skipped.values()))
+        s.set_retention("j", tsck.Retention(keep_last=3))
+        s.gc()
+        assert _catalog(s) == {roots[2], raced[0], bytes.fromhex(last.root)}
+        assert s.fsck().ok
+
+
 def test_recovered_numbers_count_within_a_ref_not_across_refs():
     """Along one ref recover's numbers are the parent chain (they win over a clock that
     went back); across refs, and against published rows, age decides."""

@@ -3,9 +3,10 @@
     python recover_gated.py STORE GATE_DIR [tsck options...]
 
 The CLI's open_store is given a storage wrapper (the same `wrap_storage` hook the
-harness's fault injector uses): when recover asks for a second distinct commit
-object, the first one has been adopted (its catalog row written); the wrapper then
-creates GATE_DIR/reached and waits until GATE_DIR/open exists. A test kills -9 the
+harness's fault injector uses). recover reads every commit once to decode it, then
+each again as it walks it to adopt it: when a second commit object is read the
+second time, the first one has been adopted (its catalog row written); the wrapper
+then creates GATE_DIR/reached and waits until GATE_DIR/open exists. A test kills -9 the
 process there (a recover stopped after adopting one commit), or runs a gc beside it
 and then opens the gate. Nothing of recover itself is replaced.
 """
@@ -25,13 +26,17 @@ class Gate(WrappedStore):
     def __init__(self, inner, gate_dir: str):
         super().__init__(inner)
         self.gate_dir = gate_dir
-        self.seen: set = set()
+        self.reads: dict = {}  # commit key -> times read
+        self.walked = 0  # commits read a second time
 
     def _at(self, key: str) -> None:
-        if not key.startswith("commits/") or key in self.seen:
+        if not key.startswith("commits/"):
             return
-        self.seen.add(key)
-        if len(self.seen) == 2:
+        self.reads[key] = self.reads.get(key, 0) + 1
+        if self.reads[key] != 2:
+            return
+        self.walked += 1
+        if self.walked == 2:
             open(os.path.join(self.gate_dir, "reached"), "w").close()
             while not os.path.exists(os.path.join(self.gate_dir, "open")):
                 time.sleep(0.02)
