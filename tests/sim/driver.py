@@ -399,8 +399,15 @@ class Harness:
             c["skip_p"], c["grow_p"], c["blocking_p"] = fl["skip_p"], fl["grow_p"], fl.get("blocking_p", 0.6)
             if hot:  # a commit written slowly: the ref moves meanwhile, its move loses the race
                 slow = c["faults"].setdefault("slow", {})
-                slow["commits/"] = max(slow.get("commits/", 0.0), 0.3)
+                slow["commits/"] = max(slow.get("commits/", 0.0), 1.0)
         tiered = self._tier_writers(r, fl, cfgs)
+        # Some writers of the one ref (not through a tier: its races are the tier's own) are
+        # killed right after the move that follows a lost race, before the refused commit is
+        # removed: recover must adopt one of the two (a stream of its own).
+        krng = random.Random(f"{self.seed}:{r}:kill-raced")
+        for c in cfgs:
+            if hot and "tier" not in c and krng.random() < 0.5:
+                c["faults"]["kill_raced"] = 0.6
         urng = random.Random(f"{self.seed}:{r}:unreadable")
         for c in cfgs:
             if urng.random() < fl.get("unreadable_p", 0.3 if self.backend == "dirfs" else 0.0):
@@ -528,7 +535,8 @@ class Harness:
         stuck_ids = "".join(f"{', ' if k else ': '}{c['id']}{'' if cfgs.index(c) in ready else ' never ready'}"
                             for k, c in enumerate(c for c, p in zip(cfgs, procs) if p.pid in stuck_pids))
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"kept_plans={sum(kept.values())} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}{'(one ref)' if hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
+                 f"kept_plans={sum(kept.values())} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}"
+                 f"{f'(one ref, {self._killed_raced(ids)} killed after their move)' if hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} packed_puts={packed} "
@@ -800,6 +808,17 @@ class Harness:
                 self._driver_op("retention", {"job": job, "keep_last": 1000},
                                 lambda: s.set_retention(job, tsck.Retention(keep_last=1000)))
         return live
+
+    def _killed_raced(self, ids) -> int:
+        """Writers of the round killed by kill_raced (their journals say so)."""
+        n = 0
+        for wid in ids:
+            try:
+                with open(os.path.join(self.run_dir, "journal", f"{wid}.jsonl")) as f:
+                    n += sum(1 for line in f if '"ref-written-after-a-lost-race"' in line)
+            except OSError:
+                pass
+        return n
 
     @staticmethod
     def _journal_started(path: str) -> bool:

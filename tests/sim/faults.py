@@ -26,6 +26,10 @@ The profile (chosen by the driver from the seed) says, per point:
                        (faultyfs://, the harness's dirfs backend), else here. fsck must
                        report them as findings, gc stop naming them (UnreadableObject) or
                        finish without deleting what they hold (check.py, U1)
+  kill_raced           p: SIGKILL at the first committed ref-table write ("ref-written")
+                       after each race this process's put lost for its ref, with
+                       probability p (a stream of its own): the put's re-encoded commit
+                       moved the ref, the refused one not removed yet
   kill_upload          {"at", "n"}: a writer with a local tier: SIGKILL inside its
                        uploader at the n-th such stage (upload_point): "block", "node",
                        "commit" (after that many objects of the kind reached the remote),
@@ -84,6 +88,9 @@ class Faults:
         self.pg_proxy = None
         self.pg_how: str | None = None
         self.head_rng = random.Random(f"{seed}:head")  # slow_head's delays: a stream of their own
+        self.raced = None  # set by the worker: how many races its puts lost so far (kill_raced)
+        self.raced_seen = 0
+        self.raced_rng = random.Random(f"{seed}:raced")
 
     def remote_down(self) -> None:
         """The remote goes away: its storage refuses every request, and its PostgreSQL
@@ -120,6 +127,20 @@ class Faults:
             u = self.head_rng.random()
         time.sleep(u * sh["max"])
 
+    def _kill_raced(self, n: int) -> None:
+        """kill_raced: a table write committed after a lost race (the put's next move)."""
+        with self.lock:
+            races = self.raced()
+            if races <= self.raced_seen:
+                return
+            self.raced_seen = races
+            u = self.raced_rng.random()
+        if u < self.p["kill_raced"]:
+            if self.on_kill is not None:
+                self.on_kill(n, "ref-written-after-a-lost-race", "")
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10)  # never returns
+
     def point(self, op: str, key: str = "") -> None:
         if not self.armed:
             return
@@ -130,6 +151,8 @@ class Faults:
             n = self.kill_points
             r_delay, r_fail, u = self.rng.random(), self.rng.random(), self.rng.random()
         ka = self.p.get("kill_after")  # {"op", "prefix", "p"}: kill right after such a point, by chance
+        if op == "ref-written" and self.p.get("kill_raced") and self.raced is not None:
+            self._kill_raced(n)
         if (self.kill_at is not None and n >= self.kill_at) or (
                 ka and op == ka["op"] and key.startswith(ka["prefix"]) and u < ka["p"]
                 and (not ka.get("during_gc") or (self.gc_busy is not None and self.gc_busy(ka["during_gc"])))):

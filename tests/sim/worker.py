@@ -275,6 +275,7 @@ class Worker:
             profile["kill_at"] = None
         self.faults = Faults(profile, self.rng.getrandbits(64),
                              on_kill=lambda n, op, key: self.j.write(kill=n, op=op, key=key))
+        self.faults.raced = lambda: RACES.n  # kill_raced: the lost races so far
         self.puts: list[dict] = []   # this worker's successful puts: ref, step, root
         self._taken: set = set()  # op indices already made (the second put of a skip pair)
         self._out: dict = {}  # rank pid -> what it printed that was not read yet (_rank_line)
