@@ -416,9 +416,16 @@ class Publisher:
         # snapshot of its own (one put, two snapshots).
         unpublished: list[bytes] = []
 
-        def attempt() -> _Move:
+        def attempt() -> _Move | None:
             parent = self.reftable.get_or_none(ref) if exp is UNSET else exp
-            if not made or parent != made["parent"]:
+            if made.get("root") is not None and (parent == made["root"] or self.reftable.catalog_has(made["root"])):
+                # A recover beside this put adopted the commit it wrote (recover adopts every
+                # complete commit): that is this put's snapshot, whose move is done (the ref
+                # on it, or was: moved back to it, the ref would go back past a later
+                # snapshot) or is made now as it is. Re-encoded, the put would be two snapshots.
+                if parent == made["root"] or any(e.new == made["root"] for e in self.reftable.reflog(ref)):
+                    return None
+            elif not made or parent != made["parent"]:
                 if made.get("root") is not None:
                     unpublished.append(made["root"])
                 # After a fenced move with the same parent the same commit object is
@@ -434,7 +441,7 @@ class Publisher:
             root = made["root"] = self.assets.put_commit(made["body"]).digest
             self.assets.sync()  # everything the commit references is durable before the ref moves
             return _Move(parent, root, {"job": args.job, "ref": ref, "step": args.step, "time": made["time"],
-                                        "metrics": args.metrics, "meta": meta, "parent": parent, "tree": tree,
+                                        "metrics": args.metrics, "meta": meta, "parent": made["parent"], "tree": tree,
                                         **made["stats"]}, part0)
 
         def unknown(e: OutcomeUnknown, root: bytes) -> OutcomeUnknown:
@@ -445,7 +452,7 @@ class Publisher:
                                   "retry may publish it twice", root=root, ref=ref)
 
         try:
-            move, lost = self._move_ref(
+            moved = self._move_ref(
                 ref, attempt, fence=fence, what="snapshot", conditional=exp is not UNSET,
                 revalidate=None if revalidate is None else (lambda new_fence: revalidate(made["body"], new_fence)),
                 unknown=unknown,
@@ -463,6 +470,11 @@ class Publisher:
             raise
         finally:
             self._drop_unpublished(ref, [r for r in dict.fromkeys(unpublished) if r is not None])
+        if moved is None:
+            log.warning("ref %s: a recover moved it to this put's commit %s while the put's move waited; that is "
+                        "this put's snapshot", ref, made["root"].hex()[:16])
+            return log_committed(self.info(made["root"]))
+        move, lost = moved
         if lost:
             log.warning("ref %s: the answer to its move to %s was lost; the table shows it landed",
                         ref, move.root.hex()[:16])

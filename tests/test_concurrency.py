@@ -339,17 +339,55 @@ def test_a_put_that_lost_races_leaves_only_its_published_commit(tmp_path):
         with pytest.raises(tsck.RefConflict):
             s.put_snapshot(statelib.conc_state(0, 1), ref="job/main", expected=rivals[0].root)
         assert commits(path) == published, "a put refused by expected= left its commit object"
-        # A refused commit a recover adopted meanwhile has a catalog row: it stays (a row
-        # naming a deleted commit would be damage).
+        # A commit a recover adopted meanwhile, its move refused, has a catalog row: it is
+        # the put's snapshot, and the ref moves to it as it is (re-encoded, the put would be
+        # two snapshots; deleted, the row would name a missing commit).
         table.rival_roots, table.adopt = [bytes.fromhex(rivals[0].root)], True
         again = s.put_snapshot(statelib.conc_state(0, 2), ref="job/main", step=8)
-        adopted = {r.hex() for r, _row in table.catalog_iter()} - published - {again.root}
-        assert len(adopted) == 1 and commits(path) == published | {again.root} | adopted
+        assert {r.hex() for r, _row in table.catalog_iter()} == published | {again.root}
+        assert commits(path) == published | {again.root} and s.resolve("job/main") == again.root
+        assert again.parent == info.root  # the parent it was written on: the rival's move came after
         assert s.fsck().ok
         table.adopt = False
-        published |= {again.root} | adopted
+        published |= {again.root}
 
-    # The ref table is lost: recover finds the three snapshots that were published, no more.
+    # The ref table is lost: recover finds the snapshots that were published, no more.
     with tsck.open_store(path, refs=MemoryRefTable(), block_size=BLOCK, inline_threshold=INLINE) as s:
         rep = s.recover()
-        assert rep.commits_found == len(published) == 5 and s.resolve("job/main") == again.root
+        assert rep.commits_found == len(published) == 4 and s.resolve("job/main") == again.root
+
+
+def test_a_put_whose_commit_a_recover_moved_the_ref_to_never_moves_it_back(tmp_path):
+    """A recover beside a put adopts the put's commit and moves the ref to it (the table
+    had lost the ref), then another writer moves the ref on, all while the put's own move
+    waits. The put's commit is its snapshot, already in the ref's history: the put
+    returns it and moves nothing (moved to it again, the ref would go back past the
+    other writer's later snapshot)."""
+    from tensorstore_ck.refs import MemoryRefTable
+    from tensorstore_ck.refs.history import RECOVERED
+
+    class RecoverThenRival(MemoryRefTable):
+        def __init__(self):
+            super().__init__()
+            self.rival: bytes | None = None
+
+        def compare_and_swap(self, name, expected, new, **kw):
+            if name == "job/main" and self.rival is not None:
+                rival, self.rival = self.rival, None
+                self.catalog_put_if_absent(new, kw["catalog_row"])  # recover adopts the put's commit
+                super().compare_and_swap(name, self.get_or_none(name), new, message=RECOVERED)
+                super().compare_and_swap(name, new, rival, message="rival")  # a writer moves on
+            return super().compare_and_swap(name, expected, new, **kw)
+
+    table = RecoverThenRival()
+    with tsck.open_store(tmp_path / "s", refs=table, block_size=BLOCK, inline_threshold=INLINE) as s:
+        first = s.put_snapshot(statelib.conc_state(0, 0), ref="job/main", step=1)
+        rival = s.put_snapshot(statelib.conc_state(1, 0), ref="job/rival", step=2)
+        table.rival = bytes.fromhex(rival.root)
+        info = s.put_snapshot(statelib.conc_state(0, 1), ref="job/main", step=3)
+        assert info.parent == first.root and info.step == 3
+        assert s.resolve("job/main") == rival.root  # not moved back
+        assert [e.new.hex() for e in table.reflog("job/main")] == [first.root, info.root, rival.root]
+        assert table.catalog_has(bytes.fromhex(info.root)) and s.fsck().ok
+        assert {os.path.basename(k) for k in object_listing(tmp_path / "s") if k.startswith("commits")} == \
+            {first.root, rival.root, info.root}  # no second encoding

@@ -127,6 +127,38 @@ def test_a_put_that_lost_its_race_is_one_snapshot_after_recover(where, monkeypat
         assert s.fsck().ok
 
 
+def test_a_put_whose_refused_commit_a_recover_adopted_is_that_snapshot(where, monkeypatch):
+    """A recover run over the live table adopts every complete commit it finds, so it may
+    adopt the commit of a put whose move is losing a race, before the put re-encodes its
+    commit on the winner. The put then published a second snapshot of its state beside the
+    adopted one (one put, two snapshots: keep_last counted it twice). Now a put that finds
+    its commit adopted after a lost race moves the ref to that commit as it is: one
+    snapshot, in the ref's history after the winner's."""
+    w = lambda x: {"w": torch.full((256,), float(x))}  # noqa: E731
+    with where.open(create=True) as s, where.open() as other:
+        roots = [bytes.fromhex(s.put_snapshot(w(i), ref="j/main", step=i).root) for i in range(3)]
+        cas, raced = s.reftable.compare_and_swap, []
+
+        def racing(*a, **kw):  # another writer moves the ref, then a recover runs, before this put's move
+            if not raced:
+                raced.append(bytes.fromhex(other.put_snapshot(w(3), ref="j/main", step=3).root))
+                raced.append(other.recover())
+            return cas(*a, **kw)
+
+        monkeypatch.setattr(s.reftable, "compare_and_swap", racing)
+        last = s.put_snapshot(w(4), ref="j/main", step=4)
+        monkeypatch.undo()
+        assert raced[1].catalog_rows_added == 1  # this put's first commit, adopted
+        assert bytes.fromhex(last.parent) == roots[2] and last.step == 4
+        assert s.resolve("j/main") == last.root and [i.step for i in s.log("j/main")] == [4, 3, 2, 1, 0]
+        assert s.checkout(last.root)["w"].eq(4.0).all()
+        assert len(list(s.assets.list_objects("commits"))) == 5  # no second encoding written
+        s.set_retention("j", tsck.Retention(keep_last=3))
+        s.gc()
+        assert _catalog(s) == {roots[2], raced[0], bytes.fromhex(last.root)}
+        assert s.fsck().ok
+
+
 def test_recovered_numbers_count_within_a_ref_not_across_refs():
     """Along one ref recover's numbers are the parent chain (they win over a clock that
     went back); across refs, and against published rows, age decides."""
