@@ -141,10 +141,11 @@ FLAVORS = {
     # and `recover` runs while the workers do, killed -9 at random moments and started
     # again; only a finished recover may let a gc or prune delete (docs/design/recover.md,
     # "Why no gc deletes over a table being rebuilt"). No retention op: the driver sets keep_last high, so prune runs
-    # and any snapshot a gc or prune took over the incomplete table is missed by I3.
+    # and any snapshot a gc or prune took over the incomplete table is missed by I3. Half the rounds put every
+    # writer on one ref: the recover adopts commits whose moves are losing races (one put, one snapshot: I3).
     "recover-live": dict(_BASE, weights={"put": 5, "gc": 3, "prune": 1.5, "tag": 0.5, "pin": 0.3, "read": 0.5,
                                          "fsck": 0.3}, recover_p=0.0, live_recover_p=1.0, live_kill=0.8,
-                         live_attempts=3, quiet_gc=0.2),
+                         live_attempts=3, quiet_gc=0.2, hot_ref_p=0.5),
 }
 # Commits whose answer never came (tests/sim/netproxy.py at high rates, every round): puts,
 # tags and pins whose COMMIT is dropped or held while the server is black-holed past the
