@@ -159,7 +159,9 @@ def open_store(url, *, create: bool = True,
     commit and the collective protocol stay here. With a local tier (local=), the saver
     runs the uploads to the remote instead (the tier's puts write its disk on threads;
     there is no early upload). "process" needs a store on a local folder or an object
-    store (not memory://) and no wrap_storage.
+    store (not memory://), and a wrap_storage the saver can apply too: one pickle can
+    carry to a new process (a function of an importable module, or a functools.partial
+    of one with picklable arguments; not one of the script run as __main__, nor a lambda).
     saver_nice: the saver process's niceness, 0-19 (default 10): the training loop wins
     the cores and the saver takes what they leave, so a snapshot may take longer where
     the loop keeps every core busy; 0 shares them equally.
@@ -171,7 +173,8 @@ def open_store(url, *, create: bool = True,
     credentials, a missing database, a 4xx other than throttling) fails at once.
     storage_options: passed to fsspec (s3fs: endpoint_url, key, secret, ...).
     wrap_storage: a callable given the store's storage and returning the storage to use
-    (a wrapper: fault injection in the tests, a gate).
+    (a wrapper: fault injection in the tests, a gate); with saver="process" the saver
+    process wraps the storage it writes with it too.
 
     gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
     two renewals (default 120); others judge it on the ref table's clock."""
@@ -187,6 +190,22 @@ def open_store(url, *, create: bool = True,
 
 
 # -- the option groups, each checked on its own --------------------------------------------
+
+
+def _saver_can_wrap(wrap_storage) -> None:
+    """A saver process applies wrap_storage to the storage it opens (SaverRecipe): it must
+    reach the process by pickle, by reference to a module the process can import."""
+    import pickle
+    try:
+        data = pickle.dumps(wrap_storage)
+    except Exception as e:  # noqa: BLE001 - any pickling failure says the same
+        raise InvalidArgument(f"saver='process' with wrap_storage={wrap_storage!r}: the saver process cannot be "
+                              f"given it ({type(e).__name__}: {e}); use a function of an importable module (or a "
+                              "functools.partial of one), or saver='thread'") from None
+    if b"__main__" in data:
+        raise InvalidArgument(f"saver='process' with wrap_storage={wrap_storage!r}: it is defined in the script run "
+                              "as __main__, which the saver process cannot import; move it to a module, or use "
+                              "saver='thread'")
 
 @dataclass(frozen=True)
 class _Stored:
@@ -280,8 +299,7 @@ class _Network:
         check_options(workers=workers, max_inflight=max_inflight, when_busy=when_busy, saver=saver,
                       saver_nice=saver_nice)
         if saver == "process" and wrap_storage is not None:
-            raise InvalidArgument("saver='process' cannot be used with wrap_storage=: the saver process opens the "
-                                  "storage itself, without the wrapper; use saver='thread'")
+            _saver_can_wrap(wrap_storage)
         from .retry import backoff_for
         return cls(write_bandwidth, write_concurrency, workers, max_inflight, backoff_for(retry_budget), when_busy,
                    storage_options, wrap_storage, saver, saver_nice)
@@ -293,7 +311,8 @@ class _Network:
         if self.saver != "process":
             return None
         return SaverRecipe(proto, rest, self.storage_options, self.backoff.budget, self.write_bandwidth,
-                           self.write_concurrency, codecs, settings.workers, self.saver_nice, src)
+                           self.write_concurrency, codecs, settings.workers, self.saver_nice, src,
+                           self.wrap_storage)
 
     def wrapped(self, storage: BlockStore) -> BlockStore:
         return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)

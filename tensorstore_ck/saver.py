@@ -41,7 +41,7 @@ import numpy as np
 
 from .assets import Assets, PutResult
 from .chunker import job_order
-from .errors import SaverDied, StorageError, TsckError
+from .errors import InvalidArgument, SaverDied, StorageError, TsckError
 from .publish import cancelled_on_failure, only_hashed, wait_all
 
 __all__ = ["SaverRecipe", "Saver", "CLOSE_WAIT", "GIVE_UP_WAIT"]
@@ -82,6 +82,9 @@ class SaverRecipe:
     # A local tier's path: the saver serves its uploader (copies the tier's objects to this
     # storage), not asynchronous puts (a tier's puts write the tier on threads).
     src: str | None = None
+    # open_store(wrap_storage=), pickled by reference (opener._saver_can_wrap): the saver's
+    # writes go through the caller's wrapper as the training process's do.
+    wrap_storage: object = None
 
     def open_src(self) -> Assets | None:
         if self.src is None:
@@ -97,7 +100,8 @@ class SaverRecipe:
             storage = LocalBlockStore(self.rest)
         else:
             storage = remote_storage(self.proto, self.rest, self.storage_options, Backoff(budget=self.retry_budget))
-        return Assets(wrapped(storage, self.write_bandwidth, self.write_concurrency, None), codecs=self.codecs)
+        return Assets(wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage),
+                      codecs=self.codecs)
 
 
 # What a put or an upload hears after its saver died.
@@ -143,8 +147,11 @@ class Saver:
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
         env.setdefault("MALLOC_MMAP_MAX_", "0")
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
-        env["PYTHONPATH"] = os.pathsep.join([_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                                if p])
+        # A caller's storage wrapper comes by reference to its module: the saver imports
+        # what this process can (its sys.path after the package's own root).
+        seen = [p for p in sys.path if p and os.path.isdir(p)] if self.recipe.wrap_storage is not None else []
+        env["PYTHONPATH"] = os.pathsep.join([_package_root()] + seen + [p for p in env.get("PYTHONPATH", "").split(
+            os.pathsep) if p])
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())],
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
@@ -389,6 +396,11 @@ def serve(conn: Connection) -> None:
     try:
         recipe = conn.recv()
     except EOFError:
+        return
+    except Exception as e:  # noqa: BLE001 - a recipe this process cannot load (a wrapper's module): said
+        conn.send(("err", _error_payload(InvalidArgument(
+            f"the saver process could not load how to open the storage (open_store(wrap_storage=) must be "
+            f"importable there): {type(e).__name__}: {e}"))))
         return
     try:
         # Below the training process: the loop wins the cores, the saver takes what they

@@ -9,6 +9,7 @@ Collective puts through saver processes: tests/test_dist_async.py (inflight_save
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import select
@@ -21,7 +22,7 @@ import blake3
 import pytest
 import torch
 
-from _util import REPO, assert_same, child_env
+from _util import REPO, assert_same, child_env, object_listing
 
 import tensorstore_ck as tsck
 from tensorstore_ck.errors import InvalidArgument, SaverDied, StorageError
@@ -307,6 +308,49 @@ def test_a_storage_error_in_the_saver_is_the_puts_error_and_publishes_nothing(tm
         info = s.put_snapshot(st, "j/main", step=4, blocking=False).result(timeout=120)
         assert s._saver.started == 1, "an error in a job does not cost the saver"
         assert_same(s.checkout(info.root), st)
+
+
+def test_the_saver_writes_through_the_callers_storage_wrapper(tmp_path):
+    """open_store(wrap_storage=) with saver="process": the saver process imports the
+    wrapper (by reference) and wraps the storage it writes, so every block an asynchronous
+    put writes goes through it, in the saver's process."""
+    import _saver_wrap
+    book = tmp_path / "ledger"
+    with open_(tmp_path / "s", wrap_storage=functools.partial(_saver_wrap.ledger, str(book))) as s:
+        st = state_at(5)
+        info = s.put_snapshot(st, "j/main", step=5, blocking=False).result(timeout=120)
+        saver = s._saver.pid
+        assert_same(s.checkout(info.root), st)
+    written = {}
+    for line in book.read_text().splitlines():
+        pid, key = line.split(" ", 1)
+        written.setdefault(key, set()).add(int(pid))
+    blocks = [k for k in object_listing(tmp_path / "s") if k.startswith("blocks/")]
+    assert blocks and all(written.get(k) == {saver} for k in blocks), (saver, written)
+    assert any(k.startswith("commits/") and os.getpid() in p for k, p in written.items())  # the commit: here
+
+
+def test_a_wrappers_fault_in_the_saver_fails_the_put_and_publishes_nothing(tmp_path):
+    """A wrapper failing the saver's block writes (not this process's): the put raises
+    StorageError, nothing is published, and the store is whole."""
+    import _saver_wrap
+    with open_(tmp_path / "s", wrap_storage=functools.partial(_saver_wrap.fail_blocks_elsewhere, os.getpid())) as s:
+        info = s.put_snapshot(state_at(0), "j/main", step=0)  # blocking: this process writes
+        with pytest.raises(StorageError, match="injected"):
+            s.put_snapshot(state_at(1), "j/main", step=1, blocking=False).result(timeout=120)
+        assert [i.step for i in s.log("j/main")] == [0] and s.resolve("j/main") == info.root
+        assert s.fsck().ok
+
+
+def test_a_wrapper_the_saver_cannot_import_is_refused_at_open(tmp_path):
+    def here(st):  # a local function: pickle cannot name it
+        return st
+    with pytest.raises(InvalidArgument, match="saver process cannot be given it"):
+        open_(tmp_path / "s", wrap_storage=here)
+    here.__module__, here.__qualname__ = "__main__", "here"
+    with pytest.raises(InvalidArgument, match="wrap_storage"):
+        open_(tmp_path / "s", wrap_storage=here)
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.slow

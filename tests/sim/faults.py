@@ -172,6 +172,24 @@ class Faults:
             raise OSError(errno.EIO, f"sim: injected {op} failure on {key or op}")
 
 
+# The Faults of each worker process by pid (sim_storage, called in that process).
+_HOME: dict[int, Faults] = {}
+# What a saver process's storage keeps of its worker's profile: delays and failures. The
+# kill points stay the worker's (the saver is killed by the worker's own schedule).
+SAVER_FAULTS = ("delay_p", "delay_max", "slow", "fail_p", "fail_ops")
+
+
+def sim_storage(profile: dict, seed: int, home: int, inner):
+    """open_store(wrap_storage=) of a writer whose asynchronous puts go through a saver
+    process, given as functools.partial(sim_storage, profile, seed, worker pid) so that
+    pickle carries it there: in the worker itself its own Faults (registered in _HOME),
+    in the saver the profile's delays and failures on a stream of their own."""
+    f = _HOME.get(home) if os.getpid() == home else None
+    if f is None:
+        f = Faults({k: v for k, v in profile.items() if k in SAVER_FAULTS}, random.Random(f"{seed}:saver").getrandbits(62))
+    return SimStore(inner, f)
+
+
 class SimStore(WrappedStore):
     def __init__(self, inner, faults: Faults):
         super().__init__(inner)

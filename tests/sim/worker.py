@@ -27,6 +27,7 @@ A "start" with no result is an operation whose outcome is unknown (killed).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ import tensorstore_ck.saver as _saver
 from tensorstore_ck.storage import local as _local
 
 from . import content
-from .faults import Faults, SimStore, slow_reftable
+from .faults import _HOME, Faults, SimStore, sim_storage, slow_reftable
 
 
 class LogCount(logging.Handler):
@@ -126,9 +127,13 @@ def open_store(cfg: dict, faults: Faults | None, **kw) -> tsck.Store:
     if kw.pop("saver", False):
         _saver.SILENCE = SIM_SAVER_SILENCE
         # A saver process writes the asynchronous puts' blocks: it opens the storage itself,
-        # without the fault wrapper (the ref table's faults and the kill -9s still apply), and
-        # writes at the default DIRECT_MIN (its own import of storage/local.py).
-        wrap, kw["saver"] = None, "process"
+        # wrapped by the same faults' delays and failures (sim_storage, carried by pickle; the
+        # kill points stay this process's), and writes at the default DIRECT_MIN (its own
+        # import of storage/local.py).
+        kw["saver"] = "process"
+        if faults is not None:
+            _HOME[os.getpid()] = faults
+            wrap = functools.partial(sim_storage, faults.p, faults.seed, os.getpid())
     if cfg.get("tier"):
         kw["local"] = cfg["tier"]
         kw["early_upload"] = bool(cfg.get("early_upload"))

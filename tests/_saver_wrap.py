@@ -1,0 +1,50 @@
+"""Storage wrappers for open_store(wrap_storage=) with saver="process": functions of an
+importable module, given by functools.partial, so that pickle carries them to the saver
+process, which wraps the storage it writes with them as the training process does."""
+from __future__ import annotations
+
+import errno
+import os
+
+from tensorstore_ck.storage.wrappers import InjectedFault, WrappedStore
+
+
+class Ledger(WrappedStore):
+    """Appends "<pid> <key>" to a file for every object put: who wrote what."""
+
+    def __init__(self, inner, path: str):
+        super().__init__(inner)
+        self.path = path
+
+    def _note(self, key: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {key}\n")
+
+    def put_if_absent(self, key, bufs):
+        self._note(key)
+        return self.inner.put_if_absent(key, bufs)
+
+    def put_addressed(self, key, bufs):
+        self._note(key)
+        return self.inner.put_addressed(key, bufs)
+
+
+def ledger(path: str, inner):
+    return Ledger(inner, path)
+
+
+class FailBlocksElsewhere(WrappedStore):
+    """Every block put by a process other than `home` fails (EIO, never retried)."""
+
+    def __init__(self, inner, home: int):
+        super().__init__(inner)
+        self.home = home
+
+    def put_if_absent(self, key, bufs):
+        if key.startswith("blocks/") and os.getpid() != self.home:
+            raise InjectedFault(errno.EIO, f"injected: the saver's write of {key} failed")
+        return self.inner.put_if_absent(key, bufs)
+
+
+def fail_blocks_elsewhere(home: int, inner):
+    return FailBlocksElsewhere(inner, home)
