@@ -191,7 +191,6 @@ def open_store(url, *, create: bool = True,
 
 # -- the option groups, each checked on its own --------------------------------------------
 
-
 def _saver_can_wrap(wrap_storage) -> None:
     """A saver process applies wrap_storage to the storage it opens (SaverRecipe): it must
     reach the process by pickle, by reference to a module the process can import."""
@@ -206,6 +205,7 @@ def _saver_can_wrap(wrap_storage) -> None:
         raise InvalidArgument(f"saver='process' with wrap_storage={wrap_storage!r}: it is defined in the script run "
                               "as __main__, which the saver process cannot import; move it to a module, or use "
                               "saver='thread'")
+
 
 @dataclass(frozen=True)
 class _Stored:

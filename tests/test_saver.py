@@ -353,6 +353,20 @@ def test_a_wrapper_the_saver_cannot_import_is_refused_at_open(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_a_wrapper_the_saver_process_fails_to_import_fails_the_put_with_a_clear_error(tmp_path, monkeypatch):
+    """A wrapper of a module only this process holds (built at run time): it pickles, and
+    the saver cannot import it; the put raises InvalidArgument saying so, nothing is
+    published."""
+    import types
+    ghost = types.ModuleType("tsck_ghost_wrap")
+    exec("def wrap(st):\n    return st\n", ghost.__dict__)
+    monkeypatch.setitem(sys.modules, "tsck_ghost_wrap", ghost)
+    with open_(tmp_path / "s", wrap_storage=ghost.wrap) as s:
+        with pytest.raises(InvalidArgument, match="could not load.*tsck_ghost_wrap"):
+            s.put_snapshot(state_at(0), "j/main", step=0, blocking=False).result(timeout=120)
+        assert s.refs() == {}
+
+
 @pytest.mark.slow
 def test_the_saver_killed_at_random_moments_never_publishes_a_torn_snapshot(tmp_path):
     """Seeded: each round stages a put (its saver writing at a throttled 8 MB/s), kills the
