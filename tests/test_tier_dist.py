@@ -129,16 +129,19 @@ def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_serv
 
 
 @pytest.mark.slow
-def test_a_collective_put_past_a_tiers_budget_fails_on_every_rank_and_writes_nothing(tmp_path, s3_url, s3_server):
-    """local_budget= holds for collective puts as for a put: 2 ranks, a budget of one
-    byte, the remote's writes held so no upload frees room. The first snapshot goes into
-    the empty tiers; the second finds each rank's tier over its budget, waits BUDGET_WAIT
-    for uploads (1 s here) and fails on every rank, TierFull on at least one, the others
-    told the snapshot aborted, writing nothing into the tiers. Once the remote takes
-    writes again, the first snapshot is durable and the remote ref names it."""
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_collective_put_past_a_tiers_budget_fails_on_every_rank_and_writes_nothing(tmp_path, s3_url, s3_server,
+                                                                                     blocking):
+    """local_budget= holds for collective puts as for a put, blocking or not: 2 ranks, a
+    budget of one byte, the remote's writes held so no upload frees room. The first
+    snapshot goes into the empty tiers; the second finds each rank's tier over its budget,
+    waits BUDGET_WAIT for uploads (1 s here) and fails on every rank (an asynchronous
+    one in its future), TierFull on at least one, the others told the snapshot aborted,
+    writing nothing into the tiers. Once the remote takes writes again, the first
+    snapshot is durable and the remote ref names it."""
     world = 2
     cfg = {**_config(tmp_path, s3_url, s3_server, world), "budget": 1, "budget_wait": 1.0,
-           "gate": str(tmp_path / "gate")}
+           "gate": str(tmp_path / "gate"), "blocking": blocking}
     res = _results(_run(tmp_path, "budget", cfg), "budget", world)
     assert all(r["second"] != "returned" for r in res), res
     assert any(r["second"].startswith("TierFull") for r in res), res

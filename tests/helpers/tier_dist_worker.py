@@ -445,7 +445,8 @@ def budget_body(rank, world, out, res, cfg):
     """Every rank's tier with a budget its first part already fills, the remote's writes
     held (cfg["gate"]): the second collective put finds its tier over the budget with no
     upload able to free it, and fails (TierFull, the snapshot aborted on every rank)
-    within BUDGET_WAIT (cfg["budget_wait"]). Then the gate opens and the first is durable."""
+    within BUDGET_WAIT (cfg["budget_wait"]), blocking or not (cfg["blocking"]). Then the
+    gate opens and the first is durable."""
     import tensorstore_ck as tsck
     import tensorstore_ck.tier.uploader as uploader
     from tensorstore_ck.tier.budget import tier_bytes
@@ -455,7 +456,11 @@ def budget_body(rank, world, out, res, cfg):
         res["first"] = store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=60).root
         before = tier_bytes(store.core)
         try:
-            store.put_snapshot(dw.sharded_state(rank, world, 1), REF, step=2, timeout=120)
+            if cfg.get("blocking", True):
+                store.put_snapshot(dw.sharded_state(rank, world, 1), REF, step=2, timeout=120)
+            else:  # asynchronous: the same failure, from the future
+                store.put_snapshot(dw.sharded_state(rank, world, 1), REF, step=2, timeout=120,
+                                   blocking=False).result(timeout=180)
             res["second"] = "returned"
         except tsck.TsckError as e:
             res["second"] = f"{type(e).__name__}: {e}"
