@@ -40,8 +40,8 @@ from .validate import UNSET, SnapshotArgs
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "TIMING_STATS", "run_block_jobs", "only_hashed", "wait_all", "cancelled_on_failure",
-           "plan_stats", "replica_digests",
+__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "TIMING_STATS", "run_block_jobs", "only_hashed",
+           "wait_all", "cancelled_on_failure", "plan_stats", "replica_digests",
            "NewObjects", "inline_bytes"]
 
 log = logging.getLogger(__name__)

@@ -537,7 +537,8 @@ class Harness:
                             for k, c in enumerate(c for c, p in zip(cfgs, procs) if p.pid in stuck_pids))
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
                  f"kept_plans={sum(kept.values())} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}"
-                 f"{f'(one ref, {self._killed_raced(ids)} killed after their move)' if hot else ''} collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
+                 f"{f'(one ref, {self._killed_raced(ids)} killed after their move)' if hot else ''} "
+                 f"collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} packed_puts={packed} "

@@ -186,7 +186,8 @@ def sim_storage(profile: dict, seed: int, home: int, inner):
     in the saver the profile's delays and failures on a stream of their own."""
     f = _HOME.get(home) if os.getpid() == home else None
     if f is None:
-        f = Faults({k: v for k, v in profile.items() if k in SAVER_FAULTS}, random.Random(f"{seed}:saver").getrandbits(62))
+        kept = {k: v for k, v in profile.items() if k in SAVER_FAULTS}
+        f = Faults(kept, random.Random(f"{seed}:saver").getrandbits(62))
     return SimStore(inner, f)
 
 
