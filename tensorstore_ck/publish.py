@@ -282,6 +282,7 @@ class _Move:
     root: bytes
     row: dict
     part0: bytes | None = None
+    superseded: tuple = ()  # the put's earlier encodings (RefTable.compare_and_swap)
 
 
 class Publisher:
@@ -442,7 +443,7 @@ class Publisher:
             self.assets.sync()  # everything the commit references is durable before the ref moves
             return _Move(parent, root, {"job": args.job, "ref": ref, "step": args.step, "time": made["time"],
                                         "metrics": args.metrics, "meta": meta, "parent": made["parent"], "tree": tree,
-                                        **made["stats"]}, part0)
+                                        **made["stats"]}, part0, tuple(r for r in unpublished if r != root))
 
         def unknown(e: OutcomeUnknown, root: bytes) -> OutcomeUnknown:
             # Never delete here: a COMMIT still in flight may yet publish `root`,
@@ -541,7 +542,8 @@ class Publisher:
                 try:
                     self.reftable.compare_and_swap(ref, move.parent, move.root,
                                                    message=f"snapshot step {move.row.get('step')}",
-                                                   catalog_row=move.row, fence=fence, hold=holder, part0=move.part0)
+                                                   catalog_row=move.row, fence=fence, hold=holder, part0=move.part0,
+                                                   superseded=move.superseded)
                 except Fenced:
                     if revalidate is None:
                         raise SnapshotAborted("a gc deletion phase overlapped this snapshot; nothing was "

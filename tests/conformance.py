@@ -792,6 +792,23 @@ class RefTableTests:
         table.compact_history(tail=0)
         assert [e.op for e in table.reflog("r")] == ["move", "move", "forget"]  # removals stay
 
+    def test_a_move_drops_the_rows_of_the_encodings_it_supersedes_unless_kept(self, table):
+        """compare_and_swap(superseded=): rows a recover gave a put's earlier encodings go
+        in the move's transaction, each recorded as a forget; a tag's target, a pin or a
+        ref's tip stays; a root with no row and the new root itself are left alone."""
+        R = self.R
+        table.compare_and_swap("r", None, R[1], message="m1", catalog_row={"ref": "r", "step": 1})
+        for root in (R[2], R[3], R[4]):  # adopted by a recover
+            table.catalog_put_if_absent(root, {"ref": "r", "step": 2})
+        table.tag_create("t", R[3])
+        table.pin(R[4])
+        table.compare_and_swap("r", R[1], R[5], message="m5", catalog_row={"ref": "r", "step": 2},
+                               superseded=(R[2], R[3], R[4], R[6], R[5]))
+        assert table.get("r") == R[5] and table.catalog_get(R[2]) is None
+        assert all(table.catalog_get(root) is not None for root in (R[1], R[3], R[4], R[5]))
+        assert [(e.op, e.new) for e in table.reflog("r")] == [("move", R[1]), ("move", R[5]), ("forget", R[2])]
+        assert table.removed() == ({}, {R[2]})
+
     def test_tag_delete(self, table):
         R = self.R
         table.compare_and_swap("r", None, R[1], message="c")

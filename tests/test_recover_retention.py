@@ -159,6 +159,39 @@ def test_a_put_whose_refused_commit_a_recover_adopted_is_that_snapshot(where, mo
         assert s.fsck().ok
 
 
+def test_a_refused_commit_a_recover_adopts_after_the_puts_next_encoding_leaves_with_its_move(where, monkeypatch):
+    """The narrower window: the put lost its race and found its first commit not adopted;
+    a recover adopts it while the put writes its next encoding. The put's move then drops
+    that row in its own transaction (recorded in the reflog), so the put is one snapshot
+    at every moment a gc could look, and its first commit is removed after."""
+    w = lambda x: {"w": torch.full((256,), float(x))}  # noqa: E731
+    with where.open(create=True) as s, where.open() as other:
+        roots = [bytes.fromhex(s.put_snapshot(w(i), ref="j/main", step=i).root) for i in range(3)]
+        cas, put_commit, seen = s.reftable.compare_and_swap, s.assets.put_commit, []
+
+        def racing(*a, **kw):  # the first move: another writer moved the ref first
+            if not seen:
+                seen.append(bytes.fromhex(other.put_snapshot(w(3), ref="j/main", step=3).root))
+            return cas(*a, **kw)
+
+        def writing(body):  # the second encoding: a recover runs as it is written
+            if len(seen) == 1 and s.reftable.get_or_none("j/main") == seen[0]:
+                seen.append(other.recover())
+            return put_commit(body)
+
+        monkeypatch.setattr(s.reftable, "compare_and_swap", racing)
+        monkeypatch.setattr(s.assets, "put_commit", writing)
+        last = s.put_snapshot(w(4), ref="j/main", step=4)
+        monkeypatch.undo()
+        assert seen[1].catalog_rows_added == 1  # the first encoding, adopted
+        assert bytes.fromhex(last.parent) == seen[0] and s.resolve("j/main") == last.root
+        assert [i.step for i in s.log("j/main")] == [4, 3, 2, 1, 0]
+        assert _catalog(s) == set(roots) | {seen[0], bytes.fromhex(last.root)}
+        assert s.reftable.reflog("j/main")[-1].op == "forget"
+        assert len(list(s.assets.list_objects("commits"))) == 5
+        assert s.fsck().ok
+
+
 def test_recovered_numbers_count_within_a_ref_not_across_refs():
     """Along one ref recover's numbers are the parent chain (they win over a clock that
     went back); across refs, and against published rows, age decides."""

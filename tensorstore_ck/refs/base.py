@@ -190,14 +190,18 @@ class RefTable(RefHistory, GcStateMachine, TierState, ABC):
 
     def compare_and_swap(self, name: str, expected: bytes | None, new: bytes, *, message: str,
                          catalog_row: dict | None = None, fence: int | None = None,
-                         hold: str | None = None, part0: bytes | None = None) -> None:
+                         hold: str | None = None, part0: bytes | None = None, superseded=()) -> None:
         """Point `name` at `new` if it now points at `expected` (None: absent), appending
         to the reflog and storing `catalog_row` for `new` in the same transaction;
         RefConflict(expected, actual) otherwise. fence: the gc epoch the writer saw before it decided which objects exist
         (None: unfenced). The move is refused with Fenced if a deletion phase
         started since, or is running. hold: the writer's gc_hold, released by the move.
         part0: rank 0's tier, its own sub-tree of the collective snapshot `new`, marked in
-        the same transaction (meta `part0:` root; unmarked, the tip would be walked whole)."""
+        the same transaction (meta `part0:` root; unmarked, the tip would be walked whole).
+        superseded: the earlier encodings of the same put (commits its lost races left): a
+        catalog row a recover gave one meanwhile goes in the same transaction (recorded as a
+        forget in the reflog), unless a ref, tag or pin keeps it, so the put is never two
+        snapshots."""
         key = name.encode()
 
         def txn(t: Txn):
@@ -215,6 +219,14 @@ class RefTable(RefHistory, GcStateMachine, TierState, ABC):
                 if part0 is not None:
                     t.put("meta", PART0_KEY + new, part0)
             append_reflog(t, key, expected, new, message, "move", catalog_row)
+            stale = [r for r in superseded if r != new and t.get("catalog", r) is not None]
+            if stale:
+                kept = protected_roots(t)
+                for r in stale:
+                    if r not in kept:
+                        drop_row(t, r)
+                        append_reflog(t, key, r, r, f"an earlier encoding of the put that published {new.hex()[:16]}",
+                                      "forget", None)
 
         self._write(txn)
 
