@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import msgpack
 
 from .core import Core
-from .errors import FormatError, GcBusy, IntegrityError, RefConflict, UnreadableObject
+from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, RefConflict, RefNotFound, UnreadableObject
 from .format.manifest import decode_commit
 from .format.names import validate_name
 from .publish import TIMING_STATS
@@ -149,6 +149,38 @@ def _one_per_put(rt: Rebuild, found: list, forgotten: set, tagged: set, skipped:
     return out
 
 
+def _superseded_meanwhile(core: Core, rt: Rebuild, adopted: dict, listed: set, rep: RecoverReport) -> None:
+    """What a put did while this run went on can undo an adoption. A put whose move lost a
+    race writes its next encoding, publishes it and deletes the refused one: this run may
+    have listed the refused one before the next existed and adopted it after (one put, two
+    snapshots), even after its commit object was deleted (a row naming a missing commit).
+    So the commits are listed again before the rebuild mark goes: an adopted one that is
+    gone, or whose put published a later encoding since, loses its row (a forget record in
+    its ref's reflog) unless a ref, tag or pin keeps it."""
+    if not adopted:
+        return
+    now = {o.digest for o in core.assets.list_objects("commits", [])}
+    ids = {_put_identity(c): root for root, c in adopted.items()}
+    drop = {root: "its commit was deleted while recover ran" for root in adopted if root not in now}
+    for root in now - listed:
+        try:
+            c = decode_commit(core.assets.get_commit(root, verify=True))
+        except (ValueError, IntegrityError, FormatError, UnreadableObject):
+            continue
+        mine = ids.get(_put_identity(c))
+        if mine is not None and mine != root and rt.catalog_has(root):
+            drop.setdefault(mine, EARLIER_ENCODING.format(root.hex()))
+    for root, why in drop.items():
+        try:
+            rt.forget(root, adopted[root]["ref"], message=f"recover: {why}")
+        except (InvalidArgument, RefNotFound) as e:  # kept by a ref, a tag or a pin; or gone already
+            log.warning("recover: adopted commit %s kept (%s): %s", root.hex()[:16], why, e)
+            continue
+        rep.catalog_rows_added -= 1
+        rep.skipped[root.hex()] = why
+        log.debug("recover: adopted commit %s dropped again: %s", root.hex()[:16], why)
+
+
 def _history_order(items) -> list:
     """The ref's commits oldest first: every commit after its parent (when the parent is
     among them), otherwise by (time, step). A topological order, not a depth: gc deletes
@@ -211,10 +243,13 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
     tags = list(core.assets.tags())
     tagged = {rec[1] for _key, rec in tags if not isinstance(rec, Exception)}
     found: list = []  # (root, commit) of every readable commit storage holds
+    listed: set = set()  # every commit listed, readable or not
+    adopted: dict = {}  # root -> commit: the rows this run added
     for o in core.assets.list_objects("commits", strays):
         if bar is not None:
             bar.update(1)
         root = o.digest
+        listed.add(root)
         try:
             c = decode_commit(core.assets.get_commit(root, verify=True))
             validate_name(c["ref"])
@@ -242,6 +277,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
         row = commit_row(c)
         if rt.catalog_put_if_absent(root, row):
             rep.catalog_rows_added += 1
+            adopted[root] = c
         step = c["step"] if isinstance(c["step"], int) else -1
         by_ref.setdefault(c["ref"], []).append((float(c["time"]), step, root, row))
     moving: dict = {}  # ref -> [where it is, how many commits its history has, moved meanwhile]
@@ -289,6 +325,7 @@ def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> Rec
                 log.debug("recover: tag %s restored at %s", name, root.hex()[:16])
             except RefConflict:
                 pass
+    _superseded_meanwhile(core, rt, adopted, listed, rep)
     # Every complete commit storage held when this run listed it now has its row (what
     # was written since came with its own ref move): gc may delete by the table again.
     rt.rebuild_finish()

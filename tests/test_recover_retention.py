@@ -192,6 +192,60 @@ def test_a_refused_commit_a_recover_adopts_after_the_puts_next_encoding_leaves_w
         assert s.fsck().ok
 
 
+@pytest.mark.parametrize("deleted", [True, False], ids=["deleted", "delete-failed"])
+def test_a_refused_commit_a_recover_listed_before_and_adopts_after_the_puts_move_is_dropped_again(where,
+                                                                                                   monkeypatch,
+                                                                                                   deleted):
+    """The last window: a recover lists the commits while a put's first encoding (refused:
+    the put lost its race) is the only one, and adopts it only after the put published its
+    next encoding and deleted the refused one (or failed to). Its row would name a missing
+    commit, or make the put two snapshots; recover lists the commits again before it ends
+    and drops that row (a forget record)."""
+    import threading
+    w = lambda x: {"w": torch.full((256,), float(x))}  # noqa: E731
+    with where.open(create=True) as s, where.open() as other, where.open() as rec:
+        roots = [bytes.fromhex(s.put_snapshot(w(i), ref="j/main", step=i).root) for i in range(3)]
+        cas, put_commit, adopt = s.reftable.compare_and_swap, s.assets.put_commit, rec.reftable.catalog_put_if_absent
+        listed, put_done, seen, out = threading.Event(), threading.Event(), [], {}
+
+        def racing(*a, **kw):  # the first move: another writer moved the ref first
+            if not seen:
+                seen.append(bytes.fromhex(other.put_snapshot(w(3), ref="j/main", step=3).root))
+            return cas(*a, **kw)
+
+        def adopting(root, row):  # the recover, at the refused commit: after the put ended
+            if row.get("step") == 4:
+                listed.set()
+                assert put_done.wait(60)
+            return adopt(root, row)
+
+        def writing(body):  # the second encoding: a recover has listed the commits before it
+            if len(seen) == 1 and s.reftable.get_or_none("j/main") == seen[0]:
+                seen.append(threading.Thread(target=lambda: out.update(rep=rec.recover()), daemon=True))
+                seen[1].start()
+                assert listed.wait(60)
+            return put_commit(body)
+
+        monkeypatch.setattr(s.reftable, "compare_and_swap", racing)
+        monkeypatch.setattr(s.assets, "put_commit", writing)
+        monkeypatch.setattr(rec.reftable, "catalog_put_if_absent", adopting)
+        if not deleted:
+            def delete_fails(*_a, **_kw):
+                raise OSError("injected: the storage refused the delete")
+            monkeypatch.setattr(s.assets, "delete_objects", delete_fails)
+        last = s.put_snapshot(w(4), ref="j/main", step=4)
+        put_done.set()
+        seen[1].join(60)
+        monkeypatch.undo()
+        rep = out["rep"]
+        why = "deleted while recover ran" if deleted else "an earlier encoding of the put"
+        assert rep.catalog_rows_added == 0 and any(why in said for said in rep.skipped.values()), rep
+        assert bytes.fromhex(last.parent) == seen[0] and s.resolve("j/main") == last.root
+        assert _catalog(s) == set(roots) | {seen[0], bytes.fromhex(last.root)}
+        assert [i.step for i in s.log("j/main")] == [4, 3, 2, 1, 0]
+        assert s.fsck().ok
+
+
 def test_recovered_numbers_count_within_a_ref_not_across_refs():
     """Along one ref recover's numbers are the parent chain (they win over a clock that
     went back); across refs, and against published rows, age decides."""
