@@ -231,19 +231,11 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
 
     # One put, one snapshot: a put that lost races for its ref re-encoded its commit and
     # removes the ones the table refused; where one stays (the clean-up failed, the writer
-    # was killed after its move) recover adopts only the encoding the table published (or
-    # the newest), so recover (after a lost table) finds one snapshot per put, whether the
-    # put returned or was killed. Not judged for a put that may have left a refused commit
-    # while a recover ran beside it: that recover may have adopted the refused one before
-    # the put published its next (the put then keeps both).
-    def beside_a_recover(o) -> bool:
-        if o.end is None:  # killed, at a time not journaled: the live recovers of its round
-            rnd = o.w.split("w", 1)[0]
-            return any(r.op == "recover" and r.w.startswith(rnd + "live") for r in recovers)
-        return o.out.get("left") != 0 and any(
-            r.op == "recover" and r.start <= o.end and (r.unknown or r.end >= o.start) for r in recovers)
-
-    judged = {json.dumps(o.args["spec"], sort_keys=True): o for o in puts if not beside_a_recover(o)}
+    # was killed after its move) recover adopts only one encoding of the put; a recover
+    # beside the put that adopted a refused one leaves the put to publish that one as it is,
+    # or loses the row in the put's move, or at its own end (docs/design/publication.md).
+    # So after any recover a put, returned or killed, is one snapshot.
+    judged = {json.dumps(o.args["spec"], sort_keys=True): o for o in puts}
     held: dict = {}  # spec -> the catalog's roots holding it
     for root, row in catalog.items():
         held.setdefault(json.dumps((row.get("meta") or {}).get("sim"), sort_keys=True), []).append(root)
