@@ -71,10 +71,15 @@ def _gated_recover(b: Backend, gate: Path) -> subprocess.Popen:
     gate.mkdir()
     p = zygote.Popen([sys.executable, str(GATED), b.url, str(gate)], cwd=REPO, env=_env(b),
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: (gate / "reached").exists(), "the second commit", p)
-    with b.open(read_only=True) as s:
-        assert len(s.reftable.catalog_roots()) == 1 and s.reftable.list() == []
-        assert s.reftable.rebuild_unfinished()["owner"].startswith("recover:")
+    try:
+        _wait_for(lambda: (gate / "reached").exists(), "the second commit", p)
+        with b.open(read_only=True) as s:
+            assert len(s.reftable.catalog_roots()) == 1 and s.reftable.list() == []
+            assert s.reftable.rebuild_unfinished()["owner"].startswith("recover:")
+    except BaseException:
+        p.kill()  # held at its gate, it would outlive the failed test
+        p.wait()
+        raise
     return p
 
 
