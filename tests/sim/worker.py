@@ -64,14 +64,10 @@ class LogCount(logging.Handler):
 # Fenced moves (each re-validation): a put's count is journaled and judged (I8: a fenced
 # writer takes a gc hold, so it is fenced once).
 FENCES = LogCount("re-validating")
-# Commit objects a put wrote and could not remove after the table refused or failed their
-# move (each failed clean-up): a put that left none must have no second snapshot after a
-# recover (I3).
-LEFT = LogCount("left in storage")
 # Lost races for the ref (each a commit object the table refused, removed after): the round
 # line shows how many puts, and whether a recover came after them (I3's one put, one snapshot).
 RACES = LogCount("lost the race")
-for _h in (FENCES, LEFT, RACES):
+for _h in (FENCES, RACES):
     logging.getLogger("tensorstore_ck.publish").addHandler(_h)
 logging.getLogger("tensorstore_ck.publish").setLevel(logging.DEBUG)
 
@@ -342,7 +338,7 @@ class Worker:
         state = content.state(spec)
 
         def call():
-            fenced0, left0, races0 = FENCES.n, LEFT.n, RACES.n
+            fenced0, races0 = FENCES.n, RACES.n
             t0 = time.time_ns()
             if args.get("upload_saver_kill") is not None:
                 threading.Timer(args["upload_saver_kill"], _kill_saver, (s, args["upload_saver_sig"])).start()
@@ -364,7 +360,7 @@ class Worker:
             # hits: objects this Store reused from its presence record so far (the driver
             # reports them, so a run shows the record was exercised beside gc)
             out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
-                   "left": LEFT.n - left0, "races": RACES.n - races0, "hits": s.assets.presence.hits, "durable": info.durable,
+                   "races": RACES.n - races0, "hits": s.assets.presence.hits, "durable": info.durable,
                    "kept_plans": s._plan_cache.hits if s._plan_cache is not None else 0}
             if self.cfg.get("catalog"):
                 out["tier_bytes"] = tier_bytes(self.cfg["tier"])
