@@ -149,9 +149,9 @@ class Saver:
         env.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
         # A caller's storage wrapper comes by reference to its module: the saver imports
         # what this process can (its sys.path after the package's own root).
-        ours = [p for p in sys.path if p and os.path.isdir(p)] if self.recipe.wrap_storage is not None else []
-        env["PYTHONPATH"] = os.pathsep.join([_package_root()] + ours + [p for p in env.get("PYTHONPATH", "").split(
-            os.pathsep) if p])
+        importable = [p for p in sys.path if p and os.path.isdir(p)] if self.recipe.wrap_storage is not None else []
+        given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([_package_root()] + importable + given)
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())],
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
