@@ -171,7 +171,7 @@ class Assets:
         self.epoch_now = epoch_now
 
     def on_written(self, listener: WrittenListener) -> None:
-        """Observe writes: listener(kind, digest, bufs) for each block and node written new
+        """Observe writes: listener(kind, digest, bufs, itemsize) for each block and node written new
         from now on, as it is written (roles.WrittenListener; commits are not told). One
         listener, a later call replaces it: a local tier's uploader (Uploader.tee), which
         sends them from memory. An observer registered after construction, not a
@@ -233,7 +233,7 @@ class Assets:
                                     float_itemsize=itemsize if c == "float" else 0)
         new = self.storage.put_addressed(key, bufs)
         if new and kind != frame.KIND_COMMIT and self._written is not None:
-            self._written(kind, d, bufs)
+            self._written(kind, d, bufs, itemsize)
         if not new and not ask:
             # It was there after all: judge it by its size, as the HEAD would have.
             size = self.storage.size_of(key)
@@ -363,21 +363,26 @@ class Assets:
                 got += k
         return mv[:got]
 
-    def framed_here(self, kind: str, data) -> list:
+    def framed_here(self, kind: str, data, itemsize: int = 0) -> list:
         """`data`, a sound frame of object `kind` that another store keeps (a local tier's,
         checked), as this store's writer frames such bytes -> buffers to store. A block
         kept in lz4 or raw (what a local disk wants) is coded with the float codec where
         this store's blocks are (what a network wants); the address is of the bytes, not
-        of their coding. Anything else goes as it is: no decode."""
+        of their coding. Anything else goes as it is: no decode. itemsize: the element
+        size of the tensor naming the block (walk.Obj.itemsize), as a put codes by it;
+        0 (unknown): the size that codes a sample smallest, found by probing each (4x the
+        probes)."""
         if kind != "block" or self.codecs != "float":
             return [data]
         hdr = frame.decode_header(data[:frame.HEADER_SIZE])
         if hdr.codec not in (frame.CODEC_RAW, frame.CODEC_LZ4):
             return [data]
+        if hdr.codec == frame.CODEC_LZ4 and itemsize and itemsize not in frame.FLOAT_ITEMSIZES:
+            return [data]  # no float codec for these elements: lz4 would code them as the local writer did
         raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:])
-        return frame.encode_payload(raw, frame.KIND_BLOCK, float_itemsize=frame.float_itemsize_for(raw))
+        return frame.encode_payload(raw, frame.KIND_BLOCK, float_itemsize=itemsize or frame.float_itemsize_for(raw))
 
-    def put_frame(self, kind: str, d: bytes, data: bytes, fence: int | None) -> bool:
+    def put_frame(self, kind: str, d: bytes, data: bytes, fence: int | None, itemsize: int = 0) -> bool:
         """Store `data`, the stored frame of object `d` of `kind` as this process just
         encoded it (from memory, not read back from a disk; framed_here first), unless
         this store is known to hold `d` under `fence`. Conditional: an object already stored
@@ -386,13 +391,13 @@ class Assets:
         fk = FRAME_KIND[kind]
         if self.presence.known(fk, d, fence):
             return False
-        new = self.storage.put_addressed(_key(kind + "s", d), self.framed_here(kind, data))
+        new = self.storage.put_addressed(_key(kind + "s", d), self.framed_here(kind, data, itemsize))
         if new:
             self.presence.add(fk, d, fence)
         return new
 
     def copy_from(self, src: "Assets", kind: str, d: bytes, fence: int | None,
-                  written: tuple[int, int | None] | None = None) -> bool:
+                  written: tuple[int, int | None] | None = None, itemsize: int = 0) -> bool:
         """Store object `d` of `kind` as `src` stores it (same address; the same bytes but
         for a block framed_here codes for this store; src.stored_frame checks it first)
         unless this store has it:
@@ -412,7 +417,7 @@ class Assets:
         if ask and self._found(src, kind, key, d):
             self.presence.add(fk, d, fence)
             return False
-        bufs = self.framed_here(kind, src.stored_frame(kind, d, written))
+        bufs = self.framed_here(kind, src.stored_frame(kind, d, written), itemsize)
         new = self.storage.put_addressed(key, bufs)
         if not new and not ask and not self._found(src, kind, key, d):
             new = self.storage.put_addressed(key, bufs)  # it was damaged: moved aside, stored again

@@ -59,10 +59,11 @@ class WalkReader(ObjectReader, Protocol):
 
 class WrittenListener(Protocol):
     """Told of each block and node an Assets writes new, as it is written
-    (Assets.on_written): kind is the frame kind, bufs the frame's buffers. It runs
-    inside the writer's put, so it must neither block nor raise."""
+    (Assets.on_written): kind is the frame kind, bufs the frame's buffers, itemsize the
+    element size the put coded a block by. It runs inside the writer's put, so it must
+    neither block nor raise."""
 
-    def __call__(self, kind: int, d: bytes, bufs: list) -> None: ...
+    def __call__(self, kind: int, d: bytes, bufs: list, itemsize: int) -> None: ...
 
 
 # -- the ref table -------------------------------------------------------------------------

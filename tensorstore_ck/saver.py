@@ -64,7 +64,7 @@ _RESULT = np.dtype([("digest", "u1", (32,)), ("new", "<i1"), ("stored", "<i8")])
 # One object to copy from the tier (an upload): its address and, where this process's put
 # wrote it new, the length and CRC32 of its frame as written (n -1: no record; crc -1: a block
 # kept raw, recorded by its length alone).
-_COPY = np.dtype([("digest", "u1", (32,)), ("n", "<i8"), ("crc", "<i8")])
+_COPY = np.dtype([("digest", "u1", (32,)), ("n", "<i8"), ("crc", "<i8"), ("itemsize", "<i8")])
 
 
 @dataclass(frozen=True)
@@ -234,15 +234,17 @@ class Saver:
             leaf.results.append(PutResult(r["digest"].tobytes(), bool(r["new"]), int(job["n"]),
                                           counted=not job["hash_only"], stored=int(r["stored"])))
 
-    def copy(self, kind: str, digests: list, fence: int | None, written: list, sync: bool) -> list[bool]:
+    def copy(self, kind: str, digests: list, fence: int | None, written: list, sync: bool,
+             itemsizes: list | None = None) -> list[bool]:
         """Have the saver copy objects `digests` of `kind` from the local tier to its
-        storage (Assets.copy_from, each with its `written` record or None), then, with
-        `sync`, sync that storage -> whether each was written. SaverDied if the saver
-        dies meanwhile (the upload is tried again)."""
+        storage (Assets.copy_from, each with its `written` record or None and its element
+        size or 0), then, with `sync`, sync that storage -> whether each was written.
+        SaverDied if the saver dies meanwhile (the upload is tried again)."""
         table = np.zeros(len(digests), dtype=_COPY)
-        for row, d, w in zip(table, digests, written):
+        for row, d, w, k in zip(table, digests, written, itemsizes or [0] * len(digests)):
             row["digest"] = np.frombuffer(d, dtype=np.uint8)
             row["n"], row["crc"] = (-1, -1) if w is None else (w[0], -1 if w[1] is None else w[1])
+            row["itemsize"] = k
         msg = self._ask(("copy", kind, table.tobytes(), fence, sync), "uploaded a snapshot", _UPLOAD_THEN)
         return [bool(x) for x in np.frombuffer(msg[1], dtype=np.int8)]
 
@@ -353,7 +355,7 @@ def _run_copies(dst: Assets, src: Assets, pool: ThreadPoolExecutor, kind: str, t
     def one(row) -> bool:
         n, crc = int(row["n"]), int(row["crc"])
         return dst.copy_from(src, kind, row["digest"].tobytes(), fence,
-                             None if n < 0 else (n, None if crc < 0 else crc))
+                             None if n < 0 else (n, None if crc < 0 else crc), int(row["itemsize"]))
     futs: list = []
     with cancelled_on_failure(futs):
         futs.extend(pool.submit(one, row) for row in table)

@@ -14,12 +14,13 @@ from typing import Iterator
 
 from .errors import FormatError, IntegrityError
 from .format import tree
+from .format.dtypes import DTYPE_ITEMSIZES
 from .format.manifest import decode_commit, decode_node
 from .format.tree import format_path
 from .format.world import bucket_entries, fan_children, fan_height, rank_tops
 from .roles import WalkReader
 
-__all__ = ["Obj", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS", "PackedPart"]
+__all__ = ["Obj", "by_kind", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS", "PackedPart"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class Obj:
     path: str            # where in the state it sits ("" for the commit and top node)
     nbytes: int | None = None  # blocks: the length the manifest expects
     elsewhere: bool = False    # outside the part this store holds whole (walk_commit(part=)): may be absent
+    itemsize: int = 0          # blocks: the element size of the tensor naming it (what the put coded it by)
 
 
 def read_node(assets: WalkReader, d: bytes, path: tuple, depth: int, *, snapshot: str, verify: bool = True,
@@ -42,6 +44,14 @@ def read_node(assets: WalkReader, d: bytes, path: tuple, depth: int, *, snapshot
         raise assets.node_error(d, f"undecodable manifest node: {e}", snapshot=snapshot,
                                 path=format_path(path)) from None
     return tree.decode_node_value(raw, path, depth, world=world)
+
+
+def _itemsize(leaf) -> int:
+    """The element size of a leaf's dtype: the put coded its blocks by it (a pack holds
+    tensors of one element size), and a copy to another store codes them again by it."""
+    if type(leaf) is tree.Array:
+        return leaf.dtype.itemsize if leaf.dtype is not None else 0
+    return DTYPE_ITEMSIZES.get(leaf.dt, 0)
 
 
 def _leaf_blocks(leaf) -> Iterator[tuple[bytes, int]]:
@@ -163,9 +173,9 @@ def walk_tree(assets: WalkReader, top: bytes, *, snapshot: str, verify: bool = T
         if inline is not None:
             inline[d] = _inlined(items)
         for p, item in items:
-            fp = format_path(p)
+            fp, isz = format_path(p), _itemsize(item)
             for bd, nb in _leaf_blocks(item):
-                yield Obj("block", bd, fp, nb, absent_ok or elsewhere)
+                yield Obj("block", bd, fp, nb, absent_ok or elsewhere, isz)
 
 
 def walk_commit(assets: WalkReader, root: bytes, *, verify: bool = True, skip_nodes: set | None = None,
@@ -298,4 +308,18 @@ def iter_leaves(assets: WalkReader, root: bytes, *, verify: bool = True,
         for ch in sorted(chunks, key=lambda ch: ch.offsets):
             blocks += _contents(ch)
         out[key] = (out[key][0], blocks)
+    return out
+
+
+def by_kind(objs) -> dict:
+    """Walked objects (Obj) by kind, each once; "itemsize": each block's element
+    size, by which the remote codes it again (Assets.framed_here)."""
+    out: dict = {"block": [], "node": [], "commit": [], "itemsize": {}}
+    seen: set[bytes] = set()
+    for o in objs:
+        if o.digest not in seen:
+            seen.add(o.digest)
+            out[o.kind].append(o.digest)
+            if o.kind == "block":
+                out["itemsize"][o.digest] = o.itemsize
     return out

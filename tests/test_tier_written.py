@@ -11,6 +11,7 @@ counted by a WrappedStore around the real S3 store."""
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import pytest
@@ -228,3 +229,43 @@ def test_the_tier_writes_for_its_disk_and_the_remote_gets_the_float_codec(s3_url
                 bytes(frame.decode_payload(t, memoryview(there)[frame.HEADER_SIZE:]))
         assert direct.fsck().ok
         assert _equal(direct.checkout("job/main"), state)
+
+
+def _coded_by_dtype_state() -> dict:
+    """Tensors whose best-probed element size is not their dtype's: float64 values that
+    float32 holds exactly, and small int64s (a probe of each size picks 4 for both), beside
+    plain floats and bytes lz4 shrinks."""
+    g = torch.Generator().manual_seed(11)
+    return {"f64": torch.randn(8192, generator=g).double(), "i64": torch.randint(0, 100, (8192,), generator=g),
+            "f32": torch.randn(64, 256, generator=g), "u8": torch.arange(32768).remainder(5).to(torch.uint8)}
+
+
+@pytest.mark.parametrize("how", ["upload", "early-upload", "saver"])
+def test_the_remote_codes_each_block_by_its_tensors_element_size_as_a_direct_put_does(s3_url, s3_server, tmp_path,
+                                                                                      how):
+    """What the tier uploads is coded by the element size of the tensor that names each
+    block (walk.Obj.itemsize: from the manifest, through the saver process too), as a direct
+    put codes it by the dtype: every block the remote gets is byte for byte what a direct
+    put of the same state stores under that address. Probing each element size instead
+    (what a frame alone allows) codes the float64 and int64 blocks by 4."""
+    kw = dict(storage_options=s3_server, block_size=BS, inline_threshold=256, pack_size=0)
+    state = _coded_by_dtype_state()
+    extra = {"upload": {}, "early-upload": {"early_upload": True}, "saver": {"saver": "process"}}[how]
+    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), local=str(tmp_path / "nvme"),
+                         **({"early_upload": False} | extra), **kw) as store:
+        store.put_snapshot(state, "job/main", step=1)
+        assert store.wait_durable(timeout=DEADLINE)
+    with tsck.open_store(s3_url + "-direct", refs=str(tmp_path / "direct.lmdb"), **kw) as direct:
+        direct.put_snapshot(state, "job/main", step=1)  # (another commit: its time differs; the blocks do not)
+        with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as up:
+            keys = [k for k in up.storage.list("blocks/")]
+            assert len(keys) == (3 * 65536 + 32768) // BS
+            sizes = collections.Counter()
+            for o in keys:
+                there, want = up.storage.get(o.key), direct.storage.get(o.key)
+                assert there == want, o.key
+                hdr = frame.decode_header(there[:frame.HEADER_SIZE])
+                sizes[(hdr.codec, hdr.itemsize)] += 1
+            assert up.fsck().ok and _equal(up.checkout("job/main"), state)
+    # Float-coded by 8 (the float64 and int64 tensors), by 4 (the float32 one); lz4 for the bytes.
+    assert sizes[(frame.CODEC_FLOAT, 8)] == 8 and sizes[(frame.CODEC_FLOAT, 4)] == 4, sizes

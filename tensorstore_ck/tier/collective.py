@@ -37,7 +37,7 @@ import time
 import msgpack
 
 from ..errors import IntegrityError, TsckError, UnreadableObject
-from ..walk import walk_commit, walk_tree
+from ..walk import by_kind, walk_commit, walk_tree
 
 __all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT"]
 
@@ -149,12 +149,7 @@ def _part_objects(up, tree: bytes, snapshot: str) -> dict:
     rank's nodes name them all: the blocks this tier lacks are the others' to send. Rank
     0 moves the ref only once it saw each one in the remote."""
     local = up.local.assets
-    objs: dict = {"block": [], "node": [], "commit": []}
-    seen: set[bytes] = set()
-    for o in walk_tree(local, tree, snapshot=snapshot, verify=True):
-        if o.digest not in seen:
-            seen.add(o.digest)
-            objs[o.kind].append(o.digest)
+    objs = by_kind(walk_tree(local, tree, snapshot=snapshot, verify=True))
     here = list(up.remote.pool.map(local.block_exists, objs["block"]))
     objs["block"] = [d for d, h in zip(objs["block"], here) if h]
     return objs
@@ -246,14 +241,8 @@ def _survey(up, root: bytes, fence: int):
     the remote after `fence` was read). _Pending when some are not there yet."""
     local, remote = up.local.assets, up.remote.assets
     nearest = _Nearest(local, remote)
-    mine: dict = {"block": [], "node": [], "commit": []}
-    seen: set[bytes] = set()
-    blocks, nodes = [], []
-    for o in walk_commit(nearest, root, verify=True):
-        if o.digest in seen:
-            continue
-        seen.add(o.digest)
-        (blocks if o.kind == "block" else nodes if o.kind == "node" else mine[o.kind]).append(o.digest)
+    mine = by_kind(walk_commit(nearest, root, verify=True))
+    blocks, nodes = mine["block"], mine["node"]
     remote_nodes = {d for _, d in nearest.theirs}  # (known once the walk is over: a node is named before it is read)
     mine["node"] = [d for d in nodes if d not in remote_nodes]
     here = list(up.remote.pool.map(local.block_exists, blocks))

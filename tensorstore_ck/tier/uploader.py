@@ -34,7 +34,7 @@ from ..errors import GcBusy, IntegrityError, NotAStore, StorageError, TierFull, 
 from ..format import frame
 from ..publish import Publisher
 from ..roles import UploadQueue
-from ..walk import walk_commit
+from ..walk import by_kind, walk_commit
 from .budget import fit_budget, tier_bytes
 from .holds import held, publish_holds, upload_hold
 
@@ -486,7 +486,7 @@ class Uploader:
                     self._tee_fence = fence
         return fence
 
-    def tee(self, kind: int, d: bytes, bufs) -> None:
+    def tee(self, kind: int, d: bytes, bufs, itemsize: int = 0) -> None:
         """A new block or node the local tier just wrote: its frame's length and CRC32 (a
         block kept raw: its length alone, its address checks it) recorded for its upload
         (see _written); with the early upload, a block's stored bytes also sent to the
@@ -519,15 +519,15 @@ class Uploader:
                 return
             self._tee_bytes += len(data)
         try:
-            self.remote.pool.submit(self._tee_send, d, data, fence)
+            self.remote.pool.submit(self._tee_send, d, data, fence, itemsize)
         except RuntimeError:  # the pool is shut down (closing)
             self._tee_done(len(data))
 
-    def _tee_send(self, d: bytes, data: bytes, fence: int | None) -> None:
+    def _tee_send(self, d: bytes, data: bytes, fence: int | None, itemsize: int) -> None:
         try:
             if fence is None:
                 fence = self._early_fence()
-            if fence is not None and self.remote.assets.put_frame("block", d, data, fence):
+            if fence is not None and self.remote.assets.put_frame("block", d, data, fence, itemsize):
                 with self._cond:
                     self.teed += 1
         except Exception as e:  # noqa: BLE001 - the uploader sends it (and hears the error)
@@ -852,14 +852,8 @@ class Uploader:
                 self._cond.notify_all()
 
     def walk(self, root: bytes) -> dict:
-        """The snapshot's objects in the tier by kind, each once (nodes verified)."""
-        objs: dict = {"block": [], "node": [], "commit": []}
-        seen: set[bytes] = set()
-        for o in walk_commit(self.local.assets, root, verify=True):
-            if o.digest not in seen:
-                seen.add(o.digest)
-                objs[o.kind].append(o.digest)
-        return objs
+        """The snapshot's objects in the tier (by_kind)."""
+        return by_kind(walk_commit(self.local.assets, root, verify=True))
 
     def gone_meanwhile(self, seq: int, root: bytes) -> bool:
         """An object of `root` was missing or damaged here during its upload. Not damage
@@ -909,8 +903,10 @@ class Uploader:
         With a saver process (open_store(saver="process")), the saver copies them."""
         if self.saver is not None:
             return self._send_through_saver(objs, fence)
+        sizes = objs.get("itemsize", {})
         for kind in ("block", "node", "commit"):
-            for new in self.remote.pool.map(lambda d, kind=kind: self._copy(kind, d, fence), objs[kind]):
+            for new in self.remote.pool.map(lambda d, kind=kind: self._copy(kind, d, fence, sizes.get(d, 0)),
+                                            objs[kind]):
                 if new:
                     self.sent += 1
                 else:
@@ -923,7 +919,8 @@ class Uploader:
             ds = list(objs[kind])
             with self._cond:
                 written = [self._written.get((FRAME_KIND[kind], d)) for d in ds]
-            news = self.saver.copy(kind, ds, fence, written, sync=i == len(kinds) - 1)
+            sizes = [objs.get("itemsize", {}).get(d, 0) for d in ds]
+            news = self.saver.copy(kind, ds, fence, written, sync=i == len(kinds) - 1, itemsizes=sizes)
             with self._cond:
                 for d, w, new in zip(ds, written, news):
                     if w is not None:
@@ -934,9 +931,9 @@ class Uploader:
                     else:
                         self.skipped += 1
 
-    def _copy(self, kind: str, d: bytes, fence: int) -> bool:
+    def _copy(self, kind: str, d: bytes, fence: int, itemsize: int = 0) -> bool:
         written = self._written.get((FRAME_KIND[kind], d))  # (commits are never recorded)
-        new = self.remote.assets.copy_from(self.local.assets, kind, d, fence, written)
+        new = self.remote.assets.copy_from(self.local.assets, kind, d, fence, written, itemsize)
         if written is not None:
             with self._cond:
                 self._written.pop((FRAME_KIND[kind], d), None)
