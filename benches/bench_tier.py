@@ -27,7 +27,8 @@ with the page cache dropped first (drop_caches; radosgw's memstore is not page c
 With --peer (when the build has peer replicas) a restore from a peer's tier is added.
 For the direct S3 put and the tier until durable, the CPU seconds the writer and the S3
 server spent and the share of the machine's CPU left idle: what bounds either where the
-server shares the cores. Ratios are per repeat, then median (min-max).
+server shares the cores. The direct put and the tier's take turns: the direct one first in
+odd repeats, the tier's in even ones. Ratios are per repeat, then median (min-max).
 
     .venv/bin/python benches/bench_tier.py --scale 0.5 --repeats 3 --early-upload on|off | tee -a benches/results/tier.txt
 """
@@ -171,14 +172,6 @@ def main() -> int:
                 # --- direct s3://
                 direct = f"s3://{a.bucket}/{run}/direct"
                 direct_refs = os.path.join(scratch, "direct-refs.lmdb")
-                st = tsck.open_store(direct, refs=direct_refs, storage_options=opts, compression=a.compression)
-                c0, s0, m0 = own_cpu(), server.seconds(), core.cpu_counters()
-                t = core.timed(lambda: st.put_snapshot(state, ref=REF, step=1), sync=False)
-                rows["s3 put, s"].append(t.seconds)
-                rows["s3 put: machine idle, %"].append(idle_since(m0))
-                rows["s3 put: writer CPU, s"].append(own_cpu() - c0)
-                rows["s3 put: S3 server CPU, s"].append(server.seconds() - s0)
-                st.close()
 
                 # --- tier: return, then durable
                 remote = f"s3://{a.bucket}/{run}/tier"
@@ -189,42 +182,59 @@ def main() -> int:
                     return tsck.open_store(remote, refs=refs, storage_options=opts, local=path, compression=a.compression,
                                    early_upload=early)
 
-                st = open_tier()
-                os.sync()
-                c0, s0, m0 = own_cpu(), server.seconds(), core.cpu_counters()
-                t0 = time.perf_counter()
-                info = st.put_snapshot(state, ref=REF, step=1)
-                t_ret = time.perf_counter() - t0
-                rows["tier put returns: writer CPU, s"].append(own_cpu() - c0)
-                rows["tier put returns: S3 server CPU, s"].append(server.seconds() - s0)
-                assert not info.durable
-                assert st.wait_durable(timeout=600), "the upload did not finish"
-                t_dur = time.perf_counter() - t0
-                rows["tier put durable: writer CPU, s"].append(own_cpu() - c0)
-                rows["tier put durable: S3 server CPU, s"].append(server.seconds() - s0)
-                rows["tier put durable: machine idle, %"].append(idle_since(m0))
-                st.close()
-                rows["tier put returns, s"].append(t_ret)
-                rows["tier put durable, s"].append(t_dur)
-                if a.with_saver:  # the same, the uploads run by a saver process (its CPU is not the writer's)
-                    path = os.path.join(scratch, "tier-saver")
-                    st = tsck.open_store(f"{remote}-saver", refs=os.path.join(scratch, "tier-saver-refs.lmdb"),
-                                         storage_options=opts, local=path, compression=a.compression, saver="process",
-                                         saver_nice=a.saver_nice)
-                    # Warm, as a job's saver is after its first snapshot: started (~1 s of imports) by a
-                    # small snapshot's upload, untimed.
-                    st.put_snapshot({"warm": torch.arange(10)}, ref="bench/warm", step=0)
-                    assert st.wait_durable(timeout=600)
+                def direct_put():
+                    st = tsck.open_store(direct, refs=direct_refs, storage_options=opts, compression=a.compression)
                     os.sync()
-                    c0 = own_cpu()
-                    t0 = time.perf_counter()
-                    st.put_snapshot(state, ref=REF, step=1)
-                    rows["tier+saver put returns, s"].append(time.perf_counter() - t0)
-                    assert st.wait_durable(timeout=600), "the upload did not finish"
-                    rows["tier+saver put durable, s"].append(time.perf_counter() - t0)
-                    rows["tier+saver put durable: writer CPU, s"].append(own_cpu() - c0)
+                    c0, s0, m0 = own_cpu(), server.seconds(), core.cpu_counters()
+                    t = core.timed(lambda: st.put_snapshot(state, ref=REF, step=1), sync=False)
+                    rows["s3 put, s"].append(t.seconds)
+                    rows["s3 put: machine idle, %"].append(idle_since(m0))
+                    rows["s3 put: writer CPU, s"].append(own_cpu() - c0)
+                    rows["s3 put: S3 server CPU, s"].append(server.seconds() - s0)
                     st.close()
-                    shutil.rmtree(path, ignore_errors=True)
+
+                def tier_put():
+                    st = open_tier()
+                    os.sync()
+                    c0, s0, m0 = own_cpu(), server.seconds(), core.cpu_counters()
+                    t0 = time.perf_counter()
+                    info = st.put_snapshot(state, ref=REF, step=1)
+                    t_ret = time.perf_counter() - t0
+                    rows["tier put returns: writer CPU, s"].append(own_cpu() - c0)
+                    rows["tier put returns: S3 server CPU, s"].append(server.seconds() - s0)
+                    assert not info.durable
+                    assert st.wait_durable(timeout=600), "the upload did not finish"
+                    t_dur = time.perf_counter() - t0
+                    rows["tier put durable: writer CPU, s"].append(own_cpu() - c0)
+                    rows["tier put durable: S3 server CPU, s"].append(server.seconds() - s0)
+                    rows["tier put durable: machine idle, %"].append(idle_since(m0))
+                    st.close()
+                    rows["tier put returns, s"].append(t_ret)
+                    rows["tier put durable, s"].append(t_dur)
+                    if a.with_saver:  # the same, the uploads run by a saver process (its CPU is not the writer's)
+                        path = os.path.join(scratch, "tier-saver")
+                        st = tsck.open_store(f"{remote}-saver", refs=os.path.join(scratch, "tier-saver-refs.lmdb"),
+                                             storage_options=opts, local=path, compression=a.compression,
+                                             saver="process", saver_nice=a.saver_nice)
+                        # Warm, as a job's saver is after its first snapshot: started (~1 s of imports) by a
+                        # small snapshot's upload, untimed.
+                        st.put_snapshot({"warm": torch.arange(10)}, ref="bench/warm", step=0)
+                        assert st.wait_durable(timeout=600)
+                        os.sync()
+                        c0 = own_cpu()
+                        t0 = time.perf_counter()
+                        st.put_snapshot(state, ref=REF, step=1)
+                        rows["tier+saver put returns, s"].append(time.perf_counter() - t0)
+                        assert st.wait_durable(timeout=600), "the upload did not finish"
+                        rows["tier+saver put durable, s"].append(time.perf_counter() - t0)
+                        rows["tier+saver put durable: writer CPU, s"].append(own_cpu() - c0)
+                        st.close()
+                        shutil.rmtree(path, ignore_errors=True)
+
+                # Alternating which goes first: the second writes to a server already holding the
+                # first one's 0.5 GB (memstore), and neither should get the emptier server each time.
+                for put in ((direct_put, tier_put) if rep % 2 == 0 else (tier_put, direct_put)):
+                    put()
 
                 # --- restores of the latest snapshot
                 check = rep == 0
@@ -247,7 +257,7 @@ def main() -> int:
                     r["restore remote (tier lost), s"] / r["restore local (restart), s"])
                 rows["restore: s3 direct / local (speedup)"].append(
                     r["restore s3 direct, s"] / r["restore local (restart), s"])
-                print(f"# repeat {rep + 1}: file put {r['file put, s']:.2f} s, s3 put {r['s3 put, s']:.2f} s, "
+                print(f"# repeat {rep + 1} ({'direct' if rep % 2 == 0 else 'tier'} first): file put {r['file put, s']:.2f} s, s3 put {r['s3 put, s']:.2f} s, "
                       f"tier returns {r['tier put returns, s']:.2f} s, durable {r['tier put durable, s']:.2f} s; "
                       f"restore local {r['restore local (restart), s']:.2f} s, "
                       f"remote {r['restore remote (tier lost), s']:.2f} s, "

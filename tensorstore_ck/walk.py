@@ -20,7 +20,8 @@ from .format.tree import format_path
 from .format.world import bucket_entries, fan_children, fan_height, rank_tops
 from .roles import WalkReader
 
-__all__ = ["Obj", "by_kind", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS", "PackedPart"]
+__all__ = ["Obj", "by_kind", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS",
+           "PackedPart"]
 
 
 @dataclass(frozen=True, slots=True)
