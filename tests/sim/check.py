@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 import tensorstore_ck as tsck
+from tensorstore_ck.format import frame
 from tensorstore_ck.format.manifest import decode_commit
 from tensorstore_ck.ids import Digest
 from tensorstore_ck.refs.history import RECOVERED
@@ -599,7 +600,11 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           by the rank before it closes: tests/sim/ranks.py);
       T18 a put through a tier after its writer's remote went down (op remote_down: the
           storage refusing, the PostgreSQL table away) fails with no StorageError but
-          TierFull: the tier's puts never wait on the remote.
+          TierFull: the tier's puts never wait on the remote;
+      T19 every float-coded block a remote ref tip names is coded by the element size of
+          the tensor naming it, as a direct put codes it: an upload that coded it by
+          another (a probe of the bytes alone; the harness's base tensor holds float64s
+          that float32 holds exactly, which such a probe codes by 4) stored other bytes.
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable,
        "budget_over": samples past T13's bound})."""
     from tensorstore_ck.walk import walk_commit
@@ -626,6 +631,12 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                 if o.kind == "block" and not store.assets.block_exists(o.digest):
                     bad.append(f"T1 remote ref {name} -> {root[:16]} names block {o.digest.hex()[:16]}, "
                                "missing remotely")
+                elif o.kind == "block" and o.itemsize in frame.FLOAT_ITEMSIZES:  # T19
+                    hdr = frame.decode_header(store.assets.storage.get(store.assets.object_key("blocks", o.digest))
+                                              [:frame.HEADER_SIZE])
+                    if hdr.codec == frame.CODEC_FLOAT and hdr.itemsize != o.itemsize:
+                        bad.append(f"T19 remote block {o.digest.hex()[:16]} of {o.path} (ref {name}) is float-coded "
+                                   f"by {hdr.itemsize}, its tensor's elements are {o.itemsize} bytes")
         except tsck.TsckError as e:
             bad.append(f"T1 remote ref {name} -> {root[:16]}: {type(e).__name__}: {str(e)[:300]}")
     def through(put: Op, tname: str) -> bool:
