@@ -63,7 +63,7 @@ _JOB = np.dtype([("off", "<i8"), ("n", "<i8"), ("itemsize", "<i4"), ("hash_only"
 _RESULT = np.dtype([("digest", "u1", (32,)), ("new", "<i1"), ("stored", "<i8")])
 # One object to copy from the tier (an upload): its address and, where this process's put
 # wrote it new, the length and CRC32 of its frame as written (n -1: no record; crc -1: a block
-# kept raw, recorded by its length alone).
+# kept raw, recorded by its length alone); the element size its tensor is coded by (0: unknown).
 _COPY = np.dtype([("digest", "u1", (32,)), ("n", "<i8"), ("crc", "<i8"), ("itemsize", "<i8")])
 
 
