@@ -251,14 +251,14 @@ def test_the_remote_codes_each_block_by_its_tensors_element_size_as_a_direct_put
     kw = dict(storage_options=s3_server, block_size=BS, inline_threshold=256, pack_size=0)
     state = _coded_by_dtype_state()
     extra = {"upload": {}, "early-upload": {"early_upload": True}, "saver": {"saver": "process"}}[how]
-    with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), local=str(tmp_path / "nvme"),
+    with tsck.open_store(f"{s3_url}/tier", refs=str(tmp_path / "refs.lmdb"), local=str(tmp_path / "nvme"),
                          **({"early_upload": False} | extra), **kw) as store:
         store.put_snapshot(state, "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
-    with tsck.open_store(s3_url + "-direct", refs=str(tmp_path / "direct.lmdb"), **kw) as direct:
+    with tsck.open_store(f"{s3_url}/direct", refs=str(tmp_path / "direct.lmdb"), **kw) as direct:
         direct.put_snapshot(state, "job/main", step=1)  # (another commit: its time differs; the blocks do not)
-        with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as up:
-            keys = [k for k in up.storage.list("blocks/")]
+        with tsck.open_store(f"{s3_url}/tier", refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server) as up:
+            keys = list(up.storage.list("blocks/"))
             assert len(keys) == (3 * 65536 + 32768) // BS
             sizes = collections.Counter()
             for o in keys:
@@ -269,3 +269,4 @@ def test_the_remote_codes_each_block_by_its_tensors_element_size_as_a_direct_put
             assert up.fsck().ok and _equal(up.checkout("job/main"), state)
     # Float-coded by 8 (the float64 and int64 tensors), by 4 (the float32 one); lz4 for the bytes.
     assert sizes[(frame.CODEC_FLOAT, 8)] == 8 and sizes[(frame.CODEC_FLOAT, 4)] == 4, sizes
+    assert sizes[(frame.CODEC_LZ4, 1)] == 2, sizes
