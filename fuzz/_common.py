@@ -6,7 +6,8 @@
   that make_corpus.py snapshots and that the targets re-create in memory, so
   the block and node addresses in seed node payloads resolve to real objects.
 - same(): strict structural and bitwise equality of two state trees.
-- deadline(): a watchdog (real-time signal) that turns a hang into a contract violation.
+- deadline(): a watchdog (real-time signal) that turns a hang into a contract violation
+  (by CPU time: a loaded machine slows a body down, it does not make it hang).
 - ByteStream: reads typed values out of fuzzer bytes (never raises, pads with 0).
 
 Contract of every target's TestOneInput(data): it returns normally when the
@@ -24,6 +25,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 import uuid
 import warnings
 from collections import OrderedDict
@@ -132,9 +134,18 @@ def _ignore_signal(_sig, _frame):
     pass
 
 
+# A body that waits without working (a lock never released) is a hang too: past this many
+# times its CPU budget in wall time, whatever the load.
+WALL_FACTOR = 10
+_POLL = 0.02  # seconds between the watchdog's looks at the CPU clock
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str = "call"):
-    """Raise Hang in the main thread if the body runs longer than `seconds`.
+    """Raise Hang in the main thread once the body has used more than `seconds` of this
+    process's CPU time (a loop that does not end), or run WALL_FACTOR times that in wall
+    time (a wait that does not end). CPU time, not wall time: a machine busy with other
+    work slows the body down without making it a hang.
 
     A watchdog thread sends a real-time signal (not SIGALRM, which libFuzzer's
     -timeout owns) to the main thread, whose handler raises Hang at the next
@@ -144,14 +155,17 @@ def deadline(seconds: float, what: str = "call"):
         return
 
     def on_signal(_sig, _frame):
-        raise Hang(f"{what} ran longer than {seconds:.1f}s")
+        raise Hang(f"{what} ran past its deadline ({seconds:.1f} CPU-s, or {WALL_FACTOR * seconds:.0f} s)")
 
     done = threading.Event()
     main = threading.main_thread().ident
+    cpu0, wall0 = time.process_time(), time.monotonic()
 
     def watchdog():
-        if not done.wait(seconds):
-            signal.pthread_kill(main, _DEADLINE_SIGNAL)
+        while not done.wait(_POLL):
+            if time.process_time() - cpu0 > seconds or time.monotonic() - wall0 > WALL_FACTOR * seconds:
+                signal.pthread_kill(main, _DEADLINE_SIGNAL)
+                return
 
     old = signal.signal(_DEADLINE_SIGNAL, on_signal)
     th = threading.Thread(target=watchdog, name="tsck-fuzz-deadline", daemon=True)

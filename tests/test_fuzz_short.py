@@ -20,6 +20,7 @@ import random
 import resource
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -48,7 +49,7 @@ TARGETS = {  # module -> corpus folder
     "fuzz_tree": "tree",
 }
 MUTATIONS = soak(150)      # per target (TSCK_SOAK=N: N times as many, by hand; the fuzzers proper: fuzz/)
-TIME_LIMIT = 5.0          # seconds per input
+TIME_LIMIT = 5.0          # CPU-seconds per input (fuzz/_common.deadline)
 RSS_CAP = 256 << 20       # bytes of peak-RSS growth per input
 QUICK_SHARE = 1 / 3        # of the mutations, run without the slow marker
 BUDGET = 20.0             # seconds per target; a run past it stops early (hangs cost TIME_LIMIT each)
@@ -100,7 +101,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def run_input(fn, data: bytes) -> str | None:
     """None, or what went wrong with this input."""
     before = _maxrss()
-    t0 = time.monotonic()
+    c0 = time.process_time()  # CPU, not wall, time: a loaded machine slows an input, it does not make it hang
     try:
         with _common.deadline(TIME_LIMIT, "input"):
             fn(data)
@@ -112,8 +113,8 @@ def run_input(fn, data: bytes) -> str | None:
     grew = _maxrss() - before
     if grew > RSS_CAP:
         return f"peak RSS grew by {grew >> 20} MiB"
-    if time.monotonic() - t0 > TIME_LIMIT:
-        return f"took {time.monotonic() - t0:.1f}s"
+    if time.process_time() - c0 > TIME_LIMIT:
+        return f"took {time.process_time() - c0:.1f} CPU-s"
     return None
 
 
@@ -151,6 +152,27 @@ def test_short_fuzz(target, part):
             lines.append(f"  {label}: {err}\n    input ({len(data)} bytes): {data[:160]!r}")
         pytest.fail(f"{target}: {len(failures)} contract violation(s) (inputs saved in {keep}; replay with "
                     f"`python fuzz/{target}.py {keep}/crash-0`):\n" + "\n".join(lines), pytrace=False)
+
+
+def test_the_deadline_stops_a_loop_and_a_wait_that_do_not_end():
+    """deadline() turns a body that keeps working into Hang once it used its CPU budget,
+    and one that waits forever once WALL_FACTOR times that passed."""
+    t0 = time.monotonic()
+    with pytest.raises(_common.Hang):
+        with _common.deadline(0.2, "loop"):
+            while True:
+                pass
+    with pytest.raises(_common.Hang):
+        with _common.deadline(0.1, "wait"):
+            threading.Event().wait()
+    assert time.monotonic() - t0 >= 0.1 * _common.WALL_FACTOR
+
+
+def test_the_deadline_counts_work_not_the_time_others_take():
+    """A body that is slow without working (a process waiting for the cores: here, asleep)
+    is no hang: 1.5 s of wall time under a budget of 1 CPU-second passes."""
+    with _common.deadline(1.0, "sleeper"):
+        time.sleep(1.5)
 
 
 def test_mutations_are_deterministic():
