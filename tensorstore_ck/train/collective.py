@@ -66,12 +66,21 @@ class Collective:
         if rank0_prunes and not self.async_:
             self._pruner.wait()
         try:
-            res = self.store.put_snapshot(self.state.state_dict(), **kw, blocking=not self.async_, group=self.group,
+            state = self.state.state_dict()
+            own = None
+        except Exception as e:  # noqa: BLE001 - this rank cannot stage: the call is still made, to abort it
+            state, own = _cannot_stage(self.state, e), e
+        try:
+            res = self.store.put_snapshot(state, **kw, blocking=not self.async_, group=self.group,
                                           when_busy="wait",
                                           **({} if self.timeout is None else {"timeout": self.timeout}))
         except (InvalidArgument, UnsupportedType, InvalidName):
-            raise  # the caller's own mistake: every snapshot would fail alike
+            if own is None:
+                raise  # the caller's own mistake: every snapshot would fail alike
+            return self._failed_to_stage(own, kw["step"], best_before)
         except Exception as e:  # noqa: BLE001 - a snapshot's failure, even a bug's, never stops training
+            if own is not None:
+                return self._failed_to_stage(own, kw["step"], best_before)
             if not isinstance(e, (TsckError, OSError)):
                 log.error("CheckpointManager %s: the snapshot of step %s failed unexpectedly", self.job,
                           kw["step"], exc_info=e)
@@ -85,6 +94,14 @@ class Collective:
             if rank0_prunes:
                 self._pruner.request()
         return res
+
+    def _failed_to_stage(self, e: BaseException, step, best_before):
+        """This rank's state_dict() raised: the put it made anyway aborted the call on every
+        rank (the others' snapshot fails at once, not at the deadline); reported here."""
+        if not isinstance(e, (TsckError, OSError)):
+            log.error("CheckpointManager %s: the state of step %s could not be read on rank %s", self.job, step,
+                      self._rank(), exc_info=e)
+        return self._snapshot_failed(e, step, best_before)
 
     def _collective_done(self, fut, step: int, best_before) -> None:
         """An asynchronous collective snapshot ended (on the background publisher, or here
@@ -140,3 +157,26 @@ class Collective:
         # a rollback left behind (they only spare a warning, so each rank reads its own).
         self._restored(state, self._history())
         return state.step
+
+
+class _CannotStage:
+    """What a rank whose state_dict() raised hands to the collective put in place of its
+    state: a Stateful whose state_dict() raises that error again, inside the put, where a
+    rank that cannot stage still names the call and aborts it on every rank (store.py's
+    put_snapshot: "a rank whose state cannot be staged"). Skipping the put instead would
+    leave the other ranks waiting in it until the deadline, and one rank's next put
+    waiting for theirs."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def state_dict(self):
+        raise self.error
+
+    def load_state_dict(self, sd) -> None:  # (the Stateful protocol's other half: never called)
+        raise NotImplementedError
+
+
+def _cannot_stage(state, error: BaseException) -> _CannotStage:
+    # Named as the state's class, so every rank's message says "TrainState.state_dict() failed".
+    return type(type(state).__name__, (_CannotStage,), {})(error)

@@ -1,0 +1,61 @@
+"""CheckpointManager under torch.distributed where one rank differs from the others: its
+part of the newest snapshot damaged (restore_latest gives every rank the same outcome), its
+state_dict() failing once (the snapshot aborts on every rank at once, nothing waits for the
+deadline), and a rollback (restore(step) is recorded in the store, so a crash right after it
+resumes there; a step that went back does not confuse the names of collective puts).
+Real gloo ranks forked by tests/helpers/ddp_restore.py; judged here from what each rank
+reported and from the store as this process sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import blake3
+import pytest
+import torch
+
+from _util import rank_results, run_worker_scenario
+
+import tensorstore_ck as tsck
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "helpers" / "ddp_restore.py"
+REF = "llm/main"
+
+
+def run_scenario(tmp_path: Path, scenario: str, *args, limit: float = 400.0) -> Path:
+    return run_worker_scenario(WORKER, tmp_path, scenario, *args, limit=limit)
+
+
+def ranks(out: Path, phase: str) -> list[dict]:
+    return rank_results(out, phase, 2)
+
+
+def taken(d: dict) -> dict[int, str]:
+    return {int(s): root for s, root in d["steps"].items() if root is not None}
+
+
+# ---------------------------------------------------------------- one rank cannot stage
+
+def test_a_rank_whose_state_cannot_be_read_aborts_that_snapshot_for_every_rank_at_once(tmp_path):
+    """Rank 1's data loader cannot report its position at step 10. Its snapshot of step 10
+    is lost on both ranks and nothing else: rank 0's future of step 10 ends at once (rank 1
+    aborts the call it could not stage; rank 1 makes no other put meanwhile, so nothing
+    else could end it before the 300 s deadline), and steps 5, 15 and 20 are committed
+    alike on both ranks."""
+    out = run_scenario(tmp_path, "stagefail")
+    r0, r1 = ranks(out, "stagefail")
+    assert r0["heard"], f"rank 0's snapshot of step 10 had not ended after {r0['heard_in']:.0f}s"
+    assert r0["heard_in"] < 60
+    assert taken(r0) == taken(r1) and sorted(taken(r0)) == [5, 15, 20]
+    assert r0["failed"] == r1["failed"] == 1
+    assert "rank 1" in r0["errors"][0] and "cannot report its position at step 10" in r0["errors"][0]
+    assert r0["errors"][0].startswith("SnapshotAborted")  # not OutOfStep: rank 1 made the call, to abort it
+    assert r1["errors"] == ["RuntimeError: rank 1's loader cannot report its position at step 10"]
+    assert r0["closed"] == r1["closed"] == "ok"
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [e.step for e in s.log(REF)] == [20, 15, 5]
