@@ -59,3 +59,22 @@ def test_a_rank_whose_state_cannot_be_read_aborts_that_snapshot_for_every_rank_a
     assert r0["closed"] == r1["closed"] == "ok"
     with tsck.open_store(out / "store", create=False) as s:
         assert [e.step for e in s.log(REF)] == [20, 15, 5]
+
+
+# ---------------------------------------------------------------- a step that went back
+
+def test_collective_snapshots_after_a_rollback_past_many_puts(tmp_path):
+    """Snapshots at every step from 20 to 100, rank 1 entering the put of step 30 first and
+    rank 0 every other one (so the group's record of the last put a rank entered before
+    rank 0 stays step 30's, 70 puts back), then restore(20): each snapshot of the new run
+    (steps 21-29, each taken for the second time in this process) is committed on both
+    ranks, none fails as OutOfStep."""
+    out = run_scenario(tmp_path, "farback")
+    r0, r1 = ranks(out, "farback")
+    assert r0["latest"] == [REF, 30]
+    assert r0["first_failed"] == r1["first_failed"] == 0
+    assert r0["restored"] == r1["restored"] == 20
+    assert r0["errors"] == [] and r1["errors"] == [], r0["errors"][:1]
+    assert taken(r0) == taken(r1) and sorted(taken(r0)) == list(range(21, 30))
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.log(REF)[0].step == 29 and s.log(REF)[0].root == taken(r0)[29]

@@ -56,7 +56,7 @@ class CollectiveContext:
         self._names: dict = {}   # (group, op) -> {seq: the call's name (its keys' prefix)}
         self._occur: OrderedDict = OrderedDict()  # (group, "put", ref, step) | (group, "checkout", epoch) -> calls
         self._epoch: dict = {}   # group -> the name of the last put named in it
-        self._made: dict = {}    # group -> the names of this process's recent puts (OutOfStep tells them apart)
+        self._made: dict = {}    # group -> {"<ref>.<step>": puts of them named} (OutOfStep tells calls apart)
         self._waiting: dict = {}  # group -> {name: step}: rank 0 saw a rank wait in that later put
         self._kept: dict = {}  # (group, op) -> [seq, ...], oldest first
         self._shared: dict = {}  # ((group, op), seq) -> the shared keys of that call (rank 0 deletes them)
@@ -73,11 +73,14 @@ class CollectiveContext:
         with self._lock:
             seq = self._seq[key] = self._seq.get(key, 0) + 1
             if op == "put" and ident is not None:
-                name = f"{_short(ident[0])}.{_short(ident[1])}.{self._count((gid, op) + tuple(map(repr, ident)))}"
+                what = f"{_short(ident[0])}.{_short(ident[1])}"
+                k = self._count((gid, op) + tuple(map(repr, ident)))
+                name = f"{what}.{k}"
                 self._epoch[gid] = name
                 made = self._made.setdefault(gid, OrderedDict())
-                made[name] = True
-                while len(made) > 64:
+                made.pop(what, None)
+                made[what] = k  # (the most recently used last: the oldest go first)
+                while len(made) > OCCURRENCES:
                     made.popitem(last=False)
             elif op == "checkout":
                 epoch = self._epoch.get(gid, "0")
@@ -91,9 +94,16 @@ class CollectiveContext:
             return seq, name
 
     def made(self, gid, name: str) -> bool:
-        """Whether this process named a put `name` lately (it made, or is making, that call)."""
+        """Whether this process named a put `name` (it made, or is making, that call): the
+        k-th put of a ref and step is made once this process named k puts of them. Kept
+        by (ref, step), not as a list of recent names, so a call this process made long
+        ago (a run rolled back past thousands of steps, or a rank's `latest` record rank 0
+        has not replaced since) is still known as made: taken for a call never made, it
+        would fail every put below its step as OutOfStep."""
+        what, _, k = name.rpartition(".")
         with self._lock:
-            return name in self._made.get(gid, ())
+            got = self._made.get(gid, {}).get(what)
+        return got is not None and k.isdigit() and got >= int(k)
 
     def remember_waiting(self, gid, name: str, step: int) -> None:
         """Rank 0: a rank waits in the later put `name` (it skipped rank 0's call)."""
