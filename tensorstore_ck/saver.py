@@ -15,9 +15,10 @@ those of a put's block writes:
 - the saver killed (SIGKILL, OOM) while it writes: the put fails with SaverDied and
   publishes nothing (its blocks so far are unreferenced, gc's to sweep); the next put
   starts a new saver;
-- the training process killed: the saver reads the end of its socket, finishes or
-  abandons its current job and exits, publishing nothing; the snapshots in flight are
-  lost as they would be on threads, and the next open resumes from the last published.
+- the training process killed: the saver exits at once, whatever it is doing (the
+  kernel's parent-death signal on Linux; else its heartbeat's failed send, or the end of
+  its socket when idle), publishing nothing; the snapshots in flight are lost as they
+  would be on threads, and the next open resumes from the last published.
 
 The saver is a plain `python -c ...main(FD)` child (not multiprocessing's
 spawn, which would run the training script's main module again), started on the first
@@ -109,7 +110,27 @@ _PUT_THEN = "nothing was published, and the next snapshot starts a new saver"
 _UPLOAD_THEN = "the upload is tried again with a new saver (nothing is moved remotely before every object is there)"
 
 # The saver's program (not `-m tensorstore_ck.saver`: the package imports this module first).
-_CHILD = "import sys; from tensorstore_ck.saver import main; sys.exit(main(sys.argv[1:]))"
+# Its first lines ask the kernel for a signal when the training process dies (Linux's
+# PR_SET_PDEATHSIG), before the package's import (about 1 s): argv is FD PARENT_PID.
+# The signal also comes when only the thread that started the saver ends (the kernel's
+# "parent" is a thread), so its handler exits only once the parent pid is gone; a parent
+# that died before prctl() is seen by the same check, right after it.
+_CHILD = """
+import os, signal, sys
+def _parent_gone(*_):
+    if os.getppid() != int(sys.argv[2]):
+        os._exit(3)
+signal.signal(signal.SIGUSR2, _parent_gone)
+if sys.platform.startswith("linux"):
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGUSR2), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # no prctl: the socket's end and the heartbeat's failed send still end the saver
+_parent_gone()
+from tensorstore_ck.saver import main
+sys.exit(main(sys.argv[1:2]))
+"""
 
 
 def _package_root() -> str:
@@ -153,7 +174,7 @@ class Saver:
         given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join([_package_root()] + importable + given)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno()), str(os.getpid())],
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         finally:
             theirs.close()
@@ -380,7 +401,9 @@ class _Heartbeat:
             try:
                 self.conn.send(("alive",))
             except OSError:
-                return  # the training process is gone: the job's answer will find out
+                # The training process is gone: the job it holds is no one's (only that
+                # process publishes), so the saver ends now rather than writing it out.
+                os._exit(3)
 
     def __enter__(self):
         self.thread.start()
@@ -420,8 +443,8 @@ def serve(conn: Connection) -> None:
         while True:
             try:
                 msg = conn.recv()
-            except EOFError:
-                return  # the training process is gone
+            except (EOFError, OSError):
+                return  # the training process is gone (ECONNRESET: it left unread data behind)
             if msg[0] == "map":
                 fd = recv_handle(conn)
                 try:

@@ -530,3 +530,80 @@ def test_a_saver_writes_to_an_object_store_as_the_training_process_would(s3_url,
         assert t.reftable.catalog_get(bytes.fromhex(again.root))["tree"] == tree, \
             "the same state is the same manifest tree, whoever wrote its blocks"
     assert again.stored_new == saver_stored, "the saver coded the blocks as this process does"
+
+
+_SLOW_TRAINER = r"""
+import os, subprocess, sys, time
+sys.path.insert(0, sys.argv[2])
+from test_saver import open_, state_at
+s = open_(sys.argv[1], write_bandwidth=float(sys.argv[3]))
+f = s.put_snapshot(state_at(1), "j/main", step=1, blocking=False)
+while s._saver.pid is None:  # started on the publisher's thread
+    time.sleep(0.01)
+helper = 0
+if sys.argv[4] == "holder":  # a child started without the at-fork hooks, holding the saver's socket
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                              pass_fds=[s._saver.conn.fileno()]).pid
+print("saver", s._saver.pid, helper, flush=True)
+f.result()
+print("committed", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("holder", [False, True], ids=["alone", "socket-held-by-a-child"])
+def test_the_saver_exits_as_soon_as_its_training_process_dies_mid_write(tmp_path, holder):
+    """SIGKILL of the training process while its saver writes a snapshot capped to take
+    over a minute (write_bandwidth): the saver is gone long before that write could end
+    (its heartbeat's send fails; on Linux the kernel's parent-death signal), having named
+    no block of it. With a child of the trainer still holding a copy of the socket (one
+    started without the at-fork hooks that close it), no send fails and no EOF comes: the
+    parent-death signal alone ends the saver."""
+    cap = 25e3  # bytes/s: the state's ~2.3 MB take over 60 s through it
+    raw = sum(t.numel() * t.element_size() for t in state_at(1)["w"])
+    assert raw / cap > 60
+    store = tmp_path / "s"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TRAINER, str(store), str(REPO / "tests"), str(cap),
+                             "holder" if holder else "alone"], stdout=subprocess.PIPE, env=child_env(), cwd=REPO)
+    helper = 0
+    try:
+        line = proc.stdout.readline().decode()
+        assert line.startswith("saver "), line
+        saver, helper = map(int, line.split()[1:3])
+        deadline = time.monotonic() + 120
+        while not os.path.isdir(store / "tmp") or not os.listdir(store / "tmp"):  # the event: it writes
+            assert time.monotonic() < deadline and proc.poll() is None, "the saver never started writing"
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    try:
+        # A generous deadline for a loaded machine, a third of the write the cap allows.
+        assert wait_exit(saver, 20), "the saver outlived its training process, still writing its blocks"
+    finally:
+        if helper:
+            os.kill(helper, signal.SIGKILL)
+    assert not object_listing(store), "the saver named blocks of a snapshot no one will publish"
+    with open_(store) as s:
+        assert "j/main" not in s.refs()
+        s.put_snapshot(state_at(2), "j/main", step=2, blocking=False).result(timeout=120)
+        assert_same(s.checkout("j/main"), state_at(2))
+
+
+def test_a_saver_started_by_a_thread_that_ends_lives_on(tmp_path):
+    """The kernel's parent-death signal comes when the thread that started the saver ends,
+    though the training process lives on: the saver tells the two apart (its parent pid)
+    and keeps serving."""
+    import threading
+    with open_(tmp_path / "s") as s:
+        def start():
+            with s._saver.lock:
+                s._saver._start("started", "")
+        t = threading.Thread(target=start)
+        t.start()
+        t.join()
+        pid = s._saver.pid
+        info = s.put_snapshot(state_at(1), "j/main", step=1, blocking=False).result(timeout=120)
+        assert s._saver.pid == pid and s._saver.started == 1, "the saver died with the thread that started it"
+        assert not wait_exit(pid, 0.5)
+        assert_same(s.checkout(info.root), state_at(1))
