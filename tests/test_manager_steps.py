@@ -8,10 +8,12 @@ state_dict (model, optimizer, scheduler, every RNG stream). Both the asynchronou
 (async_=True, the default) and the blocking one are run where the snapshot's path differs.
 
 The rollback decision under test (CheckpointManager.restore's docstring): restore(step)
-writes and deletes nothing; the snapshots taken after it publish on the ref, and take the
-abandoned run's steps again without a StepReusedWarning; the abandoned snapshots stay for
-as long as retention keeps them, keep_last counting publication order, so they are the
-first to go as the new run publishes.
+moves the ref back to the restored snapshot (a ref move in the reflog; it deletes nothing),
+so a crash before the new run's first snapshot resumes there; the snapshots taken after it
+publish on the ref, and take the abandoned run's steps again without a StepReusedWarning;
+the abandoned snapshots stay for as long as retention keeps them, keep_last counting
+publication order (the move back counts as the restored snapshot's), so they are the first
+to go as the new run publishes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import copy
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,8 +134,6 @@ def test_restore_step_is_bit_identical(store, async_):
 
     fresh = make_state(seed=99)  # other weights, other RNG streams: all must be overwritten
     again = tsck.CheckpointManager(store, job="run", state=fresh, async_=async_)
-    assert again.restore(10) == 10 and fresh.step == 10
-    assert_same(taken[10], frozen(fresh))
     # what restore_latest restores, restore(latest_step()) restores alike
     latest = make_state(seed=7)
     assert again.restore_latest(latest) == 15
@@ -140,6 +141,8 @@ def test_restore_step_is_bit_identical(store, async_):
     assert again.restore(again.latest_step(), by_step) == 15
     assert_same(taken[15], frozen(latest))
     assert_same(frozen(latest), frozen(by_step))
+    assert again.restore(10) == 10 and fresh.step == 10
+    assert_same(taken[10], frozen(fresh))
     # the RNG streams continue where step 10's did
     again.restore(10)
     train_step(fresh)
@@ -184,7 +187,9 @@ def test_rollback_then_step_on(store, async_, caplog):
     assert [s for s, _ in abandoned] == [30, 20, 10]
 
     assert mgr.restore(10) == 10
-    assert roots_by_step(store, "run/main") == abandoned  # restore wrote nothing
+    # restore moved the ref back to step 10 (its newest move), and deleted nothing
+    assert roots_by_step(store, "run/main") == [abandoned[2], abandoned[0], abandoned[1]]
+    assert store.resolve("run/main") == abandoned[2][1] and mgr.latest_step() == 10
     new: dict = {}
     with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="tensorstore_ck"):
         warnings.simplefilter("always")
@@ -195,7 +200,7 @@ def test_rollback_then_step_on(store, async_, caplog):
     assert mgr.report().failed == 0
 
     log = store.log("run/main")
-    assert [e.step for e in log] == [20, 30, 20, 10]  # the new run's snapshot first, the old ones kept
+    assert [e.step for e in log] == [20, 10, 30, 20]  # the new run's snapshot first, the old ones kept
     assert log[0].root not in {r for _, r in abandoned}
     assert log[0].meta["resumed_from"] == {"step": 10, "root": abandoned[2][1]}
     assert store.resolve("run/main") == log[0].root and store.resolve("run/main@20") == log[0].root
@@ -240,7 +245,7 @@ def test_a_resume_after_a_rollback_steps_on_quietly(store, async_):
         run(again, ts2, range(21, 51), scale=2.0)
         again.close()
     assert no_step_reused(caught) == []
-    assert [e.step for e in store.log("run/main")] == [50, 40, 30, 20, 40, 30, 20, 10]
+    assert [e.step for e in store.log("run/main")] == [50, 40, 30, 20, 10, 40, 30, 20]
     assert again.latest_step() == 50
 
 
@@ -270,8 +275,9 @@ def test_a_rerun_without_restore_still_warns(store, async_):
 
 @ASYNC
 def test_retention_after_a_rollback(store, async_):
-    """keep_last counts publication order: the abandoned run's snapshots are kept until the
-    new run has published keep_last of its own; restore() itself prunes nothing."""
+    """keep_last counts publication order, the move back to the restored snapshot included:
+    the abandoned run's snapshots are kept until the new run has published keep_last of its
+    own; restore() itself prunes nothing."""
     ts = make_state()
     mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_=async_,
                                  retention=tsck.Retention(keep_last=2))
@@ -283,16 +289,18 @@ def test_retention_after_a_rollback(store, async_):
     assert mgr.restore(20) == 20
     mgr.wait()
     assert dict(roots_by_step(store, "run/main")) == old  # restore deleted nothing
+    assert roots_by_step(store, "run/main")[0] == (20, old[20])  # the ref is back on 20
 
     new: dict = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run(mgr, ts, range(21, 31), scale=2.0, record=new)
         mgr.wait()
-        # the two last published: the new 30 and the abandoned 30; the restored 20 went
-        assert roots_by_step(store, "run/main")[1] == (30, old[30])
-        assert [s for s, _ in roots_by_step(store, "run/main")] == [30, 30]
-        assert mgr.all_steps() == [30] and mgr.latest_step() == 30
+        # the two last published: the new 30 and the restored 20 (the ref moved back to it
+        # after the abandoned 30 was published); the abandoned 30 went
+        assert roots_by_step(store, "run/main")[1] == (20, old[20])
+        assert [s for s, _ in roots_by_step(store, "run/main")] == [30, 20]
+        assert mgr.all_steps() == [20, 30] and mgr.latest_step() == 30
         run(mgr, ts, range(31, 41), scale=2.0, record=new)
         mgr.wait()
     assert no_step_reused(caught) == []
@@ -323,3 +331,39 @@ def test_put_snapshot_resumed_from(store):
         with pytest.raises(tsck.errors.InvalidArgument, match="resumed_from"):
             store.put_snapshot(w, ref="a/main", step=4, resumed_from=bad)
     assert roots_by_step(store, "a/main") == before  # nothing published
+
+
+@ASYNC
+def test_a_crash_after_a_rollback_resumes_at_the_restored_step(store_path, async_):
+    """restore(10) on a run that reached 30, then the process dies before the new run's first
+    snapshot: the restart's restore_latest() (what an elastic restart runs) resumes at 10, not
+    at the abandoned 30, and the new run takes steps 11-30 again without a StepReusedWarning.
+    The dying process is a real one, killed (SIGKILL) right after restore() returned."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import tensorstore_ck as tsck
+        from test_manager_steps import make_state, run
+        store = tsck.open_store({str(store_path)!r}, create=True)
+        ts = make_state()
+        mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_={async_!r})
+        run(mgr, ts, range(1, 31))
+        mgr.wait()
+        assert mgr.restore(10) == 10
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    p = zygote.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=child_env())
+    assert p.returncode == -9, p.stderr
+    with tsck.open_store(store_path) as store:
+        steps = [e.step for e in store.log("run/main")]
+        assert steps == [10, 30, 20]  # the ref is back on 10; nothing was deleted
+        ts = make_state(seed=2)
+        mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_=async_)
+        assert mgr.restore_latest() == 10 and mgr.latest_step() == 10
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(mgr, ts, range(11, 31), scale=2.0)
+            mgr.close()
+        assert no_step_reused(caught) == []
+        assert [e.step for e in store.log("run/main")] == [30, 20, 10, 30, 20]
+        assert [e.message for e in store.reftable.reflog("run/main")][3].startswith("rolled back to step 10")

@@ -1,5 +1,5 @@
 """A CheckpointManager under torch.distributed: rank 0's decision broadcast, the collective
-snapshot and its failures reported (never raised), the collective restore."""
+snapshot and its failures reported (never raised); its restores are together.py's."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from concurrent.futures import Future
 import torch
 
 from ..dist import is_collective
-from ..errors import InvalidArgument, InvalidName, OutcomeUnknown, RefNotFound, TsckError, UnsupportedType
-from .state import TrainState
+from ..errors import InvalidArgument, InvalidName, OutcomeUnknown, TsckError, UnsupportedType
 
 __all__: list[str] = []  # a part of CheckpointManager (manager.py), nothing public of its own
 
@@ -136,27 +135,6 @@ class Collective:
         """The fields of a failed snapshot's log record (`tsck --log-format json`, a log shipper)."""
         return {"tsck": {"event": "failed", "ref": self.ref, "job": self.job, "step": step,
                          "why": f"{type(e).__name__}: {e}", "failures": self.failed_snapshots}}
-
-    def _restore_collective(self, state: TrainState, must_exist: bool, progress: bool = False) -> int | None:
-        """A collective checkout of the ref: rank 0 resolves its head and hands every rank
-        that root through the c10d Store, so every rank reads the same snapshot (its own
-        part of it) even if the ref moves meanwhile, and resumes at the same step. No
-        snapshot: RefNotFound on every rank alike, so every rank returns None alike."""
-        try:
-            sd = self.store.checkout(self.ref, into=state.checkout_targets(), group=self.group, progress=progress)
-        except RefNotFound:
-            if must_exist:
-                names = sorted(self.store.refs())
-                held = (f"it holds {len(names)} ref(s): {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}"
-                        if names else "it holds no snapshot at all (a new store: is the path right?)")
-                raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
-                                  f"store at {self.store.url}; {held}") from None
-            return None
-        state.load_checked_out(sd)
-        # The best so far (rank 0's decides; the others' are kept alike) and the later steps
-        # a rollback left behind (they only spare a warning, so each rank reads its own).
-        self._restored(state, self._history())
-        return state.step
 
 
 class _CannotStage:

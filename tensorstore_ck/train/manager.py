@@ -19,12 +19,13 @@ from .collective import Collective
 from .outcomes import CloseReport, caller_level, Outcomes
 from .restoring import Resumed, Restoring
 from .state import TrainState, as_state
+from .together import Together
 from .watch import Watching
 
 __all__ = ["CheckpointManager"]
 
 
-class CheckpointManager(Watching, Outcomes, Collective, Restoring):
+class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
     """Decides when to snapshot a TrainState and snapshots it (asynchronously by default).
 
     state=: a TrainState, or a dict {name: object with state_dict()/load_state_dict(), or

@@ -44,18 +44,14 @@ class Restoring:
             raise InvalidArgument("restore_latest needs a TrainState")
         if self._collective():
             self.store.wait()  # (snapshots of this process still in flight come first, in call order)
-            return self._restore_collective(state, must_exist, progress)
+            return self._restore_latest_together(state, must_exist, progress)
         try:
             history = self.store.log(self.ref)
         except RefNotFound:
             history = []
         if not history:
             if must_exist:
-                names = sorted(self.store.refs())
-                held = (f"it holds {len(names)} ref(s): {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}"
-                        if names else "it holds no snapshot at all (a new store: is the path right?)")
-                raise RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the "
-                                  f"store at {self.store.url}; {held}")
+                raise self._nothing_to_resume()
             return None
         # With a local tier the ref is read, not the root log() named: checkout takes the
         # newest snapshot of either tier that reads whole, an older one if that one does not.
@@ -64,6 +60,33 @@ class Restoring:
         state.load_checked_out(sd)
         self._restored(state, history)
         return state.step
+
+    def _nothing_to_resume(self) -> RefNotFound:
+        names = sorted(self.store.refs())
+        held = (f"it holds {len(names)} ref(s): {', '.join(names[:10])}{', ...' if len(names) > 10 else ''}"
+                if names else "it holds no snapshot at all (a new store: is the path right?)")
+        return RefNotFound(f"nothing to resume: no snapshot of ref {self.ref!r} (job {self.job!r}) in the store "
+                           f"at {self.store.url}; {held}")
+
+    def _record_rollback(self, history: list, step: int) -> None:
+        """restore(step) of a snapshot that is not the ref's head: the ref moves back to it
+        (a compare-and-swap, recorded in the reflog like any move; the abandoned run's
+        snapshots stay in the ref's history, each kept by retention as before), so that the
+        run's branch is in the store: a crash before the new run's first snapshot resumes
+        here (restore_latest, an elastic restart), not at the abandoned run's newest.
+        Fenced against gc as undelete is: the fence is read before the snapshot is found
+        kept, and a deletion phase since makes the move wait it out and look again. With
+        a local tier the remote's ref moves too when the remote holds the snapshot (the
+        newer tier's tip is what a checkout reads)."""
+        root = next((h.root for h in history if h.step == step and _is_step(h.step)), None)
+        if root is None or self.store.read_only:
+            return  # (nothing to move back to; a read-only store records nothing: a restore still reads)
+        want = bytes.fromhex(root)
+        why = f"rolled back to step {step} (CheckpointManager.restore): the run goes on from here"
+        _move_back(self.store.core, self.ref, want, why, self.store.gc_fence, self.store.publisher.wait_gc_idle)
+        remote = self.store.remote_core
+        if remote is not None and remote.refs.catalog_has(want):
+            _move_back(remote, self.ref, want, why, lambda: remote.refs.gc_state()["epoch"], None)
 
     def _restored(self, state: TrainState, history: list) -> None:
         self.last_step = state.step
@@ -145,13 +168,7 @@ class Restoring:
         self.store.wait()  # (this process's snapshots still in flight come first, in call order)
         target = f"{self.ref}@{step}"
         if self._collective():
-            try:
-                sd = self.store.checkout(target, into=state.checkout_targets(), group=self.group, progress=progress)
-            except RefNotFound:
-                raise self._no_step(step, self._history()) from None
-            state.load_checked_out(sd)
-            self._restored(state, self._history())
-            return state.step
+            return self._restore_step_together(state, step, progress)
         history = self._history()
         at = [h for h in history if h.step == step and _is_step(h.step)]
         if not at:
@@ -160,6 +177,7 @@ class Restoring:
         sd = self.store.checkout(target if self.store.remote_core is not None else at[0].root,
                                  into=state.checkout_targets(), progress=progress, **self._local())
         state.load_checked_out(sd)
+        self._record_rollback(history, state.step)
         self._restored(state, history)
         return state.step
 
@@ -175,3 +193,31 @@ class Restoring:
         return RefNotFound(f"no snapshot at step {step} of {where} (never taken, or pruned by retention); the "
                            f"nearest kept steps are {near}; {len(steps)} kept, from {steps[0]} to {steps[-1]} "
                            "(all_steps() lists them)")
+
+
+def _move_back(core, ref: str, want: bytes, why: str, fence, wait_gc_idle, tries: int = 16) -> None:
+    """Point `ref` of `core`'s table at `want`, a snapshot its catalog keeps, from wherever
+    it points now (Restoring._record_rollback)."""
+    from ..errors import Fenced, RefConflict
+    refs = core.refs
+    for _ in range(tries):
+        head = refs.get_or_none(ref)
+        if head == want:
+            return
+        f = fence()  # (before the snapshot is found kept)
+        row = refs.catalog_get(want)
+        if row is None:
+            raise RefNotFound(f"snapshot {want.hex()[:16]} of ref {ref!r} is no longer kept (retention dropped it "
+                              "meanwhile): the rollback to it was not recorded")
+        try:
+            refs.compare_and_swap(ref, head, want, message=why, catalog_row=row, fence=f)
+            return
+        except RefConflict:
+            continue  # another writer moved it: look again
+        except Fenced:
+            if wait_gc_idle is None:
+                raise
+            wait_gc_idle()
+    now = refs.get_or_none(ref)
+    raise RefConflict(ref, want.hex(), None if now is None else now.hex(),
+                      hint="other writers kept moving it: the rollback to that snapshot was not recorded")
