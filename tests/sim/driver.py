@@ -271,6 +271,41 @@ def _reap(p: subprocess.Popen, wait: float = 120.0) -> str | None:
     return None
 
 
+# A saver process ends within a second of its parent's death (docs/design/saver.md); a
+# loaded host's scheduling is allowed for. Past this, a killed writer's saver outlived it.
+SAVER_ORPHAN_WAIT = 10.0
+_SAVER_MARK = b"tensorstore_ck.saver import main"
+
+
+def _savers_in(pgid: int) -> list[int]:
+    """The saver processes (saver.py's child) running in process group `pgid`."""
+    out = []
+    for d in os.listdir("/proc"):
+        st = _stat(d) if d.isdigit() else None
+        if st is None or st[1] != pgid or st[0] in ("Z", "X"):
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if _SAVER_MARK in f.read():
+                    out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def _orphaned_savers(orphans: list[tuple[int, float]]) -> list[str]:
+    """Each (saver pid, when its writer was SIGKILLed): the saver must be gone by
+    SAVER_ORPHAN_WAIT after that (before _reap's killpg would end it anyway)."""
+    bad = []
+    for pid, t in orphans:
+        while (st := _stat(pid)) is not None and st[0] not in ("Z", "X") and time.time() < t + SAVER_ORPHAN_WAIT:
+            time.sleep(0.02)
+        if (st := _stat(pid)) is not None and st[0] not in ("Z", "X"):
+            bad.append(f"I4 saver pid {pid} outlived its writer, SIGKILLed {time.time() - t:.1f} s before: "
+                       f"{_proc_text(pid)}")
+    return bad
+
+
 def _proc_text(pid) -> str:
     """What /proc says of a process (state, group, threads), for a violation's message."""
     st = _stat(pid)
@@ -437,6 +472,7 @@ class Harness:
         ready: dict[int, float] = {}
         killed = stuck = 0
         stuck_pids: set = set()
+        orphans: list = []  # (saver pid, when its writer was killed): each must end by itself
         driver_pids: set = set()  # SIGKILLed by a driver kill (a worker may have ended meanwhile)
         # A worker not ready by OPEN_WAIT hangs in its open (a loaded machine's start of a
         # worker and its two ranks takes tens of seconds: that is not the round's
@@ -455,7 +491,9 @@ class Harness:
             for kill in [x for x in kills if x[1] in ready and ready[x[1]] + x[0] <= now]:
                 kills.remove(kill)
                 if procs[kill[1]].poll() is None:
+                    savers = _savers_in(procs[kill[1]].pid)
                     procs[kill[1]].send_signal(signal.SIGKILL)
+                    orphans += [(pid, time.time()) for pid in savers]
                     killed += 1
                     driver_pids.add(procs[kill[1]].pid)
             if live is not None:
@@ -467,6 +505,7 @@ class Harness:
                     stuck_pids.add(p.pid)
             stuck = len(stuck_pids)
             time.sleep(0.02)
+        bad += _orphaned_savers(orphans)
         bad += [e for e in map(_reap, procs) if e]
         for c, p in zip(cfgs, procs):
             if p.returncode not in (0, -signal.SIGKILL):
@@ -546,7 +585,7 @@ class Harness:
                  f"rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "
                  f"net={'off' if not net_on else _net_brief(net)} "
-                 f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck{stuck_ids}) "
+                 f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck{stuck_ids}, savers orphaned: {len(orphans)}) "
                  f"recover={'yes' if recovered else 'no'} {'OK' if not bad else 'FAILED'} "
                  f"({time.time() - t0:.1f}s: workers {t_work:.1f}, recover {t2 - t1:.1f}, "
                  f"checks {time.time() - t2:.1f})")
@@ -648,17 +687,29 @@ class Harness:
 
     def _lose_tier_tables(self, r: int, fl: dict, tiered: list) -> list[str]:
         """Before the round's tier writers open their tiers (tier_lost_p each, a stream of
-        its own): a tier that holds snapshots loses its ref table (refs.lmdb removed, as a
-        disk's table file lost); opening it must be refused, NotAStore naming `tsck recover
-        PATH` (T15), before anything is created; the operator runs `tsck recover PATH`, and
-        the writer's open then finds the rebuilt table and uploads the recovered tip."""
+        its own): a tier that holds snapshots loses its ref table, removed (refs.lmdb gone, as
+        a disk's table file lost) or emptied (data.mdb cut to 0 bytes, as a node's filesystem
+        crash leaves it: a table that knows none of the commits the tier holds); opening it
+        must be refused, NotAStore naming `tsck recover PATH` (T15), before anything is
+        created; the operator runs `tsck recover PATH`, and the writer's open then finds the
+        rebuilt table and uploads the recovered tip."""
         lrng = random.Random(f"{self.seed}:{r}:lost")
         bad = []
         for path in sorted({c["tier"] for c in tiered}):
             if lrng.random() >= fl.get("tier_lost_p", 0.03) or not os.path.isdir(os.path.join(path, "commits")):
                 continue
             name = os.path.basename(path)
-            self._driver_op("tier_lost", {"tier": name}, lambda: shutil.rmtree(os.path.join(path, "refs.lmdb")))
+            how = lrng.choice(["removed", "emptied"])
+
+            def lose():
+                table = os.path.join(path, "refs.lmdb")
+                if how == "removed":
+                    shutil.rmtree(table)
+                else:
+                    with open(os.path.join(table, "data.mdb"), "r+b") as f:
+                        f.truncate(0)
+                        os.fsync(f.fileno())
+            self._driver_op("tier_lost", {"tier": name, "how": how}, lose)
             st = self.loc.spec()
 
             def refused_open():
@@ -670,7 +721,7 @@ class Harness:
                 return {"result": "opened"}
             out = self._driver_op("tier_open", {"tier": name, "lost_table": True}, refused_open)
             if out["result"] != "ok" or not out.get("names_recover"):
-                bad.append(f"T15 tier {name} lost its ref table and its open was not refused naming "
+                bad.append(f"T15 tier {name} lost its ref table ({how}) and its open was not refused naming "
                            f"`tsck recover {path}`: {out}")
             env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
             env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
