@@ -34,7 +34,7 @@ from dist_worker import launcher_main  # noqa: E402
 
 JOB = "llm"
 REF = f"{JOB}/main"
-PART = 4096  # floats: one block of 16 KiB, written and read by its rank alone
+PART = 16384  # floats: one block of 64 KiB (above the inline threshold), written and read by its rank alone
 
 
 def part_values(rank: int, step: int) -> torch.Tensor:
