@@ -278,11 +278,12 @@ _SAVER_MARK = b"tensorstore_ck.saver import main"
 
 
 def _savers_in(pgid: int) -> list[int]:
-    """The saver processes (saver.py's child) running in process group `pgid`."""
+    """The saver processes (saver.py's child) running in process group `pgid`; not one the
+    harness stopped (SIGSTOP, a hung saver): it can run no handler until continued."""
     out = []
     for d in os.listdir("/proc"):
         st = _stat(d) if d.isdigit() else None
-        if st is None or st[1] != pgid or st[0] in ("Z", "X"):
+        if st is None or st[1] != pgid or st[0] in ("Z", "X", "T", "t"):
             continue
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
