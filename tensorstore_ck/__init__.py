@@ -57,8 +57,9 @@ package's modules indented under it). A module over ~600 lines says which one jo
       manager.py          CheckpointManager: when to snapshot, and the snapshots taken
       watch.py            its on_commit and on_durable hooks, CommitEvent, the store's size measured
       outcomes.py         its failures, warned and counted; CloseReport
-      collective.py       under torch.distributed: rank 0 decides, collective snapshots and restores
-      restoring.py        restore_latest, restore(step), the steps kept, a rollback
+      collective.py       under torch.distributed: rank 0 decides, collective snapshots
+      together.py         collective restores: every rank the same step, or the same error
+      restoring.py        restore_latest, restore(step), the steps kept, a rollback recorded
     export.py             a snapshot out as one safetensors / torch.save file (`tsck checkout`);
                           the model's weights alone (export_weights, `tsck export-weights`)
     importing.py          torch.save, safetensors files and model folders in (`tsck import`)

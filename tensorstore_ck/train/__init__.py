@@ -26,7 +26,8 @@ in the middle or not.
 One job a module: state.py (TrainState, the RNG streams), manager.py (CheckpointManager:
 when to snapshot, and its snapshots taken), with its parts in watch.py (the on_commit
 hook, the store's size), outcomes.py (failures, CloseReport), collective.py (under
-torch.distributed) and restoring.py (restore_latest, restore(step), the steps kept).
+torch.distributed), together.py (its collective restores) and restoring.py (restore_latest,
+restore(step), the steps kept).
 """
 
 from .manager import CheckpointManager

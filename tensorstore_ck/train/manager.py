@@ -1,6 +1,6 @@
 """CheckpointManager: when to snapshot a TrainState, and its snapshots taken; its parts in
-watch.py (hooks), outcomes.py (failures, CloseReport), collective.py (torch.distributed)
-and restoring.py (restores)."""
+watch.py (hooks), outcomes.py (failures, CloseReport), collective.py (torch.distributed),
+together.py (collective restores) and restoring.py (restores)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,12 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
     Rolling back is supported: after restore(10) with steps up to 30 kept, step(11), ...
     publish on the ref as usual (the newest of them is what restore_latest() and
     latest_step() then return), taking the abandoned run's steps again without a
-    StepReusedWarning. restore() writes and deletes nothing; the abandoned run's
-    snapshots stay for as long as the job's retention rules keep them, each by its own
-    publication order, step, metric and age (keep_last counts publication order, so they
-    are the first to go as the new run publishes). See restore().
+    StepReusedWarning. restore() moves the ref back to the restored snapshot (a move in
+    its reflog) and deletes nothing, so a crash before the new run's first snapshot
+    resumes there; the abandoned run's snapshots stay for as long as the job's retention
+    rules keep them, each by its own publication order, step, metric and age (keep_last
+    counts publication order, so they are the first to go as the new run publishes).
+    See restore().
 
     Triggers (any one fires a snapshot):
       every_steps=N      when step % N == 0
@@ -89,7 +91,14 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
       metric snapshot leaves the best value where it was). Errors that are the
       caller's own (InvalidArgument, UnsupportedType) are raised.
     - restore_latest() is collective: rank 0 resolves the ref's newest snapshot, every
-      rank reads its own part of that one snapshot and resumes at the same step.
+      rank reads its own part of that one snapshot, and the ranks agree on how their
+      reads went (one all-reduce): every rank resumes at the same step, or raises the
+      same error. A snapshot some rank cannot read whole (a damaged or missing object
+      of its part) is passed over on every rank for the next older kept one, with a
+      SnapshotWarning; restore(step) reads that step on every rank or on none.
+    - A rank whose state_dict() raises still makes the collective put, only to abort it
+      on every rank at once: that snapshot is lost (reported on every rank), and no
+      rank waits for the deadline.
     - close() (and wait()) waits on every rank for the snapshots in flight and, on
       rank 0, for the prune.
     For one process, a failed background snapshot is raised by the next step() (or

@@ -37,8 +37,11 @@ class Restoring:
         refs the store does hold, so a mistyped path or job fails loudly instead of
         starting training over from step 0. progress=True: the bytes read as a bar on
         stderr (a long restore shows it is moving). The newest is the ref's head: after a
-        rollback (restore(step)) and a snapshot since, the new run's newest, even where
-        the abandoned run's later steps are still kept."""
+        rollback (restore(step)), the restored snapshot or the new run's newest since, even
+        where the abandoned run's later steps are still kept. Under torch.distributed every
+        rank gets the same outcome (together.py): the same step, read whole on every rank
+        (one that some rank cannot read whole is passed over for the next older one, with
+        a SnapshotWarning), or the same error."""
         state = self.state if state is None else as_state(state)
         if state is None:
             raise InvalidArgument("restore_latest needs a TrainState")
@@ -149,16 +152,19 @@ class Restoring:
         Where the ref holds two snapshots at `step` (a rollback took it again), the newer.
 
         Rolling back is a supported path: after restore(10) with snapshots up to step 30
-        kept, step(11), step(12), ... go on as usual. Their snapshots are published on the
-        ref (its log lists them first, restore_latest() and latest_step() return the newest
-        of them) and take the abandoned run's steps again without a StepReusedWarning
-        (put_snapshot(resumed_from=10); each such commit's meta records "resumed_from").
-        restore() itself writes and deletes nothing: until the first snapshot after it
-        commits, the ref still ends at the abandoned run's newest. The abandoned snapshots
-        stay kept for as long as the job's retention rules keep them, each by its own rank
-        in publication order (keep_last: published before the new run's, they are the
-        first to go as it publishes), step (keep_every_steps), metric (keep_best) and age
-        (max_age_days); without retention rules every one of them is kept."""
+        kept, step(11), step(12), ... go on as usual. restore() records the rollback in the
+        store: the ref moves back to the restored snapshot (a compare-and-swap, a move in its
+        reflog; nothing is deleted), so its log lists it first, and restore_latest() and
+        latest_step() return it until the new run's first snapshot, after a crash too (an
+        elastic restart resumes at 10, not at the abandoned 30). The new run's snapshots
+        publish on the ref and take the abandoned run's steps again without a
+        StepReusedWarning (put_snapshot(resumed_from=10); each such commit's meta records
+        "resumed_from"). The abandoned snapshots stay kept for as long as the job's
+        retention rules keep them, each by its own rank in publication order (keep_last:
+        published before the move back, they are the first to go as the new run
+        publishes), step (keep_every_steps), metric (keep_best) and age (max_age_days);
+        without retention rules every one of them is kept. A read-only store records
+        nothing (the restore still reads)."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise InvalidArgument(f"restore(step=) takes the int step of a snapshot, got {step!r}")
         step = int(step)
