@@ -38,6 +38,7 @@ from .format import frame
 from .format.manifest import MAX_NODE_BYTES
 from .format.tree import MAX_BLOCK_SIZE
 from .format.records import MAX_TAG_OBJECT, decode_tag, encode_tag
+from .packparts import PartIndex
 from .presence import Presence
 from .roles import WrittenListener
 from .storage.base import BlockStore
@@ -169,6 +170,9 @@ class Assets:
         # The current gc deletion epoch (read from the ref table), for readers that consult
         # `presence`; None: no ref table, the record is never used to read.
         self.epoch_now = epoch_now
+        # The parts of packs stored here, by the BLAKE3 of their bytes: a packed tensor whose
+        # bytes one holds names that part instead of being written again (packparts.py).
+        self.parts = PartIndex()
 
     def on_written(self, listener: WrittenListener) -> None:
         """Observe writes: listener(kind, digest, bufs, itemsize) for each block and node written new
@@ -624,6 +628,19 @@ class Assets:
             return self.epoch_now()
         except TsckError:
             return None
+
+    def has_block(self, d: bytes, raw_len: int, fence: int | None) -> bool:
+        """Whether block `d` of `raw_len` raw bytes is stored whole (as far as its size and,
+        on a local disk, its header tell), to be named without being written: known present
+        under `fence` (Presence), else one HEAD / stat."""
+        if self.presence.known(frame.KIND_BLOCK, d, fence):
+            return True
+        key = block_key(d)
+        size = self.storage.size_of(key)
+        if size is None or not self._reusable(key, frame.KIND_BLOCK, size, raw_len):
+            return False
+        self.presence.add(frame.KIND_BLOCK, d, fence)
+        return True
 
     def block_exists(self, d: bytes) -> bool:
         return self.storage.exists(_key(KIND_PREFIX[frame.KIND_BLOCK], d))

@@ -100,12 +100,25 @@ class Leaf(Pending):
 
     pack: "Pack | None" = None  # the pack holding its bytes (Pack.members), else None
     pack_off: int = 0
+    # Set for a pack's member when its blocks are written (packparts.py): the BLAKE3 of its
+    # bytes, and, when a pack already stored holds them, (that pack, offset, its length).
+    content: bytes | None = None
+    reused: tuple | None = None
 
     def manifest_value(self, final: bool):
         meta = dict(self.meta)
-        if self.pack is not None:
+        if not final and self.pack is not None:
+            # The widest it can end up (a part of an older pack: any offset and length).
             del meta["bs"]
-            meta["g"] = [self.pack.results[0].digest if final else _PLACEHOLDER, self.pack_off, self.pack.nbytes]
+            n = self.nbytes
+            meta["g"] = [_PLACEHOLDER, min(1 << 16, chunker.MAX_BLOCK_SIZE - n), chunker.MAX_BLOCK_SIZE]
+            meta["h"] = _PLACEHOLDER
+        elif self.reused is not None or self.pack is not None:
+            del meta["bs"]
+            meta["g"] = list(self.reused) if self.reused is not None else \
+                [self.pack.results[0].digest, self.pack_off, self.pack.nbytes]
+            if self.content is not None:
+                meta["h"] = self.content
         else:
             meta["b"] = [r.digest for r in self.results] if final else [_PLACEHOLDER] * len(self.ranges)
         return meta if self.tag is None else {self.tag: meta}
@@ -185,6 +198,8 @@ class Plan:
     # The staging buffer in shared memory the plan was staged into (staging.SharedBuffer):
     # a saver process writes its blocks (saver.py); None: written on this process's threads.
     shared: object = None
+    pack_size: int = 0  # the planner's: packs formed again at write time stay within it
+    reused: list = field(default_factory=list)  # the leaves naming a part of a stored pack (packparts.py)
 
     @property
     def staged_bytes(self) -> int:
@@ -242,6 +257,7 @@ class Planner:
         if self.cache is not None:
             found, flat = self.cache.find(state, staged=self.defer_device)
             if found is not None:
+                found.pack_size = self.pack_size
                 return found
         self._leaves: list[Leaf] = []
         self._inline = 0
@@ -251,7 +267,7 @@ class Planner:
         value = self._plan(state, (), 0)
         self._leaves = pack_leaves(self._leaves, self.pack_size)
         NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
-        plan = Plan(value, self._leaves, self._inline, self._pieces, self._replicas)
+        plan = Plan(value, self._leaves, self._inline, self._pieces, self._replicas, pack_size=self.pack_size)
         if flat is not None:
             plan.kept = self.cache.keep(flat, self._tensors)
             plan.reserve = 0 if plan.kept is None else plan.kept.staged_bytes

@@ -271,6 +271,7 @@ class _CachedPlan(Plan):
         self._buf = None
         self.inline_bytes = lay.inline_bytes
         self.pieces, self.replicas = [], []
+        self.reused, self.pack_size = [], 0
 
     @property
     def staged_bytes(self) -> int:
@@ -299,6 +300,12 @@ class _CachedPlan(Plan):
         if self._leaves is None:
             self._make()
         return self._leaves
+
+    @leaves.setter
+    def leaves(self, leaves: list) -> None:  # what is to be written (packparts.reuse_parts)
+        if self._leaves is None:
+            self._make()
+        self._leaves = leaves
 
     @property
     def value(self):

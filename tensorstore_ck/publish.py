@@ -25,6 +25,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import packparts
 from .assets import Assets, PutResult
 from .chunker import job_order
 from .core import POOL_PREFIX
@@ -47,6 +48,15 @@ __all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "TIMING_STATS
 log = logging.getLogger(__name__)
 
 COMMIT_ATTEMPTS = 1000  # ref moves tried before a put gives up (each lost one is a real race)
+_PARTS_TRIES = 4  # a put's tries when gc removes packs it named parts of (Publisher.publish)
+LEARN_REFS = 16  # refs whose tips a put on a new ref learns stored packs' parts from
+
+
+class _Leaves:
+    """A part of a plan's block jobs, to write on their own (run_block_jobs takes it as a plan)."""
+
+    def __init__(self, leaves: list):
+        self.leaves = leaves
 
 
 # -- the blocks of a plan and what they add up to -----------------------------------
@@ -254,6 +264,9 @@ def plan_stats(plan: Plan, new_nodes: list | None = None) -> BuildStats:
             if r.counted:
                 st.blocks_total += 1
                 st.bytes_total += r.raw_len
+    for m in plan.reused:  # parts of stored packs it names: its bytes, nothing new
+        st.bytes_total += m.nbytes
+    st.blocks_total += len(packparts.reused_packs(plan))
     return NewObjects().add_plan(plan).add_nodes(new_nodes or []).into(st)
 
 
@@ -310,10 +323,20 @@ class Publisher:
         return self.reftable.gc_state()["epoch"]
 
     def write_blocks(self, plan: Plan, owns=None, progress=None, fence: int | None = None) -> None:
+        """The plan's blocks written; a packed tensor a stored pack holds names its part
+        instead (packparts.reuse_parts), and the index learns the packs written."""
+        packparts.reuse_parts(plan, self.assets, self.pool, fence)
         if self.saver is not None and plan.shared is not None and progress is None:
-            self.saver.write_blocks(plan, plan.shared, owns=owns, fence=fence)
-            return
-        run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress, fence=fence)
+            own = packparts.gathered(plan)  # packs made again at write time: not in the staging buffer
+            if own:
+                run_block_jobs(_Leaves(own), self.assets, self.pool, owns=owns, fence=fence)
+                self.saver.write_blocks(_Leaves([x for x in plan.leaves if all(x is not o for o in own)]),
+                                        plan.shared, owns=owns, fence=fence)
+            else:
+                self.saver.write_blocks(plan, plan.shared, owns=owns, fence=fence)
+        else:
+            run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress, fence=fence)
+        packparts.learn_written(plan, self.assets.parts)
 
     def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":
         """private: nobody else writes `raw` until the block is written (Assets.put_block)."""
@@ -380,13 +403,37 @@ class Publisher:
         return None
 
     def publish(self, plan: Plan, args: SnapshotArgs, progress=None, timing: Timing | None = None) -> SnapshotInfo:
-        """The whole pipeline for one planned snapshot."""
-        fence = self.fence()
-        self.write_blocks(plan, progress=progress, fence=fence)
-        new: list = []
-        top, payloads = self.write_nodes(plan.value, fence, new)
-        return self.commit(top, args, stats=plan_stats(plan, new).as_dict(), fence=fence, timing=timing,
-                           revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
+        """The whole pipeline for one planned snapshot. Parts of stored packs it names
+        that a gc deletion phase removed meanwhile (PartsGone, at the fenced move's
+        re-validation) are written anew, and the snapshot published again."""
+        if plan.pack_size:
+            self.learn_parts(args.ref)
+        for _try in range(_PARTS_TRIES):
+            fence = self.fence()
+            self.write_blocks(plan, progress=progress, fence=fence)
+            new: list = []
+            top, payloads = self.write_nodes(plan.value, fence, new)
+            try:
+                return self.commit(top, args, stats=plan_stats(plan, new).as_dict(), fence=fence, timing=timing,
+                                   revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
+            except packparts.PartsGone as e:
+                log.debug("ref %s: %s", args.ref, e)
+                self.assets.parts.forget(e.packs)
+                packparts.unwrite(plan)
+        raise SnapshotAborted(f"gc deletion phases removed packs this snapshot named, {_PARTS_TRIES} times; "
+                              "nothing was published, take it again")
+
+    def learn_parts(self, ref: str) -> None:
+        """The parts of packs named by the snapshot `ref` is on, else (a new ref: a fork of
+        another job's base) by the tips of up to LEARN_REFS other refs, into the index
+        (once per snapshot, its nodes only): what a new process names instead of writing."""
+        try:
+            tip = self.reftable.get_or_none(ref)
+            tips = [tip] if tip is not None else [r for _n, r in list(self.reftable.list())[:LEARN_REFS]]
+        except TsckError:
+            return
+        for root in tips:
+            self.assets.parts.learn(self.assets, root)
 
     def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,
                meta_extra: dict | None = None, timing: Timing | None = None,
@@ -704,8 +751,13 @@ class Publisher:
                                  fence=fence)
                 for leaf in plan.leaves for i, ((a, b), r) in enumerate(zip(leaf.ranges, leaf.results))
                 if owns is None or not leaf.replicated or owns(leaf, i)]
+        named = packparts.reused_packs(plan)  # parts of stored packs: only there or gone
+        there = list(self.pool.map(lambda d: self.assets.has_block(d, named[d], fence), named))
         for f in futs:
             f.result()
+        gone = [d for d, ok in zip(named, there) if not ok]
+        if gone:
+            raise packparts.PartsGone(gone)
         self.rewrite(payloads, commit_body)
 
     def revalidate_addresses(self, digests: list, payloads: list, commit_body: bytes, fence: int, *,

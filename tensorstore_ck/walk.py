@@ -21,7 +21,7 @@ from .format.world import bucket_entries, fan_children, fan_height, rank_tops
 from .roles import WalkReader
 
 __all__ = ["Obj", "by_kind", "walk_commit", "walk_parted", "walk_tree", "iter_leaves", "read_node", "MAX_LEAF_PATHS",
-           "PackedPart"]
+           "PackedPart", "packed_parts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +310,22 @@ def iter_leaves(assets: WalkReader, root: bytes, *, verify: bool = True,
             blocks += _contents(ch)
         out[key] = (out[key][0], blocks)
     return out
+
+
+def packed_parts(assets: WalkReader, root: bytes) -> Iterator[tuple[bytes, bytes, int, int, int]]:
+    """(content hash, pack, offset, pack length, part length) of every part of a pack a
+    one-process snapshot names with its content hash (LEAF `h`): what a writer names again
+    instead of writing (packparts.PartIndex). Its nodes are read, never its packs. Nothing
+    for a collective snapshot: a rank learns from the packs it writes itself."""
+    snap = root.hex()
+    top = decode_commit(assets.get_commit(root))["tree"]
+    if type(read_node(assets, top, (), 0, snapshot=snap, world=True)) is tree.World:
+        return
+    for _d, _path, read in _nodes(assets, top, snapshot=snap, verify=True):
+        for _p, item in read():
+            for leaf in item.chunks if type(item) is tree.Global else (item,):
+                if leaf.part is not None and leaf.content is not None:
+                    yield leaf.content, leaf.blocks[0], leaf.part[0], leaf.part[1], leaf.nbytes
 
 
 def by_kind(objs) -> dict:

@@ -103,6 +103,7 @@ class Leaf:
     block_size: int
     blocks: list
     part: tuple | None = None
+    content: bytes | None = None  # a part of a pack: the BLAKE3 of its own bytes (`h`), if written
 
     def block_spans(self) -> Iterator[tuple[int, bytes, int, int]]:
         """(index, digest, start, stop) of every block; a packed leaf has none of its own
@@ -197,7 +198,7 @@ def _shape(sh, path, what="tensor shape") -> tuple:
 
 
 def _leaf_fields(body, path, itemsize: int):
-    """-> (shape, nbytes, inline, block_size, blocks, part), everything consistent."""
+    """-> (shape, nbytes, inline, block_size, blocks, part, content), everything consistent."""
     if not isinstance(body, dict):
         raise _bad("tensor leaf is not a map", path)
     sh = _shape(body.get("sh"), path)
@@ -207,20 +208,23 @@ def _leaf_fields(body, path, itemsize: int):
     if "x" in body:
         if not isinstance(body["x"], bytes) or len(body["x"]) != n or "g" in body:
             raise _bad("inline tensor bytes do not match its size", path)
-        return sh, n, body["x"], 0, [], None
-    if "g" in body:  # a part of a pack: [address, offset, the pack's length]
+        return sh, n, body["x"], 0, [], None, None
+    if "g" in body:  # a part of a pack: [address, offset, the pack's length]; `h`: its bytes' BLAKE3
         g = body["g"]
         if "bs" in body or "b" in body or not isinstance(g, list) or len(g) != 3 or not _is_digest(g[0]) \
                 or not _is_int(g[1]) or not _is_int(g[2]) or not 0 < g[2] <= MAX_BLOCK_SIZE \
                 or not 0 <= g[1] <= g[2] - n:
             raise _bad("bad pack reference", path)
-        return sh, n, None, 0, [g[0]], (g[1], g[2])
+        h = body.get("h")
+        if h is not None and not _is_digest(h):
+            raise _bad("bad content hash of a pack's part", path)
+        return sh, n, None, 0, [g[0]], (g[1], g[2]), h
     bs, blocks = body.get("bs"), body.get("b")
     if not _is_int(bs) or not 1 <= bs <= MAX_BLOCK_SIZE or bs % max(1, itemsize) or not isinstance(blocks, list):
         raise _bad("bad block layout", path)
     if len(blocks) != -(-n // bs) or not all(_is_digest(b) for b in blocks):
         raise _bad("block list does not match the tensor size", path)
-    return sh, n, None, bs, blocks, None
+    return sh, n, None, bs, blocks, None, None
 
 
 def _dtype_itemsize(dt, path, what="torch dtype") -> int:
@@ -248,7 +252,7 @@ def _tensor(body, path) -> Tensor:
     if not isinstance(body, dict):
         raise _bad("tensor leaf is not a map", path)
     itemsize = _dtype_itemsize(body.get("dt"), path)
-    sh, n, inline, bs, blocks, part = _leaf_fields(body, path, itemsize)
+    sh, n, inline, bs, blocks, part, h = _leaf_fields(body, path, itemsize)
     quant = None
     if "q" in body or body["dt"] in QUANT_NAMES:
         if body["dt"] in PACKED_QUANT_NAMES:
@@ -257,7 +261,7 @@ def _tensor(body, path) -> Tensor:
     dev = body.get("dev")
     if dev is not None and (not isinstance(dev, str) or len(dev) > MAX_DEVICE_NAME):
         raise _bad("bad device name", path)
-    return Tensor(sh, n, inline, bs, blocks, part, dt=body["dt"], param=body.get("p") is True,
+    return Tensor(sh, n, inline, bs, blocks, part, h, dt=body["dt"], param=body.get("p") is True,
                   requires_grad=body.get("rg") is True, device=dev, quant=quant)
 
 
@@ -268,8 +272,8 @@ def _array(body, path) -> Array:
         dtype = np_dtype_in(body.get("dt"))
     except FormatError as e:
         raise _bad(str(e), path) from None
-    sh, n, inline, bs, blocks, part = _leaf_fields(body, path, dtype.itemsize)
-    return Array(sh, n, inline, bs, blocks, part, dtype=dtype, fortran=body.get("fo") is True)
+    sh, n, inline, bs, blocks, part, h = _leaf_fields(body, path, dtype.itemsize)
+    return Array(sh, n, inline, bs, blocks, part, h, dtype=dtype, fortran=body.get("fo") is True)
 
 
 def _global(body, path) -> Global:
@@ -287,10 +291,10 @@ def _global(body, path) -> Global:
         off = c.get("off")
         if not isinstance(off, list) or len(off) != len(gs) or not all(_is_int(x) and x >= 0 for x in off):
             raise _bad("bad chunk offsets", path)
-        sh, n, inline, bs, blocks, part = _leaf_fields(c, path, itemsize)
+        sh, n, inline, bs, blocks, part, h = _leaf_fields(c, path, itemsize)
         if len(sh) != len(gs) or any(o + k > g for o, k, g in zip(off, sh, gs)):
             raise _bad("chunk outside its tensor", path)
-        chunks.append(Chunk(sh, n, inline, bs, blocks, part, offsets=tuple(off)))
+        chunks.append(Chunk(sh, n, inline, bs, blocks, part, h, offsets=tuple(off)))
     return Global(dt, gs, chunks, replicated=body.get("rep") is True)
 
 
@@ -427,8 +431,9 @@ def visit(value, path=(), depth: int = 0, *, plain: bool = False) -> Iterator[tu
 # -- the one node writer -----------------------------------------------------------------
 class Pending:
     """A leaf whose manifest value is final only after its blocks are written.
-    manifest_value(final=False) gives a value of the same encoded size (placeholder
-    addresses), so the node layout and the size caps are checked before any write."""
+    manifest_value(final=False) gives a value of at least the final encoded size
+    (placeholder addresses; a part of a pack may end up a part of an older pack, or a
+    block of its own), so the node layout and the size caps are checked before any write."""
     packed_size: int | None = None  # its encoded size, once known
 
     def manifest_value(self, final: bool):  # pragma: no cover - interface

@@ -1,0 +1,208 @@
+"""Packs that keep dedup (docs/design/scaling.md, "Packs").
+
+A pack holds many small tensors in one block (plan.pack_leaves). Written whole, it would
+be written again whenever one of its tensors changed, and a frozen tensor packed beside a
+trained one would be stored again every snapshot. So, when a plan's blocks are written
+(Publisher.write_blocks):
+
+- each packed tensor's bytes are hashed (BLAKE3); one whose bytes a stored pack already
+  holds (PartIndex: content hash -> that part, learned from the packs this store wrote
+  and from the snapshots it was told of) names that part, `[old pack, offset, its
+  length]`, and is not written;
+- new packs form from the rest only, in state order (a planned pack none of whose
+  tensors is found stays as planned: staged, it is written from the staging buffer);
+- a pack of which this snapshot would name less than LIVE_SHARE of the bytes is not
+  named: those tensors go into new packs. So every pack a snapshot names is at least
+  LIVE_SHARE its own; an old pack dies with the snapshots that name it, and gc deletes it.
+
+Each part a writer names carries its content hash (LEAF `h`), so that a later writer
+learns a snapshot's parts from its manifest without reading its packs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import blake3
+
+from .errors import SnapshotAborted
+
+__all__ = ["PartIndex", "LIVE_SHARE", "reuse_parts", "learn_written", "gathered", "unwrite", "reused_packs",
+           "PartsGone"]
+
+# A snapshot names a stored pack's parts only if they are at least this share of its bytes.
+# Bounds: the packs one snapshot names hold at most 1/LIVE_SHARE its packed bytes, and the
+# bytes rewritten out of abandoned packs are at most LIVE_SHARE / (1 - LIVE_SHARE) of the
+# bytes that changed (scaling.md, "Packs").
+LIVE_SHARE = 0.5
+MAX_PARTS = 1 << 18  # parts an index keeps (~60 MB at most), the least recently used dropped
+
+
+class PartsGone(SnapshotAborted):
+    """A gc deletion phase removed a pack whose parts this snapshot names (found when the
+    fenced move re-validates): the put writes those tensors into new packs and tries again."""
+
+    def __init__(self, packs):
+        super().__init__(f"a gc deletion phase removed {len(packs)} pack(s) this snapshot named parts of; "
+                         "nothing was published, take it again")
+        self.packs = list(packs)
+
+
+class PartIndex:
+    """content hash -> (pack address, offset, the pack's length, the part's length) of
+    parts of packs this store held when last seen (a hint: a writer checks the pack is
+    there before naming it). Thread-safe; bounded (least recently used dropped)."""
+
+    def __init__(self, limit: int = MAX_PARTS):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._parts: OrderedDict = OrderedDict()
+        self._learned: set = set()  # snapshots whose parts were added (learn())
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def get(self, h: bytes):
+        with self._lock:
+            got = self._parts.get(h)
+            if got is not None:
+                self._parts.move_to_end(h)
+            return got
+
+    def add(self, h: bytes, pack: bytes, off: int, glen: int, n: int) -> None:
+        with self._lock:
+            self._parts[h] = (pack, off, glen, n)
+            self._parts.move_to_end(h)
+            while len(self._parts) > self.limit:
+                self._parts.popitem(last=False)
+
+    def forget(self, packs) -> None:
+        """Packs found gone: none of their parts is named again."""
+        packs = set(packs)
+        with self._lock:
+            for h in [h for h, v in self._parts.items() if v[0] in packs]:
+                del self._parts[h]
+
+    def learn(self, assets, root: bytes) -> None:
+        """Add the parts a stored snapshot names (its nodes are read, not its packs), once
+        per snapshot. A snapshot that cannot be read adds nothing: it is only a hint."""
+        with self._lock:
+            if root in self._learned:
+                return
+            self._learned.add(root)
+        from .errors import TsckError
+        from .walk import packed_parts
+        try:
+            for h, pack, off, glen, n in packed_parts(assets, root):
+                self.add(h, pack, off, glen, n)
+        except (TsckError, OSError):
+            pass
+
+
+def _packs(plan) -> list:
+    from .plan import Pack
+    return [leaf for leaf in plan.leaves if type(leaf) is Pack]
+
+
+def _hash_members(pack) -> None:
+    """The pack's bytes ours (copied together unless staged), and each member's hash of
+    exactly those bytes: what lands in the pack is what its `h` says."""
+    if pack.raw is None:
+        pack.gather()
+    for m in pack.members:
+        m.content = blake3.blake3(memoryview(pack.raw[m.pack_off:m.pack_off + m.nbytes])).digest()
+
+
+def reuse_parts(plan, assets, pool, fence: int | None) -> None:
+    """Before a plan's blocks are written: each packed tensor whose bytes a stored pack
+    holds names that part (Leaf.reused), the packs form anew from the rest, and
+    plan.leaves becomes what is to be written. Undone by unwrite()."""
+    from .plan import Pack, pack_leaves
+    packs = _packs(plan)
+    if not packs or getattr(plan, "planned", None) is not None:
+        return
+    plan.planned = [(leaf, [(m, m.pack_off, m.raw, m.private) for m in leaf.members] if type(leaf) is Pack else None)
+                    for leaf in plan.leaves]
+    list(pool.map(_hash_members, packs))
+    index = assets.parts
+    found: dict = {}  # pack address -> [(member, its part)]
+    for p in packs:
+        for m in p.members:
+            hit = index.get(m.content)
+            if hit is not None and hit[3] == m.nbytes:
+                found.setdefault(hit[0], []).append((m, hit))
+    # Only packs this snapshot names a large share of (each part once), and that are there.
+    dense = [d for d, ms in found.items()
+             if sum({hit[1]: hit[3] for _m, hit in ms}.values()) >= LIVE_SHARE * ms[0][1][2]]
+    there = list(pool.map(lambda d: assets.has_block(d, found[d][0][1][2], fence), dense))
+    index.forget([d for d, ok in zip(dense, there) if not ok])
+    reused = []
+    for d, ok in zip(dense, there):
+        if ok:
+            for m, hit in found[d]:
+                m.reused = hit[:3]
+                reused.append(m)
+    plan.reused = reused
+    if not reused:
+        return
+    leaves, rest = [], []
+    for leaf in plan.leaves:
+        if type(leaf) is not Pack:
+            leaves.append(leaf)
+            continue
+        keep = [m for m in leaf.members if m.reused is None]
+        if len(keep) == len(leaf.members):
+            leaves.append(leaf)  # as planned (a staged one: its span of the staging buffer)
+            continue
+        for m in keep:
+            m.raw, m.private, m.pack = leaf.raw[m.pack_off:m.pack_off + m.nbytes], True, None
+        rest.extend(keep)
+    fresh = pack_leaves(rest, plan.pack_size or max(p.nbytes for p in packs))
+    for leaf in fresh:
+        if type(leaf) is Pack:
+            leaf.gather()
+    plan.gathered = [leaf for leaf in fresh if type(leaf) is Pack]
+    plan.leaves = leaves + fresh
+
+
+def gathered(plan) -> list:
+    """The packs reuse_parts made of the leftovers of partly reused ones: their bytes are
+    in a buffer of their own, not in a plan's staging buffer."""
+    return getattr(plan, "gathered", None) or []
+
+
+def reused_packs(plan) -> dict:
+    """pack address -> its length, of the stored packs the plan names parts of."""
+    return {m.reused[0]: m.reused[2] for m in getattr(plan, "reused", None) or ()}
+
+
+def learn_written(plan, index: PartIndex) -> None:
+    """After a plan's blocks are written: its packs' parts into the index (the parts it
+    named again stay most recently used)."""
+    from .plan import Pack
+    for leaf in plan.leaves:
+        if type(leaf) is Pack and leaf.results:
+            d = leaf.results[0].digest
+            for m in leaf.members:
+                if m.content is not None:
+                    index.add(m.content, d, m.pack_off, leaf.nbytes, m.nbytes)
+    for m in getattr(plan, "reused", None) or ():
+        index.get(m.content)
+
+
+def unwrite(plan) -> None:
+    """The plan as planned again, nothing written (before it is written anew)."""
+    planned = getattr(plan, "planned", None)
+    if planned is None:
+        for leaf in plan.leaves:
+            leaf.results = []
+        return
+    leaves = []
+    for leaf, members in planned:
+        leaf.results = []
+        if members is not None:
+            for m, off, raw, private in members:
+                m.pack, m.pack_off, m.raw, m.private, m.reused, m.results = leaf, off, raw, private, None, []
+        leaves.append(leaf)
+    plan.leaves, plan.planned, plan.reused, plan.gathered = leaves, None, [], []
