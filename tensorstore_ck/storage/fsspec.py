@@ -25,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 import os
 import posixpath
 import threading
 import uuid
+import weakref
 from typing import BinaryIO, Iterator, Sequence
 
 import fsspec
@@ -37,9 +39,61 @@ from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["FsspecBlockStore", "translated"]  # translated: S3BlockStore's calls are wrapped by it too
 
+log = logging.getLogger(__name__)
+
 # fsspec's MemoryFileSystem creates (mode="create") with exists() and then a write, unlocked,
 # over one dict per process: racing creates of one key could all report True.
 _MEMORY_CREATE_LOCK = threading.Lock()
+
+
+# The event loops given _quiet_cut_connections (fsspec's IO loop; a new one after a fork).
+_QUIETED: "weakref.WeakSet" = weakref.WeakSet()
+_QUIETED_LOCK = threading.Lock()
+
+
+def _orphaned_cut(context: dict) -> bool:
+    """An exception asyncio found unretrieved in a task of aiohttp's that is a cut
+    connection's. aiohttp sends a request's headers and body from a task of its own (at
+    once where the request expects "100 Continue", as botocore's PUTs do); when the
+    connection is reset as that task starts, the request itself fails (the caller hears
+    it: a retry, then a StorageError) and aiohttp forgets the task without retrieving its
+    exception, the same failure once more."""
+    exc, task = context.get("exception"), context.get("future") or context.get("task")
+    if not isinstance(exc, ConnectionError) or task is None or not hasattr(task, "get_coro"):
+        return False
+    code = getattr(task.get_coro(), "cr_code", None)
+    path = getattr(code, "co_filename", "") or ""
+    return f"{os.sep}aiohttp{os.sep}" in path
+
+
+def _loop_of(fs):
+    """The event loop an async filesystem (s3fs, gcsfs, adlfs) runs its requests on, or None."""
+    return getattr(fs, "loop", None) if getattr(fs, "async_impl", False) else None
+
+
+def _quiet_cut_connections(loop) -> None:
+    """Give `loop` an exception handler that logs _orphaned_cut's exceptions at debug
+    level instead of asyncio's "Task exception was never retrieved" traceback on stderr
+    (printed even with no logging configured: logging's last resort); every other one
+    goes to the handler the loop had, or asyncio's default."""
+    if loop is None:
+        return
+    with _QUIETED_LOCK:
+        if loop in _QUIETED:
+            return
+        _QUIETED.add(loop)
+        before = loop.get_exception_handler()
+
+    def handler(lp, context: dict) -> None:
+        if _orphaned_cut(context):
+            log.debug("a request's connection was cut (its request failed and was handled): %s: %s",
+                      type(context["exception"]).__name__, context["exception"])
+            return
+        if before is not None:
+            before(lp, context)
+        else:
+            lp.default_exception_handler(context)
+    loop.set_exception_handler(handler)
 
 
 def translated(fn):
@@ -78,6 +132,7 @@ class FsspecBlockStore(BlockStore):
             opts.setdefault("skip_instance_cache", True)
         fs, path = fsspec.core.url_to_fs(url, **self._options(opts))
         self.fs = fs
+        _quiet_cut_connections(_loop_of(fs))
         self._fs_args = (url, opts) if proto in self.REMOTE else None
         self.root = path.rstrip("/")
         self.url = url  # never the storage options: they may hold credentials
@@ -104,7 +159,9 @@ class FsspecBlockStore(BlockStore):
             import fsspec.asyn
             fsspec.asyn.reset_lock()
             url, opts = self._fs_args
-            self.fs = fsspec.core.url_to_fs(url, **self._options(dict(opts)))[0]
+            fs = fsspec.core.url_to_fs(url, **self._options(dict(opts)))[0]
+            _quiet_cut_connections(_loop_of(fs))
+            self.fs = fs
 
     # -- hooks a service-specific store overrides ---------------------------------
     def _options(self, opts: dict) -> dict:
