@@ -1,7 +1,8 @@
 """A local tier whose ref table was lost (docs/design/tiers.md, "Crashes"): while the
 tier holds snapshots, `open_store(remote, local=PATH)` refuses it (NotAStore naming
 `tsck recover PATH`), creating and deleting nothing, as a plain store without its table
-is refused. Made afresh, the table would lack the snapshot not yet uploaded: a restore
+is refused. A table file of 0 bytes (a filesystem crash) is such a lost table, and so is
+a table file that knows none of the tier's snapshots (a new LMDB file in its place). Made afresh, the table would lack the snapshot not yet uploaded: a restore
 would go back to the remote's older tip, nothing would upload it, and a gc of the tier
 would delete it. `tsck recover PATH` rebuilds the table from the tier's objects; the next
 open uploads the recovered tip and marks what the remote catalog lists durable, without
@@ -60,14 +61,23 @@ def _lose_table(local: str) -> dict:
     return object_listing(local)
 
 
-def _assert_refused(open_it, local: str, objects: dict) -> None:
+def _assert_refused(open_it, local: str, objects: dict, table: bytes | None = None) -> None:
+    """table: the bytes of the table file left in place (None: no table there)."""
     with pytest.raises(NotAStore) as e:
         open_it()
     msg = str(e.value)
     assert f"`tsck recover {os.path.abspath(local)}`" in msg, msg
     assert "\n" not in msg
-    assert not os.path.exists(os.path.join(local, "refs.lmdb")), "the refused open made a table"
+    if table is None:
+        assert not os.path.exists(os.path.join(local, "refs.lmdb")), "the refused open made a table"
+    else:
+        assert _table_bytes(local) == table, "the refused open wrote the table file"
     assert object_listing(local) == objects, "the refused open changed the tier's objects"
+
+
+def _table_bytes(local: str) -> bytes:
+    with open(os.path.join(local, "refs.lmdb", "data.mdb"), "rb") as f:
+        return f.read()
 
 
 @pytest.mark.slow  # a real S3 server
@@ -217,3 +227,71 @@ def test_recover_brings_back_the_local_only_snapshot_of_a_tier_that_lost_its_tab
         assert remote.fsck().ok
     r = _tsck("log", local, "job/main")
     assert r.returncode == 0 and "local-only" not in r.stdout, r.stdout
+
+
+@pytest.mark.slow  # a real S3 server
+def test_an_empty_or_new_table_file_is_refused_naming_recover_and_recover_brings_the_tier_back(s3_url, s3_server,
+                                                                                               tmp_path):
+    """Step 1 durable, step 2 local-only; then the tier's data.mdb is left with 0 bytes (a
+    node's filesystem crash): the tiered open is refused naming `tsck recover PATH`, also
+    with the remote away, and so are `tsck log` and `tsck gc` of PATH, the file still 0
+    bytes and every object kept. A new LMDB table file in its place (it records no store
+    and knows none of the tier's snapshots) is refused the same way. `tsck recover PATH`
+    then rebuilds the table: the tier restores step 2 and uploads it."""
+    local = str(tmp_path / "nvme")
+    with _open(s3_url, s3_server, tmp_path, local=local) as store:
+        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        assert store.wait_durable(timeout=DEADLINE)
+        store._tier.uploader.close()  # step 2 stays local-only
+        root2 = store.put_snapshot(_state(2), "job/main", job="job", step=2).root
+    data = os.path.join(local, "refs.lmdb", "data.mdb")
+    with open(data, "r+b") as f:
+        f.truncate(0)
+    objects = object_listing(local)
+    assert any(k.startswith("commits/") for k in objects)
+
+    _assert_refused(lambda: _open(s3_url, s3_server, tmp_path, local=local), local, objects, table=b"")
+    away = {**s3_server, "endpoint_url": "http://127.0.0.1:9"}  # nothing listens there
+    _assert_refused(lambda: _open(s3_url, away, tmp_path, local=local), local, objects, table=b"")
+    for args in (("log", local, "job/main"), ("gc", local)):
+        r = _tsck(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert f"`tsck recover {local}`" in r.stderr, (args, r.stderr)
+    assert _table_bytes(local) == b"" and object_listing(local) == objects
+
+    from tensorstore_ck.refs import LmdbRefTable
+    LmdbRefTable(str(tmp_path / "other.lmdb")).close()  # a new, empty table file
+    shutil.copyfile(tmp_path / "other.lmdb" / "data.mdb", data)
+    fresh = _table_bytes(local)
+    _assert_refused(lambda: _open(s3_url, s3_server, tmp_path, local=local), local, objects, table=fresh)
+
+    r = _tsck("recover", local)
+    assert r.returncode == 0, r.stderr
+    with _open(s3_url, s3_server, tmp_path, local=local) as store:
+        assert store.resolve("job/main") == root2
+        assert_same(store.checkout("job/main"), _state(2))
+        assert store.wait_durable(timeout=DEADLINE)
+    with _open(s3_url, s3_server, tmp_path) as remote:
+        assert remote.resolve("job/main") == root2
+        assert_same(remote.checkout("job/main"), _state(2))
+
+
+@pytest.mark.slow  # a real S3 server
+def test_an_empty_table_file_beside_a_tier_without_snapshots_is_made_afresh_with_it(s3_url, s3_server, tmp_path):
+    """A 0-byte table file in a tier that holds no commit loses nothing: the tier opens, its
+    table made as a new tier's (not one marked as lost), so the next open after a put
+    opens it too."""
+    local = str(tmp_path / "nvme")
+    with _open(s3_url, s3_server, tmp_path, local=local) as store:
+        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        assert store.wait_durable(timeout=DEADLINE)
+    shutil.rmtree(os.path.join(local, "commits"))
+    with open(os.path.join(local, "refs.lmdb", "data.mdb"), "r+b") as f:
+        f.truncate(0)
+    with _open(s3_url, s3_server, tmp_path, local=local) as store:
+        assert_same(store.checkout("job/main"), _state(1))  # the remote's
+        store.put_snapshot(_state(2), "job/main", job="job", step=2)
+        assert store.wait_durable(timeout=DEADLINE)
+    with _open(s3_url, s3_server, tmp_path, local=local) as store:
+        assert store.show("job/main").step == 2
+        assert_same(store.checkout("job/main"), _state(2))

@@ -280,6 +280,8 @@ class LmdbRefTable(RefTable):
             raise NotAStore(f"no ref table at {path}")
         if read_only and not os.path.isfile(os.path.join(path, "data.mdb")):
             raise NotAStore(f"no ref table at {path} (no data.mdb in it)")
+        if (not create or read_only) and _file_size(path) == 0:  # (LMDB would make it afresh: a lost table)
+            raise NotAStore(f"no ref table at {path} (its data.mdb is empty: 0 bytes)")
         if not read_only:
             os.makedirs(path, exist_ok=True)
         self._closed = False

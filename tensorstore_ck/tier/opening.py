@@ -280,7 +280,7 @@ def lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backof
     refs_dir = os.path.join(root, "refs.lmdb")
     if location is None:
         return None
-    if os.path.isfile(os.path.join(root, STORE_MARKER)) and os.path.isdir(refs_dir):
+    if os.path.isfile(os.path.join(root, STORE_MARKER)) and _table_file(refs_dir):
         lcfg = read_config(LocalBlockStore(root))
         if lcfg is None or not isinstance(lcfg.get("id"), str):
             return None
@@ -322,8 +322,8 @@ def lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backof
                 return None
         else:
             lrefs = _tier_table(refs_dir, create=False)
-            if lrefs.bound_store() != store_id:
-                return None
+            if lrefs.bound_store() != store_id or lrefs.rebuild_unfinished() is not None:
+                return None  # (the eager open decides: made afresh, or refused: _refuse_unknowing)
             seen = _verified(lrefs, location) == store_id or (
                 recorded is not None and recorded["id"] == store_id and _layout_of(recorded) == _layout_of(lcfg))
             if not seen:  # a location where no open found this store: the eager open reads its marker
@@ -401,9 +401,13 @@ def tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, setti
             lcfg = read_config(lstorage) or cfg
     _check_tier(root, lcfg, cfg, store_id, remote.url)
     refs_dir = os.path.join(root, "refs.lmdb")
-    fresh = not os.path.isdir(refs_dir)
+    # No table file (or an empty one) while the tier holds no commit (refuse_lost_table
+    # refused the rest): the table is made with the tier, as for a new one.
+    fresh = not _table_file(refs_dir)
     lrefs = _tier_table(refs_dir, create=True)
     try:
+        if not fresh:
+            _refuse_unknowing(root, lrefs)
         lrefs.bind_store(store_id, new=fresh)
         if location is not None and _verified(lrefs, location) != store_id:
             lrefs.verified_put(location, store_id)
@@ -414,22 +418,58 @@ def tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, setti
     return make_store(lcore, remote, cfg)
 
 
+def _table_file(refs_dir: str) -> bool:
+    """Whether the tier's LMDB table has a data file with something in it (a 0-byte
+    data.mdb, as a filesystem crash leaves one, is no table: LMDB would make it afresh)."""
+    try:
+        return os.path.getsize(os.path.join(refs_dir, "data.mdb")) > 0
+    except OSError:
+        return False
+
+
+def _recover_hint(root: str) -> str:
+    return (f"run `tsck recover {shlex.quote(root)}` to rebuild it from the tier's objects, then open the store "
+            "again (what was not uploaded is uploaded then)")
+
+
 def refuse_lost_table(root: str) -> None:
-    """A tier (its marker) that holds snapshots but no ref table is refused (NotAStore),
-    nothing created, as a plain store in that state is: a table made afresh would lack
-    the snapshots not yet uploaded, so a restore would go back to the remote's older tip,
-    nothing would upload them, and a gc of the tier would delete them. `tsck recover`
-    rebuilds the table from the tier's objects. "Holds snapshots" is the plain store's
-    test (a commit stored): blocks and nodes without a commit are no snapshot to lose."""
+    """A tier (its marker) that holds snapshots but no ref table (none, or a data.mdb of
+    0 bytes) is refused (NotAStore), nothing created or written, as a plain store in that
+    state is: a table made afresh would lack the snapshots not yet uploaded, so a restore
+    would go back to the remote's older tip, nothing would upload them, and a gc of the
+    tier would delete them. `tsck recover` rebuilds the table from the tier's objects.
+    "Holds snapshots" is the plain store's test (a commit stored): blocks and nodes
+    without a commit are no snapshot to lose. A table file that opens but knows none of
+    the tier's snapshots is refused once opened (_refuse_unknowing)."""
     if not os.path.isfile(os.path.join(root, STORE_MARKER)):
         return
     refs_dir = os.path.join(root, "refs.lmdb")
-    if os.path.isfile(os.path.join(refs_dir, "data.mdb")):
+    if _table_file(refs_dir):
         return
     if holds_snapshots(LocalBlockStore(root)):
-        raise NotAStore(f"no ref table at {refs_dir}: the local tier {root} holds snapshots but its ref table does "
-                        f"not; if it was lost, run `tsck recover {shlex.quote(root)}` to rebuild it from the "
-                        "tier's objects, then open the store again (what was not uploaded is uploaded then)")
+        what = ("its table file is empty (data.mdb has 0 bytes)" if os.path.isfile(os.path.join(refs_dir, "data.mdb"))
+                else "its ref table does not")
+        raise NotAStore(f"no ref table at {refs_dir}: the local tier {root} holds snapshots but {what}; if it was "
+                        f"lost, {_recover_hint(root)}")
+
+
+def _refuse_unknowing(root: str, lrefs: LmdbRefTable) -> None:
+    """An existing tier table that cannot know the tier's snapshots, while the tier holds
+    some (a commit stored), is refused as a lost one is (NotAStore naming `tsck recover`),
+    before it is bound or written: a table that records no store (made afresh: a new
+    LMDB file put in its place), or one marked as rebuilding (a lost table that a plain
+    open made again empty, or a recover that did not finish). A table made with the tier
+    knows every snapshot published in it; a commit it lacks is a put that never
+    published, no snapshot to lose."""
+    why = None
+    if lrefs.bound_store() is None:
+        why = "records no store: it was made afresh"
+    elif lrefs.rebuild_unfinished() is not None:
+        why = "was made again empty, or is being rebuilt by a recover that did not finish"
+    if why is None or not holds_snapshots(LocalBlockStore(root)):
+        return
+    raise NotAStore(f"the ref table at {lrefs.path} knows none of the snapshots the local tier {root} holds (it {why}); "
+                    f"if the tier's table was lost, {_recover_hint(root)}")
 
 
 def _check_tier(root: str, lcfg: dict, cfg: dict, store_id: str, url: str) -> None:
