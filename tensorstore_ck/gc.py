@@ -56,7 +56,7 @@ import numpy as np
 from .core import DEFAULT_LEASE, Core
 from .errors import FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError, UnreadableObject
 from .progress import progress_bar
-from .reach import KINDS, Marked, NodeSet, holders, iter_unreachable, kept_roots, mark
+from .reach import KINDS, Marked, NodeSet, holders, iter_unreachable, kept_roots, mark, undeletable
 from .refs.gcstate import rebuild_message
 from .units import human_bytes
 from .walk import walk_commit
@@ -460,7 +460,8 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
             return rep
         rep.reflog_compacted = refs.compact_history()
         rep = _delete_only_theirs(core, [r for r in expired if r not in evicted], hold, began, rep, f"prune {job}",
-                                  parts=parts, phase_objects=phase_objects, phase_seconds=phase_seconds)
+                                  parts=parts, phase_objects=phase_objects, phase_seconds=phase_seconds,
+                                  keep_undeletable=True)
         rep.seconds = time.time() - t_start
         hold.finish_fields = {"last_prune": {"at": refs.wall_now(), "job": job, "deleted": rep.deleted_objects}}
     log.debug("prune %s: expired %d snapshots, deleted %d objects (%d bytes) in %.2fs", job, len(rep.expired),
@@ -471,18 +472,21 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
 
 def _delete_only_theirs(core: Core, gone: list, hold: "Lease", began: float, rep: GCReport, what: str, *,
                         parts: dict | None = None, phase_objects: int | None = None,
-                        phase_seconds: float | None = None) -> GCReport:
+                        phase_seconds: float | None = None, keep_undeletable: bool = False) -> GCReport:
     """Delete the objects of the snapshots `gone` (no longer kept: expired, or evicted)
     that no kept snapshot reaches, with gc's deletion phases: storage is not listed, the
     candidates are found by walking those snapshots. parts: RefTable.parts() as read
     before their rows were dropped (a rank's tier walks a collective snapshot through its
-    own part); None: read now."""
+    own part); None: read now. keep_undeletable: what deleted refs' tips reach counts as kept
+    too (a prune: undelete works until the next gc)."""
     if parts is None:
         parts = core.refs.parts()
     k0 = kept_roots(core)
     rep.kept_snapshots = len(k0)
     marked, visited = Marked(), NodeSet()
     rep.reachable_objects = mark(core, k0, marked, visited)
+    if keep_undeletable:  # read after k0: a ref deleted meanwhile was a tip in it
+        k0 |= _mark_undeletable(core, k0, marked, visited, rep)
     marked.freeze()
     hold.check()
     # Nodes a kept snapshot reaches are in `visited`: walking with it skips them and
@@ -509,6 +513,21 @@ def _delete_only_theirs(core: Core, gone: list, hold: "Lease", began: float, rep
         raise
     return execute_gc(core, GCPlan(began, k0, marked, visited, spool, rep), lease=hold,
                       phase_objects=phase_objects, phase_seconds=phase_seconds)
+
+
+def _mark_undeletable(core: Core, kept: set, marked: Marked, visited: NodeSet, rep: GCReport) -> set:
+    """Mark what deleted refs' tips reach (reach.undeletable) -> those roots. One that is
+    damaged could not be undeleted anyway: skipped, logged; an unreadable one stops the
+    prune (it may be readable at the next)."""
+    roots = undeletable(core) - kept
+    for root in sorted(roots):
+        try:
+            rep.reachable_objects += mark(core, [root], marked, visited)
+        except UnreadableObject:
+            raise
+        except TsckError as e:
+            log.warning("deleted ref's snapshot %s is damaged (%s): undelete cannot bring it back", root.hex()[:16], e)
+    return roots
 
 
 def evict_snapshots(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) -> GCReport:

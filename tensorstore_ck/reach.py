@@ -187,6 +187,15 @@ def kept_roots(core: Core, exclude: set | None = None) -> set[bytes]:
     return (roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()) - rt.evicted()
 
 
+def undeletable(core: Core) -> set[bytes]:
+    """The roots undelete would bring deleted refs back on (each deleted ref's tip at its
+    removal) whose commits storage still holds: a job's prune keeps what they reach, so
+    delete-ref's promise holds until the next gc, which reclaims them."""
+    names, _forgotten = core.refs.removed()
+    roots = (core.refs.deleted_ref_root(name) for name in sorted(names))
+    return {r for r in roots if r is not None and core.assets.has_commit(r)}
+
+
 def holders(core: Core) -> dict[bytes, list[tuple[str, str]]]:
     """root -> what holds it whatever retention says: ("ref", name) for a ref's tip,
     ("tag", name), ("pin", ""), ("upload", "") for a local tier's snapshot whose upload

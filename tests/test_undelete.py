@@ -148,6 +148,68 @@ def test_a_tag_in_the_refs_place_is_named_by_undelete(tmp_path):
         assert s.undelete("mine/main").root == tip
 
 
+def _rand(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(40000).astype(np.float32)  # 160 KB, 3 blocks
+
+
+def test_a_jobs_prune_keeps_what_undelete_brings_back(tmp_path):
+    """The deleted ref's snapshot shares its base with a snapshot the job's prune expires:
+    the prune deletes what only the expired one held, never what undelete brings back."""
+    with tsck.open_store(tmp_path / "s", block_size=64 * 1024) as s:
+        s.set_retention("run", tsck.Retention(keep_last=1))
+        base = _rand(1)
+        old = s.put_snapshot({"base": base, "head": _rand(10)}, ref="run/main", step=1).root
+        tip = s.put_snapshot({"base": base, "head": _w(100)}, ref="run/exp", step=1).root
+        s.delete_ref("run/exp")
+        s.put_snapshot({"base": _rand(2), "head": _rand(11)}, ref="run/main", step=2)
+        rep = s.prune("run")
+        assert rep.expired == [old] and rep.deleted_objects >= 4  # its commit, node, own head blocks
+        assert s.undelete("run/exp").root == tip
+        back = s.checkout("run/exp")
+        assert back["base"].tobytes() == base.tobytes() and back["head"].tobytes() == _w(100).tobytes()
+        assert s.fsck().ok
+        # The promise ends at the next gc: a deleted ref's snapshot is garbage to it.
+        s.delete_ref("run/exp")
+        assert s.gc().deleted_objects > 0
+        with pytest.raises(tsck.RefNotFound, match="gone"):
+            s.undelete("run/exp")
+
+
+def test_a_prune_that_expires_the_deleted_refs_own_snapshot_keeps_it(tmp_path):
+    """The deleted ref's snapshot stayed in the catalog (a tag held it at the deletion) and
+    its job's retention expires it later: the prune leaves it whole for undelete."""
+    with tsck.open_store(tmp_path / "s", block_size=64 * 1024) as s:
+        s.set_retention("run", tsck.Retention(keep_last=1))
+        tip = s.put_snapshot({"w": _rand(3)}, ref="run/exp", step=1).root
+        s.tag("hold", "run/exp")
+        s.delete_ref("run/exp")
+        s.untag("hold")
+        s.put_snapshot({"w": _rand(4)}, ref="run/main", step=2)
+        assert s.prune("run").expired == [tip]
+        assert s.undelete("run/exp").root == tip
+        assert s.checkout("run/exp")["w"].tobytes() == _rand(3).tobytes()
+        assert s.fsck().ok
+
+
+def test_a_damaged_deleted_snapshot_does_not_stop_the_prune(tmp_path):
+    """A deleted ref whose snapshot lost its tree node cannot come back; the job's prune
+    still runs (and undelete says what is missing)."""
+    path = tmp_path / "s"
+    with tsck.open_store(path, block_size=64 * 1024) as s:
+        s.set_retention("run", tsck.Retention(keep_last=1))
+        s.put_snapshot({"w": _rand(5)}, ref="run/exp", step=1)
+        nodes = [p for p in (path / "nodes").rglob("*") if p.is_file()]
+        assert len(nodes) == 1
+        nodes[0].unlink()
+        s.delete_ref("run/exp")
+        old = s.put_snapshot({"w": _rand(6)}, ref="run/main", step=1).root
+        s.put_snapshot({"w": _rand(7)}, ref="run/main", step=2)
+        rep = s.prune("run")
+        assert rep.expired == [old] and rep.deleted_objects > 0
+        with pytest.raises(tsck.IntegrityError):
+            s.undelete("run/exp")
+
+
 # -- the command line ---------------------------------------------------------------------
 
 def test_cli_delete_ref_prints_undelete_and_it_works(tmp_path):
@@ -167,6 +229,38 @@ def test_cli_delete_ref_prints_undelete_and_it_works(tmp_path):
     with tsck.open_store(path) as s:
         assert s.resolve("mine/main") == tip and "mine/main" not in dict(s.reftable.tags())
         s.put_snapshot({"w": _w(4)}, ref="mine/main", step=4)
+
+
+def test_cli_undelete_after_the_managers_prunes(tmp_path):
+    """`tsck delete-ref`'s words hold while the job trains on: its CheckpointManager prunes
+    after every snapshot, expiring the snapshots whose blocks the deleted ref shares, and
+    `tsck undelete` still brings the ref back bit-identical."""
+    import torch
+    path = tmp_path / "s"
+    state = {"base": torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)), "head": torch.zeros(256)}
+    with tsck.open_store(path, block_size=64 * 1024) as s:
+        mgr = tsck.CheckpointManager(s, job="run", state=state, every_steps=1, retention=tsck.Retention(keep_last=1),
+                                     async_=False)
+        mgr.step(1)
+        exp = {"base": state["base"].clone(), "head": torch.ones(256)}
+        tip = s.put_snapshot(exp, ref="run/exp", step=1).root
+        r = _tsck("delete-ref", path, "run/exp")
+        assert r.returncode == 0, r.stderr
+        assert f"`tsck undelete {path} run/exp`" in r.stdout and "the next gc" in r.stdout
+        for step in (2, 3):  # every value changes: the expired snapshots' blocks are the deleted ref's
+            state["base"].add_(1.0)
+            state["head"].add_(1.0)
+            mgr.step(step)
+        mgr.close()
+        assert mgr.prune_errors == [] and mgr.last_prune is not None
+        assert [i.step for i in s.log("run/main")] == [3]
+    back = _tsck("undelete", path, "run/exp", "--json")
+    assert back.returncode == 0, back.stderr
+    assert json.loads(back.stdout)["root"] == tip
+    with tsck.open_store(path) as s:
+        got = s.checkout("run/exp")
+        assert torch.equal(got["base"], exp["base"]) and torch.equal(got["head"], exp["head"])
+        assert s.fsck().ok
 
 
 def test_cli_forget_prints_an_undo_that_works(tmp_path):
