@@ -27,9 +27,16 @@ from the snapshot as written (with the chunk index rank 0 writes at commit) and 
 same rank trees committed without the index (what older builds wrote: every rank merges
 every rank's tree, O(W^2) node reads in all): slowest rank's time and nodes read.
 
+--store-bytes: instead, the bytes each rank sends and reads through the c10d Store per
+snapshot (a counting wrapper around the store the collective calls use), forked gloo
+ranks each holding --tensors sharded pieces of --kb KiB (blocks, not inlined), every value
+changed in every snapshot: the first snapshot sends each rank's layout once, a repeated one
+a constant few hundred bytes per rank, whatever N and whatever changed.
+
 Usage (about 2 minutes on 2 cores):
     .venv/bin/python benches/bench_dist.py | tee benches/results/dist.txt
     .venv/bin/python benches/bench_dist.py --ranks 8 --repeats 3     # smoke run
+    .venv/bin/python benches/bench_dist.py --store-bytes --ranks 8 --tensors 600 --kb 20 --repeats 2
 """
 
 from __future__ import annotations
@@ -247,8 +254,155 @@ def run_world(world: int, args, base: str) -> dict:
             "checkout": co}
 
 
+class CountingStore:
+    """A rank's client of the c10d Store as the collective calls use it (what
+    torch.distributed's default store returns): forwards every call and counts the
+    requests and payload bytes (keys and values sent, values got back), as
+    benches/bench_scale.py's CountingKV does for its threads."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.requests = self.bytes = 0
+
+    def _n(self, n: int) -> None:
+        self.requests += 1
+        self.bytes += n
+
+    def set(self, key, value):
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self.inner.set(key, value)
+        self._n(len(key) + len(value))
+
+    def get(self, key):
+        v = self.inner.get(key)
+        self._n(len(key) + len(v))
+        return v
+
+    def add(self, key, n):
+        self._n(len(key) + 16)  # the increment out, the count back
+        return self.inner.add(key, n)
+
+    def check(self, keys):
+        self._n(sum(len(k) for k in keys) + 1)
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        v = self.inner.compare_set(key, expected, desired)
+        self._n(len(key) + len(expected) + len(desired) + len(v))
+        return v
+
+    def delete_key(self, key):
+        self._n(len(key) + 1)
+        return self.inner.delete_key(key)
+
+    def wait(self, keys, *args):
+        self._n(sum(len(k) for k in keys))
+        return self.inner.wait(keys, *args)
+
+    def multi_get(self, keys):
+        v = self.inner.multi_get(keys)
+        self._n(sum(len(k) for k in keys) + sum(len(x) for x in v))
+        return v
+
+
+def changed_state(rank: int, world: int, rep: int, tensors: int, kib: int) -> dict:
+    """Rank `rank`'s row piece of each of `tensors` global float32 tensors (kib KiB a piece:
+    above the 16 KiB inline threshold, so each is a block of its own), every value new in
+    each rep."""
+    cols = 256
+    rows = max(1, kib * 1024 // (4 * cols))
+    g = torch.Generator()
+    g.manual_seed(rep * 1000003 + rank)
+    return {"t": {f"p{i:05d}": tsck.Sharded(torch.randn(rows, cols, generator=g), (rows * world, cols), (rows * rank, 0))
+                  for i in range(tensors)}, "step": rep}
+
+
+def store_bytes_rank(rank: int, world: int, port: int, args, out: str) -> None:
+    """One gloo rank of store_bytes_world: its collective puts, each one's requests and
+    bytes through the c10d Store and its SnapshotInfo."""
+    rec = {"rank": rank, "reps": []}
+    code = 1
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+        torch.set_num_threads(1)
+        kv = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group("gloo", store=kv, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        counted = CountingStore(c10d._get_default_store())
+        c10d._get_default_store = lambda: counted  # what the collective calls talk through, counted
+        store = tsck.open_store(os.path.join(out, "store"), workers=2)
+        for rep in range(args.repeats + 1):  # rep 0: the first snapshot (the layouts sent)
+            state = changed_state(rank, world, rep, args.tensors, args.kb)
+            dist.barrier()
+            counted.requests = counted.bytes = 0
+            info = store.put_snapshot(state, REF, step=rep, timeout=300)
+            rec["reps"].append({"requests": counted.requests, "bytes": counted.bytes, "root": info.root,
+                                "bytes_new": info.bytes_new, "blocks_new": info.blocks_new,
+                                "bytes_total": info.bytes_total, "blocks_total": info.blocks_total})
+            dist.barrier()
+        store.close()
+        code = 0
+    except BaseException:  # noqa: BLE001
+        rec["error"] = traceback.format_exc()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(rec, f)
+    os._exit(code)
+
+
+def store_bytes_world(world: int, args, base: str) -> list:
+    """Forked gloo ranks making repeated collective puts with every value changed (the
+    c10d TCPStore hosted here) -> each rank's record (store_bytes_rank)."""
+    from torch.distributed import TCPStore
+    out = tempfile.mkdtemp(prefix=f"bytes_w{world}_", dir=base)
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=store_bytes_rank, args=(r, world, port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=300),
+                      wait_for_workers=False)
+    deadline = time.monotonic() + args.limit
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    del master
+    recs = []
+    for r in range(world):
+        path = os.path.join(out, f"rank{r}.json")
+        if not os.path.exists(path):
+            raise RuntimeError(f"{world} ranks: rank {r} left no result (exit code {procs[r].exitcode})")
+        d = json.load(open(path))
+        if "error" in d:
+            raise RuntimeError(f"{world} ranks: rank {r} failed:\n{d['error']}")
+        recs.append(d)
+    shutil.rmtree(out, ignore_errors=True)
+    return recs
+
+
+def store_bytes_main(args, base: str) -> None:
+    for w in args.ranks:
+        recs = store_bytes_world(w, args, base)
+        print(f"\n{w} gloo ranks x {args.tensors} sharded tensors of {args.kb} KiB a piece, every value changed "
+              "each snapshot: through the c10d Store, per rank")
+        print("| snapshot | bytes per rank: max (mean) | in all | requests per rank: max | bytes_new | blocks_new |")
+        print("|---|---|---|---|---|---|")
+        for i in range(args.repeats + 1):
+            reps = [d["reps"][i] for d in recs]
+            b = [x["bytes"] for x in reps]
+            print(f"| {'first' if i == 0 else f'repeat {i}'} | {max(b)} ({sum(b) / len(b):.0f}) | {sum(b)} "
+                  f"| {max(x['requests'] for x in reps)} | {reps[0]['bytes_new']} | {reps[0]['blocks_new']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store-bytes", action="store_true",
+                    help="instead: bytes per rank through the c10d Store per snapshot, --tensors sharded "
+                         "tensors of --kb KiB per rank, every value changed each snapshot")
+    ap.add_argument("--tensors", type=int, default=600, help="--store-bytes: sharded tensors per rank")
     ap.add_argument("--ranks", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--kb", type=int, default=256, help="KiB of the main shard per rank (default 256)")
@@ -262,6 +416,12 @@ def main() -> None:
           f"tensorstore_ck {tsck.__version__}; per rank: {args.kb} KiB + {args.kb // 4} KiB shards, "
           f"1/W of a {args.kb} KiB replicated tensor, 8 KiB rank-local; block {args.block_kb} KiB; "
           f"{args.repeats} repeats after 1 warm-up; store under {base}")
+    if args.store_bytes:
+        try:
+            store_bytes_main(args, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return
     results = []
     try:
         for w in args.ranks:
