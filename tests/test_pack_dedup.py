@@ -212,3 +212,21 @@ def test_a_pack_gc_removes_while_a_put_names_it_is_written_anew(tmp_path, monkey
         _same(s.checkout("b/main"), st)
         assert s.fsck().ok
         assert info.bytes_new >= 16 * 256 * KiB  # written anew (the same bytes: the same address)
+
+
+@pytest.mark.parametrize("saver", ["thread", "process"])
+def test_asynchronous_puts_from_a_kept_layout_name_the_parts_too(tmp_path, saver):
+    """Staged puts planned from the kept layout (the staging buffer holds the planned packs)
+    and, with saver="process", written by the saver process: the leftovers of partly named
+    packs are packed into a buffer of their own and written here, the rest by the saver."""
+    b = Backend("file", tmp_path)
+    with _open(b, saver=saver) as s:
+        for step in (1, 2, 3):
+            st = _peft_state(adapter_seed=step)
+            before = _stored(b)
+            info = s.put_snapshot(st, ref="ft/main", step=step, blocking=False).result()
+            if step > 1:
+                assert _stored(b) - before <= _adapters(st) + OVERHEAD
+                assert info.bytes_new <= _adapters(st) + OVERHEAD
+            _same(s.checkout("ft/main"), st)
+        assert s.fsck().ok

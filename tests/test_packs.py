@@ -6,7 +6,8 @@ pack_size bytes of one item size, and each leaf names its part: [pack, offset, t
 length]. What must hold: every path in and out (blocking and asynchronous puts, the saver
 process, kept layouts, checkout whole, into=, by paths, a region of a sharded tensor,
 diff, fsck, gc, the tier's uploads) gives the same bits as without packs; a pack is read
-once for all the parts a checkout wants; one changed tensor rewrites one pack; a damaged
+once for all the parts a checkout wants; one changed tensor writes itself alone (its
+pack-mates name their parts of the pack already stored: test_pack_dedup.py); a damaged
 pack is found and never reaches the caller's memory; hostile pack references are refused.
 """
 
@@ -154,7 +155,7 @@ def _parts(store, ref) -> list:
     return out
 
 
-def test_one_changed_tensor_rewrites_one_pack_and_diff_names_only_it(tmp_path):
+def test_one_changed_tensor_writes_itself_alone_and_diff_names_only_it(tmp_path):
     with _open(tmp_path / "s") as s:
         st = _state()
         a = s.put_snapshot(st, "j/main", step=1)
@@ -163,7 +164,8 @@ def test_one_changed_tensor_rewrites_one_pack_and_diff_names_only_it(tmp_path):
         with torch.no_grad():
             st["moments"][4][10] += 1.0
         c = s.put_snapshot(st, "j/main", step=3)
-        assert c.blocks_new == 1 and c.stored_new <= PACK + 64  # one pack, nothing else
+        n = st["moments"][4].numel() * 4
+        assert c.blocks_new == 1 and c.bytes_new == n and c.stored_new <= n + 64  # that tensor, nothing else
         d = s.diff(a.root, c.root)
         assert [x["path"] for x in d["changed"]] == ["['moments'][4]"], d
         assert d["unchanged"] == 30  # its pack-mates too
@@ -328,10 +330,12 @@ def _leaf_body(**g) -> dict:
     dict(g=[b"\0" * 32, True, 64]),               # a bool is not an offset
     dict(g=(b"\0" * 32, 0, 64, 1)),               # four fields
     dict(g=[b"\0" * 32, 0, 64], x=b"\0" * 16),     # a part and inline bytes at once
+    dict(g=[b"\0" * 32, 0, 64], h=b"\0" * 31),    # a content hash that is not one
+    dict(g=[b"\0" * 32, 0, 64], h="x" * 32),       # nor a str
 ], ids=lambda b: repr(b)[:40])
 def test_hostile_pack_references_are_refused(bad):
     raw = msgpack.unpackb(msgpack.packb(_leaf_body(**bad), use_bin_type=True), raw=False)
-    with pytest.raises(tsck.FormatError, match="pack reference|block layout|inline tensor bytes"):
+    with pytest.raises(tsck.FormatError, match="pack reference|block layout|inline tensor bytes|content hash"):
         decode_value(raw)
 
 
@@ -339,6 +343,10 @@ def test_a_sound_pack_reference_decodes_to_its_part():
     raw = msgpack.unpackb(msgpack.packb(_leaf_body(g=[b"\1" * 32, 48, 64]), use_bin_type=True), raw=False)
     leaf = decode_value(raw)
     assert leaf.part == (48, 64) and leaf.blocks == [b"\1" * 32] and list(leaf.stored_blocks()) == [(b"\1" * 32, 64)]
+    assert leaf.content is None  # written before parts named their content: read all the same
+    raw = msgpack.unpackb(msgpack.packb(_leaf_body(g=[b"\1" * 32, 48, 64], h=b"\2" * 32), use_bin_type=True),
+                          raw=False)
+    assert decode_value(raw).content == b"\2" * 32
 
 
 @pytest.mark.parametrize("value", ["1.5", "-1", str((256 << 20) + 1), "x"])
