@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import packparts
-from .assets import Assets, PutResult
+from .assets import Assets, PutResult, block_key, node_key
 from .chunker import job_order
 from .core import POOL_PREFIX
 from .errors import (Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StepReusedWarning,
@@ -194,9 +194,12 @@ def inline_bytes(payload: bytes) -> int:
 
 @dataclass
 class NewObjects:
-    """The objects one writer (a rank of a collective put) wrote new, by address, so that
-    objects two ranks both wrote new count once: block address -> (raw bytes, stored
-    bytes); node address -> tensor bytes inlined in it. Sent to rank 0 as packed()."""
+    """The objects one writer (one process, or one rank of a collective put) stored new, by
+    address, so that an object it stored twice counts once: block address -> (raw bytes,
+    stored bytes); node address -> tensor bytes inlined in it. A rank of a collective put
+    sends only the sums (into()): an object is new for the one writer that named it in the
+    store (forget_lost drops those another writer named first), so the ranks' sums count
+    it once, whichever ranks wrote it."""
     blocks: dict = field(default_factory=dict)
     nodes: dict = field(default_factory=dict)
 
@@ -212,20 +215,16 @@ class NewObjects:
             self.nodes[digest] = inline_bytes(payload)
         return self
 
-    def packed(self) -> list:
-        return [b"".join(self.blocks), [v for kv in self.blocks.values() for v in kv],
-                b"".join(self.nodes), list(self.nodes.values())]
-
-    def merge_packed(self, p) -> None:
-        """Add another writer's packed() (stored bytes from a c10d Store: checked)."""
-        if not (isinstance(p, list) and len(p) == 4 and isinstance(p[0], bytes) and isinstance(p[2], bytes)
-                and isinstance(p[1], list) and isinstance(p[3], list) and len(p[0]) == 16 * len(p[1]) and
-                len(p[2]) == 32 * len(p[3]) and all(type(x) is int and x >= 0 for x in p[1] + p[3])):
-            raise SnapshotAborted("a rank sent an undecodable list of its new objects")
-        for i in range(len(p[1]) // 2):
-            self.blocks[p[0][32 * i:32 * i + 32]] = (p[1][2 * i], p[1][2 * i + 1])
-        for i in range(len(p[3])):
-            self.nodes[p[2][32 * i:32 * i + 32]] = p[3][i]
+    def forget_lost(self, storage) -> "NewObjects":
+        """Drop what another writer named in `storage` before this one (two ranks writing the
+        same bytes at once: DDP ranks' same weights, identical nodes); call after the sync
+        that names this writer's objects (BlockStore.take_lost)."""
+        if self.blocks or self.nodes:
+            lost = storage.take_lost([block_key(d) for d in self.blocks] + [node_key(d) for d in self.nodes])
+            if lost:
+                self.blocks = {d: v for d, v in self.blocks.items() if block_key(d) not in lost}
+                self.nodes = {d: v for d, v in self.nodes.items() if node_key(d) not in lost}
+        return self
 
     def into(self, st: BuildStats) -> BuildStats:
         """Set `st`'s new counts from these objects (its totals stay)."""
@@ -254,10 +253,11 @@ class Timing:
         return {"put_us": us, "stall_us": min(stall, us)}
 
 
-def plan_stats(plan: Plan, new_nodes: list | None = None) -> BuildStats:
+def plan_stats(plan: Plan, new_nodes: list | None = None, storage=None) -> BuildStats:
     """What the written blocks add up to (a replicated block counts on its owner rank
     only), new_nodes (Publisher.write_nodes(new=)) adding the tensor bytes inlined in
-    the nodes written new to bytes_new (BuildStats)."""
+    the nodes written new to bytes_new (BuildStats). storage: where they were written
+    and synced, for a writer beside others (NewObjects.forget_lost)."""
     st = BuildStats(bytes_total=plan.inline_bytes)
     for leaf in plan.leaves:
         for r in leaf.results:
@@ -267,7 +267,8 @@ def plan_stats(plan: Plan, new_nodes: list | None = None) -> BuildStats:
     for m in plan.reused:  # parts of stored packs it names: its bytes, nothing new
         st.bytes_total += m.nbytes
     st.blocks_total += len(packparts.reused_packs(plan))
-    return NewObjects().add_plan(plan).add_nodes(new_nodes or []).into(st)
+    new = NewObjects().add_plan(plan).add_nodes(new_nodes or [])
+    return (new if storage is None else new.forget_lost(storage)).into(st)
 
 
 def snapshot_fields(info: SnapshotInfo) -> dict:

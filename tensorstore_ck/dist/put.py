@@ -39,6 +39,8 @@ from .naming import ranks_named
 CLOCK_SKEW = 120.0
 # What rank 0 writes into the outcome key the others block on to start a re-validation round.
 REVAL = b"\x00reval"
+# A rank's stats in its done, in this order (publish.BuildStats; rank 0 adds them up).
+STATS = ("bytes_total", "blocks_total", "bytes_new", "blocks_new", "stored_new")
 
 
 def collective_put(job: CollectiveJob):
@@ -192,25 +194,24 @@ class PutCall:
         new_nodes: list = []
         tree, part["payloads"] = publisher.write_nodes(plan.value, wfence, new_nodes)
         part["tree"] = tree
-        from ..publish import NewObjects, plan_stats, replica_digests
-        st = plan_stats(plan)
-        # What this rank wrote new, by address: rank 0 counts an object two ranks both
-        # wrote new (the same replicated weights of DDP ranks) once.
-        mine_new = NewObjects().add_plan(plan).add_nodes(new_nodes)
+        from ..publish import plan_stats, replica_digests
         reps = replica_digests(plan)
         rep = None
         if reps:  # the full list only for rank 0 to read if the replicas disagree; one digest in done
             ch.set_mine("rep", msgpack.packb(reps))
             rep = hashlib.blake2b(msgpack.packb(reps), digest_size=16).digest()
         publisher.sync()  # this rank's objects are durable before rank 0 publishes
+        # Its sums alone (O(1) whatever it wrote): a replicated block counts on its one
+        # owner, and an object two ranks wrote at once (the same weights of DDP ranks) for
+        # the one that named it in the store, so rank 0's sums count each object once.
+        st = plan_stats(plan, new_nodes, publisher.assets.storage)
         if tier is not None and self.rank != 0:
             # Rank 0's tier holds every rank's nodes (not their blocks): what its local gc
             # and prune walk to know what the snapshot keeps (tier/collective.py).
             ch.set_mine("tnodes", msgpack.packb(part["payloads"]))
             tier.intend(tree, self.args)  # (a rank killed from here until the outcome still uploads its part)
-        ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep,
-                                         "stats": [st.bytes_total, st.blocks_total],
-                                         "new": mine_new.packed()}), self.W)
+        ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep, "stats": [getattr(st, k) for k in STATS]}),
+                  self.W)
 
     def revalidate_mine(self, new_fence: int) -> None:
         """After a fenced move: what this rank wrote or reused exists again under the new
@@ -255,15 +256,9 @@ class PutCall:
         put = putter(payloads)
         top = put(write_world([d["tree"] for d in dones], index, put))
         self.part["top"] = ix_payloads + payloads
-        # Totals: what each rank's part holds. New: each object written new once, whichever
-        # ranks wrote it (and the nodes written here, which hold no tensor bytes).
-        from ..publish import BuildStats, NewObjects
-        new = NewObjects()
-        for d in dones:
-            new.merge_packed(d.get("new"))
-        st = BuildStats(bytes_total=sum(d["stats"][0] for d in dones),
-                        blocks_total=sum(d["stats"][1] for d in dones))
-        return top, new.into(st).as_dict()
+        # The ranks' sums (write(): each new object counted by one rank); the nodes written
+        # here hold no tensor bytes.
+        return top, _summed(dones)
 
     def claim(self, top: bytes) -> None:
         """Rank 0: the point of no return. From here no other rank may declare this
@@ -486,6 +481,20 @@ class PutCall:
         raise SnapshotAborted(f"snapshot aborted: rank {ch.rank}: rank 0 began publishing, then showed no sign of "
                               f"life for {ch.timeout:g}s (dead or stopped), and {args.ref!r} has not moved to the "
                               "snapshot")
+
+
+def _summed(dones: list) -> dict:
+    """Rank 0: the stats of the ranks' parts (each done's STATS), added up; a rank's
+    values are checked (they come from a c10d Store)."""
+    out = dict.fromkeys(STATS, 0)
+    for r, d in enumerate(dones):
+        v = d.get("stats")
+        if not (isinstance(v, list) and len(v) == len(STATS) and all(type(x) is int and x >= 0 for x in v)):
+            raise SnapshotAborted(f"snapshot aborted: rank {r} sent undecodable stats (another version of "
+                                  "tensorstore_ck?)")
+        for k, x in zip(STATS, v):
+            out[k] += x
+    return out
 
 
 def _owner(path: str, i: int, world: int) -> int:

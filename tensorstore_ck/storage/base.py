@@ -98,6 +98,13 @@ class BlockStore(ABC):
         (tags, markers): put_if_absent is."""
         return self.put_if_absent(key, bufs)
 
+    def take_lost(self, keys: Sequence[str]) -> set[str]:
+        """Of `keys`, those put_addressed said this object wrote but another writer named
+        first (a backend that names its writes at sync() learns it then): call after the
+        sync. Each is told once. A backend whose put_addressed is exclusive (one conditional
+        write) loses none."""
+        return set()
+
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 

@@ -137,6 +137,9 @@ SYNC_THREADS = 8  # fdatasyncs in flight at a sync (each mostly waits for the jo
 # A live writer names its pending objects at least this often (seconds) even inside one
 # long put: gc leaves a pending file alone for its lease plus PENDING_GRACE, far longer.
 FLUSH_AGE = 10.0
+# At most this many lost naming races are remembered for take_lost (a collective put asks
+# for its own at once; the others are forgotten past this).
+LOST_KEEP = 1 << 18
 
 
 def _fsync_dir(path: str) -> None:
@@ -166,6 +169,8 @@ class LocalBlockStore(BlockStore):
         self._flush_lock = threading.Lock()  # one naming pass at a time (sync())
         # O_DIRECT for large pending objects, until the filesystem refuses it once
         self._direct = bool(_O_DIRECT) and fsync
+        # Keys put_addressed said it wrote whose naming another writer won (take_lost)
+        self._lost: set[str] = set()
 
     def _after_fork(self) -> None:
         # Threads of the parent may have held them. The pending files stay this child's
@@ -245,6 +250,14 @@ class LocalBlockStore(BlockStore):
             self._flush(block=False)  # a long put names what it wrote so far (see FLUSH_AGE)
         return created
 
+    def take_lost(self, keys) -> set[str]:
+        if not self._lost:
+            return set()
+        with self._lock:
+            lost = self._lost.intersection(keys)
+            self._lost -= lost
+        return lost
+
     def _stored(self, path: str) -> bool:
         """Whether a regular file is stored at `path` (anything else there is an error:
         "already stored" would be a lie)."""
@@ -288,6 +301,7 @@ class LocalBlockStore(BlockStore):
             else:
                 dup = False
                 self._pending[key] = tmp
+                self._lost.discard(key)  # a race lost earlier and never asked for is not this write's
                 if self._pending_since is None:
                     self._pending_since = time.monotonic()
         if dup:
@@ -463,7 +477,10 @@ class LocalBlockStore(BlockStore):
                 try:
                     os.link(tmp, final)  # never replaces: a racing writer's copy is the same bytes
                 except FileExistsError:
-                    pass
+                    with self._lock:  # named by another writer: not this one's new object (take_lost)
+                        if len(self._lost) >= LOST_KEEP:
+                            self._lost.clear()  # nobody asked for them: keep memory bounded
+                        self._lost.add(key)
                 except FileNotFoundError:
                     if not os.path.exists(final):
                         lost.append(key)  # removed unnamed (a gc swept it as a dead writer's)

@@ -54,6 +54,9 @@ class WrappedStore(BlockStore):
     def put_addressed(self, key, bufs):
         return self.inner.put_addressed(key, bufs)
 
+    def take_lost(self, keys):
+        return self.inner.take_lost(keys)
+
     @property
     def local(self):
         return self.inner.local
