@@ -106,7 +106,7 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     root = store.resolve(_pointer_target(store, os.fspath(target)))
     where = f"snapshot {root[:16]} ({target}) of {store.url}"
     # Refuses a path that holds nothing, or a value safetensors cannot hold, before a block is read.
-    entries = list_tree(store.core, root, path)[1] if fmt == "safetensors" or path is not None else None
+    entries = list_tree(store.read_core, root, path)[1] if fmt == "safetensors" or path is not None else None
     if fmt == "safetensors":
         try:
             check_for_safetensors(entries, where)
@@ -119,7 +119,7 @@ def export_file(store, target: str, dest, *, fmt: str | None = None, path: str |
     except UnsupportedType as e:
         try:
             if entries is None:
-                entries = list_tree(store.core, root, path)[1]
+                entries = list_tree(store.read_core, root, path)[1]
         except TsckError:
             raise e from None  # the refusal itself is what to report
         if not any(x.kind == "pickled" for x in entries):
@@ -274,7 +274,7 @@ def _strip_arg(strip_prefix) -> tuple | None:
 
 def _top_keys(store, root: str) -> list[str]:
     try:
-        entries = list_tree(store.core, root)[1]
+        entries = list_tree(store.read_core, root)[1]
     except TsckError:
         return []
     return list(dict.fromkeys(e.path.split(".", 1)[0] for e in entries if e.path))
@@ -288,7 +288,7 @@ def _weights_entries(store, root: str, subtree: str | None, where: str) -> tuple
         if type(subtree) is not str:
             raise InvalidArgument(f"subtree must be a dotted path (str), got {type(subtree).__name__}")
         try:
-            return subtree, list_tree(store.core, root, subtree or None)[1]
+            return subtree, list_tree(store.read_core, root, subtree or None)[1]
         except InvalidArgument:
             keys = _top_keys(store, root)
             raise InvalidArgument(f"{where} has nothing at {subtree!r}; its top holds: "
@@ -299,7 +299,7 @@ def _weights_entries(store, root: str, subtree: str | None, where: str) -> tuple
         tries.insert(0, hf["weights"])
     for t in tries:
         try:
-            return t, list_tree(store.core, root, t or None)[1]
+            return t, list_tree(store.read_core, root, t or None)[1]
         except InvalidArgument:
             continue
     keys = _top_keys(store, root)

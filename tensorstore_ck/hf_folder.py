@@ -375,7 +375,7 @@ def export_folder(store, target: str, dest, *, path: str | None = None, config=N
     config = config_text(config if config is not None else hf.get("config"), f"the config of {where}")
     generation_config = config_text(generation_config if generation_config is not None
                                      else hf.get("generation_config"), f"the generation config of {where}")
-    _, entries = list_tree(store.core, root, path)
+    _, entries = list_tree(store.read_core, root, path)
     check_for_safetensors(entries, where, strip=path)
     state = store.checkout(root, paths=None if path is None else [path], progress=progress)  # only PATH's blocks
     value, prefix = (state, "") if path is None else select(state, path)

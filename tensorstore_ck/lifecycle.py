@@ -32,7 +32,7 @@ from .info import SnapshotInfo, row_to_info
 from .publish import Publisher
 from .roles import RefNaming
 
-__all__ = ["tag", "pin", "untag", "forget", "delete_ref", "undelete", "fenced", "MAX_TAG_BYTES"]
+__all__ = ["tag", "pin", "check_free", "untag", "forget", "delete_ref", "undelete", "fenced", "MAX_TAG_BYTES"]
 
 MAX_TAG_BYTES = 120
 
@@ -86,21 +86,23 @@ def tag(core: Core, publisher: Publisher, name: str, target: str) -> SnapshotInf
         root = core.resolve(target)
     except RefNotFound as e:
         root = _removed_root(core, target, e)
-        _check_free(refs, name)
+        check_free(refs, name)
         row = _complete_row(core, root)  # before anything is written
         return _make_tag(core, publisher, name, root, lambda: _adopt(core, publisher, name, root, row, fence))
-    _check_free(refs, name)
+    check_free(refs, name)
     return _make_tag(core, publisher, name, root,
                      lambda: fenced(core, publisher, root, target, fence, lambda f: refs.tag_create(name, root, fence=f)))
 
 
-def _check_free(refs: RefNaming, name: str) -> None:
+def check_free(refs: RefNaming, name: str, besides: bytes | None = None) -> None:
     """Before anything is written (the table checks again in its transaction:
-    refs/base.py _check_tag_free)."""
+    refs/base.py _check_tag_free): RefConflict unless `name` is free for a tag (a tag
+    of that name naming `besides` counts as free: another tier's table tagging the
+    same snapshot)."""
     if refs.get_or_none(name) is not None:
         raise RefConflict(name, None, refs.get_or_none(name).hex(), what="tag (a ref has this name)")
     cur = refs.tag_get(name)
-    if cur is not None:
+    if cur is not None and (besides is None or cur != besides):
         raise RefConflict(name, None, cur.hex(), what="tag")
     gone = refs.deleted_ref_root(name)
     if gone is not None:

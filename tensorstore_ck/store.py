@@ -33,7 +33,7 @@ from .chunker import default_pack_size
 from .core import Core
 from .dist import AUTO as _AUTO_GROUP
 from .dist import CALLS, CollectiveJob, collective_checkout, collective_put, is_collective
-from .errors import IntegrityError, InvalidArgument, ReadOnlyStore, StoreClosed, TsckError, storage_error
+from .errors import IntegrityError, InvalidArgument, ReadOnlyStore, RefNotFound, StoreClosed, TsckError, storage_error
 from .format.manifest import decode_commit
 from .ids import Digest
 from .info import DurableEvent, SnapshotInfo
@@ -508,6 +508,12 @@ class Store:
                             committed=committed, time=at, lag=max(0.0, at - committed)))
         return self._tier.on_durable(heard)
 
+    def durability_lag(self):
+        """With a local tier: how far the remote store is behind it now (tier.outage.Lag:
+        snapshots, steps and seconds not yet uploaded; how long uploads have failed, and
+        why; `.lagging` while they fail). None without a tier, or once closed."""
+        return None if self._tier is None or self._closed else self._tier.lag()
+
     @property
     def remote_core(self) -> Core | None:
         """The remote store's Core behind a local tier (None without one)."""
@@ -614,14 +620,50 @@ class Store:
         return self._root(target).hex()
 
     def _root(self, target: str) -> Digest:
-        return self.core.resolve(target)
+        """What `target` names, one answer for every call that names a snapshot (resolve,
+        show, diff, tag, pin, forget, the DCP reader, export, checkout): with a local tier
+        the newer of the tier's and the remote's (LocalTier.roots), what checkout reads."""
+        return self._tier_roots(target)[0]
 
     def _tier_roots(self, target: str) -> list[Digest]:
         """The snapshots `target` names, the newest first: with a local tier, the tier's
         and the remote's where they differ (LocalTier.roots), else the one root."""
-        return [self._root(target)] if self._tier is None else self._tier.roots(target)
+        return [self.core.resolve(target)] if self._tier is None else self._tier.roots(target)
+
+    @property
+    def read_core(self) -> Core:
+        """The Core to read a snapshot _root named through: with a local tier, its objects
+        read from the tier with the remote behind (tier.reads.ReadThrough), so a snapshot
+        only the remote holds reads as checkout reads it; else the store's own Core."""
+        if self._tier is None:
+            return self.core
+        c = self.core
+        return Core(c.storage, self._tier.reads, c.refs, c.pool, c.settings)
+
+    def _resolve_collective(self, target: str, group=_AUTO_GROUP, timeout: float = 300.0) -> str:
+        """For the package's collective readers (the DCP reader): `target` resolved once, by
+        rank 0, and the root handed to every rank (a collective checkout's resolution), so
+        ranks whose tiers differ never read different snapshots -> root hex. Without a
+        process group, resolve(target)."""
+        if not is_collective(group):
+            return self.resolve(target)
+        return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root,
+                                                 read=lambda root, _rank: root.hex()), target)
+
+    def _named(self, target: str) -> Digest | None:
+        """_root(target), or None where nothing names it (a removed snapshot's full root:
+        tag, pin and undelete adopt one whose objects a tier still holds)."""
+        try:
+            return self._root(target)
+        except RefNotFound:
+            return None
 
     def _info(self, root: bytes) -> SnapshotInfo:
+        if self._tier is not None and not self.reftable.catalog_has(root):
+            # Only the remote store lists it (another node's upload, a lost tier): its row.
+            remote = self._tier.uploader.publisher
+            if remote.reftable.catalog_has(root):
+                return remote.info(root)
         return self._durable([self.publisher.info(root)])[0]
 
     @_public
@@ -686,9 +728,7 @@ class Store:
         if is_collective(group):
             # Rank 0 resolves the target in both tiers (the newer snapshot, as for one
             # process); every rank reads its region through its own tier, the remote behind.
-            tier = self._tier
-            resolve = self.core.resolve if tier is None else (lambda t: tier.roots(t)[0])
-            return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=resolve, read=read),
+            return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root, read=read),
                                        target)
         roots = self._tier_roots(target)
         for i, root in enumerate(roots):
@@ -756,10 +796,13 @@ class Store:
         deletion epoch (lifecycle.tag)."""
         validate_new_name(name, "tag name")
         self._writable("tag")
-        info = lifecycle.tag(self.core, self.publisher, name, target)
-        if self._tier is not None:  # one catalog: the remote keeps what the tier's tag keeps
-            self._tier.held(bytes.fromhex(info.root))
-        return info
+        if self._tier is None:
+            return lifecycle.tag(self.core, self.publisher, name, target)
+        # One answer: the snapshot checkout reads; one catalog: the remote keeps what the
+        # tier's tag keeps, and a snapshot only the remote lists is tagged there.
+        from .tier.holds import tag_both
+        info, here = tag_both(self._tier.uploader, self.publisher, name, target, self._named(target))
+        return self._durable([info])[0] if here else info
 
     @_public
     def recover(self, *, progress: bool = False, wait: float = 0.0):
@@ -778,7 +821,7 @@ class Store:
         written through dcp.save names its tensors at their paths in the state as saved,
         as ls does (raw=True: the stored layout's, tensors.FQN)."""
         from .listing import diff
-        return diff(self.core, self._root(a), self._root(b), raw=raw)
+        return diff(self.read_core, self._root(a), self._root(b), raw=raw)
 
     @_public
     def pin(self, target: str) -> str:
@@ -786,10 +829,10 @@ class Store:
         root that nothing keeps any more but whose objects storage still holds is brought
         back, as tag() brings one back. With a local tier the pin is the remote's too."""
         self._writable("pin")
-        root = lifecycle.pin(self.core, self.publisher, target)
-        if self._tier is not None:
-            self._tier.held(bytes.fromhex(root))
-        return root
+        if self._tier is None:
+            return lifecycle.pin(self.core, self.publisher, target)
+        from .tier.holds import pin_both
+        return pin_both(self._tier.uploader, self.publisher, target, self._named(target))
 
     @_public
     def pins(self, *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
@@ -804,9 +847,11 @@ class Store:
     def unpin(self, target: str) -> str:
         self._writable("unpin")
         root = self._root(target)
-        self.reftable.unpin(root)
-        if self._tier is not None:
-            self._tier.unheld(pin=bytes(root))
+        if self._tier is None:
+            self.reftable.unpin(root)
+        else:
+            from .tier.holds import unpin_both
+            unpin_both(self._tier.uploader, bytes(root))
         return root.hex()
 
     @_public
@@ -823,7 +868,10 @@ class Store:
         validate_name(ref)
         if not dry_run:
             self._writable("delete_ref")
-        return lifecycle.delete_ref(self.core, ref, expected, dry_run=dry_run)
+        if self._tier is None:
+            return lifecycle.delete_ref(self.core, ref, expected, dry_run=dry_run)
+        from .tier.holds import delete_ref_both  # in both tiers' tables, or refused naming the remote
+        return delete_ref_both(self._tier.uploader, ref, expected, self._named(ref), dry_run=dry_run)
 
     @_public
     def undelete(self, ref: str, *, to: str | None = None) -> SnapshotInfo:
@@ -836,7 +884,12 @@ class Store:
         its history that delete_ref dropped stay dropped (tag(name, root) keeps one)."""
         validate_name(ref)
         self._writable("undelete")
-        return lifecycle.undelete(self.core, self.publisher, ref, to)
+        if self._tier is None:
+            return lifecycle.undelete(self.core, self.publisher, ref, to)
+        from .tier.holds import undelete_both
+        named = None if to is None else self._named(to)
+        info, here = undelete_both(self._tier.uploader, self.publisher, ref, to if named is None else named.hex())
+        return self._durable([info])[0] if here else info
 
     @_public
     def untag(self, name: str) -> str:
@@ -844,10 +897,10 @@ class Store:
         storage object goes first, so recover cannot bring it back after a crash here."""
         validate_name(name, "tag name")
         self._writable("untag")
-        root = lifecycle.untag(self.core, name)
-        if self._tier is not None:
-            self._tier.unheld(tag_name=name, root=bytes.fromhex(root))
-        return root
+        if self._tier is None:
+            return lifecycle.untag(self.core, name)
+        from .tier.holds import untag_both
+        return untag_both(self._tier.uploader, name)
 
     @_public
     def forget(self, target: str, *, dry_run: bool = False) -> SnapshotInfo:
@@ -857,7 +910,13 @@ class Store:
         brings it back. dry_run: the same checks and answer, nothing changed. -> what it was."""
         if not dry_run:
             self._writable("forget")
-        return lifecycle.forget(self.core, self.publisher, target, dry_run=dry_run)
+        if self._tier is None:
+            return lifecycle.forget(self.core, self.publisher, target, dry_run=dry_run)
+        from .tier.holds import forget_both
+        root = bytes(self._root(target))
+        info = self._info(root)  # (durable as it was: a local-only snapshot's row goes)
+        forget_both(self._tier.uploader, self.publisher, root, dry_run)
+        return info
 
     @_public
     def du(self) -> dict:

@@ -34,6 +34,7 @@ from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes
 from ..read_world import read_box
 from ..readjobs import PackCache, part_job, run_reads
 from ..format.names import parse_target
+from ..dist import AUTO
 from ..store import Store
 from .layout import DcpTree
 from .native import NativeTree
@@ -48,14 +49,19 @@ class TsckReader(StorageReader):
     """A DCP StorageReader over one tensorstore_ck snapshot.
 
     target: a ref, tag, REF@STEP or root hash (prefix); it is resolved when DCP
-    reads the metadata, and every rank then reads the snapshot the coordinator
-    resolved. dcp.load's checkpoint_id, when given, replaces the target. A snapshot
+    reads the metadata, as checkout resolves it (with a local tier: the newer of the
+    tier's and the remote's snapshot), and read through the tier with the remote behind.
+    Under torch.distributed (group: as checkout's; False for a load on one rank alone)
+    rank 0 resolves it and hands every rank the root (a collective call of `timeout`
+    seconds), so ranks whose tiers differ read one snapshot. dcp.load's checkpoint_id,
+    when given, replaces the target. A snapshot
     taken with put_snapshot loads too (flattened as DCP flattens a state_dict).
     allow_pickle: as for checkout: a bytes item that torch's weights_only loader
     refuses (or a pickled value of a put_snapshot snapshot) is UnsupportedType unless
     True; only for snapshots you trust."""
 
-    def __init__(self, store: Store, target: str, *, verify: bool | None = None, allow_pickle: bool = False):
+    def __init__(self, store: Store, target: str, *, verify: bool | None = None, allow_pickle: bool = False,
+                 group=AUTO, timeout: float = 300.0):
         super().__init__()
         if not isinstance(store, Store):
             raise InvalidArgument(f"store must be a tensorstore_ck Store, got {type(store).__name__}")
@@ -65,6 +71,8 @@ class TsckReader(StorageReader):
         self.target = target
         self.verify = store.core.settings.verify if verify is None else bool(verify)
         self.allow_pickle = bool(allow_pickle)
+        self.group, self.timeout = group, timeout
+        self._core = store.read_core  # the tier's objects with the remote behind (Store.read_core)
         self.load_id = uuid.uuid4().hex
         self.root: str | None = None
         self._m: DcpTree | None = None
@@ -93,16 +101,17 @@ class TsckReader(StorageReader):
     def _open(self, root: str):
         """The snapshot's DCP view: its own layout (TsckWriter), or a put_snapshot tree flattened
         as DCP flattens a state_dict (native.py)."""
-        assets = self.store.core.assets
-        top = Reader(assets, self.store.core.pool, snapshot=root, verify=self.verify).top(
+        assets, pool = self._core.assets, self._core.pool
+        top = Reader(assets, pool, snapshot=root, verify=self.verify).top(
             decode_commit(assets.get_commit(bytes.fromhex(root), verify=self.verify))["tree"])
         if is_dcp_top(top):
-            return DcpTree(assets, self.store.core.pool, root, self.verify)
-        return NativeTree(assets, self.store.core.pool, root, self.verify, rank=self.rank or 0,
+            return DcpTree(assets, pool, root, self.verify)
+        return NativeTree(assets, pool, root, self.verify, rank=self.rank or 0,
                           allow_pickle=self.allow_pickle)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        root = self.store.resolve(self.target)
+        # Every rank calls this (dcp.load's local step): resolved once, by rank 0.
+        root = self.store._resolve_collective(self.target, self.group, self.timeout)
         self._m = self._open(root)
         self.root = root
         md = self._m.metadata if isinstance(self._m, NativeTree) else decode_metadata(self._m.metadata_plain)
@@ -139,7 +148,7 @@ class TsckReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         m = self._pin_root(plan)
-        batch = _ReadBatch(self.store, m, self.verify)
+        batch = _ReadBatch(self._core, m, self.verify)
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(self._read_bytes(m, req.storage_index.fqn)))
@@ -175,12 +184,12 @@ class TsckReader(StorageReader):
         if leaf.nbytes > default_max_bytes():
             raise m.fmt(f"bytes item of {leaf.nbytes} bytes exceeds this host's memory", repr(fqn))
         if leaf.nbytes > PRESENCE_CHECK_ABOVE:
-            self.store.core.assets.require_blocks(dict.fromkeys(leaf.blocks), self.store.core.pool, snapshot=m.root,
+            self._core.assets.require_blocks(dict.fromkeys(leaf.blocks), self._core.pool, snapshot=m.root,
                                              path=repr(fqn))
         buf = np.empty(leaf.nbytes, dtype=np.uint8)
         jobs = [(leaf.blocks[0], part_job(leaf, buf), repr(fqn), False)] if leaf.part is not None \
             else [(d, buf[a:b], repr(fqn), False) for _i, d, a, b in leaf.block_spans()]
-        run_reads(self.store.core.assets, self.store.core.pool, jobs,  # a fresh buffer: read into directly
+        run_reads(self._core.assets, self._core.pool, jobs,  # a fresh buffer: read into directly
                   snapshot=m.root, verify=self.verify)
         return buf.tobytes()
 
@@ -188,8 +197,8 @@ class TsckReader(StorageReader):
 class _ReadBatch:
     """Tensor read items whose block reads run together on the store's pool."""
 
-    def __init__(self, store: Store, m: DcpTree, verify: bool):
-        self.store, self.m, self.verify = store, m, verify
+    def __init__(self, core, m: DcpTree, verify: bool):
+        self.core, self.m, self.verify = core, m, verify
         self.jobs: list = []
         self.after: list = []  # (req, target, function to run after the reads or None)
         self.tmp_bytes = 0
@@ -222,7 +231,7 @@ class _ReadBatch:
     def flush(self) -> None:
         jobs, after = self.jobs, self.after
         self.jobs, self.after, self.tmp_bytes = [], [], 0
-        run_reads(self.store.core.assets, self.store.core.pool, jobs, snapshot=self.m.root, verify=self.verify,
+        run_reads(self.core.assets, self.core.pool, jobs, snapshot=self.m.root, verify=self.verify,
                   packs=self.packs)
         for req, target, fn in after:
             if fn is not None:

@@ -1,18 +1,30 @@
 """One catalog across a local tier and its remote store (docs/design/tiers.md, "One
-catalog"): a tag or pin made in the tier is made in the remote table too, so that the
-remote's retention, an offline gc of the remote and a node that lost its tier keep what
-the tier keeps. Functions of the Uploader `up` (its remote core, publisher and queue)."""
+catalog" and "One answer"): a tag or pin made in the tier is made in the remote table too,
+so that the remote's retention, an offline gc of the remote and a node that lost its tier
+keep what the tier keeps; a tag or pin of a snapshot only the remote lists is made there;
+a removal (delete_ref, forget, untag) and an undelete act in both tables, or refuse,
+naming the remote, with nothing changed. Functions of the Uploader `up` (its local and
+remote cores, the remote's publisher and the queue)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
-from ..errors import IntegrityError, StorageError, TsckError
+from ..errors import IntegrityError, InvalidArgument, RefConflict, RefNotFound, StorageError, TsckError
+from ..ids import MIN_PREFIX, is_hex_prefix
 from ..roles import RefNaming, UploadQueue
 
-__all__ = ["publish_holds", "held", "unheld", "upload_hold"]
+__all__ = ["publish_holds", "held", "unheld", "upload_hold", "tag_both", "pin_both", "untag_both", "forget_both",
+           "delete_ref_both", "undelete_both", "REMOVE_WAIT"]
 
 log = logging.getLogger(__name__)
+
+# How long a delete_ref through a tier waits for an upload of one of the ref's snapshots
+# already in flight (it would move the remote ref after the removal) before it removes the
+# remote ref all the same.
+REMOVE_WAIT = 60.0
 
 
 def _holds(up, root: bytes) -> tuple[list[str], bool]:
@@ -121,3 +133,189 @@ def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
     up.notify()
     log.debug("local tier: snapshot %s (step %s) durable at %s for its %s", root.hex()[:16], row.get("step"),
               up.remote.url, "tags and pin" if names and pinned else "tags" if names else "pin")
+
+
+# -- one answer: names and removals in both tables (Store.tag, pin, untag, forget, ...) --
+
+@contextlib.contextmanager
+def _reaching(up, what: str):
+    """The remote table asked before anything changes: unreachable, the call is refused
+    naming the remote store (StorageError), and nothing was changed in either table."""
+    try:
+        yield
+    except (StorageError, OSError) as e:
+        raise StorageError(f"{what}: the remote store at {up.remote.url} could not be reached ({e}); nothing was "
+                           "changed in either tier (a removal through a local tier removes in both)") from e
+
+
+def tag_both(up, publisher, name: str, target: str, root: bytes | None):
+    """Tag `root` (what the Store's one resolution named; None: nothing names `target`, a
+    removed snapshot's full root) -> (SnapshotInfo, whether the tier made it). The name
+    must be free in both tables (a tag or ref of it at the remote would give the name a
+    second answer). A snapshot the tier lists is tagged there and the remote follows
+    (held); one only the remote lists is tagged at the remote."""
+    from ..lifecycle import check_free, tag
+    local, remote = up.local, up.remote
+    check_free(local.refs, name)
+    with _reaching(up, f"tag {name!r}"):
+        check_free(remote.refs, name, besides=root)
+    if root is None:  # a removed snapshot, adopted by the tier that still holds it whole
+        try:
+            return tag(local, publisher, name, target), True
+        except RefNotFound:
+            return tag(remote, up.publisher, name, target), False
+    if local.refs.catalog_has(root):
+        info = tag(local, publisher, name, root.hex())
+        held(up, root)
+        return info, True
+    return tag(remote, up.publisher, name, root.hex()), False
+
+
+def pin_both(up, publisher, target: str, root: bytes | None) -> str:
+    """Pin `root` as tag_both tags it: in the tier when it lists it (the remote follows),
+    else at the remote -> its root hex."""
+    from ..lifecycle import pin
+    local = up.local
+    if root is None:
+        try:
+            return pin(local, publisher, target)
+        except RefNotFound:
+            return pin(up.remote, up.publisher, target)
+    if local.refs.catalog_has(root):
+        out = pin(local, publisher, root.hex())
+        held(up, root)
+        return out
+    return pin(up.remote, up.publisher, root.hex())
+
+
+def unpin_both(up, root: bytes) -> None:
+    """Unpin `root` in the tier (the remote follows, best effort: unheld) or, pinned only
+    at the remote, there."""
+    local = up.local
+    if root in local.refs.pins():
+        local.refs.unpin(root)
+        unheld(up, pin=root)
+        return
+    with _reaching(up, f"unpin {root.hex()[:16]}"):
+        if root in up.remote.refs.pins():
+            up.remote.refs.unpin(root)
+            return
+    local.refs.unpin(root)  # pinned nowhere: the table's own answer
+
+
+def untag_both(up, name: str) -> str:
+    """Remove tag `name` from both tables (RefNotFound if neither has it) -> the root it
+    named (the tier's where both have it)."""
+    from ..lifecycle import untag
+    local, remote = up.local, up.remote
+    mine = local.refs.tag_get(name)
+    with _reaching(up, f"untag {name!r}"):
+        theirs = remote.refs.tag_get(name)
+    if mine is None and theirs is None:
+        raise RefNotFound(f"no tag named {name!r} in the local tier nor at {remote.url}")
+    if mine is not None:
+        untag(local, name)
+    if theirs is not None:
+        untag(remote, name)
+    return (mine or theirs).hex()
+
+
+def forget_both(up, publisher, root: bytes, dry_run: bool):
+    """Forget `root` in every table that lists it: each one's refusals (a ref's tip, a
+    tag's target, pinned) are heard before either changes -> what it was."""
+    local, remote = up.local, up.remote
+    with _reaching(up, f"forget {root.hex()[:16]}"):
+        there = remote.refs.catalog_has(root)
+    cores = ([(local, publisher)] if local.refs.catalog_has(root) else []) + ([(remote, up.publisher)] if there
+                                                                             else [])
+    if not cores:
+        raise RefNotFound(f"no kept snapshot {root.hex()[:16]} in the local tier nor at {remote.url}")
+    info = cores[0][1].info(root)
+    for core, _ in reversed(cores):  # the remote's refusal first: it is the one asked over the network
+        core.refs.forget(root, info.ref, dry_run=True)
+    if not dry_run:
+        for core, _ in cores:  # the tier first: its queue then drops the snapshot rather than send it
+            core.refs.forget(root, info.ref)
+    return info
+
+
+def delete_ref_both(up, ref: str, expected: str | None, newest: bytes | None, *, dry_run: bool) -> dict:
+    """Remove ref `ref` from both tables. `expected` (a root's hex or prefix) is judged
+    against `newest`, what the Store's one resolution of `ref` named; each table's removal
+    is conditional on the root it held when looked at. The tier goes first (its queue then
+    drops the ref's snapshots instead of sending them); an upload of one of them already in
+    flight is waited for (REMOVE_WAIT), since its move would bring the remote ref back; then
+    the remote. -> as lifecycle.delete_ref, "dropped" the union of the two."""
+    from ..lifecycle import delete_ref
+    local, remote = up.local, up.remote
+    if expected is not None:
+        if not is_hex_prefix(expected):
+            raise InvalidArgument(f"expected must be a root: {MIN_PREFIX} to 64 lowercase hex digits, "
+                                  f"got {expected!r}")
+        if newest is None or not newest.hex().startswith(expected):
+            raise RefConflict(ref, expected, newest.hex() if newest is not None else None)
+    mine = local.refs.get_or_none(ref)
+    with _reaching(up, f"delete_ref {ref!r}"):
+        theirs = remote.refs.get_or_none(ref)
+        there = delete_ref(remote, ref, theirs.hex(), dry_run=True) if theirs is not None else None
+    if mine is None and theirs is None:
+        raise RefNotFound(f"no ref named {ref!r} in the local tier nor at {remote.url}")
+    here = delete_ref(local, ref, mine.hex(), dry_run=True) if mine is not None else None
+    if not dry_run:
+        ours: set = set()  # the roots the tier dropped: an upload of one may move the remote ref meanwhile
+        if mine is not None:
+            ours = {bytes.fromhex(r) for r in here["dropped"]} | {mine}
+            delete_ref(local, ref, mine.hex())
+            _settle(up, ours)
+        if theirs is not None:
+            now = remote.refs.get_or_none(ref)
+            if now is not None and now != theirs and now not in ours:
+                raise RefConflict(ref, theirs.hex(), now.hex(), hint=f"it was moved at {remote.url} meanwhile by "
+                                  "another writer; the local tier's ref was deleted, the remote's is left")
+            if now is not None:
+                there = delete_ref(remote, ref, now.hex(), dry_run=True)
+                delete_ref(remote, ref, now.hex())
+    both = [d for d in (here, there) if d is not None]
+    gone = list(dict.fromkeys(r for d in both for r in d["dropped"]))
+    out = {"ref": ref, "root": (newest or mine or theirs).hex(), "snapshots_dropped": len(gone)}
+    return {**out, "dropped": gone, "dry_run": True} if dry_run else out
+
+
+def _settle(up, roots: set) -> None:
+    """Wait (up to REMOVE_WAIT) until no upload of `roots` is in flight: the uploader
+    marks an entry started before it sends (upload_begin) and drops it at its end."""
+    refs: UploadQueue = up.local.refs
+    deadline = time.monotonic() + REMOVE_WAIT
+    with up._cond:
+        while refs.uploading() & roots:
+            left = deadline - time.monotonic()
+            if left <= 0 or up.error is not None or up._stop:
+                log.warning("local tier: an upload of a deleted ref's snapshot is still in flight; the remote ref is "
+                            "removed all the same (if the upload lands later, `tsck delete-ref %s` removes it)",
+                            up.remote.url)
+                return
+            up._cond.wait(min(0.5, left))
+
+
+def undelete_both(up, publisher, ref: str, to: str | None):
+    """Bring back ref `ref` in every table whose reflog records its removal (the remote
+    first: it is the durable one) -> (SnapshotInfo, whether the tier brought it back). A
+    tier that cannot bring it back whole (its copy evicted or collected) leaves it to the
+    remote, with a warning: reads fall through there."""
+    from ..lifecycle import undelete
+    local, remote = up.local, up.remote
+    with _reaching(up, f"undelete {ref!r}"):
+        theirs = remote.refs.deleted_ref_root(ref) is not None and remote.refs.get_or_none(ref) is None
+    mine = local.refs.deleted_ref_root(ref) is not None
+    if not theirs and not mine:
+        return undelete(local, publisher, ref, to), True  # its refusal, as a store without a tier says it
+    info = undelete(remote, up.publisher, ref, to) if theirs else None
+    if mine:
+        try:
+            return undelete(local, publisher, ref, to), True
+        except (IntegrityError, RefNotFound) as e:
+            if info is None:
+                raise
+            log.warning("local tier: ref %r is back at %s but not in the tier (%s); it reads from there", ref,
+                        remote.url, e)
+    return info, False
