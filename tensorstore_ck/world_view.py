@@ -9,14 +9,20 @@ union of the ranks' trees:
   pieces, whichever ranks hold it (a pipeline stage no piece of which is on rank 0);
 - any other value (rank-local: a tensor, a scalar, a string; a Replicated tensor, the
   same on every rank) is the preferred rank's: rank 0's when rank 0 holds the path,
-  else that of the lowest rank that does;
+  else that of the lowest rank that does; a rank-local tensor is the preferred rank's
+  only where every rank that holds the path holds a tensor of one dtype and shape
+  there (data-parallel copies, per-rank RNG states);
 - dicts are merged key by key (the preferred rank's keys in its order, then the keys
   only later ranks hold, in rank order), lists and tuples item by item (as long as
   the longest);
 - what one tree cannot show is refused, naming the path and the ranks: a path that
   is a sharded tensor on one rank and another kind of value on another, or a container
-  of another kind holding one (CheckoutMismatch); ranks that disagree on a sharded
-  tensor's dtype or shape (FormatError: no collective put writes that).
+  of another kind holding one (CheckoutMismatch); in the one-process view (extend),
+  a path where ranks hold rank-local tensors of other dtypes or shapes, or a tensor on
+  one rank and another value on another (pipeline stages that name their own modules
+  alike: any one rank's value would drop the others'; CheckoutMismatch); ranks that
+  disagree on a sharded tensor's dtype or shape (FormatError: no collective put writes
+  that).
 
 A collective checkout gives each rank its own tree instead (read_world.py): the same
 merge with extend=False keeps the preferred rank's keys only, and into= targets that
@@ -72,9 +78,21 @@ def _what(v) -> str:
         return "a replicated tensor" if v.replicated else f"a sharded tensor {v.dt} {list(v.shape)}"
     if type(v) is tree.Container:
         return {"d": "a dict", "o": "a dict", "l": "a list", "t": "a tuple"}[v.kind]
-    if type(v) in (tree.Tensor, tree.Array):
-        return "a rank-local tensor"
+    if type(v) is tree.Tensor:
+        return f"a rank-local tensor {v.dt} {list(v.shape)}"
+    if type(v) is tree.Array:
+        return f"a rank-local numpy array {v.dtype} {list(v.shape)}"
     return f"a rank-local {type(v).__name__}"
+
+
+def _local_form(v) -> tuple | None:
+    """What one tree needs alike on every rank at a rank-local tensor's path (its dtype
+    and shape); None for a value that is not a rank-local tensor."""
+    if type(v) is tree.Tensor:
+        return ("T", v.dt, tuple(v.shape))
+    if type(v) is tree.Array:
+        return ("A", None if v.dtype is None else v.dtype.str, tuple(v.shape))
+    return None
 
 
 class Union:
@@ -127,6 +145,8 @@ class Union:
         for r, v in vals:
             if _kind(v) != k0 and self.holds_sharded(v, path, depth):
                 self._refuse(path, (r0, v0), (r, v))
+        if self.extend:
+            self._one_local(vals, path)
         if type(v0) is tree.Global:
             if v0.replicated:
                 return v0
@@ -181,6 +201,23 @@ class Union:
             pairs = v.items if v.kind in ("d", "o") else enumerate(v.items)
             return any(self.holds_sharded(x, path + (k,), depth + 1) for k, x in pairs)
         return False
+
+    def _one_local(self, vals, path) -> None:
+        """Refuse a path where ranks hold rank-local tensors one tree cannot show as one:
+        other dtypes or shapes, or a tensor beside another kind of value (the preferred
+        rank's would silently stand for the others')."""
+        forms = [_local_form(v) for _r, v in vals]
+        if all(f is None for f in forms):
+            return
+        (ra, va) = vals[0]
+        for (rb, vb), f in zip(vals, forms):
+            if f != forms[0]:
+                where = format_path(path) or "its top"
+                raise CheckoutMismatch(
+                    f"snapshot {self.snapshot[:16]} cannot be shown as one tree at {where}: rank {ra} holds "
+                    f"{_what(va)} there, rank {rb} {_what(vb)} (each rank's own value, as pipeline stages that "
+                    "name their modules alike put them); read it under torch.distributed (each rank its own "
+                    "tree), or leave that path out with paths=")
 
     def _refuse(self, path, a, b):
         (ra, va), (rb, vb) = a, b

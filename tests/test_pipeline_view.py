@@ -55,6 +55,15 @@ def conflict(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory) -> Path:
+    """OUT of the "stages" scenario: 2 pipeline stages with their own module names."""
+    out = run_worker_scenario(WORKER, tmp_path_factory.mktemp("pps"), "stages", limit=240)
+    saved = rank_results(out, "stages", 2, exit_zero=True)
+    assert len({r["root"] for r in saved}) == 1
+    return out
+
+
 def tsck_cli(capsys, *argv) -> tuple[int, str, str]:
     rc = cli.main([str(a) for a in argv])
     got = capsys.readouterr()
@@ -172,3 +181,32 @@ def test_dcp_load_in_one_process_finds_stage1(pipeline):
         dcp.load(sd, storage_reader=TsckReader(s, pw.REF))
     for name in pw.STAGES:
         assert same(sd[name], whole(name)), name
+
+
+def test_stages_that_name_their_modules_alike_are_refused_by_path_not_dropped(stages, tmp_path, capsys):
+    """Stage 0's `0.weight` is [16, 8], stage 1's [32, 16]: one tree cannot show both, and
+    showing stage 0's would drop stage 1's (an export mixing stage 0's `0.*` with stage 1's
+    `1.*` and `2.*`). Every one-process surface refuses it by name; what the ranks hold alike
+    (a per-rank tensor of one shape, the step) still reads; each rank's collective checkout
+    gets its own stage."""
+    store = stages / "store"
+    want = (r"\['model'\]\['0\.weight'\].*rank 0 holds a rank-local tensor float32 \[16, 8\].*"
+            r"rank 1 a rank-local tensor float32 \[32, 16\]")
+    with tsck.open_store(store) as s:
+        with pytest.raises(tsck.errors.CheckoutMismatch, match=want):
+            s.checkout(pw.STAGES_REF)
+        with pytest.raises(tsck.errors.CheckoutMismatch, match=r"\['model'\]\['0\.weight'\]"):
+            s.checkout(pw.STAGES_REF, paths=["model.0.weight"])
+        got = s.checkout(pw.STAGES_REF, paths=["rng", "step"])
+        assert same(got["rng"], pw.stage_state(0)["rng"]) and got["step"] == 5  # rank 0's, as before
+    rc, _out, err = tsck_cli(capsys, "ls", store, pw.STAGES_REF)
+    assert rc == 2 and "['model']['0.weight']" in err and "[32, 16]" in err, err
+    for argv, dest in ((("export-weights",), tmp_path / "w.safetensors"), (("checkout",), tmp_path / "all.pt")):
+        rc, _out, err = tsck_cli(capsys, *argv, store, pw.STAGES_REF, dest)
+        assert rc == 2 and "['model']['0.weight']" in err and not dest.exists(), (argv, err)
+    for r in range(2):
+        got = torch.load(stages / f"stages_rank{r}.pt", weights_only=True)
+        mine = pw.stage_state(r)
+        assert list(got["model"]) == list(mine["model"]), r
+        assert all(same(got["model"][k], v) for k, v in mine["model"].items()), r
+        assert same(got["rng"], mine["rng"]) and got["step"] == 5

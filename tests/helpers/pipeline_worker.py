@@ -12,7 +12,11 @@ SCENARIO is one of:
             stages row-split over ranks 0-1): rank 0 needs `stage1`, which the saved
             rank 0 never held;
   conflict  3 ranks put `x` as a rank-local int on rank 0 and as a tensor sharded over
-            ranks 1-2 (what one process cannot show as one value), beside `ok`.
+            ranks 1-2 (what one process cannot show as one value), beside `ok`;
+  stages    2 ranks, each a pipeline stage that names its own modules (nn.Sequential:
+            stage 0's `0.*`, stage 1's `0.*`, `1.*`, `2.*`, of other shapes), put
+            {"model": its state_dict, "rng": a per-rank tensor of one shape, "step"}
+            (TrainState's layout), then each checks it out collectively.
 Ranks are launched by dist_worker.launch (the c10d store lives in the launcher). Each
 rank writes OUTDIR/<phase>_rank<r>.json (and .pt with what it read); the test judges
 against data computed on its own (global_tensor).
@@ -31,6 +35,7 @@ BLOCK = 4096
 INLINE = 256
 REF = "pp/main"
 CONFLICT_REF = "pp/conflict"
+STAGES_REF = "pp/stages"
 
 # name -> (global shape, dtype, the ranks of the 3-rank job that hold its rows)
 STAGES = {
@@ -120,12 +125,39 @@ def conflict(rank, world, out, res, _arg):
         res["root"] = store.put_snapshot(st, CONFLICT_REF, step=1, timeout=60).root
 
 
+def stage_module(rank: int) -> torch.nn.Module:
+    """Pipeline stage `rank` of a 2-stage model, each built as its own nn.Sequential (its
+    names start at 0 again), with seeded weights the test rebuilds."""
+    with torch.random.fork_rng():  # the caller's RNG stays as it was
+        torch.manual_seed(100 + rank)
+        if rank == 0:
+            return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, 4))
+
+
+def stage_state(rank: int) -> dict:
+    g = torch.Generator()
+    g.manual_seed(7 + rank)
+    return {"model": stage_module(rank).state_dict(), "rng": torch.randint(0, 255, (64,), generator=g,
+                                                                            dtype=torch.uint8), "step": 5}
+
+
+def stages(rank, world, out, res, _arg):
+    """Each stage puts its own state; a collective checkout gives each its own back."""
+    with _open(out) as store:
+        res["root"] = store.put_snapshot(stage_state(rank), STAGES_REF, step=5, timeout=60).root
+        got = store.checkout(STAGES_REF, timeout=60)
+    torch.save(got, os.path.join(out, f"stages_rank{rank}.pt"))
+
+
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     if scenario == "pipeline":  # the put, then the resume on 2 ranks, in one store
         return [launch("save", 3, save, out), launch("resume2", 2, resume2, out)]
     if scenario == "conflict":
         return [launch("conflict", 3, conflict, out)]
+    if scenario == "stages":
+        return [launch("stages", 2, stages, out)]
     return None
 
 
