@@ -21,7 +21,7 @@ from tensorstore_ck.format.manifest import decode_commit
 from tensorstore_ck.ids import Digest
 from tensorstore_ck.refs.history import RECOVERED
 
-from . import content
+from . import content, rollback
 
 
 # -- the journals ------------------------------------------------------------------------
@@ -209,6 +209,8 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
     recovers = [o for o in ops if o.op in ("recover", "delete_refs")]
     adoptable = [o for o in ops if o.op == "put" and o.failed
                  and any(r.unknown or r.end > o.start for r in recovers)]
+    # A rollback's move publishes its snapshot again: keep_last ranks it newest (gc.md).
+    adoptable += [o for o in ops if rollback.moved_back(o)]
     for o in puts:
         if not o.ok:
             continue
@@ -250,12 +252,14 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
                        f"{'returned ' + o.out['root'][:16] if o.ok else 'was killed or unanswered'}, "
                        f"as does {(o.out['root'] if o.ok else roots[0])[:16]}: {o.brief()}")
 
-    # Ref tips never go back: no successful put on the ref began after the tip's put returned.
+    # Ref tips never go back: no successful put on the ref began after the tip's put returned,
+    # unless a journaled rollback to the tip may have moved it back since (R1 judges those).
     for name, tip in refs.items():
         q = ok_by_root.get(tip)
         if q is None:
             continue
         newer = [p for p in puts if p.ok and p.args["ref"] == name and p.start > q.end
+                 and not rollback.rolled_back_to(ops, name, tip, p.start)
                  # ...unless a user deleted the ref after it and then the table was lost: recover
                  # brings the ref back at the newest commit gc had not reclaimed yet
                  and not any(d.op == "delete_ref" and d.args["ref"] == name and _may_follow(d, p.start)
@@ -306,10 +310,12 @@ def check_history(store, ops: list[Op], barriers: list[float]) -> list[str]:
 
     # Calls judged on their own: fsck beside everything else reports no damage; a read
     # returns exactly what was put; nothing raises a raw (non-TsckError) exception.
+    planted = rollback.planted_windows(ops)
     for o in ops:
         # An object the injector made unreadable (EIO) is rightly an "unreadable" finding:
-        # that is the environment, not damage.
-        damage = [f for f in o.out.get("findings") or [] if not (f.startswith("unreadable:") and "sim: injected" in f)]
+        # that is the environment, not damage; nor is a block damaged on purpose meanwhile.
+        damage = [f for f in o.out.get("findings") or [] if not (f.startswith("unreadable:") and "sim: injected" in f)
+                  and not rollback.planted(f, o, planted)]
         if o.op == "fsck" and o.ok and damage:
             bad.append(f"I4 fsck beside the others reported damage: {o.brief()}")
         # U1: objects the injector made unreadable (faults.py `unreadable`: EIO, EACCES,
@@ -466,7 +472,8 @@ def _dropped_legitimately(ops: list[Op], put: Op, root: str) -> bool:
     job = job_of(put.args["ref"])
     k = _min_keep(ops, job)
     puts = [p for p in ops if p.op == "put" and (p.ok or p.unknown)]
-    later = sum(1 for p in puts if p is not put and job_of(p.args["ref"]) == job and (p.unknown or p.end > put.start))
+    later = sum(1 for p in puts + [r for r in ops if rollback.moved_back(r)]
+                if p is not put and job_of(p.args["ref"]) == job and (p.unknown or p.end > put.start))
     names = {root, f"{put.args['ref']}@{put.args.get('step')}"}
     forgotten = any(f.op == "forget" and (f.out.get("root") == root or (f.unknown and f.args["target"] in names))
                     and _may_follow(f, put.start) for f in ops)
@@ -792,7 +799,10 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                 seen: set[str] = set()
                 for e in rt.reflog(name):
                     new = e.new.hex()
-                    if e.op == "move" and new in lcat and new in seen and e.message != RECOVERED:
+                    if e.op == "move" and new in lcat and new in seen and e.message != RECOVERED \
+                            and not (e.message.startswith(rollback.ROLL_MESSAGE) and any(
+                                rollback.moved_back(r) and (r.args["ref"], r.args["root"]) == (name, new)
+                                for r in ops)):  # (a rollback's move back, journaled)
                         bad.append(f"T8 remote ref {name} moved back to {new[:16]} (tier {tname}'s), a snapshot it "
                                    f"had left: reflog entry at {e.time:.3f} '{e.message}'")
                     seen.add(new)

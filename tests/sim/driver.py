@@ -97,7 +97,7 @@ import tensorstore_ck as tsck
 
 from .. import _zygote
 from .._util import at_once
-from . import check, content
+from . import check, content, rollback
 from .backends import Location
 from .netproxy import NetFaults
 from .worker import Journal
@@ -114,7 +114,7 @@ _BASE = {"ops": (8, 16), "slow_tags": 0.3, "slow_delete": 0.4, "fail": 0.2, "sel
          "slow_commit": 0.2}
 FLAVORS = {
     "mix": dict(_BASE, weights={"put": 5, "cput": 2, "tag": 2, "pin": 1.5, "unpin": 0.7, "retention": 1, "gc": 1.5,
-                                "fsck": 0.7, "read": 1, "prune": 0.5}),
+                                "fsck": 0.7, "read": 1, "prune": 0.5}, rollback_p=0.06, crestore_p=0.5),
     # the window of a tag or pin landing on a snapshot a gc expires and deletes
     "tag-gc": dict(_BASE, weights={"put": 4, "cput": 1, "tag": 3, "pin": 2, "unpin": 0.5, "retention": 0.7, "gc": 2.5,
                                    "read": 0.5}, slow_tags=0.8, fail=0.05, recover_p=0.1),
@@ -136,7 +136,7 @@ FLAVORS = {
     # recover run over the live table must not bring back what was removed
     "remove": dict(_BASE, weights={"put": 5, "cput": 1, "delete_ref": 1, "forget": 1.5, "untag": 1, "tag": 1.5, "pin": 1,
                                    "unpin": 0.5, "prune": 1.5, "gc": 1, "retention": 1, "read": 1, "fsck": 0.3},
-                   slow_tags=0.5, recover_p=0.15, recover_live_p=0.6),
+                   slow_tags=0.5, recover_p=0.15, recover_live_p=0.6, rollback_p=0.1, crestore_p=0.5),
     # recover beside gc, prune and writers: the ref table is lost at the start of the round
     # and `recover` runs while the workers do, killed -9 at random moments and started
     # again; only a finished recover may let a gc or prune delete (docs/design/recover.md,
@@ -154,6 +154,11 @@ FLAVORS = {
 FLAVORS["net"] = dict(_BASE, weights={"put": 6, "tag": 1.5, "pin": 1, "unpin": 0.3, "gc": 0.7, "retention": 0.5,
                                       "read": 1}, fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.0,
                       kill_after_commit=0.0, net="heavy")
+# --focus rollback: rollbacks (a CheckpointManager's restore(step)) often, the writer killed
+# as one returns in a third of them, and a collective restore after every collective put,
+# one rank's part damaged in most (tests/sim/rollback.py: R1, R2). Not in the mix's draw.
+FLAVORS["rollback"] = dict(FLAVORS["mix"], weights=dict(FLAVORS["mix"]["weights"], cput=4), rollback_p=0.3,
+                           rollback_kill=0.3, crestore_p=1.0, tier_p=0.0, ctier_p=0.0)
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1, "remove": 2}
 # Writers with a local tier (open_store(remote, local=TIER)), beside the others: in a
 # round drawn with probability tier_p (a stream of its own, so the other workers'
@@ -178,6 +183,11 @@ for _f in FLAVORS.values():
     # seeds were chosen for: see TESTING.md, "Out of step").
     _f.setdefault("skip_p", 0.0)   # a collective put that rank 1 skips (Worker._skip_pair)
     _f.setdefault("grow_p", 0.0)   # an asynchronous put whose state's size is not the last one's
+    # Rollbacks before a worker's ops and collective restores after its collective puts
+    # (rollback.py; streams of their own, so the other draws stay as they were).
+    _f.setdefault("rollback_p", 0.0)
+    _f.setdefault("rollback_kill", 0.25)  # the writer killed as its rollback returns
+    _f.setdefault("crestore_p", 0.0)
 FLAVORS["recover-live"]["tier_p"] = 0.0  # the table is rebuilt under the writers there: not mixed with tiers
 # --focus step: collective puts often, a rank skipping one (with and without steps) in half,
 # asynchronous puts of states whose size changes between calls (the staging buffers).
@@ -438,6 +448,9 @@ class Harness:
                 slow = c["faults"].setdefault("slow", {})
                 slow["commits/"] = max(slow.get("commits/", 0.0), 1.0)
         tiered = self._tier_writers(r, fl, cfgs)
+        for c in cfgs:  # (a tier writer's puts reach the remote ref through its uploader: no rollbacks)
+            c["rollback_p"], c["rollback_kill"] = (0.0 if c.get("tier") else fl["rollback_p"]), fl["rollback_kill"]
+            c["crestore_p"] = fl["crestore_p"]
         # Some writers of the one ref (not through a tier: its races are the tier's own) are
         # killed right after the move that follows a lost race, before the refused commit is
         # removed: recover must adopt one of the two (a stream of its own).
@@ -508,6 +521,7 @@ class Harness:
             time.sleep(0.02)
         bad += _orphaned_savers(orphans)
         bad += [e for e in map(_reap, procs) if e]
+        self._repair_planted()
         for c, p in zip(cfgs, procs):
             if p.returncode not in (0, -signal.SIGKILL):
                 with open(os.path.join(self.run_dir, f"{c['id']}.err"), errors="replace") as f:
@@ -540,6 +554,8 @@ class Harness:
         grown = 0  # asynchronous puts of a state whose size was drawn for the call
         saved: dict = {}  # asynchronous puts through a saver process, by outcome
         packed = 0  # puts whose small tensors went into packs (open_store(pack_size=))
+        # rollbacks (restore(step)) by outcome; collective restores by what the ranks got
+        rolls, crest = rollback.brief_rollbacks(check.load_ops(self.run_dir), ids)
         for o in check.load_ops(self.run_dir):  # were exercised (or not)
             if o.w in ids and o.op == "put" and (o.args.get("skipped_by") or o.args.get("after_skip") is not None):
                 k = ("next:" if o.args.get("after_skip") is not None else "") + \
@@ -582,6 +598,7 @@ class Harness:
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} packed_puts={packed} "
+                 f"{rolls}(killed after: {self._killed_raced(ids, 'after-rollback')}) {crest} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "
@@ -863,13 +880,14 @@ class Harness:
                                 lambda: s.set_retention(job, tsck.Retention(keep_last=1000)))
         return live
 
-    def _killed_raced(self, ids) -> int:
-        """Writers of the round killed by kill_raced (their journals say so)."""
+    def _killed_raced(self, ids, kill: str = "ref-written-after-a-lost-race") -> int:
+        """Writers of the round killed by kill_raced (their journals say so), or by
+        another planned kill (`kill`: "after-rollback", as its rollback returned)."""
         n = 0
         for wid in ids:
             try:
                 with open(os.path.join(self.run_dir, "journal", f"{wid}.jsonl")) as f:
-                    n += sum(1 for line in f if '"ref-written-after-a-lost-race"' in line)
+                    n += sum(1 for line in f if f'"{kill}"' in line)
             except OSError:
                 pass
         return n
@@ -943,6 +961,16 @@ class Harness:
         self.log(f"  live recover: {live['n']} run(s), {live['killed']} killed by the driver")
         return bad
 
+    def _repair_planted(self) -> None:
+        """A block damaged for a collective restore whose worker was killed before it put
+        the block back (rollback.py): put back now, before anything is judged."""
+        left = rollback.left_damage(self.run_dir)
+        if left:
+            with self._open() as s:
+                storage = s.assets.storage
+                self._driver_op("repair", {"keys": [rec["key"] for rec in left]},
+                                lambda: {"done": [rollback.repair(storage, rec) for rec in left]})
+
     def _settle_and_check(self, rng: random.Random, fl: dict) -> list[str]:
         bad = []
         with self._open() as s:
@@ -973,6 +1001,8 @@ class Harness:
             bad += check.check_fsck(s, "quiescent")
             bad += check.check_history(s, ops, self.barriers)
             bad += check.check_failures(s, ops)
+            bad += rollback.check_rollbacks(s, ops, self.barriers)  # R1
+            bad += rollback.check_restores(ops)  # R2
             tiers = {n: p for n, p in {**self.tiers, **self.rank_tiers}.items() if os.path.isdir(p)}
             tb, stats = check.check_tiers(s, tiers, ops)
             bad += tb

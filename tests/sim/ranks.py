@@ -48,6 +48,7 @@ import torch
 
 from . import content
 from .faults import Faults
+from .rollback import rank_restore
 from .worker import FENCES, _die_with_parent, _err, open_store, tier_bytes
 
 
@@ -173,6 +174,14 @@ def main(argv=None) -> int:
         if per_call and s.closed:
             s = open_store(cfg, faults, **kw)
         cmd = json.loads(line)
+        if cmd.get("restore"):  # a collective restore_latest() of a CheckpointManager (rollback.py, R2)
+            out = rank_restore(s, cmd, rank, world)
+            if per_call:
+                if follow is not None:
+                    follow.check(s)
+                s.close()
+            print(json.dumps(out), flush=True)
+            continue
         if cmd.get("skip") == rank:  # this rank skips this call (as a rank whose policy decided alone)
             continue  # (silently: the worker reads one line per call it makes)
         spec = cmd["spec"]

@@ -45,7 +45,7 @@ import tensorstore_ck.gc as tsck_gc
 import tensorstore_ck.saver as _saver
 from tensorstore_ck.storage import local as _local
 
-from . import content
+from . import content, rollback
 from .faults import _HOME, Faults, SimStore, sim_storage, slow_reftable
 
 
@@ -282,10 +282,13 @@ class Worker:
         self._out: dict = {}  # rank pid -> what it printed that was not read yet (_rank_line)
         self.pinned: list[str] = []
         self.n = 0
+        self.branch: str | None = None  # a ref just rolled back: the next put goes on it (rollback.py)
 
     # -- the operations -------------------------------------------------------------
     def op_put(self, s, i):
         ref = self.rng.choice(self.cfg["refs"])
+        if self.branch is not None:  # the new branch's next snapshot, after a rollback
+            ref, self.branch = self.branch, None
         step = self.cfg["step_base"] + i
         own = None
         if self.rng.random() < self.cfg.get("vulture_p", 0.0):
@@ -833,6 +836,7 @@ class Worker:
                     self.j.write(i=DOWN_I, end=time.time(), result="ok")
                 if i in self._taken:
                     continue
+                rollback.maybe_rollback(self, s, i)  # (a stream of its own)
                 op = self.rng.choices(names, [weights[n] for n in names])[0]
                 if i == 0 and weights.get("cput"):
                     # A collective put first: on a loaded machine a round's few seconds may
@@ -862,6 +866,8 @@ class Worker:
                 if self._die_after:  # its ranks' group is broken: as torchrun would
                     self.j.write(kill="rank", op="cput", key="rank 0 killed itself publishing (planned)")
                     os.kill(os.getpid(), signal.SIGKILL)
+                if op == "cput":
+                    rollback.maybe_crestore(self, s, i, args, out)  # (a stream of its own)
                 time.sleep(self.rng.random() * cfg.get("pause", 0.05))
         finally:
             if cfg.get("tier"):
