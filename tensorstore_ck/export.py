@@ -18,7 +18,8 @@ with: the model's weights alone, as one .safetensors file that
 `model.load_state_dict(safetensors.torch.load_file(FILE))` takes. It takes the model's
 sub-tree (where TrainState, the Hugging Face callback and Lightning keep it), names each
 tensor as the model's own state_dict does (without the sub-tree's path, and without the
-wrapper prefixes DDP, torch.compile and FSDP1 put on every name), leaves out what is not a
+wrapper prefixes DDP, torch.compile and FSDP1 put on every name, nor torch.compile's
+inside a name: blocks compiled one by one, as get_model_state_dict names them), leaves out what is not a
 tensor (named in its summary), and casts floating tensors to `dtype` when one is given.
 """
 
@@ -232,6 +233,7 @@ WEIGHT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 # Wrapper modules that appear at any depth of a name: FSDP1's, activation checkpointing's.
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+_COMPILED = "_orig_mod"  # torch.compile's OptimizedModule keeps the module it wraps by this name
 _WEIGHTS_SUBTREES = ("model", "state_dict")  # TrainState's and Hugging Face's; Lightning's
 
 
@@ -340,6 +342,14 @@ def _strip_names(names: list[str], strip: tuple | None) -> tuple[list[str], list
                 break
             names = [n[len(p):] for n in names]
             done.append(p)
+        # Blocks compiled one by one (model.layers[i] = torch.compile(layer)) hold it inside
+        # names; torch's get_model_state_dict drops it at any depth too.
+        inner = [n.split(".") for n in names]
+        if any(_COMPILED in parts[:-1] for parts in inner):
+            names = [".".join(x for i, x in enumerate(parts) if x != _COMPILED or i == len(parts) - 1)
+                     for parts in inner]
+            if _COMPILED + "." not in done:
+                done.append(_COMPILED + ".")
         return names, done
     for p in strip:
         if not any(n.startswith(p) and len(n) > len(p) for n in names):
@@ -362,7 +372,8 @@ def export_weights(store, target: str, dest, *, subtree: str | None = None, dtyp
     snapshot. Names lose the sub-tree's path. strip_prefix: a prefix (or a list) every
     name that has it loses ("module." of DDP); None: the wrappers' (WRAPPER_PREFIXES:
     DDP's "module.", torch.compile's "_orig_mod.", each only when every name has it;
-    FSDP1's and activation checkpointing's wrapper modules at any depth); "" or []:
+    torch.compile's "_orig_mod." inside names too (blocks compiled one by one), FSDP1's
+    and activation checkpointing's wrapper modules, at any depth); "" or []:
     none. dtype: cast floating tensors to it ("bf16", "fp16", torch.bfloat16, ...;
     WEIGHT_DTYPES); integer and bool tensors stay as they are. Values that are not
     tensors are left out and named in the summary ("skipped"). DEST is replaced only

@@ -97,6 +97,42 @@ def test_wrapper_prefixes_are_stripped(store, tmp_path, attrs):
     wrap(Net()).load_state_dict(load_file(tmp_path / "kept.safetensors"), strict=True)
 
 
+class Stack(torch.nn.Module):
+    """An LLM trainer's layout: an embedding, a list of blocks, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6)
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.LayerNorm(6)) for _ in range(3)])
+        self.head = torch.nn.Linear(6, 11, bias=False)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "blocks-and-model"])
+def test_blocks_compiled_one_by_one_lose_orig_mod_inside_names(store, tmp_path, whole):
+    """model.layers[i] = torch.compile(layer) puts `_orig_mod.` inside names (compile is
+    lazy: the wrapper exists without running it); the file loads strict=True into a fresh,
+    uncompiled model, as get_model_state_dict names it."""
+    torch.manual_seed(3)
+    net = Stack()
+    for i, layer in enumerate(net.layers):
+        net.layers[i] = torch.compile(layer)
+    model = torch.compile(net) if whole else net
+    keys = list(model.state_dict())
+    assert "layers.0._orig_mod.0.weight" in [k.removeprefix("_orig_mod.") for k in keys]
+    _snapshot(store, model, "llm")
+    r = tsck.export_weights(store, "llm/main", tmp_path / "w.safetensors")
+    assert r["stripped"] == ["_orig_mod."] and r["tensors"] == len(keys)
+    fresh = Stack()
+    fresh.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=True)
+    got = fresh.state_dict()
+    assert list(got) == [k.replace("_orig_mod.", "") for k in keys]
+    assert all(torch.equal(got[k.replace("_orig_mod.", "")], v) for k, v in model.state_dict().items())
+    # strip_prefix="" keeps the names as the compiled model has them
+    tsck.export_weights(store, "llm/main", tmp_path / "kept.safetensors", strip_prefix="")
+    assert set(load_file(tmp_path / "kept.safetensors")) == set(keys)
+
+
 def test_bf16(store, tmp_path):
     net = _net(2)
     _snapshot(store, net, "run")
