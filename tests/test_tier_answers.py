@@ -117,13 +117,19 @@ def test_delete_ref_through_a_tier_removes_the_run_from_the_remote_and_gc_reclai
 
 def test_undelete_through_a_tier_brings_the_ref_back_in_both(s3_url, s3_server, tmp_path):
     """A ref deleted through a tier and brought back by undelete is back in the tier and in
-    the remote: a fresh tier restores it, and a gc of the remote keeps it."""
+    the remote; deleted again, a node whose tier never held it brings it back from the
+    remote's reflog. A fresh tier then restores it, and a gc of the remote keeps it."""
     root = _put(s3_url, s3_server, tmp_path, "a", 1)
     with _open(s3_url, s3_server, tmp_path, "a") as store:
         store.delete_ref(REF)
+        assert store.remote_core.refs.get_or_none(REF) is None
         info = store.undelete(REF)
         assert (info.root, info.durable) == (root, True)
         assert store.reftable.get_or_none(REF) == bytes.fromhex(root)
+        assert store.remote_core.refs.get_or_none(REF) == bytes.fromhex(root)
+        store.delete_ref(REF)
+    with _open(s3_url, s3_server, tmp_path, "c") as store:
+        assert store.undelete(REF).root == root
         assert store.remote_core.refs.get_or_none(REF) == bytes.fromhex(root)
     with _open(s3_url, s3_server, tmp_path, "fresh") as store:
         assert _same(store.checkout(REF), aw.state(1)) and [i.root for i in store.log(REF)] == [root]
@@ -152,12 +158,14 @@ def test_forget_through_a_tier_forgets_in_the_remote_too(s3_url, s3_server, tmp_
 
 
 def test_untag_through_a_tier_removes_a_tag_only_the_remote_has(s3_url, s3_server, tmp_path):
-    """A tag made on a node whose tier does not hold its snapshot lives in the remote
-    table; untag on that node removes it there, and no node resolves it any more."""
-    _two_nodes(s3_url, s3_server, tmp_path)
-    with _open(s3_url, s3_server, tmp_path, "a") as store:
+    """Node B tags its snapshot (in its tier and the remote table); on node A, whose tier
+    never had the tag, untag removes it from the remote, and no node resolves it any more."""
+    _, two = _two_nodes(s3_url, s3_server, tmp_path)
+    with _open(s3_url, s3_server, tmp_path, "b") as store:
         store.tag("gold", REF)
-        assert store.untag("gold") == store.resolve(REF)
+    with _open(s3_url, s3_server, tmp_path, "a") as store:
+        assert store.resolve("gold") == two
+        assert store.untag("gold") == two
         with pytest.raises(tsck.RefNotFound):
             store.resolve("gold")
     with _remote(s3_url, s3_server, tmp_path) as remote:
