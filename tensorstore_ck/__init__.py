@@ -100,6 +100,7 @@ package's modules indented under it). A module over ~600 lines says which one jo
       collective.py       collective puts through tiers: each rank's part, rank 0's move
       replicas.py         peer replicas over a TCP side channel
       budget.py           the tier's bytes, and evicting durable copies to fit
+      outage.py           outages: which upload failures are waited out, how far the remote lags
       reads.py            reads through the tier with the remote behind; the newer tier
     publish.py            the whole write path, one job over ~600 lines: block jobs -> nodes ->
                           commit -> fenced CAS -> retry (the refused commits removed), and
@@ -107,6 +108,8 @@ package's modules indented under it). A module over ~600 lines says which one jo
     reach.py              which stored objects the kept snapshots reach (gc's mark, fsck's orphans)
     plancache.py          the layouts a Store's puts planned lately: a state of the same layout
                           planned from one, staged in one copy call (thousands of tensors)
+    packparts.py          packs that keep dedup: a packed tensor a stored pack holds names that
+                          part; new packs form from the rest; packs under half named abandoned
     usage.py              `tsck du` and its plot: the store's bytes per job and over time
     readpath.py           the read path's front door: every checkout enters through read_state
     dcpstate.py           a dcp.save snapshot read by checkout as the state that was saved
