@@ -18,6 +18,7 @@ from ..core import Core
 from ..errors import RefNotFound, SnapshotWarning, StorageError, TsckError
 from .collective import CollectiveTier
 from .holds import held, unheld
+from .outage import Lag, caller_level, measure
 from .reads import ReadThrough, Served, newer
 from .uploader import Uploader, early_default
 
@@ -67,7 +68,26 @@ class LocalTier:
         """After a writer published `info` in the tier: queued for upload; durable once
         the uploader has moved the remote ref."""
         self.uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
+        self.tell_lag()
         return dataclasses.replace(info, durable=False)
+
+    def tell_lag(self) -> None:
+        """While uploads fail, the put's caller hears how far the remote is behind: a
+        SnapshotWarning at the first put of an outage, then at most every
+        tier.outage.LAG_TELL_EVERY seconds (nothing is read while uploads succeed)."""
+        if not self.uploader.outage.due():
+            return
+        try:
+            lag = self.lag()
+        except TsckError as e:  # (the table refused: the next put tells)
+            log.debug("local tier: the remote's lag could not be measured (%s)", e)
+            return
+        if lag.lagging:
+            warnings.warn(f"durability lags: {lag}", SnapshotWarning, stacklevel=caller_level())
+
+    def lag(self) -> Lag:
+        """How far the remote store is behind this tier now (tier.outage.Lag)."""
+        return measure(self.uploader, self.core.url)
 
     def on_durable(self, fn):
         """fn(root, row, at) on the uploader's thread after each snapshot became durable
@@ -187,8 +207,9 @@ class LocalTier:
                                 "and a ref moves only after every object was sent)", up.remote.url)
                 try:
                     queued = up.queued()
+                    lag = self.lag() if queued else None
                 except TsckError:  # (the local table refused: what is queued stays, said by the next open)
-                    queued = 0
+                    lag, queued = None, 0
                 remote = up.remote
                 # Under a deadline, a copy still in a request (the remote answers nothing) is
                 # not waited for: closing the storage below ends it.
@@ -197,9 +218,10 @@ class LocalTier:
                 remote.refs.close()
                 remote.storage.close()
                 if queued and up.error is None:  # (a failure that stopped the uploader says it all: raised)
+                    behind = f"; {lag}" if lag is not None and lag.failing is not None else ""
                     warnings.warn(f"store {remote.url}: {queued} snapshot(s) not uploaded stay queued in the local "
                                   f"tier {path} ({why or 'close() ended first'}); they are safe there, and the next "
-                                  f"open_store(..., local={path!r}) uploads them", SnapshotWarning,
+                                  f"open_store(..., local={path!r}) uploads them{behind}", SnapshotWarning,
                                   stacklevel=stacklevel)
         finally:
             if self.peers is not None:

@@ -37,8 +37,9 @@ from ..roles import UploadQueue
 from ..walk import by_kind, walk_commit
 from .budget import fit_budget, tier_bytes
 from .holds import held, publish_holds, upload_hold
+from .outage import Outage, heals
 
-__all__ = ["Uploader", "UPLOAD_ATTEMPTS", "BUDGET_WAIT", "TEE_BYTES", "early_default"]
+__all__ = ["Uploader", "RETRY_PAUSE", "BUDGET_WAIT", "TEE_BYTES", "early_default"]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,10 @@ WRITTEN_MAX = 1 << 16
 def early_default() -> bool:
     return (os.cpu_count() or 1) >= EARLY_UPLOAD_CORES
 
-UPLOAD_ATTEMPTS = 8  # tries of one snapshot (storage or ref-table failures) before the uploader gives up
-_BACKOFF = (0.5, 30.0)  # first and longest pause between tries, seconds
+# First and longest pause between two tries of a failed upload, seconds: the pause doubles
+# up to the longest, and the tries go on for as long as the process lives (tier/outage.py:
+# only a failure no wait cures stops them). Read at each failure: a test shortens it.
+RETRY_PAUSE = (0.5, 30.0)
 TIDY_EVERY = 8  # uploads in a row after which a rank's due cleanup runs, even with more queued (Uploader.follow)
 # Seconds a put into a tier over its budget waits for uploads to free room (Uploader.make_room)
 # before it fails with TierFull: long enough for a large snapshot's upload over a slow
@@ -103,6 +106,9 @@ class Uploader:
         # Upload attempts that failed, and the last failure: a close stops waiting at a
         # failure (drain), since the next try would come only after a backoff.
         self._failures, self._last_failure = 0, None
+        self.outage = Outage()  # upload attempts failing since the last success (tier/outage.py)
+        # ref -> the step of its snapshot made durable last (tier.outage.measure's steps behind)
+        self.durable_steps: dict = {}
         self._closing = False  # drain() is waiting for the queue (Store.close)
         self._forked = False
         self.sent = self.skipped = 0
@@ -264,7 +270,8 @@ class Uploader:
 
     def wait_durable(self, timeout: float | None = None) -> bool:
         """Wait until every snapshot queued before this call is durable -> True, or False
-        once `timeout` seconds passed. Raises the failure that stopped the uploader."""
+        once `timeout` seconds passed. Raises the failure that stopped the uploader (one
+        no wait cures: tier.outage.heals); an outage is waited out, up to `timeout`."""
         target = self.local.refs.upload_last_seq()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -356,8 +363,10 @@ class Uploader:
         copies of durable snapshots (fit_budget); still over with uploads queued, wait for
         them (each upload's eviction frees its snapshot's copy), with one warning, at most
         BUDGET_WAIT seconds. Then, or at once where waiting cannot help (nothing queued,
-        the local-only snapshots alone over the budget, the uploader stopped, a forked
-        child, whose parent keeps the budget), TierFull: nothing was written."""
+        the local-only snapshots alone over the budget, the uploader stopped, uploads
+        failing since their last success: an outage, a forked child, whose parent keeps
+        the budget), TierFull: nothing was written. Once uploads succeed again, puts wait
+        for room again (back-pressure resumes as the backlog drains)."""
         budget = self.budget
         if budget is None:
             return
@@ -422,6 +431,14 @@ class Uploader:
                     "local_budget=")
         if self._stop:
             return ("the store is closing: its uploader takes no more", "reopen the store")
+        out = self.outage.failing()
+        if out is not None:  # no upload can free room until the remote is back; then waiting helps again
+            secs, n, e = out
+            return (f"the uploads to {self.remote.url} have failed for {secs:.0f}s ({n} attempt(s); last: "
+                    f"{type(e).__name__}: {e}): nothing frees room until they resume (they are retried for as long "
+                    "as this process lives)",
+                    "the puts wait for room again once the uploads resume (store.wait_durable() returns then); "
+                    "or raise local_budget=")
         with self._cond:
             fitting = self._fitting  # an upload just ended: its eviction is still to come
         if not fitting and not self.local.refs.upload_pending():
@@ -599,32 +616,45 @@ class Uploader:
                 self._upload(seq, entry)
                 self._since_tidy += 1
                 tries = 0
-            except (IntegrityError, NotAStore) as e:  # a damaged local object, or a remote of another
-                # store (found at its first use, tier.opening.LazyStorage): no retry makes it right
-                self._fail(e)
-                return
+                ended = self.outage.succeeded()
+                if ended is not None:
+                    log.warning("local tier: uploads to %s resumed after %.0fs of failures (%d failed attempt(s))",
+                                self.remote.url, *ended)
             except (StorageError, TsckError, OSError) as e:
+                if not heals(e):  # a damaged local object, a remote of another store, a refused credential, ...
+                    self._fail(e)
+                    return
                 tries += 1
+                self.outage.failed(e)
                 with self._cond:
                     self._failures, self._last_failure = self._failures + 1, e
                     closing = self._closing
                     self._cond.notify_all()
                     if self._stop:  # closed meanwhile: no retry, no message of one
                         return
-                if tries >= UPLOAD_ATTEMPTS:
-                    self._fail(e)
-                    return
-                pause = min(_BACKOFF[1], _BACKOFF[0] * 2 ** (tries - 1))
-                log.warning("upload of %s to %s failed (%s); try %d of %d in %.1fs", entry["root"].hex()[:16],
-                            self.remote.url, e, tries + 1, UPLOAD_ATTEMPTS, pause)
-                with self._cond:
-                    # A close that began after this failure wants the next try now (drain);
-                    # one that saw it stops waiting, and then stops this thread.
-                    if not self._stop and (closing or not self._closing):
-                        self._cond.wait(pause)
+                first, longest = RETRY_PAUSE
+                pause = min(longest, first * 2 ** min(tries - 1, 64))
+                log.warning("upload of %s to %s failed (%s: %s); try %d in %.1fs (an outage is waited out: tried "
+                            "for as long as this process lives)", entry["root"].hex()[:16], self.remote.url,
+                            type(e).__name__, e, tries + 1, pause)
+                self._pause_after_failure(pause, closing)
             except BaseException as e:  # noqa: BLE001 - said by wait_durable and close
                 self._fail(e)
                 return
+
+    def _pause_after_failure(self, pause: float, closing: bool) -> None:
+        """Wait out `pause` seconds before the next try. Not cut short by enqueue() or any
+        other notify (puts keep coming during an outage; a try per put would hammer a
+        remote that is away): only a stop ends it, or a close that began after the failure
+        (`closing` False then), which wants the next try now (drain); a close that saw the
+        failure stops waiting at it, and then stops this thread."""
+        end = time.monotonic() + pause
+        with self._cond:
+            while not self._stop and (closing or not self._closing):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def skip_superseded(self, seq: int, entry: dict, pending: list, part_stalled: float | None = None) -> bool:
         """The backlog rule: a queued snapshot with a newer one of the same ref queued
@@ -759,6 +789,8 @@ class Uploader:
         with self._cond:
             self._fitting = True  # the retention and the budget follow: wait_durable waits for them
         self.local.refs.upload_done(seq, root)
+        if isinstance(row.get("ref"), str):
+            self.durable_steps[row["ref"]] = row.get("step")
         self.notify()
         self._tell_durable(root, row)
         try:

@@ -304,6 +304,9 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
                 warnings.warn(f"CheckpointManager {self.job}: {rep.failed} of {rep.attempted} snapshot(s) failed in "
                               f"this run ({kinds}); the newest, of step {rep.last_attempted_step}, is committed",
                               SnapshotWarning, stacklevel=caller_level())
+        if rep.durability is not None and rep.durability.lagging:
+            warnings.warn(f"CheckpointManager {self.job}: durability lags: {rep.durability}", SnapshotWarning,
+                          stacklevel=caller_level())
         if not rep.ok:
             last = (f"the newest committed by this run is of step {rep.last_committed_step}"
                     if rep.last_committed_step is not None else "none of its snapshots was committed")

@@ -41,6 +41,7 @@ class CloseReport:
     last_committed_step: int | None   # the newest this manager committed (None: none)
     newest_committed: bool            # the newest attempted snapshot ended committed
     errors: tuple                     # the newest failures' errors (at most 16), oldest first
+    durability: object = None         # with a local tier: how far the remote is behind (tier.outage.Lag)
 
     @property
     def ok(self) -> bool:
@@ -90,11 +91,15 @@ class Outcomes:
 
     def report(self) -> CloseReport:
         """How the manager's snapshots ended so far (close() returns it once nothing is in flight)."""
+        try:
+            lag = self.store.durability_lag()
+        except (TsckError, AttributeError):  # (a table that refused; a store-like object without tiers)
+            lag = None
         with self._failures_lock:
             return CloseReport(attempted=self._attempted, committed=self._committed_n,
                                failed=sum(self._warned.values()), last_attempted_step=self._last_attempted_step,
                                last_committed_step=self._last_committed_step, newest_committed=self._newest_ok,
-                               errors=tuple(self._errors))
+                               errors=tuple(self._errors), durability=lag)
 
     def _raise_pending(self) -> None:
         """The store's pending background failure, except an OutcomeUnknown whose
