@@ -5,8 +5,18 @@
 
     tb = TensorBoardMetrics(SummaryWriter("runs/a"))           # scalars under "tsck/", step = the snapshot's
     prom = PrometheusMetrics()                                  # the default registry
-    start_http_server(9108)                                     # GET :9108/metrics
+    start_http_server(9108)                                     # GET 127.0.0.1:9108/metrics
     mgr = CheckpointManager(store, job="a", state=ts, every_steps=100, on_commit=[tb, prom])
+
+The same lines run unchanged on every rank under torchrun (`torchrun --nproc_per_node 8
+train.py`): a snapshot is one for the whole job, so the hooks report it once, on rank 0
+of the default process group (the others' hooks do nothing; every_rank=True reports on
+each rank, with a writer or registry of its own); and start_http_server serves once per
+host, on local rank 0 (LOCAL_RANK, as torchrun sets it; without it, under a process
+group, rank 0 alone), so the other ranks of a host do not fail on a port taken. It
+listens on loopback unless told otherwise: start_http_server(9108, addr="0.0.0.0") for a
+Prometheus server on another host (the job's names, steps and sizes go to whoever can
+reach the port).
 
 Each hook is a callable taking what CheckpointManager(on_commit=) hands (a CommitEvent)
 or a SnapshotInfo (what put_snapshot returns, for scripts without a manager), and has
@@ -36,6 +46,8 @@ PrometheusMetrics and start_http_server only (the [prometheus] extra).
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 from .errors import InvalidArgument
@@ -52,6 +64,23 @@ SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 
 STALL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
+def _rank() -> int | None:
+    """This process's rank in torch.distributed's default group; None outside one."""
+    dist = sys.modules.get("torch.distributed")  # never imported here: a job with a group has imported it
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank()
+
+
+def _local_rank() -> int | None:
+    """This process's rank on its host: LOCAL_RANK (torchrun's); None when not set."""
+    raw = os.environ.get("LOCAL_RANK")
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
 def _info(event):
     """A CommitEvent's SnapshotInfo, or the SnapshotInfo itself."""
     info = getattr(event, "info", None)
@@ -61,10 +90,18 @@ def _info(event):
 class _Hook:
     """What both hooks share: a failure is logged once as a warning, never raised."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, every_rank: bool = False):
+        if not isinstance(every_rank, bool):
+            raise InvalidArgument(f"every_rank must be a bool, got {type(every_rank).__name__}")
         self._what = what
+        self.every_rank = every_rank
         self._lock = threading.Lock()  # the hooks run on the publisher's and the uploader's threads
         self._warned = False
+
+    def _here(self) -> bool:
+        """Whether this process reports: one report per snapshot of the job (rank 0's),
+        whichever ranks run the hook; every process with every_rank=True."""
+        return self.every_rank or (_rank() or 0) == 0
 
     def _failed(self, e: BaseException, doing: str) -> None:
         if not self._warned:
@@ -75,6 +112,8 @@ class _Hook:
             log.debug("%s: %s failed: %s: %s", self._what, doing, type(e).__name__, e)
 
     def __call__(self, event) -> None:
+        if not self._here():
+            return
         info = _info(event)
         try:
             with self._lock:
@@ -84,6 +123,8 @@ class _Hook:
 
     def on_durable(self, event) -> None:
         """A DurableEvent (Store.on_durable): the snapshot's durable lag."""
+        if not self._here():
+            return
         try:
             with self._lock:
                 self._durable(event)
@@ -100,15 +141,17 @@ class _Hook:
 class TensorBoardMetrics(_Hook):
     """Scalars through a SummaryWriter-like `writer` (add_scalar(tag, value, global_step)),
     each tag `prefix` + name, at the snapshot's step (a snapshot without a step: the
-    count of snapshots reported so far). The writer stays the caller's (flush, close)."""
+    count of snapshots reported so far). The writer stays the caller's (flush, close).
+    Under torch.distributed only rank 0's hook writes (every_rank=True: each rank's, to
+    a writer of its own)."""
 
-    def __init__(self, writer, prefix: str = "tsck/"):
+    def __init__(self, writer, prefix: str = "tsck/", *, every_rank: bool = False):
         if not callable(getattr(writer, "add_scalar", None)):
             raise InvalidArgument(f"TensorBoardMetrics takes a writer with add_scalar(tag, value, global_step) "
                                   f"(torch.utils.tensorboard.SummaryWriter), got {type(writer).__name__}")
         if not isinstance(prefix, str):
             raise InvalidArgument(f"prefix must be a str, got {type(prefix).__name__}")
-        super().__init__("TensorBoardMetrics")
+        super().__init__("TensorBoardMetrics", every_rank)
         self.writer = writer
         self.prefix = prefix
         self._n = 0
@@ -145,11 +188,12 @@ class PrometheusMetrics(_Hook):
     prometheus_client's default registry, the one start_http_server() serves), labelled
     with the snapshot's job and ref. `namespace` prefixes every name ("tsck"). Make one
     per registry: a second in the same registry is refused by prometheus_client (its
-    names are taken)."""
+    names are taken). Under torch.distributed only rank 0's hook counts (every_rank=True:
+    each rank's, in its own process's registry: a per-rank exporter's)."""
 
     def __init__(self, registry=None, *, namespace: str = "tsck", seconds_buckets=SECONDS_BUCKETS,
-                 stall_buckets=STALL_BUCKETS):
-        super().__init__("PrometheusMetrics")
+                 stall_buckets=STALL_BUCKETS, every_rank: bool = False):
+        super().__init__("PrometheusMetrics", every_rank)
         pc = _prometheus()
         self.registry = pc.REGISTRY if registry is None else registry
         kw = dict(labelnames=("job", "ref"), namespace=namespace, registry=self.registry)
@@ -187,14 +231,18 @@ class PrometheusMetrics(_Hook):
 
 class MetricsServer:
     """The HTTP exporter start_http_server() started: `port` (the one bound, also when 0
-    was asked for), `addr`; close() stops it."""
+    was asked for), `addr`; close() stops it. serving False: this process left it to
+    another of its host (local rank 0); port is None then and close() does nothing."""
 
     def __init__(self, httpd, thread, addr: str):
         self._httpd, self._thread = httpd, thread
         self.addr = addr
-        self.port: int = httpd.server_port
+        self.serving = httpd is not None
+        self.port: int | None = httpd.server_port if httpd is not None else None
 
     def close(self) -> None:
+        if self._httpd is None:
+            return
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5.0)
@@ -206,13 +254,29 @@ class MetricsServer:
         self.close()
 
 
-def start_http_server(port: int, addr: str = "0.0.0.0", registry=None) -> MetricsServer:
+def start_http_server(port: int, addr: str = "127.0.0.1", registry=None, *, every_rank: bool = False
+                      ) -> MetricsServer:
     """Serve `registry` (None: the default one) at http://addr:port/metrics on a daemon
     thread (prometheus_client.start_http_server) -> a MetricsServer. port=0 binds a free
-    port (MetricsServer.port says which). addr "0.0.0.0" (prometheus_client's default)
-    lets a Prometheus server on another host scrape it; "127.0.0.1" keeps it to this one."""
+    port (MetricsServer.port says which). addr: "127.0.0.1" (the default) keeps it to
+    this host; "0.0.0.0" lets a Prometheus server on another host scrape it.
+
+    One exporter per host: where LOCAL_RANK is set (torchrun) only local rank 0 serves,
+    else under torch.distributed only rank 0; the others get a MetricsServer with
+    serving False, so the same call on every rank does not fail on the port one of them
+    took. every_rank=True serves in every process (give each its own port)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidArgument(f"port must be an int in 0..65535, got {port!r}")
+    if not isinstance(addr, str) or not addr:
+        raise InvalidArgument(f"addr must be a host address (str), got {addr!r}")
+    if not isinstance(every_rank, bool):
+        raise InvalidArgument(f"every_rank must be a bool, got {type(every_rank).__name__}")
     pc = _prometheus()
+    local = _local_rank()
+    mine = local if local is not None else (_rank() or 0)
+    if not every_rank and mine != 0:
+        log.debug("metrics exporter: %s %d leaves port %d to rank 0 of its %s", "local rank" if local is not None
+                  else "rank", mine, port, "host" if local is not None else "job")
+        return MetricsServer(None, None, addr)
     httpd, thread = pc.start_http_server(port, addr=addr, registry=pc.REGISTRY if registry is None else registry)
     return MetricsServer(httpd, thread, addr)
