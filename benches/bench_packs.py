@@ -14,6 +14,7 @@ Every snapshot's checkout is compared bit for bit with its state.
     .venv/bin/python benches/bench_packs.py | tee benches/results/packs.txt
     .venv/bin/python benches/bench_packs.py --snapshots 20       # a quick run
     .venv/bin/python benches/bench_packs.py --share 0.5 0.75     # packparts.LIVE_SHARE values to compare
+    PYTHONPATH=/tmp/old .venv/bin/python benches/bench_packs.py  # another tree (git worktree add /tmp/old <commit>)
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ try:
 except ImportError:  # not installed: this checkout's
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import tensorstore_ck as tsck
-from tensorstore_ck import packparts
+try:
+    from tensorstore_ck import packparts
+except ImportError:  # a tree from before packs named stored parts (to compare with)
+    packparts = type("packparts", (), {"LIVE_SHARE": None})
 
 PREFIXES = ("blocks", "nodes", "commits")
 
