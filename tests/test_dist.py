@@ -716,3 +716,28 @@ def test_ddp_ranks_holding_the_same_model_count_each_new_object_once(tmp_path):
     assert (inl["blocks_new"], inl["stored_new"]) == (0, 0)
     assert inl["bytes_new"] == inlined  # the biases share the ranks' one new node
     assert log[3].bytes_new == inlined and log[2].bytes_new == 0
+
+
+def test_bytes_new_counts_each_new_block_once_when_ranks_hold_the_same_bytes(tmp_path):
+    """4 ranks whose states share bytes: a sharded piece equal on every rank, a plain tensor
+    equal on every rank (DDP's weights), a Replicated tensor, and a sharded piece of each
+    rank's own. Every rank writes the shared blocks at once; each counts what it named in the
+    store, so the sums rank 0 makes count each block once: blocks_new and stored_new are
+    the block files the snapshot added, bytes_new their raw bytes, with every value changed
+    too; the same state again adds nothing."""
+    out = run_scenario(tmp_path, "samebytes")
+    res = rank_results(out, "samebytes", 4)
+    infos, files = res[0]["infos"], res[0]["blocks"]
+    assert all([i["root"] for i in r["infos"]] == [i["root"] for i in infos] for r in res)
+    piece = dw.BLOCK  # each sharded piece; "emb" is 4 blocks, "w" 2
+    before: dict = {}
+    for info, now in zip(infos[:2], files[:2]):
+        added = {k: v for k, v in now.items() if k not in before}
+        assert info["blocks_new"] == len(added) == 1 + 4 + 4 + 2, (info, len(added))
+        assert info["stored_new"] == sum(added.values())
+        assert info["bytes_new"] == (1 + 4 + 4 + 2) * piece
+        # each rank's part holds its pieces and its copy of "w"; "emb" once
+        assert info["bytes_total"] == 4 * (2 + 2) * piece + 4 * piece
+        before = now
+    assert (infos[2]["blocks_new"], infos[2]["bytes_new"], infos[2]["stored_new"]) == (0, 0, 0)
+    assert files[2] == files[1]

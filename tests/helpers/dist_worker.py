@@ -5,7 +5,8 @@
 SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatch,
 desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
 newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget,
-gcphase (ARG: world), gcfail, unknown, pgunknown (env TSCK_DIST_PG_DSN), ddpnew.
+gcphase (ARG: world), gcfail, unknown, pgunknown (env TSCK_DIST_PG_DSN), ddpnew,
+samebytes.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -448,6 +449,40 @@ def ddp_new(rank, world, out, res, _arg):
         for step, version in ((1, 0), (2, 0), (3, 1)):
             info = store.put_snapshot(ddp_state(version), REF, step=step, timeout=60)
             res["infos"].append(info.to_json())
+            dist.barrier()
+
+
+def same_bytes_state(rank: int, world: int, version: int) -> dict:
+    """A state whose ranks hold some of the same bytes: "zeros", a sharded piece equal on
+    every rank (its global tensor is one value); "mine", a sharded piece of its own; "emb",
+    a Replicated tensor; "w", a plain tensor equal on every rank (DDP's weights); and the
+    rank. Each piece is one block (BLOCK bytes), "emb" four, "w" two; every value changes
+    with `version`."""
+    import tensorstore_ck as tsck
+    g = torch.Generator().manual_seed(1000 * version + rank)
+    same = torch.Generator().manual_seed(1000 * version + 999)
+    rows, cols = 4, BLOCK // 16
+    return {"zeros": tsck.Sharded(torch.full((rows, cols), float(version)), (rows * world, cols), (rows * rank, 0)),
+            "mine": tsck.Sharded(torch.randn(rows, cols, generator=g), (rows * world, cols), (rows * rank, 0)),
+            "emb": tsck.Replicated(torch.randn(4 * rows, cols, generator=same)),
+            "w": torch.randn(2 * rows, cols, generator=same), "rank": rank}
+
+
+def same_bytes(rank, world, out, res, _arg):
+    """Every rank puts same_bytes_state: version 0, version 1 (every value changed), version
+    1 again. Records each SnapshotInfo and (rank 0, once every rank returned) the block
+    files in the store with their sizes."""
+    import torch.distributed as dist
+    blocks = os.path.join(out, "store", "blocks")
+    with _open(out) as store:
+        res["infos"], res["blocks"] = [], []
+        for step, version in ((1, 0), (2, 1), (3, 1)):
+            info = store.put_snapshot(same_bytes_state(rank, world, version), REF, step=step, timeout=60)
+            res["infos"].append(info.to_json())
+            dist.barrier()
+            if rank == 0:
+                res["blocks"].append({f: os.path.getsize(os.path.join(blocks, d, f))
+                                      for d in os.listdir(blocks) for f in os.listdir(os.path.join(blocks, d))})
             dist.barrier()
 
 
@@ -1090,6 +1125,7 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
            "gcfail": ("gcfail", 3, gcfail_case, None, 240.0),
            "pgunknown": ("pgunknown", 2, pgunknown_case, None, 120.0),
            "unknown": ("unknown", 2, unknown_case, None, 60.0), "ddpnew": ("ddpnew", 2, ddp_new, None, 60.0),
+           "samebytes": ("samebytes", 4, same_bytes, None, 90.0),
            "notfound": ("notfound", 4, notfound_case, None, 60.0)}
     if scenario in one:
         phase, world, body, default, limit = one[scenario]
