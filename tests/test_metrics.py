@@ -6,6 +6,7 @@ the durable lag (commit to remote ref moved) arrives on the uploader's thread.""
 
 from __future__ import annotations
 
+import json
 import logging
 import urllib.request
 
@@ -168,6 +169,82 @@ def test_prometheus_exporter_scraped_over_http(tmp_path):
     assert got[("tsck_snapshot_bytes_total", ev)] == other.bytes_total == 400
     # no tier: no durable lag reported
     assert not any(name == "tsck_durable_lag_seconds" for name, _ in got)
+
+
+def _families(text: str) -> dict:
+    parser = pytest.importorskip("prometheus_client.parser")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in parser.text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _tsck_points(logdir) -> dict:
+    """tag -> [(file, step)] of every tsck/ scalar in every event file under `logdir`
+    (one file per SummaryWriter: per rank, as the README's line makes one on each)."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (the test extra installs it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out: dict = {}
+    files = sorted(p for p in logdir.iterdir() if "tfevents" in p.name)
+    assert files, list(logdir.iterdir())
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            if tag.startswith("tsck/"):
+                out.setdefault(tag, []).extend((f.name, e.step) for e in acc.Scalars(tag))
+    return out
+
+
+@pytest.mark.slow
+def test_the_readme_lines_on_every_rank_under_torchrun(tmp_path):
+    """torchrun runs the script on every rank: start_http_server(PORT) serves on one rank
+    of the host (the other does not die of EADDRINUSE), on loopback only; the exporter's
+    and TensorBoard's numbers count each snapshot once for the job, not once per rank."""
+    pytest.importorskip("prometheus_client", reason="prometheus_client is not installed")
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    import sys
+
+    import _zygote as zygote
+    from _util import REPO, child_env
+    import socket
+    with socket.socket() as sock:  # a free port for the README's fixed one
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = child_env(TORCH_CPP_LOG_LEVEL="ERROR", **{zygote.SUBPROCESS: "1"})  # torchrun's agent and ranks
+    env.pop("LOCAL_RANK", None)
+    r = zygote.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    str(REPO / "tests" / "helpers" / "metrics_worker.py"), str(tmp_path), str(port)],
+                   cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) if (tmp_path / f"rank{i}.json").exists()
+             else None for i in range(2)]
+    assert r.returncode == 0, (ranks, r.stderr[-3000:])
+    assert [(x["local_rank"], x["serving"]) for x in ranks] == [("0", True), ("1", False)]
+    assert ranks[0]["addr"] == "127.0.0.1" and ranks[0]["port"] == port and ranks[1]["port"] is None
+    assert ranks[0]["other_address"].startswith("refused"), ranks[0]["other_address"]  # not every interface
+    assert ranks[0]["steps"] == ranks[1]["steps"] == [3, 2, 1]
+    got = _families(ranks[0]["scrape"])
+    lab = (("job", "run"), ("ref", "run/main"))
+    assert got[("tsck_snapshots_total", lab)] == 3  # one snapshot of the job counted once, not per rank
+    assert got[("tsck_snapshot_seconds_count", lab)] == 3 and got[("tsck_last_snapshot_step", lab)] == 3
+    points = _tsck_points(tmp_path / "tb")
+    assert set(points) == {"tsck/snapshot_seconds", "tsck/stall_seconds", "tsck/bytes", "tsck/new_bytes"}
+    for tag, pts in points.items():
+        assert sorted(step for _f, step in pts) == [1, 2, 3], (tag, pts)  # once per snapshot, one writer
+        assert len({f for f, _s in pts}) == 1, (tag, pts)
+
+
+def test_start_http_server_listens_on_loopback_by_default(tmp_path):
+    """The job's names, steps and sizes stay on this host unless addr= says otherwise."""
+    prom = pytest.importorskip("prometheus_client", reason="prometheus_client is not installed")
+    registry = prom.CollectorRegistry()
+    metrics.PrometheusMetrics(registry=registry)
+    with metrics.start_http_server(0, registry=registry) as server:
+        assert server.serving and server.addr == "127.0.0.1"
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
+            assert "tsck_snapshots_total" in r.read().decode()
+        with pytest.raises(OSError):  # loopback too, but not the address it bound
+            urllib.request.urlopen(f"http://127.0.0.2:{server.port}/metrics", timeout=30)
+    with pytest.raises(tsck.InvalidArgument, match="addr"):
+        metrics.start_http_server(0, addr="")
 
 
 def test_prometheus_durable_lag_with_a_local_tier(tmp_path):
