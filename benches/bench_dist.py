@@ -388,13 +388,15 @@ def store_bytes_main(args, base: str) -> None:
         recs = store_bytes_world(w, args, base)
         print(f"\n{w} gloo ranks x {args.tensors} sharded tensors of {args.kb} KiB a piece, every value changed "
               "each snapshot: through the c10d Store, per rank")
-        print("| snapshot | bytes per rank: max (mean) | in all | requests per rank: max | bytes_new | blocks_new |")
-        print("|---|---|---|---|---|---|")
+        print("| snapshot | bytes: rank 0 | bytes: other ranks, max (mean) | in all | requests per rank: max "
+              "| bytes_new | blocks_new |")
+        print("|---|---|---|---|---|---|---|")
         for i in range(args.repeats + 1):
             reps = [d["reps"][i] for d in recs]
             b = [x["bytes"] for x in reps]
-            print(f"| {'first' if i == 0 else f'repeat {i}'} | {max(b)} ({sum(b) / len(b):.0f}) | {sum(b)} "
-                  f"| {max(x['requests'] for x in reps)} | {reps[0]['bytes_new']} | {reps[0]['blocks_new']} |")
+            rest = b[1:] or [0]
+            print(f"| {'first' if i == 0 else f'repeat {i}'} | {b[0]} | {max(rest)} ({sum(rest) / len(rest):.0f}) "
+                  f"| {sum(b)} | {max(x['requests'] for x in reps)} | {reps[0]['bytes_new']} | {reps[0]['blocks_new']} |")
 
 
 def main() -> None:
@@ -412,16 +414,18 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench_dist_", dir=args.dir or ("/work" if os.path.isdir("/work") else None))
-    print(f"# bench_dist: {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"tensorstore_ck {tsck.__version__}; per rank: {args.kb} KiB + {args.kb // 4} KiB shards, "
-          f"1/W of a {args.kb} KiB replicated tensor, 8 KiB rank-local; block {args.block_kb} KiB; "
-          f"{args.repeats} repeats after 1 warm-up; store under {base}")
     if args.store_bytes:
+        print(f"# bench_dist --store-bytes: {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
+              f"tensorstore_ck {tsck.__version__}; store under {base}")
         try:
             store_bytes_main(args, base)
         finally:
             shutil.rmtree(base, ignore_errors=True)
         return
+    print(f"# bench_dist: {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"tensorstore_ck {tsck.__version__}; per rank: {args.kb} KiB + {args.kb // 4} KiB shards, "
+          f"1/W of a {args.kb} KiB replicated tensor, 8 KiB rank-local; block {args.block_kb} KiB; "
+          f"{args.repeats} repeats after 1 warm-up; store under {base}")
     results = []
     try:
         for w in args.ranks:
