@@ -78,16 +78,19 @@ def test_harness_recover_live():
 def test_harness_step():
     """Collective puts that one rank skips (with and without steps) and asynchronous puts of
     states whose size changes (flavor step): the skipped put fails, the next one, made
-    alike, is published; nothing raw."""
-    # A violation fails at once. Whether the rounds drew a skipped collective put depends on
-    # how fast ranks start (a loaded machine's few seconds may end first): a run that drew
-    # none proved nothing either way, so the next seed is run, up to three.
+    alike, is published; nothing raw. The mix's rollbacks (R1) and collective restores with
+    one rank's part damaged (R2) come with it: collective puts are frequent here."""
+    # A violation fails at once. Whether the rounds drew a skipped collective put, a rollback
+    # and a damaged collective restore depends on how fast ranks start (a loaded machine's
+    # few seconds may end first): a run that drew none proved nothing either way, so the
+    # next seed is run, up to three.
+    drawn = (r"skipped_by_a_rank=\S*next:", r"rollbacks=\S*okx", r"crestores=\S*planted:")
     for offset in range(3):
         out = _run_harness("file", {}, ["--rounds", "2", "--round-seconds", "10", "--focus", "step"], seeds="step",
                            seed_offset=offset)
-        if re.search(r"skipped_by_a_rank=\S*next:", out):
+        if all(re.search(d, out) for d in drawn):
             break
-    assert re.search(r"skipped_by_a_rank=\S*next:", out), out[-3000:]
+    assert all(re.search(d, out) for d in drawn), out[-3000:]
     assert sum(int(n) for n in re.findall(r"grown_async=(\d+)", out)) >= 1, out[-3000:]
 
 
@@ -374,3 +377,86 @@ def test_checker_reports_tier_violations(tmp_path):
         with tsck.open_store(url) as s:
             bad, _ = check.check_tiers(s, {**tiers, "t1": str(t1)}, check.load_ops(str(tmp_path)))
         assert any(b.startswith("T9 tier t1") for b in bad) is t9, bad
+
+
+def test_checker_judges_rollbacks_and_collective_restores(tmp_path):
+    """R1: a rollback that returned ok leaves its ref on the restored snapshot (or on what
+    may have moved it since), never on the abandoned run's tip; I3 lets a ref go back only
+    where a journaled rollback to that tip may have moved it. R2: every rank of a
+    collective restore gets the same outcome, its rows its spec's. An fsck beside a block
+    damaged on purpose for a collective restore names it without an I4."""
+    from tests.sim import rollback
+    with tsck.open_store(tmp_path / "store", block_size=content.BLOCK_SIZE,
+                         inline_threshold=content.INLINE_THRESHOLD) as s:
+        specs = [content.make_spec("w", i, i % content.VARIANTS, i) for i in range(2)]
+        a, b = (s.put_snapshot(content.state(sp), ref="ja/main", step=sp["s"], meta={"sim": sp}) for sp in specs)
+        t = time.time()
+        puts = [r for k, (sp, inf) in enumerate(zip(specs, (a, b))) for r in (
+            {"w": "w", "i": k, "op": "put", "args": {"ref": "ja/main", "step": sp["s"], "spec": sp}, "start": t + k},
+            {"w": "w", "i": k, "end": t + k + 0.5, "result": "ok", "root": inf.root})]
+        back = [{"w": "w", "i": 4_000_002, "op": "rollback", "start": t + 2,
+                 "args": {"ref": "ja/main", "step": 0, "root": a.root, "from": b.root}},
+                {"w": "w", "i": 4_000_002, "end": t + 2.5, "result": "ok", "root": a.root, "restored": 0}]
+
+        def judged(records, barriers=()):
+            _journal(tmp_path, records)
+            ops = check.load_ops(str(tmp_path))
+            return check.check_history(s, ops, list(barriers)) + rollback.check_rollbacks(s, ops, list(barriers))
+
+        # The rollback returned ok but the ref stayed on the abandoned run's tip.
+        bad = judged(puts + back)
+        assert [x[:2] for x in bad] == ["R1"] and "the abandoned run's tip" in bad[0], bad
+        assert judged(puts + back, [t + 3]) == []  # (a lost table since: recover rebuilt the refs)
+        # A put of the new branch after it explains a tip past the restored snapshot.
+        later = content.make_spec("w", 3, 0, 3)
+        c = s.put_snapshot(content.state(later), ref="ja/main", step=3, meta={"sim": later})
+        branch = [{"w": "w", "i": 3, "op": "put", "args": {"ref": "ja/main", "step": 3, "spec": later},
+                   "start": t + 3}, {"w": "w", "i": 3, "end": t + 3.5, "result": "ok", "root": c.root}]
+        assert judged(puts + back + branch) == []
+        # Moved back to A: what the rollback said, and no I3 although B's put returned after A's.
+        s.reftable.compare_and_swap("ja/main", bytes.fromhex(c.root), bytes.fromhex(a.root),
+                                    message="rolled back to step 0 (CheckpointManager.restore)")
+        assert judged(puts + back) == []
+        # The same move with no rollback journaled is a ref gone back (I3 not loosened), and
+        # so is one whose rollback ended before the put that overtook it began.
+        bad = judged(puts)
+        assert any(x.startswith("I3 ref ja/main is on " + a.root[:16]) for x in bad), bad
+        early = [dict(back[0], start=t + 0.6), dict(back[1], end=t + 0.7)]
+        bad = judged(puts + early)
+        assert any(x.startswith("I3 ref ja/main is on " + a.root[:16]) for x in bad), bad
+        # A rollback publishes its snapshot again (keep_last ranks it newest): with keep_last=1
+        # a put whose snapshot is gone is explained by a rollback after it, not without one.
+        keep = [{"w": "w", "i": 9, "op": "retention", "args": {"job": "jb", "keep_last": 1}, "start": t},
+                {"w": "w", "i": 9, "end": t + 0.1, "result": "ok"},
+                {"w": "w", "i": 10, "op": "put", "args": {"ref": "jb/main", "step": 7, "spec": later},
+                 "start": t + 4}, {"w": "w", "i": 10, "end": t + 4.5, "result": "ok", "root": "ef" * 32}]
+        gone = "I3 put returned ok but its snapshot is gone"
+        assert any(x.startswith(gone) for x in judged(puts + back + keep)), "no rollback of jb since"
+        jb = [dict(back[0], start=t + 5, args=dict(back[0]["args"], ref="jb/main")), dict(back[1], end=t + 5.5)]
+        assert not any(x.startswith(gone) for x in judged(puts + back + keep + jb))
+
+    def restore(*ranks, digest=None):
+        args = {"ref": "ja/main", "root": "ab" * 32, "damaged_rank": 1 if digest else None}
+        if digest:
+            args.update(digest=digest, key=f"blocks/{digest[:2]}/{digest}")
+        return [{"w": "w", "i": 5_000_000, "op": "crestore", "args": args, "start": t + 10},
+                {"w": "w", "i": 5_000_000, "end": t + 11, "result": "ok", "ranks": list(ranks)}]
+    ok4 = {"restored": 4, "note": "w:4", "rows_ok": True}
+    err = {"result": "IntegrityError", "error": "rank 1: content does not match its address"}
+    for ranks, said in (((ok4, ok4), []), ((err, dict(err, error="other words")), []),
+                        ((ok4, err), ["R2 the ranks"]), ((ok4, dict(ok4, restored=2, note="w:2")), ["R2 the ranks"]),
+                        ((ok4, dict(ok4, rows_ok=False)), ["R2 rank 1 restored"])):
+        _journal(tmp_path, restore(*ranks))
+        assert [x[:len(said[0])] if said else x for x in rollback.check_restores(check.load_ops(str(tmp_path)))] \
+            == said, ranks
+    # An fsck beside the damage names the block: no I4 while it was planted, an I4 after.
+    d = "cd" * 32
+    fsck = [{"w": "v", "i": 1, "op": "fsck", "args": {}, "start": t + 10.5},
+            {"w": "v", "i": 1, "end": t + 10.8, "result": "ok", "findings": [f"corrupt: blocks/cd/{d}"]}]
+    with tsck.open_store(tmp_path / "store") as s:
+        _journal(tmp_path, restore(ok4, ok4, digest=d) + fsck)
+        assert not [x for x in check.check_history(s, check.load_ops(str(tmp_path)), []) if x.startswith("I4")]
+        fsck = [dict(fsck[0], start=t + 12), dict(fsck[1], end=t + 12.5)]
+        _journal(tmp_path, restore(ok4, ok4, digest=d) + fsck)
+        assert [x[:22] for x in check.check_history(s, check.load_ops(str(tmp_path)), [])] == \
+            ["I4 fsck beside the oth"]
