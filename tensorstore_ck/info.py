@@ -22,7 +22,11 @@ class SnapshotInfo:
                  ones beside it included). A snapshot identical to one already stored
                  adds 0; one whose only change is a small inlined tensor adds the bytes
                  inlined in the node that holds it. Node structure and the commit object
-                 are left out (a few hundred bytes per snapshot).
+                 are left out (a few hundred bytes per snapshot). Under
+                 torch.distributed an object is new for the one writer that named it in
+                 the store (a replicated block's owner rank; of ranks writing the same
+                 bytes at once, the first to name them); through local tiers, in each
+                 rank's tier (docs/design/collective.md, "What is new is counted once").
     blocks_total / blocks_new  the blocks those count.
     stored_new   what its new blocks take in storage (framed, compressed): the bytes
                  `tsck du`'s physical line grew by; bytes_new / stored_new is what
