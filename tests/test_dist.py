@@ -741,3 +741,20 @@ def test_bytes_new_counts_each_new_block_once_when_ranks_hold_the_same_bytes(tmp
         before = now
     assert (infos[2]["blocks_new"], infos[2]["bytes_new"], infos[2]["stored_new"]) == (0, 0, 0)
     assert files[2] == files[1]
+
+
+def test_a_local_store_tells_the_writer_whose_naming_another_won(tmp_path):
+    """Two writers (two Store objects, as two ranks are) put the same object at once: both
+    hear "written" (each names its writes at sync), the first sync names it, and the second
+    writer's sync finds it named: take_lost tells that writer, once, and only that one."""
+    from tensorstore_ck.storage.local import LocalBlockStore
+    a, b = LocalBlockStore(str(tmp_path)), LocalBlockStore(str(tmp_path))
+    key, other = "blocks/ab/" + "ab" * 32, "blocks/cd/" + "cd" * 32
+    assert a.put_addressed(key, [b"same bytes"]) and b.put_addressed(key, [b"same bytes"])
+    assert b.put_addressed(other, [b"b's own"])
+    a.sync()
+    b.sync()
+    assert a.take_lost([key]) == set()
+    assert b.take_lost([key, other]) == {key}
+    assert b.take_lost([key]) == set()  # told once
+    assert b.get(key) == b"same bytes" and not b.put_addressed(key, [b"same bytes"])
