@@ -4,7 +4,9 @@ the module that does it, giving it the store's Core (core.py), never the Store:
     put_snapshot   Planner (plan.py) -> Publisher (publish.py) -> Assets -> BlockStore;
                    blocking=False through AsyncPuts (asyncput.py), collective through dist/
     checkout       Reader (read.py), through readpath.py (a DCP-written one: dcpstate.py)
-    tag, pin, untag, forget, delete_ref, undelete  lifecycle.py (fenced against gc)
+    tag, pin, untag, forget, delete_ref, undelete  lifecycle.py (fenced against gc); with a
+                   local tier in both tiers' tables (tier/holds.py)
+    resolve, show, diff, ...  one resolution for all (_root: with a local tier, as checkout)
     gc, prune, fsck, recover, du, diff         gc.py, fsck.py, recover.py, usage.py, listing.py
 
 Publication order, always: blocks -> manifest nodes -> commit object -> storage sync ->

@@ -13,6 +13,7 @@ node B step 2 through its own; the ranks are real gloo processes
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import _util
 from _util import load_helper, run_worker_scenario
 
 import tensorstore_ck as tsck
+from tensorstore_ck.storage.wrappers import WrappedStore
 
 HERE = Path(__file__).resolve().parent
 aw = load_helper(HERE / "helpers" / "tier_answers_worker.py")
@@ -155,6 +157,41 @@ def test_forget_through_a_tier_forgets_in_the_remote_too(s3_url, s3_server, tmp_
         remote.gc()
         assert not remote.assets.has_commit(bytes.fromhex(one))
         assert _same(remote.checkout(REF), aw.state(2))
+
+
+class Gate(WrappedStore):
+    """Remote object writes wait while `open` is clear: what is put meanwhile stays local-only."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.open = threading.Event()
+        self.open.set()
+
+    def put_addressed(self, key, bufs):
+        assert self.open.wait(DEADLINE)
+        return self.inner.put_addressed(key, bufs)
+
+
+def test_forget_refused_by_the_remote_names_it_and_changes_neither_tier(s3_url, s3_server, tmp_path):
+    """Step 2 is local-only (its upload held), so step 1 is still the remote ref's tip:
+    forget of step 1 through the tier is refused naming the remote store, and both tables
+    keep it; once step 2 is uploaded the same forget goes through in both."""
+    gates = []
+    with _open(s3_url, s3_server, tmp_path, "a", wrap_storage=lambda s: gates.append(Gate(s)) or gates[-1]) as store:
+        one = store.put_snapshot(aw.state(1), REF, step=1).root
+        assert store.wait_durable(timeout=DEADLINE) is True
+        gates[0].open.clear()
+        try:
+            store.put_snapshot(aw.state(2), REF, step=2)
+            with pytest.raises(tsck.InvalidArgument, match=f"remote store at {s3_url}.*tip of ref"):
+                store.forget(f"{REF}@1")
+            root = bytes.fromhex(one)
+            assert store.reftable.catalog_has(root) and store.remote_core.refs.catalog_has(root)
+        finally:
+            gates[0].open.set()
+        assert store.wait_durable(timeout=DEADLINE) is True
+        assert store.forget(f"{REF}@1").root == one
+        assert not store.reftable.catalog_has(root) and not store.remote_core.refs.catalog_has(root)
 
 
 def test_untag_through_a_tier_removes_a_tag_only_the_remote_has(s3_url, s3_server, tmp_path):

@@ -231,8 +231,14 @@ def forget_both(up, publisher, root: bytes, dry_run: bool):
     if not cores:
         raise RefNotFound(f"no kept snapshot {root.hex()[:16]} in the local tier nor at {remote.url}")
     info = cores[0][1].info(root)
-    for core, _ in reversed(cores):  # the remote's refusal first: it is the one asked over the network
-        core.refs.forget(root, info.ref, dry_run=True)
+    for core, _ in reversed(cores):  # every refusal before either table changes
+        try:
+            core.refs.forget(root, info.ref, dry_run=True)
+        except InvalidArgument as e:
+            if core is local:
+                raise
+            raise InvalidArgument(f"in the remote store at {remote.url}: {e} (a snapshot not uploaded yet may be "
+                                  "the remote's tip: store.wait_durable() first); nothing was forgotten") from None
     if not dry_run:
         for core, _ in cores:  # the tier first: its queue then drops the snapshot rather than send it
             core.refs.forget(root, info.ref)
