@@ -44,6 +44,11 @@ Invariants (tests/sim/check.py), after every round:
   I9  the converse of I3, as strict: no call reported failure for something that
       happened (a put that raised, not OutcomeUnknown, published nothing; a tag that
       raised does not exist; a pin that raised is not there by its own doing).
+  R1  a rollback (a CheckpointManager's restore(step)) that returned leaves its ref on
+      the restored snapshot or on what may have moved it since, never on the abandoned
+      run's tip (tests/sim/rollback.py; I3 lets a ref go back only for such a rollback);
+  R2  every rank of a collective restore (restore_latest, one rank's part damaged in
+      most) gets the same outcome: one snapshot read whole on each, or one error type.
 Writers through a local tier (open_store(local=), in seeded rounds; --focus tier: all):
 their uploads are killed at the uploader's stages and at random, and check.check_tiers
 judges T1-T9 (a remote ref names no missing object; a durable mark means the remote
