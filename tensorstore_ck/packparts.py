@@ -84,6 +84,11 @@ class PartIndex:
             for h in [h for h, v in self._parts.items() if v[0] in packs]:
                 del self._parts[h]
 
+    def wrote(self, root: bytes) -> None:
+        """A snapshot this Store published: its parts are in already (learn_written)."""
+        with self._lock:
+            self._learned.add(root)
+
     def learn(self, assets, root: bytes) -> None:
         """Add the parts a stored snapshot names (its nodes are read, not its packs), once
         per snapshot. A snapshot that cannot be read adds nothing: it is only a hint."""

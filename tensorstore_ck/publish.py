@@ -415,8 +415,10 @@ class Publisher:
             new: list = []
             top, payloads = self.write_nodes(plan.value, fence, new)
             try:
-                return self.commit(top, args, stats=plan_stats(plan, new).as_dict(), fence=fence, timing=timing,
+                info = self.commit(top, args, stats=plan_stats(plan, new).as_dict(), fence=fence, timing=timing,
                                    revalidate=lambda body, fence: self.revalidate_plan(plan, payloads, body, fence))
+                self.assets.parts.wrote(bytes.fromhex(info.root))  # the next put on the ref reads no nodes
+                return info
             except packparts.PartsGone as e:
                 log.debug("ref %s: %s", args.ref, e)
                 self.assets.parts.forget(e.packs)
