@@ -861,9 +861,10 @@ class Store:
         """Remove ref `ref` (RefConflict if `expected`, a root's hex or prefix, no longer
         names what it points at; RefNotFound if there is no such ref). Its reflog keeps a
         record of the removal; the snapshots of its history that nothing else keeps (another
-        ref, a tag, a pin) leave the catalog in the same transaction, so the next gc or
-        prune reclaims their objects. The name may be used again by a later put. Until a
-        gc reclaims it, undelete(ref) brings the ref back on the snapshot it pointed at.
+        ref, a tag, a pin) leave the catalog in the same transaction, so the next gc
+        reclaims their objects (a prune keeps what the removed tip reaches). The name may be
+        used again by a later put. Until a gc reclaims it, undelete(ref) brings the ref back
+        on the snapshot it pointed at.
         dry_run: the same checks and answer, nothing changed (a read-only store answers too).
         -> {"ref", "root", "snapshots_dropped"}; a dry run adds "dropped" (the roots' hex of
         the snapshots that would no longer be kept) and "dry_run": True."""
