@@ -173,13 +173,14 @@ def repair(storage, rec: dict) -> str:
     return how
 
 
+def _record(path: str) -> dict:
+    with open(path) as f:
+        return dict(json.load(f), path=path)
+
+
 def left_damage(run_dir: str) -> list[dict]:
     """The damage a killed worker left in place (each record with its "path")."""
-    out = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "journal", "damage-*.json"))):
-        with open(path) as f:
-            out.append(dict(json.load(f), path=path))
-    return out
+    return [_record(p) for p in sorted(glob.glob(os.path.join(run_dir, "journal", "damage-*.json")))]
 
 
 def maybe_crestore(w, s, i: int, args: dict, out: dict) -> None:
@@ -211,19 +212,18 @@ def maybe_crestore(w, s, i: int, args: dict, out: dict) -> None:
     storage = getattr(s.storage, "inner", s.storage)  # (not the fault injector: the damage is planted)
 
     def call():
-        rec = None
-        if rank is not None:
-            rec = {"key": a["key"], "path": _damage_path(w, i)}
-            if not _flip(storage, rec):
-                rec = None
-        line = json.dumps({"restore": True, "ref": args["ref"]}) + "\n"
-        for p in w.ranks:
-            p.stdin.write(line)
-            p.stdin.flush()
-        ranks = [w._rank_line(p, 150.0) for p in w.ranks]
-        res = {"ranks": ranks, "planted": rec is not None}
-        if rec is not None:
-            res["repair"] = repair(storage, rec)
+        rec = None if rank is None else {"key": a["key"], "path": _damage_path(w, i)}
+        res = {"planted": False}
+        try:
+            res["planted"] = rec is not None and _flip(storage, rec)
+            line = json.dumps({"restore": True, "ref": args["ref"]}) + "\n"
+            for p in w.ranks:
+                p.stdin.write(line)
+                p.stdin.flush()
+            res["ranks"] = ranks = [w._rank_line(p, 150.0) for p in w.ranks]
+        finally:  # (the damage never outlives the call: a flip cut short is put back too)
+            if rec is not None and os.path.exists(rec["path"]):
+                res["repair"] = repair(storage, _record(rec["path"]))
         if any(r.get("raw") for r in ranks):
             res.update(raw=True, trace="; ".join(f"rank {k}: {r.get('trace', '')}" for k, r in enumerate(ranks)))
         return res
