@@ -313,8 +313,8 @@ def changed_state(rank: int, world: int, rep: int, tensors: int, kib: int) -> di
     rows = max(1, kib * 1024 // (4 * cols))
     g = torch.Generator()
     g.manual_seed(rep * 1000003 + rank)
-    return {"t": {f"p{i:05d}": tsck.Sharded(torch.randn(rows, cols, generator=g), (rows * world, cols), (rows * rank, 0))
-                  for i in range(tensors)}, "step": rep}
+    return {"t": {f"p{i:05d}": tsck.Sharded(torch.randn(rows, cols, generator=g), (rows * world, cols),
+                                            (rows * rank, 0)) for i in range(tensors)}, "step": rep}
 
 
 def store_bytes_rank(rank: int, world: int, port: int, args, out: str) -> None:
@@ -396,7 +396,8 @@ def store_bytes_main(args, base: str) -> None:
             b = [x["bytes"] for x in reps]
             rest = b[1:] or [0]
             print(f"| {'first' if i == 0 else f'repeat {i}'} | {b[0]} | {max(rest)} ({sum(rest) / len(rest):.0f}) "
-                  f"| {sum(b)} | {max(x['requests'] for x in reps)} | {reps[0]['bytes_new']} | {reps[0]['blocks_new']} |")
+                  f"| {sum(b)} | {max(x['requests'] for x in reps)} | {reps[0]['bytes_new']} "
+                  f"| {reps[0]['blocks_new']} |")
 
 
 def main() -> None:
