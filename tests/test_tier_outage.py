@@ -229,3 +229,32 @@ def test_the_manager_report_and_close_say_how_far_the_remote_is_behind(s3_url, s
         assert store.wait_durable(timeout=DEADLINE)
     with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=opts) as remote:
         assert remote.log("job/main")[0].step == 3
+
+
+def test_a_refused_credential_stops_the_uploader_at_its_first_attempt(s3_url, s3_server, s3_signatures_checked,
+                                                                     tmp_path, monkeypatch):
+    """What no wait cures stops the uploader rather than being waited out: the tier opened
+    again with a wrong secret (its remote storage opened at first use) restores from the
+    tier, and the first upload's 403 stops the uploader: wait_durable() raises it, after
+    no second attempt (the pause is made longer than the wait). The queue keeps the
+    snapshot: the next open with the right key uploads it."""
+    monkeypatch.setattr(upload, "RETRY_PAUSE", (2 * DEADLINE, 2 * DEADLINE))
+    with s3_signatures_checked() as good:
+        with _open(s3_url, good, tmp_path) as store:
+            store.put_snapshot(_state(1), "job/main", job="job", step=1)
+            assert store.wait_durable(timeout=DEADLINE)
+        store = _open(s3_url, {**good, "secret": "tsck-wrong-secret"}, tmp_path)
+        try:
+            assert_same(store.checkout("job/main"), _state(1))
+            store.put_snapshot(_state(2), "job/main", job="job", step=2)
+            with pytest.raises(tsck.StorageError) as e:
+                store.wait_durable(timeout=DEADLINE)
+            assert isinstance(e.value.__cause__, PermissionError), repr(e.value)
+            assert "tsck-wrong-secret" not in str(e.value)
+            assert store.durability_lag().attempts == 0  # stopped, not waited out
+        finally:
+            store.close()
+        with _open(s3_url, good, tmp_path) as store:
+            assert store.wait_durable(timeout=DEADLINE)
+        with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=good) as remote:
+            assert_same(remote.checkout("job/main"), _state(2))

@@ -40,22 +40,25 @@ def heals(e: BaseException) -> bool:
     retry.is_transient retries, also once a request's retry budget is spent, which
     StorageError chains), for a ref table away, a gc holding the remote, a saver that
     died (the next try starts another), the other ranks' parts still to come. No for
-    _NEVER, and for a storage failure that retry.is_transient says no retry cures, with
-    no transient failure behind it (a refused credential or permission, a missing
-    bucket, EIO, a full or read-only remote filesystem): those stop the uploader, and
-    wait_durable() and close() raise them."""
+    _NEVER, and for a storage failure whose cause (the deepest OSError of its chain: the
+    backend's own) retry.is_transient says no retry cures (a refused credential or
+    permission, a missing bucket, EIO, a full or read-only remote filesystem): those stop
+    the uploader, and wait_durable() and close() raise them."""
     if isinstance(e, _NEVER):
         return False
     if not isinstance(e, OSError):
         return isinstance(e, TsckError)
-    seen: BaseException | None = e
+    # The deepest OSError of the chain decides: a wrapper names where it failed, the
+    # backend what (a 403 wrapped as "cannot open the store" is still a 403; a spent retry
+    # budget chains the transient failure); below it are a library's own exceptions.
+    deepest, seen = e, e.__cause__
     for _ in range(16):  # (a chain is short; a cycle is not followed)
         if seen is None:
-            return False
-        if is_transient(seen):
-            return True
+            break
+        if isinstance(seen, OSError):
+            deepest = seen
         seen = seen.__cause__
-    return False
+    return is_transient(deepest)
 
 
 class Outage:
