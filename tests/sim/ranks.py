@@ -18,6 +18,9 @@ collective calls' names in the c10d Store must not depend on the Store object.
 
 Half the calls (the worker's seeded choice, journaled as blocking=False) are asynchronous:
 the rank scribbles over its state as soon as its future returns, then waits for it.
+A line {"restore": true, "ref"} is a collective restore instead: restore_latest() of a
+CheckpointManager on the ref, into this rank's rows (rollback.rank_restore), printing the
+step and note it read (or the error), which the worker judges (R2).
 A call may name a rank that skips it ({"skip": RANK}: it prints nothing and goes on to the
 next line at once, as a rank whose own policy decided otherwise), and may
 be made without a step ({"nostep": true}: every rank must refuse it).
