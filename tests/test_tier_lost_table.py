@@ -2,9 +2,9 @@
 tier holds snapshots, `open_store(remote, local=PATH)` refuses it (NotAStore naming
 `tsck recover PATH`), creating and deleting nothing, as a plain store without its table
 is refused. A table file of 0 bytes (a filesystem crash) is such a lost table, and so is
-a table file that knows none of the tier's snapshots (a new LMDB file in its place). Made afresh, the table would lack the snapshot not yet uploaded: a restore
-would go back to the remote's older tip, nothing would upload it, and a gc of the tier
-would delete it. `tsck recover PATH` rebuilds the table from the tier's objects; the next
+a table file that knows none of the tier's snapshots (a new LMDB file in its place).
+Made afresh, the table would lack the snapshot not yet uploaded: a restore would go back
+to the remote's older tip, nothing would upload it, and a gc of the tier would delete it. `tsck recover PATH` rebuilds the table from the tier's objects; the next
 open uploads the recovered tip and marks what the remote catalog lists durable, without
 sending it again.
 

@@ -468,8 +468,8 @@ def _refuse_unknowing(root: str, lrefs: LmdbRefTable) -> None:
         why = "was made again empty, or is being rebuilt by a recover that did not finish"
     if why is None or not holds_snapshots(LocalBlockStore(root)):
         return
-    raise NotAStore(f"the ref table at {lrefs.path} knows none of the snapshots the local tier {root} holds (it {why}); "
-                    f"if the tier's table was lost, {_recover_hint(root)}")
+    raise NotAStore(f"the ref table at {lrefs.path} knows none of the snapshots the local tier {root} holds (it "
+                    f"{why}); if the tier's table was lost, {_recover_hint(root)}")
 
 
 def _check_tier(root: str, lcfg: dict, cfg: dict, store_id: str, url: str) -> None:
