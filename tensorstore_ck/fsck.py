@@ -7,7 +7,10 @@ at several paths is walked once (a DAG of 40 nodes can name 2^40 paths): its
 problems name the first path that reaches it. A catalog row that does not
 decode is a `malformed_row` finding; the snapshot is still checked from its commit.
 An object that is there but cannot be read (an I/O error, a folder or FIFO in its
-place) is an `unreadable` finding with its errno, and the walk goes on.
+place) is an `unreadable` finding with its errno, and the walk goes on. A full check
+also hashes each part of a pack that a leaf names with a content hash (LEAF `h`): a part
+whose bytes do not match is a `bad_part` finding naming the leaf's path (the pack itself
+is whole; the leaf that names it lies).
 
     full (default)  read every object and re-hash every byte
     quick           presence, header and sizes only
@@ -29,12 +32,14 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+from .assets import block_key
 from .core import Core
 from .errors import FormatError, IntegrityError, TsckError, UnreadableObject, storage_error
 from .format import frame
 from .gc import DEFAULT_LEASE, Lease, holding_gc_lock
 from .progress import progress_bar
 from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots
+from .readjobs import part_matches
 from .walk import walk_commit
 
 __all__ = ["Finding", "FsckReport", "run_fsck"]
@@ -43,7 +48,7 @@ __all__ = ["Finding", "FsckReport", "run_fsck"]
 @dataclass
 class Finding:
     problem: str            # missing | truncated | corrupt | undecodable | unreadable | dangling_ref | stray
-    #                         | malformed_row
+    #                         | malformed_row | bad_part
     snapshot: str | None    # root hex
     names: list             # refs / tags / pins pointing at the snapshot ("ref:x", "tag:y", "pin")
     path: str | None        # tensor path in the state, when known
@@ -163,30 +168,32 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
     rep.evicted = len(evicted)
     roots = sorted((core.refs.catalog_roots() | set(names)) - evicted)
     block_status: dict[bytes, IntegrityError | None] = {}
+    part_status: dict[tuple, bool] = {}  # (pack, (offset, length, h)) -> its bytes hash to h
     node_status: dict[bytes, IntegrityError | None] = {}
     marked = Marked()
     pool = core.pool
     bar = progress_bar(progress, "fsck", total=_block_bytes(core, roots) or None, unit="B") if progress else None
 
-    def check_block(d: bytes, n: int):
+    def check_block(d: bytes, n: int, parts=()):
+        """-> (the block's problem or None, {(d, part): whether its bytes match its h})."""
         if full:
             buf = bytearray(n)
             try:
                 core.assets.read_block_into(d, buf, verify=True)
             except (IntegrityError, UnreadableObject) as e:
-                return e
-            return None
-        return core.assets.check_quick(frame.KIND_BLOCK, d, n)
+                return e, {}
+            return None, {(d, pt): part_matches(buf, *pt) for pt in parts}
+        return core.assets.check_quick(frame.KIND_BLOCK, d, n), {}
 
     for root in roots:
         rep.snapshots_checked += 1
         snap, nm = root.hex(), names.get(root, [])
-        pending: list = []  # (digest, nbytes, path, elsewhere) of blocks this snapshot references
+        pending: list = []  # (digest, nbytes, path, elsewhere, part) of blocks this snapshot references
         try:
             for obj in walk_commit(core.assets, root, verify=full, part=parts.get(root)):
                 marked.add(obj.kind + "s", obj.digest)
                 if obj.kind == "block":
-                    pending.append((obj.digest, obj.nbytes, obj.path, obj.elsewhere))
+                    pending.append((obj.digest, obj.nbytes, obj.path, obj.elsewhere, obj.part))
                 elif obj.kind == "node" and obj.digest not in node_status:
                     node_status[obj.digest] = None
                     rep.objects_checked += 1
@@ -198,23 +205,36 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
                 problem = "dangling_ref" if nm else "missing"
             rep.findings.append(Finding(problem, snap, nm, getattr(e, "path", None) or None,
                                         getattr(e, "key", None), str(e.args[0]) if e.args else str(e)))
-        todo, sizes = {}, {}
-        for d, n, _p, _e in pending:
+        todo, sizes, parts = {}, {}, {}  # parts: pack -> the parts (with h) not hashed yet
+        for d, n, _p, _e, pt in pending:
+            sizes[d] = n
+            if full and pt is not None and (d, pt) not in part_status:
+                parts.setdefault(d, set()).add(pt)
+        for d, n, _p, _e, _pt in pending:
             if d not in block_status and d not in todo:
-                todo[d] = pool.submit(check_block, d, n)
-                sizes[d] = n
+                todo[d] = pool.submit(check_block, d, n, parts.pop(d, ()))
                 rep.bytes_checked += n
+        # Packs read for an earlier snapshot that this one names other parts of: read again.
+        again = [pool.submit(check_block, d, sizes[d], pts) for d, pts in parts.items() if block_status[d] is None]
         for d, f in todo.items():
-            block_status[d] = f.result()
+            block_status[d], got = f.result()
+            part_status.update(got)
             rep.objects_checked += 1
             if bar is not None:
                 bar.update(sizes[d])
+        for f in again:
+            part_status.update(f.result()[1])
         if bar is not None:
             bar.set_postfix_str(f"{rep.snapshots_checked}/{len(roots)} snapshots, {rep.objects_checked} objects",
                                 refresh=False)
         reported = set()
-        for d, n, p, elsewhere in pending:
+        for d, n, p, elsewhere, pt in pending:
             err = block_status[d]
+            if err is None and pt is not None and part_status.get((d, pt)) is False and (d, p) not in reported:
+                reported.add((d, p))
+                rep.findings.append(Finding("bad_part", snap, nm, p, block_key(d),
+                                            "a packed tensor's bytes do not match its content hash (LEAF h)"))
+                continue
             if elsewhere and isinstance(err, IntegrityError) and err.reason == "missing":
                 continue  # another rank's block: in its own tier, not this one's to hold
             if err is not None and (d, p) not in reported:

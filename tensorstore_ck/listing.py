@@ -417,7 +417,7 @@ def _part_bytes(core: Core, x, root: Digest, path: str, packs: PackCache):
     if type(x) is not PackedPart:
         return x
     buf = np.empty(x.n, dtype=np.uint8)
-    run_reads(core.assets, core.pool, [(x.digest, PackPart(buf, x.off, x.glen), path, False)],
+    run_reads(core.assets, core.pool, [(x.digest, PackPart(buf, x.off, x.glen, x.h), path, False)],
               snapshot=root.hex(), verify=core.settings.verify, packs=packs)
     return buf.tobytes()
 

@@ -8,7 +8,9 @@ trained one would be stored again every snapshot. So, when a plan's blocks are w
 - each packed tensor's bytes are hashed (BLAKE3); one whose bytes a stored pack already
   holds (PartIndex: content hash -> that part, learned from the packs this store wrote
   and from the snapshots it was told of) names that part, `[old pack, offset, its
-  length]`, and is not written;
+  length]`, and is not written. A part learned from a stored manifest is only what a
+  writer claimed (LEAF `h` is untrusted input): it is named only once this process has
+  read its pack (verified) and found the part's bytes hash to `h` (once per pack);
 - new packs form from the rest only, in state order (a planned pack none of whose
   tensors is found stays as planned: staged, it is written from the staging buffer);
 - a pack of which this snapshot would name less than LIVE_SHARE of the bytes is not
@@ -25,8 +27,9 @@ import threading
 from collections import OrderedDict
 
 import blake3
+import numpy as np
 
-from .errors import SnapshotAborted
+from .errors import IntegrityError, SnapshotAborted
 
 __all__ = ["PartIndex", "LIVE_SHARE", "reuse_parts", "learn_written", "gathered", "unwrite", "reused_packs",
            "PartsGone"]
@@ -50,14 +53,18 @@ class PartsGone(SnapshotAborted):
 
 
 class PartIndex:
-    """content hash -> (pack address, offset, the pack's length, the part's length) of
-    parts of packs this store held when last seen (a hint: a writer checks the pack is
-    there before naming it). Thread-safe; bounded (least recently used dropped)."""
+    """content hash -> (pack address, offset, the pack's length, the part's length, checked)
+    of parts of packs this store held when last seen (a hint: a writer checks the pack is
+    there before naming it). checked: this process hashed the part's bytes itself (it
+    wrote the pack, or read it and compared: check_pack); a part only learned from a
+    stored manifest is not, and is not named until it is. Thread-safe; bounded (least
+    recently used dropped)."""
 
     def __init__(self, limit: int = MAX_PARTS):
         self.limit = limit
         self._lock = threading.Lock()
         self._parts: OrderedDict = OrderedDict()
+        self._unchecked: dict = {}  # pack address -> {content hash} of its entries not checked
         self._learned: set = set()  # snapshots whose parts were added (learn())
 
     def __len__(self) -> int:
@@ -70,19 +77,45 @@ class PartIndex:
                 self._parts.move_to_end(h)
             return got
 
-    def add(self, h: bytes, pack: bytes, off: int, glen: int, n: int) -> None:
+    def add(self, h: bytes, pack: bytes, off: int, glen: int, n: int, checked: bool = True) -> None:
+        """An unchecked part never replaces a known one (a lying manifest cannot displace
+        a part this process hashed)."""
         with self._lock:
-            self._parts[h] = (pack, off, glen, n)
-            self._parts.move_to_end(h)
+            if not checked and h in self._parts:
+                return
+            self._drop(h)
+            self._parts[h] = (pack, off, glen, n, checked)
+            if not checked:
+                self._unchecked.setdefault(pack, set()).add(h)
             while len(self._parts) > self.limit:
-                self._parts.popitem(last=False)
+                self._drop(next(iter(self._parts)))
+
+    def _drop(self, h: bytes) -> None:
+        v = self._parts.pop(h, None)
+        if v is not None and not v[4]:
+            hs = self._unchecked.get(v[0])
+            hs.discard(h)
+            if not hs:
+                del self._unchecked[v[0]]
 
     def forget(self, packs) -> None:
         """Packs found gone: none of their parts is named again."""
         packs = set(packs)
         with self._lock:
             for h in [h for h, v in self._parts.items() if v[0] in packs]:
-                del self._parts[h]
+                self._drop(h)
+
+    def check_pack(self, pack: bytes, data) -> None:
+        """`data`, the pack's verified bytes, judges every unchecked part learned of it:
+        one whose bytes hash to its content hash becomes checked, any other is dropped."""
+        from .readjobs import part_matches
+        with self._lock:
+            todo = [(h, self._parts[h]) for h in self._unchecked.pop(pack, ())]
+            for h, (d, off, glen, n, _c) in todo:
+                if glen == len(data) and part_matches(data, off, n, h):
+                    self._parts[h] = (d, off, glen, n, True)
+                else:
+                    del self._parts[h]
 
     def wrote(self, root: bytes) -> None:
         """A snapshot this Store published: its parts are in already (learn_written)."""
@@ -100,7 +133,7 @@ class PartIndex:
         from .walk import packed_parts
         try:
             for h, pack, off, glen, n in packed_parts(assets, root):
-                self.add(h, pack, off, glen, n)
+                self.add(h, pack, off, glen, n, checked=False)
         except (TsckError, OSError):
             pass
 
@@ -117,6 +150,28 @@ def _hash_members(pack) -> None:
         pack.gather()
     for m in pack.members:
         m.content = blake3.blake3(memoryview(pack.raw[m.pack_off:m.pack_off + m.nbytes])).digest()
+
+
+def _dense(hits) -> bool:
+    """Whether the parts found of one pack are at least LIVE_SHARE of it (each part once)."""
+    return bool(hits) and sum({hit[1]: hit[3] for _m, hit in hits}.values()) >= LIVE_SHARE * hits[0][1][2]
+
+
+def _there(assets, index: PartIndex, d: bytes, hits: list, fence: int | None) -> bool:
+    """Whether pack `d` is there to be named. Parts of it learned only from a stored
+    manifest are checked first: the pack is read (verified against its address) and each
+    such part's bytes against its content hash (PartIndex.check_pack), once per pack and
+    process; a missing or damaged pack is not named."""
+    glen = hits[0][1][2]
+    if all(hit[4] for _m, hit in hits):
+        return assets.has_block(d, glen, fence)
+    data = np.empty(glen, dtype=np.uint8)
+    try:
+        assets.read_block_into(d, data, verify=True, fence=fence)
+    except IntegrityError:
+        return False
+    index.check_pack(d, data)
+    return True
 
 
 def reuse_parts(plan, assets, pool, fence: int | None) -> None:
@@ -137,15 +192,18 @@ def reuse_parts(plan, assets, pool, fence: int | None) -> None:
             hit = index.get(m.content)
             if hit is not None and hit[3] == m.nbytes:
                 found.setdefault(hit[0], []).append((m, hit))
-    # Only packs this snapshot names a large share of (each part once), and that are there.
-    dense = [d for d, ms in found.items()
-             if sum({hit[1]: hit[3] for _m, hit in ms}.values()) >= LIVE_SHARE * ms[0][1][2]]
-    there = list(pool.map(lambda d: assets.has_block(d, found[d][0][1][2], fence), dense))
+    # Only packs this snapshot names a large share of (each part once), that are there, and
+    # of which it names only parts this process hashed (_there checks the others).
+    dense = [d for d, ms in found.items() if _dense(ms)]
+    there = list(pool.map(lambda d: _there(assets, index, d, found[d], fence), dense))
     index.forget([d for d, ok in zip(dense, there) if not ok])
     reused = []
     for d, ok in zip(dense, there):
-        if ok:
-            for m, hit in found[d]:
+        if not ok:
+            continue
+        ms = [(m, hit) for m, hit in found[d] if hit[4] or index.get(m.content) == hit[:4] + (True,)]
+        if _dense(ms):
+            for m, hit in ms:
                 m.reused = hit[:3]
                 reused.append(m)
     plan.reused = reused

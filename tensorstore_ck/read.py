@@ -513,7 +513,7 @@ class Reader(WorldReading):
             # A whole tensor (a one-process snapshot) into a piece: its region, as from a
             # sharded tensor saved as one chunk.
             whole = tree.Chunk(leaf.shape, leaf.nbytes, leaf.inline, leaf.block_size, leaf.blocks, leaf.part,
-                               offsets=(0,) * len(leaf.shape))
+                               leaf.content, offsets=(0,) * len(leaf.shape))
             return self._global(tree.Global(leaf.dt, tuple(leaf.shape), [whole]), path, into)
         if leaf.quant is not None:
             return self._quantized(leaf, path, into)

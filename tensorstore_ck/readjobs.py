@@ -8,21 +8,24 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
+import blake3
 import numpy as np
 
+from .errors import IntegrityError
 from .format import tree
 from .roles import ObjectReader
 
-__all__ = ["PackPart", "PackCache", "part_job", "run_reads"]
+__all__ = ["PackPart", "PackCache", "part_job", "part_matches", "part_mismatch", "run_reads"]
 
 
 class PackPart:
     """A read job's destination that is a part of a pack (a block many small tensors share):
-    bytes [off, off + dst.nbytes) of the pack, whose raw length is glen."""
-    __slots__ = ("dst", "off", "glen")
+    bytes [off, off + dst.nbytes) of the pack, whose raw length is glen. h: the BLAKE3 the
+    leaf gives of those bytes (LEAF `h`), checked before they are copied out, or None."""
+    __slots__ = ("dst", "off", "glen", "h")
 
-    def __init__(self, dst, off: int, glen: int):
-        self.dst, self.off, self.glen = dst, off, glen
+    def __init__(self, dst, off: int, glen: int, h: bytes | None = None):
+        self.dst, self.off, self.glen, self.h = dst, off, glen, h
 
     @property
     def nbytes(self) -> int:
@@ -30,8 +33,9 @@ class PackPart:
 
 
 def part_job(leaf: tree.Leaf, dst) -> PackPart:
-    """The destination of a packed leaf's read: its part of its pack into `dst`."""
-    return PackPart(dst, leaf.part[0], leaf.part[1])
+    """The destination of a packed leaf's read: its part of its pack into `dst` (all of
+    it: its content hash is checked)."""
+    return PackPart(dst, leaf.part[0], leaf.part[1], leaf.content)
 
 
 class PackCache:
@@ -53,17 +57,38 @@ class PackCache:
                 self._packs.popitem(last=False)
 
 
-def _read_pack(assets: ObjectReader, d: bytes, glen: int, parts: list, cache: PackCache | None, **kw) -> None:
-    """Read the pack `d` once, verified, into a buffer of ours, and copy each part out of it
-    (the caller's memory gets only verified bytes, as with a bounce read)."""
+def _read_pack(assets: ObjectReader, d: bytes, glen: int, parts: list, cache: PackCache | None, *,
+               verify: bool, snapshot: str, fence: int | None) -> None:
+    """Read the pack `d` once, verified, into a buffer of ours, check each part against its
+    leaf's content hash, and only then copy the parts out (the caller's memory gets only
+    verified bytes, as with a bounce read). The pack's address covers the pack, not what a
+    leaf claims of its part: a leaf whose `h` its part does not match (a writer's bug, or
+    hostile stored bytes) is an IntegrityError naming it, never its part's bytes."""
     buf = cache.get((d, glen)) if cache is not None else None
     if buf is None:
         buf = np.empty(glen, dtype=np.uint8)
-        assets.read_block_into(d, buf, path=parts[0][1], bounce=False, **kw)
+        assets.read_block_into(d, buf, path=parts[0][1], bounce=False, verify=verify, snapshot=snapshot,
+                               fence=fence)
         if cache is not None:
             cache.put((d, glen), buf)
+    if verify:
+        for part, p, _b in parts:
+            if part.h is not None and not part_matches(buf, part.off, part.dst.nbytes, part.h):
+                raise part_mismatch(d, snapshot, p)
     for part, _p, _b in parts:
         np.copyto(part.dst, buf[part.off:part.off + part.dst.nbytes])
+
+
+def part_matches(pack, off: int, n: int, h: bytes) -> bool:
+    """Whether bytes [off, off + n) of a pack's verified bytes hash to `h` (LEAF `h`)."""
+    return blake3.blake3(memoryview(pack)[off:off + n]).digest() == h
+
+
+def part_mismatch(d: bytes, snapshot: str | None, path: str | None) -> IntegrityError:
+    from .assets import block_key
+    return IntegrityError("a packed tensor's bytes do not match its content hash (LEAF h): "
+                          "its leaf names a part of a pack that holds other bytes",
+                          snapshot=snapshot, path=path, key=block_key(d))
 
 
 def run_reads(assets: ObjectReader, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,

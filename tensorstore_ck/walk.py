@@ -9,7 +9,7 @@ uses, so gc and fsck accept exactly the trees checkout accepts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from .errors import FormatError, IntegrityError
@@ -32,6 +32,7 @@ class Obj:
     nbytes: int | None = None  # blocks: the length the manifest expects
     elsewhere: bool = False    # outside the part this store holds whole (walk_commit(part=)): may be absent
     itemsize: int = 0          # blocks: the element size of the tensor naming it (what the put coded it by)
+    part: tuple | None = None  # a pack named by a leaf with a content hash: (offset, length, LEAF h) (fsck)
 
 
 def read_node(assets: WalkReader, d: bytes, path: tuple, depth: int, *, snapshot: str, verify: bool = True,
@@ -55,10 +56,12 @@ def _itemsize(leaf) -> int:
     return DTYPE_ITEMSIZES.get(leaf.dt, 0)
 
 
-def _leaf_blocks(leaf) -> Iterator[tuple[bytes, int]]:
+def _leaf_blocks(leaf) -> Iterator[tuple[bytes, int, tuple | None]]:
     chunks = leaf.chunks if isinstance(leaf, tree.Global) else (leaf,)
     for c in chunks:
-        yield from c.stored_blocks()
+        part = (c.part[0], c.nbytes, c.content) if c.part is not None and c.content is not None else None
+        for d, n in c.stored_blocks():
+            yield d, n, part
 
 
 def _fan_roots(w: tree.World, path, depth) -> list:
@@ -175,8 +178,8 @@ def walk_tree(assets: WalkReader, top: bytes, *, snapshot: str, verify: bool = T
             inline[d] = _inlined(items)
         for p, item in items:
             fp, isz = format_path(p), _itemsize(item)
-            for bd, nb in _leaf_blocks(item):
-                yield Obj("block", bd, fp, nb, absent_ok or elsewhere, isz)
+            for bd, nb, part in _leaf_blocks(item):
+                yield Obj("block", bd, fp, nb, absent_ok or elsewhere, isz, part)
 
 
 def walk_commit(assets: WalkReader, root: bytes, *, verify: bool = True, skip_nodes: set | None = None,
@@ -272,7 +275,7 @@ def _contents(leaf: tree.Leaf) -> list:
     if leaf.inline is not None:
         return [leaf.inline]
     if leaf.part is not None:
-        return [PackedPart(leaf.blocks[0], leaf.part[0], leaf.part[1], leaf.nbytes)]
+        return [PackedPart(leaf.blocks[0], leaf.part[0], leaf.part[1], leaf.nbytes, leaf.content)]
     return list(leaf.blocks)
 
 
@@ -283,6 +286,7 @@ class PackedPart:
     off: int
     glen: int
     n: int
+    h: bytes | None = field(default=None, compare=False)  # LEAF h: checked when diff reads the part
 
 
 def iter_leaves(assets: WalkReader, root: bytes, *, verify: bool = True,
