@@ -400,10 +400,20 @@ def _forgotten(ops: list[Op], put: Op) -> bool:
                and _may_follow(f, put.start) for f in ops)
 
 
+def _kept_again(ops: list[Op], forget: Op) -> bool:
+    """A pin or tag of the forgotten root that may have come after the forget: what brings a
+    forgotten snapshot back (README, "Removed the wrong ref?"), so its row may return."""
+    root = forget.out["root"]
+    return any(p.op in ("pin", "tag") and not p.failed and isinstance(p.args.get("target"), str)
+               and len(p.args["target"]) >= 8 and root.startswith(p.args["target"])
+               and _may_follow(p, forget.start) for p in ops)
+
+
 def check_removed(store, ops: list[Op], barriers: list[float]) -> list[str]:
     """I7: what users removed by name stays removed: a deleted ref is absent unless a put
     on it may have run since (or the ref table was lost and rebuilt since: its record
-    went with it); a forgotten snapshot has no catalog row (same exception); an untagged
+    went with it); a forgotten snapshot has no catalog row (same exception, and unless a
+    pin or tag of its root may have come since: how it is brought back); an untagged
     tag never comes back, not even through recover (its storage object went first)."""
     rt, bad = store.reftable, []
     refs = {n: r.hex() for n, r in rt.list()}
@@ -416,7 +426,8 @@ def check_removed(store, ops: list[Op], barriers: list[float]) -> list[str]:
             if not again:
                 bad.append(f"I7 ref {o.args['ref']} was deleted and no put on it ran since, but it is on "
                            f"{refs[o.args['ref']][:16]}: {o.brief()}")
-        elif o.op == "forget" and rt.catalog_get(bytes.fromhex(o.out["root"])) is not None:
+        elif o.op == "forget" and rt.catalog_get(bytes.fromhex(o.out["root"])) is not None \
+                and not _kept_again(ops, o):
             bad.append(f"I7 snapshot {o.out['root'][:16]} was forgotten but has a catalog row again: {o.brief()}")
     for o in ops:
         if o.op == "untag" and o.ok and o.args["name"] in tags:
