@@ -69,6 +69,7 @@ _.list_seconds
 _.sweep_seconds
 
 # -- counters and inspection the tests read (what the package did, asserted from outside) ---
+_.serving  # metrics.MetricsServer: whether this rank's start_http_server serves (one per host under torchrun; README, docs/guide/torchrun.md)
 _.lock_waits  # PostgresRefTable: attempts that gave up on a lock (test_pg_lock_wait)
 _.pool_waits  # PostgresRefTable: waits while the process's own calls held every connection (test_reftable)
 _.reconnects  # PostgresRefTable (test_hostile_refs)

@@ -70,7 +70,6 @@ class Outage:
         self.since: float | None = None  # time.monotonic() of the first failure since the last success
         self.attempts = 0  # failed attempts since the last success
         self.error: BaseException | None = None  # the last failure
-        self.failed_attempts = 0  # failed attempts in all (tests, reports)
         self._told: float | None = None  # when the loop was last told of this outage
 
     def failed(self, e: BaseException) -> None:
@@ -78,7 +77,6 @@ class Outage:
             if self.since is None:
                 self.since, self._told = time.monotonic(), None
             self.attempts += 1
-            self.failed_attempts += 1
             self.error = e
 
     def succeeded(self) -> tuple[float, int] | None:
