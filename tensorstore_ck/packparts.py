@@ -110,12 +110,14 @@ class PartIndex:
         one whose bytes hash to its content hash becomes checked, any other is dropped."""
         from .readjobs import part_matches
         with self._lock:
-            todo = [(h, self._parts[h]) for h in self._unchecked.pop(pack, ())]
-            for h, (d, off, glen, n, _c) in todo:
-                if glen == len(data) and part_matches(data, off, n, h):
-                    self._parts[h] = (d, off, glen, n, True)
-                else:
-                    del self._parts[h]
+            todo = [(h, self._parts[h]) for h in self._unchecked.get(pack, ())]
+        judged = [(h, v, v[2] == len(data) and part_matches(data, v[1], v[3], h)) for h, v in todo]
+        with self._lock:  # (hashed outside the lock; an entry changed meanwhile is left as it is)
+            for h, v, ok in judged:
+                if self._parts.get(h) == v:
+                    self._drop(h)
+                    if ok:
+                        self._parts[h] = v[:4] + (True,)
 
     def wrote(self, root: bytes) -> None:
         """A snapshot this Store published: its parts are in already (learn_written)."""
