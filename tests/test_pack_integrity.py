@@ -169,3 +169,20 @@ def test_parts_learned_from_a_stored_manifest_are_checked_once_per_pack(tmp_path
         assert counting[0].reads[pack.hex()] == 1, counting[0].reads
         got = s.checkout("j/main")
         assert all(torch.equal(got[k], v) for k, v in st.items())
+
+
+def test_export_and_diff_refuse_it(lying_store):
+    """A standalone file of the snapshot is never written with the wrong bytes, and diff,
+    which reads a part's bytes when the same tensor sits elsewhere in another snapshot,
+    checks them as checkout does."""
+    from tensorstore_ck.export import export_file
+    path, root = lying_store
+    with tsck.open_store(str(path), pack_size=0) as s:  # "a" in a block of its own
+        s.put_snapshot({"a": X}, ref="plain/main", step=1)
+        with pytest.raises(tsck.IntegrityError) as e:
+            export_file(s, "bad/main", path.parent / "out.safetensors", fmt="safetensors")
+        _names_a(e.value, root)
+        assert not (path.parent / "out.safetensors").exists()
+        with pytest.raises(tsck.IntegrityError) as e:
+            s.diff("plain/main", "bad/main")
+        assert e.value.path == "['a']" and e.value.snapshot == root, str(e.value)
