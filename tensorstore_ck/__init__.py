@@ -152,6 +152,7 @@ package's modules indented under it). A module over ~600 lines says which one jo
       postgres.py         PostgreSQL, for many hosts sharing one store
     chunker.py            tensor bytes -> element-aligned blocks
     presence.py           the presence record: objects a Store saw present, per gc epoch
+    partindex.py          packed parts a Store may name again: content hash -> a stored pack's part
     roles.py              the roles layers play for one another (Protocols): object reader, ref-table parts
     retry.py              the one backoff policy for transient backend failures
     localfile.py          files outside the store's objects, whole or not at all; only

@@ -38,7 +38,7 @@ from .format import frame
 from .format.manifest import MAX_NODE_BYTES
 from .format.tree import MAX_BLOCK_SIZE
 from .format.records import MAX_TAG_OBJECT, decode_tag, encode_tag
-from .packparts import PartIndex
+from .partindex import PartIndex
 from .presence import Presence
 from .roles import WrittenListener
 from .storage.base import BlockStore
@@ -716,6 +716,14 @@ class Assets:
                     strays.append(o.key)
                 continue
             yield Listed(kind, bytes.fromhex(m.group(3)), o.size, o.mtime)
+
+    def lost_to_others(self, blocks, nodes) -> tuple[set, set]:
+        """Of the digests of blocks and nodes this writer wrote and synced, those another
+        writer named in the store first (BlockStore.take_lost; each told once)."""
+        lost = self.storage.take_lost([block_key(d) for d in blocks] + [node_key(d) for d in nodes])
+        if not lost:
+            return set(), set()
+        return {d for d in blocks if block_key(d) in lost}, {d for d in nodes if node_key(d) in lost}
 
     @staticmethod
     def object_key(kind: str, d: bytes) -> str:

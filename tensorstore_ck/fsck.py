@@ -32,14 +32,13 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from .assets import block_key
 from .core import Core
 from .errors import FormatError, IntegrityError, TsckError, UnreadableObject, storage_error
 from .format import frame
 from .gc import DEFAULT_LEASE, Lease, holding_gc_lock
 from .progress import progress_bar
 from .reach import KINDS, Marked, holders, iter_unreachable, kept_roots
-from .readjobs import part_matches
+from .partindex import part_matches
 from .walk import walk_commit
 
 __all__ = ["Finding", "FsckReport", "run_fsck"]
@@ -232,7 +231,7 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
             err = block_status[d]
             if err is None and pt is not None and part_status.get((d, pt)) is False and (d, p) not in reported:
                 reported.add((d, p))
-                rep.findings.append(Finding("bad_part", snap, nm, p, block_key(d),
+                rep.findings.append(Finding("bad_part", snap, nm, p, core.assets.object_key("blocks", d),
                                             "a packed tensor's bytes do not match its content hash (LEAF h)"))
                 continue
             if elsewhere and isinstance(err, IntegrityError) and err.reason == "missing":

@@ -23,15 +23,13 @@ learns a snapshot's parts from its manifest without reading its packs.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 import blake3
 import numpy as np
 
 from .errors import IntegrityError, SnapshotAborted
+from .partindex import PartIndex
 
-__all__ = ["PartIndex", "LIVE_SHARE", "reuse_parts", "learn_written", "gathered", "unwrite", "reused_packs",
+__all__ = ["LIVE_SHARE", "reuse_parts", "learn", "learn_written", "gathered", "unwrite", "reused_packs",
            "PartsGone"]
 
 # A snapshot names a stored pack's parts only if they are at least this share of its bytes.
@@ -39,7 +37,6 @@ __all__ = ["PartIndex", "LIVE_SHARE", "reuse_parts", "learn_written", "gathered"
 # bytes rewritten out of abandoned packs are at most LIVE_SHARE / (1 - LIVE_SHARE) of the
 # bytes that changed (scaling.md, "Packs").
 LIVE_SHARE = 0.5
-MAX_PARTS = 1 << 18  # parts an index keeps (~60 MB at most), the least recently used dropped
 
 
 class PartsGone(SnapshotAborted):
@@ -52,92 +49,18 @@ class PartsGone(SnapshotAborted):
         self.packs = list(packs)
 
 
-class PartIndex:
-    """content hash -> (pack address, offset, the pack's length, the part's length, checked)
-    of parts of packs this store held when last seen (a hint: a writer checks the pack is
-    there before naming it). checked: this process hashed the part's bytes itself (it
-    wrote the pack, or read it and compared: check_pack); a part only learned from a
-    stored manifest is not, and is not named until it is. Thread-safe; bounded (least
-    recently used dropped)."""
-
-    def __init__(self, limit: int = MAX_PARTS):
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._parts: OrderedDict = OrderedDict()
-        self._unchecked: dict = {}  # pack address -> {content hash} of its entries not checked
-        self._learned: set = set()  # snapshots whose parts were added (learn())
-
-    def __len__(self) -> int:
-        return len(self._parts)
-
-    def get(self, h: bytes):
-        with self._lock:
-            got = self._parts.get(h)
-            if got is not None:
-                self._parts.move_to_end(h)
-            return got
-
-    def add(self, h: bytes, pack: bytes, off: int, glen: int, n: int, checked: bool = True) -> None:
-        """An unchecked part never replaces a known one (a lying manifest cannot displace
-        a part this process hashed)."""
-        with self._lock:
-            if not checked and h in self._parts:
-                return
-            self._drop(h)
-            self._parts[h] = (pack, off, glen, n, checked)
-            if not checked:
-                self._unchecked.setdefault(pack, set()).add(h)
-            while len(self._parts) > self.limit:
-                self._drop(next(iter(self._parts)))
-
-    def _drop(self, h: bytes) -> None:
-        v = self._parts.pop(h, None)
-        if v is not None and not v[4]:
-            hs = self._unchecked.get(v[0])
-            hs.discard(h)
-            if not hs:
-                del self._unchecked[v[0]]
-
-    def forget(self, packs) -> None:
-        """Packs found gone: none of their parts is named again."""
-        packs = set(packs)
-        with self._lock:
-            for h in [h for h, v in self._parts.items() if v[0] in packs]:
-                self._drop(h)
-
-    def check_pack(self, pack: bytes, data) -> None:
-        """`data`, the pack's verified bytes, judges every unchecked part learned of it:
-        one whose bytes hash to its content hash becomes checked, any other is dropped."""
-        from .readjobs import part_matches
-        with self._lock:
-            todo = [(h, self._parts[h]) for h in self._unchecked.get(pack, ())]
-        judged = [(h, v, v[2] == len(data) and part_matches(data, v[1], v[3], h)) for h, v in todo]
-        with self._lock:  # (hashed outside the lock; an entry changed meanwhile is left as it is)
-            for h, v, ok in judged:
-                if self._parts.get(h) == v:
-                    self._drop(h)
-                    if ok:
-                        self._parts[h] = v[:4] + (True,)
-
-    def wrote(self, root: bytes) -> None:
-        """A snapshot this Store published: its parts are in already (learn_written)."""
-        with self._lock:
-            self._learned.add(root)
-
-    def learn(self, assets, root: bytes) -> None:
-        """Add the parts a stored snapshot names (its nodes are read, not its packs), once
-        per snapshot. A snapshot that cannot be read adds nothing: it is only a hint."""
-        with self._lock:
-            if root in self._learned:
-                return
-            self._learned.add(root)
-        from .errors import TsckError
-        from .walk import packed_parts
-        try:
-            for h, pack, off, glen, n in packed_parts(assets, root):
-                self.add(h, pack, off, glen, n, checked=False)
-        except (TsckError, OSError):
-            pass
+def learn(index: PartIndex, assets, root: bytes) -> None:
+    """Add the parts a stored snapshot names to `index` (its nodes are read, not its packs),
+    once per snapshot. A snapshot that cannot be read adds nothing: it is only a hint."""
+    if not index.learning(root):
+        return
+    from .errors import TsckError
+    from .walk import packed_parts
+    try:
+        for h, pack, off, glen, n in packed_parts(assets, root):
+            index.add(h, pack, off, glen, n, checked=False)
+    except (TsckError, OSError):
+        pass
 
 
 def _packs(plan) -> list:

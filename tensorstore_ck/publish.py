@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import packparts
-from .assets import Assets, PutResult, block_key, node_key
+from .assets import Assets, PutResult
 from .chunker import job_order
 from .core import POOL_PREFIX
 from .errors import (Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StepReusedWarning,
@@ -215,15 +215,14 @@ class NewObjects:
             self.nodes[digest] = inline_bytes(payload)
         return self
 
-    def forget_lost(self, storage) -> "NewObjects":
-        """Drop what another writer named in `storage` before this one (two ranks writing the
-        same bytes at once: DDP ranks' same weights, identical nodes); call after the sync
-        that names this writer's objects (BlockStore.take_lost)."""
+    def forget_lost(self, assets: Assets) -> "NewObjects":
+        """Drop what another writer named in the store before this one (two ranks writing
+        the same bytes at once: DDP ranks' same weights, identical nodes); call after the
+        sync that names this writer's objects (Assets.lost_to_others)."""
         if self.blocks or self.nodes:
-            lost = storage.take_lost([block_key(d) for d in self.blocks] + [node_key(d) for d in self.nodes])
-            if lost:
-                self.blocks = {d: v for d, v in self.blocks.items() if block_key(d) not in lost}
-                self.nodes = {d: v for d, v in self.nodes.items() if node_key(d) not in lost}
+            blocks, nodes = assets.lost_to_others(self.blocks, self.nodes)
+            self.blocks = {d: v for d, v in self.blocks.items() if d not in blocks}
+            self.nodes = {d: v for d, v in self.nodes.items() if d not in nodes}
         return self
 
     def into(self, st: BuildStats) -> BuildStats:
@@ -253,10 +252,10 @@ class Timing:
         return {"put_us": us, "stall_us": min(stall, us)}
 
 
-def plan_stats(plan: Plan, new_nodes: list | None = None, storage=None) -> BuildStats:
+def plan_stats(plan: Plan, new_nodes: list | None = None, assets: Assets | None = None) -> BuildStats:
     """What the written blocks add up to (a replicated block counts on its owner rank
     only), new_nodes (Publisher.write_nodes(new=)) adding the tensor bytes inlined in
-    the nodes written new to bytes_new (BuildStats). storage: where they were written
+    the nodes written new to bytes_new (BuildStats). assets: where they were written
     and synced, for a writer beside others (NewObjects.forget_lost)."""
     st = BuildStats(bytes_total=plan.inline_bytes)
     for leaf in plan.leaves:
@@ -268,7 +267,7 @@ def plan_stats(plan: Plan, new_nodes: list | None = None, storage=None) -> Build
         st.bytes_total += m.nbytes
     st.blocks_total += len(packparts.reused_packs(plan))
     new = NewObjects().add_plan(plan).add_nodes(new_nodes or [])
-    return (new if storage is None else new.forget_lost(storage)).into(st)
+    return (new if assets is None else new.forget_lost(assets)).into(st)
 
 
 def snapshot_fields(info: SnapshotInfo) -> dict:
@@ -436,7 +435,7 @@ class Publisher:
         except TsckError:
             return
         for root in tips:
-            self.assets.parts.learn(self.assets, root)
+            packparts.learn(self.assets.parts, self.assets, root)
 
     def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,
                meta_extra: dict | None = None, timing: Timing | None = None,

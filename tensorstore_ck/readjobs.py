@@ -8,14 +8,15 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-import blake3
 import numpy as np
 
 from .errors import IntegrityError
 from .format import tree
+from .assets import Assets
+from .partindex import part_matches
 from .roles import ObjectReader
 
-__all__ = ["PackPart", "PackCache", "part_job", "part_matches", "part_mismatch", "run_reads"]
+__all__ = ["PackPart", "PackCache", "part_job", "part_mismatch", "run_reads"]
 
 
 class PackPart:
@@ -79,16 +80,10 @@ def _read_pack(assets: ObjectReader, d: bytes, glen: int, parts: list, cache: Pa
         np.copyto(part.dst, buf[part.off:part.off + part.dst.nbytes])
 
 
-def part_matches(pack, off: int, n: int, h: bytes) -> bool:
-    """Whether bytes [off, off + n) of a pack's verified bytes hash to `h` (LEAF `h`)."""
-    return blake3.blake3(memoryview(pack)[off:off + n]).digest() == h
-
-
 def part_mismatch(d: bytes, snapshot: str | None, path: str | None) -> IntegrityError:
-    from .assets import block_key
     return IntegrityError("a packed tensor's bytes do not match its content hash (LEAF h): "
                           "its leaf names a part of a pack that holds other bytes",
-                          snapshot=snapshot, path=path, key=block_key(d))
+                          snapshot=snapshot, path=path, key=Assets.object_key("blocks", d))
 
 
 def run_reads(assets: ObjectReader, pool: ThreadPoolExecutor, jobs: list, *, snapshot: str, verify: bool,

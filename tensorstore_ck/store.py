@@ -617,9 +617,16 @@ class Store:
 
     # -- reading ---------------------------------------------------------------
     @_public
-    def resolve(self, target: str) -> str:
-        """A target (ref, tag, REF@STEP, root hex or unique prefix >= 8) -> root hex."""
-        return self._root(target).hex()
+    def resolve(self, target: str, *, group=None, timeout: float = 300.0) -> str:
+        """A target (ref, tag, REF@STEP, root hex or unique prefix >= 8) -> root hex.
+        group: a process group every rank of which calls this (dist.AUTO: the default one
+        when initialized): resolved once, by rank 0, and its root handed to every rank (a
+        collective checkout's resolution), so ranks whose tiers differ never name
+        different snapshots (the DCP reader resolves so)."""
+        if group is None or not is_collective(group):
+            return self._root(target).hex()
+        return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root,
+                                                 read=lambda root, _rank: root.hex()), target)
 
     def _root(self, target: str) -> Digest:
         """What `target` names, one answer for every call that names a snapshot (resolve,
@@ -641,16 +648,6 @@ class Store:
             return self.core
         c = self.core
         return Core(c.storage, self._tier.reads, c.refs, c.pool, c.settings)
-
-    def _resolve_collective(self, target: str, group=_AUTO_GROUP, timeout: float = 300.0) -> str:
-        """For the package's collective readers (the DCP reader): `target` resolved once, by
-        rank 0, and the root handed to every rank (a collective checkout's resolution), so
-        ranks whose tiers differ never read different snapshots -> root hex. Without a
-        process group, resolve(target)."""
-        if not is_collective(group):
-            return self.resolve(target)
-        return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root,
-                                                 read=lambda root, _rank: root.hex()), target)
 
     def _named(self, target: str) -> Digest | None:
         """_root(target), or None where nothing names it (a removed snapshot's full root:

@@ -111,7 +111,7 @@ class TsckReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Every rank calls this (dcp.load's local step): resolved once, by rank 0.
-        root = self.store._resolve_collective(self.target, self.group, self.timeout)
+        root = self.store.resolve(self.target, group=self.group, timeout=self.timeout)
         self._m = self._open(root)
         self.root = root
         md = self._m.metadata if isinstance(self._m, NativeTree) else decode_metadata(self._m.metadata_plain)

@@ -204,7 +204,7 @@ class PutCall:
         # Its sums alone (O(1) whatever it wrote): a replicated block counts on its one
         # owner, and an object two ranks wrote at once (the same weights of DDP ranks) for
         # the one that named it in the store, so rank 0's sums count each object once.
-        st = plan_stats(plan, new_nodes, publisher.assets.storage)
+        st = plan_stats(plan, new_nodes, publisher.assets)
         if tier is not None and self.rank != 0:
             # Rank 0's tier holds every rank's nodes (not their blocks): what its local gc
             # and prune walk to know what the snapshot keeps (tier/collective.py).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 
 from ..errors import IntegrityError, InvalidArgument, RefConflict, RefNotFound, StorageError, TsckError
 from ..ids import MIN_PREFIX, is_hex_prefix
@@ -288,19 +287,11 @@ def delete_ref_both(up, ref: str, expected: str | None, newest: bytes | None, *,
 
 
 def _settle(up, roots: set) -> None:
-    """Wait (up to REMOVE_WAIT) until no upload of `roots` is in flight: the uploader
-    marks an entry started before it sends (upload_begin) and drops it at its end."""
-    refs: UploadQueue = up.local.refs
-    deadline = time.monotonic() + REMOVE_WAIT
-    with up._cond:
-        while refs.uploading() & roots:
-            left = deadline - time.monotonic()
-            if left <= 0 or up.error is not None or up._stop:
-                log.warning("local tier: an upload of a deleted ref's snapshot is still in flight; the remote ref is "
-                            "removed all the same (if the upload lands later, `tsck delete-ref %s` removes it)",
-                            up.remote.url)
-                return
-            up._cond.wait(min(0.5, left))
+    """Wait (up to REMOVE_WAIT) until no upload of `roots` is in flight."""
+    if not up.wait_unsent(roots, REMOVE_WAIT):
+        log.warning("local tier: an upload of a deleted ref's snapshot is still in flight; the remote ref is "
+                    "removed all the same (if the upload lands later, `tsck delete-ref %s` removes it)",
+                    up.remote.url)
 
 
 def undelete_both(up, publisher, ref: str, to: str | None):

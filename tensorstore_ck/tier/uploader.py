@@ -268,6 +268,19 @@ class Uploader:
             log.debug("local tier: %d snapshot(s) of the tier that %s lists marked durable (not sent again)",
                       len(marked), self.remote.url)
 
+    def wait_unsent(self, roots: set, timeout: float) -> bool:
+        """Wait until no upload of `roots` is in flight (an entry is marked started before it
+        sends, upload_begin, and dropped at its end) -> True; False past `timeout`, or once
+        this uploader stopped or failed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.local.refs.uploading() & roots:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.error is not None or self._stop:
+                    return False
+                self._cond.wait(min(0.5, left))
+        return True
+
     def wait_durable(self, timeout: float | None = None) -> bool:
         """Wait until every snapshot queued before this call is durable -> True, or False
         once `timeout` seconds passed. Raises the failure that stopped the uploader (one
