@@ -771,7 +771,10 @@ class Uploader:
         if row is None:
             self.expired(seq, root)
             return
-        if entry.get("hold"):
+        if entry.get("hold") or (isinstance(entry.get("ref"), str)
+                                 and local.refs.deleted_ref_root(entry["ref"]) is not None):
+            # (its ref deleted since, a tag or pin keeping the snapshot: sent for those, and no
+            # remote ref moves, which would bring back the ref the removal took from both tiers)
             return upload_hold(self, seq, root, row)
         if seq in self._resumed and self._moved_before(seq, root, entry["ref"]):
             return
