@@ -90,3 +90,48 @@ def test_a_kept_snapshot_queued_when_its_ref_is_deleted_moves_no_remote_ref(tmp_
         assert kept, f"the {hold} that keeps the snapshot is not made at the remote"
         assert r.reftable.catalog_has(bytes.fromhex(root))
         assert r.checkout(root)["step"].item() == 2
+
+
+class Gate(WrappedStore):
+    """Remote object writes wait while `shut` is set: an upload stays in flight."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.shut = threading.Event()
+
+    def put_addressed(self, key, bufs):
+        while self.shut.is_set():
+            threading.Event().wait(0.01)
+        return self.inner.put_addressed(key, bufs)
+
+
+def test_an_upload_in_flight_when_its_ref_is_deleted_leaves_no_remote_ref(tmp_path):
+    """The ref's first snapshot is being uploaded (its writes held) as the ref is deleted
+    through the tier: the delete waits for that upload, whose move makes the ref at the
+    remote, and then removes it there too."""
+    remote = str(tmp_path / "remote")
+    tsck.open_store(remote, block_size=16384, inline_threshold=256).close()
+    gates: list[Gate] = []
+    with tsck.open_store(remote, local=str(tmp_path / "tier"), early_upload=False,
+                         wrap_storage=lambda s: gates.append(Gate(s)) or gates[-1]) as store:
+        gates[0].shut.set()
+        root = store.put_snapshot(_state(1), "j/main", step=1).root
+        deadline = threading.Event()
+        for _ in range(int(DEADLINE / 0.01)):  # the upload has begun (marked in flight)
+            if bytes.fromhex(root) in store.reftable.uploading():
+                break
+            deadline.wait(0.01)
+        assert bytes.fromhex(root) in store.reftable.uploading()
+        done: list = []
+        t = threading.Thread(target=lambda: done.append(store.delete_ref("j/main")))
+        t.start()
+        for _ in range(int(DEADLINE / 0.01)):  # the tier's ref is gone: the delete waits for the upload
+            if store.reftable.get_or_none("j/main") is None:
+                break
+            deadline.wait(0.01)
+        gates[0].shut.clear()
+        t.join(DEADLINE)
+        assert done and done[0]["root"] == root
+        assert store.wait_durable(timeout=DEADLINE) is True
+    with tsck.open_store(remote) as r:
+        assert r.reftable.get_or_none("j/main") is None, "the upload in flight left the deleted ref at the remote"

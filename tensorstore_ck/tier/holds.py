@@ -272,11 +272,12 @@ def delete_ref_both(up, ref: str, expected: str | None, newest: bytes | None, *,
             ours = {bytes.fromhex(r) for r in here["dropped"]} | {mine}
             delete_ref(local, ref, mine.hex())
             _settle(up, ours)
-        if theirs is not None:
+        if theirs is not None or ours:  # (an upload of ours waited for above may have made it there)
             now = remote.refs.get_or_none(ref)
             if now is not None and now != theirs and now not in ours:
-                raise RefConflict(ref, theirs.hex(), now.hex(), hint=f"it was moved at {remote.url} meanwhile by "
-                                  "another writer; the local tier's ref was deleted, the remote's is left")
+                raise RefConflict(ref, None if theirs is None else theirs.hex(), now.hex(), hint=f"it was moved at "
+                                  f"{remote.url} meanwhile by another writer; the local tier's ref was deleted, the "
+                                  "remote's is left")
             if now is not None:
                 there = delete_ref(remote, ref, now.hex(), dry_run=True)
                 delete_ref(remote, ref, now.hex())
