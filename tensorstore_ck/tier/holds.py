@@ -223,6 +223,8 @@ def forget_both(up, publisher, root: bytes, dry_run: bool):
     """Forget `root` in every table that lists it: each one's refusals (a ref's tip, a
     tag's target, pinned) are heard before either changes -> what it was."""
     local, remote = up.local, up.remote
+    if not dry_run:  # an upload of it in flight ends first: its move would bring back the remote row
+        _settle(up, {root})
     with _reaching(up, f"forget {root.hex()[:16]}"):
         there = remote.refs.catalog_has(root)
     cores = ([(local, publisher)] if local.refs.catalog_has(root) else []) + ([(remote, up.publisher)] if there
