@@ -25,8 +25,9 @@ from . import content, rollback
 
 
 # -- the journals ------------------------------------------------------------------------
-# Calls a tier writer makes in its tier, which reach the remote store only through its uploader.
-TIER_OPS = ("put", "tag", "pin", "untag", "unpin")
+# Calls a tier writer makes in its tier, which reach the remote store only through its uploader
+# (a removal through a tier, untag too, acts in both tables or refuses: judged as any call).
+TIER_OPS = ("put", "tag", "pin", "unpin")
 
 
 @dataclass
@@ -409,9 +410,18 @@ def _kept_again(ops: list[Op], forget: Op) -> bool:
                and _may_follow(p, forget.start) for p in ops)
 
 
+def _sent_before(put: Op, delete: Op) -> bool:
+    """A put through the tier a delete_ref went through, returned before the delete began:
+    the delete removed the ref's snapshots from that tier's queue (an upload in flight is
+    waited for), so its upload cannot bring the remote ref back after it."""
+    tier = delete.args.get("tier")
+    return bool(tier) and put.local_only and put.args.get("tier") == tier and put.end < delete.start
+
+
 def check_removed(store, ops: list[Op], barriers: list[float]) -> list[str]:
     """I7: what users removed by name stays removed: a deleted ref is absent unless a put
-    on it may have run since (or the ref table was lost and rebuilt since: its record
+    on it (not one through the tier the delete went through that returned before it) or an
+    undelete may have run since (or the ref table was lost and rebuilt since: its record
     went with it); a forgotten snapshot has no catalog row (same exception, and unless a
     pin or tag of its root may have come since: how it is brought back); an untagged
     tag never comes back, not even through recover (its storage object went first)."""
@@ -422,7 +432,9 @@ def check_removed(store, ops: list[Op], barriers: list[float]) -> list[str]:
         if not o.ok or any(b > o.start for b in barriers):
             continue
         if o.op == "delete_ref" and o.args["ref"] in refs:
-            again = [p for p in ops if p.op == "put" and p.args["ref"] == o.args["ref"] and _may_follow(p, o.start)]
+            again = [p for p in ops if p.args.get("ref") == o.args["ref"] and (
+                (p.op == "put" and _may_follow(p, o.start) and not _sent_before(p, o))
+                or (p.op == "undelete" and _may_follow(p, o.start)))]
             if not again:
                 bad.append(f"I7 ref {o.args['ref']} was deleted and no put on it ran since, but it is on "
                            f"{refs[o.args['ref']][:16]}: {o.brief()}")

@@ -102,7 +102,7 @@ import tensorstore_ck as tsck
 
 from .. import _zygote
 from .._util import at_once
-from . import check, content, rollback
+from . import check, content, rollback, tierops
 from .backends import Location
 from .netproxy import NetFaults
 from .worker import Journal
@@ -218,6 +218,14 @@ FLAVORS["tier-down"] = dict(FLAVORS["tier"], down_p=1.0, tier_kill=0.0, rot_p=0.
 # --focus ctier: collective puts through the ranks' tiers in every round, often, so rank 1's
 # tier follows many of rank 0's prunes (T17).
 FLAVORS["ctier"] = dict(FLAVORS["tier"], ctier_p=1.0, weights=dict(FLAVORS["mix"]["weights"], cput=8))
+# --focus tier-ops: removals, undeletes and answers through the tiers often, and outages of
+# the remote that come and go in most tier writers (tierops.py: T20-T22).
+FLAVORS["tier-ops"] = dict(FLAVORS["tier"], outage_p=0.7, tier_remove_p=0.4, tier_kill=0.2, rot_p=0.0)
+FLAVORS["tier"]["outage_p"], FLAVORS["tier"]["tier_remove_p"] = 0.3, 0.15
+FLAVORS["tier-share"]["outage_p"] = 0.0  # (its two uploaders race on one snapshot: none away)
+FLAVORS["remove"]["tier_remove_p"] = 0.2
+# Seconds past its time a writer with an outage may take: the outage, then its uploads.
+OUTAGE_GRACE = tierops.OUTAGE_CAP + tierops.RESUME_WAIT
 # Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
 # worker's fsck or gc runs (faults.py `unreadable`; a stream of its own): in every round of
 # --focus unreadable, and in 30% of a worker's rounds on the dirfs backend (a filesystem of
@@ -506,7 +514,8 @@ class Harness:
                     # Past its time plus a grace, a worker is stuck (waiting out a dead gc
                     # for its gc_lease, say): killed, its last call's outcome unknown. The
                     # ready ones share the latest bound (a late one keeps the others company).
-                    hard_stop = max(hard_stop, now + self.round_seconds + 8)
+                    # (a writer with an outage waits it out, and its uploads, after its time)
+                    hard_stop = max(hard_stop, now + self.round_seconds + 8 + (OUTAGE_GRACE if c.get("outage") else 0))
             for kill in [x for x in kills if x[1] in ready and ready[x[1]] + x[0] <= now]:
                 kills.remove(kill)
                 if procs[kill[1]].poll() is None:
@@ -605,7 +614,7 @@ class Harness:
                  f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} packed_puts={packed} "
                  f"{rolls}(killed after: {self._killed_raced(ids, 'after-rollback')}) {crest} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
-                 f"rot={rots}(uploaders stopped on it: {stopped}) "
+                 f"{tierops.brief(check.load_ops(self.run_dir), ids)} rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "
                  f"net={'off' if not net_on else _net_brief(net)} "
                  f"kills={killed}+{self_killed}+{stuck} (driver+self+stuck{stuck_ids}, savers orphaned: {len(orphans)}) "
@@ -656,6 +665,15 @@ class Harness:
                 # Its remote block writes slowed, so the damage it does as a put returns
                 # often lands before the uploader reads that block.
                 c["faults"]["slow"] = dict(c["faults"].get("slow") or {}, **{"blocks/": 0.2})
+            # Some have the remote away for a stretch, and back, while they put (tierops.Outage:
+            # T22), a stream of its own; not a writer whose uploader is to be killed or stop on
+            # damage, that ends "down" or uploads through a saver (which the outage misses).
+            orng = random.Random(f"{self.seed}:{r}:{k}:outage")
+            if orng.random() < fl.get("outage_p", 0.05) and c["tier_end"] != "down" and not c.get("saver") \
+                    and not c.get("rot") and "kill_upload" not in c["faults"]:
+                c["outage"] = {"at": orng.randint(1, 2), "pause": list(orng.choice(tierops.PAUSES))}
+            # Removals, undeletes and answers through the tier (tierops.maybe_tier_op: T20, T21, I7).
+            c["tier_remove_p"] = fl.get("tier_remove_p", 0.05)
             out.append(c)
         self._catalog_writers(r, fl, out)
         self._trailing(r, fl, out)
@@ -773,7 +791,7 @@ class Harness:
                     if c.get("catalog") else "")
                  + (f":budget{c['budget'] // 1000}k" if c.get("budget") else "")
                  + (":shared" if c.get("sharing", 1) > 1 else "") + (":lag" if c.get("lag") else "")
-                 + (":trail" if "slow_head" in c["faults"] else "")
+                 + (":trail" if "slow_head" in c["faults"] else "") + (":outage" if c.get("outage") else "")
                  for c in tiered]
         counts: dict = {}  # the catalog writers' calls by outcome (tag:ok, kept:ok, prune:GcBusy...)
         fences = 0  # the uploaders' fenced remote moves: a closing writer's fences less its puts'
@@ -1011,6 +1029,8 @@ class Harness:
             tiers = {n: p for n, p in {**self.tiers, **self.rank_tiers}.items() if os.path.isdir(p)}
             tb, stats = check.check_tiers(s, tiers, ops)
             bad += tb
+            bad += tierops.check_tier_ops(tiers, ops, self.barriers)  # T20-T22
+            bad += tierops.check_undeleted(s, ops, self.barriers)
             self._tier_puts, self._tier_durable, self._budget_over = stats["puts"], stats["durable"], stats["budget_over"]
             self._retire_rotted(ops)
         return bad

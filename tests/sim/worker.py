@@ -45,7 +45,7 @@ import tensorstore_ck.gc as tsck_gc
 import tensorstore_ck.saver as _saver
 from tensorstore_ck.storage import local as _local
 
-from . import content, rollback
+from . import content, rollback, tierops
 from .faults import _HOME, Faults, SimStore, sim_storage, slow_reftable
 
 
@@ -823,6 +823,7 @@ class Worker:
         down_at = (deadline - drng.uniform(0.3, 0.5) * cfg["seconds"], cfg["ops"] - drng.randint(2, 5)) \
             if cfg.get("tier_end") == "down" else None
         open(cfg["journal"] + ".ready", "w").close()  # the driver times its kills from here
+        outage = tierops.Outage(self, s) if cfg.get("outage") else None  # the remote away for a while
         try:
             if cfg.get("catalog"):
                 self._set_rules(s)
@@ -837,6 +838,9 @@ class Worker:
                 if i in self._taken:
                     continue
                 rollback.maybe_rollback(self, s, i)  # (a stream of its own)
+                tierops.maybe_tier_op(self, s, i)  # (a stream of its own)
+                if outage is not None:
+                    outage.maybe_start(i)
                 op = self.rng.choices(names, [weights[n] for n in names])[0]
                 if i == 0 and weights.get("cput"):
                     # A collective put first: on a loaded machine a round's few seconds may
@@ -869,6 +873,8 @@ class Worker:
                 if op == "cput":
                     rollback.maybe_crestore(self, s, i, args, out)  # (a stream of its own)
                 time.sleep(self.rng.random() * cfg.get("pause", 0.05))
+            if outage is not None:  # the remote back: the uploads must resume (T22)
+                outage.finish(s)
         finally:
             if cfg.get("tier"):
                 self._close_tier(s)
