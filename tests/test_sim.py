@@ -460,3 +460,58 @@ def test_checker_judges_rollbacks_and_collective_restores(tmp_path):
         _journal(tmp_path, restore(ok4, ok4, digest=d) + fsck)
         assert [x[:22] for x in check.check_history(s, check.load_ops(str(tmp_path)), [])] == \
             ["I4 fsck beside the oth"]
+
+
+def test_checker_judges_removals_answers_and_outages_through_tiers(tmp_path):
+    """T20-T22 and I7 on calls through a tier: a delete_ref through a tier that returned ok
+    while the remote keeps the ref (no later put or undelete explains it), and the tier's
+    table keeps it; an untag through a tier whose tag the remote keeps; a refusal that
+    changed the tier's table; resolve naming no ref where checkout restored one; an
+    outage that stopped the uploads, said nothing, and after which wait_durable raised."""
+    from tests.sim import tierops
+    remote, tier = tmp_path / "store", tmp_path / "tier"
+    tsck.open_store(remote, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
+    sp = content.make_spec("w", 0, 0, 1)
+    with tsck.open_store(remote, local=tier) as s:
+        root = s.put_snapshot(content.state(sp), ref="jt0/main", step=1, meta={"sim": sp}).root
+        s.tag("kept", root)
+        assert s.wait_durable(timeout=60)
+    t = time.time()
+    put = [{"w": "w", "i": 0, "op": "put", "args": {"ref": "jt0/main", "step": 1, "spec": sp, "tier": "t0"},
+            "start": t}, {"w": "w", "i": 0, "end": t + 0.5, "result": "ok", "root": root}]
+    held = {"tier": True, "remote": True}
+    calls = [
+        {"w": "w", "i": 1, "op": "delete_ref", "args": {"ref": "jt0/main", "tier": "t0", "through": True},
+         "start": t + 1}, {"w": "w", "i": 1, "end": t + 1.5, "result": "ok", "root": root},
+        {"w": "w", "i": 2, "op": "untag", "args": {"name": "kept", "tier": "t0", "through": True}, "start": t + 2},
+        {"w": "w", "i": 2, "end": t + 2.5, "result": "ok", "root": root},
+        {"w": "v", "i": 3, "op": "delete_ref", "args": {"ref": "jt0/main", "tier": "t0", "through": True},
+         "start": t + 3}, {"w": "v", "i": 3, "end": t + 3.5, "result": "RefConflict", "before": held,
+                           "after": {"tier": False, "remote": True}},
+        {"w": "w", "i": 4, "op": "answer", "args": {"ref": "jt0/main", "tier": "t0", "through": True},
+         "start": t + 4}, {"w": "w", "i": 4, "end": t + 4.5, "result": "ok", "roots": ["none"] * 3,
+                           "read": root, "moved": []},
+        {"w": "w", "i": 5, "op": "outage", "args": {"tier": "t0", "pause": [0.05, 0.1]}, "start": t + 5},
+        {"w": "w", "i": 5, "end": t + 6, "result": "ok", "attempts": 8, "lagging": False, "told": [],
+         "stopped": "StorageError"},
+        {"w": "w", "i": 6, "op": "durable", "args": {"tier": "t0", "timeout": 30, "after_outage": True},
+         "start": t + 6.5}, {"w": "w", "i": 6, "end": t + 6.6, "result": "StorageError", "error": "stopped"}]
+    _journal(tmp_path, put + calls)
+    ops = check.load_ops(str(tmp_path))
+    with tsck.open_store(remote) as s:
+        bad = check.check_removed(s, ops, []) + tierops.check_tier_ops({"t0": str(tier)}, ops, [])
+    for code, what in [("I7", "ref jt0/main was deleted"), ("I7", "tag kept was removed"),
+                       ("T20", "ref jt0/main was deleted through tier t0"), ("T20", "tag kept was removed through"),
+                       ("T20", "refused (RefConflict) but the local tier table lost ref"),
+                       ("T21", "resolve none"), ("T22", "was not told"), ("T22", "did not resume")]:
+        assert any(b.startswith(code) and what in b for b in bad), (code, what, bad)
+    # The same calls where both tables are as they say (the ref and the tag gone from
+    # both), and an answer that found no ref where checkout found none, are no violation.
+    with tsck.open_store(remote, local=tier) as s:
+        s.delete_ref("jt0/main")
+        s.untag("kept")
+    ok = calls[:4] + [calls[6], dict(calls[7], read="none")]
+    _journal(tmp_path, put + ok)
+    ops = check.load_ops(str(tmp_path))
+    with tsck.open_store(remote) as s:
+        assert check.check_removed(s, ops, []) + tierops.check_tier_ops({"t0": str(tier)}, ops, []) == []

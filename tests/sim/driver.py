@@ -70,7 +70,11 @@ T16 a close with the remote down ends within its timeout and says what stays que
 a rank's tier keeps no part rank 0's last word left out once its uploads are done (--focus
 ctier: collective puts through the ranks' tiers in every round); T18 a put through a tier
 does not fail on its remote being down (--focus tier-down: every tier writer's remote
-goes, its PostgreSQL table too).
+goes, its PostgreSQL table too). Removals, undeletes and answers through a tier, and outages
+of the remote that come and go while a tier writer puts (tests/sim/tierops.py): T20 a removal
+through a tier is in effect in both tables or refused with neither changed; T21 resolve and
+show through a tier name what checkout reads; T22 after an outage longer than any fixed
+count of attempts the uploads resume and the writer was told (--focus tier-ops).
 An operation whose worker was killed, or that ended in OutcomeUnknown, has an unknown
 outcome: either is allowed, a corrupt one never. On pg and s3 the workers reach the
 ref table and the S3 server through tests/sim/netproxy.py, which drops answers, holds
@@ -220,7 +224,7 @@ FLAVORS["tier-down"] = dict(FLAVORS["tier"], down_p=1.0, tier_kill=0.0, rot_p=0.
 FLAVORS["ctier"] = dict(FLAVORS["tier"], ctier_p=1.0, weights=dict(FLAVORS["mix"]["weights"], cput=8))
 # --focus tier-ops: removals, undeletes and answers through the tiers often, and outages of
 # the remote that come and go in most tier writers (tierops.py: T20-T22).
-FLAVORS["tier-ops"] = dict(FLAVORS["tier"], outage_p=0.7, tier_remove_p=0.4, tier_kill=0.2, rot_p=0.0)
+FLAVORS["tier-ops"] = dict(FLAVORS["tier"], outage_p=0.7, tier_remove_p=0.4, tier_kill=0.2, rot_p=0.0, ctier_p=0.0)
 FLAVORS["tier"]["outage_p"], FLAVORS["tier"]["tier_remove_p"] = 0.3, 0.15
 FLAVORS["tier-share"]["outage_p"] = 0.0  # (its two uploaders race on one snapshot: none away)
 FLAVORS["remove"]["tier_remove_p"] = 0.2
