@@ -217,6 +217,20 @@ def s3_url(s3_server, _s3_admin, request):
         pass
 
 
+@pytest.fixture
+def s3_proxy(s3_server):
+    """(a real TCP proxy in front of the session's S3 server, storage options that reach
+    the server through it): `proxy.blackout()` cuts the network, `proxy.outage(s)` for a while."""
+    from urllib.parse import urlsplit
+    from tests.sim.netproxy import NetProxy
+    ep = urlsplit(s3_server["endpoint_url"])
+    proxy = NetProxy(ep.port or 80, ep.hostname, marker=None)
+    opts = {**s3_server, "endpoint_url": f"http://127.0.0.1:{proxy.port}",
+            "config_kwargs": {"connect_timeout": 2, "read_timeout": 5}}
+    yield proxy, opts
+    proxy.close()
+
+
 @pytest.fixture(scope="session")
 def _s3_admin(s3_server):
     """One S3 client for the tests' own housekeeping (a client costs ~0.2 CPU-s to build)."""

@@ -34,17 +34,6 @@ def pg_proxy(pg_dsn):
     proxy.close()
 
 
-@pytest.fixture
-def s3_proxy(s3_server):
-    from urllib.parse import urlsplit
-    ep = urlsplit(s3_server["endpoint_url"])
-    proxy = NetProxy(ep.port or 80, ep.hostname, marker=None)
-    opts = {**s3_server, "endpoint_url": f"http://127.0.0.1:{proxy.port}",
-            "config_kwargs": {"connect_timeout": 2, "read_timeout": 5}}
-    yield proxy, opts
-    proxy.close()
-
-
 def _state(v: float) -> dict:
     return {"w": torch.full((4096,), v)}
 

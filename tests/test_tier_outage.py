@@ -25,24 +25,12 @@ from _util import assert_same, object_listing
 
 import tensorstore_ck as tsck
 from tensorstore_ck.tier import uploader as upload
-from tests.sim.netproxy import NetProxy
 
 pytestmark = pytest.mark.slow  # a real S3 server behind a real proxy
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 OLD_ATTEMPTS = 8  # the tries after which an uploader once stopped for good
-
-
-@pytest.fixture
-def s3_proxy(s3_server):
-    from urllib.parse import urlsplit
-    ep = urlsplit(s3_server["endpoint_url"])
-    proxy = NetProxy(ep.port or 80, ep.hostname, marker=None)
-    opts = {**s3_server, "endpoint_url": f"http://127.0.0.1:{proxy.port}",
-            "config_kwargs": {"connect_timeout": 2, "read_timeout": 5}}
-    yield proxy, opts
-    proxy.close()
 
 
 def _state(step: int) -> dict:
