@@ -54,7 +54,7 @@ _QUIETED_LOCK = threading.Lock()
 def _orphaned_cut(context: dict) -> bool:
     """An exception asyncio found unretrieved in a task of aiohttp's that is a cut
     connection's. aiohttp sends a request's headers and body from a task of its own (at
-    once where the request expects "100 Continue", as botocore's PUTs do); when the
+    once where the request expects "100 Continue", as object-store clients' PUTs do); when the
     connection is reset as that task starts, the request itself fails (the caller hears
     it: a retry, then a StorageError) and aiohttp forgets the task without retrieving its
     exception, the same failure once more."""
