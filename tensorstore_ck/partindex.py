@@ -90,6 +90,16 @@ class PartIndex:
         with self._lock:
             self._learned.add(root)
 
+    def read_back(self, root: bytes, parts: list, whole: bool) -> None:
+        """A checkout of snapshot `root` read `parts` ((h, pack, offset, pack length,
+        length), each checked against h as it was read): they are known as this process's
+        own; whole: every part of it was read, so its nodes need not be read to learn it."""
+        for h, pack, off, glen, n in parts:
+            self.add(h, pack, off, glen, n, checked=True)
+        if whole:
+            with self._lock:
+                self._learned.add(root)
+
     def learning(self, root: bytes) -> bool:
         """Whether `root`'s parts are still to be added (packparts.learn); marks it as added."""
         with self._lock:

@@ -76,9 +76,12 @@ class Reader(WorldReading):
 
     def __init__(self, assets: ObjectReader, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
                  allow_pickle: bool = False, max_bytes: int | None = None, rank: int | None = 0, progress=None,
-                 paths=None, map_location=None, fence: int | None = None):
+                 paths=None, map_location=None, fence: int | None = None, parts_seen: list | None = None):
         self._opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank,
-                          progress=progress, fence=fence)
+                          progress=progress, fence=fence, parts_seen=parts_seen)
+        # parts_seen: where to note (h, pack, offset, pack length, length) of each packed part
+        # read with its content hash, checked against it (a later put of this Store names it)
+        self.parts_seen = parts_seen if verify else None
         # fence: the gc epoch read before this checkout began (Store.checkout): what it
         # reads is recorded present under it, and a big tensor's blocks seen under it are
         # not asked again (presence.py)
@@ -485,6 +488,8 @@ class Reader(WorldReading):
         p = format_path(path)
         if leaf.part is not None:
             self._jobs.append((leaf.blocks[0], part_job(leaf, flat_u8), p, caller))
+            if self.parts_seen is not None and leaf.content is not None:
+                self.parts_seen.append((leaf.content, leaf.blocks[0], leaf.part[0], leaf.part[1], flat_u8.nbytes))
             return
         for _i, d, a, b in leaf.block_spans():
             self._jobs.append((d, flat_u8[a:b], p, caller))

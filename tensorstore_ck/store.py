@@ -717,9 +717,14 @@ class Store:
             served = reads if self._tier is None else self._tier.served(reads)
             c = decode_commit(served.get_commit(root, verify=verify))
             st = c.get("stats") or {}
+            # A Store's own checkout (no tier): the packed parts it read and checked are ones a
+            # later put may name without reading the snapshot's nodes again (packparts.py).
+            seen = [] if self._tier is None and rank is None else None
             with _bytes_bar(progress, "checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
                 out = read_with(Reader(served, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
-                                       progress=bar, **opts), c["tree"])
+                                       progress=bar, parts_seen=seen, **opts), c["tree"])
+            if seen is not None:
+                self.assets.parts.read_back(root, seen, whole=paths is None)
             source = ("store", f"the store at {self.url}") if self._tier is None else self._tier.source(served)
             _log_restored(target, root, c, source, time.monotonic() - t0, paths is not None)
             return out
