@@ -140,6 +140,7 @@ package's modules indented under it). A module over ~600 lines says which one jo
       local.py            a local filesystem (atomic, durable writes)
       fsspec.py           any fsspec filesystem (memory://, gs://, az://, ...)
       s3.py               S3: its request model and error classes (through s3fs)
+      aimd.py             the S3 client's send rate under throttling (AIMD; cuts that do not help pause)
       wrappers.py         read-only, retrying, throttled and fault-injecting wrappers
     refs/                 RefTable: ref name -> root, with reflog, catalog, tags and pins
       base.py             the interface and its logic over a small transactional key-value layer

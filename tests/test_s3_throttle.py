@@ -78,6 +78,7 @@ def test_throttling_past_the_budget_fails_clearly_and_changes_nothing(tmp_path, 
             store.put_snapshot(_state(100), ref="j/main", job="j", step=2)
         msg = str(e.value)
         assert "throttling" in msg and "SlowDown" in msg and "1s retry budget spent" in msg, msg
+        assert "no request of this store succeeded for" in msg, msg  # no progress: why it gave up
         assert "retry_budget" in msg and "TSCK_RETRY_BUDGET" in msg  # how to give it more
         assert proxy.refused > 0 and proxy.throttling()  # given up while it still throttled
         with pytest.raises(tsck.StorageError, match="throttling"):  # a read too, named as such
@@ -154,4 +155,26 @@ def test_the_client_slows_down_while_throttled(tmp_path, throttle, s3_url, statu
         # every thread's first request may be out before the first answer; then about
         # one a second (botocore's floor is one every two seconds)
         assert 0 < refused <= 2 * WORKERS, (refused, proxy.refused_by)
+        assert _equal(store.checkout("j/main"), st)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.7])
+def test_a_steady_share_of_slowdown_answers_slows_the_put_but_never_starves_it(tmp_path, throttle, s3_url, share):
+    """Every request of a put of 100 objects (their HEADs and PUTs, the nodes', the
+    commit's) answered SlowDown with a seeded probability, from its first request to
+    its last (a prefix shared with other busy clients): cutting the send rate does not
+    lower that share, so the client stops cutting where it does not help, and the
+    throttled requests keep their place while others succeed (the retry budget, 60 s,
+    counts from the store's last success). The put commits whole; with the rate cut to
+    the floor on every SlowDown and each request's budget counted alone, it ran for
+    minutes and failed."""
+    proxy, opts = throttle
+    st = {f"t{i}": torch.full((4096,), float(i) + share) for i in range(100)}
+    with _open(tmp_path, s3_url, opts, workers=16, block_size=64 * 1024, pack_size=0) as store:
+        proxy.throttle(share=share, seed=7)  # until told otherwise
+        info = store.put_snapshot(st, ref="j/main", job="j", step=1)
+        assert proxy.throttling() and proxy.refused_by["PUT"] > 0, proxy.refused_by
+        proxy.throttle(0)
+        assert proxy.forwarded_by["PUT"] >= 100
+        assert store.resolve("j/main") == info.root
         assert _equal(store.checkout("j/main"), st)

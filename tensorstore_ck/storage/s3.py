@@ -134,18 +134,21 @@ class _ThrottlingDetector:
 def _add_rate_limiter(client) -> None:
     """botocore's adaptive retry mode's client-side rate limiter (aiobotocore's async
     one; what retries={"mode": "adaptive"} registers) on `client`, with _ThrottlingDetector:
-    once S3 throttles, every request of the client waits for a token; the send rate
-    drops (CUBIC) with each throttled answer and climbs back as answers come."""
+    once S3 throttles, every request of the client waits for a token. Its rate is
+    aimd.AimdRate's, not botocore's CUBIC (which a steady share of SlowDown drove to its
+    floor: see aimd.py)."""
     from aiobotocore.retries import adaptive, bucket
-    from botocore.retries import throttling
     from botocore.retries.adaptive import RateClocker
+
+    from .aimd import AimdRate
     clock = bucket.Clock()
     limiter = adaptive.AsyncClientRateLimiter(
-        rate_adjustor=throttling.CubicCalculator(starting_max_rate=0, start_time=clock.current_time()),
-        rate_clocker=RateClocker(clock), token_bucket=bucket.AsyncTokenBucket(max_rate=1, clock=clock),
+        rate_adjustor=AimdRate(clock.current_time()), rate_clocker=RateClocker(clock),
+        token_bucket=bucket.AsyncTokenBucket(max_rate=1, clock=clock, min_rate=AimdRate.FLOOR),
         throttling_detector=_ThrottlingDetector(), clock=clock)
     client.meta.events.register("before-send", limiter.on_sending_request)
     client.meta.events.register("needs-retry", limiter.on_receiving_response)
+    return limiter
 
 
 class S3BlockStore(FsspecBlockStore):

@@ -307,24 +307,53 @@ class RetryingStore(WrappedStore):
                                           attempts=attempts)
         self.retries = 0
         self._rng = random.Random(seed)
+        # When a request of this store last succeeded: a throttled request gives up only
+        # once none has for the whole budget (_throttled_delay).
+        self._progress = time.monotonic()
 
     @property
     def attempts(self) -> int | None:
         return self.backoff.attempts
 
+    def _throttled_delay(self, n: int, first: float, attempt: int) -> float | None:
+        """The wait before retry n (0, 1, ...) of a request the server throttled since
+        `first`, or None to give up. Throttling is the server pacing its clients, not a
+        fault of this request: while other requests of the store succeed the server is
+        serving this client (a share of its requests answered SlowDown), and the client's
+        rate limiter (storage/aimd.py) slows it to what the server serves. So the budget
+        runs from the later of this request's first throttled answer and the store's last
+        success: it runs out only when no request has succeeded for all of it, when no
+        progress is possible."""
+        if self.backoff.attempts is not None and attempt >= self.backoff.attempts:
+            return None
+        left = max(first, self._progress) + self.backoff.budget - time.monotonic()
+        if left <= 0:
+            return None
+        d = min(self.backoff.max_delay, self.backoff.base_delay * 2 ** min(n, 30))
+        return min(left, d * (0.5 + self._rng.random()))
+
     def _call(self, fn, *args):
         delays = None  # the budget's clock starts at the first failure
         attempt = 0
         t0 = time.monotonic()
+        throttled = 0  # throttled answers so far, and when the first came
+        first_throttled = t0
         while True:
             if self.backoff.stopped:
                 raise self._stopped(fn, args, attempt, None)
             attempt += 1
             try:
-                return fn(*args)
+                out = fn(*args)
+                self._progress = time.monotonic()
+                return out
             except Exception as e:  # noqa: BLE001 - filtered by retry.is_transient (the one rule)
                 transient = is_transient(e)
-                if transient:
+                if transient and getattr(e, "throttled", False):
+                    if not throttled:
+                        first_throttled = time.monotonic()
+                    delay = self._throttled_delay(throttled, first_throttled, attempt)
+                    throttled += 1
+                elif transient:
                     if delays is None:
                         delays = self.backoff.delays(self._rng)
                     delay = next(delays, None)
@@ -368,7 +397,8 @@ class RetryingStore(WrappedStore):
         said = getattr(e, "response_status", None)
         cause = f"{type(e).__name__}{f' ({said})' if said else ''}: {getattr(e, 'strerror', None) or e}"
         if getattr(e, "throttled", False):
-            cause = f"the server is throttling requests: {cause}"
+            idle = time.monotonic() - self._progress
+            cause = f"the server is throttling requests (no request of this store succeeded for {idle:.1f}s): {cause}"
         if self.attempts is not None and attempts >= self.attempts:
             limit, more = f"its {self.attempts} attempts", ""
         else:
