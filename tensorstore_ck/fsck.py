@@ -204,17 +204,17 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
                 problem = "dangling_ref" if nm else "missing"
             rep.findings.append(Finding(problem, snap, nm, getattr(e, "path", None) or None,
                                         getattr(e, "key", None), str(e.args[0]) if e.args else str(e)))
-        todo, sizes, parts = {}, {}, {}  # parts: pack -> the parts (with h) not hashed yet
+        todo, sizes, unhashed = {}, {}, {}  # unhashed: pack -> the parts (with h) not hashed yet
         for d, n, _p, _e, pt in pending:
             sizes[d] = n
             if full and pt is not None and (d, pt) not in part_status:
-                parts.setdefault(d, set()).add(pt)
+                unhashed.setdefault(d, set()).add(pt)
         for d, n, _p, _e, _pt in pending:
             if d not in block_status and d not in todo:
-                todo[d] = pool.submit(check_block, d, n, parts.pop(d, ()))
+                todo[d] = pool.submit(check_block, d, n, unhashed.pop(d, ()))
                 rep.bytes_checked += n
         # Packs read for an earlier snapshot that this one names other parts of: read again.
-        again = [pool.submit(check_block, d, sizes[d], pts) for d, pts in parts.items() if block_status[d] is None]
+        again = [pool.submit(check_block, d, sizes[d], pts) for d, pts in unhashed.items() if block_status[d] is None]
         for d, f in todo.items():
             block_status[d], got = f.result()
             part_status.update(got)

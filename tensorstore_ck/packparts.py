@@ -88,8 +88,12 @@ def _there(assets, index: PartIndex, d: bytes, hits: list, fence: int | None) ->
     such part's bytes against its content hash (PartIndex.check_pack), once per pack and
     process; a missing or damaged pack is not named."""
     glen = hits[0][1][2]
+    # There in these assets themselves: a read may be served from elsewhere (a tier's
+    # reads fall through to the remote), which a snapshot published here cannot name.
+    if not assets.has_block(d, glen, fence):
+        return False
     if all(hit[4] for _m, hit in hits):
-        return assets.has_block(d, glen, fence)
+        return True
     data = np.empty(glen, dtype=np.uint8)
     try:
         assets.read_block_into(d, data, verify=True, fence=fence)
