@@ -22,7 +22,7 @@ from ..errors import (FormatError, IntegrityError, InvalidArgument, NotAStore, R
                       UnsupportedType)
 from ..retry import is_transient
 
-__all__ = ["Lag", "Outage", "heals", "measure", "LAG_TELL_EVERY", "caller_level"]
+__all__ = ["Lag", "Outage", "heals", "said_after_stop", "measure", "LAG_TELL_EVERY", "caller_level"]
 
 # Seconds between two SnapshotWarnings of one outage (the first comes at the first put
 # after an upload attempt failed).
@@ -59,6 +59,15 @@ def heals(e: BaseException) -> bool:
             deepest = seen
         seen = seen.__cause__
     return is_transient(deepest)
+
+
+def said_after_stop(e: BaseException) -> bool:
+    """Is `e`, a failure that reached the uploader after close() stopped it, still to be
+    raised? Only what a close cannot cause: a damaged local object or record, a remote
+    of another store. The rest is the close's own doing, not an outage or a fault: the
+    retries of a request given up at the stop, the remote's table or storage closed
+    under a request that close()'s timeout left running (StoreClosed)."""
+    return isinstance(e, (IntegrityError, FormatError, NotAStore))
 
 
 class Outage:

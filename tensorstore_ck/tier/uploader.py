@@ -37,7 +37,7 @@ from ..roles import UploadQueue
 from ..walk import by_kind, walk_commit
 from .budget import fit_budget, tier_bytes
 from .holds import held, publish_holds, upload_hold
-from .outage import Outage, heals
+from .outage import Outage, heals, said_after_stop
 
 __all__ = ["Uploader", "RETRY_PAUSE", "BUDGET_WAIT", "TEE_BYTES", "early_default"]
 
@@ -130,7 +130,7 @@ class Uploader:
         self._known_fence: int | None = None
         self._tee_fence_failed = False  # this put's fence could not be read: no early sends
         self._fence_reading = False  # a send is reading it (_early_fence)
-        self._fence_lock = threading.Lock()
+        self._fence_lock = threading.Condition()  # (notified as a send's fence read ends)
         self._tee_bytes = 0  # bytes held by sends in flight (bounded by TEE_BYTES)
         self.teed = self.tee_dropped = 0
         self.early = early
@@ -364,7 +364,7 @@ class Uploader:
         self._fitting = self._opening = False  # the parent's uploader keeps the budget and its holds
         self._cond = threading.Condition()
         self._fit_lock = threading.Lock()
-        self._fence_lock = threading.Lock()
+        self._fence_lock = threading.Condition()
         self._fence_reading = False
         self.remote.after_fork()
 
@@ -496,10 +496,14 @@ class Uploader:
     def _early_fence(self) -> int | None:
         """The fence of this put's early sends where none was known as it began: read by
         the first send (a send thread, never the put's), outside the lock (the next put's
-        tee_begin takes it, and must not wait on the remote); None meanwhile, or if the
-        remote table did not answer (the uploader sends those blocks)."""
+        tee_begin takes it, and must not wait on the remote); the sends behind it wait for
+        that read on their own threads (each block of the put is sent early, however slow
+        the read). None if the remote table did not answer, or once the uploader stops:
+        the uploader sends those blocks."""
         with self._fence_lock:
-            if self._tee_fence is not None or self._tee_fence_failed or self._fence_reading:
+            while self._fence_reading and self._tee_fence is None and not self._stop:
+                self._fence_lock.wait(0.5)
+            if self._tee_fence is not None or self._tee_fence_failed or self._stop:
                 return self._tee_fence
             self._fence_reading = True
         fence = None
@@ -510,6 +514,7 @@ class Uploader:
         finally:
             with self._fence_lock:
                 self._fence_reading = False
+                self._fence_lock.notify_all()
                 if fence is None:
                     self._tee_fence_failed = True
                 elif self._tee_fence is None:
@@ -634,6 +639,10 @@ class Uploader:
                     log.warning("local tier: uploads to %s resumed after %.0fs of failures (%d failed attempt(s))",
                                 self.remote.url, *ended)
             except (StorageError, TsckError, OSError) as e:
+                with self._cond:
+                    stopped = self._stop
+                if stopped and not said_after_stop(e):  # the close ended this try: nothing failed
+                    return
                 if not heals(e):  # a damaged local object, a remote of another store, a refused credential, ...
                     self._fail(e)
                     return
