@@ -199,14 +199,13 @@ def rank_main(rank: int, world: int, port: int, args, out: str) -> None:
     os._exit(code)
 
 
-def run_world(world: int, args, base: str) -> dict:
+def fork_ranks(target, world: int, args, out: str) -> None:
+    """Fork `world` gloo ranks running target(rank, world, port, args, out) beside a c10d
+    TCPStore hosted here; ranks still alive past args.limit are killed."""
     from torch.distributed import TCPStore
-    out = os.path.join(base, f"w{world}")
-    os.makedirs(out)
     port = free_port()
     ctx = mp.get_context("fork")
-    t0 = time.time()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, args, out)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
     master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=300),
@@ -218,8 +217,15 @@ def run_world(world: int, args, base: str) -> dict:
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
             p.join()
-    wall = time.time() - t0
     del master
+
+
+def run_world(world: int, args, base: str) -> dict:
+    out = os.path.join(base, f"w{world}")
+    os.makedirs(out)
+    t0 = time.time()
+    fork_ranks(rank_main, world, args, out)
+    wall = time.time() - t0
     recs = []
     for r in range(world):
         path = os.path.join(out, f"rank{r}.json")
@@ -353,23 +359,8 @@ def store_bytes_rank(rank: int, world: int, port: int, args, out: str) -> None:
 def store_bytes_world(world: int, args, base: str) -> list:
     """Forked gloo ranks making repeated collective puts with every value changed (the
     c10d TCPStore hosted here) -> each rank's record (store_bytes_rank)."""
-    from torch.distributed import TCPStore
     out = tempfile.mkdtemp(prefix=f"bytes_w{world}_", dir=base)
-    port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=store_bytes_rank, args=(r, world, port, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=300),
-                      wait_for_workers=False)
-    deadline = time.monotonic() + args.limit
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join()
-    del master
+    fork_ranks(store_bytes_rank, world, args, out)
     recs = []
     for r in range(world):
         path = os.path.join(out, f"rank{r}.json")
