@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow  # a real S3 server behind a real proxy
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
-OLD_ATTEMPTS = 8  # the tries after which an uploader once stopped for good
+OLD_ATTEMPTS = 8  # an outage here outlasts this many failed attempts (no count of them stops uploads)
 
 
 def _state(step: int) -> dict:
