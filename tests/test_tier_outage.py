@@ -82,7 +82,7 @@ def test_uploads_resume_after_an_outage_longer_than_any_count_of_attempts_and_th
 
         proxy.outage(math.inf)
         store.put_snapshot(_state(2), "job/main", job="job", step=2)
-        _until(lambda: _failed(store) > OLD_ATTEMPTS + 2, "more failed attempts than the uploader once made")
+        _until(lambda: _failed(store) > OLD_ATTEMPTS + 2, "more failed attempts than OLD_ATTEMPTS")
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             for step in (3, 4, 5):
@@ -165,7 +165,7 @@ def test_a_budget_refuses_puts_during_an_outage_and_admits_them_once_uploads_res
                     break
                 assert step < 10, "the budget never refused a put"
         assert store.durability_lag().snapshots == step - 2
-        _until(lambda: _failed(store) > OLD_ATTEMPTS + 2, "more failed attempts than the uploader once made")
+        _until(lambda: _failed(store) > OLD_ATTEMPTS + 2, "more failed attempts than OLD_ATTEMPTS")
         with pytest.raises(tsck.TierFull, match="have failed for"):  # still refused, still at once
             store.put_snapshot(_state(step), "job/main", job="job", step=step)
         proxy.outage(0)
