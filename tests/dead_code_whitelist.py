@@ -21,6 +21,10 @@ _.find_class  # listing._PlainUnpickler: pickle.Unpickler calls it for every glo
 _._before_fork  # RefTable hooks called by name through os.register_at_fork (refs/base.py _each)
 _._after_fork_parent  # same: the parent's side of os.register_at_fork
 
+# -- botocore's adaptive retry limiter calls these on its rate adjustor (storage/aimd.py AimdRate) --
+_.success_received  # AimdRate: ClientRateLimiter calls it on every answer that is not throttled
+_.error_received  # AimdRate: ClientRateLimiter calls it on a throttled answer
+
 # -- torch.distributed.checkpoint calls these (StorageReader / StorageWriter / AsyncStager) --
 _.validate_checkpoint_id  # TsckReader, TsckWriter: DCP asks whether a checkpoint_id is theirs
 _.read_metadata  # TsckReader

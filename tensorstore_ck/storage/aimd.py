@@ -52,7 +52,6 @@ class AimdRate:
     def __init__(self, start_time: float):
         self.rate: float | None = None  # None: no throttled answer yet (the limiter is off)
         self.cut_at = start_time - self.MIN_GAP
-        self.cuts = self.restores = 0
         self.hold, self.hold_until = self.HOLD, start_time
         self._win_start, self._answers, self._throttled, self._win_rate = start_time, 0, 0, 0.0
         self._windows: collections.deque = collections.deque(maxlen=self.WINDOWS)  # (share, rate)
@@ -74,7 +73,7 @@ class AimdRate:
     def _judge(self, t: float) -> None:
         if len(self._windows) < self.WINDOWS:
             return
-        (share0, rate0), (share1, rate1) = self._windows[0], self._windows[-1]
+        share0, share1 = self._windows[0][0], self._windows[-1][0]
         if share0 == 0 or self._cuts_seen == 0:
             return
         self._cuts_seen = 0
@@ -82,7 +81,6 @@ class AimdRate:
             self.rate = max(r for _, r in self._windows)
             self.hold_until = t + self.hold
             self.hold = min(self.MAX_HOLD, 2 * self.hold)
-            self.restores += 1
         else:
             self.hold = max(self.HOLD, self.hold / 2)
         self._windows.clear()
@@ -107,6 +105,5 @@ class AimdRate:
             base = max(current_rate, self.START) if self.rate is None else min(current_rate, self.rate)
             self.rate = max(self.FLOOR, base * self.BETA)
             self.cut_at = timestamp
-            self.cuts += 1
             self._cuts_seen += 1
             return self.rate
