@@ -304,6 +304,20 @@ SAVER_ORPHAN_WAIT = 10.0
 _SAVER_MARK = b"tensorstore_ck.saver import main"
 
 
+def _stacks_then_kill(p) -> None:
+    """SIGKILL a stuck worker, after SIGUSR1 has had its threads' stacks written to its
+    .err (faulthandler, registered by worker.main) for the report to show where it hung."""
+    try:
+        p.send_signal(signal.SIGUSR1)
+        p.wait(0.5)  # (the dump is written by the C handler at once; a worker ends only by the kill)
+    except subprocess.TimeoutExpired:
+        pass
+    except OSError:
+        pass
+    if p.poll() is None:
+        p.send_signal(signal.SIGKILL)
+
+
 def _savers_in(pgid: int) -> list[int]:
     """The saver processes (saver.py's child) running in process group `pgid`; not one the
     harness stopped (SIGSTOP, a hung saver): it can run no handler until continued."""
@@ -533,7 +547,7 @@ class Harness:
             for k, p in enumerate(procs):
                 if (now > hard_stop if k in ready else now > open_stop) and p.poll() is None \
                         and p.pid not in stuck_pids:  # once each, not every 20 ms
-                    p.send_signal(signal.SIGKILL)
+                    _stacks_then_kill(p)
                     stuck_pids.add(p.pid)
             stuck = len(stuck_pids)
             time.sleep(0.02)
@@ -1120,5 +1134,15 @@ class Harness:
         self.log("  journal tail (newest last):")
         for o in ops[-25:]:
             self.log("    " + o.brief())
+        for name in sorted(os.listdir(self.run_dir)):
+            if name.startswith(f"r{r}w") and name.endswith(".err"):  # stacks of a worker killed as stuck
+                with open(os.path.join(self.run_dir, name), errors="replace") as f:
+                    text = f.read()
+                m = re.search(r"^(Current thread|Thread) 0x", text, re.M)
+                if m:
+                    at = m.start()
+                    self.log(f"  {name[:-4]}'s threads when it was killed as stuck:")
+                    for line in text[at:].splitlines()[:120]:
+                        self.log("    " + line)
         self.log(f"  journals and worker logs kept in {self.run_dir}")
         self.log(f"  replay: {self.replay_command(r + 1)}")

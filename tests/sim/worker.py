@@ -27,6 +27,7 @@ A "start" with no result is an operation whose outcome is unknown (killed).
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import logging
@@ -1147,6 +1148,9 @@ class _ForkedRank:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # The driver's kill of a stuck worker is preceded by SIGUSR1: its threads' stacks go to
+    # its .err, which says where it hung.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     with open(argv[0]) as f:
         cfg = json.load(f)
     w = Worker(cfg, argv[0])
