@@ -109,7 +109,7 @@ from .._util import at_once
 from . import check, content, rollback, tierops
 from .backends import Location
 from .netproxy import NetFaults
-from .worker import Journal
+from .worker import CLOSE_DOWN_TIMEOUTS, Journal
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REFS = ["ja/main", "ja/side", "jb/main"]
@@ -230,6 +230,8 @@ FLAVORS["tier-share"]["outage_p"] = 0.0  # (its two uploaders race on one snapsh
 FLAVORS["remove"]["tier_remove_p"] = 0.2
 # Seconds past its time a writer with an outage may take: the outage, then its uploads.
 OUTAGE_GRACE = tierops.OUTAGE_CAP + tierops.RESUME_WAIT
+# Seconds past its time a writer whose remote goes down as it ends may take: T16's bound.
+DOWN_GRACE = max(CLOSE_DOWN_TIMEOUTS) + check.DOWN_MARGIN
 # Objects that fail every read with a non-transient error (EIO, EACCES, EISDIR) while a
 # worker's fsck or gc runs (faults.py `unreadable`; a stream of its own): in every round of
 # --focus unreadable, and in 30% of a worker's rounds on the dirfs backend (a filesystem of
@@ -533,7 +535,10 @@ class Harness:
                     # for its gc_lease, say): killed, its last call's outcome unknown. The
                     # ready ones share the latest bound (a late one keeps the others company).
                     # (a writer with an outage waits it out, and its uploads, after its time)
-                    hard_stop = max(hard_stop, now + self.round_seconds + 8 + (OUTAGE_GRACE if c.get("outage") else 0))
+                    # (one whose remote goes down as it ends has its close's bound too, T16: its
+                    # last put may have run past the round, waiting for room in its tier)
+                    hard_stop = max(hard_stop, now + self.round_seconds + 8 + (OUTAGE_GRACE if c.get("outage") else 0)
+                                    + (DOWN_GRACE if c.get("tier_end") == "down" else 0))
             for kill in [x for x in kills if x[1] in ready and ready[x[1]] + x[0] <= now]:
                 kills.remove(kill)
                 if procs[kill[1]].poll() is None:

@@ -238,6 +238,8 @@ ROT_I = 1_000_000  # journal index offset of the damage done as a put returns (W
 CAT_I = 2_000_000  # a catalog writer's own calls: its rules at start (CAT_I), its prune after put i (CAT_I + 1 + i)
 DOWN_I = 3_000_000  # a writer ending "down": the moment its remote storage went away
 MEET_WAIT = 60.0  # seconds a worker waits for the round's others to be open (Worker._meet)
+# close(timeout=) of a tier writer whose remote goes down as it ends (T16), drawn per writer.
+CLOSE_DOWN_TIMEOUTS = (1.0, 3.0, 8.0)
 
 
 def tier_bytes(path: str) -> int:
@@ -965,7 +967,7 @@ class Worker:
 
     def _close_down(self, s, i: int) -> None:
         """close(timeout=) with the remote storage refusing every request (T16)."""
-        timeout = self.rng.choice([1.0, 3.0, 8.0])
+        timeout = self.rng.choice(CLOSE_DOWN_TIMEOUTS)
         tier = os.path.basename(self.cfg["tier"])
 
         def call():
