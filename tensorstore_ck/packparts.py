@@ -49,15 +49,16 @@ class PartsGone(SnapshotAborted):
         self.packs = list(packs)
 
 
-def learn(index: PartIndex, assets, root: bytes) -> None:
-    """Add the parts a stored snapshot names to `index` (its nodes are read, not its packs),
-    once per snapshot. A snapshot that cannot be read adds nothing: it is only a hint."""
+def learn(index: PartIndex, assets, root: bytes, rank: int | None = None) -> None:
+    """Add the parts a stored snapshot names to `index` (its nodes are read, not its packs;
+    of a collective snapshot, rank `rank`'s tree: walk.packed_parts), once per snapshot. A
+    snapshot that cannot be read adds nothing: it is only a hint."""
     if not index.learning(root):
         return
     from .errors import TsckError
     from .walk import packed_parts
     try:
-        for h, pack, off, glen, n in packed_parts(assets, root):
+        for h, pack, off, glen, n in packed_parts(assets, root, rank):
             index.add(h, pack, off, glen, n, checked=False)
     except (TsckError, OSError):
         pass

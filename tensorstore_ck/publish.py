@@ -425,17 +425,18 @@ class Publisher:
         raise SnapshotAborted(f"gc deletion phases removed packs this snapshot named, {_PARTS_TRIES} times; "
                               "nothing was published, take it again")
 
-    def learn_parts(self, ref: str) -> None:
+    def learn_parts(self, ref: str, rank: int | None = None) -> None:
         """The parts of packs named by the snapshot `ref` is on, else (a new ref: a fork of
         another job's base) by the tips of up to LEARN_REFS other refs, into the index
-        (once per snapshot, its nodes only): what a new process names instead of writing."""
+        (once per snapshot, its nodes only): what a new process names instead of writing.
+        rank: a rank of a collective put, which learns its own tree of a collective snapshot."""
         try:
             tip = self.reftable.get_or_none(ref)
             tips = [tip] if tip is not None else [r for _n, r in list(self.reftable.list())[:LEARN_REFS]]
         except TsckError:
             return
         for root in tips:
-            packparts.learn(self.assets.parts, self.assets, root)
+            packparts.learn(self.assets.parts, self.assets, root, rank)
 
     def commit(self, tree: bytes, args: SnapshotArgs, *, stats: dict, fence: int, revalidate=None,
                meta_extra: dict | None = None, timing: Timing | None = None,

@@ -316,15 +316,20 @@ def iter_leaves(assets: WalkReader, root: bytes, *, verify: bool = True,
     return out
 
 
-def packed_parts(assets: WalkReader, root: bytes) -> Iterator[tuple[bytes, bytes, int, int, int]]:
+def packed_parts(assets: WalkReader, root: bytes, rank: int | None = None) -> Iterator[tuple[bytes, bytes, int, int, int]]:
     """(content hash, pack, offset, pack length, part length) of every part of a pack a
-    one-process snapshot names with its content hash (LEAF `h`): what a writer names again
-    instead of writing (packparts.PartIndex). Its nodes are read, never its packs. Nothing
-    for a collective snapshot: a rank learns from the packs it writes itself."""
+    snapshot names with its content hash (LEAF `h`): what a writer names again instead of
+    writing (packparts.PartIndex). Its nodes are read, never its packs. Of a collective
+    snapshot, rank `rank`'s tree alone (the parts that rank wrote: what the same rank
+    writes again); nothing without a rank, or for a rank the snapshot's world lacks."""
     snap = root.hex()
     top = decode_commit(assets.get_commit(root))["tree"]
-    if type(read_node(assets, top, (), 0, snapshot=snap, world=True)) is tree.World:
-        return
+    v = read_node(assets, top, (), 0, snapshot=snap, world=True)
+    if type(v) is tree.World:
+        if rank is None or not 0 <= rank < v.world:
+            return
+        from .format.world import rank_top
+        top = rank_top(v, rank, lambda d: read_node(assets, d, (), 0, snapshot=snap))
     for _d, _path, read in _nodes(assets, top, snapshot=snap, verify=True):
         for _p, item in read():
             for leaf in item.chunks if type(item) is tree.Global else (item,):

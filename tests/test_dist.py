@@ -743,6 +743,28 @@ def test_bytes_new_counts_each_new_block_once_when_ranks_hold_the_same_bytes(tmp
     assert files[2] == files[1]
 
 
+def test_a_restarted_jobs_first_collective_put_writes_only_what_changed_in_its_packs(tmp_path):
+    """Two ranks put 16 small packed pieces each; a new job (new processes: nothing in
+    memory) puts them again with one piece per rank edited. Each rank learns the parts of
+    its own tree of the ref's snapshot, so its new pack holds only the edited piece: the
+    other 15 name their stored parts instead of being written again."""
+    out = run_scenario(tmp_path, "packrestart")
+    first = rank_results(out, "pack0", 2)
+    second = rank_results(out, "pack1", 2)
+    assert first[0]["info"]["root"] == first[1]["info"]["root"]
+    info = second[0]["info"]
+    assert info["root"] == second[1]["info"]["root"]
+    piece = 128 * 4
+    assert first[0]["info"]["bytes_new"] >= 2 * 16 * piece
+    assert info["bytes_new"] == 2 * piece, info  # one piece per rank, not two whole packs
+    with tsck.open_store(str(out / "store")) as store:
+        got = store.checkout(dw.REF)
+    for r in range(2):
+        want = dw.pack_state(r, 2, True)
+        for k, v in want.items():
+            assert torch.equal(got[k][r:r + 1], v.local), k
+
+
 def test_a_local_store_tells_the_writer_whose_naming_another_won(tmp_path):
     """Two writers (two Store objects, as two ranks are) put the same object at once: both
     hear "written" (each names its writes at sync), the first sync names it, and the second

@@ -6,7 +6,7 @@ SCENARIO is one of: sharded, replicated, kill (ARG: victim rank), stall, mismatc
 desync, notfound, exit (ARG: rounds), diverged (ARG: odd rank), tiling,
 newstore (ARG: rounds), slowcommit, deadcommit, stopped, nonmember, cotarget,
 gcphase (ARG: world), gcfail, unknown, pgunknown (env TSCK_DIST_PG_DSN), ddpnew,
-samebytes.
+samebytes, packrestart.
 The store lives in OUTDIR/store. Every rank writes OUTDIR/<phase>_rank<r>.json
 (observations: roots, timings, block keys read or written, errors) and, for
 checkouts, OUTDIR/<phase>_rank<r>.pt with what it read; the launcher writes
@@ -484,6 +484,28 @@ def same_bytes(rank, world, out, res, _arg):
                 res["blocks"].append({f: os.path.getsize(os.path.join(blocks, d, f))
                                       for d in os.listdir(blocks) for f in os.listdir(os.path.join(blocks, d))})
             dist.barrier()
+
+
+PACK = 64 * 1024  # pack_size of the packrestart scenario: each rank's small pieces in one pack
+
+
+def pack_state(rank: int, world: int, edited: bool) -> dict:
+    """16 small sharded pieces per rank (512 B each: all packed), piece 0 of each rank
+    edited in the second state."""
+    import tensorstore_ck as tsck
+    out = {}
+    for i in range(16):
+        g = torch.Generator().manual_seed(100 * i + rank + (10_000 if edited and i == 0 else 0))
+        out[f"p{i}"] = tsck.Sharded(torch.randn(1, 128, generator=g), (world, 128), (rank, 0))
+    return out
+
+
+def pack_put(rank, world, out, res, edited):
+    """One collective put of pack_state (a launch of its own: a restarted job's first put
+    is its second); its SnapshotInfo recorded."""
+    with _open(out, pack_size=PACK) as store:
+        res["info"] = store.put_snapshot(pack_state(rank, world, bool(edited)), REF, step=1 + edited,
+                                         timeout=60).to_json()
 
 
 def _failure_common(rank, world, out, res, victim, stall, aborting_put):
@@ -1130,6 +1152,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
     if scenario in one:
         phase, world, body, default, limit = one[scenario]
         return [launch(phase, world, body, out, default if arg is None else arg, limit=limit)]
+    if scenario == "packrestart":  # two jobs, one after the other: the second restarts the first
+        return [launch("pack0", 2, pack_put, out, 0), launch("pack1", 2, pack_put, out, 1)]
     if scenario == "sharded":
         infos = [launch("save", 4, sharded_save, out)]
         for w in (4, 2, 8):
