@@ -29,7 +29,7 @@ import numpy as np
 from .errors import IntegrityError, SnapshotAborted
 from .partindex import PartIndex
 
-__all__ = ["LIVE_SHARE", "reuse_parts", "learn", "learn_written", "gathered", "unwrite", "reused_packs",
+__all__ = ["LIVE_SHARE", "find_parts", "reuse_parts", "learn", "learn_written", "gathered", "unwrite", "reused_packs",
            "PartsGone"]
 
 # A snapshot names a stored pack's parts only if they are at least this share of its bytes.
@@ -104,6 +104,31 @@ def _there(assets, index: PartIndex, d: bytes, hits: list, fence: int | None) ->
     return True
 
 
+def find_parts(assets, pool, fence: int | None, wanted: list) -> list:
+    """For each (content hash, length) in `wanted`, the stored part to name instead of
+    writing those bytes, (pack, offset, the pack's length), or None: only parts of packs
+    this snapshot names a large share of (each part once, _dense), that are there, and
+    that this process hashed itself (_there checks the others)."""
+    index = assets.parts
+    found: dict = {}  # pack address -> [(position in wanted, its part)]
+    for i, (h, n) in enumerate(wanted):
+        hit = index.get(h)
+        if hit is not None and hit[3] == n:
+            found.setdefault(hit[0], []).append((i, hit))
+    dense = [d for d, ms in found.items() if _dense(ms)]
+    there = list(pool.map(lambda d: _there(assets, index, d, found[d], fence), dense))
+    index.forget([d for d, ok in zip(dense, there) if not ok])
+    out: list = [None] * len(wanted)
+    for d, ok in zip(dense, there):
+        if not ok:
+            continue
+        ms = [(i, hit) for i, hit in found[d] if hit[4] or index.get(wanted[i][0]) == hit[:4] + (True,)]
+        if _dense(ms):
+            for i, hit in ms:
+                out[i] = hit[:3]
+    return out
+
+
 def reuse_parts(plan, assets, pool, fence: int | None) -> None:
     """Before a plan's blocks are written: each packed tensor whose bytes a stored pack
     holds names that part (Leaf.reused), the packs form anew from the rest, and
@@ -115,27 +140,13 @@ def reuse_parts(plan, assets, pool, fence: int | None) -> None:
     plan.planned = [(leaf, [(m, m.pack_off, m.raw, m.private) for m in leaf.members] if type(leaf) is Pack else None)
                     for leaf in plan.leaves]
     list(pool.map(_hash_members, packs))
-    index = assets.parts
-    found: dict = {}  # pack address -> [(member, its part)]
-    for p in packs:
-        for m in p.members:
-            hit = index.get(m.content)
-            if hit is not None and hit[3] == m.nbytes:
-                found.setdefault(hit[0], []).append((m, hit))
-    # Only packs this snapshot names a large share of (each part once), that are there, and
-    # of which it names only parts this process hashed (_there checks the others).
-    dense = [d for d, ms in found.items() if _dense(ms)]
-    there = list(pool.map(lambda d: _there(assets, index, d, found[d], fence), dense))
-    index.forget([d for d, ok in zip(dense, there) if not ok])
+    members = [m for p in packs for m in p.members]
+    named = find_parts(assets, pool, fence, [(m.content, m.nbytes) for m in members])
     reused = []
-    for d, ok in zip(dense, there):
-        if not ok:
-            continue
-        ms = [(m, hit) for m, hit in found[d] if hit[4] or index.get(m.content) == hit[:4] + (True,)]
-        if _dense(ms):
-            for m, hit in ms:
-                m.reused = hit[:3]
-                reused.append(m)
+    for m, hit in zip(members, named):
+        if hit is not None:
+            m.reused = hit
+            reused.append(m)
     plan.reused = reused
     if not reused:
         return

@@ -230,3 +230,42 @@ def test_asynchronous_puts_from_a_kept_layout_name_the_parts_too(tmp_path, saver
                 assert info.bytes_new <= _adapters(st) + OVERHEAD
             _same(s.checkout("ft/main"), st)
         assert s.fsck().ok
+
+
+def _dcp_save(store, state, step):
+    import torch.distributed.checkpoint as dcp
+
+    from tensorstore_ck.dcp import TsckWriter
+    w = TsckWriter(store, ref="d/main", step=step)
+    dcp.save(state, storage_writer=w)
+    return w.info
+
+
+def test_dcp_save_writes_only_the_changed_small_tensors(backend):
+    """dcp.save through TsckWriter keeps the packs' rule: a one-tensor edit of 16 packed
+    tensors writes that tensor (one new pack), also from a new Store (it learns the parts
+    of the ref's snapshot); dcp.load through TsckReader and checkout give the bits back."""
+    import torch.distributed.checkpoint as dcp
+
+    from tensorstore_ck.dcp import TsckReader
+    st = _edit_state()
+    one = st["t07"].numel() * 4
+    with _open(backend) as s:
+        _dcp_save(s, st, 1)
+        assert len(_packs(s, "d/main")) == 1
+        st["t07"] = st["t07"] + 1.0
+        before = _stored(backend)
+        info = _dcp_save(s, st, 2)
+        assert _stored(backend) - before <= one + OVERHEAD, (_stored(backend) - before, backend.kind)
+        assert one <= info.bytes_new <= one + OVERHEAD and info.blocks_new == 1, info
+    with _open(backend) as s:  # a new process's Store
+        st["t03"] = st["t03"] * 2.0
+        before = _stored(backend)
+        info = _dcp_save(s, st, 3)
+        assert _stored(backend) - before <= one + OVERHEAD, (_stored(backend) - before, backend.kind)
+        assert info.blocks_new == 1, info
+        target = {k: torch.zeros_like(v) for k, v in st.items()}
+        dcp.load(target, storage_reader=TsckReader(s, "d/main"))
+        _same(target, st)
+        _same(s.checkout("d/main"), st)
+        assert s.fsck().ok

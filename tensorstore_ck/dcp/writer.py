@@ -15,6 +15,7 @@ from concurrent.futures import Future as FutureOf
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import chunker
+from .. import chunker, packparts
 from ..dcpstate import load_bytes_item
 from ..errors import FormatError, InvalidArgument, SnapshotAborted, UnsupportedType
 from ..plan import contiguous
@@ -59,6 +60,12 @@ def _flat_bytes(t: torch.Tensor) -> tuple[np.ndarray, bool]:
     t = contiguous(src if src.device.type == "cpu" else src.cpu())
     copied = t.data_ptr() != src.data_ptr() or t.device != src.device
     return t.reshape(-1).view(torch.uint8).numpy(), copied
+
+
+def _addresses(leaf: dict) -> list:
+    """The blocks a leaf names: its own, or the pack it is a part of (a stored one named
+    again must still be there when the snapshot is published)."""
+    return [leaf["g"][0]] if "g" in leaf else list(leaf.get("b", ()))
 
 
 class _Pending:
@@ -235,9 +242,10 @@ class TsckWriter(StorageWriter):
         # needs pickle without the opt-in leaves nothing behind.
         raws = {i: self._bytes_of(item, planner) for i, item in enumerate(plan.items)
                 if item.type == WriteItemType.BYTE_IO}
+        parts = self._stored_parts(plan, planner, raws)
         try:
             for i, item in enumerate(plan.items):
-                p = self._submit(item, planner, raws.get(i))
+                p = self._submit(item, planner, raws.get(i), parts.get(i))
                 if isinstance(p, WriteResult):
                     results.append(p)
                     continue
@@ -262,9 +270,46 @@ class TsckWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _blocks(self, flat: np.ndarray, itemsize: int, shape: tuple, meta: dict, private: bool):
+    def _packable(self, flat: np.ndarray, itemsize: int, shape: tuple) -> bool:
+        st = self.store.core.settings
+        layout = chunker.plan_blocks(flat.nbytes, itemsize, shape, st.block_size, st.inline_threshold)
+        return layout.block_size != 0 and chunker.packable(layout.nblocks, flat.nbytes, self.store.pack_size)
+
+    def _item_bytes(self, item: WriteItem, planner: SavePlanner, raw: bytes | None):
+        """(flat bytes, item size, shape) of an item that is stored in blocks, as _submit
+        lays it out; None for one it stores otherwise or refuses (_submit says why)."""
+        if item.type == WriteItemType.BYTE_IO:
+            return None if len(raw) <= BYTES_INLINE_MAX else (np.frombuffer(raw, dtype=np.uint8), 1, (len(raw),))
+        data = planner.resolve_data(item) if item.tensor_data is not None else None
+        if not isinstance(data, torch.Tensor) or data.dtype in QUANTIZED or data.layout != torch.strided:
+            return None
+        return _flat_bytes(data)[0], data.element_size(), tuple(data.shape)
+
+    def _stored_parts(self, plan: SavePlan, planner: SavePlanner, raws: dict) -> dict:
+        """Item position -> (its bytes' BLAKE3, the stored pack part that holds them or
+        None), for every item that goes into a pack: one whose bytes a stored pack holds
+        names that part instead of being written again (packparts.find_parts, the rules
+        of put_snapshot's packs: docs/design/scaling.md, "Packs"). The parts of the
+        snapshot the ref is on are learnt first (its nodes only, once per snapshot)."""
+        store = self.store
+        if not store.pack_size:
+            return {}
+        hashed = {}
+        for i, item in enumerate(plan.items):
+            got = self._item_bytes(item, planner, raws.get(i))
+            if got is not None and self._packable(*got):
+                hashed[i] = (blake3.blake3(memoryview(got[0])).digest(), got[0].nbytes)
+        if not hashed:
+            return {}
+        store.publisher.learn_parts(self.ref)
+        found = packparts.find_parts(store.assets, store.pool, None, list(hashed.values()))
+        return {i: (h, hit) for (i, (h, _n)), hit in zip(hashed.items(), found)}
+
+    def _blocks(self, flat: np.ndarray, itemsize: int, shape: tuple, meta: dict, private: bool, part=None):
         """Plan the blocks of `flat` into `meta`; -> futures of their PutResults.
-        private: `flat` is a copy of our own (else each block is copied before hashing)."""
+        private: `flat` is a copy of our own (else each block is copied before hashing).
+        part: (its BLAKE3, a stored part holding it or None) of an item that goes into a
+        pack (_stored_parts): a stored part is named, nothing written."""
         store = self.store
         n = flat.nbytes
         meta["n"] = n
@@ -274,6 +319,11 @@ class TsckWriter(StorageWriter):
             meta["x"] = flat.tobytes()
             return []
         if chunker.packable(layout.nblocks, n, store.pack_size):  # a small item: into the open pack
+            if part is not None:
+                meta["h"] = part[0]  # (checked on every read; what a later writer names again)
+                if part[1] is not None:
+                    meta["g"] = list(part[1])
+                    return []
             pk = self._pack
             if pk is not None and chunker.pack_full(pk.size, pk.itemsize, n, itemsize, store.pack_size):
                 pk.close(store.publisher, self._sent)
@@ -300,7 +350,7 @@ class TsckWriter(StorageWriter):
             load_bytes_item(raw, fqn, allow_pickle=False, where=f"TsckWriter of {self.ref!r}", opt_in="TsckWriter")
         return raw
 
-    def _submit(self, item: WriteItem, planner: SavePlanner, raw: bytes | None = None):
+    def _submit(self, item: WriteItem, planner: SavePlanner, raw: bytes | None = None, part=None):
         fqn = item.index.fqn
         if item.type == WriteItemType.BYTE_IO:
             if len(raw) <= BYTES_INLINE_MAX:
@@ -308,7 +358,7 @@ class TsckWriter(StorageWriter):
                                    storage_data=TsckStorageData("bytes", raw))
             flat = np.frombuffer(raw, dtype=np.uint8)
             meta = {"dt": "uint8", "sh": [len(raw)]}
-            futs = self._blocks(flat, 1, (len(raw),), meta, private=True)  # our own bytes object
+            futs = self._blocks(flat, 1, (len(raw),), meta, private=True, part=part)  # our own bytes object
             return _Pending(item, "bytes", meta, "T", futs, flat, flat.nbytes if "_pack" in meta else 0)
         td = item.tensor_data
         if td is None or td.chunk is None:
@@ -326,7 +376,7 @@ class TsckWriter(StorageWriter):
             raise FormatError(f"tensor {fqn!r}: data has shape {tuple(data.shape)}, its chunk {list(shape)}")
         flat, copied = _flat_bytes(data)
         meta = {"dt": dtype_name(data.dtype), "sh": list(shape), "off": [int(x) for x in td.chunk.offsets]}
-        futs = self._blocks(flat, data.element_size(), shape, meta, private=copied)
+        futs = self._blocks(flat, data.element_size(), shape, meta, private=copied, part=part)
         return _Pending(item, "tensor", meta, None, futs, flat, flat.nbytes if copied or "_pack" in meta else 0)
 
     def _finish_item(self, p: _Pending) -> WriteResult:
@@ -345,6 +395,8 @@ class TsckWriter(StorageWriter):
         if packed is not None:
             pk, off = meta.pop("_pack")
             meta["g"] = [res[0].digest, off, pk.size]
+            if "h" in meta:  # the next save names it instead of writing it
+                self.store.assets.parts.add(meta["h"], res[0].digest, off, pk.size, meta["n"])
             res = res if off == 0 else []  # the pack counts once, with its first member
         elif res:
             meta["b"] = [r.digest for r in res]
@@ -394,7 +446,7 @@ class TsckWriter(StorageWriter):
                         raise FormatError(f"the chunk of {fqn!r} at {list(c.offsets)} does not match DCP's "
                                           "metadata")
                     chunks.append(sd.value)
-                    digests.extend(sd.value.get("b", ()))
+                    digests.extend(_addresses(sd.value))
                 tensors[fqn] = {"G": {"dt": dt, "sh": [int(x) for x in m.size], "chunks": chunks}}
             else:
                 sd = got.pop((fqn, None), None)
@@ -402,7 +454,7 @@ class TsckWriter(StorageWriter):
                     raise SnapshotAborted(f"no rank wrote the bytes item {fqn!r}; nothing was published")
                 byts[fqn] = sd.value
                 if isinstance(sd.value, dict):
-                    digests.extend(sd.value["T"].get("b", ()))
+                    digests.extend(_addresses(sd.value["T"]))
         if got:
             extra = sorted(str(k) for k in got)[:5]
             raise FormatError(f"write results not described by DCP's metadata: {extra}")
