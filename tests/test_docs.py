@@ -61,6 +61,13 @@ def _markdown_files() -> list[Path]:
     return files
 
 
+def test_the_readme_is_read_in_one_pass():
+    """The front door: what it is, the two commands, the quick start, links; the rest is
+    in docs/ (INSTALL.md, the guides)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
 def test_there_are_docs_to_check():
     """The link check below must not pass by finding nothing."""
     names = {p.relative_to(REPO).as_posix() for p in _markdown_files()}

@@ -26,7 +26,8 @@ import _zygote as zygote
 GUIDE_DIR = Path(__file__).resolve().parents[1] / "docs" / "guide"
 GUIDES = sorted(p.stem for p in GUIDE_DIR.glob("*.md") if p.name != "README.md")
 BLOCK = re.compile(r"^```(python|sh)\n(.*?)^```", re.S | re.M)
-NEEDS = {"s3": {"s3"}, "postgresql": {"s3", "pg"}, "tier": {"s3"}, "torchrun": set(), "operating": set()}
+NEEDS = {"s3": {"s3"}, "postgresql": {"s3", "pg"}, "tier": {"s3"}, "torchrun": set(), "operating": set(),
+         "training": set()}
 
 pytestmark = pytest.mark.slow  # servers, subprocesses with torch, torchrun
 
@@ -117,6 +118,10 @@ def test_guide_runs(guide_env, tmp_path):
             log = said[f"$ tsck log {subs['/data/ckpt']} llm/main"]  # before the delete-ref
             assert re.findall(r"step\s+(\d+)\s", log) == ["6", "5"], log
             assert s.resolve("llm-best") == s.resolve("llm/main@6")
+    if name == "training":  # the second run resumed at 10 and went on to 20; retention kept 3 and the best
+        with tsck.open_store(subs["/data/ckpt"], create=False) as s:
+            steps = [i.step for i in s.log("llm/main")]
+            assert steps[0] == 20 and len(steps) <= 4, steps
     if name == "tier":  # tsck log after wait_durable(): every snapshot uploaded
         log = next(v for k, v in said.items() if k.startswith("$ tsck log"))
         assert "step       30" in log and "local-only" not in log, log
