@@ -28,6 +28,12 @@ checks that every module is named here exactly once (a name in the first column;
 package's modules indented under it). A module over ~600 lines says which one job it does.
 
     __main__.py           `python -m tensorstore_ck`: the CLI's main()
+    testing/              the contract suites, for a backend of one's own (imports pytest; nothing
+                          here imports it)
+      _common.py          threads started together, keys shaped like the store's
+      blockstore.py       BlockStoreTests: the BlockStore contract (storage/base.py)
+      reftable_rows.py    the RefTable contract's rows: refs, reflog, steps, catalog, tags, pins, retention
+      reftable.py         RefTableTests: those, removals, gc state, rebuild mark, concurrency, persistence
     cli/                  `tsck`: --json, exit codes 0 / 1 / 2; main() opens the store, runs
                           the command and turns its errors into one line and an exit code
       parser.py           every command's arguments, $TSCK_STORE, the hints for a misread one

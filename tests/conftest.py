@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-# The contract suites live in a plain module (tests/conformance.py): rewrite its asserts too.
-pytest.register_assert_rewrite("conformance")
+# The contract suites ship in the package (tensorstore_ck.testing): rewrite their asserts too.
+pytest.register_assert_rewrite("tensorstore_ck.testing")
 
 # A developer's AWS_*/TSCK_* settings must not leak into the tests. One knob passes on
 # purpose: TESTS_PACK_SIZE=N runs the whole suite with packs of N bytes as every store's

@@ -1,4 +1,4 @@
-"""The BlockStore contract (tests/conformance.py, BlockStoreTests) on every backend and
+"""The BlockStore contract (tensorstore_ck.testing, BlockStoreTests) on every backend and
 on the wrapped stacks open_store builds: local files, memory://, s3:// against a real
 S3-compatible server (radosgw in CI, moto otherwise), each wrapper over a local store,
 and the exact `.storage` of real stores. Backend-specific tests follow."""
@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
-from conformance import BlockStoreTests
 
 import tests.sim.faults  # noqa: F401 - registers dirfs:// (a filesystem with folders)
 
 import tensorstore_ck as tsck
+from tensorstore_ck.testing import BlockStoreTests
 from tensorstore_ck.storage import FsspecBlockStore, LocalBlockStore, S3BlockStore
 from tensorstore_ck.storage.wrappers import (FaultInjectingStore, InjectedFault, ReadOnlyStorage, RetryingStore,
                                              ThrottledStore, WrappedStore)
@@ -166,6 +170,51 @@ def test_every_wrapper_is_covered():
     # tests/test_read_only.py reads through it (a read-only Store wraps its storage in it)
     # and checks that every write is refused.
     assert wrappers == {RetryingStore, ThrottledStore, FaultInjectingStore, ReadOnlyStorage}
+
+
+_USER_SUITE = """
+import pytest
+
+from tensorstore_ck.storage import LocalBlockStore
+from tensorstore_ck.testing import BlockStoreTests, RefTableTests
+from tensorstore_ck.refs import MemoryRefTable
+
+
+class TestMyStore(BlockStoreTests):
+    @pytest.fixture
+    def block_store(self, tmp_path):
+        s = LocalBlockStore(str(tmp_path / "bs"))
+        yield s
+        s.close()
+
+
+class TestMyTable(RefTableTests):
+    @pytest.fixture
+    def open_table(self):
+        t = MemoryRefTable()
+        yield lambda: t
+        t.close()
+"""
+
+
+@pytest.mark.slow  # a pytest of its own in a subprocess
+def test_a_user_runs_the_shipped_suites_on_a_backend_of_their_own(tmp_path):
+    """The contract suites ship in the package: a test module outside this repository's
+    tests subclasses them, as a user with a backend of their own would, and pytest runs
+    every contract test on it; `import tensorstore_ck` alone does not import pytest."""
+    (tmp_path / "test_mine.py").write_text(_USER_SUITE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TSCK_", "PYTEST_"))}
+    env["PYTHONPATH"] = str(Path(tsck.__file__).resolve().parents[1])
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "test_mine.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", p.stdout).group(1))
+    from tensorstore_ck.testing import BlockStoreTests, RefTableTests
+    n = sum(name.startswith("test_") for c in (BlockStoreTests, RefTableTests) for name in dir(c))
+    assert passed >= n - 10, (passed, n)  # (a few skip on a table that is not persistent)
+    q = subprocess.run([sys.executable, "-c", "import sys, tensorstore_ck.store; print('pytest' in sys.modules)"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert q.stdout.strip() == "False", q.stdout + q.stderr
 
 
 def test_retrying_store_retries_transient_errors_only(tmp_path):

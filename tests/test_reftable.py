@@ -1,4 +1,4 @@
-"""The RefTable contract (tests/conformance.py, RefTableTests) on every backend: LMDB,
+"""The RefTable contract (tensorstore_ck.testing, RefTableTests) on every backend: LMDB,
 its in-memory twin, and PostgreSQL on a real server (a fresh namespace per test).
 Backend-specific tests follow."""
 
@@ -11,9 +11,9 @@ import textwrap
 import uuid
 
 import pytest
-from conformance import RefTableTests
 
 from tensorstore_ck.refs import LmdbRefTable, MemoryRefTable
+from tensorstore_ck.testing import RefTableTests
 
 import _zygote as zygote
 from _util import at_once, in_thread
