@@ -2,7 +2,8 @@
 
 Nothing here touches tensorstore_ck internals: only the public API, the on-disk
 directory names documented in docs/FORMAT.md (blocks/ nodes/ commits/) and its
-object frame (recode_blocks, through tensorstore_ck.format.frame).
+object frame (recode_blocks, through tensorstore_ck.format.frame), and WrappedStore, the
+base of what open_store(wrap_storage=) is given (CountingReads, HoldLookups).
 assert_same / same_bits are the suite's one bit-exact comparison of state trees.
 child_env, kill_left, load_helper, in_thread, at_once and run_worker_scenario are its one copy of the
 subprocess and thread plumbing (a test that starts a process or loads a helper
@@ -10,6 +11,7 @@ script by path uses these, so a fix to one reaches every test).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import math
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tensorstore_ck.storage.wrappers import WrappedStore
 
 OBJECT_DIRS = ("blocks", "nodes", "commits")
 REPO = Path(__file__).resolve().parent.parent
@@ -347,3 +351,39 @@ def run_worker_scenario(worker, tmp_path, scenario: str, *args, limit: float) ->
         pytest.fail(f"scenario {scenario} {args} ran past {limit}s:\n{err.decode(errors='replace')[-4000:]}")
     assert proc.returncode == 0, err.decode(errors="replace")[-4000:]
     return out
+
+
+# -- storage wrappers that watch or hold a store's requests ----------------------------
+class CountingReads(WrappedStore):
+    """Counts the reads of each block object (get and open_read), and keeps their order."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.reads = collections.Counter()
+        self.order = []
+
+    def _count(self, key):
+        if key.startswith("blocks/"):
+            self.reads[key.rsplit("/", 1)[1]] += 1
+            self.order.append(key.rsplit("/", 1)[1])
+
+    def get(self, key, max_bytes=None):
+        self._count(key)
+        return self.inner.get(key, max_bytes)
+
+    def open_read(self, key, max_bytes=None):
+        self._count(key)
+        return self.inner.open_read(key, max_bytes)
+
+
+class HoldLookups(WrappedStore):
+    """Holds the first question about an object (the uploader's HEAD) until `gate` is set."""
+
+    def __init__(self, inner, deadline: float = 120.0):
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.deadline = deadline
+
+    def size_of(self, key):
+        assert self.gate.wait(self.deadline)
+        return self.inner.size_of(key)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import _zygote as zygote
+from _lifecycle_util import run_cli
 from _util import child_env
 
 import tensorstore_ck as tsck
@@ -27,12 +28,6 @@ except ImportError:  # tests/ is not a package
     from _util import rand_tensor
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run_cli(*args, timeout=120):
-    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)],
-                      capture_output=True, text=True, timeout=timeout, env=child_env(cli=True),
-                      cwd=str(REPO))
 
 
 @pytest.fixture(scope="module")

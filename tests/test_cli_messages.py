@@ -22,10 +22,10 @@ import _zygote as zygote
 
 try:
     from ._util import child_env, rand_tensor
-    from .test_cli import REPO, run_cli
+    from ._lifecycle_util import REPO, run_cli
 except ImportError:  # tests/ is not a package
     from _util import child_env, rand_tensor
-    from test_cli import REPO, run_cli
+    from _lifecycle_util import REPO, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import tensorstore_ck as tsck
 
 try:
     from ._util import object_listing
-    from .test_cli import run_cli
+    from ._lifecycle_util import run_cli
 except ImportError:  # tests/ is not a package
     from _util import object_listing
-    from test_cli import run_cli
+    from _lifecycle_util import run_cli
 
 LOSS = [3.0, 1.0, 2.0, 5.0, 4.0, 6.0]
 

@@ -28,7 +28,10 @@ from tensorstore_ck.storage.base import check_deadline
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 from _backends import Backend  # noqa: E402
-from test_gc_race import gc_proc, gc_states  # noqa: E402  (helpers loaded by path)
+from _util import load_helper  # noqa: E402
+
+gc_proc = load_helper("gc_proc")
+gc_states = gc_proc.load("gc_states")
 
 
 class StallingRefs(RefTable):

@@ -33,10 +33,10 @@ import _zygote as zygote
 
 try:
     from ._util import assert_same, object_listing
-    from .test_cli import run_cli
+    from ._lifecycle_util import run_cli
 except ImportError:  # tests/ is not a package
     from _util import assert_same, object_listing
-    from test_cli import run_cli
+    from _lifecycle_util import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20

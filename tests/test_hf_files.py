@@ -29,10 +29,10 @@ from tensorstore_ck import hf  # noqa: E402
 from tensorstore_ck.errors import InvalidArgument  # noqa: E402
 
 try:
-    from .test_cli import run_cli
+    from ._lifecycle_util import run_cli
     from .test_hf import Tokens, tiny_model
 except ImportError:  # tests/ is not a package
-    from test_cli import run_cli
+    from _lifecycle_util import run_cli
     from test_hf import Tokens, tiny_model
 
 

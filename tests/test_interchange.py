@@ -30,10 +30,10 @@ from tensorstore_ck.listing import list_tree
 
 try:
     from ._util import assert_same, object_listing, rand_tensor, refs_snapshot, tensor_bytes
-    from .test_cli import run_cli
+    from ._lifecycle_util import run_cli
 except ImportError:  # tests/ is not a package
     from _util import assert_same, object_listing, rand_tensor, refs_snapshot, tensor_bytes
-    from test_cli import run_cli
+    from _lifecycle_util import run_cli
 
 BS = 64 * 1024
 

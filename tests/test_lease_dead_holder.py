@@ -31,7 +31,10 @@ from tensorstore_ck.format.records import encode_record
 import _zygote as zygote
 from _backends import Backend  # noqa: E402
 from _util import child_env, rank_results, run_worker_scenario  # noqa: E402
-from test_gc_race import gc_proc, gc_states  # noqa: E402  (helpers loaded by path)
+from _util import load_helper  # noqa: E402
+
+gc_proc = load_helper("gc_proc")
+gc_states = gc_proc.load("gc_states")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -15,10 +15,10 @@ import tensorstore_ck as tsck
 
 try:
     from ._util import assert_same, rand_tensor
-    from .test_cli import run_cli
+    from ._lifecycle_util import run_cli
 except ImportError:  # tests/ is not a package
     from _util import assert_same, rand_tensor
-    from test_cli import run_cli
+    from _lifecycle_util import run_cli
 
 
 def test_a_small_block_size_makes_a_store_that_opens_again(tmp_path):

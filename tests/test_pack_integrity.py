@@ -18,7 +18,7 @@ import tensorstore_ck as tsck
 from tensorstore_ck import packparts
 from tensorstore_ck.walk import PackedPart, iter_leaves
 
-from test_packs import CountingReads
+from _util import CountingReads
 
 N = 4096  # float32 elements: 16 KiB, packed (under pack_size, over inline_threshold)
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from _util import assert_same
+from _util import CountingReads, assert_same
 
 import tensorstore_ck as tsck
 from tensorstore_ck.format.tree import decode_value
@@ -52,28 +52,6 @@ def _blocks(path, kind: str = "blocks") -> set:
     if not os.path.isdir(root):
         return set()
     return {name for d in os.listdir(root) for name in os.listdir(os.path.join(root, d))}
-
-
-class CountingReads(WrappedStore):
-    """Counts the reads of each block object (get and open_read), and keeps their order."""
-
-    def __init__(self, inner):
-        super().__init__(inner)
-        self.reads = collections.Counter()
-        self.order = []
-
-    def _count(self, key):
-        if key.startswith("blocks/"):
-            self.reads[key.rsplit("/", 1)[1]] += 1
-            self.order.append(key.rsplit("/", 1)[1])
-
-    def get(self, key, max_bytes=None):
-        self._count(key)
-        return self.inner.get(key, max_bytes)
-
-    def open_read(self, key, max_bytes=None):
-        self._count(key)
-        return self.inner.open_read(key, max_bytes)
 
 
 def _open(path, **kw):

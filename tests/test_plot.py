@@ -19,10 +19,10 @@ from tensorstore_ck.usage import usage
 
 try:
     from ._util import rand_tensor
-    from .test_cli import run_cli
+    from ._lifecycle_util import run_cli
 except ImportError:  # tests/ is not a package
     from _util import rand_tensor
-    from test_cli import run_cli
+    from _lifecycle_util import run_cli
 
 BS = 64 * 1024
 N = BS // 4  # float32 elements per block: 1-D tensors are cut at exact multiples of BS

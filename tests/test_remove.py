@@ -16,10 +16,10 @@ import tensorstore_ck as tsck
 
 try:
     from ._util import assert_same, object_listing, rand_tensor
-    from .test_cli import run_cli
+    from ._lifecycle_util import run_cli
 except ImportError:  # tests/ is not a package
     from _util import assert_same, object_listing, rand_tensor
-    from test_cli import run_cli
+    from _lifecycle_util import run_cli
 
 BS = 64 * 1024
 

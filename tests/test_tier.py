@@ -24,6 +24,7 @@ from tensorstore_ck.tier import uploader as upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 import _zygote as zygote
+from _util import HoldLookups
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
@@ -322,18 +323,6 @@ def test_local_tier_in_front_of_a_local_store(tmp_path, capsys):
     assert [("local-only" in line) for line in lines] == [True, False]
     assert main(["log", "--json", str(tmp_path / "nvme"), "job/main"]) == 0
     assert [e["durable"] for e in json.loads(capsys.readouterr().out)] == [False, True]
-
-
-class HoldLookups(WrappedStore):
-    """Holds the first question about an object (the uploader's HEAD) until `gate` is set."""
-
-    def __init__(self, inner):
-        super().__init__(inner)
-        self.gate = threading.Event()
-
-    def size_of(self, key):
-        assert self.gate.wait(DEADLINE)
-        return self.inner.size_of(key)
 
 
 def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path):

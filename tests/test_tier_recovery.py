@@ -24,7 +24,7 @@ import torch
 import tensorstore_ck as tsck
 
 import _zygote as zygote
-from test_tier import HoldLookups
+from _util import HoldLookups
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
