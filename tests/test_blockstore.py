@@ -65,6 +65,26 @@ class TestDirectoryFsspecBlockStore(BlockStoreTests):
         s.close()
 
 
+class TestFsspecDirFileSystem(BlockStoreTests):
+    """fsspec's own DirFileSystem (protocol dir://, a folder of another filesystem as the
+    root): folders made as writes need them, objects named by a move, since its paths are
+    not this host's to link."""
+
+    # A move after an existence check is not exclusive: racing creators of one key may
+    # each be told they made it (docs/design/storage.md), which the contract forbids for
+    # tags and markers. Strict: this fails once the store creates exclusively here.
+    @pytest.mark.xfail(strict=True, reason="check-then-move on a filesystem of folders not on this host's paths")
+    def test_racing_put_if_absent_has_exactly_one_winner(self, block_store):
+        super().test_racing_put_if_absent_has_exactly_one_winner(block_store)
+
+    @pytest.fixture
+    def block_store(self, tmp_path):
+        s = FsspecBlockStore("dir://bs", {"path": str(tmp_path), "target_protocol": "file"})
+        assert s.directories and type(s.fs).__name__ == "DirFileSystem"
+        yield s
+        s.close()
+
+
 class TestOpenStoreDirectoryFsspecStorage(BlockStoreTests):
     """The exact stack open_store builds for such a URL: RetryingStore(FsspecBlockStore)."""
 
@@ -187,6 +207,14 @@ class TestMyStore(BlockStoreTests):
         yield s
         s.close()
 
+    @pytest.fixture
+    def write_around(self, tmp_path):
+        def put(key, data):
+            p = tmp_path / "bs" / key
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+        return put
+
 
 class TestMyTable(RefTableTests):
     @pytest.fixture
@@ -205,13 +233,16 @@ def test_a_user_runs_the_shipped_suites_on_a_backend_of_their_own(tmp_path):
     (tmp_path / "test_mine.py").write_text(_USER_SUITE)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TSCK_", "PYTEST_"))}
     env["PYTHONPATH"] = str(Path(tsck.__file__).resolve().parents[1])
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
                         "test_mine.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    passed = int(re.search(r"(\d+) passed", p.stdout).group(1))
+    counts = {what: int(n) for n, what in re.findall(r"(\d+) (passed|skipped)", p.stdout)}
     from tensorstore_ck.testing import BlockStoreTests, RefTableTests
     n = sum(name.startswith("test_") for c in (BlockStoreTests, RefTableTests) for name in dir(c))
-    assert passed >= n - 10, (passed, n)  # (a few skip on a table that is not persistent)
+    assert counts["passed"] + counts.get("skipped", 0) == n, (counts, n)
+    # every block-store test ran (write_around given); only a memory table's reopen tests skip
+    assert "TestMyStore" not in p.stdout.split("short test summary info")[-1], p.stdout[-3000:]
+    assert counts.get("skipped", 0) <= 3, p.stdout[-3000:]
     q = subprocess.run([sys.executable, "-c", "import sys, tensorstore_ck.store; print('pytest' in sys.modules)"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert q.stdout.strip() == "False", q.stdout + q.stderr
