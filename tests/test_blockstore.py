@@ -243,9 +243,16 @@ def test_a_user_runs_the_shipped_suites_on_a_backend_of_their_own(tmp_path):
     # every block-store test ran (write_around given); only a memory table's reopen tests skip
     assert "TestMyStore" not in p.stdout.split("short test summary info")[-1], p.stdout[-3000:]
     assert counts.get("skipped", 0) <= 3, p.stdout[-3000:]
-    q = subprocess.run([sys.executable, "-c", "import sys, tensorstore_ck.store; print('pytest' in sys.modules)"],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert q.stdout.strip() == "False", q.stdout + q.stderr
+
+
+def test_importing_the_package_does_not_import_pytest():
+    """Only tensorstore_ck.testing needs pytest: a training job's imports never load it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TSCK_", "PYTEST_"))}
+    env["PYTHONPATH"] = str(Path(tsck.__file__).resolve().parents[1])
+    code = ("import sys, tensorstore_ck, tensorstore_ck.store, tensorstore_ck.storage, tensorstore_ck.refs; "
+            "print('pytest' in sys.modules, 'tensorstore_ck.testing' in sys.modules)")
+    q = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert q.stdout.split() == ["False", "False"], q.stdout + q.stderr
 
 
 def test_retrying_store_retries_transient_errors_only(tmp_path):
