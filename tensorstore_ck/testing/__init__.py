@@ -2,7 +2,9 @@
 
 A block store (your `wrap_storage=` wrapper, an fsspec backend) or a ref table passes the
 same tests the project's own backends pass: subclass the suite in a test module and give
-it the one fixture it asks for (each module's docstring shows how). Importing this package
+it the one fixture it asks for (each module's docstring shows how). Tests that write into
+the backend behind the store's back take that from a fixture with a default for the
+project's backends (`write_around`; `write_rows`, `read_rows`). Importing this package
 imports pytest; `import tensorstore_ck` never does. For pytest's assertion messages inside
 the suites, add `pytest.register_assert_rewrite("tensorstore_ck.testing")` to your conftest.py.
 
