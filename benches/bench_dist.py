@@ -337,7 +337,8 @@ def store_bytes_rank(rank: int, world: int, port: int, args, out: str) -> None:
                                 timeout=datetime.timedelta(seconds=300))
         counted = CountingStore(c10d._get_default_store())
         c10d._get_default_store = lambda: counted  # what the collective calls talk through, counted
-        store = tsck.open_store(os.path.join(out, "store"), workers=2)
+        tier = os.path.join(out, f"tier{rank}") if getattr(args, "tiers", False) else None
+        store = tsck.open_store(os.path.join(out, "store"), workers=2, local=tier)
         for rep in range(args.repeats + 1):  # rep 0: the first snapshot (the layouts sent)
             state = changed_state(rank, world, rep, args.tensors, args.kb)
             dist.barrier()
@@ -365,7 +366,7 @@ def store_bytes_world(world: int, args, base: str) -> list:
     for r in range(world):
         path = os.path.join(out, f"rank{r}.json")
         if not os.path.exists(path):
-            raise RuntimeError(f"{world} ranks: rank {r} left no result (exit code {procs[r].exitcode})")
+            raise RuntimeError(f"{world} ranks: rank {r} left no result")
         d = json.load(open(path))
         if "error" in d:
             raise RuntimeError(f"{world} ranks: rank {r} failed:\n{d['error']}")
@@ -378,7 +379,8 @@ def store_bytes_main(args, base: str) -> None:
     for w in args.ranks:
         recs = store_bytes_world(w, args, base)
         print(f"\n{w} gloo ranks x {args.tensors} sharded tensors of {args.kb} KiB a piece, every value changed "
-              "each snapshot: through the c10d Store, per rank")
+              f"each snapshot{', each rank through a local tier of its own' if args.tiers else ''}: through the c10d "
+              "Store, per rank")
         print("| snapshot | bytes: rank 0 | bytes: other ranks, max (mean) | in all | requests per rank: max "
               "| bytes_new | blocks_new |")
         print("|---|---|---|---|---|---|---|")
@@ -397,6 +399,7 @@ def main() -> None:
                     help="instead: bytes per rank through the c10d Store per snapshot, --tensors sharded "
                          "tensors of --kb KiB per rank, every value changed each snapshot")
     ap.add_argument("--tensors", type=int, default=600, help="--store-bytes: sharded tensors per rank")
+    ap.add_argument("--tiers", action="store_true", help="--store-bytes: each rank puts through a local tier of its own")
     ap.add_argument("--ranks", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--kb", type=int, default=256, help="KiB of the main shard per rank (default 256)")

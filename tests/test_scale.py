@@ -250,23 +250,26 @@ def test_the_requests_of_a_rank_do_not_grow_with_lateness(harness):
 
 # -- bytes through the c10d Store, every value changed, real gloo ranks ------------------------
 
-def test_a_repeated_snapshot_with_every_value_changed_sends_under_2_kb_per_rank(tmp_path):
+@pytest.mark.parametrize("tiers", [False, True], ids=["one-store", "rank-tiers"])
+def test_a_repeated_snapshot_with_every_value_changed_sends_under_2_kb_per_rank(tmp_path, tiers):
     """4 forked gloo ranks x 300 sharded tensors of 20 KiB a piece (each a block of its own),
     every value changed in every snapshot, the bytes each rank sends and reads through the
     c10d Store counted (benches/bench_dist.py --store-bytes): a repeated snapshot costs each
     rank a constant few hundred bytes, not a record per object it wrote new; rank 0 reads
-    back each rank's hello and done. bytes_new is still every new byte, each once."""
+    back each rank's hello and done. bytes_new is still every new byte, each once. The same
+    with each rank putting through a local tier of its own: its part's nodes stay in its
+    tier (rank 0 posts only the commit, the top nodes and the roots it keeps)."""
     import argparse
     bd = load_helper(BENCH.parent / "bench_dist.py", name="tsck_bench_dist")
     W, n, kib = 4, 300, 20
-    args = argparse.Namespace(repeats=2, tensors=n, kb=kib, limit=400.0)
+    args = argparse.Namespace(repeats=2, tensors=n, kb=kib, limit=400.0, tiers=tiers)
     recs = bd.store_bytes_world(W, args, str(tmp_path))
     piece = max(1, kib * 1024 // (4 * 256)) * 256 * 4
     for i in range(args.repeats + 1):
         reps = [d["reps"][i] for d in recs]
         assert len({x["root"] for x in reps}) == 1, reps
-        # every piece is new: W x n blocks, each counted once
-        assert reps[0]["blocks_new"] == reps[0]["blocks_total"] == W * n, reps[0]
+        # every piece is new: W x n blocks, each counted once (a tier packs them: a pack a rank)
+        assert reps[0]["blocks_new"] == reps[0]["blocks_total"] == (W if tiers else W * n), reps[0]
         assert reps[0]["bytes_new"] == W * n * piece, reps[0]
         if i == 0:
             continue  # the first snapshot sends each rank's layout once (O(n))

@@ -208,9 +208,9 @@ class PutCall:
         # the one that named it in the store, so rank 0's sums count each object once.
         st = plan_stats(plan, new_nodes, publisher.assets)
         if tier is not None and self.rank != 0:
-            # Rank 0's tier holds every rank's nodes (not their blocks): what its local gc
-            # and prune walk to know what the snapshot keeps (tier/collective.py).
-            ch.set_mine("tnodes", msgpack.packb(part["payloads"]))
+            # (its nodes stay in its own tier, as its blocks do: each tier walks a collective
+            # snapshot through its own part, walk_commit(part=), and rank 0's uploader finds
+            # the others' parts in the remote: nothing of a part goes through the c10d Store)
             tier.intend(tree, self.args)  # (a rank killed from here until the outcome still uploads its part)
         ch.arrive("done", msgpack.packb({"tree": tree, "rep": rep, "stats": [getattr(st, k) for k in STATS]}),
                   self.W)
@@ -234,10 +234,6 @@ class PutCall:
             why = _replica_disagreement(ch)
             ch.abort(why)
             raise SnapshotAborted(f"snapshot aborted: {why}")
-        if self.tier is not None and W > 1:  # every rank's nodes into this rank's tier (put: checked by address)
-            for blob in ch.get_many([f"tnodes/{r}" for r in range(1, W)]):
-                for payload in msgpack.unpackb(blob):
-                    publisher.assets.put_node(payload, fence)
         # The rank tree and the range-cut chunk index (format/world.py): a rank's checkout
         # reads the few nodes its own region needs, whatever W (not O(W) or O(W x N)). The
         # index depends on the layout alone: built once per checked layout, then put again.
@@ -253,11 +249,14 @@ class PutCall:
         def chunk_index():
             payloads: list = []
             return write_index(self.pieces_by_rank, putter(payloads)), payloads
-        index, ix_payloads = _chunk_index(self.layouts, self.job_digest, publisher, fence, chunk_index)
+        (index, ix_payloads), built = _chunk_index(self.layouts, self.job_digest, publisher, fence, chunk_index)
         payloads: list = []
         put = putter(payloads)
         top = put(write_world([d["tree"] for d in dones], index, put))
         self.part["top"] = ix_payloads + payloads
+        # What the other ranks' tiers adopt: the chunk index (O(W x N)) only when it was built
+        # now; a layout kept since is the index their tiers hold from an earlier snapshot.
+        self.part["top_sent"] = (ix_payloads if built else []) + payloads
         # The ranks' sums (write(): each new object counted by one rank); the nodes written
         # here hold no tensor bytes.
         return top, _summed(dones)
@@ -313,7 +312,7 @@ class PutCall:
         _published(ch, self.need, tier is not None)
         if tier is not None:
             try:  # (before the result: the others read it once they hold the root)
-                ch.set("tier", tier.top_blob(bytes.fromhex(info.root), self.part["top"]))
+                ch.set("tier", tier.top_blob(bytes.fromhex(info.root), self.part["top_sent"]))
             except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
                 warnings.warn(f"snapshot {info.root[:16]} was published locally, but its top nodes could not be "
                               f"handed to the other ranks: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
@@ -550,12 +549,12 @@ def _published(ch: Channel, need: list, tier: bool = False) -> None:
 def _chunk_index(layouts: Layouts, job: bytes, publisher, fence: int, build):
     """The chunk index of a whole-job layout: built (O(W x N)) once per layout, then the
     same nodes again, put under this snapshot's fence (a deletion phase may have removed
-    them: put_node checks, as for any node)."""
+    them: put_node checks, as for any node). -> ((its address, its payloads), built now)."""
     got = layouts.index(job)
     if got is None:
         got = build()
         layouts.set_index(job, got)
-        return got
+        return got, True
     for payload in got[1]:
         publisher.assets.put_node(payload, fence)
-    return got
+    return got, False
