@@ -64,15 +64,15 @@ class Road:
     def __init__(self, kind, tmp_path, request):
         self.kind = kind
         self.local = Backend("file", tmp_path, name="nvme") if kind == "tier" else None
-        if kind == "file":
+        if kind in ("file", "file-packed"):  # (file-packed: a local disk with S3's default packs)
             self.remote = Backend("file", tmp_path)
-            self.store = self.remote.open()
+            self.store = self.remote.open(**({"pack_size": 64 * 1024 * KiB} if kind == "file-packed" else {}))
         else:
             self.remote = Backend("s3", tmp_path, s3_options=request.getfixturevalue("s3_server"))
             kw = {"local": str(tmp_path / "nvme")} if kind == "tier" else {}
             self.store = self.remote.open(**kw)
             request.addfinalizer(self.remote.remove)
-        request.addfinalizer(self.store.close)
+        request.addfinalizer(lambda: self.store.close())  # (the one open at the end)
 
     def put(self, state, **kw):
         info = self.store.put_snapshot(state, **kw)
@@ -149,3 +149,62 @@ def test_a_repeat_stores_nothing_but_its_commit(road):
     road.put(s, ref="r/main", step=1)
     grew, info = _grew(road, s, ref="r/main", step=2)
     assert grew <= OVERHEAD and info.bytes_new <= OVERHEAD
+
+
+# -- the DCP road: dcp.save through TsckWriter (its packs follow put_snapshot's rules) ----
+
+DCP_ROADS = [pytest.param("file"), pytest.param("file-packed"), pytest.param("s3", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(params=DCP_ROADS)
+def dcp_road(request, tmp_path):
+    return Road(request.param, tmp_path, request)
+
+
+def _dcp_grew(road, state, ref, step):
+    """(the bytes the store grew by, the save's SnapshotInfo) of one dcp.save."""
+    import torch.distributed.checkpoint as dcp
+
+    from tensorstore_ck.dcp import TsckWriter
+    before = road.stored()
+    w = TsckWriter(road.store, ref=ref, step=step)
+    dcp.save(state, storage_writer=w)
+    return max(b - a for a, b in zip(before, road.stored())), w.info
+
+
+def _dcp_load(road, ref, like):
+    import torch.distributed.checkpoint as dcp
+
+    from tensorstore_ck.dcp import TsckReader
+    target = {k: torch.zeros_like(v) for k, v in like.items()}
+    dcp.load(target, storage_reader=TsckReader(road.store, ref))
+    return target
+
+
+def test_dcp_a_one_tensor_edit_stores_about_that_tensor(dcp_road):
+    s = _edit_state()
+    _dcp_grew(dcp_road, s, "d/main", 1)
+    s["t07"] = s["t07"] + 1.0
+    grew, info = _dcp_grew(dcp_road, s, "d/main", 2)
+    one = s["t07"].numel() * 4
+    assert grew <= one + OVERHEAD, f"a one-tensor edit ({one} B) stored {grew} B through DCP on {dcp_road.kind}"
+    assert info.bytes_new <= one + OVERHEAD
+    _same(_dcp_load(dcp_road, "d/main", s), s)
+    _same(dcp_road.store.checkout("d/main"), s)
+
+
+def test_dcp_a_frozen_base_with_adapters_stores_only_the_adapters(dcp_road, tmp_path):
+    _dcp_grew(dcp_road, _peft_state(adapter_seed=1), "ft/main", 1)
+    for step in (2, 3):
+        if step == 3:  # a restarted job: a new Store, nothing in memory but what it learns
+            dcp_road.store.close()
+            dcp_road.store = dcp_road.remote.open(
+                **({"pack_size": 64 * 1024 * KiB} if dcp_road.kind == "file-packed" else {}))
+        s = _peft_state(adapter_seed=step)
+        grew, info = _dcp_grew(dcp_road, s, "ft/main", step)
+        limit = _adapter_bytes(s) + OVERHEAD
+        assert grew <= limit, (f"step {step}: {grew} B stored through DCP for {_adapter_bytes(s)} B of changed "
+                               f"adapters on {dcp_road.kind}")
+        assert info.bytes_new <= limit
+    _same(_dcp_load(dcp_road, "ft/main", _peft_state(adapter_seed=3)), _peft_state(adapter_seed=3))
+    _same(dcp_road.store.checkout("ft/main@2"), _peft_state(adapter_seed=2))
