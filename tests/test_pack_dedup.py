@@ -269,3 +269,30 @@ def test_dcp_save_writes_only_the_changed_small_tensors(backend):
         _same(target, st)
         _same(s.checkout("d/main"), st)
         assert s.fsck().ok
+
+
+def test_dcp_a_tensor_changing_during_the_save_leaves_a_snapshot_that_reads(tmp_path):
+    """A tensor whose value changes between the writer's look for stored parts and its
+    write (a planner resolving it again, as a training thread would change it) is stored
+    whole and named with the hash of the bytes its pack holds: the snapshot reads back,
+    with the value written, never an IntegrityError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from tensorstore_ck.dcp import TsckReader, TsckWriter
+
+    class Changing(DefaultSavePlanner):
+        seen: dict = {}
+
+        def resolve_data(self, item):
+            t = super().resolve_data(item)
+            n = self.seen[item.index.fqn] = self.seen.get(item.index.fqn, 0) + 1
+            return t + (n - 1) if isinstance(t, torch.Tensor) else t
+
+    st = _edit_state()
+    with tsck.open_store(str(tmp_path / "s"), pack_size=64 * MiB) as s:
+        dcp.save(st, storage_writer=TsckWriter(s, ref="d/main", step=1), planner=Changing())
+        target = {k: torch.zeros_like(v) for k, v in st.items()}
+        dcp.load(target, storage_reader=TsckReader(s, "d/main"))
+        _same(target, {k: v + 1 for k, v in st.items()})  # the second look's bytes were written
+        assert s.fsck().ok

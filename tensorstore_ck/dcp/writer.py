@@ -319,11 +319,9 @@ class TsckWriter(StorageWriter):
             meta["x"] = flat.tobytes()
             return []
         if chunker.packable(layout.nblocks, n, store.pack_size):  # a small item: into the open pack
-            if part is not None:
-                meta["h"] = part[0]  # (checked on every read; what a later writer names again)
-                if part[1] is not None:
-                    meta["g"] = list(part[1])
-                    return []
+            if part is not None and part[1] is not None:
+                meta["h"], meta["g"] = part[0], list(part[1])  # (h: checked on every read)
+                return []
             pk = self._pack
             if pk is not None and chunker.pack_full(pk.size, pk.itemsize, n, itemsize, store.pack_size):
                 pk.close(store.publisher, self._sent)
@@ -331,6 +329,8 @@ class TsckWriter(StorageWriter):
             if pk is None:
                 pk = self._pack = _OpenPack(itemsize)
             meta["_pack"] = (pk, pk.add(flat))  # ("g" once the pack is written: _finish_item)
+            if part is not None:  # the hash of the bytes the pack holds (the tensor may have changed since)
+                meta["h"] = blake3.blake3(memoryview(pk.chunks[-1])).digest()
             return [pk.fut]
         meta["bs"] = layout.block_size
         return [store.publisher.submit_block(flat[a:b], itemsize, private=private)
