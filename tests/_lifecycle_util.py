@@ -8,7 +8,7 @@ Everything here is written independently of tensorstore_ck's internals:
   reference to collect the keys of all nodes and blocks a snapshot reaches,
   with the state path of every block (format per docs/FORMAT.md).
 - `model_kept` is a plain model of the retention rules, written from their
-  definitions in ../shared/DESIGN.md and docs/design/gc.md (not from tensorstore_ck/retention.py).
+  definitions in docs/design/gc.md and the README (not from tensorstore_ck/retention.py).
 """
 from __future__ import annotations
 
@@ -180,7 +180,7 @@ def _is_value(v) -> bool:
 def model_kept(rows, rule, now: float) -> set:
     """Roots kept by `rule` (a tsck.Retention, or None = no rules) among `rows`.
 
-    From the retention rules (DESIGN.md): the union of
+    From the retention rules (docs/design/gc.md): the union of
       keep_last N        the N newest by time, then step;
       keep_best K        the K best by metrics[metric] (min/max); rows without the metric
                          or with NaN are not candidates; ties go to the newer;

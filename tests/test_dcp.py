@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint through tensorstore_ck (tensorstore_ck/dcp.py).
+"""torch.distributed.checkpoint through tensorstore_ck (tensorstore_ck/dcp/).
 
 Single process: DCP runs without a process group (no_dist), which still goes
 through every StorageWriter/StorageReader call. The multi-process test

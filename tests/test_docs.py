@@ -6,6 +6,8 @@
   why, not which ticket it came from (history belongs to CHANGELOG.md and git).
 - Every relative link in a Markdown file under docs/ (and the READMEs beside the code)
   names a file or folder that exists, so moving a design note cannot strand a link.
+- Every Markdown file, and every Python file named with its folder, that the docs' prose
+  or a test docstring names is in the repository (not a contract kept outside it).
 
 Fast: reads text files only.
 """
@@ -90,6 +92,51 @@ def test_relative_links_resolve(doc):
             if not (doc.parent / path).exists():
                 broken.append(f"{doc.relative_to(REPO)}:{n}: {target}")
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+# A path a reader would look up: a Markdown file, or a Python file named with its folder.
+NAMED_PATH = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w.-]+\.md|(?:[\w.-]+/)+[\w.-]+\.py)\b")
+
+
+def _named_paths_missing(where: Path, text: str) -> list[str]:
+    """The paths TEXT names that exist neither beside WHERE nor from the repository root,
+    docs/, docs/design/ or the package (a design note says `FORMAT.md`, a module map
+    `tier/holds.py`); a path that leaves the repository (`../x.md`) is not in it."""
+    bases = (where.parent, REPO, REPO / "docs", REPO / "docs" / "design", PKG)
+
+    def found(name: str) -> bool:
+        return any((b / name).exists() and (b / name).resolve().is_relative_to(REPO) for b in bases)
+    return sorted({m for m in NAMED_PATH.findall(text) if not found(m)})
+
+
+def _texts_naming_paths() -> list[tuple[Path, str]]:
+    """Each doc's prose (a command's output file in a code block is not there yet) and the
+    docstrings of each Python file in tests/."""
+    import ast
+    out = [(doc, _prose(doc.read_text())) for doc in _markdown_files()]
+    for path in sorted(TESTS.glob("*.py")):
+        if path.resolve() == Path(__file__).resolve():
+            continue  # this file's docstrings name made-up paths as examples
+        nodes = [n for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        out.append((path, "\n".join(ast.get_docstring(n) or "" for n in nodes)))
+    return out
+
+
+def test_every_file_a_doc_or_test_names_exists():
+    """A reference leads to a file of this repository: a doc or a test docstring that
+    cites a contract kept elsewhere sends its reader nowhere."""
+    texts = _texts_naming_paths()
+    assert sum(len(NAMED_PATH.findall(t)) for _p, t in texts) > 100, "the check found nothing to check"
+    missing = [f"{p.relative_to(REPO)}: {name}" for p, t in texts for name in _named_paths_missing(p, t)]
+    assert not missing, "named but not in the repository:\n" + "\n".join(missing)
+
+
+def test_a_named_path_outside_the_repository_is_caught():
+    """The check above sees a Markdown name and a module path that do not exist."""
+    doc = REPO / "docs" / "design" / "gc.md"
+    text = "see DESIGN.md, ../../../shared/DESIGN.md and `tier/gone.py`; FORMAT.md, `tier/holds.py`"
+    assert _named_paths_missing(doc, text) == ["../../../shared/DESIGN.md", "DESIGN.md", "tier/gone.py"]
 
 
 # -- The maps: every module and test file named once; the docs a reference, not a notebook ----

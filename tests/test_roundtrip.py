@@ -1,4 +1,4 @@
-"""Exact round trip of every state type listed in DESIGN.md.
+"""Exact round trip of every value type in docs/FORMAT.md's manifest node table.
 
 Every test puts a state, checks it out again and compares with `assert_same`:
 same Python types (tuple stays tuple, Parameter stays Parameter, numpy scalar
