@@ -33,6 +33,7 @@ class PartIndex:
         self._parts: OrderedDict = OrderedDict()
         self._unchecked: dict = {}  # pack address -> {content hash} of its entries not checked
         self._learned: set = set()  # snapshots whose parts were added (learn())
+        self._looked: set = set()  # refs whose snapshot a collective put's rank learnt from (first_look)
 
     def __len__(self) -> int:
         return len(self._parts)
@@ -99,6 +100,17 @@ class PartIndex:
         if whole:
             with self._lock:
                 self._learned.add(root)
+
+    def first_look(self, ref: str) -> bool:
+        """Whether `ref` is new to this process's collective puts (marks it): a rank learns
+        the parts of the ref's snapshot once, at its first put on it (a restarted job);
+        after that it knows the packs it writes (learn_written), and its later puts ask the
+        ref table nothing for them."""
+        with self._lock:
+            if ref in self._looked:
+                return False
+            self._looked.add(ref)
+            return True
 
     def learning(self, root: bytes) -> bool:
         """Whether `root`'s parts are still to be added (packparts.learn); marks it as added."""

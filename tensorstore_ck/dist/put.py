@@ -190,8 +190,8 @@ class PutCall:
         if tier is not None:
             tier.make_room()  # a tier's budget holds for collective puts too (TierFull: aborted everywhere)
         wfence = part["fence"] = self.fence if tier is None or self.rank == 0 else publisher.fence()
-        if plan.pack_size:  # (a restarted job's first put: what this rank's packs hold is named, not written)
-            publisher.learn_parts(self.args.ref, self.rank)
+        if plan.pack_size and publisher.assets.parts.first_look(self.args.ref):
+            publisher.learn_parts(self.args.ref, self.rank)  # (a restarted job: its stored packs named, not written)
         publisher.write_blocks(plan, owns=self.owns, fence=wfence)
         new_nodes: list = []
         tree, part["payloads"] = publisher.write_nodes(plan.value, wfence, new_nodes)
