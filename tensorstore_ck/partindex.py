@@ -33,7 +33,7 @@ class PartIndex:
         self._parts: OrderedDict = OrderedDict()
         self._unchecked: dict = {}  # pack address -> {content hash} of its entries not checked
         self._learned: set = set()  # snapshots whose parts were added (learn())
-        self._looked: set = set()  # refs whose snapshot a collective put's rank learnt from (first_look)
+        self._looked: set = set()  # refs a collective put's or a DCP save's rank learnt from (first_look)
 
     def __len__(self) -> int:
         return len(self._parts)
@@ -102,8 +102,8 @@ class PartIndex:
                 self._learned.add(root)
 
     def first_look(self, ref: str) -> bool:
-        """Whether `ref` is new to this process's collective puts (marks it): a rank learns
-        the parts of the ref's snapshot once, at its first put on it (a restarted job);
+        """Whether `ref` is new to this process's collective puts and DCP saves (marks it): a
+        rank learns the parts of the ref's snapshot once, at its first put on it (a restarted job);
         after that it knows the packs it writes (learn_written), and its later puts ask the
         ref table nothing for them."""
         with self._lock:

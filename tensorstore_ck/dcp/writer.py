@@ -289,8 +289,8 @@ class TsckWriter(StorageWriter):
         """Item position -> (its bytes' BLAKE3, the stored pack part that holds them or
         None), for every item that goes into a pack: one whose bytes a stored pack holds
         names that part instead of being written again (packparts.find_parts, the rules
-        of put_snapshot's packs: docs/design/scaling.md, "Packs"). The parts of the
-        snapshot the ref is on are learnt first (its nodes only, once per snapshot)."""
+        of put_snapshot's packs: docs/design/scaling.md, "Packs"). At the first save on the
+        ref in this process, the parts of the snapshot it is on are learnt first (its nodes only)."""
         store = self.store
         if not store.pack_size:
             return {}
@@ -301,7 +301,8 @@ class TsckWriter(StorageWriter):
                 hashed[i] = (blake3.blake3(memoryview(got[0])).digest(), got[0].nbytes)
         if not hashed:
             return {}
-        store.publisher.learn_parts(self.ref)
+        if store.assets.parts.first_look(self.ref):  # (later saves know the packs they wrote)
+            store.publisher.learn_parts(self.ref)
         found = packparts.find_parts(store.assets, store.pool, None, list(hashed.values()))
         return {i: (h, hit) for (i, (h, _n)), hit in zip(hashed.items(), found)}
 
