@@ -205,7 +205,8 @@ def fork_ranks(target, world: int, args, out: str) -> None:
     from torch.distributed import TCPStore
     port = free_port()
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=target, args=(r, world, port, args, out)) for r in range(world)]
+    procs = [ctx.Process(target=_stacks_on_usr1, args=(target, r, world, port, args, out))
+             for r in range(world)]
     for p in procs:
         p.start()
     master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=300),
@@ -213,11 +214,38 @@ def fork_ranks(target, world: int, args, out: str) -> None:
     deadline = time.monotonic() + args.limit
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
+    stuck = [p for p in procs if p.is_alive()]
+    for p in stuck:  # its threads' stacks first (stack{r}.txt), so a hang shows where it is
+        os.kill(p.pid, signal.SIGUSR1)
+    for p in stuck:
+        p.join(5)
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
             p.join()
     del master
+
+
+def _stacks_on_usr1(target, rank: int, world: int, port: int, args, out: str) -> None:
+    """A forked rank that writes its threads' stacks to out/stack{rank}.txt on SIGUSR1 and
+    exits, then runs target."""
+    import faulthandler
+    f = open(os.path.join(out, f"stack{rank}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    target(rank, world, port, args, out)
+
+
+def _left_no_result(world: int, rank: int, out: str) -> str:
+    """What a rank that wrote no result left behind: every stuck rank's stacks, or that it died."""
+    msg = f"{world} ranks: rank {rank} left no result"
+    stacks = []
+    for r in range(world):
+        try:
+            text = open(os.path.join(out, f"stack{r}.txt")).read()
+        except OSError:
+            continue
+        if text:
+            stacks.append(f"--- rank {r}, stuck past the limit:\n{text}")
+    return "\n".join([msg, *stacks]) if stacks else f"{msg} (it died without a traceback)"
 
 
 def run_world(world: int, args, base: str) -> dict:
@@ -230,7 +258,7 @@ def run_world(world: int, args, base: str) -> dict:
     for r in range(world):
         path = os.path.join(out, f"rank{r}.json")
         if not os.path.exists(path):
-            raise SystemExit(f"{world} ranks: rank {r} left no result (exit code {procs[r].exitcode})")
+            raise SystemExit(_left_no_result(world, r, out))
         d = json.load(open(path))
         if "error" in d:
             raise SystemExit(f"{world} ranks: rank {r} failed:\n{d['error']}")
@@ -310,6 +338,10 @@ class CountingStore:
         self._n(sum(len(k) for k in keys) + sum(len(x) for x in v))
         return v
 
+    def multi_set(self, keys, values):
+        self._n(sum(len(k) for k in keys) + sum(len(v) for v in values))
+        return self.inner.multi_set(keys, values)
+
 
 def changed_state(rank: int, world: int, rep: int, tensors: int, kib: int) -> dict:
     """Rank `rank`'s row piece of each of `tensors` global float32 tensors (kib KiB a piece:
@@ -366,7 +398,7 @@ def store_bytes_world(world: int, args, base: str) -> list:
     for r in range(world):
         path = os.path.join(out, f"rank{r}.json")
         if not os.path.exists(path):
-            raise RuntimeError(f"{world} ranks: rank {r} left no result")
+            raise RuntimeError(_left_no_result(world, r, out))
         d = json.load(open(path))
         if "error" in d:
             raise RuntimeError(f"{world} ranks: rank {r} failed:\n{d['error']}")
@@ -376,8 +408,12 @@ def store_bytes_world(world: int, args, base: str) -> list:
 
 
 def store_bytes_main(args, base: str) -> None:
+    got = {}
     for w in args.ranks:
-        recs = store_bytes_world(w, args, base)
+        recs = got[w] = store_bytes_world(w, args, base)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(got, f)
         print(f"\n{w} gloo ranks x {args.tensors} sharded tensors of {args.kb} KiB a piece, every value changed "
               f"each snapshot{', each rank through a local tier of its own' if args.tiers else ''}: through the c10d "
               "Store, per rank")
@@ -406,7 +442,7 @@ def main() -> None:
     ap.add_argument("--block-kb", type=int, default=64, help="store block size in KiB (default 64)")
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temp dir under /work)")
     ap.add_argument("--limit", type=float, default=500.0, help="seconds before a world size is given up")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--json-out", default=None, help="also write the records here (JSON)")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench_dist_", dir=args.dir or ("/work" if os.path.isdir("/work") else None))
     if args.store_bytes:

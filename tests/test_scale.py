@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from _util import load_helper
@@ -258,21 +259,63 @@ def test_a_repeated_snapshot_with_every_value_changed_sends_under_2_kb_per_rank(
     rank a constant few hundred bytes, not a record per object it wrote new; rank 0 reads
     back each rank's hello and done. bytes_new is still every new byte, each once. The same
     with each rank putting through a local tier of its own: its part's nodes stay in its
-    tier (rank 0 posts only the commit, the top nodes and the roots it keeps)."""
-    import argparse
-    bd = load_helper(BENCH.parent / "bench_dist.py", name="tsck_bench_dist")
+    tier; rank 0 posts the commit, the top node and the roots it keeps (8 B each) to all,
+    and each rank its own path down the rank tree (one node of <= 16 ranks here, a level
+    more per 16x ranks: test_a_ranks_path_down_the_rank_tree_grows_a_node_per_16x_ranks),
+    about 0.6 KB more a rank; never the chunk index (O(W x n)), not even at the first."""
+    import json
+    import subprocess
+    import sys
     W, n, kib = 4, 300, 20
-    args = argparse.Namespace(repeats=2, tensors=n, kb=kib, limit=400.0, tiers=tiers)
-    recs = bd.store_bytes_world(W, args, str(tmp_path))
+    # The bench in a process of its own: its ranks fork from a parent with no threads and
+    # no torch work behind it (this test's process may have both: a fork inherits them).
+    out = tmp_path / "recs.json"
+    run = subprocess.run([sys.executable, str(BENCH.parent / "bench_dist.py"), "--store-bytes", "--ranks", str(W),
+                          "--tensors", str(n), "--kb", str(kib), "--repeats", "2", "--limit", "400",
+                          "--dir", str(tmp_path), "--json-out", str(out)] + (["--tiers"] if tiers else []),
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-12000:]
+    recs = json.loads(out.read_text())[str(W)]
     piece = max(1, kib * 1024 // (4 * 256)) * 256 * 4
-    for i in range(args.repeats + 1):
+    for i in range(3):
         reps = [d["reps"][i] for d in recs]
         assert len({x["root"] for x in reps}) == 1, reps
         # every piece is new: W x n blocks, each counted once (a tier packs them: a pack a rank)
         assert reps[0]["blocks_new"] == reps[0]["blocks_total"] == (W if tiers else W * n), reps[0]
         assert reps[0]["bytes_new"] == W * n * piece, reps[0]
-        if i == 0:
-            continue  # the first snapshot sends each rank's layout once (O(n))
         sent = [x["bytes"] for x in reps]
-        assert max(sent[1:]) <= 2000, (i, sent)
-        assert sent[0] <= 2000 + 250 * W, (i, sent)
+        if i == 0:  # the first snapshot sends each rank's layout once (O(n), ~42 B a piece)
+            assert max(sent[1:]) <= 60 * n + 3000, (i, sent)
+            continue
+        assert max(sent[1:]) <= 2000 + (600 if tiers else 0), (i, sent)
+        assert sent[0] <= 2000 + 250 * W + (600 if tiers else 0), (i, sent)
+
+
+@pytest.mark.parametrize("world", [16, 17, 256, 1024, 4096])
+def test_a_ranks_path_down_the_rank_tree_grows_a_node_per_16x_ranks(world):
+    """Through local tiers rank 0 hands each other rank the rank-tree nodes its own region
+    reads (dist.put.rank_paths: one path per 16 ranks, which share it), not the whole tree: ceil(log16 W) nodes of <= 16 addresses
+    (about 0.55 KB a level: 1.7 KB at 4,096 ranks, not 4,096 x 34 B), and they find that
+    rank's own tree."""
+    import blake3
+
+    from tensorstore_ck.dist.put import rank_paths
+    from tensorstore_ck.format import tree
+    from tensorstore_ck.format.manifest import decode_node, encode_node
+    from tensorstore_ck.format.world import FAN, fan_height, rank_top, write_world
+    payloads: list = []
+
+    def put(value):
+        payloads.append(encode_node(value))
+        return blake3.blake3(payloads[-1]).digest()
+    tops = [blake3.blake3(b"rank %d" % r).digest() for r in range(world)]
+    put(write_world(tops, (1, put({"l": []})), put))
+    paths = rank_paths(payloads, world)
+    assert sorted(paths) == list(range(-(-world // FAN)))  # one per 16 ranks, posted by rank 0
+    levels = fan_height(world, FAN) + 1
+    for r in sorted({1, 15, 16, world // 2, world - 1} & set(range(1, world))):
+        path = paths[r // FAN]  # what rank r reads
+        nodes = {blake3.blake3(p).digest(): p for p in msgpack.unpackb(path)}
+        assert len(nodes) == levels and len(path) <= levels * 560, (r, len(path))
+        w = tree.decode_node_value(decode_node(payloads[-1]), world=True)
+        assert rank_top(w, r, lambda d: tree.decode_node_value(decode_node(nodes[d]))) == tops[r]

@@ -117,6 +117,9 @@ class Channel:
         self.round = 0             # re-validation rounds asked for or done (the outcome's key: result_key)
         self.mine: list[str] = []  # the keys of this rank's own that it wrote (it deletes them later)
         self.extra: list[str] = []  # shared keys beyond SHARED_KEYS (those of re-validation rounds)
+        # Rank 0: keys it posted for some ranks (one per 16: the paths through tiers), which
+        # it deletes itself once every rank acked (the last rank to ack would make O(W) deletes).
+        self.posted: list[str] = []
         # Once the call succeeded: its shared keys (the last rank to ack deletes these);
         # None: any of SHARED_KEYS (an abort writes WOKEN into several).
         self.used: list[str] | None = None
@@ -264,6 +267,17 @@ class Channel:
         self.set(key, v)
         self.mine.append(key)
 
+    def set_many(self, kv: dict) -> None:
+        """One request (multi_set) for keys of this call."""
+        if not kv:
+            return
+        ms = getattr(self.kv, "multi_set", None)
+        if ms is None:
+            for k, v in kv.items():
+                self.set(k, v)
+        else:
+            ms([self.pfx + k for k in kv], list(kv.values()))
+
     def get_many(self, ks) -> list[bytes]:
         """One request (multi_get) for keys that exist."""
         keys = [self.pfx + k for k in ks]
@@ -395,7 +409,8 @@ class Channel:
         """So the Store does not grow with every snapshot: delete this rank's own keys of
         the calls it has ended, two calls or more ago (nobody reads them after that), and on
         rank 0 the last two shared keys of each earlier call once every rank has acked it
-        ("ack_all": the last rank to ack deleted the others). The outcome of a call some
+        ("ack_all": the last rank to ack deleted the others), and the keys it posted for
+        groups of ranks (Channel.posted). The outcome of a call some
         rank has not acked (a stopped rank) stays, so that rank reads the truth when it
         resumes, however many calls later; of at most KEEP_UNACKED calls (a rank that never
         comes back: then all its shared keys go)."""
@@ -418,8 +433,8 @@ class Channel:
                 return
             if not acked and len(kept) - i <= KEEP_UNACKED:
                 break
-            shared = self.ctx.shared(self.key, seq)
-            delete(old + k for k in (("ack_all", "acked") if acked else shared))
+            shared, posted = self.ctx.shared(self.key, seq)
+            delete(old + k for k in (["ack_all", "acked"] if acked else shared) + posted)
             self.ctx.forget(self.key, seq)
 
     def block(self, keys, until: float) -> bool:
@@ -570,13 +585,13 @@ def outcome_round(ch: Channel, body, what: str):
         ch.ctx.ended(ch.key, ch.seq, ch.mine)
         if ch.rank == 0:
             ch.wait_acks()
-            ch.ctx.finished(ch.key, ch.seq, ch.shared_keys())
+            ch.ctx.finished(ch.key, ch.seq, ch.shared_keys(), ch.posted)
         raise
     ch.ack()
     ch.ctx.ended(ch.key, ch.seq, ch.mine)
     if ch.rank == 0:
         silent = ch.wait_acks()
-        ch.ctx.finished(ch.key, ch.seq, ch.shared_keys())
+        ch.ctx.finished(ch.key, ch.seq, ch.shared_keys(), ch.posted)
         if silent:
             warnings.warn(f"{what} succeeded, but ranks {silent} did not confirm within the deadline that they "
                           "read the outcome (dead or stalled?): they may report an error for it", RuntimeWarning,

@@ -136,15 +136,17 @@ class CollectiveContext:
         with self._lock:
             return self._names.get(key, {}).get(seq, f"n{seq}")
 
-    def finished(self, key, seq: int, shared) -> None:
-        """Rank 0 ended call seq, whose shared keys are `shared`."""
+    def finished(self, key, seq: int, shared, posted=()) -> None:
+        """Rank 0 ended call seq, whose shared keys are `shared` (and `posted`: keys it
+        posted for groups of ranks, which it deletes itself)."""
         with self._lock:
             self._kept.setdefault(key, []).append(seq)
-            self._shared[(key, seq)] = list(shared)
+            self._shared[(key, seq)] = (list(shared), list(posted))
 
-    def shared(self, key, seq: int) -> list:
+    def shared(self, key, seq: int) -> tuple:
+        """-> (the shared keys, the posted keys) of call seq (forgotten here)."""
         with self._lock:
-            return self._shared.pop((key, seq), list(SHARED_KEYS))
+            return self._shared.pop((key, seq), (list(SHARED_KEYS), []))
 
     def ended(self, key, seq: int, own=()) -> None:
         """This rank is done with call seq (asynchronous calls of several Stores may end

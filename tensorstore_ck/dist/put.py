@@ -11,7 +11,8 @@
     claim     rank 0: the outcome "commit" claimed (no other rank may abort after this)
     publish   rank 0: Publisher.commit, the heartbeat beating; a fenced move runs a
               re-validation round on every rank, then moves again
-    announce  rank 0: the result posted (through tiers: its top nodes too)
+    announce  rank 0: the result posted (through tiers: the commit, the top node and each
+              16 ranks' path down the rank tree too)
     follow    the other ranks: wait for the result, serving re-validation rounds;
               a silent rank 0 is asked of the ref table
 
@@ -28,6 +29,7 @@ import msgpack
 
 from ..errors import InvalidArgument, OutcomeUnknown, SnapshotAborted, TsckError
 from ..ids import Digest
+from ..format.world import FAN
 from ..validate import UNSET
 from .channel import (WOKEN, Channel, CommitUnderWay, Heartbeat, RevalFailed, guard, open_channel, outcome_round,
                       result_key)
@@ -249,14 +251,14 @@ class PutCall:
         def chunk_index():
             payloads: list = []
             return write_index(self.pieces_by_rank, putter(payloads)), payloads
-        (index, ix_payloads), built = _chunk_index(self.layouts, self.job_digest, publisher, fence, chunk_index)
+        index, ix_payloads = _chunk_index(self.layouts, self.job_digest, publisher, fence, chunk_index)
         payloads: list = []
         put = putter(payloads)
         top = put(write_world([d["tree"] for d in dones], index, put))
         self.part["top"] = ix_payloads + payloads
-        # What the other ranks' tiers adopt: the chunk index (O(W x N)) only when it was built
-        # now; a layout kept since is the index their tiers hold from an earlier snapshot.
-        self.part["top_sent"] = (ix_payloads if built else []) + payloads
+        # What the other ranks' tiers adopt (rank_paths): the top node and each its own path
+        # down the rank tree, never the chunk index (O(W x N)), which their own region reads not.
+        self.part["top_sent"] = payloads
         # The ranks' sums (write(): each new object counted by one rank); the nodes written
         # here hold no tensor bytes.
         return top, _summed(dones)
@@ -306,13 +308,18 @@ class PutCall:
             beat.stop()  # (also on a KeyboardInterrupt: a beat that outlived the commit would keep the others waiting)
 
     def announce(self, info):
-        """Rank 0, published: the result posted to the others (through tiers, with the top
-        nodes they adopt into their own tier first). -> what this rank returns."""
+        """Rank 0, published: the result posted to the others (through tiers, with the commit,
+        the top node and their paths down the rank tree, which they adopt into their own
+        tier first). -> what this rank returns."""
         ch, tier = self.ch, self.tier
         _published(ch, self.need, tier is not None)
         if tier is not None:
-            try:  # (before the result: the others read it once they hold the root)
-                ch.set("tier", tier.top_blob(bytes.fromhex(info.root), self.part["top_sent"]))
+            try:  # (before the result: the others read them once they hold the root)
+                shared = tier.top_blob(bytes.fromhex(info.root), self.part["top_sent"][-1:])
+                paths = {f"tierpath/{g}": path for g, path in rank_paths(self.part["top_sent"], self.W).items()}
+                ch.posted += list(paths)
+                ch.set_many(paths)
+                ch.set("tier", shared)
             except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
                 warnings.warn(f"snapshot {info.root[:16]} was published locally, but its top nodes could not be "
                               f"handed to the other ranks: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
@@ -364,7 +371,7 @@ class PutCall:
 
         def info_of(root: Digest):
             if tier is not None:  # rank 0's commit and top nodes into this rank's tier first
-                tier.adopt(bytes(root), ch.get("tier"), part["tree"])
+                tier.adopt(bytes(root), *ch.get_many(["tier", f"tierpath/{ch.rank // FAN}"]), part["tree"])
             return self.publisher.info(root)
         try:
             info = self.await_result(info_of)
@@ -546,15 +553,39 @@ def _published(ch: Channel, need: list, tier: bool = False) -> None:
                                                                           else []) + (["tier"] if tier else [])
 
 
+def rank_paths(payloads: list, W: int) -> dict:
+    """Rank 0, through tiers: {g: the path down the rank tree of ranks g*FAN..(g+1)*FAN-1}
+    (they share their leaf node, so their path), for every group with a rank but 0: the
+    encoded nodes (msgpack list, root first) those ranks need above their own trees, of
+    `payloads` (the rank tree's nodes, then the top node, as gather wrote them). A rank
+    reads only its own group's (ceil(log_FAN W) nodes, not the O(W) tree); rank 0 posts
+    W/FAN of them."""
+    import blake3
+
+    from ..format import tree
+    from ..format.manifest import decode_node
+    from ..format.world import rank_path
+    by_digest = {blake3.blake3(p).digest(): p for p in payloads}
+    decoded: dict = {}
+
+    def read(d):
+        if d not in decoded:
+            decoded[d] = tree.decode_node_value(decode_node(by_digest[d]))
+        return decoded[d]
+    w = tree.decode_node_value(decode_node(payloads[-1]), world=True)
+    return {g: msgpack.packb([by_digest[d] for d in rank_path(w, max(1, g * FAN), read)])
+            for g in range(-(-W // FAN)) if W > 1}
+
+
 def _chunk_index(layouts: Layouts, job: bytes, publisher, fence: int, build):
     """The chunk index of a whole-job layout: built (O(W x N)) once per layout, then the
     same nodes again, put under this snapshot's fence (a deletion phase may have removed
-    them: put_node checks, as for any node). -> ((its address, its payloads), built now)."""
+    them: put_node checks, as for any node). -> (its address, its payloads)."""
     got = layouts.index(job)
     if got is None:
         got = build()
         layouts.set_index(job, got)
-        return got, True
+        return got
     for payload in got[1]:
         publisher.assets.put_node(payload, fence)
-    return got, False
+    return got

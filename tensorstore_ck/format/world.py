@@ -32,7 +32,7 @@ from ..errors import FormatError
 from .tree import DIGEST_SIZE, MAX_RANKS, NODE_SPLIT, Container, World
 
 __all__ = ["FAN", "fan_height", "fan_children", "fan_lookup", "fan_all", "build_fan",
-           "span", "bucket_range", "bucket_count", "buckets", "write_index", "write_world", "bucket_entries", "rank_top", "rank_tops"]
+           "span", "bucket_range", "bucket_count", "buckets", "write_index", "write_world", "bucket_entries", "rank_top", "rank_tops", "rank_path"]
 
 FAN = 16  # items per fan-tree node: 16 x 34 B = 0.55 KB; a level per 16x ranks (or buckets)
 
@@ -229,3 +229,16 @@ def rank_tops(w: World, read: Callable) -> list:
     if w.ranks is not None:
         return list(w.ranks)
     return fan_all(w.rank_tree, w.world, w.fan, read, "rank tree")
+
+
+def rank_path(w: World, i: int, read: Callable) -> list:
+    """The addresses of the rank-tree nodes rank_top(w, i) reads, root first: what a
+    rank's own region of the snapshot needs above its tree (ceil(log_FAN W) nodes; a
+    checkout in the layout it was saved with reads no chunk index)."""
+    got: list = []
+
+    def noted(d):
+        got.append(d)
+        return read(d)
+    rank_top(w, i, noted)
+    return got

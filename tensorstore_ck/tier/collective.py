@@ -5,9 +5,11 @@ Under torch.distributed with `open_store(remote, local=NODE_DIR)` on every rank:
     every rank   writes its own blocks and sub-tree to its own local tier (the collective
                  protocol of dist/, unchanged; each rank under its own tier's gc fence)
     rank 0       writes the top nodes and the commit to its tier and moves its local ref
-                 (the local publication), then hands the commit and the top nodes to the
-                 others (one c10d key): every rank's tier can then read its own region of
-                 the snapshot, and says what the snapshot is, without the remote
+                 (the local publication), then hands the commit and the top node to the
+                 others (one c10d key), and each group of 16 ranks its path down the rank
+                 tree (one key a group: dist.put.rank_paths): every rank's tier can then
+                 read its own region of the snapshot, and says what the snapshot is,
+                 without the remote
     every rank   queues its upload: rank 0 the snapshot, the others their part
 
     the uploader of a rank other than 0 (upload_part): its sub-tree's blocks, then its
@@ -39,7 +41,7 @@ import msgpack
 from ..errors import IntegrityError, TsckError, UnreadableObject
 from ..walk import by_kind, walk_commit, walk_tree
 
-__all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT"]
+__all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT", "KEEP_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,9 @@ log = logging.getLogger(__name__)
 # collective snapshot, seconds.
 PART_WAIT = 900.0
 _PAUSE = (0.1, 5.0)  # first and longest pause between two looks, seconds
+# The bytes of a root rank 0 sends for each snapshot its tier keeps (top_blob): 8 B a
+# snapshot through the c10d Store, and a root is dropped only if no kept one starts alike.
+KEEP_PREFIX = 8
 
 
 class CollectiveTier:
@@ -63,12 +68,14 @@ class CollectiveTier:
         self.uploader.make_room()
 
     def top_blob(self, root: bytes, top_payloads: list) -> bytes:
-        """Rank 0, after its local publication: the commit and the top nodes, for the
-        others, and the snapshots of the job that rank 0's tier keeps, which the others'
-        tiers follow: its catalog rows less what the job's retention drops now (ref
-        tips, tags, pins and the upload in flight stay), the same set whether or not
-        rank 0's own prune has run yet (it runs in the background, and may lag more than
-        a snapshot on a loaded host)."""
+        """Rank 0, after its local publication: the commit and the top node, for the
+        others (each reads its own path down the rank tree beside it: dist.put.rank_paths),
+        and the snapshots of the job that rank 0's tier keeps, which the others' tiers
+        follow: its catalog rows less what the job's retention drops now (ref tips, tags,
+        pins and the upload in flight stay), the same set whether or not rank 0's own
+        prune has run yet (it runs in the background, and may lag more than a snapshot on
+        a loaded host). They are sent as KEEP_PREFIX-byte prefixes: the word only keeps,
+        so two roots alike that far keep both (a prefix never stands for a root to drop)."""
         from ..gc import plan_expiry
         refs = self.core.refs
         job = (refs.catalog_get(root, checked=False) or {}).get("job")
@@ -78,7 +85,8 @@ class CollectiveTier:
         except TsckError as e:  # a stored rule that does not decode: the rows as listed (the prune reports it)
             log.debug("local tier: job %s's retention not applied to the word for the other ranks: %s", job, e)
             doomed = set()
-        kept = [r for r, row in refs.catalog_iter(bad=[]) if row.get("job") == job and r not in doomed]
+        kept = b"".join(r[:KEEP_PREFIX] for r, row in refs.catalog_iter(bad=[])
+                        if row.get("job") == job and r not in doomed)
         return msgpack.packb([self.core.assets.get_commit(root), list(top_payloads), kept])
 
     def intend(self, part: bytes, args) -> None:
@@ -97,16 +105,16 @@ class CollectiveTier:
             log.warning("local tier: the intent to upload part %s of an aborted snapshot was not dropped (%s: %s); "
                         "the next open uploads it", part.hex()[:16], type(e).__name__, e)
 
-    def adopt(self, root: bytes, blob: bytes, part: bytes) -> None:
-        """A rank other than 0: store rank 0's commit and top nodes in this rank's tier.
-        Each is stored under the address of its own bytes, and the commit must be `root`:
-        nothing rank 0 sends can stand for another object. Then the tier follows rank 0's:
-        the snapshots of the job rank 0 no longer keeps are dropped here, in the background
-        (Uploader.follow), once their parts are uploaded."""
-        body, payloads, *rest = msgpack.unpackb(blob)
-        kept = rest[0] if rest else None
+    def adopt(self, root: bytes, blob: bytes, path: bytes, part: bytes) -> None:
+        """A rank other than 0: store rank 0's commit, top node and this rank's path down
+        the rank tree (`path`) in this rank's tier. Each is stored under the address of
+        its own bytes, and the commit must be `root`: nothing rank 0 sends can stand for
+        another object. Then the tier follows rank 0's: the snapshots of the job rank 0 no
+        longer keeps are dropped here, in the background (Uploader.follow), once their
+        parts are uploaded."""
+        body, payloads, kept = msgpack.unpackb(blob)
         assets = self.core.assets
-        for p in payloads:
+        for p in list(payloads) + list(msgpack.unpackb(path)):
             assets.put_node(p)
         got = assets.put_commit(body).digest
         if got != root:
@@ -120,8 +128,9 @@ class CollectiveTier:
         c = decode_commit(body)
         self.core.refs.catalog_put_part(root, {k: c.get(k) for k in (
             "job", "ref", "step", "time", "metrics", "meta", "parent", "tree")} | dict(c.get("stats") or {}), part)
-        if isinstance(kept, list) and all(isinstance(r, bytes) and len(r) == 32 for r in kept):
-            self.uploader.follow(c.get("job"), set(kept) | {root})
+        if isinstance(kept, bytes) and len(kept) % KEEP_PREFIX == 0:
+            self.uploader.follow(c.get("job"), {kept[i:i + KEEP_PREFIX] for i in range(0, len(kept), KEEP_PREFIX)}
+                                 | {root[:KEEP_PREFIX]})
 
     def published(self, info, tree: bytes, rank0: bool):
         """Every rank once the snapshot is published locally: queue its upload (rank 0: the

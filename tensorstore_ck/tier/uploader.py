@@ -36,6 +36,7 @@ from ..publish import Publisher
 from ..roles import UploadQueue
 from ..walk import by_kind, walk_commit
 from .budget import fit_budget, tier_bytes
+from .collective import KEEP_PREFIX
 from .holds import held, publish_holds, upload_hold
 from .outage import Outage, heals, said_after_stop
 
@@ -164,7 +165,8 @@ class Uploader:
 
     def follow(self, job, keep: set) -> None:
         """A rank other than 0 (tier.collective.CollectiveTier.adopt): `keep` is what rank 0's tier
-        keeps of `job` (its retention's doing); this rank's parts of the job's other
+        keeps of `job` (its retention's doing), as the roots' first KEEP_PREFIX bytes; this
+        rank's parts of the job's other
         snapshots are dropped from its tier, with what only they reach, by the uploader
         thread when its queue is empty (or every TIDY_EVERY uploads), never a part still
         queued. The latest word per job wins: the rule is stateless, so one missed (the
@@ -187,7 +189,7 @@ class Uploader:
         try:
             parts = refs.parts(rank0=False)
             jobs = {r: (refs.catalog_get(r, checked=False) or {}).get("job") for r in parts}
-            drop = [r for r, job in jobs.items() if job in follow and r not in follow[job]]
+            drop = [r for r, job in jobs.items() if job in follow and r[:KEEP_PREFIX] not in follow[job]]
             if drop:
                 from ..gc import drop_parts
 

@@ -105,6 +105,14 @@ def put_body(rank, world, out, res, cfg):
             res["disagree"] = "SnapshotAborted: " + str(e)
         res["intents_after_abort"] = len(store.core.refs.intents())
         res["queue_after_abort"] = len(store.core.refs.upload_pending())
+        # Then puts in a row: the keys each left in the c10d Store (rank 0 posts one for
+        # every 16 ranks through tiers: its path down the rank tree) must not pile up.
+        import torch.distributed as dist
+        kv = dist.distributed_c10d._get_default_store()
+        for v in range(4, 20):
+            store.put_snapshot({"x": torch.full((4,), float(v))}, "keys/main", step=v, timeout=60)
+            dist.barrier()
+            res.setdefault("keys", []).append(kv.num_keys())
 
 
 def _storage_opened(s) -> bool:

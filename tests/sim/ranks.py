@@ -49,6 +49,8 @@ import sys
 
 import torch
 
+from tensorstore_ck.tier.collective import KEEP_PREFIX
+
 from . import content
 from .faults import Faults
 from .rollback import rank_restore
@@ -119,7 +121,7 @@ class _Follow:
             bad = []
             for root in refs.parts(rank0=False):
                 job = (refs.catalog_get(root, checked=False) or {}).get("job")
-                if job in self.words and root not in self.words[job]:
+                if job in self.words and root[:KEEP_PREFIX] not in self.words[job]:  # (the word's prefixes)
                     bad.append(f"T17 tier {os.path.basename(self.path)[:-12]} keeps its part of {root.hex()[:16]} "
                                f"(job {job}), which rank 0's last word left out, with nothing left queued")
         except Exception:  # noqa: BLE001 - the close reports a store that fails
