@@ -209,9 +209,10 @@ def test_every_ranks_tier_follows_rank_0s_retention(tmp_path, s3_url, s3_server)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lost,damaged", [([1], []), ([1, 2], []), ([1], [2])],
-                         ids=["peer-holds-it", "no-replica-left", "replica-damaged"])
-def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost, damaged):
+@pytest.mark.parametrize("lost,damaged,fan", [([1], [], None), ([1, 2], [], None), ([1], [2], None), ([1], [], 2)],
+                         ids=["peer-holds-it", "no-replica-left", "replica-damaged", "peer-under-another-leaf"])
+def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost, damaged,
+                                                                  fan):
     """replicas=1 on 3 ranks: each rank's part is copied to the next rank's tier. The job
     restarts after rank 1's node lost its tier: rank 1's checkout gets every object it
     lacks from rank 2, by address, and reads nothing from the remote store; no rank
@@ -220,9 +221,11 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
     tier is lost too (no replica of rank 1's part is left), rank 1 reads the remote store,
     and rank 2 still gets its part from rank 0. When rank 2's tier holds damaged blocks
     (its replica of rank 1's part among them), rank 1 uses none of them: it reads those
-    blocks from the remote store. Every rank restores bit for bit."""
+    blocks from the remote store. Every rank restores bit for bit. With rank-tree nodes of
+    2 ranks (fan=2, as 16 ranks a node at scale), rank 1's holder got another path down the
+    rank tree from rank 0 than rank 1's: rank 1 sends its own with its part."""
     world = 3
-    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1}
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "fan": fan}
     out = _run(tmp_path, "rput", cfg)
     res = _results(out, "rput", world)
     assert len({tuple(r["roots"]) for r in res}) == 1

@@ -29,7 +29,7 @@ import msgpack
 
 from ..errors import InvalidArgument, OutcomeUnknown, SnapshotAborted, TsckError
 from ..ids import Digest
-from ..format.world import FAN
+from ..format import world as worldfmt
 from ..validate import UNSET
 from .channel import (WOKEN, Channel, CommitUnderWay, Heartbeat, RevalFailed, guard, open_channel, outcome_round,
                       result_key)
@@ -371,7 +371,7 @@ class PutCall:
 
         def info_of(root: Digest):
             if tier is not None:  # rank 0's commit and top nodes into this rank's tier first
-                tier.adopt(bytes(root), *ch.get_many(["tier", f"tierpath/{ch.rank // FAN}"]), part["tree"])
+                tier.adopt(bytes(root), *ch.get_many(["tier", f"tierpath/{ch.rank // worldfmt.FAN}"]), part["tree"])
             return self.publisher.info(root)
         try:
             info = self.await_result(info_of)
@@ -573,8 +573,9 @@ def rank_paths(payloads: list, W: int) -> dict:
             decoded[d] = tree.decode_node_value(decode_node(by_digest[d]))
         return decoded[d]
     w = tree.decode_node_value(decode_node(payloads[-1]), world=True)
-    return {g: msgpack.packb([by_digest[d] for d in rank_path(w, max(1, g * FAN), read)])
-            for g in range(-(-W // FAN)) if W > 1}
+    fan = w.fan  # (worldfmt.FAN, which the others group by: write_world wrote it)
+    return {g: msgpack.packb([by_digest[d] for d in rank_path(w, max(1, g * fan), read)])
+            for g in range(-(-W // fan)) if W > 1}
 
 
 def _chunk_index(layouts: Layouts, job: bytes, publisher, fence: int, build):

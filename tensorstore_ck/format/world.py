@@ -171,19 +171,21 @@ def _bucket_node(bk: dict, put: Callable) -> dict:
     return {"d": items}
 
 
-def write_index(pieces_by_rank: list, put: Callable, fan: int = FAN) -> tuple[int, bytes]:
+def write_index(pieces_by_rank: list, put: Callable, fan: int | None = None) -> tuple[int, bytes]:
     """Write the chunk index of a multi-rank snapshot through put(raw value) -> digest,
     which writes the value as one node (its layout is made here: every value is small),
     bottom-up -> (nb, ri): its bucket count and the root of its bucket fan. It depends on
     the layout alone, so a repeated layout writes the same nodes."""
-    nb = bucket_count(pieces_by_rank, len(pieces_by_rank))
+    nb, fan = bucket_count(pieces_by_rank, len(pieces_by_rank)), fan or FAN
     return nb, build_fan([put(_bucket_node(b, put)) for b in buckets(pieces_by_rank, nb)], fan, put)
 
 
-def write_world(rank_tops: list, index: tuple[int, bytes], put: Callable, fan: int = FAN) -> dict:
+def write_world(rank_tops: list, index: tuple[int, bytes], put: Callable, fan: int | None = None) -> dict:
     """Write the rank tree through put (as write_index) -> the raw "W" value of the top
-    node (version 2), with index = write_index(...) of the same world."""
+    node (version 2), with index = write_index(...) of the same world. fan: FAN unless
+    given (read when called: tests set FAN to make small worlds of several leaves)."""
     nb, ri = index
+    fan = fan or FAN
     rt = build_fan(rank_tops, fan, put)
     return {"W": {"v": 2, "world": len(rank_tops), "fan": fan, "rt": rt, "nb": nb, "ri": ri}}
 

@@ -275,6 +275,26 @@ class Peers:
             pending = list(self._pending)
         wait(pending, timeout)
 
+    def _path(self, root: bytes) -> list:
+        """The rank-tree nodes above this rank's tree in snapshot `root`, as its tier holds
+        them (adopted from rank 0: CollectiveTier.adopt); [] if they cannot be read here."""
+        from ..format import tree as treefmt
+        from ..format.manifest import commit_tree, decode_node
+        from ..format.world import rank_path
+        assets = self.core.assets
+
+        def read(d, world=False):
+            return treefmt.decode_node_value(decode_node(assets.get_node(d)), world=world)
+        try:
+            w = read(commit_tree(assets.get_commit(root)), world=True)
+            if not isinstance(w, treefmt.World) or w.ranks is not None or not 0 <= self.rank < w.world:
+                return []
+            return rank_path(w, self.rank, read)
+        except TsckError as e:  # (the holder reads it from the remote then)
+            log.debug("peer replicas: snapshot %s: this rank's path down the rank tree not read: %s",
+                      root.hex()[:16], e)
+            return []
+
     def _replicate(self, root: bytes, tree: bytes) -> None:
         assets = self.core.assets
         objs, seen = [], set()
@@ -284,6 +304,10 @@ class Peers:
                 objs.append((o.kind, o.digest))
         # (a Replicated tensor's blocks written by another rank are not in this tier: theirs to send)
         objs = [(k, d) for k, d in objs if k != "block" or assets.block_exists(d)]
+        # This rank's path down the rank tree too: a holder in another group of 16 ranks
+        # got another path from rank 0 (dist.put.rank_paths), and this rank, its tier lost,
+        # reads the path from its holders before its part.
+        objs += [("node", d) for d in self._path(root) if d not in seen]
         for peer in self.holders():
             conn = self._connect(peer)
             if conn is None:

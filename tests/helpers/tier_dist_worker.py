@@ -54,6 +54,9 @@ def _reads_class():
 
 def _open(cfg, out, rank, tier, holder, **kw):
     import tensorstore_ck as tsck
+    if cfg.get("fan"):  # rank-tree nodes of cfg["fan"] ranks: several leaves in a small world
+        import tensorstore_ck.format.world as worldfmt
+        worldfmt.FAN = cfg["fan"]
     Reads = _reads_class()
     if cfg.get("gate"):  # every remote write waits until the file cfg["gate"] exists
         import time
