@@ -462,6 +462,51 @@ def test_checker_judges_rollbacks_and_collective_restores(tmp_path):
             ["I4 fsck beside the oth"]
 
 
+def test_checker_judges_stage_failures(tmp_path):
+    """R3: a snapshot one rank could not stage ends on every other rank in an abort naming
+    that rank's error, within the bound of the later rank's call; the next one commits one
+    root on every rank and each manager closes clean. A rank still waiting at the bound (the
+    skipped call of a manager that does not abort it), a root, another error, a next
+    snapshot that split are findings; a worker killed meanwhile or an injected fault not."""
+    from tests.sim import rollback
+    t = time.time()
+    said = rollback.STAGE_ERROR.format(rank=1, step=4)
+    sf = {"rank": 1, "deadline": 45.0, "bound": 5.0, "ref": "ja/main", "step": 4, "put": 4}
+    aborted = {"called": t, "ended": t + 0.1, "error": f"SnapshotAborted: snapshot aborted: rank 1: {said}"}
+    own = {"called": t + 0.05, "ended": t + 0.06, "error": f"RuntimeError: {said}"}
+    done = {"second": {"called": t + 1, "ended": t + 1.2, "root": "ab" * 32}, "closed": "ok", "failed": 1}
+
+    def judged(first=(aborted, own), second=(done, done), ended=True):
+        recs = [{"w": "w", "i": 8_000_004, "op": "stagefail", "args": sf, "start": t}]
+        if ended:
+            recs.append({"w": "w", "i": 8_000_004, "end": t + 0.2, "result": "ok",
+                         "ranks": [{"first": c} for c in first]})
+        recs += [{"w": "w", "i": 5, "op": "put", "start": t + 0.3,
+                  "args": {"ref": "ja/main", "step": 5, "spec": {}, "after_stagefail": 4}},
+                 {"w": "w", "i": 5, "end": t + 1.3, "result": "ok", "stagefail": list(second)}]
+        _journal(tmp_path, recs)
+        return [x[:2] for x in rollback.check_stagefails(check.load_ops(str(tmp_path)))]
+
+    assert judged() == []
+    assert judged(ended=False) == []  # (killed before every rank said)
+    waited = {"called": t}  # not ended when its rank reported, at the bound
+    assert judged(first=(waited, own)) == ["R3"]
+    assert judged(first=(dict(aborted, ended=t + 45.1), own)) == ["R3"]  # ended at the deadline
+    assert judged(first=(dict(aborted, error="OutOfStep: out of step"), own)) == ["R3"]
+    assert judged(first=(dict(aborted, error="SnapshotAborted: snapshot aborted by another rank"), own)) == ["R3"]
+    assert judged(first=(dict(aborted, error=None, root="cd" * 32), own)) == ["R3"]
+    injected = {"called": t, "ended": t + 0.1, "error": "StorageError: sim: injected put failure on blocks/x"}
+    assert judged(first=(injected, own)) == []
+    split = dict(done, second=dict(done["second"], root="ef" * 32))
+    assert judged(second=(done, split)) == ["R3"]
+    lost = dict(done, second={"called": t + 1, "ended": t + 1.1, "error": "OutOfStep: out of step"},
+                closed="SnapshotsFailed: the newest snapshot attempted (step 5) was not committed")
+    assert judged(second=(lost, lost)) == ["R3", "R3", "R3"]  # (and neither manager closed clean)
+    assert judged(second=(done, dict(done, closed="SnapshotsFailed: ..."))) == ["R3"]
+    fault = dict(done, second={"called": t + 1, "ended": t + 1.1, "error": "StorageError: sim: injected get"})
+    assert judged(second=(fault, dict(fault, closed="SnapshotsFailed: ..."))) == []
+
+
 def test_checker_judges_removals_answers_and_outages_through_tiers(tmp_path):
     """T20-T22 and I7 on calls through a tier: a delete_ref through a tier that returned ok
     while the remote keeps the ref (no later put or undelete explains it), and the tier's

@@ -49,6 +49,9 @@ Invariants (tests/sim/check.py), after every round:
       run's tip (tests/sim/rollback.py; I3 lets a ref go back only for such a rollback);
   R2  every rank of a collective restore (restore_latest, one rank's part damaged in
       most) gets the same outcome: one snapshot read whole on each, or one error type.
+  R3  a manager's snapshot one rank cannot stage (its state_dict() raises) is lost on
+      every rank at once: an abort naming that error, well before the deadline; the next
+      snapshot commits alike on every rank.
 Writers through a local tier (open_store(local=), in seeded rounds; --focus tier: all):
 their uploads are killed at the uploader's stages and at random, and check.check_tiers
 judges T1-T9 (a remote ref names no missing object; a durable mark means the remote
@@ -164,10 +167,11 @@ FLAVORS["net"] = dict(_BASE, weights={"put": 6, "tag": 1.5, "pin": 1, "unpin": 0
                                       "read": 1}, fail=0.0, self_kill=0.05, driver_kill=0.2, recover_p=0.0,
                       kill_after_commit=0.0, net="heavy")
 # --focus rollback: rollbacks (a CheckpointManager's restore(step)) often, the writer killed
-# as one returns in a third of them, and a collective restore after every collective put,
-# one rank's part damaged in most (tests/sim/rollback.py: R1, R2). Not in the mix's draw.
+# as one returns in a third of them, a collective restore after every collective put,
+# one rank's part damaged in most, and half the collective puts made through a manager
+# whose state fails on one rank (tests/sim/rollback.py: R1, R2, R3). Not in the mix's draw.
 FLAVORS["rollback"] = dict(FLAVORS["mix"], weights=dict(FLAVORS["mix"]["weights"], cput=4), rollback_p=0.3,
-                           rollback_kill=0.3, crestore_p=1.0, tier_p=0.0, ctier_p=0.0)
+                           rollback_kill=0.3, crestore_p=1.0, stagefail_p=0.5, tier_p=0.0, ctier_p=0.0)
 MIX_DRAW = {"mix": 4, "tag-gc": 2, "fsck-gc": 2, "recover": 2, "stale": 1, "remove": 2}
 # Writers with a local tier (open_store(remote, local=TIER)), beside the others: in a
 # round drawn with probability tier_p (a stream of its own, so the other workers'
@@ -483,7 +487,7 @@ class Harness:
         tiered = self._tier_writers(r, fl, cfgs)
         for c in cfgs:  # (a tier writer's puts reach the remote ref through its uploader: no rollbacks)
             c["rollback_p"], c["rollback_kill"] = (0.0 if c.get("tier") else fl["rollback_p"]), fl["rollback_kill"]
-            c["crestore_p"] = fl["crestore_p"]
+            c["crestore_p"], c["stagefail_p"] = fl["crestore_p"], fl.get("stagefail_p", 0.0)
         # Some writers of the one ref (not through a tier: its races are the tier's own) are
         # killed right after the move that follows a lost race, before the refused commit is
         # removed: recover must adopt one of the two (a stream of its own).
@@ -1049,6 +1053,7 @@ class Harness:
             bad += check.check_failures(s, ops)
             bad += rollback.check_rollbacks(s, ops, self.barriers)  # R1
             bad += rollback.check_restores(ops)  # R2
+            bad += rollback.check_stagefails(ops)  # R3
             tiers = {n: p for n, p in {**self.tiers, **self.rank_tiers}.items() if os.path.isdir(p)}
             tb, stats = check.check_tiers(s, tiers, ops)
             bad += tb

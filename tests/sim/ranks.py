@@ -20,7 +20,9 @@ Half the calls (the worker's seeded choice, journaled as blocking=False) are asy
 the rank scribbles over its state as soon as its future returns, then waits for it.
 A line {"restore": true, "ref"} is a collective restore instead: restore_latest() of a
 CheckpointManager on the ref, into this rank's rows (rollback.rank_restore), printing the
-step and note it read (or the error), which the worker judges (R2).
+step and note it read (or the error), which the worker judges (R2). A line {"stagefail": {...}}
+is two step() calls of an asynchronous CheckpointManager, one rank's state failing in the
+first (rollback.rank_stagefail, R3).
 A call may name a rank that skips it ({"skip": RANK}: it prints nothing and goes on to the
 next line at once, as a rank whose own policy decided otherwise), and may
 be made without a step ({"nostep": true}: every rank must refuse it).
@@ -53,7 +55,7 @@ from tensorstore_ck.tier.collective import KEEP_PREFIX
 
 from . import content
 from .faults import Faults
-from .rollback import rank_restore
+from .rollback import rank_restore, rank_stagefail
 from .worker import FENCES, _die_with_parent, _err, open_store, tier_bytes
 
 
@@ -179,8 +181,8 @@ def main(argv=None) -> int:
         if per_call and s.closed:
             s = open_store(cfg, faults, **kw)
         cmd = json.loads(line)
-        if cmd.get("restore"):  # a collective restore_latest() of a CheckpointManager (rollback.py, R2)
-            out = rank_restore(s, cmd, rank, world)
+        if cmd.get("restore") or cmd.get("stagefail"):  # a CheckpointManager's (rollback.py, R2, R3)
+            out = (rank_stagefail if cmd.get("stagefail") else rank_restore)(s, cmd, rank, world)
             if per_call:
                 if follow is not None:
                     follow.check(s)

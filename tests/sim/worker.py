@@ -484,6 +484,8 @@ class Worker:
         if self.rng.random() < 0.15:
             cur = s.reftable.get_or_none(ref)
             cmd["expected"] = args["expected"] = None if cur is None else cur.hex()
+        if rollback.stagefail_drawn(self, i, cmd):  # one rank's state fails to read (R3)
+            return args, rollback.stagefail_pair(self, i, args)
         # Out of step (a stream of its own, seeded by the call): rank 1 skips this put and goes
         # on to the next one at once, which the worker makes as op i+1 (step + 1) on every
         # rank; without a step in a third of those (every rank must refuse both).
