@@ -11,7 +11,7 @@ Then, in this order:
   both with the page cache of the store's files evicted first (posix_fadvise
   DONTNEED per file; no system-wide drop_caches) and once more warm;
 * ``gc(dry_run=True)``: expire plan, mark, list (deletes nothing);
-* the mark phase alone (``tensorstore_ck.reach.mark`` over every kept snapshot,
+* the mark phase alone (``tensorstore_ck.maintain.reach.mark`` over every kept snapshot,
   an internal function, timed here to give the marking throughput);
 * ``gc()`` in a child process, which reports its GCReport, its ru_maxrss
   (lifetime peak, torch import included) and, with the kernel's high-water
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                      f"{(dry.reachable_objects + dry.candidates) / t_dry:,.0f} objects/s", "",
                      f"{dry.candidates} would go, {dry.reachable_objects} reachable"))
 
-        from tensorstore_ck.reach import Marked, kept_roots, mark  # the mark phase alone
+        from tensorstore_ck.maintain.reach import Marked, kept_roots, mark  # the mark phase alone
         roots = kept_roots(store.core, exclude={bytes.fromhex(r) for r in dry.expired})
         evict(path)
         t = time.perf_counter()

@@ -67,7 +67,7 @@ import bench_s3  # noqa: E402
 from tests.sim.s3proxy import RateLimits, ThrottleProxy  # noqa: E402
 
 tsck = core.import_tsck()
-from tensorstore_ck import chunker  # noqa: E402
+from tensorstore_ck.format import chunker  # noqa: E402
 
 MiB = 1 << 20
 GB = 1e9
@@ -126,7 +126,7 @@ def layouts(world: int) -> tuple[list[dict], list, int]:
 def packed_objects(shapes, block_size: int, pack_size: int) -> int:
     """Objects one rank's snapshot makes with packs, counted by the writer's own code: each
     tensor cut by the chunker, then plan.pack_leaves (what a put with pack_size does)."""
-    from tensorstore_ck.plan import Leaf, pack_leaves
+    from tensorstore_ck.write.plan import Leaf, pack_leaves
     leaves = []
     for shape, item in shapes:
         nbytes = math.prod(shape) * item

@@ -34,7 +34,7 @@ except ImportError:  # not installed: this checkout's
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import tensorstore_ck as tsck
 try:
-    from tensorstore_ck import packparts
+    from tensorstore_ck.write import packparts
 except ImportError:  # a tree from before packs named stored parts (to compare with)
     packparts = type("packparts", (), {"LIVE_SHARE": None})
 

@@ -409,7 +409,7 @@ def bench_train(tsck, args, base, R):
         R["train_prunes"] = tr["prune"].mgr._pruner.runs if tr["prune"].mgr._pruner else 0
         # the same stall out of the loop: put_snapshot(TrainState, blocking=False) and a plain copy,
         # back to back, alternating, many times (commit waited for and os.sync() run, untimed)
-        from tensorstore_ck.plan import Planner
+        from tensorstore_ck.write.plan import Planner
         t = tr["async"]
         src = [x for _, x in iter_tensors(t.ts.state_dict())]
         dst = [torch.zeros_like(x) for x in src]

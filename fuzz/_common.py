@@ -242,7 +242,7 @@ def same(a, b, path: str = "state") -> None:
     import numpy as np
     import torch
 
-    from tensorstore_ck.shard import Sharded
+    from tensorstore_ck.write.shard import Sharded
 
     def bad(msg):
         raise ContractViolation(f"round trip differs at {path}: {msg}")
@@ -309,7 +309,7 @@ def check_state_types(v, depth: int = 0) -> None:
     import numpy as np
     import torch
 
-    from tensorstore_ck.shard import Sharded
+    from tensorstore_ck.write.shard import Sharded
     if depth > 1000:
         raise ContractViolation("returned state deeper than 1000 levels")
     t = type(v)
@@ -432,7 +432,7 @@ def build_real_store(url: str | None = None, **open_kw):
 
 def drop_memory_store(store) -> None:
     """Close a memory:// store and free its objects and ref table."""
-    from tensorstore_ck.locate import forget_memory_refs
+    from tensorstore_ck.core.core.locate import forget_memory_refs
     url = store.url
     try:
         store.close()

@@ -43,7 +43,7 @@ with _common.instrument(__name__ == "__main__"):
 
     import tensorstore_ck as tsck
     from tensorstore_ck.errors import InvalidName, StepReusedWarning, TsckError, UnsupportedType
-    from tensorstore_ck.shard import Replicated, Sharded
+    from tensorstore_ck.write.shard import Replicated, Sharded
     from tensorstore_ck.format.dtypes import TORCH_DTYPES
 
 DEADLINE = 10.0

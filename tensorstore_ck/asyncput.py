@@ -8,8 +8,8 @@ snapshot and counts it. A failure goes to its future, to the next put
 (raise_pending_error) and, if nobody retrieved it, to Store.close() (unheard).
 
 A collective snapshot (under torch.distributed) is named on the caller's thread
-(dist.begin_put: the calls keep their order on every rank) and made on the background
-thread (dist.run_put); its outcome goes to its future only, never to the next put: the
+(collective.begin_put: the calls keep their order on every rank) and made on the background
+thread (collective.run_put); its outcome goes to its future only, never to the next put: the
 ranks learn it at different moments.
 """
 
@@ -21,9 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait_all
 from typing import Callable
 
-from .dist import CollectiveJob, begin_put, run_put
+from .collective import CollectiveJob, begin_put, run_put
 from .errors import SnapshotAborted
-from .staging import StagingPool
+from .write.staging import StagingPool
 
 __all__ = ["SnapshotFuture", "AsyncPuts", "note"]
 

@@ -35,7 +35,7 @@ import os
 import struct
 
 from .errors import FormatError
-from .localfile import NotRegularFile, open_regular
+from .util.localfile import NotRegularFile, open_regular
 
 __all__ = ["POINTER_FORMAT", "POINTER_FORMATS", "MAX_POINTER_BYTES", "parse_pointer", "pointer_bytes",
            "read_local_pointer", "load_with_tensorstore_ck_lightning_load_checkpoint"]

@@ -49,15 +49,14 @@ import transformers
 from transformers import TrainerCallback
 
 from .errors import InvalidArgument, RefNotFound
-from .hf_folder import (FILE_NAME, HF_META, MAX_CONFIG_BYTES, MAX_FILE_BYTES, MAX_FILES, SHARD_BYTES,
-                        config_text, trainer_file, check_kept_files, export_folder, write_kept_files,
-                        write_pretrained)
-from .importing import import_files
-from .localfile import NotRegularFile, open_regular, write_dir
-from .retention import Retention
-from .shard import Replicated
-from .pruner import Pruner
+from .interchange.hf_folder import (FILE_NAME, HF_META, MAX_CONFIG_BYTES, MAX_FILE_BYTES, MAX_FILES, SHARD_BYTES,
+                                    config_text, trainer_file, check_kept_files, export_folder, write_kept_files, write_pretrained)
+from .interchange.importing import import_files
+from .maintain.retention import Retention
 from .train import capture_rng
+from .train.pruner import Pruner
+from .util.localfile import NotRegularFile, open_regular, write_dir
+from .write.shard import Replicated
 
 __all__ = ["TsckCallback", "resume_checkpoint", "export_pretrained", "import_pretrained", "trainer_state",
            "LAYOUT"]
@@ -415,7 +414,7 @@ def _sharded_by(model) -> str | None:
     except ImportError:  # pragma: no cover - transformers' Trainer needs accelerate
         pass
     if model is not None:
-        from .shard import is_dtensor
+        from .write.shard import is_dtensor
         if type(model).__name__ == "FullyShardedDataParallel" or any(is_dtensor(p) for p in model.parameters()):
             return "FSDP"
     return None

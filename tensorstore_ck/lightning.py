@@ -75,7 +75,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 from .ckpt_pointer import MAX_POINTER_BYTES, POINTER_FORMAT, parse_pointer, pointer_bytes, read_local_pointer
 from .errors import FormatError, InvalidArgument, RefConflict, RefNotFound, UnsupportedType
 from .format.names import MAX_NAME_BYTES, validate_component
-from .localfile import sync_dir, write_atomic
+from .util.localfile import sync_dir, write_atomic
 
 __all__ = ["TsckCheckpointIO", "ref_for_path", "POINTER_FORMAT", "read_pointer", "load_checkpoint", "open_checkpoint"]
 

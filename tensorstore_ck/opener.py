@@ -24,18 +24,18 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .assets import STORE_MARKER, create_marker, holds_snapshots
-from .core import Core, Settings
+from .core.assets import STORE_MARKER, create_marker, holds_snapshots
+from .core.core import Core, Settings
+from .core.locate import (STORE_VERSION, check_options, layout, lmdb_path, marker_bytes, open_refs, read_config,
+                          remote_storage, settings_for, split_url, unwritable, wrapped)
 from .errors import InvalidArgument, NotAStore, StorageError, TsckError, storage_error
-from .locate import (STORE_VERSION, check_options, layout, lmdb_path, marker_bytes, open_refs, read_config,
-                     remote_storage, settings_for, split_url, unwritable, wrapped)
 from .refs import RefTable
-from .saver import SaverRecipe
 from .storage import BlockStore, LocalBlockStore
 from .store import Store
 from .tier.local import LocalTier
 from .tier.opening import (LAZY_PROTOCOLS, lazy_tiered, record_location, refuse_lost_table, remote_location,
                            tiered)
+from .write.saver import SaverRecipe
 
 __all__ = ["open_store", "STORE_MARKER", "CREATE_HINT"]
 
@@ -300,7 +300,7 @@ class _Network:
                       saver_nice=saver_nice)
         if saver == "process" and wrap_storage is not None:
             _saver_can_wrap(wrap_storage)
-        from .retry import backoff_for
+        from .util.retry import backoff_for
         return cls(write_bandwidth, write_concurrency, workers, max_inflight, backoff_for(retry_budget), when_busy,
                    storage_options, wrap_storage, saver, saver_nice)
 

@@ -2,7 +2,7 @@
 the module that does it, giving it the store's Core (core.py), never the Store:
 
     put_snapshot   Planner (plan.py) -> Publisher (publish.py) -> Assets -> BlockStore;
-                   blocking=False through AsyncPuts (asyncput.py), collective through dist/
+                   blocking=False through AsyncPuts (asyncput.py), collective through collective/
     checkout       Reader (read.py), through readpath.py (a DCP-written one: dcpstate.py)
     tag, pin, untag, forget, delete_ref, undelete  lifecycle.py (fenced against gc); with a
                    local tier in both tiers' tables (tier/holds.py)
@@ -29,24 +29,24 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from . import lifecycle
 from .asyncput import AsyncPuts, SnapshotFuture, note
-from .chunker import default_pack_size
-from .core import Core
-from .dist import AUTO as _AUTO_GROUP
-from .dist import CALLS, CollectiveJob, collective_checkout, collective_put, is_collective
+from .collective import AUTO as _AUTO_GROUP
+from .collective import CALLS, CollectiveJob, collective_checkout, collective_put, is_collective
+from .core.core import Core
+from .core.validate import UNSET, SnapshotArgs, check_utf8, check_snapshot_args
 from .errors import IntegrityError, InvalidArgument, ReadOnlyStore, RefNotFound, StoreClosed, TsckError, storage_error
+from .format.chunker import default_pack_size
 from .format.manifest import decode_commit
-from .ids import Digest
-from .info import DurableEvent, SnapshotInfo
-from .publish import Publisher, Timing
 from .format.names import validate_component, validate_name, validate_new_name
-from .retention import Retention
-from .saver import CLOSE_WAIT, GIVE_UP_WAIT, Saver, SaverRecipe
-from .validate import UNSET, SnapshotArgs, check_utf8, check_snapshot_args
+from .info import DurableEvent, SnapshotInfo
+from .maintain import lifecycle
+from .maintain.retention import Retention
+from .util.ids import Digest
+from .write.publish import Publisher, Timing
+from .write.saver import CLOSE_WAIT, GIVE_UP_WAIT, Saver, SaverRecipe
 
 if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
-    from .plan import Planner
+    from .write.plan import Planner
     from .tier.local import LocalTier
 
 __all__ = ["Store", "SnapshotInfo", "SnapshotFuture"]
@@ -105,7 +105,7 @@ def _public(fn):
 def _bytes_bar(show: bool, desc: str, total):
     """With show, a bytes progress bar on stderr for one put or checkout, closed however it
     ends: yields its update(n), else None (no progress callback)."""
-    from .progress import progress_bar
+    from .util.progress import progress_bar
     total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
     bar = progress_bar(show, desc, total=total, unit="B")
     if bar is None:  # not asked for (or tqdm missing, a dependency)
@@ -438,9 +438,9 @@ class Store:
     def planner(self, allow_pickle: bool = False, defer_device: bool = False, cached: bool = False) -> Planner:
         """A planner with this store's block layout (validates a state before any write).
         cached: it plans a state of a layout put_snapshot planned lately from that plan."""
-        from .plan import Planner  # torch, imported where tensors are (not by `tsck refs`)
+        from .write.plan import Planner  # torch, imported where tensors are (not by `tsck refs`)
         if cached and self._plan_cache is None:
-            from .plancache import PlanCache
+            from .write.plancache import PlanCache
             self._plan_cache = PlanCache()
         return Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
                        allow_pickle=allow_pickle, defer_device=defer_device, pack_size=self.pack_size,
@@ -583,7 +583,7 @@ class Store:
         lease: seconds this gc holds the store between renewals (default: the Store's
         gc_lease, 120 s); others judge it on the ref table's clock. grace: leave objects
         younger than this many seconds (in-flight snapshots' new objects) for a later gc."""
-        from .gc import run_gc
+        from .maintain.gc import run_gc
         if not dry_run:
             self._writable("gc")
         return run_gc(self.core, dry_run=dry_run, progress=progress, lease=self.gc_lease if lease is None else lease,
@@ -595,7 +595,7 @@ class Store:
         held: gc for one job, without listing storage (a CheckpointManager with
         retention runs it after each snapshot). Safe beside writers and `tsck gc`;
         GcBusy while another gc holds the store. A GCReport."""
-        from .gc import prune_job
+        from .maintain.gc import prune_job
         validate_component(job, "job name")
         self._writable("prune")
         return prune_job(self.core, job, lease=self.gc_lease if lease is None else lease)
@@ -608,8 +608,8 @@ class Store:
         it takes the store's gc lock (GcBusy while a gc runs). A finding in a snapshot
         written through dcp.save names its path in the state as saved, as ls does
         (raw=True: the stored layout's, tensors.FQN)."""
-        from .fsck import run_fsck
-        from .listing import saved_findings
+        from .maintain.fsck import run_fsck
+        from .read.listing import saved_findings
         if repair:
             self._writable("fsck --repair")
         r = run_fsck(self.core, full=full, progress=progress, repair=repair, lease=self.gc_lease)
@@ -619,7 +619,7 @@ class Store:
     @_public
     def resolve(self, target: str, *, group=None, timeout: float = 300.0) -> str:
         """A target (ref, tag, REF@STEP, root hex or unique prefix >= 8) -> root hex.
-        group: a process group every rank of which calls this (dist.AUTO: the default one
+        group: a process group every rank of which calls this (collective.AUTO: the default one
         when initialized): resolved once, by rank 0, and its root handed to every rank (a
         collective checkout's resolution), so ranks whose tiers differ never name
         different snapshots (the DCP reader resolves so)."""
@@ -696,8 +696,8 @@ class Store:
             raise InvalidArgument(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, paths=paths,
                     map_location=map_location)
-        from .readpath import read_state
-        from .read import MISSING, Reader
+        from .read.readpath import read_state
+        from .read.read import MISSING, Reader
         Reader(self.assets, self.pool, snapshot="", **opts)  # checks paths and map_location first
 
         def read_with(reader: Reader, top: bytes):
@@ -754,7 +754,7 @@ class Store:
         history to what it keeps, so this costs what retention keeps. A snapshot whose
         catalog row does not decode raises FormatError, or with errors={} goes there
         (root hex -> error) and the others are listed."""
-        from .listing import history
+        from .read.listing import history
         validate_name(ref)
         if self._tier is not None:
             roots = self._tier_roots(ref)
@@ -765,7 +765,7 @@ class Store:
         return self._durable(history(self.core, ref, errors))
 
     def _infos(self, named, errors: dict | None) -> dict[str, SnapshotInfo]:
-        from .listing import describe
+        from .read.listing import describe
         return describe(named, self._info, errors)
 
     @_public
@@ -813,7 +813,7 @@ class Store:
         """Rebuild catalog, refs (at their newest commits), reflog and tags from storage.
         Until a recover finishes, gc and prune refuse (RebuildUnfinished). GcBusy if a gc
         holds the store for more than `wait` seconds."""
-        from .recover import run_recover
+        from .maintain.recover import run_recover
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < 1e7:
             raise InvalidArgument(f"recover wait must be a number of seconds >= 0, got {wait!r}")
         self._writable("recover")
@@ -824,7 +824,7 @@ class Store:
         """Which tensors differ between two targets, and in how many blocks. A snapshot
         written through dcp.save names its tensors at their paths in the state as saved,
         as ls does (raw=True: the stored layout's, tensors.FQN)."""
-        from .listing import diff
+        from .read.listing import diff
         return diff(self.read_core, self._root(a), self._root(b), raw=raw)
 
     @_public
@@ -926,5 +926,5 @@ class Store:
     @_public
     def du(self) -> dict:
         """Logical bytes (what the kept snapshots hold) vs physical (what storage holds)."""
-        from .usage import summary
+        from .maintain.usage import summary
         return summary(self.core, lease=self.gc_lease)

@@ -8,7 +8,7 @@ Everything here is written independently of tensorstore_ck's internals:
   reference to collect the keys of all nodes and blocks a snapshot reaches,
   with the state path of every block (format per docs/FORMAT.md).
 - `model_kept` is a plain model of the retention rules, written from their
-  definitions in docs/design/gc.md and the README (not from tensorstore_ck/retention.py).
+  definitions in docs/design/gc.md and the README (not from tensorstore_ck/maintain/retention.py).
 """
 from __future__ import annotations
 

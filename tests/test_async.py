@@ -565,7 +565,7 @@ def test_staging_pool_two_buffers_of_one_size(tmp_path):
 
 
 def test_staging_pool_take_and_give_by_identity():
-    from tensorstore_ck.staging import StagingPool
+    from tensorstore_ck.write.staging import StagingPool
     pool = StagingPool(3)
     a, b, c = pool.take(100), pool.take(100), pool.take(5_000)
     for buf in (c, a, b):  # the one taken is not the first: a comparison by value would meet c

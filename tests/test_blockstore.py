@@ -460,7 +460,7 @@ def test_s3_transport_failure_is_an_oserror():
     ConnectionError from every operation, which RetryingStore retries (StorageError above)."""
     import socket
 
-    from tensorstore_ck.retry import is_transient as _transient
+    from tensorstore_ck.util.retry import is_transient as _transient
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

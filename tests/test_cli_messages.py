@@ -129,10 +129,10 @@ def test_progress_counts_bytes_on_a_terminal_only(store_path):
 
 
 def test_sizes_are_decimal_si_everywhere(capsys):
-    """One unit system for every size shown (tensorstore_ck/units.py): decimal SI, so the
+    """One unit system for every size shown (tensorstore_ck/util/units.py): decimal SI, so the
     progress bar, the CLI's text and the committed log line say the same of one size."""
     from tensorstore_ck.cli import human
-    from tensorstore_ck.progress import progress_bar
+    from tensorstore_ck.util.progress import progress_bar
     bar = progress_bar(True, "fsck", total=1_500_000, unit="B")
     bar.update(750_000)
     shown = str(bar)
@@ -140,5 +140,5 @@ def test_sizes_are_decimal_si_everywhere(capsys):
     capsys.readouterr()
     assert "750kB/1.50MB" in shown, shown  # not 1.43 "MB" of 1024 x 1024 bytes
     assert [human(n) for n in (999, 1000, 1_500_000, 2_000_000_000)] == ["999 B", "1.00 kB", "1.50 MB", "2.00 GB"]
-    from tensorstore_ck.units import human_bytes
+    from tensorstore_ck.util.units import human_bytes
     assert human_bytes(999_999) == "1.00 MB"

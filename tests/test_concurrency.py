@@ -276,7 +276,7 @@ def test_a_ref_that_always_moves_first_gives_up_with_a_clear_error(monkeypatch):
     """A competing writer that wins every race on one ref (it moves the ref right
     before each of our compare-and-swaps): after COMMIT_ATTEMPTS tries the put gives
     up with SnapshotAborted saying why, and the ref is only ever on the rival's roots."""
-    import tensorstore_ck.publish as store_mod
+    import tensorstore_ck.write.publish as store_mod
     from tensorstore_ck.refs import MemoryRefTable
 
     class RivalWinsEveryRace(MemoryRefTable):

@@ -235,7 +235,7 @@ def test_a_change_to_an_inlined_tensor_alone_is_new_bytes(backend, caplog):
         with torch.no_grad():
             lin.weight[0, 0] += 1
         before = Snap(backend)
-        with caplog.at_level(logging.INFO, logger="tensorstore_ck.publish"):
+        with caplog.at_level(logging.INFO, logger="tensorstore_ck.write.publish"):
             third = s.put_snapshot({"lin": lin.state_dict(), "big": big}, ref="jobA/main", step=3)
         assert all_files(backend, "blocks") == before.block_paths and third.blocks_new == 0
         assert all_files(backend, "nodes") - before.nodes  # the node holding the Linear is new

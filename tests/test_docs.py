@@ -157,50 +157,109 @@ def _modules() -> list[str]:
     return out
 
 
-def _docstring_entries() -> list[tuple[list[str], str]]:
-    """The package docstring's module map as entries: (the names an entry gives, its
-    text). A name is in the first column (indent 4, before column 26; `a.py, b.py` names
-    two, and a line ending in a comma goes on on the next line); a package's modules
-    indented under it (indent 6) are entries `package/module.py`."""
+def _map_entries(init: Path) -> list[tuple[list[str], str]]:
+    """The map in a package's docstring (`init`, its __init__.py) as entries: (the names an
+    entry gives, its text). An entry is a line indented 4 whose first words name modules
+    or folders (`a.py`, `b/`; `a.py, b.py` names two, and a list ending in a comma goes on
+    on the next line); the lines indented deeper that follow are its text."""
     import ast
-    doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()), clean=False)
+    doc = ast.get_docstring(ast.parse(init.read_text()), clean=False) or ""
     entries: list[tuple[list[str], str]] = []
-    package, listing = None, False  # listing: the names' column ended with a comma
+    listing, open_ = False, False  # listing: the names ended with a comma; open_: text may follow
     for line in doc.splitlines():
         indent = len(line) - len(line.lstrip())
-        column = line[:26].strip()
-        if indent in (4, 6) and column:
-            if indent == 4:
-                names = [n.strip() for n in column.split(",") if n.strip()]
+        words = line.split()
+        if indent == 4 and words:
+            names = []
+            for w in words:
+                n = w.rstrip(",")
+                if not re.fullmatch(r"\w+(\.py|/)", n):
+                    break
+                names.append(n)
+                if not w.endswith(","):
+                    break
+            if names:
+                rest = line.split(names[-1], 1)[1].lstrip(",")
                 if listing:
-                    entries[-1][0].extend(names)
+                    entries[-1] = (entries[-1][0] + names, entries[-1][1] + " " + rest)
                 else:
-                    entries.append((names, ""))
-                package = names[-1] if names and names[-1].endswith("/") else None
-            elif package is not None:
-                entries.append(([package + column], ""))
-            listing = column.endswith(",")
-        if entries:
-            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line[26:])
+                    entries.append((names, rest))
+                listing, open_ = words[len(names) - 1].endswith(","), True
+                continue
+            open_ = listing = False
+        elif indent > 4 and open_ and entries:
+            if listing:  # the names go on
+                more = [w.rstrip(",") for w in line.split()[:1] if re.fullmatch(r"\w+(\.py|/)", w.rstrip(","))]
+                if more:
+                    entries[-1] = (entries[-1][0] + more, entries[-1][1] + " " + line.split(more[0], 1)[1])
+                    listing = line.split()[0].endswith(",")
+                    continue
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+        elif line.strip():
+            open_ = listing = False
     return entries
 
 
-def _docstring_map() -> list[str]:
-    """The names in the package docstring's module map, one per mention."""
-    return [n for names, _text in _docstring_entries() for n in names]
+def _folders(pkg: Path = PKG) -> list[Path]:
+    return sorted(p.parent for p in pkg.rglob("__init__.py") if p.parent != pkg and "__pycache__" not in p.parts)
 
 
-def test_the_package_docstring_names_every_module_once():
-    """The docstring is the map a newcomer reads first: each module on exactly one line,
-    so a module added or renamed fails here until it has its line."""
+def _docstring_entries() -> list[tuple[list[str], str]]:
+    """Every map entry, by the module's path under the package: the package docstring's
+    (top-level modules and folders) and each folder's own (`tier/local.py`)."""
+    out = list(_map_entries(PKG / "__init__.py"))
+    for folder in _folders():
+        rel = folder.relative_to(PKG).as_posix() + "/"
+        out += [([rel + n for n in names], text) for names, text in _map_entries(folder / "__init__.py")]
+    return out
+
+
+def _expected_in(folder: Path) -> list[str]:
+    """What a package's map names: its own modules and its folders (`x.py`, `y/`)."""
+    out = [p.name for p in sorted(folder.glob("*.py")) if p.name != "__init__.py"]
+    return out + [p.name + "/" for p in sorted(folder.iterdir()) if (p / "__init__.py").exists()]
+
+
+def _map_faults(pkg: Path) -> list[str]:
+    """Per package of `pkg` (itself and each folder): what its map does not name, names
+    more than once, or names that is not there."""
     from collections import Counter
-    mentions = Counter(_docstring_map())
-    modules = _modules()
-    missing = [m for m in modules if mentions[m] == 0]
-    twice = sorted(m for m, n in mentions.items() if n > 1)
-    unknown = sorted(m for m in mentions if m not in modules)
-    assert not (missing or twice or unknown), \
-        f"package docstring: not named {missing}; named more than once {twice}; no such module {unknown}"
+    faults = []
+    for folder in [pkg] + _folders(pkg):
+        init = folder / "__init__.py"
+        expect = _expected_in(folder)
+        mentions = Counter(n for names, _t in _map_entries(init) for n in names)
+        missing = [m for m in expect if mentions[m] == 0]
+        twice = sorted(m for m, n in mentions.items() if n > 1)
+        unknown = sorted(m for m in mentions if m not in expect)
+        if missing or twice or unknown:
+            faults.append(f"{init.relative_to(pkg.parent)}: not named {missing}; named more than once {twice}; "
+                          f"no such module {unknown}")
+    return faults
+
+
+def test_the_package_docstring_names_every_folder_and_module_once(tmp_path):
+    """The maps a newcomer reads first: the package docstring names each top-level module
+    and folder on exactly one line, and each folder's __init__ names each of its modules
+    once, so a module added, moved or renamed fails here until it has its line. Modules
+    planted in a copy of the package show the check bites."""
+    import shutil
+    assert _map_faults(PKG) == []
+    shutil.copytree(PKG, tmp_path / "tensorstore_ck", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "tensorstore_ck" / "planted.py").write_text('"""A module nobody wrote a line for."""\n')
+    (tmp_path / "tensorstore_ck" / "format" / "planted.py").write_text('"""The same, inside a package."""\n')
+    faults = _map_faults(tmp_path / "tensorstore_ck")
+    assert len(faults) == 2 and "not named ['planted.py']" in faults[0] and "format/__init__.py" in faults[1], faults
+
+
+def test_the_package_docstring_is_a_short_table():
+    """The package's map names folders and the modules users import, not every room: at
+    most 11 modules at the top of the package, and its docstring under 80 lines."""
+    import ast
+    top = [p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert len(top) <= 11, f"{len(top)} modules at the top of the package: {sorted(top)}"
+    doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()), clean=False)
+    assert len(doc.splitlines()) < 80, len(doc.splitlines())
 
 
 MODULE_LINES = 650  # past this a module is split, or its map entry says the one job it does

@@ -29,7 +29,7 @@ except ImportError:  # tests/ is not a package
     from _lifecycle_util import HEADER, StoreWalker, header_of, key_of, run_clis, sizes
 
 import tensorstore_ck as tsck
-from tensorstore_ck.paths import dotted_from_formatted
+from tensorstore_ck.util.paths import dotted_from_formatted
 
 BLOCK = 4096
 INLINE = 256

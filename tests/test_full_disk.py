@@ -330,7 +330,7 @@ def test_checkout_onto_a_full_disk_is_one_line_and_leaves_no_file(tmp_path, fmt)
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_export_file_onto_a_full_disk_raises_no_space(tmp_path, fmt):
     """The same through the API: StorageError ENOSPC (not RuntimeError / SafetensorError)."""
-    from tensorstore_ck.export import export_file
+    from tensorstore_ck.interchange.export import export_file
     _export_store(tmp_path / "s")
     with tmpfs(tmp_path / "small", "4m") as small, tsck.open_store(tmp_path / "s", create=False) as s:
         fill(small)

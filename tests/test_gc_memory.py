@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import tensorstore_ck as tsck
-from tensorstore_ck import reach
-from tensorstore_ck.reach import Marked, NodeSet, kept_roots, mark
+from tensorstore_ck.maintain import reach
+from tensorstore_ck.maintain.reach import Marked, NodeSet, kept_roots, mark
 
 
 def _stored(root: str, kind: str) -> set[bytes]:

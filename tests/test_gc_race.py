@@ -320,7 +320,7 @@ def test_a_gc_looping_back_to_back_does_not_starve_a_fenced_writer(tmp_path, mon
     import logging
     import threading
 
-    from tensorstore_ck.publish import Publisher
+    from tensorstore_ck.write.publish import Publisher
 
     slow = Publisher.revalidate_plan
 
@@ -341,7 +341,7 @@ def test_a_gc_looping_back_to_back_does_not_starve_a_fenced_writer(tmp_path, mon
     store = tsck.open_store(str(tmp_path / "s"), block_size=gc_states.RACE_BLOCK,
                             inline_threshold=gc_states.RACE_INLINE)
     handler = Count()
-    publish_log = logging.getLogger("tensorstore_ck.publish")
+    publish_log = logging.getLogger("tensorstore_ck.write.publish")
     level = publish_log.level
     publish_log.addHandler(handler)
     publish_log.setLevel(logging.DEBUG)  # (a re-validation is logged at DEBUG)

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck import hf  # noqa: E402
 from tensorstore_ck.errors import InvalidArgument  # noqa: E402
-from tensorstore_ck.export import export_file  # noqa: E402
+from tensorstore_ck.interchange.export import export_file  # noqa: E402
 
 import _zygote as zygote
 
@@ -297,7 +297,7 @@ def test_export_refuses_what_a_model_folder_cannot_hold(run_a, tmp_path, store):
 
 
 def test_the_package_does_not_import_transformers():
-    code = ("import sys, tensorstore_ck, tensorstore_ck.cli, tensorstore_ck.export, tensorstore_ck.importing, tensorstore_ck.hf_folder; "
+    code = ("import sys, tensorstore_ck, tensorstore_ck.cli, tensorstore_ck.interchange.export, tensorstore_ck.interchange.importing, tensorstore_ck.interchange.hf_folder; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     zygote.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120, fresh=True)
 

@@ -28,7 +28,7 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import FaultInjectingStore
-from tensorstore_ck.walk import walk_commit
+from tensorstore_ck.core.core.walk import walk_commit
 
 import _zygote as zygote
 from _util import plant_special

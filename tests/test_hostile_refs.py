@@ -115,7 +115,7 @@ def test_pg_retry_wait_ends_when_the_stores_retries_stop(pg_server, caplog):
     store's retries are stopped (Backoff.stop: a tiered store's close with its remote
     away), with a StorageError that says why, not when its wait would have ended."""
     from tensorstore_ck.refs.postgres import PostgresRefTable
-    from tensorstore_ck.retry import Backoff
+    from tensorstore_ck.util.retry import Backoff
     backoff = Backoff(budget=3600.0, base_delay=600.0, max_delay=600.0).stoppable()  # waits of 5-15 minutes
     table = PostgresRefTable(pg_server.dsn, namespace="stop", connect_timeout=1.0, backoff=backoff)
     try:
@@ -518,14 +518,14 @@ def test_retries_and_fence_waits_are_logged(store_path, caplog):
         s.reftable.gc_freeze("test-gc")
         caplog.clear()
         s.put_snapshot(_state(1), "a/main", step=1)
-        recs = [r for r in caplog.records if r.name == "tensorstore_ck.publish"]
+        recs = [r for r in caplog.records if r.name == "tensorstore_ck.write.publish"]
         msgs = [r.getMessage() for r in recs]
         (wait,) = [r for r in recs if "waiting for gc test-gc's deletion phase" in r.getMessage()]  # once per wait
         assert wait.levelno == logging.DEBUG, msgs
         assert [r.levelno for r in recs if "lease ran out" in r.getMessage()] == [logging.WARNING], msgs
         caplog.clear()
         s.gc()
-        gc = [r for r in caplog.records if r.name == "tensorstore_ck.gc"]
+        gc = [r for r in caplog.records if r.name == "tensorstore_ck.maintain.gc"]
         phases = " | ".join(r.getMessage() for r in gc)
         assert "began" in phases and "finished" in phases
         assert {r.levelno for r in gc} == {logging.DEBUG}, phases

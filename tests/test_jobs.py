@@ -25,10 +25,10 @@ import _zygote as zygote
 from _util import kill_left, load_helper
 
 import tensorstore_ck as tsck
-from tensorstore_ck.gc import holding_gc_lock
+from tensorstore_ck.maintain.lease import holding_gc_lock
 from tensorstore_ck.storage.base import check_deadline
 from tensorstore_ck.storage.wrappers import WrappedStore
-from tensorstore_ck.pruner import Pruner
+from tensorstore_ck.train.pruner import Pruner
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

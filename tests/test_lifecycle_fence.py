@@ -18,7 +18,7 @@ import torch
 from _util import in_thread
 
 import tensorstore_ck as tsck
-from tensorstore_ck import lifecycle
+from tensorstore_ck.maintain import lifecycle
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 
@@ -97,7 +97,7 @@ def test_set_retention_racing_expiry_drops_nothing(tmp_path):
     s, _gate = _store(tmp_path / "s")
     with s:
         rules = s.reftable.retention_all()
-        from tensorstore_ck.gc import plan_expiry
+        from tensorstore_ck.maintain.gc import plan_expiry
         doomed = plan_expiry(s.core, 1e12, rules)
         assert len(doomed) == 2
         s.set_retention("a", tsck.Retention(keep_last=10))
@@ -109,7 +109,7 @@ def test_keep_last_follows_publication_order_not_the_clock(tmp_path, monkeypatch
     """After the clock steps back an hour (NTP, a restored VM, writers on hosts whose
     clocks differ) the newest snapshots carry the oldest times; keep_last=3 of steps
     1..8 must still keep [8, 7, 6] (by the clock it would keep [8, 5, 4, 3])."""
-    import tensorstore_ck.publish as publish
+    import tensorstore_ck.write.publish as publish
     real = publish.time.time
     with tsck.open_store(tmp_path / "s") as s:
         for step in range(1, 9):

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.core import POOL_PREFIX
+from tensorstore_ck.core.core.core import POOL_PREFIX
 from tensorstore_ck.errors import TsckError
-from tensorstore_ck.publish import Publisher
+from tensorstore_ck.write.publish import Publisher
 from tensorstore_ck.storage.wrappers import InjectedFault, WrappedStore
 
 WAIT = 60.0  # seconds an event may take on a loaded machine before the test calls it missing

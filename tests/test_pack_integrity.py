@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck import packparts
-from tensorstore_ck.walk import PackedPart, iter_leaves
+from tensorstore_ck.write import packparts
+from tensorstore_ck.core.core.walk import PackedPart, iter_leaves
 
 from _util import CountingReads
 
@@ -175,7 +175,7 @@ def test_export_and_diff_refuse_it(lying_store):
     """A standalone file of the snapshot is never written with the wrong bytes, and diff,
     which reads a part's bytes when the same tensor sits elsewhere in another snapshot,
     checks them as checkout does."""
-    from tensorstore_ck.export import export_file
+    from tensorstore_ck.interchange.export import export_file
     path, root = lying_store
     with tsck.open_store(str(path), pack_size=0) as s:  # "a" in a block of its own
         s.put_snapshot({"a": X}, ref="plain/main", step=1)

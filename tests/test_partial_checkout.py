@@ -315,7 +315,7 @@ def test_tsck_checkout_path_reads_only_that_part(store, big_state, tmp_path):
     """`tsck checkout STORE TARGET DEST --path P` is export.export_file(path=P)."""
     from safetensors.torch import load_file
 
-    from tensorstore_ck.export import export_file
+    from tensorstore_ck.interchange.export import export_file
     store.put_snapshot(big_state, ref="j/main", step=10)
     cnt = _counting(store)
     export_file(store, "j/main", tmp_path / "l7.safetensors", path="model.layers.7")
@@ -331,7 +331,8 @@ def _lines_of_selected_checkout(store, n: int) -> int:
     every key named: a count of the work, the same on a loaded machine and a quiet one."""
     import sys
 
-    from tensorstore_ck import paths as paths_mod, read as read_mod
+    from tensorstore_ck.util import paths as paths_mod
+    from tensorstore_ck.read.read import read as read_mod
 
     state = {f"layers.{i}.weight": torch.full((2,), float(i)) for i in range(n)}  # inline: no block reads
     ref = f"n/k{n}"

@@ -1,6 +1,6 @@
 """Errors that no retry cures fail at once; those a retry may cure are retried.
 
-- The rule (tensorstore_ck/retry.py, is_transient) on the errors backends raise.
+- The rule (tensorstore_ck/util/retry.py, is_transient) on the errors backends raise.
 - fsck on an fsspec filesystem with folders (tests/sim/faults.py's faultyfs://, a
   LocalFileSystem subclass) whose reads of one block fail with EIO, as a bad sector's do,
   and a block missing in another snapshot: both snapshots reported, exit 1, in seconds
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_rule_on_what_backends_raise(tmp_path):
-    from tensorstore_ck.retry import is_transient
+    from tensorstore_ck.util.retry import is_transient
     d = tmp_path / "d"
     d.mkdir()
     real = []
@@ -61,7 +61,7 @@ def test_s3_client_refusals_are_permanent_and_transport_failures_transient():
     request sent): refused credentials fail at once as PermissionError naming them."""
     from botocore import exceptions as bx
 
-    from tensorstore_ck.retry import is_transient
+    from tensorstore_ck.util.retry import is_transient
     from tensorstore_ck.storage.s3 import S3BlockStore
     tr = S3BlockStore._translate
     e = tr(None, bx.NoCredentialsError())
@@ -81,13 +81,13 @@ def _state(tag: float) -> dict:
 
 
 def _blocks_of(store, root: str) -> list[str]:
-    from tensorstore_ck.walk import walk_commit
+    from tensorstore_ck.core.core.walk import walk_commit
     return sorted({f"blocks/{o.digest.hex()[:2]}/{o.digest.hex()}"
                    for o in walk_commit(store.core.assets, bytes.fromhex(root)) if o.kind == "block"})
 
 
 def _nodes_of(store, root: str) -> list[str]:
-    from tensorstore_ck.walk import walk_commit
+    from tensorstore_ck.core.core.walk import walk_commit
     return sorted({f"nodes/{o.digest.hex()[:2]}/{o.digest.hex()}"
                    for o in walk_commit(store.core.assets, bytes.fromhex(root)) if o.kind == "node"})
 

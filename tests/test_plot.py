@@ -15,7 +15,7 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck import cli
 from tensorstore_ck.errors import InvalidArgument
-from tensorstore_ck.usage import usage
+from tensorstore_ck.maintain.usage import usage
 
 try:
     from ._util import rand_tensor
@@ -155,6 +155,6 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("tsck: error: ") and "tensorstore_ck[plot]" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "u.png").exists()
-    from tensorstore_ck.plot import plot_usage
+    from tensorstore_ck.interchange.plot import plot_usage
     with pytest.raises(InvalidArgument, match="matplotlib"):
         plot_usage({"jobs": {}}, tmp_path / "u.png")

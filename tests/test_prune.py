@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.gc import holding_gc_lock
+from tensorstore_ck.maintain.lease import holding_gc_lock
 
 
 def object_bytes(root: str) -> tuple[int, int]:

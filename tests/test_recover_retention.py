@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import tensorstore_ck as tsck
 from _backends import Backend, lose_ref_table
-from tensorstore_ck.retention import Retention, SnapRow, explain_kept, newest_first_order
+from tensorstore_ck.maintain.retention import Retention, SnapRow, explain_kept, newest_first_order
 
 
 @pytest.fixture(params=["file", pytest.param("pg", marks=pytest.mark.slow)])

@@ -286,7 +286,7 @@ def test_postgres_first_open_waits_out_a_held_schema_lock_within_its_budget(pg_d
     import psycopg
     import tensorstore_ck as tsck
     from tensorstore_ck.refs.postgres import _SCHEMA_LOCK, PostgresRefTable
-    from tensorstore_ck.retry import Backoff
+    from tensorstore_ck.util.retry import Backoff
 
     db = f"tsck_lock_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -338,7 +338,7 @@ def test_postgres_pool_held_by_the_processs_own_calls_is_waited_for_not_renewed(
 
     import tensorstore_ck as tsck
     from tensorstore_ck.refs.postgres import PostgresRefTable
-    from tensorstore_ck.retry import Backoff
+    from tensorstore_ck.util.retry import Backoff
 
     table = PostgresRefTable(pg_dsn, namespace=f"held-{uuid.uuid4().hex[:8]}", connect_timeout=1.0, pool_size=2,
                              backoff=Backoff(budget=60.0))

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.retention import SnapRow, select_kept
+from tensorstore_ck.maintain.retention import SnapRow, select_kept
 
 try:
     from ._util import assert_same, object_listing, rand_tensor

@@ -1,4 +1,4 @@
-"""The roles of tensorstore_ck/roles.py are played by the classes that play them: every
+"""The roles of tensorstore_ck/core/roles.py are played by the classes that play them: every
 member of each Protocol exists on each concrete class with a signature that accepts
 every call the Protocol allows, so renaming a call on either side fails here."""
 
@@ -10,7 +10,7 @@ from typing import Protocol
 
 import pytest
 
-from tensorstore_ck import roles
+from tensorstore_ck.core.core import roles
 from tensorstore_ck.refs import RefTable
 
 TABLES = ("tensorstore_ck.refs.lmdb.LmdbRefTable", "tensorstore_ck.refs.memory.MemoryRefTable",
@@ -18,8 +18,8 @@ TABLES = ("tensorstore_ck.refs.lmdb.LmdbRefTable", "tensorstore_ck.refs.memory.M
 
 # role -> the classes (dotted names) that play it; a "Class.method" plays a callable role.
 PLAYERS = {
-    roles.ObjectReader: ("tensorstore_ck.assets.Assets", "tensorstore_ck.tier.reads.ReadThrough"),
-    roles.WalkReader: ("tensorstore_ck.assets.Assets",),
+    roles.ObjectReader: ("tensorstore_ck.core.assets.Assets", "tensorstore_ck.tier.reads.ReadThrough"),
+    roles.WalkReader: ("tensorstore_ck.core.assets.Assets",),
     roles.WrittenListener: ("tensorstore_ck.tier.uploader.Uploader.tee",),
     **{role: TABLES for role in (roles.CatalogReader, roles.RefPublisher, roles.RefNaming, roles.GcTable,
                                  roles.Rebuild, roles.UploadQueue, roles.TableBinding)},

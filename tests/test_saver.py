@@ -269,7 +269,7 @@ def test_the_saver_killed_during_uploads_loses_nothing(tmp_path, seed):
 def test_a_stopped_saver_does_not_hold_close_and_the_next_open_uploads(tmp_path, monkeypatch):
     """A saver hung (SIGSTOP) in an upload: close(timeout=) returns about then (the saver
     is killed), the snapshot stays queued in the tier, and the next open uploads it."""
-    import tensorstore_ck.saver as saver_mod
+    import tensorstore_ck.write.saver as saver_mod
     monkeypatch.setattr(saver_mod, "SILENCE", 600.0)  # not the heartbeat: close's own bound
     remote, tier = tmp_path / "remote", tmp_path / "tier"
     s = open_tiered(remote, tier, write_bandwidth=1e6)
@@ -426,7 +426,7 @@ def test_a_saver_stopped_mid_write_is_killed_after_its_silence_and_the_put_fails
     process kills it and the put fails with SaverDied instead of waiting forever; the
     next put starts a new saver. A saver that only writes slowly keeps beating: a put
     through 0.5 MB/s (longer than SILENCE) still commits."""
-    import tensorstore_ck.saver as saver_mod
+    import tensorstore_ck.write.saver as saver_mod
     monkeypatch.setattr(saver_mod, "SILENCE", 3.0)
     with open_(tmp_path / "s", write_bandwidth=0.5e6) as s:
         slow = s.put_snapshot(state_at(1), "j/main", step=1, blocking=False).result(timeout=120)

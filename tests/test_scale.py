@@ -299,7 +299,7 @@ def test_a_ranks_path_down_the_rank_tree_grows_a_node_per_16x_ranks(world):
     rank's own tree."""
     import blake3
 
-    from tensorstore_ck.dist.put import rank_paths
+    from tensorstore_ck.collective.put import rank_paths
     from tensorstore_ck.format import tree
     from tensorstore_ck.format.manifest import decode_node, encode_node
     from tensorstore_ck.format.world import FAN, fan_height, rank_top, write_world

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 import tensorstore_ck as tsck
 from tensorstore_ck.errors import FormatError, InvalidArgument
-from tensorstore_ck.importing import import_files
+from tensorstore_ck.interchange.importing import import_files
 
 try:
     from ._util import object_listing, refs_snapshot

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.dist import CALLS, CollectiveContext, StoreGroup
+from tensorstore_ck.collective import CALLS, CollectiveContext, StoreGroup
 from tensorstore_ck.errors import InvalidArgument
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

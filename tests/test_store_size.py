@@ -157,7 +157,7 @@ def test_a_slow_listing_never_blocks_the_step_or_the_hook(tmp_path, async_):
 def test_with_a_local_tier_both_sizes(tmp_path, capsys):
     """store_size: the remote store's (`tsck du URL`); local_size: the tier's (`tsck du URL
     --local PATH`), measured alongside."""
-    from tensorstore_ck.usage import summary, tier_usage  # (what `tsck du` prints, on the open store's tiers)
+    from tensorstore_ck.maintain.usage import summary, tier_usage  # (what `tsck du` prints, on the open store's tiers)
     events: list[CommitEvent] = []
     model = torch.nn.Linear(128, 128)
     remote, local = tmp_path / "remote", tmp_path / "nvme"

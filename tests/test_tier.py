@@ -271,7 +271,7 @@ def test_gc_deleting_an_upload_in_flight_fences_the_move_and_it_revalidates(s3_u
     them. The remote ref move, fenced on the epoch read before the upload, is refused;
     the uploader waits out the phase, asks for every object again, sends what the gc
     removed, and only then moves the ref: the remote snapshot is whole (fsck clean)."""
-    from tensorstore_ck.gc import run_gc
+    from tensorstore_ck.maintain.gc import run_gc
     wrapped = []
     store = _open(s3_url, s3_server, tmp_path, local=str(tmp_path / "nvme"),
                   wrap_storage=lambda s: wrapped.append(HoldNodes(s)) or wrapped[-1])
@@ -444,7 +444,7 @@ def test_a_part_intent_left_by_a_killed_rank_is_sent_at_open(tmp_path):
     local= queues the part and sends its blocks and nodes (not the commit: rank 0 sends
     it), leaving no intent and no durable mark. An intent whose objects are gone is
     dropped with a warning; the uploader goes on."""
-    from tensorstore_ck.walk import walk_tree
+    from tensorstore_ck.core.core.walk import walk_tree
     tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                     inline_threshold=256).close()
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:

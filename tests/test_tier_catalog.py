@@ -235,7 +235,7 @@ def test_a_fenced_move_of_a_snapshot_a_prune_tried_to_expire_is_sent_again(remot
         first = store.put_snapshot(_state(1), "job/main", step=1).root
         assert gates[0].waiting.wait(DEADLINE)  # its objects are sent; the move waits
         # A remote gc deletes them (unreferenced yet) and moves the fence.
-        from tensorstore_ck.gc import run_gc
+        from tensorstore_ck.maintain.gc import run_gc
         try:
             assert run_gc(store.remote_core, lease=store.remote_core.settings.gc_lease).deleted_objects > 0
             for step in (2, 3):

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import tensorstore_ck as tsck
-from tensorstore_ck.retry import Backoff
+from tensorstore_ck.util.retry import Backoff
 from tensorstore_ck.storage.wrappers import RetryingStore, WrappedStore
 
 import _zygote as zygote

@@ -18,8 +18,8 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.cli import main
 from tensorstore_ck.errors import GcBusy
-from tensorstore_ck.gc import run_gc
-from tensorstore_ck.reach import kept_roots
+from tensorstore_ck.maintain.gc import run_gc
+from tensorstore_ck.maintain.reach import kept_roots
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 DEADLINE = 120.0  # generous: the machine is shared
@@ -237,5 +237,5 @@ def test_fsck_with_local_checks_both_tiers_and_names_the_tier_of_each_problem(tm
 
 
 def _walk(store, root: str):
-    from tensorstore_ck.walk import walk_commit
+    from tensorstore_ck.core.core.walk import walk_commit
     return list(walk_commit(store.core.assets, bytes.fromhex(root), verify=False))

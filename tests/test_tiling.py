@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import tensorstore_ck as tsck
 from tensorstore_ck.format import tree
-from tensorstore_ck.shard import find_overlap, tiling_problem
-from tensorstore_ck.validate import check_snapshot_args
+from tensorstore_ck.write.shard import find_overlap, tiling_problem
+from tensorstore_ck.core.core.validate import check_snapshot_args
 
 # -- the box algebra against brute force ---------------------------------------------------
 
@@ -83,7 +83,7 @@ ROWS, COLS = 4096, 8
 def _hostile_world_snapshot(store, ref="j/bad") -> torch.Tensor:
     """What a collective put without the tiling check commits for rank 0 = rows [0, 3072) and rank 1 =
     rows [0, 1024) (its offset should have been 3072): two rank trees, merged at checkout.
-    Written with the store's own planner and publisher, exactly as dist/put.py composes them."""
+    Written with the store's own planner and publisher, exactly as collective/put.py composes them."""
     g = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
     planner = store.planner()
     trees = []

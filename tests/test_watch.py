@@ -188,7 +188,7 @@ def test_cli_log_options(tmp_path, capsys):
     assert rc == 0
     objs = [json.loads(x) for x in err.splitlines()]
     (c,) = [o for o in objs if o.get("event") == "committed"]
-    assert c["level"] == "INFO" and c["logger"] == "tensorstore_ck.publish" and c["step"] == 3
+    assert c["level"] == "INFO" and c["logger"] == "tensorstore_ck.write.publish" and c["step"] == 3
     assert c["ref"] == "imp/main" and c["bytes"] == 16 * 1024 * 4 and c["seconds"] > 0 and "time" in c
     rc, _, err = _cli(capsys, "--log-level", "debug", "gc", path)
     assert rc == 0 and (" DEBUG " in err or " INFO " in err)

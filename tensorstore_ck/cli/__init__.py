@@ -24,6 +24,14 @@ untag, pin, unpin, delete-ref, undelete, forget), maintenance.py (init, du, gc,
 retention, fsck, recover), interchange.py (checkout, export-weights, import); parser.py
 reads the arguments, common.py holds the output every group shares, and main() here
 opens the store, runs the command and maps errors to exit codes.
+
+Its modules:
+
+    parser.py         every command's arguments, $TSCK_STORE, the hints for a misread one
+    snapshots.py      refs, log, show, ls, diff; tag, untag, pin, unpin, delete-ref, undelete, forget
+    maintenance.py    init, du, gc, retention, fsck, recover
+    interchange.py    checkout (a file or a model folder), export-weights, import
+    common.py         what the groups share: sizes and times as shown, strict JSON, a local tier
 """
 
 from __future__ import annotations

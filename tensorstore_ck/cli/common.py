@@ -12,7 +12,7 @@ import sys
 from ..errors import NotAStore
 from ..info import SnapshotInfo
 from ..opener import open_store
-from ..units import human_bytes
+from ..util.units import human_bytes
 
 __all__: list[str] = []  # the command groups' shared helpers; none is public
 

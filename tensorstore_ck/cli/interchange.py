@@ -8,7 +8,7 @@ __all__ = ["cmd_checkout", "cmd_export_weights", "cmd_import"]
 
 
 def cmd_checkout(store, args):
-    from ..export import export_file
+    from ..interchange.export import export_file
     r = export_file(store, args.target, args.dest, fmt=args.format, path=args.path, force=args.force,
                     progress=wants_bar(args))
     if r["format"] == "hf-folder":
@@ -29,7 +29,7 @@ def cmd_checkout(store, args):
 
 
 def cmd_export_weights(store, args):
-    from ..export import export_weights
+    from ..interchange.export import export_weights
     r = export_weights(store, args.target, args.dest, subtree=args.path, dtype=args.dtype,
                        strip_prefix=args.strip_prefix, force=args.force, progress=wants_bar(args))
     names = [f"{r['subtree']}." if r["subtree"] else None, *r["stripped"]]
@@ -44,7 +44,7 @@ def cmd_export_weights(store, args):
 
 
 def cmd_import(store, args):
-    from ..importing import import_files
+    from ..interchange.importing import import_files
     i = import_files(store, args.ref, args.files, step=args.step, job=args.job, progress=wants_bar(args))
     emit(args, i.to_json(), f"imported {len(args.files)} input(s) as {i.ref} -> {i.root}\n"
                             f"{human(i.bytes_total)} in {i.blocks_total} blocks; {human(i.bytes_new)} in "

@@ -56,7 +56,7 @@ def cmd_du(store, args):
     if args.plot:
         d["plot"] = _du_plot(store, args, lines)
     if args.local:
-        from ..usage import tier_usage
+        from ..maintain.usage import tier_usage
         with open_tier(store, args) as tier:
             t = tier_usage(tier.core)
         d["local"] = t
@@ -81,8 +81,8 @@ def _ratio(name: str, r, what: str) -> str:
 
 
 def _du_plot(store, args, lines) -> dict:
-    from ..plot import plot_usage, require_matplotlib
-    from ..usage import usage
+    from ..interchange.plot import plot_usage, require_matplotlib
+    from ..maintain.usage import usage
     require_matplotlib()  # missing: say so before walking the store
     u = usage(store.core)
     path = plot_usage(u, args.plot)
@@ -173,7 +173,7 @@ def _rule_text(rule) -> str:
 
 
 def cmd_retention(store, args):
-    from ..retention import Retention
+    from ..maintain.retention import Retention
     given = {k: getattr(args, k) for k in ("keep_last", "keep_best", "metric", "keep_every_steps", "max_age_days")
              if getattr(args, k) is not None}
     if args.mode is not None:
@@ -220,7 +220,7 @@ def _fsck_tiers(store, args, r):
     """fsck STORE --local PATH: the remote store (above), then the local tier as a store
     of its own; every finding says its tier. Across the tiers: a snapshot the tier marks
     durable and evicted must be in the remote catalog (it has no other copy)."""
-    from ..fsck import Finding
+    from ..maintain.fsck import Finding
     with open_tier(store, args) as tier:
         lr = _dotted_findings(tier.fsck(full=not args.quick, progress=wants_bar(args), repair=args.repair,
                                         raw=args.raw))
@@ -256,7 +256,7 @@ def _fsck_tiers(store, args, r):
 def _dotted_findings(r):
     """The report with each finding's tensor path dotted as `tsck ls` writes it (model.layers.0.w)."""
     import dataclasses
-    from ..paths import dotted_from_formatted
+    from ..util.paths import dotted_from_formatted
     r.findings = [dataclasses.replace(f, path=dotted_from_formatted(f.path)) if f.path else f for f in r.findings]
     return r
 
@@ -288,7 +288,7 @@ def cmd_recover(store, args):
     lines += [f"  tag {k} -> {v}" for k, v in r.tags_restored.items()]
     lines += [f"  unreadable: {u}" for u in r.unreadable]
     # (what a user removed is only counted; a commit left out as incomplete is named, with why)
-    from ..recover import REMOVED_BY_USER
+    from ..maintain.recover import REMOVED_BY_USER
     removed = sum(v == REMOVED_BY_USER for v in r.skipped.values())
     lines += [f"  not adopted: {k[:16]}: {v}" for k, v in r.skipped.items() if v != REMOVED_BY_USER]
     if removed:

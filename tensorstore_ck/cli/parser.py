@@ -183,7 +183,7 @@ def _seconds(v: str) -> float:
 
 def _count(low: int):
     """An argparse type: an int from `low` to the largest a retention rule holds."""
-    from ..retention import MAX_COUNT
+    from ..maintain.retention import MAX_COUNT
 
     def parse(v: str) -> int:
         try:

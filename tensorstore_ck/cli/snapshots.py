@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from ..assets import holds_snapshots
+from ..core.assets import holds_snapshots
 from ..errors import storage_error
 from ..info import SnapshotInfo
 from .common import dumps, human, snapshot_line, open_tier, emit, when_text
@@ -200,7 +200,7 @@ def cmd_forget(store, args):
 
 
 def cmd_ls(store, args):
-    from ..listing import list_tree
+    from ..read.listing import list_tree
     root, entries = list_tree(store.core, store.resolve(args.target), args.path, raw=args.raw)
     tensors = [e for e in entries if e.kind in ("tensor", "array", "sharded")]
     total = sum(e.nbytes for e in tensors)
@@ -248,7 +248,7 @@ def cmd_diff(store, args):
 def _dotted_diff(d: dict, path: str | None) -> dict:
     """Store.diff's answer with its paths dotted as `tsck ls` writes them (model.layers.0.w),
     only those at or under `path` when one is given (as `tsck ls STORE TARGET PATH`)."""
-    from ..paths import dotted_from_formatted, under
+    from ..util.paths import dotted_from_formatted, under
     out = {**d, "added": [], "removed": [], "changed": []}
     for k in ("added", "removed"):
         out[k] = sorted(p for p in map(dotted_from_formatted, d[k]) if under(p, path))

@@ -53,6 +53,15 @@ Modules: metadata.py (Metadata <-> plain values), layout.py (the snapshot tree:
 composing it and reading it back through the manifest grammar), writer.py
 (TsckWriter), reader.py (TsckReader), handle.py (reopening a store in another
 process).
+
+Its modules:
+
+    metadata.py       DCP Metadata <-> plain values (no pickle)
+    layout.py         the tree of a DCP snapshot, composed by the writer, read by the reader
+    writer.py         TsckWriter: one snapshot per dcp.save
+    reader.py         TsckReader: a StorageReader over one snapshot
+    native.py         a put_snapshot snapshot seen by dcp.load
+    handle.py         reopening a store in another process (async_save's PROCESS checkpointer)
 """
 
 from .layout import DCP_FORMAT, DCP_LAYOUT_VERSION

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import threading
 
-from ..format.dcp import DCP_FORMAT, DCP_LAYOUT_VERSION, MAX_LAYOUT_VERSION, MIN_LAYOUT_VERSION
+from ..core.roles import WalkReader
+from ..core.walk import read_node
 from ..errors import FormatError, UnsupportedType
 from ..format import tree
+from ..format.dcp import DCP_FORMAT, DCP_LAYOUT_VERSION, MAX_LAYOUT_VERSION, MIN_LAYOUT_VERSION
 from ..format.manifest import decode_commit
-from ..plan import Planner
-from ..read import Reader
-from ..roles import WalkReader
-from ..shard import find_overlap
-from ..walk import read_node
+from ..read.read import Reader
+from ..write.plan import Planner
+from ..write.shard import find_overlap
 
 __all__ = ["DCP_FORMAT", "DCP_LAYOUT_VERSION", "BYTES_INLINE_MAX", "compose", "DcpTree"]
 

@@ -18,12 +18,12 @@ import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    TensorProperties, TensorStorageMetadata)
 
+from ..core.roles import ObjectReader
 from ..errors import FormatError
 from ..format import tree
 from ..format.manifest import decode_commit
-from ..read import Reader
-from ..roles import ObjectReader
-from ..shard import find_overlap
+from ..read.read import Reader
+from ..write.shard import find_overlap
 
 __all__ = ["NativeTree", "MAX_ITEMS"]
 

@@ -26,19 +26,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..collective import AUTO
 from ..errors import CheckoutMismatch, FormatError, InvalidArgument
-from ..dcpstate import load_bytes_item
 from ..format.dcp import is_dcp_top
 from ..format.manifest import decode_commit
-from ..read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes
-from ..read_world import read_box
-from ..readjobs import PackCache, part_job, run_reads
 from ..format.names import parse_target
-from ..dist import AUTO
+from ..read.dcpstate import load_bytes_item
+from ..read.read import PRESENCE_CHECK_ABOVE, Reader, default_max_bytes
+from ..read.read_world import read_box
+from ..read.readjobs import PackCache, part_job, run_reads
 from ..store import Store
 from .layout import DcpTree
-from .native import NativeTree
 from .metadata import decode_metadata
+from .native import NativeTree
 
 __all__ = ["TsckReader"]
 

@@ -23,14 +23,15 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import chunker, packparts
-from ..dcpstate import load_bytes_item
+from ..core.validate import SnapshotArgs, check_snapshot_args
 from ..errors import FormatError, InvalidArgument, SnapshotAborted, UnsupportedType
-from ..plan import contiguous
-from ..publish import Timing
+from ..format import chunker
 from ..format.names import parse_target, validate_name
+from ..read.dcpstate import load_bytes_item
 from ..store import Store
-from ..validate import SnapshotArgs, check_snapshot_args
+from ..write import packparts
+from ..write.plan import contiguous
+from ..write.publish import Timing
 from .handle import StoreHandle
 from .layout import BYTES_INLINE_MAX, DCP_FORMAT, compose
 from .metadata import QUANTIZED, dtype_name, encode_metadata
@@ -464,7 +465,7 @@ class TsckWriter(StorageWriter):
         pub = store.publisher
         new_nodes: list = []
         tree, payloads = pub.write_nodes(value, None, new_nodes)
-        from ..publish import inline_bytes
+        from ..write.publish import inline_bytes
         st["bytes_new"] += sum(inline_bytes(p) for _d, p in new_nodes)  # (BuildStats says what new is)
         fence = self._fence if self._fence is not None else pub.fence()
         timing, self._timing = self._timing, None

@@ -48,7 +48,7 @@ import time
 import msgpack
 
 from ..errors import NotAStore, OutcomeUnknown, StorageError, StoreClosed, TsckError
-from ..retry import DEFAULT_BACKOFF, Backoff
+from ..util.retry import DEFAULT_BACKOFF, Backoff
 from .base import RefTable, track_for_fork
 from .txn import Txn
 

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Iterator, Sequence
 
 from ..errors import no_space, storage_error
-from ..localfile import not_regular, open_regular
+from ..util.localfile import not_regular, open_regular
 from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["LocalBlockStore"]

@@ -12,7 +12,7 @@ import uuid
 from typing import Callable, Sequence
 
 from ..errors import ReadOnlyStore, StorageError
-from ..retry import DEFAULT_BACKOFF, RETRY_BUDGET_ENV, Backoff, is_transient
+from ..util.retry import DEFAULT_BACKOFF, RETRY_BUDGET_ENV, Backoff, is_transient
 from .base import BlockStore, check_deadline, paged_list
 
 __all__ = ["WrappedStore", "FaultInjectingStore", "InjectedFault", "ThrottledStore", "RetryingStore",

@@ -6,9 +6,11 @@ durable in the remote store. The Store holds one LocalTier and calls nothing els
     opening.py      the tier's Core made (and the remote opened on first use)
     replicas.py     peer replicas over a TCP side channel
     uploader.py     the queue and its thread: objects the remote lacks, then its ref moved
+                    (one job over ~600 lines: a queued snapshot until it is durable)
     collective.py   a collective put through tiers: each rank's part, rank 0's move
     holds.py        one catalog: the tier's tags and pins made in the remote table
     budget.py       the tier's bytes, and durable copies evicted to fit
+    outage.py       outages: which upload failures are waited out, how far the remote lags
     reads.py        reads through the tier with the remote behind; which tier is newer
 
 Each room imports only those listed below it (pyproject.toml, import-linter).

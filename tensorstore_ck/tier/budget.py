@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 
-from ..core import Core
+from ..core.core import Core
+from ..core.roles import CatalogReader
+from ..core.walk import walk_commit
 from ..errors import TsckError
-from ..roles import CatalogReader
-from ..walk import walk_commit
 
 __all__ = ["tier_bytes", "fit_budget"]
 
@@ -35,7 +35,7 @@ def fit_budget(local: Core, budget: int, *, warn: bool = True, listed=None) -> l
     object is fenced and writes it again. When what must stay exceeds the budget: a
     warning (warn=False: the caller, a put's make_room, says more), and nothing more is
     evicted; the next put waits for uploads or fails (Uploader.make_room)."""
-    from ..gc import evict_snapshots
+    from ..maintain.gc import evict_snapshots
     total = tier_bytes(local)
     if total <= budget:
         return []

@@ -3,11 +3,11 @@
 Under torch.distributed with `open_store(remote, local=NODE_DIR)` on every rank:
 
     every rank   writes its own blocks and sub-tree to its own local tier (the collective
-                 protocol of dist/, unchanged; each rank under its own tier's gc fence)
+                 protocol of collective/, unchanged; each rank under its own tier's gc fence)
     rank 0       writes the top nodes and the commit to its tier and moves its local ref
                  (the local publication), then hands the commit and the top node to the
                  others (one c10d key), and each group of 16 ranks its path down the rank
-                 tree (one key a group: dist.put.rank_paths): every rank's tier can then
+                 tree (one key a group: collective.put.rank_paths): every rank's tier can then
                  read its own region of the snapshot, and says what the snapshot is,
                  without the remote
     every rank   queues its upload: rank 0 the snapshot, the others their part
@@ -38,8 +38,8 @@ import time
 
 import msgpack
 
+from ..core.walk import by_kind, walk_commit, walk_tree
 from ..errors import IntegrityError, TsckError, UnreadableObject
-from ..walk import by_kind, walk_commit, walk_tree
 
 __all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT", "KEEP_PREFIX"]
 
@@ -55,8 +55,8 @@ KEEP_PREFIX = 8
 
 
 class CollectiveTier:
-    """What a collective put through local tiers does besides the protocol of dist/,
-    built by the Store for one call (dist/put.py calls it, and knows nothing of tiers)."""
+    """What a collective put through local tiers does besides the protocol of collective/,
+    built by the Store for one call (collective/put.py calls it, and knows nothing of tiers)."""
 
     def __init__(self, core, uploader, peers=None):  # peers: replicas.Peers
         self.core, self.uploader, self.peers = core, uploader, peers
@@ -69,14 +69,14 @@ class CollectiveTier:
 
     def top_blob(self, root: bytes, top_payloads: list) -> bytes:
         """Rank 0, after its local publication: the commit and the top node, for the
-        others (each reads its own path down the rank tree beside it: dist.put.rank_paths),
+        others (each reads its own path down the rank tree beside it: collective.put.rank_paths),
         and the snapshots of the job that rank 0's tier keeps, which the others' tiers
         follow: its catalog rows less what the job's retention drops now (ref tips, tags,
         pins and the upload in flight stay), the same set whether or not rank 0's own
         prune has run yet (it runs in the background, and may lag more than a snapshot on
         a loaded host). They are sent as KEEP_PREFIX-byte prefixes: the word only keeps,
         so two roots alike that far keep both (a prefix never stands for a root to drop)."""
-        from ..gc import plan_expiry
+        from ..maintain.gc import plan_expiry
         refs = self.core.refs
         job = (refs.catalog_get(root, checked=False) or {}).get("job")
         rules = {j: r for j, r in refs.retention_all().items() if j == job}

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from ..core.roles import RefNaming, UploadQueue
 from ..errors import IntegrityError, InvalidArgument, RefConflict, RefNotFound, StorageError, TsckError
-from ..ids import MIN_PREFIX, is_hex_prefix
-from ..roles import RefNaming, UploadQueue
+from ..util.ids import MIN_PREFIX, is_hex_prefix
 
 __all__ = ["publish_holds", "held", "unheld", "upload_hold", "tag_both", "pin_both", "untag_both", "forget_both",
            "delete_ref_both", "undelete_both", "REMOVE_WAIT"]
@@ -38,7 +38,7 @@ def publish_holds(up, root: bytes) -> None:
     what the tier keeps. The remote must list `root` or hold all of it (a tag or pin
     there adopts it then: lifecycle.tag, lifecycle.pin). A remote tag of that name
     naming another snapshot (another tier's) is left, with a warning."""
-    from ..lifecycle import pin, tag
+    from ..maintain.lifecycle import pin, tag
     names, pinned = _holds(up, root)
     remote: RefNaming = up.remote.refs
     for name in names:
@@ -80,7 +80,7 @@ def held(up, root: bytes) -> None:
 def unheld(up, tag_name: str | None = None, pin: bytes | None = None, root: bytes | None = None) -> None:
     """A tag or pin removed in the tier: removed in the remote table too, best
     effort (left there, it keeps more than asked, never less)."""
-    from ..lifecycle import untag
+    from ..maintain.lifecycle import untag
     remote = up.remote
     try:
         if tag_name is not None and remote.refs.tag_get(tag_name) == root:
@@ -153,7 +153,7 @@ def tag_both(up, publisher, name: str, target: str, root: bytes | None):
     must be free in both tables (a tag or ref of it at the remote would give the name a
     second answer). A snapshot the tier lists is tagged there and the remote follows
     (held); one only the remote lists is tagged at the remote."""
-    from ..lifecycle import check_free, tag
+    from ..maintain.lifecycle import check_free, tag
     local, remote = up.local, up.remote
     check_free(local.refs, name)
     with _reaching(up, f"tag {name!r}"):
@@ -173,7 +173,7 @@ def tag_both(up, publisher, name: str, target: str, root: bytes | None):
 def pin_both(up, publisher, target: str, root: bytes | None) -> str:
     """Pin `root` as tag_both tags it: in the tier when it lists it (the remote follows),
     else at the remote -> its root hex."""
-    from ..lifecycle import pin
+    from ..maintain.lifecycle import pin
     local = up.local
     if root is None:
         try:
@@ -205,7 +205,7 @@ def unpin_both(up, root: bytes) -> None:
 def untag_both(up, name: str) -> str:
     """Remove tag `name` from both tables (RefNotFound if neither has it) -> the root it
     named (the tier's where both have it)."""
-    from ..lifecycle import untag
+    from ..maintain.lifecycle import untag
     local, remote = up.local, up.remote
     mine = local.refs.tag_get(name)
     with _reaching(up, f"untag {name!r}"):
@@ -253,7 +253,7 @@ def delete_ref_both(up, ref: str, expected: str | None, newest: bytes | None, *,
     drops the ref's snapshots instead of sending them); an upload of one of them already in
     flight is waited for (REMOVE_WAIT), since its move would bring the remote ref back; then
     the remote. -> as lifecycle.delete_ref, "dropped" the union of the two."""
-    from ..lifecycle import delete_ref
+    from ..maintain.lifecycle import delete_ref
     local, remote = up.local, up.remote
     if expected is not None:
         if not is_hex_prefix(expected):
@@ -302,7 +302,7 @@ def undelete_both(up, publisher, ref: str, to: str | None):
     first: it is the durable one) -> (SnapshotInfo, whether the tier brought it back). A
     tier that cannot bring it back whole (its copy evicted or collected) leaves it to the
     remote, with a warning: reads fall through there."""
-    from ..lifecycle import undelete
+    from ..maintain.lifecycle import undelete
     local, remote = up.local, up.remote
     with _reaching(up, f"undelete {ref!r}"):
         theirs = remote.refs.deleted_ref_root(ref) is not None and remote.refs.get_or_none(ref) is None

@@ -14,7 +14,7 @@ import logging
 import time
 import warnings
 
-from ..core import Core
+from ..core.core import Core
 from ..errors import RefNotFound, SnapshotWarning, StorageError, TsckError
 from .collective import CollectiveTier
 from .holds import held, unheld

@@ -18,10 +18,10 @@ import os
 import shlex
 import threading
 
-from ..assets import STORE_MARKER, create_marker, holds_snapshots
-from ..core import Core, Settings
+from ..core.assets import STORE_MARKER, create_marker, holds_snapshots
+from ..core.core import Core, Settings
+from ..core.locate import marker_bytes, open_refs, parse_config, read_config, settings_for
 from ..errors import NotAStore, ReadOnlyStore, StorageError, TsckError, storage_error
-from ..locate import marker_bytes, open_refs, parse_config, read_config, settings_for
 from ..refs import LmdbRefTable, RefTable
 from ..refs.postgres import LOCATIONS_NS
 from ..storage import BlockStore, LocalBlockStore

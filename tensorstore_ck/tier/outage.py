@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..errors import (FormatError, IntegrityError, InvalidArgument, NotAStore, ReadOnlyStore, StoreClosed, TsckError,
                       UnsupportedType)
-from ..retry import is_transient
+from ..util.retry import is_transient
 
 __all__ = ["Lag", "Outage", "heals", "said_after_stop", "measure", "LAG_TELL_EVERY", "caller_level"]
 

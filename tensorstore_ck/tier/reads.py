@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..core import Core
+from ..core.core import Core
 from ..errors import IntegrityError, TsckError, UnreadableObject
 
 __all__ = ["newer", "ReadThrough", "Served", "tally"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
+from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
-from ..walk import walk_tree
 
 __all__ = ["Peers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
 
@@ -191,7 +191,7 @@ class Peers:
             threading.Thread(target=self._answer, args=(conn,), name="tsck-peer", daemon=True).start()
 
     def _answer(self, conn) -> None:
-        from ..assets import Assets
+        from ..core.assets import Assets
         assets, storage = self.core.assets, self.core.storage
         conn.settimeout(PEER_TIMEOUT)
         try:
@@ -305,7 +305,7 @@ class Peers:
         # (a Replicated tensor's blocks written by another rank are not in this tier: theirs to send)
         objs = [(k, d) for k, d in objs if k != "block" or assets.block_exists(d)]
         # This rank's path down the rank tree too: a holder in another group of 16 ranks
-        # got another path from rank 0 (dist.put.rank_paths), and this rank, its tier lost,
+        # got another path from rank 0 (collective.put.rank_paths), and this rank, its tier lost,
         # reads the path from its holders before its part.
         objs += [("node", d) for d in self._path(root) if d not in seen]
         for peer in self.holders():
@@ -346,7 +346,7 @@ class Peers:
     def fetch(self, kind: str, d: bytes) -> bool:
         """Get object `d` from a holder into this rank's tier, checked against its address
         first -> whether one had it."""
-        from ..assets import Assets
+        from ..core.assets import Assets
         got = self.fetch_checked(kind, d)
         if got is None:
             return False
@@ -397,7 +397,7 @@ class Peers:
     def fetch_checked(self, kind: str, d: bytes):
         """Object `d` from a holder, checked against its address -> (its stored frame, its
         bytes as decoded by the check), or None when no holder has a good copy."""
-        from ..assets import Assets
+        from ..core.assets import Assets
         for peer in self.holders():
             conn, reused = self._checkout_conn(peer)
             while conn is not None:

@@ -28,13 +28,13 @@ import threading
 import time
 import zlib
 
-from ..assets import FRAME_KIND
-from ..core import Core
+from ..core.assets import FRAME_KIND
+from ..core.core import Core
+from ..core.roles import UploadQueue
+from ..core.walk import by_kind, walk_commit
 from ..errors import GcBusy, IntegrityError, NotAStore, StorageError, TierFull, TsckError
 from ..format import frame
-from ..publish import Publisher
-from ..roles import UploadQueue
-from ..walk import by_kind, walk_commit
+from ..write.publish import Publisher
 from .budget import fit_budget, tier_bytes
 from .collective import KEEP_PREFIX
 from .holds import held, publish_holds, upload_hold
@@ -191,7 +191,7 @@ class Uploader:
             jobs = {r: (refs.catalog_get(r, checked=False) or {}).get("job") for r in parts}
             drop = [r for r, job in jobs.items() if job in follow and r[:KEEP_PREFIX] not in follow[job]]
             if drop:
-                from ..gc import drop_parts
+                from ..maintain.gc import drop_parts
 
                 def met_gc():
                     self.tidy_busy += 1
@@ -407,7 +407,7 @@ class Uploader:
                     break
             stop = self._no_wait()
             if stop is None and not warned:
-                from ..usage import tier_usage
+                from ..maintain.usage import tier_usage
                 use = tier_usage(self.local)
                 if use["local_only"]["bytes"] > budget:
                     stop = (f"its local-only snapshots alone take {use['local_only']['bytes']} bytes: uploads "
@@ -463,7 +463,7 @@ class Uploader:
 
     def _full(self, held: int, why: str, fix: str) -> TierFull:
         import errno
-        from ..usage import tier_usage
+        from ..maintain.usage import tier_usage
         try:
             use = tier_usage(self.local)
             parts = (f"{use['pending']['bytes']} bytes of {use['pending']['snapshots']} snapshot(s) waiting for "
@@ -706,7 +706,7 @@ class Uploader:
         if newer_seq is None:
             return False
         refs: UploadQueue = self.local.refs
-        from ..gc import retention_plan
+        from ..maintain.gc import retention_plan
         plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
         if plan is None:
             return False  # no catalog row: _upload drops it as expired
@@ -850,7 +850,7 @@ class Uploader:
         job = row.get("job") if isinstance(row, dict) else None
         if not job:
             return
-        from ..gc import prune_job
+        from ..maintain.gc import prune_job
         try:
             expired: list = []
             if job in self.remote.refs.retention_all():
@@ -887,7 +887,7 @@ class Uploader:
             return True
         if root is None:
             return False
-        from ..gc import retention_plan
+        from ..maintain.gc import retention_plan
         plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
         return plan is not None and not plan["keep"]
 

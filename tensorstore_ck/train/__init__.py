@@ -28,6 +28,19 @@ when to snapshot, and its snapshots taken), with its parts in watch.py (the on_c
 hook, the store's size), outcomes.py (failures, CloseReport), collective.py (under
 torch.distributed), together.py (its collective restores) and restoring.py (restore_latest,
 restore(step), the steps kept).
+
+Its modules:
+
+    pruner.py         a training job's retention applied while it trains, in the background
+                      (CheckpointManager's and the Hugging Face callback's)
+    state.py          TrainState: the objects' state and every RNG stream, captured and put back
+    manager.py        CheckpointManager: when to snapshot, and the snapshots taken
+    watch.py          its on_commit and on_durable hooks, CommitEvent, the store's size measured
+    outcomes.py       its failures, warned and counted; CloseReport
+    collective.py     under torch.distributed: rank 0 decides, collective snapshots
+    together.py       collective restores: every rank the same step, or the same error
+    restoring.py      restore_latest, restore(step), the steps kept, a rollback recorded
+    loader.py         ResumableDataLoader: the data order, resumed exactly
 """
 
 from .manager import CheckpointManager

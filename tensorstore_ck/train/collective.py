@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..dist import is_collective
+from ..collective import is_collective
 from ..errors import InvalidArgument, InvalidName, OutcomeUnknown, TsckError, UnsupportedType
 
 __all__: list[str] = []  # a part of CheckpointManager (manager.py), nothing public of its own

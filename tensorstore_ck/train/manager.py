@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 
 from ..errors import InvalidArgument, SnapshotsFailed, SnapshotWarning
-from ..pruner import Pruner
-from ..retention import Retention
+from ..maintain.retention import Retention
 from .collective import Collective
 from .outcomes import CloseReport, caller_level, Outcomes
+from .pruner import Pruner
 from .restoring import Resumed, Restoring
 from .state import TrainState, as_state
 from .together import Together

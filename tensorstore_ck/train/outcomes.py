@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..errors import InvalidArgument, InvalidName, OutcomeUnknown, SnapshotWarning, TsckError, UnsupportedType
-from ..pruner import Pruner
+from .pruner import Pruner
 
 __all__ = ["CloseReport"]
 

@@ -150,7 +150,7 @@ def prune_case(rank, world, out, res, mode):
         def emit(self, record):
             Fences.n += "deletion phase overlapped" in record.getMessage()
 
-    lg = logging.getLogger("tensorstore_ck.publish")
+    lg = logging.getLogger("tensorstore_ck.write.publish")
     lg.setLevel(logging.DEBUG)
     lg.addHandler(Fences())
     with tsck.open_store(os.path.join(out, "store")) as store:

@@ -210,7 +210,7 @@ class Gate:
     Rank 1 enters the put of step `first1` first, rank 0 every other one."""
 
     def __init__(self, rank: int, first1: int):
-        from tensorstore_ck.dist.naming import _short
+        from tensorstore_ck.collective.naming import _short
         self.rank, self.first1, self.step = rank, first1, None
         self.kv = side_store(120.0)
         self.ref = _short(REF)

@@ -101,7 +101,7 @@ def _load(rank, world, out, res, mesh_shape, placements, ref, names, phase):
         res["reads"] = list(holder["w"].reads)
     res["same_object"] = got is into
     res["types"] = {n: type(got[n]).__name__ for n in names}
-    from tensorstore_ck.shard import from_dtensor
+    from tensorstore_ck.write.shard import from_dtensor
     res["offsets"] = {n: list(from_dtensor(into[n]).offsets) for n in names}
     # full_tensor(): an all-gather over gloo, independent of the store.
     _dump(out, phase, rank, {"local": {n: into[n].to_local().clone() for n in names},

@@ -41,7 +41,7 @@ import tensorstore_ck as tsck  # noqa: E402
 def main() -> int:
     # The publisher's waits and re-validations (DEBUG) go to stderr, which the test keeps and shows.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("tensorstore_ck.publish").setLevel(logging.DEBUG)
+    logging.getLogger("tensorstore_ck.write.publish").setLevel(logging.DEBUG)
     store_path, writer, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     rng = random.Random(writer)

@@ -209,7 +209,7 @@ class _HoldGc:
         import time
 
         import tensorstore_ck as tsck
-        from tensorstore_ck.gc import holding_gc_lock
+        from tensorstore_ck.maintain.lease import holding_gc_lock
         until = time.monotonic() + 120
         while True:
             try:  # (the uploader's own cleanup may hold the lock this moment)

@@ -66,7 +66,7 @@ def freeze_at(point: str) -> None:
     elif point == "marker-made":
         def profile(frame, event, _arg):
             if (event == "return" and frame.f_code.co_name == "create_marker"
-                    and frame.f_globals.get("__name__") == "tensorstore_ck.assets"):
+                    and frame.f_globals.get("__name__") == "tensorstore_ck.core.assets"):
                 sys.setprofile(None)
                 freeze()
         sys.setprofile(profile)

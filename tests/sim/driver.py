@@ -307,7 +307,7 @@ def _reap(p: subprocess.Popen, wait: float = 120.0) -> str | None:
 # A saver process ends within a second of its parent's death (docs/design/saver.md); a
 # loaded host's scheduling is allowed for. Past this, a killed writer's saver outlived it.
 SAVER_ORPHAN_WAIT = 10.0
-_SAVER_MARK = b"tensorstore_ck.saver import main"
+_SAVER_MARK = b"tensorstore_ck.write.saver import main"
 
 
 def _stacks_then_kill(p) -> None:

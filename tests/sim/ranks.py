@@ -81,7 +81,7 @@ def _tier_prune(s, job: str, rng: random.Random) -> str:
     are the harness's retention ops), as a CheckpointManager's prune after a snapshot; the
     other rank's tier then follows it."""
     import tensorstore_ck as tsck
-    from tensorstore_ck.gc import prune_job
+    from tensorstore_ck.maintain.gc import prune_job
     s.core.refs.retention_set(job, tsck.Retention(keep_last=rng.randint(1, 3)).to_dict())
     try:
         return f"expired {len(prune_job(s.core, job).expired)}"

@@ -42,8 +42,8 @@ import traceback
 import warnings
 
 import tensorstore_ck as tsck
-import tensorstore_ck.gc as tsck_gc
-import tensorstore_ck.saver as _saver
+import tensorstore_ck.maintain.gc as tsck_gc
+import tensorstore_ck.write.saver as _saver
 from tensorstore_ck.storage import local as _local
 
 from . import content, rollback, tierops
@@ -69,8 +69,8 @@ FENCES = LogCount("re-validating")
 # line shows how many puts, and whether a recover came after them (I3's one put, one snapshot).
 RACES = LogCount("lost the race")
 for _h in (FENCES, RACES):
-    logging.getLogger("tensorstore_ck.publish").addHandler(_h)
-logging.getLogger("tensorstore_ck.publish").setLevel(logging.DEBUG)
+    logging.getLogger("tensorstore_ck.write.publish").addHandler(_h)
+logging.getLogger("tensorstore_ck.write.publish").setLevel(logging.DEBUG)
 
 
 class GoneCount(logging.Filter):
@@ -1020,7 +1020,7 @@ class Worker:
     def _kept_here(self, s) -> set[str]:
         """What the tier keeps of the job now (its rules, tags, pins, ref tips, the upload
         in progress), before close() finishes the uploads."""
-        from tensorstore_ck.gc import retention_plan
+        from tensorstore_ck.maintain.gc import retention_plan
         job = self.cfg["catalog"]["job"]
         try:
             plan = retention_plan(s.core, s.reftable.wall_now())

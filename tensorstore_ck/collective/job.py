@@ -1,0 +1,38 @@
+"""What one collective call is given (CollectiveJob): the roles it uses, each an explicit
+field, so that nothing in the call reaches back into the Store that makes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # annotations only: publish.py and plan.py are the Store's to load
+    from ..util.ids import Digest
+    from ..write.plan import Plan
+    from ..write.publish import Publisher
+    from ..core.validate import SnapshotArgs
+    from .naming import CollectiveContext
+
+
+@dataclass(frozen=True)
+class CollectiveJob:
+    """What one collective put or checkout needs, built by the Store that makes it; nothing
+    here calls back into the Store. A put fills publisher, prepare and plan (tier, timing
+    and ident as it has them), a checkout resolve and read."""
+    calls: CollectiveContext         # the process's call names: they name the call's keys
+    group: Any                       # the process group (AUTO: the default one)
+    timeout: float                   # seconds every rank waits for the others
+    publisher: "Publisher | None" = None                 # put: every rank writes, rank 0 publishes, through it
+    prepare: "Callable[[], SnapshotArgs] | None" = None  # put: the arguments, checked inside the call
+    plan: "Callable[[], Plan] | None" = None             # put: this rank's plan (validates its state)
+    # Through local tiers (tier.collective.CollectiveTier: each rank's store is its own tier): each
+    # rank writes under its own tier's fence, rank 0 hands its commit, top node and rank-tree paths to the
+    # others, and every rank queues its upload once the snapshot is published locally.
+    tier: Any = None
+    timing: "Callable[[], Any] | None" = None  # put: -> publish.Timing of this rank's call (rank 0's is recorded)
+    ident: Any = None  # put: (ref, step) as the caller gave them: they name the call (CollectiveContext.next)
+    # checkout: rank 0 names the snapshot with it (Core.resolve; through a local tier, the
+    # newer of the tier's and the remote's), so every rank reads the same one
+    resolve: "Callable[[str], Digest] | None" = None
+    read: "Callable[[Digest, int], Any] | None" = None   # checkout: the state of a root, as a rank reads it
+    kv: Any = None                   # the c10d store (None: the group's default one)

@@ -1,0 +1,19 @@
+"""The write path: state -> plan -> blocks, nodes, commit -> the ref moved by a fenced
+compare-and-swap (docs/design/writing.md).
+
+    saver.py          the saver process: an asynchronous put's blocks written off this
+                      process's GIL (open_store(saver="process")), and its own loop
+    publish.py        the whole write path, one job over ~600 lines: block jobs -> nodes ->
+                      commit -> fenced CAS -> retry (the refused commits removed), and
+                      the stats of what was written
+    packparts.py      packs that keep dedup: a packed tensor a stored pack holds names that
+                      part; new packs form from the rest; packs under half named abandoned
+    plancache.py      the layouts a Store's puts planned lately: a state of the same layout
+                      planned from one, staged in one copy call (thousands of tensors)
+    plan.py           state -> plan: every value validated and cut into block jobs before
+                      any write; nothing in it writes
+    shard.py          Sharded / Replicated: a rank's piece of a global tensor
+    staging.py        reused host buffers for async snapshots
+
+Each room imports only those listed below it (pyproject.toml, import-linter).
+"""
