@@ -347,7 +347,7 @@ def write_direct(store, world: int, state, ref: str, step: int, *, top_version: 
     address and one chunk-index node listing every piece), to compare. -> the root."""
     from tensorstore_ck.format.manifest import encode_node
     from tensorstore_ck.format.world import write_index, write_world
-    from tensorstore_ck.core.core.validate import check_snapshot_args
+    from tensorstore_ck.core.validate import check_snapshot_args
     pub = store.publisher
     fence = pub.fence()
     tops, pieces_by_rank = [], []
@@ -380,7 +380,7 @@ def read_rank(store, root: str, rank: int, into):
     the ranks agree on it (the coordination costs O(1) requests per rank: the checkout
     scenarios above count it): this rank's view, into `into`."""
     from tensorstore_ck.format.manifest import decode_commit
-    from tensorstore_ck.read.read.read import Reader
+    from tensorstore_ck.read.read import Reader
     c = decode_commit(store.assets.get_commit(bytes.fromhex(root)))
     reader = Reader(store.assets, store._pool, snapshot=root, rank=rank, fence=store.assets.fence_now())
     return reader.materialize(reader.top(c["tree"]), (), into)

@@ -432,7 +432,7 @@ def build_real_store(url: str | None = None, **open_kw):
 
 def drop_memory_store(store) -> None:
     """Close a memory:// store and free its objects and ref table."""
-    from tensorstore_ck.core.core.locate import forget_memory_refs
+    from tensorstore_ck.core.locate import forget_memory_refs
     url = store.url
     try:
         store.close()

@@ -29,7 +29,7 @@ from _common import ContractViolation  # noqa: E402
 
 with _common.instrument(__name__ == "__main__"):
     import blake3
-    from tensorstore_ck.core.core.assets import KIND_PREFIX, Assets
+    from tensorstore_ck.core.assets import KIND_PREFIX, Assets
     from tensorstore_ck.errors import FormatError, IntegrityError, TsckError
     from tensorstore_ck.format import frame
     from tensorstore_ck.storage import FsspecBlockStore

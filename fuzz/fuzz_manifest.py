@@ -34,7 +34,7 @@ from _common import ContractViolation  # noqa: E402
 
 with _common.instrument(__name__ == "__main__"):
     import blake3
-    from tensorstore_ck.core.core.assets import commit_key, node_key
+    from tensorstore_ck.core.assets import commit_key, node_key
     from tensorstore_ck.errors import TsckError
     from tensorstore_ck.format.manifest import _COMMIT_FIELDS, decode_commit, decode_node
 

@@ -35,7 +35,7 @@ from _common import ContractViolation  # noqa: E402
 with _common.instrument(__name__ == "__main__"):
     import tensorstore_ck as tsck
     from tensorstore_ck.errors import InvalidName, TsckError
-    from tensorstore_ck.core.core.assets import tag_key
+    from tensorstore_ck.core.assets import tag_key
     from tensorstore_ck.format.names import MAX_NAME_BYTES, parse_target, validate_component, validate_name
 
 _STATE: dict = {}

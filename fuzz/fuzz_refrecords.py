@@ -39,7 +39,7 @@ with _common.instrument(__name__ == "__main__"):
 
     import tensorstore_ck as tsck
     from tensorstore_ck.errors import TsckError
-    from tensorstore_ck.core.core.assets import tag_key
+    from tensorstore_ck.core.assets import tag_key
     from tensorstore_ck.format.records import decode_record, decode_tag
     from tensorstore_ck.format.names import validate_name
     from tensorstore_ck.storage import FsspecBlockStore

@@ -46,7 +46,7 @@ from _common import ContractViolation  # noqa: E402
 with _common.instrument(__name__ == "__main__"):
     import blake3
     import msgpack
-    from tensorstore_ck.core.core.assets import commit_key, node_key
+    from tensorstore_ck.core.assets import commit_key, node_key
     from tensorstore_ck.dcp.layout import DcpTree
     from tensorstore_ck.dcp.metadata import decode_metadata
     from tensorstore_ck.dcp.reader import TsckReader

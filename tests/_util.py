@@ -16,14 +16,19 @@ import dataclasses
 import importlib.util
 import math
 import os
+import stat
 import struct
 import sys
+import textwrap
 import threading
 from pathlib import Path
 
+import blake3
 import numpy as np
+import pytest
 import torch
 
+import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 OBJECT_DIRS = ("blocks", "nodes", "commits")
@@ -387,3 +392,138 @@ class HoldLookups(WrappedStore):
     def size_of(self, key):
         assert self.gate.wait(self.deadline)
         return self.inner.size_of(key)
+
+
+# ---------------------------------------------------------------- the CLI without torch
+# Runs the CLI's main() with torch made unimportable: any import of it fails the command
+# (tests/test_cli_no_torch.py, tests/test_dcp_cli.py).
+NO_TORCH_CLI = textwrap.dedent("""
+    import sys
+    class _Block:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("torch imported by a command that must not need it")
+    sys.meta_path.insert(0, _Block())
+    from tensorstore_ck.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+# ---------------------------------------------------------------- calls that may hang
+def unblock_fifos(path) -> None:
+    """Release a reader stuck opening the FIFOs under `path` (so a reader that does open one cannot hang the suite)."""
+    for d, _dirs, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            try:
+                if os.path.isfile(p) or not os.path.exists(p):
+                    continue
+                if stat.S_ISFIFO(os.stat(p).st_mode):
+                    os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+
+def bounded(fn, *, timeout: float = 30.0, unblock=None):
+    """fn() in a thread; a call still running after `timeout` fails the test instead of hanging it."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            box["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        # Release it (it may wait on one FIFO after another) so the store can close.
+        for _ in range(100):
+            if unblock is None or not t.is_alive():
+                break
+            unblock_fifos(unblock)
+            t.join(0.1)
+        pytest.fail(f"still running after {timeout} s: hangs")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+# ---------------------------------------------------------------- a tiny Trainer run
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=64, length=16):
+        self.x = torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(123))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    # bos/eos inside the tiny vocabulary (GPT-2's 50256 is not)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+# ---------------------------------------------------------------- `tsck du`'s three jobs
+DU_BS = 64 * 1024  # (tests/test_plot.py, tests/test_du_holds.py)
+DU_N = DU_BS // 4  # float32 elements per block: 1-D tensors are cut at exact multiples of DU_BS
+
+
+def vec(seed: int, blocks: int) -> torch.Tensor:
+    return rand_tensor(torch.float32, (DU_N * blocks,), seed=seed)
+
+
+def block_digests(t: torch.Tensor) -> set[bytes]:
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    return {blake3.blake3(raw[i:i + DU_BS]).digest() for i in range(0, len(raw), DU_BS)}
+
+
+def block_sizes_on_disk(path) -> dict[bytes, int]:
+    out = {}
+    for root, _dirs, files in os.walk(os.path.join(path, "blocks")):
+        for f in files:
+            out[bytes.fromhex(f)] = os.path.getsize(os.path.join(root, f))
+    return out
+
+
+def fill(path):
+    """Three jobs: a base model shared by two fine-tunes, each with heads of its own
+    (and one head shared by the two), and a job sharing nothing. -> job -> its states."""
+    base, shared_head = vec(1, 6), vec(2, 2)
+    states = {
+        "ft-a": [{"base": base, "head": vec(10 + s, 3), "shared": shared_head} for s in range(3)],
+        "ft-b": [{"base": base, "head": vec(20 + s, 1), "zeros": torch.zeros(DU_N * 4)} for s in range(2)]
+        + [{"base": base, "shared": shared_head}],
+        "solo": [{"w": vec(30, 5)}],
+    }
+    with tsck.open_store(path, block_size=DU_BS, inline_threshold=1024) as s:
+        for job, seq in states.items():
+            for step, st in enumerate(seq):
+                s.put_snapshot(st, ref=f"{job}/main", step=step)
+    return states
+
+
+def expected_numbers(path, states):
+    """held / only bytes per job, from the tensors' block digests and the sizes on disk."""
+    sizes = block_sizes_on_disk(path)
+    sets = {job: set().union(*(block_digests(t) for st in seq for t in st.values())) for job, seq in states.items()}
+    out = {}
+    for job, mine in sets.items():
+        others = set().union(*(v for k, v in sets.items() if k != job))
+        out[job] = (sum(sizes[d] for d in mine), sum(sizes[d] for d in mine - others))
+    return out, sizes
+
+
+# ---------------------------------------------------------------- a store through a local tier
+def tier_state(seed: int, n: int = 64) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, 256, generator=g), "b": torch.randn(300, generator=g)}
+
+
+def open_tiered(tmp_path, **kw) -> tsck.Store:
+    return tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=16 * 1024,
+                           inline_threshold=256, **kw)

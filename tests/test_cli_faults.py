@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.core.core.walk import walk_commit
+from tensorstore_ck.core.walk import walk_commit
 
 import _zygote as zygote
 from _util import plant_special

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -14,18 +13,7 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.format.dtypes import DTYPE_ITEMSIZES, PACKED_QUANT_NAMES, QUANT_NAMES
 
-# Runs the CLI's main() with torch made unimportable: any import of it fails the command.
-_NO_TORCH = textwrap.dedent("""
-    import sys
-    class _Block:
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch imported by a command that must not need it")
-    sys.meta_path.insert(0, _Block())
-    from tensorstore_ck.cli import main
-    sys.exit(main(sys.argv[1:]))
-""")
-
+from _util import NO_TORCH_CLI
 
 def test_the_grammar_table_is_this_torch_builds_dtypes():
     """The static table the grammar checks names against is exactly torch's (the pinned
@@ -57,7 +45,7 @@ def store_path(tmp_path_factory):
 ], ids=lambda c: "-".join(c))
 def test_commands_that_read_refs_and_manifests_start_without_torch(store_path, cmd):
     argv = [cmd[0], store_path, *cmd[1:]]
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", NO_TORCH_CLI, *argv], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, (argv, p.stdout, p.stderr)
     assert "torch imported" not in p.stderr
 
@@ -65,7 +53,7 @@ def test_commands_that_read_refs_and_manifests_start_without_torch(store_path, c
 def test_a_command_that_needs_tensors_still_gets_torch(store_path, tmp_path):
     """The blocker bites: checkout to a .pt file needs torch and says so."""
     argv = ["checkout", store_path, "j/main", str(tmp_path / "x.pt")]
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", NO_TORCH_CLI, *argv], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "torch imported by a command" in p.stdout + p.stderr, (p.stdout, p.stderr)
 
 

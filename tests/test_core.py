@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.core.core.core import Core, Settings
+from tensorstore_ck.core.core import Core, Settings
 from tensorstore_ck.maintain.fsck import run_fsck
 from tensorstore_ck.maintain.gc import run_gc
-from tensorstore_ck.read.read.listing import list_tree
+from tensorstore_ck.read.listing import list_tree
 from tensorstore_ck.refs.lmdb import LmdbRefTable
 from tensorstore_ck.storage.local import LocalBlockStore
 from tensorstore_ck.maintain.usage import usage

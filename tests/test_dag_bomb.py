@@ -24,7 +24,7 @@ from _util import child_env
 
 import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import decode_node, encode_node
-from tensorstore_ck.core.core.walk import iter_leaves
+from tensorstore_ck.core.walk import iter_leaves
 
 REPO = Path(__file__).resolve().parent.parent
 STATS = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
@@ -213,7 +213,7 @@ def test_ls_refuses_a_bomb_before_listing_anything(tmp_path, monkeypatch):
     """ls (and `tsck checkout` to safetensors, which lists first) counts the values it
     would visit over distinct nodes: a bomb is refused after a few hundred items
     visited, not after walking the cap's 4 Mi paths (40 s)."""
-    from tensorstore_ck.read.read import listing
+    from tensorstore_ck.read import listing
     from tensorstore_ck.format import tree
 
     visited = [0]

@@ -415,7 +415,7 @@ def test_overlapping_chunks_in_a_stored_dcp_tree_are_refused(small_store):
     """A DCP tree is untrusted input too: a tensor whose stored chunks overlap (which
     chunk would a read get?) is a FormatError, not a silent pick."""
     from tensorstore_ck.dcp.layout import DcpTree, compose
-    from tensorstore_ck.core.core.validate import check_snapshot_args
+    from tensorstore_ck.core.validate import check_snapshot_args
     sd = {"w": torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)}
     _save(sd, small_store, ref="jobA/dcp")
     good = DcpTree(small_store.assets, small_store.pool, small_store.show("jobA/dcp").root, True)

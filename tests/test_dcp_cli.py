@@ -19,9 +19,9 @@ from tensorstore_ck.dcp import TsckWriter
 import _zygote as zygote
 
 try:
-    from .test_cli_no_torch import _NO_TORCH
+    from ._util import NO_TORCH_CLI as _NO_TORCH
 except ImportError:  # tests/ is not a package
-    from test_cli_no_torch import _NO_TORCH
+    from _util import NO_TORCH_CLI as _NO_TORCH
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -13,11 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tensorstore_ck as tsck
-from tensorstore_ck.core.core.assets import block_key
+from tensorstore_ck.core.assets import block_key
 from tensorstore_ck.cli import main
 from tensorstore_ck.dcp import TsckWriter
 from tensorstore_ck.util.ids import Digest
-from tensorstore_ck.core.core.walk import iter_leaves
+from tensorstore_ck.core.walk import iter_leaves
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

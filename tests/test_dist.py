@@ -448,7 +448,7 @@ def test_gc_keeps_the_rank_tree_and_the_chunk_index(tmp_path):
     """The top of a collective snapshot points at its rank tree and its chunk index (fan
     trees of nodes, format/world.py): gc keeps both (it walks them), and a lost index
     node is damage fsck names."""
-    from tensorstore_ck.core.core.assets import node_key
+    from tensorstore_ck.core.assets import node_key
     from tensorstore_ck.format.manifest import decode_commit, decode_node
     out = run_scenario(tmp_path, "index", 4, limit=300.0)
     with tsck.open_store(out / "store") as s:

@@ -441,7 +441,7 @@ def test_fsck_of_a_hostile_float_block_holds_one_block(tmp_path):
 
     import blake3
 
-    from tensorstore_ck.core.core.assets import block_key
+    from tensorstore_ck.core.assets import block_key
     from tensorstore_ck.format.manifest import encode_node
 
     if not os.path.exists("/proc/self/status"):
@@ -474,7 +474,7 @@ def test_an_object_declaring_more_than_its_kind_holds_is_not_decoded(tmp_path):
     import blake3
     import lz4.block
 
-    from tensorstore_ck.core.core.assets import block_key
+    from tensorstore_ck.core.assets import block_key
     from tensorstore_ck.format.tree import MAX_BLOCK_SIZE
 
     raw = bytes(MAX_BLOCK_SIZE + 4096)

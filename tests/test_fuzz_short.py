@@ -370,7 +370,7 @@ def test_regression_reader_tensor_bytes_checked_before_allocating(monkeypatch):
                    "b": [bytes([i]) * 32 for i in range(1, 17)]}}
     store = importlib.import_module("fuzz_manifest")._store()
     d = store.assets.put_node(_node(value)).digest
-    from tensorstore_ck.read.read.read import Reader
+    from tensorstore_ck.read.read import Reader
     with pytest.raises(tsck.IntegrityError) as ei:
         Reader(store.assets, store._pool, snapshot=d.hex()).read(d)
     assert ei.value.reason == "missing" and ei.value.key.startswith("blocks/")

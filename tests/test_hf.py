@@ -32,25 +32,14 @@ from tensorstore_ck.interchange.export import export_file  # noqa: E402
 import _zygote as zygote
 
 try:
-    from ._util import assert_same, object_listing
+    from ._util import Tokens, assert_same, object_listing, tiny_model
     from ._lifecycle_util import run_cli
 except ImportError:  # tests/ is not a package
-    from _util import assert_same, object_listing
+    from _util import Tokens, assert_same, object_listing, tiny_model
     from _lifecycle_util import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=64, length=16):
-        self.x = torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(123))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
 class Losses(TrainerCallback):
@@ -60,12 +49,6 @@ class Losses(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.by_step[state.global_step] = logs["loss"]
-
-
-def tiny_model():
-    # bos/eos inside the tiny vocabulary (GPT-2's 50256 is not)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0))
 
 
 def trainer(out, callbacks, steps=STEPS, **kw):

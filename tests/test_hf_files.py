@@ -30,10 +30,10 @@ from tensorstore_ck.errors import InvalidArgument  # noqa: E402
 
 try:
     from ._lifecycle_util import run_cli
-    from .test_hf import Tokens, tiny_model
+    from ._util import Tokens, tiny_model
 except ImportError:  # tests/ is not a package
     from _lifecycle_util import run_cli
-    from test_hf import Tokens, tiny_model
+    from _util import Tokens, tiny_model
 
 
 def trainer(out, callbacks, steps=20, processing_class=None, **kw):

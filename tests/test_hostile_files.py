@@ -28,10 +28,10 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import FaultInjectingStore
-from tensorstore_ck.core.core.walk import walk_commit
+from tensorstore_ck.core.walk import walk_commit
 
 import _zygote as zygote
-from _util import plant_special
+from _util import bounded, plant_special, unblock_fifos
 
 BLOCK = 4096
 
@@ -76,45 +76,6 @@ def _listing(path) -> dict:
             p = os.path.join(d, f)
             out[os.path.relpath(p, path)] = os.lstat(p).st_size
     return out
-
-
-def _unblock(path) -> None:
-    """Release a reader stuck opening the FIFOs under `path` (so a reader that does open one cannot hang the suite)."""
-    for d, _dirs, files in os.walk(path):
-        for f in files:
-            p = os.path.join(d, f)
-            try:
-                if os.path.isfile(p) or not os.path.exists(p):
-                    continue
-                if stat.S_ISFIFO(os.stat(p).st_mode):
-                    os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError:
-                pass
-
-
-def bounded(fn, *, timeout: float = 30.0, unblock=None):
-    """fn() in a thread; a call still running after `timeout` fails the test instead of hanging it."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            box["error"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        # Release it (it may wait on one FIFO after another) so the store can close.
-        for _ in range(100):
-            if unblock is None or not t.is_alive():
-                break
-            _unblock(unblock)
-            t.join(0.1)
-        pytest.fail(f"still running after {timeout} s: hangs")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _cli(*args, env=None, timeout=30):
@@ -203,7 +164,7 @@ def filled(tmp_path):
                 "commit1": _objects(s, roots[1])["commit"][0][0],
                 "tag": "tags/" + b"golden".hex()}
     yield path, roots, keys
-    _unblock(path)
+    unblock_fifos(path)
 
 
 def _plant(path, key: str, what: str) -> None:

@@ -24,7 +24,7 @@ import torch
 from _util import same_bits
 
 import tensorstore_ck as tsck
-from tensorstore_ck.core.core.assets import Assets
+from tensorstore_ck.core.assets import Assets
 from tensorstore_ck.errors import IntegrityError, SnapshotAborted
 from tensorstore_ck.storage.local import LocalBlockStore
 from tensorstore_ck.storage.wrappers import WrappedStore

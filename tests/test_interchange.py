@@ -26,7 +26,7 @@ import tensorstore_ck as tsck
 from tensorstore_ck.errors import FormatError, InvalidArgument, UnsupportedType
 from tensorstore_ck.interchange.export import export_file
 from tensorstore_ck.interchange.importing import import_files
-from tensorstore_ck.read.read.listing import list_tree
+from tensorstore_ck.read.listing import list_tree
 
 try:
     from ._util import assert_same, object_listing, rand_tensor, refs_snapshot, tensor_bytes

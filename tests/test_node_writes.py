@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.core.core.core import POOL_PREFIX
+from tensorstore_ck.core.core import POOL_PREFIX
 from tensorstore_ck.errors import TsckError
 from tensorstore_ck.write.publish import Publisher
 from tensorstore_ck.storage.wrappers import InjectedFault, WrappedStore

@@ -18,7 +18,7 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.write.packparts import LIVE_SHARE
 from tensorstore_ck.write.publish import Publisher
-from tensorstore_ck.core.core.walk import PackedPart, iter_leaves
+from tensorstore_ck.core.walk import PackedPart, iter_leaves
 
 from _backends import OBJECT_PREFIXES, Backend
 

@@ -16,7 +16,7 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.write import packparts
-from tensorstore_ck.core.core.walk import PackedPart, iter_leaves
+from tensorstore_ck.core.walk import PackedPart, iter_leaves
 
 from _util import CountingReads
 

@@ -27,7 +27,7 @@ import tensorstore_ck as tsck
 from tensorstore_ck.format.tree import decode_value
 from tensorstore_ck.format.chunker import default_pack_size
 from tensorstore_ck.storage.wrappers import WrappedStore
-from tensorstore_ck.core.core.walk import PackedPart, iter_leaves
+from tensorstore_ck.core.walk import PackedPart, iter_leaves
 
 PACK = 96 * 1024  # small enough that a test state makes several packs
 

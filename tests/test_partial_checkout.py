@@ -332,7 +332,7 @@ def _lines_of_selected_checkout(store, n: int) -> int:
     import sys
 
     from tensorstore_ck.util import paths as paths_mod
-    from tensorstore_ck.read.read import read as read_mod
+    from tensorstore_ck.read import read as read_mod
 
     state = {f"layers.{i}.weight": torch.full((2,), float(i)) for i in range(n)}  # inline: no block reads
     ref = f"n/k{n}"

@@ -81,13 +81,13 @@ def _state(tag: float) -> dict:
 
 
 def _blocks_of(store, root: str) -> list[str]:
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
     return sorted({f"blocks/{o.digest.hex()[:2]}/{o.digest.hex()}"
                    for o in walk_commit(store.core.assets, bytes.fromhex(root)) if o.kind == "block"})
 
 
 def _nodes_of(store, root: str) -> list[str]:
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
     return sorted({f"nodes/{o.digest.hex()[:2]}/{o.digest.hex()}"
                    for o in walk_commit(store.core.assets, bytes.fromhex(root)) if o.kind == "node"})
 

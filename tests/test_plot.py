@@ -18,60 +18,11 @@ from tensorstore_ck.errors import InvalidArgument
 from tensorstore_ck.maintain.usage import usage
 
 try:
-    from ._util import rand_tensor
+    from ._util import DU_BS as BS, DU_N as N, block_digests, block_sizes_on_disk, expected_numbers, fill, rand_tensor, vec
     from ._lifecycle_util import run_cli
 except ImportError:  # tests/ is not a package
-    from _util import rand_tensor
+    from _util import DU_BS as BS, DU_N as N, block_digests, block_sizes_on_disk, expected_numbers, fill, rand_tensor, vec
     from _lifecycle_util import run_cli
-
-BS = 64 * 1024
-N = BS // 4  # float32 elements per block: 1-D tensors are cut at exact multiples of BS
-
-
-def vec(seed: int, blocks: int) -> torch.Tensor:
-    return rand_tensor(torch.float32, (N * blocks,), seed=seed)
-
-
-def block_digests(t: torch.Tensor) -> set[bytes]:
-    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
-    return {blake3.blake3(raw[i:i + BS]).digest() for i in range(0, len(raw), BS)}
-
-
-def block_sizes_on_disk(path) -> dict[bytes, int]:
-    out = {}
-    for root, _dirs, files in os.walk(os.path.join(path, "blocks")):
-        for f in files:
-            out[bytes.fromhex(f)] = os.path.getsize(os.path.join(root, f))
-    return out
-
-
-def fill(path):
-    """Three jobs: a base model shared by two fine-tunes, each with heads of its own
-    (and one head shared by the two), and a job sharing nothing. -> job -> its states."""
-    base, shared_head = vec(1, 6), vec(2, 2)
-    states = {
-        "ft-a": [{"base": base, "head": vec(10 + s, 3), "shared": shared_head} for s in range(3)],
-        "ft-b": [{"base": base, "head": vec(20 + s, 1), "zeros": torch.zeros(N * 4)} for s in range(2)]
-        + [{"base": base, "shared": shared_head}],
-        "solo": [{"w": vec(30, 5)}],
-    }
-    with tsck.open_store(path, block_size=BS, inline_threshold=1024) as s:
-        for job, seq in states.items():
-            for step, st in enumerate(seq):
-                s.put_snapshot(st, ref=f"{job}/main", step=step)
-    return states
-
-
-def expected_numbers(path, states):
-    """held / only bytes per job, from the tensors' block digests and the sizes on disk."""
-    sizes = block_sizes_on_disk(path)
-    sets = {job: set().union(*(block_digests(t) for st in seq for t in st.values())) for job, seq in states.items()}
-    out = {}
-    for job, mine in sets.items():
-        others = set().union(*(v for k, v in sets.items() if k != job))
-        out[job] = (sum(sizes[d] for d in mine), sum(sizes[d] for d in mine - others))
-    return out, sizes
-
 
 def test_usage_numbers(tmp_path):
     path = tmp_path / "s"

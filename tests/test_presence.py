@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.read.read import read
+from tensorstore_ck.read import read
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 import _zygote as zygote
@@ -260,7 +260,7 @@ def test_a_warm_miss_that_exists_is_judged_as_a_head_would(s3_url, s3_server, tm
     import blake3
     import s3fs
 
-    from tensorstore_ck.core.core.assets import block_key
+    from tensorstore_ck.core.assets import block_key
     store = _open(s3_url, s3_server, tmp_path)
     store.put_snapshot({"a": torch.zeros(64)}, ref="j/main", step=1)  # warm
     z = torch.randn(BS // 4, generator=torch.Generator().manual_seed(5))  # one block

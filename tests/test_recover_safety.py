@@ -65,7 +65,7 @@ def test_recover_skips_a_commit_missing_a_block(tmp_path):
 
 
 def _blocks(s, target):
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
     return [o.digest for o in walk_commit(s.assets, bytes.fromhex(s.resolve(target))) if o.kind == "block"]
 
 

@@ -17,7 +17,7 @@ from _util import in_thread
 import tensorstore_ck as tsck
 from tensorstore_ck.cli import main
 from tensorstore_ck.storage.wrappers import WrappedStore
-from tensorstore_ck.core.core.walk import walk_commit
+from tensorstore_ck.core.walk import walk_commit
 
 
 def _w(step: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import pytest
 
-from tensorstore_ck.core.core import roles
+from tensorstore_ck.core import roles
 from tensorstore_ck.refs import RefTable
 
 TABLES = ("tensorstore_ck.refs.lmdb.LmdbRefTable", "tensorstore_ck.refs.memory.MemoryRefTable",

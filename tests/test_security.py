@@ -25,7 +25,7 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import encode_commit, encode_node
-from tensorstore_ck.core.core.assets import tag_key
+from tensorstore_ck.core.assets import tag_key
 
 STATS = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
 

@@ -280,7 +280,7 @@ def test_checker_reports_tier_violations(tmp_path):
     past its budget, an IntegrityError where nothing was damaged, a close with the remote
     down past its bound or silent on what stays queued, a put through a tier failed on
     its remote being down, a rank's tier past its budget are each reported."""
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
     url, tier = tmp_path / "store", tmp_path / "tier"
     tsck.open_store(url, block_size=content.BLOCK_SIZE, inline_threshold=content.INLINE_THRESHOLD).close()
     specs = [content.make_spec("w", i, i % content.VARIANTS, i) for i in range(3)]

@@ -444,7 +444,7 @@ def test_a_part_intent_left_by_a_killed_rank_is_sent_at_open(tmp_path):
     local= queues the part and sends its blocks and nodes (not the commit: rank 0 sends
     it), leaving no intent and no durable mark. An intent whose objects are gone is
     dropped with a warning; the uploader goes on."""
-    from tensorstore_ck.core.core.walk import walk_tree
+    from tensorstore_ck.core.walk import walk_tree
     tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                     inline_threshold=256).close()
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:

@@ -20,7 +20,8 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
 
-BS = 16 * 1024
+from _util import open_tiered, tier_state
+
 DEADLINE = 120.0  # generous: the machine is shared
 
 
@@ -37,20 +38,10 @@ class Held(WrappedStore):
         return self.inner.put_addressed(key, bufs)
 
 
-def _state(seed: int, n: int = 64) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, 256, generator=g), "b": torch.randn(300, generator=g)}
-
-
 def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         x.dtype == y.dtype and x.shape == y.shape and x.reshape(-1).view(torch.uint8).equal(y.reshape(-1).view(torch.uint8))
         for x, y in ((a[k].contiguous(), b[k].contiguous()) for k in a))
-
-
-def _open(tmp_path, **kw) -> tsck.Store:
-    return tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
-                           inline_threshold=256, **kw)
 
 
 def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path, caplog):
@@ -62,16 +53,16 @@ def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path
     newest) is durable and is the remote tip. Another ref's snapshot is not superseded by
     this ref's."""
     wrapped = []
-    store = _open(tmp_path, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
+    store = open_tiered(tmp_path, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
     # (the tier's table alone: no remote prune after the uploads, so the tier's catalog
     # keeps the skipped snapshots until a prune of its own)
     store.reftable.retention_set("job", tsck.Retention(keep_last=1).to_dict())
     held = wrapped[0]
-    infos = [store.put_snapshot(_state(1), "job/main", step=1)]
+    infos = [store.put_snapshot(tier_state(1), "job/main", step=1)]
     assert held.waiting.wait(DEADLINE)  # the first upload is in flight
     for step in (2, 3, 4, 5):
-        infos.append(store.put_snapshot(_state(step), "job/main", step=step))
-    other = store.put_snapshot(_state(9), "job/other", step=2)  # queued after main's step 3: its own ref
+        infos.append(store.put_snapshot(tier_state(step), "job/main", step=step))
+    other = store.put_snapshot(tier_state(9), "job/other", step=2)  # queued after main's step 3: its own ref
     store.tag("keep-3", infos[2].root)
     caplog.set_level(logging.INFO, logger="tensorstore_ck.tier")
     held.gate.set()
@@ -94,12 +85,12 @@ def test_a_backlog_uploads_the_newest_and_the_tagged_and_skips_the_rest(tmp_path
     with tsck.open_store(str(tmp_path / "remote"), create=False) as r:
         assert [i.step for i in r.log("job/main")] == [5, 3, 1]
         assert r.tags()["keep-3"].step == 3  # the tag is the remote's too
-        assert _equal(r.checkout("job/main"), _state(5))
+        assert _equal(r.checkout("job/main"), tier_state(5))
         assert r.fsck(full=True).findings == []
     # The skipped snapshots are still in the tier, local-only, and read whole there.
-    with _open(tmp_path) as again:
+    with open_tiered(tmp_path) as again:
         assert again.show(infos[1].root).durable is False
-        assert _equal(again.checkout(infos[1].root), _state(2))
+        assert _equal(again.checkout(infos[1].root), tier_state(2))
 
 
 def _stored(path) -> int:
@@ -115,15 +106,15 @@ def test_the_budget_holds_after_many_puts_and_evicted_snapshots_read_from_the_re
     says how many it evicted; a local gc keeps the rest. Reading an evicted snapshot
     through the remote is the plan: no warning per object."""
     nvme = tmp_path / "nvme"
-    with _open(tmp_path) as probe:
-        probe.put_snapshot(_state(100), "job/probe", step=0)
+    with open_tiered(tmp_path) as probe:
+        probe.put_snapshot(tier_state(100), "job/probe", step=0)
         assert probe.wait_durable(timeout=DEADLINE)
     one = _stored(nvme)
     budget = 3 * one + one // 2
-    with _open(tmp_path, local_budget=budget) as store:
+    with open_tiered(tmp_path, local_budget=budget) as store:
         infos = []
         for step in range(1, 9):
-            infos.append(store.put_snapshot(_state(step), "job/main", step=step))
+            infos.append(store.put_snapshot(tier_state(step), "job/main", step=step))
             assert store.wait_durable(timeout=DEADLINE)
             assert _stored(nvme) <= budget
         assert [i.step for i in store.log("job/main")] == list(range(8, 0, -1))
@@ -132,12 +123,12 @@ def test_the_budget_holds_after_many_puts_and_evicted_snapshots_read_from_the_re
         assert len(evicted) >= 5
         caplog.set_level(logging.WARNING, logger="tensorstore_ck.tier")
         for step in (1, 8):
-            assert _equal(store.checkout(infos[step - 1].root), _state(step))
+            assert _equal(store.checkout(infos[step - 1].root), tier_state(step))
         assert not [r for r in caplog.records if "reading it from" in r.getMessage()]  # evicted: not news
         report = store.fsck(full=True)
         assert report.findings == [] and report.evicted == len(evicted)
         store.gc()
-        assert _equal(store.checkout("job/main"), _state(8))
+        assert _equal(store.checkout("job/main"), tier_state(8))
     with tsck.open_store(str(nvme), create=False) as tier:  # the tier by itself: nothing evicted is missing
         assert tier.fsck(full=True).findings == []
 
@@ -153,9 +144,9 @@ def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only
     nvme = tmp_path / "nvme"
     wrapped = []
     caplog.set_level(logging.WARNING, logger="tensorstore_ck.tier")
-    store = _open(tmp_path, local_budget=1, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
+    store = open_tiered(tmp_path, local_budget=1, wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
     held = wrapped[0]
-    a = store.put_snapshot(_state(1), "job/main", step=1)
+    a = store.put_snapshot(tier_state(1), "job/main", step=1)
     assert held.waiting.wait(DEADLINE)
     seen = {}
 
@@ -165,7 +156,7 @@ def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only
     timer = threading.Timer(1.0, release)
     timer.start()
     t0 = time.monotonic()
-    b = store.put_snapshot(_state(2), "job/main", step=2)
+    b = store.put_snapshot(tier_state(2), "job/main", step=2)
     assert time.monotonic() - t0 >= 1.0  # it waited for a's upload
     timer.join()
     assert seen["evicted"] == set() and seen["bytes"] > 1  # nothing durable yet: nothing went
@@ -178,29 +169,29 @@ def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only
     store.close()
 
     with tsck.open_store(str(nvme), create=False) as tier:  # no uploader: c is local-only, d the side ref's tip
-        c = tier.put_snapshot(_state(3), "job/side", step=3)
-        tier.put_snapshot(_state(4), "job/side", step=4)
-    with _open(tmp_path, local_budget=1) as store:  # d is queued at open, uploaded and evicted
+        c = tier.put_snapshot(tier_state(3), "job/side", step=3)
+        tier.put_snapshot(tier_state(4), "job/side", step=4)
+    with open_tiered(tmp_path, local_budget=1) as store:  # d is queued at open, uploaded and evicted
         assert store.wait_durable(timeout=DEADLINE) is True
         before = (_stored(nvme), store.reftable.catalog_roots(), store.resolve("job/main"))
         assert before[0] > 1
         t0 = time.monotonic()
         with pytest.raises(tsck.TierFull, match="local-only") as got:
-            store.put_snapshot(_state(5), "job/main", step=5)
+            store.put_snapshot(tier_state(5), "job/main", step=5)
         assert time.monotonic() - t0 < 30.0  # at once: no upload can free it
         assert "forget or prune the local-only snapshots" in str(got.value)
         assert got.value.usage["local_only"]["snapshots"] == 1
         assert (_stored(nvme), store.reftable.catalog_roots(), store.resolve("job/main")) == before
         assert bytes.fromhex(c.root) not in store.reftable.evicted()
-        assert _equal(store.checkout(c.root), _state(3))  # whole in the tier
+        assert _equal(store.checkout(c.root), tier_state(3))  # whole in the tier
         assert store.fsck(full=True).findings == []
         store.forget(c.root)
         store.gc()
-        e = store.put_snapshot(_state(5), "job/main", step=5)
+        e = store.put_snapshot(tier_state(5), "job/main", step=5)
         assert store.wait_durable(timeout=DEADLINE) is True
         assert store.show("job/main").root == e.root
-    with _open(tmp_path) as again:
-        assert _equal(again.checkout("job/main"), _state(5))
+    with open_tiered(tmp_path) as again:
+        assert _equal(again.checkout("job/main"), tier_state(5))
 
 
 def test_a_tier_over_a_new_budget_is_evicted_at_open_and_bad_budgets_are_refused(tmp_path):
@@ -208,18 +199,18 @@ def test_a_tier_over_a_new_budget_is_evicted_at_open_and_bad_budgets_are_refused
     about one snapshot evicts at open (wait_durable() returns once that is done), the
     ref's newest tip last: it alone stays. A budget that is not a positive int, or one
     without local=, is refused before anything is written."""
-    with _open(tmp_path) as store:
-        infos = [store.put_snapshot(_state(s), "job/main", step=s) for s in range(1, 5)]
+    with open_tiered(tmp_path) as store:
+        infos = [store.put_snapshot(tier_state(s), "job/main", step=s) for s in range(1, 5)]
         assert store.wait_durable(timeout=DEADLINE)
     one = _stored(tmp_path / "nvme") // 4
-    with _open(tmp_path, local_budget=one + one // 2) as store:
+    with open_tiered(tmp_path, local_budget=one + one // 2) as store:
         assert store.wait_durable(timeout=DEADLINE)
         assert store.reftable.evicted() == {bytes.fromhex(i.root) for i in infos[:3]}
         assert _stored(tmp_path / "nvme") <= one + one // 2
-        assert _equal(store.checkout("job/main"), _state(4)) and _equal(store.checkout(infos[0].root), _state(1))
+        assert _equal(store.checkout("job/main"), tier_state(4)) and _equal(store.checkout(infos[0].root), tier_state(1))
     for bad in (0, -1, 1.5, True, "1G"):
         with pytest.raises(tsck.InvalidArgument, match="local_budget"):
-            _open(tmp_path, local_budget=bad)
+            open_tiered(tmp_path, local_budget=bad)
     with pytest.raises(tsck.InvalidArgument, match="needs local="):
         tsck.open_store(str(tmp_path / "elsewhere"), local_budget=1 << 30)
     assert not (tmp_path / "elsewhere").exists()
@@ -360,10 +351,10 @@ def test_the_tiers_retention_expires_evicted_snapshots_quietly(tmp_path, caplog)
     otherwise): the prune has nothing of theirs to walk or delete (no warning about
     objects it could not walk), and the tier fscks clean."""
     caplog.set_level(logging.WARNING)
-    with _open(tmp_path, local_budget=1) as store:
+    with open_tiered(tmp_path, local_budget=1) as store:
         store.set_retention("job", tsck.Retention(keep_last=1))
         for step in (1, 2, 3):
-            store.put_snapshot(_state(step), "job/main", job="job", step=step)
+            store.put_snapshot(tier_state(step), "job/main", job="job", step=step)
             assert store.wait_durable(timeout=DEADLINE)
         assert store.prune("job").expired == []
         assert not [r for r in caplog.records if "not walked" in r.getMessage()]
@@ -371,4 +362,4 @@ def test_the_tiers_retention_expires_evicted_snapshots_quietly(tmp_path, caplog)
         assert len(store.reftable.evicted()) == 1  # the expired ones' marks went with their rows
         report = store.fsck(full=True)
         assert report.findings == [] and report.evicted == 1
-        assert _equal(store.checkout("job/main"), _state(3))
+        assert _equal(store.checkout("job/main"), tier_state(3))

@@ -23,7 +23,7 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.tier import uploader as upload
 from tensorstore_ck.storage.wrappers import WrappedStore
-from tensorstore_ck.core.core.walk import walk_commit
+from tensorstore_ck.core.walk import walk_commit
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared

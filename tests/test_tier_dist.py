@@ -342,7 +342,7 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
     refused and not stored; the genuine copy is stored, and served back only whole."""
     import socket
 
-    from tensorstore_ck.core.core.assets import Assets
+    from tensorstore_ck.core.assets import Assets
     from tensorstore_ck.tier.replicas import Peers
 
     with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a, \
@@ -401,7 +401,7 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
     import _mounts
     from tensorstore_ck.tier.replicas import Peers, peer_reads
     from tensorstore_ck.tier.reads import ReadThrough
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
 
     x = torch.arange(4096, dtype=torch.float32)
     with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b, \
@@ -432,7 +432,7 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
     (so the next restore needs no peer)."""
     from tensorstore_ck.tier.replicas import Peers, peer_reads
     from tensorstore_ck.tier.reads import ReadThrough
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
 
     x = torch.arange(4 * dw.BLOCK // 4, dtype=torch.float32)
     with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
@@ -468,7 +468,7 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
     import tensorstore_ck.tier.replicas as peers_mod
     from tensorstore_ck.tier.replicas import Peers, peer_reads
     from tensorstore_ck.tier.reads import ReadThrough
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
 
     monkeypatch.setattr(peers_mod, "PEER_TIMEOUT", 0.5)  # the holder closes a connection idle this long
     x = torch.arange(2 * dw.BLOCK // 4, dtype=torch.float32)

@@ -25,9 +25,9 @@ from tensorstore_ck.storage.wrappers import WrappedStore
 DEADLINE = 120.0  # generous: the machine is shared
 
 try:  # the tier's test state and store, as the backlog tests make them
-    from .test_tier_backlog import _equal, _open, _state
+    from ._util import open_tiered as _open, same_bits as _equal, tier_state as _state
 except ImportError:  # tests/ is not a package
-    from test_tier_backlog import _equal, _open, _state
+    from _util import open_tiered as _open, same_bits as _equal, tier_state as _state
 
 
 class HoldAfter(WrappedStore):
@@ -237,5 +237,5 @@ def test_fsck_with_local_checks_both_tiers_and_names_the_tier_of_each_problem(tm
 
 
 def _walk(store, root: str):
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
     return list(walk_commit(store.core.assets, bytes.fromhex(root), verify=False))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import tensorstore_ck as tsck
 from tensorstore_ck.format import tree
 from tensorstore_ck.write.shard import find_overlap, tiling_problem
-from tensorstore_ck.core.core.validate import check_snapshot_args
+from tensorstore_ck.core.validate import check_snapshot_args
 
 # -- the box algebra against brute force ---------------------------------------------------
 

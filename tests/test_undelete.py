@@ -99,7 +99,7 @@ def test_undelete_refuses_and_changes_nothing(tmp_path):
         assert s.resolve("mine/main") == again
         s.delete_ref("mine/main")
         # A block of the snapshot swept (a gc under way): checked whole first, refused.
-        from tensorstore_ck.core.core.walk import walk_commit
+        from tensorstore_ck.core.walk import walk_commit
         block = next(o.digest for o in walk_commit(s.core.assets, bytes.fromhex(again)) if o.kind == "block")
         s.core.storage.delete(s.core.assets.object_key("blocks", block))
         before = _table(s)

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-from tensorstore_ck.core.core.assets import node_key
+from tensorstore_ck.core.assets import node_key
 from tensorstore_ck.collective import CollectiveContext, StoreGroup
 from tensorstore_ck.errors import FormatError, IntegrityError
 from tensorstore_ck.format import tree
 from tensorstore_ck.format import world as wf
 from tensorstore_ck.format.manifest import decode_commit, decode_node, encode_node
-from tensorstore_ck.core.core.validate import check_snapshot_args
+from tensorstore_ck.core.validate import check_snapshot_args
 
 REF = "wx/main"
 W = 4
@@ -158,10 +158,10 @@ def test_collective_put_writes_a_version_2_top_that_reads_by_region(grp):
         assert torch.equal(full["model"][name], _global(name, 1)), name
     assert torch.equal(full["local"], torch.zeros(2)) and full["step"] == 1
     assert s.fsck(full=True).ok
-    from tensorstore_ck.read.read.listing import list_tree
+    from tensorstore_ck.read.listing import list_tree
     _root, entries = list_tree(s.core, s.resolve(REF))  # `tsck ls`: rank 0's tree, found through the rank tree
     assert any("rows" in e.path for e in entries), entries
-    from tensorstore_ck.core.core.walk import iter_leaves  # `tsck diff`: every rank's tree
+    from tensorstore_ck.core.walk import iter_leaves  # `tsck diff`: every rank's tree
     leaves = iter_leaves(s.assets, bytes.fromhex(root))
     assert len(leaves["['model']['rows']"][1]) == W  # one inline piece per rank
 
@@ -295,7 +295,7 @@ def test_version_1_tops_still_read(grp, with_index):
     for n in (W, 3):
         for r in range(n):
             into, want = _region_into(n, r)
-            from tensorstore_ck.read.read.read import Reader
+            from tensorstore_ck.read.read import Reader
             c = decode_commit(s.assets.get_commit(bytes.fromhex(root1)))
             reader = Reader(s.assets, s._pool, snapshot=root1, rank=r)
             got = reader.materialize(reader.top(c["tree"]), (), into)
@@ -353,7 +353,7 @@ def test_a_malformed_top_or_index_is_a_format_error(grp, case):
     s = grp.first
     bad = _rewrite_top(s, root, MALFORMED[case])
     into, _want = _region_into(2, 1)  # rows 6..11: ranks 2 and 3 (the index is needed)
-    from tensorstore_ck.read.read.read import Reader
+    from tensorstore_ck.read.read import Reader
     c = decode_commit(s.assets.get_commit(bytes.fromhex(bad)))
     reader = Reader(s.assets, s._pool, snapshot=bad, rank=1)
     with pytest.raises(FormatError) as e:
@@ -419,7 +419,7 @@ def test_dcp_load_of_a_version_2_snapshot(grp):
 def test_a_rank_beyond_the_saved_world_reads_its_region(grp):
     """Checked out at a larger world (rank >= W): rank 0's tree gives the structure, the
     index the pieces of its region."""
-    from tensorstore_ck.read.read.read import Reader
+    from tensorstore_ck.read.read import Reader
     root = grp.put(1)
     s = grp.first
     c = decode_commit(s.assets.get_commit(bytes.fromhex(root)))
@@ -436,7 +436,7 @@ def test_a_column_split_over_many_ranks_still_reads(tmp_path):
     tensor. Every piece spans half of the tensor's element range, so B shrinks (the index
     stays ~2x the pieces) and each bucket lists ~300 pieces of the tensor: a list past 4 KiB,
     a node of its own, which readers and fsck follow. Regions still read right."""
-    from tensorstore_ck.read.read.read import Reader
+    from tensorstore_ck.read.read import Reader
     n = 300
     full = torch.arange(2 * n, dtype=torch.float32).reshape(2, n)
     with tsck.open_store(tmp_path / "store") as s:

@@ -470,7 +470,7 @@ def newest_complete_commits(store) -> dict[str, tuple]:
 
 
 def _read_commit(store, d: Digest) -> None:
-    from tensorstore_ck.read.read.read import MISSING, Reader
+    from tensorstore_ck.read.read import MISSING, Reader
     c = decode_commit(store.assets.get_commit(d, verify=True))
     Reader(store.assets, store.pool, snapshot=d.hex(), verify=True).read(c["tree"], MISSING)
 
@@ -637,7 +637,7 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
           that float32 holds exactly, which such a probe codes by 4) stored other bytes.
     -> (violations, {"puts": snapshots in the tiers, "durable": of those, marked durable,
        "budget_over": samples past T13's bound})."""
-    from tensorstore_ck.core.core.walk import walk_commit
+    from tensorstore_ck.core.walk import walk_commit
     rt, bad = store.reftable, []
     stats = {"puts": 0, "durable": 0, "budget_over": 0}
     rotted: dict[str, dict[str, str]] = {}  # tier -> {digest: key} of the blocks a writer damaged there
