@@ -39,8 +39,8 @@ from .format.chunker import default_pack_size
 from .format.manifest import decode_commit
 from .format.names import validate_component, validate_name, validate_new_name
 from .info import DurableEvent, SnapshotInfo
-from .maintain import lifecycle
 from .maintain.retention import Retention
+from .tier.none import NoTier
 from .util.ids import Digest
 from .write.publish import Publisher, Timing
 from .write.saver import CLOSE_WAIT, GIVE_UP_WAIT, Saver, SaverRecipe
@@ -163,7 +163,7 @@ class Store:
         self.core = core
         # With a local tier: `core` is the tier's store, and `tier` holds the rest (the
         # uploader and the remote store, the reads through to it, the peer replicas).
-        self._tier = tier
+        self._tier = tier or NoTier(core)  # never None: a store without a tier answers through a NoTier
         self._queue_seen: bool | None = None  # see _is_tier
         st = core.settings
         self.storage, self.reftable, self.assets, self.config = core.storage, core.refs, core.assets, config
@@ -172,7 +172,7 @@ class Store:
         # Small tensors packed into blocks of up to pack_size: by default where an object
         # costs a request (an object store, or a tier in front of one), not on a local disk.
         self.pack_size = st.pack_size if st.pack_size is not None else default_pack_size(
-            tier is not None or not (core.storage.local or core.storage.url.startswith("memory://")))
+            self._tier.costs_requests or not (core.storage.local or core.storage.url.startswith("memory://")))
         self.codecs = core.assets.codecs  # what blocks are written with; any store reads every codec
         # The one way anything is published into this store (put, collective put, DCP writer).
         self.publisher = Publisher(self.assets, self.reftable, core.pool)
@@ -180,9 +180,7 @@ class Store:
         # (saver.py); with a local tier, the saver runs the uploads instead (the tier's puts
         # write its disk on threads).
         self._saver = None if saver is None else Saver(saver)
-        if tier is not None and self._saver is not None:
-            tier.uploader.saver, tier.uploader.early = self._saver, False
-        else:
+        if self._saver is None or not self._tier.use_saver(self._saver):
             self.publisher.saver = self._saver
         self._puts = AsyncPuts(max_inflight, when_busy, self.publisher.saver)  # blocking=False: in order, one thread
         self._plan_cache = None  # the layouts put_snapshot planned last (plancache.py), made at the first put
@@ -200,8 +198,7 @@ class Store:
             return
         self.core.after_fork()
         self.publisher.pool = self.core.pool
-        if self._tier is not None:
-            self._tier.after_fork()
+        self._tier.after_fork()
         if self._saver is not None:
             self._saver.after_fork()
         self._puts.reset()
@@ -244,18 +241,17 @@ class Store:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
         self._puts.shutdown()
-        if self._tier is not None:
-            self._tier.close(deadline, getattr(self.storage, "root", self.core.url), stacklevel=_caller_level())
+        self._tier.close(deadline, getattr(self.storage, "root", self.core.url), stacklevel=_caller_level())
         if self._saver is not None:
             # After the uploads: the tier's close waited for them (past its deadline, a
             # copy still running in the saver is abandoned: the saver is killed).
-            self._saver.close(GIVE_UP_WAIT if self._tier is not None else CLOSE_WAIT)
+            self._saver.close(GIVE_UP_WAIT if self._tier.uploads else CLOSE_WAIT)
         self.core.pool.shutdown(wait=True)
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
         self.storage.close()
         err = self._puts.unheard()
-        if err is None and self._tier is not None:
+        if err is None:
             err = self._tier.unheard()
         if err is not None:
             raise err
@@ -429,7 +425,7 @@ class Store:
     def _collective_tier(self):
         """With a local tier: what a collective put does besides the protocol (each rank
         publishes in its own tier and queues its own upload: tier/collective.py); else None."""
-        return None if self._tier is None else self._tier.collective()
+        return self._tier.collective()
 
     def after_in_flight(self, fn) -> None:
         """Run fn() on the background publisher once the snapshots queued so far have ended."""
@@ -466,14 +462,13 @@ class Store:
         Before a writer writes blocks: with a local tier, room
         under its budget (Uploader.make_room: it may wait for uploads, or raise TierFull
         with nothing written), then the remote fence its early uploads are recorded under."""
-        if self._tier is not None:
-            self._tier.begin()
+        self._tier.begin()
 
     def after_publish(self, info: SnapshotInfo) -> SnapshotInfo:
         """For the package's writers: call with what they published. After a writer
         published `info` in this store: with a local tier, queue it for
         upload (it is durable once the uploader has moved the remote ref)."""
-        return info if self._tier is None else self._tier.published(info)
+        return self._tier.published(info)
 
     @_public
     def wait_durable(self, timeout: float | None = None) -> bool:
@@ -487,7 +482,7 @@ class Store:
                                     or timeout < 0):
             raise InvalidArgument(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         self.wait()
-        return True if self._tier is None else self._tier.wait_durable(timeout)
+        return self._tier.wait_durable(timeout)
 
     @_public
     def on_durable(self, fn):
@@ -499,9 +494,6 @@ class Store:
         wires a hook's on_durable method here)."""
         if not callable(fn):
             raise InvalidArgument(f"on_durable takes a callable, got {type(fn).__name__}")
-        if self._tier is None:
-            return lambda: None
-
         def heard(root: bytes, row: dict, at: float) -> None:
             committed = float(row.get("time", at))
             step = row.get("step")
@@ -514,18 +506,18 @@ class Store:
         """With a local tier: how far the remote store is behind it now (tier.outage.Lag:
         snapshots, steps and seconds not yet uploaded; how long uploads have failed, and
         why; `.lagging` while they fail). None without a tier, or once closed."""
-        return None if self._tier is None or self._closed else self._tier.lag()
+        return None if self._closed else self._tier.lag()
 
     @property
     def remote_core(self) -> Core | None:
         """The remote store's Core behind a local tier (None without one)."""
-        return None if self._tier is None else self._tier.remote
+        return self._tier.remote
 
     def _is_tier(self) -> bool:
         """Whether this store is a local tier (with its uploader, or opened by itself):
         asked of the table once per Store, not once per snapshot described."""
         if self._queue_seen is None:
-            self._queue_seen = self._tier is not None or self.reftable.upload_last_seq() > 0
+            self._queue_seen = self._tier.uploads or self.reftable.upload_last_seq() > 0
         return self._queue_seen
 
     def _durable(self, infos: list) -> list:
@@ -569,8 +561,7 @@ class Store:
         if retention is not None and not isinstance(retention, Retention):
             raise InvalidArgument(f"retention must be a tsck.Retention, got {type(retention).__name__}")
         self.reftable.retention_set(job, None if retention is None else retention.to_dict())
-        if self._tier is not None:
-            self._tier.set_retention(job, None if retention is None else retention.to_dict())
+        self._tier.set_retention(job, None if retention is None else retention.to_dict())
 
     @_public
     def retention(self) -> dict[str, Retention]:
@@ -637,17 +628,14 @@ class Store:
     def _tier_roots(self, target: str) -> list[Digest]:
         """The snapshots `target` names, the newest first: with a local tier, the tier's
         and the remote's where they differ (LocalTier.roots), else the one root."""
-        return [self.core.resolve(target)] if self._tier is None else self._tier.roots(target)
+        return self._tier.roots(target)
 
     @property
     def read_core(self) -> Core:
         """The Core to read a snapshot _root named through: with a local tier, its objects
         read from the tier with the remote behind (tier.reads.ReadThrough), so a snapshot
         only the remote holds reads as checkout reads it; else the store's own Core."""
-        if self._tier is None:
-            return self.core
-        c = self.core
-        return Core(c.storage, self._tier.reads, c.refs, c.pool, c.settings)
+        return self._tier.read_core()
 
     def _named(self, target: str) -> Digest | None:
         """_root(target), or None where nothing names it (a removed snapshot's full root:
@@ -658,11 +646,11 @@ class Store:
             return None
 
     def _info(self, root: bytes) -> SnapshotInfo:
-        if self._tier is not None and not self.reftable.catalog_has(root):
-            # Only the remote store lists it (another node's upload, a lost tier): its row.
-            remote = self._tier.uploader.publisher
-            if remote.reftable.catalog_has(root):
-                return remote.info(root)
+        if not self.reftable.catalog_has(root):
+            # Only the remote store behind a tier lists it (another node's upload, a lost tier): its row.
+            theirs = self._tier.remote_info(root)
+            if theirs is not None:
+                return theirs
         return self._durable([self.publisher.info(root)])[0]
 
     @_public
@@ -705,7 +693,7 @@ class Store:
 
         # With a local tier: the tier's copies first, the remote's where one is missing or
         # fails its check (and a collective checkout asks the peers holding replicas first).
-        reads = self.assets if self._tier is None else self._tier.reads_for(is_collective(group))
+        reads = self._tier.reads_for(is_collective(group))
 
         def read(root: Digest, rank: int | None = None):
             # rank: this rank's tree of a collective snapshot (a collective checkout); None:
@@ -714,18 +702,18 @@ class Store:
             # it, for later puts and checkouts of this Store (assets.Presence).
             fence = self.assets.fence_now()
             t0 = time.monotonic()
-            served = reads if self._tier is None else self._tier.served(reads)
+            served = self._tier.served(reads)
             c = decode_commit(served.get_commit(root, verify=verify))
             st = c.get("stats") or {}
             # A Store's own checkout (no tier): the packed parts it read and checked are ones a
             # later put may name without reading the snapshot's nodes again (packparts.py).
-            seen = [] if self._tier is None and rank is None else None
+            seen = [] if self._tier.learns_parts and rank is None else None
             with _bytes_bar(progress, "checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
                 out = read_with(Reader(served, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
                                        progress=bar, parts_seen=seen, **opts), c["tree"])
             if seen is not None:
                 self.assets.parts.read_back(root, seen, whole=paths is None)
-            source = ("store", f"the store at {self.url}") if self._tier is None else self._tier.source(served)
+            source = self._tier.source(served)
             _log_restored(target, root, c, source, time.monotonic() - t0, paths is not None)
             return out
 
@@ -756,12 +744,11 @@ class Store:
         (root hex -> error) and the others are listed."""
         from .read.listing import history
         validate_name(ref)
-        if self._tier is not None:
-            roots = self._tier_roots(ref)
-            if not self.core.refs.catalog_has(roots[0]):
-                # The remote tip is the newer (the local tier lost, or behind another
-                # node's uploads): its history, all durable, is what checkout(ref) reads.
-                return history(self._tier.remote, ref, errors)
+        core = self._tier.history_core(ref)
+        if core is not self.core:
+            # The remote tip is the newer (the local tier lost, or behind another node's
+            # uploads): its history, all durable, is what checkout(ref) reads.
+            return history(core, ref, errors)
         return self._durable(history(self.core, ref, errors))
 
     def _infos(self, named, errors: dict | None) -> dict[str, SnapshotInfo]:
@@ -800,12 +787,9 @@ class Store:
         deletion epoch (lifecycle.tag)."""
         validate_new_name(name, "tag name")
         self._writable("tag")
-        if self._tier is None:
-            return lifecycle.tag(self.core, self.publisher, name, target)
-        # One answer: the snapshot checkout reads; one catalog: the remote keeps what the
-        # tier's tag keeps, and a snapshot only the remote lists is tagged there.
-        from .tier.holds import tag_both
-        info, here = tag_both(self._tier.uploader, self.publisher, name, target, self._named(target))
+        # One answer: the snapshot checkout reads; one catalog: through a tier the remote
+        # keeps what the tier's tag keeps, and a snapshot only the remote lists is tagged there.
+        info, here = self._tier.tag(self.publisher, name, target, self._named)
         return self._durable([info])[0] if here else info
 
     @_public
@@ -833,10 +817,7 @@ class Store:
         root that nothing keeps any more but whose objects storage still holds is brought
         back, as tag() brings one back. With a local tier the pin is the remote's too."""
         self._writable("pin")
-        if self._tier is None:
-            return lifecycle.pin(self.core, self.publisher, target)
-        from .tier.holds import pin_both
-        return pin_both(self._tier.uploader, self.publisher, target, self._named(target))
+        return self._tier.pin(self.publisher, target, self._named)
 
     @_public
     def pins(self, *, errors: dict | None = None) -> dict[str, SnapshotInfo]:
@@ -851,11 +832,7 @@ class Store:
     def unpin(self, target: str) -> str:
         self._writable("unpin")
         root = self._root(target)
-        if self._tier is None:
-            self.reftable.unpin(root)
-        else:
-            from .tier.holds import unpin_both
-            unpin_both(self._tier.uploader, bytes(root))
+        self._tier.unpin(root)
         return root.hex()
 
     @_public
@@ -873,10 +850,7 @@ class Store:
         validate_name(ref)
         if not dry_run:
             self._writable("delete_ref")
-        if self._tier is None:
-            return lifecycle.delete_ref(self.core, ref, expected, dry_run=dry_run)
-        from .tier.holds import delete_ref_both  # in both tiers' tables, or refused naming the remote
-        return delete_ref_both(self._tier.uploader, ref, expected, self._named(ref), dry_run=dry_run)
+        return self._tier.delete_ref(ref, expected, self._named, dry_run=dry_run)  # (through a tier: in both tables)
 
     @_public
     def undelete(self, ref: str, *, to: str | None = None) -> SnapshotInfo:
@@ -889,11 +863,7 @@ class Store:
         its history that delete_ref dropped stay dropped (tag(name, root) keeps one)."""
         validate_name(ref)
         self._writable("undelete")
-        if self._tier is None:
-            return lifecycle.undelete(self.core, self.publisher, ref, to)
-        from .tier.holds import undelete_both
-        named = None if to is None else self._named(to)
-        info, here = undelete_both(self._tier.uploader, self.publisher, ref, to if named is None else named.hex())
+        info, here = self._tier.undelete(self.publisher, ref, to, self._named)
         return self._durable([info])[0] if here else info
 
     @_public
@@ -902,10 +872,7 @@ class Store:
         storage object goes first, so recover cannot bring it back after a crash here."""
         validate_name(name, "tag name")
         self._writable("untag")
-        if self._tier is None:
-            return lifecycle.untag(self.core, name)
-        from .tier.holds import untag_both
-        return untag_both(self._tier.uploader, name)
+        return self._tier.untag(name)
 
     @_public
     def forget(self, target: str, *, dry_run: bool = False) -> SnapshotInfo:
@@ -915,13 +882,7 @@ class Store:
         brings it back. dry_run: the same checks and answer, nothing changed. -> what it was."""
         if not dry_run:
             self._writable("forget")
-        if self._tier is None:
-            return lifecycle.forget(self.core, self.publisher, target, dry_run=dry_run)
-        from .tier.holds import forget_both
-        root = bytes(self._root(target))
-        info = self._info(root)  # (durable as it was: a local-only snapshot's row goes)
-        forget_both(self._tier.uploader, self.publisher, root, dry_run)
-        return info
+        return self._tier.forget(self.publisher, target, self._root, self._info, dry_run=dry_run)
 
     @_public
     def du(self) -> dict:

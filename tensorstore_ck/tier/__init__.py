@@ -1,8 +1,10 @@
 """A local tier in front of a remote store (docs/design/tiers.md): open_store(remote,
 local=PATH) publishes on a local disk and a background uploader makes each snapshot
-durable in the remote store. The Store holds one LocalTier and calls nothing else here.
+durable in the remote store. The Store holds one LocalTier (without a tier, a NoTier) and
+calls nothing else here.
 
     local.py        LocalTier: what a Store over a tier holds, its few meeting points
+    none.py         NoTier: what a Store without one holds in its place (the same calls, its own store)
     opening.py      the tier's Core made (and the remote opened on first use)
     replicas.py     peer replicas over a TCP side channel
     uploader.py     the queue and its thread: objects the remote lacks, then its ref moved

@@ -17,7 +17,8 @@ import warnings
 from ..core.core import Core
 from ..errors import RefNotFound, SnapshotWarning, StorageError, TsckError
 from .collective import CollectiveTier
-from .holds import held, unheld
+from .holds import (delete_ref_both, forget_both, held, pin_both, tag_both, undelete_both, unheld, unpin_both,
+                    untag_both)
 from .outage import Lag, caller_level, measure
 from .reads import ReadThrough, Served, newer
 from .uploader import Uploader, early_default
@@ -31,7 +32,12 @@ STOP_GRACE = 2.0  # seconds close() gives an uploader still in a request past it
 
 class LocalTier:
     """A Store's local tier: `uploader` (its `remote` Core), `reads` (the tier's objects,
-    the remote behind), `peers` (replicas=k: this rank's side of the peer replicas)."""
+    the remote behind), `peers` (replicas=k: this rank's side of the peer replicas). A
+    Store without a tier holds a NoTier (tier/none.py), which answers the same calls."""
+
+    uploads = True          # an uploader: snapshots queued, durable once uploaded
+    costs_requests = True   # a put's objects go to an object store in the end (its pack default)
+    learns_parts = False    # a checkout's parts may be the remote's, not this store's own
 
     def __init__(self, core: Core, remote: Core, *, budget: int | None = None, early: bool | None = None,
                  stop=None, replicas: int = 0):
@@ -57,6 +63,12 @@ class LocalTier:
         self.peers = None
 
     # -- a put ---------------------------------------------------------------------
+    def use_saver(self, saver) -> bool:
+        """saver="process": the saver runs the uploads (the tier's puts write its disk on
+        threads) -> True."""
+        self.uploader.saver, self.uploader.early = saver, False
+        return True
+
     def begin(self) -> None:
         """Before a writer (a put, the DCP writer) writes blocks: room under the budget
         (Uploader.make_room: it may wait for uploads, or raise TierFull with nothing
@@ -119,6 +131,33 @@ class LocalTier:
         after each upload, and an offline `tsck gc` of the remote applies them."""
         self.remote.refs.retention_set(job, record)
 
+    # Tags, pins and removals act in both tiers' tables, or refuse naming the remote
+    # (holds.py); named_of(target): the root checkout reads, or None for a removed one.
+    def tag(self, publisher, name: str, target: str, named_of):
+        return tag_both(self.uploader, publisher, name, target, named_of(target))
+
+    def pin(self, publisher, target: str, named_of) -> str:
+        return pin_both(self.uploader, publisher, target, named_of(target))
+
+    def unpin(self, root: bytes) -> None:
+        unpin_both(self.uploader, bytes(root))
+
+    def delete_ref(self, ref: str, expected, named_of, *, dry_run: bool) -> dict:
+        return delete_ref_both(self.uploader, ref, expected, named_of(ref), dry_run=dry_run)
+
+    def undelete(self, publisher, ref: str, to, named_of):
+        named = None if to is None else named_of(to)
+        return undelete_both(self.uploader, publisher, ref, to if named is None else named.hex())
+
+    def untag(self, name: str) -> str:
+        return untag_both(self.uploader, name)
+
+    def forget(self, publisher, target: str, root_of, info_of, *, dry_run: bool):
+        root = bytes(root_of(target))
+        info = info_of(root)  # (durable as it was: a local-only snapshot's row goes)
+        forget_both(self.uploader, publisher, root, dry_run)
+        return info
+
     def held(self, root: bytes) -> None:
         held(self.uploader, root)
 
@@ -155,6 +194,24 @@ class LocalTier:
         if len(found) == 2 and newer(found[1][2], found[0][2]):
             found.reverse()
         return [root for _, root, _ in found]
+
+    def read_core(self) -> Core:
+        """The Core to read a snapshot roots() named through: the tier's objects, the
+        remote's behind (ReadThrough), so a snapshot only the remote holds reads as
+        checkout reads it."""
+        c = self.core
+        return Core(c.storage, self.reads, c.refs, c.pool, c.settings)
+
+    def remote_info(self, root: bytes):
+        """The SnapshotInfo of a snapshot only the remote store lists (another node's
+        upload, a lost tier), or None."""
+        remote = self.uploader.publisher
+        return remote.info(root) if remote.reftable.catalog_has(root) else None
+
+    def history_core(self, ref: str) -> Core:
+        """Whose history of `ref` log() reads: the remote's where its tip is the newer (the
+        local tier lost, or behind another node's uploads: what checkout(ref) reads)."""
+        return self.remote if not self.core.refs.catalog_has(self.roots(ref)[0]) else self.core
 
     def reads_for(self, collective: bool):
         """What a checkout reads through: the tier, the remote behind; a collective

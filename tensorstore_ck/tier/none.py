@@ -1,0 +1,109 @@
+"""NoTier: what a Store without a local tier holds in its tier's place, so the Store asks
+one object the same questions whether or not it has a tier (tier/local.py's LocalTier is
+the other answer): its own store is the only one, every snapshot is durable when it
+commits, and a target names one root."""
+
+from __future__ import annotations
+
+from ..core.core import Core
+
+__all__ = ["NoTier"]
+
+
+class NoTier:
+    """The do-nothing tier: each answer is the one store's own."""
+
+    uploads = False          # no uploader: nothing queued, nothing to wait for
+    costs_requests = False   # a put's objects go where the store is (its pack default)
+    learns_parts = True      # a checkout's parts are this store's own (packparts.PartIndex)
+    remote = None            # no remote store behind
+
+    def __init__(self, core: Core):
+        self.core = core
+
+    # -- a put -----------------------------------------------------------------------
+    def use_saver(self, saver) -> bool:
+        return False  # the store's own puts write through the saver
+
+    def begin(self) -> None:
+        pass
+
+    def published(self, info):
+        return info
+
+    def collective(self):
+        return None
+
+    def wait_durable(self, timeout: float | None) -> bool:
+        return True
+
+    def on_durable(self, heard):
+        return lambda: None
+
+    def lag(self):
+        return None
+
+    def set_retention(self, job: str, record: dict | None) -> None:
+        pass
+
+    # -- naming and reading ------------------------------------------------------------
+    def roots(self, target: str) -> list:
+        return [self.core.resolve(target)]
+
+    def read_core(self) -> Core:
+        return self.core
+
+    def remote_info(self, root: bytes):
+        return None
+
+    def history_core(self, ref: str) -> Core:
+        return self.core
+
+    def reads_for(self, collective: bool):
+        return self.core.assets
+
+    @staticmethod
+    def served(reads):
+        return reads
+
+    def source(self, served) -> tuple[str, str]:
+        return "store", f"the store at {self.core.url}"
+
+    # -- tags, pins, removals: the store's own (maintain/lifecycle.py) -----------------
+    # (named_of(target): the root a tier's call names, or None: LocalTier's; not asked here)
+    def tag(self, publisher, name: str, target: str, named_of):
+        from ..maintain import lifecycle
+        return lifecycle.tag(self.core, publisher, name, target), False
+
+    def pin(self, publisher, target: str, named_of) -> str:
+        from ..maintain import lifecycle
+        return lifecycle.pin(self.core, publisher, target)
+
+    def unpin(self, root: bytes) -> None:
+        self.core.refs.unpin(root)
+
+    def delete_ref(self, ref: str, expected, named_of, *, dry_run: bool) -> dict:
+        from ..maintain import lifecycle
+        return lifecycle.delete_ref(self.core, ref, expected, dry_run=dry_run)
+
+    def undelete(self, publisher, ref: str, to, named_of):
+        from ..maintain import lifecycle
+        return lifecycle.undelete(self.core, publisher, ref, to), False
+
+    def untag(self, name: str) -> str:
+        from ..maintain import lifecycle
+        return lifecycle.untag(self.core, name)
+
+    def forget(self, publisher, target: str, root_of, info_of, *, dry_run: bool):
+        from ..maintain import lifecycle
+        return lifecycle.forget(self.core, publisher, target, dry_run=dry_run)
+
+    # -- the process -----------------------------------------------------------------
+    def after_fork(self) -> None:
+        pass
+
+    def close(self, deadline: float | None, path: str, stacklevel: int) -> None:
+        pass
+
+    def unheard(self):
+        return None
