@@ -25,9 +25,10 @@ class CollectiveJob:
     publisher: "Publisher | None" = None                 # put: every rank writes, rank 0 publishes, through it
     prepare: "Callable[[], SnapshotArgs] | None" = None  # put: the arguments, checked inside the call
     plan: "Callable[[], Plan] | None" = None             # put: this rank's plan (validates its state)
-    # Through local tiers (tier.collective.CollectiveTier: each rank's store is its own tier): each
-    # rank writes under its own tier's fence, rank 0 hands its commit, top node and rank-tree paths to the
-    # others, and every rank queues its upload once the snapshot is published locally.
+    # put: what it does besides the protocol. Through local tiers a tier.collective.CollectiveTier
+    # (each rank's store is its own tier: each rank writes under its own tier's fence, rank 0
+    # hands its commit, top node and rank-tree paths to the others, and every rank queues its
+    # upload once the snapshot is published locally); else a tier.none.NoCollective (nothing).
     tier: Any = None
     timing: "Callable[[], Any] | None" = None  # put: -> publish.Timing of this rank's call (rank 0's is recorded)
     ident: Any = None  # put: (ref, step) as the caller gave them: they name the call (CollectiveContext.next)

@@ -29,7 +29,6 @@ import msgpack
 
 from ..core.validate import UNSET
 from ..errors import InvalidArgument, OutcomeUnknown, SnapshotAborted, TsckError
-from ..format import world as worldfmt
 from ..util.ids import Digest
 from .channel import (WOKEN, Channel, CommitUnderWay, Heartbeat, RevalFailed, guard, open_channel, outcome_round,
                       result_key)
@@ -189,9 +188,8 @@ class PutCall:
         # needs no request (assets.Presence); a deletion phase since fences the commit.
         # Through local tiers each rank writes to its own tier, another store with its own
         # gc epoch: under that one (rank 0's would be another table's number).
-        if tier is not None:
-            tier.make_room()  # a tier's budget holds for collective puts too (TierFull: aborted everywhere)
-        wfence = part["fence"] = self.fence if tier is None or self.rank == 0 else publisher.fence()
+        tier.make_room()  # a tier's budget holds for collective puts too (TierFull: aborted everywhere)
+        wfence = part["fence"] = tier.write_fence(self.rank, self.fence, publisher)
         if plan.pack_size and publisher.assets.parts.first_look(self.args.ref):
             publisher.learn_parts(self.args.ref, self.rank)  # (a restarted job: its stored packs named, not written)
         publisher.write_blocks(plan, owns=self.owns, fence=wfence)
@@ -209,8 +207,8 @@ class PutCall:
         # owner, and an object two ranks wrote at once (the same weights of DDP ranks) for
         # the one that named it in the store, so rank 0's sums count each object once.
         st = plan_stats(plan, new_nodes, publisher.assets)
-        if tier is not None and self.rank != 0:
-            # (its nodes stay in its own tier, as its blocks do: each tier walks a collective
+        if self.rank != 0:
+            # (through tiers its nodes stay in its own tier, as its blocks do: each tier walks a collective
             # snapshot through its own part, walk_commit(part=), and rank 0's uploader finds
             # the others' parts in the remote: nothing of a part goes through the c10d Store)
             tier.intend(tree, self.args)  # (a rank killed from here until the outcome still uploads its part)
@@ -220,8 +218,7 @@ class PutCall:
     def revalidate_mine(self, new_fence: int) -> None:
         """After a fenced move: what this rank wrote or reused exists again under the new
         fence (it still holds the data, the plan, and its nodes)."""
-        if self.tier is not None and self.rank != 0:
-            new_fence = self.publisher.fence()  # its own tier's (see write)
+        new_fence = self.tier.write_fence(self.rank, new_fence, self.publisher)  # (through tiers its own tier's: see write)
         self.publisher.revalidate_plan(self.plan, self.part["payloads"], None, new_fence, owns=self.owns)
         self.part["fence"] = new_fence
 
@@ -289,7 +286,7 @@ class PutCall:
             return self.publisher.commit(
                 top, self.args, stats=stats, fence=self.fence, meta_extra={"world": self.W},
                 timing=timing() if timing else None,
-                part0=None if tier is None else self.part["tree"],  # (rank 0's own part, in its tier: with the move)
+                part0=tier.part0(self.part["tree"]),  # (through tiers rank 0's own part, in its tier: with the move)
                 revalidate=self.revalidation_round)
         except OutcomeUnknown as e:
             # The ref may have moved (or may yet): every rank must say so, never "nothing published".
@@ -312,18 +309,13 @@ class PutCall:
         the top node and their paths down the rank tree, which they adopt into their own
         tier first). -> what this rank returns."""
         ch, tier = self.ch, self.tier
-        _published(ch, self.need, tier is not None)
-        if tier is not None:
-            try:  # (before the result: the others read them once they hold the root)
-                shared = tier.top_blob(bytes.fromhex(info.root), self.part["top_sent"][-1:])
-                paths = {f"tierpath/{g}": path for g, path in rank_paths(self.part["top_sent"], self.W).items()}
-                ch.posted += list(paths)
-                ch.set_many(paths)
-                ch.set("tier", shared)
-            except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
-                warnings.warn(f"snapshot {info.root[:16]} was published locally, but its top nodes could not be "
-                              f"handed to the other ranks: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
-            info = tier.published(info, self.part["tree"], True)
+        _published(ch, self.need, tier.own_tables)
+        try:  # (through tiers, before the result: the others read them once they hold the root)
+            tier.post_top(ch, bytes.fromhex(info.root), self.part["top_sent"], self.W)
+        except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
+            warnings.warn(f"snapshot {info.root[:16]} was published locally, but its top nodes could not be "
+                          f"handed to the other ranks: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+        info = tier.published(info, self.part["tree"], True)
         ch.ack()  # (it holds the outcome and reads nothing of the call's after: the others' acks come after)
         try:
             ch.set(result_key(ch.round), info.root.encode())
@@ -370,13 +362,12 @@ class PutCall:
         ch, tier, part, args = self.ch, self.tier, self.part, self.args
 
         def info_of(root: Digest):
-            if tier is not None:  # rank 0's commit and top nodes into this rank's tier first
-                tier.adopt(bytes(root), *ch.get_many(["tier", f"tierpath/{ch.rank // worldfmt.FAN}"]), part["tree"])
+            tier.adopt_posted(ch, bytes(root), part["tree"])  # (through tiers: rank 0's top into this rank's first)
             return self.publisher.info(root)
         try:
             info = self.await_result(info_of)
         except SnapshotAborted as e:
-            if tier is not None and "tree" in part:
+            if tier.own_tables and "tree" in part:
                 if not ch.aborted:
                     # No abort was won or read here, only inferred (rank 0 silent after its
                     # commit claim, or the c10d Store gone, which often lives in rank 0's
@@ -390,8 +381,8 @@ class PutCall:
                 tier.abandon(part["tree"])
             raise
         self.publisher.assets.presence.settle(part.get("fence", self.fence))  # published: what this rank wrote is there
-        _published(ch, self.need, tier is not None)
-        return info if tier is None else tier.published(info, part["tree"], False)
+        _published(ch, self.need, tier.own_tables)
+        return tier.published(info, part["tree"], False)
 
     def serve_revalidation(self, done: int) -> int:
         """A rank other than 0, woken by REVAL while waiting for the outcome: do the round
@@ -573,7 +564,7 @@ def rank_paths(payloads: list, W: int) -> dict:
             decoded[d] = tree.decode_node_value(decode_node(by_digest[d]))
         return decoded[d]
     w = tree.decode_node_value(decode_node(payloads[-1]), world=True)
-    fan = w.fan  # (worldfmt.FAN, which the others group by: write_world wrote it)
+    fan = w.fan  # (format.world.FAN, which the others group by: write_world wrote it)
     return {g: msgpack.packb([by_digest[d] for d in rank_path(w, max(1, g * fan), read)])
             for g in range(-(-W // fan)) if W > 1}
 

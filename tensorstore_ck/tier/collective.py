@@ -58,8 +58,38 @@ class CollectiveTier:
     """What a collective put through local tiers does besides the protocol of collective/,
     built by the Store for one call (collective/put.py calls it, and knows nothing of tiers)."""
 
+    own_tables = True  # each rank publishes in a table of its own (its tier's)
+
     def __init__(self, core, uploader, peers=None):  # peers: replicas.Peers
         self.core, self.uploader, self.peers = core, uploader, peers
+
+    @staticmethod
+    def write_fence(rank: int, fence: int, publisher) -> int:
+        """The gc fence a rank writes its part under: rank 0's (its tier is the one the
+        snapshot is published in), or for another rank its own tier's, another table's
+        number."""
+        return fence if rank == 0 else publisher.fence()
+
+    @staticmethod
+    def part0(tree: bytes) -> bytes:
+        """Rank 0's own part, marked in its tier with the ref's move."""
+        return tree
+
+    def post_top(self, ch, root: bytes, payloads: list, world: int) -> None:
+        """Rank 0, published locally: the commit, the top node and the kept roots for all
+        (*tier*), and each 16 ranks' path down the rank tree (*tierpath/{g}*, deleted by
+        rank 0 once every rank acked), before the result."""
+        from ..collective.put import rank_paths
+        shared = self.top_blob(root, payloads[-1:])
+        paths = {f"tierpath/{g}": path for g, path in rank_paths(payloads, world).items()}
+        ch.posted += list(paths)
+        ch.set_many(paths)
+        ch.set("tier", shared)
+
+    def adopt_posted(self, ch, root: bytes, part: bytes) -> None:
+        """A rank other than 0, told the root: what rank 0 posted for it (one request), adopted."""
+        from ..format.world import FAN
+        self.adopt(root, *ch.get_many(["tier", f"tierpath/{ch.rank // FAN}"]), part)
 
     def make_room(self) -> None:
         """Before this rank writes its part: room under its tier's budget, as before a put

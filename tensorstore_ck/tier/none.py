@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..core.core import Core
 
-__all__ = ["NoTier"]
+__all__ = ["NoTier", "NoCollective"]
 
 
 class NoTier:
@@ -31,8 +31,8 @@ class NoTier:
     def published(self, info):
         return info
 
-    def collective(self):
-        return None
+    def collective(self) -> "NoCollective":
+        return NoCollective()
 
     def wait_durable(self, timeout: float | None) -> bool:
         return True
@@ -107,3 +107,37 @@ class NoTier:
 
     def unheard(self):
         return None
+
+
+class NoCollective:
+    """What a collective put does besides the protocol without tiers: nothing (tier/
+    collective.py's CollectiveTier is the other answer): every rank writes under rank 0's
+    fence into the one store, where rank 0 publishes."""
+
+    own_tables = False
+
+    def make_room(self) -> None:
+        pass
+
+    @staticmethod
+    def write_fence(rank: int, fence: int, publisher) -> int:
+        return fence
+
+    @staticmethod
+    def part0(tree: bytes) -> None:
+        return None
+
+    def intend(self, part: bytes, args) -> None:
+        pass
+
+    def post_top(self, ch, root: bytes, payloads: list, world: int) -> None:
+        pass
+
+    def adopt_posted(self, ch, root: bytes, part: bytes) -> None:
+        pass
+
+    def published(self, info, tree: bytes, rank0: bool):
+        return info
+
+    def abandon(self, part: bytes) -> None:
+        pass
