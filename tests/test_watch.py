@@ -182,7 +182,7 @@ def test_cli_log_options(tmp_path, capsys):
     assert rc == 0 and err == ""
     # -v before the command: INFO lines as text, the snapshot's among them
     rc, _, err = _cli(capsys, "-v", "import", path, "imp/main", src, "--step", "2")
-    assert rc == 0 and re.search(r"INFO tensorstore_ck\.publish: snapshot committed: ref imp/main step 2", err), err
+    assert rc == 0 and re.search(r"INFO tensorstore_ck\.write\.publish: snapshot committed: ref imp/main step 2", err), err
     # after the command, in JSON: one object a line, with the snapshot's fields
     rc, _, err = _cli(capsys, "import", path, "imp/main", src, "--step", "3", "--log-format", "json", "-v")
     assert rc == 0
