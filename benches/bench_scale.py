@@ -6,7 +6,7 @@ environment twice in a process), its own CollectiveContext (the call counter is 
 in production; here it must be per rank) and its own client connection to ONE real c10d
 TCPStore (torch.distributed.TCPStore) that this script hosts. The ranks run the project's own
 collective put_snapshot and checkout (dist.collective_put / collective_checkout through
-Store.put_snapshot / Store.checkout) with group=dist.StoreGroup(client, rank, W): the
+Store.put_snapshot / Store.checkout) with group=collective.StoreGroup(client, rank, W): the
 protocol only ever talks through the Store, so no process group is needed (one cannot be
 initialised per thread).
 

@@ -2,7 +2,7 @@
 
 The ranks are threads of this process, each with its own Store, its own call counter and
 its own client of one real c10d TCPStore, making the project's own collective
-put_snapshot and checkout through dist.StoreGroup. What is checked are counts (requests,
+put_snapshot and checkout through collective.StoreGroup. What is checked are counts (requests,
 bytes, manifest nodes), never times. A waiting rank blocks on the keys it needs (c10d
 wait), so no count depends on how long it waits.
 """
@@ -294,7 +294,7 @@ def test_a_repeated_snapshot_with_every_value_changed_sends_under_2_kb_per_rank(
 @pytest.mark.parametrize("world", [16, 17, 256, 1024, 4096])
 def test_a_ranks_path_down_the_rank_tree_grows_a_node_per_16x_ranks(world):
     """Through local tiers rank 0 hands each other rank the rank-tree nodes its own region
-    reads (dist.put.rank_paths: one path per 16 ranks, which share it), not the whole tree: ceil(log16 W) nodes of <= 16 addresses
+    reads (collective.put.rank_paths: one path per 16 ranks, which share it), not the whole tree: ceil(log16 W) nodes of <= 16 addresses
     (about 0.55 KB a level: 1.7 KB at 4,096 ranks, not 4,096 x 34 B), and they find that
     rank's own tree."""
     import blake3

@@ -1,4 +1,4 @@
-"""dist.StoreGroup: a collective put_snapshot / checkout whose members talk through a c10d
+"""collective.StoreGroup: a collective put_snapshot / checkout whose members talk through a c10d
 Store of their own, without a torch.distributed process group (what benches/bench_scale.py
 uses to run thousands of ranks as threads)."""
 

@@ -3,7 +3,7 @@ offset range (tensorstore_ck/format/world.py, docs/FORMAT.md).
 
 Snapshots are made by the project's own collective put: W ranks as threads of this
 process, each with its own Store and its own client of one real c10d TCPStore
-(dist.StoreGroup), as benches/bench_scale.py runs them. Version-1 tops (the rank list,
+(collective.StoreGroup), as benches/bench_scale.py runs them. Version-1 tops (the rank list,
 with or without the single-node chunk index) are written here as the writer of that
 version laid them out, from the same rank trees."""
 
