@@ -67,15 +67,9 @@ class TestDirectoryFsspecBlockStore(BlockStoreTests):
 
 class TestFsspecDirFileSystem(BlockStoreTests):
     """fsspec's own DirFileSystem (protocol dir://, a folder of another filesystem as the
-    root): folders made as writes need them, objects named by a move, since its paths are
-    not this host's to link."""
-
-    # A move after an existence check is not exclusive: racing creators of one key may
-    # each be told they made it (docs/design/storage.md), which the contract forbids for
-    # tags and markers. Strict: this fails once the store creates exclusively here.
-    @pytest.mark.xfail(strict=True, reason="check-then-move on a filesystem of folders not on this host's paths")
-    def test_racing_put_if_absent_has_exactly_one_winner(self, block_store):
-        super().test_racing_put_if_absent_has_exactly_one_winner(block_store)
+    root): folders made as writes need them. Over a local filesystem its paths are this
+    host's once joined to its folder, so an object is named by an exclusive hard link: of
+    racing creators of one key exactly one is told it made it (tags, markers)."""
 
     @pytest.fixture
     def block_store(self, tmp_path):

@@ -11,8 +11,9 @@ Filesystems with directories (every protocol not known to be an object store: a
 LocalFileSystem subclass, sftp, hdfs, smb, a share mounted through fsspec): a write
 there is not atomic and its folder must exist. An object is written whole to
 tmp/<random>.partial (what gc sweeps when a writer dies) and then named: by a hard
-link where the filesystem's paths are this host's (a LocalFileSystem: exclusive, so
-racing creators of one key have exactly one winner), else by a rename after an
+link where the filesystem's paths are this host's (a LocalFileSystem, or fsspec's
+DirFileSystem over one: exclusive, so racing creators of one key have exactly one
+winner), else by a rename after an
 existence check (two racing creators of one key may both be told they made it; for
 content-addressed keys they wrote the same bytes). A missing parent folder is made
 when a write or rename reports it missing, once per folder and process, so a store
@@ -139,9 +140,16 @@ class FsspecBlockStore(BlockStore):
         self._atomic_create = True
         self._create_lock = _MEMORY_CREATE_LOCK if proto == "memory" else contextlib.nullcontext()
         self.directories = proto not in self.FLAT
-        # This host's paths (a LocalFileSystem or a subclass): link, fsync.
+        # This host's paths (a LocalFileSystem or a subclass, or a DirFileSystem over one:
+        # its paths joined to its folder): link, fsync.
+        from fsspec.implementations.dirfs import DirFileSystem
         from fsspec.implementations.local import LocalFileSystem
-        self._os_paths = self.directories and isinstance(fs, LocalFileSystem)
+        self._os_path = None  # a path of fs -> this host's path of the same file
+        if self.directories and isinstance(fs, LocalFileSystem):
+            self._os_path = str
+        elif self.directories and isinstance(fs, DirFileSystem) and isinstance(fs.fs, LocalFileSystem):
+            self._os_path = fs._join
+        self._os_paths = self._os_path is not None
         if self._os_paths:  # synchronous local calls, as LocalBlockStore's
             self.request_timeout = 0.1
         self._made: set[str] = set()      # folders known to exist (made or seen)
@@ -263,7 +271,7 @@ class FsspecBlockStore(BlockStore):
         try:
             if self._os_paths:
                 try:  # exclusive: an existing name is never replaced
-                    self._in_folder(path, lambda: os.link(tmp, path))
+                    self._in_folder(path, lambda: os.link(self._os_path(tmp), self._os_path(path)))
                 except FileExistsError:
                     return False
             else:
@@ -272,7 +280,7 @@ class FsspecBlockStore(BlockStore):
                 self._in_folder(path, lambda: self.fs.mv(tmp, path))
                 tmp = None
             with self._dirs_lock:
-                self._unsynced.add(posixpath.dirname(path))
+                self._unsynced.add(posixpath.dirname(path))  # (sync() names it on this host)
             return True
         finally:
             if tmp is not None:
@@ -285,7 +293,7 @@ class FsspecBlockStore(BlockStore):
         with self._dirs_lock:
             dirs, self._unsynced = self._unsynced, set()
         for d in sorted(dirs):  # the new names durable, as the bytes already are
-            fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            fd = os.open(self._os_path(d), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
             try:
                 os.fsync(fd)
             finally:
