@@ -646,11 +646,9 @@ class Store:
             return None
 
     def _info(self, root: bytes) -> SnapshotInfo:
-        if not self.reftable.catalog_has(root):
-            # Only the remote store behind a tier lists it (another node's upload, a lost tier): its row.
-            theirs = self._tier.remote_info(root)
-            if theirs is not None:
-                return theirs
+        theirs = self._tier.remote_info(root)  # only the remote behind a tier lists it: its row
+        if theirs is not None:
+            return theirs
         return self._durable([self.publisher.info(root)])[0]
 
     @_public

@@ -148,7 +148,8 @@ class FsspecBlockStore(BlockStore):
         if self.directories and isinstance(fs, LocalFileSystem):
             self._os_path = str
         elif self.directories and isinstance(fs, DirFileSystem) and isinstance(fs.fs, LocalFileSystem):
-            self._os_path = fs._join
+            base = fs.path.rstrip("/")  # (its folder; our paths are keys under the root, never absolute)
+            self._os_path = lambda p: f"{base}/{p}"
         self._os_paths = self._os_path is not None
         if self._os_paths:  # synchronous local calls, as LocalBlockStore's
             self.request_timeout = 0.1

@@ -204,7 +204,9 @@ class LocalTier:
 
     def remote_info(self, root: bytes):
         """The SnapshotInfo of a snapshot only the remote store lists (another node's
-        upload, a lost tier), or None."""
+        upload, a lost tier), or None (the tier lists it, or nobody does)."""
+        if self.core.refs.catalog_has(root):
+            return None
         remote = self.uploader.publisher
         return remote.info(root) if remote.reftable.catalog_has(root) else None
 

@@ -54,7 +54,7 @@ class NoTier:
         return self.core
 
     def remote_info(self, root: bytes):
-        return None
+        return None  # (no remote: nothing read)
 
     def history_core(self, ref: str) -> Core:
         return self.core
