@@ -551,12 +551,11 @@ def rank_paths(payloads: list, W: int) -> dict:
     `payloads` (the rank tree's nodes, then the top node, as gather wrote them). A rank
     reads only its own group's (ceil(log_FAN W) nodes, not the O(W) tree); rank 0 posts
     W/FAN of them."""
-    import blake3
-
+    from ..core.assets import Assets
     from ..format import tree
     from ..format.manifest import decode_node
     from ..format.world import rank_path
-    by_digest = {blake3.blake3(p).digest(): p for p in payloads}
+    by_digest = {Assets.node_address(p): p for p in payloads}
     decoded: dict = {}
 
     def read(d):
