@@ -517,7 +517,7 @@ class Store:
         """Whether this store is a local tier (with its uploader, or opened by itself):
         asked of the table once per Store, not once per snapshot described."""
         if self._queue_seen is None:
-            self._queue_seen = self._tier.uploads or self.reftable.upload_last_seq() > 0
+            self._queue_seen = self._tier.uploads or self.reftable.tier_rows.upload_last_seq() > 0
         return self._queue_seen
 
     def _durable(self, infos: list) -> list:
@@ -526,7 +526,7 @@ class Store:
         table has an upload queue."""
         if not infos or not self._is_tier():
             return infos
-        done = self.reftable.durable(bytes.fromhex(i.root) for i in infos)
+        done = self.reftable.tier_rows.durable(bytes.fromhex(i.root) for i in infos)
         return [i if bytes.fromhex(i.root) in done else dataclasses.replace(i, durable=False) for i in infos]
 
     @_public

@@ -1,5 +1,6 @@
-"""The RefTable contract (tensorstore_ck.testing, RefTableTests) on every backend: LMDB,
-its in-memory twin, and PostgreSQL on a real server (a fresh namespace per test).
+"""The RefTable contract (tensorstore_ck.testing, RefTableTests) and a local tier's table's
+(TierTableTests) on every backend: LMDB, its in-memory twin, and PostgreSQL on a real
+server (a fresh namespace per test).
 Backend-specific tests follow."""
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import uuid
 import pytest
 
 from tensorstore_ck.refs import LmdbRefTable, MemoryRefTable
-from tensorstore_ck.testing import RefTableTests
+from tensorstore_ck.testing import RefTableTests, TierTableTests
 
 import _zygote as zygote
 from _util import at_once, in_thread
 
 
-class TestLmdbRefTable(RefTableTests):
+class _Lmdb:
     persistent = True
 
     @pytest.fixture
@@ -35,7 +36,7 @@ class TestLmdbRefTable(RefTableTests):
             h.close()
 
 
-class TestMemoryRefTable(RefTableTests):
+class _Memory:
     @pytest.fixture
     def open_table(self):
         t = MemoryRefTable()
@@ -43,8 +44,7 @@ class TestMemoryRefTable(RefTableTests):
         t.close()
 
 
-@pytest.mark.slow
-class TestPostgresRefTable(RefTableTests):
+class _Postgres:
     persistent = True
     independent_handles = True  # one connection per racing thread: the server serialises
 
@@ -60,6 +60,35 @@ class TestPostgresRefTable(RefTableTests):
         yield open_
         for h in handles:
             h.close()
+
+
+class TestLmdbRefTable(_Lmdb, RefTableTests):
+    pass
+
+
+class TestMemoryRefTable(_Memory, RefTableTests):
+    pass
+
+
+@pytest.mark.slow
+class TestPostgresRefTable(_Postgres, RefTableTests):
+    pass
+
+
+# A local tier's own table (TierTable) lives in its ref table's transactions: the
+# embedded table holds it; the others pass the same contract (the remote's table
+# records the locations tiered opens verified).
+class TestLmdbTierTable(_Lmdb, TierTableTests):
+    pass
+
+
+class TestMemoryTierTable(_Memory, TierTableTests):
+    pass
+
+
+@pytest.mark.slow
+class TestPostgresTierTable(_Postgres, TierTableTests):
+    pass
 
 
 _GROW = textwrap.dedent("""

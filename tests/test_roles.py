@@ -21,13 +21,14 @@ PLAYERS = {
     roles.ObjectReader: ("tensorstore_ck.core.assets.Assets", "tensorstore_ck.tier.reads.ReadThrough"),
     roles.WalkReader: ("tensorstore_ck.core.assets.Assets",),
     roles.WrittenListener: ("tensorstore_ck.tier.uploader.Uploader.tee",),
+    roles.TierRows: ("tensorstore_ck.refs.tiertable.TierTable",),
     **{role: TABLES for role in (roles.CatalogReader, roles.RefPublisher, roles.RefNaming, roles.GcTable,
                                  roles.Rebuild, roles.UploadQueue, roles.TableBinding)},
 }
 
 # RefTable's calls that no module of the package makes (the tests and the harness do):
 # they belong to no role.
-OUTSIDE_ROLES = {"catalog_put", "intents", "publication_order"}
+OUTSIDE_ROLES = {"catalog_put", "publication_order"}
 
 
 def _load(dotted: str):
@@ -52,6 +53,9 @@ def _members(role: type) -> dict[str, object]:
             continue
         for name in c.__dict__.get("__annotations__", {}):
             out[name] = None
+        for name, v in vars(c).items():
+            if isinstance(v, property):  # a data member read through a property
+                out[name] = None
         for name, v in vars(c).items():
             if inspect.isfunction(v) and (not name.startswith("_") or name == "__call__"):
                 out[name] = v

@@ -383,7 +383,7 @@ def test_checker_reports_tier_violations(tmp_path):
     # was told OutcomeUnknown (rank 0 went silent: it cannot know), is allowed.
     t1 = tmp_path / "tier1"
     with tsck.open_store(t1) as r1:
-        r1.reftable.intent_put(bytes(32), {"ref": "ja/main", "step": 99, "job": "ja"})
+        r1.reftable.tier_rows.intent_put(bytes(32), {"ref": "ja/main", "step": 99, "job": "ja"})
     cput = {"w": "w", "i": 8, "op": "put", "start": t + 8,
             "args": {"ref": "ja/main", "step": 99, "spec": specs[0], "collective": 2, "tier": "t0",
                      "rank_tiers": ["t0", "t1"]}}

@@ -24,7 +24,7 @@ s = tsck.open_store(sys.argv[1], local=sys.argv[2])
 up = s._tier.uploader
 def done(*a, **k):  # the remote ref moved, the tier not told: kill -9 here
     os.kill(os.getpid(), signal.SIGKILL)
-up.local.refs.upload_done = done
+up.local.refs.tier_rows.upload_done = done
 s.put_snapshot({"w": torch.full((4096,), 1.0)}, ref="job/main", step=1)
 s.wait_durable(timeout=120)
 """

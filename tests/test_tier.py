@@ -315,7 +315,7 @@ def test_local_tier_in_front_of_a_local_store(tmp_path, capsys):
     # as a put killed before its upload leaves it):
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
         late = tier.put_snapshot(_state(6), "job/main", step=8)
-        tier.reftable.upload_enqueue(bytes.fromhex(late.root), "job/main", 8)
+        tier.reftable.tier_rows.upload_enqueue(bytes.fromhex(late.root), "job/main", 8)
         assert [(i.step, i.durable) for i in tier.log("job/main")] == [(8, False), (7, True)]
     capsys.readouterr()
     assert main(["log", str(tmp_path / "nvme"), "job/main"]) == 0
@@ -350,7 +350,7 @@ def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path
     assert [i.durable for i in store.log("job/main")] == [False]
     store.close()  # heard already: not raised again
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
-        assert [e["root"].hex() for _, e in tier.reftable.upload_pending()] == [info.root]
+        assert [e["root"].hex() for _, e in tier.reftable.tier_rows.upload_pending()] == [info.root]
 
 
 def test_the_early_upload_sends_blocks_as_they_are_written_and_the_uploader_only_the_rest(tmp_path):
@@ -428,7 +428,7 @@ def test_a_local_tip_never_queued_is_queued_at_open(tmp_path):
     state = _state(8)
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
         info = tier.put_snapshot(state, "job/main", step=4)
-        assert tier.reftable.upload_pending() == []
+        assert tier.reftable.tier_rows.upload_pending() == []
     with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme")) as store:
         assert store.wait_durable(timeout=DEADLINE) is True
         assert store.show("job/main").durable is True
@@ -454,20 +454,20 @@ def test_a_part_intent_left_by_a_killed_rank_is_sent_at_open(tmp_path):
         objs = {(o.kind, o.digest) for o in walk_tree(tier.assets, tree, snapshot="t")}
         tier.delete_ref("job/main")  # (its only snapshot's row goes with it)
         assert tier.reftable.catalog_get(root, checked=False) is None and tier.assets.has_commit(root)
-        tier.reftable.intent_put(tree, {"ref": "job/main", "step": 7, "job": "job"})
-        tier.reftable.intent_put(bytes(32), {"ref": "job/main", "step": 6, "job": "job"})  # nothing of it here
+        tier.reftable.tier_rows.intent_put(tree, {"ref": "job/main", "step": 7, "job": "job"})
+        tier.reftable.tier_rows.intent_put(bytes(32), {"ref": "job/main", "step": 6, "job": "job"})  # nothing of it here
     with tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme")) as store:
         assert store.wait_durable(timeout=DEADLINE) is True
         assert store._tier.uploader.orphans == 1 and store._tier.uploader.error is None
         refs = store.core.refs
-        assert refs.intents() == {} and refs.upload_pending() == [] and refs.durable([tree, root]) == set()
+        assert refs.tier_rows.intents() == {} and refs.tier_rows.upload_pending() == [] and refs.tier_rows.durable([tree, root]) == set()
         remote = store.remote_core
         assert objs and all(remote.storage.exists(remote.assets.object_key(k + "s", d)) for k, d in objs), objs
         assert not remote.assets.has_commit(root)
-        # A row that reaches the tier clears the part's intent (RefTable.catalog_put_part).
-        refs.intent_put(tree, {"ref": "job/main", "step": 7, "job": "job"})
-        refs.catalog_put_part(root, {"job": "job", "ref": "job/main", "step": 7, "tree": tree}, tree)
-        assert refs.intents() == {}
+        # A row that reaches the tier clears the part's intent (TierTable.catalog_put_part).
+        refs.tier_rows.intent_put(tree, {"ref": "job/main", "step": 7, "job": "job"})
+        refs.tier_rows.catalog_put_part(root, {"job": "job", "ref": "job/main", "step": 7, "tree": tree}, tree)
+        assert refs.tier_rows.intents() == {}
 
 
 def test_a_snapshot_expired_locally_during_its_upload_is_dropped_not_fatal(tmp_path):
@@ -513,7 +513,7 @@ def test_close_finishes_the_queued_uploads(tmp_path):
         assert [i.step for i in remote.log("job/main")] in ([2, 1], [2])
         assert remote.resolve("job/main") == last.root
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
-        assert tier.reftable.upload_pending() == []
+        assert tier.reftable.tier_rows.upload_pending() == []
 
 
 def test_a_forked_child_queues_and_the_parent_uploads(tmp_path):

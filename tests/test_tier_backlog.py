@@ -118,7 +118,7 @@ def test_the_budget_holds_after_many_puts_and_evicted_snapshots_read_from_the_re
             assert store.wait_durable(timeout=DEADLINE)
             assert _stored(nvme) <= budget
         assert [i.step for i in store.log("job/main")] == list(range(8, 0, -1))
-        evicted = store.reftable.evicted()
+        evicted = store.reftable.tier_rows.evicted()
         assert bytes.fromhex(infos[-1].root) not in evicted and bytes.fromhex(infos[0].root) in evicted
         assert len(evicted) >= 5
         caplog.set_level(logging.WARNING, logger="tensorstore_ck.tier")
@@ -151,7 +151,7 @@ def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only
     seen = {}
 
     def release():  # what the tier holds while the upload is held, then let it through
-        seen["evicted"], seen["bytes"] = store.reftable.evicted(), _stored(nvme)
+        seen["evicted"], seen["bytes"] = store.reftable.tier_rows.evicted(), _stored(nvme)
         held.gate.set()
     timer = threading.Timer(1.0, release)
     timer.start()
@@ -160,12 +160,12 @@ def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only
     assert time.monotonic() - t0 >= 1.0  # it waited for a's upload
     timer.join()
     assert seen["evicted"] == set() and seen["bytes"] > 1  # nothing durable yet: nothing went
-    assert bytes.fromhex(a.root) in store.reftable.evicted()
+    assert bytes.fromhex(a.root) in store.reftable.tier_rows.evicted()
     waited = [r.getMessage() for r in caplog.records if "the put waits for uploads" in r.getMessage()]
     assert len(waited) == 1 and "budget of 1 bytes" in waited[0]
     assert store.wait_durable(timeout=DEADLINE) is True
     assert [(i.step, i.durable) for i in store.log("job/main")] == [(2, True), (1, True)]
-    assert store.reftable.evicted() == {bytes.fromhex(a.root), bytes.fromhex(b.root)}
+    assert store.reftable.tier_rows.evicted() == {bytes.fromhex(a.root), bytes.fromhex(b.root)}
     store.close()
 
     with tsck.open_store(str(nvme), create=False) as tier:  # no uploader: c is local-only, d the side ref's tip
@@ -182,7 +182,7 @@ def test_a_budget_smaller_than_one_snapshot_never_evicts_a_pending_or_local_only
         assert "forget or prune the local-only snapshots" in str(got.value)
         assert got.value.usage["local_only"]["snapshots"] == 1
         assert (_stored(nvme), store.reftable.catalog_roots(), store.resolve("job/main")) == before
-        assert bytes.fromhex(c.root) not in store.reftable.evicted()
+        assert bytes.fromhex(c.root) not in store.reftable.tier_rows.evicted()
         assert _equal(store.checkout(c.root), tier_state(3))  # whole in the tier
         assert store.fsck(full=True).findings == []
         store.forget(c.root)
@@ -205,7 +205,7 @@ def test_a_tier_over_a_new_budget_is_evicted_at_open_and_bad_budgets_are_refused
     one = _stored(tmp_path / "nvme") // 4
     with open_tiered(tmp_path, local_budget=one + one // 2) as store:
         assert store.wait_durable(timeout=DEADLINE)
-        assert store.reftable.evicted() == {bytes.fromhex(i.root) for i in infos[:3]}
+        assert store.reftable.tier_rows.evicted() == {bytes.fromhex(i.root) for i in infos[:3]}
         assert _stored(tmp_path / "nvme") <= one + one // 2
         assert _equal(store.checkout("job/main"), tier_state(4)) and _equal(store.checkout(infos[0].root), tier_state(1))
     for bad in (0, -1, 1.5, True, "1G"):
@@ -324,7 +324,7 @@ def test_kill_9_at_random_moments_of_uploads_then_resume(s3_url, s3_server, tmp_
         wrapped = []
         store = tsck.open_store(s3_url, local=local, wrap_storage=lambda s: wrapped.append(PerKey(s)) or wrapped[-1],
                                 **opts)
-        if store.reftable.upload_pending():
+        if store.reftable.tier_rows.upload_pending():
             midway += 1
         assert store.wait_durable(timeout=DEADLINE) is True
         writes = wrapped[0].writes
@@ -359,7 +359,7 @@ def test_the_tiers_retention_expires_evicted_snapshots_quietly(tmp_path, caplog)
         assert store.prune("job").expired == []
         assert not [r for r in caplog.records if "not walked" in r.getMessage()]
         assert [i.step for i in store.log("job/main")] == [3]
-        assert len(store.reftable.evicted()) == 1  # the expired ones' marks went with their rows
+        assert len(store.reftable.tier_rows.evicted()) == 1  # the expired ones' marks went with their rows
         report = store.fsck(full=True)
         assert report.findings == [] and report.evicted == 1
         assert _equal(store.checkout("job/main"), tier_state(3))

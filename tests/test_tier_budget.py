@@ -132,7 +132,7 @@ def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, 
                   wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
     infos = [store.put_snapshot(_state(step), "job/main", step=step) for step in (1, 2, 3)]
     assert wrapped[0].waiting.wait(DEADLINE)  # the first upload is in flight, held
-    before = (_stored(nvme), _rows(store), store.reftable.upload_pending(), store.resolve("job/main"))
+    before = (_stored(nvme), _rows(store), store.reftable.tier_rows.upload_pending(), store.resolve("job/main"))
     assert before[0] > budget
     t0 = time.monotonic()
     with pytest.raises(tsck.TierFull) as got:
@@ -145,7 +145,7 @@ def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, 
     msg = str(e)
     assert f"budget of {budget} bytes" in msg and "waiting for upload" in msg and "nothing was written" in msg
     assert "within 3s" in msg and "local_budget=" in msg and "wait_durable" in msg
-    assert (_stored(nvme), _rows(store), store.reftable.upload_pending(), store.resolve("job/main")) == before
+    assert (_stored(nvme), _rows(store), store.reftable.tier_rows.upload_pending(), store.resolve("job/main")) == before
     waited = [r.getMessage() for r in caplog.records if "the put waits for uploads" in r.getMessage()]
     assert len(waited) == 1 and str(budget) in waited[0] and str(before[0]) in waited[0]
     wrapped[0].gate.set()
@@ -251,7 +251,7 @@ def test_a_forked_child_over_the_budget_fails_at_once(tmp_path):
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-    assert _stored(tmp_path / "nvme") == before and store.reftable.upload_pending()[-1][1]["ref"] == "job/main"
+    assert _stored(tmp_path / "nvme") == before and store.reftable.tier_rows.upload_pending()[-1][1]["ref"] == "job/main"
     wrapped[0].gate.set()
     assert store.wait_durable(timeout=DEADLINE) is True
     store.close()

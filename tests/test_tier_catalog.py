@@ -304,7 +304,7 @@ def test_the_budget_never_evicts_a_copy_the_remote_retention_expired(remote, tmp
             store.put_snapshot(_state(step), "job/main", step=step)
             assert store.wait_durable(timeout=DEADLINE)
             refs, r = store.reftable, store.remote_core.refs
-            stranded = [root.hex()[:16] for root in refs.evicted() if refs.catalog_has(root) and not r.catalog_has(root)]
+            stranded = [root.hex()[:16] for root in refs.tier_rows.evicted() if refs.catalog_has(root) and not r.catalog_has(root)]
             assert stranded == [], (step, stranded)
         assert [i.step for i in store.log("job/main")] == [4]
         assert same_bits(store.checkout("job/main"), _state(4))

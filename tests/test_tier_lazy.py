@@ -206,7 +206,7 @@ def test_a_lost_tier_is_made_again_from_the_ref_tables_record_without_a_request(
             assert json.loads((local / "tsck.json").read_text())["id"] == store_id
             assert _equal(store.checkout("job/main"), _state(1))
             assert store.remote_core.storage.opened and proxy.sent > before[0]
-            assert store.core.refs.verified_get(location) == store_id
+            assert store.core.refs.tier_rows.verified_get(location) == store_id
     # A record that does not read, or one of another store: the eager open reads the marker.
     def record(data=None):  # (the LMDB table is opened once per process at a time: a store of its own)
         with _open(url, opts, refs) as remote:

@@ -204,8 +204,8 @@ def test_recover_brings_back_the_local_only_snapshot_of_a_tier_that_lost_its_tab
 
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
         assert store.resolve("job/main") == root2
-        assert [e["root"].hex() for _, e in store.reftable.upload_pending()] == [root2]  # step 1 is not sent
-        assert store.reftable.durable([bytes.fromhex(root1)]) == {bytes.fromhex(root1)}
+        assert [e["root"].hex() for _, e in store.reftable.tier_rows.upload_pending()] == [root2]  # step 1 is not sent
+        assert store.reftable.tier_rows.durable([bytes.fromhex(root1)]) == {bytes.fromhex(root1)}
         got = store.checkout("job/main")
         assert got["step"] == 2
         assert_same(got["model"], _model(2))

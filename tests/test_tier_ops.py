@@ -143,11 +143,11 @@ def _tier_with_every_kind(tmp_path) -> dict:
         assert store.wait_durable(timeout=DEADLINE)
         s2 = store.put_snapshot(_state(2), "job/main", step=2)
         assert store.wait_durable(timeout=DEADLINE)
-        assert bytes.fromhex(s1.root) in store.reftable.evicted()
-        assert bytes.fromhex(s2.root) not in store.reftable.evicted()
+        assert bytes.fromhex(s1.root) in store.reftable.tier_rows.evicted()
+        assert bytes.fromhex(s2.root) not in store.reftable.tier_rows.evicted()
     with tsck.open_store(str(nvme), create=False) as tier:
         s3 = tier.put_snapshot(_state(3), "job/main", step=3)
-        tier.reftable.upload_enqueue(bytes.fromhex(s3.root), "job/main", 3)
+        tier.reftable.tier_rows.upload_enqueue(bytes.fromhex(s3.root), "job/main", 3)
         s4 = tier.put_snapshot(_state(4), "job/side", step=4)
     return {"s1": s1, "s2": s2, "s3": s3, "s4": s4}
 

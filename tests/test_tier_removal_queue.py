@@ -118,10 +118,10 @@ def test_an_upload_in_flight_when_its_ref_is_deleted_leaves_no_remote_ref(tmp_pa
         root = store.put_snapshot(_state(1), "j/main", step=1).root
         deadline = threading.Event()
         for _ in range(int(DEADLINE / 0.01)):  # the upload has begun (marked in flight)
-            if bytes.fromhex(root) in store.reftable.uploading():
+            if bytes.fromhex(root) in store.reftable.tier_rows.uploading():
                 break
             deadline.wait(0.01)
-        assert bytes.fromhex(root) in store.reftable.uploading()
+        assert bytes.fromhex(root) in store.reftable.tier_rows.uploading()
         done: list = []
         t = threading.Thread(target=lambda: done.append(store.delete_ref("j/main")))
         t.start()

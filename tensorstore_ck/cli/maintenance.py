@@ -225,10 +225,10 @@ def _fsck_tiers(store, args, r):
         lr = _dotted_findings(tier.fsck(full=not args.quick, progress=wants_bar(args), repair=args.repair,
                                         raw=args.raw))
         trefs = tier.reftable
-        evicted = trefs.evicted()
-        marked = trefs.durable(trefs.catalog_roots() | evicted)
+        evicted = trefs.tier_rows.evicted()
+        marked = trefs.tier_rows.durable(trefs.catalog_roots() | evicted)
         lost = sorted(root for root in marked if not store.reftable.catalog_has(root))
-        queued = len(trefs.upload_pending())
+        queued = len(trefs.tier_rows.upload_pending())
     # Evicted and gone remotely: the tier lists a snapshot no tier can read (a problem).
     # Whole locally and gone remotely (the remote's retention expired it): a note.
     only_here = [root for root in lost if root not in evicted]

@@ -20,9 +20,11 @@ Derived from who calls what:
     RefNaming      tags, pins, delete_ref, forget, undelete: lifecycle.py
     GcTable        the gc lock, phases, expiry and compaction: gc.py, pruner.py
     Rebuild        recover.py's rebuild mark and adoptions
-    UploadQueue    a local tier's queue, marks, parts and intents: tier/
-    TableBinding   the store a table serves and the remotes a tier verified: opener.py,
-                   tier/opening.py
+    TierRows       a local tier's own table (TierTable): queue, marks, parts, intents:
+                   tier/, and gc, fsck, reach, usage where they walk a tier's snapshots
+    UploadQueue    what else of its ref table a local tier's uploader uses: tier/
+    TableBinding   the store a table serves and the remote locations tiered opens found:
+                   opener.py, tier/opening.py
 
 This module imports nothing of the package, so every layer may name a role.
 """
@@ -32,7 +34,7 @@ from __future__ import annotations
 from typing import Iterator, Protocol
 
 __all__ = ["ObjectReader", "WalkReader", "WrittenListener", "CatalogReader", "RefPublisher", "RefNaming", "GcTable", "Rebuild",
-           "UploadQueue", "TableBinding"]
+           "TierRows", "UploadQueue", "TableBinding"]
 
 
 # -- objects -----------------------------------------------------------------------------
@@ -68,8 +70,8 @@ class WrittenListener(Protocol):
 
 # -- the ref table -------------------------------------------------------------------------
 class CatalogReader(Protocol):
-    """What is kept (catalog rows, refs, tags, pins, a tier's parts and marks) and where
-    each name points, read-only."""
+    """What is kept (catalog rows, refs, tags, pins, and through tier_rows a tier's parts
+    and marks) and where each name points, read-only."""
 
     def get(self, name: str) -> bytes: ...
 
@@ -97,16 +99,6 @@ class CatalogReader(Protocol):
 
     def catalog_prefix(self, prefix): ...
 
-    def parts(self, rank0: bool = True) -> dict[bytes, bytes]: ...
-
-    def evicted(self) -> set[bytes]: ...
-
-    def durable(self, roots) -> set[bytes]: ...
-
-    def uploading(self) -> set[bytes]: ...
-
-    def upload_pending(self) -> list[tuple[int, dict]]: ...
-
     def dropped(self) -> dict[bytes, tuple[float, int, bool]]: ...
 
     def reclaimed(self) -> list[list]: ...
@@ -114,6 +106,9 @@ class CatalogReader(Protocol):
     def gc_state(self) -> dict: ...
 
     def wall_now(self) -> float: ...
+
+    @property
+    def tier_rows(self) -> "TierRows": ...
 
 
 class RefPublisher(Protocol):
@@ -210,9 +205,7 @@ class GcTable(CatalogReader, Protocol):
 
     def publication_record(self) -> dict[bytes, tuple[int, bool]]: ...
 
-    def parts_expire(self, roots) -> list[bytes]: ...
 
-    def evict_mark(self, roots) -> list[bytes]: ...
 
 
 class Rebuild(RefPublisher, Protocol):
@@ -236,13 +229,18 @@ class Rebuild(RefPublisher, Protocol):
     def tag_get(self, name): ...
 
 
-class UploadQueue(CatalogReader, Protocol):
-    """A local tier's part: the upload queue, the durable and evicted marks, a rank's parts
-    of collective snapshots and the intents before them."""
+class TierRows(Protocol):
+    """A local tier's own table (refs/tiertable.py's TierTable, RefTable.tier_rows): the
+    upload queue, the durable and evicted marks, a rank's parts of collective snapshots
+    and the intents before them, the remotes a tiered open verified."""
 
     def upload_enqueue(self, root: bytes, ref: str, step, part: bytes | None = None, hold: bool = False) -> int: ...
 
+    def upload_pending(self) -> list[tuple[int, dict]]: ...
+
     def upload_begin(self, seq: int) -> bool: ...
+
+    def uploading(self) -> set[bytes]: ...
 
     def upload_done(self, seq: int, root: bytes) -> None: ...
 
@@ -252,17 +250,36 @@ class UploadQueue(CatalogReader, Protocol):
 
     def durable_mark(self, roots) -> list[bytes]: ...
 
+    def durable(self, roots) -> set[bytes]: ...
+
     def evict_mark(self, roots) -> list[bytes]: ...
 
-    def catalog_which(self, roots) -> set[bytes]: ...
+    def evicted(self) -> set[bytes]: ...
 
     def catalog_put_part(self, root: bytes, row: dict, part: bytes) -> None: ...
+
+    def parts(self, rank0: bool = True) -> dict[bytes, bytes]: ...
+
+    def parts_expire(self, roots) -> list[bytes]: ...
 
     def intent_put(self, part: bytes, rec: dict) -> None: ...
 
     def intent_drop(self, part: bytes) -> None: ...
 
+    def intents(self) -> dict[bytes, dict]: ...
+
     def intents_queue(self) -> list[bytes]: ...
+
+    def verified_get(self, location: str) -> str | None: ...
+
+    def verified_put(self, location: str, store_id: str) -> None: ...
+
+
+class UploadQueue(CatalogReader, Protocol):
+    """A local tier's part of its ref table besides its own rows (tier_rows): which roots
+    the catalog has, the prune requests and retention rules its uploads carry over."""
+
+    def catalog_which(self, roots) -> set[bytes]: ...
 
     def prune_request(self, job: str) -> bytes: ...
 
@@ -272,18 +289,14 @@ class UploadQueue(CatalogReader, Protocol):
 
 
 class TableBinding(Protocol):
-    """Opening a table for a store: the store it serves, the remotes a tiered open
-    verified, and closing it."""
+    """Opening a table for a store: the store it serves, the stores tiered opens found at
+    remote locations, and closing it."""
 
     read_only: bool
 
     def bind_store(self, store_id: str, *, new: bool = False) -> None: ...
 
     def bound_store(self) -> str | None: ...
-
-    def verified_get(self, location: str) -> str | None: ...
-
-    def verified_put(self, location: str, store_id: str) -> None: ...
 
     def location_get(self, location: str) -> bytes | None: ...
 

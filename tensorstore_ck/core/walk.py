@@ -186,7 +186,7 @@ def walk_commit(assets: WalkReader, root: bytes, *, verify: bool = True, skip_no
                 part: bytes | None = None, inline: dict | None = None) -> Iterator[Obj]:
     """The commit object itself, then everything under its tree. part: the sub-tree of
     a collective snapshot whose nodes this store holds (a rank's own part, in its local
-    tier: RefTable.parts), walked first, a missing node of it an error; of the rest,
+    tier: TierTable.parts), walked first, a missing node of it an error; of the rest,
     only the nodes present here are walked (the commit and top nodes, the replicas a rank
     keeps). Every block is yielded `elsewhere`: the other ranks'
     are in their own tiers, and a rank's part names the blocks of its Replicated tensors

@@ -143,7 +143,7 @@ def _block_bytes(core: Core, roots: list) -> int:
     What cannot be walked here is left out: the check reports it."""
     sizes: dict[bytes, int] = {}
     seen: set = set()
-    parts = core.refs.parts()
+    parts = core.refs.tier_rows.parts()
     for root in roots:
         try:
             for obj in walk_commit(core.assets, root, verify=False, skip_nodes=seen, part=parts.get(root)):
@@ -163,8 +163,8 @@ def _check(core: Core, rep: FsckReport, progress: bool) -> None:
         pass
     for root, err in bad_rows:  # the snapshot is still checked below, from its commit
         rep.findings.append(Finding("malformed_row", root.hex(), names.get(root, []), None, None, str(err)))
-    evicted = core.refs.evicted()  # a local tier's budget dropped them on purpose: the remote has them
-    parts = core.refs.parts()  # a rank's tier: its part of a collective snapshot (walk_commit(part=))
+    evicted = core.refs.tier_rows.evicted()  # a local tier's budget dropped them on purpose: the remote has them
+    parts = core.refs.tier_rows.parts()  # a rank's tier: its part of a collective snapshot (walk_commit(part=))
     rep.evicted = len(evicted)
     roots = sorted((core.refs.catalog_roots() | set(names)) - evicted)
     block_status: dict[bytes, IntegrityError | None] = {}

@@ -447,8 +447,8 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
         doomed = plan_expiry(core, refs.wall_now(), {j: rules[j] for j in jobs}, bad)
         # A local tier's evicted snapshots have no objects here left to walk or delete
         # (read before the expiry, which drops their marks with their rows).
-        evicted = refs.evicted()
-        parts = refs.parts()
+        evicted = refs.tier_rows.evicted()
+        parts = refs.tier_rows.parts()
         expired = refs.catalog_expire(doomed, rules=rules, served=queued) if doomed or queued else []
         rep.expired = [r.hex() for r in expired]
         if not expired:
@@ -471,12 +471,12 @@ def _delete_only_theirs(core: Core, gone: list, hold: "Lease", began: float, rep
                         phase_seconds: float | None = None, keep_undeletable: bool = False) -> GCReport:
     """Delete the objects of the snapshots `gone` (no longer kept: expired, or evicted)
     that no kept snapshot reaches, with gc's deletion phases: storage is not listed, the
-    candidates are found by walking those snapshots. parts: RefTable.parts() as read
+    candidates are found by walking those snapshots. parts: TierTable.parts() as read
     before their rows were dropped (a rank's tier walks a collective snapshot through its
     own part); None: read now. keep_undeletable: what deleted refs' tips reach counts as kept
     too (a prune: undelete works until the next gc)."""
     if parts is None:
-        parts = core.refs.parts()
+        parts = core.refs.tier_rows.parts()
     k0 = kept_roots(core)
     rep.kept_snapshots = len(k0)
     marked, visited = Marked(), NodeSet()
@@ -529,7 +529,7 @@ def _mark_undeletable(core: Core, kept: set, marked: Marked, visited: NodeSet, r
 def evict_snapshots(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) -> GCReport:
     """A local tier's budget (tier.budget.fit_budget): drop the local copies of `roots`,
     snapshots the remote store holds, keeping their catalog rows, refs and history.
-    Under the gc lock: mark them evicted in the tier's table (RefTable.evict_mark takes
+    Under the gc lock: mark them evicted in the tier's table (TierTable.evict_mark takes
     only roots marked durable and not queued), then delete what only they reach, with
     gc's protocol (a writer that reused one of those objects is fenced and writes it
     again). Reads of an evicted snapshot fall through to the remote (tier.reads.ReadThrough)."""
@@ -538,7 +538,7 @@ def evict_snapshots(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) ->
     _refuse_if_rebuilding(core, "eviction")
     with holding_gc_lock(core, lease=lease, role="evict:") as hold:
         began = core.storage.clock_now()
-        gone = core.refs.evict_mark(roots)
+        gone = core.refs.tier_rows.evict_mark(roots)
         rep.expired = [r.hex() for r in gone]  # evicted here, not expired: their rows stay
         if gone:
             rep = _delete_only_theirs(core, gone, hold, began, rep, "local tier eviction")
@@ -550,15 +550,15 @@ def drop_parts(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) -> GCRe
     """The local tier of a rank other than 0: drop the catalog rows of `roots`, collective
     snapshots rank 0's tier no longer keeps (tier.collective.CollectiveTier.adopt), then delete what
     only they reached here (this rank's part, the replicas it held), with gc's protocol.
-    RefTable.parts_expire drops only parts not queued for upload, in its transaction."""
+    TierTable.parts_expire drops only parts not queued for upload, in its transaction."""
     t_start = time.time()
     rep = GCReport(dry_run=False)
     _refuse_if_rebuilding(core, "the cleanup of a rank's tier")
     with holding_gc_lock(core, lease=lease, role="parts:") as hold:
         began = core.storage.clock_now()
-        parts = core.refs.parts()
-        evicted = core.refs.evicted()
-        gone = core.refs.parts_expire(roots)
+        parts = core.refs.tier_rows.parts()
+        evicted = core.refs.tier_rows.evicted()
+        gone = core.refs.tier_rows.parts_expire(roots)
         rep.expired = [r.hex() for r in gone]
         if gone:
             rep = _delete_only_theirs(core, [r for r in gone if r not in evicted], hold, began, rep,

@@ -178,13 +178,13 @@ class NodeSet:
 
 def kept_roots(core: Core, exclude: set | None = None) -> set[bytes]:
     """Every catalog row (less `exclude`), ref tip, tag target and pin, less the
-    snapshots a local tier evicted (RefTable.evict_mark: durable in the remote store,
+    snapshots a local tier evicted (TierTable.evict_mark: durable in the remote store,
     their local copies dropped on purpose)."""
     rt: CatalogReader = core.refs
     roots = rt.catalog_roots()  # a row that does not decode still keeps its snapshot
     if exclude:
         roots -= exclude
-    return (roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()) - rt.evicted()
+    return (roots | {r for _, r in rt.list()} | {r for _, r in rt.tags()} | rt.pins()) - rt.tier_rows.evicted()
 
 
 def undeletable(core: Core) -> set[bytes]:
@@ -199,9 +199,9 @@ def undeletable(core: Core) -> set[bytes]:
 def holders(core: Core) -> dict[bytes, list[tuple[str, str]]]:
     """root -> what holds it whatever retention says: ("ref", name) for a ref's tip,
     ("tag", name), ("pin", ""), ("upload", "") for a local tier's snapshot whose upload
-    has started (RefTable.upload_begin)."""
+    has started (TierTable.upload_begin)."""
     out: dict[bytes, list[tuple[str, str]]] = {}
-    for root in core.refs.uploading():
+    for root in core.refs.tier_rows.uploading():
         out.setdefault(root, []).append(("upload", ""))
     for name, root in core.refs.list():
         out.setdefault(root, []).append(("ref", name))
@@ -217,7 +217,7 @@ def mark(core: Core, roots, marked: Marked, visited: NodeSet | set, bar=None) ->
     aborts (its children are unknown, so nothing could be deleted safely); a missing
     commit object is marked through its catalog row's tree instead."""
     n = 0
-    parts = core.refs.parts()  # a rank's tier: its part of each collective snapshot, the rest elsewhere
+    parts = core.refs.tier_rows.parts()  # a rank's tier: its part of each collective snapshot, the rest elsewhere
     for root in sorted(roots):
         try:
             if core.assets.has_commit(root):

@@ -175,7 +175,7 @@ def _holdings(core: Core, rows: list, jobs: dict, sizes: dict | None = None,
     # Which job references each block: its index, or _SHARED once a second job does.
     owner: dict[bytes, int] = {}
     unreadable: dict[str, str] = {}
-    parts = core.refs.parts()
+    parts = core.refs.tier_rows.parts()
     try:
         if sizes is None:
             sizes = {o.digest: o.size for o in core.assets.list_objects("blocks")}
@@ -261,10 +261,10 @@ def tier_usage(core: Core) -> dict:
 
     and `evicted` counts the durable snapshots whose local copies the budget dropped."""
     refs: CatalogReader = core.refs
-    evicted, parts = refs.evicted(), refs.parts()
-    queued = {e["root"] for _, e in refs.upload_pending()}
+    evicted, parts = refs.tier_rows.evicted(), refs.tier_rows.parts()
+    queued = {e["root"] for _, e in refs.tier_rows.upload_pending()}
     roots = (refs.catalog_roots() | {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()) - evicted
-    durable = refs.durable(roots)
+    durable = refs.tier_rows.durable(roots)
     cls = {r: ("pending" if r in queued else "durable" if r in durable else "local_only") for r in roots}
     rank = {"pending": 0, "local_only": 1, "durable": 2}
     owner: dict[tuple, str] = {}

@@ -5,7 +5,7 @@ Its modules:
     base.py           the interface and its logic over a small transactional key-value layer
     history.py        the reflog and REF@STEP's index
     gcstate.py        the gc lock, lease, phases, holds, fences and the prune queue
-    tierstate.py      a local tier's rows: upload queue, durable/evicted marks, parts
+    tiertable.py      a local tier's own table (TierTable): upload queue, marks, parts
     txn.py            the transactions its parts run in; the tables; the host clock
     lmdb.py           the embedded table (LMDB, beside local data)
     memory.py         the in-memory twin (memory:// stores, tests)

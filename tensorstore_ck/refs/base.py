@@ -15,12 +15,13 @@ Sub-tables (each a sorted key-value space):
     steps     name \0 step \0 seq      -> root (REF@STEP's index; step in decimal, seq as in reflog)
 
 A local tier's table (open_store(local=)) also keeps, in `meta`, its upload queue,
-durable and evicted marks and collective parts (refs/tierstate.py lists them).
+durable and evicted marks and collective parts: the tier's own table type,
+TierTable (refs/tiertable.py lists its rows), over this table's transactions.
 
 The reflog and the steps index (REF@STEP) are refs/history.py's part of RefTable;
 the gc state (lock, lease, phases, holds, fences, prune queue, rebuild mark) is
-refs/gcstate.py's; a local tier's rows are refs/tierstate.py's. RefTable inherits
-the three; this module holds the refs, catalog, tags, pins and retention rules, and
+refs/gcstate.py's. RefTable inherits
+the two; this module holds the refs, catalog, tags, pins and retention rules, and
 what a backend implements. Who uses which of its calls is declared in roles.py.
 
 Record codecs are in format/records.py. Every conditional operation reads and
@@ -33,17 +34,20 @@ from __future__ import annotations
 import os
 import weakref
 from abc import ABC, abstractmethod
+from functools import cached_property
 from typing import Callable
 
 from ..errors import FormatError, InvalidArgument, NotAStore, ReadOnlyStore, RefConflict, RefNotFound
 from ..format.records import decode_catalog, decode_record, decode_reflog, encode_record
 from .gcstate import PRUNE_KEY, REBUILD_KEY, GcStateMachine, check_fence, check_kept, drop_hold
 from .history import RefHistory, ReflogEntry, append_reflog, key_name, split_reflog_key
-from .tierstate import PART0_KEY, TierState, drop_row, note_spared, protected_roots
+from .tiertable import PART0_KEY, TierTable, drop_row, note_spared, protected_roots
 from .txn import Txn
 
 __all__ = ["RefTable", "ReflogEntry", "Txn", "track_for_fork"]
 
+
+_LOCATION = b"location:"
 
 _LIVE: "weakref.WeakSet[RefTable]" = weakref.WeakSet()
 
@@ -109,11 +113,11 @@ def deleted_root(t: Txn, key: bytes) -> bytes | None:
     return last[2] if last is not None and last[4] == "delete" else None
 
 
-class RefTable(RefHistory, GcStateMachine, TierState, ABC):
+class RefTable(RefHistory, GcStateMachine, ABC):
     """name -> root with compare-and-swap; reflog; catalog; tags; pins; retention rules;
-    the gc state; a local tier's rows. The logic is written once, here and in the parts it
-    inherits (RefHistory: refs/history.py; GcStateMachine: refs/gcstate.py; TierState:
-    refs/tierstate.py); a backend implements only the small
+    the gc state. The logic is written once, here and in the parts it inherits
+    (RefHistory: refs/history.py; GcStateMachine: refs/gcstate.py); a backend implements
+    only the small
     protocol below: run fn(txn) in one read or one write transaction (a Txn of four
     calls), and close. LMDB, PostgreSQL and the in-memory twin do exactly that."""
 
@@ -132,6 +136,23 @@ class RefTable(RefHistory, GcStateMachine, TierState, ABC):
 
     def close(self) -> None:
         pass
+
+    @cached_property
+    def tier_rows(self) -> TierTable:
+        """A local tier's own rows kept in this table (refs/tiertable.py): its upload
+        queue, marks, parts and intents share this table's transactions with the catalog
+        rows they describe. A table no tier uses has none, and answers empty."""
+        return TierTable(self._read, self._write)
+
+    # The marker of the store a tiered open found at a remote location (meta
+    # `location:`): a new local tier is made from it without asking the remote (opener).
+    # These live in the remote's table, whichever backend it is; a table serving several
+    # stores (PostgreSQL) keeps them apart from every store's.
+    def location_get(self, location: str) -> bytes | None:
+        return self._read(lambda t: t.get("meta", _LOCATION + location.encode()))
+
+    def location_put(self, location: str, marker: bytes) -> None:
+        self._write(lambda t: t.put("meta", _LOCATION + location.encode(), bytes(marker)))
 
     def _before_fork(self) -> None:
         """Before os.fork() (see track_for_fork)."""

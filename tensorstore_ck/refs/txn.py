@@ -1,7 +1,7 @@
 """The transaction protocol a ref table backend provides, and the clocks read in it.
 
-RefTable's logic (refs/base.py and its parts, refs/history.py, refs/gcstate.py, refs/tierstate.py)
-is written once over this: run fn(txn) in one read or one write transaction, where a
+RefTable's logic (refs/base.py and its parts, refs/history.py, refs/gcstate.py) and a
+tier's TierTable (refs/tiertable.py) are written once over this: run fn(txn) in one read or one write transaction, where a
 Txn offers get / put / delete / items over the sub-tables in TABLES, and the table's
 two clocks (the lease clock gc's lock is judged on, the calendar clock commit times
 are stamped with).

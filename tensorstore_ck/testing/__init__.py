@@ -12,9 +12,11 @@ the suites, add `pytest.register_assert_rewrite("tensorstore_ck.testing")` to yo
     blockstore.py     BlockStoreTests: the BlockStore contract (storage/base.py)
     reftable_rows.py  refs, reflog, steps index, catalog, tags, pins, retention
     reftable.py       RefTableTests: those and removals, gc state, rebuild mark, concurrency, persistence
+    tiertable.py      TierTableTests: a local tier's own table (RefTable.tier_rows) over any ref table
 """
 
 from .blockstore import BlockStoreTests
 from .reftable import RefTableTests
+from .tiertable import TierTableTests
 
-__all__ = ["BlockStoreTests", "RefTableTests"]
+__all__ = ["BlockStoreTests", "RefTableTests", "TierTableTests"]

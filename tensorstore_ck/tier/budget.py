@@ -41,12 +41,12 @@ def fit_budget(local: Core, budget: int, *, warn: bool = True, listed=None) -> l
         return []
     refs: CatalogReader = local.refs
     sizes = {kind: {o.digest: o.size for o in local.assets.list_objects(kind)} for kind in ("commits", "nodes", "blocks")}
-    evicted, parts = refs.evicted(), refs.parts()
+    evicted, parts = refs.tier_rows.evicted(), refs.tier_rows.parts()
     rows = {root: row for root, row in refs.catalog_iter(bad=[])}
     held = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()
     roots = (set(rows) | held) - evicted
-    queued = {e["root"] for _, e in refs.upload_pending()}
-    durable = refs.durable(roots) - queued
+    queued = {e["root"] for _, e in refs.tier_rows.upload_pending()}
+    durable = refs.tier_rows.durable(roots) - queued
     if listed is not None and durable:
         # Only what the remote catalog still lists: a durable snapshot its retention has
         # expired there since has no copy but this one (the tier's prune expires it too).

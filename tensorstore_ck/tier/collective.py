@@ -121,16 +121,16 @@ class CollectiveTier:
 
     def intend(self, part: bytes, args) -> None:
         """A rank other than 0, its part written and synced, before it says "done": the
-        intent to upload `part` (RefTable.intent_put), kept until the snapshot's row
+        intent to upload `part` (TierTable.intent_put), kept until the snapshot's row
         (adopt) or its abort (abandon) is here. A rank killed between the two leaves it,
         and its next open uploads the part: rank 0 may have published the snapshot."""
-        self.core.refs.intent_put(part, {"ref": args.ref, "step": args.step, "job": args.job})
+        self.core.refs.tier_rows.intent_put(part, {"ref": args.ref, "step": args.step, "job": args.job})
 
     def abandon(self, part: bytes) -> None:
         """The snapshot was aborted: its part is nobody's to upload (a gc of the tier
         reclaims what nothing else holds)."""
         try:
-            self.core.refs.intent_drop(part)
+            self.core.refs.tier_rows.intent_drop(part)
         except Exception as e:  # noqa: BLE001 - the abort is the outcome to raise; a part left queued is harmless
             log.warning("local tier: the intent to upload part %s of an aborted snapshot was not dropped (%s: %s); "
                         "the next open uploads it", part.hex()[:16], type(e).__name__, e)
@@ -156,7 +156,7 @@ class CollectiveTier:
         # ranks' sub-trees are in their tiers: walk.walk_commit(part=)).
         from ..format.manifest import decode_commit
         c = decode_commit(body)
-        self.core.refs.catalog_put_part(root, {k: c.get(k) for k in (
+        self.core.refs.tier_rows.catalog_put_part(root, {k: c.get(k) for k in (
             "job", "ref", "step", "time", "metrics", "meta", "parent", "tree")} | dict(c.get("stats") or {}), part)
         if isinstance(kept, bytes) and len(kept) % KEEP_PREFIX == 0:
             self.uploader.follow(c.get("job"), {kept[i:i + KEEP_PREFIX] for i in range(0, len(kept), KEEP_PREFIX)}
@@ -215,7 +215,7 @@ def upload_part(up, seq: int, entry: dict) -> None:
                 return
             raise
         up.send(objs, fence)
-    local.refs.upload_done(seq, root)
+    local.refs.tier_rows.upload_done(seq, root)
     up.notify()
     log.debug("local tier: this rank's part of snapshot %s of ref %s is in %s", root.hex()[:16],
               entry.get("ref"), remote.url)
@@ -223,7 +223,7 @@ def upload_part(up, seq: int, entry: dict) -> None:
 
 def _upload_orphan(up, seq: int, entry: dict) -> None:
     """A part this rank wrote and said "done" for, and then died before the snapshot's
-    row reached its tier (RefTable.intents_queue): the snapshot's root is unknown here,
+    row reached its tier (TierTable.intents_queue): the snapshot's root is unknown here,
     but rank 0 may have published it and waits for this part in the remote. Send what
     the remote lacks of it (conditional writes, as any part); nothing is marked durable
     here (this tier keeps no row of the snapshot). Its objects gone from the tier (a gc
@@ -236,10 +236,10 @@ def _upload_orphan(up, seq: int, entry: dict) -> None:
         log.warning("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a "
                     "restart, is not whole here (%s): not uploaded", tree.hex()[:16], entry.get("ref"),
                     entry.get("step"), e)
-        up.local.refs.upload_drop(seq)
+        up.local.refs.tier_rows.upload_drop(seq)
         return
     up.send(objs, fence)
-    up.local.refs.upload_drop(seq)
+    up.local.refs.tier_rows.upload_drop(seq)
     up.orphans += 1
     up.notify()
     log.debug("local tier: this rank's part %s of a collective snapshot (ref %s, step %s), written before a restart, "
@@ -346,7 +346,7 @@ def upload_world(up, seq: int, entry: dict, row: dict) -> None:
         # its tier lost) must not hold the queue for PART_WAIT: once a newer snapshot of
         # the ref is queued, the backlog rule drops this one, at once where retention
         # would expire it, else once the part has stalled (Uploader.skip_superseded).
-        return up.skip_superseded(seq, entry, local.refs.upload_pending(), part_stalled=stalled)
+        return up.skip_superseded(seq, entry, local.refs.tier_rows.upload_pending(), part_stalled=stalled)
     try:
         mine, theirs = _until_present(up, root, look, give_up=superseded)
         up.send(mine, fence)

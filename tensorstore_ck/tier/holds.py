@@ -70,10 +70,10 @@ def held(up, root: bytes) -> None:
         log.warning("local tier: the tag or pin of %s could not be made at %s now (%s); the uploader makes it",
                     root.hex()[:16], up.remote.url, e)
     else:
-        if any(e["root"] == root and not e.get("hold") for _, e in refs.upload_pending()):
+        if any(e["root"] == root and not e.get("hold") for _, e in refs.tier_rows.upload_pending()):
             return
     row = refs.catalog_get(root, checked=False) or {}
-    refs.upload_enqueue(root, row.get("ref"), row.get("step"), hold=True)
+    refs.tier_rows.upload_enqueue(root, row.get("ref"), row.get("step"), hold=True)
     up.notify()
 
 
@@ -104,9 +104,9 @@ def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
     names, pinned = _holds(up, root)
     if not names and not pinned:
         log.debug("local tier: snapshot %s was queued for a tag or pin that is gone; not sent", root.hex()[:16])
-        refs.upload_drop(seq)
+        refs.tier_rows.upload_drop(seq)
         return
-    if not up.remote.refs.catalog_has(root) and root not in refs.evicted():
+    if not up.remote.refs.catalog_has(root) and root not in refs.tier_rows.evicted():
         fence = up.read_fence()
         try:
             up.send(up.walk(root), fence)
@@ -118,17 +118,17 @@ def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
     try:
         publish_holds(up, root)
     except IntegrityError as e:
-        if root in refs.evicted():
+        if root in refs.tier_rows.evicted():
             # Its local copy went to the budget and the remote no longer holds all of
             # it: neither tier can keep it now; said, not retried for ever.
             log.error("local tier: snapshot %s cannot be tagged or pinned at %s: %s; its local copy was "
                       "evicted, so no tier holds it whole", root.hex()[:16], up.remote.url, e)
-            refs.upload_drop(seq)
+            refs.tier_rows.upload_drop(seq)
             return
         # A remote gc removed some of what was sent before the tag or pin took it in:
         # sent again on the next try.
         raise StorageError(f"snapshot {root.hex()[:16]} is not whole at {up.remote.url} yet ({e})") from e
-    refs.upload_done(seq, root)
+    refs.tier_rows.upload_done(seq, root)
     up.notify()
     log.debug("local tier: snapshot %s (step %s) durable at %s for its %s", root.hex()[:16], row.get("step"),
               up.remote.url, "tags and pin" if names and pinned else "tags" if names else "pin")

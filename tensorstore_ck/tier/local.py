@@ -43,7 +43,7 @@ class LocalTier:
                  stop=None, replicas: int = 0):
         self.core = core
         self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop)
-        self.reads = ReadThrough(core.assets, remote, evicted=core.refs.evicted)
+        self.reads = ReadThrough(core.assets, remote, evicted=core.refs.tier_rows.evicted)
         self.peers = None
         if replicas:
             from .replicas import Peers  # (the side channel's server starts at the first collective put)

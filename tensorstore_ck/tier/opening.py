@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # the URL and the endpoint: what the tier records as verified (below).
 LAZY_PROTOCOLS = ("s3", "s3a")
 # A local tier's table records, per remote location (remote_location), the store id whose
-# marker an open found there (RefTable.verified_put, meta `verified:`): a later open of the
+# marker an open found there (TierTable.verified_put, meta `verified:`): a later open of the
 # tier in front of the same location may then leave the remote storage unopened (lazy_tiered).
 
 
@@ -53,7 +53,7 @@ def remote_location(proto: str, rest: str, storage_options: dict | None) -> str 
 
 
 def _verified(lrefs: LmdbRefTable, location: str) -> str | None:
-    return lrefs.verified_get(location)
+    return lrefs.tier_rows.verified_get(location)
 
 
 class LazyStorage(BlockStore):
@@ -268,7 +268,7 @@ def lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backof
     """open_store(remote, local=PATH) without opening the remote storage: a Store whose
     remote Core has a LazyStorage, or None where the eager open must run. Taken when
     the remote ref table is bound to the tier's store, and an open found that store at
-    this location before: this tier (RefTable.verified_get), or any tiered open, as the
+    this location before: this tier (TierTable.verified_get), or any tiered open, as the
     remote ref table records (RefTable.location_get). A tier that is absent or empty (the
     node's disk lost, a new node) is made from the ref table's record. These are the
     checks an eager open makes without the remote marker; the marker itself is checked at
@@ -332,7 +332,7 @@ def lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backof
         def verified(lrefs=lrefs, location=location, store_id=store_id) -> None:
             try:
                 if _verified(lrefs, location) != store_id:
-                    lrefs.verified_put(location, store_id)
+                    lrefs.tier_rows.verified_put(location, store_id)
             except Exception as e:  # noqa: BLE001 - unrecorded, the next open of the tier reads the marker
                 log.debug("the tier could not record its store's location (%s)", e)
         storage = wrap(LazyStorage(f"{proto}://{rest}", make_storage, root, lcfg, on_checked=verified))
@@ -410,7 +410,7 @@ def tiered(path: str, remote: Core, cfg: dict, store_id: str, codecs: str, setti
             _refuse_unknowing(root, lrefs)
         lrefs.bind_store(store_id, new=fresh)
         if location is not None and _verified(lrefs, location) != store_id:
-            lrefs.verified_put(location, store_id)
+            lrefs.tier_rows.verified_put(location, store_id)
         lcore = Core.build(lstorage, lrefs, codecs=tier_codecs(codecs), settings=settings)
     except BaseException:
         lrefs.close()

@@ -161,7 +161,7 @@ def _durable_step(up, ref: str):
         return steps[ref]
     refs = up.local.refs
     rows = {root: row.get("step") for root, row in refs.catalog_iter(bad=[]) if row.get("ref") == ref}
-    durable = refs.durable(rows)
+    durable = refs.tier_rows.durable(rows)
     done = [s for r, s in rows.items() if r in durable and isinstance(s, int) and not isinstance(s, bool)]
     best = max(done) if done else None
     steps.setdefault(ref, best)
@@ -172,7 +172,7 @@ def measure(up, tier: str) -> Lag:
     """The Lag of the uploader `up`'s tier (at `tier`, its path) now: one read of its queue
     and of the catalog rows of what is queued."""
     refs = up.local.refs
-    entries = [e for _, e in refs.upload_pending() if not e.get("hold")]
+    entries = [e for _, e in refs.tier_rows.upload_pending() if not e.get("hold")]
     rows = [refs.catalog_get(e["root"], checked=False) or {} for e in entries]
     times = [r["time"] for r in rows if isinstance(r.get("time"), (int, float))]
     seconds = max(0.0, refs.wall_now() - min(times)) if times else 0.0

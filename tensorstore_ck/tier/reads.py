@@ -42,7 +42,7 @@ class ReadThrough:
 
     def __init__(self, local, remote: Core, evicted=None):
         self.local, self.remote = local, remote
-        # -> the roots the tier's budget evicted (RefTable.evicted): their local copies are
+        # -> the roots the tier's budget evicted (TierTable.evicted): their local copies are
         # gone on purpose, so a fall-through for them is the plan, not news (logged at debug).
         self.evicted = evicted
         self._told: set[bytes] = set()

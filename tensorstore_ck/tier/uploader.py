@@ -2,7 +2,7 @@
 
 open_store(remote, local=PATH) gives a Store whose Core is the local tier (a local disk
 and an LMDB ref table under PATH) and an Uploader holding the remote Core. A put
-publishes locally and queues its root in the local ref table (RefTable.upload_enqueue);
+publishes locally and queues its root in the local ref table (TierTable.upload_enqueue);
 one background thread per Store then, for each queued snapshot, oldest first:
 
     read the remote gc fence -> walk the snapshot in the local tier (walk.py) ->
@@ -151,14 +151,14 @@ class Uploader:
         local.assets.on_written(self.tee)
         self._requeue_unqueued()
         # Queued by an earlier process: its upload may have moved the remote ref already.
-        self._resumed = {seq for seq, _ in local.refs.upload_pending()}
+        self._resumed = {seq for seq, _ in local.refs.tier_rows.upload_pending()}
         self._thread = threading.Thread(target=self._run, name="tsck-upload", daemon=True)
         self._thread.start()
 
     # -- the queue -----------------------------------------------------------------
     def enqueue(self, root: bytes, ref: str, step, part: bytes | None = None) -> int:
         """part: this rank's sub-tree of a collective snapshot (tier/collective.py), not the snapshot."""
-        seq = self.local.refs.upload_enqueue(root, ref, step, part=part)
+        seq = self.local.refs.tier_rows.upload_enqueue(root, ref, step, part=part)
         with self._cond:
             self._cond.notify_all()
         return seq
@@ -187,7 +187,7 @@ class Uploader:
         busy = False
         again: set = set()  # jobs whose word waits for a queued part (applied once it is sent)
         try:
-            parts = refs.parts(rank0=False)
+            parts = refs.tier_rows.parts(rank0=False)
             jobs = {r: (refs.catalog_get(r, checked=False) or {}).get("job") for r in parts}
             drop = [r for r, job in jobs.items() if job in follow and r[:KEEP_PREFIX] not in follow[job]]
             if drop:
@@ -200,7 +200,7 @@ class Uploader:
                 self.tidied += len(rep.expired)
                 # A part still queued is not dropped (its upload comes first); rank 0 may say
                 # nothing more, so the word is kept for the turn after that upload.
-                queued = {e.get("root") for _, e in refs.upload_pending()}
+                queued = {e.get("root") for _, e in refs.tier_rows.upload_pending()}
                 again = {jobs[r] for r in set(drop) - {bytes.fromhex(h) for h in rep.expired} if r in queued}
                 log.debug("local tier: dropped this rank's part of %d collective snapshot(s) rank 0's tier no "
                           "longer keeps (%d objects, %d bytes)", len(rep.expired), rep.deleted_objects,
@@ -225,27 +225,27 @@ class Uploader:
         snapshot of that ref superseded before the kill is not sent). The same for a
         rank's part of a collective snapshot (its row is written before the enqueue)."""
         refs: UploadQueue = self.local.refs
-        for part in refs.intents_queue():
+        for part in refs.tier_rows.intents_queue():
             log.debug("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
                       "process ended before the snapshot's outcome reached this tier", part.hex()[:16])
-        queued = {e["root"] for _, e in refs.upload_pending()}
+        queued = {e["root"] for _, e in refs.tier_rows.upload_pending()}
         self._mark_listed(queued)
-        parts = {r: t for r, t in refs.parts(rank0=False).items() if r not in queued}
-        done = refs.durable(parts)
+        parts = {r: t for r, t in refs.tier_rows.parts(rank0=False).items() if r not in queued}
+        done = refs.tier_rows.durable(parts)
         for root, tree in parts.items():
             if root not in done:
                 row = refs.catalog_get(root, checked=False) or {}
                 log.debug("local tier: queueing this rank's part of snapshot %s, published and never queued",
                           root.hex()[:16])
-                refs.upload_enqueue(root, row.get("ref"), row.get("step"), part=tree)
+                refs.tier_rows.upload_enqueue(root, row.get("ref"), row.get("step"), part=tree)
         tips = [(name, root) for name, root in refs.list() if root not in queued]
-        done = refs.durable(root for _, root in tips)
+        done = refs.tier_rows.durable(root for _, root in tips)
         for name, root in tips:
             if root not in done:
                 row = refs.catalog_get(root) or {}
                 log.debug("local tier: queueing the tip of ref %s (%s), published locally and never queued",
                           name, root.hex()[:16])
-                refs.upload_enqueue(root, name, row.get("step"))
+                refs.tier_rows.upload_enqueue(root, name, row.get("step"))
 
     def _mark_listed(self, queued: set) -> None:
         """The tier's snapshots that are neither durable nor queued but that the remote
@@ -256,7 +256,7 @@ class Uploader:
         roots: once marked they are not asked about again."""
         refs: UploadQueue = self.local.refs
         roots = refs.catalog_roots() - queued
-        roots -= refs.durable(roots)
+        roots -= refs.tier_rows.durable(roots)
         if not roots:
             return
         try:
@@ -265,7 +265,7 @@ class Uploader:
             log.warning("local tier: could not ask %s's ref table which snapshots it holds (%s: %s)",
                         self.remote.url, type(e).__name__, e)
             return
-        marked = refs.durable_mark(listed) if listed else []
+        marked = refs.tier_rows.durable_mark(listed) if listed else []
         if marked:
             log.debug("local tier: %d snapshot(s) of the tier that %s lists marked durable (not sent again)",
                       len(marked), self.remote.url)
@@ -276,7 +276,7 @@ class Uploader:
         this uploader stopped or failed."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self.local.refs.uploading() & roots:
+            while self.local.refs.tier_rows.uploading() & roots:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.error is not None or self._stop:
                     return False
@@ -287,14 +287,14 @@ class Uploader:
         """Wait until every snapshot queued before this call is durable -> True, or False
         once `timeout` seconds passed. Raises the failure that stopped the uploader (one
         no wait cures: tier.outage.heals); an outage is waited out, up to `timeout`."""
-        target = self.local.refs.upload_last_seq()
+        target = self.local.refs.tier_rows.upload_last_seq()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 if self.error is not None:
                     self._heard = True
                     raise self.error
-                pending = [seq for seq, _ in self.local.refs.upload_pending() if seq <= target]
+                pending = [seq for seq, _ in self.local.refs.tier_rows.upload_pending() if seq <= target]
                 if not pending and not self._fitting and not self._follow and not self._tidying \
                         and not self._opening:
                     return True
@@ -318,7 +318,7 @@ class Uploader:
         with self._cond:
             failures, self._closing = self._failures, True
             self._cond.notify_all()  # an uploader pausing after a failed try tries again now
-            while self.local.refs.upload_pending() or self._follow or self._tidying or self._opening:
+            while self.local.refs.tier_rows.upload_pending() or self._follow or self._tidying or self._opening:
                 if self.error is not None:
                     return f"the uploader stopped: {type(self.error).__name__}: {self.error}"
                 if self._stop:
@@ -352,7 +352,7 @@ class Uploader:
 
     def queued(self) -> int:
         """Snapshots (or a rank's parts) still queued in the tier."""
-        return len(self.local.refs.upload_pending())
+        return len(self.local.refs.tier_rows.upload_pending())
 
     def unheard(self) -> BaseException | None:
         """The failure that stopped the uploader, if wait_durable() never raised it:
@@ -456,7 +456,7 @@ class Uploader:
                     "or raise local_budget=")
         with self._cond:
             fitting = self._fitting  # an upload just ended: its eviction is still to come
-        if not fitting and not self.local.refs.upload_pending():
+        if not fitting and not self.local.refs.tier_rows.upload_pending():
             return ("no snapshot is queued for upload: waiting frees nothing",
                     "forget or prune the local-only snapshots and gc the tier (store.gc()), or raise local_budget=")
         return None
@@ -595,7 +595,7 @@ class Uploader:
         refs: UploadQueue = self.local.refs
         try:
             roots = {r for _, r in refs.tags()} | refs.pins()
-            for root in refs.durable(roots):
+            for root in refs.tier_rows.durable(roots):
                 held(self, root)
         except Exception as e:  # noqa: BLE001 - a failure here is retried at the next open
             log.warning("local tier: the tier's tags and pins could not be checked at %s (%s: %s)", self.remote.url,
@@ -615,7 +615,7 @@ class Uploader:
                 if self._stop:
                     return
             try:
-                pending = self.local.refs.upload_pending()
+                pending = self.local.refs.tier_rows.upload_pending()
             except Exception as e:  # noqa: BLE001 - the local table is gone (closed): stop
                 self._fail(e)
                 return
@@ -631,7 +631,7 @@ class Uploader:
             try:
                 if self.skip_superseded(seq, entry, pending):
                     continue
-                if not self.local.refs.upload_begin(seq):
+                if not self.local.refs.tier_rows.upload_begin(seq):
                     continue  # another process sharing the tier finished or dropped it meanwhile
                 self._upload(seq, entry)
                 self._since_tidy += 1
@@ -716,7 +716,7 @@ class Uploader:
                         "another rank's part has not reached %s for %.0fs and a newer snapshot of the ref is queued "
                         "behind it; it stays local-only", root.hex()[:16], ref, entry.get("step"),
                         ", ".join(plan["why"]), self.remote.url, part_stalled)
-            refs.upload_drop(seq)
+            refs.tier_rows.upload_drop(seq)
             self.superseded += 1
             self.notify()
             return True
@@ -730,7 +730,7 @@ class Uploader:
                     "ref is queued behind it (uploads fell behind the snapshot cadence) and its job's retention "
                     "keeps it no more; it stays local-only until a prune expires it", root.hex()[:16], ref,
                     entry.get("step"))
-        refs.upload_drop(seq)
+        refs.tier_rows.upload_drop(seq)
         self.superseded += 1
         with self._cond:
             self._cond.notify_all()
@@ -812,10 +812,10 @@ class Uploader:
         dropped from the queue (one transaction), then the job's retention in both tiers
         and the budget; wait_durable() returns once they are done."""
         publish_holds(self, root)
-        spared = any(s == seq and e.get("spared") for s, e in self.local.refs.upload_pending())
+        spared = any(s == seq and e.get("spared") for s, e in self.local.refs.tier_rows.upload_pending())
         with self._cond:
             self._fitting = True  # the retention and the budget follow: wait_durable waits for them
-        self.local.refs.upload_done(seq, root)
+        self.local.refs.tier_rows.upload_done(seq, root)
         if isinstance(row.get("ref"), str):
             self.durable_steps[row["ref"]] = row.get("step")
         self.notify()
@@ -878,7 +878,7 @@ class Uploader:
         tiers): the remote's retention expired snapshots the tier still lists (they would
         stay there as durable with no remote copy, and with no copy at all once the budget
         took the local one); or a prune spared the snapshot just uploaded (`root`: its
-        queue entry said "spared", held while it was sent: RefTable.upload_begin) and the
+        queue entry said "spared", held while it was sent: TierTable.upload_begin) and the
         rules keep it no more, so what that prune would have done is done now."""
         refs: UploadQueue = self.local.refs
         if job not in refs.retention_all():
@@ -925,10 +925,10 @@ class Uploader:
         if refs.catalog_get(root, checked=False) is None:
             self.expired(seq, root)
             return True
-        if refs.durable([root]):
+        if refs.tier_rows.durable([root]):
             log.debug("local tier: snapshot %s was made durable by another process sharing this tier while this "
                       "one uploaded it", root.hex()[:16])
-            refs.upload_drop(seq)
+            refs.tier_rows.upload_drop(seq)
             with self._cond:
                 self._cond.notify_all()
             return True
@@ -943,7 +943,7 @@ class Uploader:
         remote = self.remote.refs
         if remote.catalog_has(root) or not any(e.op == "move" and e.new == root for e in remote.reflog(ref)):
             return False
-        self.local.refs.upload_done(seq, root)
+        self.local.refs.tier_rows.upload_done(seq, root)
         with self._cond:
             self._cond.notify_all()
         log.warning("local tier: snapshot %s of ref %s was published at %s before a restart and has left its "
@@ -954,7 +954,7 @@ class Uploader:
     def expired(self, seq: int, root: bytes) -> None:
         log.warning("local tier: queued snapshot %s left the local catalog (expired by retention) before it was "
                     "uploaded; dropped from the queue", root.hex()[:16])
-        self.local.refs.upload_drop(seq)
+        self.local.refs.tier_rows.upload_drop(seq)
 
     def send(self, objs: dict, fence: int) -> None:
         """Blocks, then nodes, then the commit: each kind complete before the next, so

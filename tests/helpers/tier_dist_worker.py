@@ -96,7 +96,7 @@ def put_body(rank, world, out, res, cfg):
         res["durable_at_return"] = [i.durable for i in infos]
         res["waited"] = store.wait_durable(timeout=240)
         res["durable_after"] = store.show(infos[-1].root).durable if rank == 0 else None
-        res["queue_left"] = len(store.core.refs.upload_pending())
+        res["queue_left"] = len(store.core.refs.tier_rows.upload_pending())
         # Aborted after every rank said "done" (the replicas disagree): no rank's tier
         # keeps an intent to upload its part, nothing is queued.
         import tensorstore_ck as tsck
@@ -106,8 +106,8 @@ def put_body(rank, world, out, res, cfg):
             res["disagree"] = "returned"
         except tsck.errors.SnapshotAborted as e:
             res["disagree"] = "SnapshotAborted: " + str(e)
-        res["intents_after_abort"] = len(store.core.refs.intents())
-        res["queue_after_abort"] = len(store.core.refs.upload_pending())
+        res["intents_after_abort"] = len(store.core.refs.tier_rows.intents())
+        res["queue_after_abort"] = len(store.core.refs.tier_rows.upload_pending())
         # Then puts in a row: the keys each left in the c10d Store (rank 0 posts one for
         # every 16 ranks through tiers: its path down the rank tree) must not pile up.
         import torch.distributed as dist
@@ -294,7 +294,7 @@ def tidy_body(rank, world, out, res, cfg):
     tier = os.path.join(cfg["tiers"], f"tier{rank}")
     with tsck.open_store(tier) as t:
         res["rows"] = sorted(r.hex() for r in t.core.refs.catalog_roots())
-        res["parts"] = len(t.core.refs.parts())
+        res["parts"] = len(t.core.refs.tier_rows.parts())
         rep = t.fsck(full=True)
         res["fsck"] = [str(f) for f in rep.findings]
         res["orphans"] = rep.orphans
@@ -415,7 +415,7 @@ def dead_zero_body(rank, world, out, res, cfg):
     except tsck.TsckError as e:
         res["outcome"], res["message"] = type(e).__name__, str(e)
     res["elapsed"] = time.monotonic() - t0
-    res["intents"] = len(store.core.refs.intents())
+    res["intents"] = len(store.core.refs.tier_rows.intents())
 
 
 def stuck_resume_body(rank, world, out, res, cfg):
@@ -446,8 +446,8 @@ def stuck_resume_body(rank, world, out, res, cfg):
             res["superseded"] = store._tier.uploader.superseded
             res["durable"] = {r: store.show(r).durable for r in (info.root, cfg["root_a"])}
         else:  # A's part: sent (durable for this rank) where its row was here
-            res["a_part_sent"] = bool(store.core.refs.durable([bytes.fromhex(cfg["root_a"])]))
-            res["intents"] = len(store.core.refs.intents())
+            res["a_part_sent"] = bool(store.core.refs.tier_rows.durable([bytes.fromhex(cfg["root_a"])]))
+            res["intents"] = len(store.core.refs.tier_rows.intents())
         import torch.distributed as dist
         dist.barrier()
 

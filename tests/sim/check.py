@@ -751,13 +751,13 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
             rep = t.fsck(full=True)
             bad += [f"T3 tier {tname} fsck: {f}" for f in rep.findings[:20] if not damaged(tname, str(f))]
             lcat = {r.hex(): row for r, row in t.reftable.catalog_iter()}
-            marked = {r.hex() for r in t.reftable.durable(bytes.fromhex(r) for r in lcat)}
-            evicted = {r.hex() for r in t.reftable.evicted()}  # (the budget's: read through the remote)
+            marked = {r.hex() for r in t.reftable.tier_rows.durable(bytes.fromhex(r) for r in lcat)}
+            evicted = {r.hex() for r in t.reftable.tier_rows.evicted()}  # (the budget's: read through the remote)
             stats["puts"] += len(lcat)
             stats["durable"] += len(marked)
             # A collective snapshot is whole in no single tier (each holds its rank's part):
             # T3's fsck checks the part, T1 and the checks of puts the remote copy.
-            parts = {r.hex() for r in t.reftable.parts()}
+            parts = {r.hex() for r in t.reftable.tier_rows.parts()}
             for root in sorted(set(lcat) - parts - evicted):  # T5
                 why = verify_root(t, bytes.fromhex(root))
                 if why is not None and not damaged(tname, why):
@@ -807,7 +807,7 @@ def check_tiers(store, tiers: dict[str, str], ops: list[Op]) -> tuple[list[str],
                         bad.append(f"T4 the remote catalog has {root[:16]} for a put through tier {tname}, which "
                                    f"never published that root: {put.brief()}")
             bad += _check_kept(store, t, tname, ops, lcat, evicted, damaged)  # T11
-            for part, rec in sorted(t.reftable.intents().items()):  # T9
+            for part, rec in sorted(t.reftable.tier_rows.intents().items()):  # T9
                 def told(o: Op) -> str | None:  # what this tier's rank was told (None: killed first)
                     ranks = o.out.get("ranks") or []
                     k = list(o.args["rank_tiers"]).index(tname)

@@ -121,7 +121,7 @@ class _Follow:
                 return
             refs = s._tier.core.refs
             bad = []
-            for root in refs.parts(rank0=False):
+            for root in refs.tier_rows.parts(rank0=False):
                 job = (refs.catalog_get(root, checked=False) or {}).get("job")
                 if job in self.words and root[:KEEP_PREFIX] not in self.words[job]:  # (the word's prefixes)
                     bad.append(f"T17 tier {os.path.basename(self.path)[:-12]} keeps its part of {root.hex()[:16]} "

@@ -298,7 +298,7 @@ class Outage:
                     if tip is not None:
                         remote = s.remote_core.refs.get_or_none(ref)
                         tips[ref] = [tip.hex(), None if remote is None else remote.hex()]
-                marked = s.reftable.durable(bytes.fromhex(t) for t, _ in tips.values())
+                marked = s.reftable.tier_rows.durable(bytes.fromhex(t) for t, _ in tips.values())
                 out.update(tips=tips, unmarked=[t for t, _ in tips.values() if bytes.fromhex(t) not in marked])
             return out
         out = self.w._journaled(OUT_I + 1, "durable", {"tier": tier, "timeout": RESUME_WAIT, "after_outage": True},

@@ -190,7 +190,7 @@ def _upload_kill_points(s, faults: Faults) -> None:
     the tier not told (its queue still holds the snapshot). The uploader's thread is
     already running (it resumes a queue at open): a stage it passed before this is missed."""
     up = s._tier.uploader
-    move_to, upload_done = up.publisher.move_to, up.local.refs.upload_done
+    move_to, upload_done = up.publisher.move_to, up.local.refs.tier_rows.upload_done
 
     def move(*a, **k):
         faults.upload_point("move")
@@ -200,7 +200,7 @@ def _upload_kill_points(s, faults: Faults) -> None:
         faults.upload_point("durable")
         return upload_done(*a, **k)
 
-    up.publisher.move_to, up.local.refs.upload_done = move, done
+    up.publisher.move_to, up.local.refs.tier_rows.upload_done = move, done
 
 
 def _die_with_parent() -> None:
@@ -388,7 +388,7 @@ class Worker:
             done = s.wait_durable(timeout=timeout)
             out = {"durable": done, "roots": roots}
             if done:
-                marked = s.reftable.durable(bytes.fromhex(r) for r in roots)
+                marked = s.reftable.tier_rows.durable(bytes.fromhex(r) for r in roots)
                 out["unmarked"] = [r for r in roots if bytes.fromhex(r) not in marked]
             return out
         return {"timeout": timeout, "tier": os.path.basename(self.cfg["tier"])}, call

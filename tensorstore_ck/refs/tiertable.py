@@ -1,10 +1,12 @@
-"""A local tier's rows in its ref table, as the part of RefTable (refs/base.py) that
-reads and writes them: the upload queue, the durable and evicted marks, a rank's parts
-of collective snapshots and the intents before them, and the remote locations a tiered
-open verified.
+"""A local tier's own table (TierTable): the upload queue, the durable and evicted marks,
+a rank's parts of collective snapshots and the intents before them, and the remote
+locations a tiered open verified. It is a type of its own, not part of RefTable: only a
+tier's code (tier/) and what walks a tier's snapshots (gc, fsck, usage) use it, through
+`RefTable.tier_rows`, and its conformance suite is tensorstore_ck.testing.tiertable.
 
-All of them live in `meta`, so a table of any age opens as a tier's and no other reader
-sees them:
+Its rows live in its ref table's `meta`, in that table's transactions (a tier's catalog
+row and its marks change together), so a table of any age opens as a tier's and no other
+reader sees them:
 
     upload:   seq (u64 BE) -> msgpack {root, ref, step[, part, hold, started, spared, orphan]}
     upload_seq               -> the queue's last sequence number
@@ -13,7 +15,7 @@ sees them:
     part:     root           -> sub-tree (a rank other than 0 of a collective snapshot)
     part0:    root           -> sub-tree (rank 0's own part, set by compare_and_swap(part0=))
     intent:   part           -> msgpack {ref, step, job}
-    verified: location       -> store id;   location: location -> the store's marker
+    verified: location       -> store id
 
 A catalog row that goes takes its tier marks with it (drop_row), and no expiry drops a
 snapshot whose upload has started (protected_roots): RefTable's own expiries use both.
@@ -22,20 +24,26 @@ snapshot whose upload has started (protected_roots): RefTable's own expiries use
 from __future__ import annotations
 
 import struct
+from typing import Callable
 
 from ..errors import FormatError
 from ..format.records import decode_catalog, decode_record, encode_record
 from .gcstate import note_dropped
 from .txn import Txn
 
-__all__ = ["TierState",
+__all__ = ["TierTable",
            # what RefTable's own transactions share (refs/base.py)
            "PART0_KEY", "drop_row", "protected_roots", "note_spared"]
 
 
-class TierState:
+class TierTable:
     """The upload queue, durable and evicted marks, collective parts and intents, and
-    verified locations of RefTable (a mixin over its _read/_write)."""
+    verified locations of a local tier, over one ref table's read and write transactions
+    (RefTable.tier_rows makes it)."""
+
+    def __init__(self, read: Callable[[Callable[[Txn], object]], object],
+                 write: Callable[[Callable[[Txn], object]], object]):
+        self._read, self._write = read, write
 
     # -- a rank's part of collective snapshots in its local tier (tier/collective.py) -----
     def catalog_put_part(self, root: bytes, row: dict, part: bytes) -> None:
@@ -92,15 +100,6 @@ class TierState:
 
     def verified_put(self, location: str, store_id: str) -> None:
         self._write(lambda t: t.put("meta", _VERIFIED + location.encode(), store_id.encode()))
-
-    def location_get(self, location: str) -> bytes | None:
-        """The marker of the store that a tiered open found at remote `location` (meta
-        `location:`): a new local tier is made from it without asking the remote (opener).
-        A table serving several stores (PostgreSQL) keeps these apart from every store's."""
-        return self._read(lambda t: t.get("meta", _LOCATION + location.encode()))
-
-    def location_put(self, location: str, marker: bytes) -> None:
-        self._write(lambda t: t.put("meta", _LOCATION + location.encode(), bytes(marker)))
 
     def parts(self, rank0: bool = True) -> dict[bytes, bytes]:
         """root -> this rank's sub-tree, for the collective snapshots of catalog_put_part
@@ -241,7 +240,6 @@ _DURABLE = b"durable:"
 _EVICTED = b"evicted:"
 _PART = b"part:"
 _VERIFIED = b"verified:"
-_LOCATION = b"location:"
 PART0_KEY = b"part0:"
 _INTENT = b"intent:"
 _SEQ = struct.Struct(">Q")
