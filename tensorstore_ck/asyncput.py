@@ -22,6 +22,7 @@ from concurrent.futures import wait as _wait_all
 from typing import Callable
 
 from .collective import CollectiveJob, begin_put, run_put
+from .core.roles import Executor
 from .errors import SnapshotAborted
 from .write.staging import StagingPool
 
@@ -72,10 +73,10 @@ def note(err: BaseException, text: str) -> None:
 class AsyncPuts:
     """The background publisher, the slots and the staging buffers of one Store."""
 
-    def __init__(self, max_inflight: int, when_busy: str, saver=None):
+    def __init__(self, max_inflight: int, when_busy: str, executor: Executor):
         self.max_inflight = max_inflight
         self.when_busy = when_busy
-        self.saver = saver  # saver.Saver: the staging buffers are shared memory it reads
+        self.executor = executor  # the publisher's: staging buffers in shared memory where it reads them
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
         self.reset()
 
@@ -84,8 +85,8 @@ class AsyncPuts:
         and any lock or slot it held, are not there)."""
         self.bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
         self.slots = threading.BoundedSemaphore(self.max_inflight)
-        self.staging = StagingPool(self.max_inflight, shared=self.saver is not None,
-                                   on_drop=None if self.saver is None else self.saver.forget)
+        self.staging = StagingPool(self.max_inflight, shared=self.executor.shares_memory,
+                                   on_drop=self.executor.forget if self.executor.shares_memory else None)
         self.inflight: list[Future] = []
         self.lock = threading.Lock()
         self.error: BaseException | None = None

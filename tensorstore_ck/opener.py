@@ -35,7 +35,7 @@ from .store import Store
 from .tier.local import LocalTier
 from .tier.opening import (LAZY_PROTOCOLS, lazy_tiered, record_location, refuse_lost_table, remote_location,
                            tiered)
-from .write.saver import SaverRecipe
+from .write.saver import Saver, SaverRecipe
 
 __all__ = ["open_store", "STORE_MARKER", "CREATE_HINT"]
 
@@ -304,15 +304,15 @@ class _Network:
         return cls(write_bandwidth, write_concurrency, workers, max_inflight, backoff_for(retry_budget), when_busy,
                    storage_options, wrap_storage, saver, saver_nice)
 
-    def saver_recipe(self, proto: str, rest: str, settings: Settings, codecs: str,
-                     src: str | None = None) -> SaverRecipe | None:
-        """How a saver process opens this storage (None: saver="thread"); src: the local
-        tier whose uploads it runs."""
+    def saver_for(self, proto: str, rest: str, settings: Settings, codecs: str,
+                  src: str | None = None) -> Saver | None:
+        """The saver process that writes to this storage (None: saver="thread"), started at
+        its first job; src: the local tier whose uploads it runs."""
         if self.saver != "process":
             return None
-        return SaverRecipe(proto, rest, self.storage_options, self.backoff.budget, self.write_bandwidth,
-                           self.write_concurrency, codecs, settings.workers, self.saver_nice, src,
-                           self.wrap_storage)
+        return Saver(SaverRecipe(proto, rest, self.storage_options, self.backoff.budget, self.write_bandwidth,
+                                 self.write_concurrency, codecs, settings.workers, self.saver_nice, src,
+                                 self.wrap_storage))
 
     def wrapped(self, storage: BlockStore) -> BlockStore:
         return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)
@@ -355,12 +355,12 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None
 
     def tier_store(lcore: Core, remote: Core, cfg: dict) -> Store:
         """The Store over a local tier's Core, the remote Core behind it (tier/opening.py)."""
+        # saver="process": the saver runs the uploads, from the tier to the remote
+        saver = network.saver_for(proto, rest, remote.settings, remote.assets.codecs, src=lcore.storage.root)
         return Store(lcore, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
                      tier=LocalTier(lcore, remote, budget=tier.budget, early=tier.early_upload, stop=backoff.stop,
-                                    replicas=tier.replicas),
-                     # saver="process": the saver runs the uploads, from the tier to the remote
-                     saver=network.saver_recipe(proto, rest, remote.settings, remote.assets.codecs,
-                                                src=lcore.storage.root))
+                                    replicas=tier.replicas, saver=saver),
+                     saver=saver)
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         open_refs(refs, proto, rest, create=False)
     if tier is not None and proto in LAZY_PROTOCOLS and not create_refs:
@@ -387,7 +387,7 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None
         core = Core.build(storage, reftable, codecs=codecs, settings=settings_)
         if tier is None:
             return Store(core, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
-                         saver=None if read_only else network.saver_recipe(proto, rest, settings_, codecs))
+                         saver=None if read_only else network.saver_for(proto, rest, settings_, codecs))
         try:
             location = remote_location(proto, rest, network.storage_options)
             store = tiered(tier.local, core, cfg, store_id, codecs, settings_, tier_store, location=location)

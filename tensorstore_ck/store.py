@@ -43,7 +43,7 @@ from .maintain.retention import Retention
 from .tier.none import NoTier
 from .util.ids import Digest
 from .write.publish import Publisher, Timing
-from .write.saver import CLOSE_WAIT, GIVE_UP_WAIT, Saver, SaverRecipe
+from .write.saver import CLOSE_WAIT, GIVE_UP_WAIT, Saver, executor_for
 
 if TYPE_CHECKING:  # plan.py and read.py import torch: loaded where tensors are
     from .write.plan import Planner
@@ -159,7 +159,7 @@ class Store:
     the layers below (gc, fsck, recover, usage, listing, lifecycle, dist)."""
 
     def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait",
-                 tier: "LocalTier | None" = None, saver: "SaverRecipe | None" = None):
+                 tier: "LocalTier | None" = None, saver: Saver | None = None):
         self.core = core
         # With a local tier: `core` is the tier's store, and `tier` holds the rest (the
         # uploader and the remote store, the reads through to it, the peer replicas).
@@ -174,15 +174,14 @@ class Store:
         self.pack_size = st.pack_size if st.pack_size is not None else default_pack_size(
             self._tier.costs_requests or not (core.storage.local or core.storage.url.startswith("memory://")))
         self.codecs = core.assets.codecs  # what blocks are written with; any store reads every codec
-        # The one way anything is published into this store (put, collective put, DCP writer).
-        self.publisher = Publisher(self.assets, self.reftable, core.pool)
         # saver="process": an asynchronous put's blocks are written by a saver process
-        # (saver.py); with a local tier, the saver runs the uploads instead (the tier's puts
-        # write its disk on threads).
-        self._saver = None if saver is None else Saver(saver)
-        if self._saver is None or not self._tier.use_saver(self._saver):
-            self.publisher.saver = self._saver
-        self._puts = AsyncPuts(max_inflight, when_busy, self.publisher.saver)  # blocking=False: in order, one thread
+        # (saver.py); with a local tier, the saver runs the uploads instead (the tier was
+        # built with it) and the tier's puts write its disk on threads. This Store owns it.
+        self._saver = saver
+        # The one way anything is published into this store (put, collective put, DCP writer).
+        self.publisher = Publisher(self.assets, self.reftable, core.pool,
+                                   executor=executor_for(None if self._tier.uploads else saver, core))
+        self._puts = AsyncPuts(max_inflight, when_busy, self.publisher.executor)  # blocking=False: in order, one thread
         self._plan_cache = None  # the layouts put_snapshot planned last (plancache.py), made at the first put
         self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only

@@ -22,6 +22,7 @@ PLAYERS = {
     roles.WalkReader: ("tensorstore_ck.core.assets.Assets",),
     roles.WrittenListener: ("tensorstore_ck.tier.uploader.Uploader.tee",),
     roles.TierRows: ("tensorstore_ck.refs.tiertable.TierTable",),
+    roles.Executor: ("tensorstore_ck.write.executor.Threads", "tensorstore_ck.write.saver.SaverExecutor"),
     **{role: TABLES for role in (roles.CatalogReader, roles.RefPublisher, roles.RefNaming, roles.GcTable,
                                  roles.Rebuild, roles.UploadQueue, roles.TableBinding)},
 }

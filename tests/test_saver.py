@@ -190,8 +190,8 @@ def test_a_tiers_uploads_run_in_the_saver_and_arrive_whole(tmp_path):
     remote, tier = tmp_path / "remote", tmp_path / "tier"
     with open_tiered(remote, tier) as s:
         up = s._tier.uploader
-        assert up.saver is s._saver and not up.early
-        assert s.publisher.saver is None, "a tier's puts write the tier on threads"
+        assert up.copies.saver is s._saver and not up.early
+        assert not s.publisher.executor.shares_memory, "a tier's puts write the tier on threads"
         i1 = s.put_snapshot(state_at(1), "j/main", step=1, blocking=False).result(timeout=120)
         i2 = s.put_snapshot(state_at(2), "j/main", step=2)
         assert s.wait_durable(timeout=120)

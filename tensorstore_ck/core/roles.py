@@ -14,6 +14,8 @@ Derived from who calls what:
     ObjectReader   read.py, dcp/ (Assets; tier/reads.py's ReadThrough)
     WalkReader     walk.py: an ObjectReader that names a node it cannot decode
     WrittenListener  Assets.on_written's observer (tier/uploader.py's Uploader.tee)
+    Executor       where block jobs and copies run (write/executor.py's Threads,
+                   write/saver.py's SaverExecutor): the Publisher, the uploader, AsyncPuts
     CatalogReader  what is kept and where it points: core.resolve, reach, listing, usage,
                    fsck, tier/budget.py
     RefPublisher   the fenced compare-and-swap and what it checks first: publish.py
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 from typing import Iterator, Protocol
 
-__all__ = ["ObjectReader", "WalkReader", "WrittenListener", "CatalogReader", "RefPublisher", "RefNaming", "GcTable", "Rebuild",
+__all__ = ["ObjectReader", "WalkReader", "WrittenListener", "Executor", "CatalogReader", "RefPublisher", "RefNaming", "GcTable", "Rebuild",
            "TierRows", "UploadQueue", "TableBinding"]
 
 
@@ -66,6 +68,21 @@ class WrittenListener(Protocol):
     neither block nor raise."""
 
     def __call__(self, kind: int, d: bytes, bufs: list, itemsize: int) -> None: ...
+
+
+class Executor(Protocol):
+    """Where a store's block jobs and object copies run, chosen once when it is built:
+    threads of this process, or the saver process. shares_memory: the staging buffers must
+    be shared memory (the saver maps them); forget(buffer id): one is let go."""
+
+    shares_memory: bool
+
+    def write_blocks(self, plan, assets, owns=None, progress=None, fence: int | None = None) -> None: ...
+
+    def copy(self, dst, src, kind: str, digests: list, fence: int | None, written: list, sync: bool,
+             itemsizes: list | None = None) -> list[bool]: ...
+
+    def forget(self, buf_id: int) -> None: ...
 
 
 # -- the ref table -------------------------------------------------------------------------

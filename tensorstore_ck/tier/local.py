@@ -16,6 +16,7 @@ import warnings
 
 from ..core.core import Core
 from ..errors import RefNotFound, SnapshotWarning, StorageError, TsckError
+from ..write.saver import Saver
 from .collective import CollectiveTier
 from .holds import (delete_ref_both, forget_both, held, pin_both, tag_both, undelete_both, unheld, unpin_both,
                     untag_both)
@@ -40,9 +41,12 @@ class LocalTier:
     learns_parts = False    # a checkout's parts may be the remote's, not this store's own
 
     def __init__(self, core: Core, remote: Core, *, budget: int | None = None, early: bool | None = None,
-                 stop=None, replicas: int = 0):
+                 stop=None, replicas: int = 0, saver: Saver | None = None):
+        """saver: the saver process (open_store(saver="process")) runs the uploads; the
+        tier's puts write its disk on threads."""
         self.core = core
-        self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop)
+        self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop,
+                                 saver=saver)
         self.reads = ReadThrough(core.assets, remote, evicted=core.refs.tier_rows.evicted)
         self.peers = None
         if replicas:
@@ -63,12 +67,6 @@ class LocalTier:
         self.peers = None
 
     # -- a put ---------------------------------------------------------------------
-    def use_saver(self, saver) -> bool:
-        """saver="process": the saver runs the uploads (the tier's puts write its disk on
-        threads) -> True."""
-        self.uploader.saver, self.uploader.early = saver, False
-        return True
-
     def begin(self) -> None:
         """Before a writer (a put, the DCP writer) writes blocks: room under the budget
         (Uploader.make_room: it may wait for uploads, or raise TierFull with nothing

@@ -22,9 +22,6 @@ class NoTier:
         self.core = core
 
     # -- a put -----------------------------------------------------------------------
-    def use_saver(self, saver) -> bool:
-        return False  # the store's own puts write through the saver
-
     def begin(self) -> None:
         pass
 

@@ -35,6 +35,7 @@ from ..core.walk import by_kind, walk_commit
 from ..errors import GcBusy, IntegrityError, NotAStore, StorageError, TierFull, TsckError
 from ..format import frame
 from ..write.publish import Publisher
+from ..write.saver import Saver, executor_for
 from .budget import fit_budget, tier_bytes
 from .collective import KEEP_PREFIX
 from .holds import held, publish_holds, upload_hold
@@ -86,9 +87,12 @@ class Uploader:
     the remote had, `superseded` snapshots not sent (Uploader.skip_superseded)."""
 
     def __init__(self, local: Core, remote: Core, budget: int | None = None, early: bool = True,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, saver: Saver | None = None):
         """stop: the remote's retry policy's stop event (retry.Backoff.stoppable), set by
-        close(): a request being retried gives up then instead of waiting out its budget."""
+        close(): a request being retried gives up then instead of waiting out its budget.
+        saver: a saver process (open_store(saver="process")): the uploads' copies run
+        there, off this process's GIL, and there is no early upload (its sends would be
+        this process's work again)."""
         self.local, self.remote = local, remote
         self._retry_stop = stop
         self.budget = budget  # the tier's byte budget (open_store(local_budget=)); None: none
@@ -134,11 +138,10 @@ class Uploader:
         self._fence_lock = threading.Condition()  # (notified as a send's fence read ends)
         self._tee_bytes = 0  # bytes held by sends in flight (bounded by TEE_BYTES)
         self.teed = self.tee_dropped = 0
-        self.early = early
-        # saver.Saver (open_store(saver="process")): the uploads' copies run in a saver
-        # process, off this process's GIL; then there is no early upload (its sends would
-        # be this process's work again). Set by the Store.
-        self.saver = None
+        self.early = early and saver is None
+        # Where the uploads' copies run (roles.Executor): the saver process, or threads of
+        # the remote's pool.
+        self.copies = executor_for(saver, remote)
         # (kind, digest) -> (length, CRC32) of each block and node this process's puts
         # wrote new here, as written (tee). The upload checks the tier's copy against them
         # (Assets.stored_frame) and sends it as the conditional PUT alone: new here, most
@@ -958,28 +961,16 @@ class Uploader:
 
     def send(self, objs: dict, fence: int) -> None:
         """Blocks, then nodes, then the commit: each kind complete before the next, so
-        the remote never holds a node whose blocks are not there yet; then one sync.
-        With a saver process (open_store(saver="process")), the saver copies them."""
-        if self.saver is not None:
-            return self._send_through_saver(objs, fence)
-        sizes = objs.get("itemsize", {})
-        for kind in ("block", "node", "commit"):
-            for new in self.remote.pool.map(lambda d, kind=kind: self._copy(kind, d, fence, sizes.get(d, 0)),
-                                            objs[kind]):
-                if new:
-                    self.sent += 1
-                else:
-                    self.skipped += 1
-        self.remote.assets.sync()
-
-    def _send_through_saver(self, objs: dict, fence: int) -> None:
+        the remote never holds a node whose blocks are not there yet; the last one synced
+        (self.copies: the saver process, or threads)."""
         kinds = [k for k in ("block", "node", "commit") if objs[k]]
         for i, kind in enumerate(kinds):
             ds = list(objs[kind])
             with self._cond:
-                written = [self._written.get((FRAME_KIND[kind], d)) for d in ds]
+                written = [self._written.get((FRAME_KIND[kind], d)) for d in ds]  # (commits are never recorded)
             sizes = [objs.get("itemsize", {}).get(d, 0) for d in ds]
-            news = self.saver.copy(kind, ds, fence, written, sync=i == len(kinds) - 1, itemsizes=sizes)
+            news = self.copies.copy(self.remote.assets, self.local.assets, kind, ds, fence, written,
+                                    sync=i == len(kinds) - 1, itemsizes=sizes)
             with self._cond:
                 for d, w, new in zip(ds, written, news):
                     if w is not None:
@@ -989,12 +980,3 @@ class Uploader:
                         self.sent += 1
                     else:
                         self.skipped += 1
-
-    def _copy(self, kind: str, d: bytes, fence: int, itemsize: int = 0) -> bool:
-        written = self._written.get((FRAME_KIND[kind], d))  # (commits are never recorded)
-        new = self.remote.assets.copy_from(self.local.assets, kind, d, fence, written, itemsize)
-        if written is not None:
-            with self._cond:
-                self._written.pop((FRAME_KIND[kind], d), None)
-                self.sent_written += 1
-        return new

@@ -2,10 +2,12 @@
 compare-and-swap (docs/design/writing.md).
 
     saver.py          the saver process: an asynchronous put's blocks written off this
-                      process's GIL (open_store(saver="process")), and its own loop
+                      process's GIL (open_store(saver="process")), its executor, its loop
     publish.py        the whole write path, one job over ~600 lines: block jobs -> nodes ->
                       commit -> fenced CAS -> retry (the refused commits removed), and
                       the stats of what was written
+    executor.py       where block jobs and copies run (threads here; the saver's over
+                      saver.py), the jobs written once for both
     packparts.py      packs that keep dedup: a packed tensor a stored pack holds names that
                       part; new packs form from the rest; packs under half named abandoned
     plancache.py      the layouts a Store's puts planned lately: a state of the same layout

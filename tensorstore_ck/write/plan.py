@@ -87,7 +87,7 @@ class Leaf(Pending):
                              # staged for a device tensor
     itemsize: int
     ranges: list             # [(start, stop)]
-    results: list = field(default_factory=list)  # PutResult per block, filled by publish.run_block_jobs
+    results: list = field(default_factory=list)  # PutResult per block, filled by executor.run_block_jobs
     device_src: object = None  # flat uint8 view of a contiguous device tensor (async staging)
     replicated: bool = False   # the same bytes on every rank (a collective put spreads its blocks)
     path: str = ""             # where in the state (spreads replicated blocks over ranks)

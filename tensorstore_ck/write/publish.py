@@ -21,28 +21,28 @@ import threading
 import time
 import uuid
 import warnings
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..core.assets import Assets, PutResult
+from ..core.roles import Executor
 from ..core.core import POOL_PREFIX
 from ..core.validate import UNSET, SnapshotArgs
 from ..errors import (Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StepReusedWarning,
                       StorageError, TsckError)
-from ..format.chunker import job_order
 from ..format.manifest import decode_commit, encode_commit
 from ..format.tree import NodeWriter, Pending
 from ..info import SnapshotInfo, row_to_info
 from ..refs.gcstate import HOLD_SECONDS
 from ..util.units import human_bytes
 from . import packparts
+from .executor import Threads, cancelled_on_failure, wait_all
 
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "TIMING_STATS", "run_block_jobs", "only_hashed",
-           "wait_all", "cancelled_on_failure", "plan_stats", "replica_digests",
+__all__ = ["Publisher", "COMMIT_ATTEMPTS", "BuildStats", "Timing", "TIMING_STATS", "plan_stats", "replica_digests",
            "NewObjects", "inline_bytes"]
 
 log = logging.getLogger(__name__)
@@ -52,80 +52,7 @@ _PARTS_TRIES = 4  # a put's tries when gc removes packs it named parts of (Publi
 LEARN_REFS = 16  # refs whose tips a put on a new ref learns stored packs' parts from
 
 
-class _Leaves:
-    """A part of a plan's block jobs, to write on their own (run_block_jobs takes it as a plan)."""
-
-    def __init__(self, leaves: list):
-        self.leaves = leaves
-
-
 # -- the blocks of a plan and what they add up to -----------------------------------
-def only_hashed(leaf, i: int, owns) -> bool:
-    """Block i of `leaf` is another rank's to write (a replicated block of a collective
-    snapshot, owns(leaf, i) False): this rank only hashes it for its manifest."""
-    return owns is not None and leaf.replicated and not owns(leaf, i)
-
-
-def wait_all(futs: list[Future]) -> None:
-    """Wait for every future; raise the first failure at once (the caller cancels the rest:
-    cancelled_on_failure)."""
-    wait(futs, return_when=FIRST_EXCEPTION)
-    for f in futs:
-        if f.done() and f.exception() is not None:
-            raise f.exception()
-
-
-@contextlib.contextmanager
-def cancelled_on_failure(futs: list[Future]):
-    """Around submitting `futs` and waiting for them: on any failure (one of them, a
-    submission, an interrupt) the ones not started yet are cancelled before it is raised."""
-    try:
-        yield
-    except BaseException:
-        for f in futs:
-            f.cancel()
-        raise
-
-
-def run_block_jobs(plan: Plan, assets: Assets, pool: ThreadPoolExecutor, owns=None, progress=None,
-                   fence: int | None = None) -> None:
-    """Hash, compress and write every block of the plan in parallel (fence: the gc
-    epoch read before, Assets.put_block).
-
-    owns(leaf, i) -> bool, for replicated leaves of a collective snapshot: a
-    block another rank owns is only hashed here (its address goes into this
-    rank's manifest), so each replicated block is written exactly once."""
-    leaves: list[Pending] = []
-    futs: list[Future] = []
-    order = job_order(plan.leaves)
-    with cancelled_on_failure(futs):
-        for leaf in order:
-            if leaf.raw is None:  # a pack of a plan not staged: its members' bytes copied together
-                leaves.append(leaf)  # in the job (the copies run on the pool too); one block
-                futs.append(pool.submit(_gather_and_put, assets, leaf, fence))
-                continue
-            for i, (a, b) in enumerate(leaf.ranges):
-                leaves.append(leaf)
-                if only_hashed(leaf, i, owns):
-                    futs.append(pool.submit(assets.hash_block, leaf.raw[a:b]))
-                else:
-                    futs.append(pool.submit(assets.put_block, leaf.raw[a:b], leaf.itemsize,
-                                            private=leaf.private, fence=fence))
-        if progress is not None:  # progress(bytes) as each block is hashed (and written)
-            sizes = [b - a for leaf in order for a, b in leaf.ranges]
-            for f, n in zip(futs, sizes):
-                f.add_done_callback(lambda f, n=n: None if f.cancelled() or f.exception() is not None
-                                    else progress(n))
-        wait_all(futs)
-    for leaf, f in zip(leaves, futs):
-        leaf.results.append(f.result())
-
-
-def _gather_and_put(assets: Assets, pack, fence):
-    pack.gather()
-    return assets.put_block(pack.raw, pack.itemsize, private=True, fence=fence)
-
-
 def replica_digests(plan: Plan) -> list[tuple[str, bytes]]:
     """(path, 16-byte digest of dtype, shape and block addresses or inline bytes) of every
     Replicated tensor, once its blocks are hashed: equal on every rank iff the replicas
@@ -305,13 +232,13 @@ class Publisher:
     write_blocks() / submit_block() -> write_nodes() -> commit(). publish()
     does all of it for a Plan."""
 
-    def __init__(self, assets: Assets, reftable, pool: ThreadPoolExecutor):
+    def __init__(self, assets: Assets, reftable, pool: ThreadPoolExecutor, executor: Executor | None = None):
         self.assets = assets
         self.reftable = reftable
         self.pool = pool
-        # saver.Saver of a store opened with saver="process": it writes the blocks of a
-        # plan staged in shared memory (an asynchronous put's); None: threads of `pool`.
-        self.saver = None
+        # Where the blocks are written (roles.Executor): threads of `pool` (Threads), or a
+        # saver process (saver.SaverExecutor, a store opened with saver="process").
+        self.executor = executor or Threads(self)
 
     # -- the steps -----------------------------------------------------------------
     def fence(self) -> int:
@@ -326,16 +253,7 @@ class Publisher:
         """The plan's blocks written; a packed tensor a stored pack holds names its part
         instead (packparts.reuse_parts), and the index learns the packs written."""
         packparts.reuse_parts(plan, self.assets, self.pool, fence)
-        if self.saver is not None and plan.shared is not None and progress is None:
-            own = packparts.gathered(plan)  # packs made again at write time: not in the staging buffer
-            if own:
-                run_block_jobs(_Leaves(own), self.assets, self.pool, owns=owns, fence=fence)
-                self.saver.write_blocks(_Leaves([x for x in plan.leaves if all(x is not o for o in own)]),
-                                        plan.shared, owns=owns, fence=fence)
-            else:
-                self.saver.write_blocks(plan, plan.shared, owns=owns, fence=fence)
-        else:
-            run_block_jobs(plan, self.assets, self.pool, owns=owns, progress=progress, fence=fence)
+        self.executor.write_blocks(plan, self.assets, owns=owns, progress=progress, fence=fence)
         packparts.learn_written(plan, self.assets.parts)
 
     def submit_block(self, raw, itemsize: int = 1, *, private: bool = False) -> "Future[PutResult]":

@@ -43,9 +43,10 @@ import numpy as np
 from ..core.assets import Assets, PutResult
 from ..errors import InvalidArgument, SaverDied, StorageError, TsckError
 from ..format.chunker import job_order
-from .publish import cancelled_on_failure, only_hashed, wait_all
+from . import packparts
+from .executor import Threads, only_hashed, run_copies, run_jobs
 
-__all__ = ["SaverRecipe", "Saver", "CLOSE_WAIT", "GIVE_UP_WAIT"]
+__all__ = ["SaverRecipe", "Saver", "SaverExecutor", "executor_for", "CLOSE_WAIT", "GIVE_UP_WAIT"]
 
 # Seconds close() waits for the saver to finish and exit before it kills it.
 CLOSE_WAIT = 30.0
@@ -318,6 +319,51 @@ class Saver:
         self.dropped, self.dropped_lock = [], threading.Lock()
 
 
+class _Leaves:
+    """A part of a plan's block jobs, to write on their own (an executor takes it as a plan)."""
+
+    def __init__(self, leaves: list):
+        self.leaves = leaves
+
+
+class SaverExecutor:
+    """Block jobs and copies in the saver process (roles.Executor): a plan staged in shared
+    memory (an asynchronous put's) has its blocks written there, packs made again at write
+    time (not in the staging buffer) and any other plan on `threads`; an upload's copies
+    all run there."""
+
+    shares_memory = True  # the staging buffers are memfd shared memory the saver maps
+
+    def __init__(self, saver: Saver, threads: Threads):
+        self.saver, self.threads = saver, threads
+
+    def write_blocks(self, plan, assets: Assets, owns=None, progress=None, fence: int | None = None) -> None:
+        if plan.shared is None or progress is not None:
+            return self.threads.write_blocks(plan, assets, owns=owns, progress=progress, fence=fence)
+        own = packparts.gathered(plan)
+        if own:
+            self.threads.write_blocks(_Leaves(own), assets, owns=owns, fence=fence)
+            rest = _Leaves([x for x in plan.leaves if all(x is not o for o in own)])
+            self.saver.write_blocks(rest, plan.shared, owns=owns, fence=fence)
+        else:
+            self.saver.write_blocks(plan, plan.shared, owns=owns, fence=fence)
+
+    def copy(self, dst: Assets, src: Assets, kind: str, digests: list, fence: int | None, written: list,
+             sync: bool, itemsizes: list | None = None) -> list[bool]:
+        # The saver opened its own ends of both (SaverRecipe: the remote, the tier as src).
+        return self.saver.copy(kind, digests, fence, written, sync, itemsizes=itemsizes)
+
+    def forget(self, buf_id: int) -> None:
+        self.saver.forget(buf_id)
+
+
+def executor_for(saver: Saver | None, owner):
+    """The one executor of a store's publisher or a tier's uploader, chosen once: the saver
+    process where there is one, else threads of `owner`'s pool (Threads)."""
+    threads = Threads(owner)
+    return threads if saver is None else SaverExecutor(saver, threads)
+
+
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "not started"
@@ -352,19 +398,11 @@ def _error_from(payload: bytes) -> BaseException:
 # -- the saver's side -------------------------------------------------------------------------
 
 def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table: np.ndarray, fence) -> bytes:
-    futs = []
-    with cancelled_on_failure(futs):
-        for job in table:
-            a, n = int(job["off"]), int(job["n"])
-            raw = view[a:a + n]
-            if job["hash_only"]:
-                futs.append(pool.submit(assets.hash_block, raw))
-            else:
-                futs.append(pool.submit(assets.put_block, raw, int(job["itemsize"]), private=True, fence=fence))
-        wait_all(futs)
-    out = np.zeros(len(futs), dtype=_RESULT)
-    for i, f in enumerate(futs):
-        r = f.result()
+    jobs = ((view[int(j["off"]):int(j["off"]) + int(j["n"])], int(j["n"]), int(j["itemsize"]), bool(j["hash_only"]),
+             True) for j in table)
+    results = run_jobs(assets, pool, jobs, fence)
+    out = np.zeros(len(results), dtype=_RESULT)
+    for i, r in enumerate(results):
         out[i]["digest"] = np.frombuffer(r.digest, dtype=np.uint8)
         out[i]["new"], out[i]["stored"] = r.new, r.stored
     assets.sync()  # the blocks durable and named before the training process writes a node over them
@@ -373,18 +411,11 @@ def _run_jobs(assets: Assets, pool: ThreadPoolExecutor, view: np.ndarray, table:
 
 def _run_copies(dst: Assets, src: Assets, pool: ThreadPoolExecutor, kind: str, table: np.ndarray, fence,
                 sync: bool) -> bytes:
-    def one(row) -> bool:
+    def written(row):
         n, crc = int(row["n"]), int(row["crc"])
-        return dst.copy_from(src, kind, row["digest"].tobytes(), fence,
-                             None if n < 0 else (n, None if crc < 0 else crc), int(row["itemsize"]))
-    futs: list = []
-    with cancelled_on_failure(futs):
-        futs.extend(pool.submit(one, row) for row in table)
-        wait_all(futs)
-    new = np.array([f.result() for f in futs], dtype=np.int8)
-    if sync:
-        dst.sync()  # an upload's last kind: every object durable before the remote ref moves
-    return new.tobytes()
+        return None if n < 0 else (n, None if crc < 0 else crc)
+    rows = ((row["digest"].tobytes(), written(row), int(row["itemsize"])) for row in table)
+    return np.array(run_copies(dst, src, pool, kind, rows, fence, sync), dtype=np.int8).tobytes()
 
 
 class _Heartbeat:
