@@ -632,7 +632,7 @@ class Store:
     @property
     def read_core(self) -> Core:
         """The Core to read a snapshot _root named through: with a local tier, its objects
-        read from the tier with the remote behind (tier.reads.ReadThrough), so a snapshot
+        read from the tier with the remote behind (tier/reads.py's read_through), so a snapshot
         only the remote holds reads as checkout reads it; else the store's own Core."""
         return self._tier.read_core()
 

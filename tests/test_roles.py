@@ -18,8 +18,8 @@ TABLES = ("tensorstore_ck.refs.lmdb.LmdbRefTable", "tensorstore_ck.refs.memory.M
 
 # role -> the classes (dotted names) that play it; a "Class.method" plays a callable role.
 PLAYERS = {
-    roles.ObjectReader: ("tensorstore_ck.core.assets.Assets", "tensorstore_ck.tier.reads.ReadThrough"),
-    roles.WalkReader: ("tensorstore_ck.core.assets.Assets",),
+    roles.ObjectReader: ("tensorstore_ck.core.assets.Assets", "tensorstore_ck.tier.reads.ReadChain"),
+    roles.WalkReader: ("tensorstore_ck.core.assets.Assets", "tensorstore_ck.tier.reads.ReadChain"),
     roles.WrittenListener: ("tensorstore_ck.tier.uploader.Uploader.tee",),
     roles.TierRows: ("tensorstore_ck.refs.tiertable.TierTable",),
     roles.Executor: ("tensorstore_ck.write.executor.Threads", "tensorstore_ck.write.saver.SaverExecutor"),

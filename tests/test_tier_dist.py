@@ -400,7 +400,7 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
     never an error that fails the restore."""
     import _mounts
     from tensorstore_ck.tier.replicas import Peers, peer_reads
-    from tensorstore_ck.tier.reads import ReadThrough
+    from tensorstore_ck.tier.reads import read_through
     from tensorstore_ck.core.walk import walk_commit
 
     x = torch.arange(4096, dtype=torch.float32)
@@ -415,7 +415,7 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
                 _mounts.fill(small)
                 asker = Peers(a.core, 1)
                 asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
-                reads = peer_reads(ReadThrough(a.assets, b.core), asker)
+                reads = peer_reads(read_through(a.assets, b.core), asker)
                 out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
                 reads.read_block_into(blocks[0], out.numpy())
                 assert torch.equal(out, x[:dw.BLOCK // 4]) and asker.fetched == 1
@@ -431,7 +431,7 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
     closes) they are stored under their addresses, durable, and a later open finds them
     (so the next restore needs no peer)."""
     from tensorstore_ck.tier.replicas import Peers, peer_reads
-    from tensorstore_ck.tier.reads import ReadThrough
+    from tensorstore_ck.tier.reads import read_through
     from tensorstore_ck.core.walk import walk_commit
 
     x = torch.arange(4 * dw.BLOCK // 4, dtype=torch.float32)
@@ -445,7 +445,7 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
             with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
                 asker = Peers(a.core, 1)
                 asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
-                reads = peer_reads(ReadThrough(a.assets, b.core), asker)
+                reads = peer_reads(read_through(a.assets, b.core), asker)
                 for i, d in enumerate(blocks):
                     out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
                     reads.read_block_into(d, out.numpy())
@@ -467,7 +467,7 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
 
     import tensorstore_ck.tier.replicas as peers_mod
     from tensorstore_ck.tier.replicas import Peers, peer_reads
-    from tensorstore_ck.tier.reads import ReadThrough
+    from tensorstore_ck.tier.reads import read_through
     from tensorstore_ck.core.walk import walk_commit
 
     monkeypatch.setattr(peers_mod, "PEER_TIMEOUT", 0.5)  # the holder closes a connection idle this long
@@ -482,7 +482,7 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
                 asker = Peers(a.core, 1)
                 asker._listen("127.0.0.1")  # (a rank's Peers serves too: its idle connections are kept)
                 asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
-                reads = peer_reads(ReadThrough(a.assets, b.core), asker)
+                reads = peer_reads(read_through(a.assets, b.core), asker).tallied()
                 try:
                     for i, d in enumerate(blocks):
                         if i:
@@ -491,7 +491,8 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
                         out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
                         reads.read_block_into(d, out.numpy())
                         assert torch.equal(out, x[i * (dw.BLOCK // 4):(i + 1) * (dw.BLOCK // 4)])
-                    assert asker.fetched == 2 and reads.missing == 0  # both from the peer, none from the remote
+                    assert asker.fetched == 2  # both from the peer, none from the remote
+                    assert reads.tally.counts == {"local": 0, "peer": 2, "remote": 0}
                 finally:
                     asker.close()
         finally:

@@ -4,14 +4,14 @@ One class plays each part (Assets reads objects; RefTable, over LMDB, PostgreSQL
 memory, is the ref table), but no user needs all of it: a reader needs four calls of
 Assets, gc a few dozen of RefTable's, the Publisher a dozen. Each user names the role
 it plays against (a parameter or attribute typed with the Protocol), so what a layer
-needs is read off its signature, and another implementation (a tier's ReadThrough, a
+needs is read off its signature, and another implementation (a tier's ReadChain, a
 test's table) needs only that. tests/test_roles.py checks that the concrete classes
 have every member of their roles with a compatible signature, so a rename on either
 side fails a test.
 
 Derived from who calls what:
 
-    ObjectReader   read.py, dcp/ (Assets; tier/reads.py's ReadThrough)
+    ObjectReader   read.py, dcp/ (Assets; tier/reads.py's ReadChain)
     WalkReader     walk.py: an ObjectReader that names a node it cannot decode
     WrittenListener  Assets.on_written's observer (tier/uploader.py's Uploader.tee)
     Executor       where block jobs and copies run (write/executor.py's Threads,

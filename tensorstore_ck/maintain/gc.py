@@ -532,7 +532,7 @@ def evict_snapshots(core: Core, roots: list, *, lease: float = DEFAULT_LEASE) ->
     Under the gc lock: mark them evicted in the tier's table (TierTable.evict_mark takes
     only roots marked durable and not queued), then delete what only they reach, with
     gc's protocol (a writer that reused one of those objects is fenced and writes it
-    again). Reads of an evicted snapshot fall through to the remote (tier.reads.ReadThrough)."""
+    again). Reads of an evicted snapshot fall through to the remote (tier/reads.py's read_through)."""
     t_start = time.time()
     rep = GCReport(dry_run=False)
     _refuse_if_rebuilding(core, "eviction")

@@ -40,6 +40,7 @@ import msgpack
 
 from ..core.walk import by_kind, walk_commit, walk_tree
 from ..errors import IntegrityError, TsckError, UnreadableObject
+from .reads import Here, ReadChain, Remote, missing_only
 
 __all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT", "KEEP_PREFIX"]
 
@@ -246,43 +247,26 @@ def _upload_orphan(up, seq: int, entry: dict) -> None:
               "is in %s", tree.hex()[:16], entry.get("ref"), entry.get("step"), up.remote.url)
 
 
-class _Nearest:
-    """The local tier's Assets for rank 0's walk of a collective snapshot: a node the
+def _nearest(up) -> ReadChain:
+    """The local tier's objects for rank 0's walk of a collective snapshot: a node the
     tier lacks (another rank's) is read from the remote store, checked there, and
-    recorded; missing there too, the walk stops with _Pending. A node the tier holds
-    damaged is the tier's fault, as in a single-process upload (IntegrityError)."""
-
-    def __init__(self, local, remote):
-        self.local, self.remote = local, remote
-        self.theirs: list[tuple[str, bytes]] = []
-
-    def __getattr__(self, name):
-        return getattr(self.local, name)
-
-    def get_node(self, d: bytes, *, verify: bool = True, snapshot=None, path=None, fence=None) -> bytes:
-        try:
-            return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
-        except (IntegrityError, UnreadableObject) as e:
-            if getattr(e, "reason", None) != "missing":
-                raise
-        try:
-            data = self.remote.get_node(d, verify=verify, snapshot=snapshot, path=path)
-        except (IntegrityError, UnreadableObject) as e:
-            if getattr(e, "reason", None) != "missing":
-                raise
-            raise _Pending(f"node {d.hex()[:16]} at {path or '(top)'}") from None
-        self.theirs.append(("node", d))
-        return data
+    recorded (its tally); missing there too, the walk stops with _Pending. A node the
+    tier holds damaged is the tier's fault, as in a single-process upload (IntegrityError)."""
+    def pending(kind, d, path, err):
+        return _Pending(f"{kind} {d.hex()[:16]} at {path or '(top)'}")
+    return ReadChain([Here(up.local.assets), Remote(up.remote)], falls=missing_only,
+                     exhausted=pending).tallied(record="remote")
 
 
 def _survey(up, root: bytes, fence: int):
     """-> (this tier's objects of the snapshot, by kind; the others' objects, each seen in
     the remote after `fence` was read). _Pending when some are not there yet."""
     local, remote = up.local.assets, up.remote.assets
-    nearest = _Nearest(local, remote)
+    nearest = _nearest(up)
     mine = by_kind(walk_commit(nearest, root, verify=True))
     blocks, nodes = mine["block"], mine["node"]
-    remote_nodes = {d for _, d in nearest.theirs}  # (known once the walk is over: a node is named before it is read)
+    theirs_read = nearest.tally.recorded
+    remote_nodes = {d for _, d in theirs_read}  # (known once the walk is over: a node is named before it is read)
     mine["node"] = [d for d in nodes if d not in remote_nodes]
     here = list(up.remote.pool.map(local.block_exists, blocks))
     mine["block"] = [d for d, h in zip(blocks, here) if h]
@@ -290,7 +274,7 @@ def _survey(up, root: bytes, fence: int):
     missing = [d for d, ok in zip(theirs, up.remote.pool.map(remote.block_exists, theirs)) if not ok]
     if missing:
         raise _Pending(f"{len(missing)} block(s), e.g. {missing[0].hex()[:16]}")
-    return mine, nearest.theirs + [("block", d) for d in theirs]
+    return mine, theirs_read + [("block", d) for d in theirs]
 
 
 def _confirm(up, theirs: list) -> None:

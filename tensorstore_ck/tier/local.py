@@ -21,7 +21,7 @@ from .collective import CollectiveTier
 from .holds import (delete_ref_both, forget_both, held, pin_both, tag_both, undelete_both, unheld, unpin_both,
                     untag_both)
 from .outage import Lag, caller_level, measure
-from .reads import ReadThrough, Served, newer
+from .reads import ReadChain, newer, read_through
 from .uploader import Uploader, early_default
 
 __all__ = ["LocalTier", "STOP_GRACE"]
@@ -47,7 +47,7 @@ class LocalTier:
         self.core = core
         self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop,
                                  saver=saver)
-        self.reads = ReadThrough(core.assets, remote, evicted=core.refs.tier_rows.evicted)
+        self.reads = read_through(core.assets, remote, evicted=core.refs.tier_rows.evicted)
         self.peers = None
         if replicas:
             from .replicas import Peers  # (the side channel's server starts at the first collective put)
@@ -195,7 +195,7 @@ class LocalTier:
 
     def read_core(self) -> Core:
         """The Core to read a snapshot roots() named through: the tier's objects, the
-        remote's behind (ReadThrough), so a snapshot only the remote holds reads as
+        remote's behind (reads.read_through), so a snapshot only the remote holds reads as
         checkout reads it."""
         c = self.core
         return Core(c.storage, self.reads, c.refs, c.pool, c.settings)
@@ -223,21 +223,21 @@ class LocalTier:
         return self.reads
 
     @staticmethod
-    def served(reads) -> Served:
+    def served(reads: ReadChain) -> ReadChain:
         """One checkout's view of `reads` (reads_for): its objects counted by the tier that
-        gave them, for its log line (source)."""
-        return Served(reads)
+        gave them (its tally), for its log line (source)."""
+        return reads.tallied()
 
-    def source(self, served: Served) -> tuple[str, str]:
+    def source(self, served: ReadChain) -> tuple[str, str]:
         """Where a checkout read its snapshot -> (the tiers, "+"-joined: "local", "peer",
         "remote"; the words of its log line): one tier by its name, several with the
         objects each gave."""
         names = {"local": f"the local tier at {self.core.url}", "peer": "peer replicas",
                  "remote": f"the remote store at {self.remote.url}"}
-        used = served.sources() or ["local"]
+        used = served.tally.sources() or ["local"]
         if len(used) == 1:
             return used[0], names[used[0]]
-        parts = [f"{names[s]} ({served.counts[s]} objects)" for s in used]
+        parts = [f"{names[s]} ({served.tally.counts[s]} objects)" for s in used]
         return "+".join(used), ", ".join(parts[:-1]) + " and " + parts[-1]
 
     # -- close ---------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
+from .reads import NotHere, ReadChain, Source
 
-__all__ = ["Peers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
+__all__ = ["Peers", "FromPeers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
 
 log = logging.getLogger(__name__)
 
@@ -539,59 +540,49 @@ def _keep(storage, key: str, data) -> bool:
         return False
 
 
-def peer_reads(reads, peers: Peers):
-    """A ReadThrough (reads.py) with the peers between the local tier and the remote: an
-    object the tier lacks is fetched from a holder (checked against its address), used,
-    and kept in the tier; one no peer has is read from the remote as before."""
-    import numpy as np
-    from .reads import ReadThrough, tally
+class FromPeers(Source):
+    """The peers holding this rank's replicas, as a source of a reader chain (reads.py)
+    between the local tier and the remote: an object the tier lacks is fetched from a
+    holder (checked against its address), used, and kept in the tier; one no holder has
+    is the next source's (NotHere)."""
 
-    class PeerReads(ReadThrough):
-        def _have(self, kind: str, d: bytes) -> bool:
-            return self.local.storage.exists(self.local.object_key(kind + "s", d))
+    name, where = "peer", "peer replicas"
 
-        def _fill(self, kind: str, d: bytes) -> bool:
-            """-> whether a peer's copy of `d` was fetched into the tier just now."""
-            return not self._have(kind, d) and peers.fetch(kind, d)
+    def __init__(self, peers: Peers, local):
+        self.peers, self.local = peers, local  # local: the tier's Assets, where fetched copies are kept
 
-        def read_block_into(self, d, out, **kw):
-            if self._have("block", d):
-                return super().read_block_into(d, out, **kw)
-            got = peers.fetch_checked("block", d)
-            if got is None:
-                return super().read_block_into(d, out, **kw)  # the remote's copy, checked there
-            data, raw = got
-            mv = memoryview(out).cast("B")
-            if len(raw) != mv.nbytes:
-                key = self.local.object_key("blocks", d)
-                raise IntegrityError(f"object holds {len(raw)} bytes, expected {mv.nbytes}", key=key,
-                                     snapshot=kw.get("snapshot"), path=kw.get("path"))
-            # The bytes the check just hashed go to the caller: no write, read back and hash
-            # again through the tier (a restore's CPU is what bounds it on a small host).
-            np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
-            peers._keeper.keep(self.local.object_key("blocks", d), data)
-            tally(kw.get("served"), "peer")
+    def read_block_into(self, d, out, *, verify, snapshot, path, bounce, fence):
+        import numpy as np
+        got = self.peers.fetch_checked("block", d)
+        if got is None:
+            raise NotHere(d)
+        data, raw = got
+        mv = memoryview(out).cast("B")
+        if len(raw) != mv.nbytes:
+            key = self.local.object_key("blocks", d)
+            raise IntegrityError(f"object holds {len(raw)} bytes, expected {mv.nbytes}", key=key,
+                                 snapshot=snapshot, path=path)
+        # The bytes the check just hashed go to the caller: no write, read back and hash
+        # again through the tier (a restore's CPU is what bounds it on a small host).
+        np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
+        self.peers._keeper.keep(self.local.object_key("blocks", d), data)
 
-        # A node or commit a peer gave is read back from the tier, where it was just kept:
-        # counted as the peer's.
-        def get_node(self, d, served=None, **kw):
-            return self._filled("node", super().get_node, d, served, kw)
+    # A node or commit a peer gave is kept in the tier and read back from there.
+    def get_node(self, d, *, verify, snapshot, path, fence):
+        if not self.peers.fetch("node", d):
+            raise NotHere(d)
+        return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
 
-        def get_commit(self, d, served=None, **kw):
-            return self._filled("commit", super().get_commit, d, served, kw)
+    def get_commit(self, d, *, verify):
+        if not self.peers.fetch("commit", d):
+            raise NotHere(d)
+        return self.local.get_commit(d, verify=verify)
 
-        def _filled(self, kind, read, d, served, kw):
-            if self._fill(kind, d):
-                data = read(d, **kw)
-                tally(served, "peer")
-                return data
-            return read(d, served=served, **kw)
+    def lacking(self, digests, pool, *, snapshot, path, fence):
+        at_peers = self.peers.present("block", digests)
+        return [d for d in digests if d not in at_peers]
 
-        def require_blocks(self, digests, pool, **kw):
-            digests = list(digests)
-            here = list(pool.map(lambda d: self._have("block", d), digests))
-            lacking = [d for d, h in zip(digests, here) if not h]
-            at_peers = peers.present("block", lacking) if lacking else set()
-            return super().require_blocks([d for d in digests if d not in at_peers], pool, **kw)
 
-    return PeerReads(reads.local, reads.remote, evicted=reads.evicted)
+def peer_reads(reads: ReadChain, peers: Peers) -> ReadChain:
+    """`reads` (the tier, the remote behind) with the peers asked between the two."""
+    return reads.with_source(1, FromPeers(peers, reads.sources[0].assets))
