@@ -337,3 +337,25 @@ def test_the_store_asks_its_tier_not_whether_it_has_one():
             sites[rel] = n
     assert "store.py" not in sites and "collective/put.py" not in sites, sites
     assert sum(sites.values()) <= 3, sites
+
+
+def _proxies(pkg: Path) -> list[str]:
+    """Classes that pass what they do not define on to another object by __getattr__."""
+    return [f"{p.relative_to(pkg).as_posix()}:{source[:m.start()].count(chr(10)) + 1}"
+            for p in sorted(pkg.rglob("*.py")) for source in [p.read_text()]
+            for m in re.finditer(r"^\s+def __getattr__\(self\b", source, re.M)]
+
+
+def test_no_class_forwards_what_it_does_not_define():
+    """One seam per mechanism: a tier's reads are one chain of sources (tier/reads.py's
+    ReadChain), the lazily opened remote storage forwards the BlockStore calls by name, and
+    no class hands unknown attributes on by __getattr__ (what let a proxy answer for an
+    object it was not). Module-level __getattr__ (lazy imports) is not a proxy."""
+    assert _proxies(PKG) == []
+
+
+def test_a_forwarding_class_is_found(tmp_path):
+    planted = tmp_path / "tensorstore_ck"
+    planted.mkdir()
+    (planted / "m.py").write_text("class P:\n    def __getattr__(self, name):\n        return 1\n")
+    assert _proxies(planted) == ["m.py:2"]

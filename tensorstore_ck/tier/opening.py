@@ -117,11 +117,6 @@ class LazyStorage(BlockStore):
                 hook()
             s = getattr(s, "inner", None)
 
-    def __getattr__(self, name):  # a backend's own attributes (fs, root, ...): an open
-        if name.startswith("_") or name == "inner":  # Core.after_fork walks `inner`: no open there
-            raise AttributeError(name)
-        return getattr(self._open(), name)
-
     def get(self, key, max_bytes=None):
         return self._open().get(key, max_bytes)
 
@@ -133,6 +128,9 @@ class LazyStorage(BlockStore):
 
     def put_addressed(self, key, bufs):
         return self._open().put_addressed(key, bufs)
+
+    def take_lost(self, keys):
+        return self._open().take_lost(keys)
 
     def exists(self, key):
         return self._open().exists(key)
