@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from ..errors import AmbiguousTarget, RefNotFound
 from ..format.names import parse_target
@@ -41,21 +42,26 @@ class Settings:
     read_only: str | None = None     # why the store is read-only, or None
 
 
+# The part of the ref table a Core's user plays against (a role of core/roles.py): a
+# function names it in its signature, Core[GcTable], and finds core.refs so typed.
+R = TypeVar("R", covariant=True)
+
+
 @dataclass(eq=False)
-class Core:
+class Core(Generic[R]):
     """Storage, typed objects, the ref table, the I/O pool and the settings of one store.
 
     `pool` is replaced in a forked child (the parent's workers are not there); hold the
     Core, not its pool."""
     storage: BlockStore
     assets: Assets
-    refs: RefTable
+    refs: R
     pool: ThreadPoolExecutor
     settings: Settings = field(default_factory=Settings)
 
     @classmethod
     def build(cls, storage: BlockStore, refs: RefTable, *, codecs: str = "lz4",
-              settings: Settings | None = None) -> "Core":
+              settings: Settings | None = None) -> "Core[RefTable]":
         """A core over storage and refs: Assets whose presence record reads the ref
         table's gc epoch, and a pool of settings.workers threads (the caller shuts it down)."""
         settings = settings or Settings()

@@ -156,10 +156,10 @@ def plan_expiry(core: Core, now: float, records: dict | None = None, bad: list |
     return [d["root"] for d in retention_plan(core, now, records, bad) if not d["keep"]]
 
 
-def plan_gc(core: Core, *, dry_run: bool, began: float, progress: bool = False, beat=None) -> GCPlan:
+def plan_gc(core: Core[GcTable], *, dry_run: bool, began: float, progress: bool = False, beat=None) -> GCPlan:
     """Steps 2-4: expire (a dry run only computes what would expire), mark, list."""
     rep = GCReport(dry_run=dry_run)
-    refs: GcTable = core.refs
+    refs = core.refs
     rules = refs.retention_all()
     queued = {} if dry_run else refs.prune_requests()  # every job's rules apply: read before the catalog
     bad: list = []
@@ -354,11 +354,11 @@ def _refuse_if_rebuilding(core: Core, what: str) -> None:
         raise RebuildUnfinished(rebuild_message(mark, what))
 
 
-def _refuse_if_the_ref_table_knows_nothing(core: Core) -> None:
+def _refuse_if_the_ref_table_knows_nothing(core: Core[GcTable]) -> None:
     """An empty ref table over a store that holds commits is a lost or wrong table, not a
     store with nothing to keep: gc would delete every snapshot (and recover would then
     find nothing). Deleting needs the table rebuilt first."""
-    rt: GcTable = core.refs
+    rt = core.refs
     if rt.born_with_store() or rt.catalog_roots() or rt.list() or rt.tags() \
             or rt.pins():
         return  # a table made with its store: empty means a fresh store (commits in flight)
@@ -368,7 +368,7 @@ def _refuse_if_the_ref_table_knows_nothing(core: Core) -> None:
                         "or wrong ref table?); run `tsck recover` first, then gc; nothing was deleted")
 
 
-def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: float = DEFAULT_LEASE,
+def run_gc(core: Core[GcTable], *, dry_run: bool = False, progress: bool = False, lease: float = DEFAULT_LEASE,
            renew_every: float | None = None, grace: float = 0.0, phase_objects: int | None = None,
            phase_seconds: float | None = None) -> GCReport:
     """1-8: take the lock under a lease (not for a dry run), plan, execute, release.
@@ -378,7 +378,7 @@ def run_gc(core: Core, *, dry_run: bool = False, progress: bool = False, lease: 
     if not (isinstance(grace, (int, float)) and 0 <= grace < 1e9):
         raise InvalidArgument(f"gc grace must be a number of seconds >= 0, got {grace!r}")
     t_start = time.time()
-    refs: GcTable = core.refs
+    refs = core.refs
     _refuse_if_rebuilding(core, "gc --dry-run" if dry_run else "gc")
     if dry_run:
         now = core.storage.clock_now()
@@ -418,7 +418,7 @@ def _note_reclaimed(core: Core, rep: GCReport) -> None:
         log.debug("not recorded for du --plot: %d bytes reclaimed (%s)", rep.deleted_bytes, e)
 
 
-def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
+def prune_job(core: Core[GcTable], job: str, *, lease: float = DEFAULT_LEASE, renew_every: float | None = None,
               phase_objects: int | None = None, phase_seconds: float | None = None) -> GCReport:
     """Expire what `job`'s retention drops, and what the rules of every job whose
     prune is queued (RefTable.prune_request: it found the store busy) drop, and delete
@@ -430,7 +430,7 @@ def prune_job(core: Core, job: str, *, lease: float = DEFAULT_LEASE, renew_every
     leaves (expired rows whose objects were not yet deleted) is garbage the next
     `tsck gc` reclaims."""
     t_start = time.time()
-    refs: GcTable = core.refs
+    refs = core.refs
     rep = GCReport(dry_run=False)
     _refuse_if_rebuilding(core, "prune")
     rules = refs.retention_all()

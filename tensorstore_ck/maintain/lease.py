@@ -25,7 +25,7 @@ REMOVED_KEPT = 1 << 20  # deletions noted for the presence record (Lease.note_re
 
 
 @contextlib.contextmanager
-def holding_gc_lock(core: Core, *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None,
+def holding_gc_lock(core: Core[GcTable], *, lease: float = DEFAULT_LEASE, role: str = "", renew_every: float | None = None,
                     rebuilding_ok: bool = False):
     """The store's gc lock under a lease (gc itself, and work other than gc that removes
     objects from their addresses: fsck --repair moves damaged ones aside): yields the
@@ -34,7 +34,7 @@ def holding_gc_lock(core: Core, *, lease: float = DEFAULT_LEASE, role: str = "",
     finish_fields recorded in the gc state when all went well). RebuildUnfinished while
     a recover has not finished, unless rebuilding_ok (work that deletes nothing a
     snapshot reaches)."""
-    refs: GcTable = core.refs
+    refs = core.refs
     owner = f"{role}{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     hold = Lease(refs, owner, lease, request_timeout=core.storage.request_timeout, renew_every=renew_every,
                  rebuilding_ok=rebuilding_ok, what=role.rstrip(":") or "gc")

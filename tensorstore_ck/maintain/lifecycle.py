@@ -55,12 +55,12 @@ def _tag_in_table(core: Core, name: str, root: bytes) -> bool:
         return True
 
 
-def fenced(core: Core, publisher: Publisher, root: bytes, target: str, fence: int, make) -> None:
+def fenced(core: Core[RefNaming], publisher: Publisher, root: bytes, target: str, fence: int, make) -> None:
     """Make a tag or pin of `root` with make(fence), fenced against gc like a ref move:
     the row goes in only while the deletion epoch is still the one read before `root`
     was resolved. If a deletion phase overlapped, wait it out and go on only if the
     snapshot is still kept (catalog row, commit object); else it is gone: RefNotFound."""
-    refs: RefNaming = core.refs
+    refs = core.refs
     while True:
         try:
             return make(fence)
@@ -72,7 +72,7 @@ def fenced(core: Core, publisher: Publisher, root: bytes, target: str, fence: in
                                   "meanwhile; nothing was created") from None
 
 
-def tag(core: Core, publisher: Publisher, name: str, target: str) -> SnapshotInfo:
+def tag(core: Core[RefNaming], publisher: Publisher, name: str, target: str) -> SnapshotInfo:
     """Create the immutable tag `name` of `target`; RefConflict if the name is taken.
     A full root (64 hex digits) that nothing keeps any more (its ref deleted, it
     forgotten) but whose commit storage still holds is adopted, when every node and
@@ -80,7 +80,7 @@ def tag(core: Core, publisher: Publisher, name: str, target: str) -> SnapshotInf
     validate_new_name(name, "tag name")
     if len(name.encode()) > MAX_TAG_BYTES:  # stored as tags/<hex>: one file name of 2x the bytes
         raise InvalidName(f"tag name is longer than {MAX_TAG_BYTES} bytes")
-    refs: RefNaming = core.refs
+    refs = core.refs
     fence = publisher.fence()  # before the target is looked at (see fenced)
     try:
         root = core.resolve(target)
@@ -268,7 +268,7 @@ def delete_ref(core: Core, ref: str, expected: str | None, *, dry_run: bool = Fa
             "dry_run": True}
 
 
-def undelete(core: Core, publisher: Publisher, ref: str, to: str | None = None) -> SnapshotInfo:
+def undelete(core: Core[RefNaming], publisher: Publisher, ref: str, to: str | None = None) -> SnapshotInfo:
     """Create the deleted ref `ref` again on the root it had when delete_ref removed it
     (its reflog's removal record), or on `to` (a target, or the full root of a removed
     snapshot, as tag takes) -> what it points at. Refused while the ref exists
@@ -277,7 +277,7 @@ def undelete(core: Core, publisher: Publisher, ref: str, to: str | None = None) 
     verified, every block present: IntegrityError naming what gc took otherwise) and
     its catalog row comes back with the ref, fenced against gc as tag() adopts one
     (_adopt). The older snapshots of its history that delete_ref dropped stay dropped."""
-    refs: RefNaming = core.refs
+    refs = core.refs
     cur = refs.get_or_none(ref)
     if cur is not None:
         raise RefConflict(ref, None, cur.hex(), hint="it exists again: undelete brings back a deleted ref only "

@@ -176,11 +176,11 @@ class NodeSet:
                                    if self._recent else 0)
 
 
-def kept_roots(core: Core, exclude: set | None = None) -> set[bytes]:
+def kept_roots(core: Core[CatalogReader], exclude: set | None = None) -> set[bytes]:
     """Every catalog row (less `exclude`), ref tip, tag target and pin, less the
     snapshots a local tier evicted (TierTable.evict_mark: durable in the remote store,
     their local copies dropped on purpose)."""
-    rt: CatalogReader = core.refs
+    rt = core.refs
     roots = rt.catalog_roots()  # a row that does not decode still keeps its snapshot
     if exclude:
         roots -= exclude

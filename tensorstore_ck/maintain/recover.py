@@ -227,9 +227,9 @@ def _begin(rt: Rebuild, owner: str, wait: float) -> None:
         log.debug("recover: finishing the rebuild begun by %s", prev.get("owner"))
 
 
-def run_recover(core: Core, *, progress: bool = False, wait: float = 0.0) -> RecoverReport:
+def run_recover(core: Core[Rebuild], *, progress: bool = False, wait: float = 0.0) -> RecoverReport:
     from ..util.progress import progress_bar
-    rt: Rebuild = core.refs
+    rt = core.refs
     _begin(rt, f"recover:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}", wait)
     rep = RecoverReport()
     bar = progress_bar(progress, "recover: commits", unit="commit")

@@ -249,7 +249,7 @@ def physical_over_time(rows: list, block_bytes: int, reclaimed: list, dropped: d
     return out
 
 
-def tier_usage(core: Core) -> dict:
+def tier_usage(core: Core[CatalogReader]) -> dict:
     """A local tier's bytes by what they are for (`tsck du STORE --local PATH`): every
     stored object (blocks, nodes, commits, as stored) goes to the first of
 
@@ -260,7 +260,7 @@ def tier_usage(core: Core) -> dict:
         unreferenced reached by none (a put in flight, or garbage a local gc removes)
 
     and `evicted` counts the durable snapshots whose local copies the budget dropped."""
-    refs: CatalogReader = core.refs
+    refs = core.refs
     evicted, parts = refs.tier_rows.evicted(), refs.tier_rows.parts()
     queued = {e["root"] for _, e in refs.tier_rows.upload_pending()}
     roots = (refs.catalog_roots() | {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins()) - evicted

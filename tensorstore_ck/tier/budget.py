@@ -22,7 +22,7 @@ def tier_bytes(local: Core) -> int:
     return sum(b for _, b in local.assets.object_stats().values())
 
 
-def fit_budget(local: Core, budget: int, *, warn: bool = True, listed=None) -> list[bytes]:
+def fit_budget(local: Core[CatalogReader], budget: int, *, warn: bool = True, listed=None) -> list[bytes]:
     """Evict local copies until the tier's stored objects fit in `budget` bytes -> the
     roots evicted. Never what a queued upload or a local-only snapshot needs: only
     snapshots marked durable (and, with `listed`, -> the roots the remote catalog lists
@@ -39,7 +39,7 @@ def fit_budget(local: Core, budget: int, *, warn: bool = True, listed=None) -> l
     total = tier_bytes(local)
     if total <= budget:
         return []
-    refs: CatalogReader = local.refs
+    refs = local.refs
     sizes = {kind: {o.digest: o.size for o in local.assets.list_objects(kind)} for kind in ("commits", "nodes", "blocks")}
     evicted, parts = refs.tier_rows.evicted(), refs.tier_rows.parts()
     rows = {root: row for root, row in refs.catalog_iter(bad=[])}

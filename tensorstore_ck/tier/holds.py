@@ -10,15 +10,41 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Protocol
 
-from ..core.roles import RefNaming, UploadQueue
+from ..core.core import Core
+from ..core.roles import UploadQueue
 from ..errors import IntegrityError, InvalidArgument, RefConflict, RefNotFound, StorageError, TsckError
+from ..refs import RefTable
 from ..util.ids import MIN_PREFIX, is_hex_prefix
+from ..write.publish import Publisher
 
-__all__ = ["publish_holds", "held", "unheld", "upload_hold", "tag_both", "pin_both", "untag_both", "forget_both",
+__all__ = ["Uploads", "publish_holds", "held", "unheld", "upload_hold", "tag_both", "pin_both", "untag_both", "forget_both",
            "delete_ref_both", "undelete_both", "REMOVE_WAIT"]
 
 log = logging.getLogger(__name__)
+
+
+class Uploads(Protocol):
+    """What the holds and the removals in both tiers use of a tier's uploader (the role
+    tier/uploader.py's Uploader plays): the tier's Core and its queue, the remote's Core and
+    its publisher, and an upload's steps."""
+
+    local: Core[UploadQueue]
+    remote: Core[RefTable]
+    publisher: Publisher
+
+    def read_fence(self) -> int: ...
+
+    def walk(self, root: bytes) -> dict: ...
+
+    def send(self, objs: dict, fence: int) -> None: ...
+
+    def expired(self, seq: int, root: bytes) -> None: ...
+
+    def notify(self) -> None: ...
+
+    def wait_unsent(self, roots: set, timeout: float) -> bool: ...
 
 # How long a delete_ref through a tier waits for an upload of one of the ref's snapshots
 # already in flight (it would move the remote ref after the removal) before it removes the
@@ -26,12 +52,12 @@ log = logging.getLogger(__name__)
 REMOVE_WAIT = 60.0
 
 
-def _holds(up, root: bytes) -> tuple[list[str], bool]:
-    refs: UploadQueue = up.local.refs
+def _holds(up: Uploads, root: bytes) -> tuple[list[str], bool]:
+    refs = up.local.refs
     return [name for name, r in refs.tags() if r == root], root in refs.pins()
 
 
-def publish_holds(up, root: bytes) -> None:
+def publish_holds(up: Uploads, root: bytes) -> None:
     """The tags and pins that name `root` in the tier, made in the remote table too
     (and a tag's storage object, which recover rebuilds it from), so that the remote's
     retention, an offline `tsck gc` of the remote and a node that lost its tier keep
@@ -40,7 +66,7 @@ def publish_holds(up, root: bytes) -> None:
     naming another snapshot (another tier's) is left, with a warning."""
     from ..maintain.lifecycle import pin, tag
     names, pinned = _holds(up, root)
-    remote: RefNaming = up.remote.refs
+    remote = up.remote.refs
     for name in names:
         have = remote.tag_get(name)
         if have == root:
@@ -54,14 +80,14 @@ def publish_holds(up, root: bytes) -> None:
         pin(up.remote, up.publisher, root.hex())
 
 
-def held(up, root: bytes) -> None:
+def held(up: Uploads, root: bytes) -> None:
     """A tag or pin naming `root` was just made in the tier: make it the remote's
     too. Now, when the remote catalog lists `root`; when it does not and `root` is
     queued, its upload publishes it (publish_holds runs after the remote move, which
     comes after this look); else (a snapshot the backlog rule skipped, one the remote
     retention expired, a remote away) it is queued to be sent for its holds alone,
     into the remote catalog without moving the remote ref (upload_hold)."""
-    refs: UploadQueue = up.local.refs
+    refs = up.local.refs
     try:
         if up.remote.refs.catalog_has(root):
             publish_holds(up, root)
@@ -77,7 +103,7 @@ def held(up, root: bytes) -> None:
     up.notify()
 
 
-def unheld(up, tag_name: str | None = None, pin: bytes | None = None, root: bytes | None = None) -> None:
+def unheld(up: Uploads, tag_name: str | None = None, pin: bytes | None = None, root: bytes | None = None) -> None:
     """A tag or pin removed in the tier: removed in the remote table too, best
     effort (left there, it keeps more than asked, never less)."""
     from ..maintain.lifecycle import untag
@@ -93,14 +119,14 @@ def unheld(up, tag_name: str | None = None, pin: bytes | None = None, root: byte
                     else f"unpin {remote.url} {pin.hex() if pin else ''}")
 
 
-def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
+def upload_hold(up: Uploads, seq: int, root: bytes, row: dict) -> None:
     """An entry queued for the tags and pins of `root` (held): the remote gets the
     snapshot into its catalog with them, and its ref does not move (a newer snapshot
     may be its tip). What the remote lacks is sent first, as for any upload; the tag
     or pin then adopts the snapshot there (every object found present, fenced on the
     remote gc epoch: a deletion phase in between is waited out and the objects are
     looked at again)."""
-    refs: UploadQueue = up.local.refs
+    refs = up.local.refs
     names, pinned = _holds(up, root)
     if not names and not pinned:
         log.debug("local tier: snapshot %s was queued for a tag or pin that is gone; not sent", root.hex()[:16])
@@ -137,7 +163,7 @@ def upload_hold(up, seq: int, root: bytes, row: dict) -> None:
 # -- one answer: names and removals in both tables (Store.tag, pin, untag, forget, ...) --
 
 @contextlib.contextmanager
-def _reaching(up, what: str):
+def _reaching(up: Uploads, what: str):
     """The remote table asked before anything changes: unreachable, the call is refused
     naming the remote store (StorageError), and nothing was changed in either table."""
     try:
@@ -147,7 +173,7 @@ def _reaching(up, what: str):
                            "changed in either tier (a removal through a local tier removes in both)") from e
 
 
-def tag_both(up, publisher, name: str, target: str, root: bytes | None):
+def tag_both(up: Uploads, publisher, name: str, target: str, root: bytes | None):
     """Tag `root` (what the Store's one resolution named; None: nothing names `target`, a
     removed snapshot's full root) -> (SnapshotInfo, whether the tier made it). The name
     must be free in both tables (a tag or ref of it at the remote would give the name a
@@ -170,7 +196,7 @@ def tag_both(up, publisher, name: str, target: str, root: bytes | None):
     return tag(remote, up.publisher, name, root.hex()), False
 
 
-def pin_both(up, publisher, target: str, root: bytes | None) -> str:
+def pin_both(up: Uploads, publisher, target: str, root: bytes | None) -> str:
     """Pin `root` as tag_both tags it: in the tier when it lists it (the remote follows),
     else at the remote -> its root hex."""
     from ..maintain.lifecycle import pin
@@ -187,7 +213,7 @@ def pin_both(up, publisher, target: str, root: bytes | None) -> str:
     return pin(up.remote, up.publisher, root.hex())
 
 
-def unpin_both(up, root: bytes) -> None:
+def unpin_both(up: Uploads, root: bytes) -> None:
     """Unpin `root` in the tier (the remote follows, best effort: unheld) or, pinned only
     at the remote, there."""
     local = up.local
@@ -202,7 +228,7 @@ def unpin_both(up, root: bytes) -> None:
     local.refs.unpin(root)  # pinned nowhere: the table's own answer
 
 
-def untag_both(up, name: str) -> str:
+def untag_both(up: Uploads, name: str) -> str:
     """Remove tag `name` from both tables (RefNotFound if neither has it) -> the root it
     named (the tier's where both have it)."""
     from ..maintain.lifecycle import untag
@@ -219,7 +245,7 @@ def untag_both(up, name: str) -> str:
     return (mine or theirs).hex()
 
 
-def forget_both(up, publisher, root: bytes, dry_run: bool):
+def forget_both(up: Uploads, publisher, root: bytes, dry_run: bool):
     """Forget `root` in every table that lists it: each one's refusals (a ref's tip, a
     tag's target, pinned) are heard before either changes -> what it was."""
     local, remote = up.local, up.remote
@@ -246,7 +272,7 @@ def forget_both(up, publisher, root: bytes, dry_run: bool):
     return info
 
 
-def delete_ref_both(up, ref: str, expected: str | None, newest: bytes | None, *, dry_run: bool) -> dict:
+def delete_ref_both(up: Uploads, ref: str, expected: str | None, newest: bytes | None, *, dry_run: bool) -> dict:
     """Remove ref `ref` from both tables. `expected` (a root's hex or prefix) is judged
     against `newest`, what the Store's one resolution of `ref` named; each table's removal
     is conditional on the root it held when looked at. The tier goes first (its queue then
@@ -289,7 +315,7 @@ def delete_ref_both(up, ref: str, expected: str | None, newest: bytes | None, *,
     return {**out, "dropped": gone, "dry_run": True} if dry_run else out
 
 
-def _settle(up, roots: set) -> None:
+def _settle(up: Uploads, roots: set) -> None:
     """Wait (up to REMOVE_WAIT) until no upload of `roots` is in flight."""
     if not up.wait_unsent(roots, REMOVE_WAIT):
         log.warning("local tier: an upload of a deleted ref's snapshot is still in flight; the remote ref is "
@@ -297,7 +323,7 @@ def _settle(up, roots: set) -> None:
                     up.remote.url)
 
 
-def undelete_both(up, publisher, ref: str, to: str | None):
+def undelete_both(up: Uploads, publisher, ref: str, to: str | None):
     """Bring back ref `ref` in every table whose reflog records its removal (the remote
     first: it is the durable one) -> (SnapshotInfo, whether the tier brought it back). A
     tier that cannot bring it back whole (its copy evicted or collected) leaves it to the

@@ -21,6 +21,7 @@ import threading
 from ..core.assets import STORE_MARKER, create_marker, holds_snapshots
 from ..core.core import Core, Settings
 from ..core.locate import marker_bytes, open_refs, parse_config, read_config, settings_for
+from ..core.roles import TableBinding
 from ..errors import NotAStore, ReadOnlyStore, StorageError, TsckError, storage_error
 from ..refs import LmdbRefTable, RefTable
 from ..refs.postgres import LOCATIONS_NS
@@ -182,9 +183,9 @@ class LazyStorage(BlockStore):
             self._storage.close()
 
 
-def _recorded(reftable: RefTable, location: str) -> dict | None:
+def _recorded(reftable: TableBinding, location: str) -> dict | None:
     """The marker of the store a tiered open found at `location`, as the ref table records
-    it (RefTable.location_get), checked as a marker is; None where it records none or one
+    it (TableBinding.location_get), checked as a marker is; None where it records none or one
     that does not read."""
     data = reftable.location_get(location)
     if data is None:
@@ -196,7 +197,7 @@ def _recorded(reftable: RefTable, location: str) -> dict | None:
     return cfg if isinstance(cfg.get("id"), str) else None
 
 
-def record_location(reftable: RefTable, location: str, cfg: dict) -> None:
+def record_location(reftable: TableBinding, location: str, cfg: dict) -> None:
     """An eager tiered open read the store's marker at `location`: the ref table keeps it,
     for a new tier to be made from (best effort: without it that tier opens eagerly)."""
     data = marker_bytes(cfg)
@@ -267,7 +268,7 @@ def lazy_tiered(local: str, proto: str, rest: str, refs, storage_options, backof
     remote Core has a LazyStorage, or None where the eager open must run. Taken when
     the remote ref table is bound to the tier's store, and an open found that store at
     this location before: this tier (TierTable.verified_get), or any tiered open, as the
-    remote ref table records (RefTable.location_get). A tier that is absent or empty (the
+    remote ref table records (TableBinding.location_get). A tier that is absent or empty (the
     node's disk lost, a new node) is made from the ref table's record. These are the
     checks an eager open makes without the remote marker; the marker itself is checked at
     the remote storage's first use (LazyStorage), before anything else is read from it or

@@ -31,6 +31,7 @@ import zlib
 from ..core.assets import FRAME_KIND
 from ..core.core import Core
 from ..core.roles import UploadQueue
+from ..refs import RefTable
 from ..core.walk import by_kind, walk_commit
 from ..errors import GcBusy, IntegrityError, NotAStore, StorageError, TierFull, TsckError
 from ..format import frame
@@ -86,8 +87,8 @@ class Uploader:
     Counters (tests, the harness): `sent` objects written remotely, `skipped` objects
     the remote had, `superseded` snapshots not sent (Uploader.skip_superseded)."""
 
-    def __init__(self, local: Core, remote: Core, budget: int | None = None, early: bool = True,
-                 stop: threading.Event | None = None, saver: Saver | None = None):
+    def __init__(self, local: Core[UploadQueue], remote: Core[RefTable], budget: int | None = None,
+                 early: bool = True, stop: threading.Event | None = None, saver: Saver | None = None):
         """stop: the remote's retry policy's stop event (retry.Backoff.stoppable), set by
         close(): a request being retried gives up then instead of waiting out its budget.
         saver: a saver process (open_store(saver="process")): the uploads' copies run
@@ -186,7 +187,7 @@ class Uploader:
         with self._cond:
             follow, self._follow, self._tidying = self._follow, {}, True
         self._since_tidy = 0
-        refs: UploadQueue = self.local.refs
+        refs = self.local.refs
         busy = False
         again: set = set()  # jobs whose word waits for a queued part (applied once it is sent)
         try:
@@ -227,7 +228,7 @@ class Uploader:
         is neither durable nor queued: queue it (the ref's tip is what counts; an older
         snapshot of that ref superseded before the kill is not sent). The same for a
         rank's part of a collective snapshot (its row is written before the enqueue)."""
-        refs: UploadQueue = self.local.refs
+        refs = self.local.refs
         for part in refs.tier_rows.intents_queue():
             log.debug("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
                       "process ended before the snapshot's outcome reached this tier", part.hex()[:16])
@@ -257,7 +258,7 @@ class Uploader:
         budget may evict them, and `log` does not call them local-only. Only the remote
         ref table is asked (no request to the remote storage), and only about these
         roots: once marked they are not asked about again."""
-        refs: UploadQueue = self.local.refs
+        refs = self.local.refs
         roots = refs.catalog_roots() - queued
         roots -= refs.tier_rows.durable(roots)
         if not roots:
@@ -595,7 +596,7 @@ class Uploader:
         again where it lacks them (a remote table rebuilt by `tsck recover` has its tags
         back from storage, not its pins; one made while the remote was away): one look
         at the remote table per tag or pin (holds.held)."""
-        refs: UploadQueue = self.local.refs
+        refs = self.local.refs
         try:
             roots = {r for _, r in refs.tags()} | refs.pins()
             for root in refs.tier_rows.durable(roots):
@@ -708,7 +709,7 @@ class Uploader:
         newer_seq = next((s for s, e in pending if s > seq and e.get("ref") == ref and e.get("root") != root), None)
         if newer_seq is None:
             return False
-        refs: UploadQueue = self.local.refs
+        refs = self.local.refs
         from ..maintain.gc import retention_plan
         plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
         if plan is None:
@@ -883,7 +884,7 @@ class Uploader:
         took the local one); or a prune spared the snapshot just uploaded (`root`: its
         queue entry said "spared", held while it was sent: TierTable.upload_begin) and the
         rules keep it no more, so what that prune would have done is done now."""
-        refs: UploadQueue = self.local.refs
+        refs = self.local.refs
         if job not in refs.retention_all():
             return False
         if expired and refs.catalog_which(expired):
@@ -924,7 +925,7 @@ class Uploader:
         the tier made it durable and its budget evicted the local copy -> the entry goes
         (the other process's upload_done dropped it already). Otherwise the tier is
         damaged, and that stops the uploader (False)."""
-        refs: UploadQueue = self.local.refs
+        refs = self.local.refs
         if refs.catalog_get(root, checked=False) is None:
             self.expired(seq, root)
             return True

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..core.assets import Assets, PutResult
-from ..core.roles import Executor
+from ..core.roles import Executor, RefPublisher
 from ..core.core import POOL_PREFIX
 from ..core.validate import UNSET, SnapshotArgs
 from ..errors import (Fenced, FormatError, OutcomeUnknown, RefConflict, SnapshotAborted, StepReusedWarning,
@@ -232,7 +232,8 @@ class Publisher:
     write_blocks() / submit_block() -> write_nodes() -> commit(). publish()
     does all of it for a Plan."""
 
-    def __init__(self, assets: Assets, reftable, pool: ThreadPoolExecutor, executor: Executor | None = None):
+    def __init__(self, assets: Assets, reftable: RefPublisher, pool: ThreadPoolExecutor,
+                 executor: Executor | None = None):
         self.assets = assets
         self.reftable = reftable
         self.pool = pool
