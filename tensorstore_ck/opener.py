@@ -239,6 +239,24 @@ class _Refs:
 
 
 @dataclass(frozen=True)
+class _NoTier:
+    """No local tier (no local=): the store is opened as it is asked for. What differs
+    with a tier is asked of this object or of _Tier, never whether there is one."""
+
+    def read_only(self, read_only: bool | None) -> bool | None:
+        return read_only
+
+    def backoff(self, backoff):
+        return backoff
+
+    def lazily(self, proto: str, create_refs: bool, open_lazily) -> Store | None:
+        return None
+
+    def store(self, plain, tiered_) -> Store:
+        return plain()
+
+
+@dataclass(frozen=True)
 class _Tier:
     """The local tier in front of the store: its directory and what it does."""
     local: str
@@ -246,9 +264,26 @@ class _Tier:
     replicas: int
     early_upload: bool | None
 
+    def read_only(self, read_only: bool | None) -> bool:
+        return False  # a tier is for writing (a read-only open with local= is refused)
+
+    def backoff(self, backoff):
+        # The remote's retries end when the store closes (Uploader.close): a close with
+        # the remote away must not wait out the retry budget.
+        return backoff.stoppable()
+
+    def lazily(self, proto: str, create_refs: bool, open_lazily) -> Store | None:
+        """An object store behind a tier is opened at its first use (tier/opening.py's
+        lazy_tiered), unless the open makes its ref table -> the Store, or None to open
+        it now."""
+        return open_lazily(self) if proto in LAZY_PROTOCOLS and not create_refs else None
+
+    def store(self, plain, tiered_) -> Store:
+        return tiered_(self)
+
     @classmethod
-    def checked(cls, url, local, local_budget, replicas, early_upload, refs_at: _Refs) -> "_Tier | None":
-        """None without local= (then each tier option is refused, naming local=)."""
+    def checked(cls, url, local, local_budget, replicas, early_upload, refs_at: _Refs) -> "_Tier | _NoTier":
+        """_NoTier without local= (then each tier option is refused, naming local=)."""
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise InvalidArgument(f"replicas must be an int >= 0, got {replicas!r}")
         if replicas and local is None:
@@ -269,7 +304,7 @@ class _Tier:
             if isinstance(local_budget, bool) or not isinstance(local_budget, int) or local_budget < 1:
                 raise InvalidArgument(f"local_budget must be a number of bytes (an int >= 1), got {local_budget!r}")
         if local is None:
-            return None
+            return _NoTier()
         local = os.fspath(local)
         proto, rest = split_url(url)
         if proto == "file" and os.path.realpath(rest) == os.path.realpath(local):
@@ -335,16 +370,11 @@ def _checked_gc_lease(gc_lease):
 
 # -- opening --------------------------------------------------------------------------------
 
-def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None, network: _Network,
+def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | _NoTier, network: _Network,
           gc_lease) -> Store:
     """The checked options -> the Store: its storage, marker, ref table and Core."""
-    refs, create_refs, read_only = refs_at.refs, refs_at.create_refs, refs_at.read_only
-    backoff = network.backoff
-    if tier is not None:
-        read_only = False
-        # The remote's retries end when the store closes (Uploader.close): a close with
-        # the remote away must not wait out the retry budget.
-        backoff = backoff.stoppable()
+    refs, create_refs = refs_at.refs, refs_at.create_refs
+    read_only, backoff = tier.read_only(refs_at.read_only), tier.backoff(network.backoff)
     proto, rest = split_url(url)
 
     def settings(storage, cfg, read_only):
@@ -353,26 +383,31 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None
                             inline_threshold=stored.inline_threshold, gc_lease=gc_lease, read_only=read_only,
                             pack_size=stored.pack_size)
 
-    def tier_store(lcore: Core, remote: Core, cfg: dict) -> Store:
-        """The Store over a local tier's Core, the remote Core behind it (tier/opening.py)."""
-        # saver="process": the saver runs the uploads, from the tier to the remote
-        saver = network.saver_for(proto, rest, remote.settings, remote.assets.codecs, src=lcore.storage.root)
-        return Store(lcore, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
-                     tier=LocalTier(lcore, remote, budget=tier.budget, early=tier.early_upload, stop=backoff.stop,
-                                    replicas=tier.replicas, saver=saver),
-                     saver=saver)
+    def tier_store(tier: _Tier):
+        def make(lcore: Core, remote: Core, cfg: dict) -> Store:
+            """The Store over a local tier's Core, the remote Core behind it (tier/opening.py)."""
+            # saver="process": the saver runs the uploads, from the tier to the remote
+            saver = network.saver_for(proto, rest, remote.settings, remote.assets.codecs, src=lcore.storage.root)
+            return Store(lcore, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
+                         tier=LocalTier(lcore, remote, budget=tier.budget, early=tier.early_upload,
+                                        stop=backoff.stop, replicas=tier.replicas, saver=saver),
+                         saver=saver)
+        return make
+
+    def open_lazily(tier: _Tier) -> Store | None:
+        return lazy_tiered(tier.local, proto, rest, refs, network.storage_options, backoff,
+                           lambda: remote_storage(proto, rest, network.storage_options, backoff),
+                           network.wrapped,
+                           dict(workers=network.workers, verify=stored.verify, compression=stored.compression,
+                                block_size=stored.block_size, inline_threshold=stored.inline_threshold,
+                                gc_lease=gc_lease, read_only=None, pack_size=stored.pack_size),
+                           tier_store(tier))
+
     if refs is None and proto not in ("file", "memory"):  # say so before writing anything there
         open_refs(refs, proto, rest, create=False)
-    if tier is not None and proto in LAZY_PROTOCOLS and not create_refs:
-        store = lazy_tiered(tier.local, proto, rest, refs, network.storage_options, backoff,
-                            lambda: remote_storage(proto, rest, network.storage_options, backoff),
-                            network.wrapped,
-                            dict(workers=network.workers, verify=stored.verify, compression=stored.compression,
-                                 block_size=stored.block_size, inline_threshold=stored.inline_threshold,
-                                 gc_lease=gc_lease, read_only=None, pack_size=stored.pack_size),
-                            tier_store)
-        if store is not None:
-            return store
+    store = tier.lazily(proto, create_refs, open_lazily)
+    if store is not None:
+        return store
     storage, rest, read_only, why_ro = _storage(proto, rest, refs, read_only, create, network.storage_options,
                                                 backoff)
     if read_only:  # nothing below creates anything
@@ -385,18 +420,23 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | None
     try:
         settings_, codecs = settings(storage, cfg, why_ro if read_only else None)
         core = Core.build(storage, reftable, codecs=codecs, settings=settings_)
-        if tier is None:
+
+        def plain() -> Store:
             return Store(core, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
                          saver=None if read_only else network.saver_for(proto, rest, settings_, codecs))
-        try:
-            location = remote_location(proto, rest, network.storage_options)
-            store = tiered(tier.local, core, cfg, store_id, codecs, settings_, tier_store, location=location)
-            if location is not None:
-                record_location(reftable, location, cfg)
-            return store
-        except BaseException:
-            core.pool.shutdown(wait=False)
-            raise
+
+        def tiered_(tier: _Tier) -> Store:
+            try:
+                location = remote_location(proto, rest, network.storage_options)
+                store = tiered(tier.local, core, cfg, store_id, codecs, settings_, tier_store(tier),
+                               location=location)
+                if location is not None:
+                    record_location(reftable, location, cfg)
+                return store
+            except BaseException:
+                core.pool.shutdown(wait=False)
+                raise
+        return tier.store(plain, tiered_)
     except BaseException:
         if not isinstance(refs, RefTable):  # a table we opened, not the caller's
             reftable.close()
