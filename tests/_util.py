@@ -39,7 +39,7 @@ HELPERS = REPO / "tests" / "helpers"
 # ---------------------------------------------------------------- processes and threads
 def soak(n: int) -> int:
     """How many trials a kill or race loop runs: n in CI, n times $TSCK_SOAK for a longer
-    run by hand (`TSCK_SOAK=10 pytest tests/test_crash.py`); the harness (tests/sim) is
+    run by hand (`TSCK_SOAK=10 pytest tests/write/test_crash.py`); the harness (tests/sim) is
     the long random search, these loops the fixed regression cases."""
     return max(1, round(n * float(os.environ.get("TSCK_SOAK") or 1)))
 
@@ -396,7 +396,7 @@ class HoldLookups(WrappedStore):
 
 # ---------------------------------------------------------------- the CLI without torch
 # Runs the CLI's main() with torch made unimportable: any import of it fails the command
-# (tests/test_cli_no_torch.py, tests/test_dcp_cli.py).
+# (tests/cli/test_cli_no_torch.py, tests/dcp/test_dcp_cli.py).
 NO_TORCH_CLI = textwrap.dedent("""
     import sys
     class _Block:
@@ -469,7 +469,7 @@ def tiny_model():
 
 
 # ---------------------------------------------------------------- `tsck du`'s three jobs
-DU_BS = 64 * 1024  # (tests/test_plot.py, tests/test_du_holds.py)
+DU_BS = 64 * 1024  # (tests/interchange/test_plot.py, tests/maintain/test_du_holds.py)
 DU_N = DU_BS // 4  # float32 elements per block: 1-D tensors are cut at exact multiples of DU_BS
 
 

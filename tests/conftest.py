@@ -1,5 +1,6 @@
 import contextlib as _contextlib
 import os
+import sys
 
 import pytest
 
@@ -22,10 +23,15 @@ if _pack:
 # pip was told not to compile, again. They are written to a folder of their own
 # (PYTHONPYCACHEPREFIX), never beside the sources.
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
-    import sys as _sys
     import tempfile as _tempfile
     os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(_tempfile.gettempdir(), "tsck-tests-pycache"))
-    _sys.dont_write_bytecode, _sys.pycache_prefix = False, os.environ["PYTHONPYCACHEPREFIX"]
+    sys.dont_write_bytecode, sys.pycache_prefix = False, os.environ["PYTHONPYCACHEPREFIX"]
+
+# The test files live in folders under tests/ (read/, tier/, ...) and import the shared
+# modules beside those folders by name (_util, _zygote, _backends, ...).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 import tensorstore_ck as tsck  # noqa: E402
 import _zygote  # noqa: E402

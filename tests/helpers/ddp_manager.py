@@ -1,5 +1,5 @@
 """CheckpointManager under torch.distributed: DDP-style training loops on real gloo ranks,
-for tests/test_dist_manager.py.
+for tests/train/test_dist_manager.py.
 
     python ddp_manager.py SCENARIO OUTDIR [ARG]
 

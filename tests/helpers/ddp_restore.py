@@ -1,5 +1,5 @@
 """CheckpointManager under torch.distributed, where one rank differs: its part of a snapshot
-damaged, its state_dict() failing, a rollback, for tests/test_dist_restore.py.
+damaged, its state_dict() failing, a rollback, for tests/train/test_dist_restore.py.
 
     python ddp_restore.py SCENARIO OUTDIR [ARG]
 

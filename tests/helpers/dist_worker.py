@@ -1,4 +1,4 @@
-"""Multi-process torch.distributed scenarios for tests/test_dist.py.
+"""Multi-process torch.distributed scenarios for tests/collective/test_dist.py.
 
     python dist_worker.py SCENARIO OUTDIR [ARG]
 

@@ -1,4 +1,4 @@
-"""Hugging Face Trainer under DDP on real gloo ranks, for tests/test_hf_dist.py.
+"""Hugging Face Trainer under DDP on real gloo ranks, for tests/train/test_hf_dist.py.
 
     python hf_ddp.py SCENARIO OUTDIR
 

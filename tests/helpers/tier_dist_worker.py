@@ -1,4 +1,4 @@
-"""Collective snapshots through local tiers, for tests/test_tier_dist.py.
+"""Collective snapshots through local tiers, for tests/tier/test_tier_dist.py.
 
     python tier_dist_worker.py SCENARIO OUTDIR CONFIG.json
 
