@@ -519,11 +519,74 @@ def expected_numbers(path, states):
 
 
 # ---------------------------------------------------------------- a store through a local tier
-def tier_state(seed: int, n: int = 64) -> dict:
+# ---------------------------------------------------------------- state builders
+# The states the test files put, one builder per kind; a test's expectations (block counts,
+# bytes stored) follow from the shapes and seeds, so a builder's defaults never change.
+
+def tier_state(seed: int, n: int = 64, *, cols: int = 256, bias: bool = True, step: bool = False) -> dict:
+    """Random floats from one generator seeded SEED (stored raw: lz4 does not shrink them),
+    so each seed's put writes new blocks: "w" (N x COLS), "b" (300, with BIAS) and "step"
+    (the seed as a tensor, with STEP)."""
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, 256, generator=g), "b": torch.randn(300, generator=g)}
+    out = {"w": torch.randn(n, cols, generator=g)}
+    if bias:
+        out["b"] = torch.randn(300, generator=g)
+    if step:
+        out["step"] = torch.tensor(seed)
+    return out
+
+
+def counter_state(i: int, n: int = 64) -> dict:
+    """A small numpy state told apart by I: "w" (N float32s counting up from I) and "step"."""
+    return {"w": np.arange(n, dtype=np.float32) + i, "step": i}
+
+
+def nested_state(i: int, block: int) -> dict:
+    """A state with a manifest node of its own ("sub") and a tensor every seed shares
+    ("shared"); BLOCK: the store's block size, two blocks each for "shared" and "own"."""
+    g = torch.Generator().manual_seed(i)
+    sub = {"x": torch.randn(block // 4, generator=g), **{f"b{k}": torch.full((8,), float(k)) for k in range(100)}}
+    return {"shared": torch.ones(2 * block // 4), "own": torch.randn(2 * block // 4, generator=g),
+            "sub": sub, "i": i}
 
 
 def open_tiered(tmp_path, **kw) -> tsck.Store:
     return tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=16 * 1024,
                            inline_threshold=256, **kw)
+
+
+# ---------------------------------------------------------------- the CLI
+def run_cli(*args, timeout=120, env=None) -> "subprocess.CompletedProcess":
+    """`tsck ARGS` in a process of its own (forked by the zygote), as a user runs it: the
+    environment child_env(cli=True) makes, plus ENV. A Backend among ARGS stands for its
+    store URL, and its --refs and storage options travel in the environment (TSCK_REFS,
+    TSCK_STORAGE_OPTIONS)."""
+    import _zygote as zygote
+    full = child_env(cli=True)
+    argv = []
+    for a in args:
+        if hasattr(a, "cli_env"):
+            full.update(a.cli_env())
+            a = a.url
+        argv.append(str(a))
+    full.update(env or {})
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *argv],
+                      capture_output=True, text=True, timeout=timeout, env=full, cwd=str(REPO))
+
+
+def run_clis(*arglists, timeout=120) -> list:
+    """Several CLI runs at once (each imports torch: ~1.5 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(arglists)) as ex:
+        return list(ex.map(lambda a: run_cli(*a, timeout=timeout), arglists))
+
+
+def cli_here(capsys, *argv) -> tuple[int, str, str]:
+    """`tsck ARGV` in this process (tensorstore_ck.cli.main): its exit status and what it
+    printed, nothing printed before it."""
+    from tensorstore_ck.cli import main
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+

@@ -17,15 +17,9 @@ import pytest
 import torch
 
 import _zygote as zygote
-from _lifecycle_util import run_cli
-from _util import child_env
+from _util import child_env, rand_tensor, run_cli
 
 import tensorstore_ck as tsck
-
-try:
-    from ._util import rand_tensor
-except ImportError:  # tests/ is not a package
-    from _util import rand_tensor
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,13 +17,12 @@ import shutil
 import sys
 
 import pytest
-import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.core.walk import walk_commit
 
 import _zygote as zygote
-from _util import plant_special
+from _util import nested_state, plant_special
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 4096
@@ -37,13 +36,6 @@ COMMANDS = [
     ["retention", "j", "--keep-last", "2"], ["forget", "j/main@1"], ["untag", "golden"], ["delete-ref", "j/exp"],
     ["fsck", "--repair"], ["gc"], ["recover"], ["import", "imp/main", "{out}/w.safetensors"], ["refs", "--json"],
 ]
-
-
-def _state(i: int) -> dict:
-    g = torch.Generator().manual_seed(i)
-    sub = {"x": torch.randn(BLOCK // 4, generator=g), **{f"b{k}": torch.full((8,), float(k)) for k in range(100)}}
-    return {"shared": torch.ones(2 * BLOCK // 4), "own": torch.randn(2 * BLOCK // 4, generator=g),
-            "sub": sub, "i": i}
 
 
 def _rewrite(p: str, fn) -> None:
@@ -111,8 +103,8 @@ def results(tmp_path_factory, request):
     base = tmp_path_factory.mktemp("cli-faults")
     pristine = str(base / "pristine")
     with tsck.open_store(pristine, block_size=BLOCK, inline_threshold=256) as s:
-        roots = [s.put_snapshot(_state(i), "j/main", step=i).root for i in (1, 2, 3)]
-        s.put_snapshot(_state(10), "j/exp", step=10)
+        roots = [s.put_snapshot(nested_state(i, BLOCK), "j/main", step=i).root for i in (1, 2, 3)]
+        s.put_snapshot(nested_state(10, BLOCK), "j/exp", step=10)
         s.tag("golden", "j/main@2")
         s.set_retention("j", tsck.Retention(keep_last=1))
         tip = list(walk_commit(s.assets, bytes.fromhex(roots[-1])))

@@ -20,12 +20,8 @@ from tensorstore_ck.cli import build_parser
 
 import _zygote as zygote
 
-try:
-    from ._util import child_env, rand_tensor
-    from ._lifecycle_util import REPO, run_cli
-except ImportError:  # tests/ is not a package
-    from _util import child_env, rand_tensor
-    from _lifecycle_util import REPO, run_cli
+from _util import REPO, child_env, rand_tensor, run_cli
+
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,8 @@ import torch
 
 import tensorstore_ck as tsck
 
-try:
-    from ._util import object_listing
-    from ._lifecycle_util import run_cli
-except ImportError:  # tests/ is not a package
-    from _util import object_listing
-    from _lifecycle_util import run_cli
+from _util import object_listing, run_cli
+
 
 LOSS = [3.0, 1.0, 2.0, 5.0, 4.0, 6.0]
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,22 +21,16 @@ import tensorstore_ck as tsck
 from tensorstore_ck.format.manifest import encode_commit
 from tensorstore_ck.format.records import encode_record
 
-import _zygote as zygote
+from _util import run_cli
+
 
 REPO = Path(__file__).resolve().parents[2]
 STATS = {"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0}
 
 
-def _cli(*args):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                      text=True, timeout=120, env=env, cwd=str(REPO))
-
-
 def _cli_all(*cmds):
     with ThreadPoolExecutor(4) as ex:
-        return list(ex.map(lambda c: _cli(*c), cmds))
+        return list(ex.map(lambda c: run_cli(*c), cmds))
 
 
 def _strict(text: str):

@@ -29,10 +29,7 @@ import tensorstore_ck as tsck
 from tensorstore_ck.dcp import TsckReader, TsckWriter, decode_metadata, encode_metadata
 from tensorstore_ck.interchange.hf_folder import select
 
-try:
-    from ._util import assert_same, tensor_bytes
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, tensor_bytes
+from _util import assert_same, tensor_bytes
 
 HERE = Path(__file__).resolve().parents[1]
 DIST_HELPER = HERE / "helpers" / "dcp_dist.py"

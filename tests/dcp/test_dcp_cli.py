@@ -13,15 +13,11 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 import tensorstore_ck as tsck
-from tensorstore_ck.cli import main
 from tensorstore_ck.dcp import TsckWriter
 
 import _zygote as zygote
 
-try:
-    from ._util import NO_TORCH_CLI as _NO_TORCH
-except ImportError:  # tests/ is not a package
-    from _util import NO_TORCH_CLI as _NO_TORCH
+from _util import NO_TORCH_CLI as _NO_TORCH, cli_here
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -50,15 +46,8 @@ def store(tmp_path_factory):
     return path
 
 
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def _ls(capsys, store, target, *more) -> list[dict]:
-    rc, out, err = _cli(capsys, "ls", store, target, *more, "--json")
+    rc, out, err = cli_here(capsys, "ls", store, target, *more, "--json")
     assert rc == 0, err
     return json.loads(out)["entries"]
 
@@ -72,14 +61,14 @@ def test_ls_shows_the_state_as_saved_like_the_same_state_put_natively(store, cap
     assert "model.0.weight" in paths and "optim.state.0.exp_avg" in paths
     assert {e["path"]: e.get("value") for e in got}["optim.param_groups.0.lr"] == 0.001
     assert not any(p.startswith(("tensors.", "bytes.", "metadata", "format", "version")) for p in paths)
-    rc, text, _ = _cli(capsys, "ls", store, "job/dcp")
+    rc, text, _ = cli_here(capsys, "ls", store, "job/dcp")
     assert rc == 0 and len(text.splitlines()) == len(got) + 1 and "tensors." not in text
 
     # A PATH selects in the saved state, as checkout(paths=) does.
     assert [e["path"] for e in _ls(capsys, store, "job/dcp", "model")] == \
         ["model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"]
     assert [e["path"] for e in _ls(capsys, store, "job/dcp", "model.2.bias")] == ["model.2.bias"]
-    rc, _, err = _cli(capsys, "ls", store, "job/dcp", "tensors.model")
+    rc, _, err = cli_here(capsys, "ls", store, "job/dcp", "tensors.model")
     assert rc == 2 and "holds nothing at 'tensors.model'" in err
 
 
@@ -100,7 +89,7 @@ def test_ls_of_a_dcp_snapshot_starts_without_torch(store):
 @pytest.mark.parametrize("path", ["model", "model.0.weight", "optim.state", None])
 def test_checkout_path_writes_what_the_api_checks_out(store, capsys, tmp_path, path):
     dest = tmp_path / "x.safetensors"
-    rc, _, err = _cli(capsys, "checkout", store, "job/dcp", dest, *(["--path", path] if path else []))
+    rc, _, err = cli_here(capsys, "checkout", store, "job/dcp", dest, *(["--path", path] if path else []))
     assert rc == 0, err
     with tsck.open_store(store) as s:
         api = s.checkout("job/dcp", paths=None if path is None else [path])
@@ -126,8 +115,8 @@ def test_checkout_of_the_whole_dcp_snapshot_equals_the_native_ones(store, capsys
     """Optimizer hyper-parameters are plain values once loaded: the file is the one the
     same state put through put_snapshot exports (tensors, and the plain values as metadata)."""
     a, b = tmp_path / "dcp.safetensors", tmp_path / "native.safetensors"
-    assert _cli(capsys, "checkout", store, "job/dcp", a)[0] == 0
-    assert _cli(capsys, "checkout", store, "job/native", b)[0] == 0
+    assert cli_here(capsys, "checkout", store, "job/dcp", a)[0] == 0
+    assert cli_here(capsys, "checkout", store, "job/native", b)[0] == 0
     with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
         assert fa.metadata() == fb.metadata() and fa.metadata()["optim.param_groups.0.lr"] == "0.001"
         assert sorted(fa.keys()) == sorted(fb.keys())
@@ -135,13 +124,13 @@ def test_checkout_of_the_whole_dcp_snapshot_equals_the_native_ones(store, capsys
 
 
 def test_what_cannot_be_exported_is_named_with_the_paths_that_can(store, capsys, tmp_path):
-    rc, _, err = _cli(capsys, "checkout", store, "job/odd", tmp_path / "x.safetensors")
+    rc, _, err = cli_here(capsys, "checkout", store, "job/odd", tmp_path / "x.safetensors")
     assert rc == 2 and "a pickled object at extra.frac" in err and "--path model" in err, err
-    rc, _, err = _cli(capsys, "checkout", store, "job/odd", tmp_path / "x.pt")
+    rc, _, err = cli_here(capsys, "checkout", store, "job/odd", tmp_path / "x.pt")
     assert rc == 2 and "'extra.frac'" in err and "fractions.Fraction" in err and "--path model" in err, err
     assert "Traceback" not in err and not (tmp_path / "x.pt").exists()
-    assert _cli(capsys, "checkout", store, "job/odd", tmp_path / "m.safetensors", "--path", "model")[0] == 0
-    rc, out, _ = _cli(capsys, "ls", store, "job/odd", "extra")
+    assert cli_here(capsys, "checkout", store, "job/odd", tmp_path / "m.safetensors", "--path", "model")[0] == 0
+    rc, out, _ = cli_here(capsys, "ls", store, "job/odd", "extra")
     assert rc == 0 and "extra.frac" in out and "pickled" in out and "extra.lr" in out
 
 
@@ -164,10 +153,10 @@ def test_ls_and_checkout_never_run_a_stored_pickle(tmp_path, capsys):
     with tsck.open_store(path) as s:
         dcp.save({"w": torch.ones(3), "boom": _Touch(str(marker))},
                  storage_writer=TsckWriter(s, ref="j/main", step=1, allow_pickle=True))
-    rc, out, _ = _cli(capsys, "ls", path, "j/main")
+    rc, out, _ = cli_here(capsys, "ls", path, "j/main")
     assert rc == 0 and "boom" in out and "pickled" in out
-    rc, _, err = _cli(capsys, "checkout", path, "j/main", tmp_path / "x.pt")
+    rc, _, err = cli_here(capsys, "checkout", path, "j/main", tmp_path / "x.pt")
     assert rc == 2 and "'boom'" in err and "--path w" in err, err
-    rc, _, err = _cli(capsys, "checkout", path, "j/main", tmp_path / "x.safetensors")
+    rc, _, err = cli_here(capsys, "checkout", path, "j/main", tmp_path / "x.safetensors")
     assert rc == 2 and "a pickled object at boom" in err, err
     assert not marker.exists()

@@ -14,19 +14,13 @@ import torch.distributed.checkpoint as dcp
 
 import tensorstore_ck as tsck
 from tensorstore_ck.core.assets import block_key
-from tensorstore_ck.cli import main
 from tensorstore_ck.dcp import TsckWriter
 from tensorstore_ck.util.ids import Digest
 from tensorstore_ck.core.walk import iter_leaves
 
+from _util import cli_here
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _model_and_optim():
@@ -55,27 +49,27 @@ def saved(tmp_path):
 
 
 def _ls_paths(capsys, path, target, *more) -> set:
-    rc, out, err = _cli(capsys, "ls", path, target, *more, "--json")
+    rc, out, err = cli_here(capsys, "ls", path, target, *more, "--json")
     assert rc == 0, err
     return {e["path"] for e in json.loads(out)["entries"]}
 
 
 def test_diff_of_two_dcp_saves_names_the_paths_ls_shows(saved, capsys):
-    rc, out, err = _cli(capsys, "diff", saved, "job/main@1", "job/main@2")
+    rc, out, err = cli_here(capsys, "diff", saved, "job/main@1", "job/main@2")
     assert rc == 0, err
     assert out.splitlines()[1:] == ["~ model.0.weight: 4/4 blocks differ",
                                     "1 changed, 0 added, 0 removed, 15 unchanged"]
-    rc, out, _ = _cli(capsys, "diff", saved, "job/main@1", "job/main@2", "--json")
+    rc, out, _ = cli_here(capsys, "diff", saved, "job/main@1", "job/main@2", "--json")
     d = json.loads(out)
     assert rc == 0 and [c["path"] for c in d["changed"]] == ["model.0.weight"]
     assert "model.0.weight" in _ls_paths(capsys, saved, "job/main@2")
     # a path selects as in ls; --exit-code as git's
-    rc, out, _ = _cli(capsys, "diff", saved, "job/main@1", "job/main@2", "model.0", "--exit-code")
+    rc, out, _ = cli_here(capsys, "diff", saved, "job/main@1", "job/main@2", "model.0", "--exit-code")
     assert rc == 1 and "~ model.0.weight:" in out
-    rc, out, _ = _cli(capsys, "diff", saved, "job/main@1", "job/main@2", "optim", "--exit-code")
+    rc, out, _ = cli_here(capsys, "diff", saved, "job/main@1", "job/main@2", "optim", "--exit-code")
     assert rc == 0 and "0 changed" in out
     # --raw: the stored layout, as ls --raw
-    rc, out, _ = _cli(capsys, "diff", saved, "job/main@1", "job/main@2", "--raw")
+    rc, out, _ = cli_here(capsys, "diff", saved, "job/main@1", "job/main@2", "--raw")
     assert rc == 0 and "~ tensors.model.0.weight: 4/4 blocks differ" in out.splitlines()
     assert "tensors.model.0.weight" in _ls_paths(capsys, saved, "job/main@2", "--raw")
 
@@ -91,12 +85,12 @@ def test_fsck_finding_in_a_dcp_snapshot_names_the_path_ls_shows(saved, capsys):
     data[-1] ^= 0xFF
     os.chmod(victim, 0o644)
     victim.write_bytes(bytes(data))
-    rc, out, err = _cli(capsys, "fsck", saved)
+    rc, out, err = cli_here(capsys, "fsck", saved)
     assert rc == 1, (out, err)
     bad = [ln for ln in out.splitlines() if ln.startswith("corrupt:")]
     assert len(bad) == 1 and f"snapshot {root[:16]}" in bad[0] and "at model.0.weight;" in bad[0], out
-    rc, out, _ = _cli(capsys, "fsck", saved, "--json")
+    rc, out, _ = cli_here(capsys, "fsck", saved, "--json")
     (f,) = json.loads(out)["findings"]
     assert rc == 1 and f["path"] == "model.0.weight" and f["snapshot"] == root
-    rc, out, _ = _cli(capsys, "fsck", saved, "--raw")
+    rc, out, _ = cli_here(capsys, "fsck", saved, "--raw")
     assert rc == 1 and "at tensors.model.0.weight;" in out

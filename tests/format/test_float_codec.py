@@ -20,10 +20,7 @@ import tensorstore_ck as tsck
 from tensorstore_ck.errors import FormatError
 from tensorstore_ck.format import frame
 
-try:
-    from ._util import assert_same, recode_blocks
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, recode_blocks
+from _util import assert_same, recode_blocks
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 SUB = frame.FLOAT_SUBHEADER

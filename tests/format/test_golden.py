@@ -25,10 +25,7 @@ import torch
 
 import tensorstore_ck as tsck
 
-try:
-    from ._util import assert_same
-except ImportError:  # tests/ is not a package
-    from _util import assert_same
+from _util import assert_same
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 GOLDEN = DATA / "golden"

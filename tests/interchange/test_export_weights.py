@@ -16,10 +16,7 @@ from safetensors.torch import load_file
 import tensorstore_ck as tsck
 from tensorstore_ck.cli import main as cli_main
 
-try:
-    from ._util import assert_same, object_listing, refs_snapshot
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, object_listing, refs_snapshot
+from _util import assert_same, object_listing, refs_snapshot
 
 
 class Net(torch.nn.Module):

@@ -28,12 +28,8 @@ from tensorstore_ck.interchange.export import export_file
 from tensorstore_ck.interchange.importing import import_files
 from tensorstore_ck.read.listing import list_tree
 
-try:
-    from ._util import assert_same, object_listing, rand_tensor, refs_snapshot, tensor_bytes
-    from ._lifecycle_util import run_cli
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, object_listing, rand_tensor, refs_snapshot, tensor_bytes
-    from _lifecycle_util import run_cli
+from _util import assert_same, object_listing, rand_tensor, refs_snapshot, run_cli, tensor_bytes
+
 
 BS = 64 * 1024
 

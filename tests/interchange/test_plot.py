@@ -17,12 +17,8 @@ from tensorstore_ck import cli
 from tensorstore_ck.errors import InvalidArgument
 from tensorstore_ck.maintain.usage import usage
 
-try:
-    from ._util import DU_BS as BS, DU_N as N, block_digests, block_sizes_on_disk, expected_numbers, fill, rand_tensor, vec
-    from ._lifecycle_util import run_cli
-except ImportError:  # tests/ is not a package
-    from _util import DU_BS as BS, DU_N as N, block_digests, block_sizes_on_disk, expected_numbers, fill, rand_tensor, vec
-    from _lifecycle_util import run_cli
+from _util import DU_BS as BS, DU_N as N, block_sizes_on_disk, expected_numbers, fill, run_cli, vec
+
 
 def test_usage_numbers(tmp_path):
     path = tmp_path / "s"

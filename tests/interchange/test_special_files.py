@@ -25,12 +25,8 @@ import tensorstore_ck as tsck
 from tensorstore_ck.errors import FormatError, InvalidArgument
 from tensorstore_ck.interchange.importing import import_files
 
-try:
-    from ._util import bounded, object_listing, refs_snapshot
-    from ._lifecycle_util import run_cli
-except ImportError:  # tests/ is not a package
-    from _util import bounded, object_listing, refs_snapshot
-    from _lifecycle_util import run_cli
+from _util import bounded, object_listing, refs_snapshot, run_cli
+
 
 DEADLINE = 60.0  # seconds; the calls take well under one, but the machine may be loaded
 

@@ -11,10 +11,7 @@ import pytest
 import tensorstore_ck as tsck
 from tensorstore_ck import cli
 
-try:
-    from ._util import DU_BS as BS, block_digests, block_sizes_on_disk, expected_numbers, fill, vec
-except ImportError:  # tests/ is not a package
-    from _util import DU_BS as BS, block_digests, block_sizes_on_disk, expected_numbers, fill, vec
+from _util import DU_BS as BS, block_digests, block_sizes_on_disk, expected_numbers, fill, vec
 
 
 def tsck_cli(capsys, *argv):

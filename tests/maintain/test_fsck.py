@@ -21,12 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-try:
-    from ._util import assert_same, rand_tensor
-    from ._lifecycle_util import HEADER, StoreWalker, header_of, key_of, run_clis, sizes
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, rand_tensor
-    from _lifecycle_util import HEADER, StoreWalker, header_of, key_of, run_clis, sizes
+from _util import assert_same, rand_tensor, run_clis
+from _lifecycle_util import HEADER, StoreWalker, header_of, key_of, sizes
 
 import tensorstore_ck as tsck
 from tensorstore_ck.util.paths import dotted_from_formatted

@@ -28,7 +28,7 @@ from tensorstore_ck.storage.base import check_deadline
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 from _backends import Backend  # noqa: E402
-from _util import load_helper  # noqa: E402
+from _util import load_helper, run_cli  # noqa: E402
 
 gc_proc = load_helper("gc_proc")
 gc_states = gc_proc.load("gc_states")
@@ -193,8 +193,6 @@ def test_hosts_with_wrong_clocks_share_a_postgresql_ref_table(tmp_path, pg_dsn):
 
 
 def test_tsck_gc_declares_the_lease_it_was_given(tmp_path):
-    from _lifecycle_util import run_cli
-
     path = tmp_path / "s"
     with tsck.open_store(str(path)) as s:
         s.put_snapshot({"w": gc_states.crash_state("a", 0)["own"]}, ref="a/main", step=0)
@@ -214,8 +212,6 @@ def test_gc_grace_leaves_young_objects_to_a_later_gc(tmp_path):
     """A snapshot in flight has written objects nothing references yet; a gc with a grace
     period leaves them (the writer would otherwise be fenced and re-upload them), and a
     later gc without one removes them if they stay unreferenced."""
-    from _lifecycle_util import run_cli
-
     path = tmp_path / "s"
     with tsck.open_store(str(path)) as s:
         s.put_snapshot({"w": torch.zeros(10)}, ref="a/main", step=0)

@@ -14,12 +14,8 @@ import torch
 
 import tensorstore_ck as tsck
 
-try:
-    from ._util import assert_same, object_listing, rand_tensor, refs_snapshot, tags_snapshot
-    from ._lifecycle_util import StoreWalker, run_clis
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, object_listing, rand_tensor, refs_snapshot, tags_snapshot
-    from _lifecycle_util import StoreWalker, run_clis
+from _util import assert_same, object_listing, rand_tensor, refs_snapshot, run_clis, tags_snapshot
+from _lifecycle_util import StoreWalker
 
 BLOCK = 4096
 INLINE = 256

@@ -14,12 +14,8 @@ import torch
 
 import tensorstore_ck as tsck
 
-try:
-    from ._util import assert_same, object_listing, rand_tensor
-    from ._lifecycle_util import run_cli
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, object_listing, rand_tensor
-    from _lifecycle_util import run_cli
+from _util import assert_same, object_listing, rand_tensor, run_cli
+
 
 BS = 64 * 1024
 

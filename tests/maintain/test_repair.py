@@ -24,16 +24,8 @@ import threading
 import pytest
 import torch
 
-try:
-    from ._util import assert_same, rand_tensor
-    from ._lifecycle_util import run_clis
-    from ._backends import Backend
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, rand_tensor
-    from _lifecycle_util import run_clis
-    from _backends import Backend
-
-from _util import in_thread
+from _backends import Backend
+from _util import assert_same, in_thread, rand_tensor, run_clis
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore

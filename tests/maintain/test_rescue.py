@@ -12,10 +12,9 @@ import threading
 import pytest
 import torch
 
-from _util import in_thread
+from _util import cli_here, in_thread
 
 import tensorstore_ck as tsck
-from tensorstore_ck.cli import main
 from tensorstore_ck.storage.wrappers import WrappedStore
 from tensorstore_ck.core.walk import walk_commit
 
@@ -30,13 +29,6 @@ def _fill(path, wrap=None) -> tsck.Store:
         s.put_snapshot({"w": _w(step), "step": step}, ref="a/main", step=step)
     s.put_snapshot({"w": _w(9)}, ref="b/main", step=9)
     return s
-
-
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _state(s: tsck.Store) -> dict:
@@ -57,16 +49,16 @@ def test_tag_by_root_brings_back_a_deleted_ref_before_gc(tmp_path, capsys):
     path = tmp_path / "s"
     with _fill(path):
         pass
-    rc, out, _ = _cli(capsys, "delete-ref", path, "a/main", "--json")
+    rc, out, _ = cli_here(capsys, "delete-ref", path, "a/main", "--json")
     assert rc == 0
     root = json.loads(out)["root"]
-    rc, out, err = _cli(capsys, "tag", path, "rescued", root)
+    rc, out, err = cli_here(capsys, "tag", path, "rescued", root)
     assert rc == 0, err
     assert f"tag rescued -> {root}" in out
-    rc, out, _ = _cli(capsys, "show", path, "rescued", "--json")
+    rc, out, _ = cli_here(capsys, "show", path, "rescued", "--json")
     assert rc == 0 and json.loads(out)["step"] == 2 and json.loads(out)["ref"] == "a/main"
-    assert _cli(capsys, "gc", path)[0] == 0
-    assert _cli(capsys, "fsck", path)[0] == 0
+    assert cli_here(capsys, "gc", path)[0] == 0
+    assert cli_here(capsys, "fsck", path)[0] == 0
     with tsck.open_store(path) as s:
         assert torch.equal(s.checkout("rescued")["w"], _w(2))
         assert s.reftable.catalog_has(bytes.fromhex(root))  # its row is back: du and retention see it
@@ -78,10 +70,10 @@ def test_a_forgotten_snapshot_comes_back_by_its_root(tmp_path, capsys):
     path = tmp_path / "s"
     with _fill(path) as s:
         root = s.resolve("a/main@1")
-    assert _cli(capsys, "forget", path, "a/main@1")[0] == 0
-    rc, _, err = _cli(capsys, "tag", path, "step1", root)
+    assert cli_here(capsys, "forget", path, "a/main@1")[0] == 0
+    rc, _, err = cli_here(capsys, "tag", path, "step1", root)
     assert rc == 0, err
-    assert _cli(capsys, "gc", path)[0] == 0
+    assert cli_here(capsys, "gc", path)[0] == 0
     with tsck.open_store(path) as s:
         assert torch.equal(s.checkout("step1")["w"], _w(1)) and s.fsck().ok
 
@@ -90,22 +82,22 @@ def test_tag_by_root_says_why_not(tmp_path, capsys):
     path = tmp_path / "s"
     with _fill(path) as s:
         root1, root2 = s.resolve("a/main@1"), s.resolve("a/main")
-    assert _cli(capsys, "delete-ref", path, "a/main")[0] == 0
+    assert cli_here(capsys, "delete-ref", path, "a/main")[0] == 0
     # A prefix names kept snapshots only: the error says to give the full root.
-    rc, _, err = _cli(capsys, "tag", path, "x", root2[:16])
+    rc, _, err = cli_here(capsys, "tag", path, "x", root2[:16])
     assert rc == 2 and "full root, 64 hex digits" in err
     # A block of step 2 lost (what a sweep under way leaves): refused, nothing created.
     with tsck.open_store(path) as s:
         block = next(o.digest for o in walk_commit(s.core.assets, bytes.fromhex(root2)) if o.kind == "block")
         s.core.storage.delete(s.core.assets.object_key("blocks", block))
         before = _state(s)
-    rc, _, err = _cli(capsys, "tag", path, "x", root2)
+    rc, _, err = cli_here(capsys, "tag", path, "x", root2)
     assert rc == 2 and f"snapshot {root2[:16]} cannot be tagged" in err and "is missing" in err, err
     with tsck.open_store(path) as s:
         assert _state(s) == before and s.reftable.tags() == []
     # After gc reclaimed it: no commit left.
-    assert _cli(capsys, "gc", path)[0] == 0
-    rc, _, err = _cli(capsys, "tag", path, "x", root1)
+    assert cli_here(capsys, "gc", path)[0] == 0
+    rc, _, err = cli_here(capsys, "tag", path, "x", root1)
     assert rc == 2 and "storage holds no commit" in err, err
 
 
@@ -114,23 +106,23 @@ def test_delete_ref_and_forget_dry_run_change_nothing(tmp_path, capsys):
     with _fill(path) as s:
         root1, root2 = s.resolve("a/main@1"), s.resolve("a/main")
         before = _state(s)
-    rc, out, err = _cli(capsys, "delete-ref", path, "a/main", "--dry-run")
+    rc, out, err = cli_here(capsys, "delete-ref", path, "a/main", "--dry-run")
     assert rc == 0, err
     assert "would delete ref a/main" in out and root1 in out and root2 in out and "nothing was changed" in out
-    rc, out, _ = _cli(capsys, "delete-ref", path, "a/main", "--dry-run", "--json")
+    rc, out, _ = cli_here(capsys, "delete-ref", path, "a/main", "--dry-run", "--json")
     d = json.loads(out)
     assert d["dry_run"] is True and d["snapshots_dropped"] == 2 and sorted(d["dropped"]) == sorted([root1, root2])
-    rc, out, err = _cli(capsys, "forget", path, "a/main@1", "--dry-run")
+    rc, out, err = cli_here(capsys, "forget", path, "a/main@1", "--dry-run")
     assert rc == 0 and f"would forget {root1}" in out and "nothing was changed" in out, err
     # What the real command refuses, the dry run refuses too.
-    rc, _, err = _cli(capsys, "forget", path, "a/main", "--dry-run")
+    rc, _, err = cli_here(capsys, "forget", path, "a/main", "--dry-run")
     assert rc == 2 and "is the tip of ref 'a/main'" in err
-    rc, _, err = _cli(capsys, "delete-ref", path, "a/main", "--dry-run", "--expected", root1[:12])
+    rc, _, err = cli_here(capsys, "delete-ref", path, "a/main", "--dry-run", "--expected", root1[:12])
     assert rc == 2
     with tsck.open_store(path) as s:
         assert _state(s) == before
     # The answer of the dry run is the answer of the run.
-    assert json.loads(_cli(capsys, "delete-ref", path, "a/main", "--json")[1])["snapshots_dropped"] == 2
+    assert json.loads(cli_here(capsys, "delete-ref", path, "a/main", "--json")[1])["snapshots_dropped"] == 2
 
 
 class Gate(WrappedStore):

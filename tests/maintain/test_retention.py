@@ -26,12 +26,8 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.maintain.retention import SnapRow, select_kept
 
-try:
-    from ._util import assert_same, object_listing, rand_tensor
-    from ._lifecycle_util import Row, StoreWalker, header_of, model_kept, run_cli, sizes
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, object_listing, rand_tensor
-    from _lifecycle_util import Row, StoreWalker, header_of, model_kept, run_cli, sizes
+from _util import assert_same, object_listing, rand_tensor, run_cli
+from _lifecycle_util import Row, StoreWalker, header_of, model_kept, sizes
 
 R = tsck.Retention
 BLOCK = 4096

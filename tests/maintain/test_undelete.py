@@ -21,10 +21,7 @@ import tensorstore_ck as tsck
 
 import _zygote as zygote
 
-try:
-    from ._util import child_env
-except ImportError:  # tests/ is not a package
-    from _util import child_env
+from _util import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 

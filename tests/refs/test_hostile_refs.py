@@ -22,9 +22,7 @@ from tensorstore_ck.refs.lmdb import LmdbRefTable
 from tensorstore_ck.refs.postgres import CHECK_IDLE
 from tensorstore_ck.storage.wrappers import RetryingStore, WrappedStore
 
-
-def _state(i: int) -> dict:
-    return {"w": np.arange(64, dtype=np.float32) + i, "step": i}
+from _util import counter_state
 
 
 def _open_pg(tmp_path, dsn: str, **kw) -> tsck.Store:
@@ -38,12 +36,12 @@ def test_pg_restart_between_puts_same_store(tmp_path, pg_server):
     Store goes on putting, checking out and listing; only a new Store worked before."""
     s = _open_pg(tmp_path, pg_server.dsn)
     try:
-        roots = [s.put_snapshot(_state(0), "a/main", step=0).root]
+        roots = [s.put_snapshot(counter_state(0), "a/main", step=0).root]
         for i in (1, 2):
             if i == 2:  # idle long enough that the pool checks a connection before handing it out
                 time.sleep(CHECK_IDLE + 0.2)
             pg_server.restart()
-            roots.append(s.put_snapshot(_state(i), "a/main", step=i).root)
+            roots.append(s.put_snapshot(counter_state(i), "a/main", step=i).root)
             assert s.checkout("a/main")["step"] == i
         pg_server.stop()
         pg_server.start()
@@ -66,9 +64,9 @@ def test_pg_server_down_is_storage_error_then_recovers(tmp_path, pg_server):
     Store works again."""
     s = _open_pg(tmp_path, pg_server.dsn + " connect_timeout=2", retry_budget=5)
     try:
-        s.put_snapshot(_state(0), "a/main", step=0)
+        s.put_snapshot(counter_state(0), "a/main", step=0)
         pg_server.stop()
-        for call in (lambda: s.put_snapshot(_state(1), "a/main", step=1), lambda: s.checkout("a/main"),
+        for call in (lambda: s.put_snapshot(counter_state(1), "a/main", step=1), lambda: s.checkout("a/main"),
                      lambda: s.log("a/main")):
             t0 = time.monotonic()
             with pytest.raises(tsck.StorageError, match="ref table at postgresql://127.0.0.1") as ei:
@@ -76,7 +74,7 @@ def test_pg_server_down_is_storage_error_then_recovers(tmp_path, pg_server):
             assert not isinstance(ei.value, tsck.NotAStore)
             assert time.monotonic() - t0 < 20
         pg_server.start()
-        s.put_snapshot(_state(2), "a/main", step=2)
+        s.put_snapshot(counter_state(2), "a/main", step=2)
         assert [i.step for i in s.log("a/main")] == [2, 0]
     finally:
         s.close()
@@ -94,7 +92,7 @@ def test_pg_reconnects_at_once_after_a_long_outage(tmp_path, pg_server):
     put after the restart succeeds within its budget."""
     s = _open_pg(tmp_path, pg_server.dsn + " connect_timeout=2", retry_budget=5)
     try:
-        s.put_snapshot(_state(0), "a/main", step=0)
+        s.put_snapshot(counter_state(0), "a/main", step=0)
         pg_server.stop()
         down = time.monotonic()
         with pytest.raises(tsck.StorageError, match="ref table at postgresql://127.0.0.1"):
@@ -103,7 +101,7 @@ def test_pg_reconnects_at_once_after_a_long_outage(tmp_path, pg_server):
         time.sleep(max(0.0, 20.0 - (time.monotonic() - down)))
         pg_server.start()
         # Within its 5 s retry budget, or StorageError: the budget is the bound, not a clock here.
-        assert s.put_snapshot(_state(1), "a/main", step=1).step == 1
+        assert s.put_snapshot(counter_state(1), "a/main", step=1).step == 1
         assert [i.step for i in s.log("a/main")] == [1, 0]
     finally:
         s.close()
@@ -229,12 +227,12 @@ def test_pg_lost_commit_answer_is_not_applied_twice(tmp_path, pg_server):
     proxy = _CommitDropper(pg_server.port)
     s = _open_pg(tmp_path, f"host=127.0.0.1 port={proxy.port} user=postgres dbname=postgres")
     try:
-        r0 = s.put_snapshot(_state(0), "a/main", step=0).root
+        r0 = s.put_snapshot(counter_state(0), "a/main", step=0).root
         proxy.armed = 1
-        r1 = s.put_snapshot(_state(1), "a/main", step=1, expected=r0).root  # conditional
+        r1 = s.put_snapshot(counter_state(1), "a/main", step=1, expected=r0).root  # conditional
         assert proxy.dropped == 1 and s.reftable.unknown_commits == 1
         proxy.armed = 1
-        i2 = s.put_snapshot(_state(2), "a/main", step=2)  # unconditional: chains on a lost race
+        i2 = s.put_snapshot(counter_state(2), "a/main", step=2)  # unconditional: chains on a lost race
         assert proxy.dropped == 2 and s.reftable.unknown_commits == 2
         assert i2.parent == r1
         assert s.resolve("a/main") == i2.root
@@ -323,7 +321,7 @@ def test_store_used_after_fork(store, busy):
         release.set()
     assert code == 0, out
     assert out == "11,10"
-    store.put_snapshot(_state(1), "a/main", step=1)
+    store.put_snapshot(counter_state(1), "a/main", step=1)
     assert [i.step for i in store.log("child/main")] == [11, 10]
     assert [i.step for i in store.log("a/main")] == [1, 0]
     assert store.fsck().ok
@@ -386,13 +384,13 @@ def test_pg_store_used_after_fork(tmp_path, pg_dsn):
 # ------------------------------------------------------------------ use after close
 def test_every_public_method_of_a_closed_store_raises_store_closed(store_path):
     s = tsck.open_store(store_path)
-    r0 = s.put_snapshot(_state(0), "a/main", step=0).root
+    r0 = s.put_snapshot(counter_state(0), "a/main", step=0).root
     s.close()
     s.close()  # twice is fine
     assert s.closed
     calls = {
-        "put": lambda: s.put_snapshot(_state(1), "a/main", step=1),
-        "async put": lambda: s.put_snapshot(_state(1), "a/main", step=1, blocking=False),
+        "put": lambda: s.put_snapshot(counter_state(1), "a/main", step=1),
+        "async put": lambda: s.put_snapshot(counter_state(1), "a/main", step=1, blocking=False),
         "checkout": lambda: s.checkout("a/main"),
         "log": lambda: s.log("a/main"),
         "refs": lambda: s.refs(),
@@ -439,7 +437,7 @@ def _corrupt_meta(path) -> None:
 @pytest.mark.parametrize("damage", [_corrupt_lmdb, _corrupt_meta])
 def test_corrupt_lmdb_ref_table_says_how_to_rebuild(store_path, capsys, damage):
     s = tsck.open_store(store_path)
-    roots = [s.put_snapshot(_state(i), "a/main", step=i).root for i in range(3)]
+    roots = [s.put_snapshot(counter_state(i), "a/main", step=i).root for i in range(3)]
     s.close()
     refs = store_path / "refs.lmdb"
     damage(str(refs))
@@ -461,7 +459,7 @@ def test_corrupt_lmdb_ref_table_says_how_to_rebuild(store_path, capsys, damage):
 # ------------------------------------------------------------------ tsck refs on an empty table
 def test_tsck_refs_on_an_empty_table_over_a_full_store_says_recover(store_path, capsys):
     s = tsck.open_store(store_path)
-    s.put_snapshot(_state(0), "a/main", step=0)
+    s.put_snapshot(counter_state(0), "a/main", step=0)
     store_id = s.config["id"]
     s.close()
     refs = store_path / "refs.lmdb"
@@ -508,7 +506,7 @@ def test_retries_and_fence_waits_are_logged(store_path, caplog):
     caplog.set_level(logging.DEBUG, logger="tensorstore_ck")
     s = tsck.open_store(store_path, wrap_storage=lambda st: RetryingStore(_ResetsOnce(st), base_delay=0.001))
     try:
-        s.put_snapshot(_state(0), "a/main", step=0)
+        s.put_snapshot(counter_state(0), "a/main", step=0)
         retry = [r for r in caplog.records if r.name == "tensorstore_ck.storage.wrappers"]
         assert len(retry) == 1 and retry[0].levelno == logging.WARNING
         assert "ConnectionResetError" in retry[0].getMessage() and "retry 1 in" in retry[0].getMessage()
@@ -517,7 +515,7 @@ def test_retries_and_fence_waits_are_logged(store_path, caplog):
         s.reftable.gc_begin("test-gc", lease=0.5)
         s.reftable.gc_freeze("test-gc")
         caplog.clear()
-        s.put_snapshot(_state(1), "a/main", step=1)
+        s.put_snapshot(counter_state(1), "a/main", step=1)
         recs = [r for r in caplog.records if r.name == "tensorstore_ck.write.publish"]
         msgs = [r.getMessage() for r in recs]
         (wait,) = [r for r in recs if "waiting for gc test-gc's deletion phase" in r.getMessage()]  # once per wait

@@ -17,21 +17,18 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import psycopg
 import pytest
 
 import tensorstore_ck as tsck
+
+from _util import counter_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.sim.netproxy import NetProxy  # noqa: E402
 
 T = 1  # the client's connect_timeout (s): lock_timeout 1 s, idle_in_transaction_session_timeout 5 s
 BOUND = 30.0  # s: a put that has not ended by then is waiting without end
-
-
-def _state(i: int) -> dict:
-    return {"w": np.arange(64, dtype=np.float32) + i, "step": i}
 
 
 def _dsn(pg_dsn: str, **kw) -> str:
@@ -92,13 +89,13 @@ def test_puts_behind_an_orphan_session_finish_once_the_server_ends_it(tmp_path, 
     a = tsck.open_store(str(tmp_path / "store"), refs=via_proxy, retry_budget=30)
     b = None
     try:
-        a.put_snapshot(_state(0), "a/main", step=0)
+        a.put_snapshot(counter_state(0), "a/main", step=0)
         b = tsck.open_store(str(tmp_path / "store"), refs=_dsn(pg_dsn), create=False, retry_budget=30)
         proxy.arm_orphan()
-        t1, r1 = _in_thread(lambda: a.put_snapshot(_state(1), "a/main", step=1))
+        t1, r1 = _in_thread(lambda: a.put_snapshot(counter_state(1), "a/main", step=1))
         pid = _orphan_holding_lock(proxy, pg_dsn)
         since = time.monotonic()
-        t2, r2 = _in_thread(lambda: b.put_snapshot(_state(2), "a/main", step=2))
+        t2, r2 = _in_thread(lambda: b.put_snapshot(counter_state(2), "a/main", step=2))
         _ended(t1, "the put whose COMMIT was swallowed", since)
         _ended(t2, "a second client's put to the same ref", since)
         assert "err" not in r1 and "err" not in r2, (r1, r2)
@@ -127,13 +124,13 @@ def test_puts_behind_an_orphan_session_past_the_budget_fail_clearly(tmp_path, pg
     a = tsck.open_store(str(tmp_path / "store"), refs=via_proxy, retry_budget=1.5)
     b = None
     try:
-        a.put_snapshot(_state(0), "a/main", step=0)
+        a.put_snapshot(counter_state(0), "a/main", step=0)
         b = tsck.open_store(str(tmp_path / "store"), refs=_dsn(pg_dsn), create=False, retry_budget=0.5)
         proxy.arm_orphan()
-        t1, r1 = _in_thread(lambda: a.put_snapshot(_state(1), "a/main", step=1))
+        t1, r1 = _in_thread(lambda: a.put_snapshot(counter_state(1), "a/main", step=1))
         _orphan_holding_lock(proxy, pg_dsn)
         since = time.monotonic()
-        t2, r2 = _in_thread(lambda: b.put_snapshot(_state(2), "a/main", step=2))
+        t2, r2 = _in_thread(lambda: b.put_snapshot(counter_state(2), "a/main", step=2))
         _ended(t1, "the put whose COMMIT was swallowed", since)
         _ended(t2, "a second client's put to the same ref", since)
         e1, e2 = r1.get("err"), r2.get("err")
@@ -142,7 +139,7 @@ def test_puts_behind_an_orphan_session_past_the_budget_fail_clearly(tmp_path, pg
         assert isinstance(e2, tsck.StorageError) and not isinstance(e2, tsck.OutcomeUnknown), r2
         assert "lock_timeout" in str(e2) and "did not happen" in str(e2), e2
         assert proxy.wait_orphans_ended(1, BOUND)
-        info = a.put_snapshot(_state(3), "a/main", step=3)
+        info = a.put_snapshot(counter_state(3), "a/main", step=3)
         assert [i.step for i in a.log("a/main")] == [3, 0]
         assert e1.root.hex() not in [i.root for i in a.log("a/main")]  # the caller's check: not published
         assert info.root == a.resolve("a/main") and a.fsck().ok
@@ -162,13 +159,13 @@ def test_put_behind_another_clients_long_transaction_is_a_clear_error(tmp_path, 
     lock is released."""
     s = tsck.open_store(str(tmp_path / "store"), refs=_dsn(pg_dsn), retry_budget=0.5)
     try:
-        s.put_snapshot(_state(0), "a/main", step=0)
+        s.put_snapshot(counter_state(0), "a/main", step=0)
         assert s.reftable.lock_waits == 0
         with psycopg.connect(pg_dsn) as op:
             op.execute("SELECT 1 FROM tsck_kv WHERE ns = %s AND tbl = 'meta' AND key = 'reflog_seq' FOR UPDATE",
                        (s.reftable.namespace,))
             since = time.monotonic()
-            t, r = _in_thread(lambda: s.put_snapshot(_state(1), "a/main", step=1))
+            t, r = _in_thread(lambda: s.put_snapshot(counter_state(1), "a/main", step=1))
             _ended(t, "a put behind an operator's transaction", since)
             e = r.get("err")
             assert isinstance(e, tsck.StorageError) and not isinstance(e, tsck.OutcomeUnknown), r
@@ -176,7 +173,7 @@ def test_put_behind_another_clients_long_transaction_is_a_clear_error(tmp_path, 
             assert s.reftable.lock_waits >= 1  # each attempt that gave up on the lock is counted
             op.rollback()
         assert [i.step for i in s.log("a/main")] == [0]
-        s.put_snapshot(_state(2), "a/main", step=2)
+        s.put_snapshot(counter_state(2), "a/main", step=2)
         assert [i.step for i in s.log("a/main")] == [2, 0] and s.fsck().ok
     finally:
         s.close()

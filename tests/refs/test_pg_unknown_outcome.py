@@ -11,19 +11,16 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import tensorstore_ck as tsck
+
+from _util import counter_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.sim.netproxy import WRITE, NetProxy  # noqa: E402
 
 TIMEOUT = 3  # the client's connect_timeout (s)
-
-
-def _state(i: int) -> dict:
-    return {"w": np.arange(64, dtype=np.float32) + i, "step": i}
 
 
 class _Proxied:
@@ -86,12 +83,12 @@ def test_pg_commit_held_past_connect_timeout_leaves_no_ref_to_a_deleted_commit(t
     p = _Proxied(tmp_path, pg_dsn)
     s = p.store
     try:
-        r0 = s.put_snapshot(_state(0), "a/main", step=0).root
+        r0 = s.put_snapshot(counter_state(0), "a/main", step=0).root
         p.proxy.arm_hold()
         p.proxy.blackout_after_fault = float("inf")  # until the restorer ends it
         h = restorer(p.proxy, TIMEOUT + 0.3)
         with pytest.raises(tsck.StorageError) as ei:
-            s.put_snapshot(_state(1), "a/main", step=1)
+            s.put_snapshot(counter_state(1), "a/main", step=1)
         assert h.seen.is_set() and p.proxy.holds == 1
         assert p.proxy.release() == 1  # the delayed COMMIT lands now
         root = s.resolve("a/main")
@@ -114,11 +111,11 @@ def test_pg_commit_landed_answer_lost_put_returns_the_snapshot(tmp_path, pg_dsn,
     p = _Proxied(tmp_path, pg_dsn)
     s = p.store
     try:
-        r0 = s.put_snapshot(_state(0), "a/main", step=0).root
+        r0 = s.put_snapshot(counter_state(0), "a/main", step=0).root
         p.proxy.arm_drop()
         p.proxy.blackout_after_fault = float("inf")
         h = restorer(p.proxy, TIMEOUT + 0.3)
-        info = s.put_snapshot(_state(1), "a/main", step=1)
+        info = s.put_snapshot(counter_state(1), "a/main", step=1)
         assert h.seen.is_set() and p.proxy.drops == 1
         assert s.reftable.unknown_commits == 1
         assert isinstance(info, tsck.SnapshotInfo) and info.step == 1 and info.parent == r0
@@ -138,11 +135,11 @@ def test_pg_commit_landed_server_still_away_is_outcome_unknown(tmp_path, pg_dsn)
     p = _Proxied(tmp_path, pg_dsn)
     s = p.store
     try:
-        s.put_snapshot(_state(0), "a/main", step=0)
+        s.put_snapshot(counter_state(0), "a/main", step=0)
         p.proxy.arm_drop()
         p.proxy.blackout_after_fault = float("inf")
         with pytest.raises(tsck.StorageError) as ei:
-            s.put_snapshot(_state(1), "a/main", step=1)
+            s.put_snapshot(counter_state(1), "a/main", step=1)
         e = ei.value
         assert isinstance(e, tsck.OutcomeUnknown), e
         assert e.ref == "a/main" and isinstance(e.root, bytes)
@@ -163,7 +160,7 @@ def test_pg_tag_and_pin_answer_lost_are_not_plain_failures(tmp_path, pg_dsn, res
     p = _Proxied(tmp_path, pg_dsn, marker=WRITE)
     s = p.store
     try:
-        root = s.put_snapshot(_state(0), "a/main", step=0).root
+        root = s.put_snapshot(counter_state(0), "a/main", step=0).root
         for call in (lambda: s.tag("t0", root), lambda: s.pin(root)):
             p.proxy.arm_drop()
             p.proxy.blackout_after_fault = float("inf")
@@ -221,7 +218,7 @@ def test_pg_tag_made_then_server_away_returns_the_tag(tmp_path, pg_dsn):
     p = _Proxied(tmp_path, pg_dsn, marker=WRITE)
     s = p.store
     try:
-        root = s.put_snapshot(_state(0), "a/main", step=0).root
+        root = s.put_snapshot(counter_state(0), "a/main", step=0).root
         p.proxy.arm_dark_after_answer()
         p.proxy.blackout_after_fault = float("inf")
         info = s.tag("t0", root)

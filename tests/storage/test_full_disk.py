@@ -12,8 +12,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,10 +20,11 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
-import _zygote as zygote
 from _mounts import fill, tmpfs
 from tensorstore_ck.refs.txn import TABLES
 from tensorstore_ck.storage.wrappers import WrappedStore
+
+from _util import run_cli
 
 
 def _state(i: int, n: int = 5000) -> dict:
@@ -55,12 +54,6 @@ def _table_state(s) -> dict:
             "catalog": sorted(rt.catalog_roots()), "reflog": [len(rt.reflog(n)) for n, _ in rt.list()],
             "gc": (gc.get("epoch"), gc.get("phase")),
             "stored_tags": sorted(k for k, _ in s.assets.tags())}
-
-
-def _cli(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
-    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                      text=True, env=env, timeout=120)
 
 
 @pytest.fixture(params=["refs", "blocks"])
@@ -181,7 +174,7 @@ def test_full_disk_cli_one_line_exit_1(full):
         if case == "blocks" and args[0] != "tag":  # pin and gc need no space on the blocks' disk
             continue
         before = _table_state(s)
-        r = _cli(*args, *extra)
+        r = run_cli(*args, *extra)
         assert r.returncode == 1, (args, r.returncode, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("tsck: error: ") and "no space left" in lines[0], \
@@ -190,7 +183,7 @@ def test_full_disk_cli_one_line_exit_1(full):
     for p in fillers:
         os.unlink(p)
     for args in (["pin", url, "a/main@2"], ["gc", url], ["tag", url, "t2", "a/main"], ["fsck", url]):
-        r = _cli(*args, *extra)
+        r = run_cli(*args, *extra)
         assert r.returncode == 0, (args, r.stdout, r.stderr)
 
 
@@ -298,7 +291,7 @@ def test_checkout_onto_a_full_disk_is_one_line_and_leaves_no_file(tmp_path, fmt)
         before = sorted(os.listdir(small))
         new = os.path.join(small, _DESTS[fmt])
         with ThreadPoolExecutor(2) as ex:
-            runs = list(ex.map(lambda a: _cli("checkout", tmp_path / "s", "a/main", *a),
+            runs = list(ex.map(lambda a: run_cli("checkout", tmp_path / "s", "a/main", *a),
                                [(new,), (old + (os.sep if fmt == "folder" else ""), "--force")]))
         for r in runs:
             assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
@@ -315,7 +308,7 @@ def test_checkout_onto_a_full_disk_is_one_line_and_leaves_no_file(tmp_path, fmt)
             assert f.read() == b"the old file"
         for p in fillers:
             os.unlink(p)
-        r = _cli("checkout", tmp_path / "s", "a/main", new)  # with room: the whole file
+        r = run_cli("checkout", tmp_path / "s", "a/main", new)  # with room: the whole file
         assert r.returncode == 0, r.stderr
         with tsck.open_store(tmp_path / "s", create=False) as s:
             want = s.checkout("a/main")

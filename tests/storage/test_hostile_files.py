@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import sys
 import threading
 
 import pytest
@@ -30,25 +29,17 @@ import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import FaultInjectingStore
 from tensorstore_ck.core.walk import walk_commit
 
-import _zygote as zygote
-from _util import bounded, plant_special, unblock_fifos
+from _util import bounded, nested_state, plant_special, run_cli, unblock_fifos
 
 BLOCK = 4096
-
-
-def _state(i: int) -> dict:
-    g = torch.Generator().manual_seed(i)
-    sub = {"x": torch.randn(BLOCK // 4, generator=g), **{f"b{k}": torch.full((8,), float(k)) for k in range(100)}}
-    return {"shared": torch.ones(2 * BLOCK // 4), "own": torch.randn(2 * BLOCK // 4, generator=g),
-            "sub": sub, "i": i}  # sub: a manifest node of its own
 
 
 def _fill(s) -> dict:
     """j/main at steps 1..3, j/exp at 10, a tag on step 2, retention keep_last=1 for job j."""
     roots = {}
     for i in (1, 2, 3):
-        roots[i] = s.put_snapshot(_state(i), "j/main", step=i).root
-    roots[10] = s.put_snapshot(_state(10), "j/exp", step=10).root
+        roots[i] = s.put_snapshot(nested_state(i, BLOCK), "j/main", step=i).root
+    roots[10] = s.put_snapshot(nested_state(10, BLOCK), "j/exp", step=10).root
     s.tag("golden", "j/main@2")
     s.set_retention("j", tsck.Retention(keep_last=1))
     return roots
@@ -76,13 +67,6 @@ def _listing(path) -> dict:
             p = os.path.join(d, f)
             out[os.path.relpath(p, path)] = os.lstat(p).st_size
     return out
-
-
-def _cli(*args, env=None, timeout=30):
-    e = dict(os.environ)
-    e.update(env or {})
-    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                      text=True, timeout=timeout, env=e)
 
 
 def _one_error_line(r) -> str:
@@ -132,7 +116,7 @@ def test_checkout_of_an_eio_block_names_it(backend):
         assert isinstance(ei.value, tsck.StorageError) and ei.value.errno == errno.EIO
         assert ei.value.key == bad and bad in str(ei.value) and "['own']" in str(ei.value)
         target.clear()
-        assert torch.equal(s.checkout("j/main")["own"], _state(3)["own"])
+        assert torch.equal(s.checkout("j/main")["own"], nested_state(3, BLOCK)["own"])
 
 
 def test_gc_stops_before_deleting_when_a_kept_node_cannot_be_read(backend):
@@ -185,7 +169,7 @@ def test_fsck_reports_special_files_in_place_of_objects(filled, what, code):
                            ("unreadable", roots[3], keys["own3"], code),
                            ("unreadable", roots[10], keys["own10"],
                             errno.EISDIR if what != "dir" else errno.EINVAL)}, [str(f) for f in rep.findings]
-    r = _cli("fsck", path)
+    r = run_cli("fsck", path, timeout=30)
     assert r.returncode == 1 and "Traceback" not in r.stderr and not r.stderr.strip(), r.stderr
     assert r.stdout.count("unreadable: ") == 3 and keys["own3"] in r.stdout, r.stdout
 
@@ -201,7 +185,7 @@ def test_checkout_of_a_special_block_node_or_commit_is_a_clear_error(filled, wha
                 bounded(lambda: s.checkout(target), unblock=path)
             assert ei.value.key == key and key in str(ei.value)
             assert {"fifo": "a FIFO", "dir": "a directory", "zero": "a character device"}[what] in str(ei.value)
-        assert torch.equal(s.checkout("golden")["own"], _state(2)["own"])  # the rest reads
+        assert torch.equal(s.checkout("golden")["own"], nested_state(2, BLOCK)["own"])  # the rest reads
 
 
 def test_put_over_a_special_file_is_refused_not_reused(filled):
@@ -211,7 +195,7 @@ def test_put_over_a_special_file_is_refused_not_reused(filled):
     _plant(path, keys["own3"], "fifo")
     with tsck.open_store(path) as s:
         with pytest.raises(tsck.StorageError, match="a FIFO"):
-            bounded(lambda: s.put_snapshot(_state(3), "j/other", step=3), unblock=path)
+            bounded(lambda: s.put_snapshot(nested_state(3, BLOCK), "j/other", step=3), unblock=path)
         assert s.reftable.get_or_none("j/other") is None
 
 
@@ -226,7 +210,7 @@ def test_gc_with_a_special_kept_node_or_commit_stops_before_deleting(filled, wha
             with pytest.raises(tsck.StorageError, match="gc stopped before deleting anything"):
                 bounded(lambda: s.gc(), unblock=path)
         assert (_listing(path / "blocks"), _listing(path / "nodes"), _listing(path / "commits")) == before
-        r = _cli("gc", path)
+        r = run_cli("gc", path, timeout=30)
         assert r.returncode == 1 and keys[key] in _one_error_line(r)  # a StorageError: exit 1
         os.rmdir(path / keys[key]) if what == "dir" else os.unlink(path / keys[key])
         (path / keys[key]).write_bytes(saved)
@@ -255,7 +239,7 @@ def test_special_marker_is_a_clear_error(filled, what):
     with pytest.raises(tsck.TsckError) as ei:
         bounded(lambda: tsck.open_store(path), unblock=path)
     assert "tsck.json" in str(ei.value)
-    r = _cli("refs", path)  # every other command: tests/cli/test_cli_faults.py
+    r = run_cli("refs", path, timeout=30)  # every other command: tests/cli/test_cli_faults.py
     assert r.returncode == 1, (r.stdout, r.stderr)  # a StorageError (the environment's): exit 1
     assert "tsck.json" in _one_error_line(r)
 
@@ -267,7 +251,7 @@ def test_a_huge_marker_is_refused_without_reading_it(filled):
         f.truncate(1 << 40)
     with pytest.raises(tsck.NotAStore, match="tsck.json"):
         bounded(lambda: tsck.open_store(path))
-    r = _cli("refs", path)
+    r = run_cli("refs", path, timeout=30)
     assert r.returncode == 2 and "tsck.json" in _one_error_line(r)
 
 
@@ -288,7 +272,7 @@ def test_special_tag_object_is_reported_not_read(filled, what):
             bounded(lambda: s.tag("golden", "j/main"), unblock=path)
         rep = bounded(lambda: s.fsck(), unblock=path)
         assert rep.ok, [str(f) for f in rep.findings]
-    r = _cli("recover", path)  # every other command: tests/cli/test_cli_faults.py
+    r = run_cli("recover", path, timeout=30)  # every other command: tests/cli/test_cli_faults.py
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 

@@ -12,10 +12,7 @@ import torch
 
 import tensorstore_ck as tsck
 
-try:
-    from ._util import assert_same, object_listing, rand_tensor, refs_snapshot, tags_snapshot
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, object_listing, rand_tensor, refs_snapshot, tags_snapshot
+from _util import assert_same, object_listing, rand_tensor, refs_snapshot, tags_snapshot
 
 
 @pytest.fixture

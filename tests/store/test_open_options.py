@@ -13,12 +13,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 import tensorstore_ck as tsck
 
-try:
-    from ._util import assert_same, rand_tensor
-    from ._lifecycle_util import run_cli
-except ImportError:  # tests/ is not a package
-    from _util import assert_same, rand_tensor
-    from _lifecycle_util import run_cli
+from _util import assert_same, rand_tensor, run_cli
+
 
 
 def test_a_small_block_size_makes_a_store_that_opens_again(tmp_path):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 import tensorstore_ck as tsck
 import _zygote as zygote
 from _mounts import remount, tmpfs
+from _util import run_cli
 
 
 def _state(i: int) -> dict:
@@ -96,12 +96,6 @@ def _tree(root) -> dict:
     return out
 
 
-def _cli(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_"))}
-    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                      text=True, env=env, timeout=120)
-
-
 @pytest.fixture
 def ro_store(tmp_path):
     """A store made on a tmpfs, then the tmpfs remounted read-only."""
@@ -137,10 +131,10 @@ def test_cli_on_a_read_only_mount(ro_store):
     path, _ = ro_store
     for args in (["refs"], ["log", "a/main"], ["show", "t0"], ["du"], ["fsck"], ["diff", "a/main@0", "a/main"],
                  ["gc", "--dry-run"], ["refs", "--read-only"]):
-        r = _cli(args[0], path, *args[1:])
+        r = run_cli(args[0], path, *args[1:])
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
     for args in (["pin", "a/main"], ["tag", "t9", "a/main"], ["gc"], ["recover"], ["fsck", "--repair"]):
-        r = _cli(args[0], path, *args[1:])
+        r = run_cli(args[0], path, *args[1:])
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and "read-only" in lines[0], (args, r.returncode, r.stderr)
 

@@ -8,23 +8,15 @@ snapshots.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 
 import pytest
 import torch
 
 import tensorstore_ck as tsck
 
-import _zygote as zygote
+from _util import run_cli
 
-
-def _cli(*args, env=None):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("TSCK_", "AWS_"))}
-    e.update(env or {})
-    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                      text=True, timeout=120, env=e)
 
 
 def _objects(path) -> list:
@@ -45,7 +37,7 @@ def test_lost_ref_table_gc_refuses_and_recover_rebuilds(two_stores):
     a, _b = two_stores
     before = _objects(a)
     shutil.rmtree(a / "refs.lmdb")
-    r = _cli("gc", a)
+    r = run_cli("gc", a)
     assert r.returncode == 2 and "tsck recover" in r.stderr, r.stderr
     assert not (a / "refs.lmdb").exists() and _objects(a) == before
     with pytest.raises(tsck.NotAStore, match="recover"):
@@ -55,9 +47,9 @@ def test_lost_ref_table_gc_refuses_and_recover_rebuilds(two_stores):
         with pytest.raises(tsck.TsckError, match="recover"):
             s.gc()
     assert _objects(a) == before
-    r = _cli("recover", a)
+    r = run_cli("recover", a)
     assert r.returncode == 0, r.stderr
-    assert _cli("gc", a).returncode == 0 and _objects(a) == before  # nothing is garbage
+    assert run_cli("gc", a).returncode == 0 and _objects(a) == before  # nothing is garbage
     with tsck.open_store(a, create=False) as s:
         assert s.checkout("a/main")["w"][0].item() == 2.0
 
@@ -65,7 +57,7 @@ def test_lost_ref_table_gc_refuses_and_recover_rebuilds(two_stores):
 def test_a_typo_in_refs_creates_nothing(two_stores):
     a, _b = two_stores
     before = _objects(a)
-    r = _cli("gc", a, "--refs", str(a / "refs.lmbd"))
+    r = run_cli("gc", a, "--refs", str(a / "refs.lmbd"))
     assert r.returncode == 2 and "no ref table" in r.stderr, r.stderr
     assert not (a / "refs.lmbd").exists() and _objects(a) == before
 
@@ -74,7 +66,7 @@ def test_another_stores_ref_table_is_refused(two_stores):
     a, b = two_stores
     before = _objects(a)
     for args, env in ((["gc", a], {"TSCK_REFS": str(b / "refs.lmdb")}), (["gc", a, "--refs", b / "refs.lmdb"], {})):
-        r = _cli(*args, env=env)
+        r = run_cli(*args, env=env)
         assert r.returncode == 2 and "belongs to store" in r.stderr, r.stderr
     assert _objects(a) == before
     with pytest.raises(tsck.NotAStore, match="belongs to store"):
@@ -89,7 +81,7 @@ def test_postgres_ref_table_of_nothing_never_deletes(tmp_path, pg_dsn, two_store
     the local store's id names an empty namespace; gc refuses instead of deleting."""
     a, _b = two_stores
     before = _objects(a)
-    r = _cli("gc", a, env={"TSCK_REFS": pg_dsn})
+    r = run_cli("gc", a, env={"TSCK_REFS": pg_dsn})
     assert r.returncode == 2, r.stdout + r.stderr
     assert "recover" in r.stderr or "no ref table" in r.stderr
     assert _objects(a) == before

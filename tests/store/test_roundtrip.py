@@ -20,10 +20,7 @@ from hypothesis import strategies as st
 
 import tensorstore_ck as tsck
 
-try:
-    from ._util import all_torch_dtypes, assert_same, rand_tensor, tensor_bytes
-except ImportError:  # tests/ is not a package
-    from _util import all_torch_dtypes, assert_same, rand_tensor, tensor_bytes
+from _util import all_torch_dtypes, assert_same, rand_tensor, tensor_bytes
 
 BLOCK = 64 * 1024
 SMALL_INLINE = 256

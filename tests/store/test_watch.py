@@ -21,11 +21,10 @@ import pytest
 import torch
 
 import _zygote as zygote
-from _util import child_env
+from _util import child_env, cli_here
 
 import tensorstore_ck as tsck
 import tensorstore_ck.errors
-from tensorstore_ck.cli import main as cli_main
 from tensorstore_ck.train import CheckpointManager, CommitEvent, TrainState
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,12 +32,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _records(caplog, event: str) -> list:
     return [r for r in caplog.records if getattr(r, "tsck", {}).get("event") == event]
-
-
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    rc = cli_main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # -- durations and the log line per committed snapshot ------------------------------
@@ -73,18 +66,18 @@ def test_log_and_show_json_carry_the_durations_and_old_commits_still_read(tmp_pa
         tree = s.publisher.write_nodes({"x": 1})[0]
         old = s.commit_tree(tree, ref="old/main", job="old", step=5, metrics={}, meta={},
                             stats={"bytes_total": 0, "bytes_new": 0, "blocks_total": 0, "blocks_new": 0})
-    rc, out, _ = _cli(capsys, "log", path, "run/main", "--json")
+    rc, out, _ = cli_here(capsys, "log", path, "run/main", "--json")
     assert rc == 0
     (row,) = json.loads(out)
     assert row["seconds"] == pytest.approx(new.seconds) and row["stall"] == pytest.approx(new.stall)
-    rc, out, _ = _cli(capsys, "show", path, "run/main", "--json")
+    rc, out, _ = cli_here(capsys, "show", path, "run/main", "--json")
     assert rc == 0 and json.loads(out)["seconds"] == pytest.approx(new.seconds)
-    rc, out, _ = _cli(capsys, "show", path, "run/main")
+    rc, out, _ = cli_here(capsys, "show", path, "run/main")
     assert rc == 0 and re.search(r"^took +\d+\.\d{3}s \(the caller was blocked \d+\.\d{3}s\)$", out, re.M), out
-    rc, out, _ = _cli(capsys, "show", path, old.root, "--json")
+    rc, out, _ = cli_here(capsys, "show", path, old.root, "--json")
     d = json.loads(out)
     assert rc == 0 and d["step"] == 5 and d["seconds"] is None and d["stall"] is None
-    rc, out, _ = _cli(capsys, "show", path, old.root)
+    rc, out, _ = cli_here(capsys, "show", path, old.root)
     assert rc == 0 and "took" not in out
 
 
@@ -178,25 +171,25 @@ def test_cli_log_options(tmp_path, capsys):
     lg = logging.getLogger("tensorstore_ck")
     before = (list(lg.handlers), lg.level, lg.propagate)
     # Without a log option nothing is logged (as before).
-    rc, _, err = _cli(capsys, "import", path, "imp/main", src, "--step", "1")
+    rc, _, err = cli_here(capsys, "import", path, "imp/main", src, "--step", "1")
     assert rc == 0 and err == ""
     # -v before the command: INFO lines as text, the snapshot's among them
-    rc, _, err = _cli(capsys, "-v", "import", path, "imp/main", src, "--step", "2")
+    rc, _, err = cli_here(capsys, "-v", "import", path, "imp/main", src, "--step", "2")
     assert rc == 0 and re.search(r"INFO tensorstore_ck\.write\.publish: snapshot committed: ref imp/main step 2", err), err
     # after the command, in JSON: one object a line, with the snapshot's fields
-    rc, _, err = _cli(capsys, "import", path, "imp/main", src, "--step", "3", "--log-format", "json", "-v")
+    rc, _, err = cli_here(capsys, "import", path, "imp/main", src, "--step", "3", "--log-format", "json", "-v")
     assert rc == 0
     objs = [json.loads(x) for x in err.splitlines()]
     (c,) = [o for o in objs if o.get("event") == "committed"]
     assert c["level"] == "INFO" and c["logger"] == "tensorstore_ck.write.publish" and c["step"] == 3
     assert c["ref"] == "imp/main" and c["bytes"] == 16 * 1024 * 4 and c["seconds"] > 0 and "time" in c
-    rc, _, err = _cli(capsys, "--log-level", "debug", "gc", path)
+    rc, _, err = cli_here(capsys, "--log-level", "debug", "gc", path)
     assert rc == 0 and (" DEBUG " in err or " INFO " in err)
-    rc, _, err = _cli(capsys, "--log-level", "warning", "gc", path)
+    rc, _, err = cli_here(capsys, "--log-level", "warning", "gc", path)
     assert rc == 0 and err == ""
-    rc, _, err = _cli(capsys, "--log-level", "loud", "refs", path)
+    rc, _, err = cli_here(capsys, "--log-level", "loud", "refs", path)
     assert rc == 2 and err.startswith("tsck: error: argument --log-level: must be one of debug")
-    rc, _, err = _cli(capsys, "refs", path, "--log-format", "xml")
+    rc, _, err = cli_here(capsys, "refs", path, "--log-format", "xml")
     assert rc == 2 and "must be text or json" in err
     # main() leaves logging as it found it
     assert (list(lg.handlers), lg.level, lg.propagate) == before
@@ -211,22 +204,22 @@ def test_pins_are_listed_and_marked(tmp_path, capsys):
         assert s.pins() == {}
         s.pin("run/main@1")
         assert list(s.pins()) == [one.root] and s.pins()[one.root].step == 1
-    rc, out, _ = _cli(capsys, "refs", path)
+    rc, out, _ = cli_here(capsys, "refs", path)
     assert rc == 0 and re.search(rf"^pin run/main@1 +{one.root[:16]}  step +1 ", out, re.M), out
-    rc, out, _ = _cli(capsys, "refs", path, "--json")
+    rc, out, _ = cli_here(capsys, "refs", path, "--json")
     d = json.loads(out)
     assert rc == 0 and list(d["pins"]) == [one.root] and d["pins"][one.root]["step"] == 1
-    rc, out, _ = _cli(capsys, "log", path, "run/main")
+    rc, out, _ = cli_here(capsys, "log", path, "run/main")
     marks = {ln.split()[0]: ln.endswith("[pinned]") for ln in out.splitlines()}
     assert rc == 0 and marks == {one.root[:16]: True, two.root[:16]: False}
-    rc, out, _ = _cli(capsys, "log", path, "run/main", "--json")
+    rc, out, _ = cli_here(capsys, "log", path, "run/main", "--json")
     assert rc == 0 and {r["root"]: r["pinned"] for r in json.loads(out)} == {one.root: True, two.root: False}
-    rc, out, _ = _cli(capsys, "show", path, "run/main@1")
+    rc, out, _ = cli_here(capsys, "show", path, "run/main@1")
     assert rc == 0 and re.search(r"^pinned +yes", out, re.M)
-    rc, out, _ = _cli(capsys, "show", path, "run/main", "--json")
+    rc, out, _ = cli_here(capsys, "show", path, "run/main", "--json")
     assert rc == 0 and json.loads(out)["pinned"] is False
-    rc, out, _ = _cli(capsys, "unpin", path, "run/main@1")
-    rc, out, _ = _cli(capsys, "refs", path, "--json")
+    rc, out, _ = cli_here(capsys, "unpin", path, "run/main@1")
+    rc, out, _ = cli_here(capsys, "refs", path, "--json")
     assert json.loads(out)["pins"] == {}
 
 

@@ -24,7 +24,7 @@ from tensorstore_ck.tier import uploader as upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 import _zygote as zygote
-from _util import HoldLookups
+from _util import HoldLookups, tier_state
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
@@ -63,12 +63,6 @@ class Gated(Counting):
         return super().put_addressed(key, bufs)
 
 
-def _state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g),
-            "step": torch.tensor(seed)}
-
-
 def _open(s3_url, s3_server, tmp_path, refs=None, **kw) -> tsck.Store:
     return tsck.open_store(s3_url, refs=refs or str(tmp_path / "refs.lmdb"), storage_options=s3_server,
                            block_size=BS, inline_threshold=256, **kw)
@@ -93,7 +87,7 @@ def test_put_returns_local_then_wait_durable_lands_it_remotely(s3_url, s3_server
     store = _open(s3_url, s3_server, tmp_path, refs=refs, local=str(tmp_path / "nvme"),
                   wrap_storage=lambda s: wrapped.append(Gated(s)) or wrapped[-1])
     gated = wrapped[0]
-    state = _state(1)
+    state = tier_state(1, step=True)
     info = store.put_snapshot(state, "job/main", step=1)
     assert info.durable is False
     assert [i.durable for i in store.log("job/main")] == [False]
@@ -121,7 +115,7 @@ def test_unchanged_tensors_are_not_uploaded_again(s3_url, s3_server, tmp_path):
     store = _open(s3_url, s3_server, tmp_path, local=str(tmp_path / "nvme"),
                   wrap_storage=lambda s: wrapped.append(Counting(s)) or wrapped[-1])
     counting = wrapped[0]
-    state = _state(2)
+    state = tier_state(2, step=True)
     store.put_snapshot(state, "job/main", step=1)
     assert store.wait_durable(timeout=DEADLINE)
     first = list(counting.keys)
@@ -276,7 +270,7 @@ def test_gc_deleting_an_upload_in_flight_fences_the_move_and_it_revalidates(s3_u
     store = _open(s3_url, s3_server, tmp_path, local=str(tmp_path / "nvme"),
                   wrap_storage=lambda s: wrapped.append(HoldNodes(s)) or wrapped[-1])
     held = wrapped[0]
-    state = _state(4)
+    state = tier_state(4, step=True)
     info = store.put_snapshot(state, "job/main", step=1)
     assert held.waiting.wait(DEADLINE)
     blocks = [k for k in held.keys if k.startswith("blocks/")]
@@ -303,7 +297,7 @@ def test_local_tier_in_front_of_a_local_store(tmp_path, capsys):
     from tensorstore_ck.cli import main
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256)
-    state = _state(5)
+    state = tier_state(5, step=True)
     info = store.put_snapshot(state, "job/main", step=7)
     assert info.durable is False
     assert store.wait_durable() is True
@@ -314,7 +308,7 @@ def test_local_tier_in_front_of_a_local_store(tmp_path, capsys):
     # A snapshot still in the queue (here put into the tier by itself and queued by hand,
     # as a put killed before its upload leaves it):
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
-        late = tier.put_snapshot(_state(6), "job/main", step=8)
+        late = tier.put_snapshot(tier_state(6, step=True), "job/main", step=8)
         tier.reftable.tier_rows.upload_enqueue(bytes.fromhex(late.root), "job/main", 8)
         assert [(i.step, i.durable) for i in tier.log("job/main")] == [(8, False), (7, True)]
     capsys.readouterr()
@@ -335,7 +329,7 @@ def test_a_damaged_local_block_is_never_uploaded_and_stops_the_uploader(tmp_path
     wrapped = []
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256, early_upload=False, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
-    info = store.put_snapshot(_state(7), "job/main", step=1)
+    info = store.put_snapshot(tier_state(7, step=True), "job/main", step=1)
     blocks = sorted((tmp_path / "nvme" / "blocks").rglob("*"))
     victim = [p for p in blocks if p.is_file()][0]
     data = bytearray(victim.read_bytes())
@@ -364,7 +358,7 @@ def test_the_early_upload_sends_blocks_as_they_are_written_and_the_uploader_only
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256, early_upload=True,
                             wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
-    state = _state(7)
+    state = tier_state(7, step=True)
     info = store.put_snapshot(state, "job/main", step=1)
     up = store._tier.uploader
     blocks = [p for p in sorted((tmp_path / "nvme" / "blocks").rglob("*")) if p.is_file()]
@@ -390,7 +384,7 @@ def test_early_upload_over_its_memory_bound_leaves_the_rest_to_the_uploader(tmp_
     monkeypatch.setattr(upload, "TEE_BYTES", BS + 64)  # about one block in flight
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256, early_upload=True)
-    state = _state(8)
+    state = tier_state(8, step=True)
     info = store.put_snapshot(state, "job/main", step=1)
     assert store.wait_durable(timeout=DEADLINE)
     up = store._tier.uploader
@@ -425,7 +419,7 @@ def test_a_local_tip_never_queued_is_queued_at_open(tmp_path):
     store of its own). The next open with local= queues the ref's tip and uploads it."""
     tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                     inline_threshold=256).close()
-    state = _state(8)
+    state = tier_state(8, step=True)
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
         info = tier.put_snapshot(state, "job/main", step=4)
         assert tier.reftable.tier_rows.upload_pending() == []
@@ -448,7 +442,7 @@ def test_a_part_intent_left_by_a_killed_rank_is_sent_at_open(tmp_path):
     tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                     inline_threshold=256).close()
     with tsck.open_store(str(tmp_path / "nvme"), create=False) as tier:
-        info = tier.put_snapshot(_state(11), "job/main", step=7)
+        info = tier.put_snapshot(tier_state(11, step=True), "job/main", step=7)
         root = bytes.fromhex(info.root)
         tree = tier.reftable.catalog_get(root)["tree"]
         objs = {(o.kind, o.digest) for o in walk_tree(tier.assets, tree, snapshot="t")}
@@ -478,8 +472,8 @@ def test_a_snapshot_expired_locally_during_its_upload_is_dropped_not_fatal(tmp_p
     wrapped = []
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
-    a = store.put_snapshot(_state(9), "job/main", step=1)
-    b = store.put_snapshot(_state(10), "job/main", step=2)
+    a = store.put_snapshot(tier_state(9, step=True), "job/main", step=1)
+    b = store.put_snapshot(tier_state(10, step=True), "job/main", step=2)
     store.forget(a.root)
     assert store.gc().deleted_objects > 0
     wrapped[0].gate.set()
@@ -506,8 +500,8 @@ def test_close_finishes_the_queued_uploads(tmp_path):
     backlog rule skips it then)."""
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256, wrap_storage=Slow)
-    store.put_snapshot(_state(11), "job/main", step=1)
-    last = store.put_snapshot(_state(12), "job/main", step=2)
+    store.put_snapshot(tier_state(11, step=True), "job/main", step=1)
+    last = store.put_snapshot(tier_state(12, step=True), "job/main", step=2)
     store.close()
     with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
         assert [i.step for i in remote.log("job/main")] in ([2, 1], [2])
@@ -521,13 +515,13 @@ def test_a_forked_child_queues_and_the_parent_uploads(tmp_path):
     and queues the snapshot in the shared table, and the parent's uploader sends it."""
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256)
-    store.put_snapshot(_state(13), "job/main", step=1)
+    store.put_snapshot(tier_state(13, step=True), "job/main", step=1)
     assert store.wait_durable(timeout=DEADLINE)
     pid = os.fork()
     if pid == 0:  # the child: put, and leave without running the parent's cleanup
         code = 1
         try:
-            info = store.put_snapshot(_state(14), "job/child", step=2)
+            info = store.put_snapshot(tier_state(14, step=True), "job/child", step=2)
             code = 0 if info.durable is False else 1
         finally:
             os._exit(code)
@@ -560,7 +554,7 @@ def test_a_dcp_save_through_the_tier_is_queued_and_becomes_durable(tmp_path):
     from tensorstore_ck.dcp import TsckReader, TsckWriter
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256)
-    sd = _state(11)
+    sd = tier_state(11, step=True)
     w = TsckWriter(store, ref="job/main", step=3)
     dcp.save(sd, storage_writer=w)
     assert w.info is not None and w.info.durable is False
@@ -619,7 +613,7 @@ def test_the_jobs_retention_is_applied_to_the_remote_store_after_each_upload(tmp
                             inline_threshold=256)
     store.set_retention("job", tsck.Retention(keep_last=2))
     for step in range(1, 6):
-        store.put_snapshot(_state(20 + step), "job/main", job="job", step=step)
+        store.put_snapshot(tier_state(20 + step, step=True), "job/main", job="job", step=step)
         assert store.wait_durable(timeout=DEADLINE)  # each durable: none skipped by the backlog rule
     store.close()
     with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
@@ -627,4 +621,4 @@ def test_the_jobs_retention_is_applied_to_the_remote_store_after_each_upload(tmp
         assert remote.retention()["job"].keep_last == 2
         assert remote.gc(dry_run=True).candidates == 0
         assert remote.fsck().ok
-        assert _equal(remote.checkout("job/main"), _state(25))
+        assert _equal(remote.checkout("job/main"), tier_state(25, step=True))

@@ -25,6 +25,8 @@ from tensorstore_ck.tier import uploader as upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 from tensorstore_ck.core.walk import walk_commit
 
+from _util import tier_state
+
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 BUDGET = 300_000
@@ -48,11 +50,6 @@ class Held(WrappedStore):
     def put_if_absent(self, key, bufs):
         self._hold()
         return self.inner.put_if_absent(key, bufs)
-
-
-def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)  # about 100 KB stored in the tier (raw: lz4 does not shrink random floats)
-    return {"w": torch.randn(96, 256, generator=g), "b": torch.randn(300, generator=g)}
 
 
 def _open(s3_url, s3_server, tmp_path, **kw) -> tsck.Store:
@@ -88,7 +85,7 @@ def test_twelve_puts_under_slowed_uploads_keep_the_tier_within_its_budget(s3_url
     store = _open(s3_url, s3_server, tmp_path, local_budget=BUDGET, write_bandwidth=150_000)
     infos, over = [], []
     for step in range(1, 13):
-        info = store.put_snapshot(_state(step), "job/main", step=step)
+        info = store.put_snapshot(tier_state(step, 96), "job/main", step=step)
         # Each is tagged so the backlog rule sends every one: this test is about the budget.
         store.tag(f"s{step}", info.root)
         infos.append(info)
@@ -109,7 +106,7 @@ def test_twelve_puts_under_slowed_uploads_keep_the_tier_within_its_budget(s3_url
         assert [i.step for i in remote.log("job/main")] == list(range(12, 0, -1))
         for step in (1, 7, 12):
             got = remote.checkout(infos[step - 1].root)
-            assert all(torch.equal(got[k], v) for k, v in _state(step).items())
+            assert all(torch.equal(got[k], v) for k, v in tier_state(step, 96).items())
         assert remote.fsck(full=True).findings == []
 
 
@@ -130,13 +127,13 @@ def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, 
     wrapped = []
     store = _open(s3_url, s3_server, tmp_path, local_budget=budget,
                   wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
-    infos = [store.put_snapshot(_state(step), "job/main", step=step) for step in (1, 2, 3)]
+    infos = [store.put_snapshot(tier_state(step, 96), "job/main", step=step) for step in (1, 2, 3)]
     assert wrapped[0].waiting.wait(DEADLINE)  # the first upload is in flight, held
     before = (_stored(nvme), _rows(store), store.reftable.tier_rows.upload_pending(), store.resolve("job/main"))
     assert before[0] > budget
     t0 = time.monotonic()
     with pytest.raises(tsck.TierFull) as got:
-        store.put_snapshot(_state(4), "job/main", step=4)
+        store.put_snapshot(tier_state(4, 96), "job/main", step=4)
     took = time.monotonic() - t0
     assert 3.0 <= took < 3.0 + 30.0
     e = got.value
@@ -149,7 +146,7 @@ def test_a_put_over_the_budget_fails_at_the_deadline_and_writes_nothing(s3_url, 
     waited = [r.getMessage() for r in caplog.records if "the put waits for uploads" in r.getMessage()]
     assert len(waited) == 1 and str(budget) in waited[0] and str(before[0]) in waited[0]
     wrapped[0].gate.set()
-    info = store.put_snapshot(_state(4), "job/main", step=4)
+    info = store.put_snapshot(tier_state(4, 96), "job/main", step=4)
     assert store.wait_durable(timeout=DEADLINE) is True
     assert [i.step for i in store.log("job/main")] == [4, 3, 2, 1]
     assert store.resolve("job/main") == info.root
@@ -168,13 +165,13 @@ def test_an_asynchronous_put_and_a_checkpoint_manager_see_the_failure(s3_url, s3
     wrapped = []
     store = _open(s3_url, s3_server, tmp_path, local_budget=1,
                   wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1])
-    first = store.put_snapshot(_state(1), "job/raw", step=1, blocking=False).result(timeout=DEADLINE)
+    first = store.put_snapshot(tier_state(1, 96), "job/raw", step=1, blocking=False).result(timeout=DEADLINE)
     assert wrapped[0].waiting.wait(DEADLINE)
-    fut = store.put_snapshot(_state(2), "job/raw", step=2, blocking=False)
+    fut = store.put_snapshot(tier_state(2, 96), "job/raw", step=2, blocking=False)
     with pytest.raises(tsck.TierFull, match="budget of 1 bytes"):
         fut.result(timeout=DEADLINE)
     with pytest.raises(tsck.TierFull):  # told again by the next put, as any background failure
-        store.put_snapshot(_state(3), "job/raw", step=3, blocking=False)
+        store.put_snapshot(tier_state(3, 96), "job/raw", step=3, blocking=False)
     assert [i.step for i in store.log("job/raw")] == [1] and store.resolve("job/raw") == first.root
 
     model = torch.nn.Linear(64, 64)
@@ -215,7 +212,7 @@ def test_a_dcp_save_over_the_budget_is_refused_before_it_writes(tmp_path, monkey
     monkeypatch.setattr(upload, "BUDGET_WAIT", 0.5)
     wrapped = []
     store = _held_file_store(tmp_path, wrapped, local_budget=1)
-    store.put_snapshot(_state(1), "job/main", step=1)
+    store.put_snapshot(tier_state(1, 96), "job/main", step=1)
     assert wrapped[0].waiting.wait(DEADLINE)
     before = (_stored(tmp_path / "nvme"), _rows(store))
     with pytest.raises(BaseException) as got:  # DCP's CheckpointException is a BaseException
@@ -235,7 +232,7 @@ def test_a_forked_child_over_the_budget_fails_at_once(tmp_path):
     import os
     wrapped = []
     store = _held_file_store(tmp_path, wrapped, local_budget=1)
-    store.put_snapshot(_state(1), "job/main", step=1)
+    store.put_snapshot(tier_state(1, 96), "job/main", step=1)
     assert wrapped[0].waiting.wait(DEADLINE)
     before = _stored(tmp_path / "nvme")
     pid = os.fork()
@@ -244,7 +241,7 @@ def test_a_forked_child_over_the_budget_fails_at_once(tmp_path):
         try:
             t0 = time.monotonic()
             try:
-                store.put_snapshot(_state(2), "job/child", step=2)
+                store.put_snapshot(tier_state(2, 96), "job/child", step=2)
             except tsck.TierFull as e:
                 code = 0 if time.monotonic() - t0 < 30.0 and "forked child" in str(e) else 2
         finally:

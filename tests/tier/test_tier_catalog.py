@@ -15,9 +15,8 @@ import textwrap
 import threading
 
 import pytest
-import torch
 import _zygote as zygote
-from _util import same_bits
+from _util import same_bits, tier_state
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
@@ -74,11 +73,6 @@ class SyncGate(WrappedStore):
         return self.inner.sync()
 
 
-def _state(seed: int, n: int = 48) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, 256, generator=g), "b": torch.randn(300, generator=g)}
-
-
 def _open(remote, tmp_path, **kw) -> tsck.Store:
     url, opts = remote
     return tsck.open_store(url, local=str(tmp_path / "nvme"), block_size=BS, inline_threshold=256, **opts, **kw)
@@ -102,14 +96,14 @@ def test_a_tagged_or_pinned_snapshot_survives_both_tiers_retention_and_the_budge
     eviction loses step 3; it checks out bit for bit through the tier and from the remote
     alone, and an offline gc of the remote keeps it."""
     with _open(remote, tmp_path) as probe:  # one snapshot's stored bytes, for the budget
-        probe.put_snapshot(_state(100), "probe/main", step=0)
+        probe.put_snapshot(tier_state(100, 48), "probe/main", step=0)
         assert probe.wait_durable(timeout=DEADLINE)
     one = _stored(tmp_path / "nvme")
     with _open(remote, tmp_path, local_budget=int(1.5 * one)) as store:
         store.set_retention("job", tsck.Retention(keep_last=1))
         roots = {}
         for step in range(1, 7):
-            roots[step] = store.put_snapshot(_state(step), "job/main", step=step).root
+            roots[step] = store.put_snapshot(tier_state(step, 48), "job/main", step=step).root
             assert store.wait_durable(timeout=DEADLINE)
             if step == 3:
                 if hold == "tag":
@@ -119,14 +113,14 @@ def test_a_tagged_or_pinned_snapshot_survives_both_tiers_retention_and_the_budge
             store.prune("job")
             assert store.wait_durable(timeout=DEADLINE)
         target = "best" if hold == "tag" else roots[3]
-        assert same_bits(store.checkout(target), _state(3))
+        assert same_bits(store.checkout(target), tier_state(3, 48))
         r = store.remote_core.refs
         assert r.catalog_has(bytes.fromhex(roots[3]))
         assert (r.tag_get("best") if hold == "tag" else (bytes.fromhex(roots[3]) if bytes.fromhex(roots[3]) in r.pins()
                                                           else None)) == bytes.fromhex(roots[3])
     with _remote(remote) as rem:
         rem.gc()
-        assert same_bits(rem.checkout(target), _state(3))
+        assert same_bits(rem.checkout(target), tier_state(3, 48))
         assert rem.fsck(full=True).findings == []
         # Removing the tag or pin in the tier removes it in the remote too.
     with _open(remote, tmp_path) as store:
@@ -147,10 +141,10 @@ def test_a_tag_on_a_snapshot_the_backlog_skipped_sends_it_without_moving_the_rem
     gates = []
     with _open(remote, tmp_path, wrap_storage=lambda s: gates.append(Gate(s)) or gates[-1]) as store:
         store.reftable.retention_set("job", tsck.Retention(keep_last=1).to_dict())
-        first = store.put_snapshot(_state(1), "job/main", step=1).root
+        first = store.put_snapshot(tier_state(1, 48), "job/main", step=1).root
         assert store.wait_durable(timeout=DEADLINE)
         gates[0].gate.clear()
-        roots = {s: store.put_snapshot(_state(s), "job/main", step=s).root for s in (2, 3, 4)}
+        roots = {s: store.put_snapshot(tier_state(s, 48), "job/main", step=s).root for s in (2, 3, 4)}
         assert gates[0].waiting.wait(DEADLINE)  # step 2's upload waits on its first write...
         gates[0].gate.set()
         assert store.wait_durable(timeout=DEADLINE)
@@ -167,8 +161,8 @@ def test_a_tag_on_a_snapshot_the_backlog_skipped_sends_it_without_moving_the_rem
         assert r.tag_get("keep") == bytes.fromhex(roots[tagged])
         assert first  # (step 1 is the remote's history)
     with _remote(remote) as rem:
-        assert same_bits(rem.checkout("keep"), _state(tagged))
-        assert same_bits(rem.checkout("job/main"), _state(4))
+        assert same_bits(rem.checkout("keep"), tier_state(tagged, 48))
+        assert same_bits(rem.checkout("job/main"), tier_state(4, 48))
 
 
 def test_what_retention_keeps_is_uploaded_when_uploads_lag(remote, tmp_path):
@@ -180,12 +174,12 @@ def test_what_retention_keeps_is_uploaded_when_uploads_lag(remote, tmp_path):
     gates = []
     with _open(remote, tmp_path, wrap_storage=lambda s: gates.append(Gate(s)) or gates[-1]) as store:
         store.set_retention("job", tsck.Retention(keep_last=1, keep_best=1, metric="loss"))
-        roots = {1: store.put_snapshot(_state(1), "job/main", step=1, metrics={"loss": 5.0}).root}
+        roots = {1: store.put_snapshot(tier_state(1, 48), "job/main", step=1, metrics={"loss": 5.0}).root}
         assert store.wait_durable(timeout=DEADLINE)
         gates[0].gate.clear()
         for step in range(2, 9):
             loss = 0.5 if step == 3 else 4.0 - step / 10
-            roots[step] = store.put_snapshot(_state(step), "job/main", step=step, metrics={"loss": loss}).root
+            roots[step] = store.put_snapshot(tier_state(step, 48), "job/main", step=step, metrics={"loss": loss}).root
             store.prune("job")
         gates[0].gate.set()
         assert store.wait_durable(timeout=DEADLINE)
@@ -195,8 +189,8 @@ def test_what_retention_keeps_is_uploaded_when_uploads_lag(remote, tmp_path):
         assert r.catalog_has(bytes.fromhex(roots[3])) and r.get_or_none("job/main") == bytes.fromhex(roots[8])
     with _remote(remote) as rem:
         rem.gc()
-        assert same_bits(rem.checkout(roots[3]), _state(3))
-        assert same_bits(rem.checkout("job/main"), _state(8))
+        assert same_bits(rem.checkout(roots[3]), tier_state(3, 48))
+        assert same_bits(rem.checkout("job/main"), tier_state(8, 48))
 
 
 def test_local_retention_never_expires_the_snapshot_being_uploaded(remote, tmp_path):
@@ -208,10 +202,10 @@ def test_local_retention_never_expires_the_snapshot_being_uploaded(remote, tmp_p
     with _open(remote, tmp_path, wrap_storage=lambda s: gates.append(Gate(s)) or gates[-1]) as store:
         store.set_retention("job", tsck.Retention(keep_last=1))
         gates[0].gate.clear()
-        roots = {1: store.put_snapshot(_state(1), "job/main", step=1).root}
+        roots = {1: store.put_snapshot(tier_state(1, 48), "job/main", step=1).root}
         assert gates[0].waiting.wait(DEADLINE)  # step 1's upload has started
         for step in range(2, 6):
-            roots[step] = store.put_snapshot(_state(step), "job/main", step=step).root
+            roots[step] = store.put_snapshot(tier_state(step, 48), "job/main", step=step).root
             rep = store.prune("job")
             assert roots[1] not in rep.expired
         assert store.show(roots[1]).step == 1  # still in the tier's catalog
@@ -232,14 +226,14 @@ def test_a_fenced_move_of_a_snapshot_a_prune_tried_to_expire_is_sent_again(remot
     with _open(remote, tmp_path, wrap_storage=lambda s: gates.append(SyncGate(s)) or gates[-1]) as store:
         store.set_retention("job", tsck.Retention(keep_last=1))
         gates[0].armed = True
-        first = store.put_snapshot(_state(1), "job/main", step=1).root
+        first = store.put_snapshot(tier_state(1, 48), "job/main", step=1).root
         assert gates[0].waiting.wait(DEADLINE)  # its objects are sent; the move waits
         # A remote gc deletes them (unreferenced yet) and moves the fence.
         from tensorstore_ck.maintain.gc import run_gc
         try:
             assert run_gc(store.remote_core, lease=store.remote_core.settings.gc_lease).deleted_objects > 0
             for step in (2, 3):
-                store.put_snapshot(_state(step), "job/main", step=step)
+                store.put_snapshot(tier_state(step, 48), "job/main", step=step)
                 store.prune("job")
         finally:
             gates[0].gate.set()
@@ -248,7 +242,7 @@ def test_a_fenced_move_of_a_snapshot_a_prune_tried_to_expire_is_sent_again(remot
             e.new == bytes.fromhex(first) for e in store.remote_core.refs.reflog("job/main"))
     with _remote(remote) as rem:
         assert rem.fsck(full=True).findings == []
-        assert same_bits(rem.checkout("job/main"), _state(3))
+        assert same_bits(rem.checkout("job/main"), tier_state(3, 48))
 
 
 _SHARER = textwrap.dedent("""
@@ -272,7 +266,7 @@ def test_another_process_evicting_a_snapshot_this_one_uploads_is_not_damage(remo
     store = _open(remote, tmp_path, wrap_storage=lambda s: gates.append(Gate(s)) or gates[-1])
     try:
         gates[0].gate.clear()
-        root = store.put_snapshot(_state(1), "job/main", step=1).root
+        root = store.put_snapshot(tier_state(1, 48), "job/main", step=1).root
         assert gates[0].waiting.wait(DEADLINE)
         env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(tsck.__file__)))
         out = zygote.run([sys.executable, "-c", _SHARER, url, str(tmp_path / "nvme"), json.dumps(opts)],
@@ -280,13 +274,13 @@ def test_another_process_evicting_a_snapshot_this_one_uploads_is_not_damage(remo
         assert out.returncode == 0 and "DONE" in out.stdout, out.stderr[-3000:]
         assert store.show(root).durable is True
         gates[0].gate.set()
-        store.put_snapshot(_state(2), "job/main", step=2)
+        store.put_snapshot(tier_state(2, 48), "job/main", step=2)
         assert store.wait_durable(timeout=DEADLINE) is True
     finally:
         gates[0].gate.set()
         store.close()  # raises the uploader's failure, if it stopped on one
     with _remote(remote) as rem:
-        assert same_bits(rem.checkout("job/main"), _state(2))
+        assert same_bits(rem.checkout("job/main"), tier_state(2, 48))
 
 
 def test_the_budget_never_evicts_a_copy_the_remote_retention_expired(remote, tmp_path):
@@ -295,19 +289,19 @@ def test_the_budget_never_evicts_a_copy_the_remote_retention_expired(remote, tmp
     and the tier's does too (one decision), before the budget evicts anything; so no
     snapshot is left listed in the tier, marked evicted, with no copy in the remote."""
     with _open(remote, tmp_path) as probe:
-        probe.put_snapshot(_state(100), "probe/main", step=0)
+        probe.put_snapshot(tier_state(100, 48), "probe/main", step=0)
         assert probe.wait_durable(timeout=DEADLINE)
     one = _stored(tmp_path / "nvme")
     with _open(remote, tmp_path, local_budget=int(1.5 * one)) as store:
         store.set_retention("job", tsck.Retention(keep_last=1))
         for step in range(1, 5):
-            store.put_snapshot(_state(step), "job/main", step=step)
+            store.put_snapshot(tier_state(step, 48), "job/main", step=step)
             assert store.wait_durable(timeout=DEADLINE)
             refs, r = store.reftable, store.remote_core.refs
             stranded = [root.hex()[:16] for root in refs.tier_rows.evicted() if refs.catalog_has(root) and not r.catalog_has(root)]
             assert stranded == [], (step, stranded)
         assert [i.step for i in store.log("job/main")] == [4]
-        assert same_bits(store.checkout("job/main"), _state(4))
+        assert same_bits(store.checkout("job/main"), tier_state(4, 48))
 
 
 def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path, monkeypatch):
@@ -322,7 +316,7 @@ def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path,
     remote = (str(tmp_path / "remote"), {})
     with _open(remote, tmp_path) as store:
         store.set_retention("job", tsck.Retention(keep_last=1))
-        roots = [store.put_snapshot(_state(s), "job/main", step=s).root for s in (1, 2)]
+        roots = [store.put_snapshot(tier_state(s, 48), "job/main", step=s).root for s in (1, 2)]
         store.pin(roots[0])
         assert store.wait_durable(timeout=DEADLINE)
         assert bytes.fromhex(roots[0]) in store.remote_core.refs.pins()
@@ -337,8 +331,8 @@ def test_a_tier_pin_is_made_again_in_a_remote_table_rebuilt_by_recover(tmp_path,
         gate.set()
         assert store.wait_durable(timeout=DEADLINE)
         assert bytes.fromhex(roots[0]) in store.remote_core.refs.pins()
-        store.put_snapshot(_state(3), "job/main", step=3)
+        store.put_snapshot(tier_state(3, 48), "job/main", step=3)
         assert store.wait_durable(timeout=DEADLINE)
     with _remote(remote) as rem:
         rem.gc()
-        assert same_bits(rem.checkout(roots[0]), _state(1))
+        assert same_bits(rem.checkout(roots[0]), tier_state(1, 48))

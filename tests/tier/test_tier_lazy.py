@@ -25,6 +25,7 @@ import torch
 import tensorstore_ck as tsck
 
 import _zygote as zygote
+from _util import tier_state
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
@@ -103,11 +104,6 @@ def _opts(s3_server, proxy) -> dict:
     return dict(s3_server, endpoint_url=proxy.endpoint)
 
 
-def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g)}
-
-
 def _open(url, opts, refs, **kw) -> tsck.Store:
     return tsck.open_store(url, refs=str(refs), storage_options=opts, block_size=BS, inline_threshold=256, **kw)
 
@@ -142,7 +138,7 @@ def test_a_restore_from_the_local_tier_in_a_fresh_process_makes_no_request_to_th
     that process then opens the remote storage and uploads."""
     opts, refs, local = _opts(s3_server, proxy), tmp_path / "refs.lmdb", str(tmp_path / "nvme")
     with _open(s3_url, opts, refs, local=local) as store:
-        store.put_snapshot(_state(1), "job/main", step=1)
+        store.put_snapshot(tier_state(1), "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     before = proxy.sent, proxy.conns
@@ -167,11 +163,11 @@ def test_a_restore_from_the_local_tier_in_a_fresh_process_makes_no_request_to_th
         proc.stdin.close()
     with _open(s3_url, opts, refs, local=local) as store:
         assert not store.remote_core.storage.opened
-        store.put_snapshot(_state(2), "job/main", step=2)
+        store.put_snapshot(tier_state(2), "job/main", step=2)
         assert store.wait_durable(timeout=DEADLINE)
         assert store.remote_core.storage.opened and proxy.sent > before[0]
     with _open(s3_url, opts, refs) as remote:  # no tier: the upload is there, whole
-        assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), _state(2))
+        assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), tier_state(2))
         assert remote.fsck().ok
 
 
@@ -190,7 +186,7 @@ def test_a_lost_tier_is_made_again_from_the_ref_tables_record_without_a_request(
     refs = request.getfixturevalue("pg_dsn") if table == "postgresql" else str(tmp_path / "refs.lmdb")
     url = f"{s3_url}/{table}"
     with _open(url, opts, refs, local=str(local)) as store:
-        store.put_snapshot(_state(1), "job/main", step=1)
+        store.put_snapshot(tier_state(1), "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
         store_id = store.config["id"]
     from tensorstore_ck.tier.opening import remote_location as _location
@@ -204,7 +200,7 @@ def test_a_lost_tier_is_made_again_from_the_ref_tables_record_without_a_request(
             assert (proxy.sent, proxy.conns) == before, "the open of a lost tier made requests to the remote"
             assert not store.remote_core.storage.opened
             assert json.loads((local / "tsck.json").read_text())["id"] == store_id
-            assert _equal(store.checkout("job/main"), _state(1))
+            assert _equal(store.checkout("job/main"), tier_state(1))
             assert store.remote_core.storage.opened and proxy.sent > before[0]
             assert store.core.refs.tier_rows.verified_get(location) == store_id
     # A record that does not read, or one of another store: the eager open reads the marker.
@@ -221,7 +217,7 @@ def test_a_lost_tier_is_made_again_from_the_ref_tables_record_without_a_request(
         with _open(url, opts, refs, local=str(local)) as store:
             assert proxy.sent > before  # the marker was read at open
             assert json.loads((local / "tsck.json").read_text())["id"] == store_id
-            assert _equal(store.checkout("job/main"), _state(1))
+            assert _equal(store.checkout("job/main"), tier_state(1))
         assert json.loads(record())["id"] == store_id  # the eager open wrote it again
 
 
@@ -236,7 +232,7 @@ def test_a_tier_of_another_store_is_refused_before_any_request(s3_url, s3_server
     refs_a, refs_b, local_b = tmp_path / "a.lmdb", tmp_path / "b.lmdb", str(tmp_path / "nvme-b")
     _open(url_a, opts, refs_a).close()
     with _open(url_b, opts, refs_b, local=local_b) as store:
-        store.put_snapshot(_state(1), "job/main", step=1)
+        store.put_snapshot(tier_state(1), "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
     before = proxy.sent
     with pytest.raises(tsck.NotAStore, match="belongs to store"):
@@ -245,7 +241,7 @@ def test_a_tier_of_another_store_is_refused_before_any_request(s3_url, s3_server
     with pytest.raises(tsck.NotAStore):
         _open(url_a, opts, refs_b, local=local_b)
     with _open(url_b, opts, refs_b, local=local_b) as store:  # its own store still opens it, lazily
-        assert _equal(store.checkout("job/main"), _state(1)) and not store.remote_core.storage.opened
+        assert _equal(store.checkout("job/main"), tier_state(1)) and not store.remote_core.storage.opened
 
 
 @pytest.mark.slow  # a real S3 server
@@ -258,7 +254,7 @@ def test_a_store_replaced_at_the_tiers_location_is_refused_at_first_use(s3_url, 
     import s3fs
     opts, refs, local = _opts(s3_server, proxy), tmp_path / "refs.lmdb", tmp_path / "nvme"
     with _open(s3_url, opts, refs, local=str(local)) as store:
-        store.put_snapshot(_state(1), "job/main", step=1)
+        store.put_snapshot(tier_state(1), "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
     fs = s3fs.S3FileSystem(**s3_server, skip_instance_cache=True)
     marker = f"{s3_url[len('s3://'):]}/tsck.json"
@@ -268,7 +264,7 @@ def test_a_store_replaced_at_the_tiers_location_is_refused_at_first_use(s3_url, 
     with _open(s3_url, opts, refs, local=str(local)) as store:
         with pytest.raises(tsck.NotAStore, match="belongs to store"):
             store.checkout("job/main")
-        store.put_snapshot(_state(2), "job/main", step=2)  # its upload: the same refusal stops the uploader
+        store.put_snapshot(tier_state(2), "job/main", step=2)  # its upload: the same refusal stops the uploader
         with pytest.raises(tsck.NotAStore, match="belongs to store"):
             store.wait_durable()
 
@@ -282,13 +278,13 @@ def test_a_remote_down_at_open_leaves_the_local_restore_and_fails_clearly_on_the
     retried; once the server is back, the upload lands."""
     opts, refs, local = _opts(s3_server, proxy), tmp_path / "refs.lmdb", str(tmp_path / "nvme")
     with _open(s3_url, opts, refs, local=local) as store:
-        store.put_snapshot(_state(1), "job/main", step=1)
+        store.put_snapshot(tier_state(1), "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
     proxy.down = True
     with caplog.at_level(logging.WARNING, logger="tensorstore_ck.tier"):
         with _open(s3_url, opts, refs, local=local, retry_budget=0) as store:
-            assert _equal(store.checkout("job/main"), _state(1))
-            store.put_snapshot(_state(2), "job/main", step=2)
+            assert _equal(store.checkout("job/main"), tier_state(1))
+            store.put_snapshot(tier_state(2), "job/main", step=2)
             deadline = time.monotonic() + DEADLINE
             while not any("cannot open the store at " + s3_url in r.getMessage() for r in caplog.records):
                 assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
@@ -297,7 +293,7 @@ def test_a_remote_down_at_open_leaves_the_local_restore_and_fails_clearly_on_the
             proxy.down = False
             assert store.wait_durable(timeout=DEADLINE)
     with _open(s3_url, _opts(s3_server, proxy), refs) as remote:
-        assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), _state(2))
+        assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), tier_state(2))
 
 
 @pytest.mark.slow  # a real S3 server
@@ -307,13 +303,13 @@ def test_the_early_upload_opens_the_remote_from_the_io_threads(s3_url, s3_server
     snapshot lands whole."""
     opts, refs, local = _opts(s3_server, proxy), tmp_path / "refs.lmdb", str(tmp_path / "nvme")
     with _open(s3_url, opts, refs, local=local) as store:
-        store.put_snapshot(_state(1), "job/main", step=1)
+        store.put_snapshot(tier_state(1), "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)
     with _open(s3_url, opts, refs, local=local, early_upload=True, workers=8) as store:
         assert not store.remote_core.storage.opened
-        store.put_snapshot(_state(2), "job/main", step=2)
+        store.put_snapshot(tier_state(2), "job/main", step=2)
         assert store.wait_durable(timeout=DEADLINE)
         assert store.remote_core.storage.opened and store._tier.uploader.teed > 0
     with _open(s3_url, opts, refs) as remote:
-        assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), _state(2))
+        assert remote.show("job/main").step == 2 and _equal(remote.checkout("job/main"), tier_state(2))
         assert remote.fsck().ok

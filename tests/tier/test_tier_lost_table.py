@@ -24,18 +24,13 @@ import time
 import pytest
 import torch
 import _zygote as zygote
-from _util import REPO, assert_same, child_env, object_listing
+from _util import REPO, assert_same, child_env, object_listing, tier_state
 
 import tensorstore_ck as tsck
 from tensorstore_ck.errors import NotAStore
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
-
-
-def _state(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g), "step": torch.tensor(step)}
 
 
 def _model(step: int) -> dict:
@@ -89,10 +84,10 @@ def test_a_tier_that_lost_its_table_is_refused_naming_recover_and_keeps_every_ob
     files (the directory left) is refused too."""
     local = str(tmp_path / "nvme")
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
-        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        store.put_snapshot(tier_state(1, step=True), "job/main", job="job", step=1)
         assert store.wait_durable(timeout=DEADLINE)
         store._tier.uploader.close()  # step 2 stays local-only
-        store.put_snapshot(_state(2), "job/main", job="job", step=2)
+        store.put_snapshot(tier_state(2, step=True), "job/main", job="job", step=2)
     objects = _lose_table(local)
     assert any(k.startswith("commits/") for k in objects)
 
@@ -119,13 +114,13 @@ def test_a_tier_without_a_snapshot_is_made_afresh_when_its_table_is_lost(s3_url,
     snapshot to lose: the tier opens, its table made afresh, as today."""
     local = str(tmp_path / "nvme")
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
-        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        store.put_snapshot(tier_state(1, step=True), "job/main", job="job", step=1)
         assert store.wait_durable(timeout=DEADLINE)
     shutil.rmtree(os.path.join(local, "commits"))
     _lose_table(local)
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
         assert [i.step for i in store.log("job/main")] == [1]  # the remote's
-        assert_same(store.checkout("job/main"), _state(1))
+        assert_same(store.checkout("job/main"), tier_state(1, step=True))
 
 
 _WRITER = r"""
@@ -240,10 +235,10 @@ def test_an_empty_or_new_table_file_is_refused_naming_recover_and_recover_brings
     then rebuilds the table: the tier restores step 2 and uploads it."""
     local = str(tmp_path / "nvme")
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
-        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        store.put_snapshot(tier_state(1, step=True), "job/main", job="job", step=1)
         assert store.wait_durable(timeout=DEADLINE)
         store._tier.uploader.close()  # step 2 stays local-only
-        root2 = store.put_snapshot(_state(2), "job/main", job="job", step=2).root
+        root2 = store.put_snapshot(tier_state(2, step=True), "job/main", job="job", step=2).root
     data = os.path.join(local, "refs.lmdb", "data.mdb")
     with open(data, "r+b") as f:
         f.truncate(0)
@@ -269,11 +264,11 @@ def test_an_empty_or_new_table_file_is_refused_naming_recover_and_recover_brings
     assert r.returncode == 0, r.stderr
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
         assert store.resolve("job/main") == root2
-        assert_same(store.checkout("job/main"), _state(2))
+        assert_same(store.checkout("job/main"), tier_state(2, step=True))
         assert store.wait_durable(timeout=DEADLINE)
     with _open(s3_url, s3_server, tmp_path) as remote:
         assert remote.resolve("job/main") == root2
-        assert_same(remote.checkout("job/main"), _state(2))
+        assert_same(remote.checkout("job/main"), tier_state(2, step=True))
 
 
 @pytest.mark.slow  # a real S3 server
@@ -283,15 +278,15 @@ def test_an_empty_table_file_beside_a_tier_without_snapshots_is_made_afresh_with
     opens it too."""
     local = str(tmp_path / "nvme")
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
-        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        store.put_snapshot(tier_state(1, step=True), "job/main", job="job", step=1)
         assert store.wait_durable(timeout=DEADLINE)
     shutil.rmtree(os.path.join(local, "commits"))
     with open(os.path.join(local, "refs.lmdb", "data.mdb"), "r+b") as f:
         f.truncate(0)
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
-        assert_same(store.checkout("job/main"), _state(1))  # the remote's
-        store.put_snapshot(_state(2), "job/main", job="job", step=2)
+        assert_same(store.checkout("job/main"), tier_state(1, step=True))  # the remote's
+        store.put_snapshot(tier_state(2, step=True), "job/main", job="job", step=2)
         assert store.wait_durable(timeout=DEADLINE)
     with _open(s3_url, s3_server, tmp_path, local=local) as store:
         assert store.show("job/main").step == 2
-        assert_same(store.checkout("job/main"), _state(2))
+        assert_same(store.checkout("job/main"), tier_state(2, step=True))

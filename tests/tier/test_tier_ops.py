@@ -24,10 +24,7 @@ from tensorstore_ck.storage.wrappers import WrappedStore
 
 DEADLINE = 120.0  # generous: the machine is shared
 
-try:  # the tier's test state and store, as the backlog tests make them
-    from ._util import open_tiered as _open, same_bits as _equal, tier_state as _state
-except ImportError:  # tests/ is not a package
-    from _util import open_tiered as _open, same_bits as _equal, tier_state as _state
+from _util import open_tiered as _open, same_bits as _equal, tier_state as _state  # the backlog tests' state and store
 
 
 class HoldAfter(WrappedStore):

@@ -21,7 +21,7 @@ import warnings
 
 import pytest
 import torch
-from _util import assert_same, object_listing
+from _util import assert_same, object_listing, tier_state
 
 import tensorstore_ck as tsck
 from tensorstore_ck.tier import uploader as upload
@@ -31,11 +31,6 @@ pytestmark = pytest.mark.slow  # a real S3 server behind a real proxy
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 OLD_ATTEMPTS = 8  # an outage here outlasts this many failed attempts (no count of them stops uploads)
-
-
-def _state(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 256, generator=g), "step": torch.tensor(step)}
 
 
 def _open(s3_url, opts, tmp_path, **kw) -> tsck.Store:
@@ -75,18 +70,18 @@ def test_uploads_resume_after_an_outage_longer_than_any_count_of_attempts_and_th
     proxy, opts = s3_proxy
     monkeypatch.setattr(upload, "RETRY_PAUSE", (0.05, 0.3))
     with _open(s3_url, opts, tmp_path) as store:
-        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        store.put_snapshot(tier_state(1, bias=False, step=True), "job/main", job="job", step=1)
         assert store.wait_durable(timeout=DEADLINE)
         lag = store.durability_lag()
         assert lag.snapshots == 0 and lag.failing is None and not lag.lagging
 
         proxy.outage(math.inf)
-        store.put_snapshot(_state(2), "job/main", job="job", step=2)
+        store.put_snapshot(tier_state(2, bias=False, step=True), "job/main", job="job", step=2)
         _until(lambda: _failed(store) > OLD_ATTEMPTS + 2, "more failed attempts than OLD_ATTEMPTS")
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             for step in (3, 4, 5):
-                store.put_snapshot(_state(step), "job/main", job="job", step=step)
+                store.put_snapshot(tier_state(step, bias=False, step=True), "job/main", job="job", step=step)
         told = _lag_warnings(rec)
         assert len(told) == 1, told  # the first put of the outage; the next ones not again so soon
         assert "2 snapshot(s), 2 step(s)" in told[0] and s3_url in told[0] and "StorageError" in told[0], told[0]
@@ -104,7 +99,7 @@ def test_uploads_resume_after_an_outage_longer_than_any_count_of_attempts_and_th
     assert proxy.refused > 0  # the uploads did run into the outage
     with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=opts) as remote:
         assert [i.step for i in remote.log("job/main")] == [5, 4, 3, 2, 1]
-        assert_same(remote.checkout("job/main"), _state(5))
+        assert_same(remote.checkout("job/main"), tier_state(5, bias=False, step=True))
 
 
 def test_the_pause_after_a_failed_upload_is_not_cut_short_by_puts(s3_url, s3_proxy, tmp_path, monkeypatch):
@@ -115,16 +110,16 @@ def test_the_pause_after_a_failed_upload_is_not_cut_short_by_puts(s3_url, s3_pro
     pause = 3.0
     monkeypatch.setattr(upload, "RETRY_PAUSE", (pause, pause))
     with _open(s3_url, opts, tmp_path, retry_budget=0) as store:
-        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        store.put_snapshot(tier_state(1, bias=False, step=True), "job/main", job="job", step=1)
         assert store.wait_durable(timeout=DEADLINE)
         proxy.outage(math.inf)
-        store.put_snapshot(_state(2), "job/main", job="job", step=2)
+        store.put_snapshot(tier_state(2, bias=False, step=True), "job/main", job="job", step=2)
         _until(lambda: _failed(store) >= 1, "a failed attempt")
         before, t0 = _failed(store), time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tsck.SnapshotWarning)
             for step in range(3, 23):
-                store.put_snapshot(_state(step), "job/main", job="job", step=step)
+                store.put_snapshot(tier_state(step, bias=False, step=True), "job/main", job="job", step=step)
         took, made = time.monotonic() - t0, _failed(store) - before
         assert made <= took / pause + 1, f"{made} attempts during {took:.1f}s of puts, with a {pause}s pause"
         proxy.outage(0)
@@ -145,7 +140,7 @@ def test_a_budget_refuses_puts_during_an_outage_and_admits_them_once_uploads_res
     budget = 150_000
     local = tmp_path / "nvme"
     with _open(s3_url, opts, tmp_path, local_budget=budget) as store:
-        store.put_snapshot(_state(1), "job/main", job="job", step=1)
+        store.put_snapshot(tier_state(1, bias=False, step=True), "job/main", job="job", step=1)
         assert store.wait_durable(timeout=DEADLINE)
         proxy.outage(math.inf)
         with warnings.catch_warnings():
@@ -157,7 +152,7 @@ def test_a_budget_refuses_puts_during_an_outage_and_admits_them_once_uploads_res
                 objects = object_listing(local)
                 t0 = time.monotonic()
                 try:
-                    store.put_snapshot(_state(step), "job/main", job="job", step=step)
+                    store.put_snapshot(tier_state(step, bias=False, step=True), "job/main", job="job", step=step)
                 except tsck.TierFull as e:
                     assert time.monotonic() - t0 < upload.BUDGET_WAIT
                     assert "have failed for" in str(e) and "retried for as long as" in str(e), e
@@ -167,16 +162,16 @@ def test_a_budget_refuses_puts_during_an_outage_and_admits_them_once_uploads_res
         assert store.durability_lag().snapshots == step - 2
         _until(lambda: _failed(store) > OLD_ATTEMPTS + 2, "more failed attempts than OLD_ATTEMPTS")
         with pytest.raises(tsck.TierFull, match="have failed for"):  # still refused, still at once
-            store.put_snapshot(_state(step), "job/main", job="job", step=step)
+            store.put_snapshot(tier_state(step, bias=False, step=True), "job/main", job="job", step=step)
         proxy.outage(0)
         assert store.wait_durable(timeout=DEADLINE)
         for more in range(step, step + 3):
-            store.put_snapshot(_state(more), "job/main", job="job", step=more)
+            store.put_snapshot(tier_state(more, bias=False, step=True), "job/main", job="job", step=more)
             assert store.wait_durable(timeout=DEADLINE)
             assert sum(object_listing(local).values()) <= budget + 80_000  # the budget plus one snapshot
     with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=opts) as remote:
         assert remote.log("job/main")[0].step == step + 2
-        assert_same(remote.checkout("job/main"), _state(step + 2))
+        assert_same(remote.checkout("job/main"), tier_state(step + 2, bias=False, step=True))
 
 
 def test_the_manager_report_and_close_say_how_far_the_remote_is_behind(s3_url, s3_proxy, tmp_path, monkeypatch):
@@ -229,12 +224,12 @@ def test_a_refused_credential_stops_the_uploader_at_its_first_attempt(s3_url, s3
     monkeypatch.setattr(upload, "RETRY_PAUSE", (2 * DEADLINE, 2 * DEADLINE))
     with s3_signatures_checked() as good:
         with _open(s3_url, good, tmp_path) as store:
-            store.put_snapshot(_state(1), "job/main", job="job", step=1)
+            store.put_snapshot(tier_state(1, bias=False, step=True), "job/main", job="job", step=1)
             assert store.wait_durable(timeout=DEADLINE)
         store = _open(s3_url, {**good, "secret": "tsck-wrong-secret"}, tmp_path)
         try:
-            assert_same(store.checkout("job/main"), _state(1))
-            store.put_snapshot(_state(2), "job/main", job="job", step=2)
+            assert_same(store.checkout("job/main"), tier_state(1, bias=False, step=True))
+            store.put_snapshot(tier_state(2, bias=False, step=True), "job/main", job="job", step=2)
             with pytest.raises(tsck.StorageError) as e:
                 store.wait_durable(timeout=DEADLINE)
             assert isinstance(e.value.__cause__, PermissionError), repr(e.value)
@@ -245,4 +240,4 @@ def test_a_refused_credential_stops_the_uploader_at_its_first_attempt(s3_url, s3
         with _open(s3_url, good, tmp_path) as store:
             assert store.wait_durable(timeout=DEADLINE)
         with tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=good) as remote:
-            assert_same(remote.checkout("job/main"), _state(2))
+            assert_same(remote.checkout("job/main"), tier_state(2, bias=False, step=True))

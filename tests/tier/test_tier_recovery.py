@@ -24,16 +24,10 @@ import torch
 import tensorstore_ck as tsck
 
 import _zygote as zygote
-from _util import HoldLookups
+from _util import HoldLookups, tier_state
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
-
-
-def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g),
-            "step": torch.tensor(seed)}
 
 
 def _open(s3_url, s3_server, tmp_path, **kw) -> tsck.Store:
@@ -181,7 +175,7 @@ def test_damaged_local_blocks_are_read_from_the_remote_copy(s3_url, s3_server, t
     (checked there) and gives the state bit for bit; each fall-through is logged once per
     object, not again on a second checkout."""
     local = tmp_path / "nvme"
-    state = _state(3)
+    state = tier_state(3, step=True)
     with _open(s3_url, s3_server, tmp_path, local=str(local)) as store:
         store.put_snapshot(state, "job/main", step=1)
         assert store.wait_durable(timeout=DEADLINE)

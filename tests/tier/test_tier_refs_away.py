@@ -16,16 +16,14 @@ import pytest
 import tensorstore_ck as tsck
 from tensorstore_ck.tier.local import STOP_GRACE
 
+from _util import counter_state
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.sim.netproxy import NetProxy  # noqa: E402
 
 # A close's bound plus this (the machine is shared): 3.0-3.3 s in all here, against 10.1 s
 # when a close waited for the pool's threads in a connect (5 s) and tried its token clean-up (2 s).
 MARGIN = 4.5
-
-
-def _state(i: int) -> dict:
-    return {"w": np.arange(4096, dtype=np.float32) + i, "step": i}
 
 
 def _proxied(pg_dsn: str) -> tuple[NetProxy, str]:
@@ -51,11 +49,11 @@ def test_puts_through_a_tier_go_on_while_the_remote_ref_table_is_away(tmp_path, 
     remote, tier = f"file://{tmp_path}/remote", str(tmp_path / "tier")
     try:
         s = tsck.open_store(remote, refs=dsn, local=tier, early_upload=early)
-        s.put_snapshot(_state(0), ref="job/main", step=0)
+        s.put_snapshot(counter_state(0, 4096), ref="job/main", step=0)
         assert s.wait_durable(timeout=120)
         proxy.blackout() if away == "blackout" else proxy.outage(float("inf"))
         for i in (1, 2):
-            assert not s.put_snapshot(_state(i), ref="job/main", step=i).durable
+            assert not s.put_snapshot(counter_state(i, 4096), ref="job/main", step=i).durable
         assert s.show("job/main").step == 2  # (the tier's own ref moved)
         with warnings.catch_warnings(record=True) as ws:
             warnings.simplefilter("always")
@@ -75,7 +73,7 @@ def test_puts_through_a_tier_go_on_while_the_remote_ref_table_is_away(tmp_path, 
     with tsck.open_store(remote, refs=pg_dsn) as r:  # the remote itself, no tier
         assert r.show("job/main").step == 2
         got = r.checkout("job/main")
-        assert np.array_equal(np.asarray(got["w"]), _state(2)["w"])
+        assert np.array_equal(np.asarray(got["w"]), counter_state(2, 4096)["w"])
 
 
 @pytest.mark.slow  # a real server
@@ -95,7 +93,7 @@ def test_early_puts_go_on_when_the_remote_table_went_away_before_any_fence_was_r
         out: dict = {}
 
         def puts():
-            out["infos"] = [s.put_snapshot(_state(i), ref="job/main", step=i) for i in (1, 2)]
+            out["infos"] = [s.put_snapshot(counter_state(i, 4096), ref="job/main", step=i) for i in (1, 2)]
         t = threading.Thread(target=puts, daemon=True)
         t.start()
         t.join(120)  # (a bound for a loaded machine; a put that waits on the remote waits an hour)

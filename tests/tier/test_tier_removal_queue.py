@@ -10,12 +10,13 @@ import errno
 import threading
 
 import pytest
-import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
 from tensorstore_ck.tier import holds
 from tensorstore_ck.tier import uploader as upload
+
+from _util import tier_state
 
 DEADLINE = 120.0  # generous: the machine is shared
 
@@ -56,11 +57,6 @@ class Away(WrappedStore):
         return self.inner.size_of(key)
 
 
-def _state(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(32, 128, generator=g), "step": torch.tensor(step)}
-
-
 @pytest.mark.parametrize("hold", ["pin", "tag"])
 def test_a_kept_snapshot_queued_when_its_ref_is_deleted_moves_no_remote_ref(tmp_path, monkeypatch, hold):
     monkeypatch.setattr(upload, "RETRY_PAUSE", (0.05, 0.1))
@@ -71,10 +67,10 @@ def test_a_kept_snapshot_queued_when_its_ref_is_deleted_moves_no_remote_ref(tmp_
     wraps: list[Away] = []
     with tsck.open_store(remote, local=str(tmp_path / "tier"), early_upload=False,
                          wrap_storage=lambda s: wraps.append(Away(s)) or wraps[-1]) as store:
-        store.put_snapshot(_state(1), "j/keep", step=1)  # another ref: the remote stays a store in use
+        store.put_snapshot(tier_state(1, 32, cols=128, bias=False, step=True), "j/keep", step=1)  # another ref: the remote stays a store in use
         assert store.wait_durable(timeout=DEADLINE) is True
         wraps[0].away.set()
-        root = store.put_snapshot(_state(2), "j/main", step=2).root  # queued: the remote is away
+        root = store.put_snapshot(tier_state(2, 32, cols=128, bias=False, step=True), "j/main", step=2).root  # queued: the remote is away
         if hold == "pin":
             store.pin(root)
         else:
@@ -115,7 +111,7 @@ def test_an_upload_in_flight_when_its_ref_is_deleted_leaves_no_remote_ref(tmp_pa
     with tsck.open_store(remote, local=str(tmp_path / "tier"), early_upload=False,
                          wrap_storage=lambda s: gates.append(Gate(s)) or gates[-1]) as store:
         gates[0].shut.set()
-        root = store.put_snapshot(_state(1), "j/main", step=1).root
+        root = store.put_snapshot(tier_state(1, 32, cols=128, bias=False, step=True), "j/main", step=1).root
         deadline = threading.Event()
         for _ in range(int(DEADLINE / 0.01)):  # the upload has begun (marked in flight)
             if bytes.fromhex(root) in store.reftable.tier_rows.uploading():

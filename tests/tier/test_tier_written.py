@@ -21,6 +21,8 @@ import tensorstore_ck as tsck
 from tensorstore_ck.format import frame
 from tensorstore_ck.storage.wrappers import WrappedStore
 
+from _util import tier_state
+
 BS = 16 * 1024
 DEADLINE = 120.0
 
@@ -54,12 +56,6 @@ class Asked(WrappedStore):
         return new
 
 
-def _state(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 256, generator=g), "b": torch.randn(300, generator=g),
-            "step": torch.tensor(seed)}
-
-
 def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(x.equal(y) for x, y in ((a[k], b[k]) for k in a))
 
@@ -81,7 +77,7 @@ def test_an_upload_sends_what_its_process_wrote_without_asking_first(s3_url, s3_
     snapshot that changes one tensor again asks nothing about what it wrote new."""
     wrapped: list[Asked] = []
     store = _open(s3_url, s3_server, tmp_path, "nvme", wrapped)
-    state = _state(1)
+    state = tier_state(1, step=True)
     store.put_snapshot(state, "job/main", step=1)
     assert store.wait_durable(timeout=DEADLINE)
     remote, up = wrapped[0], store._tier.uploader
@@ -110,7 +106,7 @@ def test_what_a_new_tier_wrote_that_the_remote_has_is_found_not_written_again(s3
     remote; each is then judged by its size (a HEAD, as dedup does) and skipped, never
     written twice, and the snapshot is durable."""
     wrapped: list[Asked] = []
-    state = _state(2)
+    state = tier_state(2, step=True)
     with _open(s3_url, s3_server, tmp_path, "nvme", wrapped) as first:
         first.put_snapshot(state, "job/main", step=1)
         assert first.wait_durable(timeout=DEADLINE)
@@ -154,7 +150,7 @@ def test_a_tier_copy_damaged_after_it_was_written_is_never_sent(s3_url, s3_serve
     store = _open(s3_url, s3_server, tmp_path, "nvme", wrapped)
     gate = _held(store)
     # Random floats stay raw in the tier (lz4 does not shrink them); a repeated pattern is kept lz4.
-    state = _state(3) if codec == "raw" else {"w": torch.arange(64 * 256).remainder(7).float().reshape(64, 256)}
+    state = tier_state(3, step=True) if codec == "raw" else {"w": torch.arange(64 * 256).remainder(7).float().reshape(64, 256)}
     store.put_snapshot(state, "job/main", step=1)
     want = frame.CODEC_RAW if codec == "raw" else frame.CODEC_LZ4
     victim = sorted(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file()
@@ -181,7 +177,7 @@ def test_a_tier_copy_rewritten_whole_since_is_checked_and_sent(s3_url, s3_server
     wrapped: list[Asked] = []
     store = _open(s3_url, s3_server, tmp_path, "nvme", wrapped, compression="float")
     gate = _held(store)
-    state = _state(4)
+    state = tier_state(4, step=True)
     info = store.put_snapshot(state, "job/main", step=1)
     victim = sorted(p for p in (tmp_path / "nvme" / "blocks").rglob("*") if p.is_file())[0]
     old = victim.read_bytes()
@@ -211,7 +207,7 @@ def test_the_tier_writes_for_its_disk_and_the_remote_gets_the_float_codec(s3_url
     and fsck finds it sound."""
     store = tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server, block_size=BS,
                             inline_threshold=256, local=str(tmp_path / "nvme"), early_upload=early)
-    state = _state(7)
+    state = tier_state(7, step=True)
     info = store.put_snapshot(state, "job/main", step=1)
     assert store.wait_durable(timeout=DEADLINE)
     store.close()

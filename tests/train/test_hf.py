@@ -31,12 +31,8 @@ from tensorstore_ck.interchange.export import export_file  # noqa: E402
 
 import _zygote as zygote
 
-try:
-    from ._util import Tokens, assert_same, object_listing, tiny_model
-    from ._lifecycle_util import run_cli
-except ImportError:  # tests/ is not a package
-    from _util import Tokens, assert_same, object_listing, tiny_model
-    from _lifecycle_util import run_cli
+from _util import assert_same, object_listing, run_cli, tiny_model, Tokens
+
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20

@@ -28,12 +28,8 @@ import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck import hf  # noqa: E402
 from tensorstore_ck.errors import InvalidArgument  # noqa: E402
 
-try:
-    from ._lifecycle_util import run_cli
-    from ._util import Tokens, tiny_model
-except ImportError:  # tests/ is not a package
-    from _lifecycle_util import run_cli
-    from _util import Tokens, tiny_model
+
+from _util import run_cli, tiny_model, Tokens
 
 
 def trainer(out, callbacks, steps=20, processing_class=None, **kw):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,7 @@ pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-import _zygote as zygote
-from _util import assert_same, child_env  # noqa: E402
+from _util import assert_same, run_cli  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck.cli import main as cli_main  # noqa: E402
@@ -59,11 +57,6 @@ def fitted(tmp_path_factory):
     return tmp / "store", tmp / "ck", model, cb
 
 
-def _cli(*args):
-    return zygote.run([sys.executable, "-m", "tensorstore_ck", *map(str, args)], capture_output=True,
-                      text=True, timeout=300, env=child_env(cli=True), cwd=str(REPO))
-
-
 def test_torch_load_of_a_pointer_names_the_way_out(fitted, tmp_path):
     store, ck, _, cb = fitted
     last = cb.last_model_path
@@ -85,7 +78,7 @@ def test_torch_load_of_a_pointer_names_the_way_out(fitted, tmp_path):
     # the command it names works as written
     cmd = shlex.split(msg.split("write a real .ckpt with: ")[1].replace("OUT.ckpt", str(tmp_path / "out.ckpt")))
     assert cmd[:2] == ["tsck", "checkout"]
-    r = _cli(*cmd[1:])
+    r = run_cli(*cmd[1:], timeout=300)
     assert r.returncode == 0, r.stderr
     assert torch.load(tmp_path / "out.ckpt")["global_step"] == 10
     # and a person reading the file sees it too
@@ -109,7 +102,7 @@ def test_load_checkpoint_and_load_from_checkpoint(fitted):
 def test_tsck_checkout_writes_a_real_ckpt(fitted, tmp_path):
     store, ck, model, cb = fitted
     out = tmp_path / "best.ckpt"
-    r = _cli("checkout", store, cb.best_model_path, out)  # from the pointer file; format by the suffix
+    r = run_cli("checkout", store, cb.best_model_path, out, timeout=300)  # from the pointer file; format by the suffix
     assert r.returncode == 0, r.stderr
     assert "Lightning checkpoint" in r.stdout
     plain = torch.load(out)  # torch's default, weights_only=True
