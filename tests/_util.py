@@ -12,6 +12,7 @@ script by path uses these, so a fix to one reaches every test).
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import importlib.util
 import math
@@ -590,3 +591,39 @@ def cli_here(capsys, *argv) -> tuple[int, str, str]:
     out = capsys.readouterr()
     return rc, out.out, out.err
 
+
+# ---------------------------------------------------------------- a training loop the manager tests drive
+
+def manager_state(seed: int = 0) -> tsck.TrainState:
+    """A model, Adam (moments and a step count), a scheduler and a numpy Generator."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return tsck.TrainState(model=model, optimizer=opt, scheduler=sched,
+                           numpy_generators={"aug": np.random.default_rng(seed)})
+
+
+def train_step(ts: tsck.TrainState, scale: float = 1.0) -> None:
+    """One step that draws from every RNG stream the state captures."""
+    model, opt = ts.components["model"], ts.components["optimizer"]
+    x = torch.randn(8, 4) * scale + float(ts.numpy_generators["aug"].standard_normal())
+    loss = model(x).pow(2).mean() + float(np.random.rand()) * 0
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ts.components["scheduler"].step()
+
+
+def frozen_state(ts: tsck.TrainState) -> dict:
+    """A copy of everything the state would snapshot (state_dict() returns live tensors)."""
+    return copy.deepcopy(ts.state_dict())
+
+
+def run_steps(mgr, ts, steps, *, scale: float = 1.0, record: dict | None = None) -> None:
+    """Train STEPS under the manager; RECORD: the state frozen at each step it snapshots."""
+    for n in steps:
+        train_step(ts, scale)
+        mgr.step(n)
+        if record is not None and mgr.every_steps and n % mgr.every_steps == 0:
+            record[n] = frozen_state(ts)

@@ -18,56 +18,20 @@ to go as the new run publishes.
 
 from __future__ import annotations
 
-import copy
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import tensorstore_ck as tsck
 import _zygote as zygote
-from _util import assert_same, child_env
+from _util import assert_same, child_env, frozen_state, manager_state, run_steps, train_step
 from tensorstore_ck.errors import StepReusedWarning
 
 ASYNC = pytest.mark.parametrize("async_", [True, False], ids=["async", "blocking"])
-
-
-def make_state(seed: int = 0) -> tsck.TrainState:
-    """A model, Adam (moments and a step count), a scheduler and a numpy Generator."""
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    return tsck.TrainState(model=model, optimizer=opt, scheduler=sched,
-                           numpy_generators={"aug": np.random.default_rng(seed)})
-
-
-def train_step(ts: tsck.TrainState, scale: float = 1.0) -> None:
-    """One step that draws from every RNG stream the state captures."""
-    model, opt = ts.components["model"], ts.components["optimizer"]
-    x = torch.randn(8, 4) * scale + float(ts.numpy_generators["aug"].standard_normal())
-    loss = model(x).pow(2).mean() + float(np.random.rand()) * 0
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    ts.components["scheduler"].step()
-
-
-def frozen(ts: tsck.TrainState) -> dict:
-    """A copy of everything the state would snapshot (state_dict() returns live tensors)."""
-    return copy.deepcopy(ts.state_dict())
-
-
-def run(mgr, ts, steps, *, scale: float = 1.0, record: dict | None = None) -> None:
-    for n in steps:
-        train_step(ts, scale)
-        mgr.step(n)
-        if record is not None and mgr.every_steps and n % mgr.every_steps == 0:
-            record[n] = frozen(ts)
 
 
 def roots_by_step(store, ref) -> list[tuple[int, str]]:
@@ -96,11 +60,11 @@ def test_a_fresh_process_sees_the_steps_another_manager_wrote(tmp_path):
     """)
     zygote.run([sys.executable, "-c", writer], env=child_env(), check=True, timeout=120)
     with tsck.open_store(path, create=False) as store:
-        mgr = tsck.CheckpointManager(store, job="run", state=make_state())
+        mgr = tsck.CheckpointManager(store, job="run", state=manager_state())
         # 5 was pruned by keep_last=3 in the writer: only what the catalog keeps is listed
         assert mgr.all_steps() == [10, 15, 20] == sorted(s for s, _ in roots_by_step(store, "run/main"))
         assert mgr.latest_step() == 20
-        other = tsck.CheckpointManager(store, job="other", state=make_state())
+        other = tsck.CheckpointManager(store, job="other", state=manager_state())
         assert other.all_steps() == [] and other.latest_step() is None  # a ref with no snapshot
         mgr.close()
         other.close()
@@ -108,13 +72,13 @@ def test_a_fresh_process_sees_the_steps_another_manager_wrote(tmp_path):
 
 @ASYNC
 def test_latest_step_and_all_steps_restore_nothing(store, async_):
-    ts = make_state()
+    ts = manager_state()
     mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=2, async_=async_)
-    run(mgr, ts, range(1, 8))
+    run_steps(mgr, ts, range(1, 8))
     mgr.wait()
-    before, rng_before = frozen(ts), torch.get_rng_state()
+    before, rng_before = frozen_state(ts), torch.get_rng_state()
     assert mgr.latest_step() == 6 and mgr.all_steps() == [2, 4, 6]
-    assert_same(before, frozen(ts))  # weights, Adam moments, scheduler, every RNG stream
+    assert_same(before, frozen_state(ts))  # weights, Adam moments, scheduler, every RNG stream
     assert torch.equal(rng_before, torch.get_rng_state())
     assert ts.step == 6 and mgr.last_step == 6  # nothing of the manager moved either
     assert mgr.step(8) is not None  # the policy goes on as before: 8 is a snapshot step
@@ -126,38 +90,38 @@ def test_latest_step_and_all_steps_restore_nothing(store, async_):
 
 @ASYNC
 def test_restore_step_is_bit_identical(store, async_):
-    ts = make_state()
+    ts = manager_state()
     mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=5, async_=async_)
     taken: dict = {}
-    run(mgr, ts, range(1, 16), record=taken)
+    run_steps(mgr, ts, range(1, 16), record=taken)
     mgr.close()
 
-    fresh = make_state(seed=99)  # other weights, other RNG streams: all must be overwritten
+    fresh = manager_state(seed=99)  # other weights, other RNG streams: all must be overwritten
     again = tsck.CheckpointManager(store, job="run", state=fresh, async_=async_)
     # what restore_latest restores, restore(latest_step()) restores alike
-    latest = make_state(seed=7)
+    latest = manager_state(seed=7)
     assert again.restore_latest(latest) == 15
-    by_step = make_state(seed=8)
+    by_step = manager_state(seed=8)
     assert again.restore(again.latest_step(), by_step) == 15
-    assert_same(taken[15], frozen(latest))
-    assert_same(frozen(latest), frozen(by_step))
+    assert_same(taken[15], frozen_state(latest))
+    assert_same(frozen_state(latest), frozen_state(by_step))
     assert again.restore(10) == 10 and fresh.step == 10
-    assert_same(taken[10], frozen(fresh))
+    assert_same(taken[10], frozen_state(fresh))
     # the RNG streams continue where step 10's did
     again.restore(10)
     train_step(fresh)
-    mgr2_state = make_state(seed=5)
+    mgr2_state = manager_state(seed=5)
     again.restore(10, mgr2_state)
     train_step(mgr2_state)
-    assert_same(frozen(fresh), frozen(mgr2_state))
+    assert_same(frozen_state(fresh), frozen_state(mgr2_state))
     again.close()
 
 
 def test_restore_a_missing_step_names_the_nearest_and_changes_nothing(store):
-    ts = make_state()
+    ts = manager_state()
     mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_=False)
-    run(mgr, ts, range(1, 31))
-    before = frozen(ts)
+    run_steps(mgr, ts, range(1, 31))
+    before = frozen_state(ts)
     with pytest.raises(tsck.RefNotFound, match=r"step 25 .*20 below and 30 above.*3 kept, from 10 to 30"):
         mgr.restore(25)
     with pytest.raises(tsck.RefNotFound, match=r"step 99 .*30 below"):
@@ -167,9 +131,9 @@ def test_restore_a_missing_step_names_the_nearest_and_changes_nothing(store):
     for bad in (True, "10", 10.0, None):
         with pytest.raises(tsck.errors.InvalidArgument):
             mgr.restore(bad)
-    assert_same(before, frozen(ts))
+    assert_same(before, frozen_state(ts))
     assert mgr.all_steps() == [10, 20, 30] and mgr.last_step == 30
-    empty = tsck.CheckpointManager(store, job="none", state=make_state())
+    empty = tsck.CheckpointManager(store, job="none", state=manager_state())
     with pytest.raises(tsck.RefNotFound, match="has no snapshot"):
         empty.restore(10)
 
@@ -178,10 +142,10 @@ def test_restore_a_missing_step_names_the_nearest_and_changes_nothing(store):
 
 @ASYNC
 def test_rollback_then_step_on(store, async_, caplog):
-    ts = make_state()
+    ts = manager_state()
     mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_=async_)
     old: dict = {}
-    run(mgr, ts, range(1, 31), record=old)
+    run_steps(mgr, ts, range(1, 31), record=old)
     mgr.wait()
     abandoned = roots_by_step(store, "run/main")
     assert [s for s, _ in abandoned] == [30, 20, 10]
@@ -193,7 +157,7 @@ def test_rollback_then_step_on(store, async_, caplog):
     new: dict = {}
     with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="tensorstore_ck"):
         warnings.simplefilter("always")
-        run(mgr, ts, range(11, 26), scale=3.0, record=new)  # another run from step 10: other weights
+        run_steps(mgr, ts, range(11, 26), scale=3.0, record=new)  # another run from step 10: other weights
         mgr.wait()
     assert no_step_reused(caught) == []
     assert not [r for r in caplog.records if "already had a snapshot" in r.getMessage()]
@@ -207,16 +171,16 @@ def test_rollback_then_step_on(store, async_, caplog):
     assert mgr.all_steps() == [10, 20, 30] and mgr.latest_step() == 20
 
     # restore_latest (a new manager, as a resume script) returns the new run's newest
-    fresh = make_state(seed=3)
+    fresh = manager_state(seed=3)
     other = tsck.CheckpointManager(store, job="run", state=fresh, async_=async_)
     assert other.restore_latest() == 20
-    assert_same(new[20], frozen(fresh))
+    assert_same(new[20], frozen_state(fresh))
     assert not same_weights(old[20], new[20])
     # restore(20) names the newer of the two snapshots at 20; 30 is still the old run's
     assert other.restore(20) == 20
-    assert_same(new[20], frozen(fresh))
+    assert_same(new[20], frozen_state(fresh))
     assert other.restore(30) == 30
-    assert_same(old[30], frozen(fresh))
+    assert_same(old[30], frozen_state(fresh))
     mgr.close()
     other.close()
 
@@ -230,19 +194,19 @@ def test_a_resume_after_a_rollback_steps_on_quietly(store, async_):
     """A process that resumes with restore_latest() after another rolled back (and died
     before passing the abandoned run's steps) takes the rest of them again without the
     warning: what was abandoned is read from the store, not from the dead manager."""
-    ts = make_state()
+    ts = manager_state()
     mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_=async_)
-    run(mgr, ts, range(1, 41))
+    run_steps(mgr, ts, range(1, 41))
     mgr.restore(10)
-    run(mgr, ts, range(11, 21), scale=2.0)
+    run_steps(mgr, ts, range(11, 21), scale=2.0)
     mgr.close()  # "dies" with the new run at 20 and the old run's 30 and 40 kept
 
-    ts2 = make_state(seed=1)
+    ts2 = manager_state(seed=1)
     again = tsck.CheckpointManager(store, job="run", state=ts2, every_steps=10, async_=async_)
     assert again.restore_latest() == 20
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(again, ts2, range(21, 51), scale=2.0)
+        run_steps(again, ts2, range(21, 51), scale=2.0)
         again.close()
     assert no_step_reused(caught) == []
     assert [e.step for e in store.log("run/main")] == [50, 40, 30, 20, 10, 40, 30, 20]
@@ -253,14 +217,14 @@ def test_a_resume_after_a_rollback_steps_on_quietly(store, async_):
 def test_a_rerun_without_restore_still_warns(store, async_):
     """Not every step taken twice is a rollback: a script re-run from its start, with no
     restore, still gets its StepReusedWarning."""
-    ts = make_state()
+    ts = manager_state()
     mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_=async_)
-    run(mgr, ts, range(1, 21))
+    run_steps(mgr, ts, range(1, 21))
     mgr.close()
-    rerun = tsck.CheckpointManager(store, job="run", state=make_state(), every_steps=10, async_=async_)
+    rerun = tsck.CheckpointManager(store, job="run", state=manager_state(), every_steps=10, async_=async_)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(rerun, rerun.state, range(1, 11))
+        run_steps(rerun, rerun.state, range(1, 11))
         rerun.wait()
     assert len(no_step_reused(caught)) == 1
     # and after a rollback, going back below the restored step is a step reused too
@@ -278,10 +242,10 @@ def test_retention_after_a_rollback(store, async_):
     """keep_last counts publication order, the move back to the restored snapshot included:
     the abandoned run's snapshots are kept until the new run has published keep_last of its
     own; restore() itself prunes nothing."""
-    ts = make_state()
+    ts = manager_state()
     mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_=async_,
                                  retention=tsck.Retention(keep_last=2))
-    run(mgr, ts, range(1, 31))
+    run_steps(mgr, ts, range(1, 31))
     mgr.wait()
     old = dict(roots_by_step(store, "run/main"))
     assert sorted(old) == [20, 30] and mgr.all_steps() == [20, 30]  # 10 pruned
@@ -294,23 +258,23 @@ def test_retention_after_a_rollback(store, async_):
     new: dict = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(mgr, ts, range(21, 31), scale=2.0, record=new)
+        run_steps(mgr, ts, range(21, 31), scale=2.0, record=new)
         mgr.wait()
         # the two last published: the new 30 and the restored 20 (the ref moved back to it
         # after the abandoned 30 was published); the abandoned 30 went
         assert roots_by_step(store, "run/main")[1] == (20, old[20])
         assert [s for s, _ in roots_by_step(store, "run/main")] == [30, 20]
         assert mgr.all_steps() == [20, 30] and mgr.latest_step() == 30
-        run(mgr, ts, range(31, 41), scale=2.0, record=new)
+        run_steps(mgr, ts, range(31, 41), scale=2.0, record=new)
         mgr.wait()
     assert no_step_reused(caught) == []
     log = roots_by_step(store, "run/main")
     assert [s for s, _ in log] == [40, 30] and old[30] not in {r for _, r in log}  # the abandoned run is gone
     assert mgr.all_steps() == [30, 40]
     assert mgr.prune_errors == []
-    check = make_state(seed=4)
+    check = manager_state(seed=4)
     assert mgr.restore(30, check) == 30
-    assert_same(new[30], frozen(check))
+    assert_same(new[30], frozen_state(check))
     mgr.close()
 
 
@@ -341,13 +305,13 @@ def test_a_crash_after_a_rollback_resumes_at_the_restored_step(store_path, async
     The dying process is a real one, killed (SIGKILL) right after restore() returned."""
     script = textwrap.dedent(f"""
         import os, signal, sys
-        sys.path[:0] = [{str(Path(__file__).resolve().parent)!r}, {str(Path(__file__).resolve().parents[1])!r}]
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         import tensorstore_ck as tsck
-        from test_manager_steps import make_state, run
+        from _util import manager_state, run_steps
         store = tsck.open_store({str(store_path)!r}, create=True)
-        ts = make_state()
+        ts = manager_state()
         mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_={async_!r})
-        run(mgr, ts, range(1, 31))
+        run_steps(mgr, ts, range(1, 31))
         mgr.wait()
         assert mgr.restore(10) == 10
         os.kill(os.getpid(), signal.SIGKILL)
@@ -357,12 +321,12 @@ def test_a_crash_after_a_rollback_resumes_at_the_restored_step(store_path, async
     with tsck.open_store(store_path) as store:
         steps = [e.step for e in store.log("run/main")]
         assert steps == [10, 30, 20]  # the ref is back on 10; nothing was deleted
-        ts = make_state(seed=2)
+        ts = manager_state(seed=2)
         mgr = tsck.CheckpointManager(store, job="run", state=ts, every_steps=10, async_=async_)
         assert mgr.restore_latest() == 10 and mgr.latest_step() == 10
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run(mgr, ts, range(11, 31), scale=2.0)
+            run_steps(mgr, ts, range(11, 31), scale=2.0)
             mgr.close()
         assert no_step_reused(caught) == []
         assert [e.step for e in store.log("run/main")] == [30, 20, 10, 30, 20]

@@ -22,23 +22,11 @@ import blake3
 import pytest
 import torch
 
+from _saver_wrap import BLOCK, open_, state_at
 from _util import REPO, assert_same, child_env, object_listing
 
 import tensorstore_ck as tsck
 from tensorstore_ck.errors import InvalidArgument, SaverDied, StorageError
-
-BLOCK = 64 << 10
-
-
-def state_at(step: int, n: int = 12, numel: int = 48 << 10) -> dict:
-    """A state that is a function of its step (a fresh process rebuilds it to compare)."""
-    g = torch.Generator().manual_seed(step)
-    return {"step": step, "w": [torch.randn(numel, generator=g) for _ in range(n)],
-            "b": torch.arange(step, step + 10), "note": f"at {step}"}
-
-
-def open_(path, **kw):
-    return tsck.open_store(path, block_size=BLOCK, inline_threshold=256, saver="process", **kw)
 
 
 def wait_exit(pid: int, timeout: float) -> bool:
@@ -453,7 +441,7 @@ def test_a_saver_stopped_mid_write_is_killed_after_its_silence_and_the_put_fails
 _TRAINER = r"""
 import os, sys, time, torch
 sys.path.insert(0, sys.argv[2])
-from test_saver import open_, state_at
+from _saver_wrap import open_, state_at
 with open_(sys.argv[1], write_bandwidth=float(sys.argv[3])) as s:
     for step in range(1, 1000):
         f = s.put_snapshot(state_at(step), "j/main", step=step, blocking=False)
@@ -535,7 +523,7 @@ def test_a_saver_writes_to_an_object_store_as_the_training_process_would(s3_url,
 _SLOW_TRAINER = r"""
 import os, subprocess, sys, time
 sys.path.insert(0, sys.argv[2])
-from test_saver import open_, state_at
+from _saver_wrap import open_, state_at
 s = open_(sys.argv[1], write_bandwidth=float(sys.argv[3]))
 f = s.put_snapshot(state_at(1), "j/main", step=1, blocking=False)
 while s._saver.pid is None:  # started on the publisher's thread
