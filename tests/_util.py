@@ -17,11 +17,13 @@ import dataclasses
 import importlib.util
 import math
 import os
+import signal
 import stat
 import struct
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import blake3
@@ -94,6 +96,27 @@ def load_helper(path, *, name: str | None = None, sibling_imports: bool = False)
         if sibling_imports:
             sys.path.remove(str(path.parent))
     return mod
+
+
+def line_from(proc, prefix: str, timeout: float) -> str:
+    """The first line PROC (text=True, stdout and stderr piped) prints that starts with
+    PREFIX; fails, with the end of its stderr, if it ends first, or once TIMEOUT seconds
+    have passed when a line comes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, f"no {prefix!r} line within {timeout} s"
+        line = proc.stdout.readline()
+        assert line, f"the process ended before its {prefix!r} line: {proc.stderr.read()[-2000:]}"
+        if line.startswith(prefix):
+            return line
+
+
+def kill_and_close(proc) -> None:
+    """SIGKILL PROC (a Popen with stdout and stderr piped), reap it and close its pipes."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 def in_thread(fn):
@@ -266,6 +289,20 @@ def rand_tensor(dtype: torch.dtype, shape, seed: int = 0) -> torch.Tensor:
     return raw.view(dtype).reshape(tuple(shape))
 
 
+def blank_like(x, plain=lambda v: v):
+    """X's structure (dicts, lists, tuples) with its tensors zeroed and every other value as
+    PLAIN makes it: a load target that holds none of X's tensors."""
+    if isinstance(x, torch.Tensor):
+        return torch.zeros_like(x)
+    if isinstance(x, dict):
+        return {k: blank_like(v, plain) for k, v in x.items()}
+    if isinstance(x, list):
+        return [blank_like(v, plain) for v in x]
+    if isinstance(x, tuple):
+        return tuple(blank_like(v, plain) for v in x)
+    return plain(x)
+
+
 def all_torch_dtypes():
     return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 
@@ -360,7 +397,35 @@ def run_worker_scenario(worker, tmp_path, scenario: str, *args, limit: float) ->
 
 
 # -- storage wrappers that watch or hold a store's requests ----------------------------
-class CountingReads(WrappedStore):
+class Watched(WrappedStore):
+    """A storage wrapper that sees each object request before it goes on: on_read(key)
+    before every read (get, open_read), on_write(key) before every write (put_if_absent,
+    put_addressed). A subclass counts, records or holds there."""
+
+    def on_read(self, key: str) -> None:
+        pass
+
+    def on_write(self, key: str) -> None:
+        pass
+
+    def get(self, key, max_bytes=None):
+        self.on_read(key)
+        return self.inner.get(key, max_bytes)
+
+    def open_read(self, key, max_bytes=None):
+        self.on_read(key)
+        return self.inner.open_read(key, max_bytes)
+
+    def put_if_absent(self, key, bufs):
+        self.on_write(key)
+        return self.inner.put_if_absent(key, bufs)
+
+    def put_addressed(self, key, bufs):
+        self.on_write(key)
+        return self.inner.put_addressed(key, bufs)
+
+
+class CountingReads(Watched):
     """Counts the reads of each block object (get and open_read), and keeps their order."""
 
     def __init__(self, inner):
@@ -368,18 +433,10 @@ class CountingReads(WrappedStore):
         self.reads = collections.Counter()
         self.order = []
 
-    def _count(self, key):
+    def on_read(self, key):
         if key.startswith("blocks/"):
             self.reads[key.rsplit("/", 1)[1]] += 1
             self.order.append(key.rsplit("/", 1)[1])
-
-    def get(self, key, max_bytes=None):
-        self._count(key)
-        return self.inner.get(key, max_bytes)
-
-    def open_read(self, key, max_bytes=None):
-        self._count(key)
-        return self.inner.open_read(key, max_bytes)
 
 
 class HoldLookups(WrappedStore):
@@ -469,6 +526,26 @@ def tiny_model():
                                       bos_token_id=0, eos_token_id=0))
 
 
+def hf_trainer(out, callbacks, steps: int, *, trainer_kw: dict | None = None, **kw):
+    """The suite's Hugging Face run, the same every time: seed 0, dropout on (the RNG streams
+    matter), 16 steps an epoch (a resume at step 10 is mid-epoch, 20 steps cross into the
+    second), a save every 5 steps. KW: more TrainingArguments; TRAINER_KW: more of the
+    Trainer's own."""
+    from transformers import PrinterCallback, Trainer, TrainingArguments, set_seed
+    from transformers.utils import logging as hf_logging
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    set_seed(0)
+    args = TrainingArguments(str(out), max_steps=steps, save_steps=5, logging_steps=1, per_device_train_batch_size=4,
+                             learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], dataloader_num_workers=0,
+                             disable_tqdm=True, **kw)
+    t = Trainer(model=tiny_model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8), callbacks=callbacks,
+                **(trainer_kw or {}))
+    t.remove_callback(PrinterCallback)
+    return t
+
+
 # ---------------------------------------------------------------- `tsck du`'s three jobs
 DU_BS = 64 * 1024  # (tests/interchange/test_plot.py, tests/maintain/test_du_holds.py)
 DU_N = DU_BS // 4  # float32 elements per block: 1-D tensors are cut at exact multiples of DU_BS
@@ -535,6 +612,35 @@ def tier_state(seed: int, n: int = 64, *, cols: int = 256, bias: bool = True, st
     if step:
         out["step"] = torch.tensor(seed)
     return out
+
+
+def edit_state(seed: int = 0) -> dict:
+    """16 tensors of 256 KiB of random float32s (no codec shrinks them: stored bytes ~ raw
+    bytes): a state whose one-tensor edits the dedup promises measure."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i:02d}": torch.randn(64 * 1024, generator=g) for i in range(16)}
+
+
+def peft_state(base_seed: int = 0, adapter_seed: int = 1, n: int = 120) -> dict:
+    """As peft lays a fine-tune out: a frozen base tensor (64 KiB), then its small adapter
+    (8 KiB), repeated N times; random float32s, from a generator each."""
+    gb, ga = torch.Generator().manual_seed(base_seed), torch.Generator().manual_seed(adapter_seed)
+    out = {}
+    for i in range(n):
+        out[f"layers.{i}.base.weight"] = torch.randn(16 * 1024, generator=gb)
+        out[f"layers.{i}.lora_A.weight"] = torch.randn(2 * 1024, generator=ga)
+    return out
+
+
+def mlp_and_adamw(width: int, hidden: int) -> tuple:
+    """An MLP (WIDTH -> HIDDEN -> 2, seed 0) and its AdamW after one step: the tensors,
+    step counts and hyperparameters a model's and an optimizer's state_dict()s hold."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, width)).sum().backward()
+    opt.step()
+    return model, opt
 
 
 def counter_state(i: int, n: int = 64) -> dict:
@@ -613,6 +719,13 @@ def train_step(ts: tsck.TrainState, scale: float = 1.0) -> None:
     loss.backward()
     opt.step()
     ts.components["scheduler"].step()
+
+
+def pruning_manager(store, model, keep: int, *, async_: bool = False) -> tsck.CheckpointManager:
+    """A manager of job "run" that snapshots MODEL at every step and prunes the job to its
+    KEEP newest snapshots."""
+    return tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
+                                  retention=tsck.Retention(keep_last=keep), async_=async_)
 
 
 def frozen_state(ts: tsck.TrainState) -> dict:

@@ -85,6 +85,14 @@ def store(store_path):
     s.close()
 
 
+@pytest.fixture
+def small_store(tmp_path):
+    """A store of 16 KiB blocks, so that modest tensors span many blocks."""
+    s = tsck.open_store(tmp_path / "store", block_size=16384)
+    yield s
+    s.close()
+
+
 # ---------------------------------------------------------------- real servers
 from _pgserver import PgServer, pg_bindir  # noqa: E402
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import _zygote as zygote
-from _util import assert_same, load_helper
+from _util import assert_same, blank_like, load_helper, tensor_bytes
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -29,21 +29,13 @@ import tensorstore_ck as tsck
 from tensorstore_ck.dcp import TsckReader, TsckWriter, decode_metadata, encode_metadata
 from tensorstore_ck.interchange.hf_folder import select
 
-from _util import assert_same, tensor_bytes
-
 HERE = Path(__file__).resolve().parents[1]
 DIST_HELPER = HERE / "helpers" / "dcp_dist.py"
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-# ---------------------------------------------------------------- fixtures
-@pytest.fixture
-def small_store(tmp_path):
-    # 16 KiB blocks so that modest tensors span many blocks
-    s = tsck.open_store(tmp_path / "store", block_size=16384)
-    yield s
-    s.close()
+# ---------------------------------------------------------------- fixtures (small_store: conftest.py)
 
 
 def _model_and_optim(seed: int):
@@ -81,25 +73,20 @@ def _state(seed: int = 0) -> dict:
     }
 
 
+def _unlike(x):
+    """A plain value other than X: a bool flipped, a number or a string changed."""
+    if isinstance(x, bool):
+        return not x
+    if isinstance(x, (int, float)):
+        return x + 1
+    if isinstance(x, str):
+        return x + "?"
+    return x
+
+
 def _blank_like(sd):
     """The same structure with zeroed tensors and different plain values."""
-    def blank(x):
-        if isinstance(x, torch.Tensor):
-            return torch.zeros_like(x)
-        if isinstance(x, dict):
-            return {k: blank(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [blank(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(blank(v) for v in x)
-        if isinstance(x, bool):
-            return not x
-        if isinstance(x, (int, float)):
-            return x + 1
-        if isinstance(x, str):
-            return x + "?"
-        return x
-    return blank(sd)
+    return blank_like(sd, _unlike)
 
 
 def _save(sd, store, ref="jobA/main", step=100, **kw):

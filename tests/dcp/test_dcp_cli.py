@@ -17,18 +17,9 @@ from tensorstore_ck.dcp import TsckWriter
 
 import _zygote as zygote
 
-from _util import NO_TORCH_CLI as _NO_TORCH, cli_here
+from _util import NO_TORCH_CLI as _NO_TORCH, cli_here, mlp_and_adamw
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def _model_and_optim():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    return model, opt
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +27,7 @@ def store(tmp_path_factory):
     """The same model + optimizer state saved by dcp.save (job/dcp) and put_snapshot
     (job/native); a dcp.save with a value only a full unpickle loads (job/odd)."""
     path = str(tmp_path_factory.mktemp("dcpcli") / "s")
-    model, opt = _model_and_optim()
+    model, opt = mlp_and_adamw(4, 8)
     with tsck.open_store(path) as s:
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
                  storage_writer=TsckWriter(s, ref="job/dcp", step=1))

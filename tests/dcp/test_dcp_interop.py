@@ -18,16 +18,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 import tensorstore_ck as tsck
 from tensorstore_ck.dcp import TsckReader, TsckWriter
 
-from _util import assert_same
+from _util import assert_same, blank_like
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
 @pytest.fixture
-def store(tmp_path):
-    s = tsck.open_store(tmp_path / "store", block_size=16384)
-    yield s
-    s.close()
+def store(small_store):
+    """conftest's small_store: 16 KiB blocks."""
+    return small_store
 
 
 def _parts(seed):
@@ -71,17 +70,8 @@ def _extra(seed=0):
 
 
 def _blank(x):
-    if isinstance(x, torch.Tensor):
-        return torch.zeros_like(x)
-    if isinstance(x, dict):
-        return {k: _blank(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_blank(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_blank(v) for v in x)
-    if isinstance(x, np.ndarray):
-        return np.zeros_like(x)
-    return x
+    """X with its tensors and numpy arrays zeroed, its other values kept."""
+    return blank_like(x, lambda v: np.zeros_like(v) if isinstance(v, np.ndarray) else v)
 
 
 # ---------------------------------------------------------------- native -> dcp.load

@@ -18,18 +18,9 @@ from tensorstore_ck.dcp import TsckWriter
 from tensorstore_ck.util.ids import Digest
 from tensorstore_ck.core.walk import iter_leaves
 
-from _util import cli_here
+from _util import cli_here, mlp_and_adamw
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def _model_and_optim():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(3, 64)).sum().backward()
-    opt.step()
-    return model, opt
 
 
 @pytest.fixture
@@ -37,7 +28,7 @@ def saved(tmp_path):
     """Two dcp.save snapshots of a model and its optimizer (job/main@1, @2): between
     them, only model.0.weight changed."""
     path = tmp_path / "s"
-    model, opt = _model_and_optim()
+    model, opt = mlp_and_adamw(64, 64)
     with tsck.open_store(path, block_size=4096) as s:
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
                  storage_writer=TsckWriter(s, ref="job/main", step=1))

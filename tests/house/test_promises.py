@@ -26,31 +26,13 @@ import torch
 import tensorstore_ck as tsck
 
 from _backends import OBJECT_PREFIXES, Backend
+from _util import edit_state, peft_state
 
 KiB = 1024
 # What a snapshot costs beyond its changed tensors: its commit and the manifest nodes
 # that changed (a few hundred leaves here), and a pack's framing. Generous, but far below
 # any one rewrite of unchanged content (the smallest below is 1.9 MiB).
 OVERHEAD = 256 * KiB
-
-
-def _rand(g, n):  # float32 values that no codec shrinks: stored bytes ~ raw bytes
-    return torch.randn(n, generator=g)
-
-
-def _edit_state(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {f"t{i:02d}": _rand(g, 64 * KiB) for i in range(16)}  # 16 x 256 KiB
-
-
-def _peft_state(base_seed=0, adapter_seed=1, n=120):
-    """As peft lays a fine-tune out: a frozen base tensor, then its small adapter, repeated."""
-    gb, ga = torch.Generator().manual_seed(base_seed), torch.Generator().manual_seed(adapter_seed)
-    out = {}
-    for i in range(n):
-        out[f"layers.{i}.base.weight"] = _rand(gb, 16 * KiB)     # 64 KiB, frozen
-        out[f"layers.{i}.lora_A.weight"] = _rand(ga, 2 * KiB)    # 8 KiB, trained
-    return out
 
 
 def _adapter_bytes(state):
@@ -112,7 +94,7 @@ def _same(a, b):
 
 
 def test_a_one_tensor_edit_stores_about_that_tensor(road):
-    s = _edit_state()
+    s = edit_state()
     road.put(s, ref="j/main", step=1)
     s["t07"] = s["t07"] + 1.0
     grew, info = _grew(road, s, ref="j/main", step=2)
@@ -120,24 +102,24 @@ def test_a_one_tensor_edit_stores_about_that_tensor(road):
     assert grew <= one + OVERHEAD, f"a one-tensor edit ({one} B) stored {grew} B on {road.kind}"
     assert info.bytes_new <= one + OVERHEAD
     _same(road.store.checkout("j/main"), s)
-    _same(road.store.checkout("j/main@1"), _edit_state())
+    _same(road.store.checkout("j/main@1"), edit_state())
 
 
 def test_a_frozen_base_with_adapters_stores_only_the_adapters(road):
-    road.put(_peft_state(adapter_seed=1), ref="ft/main", step=1)
+    road.put(peft_state(adapter_seed=1), ref="ft/main", step=1)
     for step in (2, 3):
-        s = _peft_state(adapter_seed=step)
+        s = peft_state(adapter_seed=step)
         grew, info = _grew(road, s, ref="ft/main", step=step)
         limit = _adapter_bytes(s) + OVERHEAD
         assert grew <= limit, f"step {step}: {grew} B stored for {_adapter_bytes(s)} B of changed adapters on {road.kind}"
         assert info.bytes_new <= limit
-    _same(road.store.checkout("ft/main"), _peft_state(adapter_seed=3))
-    _same(road.store.checkout("ft/main@2"), _peft_state(adapter_seed=2))
+    _same(road.store.checkout("ft/main"), peft_state(adapter_seed=3))
+    _same(road.store.checkout("ft/main@2"), peft_state(adapter_seed=2))
 
 
 def test_a_second_job_on_one_base_shares_it(road):
-    road.put(_peft_state(adapter_seed=1), ref="a/main", step=1)
-    s = _peft_state(adapter_seed=99)
+    road.put(peft_state(adapter_seed=1), ref="a/main", step=1)
+    s = peft_state(adapter_seed=99)
     grew, info = _grew(road, s, ref="b/main", step=1)
     limit = _adapter_bytes(s) + OVERHEAD
     assert grew <= limit, f"a fork of one base stored {grew} B for {_adapter_bytes(s)} B of its own adapters on {road.kind}"
@@ -145,7 +127,7 @@ def test_a_second_job_on_one_base_shares_it(road):
 
 
 def test_a_repeat_stores_nothing_but_its_commit(road):
-    s = _peft_state()
+    s = peft_state()
     road.put(s, ref="r/main", step=1)
     grew, info = _grew(road, s, ref="r/main", step=2)
     assert grew <= OVERHEAD and info.bytes_new <= OVERHEAD
@@ -182,7 +164,7 @@ def _dcp_load(road, ref, like):
 
 
 def test_dcp_a_one_tensor_edit_stores_about_that_tensor(dcp_road):
-    s = _edit_state()
+    s = edit_state()
     _dcp_grew(dcp_road, s, "d/main", 1)
     s["t07"] = s["t07"] + 1.0
     grew, info = _dcp_grew(dcp_road, s, "d/main", 2)
@@ -194,17 +176,17 @@ def test_dcp_a_one_tensor_edit_stores_about_that_tensor(dcp_road):
 
 
 def test_dcp_a_frozen_base_with_adapters_stores_only_the_adapters(dcp_road, tmp_path):
-    _dcp_grew(dcp_road, _peft_state(adapter_seed=1), "ft/main", 1)
+    _dcp_grew(dcp_road, peft_state(adapter_seed=1), "ft/main", 1)
     for step in (2, 3):
         if step == 3:  # a restarted job: a new Store, nothing in memory but what it learns
             dcp_road.store.close()
             dcp_road.store = dcp_road.remote.open(
                 **({"pack_size": 64 * 1024 * KiB} if dcp_road.kind == "file-packed" else {}))
-        s = _peft_state(adapter_seed=step)
+        s = peft_state(adapter_seed=step)
         grew, info = _dcp_grew(dcp_road, s, "ft/main", step)
         limit = _adapter_bytes(s) + OVERHEAD
         assert grew <= limit, (f"step {step}: {grew} B stored through DCP for {_adapter_bytes(s)} B of changed "
                                f"adapters on {dcp_road.kind}")
         assert info.bytes_new <= limit
-    _same(_dcp_load(dcp_road, "ft/main", _peft_state(adapter_seed=3)), _peft_state(adapter_seed=3))
-    _same(dcp_road.store.checkout("ft/main@2"), _peft_state(adapter_seed=2))
+    _same(_dcp_load(dcp_road, "ft/main", peft_state(adapter_seed=3)), peft_state(adapter_seed=3))
+    _same(dcp_road.store.checkout("ft/main@2"), peft_state(adapter_seed=2))

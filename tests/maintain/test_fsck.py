@@ -167,6 +167,13 @@ def assert_exact(rep, want: set):
     assert rep.ok is (not want)
 
 
+def assert_both_exact(p: Pristine, want: set):
+    """A full and a quick fsck both find exactly WANT."""
+    full, quick = fsck_both(p)
+    assert_exact(full, want)
+    assert_exact(quick, want)
+
+
 # ------------------------------------------------------------------ clean
 def test_clean_store(pristine):
     p = pristine
@@ -218,9 +225,7 @@ def test_truncated_block(pristine, which):
         assert want == {("truncated", p.root["B20"], ("ref:jobB/main",), "['head']", key)}
     else:
         assert len(want) == 9
-    full, quick = fsck_both(p)
-    assert_exact(full, want)
-    assert_exact(quick, want)
+    assert_both_exact(p, want)
 
 
 @pytest.mark.parametrize("which", ["unique", "shared"])
@@ -234,9 +239,7 @@ def test_deleted_block(pristine, which):
     else:
         assert len(want) == 9
         assert {w[3] for w in want} == {"['model']['base']", "['backbone']"}
-    full, quick = fsck_both(p)
-    assert_exact(full, want)
-    assert_exact(quick, want)
+    assert_both_exact(p, want)
 
 
 @pytest.mark.parametrize("which", ["top", "shared_subtree"])
@@ -249,9 +252,7 @@ def test_deleted_manifest_node(pristine, which):
         assert want == {("missing", p.root["A300"], (), None, key)}
     else:
         assert len(want) == 6 and {w[3] for w in want} == {"['buffers']"}
-    full, quick = fsck_both(p)
-    assert_exact(full, want)
-    assert_exact(quick, want)
+    assert_both_exact(p, want)
 
 
 @pytest.mark.parametrize("which", ["ref_tip", "history"])

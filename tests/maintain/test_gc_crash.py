@@ -71,6 +71,18 @@ class Model:
                 self.commits[j].append((step, info.root))
                 self.step_of[info.root] = (j, step)
 
+    @classmethod
+    def filled(cls, store, n: int, tag: tuple[str, int], pin: tuple[str, int]) -> "Model":
+        """Each job's keep_last rule set, N snapshots a job put, "golden" tagging the
+        snapshot TAG = (job, index) names and a pin on PIN's."""
+        model = cls()
+        for j in JOBS:
+            store.set_retention(j, tsck.Retention(keep_last=KEEP))
+        model.add(store, n)
+        model.tagged = store.tag("golden", model.commits[tag[0]][tag[1]][1]).root
+        model.pinned = store.pin(model.commits[pin[0]][pin[1]][1])
+        return model
+
     def kept(self) -> set[str]:
         out = {root for j in JOBS for _, root in self.commits[j][-KEEP:]}
         return out | {self.tagged, self.pinned}
@@ -134,13 +146,8 @@ def test_gc_sigkill_at_random_moments(tmp_path, procs):
     rng = random.Random(20240611)
     path = tmp_path / "store"
     store = _open(path)
-    model = Model()
     try:
-        for j in JOBS:
-            store.set_retention(j, tsck.Retention(keep_last=KEEP))
-        model.add(store, INITIAL)
-        model.tagged = store.tag("golden", model.commits["j0"][2][1]).root
-        model.pinned = store.pin(model.commits["j1"][4][1])
+        model = Model.filled(store, INITIAL, tag=("j0", 2), pin=("j1", 4))
 
         # -- calibrate: one uncut gc on a copy of the store, timed from the test's side.
         # The store is closed while its directory is copied: reading refs.lmdb/lock.mdb
@@ -245,13 +252,8 @@ def test_gc_sigkill_at_random_moments(tmp_path, procs):
 def test_writer_commits_after_gc_killed_while_deleting(tmp_path, procs):
     path = tmp_path / "store"
     store = _open(path)
-    model = Model()
     try:
-        for j in JOBS:
-            store.set_retention(j, tsck.Retention(keep_last=KEEP))
-        model.add(store, 8)
-        model.tagged = store.tag("golden", model.commits["j0"][1][1]).root
-        model.pinned = store.pin(model.commits["j2"][1][1])
+        model = Model.filled(store, 8, tag=("j0", 1), pin=("j2", 1))
         # j1@0 expires; its own blocks are what the writer below will reuse.
         reused = gc_states.crash_state("j1", 0)
         own_keys = set()

@@ -16,6 +16,7 @@ host cannot judge, keeps its lease (docs/design/gc.md, "A holder known dead").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -79,15 +80,27 @@ def _tsck(b: Backend, *args, timeout: float = 300) -> subprocess.CompletedProces
                       timeout=timeout)
 
 
-@pytest.mark.slow
-def test_a_killed_prunes_lock_is_taken_over_at_once_and_retention_applied(where, tmp_path):
+@contextlib.contextmanager
+def _held(where: Backend, tmp_path: Path, what: str, steps: int):
+    """A store whose job a keeps its KEEP newest, STEPS snapshots put, and a process of
+    its own holding the lock for WHAT (a prune or a gc): yields (store, the holder, the
+    processes started, each closed at the end)."""
     procs: list = []
     store = _open(where)
     try:
         store.set_retention("a", tsck.Retention(keep_last=KEEP))
-        for step in range(6):
+        for step in range(steps):
             _put(store, step)
-        holder = _holder(where, tmp_path, "prune", procs)
+        yield store, _holder(where, tmp_path, what, procs), procs
+    finally:
+        for p in procs:
+            p.close()
+        store.close()
+
+
+@pytest.mark.slow
+def test_a_killed_prunes_lock_is_taken_over_at_once_and_retention_applied(where, tmp_path):
+    with _held(where, tmp_path, "prune", 6) as (store, holder, procs):
         st = store.reftable.gc_state()
         assert st["phase"] == "marking" and st["owner"].startswith("prune:"), st
 
@@ -110,21 +123,11 @@ def test_a_killed_prunes_lock_is_taken_over_at_once_and_retention_applied(where,
         assert rep.ok and not rep.findings, [str(f) for f in rep.findings[:5]]
         for step in (4, 5):
             assert gc_states.same_bits(gc_states.crash_state("a", step), store.checkout(f"a/main@{step}"))
-    finally:
-        for p in procs:
-            p.close()
-        store.close()
 
 
 @pytest.mark.slow
 def test_a_killed_gcs_deletion_phase_holds_back_no_writer_and_tsck_gc_takes_it_over(where, tmp_path):
-    procs: list = []
-    store = _open(where)
-    try:
-        store.set_retention("a", tsck.Retention(keep_last=KEEP))
-        for step in range(5):
-            _put(store, step)
-        holder = _holder(where, tmp_path, "gc", procs)
+    with _held(where, tmp_path, "gc", 5) as (store, holder, procs):
         st = store.reftable.gc_state()
         assert st["phase"] == "deleting" and st["epoch"] % 2, st
         r = _tsck(where, "gc", where.url)
@@ -151,10 +154,6 @@ def test_a_killed_gcs_deletion_phase_holds_back_no_writer_and_tsck_gc_takes_it_o
         assert rep.ok and not rep.findings, [str(f) for f in rep.findings[:5]]
         for step in (4, 5):
             assert gc_states.same_bits(gc_states.crash_state("a", step), store.checkout(f"a/main@{step}"))
-    finally:
-        for p in procs:
-            p.close()
-        store.close()
 
 
 def _start_time(pid: int) -> int:

@@ -67,14 +67,20 @@ def damage(b: Backend, key: str, how: str) -> None:
         raise ValueError(how)
 
 
+def put_and_damage(s, b: Backend, state: dict, ref: str, index: int, how: str):
+    """STATE put as REF@1, then its INDEX-th block damaged HOW: (the put's info, the
+    block's key, its good bytes, its damaged bytes)."""
+    old = s.put_snapshot(state, ref=ref, step=1)
+    key = blocks(b)[index]
+    good = b.read(key)
+    damage(b, key, how)
+    return old, key, good, b.read(key)
+
+
 def heal_after_repair(b: Backend, state: dict, how: str) -> None:
     """The whole story on one backend: damage, dedup reuses it, repair, re-put heals."""
     with b.open(**OPEN) as s:
-        old = s.put_snapshot(state, ref="frozen/base", step=1)
-        key = blocks(b)[1]
-        good = b.read(key)
-        damage(b, key, how)
-        bad = b.read(key)
+        old, key, good, bad = put_and_damage(s, b, state, "frozen/base", 1, how)
 
         # What the bug looked like (and still does for damage a put cannot see by size):
         # the writer holds the right bytes, yet reuses the damaged block.
@@ -176,11 +182,7 @@ def test_local_block_of_the_wrong_size_is_rewritten_at_put_time(tmp_path, how):
     b = Backend("file", tmp_path)
     state = state_random()
     with b.open(**OPEN) as s:
-        old = s.put_snapshot(state, ref="a/main", step=1)
-        key = blocks(b)[2]
-        good = b.read(key)
-        damage(b, key, how)
-        bad = b.read(key)
+        old, key, good, bad = put_and_damage(s, b, state, "a/main", 2, how)
         with pytest.raises(tsck.IntegrityError):
             s.checkout(old.root)
         again = s.put_snapshot(state, ref="a/main", step=2)
@@ -267,11 +269,18 @@ def test_repair_beside_a_writer_that_reused_the_damaged_block(backend):
         assert s.fsck().ok
 
 
-def test_repair_waits_for_no_one_and_changes_nothing_while_gc_holds_the_lock(tmp_path):
+def _one_random_snapshot(tmp_path):
+    """A file store holding state_random() as a/main@1: (its Backend, the state)."""
     b = Backend("file", tmp_path)
     state = state_random()
     with b.open(**OPEN) as s:
         s.put_snapshot(state, ref="a/main", step=1)
+    return b, state
+
+
+def test_repair_waits_for_no_one_and_changes_nothing_while_gc_holds_the_lock(tmp_path):
+    b, _state = _one_random_snapshot(tmp_path)
+    with b.open(**OPEN) as s:
         key = blocks(b)[0]
         damage(b, key, "flip")
         bad = b.read(key)
@@ -316,10 +325,7 @@ def test_repair_puts_back_what_turned_out_healthy(tmp_path):
 
 # ------------------------------------------------------------------ CLI
 def test_cli_fsck_repair(tmp_path):
-    b = Backend("file", tmp_path)
-    state = state_random()
-    with b.open(**OPEN) as s:
-        s.put_snapshot(state, ref="a/main", step=1)
+    b, state = _one_random_snapshot(tmp_path)
     key = blocks(b)[3]
     damage(b, key, "header")
     text, = run_clis(("fsck", b, "--repair"))

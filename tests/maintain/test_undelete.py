@@ -209,13 +209,21 @@ def test_a_damaged_deleted_snapshot_does_not_stop_the_prune(tmp_path):
 
 # -- the command line ---------------------------------------------------------------------
 
-def test_cli_delete_ref_prints_undelete_and_it_works(tmp_path):
+def _removal_advice(tmp_path, command: str, name: str) -> tuple:
+    """`tsck COMMAND` of NAME in a _fill()ed store succeeds, and the undo it prints is not
+    `tsck tag`: (the store's path, the root NAME resolved to, what it printed)."""
     path = tmp_path / "s"
     with _fill(path) as s:
-        tip = s.resolve("mine/main")
-    r = _tsck("delete-ref", path, "mine/main")
+        root = s.resolve(name)
+    r = _tsck(command, path, name)
     assert r.returncode == 0, r.stderr
-    assert f"`tsck undelete {path} mine/main`" in r.stdout and "tsck tag" not in r.stdout
+    assert "tsck tag" not in r.stdout, r.stdout
+    return path, root, r.stdout
+
+
+def test_cli_delete_ref_prints_undelete_and_it_works(tmp_path):
+    path, tip, out = _removal_advice(tmp_path, "delete-ref", "mine/main")
+    assert f"`tsck undelete {path} mine/main`" in out
     tag = _tsck("tag", path, "mine/main", tip)  # the old advice: refused, naming the right command
     assert tag.returncode == 2 and f"`tsck undelete {path} mine/main`" in tag.stderr, tag.stderr
     back = _tsck("undelete", path, "mine/main", "--json")
@@ -261,12 +269,8 @@ def test_cli_undelete_after_the_managers_prunes(tmp_path):
 
 
 def test_cli_forget_prints_an_undo_that_works(tmp_path):
-    path = tmp_path / "s"
-    with _fill(path) as s:
-        old = s.resolve("mine/main@2")
-    r = _tsck("forget", path, "mine/main@2")
-    assert r.returncode == 0, r.stderr
-    assert f"`tsck pin {path} {old}`" in r.stdout and "tsck tag" not in r.stdout
+    path, old, out = _removal_advice(tmp_path, "forget", "mine/main@2")
+    assert f"`tsck pin {path} {old}`" in out
     pin = _tsck("pin", path, old)
     assert pin.returncode == 0, pin.stderr
     with tsck.open_store(path) as s:

@@ -270,14 +270,21 @@ def test_deleted_block(pristine, tmp_path):
     c.assert_pristine()
 
 
+def truncations(c: "Case", objects: dict, short: int):
+    """Each of OBJECTS (address -> file) cut to nothing, SHORT bytes, its header's 16, half
+    and all but its last byte in turn: yields (address, length) while it is cut."""
+    for addr, f in objects.items():
+        size = f.stat().st_size
+        for length in (0, short, 16, size // 2, size - 1):
+            c.truncate(f, length)
+            yield addr, length
+            c.restore()
+
+
 def test_truncated_block(pristine, tmp_path):
     c = Case(pristine, tmp_path)
-    for addr, f in pristine.blocks.items():
-        size = f.stat().st_size
-        for length in (0, 10, 16, size // 2, size - 1):
-            c.truncate(f, length)
-            expect_block_error(c, addr, f"block {addr[:8]} truncated to {length}")
-            c.restore()
+    for addr, length in truncations(c, pristine.blocks, 10):
+        expect_block_error(c, addr, f"block {addr[:8]} truncated to {length}")
     c.assert_pristine()
 
 
@@ -382,14 +389,10 @@ def test_deleted_node(pristine, tmp_path):
 
 def test_truncated_node(pristine, tmp_path):
     c = Case(pristine, tmp_path)
-    for addr, f in pristine.nodes.items():
-        size = f.stat().st_size
-        for length in (0, 8, 16, size // 2, size - 1):
-            c.truncate(f, length)
-            with pytest.raises(NODE_ERRORS) as ei:
-                c.checkout(REF)
-            check_node_error(ei.value, f"node {addr[:8]} truncated to {length}", pristine.snap)
-            c.restore()
+    for addr, length in truncations(c, pristine.nodes, 8):
+        with pytest.raises(NODE_ERRORS) as ei:
+            c.checkout(REF)
+        check_node_error(ei.value, f"node {addr[:8]} truncated to {length}", pristine.snap)
     c.assert_pristine()
 
 

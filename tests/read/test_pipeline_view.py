@@ -39,13 +39,18 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def _one_snapshot(tmp_path_factory, scenario: str, phase: str, world: int) -> Path:
+    """OUT of SCENARIO, whose PHASE's WORLD ranks saved one snapshot together."""
+    out = run_worker_scenario(WORKER, tmp_path_factory.mktemp(scenario), scenario, limit=240)
+    saved = rank_results(out, phase, world, exit_zero=True)
+    assert len({r["root"] for r in saved}) == 1
+    return out
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory) -> Path:
     """OUT of the "pipeline" scenario: the 3-rank put, then the 2-rank resume (OUT/store)."""
-    out = run_worker_scenario(WORKER, tmp_path_factory.mktemp("pp"), "pipeline", limit=240)
-    saved = rank_results(out, "save", 3, exit_zero=True)
-    assert len({r["root"] for r in saved}) == 1
-    return out
+    return _one_snapshot(tmp_path_factory, "pipeline", "save", 3)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +63,7 @@ def conflict(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory) -> Path:
     """OUT of the "stages" scenario: 2 pipeline stages with their own module names."""
-    out = run_worker_scenario(WORKER, tmp_path_factory.mktemp("pps"), "stages", limit=240)
-    saved = rank_results(out, "stages", 2, exit_zero=True)
-    assert len({r["root"] for r in saved}) == 1
-    return out
+    return _one_snapshot(tmp_path_factory, "stages", "stages", 2)
 
 
 def tsck_cli(capsys, *argv) -> tuple[int, str, str]:

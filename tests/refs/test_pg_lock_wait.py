@@ -12,6 +12,7 @@ thread joined with a deadline, so a hang fails the test instead of hanging it.""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -79,18 +80,18 @@ def _orphan_holding_lock(proxy: NetProxy, pg_dsn: str) -> int:
     raise AssertionError("the orphan's server session is not idle in its transaction")
 
 
-@pytest.mark.slow
-def test_puts_behind_an_orphan_session_finish_once_the_server_ends_it(tmp_path, pg_dsn):
-    """The put whose COMMIT was swallowed retries behind its own orphan session, and a
-    second client's put to the same ref waits behind it too; the server ends the orphan
-    (idle-in-transaction timeout, set on that session by the table) and both puts are
-    published, once each, within the bound. The orphan's move never lands."""
+@contextlib.contextmanager
+def _two_puts_behind_an_orphan(tmp_path, pg_dsn, budget_a: float, budget_b: float):
+    """Client A (through the proxy, retry budget BUDGET_A) puts step 0, then step 1, whose
+    COMMIT the proxy swallows: its session is left an orphan holding the ref's row lock.
+    Client B (BUDGET_B) puts step 2 to the same ref behind it. Yields (proxy, a, the
+    orphan's pid, step 1's outcome, step 2's) once both puts ended within the bound."""
     proxy, via_proxy = _proxied(pg_dsn)
-    a = tsck.open_store(str(tmp_path / "store"), refs=via_proxy, retry_budget=30)
+    a = tsck.open_store(str(tmp_path / "store"), refs=via_proxy, retry_budget=budget_a)
     b = None
     try:
         a.put_snapshot(counter_state(0), "a/main", step=0)
-        b = tsck.open_store(str(tmp_path / "store"), refs=_dsn(pg_dsn), create=False, retry_budget=30)
+        b = tsck.open_store(str(tmp_path / "store"), refs=_dsn(pg_dsn), create=False, retry_budget=budget_b)
         proxy.arm_orphan()
         t1, r1 = _in_thread(lambda: a.put_snapshot(counter_state(1), "a/main", step=1))
         pid = _orphan_holding_lock(proxy, pg_dsn)
@@ -98,14 +99,7 @@ def test_puts_behind_an_orphan_session_finish_once_the_server_ends_it(tmp_path, 
         t2, r2 = _in_thread(lambda: b.put_snapshot(counter_state(2), "a/main", step=2))
         _ended(t1, "the put whose COMMIT was swallowed", since)
         _ended(t2, "a second client's put to the same ref", since)
-        assert "err" not in r1 and "err" not in r2, (r1, r2)
-        assert proxy.wait_orphans_ended(1, 5)
-        assert b"idle-in-transaction timeout" in proxy.orphan_words[0], proxy.orphan_words
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            assert c.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0] == 0
-        assert sorted(i.step for i in a.log("a/main")) == [0, 1, 2]
-        assert a.resolve("a/main") in (r1["out"].root, r2["out"].root)
-        assert a.fsck().ok
+        yield proxy, a, pid, r1, r2
     finally:
         proxy.end_orphans()  # on a table without the bounds: lets a hung put end
         proxy.close()
@@ -115,24 +109,29 @@ def test_puts_behind_an_orphan_session_finish_once_the_server_ends_it(tmp_path, 
 
 
 @pytest.mark.slow
+def test_puts_behind_an_orphan_session_finish_once_the_server_ends_it(tmp_path, pg_dsn):
+    """The put whose COMMIT was swallowed retries behind its own orphan session, and a
+    second client's put to the same ref waits behind it too; the server ends the orphan
+    (idle-in-transaction timeout, set on that session by the table) and both puts are
+    published, once each, within the bound. The orphan's move never lands."""
+    with _two_puts_behind_an_orphan(tmp_path, pg_dsn, 30, 30) as (proxy, a, pid, r1, r2):
+        assert "err" not in r1 and "err" not in r2, (r1, r2)
+        assert proxy.wait_orphans_ended(1, 5)
+        assert b"idle-in-transaction timeout" in proxy.orphan_words[0], proxy.orphan_words
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            assert c.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0] == 0
+        assert sorted(i.step for i in a.log("a/main")) == [0, 1, 2]
+        assert a.resolve("a/main") in (r1["out"].root, r2["out"].root)
+        assert a.fsck().ok
+
+
+@pytest.mark.slow
 def test_puts_behind_an_orphan_session_past_the_budget_fail_clearly(tmp_path, pg_dsn):
     """A retry budget shorter than the orphan's life: the put whose COMMIT was swallowed
     ends in OutcomeUnknown (it cannot tell), a second client's put in a plain StorageError
     naming the lock wait (nothing of it was written), each within the bound; once the
     server has ended the orphan a put goes through, and the swallowed move never landed."""
-    proxy, via_proxy = _proxied(pg_dsn)
-    a = tsck.open_store(str(tmp_path / "store"), refs=via_proxy, retry_budget=1.5)
-    b = None
-    try:
-        a.put_snapshot(counter_state(0), "a/main", step=0)
-        b = tsck.open_store(str(tmp_path / "store"), refs=_dsn(pg_dsn), create=False, retry_budget=0.5)
-        proxy.arm_orphan()
-        t1, r1 = _in_thread(lambda: a.put_snapshot(counter_state(1), "a/main", step=1))
-        _orphan_holding_lock(proxy, pg_dsn)
-        since = time.monotonic()
-        t2, r2 = _in_thread(lambda: b.put_snapshot(counter_state(2), "a/main", step=2))
-        _ended(t1, "the put whose COMMIT was swallowed", since)
-        _ended(t2, "a second client's put to the same ref", since)
+    with _two_puts_behind_an_orphan(tmp_path, pg_dsn, 1.5, 0.5) as (proxy, a, _pid, r1, r2):
         e1, e2 = r1.get("err"), r2.get("err")
         assert isinstance(e1, tsck.OutcomeUnknown), r1
         assert e1.ref == "a/main"
@@ -143,12 +142,6 @@ def test_puts_behind_an_orphan_session_past_the_budget_fail_clearly(tmp_path, pg
         assert [i.step for i in a.log("a/main")] == [3, 0]
         assert e1.root.hex() not in [i.root for i in a.log("a/main")]  # the caller's check: not published
         assert info.root == a.resolve("a/main") and a.fsck().ok
-    finally:
-        proxy.end_orphans()
-        proxy.close()
-        a.close()
-        if b is not None:
-            b.close()
 
 
 @pytest.mark.slow

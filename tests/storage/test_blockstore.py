@@ -90,9 +90,14 @@ class TestOpenStoreDirectoryFsspecStorage(BlockStoreTests):
         st.close()
 
 
+class OnS3(BlockStoreTests):
+    """The contract on S3, where the server decides each race (If-None-Match): a few
+    rounds tell (see BlockStoreTests)."""
+    RACE_ROUNDS = 12
+
+
 @pytest.mark.slow
-class TestS3BlockStore(BlockStoreTests):
-    RACE_ROUNDS = 12  # the server decides each race (If-None-Match); see BlockStoreTests
+class TestS3BlockStore(OnS3):
 
     @pytest.fixture
     def block_store(self, s3_server, s3_url):
@@ -102,11 +107,10 @@ class TestS3BlockStore(BlockStoreTests):
 
 
 @pytest.mark.slow
-class TestS3BlockStoreSmallPages(BlockStoreTests):
+class TestS3BlockStoreSmallPages(OnS3):
     """The contract again with pages of 3 keys: every listing crosses page boundaries."""
 
     test_racing_put_if_absent_has_exactly_one_winner = None  # blind to the page size: TestS3BlockStore races
-    RACE_ROUNDS = 12  # S3 has no folders: the folder race needs few rounds
 
     @pytest.fixture
     def block_store(self, s3_server, s3_url):
@@ -166,8 +170,7 @@ class TestOpenStoreMemoryStorage(BlockStoreTests):
 
 
 @pytest.mark.slow
-class TestOpenStoreS3Storage(BlockStoreTests):
-    RACE_ROUNDS = 12  # the server decides each race (If-None-Match); see BlockStoreTests
+class TestOpenStoreS3Storage(OnS3):
 
     @pytest.fixture
     def block_store(self, tmp_path, s3_server, s3_url):

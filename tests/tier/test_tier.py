@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -24,13 +23,13 @@ from tensorstore_ck.tier import uploader as upload
 from tensorstore_ck.storage.wrappers import WrappedStore
 
 import _zygote as zygote
-from _util import HoldLookups, tier_state
+from _util import HoldLookups, Watched, kill_and_close, tier_state
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 
 
-class Counting(WrappedStore):
+class Counting(Watched):
     """Records the key of every object written to the remote store."""
 
     def __init__(self, inner):
@@ -38,17 +37,9 @@ class Counting(WrappedStore):
         self.keys: list[str] = []
         self._lock = threading.Lock()
 
-    def _note(self, key):
+    def on_write(self, key):
         with self._lock:
             self.keys.append(key)
-
-    def put_if_absent(self, key, bufs):
-        self._note(key)
-        return self.inner.put_if_absent(key, bufs)
-
-    def put_addressed(self, key, bufs):
-        self._note(key)
-        return self.inner.put_addressed(key, bufs)
 
 
 class Gated(Counting):
@@ -190,10 +181,7 @@ def test_kill_9_midway_through_an_upload_resumes_at_the_next_open(s3_url, s3_ser
                 root, durable = rest
                 assert durable == "False"
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        kill_and_close(proc)
 
     with _open(s3_url, s3_server, tmp_path) as remote:  # killed before the move
         assert remote.reftable.get_or_none("job/main") is None

@@ -20,7 +20,7 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import WrappedStore
 
-from _util import open_tiered, tier_state
+from _util import Watched, kill_and_close, open_tiered, tier_state
 
 DEADLINE = 120.0  # generous: the machine is shared
 
@@ -247,7 +247,7 @@ time.sleep(3600)
 """
 
 
-class PerKey(WrappedStore):
+class PerKey(Watched):
     """Counts the remote writes per key (put_addressed and put_if_absent)."""
 
     def __init__(self, inner):
@@ -255,17 +255,9 @@ class PerKey(WrappedStore):
         self.writes: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def _note(self, key):
+    def on_write(self, key):
         with self._lock:
             self.writes[key] = self.writes.get(key, 0) + 1
-
-    def put_addressed(self, key, bufs):
-        self._note(key)
-        return self.inner.put_addressed(key, bufs)
-
-    def put_if_absent(self, key, bufs):
-        self._note(key)
-        return self.inner.put_if_absent(key, bufs)
 
 
 def _remote_keys(remote: tsck.Store) -> set[str]:
@@ -313,10 +305,7 @@ def test_kill_9_at_random_moments_of_uploads_then_resume(s3_url, s3_server, tmp_
                     break
             time.sleep(delay)
         finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
+            kill_and_close(proc)
 
         with tsck.open_store(s3_url, create=False, **opts) as remote:
             assert remote.fsck(full=True).findings == []  # the refs name whole snapshots, killed or not

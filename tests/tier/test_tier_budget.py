@@ -22,34 +22,25 @@ import torch
 
 import tensorstore_ck as tsck
 from tensorstore_ck.tier import uploader as upload
-from tensorstore_ck.storage.wrappers import WrappedStore
 from tensorstore_ck.core.walk import walk_commit
 
-from _util import tier_state
+from _util import Watched, tier_state
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
 BUDGET = 300_000
 
 
-class Held(WrappedStore):
+class Held(Watched):
     """Holds every remote object write (plain or conditional) until `gate` is set."""
 
     def __init__(self, inner):
         super().__init__(inner)
         self.gate, self.waiting = threading.Event(), threading.Event()
 
-    def _hold(self):
+    def on_write(self, key):
         self.waiting.set()
         assert self.gate.wait(DEADLINE)
-
-    def put_addressed(self, key, bufs):
-        self._hold()
-        return self.inner.put_addressed(key, bufs)
-
-    def put_if_absent(self, key, bufs):
-        self._hold()
-        return self.inner.put_if_absent(key, bufs)
 
 
 def _open(s3_url, s3_server, tmp_path, **kw) -> tsck.Store:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import time
 import pytest
 import torch
 import _zygote as zygote
-from _util import REPO, assert_same, child_env, object_listing, tier_state
+from _util import REPO, assert_same, child_env, kill_and_close, line_from, object_listing, tier_state
 
 import tensorstore_ck as tsck
 from tensorstore_ck.errors import NotAStore
@@ -160,20 +159,11 @@ def _killed_writer(s3_url, s3_server, tmp_path, local: str) -> str:
                              json.dumps(s3_server)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                         env=child_env())
     try:
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            assert time.monotonic() < deadline, "the writer did not get there"
-            line = proc.stdout.readline()
-            assert line, f"the writer ended: {proc.stderr.read()[-2000:]}"
-            if line.startswith("LOCAL-ONLY"):
-                _, root, durable = line.split()
-                assert durable == "False"
-                return root
+        _, root, durable = line_from(proc, "LOCAL-ONLY", DEADLINE).split()
+        assert durable == "False"
+        return root
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        kill_and_close(proc)
 
 
 @pytest.mark.slow  # a real S3 server, a subprocess

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 import tensorstore_ck as tsck
 
 import _zygote as zygote
-from _util import HoldLookups, tier_state
+from _util import HoldLookups, kill_and_close, line_from, tier_state
 
 BS = 16 * 1024
 DEADLINE = 120.0  # generous: the machine is shared
@@ -101,20 +100,10 @@ def test_process_killed_after_a_local_only_put_restores_the_newest_local_snapsho
     proc = zygote.Popen([sys.executable, "-c", _WRITER, s3_url, refs, local, json.dumps(s3_server)],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            assert time.monotonic() < deadline, "the writer did not get there"
-            line = proc.stdout.readline()
-            assert line, f"the writer ended: {proc.stderr.read()[-2000:]}"
-            if line.startswith("LOCAL-ONLY"):
-                _, root, durable = line.split()
-                assert durable == "False"
-                break
+        _, root, durable = line_from(proc, "LOCAL-ONLY", DEADLINE).split()
+        assert durable == "False"
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+        kill_and_close(proc)
     with _open(s3_url, s3_server, tmp_path) as remote:
         assert remote.show("job/main").step == 1  # the remote tip is the older one
     _, want = _train_state(2)

@@ -20,9 +20,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 pytest.importorskip("accelerate", reason="the hf extra (transformers, accelerate) is not installed")
 
 import torch  # noqa: E402
-from transformers import (GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainerCallback,  # noqa: E402
-                          TrainingArguments, set_seed)
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers import GPT2LMHeadModel, TrainerCallback, set_seed  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck import hf  # noqa: E402
@@ -31,7 +29,7 @@ from tensorstore_ck.interchange.export import export_file  # noqa: E402
 
 import _zygote as zygote
 
-from _util import assert_same, object_listing, run_cli, tiny_model, Tokens
+from _util import assert_same, hf_trainer, object_listing, run_cli, tiny_model
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,18 +46,8 @@ class Losses(TrainerCallback):
 
 
 def trainer(out, callbacks, steps=STEPS, **kw):
-    """The same run every time: seed 0, dropout on (the RNG streams matter), 16 steps an
-    epoch (a resume at step 10 is mid-epoch, 20 steps cross into the second)."""
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    set_seed(0)
-    args = TrainingArguments(str(out), max_steps=steps, save_steps=5, logging_steps=1, per_device_train_batch_size=4,
-                             learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], dataloader_num_workers=0,
-                             disable_tqdm=True, **kw)
-    t = Trainer(model=tiny_model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8), callbacks=callbacks)
-    t.remove_callback(PrinterCallback)
-    return t
+    """The suite's run (hf_trainer), STEPS long."""
+    return hf_trainer(out, callbacks, steps, **kw)
 
 
 def params(model):

@@ -20,31 +20,20 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 pytest.importorskip("accelerate", reason="the hf extra (transformers, accelerate) is not installed")
 
 import torch  # noqa: E402
-from transformers import (AutoTokenizer, GPT2Tokenizer, PrinterCallback, Trainer, TrainingArguments,  # noqa: E402
-                          default_data_collator, set_seed)
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers import AutoTokenizer, GPT2Tokenizer, default_data_collator  # noqa: E402
 
 import tensorstore_ck as tsck  # noqa: E402
 from tensorstore_ck import hf  # noqa: E402
 from tensorstore_ck.errors import InvalidArgument  # noqa: E402
 
 
-from _util import run_cli, tiny_model, Tokens
+from _util import hf_trainer, run_cli
 
 
 def trainer(out, callbacks, steps=20, processing_class=None, **kw):
-    """test_hf's run (seed 0, 16 steps an epoch, a save every 5 steps), with a processing_class."""
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    set_seed(0)
-    args = TrainingArguments(str(out), max_steps=steps, save_steps=5, logging_steps=1, per_device_train_batch_size=4,
-                             learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], dataloader_num_workers=0,
-                             disable_tqdm=True, **kw)
-    t = Trainer(model=tiny_model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8), callbacks=callbacks,
-                processing_class=processing_class, data_collator=default_data_collator)
-    t.remove_callback(PrinterCallback)
-    return t
+    """The suite's run (hf_trainer), with a processing_class."""
+    return hf_trainer(out, callbacks, steps, trainer_kw={"processing_class": processing_class,
+                                                         "data_collator": default_data_collator}, **kw)
 
 
 def tiny_tokenizer(where: Path):

@@ -8,6 +8,7 @@ What is kept is counted from the ref table after every process has exited.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 import _zygote as zygote
-from _util import kill_left, load_helper
+from _util import kill_left, load_helper, pruning_manager
 
 import tensorstore_ck as tsck
 from tensorstore_ck.maintain.lease import holding_gc_lock
@@ -113,6 +114,20 @@ def hold_lock(store, release: threading.Event, held: threading.Event):
         release.wait(60)
 
 
+@contextlib.contextmanager
+def lock_held(store):
+    """The store's gc lock held by another thread for the block's length."""
+    release, held = threading.Event(), threading.Event()
+    t = threading.Thread(target=hold_lock, args=(store, release, held))
+    t.start()
+    try:
+        held.wait(30)
+        yield
+    finally:
+        release.set()
+        t.join()
+
+
 def wait_for(cond, what: str, deadline: float = 60.0):
     t_end = time.monotonic() + deadline
     while not cond():
@@ -171,18 +186,10 @@ def test_a_prune_that_finds_the_store_busy_is_retried_until_it_runs(tmp_path, mo
     monkeypatch.setattr(Pruner, "BACKOFF", 0.01)
     with tsck.open_store(tmp_path / "s") as store:
         model = Model()
-        mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
-                                     retention=tsck.Retention(keep_last=1), async_=False)
-        release, held = threading.Event(), threading.Event()
-        t = threading.Thread(target=hold_lock, args=(store, release, held))
-        t.start()
-        try:
-            held.wait(30)
+        mgr = pruning_manager(store, model, 1)
+        with lock_held(store):
             train(mgr, model, 3)
             time.sleep(1.0)  # many tries, all finding the lock taken
-        finally:
-            release.set()
-            t.join()
         mgr.close()
         assert mgr.prune_errors == []
         assert [e.step for e in store.log("run/main")] == [3]
@@ -195,13 +202,8 @@ def test_a_prune_that_cannot_run_is_reported_and_still_runs_later(tmp_path, monk
     monkeypatch.setattr(Pruner, "PATIENCE", 0.5, raising=False)
     with tsck.open_store(tmp_path / "s") as store:
         model = Model()
-        mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
-                                     retention=tsck.Retention(keep_last=1), async_=False)
-        release, held = threading.Event(), threading.Event()
-        t = threading.Thread(target=hold_lock, args=(store, release, held))
-        t.start()
-        try:
-            held.wait(30)
+        mgr = pruning_manager(store, model, 1)
+        with lock_held(store):
             with caplog.at_level(logging.WARNING, logger="tensorstore_ck"):
                 train(mgr, model, 3)
                 mgr.wait()
@@ -209,9 +211,6 @@ def test_a_prune_that_cannot_run_is_reported_and_still_runs_later(tmp_path, monk
             assert "stays queued" in str(mgr.prune_errors[0])
             assert any("could not take the store's gc lock" in r.getMessage() for r in caplog.records)
             assert len(store.log("run/main")) == 3
-        finally:
-            release.set()
-            t.join()
         wait_for(lambda: len(store.log("run/main")) == 1, "the deferred prune ran once the lock was free")
         mgr.close()
         assert store.fsck().ok

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tensorstore_ck as tsck
+from _util import pruning_manager
 from tensorstore_ck.maintain.lease import holding_gc_lock
 
 
@@ -58,8 +59,7 @@ def test_storage_stays_flat_over_200_snapshots_with_keep_last_3(tmp_path, async_
     path = str(tmp_path / "s")
     with tsck.open_store(path) as store:
         model = Model()
-        mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
-                                     retention=tsck.Retention(keep_last=3), async_=async_)
+        mgr = pruning_manager(store, model, 3, async_=async_)
         sizes = train(store, mgr, model, 200, every=10)
         mgr.close()
         assert [e.step for e in store.log("run/main")] == [200, 199, 198]
@@ -100,8 +100,7 @@ def test_prune_keeps_what_other_jobs_tags_and_pins_hold(tmp_path):
         model = Model()
         other = {"frozen": model.frozen.detach().clone(), "own": torch.randn(1000)}
         store.put_snapshot(other, ref="other/main", job="other", step=1)
-        mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
-                                     retention=tsck.Retention(keep_last=2), async_=False)
+        mgr = pruning_manager(store, model, 2)
         train(store, mgr, model, 3)
         store.tag("keep-3", "run/main@3")
         train_from = 4
@@ -126,8 +125,7 @@ def test_prune_waits_out_a_held_gc_lock_and_then_runs(tmp_path, caplog):
     path = str(tmp_path / "s")
     with tsck.open_store(path) as store:
         model = Model()
-        mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
-                                     retention=tsck.Retention(keep_last=1), async_=False)
+        mgr = pruning_manager(store, model, 1)
         release = threading.Event()
 
         def hold():
@@ -183,8 +181,7 @@ def test_prune_beside_offline_gc_and_another_writer_loses_nothing(tmp_path):
         threads = [threading.Thread(target=gc_loop), threading.Thread(target=other_writer)]
         for t in threads:
             t.start()
-        mgr = tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
-                                     retention=tsck.Retention(keep_last=2), async_=True)
+        mgr = pruning_manager(store, model, 2, async_=True)
         train(store, mgr, model, 40)
         mgr.close()
         stop.set()

@@ -21,29 +21,11 @@ from tensorstore_ck.write.publish import Publisher
 from tensorstore_ck.core.walk import PackedPart, iter_leaves
 
 from _backends import OBJECT_PREFIXES, Backend
+from _util import edit_state, peft_state
 
 KiB = 1024
 MiB = 1 << 20
 OVERHEAD = 64 * KiB  # a commit, the changed manifest nodes (a few hundred leaves), framing
-
-
-def _rand(g, n):  # float32 values no codec shrinks much: stored bytes ~ raw bytes
-    return torch.randn(n, generator=g)
-
-
-def _edit_state(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {f"t{i:02d}": _rand(g, 64 * KiB) for i in range(16)}  # 16 x 256 KiB: one 4 MiB pack
-
-
-def _peft_state(base_seed=0, adapter_seed=1, n=120):
-    """A frozen base tensor, then its small adapter, repeated (as peft lays a fine-tune out)."""
-    gb, ga = torch.Generator().manual_seed(base_seed), torch.Generator().manual_seed(adapter_seed)
-    out = {}
-    for i in range(n):
-        out[f"layers.{i}.base.weight"] = _rand(gb, 16 * KiB)   # 64 KiB, frozen
-        out[f"layers.{i}.lora_A.weight"] = _rand(ga, 2 * KiB)  # 8 KiB, trained
-    return out
 
 
 def _adapters(state) -> int:
@@ -99,7 +81,7 @@ def _packs(store, target) -> dict:
 
 def test_a_one_tensor_edit_writes_about_that_tensor(backend):
     with _open(backend) as s:
-        st = _edit_state()
+        st = edit_state()
         s.put_snapshot(st, ref="j/main", step=1)
         assert len(_packs(s, "j/main")) == 1  # the 16 tensors share one pack
         st["t07"] = st["t07"] + 1.0
@@ -109,7 +91,7 @@ def test_a_one_tensor_edit_writes_about_that_tensor(backend):
         assert one <= info.bytes_new <= one + OVERHEAD and info.blocks_new == 1
         assert info.bytes_total == 16 * one  # the parts it names of the old pack count in its total
         _same(s.checkout("j/main"), st)
-        _same(s.checkout("j/main@1"), _edit_state())
+        _same(s.checkout("j/main@1"), edit_state())
         assert s.fsck().ok
 
 
@@ -118,20 +100,20 @@ def test_a_frozen_base_with_adapters_stores_only_the_changed_adapters(backend):
     first stores its adapters (one new pack) and names the base's parts of the first pack,
     also from a new Store on the same location (it learns them from the ref's snapshot)."""
     with _open(backend) as s:
-        s.put_snapshot(_peft_state(adapter_seed=1), ref="ft/main", step=1)
+        s.put_snapshot(peft_state(adapter_seed=1), ref="ft/main", step=1)
         for step in (2, 3):
-            st = _peft_state(adapter_seed=step)
+            st = peft_state(adapter_seed=step)
             grew, info = _grew(backend, s, st, ref="ft/main", step=step)
             limit = _adapters(st) + OVERHEAD
             assert grew <= limit, f"step {step}: {grew} B stored for {_adapters(st)} B of adapters on {backend.kind}"
             assert _adapters(st) <= info.bytes_new <= limit
             _same(s.checkout("ft/main"), st)
     with _open(backend) as s:  # a new process's Store: nothing in memory of the packs
-        st = _peft_state(adapter_seed=4)
+        st = peft_state(adapter_seed=4)
         grew, info = _grew(backend, s, st, ref="ft/main", step=4)
         assert grew <= _adapters(st) + OVERHEAD, f"a new Store stored {grew} B on {backend.kind}"
         for step in (1, 2, 3, 4):
-            _same(s.checkout(f"ft/main@{step}"), _peft_state(adapter_seed=step))
+            _same(s.checkout(f"ft/main@{step}"), peft_state(adapter_seed=step))
         assert s.fsck().ok
 
 
@@ -139,13 +121,13 @@ def test_a_second_job_on_one_base_shares_it_from_another_store(backend):
     """A fork: one job stores the base; another job, in a Store opened afresh, puts the same
     base with adapters of its own on a new ref and names the first job's parts."""
     with _open(backend) as s:
-        s.put_snapshot(_peft_state(adapter_seed=1), ref="base/main", step=1)
+        s.put_snapshot(peft_state(adapter_seed=1), ref="base/main", step=1)
     with _open(backend) as s:
-        st = _peft_state(adapter_seed=99)
+        st = peft_state(adapter_seed=99)
         grew, info = _grew(backend, s, st, ref="fork/main", step=1)
         assert grew <= _adapters(st) + OVERHEAD, f"a fork stored {grew} B for {_adapters(st)} B on {backend.kind}"
         _same(s.checkout("fork/main"), st)
-        _same(s.checkout("base/main"), _peft_state(adapter_seed=1))
+        _same(s.checkout("base/main"), peft_state(adapter_seed=1))
 
 
 def test_old_packs_are_abandoned_below_half_and_gc_reclaims_them(tmp_path):
@@ -155,7 +137,7 @@ def test_old_packs_are_abandoned_below_half_and_gc_reclaims_them(tmp_path):
     leaves no other pack: the store stays within 1/LIVE_SHARE of the state (and framing)."""
     b = Backend("file", tmp_path)
     g = torch.Generator().manual_seed(5)
-    st = {f"w{i:02d}": _rand(g, 8 * KiB) for i in range(20)}  # 32 KiB each, 640 KiB
+    st = {f"w{i:02d}": torch.randn(8 * KiB, generator=g) for i in range(20)}  # 32 KiB each, 640 KiB
     size = 20 * 32 * KiB
     with _open(b) as s:
         s.set_retention("j", tsck.Retention(keep_last=1))
@@ -163,7 +145,7 @@ def test_old_packs_are_abandoned_below_half_and_gc_reclaims_them(tmp_path):
         for step in range(1, 31):
             if step > 1:
                 for k in (2 * step) % 20, (2 * step + 1) % 20:
-                    st[f"w{k:02d}"] = _rand(g, 8 * KiB)
+                    st[f"w{k:02d}"] = torch.randn(8 * KiB, generator=g)
             info = s.put_snapshot(st, ref="j/main", step=step)
             written += info.bytes_new
             s.gc()
@@ -190,10 +172,10 @@ def test_a_pack_gc_removes_while_a_put_names_it_is_written_anew(tmp_path, monkey
     between the put's blocks and its move. The fenced move re-validates, finds the pack
     gone, and the put writes those tensors into a new pack and publishes: whole."""
     b = Backend("file", tmp_path)
-    st = _edit_state(1)
+    st = edit_state(1)
     with _open(b) as s:
         s.put_snapshot(st, ref="a/main", step=1)
-        s.put_snapshot(_edit_state(2), ref="a/main", step=2)
+        s.put_snapshot(edit_state(2), ref="a/main", step=2)
         (old,) = _packs(s, "a/main@1")
         ran = []
         real = Publisher.write_nodes
@@ -222,7 +204,7 @@ def test_asynchronous_puts_from_a_kept_layout_name_the_parts_too(tmp_path, saver
     b = Backend("file", tmp_path)
     with _open(b, saver=saver) as s:
         for step in (1, 2, 3):
-            st = _peft_state(adapter_seed=step)
+            st = peft_state(adapter_seed=step)
             before = _stored(b)
             info = s.put_snapshot(st, ref="ft/main", step=step, blocking=False).result()
             if step > 1:
@@ -248,7 +230,7 @@ def test_dcp_save_writes_only_the_changed_small_tensors(backend):
     import torch.distributed.checkpoint as dcp
 
     from tensorstore_ck.dcp import TsckReader
-    st = _edit_state()
+    st = edit_state()
     one = st["t07"].numel() * 4
     with _open(backend) as s:
         _dcp_save(s, st, 1)
@@ -289,7 +271,7 @@ def test_dcp_a_tensor_changing_during_the_save_leaves_a_snapshot_that_reads(tmp_
             n = self.seen[item.index.fqn] = self.seen.get(item.index.fqn, 0) + 1
             return t + (n - 1) if isinstance(t, torch.Tensor) else t
 
-    st = _edit_state()
+    st = edit_state()
     with tsck.open_store(str(tmp_path / "s"), pack_size=64 * MiB) as s:
         dcp.save(st, storage_writer=TsckWriter(s, ref="d/main", step=1), planner=Changing())
         target = {k: torch.zeros_like(v) for k, v in st.items()}

@@ -9,6 +9,7 @@ Collective puts through saver processes: tests/collective/test_dist_async.py (in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -438,6 +439,23 @@ def test_a_saver_stopped_mid_write_is_killed_after_its_silence_and_the_put_fails
         assert_same(s.checkout(info.root), state_at(3))
 
 
+@contextlib.contextmanager
+def _trainer(script: str, *args):
+    """A training process running SCRIPT with ARGS, killed (SIGKILL) at the block's end:
+    yields (its Popen, its saver's pid, its helper's pid, 0 for none), the pids the
+    process prints first."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
+                            env=child_env(), cwd=REPO)
+    try:
+        line = proc.stdout.readline().decode()
+        assert line.startswith("saver "), line
+        saver, helper = map(int, line.split()[1:3])
+        yield proc, saver, helper
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 _TRAINER = r"""
 import os, sys, time, torch
 sys.path.insert(0, sys.argv[2])
@@ -465,12 +483,7 @@ def test_the_training_process_killed_leaves_whole_snapshots_and_its_saver_exits(
     the trainer forked, still alive, holds no copy of it), the store holds only whole
     snapshots, and the next open resumes from the newest."""
     rng = random.Random(seed)
-    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path / "s"), str(REPO / "tests"), "20e6"],
-                            stdout=subprocess.PIPE, env=child_env(), cwd=REPO)
-    try:
-        line = proc.stdout.readline().decode()
-        assert line.startswith("saver "), line
-        saver, helper = map(int, line.split()[1:3])
+    with _trainer(_TRAINER, tmp_path / "s", REPO / "tests", "20e6") as (proc, saver, helper):
         want = rng.randint(1, 4)
         seen = 0
         while seen < want:  # the event: that many commits announced
@@ -478,9 +491,6 @@ def test_the_training_process_killed_leaves_whole_snapshots_and_its_saver_exits(
             assert line, "the trainer ended early"
             seen += line.startswith("committed")
         time.sleep(rng.uniform(0.0, 0.3))
-    finally:
-        proc.kill()
-        proc.wait()
     try:
         assert wait_exit(saver, 60), "the saver outlived its training process (a forked helper kept its socket?)"
     finally:
@@ -551,20 +561,11 @@ def test_the_saver_exits_as_soon_as_its_training_process_dies_mid_write(tmp_path
     raw = sum(t.numel() * t.element_size() for t in state_at(1)["w"])
     assert raw / cap > 60
     store = tmp_path / "s"
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TRAINER, str(store), str(REPO / "tests"), str(cap),
-                             "holder" if holder else "alone"], stdout=subprocess.PIPE, env=child_env(), cwd=REPO)
-    helper = 0
-    try:
-        line = proc.stdout.readline().decode()
-        assert line.startswith("saver "), line
-        saver, helper = map(int, line.split()[1:3])
+    with _trainer(_SLOW_TRAINER, store, REPO / "tests", cap, "holder" if holder else "alone") as (proc, saver, helper):
         deadline = time.monotonic() + 120
         while not os.path.isdir(store / "tmp") or not os.listdir(store / "tmp"):  # the event: it writes
             assert time.monotonic() < deadline and proc.poll() is None, "the saver never started writing"
             time.sleep(0.01)
-    finally:
-        proc.kill()
-        proc.wait()
     try:
         # A generous deadline for a loaded machine, a third of the write the cap allows.
         assert wait_exit(saver, 20), "the saver outlived its training process, still writing its blocks"
