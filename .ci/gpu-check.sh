@@ -12,9 +12,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUTDIR/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' | tee -a "$OUTDIR/gpu.txt"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m "not slow" -o addopts="-ra" \
-  tests/test_roundtrip.py tests/test_partial_checkout.py tests/test_async.py tests/test_async_defaults.py \
-  tests/test_checkpoint_manager.py tests/test_manager_state.py tests/test_train_resume.py tests/test_lightning.py \
-  tests/test_plan_cache.py tests/test_saver.py -k "not object_store" \
+  tests/store/test_roundtrip.py tests/read/test_partial_checkout.py tests/store/test_async.py tests/train/test_async_defaults.py \
+  tests/train/test_checkpoint_manager.py tests/train/test_manager_state.py tests/train/test_train_resume.py tests/train/test_lightning.py \
+  tests/write/test_plan_cache.py tests/write/test_saver.py -k "not object_store" \
   2>&1 | tee "$OUTDIR/tests.txt"
 for saver in thread process; do
   timeout 100 python3 benches/bench_cuda.py --scale "${BENCH_GB:-2}" --repeats 3 --saver $saver --dir /tmp 2>&1 \

@@ -24,7 +24,7 @@ sampled; once every job has closed its manager the bench reports:
 
 --store URL / --refs DSN run it on another backend (e.g. s3://bucket/prefix with a
 PostgreSQL ref table; the environment gives S3 credentials, as for open_store).
-tests/test_jobs.py runs a small configuration in CI and checks the counts.
+tests/train/test_jobs.py runs a small configuration in CI and checks the counts.
 """
 
 from __future__ import annotations

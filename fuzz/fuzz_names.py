@@ -18,7 +18,7 @@ Contract:
   target is a 64-hex root the store knows; no call creates a storage key
   outside blocks/ nodes/ commits/ tags/<hex> tmp/ tsck.json.
 - A put_snapshot that is refused writes at most a commit or two (no retry storm).
-(tests/test_security.py runs hostile names against a local store's folder.)
+(tests/core/test_security.py runs hostile names against a local store's folder.)
 """
 
 from __future__ import annotations

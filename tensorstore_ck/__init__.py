@@ -18,8 +18,8 @@ tier/reads.py), and the Reader (read/read.py, entered through read/readpath.py) 
 nodes into tensors, verifying every block.
 
 The folders and the modules at the top, by layer, top to bottom (pyproject.toml's
-import-linter contracts: tests/test_layers.py). Each folder's __init__ names its rooms;
-tests/test_docs.py checks that every module is named once, here or there.
+import-linter contracts: tests/house/test_layers.py). Each folder's __init__ names its rooms;
+tests/house/test_docs.py checks that every module is named once, here or there.
 
     __main__.py           `python -m tensorstore_ck`: the CLI's main()
     testing/              the contract suites, for a backend of one's own (imports pytest)

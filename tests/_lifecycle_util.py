@@ -15,19 +15,12 @@ from __future__ import annotations
 import math
 import os
 import struct
-import subprocess
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import blake3
 import lz4.block
 import msgpack
 
-import _zygote as zygote
-from _util import child_env
-
-REPO = Path(__file__).resolve().parent.parent
 HEADER = struct.Struct("<4sBBBBQ")
 KIND_DIRS = {0: "blocks", 1: "nodes", 2: "commits"}
 
@@ -226,26 +219,3 @@ def model_kept(rows, rule, now: float) -> set:
     if rule.max_age_days is not None:
         kept |= {r.root for r in rows if now - r.time < rule.max_age_days * 86400.0}
     return kept
-
-
-# ---------------------------------------------------------------- CLI
-def run_cli(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
-    """`tsck ARGS`; a Backend among ARGS stands for its store URL, and its --refs and
-    storage options travel in the environment (TSCK_REFS, TSCK_STORAGE_OPTIONS)."""
-    full = child_env(cli=True)
-    argv = []
-    for a in args:
-        if hasattr(a, "cli_env"):
-            full.update(a.cli_env())
-            a = a.url
-        argv.append(str(a))
-    full.update(env or {})
-    return zygote.run([sys.executable, "-m", "tensorstore_ck", *argv],
-                      capture_output=True, text=True, timeout=timeout, env=full, cwd=str(REPO))
-
-
-def run_clis(*arglists, timeout=120) -> list:
-    """Several CLI runs at once (each imports torch: ~1.5 s)."""
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(len(arglists)) as ex:
-        return list(ex.map(lambda a: run_cli(*a, timeout=timeout), arglists))

@@ -12,6 +12,7 @@ import tempfile
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a server's, a rendezvous')."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

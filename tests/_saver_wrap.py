@@ -1,12 +1,31 @@
-"""Storage wrappers for open_store(wrap_storage=) with saver="process": functions of an
-importable module, given by functools.partial, so that pickle carries them to the saver
-process, which wraps the storage it writes with them as the training process does."""
+"""What the saver tests (tests/write/test_saver.py) and the training processes they start
+share: their store and states, and storage wrappers for open_store(wrap_storage=) with
+saver="process": functions of an importable module, given by functools.partial, so that
+pickle carries them to the saver process, which wraps the storage it writes with them as
+the training process does."""
 from __future__ import annotations
 
 import errno
 import os
 
+import torch
+
+import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import InjectedFault, WrappedStore
+
+BLOCK = 64 << 10
+
+
+def state_at(step: int, n: int = 12, numel: int = 48 << 10) -> dict:
+    """A state that is a function of its step (a fresh process rebuilds it to compare)."""
+    g = torch.Generator().manual_seed(step)
+    return {"step": step, "w": [torch.randn(numel, generator=g) for _ in range(n)],
+            "b": torch.arange(step, step + 10), "note": f"at {step}"}
+
+
+def open_(path, **kw):
+    """The saver tests' store: its puts through a saver process."""
+    return tsck.open_store(path, block_size=BLOCK, inline_threshold=256, saver="process", **kw)
 
 
 class Ledger(WrappedStore):

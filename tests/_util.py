@@ -12,15 +12,18 @@ script by path uses these, so a fix to one reaches every test).
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import importlib.util
 import math
 import os
+import signal
 import stat
 import struct
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import blake3
@@ -39,7 +42,7 @@ HELPERS = REPO / "tests" / "helpers"
 # ---------------------------------------------------------------- processes and threads
 def soak(n: int) -> int:
     """How many trials a kill or race loop runs: n in CI, n times $TSCK_SOAK for a longer
-    run by hand (`TSCK_SOAK=10 pytest tests/test_crash.py`); the harness (tests/sim) is
+    run by hand (`TSCK_SOAK=10 pytest tests/write/test_crash.py`); the harness (tests/sim) is
     the long random search, these loops the fixed regression cases."""
     return max(1, round(n * float(os.environ.get("TSCK_SOAK") or 1)))
 
@@ -93,6 +96,27 @@ def load_helper(path, *, name: str | None = None, sibling_imports: bool = False)
         if sibling_imports:
             sys.path.remove(str(path.parent))
     return mod
+
+
+def line_from(proc, prefix: str, timeout: float) -> str:
+    """The first line PROC (text=True, stdout and stderr piped) prints that starts with
+    PREFIX; fails, with the end of its stderr, if it ends first, or once TIMEOUT seconds
+    have passed when a line comes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, f"no {prefix!r} line within {timeout} s"
+        line = proc.stdout.readline()
+        assert line, f"the process ended before its {prefix!r} line: {proc.stderr.read()[-2000:]}"
+        if line.startswith(prefix):
+            return line
+
+
+def kill_and_close(proc) -> None:
+    """SIGKILL PROC (a Popen with stdout and stderr piped), reap it and close its pipes."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 def in_thread(fn):
@@ -265,6 +289,20 @@ def rand_tensor(dtype: torch.dtype, shape, seed: int = 0) -> torch.Tensor:
     return raw.view(dtype).reshape(tuple(shape))
 
 
+def blank_like(x, plain=lambda v: v):
+    """X's structure (dicts, lists, tuples) with its tensors zeroed and every other value as
+    PLAIN makes it: a load target that holds none of X's tensors."""
+    if isinstance(x, torch.Tensor):
+        return torch.zeros_like(x)
+    if isinstance(x, dict):
+        return {k: blank_like(v, plain) for k, v in x.items()}
+    if isinstance(x, list):
+        return [blank_like(v, plain) for v in x]
+    if isinstance(x, tuple):
+        return tuple(blank_like(v, plain) for v in x)
+    return plain(x)
+
+
 def all_torch_dtypes():
     return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 
@@ -359,7 +397,35 @@ def run_worker_scenario(worker, tmp_path, scenario: str, *args, limit: float) ->
 
 
 # -- storage wrappers that watch or hold a store's requests ----------------------------
-class CountingReads(WrappedStore):
+class Watched(WrappedStore):
+    """A storage wrapper that sees each object request before it goes on: on_read(key)
+    before every read (get, open_read), on_write(key) before every write (put_if_absent,
+    put_addressed). A subclass counts, records or holds there."""
+
+    def on_read(self, key: str) -> None:
+        pass
+
+    def on_write(self, key: str) -> None:
+        pass
+
+    def get(self, key, max_bytes=None):
+        self.on_read(key)
+        return self.inner.get(key, max_bytes)
+
+    def open_read(self, key, max_bytes=None):
+        self.on_read(key)
+        return self.inner.open_read(key, max_bytes)
+
+    def put_if_absent(self, key, bufs):
+        self.on_write(key)
+        return self.inner.put_if_absent(key, bufs)
+
+    def put_addressed(self, key, bufs):
+        self.on_write(key)
+        return self.inner.put_addressed(key, bufs)
+
+
+class CountingReads(Watched):
     """Counts the reads of each block object (get and open_read), and keeps their order."""
 
     def __init__(self, inner):
@@ -367,18 +433,10 @@ class CountingReads(WrappedStore):
         self.reads = collections.Counter()
         self.order = []
 
-    def _count(self, key):
+    def on_read(self, key):
         if key.startswith("blocks/"):
             self.reads[key.rsplit("/", 1)[1]] += 1
             self.order.append(key.rsplit("/", 1)[1])
-
-    def get(self, key, max_bytes=None):
-        self._count(key)
-        return self.inner.get(key, max_bytes)
-
-    def open_read(self, key, max_bytes=None):
-        self._count(key)
-        return self.inner.open_read(key, max_bytes)
 
 
 class HoldLookups(WrappedStore):
@@ -396,7 +454,7 @@ class HoldLookups(WrappedStore):
 
 # ---------------------------------------------------------------- the CLI without torch
 # Runs the CLI's main() with torch made unimportable: any import of it fails the command
-# (tests/test_cli_no_torch.py, tests/test_dcp_cli.py).
+# (tests/cli/test_cli_no_torch.py, tests/dcp/test_dcp_cli.py).
 NO_TORCH_CLI = textwrap.dedent("""
     import sys
     class _Block:
@@ -468,8 +526,28 @@ def tiny_model():
                                       bos_token_id=0, eos_token_id=0))
 
 
+def hf_trainer(out, callbacks, steps: int, *, trainer_kw: dict | None = None, **kw):
+    """The suite's Hugging Face run, the same every time: seed 0, dropout on (the RNG streams
+    matter), 16 steps an epoch (a resume at step 10 is mid-epoch, 20 steps cross into the
+    second), a save every 5 steps. KW: more TrainingArguments; TRAINER_KW: more of the
+    Trainer's own."""
+    from transformers import PrinterCallback, Trainer, TrainingArguments, set_seed
+    from transformers.utils import logging as hf_logging
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    set_seed(0)
+    args = TrainingArguments(str(out), max_steps=steps, save_steps=5, logging_steps=1, per_device_train_batch_size=4,
+                             learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], dataloader_num_workers=0,
+                             disable_tqdm=True, **kw)
+    t = Trainer(model=tiny_model(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8), callbacks=callbacks,
+                **(trainer_kw or {}))
+    t.remove_callback(PrinterCallback)
+    return t
+
+
 # ---------------------------------------------------------------- `tsck du`'s three jobs
-DU_BS = 64 * 1024  # (tests/test_plot.py, tests/test_du_holds.py)
+DU_BS = 64 * 1024  # (tests/interchange/test_plot.py, tests/maintain/test_du_holds.py)
 DU_N = DU_BS // 4  # float32 elements per block: 1-D tensors are cut at exact multiples of DU_BS
 
 
@@ -519,11 +597,146 @@ def expected_numbers(path, states):
 
 
 # ---------------------------------------------------------------- a store through a local tier
-def tier_state(seed: int, n: int = 64) -> dict:
+# ---------------------------------------------------------------- state builders
+# The states the test files put, one builder per kind; a test's expectations (block counts,
+# bytes stored) follow from the shapes and seeds, so a builder's defaults never change.
+
+def tier_state(seed: int, n: int = 64, *, cols: int = 256, bias: bool = True, step: bool = False) -> dict:
+    """Random floats from one generator seeded SEED (stored raw: lz4 does not shrink them),
+    so each seed's put writes new blocks: "w" (N x COLS), "b" (300, with BIAS) and "step"
+    (the seed as a tensor, with STEP)."""
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, 256, generator=g), "b": torch.randn(300, generator=g)}
+    out = {"w": torch.randn(n, cols, generator=g)}
+    if bias:
+        out["b"] = torch.randn(300, generator=g)
+    if step:
+        out["step"] = torch.tensor(seed)
+    return out
+
+
+def edit_state(seed: int = 0) -> dict:
+    """16 tensors of 256 KiB of random float32s (no codec shrinks them: stored bytes ~ raw
+    bytes): a state whose one-tensor edits the dedup promises measure."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i:02d}": torch.randn(64 * 1024, generator=g) for i in range(16)}
+
+
+def peft_state(base_seed: int = 0, adapter_seed: int = 1, n: int = 120) -> dict:
+    """As peft lays a fine-tune out: a frozen base tensor (64 KiB), then its small adapter
+    (8 KiB), repeated N times; random float32s, from a generator each."""
+    gb, ga = torch.Generator().manual_seed(base_seed), torch.Generator().manual_seed(adapter_seed)
+    out = {}
+    for i in range(n):
+        out[f"layers.{i}.base.weight"] = torch.randn(16 * 1024, generator=gb)
+        out[f"layers.{i}.lora_A.weight"] = torch.randn(2 * 1024, generator=ga)
+    return out
+
+
+def mlp_and_adamw(width: int, hidden: int) -> tuple:
+    """An MLP (WIDTH -> HIDDEN -> 2, seed 0) and its AdamW after one step: the tensors,
+    step counts and hyperparameters a model's and an optimizer's state_dict()s hold."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, width)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def counter_state(i: int, n: int = 64) -> dict:
+    """A small numpy state told apart by I: "w" (N float32s counting up from I) and "step"."""
+    return {"w": np.arange(n, dtype=np.float32) + i, "step": i}
+
+
+def nested_state(i: int, block: int) -> dict:
+    """A state with a manifest node of its own ("sub") and a tensor every seed shares
+    ("shared"); BLOCK: the store's block size, two blocks each for "shared" and "own"."""
+    g = torch.Generator().manual_seed(i)
+    sub = {"x": torch.randn(block // 4, generator=g), **{f"b{k}": torch.full((8,), float(k)) for k in range(100)}}
+    return {"shared": torch.ones(2 * block // 4), "own": torch.randn(2 * block // 4, generator=g),
+            "sub": sub, "i": i}
 
 
 def open_tiered(tmp_path, **kw) -> tsck.Store:
     return tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=16 * 1024,
                            inline_threshold=256, **kw)
+
+
+# ---------------------------------------------------------------- the CLI
+def run_cli(*args, timeout=120, env=None) -> "subprocess.CompletedProcess":
+    """`tsck ARGS` in a process of its own (forked by the zygote), as a user runs it: the
+    environment child_env(cli=True) makes, plus ENV. A Backend among ARGS stands for its
+    store URL, and its --refs and storage options travel in the environment (TSCK_REFS,
+    TSCK_STORAGE_OPTIONS)."""
+    import _zygote as zygote
+    full = child_env(cli=True)
+    argv = []
+    for a in args:
+        if hasattr(a, "cli_env"):
+            full.update(a.cli_env())
+            a = a.url
+        argv.append(str(a))
+    full.update(env or {})
+    return zygote.run([sys.executable, "-m", "tensorstore_ck", *argv],
+                      capture_output=True, text=True, timeout=timeout, env=full, cwd=str(REPO))
+
+
+def run_clis(*arglists, timeout=120) -> list:
+    """Several CLI runs at once (each imports torch: ~1.5 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(arglists)) as ex:
+        return list(ex.map(lambda a: run_cli(*a, timeout=timeout), arglists))
+
+
+def cli_here(capsys, *argv) -> tuple[int, str, str]:
+    """`tsck ARGV` in this process (tensorstore_ck.cli.main): its exit status and what it
+    printed, nothing printed before it."""
+    from tensorstore_ck.cli import main
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ---------------------------------------------------------------- a training loop the manager tests drive
+
+def manager_state(seed: int = 0) -> tsck.TrainState:
+    """A model, Adam (moments and a step count), a scheduler and a numpy Generator."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return tsck.TrainState(model=model, optimizer=opt, scheduler=sched,
+                           numpy_generators={"aug": np.random.default_rng(seed)})
+
+
+def train_step(ts: tsck.TrainState, scale: float = 1.0) -> None:
+    """One step that draws from every RNG stream the state captures."""
+    model, opt = ts.components["model"], ts.components["optimizer"]
+    x = torch.randn(8, 4) * scale + float(ts.numpy_generators["aug"].standard_normal())
+    loss = model(x).pow(2).mean() + float(np.random.rand()) * 0
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ts.components["scheduler"].step()
+
+
+def pruning_manager(store, model, keep: int, *, async_: bool = False) -> tsck.CheckpointManager:
+    """A manager of job "run" that snapshots MODEL at every step and prunes the job to its
+    KEEP newest snapshots."""
+    return tsck.CheckpointManager(store, job="run", state=tsck.TrainState(model=model), every_steps=1,
+                                  retention=tsck.Retention(keep_last=keep), async_=async_)
+
+
+def frozen_state(ts: tsck.TrainState) -> dict:
+    """A copy of everything the state would snapshot (state_dict() returns live tensors)."""
+    return copy.deepcopy(ts.state_dict())
+
+
+def run_steps(mgr, ts, steps, *, scale: float = 1.0, record: dict | None = None) -> None:
+    """Train STEPS under the manager; RECORD: the state frozen at each step it snapshots."""
+    for n in steps:
+        train_step(ts, scale)
+        mgr.step(n)
+        if record is not None and mgr.every_steps and n % mgr.every_steps == 0:
+            record[n] = frozen_state(ts)

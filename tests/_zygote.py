@@ -135,10 +135,14 @@ def _interpreter_args(args) -> list[str] | None:
     return rest
 
 
+def import_time_name(k: str) -> bool:
+    """Whether variable `k` is one libraries read at import (PINNED and USE_TIME aside)."""
+    return (k in IMPORT_TIME or k.startswith(IMPORT_TIME_PREFIXES)) and k not in PINNED and k not in USE_TIME
+
+
 def _import_time(env) -> dict:
-    """The variables of `env` that libraries read at import (PINNED aside)."""
-    return {k: v for k, v in env.items()
-            if (k in IMPORT_TIME or k.startswith(IMPORT_TIME_PREFIXES)) and k not in PINNED and k not in USE_TIME}
+    """The variables of `env` that libraries read at import."""
+    return {k: v for k, v in env.items() if import_time_name(k)}
 
 
 def _recv_line(sock: socket.socket) -> bytes:

@@ -1,5 +1,6 @@
 import contextlib as _contextlib
 import os
+import sys
 
 import pytest
 
@@ -22,13 +23,36 @@ if _pack:
 # pip was told not to compile, again. They are written to a folder of their own
 # (PYTHONPYCACHEPREFIX), never beside the sources.
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
-    import sys as _sys
     import tempfile as _tempfile
     os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(_tempfile.gettempdir(), "tsck-tests-pycache"))
-    _sys.dont_write_bytecode, _sys.pycache_prefix = False, os.environ["PYTHONPYCACHEPREFIX"]
+    sys.dont_write_bytecode, sys.pycache_prefix = False, os.environ["PYTHONPYCACHEPREFIX"]
+
+# The test files live in folders under tests/ (read/, tier/, ...) and import the shared
+# modules beside those folders by name (_util, _zygote, _backends, ...).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 import tensorstore_ck as tsck  # noqa: E402
 import _zygote  # noqa: E402
+
+_START_ENV = {k: v for k, v in os.environ.items() if _zygote.import_time_name(k)}
+
+
+@pytest.fixture(autouse=True)
+def _import_time_environment_kept():
+    """Some imports set import-time variables in this process's environment (lightning:
+    PYTORCH_NVML_BASED_CUDA_CHECK; torch's inductor: TORCHINDUCTOR_CACHE_DIR). Left there,
+    they reach every later child of this worker, and the zygote runs a child whose
+    import-time environment differs from its own as a plain interpreter (_zygote.IMPORT_TIME):
+    each test ends with them as the session began."""
+    yield
+    for k in [k for k in os.environ if _zygote.import_time_name(k)]:
+        if k not in _START_ENV:
+            del os.environ[k]
+    for k, v in _START_ENV.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -75,6 +99,14 @@ def store_path(tmp_path):
 @pytest.fixture
 def store(store_path):
     s = tsck.open_store(store_path)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def small_store(tmp_path):
+    """A store of 16 KiB blocks, so that modest tensors span many blocks."""
+    s = tsck.open_store(tmp_path / "store", block_size=16384)
     yield s
     s.close()
 

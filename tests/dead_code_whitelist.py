@@ -2,7 +2,7 @@
 outside it does: the public API's users, torch, transformers, Lightning, pickle, the
 interpreter, or the tests. vulture reads this file as if it were code that uses each
 name, so `python -m vulture tensorstore_ck tests/dead_code_whitelist.py --min-confidence 60`
-lists only what nothing uses; tests/test_dead_code.py runs that check and fails on a
+lists only what nothing uses; tests/house/test_dead_code.py runs that check and fails on a
 new finding, and on an entry here that no finding needs any more.
 
 One name a line, with who uses it. vulture matches names, not owners: an entry covers

@@ -5,7 +5,7 @@ memory, is the ref table), but no user needs all of it: a reader needs four call
 Assets, gc a few dozen of RefTable's, the Publisher a dozen. Each user names the role
 it plays against (a parameter or attribute typed with the Protocol), so what a layer
 needs is read off its signature, and another implementation (a tier's ReadChain, a
-test's table) needs only that. tests/test_roles.py checks that the concrete classes
+test's table) needs only that. tests/house/test_roles.py checks that the concrete classes
 have every member of their roles with a compatible signature, so a rename on either
 side fails a test.
 

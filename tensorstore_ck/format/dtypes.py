@@ -7,7 +7,7 @@ under the limits of tree.LIMITS.
 The grammar needs only names and item sizes (DTYPE_ITEMSIZES), so reading manifests
 does not import torch: `tsck refs`, `log`, `fsck`, `gc` start in a fraction of a
 second instead of paying torch's import (~3 s here). The torch objects (TORCH_DTYPES,
-QUANT_REPR, QUANT_BY_NAME, PACKED_QUANT) are built on first use; tests/test_cli_no_torch.py
+QUANT_REPR, QUANT_BY_NAME, PACKED_QUANT) are built on first use; tests/cli/test_cli_no_torch.py
 checks that the static table is exactly this torch build's dtypes.
 """
 

@@ -26,7 +26,7 @@ back; the hand-written loop can only delay the one request that was throttled
 while the other workers keep sending. botocore tells throttling by the parsed error
 code alone (SlowDown, Throttling, ...), and a throttled HEAD has no body: its code
 is "503", so under botocore's own adaptive mode the HEADs a new process's put
-starts with were never slowed (tests/test_s3_throttle.py saw over a hundred in four
+starts with were never slowed (tests/storage/test_s3_throttle.py saw over a hundred in four
 seconds from 16 threads). The client is therefore built in "standard" mode and
 given the same limiter (aiobotocore's) with a detector that also counts any 429 or
 503 (_add_rate_limiter). botocore's total_max_attempts is 1, so the loops never

@@ -1,6 +1,6 @@
 """Deterministic states of the golden stores (tests/data/golden/).
 
-Imported by make_golden.py (which writes them) and tests/test_golden.py (which
+Imported by make_golden.py (which writes them) and tests/format/test_golden.py (which
 rebuilds them and compares every checkout bit for bit). Pure torch/numpy and
 the standard library; no tensorstore_ck import except `Sharded`/`Replicated`
 leaves, passed in by the caller. Every byte comes from SHAKE-256 of a seed

@@ -1,5 +1,5 @@
 """Asynchronous collective puts (put_snapshot(..., blocking=False) under torch.distributed)
-with real gloo ranks, for tests/test_dist_async.py.
+with real gloo ranks, for tests/collective/test_dist_async.py.
 
     python async_worker.py SCENARIO OUTDIR [ARG]
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -48,14 +47,6 @@ def make_globals() -> dict:
     out["emb.exp_avg"] = torch.randn(SHAPES["emb.weight"], generator=g)
     out["lin.exp_avg"] = torch.randn(SHAPES["lin.weight"], generator=g).to(torch.bfloat16)
     return out
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _dt(glob, mesh, placements):
@@ -184,7 +175,9 @@ def run(rank: int, world: int, port: int, store_path: str, out: str, phase: str)
 
 def launch(world: int, phase: str, store: str, out: str) -> None:
     import torch.multiprocessing as mp
-    port = _free_port()
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: _pgserver
+    from _pgserver import free_port
+    port = free_port()
     mp.start_processes(run, args=(world, port, store, out, phase), nprocs=world, join=True, start_method="fork")
 
 

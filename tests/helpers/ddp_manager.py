@@ -1,5 +1,5 @@
 """CheckpointManager under torch.distributed: DDP-style training loops on real gloo ranks,
-for tests/test_dist_manager.py.
+for tests/train/test_dist_manager.py.
 
     python ddp_manager.py SCENARIO OUTDIR [ARG]
 
@@ -123,8 +123,7 @@ def clock_case(rank, world, out, res, _arg):
     model, opt = _model_and_opt()
     clock = _Clock(1.0 if rank == 0 else 100.0)
     with tsck.open_store(os.path.join(out, "store")) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_seconds=10, clock=clock)
+        mgr = _manager(store, model, opt, every_seconds=10, clock=clock)
         res["steps"] = {}
         for step in range(1, 26):
             clock.t += clock.per_tick
@@ -154,8 +153,7 @@ def prune_case(rank, world, out, res, mode):
     lg.setLevel(logging.DEBUG)
     lg.addHandler(Fences())
     with tsck.open_store(os.path.join(out, "store")) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_steps=1, retention=tsck.Retention(keep_last=2), **extra)
+        mgr = _manager(store, model, opt, every_steps=1, retention=tsck.Retention(keep_last=2), **extra)
         res["steps"] = {}
         for step in range(1, 25):
             _train_step(model, opt, rank, step)
@@ -184,17 +182,28 @@ def _failing_store_class():
     return Failing
 
 
+def _manager(store, model, opt, **kw):
+    """The job's manager of the model and its optimizer; KW: its triggers and the rest."""
+    import tensorstore_ck as tsck
+    return tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt), **kw)
+
+
+def _failing_on_rank_1(rank: int):
+    """On rank 1, a storage wrapper that fails the writes while armed: (a dict that will
+    hold it as "w", the wrap_storage to open the store with); elsewhere nothing wraps."""
+    Failing = _failing_store_class()
+    holder: dict = {}
+    return holder, (lambda s: holder.setdefault("w", Failing(s))) if rank == 1 else None
+
+
 def fail_case(rank, world, out, res, _arg):
     """Rank 1 cannot write blocks while step 4 is snapshotted: that snapshot fails on
     every rank; training goes on and step 6 takes one."""
     import tensorstore_ck as tsck
-    Failing = _failing_store_class()
-    holder = {}
-    wrap = (lambda s: holder.setdefault("w", Failing(s))) if rank == 1 else None
+    holder, wrap = _failing_on_rank_1(rank)
     model, opt = _model_and_opt()
     with tsck.open_store(os.path.join(out, "store"), wrap_storage=wrap) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_steps=2, retention=tsck.Retention(keep_last=2))
+        mgr = _manager(store, model, opt, every_steps=2, retention=tsck.Retention(keep_last=2))
         res["steps"] = {}
         for step in range(1, 11):
             _train_step(model, opt, rank, step)
@@ -219,8 +228,7 @@ def grow_case(rank, world, out, res, _arg):
     model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with tsck.open_store(os.path.join(out, "store")) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_steps=1)
+        mgr = _manager(store, model, opt, every_steps=1)
         res["steps"] = {0: mgr.step(0)}  # before any optimizer step: no moments yet
         for step in range(1, 7):
             _train_step(model, opt, rank, step)
@@ -239,13 +247,10 @@ def failend_case(rank, world, out, res, _arg):
     import tensorstore_ck as tsck
     shown = res["shown"] = []
     warnings.showwarning = lambda m, c, *a, **k: shown.append(f"{c.__name__}: {m}")
-    Failing = _failing_store_class()
-    holder = {}
-    wrap = (lambda s: holder.setdefault("w", Failing(s))) if rank == 1 else None
+    holder, wrap = _failing_on_rank_1(rank)
     model, opt = _model_and_opt()
     with tsck.open_store(os.path.join(out, "store"), wrap_storage=wrap) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_steps=2)
+        mgr = _manager(store, model, opt, every_steps=2)
         res["steps"] = {}
         for step in range(1, 11):
             _train_step(model, opt, rank, step)
@@ -272,8 +277,7 @@ def force_case(rank, world, out, res, _arg):
     import tensorstore_ck as tsck
     model, opt = _model_and_opt()
     with tsck.open_store(os.path.join(out, "store")) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_steps=2, timeout=20)
+        mgr = _manager(store, model, opt, every_steps=2, timeout=20)
         res["steps"] = {}
         for step in range(1, 9):
             _train_step(model, opt, rank, step)
@@ -295,8 +299,7 @@ def fenced_case(rank, world, out, res, _arg):
     import tensorstore_ck as tsck
     model, opt = _model_and_opt()
     with tsck.open_store(os.path.join(out, "store")) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
-                                     every_steps=2)
+        mgr = _manager(store, model, opt, every_steps=2)
         res["steps"] = {}
         for step in range(1, 9):
             _train_step(model, opt, rank, step)

@@ -1,5 +1,5 @@
 """CheckpointManager under torch.distributed, where one rank differs: its part of a snapshot
-damaged, its state_dict() failing, a rollback, for tests/test_dist_restore.py.
+damaged, its state_dict() failing, a rollback, for tests/train/test_dist_restore.py.
 
     python ddp_restore.py SCENARIO OUTDIR [ARG]
 
@@ -79,13 +79,24 @@ def _root(res):
     return res.root
 
 
+def _model_and_opt_and_part():
+    model, opt = _model_and_opt()
+    return model, opt, torch.zeros(PART)
+
+
+def _manager(store, model, opt, part, every: int = 2):
+    """The job's manager: a snapshot every EVERY steps of the model, its optimizer and
+    this rank's part."""
+    import tensorstore_ck as tsck
+    return tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt, part=part),
+                                  every_steps=every)
+
+
 def train_case(rank, world, out, res, store_dir):
     import tensorstore_ck as tsck
-    model, opt = _model_and_opt()
-    part = torch.zeros(PART)
+    model, opt, part = _model_and_opt_and_part()
     with tsck.open_store(store_dir) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt, part=part),
-                                     every_steps=2)
+        mgr = _manager(store, model, opt, part)
         steps = {}
         for step in range(1, 7):
             _train(model, opt, part, rank, step)
@@ -98,11 +109,9 @@ def train_case(rank, world, out, res, store_dir):
 
 def restore_case(rank, world, out, res, store_dir):
     import tensorstore_ck as tsck
-    model, opt = _model_and_opt()
-    part = torch.zeros(PART)
+    model, opt, part = _model_and_opt_and_part()
     with tsck.open_store(store_dir) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt, part=part),
-                                     every_steps=2)
+        mgr = _manager(store, model, opt, part)
         try:
             res["restored"] = mgr.restore_latest()
             res["part_ok"] = bool(torch.equal(part, part_values(rank, res["restored"])))
@@ -176,11 +185,9 @@ def rollback_case(rank, world, out, res, arg):
     import warnings
     import tensorstore_ck as tsck
     store_dir, phase = arg
-    model, opt = _model_and_opt()
-    part = torch.zeros(PART)
+    model, opt, part = _model_and_opt_and_part()
     with tsck.open_store(store_dir) as store:
-        mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt, part=part),
-                                     every_steps=10)
+        mgr = _manager(store, model, opt, part, every=10)
         if phase == "first":
             for step in range(1, 31):
                 _train(model, opt, part, rank, step)

@@ -1,4 +1,4 @@
-"""A DDP job whose rank 0 dies in its prune, then resumes: for tests/test_lease_dead_holder.py.
+"""A DDP job whose rank 0 dies in its prune, then resumes: for tests/maintain/test_lease_dead_holder.py.
 
     python dead_prune.py run OUTDIR
 

@@ -1,4 +1,4 @@
-"""Multi-process torch.distributed scenarios for tests/test_dist.py.
+"""Multi-process torch.distributed scenarios for tests/collective/test_dist.py.
 
     python dist_worker.py SCENARIO OUTDIR [ARG]
 
@@ -32,7 +32,6 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -42,6 +41,7 @@ import zlib  # noqa: E402
 # tests/ (appended: tests/helpers stays first) holds _util, whose launcher_main is this
 # script's __main__ and that of the scripts that launch through it.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _pgserver import free_port  # noqa: E402
 from _util import launcher_main  # noqa: E402,F401
 
 import torch  # noqa: E402
@@ -206,13 +206,6 @@ def trap_store_class():
 
 # -- launcher ---------------------------------------------------------------------
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
 
 def _dump(path: str, obj) -> None:
     tmp = path + ".tmp"
@@ -237,9 +230,14 @@ def _rank_main(rank, world, port, phase, body, out, arg):
         res["ok"] = False
         res["error"] = traceback.format_exc()
     _dump(os.path.join(out, f"{phase}_rank{rank}.json"), res)
+    # No teardown: after a peer was killed, gloo/c10d destructors may block on it.
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    """The rank's end: its streams flushed, then os._exit (no interpreter teardown)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # No teardown: after a peer was killed, gloo/c10d destructors may block on it.
     os._exit(code)
 
 
@@ -266,9 +264,7 @@ def _env_rank_main(rank, world, port, phase, body, out, arg):
             res["ok"] = False
             res["error"] = traceback.format_exc()
             _dump(os.path.join(out, f"{phase}_rank{rank}.json"), res)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _exit_now(code)
 
 
 def launch_env(phase, world, body, out, arg=None, *, limit=60.0) -> dict:
@@ -375,24 +371,16 @@ def index_load(rank, world, out, res, _arg):
     """Each rank checks out its own pieces of the sharded tensors (into= Sharded) and records
     how many manifest nodes it read."""
     import tensorstore_ck as tsck
-    from tensorstore_ck.storage.wrappers import WrappedStore
+    from _util import Watched
 
-    class NodeCounting(WrappedStore):
+    class NodeCounting(Watched):
         def __init__(self, inner):
             super().__init__(inner)
             self.nodes = 0
 
-        def _count(self, key):
+        def on_read(self, key):
             if key.startswith("nodes/"):
                 self.nodes += 1
-
-        def open_read(self, key, max_bytes=None):
-            self._count(key)
-            return self.inner.open_read(key, max_bytes)
-
-        def get(self, key, max_bytes=None):
-            self._count(key)
-            return self.inner.get(key, max_bytes)
 
     holder = {}
     with _open(out, wrap_storage=lambda s: holder.setdefault("w", NodeCounting(s))) as store:
@@ -1053,25 +1041,31 @@ class _LostAnswer:
         return self.inner.get_or_none(ref)
 
 
+def _put2_outcome(store, rank, world, res, *, timeout: float) -> None:
+    """Put 2 of the outcome cases: record "returned", or OutcomeUnknown with the root and
+    the ref it names, or another error."""
+    import tensorstore_ck as tsck
+    try:
+        store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=timeout)
+        res["put2"] = "returned"
+    except tsck.OutcomeUnknown as e:
+        res["put2"], res["put2_message"] = "OutcomeUnknown", str(e)
+        res["put2_root"], res["put2_ref"] = e.root.hex() if e.root else None, e.ref
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        res["put2"], res["put2_message"] = type(e).__name__, str(e)
+
+
 def unknown_case(rank, world, out, res, _arg):
     """Put 1 publishes; put 2's ref move on rank 0 ends in OutcomeUnknown: every rank must
     say so (with the root and the ref), not that nothing was published."""
     import torch.distributed as dist
-    import tensorstore_ck as tsck
     with _open(out) as store:
         _outcome(res, "put1", lambda: store.put_snapshot(small_state(rank, world, 1), REF, step=1, timeout=30))
         if rank == 0:
             store.publisher.reftable = _LostAnswer(store.publisher.reftable)
             store.publisher.reftable.armed = True
         dist.barrier()
-        try:
-            store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=30)
-            res["put2"] = "returned"
-        except tsck.OutcomeUnknown as e:
-            res["put2"], res["put2_message"] = "OutcomeUnknown", str(e)
-            res["put2_root"], res["put2_ref"] = e.root.hex() if e.root else None, e.ref
-        except Exception as e:  # noqa: BLE001 - recorded for the test
-            res["put2"], res["put2_message"] = type(e).__name__, str(e)
+        _put2_outcome(store, rank, world, res, timeout=30)
 
 
 def pgunknown_case(rank, world, out, res, _arg):
@@ -1082,7 +1076,6 @@ def pgunknown_case(rank, world, out, res, _arg):
     snapshot is published after all. Rank 1 must have said OutcomeUnknown, not aborted."""
     import logging
     import torch.distributed as dist
-    import tensorstore_ck as tsck
     from psycopg.conninfo import conninfo_to_dict
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.sim.netproxy import NetProxy
@@ -1108,14 +1101,7 @@ def pgunknown_case(rank, world, out, res, _arg):
         if rank == 0:
             proxy.arm_hold()
             proxy.blackout_after_fault = float("inf")
-        try:
-            store.put_snapshot(small_state(rank, world, 2), REF, step=2, timeout=60)
-            res["put2"] = "returned"
-        except tsck.OutcomeUnknown as e:
-            res["put2"], res["put2_message"] = "OutcomeUnknown", str(e)
-            res["put2_root"], res["put2_ref"] = e.root.hex() if e.root else None, e.ref
-        except Exception as e:  # noqa: BLE001 - recorded for the test
-            res["put2"], res["put2_message"] = type(e).__name__, str(e)
+        _put2_outcome(store, rank, world, res, timeout=60)
         if rank == 0:
             res["held"] = proxy.holds
             proxy.restore()

@@ -1,4 +1,4 @@
-"""DTensor and FSDP2 scenarios for tests/test_dtensor.py (gloo on CPU, forked ranks).
+"""DTensor and FSDP2 scenarios for tests/read/test_dtensor.py (gloo on CPU, forked ranks).
 
     python dtensor_worker.py SCENARIO OUTDIR [ARG]
 

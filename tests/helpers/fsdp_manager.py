@@ -1,5 +1,5 @@
 """CheckpointManager under FSDP2 and hybrid sharding (HSDP) on real gloo ranks, for
-tests/test_fsdp_manager.py.
+tests/train/test_fsdp_manager.py.
 
     python fsdp_manager.py SCENARIO OUTDIR
 

@@ -1,4 +1,4 @@
-"""Subprocess plumbing shared by tests/test_gc_race.py and tests/test_gc_crash.py.
+"""Subprocess plumbing shared by tests/maintain/test_gc_race.py and tests/maintain/test_gc_crash.py.
 
 Loaded by file path from the tests (not a test helper script itself): starts a
 helper script with the repository on PYTHONPATH and collects its stdout lines,

@@ -1,4 +1,4 @@
-"""Hugging Face Trainer under DDP on real gloo ranks, for tests/test_hf_dist.py.
+"""Hugging Face Trainer under DDP on real gloo ranks, for tests/train/test_hf_dist.py.
 
     python hf_ddp.py SCENARIO OUTDIR
 
@@ -26,19 +26,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402,F401 - imported once here, not in every forked rank
 
 import dist_worker as dw  # noqa: E402
+from _util import Tokens  # noqa: E402  (tests/ is on sys.path: dist_worker puts it there)
 
 JOB = "j"
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=48, length=16):
-        self.x = torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(123))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
 def _tokenizer(out):
@@ -75,7 +65,7 @@ def _trainer(out, rank, callbacks, **kw):
     args = TrainingArguments(os.path.join(out, "output"), max_steps=10, save_steps=5, logging_steps=1,
                              per_device_train_batch_size=4, learning_rate=1e-3, seed=0, use_cpu=True,
                              ddp_backend="gloo", report_to=[], dataloader_num_workers=0, disable_tqdm=True, **kw)
-    t = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks, processing_class=_tokenizer(out),
+    t = Trainer(model=model, args=args, train_dataset=Tokens(48), callbacks=callbacks, processing_class=_tokenizer(out),
                 data_collator=default_data_collator)
     t.remove_callback(PrinterCallback)
     random.seed(1000 + rank)  # dropout: a stream of each rank's own (the Trainer seeded every rank alike)

@@ -1,4 +1,4 @@
-"""One training job of many on one store (tests/test_jobs.py, benches/bench_jobs.py).
+"""One training job of many on one store (tests/train/test_jobs.py, benches/bench_jobs.py).
 
     python jobs_worker.py STORE JOB STEPS BARRIER [--interval S] [--keep N] [--sync] [--mb M] [--refs URL]
 

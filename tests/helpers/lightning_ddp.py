@@ -1,4 +1,4 @@
-"""A real Lightning DDP run (2 CPU ranks, gloo) over TsckCheckpointIO, for tests/test_lightning.py.
+"""A real Lightning DDP run (2 CPU ranks, gloo) over TsckCheckpointIO, for tests/train/test_lightning.py.
 
     python lightning_ddp.py OUTDIR
 

@@ -1,5 +1,5 @@
 """A real Lightning ModelParallelStrategy run (FSDP2 via fully_shard, one CPU process over
-gloo) with TsckCheckpointIO, for tests/test_lightning.py.
+gloo) with TsckCheckpointIO, for tests/train/test_lightning.py.
 
     python lightning_sharded.py MODE OUTDIR
 

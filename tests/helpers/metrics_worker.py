@@ -1,4 +1,4 @@
-"""One rank of the README's metrics lines under torchrun, for tests/test_metrics.py.
+"""One rank of the README's metrics lines under torchrun, for tests/train/test_metrics.py.
 
     torchrun --standalone --nproc_per_node 2 metrics_worker.py OUT PORT
 

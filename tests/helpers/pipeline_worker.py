@@ -1,4 +1,4 @@
-"""Pipeline-stage scenarios for tests/test_pipeline_view.py (gloo on CPU, forked ranks).
+"""Pipeline-stage scenarios for tests/read/test_pipeline_view.py (gloo on CPU, forked ranks).
 
     python pipeline_worker.py SCENARIO OUTDIR
 

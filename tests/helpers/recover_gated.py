@@ -19,17 +19,19 @@ import sys
 import time
 
 import tensorstore_ck.cli as cli
-from tensorstore_ck.storage.wrappers import WrappedStore
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: _util
+from _util import Watched  # noqa: E402
 
 
-class Gate(WrappedStore):
+class Gate(Watched):
     def __init__(self, inner, gate_dir: str):
         super().__init__(inner)
         self.gate_dir = gate_dir
         self.reads: dict = {}  # commit key -> times read
         self.walked = 0  # commits read a second time
 
-    def _at(self, key: str) -> None:
+    def on_read(self, key: str) -> None:
         if not key.startswith("commits/"):
             return
         self.reads[key] = self.reads.get(key, 0) + 1
@@ -40,14 +42,6 @@ class Gate(WrappedStore):
             open(os.path.join(self.gate_dir, "reached"), "w").close()
             while not os.path.exists(os.path.join(self.gate_dir, "open")):
                 time.sleep(0.02)
-
-    def get(self, key, max_bytes=None):
-        self._at(key)
-        return self.inner.get(key, max_bytes)
-
-    def open_read(self, key, max_bytes=None):
-        self._at(key)
-        return self.inner.open_read(key, max_bytes)
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 """A collective DCP load through local tiers that differ per rank, for
-tests/test_tier_answers.py.
+tests/tier/test_tier_answers.py.
 
     python tier_answers_worker.py load OUTDIR CONFIG.json
 

@@ -1,4 +1,4 @@
-"""Collective snapshots through local tiers, for tests/test_tier_dist.py.
+"""Collective snapshots through local tiers, for tests/tier/test_tier_dist.py.
 
     python tier_dist_worker.py SCENARIO OUTDIR CONFIG.json
 
@@ -27,9 +27,9 @@ REF = dw.REF
 
 
 def _reads_class():
-    from tensorstore_ck.storage.wrappers import WrappedStore
+    from _util import Watched  # (tests/ is on sys.path: dist_worker puts it there)
 
-    class Reads(WrappedStore):
+    class Reads(Watched):
         """Records every object key read from the remote store (blocks, nodes, commits)."""
 
         def __init__(self, inner):
@@ -37,18 +37,10 @@ def _reads_class():
             self.lock = threading.Lock()
             self.reads: list[str] = []
 
-        def _note(self, key):
+        def on_read(self, key):
             if key.split("/", 1)[0] in ("blocks", "nodes", "commits"):
                 with self.lock:
                     self.reads.append(key)
-
-        def open_read(self, key, max_bytes=None):
-            self._note(key)
-            return self.inner.open_read(key, max_bytes)
-
-        def get(self, key, max_bytes=None):
-            self._note(key)
-            return self.inner.get(key, max_bytes)
     return Reads
 
 
@@ -62,17 +54,9 @@ def _open(cfg, out, rank, tier, holder, **kw):
         import time
 
         class Reads(Reads):  # noqa: F811
-            def _wait(self):
+            def on_write(self, key):
                 while not os.path.exists(cfg["gate"]):
                     time.sleep(0.05)
-
-            def put_addressed(self, key, bufs):
-                self._wait()
-                return self.inner.put_addressed(key, bufs)
-
-            def put_if_absent(self, key, bufs):
-                self._wait()
-                return self.inner.put_if_absent(key, bufs)
     return tsck.open_store(cfg["url"], refs=cfg["refs"], storage_options=cfg["opts"],
                            local=os.path.join(cfg["tiers"], f"{tier}{rank}"), block_size=dw.BLOCK,
                            inline_threshold=dw.INLINE, wrap_storage=lambda s: holder.setdefault("w", Reads(s)), **kw)

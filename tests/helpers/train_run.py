@@ -1,4 +1,4 @@
-"""Training script for the exact-resume tests (tests/test_train_resume.py).
+"""Training script for the exact-resume tests (tests/train/test_train_resume.py).
 
     python train_run.py STORE --steps N --every K [--workers W] [--async] [--resume]
                         [--out FINAL.pt] [--hold-at S [--settle]] [--slow-from S --delay D]

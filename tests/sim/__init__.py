@@ -1,4 +1,4 @@
 """The seeded interleaving harness: driver.py (the invariants and the rounds),
 worker.py (a process running random operations), faults.py (delays, failures, kill -9),
 check.py (the checks), content.py (what is put), backends.py (file, pg, s3).
-Run it with `python -m tests.sim --help`; tests/test_sim.py runs a short budget."""
+Run it with `python -m tests.sim --help`; tests/house/test_sim.py runs a short budget."""

@@ -550,21 +550,22 @@ def _tier_jobs(ops: list[Op], tname: str) -> set[str]:
 def _held_somewhere(tier, store, lcat: dict, evicted: set, root: str, cache: dict) -> str | None:
     """None if `root` checks out bit-exact from the tier (its row there, its copy not
     evicted) or from the remote store (its row there), else why not."""
+    def verified(where: str, holder) -> str | None:  # verify_root's answer, once per holder and root
+        if (where, root) not in cache:
+            cache[(where, root)] = verify_root(holder, bytes.fromhex(root))
+        return cache[(where, root)]
+
     why = []
     if root in lcat and root not in evicted:
-        if ("t", root) not in cache:
-            cache[("t", root)] = verify_root(tier, bytes.fromhex(root))
-        if cache[("t", root)] is None:
+        if (bad := verified("t", tier)) is None:
             return None
-        why.append(f"tier: {cache[('t', root)]}")
+        why.append(f"tier: {bad}")
     else:
         why.append("tier: " + ("evicted" if root in lcat else "no catalog row"))
     if store.reftable.catalog_get(bytes.fromhex(root)) is not None:
-        if ("r", root) not in cache:
-            cache[("r", root)] = verify_root(store, bytes.fromhex(root))
-        if cache[("r", root)] is None:
+        if (bad := verified("r", store)) is None:
             return None
-        why.append(f"remote: {cache[('r', root)]}")
+        why.append(f"remote: {bad}")
     else:
         why.append("remote: no catalog row")
     return "; ".join(why)

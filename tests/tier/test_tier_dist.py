@@ -1,0 +1,537 @@
+"""Collective snapshots through local tiers (open_store(remote, local=NODE_DIR) on every
+rank): each rank writes its part to its own tier and returns; the uploaders make the
+snapshot durable (docs/design/tiers.md, "Collective puts").
+
+Real gloo ranks (forked by tests/helpers/tier_dist_worker.py), a real S3 server (moto, or
+radosgw via TEST_S3_ENDPOINT) behind one local directory per rank, an LMDB remote ref
+table. The ranks only record what they see; the test judges against the data definitions
+of tests/helpers/dist_worker.py and against the remote store as it sees it afterwards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import _util
+from _util import load_helper, run_worker_scenario, same_bits
+
+import tensorstore_ck as tsck
+
+HERE = Path(__file__).resolve().parents[1]
+WORKER = HERE / "helpers" / "tier_dist_worker.py"
+dw = load_helper(HERE / "helpers" / "dist_worker.py")
+REF = dw.REF
+
+
+def _run(tmp_path: Path, scenario: str, cfg: dict, limit: float = 400.0) -> Path:
+    f = tmp_path / f"cfg-{scenario}-{cfg.get('phase', '')}.json"
+    f.write_text(json.dumps(cfg))
+    return run_worker_scenario(WORKER, tmp_path / "out", scenario, f, limit=limit)
+
+
+def _results(out: Path, phase: str, world: int) -> list[dict]:
+    return _util.rank_results(out, phase, world, exit_zero=True)
+
+
+def _check_view(out: Path, phase: str, world: int, version: int) -> None:
+    for r in range(world):
+        got = torch.load(out / f"{phase}_rank{r}.pt", weights_only=False)
+        for path, (rows, _cols, _dt) in dw.SHARDED.items():
+            a, b = dw.row_split(rows, world, r)
+            assert same_bits(dw.global_tensor(path, version)[a:b], got["sharded"]["/".join(path)]), (phase, r, path)
+        want = dw.rank_local(r, version)
+        assert got["local"]["rank"] == r and same_bits(want["rng"], got["local"]["rng"])
+
+
+def _config(tmp_path, s3_url, s3_server, world: int) -> dict:
+    cfg = {"url": s3_url, "opts": s3_server, "refs": str(tmp_path / "refs.lmdb"), "world": world,
+           "tiers": str(tmp_path / "nodes")}
+    # The remote store is made here, once: the ranks open it, none races to create it.
+    tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server, block_size=dw.BLOCK,
+                    inline_threshold=dw.INLINE).close()
+    (tmp_path / "out").mkdir(exist_ok=True)
+    return cfg
+
+
+@pytest.mark.slow  # real ranks and a real S3 server
+@pytest.mark.parametrize("world", [2, 4])
+def test_collective_put_through_tiers_becomes_durable_and_restores_from_a_fresh_tier(tmp_path, s3_url, s3_server,
+                                                                                     world):
+    """Each rank writes its part to its own tier and returns local-only; the uploaders
+    (every rank its part, rank 0 the top and the move) make it durable: the remote ref
+    names the snapshot, the remote fscks clean, and a collective checkout through fresh,
+    empty tiers restores every rank's view bit for bit from the remote."""
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    out = _run(tmp_path, "put", cfg)
+    res = _results(out, "put", world)
+    roots = {tuple(r["roots"]) for r in res}
+    assert len(roots) == 1, roots  # one snapshot per put, the same on every rank
+    (root0, root1), = roots
+    assert root0 != root1
+    for r in res:
+        assert r["durable_at_return"] == [False, False]  # returned at local speed, before any upload
+        assert r["waited"] is True and r["queue_left"] == 0
+        assert r["disagree"].startswith("SnapshotAborted") and "differs between ranks" in r["disagree"], r["disagree"]
+        assert (r["intents_after_abort"], r["queue_after_abort"]) == (0, 0), r
+    # Sixteen puts in a row, the ranks in step (a barrier after each): a key left per call
+    # would add twelve from the first four to the last four (the count wavers by a few with
+    # when rank 0's deletes of the call before land).
+    keys = res[0]["keys"]
+    assert sum(keys[-4:]) / 4 - sum(keys[:4]) / 4 < 8, f"the c10d Store grows with every call: {keys}"
+    assert res[0]["durable_after"] is True
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve(REF) == root1
+        assert remote.fsck(full=True).findings == []
+
+    # The tiers are gone (new nodes): the checkout reads everything from the remote.
+    out = _run(tmp_path, "load", {**cfg, "tier": "fresh", "phase": "fresh"})
+    res = _results(out, "fresh", world)
+    _check_view(out, "fresh", world, 1)
+    assert all(r["remote_reads"] for r in res)
+
+    # The tiers intact: every rank reads its region from its own tier, nothing remote,
+    # and no rank's remote storage was even opened (the ref tables say which tier is newer).
+    out = _run(tmp_path, "load", {**cfg, "tier": "tier", "phase": "same"})
+    res = _results(out, "same", world)
+    _check_view(out, "same", world, 1)
+    assert [r["remote_reads"] for r in res] == [[]] * world
+    assert [r["remote_opened"] for r in res] == [False] * world
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("uploads", ["free", "held"])
+def test_checkpoint_manager_over_tiers_needs_no_change(tmp_path, s3_url, s3_server, uploads):
+    """CheckpointManager as a DDP job runs it (asynchronous collective snapshots, retention
+    pruning on rank 0), each rank's store with a local tier: every snapshot is taken, close()
+    leaves them durable, and new processes on new nodes (fresh tiers) resume from the
+    remote store with the state of the last snapshot. "held": every remote write waits
+    until all three snapshots were taken and rank 0's retention (keep_last=1) expired the
+    first two locally, before their upload: rank 0 drops them, rank 1's parts of them do
+    not hold up its part of the last one, and the last one lands."""
+    world = 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    extra = {"gate": str(tmp_path / "gate"), "keep": 1, "limit": 150} if uploads == "held" else {}
+    out = _run(tmp_path, "manager", {**cfg, **extra, "tier": "tier", "phase": "train", "mode": "train"})
+    res = _results(out, "train", world)
+    for r in res:
+        assert r["failed"] == 0 and r["errors"] == [] and r["prune_errors"] == [], r
+        assert [s for s, root in r["steps"].items() if root] == ["2", "4", "6"]
+    assert res[0]["steps"] == res[1]["steps"]
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve("llm/main") == res[0]["steps"]["6"]
+        assert remote.fsck(full=True).findings == []
+    out = _run(tmp_path, "manager", {**cfg, "tier": "fresh", "phase": "resume", "mode": "resume"})
+    res = _results(out, "resume", world)
+    assert [r["start"] for r in res] == [6, 6]
+    for r in range(world):
+        saved = torch.load(out / f"train_rank{r}.pt", weights_only=False)
+        got = torch.load(out / f"resume_rank{r}.pt", weights_only=False)
+        for k, v in saved["model"].items():
+            assert same_bits(v, got["model"][k]), (r, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_collective_put_past_a_tiers_budget_fails_on_every_rank_and_writes_nothing(tmp_path, s3_url, s3_server,
+                                                                                     blocking):
+    """local_budget= holds for collective puts as for a put, blocking or not: 2 ranks, a
+    budget of one byte, the remote's writes held so no upload frees room. The first
+    snapshot goes into the empty tiers; the second finds each rank's tier over its budget,
+    waits BUDGET_WAIT for uploads (1 s here) and fails on every rank (an asynchronous
+    one in its future), TierFull on at least one, the others told the snapshot aborted,
+    writing nothing into the tiers. Once the remote takes writes again, the first
+    snapshot is durable and the remote ref names it."""
+    world = 2
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "budget": 1, "budget_wait": 1.0,
+           "gate": str(tmp_path / "gate"), "blocking": blocking}
+    res = _results(_run(tmp_path, "budget", cfg), "budget", world)
+    assert all(r["second"] != "returned" for r in res), res
+    assert any(r["second"].startswith("TierFull") for r in res), res
+    assert all(r["tier_bytes"][1] == r["tier_bytes"][0] for r in res), res  # nothing of the second written
+    assert all(r["waited"] for r in res), res
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve(REF) == res[0]["first"] == res[0]["tip"]
+
+
+@pytest.mark.slow
+def test_every_ranks_tier_follows_rank_0s_retention(tmp_path, s3_url, s3_server):
+    """A job of 3 ranks with replicas=1 takes a snapshot every step for 8 steps, keeping
+    the last 2. Every rank's tier, not only rank 0's (where the job's prune runs), ends
+    with the snapshots rank 0 keeps and at most the one rank 0 was uploading as it spoke
+    last, and nothing else, rank 2's too, whose uploads lag: each tier fscks clean with no orphan (its part, the commit, the top
+    nodes and the replicas of what it keeps; the other ranks' sub-trees are not missing
+    there) and its gc runs and keeps what rank 0 keeps, rank 1's too, whose last word from
+    rank 0 came while a gc held its tier; the job restores from the tiers with no remote
+    read."""
+    world, steps, keep = 3, 8, 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    tidy = _run(tmp_path, "tidy", {**cfg, "steps": steps, "keep": keep, "lag_rank": 2}, limit=500)
+    res = _results(tidy, "tidy", world)
+    taken = [root for _s, root in sorted(res[0]["steps"].items(), key=lambda kv: int(kv[0])) if root]
+    last = taken[-1]
+    assert len(taken) >= keep + 2, res[0]["steps"]  # (a step may be skipped while one is in flight)
+    for r in res:
+        assert r["waited"] is True and r["steps"] == res[0]["steps"]
+        assert r["fsck"] == [] and r["orphans"] == 0, r
+        assert r["gc"] == "ran" and r["fsck_after_gc"] == [], r
+    kept0 = set(res[0]["rows"])
+    assert len(kept0) == keep and last in kept0
+    assert res[1]["held"] in ("met", "idle"), res[1]  # rank 1's last word met a gc holding its tier
+    for r in res[1:]:
+        rows, word = set(r["rows"]), set(r["word"])
+        # Each rank's tier keeps what rank 0's last word (with the last snapshot) names and
+        # nothing else, rank 2's too, whose uploads lag and whose cleanups ran with its
+        # older parts still queued. The word is rank 0's rows then, less what its rules
+        # drop, but for the upload rank 0 had in flight (held; pruned by rank 0 after it
+        # was sent): one snapshot more at most, any older one where rank 0's uploads lag.
+        # (The word names roots by their first KEEP_PREFIX bytes: 16 hex digits.)
+        def pre(roots):
+            return {h[:16] for h in roots}
+        assert all(len(h) == 16 for h in word), word
+        assert last[:16] in word and pre(kept0) <= word and len(word - pre(kept0)) <= 1, (word, kept0)
+        assert kept0 <= rows and pre(rows) <= word, {"rows": r["rows"], "word": r["word"], "taken": taken}
+        assert r["parts"] == len(rows) and r["tidied"] == len(taken) - len(rows), r
+        # Its gc applies the job's rules (set on every rank's tier) and agrees with rank 0.
+        assert set(r["rows_after_gc"]) == kept0 and (r["gc_deleted"] > 0) == (rows != kept0), r
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve("llm/main") == last
+        assert remote.fsck(full=True).findings == []
+    out = _run(tmp_path, "manager", {**cfg, "tier": "tier", "phase": "resume", "mode": "resume", "keep": keep})
+    for r, got in enumerate(_results(out, "resume", world)):
+        assert got["start"] == int(max(s for s, root in res[0]["steps"].items() if root == last)), got
+        assert got["remote_reads"] == [], got
+        saved = torch.load(tidy / f"tidy_rank{r}.pt", weights_only=False)["model"]
+        now = torch.load(out / f"resume_rank{r}.pt", weights_only=False)["model"]
+        assert all(same_bits(v, now[k]) for k, v in saved.items()), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost,damaged,fan", [([1], [], None), ([1, 2], [], None), ([1], [2], None), ([1], [], 2)],
+                         ids=["peer-holds-it", "no-replica-left", "replica-damaged", "peer-under-another-leaf"])
+def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_url, s3_server, lost, damaged,
+                                                                  fan):
+    """replicas=1 on 3 ranks: each rank's part is copied to the next rank's tier. The job
+    restarts after rank 1's node lost its tier: rank 1's checkout gets every object it
+    lacks from rank 2, by address, and reads nothing from the remote store; no rank
+    even opens the remote storage (rank 1's new tier is made from the remote ref table's
+    record of the store, not from the remote's marker). When rank 2's
+    tier is lost too (no replica of rank 1's part is left), rank 1 reads the remote store,
+    and rank 2 still gets its part from rank 0. When rank 2's tier holds damaged blocks
+    (its replica of rank 1's part among them), rank 1 uses none of them: it reads those
+    blocks from the remote store. Every rank restores bit for bit. With rank-tree nodes of
+    2 ranks (fan=2, as 16 ranks a node at scale), rank 1's holder got another path down the
+    rank tree from rank 0 than rank 1's: rank 1 sends its own with its part."""
+    world = 3
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "fan": fan}
+    out = _run(tmp_path, "rput", cfg)
+    res = _results(out, "rput", world)
+    assert len({tuple(r["roots"]) for r in res}) == 1
+    assert all(r["waited"] is True and r["sent"] > 0 and r["refused"] == 0 for r in res)
+    # The replicas are kept: a gc of every rank's tier runs and deletes none of its objects
+    # (each walks the snapshots through its part and what else it holds).
+    assert [r["gc"] for r in res] == ["ran"] * world
+    assert all(r["gc_lost"] == [] for r in res), [r["gc_lost"][:3] for r in res]
+
+    phase = "lost" + "".join(map(str, lost)) + ("damaged" + "".join(map(str, damaged)) if damaged else "")
+    out = _run(tmp_path, "rload", {**cfg, "lost": lost, "damaged": damaged, "phase": phase})
+    res = _results(out, phase, world)
+    _check_view(out, phase, world, 1)
+    if damaged:
+        assert res[1]["bad_copies"] > 0 and res[1]["remote_reads"], res[1]
+        return
+    for r in range(world):
+        peer_has_it = r in lost and (r + 1) % world not in lost
+        # each rank's restore line says where it read: its tier, its peer, the remote
+        (said,) = res[r]["sources"]
+        if r not in lost:  # its own tier holds its region
+            assert res[r]["remote_reads"] == [] and res[r]["fetched"] == 0, (r, res[r])
+            assert said == "local", (r, said)
+        elif peer_has_it:  # from its peer, by address: nothing from the remote
+            assert res[r]["remote_reads"] == [] and res[r]["fetched"] > 0, (r, res[r])
+            assert "peer" in said.split("+") and "remote" not in said, (r, said)
+        if r not in lost or peer_has_it:
+            assert res[r]["remote_opened"] is False, (r, res[r])
+        else:  # no replica left: the remote store
+            assert res[r]["remote_reads"], (r, res[r])
+            assert "remote" in said.split("+"), (r, said)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trap,wipe", [("adopt", False), ("published", False), ("adopt", True)],
+                         ids=["before-its-row", "after-its-row", "its-tier-lost"])
+def test_a_rank_killed_after_its_done_still_sends_its_part(tmp_path, s3_url, s3_server, trap, wipe):
+    """Rank 1 is killed (SIGKILL) after snapshot A was published: before its tier had A's
+    row (it holds only the intent written before it said "done") or after the row and
+    before it queued its part. After the restart its open queues the part again and
+    sends it, and rank 0's uploader, which waits for that part, makes A durable before
+    B is put. With rank 1's tier lost as well, no rank will ever send that part: once
+    snapshot B of the ref is queued and A's part has stalled (SUPERSEDED_PART_WAIT, set
+    to 5 s in the ranks) the backlog rule drops A, B becomes durable without A's wait (PART_WAIT, 15 minutes),
+    and A stays local-only."""
+    world = 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    out = _run(tmp_path, "stuckkill", {**cfg, "trap": trap})
+    launcher = json.loads((out / "stuckkill_launcher.json").read_text())
+    assert launcher.get("killed") == 1, launcher
+    res0 = json.loads((out / "stuckkill_rank0.json").read_text())
+    assert res0["ok"], res0.get("error")
+    out = _run(tmp_path, "stuckresume", {**cfg, "root_a": res0["root"], "wipe": wipe, "first_a": not wipe})
+    res = _results(out, "stuckresume", world)
+    assert all(r["waited"] is True for r in res), [(r["waited"], r["wait_s"]) for r in res]
+    assert res[1]["intents"] == 0
+    if wipe:
+        assert res[0]["superseded"] == 1 and res[1]["orphans"] == 0
+        assert res[0]["durable"] == {res[0]["root"]: True, res0["root"]: False}
+    else:
+        assert [r["a_first"] for r in res] == [True, True], res
+        assert res[0]["superseded"] == 0 and res[0]["durable"] == {res[0]["root"]: True, res0["root"]: True}, res[0]
+        # Killed before its row: sent from the intent (no row here to mark durable).
+        assert (res[1]["orphans"], res[1]["a_part_sent"]) == ((1, False) if trap == "adopt" else (0, True)), res[1]
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve(REF) == res[0]["root"]
+        if not wipe:
+            assert res0["root"] in [i.root for i in remote.log(REF)]
+            assert remote.fsck(full=True).findings == []
+
+
+@pytest.mark.slow
+def test_a_rank_whose_rank_0_died_publishing_keeps_its_part_to_send(tmp_path, s3_url, s3_server):
+    """Rank 0 is killed (SIGKILL) once snapshot A is published in its tier, before it told
+    rank 1. Rank 1 cannot ask rank 0's tier whether A was published: it reports
+    OutcomeUnknown (not SnapshotAborted, which would be false here) and keeps its part's
+    intent; rank 0's tier, its part of A marked with its local move, checks clean. After the
+    restart rank 0's uploader sends A and waits for rank 1's part, which rank 1's open sends
+    from the intent: A becomes durable before B is put, and every tier checks clean."""
+    world = 2
+    cfg = _config(tmp_path, s3_url, s3_server, world)
+    out = _run(tmp_path, "deadzero", cfg)
+    launcher = json.loads((out / "deadzero_launcher.json").read_text())
+    assert launcher.get("killed") == 0, launcher
+    r1 = json.loads((out / "deadzero_rank1.json").read_text())
+    assert r1["ok"], r1.get("error")
+    assert r1["outcome"] == "OutcomeUnknown", (r1["outcome"], r1.get("message"))
+    assert "rank 0's tier" in r1["message"] and REF in r1["message"], r1["message"]
+    assert r1["intents"] == 1
+    with tsck.open_store(tmp_path / "nodes" / "tier0", create=False) as t0:  # A, published there
+        root_a = t0.resolve(REF)
+        assert t0.show(root_a).step == 1
+        # killed right after its local move: its own part was marked with it, so the tier does
+        # not take A for a whole snapshot (it holds only rank 0's blocks)
+        assert t0.fsck(full=True).findings == []
+    out = _run(tmp_path, "stuckresume", {**cfg, "root_a": root_a, "wipe": False, "first_a": True})
+    res = _results(out, "stuckresume", world)
+    assert [r["a_first"] for r in res] == [True, True], res
+    assert all(r["waited"] is True for r in res), [(r["waited"], r["wait_s"]) for r in res]
+    assert (res[1]["orphans"], res[1]["intents"]) == (1, 0), res[1]
+    assert res[0]["superseded"] == 0 and res[0]["durable"] == {res[0]["root"]: True, root_a: True}, res[0]
+    with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+        assert remote.resolve(REF) == res[0]["root"]
+        assert root_a in [i.root for i in remote.log(REF)]
+        assert remote.fsck(full=True).findings == []
+    for r in range(world):
+        with tsck.open_store(tmp_path / "nodes" / f"tier{r}", create=False) as t:
+            assert t.fsck(full=True).findings == [], (r, t.fsck(full=True).findings)
+
+
+def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
+    """The receiving side of the replicas (a real server on a real socket): a copy whose
+    bytes are not the object of the address it is sent under, or that is damaged, is
+    refused and not stored; the genuine copy is stored, and served back only whole."""
+    import socket
+
+    from tensorstore_ck.core.assets import Assets
+    from tensorstore_ck.tier.replicas import Peers
+
+    with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a, \
+            tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
+        a.put_snapshot({"x": torch.arange(4096, dtype=torch.float32)}, "r")
+        d = next(iter(o.digest for o in __import__("tensorstore_ck.core.walk", fromlist=["x"]).walk_commit(
+            a.assets, bytes.fromhex(a.resolve("r"))) if o.kind == "block"))
+        good = a.assets.stored_frame("block", d)
+        other = bytes(32)
+        peers = Peers(b.core, 1)
+        port = peers._listen("127.0.0.1")
+        try:
+            def ask(op, digest, data=b""):
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                    c.sendall(op + b"b" + digest + len(data).to_bytes(8, "big") + data)
+                    if op == b"G":
+                        n = int.from_bytes(c.recv(8), "big")
+                        return None if n == (1 << 64) - 1 else n
+                    return c.recv(1)
+            bad = bytearray(good)
+            bad[-1] ^= 1
+            assert ask(b"P", other, good) == b"\x00"  # another address's bytes
+            assert ask(b"P", d, bytes(bad)) == b"\x00"  # damaged
+            assert peers.refused == 2
+            assert not b.assets.block_exists(d) and not b.assets.block_exists(other)
+            assert ask(b"G", d) is None
+            assert ask(b"P", d, good) == b"\x01"
+            assert b.assets.block_exists(d) and b.assets.stored_frame("block", d) == good
+            assert ask(b"G", d) == len(good)
+            assert ask(b"S", bytes(32)) == b"\x01"  # (named on disk at the sync: the store batches its writes)
+            # The asking side: a rank whose holder is this server.
+            asker = Peers(a.core, 1)
+            asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
+            assert asker.present("block", [d, other]) == {d}
+            got = asker.fetch_checked("block", d)
+            assert got is not None and bytes(got[0]) == good and asker.fetched == 1
+            key = tmp_path / "b" / Assets.object_key("blocks", d)
+            key.chmod(0o644)
+            key.write_bytes(bytes(bad))  # the holder's own copy damaged: sent as stored, never used
+            assert ask(b"G", d) == len(bad)
+            assert asker.fetch_checked("block", d) is None and asker.fetched == 1
+            # A length no object can take is refused before a buffer is made: the
+            # connection is closed at once (no answer), and the server goes on serving.
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                c.sendall(b"P" + b"b" + d + ((1 << 62)).to_bytes(8, "big"))
+                assert c.recv(1) == b""
+            assert ask(b"H", d) == b"\x01"
+        finally:
+            peers.close()
+
+
+def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
+    """A rank restoring from a peer whose own tier is on a full disk: the checked copy
+    goes to the caller all the same (keeping it in the tier is a cache, with a warning),
+    never an error that fails the restore."""
+    import _mounts
+    from tensorstore_ck.tier.replicas import Peers, peer_reads
+    from tensorstore_ck.tier.reads import read_through
+    from tensorstore_ck.core.walk import walk_commit
+
+    x = torch.arange(4096, dtype=torch.float32)
+    with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b, \
+            _mounts.tmpfs(tmp_path / "small", "2m") as small:
+        b.put_snapshot({"x": x}, "r")
+        blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
+        holder = Peers(b.core, 1)
+        port = holder._listen("127.0.0.1")
+        try:
+            with tsck.open_store(small + "/a", block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
+                _mounts.fill(small)
+                asker = Peers(a.core, 1)
+                asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
+                reads = peer_reads(read_through(a.assets, b.core), asker)
+                out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
+                reads.read_block_into(blocks[0], out.numpy())
+                assert torch.equal(out, x[:dw.BLOCK // 4]) and asker.fetched == 1
+                asker.close()  # (the copy is kept in the background: done here)
+                assert not a.assets.block_exists(blocks[0])  # (not kept: the disk is full)
+        finally:
+            holder.close()
+
+
+def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(tmp_path):
+    """The blocks a checkout fetched from a peer go to the caller at once and are kept in
+    the rank's tier by a background thread: once it is done (at the latest when the store
+    closes) they are stored under their addresses, durable, and a later open finds them
+    (so the next restore needs no peer)."""
+    from tensorstore_ck.tier.replicas import Peers, peer_reads
+    from tensorstore_ck.tier.reads import read_through
+    from tensorstore_ck.core.walk import walk_commit
+
+    x = torch.arange(4 * dw.BLOCK // 4, dtype=torch.float32)
+    with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
+        b.put_snapshot({"x": x}, "r")
+        blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
+        assert len(blocks) == 4
+        holder = Peers(b.core, 1)
+        port = holder._listen("127.0.0.1")
+        try:
+            with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
+                asker = Peers(a.core, 1)
+                asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
+                reads = peer_reads(read_through(a.assets, b.core), asker)
+                for i, d in enumerate(blocks):
+                    out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
+                    reads.read_block_into(d, out.numpy())
+                    assert torch.equal(out, x[i * (dw.BLOCK // 4):(i + 1) * (dw.BLOCK // 4)])
+                assert asker.fetched == 4
+                asker.close()
+        finally:
+            holder.close()
+    with tsck.open_store(str(tmp_path / "a")) as a:
+        assert all(a.assets.block_exists(d) for d in blocks)
+        assert not list((tmp_path / "a").glob("tmp/*"))  # (no copy left pending)
+
+
+def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(tmp_path, monkeypatch):
+    """A checkout's fetches reuse their connection to a holder; one left idle past the
+    holder's timeout is closed at that end. The next fetch over it opens a new connection
+    and gets the copy from the peer (not a failure that sends the read to the remote)."""
+    import time
+
+    import tensorstore_ck.tier.replicas as peers_mod
+    from tensorstore_ck.tier.replicas import Peers, peer_reads
+    from tensorstore_ck.tier.reads import read_through
+    from tensorstore_ck.core.walk import walk_commit
+
+    monkeypatch.setattr(peers_mod, "PEER_TIMEOUT", 0.5)  # the holder closes a connection idle this long
+    x = torch.arange(2 * dw.BLOCK // 4, dtype=torch.float32)
+    with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
+        b.put_snapshot({"x": x}, "r")
+        blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
+        holder = Peers(b.core, 1)
+        port = holder._listen("127.0.0.1")
+        try:
+            with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
+                asker = Peers(a.core, 1)
+                asker._listen("127.0.0.1")  # (a rank's Peers serves too: its idle connections are kept)
+                asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
+                reads = peer_reads(read_through(a.assets, b.core), asker).tallied()
+                try:
+                    for i, d in enumerate(blocks):
+                        if i:
+                            assert asker._idle.get(1), "the first fetch's connection was not kept"
+                            time.sleep(1.5)  # past the holder's timeout: it closed that connection
+                        out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
+                        reads.read_block_into(d, out.numpy())
+                        assert torch.equal(out, x[i * (dw.BLOCK // 4):(i + 1) * (dw.BLOCK // 4)])
+                    assert asker.fetched == 2  # both from the peer, none from the remote
+                    assert reads.tally.counts == {"local": 0, "peer": 2, "remote": 0}
+                finally:
+                    asker.close()
+        finally:
+            holder.close()
+
+
+def test_a_close_past_its_timeout_cuts_the_replicas_sent_to_a_peer_that_stopped_answering(tmp_path, monkeypatch):
+    """A holder that stopped answering (a real socket whose server never reads: its process
+    stopped, its host hung) holds a replica's send in a receive. A close with a deadline
+    cuts it when the deadline passes and returns, instead of waiting PEER_TIMEOUT per
+    request (here an hour: without the cut, this close would not return)."""
+    import socket
+    import threading
+    import time
+
+    import tensorstore_ck.tier.replicas as peers_mod
+    from tensorstore_ck.format.manifest import decode_commit
+    from tensorstore_ck.tier.replicas import Peers
+
+    monkeypatch.setattr(peers_mod, "PEER_TIMEOUT", 3600.0)
+    stalled = socket.socket()
+    stalled.bind(("127.0.0.1", 0))
+    stalled.listen(8)  # the kernel completes the connection; nobody ever reads from it
+    try:
+        with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
+            a.put_snapshot({"x": torch.arange(4 * dw.BLOCK // 4, dtype=torch.float32)}, "r")
+            root = bytes.fromhex(a.resolve("r"))
+            tree = decode_commit(a.assets.get_commit(root))["tree"]
+            asker = Peers(a.core, 1)
+            asker.rank, asker.world, asker._addrs[1] = 0, 2, stalled.getsockname()
+            asker.replicate(root, tree)
+            stalled.settimeout(120)
+            held, _ = stalled.accept()  # the send is under way before the close is asked for
+            closer = threading.Thread(target=asker.close, args=(time.monotonic() + 0.5,), daemon=True)
+            closer.start()
+            closer.join(120)  # (an event with a bound: the close returns once its deadline passed)
+            assert not closer.is_alive(), "close() waited on a holder that never answers"
+            asker._pending[0].result(timeout=120)  # the send itself ended (cut), not an hour later
+            assert asker.sent == 0
+            held.close()
+    finally:
+        stalled.close()
