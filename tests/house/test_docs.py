@@ -344,6 +344,32 @@ def test_tests_readme_maps_every_test_file_once():
         f"tests/README.md: no row for {missing}; more than one row for {twice}; no such file {unknown}"
 
 
+def _test_module_imports(tests: Path) -> list[str]:
+    """Lines of tests/ (child scripts in strings included) that import a test module."""
+    names = {p.stem for p in tests.rglob("test_*.py")}
+    found = []
+    for p in sorted(tests.rglob("*.py")):
+        src = p.read_text()
+        for m in re.finditer(r"^\s*(?:from|import)\s+([\w.]+)", src, re.M):
+            if m.group(1).split(".")[-1] in names:
+                found.append(f"{p.relative_to(tests).as_posix()}:{src[:m.start()].count(chr(10)) + 1}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in the shared modules beside the folders (_util.py, _backends.py,
+    ...), never in a test module another imports (or a child script imports by name): a test
+    module can then move, split or go without breaking a stranger."""
+    assert _test_module_imports(TESTS) == []
+
+
+def test_a_test_module_imported_is_found(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "test_x.py").write_text("def test_x():\n    pass\n")
+    (tmp_path / "test_y.py").write_text('CHILD = """\nfrom test_x import test_x\n"""\n')
+    assert _test_module_imports(tmp_path) == ["test_y.py:2"]
+
+
 # A lab notebook's words: a comparison with an old commit, or a change that never landed.
 NOTEBOOK = re.compile(r"A/B against|not landed", re.IGNORECASE)
 HEX_WORD = re.compile(r"\b[0-9a-f]{7,40}\b")
