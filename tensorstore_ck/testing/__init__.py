@@ -8,7 +8,7 @@ project's backends (`write_around`; `write_rows`, `read_rows`). Importing this p
 imports pytest; `import tensorstore_ck` never does. For pytest's assertion messages inside
 the suites, add `pytest.register_assert_rewrite("tensorstore_ck.testing")` to your conftest.py.
 
-    _common.py        threads started together, keys shaped like the store's
+    _common.py        threads started together, keys shaped like the store's, TableSuite
     blockstore.py     BlockStoreTests: the BlockStore contract (storage/base.py)
     reftable_rows.py  refs, reflog, steps index, catalog, tags, pins, retention
     reftable.py       RefTableTests: those and removals, gc state, rebuild mark, concurrency, persistence

@@ -1,13 +1,17 @@
 """Helpers the contract suites share: threads started together, a switch interval short
-enough to show a check-then-act race, keys shaped like the store's."""
+enough to show a check-then-act race, keys shaped like the store's, and the fixtures of the
+suites over a ref table (TableSuite)."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 import threading
+from typing import ClassVar
 
-__all__ = ["fast_switching", "run_threads", "key"]
+import pytest
+
+__all__ = ["fast_switching", "run_threads", "key", "TableSuite"]
 
 
 @contextlib.contextmanager
@@ -47,3 +51,28 @@ def key(i: int, kind: str = "blocks") -> str:
     h = f"{i:064x}"
     return f"{kind}/{h[-2:]}/{h}"
 
+
+
+class TableSuite:
+    """What a suite over a ref table asks of its subclass: the fixture `open_table`, a
+    callable that opens a new handle on this test's table (an empty one, of its own: a
+    fresh path or namespace per test) and closes every handle it opened afterwards. Class
+    flags:
+
+    persistent          the table outlives its handle: close and reopen keeps everything
+    independent_handles several handles may be open at once (one per racing thread);
+                        otherwise racing threads share one handle, as a Store's do
+    """
+
+    persistent: ClassVar[bool] = False
+    independent_handles: ClassVar[bool] = False
+
+    R = [bytes([i]) * 32 for i in range(16)]
+
+    @pytest.fixture
+    def open_table(self):
+        raise NotImplementedError(f"{type(self).__name__} provides no open_table fixture")
+
+    @pytest.fixture
+    def table(self, open_table):
+        return open_table()

@@ -7,42 +7,21 @@ from __future__ import annotations
 
 import struct
 import time
-from typing import ClassVar
 
 import pytest
 
 from ..errors import Fenced, RefConflict, RefNotFound
 from ..format.records import encode_record, encode_reflog
+from ._common import TableSuite
 
 __all__ = ["RefTableRowsTests"]
 
 
-class RefTableRowsTests:
+class RefTableRowsTests(TableSuite):
     """The RefTable contract (tensorstore_ck/refs/base.py): the logic is written once in
     RefTable, so what differs between backends is their transactions (_read/_write over
-    a Txn) and close(); this suite runs the logic over each.
-
-    Subclasses provide the fixture `open_table`: a callable that opens a new handle on
-    this test's table (an empty one, of its own: a fresh path or namespace per test) and
-    that closes every handle it opened afterwards. Class flags:
-
-    persistent          the table outlives its handle: close and reopen keeps everything
-    independent_handles several handles may be open at once (one per racing thread);
-                        otherwise racing threads share one handle, as a Store's do
-    """
-
-    persistent: ClassVar[bool] = False
-    independent_handles: ClassVar[bool] = False
-
-    R = [bytes([i]) * 32 for i in range(16)]
-
-    @pytest.fixture
-    def open_table(self):
-        raise NotImplementedError("a RefTableTests subclass provides the open_table fixture")
-
-    @pytest.fixture
-    def table(self, open_table):
-        return open_table()
+    a Txn) and close(); this suite runs the logic over each. The fixture and the class
+    flags a subclass gives: TableSuite's (_common.py)."""
 
     # Rows written and read past the table's logic (an older writer's rows, a damaged
     # mark): in the table's own transactions, RefTable._write and ._read over a Txn, which

@@ -17,32 +17,16 @@ snapshot whose upload has started."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pytest
 
-from ._common import fast_switching, run_threads
+from ._common import TableSuite, fast_switching, run_threads
 
 __all__ = ["TierTableTests"]
 
 
-class TierTableTests:
-    """The TierTable contract (see the module's docstring). Class flags as RefTableTests':
-    persistent (close and reopen keeps everything), independent_handles (one handle per
-    racing thread)."""
-
-    persistent: ClassVar[bool] = False
-    independent_handles: ClassVar[bool] = False
-
-    R = [bytes([i]) * 32 for i in range(16)]
-
-    @pytest.fixture
-    def open_table(self):
-        raise NotImplementedError("a TierTableTests subclass provides the open_table fixture")
-
-    @pytest.fixture
-    def table(self, open_table):
-        return open_table()
+class TierTableTests(TableSuite):
+    """The TierTable contract (see the module's docstring); the fixture and the class flags
+    a subclass gives: TableSuite's (_common.py), as for RefTableTests."""
 
     @pytest.fixture
     def rows(self, table):
