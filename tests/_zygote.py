@@ -65,13 +65,16 @@ _server: subprocess.Popen | None = None
 _owner = 0
 _address = ""
 reaped_cpu = 0.0  # CPU of a zygote stop() reaped, all of it logged already (cpu_log)
+# The import-time variables of this process when it started its zygote (the zygote's own):
+# a request whose environment has other values runs as a plain interpreter.
+started_with: dict | None = None
 
 
 def start() -> None:
     """Start this process's zygote (the pytest process calls this once) unless one is
     already named in the environment or TESTS_NO_ZYGOTE is set. The preload runs in the
     background: a request that comes first waits for it."""
-    global _server, _owner, _address
+    global _server, _owner, _address, started_with
     with _lock:
         if _server is not None or os.environ.get(ENV) or os.environ.get(OFF):
             return
@@ -87,6 +90,7 @@ def start() -> None:
                                    pass_fds=(lsock.fileno(),), cwd=repo, env=env, stdin=subprocess.DEVNULL)
         lsock.close()
         _owner, _address = os.getpid(), path
+        started_with = _import_time(os.environ)
         os.environ[ENV] = f"{os.getsid(0)}:{path}"  # its session (the zygote's) and its socket
 
 

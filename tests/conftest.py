@@ -36,21 +36,22 @@ if _TESTS not in sys.path:
 import tensorstore_ck as tsck  # noqa: E402
 import _zygote  # noqa: E402
 
-_START_ENV = {k: v for k, v in os.environ.items() if _zygote.import_time_name(k)}
-
 
 @pytest.fixture(autouse=True)
 def _import_time_environment_kept():
     """Some imports set import-time variables in this process's environment (lightning:
-    PYTORCH_NVML_BASED_CUDA_CHECK; torch's inductor: TORCHINDUCTOR_CACHE_DIR). Left there,
-    they reach every later child of this worker, and the zygote runs a child whose
-    import-time environment differs from its own as a plain interpreter (_zygote.IMPORT_TIME):
-    each test ends with them as the session began."""
+    PYTORCH_NVML_BASED_CUDA_CHECK; torch's inductor: TORCHINDUCTOR_CACHE_DIR), during a
+    test or while the tests are collected. Left there, they reach every later child of
+    this worker, and the zygote runs a child whose import-time environment differs from
+    its own as a plain interpreter (_zygote.IMPORT_TIME): each test ends with them as they
+    were when this process started its zygote."""
     yield
-    for k in [k for k in os.environ if _zygote.import_time_name(k)]:
-        if k not in _START_ENV:
-            del os.environ[k]
-    for k, v in _START_ENV.items():
+    want = _zygote.started_with
+    if want is None:
+        return
+    for k in [k for k in os.environ if _zygote.import_time_name(k) and k not in want]:
+        del os.environ[k]
+    for k, v in want.items():
         if os.environ.get(k) != v:
             os.environ[k] = v
 

@@ -10,6 +10,7 @@ import logging
 import threading
 from typing import Callable
 
+from ..core.assets import Assets
 from ..core.core import Core
 from ..errors import IntegrityError, TsckError, UnreadableObject
 
@@ -61,6 +62,11 @@ class Source:
         for one it lacks (Assets.require_block)."""
         raise NotImplementedError
 
+    def key(self, kind: str, d: bytes) -> str | None:
+        """Where this source keeps object `d` of `kind` ("block", "node", "commit"), for an
+        error naming it; None where it keeps none of its own."""
+        return None
+
 
 class Here(Source):
     """The tier's own Assets."""
@@ -78,6 +84,9 @@ class Here(Source):
 
     def get_commit(self, d, *, verify):
         return self.assets.get_commit(d, verify=verify)
+
+    def key(self, kind, d):
+        return self.assets.object_key(kind + "s", d)
 
     def lacking(self, digests, pool, *, snapshot, path, fence):
         try:
@@ -193,7 +202,7 @@ class ReadChain:
 
     def _read(self, kind: str, d: bytes, path, call):
         first = None
-        for i, src in enumerate(self.sources):
+        for src in self.sources:
             try:
                 out = call(src)
             except NotHere:
@@ -211,6 +220,8 @@ class ReadChain:
             return out
         if self.exhausted is not None:
             raise self.exhausted(kind, d, path, first) from None
+        if first is None:  # every source said it holds none (no copy was even tried)
+            raise IntegrityError("missing object", key=self.sources[0].key(kind, d), reason="missing", path=path)
         raise first
 
     def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
@@ -232,11 +243,11 @@ class ReadChain:
                 return
             todo = src.lacking(todo, pool, snapshot=snapshot, path=path, fence=fence)
         if todo:  # lacked by every source, the last included
-            raise IntegrityError("missing object", key=self.sources[0].assets.object_key("blocks", todo[0]),
-                                 reason="missing", snapshot=snapshot, path=path)
+            raise IntegrityError("missing object", key=self.sources[0].key("block", todo[0]), reason="missing",
+                                 snapshot=snapshot, path=path)
 
     def node_error(self, d: bytes, msg: str, *, snapshot=None, path=None) -> Exception:
-        return self.sources[0].assets.node_error(d, msg, snapshot=snapshot, path=path)
+        return Assets.node_error(d, msg, snapshot=snapshot, path=path)
 
     def _fell(self, what: str, d: bytes, err: BaseException) -> None:
         # A damaged copy is news about this disk: told once per object. A missing one is

@@ -131,3 +131,11 @@ def test_require_blocks_asks_each_source_for_what_the_ones_before_lack(two):
         full = ReadChain([Here(b.assets), _Refuses()])
         with pytest.raises(IntegrityError):
             full.require_blocks(blocks, pool)  # nobody behind to give it: the nearest says missing
+
+
+def test_a_chain_whose_sources_all_hold_nothing_says_missing(two):
+    a, b, x, root, blocks, tmp = two
+    nobody = ReadChain([_Refuses(), _Refuses()])
+    with pytest.raises(IntegrityError) as ei:
+        _read(nobody, blocks[0])
+    assert ei.value.reason == "missing"
