@@ -16,8 +16,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+import warnings
+
+from ..errors import SnapshotWarning
 
 __all__ = ["Preempted", "PreemptSignals", "DEFAULT_GRACE"]
 
@@ -101,9 +105,12 @@ class PreemptSignals:
             return  # the program's own handler (or SIG_IGN) decides what the signal does
         # No step() came within the grace: end as the signal's default action would have,
         # now (the process would have ended at the signal without the manager).
-        log.warning("preempted (%s) and no CheckpointManager.step() came within %.0f s: nothing was saved; "
-                    "the process ends as the signal asks", signal.Signals(self.signum).name, self.grace)
+        text = (f"preempted ({signal.Signals(self.signum).name}) and no CheckpointManager.step() came within "
+                f"{self.grace:g} s: nothing was saved; the process ends as the signal asks")
+        log.warning("%s", text)
+        warnings.warn(text, SnapshotWarning, stacklevel=1)  # (shown with no logging set up)
         logging.shutdown()
+        sys.stderr.flush()
         os._exit(128 + self.signum)
 
     def close(self) -> None:
