@@ -70,7 +70,7 @@ __version__ = "0.1.0"
 # loaded when first named, so `import tensorstore_ck` and the `tsck` commands that only
 # read refs and manifests (refs, log, fsck, gc) start without torch.
 _LAZY = {"ResumableDataLoader": "train.loader", "TrainState": "train", "CheckpointManager": "train",
-         "CommitEvent": "train", "CloseReport": "train", "export_weights": "interchange.export"}
+         "CommitEvent": "train", "CloseReport": "train", "Preempted": "train", "export_weights": "interchange.export"}
 
 
 def __getattr__(name: str):
@@ -95,7 +95,7 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
     "open_store", "Store", "SnapshotInfo", "DurableEvent", "Retention", "TrainState", "CheckpointManager", "CommitEvent",
-    "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
+    "Preempted", "ResumableDataLoader", "Sharded", "Replicated", "errors", "TsckError", "RefConflict", "RefNotFound",
     "IntegrityError", "FormatError", "UnsupportedType", "InvalidArgument", "InvalidName", "NotAStore",
     "CheckoutMismatch", "DeviceUnavailable", "AmbiguousTarget", "SnapshotAborted", "StorageError", "Fenced", "GcBusy", "StoreClosed",
     "ReadOnlyStore", "RebuildUnfinished", "UnreadableObject", "OutcomeUnknown", "OutOfStep", "SnapshotsFailed", "TierFull",

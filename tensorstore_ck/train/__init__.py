@@ -35,6 +35,7 @@ Its modules:
                       (CheckpointManager's and the Hugging Face callback's)
     state.py          TrainState: the objects' state and every RNG stream, captured and put back
     manager.py        CheckpointManager: when to snapshot, and the snapshots taken
+    preempt.py        preemption signals caught and chained; Preempted, the process's end
     watch.py          its on_commit and on_durable hooks, CommitEvent, the store's size measured
     outcomes.py       its failures, warned and counted; CloseReport
     collective.py     under torch.distributed: rank 0 decides, collective snapshots
@@ -45,7 +46,8 @@ Its modules:
 
 from .manager import CheckpointManager
 from .outcomes import CloseReport
+from .preempt import Preempted
 from .state import TrainState, capture_rng, restore_rng
 from .watch import CommitEvent
 
-__all__ = ["TrainState", "CheckpointManager", "CommitEvent", "CloseReport", "capture_rng", "restore_rng"]
+__all__ = ["TrainState", "CheckpointManager", "CommitEvent", "CloseReport", "Preempted", "capture_rng", "restore_rng"]

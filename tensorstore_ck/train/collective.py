@@ -39,30 +39,35 @@ class Collective:
 
     _FORCE = 8
 
-    def _rank0_decides(self, why: list[str], force: bool) -> tuple[list[str], bool]:
-        """Rank 0's triggers, on every rank: one broadcast of an int64 from the group's
-        rank 0. A clock or a metric of each rank's own would otherwise let one rank
-        enter a collective snapshot that another never joins."""
+    def _rank0_decides(self, why: list[str], force: bool, preempted: bool = False) -> tuple[list[str], bool, bool]:
+        """Rank 0's triggers, on every rank, and whether any rank was preempted: one
+        all-reduce (a sum) of two int64s, rank 0's triggers (the other ranks add 0) and
+        each rank's preemption (1 where its signal came). A clock or a metric of each
+        rank's own would otherwise let one rank enter a collective snapshot that another
+        never joins; a signal to one rank alone (or to each at a different step) is then
+        every rank's at the same step."""
         import torch.distributed as dist
         g = self._group()
         mask = sum(b for k, b in self._BITS.items() if k in why) | (self._FORCE if force else 0)
         backend = str(dist.get_backend(g))
         dev = (torch.device("cuda", torch.cuda.current_device())
                if "nccl" in backend and "gloo" not in backend else torch.device("cpu"))
-        t = torch.tensor([mask], dtype=torch.int64, device=dev)
-        dist.broadcast(t, src=0 if g is None else dist.get_global_rank(g, 0), group=g)
-        mask = int(t.item())
-        return [k for k, b in self._BITS.items() if mask & b], bool(mask & self._FORCE)
+        t = torch.tensor([mask if self._rank() == 0 else 0, int(preempted)], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, group=g)
+        mask, preempted = int(t[0].item()), int(t[1].item()) > 0
+        return [k for k, b in self._BITS.items() if mask & b], bool(mask & self._FORCE), preempted
 
-    def _collective_snapshot(self, kw: dict, best_before):
+    def _collective_snapshot(self, kw: dict, best_before, *, blocking: bool | None = None,
+                             deadline: float | None = None):
         """One collective snapshot. async_ (the default): the state is staged and the
         put runs on the store's background publisher; rank 0 queues the prune behind
         it there, so the job's own deletion phase never overlaps its next snapshot and
         training never waits for either. Blocking: rank 0 first waits for the prune.
         -> the Future or SnapshotInfo, or None when it could not be taken (reported,
         not raised; an asynchronous failure is reported when its future completes)."""
+        blocking = not self.async_ if blocking is None else blocking
         rank0_prunes = self._pruner is not None and self._rank() == 0
-        if rank0_prunes and not self.async_:
+        if rank0_prunes and blocking:
             self._pruner.wait()
         try:
             state = self.state.state_dict()
@@ -70,9 +75,9 @@ class Collective:
         except Exception as e:  # noqa: BLE001 - this rank cannot stage: the call is still made, to abort it
             state, own = _cannot_stage(self.state, e), e
         try:
-            res = self.store.put_snapshot(state, **kw, blocking=not self.async_, group=self.group,
-                                          when_busy="wait",
-                                          **({} if self.timeout is None else {"timeout": self.timeout}))
+            timeout = self.timeout if deadline is None else deadline
+            res = self.store.put_snapshot(state, **kw, blocking=blocking, group=self.group,
+                                          when_busy="wait", **({} if timeout is None else {"timeout": timeout}))
         except (InvalidArgument, UnsupportedType, InvalidName):
             if own is None:
                 raise  # the caller's own mistake: every snapshot would fail alike
@@ -84,7 +89,7 @@ class Collective:
                 log.error("CheckpointManager %s: the snapshot of step %s failed unexpectedly", self.job,
                           kw["step"], exc_info=e)
             return self._snapshot_failed(e, kw["step"], best_before)
-        if self.async_:
+        if not blocking:
             self._track(res, lambda fut: self._collective_done(fut, kw["step"], best_before))
             if rank0_prunes:
                 self.store.after_in_flight(lambda: self._pruner.run_after(res))

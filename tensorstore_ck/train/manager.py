@@ -5,6 +5,7 @@ together.py (collective restores) and restoring.py (restores)."""
 from __future__ import annotations
 
 import numbers
+import signal
 import threading
 import time
 import warnings
@@ -16,6 +17,7 @@ from ..errors import InvalidArgument, SnapshotsFailed, SnapshotWarning
 from ..maintain.retention import Retention
 from .collective import Collective
 from .outcomes import CloseReport, caller_level, Outcomes
+from .preempt import DEFAULT_GRACE, Preempted, PreemptSignals
 from .pruner import Pruner
 from .restoring import Resumed, Restoring
 from .state import TrainState, as_state
@@ -74,10 +76,11 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
       each rank's state is staged, the collective put runs on the store's background
       publisher, and step() returns its future.
     - Every rank decides alike: rank 0's decision (its step number, its clock, the
-      metric value rank 0 passes, its force=) is broadcast to the group once per
-      step() (one 8-byte broadcast, the only collective the policy adds), so a
-      rank-local clock, a rank-local loss or a force=True on one rank alone cannot make
-      ranks disagree. timeout= is each collective snapshot's deadline (put_snapshot's).
+      metric value rank 0 passes, its force=) and whether any rank was preempted reach
+      the group once per step() (one all-reduce of 16 bytes, the only collective the
+      policy adds), so a rank-local clock, a rank-local loss, a force=True or a signal on
+      one rank alone cannot make ranks disagree. timeout= is each collective snapshot's
+      deadline (put_snapshot's).
     - Prune runs on rank 0 only, between snapshots: asynchronous, rank 0 queues it on
       the store's background publisher behind the snapshot (training waits for
       neither); blocking, rank 0's next snapshot waits for it. The job's prune never
@@ -108,6 +111,19 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
     set up), the first of each kind; close() returns a CloseReport, and raises
     SnapshotsFailed when the newest snapshot attempted was not committed.
 
+    Preemption: the manager catches SIGTERM (and the signals in preempt_signals=, e.g.
+    (signal.SIGTERM, signal.SIGUSR1) for Slurm's `--signal=USR1@60`; () catches none),
+    calling the handler the program had installed too. The next step() (on every rank
+    at once: one rank's signal is enough) saves that step, blocking, into the store (its
+    local tier when it has one), waits for its upload for what is left of preempt_grace=
+    seconds (default 20, below the shortest notice common platforms give), and raises
+    Preempted: a SystemExit whose status is 128 + the signal's number (143), which
+    torchrun, Slurm and Kubernetes count as a failure to restart or requeue. With
+    on_preempt="return" step() returns the snapshot and sets `preempted` instead. A
+    snapshot is whole or absent: one the grace cannot hold fails (a collective one by its
+    deadline) and Preempted says so. No step() within the grace (where the signal's own
+    action was to end the process): the process ends then, as the signal would have.
+
     on_commit=fn: fn(CommitEvent) after each committed snapshot of the manager (on the
     store's background thread for an asynchronous one; on every rank of a collective
     one; wait() and close() return once it ran). A list of callables calls each in turn
@@ -135,7 +151,9 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
                  on_metric: tuple | None = None, retention: Retention | None = None,
                  async_: bool = True, when_busy: str | None = None, clock: Callable[[], float] = time.monotonic,
                  prune: bool | None = None, group=None, on_commit: Callable | None = None,
-                 store_size_every: float | None = 300.0, timeout: float | None = None):
+                 store_size_every: float | None = 300.0, timeout: float | None = None,
+                 preempt_signals=(signal.SIGTERM,), preempt_grace: float = DEFAULT_GRACE,
+                 on_preempt: str = "raise"):
         if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
             raise InvalidArgument(f"every_steps must be an int >= 1, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
@@ -146,7 +164,19 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                     or not timeout > 0):
             raise InvalidArgument(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        if isinstance(preempt_grace, bool) or not isinstance(preempt_grace, numbers.Real) or not preempt_grace > 0:
+            raise InvalidArgument(f"preempt_grace must be a number of seconds > 0, got {preempt_grace!r}")
+        if on_preempt not in ("raise", "return"):
+            raise InvalidArgument(f"on_preempt must be 'raise' or 'return', got {on_preempt!r}")
+        try:
+            preempt_signals = tuple(signal.Signals(s) for s in (preempt_signals or ()))
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"preempt_signals must be signals (e.g. (signal.SIGTERM, signal.SIGUSR1)), "
+                                  f"got {preempt_signals!r}") from None
         self.timeout = timeout  # a collective snapshot's deadline (None: put_snapshot's default)
+        self.on_preempt = on_preempt
+        # Set once a preemption's final snapshot is done (on_preempt="return"; "raise" raises it).
+        self.preempted: Preempted | None = None
         self.store = store
         self.job = job
         self.ref = ref or f"{job}/main"
@@ -186,6 +216,8 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
             prune = retention is not None
         self._pruner = Pruner(store, job) if prune else None
         self._init_watch(on_commit, store_size_every)
+        # Last, once nothing above can refuse the arguments: a handler is process state.
+        self._preempt = PreemptSignals(preempt_signals, float(preempt_grace))
 
     def reasons(self, step: int, metrics: dict | None = None) -> list[str]:
         """Which triggers fire at this step (does not change any state)."""
@@ -212,6 +244,7 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         collective = self._collective()
         if not collective:
             self._raise_pending()
+        preempted = self._preempt.seen
         why = self.reasons(step, metrics)
         best_before = self.best
         if self.on_metric is not None and metrics and self.on_metric[0] in metrics:
@@ -219,21 +252,12 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
             if v == v and (self.best is None or (v < self.best if self.on_metric[1] == "min" else v > self.best)):
                 self.best = v
         if collective:  # (force too: one rank's force alone would enter a call the others never make)
-            why, force = self._rank0_decides(why, force)
+            why, force, preempted = self._rank0_decides(why, force, preempted)
+        if preempted:
+            return self._save_preempted(step, metrics, collective, best_before)
         if not why and not force:
             return None
-        if self.state is None:
-            raise InvalidArgument("CheckpointManager has no state= to snapshot")
-        self.state.step = step
-        metrics = {k: float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
-                   for k, v in (metrics or {}).items()}
-        metrics = {k: v for k, v in metrics.items()
-                   if isinstance(v, numbers.Real) and not isinstance(v, bool)}
-        kw = dict(ref=self.ref, job=self.job, step=step, metrics=metrics, meta={"triggers": why or ["forced"]})
-        resumed = self._resuming(step)
-        if resumed is not None:  # a step of the run a rollback abandoned, taken again on purpose
-            kw["resumed_from"] = resumed.step
-            kw["meta"]["resumed_from"] = {"step": resumed.step, "root": resumed.root}
+        kw = self._put_args(step, metrics, why or ["forced"])
         attempt = self._attempt(step)
         if collective:
             res = self._collective_snapshot(kw, best_before)
@@ -252,6 +276,71 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
                     res.add_done_callback(self._pruner.after)
                 else:
                     self._pruner.request()
+        return res
+
+    def _put_args(self, step: int, metrics: dict | None, triggers: list[str]) -> dict:
+        if self.state is None:
+            raise InvalidArgument("CheckpointManager has no state= to snapshot")
+        self.state.step = step
+        metrics = {k: float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+                   for k, v in (metrics or {}).items()}
+        metrics = {k: v for k, v in metrics.items()
+                   if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+        kw = dict(ref=self.ref, job=self.job, step=step, metrics=metrics, meta={"triggers": triggers})
+        resumed = self._resuming(step)
+        if resumed is not None:  # a step of the run a rollback abandoned, taken again on purpose
+            kw["resumed_from"] = resumed.step
+            kw["meta"]["resumed_from"] = {"step": resumed.step, "root": resumed.root}
+        return kw
+
+    def _save_preempted(self, step: int, metrics: dict | None, collective: bool, best_before):
+        """A preemption signal came (to this rank, or to any under torch.distributed: every
+        rank agreed on this step): the snapshots in flight end, this step's state is saved
+        blocking into the store (its local tier, when it has one: the fastest durable place),
+        its upload awaited for what is left of the grace, and Preempted raised (or kept in
+        `preempted` and the snapshot returned, on_preempt="return"). A snapshot the grace
+        cannot hold fails whole (a collective one by its deadline) and says so."""
+        pre = self._preempt
+        pre.saving = True
+        signum = pre.signum if pre.signum is not None else signal.SIGTERM  # (another rank's signal)
+        res, why = None, ""
+        kw = self._put_args(step, metrics, ["preempted"])
+        attempt = self._attempt(step)
+        try:
+            if collective:
+                self.store.wait()  # the snapshots in flight (each ends as it ends; reported, not raised)
+                res = self._collective_snapshot(kw, best_before, blocking=True, deadline=max(pre.remaining(), 1.0))
+                if res is None:
+                    why = f"the final snapshot failed: {self.snapshot_errors[-1] if self.snapshot_errors else '?'}"
+            else:
+                try:
+                    self.store.wait()
+                except Exception:  # noqa: BLE001 - an earlier snapshot's failure: the final one still goes
+                    pass
+                res = self._watched(lambda: self.store.put_snapshot(self.state.state_dict(), **kw, blocking=True,
+                                                                    **self._local()), step)
+        except Exception as e:  # noqa: BLE001 - said in the exception the process ends with
+            why = f"the final snapshot failed: {type(e).__name__}: {e}"
+        if res is None and not why:
+            why = "the final snapshot could not be taken (its warning above says why)"
+        saved = res is not None and not why
+        if saved:
+            self.last, self.last_step, self.last_time = res, step, self.clock()
+        durable = False
+        if saved:
+            try:
+                durable = bool(self.store.wait_durable(timeout=pre.remaining()))
+            except Exception as e:  # noqa: BLE001 - the tier keeps it; the next start uploads it
+                why = f"its upload failed ({type(e).__name__}: {e}); the local tier keeps it"
+            if not durable and not why:
+                why = f"its upload did not end within the grace ({pre.grace:g} s); the local tier keeps it"
+        exc = Preempted(step if saved else None, signum=int(signum), durable=durable, why=why)
+        if not durable:
+            warnings.warn(f"CheckpointManager {self.job}: {exc}", SnapshotWarning, stacklevel=caller_level())
+        self.preempted = exc
+        if self.on_preempt == "raise":
+            self._preempt.close()
+            raise exc
         return res
 
     @property
@@ -292,6 +381,7 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         try:
             self.wait()
         finally:
+            self._preempt.close()
             if self._size is not None:
                 self._size.close()
             if self._pruner is not None:

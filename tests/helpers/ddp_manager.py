@@ -12,6 +12,9 @@ SCENARIO is one of:
   fenced        another party's gc deletion phase is open while one snapshot starts
   resume        train 9 steps, then new processes restore_latest and train on to 12; also
                 an uninterrupted 12-step run in another store (losses to compare)
+  preempt ARG   every_steps=100; SIGTERM to rank 1 alone at step 5 (ARG "one"), or to rank 0
+                at step 4 and rank 1 at step 6 ("both"); each rank saves what it holds at
+                each step (OUTDIR/preempt_rank<r>_step<s>.pt); then new processes restore
 The ranks are forked by dist_worker.launch (the c10d TCPStore hosted by the launcher).
 Each rank writes OUTDIR/<phase>_rank<r>.json: what step() returned at each step (root or
 None), the manager's counters, losses; for resume, OUTDIR/<phase>_rank<r>_step<s>.pt
@@ -351,6 +354,46 @@ def resume_case(rank, world, out, res, arg):
         res.update(_counters(mgr))
 
 
+def preempt_case(rank, world, out, res, arg):
+    """A preemption notice to one rank, or to each at another step, in a run whose interval
+    (every_steps=100) takes no snapshot: every rank saves the same step, blocking, and
+    step() raises Preempted there (caught here to record it)."""
+    import signal
+
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    torch.manual_seed(100 + rank)
+    store = tsck.open_store(os.path.join(out, "store"))
+    mgr = _manager(store, model, opt, every_steps=100)
+    at = {"one": {1: 5}, "both": {0: 4, 1: 6}}[arg].get(rank)
+    res["saved"] = res["at"] = None
+    for step in range(1, 30):
+        _train_step(model, opt, rank, step)
+        if step == at:
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, to this rank only
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                   os.path.join(out, f"preempt_rank{rank}_step{step}.pt"))
+        try:
+            mgr.step(step)
+        except tsck.Preempted as e:
+            res.update(saved=e.step, durable=e.durable, code=e.code, at=step, text=str(e))
+            break
+    store.close()
+
+
+def preempted_resume_case(rank, world, out, res, _arg):
+    """New processes after the preemption: each rank restores the newest snapshot."""
+    import tensorstore_ck as tsck
+    model, opt = _model_and_opt()
+    store = tsck.open_store(os.path.join(out, "store"))
+    mgr = _manager(store, model, opt, every_steps=100)
+    res["start"] = mgr.restore_latest()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+               os.path.join(out, f"restored_rank{rank}.pt"))
+    mgr.close()
+    store.close()
+
+
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     """SCENARIO -> the launch infos of its runs (tests/_util.launcher_main runs this)."""
     arg = argv[3] if len(argv) > 3 else None
@@ -360,6 +403,9 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
     if scenario in one:
         body, a = one[scenario]
         return [dw.launch(scenario, 2, body, out, a, limit=240.0)]
+    if scenario == "preempt":
+        return [dw.launch("preempt", 2, preempt_case, out, arg, limit=240.0),
+                dw.launch("restored", 2, preempted_resume_case, out, None, limit=240.0)]
     if scenario == "resume":
         return [dw.launch("first", 2, resume_case, out, ("store", 9), limit=240.0),
                 dw.launch("second", 2, resume_case, out, ("store", 12), limit=240.0),

@@ -254,6 +254,7 @@ FOREIGN_PRIVATE = {
     ("cli/parser.py", "parser"), ("cli/parser.py", "sub"),  # argparse's _actions: the subcommands' own options
     ("lightning.py", "sys"), ("store.py", "sys"), ("train/outcomes.py", "sys"), ("tier/outage.py", "sys"),  # sys._getframe
     ("write/saver.py", "os"),  # os._exit: the saver ends at once when its training process is gone
+    ("train/preempt.py", "os"),  # os._exit: from the watchdog thread, the end the signal's default action would give
     ("lightning.py", "fs"),  # fsspec's _parent
     ("read/read.py", "torch"),  # torch's quantized tensor constructors
     ("write/plancache.py", "torch"),  # torch._foreach_copy_: many tensors copied in one call (torch.optim's foreach path)

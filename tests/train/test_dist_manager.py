@@ -214,3 +214,22 @@ def test_force_is_rank_0s_decision_on_every_rank(tmp_path):
     assert sorted(taken(r0)) == [2, 4, 5, 6, 8]
     assert r0["failed"] == r1["failed"] == 0, (r0["errors"], r1["errors"])
     assert kept_roots(out / "store") == taken(r0)
+
+
+@pytest.mark.parametrize("who", ["one", "both"])
+def test_a_preemption_signal_to_one_rank_saves_one_step_on_every_rank(tmp_path, who):
+    """SIGTERM to rank 1 alone (at step 5), or to rank 0 at step 4 and rank 1 at step 6, in
+    a run whose interval took no snapshot: every rank agrees at its next step() on one step,
+    saves it blocking and raises Preempted (exit status 143); new processes resume there,
+    each rank bit-identical to what it held at that step."""
+    out = run_scenario(tmp_path, "preempt", who)
+    r0, r1 = ranks(out, "preempt")
+    want = {"one": 5, "both": 4}[who]
+    for r in (r0, r1):
+        assert (r["saved"], r["at"], r["code"], r["durable"]) == (want, want, 143, True), r
+    assert sorted(kept_roots(out / "store")) == [want]
+    for rank, r in enumerate(ranks(out, "restored")):
+        assert r["start"] == want
+        got = torch.load(out / f"restored_rank{rank}.pt")
+        saved = torch.load(out / f"preempt_rank{rank}_step{want}.pt")
+        assert all(same_bits(got["model"][k], saved["model"][k]) for k in saved["model"])

@@ -1,0 +1,124 @@
+"""Preemption: the signal a scheduler sends before it takes the machine back (SIGTERM by
+default: Kubernetes, GKE, spot instances; a user's own, e.g. SIGUSR1 for Slurm's requeue),
+caught for a CheckpointManager so that the run loses one snapshot's time, not the steps
+since its last interval.
+
+The handler only notes the signal (a flag read by the next step(), which saves; see
+CheckpointManager) and calls the handler the program had installed before, so a program's
+own SIGTERM logic still runs. Should no step() come within the grace (a loop stuck, or the
+signal arriving during a long evaluation) where the signal's action was the default one, a
+watchdog ends the process then, with the status a process the signal ended reports to a
+shell (128 + its number), as it would have ended without the manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+
+from ..errors import SnapshotWarning
+
+__all__ = ["Preempted", "PreemptSignals", "DEFAULT_GRACE"]
+
+log = logging.getLogger(__package__)
+
+# Seconds a preemption's final snapshot may take, by default: below the shortest notice the
+# common platforms give (GKE's pods about 15 s when asked, Kubernetes' default
+# terminationGracePeriodSeconds 30 s, GCP Spot 30 s, AWS Spot 120 s), less a margin for the
+# process to exit.
+DEFAULT_GRACE = 20.0
+
+
+class Preempted(SystemExit):
+    """Raised by CheckpointManager.step() after a preemption's final snapshot: left to end
+    the process, it exits with status 128 + the signal's number (143 for SIGTERM), as a
+    process the signal ended would, which torchrun, Slurm and Kubernetes count as a failure
+    to restart or requeue. A SystemExit, so a loop's `except Exception` does not swallow it.
+
+    step: the step saved (None: none could be); durable: the snapshot reached the store's
+    most durable place within the grace (the remote behind a local tier; always for a store
+    without one); signal: the signal's number; why: what went wrong, when something did."""
+
+    def __init__(self, step: int | None, *, signum: int, durable: bool, why: str = ""):
+        self.step, self.signal, self.durable, self.why = step, signum, durable, why
+        super().__init__(128 + signum)
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signal).name
+        if self.step is None:
+            return f"preempted ({name}): no snapshot was saved ({self.why}); a restart resumes from the newest kept one"
+        where = "durable" if self.durable else "in the local tier, its upload to finish at the next start"
+        return f"preempted ({name}): the snapshot of step {self.step} is saved ({where}){': ' + self.why if self.why else ''}"
+
+
+class PreemptSignals:
+    """The preemption signals of one manager: installed in the main thread (a handler can
+    be installed nowhere else; a manager made in another thread catches none and says so),
+    chained to the handlers they replace, put back by close()."""
+
+    def __init__(self, signals, grace: float):
+        self.grace = grace
+        self.signum: int | None = None  # the first preemption signal seen
+        self.at: float | None = None    # when (time.monotonic())
+        self.count = 0                  # signals seen (a second one changes nothing)
+        self.saving = False             # the final snapshot has begun: the watchdog lets it end
+        self._prev: dict[int, object] = {}
+        self._watch: threading.Thread | None = None
+        self._closed = threading.Event()
+        if not signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("CheckpointManager made outside the main thread: preemption signals (%s) are not caught; "
+                        "make it in the main thread, or pass preempt_signals=()",
+                        ", ".join(signal.Signals(s).name for s in signals))
+            return
+        for s in signals:
+            self._prev[s] = signal.signal(s, self._on_signal)
+
+    @property
+    def seen(self) -> bool:
+        return self.signum is not None
+
+    def remaining(self) -> float:
+        """Seconds left of the grace since the first signal (the whole grace before one)."""
+        return self.grace if self.at is None else max(0.0, self.grace - (time.monotonic() - self.at))
+
+    def _on_signal(self, signum, frame) -> None:
+        self.count += 1
+        if self.signum is None:
+            self.signum, self.at = signum, time.monotonic()
+            self._watch = threading.Thread(target=self._watchdog, name="tsck-preempt", daemon=True)
+            self._watch.start()
+        prev = self._prev.get(signum)
+        if callable(prev):  # the program's own handler (SIG_DFL and SIG_IGN are not callable)
+            prev(signum, frame)
+
+    def _watchdog(self) -> None:
+        if self._closed.wait(self.grace) or self.saving:
+            return
+        if self._prev.get(self.signum) not in (signal.SIG_DFL, None):
+            return  # the program's own handler (or SIG_IGN) decides what the signal does
+        # No step() came within the grace: end as the signal's default action would have,
+        # now (the process would have ended at the signal without the manager).
+        text = (f"preempted ({signal.Signals(self.signum).name}) and no CheckpointManager.step() came within "
+                f"{self.grace:g} s: nothing was saved; the process ends as the signal asks")
+        log.warning("%s", text)
+        warnings.warn(text, SnapshotWarning, stacklevel=1)  # (shown with no logging set up)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(128 + self.signum)
+
+    def close(self) -> None:
+        """Put back the handlers this replaced (where its own is still the one installed)."""
+        self._closed.set()
+        if threading.current_thread() is not threading.main_thread():
+            return  # (only the main thread may; the manager's close runs there)
+        for s, prev in self._prev.items():
+            if signal.getsignal(s) == self._on_signal:
+                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        self._prev = {}
