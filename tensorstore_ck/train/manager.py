@@ -305,18 +305,17 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         signum = pre.signum if pre.signum is not None else signal.SIGTERM  # (another rank's signal)
         res, why = None, ""
         kw = self._put_args(step, metrics, ["preempted"])
-        attempt = self._attempt(step)
+        self._attempt(step)
+        try:
+            self.store.wait()  # the snapshots in flight end first, each as it ends
+        except Exception:  # noqa: BLE001 - an earlier snapshot's failure (reported already): the final one still goes,
+            pass           # on every rank alike (a rank that skipped it would leave the others to their deadline)
         try:
             if collective:
-                self.store.wait()  # the snapshots in flight (each ends as it ends; reported, not raised)
                 res = self._collective_snapshot(kw, best_before, blocking=True, deadline=max(pre.remaining(), 1.0))
                 if res is None:
                     why = f"the final snapshot failed: {self.snapshot_errors[-1] if self.snapshot_errors else '?'}"
             else:
-                try:
-                    self.store.wait()
-                except Exception:  # noqa: BLE001 - an earlier snapshot's failure: the final one still goes
-                    pass
                 res = self._watched(lambda: self.store.put_snapshot(self.state.state_dict(), **kw, blocking=True,
                                                                     **self._local()), step)
         except Exception as e:  # noqa: BLE001 - said in the exception the process ends with
