@@ -82,7 +82,9 @@ def open_store(url, *, create: bool = True,
                when_busy: str = "wait", saver: str = "thread", saver_nice: int = 10,
                storage_options: dict | None = None, wrap_storage=None,
                # gc
-               gc_lease: float | None = None) -> Store:
+               gc_lease: float | None = None,
+               # reads
+               shared_reads: bool | None = None) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
@@ -177,7 +179,15 @@ def open_store(url, *, create: bool = True,
     process wraps the storage it writes with it too.
 
     gc_lease: seconds a gc run through this Store (store.gc()) holds the store between
-    two renewals (default 120); others judge it on the ref table's clock."""
+    two renewals (default 120); others judge it on the ref table's clock.
+
+    shared_reads: in a collective checkout (torch.distributed), a block several ranks read
+    (DDP's replicated weights, HSDP's replicas, a base model every rank holds) is read from
+    storage once, by one rank, and sent to the others over a TCP side channel, each copy
+    checked against its address (docs/design/collective.md, "A restore reads each byte
+    once"). None (the default): on for an object store, off for a local disk or memory://
+    (reads there are no requests); rank 0's store decides for every rank. Not with a local
+    tier (each rank reads its own tier first)."""
     stored = _Stored.checked(block_size, inline_threshold, compression, verify, pack_size)
     network = _Network.checked(write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
                                storage_options, wrap_storage, saver, saver_nice)
@@ -186,7 +196,13 @@ def open_store(url, *, create: bool = True,
     if saver == "process":
         _check_saver(url)
     gc_lease = _checked_gc_lease(gc_lease)
-    return _open(url, create, stored, refs_at, tier, network, gc_lease)
+    if shared_reads not in (None, True, False):
+        raise InvalidArgument(f"shared_reads must be True, False or None (the default: on for an object store), "
+                              f"got {shared_reads!r}")
+    if shared_reads and local is not None:
+        raise InvalidArgument("shared_reads=True is for a store without a local tier (local=): through a tier "
+                              "each rank reads its own tier first, its peers' replicas, then the remote")
+    return _open(url, create, stored, refs_at, tier, network, gc_lease, shared_reads)
 
 
 # -- the option groups, each checked on its own --------------------------------------------
@@ -371,7 +387,7 @@ def _checked_gc_lease(gc_lease):
 # -- opening --------------------------------------------------------------------------------
 
 def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | _NoTier, network: _Network,
-          gc_lease) -> Store:
+          gc_lease, shared_reads: bool | None = None) -> Store:
     """The checked options -> the Store: its storage, marker, ref table and Core."""
     refs, create_refs = refs_at.refs, refs_at.create_refs
     read_only, backoff = tier.read_only(refs_at.read_only), tier.backoff(network.backoff)
@@ -423,7 +439,8 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | _NoT
 
         def plain() -> Store:
             return Store(core, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
-                         saver=None if read_only else network.saver_for(proto, rest, settings_, codecs))
+                         saver=None if read_only else network.saver_for(proto, rest, settings_, codecs),
+                         shared_reads=shared_reads)
 
         def tiered_(tier: _Tier) -> Store:
             try:

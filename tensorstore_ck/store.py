@@ -159,7 +159,7 @@ class Store:
     the layers below (gc, fsck, recover, usage, listing, lifecycle, dist)."""
 
     def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait",
-                 tier: "LocalTier | None" = None, saver: Saver | None = None):
+                 tier: "LocalTier | None" = None, saver: Saver | None = None, shared_reads: bool | None = None):
         self.core = core
         # With a local tier: `core` is the tier's store, and `tier` holds the rest (the
         # uploader and the remote store, the reads through to it, the peer replicas).
@@ -185,6 +185,11 @@ class Store:
         self._plan_cache = None  # the layouts put_snapshot planned last (plancache.py), made at the first put
         self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only
+        # A collective checkout reads each block several ranks read once (collective/shared.py):
+        # by default where a read is a request (an object store), not from a disk or a tier.
+        self._shares = (not tier and not (core.storage.local or core.storage.url.startswith("memory://"))
+                        if shared_reads is None else shared_reads)
+        self._sharing = None  # its side channel, made at the first collective checkout
         self._closed = False
         _STORES.add(self)
 
@@ -245,6 +250,8 @@ class Store:
             # After the uploads: the tier's close waited for them (past its deadline, a
             # copy still running in the saver is abandoned: the saver is killed).
             self._saver.close(GIVE_UP_WAIT if self._tier.uploads else CLOSE_WAIT)
+        if self._sharing is not None:
+            self._sharing.close()
         self.core.pool.shutdown(wait=True)
         self.reftable.release_abandoned_gc()  # a gc of ours that could not record its end
         self.reftable.close()
@@ -692,22 +699,33 @@ class Store:
         # fails its check (and a collective checkout asks the peers holding replicas first).
         reads = self._tier.reads_for(is_collective(group))
 
-        def read(root: Digest, rank: int | None = None):
+        def read(root: Digest, rank: int | None = None, shared=None):
             # rank: this rank's tree of a collective snapshot (a collective checkout); None:
-            # one process's view, every rank's tree merged (world_view.py).
+            # one process's view, every rank's tree merged (world_view.py). shared: the
+            # checkout's SharedRead when its ranks read each shared block once.
             # Read before any object is: what this checkout reads is then known present under
             # it, for later puts and checkouts of this Store (assets.Presence).
             fence = self.assets.fence_now()
             t0 = time.monotonic()
             served = self._tier.served(reads)
+            if shared is not None:
+                shared.base = served
             c = decode_commit(served.get_commit(root, verify=verify))
             st = c.get("stats") or {}
             # A Store's own checkout (no tier): the packed parts it read and checked are ones a
             # later put may name without reading the snapshot's nodes again (packparts.py).
             seen = [] if self._tier.learns_parts and rank is None else None
             with _bytes_bar(progress, "checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
-                out = read_with(Reader(served, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
-                                       progress=bar, parts_seen=seen, **opts), c["tree"])
+                try:
+                    out = read_with(Reader(served, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
+                                           progress=bar, parts_seen=seen, plan=shared and shared.plan, **opts),
+                                    c["tree"])
+                except BaseException:
+                    if shared is not None:
+                        shared.abandon()  # the other ranks' reads go on without this rank's
+                    raise
+            if shared is not None:
+                shared.finish()
             if seen is not None:
                 self.assets.parts.read_back(root, seen, whole=paths is None)
             source = self._tier.source(served)
@@ -717,8 +735,8 @@ class Store:
         if is_collective(group):
             # Rank 0 resolves the target in both tiers (the newer snapshot, as for one
             # process); every rank reads its region through its own tier, the remote behind.
-            return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root, read=read),
-                                       target)
+            return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root, read=read,
+                                                     share=self._share_for, shares=self._shares), target)
         roots = self._tier_roots(target)
         for i, root in enumerate(roots):
             try:
@@ -732,6 +750,13 @@ class Store:
                 _log.warning("checkout %s: snapshot %s cannot be read whole from any tier (%s); reading the older "
                              "%s instead", target, root.hex()[:16], e, roots[i + 1].hex()[:16])
         raise AssertionError("unreachable")
+
+    def _share_for(self, ch):
+        """A collective checkout's shared reads over this Store's side channel."""
+        from .collective.shared import SharedRead, Sharing
+        if self._sharing is None:
+            self._sharing = Sharing(self.storage)
+        return SharedRead(self._sharing, ch, None)
 
     @_public
     def log(self, ref: str, *, errors: dict | None = None) -> list[SnapshotInfo]:

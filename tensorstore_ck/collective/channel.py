@@ -539,7 +539,7 @@ def result_key(n: int) -> str:
 
 
 # The keys a rank may be blocked on, by op (an abort writes WOKEN into them).
-_WAKE = {"put": ("hello_all", "need", "pieces_all", "go", "done_all"), "checkout": ("hello_all", "root")}
+_WAKE = {"put": ("hello_all", "need", "pieces_all", "go", "done_all"), "checkout": ("hello_all", "root", "share_all", "shreg_all")}
 
 
 _REraise = {"ref_not_found": RefNotFound, "invalid_name": InvalidName, "invalid_argument": InvalidArgument,

@@ -14,6 +14,7 @@ from .naming import ranks_named
 
 # The shared keys of a checkout whose root was posted (no abort).
 _CHECKOUT_KEYS = ["hello_n", "hello_all", "tsum", "root", "acked", "ack_all"]
+_SHARED = "+shared"  # after the root: the ranks read the blocks several of them read once (shared.py)
 
 
 def _target_hash(spelled: str) -> int:
@@ -62,16 +63,21 @@ def collective_checkout(job: CollectiveJob, target):
         ch.add("tsum", _target_hash(spelled))
         ch.arrive("hello", spelled.encode(), ch.world)  # (after tsum: rank 0 reads it once all arrived)
 
+    def sharing(shares: bool):
+        return job.share(ch) if shares else None
+
     if ch.rank != 0:
         # The outcome is the root (or the error); the rest is this rank's own reading.
         def wait_root():
             guard(ch, hello)
-            root = Digest.parse(guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target",
-                                                              per_rank="hello")).decode())
+            posted = guard(ch, lambda: ch.wait_key("root", "rank 0 to resolve the target", per_rank="hello")).decode()
             ch.used = _CHECKOUT_KEYS
-            return root
-        root = outcome_round(ch, wait_root, "")
-        return read(root, ch.rank)
+            return Digest.parse(posted.removesuffix(_SHARED)), posted.endswith(_SHARED)
+        root, shares = outcome_round(ch, wait_root, "")
+        shared = sharing(shares)
+        if shared is not None:
+            ch.used = _CHECKOUT_KEYS + shared.keys()
+        return read(root, ch.rank, shared)
 
     def agree():
         ch.wait_for(["hello_all"], "arrive", "hello", of_ranks=True)  # (the hellos are read only if they differ)
@@ -86,9 +92,11 @@ def collective_checkout(job: CollectiveJob, target):
     def body():
         guard(ch, hello)
         root = guard(ch, agree)
-        guard(ch, lambda: ch.set("root", root.hex().encode()))
-        out = read(root, 0)  # while the others pick up the root
-        ch.used = _CHECKOUT_KEYS  # (no abort: this rank read)
+        shares = job.shares and ch.world > 1
+        guard(ch, lambda: ch.set("root", (root.hex() + (_SHARED if shares else "")).encode()))
+        shared = sharing(shares)
+        out = read(root, 0, shared)  # while the others pick up the root
+        ch.used = _CHECKOUT_KEYS + (shared.keys() if shared is not None else [])  # (no abort: this rank read)
         return out
 
     return outcome_round(ch, body, f"collective checkout of {target!r}")

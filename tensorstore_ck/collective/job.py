@@ -35,5 +35,9 @@ class CollectiveJob:
     # checkout: rank 0 names the snapshot with it (Core.resolve; through a local tier, the
     # newer of the tier's and the remote's), so every rank reads the same one
     resolve: "Callable[[str], Digest] | None" = None
-    read: "Callable[[Digest, int], Any] | None" = None   # checkout: the state of a root, as a rank reads it
+    read: "Callable[..., Any] | None" = None   # checkout: (root, rank, SharedRead | None) -> the state, as a rank reads it
+    # checkout: Channel -> a SharedRead (shared.py: the ranks read each block several of them read
+    # once), made on every rank when rank 0's `shares` says so (one rank's choice for all)
+    share: "Callable[[Any], Any] | None" = None
+    shares: bool = False
     kv: Any = None                   # the c10d store (None: the group's default one)

@@ -76,7 +76,8 @@ class Reader(WorldReading):
 
     def __init__(self, assets: ObjectReader, pool: ThreadPoolExecutor, *, snapshot: str, verify: bool = True,
                  allow_pickle: bool = False, max_bytes: int | None = None, rank: int | None = 0, progress=None,
-                 paths=None, map_location=None, fence: int | None = None, parts_seen: list | None = None):
+                 paths=None, map_location=None, fence: int | None = None, parts_seen: list | None = None,
+                 plan=None):
         self._opts = dict(verify=verify, allow_pickle=allow_pickle, max_bytes=max_bytes, rank=rank,
                           progress=progress, fence=fence, parts_seen=parts_seen)
         # parts_seen: where to note (h, pack, offset, pack length, length) of each packed part
@@ -86,6 +87,9 @@ class Reader(WorldReading):
         # reads is recorded present under it, and a big tensor's blocks seen under it are
         # not asked again (presence.py)
         self.fence = fence
+        # plan: jobs -> the ObjectReader to run them through, asked once, for the reads of
+        # the tree this reader materializes (a collective checkout's shared reads)
+        self._plan = plan
         # paths: only the sub-trees these dotted paths name are read (nodes and blocks)
         self.select = None if paths is None else Selection(paths)
         self.map_location = check_map_location(map_location)
@@ -175,7 +179,7 @@ class Reader(WorldReading):
             if out is _SKIPPED:
                 out = {}
             reading = True
-            self._run_jobs(written)
+            self._run_jobs(written, planned=True)
         except BaseException as e:
             self._jobs, self._after, self._assign, self._loads = [], [], [], []
             if into is _MISSING or not (reading or isinstance(e, IntegrityError)):
@@ -298,9 +302,13 @@ class Reader(WorldReading):
         except FormatError as e:
             raise FormatError(f"{e} of snapshot {self.snapshot[:16]}") from None
 
-    def _run_jobs(self, written: dict | None = None):
+    def _run_jobs(self, written: dict | None = None, planned: bool = False):
         jobs, self._jobs = self._jobs, []
-        run_reads(self.assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify, written=written,
+        assets = self.assets
+        if planned and self._plan is not None:
+            plan, self._plan = self._plan, None
+            assets = plan(jobs)
+        run_reads(assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify, written=written,
                   progress=self.progress, fence=self.fence, packs=self._packs)
 
     def _set(self, container, key, v, given: bool) -> None:

@@ -13,6 +13,7 @@ from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
+from ..util.net import local_host as _local_host, recv_exact as _recv
 from .reads import NotHere, ReadChain, Source
 
 __all__ = ["Peers", "FromPeers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
@@ -46,42 +47,6 @@ def _limit(core, kind: str) -> int:
     asked to receive (a length past it is refused before any buffer is made)."""
     body = max(core.settings.block_size, 1 << 20) if kind == "block" else MAX_NODE_BYTES
     return HEADER_SIZE + body
-
-
-def _recv(sock, n: int) -> bytearray:
-    buf = bytearray(n)  # n is checked against _limit by the callers before this allocation
-    mv, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(mv[got:], min(n - got, 1 << 22))
-        if not k:
-            raise ConnectionError("the peer closed the connection")
-        got += k
-    return buf
-
-
-def _local_host(kv) -> str:
-    """The address the other ranks reach this one at: TSCK_PEER_HOST, else that of the
-    interface that reaches the c10d Store's host (every rank reaches it), else the host name's."""
-    import os
-    import socket
-    host = os.environ.get("TSCK_PEER_HOST")
-    if host:
-        return host
-    store = kv
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    target = getattr(store, "host", None)
-    if target:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((target, 9))  # (no packet is sent: it picks the route)
-                return s.getsockname()[0]
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 class Peers:

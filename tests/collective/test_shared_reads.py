@@ -1,0 +1,105 @@
+"""A collective checkout reads each block several ranks read once (collective/shared.py):
+real gloo ranks (tests/helpers/shared_reads.py forks them) restoring a DDP-like snapshot
+(the same model on every rank, a tensor of each rank's own) from a real S3 server, its
+GET requests counted by a real HTTP proxy in front of it (tests/sim/s3proxy.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _util import rank_results, run_worker_scenario
+from tests.sim.s3proxy import ThrottleProxy
+
+import tensorstore_ck as tsck
+from tensorstore_ck.errors import InvalidArgument
+
+pytestmark = pytest.mark.slow  # real ranks and a real S3 server
+
+HERE = Path(__file__).resolve().parents[1]
+WORKER = HERE / "helpers" / "shared_reads.py"
+sys.path.insert(0, str(HERE / "helpers"))
+
+
+@pytest.fixture
+def counted(s3_server):
+    """(proxy, storage options through it): GETs counted as the server sees them."""
+    proxy = ThrottleProxy(s3_server["endpoint_url"])
+    yield proxy, {**s3_server, "endpoint_url": proxy.url}
+    proxy.close()
+
+
+def _run(tmp_path, scenario, spec, tag=""):
+    out = run_worker_scenario(WORKER, tmp_path / (scenario + tag), scenario, json.dumps(spec), limit=300)
+    return out, rank_results(out, scenario, spec["world"])
+
+
+def _expected(rank: int, mb: float) -> dict:
+    from shared_reads import state
+    return state(rank, mb)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def test_ddp_ranks_read_each_block_of_the_model_once_and_get_their_own_state(tmp_path, counted, s3_url):
+    """3 ranks, the same 4 MB model on each: with shared reads each block of the model is
+    read from S3 once (by its owner) where each rank read all of them; every rank's state
+    is what it put, bit for bit, both ways."""
+    proxy, opts = counted
+    world, mb = 3, 4
+    spec = {"url": s3_url, "opts": opts, "refs": str(tmp_path / "refs.lmdb"), "world": world, "mb": mb,
+            "shared": False, "liar": None}
+    _run(tmp_path, "put", spec)
+    gets = {}
+    model_blocks = 8 * -(-(mb << 20) // 8 // (1 << 18))  # 8 tensors of mb/8 MB, 256 KB blocks
+    for shared in (False, True):
+        proxy.reset_counts()
+        out, res = _run(tmp_path, "read", {**spec, "shared": shared}, tag=str(shared))
+        gets[shared] = proxy.forwarded_by["GET"]
+        for r in range(world):
+            got = torch.load(out / f"read_rank{r}.pt", weights_only=False)
+            assert _same(got, _expected(r, mb)), f"rank {r} (shared={shared}) read other bytes"
+        if shared:
+            fetched = sum(d["sharing"]["fetched"] for d in res)
+            got_from_peers = sum(d["sharing"]["got"] for d in res)
+            assert fetched == model_blocks, (fetched, model_blocks)  # each shared block read once
+            assert got_from_peers == model_blocks * (world - 1)  # each block: from its owner to the others
+            assert all(d["sharing"]["bad"] == 0 for d in res)
+    # Without sharing each rank GETs every block of the model; with it, one rank does. The
+    # rest (each rank's commit, nodes and own tensor) is the same both ways. (+ world: room
+    # for a request the client retried under load.)
+    assert gets[True] <= gets[False] - (world - 1) * model_blocks + world, gets
+
+
+def test_a_rank_that_sends_damaged_copies_costs_requests_never_bytes(tmp_path, counted, s3_url):
+    """Rank 1's side channel sends every block with a byte changed: each rank that gets
+    one finds it does not match its address and reads that block from S3 itself; every
+    rank's state is still exactly what was put."""
+    proxy, opts = counted
+    world, mb = 2, 8  # 32 blocks: each rank owns some
+    spec = {"url": s3_url, "opts": opts, "refs": str(tmp_path / "refs.lmdb"), "world": world, "mb": mb,
+            "shared": True, "liar": 1}
+    _run(tmp_path, "put", spec)
+    out, res = _run(tmp_path, "read", spec)
+    for r in range(world):
+        assert _same(torch.load(out / f"read_rank{r}.pt", weights_only=False), _expected(r, mb))
+    assert sum(d["sharing"]["bad"] for d in res) > 0  # the lies were caught
+    assert res[1]["sharing"]["fetched"] > 0
+
+
+def test_shared_reads_is_refused_with_a_local_tier_and_checked(tmp_path):
+    with pytest.raises(InvalidArgument, match="shared_reads"):
+        tsck.open_store(tmp_path / "s", local=tmp_path / "t", shared_reads=True)
+    with pytest.raises(InvalidArgument, match="shared_reads"):
+        tsck.open_store(tmp_path / "s", shared_reads="yes")
+    assert not (tmp_path / "s").exists()

@@ -1,0 +1,92 @@
+"""Collective checkouts whose ranks read each shared block once, on real gloo ranks
+(tests/collective/test_shared_reads.py and benches/bench_restore.py).
+
+    python shared_reads.py SCENARIO OUTDIR SPEC_JSON
+
+SPEC_JSON: {"url", "opts" (storage options), "refs" (the LMDB ref table's path), "world",
+"mb" (the model's MB), "shared" (open_store's shared_reads), "liar" (a rank whose store
+sends damaged copies to the others, or null)}.
+  put   every rank puts a DDP-like state: the same "model" on every rank (seeded), and a
+        tensor of its own ("mine"); one collective snapshot
+  read  every rank checks the snapshot out (collective), saves what it read to
+        OUTDIR/read_rank<r>.pt, reports its side channel's counters and its seconds
+The ranks are forked by dist_worker.launch (the c10d TCPStore hosted by the launcher).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import dist_worker as dw  # noqa: E402
+from tensorstore_ck.storage.wrappers import WrappedStore  # noqa: E402
+from dist_worker import launcher_main  # noqa: E402
+
+BLOCK = 1 << 18
+
+
+def state(rank: int, mb: float) -> dict:
+    g = torch.Generator()
+    g.manual_seed(7)
+    n = max(1, int(mb * (1 << 20)) // (4 * 8))
+    model = {f"layer{i}.w": torch.randn(n, generator=g) for i in range(8)}
+    model["bias"] = torch.randn(100, generator=g)  # inline: no block
+    return {"model": model, "mine": torch.full((BLOCK // 4 + 10,), float(rank)), "step": 3}
+
+
+class Liar(WrappedStore):
+    """A storage whose whole-object gets of blocks (what a rank's side channel sends its
+    peers) come back with one byte changed; its own reads (open_read) are the true bytes."""
+
+    def get(self, key, max_bytes=None):
+        data = bytearray(self.inner.get(key, max_bytes))
+        if key.startswith("blocks/") and len(data) > 64:
+            data[-1] ^= 0xFF
+        return bytes(data)
+
+
+def _open(spec, rank, **kw):
+    import tensorstore_ck as tsck
+    wrap = Liar if spec.get("liar") == rank else None
+    return tsck.open_store(spec["url"], refs=spec["refs"], storage_options=spec["opts"], block_size=BLOCK,
+                           create=True, create_refs=True, wrap_storage=wrap, **kw)
+
+
+def put_case(rank, world, out, res, arg):
+    spec = json.loads(arg)
+    with _open(spec, rank) as store:
+        info = store.put_snapshot(state(rank, spec["mb"]), ref="j/main", job="j", step=3)
+        res["root"] = info.root
+
+
+def read_case(rank, world, out, res, arg):
+    import torch.distributed as dist
+    spec = json.loads(arg)
+    with _open(spec, rank, shared_reads=spec["shared"]) as store:
+        dist.barrier()
+        t0 = time.monotonic()
+        got = store.checkout("j/main")
+        res["seconds"] = time.monotonic() - t0
+        torch.save(got, os.path.join(out, f"read_rank{rank}.pt"))
+        sh = store._sharing
+        res["sharing"] = None if sh is None else {"fetched": sh.fetched, "served": sh.served, "got": sh.got,
+                                                  "bad": sh.bad}
+        dist.barrier()  # (a rank's server answers its peers until every rank has read)
+
+
+def scenarios(scenario: str, out: str, argv: list) -> list | None:
+    spec = json.loads(argv[3])
+    body = {"put": put_case, "read": read_case}.get(scenario)
+    if body is None:
+        return None
+    return [dw.launch(scenario, spec["world"], body, out, argv[3], limit=240.0)]
+
+
+if __name__ == "__main__":
+    launcher_main(scenarios)
