@@ -1,7 +1,7 @@
 """Collective snapshots under torch.distributed.
 
 put_snapshot and checkout are collective when torch.distributed is initialised
-(or a group= is given). No tensor data crosses ranks, ever:
+(or a group= is given). No tensor data crosses ranks in a put, ever:
 
     every rank   plans (validates) its own state -> hello (step, ref, job, a 16-byte
                  digest of its pieces of sharded tensors: its layout)
@@ -52,6 +52,9 @@ The rooms, top to bottom (pyproject.toml's contract for this package):
     put.py        the collective put, round by round (PutCall.run)
     checkout.py   the collective checkout, given resolve and read as roles
     job.py        CollectiveJob: what a call is given by the Store that makes it
+    shared.py     shared reads: a checkout's block that several ranks read is read from
+                  storage once, by its owner rank, and sent to the others over a TCP
+                  side channel (each copy checked against its address)
     channel.py    the c10d channel of one call: keys, waits, aborts, claims, acks,
                   the out-of-step checks, rank 0's heartbeat (StoreGroup, guard)
     layout.py     rank 0's check of the ranks' layouts: digests, tiling, kept layouts

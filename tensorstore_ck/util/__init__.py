@@ -3,6 +3,7 @@
     ids.py            BLAKE3-256 digests, their hex form and prefixes
     localfile.py      files outside the store's objects, whole or not at all; only
                       regular files are read
+    net.py            the address other ranks reach this process at (side channels)
     paths.py          dotted paths inside a state ("model.layers.0.weight")
     progress.py       progress bars on stderr
     retry.py          the one backoff policy for transient backend failures
