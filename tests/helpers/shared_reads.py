@@ -4,7 +4,7 @@
     python shared_reads.py SCENARIO OUTDIR SPEC_JSON
 
 SPEC_JSON: {"url", "opts" (storage options), "refs" (the LMDB ref table's path), "world",
-"mb" (the model's MB), "shared" (open_store's shared_reads), "liar" (a rank whose store
+"mb" (the model's MB), "block" (block size; default 256 KiB), "shared" (open_store's shared_reads), "liar" (a rank whose store
 sends damaged copies to the others, or null)}.
   put   every rank puts a DDP-like state: the same "model" on every rank (seeded), and a
         tensor of its own ("mine"); one collective snapshot
@@ -54,7 +54,8 @@ class Liar(WrappedStore):
 def _open(spec, rank, **kw):
     import tensorstore_ck as tsck
     wrap = Liar if spec.get("liar") == rank else None
-    return tsck.open_store(spec["url"], refs=spec["refs"], storage_options=spec["opts"], block_size=BLOCK,
+    return tsck.open_store(spec["url"], refs=spec["refs"], storage_options=spec["opts"],
+                           block_size=spec.get("block", BLOCK),
                            create=True, create_refs=True, wrap_storage=wrap, **kw)
 
 
