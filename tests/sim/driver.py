@@ -582,7 +582,7 @@ class Harness:
         t2 = time.time()
         bad += self._settle_and_check(rng, fl)
         ids = {c["id"] for c in cfgs}
-        hits, fenced, collective, collective_async = {}, 0, 0, 0  # the presence record, writers' holds, collective puts
+        hits, fenced, collective, collective_async, shared = {}, 0, 0, 0, 0  # the presence record, writers' holds, collective puts
         kept, relaid = {}, 0  # puts planned from a kept layout (per writer Store), puts of a changed layout
         raced = 0  # puts that lost a race for their ref (and removed the commit the table refused)
         ctier = 0  # collective puts through the ranks' tiers (published there; their outcome remote is unknown)
@@ -629,13 +629,15 @@ class Harness:
                 fenced += o.out.get("fenced") or 0
                 raced += 1 if o.out.get("races") else 0
                 collective += 1 if o.args.get("collective") else 0
+                shared = max(shared, o.out.get("shared_got") or 0)
                 collective_async += 1 if o.args.get("collective") and not o.args.get("blocking", True) else 0
         stuck_ids = "".join(f"{', ' if k else ': '}{c['id']}{'' if cfgs.index(c) in ready else ' never ready'}"
                             for k, c in enumerate(c for c, p in zip(cfgs, procs) if p.pid in stuck_pids))
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
                  f"kept_plans={sum(kept.values())} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}"
                  f"{f'(one ref, {self._killed_raced(ids)} killed after their move)' if hot else ''} "
-                 f"collective_puts={collective} ({collective_async} async, {ctier} through tiers) "
+                 f"collective_puts={collective} ({collective_async} async, {ctier} through tiers, "
+                 f"{shared} blocks got from their owner rank by shared reads) "
                  f"rank0_killed={sum(kill0.values())}{'(rank 1 told ' + ','.join(f'{k}:{v}' for k, v in kill0.items()) + ')' if kill0 else ''} "
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} packed_puts={packed} "

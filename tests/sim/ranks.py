@@ -8,6 +8,8 @@ Protocol (lines of JSON): the rank prints {"ready": true} once the group is up, 
 line read on stdin {"ref", "step", "spec", "expected"?} it runs the collective
 put_snapshot of content.rank_state(spec, rank, world), then checks out its own rows of
 "own" collectively (into= a Sharded: through the chunk index rank 0 wrote at commit), and
+and base and var (the same on every rank: with shared reads, in about half the rounds,
+each of their blocks is read by its owner rank and sent to the others), and
 prints {"root", "time", "job", "fenced", "mismatch"?} or {"result": <error type>, "error"}.
 It dies with its worker (PDEATHSIG): a worker killed -9 mid-put leaves the outcome
 unknown, as for any put.
@@ -154,6 +156,11 @@ def main(argv=None) -> int:
             kw["replicas"] = 1
         if cfg.get("rank_budget"):  # every rank's tier under a budget: a put waits for room (T13)
             kw["local_budget"] = int(cfg["rank_budget"])
+    if not cfg.get("rank_tiers") and not cfg.get("tier"):
+        # Shared reads (collective/shared.py) in about half the rounds; each rank's own choice,
+        # of which rank 0's decides for all: its checkouts get base and var (the same on every
+        # rank) from their owners, through the faults' delays and failures.
+        kw["shared_reads"] = random.Random(cfg["seed"] * 7 + 17 + rank).random() < 0.5
     prunes = random.Random(cfg["seed"] * 7 + 11 + rank)
     follow = None
     import time
@@ -218,11 +225,19 @@ def main(argv=None) -> int:
             if cfg.get("rank_budget"):
                 out["tier_bytes"] = tier_bytes(cfg["tier"])
             want, a = content.own_piece(spec, rank, world)
-            into = {"own": tsck.Sharded(torch.zeros_like(want), (content.OWN_LEN,), (a,))}
+            whole = content.state(spec)
+            into = {"own": tsck.Sharded(torch.zeros_like(want), (content.OWN_LEN,), (a,)),
+                    "base": torch.zeros_like(whole["base"]), "var": torch.zeros_like(whole["var"])}
             try:
                 s.checkout(info.root, into=into, timeout=60)
                 if not torch.equal(into["own"].local.view(torch.int32), want.view(torch.int32)):
                     out["mismatch"] = [f"rank {rank}: its rows of own differ after a collective checkout"]
+                for k in ("base", "var"):  # the same on every rank: read once, by the block's owner, when shared
+                    if content.differences(into[k], whole[k], k):
+                        out.setdefault("mismatch", []).append(f"rank {rank}: {k} differs after a collective "
+                                                              "checkout")
+                if s._sharing is not None:  # blocks this rank got from their owners, all checkouts so far
+                    out["shared_got"] = s._sharing.got
             except tsck.TsckError as e:  # a gc may remove the snapshot meanwhile (another
                 out["read"] = f"{type(e).__name__}: {str(e)[:200]}"  # worker moved the ref)
             except Exception as e:  # noqa: BLE001 - a raw exception in a read is a bug; the put stands

@@ -548,6 +548,7 @@ class Worker:
         heard = [o.get("result", "ok") for o in outs]  # what each rank was told (T9 judges each tier by its own)
         out = outs[0]
         out["ranks"] = heard
+        out["shared_got"] = sum(o.get("shared_got", 0) for o in outs)  # (counts since each rank's Store opened)
         if any("tier_bytes" in o for o in outs):  # each rank's tier as its put returned (T13)
             out["rank_tier_bytes"] = [o.get("tier_bytes") for o in outs]
         for r, o in enumerate(outs[1:], 1):  # every rank must hear the same outcome
