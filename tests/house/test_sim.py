@@ -53,7 +53,7 @@ def _run_harness(backend: str, extra_env: dict, args: list, timeout: float = 600
 def test_harness_file():
     def collective(out):  # collective puts by real 2-rank gloo groups (chunk index), judged
         # with the rest (published ones, and ones through the ranks' tiers: local-only)
-        return sum(int(n) for pair in re.findall(r"collective_puts=(\d+) \(\d+ async, (\d+) through tiers\)", out)
+        return sum(int(n) for pair in re.findall(r"collective_puts=(\d+) \(\d+ async, (\d+) through tiers[,)]", out)
                    for n in pair)
     # A violation fails at once. A run whose rounds ended (a loaded machine's 3 s) before a
     # collective put was judged proved nothing of those: the same seed runs again, up to three times.
