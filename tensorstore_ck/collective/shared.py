@@ -29,7 +29,7 @@ from collections import OrderedDict
 from ..core.assets import Assets
 from ..errors import TsckError
 from ..format.frame import HEADER_SIZE
-from ..util.net import local_host, recv_exact
+from ..util.net import job_secret, listen_on, peer_name, proven, prove, recv_exact
 from .channel import Channel
 
 __all__ = ["Sharing", "SharedRead", "owner_of", "SHARE_TIMEOUT", "CACHE_BYTES"]
@@ -80,6 +80,8 @@ class Sharing:
         self._cache: dict = {}                    # (call id, digest) -> _Entry
         self._cached = 0
         self._idle: dict = {}                     # address -> idle connections
+        self._secret: bytes | None = None         # the job's (util/net.py): asked of every connection
+        self.refused = 0                          # connections that did not prove they are the job's
         self.fetched = self.served = self.got = self.bad = 0
 
     # -- the server ----------------------------------------------------------------------
@@ -87,16 +89,9 @@ class Sharing:
         """Start the server (once) -> "host:port" for the other ranks."""
         with self._lock:
             if self._sock is None:
-                host = local_host(kv)
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    sock.bind((host, 0))
-                except OSError:  # (an address of this host's name that no interface has)
-                    sock.bind(("0.0.0.0", 0))
-                sock.listen(128)
+                self._secret = job_secret(kv)
+                sock, self.addr = listen_on(kv)
                 self._sock = sock
-                self.addr = f"{host}:{sock.getsockname()[1]}"
                 threading.Thread(target=self._serve, args=(sock,), name="tsck-share-server", daemon=True).start()
             return self.addr
 
@@ -126,6 +121,12 @@ class Sharing:
     def _answer(self, conn) -> None:
         conn.settimeout(SHARE_TIMEOUT)
         try:
+            if not proven(conn, self._secret):
+                with self._lock:
+                    self.refused += 1
+                log.warning("shared reads: refused a connection from %s: it did not prove it is of this job",
+                            peer_name(conn))
+                return
             while True:
                 try:
                     head = bytes(recv_exact(conn, 17))
@@ -223,6 +224,11 @@ class Sharing:
             if conn is None:
                 host, port = addr.rsplit(":", 1)
                 conn = socket.create_connection((host, int(port)), timeout=SHARE_TIMEOUT)
+                try:
+                    prove(conn, self._secret)
+                except OSError:
+                    conn.close()
+                    raise
             try:
                 conn.sendall(request)
                 if answer_len is not None:

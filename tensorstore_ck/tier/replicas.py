@@ -13,7 +13,7 @@ from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
-from ..util.net import local_host as _local_host, recv_exact as _recv
+from ..util.net import job_secret, listen_on, peer_name, proven, prove, recv_exact as _recv
 from .reads import NotHere, ReadChain, Source
 
 __all__ = ["Peers", "FromPeers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
@@ -75,6 +75,8 @@ class Peers:
         self.rank = self.world = None
         self.kv = None
         self.fetched = self.sent = self.refused = self.bad = 0
+        self.strangers = 0  # connections refused for not proving they are of the job (util/net.py)
+        self._secret: bytes | None = None
         self._idle: dict[int, list] = {}  # peer -> connections between two requests (fetch_checked)
         self._keeper = _Keeper(core.storage)
 
@@ -91,21 +93,17 @@ class Peers:
                 return True
             self.kv = _get_default_store()
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            port = self._listen()
-            self.kv.set(f"tsck/peer/{self.rank}", f"{_local_host(self.kv)}:{port}".encode())
+            self.kv.set(f"tsck/peer/{self.rank}", self._listen().encode())
             return True
 
-    def _listen(self, host: str = "0.0.0.0") -> int:
-        """Start the server -> its port."""
-        import socket
+    def _listen(self) -> str:
+        """Start the server, on the address the ranks reach this one at -> "host:port"."""
         import threading
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen(64)
+        self._secret = job_secret(self.kv)
+        sock, addr = listen_on(self.kv, 64)
         self._sock = sock
         threading.Thread(target=self._serve, name="tsck-peer-server", daemon=True).start()
-        return sock.getsockname()[1]
+        return addr
 
     def holders(self) -> list[int]:
         """The ranks that hold this rank's replicas: r+1 .. r+k (mod W)."""
@@ -161,6 +159,12 @@ class Peers:
         assets, storage = self.core.assets, self.core.storage
         conn.settimeout(PEER_TIMEOUT)
         try:
+            if not proven(conn, self._secret):
+                with self._lock:
+                    self.strangers += 1
+                log.warning("peer replicas: refused a connection from %s: it did not prove it is of this job",
+                            peer_name(conn))
+                return
             while True:
                 try:
                     head = bytes(_recv(conn, 42))
@@ -218,7 +222,13 @@ class Peers:
                 self.kv.wait([key], datetime.timedelta(seconds=PEER_TIMEOUT))
                 host, port = self.kv.get(key).decode().rsplit(":", 1)
                 self._addrs[peer] = (host, int(port))
-            return socket.create_connection(self._addrs[peer], timeout=PEER_TIMEOUT)
+            conn = socket.create_connection(self._addrs[peer], timeout=PEER_TIMEOUT)
+            try:
+                prove(conn, self._secret)
+            except OSError:
+                conn.close()
+                raise
+            return conn
         except Exception as e:  # noqa: BLE001 - a peer away is a peer we do without
             log.warning("peer replicas: rank %d cannot be reached (%s); going on without it", peer, e)
             self._dead.add(peer)

@@ -10,6 +10,8 @@ sends damaged copies to the others, or null)}.
         tensor of its own ("mine"); one collective snapshot
   read  every rank checks the snapshot out (collective), saves what it read to
         OUTDIR/read_rank<r>.pt, reports its side channel's counters and its seconds
+  stranger  both side channels up on 127.0.0.2 (shared reads; a tier's peer replicas);
+        rank 1 knocks at rank 0's servers as a stranger (docs/design/collective.md)
 The ranks are forked by dist_worker.launch (the c10d TCPStore hosted by the launcher).
 """
 
@@ -81,9 +83,93 @@ def read_case(rank, world, out, res, arg):
         dist.barrier()  # (a rank's server answers its peers until every rank has read)
 
 
+def _probe(addr: str, request: bytes, secret: bytes | None = None) -> dict:
+    """A stranger's connection to a side channel's server at `addr`: it sends `request`
+    (after answering the challenge with `secret`, when given) -> what came back."""
+    import socket
+
+    from tensorstore_ck.util.net import prove
+    host, port = addr.rsplit(":", 1)
+    got = b""
+    with socket.create_connection((host, int(port)), timeout=30) as c:
+        if secret is not None:
+            prove(c, secret)
+            sent = b""
+        else:
+            sent = c.recv(16)  # the challenge, left unanswered
+        c.sendall(request)
+        c.settimeout(30)
+        while True:
+            try:
+                chunk = c.recv(65536)
+            except ConnectionResetError:  # hung up with our request unread: a reset, not an end
+                break
+            if not chunk:
+                break  # the server hung up
+            got += chunk
+    return {"challenge": len(sent), "answer": len(got)}
+
+
+def stranger_case(rank, world, out, res, arg):
+    """Both side channels' servers up (shared reads; peer replicas of a tier), listening on
+    127.0.0.2; rank 1 knocks at rank 0's as a stranger: without the secret, with a wrong
+    one, and at the address the job never announced (127.0.0.1)."""
+    import socket
+
+    import torch.distributed as dist
+
+    import tensorstore_ck as tsck
+    os.environ["TSCK_PEER_HOST"] = "127.0.0.2"
+    spec = json.loads(arg)
+    kv = dist.distributed_c10d._get_default_store()
+    with _open(spec, rank, shared_reads=True) as store, \
+            tsck.open_store(os.path.join(out, "remote"), local=os.path.join(out, f"tier{rank}"), replicas=1) as t:
+        got = store.checkout("j/main")
+        res["read"] = _same(got, state(rank, spec["mb"]))
+        t.put_snapshot({"x": torch.arange(70000, dtype=torch.float32)}, ref="t/main", step=1)
+        t._tier.peers.wait()
+        if rank == 0:
+            kv.set("test/share0", store._sharing.addr)
+        dist.barrier()
+        if rank == 1:
+            share0, peer0 = kv.get("test/share0").decode(), kv.get("tsck/peer/0").decode()
+            digest = bytes(range(32))
+            g_share = b"G" + bytes(16) + digest + (1 << 20).to_bytes(8, "big")
+            frame = bytes(100)
+            p_peer = b"P" + b"b" + digest + len(frame).to_bytes(8, "big") + frame
+            g_peer = b"G" + b"b" + digest + bytes(8)
+            wrong = b"0" * 64
+            res["probes"] = {
+                "share-read": _probe(share0, g_share), "share-read-wrong": _probe(share0, g_share, wrong),
+                "peer-write": _probe(peer0, p_peer), "peer-write-wrong": _probe(peer0, p_peer, wrong),
+                "peer-read": _probe(peer0, g_peer)}
+            refused = {}
+            for name, addr in (("share", share0), ("peer", peer0)):
+                port = int(addr.rsplit(":", 1)[1])
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=30).close()
+                    refused[name] = False
+                except ConnectionRefusedError:
+                    refused[name] = True
+            res["unannounced_refused"] = refused
+            res["hosts"] = [share0.rsplit(":", 1)[0], peer0.rsplit(":", 1)[0]]
+        dist.barrier()
+        res["refused"] = store._sharing.refused
+        res["strangers"] = t._tier.peers.strangers
+        res["peer_stored"] = t.assets.block_exists(bytes(range(32)))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     spec = json.loads(argv[3])
-    body = {"put": put_case, "read": read_case}.get(scenario)
+    body = {"put": put_case, "read": read_case, "stranger": stranger_case}.get(scenario)
     if body is None:
         return None
     return [dw.launch(scenario, spec["world"], body, out, argv[3], limit=240.0)]

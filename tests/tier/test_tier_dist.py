@@ -336,14 +336,35 @@ def test_a_rank_whose_rank_0_died_publishing_keeps_its_part_to_send(tmp_path, s3
             assert t.fsck(full=True).findings == [], (r, t.fsck(full=True).findings)
 
 
-def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
+
+@pytest.fixture
+def side(monkeypatch):
+    """A real c10d Store (the job's secret lives there) and the side channels on 127.0.0.1."""
+    import datetime
+
+    import torch.distributed as dist
+    monkeypatch.setenv("TSCK_PEER_HOST", "127.0.0.1")
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+
+
+def _peers(core, kv, listen: bool = False):
+    """A rank's Peers over `core` in the job whose c10d Store is `kv` -> (it, its port if listening)."""
+    from tensorstore_ck.tier.replicas import Peers
+    p = Peers(core, 1)
+    p.kv = kv
+    if listen:
+        return p, int(p._listen().rsplit(":", 1)[1])
+    p._secret = __import__("tensorstore_ck.util.net", fromlist=["x"]).job_secret(kv)
+    return p, None
+
+def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path, side):
     """The receiving side of the replicas (a real server on a real socket): a copy whose
     bytes are not the object of the address it is sent under, or that is damaged, is
     refused and not stored; the genuine copy is stored, and served back only whole."""
     import socket
 
     from tensorstore_ck.core.assets import Assets
-    from tensorstore_ck.tier.replicas import Peers
+    from tensorstore_ck.util.net import job_secret, prove
 
     with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a, \
             tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
@@ -352,11 +373,11 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
             a.assets, bytes.fromhex(a.resolve("r"))) if o.kind == "block"))
         good = a.assets.stored_frame("block", d)
         other = bytes(32)
-        peers = Peers(b.core, 1)
-        port = peers._listen("127.0.0.1")
+        peers, port = _peers(b.core, side, listen=True)
         try:
             def ask(op, digest, data=b""):
                 with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                    prove(c, job_secret(side))
                     c.sendall(op + b"b" + digest + len(data).to_bytes(8, "big") + data)
                     if op == b"G":
                         n = int.from_bytes(c.recv(8), "big")
@@ -374,7 +395,7 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
             assert ask(b"G", d) == len(good)
             assert ask(b"S", bytes(32)) == b"\x01"  # (named on disk at the sync: the store batches its writes)
             # The asking side: a rank whose holder is this server.
-            asker = Peers(a.core, 1)
+            asker, _ = _peers(a.core, side)
             asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
             assert asker.present("block", [d, other]) == {d}
             got = asker.fetch_checked("block", d)
@@ -387,6 +408,7 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
             # A length no object can take is refused before a buffer is made: the
             # connection is closed at once (no answer), and the server goes on serving.
             with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                prove(c, job_secret(side))
                 c.sendall(b"P" + b"b" + d + ((1 << 62)).to_bytes(8, "big"))
                 assert c.recv(1) == b""
             assert ask(b"H", d) == b"\x01"
@@ -394,7 +416,7 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path):
             peers.close()
 
 
-def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
+def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path, side):
     """A rank restoring from a peer whose own tier is on a full disk: the checked copy
     goes to the caller all the same (keeping it in the tier is a cache, with a warning),
     never an error that fails the restore."""
@@ -408,12 +430,11 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
             _mounts.tmpfs(tmp_path / "small", "2m") as small:
         b.put_snapshot({"x": x}, "r")
         blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
-        holder = Peers(b.core, 1)
-        port = holder._listen("127.0.0.1")
+        holder, port = _peers(b.core, side, listen=True)
         try:
             with tsck.open_store(small + "/a", block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
                 _mounts.fill(small)
-                asker = Peers(a.core, 1)
+                asker, _ = _peers(a.core, side)
                 asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
                 reads = peer_reads(read_through(a.assets, b.core), asker)
                 out = torch.empty(dw.BLOCK // 4, dtype=torch.float32)
@@ -425,7 +446,7 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path):
             holder.close()
 
 
-def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(tmp_path):
+def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(tmp_path, side):
     """The blocks a checkout fetched from a peer go to the caller at once and are kept in
     the rank's tier by a background thread: once it is done (at the latest when the store
     closes) they are stored under their addresses, durable, and a later open finds them
@@ -439,11 +460,10 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
         b.put_snapshot({"x": x}, "r")
         blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
         assert len(blocks) == 4
-        holder = Peers(b.core, 1)
-        port = holder._listen("127.0.0.1")
+        holder, port = _peers(b.core, side, listen=True)
         try:
             with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
-                asker = Peers(a.core, 1)
+                asker, _ = _peers(a.core, side)
                 asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
                 reads = peer_reads(read_through(a.assets, b.core), asker)
                 for i, d in enumerate(blocks):
@@ -459,7 +479,7 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
         assert not list((tmp_path / "a").glob("tmp/*"))  # (no copy left pending)
 
 
-def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(tmp_path, monkeypatch):
+def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(tmp_path, monkeypatch, side):
     """A checkout's fetches reuse their connection to a holder; one left idle past the
     holder's timeout is closed at that end. The next fetch over it opens a new connection
     and gets the copy from the peer (not a failure that sends the read to the remote)."""
@@ -475,12 +495,10 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
     with tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
         b.put_snapshot({"x": x}, "r")
         blocks = [o.digest for o in walk_commit(b.assets, bytes.fromhex(b.resolve("r"))) if o.kind == "block"]
-        holder = Peers(b.core, 1)
-        port = holder._listen("127.0.0.1")
+        holder, port = _peers(b.core, side, listen=True)
         try:
             with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a:
-                asker = Peers(a.core, 1)
-                asker._listen("127.0.0.1")  # (a rank's Peers serves too: its idle connections are kept)
+                asker, _ = _peers(a.core, side, listen=True)  # (a rank's Peers serves too: its idle connections are kept)
                 asker.rank, asker.world, asker._addrs[1] = 0, 2, ("127.0.0.1", port)
                 reads = peer_reads(read_through(a.assets, b.core), asker).tallied()
                 try:
@@ -522,6 +540,7 @@ def test_a_close_past_its_timeout_cuts_the_replicas_sent_to_a_peer_that_stopped_
             root = bytes.fromhex(a.resolve("r"))
             tree = decode_commit(a.assets.get_commit(root))["tree"]
             asker = Peers(a.core, 1)
+            asker._secret = b"x"  # (the holder never says a word: it is never asked for the proof)
             asker.rank, asker.world, asker._addrs[1] = 0, 2, stalled.getsockname()
             asker.replicate(root, tree)
             stalled.settimeout(120)
