@@ -623,7 +623,7 @@ class Store:
         if group is None or not is_collective(group):
             return self._root(target).hex()
         return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root,
-                                                 read=lambda root, _rank: root.hex()), target)
+                                                 read=lambda root, _rank, _shared: root.hex()), target)
 
     def _root(self, target: str) -> Digest:
         """What `target` names, one answer for every call that names a snapshot (resolve,
