@@ -143,7 +143,11 @@ class Sharing:
                 elif op == b"G":
                     body = bytes(recv_exact(conn, 40))
                     data = self.get(call, body[:32], int.from_bytes(body[32:], "big"))
-                    conn.sendall(_NONE.to_bytes(8, "big") if data is None else len(data).to_bytes(8, "big") + data)
+                    if data is None:
+                        conn.sendall(_NONE.to_bytes(8, "big"))
+                    else:  # (in two sends: the object is not copied behind its length)
+                        conn.sendall(len(data).to_bytes(8, "big"))
+                        conn.sendall(data)
                 else:
                     return
         except (OSError, TsckError) as e:
@@ -341,11 +345,14 @@ class _Routed:
     def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,
                         bounce: bool = False, fence: int | None = None) -> None:
         o = self.share.routed.get(d)
-        if o is not None and o not in self._failed and self._from_owner(o, d, out):
+        if o is not None and o not in self._failed and self._from_owner(o, d, out, bounce):
             return
         self.base.read_block_into(d, out, verify=verify, snapshot=snapshot, path=path, bounce=bounce, fence=fence)
 
-    def _from_owner(self, o: int, d: bytes, out) -> bool:
+    def _from_owner(self, o: int, d: bytes, out, bounce: bool) -> bool:
+        """Block d from its owner o into `out`, checked -> whether it is there. bounce (`out`
+        is the caller's memory): decoded and checked in a buffer of its own first; else in
+        `out` itself (fresh memory, which a failed check leaves to the read from storage)."""
         import numpy as np
         sharing, mv = self.share.sharing, memoryview(out).cast("B")
         try:
@@ -361,14 +368,16 @@ class _Routed:
             return False
         if data is None:
             return False
-        err, raw = Assets.object_from_frame("block", d, data)
-        if err is not None or len(raw) != mv.nbytes:
+        into = np.empty(mv.nbytes, dtype=np.uint8) if bounce else mv
+        err, _raw = Assets.object_from_frame("block", d, data, into)
+        if err is not None:
             with sharing._lock:
                 sharing.bad += 1
             log.warning("shared reads: rank %d's copy of block %s does not match its address; reading it from "
                         "storage", o, d.hex()[:16])
             return False
-        np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
+        if bounce:
+            np.copyto(np.frombuffer(mv, dtype=np.uint8), into)
         with sharing._lock:
             sharing.got += o != self.share.ch.rank
         return True

@@ -673,9 +673,10 @@ class Assets:
         return check_frame(kind + "s", d, data, _key(kind + "s", d))
 
     @staticmethod
-    def object_from_frame(kind: str, d: bytes, data: bytes):
-        """object_frame_error, and the object's bytes it decoded -> (error, None) or (None, bytes)."""
-        return frame_payload(kind + "s", d, data, _key(kind + "s", d))
+    def object_from_frame(kind: str, d: bytes, data: bytes, out=None):
+        """object_frame_error, and the object's bytes it decoded -> (error, None) or (None, bytes).
+        out: decode into that buffer (of the object's length), checked there."""
+        return frame_payload(kind + "s", d, data, _key(kind + "s", d), out)
 
     def move_aside(self, key: str, *, deadline=None) -> str | None:
         """Move the object `key` to a fresh quarantine name -> that name, or None if
@@ -851,9 +852,11 @@ def check_frame(kind: str, d: bytes, data: bytes, where: str) -> IntegrityError 
     return frame_payload(kind, d, data, where)[0]
 
 
-def frame_payload(kind: str, d: bytes, data: bytes, where: str):
+def frame_payload(kind: str, d: bytes, data: bytes, where: str, out=None):
     """check_frame, and the payload it decoded -> (None, the object's bytes) when healthy,
-    else (the IntegrityError, None): bytes from elsewhere used without a second pass."""
+    else (the IntegrityError, None): bytes from elsewhere used without a second pass.
+    out: a writable buffer the payload is decoded into (and checked there) when it has the
+    object's length; what it holds after a failure is not the object."""
     try:
         if len(data) > _MAX_OBJECT:
             raise FormatError(f"longer than any object may be ({_MAX_OBJECT} bytes)")
@@ -863,7 +866,9 @@ def frame_payload(kind: str, d: bytes, data: bytes, where: str):
         cap = MAX_BLOCK_SIZE if hdr.kind == frame.KIND_BLOCK else MAX_NODE_BYTES
         if hdr.raw_len > cap:  # no writer makes one; decoding it could take 2 GiB (FORMAT.md, "Memory")
             raise FormatError(f"object declares {hdr.raw_len} bytes, more than its kind may hold ({cap})")
-        raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:])
+        if out is not None and memoryview(out).nbytes != hdr.raw_len:
+            raise FormatError(f"object holds {hdr.raw_len} bytes, expected {memoryview(out).nbytes}")
+        raw = frame.decode_payload(hdr, memoryview(data)[frame.HEADER_SIZE:], out)
     except FormatError as e:
         return IntegrityError(f"corrupt object: {e}", key=where), None
     got = blake3.blake3(raw).digest()
