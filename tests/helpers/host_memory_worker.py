@@ -45,10 +45,13 @@ def flat_case(rank, world, out, res, arg):
     with tsck.open_store(os.path.join(out, "store"), block_size=1 << 20, saver=saver, host_memory=bound) as s:
         res["bound"] = s.host_memory
 
+        last = torch.empty_like(state["w"])
+
         def put(i):
             t0 = time.monotonic()
             fut = s.put_snapshot(state, REF, step=i, blocking=False, timeout=120)
             stall = time.monotonic() - t0
+            last.copy_(state["w"])  # (in place: the worker's own allocations are not what is measured)
             state["w"].add_(1.0)  # what the next training step does, at once
             state["step"] = i + 1
             fut.result(timeout=240)
@@ -57,13 +60,15 @@ def flat_case(rank, world, out, res, arg):
         stalls = [put(0)]
         res["rss_first"], res["held_first"] = rss(), s.staging.held
         res["saver_rss_first"] = rss(s._saver.pid) if saver == "process" else 0
-        stalls += [put(i) for i in range(1, rounds)]
+        res["rss_each"] = []
+        for i in range(1, rounds):
+            stalls.append(put(i))
+            res["rss_each"].append(rss())
         res["rss_last"], res["held_last"], res["peak"] = rss(), s.staging.held, s.staging.peak
         res["saver_rss_last"] = rss(s._saver.pid) if saver == "process" else 0
         res["stall_median"] = sorted(stalls)[len(stalls) // 2]
         got = s.checkout(REF)
-        want = state["w"] - 1.0
-        res["restored"] = bool(torch.equal(got["w"], want)) and got["step"] == rounds - 1
+        res["restored"] = bool(torch.equal(got["w"], last)) and got["step"] == rounds - 1
         # Past the bound on rank 0 only: its call raises at once, and the call aborts on rank 1.
         past = {"w": torch.randn(2 * mib * MiB // 4)} if rank == 0 else state
         try:

@@ -92,8 +92,8 @@ def test_a_state_three_times_the_bound_is_staged_in_waves_within_it(tmp_path, sa
     state = big_state(1)
     with tsck.open_store(tmp_path / "s", host_memory=bound, saver=saver, block_size=BLOCK,
                          pack_size=MiB) as s:
-        # The first put starts the saver and makes the store's pools: the peak is the second's.
-        s.put_snapshot(big_state(0), ref="j/m", step=0, blocking=False).result()
+        # A first put (small) starts the saver and the store's pools: the peak is the big one's.
+        s.put_snapshot({"x": torch.ones(10)}, ref="j/x", step=0, blocking=False).result()
         want = copy_of(state)
         total = sum(t.nbytes for t in [state["w"], state["b"], state["h"], *state["small"]])
         assert total >= 3 * bound
@@ -101,16 +101,17 @@ def test_a_state_three_times_the_bound_is_staged_in_waves_within_it(tmp_path, sa
         rss = status("VmRSS")
         reset_peak()
         fut = s.put_snapshot(state, ref="j/m", step=1, blocking=False)
-        grew = status("VmHWM") - rss
         # The caller's state is its own again at once: changed now, the snapshot is the state as put.
         state["w"].zero_()
         state["small"][3].fill_(7.0)
         info = fut.result()
+        grew = status("VmHWM") - rss
         use = s.staging
         assert use.waved == before.waved + 1 and use.waves - before.waves >= 3
         assert use.peak <= bound + BLOCK and use.held <= bound + BLOCK
-        # The process's peak: the bound's buffer and the writers' working memory, not the state.
-        assert grew < total - 2 * MiB, f"the put's peak grew {grew} bytes for a state of {total}"
+        # The process's peak: the bound's buffer and the writers' working memory (measured:
+        # 4-5 MiB here; staged whole, 12 MiB and more), not the state.
+        assert grew < bound + BLOCK + 2 * MiB, f"the put's peak grew {grew} bytes for a state of {total}"
         assert info.stall is not None and info.bytes_total == total
         got = s.checkout("j/m")
         assert_same(want, got)
