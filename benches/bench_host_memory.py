@@ -16,8 +16,8 @@ snapshots, and what the host-memory bound (open_store(host_memory=)) costs in st
    in waves, each wave written before put_snapshot returns), each in a fresh store, the
    median over --repeats puts after one warm put; its peer in the same run: a plain copy of
    the state into a preallocated buffer (torch's copy_, what staging does at best). Also
-   the process's peak memory during the put over its memory before (VmHWM, reset through
-   /proc/self/clear_refs).
+   the process's peak memory over all the puts of a bound, over its memory before the
+   store was opened (VmHWM, reset through /proc/self/clear_refs).
 
     python benches/bench_host_memory.py [--mib 64] [--snapshots 100] [--rank-mib 16]
                                         [--stall-mib 256] [--repeats 5] [--dir DIR]
@@ -107,23 +107,23 @@ def memory_two_ranks(saver: str, mib: int, snapshots: int, root: str) -> list:
 
 def stall_at(bound, saver: str, state: dict, repeats: int, root: str) -> dict:
     d = tempfile.mkdtemp(dir=root)
-    stalls, grew = [], []
+    stalls = []
     try:
+        rss = status("VmRSS")
+        reset_peak()
         with tsck.open_store(d, saver=saver, host_memory=bound, block_size=BLOCK) as s:
             for i in range(repeats + 1):
                 state["w"].normal_()  # every block new
-                rss = status("VmRSS")
-                reset_peak()
                 t0 = time.perf_counter()
                 fut = s.put_snapshot(state, ref="j/m", step=i, blocking=False)
                 stall = time.perf_counter() - t0
                 fut.result()
                 if i:  # the first: the saver's start, the buffer's first pages
                     stalls.append(stall)
-                    grew.append(status("VmHWM") - rss)
+            grew = status("VmHWM") - rss
             use = s.staging
         return {"stall": statistics.median(stalls), "min": min(stalls), "max": max(stalls),
-                "grew": statistics.median(grew), "peak": use.peak, "waves": use.waves / max(1, use.waved)}
+                "grew": grew, "peak": use.peak, "waves": use.waves / max(1, use.waved)}
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -176,7 +176,7 @@ def main() -> None:
           f"median of {a.repeats}, seconds)")
     print(f"peer: a plain copy of the state into a preallocated buffer: {copy:.4f} s")
     print("| saver | host_memory | stall (min-max) | stall / plain copy | waves | staging peak MiB | "
-          "process peak over before MiB |")
+          "process peak over before open MiB |")
     print("|---|---|---|---|---|---|---|")
     for saver in ("thread", "process"):
         for name, bound in (("none", None), ("state", S), ("state/2", S // 2), ("state/4", S // 4)):
