@@ -504,7 +504,8 @@ class Store:
 
     @_storage_errors
     def _publish(self, plan, args: SnapshotArgs, progress=None, timing=None) -> SnapshotInfo:
-        self.before_write()
+        if plan.written is None:  # (a waved plan's writes began before its blocks: _put_in_waves)
+            self.before_write()
         return self.after_publish(self.publisher.publish(plan, args, progress=progress, timing=timing))
 
     def before_write(self) -> None:

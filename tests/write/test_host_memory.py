@@ -215,3 +215,19 @@ def test_two_ranks_memory_stays_flat_and_a_state_past_the_bound_is_refused(tmp_p
     big, small = rank_results(out, "flat", 2)
     assert big["past_bound"].startswith("InvalidArgument"), big
     assert small["past_bound"].startswith("SnapshotAborted"), small
+
+
+def test_a_waved_put_through_a_local_tier_is_uploaded_whole(tmp_path):
+    """With local=: the waves write the tier, the upload sends the snapshot whole."""
+    state = big_state(3)
+    want = copy_of(state)
+    with tsck.open_store(tmp_path / "remote", local=tmp_path / "tier", host_memory=4 * MiB, block_size=BLOCK) as s:
+        fut = s.put_snapshot(state, ref="j/m", step=1, blocking=False)
+        state["w"].zero_()
+        fut.result()
+        assert s.wait_durable(timeout=120)
+        assert s.staging.waved == 1 and s.staging.peak <= 4 * MiB + BLOCK
+        assert_same(want, s.checkout("j/m"))
+    with tsck.open_store(tmp_path / "remote") as r:
+        assert_same(want, r.checkout("j/m"))
+        assert r.fsck().ok
