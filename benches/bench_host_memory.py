@@ -15,9 +15,10 @@ snapshots, and what the host-memory bound (open_store(host_memory=)) costs in st
    (no bound), the state's size, half of it and a quarter of it (below the state: staged
    in waves, each wave written before put_snapshot returns), each in a fresh store, the
    median over --repeats puts after one warm put; its peer in the same run: a plain copy of
-   the state into a preallocated buffer (torch's copy_, what staging does at best). Also
-   the process's peak memory over all the puts of a bound, over its memory before the
-   store was opened (VmHWM, reset through /proc/self/clear_refs).
+   the state into a preallocated buffer (torch's copy_, what staging does at best). Each
+   bound runs in a process of its own, which also reports its peak memory over all its
+   puts over its memory before the store was opened (VmHWM, reset through
+   /proc/self/clear_refs).
 
     python benches/bench_host_memory.py [--mib 64] [--snapshots 100] [--rank-mib 16]
                                         [--stall-mib 256] [--repeats 5] [--dir DIR]
@@ -128,6 +129,19 @@ def stall_at(bound, saver: str, state: dict, repeats: int, root: str) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def stall_in_child(bound, saver: str, mib: int, repeats: int, root: str) -> dict:
+    """stall_at in a fresh process: its peak memory is this bound's alone (memory an earlier
+    bound's puts left in the allocator would hide this one's)."""
+    got = subprocess.run([sys.executable, __file__, "--one", saver, str(bound), str(mib), str(repeats), root],
+                         check=True, capture_output=True, text=True)
+    return json.loads(got.stdout.splitlines()[-1])
+
+
+def one(saver: str, bound: str, mib: int, repeats: int, root: str) -> None:
+    state = {"w": torch.empty(mib * MiB // 4).normal_(), "step": 0}  # its pages in before the baseline
+    print(json.dumps(stall_at(None if bound == "None" else int(bound), saver, state, repeats, root)))
+
+
 def plain_copy(state: dict, repeats: int) -> float:
     dst = torch.empty_like(state["w"])
     dst.copy_(state["w"])  # its pages faulted in, as a reused staging buffer's are
@@ -140,6 +154,9 @@ def plain_copy(state: dict, repeats: int) -> float:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--one"]:  # a child of stall_in_child
+        saver, bound, mib, repeats, root = sys.argv[2:7]
+        return one(saver, bound, int(mib), int(repeats), root)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--snapshots", type=int, default=100)
@@ -180,7 +197,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for saver in ("thread", "process"):
         for name, bound in (("none", None), ("state", S), ("state/2", S // 2), ("state/4", S // 4)):
-            r = stall_at(bound, saver, state, a.repeats, root)
+            r = stall_in_child(bound, saver, a.stall_mib, a.repeats, root)
             print(f"| {saver} | {name} | {r['stall']:.3f} ({r['min']:.3f}-{r['max']:.3f}) | "
                   f"{r['stall'] / copy:.1f}x | {r['waves']:.0f} | {mb(r['peak'])} | {mb(r['grew'])} |", flush=True)
 
