@@ -30,7 +30,6 @@ from .collective import CollectiveJob, begin_put, run_put
 from .core.roles import Executor
 from .errors import SnapshotAborted
 from .write.staging import StagingPool, StagingUse
-from .write.waves import stage_in_waves, wave_limit
 
 __all__ = ["SnapshotFuture", "AsyncPuts", "note"]
 
@@ -136,6 +135,7 @@ class AsyncPuts:
         write_blocks) -> True; False where a slot or the memory is busy and not wait.
         The buffer goes back before this returns; the slot when the background publisher
         is done with the snapshot (submit it with buf None)."""
+        from .write.waves import stage_in_waves, wave_limit  # (torch: imported where tensors are)
         if not self.slots.acquire(blocking=wait):
             return False
         try:

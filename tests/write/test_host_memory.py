@@ -13,12 +13,14 @@ The figures over 100 snapshots, and the stall against the bound: benches/bench_h
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
-from _util import HELPERS, assert_same, rank_results, run_worker_scenario
+from _util import HELPERS, REPO, assert_same, child_env, rank_results, run_worker_scenario
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import FaultInjectingStore
@@ -231,3 +233,10 @@ def test_a_waved_put_through_a_local_tier_is_uploaded_whole(tmp_path):
     with tsck.open_store(tmp_path / "remote") as r:
         assert_same(want, r.checkout("j/m"))
         assert r.fsck().ok
+
+
+def test_the_package_imports_without_torch():
+    """The waves (which copy tensors) load torch where they run, not at the package's
+    import: the saver process and `tsck refs` import the package without torch."""
+    code = "import sys, tensorstore_ck; sys.exit(3 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO).returncode == 0
