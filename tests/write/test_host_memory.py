@@ -240,3 +240,29 @@ def test_the_package_imports_without_torch():
     import: the saver process and `tsck refs` import the package without torch."""
     code = "import sys, tensorstore_ck; sys.exit(3 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=REPO).returncode == 0
+
+
+def test_a_wave_that_fails_to_write_fails_the_put_itself_and_publishes_nothing(tmp_path):
+    """The waves run in the call: a full disk in the second wave is put_snapshot's own
+    StorageError (no future), the ref stays where it was, the buffer and slot come back,
+    and the next put, the disk freed, publishes."""
+    calls = {"n": 0}
+
+    def full_after_some(op, key):
+        if op == "put" and key.startswith("blocks/"):
+            calls["n"] += 1
+            return calls["n"] > 20  # past the first wave's blocks (16 of 256 KiB)
+        return False
+
+    state = big_state(4)
+    with tsck.open_store(tmp_path / "s", host_memory=4 * MiB, block_size=BLOCK,
+                         wrap_storage=lambda st: FaultInjectingStore(st, when=full_after_some)) as s:
+        s.put_snapshot({"x": torch.ones(3)}, ref="j/m", step=0)
+        before = s.resolve("j/m")
+        with pytest.raises(tsck.StorageError):
+            s.put_snapshot(state, ref="j/m", step=1, blocking=False)
+        assert s.resolve("j/m") == before and s.staging.held <= 4 * MiB
+        calls["n"] = -10 ** 9  # the disk freed
+        info = s.put_snapshot(state, ref="j/m", step=2, blocking=False).result()
+        assert info.step == 2
+        assert_same(state, s.checkout("j/m"))
