@@ -7,6 +7,11 @@ publishing (a slot each): when_busy="wait" blocks for a free slot, "skip" drops 
 snapshot and counts it. A failure goes to its future, to the next put
 (raise_pending_error) and, if nobody retrieved it, to Store.close() (unheard).
 
+The staging buffers of all of them together stay within the host-memory bound
+(open_store(host_memory=), staging.StagingPool): a put whose buffer would pass it waits for
+earlier ones to give theirs back (or, with "skip", is skipped), and a state larger than the
+bound is staged in waves (stage_waves, write/waves.py).
+
 A collective snapshot (under torch.distributed) is named on the caller's thread
 (collective.begin_put: the calls keep their order on every rank) and made on the background
 thread (collective.run_put); its outcome goes to its future only, never to the next put: the
@@ -24,7 +29,7 @@ from typing import Callable
 from .collective import CollectiveJob, begin_put, run_put
 from .core.roles import Executor
 from .errors import SnapshotAborted
-from .write.staging import StagingPool
+from .write.staging import StagingPool, StagingUse
 
 __all__ = ["SnapshotFuture", "AsyncPuts", "note"]
 
@@ -73,9 +78,10 @@ def note(err: BaseException, text: str) -> None:
 class AsyncPuts:
     """The background publisher, the slots and the staging buffers of one Store."""
 
-    def __init__(self, max_inflight: int, when_busy: str, executor: Executor):
+    def __init__(self, max_inflight: int, when_busy: str, executor: Executor, host_memory: int | None = None):
         self.max_inflight = max_inflight
         self.when_busy = when_busy
+        self.host_memory = host_memory  # the bytes the staging buffers may hold (None: no bound)
         self.executor = executor  # the publisher's: staging buffers in shared memory where it reads them
         self.skipped = 0  # asynchronous snapshots dropped by when_busy="skip"
         self.reset()
@@ -86,7 +92,8 @@ class AsyncPuts:
         self.bg = ThreadPoolExecutor(1, thread_name_prefix="tsck-bg")
         self.slots = threading.BoundedSemaphore(self.max_inflight)
         self.staging = StagingPool(self.max_inflight, shared=self.executor.shares_memory,
-                                   on_drop=self.executor.forget if self.executor.shares_memory else None)
+                                   on_drop=self.executor.forget if self.executor.shares_memory else None,
+                                   bound=self.host_memory)
         self.inflight: list[Future] = []
         self.lock = threading.Lock()
         self.error: BaseException | None = None
@@ -100,7 +107,13 @@ class AsyncPuts:
             return None
         buf = None
         try:
-            buf = self.staging.take(max(plan.staged_bytes, plan.reserve))
+            need = max(plan.staged_bytes, plan.reserve)  # (the reserve: what the next put from its layout stages)
+            if self.host_memory is not None and need > self.host_memory:
+                need = plan.staged_bytes
+            buf = self.staging.take(need, wait=wait)
+            if buf is None:  # the bound is held by the snapshots in flight, and not wait
+                self.slots.release()
+                return None
             plan.stage(buf)
             plan.shared = self.staging.shared_of(buf)  # the saver process writes its blocks from there
         except BaseException:
@@ -109,6 +122,40 @@ class AsyncPuts:
             self.slots.release()
             raise
         return buf
+
+    def too_big(self, plan) -> bool:
+        """Whether the plan's state is larger than the host-memory bound (stage_waves)."""
+        return self.host_memory is not None and plan.staged_bytes > self.host_memory
+
+    def stage_waves(self, plan, write: Callable, *, wait: bool) -> bool:
+        """A plan too_big to stage whole: take a slot (as stage()) and one buffer of the
+        bound (waves.wave_limit: the bound, or the largest block where that is larger),
+        waiting until the snapshots in flight give theirs back, and write the plan's
+        blocks through it in waves (waves.stage_in_waves; write(wave): an executor's
+        write_blocks) -> True; False where a slot or the memory is busy and not wait.
+        The buffer goes back before this returns; the slot when the background publisher
+        is done with the snapshot (submit it with buf None)."""
+        from .write.waves import stage_in_waves, wave_limit  # (torch: imported where tensors are)
+        if not self.slots.acquire(blocking=wait):
+            return False
+        try:
+            limit = wave_limit(plan, self.host_memory)
+            buf = self.staging.take(limit, wait=wait)
+            if buf is None:
+                self.slots.release()
+                return False
+            try:
+                n = stage_in_waves(plan, buf, self.staging.shared_of(buf), write, limit)
+            finally:
+                self.staging.give(buf)
+            self.staging.counted_waves(n)
+        except BaseException:
+            self.slots.release()
+            raise
+        return True
+
+    def use(self) -> StagingUse:
+        return self.staging.use()
 
     def submit(self, ref: str, buf, publish: Callable, kept=None) -> SnapshotFuture:
         """Publish a staged snapshot in the background: publish() -> SnapshotInfo. kept:

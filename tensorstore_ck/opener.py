@@ -80,6 +80,7 @@ def open_store(url, *, create: bool = True,
                write_bandwidth: float | None = None, write_concurrency: int | None = None,
                workers: int | None = None, max_inflight: int = 2, retry_budget: float | None = None,
                when_busy: str = "wait", saver: str = "thread", saver_nice: int = 10,
+               host_memory: int | str | None = "auto",
                storage_options: dict | None = None, wrap_storage=None,
                # gc
                gc_lease: float | None = None,
@@ -167,6 +168,18 @@ def open_store(url, *, create: bool = True,
     saver_nice: the saver process's niceness, 0-19 (default 10): the training loop wins
     the cores and the saver takes what they leave, so a snapshot may take longer where
     the loop keeps every core busy; 0 shares them equally.
+    host_memory: the bytes an asynchronous put's staging may hold in host memory, every
+    snapshot in flight together (its staging buffers, which with saver="process" are the
+    saver's shared memory too; docs/design/saver.md, "Host memory"). A put whose buffer
+    would pass it waits for earlier ones to finish (or with when_busy="skip" is skipped).
+    A state larger than it is staged in waves: part copied, written, the next part
+    copied into the same buffer, all before put_snapshot returns (the stall grows with the
+    state, the memory does not: at most the bound, or one block where a block is larger);
+    an asynchronous collective put refuses such a state (InvalidArgument, on every rank).
+    "auto" (default): a quarter of the memory this process may use (MemTotal, or its
+    cgroup's limit where lower) divided by $LOCAL_WORLD_SIZE (the ranks on this node,
+    torchrun sets it): staging.default_host_memory(). An int >= 1: that many bytes. None:
+    no bound. Store.staging reports what is held.
     retry_budget: seconds a failed request to remote storage or to a PostgreSQL ref table
     is retried for (connection lost or refused, timeouts, 5xx, throttling), from its
     first failure, with capped exponential backoff and jitter (retry.py). None (the
@@ -190,7 +203,7 @@ def open_store(url, *, create: bool = True,
     tier (each rank reads its own tier first)."""
     stored = _Stored.checked(block_size, inline_threshold, compression, verify, pack_size)
     network = _Network.checked(write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
-                               storage_options, wrap_storage, saver, saver_nice)
+                               storage_options, wrap_storage, saver, saver_nice, host_memory)
     refs_at = _Refs.checked(refs, create_refs, read_only)
     tier = _Tier.checked(url, local, local_budget, replicas, early_upload, refs_at)
     if saver == "process":
@@ -343,17 +356,18 @@ class _Network:
     wrap_storage: object
     saver: str
     saver_nice: int
+    host_memory: int | None = None  # bytes the staging of asynchronous puts may hold (None: no bound)
 
     @classmethod
     def checked(cls, write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
-                storage_options, wrap_storage, saver, saver_nice) -> "_Network":
+                storage_options, wrap_storage, saver, saver_nice, host_memory="auto") -> "_Network":
         check_options(workers=workers, max_inflight=max_inflight, when_busy=when_busy, saver=saver,
                       saver_nice=saver_nice)
         if saver == "process" and wrap_storage is not None:
             _saver_can_wrap(wrap_storage)
         from .util.retry import backoff_for
         return cls(write_bandwidth, write_concurrency, workers, max_inflight, backoff_for(retry_budget), when_busy,
-                   storage_options, wrap_storage, saver, saver_nice)
+                   storage_options, wrap_storage, saver, saver_nice, _checked_host_memory(host_memory))
 
     def saver_for(self, proto: str, rest: str, settings: Settings, codecs: str,
                   src: str | None = None) -> Saver | None:
@@ -367,6 +381,19 @@ class _Network:
 
     def wrapped(self, storage: BlockStore) -> BlockStore:
         return wrapped(storage, self.write_bandwidth, self.write_concurrency, self.wrap_storage)
+
+
+def _checked_host_memory(host_memory) -> int | None:
+    """open_store(host_memory=) -> the bound in bytes (None: no bound)."""
+    if isinstance(host_memory, str) and host_memory == "auto":
+        from .write.staging import default_host_memory
+        return default_host_memory()
+    if host_memory is None:
+        return None
+    if isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 1:
+        raise InvalidArgument(f"host_memory must be a number of bytes (an int >= 1), 'auto' or None (no bound), "
+                              f"got {host_memory!r}")
+    return host_memory
 
 
 def _check_saver(url) -> None:
@@ -405,6 +432,7 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | _NoT
             # saver="process": the saver runs the uploads, from the tier to the remote
             saver = network.saver_for(proto, rest, remote.settings, remote.assets.codecs, src=lcore.storage.root)
             return Store(lcore, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
+                         host_memory=network.host_memory,
                          tier=LocalTier(lcore, remote, budget=tier.budget, early=tier.early_upload,
                                         stop=backoff.stop, replicas=tier.replicas, saver=saver),
                          saver=saver)
@@ -439,6 +467,7 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | _NoT
 
         def plain() -> Store:
             return Store(core, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
+                         host_memory=network.host_memory,
                          saver=None if read_only else network.saver_for(proto, rest, settings_, codecs),
                          shared_reads=shared_reads)
 

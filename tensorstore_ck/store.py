@@ -159,7 +159,8 @@ class Store:
     the layers below (gc, fsck, recover, usage, listing, lifecycle, dist)."""
 
     def __init__(self, core: Core, *, config: dict, max_inflight: int = 2, when_busy: str = "wait",
-                 tier: "LocalTier | None" = None, saver: Saver | None = None, shared_reads: bool | None = None):
+                 tier: "LocalTier | None" = None, saver: Saver | None = None, host_memory: int | None = None,
+                 shared_reads: bool | None = None):
         self.core = core
         # With a local tier: `core` is the tier's store, and `tier` holds the rest (the
         # uploader and the remote store, the reads through to it, the peer replicas).
@@ -181,7 +182,8 @@ class Store:
         # The one way anything is published into this store (put, collective put, DCP writer).
         self.publisher = Publisher(self.assets, self.reftable, core.pool,
                                    executor=executor_for(None if self._tier.uploads else saver, core))
-        self._puts = AsyncPuts(max_inflight, when_busy, self.publisher.executor)  # blocking=False: in order, one thread
+        # blocking=False: in order, one thread; staged within host_memory bytes
+        self._puts = AsyncPuts(max_inflight, when_busy, self.publisher.executor, host_memory)
         self._plan_cache = None  # the layouts put_snapshot planned last (plancache.py), made at the first put
         self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only
@@ -314,6 +316,18 @@ class Store:
         """Asynchronous snapshots dropped by when_busy="skip"."""
         return self._puts.skipped
 
+    @property
+    def host_memory(self) -> int | None:
+        """The bytes an asynchronous put's staging may hold in host memory, all snapshots in
+        flight together (open_store(host_memory=); None: no bound)."""
+        return self._puts.host_memory
+
+    @property
+    def staging(self):
+        """What the asynchronous puts' staging holds now (write.staging.StagingUse: the
+        bound, the bytes held, the most held at once, the puts staged in waves)."""
+        return self._puts.use()
+
     # -- writing ---------------------------------------------------------------
     @_public
     def put_snapshot(self, state, ref: str, *, step: int | None = None, metrics: dict | None = None,
@@ -386,6 +400,14 @@ class Store:
                             "when_busy='skip' cannot apply to a collective snapshot: the ranks would skip different "
                             "ones; pass when_busy='wait' (an asynchronous collective put waits for a free slot)")
                     plan = self.planner(allow_pickle, defer_device=True, cached=True).plan(state)
+                    if self._puts.too_big(plan):
+                        # Waves write blocks before the call's protocol has said which rank writes
+                        # each replicated one: refused, on every rank (the call aborts).
+                        raise InvalidArgument(
+                            f"this rank's state ({plan.staged_bytes} bytes to stage) is larger than the store's "
+                            f"host_memory ({self.host_memory} bytes): an asynchronous collective put stages it "
+                            "whole; open the store with a larger host_memory=, or put with blocking=True (it "
+                            "stages nothing)")
                     buf = self._puts.stage(plan, wait=True)
                     stalled.append(time.monotonic() - started)
                     return args, plan, buf
@@ -403,17 +425,47 @@ class Store:
             self.wait()
             with _bytes_bar(progress, "put", sum(b - a for leaf in plan.leaves for a, b in leaf.ranges)) as bar:
                 return self._publish(plan, args, progress=bar, timing=Timing(started))
-        buf = self._puts.stage(plan, wait=(when_busy or self.when_busy) == "wait")
+        wait = (when_busy or self.when_busy) == "wait"
+        if self._puts.too_big(plan):
+            return self._put_in_waves(state, plan, args, allow_pickle, wait, started)
+        buf = self._puts.stage(plan, wait=wait)
         if buf is None:
-            self._puts.skipped += 1
-            _log.info("snapshot skipped: ref %s step %s: %d snapshot(s) still in flight (max_inflight) and "
-                      "when_busy='skip'; %d skipped so far", args.ref, "-" if args.step is None else args.step,
-                      self.max_inflight, self._puts.skipped,
-                      extra={"tsck": {"event": "skipped", "ref": args.ref, "job": args.job, "step": args.step,
-                                      "why": "busy", "skipped": self._puts.skipped}})
+            self._skipped(args)
             return None
         timing = Timing(started, stall=time.monotonic() - started)
         return self._puts.submit(args.ref, buf, lambda: self._publish_async(plan, args, timing), kept=plan.kept)
+
+    def _put_in_waves(self, state, plan, args: SnapshotArgs, allow_pickle: bool, wait: bool, started: float):
+        """An asynchronous put of a state larger than host_memory: its blocks written in
+        waves through one buffer of the bound before this returns (write/waves.py: the
+        caller's tensors are read only here, so the snapshot is one state), its nodes and
+        commit in the background as for any asynchronous put."""
+        if getattr(plan, "from_cache", False):
+            # A kept layout's plan stages into views of one buffer of the whole state (and its
+            # inline tensors' bytes with them): planned whole instead.
+            plan = self.planner(allow_pickle, defer_device=True).plan(state)
+        fence: list = []
+
+        def write(wave) -> None:
+            if not fence:  # before the first block is looked for in storage
+                self.before_write()
+                fence.append(self.publisher.fence())
+            self.publisher.executor.write_blocks(wave, self.assets, fence=fence[0])
+
+        if not self._puts.stage_waves(plan, write, wait=wait):
+            self._skipped(args)
+            return None
+        plan.written = fence[0]
+        timing = Timing(started, stall=time.monotonic() - started)
+        return self._puts.submit(args.ref, None, lambda: self._publish_async(plan, args, timing))
+
+    def _skipped(self, args: SnapshotArgs) -> None:
+        self._puts.skipped += 1
+        _log.info("snapshot skipped: ref %s step %s: %d snapshot(s) still in flight (max_inflight, or the "
+                  "host_memory they hold) and when_busy='skip'; %d skipped so far", args.ref,
+                  "-" if args.step is None else args.step, self.max_inflight, self._puts.skipped,
+                  extra={"tsck": {"event": "skipped", "ref": args.ref, "job": args.job, "step": args.step,
+                                  "why": "busy", "skipped": self._puts.skipped}})
 
     def _publish_async(self, plan, args: SnapshotArgs, timing) -> SnapshotInfo:
         """An asynchronous put in the background: its failure is logged when it happens
@@ -460,7 +512,8 @@ class Store:
 
     @_storage_errors
     def _publish(self, plan, args: SnapshotArgs, progress=None, timing=None) -> SnapshotInfo:
-        self.before_write()
+        if plan.written is None:  # (a waved plan's writes began before its blocks: _put_in_waves)
+            self.before_write()
         return self.after_publish(self.publisher.publish(plan, args, progress=progress, timing=timing))
 
     def before_write(self) -> None:

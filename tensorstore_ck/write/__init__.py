@@ -15,7 +15,8 @@ compare-and-swap (docs/design/writing.md).
     plan.py           state -> plan: every value validated and cut into block jobs before
                       any write; nothing in it writes
     shard.py          Sharded / Replicated: a rank's piece of a global tensor
-    staging.py        reused host buffers for async snapshots
+    staging.py        reused host buffers for async snapshots, within the host-memory bound
+    waves.py          a state larger than the bound staged and written in waves
 
 Each room imports only those listed below it (pyproject.toml, import-linter).
 """

@@ -200,6 +200,9 @@ class Plan:
     shared: object = None
     pack_size: int = 0  # the planner's: packs formed again at write time stay within it
     reused: list = field(default_factory=list)  # the leaves naming a part of a stored pack (packparts.py)
+    # The gc fence its blocks were written under before publish(): a plan staged in waves
+    # (waves.py), whose bytes are no longer held; None: publish() writes its blocks.
+    written: int | None = None
 
     @property
     def staged_bytes(self) -> int:

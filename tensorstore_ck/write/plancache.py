@@ -261,6 +261,7 @@ class _CachedPlan(Plan):
     with the layout (one call for the host tensors); the leaves and the manifest value are
     made when first asked for, by the publisher (for an asynchronous put: in the background)."""
 
+    from_cache = True  # (a waved put plans its state whole instead: Store._put_in_waves)
     __repr__ = object.__repr__  # not the dataclass's: it would make the leaves to print them
     __eq__ = object.__eq__
     __hash__ = object.__hash__

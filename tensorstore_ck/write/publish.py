@@ -325,6 +325,8 @@ class Publisher:
         """The whole pipeline for one planned snapshot. Parts of stored packs it names
         that a gc deletion phase removed meanwhile (PartsGone, at the fenced move's
         re-validation) are written anew, and the snapshot published again."""
+        if plan.written is not None:
+            return self._publish_written(plan, args, timing)
         if plan.pack_size:
             self.learn_parts(args.ref)
         for _try in range(_PARTS_TRIES):
@@ -343,6 +345,26 @@ class Publisher:
                 packparts.unwrite(plan)
         raise SnapshotAborted(f"gc deletion phases removed packs this snapshot named, {_PARTS_TRIES} times; "
                               "nothing was published, take it again")
+
+    def _publish_written(self, plan: Plan, args: SnapshotArgs, timing: Timing | None) -> SnapshotInfo:
+        """publish() of a plan whose blocks were written already, under the fence
+        plan.written (a state staged in waves: waves.py): its nodes and commit. Its bytes
+        are not held any more, so a fenced move re-validates its blocks by address."""
+        packparts.learn_written(plan, self.assets.parts)
+        fence = plan.written
+        new: list = []
+        top, payloads = self.write_nodes(plan.value, fence, new)
+        digests = [r.digest for leaf in plan.leaves for r in leaf.results if r.counted]
+        return self.commit(top, args, stats=plan_stats(plan, new).as_dict(), fence=fence, timing=timing,
+                           revalidate=lambda body, fence: self.revalidate_written(digests, payloads, body, fence))
+
+    def revalidate_written(self, digests: list, payloads: list, commit_body: bytes, fence: int) -> None:
+        """After a fenced move, for a snapshot whose bytes are no longer held (staged in
+        waves): every block it names must still exist (SnapshotAborted where the deletion
+        phase removed one: nothing is published); its nodes and commit are written again."""
+        self.revalidate_addresses(digests, payloads, commit_body, fence,
+                                  what="this snapshot (staged in waves: its bytes are no longer held to write them "
+                                       "again)")
 
     def learn_parts(self, ref: str, rank: int | None = None) -> None:
         """The parts of packs named by the snapshot `ref` is on, else (a new ref: a fork of
