@@ -209,7 +209,7 @@ def open_store(url, *, create: bool = True,
     if saver == "process":
         _check_saver(url)
     gc_lease = _checked_gc_lease(gc_lease)
-    if shared_reads not in (None, True, False):
+    if shared_reads is not None and not isinstance(shared_reads, bool):
         raise InvalidArgument(f"shared_reads must be True, False or None (the default: on for an object store), "
                               f"got {shared_reads!r}")
     if shared_reads and local is not None:
