@@ -42,10 +42,15 @@ class Preempted(SystemExit):
 
     step: the step saved (None: none could be); durable: the snapshot reached the store's
     most durable place within the grace (the remote behind a local tier; always for a store
-    without one); signal: the signal's number; why: what went wrong, when something did."""
+    without one); signal: the signal's number; why: what went wrong, when something did.
+    close_by: when the grace ends (time.monotonic()): a Store's `with` block the exception
+    leaves closes by then (its uploads still queued stay in the local tier for the next
+    start), so the process ends with this status before the platform's SIGKILL."""
 
-    def __init__(self, step: int | None, *, signum: int, durable: bool, why: str = ""):
+    def __init__(self, step: int | None, *, signum: int, durable: bool, why: str = "",
+                 close_by: float | None = None):
         self.step, self.signal, self.durable, self.why = step, signum, durable, why
+        self.close_by = close_by
         super().__init__(128 + signum)
 
     def __str__(self) -> str:
@@ -83,6 +88,10 @@ class PreemptSignals:
     @property
     def seen(self) -> bool:
         return self.signum is not None
+
+    def ends_at(self) -> float:
+        """When the grace ends (time.monotonic())."""
+        return (time.monotonic() if self.at is None else self.at) + self.grace
 
     def remaining(self) -> float:
         """Seconds left of the grace since the first signal (the whole grace before one)."""

@@ -167,3 +167,127 @@ def test_sigterm_to_every_worker_at_once_saves_one_step_and_resumes_on_more_rank
     with tsck.open_store(out / "store", create=False) as s:
         assert [i.step for i in s.log(REF)] == [4] and s.log(REF)[0].meta["triggers"] == ["preempted"]
     _resume(runs, out, 3, first, 4)
+
+
+def test_sigterm_to_one_worker_saves_the_same_step_on_every_rank_and_resumes_on_as_many(tmp_path, runs):
+    """SIGTERM to rank 1 of 3 only: the per-step agreement makes it every rank's, at the
+    same step; every rank exits 143 (the ranks that got no signal say SIGTERM too); the
+    job resumes on 3 ranks, bit for bit."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 3, hold=3, end=50)
+    first.until_all("ready")
+    _kill(first.pids()[1], signal.SIGTERM)
+    first.until("rank 1's handler ran", lambda: first.heard(1))
+    first.go()
+    assert first.wait() == 1, first.log()
+    _preempted(first, 4)
+    assert [first.heard(r) for r in range(3)] == [0, 1, 0]
+    _resume(runs, out, 3, first, 4)
+
+
+def test_sigterm_to_the_torchrun_agent_reaches_every_worker_which_saves_and_exits_143(tmp_path, runs):
+    """SIGTERM to the agent (what a scheduler that signals only the main process sends):
+    torchrun forwards it to every worker (and SIGKILLs those alive 30 s later); each
+    saves the step and exits 143; the agent exits 1. Measured here: the seconds from the
+    agent's signal to its exit, well inside the default grace (20 s) on this machine."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 2, hold=3, end=50)
+    first.until_all("ready")
+    t0 = time.monotonic()
+    first.agent.send_signal(signal.SIGTERM)
+    first.until("every rank heard the forwarded signal", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    assert first.wait() == 1, first.log()
+    took = time.monotonic() - t0
+    _preempted(first, 4)
+    assert "Received Signals.SIGTERM death signal" in first.log() or "SIGTERM" in first.log(), first.log()
+    print(f"agent SIGTERM -> agent exit: {took:.2f} s")
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log(REF)] == [4]
+
+
+def test_a_second_sigterm_during_the_final_save_changes_nothing(tmp_path, runs):
+    """The platform repeats its notice while the final snapshot is being written (rank 0's
+    first write held until the second SIGTERM was heard): the program's own handler hears
+    both, the save goes on to the end (no second save, no hang, no early exit), every rank
+    exits 143 with the snapshot durable and whole."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 2, hold=3, end=50, hold_save=True)
+    first.until_all("ready")
+    pids = first.pids()
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    first.until_all("saving", ranks=[0])
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    first.until("rank 0 heard the second signal", lambda: first.heard(0) == 2)
+    first.go("release")
+    assert first.wait() == 1, first.log()
+    _preempted(first, 4)
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log(REF)] == [4]
+        assert s.fsck().ok
+        _same(s.checkout(REF)["model"], torch.load(first.file(0, "step4.pt"))["model"])
+
+
+def test_sigkill_while_the_final_snapshot_is_half_written_leaves_the_store_whole(tmp_path, runs):
+    """The grace runs out while the final snapshot is being written (rank 0's first write
+    held): the kubelet SIGKILLs every process. The store is whole (fsck clean: the
+    half-written snapshot's objects are orphans at most), its ref still at the interval
+    snapshot of step 2, and the job resumes there, bit for bit."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 2, hold=3, end=50, every=2, hold_save=True)
+    first.until_all("ready")
+    pids = first.pids()
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    first.until_all("saving", ranks=[0])
+    for pid in pids:
+        _kill(pid, signal.SIGKILL)
+    first.agent.send_signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    assert not any(first.file(r, "end.json").exists() for r in range(2))
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.fsck().ok
+        assert [i.step for i in s.log(REF)] == [2]
+    _resume(runs, out, 2, first, 2)
+
+
+def test_with_the_remote_down_the_final_snapshot_lands_in_the_tier_and_the_next_start_uploads_it(
+        tmp_path, runs, s3_url, s3_proxy, s3_server):
+    """Each rank has a local tier in front of S3; the network to S3 is cut before the notice.
+    The final snapshot is in the tiers within the grace (5 s), Preempted says not durable,
+    every worker exits 143. With S3 back, the next start resumes from the tiers at that
+    step and uploads it: the remote's ref then holds step 4."""
+    proxy, opts = s3_proxy
+    out = tmp_path / "run"
+    store = {"url": s3_url, "refs": str(tmp_path / "refs.lmdb"), "opts": opts, "tier": str(tmp_path / "tiers")}
+    first = runs(out, "first", 2, hold=3, end=50, every=2, grace=5, store=store)
+    first.until_all("ready")
+    proxy.blackout()
+    for pid in first.pids():
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    t0 = time.monotonic()
+    assert first.wait() == 1, first.log()
+    took = time.monotonic() - t0
+    print(f"go -> torchrun exit, remote down: {took:.2f} s")
+    # The store's close (its `with` block) waits for uploads no longer than the grace: the
+    # workers end with 143 before a platform's SIGKILL (without that bound: ~40 s here).
+    assert took < 5 + 10, first.log()
+    _preempted(first, 4, durable=False)
+    for e in first.ends():
+        assert e["committed"] < 5 and "local tier" in e["text"], e  # in the tier within the grace
+        assert e["seconds"] < 5 + 2, e  # and step() raised when the grace was over (the upload waited for)
+    with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
+        assert [i.step for i in s.log(REF)] == [2]  # the remote: only what was uploaded before the cut
+    proxy.restore()
+    _resume(runs, out, 2, first, 4, store=store)
+    with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
+        assert max(i.step for i in s.log(REF)) >= 4
+        assert s.fsck().ok
