@@ -181,7 +181,9 @@ def test_sigterm_to_one_worker_saves_the_same_step_on_every_rank_and_resumes_on_
     first.go()
     assert first.wait() == 1, first.log()
     _preempted(first, 4)
-    assert [first.heard(r) for r in range(3)] == [0, 1, 0]
+    # Only rank 1 had heard a signal when step() raised (the others may hear the agent's
+    # SIGTERM later, as it takes down the workers still alive once one has exited).
+    assert [e["seconds"] is not None for e in first.ends()] == [False, True, False]
     _resume(runs, out, 3, first, 4)
 
 
