@@ -203,6 +203,7 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         # the snapshots were taken (the store's publisher runs them in order), so the last
         # outcome heard, once nothing is in flight, is the newest attempt's.
         self._attempted = 0
+        self._began: dict = {}  # step -> when its snapshot was asked for (time.monotonic())
         self._committed_n = 0
         self._last_attempted_step: int | None = None
         self._last_committed_step: int | None = None

@@ -9,7 +9,7 @@ next start. It waits for the files the workers write and for process exits only.
 What torchrun reports: each preempted worker exits 143 (128 + SIGTERM); the agent, seeing a
 worker fail, takes the others down and exits 1 (ChildFailedError), or, when it got the
 SIGTERM itself, forwards it to its workers, waits for them (up to 30 s, then SIGKILL) and
-exits 1 too (its SignalException). docs/guide/preemption.md says how to requeue on each."""
+exits 1 too (its SignalException). docs/guide/torchrun.md says how to requeue on each."""
 
 from __future__ import annotations
 
