@@ -23,7 +23,7 @@ import warnings
 
 from ..errors import SnapshotWarning
 
-__all__ = ["Preempted", "PreemptSignals", "DEFAULT_GRACE"]
+__all__ = ["Preempted", "PreemptSignals", "DEFAULT_GRACE", "any_rank_preempted"]
 
 log = logging.getLogger(__package__)
 
@@ -131,3 +131,17 @@ class PreemptSignals:
             if signal.getsignal(s) == self._on_signal:
                 signal.signal(s, prev if prev is not None else signal.SIG_DFL)
         self._prev = {}
+
+
+def any_rank_preempted(seen: bool) -> bool:
+    """Whether any rank of the default process group saw a preemption signal: one
+    all-reduce (MAX) of one int64, every rank at the same point of its loop (the
+    integrations' per-step agreement; the manager's rides on its own, collective.py)."""
+    import torch
+    import torch.distributed as dist
+    backend = str(dist.get_backend())
+    dev = (torch.device("cuda", torch.cuda.current_device())
+           if "nccl" in backend and "gloo" not in backend else torch.device("cpu"))
+    t = torch.tensor([int(seen)], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
