@@ -73,6 +73,7 @@ class PreemptSignals:
         self.count = 0                  # signals seen (a second one changes nothing)
         self.saving = False             # the final snapshot has begun: the watchdog lets it end
         self._prev: dict[int, object] = {}
+        self._before: dict[int, object] = {}
         self._watch: threading.Thread | None = None
         self._closed = threading.Event()
         if not signals:
@@ -84,6 +85,7 @@ class PreemptSignals:
             return
         for s in signals:
             self._prev[s] = signal.signal(s, self._on_signal)
+        self._before = dict(self._prev)  # (what a signal does once closed, should another put this back)
 
     @property
     def seen(self) -> bool:
@@ -98,6 +100,14 @@ class PreemptSignals:
         return self.grace if self.at is None else max(0.0, self.grace - (time.monotonic() - self.at))
 
     def _on_signal(self, signum, frame) -> None:
+        if self._closed.is_set():  # put back after close() by a framework that had chained to it
+            prev = self._before.get(signum)
+            if callable(prev):
+                prev(signum, frame)
+            elif prev in (signal.SIG_DFL, None):
+                signal.signal(signum, signal.SIG_DFL)  # the default action, now
+                os.kill(os.getpid(), signum)
+            return
         self.count += 1
         if self.signum is None:
             self.signum, self.at = signum, time.monotonic()
