@@ -43,6 +43,7 @@ import numbers
 import os
 import re
 import shutil
+import signal
 
 import torch
 import transformers
@@ -54,6 +55,7 @@ from .interchange.hf_folder import (FILE_NAME, HF_META, MAX_CONFIG_BYTES, MAX_FI
 from .interchange.importing import import_files
 from .maintain.retention import Retention
 from .train import capture_rng
+from .train.preempt import DEFAULT_GRACE, Preempted, PreemptSignals, any_rank_preempted
 from .train.pruner import Pruner
 from .util.localfile import NotRegularFile, open_regular, write_dir
 from .write.shard import Replicated
@@ -259,10 +261,26 @@ class TsckCallback(TrainerCallback):
     Trainer's own (args.should_save). Sharded training (FSDP, DeepSpeed) is refused
     with InvalidArgument: its ranks hold different pieces of the parameters and
     optimizer state, which the Trainer saves through accelerate, not in on_save's
-    arguments."""
+    arguments.
+
+    Preemption, as CheckpointManager's (train/preempt.py): SIGTERM (and the signals in
+    preempt_signals=; () catches none) is noted, chained to the handler installed before;
+    at the next step's end (every rank agreeing: one rank's signal is enough) the Trainer
+    is told to save and stop; that save is blocking, its upload awaited for what is left
+    of preempt_grace= seconds, and on_save raises tsck.Preempted (exit status 143 left
+    alone; `preempted` keeps it). No step ending within the grace: the process ends then,
+    as the signal would have ended it. Make the callback in the main thread."""
 
     def __init__(self, store, *, job: str, ref: str | None = None, keep_local: bool = True, async_: bool = True,
-                 retention=None, prune: bool | None = None, latest: bool = True):
+                 retention=None, prune: bool | None = None, latest: bool = True,
+                 preempt_signals=(signal.SIGTERM,), preempt_grace: float = DEFAULT_GRACE):
+        if isinstance(preempt_grace, bool) or not isinstance(preempt_grace, numbers.Real) or not preempt_grace > 0:
+            raise InvalidArgument(f"preempt_grace must be a number of seconds > 0, got {preempt_grace!r}")
+        try:
+            preempt_signals = tuple(signal.Signals(s) for s in (preempt_signals or ()))
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"preempt_signals must be signals (e.g. (signal.SIGTERM, signal.SIGUSR1)), "
+                                  f"got {preempt_signals!r}") from None
         self.store = store
         self.job = job
         self.ref = ref or f"{job}/main"
@@ -278,6 +296,43 @@ class TsckCallback(TrainerCallback):
         self._set_up = False
         if retention is not None:
             store.set_retention(job, retention)
+        self.preempted: Preempted | None = None  # set by a preemption's save (on_save raises it)
+        self._stopping = False  # a preemption agreed: the Trainer's next save is the final one
+        self._preempt = PreemptSignals(preempt_signals, float(preempt_grace))  # last: a handler is process state
+
+    def on_step_end(self, args, state, control, **kwargs):
+        seen = self._preempt.seen
+        if args.world_size > 1:  # every rank, every step: one rank's signal is everyone's, at one step
+            seen = any_rank_preempted(seen)
+        if seen:
+            self._preempt.saving = True  # (the watchdog lets the save end)
+            self._stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def _save_preempted(self, put, step: int) -> None:
+        """The final save of a preemption: after the snapshots in flight, blocking, its
+        upload awaited for the grace left; then Preempted, raised."""
+        pre = self._preempt
+        why, durable, res = "", False, None
+        try:
+            self.store.wait()
+        except Exception:  # noqa: BLE001 - an earlier snapshot's failure: the final one still goes
+            pass
+        try:
+            res = put()
+            self.last = res
+            durable = bool(self.store.wait_durable(timeout=pre.remaining()))
+            if not durable:
+                why = f"its upload did not end within the grace ({pre.grace:g} s); the local tier keeps it"
+        except Exception as e:  # noqa: BLE001 - said in the exception the process ends with
+            why = f"the final snapshot failed: {type(e).__name__}: {e}"
+        signum = pre.signum if pre.signum is not None else signal.SIGTERM  # (another rank's signal)
+        self.preempted = Preempted(step if res is not None else None, signum=int(signum), durable=durable,
+                                   why=why, close_by=pre.ends_at())
+        pre.close()
+        raise self.preempted
 
     def _setup(self, args) -> None:
         """The job's retention from save_total_limit, and the pruner; once (on_init_end,
@@ -337,8 +392,12 @@ class TsckCallback(TrainerCallback):
                 self._pruner.wait()  # the job's own deletion phase never meets its next snapshot
         snap, meta = trainer_state(model, optimizer, lr_scheduler, state, scaler=scaler, rng_ranks=rng_ranks,
                                    files=files)
-        res = self.store.put_snapshot(snap, ref=self.ref, job=self.job, step=state.global_step,
-                                      metrics=_metrics(state.log_history), meta=meta, blocking=not self.async_)
+        put = lambda blocking: self.store.put_snapshot(  # noqa: E731
+            snap, ref=self.ref, job=self.job, step=state.global_step, metrics=_metrics(state.log_history),
+            meta={**meta, "triggers": ["preempted"]} if self._stopping else meta, blocking=blocking)
+        if self._stopping:
+            self._save_preempted(lambda: put(True), state.global_step)
+        res = put(not self.async_)
         self.last = res
         if self._pruner is not None:
             if collective and hasattr(res, "add_done_callback"):
@@ -354,6 +413,7 @@ class TsckCallback(TrainerCallback):
         self._remove_committed()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._preempt.close()
         self.store.wait()
         self._remove_committed()
         if self._pruner is not None:

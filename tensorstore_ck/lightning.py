@@ -60,6 +60,7 @@ import io
 import logging
 import os
 import re
+import signal
 import sys
 from collections import OrderedDict
 
@@ -68,6 +69,7 @@ import torch
 try:
     from lightning.fabric.plugins import CheckpointIO
     from lightning.fabric.utilities.data import AttributeDict
+    from lightning.pytorch.callbacks import Callback
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("tensorstore_ck.lightning needs PyTorch Lightning: pip install 'tensorstore_ck[lightning]'") \
         from e
@@ -75,9 +77,10 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 from .ckpt_pointer import MAX_POINTER_BYTES, POINTER_FORMAT, parse_pointer, pointer_bytes, read_local_pointer
 from .errors import FormatError, InvalidArgument, RefConflict, RefNotFound, UnsupportedType
 from .format.names import MAX_NAME_BYTES, validate_component
+from .train.preempt import DEFAULT_GRACE, Preempted, PreemptSignals, any_rank_preempted
 from .util.localfile import sync_dir, write_atomic
 
-__all__ = ["TsckCheckpointIO", "ref_for_path", "POINTER_FORMAT", "read_pointer", "load_checkpoint", "open_checkpoint"]
+__all__ = ["TsckCheckpointIO", "TsckPreemption", "ref_for_path", "POINTER_FORMAT", "read_pointer", "load_checkpoint", "open_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +232,64 @@ def _named_in_dir(path) -> set[str]:
         if ptr is not None:
             out.add(ptr["root"])
     return out
+
+
+class TsckPreemption(Callback):
+    """Preemption for a Lightning run, as CheckpointManager's (train/preempt.py): SIGTERM
+    (and the signals in preempt_signals=; () catches none) is noted, chained to the handler
+    installed before (Lightning's own, installed at fit(), chains to this one in turn). At
+    the end of the next training batch (every rank agreeing: one rank's signal is enough)
+    the trainer saves `<dirpath>/<filename>.ckpt` (dirpath: the ModelCheckpoint's, else the
+    trainer's default_root_dir), through its CheckpointIO (TsckCheckpointIO: into the store,
+    blocking), its upload awaited for what is left of preempt_grace= seconds, and
+    tsck.Preempted is raised: left alone, exit status 143 (Lightning's own SIGTERM path
+    would end with SIGTERMException, status 0, after saving nothing). `preempted` keeps it.
+    No batch ending within the grace: the process ends then, as the signal would have
+    ended it. Make it in the main thread, before fit()."""
+
+    def __init__(self, *, dirpath=None, filename: str = "preempted", preempt_signals=(signal.SIGTERM,),
+                 preempt_grace: float = DEFAULT_GRACE):
+        if isinstance(preempt_grace, bool) or not isinstance(preempt_grace, (int, float)) or not preempt_grace > 0:
+            raise InvalidArgument(f"preempt_grace must be a number of seconds > 0, got {preempt_grace!r}")
+        try:
+            preempt_signals = tuple(signal.Signals(s) for s in (preempt_signals or ()))
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"preempt_signals must be signals (e.g. (signal.SIGTERM, signal.SIGUSR1)), "
+                                  f"got {preempt_signals!r}") from None
+        self.dirpath, self.filename = dirpath, filename
+        self.preempted: Preempted | None = None
+        self._preempt = PreemptSignals(preempt_signals, float(preempt_grace))
+
+    def on_train_batch_end(self, trainer, _pl_module, _outputs, _batch, _batch_idx) -> None:  # (Lightning's order)
+        pre = self._preempt
+        seen = pre.seen
+        if trainer.world_size > 1:  # every rank, every batch: one rank's signal is everyone's, at one step
+            seen = any_rank_preempted(seen)
+        if not seen:
+            return
+        pre.saving = True  # (the watchdog lets the save end)
+        ck = trainer.checkpoint_callback
+        where = self.dirpath or (getattr(ck, "dirpath", None) if ck is not None else None) or trainer.default_root_dir
+        path = os.path.join(os.fspath(where), f"{self.filename}.ckpt")
+        step, why, durable = trainer.global_step, "", False
+        try:
+            trainer.save_checkpoint(path)
+            io_ = trainer.strategy.checkpoint_io
+            store = getattr(getattr(io_, "checkpoint_io", io_), "store", None)  # (through an AsyncCheckpointIO too)
+            durable = True if store is None else bool(store.wait_durable(timeout=pre.remaining()))
+            if not durable:
+                why = f"its upload did not end within the grace ({pre.grace:g} s); the local tier keeps it"
+        except Exception as e:  # noqa: BLE001 - said in the exception the process ends with
+            step, why = None, f"the final checkpoint failed: {type(e).__name__}: {e}"
+        signum = pre.signum if pre.signum is not None else signal.SIGTERM  # (another rank's signal)
+        self.preempted = Preempted(step, signum=int(signum), durable=durable, why=why, close_by=pre.ends_at())
+        raise self.preempted
+
+    def on_exception(self, _trainer, _pl_module, _exception) -> None:
+        self._preempt.close()
+
+    def teardown(self, *_args, **_kwargs) -> None:  # (Lightning passes stage= by name)
+        self._preempt.close()
 
 
 class TsckCheckpointIO(CheckpointIO):

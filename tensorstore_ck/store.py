@@ -226,7 +226,9 @@ class Store:
         close() thus hears that its last snapshot failed. Raised once: a second close()
         returns quietly. Several such failures: the first is raised, a note counts the
         others (their futures hold them). As a context manager, an exception already
-        leaving the `with` block is not replaced: it gets the failure as a note.
+        leaving the `with` block is not replaced: it gets the failure as a note; one with
+        a `close_by` time (train.Preempted: the end of the preemption's grace) bounds
+        the wait for uploads by then.
 
         timeout: with a local tier, the seconds close() waits for the queued uploads
         (from its start; None: no bound; default CLOSE_TIMEOUT, 300). It waits while they
@@ -271,8 +273,12 @@ class Store:
         if exc is None:
             self.close()
             return
+        timeout = CLOSE_TIMEOUT
+        by = getattr(exc, "close_by", None)  # an exit that must come by then (train.Preempted: the grace's end)
+        if isinstance(by, (int, float)):
+            timeout = max(0.0, by - time.monotonic())
         try:
-            self.close()
+            self.close(timeout)
         except Exception as err:  # noqa: BLE001 - the exception already on its way out wins
             if err is not exc:
                 note(exc, f"while closing the store at {self.url}: {type(err).__name__}: {err}")

@@ -42,10 +42,13 @@ _.on_init_end  # TsckCallback
 _.on_train_begin  # TsckCallback
 _.on_save  # TsckCallback
 _.on_train_end  # TsckCallback
-_.control  # the TrainerCallback signature: transformers passes (args, state, control) positionally
+_.on_step_end  # TsckCallback (preemption)
+_.should_training_stop  # TrainerControl: read by the Trainer
 
 # -- Lightning calls these (CheckpointIO) -----------------------------------------------
-_.save_checkpoint  # TsckCheckpointIO
+_.on_train_batch_end  # TsckPreemption (a Lightning Callback)
+_.on_exception  # TsckPreemption
+_.teardown  # TsckPreemption
 _.remove_checkpoint  # TsckCheckpointIO
 
 # -- psycopg reads this ----------------------------------------------------------------

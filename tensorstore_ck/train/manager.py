@@ -203,6 +203,7 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         # the snapshots were taken (the store's publisher runs them in order), so the last
         # outcome heard, once nothing is in flight, is the newest attempt's.
         self._attempted = 0
+        self._began: dict = {}  # step -> when its snapshot was asked for (time.monotonic())
         self._committed_n = 0
         self._last_attempted_step: int | None = None
         self._last_committed_step: int | None = None
@@ -310,6 +311,12 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
             self.store.wait()  # the snapshots in flight end first, each as it ends
         except Exception:  # noqa: BLE001 - an earlier snapshot's failure (reported already): the final one still goes,
             pass           # on every rank alike (a rank that skipped it would leave the others to their deadline)
+        took, left = self._last_seconds, pre.remaining()
+        if took is not None and took > left:  # said before the save, which still goes: it may be faster (dedup)
+            warnings.warn(f"CheckpointManager {self.job}: preempted; the last snapshot took {took:.1f} s and "
+                          f"{left:.1f} s of the grace ({pre.grace:g} s) are left: the final snapshot of step {step} "
+                          f"may not fit (it is tried; Preempted says whether it made it)",
+                          SnapshotWarning, stacklevel=caller_level())
         try:
             if collective:
                 res = self._collective_snapshot(kw, best_before, blocking=True, deadline=max(pre.remaining(), 1.0))
@@ -333,7 +340,7 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
                 why = f"its upload failed ({type(e).__name__}: {e}); the local tier keeps it"
             if not durable and not why:
                 why = f"its upload did not end within the grace ({pre.grace:g} s); the local tier keeps it"
-        exc = Preempted(step if saved else None, signum=int(signum), durable=durable, why=why)
+        exc = Preempted(step if saved else None, signum=int(signum), durable=durable, why=why, close_by=pre.ends_at())
         if not durable:
             warnings.warn(f"CheckpointManager {self.job}: {exc}", SnapshotWarning, stacklevel=caller_level())
         self.preempted = exc

@@ -4,6 +4,7 @@ counted, an answer lost on a ref move told apart from a failure, and the CloseRe
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -56,6 +57,9 @@ class Outcomes:
         with self._failures_lock:
             self._attempted += 1
             self._prev_attempted_step, self._last_attempted_step = self._last_attempted_step, step
+            self._began[step] = time.monotonic()  # (its commit measures the snapshot's wall time from here)
+            if len(self._began) > 64:  # failed ones never commit: the oldest goes
+                self._began.pop(next(iter(self._began)))
             return self._attempted
 
     def _unattempt(self, n: int) -> None:

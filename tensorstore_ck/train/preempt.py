@@ -23,7 +23,7 @@ import warnings
 
 from ..errors import SnapshotWarning
 
-__all__ = ["Preempted", "PreemptSignals", "DEFAULT_GRACE"]
+__all__ = ["Preempted", "PreemptSignals", "DEFAULT_GRACE", "any_rank_preempted"]
 
 log = logging.getLogger(__package__)
 
@@ -42,10 +42,15 @@ class Preempted(SystemExit):
 
     step: the step saved (None: none could be); durable: the snapshot reached the store's
     most durable place within the grace (the remote behind a local tier; always for a store
-    without one); signal: the signal's number; why: what went wrong, when something did."""
+    without one); signal: the signal's number; why: what went wrong, when something did.
+    close_by: when the grace ends (time.monotonic()): a Store's `with` block the exception
+    leaves closes by then (its uploads still queued stay in the local tier for the next
+    start), so the process ends with this status before the platform's SIGKILL."""
 
-    def __init__(self, step: int | None, *, signum: int, durable: bool, why: str = ""):
+    def __init__(self, step: int | None, *, signum: int, durable: bool, why: str = "",
+                 close_by: float | None = None):
         self.step, self.signal, self.durable, self.why = step, signum, durable, why
+        self.close_by = close_by
         super().__init__(128 + signum)
 
     def __str__(self) -> str:
@@ -68,6 +73,7 @@ class PreemptSignals:
         self.count = 0                  # signals seen (a second one changes nothing)
         self.saving = False             # the final snapshot has begun: the watchdog lets it end
         self._prev: dict[int, object] = {}
+        self._before: dict[int, object] = {}
         self._watch: threading.Thread | None = None
         self._closed = threading.Event()
         if not signals:
@@ -79,16 +85,29 @@ class PreemptSignals:
             return
         for s in signals:
             self._prev[s] = signal.signal(s, self._on_signal)
+        self._before = dict(self._prev)  # (what a signal does once closed, should another put this back)
 
     @property
     def seen(self) -> bool:
         return self.signum is not None
+
+    def ends_at(self) -> float:
+        """When the grace ends (time.monotonic())."""
+        return (time.monotonic() if self.at is None else self.at) + self.grace
 
     def remaining(self) -> float:
         """Seconds left of the grace since the first signal (the whole grace before one)."""
         return self.grace if self.at is None else max(0.0, self.grace - (time.monotonic() - self.at))
 
     def _on_signal(self, signum, frame) -> None:
+        if self._closed.is_set():  # put back after close() by a framework that had chained to it
+            prev = self._before.get(signum)
+            if callable(prev):
+                prev(signum, frame)
+            elif prev in (signal.SIG_DFL, None):
+                signal.signal(signum, signal.SIG_DFL)  # the default action, now
+                os.kill(os.getpid(), signum)
+            return
         self.count += 1
         if self.signum is None:
             self.signum, self.at = signum, time.monotonic()
@@ -122,3 +141,17 @@ class PreemptSignals:
             if signal.getsignal(s) == self._on_signal:
                 signal.signal(s, prev if prev is not None else signal.SIG_DFL)
         self._prev = {}
+
+
+def any_rank_preempted(seen: bool) -> bool:
+    """Whether any rank of the default process group saw a preemption signal: one
+    all-reduce (MAX) of one int64, every rank at the same point of its loop (the
+    integrations' per-step agreement; the manager's rides on its own, collective.py)."""
+    import torch
+    import torch.distributed as dist
+    backend = str(dist.get_backend())
+    dev = (torch.device("cuda", torch.cuda.current_device())
+           if "nccl" in backend and "gloo" not in backend else torch.device("cpu"))
+    t = torch.tensor([int(seen)], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

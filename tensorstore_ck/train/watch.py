@@ -152,6 +152,7 @@ class Watching:
         self._init_durable(hooks)
         self._local_failures = 0   # this process's own failed snapshots (a collective one: failed_snapshots)
         self._last_commit: float | None = None  # commit time of the job's newest committed snapshot
+        self._last_seconds: float | None = None  # how long that snapshot took, asked for to committed
         self._watch_lock = threading.Condition()
         self._callbacks = 0  # done-callbacks of asynchronous snapshots not run yet (wait() waits for them)
 
@@ -218,6 +219,11 @@ class Watching:
         self._outcome_ok(info.step)
         with self._watch_lock:
             last, self._last_commit = self._last_commit, max(info.time, self._last_commit or info.time)
+            # Asked for to committed, the wait for earlier snapshots included: what a
+            # preemption's save compares with the grace left.
+            began = self._began.pop(info.step, None)
+            if began is not None:
+                self._last_seconds = time.monotonic() - began
         if not self._hooks:
             return
         try:

@@ -29,7 +29,7 @@ from tensorstore_ck.interchange.export import export_file  # noqa: E402
 
 import _zygote as zygote
 
-from _util import assert_same, hf_trainer, object_listing, run_cli, tiny_model
+from _util import assert_same, child_env, hf_trainer, object_listing, run_cli, tiny_model
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -356,3 +356,57 @@ def test_save_total_limit_is_the_jobs_retention_unless_one_is_given(tmp_path):
                 save_total_limit=2).train()
         assert s.retention()["own"] == tsck.Retention(keep_last=3)
         assert [i.step for i in s.log("own/main")] == [20, 15, 10]
+
+
+PREEMPT_CHILD = r"""
+import json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[2], "tests"))
+from transformers import TrainerCallback
+import tensorstore_ck as tsck
+from tensorstore_ck import hf
+from _util import hf_trainer
+
+out = sys.argv[1]
+
+class Pause(TrainerCallback):  # at step 7's end: say so, wait for the test's signal (stdin)
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 7:
+            print("step 7", flush=True)
+            input()
+
+store = tsck.open_store(os.path.join(out, "store"))
+cb = hf.TsckCallback(store, job="gpt", preempt_grace=60)
+t = hf_trainer(os.path.join(out, "run"), [Pause(), cb], 20)
+try:
+    t.train()
+except tsck.Preempted as e:
+    with open(os.path.join(out, "res.json"), "w") as f:
+        json.dump({"step": e.step, "durable": e.durable, "code": e.code, "text": str(e)}, f)
+    raise
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_mid_training_saves_that_step_and_ends_with_143(tmp_path):
+    """The real Trainer in its own process, SIGTERM at step 7's end (saves every 5 steps):
+    the callback tells the Trainer to save and stop at the next step end (7 here: the
+    signal came during it), saves that step blocking and raises Preempted: exit status 143,
+    the store's newest snapshot of step 7, beside the Trainer's own checkpoint-7."""
+    import signal
+    import subprocess
+    p = zygote.Popen([sys.executable, "-c", PREEMPT_CHILD, str(tmp_path), str(ROOT)], cwd=ROOT,
+                     env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.strip() == "step 7":
+            break
+    p.send_signal(signal.SIGTERM)
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 143, err[-3000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert (res["step"], res["durable"], res["code"]) == (7, True, 143), res
+    with tsck.open_store(tmp_path / "store", create=False) as s:
+        assert [i.step for i in s.log("gpt/main")] == [7, 5]
+    assert (tmp_path / "run" / "checkpoint-7").is_dir()

@@ -389,3 +389,65 @@ def test_example_kill_and_resume_is_bit_identical(tmp_path):
         assert sorted(store.refs("lt/")) == ["lt/epoch_1-step_25", "lt/epoch_2-step_30", "lt/last"]
     for k in ("state_dict", "optimizer_states", "lr_schedulers", "torch_rng", "loops", "global_step", "epoch"):
         assert_same(want[k], got[k], k)
+
+
+PREEMPT_CHILD = r"""
+import importlib.util, json, os, sys
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+import tensorstore_ck as tsck
+from tensorstore_ck.lightning import TsckCheckpointIO, TsckPreemption
+
+out, example = sys.argv[1], sys.argv[2]
+spec = importlib.util.spec_from_file_location("lightning_resume", example)
+ex = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ex)
+
+class Pause(Callback):  # at step 7's end: say so, wait for the test's signal (stdin)
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 7:
+            print("step 7", flush=True)
+            input()
+
+torch.set_num_threads(1)
+L.seed_everything(0, verbose=False)
+store = tsck.open_store(os.path.join(out, "store"))
+pre = TsckPreemption(preempt_grace=60)
+trainer = L.Trainer(max_steps=30, plugins=[TsckCheckpointIO(store, job="lt")], logger=False,
+                    callbacks=[Pause(), pre, ModelCheckpoint(dirpath=os.path.join(out, "ck"), every_n_train_steps=5)],
+                    enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+try:
+    trainer.fit(ex.Net())
+except tsck.Preempted as e:
+    with open(os.path.join(out, "res.json"), "w") as f:
+        json.dump({"step": e.step, "durable": e.durable, "code": e.code, "text": str(e)}, f)
+    raise
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_mid_training_saves_that_step_and_ends_with_143(tmp_path):
+    """Real Lightning, SIGTERM at step 7's end (ModelCheckpoint every 5 steps): Lightning's
+    handler chains to TsckPreemption's; at that batch's end it saves ck/preempted.ckpt
+    through TsckCheckpointIO (the store, step 7) and raises Preempted: exit status 143
+    (Lightning's own SIGTERMException would end with 0, nothing saved)."""
+    import signal
+    import subprocess
+
+    from _util import child_env
+    p = zygote.Popen([sys.executable, "-c", PREEMPT_CHILD, str(tmp_path), str(EXAMPLE)], cwd=REPO, env=child_env(),
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.strip() == "step 7":
+            break
+    p.send_signal(signal.SIGTERM)
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    _out, err = p.communicate(timeout=300)
+    assert p.returncode == 143, err[-3000:]
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert (res["step"], res["durable"], res["code"]) == (7, True, 143), res
+    assert read_pointer(tmp_path / "ck" / "preempted.ckpt")["step"] == 7
+    with tsck.open_store(tmp_path / "store", create=False) as s:
+        assert [i.step for i in s.log("lt/preempted")] == [7]

@@ -8,6 +8,7 @@ tests/train/test_dist_manager.py."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -27,13 +28,25 @@ out, mode = sys.argv[1], sys.argv[2]
 heard = []
 if mode == "chained":
     signal.signal(signal.SIGTERM, lambda s, f: heard.append(s))
-store = tsck.open_store(os.path.join(out, "store"))
+wrap = None
+if mode == "slow":  # a store whose commits take 1.5 s: longer than the grace (1 s)
+    from tensorstore_ck.storage.wrappers import WrappedStore
+    class Slow(WrappedStore):
+        def put_if_absent(self, key, bufs):
+            if key.startswith("commits/"):
+                time.sleep(1.5)
+            return self.inner.put_if_absent(key, bufs)
+    wrap = Slow
+store = tsck.open_store(os.path.join(out, "store"), wrap_storage=wrap)
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 8)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 kw = {"preempt_signals": ()} if mode == "off" else {}
-mgr = tsck.CheckpointManager(store, job="j", state={"model": model, "opt": opt}, every_steps=10**6,
-                             preempt_grace=2 if mode == "stuck" else 60, **kw)
+if mode == "slow":
+    kw.update(preempt_grace=1, async_=False)
+mgr = tsck.CheckpointManager(store, job="j", state={"model": model, "opt": opt},
+                             every_steps=3 if mode == "slow" else 10**6,
+                             **{"preempt_grace": 2 if mode == "stuck" else 60, **kw})
 for step in range(1, 10**6):
     loss = model(torch.randn(4, 8)).pow(2).mean()
     opt.zero_grad(); loss.backward(); opt.step()
@@ -102,6 +115,20 @@ def test_a_loop_that_never_steps_again_ends_within_the_grace(tmp_path):
     assert "no CheckpointManager.step() came within 2 s" in text
     with tsck.open_store(tmp_path / "store", create=False) as s:
         assert "j/main" not in s.refs()
+
+
+def test_a_final_snapshot_longer_than_the_grace_left_is_warned_and_still_tried(tmp_path):
+    """The snapshot of step 3 took 1.5 s; the grace is 1 s: before the final save a
+    SnapshotWarning says it may not fit, the save is still tried, and Preempted says it
+    made it (one process: nothing bounds its put, so it does)."""
+    p, text = _run(tmp_path, "slow")
+    assert p.returncode == 143, text
+    assert re.search(r"the last snapshot took 1\.\d s and [01]\.\d s of the grace \(1 s\) are left", text), text
+    assert "may not fit" in text, text
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert (res["step"], res["durable"]) == (4, True), res
+    with tsck.open_store(tmp_path / "store", create=False) as s:
+        assert [i.step for i in s.log("j/main")] == [4, 3]
 
 
 def test_preempt_signals_off_leaves_the_signal_alone(tmp_path):

@@ -1,0 +1,295 @@
+"""Preemption under real torchrun (`python -m torch.distributed.run --standalone`, 2 to 3
+gloo ranks on CPU) running tests/helpers/preempt_torchrun.py, a DDP loop with a
+CheckpointManager. The test sends real signals, as the platforms do: SIGTERM to every
+worker at once (Kubernetes), to one worker, to the torchrun agent; a second SIGTERM during
+the final save; SIGKILL while it is half written (the end of the grace); and, with a local
+tier whose S3 remote is cut off, the final snapshot kept in the tier and uploaded by the
+next start. It waits for the files the workers write and for process exits only.
+
+What torchrun reports: each preempted worker exits 143 (128 + SIGTERM); the agent, seeing a
+worker fail, takes the others down and exits 1 (ChildFailedError), or, when it got the
+SIGTERM itself, forwards it to its workers, waits for them (up to 30 s, then SIGKILL) and
+exits 1 too (its SignalException). docs/guide/torchrun.md says how to requeue on each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import _zygote as zygote
+import tensorstore_ck as tsck
+from _util import REPO, child_env, same_bits
+
+pytestmark = pytest.mark.slow  # torchrun's agent and its ranks, twice per test
+
+SCRIPT = REPO / "tests" / "helpers" / "preempt_torchrun.py"
+DEADLINE = float(os.environ.get("DBG_DEADLINE", 240))  # for each wait: generous, the machine is shared
+REF = "run/main"
+
+
+class Run:
+    """One torchrun of the helper: start(), then wait for its workers' files and exit."""
+
+    def __init__(self, out: Path, phase: str, world: int, **cfg):
+        self.out, self.phase, self.world = out, phase, world
+        out.mkdir(exist_ok=True)
+        conf = out / f"{phase}.json"
+        conf.write_text(json.dumps({"phase": phase, **cfg}))
+        env = child_env(TORCH_CPP_LOG_LEVEL="ERROR", **{zygote.SUBPROCESS: "1"})  # the agent's ranks: forks too
+        for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        self.err = open(out / f"{phase}_agent.err", "w")
+        self.agent = zygote.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   f"--nproc-per-node={world}", str(SCRIPT), str(out), str(conf)],
+                                  cwd=REPO, env=env, stdout=self.err, stderr=subprocess.STDOUT)
+
+    def file(self, rank: int, name: str) -> Path:
+        return self.out / f"{self.phase}_rank{rank}_{name}"
+
+    def until(self, what: str, cond) -> None:
+        deadline = time.monotonic() + DEADLINE
+        while not cond():
+            if self.agent.poll() is not None and not cond():
+                raise AssertionError(f"{self.phase}: torchrun exited {self.agent.returncode} before {what}:\n"
+                                     f"{self.log()}")
+            assert time.monotonic() < deadline, f"{self.phase}: timed out waiting for {what}:\n{self.log()}"
+            time.sleep(0.02)
+
+    def until_all(self, name: str, ranks=None) -> None:
+        ranks = range(self.world) if ranks is None else ranks
+        self.until(f"{name} of ranks {list(ranks)}", lambda: all(self.file(r, name).exists() for r in ranks))
+
+    def pids(self) -> list[int]:
+        self.until_all("start.json")
+        return [json.loads(self.file(r, "start.json").read_text())["pid"] for r in range(self.world)]
+
+    def heard(self, rank: int) -> int:
+        f = self.file(rank, "heard")
+        return len(f.read_text().split()) if f.exists() else 0
+
+    def go(self, name: str = "go") -> None:
+        (self.out / name).touch()
+
+    def wait(self) -> int:
+        try:
+            return self.agent.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            text = self.log()
+            self.kill()
+            raise AssertionError(f"{self.phase}: torchrun did not end:\n{text}") from None
+
+    def kill(self) -> None:
+        for pid in self._live_pids():
+            _kill(pid, signal.SIGKILL)
+        if self.agent.poll() is None:
+            self.agent.kill()
+            self.agent.wait()
+        self.err.close()
+
+    def _live_pids(self) -> list[int]:
+        return [json.loads(self.file(r, "start.json").read_text())["pid"] for r in range(self.world)
+                if self.file(r, "start.json").exists()]
+
+    def ends(self) -> list[dict]:
+        return [json.loads(self.file(r, "end.json").read_text()) for r in range(self.world)]
+
+    def log(self) -> str:
+        return (self.out / f"{self.phase}_agent.err").read_text()[-6000:]
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield lambda *a, **kw: started.append(Run(*a, **kw)) or started[-1]
+    for r in started:
+        r.kill()
+
+
+def _resume(runs, out: Path, world: int, first: Run, at: int, **cfg) -> Run:
+    """A new torchrun on `world` ranks resumes: every rank at step `at`, each holding bit
+    for bit what rank 0 of the first run held after that step (DDP: the same on every rank)."""
+    r = runs(out, "resume", world, end=at + 2, **cfg)
+    assert r.wait() == 0, r.log()
+    want = torch.load(first.file(0, f"step{at}.pt"))
+    for rank in range(world):
+        assert json.loads(r.file(rank, "start.json").read_text())["start"] == at
+        got = torch.load(r.file(rank, "restored.pt"))
+        _same(got, want)
+    return r
+
+
+def _same(got, want) -> None:
+    if isinstance(want, dict):
+        assert set(got) == set(want), (set(got), set(want))
+        for k in want:
+            _same(got[k], want[k])
+    elif isinstance(want, torch.Tensor):
+        assert same_bits(got, want)
+    else:
+        assert got == want
+
+
+def _preempted(run: Run, step: int, durable: bool = True) -> None:
+    for rank, e in enumerate(run.ends()):
+        assert (e["step"], e["at"], e["code"], e["durable"]) == (step, step, 143, durable), (rank, e)
+
+
+def test_sigterm_to_every_worker_at_once_saves_one_step_and_resumes_on_more_ranks(tmp_path, runs):
+    """As Kubernetes stops a pod: SIGTERM to every worker at once. Every rank saves the next
+    step (no interval snapshot was due), exits 143; torchrun exits 1. The job resumes
+    from that step on 3 ranks (rank 2, beyond the saved world, reads rank 0's tree)."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 2, hold=3, end=50)
+    first.until_all("ready")
+    for pid in first.pids():
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    assert first.wait() == 1, first.log()
+    _preempted(first, 4)
+    assert "exitcode  : 143" in first.log() or "exitcode: 143" in first.log(), first.log()
+    assert _same(torch.load(first.file(1, "step4.pt")), torch.load(first.file(0, "step4.pt"))) is None
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log(REF)] == [4] and s.log(REF)[0].meta["triggers"] == ["preempted"]
+    _resume(runs, out, 3, first, 4)
+
+
+def test_sigterm_to_one_worker_saves_the_same_step_on_every_rank_and_resumes_on_as_many(tmp_path, runs):
+    """SIGTERM to rank 1 of 3 only: the per-step agreement makes it every rank's, at the
+    same step; every rank exits 143 (the ranks that got no signal say SIGTERM too); the
+    job resumes on 3 ranks, bit for bit."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 3, hold=3, end=50)
+    first.until_all("ready")
+    _kill(first.pids()[1], signal.SIGTERM)
+    first.until("rank 1's handler ran", lambda: first.heard(1))
+    first.go()
+    assert first.wait() == 1, first.log()
+    _preempted(first, 4)
+    # Only rank 1 had heard a signal when step() raised (the others may hear the agent's
+    # SIGTERM later, as it takes down the workers still alive once one has exited).
+    assert [e["seconds"] is not None for e in first.ends()] == [False, True, False]
+    _resume(runs, out, 3, first, 4)
+
+
+def test_sigterm_to_the_torchrun_agent_reaches_every_worker_which_saves_and_exits_143(tmp_path, runs):
+    """SIGTERM to the agent (what a scheduler that signals only the main process sends):
+    torchrun forwards it to every worker (and SIGKILLs those alive 30 s later); each
+    saves the step and exits 143; the agent exits 1. Measured here: the seconds from the
+    agent's signal to its exit, well inside the default grace (20 s) on this machine."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 2, hold=3, end=50)
+    first.until_all("ready")
+    t0 = time.monotonic()
+    first.agent.send_signal(signal.SIGTERM)
+    first.until("every rank heard the forwarded signal", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    assert first.wait() == 1, first.log()
+    took = time.monotonic() - t0
+    _preempted(first, 4)
+    assert "Received Signals.SIGTERM death signal" in first.log() or "SIGTERM" in first.log(), first.log()
+    print(f"agent SIGTERM -> agent exit: {took:.2f} s")
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log(REF)] == [4]
+
+
+def test_a_second_sigterm_during_the_final_save_changes_nothing(tmp_path, runs):
+    """The platform repeats its notice while the final snapshot is being written (rank 0's
+    first write held until the second SIGTERM was heard): the program's own handler hears
+    both, the save goes on to the end (no second save, no hang, no early exit), every rank
+    exits 143 with the snapshot durable and whole."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 2, hold=3, end=50, hold_save=True)
+    first.until_all("ready")
+    pids = first.pids()
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    first.until_all("saving", ranks=[0])
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    first.until("rank 0 heard the second signal", lambda: first.heard(0) == 2)
+    first.go("release")
+    assert first.wait() == 1, first.log()
+    _preempted(first, 4)
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log(REF)] == [4]
+        assert s.fsck().ok
+        _same(s.checkout(REF)["model"], torch.load(first.file(0, "step4.pt"))["model"])
+
+
+def test_sigkill_while_the_final_snapshot_is_half_written_leaves_the_store_whole(tmp_path, runs):
+    """The grace runs out while the final snapshot is being written (rank 0's first write
+    held): the kubelet SIGKILLs every process. The store is whole (fsck clean: the
+    half-written snapshot's objects are orphans at most), its ref still at the interval
+    snapshot of step 2, and the job resumes there, bit for bit."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 2, hold=3, end=50, every=2, hold_save=True)
+    first.until_all("ready")
+    pids = first.pids()
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    first.until_all("saving", ranks=[0])
+    for pid in pids:
+        _kill(pid, signal.SIGKILL)
+    first.agent.send_signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    assert not any(first.file(r, "end.json").exists() for r in range(2))
+    with tsck.open_store(out / "store", create=False) as s:
+        assert s.fsck().ok
+        assert [i.step for i in s.log(REF)] == [2]
+    _resume(runs, out, 2, first, 2)
+
+
+def test_with_the_remote_down_the_final_snapshot_lands_in_the_tier_and_the_next_start_uploads_it(
+        tmp_path, runs, s3_url, s3_proxy, s3_server):
+    """Each rank has a local tier in front of S3; the network to S3 is cut before the notice.
+    The final snapshot is in the tiers within the grace (5 s), Preempted says not durable,
+    every worker exits 143. With S3 back, the next start resumes from the tiers at that
+    step and uploads it: the remote's ref then holds step 4."""
+    proxy, opts = s3_proxy
+    out = tmp_path / "run"
+    store = {"url": s3_url, "refs": str(tmp_path / "refs.lmdb"), "opts": opts, "tier": str(tmp_path / "tiers")}
+    first = runs(out, "first", 2, hold=3, end=50, every=2, grace=5, store=store)
+    first.until_all("ready")
+    proxy.blackout()
+    for pid in first.pids():
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    t0 = time.monotonic()
+    assert first.wait() == 1, first.log()
+    took = time.monotonic() - t0
+    print(f"go -> torchrun exit, remote down: {took:.2f} s")
+    # The store's close (its `with` block) waits for uploads no longer than the grace: the
+    # workers end with 143 before a platform's SIGKILL (without that bound: ~40 s here).
+    assert took < 5 + 10, first.log()
+    _preempted(first, 4, durable=False)
+    for e in first.ends():
+        assert e["committed"] < 5 and "local tier" in e["text"], e  # in the tier within the grace
+        assert e["seconds"] < 5 + 2, e  # and step() raised when the grace was over (the upload waited for)
+    with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
+        assert [i.step for i in s.log(REF)] == [2]  # the remote: only what was uploaded before the cut
+    proxy.restore()
+    _resume(runs, out, 2, first, 4, store=store)
+    with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
+        assert max(i.step for i in s.log(REF)) >= 4
+        assert s.fsck().ok
