@@ -55,7 +55,7 @@ from .interchange.hf_folder import (FILE_NAME, HF_META, MAX_CONFIG_BYTES, MAX_FI
 from .interchange.importing import import_files
 from .maintain.retention import Retention
 from .train import capture_rng
-from .train.preempt import DEFAULT_GRACE, Preempted, PreemptSignals, any_rank_preempted
+from .train.preempt import DEFAULT_GRACE, Preempted, PreemptSignals, preempt_options, any_rank_preempted
 from .train.pruner import Pruner
 from .util.localfile import NotRegularFile, open_regular, write_dir
 from .write.shard import Replicated
@@ -274,13 +274,7 @@ class TsckCallback(TrainerCallback):
     def __init__(self, store, *, job: str, ref: str | None = None, keep_local: bool = True, async_: bool = True,
                  retention=None, prune: bool | None = None, latest: bool = True,
                  preempt_signals=(signal.SIGTERM,), preempt_grace: float = DEFAULT_GRACE):
-        if isinstance(preempt_grace, bool) or not isinstance(preempt_grace, numbers.Real) or not preempt_grace > 0:
-            raise InvalidArgument(f"preempt_grace must be a number of seconds > 0, got {preempt_grace!r}")
-        try:
-            preempt_signals = tuple(signal.Signals(s) for s in (preempt_signals or ()))
-        except (TypeError, ValueError):
-            raise InvalidArgument(f"preempt_signals must be signals (e.g. (signal.SIGTERM, signal.SIGUSR1)), "
-                                  f"got {preempt_signals!r}") from None
+        preempt_signals, preempt_grace = preempt_options(preempt_signals, preempt_grace)
         self.store = store
         self.job = job
         self.ref = ref or f"{job}/main"
@@ -298,7 +292,7 @@ class TsckCallback(TrainerCallback):
             store.set_retention(job, retention)
         self.preempted: Preempted | None = None  # set by a preemption's save (on_save raises it)
         self._stopping = False  # a preemption agreed: the Trainer's next save is the final one
-        self._preempt = PreemptSignals(preempt_signals, float(preempt_grace))  # last: a handler is process state
+        self._preempt = PreemptSignals(preempt_signals, preempt_grace)  # last: a handler is process state
 
     def on_step_end(self, args, state, control, **kwargs):
         seen = self._preempt.seen

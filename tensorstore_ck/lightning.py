@@ -77,7 +77,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 from .ckpt_pointer import MAX_POINTER_BYTES, POINTER_FORMAT, parse_pointer, pointer_bytes, read_local_pointer
 from .errors import FormatError, InvalidArgument, RefConflict, RefNotFound, UnsupportedType
 from .format.names import MAX_NAME_BYTES, validate_component
-from .train.preempt import DEFAULT_GRACE, Preempted, PreemptSignals, any_rank_preempted
+from .train.preempt import DEFAULT_GRACE, Preempted, PreemptSignals, preempt_options, any_rank_preempted
 from .util.localfile import sync_dir, write_atomic
 
 __all__ = ["TsckCheckpointIO", "TsckPreemption", "ref_for_path", "POINTER_FORMAT", "read_pointer", "load_checkpoint", "open_checkpoint"]
@@ -249,16 +249,10 @@ class TsckPreemption(Callback):
 
     def __init__(self, *, dirpath=None, filename: str = "preempted", preempt_signals=(signal.SIGTERM,),
                  preempt_grace: float = DEFAULT_GRACE):
-        if isinstance(preempt_grace, bool) or not isinstance(preempt_grace, (int, float)) or not preempt_grace > 0:
-            raise InvalidArgument(f"preempt_grace must be a number of seconds > 0, got {preempt_grace!r}")
-        try:
-            preempt_signals = tuple(signal.Signals(s) for s in (preempt_signals or ()))
-        except (TypeError, ValueError):
-            raise InvalidArgument(f"preempt_signals must be signals (e.g. (signal.SIGTERM, signal.SIGUSR1)), "
-                                  f"got {preempt_signals!r}") from None
+        preempt_signals, preempt_grace = preempt_options(preempt_signals, preempt_grace)
         self.dirpath, self.filename = dirpath, filename
         self.preempted: Preempted | None = None
-        self._preempt = PreemptSignals(preempt_signals, float(preempt_grace))
+        self._preempt = PreemptSignals(preempt_signals, preempt_grace)
 
     def on_train_batch_end(self, trainer, _pl_module, _outputs, _batch, _batch_idx) -> None:  # (Lightning's order)
         pre = self._preempt

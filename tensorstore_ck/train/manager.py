@@ -17,7 +17,7 @@ from ..errors import InvalidArgument, SnapshotsFailed, SnapshotWarning
 from ..maintain.retention import Retention
 from .collective import Collective
 from .outcomes import CloseReport, caller_level, Outcomes
-from .preempt import DEFAULT_GRACE, Preempted, PreemptSignals
+from .preempt import DEFAULT_GRACE, Preempted, PreemptSignals, preempt_options
 from .pruner import Pruner
 from .restoring import Resumed, Restoring
 from .state import TrainState, as_state
@@ -164,15 +164,9 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                     or not timeout > 0):
             raise InvalidArgument(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
-        if isinstance(preempt_grace, bool) or not isinstance(preempt_grace, numbers.Real) or not preempt_grace > 0:
-            raise InvalidArgument(f"preempt_grace must be a number of seconds > 0, got {preempt_grace!r}")
+        preempt_signals, preempt_grace = preempt_options(preempt_signals, preempt_grace)
         if on_preempt not in ("raise", "return"):
             raise InvalidArgument(f"on_preempt must be 'raise' or 'return', got {on_preempt!r}")
-        try:
-            preempt_signals = tuple(signal.Signals(s) for s in (preempt_signals or ()))
-        except (TypeError, ValueError):
-            raise InvalidArgument(f"preempt_signals must be signals (e.g. (signal.SIGTERM, signal.SIGUSR1)), "
-                                  f"got {preempt_signals!r}") from None
         self.timeout = timeout  # a collective snapshot's deadline (None: put_snapshot's default)
         self.on_preempt = on_preempt
         # Set once a preemption's final snapshot is done (on_preempt="return"; "raise" raises it).
@@ -218,7 +212,7 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         self._pruner = Pruner(store, job) if prune else None
         self._init_watch(on_commit, store_size_every)
         # Last, once nothing above can refuse the arguments: a handler is process state.
-        self._preempt = PreemptSignals(preempt_signals, float(preempt_grace))
+        self._preempt = PreemptSignals(preempt_signals, preempt_grace)
 
     def reasons(self, step: int, metrics: dict | None = None) -> list[str]:
         """Which triggers fire at this step (does not change any state)."""

@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 
-from ..errors import SnapshotWarning
+from ..errors import InvalidArgument, SnapshotWarning
 
 __all__ = ["Preempted", "PreemptSignals", "DEFAULT_GRACE", "any_rank_preempted"]
 
@@ -59,6 +59,19 @@ class Preempted(SystemExit):
             return f"preempted ({name}): no snapshot was saved ({self.why}); a restart resumes from the newest kept one"
         where = "durable" if self.durable else "in the local tier, its upload to finish at the next start"
         return f"preempted ({name}): the snapshot of step {self.step} is saved ({where}){': ' + self.why if self.why else ''}"
+
+
+def preempt_options(signals, grace) -> tuple[tuple, float]:
+    """The preempt_signals= and preempt_grace= of a manager, a callback or a plugin, checked
+    (InvalidArgument) -> (the signals, the grace in seconds)."""
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0:
+        raise InvalidArgument(f"preempt_grace must be a number of seconds > 0, got {grace!r}")
+    try:
+        signals = tuple(signal.Signals(s) for s in (signals or ()))
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"preempt_signals must be signals (e.g. (signal.SIGTERM, signal.SIGUSR1)), "
+                              f"got {signals!r}") from None
+    return signals, float(grace)
 
 
 class PreemptSignals:
