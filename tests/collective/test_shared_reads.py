@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _util import rank_results, run_worker_scenario
+from _util import rank_results, run_worker_scenario, same_bits
 from tests.sim.s3proxy import ThrottleProxy
 
 import tensorstore_ck as tsck
@@ -43,14 +43,6 @@ def _expected(rank: int, mb: float) -> dict:
     return state(rank, mb)
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
-
-
 def test_ddp_ranks_read_each_block_of_the_model_once_and_get_their_own_state(tmp_path, counted, s3_url):
     """3 ranks, the same 4 MB model on each: with shared reads each block of the model is
     read from S3 once (by its owner) where each rank read all of them; every rank's state
@@ -68,7 +60,7 @@ def test_ddp_ranks_read_each_block_of_the_model_once_and_get_their_own_state(tmp
         gets[shared] = proxy.forwarded_by["GET"]
         for r in range(world):
             got = torch.load(out / f"read_rank{r}.pt", weights_only=False)
-            assert _same(got, _expected(r, mb)), f"rank {r} (shared={shared}) read other bytes"
+            assert same_bits(got, _expected(r, mb)), f"rank {r} (shared={shared}) read other bytes"
         if shared:
             fetched = sum(d["sharing"]["fetched"] for d in res)
             got_from_peers = sum(d["sharing"]["got"] for d in res)
@@ -92,7 +84,7 @@ def test_a_rank_that_sends_damaged_copies_costs_requests_never_bytes(tmp_path, c
     _run(tmp_path, "put", spec)
     out, res = _run(tmp_path, "read", spec)
     for r in range(world):
-        assert _same(torch.load(out / f"read_rank{r}.pt", weights_only=False), _expected(r, mb))
+        assert same_bits(torch.load(out / f"read_rank{r}.pt", weights_only=False), _expected(r, mb))
     assert sum(d["sharing"]["bad"] for d in res) > 0  # the lies were caught
     assert res[1]["sharing"]["fetched"] > 0
 

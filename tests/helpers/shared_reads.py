@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import dist_worker as dw  # noqa: E402
 from tensorstore_ck.storage.wrappers import WrappedStore  # noqa: E402
 from dist_worker import launcher_main  # noqa: E402
+from _util import same_bits  # noqa: E402
 
 BLOCK = 1 << 18
 
@@ -125,7 +126,7 @@ def stranger_case(rank, world, out, res, arg):
     with _open(spec, rank, shared_reads=True) as store, \
             tsck.open_store(os.path.join(out, "remote"), local=os.path.join(out, f"tier{rank}"), replicas=1) as t:
         got = store.checkout("j/main")
-        res["read"] = _same(got, state(rank, spec["mb"]))
+        res["read"] = same_bits(got, state(rank, spec["mb"]))
         t.put_snapshot({"x": torch.arange(70000, dtype=torch.float32)}, ref="t/main", step=1)
         t._tier.peers.wait()
         if rank == 0:
@@ -157,14 +158,6 @@ def stranger_case(rank, world, out, res, arg):
         res["refused"] = store._sharing.refused
         res["strangers"] = t._tier.peers.strangers
         res["peer_stored"] = t.assets.block_exists(bytes(range(32)))
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
 
 
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
