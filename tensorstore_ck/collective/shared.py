@@ -29,7 +29,7 @@ from collections import OrderedDict
 from ..core.assets import Assets
 from ..errors import TsckError
 from ..format.frame import HEADER_SIZE
-from ..util.net import job_secret, listen_on, peer_name, proven, prove, recv_exact
+from ..util.net import job_secret, listen_on, prove, recv_exact, serve
 from .channel import Channel
 
 __all__ = ["Sharing", "SharedRead", "owner_of", "SHARE_TIMEOUT", "CACHE_BYTES"]
@@ -92,7 +92,8 @@ class Sharing:
                 self._secret = job_secret(kv)
                 sock, self.addr = listen_on(kv)
                 self._sock = sock
-                threading.Thread(target=self._serve, args=(sock,), name="tsck-share-server", daemon=True).start()
+                serve(sock, self._secret, self._answer, name="tsck-share", timeout=SHARE_TIMEOUT,
+                      on_stranger=self._stranger)
             return self.addr
 
     def close(self) -> None:
@@ -110,23 +111,13 @@ class Sharing:
             except OSError:
                 pass
 
-    def _serve(self, sock) -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._answer, args=(conn,), name="tsck-share", daemon=True).start()
+    def _stranger(self, who: str) -> None:
+        with self._lock:
+            self.refused += 1
+        log.warning("shared reads: refused a connection from %s: it did not prove it is of this job", who)
 
     def _answer(self, conn) -> None:
-        conn.settimeout(SHARE_TIMEOUT)
         try:
-            if not proven(conn, self._secret):
-                with self._lock:
-                    self.refused += 1
-                log.warning("shared reads: refused a connection from %s: it did not prove it is of this job",
-                            peer_name(conn))
-                return
             while True:
                 try:
                     head = bytes(recv_exact(conn, 17))
@@ -152,8 +143,6 @@ class Sharing:
                     return
         except (OSError, TsckError) as e:
             log.debug("shared reads: a connection ended: %s", e)
-        finally:
-            conn.close()
 
     def need(self, call: bytes, digests: list) -> bytes:
         """Count one rank's reads of the blocks this rank owns (N)."""

@@ -13,7 +13,7 @@ from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
-from ..util.net import job_secret, listen_on, peer_name, proven, prove, recv_exact as _recv
+from ..util.net import job_secret, listen_on, prove, recv_exact as _recv, serve
 from .reads import NotHere, ReadChain, Source
 
 __all__ = ["Peers", "FromPeers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
@@ -98,11 +98,10 @@ class Peers:
 
     def _listen(self) -> str:
         """Start the server, on the address the ranks reach this one at -> "host:port"."""
-        import threading
         self._secret = job_secret(self.kv)
         sock, addr = listen_on(self.kv, 64)
         self._sock = sock
-        threading.Thread(target=self._serve, name="tsck-peer-server", daemon=True).start()
+        serve(sock, self._secret, self._answer, name="tsck-peer", timeout=PEER_TIMEOUT, on_stranger=self._stranger)
         return addr
 
     def holders(self) -> list[int]:
@@ -144,27 +143,15 @@ class Peers:
                 pass
 
     # -- the server ----------------------------------------------------------------------
-    def _serve(self) -> None:
-        import threading
-        sock = self._sock
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._answer, args=(conn,), name="tsck-peer", daemon=True).start()
+    def _stranger(self, who: str) -> None:
+        with self._lock:
+            self.strangers += 1
+        log.warning("peer replicas: refused a connection from %s: it did not prove it is of this job", who)
 
     def _answer(self, conn) -> None:
         from ..core.assets import Assets
         assets, storage = self.core.assets, self.core.storage
-        conn.settimeout(PEER_TIMEOUT)
         try:
-            if not proven(conn, self._secret):
-                with self._lock:
-                    self.strangers += 1
-                log.warning("peer replicas: refused a connection from %s: it did not prove it is of this job",
-                            peer_name(conn))
-                return
             while True:
                 try:
                     head = bytes(_recv(conn, 42))
@@ -207,8 +194,6 @@ class Peers:
                     return
         except (OSError, TsckError) as e:
             log.debug("peer replicas: a connection ended: %s", e)
-        finally:
-            conn.close()
 
     # -- the client ----------------------------------------------------------------------
     def _connect(self, peer: int):

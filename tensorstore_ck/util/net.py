@@ -17,9 +17,10 @@ import hmac
 import os
 import secrets
 import socket
+import threading
 
-__all__ = ["local_host", "recv_exact", "listen_on", "job_secret", "prove", "proven", "peer_name", "SECRET_KEY",
-           "HANDSHAKE_TIMEOUT"]
+__all__ = ["local_host", "recv_exact", "listen_on", "serve", "job_secret", "prove", "proven", "peer_name",
+           "SECRET_KEY", "HANDSHAKE_TIMEOUT"]
 
 SECRET_KEY = "tsck/secret"  # the job's secret, in the c10d Store
 HANDSHAKE_TIMEOUT = 10.0  # seconds a server has to send its challenge (one that accepts and says nothing is away)
@@ -65,6 +66,31 @@ def listen_on(kv, backlog: int = 128):
                       "(TSCK_PEER_HOST names another)") from None
     sock.listen(backlog)
     return sock, f"{host}:{sock.getsockname()[1]}"
+
+
+def serve(sock, secret: bytes, answer, *, name: str, timeout: float, on_stranger) -> None:
+    """A side channel's server on the listening `sock`, on a thread of its own: each
+    connection on a thread of its own, asked first to prove it holds `secret` (one that
+    does not: on_stranger(its address), then closed, no request read); then answer(conn),
+    the connection closed after. The loop ends when `sock` is closed."""
+    def one(conn) -> None:
+        conn.settimeout(timeout)
+        try:
+            if not proven(conn, secret):
+                on_stranger(peer_name(conn))
+                return
+            answer(conn)
+        finally:
+            conn.close()
+
+    def loop() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=one, args=(conn,), name=name, daemon=True).start()
+    threading.Thread(target=loop, name=name + "-server", daemon=True).start()
 
 
 def job_secret(kv) -> bytes:
