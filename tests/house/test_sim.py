@@ -524,6 +524,47 @@ def test_checker_judges_stage_failures(tmp_path):
     assert judged(second=(fault, dict(fault, closed="SnapshotsFailed: ..."))) == []
 
 
+def test_checker_judges_preemptions(tmp_path):
+    """P1: every rank of a preemption is told of it at one step with one outcome (the same
+    step and root saved, or none); a step saved reads back as the ranks' states and is on
+    its ref. A rank never told, ranks told different steps or roots, a saved step that reads
+    back other bytes or was never on the ref are findings; a worker killed meanwhile, a
+    final snapshot that failed on every rank, or a read that raised (a gc beside it) not."""
+    from tests.sim import preempt
+    t = time.time()
+    args = {"who": [1], "when": "thread", "at": 1, "n": 4, "ref": "ja/main", "step": 10, "put": 10}
+    saved = {"steps": [{"step": 10, "root": "aa" * 32}, {"step": 11, "none": True}, {"step": 12, "root": "bb" * 32}],
+             "preempted": {"step": 12, "durable": True, "why": "", "at": 12}, "closed": "ok"}
+    read = {"root": "bb" * 32, "on_ref": True, "read": "ok"}
+
+    def judged(ranks=(saved, saved), ended=True, got=read, more=()):
+        recs = [{"w": "w", "i": preempt.PRE_I + 10, "op": "preempt", "args": args, "start": t}, *more]
+        if ended:
+            recs.append({"w": "w", "i": preempt.PRE_I + 10, "end": t + 1, "result": "ok", "ranks": list(ranks),
+                         **({"saved": got} if got is not None else {})})
+        _journal(tmp_path, recs)
+        return [x[:2] for x in preempt.check_preempts(check.load_ops(str(tmp_path)))]
+
+    assert judged() == []
+    assert judged(ended=False) == []  # (killed: unknown)
+    assert judged(ranks=(saved, dict(saved, preempted=None))) == ["P1"]
+    later = dict(saved, preempted=dict(saved["preempted"], at=13, step=13),
+                 steps=saved["steps"] + [{"step": 13, "root": "cc" * 32}])
+    assert judged(ranks=(saved, later)) == ["P1"]
+    other = dict(saved, steps=saved["steps"][:2] + [{"step": 12, "root": "dd" * 32}])
+    assert judged(ranks=(saved, other)) == ["P1"]
+    failed = dict(saved, preempted=dict(saved["preempted"], step=None, durable=False, why="the final snapshot failed"),
+                  steps=saved["steps"][:2] + [{"step": 12, "error": "SnapshotAborted: sim: injected"}])
+    assert judged(ranks=(failed, failed), got=None) == []
+    assert judged(ranks=(saved, failed)) == ["P1"]
+    assert judged(got=dict(read, read="mismatch", diff=["own differs"])) == ["P1"]
+    assert judged(got=dict(read, read="SnapshotNotFound: gone")) == []
+    assert judged(got=dict(read, on_ref=False)) == ["P1"]
+    dropped = [{"w": "v", "i": 3, "op": "delete_ref", "args": {"ref": "ja/main"}, "start": t + 0.5},
+               {"w": "v", "i": 3, "end": t + 0.6, "result": "ok"}]
+    assert judged(got=dict(read, on_ref=False), more=dropped) == []
+
+
 def test_checker_judges_removals_answers_and_outages_through_tiers(tmp_path):
     """T20-T22 and I7 on calls through a tier: a delete_ref through a tier that returned ok
     while the remote keeps the ref (no later put or undelete explains it), and the tier's

@@ -52,6 +52,11 @@ Invariants (tests/sim/check.py), after every round:
   R3  a manager's snapshot one rank cannot stage (its state_dict() raises) is lost on
       every rank at once: an abort naming that error, well before the deadline; the next
       snapshot commits alike on every rank.
+  P1  a SIGTERM to one rank or both at any moment of a collective CheckpointManager's run
+      of asynchronous snapshots (before a step(), a snapshot in flight, between steps, from
+      a thread at a seeded moment) is acted on at one step by every rank, with one outcome:
+      the same step saved, whose checkout by one process is the ranks' states at that step,
+      or none on any rank; nothing partial published (tests/sim/preempt.py; --focus preempt).
 Writers through a local tier (open_store(local=), in seeded rounds; --focus tier: all):
 their uploads are killed at the uploader's stages and at random, and check.check_tiers
 judges T1-T9 (a remote ref names no missing object; a durable mark means the remote
@@ -109,7 +114,7 @@ import tensorstore_ck as tsck
 
 from .. import _zygote
 from .._util import at_once
-from . import check, content, rollback, tierops
+from . import check, content, preempt, rollback, tierops
 from .backends import Location
 from .netproxy import NetFaults
 from .worker import CLOSE_DOWN_TIMEOUTS, Journal
@@ -232,6 +237,12 @@ FLAVORS["tier-ops"] = dict(FLAVORS["tier"], outage_p=0.7, tier_remove_p=0.4, tie
 FLAVORS["tier"]["outage_p"], FLAVORS["tier"]["tier_remove_p"] = 0.3, 0.15
 FLAVORS["tier-share"]["outage_p"] = 0.0  # (its two uploaders race on one snapshot: none away)
 FLAVORS["remove"]["tier_remove_p"] = 0.2
+# Preemptions (preempt.py: a SIGTERM at a seeded moment of a collective CheckpointManager's
+# run of steps, P1): in some of the mix's collective puts (set after the flavors copied from
+# the mix, whose seeded schedules stay as they were), in most of --focus preempt's.
+FLAVORS["preempt"] = dict(FLAVORS["mix"], weights=dict(FLAVORS["mix"]["weights"], cput=4), preempt_p=0.6,
+                          tier_p=0.0, ctier_p=0.0)
+FLAVORS["mix"]["preempt_p"] = 0.15
 # Seconds past its time a writer with an outage may take: the outage, then its uploads.
 OUTAGE_GRACE = tierops.OUTAGE_CAP + tierops.RESUME_WAIT
 # Seconds past its time a writer whose remote goes down as it ends may take: T16's bound.
@@ -488,6 +499,7 @@ class Harness:
         for c in cfgs:  # (a tier writer's puts reach the remote ref through its uploader: no rollbacks)
             c["rollback_p"], c["rollback_kill"] = (0.0 if c.get("tier") else fl["rollback_p"]), fl["rollback_kill"]
             c["crestore_p"], c["stagefail_p"] = fl["crestore_p"], fl.get("stagefail_p", 0.0)
+            c["preempt_p"] = fl.get("preempt_p", 0.0)
         # Some writers of the one ref (not through a tier: its races are the tier's own) are
         # killed right after the move that follows a lost race, before the refused commit is
         # removed: recover must adopt one of the two (a stream of its own).
@@ -642,6 +654,7 @@ class Harness:
                  f"skipped_by_a_rank={','.join(f'{k}x{v}' for k, v in sorted(skips.items())) or 0} grown_async={grown} "
                  f"saver_puts={','.join(f'{k}x{v}' for k, v in sorted(saved.items())) or 0} packed_puts={packed} "
                  f"{rolls}(killed after: {self._killed_raced(ids, 'after-rollback')}) {crest} "
+                 f"{preempt.brief_preempts(check.load_ops(self.run_dir), ids)} "
                  f"unknown_outcomes={unknown} deletion_phases={phases} tier={self._tier_brief(tiered, ids)} "
                  f"{tierops.brief(check.load_ops(self.run_dir), ids)} rot={rots}(uploaders stopped on it: {stopped}) "
                  f"unreadable={','.join(f'{k}x{v}' for k, v in sorted(unread.items())) or 0} "
@@ -1056,6 +1069,7 @@ class Harness:
             bad += rollback.check_rollbacks(s, ops, self.barriers)  # R1
             bad += rollback.check_restores(ops)  # R2
             bad += rollback.check_stagefails(ops)  # R3
+            bad += preempt.check_preempts(ops)  # P1
             tiers = {n: p for n, p in {**self.tiers, **self.rank_tiers}.items() if os.path.isdir(p)}
             tb, stats = check.check_tiers(s, tiers, ops)
             bad += tb

@@ -24,7 +24,9 @@ A line {"restore": true, "ref"} is a collective restore instead: restore_latest(
 CheckpointManager on the ref, into this rank's rows (rollback.rank_restore), printing the
 step and note it read (or the error), which the worker judges (R2). A line {"stagefail": {...}}
 is two step() calls of an asynchronous CheckpointManager, one rank's state failing in the
-first (rollback.rank_stagefail, R3).
+first (rollback.rank_stagefail, R3). A line {"preempt": {...}} is a run of step() calls of
+an asynchronous CheckpointManager in which one rank or both send themselves SIGTERM at a
+seeded moment (preempt.rank_preempt, P1).
 A call may name a rank that skips it ({"skip": RANK}: it prints nothing and goes on to the
 next line at once, as a rank whose own policy decided otherwise), and may
 be made without a step ({"nostep": true}: every rank must refuse it).
@@ -57,6 +59,7 @@ from tensorstore_ck.tier.collective import KEEP_PREFIX
 
 from . import content
 from .faults import Faults
+from .preempt import rank_preempt
 from .rollback import rank_restore, rank_stagefail
 from .worker import FENCES, _die_with_parent, _err, open_store, tier_bytes
 
@@ -188,8 +191,9 @@ def main(argv=None) -> int:
         if per_call and s.closed:
             s = open_store(cfg, faults, **kw)
         cmd = json.loads(line)
-        if cmd.get("restore") or cmd.get("stagefail"):  # a CheckpointManager's (rollback.py, R2, R3)
-            out = (rank_stagefail if cmd.get("stagefail") else rank_restore)(s, cmd, rank, world)
+        if cmd.get("restore") or cmd.get("stagefail") or cmd.get("preempt"):  # a CheckpointManager's (R2, R3, P1)
+            run = rank_preempt if cmd.get("preempt") else rank_stagefail if cmd.get("stagefail") else rank_restore
+            out = run(s, cmd, rank, world)
             if per_call:
                 if follow is not None:
                     follow.check(s)

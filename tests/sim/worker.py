@@ -46,7 +46,7 @@ import tensorstore_ck.maintain.gc as tsck_gc
 import tensorstore_ck.write.saver as _saver
 from tensorstore_ck.storage import local as _local
 
-from . import content, rollback, tierops
+from . import content, preempt, rollback, tierops
 from .faults import _HOME, Faults, SimStore, sim_storage, slow_reftable
 
 
@@ -486,6 +486,9 @@ class Worker:
             cmd["expected"] = args["expected"] = None if cur is None else cur.hex()
         if rollback.stagefail_drawn(self, i, cmd):  # one rank's state fails to read (R3)
             return args, rollback.stagefail_pair(self, i, args)
+        steps = preempt.preempt_drawn(self, i, cmd)
+        if steps:  # a SIGTERM at a seeded moment of a manager's run of steps (P1)
+            return args, preempt.preempt_run(self, s, i, steps, args)
         # Out of step (a stream of its own, seeded by the call): rank 1 skips this put and goes
         # on to the next one at once, which the worker makes as op i+1 (step + 1) on every
         # rank; without a step in a third of those (every rank must refuse both).
