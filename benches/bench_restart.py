@@ -3,16 +3,19 @@
 step, split into phases, at several world sizes and from four places; projected to 1,024
 ranks x 5 GB per rank.
 
-Every rank is a fresh `python` process (as torchrun starts them: env:// rendezvous with
-MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE), so its imports are measured. Each rank notes
+Every rank is a fresh `python` process (as torchrun starts them: MASTER_ADDR/MASTER_PORT,
+RANK, WORLD_SIZE in its environment), so its imports are measured. Each rank notes
 time.time() at the top of this script, before any import, and reads its process's start
 from /proc/self/stat (starttime, in clock ticks since boot, + /proc/stat btime), and then:
 
   interp    process start -> the script's first line (the interpreter's own start)
   imports   import torch, then import tensorstore_ck (reported apart: torch, tsck)
-  rdzv      dist.init_process_group("gloo", "env://")
+  arrive    the wait for the last rank to reach the c10d Store (rank 0 hosts it, as
+            torchrun's agent does): the spread of the ranks' imports
+  rdzv      dist.init_process_group("gloo", store=that Store), every rank started at once
   model     the job's own objects: its tensors (zeros), model, optimizer, data loader
   open      open_store(...) and CheckpointManager(...)
+  wait      a barrier: the wait for the slowest rank to be ready
   resolve   mgr.latest_step(): the newest trusted snapshot of the ref
   read      mgr.restore_latest() until the first load_state_dict is called (its own
             resolution again, the rank's reads, the agreement on them)
@@ -57,7 +60,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 REF = "bench/main"
 GB = 1e9
-PHASES = ("interp", "torch", "tsck", "rdzv", "model", "open", "resolve", "read", "load", "seek", "step")
+PHASES = ("interp", "torch", "tsck", "arrive", "rdzv", "model", "open", "wait", "resolve", "read", "load", "seek", "step")
 
 
 def _proc_start() -> float:
@@ -113,7 +116,17 @@ def rank_main(cfg: dict) -> None:
     import torch.distributed as dist
     from datetime import timedelta
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
+    # The c10d Store as torchrun's agent hosts it (here rank 0's), reached first: every rank
+    # waits for the last to arrive, so the rendezvous that follows is timed from one start
+    # (what grows with W), apart from the spread of the ranks' imports (arrive).
+    c10d = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                         timeout=timedelta(seconds=600), wait_for_workers=False)
+    if c10d.add("arrived", 1) == world:
+        c10d.set("go", "1")
+    c10d.wait(["go"])
+    marks["arrive"] = time.time()
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", c10d), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
     marks["rdzv"] = time.time()
     kw = dict(refs=cfg["refs"], storage_options=cfg["opts"]) if cfg["url"].startswith("s3://") else {}
     if cfg["tiers"]:
@@ -162,6 +175,8 @@ def rank_main(cfg: dict) -> None:
         if cfg["tiers"]:
             assert store.wait_durable(timeout=1800), "the upload did not finish"
     else:
+        dist.barrier()  # every rank ready: what follows is not a wait for the slowest rank's imports
+        marks["ready"] = time.time()
         latest = mgr.latest_step()
         marks["resolve"] = time.time()
         step = mgr.restore_latest()
@@ -177,8 +192,10 @@ def rank_main(cfg: dict) -> None:
         marks["step"] = time.time()
         res["bytes"] = sum(p.numel() * 4 for p in params)
         ph = {"interp": marks["top"] - marks["proc"], "torch": marks["torch"] - marks["top"],
-              "tsck": marks["tsck"] - marks["torch"], "rdzv": marks["rdzv"] - marks["tsck"],
-              "model": marks["model"] - marks["rdzv"], "open": marks["open"] - marks["model"], "resolve": marks["resolve"] - marks["open"]}
+              "tsck": marks["tsck"] - marks["torch"], "arrive": marks["arrive"] - marks["tsck"],
+              "rdzv": marks["rdzv"] - marks["arrive"], "model": marks["model"] - marks["rdzv"],
+              "open": marks["open"] - marks["model"], "wait": marks["ready"] - marks["open"],
+              "resolve": marks["resolve"] - marks["ready"]}
         first_in = min(timing["params_in"], timing["loader_in"])
         ph["read"] = first_in - marks["resolve"]
         ph["load"] = timing["params_out"] - timing["params_in"]
@@ -248,6 +265,8 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--modes", default="disk,tier,peer,s3")
     ap.add_argument("--mb-per-rank", type=float, default=64.0)
+    ap.add_argument("--big-mb", type=float, default=None,
+                    help="also each place at the fewest ranks with this many MB per rank (the read and load rates)")
     ap.add_argument("--dir", default=None, help="where stores and tiers go (default: a temporary folder)")
     a = ap.parse_args()
     if a.rank_main:
@@ -269,12 +288,13 @@ def main() -> int:
     print(f"# uptime before: {os.popen('uptime').read().strip()}")
     rows = []
     try:
-        for world in a.ranks:
+        runs = [(w, a.mb_per_rank) for w in a.ranks] + ([(min(a.ranks), a.big_mb)] if a.big_mb else [])
+        for world, mb in runs:
             for mode in modes:
-                d = os.path.join(scratch, f"{mode}-{world}")
+                d = os.path.join(scratch, f"{mode}-{world}-{mb:g}")
                 os.makedirs(d)
-                url = os.path.join(d, "store") if mode == "disk" else f"s3://bench-restart/{mode}-{world}"
-                cfg = {"url": url, "opts": opts, "refs": os.path.join(d, "refs.lmdb"), "mb": a.mb_per_rank,
+                url = os.path.join(d, "store") if mode == "disk" else f"s3://bench-restart/{mode}-{world}-{int(mb)}"
+                cfg = {"url": url, "opts": opts, "refs": os.path.join(d, "refs.lmdb"), "mb": mb,
                        "tiers": os.path.join(d, "tiers") if mode in ("tier", "peer") else None,
                        "out": d, "plain": False}
                 launch(world, dict(cfg, phase="save"))
@@ -289,7 +309,7 @@ def main() -> int:
                 if mode == "tier":
                     extra = (f"  | read {statistics.median(r['read_gbps'] for r in got):.2f} GB/s vs plain read "
                              f"{statistics.median(r['plain_gbps'] for r in got):.2f} GB/s (medians over ranks)")
-                print(f"# {mode:<5} {world} ranks, slowest rank per phase (s): {line}  total "
+                print(f"# {mode:<5} {world} ranks x {mb:g} MB, slowest rank per phase (s): {line}  total "
                       f"{max(r['phases']['total'] for r in got):.2f}{extra}", flush=True)
     finally:
         if moto is not None:
@@ -303,12 +323,12 @@ def main() -> int:
 
 def report(rows, mb: float) -> None:
     print()
-    print("| place | ranks | " + " | ".join(PHASES) + " | total | read GB/s | plain read GB/s |")
-    print("|---|---|" + "---|" * (len(PHASES) + 3))
+    print("| place | ranks | MB/rank | " + " | ".join(PHASES) + " | total | read GB/s | plain read GB/s |")
+    print("|---|---|---|" + "---|" * (len(PHASES) + 3))
     for mode, world, got in rows:
         ph = [f"{max(r['phases'][p] for r in got):.2f}" for p in PHASES]
         plain = (f"{statistics.median(r['plain_gbps'] for r in got):.2f}" if "plain_gbps" in got[0] else "-")
-        print(f"| {mode} | {world} | " + " | ".join(ph) +
+        print(f"| {mode} | {world} | {got[0]['bytes'] / 1e6:g} | " + " | ".join(ph) +
               f" | {max(r['phases']['total'] for r in got):.2f} | "
               f"{statistics.median(r['read_gbps'] for r in got):.2f} | {plain} |")
     print("\n(each phase: the slowest rank's seconds; read GB/s: the rank's bytes / its read phase, median over "
@@ -323,7 +343,7 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
     print("T = interp + torch + tsck + model + open + seek + step (per rank, constant: measured at the fewest ranks)\n"
           "  + B / read_rate + B / load_rate                    (per rank, scale with its bytes)\n"
           "  + rdzv(W) + resolve(W)                             (grow with W: a + b W, fitted over the ranks "
-          "measured; the c10d Store round trips of init_process_group and of the checkout's agreement)")
+          "measured; the c10d Store round trips of init_process_group, and rank 0's resolution handed to every rank)")
     by_mode: dict = {}
     for mode, world, got in rows:
         by_mode.setdefault(mode, []).append((world, got))
@@ -334,12 +354,15 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
         w0, g0 = runs[0]
         const = sum(statistics.median(r["phases"][p] for r in g0) for p in
                     ("interp", "torch", "tsck", "model", "open", "seek", "step"))
-        read = statistics.median(r["bytes"] / r["phases"]["read"] for r in g0)
-        load = statistics.median(r["bytes"] / max(r["phases"]["load"], 1e-6) for r in g0)
+        big = max(runs, key=lambda wg: wg[1][0]["bytes"])[1] if len({g[0]["bytes"] for _, g in runs}) > 1 else g0
+        read = statistics.median(r["bytes"] / r["phases"]["read"] for r in big)
+        load = statistics.median(r["bytes"] / max(r["phases"]["load"], 1e-6) for r in big)
+
+        same = [(w, g) for w, g in runs if g[0]["bytes"] == g0[0]["bytes"]]
 
         def fit(p):
-            xs = [w for w, _ in runs]
-            ys = [max(r["phases"][p] for r in g) for _, g in runs]
+            xs = [w for w, _ in same]
+            ys = [max(r["phases"][p] for r in g) for _, g in same]
             if len(xs) < 2:
                 return ys[0], 0.0
             mx, my = statistics.mean(xs), statistics.mean(ys)
@@ -351,8 +374,10 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
         total = const + B / read + B / load + rd + rs
         print(f"| {mode} | {const:.2f} | {read / GB:.2f} | {load / GB:.2f} | {rd:.2f} ({ra:.2f} + {rb * 1000:.1f} ms x W)"
               f" | {rs:.2f} ({sa:.2f} + {sb * 1000:.1f} ms x W) | {total:.1f} |")
-    print("(read and load rates: the fewest ranks' medians, each rank on a share of 2 cores and one disk; a rank "
-          "with its own NVMe reads at that disk's speed)")
+    print("(constants: medians over the ranks of the fewest; read and load rates: the largest state's medians "
+          "over its ranks, each rank on a share of 2 cores and one disk; rdzv and resolve: least squares on the "
+          "slowest rank over the world sizes at the first state size, each from an aligned start; arrive and wait, "
+          "the spread of the ranks' imports, are left out: they are not a cost of W but of the slowest host)")
 
 
 if __name__ == "__main__":
