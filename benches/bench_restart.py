@@ -182,14 +182,14 @@ def rank_main(cfg: dict) -> None:
         step = mgr.restore_latest()
         marks["restored"] = time.time()
         assert step == 7, (step, latest)  # (latest_step() answers on rank 0; the other ranks learn it in the restore)
-        g = torch.Generator().manual_seed(1000 + rank)
-        res["same"] = all(torch.equal(p, torch.randn(numel, generator=g)) for p in params)
         x, y = next(iter(loader))
         marks["seek"] = time.time()
         opt.zero_grad()
         torch.nn.functional.mse_loss(head(x), y).backward()
         opt.step()
         marks["step"] = time.time()
+        g = torch.Generator().manual_seed(1000 + rank)  # (checked after the step: not a phase of the restart)
+        res["same"] = all(torch.equal(p, torch.randn(numel, generator=g)) for p in params)
         res["bytes"] = sum(p.numel() * 4 for p in params)
         ph = {"interp": marks["top"] - marks["proc"], "torch": marks["torch"] - marks["top"],
               "tsck": marks["tsck"] - marks["torch"], "arrive": marks["arrive"] - marks["tsck"],
@@ -268,6 +268,7 @@ def main() -> int:
     ap.add_argument("--big-mb", type=float, default=None,
                     help="also each place at the fewest ranks with this many MB per rank (the read and load rates)")
     ap.add_argument("--dir", default=None, help="where stores and tiers go (default: a temporary folder)")
+    ap.add_argument("--json-out", default=None, help="also every rank's figures, as JSON, in this file")
     a = ap.parse_args()
     if a.rank_main:
         rank_main(json.load(open(a.rank_main)))
@@ -316,6 +317,9 @@ def main() -> int:
             moto.terminate()
             moto.wait()
         shutil.rmtree(scratch, ignore_errors=True)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(rows, f)
     report(rows, a.mb_per_rank)
     print(f"# uptime after: {os.popen('uptime').read().strip()}")
     return 0
@@ -350,7 +354,7 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
     print("\n| place | constants s | read GB/s | load GB/s | rdzv(W) s | resolve(W) s | projected s |")
     print("|---|---|---|---|---|---|---|")
     for mode, runs in by_mode.items():
-        runs.sort()
+        runs.sort(key=lambda wg: (wg[1][0]["bytes"], wg[0]))
         w0, g0 = runs[0]
         const = sum(statistics.median(r["phases"][p] for r in g0) for p in
                     ("interp", "torch", "tsck", "model", "open", "seek", "step"))
