@@ -8,10 +8,10 @@ sleep, so each snapshot has a step to overlap): the stall (SnapshotInfo.stall) a
 to commit (SnapshotInfo.seconds, the time to durable on a store without a tier), medians.
 Given: the restart time (benches/bench_restart.py: --restart here, --restart-1024 its
 projection) and the MTBF (--mtbf, default 7.9 h: the MTTF reported at 1,024 GPUs).
-The 1,024-rank row keeps the stall per rank (each rank stages its own part) and scales the
-time to durable to --gb-1024 GB per rank at the rate measured here.
+The 1,024-rank row scales the stall and the time to durable with each rank's bytes
+(--gb-1024 GB per rank, each rank staging and writing its own part at the rates measured here).
 
-    .venv/bin/python benches/bench_goodput.py --restart 20 --restart-1024 60 | tee benches/results/goodput.txt
+    .venv/bin/python benches/bench_goodput.py --restart 12.7 --restart-1024 42.9 | tee benches/results/goodput.txt
 """
 
 from __future__ import annotations
@@ -61,11 +61,13 @@ def main() -> int:
     print(f"# {os.cpu_count()} cores, torch {torch.__version__}; {a.mb:g} MB fp32, {len(infos)} asynchronous "
           f"snapshots, {a.step_s:g} s steps; MTBF {mtbf / 3600:.2f} h")
     print(f"# measured: stall {stall:.3f} s, call to commit {secs:.2f} s ({gbps:.2f} GB/s) (medians)")
-    durable_1024 = max(stall, a.gb_1024 * 1e9 / (gbps * 1e9))
+    scale = a.gb_1024 * 1e9 / (a.mb * 1e6)  # each rank's bytes, there over here
+    stall_1024 = stall * scale  # (the staging copy: its bytes)
+    durable_1024 = max(stall_1024, secs * scale)
     print("\n| run | stall s | durable s | restart s | interval | goodput | best interval | best goodput |")
     print("|---|---|---|---|---|---|---|---|")
     for name, st, du, rs in (("this machine", stall, secs, a.restart),
-                             (f"1,024 ranks x {a.gb_1024:g} GB (projected)", stall, durable_1024, a.restart_1024)):
+                             (f"1,024 ranks x {a.gb_1024:g} GB (projected)", stall_1024, durable_1024, a.restart_1024)):
         for interval in (600.0, 1800.0):
             g = goodput(stall=st, durable=du, restart=rs, mtbf=mtbf, interval=max(interval, du))
             best = "continuous" if g.best_is_continuous else "Young/Daly"

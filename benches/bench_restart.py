@@ -36,7 +36,7 @@ disk's speed for the same bytes in the same run) and reports both rates.
 Each snapshot is the rank's own --mb-per-rank MB of fp32 (different on every rank, as a
 shard), taken by a CheckpointManager in a collective put.
 
-    .venv/bin/python benches/bench_restart.py --ranks 2 4 8 --modes disk,tier,peer,s3 \\
+    .venv/bin/python benches/bench_restart.py --ranks 2 4 8 --modes tier,peer,disk,s3 --big-mb 256 \\
         | tee benches/results/restart.txt
 """
 
