@@ -49,6 +49,7 @@ tests/house/test_docs.py checks that every module is named once, here or there.
     util/                 small helpers every layer shares
     errors.py             the TsckError tree
     info.py               SnapshotInfo, DurableEvent
+    goodput.py            the goodput model: a run's expected goodput, its best snapshot interval
 """
 
 import logging as _logging

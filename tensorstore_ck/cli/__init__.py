@@ -21,7 +21,8 @@ $TSCK_STORE and the positionals keep their meaning (`tsck log jobA/main -n 5`).
 
 The commands by group, one module each: snapshots.py (refs, log, show, ls, diff, tag,
 untag, pin, unpin, delete-ref, undelete, forget), maintenance.py (init, du, gc,
-retention, fsck, recover), interchange.py (checkout, export-weights, import); parser.py
+retention, fsck, recover), interchange.py (checkout, export-weights, import), goodput.py
+(goodput); parser.py
 reads the arguments, common.py holds the output every group shares, and main() here
 opens the store, runs the command and maps errors to exit codes.
 
@@ -31,6 +32,7 @@ Its modules:
     snapshots.py      refs, log, show, ls, diff; tag, untag, pin, unpin, delete-ref, undelete, forget
     maintenance.py    init, du, gc, retention, fsck, recover
     interchange.py    checkout (a file or a model folder), export-weights, import
+    goodput.py        goodput: the expected goodput of a run, and its best snapshot interval
     common.py         what the groups share: sizes and times as shown, strict JSON, a local tier
 """
 
@@ -43,6 +45,7 @@ import sys
 from ..errors import StorageError, TsckError
 from ..opener import open_store
 from .common import dumps, human  # noqa: F401 - re-exported: sizes as the CLI shows them
+from .goodput import cmd_goodput
 from .maintenance import cmd_init, cmd_recover
 from .parser import Usage, forget_hint, dash_hint, remote_options, build_parser, with_env_store
 
@@ -129,6 +132,8 @@ def main(argv=None) -> int:
     try:
         if args.fn is cmd_init:
             return cmd_init(args, refs, storage_options)
+        if args.fn is cmd_goodput and args.store is None:  # every figure given as an option: no store
+            return cmd_goodput(None, args)
         # Only init creates a store; only recover may create a ref table (to rebuild a lost one).
         with open_store(args.store, refs=refs, storage_options=storage_options, create=False,
                         create_refs=args.fn is cmd_recover and not args.read_only,

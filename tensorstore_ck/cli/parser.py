@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 
+from .goodput import cmd_goodput
 from .interchange import cmd_checkout, cmd_export_weights, cmd_import
 from .maintenance import cmd_du, cmd_fsck, cmd_gc, cmd_init, cmd_recover, cmd_retention
 from .snapshots import (cmd_delete_ref, cmd_diff, cmd_forget, cmd_log, cmd_ls, cmd_pin, cmd_refs, cmd_show, cmd_tag,
@@ -48,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_options(p, top=True)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser, title="commands")
 
-    def add(name, fn, help, *pos):
+    def add(name, fn, help, *pos, store_nargs=None):
         s = sub.add_parser(name, help=help)
-        s.add_argument("store", help="store path or URL (may be left out when $TSCK_STORE names it)")
+        s.add_argument("store", nargs=store_nargs,
+                       help="store path or URL (may be left out when $TSCK_STORE names it)")
         for a in pos:
             s.add_argument(a)
         s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -75,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also the snapshots of this store's local tier at PATH not uploaded yet (local-only), "
                          "and a ref that is only there")
     add("show", cmd_show, "one snapshot", "target")
+    gp = add("goodput", cmd_goodput, "expected goodput of a run, and the snapshot interval that maximises it",
+             store_nargs="?")
+    gp.add_argument("ref", nargs="?", help="the ref whose recorded snapshots give the stall, the time to durable "
+                                           "and the interval (medians of the newest 100)")
+    for opt, what in (("--stall", "seconds each snapshot blocks training"),
+                      ("--durable", "seconds from a snapshot's start to durable (default: recorded, or the stall)"),
+                      ("--interval", "seconds from one snapshot's start to the next"),
+                      ("--restart", "seconds from a failed job's process start to its first resumed step"),
+                      ("--mtbf", "mean time between the job's failures")):
+        gp.add_argument(opt, default=None, metavar="DURATION", required=opt in ("--restart", "--mtbf"),
+                        help=f"{what}; seconds, or a number with s, m, h or d (e.g. 7.9h)")
     du = add("du", cmd_du, "logical vs physical bytes, per job")
     du.add_argument("--local", default=None, metavar="PATH",
                     help="also the bytes of this store's local tier at PATH: queued for upload, local-only, "

@@ -36,6 +36,7 @@ Its modules:
     state.py          TrainState: the objects' state and every RNG stream, captured and put back
     manager.py        CheckpointManager: when to snapshot, and the snapshots taken
     preempt.py        preemption signals caught and chained; Preempted, the process's end
+    continuous.py     the continuous trigger's question: is the previous snapshot durable yet
     watch.py          its on_commit and on_durable hooks, CommitEvent, the store's size measured
     outcomes.py       its failures, warned and counted; CloseReport
     collective.py     under torch.distributed: rank 0 decides, collective snapshots

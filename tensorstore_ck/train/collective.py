@@ -35,7 +35,7 @@ class Collective:
         import torch.distributed as dist
         return dist.get_rank(self._group())
 
-    _BITS = {"steps": 1, "seconds": 2, "metric": 4}
+    _BITS = {"steps": 1, "seconds": 2, "metric": 4, "continuous": 16}
 
     _FORCE = 8
 

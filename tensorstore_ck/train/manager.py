@@ -16,6 +16,7 @@ import torch
 from ..errors import InvalidArgument, SnapshotsFailed, SnapshotWarning
 from ..maintain.retention import Retention
 from .collective import Collective
+from .continuous import DurableRoots
 from .outcomes import CloseReport, caller_level, Outcomes
 from .preempt import DEFAULT_GRACE, Preempted, PreemptSignals, preempt_options
 from .pruner import Pruner
@@ -56,6 +57,12 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
       every_steps=N      when step % N == 0
       every_seconds=T    when clock() - time of the last snapshot (or of the start) >= T
       on_metric=(name, "min"|"max")  when metrics[name] improves on the best seen (the first value counts)
+      continuous=True    as soon as the previous snapshot is durable (committed; with a
+                         local tier, uploaded: its remote ref moved; one that failed
+                         counts as ended) and min_interval= seconds (default 0) passed
+                         since it started (or since the start): the smallest loss a
+                         failure can cost on this store (docs/guide/goodput.md). It
+                         is checked at step(), never waited for: step() does not block.
     The job's retention rules are set in the store when given, and applied as the
     job trains (prune=True, the default with retention): after each committed
     snapshot a thread of the manager's own expires what the rules drop and deletes
@@ -153,7 +160,14 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
                  prune: bool | None = None, group=None, on_commit: Callable | None = None,
                  store_size_every: float | None = 300.0, timeout: float | None = None,
                  preempt_signals=(signal.SIGTERM,), preempt_grace: float = DEFAULT_GRACE,
-                 on_preempt: str = "raise"):
+                 on_preempt: str = "raise", continuous: bool = False, min_interval: float = 0.0):
+        if not isinstance(continuous, bool):
+            raise InvalidArgument(f"continuous must be True or False (min_interval= bounds it), got {continuous!r}")
+        if isinstance(min_interval, bool) or not isinstance(min_interval, numbers.Real) or not min_interval >= 0:
+            raise InvalidArgument(f"min_interval must be a number of seconds >= 0, got {min_interval!r}")
+        if min_interval and not continuous:
+            raise InvalidArgument("min_interval= bounds the continuous trigger: give continuous=True with it "
+                                  "(every_seconds= is the trigger by time alone)")
         if every_steps is not None and (type(every_steps) is not int or every_steps < 1):
             raise InvalidArgument(f"every_steps must be an int >= 1, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
@@ -178,6 +192,8 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.on_metric = on_metric
+        self.continuous = continuous
+        self.min_interval = float(min_interval)
         self.async_ = async_
         self.when_busy = when_busy
         self.clock = clock
@@ -211,6 +227,7 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
             prune = retention is not None
         self._pruner = Pruner(store, job) if prune else None
         self._init_watch(on_commit, store_size_every)
+        self._durable = DurableRoots(store, self.ref) if continuous else None
         # Last, once nothing above can refuse the arguments: a handler is process state.
         self._preempt = PreemptSignals(preempt_signals, preempt_grace)
 
@@ -227,6 +244,9 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
             v = metrics[self.on_metric[0]]
             if v == v and (self.best is None or (v < self.best if self.on_metric[1] == "min" else v > self.best)):
                 out.append("metric")
+        if (self.continuous and self.clock() - self.last_time >= self.min_interval
+                and self._durable.ended(self.last)):
+            out.append("continuous")
         return out
 
     def step(self, step: int, metrics: dict | None = None, *, force: bool = False):
@@ -382,6 +402,8 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
             self.wait()
         finally:
             self._preempt.close()
+            if self._durable is not None:
+                self._durable.close()
             if self._size is not None:
                 self._size.close()
             if self._pruner is not None:
