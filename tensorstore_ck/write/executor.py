@@ -35,12 +35,16 @@ def wait_all(futs: list[Future]) -> None:
 @contextlib.contextmanager
 def cancelled_on_failure(futs: list[Future]):
     """Around submitting `futs` and waiting for them: on any failure (one of them, a
-    submission, an interrupt) the ones not started yet are cancelled before it is raised."""
+    submission, an interrupt) the ones not started yet are cancelled, and the ones running
+    are waited for, before it is raised. A job reads memory its caller lends (a staging
+    buffer, a wave of one): one still running after the failure is raised would hash bytes
+    the caller has since reused and store them under the address of the old ones."""
     try:
         yield
     except BaseException:
         for f in futs:
             f.cancel()
+        wait(futs)
         raise
 
 

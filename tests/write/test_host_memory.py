@@ -266,3 +266,4 @@ def test_a_wave_that_fails_to_write_fails_the_put_itself_and_publishes_nothing(t
         info = s.put_snapshot(state, ref="j/m", step=2, blocking=False).result()
         assert info.step == 2
         assert_same(state, s.checkout("j/m"))
+

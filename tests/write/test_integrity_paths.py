@@ -10,11 +10,14 @@ exactly the verified / hashed ones.
   storage wrapper changes it from inside the store's exists / put_if_absent, the
   window between hashing and writing): what is stored under every address hashes to that
   address, and a later put of the same content dedups onto a readable object.
+* a put whose block write fails returns only once its writes still running ended (one
+  running after would read a buffer lent out again).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import blake3
@@ -284,3 +287,56 @@ def test_dcp_load_corrupt_block_leaves_only_old_or_verified_bytes(tmp_path):
             _classify(before[k], new[k], into[k])  # every byte old or the snapshot's
         data[HEADER + 100] ^= 0x01
         victim.write_bytes(bytes(data))
+
+
+class _HeldWrite(WrappedStore):
+    """Block writes of a put: the first fails at once; the second is held until released,
+    then notes whether the put had already returned (its buffer lent out again)."""
+
+    def __init__(self, inner, state: dict):
+        super().__init__(inner)
+        self.state, self.lock, self.n = state, threading.Lock(), 0
+
+    def put_addressed(self, key, bufs):
+        return self._put(key, bufs, self.inner.put_addressed)
+
+    def put_if_absent(self, key, bufs):
+        return self._put(key, bufs, self.inner.put_if_absent)
+
+    def _put(self, key, bufs, put):
+        if not key.startswith("blocks/") or not self.state["armed"]:
+            return put(key, bufs)
+        with self.lock:
+            self.n += 1
+            n = self.n
+        if n == 1:
+            self.state["held"].wait(60)  # (the second write has begun: it is running when this fails)
+            raise OSError(28, "injected: no space left")
+        if n == 2:
+            self.state["held"].set()
+            self.state["release"].wait(120)
+            self.state["after_return"] = self.state["returned"].is_set()
+        return put(key, bufs)
+
+
+def test_a_failed_put_returns_only_once_its_running_block_writes_ended(tmp_path):
+    """A put whose block write fails raises only after the writes still running ended: one
+    still running after it returned would read a buffer lent out again (the next put's
+    bytes, hashed under the old one's addresses)."""
+    state = {"armed": False, "held": threading.Event(), "release": threading.Event(),
+             "returned": threading.Event(), "after_return": None}
+    with tsck.open_store(tmp_path / "s", block_size=64 * 1024, workers=4,
+                         wrap_storage=lambda st: _HeldWrite(st, state)) as s:
+        s.put_snapshot({"x": torch.ones(3)}, ref="j/m", step=0)
+        state["armed"] = True
+
+        def release():  # the put may return at once (the fault) or only after this
+            state["returned"].wait(2.0)
+            state["release"].set()
+        t = threading.Thread(target=release)
+        t.start()
+        with pytest.raises(tsck.StorageError):
+            s.put_snapshot({"w": torch.arange(4 * 16384, dtype=torch.float32)}, ref="j/m", step=1)
+        state["returned"].set()
+        t.join()
+    assert state["after_return"] is False  # the held write ended before the put returned
