@@ -767,8 +767,6 @@ class Store:
             fence = self.assets.fence_now()
             t0 = time.monotonic()
             served = self._tier.served(reads)
-            if shared is not None:
-                shared.base = served
             c = decode_commit(served.get_commit(root, verify=verify))
             st = c.get("stats") or {}
             # A Store's own checkout (no tier): the packed parts it read and checked are ones a
@@ -815,7 +813,7 @@ class Store:
         from .collective.shared import SharedRead, Sharing
         if self._sharing is None:
             self._sharing = Sharing(self.storage)
-        return SharedRead(self._sharing, ch, None)
+        return SharedRead(self._sharing, ch)
 
     @_public
     def log(self, ref: str, *, errors: dict | None = None) -> list[SnapshotInfo]:

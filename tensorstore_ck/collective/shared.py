@@ -29,7 +29,7 @@ from collections import OrderedDict
 from ..core.assets import Assets
 from ..errors import TsckError
 from ..format.frame import HEADER_SIZE
-from ..util.net import job_secret, listen_on, prove, recv_exact, serve
+from ..util.net import close_all, job_secret, listen_on, prove, recv_exact, serve
 from .channel import Channel
 
 __all__ = ["Sharing", "SharedRead", "owner_of", "SHARE_TIMEOUT", "CACHE_BYTES"]
@@ -102,14 +102,7 @@ class Sharing:
             idle, self._idle = self._idle, {}
             self._cache.clear()
             self._cached = 0
-        for conns in idle.values():
-            for c in conns:
-                c.close()
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
+        close_all(sock, idle)
 
     def _stranger(self, who: str) -> None:
         with self._lock:
@@ -251,12 +244,13 @@ class Sharing:
 
 class SharedRead:
     """One collective checkout's shared reads (made on every rank when rank 0 said the
-    checkout shares): plan(jobs) agrees with the other ranks on the blocks of this rank's
-    reads and gives the reader that gets the shared ones from their owners; finish() makes
-    this rank's part of the agreement if plan never ran (a tree of inline values only)."""
+    checkout shares): plan(jobs, base) agrees with the other ranks on the blocks of this
+    rank's reads and gives the reader that gets the shared ones from their owners, the rest
+    from `base`; finish() makes this rank's part of the agreement if plan never ran (a tree
+    of inline values only)."""
 
-    def __init__(self, sharing: Sharing, ch: Channel, base):
-        self.sharing, self.ch, self.base = sharing, ch, base
+    def __init__(self, sharing: Sharing, ch: Channel):
+        self.sharing, self.ch = sharing, ch
         self.call = hashlib.blake2b(ch.pfx.encode(), digest_size=16).digest()
         self._done = False
         self.routed: dict = {}  # digest -> owner rank, for the blocks read through owners
@@ -267,7 +261,7 @@ class SharedRead:
 
     def finish(self) -> None:
         if not self._done:
-            self.plan([])
+            self.plan([], None)
 
     def abandon(self) -> None:
         """This rank's read failed: let the others' agreement go on without it (its
@@ -281,19 +275,15 @@ class SharedRead:
         except Exception as e:  # noqa: BLE001 - the read's own failure is the one to raise
             log.debug("shared reads: this rank's part of the agreement could not be posted: %s", e)
 
-    def plan(self, jobs: list):
-        """jobs: the reader's (digest, destination, path, bounce) reads -> the ObjectReader
-        to run them through."""
+    def plan(self, jobs: list, base):
+        """jobs: the reader's (digest, destination, path, bounce) reads; base: its ObjectReader
+        -> the ObjectReader to run them through."""
         self._done = True
-        ch, world, me = self.ch, self.ch.world, self.ch.rank
+        ch, world = self.ch, self.ch.world
         ch.arrive("share", self.sharing.listen(ch.kv).encode(), world)
         ch.wait_for(["share_all"], "post their side channel", "share")
-        lens: dict = {}
-        for d, out, _p, _b in jobs:
-            n = out.glen if hasattr(out, "glen") else out.nbytes  # (a pack's part: the whole pack is read)
-            lens[d] = max(lens.get(d, 0), n)
         by_owner: dict = {}
-        for d in lens:
+        for d in dict.fromkeys(job[0] for job in jobs):  # (a pack's parts: one read of the pack)
             by_owner.setdefault(owner_of(d, world), []).append(d)
         addrs = dict(zip(sorted(by_owner), ch.get_many([f"share/{o}" for o in sorted(by_owner)])))
         dead: set = set()
@@ -315,8 +305,8 @@ class SharedRead:
                 continue
             self.routed.update((d, o) for d, a in zip(ds, answer) if a == 1)
         if not self.routed:
-            return self.base
-        return _Routed(self, {o: addrs[o] for o in set(self.routed.values())}, lens)
+            return base
+        return _Routed(self, base, {o: addrs[o] for o in set(self.routed.values())})
 
     def _list(self, addr: bytes, op: bytes, digests: list, answer_len: int) -> bytes:
         req = op + self.call + len(digests).to_bytes(4, "big") + b"".join(digests)
@@ -327,8 +317,8 @@ class _Routed:
     """An ObjectReader: the blocks several ranks read from their owners (each copy checked
     against its address), everything else from `base`."""
 
-    def __init__(self, share: SharedRead, addrs: dict, lens: dict):
-        self.share, self.base, self.addrs, self.lens = share, share.base, addrs, lens
+    def __init__(self, share: SharedRead, base, addrs: dict):
+        self.share, self.base, self.addrs = share, base, addrs
         self._failed: set = set()
 
     def read_block_into(self, d: bytes, out, *, verify: bool = True, snapshot=None, path=None,

@@ -87,8 +87,8 @@ class Reader(WorldReading):
         # reads is recorded present under it, and a big tensor's blocks seen under it are
         # not asked again (presence.py)
         self.fence = fence
-        # plan: jobs -> the ObjectReader to run them through, asked once, for the reads of
-        # the tree this reader materializes (a collective checkout's shared reads)
+        # plan: (jobs, this reader's ObjectReader) -> the ObjectReader to run them through,
+        # asked once, for the reads of the tree it materializes (a collective checkout's shared reads)
         self._plan = plan
         # paths: only the sub-trees these dotted paths name are read (nodes and blocks)
         self.select = None if paths is None else Selection(paths)
@@ -307,7 +307,7 @@ class Reader(WorldReading):
         assets = self.assets
         if planned and self._plan is not None:
             plan, self._plan = self._plan, None
-            assets = plan(jobs)
+            assets = plan(jobs, assets)
         run_reads(assets, self.pool, jobs, snapshot=self.snapshot, verify=self.verify, written=written,
                   progress=self.progress, fence=self.fence, packs=self._packs)
 

@@ -13,7 +13,7 @@ from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
-from ..util.net import job_secret, listen_on, prove, recv_exact as _recv, serve
+from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, serve
 from .reads import NotHere, ReadChain, Source
 
 __all__ = ["Peers", "FromPeers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
@@ -132,15 +132,8 @@ class Peers:
         self._keeper.close()
         with self._lock:
             idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for c in conns:
-                c.close()
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
+            sock, self._sock = self._sock, None
+        close_all(sock, idle)
 
     # -- the server ----------------------------------------------------------------------
     def _stranger(self, who: str) -> None:

@@ -19,7 +19,7 @@ import secrets
 import socket
 import threading
 
-__all__ = ["local_host", "recv_exact", "listen_on", "serve", "job_secret", "prove", "proven", "peer_name",
+__all__ = ["local_host", "recv_exact", "listen_on", "serve", "close_all", "job_secret", "prove", "proven", "peer_name",
            "SECRET_KEY", "HANDSHAKE_TIMEOUT"]
 
 SECRET_KEY = "tsck/secret"  # the job's secret, in the c10d Store
@@ -91,6 +91,19 @@ def serve(sock, secret: bytes, answer, *, name: str, timeout: float, on_stranger
                 return  # closed
             threading.Thread(target=one, args=(conn,), name=name, daemon=True).start()
     threading.Thread(target=loop, name=name + "-server", daemon=True).start()
+
+
+def close_all(sock, idle: dict) -> None:
+    """A side channel's end: the connections kept idle for reuse ({peer: [conn]}) closed,
+    then its listening socket (None: it never listened)."""
+    for conns in idle.values():
+        for c in conns:
+            c.close()
+    if sock is not None:
+        try:
+            sock.close()
+        except OSError:
+            pass
 
 
 def job_secret(kv) -> bytes:
