@@ -85,7 +85,9 @@ def open_store(url, *, create: bool = True,
                # gc
                gc_lease: float | None = None,
                # reads
-               shared_reads: bool | None = None) -> Store:
+               shared_reads: bool | None = None,
+               # writes
+               watch_writes: bool = True) -> Store:
     """Open (or create, if `create` and the location is empty) a store.
 
     url: a local path, file://, memory:// or any fsspec URL (s3://bucket/prefix).
@@ -200,7 +202,14 @@ def open_store(url, *, create: bool = True,
     checked against its address (docs/design/collective.md, "A restore reads each byte
     once"). None (the default): on for an object store, off for a local disk or memory://
     (reads there are no requests); rank 0's store decides for every rank. Not with a local
-    tier (each rank reads its own tier first)."""
+    tier (each rank reads its own tier first).
+
+    watch_writes: True (the default): a host tensor of 1 MiB or more that the kernel proves
+    unchanged since this process stored it (no page of it written: userfaultfd
+    write-protection, Linux 6.7+) is neither copied nor hashed again; its blocks are only
+    looked for (docs/design/writing.md, "Unchanged tensors"). A frozen base costs nothing
+    per snapshot. False: every tensor is copied and hashed at every snapshot (for memory
+    that a device or a NIC writes by DMA without the memory being pinned through torch)."""
     stored = _Stored.checked(block_size, inline_threshold, compression, verify, pack_size)
     network = _Network.checked(write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
                                storage_options, wrap_storage, saver, saver_nice, host_memory)
@@ -215,7 +224,11 @@ def open_store(url, *, create: bool = True,
     if shared_reads and local is not None:
         raise InvalidArgument("shared_reads=True is for a store without a local tier (local=): through a tier "
                               "each rank reads its own tier first, its peers' replicas, then the remote")
-    return _open(url, create, stored, refs_at, tier, network, gc_lease, shared_reads)
+    if not isinstance(watch_writes, bool):
+        raise InvalidArgument(f"watch_writes must be True or False, got {watch_writes!r}")
+    store = _open(url, create, stored, refs_at, tier, network, gc_lease, shared_reads)
+    store.watch_writes = watch_writes
+    return store
 
 
 # -- the option groups, each checked on its own --------------------------------------------

@@ -185,6 +185,7 @@ class Store:
         # blocking=False: in order, one thread; staged within host_memory bytes
         self._puts = AsyncPuts(max_inflight, when_busy, self.publisher.executor, host_memory)
         self._plan_cache = None  # the layouts put_snapshot planned last (plancache.py), made at the first put
+        self.watch_writes = True  # open_store(watch_writes=): put_snapshot skips tensors proven unchanged
         self._collective = CALLS  # the process's collective call names (shared by its Stores)
         self._read_only = st.read_only
         # A collective checkout reads each block several ranks read once (collective/shared.py):
@@ -499,12 +500,17 @@ class Store:
         """A planner with this store's block layout (validates a state before any write).
         cached: it plans a state of a layout put_snapshot planned lately from that plan."""
         from .write.plan import Planner  # torch, imported where tensors are (not by `tsck refs`)
-        if cached and self._plan_cache is None:
-            from .write.plancache import PlanCache
-            self._plan_cache = PlanCache()
+        unchanged = None
+        if cached:
+            if self._plan_cache is None:
+                from .write.plancache import PlanCache
+                self._plan_cache = PlanCache()
+            if self.watch_writes:
+                from .write.unchanged import Unchanged
+                unchanged = Unchanged.get()
         return Planner(block_size=self.block_size, inline_threshold=self.inline_threshold,
                        allow_pickle=allow_pickle, defer_device=defer_device, pack_size=self.pack_size,
-                       cache=self._plan_cache if cached else None)
+                       cache=self._plan_cache if cached else None, unchanged=unchanged)
 
     def raise_pending_error(self) -> None:
         """Raise (once) the failure of an asynchronous snapshot, if one failed. The

@@ -289,6 +289,25 @@ class Assets:
         fence: the gc epoch read before this snapshot looked at storage (Presence)."""
         return self._put(frame.KIND_BLOCK, raw, itemsize, digest, private, fence)
 
+    def put_known(self, raw, itemsize: int, d: bytes, fence: int | None = None) -> PutResult:
+        """A block whose address is known without hashing (a tensor proven unchanged since
+        its bytes were hashed: write/unchanged.py): looked for in storage, and written from
+        `raw` only where it is missing; then `raw` is hashed and must match `d`
+        (SnapshotAborted if the bytes changed since). raw None: nothing to write it from
+        (SnapshotAborted where it is missing)."""
+        n = memoryview(raw).nbytes if raw is not None else 0
+        if self.presence.known(frame.KIND_BLOCK, d, fence):
+            return PutResult(d, False, n)
+        key = _key(KIND_PREFIX[frame.KIND_BLOCK], d)
+        size = self.storage.size_of(key)
+        if size is not None and raw is not None and self._reusable(key, frame.KIND_BLOCK, size, n):
+            self.presence.add(frame.KIND_BLOCK, d, fence)
+            return PutResult(d, False, n)
+        if raw is None:
+            raise SnapshotAborted(f"block {d.hex()[:16]} of an unchanged tensor is no longer stored and its bytes "
+                                  "are no longer held; nothing was published, take the snapshot again")
+        return self._put(frame.KIND_BLOCK, raw, itemsize, d, False, fence)
+
     @staticmethod
     def hash_block(raw) -> PutResult:
         """Only the address: for a replicated block another rank writes."""

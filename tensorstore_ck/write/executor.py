@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 __all__ = ["Threads", "run_block_jobs", "run_jobs", "run_copies", "only_hashed", "wait_all",
-           "cancelled_on_failure"]
+           "cancelled_on_failure", "Known"]
 
 
 def wait_all(futs: list[Future]) -> None:
@@ -62,6 +62,14 @@ class Gather:
         self.pack = pack
 
 
+class Known:
+    """A block job whose address is known (a tensor proven unchanged, unchanged.py): only
+    looked for in storage (Assets.put_known); its bytes are the tensor's own."""
+
+    def __init__(self, digest: bytes, raw):
+        self.digest, self.raw = digest, raw
+
+
 # A block job: (bytes, or a Gather; its size; element size; only hashed; private: nobody
 # else writes these bytes until the block is written, Assets.put_block).
 Job = tuple[object, int, int, bool, bool]
@@ -78,6 +86,12 @@ def run_jobs(assets: Assets, pool: ThreadPoolExecutor, jobs: Iterable[Job], fenc
         for raw, n, itemsize, hash_only, private in jobs:
             if isinstance(raw, Gather):
                 f = pool.submit(_gather_and_put, assets, raw.pack, fence)
+            elif isinstance(raw, Known):
+                if hash_only:
+                    f = Future()
+                    f.set_result(PutResult(raw.digest, False, n, counted=False))
+                else:
+                    f = pool.submit(assets.put_known, raw.raw, itemsize, raw.digest, fence)
             elif hash_only:
                 f = pool.submit(assets.hash_block, raw)
             else:
@@ -104,13 +118,16 @@ def run_block_jobs(plan: "Plan", assets: Assets, pool: ThreadPoolExecutor, owns=
     rank's manifest), so each replicated block is written exactly once."""
     leaves, jobs = [], []
     for leaf in job_order(plan.leaves):
-        if leaf.raw is None:  # a pack of a plan not staged: its members' bytes copied together in the job
+        if leaf.raw is None and getattr(leaf, "known", None) is None:  # a pack of a plan not staged: its members' bytes copied together in the job
             leaves.append(leaf)
             jobs.append((Gather(leaf), sum(b - a for a, b in leaf.ranges), leaf.itemsize, False, True))
             continue
+        known = getattr(leaf, "known", None)
         for i, (a, b) in enumerate(leaf.ranges):
             leaves.append(leaf)
-            jobs.append((leaf.raw[a:b], b - a, leaf.itemsize, only_hashed(leaf, i, owns), leaf.private))
+            raw = leaf.raw[a:b] if leaf.raw is not None else None
+            jobs.append((raw if known is None else Known(known[i], raw), b - a, leaf.itemsize,
+                         only_hashed(leaf, i, owns), leaf.private))
     for leaf, r in zip(leaves, run_jobs(assets, pool, jobs, fence, progress)):
         leaf.results.append(r)
 

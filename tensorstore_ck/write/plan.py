@@ -93,6 +93,10 @@ class Leaf(Pending):
     path: str = ""             # where in the state (spreads replicated blocks over ranks)
     private: bool = False      # raw is ours alone (staged, or a copy the planner made): blocks are
                                # hashed and written in place; else through a per-thread copy
+    # Its blocks' addresses, when its tensor is proven unchanged since they were hashed
+    # (unchanged.py): not staged nor hashed; raw is the tensor's own bytes, written from
+    # (checked against the address) only where storage lost a block.
+    known: list | None = None
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +143,16 @@ class Pack(Leaf):
         for m in self.members:
             buf[m.pack_off:m.pack_off + m.nbytes] = m.raw
         self.raw, self.private = buf, True
+
+
+def claim(unchanged, leaf: Leaf, t: torch.Tensor) -> None:
+    """Ask unchanged.py about the tensor a leaf reads in place: its addresses when proven
+    unchanged, else (where watched) its results recorded once hashed."""
+    got = unchanged.claim(t, leaf.ranges)
+    if type(got) is list:
+        leaf.known = got
+    elif got is not None:
+        got(leaf.results)
 
 
 def leaf_parts(leaf: Leaf):
@@ -206,7 +220,7 @@ class Plan:
 
     @property
     def staged_bytes(self) -> int:
-        return sum(leaf.nbytes for leaf in self.leaves)
+        return sum(leaf.nbytes for leaf in self.leaves if leaf.known is None)
 
     def stage(self, buf: torch.Tensor) -> None:
         """Copy every leaf's bytes into `buf` (a reused uint8 host buffer of at
@@ -220,6 +234,8 @@ class Plan:
             stream.wait_stream(torch.cuda.current_stream())  # see the tensors' final values
         off = 0
         for leaf in self.leaves:
+            if leaf.known is not None:
+                continue  # unchanged: its addresses are known, its bytes stay where they are
             n = leaf.nbytes
             dst = buf[off:off + n]
             for m in leaf_parts(leaf):  # a pack: its members back to back
@@ -247,18 +263,19 @@ def _inline_size(tag, meta, n: int) -> int:
 
 class Planner:
     def __init__(self, *, block_size: int, inline_threshold: int, allow_pickle: bool = False,
-                 defer_device: bool = False, cache=None, pack_size: int = 0):
+                 defer_device: bool = False, cache=None, pack_size: int = 0, unchanged=None):
         self.block_size = block_size
         self.pack_size = pack_size  # small leaves packed into blocks of up to this (0: never)
         self.inline_threshold = inline_threshold
         self.allow_pickle = allow_pickle
         self.defer_device = defer_device  # leave device tensors for Plan.stage() to copy (it stages)
         self.cache = cache  # plancache.PlanCache: the layouts planned lately, or None
+        self.unchanged = unchanged  # unchanged.Unchanged: tensors proven unchanged, or None
 
     def plan(self, state) -> Plan:
         flat = None
         if self.cache is not None:
-            found, flat = self.cache.find(state, staged=self.defer_device)
+            found, flat = self.cache.find(state, staged=self.defer_device, unchanged=self.unchanged)
             if found is not None:
                 found.pack_size = self.pack_size
                 return found
@@ -267,8 +284,13 @@ class Planner:
         self._pieces: list = []
         self._replicas: list = []
         self._tensors: list = []  # each top-level tensor's planned form, in state order
+        self._in_place: list = []  # (leaf, tensor): leaves whose bytes are their tensor's memory
         value = self._plan(state, (), 0)
         self._leaves = pack_leaves(self._leaves, self.pack_size)
+        if self.unchanged is not None:
+            for leaf, t in self._in_place:
+                if leaf.pack is None:
+                    claim(self.unchanged, leaf, t)
         NodeWriter().check(value)  # no node may pass the readers' cap: refused before any write
         plan = Plan(value, self._leaves, self._inline, self._pieces, self._replicas, pack_size=self.pack_size)
         if flat is not None:
@@ -371,6 +393,11 @@ class Planner:
         self._leaves.append(leaf)
         return leaf
 
+    def _in_place_leaf(self, form, t: torch.Tensor):
+        if isinstance(form, Leaf) and not form.private and form.raw is not None:
+            self._in_place.append((form, t))
+        return form
+
     def _plan_global(self, local, global_shape, offsets, path, replicated: bool = False):
         """A piece of a global tensor: stored as {"G": {dt, sh, chunks: [chunk]}}; ranks'
         chunks of one tensor are merged by path at checkout."""
@@ -437,7 +464,8 @@ class Planner:
             meta["rg"] = True
         if obj.device.type != "cpu":
             meta["dev"] = str(obj.device)
-        return self._leaf("T", meta, raw, t.element_size(), tuple(t.shape), device_src, private)
+        return self._in_place_leaf(self._leaf("T", meta, raw, t.element_size(), tuple(t.shape), device_src, private),
+                                   t)
 
     def _plan_array(self, a: np.ndarray, path):
         if a.dtype.hasobject:

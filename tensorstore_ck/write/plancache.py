@@ -29,6 +29,7 @@ import torch
 from ..errors import UnsupportedType
 from ..format.tree import MAX_DEPTH, Pending
 from .plan import Pack, Plan, copied, stored_int, Leaf, contiguous
+from .unchanged import MIN_BYTES, live_bytes
 
 __all__ = ["PlanCache"]
 
@@ -123,6 +124,8 @@ class _Layout:
     cpu: list             # the tensors on the host (copied in one call), by index
     packs: list           # per Pack: (where it starts in the buffer, item size, bytes); a form's
                           # last field (pack number, offset in it) or None
+    watchable: list       # the host tensors of MIN_BYTES or more with blocks of their own, by index
+                          # (unchanged.py may prove them unchanged)
 
     def views(self, buf: torch.Tensor) -> list:
         """Each tensor's typed view of `buf` where a plan from this layout stages it: made
@@ -163,14 +166,15 @@ class PlanCache:
         self.hits = 0
         self.misses = 0
 
-    def find(self, state, *, staged: bool):
+    def find(self, state, *, staged: bool, unchanged=None):
         """-> (a plan of `state` from a kept layout or None, what keep() takes when the
-        planner plans it whole: None when its layout cannot be kept)."""
+        planner plans it whole: None when its layout cannot be kept). unchanged: the
+        process's unchanged.Unchanged, or None."""
         flat = _flatten(state)
         if flat is None:
             return None, None
         lay = self.match(*flat)
-        return (None if lay is None else _CachedPlan(lay, flat[1], flat[2], staged=staged)), flat
+        return (None if lay is None else _CachedPlan(lay, flat[1], flat[2], staged=staged, unchanged=unchanged)), flat
 
     def match(self, keys, tensors, plains) -> _Layout | None:
         sig = None
@@ -236,10 +240,12 @@ class PlanCache:
                 inline += n
             offsets.append(off)
             off += -(-n // _ALIGN) * _ALIGN
+        cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
         lay = _Layout(keys, list(map(_SIG, tensors)), list(plains), [_plain_size(v) for v in plains],
-                      kept, offsets, off, inline,
-                      [i for i, t in enumerate(tensors) if t.device.type == "cpu"],
-                      [(start, itemsize, n) for _k, start, itemsize, n in packs.values()])
+                      kept, offsets, off, inline, cpu,
+                      [(start, itemsize, n) for _k, start, itemsize, n in packs.values()],
+                      [i for i in cpu if kept[i][3] is not None and kept[i][6] is None
+                       and kept[i][3][-1][1] >= MIN_BYTES])
         self._layouts = [lay] + [x for x in self._layouts if x.keys != keys][:self.size - 1]
         return lay
 
@@ -266,13 +272,23 @@ class _CachedPlan(Plan):
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
-    def __init__(self, lay: _Layout, tensors, plains, staged: bool):
+    def __init__(self, lay: _Layout, tensors, plains, staged: bool, unchanged=None):
         self._lay, self._tensors, self._plains, self._staged = lay, tensors, plains, staged
         self._leaves = self._value = None
         self._buf = None
         self.inline_bytes = lay.inline_bytes
         self.pieces, self.replicas = [], []
         self.reused, self.pack_size = [], 0
+        self._known: dict = {}  # tensor index -> its blocks' addresses (proven unchanged)
+        self._live: dict = {}   # tensor index -> its own bytes (a known one's)
+        self._bind: dict = {}   # tensor index -> where its results are recorded once hashed
+        if unchanged is not None:
+            for i in lay.watchable:
+                got = unchanged.claim(tensors[i], lay.forms[i][3])
+                if type(got) is list:
+                    self._known[i], self._live[i] = got, live_bytes(tensors[i])
+                elif got is not None:
+                    self._bind[i] = got
 
     @property
     def staged_bytes(self) -> int:
@@ -282,10 +298,13 @@ class _CachedPlan(Plan):
         lay = self._lay
         dst, src = lay.views(buf), self._tensors
         with torch.no_grad():
-            if len(lay.cpu) == len(src):
+            if len(lay.cpu) == len(src) and not self._known:
                 _copy_all(dst, src)
             else:
-                _copy_all([dst[i] for i in lay.cpu], [src[i] for i in lay.cpu])
+                cpu = [i for i in lay.cpu if i not in self._known] if self._known else lay.cpu
+                _copy_all([dst[i] for i in cpu], [src[i] for i in cpu])
+                if len(lay.cpu) == len(src):
+                    return self._hold(buf)
                 on_host = set(lay.cpu)
                 dev = [i for i in range(len(src)) if i not in on_host]
                 stream = torch.cuda.Stream()
@@ -293,6 +312,9 @@ class _CachedPlan(Plan):
                 with torch.cuda.stream(stream):  # into pinned memory: asynchronous copies, one call
                     _copy_some([dst[i] for i in dev], [src[i] for i in dev], non_blocking=True)
                 stream.synchronize()
+        self._hold(buf)
+
+    def _hold(self, buf: torch.Tensor) -> None:
         self._buf = buf
         self._tensors = None  # the caller's tensors are not read again
 
@@ -315,6 +337,9 @@ class _CachedPlan(Plan):
         return self._value
 
     def _bytes(self, i, n):
+        live = self._live.get(i)
+        if live is not None:
+            return live, False
         if self._buf is not None:
             off = self._lay.offsets[i]
             return self._np[off:off + n], True
@@ -336,6 +361,10 @@ class _CachedPlan(Plan):
                 raw, private = self._bytes(i, ranges[-1][1])
                 p = Leaf(tag, meta, raw, itemsize, ranges, path=path, private=private)
                 p.packed_size = size
+                if i in self._known:
+                    p.known = self._known[i]
+                elif i in self._bind:
+                    self._bind[i](p.results)
                 if in_pack is None:
                     leaves.append(p)
                 else:
@@ -365,6 +394,7 @@ class _CachedPlan(Plan):
         self._value = build()
         self._leaves = leaves
         self._tensors = self._plains = None
+        self._live = self._bind = None
 
 
 _COPY_BATCH = 512  # tensors per helper thread at least: below it the hand-off costs more than it saves

@@ -340,11 +340,15 @@ class SaverExecutor:
     def write_blocks(self, plan, assets: Assets, owns=None, progress=None, fence: int | None = None) -> None:
         if plan.shared is None or progress is not None:
             return self.threads.write_blocks(plan, assets, owns=owns, progress=progress, fence=fence)
-        own = packparts.gathered(plan)
+        # Packs made again at write time, and blocks of unchanged tensors (only looked for;
+        # their bytes are not in the shared buffer): here.
+        own = packparts.gathered(plan) + [x for x in plan.leaves if x.known is not None]
         if own:
             self.threads.write_blocks(_Leaves(own), assets, owns=owns, fence=fence)
-            rest = _Leaves([x for x in plan.leaves if all(x is not o for o in own)])
-            self.saver.write_blocks(rest, plan.shared, owns=owns, fence=fence)
+            mine = set(map(id, own))
+            rest = _Leaves([x for x in plan.leaves if id(x) not in mine])
+            if rest.leaves:
+                self.saver.write_blocks(rest, plan.shared, owns=owns, fence=fence)
         else:
             self.saver.write_blocks(plan, plan.shared, owns=owns, fence=fence)
 

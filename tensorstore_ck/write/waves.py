@@ -48,6 +48,8 @@ def waves_of(plan: Plan, limit: int) -> list[list[tuple]]:
     of at most `limit` bytes (aligned) -> [[(leaf, block index, offset in the buffer)]]."""
     waves, cur, off = [], [], 0
     for leaf in job_order(plan.leaves):
+        if leaf.known is not None:
+            continue  # unchanged: nothing to copy (stage_in_waves looks for its blocks)
         for i, (a, b) in enumerate(leaf.ranges):
             if cur and off + (b - a) > limit:
                 waves.append(cur)
@@ -74,6 +76,7 @@ class _Job:
     """One block job of a wave, as an executor takes a leaf: its bytes in the buffer."""
     replicated = False
     private = True  # the buffer is the put's alone until the wave is written
+    known = None
 
     def __init__(self, raw, itemsize: int):
         self.raw, self.itemsize = raw, itemsize
@@ -105,6 +108,9 @@ def stage_in_waves(plan: Plan, buf: torch.Tensor, shared, write: Callable, limit
             write(_Wave(jobs, shared))
             for (leaf, _i, _off), job in zip(wave, jobs):
                 leaf.results.extend(job.results)
+    known = [leaf for leaf in plan.leaves if leaf.known is not None]
+    if known:  # blocks of unchanged tensors: looked for in storage (written from the tensor where lost)
+        write(_Wave(known, shared))
     for leaf in plan.leaves:
         for m in (leaf.members if type(leaf) is Pack else (leaf,)):
             m.raw = m.device_src = None  # not the caller's bytes, nor the buffer's: written

@@ -37,7 +37,7 @@ BAD = [
     dict(workers=0), dict(workers="2"), dict(gc_lease=0), dict(gc_lease=-5), dict(gc_lease=True),
     dict(max_inflight=0), dict(max_inflight=1.5), dict(when_busy="drop"),
     dict(pack_size=-1), dict(pack_size=(256 << 20) + 1), dict(pack_size=1.5), dict(pack_size=True), dict(pack_size="64"),
-    dict(shared_reads="yes"), dict(shared_reads=1),
+    dict(shared_reads="yes"), dict(shared_reads=1), dict(watch_writes=None), dict(watch_writes="off"),
 ]
 
 
@@ -75,13 +75,14 @@ def test_the_options_in_groups_keep_their_names(tmp_path):
                      "create_refs",
                      "read_only", "local", "local_budget", "replicas", "early_upload", "write_bandwidth",
                      "write_concurrency", "workers", "max_inflight", "retry_budget", "when_busy", "saver",
-                     "saver_nice", "host_memory", "storage_options", "wrap_storage", "gc_lease", "shared_reads"]
+                     "saver_nice", "host_memory", "storage_options", "wrap_storage", "gc_lease", "shared_reads",
+                     "watch_writes"]
     with tsck.open_store(tmp_path / "s", create=True, block_size=4096, inline_threshold=64, compression="lz4",
                          verify=True, pack_size=1 << 20, refs=None, create_refs=False, read_only=False, local=tmp_path / "tier",
                          local_budget=1 << 30, replicas=0, early_upload=False, write_bandwidth=1e9,
                          write_concurrency=4, workers=2, max_inflight=2, retry_budget=1.0, when_busy="wait",
                          saver="thread", saver_nice=10, host_memory=1 << 30, storage_options=None,
-                         wrap_storage=lambda s: s, gc_lease=30.0, shared_reads=False) as s:
+                         wrap_storage=lambda s: s, gc_lease=30.0, shared_reads=False, watch_writes=True) as s:
         s.put_snapshot({"x": torch.ones(3)}, ref="j/main")
         assert (s.block_size, s.inline_threshold, s.codecs, s.pack_size) == (4096, 64, "lz4", 1 << 20)
         assert s.wait_durable(timeout=60)
