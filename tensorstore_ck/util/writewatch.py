@@ -157,10 +157,18 @@ class WriteWatch:
         self._ends.insert(i, end)
 
     def _forget(self, start: int, end: int) -> None:
-        """A range unmapped by its owner (the probe's page): no longer counted as watched."""
+        """Memory unmapped since it was watched (freed, mapped anew): every range of the
+        bookkeeping that touches [start, end) is forgotten, so watch() registers it again."""
+        start, end = self.pages(start, end)
         i = bisect.bisect_right(self._starts, start) - 1
-        if i >= 0 and self._starts[i] == start and self._ends[i] == end:
-            del self._starts[i], self._ends[i]
+        i = max(i, 0)
+        while i < len(self._starts) and self._starts[i] < end:
+            if self._ends[i] > start:
+                del self._starts[i], self._ends[i]
+            else:
+                i += 1
+
+    forget = _forget
 
     def written(self, start: int, end: int) -> list[tuple[int, int]] | None:
         """The written page ranges of [start, end) since the last call over them (all of

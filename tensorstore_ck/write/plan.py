@@ -97,6 +97,7 @@ class Leaf(Pending):
     # (unchanged.py): not staged nor hashed; raw is the tensor's own bytes, written from
     # (checked against the address) only where storage lost a block.
     known: list | None = None
+    watch: object = None  # where a watched tensor's addresses and staged edges are recorded (unchanged.py)
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +154,7 @@ def claim(unchanged, leaf: Leaf, t: torch.Tensor) -> None:
         leaf.known = got
     elif got is not None:
         got(leaf.results)
+        leaf.watch = got
 
 
 def leaf_parts(leaf: Leaf):
@@ -248,6 +250,8 @@ class Plan:
                     part.copy_(torch.from_numpy(m.raw))  # torch's copy runs on several threads
             leaf.raw = dst.numpy()
             leaf.private = True  # nobody else writes the staging buffer
+            if leaf.watch is not None:
+                leaf.watch.staged(leaf.raw)
             off += n
         if stream is not None:
             stream.synchronize()

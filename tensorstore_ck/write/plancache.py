@@ -298,11 +298,13 @@ class _CachedPlan(Plan):
         lay = self._lay
         dst, src = lay.views(buf), self._tensors
         with torch.no_grad():
-            if len(lay.cpu) == len(src) and not self._known:
+            if len(lay.cpu) == len(src) and not self._known and not self._bind:
                 _copy_all(dst, src)
             else:
                 cpu = [i for i in lay.cpu if i not in self._known] if self._known else lay.cpu
                 _copy_all([dst[i] for i in cpu], [src[i] for i in cpu])
+                for i, bind in self._bind.items():  # what is hashed: the shared edges kept from it
+                    bind.staged(dst[i].reshape(-1).view(torch.uint8).numpy())
                 if len(lay.cpu) == len(src):
                     return self._hold(buf)
                 on_host = set(lay.cpu)

@@ -40,7 +40,7 @@ import weakref
 import numpy as np
 import torch
 
-from ..util.writewatch import WriteWatch
+from ..util.writewatch import PAGE, WriteWatch
 
 __all__ = ["Unchanged", "MIN_BYTES"]
 
@@ -52,13 +52,16 @@ _BACKOFF_MAX = 64
 
 
 class _Rec:
-    __slots__ = ("storage", "start", "end", "results", "n", "written", "misses", "wait", "armed")
+    __slots__ = ("storage", "start", "end", "results", "n", "marked", "misses", "wait", "armed", "edges")
 
     def __init__(self, storage, start: int, end: int, n: int):
         self.storage = weakref.ref(storage)
         self.start, self.end, self.n = start, end, n
         self.results: list | None = None  # the leaf results the addresses come from
-        self.written = False  # another record's walk found (and protected again) its pages written
+        self.marked: list = []  # page ranges another record's walk found (and protected again) written
+        # The bytes of its first and last pages that it shares with other memory, as hashed
+        # (taken from the staged copy): a write there may be a neighbour's, told apart by them.
+        self.edges: tuple | None = None
         self.misses = 0       # consecutive puts that found it written
         self.wait = 0         # puts left before it is watched again
         self.armed = False    # watched since the last put's walk (its addresses bound then)
@@ -138,44 +141,91 @@ class Unchanged:
                 rec.results, rec.armed = None, False
                 return None
             found = self._watch.written(start, end)
-            if found is None:  # no longer watched (remapped): forget it
-                del self._recs[key]
-                return None
+            if found is None:  # not watched: the memory was mapped anew since a watch (freed, reused)
+                self._watch.forget(start, end)
+                if not (_anonymous(start, end) and self._watch.watch(start, end)):
+                    del self._recs[key]
+                    self._refused[key] = weakref.ref(storage)
+                    return None
+                found = self._watch.written(start, end)
+                if found is None:
+                    del self._recs[key]
+                    return None
             if found:
                 self._mark(found, rec)
-            known = None if found or rec.written else rec.digests()
+            written = _written(rec, found + rec.marked, t)
+            rec.marked = []
+            known = None if written else rec.digests()
             if known is not None:
                 rec.misses = 0
                 self.reused += 1
                 return known
-            if rec.armed and (found or rec.written):  # watched since the last put, and written: watched less often
+            if rec.armed and written:  # watched since the last put, and written: watched less often
                 rec.misses += 1
                 rec.wait = min(1 << rec.misses, _BACKOFF_MAX) - 1
             rec.armed = rec.wait == 0
-            rec.written = False
-            rec.results = None
+            rec.results = rec.edges = None
             self.hashed += 1
-            return lambda results, rec=rec: self._bind(rec, results)
-
-    def _bind(self, rec: _Rec, results: list) -> None:
-        with self._lock:
-            rec.results = results
+            return _Bind(self, rec)
 
     def _mark(self, found: list, walked: _Rec) -> None:
         """Written pages found (and protected again) by one record's walk: every other
-        record over them is written too."""
+        record over them is told (marked), as its own walk would have found them."""
         for rec in self._recs.values():
             if rec is walked:
                 continue
             a, b = WriteWatch.pages(rec.start, rec.end)
             for x, y in found:
                 if x < b and a < y:
-                    rec.written = True
-                    break
+                    rec.marked.append((max(x, a), min(y, b)))
 
     def _sweep(self) -> None:
         self._recs = {k: r for k, r in self._recs.items() if r.storage() is not None}
         self._refused = {k: r for k, r in self._refused.items() if r() is not None}
+
+
+class _Bind:
+    """Where a watched tensor's addresses come from, once its bytes are staged and hashed."""
+
+    __slots__ = ("owner", "rec")
+
+    def __init__(self, owner: Unchanged, rec: _Rec):
+        self.owner, self.rec = owner, rec
+
+    def __call__(self, results: list) -> None:
+        """The leaf's results list: complete once its blocks are hashed."""
+        with self.owner._lock:
+            self.rec.results = results
+
+    def staged(self, raw: np.ndarray) -> None:
+        """Its bytes as staged (what is hashed): the shared edges kept from them."""
+        head, tail = _edge_lengths(self.rec.start, self.rec.end)
+        edges = (raw[:head].tobytes(), raw[raw.nbytes - tail:].tobytes())
+        with self.owner._lock:
+            self.rec.edges = edges
+
+
+def _edge_lengths(start: int, end: int) -> tuple[int, int]:
+    """The bytes of [start, end) on its first and last pages where those pages hold other
+    memory too (0: the range starts or ends on a page boundary)."""
+    head = (-start) % PAGE
+    return head, end % PAGE
+
+
+def _written(rec: _Rec, found: list, t: torch.Tensor) -> bool:
+    """Whether the tensor changed, given the written page ranges over it: a page wholly its
+    own written says so; its first or last page, shared with other memory, written says so
+    only if its bytes there differ from the ones hashed (the neighbour's write otherwise)."""
+    if not found:
+        return False
+    inner_a, inner_b = -(-rec.start // PAGE) * PAGE, rec.end - rec.end % PAGE
+    if any(x < inner_b and inner_a < y for x, y in found):
+        return True
+    if rec.edges is None:
+        return True
+    head, tail = _edge_lengths(rec.start, rec.end)
+    raw = live_bytes(t)
+    return (raw[:head].tobytes(), raw[raw.nbytes - tail:].tobytes()) != rec.edges
 
 
 def _eligible(t: torch.Tensor) -> bool:
