@@ -207,7 +207,7 @@ def open_store(url, *, create: bool = True,
     watch_writes: True (the default): a host tensor of 1 MiB or more that the kernel proves
     unchanged since this process stored it (no page of it written: userfaultfd
     write-protection, Linux 6.7+) is neither copied nor hashed again; its blocks are only
-    looked for (docs/design/writing.md, "Unchanged tensors"). A frozen base costs nothing
+    looked for (docs/design/unchanged.md). A frozen base costs nothing
     per snapshot. False: every tensor is copied and hashed at every snapshot (for memory
     that a device or a NIC writes by DMA without the memory being pinned through torch)."""
     stored = _Stored.checked(block_size, inline_threshold, compression, verify, pack_size)

@@ -84,12 +84,10 @@ _.unknown_commits  # PostgresRefTable (test_hostile_refs, test_pg_unknown_outcom
 _.retries  # RetryingStore's count (test_blockstore); also s3fs's own attribute, set by S3BlockStore.fs
 _.faults  # FaultInjectingStore: faults injected (test_faults, tests/sim)
 _.fetched  # Peers (tier/replicas.py): objects fetched from peers (test_tier_dist, bench_tier_peer)
-_.refused  # Peers: requests refused (test_tier_dist)
 _.tidied  # Uploader: part rows dropped by _tidy (test_tier_dist)
 _.tidy_busy  # Uploader: cleanups that met a gc holding the tier (tests/helpers/tier_dist_worker.py)
 _.teed  # Uploader: blocks sent early (test_tier, test_tier_lazy)
 _.tee_dropped  # Uploader: early sends dropped (test_tier)
 _.sent_written  # Uploader: objects copied with a write record (test_tier_written)
 _.opened  # LazyStorage.opened (tier/opening.py): whether the remote was reached yet (test_tier_lazy)
-_.misses  # PlanCache: puts planned whole (test_plan_cache: every put asks the cache once)
 _.strangers  # Peers: connections refused for not proving they are the job's (test_shared_reads)

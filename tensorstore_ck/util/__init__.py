@@ -8,6 +8,8 @@
     progress.py       progress bars on stderr
     retry.py          the one backoff policy for transient backend failures
     units.py          sizes as shown to people: decimal SI (kB, MB, GB), one system
+    writewatch.py     which pages of this process were written since last looked at (the
+                      kernel's userfaultfd write-protection, read by PAGEMAP_SCAN)
 
 Each room imports only those listed below it (pyproject.toml, import-linter).
 """

@@ -16,6 +16,8 @@ compare-and-swap (docs/design/writing.md).
                       any write; nothing in it writes
     shard.py          Sharded / Replicated: a rank's piece of a global tensor
     staging.py        reused host buffers for async snapshots, within the host-memory bound
+    unchanged.py      tensors the kernel proves unchanged since they were hashed: their
+                      addresses reused, nothing copied or hashed
     waves.py          a state larger than the bound staged and written in waves
 
 Each room imports only those listed below it (pyproject.toml, import-linter).

@@ -1,5 +1,5 @@
 """Tensors proven unchanged since this process last stored them: their blocks' addresses
-are reused without a copy or a hash (docs/design/writing.md, "Unchanged tensors").
+are reused without a copy or a hash (docs/design/unchanged.md).
 
 A fine-tune's frozen base, an embedding no optimizer touches, the teacher of a
 distillation: most of a state may never change, and content addressing already stores

@@ -1,5 +1,5 @@
-"""Unchanged tensors are neither copied nor hashed (write/unchanged.py; docs/design/writing.md,
-"Unchanged tensors"), and no write to one is ever missed.
+"""Unchanged tensors are neither copied nor hashed (write/unchanged.py; docs/design/unchanged.md),
+and no write to one is ever missed.
 
 Each write path a training program has is tried on a watched tensor between two puts: the
 second snapshot must hold the new bytes (checked by checkout), so a path the kernel's
