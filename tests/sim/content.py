@@ -21,6 +21,12 @@ Content is chosen to exercise dedup and gc's windows:
         int32, own as a matrix, one more key; a writer's Store plans most puts
         from the layout it kept (plancache.py), so a kept plan used for a changed layout
         shows as a snapshot that is not state(spec)
+  frozen  a writer's puts without a tier (spec["f"]: its version): one tensor of 1 MiB the
+        worker keeps across its puts, as a fine-tune keeps its base, and changes now and
+        then through a seeded write path (Worker.op_put: an in-place op, .data, a numpy
+        view, DLPack, another thread, readv into it): the kernel's watch proves it
+        unchanged between changes (write/unchanged.py), and a change it missed shows as a
+        snapshot that is not state(spec)
 """
 
 from __future__ import annotations
@@ -56,6 +62,27 @@ def _base() -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _variant(v: int) -> torch.Tensor:
     return _floats(8192, "variant", v).reshape(64, 128)  # 32 KiB: 2 blocks
+
+
+FROZEN_LEN = 1 << 18  # frozen: 1 MiB of float32s, what write/unchanged.py watches at least
+
+
+@functools.lru_cache(maxsize=4)
+def _frozen_base() -> torch.Tensor:
+    return _floats(FROZEN_LEN, "frozen")
+
+
+def frozen_at(version: int) -> int:
+    """Where change `version` writes its value (float(version)) into the frozen tensor."""
+    return (version * 7919) % FROZEN_LEN
+
+
+def frozen(version: int) -> torch.Tensor:
+    """The frozen tensor after its changes 1..version."""
+    t = _frozen_base().clone()
+    for k in range(1, version + 1):
+        t[frozen_at(k)] = float(k)
+    return t
 
 
 def make_spec(worker: str, op: int, variant: int, step: int, own: list | None = None) -> dict:
@@ -101,6 +128,8 @@ def state(spec: dict) -> dict:
         st["small"] = [_floats(1500, "small", int(spec["v"])), _floats(1100, "small", *_own(spec))]
     if "g" in spec:  # an asynchronous put's extra tensor of a size drawn per call (Worker.op_put)
         st["grow"] = _floats(int(spec["g"]), "grow", spec["w"], spec["o"])
+    if "f" in spec:
+        st["frozen"] = frozen(int(spec["f"]))
     if staged(spec):
         st["stage"] = _floats(STAGE_SHAPE[0] * STAGE_SHAPE[1], "stage", spec["w"], spec["o"]).reshape(STAGE_SHAPE)
     return st

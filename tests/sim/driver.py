@@ -596,6 +596,7 @@ class Harness:
         ids = {c["id"] for c in cfgs}
         hits, fenced, collective, collective_async, shared = {}, 0, 0, 0, 0  # the presence record, writers' holds, collective puts
         kept, relaid = {}, 0  # puts planned from a kept layout (per writer Store), puts of a changed layout
+        unchanged, frozen_writes = {}, 0  # tensors proven unchanged (per writer process), puts after a frozen write
         raced = 0  # puts that lost a race for their ref (and removed the commit the table refused)
         ctier = 0  # collective puts through the ranks' tiers (published there; their outcome remote is unknown)
         unknown = 0  # calls that ended in OutcomeUnknown (the network proxies' lost answers)
@@ -637,6 +638,8 @@ class Harness:
             if o.w in ids and o.ok and o.op == "put":
                 hits[o.w] = max(hits.get(o.w, 0), o.out.get("hits", 0))
                 kept[o.w] = max(kept.get(o.w, 0), o.out.get("kept_plans", 0))
+                unchanged[o.w] = max(unchanged.get(o.w, 0), o.out.get("unchanged", 0))
+                frozen_writes += 1 if o.args.get("frozen") not in (None, "kept") else 0
                 relaid += 1 if "l" in (o.args.get("spec") or {}) else 0
                 fenced += o.out.get("fenced") or 0
                 raced += 1 if o.out.get("races") else 0
@@ -646,7 +649,8 @@ class Harness:
         stuck_ids = "".join(f"{', ' if k else ': '}{c['id']}{'' if cfgs.index(c) in ready else ' never ready'}"
                             for k, c in enumerate(c for c, p in zip(cfgs, procs) if p.pid in stuck_pids))
         self.log(f"round {r} flavor={flavor} workers={n} gc_stale={gc_stale} presence_hits={sum(hits.values())} "
-                 f"kept_plans={sum(kept.values())} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}"
+                 f"kept_plans={sum(kept.values())} unchanged_reused={sum(unchanged.values())} "
+                 f"frozen_writes={frozen_writes} relaid_puts={relaid} fenced_puts={fenced} raced_puts={raced}"
                  f"{f'(one ref, {self._killed_raced(ids)} killed after their move)' if hot else ''} "
                  f"collective_puts={collective} ({collective_async} async, {ctier} through tiers, "
                  f"{shared} blocks got from their owner rank by shared reads) "

@@ -41,10 +41,14 @@ import time
 import traceback
 import warnings
 
+import numpy as np
+import torch
+
 import tensorstore_ck as tsck
 import tensorstore_ck.maintain.gc as tsck_gc
 import tensorstore_ck.write.saver as _saver
 from tensorstore_ck.storage import local as _local
+from tensorstore_ck.write.unchanged import Unchanged
 
 from . import content, preempt, rollback, tierops
 from .faults import _HOME, Faults, SimStore, sim_storage, slow_reftable
@@ -286,6 +290,8 @@ class Worker:
         self.pinned: list[str] = []
         self.n = 0
         self.branch: str | None = None  # a ref just rolled back: the next put goes on it (rollback.py)
+        self.frozen: torch.Tensor | None = None  # content.frozen(frozen_v), kept across puts
+        self.frozen_v = 0
 
     # -- the operations -------------------------------------------------------------
     def op_put(self, s, i):
@@ -341,7 +347,12 @@ class Worker:
         if self.rng.random() < 0.15:  # a conditional move on the tip seen now
             cur = s.reftable.get_or_none(ref)
             kw["expected"] = args["expected"] = None if cur is None else cur.hex()
+        if not self.cfg.get("tier"):  # (a tier's budget judges a put by its state's bytes: T13)
+            args["frozen"] = self._frozen_step(grow)
+            spec["f"] = self.frozen_v
         state = content.state(spec)
+        if "f" in spec:
+            state["frozen"] = self.frozen  # the one the worker keeps, not a copy: watched across puts
 
         def call():
             fenced0, races0 = FENCES.n, RACES.n
@@ -356,8 +367,8 @@ class Worker:
                                      meta={"sim": spec}, blocking=False, **kw)
                 if args.get("saver_kill") is not None:
                     threading.Timer(args["saver_kill"], _kill_saver, (s, args["saver_sig"])).start()
-                for v in state.values():  # staged: the caller may reuse its buffers at once
-                    if hasattr(v, "fill_"):
+                for k, v in state.items():  # staged: the caller may reuse its buffers at once
+                    if hasattr(v, "fill_") and k != "frozen":
                         v.fill_(7)
                 info = fut.result()
             if self.cfg.get("rot"):
@@ -367,11 +378,46 @@ class Worker:
             # reports them, so a run shows the record was exercised beside gc)
             out = {"root": info.root, "time": info.time, "ref_job": info.job, "fenced": FENCES.n - fenced0,
                    "races": RACES.n - races0, "hits": s.assets.presence.hits, "durable": info.durable,
-                   "kept_plans": s._plan_cache.hits if s._plan_cache is not None else 0}
+                   "kept_plans": s._plan_cache.hits if s._plan_cache is not None else 0,
+                   "unchanged": Unchanged.get().reused if Unchanged.get() is not None else 0}
             if self.cfg.get("catalog"):
                 out["tier_bytes"] = tier_bytes(self.cfg["tier"])
             return out
         return args, call
+
+    def _frozen_step(self, rng) -> str:
+        """The worker's frozen tensor before a put: kept as it is (most puts), or changed
+        once through a seeded write path (content.frozen's next version) -> that path."""
+        if self.frozen is None:
+            self.frozen, self.frozen_v = content.frozen(0), 0
+        if rng.random() >= 0.3:
+            return "kept"
+        v = self.frozen_v + 1
+        at, val, t = content.frozen_at(v), float(v), self.frozen
+        how = rng.choice(["inplace", "data", "numpy", "dlpack", "thread", "readv"])
+        if how == "inplace":
+            with torch.no_grad():
+                t[at:at + 1].fill_(val)
+        elif how == "data":
+            t.data[at] = val
+        elif how == "numpy":
+            t.numpy()[at] = val
+        elif how == "dlpack":
+            np.from_dlpack(t)[at] = val
+        elif how == "thread":
+            th = threading.Thread(target=t.numpy().__setitem__, args=(at, val))
+            th.start()
+            th.join()
+        else:  # the kernel writes it (copy_to_user): no instruction of this process does
+            r, w = os.pipe()
+            try:
+                os.write(w, np.float32(val).tobytes())
+                os.readv(r, [memoryview(t.numpy()).cast("B")[4 * at:4 * at + 4]])
+            finally:
+                os.close(r)
+                os.close(w)
+        self.frozen_v = v
+        return how
 
     def op_durable(self, s, i):
         """A writer with a local tier waits for its uploads (wait_durable with a timeout):
