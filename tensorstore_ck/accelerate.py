@@ -177,12 +177,19 @@ def save_state(accelerator, store, job: str, *, step: int | None = None, ref: st
                metrics: dict | None = None, blocking: bool = True):
     """accelerator.save_state() into the store: one snapshot at step `step` (default: the
     checkpoint counter, as save_state names its folder checkpoint_<iteration>), pruned by
-    ProjectConfiguration(total_limit=). -> SnapshotInfo; blocking=False: a Future
-    (store.wait() or store.close() waits for it). Under DDP every rank calls it."""
+    ProjectConfiguration(total_limit=). -> SnapshotInfo once it is committed and the
+    job pruned, as save_state returns once its folder is written and the oldest deleted;
+    blocking=False: a Future (store.wait() or store.close() waits for it), its prune run
+    in the background after it commits (one the process's end cuts short is done by the
+    job's next prune, or by `tsck gc`: the rules are kept in the store). Under DDP every
+    rank calls it."""
     mgr = _manager(accelerator, store, job, ref)
     mgr.async_ = not blocking
     n = accelerator.project_configuration.iteration if step is None else step
-    return mgr.step(n, metrics, force=True)
+    res = mgr.step(n, metrics, force=True)
+    if blocking:
+        mgr.wait()
+    return res
 
 
 def load_state(accelerator, store, job: str, *, step: int | None = None, ref: str | None = None,
