@@ -7,7 +7,7 @@ tests/train/test_accelerate.py.
 CONFIG: {"out": folder, "store": path, "job": name, "steps": total steps, "every": snapshot
 every N steps, "async": bool, "resume": bool, "hold_at": a step to wait at (for the test's
 SIGKILL) once the snapshot of step `every`*k is committed, "total_limit": N or null,
-"api": "manager" | "functions"}.
+"api": "manager" | "functions", "generator": false for a DataLoader without one}.
 
 A model with dropout (the torch RNG of each rank), an AdamW, a LambdaLR scheduler, a shuffled
 loader prepared by the Accelerator (stateful, seedable sampler, a generator on the DataLoader),
@@ -92,7 +92,8 @@ def main(conf_path: str) -> None:
     ys = torch.randn(24, 1)
     ids = torch.arange(24)
     ds = torch.utils.data.TensorDataset(xs, ys, ids)
-    loader = torch.utils.data.DataLoader(ds, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(7) if cfg.get("generator", True) else None  # (False: see docs/guide/accelerate.md)
+    loader = torch.utils.data.DataLoader(ds, batch_size=3, shuffle=True, generator=gen)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))

@@ -181,3 +181,17 @@ def test_save_and_load_state_in_process(accelerator, tmp_path):
         accelerator.prepare(torch.nn.Linear(2, 2))  # a second model the snapshot does not hold
         with pytest.raises(tsck.InvalidArgument, match="1 models, the accelerator 2"):
             tsck_accelerate.load_state(accelerator, store, "j")
+
+
+@pytest.mark.slow
+def test_a_dataloader_without_a_generator_cannot_resume_exactly(tmp_path):
+    """What docs/guide/accelerate.md tells users to set, shown needed: without a generator
+    on the DataLoader, starting the resumed epoch's iterator draws its base seed from the
+    global torch RNG, which the uninterrupted run drew at the epoch's start, before the
+    snapshot: from step 11 on the RNG streams (dropout) differ, with everything the store
+    holds restored."""
+    kw = {"generator": False, "async": False, "api": "manager"}
+    ref = Run(tmp_path, "ref", 1, job="ref", resume=False, **kw).results()[0]
+    got = _killed_and_resumed(tmp_path, 1, "nogen", **kw)[0]
+    assert got["epoch"] == ref["epoch"] and got["iteration"] == ref["iteration"]
+    assert got["rng"] != ref["rng"] and got["trace"]["11"][1] != ref["trace"]["11"][1]
