@@ -53,9 +53,9 @@ _.remove_checkpoint  # TsckCheckpointIO
 
 # -- psycopg reads this ----------------------------------------------------------------
 _.isolation_level  # refs/postgres.py sets it on a psycopg Connection (a property of psycopg's)
+_.dl_state_dict  # accelerate.py sets it on accelerate's DataLoaderAdapter: what its state_dict() answers
 
 # -- the public API: documented in README.md, used by training scripts and the tests --------
-_.restore_latest  # CheckpointManager.restore_latest
 _.all_steps  # CheckpointManager.all_steps
 _.latest_step  # CheckpointManager.latest_step
 _.prune_errors  # CheckpointManager.prune_errors, TsckCallback.prune_errors

@@ -260,6 +260,9 @@ FOREIGN_PRIVATE = {
     ("write/plancache.py", "torch"),  # torch._foreach_copy_: many tensors copied in one call (torch.optim's foreach path)
     ("collective/channel.py", "dist.distributed_c10d"),  # the default c10d store
     ("storage/wrappers.py", "self._sem"),  # threading.Semaphore's _initial_value
+    # the Accelerator's _models, _optimizers, _schedulers, _dataloaders, _custom_objects: what its
+    # save_state reads (accelerate has no public list of the objects it prepared or registered)
+    ("accelerate.py", "acc"), ("accelerate.py", "accelerator"),
 }
 # A reach-in across the package's own modules that stands (none today).
 KNOWN_REACH_INS: set = set()
