@@ -35,7 +35,8 @@ What torchtitan's manager does keeps its meaning:
 - `keep_latest_k` = K > 0: the job's retention in the store is Retention(keep_last=K)
   (set by rank 0 when the manager is built), applied after each committed snapshot by
   a prune on rank 0's thread (store.prune: what only the expired snapshots hold is
-  deleted; blocks shared with kept ones stay). 0 leaves the job's rules as they are.
+  deleted; blocks shared with kept ones stay), and once more at close() (torchtitan's
+  final save does not purge). 0 leaves the job's rules as they are.
 - `last_save_in_hf`: refused (tsck.InvalidArgument): a store holds snapshots, not
   safetensors folders; export the final snapshot instead, e.g.
   `tsck export-weights STORE JOB/main out.safetensors`.
@@ -230,7 +231,8 @@ class TsckCheckpointManager(CheckpointManager):
                 fut, self.save_future = self.save_future, None
                 fut.result()  # the store stays open until the last snapshot has ended
             pruner = getattr(self, "_pruner", None)
-            if pruner is not None:
+            if pruner is not None:  # once more: torchtitan's final save (last_step) does not purge
+                pruner.request()
                 pruner.wait()
                 pruner.close()
         finally:
