@@ -59,9 +59,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
@@ -78,7 +75,15 @@ __all__ = ["TsckCheckpointManager"]
 log = logging.getLogger(__name__)
 
 
+def _dist():
+    """torch.distributed (imported when the manager is made: the package's modules outside
+    dcp/ do not import it at their own import)."""
+    import torch.distributed as dist
+    return dist
+
+
 def _rank() -> int:
+    dist = _dist()
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -122,6 +127,7 @@ class TsckCheckpointManager(CheckpointManager):
             if name not in self.states:
                 raise InvalidArgument(f"checkpoint.exclude_from_loading names {name!r}, which is not one of the "
                                       f"states this manager saves: {sorted(self.states)}")
+        dist = _dist()
         collective = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         # Rank 0 creates a new store before the others open it (ranks racing to create one
         # could each find its ref table half made).
@@ -155,6 +161,8 @@ class TsckCheckpointManager(CheckpointManager):
                  enable_garbage_collection: bool = False, to_hf: bool = False):
         if to_hf:  # (the Config refuses last_save_in_hf; a direct call is refused alike)
             raise InvalidArgument("TsckCheckpointManager does not save Hugging Face safetensors folders")
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         _kind, ref, step = parse_target(checkpoint_id)
         if self._pruner is not None:
             self._pruner.wait()  # the job's own deletion phase never meets its next snapshot
@@ -185,6 +193,7 @@ class TsckCheckpointManager(CheckpointManager):
     # -- loading --------------------------------------------------------------------------
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """Load a snapshot of the store (checkpoint_id: a target, "JOB/main@STEP")."""
+        import torch.distributed.checkpoint as dcp
         dcp.load(state_dict, storage_reader=TsckReader(self.store, checkpoint_id))
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)

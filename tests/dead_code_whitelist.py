@@ -93,3 +93,6 @@ _.sent_written  # Uploader: objects copied with a write record (test_tier_writte
 _.opened  # LazyStorage.opened (tier/opening.py): whether the remote was reached yet (test_tier_lazy)
 _.misses  # PlanCache: puts planned whole (test_plan_cache: every put asks the cache once)
 _.strangers  # Peers: connections refused for not proving they are the job's (test_shared_reads)
+_.dcp_save  # TsckCheckpointManager (torchtitan.py): torchtitan's CheckpointManager calls its hooks (test_torchtitan)
+_._purge_stale_checkpoints  # TsckCheckpointManager: called by torchtitan's _save after each save
+_._load  # TsckCheckpointManager: called by torchtitan's BaseCheckpointManager.load
