@@ -29,6 +29,7 @@ tests/house/test_docs.py checks that every module is named once, here or there.
                           ~600 lines: the callback, resume_checkpoint, model folders in and out
     lightning.py          PyTorch Lightning CheckpointIO (the [lightning] extra)
     accelerate.py         accelerate: save_state's objects through a CheckpointManager (the [hf] extra)
+    torchtitan.py         torchtitan's CheckpointManager over a store (the [torchtitan] extra)
     metrics.py            on_commit hooks: TensorBoard scalars and Prometheus metrics
     opener.py             open_store(): options checked, URL -> storage stack + ref table + Store
     store.py              the Store facade: every public call, each handed to the room that does

@@ -91,3 +91,6 @@ _.tee_dropped  # Uploader: early sends dropped (test_tier)
 _.sent_written  # Uploader: objects copied with a write record (test_tier_written)
 _.opened  # LazyStorage.opened (tier/opening.py): whether the remote was reached yet (test_tier_lazy)
 _.strangers  # Peers: connections refused for not proving they are the job's (test_shared_reads)
+_.dcp_save  # TsckCheckpointManager (torchtitan.py): torchtitan's CheckpointManager calls its hooks (test_torchtitan)
+_._purge_stale_checkpoints  # TsckCheckpointManager: called by torchtitan's _save after each save
+_._load  # TsckCheckpointManager: called by torchtitan's BaseCheckpointManager.load

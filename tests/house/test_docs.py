@@ -254,10 +254,12 @@ def test_the_package_docstring_names_every_folder_and_module_once(tmp_path):
 
 def test_the_package_docstring_is_a_short_table():
     """The package's map names folders and the modules users import, not every room: at
-    most 11 modules at the top of the package, and its docstring under 80 lines."""
+    most 12 modules at the top of the package (the facade, the errors and the front ends
+    users import: hf, accelerate, lightning, torchtitan, metrics), and its docstring under
+    80 lines."""
     import ast
     top = [p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
-    assert len(top) <= 11, f"{len(top)} modules at the top of the package: {sorted(top)}"
+    assert len(top) <= 12, f"{len(top)} modules at the top of the package: {sorted(top)}"
     doc = ast.get_docstring(ast.parse((PKG / "__init__.py").read_text()), clean=False)
     assert len(doc.splitlines()) < 80, len(doc.splitlines())
 

@@ -27,7 +27,7 @@ GUIDE_DIR = Path(__file__).resolve().parents[2] / "docs" / "guide"
 GUIDES = sorted(p.stem for p in GUIDE_DIR.glob("*.md") if p.name != "README.md")
 BLOCK = re.compile(r"^```(python|sh)\n(.*?)^```", re.S | re.M)
 NEEDS = {"s3": {"s3"}, "postgresql": {"s3", "pg"}, "tier": {"s3"}, "torchrun": set(), "operating": set(),
-         "training": set(), "goodput": set(), "accelerate": set()}
+         "training": set(), "goodput": set(), "accelerate": set(), "torchtitan": set()}
 
 pytestmark = pytest.mark.slow  # servers, subprocesses with torch, torchrun
 
