@@ -249,3 +249,36 @@ def test_through_a_local_tier_the_base_is_reused_and_reaches_the_remote_once(tmp
         assert store.wait_durable(timeout=120)
     with tsck.open_store(tmp_path / "remote") as remote:
         _same(remote.checkout("ft/main"), state)
+
+
+def test_a_peft_fine_tune_snapshots_only_its_adapters(tmp_path):
+    """A real peft LoRA over a real transformers Llama (its state_dict in peft's order, the
+    base's projections 1 MiB each): after the first snapshots, each one reuses every base
+    projection, stores the adapters and their optimizer moments new, and checks out exact."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=512,
+                                   max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    watched = [k for k, v in model.state_dict().items() if "lora_" not in k and v.nbytes >= MIN_BYTES]
+    assert len(watched) >= 14  # the projections of both layers, the embeddings and the head
+    g = torch.Generator().manual_seed(1)
+    with tsck.open_store(tmp_path / "s") as store:
+        for step in range(5):
+            ids = torch.randint(0, 512, (1, 8), generator=g)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            reused, _ = _counts()
+            info = store.put_snapshot(state, ref="ft/main", step=step, blocking=False).result()
+            if step >= 2:
+                assert _counts()[0] - reused == len(watched)
+                lora = sum(v.nbytes for k, v in state["model"].items() if "lora_" in k)
+                assert info.bytes_new < 3 * lora + 256 * 1024  # adapters, two moments, nodes
+        got = store.checkout("ft/main")
+        _same(got["model"], dict(model.state_dict()))
