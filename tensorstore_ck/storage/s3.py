@@ -151,6 +151,24 @@ def _add_rate_limiter(client) -> None:
     return limiter
 
 
+_ONE_GET = {"max_concurrency": 1}
+_one_get_known: dict = {}
+
+
+def _one_get(fs) -> bool:
+    """Whether this s3fs's cat_file takes max_concurrency."""
+    t = type(fs)
+    got = _one_get_known.get(t)
+    if got is None:
+        import inspect
+        try:
+            got = "max_concurrency" in inspect.signature(t._cat_file).parameters
+        except (TypeError, ValueError, AttributeError):  # pragma: no cover - not introspectable
+            got = False
+        _one_get_known[t] = got
+    return got
+
+
 class S3BlockStore(FsspecBlockStore):
     """s3:// (and s3a://) through s3fs."""
 
@@ -264,7 +282,9 @@ class S3BlockStore(FsspecBlockStore):
             e.response_status = f"HTTP {status} {code}" if code and code != str(status) else f"HTTP {status}"
 
     def _read(self, path: str) -> bytes:
-        return self.fs.cat_file(path, max_concurrency=1)  # one GET, no sizing HEAD
+        # One GET, no sizing HEAD: s3fs releases that read a file in concurrent ranges take
+        # max_concurrency (and HEAD first to size it); older ones read it in one GET anyway.
+        return self.fs.cat_file(path, **_ONE_GET) if _one_get(self.fs) else self.fs.cat_file(path)
 
     def _read_head(self, path: str, n: int) -> bytes:
         # One GET with a Range past the end: S3 sends what there is, except for an empty
