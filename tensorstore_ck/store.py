@@ -726,6 +726,21 @@ class Store:
     def show(self, target: str) -> SnapshotInfo:
         return self._info(self._root(target))
 
+    def prefetch(self, ref: str):
+        """Begin reading the blocks of `ref`'s newest snapshot that this store holds on a
+        local disk (a local store, or a local tier: a rank's part of a collective snapshot),
+        in the background, through the page cache: called first thing in a restarting job
+        (before it builds its model, before init_process_group), the reads run at the disk's
+        speed while the job does what does not touch the disk, and the restore that follows
+        finds them in memory (read/prefetch.py). A hint: it reads into no tensor, checks
+        nothing (the restore verifies every byte), never fails the job; a ref that does not
+        exist, or an object store, reads nothing. -> a handle: wait(timeout) (True once it
+        ended), files, bytes, error, seconds."""
+        from .format.names import validate_name
+        from .read.prefetch import Prefetch
+        validate_name(ref)
+        return Prefetch(self.core, ref)
+
     @_public
     def checkout(self, target: str, *, into=None, paths=None, map_location=None, verify: bool | None = None,
                  allow_pickle: bool = False, group=_AUTO_GROUP, timeout: float = 300.0,

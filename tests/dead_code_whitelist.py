@@ -94,3 +94,4 @@ _.strangers  # Peers: connections refused for not proving they are the job's (te
 _.dcp_save  # TsckCheckpointManager (torchtitan.py): torchtitan's CheckpointManager calls its hooks (test_torchtitan)
 _._purge_stale_checkpoints  # TsckCheckpointManager: called by torchtitan's _save after each save
 _._load  # TsckCheckpointManager: called by torchtitan's BaseCheckpointManager.load
+_.prefetch  # Store.prefetch: public, called by a restarting job first (test_prefetch, bench_restart)

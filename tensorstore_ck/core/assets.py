@@ -364,6 +364,13 @@ class Assets:
             raise err
         return data
 
+    def open_stored(self, kind: str, d: bytes):
+        """The stored bytes of object `d` of `kind` ("block", "node", "commit") as a file
+        object, unchecked: for a prefetch that only warms a local disk's page cache
+        (read/prefetch.py); every reader of the bytes checks them. FileNotFoundError when
+        absent."""
+        return self.storage.open_read(_key(kind + "s", d))
+
     def _read_reused(self, key: str, n: int) -> memoryview:
         """Up to n bytes of object `key` into this thread's frame buffer, reused while it is
         at most FRAME_KEEP: a fresh buffer of a pack's size is fresh pages (glibc maps

@@ -9,6 +9,8 @@ checkout enters through readpath.read_state.
     read_world.py     sharded tensors and multi-rank snapshots read (read_box: a chunk's
                       region; a rank's view merged from the rank trees and chunk index)
     placement.py      map_location: where a checkout's fresh tensors go, unknown devices refused
+    prefetch.py       Store.prefetch: a ref's newest snapshot on a local disk read into the page
+                      cache in the background, before a restarting job restores it
     readjobs.py       block reads run in parallel; a pack read once for all its parts wanted
     world_view.py     one process's view of a collective snapshot: the ranks' trees merged
 

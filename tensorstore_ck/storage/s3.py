@@ -151,22 +151,7 @@ def _add_rate_limiter(client) -> None:
     return limiter
 
 
-_ONE_GET = {"max_concurrency": 1}
-_one_get_known: dict = {}
-
-
-def _one_get(fs) -> bool:
-    """Whether this s3fs's cat_file takes max_concurrency."""
-    t = type(fs)
-    got = _one_get_known.get(t)
-    if got is None:
-        import inspect
-        try:
-            got = "max_concurrency" in inspect.signature(t._cat_file).parameters
-        except (TypeError, ValueError, AttributeError):  # pragma: no cover - not introspectable
-            got = False
-        _one_get_known[t] = got
-    return got
+_ONE_GET = [True]  # whether this process's s3fs takes cat_file(max_concurrency=)
 
 
 class S3BlockStore(FsspecBlockStore):
@@ -284,7 +269,14 @@ class S3BlockStore(FsspecBlockStore):
     def _read(self, path: str) -> bytes:
         # One GET, no sizing HEAD: s3fs releases that read a file in concurrent ranges take
         # max_concurrency (and HEAD first to size it); older ones read it in one GET anyway.
-        return self.fs.cat_file(path, **_ONE_GET) if _one_get(self.fs) else self.fs.cat_file(path)
+        if _ONE_GET[0]:
+            try:
+                return self.fs.cat_file(path, max_concurrency=1)
+            except TypeError as e:  # raised before any request
+                if "max_concurrency" not in str(e):
+                    raise
+                _ONE_GET[0] = False
+        return self.fs.cat_file(path)
 
     def _read_head(self, path: str, n: int) -> bytes:
         # One GET with a Range past the end: S3 sends what there is, except for an empty
