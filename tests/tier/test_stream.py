@@ -1,5 +1,5 @@
 """Blocks streamed between peers (tier/stream.py), between real processes: a peer
-(helpers/stream_peer.py) serves blocks; this process fetches and pushes. A round trip
+(tests/helpers/stream_peer.py) serves blocks; this process fetches and pushes. A round trip
 of many blocks arrives whole and checked; a peer that lies (a flipped byte, a length one
 too long, a length no block can take, a stream cut short) is refused with the project's
 errors and nothing it sent is returned or kept; a peer killed mid-transfer is an error
