@@ -60,6 +60,7 @@ STREAM_TIMEOUT = 60.0       # seconds a peer may stay silent mid-transfer
 VERIFY_DEPTH = 2            # batches read ahead of the hashing
 MISSING = (1 << 64) - 1     # a fetched block's length when the server lacks it
 _SOCK_BUF = 4 << 20         # the sockets' kernel buffers: a batch in flight while the next is packed
+_IOV = 1024                 # buffers one sendmsg takes (Linux's IOV_MAX)
 _DIGEST = 32
 _ENTRY = _DIGEST + 8
 
@@ -102,7 +103,7 @@ def _send_all(sock, bufs: list) -> None:
     goes on from where it stopped)."""
     i = 0
     while i < len(bufs):
-        sent = sock.sendmsg(bufs[i:i + MAX_BATCH_BLOCKS + 1])
+        sent = sock.sendmsg(bufs[i:i + _IOV])
         while sent and i < len(bufs):
             n = bufs[i].nbytes
             if sent >= n:

@@ -72,7 +72,11 @@ def test_many_blocks_fetched_and_pushed_round_trip_checked(peer):
     assert stream.push(p.addr, SECRET, [(blake3.blake3(b).digest(), b) for b in mine], timeout=30) == 40
     back = stream.fetch(p.addr, SECRET, [blake3.blake3(b).digest() for b in mine], max_block=SIZE, timeout=30)
     assert [bytes(g) for g in back] == mine
-    assert _stats(p) == {"kept": 40, "refused": 0, "strangers": 0, "held": 40}
+    tiny = _blocks(2500, 100, seed=4)  # full batches of MAX_BATCH_BLOCKS blocks, past one sendmsg's buffers
+    assert stream.push(p.addr, SECRET, [(blake3.blake3(b).digest(), b) for b in tiny], timeout=30) == 2500
+    back = stream.fetch(p.addr, SECRET, [blake3.blake3(b).digest() for b in tiny], max_block=SIZE, timeout=30)
+    assert [bytes(g) for g in back] == tiny
+    assert _stats(p) == {"kept": 2540, "refused": 0, "strangers": 0, "held": 2540}
 
 
 @pytest.mark.parametrize("mode", ["flip", "longer"])
