@@ -14,6 +14,8 @@ calls nothing else here.
     budget.py       the tier's bytes, and durable copies evicted to fit
     outage.py       outages: which upload failures are waited out, how far the remote lags
     reads.py        reads through the tier with the remote behind; which tier is newer
+    placement.py    which ranks of other nodes hold the copies of each rank's part
+    stream.py       blocks streamed between peers, many in flight, each checked on arrival
 
 Each room imports only those listed below it (pyproject.toml, import-linter).
 """
