@@ -26,6 +26,9 @@ from /proc/self/stat (starttime, in clock ticks since boot, + /proc/stat btime),
 Places (--modes):
   disk      open_store(DIR): one store on this machine's disk
   tier      open_store(s3://..., local=DIR/node<r>, replicas=1), every tier intact
+  tierpf    tier, with store.prefetch(ref) called right after the imports (the store opened
+            there, before the rendezvous and the model): the rank's part read into the page
+            cache while the job joins the group and builds its objects (read/prefetch.py)
   peer      the same, rank 1's tier deleted: its part comes from its peer's replica
   s3        open_store(s3://...) alone (a moto server started here)
 Before each restart every file of the stores and tiers on disk has its page-cache pages
@@ -116,6 +119,14 @@ def rank_main(cfg: dict) -> None:
     import torch.distributed as dist
     from datetime import timedelta
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    kw = dict(refs=cfg["refs"], storage_options=cfg["opts"]) if cfg["url"].startswith("s3://") else {}
+    if cfg["tiers"]:
+        kw.update(local=os.path.join(cfg["tiers"], f"node{rank}"), replicas=1)
+    store = pf = None
+    if cfg.get("prefetch") and cfg["phase"] == "restart":  # first thing: the store opened, the reads begun
+        store = tsck.open_store(cfg["url"], **kw)
+        pf = store.prefetch(REF)
+    marks["early"] = time.time()
     # The c10d Store as torchrun's agent hosts it (here rank 0's), reached first: every rank
     # waits for the last to arrive, so the rendezvous that follows is timed from one start
     # (what grows with W), apart from the spread of the ranks' imports (arrive).
@@ -128,9 +139,6 @@ def rank_main(cfg: dict) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", c10d), rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     marks["rdzv"] = time.time()
-    kw = dict(refs=cfg["refs"], storage_options=cfg["opts"]) if cfg["url"].startswith("s3://") else {}
-    if cfg["tiers"]:
-        kw.update(local=os.path.join(cfg["tiers"], f"node{rank}"), replicas=1)
     n_t, numel = 4, int(cfg["mb"] * 1e6 / 4 / 4)
     g = torch.Generator().manual_seed(1000 + rank)
     params = [torch.randn(numel, generator=g) if cfg["phase"] == "save" else torch.zeros(numel)
@@ -140,7 +148,8 @@ def rank_main(cfg: dict) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(4096, 16), torch.randn(4096, 1))
     loader = tsck.ResumableDataLoader(data, batch_size=8, shuffle=True, seed=0)
     marks["model"] = time.time()
-    store = tsck.open_store(cfg["url"], **kw)
+    if store is None:
+        store = tsck.open_store(cfg["url"], **kw)
     timing = {}
 
     class Timed:
@@ -192,9 +201,10 @@ def rank_main(cfg: dict) -> None:
         res["same"] = all(torch.equal(p, torch.randn(numel, generator=g)) for p in params)
         res["bytes"] = sum(p.numel() * 4 for p in params)
         ph = {"interp": marks["top"] - marks["proc"], "torch": marks["torch"] - marks["top"],
-              "tsck": marks["tsck"] - marks["torch"], "arrive": marks["arrive"] - marks["tsck"],
+              "tsck": marks["tsck"] - marks["torch"], "arrive": marks["arrive"] - marks["early"],
               "rdzv": marks["rdzv"] - marks["arrive"], "model": marks["model"] - marks["rdzv"],
-              "open": marks["open"] - marks["model"], "wait": marks["ready"] - marks["open"],
+              "open": (marks["early"] - marks["tsck"]) + (marks["open"] - marks["model"]),
+              "wait": marks["ready"] - marks["open"],
               "resolve": marks["resolve"] - marks["ready"]}
         first_in = min(timing["params_in"], timing["loader_in"])
         ph["read"] = first_in - marks["resolve"]
@@ -204,6 +214,10 @@ def rank_main(cfg: dict) -> None:
         ph["total"] = marks["step"] - marks["proc"]
         res["phases"] = ph
         res["read_gbps"] = res["bytes"] / ph["read"] / GB
+        if pf is not None:  # whether the prefetch had ended before the restore began; its own rate
+            done = pf.wait(0)
+            pf.wait()
+            res["prefetched"] = {"bytes": pf.bytes, "done_before": done, "seconds": pf.seconds, "error": pf.error}
         if cfg["plain"]:
             mine = os.path.join(cfg["tiers"], f"node{rank}")
             dist.barrier()
@@ -274,12 +288,12 @@ def main() -> int:
         rank_main(json.load(open(a.rank_main)))
         return 0
     modes = [m for m in a.modes.split(",") if m]
-    if set(modes) - {"disk", "tier", "peer", "s3"}:
-        ap.error("--modes: disk, tier, peer, s3")
+    if set(modes) - {"disk", "tier", "tierpf", "peer", "s3"}:
+        ap.error("--modes: disk, tier, tierpf, peer, s3")
     import torch
     scratch = tempfile.mkdtemp(prefix="tsck-bench-restart-", dir=a.dir)
     moto, opts = (None, None)
-    if set(modes) & {"tier", "peer", "s3"}:
+    if set(modes) & {"tier", "tierpf", "peer", "s3"}:
         moto, opts = start_moto()
         import s3fs
         s3fs.S3FileSystem(**opts).mkdir("bench-restart")
@@ -296,8 +310,8 @@ def main() -> int:
                 os.makedirs(d)
                 url = os.path.join(d, "store") if mode == "disk" else f"s3://bench-restart/{mode}-{world}-{int(mb)}"
                 cfg = {"url": url, "opts": opts, "refs": os.path.join(d, "refs.lmdb"), "mb": mb,
-                       "tiers": os.path.join(d, "tiers") if mode in ("tier", "peer") else None,
-                       "out": d, "plain": False}
+                       "tiers": os.path.join(d, "tiers") if mode in ("tier", "tierpf", "peer") else None,
+                       "out": d, "plain": False, "prefetch": mode == "tierpf"}
                 launch(world, dict(cfg, phase="save"))
                 if mode == "peer":
                     shutil.rmtree(os.path.join(d, "tiers", "node1"))
@@ -345,13 +359,14 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
     the world sizes measured (least squares on the slowest rank)."""
     print(f"\n## Projection to {W} ranks x {B / GB:g} GB per rank")
     print("T = interp + torch + tsck + model + open + seek + step (per rank, constant: measured at the fewest ranks)\n"
-          "  + B / read_rate + B / load_rate                    (per rank, scale with its bytes)\n"
+          "  + read_fixed + B / read_rate + B / load_rate       (per rank: read's fixed part, and what scales with its bytes)\n"
           "  + rdzv(W) + resolve(W)                             (grow with W: a + b W, fitted over the ranks "
           "measured; the c10d Store round trips of init_process_group, and rank 0's resolution handed to every rank)")
     by_mode: dict = {}
     for mode, world, got in rows:
         by_mode.setdefault(mode, []).append((world, got))
-    print("\n| place | constants s | read GB/s | load GB/s | rdzv(W) s | resolve(W) s | projected s |")
+    notes: list = []
+    print("\n| place | constants s | read s (fixed + B / GB/s) | load GB/s | rdzv(W) s | resolve(W) s | projected s |")
     print("|---|---|---|---|---|---|---|")
     for mode, runs in by_mode.items():
         runs.sort(key=lambda wg: (wg[1][0]["bytes"], wg[0]))
@@ -359,8 +374,18 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
         const = sum(statistics.median(r["phases"][p] for r in g0) for p in
                     ("interp", "torch", "tsck", "model", "open", "seek", "step"))
         big = max(runs, key=lambda wg: wg[1][0]["bytes"])[1] if len({g[0]["bytes"] for _, g in runs}) > 1 else g0
-        read = statistics.median(r["bytes"] / r["phases"]["read"] for r in big)
         load = statistics.median(r["bytes"] / max(r["phases"]["load"], 1e-6) for r in big)
+        # The read phase is a fixed part (the resolution, the ranks' agreement, opening the
+        # snapshot) and a part per byte: both fitted from the two state sizes at the fewest
+        # ranks (read(B) = a + B / rate); with one size, all of it counts per byte.
+        t_small = statistics.median(r["phases"]["read"] for r in g0)
+        t_big = statistics.median(r["phases"]["read"] for r in big)
+        b_small, b_big = g0[0]["bytes"], big[0]["bytes"]
+        if b_big > b_small and t_big > t_small:
+            read = (b_big - b_small) / (t_big - t_small)
+            read_fixed = max(0.0, t_small - b_small / read)
+        else:
+            read, read_fixed = statistics.median(r["bytes"] / r["phases"]["read"] for r in big), 0.0
 
         same = [(w, g) for w, g in runs if g[0]["bytes"] == g0[0]["bytes"]]
 
@@ -375,11 +400,24 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
         ra, rb = fit("rdzv")
         sa, sb = fit("resolve")
         rd, rs = max(0.0, ra + rb * W), max(0.0, sa + sb * W)
-        total = const + B / read + B / load + rd + rs
-        print(f"| {mode} | {const:.2f} | {read / GB:.2f} | {load / GB:.2f} | {rd:.2f} ({ra:.2f} + {rb * 1000:.1f} ms x W)"
+        total = const + read_fixed + B / read + B / load + rd + rs
+        if mode == "tierpf":
+            # The prefetch reads B at its own rate from the first line after the imports; the
+            # restore begins after the rendezvous and the model: whichever ends later, then
+            # the restore's reads from memory (the read rate measured here, prefetch done).
+            pfr = [r["prefetched"] for r in big if r["prefetched"]["seconds"] > 0 and not r["prefetched"]["error"]]
+            pf_rate = statistics.median(x["bytes"] / x["seconds"] for x in pfr) if pfr else read
+            model = statistics.median(r["phases"]["model"] for r in g0)
+            total = const - model + max(model + rd, B / pf_rate) + read_fixed + B / read + B / load + rs
+            notes.append(f"(tierpf: constants - model + max(model + rdzv(W), B / prefetch rate {pf_rate / GB:.2f} GB/s) "
+                  f"+ B / read from memory + B / load + resolve(W); prefetch done before the restore on "
+                  f"{sum(r['prefetched']['done_before'] for r in big)} of {len(big)} ranks at the largest state)")
+        print(f"| {mode} | {const:.2f} | {read_fixed:.2f} + B / {read / GB:.2f} | {load / GB:.2f} | {rd:.2f} ({ra:.2f} + {rb * 1000:.1f} ms x W)"
               f" | {rs:.2f} ({sa:.2f} + {sb * 1000:.1f} ms x W) | {total:.1f} |")
+    for n in notes:
+        print(n)
     print("(constants: medians over the ranks of the fewest; read and load rates: the largest state's medians "
-          "over its ranks, each rank on a share of 2 cores and one disk; rdzv and resolve: least squares on the "
+          "over its ranks (read: its fixed part and rate fitted from the two state sizes at the fewest ranks), each rank on a share of 2 cores and one disk; rdzv and resolve: least squares on the "
           "slowest rank over the world sizes at the first state size, each from an aligned start; arrive and wait, "
           "the spread of the ranks' imports, are left out: they are not a cost of W but of the slowest host)")
 
