@@ -398,7 +398,8 @@ class Planner:
         return leaf
 
     def _in_place_leaf(self, form, t: torch.Tensor):
-        if isinstance(form, Leaf) and not form.private and form.raw is not None:
+        if (self.unchanged is not None and isinstance(form, Leaf) and not form.private and form.raw is not None
+                and form.raw.nbytes >= self.unchanged.min_bytes):
             self._in_place.append((form, t))
         return form
 

@@ -79,6 +79,7 @@ class Unchanged:
     _one: "Unchanged | None" = None
     _tried = False
     _lock = threading.Lock()
+    min_bytes = MIN_BYTES  # (the planner asks only about tensors this large)
 
     def __init__(self, watch: WriteWatch):
         self._watch = watch
