@@ -300,7 +300,7 @@ class Assets:
             return PutResult(d, False, n)
         key = _key(KIND_PREFIX[frame.KIND_BLOCK], d)
         size = self.storage.size_of(key)
-        if size is not None and raw is not None and self._reusable(key, frame.KIND_BLOCK, size, n):
+        if size is not None and (raw is None or self._reusable(key, frame.KIND_BLOCK, size, n)):
             self.presence.add(frame.KIND_BLOCK, d, fence)
             return PutResult(d, False, n)
         if raw is None:
