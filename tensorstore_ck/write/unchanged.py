@@ -52,7 +52,7 @@ _BACKOFF_MAX = 64
 
 
 class _Rec:
-    __slots__ = ("storage", "start", "end", "results", "n", "marked", "misses", "wait", "armed", "edges")
+    __slots__ = ("storage", "start", "end", "results", "n", "marked", "misses", "wait", "armed", "edges", "claims")
 
     def __init__(self, storage, start: int, end: int, n: int):
         self.storage = weakref.ref(storage)
@@ -65,6 +65,7 @@ class _Rec:
         self.misses = 0       # consecutive puts that found it written
         self.wait = 0         # puts left before it is watched again
         self.armed = False    # watched since the last put's walk (its addresses bound then)
+        self.claims = 0       # the claims that bound it so far: only the newest one's addresses count
 
     def digests(self) -> list | None:
         r = self.results
@@ -166,8 +167,9 @@ class Unchanged:
                 rec.wait = min(1 << rec.misses, _BACKOFF_MAX) - 1
             rec.armed = rec.wait == 0
             rec.results = rec.edges = None
+            rec.claims += 1
             self.hashed += 1
-            return _Bind(self, rec)
+            return _Bind(self, rec, rec.claims)
 
     def _mark(self, found: list, walked: _Rec) -> None:
         """Written pages found (and protected again) by one record's walk: every other
@@ -188,22 +190,26 @@ class Unchanged:
 class _Bind:
     """Where a watched tensor's addresses come from, once its bytes are staged and hashed."""
 
-    __slots__ = ("owner", "rec")
+    __slots__ = ("owner", "rec", "claim")
 
-    def __init__(self, owner: Unchanged, rec: _Rec):
-        self.owner, self.rec = owner, rec
+    def __init__(self, owner: Unchanged, rec: _Rec, claim: int):
+        self.owner, self.rec, self.claim = owner, rec, claim
 
     def __call__(self, results: list) -> None:
-        """The leaf's results list: complete once its blocks are hashed."""
+        """The leaf's results list: complete once its blocks are hashed. A plan made before
+        the record's newest claim (another store's put, planned earlier and made later in
+        its background) binds nothing: its bytes may be older than the newest walk."""
         with self.owner._lock:
-            self.rec.results = results
+            if self.claim == self.rec.claims:
+                self.rec.results = results
 
     def staged(self, raw: np.ndarray) -> None:
         """Its bytes as staged (what is hashed): the shared edges kept from them."""
         head, tail = _edge_lengths(self.rec.start, self.rec.end)
         edges = (raw[:head].tobytes(), raw[raw.nbytes - tail:].tobytes())
         with self.owner._lock:
-            self.rec.edges = edges
+            if self.claim == self.rec.claims:
+                self.rec.edges = edges
 
 
 def _edge_lengths(start: int, end: int) -> tuple[int, int]:

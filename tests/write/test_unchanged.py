@@ -282,3 +282,28 @@ def test_a_peft_fine_tune_snapshots_only_its_adapters(tmp_path):
                 assert info.bytes_new < 3 * lora + 256 * 1024  # adapters, two moments, nodes
         got = store.checkout("ft/main")
         _same(got["model"], dict(model.state_dict()))
+
+
+def test_an_older_plans_addresses_bound_late_never_stand_for_a_newer_walk():
+    """Two stores' puts of one tensor: store A plans it (its bytes X), the tensor is written
+    (Y), store B plans it and hashes Y; A's background publisher binds X's addresses after
+    B's. Whatever the order the binds arrive in, the next claim with no write since B's
+    walk must not hand out X's addresses."""
+    from tensorstore_ck.core.assets import PutResult
+    u = Unchanged.get()
+    t = _page_aligned(torch.zeros(N))
+    ranges = [(0, t.nbytes)]
+    first = u.claim(t, ranges)  # new here: bound once hashed
+    assert callable(first)
+    first([PutResult(b"w" * 32, True, t.nbytes)])
+    bind_a = u.claim(t, ranges)
+    assert type(bind_a) is list, "nothing written since: reused"
+    t[7] = 1.0  # Y
+    bind_a = u.claim(t, ranges)  # store A's claim: written, its bytes hashed later (X: as it stages them)
+    assert u.claim(t, ranges) is None  # (written at two puts in a row: one put not watched)
+    t[8] = 2.0
+    bind_b = u.claim(t, ranges)  # store B's claim, after another write
+    assert callable(bind_a) and callable(bind_b)
+    bind_b([PutResult(b"y" * 32, True, t.nbytes)])
+    bind_a([PutResult(b"x" * 32, True, t.nbytes)])  # A's publisher, late
+    assert u.claim(t, ranges) == [b"y" * 32]
