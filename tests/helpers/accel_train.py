@@ -20,10 +20,12 @@ registered object's count."""
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
 import random
+import signal
 import sys
 import time
 
@@ -111,6 +113,7 @@ def main(conf_path: str) -> None:
         mgr = tsck_accelerate.checkpoint_manager(acc, store, cfg["job"], every_steps=cfg["every"],
                                                  async_=cfg["async"], on_commit=on_commit, preempt_signals=())
     mark("started", str(os.getpid()))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump of a run past its deadline
     step = 0
     if cfg["resume"]:
         step = (tsck_accelerate.load_state(acc, store, cfg["job"], must_exist=True) if functions

@@ -359,7 +359,10 @@ def _orphaned_savers(orphans: list[tuple[int, float]]) -> list[str]:
     for pid, t in orphans:
         while (st := _stat(pid)) is not None and st[0] not in ("Z", "X") and time.time() < t + SAVER_ORPHAN_WAIT:
             time.sleep(0.02)
-        if (st := _stat(pid)) is not None and st[0] not in ("Z", "X"):
+        if (st := _stat(pid)) is not None and st[0] in ("T", "t"):
+            continue  # stopped by the writer's own injected hang (SIGSTOP) after it was listed: it can
+            # run no handler until continued, and _reap's killpg ends it (as _savers_in leaves those out)
+        if st is not None and st[0] not in ("Z", "X"):
             bad.append(f"I4 saver pid {pid} outlived its writer, SIGKILLed {time.time() - t:.1f} s before: "
                        f"{_proc_text(pid)}")
     return bad

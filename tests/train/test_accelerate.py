@@ -68,12 +68,24 @@ class Run:
         try:
             rc = self.proc.wait(timeout=DEADLINE)
         except subprocess.TimeoutExpired:
+            self._dump_ranks()
             os.killpg(self.proc.pid, signal.SIGKILL)
             raise AssertionError(f"{self.phase} ran past {DEADLINE}s:\n{self.log()}") from None
         finally:
             self.err.close()
         assert rc == 0, f"{self.phase} exited {rc}:\n{self.log()}"
         return [json.loads(self.file(r, "result.json").read_text()) for r in range(self.world)]
+
+    def _dump_ranks(self) -> None:
+        """Every rank's Python stacks into the log (faulthandler on SIGUSR1): a run past its
+        deadline says where it waits."""
+        for r in range(self.world):
+            try:
+                os.kill(int(self.file(r, "started").read_text()), signal.SIGUSR1)
+            except (OSError, ValueError):
+                pass
+        self.err.flush()
+        time.sleep(1.0)  # (the dumps are written by the ranks' own C handler; a failure's report only)
 
     def sigkill_ranks(self) -> None:
         """SIGKILL every rank (as a node lost); torchrun's agent then ends on its own."""
