@@ -107,7 +107,7 @@ class WriteWatch:
             if self.written(a, a + PAGE) != [(a, a + PAGE)]:
                 raise OSError("pagemap: a write to a watched page was not reported")
         finally:
-            self._forget(a, a + PAGE)
+            self.forget(a, a + PAGE)
             m.close()
 
     def close(self) -> None:
@@ -156,7 +156,7 @@ class WriteWatch:
         self._starts.insert(i, start)
         self._ends.insert(i, end)
 
-    def _forget(self, start: int, end: int) -> None:
+    def forget(self, start: int, end: int) -> None:
         """Memory unmapped since it was watched (freed, mapped anew): every range of the
         bookkeeping that touches [start, end) is forgotten, so watch() registers it again."""
         start, end = self.pages(start, end)
@@ -167,8 +167,6 @@ class WriteWatch:
                 del self._starts[i], self._ends[i]
             else:
                 i += 1
-
-    forget = _forget
 
     def written(self, start: int, end: int) -> list[tuple[int, int]] | None:
         """The written page ranges of [start, end) since the last call over them (all of

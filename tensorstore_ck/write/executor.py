@@ -118,11 +118,11 @@ def run_block_jobs(plan: "Plan", assets: Assets, pool: ThreadPoolExecutor, owns=
     rank's manifest), so each replicated block is written exactly once."""
     leaves, jobs = [], []
     for leaf in job_order(plan.leaves):
-        if leaf.raw is None and getattr(leaf, "known", None) is None:  # a pack of a plan not staged: its members' bytes copied together in the job
+        known = getattr(leaf, "known", None)  # (a wave's job has none)
+        if leaf.raw is None and known is None:  # a pack of a plan not staged: its members' bytes copied together in the job
             leaves.append(leaf)
             jobs.append((Gather(leaf), sum(b - a for a, b in leaf.ranges), leaf.itemsize, False, True))
             continue
-        known = getattr(leaf, "known", None)
         for i, (a, b) in enumerate(leaf.ranges):
             leaves.append(leaf)
             raw = leaf.raw[a:b] if leaf.raw is not None else None
