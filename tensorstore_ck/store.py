@@ -137,6 +137,14 @@ def restored_fields(target: str, root: Digest, commit: dict, source: str, second
             "partial": partial}
 
 
+def _then(first, second):
+    """Two read plans (Reader's plan) as one: `second` plans over what `first` gives; either
+    may be None. (A collective checkout's shared reads must plan on every rank: asked first.)"""
+    if first is None or second is None:
+        return first or second
+    return lambda jobs, base: second(jobs, first(jobs, base))
+
+
 def _log_restored(target: str, root: Digest, commit: dict, source: tuple[str, str], seconds: float,
                   partial: bool) -> None:
     """One INFO line per checkout (restore_latest's, a manager's, `tsck checkout`'s): the
@@ -788,6 +796,7 @@ class Store:
             fence = self.assets.fence_now()
             t0 = time.monotonic()
             served = self._tier.served(reads)
+            plan = _then(shared and shared.plan, self._tier.read_plan(served))
             c = decode_commit(served.get_commit(root, verify=verify))
             st = c.get("stats") or {}
             # A Store's own checkout (no tier): the packed parts it read and checked are ones a
@@ -796,7 +805,7 @@ class Store:
             with _bytes_bar(progress, "checkout", st.get("bytes_total") if isinstance(st, dict) else None) as bar:
                 try:
                     out = read_with(Reader(served, self.pool, snapshot=root.hex(), rank=rank, fence=fence,
-                                           progress=bar, parts_seen=seen, plan=shared and shared.plan, **opts),
+                                           progress=bar, parts_seen=seen, plan=plan, **opts),
                                     c["tree"])
                 except BaseException:
                     if shared is not None:

@@ -84,6 +84,8 @@ _.unknown_commits  # PostgresRefTable (test_hostile_refs, test_pg_unknown_outcom
 _.retries  # RetryingStore's count (test_blockstore); also s3fs's own attribute, set by S3BlockStore.fs
 _.faults  # FaultInjectingStore: faults injected (test_faults, tests/sim)
 _.fetched  # Peers (tier/replicas.py): objects fetched from peers (test_tier_dist, bench_tier_peer)
+_.streamed  # Peers: blocks a restore got by batched fetches from the holders (tier_dist_worker)
+_.stream_fetches  # Peers: those batched fetches (tier_dist_worker: fewer than the blocks)
 _.tidied  # Uploader: part rows dropped by _tidy (test_tier_dist)
 _.tidy_busy  # Uploader: cleanups that met a gc holding the tier (tests/helpers/tier_dist_worker.py)
 _.teed  # Uploader: blocks sent early (test_tier, test_tier_lazy)

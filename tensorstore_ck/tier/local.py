@@ -223,6 +223,16 @@ class LocalTier:
         return self.reads
 
     @staticmethod
+    def read_plan(served: ReadChain):
+        """What plans a checkout's block reads through `served` (Reader's plan), or None: with
+        peer replicas, the blocks the tier lacks fetched from their holders in batches."""
+        from .replicas import FromPeers
+        for src in served.sources:
+            if isinstance(src, FromPeers):
+                return lambda jobs, base: src.plan(jobs, base, served.tally)
+        return None
+
+    @staticmethod
     def served(reads: ReadChain) -> ReadChain:
         """One checkout's view of `reads` (reads_for): its objects counted by the tier that
         gave them (its tally), for its log line (source)."""

@@ -63,6 +63,10 @@ class NoTier:
     def served(reads):
         return reads
 
+    @staticmethod
+    def read_plan(served):
+        return None
+
     def source(self, served) -> tuple[str, str]:
         return "store", f"the store at {self.core.url}"
 

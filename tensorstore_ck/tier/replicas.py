@@ -8,6 +8,8 @@ reads the remote.
 from __future__ import annotations
 
 import logging
+import threading
+from itertools import islice
 
 from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
@@ -15,6 +17,7 @@ from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
 from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, serve
 from .reads import NotHere, ReadChain, Source
+from .stream import StreamServer, fetch as stream_fetch
 
 __all__ = ["Peers", "FromPeers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
 
@@ -79,6 +82,9 @@ class Peers:
         self._secret: bytes | None = None
         self._idle: dict[int, list] = {}  # peer -> connections between two requests (fetch_checked)
         self._keeper = _Keeper(core.storage)
+        self._stream = None  # the StreamServer a restore's batched fetches ask (stream.py)
+        self.streamed = self.stream_fetches = 0  # blocks got by batched fetches, and the fetches
+        self._stream_dead: set[int] = set()  # holders whose block stream failed (not asked again)
 
     # -- set-up --------------------------------------------------------------------------
     def join(self) -> bool:
@@ -102,7 +108,19 @@ class Peers:
         sock, addr = listen_on(self.kv, 64)
         self._sock = sock
         serve(sock, self._secret, self._answer, name="tsck-peer", timeout=PEER_TIMEOUT, on_stranger=self._stranger)
+        # A restore's blocks in batches (stream.py), many in flight on one connection: as
+        # stored, looked up as they are sent; the asker checks each against its address.
+        self._stream = StreamServer(lookup=self._stored_block, max_block=_limit(self.core, "block"),
+                                    timeout=PEER_TIMEOUT)
+        self.kv.set(f"tsck/peerstream/{self.rank}", self._stream.listen(self.kv).encode())
         return addr
+
+    def _stored_block(self, d: bytes):
+        from ..core.assets import Assets
+        try:
+            return self.core.storage.get(Assets.object_key("blocks", d), _limit(self.core, "block") + 1)
+        except (FileNotFoundError, OSError, TsckError):
+            return None
 
     def holders(self) -> list[int]:
         """The ranks that hold this rank's replicas: r+1 .. r+k (mod W)."""
@@ -133,6 +151,9 @@ class Peers:
         with self._lock:
             idle, self._idle = self._idle, {}
             sock, self._sock = self._sock, None
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
         close_all(sock, idle)
 
     # -- the server ----------------------------------------------------------------------
@@ -388,6 +409,72 @@ class Peers:
         return None
 
 
+    def fetch_stream(self, digests: list) -> dict:
+        """The blocks `digests` from their holders, in batches of many blocks on one
+        connection per holder and request (stream.py), each checked against its address
+        (decoded from the frame a holder stores) -> digest -> (stored frame, its bytes)
+        for those some holder gave whole. Fetched in requests of about FETCH_BYTES, so
+        a restore holds one request's blocks beyond what it fills; a holder that lies
+        (bytes not their address's, lengths past a block's) loses that request to the
+        next holder, one that fails is not asked again in this fetch."""
+        from ..core.assets import Assets
+        got: dict = {}
+        per = max(1, FETCH_BYTES // max(self.core.settings.block_size, 1))
+        todo = list(dict.fromkeys(digests))
+
+        def frame(d, mv):
+            err, raw = Assets.object_from_frame("block", d, mv)
+            if err is not None:
+                raise err
+            return mv, raw
+        for peer in self.holders():
+            if not todo:
+                break
+            addr = None if peer in self._stream_dead else self._stream_addr(peer)
+            if addr is None:
+                continue
+            left = []
+            for i in range(0, len(todo), per):
+                ask = todo[i:i + per]
+                try:
+                    answer = stream_fetch(addr, self._secret, ask, max_block=_limit(self.core, "block"),
+                                          timeout=PEER_TIMEOUT, check=frame)
+                except TsckError as e:
+                    with self._lock:
+                        self.bad += isinstance(e, IntegrityError)
+                    log.warning("peer replicas: rank %d's answer for %d block(s) was not used (%s); asking the "
+                                "next holder", peer, len(ask), e)
+                    if isinstance(e, IntegrityError):
+                        left += ask
+                        continue
+                    left += todo[i:]
+                    with self._lock:
+                        self._stream_dead.add(peer)  # (unreachable or cut off: not asked again)
+                    break
+                with self._lock:
+                    self.stream_fetches += 1
+                for d, one in zip(ask, answer):
+                    if one is None:
+                        left.append(d)
+                    else:
+                        got[d] = one
+            todo = left
+        with self._lock:
+            self.streamed += len(got)
+            self.fetched += len(got)
+        return got
+
+    def _stream_addr(self, peer: int) -> str | None:
+        import datetime
+        key = f"tsck/peerstream/{peer}"
+        try:
+            self.kv.wait([key], datetime.timedelta(seconds=PEER_TIMEOUT))
+            return self.kv.get(key).decode()
+        except Exception as e:  # noqa: BLE001 - a peer away is a peer we do without
+            log.warning("peer replicas: rank %d's block stream cannot be found (%s); going on without it", peer, e)
+            return None
+
+
 class _Keeper:
     """Keeps the blocks a checkout fetched from peers in this rank's tier, off the
     checkout's path: a background thread writes them (and makes them durable once it has
@@ -476,6 +563,8 @@ class _Keeper:
 
 
 KEEP_QUEUED = 256 << 20  # bytes of fetched copies that may wait to be kept
+FETCH_BYTES = 64 << 20   # a restore's batched fetch from a holder asks about this many bytes at once
+FETCH_DEPTH = 2          # a restore's batched fetches in flight
 KEEP_SETTLE = 0.5  # seconds without a new copy before the kept ones are synced
 KEEP_NICE = 10  # the keeping thread's nice value (Linux: per thread)
 
@@ -534,6 +623,82 @@ class FromPeers(Source):
     def lacking(self, digests, pool, *, snapshot, path, fence):
         at_peers = self.peers.present("block", digests)
         return [d for d in digests if d not in at_peers]
+
+    def plan(self, jobs: list, base, tally=None):
+        """A checkout's reads planned (Reader's plan): the blocks its tier lacks are fetched
+        from the holders in batches (Peers.fetch_stream), checked, and copied into their
+        destinations now; -> the reader that runs the rest through `base` (the chain),
+        the jobs already filled passed over."""
+        import numpy as np
+        from ..read.readjobs import PackPart
+        wanted = [job for job in jobs if type(job[1]) is not PackPart]
+        digests = list(dict.fromkeys(job[0] for job in wanted))
+        if not digests:
+            return base
+        lacked = [d for d, here in zip(digests, map(self.local.block_exists, digests)) if not here]
+        if not lacked:
+            return base
+        by_digest: dict = {}
+        for d, out, _p, _b in wanted:
+            by_digest.setdefault(d, []).append(out)
+        filled: set = set()
+        per = max(1, FETCH_BYTES // max(self.peers.core.settings.block_size, 1))
+        for got in self._fetched([lacked[i:i + per] for i in range(0, len(lacked), per)]):
+            for d, (frame, raw) in got.items():
+                src = np.frombuffer(raw, dtype=np.uint8)
+                outs = by_digest[d]
+                if any(memoryview(o).cast("B").nbytes != src.nbytes for o in outs):
+                    continue  # (a length the manifest does not give it: the chain reports it)
+                for o in outs:
+                    np.copyto(np.frombuffer(memoryview(o).cast("B"), dtype=np.uint8), src)
+                    filled.add((d, id(o)))
+                if tally is not None:
+                    for _o in outs:
+                        tally.add(self.name, "block", d)
+                self.peers._keeper.keep(self.local.object_key("blocks", d), frame)
+        return base if not filled else _Filled(base, filled)
+
+    def _fetched(self, requests: list):
+        """Peers.fetch_stream of each request, in order, FETCH_DEPTH of them in flight (a
+        holder reads its disk for one while it sends another and this rank checks a
+        third): the restore holds at most FETCH_DEPTH + 1 requests' blocks."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+        if len(requests) == 1:
+            yield self.peers.fetch_stream(requests[0])
+            return
+        todo = iter(requests)
+        with ThreadPoolExecutor(FETCH_DEPTH, thread_name_prefix="tsck-peer-fetch") as pool:
+            flight = deque(pool.submit(self.peers.fetch_stream, r) for r in islice(todo, FETCH_DEPTH))
+            try:
+                while flight:
+                    got = flight.popleft().result()
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        flight.append(pool.submit(self.peers.fetch_stream, nxt))
+                    yield got
+            finally:
+                for f in flight:
+                    f.cancel()
+
+
+class _Filled:
+    """An ObjectReader: `base`, except for the reads a plan already filled (digest, id of
+    the destination), which it passes over once."""
+
+    def __init__(self, base, filled: set):
+        self.base, self.filled = base, filled
+        self._lock = threading.Lock()
+
+    def read_block_into(self, d: bytes, out, **kw) -> None:
+        with self._lock:
+            if (d, id(out)) in self.filled:
+                self.filled.discard((d, id(out)))
+                return
+        self.base.read_block_into(d, out, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
 
 
 def peer_reads(reads: ReadChain, peers: Peers) -> ReadChain:

@@ -47,7 +47,7 @@ import blake3
 from ..errors import FormatError, IntegrityError, StorageError, TsckError
 from ..util.net import job_secret, listen_on, peer_name, prove, recv_exact, serve
 
-__all__ = ["push", "fetch", "StreamServer", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK", "STREAM_TIMEOUT",
+__all__ = ["push", "fetch", "raw_block", "StreamServer", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK", "STREAM_TIMEOUT",
            "VERIFY_DEPTH"]
 
 log = logging.getLogger(__name__)
@@ -152,9 +152,20 @@ def _read_table(sock, max_block: int, *, allow_missing: bool):
     return entries, total
 
 
-def _check(entries, buf) -> list:
-    """The blocks of one batch, each checked against its address -> [(digest, memoryview
-    or None)]; IntegrityError on the first that is not its address's."""
+def raw_block(d: bytes, mv):
+    """The default check: the bytes are the block itself, whose BLAKE3 is its address ->
+    the bytes; IntegrityError if they are not."""
+    got = blake3.blake3(mv).digest()
+    if got != d:
+        raise IntegrityError(f"a peer's copy of block {d.hex()[:16]} ({mv.nbytes} bytes) does not match its "
+                             "address", expected=d.hex(), got=got.hex())
+    return mv
+
+
+def _check(entries, buf, check=raw_block) -> list:
+    """The blocks of one batch, each checked against its address -> [(digest, what
+    check(digest, memoryview) gave, or None)]; IntegrityError on the first that is not
+    its address's."""
     out, at = [], 0
     for d, n in entries:
         if n is None:
@@ -162,11 +173,7 @@ def _check(entries, buf) -> list:
             continue
         mv = buf[at:at + n]
         at += n
-        got = blake3.blake3(mv).digest()
-        if got != d:
-            raise IntegrityError(f"a peer's copy of block {d.hex()[:16]} ({n} bytes) does not match its address",
-                                 expected=d.hex(), got=got.hex())
-        out.append((d, mv))
+        out.append((d, check(d, mv)))
     return out
 
 
@@ -176,8 +183,10 @@ class _Receiver:
     inline (overlap=False). Payload lands in `into` (consecutive, when given) or in one
     fresh buffer per batch."""
 
-    def __init__(self, sock, max_block: int, *, overlap: bool, into=None, alloc=None, allow_missing: bool = False):
+    def __init__(self, sock, max_block: int, *, overlap: bool, into=None, alloc=None, allow_missing: bool = False,
+                 check=raw_block):
         self.sock, self.max_block, self.allow_missing, self.alloc = sock, max_block, allow_missing, alloc
+        self.check = check
         self.into = None if into is None else memoryview(into).cast("B")
         self.at = 0
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tsck-stream-check") if overlap else None
@@ -203,9 +212,9 @@ class _Receiver:
                 _recv_into(self.sock, buf)
                 self.blocks += len(entries)
                 if self.pool is None:
-                    out += _check(entries, buf)
+                    out += _check(entries, buf, self.check)
                     continue
-                pending.append(self.pool.submit(_check, entries, buf))
+                pending.append(self.pool.submit(_check, entries, buf, self.check))
                 while len(pending) > VERIFY_DEPTH or (pending and pending[0].done()):
                     out += pending.popleft().result()
             while pending:
@@ -282,11 +291,14 @@ def push(addr: str, secret: bytes, blocks, *, timeout: float = STREAM_TIMEOUT,
 
 
 def fetch(addr: str, secret: bytes, digests, *, max_block: int = MAX_BLOCK, into=None, overlap: bool = True,
-          timeout: float = STREAM_TIMEOUT) -> list:
+          timeout: float = STREAM_TIMEOUT, check=raw_block) -> list:
     """The blocks `digests` from the StreamServer at `addr`, each checked against its
     address -> a list in the order asked: a memoryview of the block's bytes, or None
     where the peer lacks it. into: a writable buffer the blocks land in, back to back
     (the caller's memory: nothing else is allocated for them); else one buffer per batch.
+    check(digest, memoryview) -> what the list holds for the block, or IntegrityError:
+    the default takes the bytes as the block itself; a peer sending stored frames is
+    checked by decoding them (tier/replicas.py).
     IntegrityError or FormatError when the peer lies (wrong bytes, a length past
     max_block or past `into`, blocks not asked): nothing is returned then. StorageError
     when it cannot be reached, closes or stays silent for `timeout` seconds."""
@@ -299,7 +311,7 @@ def fetch(addr: str, secret: bytes, digests, *, max_block: int = MAX_BLOCK, into
     try:
         with _connect(addr, secret, timeout) as conn:
             conn.sendall(b"G" + len(want).to_bytes(4, "big") + b"".join(want))
-            rx = _Receiver(conn, max_block, overlap=overlap, into=into, allow_missing=True)
+            rx = _Receiver(conn, max_block, overlap=overlap, into=into, allow_missing=True, check=check)
             got = rx.run(expect=want)
     except OSError as e:
         done = 0 if rx is None else rx.blocks
@@ -415,16 +427,22 @@ class StreamServer:
         if n > MAX_FETCH:
             raise FormatError(f"a fetch of {n} blocks (at most {MAX_FETCH})")
         raw = recv_exact(conn, n * _DIGEST)
-        views = []
-        for i in range(0, len(raw), _DIGEST):
-            d = bytes(raw[i:i + _DIGEST])
-            data = self.lookup(d) if self.lookup is not None else None
-            views.append((d, None if data is None else memoryview(data).cast("B")))
-        for run in _batches(views, self.batch_bytes):
+        served = 0
+
+        def views():
+            # Looked up as the batches are packed: a server whose lookup reads a disk holds
+            # one batch of a fetch at a time, not the whole of it.
+            nonlocal served
+            for i in range(0, len(raw), _DIGEST):
+                d = bytes(raw[i:i + _DIGEST])
+                data = self.lookup(d) if self.lookup is not None else None
+                served += data is not None
+                yield d, None if data is None else memoryview(data).cast("B")
+        for run in _batches(views(), self.batch_bytes):
             _send_batch(conn, run)
         _send_end(conn)
         with self._lock:
-            self.served += sum(1 for _d, mv in views if mv is not None)
+            self.served += served
 
 
 def _reply(conn, ok: int, count: int, reason: str) -> None:

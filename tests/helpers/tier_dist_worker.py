@@ -353,7 +353,9 @@ def rload_body(rank, world, out, res, cfg):
     holder: dict = {}
     with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
         _checkout_rows(store, rank, world, holder, res, cfg, out)
-        res["fetched"], res["bad_copies"] = store._tier.peers.fetched, store._tier.peers.bad
+        peers = store._tier.peers
+        res["fetched"], res["bad_copies"] = peers.fetched, peers.bad
+        res["streamed"], res["stream_fetches"] = peers.streamed, peers.stream_fetches
         dist.barrier()  # (the others may still be fetching from this rank)
 
 

@@ -251,6 +251,8 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
             assert said == "local", (r, said)
         elif peer_has_it:  # from its peer, by address: nothing from the remote
             assert res[r]["remote_reads"] == [] and res[r]["fetched"] > 0, (r, res[r])
+            # its blocks in batches, not one request each: a few fetches for all of them
+            assert res[r]["streamed"] > 0 and res[r]["stream_fetches"] < res[r]["streamed"], (r, res[r])
             assert "peer" in said.split("+") and "remote" not in said, (r, said)
         if r not in lost or peer_has_it:
             assert res[r]["remote_opened"] is False, (r, res[r])
