@@ -111,7 +111,7 @@ class Peers:
         # A restore's blocks in batches (stream.py), many in flight on one connection: as
         # stored, looked up as they are sent; the asker checks each against its address.
         self._stream = StreamServer(lookup=self._stored_block, max_block=_limit(self.core, "block"),
-                                    timeout=PEER_TIMEOUT)
+                                    timeout=PEER_TIMEOUT, on_stranger=self._stranger)
         self.kv.set(f"tsck/peerstream/{self.rank}", self._stream.listen(self.kv).encode())
         return addr
 

@@ -335,8 +335,9 @@ class StreamServer:
     `refused` pushes refused, `strangers` connections that did not prove the secret."""
 
     def __init__(self, *, lookup=None, accept=None, alloc=None, max_block: int = MAX_BLOCK, overlap: bool = True,
-                 timeout: float = STREAM_TIMEOUT, batch_bytes: int = BATCH_BYTES):
+                 timeout: float = STREAM_TIMEOUT, batch_bytes: int = BATCH_BYTES, on_stranger=None):
         self.lookup, self.accept, self.alloc = lookup, accept, alloc
+        self.on_stranger = on_stranger  # also told of each stranger, by name (an owner's own count and log)
         self.max_block, self.overlap, self.timeout, self.batch_bytes = max_block, overlap, timeout, batch_bytes
         self._lock = threading.Lock()
         self._sock = None
@@ -363,6 +364,9 @@ class StreamServer:
     def _stranger(self, who: str) -> None:
         with self._lock:
             self.strangers += 1
+        if self.on_stranger is not None:
+            self.on_stranger(who)
+            return
         log.warning("block streams: refused a connection from %s: it did not prove it is of this job", who)
 
     def _answer(self, conn) -> None:

@@ -89,8 +89,9 @@ def test_a_rank_that_sends_damaged_copies_costs_requests_never_bytes(tmp_path, c
     assert res[1]["sharing"]["fetched"] > 0
 
 
-def test_a_stranger_is_refused_by_both_side_channels(tmp_path, counted, s3_url):
-    """The shared reads' server and the peer replicas' server answer only a connection
+def test_a_stranger_is_refused_by_every_side_channel(tmp_path, counted, s3_url):
+    """The shared reads' server and the peer replicas' servers (requests, and the block
+    stream a restore reads in batches) answer only a connection
     that proves it holds the job's secret (from the c10d Store): a stranger who does not
     answer the challenge, or answers it with another secret, gets nothing back for a read
     and stores nothing for a write; and neither server listens on an address the job did
@@ -102,12 +103,13 @@ def test_a_stranger_is_refused_by_both_side_channels(tmp_path, counted, s3_url):
     out, res = _run(tmp_path, "stranger", spec)
     r0, r1 = res
     assert r0["read"] and r1["read"]  # the job's own ranks are served as before
-    assert r1["hosts"] == ["127.0.0.2", "127.0.0.2"]
+    assert r1["hosts"] == ["127.0.0.2"] * 3
+    assert len(r1["probes"]) == 7
     for name, p in r1["probes"].items():
         assert p["answer"] == 0, (name, p)  # hung up on, nothing sent back
-    assert r0["refused"] == 2 and r0["strangers"] == 3
+    assert r0["refused"] == 2 and r0["strangers"] == 5  # (the replicas' two servers count together)
     assert not r0["peer_stored"]
-    assert r1["unannounced_refused"] == {"share": True, "peer": True}
+    assert r1["unannounced_refused"] == {"share": True, "peer": True, "stream": True}
 
 
 def test_shared_reads_is_refused_with_a_local_tier_and_checked(tmp_path):

@@ -112,8 +112,8 @@ def _probe(addr: str, request: bytes, secret: bytes | None = None) -> dict:
 
 
 def stranger_case(rank, world, out, res, arg):
-    """Both side channels' servers up (shared reads; peer replicas of a tier), listening on
-    127.0.0.2; rank 1 knocks at rank 0's as a stranger: without the secret, with a wrong
+    """The side channels' servers up (shared reads; peer replicas of a tier, and their block
+    stream), listening on 127.0.0.2; rank 1 knocks at rank 0's as a stranger: without the secret, with a wrong
     one, and at the address the job never announced (127.0.0.1)."""
     import socket
 
@@ -134,6 +134,7 @@ def stranger_case(rank, world, out, res, arg):
         dist.barrier()
         if rank == 1:
             share0, peer0 = kv.get("test/share0").decode(), kv.get("tsck/peer/0").decode()
+            stream0 = kv.get("tsck/peerstream/0").decode()
             digest = bytes(range(32))
             g_share = b"G" + bytes(16) + digest + (1 << 20).to_bytes(8, "big")
             frame = bytes(100)
@@ -143,9 +144,12 @@ def stranger_case(rank, world, out, res, arg):
             res["probes"] = {
                 "share-read": _probe(share0, g_share), "share-read-wrong": _probe(share0, g_share, wrong),
                 "peer-write": _probe(peer0, p_peer), "peer-write-wrong": _probe(peer0, p_peer, wrong),
-                "peer-read": _probe(peer0, g_peer)}
+                "peer-read": _probe(peer0, g_peer),
+                # the replicas' block stream (a restore's batched reads): a fetch of one block
+                "stream-read": _probe(stream0, b"G" + (1).to_bytes(4, "big") + digest),
+                "stream-read-wrong": _probe(stream0, b"G" + (1).to_bytes(4, "big") + digest, wrong)}
             refused = {}
-            for name, addr in (("share", share0), ("peer", peer0)):
+            for name, addr in (("share", share0), ("peer", peer0), ("stream", stream0)):
                 port = int(addr.rsplit(":", 1)[1])
                 try:
                     socket.create_connection(("127.0.0.1", port), timeout=30).close()
@@ -153,7 +157,7 @@ def stranger_case(rank, world, out, res, arg):
                 except ConnectionRefusedError:
                     refused[name] = True
             res["unannounced_refused"] = refused
-            res["hosts"] = [share0.rsplit(":", 1)[0], peer0.rsplit(":", 1)[0]]
+            res["hosts"] = [share0.rsplit(":", 1)[0], peer0.rsplit(":", 1)[0], stream0.rsplit(":", 1)[0]]
         dist.barrier()
         res["refused"] = store._sharing.refused
         res["strangers"] = t._tier.peers.strangers
