@@ -145,9 +145,10 @@ def test_cli_times_a_tiered_snapshot_to_its_upload_and_a_local_only_one_is_not_d
         with tsck.open_store(str(remote), local=local, early_upload=False) as store:
             assert store.wait_durable(timeout=120.0), "the held-back upload never landed once the remote was back"
         hi.append(time.time() - start)
-    assert all(i.durable for i in tsck.open_store(str(remote), local=local).log("j/main"))
+    with tsck.open_store(str(remote), local=local) as store:
+        assert all(i.durable for i in store.log("j/main"))
+        commit_med = sorted(i.seconds for i in store.log("j/main"))[1]
     lo_med, hi_med = sorted(lo)[1], sorted(hi)[1]
-    commit_med = sorted(i.seconds for i in tsck.open_store(local).log("j/main"))[1]
     assert commit_med < lo_med  # (what a figure read from the local commit would be)
 
     with tsck.open_store(str(remote), local=local, early_upload=False) as store:
