@@ -10,7 +10,8 @@ reader sees them:
 
     upload:   seq (u64 BE) -> msgpack {root, ref, step[, part, hold, started, spared, orphan]}
     upload_seq               -> the queue's last sequence number
-    durable:  root           -> b""    (the remote store has the snapshot)
+    durable:  root           -> b"", or when (f64 BE: the table's clock) the uploader moved
+                                the remote ref to it (the remote store has the snapshot)
     evicted:  root           -> b""    (the byte budget dropped its local copies)
     part:     root           -> sub-tree (a rank other than 0 of a collective snapshot)
     part0:    root           -> sub-tree (rank 0's own part, set by compare_and_swap(part0=))
@@ -23,6 +24,7 @@ snapshot whose upload has started (protected_roots): RefTable's own expiries use
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Callable
 
@@ -183,10 +185,11 @@ class TierTable:
         raw = self._read(lambda t: t.get("meta", _UPLOAD_SEQ))
         return _SEQ.unpack(raw)[0] if raw is not None else 0
 
-    def upload_done(self, seq: int, root: bytes) -> None:
-        """The remote ref moved to `root`: mark it durable and drop entry `seq`, at once."""
+    def upload_done(self, seq: int, root: bytes, at: float | None = None) -> None:
+        """The remote ref moved to `root`: mark it durable and drop entry `seq`, at once;
+        `at` (this table's clock) is when, what durable_times() reads (tsck goodput)."""
         def txn(t: Txn):
-            t.put("meta", _DURABLE + root, b"")
+            t.put("meta", _DURABLE + root, b"" if at is None else _AT.pack(at))
             t.delete("meta", _UPLOAD + _SEQ.pack(seq))
         self._write(txn)
 
@@ -213,6 +216,21 @@ class TierTable:
         """Which of `roots` are marked durable (one transaction)."""
         roots = list(roots)
         return self._read(lambda t: {r for r in roots if t.get("meta", _DURABLE + r) is not None})
+
+    def durable_times(self, roots) -> dict[bytes, float | None]:
+        """root -> when it became durable (upload_done's `at`), for those of `roots` marked
+        durable; None where the mark has no time (marked by durable_mark, or unreadable)."""
+        roots = list(roots)
+
+        def txn(t: Txn):
+            out = {}
+            for r in roots:
+                raw = t.get("meta", _DURABLE + r)
+                if raw is not None:
+                    at = _AT.unpack(raw)[0] if len(raw) == _AT.size else None
+                    out[r] = at if at is not None and math.isfinite(at) and at >= 0 else None
+            return out
+        return self._read(txn)
 
     def evict_mark(self, roots) -> list[bytes]:
         """Mark `roots` evicted (a local tier's budget: their local copies may go, the
@@ -243,6 +261,7 @@ _VERIFIED = b"verified:"
 PART0_KEY = b"part0:"
 _INTENT = b"intent:"
 _SEQ = struct.Struct(">Q")
+_AT = struct.Struct(">d")
 
 
 def drop_row(t: Txn, root: bytes) -> None:

@@ -68,6 +68,17 @@ class TierTableTests(TableSuite):
         # The sequence never goes back: a new entry follows the last one handed out.
         assert rows.upload_enqueue(R[2], "j/main", 2) == seq + 1
 
+    def test_a_durable_mark_keeps_when_its_upload_landed(self, table, rows):
+        """upload_done(at=) is what durable_times() gives back (tsck goodput's time to
+        durable); a mark without a time (durable_mark, upload_done without at) gives None,
+        and a root not durable is not listed."""
+        R = self.R
+        rows.upload_done(rows.upload_enqueue(R[1], "j/main", 1), R[1], 1_700_000_123.25)
+        rows.upload_done(rows.upload_enqueue(R[2], "j/main", 2), R[2])
+        self._publish(table, "j/main", R[3], 3)
+        rows.durable_mark([R[3]])
+        assert rows.durable_times([R[1], R[2], R[3], R[4]]) == {R[1]: 1_700_000_123.25, R[2]: None, R[3]: None}
+
     def test_a_dropped_entry_marks_nothing_durable(self, rows):
         seq = rows.upload_enqueue(self.R[1], "j/main", 1)
         rows.upload_drop(seq)

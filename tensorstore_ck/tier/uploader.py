@@ -819,25 +819,26 @@ class Uploader:
         spared = any(s == seq and e.get("spared") for s, e in self.local.refs.tier_rows.upload_pending())
         with self._cond:
             self._fitting = True  # the retention and the budget follow: wait_durable waits for them
-        self.local.refs.tier_rows.upload_done(seq, root)
+        try:
+            at = self.local.refs.wall_now()
+        except TsckError:
+            at = time.time()
+        self.local.refs.tier_rows.upload_done(seq, root, at)
         if isinstance(row.get("ref"), str):
             self.durable_steps[row["ref"]] = row.get("step")
         self.notify()
-        self._tell_durable(root, row)
+        self._tell_durable(root, row, at)
         try:
             self.remote_retention(row, root if spared else None)
         finally:
             self._fit()
 
-    def _tell_durable(self, root: bytes, row: dict) -> None:
-        """Each listener hears that `root` is durable; one that fails is logged, never
-        raised (a metrics hook must not stop the uploads)."""
+    def _tell_durable(self, root: bytes, row: dict, at: float) -> None:
+        """Each listener hears that `root` became durable at `at` (the time its mark
+        records); one that fails is logged, never raised (a metrics hook must not stop
+        the uploads)."""
         if not self.listeners:
             return
-        try:
-            at = self.local.refs.wall_now()
-        except TsckError:
-            at = time.time()
         for fn in list(self.listeners):
             try:
                 fn(root, row, at)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -107,3 +108,78 @@ def test_cli_reads_the_stall_and_interval_from_a_jobs_snapshots(tmp_path, capsys
     assert got["sources"]["stall"] == "median of 5 snapshots of j/main"
     rc, _out, err = cli_here(capsys, "goodput", path, "--restart", "30", "--mtbf", "1h")
     assert rc == 2 and "name the ref" in err
+
+
+def _remote_down(remote) -> None:
+    """The file remote away for real: a plain file where its directory was, so every
+    write of an upload fails (ENOTDIR)."""
+    remote.rename(remote.with_name("remote.away"))
+    remote.write_bytes(b"")
+
+
+def _remote_back(remote) -> None:
+    remote.unlink()
+    remote.with_name("remote.away").rename(remote)
+
+
+def test_cli_times_a_tiered_snapshot_to_its_upload_and_a_local_only_one_is_not_durable(tmp_path, capsys):
+    """A tier (LMDB) over a file remote. Each of steps 1-3 is put with the remote down; the
+    uploader fails on it (wait_durable raises: the event), the remote comes back and a
+    reopen uploads it. Its time to durable is therefore at least from its put's call to
+    the remote's return (lo) and at most to wait_durable's (hi), however fast its local
+    commit was: the command's median lies between those medians, read from the remote
+    store and from the tier opened by itself. Step 4's upload is held back (the remote
+    down at close): not in the remote's log, and left out of the tier's durable figure."""
+    remote, local = tmp_path / "remote", str(tmp_path / "nvme")
+    tsck.open_store(str(remote)).close()
+    lo, hi = [], []
+    for step in (1, 2, 3):
+        with tsck.open_store(str(remote), local=local, early_upload=False) as store:
+            _remote_down(remote)
+            info = store.put_snapshot({"w": torch.full((256, 64), float(step))}, "j/main", step=step)
+            with pytest.raises(tsck.StorageError, match="Not a directory"):
+                store.wait_durable()
+            start = info.time - info.seconds
+            lo.append(time.time() - start)
+            _remote_back(remote)
+        with tsck.open_store(str(remote), local=local, early_upload=False) as store:
+            assert store.wait_durable(timeout=120.0), "the held-back upload never landed once the remote was back"
+        hi.append(time.time() - start)
+    with tsck.open_store(str(remote), local=local) as store:
+        assert all(i.durable for i in store.log("j/main"))
+        commit_med = sorted(i.seconds for i in store.log("j/main"))[1]
+    lo_med, hi_med = sorted(lo)[1], sorted(hi)[1]
+    assert commit_med < lo_med  # (what a figure read from the local commit would be)
+
+    with tsck.open_store(str(remote), local=local, early_upload=False) as store:
+        _remote_down(remote)
+        store.put_snapshot({"w": torch.full((256, 64), 4.0)}, "j/main", step=4)
+        with pytest.raises(tsck.StorageError, match="Not a directory"):
+            store.wait_durable()
+        _remote_back(remote)
+
+    for where, n, note in ((remote, 3, ""), (local, 4, " (1 only in the local tier)")):
+        rc, out, err = cli_here(capsys, "goodput", where, "j/main", "--restart", "30", "--mtbf", "1h", "--json")
+        assert rc == 0, err
+        got = json.loads(out)
+        assert lo_med <= got["durable"] <= hi_med, (where, got["durable"], lo, hi)
+        assert got["sources"]["durable"] == f"median of 3 durable snapshots of j/main{note}"
+        assert got["sources"]["stall"] == f"median of {n} snapshots of j/main"
+
+
+def test_cli_refuses_a_durable_figure_from_a_tier_with_nothing_uploaded(tmp_path, capsys):
+    """Only in the tier (the remote down at every upload): no snapshot is durable, and
+    the command says to give --durable rather than take the stall for it."""
+    remote, local = tmp_path / "remote", str(tmp_path / "nvme")
+    tsck.open_store(str(remote)).close()
+    with tsck.open_store(str(remote), local=local, early_upload=False) as store:
+        _remote_down(remote)
+        store.put_snapshot({"w": torch.ones(256, 64)}, "j/main", step=1)
+        with pytest.raises(tsck.StorageError, match="Not a directory"):
+            store.wait_durable()
+        _remote_back(remote)
+    rc, _out, err = cli_here(capsys, "goodput", local, "j/main", "--restart", "30", "--mtbf", "1h")
+    assert rc == 2 and "none of the 1 snapshots of j/main is durable" in err and "--durable" in err
+    rc, out, err = cli_here(capsys, "goodput", local, "j/main", "--restart", "30", "--mtbf", "1h", "--durable", "5",
+                            "--json")
+    assert rc == 0 and json.loads(out)["durable"] == 5.0, err

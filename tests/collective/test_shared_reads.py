@@ -89,13 +89,42 @@ def test_a_rank_that_sends_damaged_copies_costs_requests_never_bytes(tmp_path, c
     assert res[1]["sharing"]["fetched"] > 0
 
 
+def test_a_rank_killed_while_owners_send_leaves_the_others_reading_storage_within_the_timeout(
+        tmp_path, counted, s3_url):
+    """3 ranks check out with shared reads; rank 1 is SIGKILLed the moment it first reads a
+    block to send a peer (it owns some: each rank does), its side channel cut mid-checkout.
+    Ranks 0 and 2 neither hang nor take wrong bytes: each reads from S3 what rank 1 would
+    have sent and returns its state bit for bit, well within the checkout's timeout (a
+    failure would have to be a TsckError, and is not what happens here: after the
+    agreement a checkout waits for no rank)."""
+    proxy, opts = counted
+    world, mb, timeout = 3, 4, 60.0
+    spec = {"url": s3_url, "opts": opts, "refs": str(tmp_path / "refs.lmdb"), "world": world, "mb": mb,
+            "shared": True, "liar": None}
+    _run(tmp_path, "put", spec)
+    spec = {**spec, "killed": 1, "timeout": timeout}
+    out = run_worker_scenario(WORKER, tmp_path / "killed", "killed", json.dumps(spec), limit=300)
+    launcher = json.loads((out / "killed_launcher.json").read_text())
+    assert launcher["exitcodes"][1] == -9, launcher  # killed by its trap, not ended some other way
+    res = rank_results(out, "killed", world, dead=(1,))
+    for r in (0, 2):
+        assert res[r]["failed"] is None, (r, res[r]["failed"])
+        assert res[r]["seconds"] < timeout, (r, res[r]["seconds"])
+        got = torch.load(out / f"killed_rank{r}.pt", weights_only=False)
+        assert same_bits(got, _expected(r, mb)), f"rank {r} read other bytes"
+        assert res[r]["sharing"]["bad"] == 0
+    # The kill cut what the survivors were getting from rank 1: read around, and said so.
+    assert any(w.startswith("shared reads: rank 1 ") for r in (0, 2) for w in res[r]["warnings"]), \
+        [res[r]["warnings"] for r in (0, 2)]
+
+
 def test_a_stranger_is_refused_by_every_side_channel(tmp_path, counted, s3_url):
     """The shared reads' server and the peer replicas' servers (requests, and the block
     stream a restore reads in batches) answer only a connection
     that proves it holds the job's secret (from the c10d Store): a stranger who does not
     answer the challenge, or answers it with another secret, gets nothing back for a read
-    and stores nothing for a write; and neither server listens on an address the job did
-    not announce (TSCK_PEER_HOST=127.0.0.2: nothing on 127.0.0.1)."""
+    and stores nothing for a write; and no server listens on an address the job did not
+    announce (TSCK_PEER_HOST=127.0.0.2: nothing on 127.0.0.1)."""
     proxy, opts = counted
     spec = {"url": s3_url, "opts": opts, "refs": str(tmp_path / "refs.lmdb"), "world": 2, "mb": 2,
             "shared": True, "liar": None}

@@ -25,6 +25,7 @@ from dist_worker import launcher_main  # noqa: E402
 
 JOB = "llm"
 HOLD_FOR = 120.0  # a gate nobody opens lets the writes go by itself (the test then fails on the steps)
+DEADLINE = 120.0  # a snapshot that should end and does not: TimeoutError, the rank's failure (said in its result)
 
 
 def _held_class():
@@ -62,23 +63,33 @@ def continuous_case(rank, world, out, res, _arg):
                          wrap_storage=wrap) as store:
         mgr = tsck.CheckpointManager(store, job=JOB, state=tsck.TrainState(model=model, optimizer=opt),
                                      continuous=True, min_interval=10, clock=lambda: now["t"])
-        got, first = {}, None
-        for step in range(1, 11):
-            now["t"] = per_step * step
-            if rank == 0 and step == 3:
-                held["w"].gate.clear()
-            if step == 7:
-                if rank == 0:
-                    held["w"].gate.set()
-                first.exception()  # the snapshot of step 3 ends (on every rank: it is collective)
-            with torch.no_grad():
-                model.weight.add_(0.01)
-            r = got[step] = mgr.step(step)
-            if step == 3:
-                first = r
-            elif r is not None:
-                r.exception()  # durable before the next step: min_interval alone holds the next one
+        got, first, early = {}, None, None
+        try:
+            for step in range(1, 11):
+                now["t"] = per_step * step
+                if rank == 0 and step == 3:
+                    held["w"].gate.clear()
+                if step == 7:
+                    if rank == 0:
+                        held["w"].gate.set()
+                    first.exception(timeout=DEADLINE)  # the snapshot of step 3 ends (on every rank: it is collective)
+                with torch.no_grad():
+                    model.weight.add_(0.01)
+                r = got[step] = mgr.step(step)
+                if step == 3:
+                    first = r
+                elif r is not None and 4 <= step <= 6:
+                    # The durability check failed: said at once (the snapshot's writes are held
+                    # too; waiting for it would only wait out the gate). Rank 0 decides for both.
+                    early = f"step {step} took a snapshot while step 3's was held in flight (not durable yet)"
+                    break
+                elif r is not None:
+                    r.exception(timeout=DEADLINE)  # durable before the next step: min_interval alone holds the next
+        finally:
+            if rank == 0:
+                held["w"].gate.set()  # a failed check leaves no write held for close()
         mgr.close()
+    res["early"] = early
     res["steps"] = {s: (None if r is None else r.result().root) for s, r in got.items()}
     res["failed"] = mgr.failed_snapshots
     res["errors"] = [f"{type(e).__name__}: {e}" for e in mgr.snapshot_errors]

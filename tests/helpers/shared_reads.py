@@ -10,6 +10,8 @@ sends damaged copies to the others, or null)}.
         tensor of its own ("mine"); one collective snapshot
   read  every rank checks the snapshot out (collective), saves what it read to
         OUTDIR/read_rank<r>.pt, reports its side channel's counters and its seconds
+  killed  every rank checks out with shared reads; rank spec["killed"] is SIGKILLed when it
+        first reads a block for a peer; the others save what they read or the error they got
   stranger  both side channels up on 127.0.0.2 (shared reads; a tier's peer replicas);
         rank 1 knocks at rank 0's servers as a stranger (docs/design/collective.md)
 The ranks are forked by dist_worker.launch (the c10d TCPStore hosted by the launcher).
@@ -54,9 +56,21 @@ class Liar(WrappedStore):
         return bytes(data)
 
 
+class Killed(WrappedStore):
+    """A storage whose first whole-object get of a block (what a rank's side channel reads
+    to send its peers, once they asked for it) SIGKILLs the rank: it dies while owners
+    are sending, its server's connections cut mid-checkout."""
+
+    def get(self, key, max_bytes=None):
+        if key.startswith("blocks/"):
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner.get(key, max_bytes)
+
+
 def _open(spec, rank, **kw):
     import tensorstore_ck as tsck
-    wrap = Liar if spec.get("liar") == rank else None
+    wrap = Liar if spec.get("liar") == rank else Killed if spec.get("killed") == rank else None
     return tsck.open_store(spec["url"], refs=spec["refs"], storage_options=spec["opts"],
                            block_size=spec.get("block", BLOCK),
                            create=True, create_refs=True, wrap_storage=wrap, **kw)
@@ -82,6 +96,33 @@ def read_case(rank, world, out, res, arg):
         res["sharing"] = None if sh is None else {"fetched": sh.fetched, "served": sh.served, "got": sh.got,
                                                   "bad": sh.bad}
         dist.barrier()  # (a rank's server answers its peers until every rank has read)
+
+
+def killed_case(rank, world, out, res, arg):
+    """Every rank checks out with shared reads; rank spec["killed"] is SIGKILLed by its
+    storage (Killed) when it first reads a block for a peer. Each other rank reports what
+    it read (OUTDIR/killed_rank<r>.pt), or the TsckError it failed with, its seconds and the
+    side channel's warnings; no barrier after (the dead rank would never come)."""
+    import logging
+
+    import tensorstore_ck as tsck
+    spec = json.loads(arg)
+    said: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda rec: said.append(rec.getMessage())
+    logging.getLogger("tensorstore_ck.collective.shared").addHandler(handler)
+    with _open(spec, rank, shared_reads=True) as store:
+        t0 = time.monotonic()
+        try:
+            got = store.checkout("j/main", timeout=spec["timeout"])
+            torch.save(got, os.path.join(out, f"killed_rank{rank}.pt"))
+            res["failed"] = None
+        except tsck.TsckError as e:
+            res["failed"] = f"{type(e).__name__}: {e}"
+        res["seconds"] = time.monotonic() - t0
+        sh = store._sharing
+        res["sharing"] = {"fetched": sh.fetched, "served": sh.served, "got": sh.got, "bad": sh.bad}
+    res["warnings"] = said  # the side channel's failures this rank read around
 
 
 def _probe(addr: str, request: bytes, secret: bytes | None = None) -> dict:
@@ -166,7 +207,7 @@ def stranger_case(rank, world, out, res, arg):
 
 def scenarios(scenario: str, out: str, argv: list) -> list | None:
     spec = json.loads(argv[3])
-    body = {"put": put_case, "read": read_case, "stranger": stranger_case}.get(scenario)
+    body = {"put": put_case, "read": read_case, "stranger": stranger_case, "killed": killed_case}.get(scenario)
     if body is None:
         return None
     return [dw.launch(scenario, spec["world"], body, out, argv[3], limit=240.0)]

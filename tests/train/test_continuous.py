@@ -22,6 +22,7 @@ from tensorstore_ck.errors import InvalidArgument
 from _util import Watched, rank_results, run_worker_scenario
 
 HOLD_FOR = 120.0  # a gate the test forgets opens by itself (the test then fails on its steps)
+DEADLINE = 120.0  # generous (the machine is shared): a snapshot that should end and does not fails the test
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "continuous_ranks.py"
 
 
@@ -56,6 +57,22 @@ def _train(model):
         model.weight.add_(0.01)
 
 
+def _ended(fut, what: str):
+    """fut's outcome (a SnapshotInfo, or the exception it failed with), waited for until
+    DEADLINE; past it the test fails saying what it waited for."""
+    try:
+        return fut.exception(timeout=DEADLINE) or fut.result(timeout=0)
+    except TimeoutError:
+        pytest.fail(f"{what} did not end within {DEADLINE:g} s")
+
+
+def _none_while_held(got, step: int, what: str) -> None:
+    """A step while the previous snapshot is held in flight takes none: one that does is
+    the durability check's failure, said at once (its snapshot's writes are held too, so
+    waiting for it would only wait out the gate)."""
+    assert got[step] is None, f"step {step} took a snapshot while {what} (not durable yet)"
+
+
 def _open(path, wrapped, **kw):
     return tsck.open_store(str(path), block_size=4096, inline_threshold=256,
                            wrap_storage=lambda s: wrapped.append(Held(s)) or wrapped[-1], **kw)
@@ -72,19 +89,24 @@ def test_the_next_snapshot_waits_for_the_previous_commit_and_min_interval(tmp_pa
     with _open(tmp_path / "store", wrapped) as store:
         mgr = tsck.CheckpointManager(store, job="j", state=state, continuous=True, min_interval=10, clock=clock)
         held, got = wrapped[0], {}
-        for step in range(1, 11):
-            clock.t = 4.0 * step
-            if step == 3:
-                held.gate.clear()
-            if step == 7:
-                held.gate.set()
-                got[3].exception()  # committed now
-            _train(model)
-            got[step] = mgr.step(step)
-            if step == 4:
-                assert not got[3].done()  # still held: steps 4-6 ran while it was in flight
-            if step != 3 and got[step] is not None:
-                got[step].exception()
+        try:
+            for step in range(1, 11):
+                clock.t = 4.0 * step
+                if step == 3:
+                    held.gate.clear()
+                if step == 7:
+                    held.gate.set()
+                    _ended(got[3], "step 3's snapshot, its writes let go")  # committed now
+                _train(model)
+                got[step] = mgr.step(step)
+                if step == 4:
+                    assert not got[3].done()  # still held: steps 4-6 ran while it was in flight
+                if 4 <= step <= 6:
+                    _none_while_held(got, step, "step 3's snapshot was held in flight")
+                if step != 3 and got[step] is not None:
+                    _ended(got[step], f"step {step}'s snapshot")
+        finally:
+            held.gate.set()  # a failed check leaves no write held for close()
         mgr.close()
         assert [s for s, r in got.items() if r is not None] == [3, 7, 10]
         assert [e.step for e in store.log("j/main")] == [10, 7, 3]
@@ -124,8 +146,10 @@ def test_with_a_local_tier_the_next_snapshot_waits_for_the_upload(tmp_path):
                 assert store.wait_durable(timeout=HOLD_FOR) is True
             _train(model)
             got[step] = mgr.step(step)
+            if step in (2, 3):
+                _none_while_held(got, step, "step 1's upload was held")
             if got[step] is not None:
-                info = got[step].result()  # committed in the tier
+                info = _ended(got[step], f"step {step}'s snapshot (its commit in the tier)")
                 if step == 1:
                     assert info.durable is False
         assert [s for s, r in got.items() if r is not None] == [1, 4]
@@ -157,6 +181,7 @@ def test_under_torch_distributed_rank_0_decides_when_the_previous_is_durable(tmp
     the same roots on both ranks, none failed."""
     out = run_worker_scenario(WORKER, tmp_path, "continuous", limit=300.0)
     r0, r1 = rank_results(out, "continuous", 2)
+    assert r0["early"] is None and r1["early"] is None, (r0["early"], r1["early"])
     assert r0["steps"] == r1["steps"]
     assert [int(s) for s, root in r0["steps"].items() if root is not None] == [3, 7, 10]
     assert r0["failed"] == r1["failed"] == 0, (r0["errors"], r1["errors"])

@@ -12,6 +12,7 @@ The figures over 100 snapshots, and the stall against the bound: benches/bench_h
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import threading
 import pytest
 import torch
 
-from _util import HELPERS, REPO, assert_same, child_env, rank_results, run_worker_scenario
+from _util import HELPERS, REPO, Watched, assert_same, child_env, rank_results, run_cli, run_worker_scenario
 
 import tensorstore_ck as tsck
 from tensorstore_ck.storage.wrappers import FaultInjectingStore
@@ -267,3 +268,87 @@ def test_a_wave_that_fails_to_write_fails_the_put_itself_and_publishes_nothing(t
         assert info.step == 2
         assert_same(state, s.checkout("j/m"))
 
+
+
+class _HeldAtWave2(Watched):
+    """Holds the first block write of the second wave (the 17th block: the first wave is
+    16 blocks of a 4 MiB bound, all written before the next is copied) until `go`, and
+    says when it got there (`at_wave2`): the first wave's blocks are stored, referenced by
+    nothing yet."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.lock = threading.Lock()
+        self.blocks = 0
+        self.at_wave2, self.go = threading.Event(), threading.Event()
+
+    def on_write(self, key):
+        if not key.startswith("blocks/"):
+            return
+        with self.lock:
+            self.blocks += 1
+            first_of_wave2 = self.blocks == 17
+        if first_of_wave2:
+            self.at_wave2.set()
+            self.go.wait(DEADLINE)
+
+
+DEADLINE = 120.0  # generous (the machine is shared): an event that never comes fails the test
+
+
+def test_a_gc_between_two_waves_publishes_the_put_whole_or_aborts_it_and_a_retry_publishes(backend):
+    """A waved put (48 blocks, waves of 16) held after its first wave while a real `tsck
+    gc` runs in another process. On object storage the first wave's blocks are stored and
+    referenced by nothing, so the gc deletes them; the put's ref move is then fenced, and
+    since its bytes are no longer held it cannot write them again: SnapshotAborted
+    (Publisher.revalidate_written), nothing published. On local files a put's blocks stay
+    pending temporary files until its sync, which no gc of this age removes: the put
+    publishes whole. Either way the store is fsck-clean, the ref is on a whole snapshot,
+    and putting the state again publishes it."""
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(12 * MiB // 4, generator=g)}
+    held: list = []
+    with backend.open(host_memory=4 * MiB, block_size=BLOCK, saver="thread",
+                      wrap_storage=lambda st: held.append(_HeldAtWave2(st)) or held[-1]) as s:
+        s.put_snapshot({"x": torch.ones(3)}, ref="j/m", step=0)
+        before, log_before = s.resolve("j/m"), [i.root for i in s.log("j/m")]
+        gate = held[0]
+        put: dict = {}
+
+        def put_it():
+            try:
+                put["fut"] = s.put_snapshot(state, ref="j/m", step=1, blocking=False)
+            except BaseException as e:  # noqa: BLE001 - said by the test below
+                put["error"] = e
+        t = threading.Thread(target=put_it)
+        t.start()
+        try:
+            assert gate.at_wave2.wait(DEADLINE), "the put never reached its second wave"
+            gc = run_cli("gc", backend, "--json", timeout=DEADLINE)
+            assert gc.returncode == 0, gc.stderr
+        finally:
+            gate.go.set()
+            t.join(DEADLINE)
+        assert not t.is_alive(), "the put did not return once its second wave was let go"
+        assert "error" not in put, put.get("error")
+        deleted = json.loads(gc.stdout)["deleted_by_kind"].get("blocks", 0)
+        if backend.kind == "s3":
+            assert deleted >= 16, gc.stdout  # the first wave's, stored and referenced by nothing
+        else:
+            assert deleted == 0, gc.stdout  # pending until the put's sync
+        if deleted:
+            with pytest.raises(tsck.SnapshotAborted, match="gc removed .* block"):
+                put["fut"].result(timeout=DEADLINE)
+            with pytest.raises(tsck.SnapshotAborted):
+                s.raise_pending_error()  # (else the next put raises it, once)
+            assert s.resolve("j/m") == before and [i.root for i in s.log("j/m")] == log_before
+        else:
+            info = put["fut"].result(timeout=DEADLINE)
+            assert s.resolve("j/m") == info.root and info.blocks_total == 48
+            assert_same(state, s.checkout("j/m"))
+        report = s.fsck(full=True)
+        assert report.ok, report
+        info = s.put_snapshot(state, ref="j/m", step=2, blocking=False).result(timeout=DEADLINE)
+        assert s.resolve("j/m") == info.root and info.step == 2
+        assert_same(state, s.checkout("j/m"))
+        assert s.fsck(full=True).ok
