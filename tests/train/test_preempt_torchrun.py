@@ -31,6 +31,7 @@ from _util import REPO, child_env, same_bits
 pytestmark = pytest.mark.slow  # torchrun's agent and its ranks, twice per test
 
 SCRIPT = REPO / "tests" / "helpers" / "preempt_torchrun.py"
+FRAMEWORKS = REPO / "tests" / "helpers" / "preempt_frameworks.py"  # the HF Trainer's and Lightning's runs
 DEADLINE = float(os.environ.get("DBG_DEADLINE", 240))  # for each wait: generous, the machine is shared
 REF = "run/main"
 
@@ -38,7 +39,7 @@ REF = "run/main"
 class Run:
     """One torchrun of the helper: start(), then wait for its workers' files and exit."""
 
-    def __init__(self, out: Path, phase: str, world: int, **cfg):
+    def __init__(self, out: Path, phase: str, world: int, script: Path = SCRIPT, **cfg):
         self.out, self.phase, self.world = out, phase, world
         out.mkdir(exist_ok=True)
         conf = out / f"{phase}.json"
@@ -48,7 +49,7 @@ class Run:
             env.pop(k, None)
         self.err = open(out / f"{phase}_agent.err", "w")
         self.agent = zygote.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                   f"--nproc-per-node={world}", str(SCRIPT), str(out), str(conf)],
+                                   f"--nproc-per-node={world}", str(script), str(out), str(conf)],
                                   cwd=REPO, env=env, stdout=self.err, stderr=subprocess.STDOUT)
 
     def file(self, rank: int, name: str) -> Path:
@@ -292,4 +293,65 @@ def test_with_the_remote_down_the_final_snapshot_lands_in_the_tier_and_the_next_
     _resume(runs, out, 2, first, 4, store=store)
     with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
         assert max(i.step for i in s.log(REF)) >= 4
+        assert s.fsck().ok
+
+
+def _framework_run(runs, out: Path, kind: str) -> None:
+    """DDP on 2 ranks, SIGTERM to rank 1 only at step 4's end: every rank saves step 4 and
+    exits 143; a new torchrun resumes from the store to step 8, each step's parameters bit
+    for bit those of an uninterrupted run (a torchrun of its own, its own store)."""
+    first = runs(out, "first", 2, FRAMEWORKS, kind=kind, hold=4, end=8)
+    first.until_all("ready")
+    _kill(first.pids()[1], signal.SIGTERM)
+    first.until("rank 1's handler ran", lambda: first.heard(1))
+    first.go()
+    assert first.wait() == 1, first.log()
+    assert "exitcode  : 143" in first.log() or "exitcode: 143" in first.log(), first.log()
+    ends = first.ends()
+    for rank, e in enumerate(ends):
+        assert (e["step"], e["code"], e["durable"], e["why"]) == (4, 143, True, ""), (rank, e)
+        assert sorted(map(int, e["digests"])) == [1, 2, 3, 4], (rank, e)
+    resumed = runs(out, "resume", 2, FRAMEWORKS, kind=kind, end=8, resume=True)
+    assert resumed.wait() == 0, resumed.log()
+    reference = runs(out, "reference", 2, FRAMEWORKS, kind=kind, end=8, store="reference_store")
+    assert reference.wait() == 0, reference.log()
+    want = reference.ends()[0]["digests"]
+    assert sorted(map(int, want)) == list(range(1, 9))
+    for rank in range(2):
+        assert ends[rank]["digests"] == {k: want[k] for k in ("1", "2", "3", "4")}, rank
+        got = resumed.ends()[rank]["digests"]
+        assert got == {str(k): want[str(k)] for k in range(5, 9)}, (rank, got, want)
+    return first
+
+
+def test_hf_trainer_under_ddp_sigterm_to_one_rank_saves_that_step_everywhere_and_resumes_bit_for_bit(tmp_path, runs):
+    """hf.TsckCallback on 2 torchrun ranks, SIGTERM to rank 1 only at step 4's end: the
+    per-step agreement has every rank's Trainer save step 4 (one collective snapshot, the
+    Trainer's own rng_state_{r}.pth of each rank in it), each worker exits 143, torchrun 1.
+    resume_from_checkpoint=True on 2 new ranks finds step 4 in the store and steps 5-8 are
+    an uninterrupted run's bit for bit (dropout draws from each rank's own stream)."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers, accelerate) is not installed")
+    out = tmp_path / "run"
+    _framework_run(runs, out, "hf")
+    with tsck.open_store(out / "store", create=False) as s:
+        # (step 8: the Trainer's save at the resumed run's end)
+        assert [(i.step, i.meta["world"], i.meta.get("triggers")) for i in s.log("hf/main")] == [
+            (8, 2, None), (4, 2, ["preempted"])]
+        assert s.fsck().ok
+
+
+def test_lightning_under_ddp_sigterm_to_one_rank_saves_that_step_everywhere_and_resumes_bit_for_bit(
+        tmp_path, runs):
+    """TsckPreemption + TsckCheckpointIO in a DDP Trainer on 2 torchrun ranks, SIGTERM to
+    rank 1 only at step 4's end (Lightning's own SIGTERM handler there too): every rank
+    agrees on step 4, rank 0 saves ck/preempted.ckpt into the store, every worker exits 143.
+    fit(ckpt_path=that pointer) on 2 new ranks resumes at step 4; steps 5-8 are an
+    uninterrupted run's bit for bit."""
+    pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install -e '.[lightning]')")
+    from tensorstore_ck.lightning import read_pointer
+    out = tmp_path / "run"
+    _framework_run(runs, out, "lightning")
+    assert read_pointer(out / "ck" / "preempted.ckpt")["step"] == 4
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log("lt/preempted")] == [4]
         assert s.fsck().ok
