@@ -7,7 +7,9 @@ CONFIG: {"phase": name of this run, "kind": "hf" (hf.TsckCallback) or "lightning
 (TsckCheckpointIO + TsckPreemption), "hold": the step at whose end every rank waits for the
 test (None: none), "end": the last step, "store": the store's directory under OUT,
 "resume": start from the store (hf: resume_from_checkpoint=True, the store's newest;
-lightning: ckpt_path=<OUT>/ck/preempted.ckpt, the pointer TsckPreemption wrote)}.
+lightning: ckpt_path=<OUT>/ck/preempted.ckpt, the pointer TsckPreemption wrote),
+"reference": then train again from scratch, uninterrupted, in the same processes (the
+framework's imports, most of a run's time, paid once), into a store of its own}.
 
 Each rank (gloo on CPU) writes, by path under OUT, the same events as preempt_torchrun.py:
   <phase>_rank<r>_start.json   {"pid"}, once the Trainer is built
@@ -16,6 +18,7 @@ Each rank (gloo on CPU) writes, by path under OUT, the same events as preempt_to
   <phase>_rank<r>_end.json     how training ended (Preempted's step, durable, code; code 0
                                when it ran to the end) and "digests": step -> a digest of
                                the model's parameters after that step, for every step run
+                               ("reference": the same of the uninterrupted run)
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def ended(**how) -> None:
         json.dump({**how, "digests": DIGESTS}, f)
 
 
-def run_hf(store) -> None:
+def run_hf(store, name: str, resume: bool) -> None:
     import random
 
     import numpy as np
@@ -94,7 +97,7 @@ def run_hf(store) -> None:
     hf_logging.disable_progress_bar()
     set_seed(0)
     # No interval save (save_steps past the end): the store holds the preemption's save only.
-    args = TrainingArguments(os.path.join(OUT, f"{CFG['phase']}_output"), max_steps=CFG["end"], save_steps=1000,
+    args = TrainingArguments(os.path.join(OUT, f"{CFG['phase']}_{name}"), max_steps=CFG["end"], save_steps=1000,
                              logging_steps=1, per_device_train_batch_size=4, learning_rate=1e-3, seed=0,
                              use_cpu=True, ddp_backend="gloo", report_to=[], dataloader_num_workers=0,
                              disable_tqdm=True)
@@ -106,10 +109,10 @@ def run_hf(store) -> None:
     np.random.seed(1000 + RANK)
     torch.manual_seed(1000 + RANK)
     started()
-    t.train(resume_from_checkpoint=True if CFG.get("resume") else None)
+    t.train(resume_from_checkpoint=True if resume else None)
 
 
-def run_lightning(store) -> None:
+def run_lightning(store, name: str, resume: bool) -> None:
     import importlib.util
     import warnings
 
@@ -130,7 +133,7 @@ def run_lightning(store) -> None:
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)  # every rank alike: its RNG (saved by rank 0 alone) is every rank's
-    ck = os.path.join(OUT, "ck")
+    ck = os.path.join(OUT, "ck" if name == "output" else f"ck_{name}")
     # use_distributed_sampler=False: the example's ResumableDataLoader keeps its place itself.
     trainer = L.Trainer(max_steps=CFG["end"], strategy="ddp", devices=int(os.environ["WORLD_SIZE"]),
                         accelerator="cpu", plugins=[TsckCheckpointIO(store, job="lt")],
@@ -138,7 +141,7 @@ def run_lightning(store) -> None:
                         enable_checkpointing=False, use_distributed_sampler=False, enable_progress_bar=False,
                         enable_model_summary=False)
     started()
-    trainer.fit(ex.Net(), ckpt_path=os.path.join(ck, "preempted.ckpt") if CFG.get("resume") else None)
+    trainer.fit(ex.Net(), ckpt_path=os.path.join(ck, "preempted.ckpt") if resume else None)
 
 
 def main() -> None:
@@ -148,13 +151,23 @@ def main() -> None:
     with open(sys.argv[2]) as f:
         CFG = json.load(f)
     signal.signal(signal.SIGTERM, on_signal)  # the program's own handler: tsck's chains to it
-    with tsck.open_store(os.path.join(OUT, CFG.get("store", "store"))) as store:
+    run = run_hf if CFG["kind"] == "hf" else run_lightning
+    with tsck.open_store(os.path.join(OUT, "store")) as store:
         try:
-            (run_hf if CFG["kind"] == "hf" else run_lightning)(store)
+            run(store, "output", bool(CFG.get("resume")))
         except tsck.Preempted as e:
             ended(step=e.step, durable=e.durable, code=e.code, why=e.why)
             raise
-    ended(step=None, code=0)
+    reference = None
+    if CFG.get("reference"):
+        got = dict(DIGESTS)
+        DIGESTS.clear()
+        with tsck.open_store(os.path.join(OUT, f"{CFG['phase']}_reference_store")) as store:
+            run(store, "reference", False)
+        reference = dict(DIGESTS)
+        DIGESTS.clear()
+        DIGESTS.update(got)
+    ended(step=None, code=0, reference=reference)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # (as preempt_torchrun.py: no gloo teardown after a run that ended well)

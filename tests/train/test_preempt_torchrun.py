@@ -299,7 +299,8 @@ def test_with_the_remote_down_the_final_snapshot_lands_in_the_tier_and_the_next_
 def _framework_run(runs, out: Path, kind: str) -> None:
     """DDP on 2 ranks, SIGTERM to rank 1 only at step 4's end: every rank saves step 4 and
     exits 143; a new torchrun resumes from the store to step 8, each step's parameters bit
-    for bit those of an uninterrupted run (a torchrun of its own, its own store)."""
+    for bit those of an uninterrupted run (trained next in the same processes, into a store
+    of its own)."""
     first = runs(out, "first", 2, FRAMEWORKS, kind=kind, hold=4, end=8)
     first.until_all("ready")
     _kill(first.pids()[1], signal.SIGTERM)
@@ -311,13 +312,12 @@ def _framework_run(runs, out: Path, kind: str) -> None:
     for rank, e in enumerate(ends):
         assert (e["step"], e["code"], e["durable"], e["why"]) == (4, 143, True, ""), (rank, e)
         assert sorted(map(int, e["digests"])) == [1, 2, 3, 4], (rank, e)
-    resumed = runs(out, "resume", 2, FRAMEWORKS, kind=kind, end=8, resume=True)
+    resumed = runs(out, "resume", 2, FRAMEWORKS, kind=kind, end=8, resume=True, reference=True)
     assert resumed.wait() == 0, resumed.log()
-    reference = runs(out, "reference", 2, FRAMEWORKS, kind=kind, end=8, store="reference_store")
-    assert reference.wait() == 0, reference.log()
-    want = reference.ends()[0]["digests"]
+    want = resumed.ends()[0]["reference"]
     assert sorted(map(int, want)) == list(range(1, 9))
     for rank in range(2):
+        assert resumed.ends()[rank]["reference"] == want, rank  # (DDP: every rank's parameters alike)
         assert ends[rank]["digests"] == {k: want[k] for k in ("1", "2", "3", "4")}, rank
         got = resumed.ends()[rank]["digests"]
         assert got == {str(k): want[str(k)] for k in range(5, 9)}, (rank, got, want)
