@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import torch
 import _zygote as zygote
 import tensorstore_ck as tsck
 from _util import REPO, child_env, same_bits
+from tests.sim.netproxy import Chaos
 
 pytestmark = pytest.mark.slow  # torchrun's agent and its ranks, twice per test
 
@@ -294,6 +296,78 @@ def test_with_the_remote_down_the_final_snapshot_lands_in_the_tier_and_the_next_
     with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
         assert max(i.step for i in s.log(REF)) >= 4
         assert s.fsck().ok
+
+
+def test_four_ranks_sigterm_to_one_then_to_every_worker_and_resume_on_two(tmp_path, runs):
+    """4 ranks. SIGTERM to rank 2 alone at step 4: every rank saves step 4 and exits 143.
+    4 new ranks resume there bit for bit; SIGTERM to every worker at once at step 7: every
+    rank saves step 7 and exits 143. The job then resumes on 2 ranks at step 7, bit for bit."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 4, hold=3, end=50)
+    first.until_all("ready")
+    _kill(first.pids()[2], signal.SIGTERM)
+    first.until("rank 2's handler ran", lambda: first.heard(2))
+    first.go()
+    assert first.wait() == 1, first.log()
+    _preempted(first, 4)
+    (out / "go").unlink()  # (the next run's hold waits for a go of its own)
+    second = runs(out, "second", 4, hold=6, end=50)
+    second.until_all("ready")
+    want = torch.load(first.file(0, "step4.pt"))
+    for rank in range(4):
+        assert json.loads(second.file(rank, "start.json").read_text())["start"] == 4
+        _same(torch.load(second.file(rank, "restored.pt")), want)
+    for pid in second.pids():
+        _kill(pid, signal.SIGTERM)
+    second.until("every rank's handler ran", lambda: all(second.heard(r) for r in range(4)))
+    second.go()
+    assert second.wait() == 1, second.log()
+    _preempted(second, 7)
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [(i.step, i.meta["world"]) for i in s.log(REF)] == [(7, 4), (4, 4)]
+    _resume(runs, out, 2, second, 7)
+
+
+class _Slowest(random.Random):
+    """Chaos's draws, every one the slowest: each request it delays waits delay_s exactly."""
+
+    def uniform(self, a, b):
+        return b
+
+
+def test_a_grace_too_short_for_the_final_collective_snapshot_publishes_nothing_and_says_so(
+        tmp_path, runs, s3_url, s3_proxy, s3_server):
+    """The final snapshot cannot be written within the grace (1 s): from the notice on, the
+    network to S3 forwards each request 1.5 s late, so no rank's part of the collective save
+    is written when its deadline (the grace) ends. Each rank's Preempted, and its warning,
+    say the grace could not hold the snapshot and that nothing of it was published; every
+    worker exits 143. The store is whole: fsck is clean and the ref still gives the interval
+    snapshot of step 2, bit for bit; the job resumes there, bit for bit."""
+    proxy, opts = s3_proxy
+    out = tmp_path / "run"
+    store = {"url": s3_url, "refs": str(tmp_path / "refs.lmdb"), "opts": opts}
+    first = runs(out, "first", 2, hold=3, end=50, every=2, grace=1, store=store)
+    first.until_all("ready")
+    slow = Chaos(0, delay=1.0, delay_s=1.5, drop=0, drop_commit=0, hold_commit=0, blackout=0, dark_after=0)
+    slow.rng = _Slowest(0)
+    proxy.chaos = slow
+    for pid in first.pids():
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    assert first.wait() == 1, first.log()
+    assert proxy.delays > 0  # (the final save did reach the slowed network)
+    proxy.chaos = None
+    said = "the grace (1 s) could not hold the final snapshot of step 4: nothing of it was published"
+    for rank, e in enumerate(first.ends()):
+        assert (e["step"], e["at"], e["code"], e["durable"]) == (None, 4, 143, False), (rank, e)
+        assert said in e["why"] and said in e["text"], (rank, e)
+        assert any(w.startswith("SnapshotWarning") and said in w for w in e["warnings"]), (rank, e)
+    with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
+        assert s.fsck().ok
+        assert [i.step for i in s.log(REF)] == [2]
+        _same(s.checkout(REF)["model"], torch.load(first.file(0, "step2.pt"))["model"])
+    _resume(runs, out, 2, first, 2, store=store)
 
 
 def _framework_run(runs, out: Path, kind: str) -> None:
