@@ -1,10 +1,12 @@
-"""Preemption under real torchrun (`python -m torch.distributed.run --standalone`, 2 to 3
+"""Preemption under real torchrun (`python -m torch.distributed.run --standalone`, 2 to 4
 gloo ranks on CPU) running tests/helpers/preempt_torchrun.py, a DDP loop with a
-CheckpointManager. The test sends real signals, as the platforms do: SIGTERM to every
-worker at once (Kubernetes), to one worker, to the torchrun agent; a second SIGTERM during
-the final save; SIGKILL while it is half written (the end of the grace); and, with a local
-tier whose S3 remote is cut off, the final snapshot kept in the tier and uploaded by the
-next start. It waits for the files the workers write and for process exits only.
+CheckpointManager, and tests/helpers/preempt_frameworks.py, the HF Trainer's and
+Lightning's DDP runs with their preemption callbacks. The test sends real signals, as the
+platforms do: SIGTERM to every worker at once (Kubernetes), to one worker, to the torchrun
+agent; a second SIGTERM during the final save; SIGKILL while it is half written (the end of
+the grace); with a local tier whose S3 remote is cut off, the final snapshot kept in the
+tier and uploaded by the next start; with S3 slowed down, a grace too short for the final
+snapshot. It waits for the files the workers write and for process exits only.
 
 What torchrun reports: each preempted worker exits 143 (128 + SIGTERM); the agent, seeing a
 worker fail, takes the others down and exits 1 (ChildFailedError), or, when it got the
