@@ -237,7 +237,10 @@ def _named_in_dir(path) -> set[str]:
 class TsckPreemption(Callback):
     """Preemption for a Lightning run, as CheckpointManager's (train/preempt.py): SIGTERM
     (and the signals in preempt_signals=; () catches none) is noted, chained to the handler
-    installed before (Lightning's own, installed at fit(), chains to this one in turn). At
+    installed before. Lightning's own SIGTERM handler, installed at fit(), is set aside for
+    the training (this one is put back over it at on_train_start): under DDP it broadcasts
+    from rank 0 inside the handler, which on a rank the signal alone reached waits for a
+    broadcast the other ranks never make, and its own path saves nothing. At
     the end of the next training batch (every rank agreeing: one rank's signal is enough)
     the trainer saves `<dirpath>/<filename>.ckpt` (dirpath: the ModelCheckpoint's, else the
     trainer's default_root_dir), through its CheckpointIO (TsckCheckpointIO: into the store,
@@ -253,6 +256,9 @@ class TsckPreemption(Callback):
         self.dirpath, self.filename = dirpath, filename
         self.preempted: Preempted | None = None
         self._preempt = PreemptSignals(preempt_signals, preempt_grace)
+
+    def on_train_start(self, _trainer, _pl_module) -> None:  # (after fit() installed Lightning's handlers)
+        self._preempt.take_over()
 
     def on_train_batch_end(self, trainer, _pl_module, _outputs, _batch, _batch_idx) -> None:  # (Lightning's order)
         pre = self._preempt

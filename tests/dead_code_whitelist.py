@@ -46,6 +46,7 @@ _.on_step_end  # TsckCallback (preemption)
 _.should_training_stop  # TrainerControl: read by the Trainer
 
 # -- Lightning calls these (CheckpointIO) -----------------------------------------------
+_.on_train_start  # TsckPreemption (a Lightning Callback)
 _.on_train_batch_end  # TsckPreemption (a Lightning Callback)
 _.on_exception  # TsckPreemption
 _.teardown  # TsckPreemption

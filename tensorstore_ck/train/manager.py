@@ -343,6 +343,9 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
             why = f"the final snapshot failed: {type(e).__name__}: {e}"
         if res is None and not why:
             why = "the final snapshot could not be taken (its warning above says why)"
+        if res is None and pre.remaining() == 0:  # over by the time it gave up: whatever failed, the grace was short
+            why = (f"the grace ({pre.grace:g} s) could not hold the final snapshot of step {step}: nothing of it "
+                   f"was published ({why})")
         saved = res is not None and not why
         if saved:
             self.last, self.last_step, self.last_time = res, step, self.clock()

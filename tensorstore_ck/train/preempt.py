@@ -145,6 +145,16 @@ class PreemptSignals:
         sys.stderr.flush()
         os._exit(128 + self.signum)
 
+    def take_over(self) -> None:
+        """Install this handler again over one a framework installed since (Lightning's, at
+        fit()): the signal is then this one's alone, still chained to the handler from
+        before this was made. The framework puts its predecessor (this one) back itself."""
+        if threading.current_thread() is not threading.main_thread() or self._closed.is_set():
+            return
+        for s in self._prev:
+            if signal.getsignal(s) != self._on_signal:
+                signal.signal(s, self._on_signal)
+
     def close(self) -> None:
         """Put back the handlers this replaced (where its own is still the one installed)."""
         self._closed.set()

@@ -5,7 +5,7 @@ for tests/train/test_preempt_torchrun.py.
 
 CONFIG: {"phase": name of this run, "hold": the step at which every rank waits for the
 test (None: none), "end": the last step, "grace": preempt_grace, "every": every_steps,
-"store": {"url", "refs", "opts", "tier"} (tier: a local directory per rank,
+"store": {"url", "refs", "opts", "tier", "retry_budget"} (tier: a local directory per rank,
 <tier>/rank<r>; absent: a local store at OUT/store), "hold_save": hold the final
 snapshot's first write (see Hold)}.
 
@@ -18,8 +18,9 @@ writes, by path under OUT (all events the test waits for):
   <phase>_rank<r>_heard        one line per preemption signal it received (its own
                                handler, installed before the manager's: chained)
   <phase>_rank<r>_saving       the final snapshot's first write (hold_save)
-  <phase>_rank<r>_end.json     how step() ended: Preempted's step, durable, code, why, and
-                               the seconds from the first signal to the raise
+  <phase>_rank<r>_end.json     how step() ended: Preempted's step, durable, code, why, the
+                               seconds from the first signal to the raise, and the
+                               warnings of that step() call
 The test sends the signals (to the ranks, or to the torchrun agent) and judges.
 """
 
@@ -30,6 +31,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -81,6 +83,9 @@ def open_the_store():
     if s.get("tier"):
         return tsck.open_store(s["url"], refs=s["refs"], storage_options=s["opts"], retry_budget=0.5,
                                local=os.path.join(s["tier"], f"rank{RANK}"), **kw)
+    if s.get("url"):
+        return tsck.open_store(s["url"], refs=s["refs"], storage_options=s["opts"],
+                               retry_budget=s.get("retry_budget"), **kw)
     return tsck.open_store(os.path.join(OUT, "store"), **kw)
 
 
@@ -117,15 +122,22 @@ def main() -> int:
             loss.backward()
             opt.step()
             save_state(model, opt, f"step{step}.pt")
+            caught: list = []
             try:
-                mgr.step(step)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    mgr.step(step)
             except tsck.Preempted as e:
                 with open(path("end.json"), "w") as f:
                     json.dump({"step": e.step, "durable": e.durable, "code": e.code, "why": e.why, "at": step,
                                "seconds": time.monotonic() - SIGNALLED[0] if SIGNALLED else None,
                                "committed": COMMITS[step] - SIGNALLED[0] if SIGNALLED and step in COMMITS else None,
-                               "text": str(e)}, f)
+                               "text": str(e), "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]},
+                              f)
                 raise
+            finally:
+                for w in caught:  # (shown too, in the log)
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
             if step == CFG.get("hold"):
                 mgr.wait()  # the interval snapshots are done: a held write (Hold) is the final one's
                 store.wait_durable(timeout=120)  # (with a tier: uploaded, before the test cuts the remote)

@@ -1,10 +1,12 @@
-"""Preemption under real torchrun (`python -m torch.distributed.run --standalone`, 2 to 3
+"""Preemption under real torchrun (`python -m torch.distributed.run --standalone`, 2 to 4
 gloo ranks on CPU) running tests/helpers/preempt_torchrun.py, a DDP loop with a
-CheckpointManager. The test sends real signals, as the platforms do: SIGTERM to every
-worker at once (Kubernetes), to one worker, to the torchrun agent; a second SIGTERM during
-the final save; SIGKILL while it is half written (the end of the grace); and, with a local
-tier whose S3 remote is cut off, the final snapshot kept in the tier and uploaded by the
-next start. It waits for the files the workers write and for process exits only.
+CheckpointManager, and tests/helpers/preempt_frameworks.py, the HF Trainer's and
+Lightning's DDP runs with their preemption callbacks. The test sends real signals, as the
+platforms do: SIGTERM to every worker at once (Kubernetes), to one worker, to the torchrun
+agent; a second SIGTERM during the final save; SIGKILL while it is half written (the end of
+the grace); with a local tier whose S3 remote is cut off, the final snapshot kept in the
+tier and uploaded by the next start; with S3 slowed down, a grace too short for the final
+snapshot. It waits for the files the workers write and for process exits only.
 
 What torchrun reports: each preempted worker exits 143 (128 + SIGTERM); the agent, seeing a
 worker fail, takes the others down and exits 1 (ChildFailedError), or, when it got the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -27,10 +30,12 @@ import torch
 import _zygote as zygote
 import tensorstore_ck as tsck
 from _util import REPO, child_env, same_bits
+from tests.sim.netproxy import Chaos
 
 pytestmark = pytest.mark.slow  # torchrun's agent and its ranks, twice per test
 
 SCRIPT = REPO / "tests" / "helpers" / "preempt_torchrun.py"
+FRAMEWORKS = REPO / "tests" / "helpers" / "preempt_frameworks.py"  # the HF Trainer's and Lightning's runs
 DEADLINE = float(os.environ.get("DBG_DEADLINE", 240))  # for each wait: generous, the machine is shared
 REF = "run/main"
 
@@ -38,7 +43,7 @@ REF = "run/main"
 class Run:
     """One torchrun of the helper: start(), then wait for its workers' files and exit."""
 
-    def __init__(self, out: Path, phase: str, world: int, **cfg):
+    def __init__(self, out: Path, phase: str, world: int, script: Path = SCRIPT, **cfg):
         self.out, self.phase, self.world = out, phase, world
         out.mkdir(exist_ok=True)
         conf = out / f"{phase}.json"
@@ -48,7 +53,7 @@ class Run:
             env.pop(k, None)
         self.err = open(out / f"{phase}_agent.err", "w")
         self.agent = zygote.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                   f"--nproc-per-node={world}", str(SCRIPT), str(out), str(conf)],
+                                   f"--nproc-per-node={world}", str(script), str(out), str(conf)],
                                   cwd=REPO, env=env, stdout=self.err, stderr=subprocess.STDOUT)
 
     def file(self, rank: int, name: str) -> Path:
@@ -292,4 +297,137 @@ def test_with_the_remote_down_the_final_snapshot_lands_in_the_tier_and_the_next_
     _resume(runs, out, 2, first, 4, store=store)
     with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
         assert max(i.step for i in s.log(REF)) >= 4
+        assert s.fsck().ok
+
+
+def test_four_ranks_sigterm_to_one_then_to_every_worker_and_resume_on_two(tmp_path, runs):
+    """4 ranks. SIGTERM to rank 2 alone at step 4: every rank saves step 4 and exits 143.
+    4 new ranks resume there bit for bit; SIGTERM to every worker at once at step 7: every
+    rank saves step 7 and exits 143. The job then resumes on 2 ranks at step 7, bit for bit."""
+    out = tmp_path / "run"
+    first = runs(out, "first", 4, hold=3, end=50)
+    first.until_all("ready")
+    _kill(first.pids()[2], signal.SIGTERM)
+    first.until("rank 2's handler ran", lambda: first.heard(2))
+    first.go()
+    assert first.wait() == 1, first.log()
+    _preempted(first, 4)
+    (out / "go").unlink()  # (the next run's hold waits for a go of its own)
+    second = runs(out, "second", 4, hold=6, end=50)
+    second.until_all("ready")
+    want = torch.load(first.file(0, "step4.pt"))
+    for rank in range(4):
+        assert json.loads(second.file(rank, "start.json").read_text())["start"] == 4
+        _same(torch.load(second.file(rank, "restored.pt")), want)
+    for pid in second.pids():
+        _kill(pid, signal.SIGTERM)
+    second.until("every rank's handler ran", lambda: all(second.heard(r) for r in range(4)))
+    second.go()
+    assert second.wait() == 1, second.log()
+    _preempted(second, 7)
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [(i.step, i.meta["world"]) for i in s.log(REF)] == [(7, 4), (4, 4)]
+    _resume(runs, out, 2, second, 7)
+
+
+class _Slowest(random.Random):
+    """Chaos's draws, every one the slowest: each request it delays waits delay_s exactly."""
+
+    def uniform(self, a, b):
+        return b
+
+
+def test_a_grace_too_short_for_the_final_collective_snapshot_publishes_nothing_and_says_so(
+        tmp_path, runs, s3_url, s3_proxy, s3_server):
+    """The final snapshot cannot be written within the grace (1 s): from the notice on, the
+    network to S3 forwards each request 1.5 s late, so no rank's part of the collective save
+    is written when its deadline (the grace) ends. Each rank's Preempted, and its warning,
+    say the grace could not hold the snapshot and that nothing of it was published; every
+    worker exits 143. The store is whole: fsck is clean and the ref still gives the interval
+    snapshot of step 2, bit for bit; the job resumes there, bit for bit."""
+    proxy, opts = s3_proxy
+    out = tmp_path / "run"
+    store = {"url": s3_url, "refs": str(tmp_path / "refs.lmdb"), "opts": opts}
+    first = runs(out, "first", 2, hold=3, end=50, every=2, grace=1, store=store)
+    first.until_all("ready")
+    slow = Chaos(0, delay=1.0, delay_s=1.5, drop=0, drop_commit=0, hold_commit=0, blackout=0, dark_after=0)
+    slow.rng = _Slowest(0)
+    proxy.chaos = slow
+    for pid in first.pids():
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    assert first.wait() == 1, first.log()
+    assert proxy.delays > 0  # (the final save did reach the slowed network)
+    proxy.chaos = None
+    said = "the grace (1 s) could not hold the final snapshot of step 4: nothing of it was published"
+    for rank, e in enumerate(first.ends()):
+        assert (e["step"], e["at"], e["code"], e["durable"]) == (None, 4, 143, False), (rank, e)
+        assert said in e["why"] and said in e["text"], (rank, e)
+        assert any(w.startswith("SnapshotWarning") and said in w for w in e["warnings"]), (rank, e)
+    with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
+        assert s.fsck().ok
+        assert [i.step for i in s.log(REF)] == [2]
+        _same(s.checkout(REF)["model"], torch.load(first.file(0, "step2.pt"))["model"])
+    _resume(runs, out, 2, first, 2, store=store)
+
+
+def _framework_run(runs, out: Path, kind: str) -> None:
+    """DDP on 2 ranks, SIGTERM to rank 1 only at step 4's end: every rank saves step 4 and
+    exits 143; a new torchrun resumes from the store to step 8, each step's parameters bit
+    for bit those of an uninterrupted run (trained next in the same processes, into a store
+    of its own)."""
+    first = runs(out, "first", 2, FRAMEWORKS, kind=kind, hold=4, end=8)
+    first.until_all("ready")
+    _kill(first.pids()[1], signal.SIGTERM)
+    first.until("rank 1's handler ran", lambda: first.heard(1))
+    first.go()
+    assert first.wait() == 1, first.log()
+    assert "exitcode  : 143" in first.log() or "exitcode: 143" in first.log(), first.log()
+    ends = first.ends()
+    for rank, e in enumerate(ends):
+        assert (e["step"], e["code"], e["durable"], e["why"]) == (4, 143, True, ""), (rank, e)
+        assert sorted(map(int, e["digests"])) == [1, 2, 3, 4], (rank, e)
+    resumed = runs(out, "resume", 2, FRAMEWORKS, kind=kind, end=8, resume=True, reference=True)
+    assert resumed.wait() == 0, resumed.log()
+    want = resumed.ends()[0]["reference"]
+    assert sorted(map(int, want)) == list(range(1, 9))
+    for rank in range(2):
+        assert resumed.ends()[rank]["reference"] == want, rank  # (DDP: every rank's parameters alike)
+        assert ends[rank]["digests"] == {k: want[k] for k in ("1", "2", "3", "4")}, rank
+        got = resumed.ends()[rank]["digests"]
+        assert got == {str(k): want[str(k)] for k in range(5, 9)}, (rank, got, want)
+    return first
+
+
+def test_hf_trainer_under_ddp_sigterm_to_one_rank_saves_that_step_everywhere_and_resumes_bit_for_bit(tmp_path, runs):
+    """hf.TsckCallback on 2 torchrun ranks, SIGTERM to rank 1 only at step 4's end: the
+    per-step agreement has every rank's Trainer save step 4 (one collective snapshot, the
+    Trainer's own rng_state_{r}.pth of each rank in it), each worker exits 143, torchrun 1.
+    resume_from_checkpoint=True on 2 new ranks finds step 4 in the store and steps 5-8 are
+    an uninterrupted run's bit for bit (dropout draws from each rank's own stream)."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers, accelerate) is not installed")
+    out = tmp_path / "run"
+    _framework_run(runs, out, "hf")
+    with tsck.open_store(out / "store", create=False) as s:
+        # (step 8: the Trainer's save at the resumed run's end)
+        assert [(i.step, i.meta["world"], i.meta.get("triggers")) for i in s.log("hf/main")] == [
+            (8, 2, None), (4, 2, ["preempted"])]
+        assert s.fsck().ok
+
+
+def test_lightning_under_ddp_sigterm_to_one_rank_saves_that_step_everywhere_and_resumes_bit_for_bit(
+        tmp_path, runs):
+    """TsckPreemption + TsckCheckpointIO in a DDP Trainer on 2 torchrun ranks, SIGTERM to
+    rank 1 only at step 4's end (Lightning's own SIGTERM handler there too): every rank
+    agrees on step 4, rank 0 saves ck/preempted.ckpt into the store, every worker exits 143.
+    fit(ckpt_path=that pointer) on 2 new ranks resumes at step 4; steps 5-8 are an
+    uninterrupted run's bit for bit."""
+    pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install -e '.[lightning]')")
+    from tensorstore_ck.lightning import read_pointer
+    out = tmp_path / "run"
+    _framework_run(runs, out, "lightning")
+    assert read_pointer(out / "ck" / "preempted.ckpt")["step"] == 4
+    with tsck.open_store(out / "store", create=False) as s:
+        assert [i.step for i in s.log("lt/preempted")] == [4]
         assert s.fsck().ok
