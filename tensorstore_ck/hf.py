@@ -322,6 +322,7 @@ class TsckCallback(TrainerCallback):
                 why = f"its upload did not end within the grace ({pre.grace:g} s); the local tier keeps it"
         except Exception as e:  # noqa: BLE001 - said in the exception the process ends with
             why = f"the final snapshot failed: {type(e).__name__}: {e}"
+        pre.done()
         signum = pre.signum if pre.signum is not None else signal.SIGTERM  # (another rank's signal)
         self.preempted = Preempted(step if res is not None else None, signum=int(signum), durable=durable,
                                    why=why, close_by=pre.ends_at())

@@ -281,6 +281,7 @@ class TsckPreemption(Callback):
                 why = f"its upload did not end within the grace ({pre.grace:g} s); the local tier keeps it"
         except Exception as e:  # noqa: BLE001 - said in the exception the process ends with
             step, why = None, f"the final checkpoint failed: {type(e).__name__}: {e}"
+        pre.done()
         signum = pre.signum if pre.signum is not None else signal.SIGTERM  # (another rank's signal)
         self.preempted = Preempted(step, signum=int(signum), durable=durable, why=why, close_by=pre.ends_at())
         raise self.preempted

@@ -341,6 +341,7 @@ class CheckpointManager(Watching, Outcomes, Collective, Together, Restoring):
                                                                     **self._local()), step)
         except Exception as e:  # noqa: BLE001 - said in the exception the process ends with
             why = f"the final snapshot failed: {type(e).__name__}: {e}"
+        pre.done()
         if res is None and not why:
             why = "the final snapshot could not be taken (its warning above says why)"
         if res is None and pre.remaining() == 0:  # over by the time it gave up: whatever failed, the grace was short

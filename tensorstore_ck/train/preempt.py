@@ -32,6 +32,7 @@ log = logging.getLogger(__package__)
 # terminationGracePeriodSeconds 30 s, GCP Spot 30 s, AWS Spot 120 s), less a margin for the
 # process to exit.
 DEFAULT_GRACE = 20.0
+PAST_GRACE = 2.0  # seconds a final snapshot may still write after the grace before the process ends
 
 
 class Preempted(SystemExit):
@@ -84,7 +85,8 @@ class PreemptSignals:
         self.signum: int | None = None  # the first preemption signal seen
         self.at: float | None = None    # when (time.monotonic())
         self.count = 0                  # signals seen (a second one changes nothing)
-        self.saving = False             # the final snapshot has begun: the watchdog lets it end
+        self.saving = False             # the final snapshot has begun: the watchdog lets it end ...
+        self._saved = threading.Event()  # ... until done(), or PAST_GRACE after the grace
         self._prev: dict[int, object] = {}
         self._before: dict[int, object] = {}
         self._watch: threading.Thread | None = None
@@ -130,15 +132,35 @@ class PreemptSignals:
         if callable(prev):  # the program's own handler (SIG_DFL and SIG_IGN are not callable)
             prev(signum, frame)
 
+    def done(self) -> None:
+        """The final snapshot's save has ended (saved or not): the watchdog has no more to do."""
+        self._saved.set()
+
     def _watchdog(self) -> None:
-        if self._closed.wait(self.grace) or self.saving:
+        if self._closed.wait(self.grace):
             return
-        if self._prev.get(self.signum) not in (signal.SIG_DFL, None):
-            return  # the program's own handler (or SIG_IGN) decides what the signal does
-        # No step() came within the grace: end as the signal's default action would have,
-        # now (the process would have ended at the signal without the manager).
-        text = (f"preempted ({signal.Signals(self.signum).name}) and no CheckpointManager.step() came within "
-                f"{self.grace:g} s: nothing was saved; the process ends as the signal asks")
+        name = signal.Signals(self.signum).name
+        if self.saving:
+            # The final snapshot is still being written as the grace ends. Its own deadline
+            # ends it, whole or absent; but a write below the store that never returns (its
+            # storage unreachable, a socket with no timeout) would hold the process until the
+            # platform's SIGKILL, which ends it mid-write all the same. So it ends here,
+            # PAST_GRACE later, with the same outcome in the store: nothing half-published.
+            if self._saved.wait(PAST_GRACE) or self._closed.is_set():
+                return
+            text = (f"preempted ({name}) and the final snapshot was still being written {PAST_GRACE:g} s after "
+                    f"the grace ({self.grace:g} s) ended (a write that does not return: its storage unreachable?): "
+                    f"nothing of it is published; the process ends as the signal asks")
+        else:
+            # No step() came within the grace: end as the signal's default action would have,
+            # now (the process would have ended at the signal without the manager).
+            text = (f"preempted ({name}) and no CheckpointManager.step() came within {self.grace:g} s: nothing "
+                    f"was saved; the process ends as the signal asks")
+        if not self.saving and self._prev.get(self.signum) not in (signal.SIG_DFL, None):
+            # The program's own handler (or SIG_IGN) decides what the signal does. (Not once
+            # the final save has begun: the program is in step(), waiting on a write that
+            # will not return, and ran its handler already.)
+            return
         log.warning("%s", text)
         warnings.warn(text, SnapshotWarning, stacklevel=1)  # (shown with no logging set up)
         logging.shutdown()

@@ -18,6 +18,7 @@ writes, by path under OUT (all events the test waits for):
   <phase>_rank<r>_heard        one line per preemption signal it received (its own
                                handler, installed before the manager's: chained)
   <phase>_rank<r>_saving       the final snapshot's first write (hold_save)
+  <phase>_rank<r>_log          the store's warnings (logging: a process ending in os._exit says why there)
   <phase>_rank<r>_end.json     how step() ended: Preempted's step, durable, code, why, the
                                seconds from the first signal to the raise, and the
                                warnings of that step() call
@@ -102,6 +103,10 @@ def main() -> int:
         CFG = json.load(f)
     dist.init_process_group("gloo")
     RANK = dist.get_rank()
+    import logging  # the store's warnings, in <phase>_rank<r>_log (a process that ends in os._exit says why there)
+    handler = logging.FileHandler(path("log"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("tensorstore_ck").addHandler(handler)
     signal.signal(signal.SIGTERM, on_signal)  # the program's own handler: the manager chains to it
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))

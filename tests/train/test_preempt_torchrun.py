@@ -372,6 +372,43 @@ def test_a_grace_too_short_for_the_final_collective_snapshot_publishes_nothing_a
     _resume(runs, out, 2, first, 2, store=store)
 
 
+def test_a_final_snapshot_whose_storage_stops_answering_ends_the_workers_soon_after_the_grace(
+        tmp_path, runs, s3_url, s3_proxy, s3_server):
+    """No local tier, and the network to S3 black-holes every connection from the notice
+    on: the final snapshot's writes never return, and no deadline of the store's can end
+    a rank inside one. Each worker still ends with 143 PAST_GRACE after its grace (2 s),
+    before a platform's SIGKILL, saying why; without that the workers sat in their writes
+    past 60 s. With the network back the store is whole: fsck is clean, the ref still gives
+    the interval snapshot of step 2, and the job resumes there bit for bit."""
+    from tensorstore_ck.train.preempt import PAST_GRACE
+    proxy, opts = s3_proxy
+    out = tmp_path / "run"
+    store = {"url": s3_url, "refs": str(tmp_path / "refs.lmdb"), "opts": opts}
+    first = runs(out, "first", 2, hold=3, end=50, every=2, grace=2, store=store)
+    first.until_all("ready")
+    proxy.blackout()
+    for pid in first.pids():
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    t0 = time.monotonic()
+    assert first.wait() == 1, first.log()
+    took = time.monotonic() - t0
+    print(f"go -> torchrun exit, storage black-holed: {took:.2f} s")
+    assert took < 2 + PAST_GRACE + 20, first.log()  # (a platform's notice is 15-120 s; the writes alone hang > 60 s)
+    assert first.log().count("exitcode  : 143") == 2, first.log()
+    for rank in range(2):
+        assert not first.file(rank, "end.json").exists()  # (ended in the write, not by a Preempted raised)
+        said = first.file(rank, "log").read_text()
+        assert "the final snapshot was still being written" in said, (rank, said)
+    proxy.restore()
+    with tsck.open_store(s3_url, refs=store["refs"], storage_options=s3_server, create=False) as s:
+        assert s.fsck().ok
+        assert [i.step for i in s.log(REF)] == [2]
+        _same(s.checkout(REF)["model"], torch.load(first.file(0, "step2.pt"))["model"])
+    _resume(runs, out, 2, first, 2, store=store)
+
+
 def _framework_run(runs, out: Path, kind: str) -> None:
     """DDP on 2 ranks, SIGTERM to rank 1 only at step 4's end: every rank saves step 4 and
     exits 143; a new torchrun resumes from the store to step 8, each step's parameters bit
