@@ -21,8 +21,10 @@ signal: the run ends at the step where the manager acts on it (every rank agrees
 its all-reduce of rank 0's decision), which saves that step blocking and raises Preempted
 (or, on_preempt="return", returns and sets manager.preempted; seeded). Each rank installs a
 SIGTERM handler of its own first, which the manager's chains to: a signal never ends the
-process (no watchdog: that is tests/train/test_preempt.py's), and a thread's signal that
-comes after the manager put its handler back is harmless. Each rank reports what it was
+process (the watchdog defers to that handler, and ends a process only when its final save
+is still writing PAST_GRACE after PRE_GRACE, which no save here comes near: that is
+tests/train/test_preempt*.py's), and a thread's signal that comes after the manager put
+its handler back is harmless. Each rank reports what it was
 told (Preempted's step, durable, why, the step it came at), every step's outcome (root or
 error, or no snapshot), and how its manager closed.
 
