@@ -490,6 +490,18 @@ class _Keeper:
         self._cond = threading.Condition()
         self._thread = None
         self._closed = self._dirty = False
+        self._paused = 0  # restores fetching now: the writes wait for them (the disk is theirs)
+
+    def pause(self) -> None:
+        """A restore's batched fetches begin: what is queued meanwhile is written once they
+        end (resume), not on the disk and cores the restore is using."""
+        with self._cond:
+            self._paused += 1
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused -= 1
+            self._cond.notify()
 
     def keep(self, key: str, data) -> None:
         n = len(data)
@@ -530,7 +542,7 @@ class _Keeper:
             with self._cond:
                 if not self._queue and self._dirty and not self._closed:
                     self._cond.wait(KEEP_SETTLE)  # more may come: one sync for a checkout's copies
-                while not self._queue and not self._closed and not self._dirty:
+                while (self._paused or (not self._queue and not self._dirty)) and not self._closed:
                     self._cond.wait()
                 batch, self._queue, self._queued = self._queue, [], 0
                 closed = self._closed
@@ -629,7 +641,6 @@ class FromPeers(Source):
         from the holders in batches (Peers.fetch_stream), checked, and copied into their
         destinations now; -> the reader that runs the rest through `base` (the chain),
         the jobs already filled passed over."""
-        import numpy as np
         from ..read.readjobs import PackPart
         wanted = [job for job in jobs if type(job[1]) is not PackPart]
         digests = list(dict.fromkeys(job[0] for job in wanted))
@@ -643,7 +654,19 @@ class FromPeers(Source):
             by_digest.setdefault(d, []).append(out)
         filled: set = set()
         per = max(1, FETCH_BYTES // max(self.peers.core.settings.block_size, 1))
-        for got in self._fetched([lacked[i:i + per] for i in range(0, len(lacked), per)]):
+        keeper = self.peers._keeper
+        keeper.pause()
+        try:
+            self._fill([lacked[i:i + per] for i in range(0, len(lacked), per)], by_digest, filled, tally)
+        finally:
+            keeper.resume()
+        return base if not filled else _Filled(base, filled)
+
+    def _fill(self, requests: list, by_digest: dict, filled: set, tally) -> None:
+        """Fetch `requests` from the holders and copy each block into its destinations,
+        noting (digest, id of the destination) in `filled`."""
+        import numpy as np
+        for got in self._fetched(requests):
             for d, (frame, raw) in got.items():
                 src = np.frombuffer(raw, dtype=np.uint8)
                 outs = by_digest[d]
@@ -656,7 +679,6 @@ class FromPeers(Source):
                     for _o in outs:
                         tally.add(self.name, "block", d)
                 self.peers._keeper.keep(self.local.object_key("blocks", d), frame)
-        return base if not filled else _Filled(base, filled)
 
     def _fetched(self, requests: list):
         """Peers.fetch_stream of each request, in order, FETCH_DEPTH of them in flight (a
