@@ -796,8 +796,8 @@ class Store:
             fence = self.assets.fence_now()
             t0 = time.monotonic()
             served = self._tier.served(reads)
-            plan = _then(shared and shared.plan, self._tier.read_plan(served))
             c = decode_commit(served.get_commit(root, verify=verify))
+            plan = _then(shared and shared.plan, self._tier.read_plan(served, c))
             st = c.get("stats") or {}
             # A Store's own checkout (no tier): the packed parts it read and checked are ones a
             # later put may name without reading the snapshot's nodes again (packparts.py).

@@ -6,7 +6,8 @@ calls nothing else here.
     local.py        LocalTier: what a Store over a tier holds, its few meeting points
     none.py         NoTier: what a Store without one holds in its place (the same calls, its own store)
     opening.py      the tier's Core made (and the remote opened on first use)
-    replicas.py     peer replicas over a TCP side channel
+    peerreads.py    a checkout's reads from the peers holding its replicas (batched, by placement)
+    replicas.py     peer replicas over a TCP side channel: placed by node, sent, served
     uploader.py     the queue and its thread: objects the remote lacks, then its ref moved
                     (one job over ~600 lines: a queued snapshot until it is durable)
     collective.py   a collective put through tiers: each rank's part, rank 0's move

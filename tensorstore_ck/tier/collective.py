@@ -76,6 +76,11 @@ class CollectiveTier:
         """Rank 0's own part, marked in its tier with the ref's move."""
         return tree
 
+    def commit_meta(self) -> dict:
+        """Rank 0: what the commit's meta records for the tiers: with peer replicas, each
+        rank's node (Peers.commit_meta: whom a restore asks for its copies)."""
+        return {} if self.peers is None else self.peers.commit_meta()
+
     def post_top(self, ch, root: bytes, payloads: list, world: int) -> None:
         """Rank 0, published locally: the commit, the top node and the kept roots for all
         (*tier*), and each 16 ranks' path down the rank tree (*tierpath/{g}*, deleted by

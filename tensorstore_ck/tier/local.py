@@ -218,17 +218,19 @@ class LocalTier:
         checkout with replicas also asks the ranks holding this rank's replicas for what
         its tier lacks (lost with its node) before the remote."""
         if collective and self.peers is not None and self.peers.join():
-            from .replicas import peer_reads
+            from .peerreads import peer_reads
             return peer_reads(self.reads, self.peers)
         return self.reads
 
     @staticmethod
-    def read_plan(served: ReadChain):
-        """What plans a checkout's block reads through `served` (Reader's plan), or None: with
-        peer replicas, the blocks the tier lacks fetched from their holders in batches."""
-        from .replicas import FromPeers
+    def read_plan(served: ReadChain, commit: dict):
+        """What plans a checkout's block reads through `served` (Reader's plan) of the
+        snapshot whose decoded commit is `commit`, or None: with peer replicas, the blocks
+        the tier lacks fetched in batches from the holders that snapshot's placement chose."""
+        from .peerreads import FromPeers
         for src in served.sources:
             if isinstance(src, FromPeers):
+                src.learn(commit)
                 return lambda jobs, base: src.plan(jobs, base, served.tally)
         return None
 

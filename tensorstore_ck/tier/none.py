@@ -64,7 +64,7 @@ class NoTier:
         return reads
 
     @staticmethod
-    def read_plan(served):
+    def read_plan(served, commit):
         return None
 
     def source(self, served) -> tuple[str, str]:
@@ -127,6 +127,10 @@ class NoCollective:
     @staticmethod
     def part0(tree: bytes) -> None:
         return None
+
+    @staticmethod
+    def commit_meta() -> dict:
+        return {}
 
     def intend(self, part: bytes, args) -> None:
         pass

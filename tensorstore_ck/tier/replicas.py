@@ -1,25 +1,24 @@
 """Peer replicas (open_store(remote, local=DIR, replicas=k), docs/design/tiers.md, "Peer
 replicas"): after each collective put through tiers every rank sends its part to the
-tiers of the next k ranks, over a TCP side channel; a collective checkout fetches what
-its tier lacks from those holders (each copy checked against its address) before it
-reads the remote.
+tiers of k holders on other nodes (tier/placement.py; the next k ranks on one host),
+over a TCP side channel; a collective checkout fetches what its tier lacks from the
+holders its snapshot's placement chose (each copy checked against its address), in
+batches on the block stream, before it reads the remote.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from itertools import islice
+from contextlib import contextmanager
 
 from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
 from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, serve
-from .reads import NotHere, ReadChain, Source
 from .stream import StreamServer, fetch as stream_fetch
 
-__all__ = ["Peers", "FromPeers", "peer_reads", "PEER_TIMEOUT", "KEEP_QUEUED"]
+__all__ = ["Peers", "PEER_TIMEOUT", "KEEP_QUEUED", "FETCH_BYTES", "FETCH_DEPTH"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +76,8 @@ class Peers:
         self._cut = False
         self.rank = self.world = None
         self.kv = None
+        self._nodes: list[str] | None = None  # each rank's node name (nodes())
+        self._told_one_node = False
         self.fetched = self.sent = self.refused = self.bad = 0
         self.strangers = 0  # connections refused for not proving they are of the job (util/net.py)
         self._secret: bytes | None = None
@@ -99,6 +100,8 @@ class Peers:
                 return True
             self.kv = _get_default_store()
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            from .placement import this_node
+            self.kv.set(f"tsck/node/{self.rank}", this_node().encode())
             self.kv.set(f"tsck/peer/{self.rank}", self._listen().encode())
             return True
 
@@ -122,9 +125,42 @@ class Peers:
         except (FileNotFoundError, OSError, TsckError):
             return None
 
-    def holders(self) -> list[int]:
-        """The ranks that hold this rank's replicas: r+1 .. r+k (mod W)."""
+    def nodes(self) -> list[str]:
+        """Each rank's node name (placement.this_node(), posted by every rank as it joins),
+        gathered once."""
+        import datetime
+        if self._nodes is None:
+            keys = [f"tsck/node/{r}" for r in range(self.world)]
+            self.kv.wait(keys, datetime.timedelta(seconds=PEER_TIMEOUT))
+            self._nodes = [v.decode() for v in self.kv.multi_get(keys)]
+        return self._nodes
+
+    def holders(self, nodes: list | None = None) -> list[int]:
+        """The ranks that hold this rank's replicas, placed by node (placement.holders: k
+        other nodes, never this rank's own) given each rank's node name (`nodes`: a
+        snapshot's, as its commit recorded them; None: the job's now). With fewer than k+1
+        nodes (one host), the ranks r+1 .. r+k (mod W): copies a lost node takes with it."""
+        from .placement import holders as by_node
+        if nodes is None and self.kv is not None:  # (no c10d Store: a Peers made by hand, in tests)
+            nodes = self.nodes()
+        nodes = nodes or []
+        if len(nodes) == self.world and len(set(nodes)) > self.k:
+            return by_node(nodes, self.k)[self.rank]
+        if not self._told_one_node and len(set(nodes)) > 1:
+            self._told_one_node = True
+            log.warning("peer replicas: replicas=%d needs %d nodes to keep a copy of each part off its own node; the "
+                        "job's ranks are on %d: copies go to the next ranks, some on the same node", self.k,
+                        self.k + 1, len(set(nodes)))
         return [(self.rank + i) % self.world for i in range(1, min(self.k, self.world - 1) + 1)]
+
+    def commit_meta(self) -> dict:
+        """What a collective snapshot's commit records of its replicas' placement (rank 0,
+        put.py's meta_extra): each rank's node, as the names and each rank's index into
+        them, so a restore on new machines asks the ranks that hold its copies."""
+        nodes = self.nodes()
+        names = sorted(set(nodes))
+        at = {n: i for i, n in enumerate(names)}
+        return {"nodes": {"names": names, "of": [at[n] for n in nodes]}}
 
     def close(self, deadline: float | None = None) -> None:
         """Finish sending the replicas until `deadline` (time.monotonic(); None: no bound),
@@ -318,11 +354,11 @@ class Peers:
                 with self._lock:
                     self._live = None
 
-    def fetch(self, kind: str, d: bytes) -> bool:
+    def fetch(self, kind: str, d: bytes, holders: list | None = None) -> bool:
         """Get object `d` from a holder into this rank's tier, checked against its address
         first -> whether one had it."""
         from ..core.assets import Assets
-        got = self.fetch_checked(kind, d)
+        got = self.fetch_checked(kind, d, holders)
         if got is None:
             return False
         kept = _keep(self.core.storage, Assets.object_key(kind + "s", d), got[0])
@@ -330,13 +366,13 @@ class Peers:
             self._keeper.wrote()
         return kept
 
-    def present(self, kind: str, digests) -> set:
+    def present(self, kind: str, digests, holders: list | None = None) -> set:
         """The `digests` some holder says it stores (one connection per holder, the
         questions sent in a row, then the answers read): what a checkout may count on
         fetching. A holder that lies is caught by the fetch's check, which then goes on
         to the next holder or the remote."""
         todo, have = list(digests), set()
-        for peer in self.holders():
+        for peer in self.holders() if holders is None else holders:
             if not todo:
                 break
             conn = self._connect(peer)
@@ -369,11 +405,11 @@ class Peers:
                 return
         conn.close()
 
-    def fetch_checked(self, kind: str, d: bytes):
+    def fetch_checked(self, kind: str, d: bytes, holders: list | None = None):
         """Object `d` from a holder, checked against its address -> (its stored frame, its
         bytes as decoded by the check), or None when no holder has a good copy."""
         from ..core.assets import Assets
-        for peer in self.holders():
+        for peer in self.holders() if holders is None else holders:
             conn, reused = self._checkout_conn(peer)
             while conn is not None:
                 try:
@@ -409,7 +445,22 @@ class Peers:
         return None
 
 
-    def fetch_stream(self, digests: list) -> dict:
+    def keep(self, key: str, frame) -> None:
+        """Keep a copy fetched from a holder (checked) in this rank's tier, in the
+        background (_Keeper): a cache for the next restore."""
+        self._keeper.keep(key, frame)
+
+    @contextmanager
+    def keeping_after(self):
+        """While in it, the copies to keep wait (a restore's batched fetches: the disk and
+        the cores are the restore's); they are written once it ends."""
+        self._keeper.pause()
+        try:
+            yield
+        finally:
+            self._keeper.resume()
+
+    def fetch_stream(self, digests: list, holders: list | None = None) -> dict:
         """The blocks `digests` from their holders, in batches of many blocks on one
         connection per holder and request (stream.py), each checked against its address
         (decoded from the frame a holder stores) -> digest -> (stored frame, its bytes)
@@ -421,13 +472,14 @@ class Peers:
         got: dict = {}
         per = max(1, FETCH_BYTES // max(self.core.settings.block_size, 1))
         todo = list(dict.fromkeys(digests))
+        holders = self.holders() if holders is None else holders
 
         def frame(d, mv):
             err, raw = Assets.object_from_frame("block", d, mv)
             if err is not None:
                 raise err
             return mv, raw
-        for peer in self.holders():
+        for peer in holders:
             if not todo:
                 break
             addr = None if peer in self._stream_dead else self._stream_addr(peer)
@@ -592,137 +644,3 @@ def _keep(storage, key: str, data) -> bool:
     except (OSError, TsckError) as e:
         log.warning("peer replicas: %s fetched from a peer could not be kept in this rank's tier (%s)", key, e)
         return False
-
-
-class FromPeers(Source):
-    """The peers holding this rank's replicas, as a source of a reader chain (reads.py)
-    between the local tier and the remote: an object the tier lacks is fetched from a
-    holder (checked against its address), used, and kept in the tier; one no holder has
-    is the next source's (NotHere)."""
-
-    name, where = "peer", "peer replicas"
-
-    def __init__(self, peers: Peers, local):
-        self.peers, self.local = peers, local  # local: the tier's Assets, where fetched copies are kept
-
-    def read_block_into(self, d, out, *, verify, snapshot, path, bounce, fence):
-        import numpy as np
-        got = self.peers.fetch_checked("block", d)
-        if got is None:
-            raise NotHere(d)
-        data, raw = got
-        mv = memoryview(out).cast("B")
-        if len(raw) != mv.nbytes:
-            key = self.local.object_key("blocks", d)
-            raise IntegrityError(f"object holds {len(raw)} bytes, expected {mv.nbytes}", key=key,
-                                 snapshot=snapshot, path=path)
-        # The bytes the check just hashed go to the caller: no write, read back and hash
-        # again through the tier (a restore's CPU is what bounds it on a small host).
-        np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
-        self.peers._keeper.keep(self.local.object_key("blocks", d), data)
-
-    # A node or commit a peer gave is kept in the tier and read back from there.
-    def get_node(self, d, *, verify, snapshot, path, fence):
-        if not self.peers.fetch("node", d):
-            raise NotHere(d)
-        return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
-
-    def get_commit(self, d, *, verify):
-        if not self.peers.fetch("commit", d):
-            raise NotHere(d)
-        return self.local.get_commit(d, verify=verify)
-
-    def lacking(self, digests, pool, *, snapshot, path, fence):
-        at_peers = self.peers.present("block", digests)
-        return [d for d in digests if d not in at_peers]
-
-    def plan(self, jobs: list, base, tally=None):
-        """A checkout's reads planned (Reader's plan): the blocks its tier lacks are fetched
-        from the holders in batches (Peers.fetch_stream), checked, and copied into their
-        destinations now; -> the reader that runs the rest through `base` (the chain),
-        the jobs already filled passed over."""
-        from ..read.readjobs import PackPart
-        wanted = [job for job in jobs if type(job[1]) is not PackPart]
-        digests = list(dict.fromkeys(job[0] for job in wanted))
-        if not digests:
-            return base
-        lacked = [d for d, here in zip(digests, map(self.local.block_exists, digests)) if not here]
-        if not lacked:
-            return base
-        by_digest: dict = {}
-        for d, out, _p, _b in wanted:
-            by_digest.setdefault(d, []).append(out)
-        filled: set = set()
-        per = max(1, FETCH_BYTES // max(self.peers.core.settings.block_size, 1))
-        keeper = self.peers._keeper
-        keeper.pause()
-        try:
-            self._fill([lacked[i:i + per] for i in range(0, len(lacked), per)], by_digest, filled, tally)
-        finally:
-            keeper.resume()
-        return base if not filled else _Filled(base, filled)
-
-    def _fill(self, requests: list, by_digest: dict, filled: set, tally) -> None:
-        """Fetch `requests` from the holders and copy each block into its destinations,
-        noting (digest, id of the destination) in `filled`."""
-        import numpy as np
-        for got in self._fetched(requests):
-            for d, (frame, raw) in got.items():
-                src = np.frombuffer(raw, dtype=np.uint8)
-                outs = by_digest[d]
-                if any(memoryview(o).cast("B").nbytes != src.nbytes for o in outs):
-                    continue  # (a length the manifest does not give it: the chain reports it)
-                for o in outs:
-                    np.copyto(np.frombuffer(memoryview(o).cast("B"), dtype=np.uint8), src)
-                    filled.add((d, id(o)))
-                if tally is not None:
-                    for _o in outs:
-                        tally.add(self.name, "block", d)
-                self.peers._keeper.keep(self.local.object_key("blocks", d), frame)
-
-    def _fetched(self, requests: list):
-        """Peers.fetch_stream of each request, in order, FETCH_DEPTH of them in flight (a
-        holder reads its disk for one while it sends another and this rank checks a
-        third): the restore holds at most FETCH_DEPTH + 1 requests' blocks."""
-        from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
-        if len(requests) == 1:
-            yield self.peers.fetch_stream(requests[0])
-            return
-        todo = iter(requests)
-        with ThreadPoolExecutor(FETCH_DEPTH, thread_name_prefix="tsck-peer-fetch") as pool:
-            flight = deque(pool.submit(self.peers.fetch_stream, r) for r in islice(todo, FETCH_DEPTH))
-            try:
-                while flight:
-                    got = flight.popleft().result()
-                    nxt = next(todo, None)
-                    if nxt is not None:
-                        flight.append(pool.submit(self.peers.fetch_stream, nxt))
-                    yield got
-            finally:
-                for f in flight:
-                    f.cancel()
-
-
-class _Filled:
-    """An ObjectReader: `base`, except for the reads a plan already filled (digest, id of
-    the destination), which it passes over once."""
-
-    def __init__(self, base, filled: set):
-        self.base, self.filled = base, filled
-        self._lock = threading.Lock()
-
-    def read_block_into(self, d: bytes, out, **kw) -> None:
-        with self._lock:
-            if (d, id(out)) in self.filled:
-                self.filled.discard((d, id(out)))
-                return
-        self.base.read_block_into(d, out, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-
-def peer_reads(reads: ReadChain, peers: Peers) -> ReadChain:
-    """`reads` (the tier, the remote behind) with the peers asked between the two."""
-    return reads.with_source(1, FromPeers(peers, reads.sources[0].assets))

@@ -32,7 +32,7 @@ log = logging.getLogger(__package__)
 # terminationGracePeriodSeconds 30 s, GCP Spot 30 s, AWS Spot 120 s), less a margin for the
 # process to exit.
 DEFAULT_GRACE = 20.0
-PAST_GRACE = 2.0  # seconds a final snapshot may still write after the grace before the process ends
+PAST_GRACE = 5.0  # seconds a final snapshot may still write after the grace before the process ends (its abort, delayed requests)
 
 
 class Preempted(SystemExit):

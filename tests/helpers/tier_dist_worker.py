@@ -46,6 +46,8 @@ def _reads_class():
 
 def _open(cfg, out, rank, tier, holder, **kw):
     import tensorstore_ck as tsck
+    if cfg.get("nodes"):  # nodes simulated on this host: rank r on node cfg["nodes"][r] (placement.this_node)
+        os.environ["TSCK_NODE"] = cfg["nodes"][rank]
     if cfg.get("fan"):  # rank-tree nodes of cfg["fan"] ranks: several leaves in a small world
         import tensorstore_ck.format.world as worldfmt
         worldfmt.FAN = cfg["fan"]
@@ -299,6 +301,7 @@ def rput_body(rank, world, out, res, cfg):
         infos = [store.put_snapshot(dw.sharded_state(rank, world, v), REF, step=v + 1, timeout=60)
                  for v in (0, 1)]
         res["roots"] = [i.root for i in infos]
+        res["placed"] = infos[-1].meta.get("nodes")  # (the commit's record of each rank's node)
         res["waited"] = store.wait_durable(timeout=240)
         res["sent"], res["refused"] = store._tier.peers.sent, store._tier.peers.refused
         dist.barrier()

@@ -262,6 +262,37 @@ def test_a_rank_that_lost_its_tier_restores_from_its_peer_replica(tmp_path, s3_u
 
 
 @pytest.mark.slow
+def test_a_lost_node_restores_from_the_copies_placed_on_other_nodes(tmp_path, s3_url, s3_server):
+    """6 ranks on 3 simulated nodes (TSCK_NODE: a, a, b, b, c, c), replicas=1: each rank's
+    copy is placed on another node (tier/placement.py), never on its neighbour of the same
+    node as r+1 would (rank 0's on rank 1), and the commit records each rank's node. Node b
+    is lost (ranks 2 and 3, tiers and all) and its ranks come back on two new machines, d
+    and e: they restore from the copies where the snapshot's placement put them (the
+    placement of the nodes now would send rank 2 to rank 1, which holds none of its) and
+    read nothing from the remote store; every rank bit for bit."""
+    from tensorstore_ck.tier.placement import holders
+    world, put_nodes, now_nodes = 6, ["a", "a", "b", "b", "c", "c"], ["a", "a", "d", "e", "c", "c"]
+    assert holders(put_nodes, 1)[2] != holders(now_nodes, 1)[2]  # (what makes the record matter here)
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": put_nodes}
+    out = _run(tmp_path, "rput", cfg)
+    res = _results(out, "rput", world)
+    assert all(r["waited"] is True and r["sent"] > 0 and r["refused"] == 0 for r in res)
+    assert res[0]["placed"] == {"names": ["a", "b", "c"], "of": [0, 0, 1, 1, 2, 2]}, res[0]["placed"]
+    phase = "lostnode"
+    out = _run(tmp_path, "rload", {**cfg, "lost": [2, 3], "nodes": now_nodes, "phase": phase})
+    res = _results(out, phase, world)
+    _check_view(out, phase, world, 1)
+    for r in range(world):
+        (said,) = res[r]["sources"]
+        assert res[r]["remote_reads"] == [], (r, res[r])
+        if r in (2, 3):  # from the other nodes' copies, in batches
+            assert res[r]["fetched"] > 0 and res[r]["streamed"] > 0 and "peer" in said.split("+"), (r, said)
+            assert res[r]["remote_opened"] is False, (r, res[r])
+        else:
+            assert said == "local" and res[r]["fetched"] == 0, (r, said)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("trap,wipe", [("adopt", False), ("published", False), ("adopt", True)],
                          ids=["before-its-row", "after-its-row", "its-tier-lost"])
 def test_a_rank_killed_after_its_done_still_sends_its_part(tmp_path, s3_url, s3_server, trap, wipe):
@@ -354,6 +385,8 @@ def _peers(core, kv, listen: bool = False):
     from tensorstore_ck.tier.replicas import Peers
     p = Peers(core, 1)
     p.kv = kv
+    for r in range(2):  # both ranks on one host (what joining posts): the holder is the next rank
+        kv.set(f"tsck/node/{r}", b"host")
     if listen:
         return p, int(p._listen().rsplit(":", 1)[1])
     p._secret = __import__("tensorstore_ck.util.net", fromlist=["x"]).job_secret(kv)
@@ -423,7 +456,8 @@ def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path, side)
     goes to the caller all the same (keeping it in the tier is a cache, with a warning),
     never an error that fails the restore."""
     import _mounts
-    from tensorstore_ck.tier.replicas import Peers, peer_reads
+    from tensorstore_ck.tier.peerreads import peer_reads
+    from tensorstore_ck.tier.replicas import Peers
     from tensorstore_ck.tier.reads import read_through
     from tensorstore_ck.core.walk import walk_commit
 
@@ -453,7 +487,8 @@ def test_a_copy_fetched_from_a_peer_is_kept_in_the_tier_off_the_checkouts_path(t
     the rank's tier by a background thread: once it is done (at the latest when the store
     closes) they are stored under their addresses, durable, and a later open finds them
     (so the next restore needs no peer)."""
-    from tensorstore_ck.tier.replicas import Peers, peer_reads
+    from tensorstore_ck.tier.peerreads import peer_reads
+    from tensorstore_ck.tier.replicas import Peers
     from tensorstore_ck.tier.reads import read_through
     from tensorstore_ck.core.walk import walk_commit
 
@@ -488,7 +523,8 @@ def test_a_fetch_over_a_connection_the_holder_closed_meanwhile_opens_a_new_one(t
     import time
 
     import tensorstore_ck.tier.replicas as peers_mod
-    from tensorstore_ck.tier.replicas import Peers, peer_reads
+    from tensorstore_ck.tier.peerreads import peer_reads
+    from tensorstore_ck.tier.replicas import Peers
     from tensorstore_ck.tier.reads import read_through
     from tensorstore_ck.core.walk import walk_commit
 

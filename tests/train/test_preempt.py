@@ -36,7 +36,7 @@ if mode == "slow":  # a store whose first commit takes 1.5 s (longer than the gr
         def put_if_absent(self, key, bufs):
             if key.startswith("commits/"):
                 commits.append(key)
-                time.sleep(1.5 if len(commits) == 1 else 0.5)  # (the final one well inside the watchdog's end)
+                time.sleep(1.5 if len(commits) == 1 else 0.5)  # (the final one well inside the watchdog's end, grace + 5 s)
             return self.inner.put_if_absent(key, bufs)
     wrap = Slow
 store = tsck.open_store(os.path.join(out, "store"), wrap_storage=wrap)

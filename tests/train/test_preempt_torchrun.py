@@ -376,7 +376,7 @@ def test_a_final_snapshot_whose_storage_stops_answering_ends_the_workers_soon_af
         tmp_path, runs, s3_url, s3_proxy, s3_server):
     """No local tier, and the network to S3 black-holes every connection from the notice
     on: the final snapshot's writes never return, and no deadline of the store's can end
-    a rank inside one. Each worker still ends with 143 PAST_GRACE after its grace (2 s),
+    a rank inside one. Each worker still ends with 143 PAST_GRACE (5 s) after its grace (2 s),
     before a platform's SIGKILL, saying why; without that the workers sat in their writes
     past 60 s. With the network back the store is whole: fsck is clean, the ref still gives
     the interval snapshot of step 2, and the job resumes there bit for bit."""

@@ -1,0 +1,174 @@
+"""A collective checkout's reads from the peers holding its replicas (docs/design/tiers.md,
+"Peer replicas"): FromPeers, a source of the tier's reader chain between the tier and the
+remote, asking the holders the snapshot's placement chose; its plan fetches every block the
+tier lacks in batches on the block stream before the reads run.
+"""
+
+from __future__ import annotations
+
+import threading
+from itertools import islice
+
+from ..errors import IntegrityError
+from .reads import NotHere, ReadChain, Source
+from .replicas import FETCH_BYTES, FETCH_DEPTH, Peers
+
+__all__ = ["FromPeers", "peer_reads"]
+
+
+class FromPeers(Source):
+    """The peers holding this rank's replicas, as a source of a reader chain (reads.py)
+    between the local tier and the remote: an object the tier lacks is fetched from a
+    holder (checked against its address), used, and kept in the tier; one no holder has
+    is the next source's (NotHere)."""
+
+    name, where = "peer", "peer replicas"
+
+    def __init__(self, peers: Peers, local):
+        self.peers, self.local = peers, local  # local: the tier's Assets, where fetched copies are kept
+        self.nodes: list | None = None  # each rank's node when the snapshot read was put (learn)
+
+    def learn(self, commit: dict) -> None:
+        """The snapshot being read (its decoded commit): its holders are the ones its
+        placement chose then (the node of each rank, in its meta: Peers.commit_meta), which
+        the job's nodes now (a lost node's ranks on new machines) would not give. Stored
+        bytes: anything but a well-formed record leaves the job's placement now."""
+        rec = (commit.get("meta") or {}).get("nodes") if isinstance(commit.get("meta"), dict) else None
+        try:
+            names, of = rec["names"], rec["of"]
+            if (isinstance(names, list) and all(isinstance(n, str) for n in names) and isinstance(of, list)
+                    and all(type(i) is int and 0 <= i < len(names) for i in of)):
+                self.nodes = [names[i] for i in of]
+        except (TypeError, KeyError):
+            pass
+
+    def _holders(self) -> list[int]:
+        return self.peers.holders(self.nodes)
+
+    def read_block_into(self, d, out, *, verify, snapshot, path, bounce, fence):
+        import numpy as np
+        got = self.peers.fetch_checked("block", d, self._holders())
+        if got is None:
+            raise NotHere(d)
+        data, raw = got
+        mv = memoryview(out).cast("B")
+        if len(raw) != mv.nbytes:
+            key = self.local.object_key("blocks", d)
+            raise IntegrityError(f"object holds {len(raw)} bytes, expected {mv.nbytes}", key=key,
+                                 snapshot=snapshot, path=path)
+        # The bytes the check just hashed go to the caller: no write, read back and hash
+        # again through the tier (a restore's CPU is what bounds it on a small host).
+        np.copyto(np.frombuffer(mv, dtype=np.uint8), np.frombuffer(raw, dtype=np.uint8))
+        self.peers.keep(self.local.object_key("blocks", d), data)
+
+    # A node or commit a peer gave is kept in the tier and read back from there.
+    def get_node(self, d, *, verify, snapshot, path, fence):
+        if not self.peers.fetch("node", d, self._holders()):
+            raise NotHere(d)
+        return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
+
+    def get_commit(self, d, *, verify):
+        if not self.peers.fetch("commit", d, self._holders()):  # (every rank's tier holds it)
+            raise NotHere(d)
+        return self.local.get_commit(d, verify=verify)
+
+    def lacking(self, digests, pool, *, snapshot, path, fence):
+        at_peers = self.peers.present("block", digests, self._holders())
+        return [d for d in digests if d not in at_peers]
+
+    def plan(self, jobs: list, base, tally=None):
+        """A checkout's reads planned (Reader's plan): the blocks its tier lacks are fetched
+        from the holders in batches (Peers.fetch_stream), checked, and copied into their
+        destinations now; -> the reader that runs the rest through `base` (the chain),
+        the jobs already filled passed over."""
+        from ..read.readjobs import PackPart
+        wanted = [job for job in jobs if type(job[1]) is not PackPart]
+        digests = list(dict.fromkeys(job[0] for job in wanted))
+        if not digests:
+            return base
+        lacked = [d for d, here in zip(digests, map(self.local.block_exists, digests)) if not here]
+        if not lacked:
+            return base
+        by_digest: dict = {}
+        for d, out, _p, _b in wanted:
+            by_digest.setdefault(d, []).append(out)
+        filled: set = set()
+        per = max(1, FETCH_BYTES // max(self.peers.core.settings.block_size, 1))
+        with self.peers.keeping_after():
+            self._fill([lacked[i:i + per] for i in range(0, len(lacked), per)], by_digest, filled, tally)
+        return base if not filled else _Filled(base, filled)
+
+    def _fill(self, requests: list, by_digest: dict, filled: set, tally) -> None:
+        """Fetch `requests` from the holders and copy each block into its destinations,
+        noting (digest, id of the destination) in `filled`."""
+        import numpy as np
+        for got in self._fetched(requests):
+            for d, (frame, raw) in got.items():
+                src = np.frombuffer(raw, dtype=np.uint8)
+                outs = by_digest[d]
+                if any(memoryview(o).cast("B").nbytes != src.nbytes for o in outs):
+                    continue  # (a length the manifest does not give it: the chain reports it)
+                for o in outs:
+                    np.copyto(np.frombuffer(memoryview(o).cast("B"), dtype=np.uint8), src)
+                    filled.add((d, id(o)))
+                if tally is not None:
+                    for _o in outs:
+                        tally.add(self.name, "block", d)
+                self.peers.keep(self.local.object_key("blocks", d), frame)
+
+    def _fetched(self, requests: list):
+        """Peers.fetch_stream of each request, in order, FETCH_DEPTH of them in flight (a
+        holder reads its disk for one while it sends another and this rank checks a
+        third): the restore holds at most FETCH_DEPTH + 1 requests' blocks."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+        holders = self._holders()
+        if len(requests) == 1:
+            yield self.peers.fetch_stream(requests[0], holders)
+            return
+        todo = iter(requests)
+        with ThreadPoolExecutor(FETCH_DEPTH, thread_name_prefix="tsck-peer-fetch") as pool:
+            flight = deque(pool.submit(self.peers.fetch_stream, r, holders) for r in islice(todo, FETCH_DEPTH))
+            try:
+                while flight:
+                    got = flight.popleft().result()
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        flight.append(pool.submit(self.peers.fetch_stream, nxt, holders))
+                    yield got
+            finally:
+                for f in flight:
+                    f.cancel()
+
+
+class _Filled:
+    """An ObjectReader: `base`, except for the reads a plan already filled (digest, id of
+    the destination), which it passes over once."""
+
+    def __init__(self, base, filled: set):
+        self.base, self.filled = base, filled
+        self._lock = threading.Lock()
+
+    def read_block_into(self, d: bytes, out, **kw) -> None:
+        with self._lock:
+            if (d, id(out)) in self.filled:
+                self.filled.discard((d, id(out)))
+                return
+        self.base.read_block_into(d, out, **kw)
+
+    def get_node(self, d: bytes, **kw) -> bytes:
+        return self.base.get_node(d, **kw)
+
+    def get_commit(self, d: bytes, **kw) -> bytes:
+        return self.base.get_commit(d, **kw)
+
+    def require_blocks(self, digests, pool, **kw) -> None:
+        self.base.require_blocks(digests, pool, **kw)
+
+    def node_error(self, d: bytes, msg: str, **kw) -> Exception:
+        return self.base.node_error(d, msg, **kw)
+
+
+def peer_reads(reads: ReadChain, peers: Peers) -> ReadChain:
+    """`reads` (the tier, the remote behind) with the peers asked between the two."""
+    return reads.with_source(1, FromPeers(peers, reads.sources[0].assets))
