@@ -264,6 +264,20 @@ def test_sigkill_while_the_final_snapshot_is_half_written_leaves_the_store_whole
     _resume(runs, out, 2, first, 2)
 
 
+def _sigterm_with_the_network_cut(first: Run, proxy) -> float:
+    """Once every rank is ready: the network to S3 black-holed, SIGTERM to every worker, and
+    (every handler having run) go -> seconds from go to torchrun's exit (status 1)."""
+    first.until_all("ready")
+    proxy.blackout()
+    for pid in first.pids():
+        _kill(pid, signal.SIGTERM)
+    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
+    first.go()
+    t0 = time.monotonic()
+    assert first.wait() == 1, first.log()
+    return time.monotonic() - t0
+
+
 def test_with_the_remote_down_the_final_snapshot_lands_in_the_tier_and_the_next_start_uploads_it(
         tmp_path, runs, s3_url, s3_proxy, s3_server):
     """Each rank has a local tier in front of S3; the network to S3 is cut before the notice.
@@ -274,15 +288,7 @@ def test_with_the_remote_down_the_final_snapshot_lands_in_the_tier_and_the_next_
     out = tmp_path / "run"
     store = {"url": s3_url, "refs": str(tmp_path / "refs.lmdb"), "opts": opts, "tier": str(tmp_path / "tiers")}
     first = runs(out, "first", 2, hold=3, end=50, every=2, grace=5, store=store)
-    first.until_all("ready")
-    proxy.blackout()
-    for pid in first.pids():
-        _kill(pid, signal.SIGTERM)
-    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
-    first.go()
-    t0 = time.monotonic()
-    assert first.wait() == 1, first.log()
-    took = time.monotonic() - t0
+    took = _sigterm_with_the_network_cut(first, proxy)
     print(f"go -> torchrun exit, remote down: {took:.2f} s")
     # The store's close (its `with` block) waits for uploads no longer than the grace: the
     # workers end with 143 before a platform's SIGKILL (without that bound: ~40 s here).
@@ -385,15 +391,7 @@ def test_a_final_snapshot_whose_storage_stops_answering_ends_the_workers_soon_af
     out = tmp_path / "run"
     store = {"url": s3_url, "refs": str(tmp_path / "refs.lmdb"), "opts": opts}
     first = runs(out, "first", 2, hold=3, end=50, every=2, grace=2, store=store)
-    first.until_all("ready")
-    proxy.blackout()
-    for pid in first.pids():
-        _kill(pid, signal.SIGTERM)
-    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
-    first.go()
-    t0 = time.monotonic()
-    assert first.wait() == 1, first.log()
-    took = time.monotonic() - t0
+    took = _sigterm_with_the_network_cut(first, proxy)
     print(f"go -> torchrun exit, storage black-holed: {took:.2f} s")
     assert took < 2 + PAST_GRACE + 20, first.log()  # (a platform's notice is 15-120 s; the writes alone hang > 60 s)
     assert first.log().count("exitcode  : 143") == 2, first.log()
