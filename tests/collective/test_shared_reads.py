@@ -124,7 +124,8 @@ def test_a_stranger_is_refused_by_every_side_channel(tmp_path, counted, s3_url):
     that proves it holds the job's secret (from the c10d Store): a stranger who does not
     answer the challenge, or answers it with another secret, gets nothing back for a read
     and stores nothing for a write; and no server listens on an address the job did not
-    announce (TSCK_PEER_HOST=127.0.0.2: nothing on 127.0.0.1)."""
+    announce (TSCK_PEER_HOST=127.0.0.2: the kernel's table of rank 0's listening sockets
+    names that address alone for each server's port)."""
     proxy, opts = counted
     spec = {"url": s3_url, "opts": opts, "refs": str(tmp_path / "refs.lmdb"), "world": 2, "mb": 2,
             "shared": True, "liar": None}
@@ -138,7 +139,8 @@ def test_a_stranger_is_refused_by_every_side_channel(tmp_path, counted, s3_url):
         assert p["answer"] == 0, (name, p)  # hung up on, nothing sent back
     assert r0["refused"] == 2 and r0["strangers"] == 5  # (the replicas' two servers count together)
     assert not r0["peer_stored"]
-    assert r1["unannounced_refused"] == {"share": True, "peer": True, "stream": True}
+    # each server listens on the announced address alone (an unannounced one is refused)
+    assert r1["listening"] == {"share": ["127.0.0.2"], "peer": ["127.0.0.2"], "stream": ["127.0.0.2"]}
 
 
 def test_shared_reads_is_refused_with_a_local_tier_and_checked(tmp_path):
