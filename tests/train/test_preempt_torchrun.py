@@ -76,6 +76,16 @@ class Run:
         self.until_all("start.json")
         return [json.loads(self.file(r, "start.json").read_text())["pid"] for r in range(self.world)]
 
+    def sigterm(self, ranks=None) -> None:
+        """SIGTERM to the workers of `ranks` (every one by default); once each has run its
+        handler, go."""
+        ranks = list(range(self.world) if ranks is None else ranks)
+        pids = self.pids()
+        for r in ranks:
+            _kill(pids[r], signal.SIGTERM)
+        self.until(f"the handlers of ranks {ranks} ran", lambda: all(self.heard(r) for r in ranks))
+        self.go()
+
     def heard(self, rank: int) -> int:
         f = self.file(rank, "heard")
         return len(f.read_text().split()) if f.exists() else 0
@@ -161,10 +171,7 @@ def test_sigterm_to_every_worker_at_once_saves_one_step_and_resumes_on_more_rank
     out = tmp_path / "run"
     first = runs(out, "first", 2, hold=3, end=50)
     first.until_all("ready")
-    for pid in first.pids():
-        _kill(pid, signal.SIGTERM)
-    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
-    first.go()
+    first.sigterm()
     assert first.wait() == 1, first.log()
     _preempted(first, 4)
     assert "exitcode  : 143" in first.log() or "exitcode: 143" in first.log(), first.log()
@@ -181,9 +188,7 @@ def test_sigterm_to_one_worker_saves_the_same_step_on_every_rank_and_resumes_on_
     out = tmp_path / "run"
     first = runs(out, "first", 3, hold=3, end=50)
     first.until_all("ready")
-    _kill(first.pids()[1], signal.SIGTERM)
-    first.until("rank 1's handler ran", lambda: first.heard(1))
-    first.go()
+    first.sigterm([1])
     assert first.wait() == 1, first.log()
     _preempted(first, 4)
     # Only rank 1 had heard a signal when step() raised (the others may hear the agent's
@@ -222,10 +227,7 @@ def test_a_second_sigterm_during_the_final_save_changes_nothing(tmp_path, runs):
     first = runs(out, "first", 2, hold=3, end=50, hold_save=True)
     first.until_all("ready")
     pids = first.pids()
-    for pid in pids:
-        _kill(pid, signal.SIGTERM)
-    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
-    first.go()
+    first.sigterm()
     first.until_all("saving", ranks=[0])
     for pid in pids:
         _kill(pid, signal.SIGTERM)
@@ -248,10 +250,7 @@ def test_sigkill_while_the_final_snapshot_is_half_written_leaves_the_store_whole
     first = runs(out, "first", 2, hold=3, end=50, every=2, hold_save=True)
     first.until_all("ready")
     pids = first.pids()
-    for pid in pids:
-        _kill(pid, signal.SIGTERM)
-    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
-    first.go()
+    first.sigterm()
     first.until_all("saving", ranks=[0])
     for pid in pids:
         _kill(pid, signal.SIGKILL)
@@ -269,10 +268,7 @@ def _sigterm_with_the_network_cut(first: Run, proxy) -> float:
     (every handler having run) go -> seconds from go to torchrun's exit (status 1)."""
     first.until_all("ready")
     proxy.blackout()
-    for pid in first.pids():
-        _kill(pid, signal.SIGTERM)
-    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
-    first.go()
+    first.sigterm()
     t0 = time.monotonic()
     assert first.wait() == 1, first.log()
     return time.monotonic() - t0
@@ -313,9 +309,7 @@ def test_four_ranks_sigterm_to_one_then_to_every_worker_and_resume_on_two(tmp_pa
     out = tmp_path / "run"
     first = runs(out, "first", 4, hold=3, end=50)
     first.until_all("ready")
-    _kill(first.pids()[2], signal.SIGTERM)
-    first.until("rank 2's handler ran", lambda: first.heard(2))
-    first.go()
+    first.sigterm([2])
     assert first.wait() == 1, first.log()
     _preempted(first, 4)
     (out / "go").unlink()  # (the next run's hold waits for a go of its own)
@@ -325,10 +319,7 @@ def test_four_ranks_sigterm_to_one_then_to_every_worker_and_resume_on_two(tmp_pa
     for rank in range(4):
         assert json.loads(second.file(rank, "start.json").read_text())["start"] == 4
         _same(torch.load(second.file(rank, "restored.pt")), want)
-    for pid in second.pids():
-        _kill(pid, signal.SIGTERM)
-    second.until("every rank's handler ran", lambda: all(second.heard(r) for r in range(4)))
-    second.go()
+    second.sigterm()
     assert second.wait() == 1, second.log()
     _preempted(second, 7)
     with tsck.open_store(out / "store", create=False) as s:
@@ -359,10 +350,7 @@ def test_a_grace_too_short_for_the_final_collective_snapshot_publishes_nothing_a
     slow = Chaos(0, delay=1.0, delay_s=1.5, drop=0, drop_commit=0, hold_commit=0, blackout=0, dark_after=0)
     slow.rng = _Slowest(0)
     proxy.chaos = slow
-    for pid in first.pids():
-        _kill(pid, signal.SIGTERM)
-    first.until("every rank's handler ran", lambda: all(first.heard(r) for r in range(2)))
-    first.go()
+    first.sigterm()
     assert first.wait() == 1, first.log()
     assert proxy.delays > 0  # (the final save did reach the slowed network)
     proxy.chaos = None
@@ -414,9 +402,7 @@ def _framework_run(runs, out: Path, kind: str) -> None:
     of its own)."""
     first = runs(out, "first", 2, FRAMEWORKS, kind=kind, hold=4, end=8)
     first.until_all("ready")
-    _kill(first.pids()[1], signal.SIGTERM)
-    first.until("rank 1's handler ran", lambda: first.heard(1))
-    first.go()
+    first.sigterm([1])
     assert first.wait() == 1, first.log()
     assert "exitcode  : 143" in first.log() or "exitcode: 143" in first.log(), first.log()
     ends = first.ends()
