@@ -77,13 +77,18 @@ def test_rates_that_make_no_sense_are_refused():
 RANKS = 16
 
 
-def test_many_ranks_through_one_partition_all_land_and_back_off(tmp_path, proxy, s3_server, s3_url):
+def test_many_ranks_through_one_partition_are_throttled_and_all_land(tmp_path, proxy, s3_server, s3_url):
     """RANKS stores, each with its own client (a rank of a job), put at once through one
-    partition limited to 20 writes and 30 reads a second. Each is throttled, backs off,
-    and publishes its whole snapshot. Backing off (botocore's adaptive limiter, per
-    client) keeps the refused writes fewer than the forwarded ones; without it each
-    request retries alone and the clients go on sending past the rate (more refused
-    than forwarded)."""
+    partition limited to 20 writes and 30 reads a second. Each is throttled, retries,
+    and publishes its whole snapshot.
+
+    How far the clients back off is not judged here: with sixteen clients in one
+    process, how many writes are refused depends on when starved threads run (refused
+    per forwarded was 0.17-0.26 idle and 1.17 under a full CI run, against 1.5-1.7 with
+    no limiter), so no bound both holds under load and catches a missing limiter.
+    test_s3_throttle.py's test_the_client_slows_down_while_throttled judges the
+    limiter with a count that load only lowers; benches/bench_object_store.py measures
+    many ranks' refusals."""
     opts = {**s3_server, "endpoint_url": proxy.url}
     first = tsck.open_store(s3_url, refs=str(tmp_path / "refs.lmdb"), storage_options=s3_server,
                             block_size=64 * 1024, compression="none")
@@ -114,11 +119,6 @@ def test_many_ranks_through_one_partition_all_land_and_back_off(tmp_path, proxy,
         proxy.limit(None)
         assert not errors, errors
         assert proxy.refused_by["PUT"] > 0, proxy.refused_by  # the limit was met
-        # backing off: fewer writes refused than sent. Refused per forwarded, measured:
-        # 0.17-0.26 with the client's limiter on an idle machine, 0.52 with two busy loops
-        # on its 2 cores (starved threads wake and send together); 1.5-1.7 with each
-        # request retrying alone (the limiter left out of the client)
-        assert proxy.refused_by["PUT"] < proxy.forwarded_by["PUT"], (proxy.refused_by, proxy.forwarded_by)
         for r in range(RANKS):
             assert first.resolve(f"r{r}/main") == roots[r]
             got = first.checkout(f"r{r}/main")
