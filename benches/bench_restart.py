@@ -16,9 +16,11 @@ from /proc/self/stat (starttime, in clock ticks since boot, + /proc/stat btime),
   model     the job's own objects: its tensors (zeros), model, optimizer, data loader
   open      open_store(...) and CheckpointManager(...)
   wait      a barrier: the wait for the slowest rank to be ready
-  resolve   mgr.latest_step(): the newest trusted snapshot of the ref
-  read      mgr.restore_latest() until the first load_state_dict is called (its own
-            resolution again, the rank's reads, the agreement on them)
+  resolve   mgr.latest_step(): the newest trusted snapshot of the ref (each rank reads its own
+            catalog: its tier's, or the store's ref table; no message to another rank)
+  read      mgr.restore_latest() until the first load_state_dict is called (rank 0's
+            targets handed to every rank, the collective checkout's resolution, the
+            rank's reads, the agreement on them)
   load      the state's load_state_dict (copy into the model's tensors, made before)
   seek      the data loader's load_state_dict and its first batch (ResumableDataLoader)
   step      one training step on that batch
@@ -39,8 +41,13 @@ disk's speed for the same bytes in the same run) and reports both rates.
 Each snapshot is the rank's own --mb-per-rank MB of fp32 (different on every rank, as a
 shard), taken by a CheckpointManager in a collective put.
 
-    .venv/bin/python benches/bench_restart.py --ranks 2 4 8 --modes tier,peer,disk,s3 --big-mb 256 \\
-        | tee benches/results/restart.txt
+The projection (report()) fits what grows with the world size W from the runs at the first
+state size, --mb-per-rank: keep it small (64 KB), so that the read phase there is the
+restore's coordination, not W ranks sharing one disk and 2 cores for its bytes; the read
+rate comes from the two sizes at the fewest ranks.
+
+    .venv/bin/python benches/bench_restart.py --ranks 2 4 8 --modes tier,peer,s3 --mb-per-rank 0.0625 \\
+        --big-mb 256 | tee benches/results/restart_peer.txt
 """
 
 from __future__ import annotations
@@ -358,34 +365,38 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
     """T(W, B) = per-rank constants + B / rates + terms linear in W, fitted per place from
     the world sizes measured (least squares on the slowest rank)."""
     print(f"\n## Projection to {W} ranks x {B / GB:g} GB per rank")
-    print("T = interp + torch + tsck + model + open + seek + step (per rank, constant: measured at the fewest ranks)\n"
-          "  + read_fixed + B / read_rate + B / load_rate       (per rank: read's fixed part, and what scales with its bytes)\n"
-          "  + rdzv(W) + resolve(W)                             (grow with W: a + b W, fitted over the ranks "
-          "measured; the c10d Store round trips of init_process_group, and rank 0's resolution handed to every rank)")
+    print("T = interp + torch + tsck + model + open + resolve + seek + step (per rank, constant: measured at the fewest ranks;\n"
+          "                                                    resolve is latest_step(), a read of the rank's own catalog)\n"
+          "  + B / read_rate + B / load_rate                   (per rank: what scales with its bytes)\n"
+          "  + rdzv(W) + restore(W)                            (grow with W: a + b W, fitted over the ranks measured at the\n"
+          "                                                    first state size; the c10d Store round trips of init_process_group,\n"
+          "                                                    and the restore's own: rank 0's targets handed to every rank,\n"
+          "                                                    the collective checkout's channel and agreement, the fixed reads)")
     by_mode: dict = {}
     for mode, world, got in rows:
         by_mode.setdefault(mode, []).append((world, got))
     notes: list = []
-    print("\n| place | constants s | read s (fixed + B / GB/s) | load GB/s | rdzv(W) s | resolve(W) s | projected s |")
+    print("\n| place | constants s | read GB/s | load GB/s | rdzv(W) s | restore(W) s | projected s |")
     print("|---|---|---|---|---|---|---|")
     for mode, runs in by_mode.items():
         runs.sort(key=lambda wg: (wg[1][0]["bytes"], wg[0]))
         w0, g0 = runs[0]
         const = sum(statistics.median(r["phases"][p] for r in g0) for p in
-                    ("interp", "torch", "tsck", "model", "open", "seek", "step"))
+                    ("interp", "torch", "tsck", "model", "open", "resolve", "seek", "step"))
         big = max(runs, key=lambda wg: wg[1][0]["bytes"])[1] if len({g[0]["bytes"] for _, g in runs}) > 1 else g0
         load = statistics.median(r["bytes"] / max(r["phases"]["load"], 1e-6) for r in big)
-        # The read phase is a fixed part (the resolution, the ranks' agreement, opening the
-        # snapshot) and a part per byte: both fitted from the two state sizes at the fewest
-        # ranks (read(B) = a + B / rate); with one size, all of it counts per byte.
+        # The read phase is a part that grows with W (the restore's coordination, fitted
+        # below over the world sizes at the first state size, which should be small: its
+        # bytes' reads share one disk and 2 cores among W ranks here) and a part per byte,
+        # its rate from the two state sizes at the fewest ranks (read(B) = a + B / rate);
+        # with one size, all of it counts per byte.
         t_small = statistics.median(r["phases"]["read"] for r in g0)
         t_big = statistics.median(r["phases"]["read"] for r in big)
         b_small, b_big = g0[0]["bytes"], big[0]["bytes"]
         if b_big > b_small and t_big > t_small:
             read = (b_big - b_small) / (t_big - t_small)
-            read_fixed = max(0.0, t_small - b_small / read)
         else:
-            read, read_fixed = statistics.median(r["bytes"] / r["phases"]["read"] for r in big), 0.0
+            read = statistics.median(r["bytes"] / r["phases"]["read"] for r in big)
 
         same = [(w, g) for w, g in runs if g[0]["bytes"] == g0[0]["bytes"]]
 
@@ -398,9 +409,9 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
             b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
             return my - b * mx, max(0.0, b)
         ra, rb = fit("rdzv")
-        sa, sb = fit("resolve")
+        sa, sb = fit("read")  # (its first size's bytes are read at each W too: counted in, not taken out)
         rd, rs = max(0.0, ra + rb * W), max(0.0, sa + sb * W)
-        total = const + read_fixed + B / read + B / load + rd + rs
+        total = const + B / read + B / load + rd + rs
         if mode == "tierpf":
             # The prefetch reads B at its own rate from the first line after the imports; the
             # restore begins after the rendezvous and the model: whichever ends later, then
@@ -408,16 +419,16 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
             pfr = [r["prefetched"] for r in big if r["prefetched"]["seconds"] > 0 and not r["prefetched"]["error"]]
             pf_rate = statistics.median(x["bytes"] / x["seconds"] for x in pfr) if pfr else read
             model = statistics.median(r["phases"]["model"] for r in g0)
-            total = const - model + max(model + rd, B / pf_rate) + read_fixed + B / read + B / load + rs
+            total = const - model + max(model + rd, B / pf_rate) + B / read + B / load + rs
             notes.append(f"(tierpf: constants - model + max(model + rdzv(W), B / prefetch rate {pf_rate / GB:.2f} GB/s) "
-                  f"+ B / read from memory + B / load + resolve(W); prefetch done before the restore on "
+                  f"+ B / read from memory + B / load + restore(W); prefetch done before the restore on "
                   f"{sum(r['prefetched']['done_before'] for r in big)} of {len(big)} ranks at the largest state)")
-        print(f"| {mode} | {const:.2f} | {read_fixed:.2f} + B / {read / GB:.2f} | {load / GB:.2f} | {rd:.2f} ({ra:.2f} + {rb * 1000:.1f} ms x W)"
+        print(f"| {mode} | {const:.2f} | {read / GB:.2f} | {load / GB:.2f} | {rd:.2f} ({ra:.2f} + {rb * 1000:.1f} ms x W)"
               f" | {rs:.2f} ({sa:.2f} + {sb * 1000:.1f} ms x W) | {total:.1f} |")
     for n in notes:
         print(n)
     print("(constants: medians over the ranks of the fewest; read and load rates: the largest state's medians "
-          "over its ranks (read: its fixed part and rate fitted from the two state sizes at the fewest ranks), each rank on a share of 2 cores and one disk; rdzv and resolve: least squares on the "
+          "over its ranks (read: its rate fitted from the two state sizes at the fewest ranks), each rank on a share of 2 cores and one disk; rdzv and restore: least squares on the "
           "slowest rank over the world sizes at the first state size, each from an aligned start; arrive and wait, "
           "the spread of the ranks' imports, are left out: they are not a cost of W but of the slowest host)")
 

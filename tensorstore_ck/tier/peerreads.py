@@ -9,9 +9,10 @@ from __future__ import annotations
 import threading
 from itertools import islice
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, TsckError
+from ..format.frame import HEADER_SIZE, decode_header
 from .reads import NotHere, ReadChain, Source
-from .replicas import FETCH_BYTES, FETCH_DEPTH, Peers
+from .replicas import FETCH_BYTES, FETCH_DEPTH, Peers, decoded_frame
 
 __all__ = ["FromPeers", "peer_reads"]
 
@@ -102,21 +103,36 @@ class FromPeers(Source):
         """Fetch `requests` from the holders and copy each block into its destinations,
         noting (digest, id of the destination) in `filled`."""
         import numpy as np
-        for got in self._fetched(requests):
+        # Each block is decoded and checked in its first destination, on the fetch's
+        # checking thread while the socket reads on: no pass over it here but the copies
+        # into any other destinations.
+        into = {d: memoryview(outs[0]).cast("B") for d, outs in by_digest.items()}
+
+        def check(d, mv):
+            out = into.get(d)
+            try:
+                if out is not None and decode_header(mv[:HEADER_SIZE]).raw_len != out.nbytes:
+                    out = None  # (a length the manifest does not give it: the chain reports it)
+            except TsckError:
+                out = None  # (decoded_frame names what is wrong with it)
+            return decoded_frame(d, mv, out)
+        for got in self._fetched(requests, check):
             for d, (frame, raw) in got.items():
-                src = np.frombuffer(raw, dtype=np.uint8)
                 outs = by_digest[d]
+                src = memoryview(raw).cast("B")
                 if any(memoryview(o).cast("B").nbytes != src.nbytes for o in outs):
                     continue  # (a length the manifest does not give it: the chain reports it)
                 for o in outs:
-                    np.copyto(np.frombuffer(memoryview(o).cast("B"), dtype=np.uint8), src)
+                    dst = memoryview(o).cast("B")
+                    if not _same_memory(dst, src):
+                        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
                     filled.add((d, id(o)))
                 if tally is not None:
                     for _o in outs:
                         tally.add(self.name, "block", d)
                 self.peers.keep(self.local.object_key("blocks", d), frame)
 
-    def _fetched(self, requests: list):
+    def _fetched(self, requests: list, check):
         """Peers.fetch_stream of each request, in order, FETCH_DEPTH of them in flight (a
         holder reads its disk for one while it sends another and this rank checks a
         third): the restore holds at most FETCH_DEPTH + 1 requests' blocks."""
@@ -124,21 +140,28 @@ class FromPeers(Source):
         from concurrent.futures import ThreadPoolExecutor
         holders = self._holders()
         if len(requests) == 1:
-            yield self.peers.fetch_stream(requests[0], holders)
+            yield self.peers.fetch_stream(requests[0], holders, check)
             return
         todo = iter(requests)
         with ThreadPoolExecutor(FETCH_DEPTH, thread_name_prefix="tsck-peer-fetch") as pool:
-            flight = deque(pool.submit(self.peers.fetch_stream, r, holders) for r in islice(todo, FETCH_DEPTH))
+            flight = deque(pool.submit(self.peers.fetch_stream, r, holders, check) for r in islice(todo, FETCH_DEPTH))
             try:
                 while flight:
                     got = flight.popleft().result()
                     nxt = next(todo, None)
                     if nxt is not None:
-                        flight.append(pool.submit(self.peers.fetch_stream, nxt, holders))
+                        flight.append(pool.submit(self.peers.fetch_stream, nxt, holders, check))
                     yield got
             finally:
                 for f in flight:
                     f.cancel()
+
+
+def _same_memory(a: memoryview, b: memoryview) -> bool:
+    """Whether two byte views of one length are the same memory."""
+    import numpy as np
+    pa, pb = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
+    return pa.__array_interface__["data"][0] == pb.__array_interface__["data"][0]
 
 
 class _Filled:

@@ -18,7 +18,7 @@ from ..format.manifest import MAX_NODE_BYTES
 from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, serve
 from .stream import StreamServer, fetch as stream_fetch
 
-__all__ = ["Peers", "PEER_TIMEOUT", "KEEP_QUEUED", "FETCH_BYTES", "FETCH_DEPTH"]
+__all__ = ["Peers", "PEER_TIMEOUT", "KEEP_QUEUED", "FETCH_BYTES", "FETCH_DEPTH", "decoded_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -460,25 +460,19 @@ class Peers:
         finally:
             self._keeper.resume()
 
-    def fetch_stream(self, digests: list, holders: list | None = None) -> dict:
+    def fetch_stream(self, digests: list, holders: list | None = None, check=None) -> dict:
         """The blocks `digests` from their holders, in batches of many blocks on one
         connection per holder and request (stream.py), each checked against its address
         (decoded from the frame a holder stores) -> digest -> (stored frame, its bytes)
         for those some holder gave whole. Fetched in requests of about FETCH_BYTES, so
         a restore holds one request's blocks beyond what it fills; a holder that lies
         (bytes not their address's, lengths past a block's) loses that request to the
-        next holder, one that fails is not asked again in this fetch."""
-        from ..core.assets import Assets
+        next holder, one that fails is not asked again. check(d, frame): decoded_frame's."""
         got: dict = {}
         per = max(1, FETCH_BYTES // max(self.core.settings.block_size, 1))
         todo = list(dict.fromkeys(digests))
         holders = self.holders() if holders is None else holders
-
-        def frame(d, mv):
-            err, raw = Assets.object_from_frame("block", d, mv)
-            if err is not None:
-                raise err
-            return mv, raw
+        frame = check or decoded_frame
         for peer in holders:
             if not todo:
                 break
@@ -525,6 +519,16 @@ class Peers:
         except Exception as e:  # noqa: BLE001 - a peer away is a peer we do without
             log.warning("peer replicas: rank %d's block stream cannot be found (%s); going on without it", peer, e)
             return None
+
+
+def decoded_frame(d: bytes, mv, out=None):
+    """A block's stored frame checked by decoding it (into `out` when given) -> (the
+    frame, the block's bytes); IntegrityError if it is not the block of address `d`."""
+    from ..core.assets import Assets
+    err, raw = Assets.object_from_frame("block", d, mv, out)
+    if err is not None:
+        raise err
+    return mv, raw
 
 
 class _Keeper:

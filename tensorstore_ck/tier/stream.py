@@ -152,6 +152,13 @@ def _read_table(sock, max_block: int, *, allow_missing: bool):
     return entries, total
 
 
+def _uninitialised(n: int):
+    """A writable buffer of n bytes, not zeroed first: the socket writes every byte of it
+    (bytearray(n) would be one more pass over a batch's 16 MiB)."""
+    import numpy as np
+    return np.empty(n, dtype=np.uint8)
+
+
 def raw_block(d: bytes, mv):
     """The default check: the bytes are the block itself, whose BLAKE3 is its address ->
     the bytes; IntegrityError if they are not."""
@@ -228,7 +235,7 @@ class _Receiver:
 
     def _buffer(self, n: int):
         if self.into is None:
-            return memoryview(bytearray(n) if self.alloc is None else self.alloc(n)).cast("B")[:n]
+            return memoryview(_uninitialised(n) if self.alloc is None else self.alloc(n)).cast("B")[:n]
         if self.at + n > self.into.nbytes:
             raise FormatError(f"a peer sent more bytes than the {self.into.nbytes} the caller made room for")
         mv = self.into[self.at:self.at + n]
@@ -330,7 +337,7 @@ class StreamServer:
     accept([(digest, memoryview)]) whole (a push with one bad block is refused and none
     of it accepted; accept raising a TsckError refuses it too, with that reason).
     alloc(nbytes) -> a writable buffer of at least nbytes: where a push's batches land
-    (the tier's own memory; default: a new bytearray per batch, whose pages the socket
+    (the tier's own memory; default: a new buffer per batch, whose pages the socket
     faults in). Counters (tests, benchmarks): `kept` blocks accepted, `served` blocks sent,
     `refused` pushes refused, `strangers` connections that did not prove the secret."""
 
