@@ -47,7 +47,7 @@ restore's coordination, not W ranks sharing one disk and 2 cores for its bytes; 
 rate comes from the two sizes at the fewest ranks.
 
     .venv/bin/python benches/bench_restart.py --ranks 2 4 8 --modes tier,peer,s3 --mb-per-rank 0.0625 \\
-        --big-mb 256 | tee benches/results/restart_peer.txt
+        --big-mb 256 --big-repeats 3 | tee benches/results/restart_peer.txt
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def _plain_read(path: str) -> tuple[int, float]:
 
 def rank_main(cfg: dict) -> None:
     marks = {"proc": _proc_start(), "top": T_TOP}
+    cpu = {}  # this process's CPU seconds (every thread's: time.process_time) at some marks
     import torch
     marks["torch"] = time.time()
     import tensorstore_ck as tsck
@@ -142,10 +143,10 @@ def rank_main(cfg: dict) -> None:
     if c10d.add("arrived", 1) == world:
         c10d.set("go", "1")
     c10d.wait(["go"])
-    marks["arrive"] = time.time()
+    marks["arrive"], cpu["arrive"] = time.time(), time.process_time()
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", c10d), rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    marks["rdzv"] = time.time()
+    marks["rdzv"], cpu["rdzv"] = time.time(), time.process_time()
     n_t, numel = 4, int(cfg["mb"] * 1e6 / 4 / 4)
     g = torch.Generator().manual_seed(1000 + rank)
     params = [torch.randn(numel, generator=g) if cfg["phase"] == "save" else torch.zeros(numel)
@@ -170,6 +171,7 @@ def rank_main(cfg: dict) -> None:
 
         def load_state_dict(self, sd):
             timing.setdefault(self.name + "_in", time.time())
+            timing.setdefault(self.name + "_in_cpu", time.process_time())
             self.load(sd)
             timing[self.name + "_out"] = time.time()
 
@@ -192,9 +194,9 @@ def rank_main(cfg: dict) -> None:
             assert store.wait_durable(timeout=1800), "the upload did not finish"
     else:
         dist.barrier()  # every rank ready: what follows is not a wait for the slowest rank's imports
-        marks["ready"] = time.time()
+        marks["ready"], cpu["ready"] = time.time(), time.process_time()
         latest = mgr.latest_step()
-        marks["resolve"] = time.time()
+        marks["resolve"], cpu["resolve"] = time.time(), time.process_time()
         step = mgr.restore_latest()
         marks["restored"] = time.time()
         assert step == 7, (step, latest)  # (latest_step() answers on rank 0; the other ranks learn it in the restore)
@@ -215,6 +217,9 @@ def rank_main(cfg: dict) -> None:
               "resolve": marks["resolve"] - marks["ready"]}
         first_in = min(timing["params_in"], timing["loader_in"])
         ph["read"] = first_in - marks["resolve"]
+        first_cpu = min(timing["params_in_cpu"], timing["loader_in_cpu"])
+        res["cpu"] = {"rdzv": cpu["rdzv"] - cpu["arrive"], "resolve": cpu["resolve"] - cpu["ready"],
+                      "read": first_cpu - cpu["resolve"]}
         ph["load"] = timing["params_out"] - timing["params_in"]
         ph["seek"] = (timing["loader_out"] - timing["loader_in"]) + (marks["seek"] - marks["restored"])
         ph["step"] = marks["step"] - marks["seek"]
@@ -288,6 +293,8 @@ def main() -> int:
     ap.add_argument("--mb-per-rank", type=float, default=64.0)
     ap.add_argument("--big-mb", type=float, default=None,
                     help="also each place at the fewest ranks with this many MB per rank (the read and load rates)")
+    ap.add_argument("--big-repeats", type=int, default=3,
+                    help="the --big-mb runs, each place this many times (the read rate: their median)")
     ap.add_argument("--dir", default=None, help="where stores and tiers go (default: a temporary folder)")
     ap.add_argument("--json-out", default=None, help="also every rank's figures, as JSON, in this file")
     a = ap.parse_args()
@@ -310,12 +317,13 @@ def main() -> int:
     print(f"# uptime before: {os.popen('uptime').read().strip()}")
     rows = []
     try:
-        runs = [(w, a.mb_per_rank) for w in a.ranks] + ([(min(a.ranks), a.big_mb)] if a.big_mb else [])
-        for world, mb in runs:
+        runs = [(w, a.mb_per_rank, 0) for w in a.ranks]
+        runs += [(min(a.ranks), a.big_mb, i) for i in range(a.big_repeats)] if a.big_mb else []
+        for world, mb, rep in runs:
             for mode in modes:
-                d = os.path.join(scratch, f"{mode}-{world}-{mb:g}")
+                d = os.path.join(scratch, f"{mode}-{world}-{mb:g}-{rep}")
                 os.makedirs(d)
-                url = os.path.join(d, "store") if mode == "disk" else f"s3://bench-restart/{mode}-{world}-{int(mb)}"
+                url = os.path.join(d, "store") if mode == "disk" else f"s3://bench-restart/{mode}-{world}-{int(mb)}-{rep}"
                 cfg = {"url": url, "opts": opts, "refs": os.path.join(d, "refs.lmdb"), "mb": mb,
                        "tiers": os.path.join(d, "tiers") if mode in ("tier", "tierpf", "peer") else None,
                        "out": d, "plain": False, "prefetch": mode == "tierpf"}
@@ -368,22 +376,34 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
     print("T = interp + torch + tsck + model + open + resolve + seek + step (per rank, constant: measured at the fewest ranks;\n"
           "                                                    resolve is latest_step(), a read of the rank's own catalog)\n"
           "  + B / read_rate + B / load_rate                   (per rank: what scales with its bytes)\n"
-          "  + rdzv(W) + restore(W)                            (grow with W: a + b W, fitted over the ranks measured at the\n"
-          "                                                    first state size; the c10d Store round trips of init_process_group,\n"
-          "                                                    and the restore's own: rank 0's targets handed to every rank,\n"
-          "                                                    the collective checkout's channel and agreement, the fixed reads)")
+          "  + rdzv(W) + restore(W)                            (grow with W: the phase's wall at the fewest ranks W0 + b (W - W0),\n"
+          "                                                    b fitted over the ranks measured at the first state size from the\n"
+          "                                                    CPU seconds the busiest rank spent in the phase (rank 0 hosts the\n"
+          "                                                    c10d Store: its server's work for every rank counts there); the\n"
+          "                                                    c10d Store round trips of init_process_group, and the restore's\n"
+          "                                                    own: rank 0's targets handed to every rank, the collective\n"
+          "                                                    checkout's channel and agreement, the fixed reads)\n"
+          "Why CPU seconds for b: W ranks share 2 cores here, so any phase's wall grows about as W / 2 times its CPU even\n"
+          "where no rank does more work (latest_step, a read of the rank's own catalog, grew 6 ms a rank); a rank of a\n"
+          "real job has its host's cores, and what it waits for on the others is their work, counted in the busiest\n"
+          "rank's CPU. The wall-fitted figure is printed beside it (wall b): this machine's contention, an upper bound.")
     by_mode: dict = {}
     for mode, world, got in rows:
         by_mode.setdefault(mode, []).append((world, got))
     notes: list = []
-    print("\n| place | constants s | read GB/s | load GB/s | rdzv(W) s | restore(W) s | projected s |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| place | constants s | read GB/s | load GB/s | rdzv(W) s | restore(W) s | projected s | wall-fitted s |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode, runs in by_mode.items():
         runs.sort(key=lambda wg: (wg[1][0]["bytes"], wg[0]))
         w0, g0 = runs[0]
         const = sum(statistics.median(r["phases"][p] for r in g0) for p in
                     ("interp", "torch", "tsck", "model", "open", "resolve", "seek", "step"))
-        big = max(runs, key=lambda wg: wg[1][0]["bytes"])[1] if len({g[0]["bytes"] for _, g in runs}) > 1 else g0
+        # The largest state's runs (--big-repeats of them): every rank of each, and each run's
+        # median read time, whose median is what the read rate is fitted from (one run's
+        # read on this machine's disk moved by a quarter from one run to the next).
+        top = max(g[0]["bytes"] for _, g in runs)
+        bigs = [g for w, g in runs if g[0]["bytes"] == top and w == w0] if top > g0[0]["bytes"] else [g0]
+        big = [r for g in bigs for r in g]
         load = statistics.median(r["bytes"] / max(r["phases"]["load"], 1e-6) for r in big)
         # The read phase is a part that grows with W (the restore's coordination, fitted
         # below over the world sizes at the first state size, which should be small: its
@@ -391,7 +411,7 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
         # its rate from the two state sizes at the fewest ranks (read(B) = a + B / rate);
         # with one size, all of it counts per byte.
         t_small = statistics.median(r["phases"]["read"] for r in g0)
-        t_big = statistics.median(r["phases"]["read"] for r in big)
+        t_big = statistics.median(statistics.median(r["phases"]["read"] for r in g) for g in bigs)
         b_small, b_big = g0[0]["bytes"], big[0]["bytes"]
         if b_big > b_small and t_big > t_small:
             read = (b_big - b_small) / (t_big - t_small)
@@ -400,18 +420,23 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
 
         same = [(w, g) for w, g in runs if g[0]["bytes"] == g0[0]["bytes"]]
 
-        def fit(p):
-            xs = [w for w, _ in same]
-            ys = [max(r["phases"][p] for r in g) for _, g in same]
+        def slope(xs, ys):
             if len(xs) < 2:
-                return ys[0], 0.0
+                return 0.0
             mx, my = statistics.mean(xs), statistics.mean(ys)
-            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            return my - b * mx, max(0.0, b)
-        ra, rb = fit("rdzv")
-        sa, sb = fit("read")  # (its first size's bytes are read at each W too: counted in, not taken out)
-        rd, rs = max(0.0, ra + rb * W), max(0.0, sa + sb * W)
+            return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+
+        def fit(p):
+            """-> (the phase's wall at W0 (slowest rank), b from CPU seconds, b from wall)."""
+            xs = [w for w, _ in same]
+            walls = [max(r["phases"][p] for r in g) for _, g in same]
+            cpus = [max(r["cpu"][p] for r in g) for _, g in same]
+            return walls[0], slope(xs, cpus), slope(xs, walls)
+        ra, rb, rbw = fit("rdzv")
+        sa, sb, sbw = fit("read")  # (its first size's bytes are read at each W too: counted in, not taken out)
+        rd, rs = ra + rb * (W - w0), sa + sb * (W - w0)
         total = const + B / read + B / load + rd + rs
+        walled = const + B / read + B / load + ra + rbw * (W - w0) + sa + sbw * (W - w0)
         if mode == "tierpf":
             # The prefetch reads B at its own rate from the first line after the imports; the
             # restore begins after the rendezvous and the model: whichever ends later, then
@@ -420,16 +445,18 @@ def project(rows, mb: float, W: int = 1024, B: float = 5e9) -> None:
             pf_rate = statistics.median(x["bytes"] / x["seconds"] for x in pfr) if pfr else read
             model = statistics.median(r["phases"]["model"] for r in g0)
             total = const - model + max(model + rd, B / pf_rate) + B / read + B / load + rs
+            walled = total - rd - rs + ra + rbw * (W - w0) + sa + sbw * (W - w0)
             notes.append(f"(tierpf: constants - model + max(model + rdzv(W), B / prefetch rate {pf_rate / GB:.2f} GB/s) "
                   f"+ B / read from memory + B / load + restore(W); prefetch done before the restore on "
                   f"{sum(r['prefetched']['done_before'] for r in big)} of {len(big)} ranks at the largest state)")
-        print(f"| {mode} | {const:.2f} | {read / GB:.2f} | {load / GB:.2f} | {rd:.2f} ({ra:.2f} + {rb * 1000:.1f} ms x W)"
-              f" | {rs:.2f} ({sa:.2f} + {sb * 1000:.1f} ms x W) | {total:.1f} |")
+        print(f"| {mode} | {const:.2f} | {read / GB:.2f} | {load / GB:.2f} | {rd:.2f} ({ra:.2f} + {rb * 1000:.2f} ms x "
+              f"(W - {w0}); wall b {rbw * 1000:.1f} ms) | {rs:.2f} ({sa:.2f} + {sb * 1000:.2f} ms x (W - {w0}); wall b "
+              f"{sbw * 1000:.1f} ms) | {total:.1f} | {walled:.1f} |")
     for n in notes:
         print(n)
     print("(constants: medians over the ranks of the fewest; read and load rates: the largest state's medians "
-          "over its ranks (read: its rate fitted from the two state sizes at the fewest ranks), each rank on a share of 2 cores and one disk; rdzv and restore: least squares on the "
-          "slowest rank over the world sizes at the first state size, each from an aligned start; arrive and wait, "
+          "over its ranks (read: its rate fitted from the two state sizes at the fewest ranks, the larger's read time the median of its runs), each rank on a share of 2 cores and one disk; rdzv and restore: their b a least-squares "
+          "slope of the busiest rank's CPU seconds over the world sizes at the first state size, each from an aligned start; arrive and wait, "
           "the spread of the ranks' imports, are left out: they are not a cost of W but of the slowest host)")
 
 

@@ -76,6 +76,7 @@ def open_store(url, *, create: bool = True,
                refs=None, create_refs: bool = False, read_only: bool | None = None,
                # the local tier
                local=None, local_budget: int | None = None, replicas: int = 0, early_upload: bool | None = None,
+               memory=None, durable_every: int = 1,
                # the network's limits
                write_bandwidth: float | None = None, write_concurrency: int | None = None,
                workers: int | None = None, max_inflight: int = 2, retry_budget: float | None = None,
@@ -147,6 +148,15 @@ def open_store(url, *, create: bool = True,
     them, by address, before it reads the remote store (docs/design/tiers.md, "Peer
     replicas"). Set per store, not per put: the ranks must agree, and a CheckpointManager
     needs no new argument.
+    memory: the local tier in host memory instead of on a disk: True (a directory of this
+    store and rank under /dev/shm) or a directory on a tmpfs; a tier like local='s in
+    all else, whose bytes outlive the worker and die with the node (docs/design/memtier.md).
+    With replicas=k each rank's part has k copies on ranks of other nodes; a snapshot
+    the schedule keeps out of the remote (durable_every) is published once they are sent.
+    durable_every: with a tier (local= or memory=), the remote store gets the first
+    snapshot of each ref this process puts, then every N-th; the others stay in the tiers
+    (their commit's meta marks them `tier_only`), each until a newer snapshot of its ref
+    is published there. Default 1: every snapshot is uploaded.
     early_upload: with local=, send each new block to the remote store from memory while
     the put writes it (docs/design/tiers.md, "The early upload"): the snapshot is durable
     sooner, and the sends take CPU from the put. None (the default): on when the host has
@@ -214,7 +224,7 @@ def open_store(url, *, create: bool = True,
     network = _Network.checked(write_bandwidth, write_concurrency, workers, max_inflight, retry_budget, when_busy,
                                storage_options, wrap_storage, saver, saver_nice, host_memory)
     refs_at = _Refs.checked(refs, create_refs, read_only)
-    tier = _Tier.checked(url, local, local_budget, replicas, early_upload, refs_at)
+    tier = _Tier.checked(url, local, local_budget, replicas, early_upload, refs_at, memory, durable_every)
     if saver == "process":
         _check_saver(url)
     gc_lease = _checked_gc_lease(gc_lease)
@@ -305,6 +315,8 @@ class _Tier:
     budget: int | None
     replicas: int
     early_upload: bool | None
+    durable_every: int = 1
+    memory: bool = False
 
     def read_only(self, read_only: bool | None) -> bool:
         return False  # a tier is for writing (a read-only open with local= is refused)
@@ -324,8 +336,19 @@ class _Tier:
         return tiered_(self)
 
     @classmethod
-    def checked(cls, url, local, local_budget, replicas, early_upload, refs_at: _Refs) -> "_Tier | _NoTier":
-        """_NoTier without local= (then each tier option is refused, naming local=)."""
+    def checked(cls, url, local, local_budget, replicas, early_upload, refs_at: _Refs, memory=None,
+                durable_every: int = 1) -> "_Tier | _NoTier":
+        """_NoTier without local= or memory= (then each tier option is refused, naming local=)."""
+        if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
+            raise InvalidArgument(f"durable_every must be an int >= 1, got {durable_every!r}")
+        if memory is not None and memory is not False:
+            if local is not None:
+                raise InvalidArgument("local= and memory= each name the store's tier: give one of them")
+            from .tier.memory import memory_dir
+            local = memory_dir(memory, url)
+        if durable_every > 1 and local is None:
+            raise InvalidArgument("durable_every= keeps snapshots in a tier between uploads: it needs local= or "
+                                  "memory=")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise InvalidArgument(f"replicas must be an int >= 0, got {replicas!r}")
         if replicas and local is None:
@@ -352,7 +375,7 @@ class _Tier:
         if proto == "file" and os.path.realpath(rest) == os.path.realpath(local):
             raise InvalidArgument(f"local tier {local!r} is the store itself: give it a directory of its own")
         refuse_lost_table(os.path.abspath(local))  # before the remote is opened: whatever the network does
-        return cls(local, local_budget, replicas, early_upload)
+        return cls(local, local_budget, replicas, early_upload, durable_every, memory not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -447,7 +470,8 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | _NoT
             return Store(lcore, config=cfg, max_inflight=network.max_inflight, when_busy=network.when_busy,
                          host_memory=network.host_memory,
                          tier=LocalTier(lcore, remote, budget=tier.budget, early=tier.early_upload,
-                                        stop=backoff.stop, replicas=tier.replicas, saver=saver),
+                                        stop=backoff.stop, replicas=tier.replicas, saver=saver,
+                                        durable_every=tier.durable_every),
                          saver=saver)
         return make
 

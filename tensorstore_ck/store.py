@@ -534,6 +534,7 @@ class Store:
     def _publish(self, plan, args: SnapshotArgs, progress=None, timing=None) -> SnapshotInfo:
         if plan.written is None:  # (a waved plan's writes began before its blocks: _put_in_waves)
             self.before_write()
+        args = self._tier.scheduled(args)  # (durable_every: a snapshot the remote does not get is marked)
         return self.after_publish(self.publisher.publish(plan, args, progress=progress, timing=timing))
 
     def before_write(self) -> None:

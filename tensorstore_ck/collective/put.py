@@ -284,7 +284,7 @@ class PutCall:
         beat = Heartbeat(ch)  # the others wait for the result as long as this rank shows it is alive
         try:
             return self.publisher.commit(
-                top, self.args, stats=stats, fence=self.fence, meta_extra={"world": self.W, **tier.commit_meta()},
+                top, self.args, stats=stats, fence=self.fence, meta_extra={"world": self.W, **tier.commit_meta(self.args.ref)},
                 timing=timing() if timing else None,
                 part0=tier.part0(self.part["tree"]),  # (through tiers rank 0's own part, in its tier: with the move)
                 revalidate=self.revalidation_round)

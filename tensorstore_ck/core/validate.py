@@ -10,7 +10,11 @@ from ..errors import InvalidArgument
 from ..format.names import validate_component, validate_new_name
 from ..util.ids import parse_hex
 
-__all__ = ["UNSET", "SnapshotArgs", "check_snapshot_args", "check_plain", "check_step"]
+# The commit meta key a tier marks a snapshot with when its schedule (open_store(durable_every=))
+# kept it out of the remote store (tier/memory.py); no caller's meta may hold it.
+TIER_ONLY = "tier_only"
+
+__all__ = ["UNSET", "SnapshotArgs", "check_snapshot_args", "check_plain", "check_step", "TIER_ONLY"]
 
 class _Unset:
     """expected= not given: the ref moves wherever it points. A singleton that stays
@@ -102,6 +106,9 @@ def check_snapshot_args(ref, *, job=None, step=None, metrics=None, meta=None, ex
     check_plain(m, "metrics")
     mt = dict(meta or {})
     check_plain(mt, "meta")
+    if TIER_ONLY in mt:  # (the tier's own mark: whether the remote gets the snapshot)
+        raise InvalidArgument(f"meta key {TIER_ONLY!r} is the store's own (a snapshot a tier's durable_every kept out "
+                              "of the remote store): name yours otherwise")
     e = UNSET
     if expected is not UNSET:
         e = None if expected is None else parse_hex(expected)

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..core.core import DEFAULT_LEASE, Core
+from ..core.validate import TIER_ONLY
 from ..core.roles import GcTable
 from ..core.walk import walk_commit
 from ..errors import (FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError,
@@ -127,8 +128,12 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
     """Every kept snapshot with what retention (`records`, default: the stored rules)
     decides for it and why: {root, ref, job, step, time, metrics, keep, why}. A ref
     tip, tag target or pin is kept whatever the rules say; a job without rules keeps
-    everything. A catalog row that does not decode is never expired (its snapshot
-    stays kept; fsck reports it); it goes to `bad` as (root, error)."""
+    everything. In a tier's table, a tier-only snapshot (its commit kept out of the remote
+    by open_store(durable_every=): tier/memory.py) that is none of those and has a newer
+    snapshot of its ref here is not kept, whatever the rules say: it was superseded, and
+    the rules keep durable snapshots. A
+    catalog row that does not decode is never expired (its snapshot stays kept; fsck
+    reports it); it goes to `bad` as (root, error)."""
     records = core.refs.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
     order = core.refs.publication_record()
@@ -140,15 +145,40 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
             str(row.get("ref", "")), recovered), row))
     words = {"ref": "tip of {}", "tag": "tag {}", "pin": "pinned", "upload": "being uploaded"}
     protected = {root: [words[kind].format(name) for kind, name in hs] for root, hs in holders(core).items()}
+    tier = is_tier_table(core)
     out = []
     for job, rows in by_job.items():
         why = explain_kept([sr for sr, _row in rows], rules.get(job), now)
+        newest: dict = {}  # ref -> the newest commit time of its rows here (a tier-only one older is superseded)
+        for sr, row in rows if tier else ():
+            newest[sr.ref] = max(newest.get(sr.ref, sr.time), sr.time)
         for sr, row in rows:
-            reasons = protected.get(sr.root, []) + why.get(sr.root, [])
+            superseded = (tier and _tier_only(row) and sr.root not in protected
+                          and newest.get(sr.ref, sr.time) > sr.time)
+            reasons = protected.get(sr.root, []) + ([] if superseded else why.get(sr.root, []))
             out.append({"root": sr.root, "ref": row.get("ref"), "job": job, "step": sr.step, "time": sr.time,
-                        "metrics": sr.metrics, "keep": bool(reasons), "why": reasons or ["no rule keeps it"]})
+                        "metrics": sr.metrics, "keep": bool(reasons),
+                        "why": reasons or ["tier-only, superseded" if superseded else "no rule keeps it"]})
     out.sort(key=lambda d: (d["job"], str(d["ref"]), d["time"]))
     return out
+
+
+def is_tier_table(core: Core) -> bool:
+    """Whether `core`'s table is a local tier's (it has queued uploads): where tier-only
+    snapshots are expired once superseded."""
+    return core.refs.tier_rows.upload_last_seq() > 0
+
+
+def _tier_only(row: dict) -> bool:
+    meta = row.get("meta")
+    return isinstance(meta, dict) and meta.get(TIER_ONLY) is True
+
+
+def superseded_tier_only(core: Core, job: str) -> bool:
+    """Whether `job` has a tier-only snapshot in this tier's catalog that retention_plan
+    would expire (a prune of the job has something to do even without rules)."""
+    return is_tier_table(core) and any(not d["keep"] and d["why"] == ["tier-only, superseded"]
+                                       for d in retention_plan(core, core.refs.wall_now()) if d["job"] == job)
 
 
 def plan_expiry(core: Core, now: float, records: dict | None = None, bad: list | None = None) -> list[bytes]:
@@ -434,7 +464,7 @@ def prune_job(core: Core[GcTable], job: str, *, lease: float = DEFAULT_LEASE, re
     rep = GCReport(dry_run=False)
     _refuse_if_rebuilding(core, "prune")
     rules = refs.retention_all()
-    if job not in rules:
+    if job not in rules and not superseded_tier_only(core, job):
         return rep
     with holding_gc_lock(core, lease=lease, role="prune:", renew_every=renew_every) as hold:
         began = core.storage.clock_now()
@@ -444,7 +474,9 @@ def prune_job(core: Core[GcTable], job: str, *, lease: float = DEFAULT_LEASE, re
         jobs = sorted({job} | (set(queued) & set(rules)))
         rep.jobs = jobs
         bad: list = []
-        doomed = plan_expiry(core, refs.wall_now(), {j: rules[j] for j in jobs}, bad)
+        doomed = plan_expiry(core, refs.wall_now(), {j: rules[j] for j in jobs if j in rules}, bad)
+        if job not in rules:  # (a job without rules prunes its superseded tier-only snapshots alone)
+            doomed = [r for r in doomed if (refs.catalog_get(r, checked=False) or {}).get("job") == job]
         # A local tier's evicted snapshots have no objects here left to walk or delete
         # (read before the expiry, which drops their marks with their rows).
         evicted = refs.tier_rows.evicted()

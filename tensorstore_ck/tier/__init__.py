@@ -17,6 +17,7 @@ calls nothing else here.
     reads.py        reads through the tier with the remote behind; which tier is newer
     placement.py    which ranks of other nodes hold the copies of each rank's part
     stream.py       blocks streamed between peers, many in flight, each checked on arrival
+    memory.py       the memory tier's place (a tmpfs) and the schedule of durable snapshots
 
 Each room imports only those listed below it (pyproject.toml, import-linter).
 """

@@ -61,8 +61,8 @@ class CollectiveTier:
 
     own_tables = True  # each rank publishes in a table of its own (its tier's)
 
-    def __init__(self, core, uploader, peers=None):  # peers: replicas.Peers
-        self.core, self.uploader, self.peers = core, uploader, peers
+    def __init__(self, core, uploader, peers=None, schedule=None):  # peers: replicas.Peers; schedule: memory.Schedule
+        self.core, self.uploader, self.peers, self.schedule = core, uploader, peers, schedule
 
     @staticmethod
     def write_fence(rank: int, fence: int, publisher) -> int:
@@ -76,10 +76,16 @@ class CollectiveTier:
         """Rank 0's own part, marked in its tier with the ref's move."""
         return tree
 
-    def commit_meta(self) -> dict:
+    def commit_meta(self, ref: str) -> dict:
         """Rank 0: what the commit's meta records for the tiers: with peer replicas, each
-        rank's node (Peers.commit_meta: whom a restore asks for its copies)."""
-        return {} if self.peers is None else self.peers.commit_meta()
+        rank's node (Peers.commit_meta: whom a restore asks for its copies); tier-only
+        when the schedule keeps the snapshot out of the remote (every rank learns it
+        from the commit it adopts)."""
+        from .memory import TIER_ONLY
+        meta = {} if self.peers is None else self.peers.commit_meta()
+        if self.schedule is not None and not self.schedule.durable(ref):
+            meta[TIER_ONLY] = True
+        return meta
 
     def post_top(self, ch, root: bytes, payloads: list, world: int) -> None:
         """Rank 0, published locally: the commit, the top node and the kept roots for all
@@ -116,8 +122,8 @@ class CollectiveTier:
         refs = self.core.refs
         job = (refs.catalog_get(root, checked=False) or {}).get("job")
         rules = {j: r for j, r in refs.retention_all().items() if j == job}
-        try:
-            doomed = set(plan_expiry(self.core, refs.wall_now(), rules)) if rules else set()
+        try:  # (without rules too: a tier-only snapshot the new one superseded is dropped)
+            doomed = set(plan_expiry(self.core, refs.wall_now(), rules))
         except TsckError as e:  # a stored rule that does not decode: the rows as listed (the prune reports it)
             log.debug("local tier: job %s's retention not applied to the word for the other ranks: %s", job, e)
             doomed = set()
@@ -172,10 +178,17 @@ class CollectiveTier:
         """Every rank once the snapshot is published locally: queue its upload (rank 0: the
         snapshot; another rank: its part, the sub-tree `tree`); with replicas, send the
         part to the peers in the background."""
+        from .memory import drop_superseded, tier_only
         root = bytes.fromhex(info.root)  # (rank 0's part is marked with its move, the others' by adopt)
-        self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
+        only = tier_only(info.meta)
+        if not only:
+            self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.peers is not None:
             self.peers.replicate(root, tree)
+            if only:  # its copies are all it has besides this tier: in memory once they are sent
+                self.peers.wait()
+        if self.schedule is not None and rank0:  # (the other ranks follow rank 0's tier: top_blob)
+            drop_superseded(self.core, info.job)
         return dataclasses.replace(info, durable=False)
 
 

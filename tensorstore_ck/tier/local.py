@@ -15,11 +15,12 @@ import time
 import warnings
 
 from ..core.core import Core
-from ..errors import RefNotFound, SnapshotWarning, StorageError, TsckError
+from ..errors import InvalidArgument, RefNotFound, SnapshotWarning, StorageError, TsckError
 from ..write.saver import Saver
 from .collective import CollectiveTier
 from .holds import (delete_ref_both, forget_both, held, pin_both, tag_both, undelete_both, unheld, unpin_both,
                     untag_both)
+from .memory import TIER_ONLY, Schedule, drop_superseded, tier_only
 from .outage import Lag, caller_level, measure
 from .reads import ReadChain, newer, read_through
 from .uploader import Uploader, early_default
@@ -41,13 +42,15 @@ class LocalTier:
     learns_parts = False    # a checkout's parts may be the remote's, not this store's own
 
     def __init__(self, core: Core, remote: Core, *, budget: int | None = None, early: bool | None = None,
-                 stop=None, replicas: int = 0, saver: Saver | None = None):
+                 stop=None, replicas: int = 0, saver: Saver | None = None, durable_every: int = 1):
         """saver: the saver process (open_store(saver="process")) runs the uploads; the
-        tier's puts write its disk on threads."""
+        tier's puts write its disk on threads. durable_every: which snapshots the remote
+        gets (memory.Schedule; 1: every one)."""
         self.core = core
         self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop,
                                  saver=saver)
         self.reads = read_through(core.assets, remote, evicted=core.refs.tier_rows.evicted)
+        self.schedule = Schedule(durable_every) if durable_every > 1 else None
         self.peers = None
         if replicas:
             from .replicas import Peers  # (the side channel's server starts at the first collective put)
@@ -74,11 +77,21 @@ class LocalTier:
         self.uploader.make_room()
         self.uploader.tee_begin()
 
+    def scheduled(self, args):
+        """A put's arguments, its commit marked tier-only when the schedule keeps the
+        snapshot out of the remote (durable_every)."""
+        if self.schedule is None or self.schedule.durable(args.ref):
+            return args
+        return dataclasses.replace(args, meta={**args.meta, TIER_ONLY: True})
+
     def published(self, info):
-        """After a writer published `info` in the tier: queued for upload; durable once
-        the uploader has moved the remote ref."""
-        self.uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
-        self.tell_lag()
+        """After a writer published `info` in the tier: queued for upload (durable once
+        the uploader has moved the remote ref), unless its commit is tier-only."""
+        if not tier_only(info.meta):
+            self.uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
+            self.tell_lag()
+        if self.schedule is not None:
+            drop_superseded(self.core, info.job)
         return dataclasses.replace(info, durable=False)
 
     def tell_lag(self) -> None:
@@ -114,7 +127,7 @@ class LocalTier:
         """What a collective put does besides the protocol (each rank publishes in its own
         tier and queues its own upload: collective.py)."""
         peers = self.peers if self.peers is not None and self.peers.join() else None
-        return CollectiveTier(self.core, self.uploader, peers)
+        return CollectiveTier(self.core, self.uploader, peers, self.schedule)
 
     def wait_durable(self, timeout: float | None) -> bool:
         if self.peers is not None:  # (the replicas go first: a part is sent to the peers, then uploaded)
@@ -132,10 +145,26 @@ class LocalTier:
     # Tags, pins and removals act in both tiers' tables, or refuse naming the remote
     # (holds.py); named_of(target): the root checkout reads, or None for a removed one.
     def tag(self, publisher, name: str, target: str, named_of):
-        return tag_both(self.uploader, publisher, name, target, named_of(target))
+        root = named_of(target)
+        self._holdable(root, f"tag {name!r}")
+        return tag_both(self.uploader, publisher, name, target, root)
 
     def pin(self, publisher, target: str, named_of) -> str:
-        return pin_both(self.uploader, publisher, target, named_of(target))
+        root = named_of(target)
+        self._holdable(root, "pin")
+        return pin_both(self.uploader, publisher, target, root)
+
+    def _holdable(self, root, what: str) -> None:
+        """A tag or pin makes its snapshot durable (holds.held); a tier-only collective
+        snapshot cannot be: the other ranks' parts were never queued, and no rank sends
+        them later. InvalidArgument, nothing changed."""
+        row = None if root is None else self.core.refs.catalog_get(bytes(root), checked=False)
+        meta = (row or {}).get("meta")
+        if tier_only(meta) and isinstance(meta.get("world"), int) and meta["world"] > 1:
+            raise InvalidArgument(f"{what}: snapshot {bytes(root).hex()[:16]} is tier-only (open_store(durable_every=) "
+                                  "kept it out of the remote store) and collective: its ranks' parts are in their "
+                                  "tiers only, and a tag or pin must keep it durable. Tag a durable snapshot of the "
+                                  "ref (every durable_every-th), or put one now with durable_every=1")
 
     def unpin(self, root: bytes) -> None:
         unpin_both(self.uploader, bytes(root))
@@ -298,3 +327,4 @@ class LocalTier:
 
     def unheard(self) -> BaseException | None:
         return self.uploader.unheard()
+

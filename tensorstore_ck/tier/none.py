@@ -28,6 +28,10 @@ class NoTier:
     def published(self, info):
         return info
 
+    @staticmethod
+    def scheduled(args):
+        return args
+
     def collective(self) -> "NoCollective":
         return NoCollective()
 
@@ -129,7 +133,7 @@ class NoCollective:
         return None
 
     @staticmethod
-    def commit_meta() -> dict:
+    def commit_meta(ref: str) -> dict:
         return {}
 
     def intend(self, part: bytes, args) -> None:

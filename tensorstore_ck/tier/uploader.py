@@ -227,7 +227,9 @@ class Uploader:
         """A put killed between its local ref move and its enqueue left a local tip that
         is neither durable nor queued: queue it (the ref's tip is what counts; an older
         snapshot of that ref superseded before the kill is not sent). The same for a
-        rank's part of a collective snapshot (its row is written before the enqueue)."""
+        rank's part of a collective snapshot (its row is written before the enqueue). A
+        tier-only snapshot (durable_every) was never to be queued: it is left."""
+        from .memory import tier_only
         refs = self.local.refs
         for part in refs.tier_rows.intents_queue():
             log.debug("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
@@ -239,6 +241,8 @@ class Uploader:
         for root, tree in parts.items():
             if root not in done:
                 row = refs.catalog_get(root, checked=False) or {}
+                if tier_only(row.get("meta")):
+                    continue
                 log.debug("local tier: queueing this rank's part of snapshot %s, published and never queued",
                           root.hex()[:16])
                 refs.tier_rows.upload_enqueue(root, row.get("ref"), row.get("step"), part=tree)
@@ -247,6 +251,8 @@ class Uploader:
         for name, root in tips:
             if root not in done:
                 row = refs.catalog_get(root) or {}
+                if tier_only(row.get("meta")):
+                    continue
                 log.debug("local tier: queueing the tip of ref %s (%s), published locally and never queued",
                           name, root.hex()[:16])
                 refs.tier_rows.upload_enqueue(root, name, row.get("step"))

@@ -59,8 +59,11 @@ def _open(cfg, out, rank, tier, holder, **kw):
             def on_write(self, key):
                 while not os.path.exists(cfg["gate"]):
                     time.sleep(0.05)
-    return tsck.open_store(cfg["url"], refs=cfg["refs"], storage_options=cfg["opts"],
-                           local=os.path.join(cfg["tiers"], f"{tier}{rank}"), block_size=dw.BLOCK,
+    where = os.path.join(cfg["tiers"], f"{tier}{rank}")
+    place = {"memory": where} if cfg.get("memory") else {"local": where}  # (memory: cfg["tiers"] on a tmpfs)
+    if cfg.get("durable_every"):
+        place["durable_every"] = cfg["durable_every"]
+    return tsck.open_store(cfg["url"], refs=cfg["refs"], storage_options=cfg["opts"], **place, block_size=dw.BLOCK,
                            inline_threshold=dw.INLINE, wrap_storage=lambda s: holder.setdefault("w", Reads(s)), **kw)
 
 
@@ -302,6 +305,8 @@ def rput_body(rank, world, out, res, cfg):
                  for v in (0, 1)]
         res["roots"] = [i.root for i in infos]
         res["placed"] = infos[-1].meta.get("nodes")  # (the commit's record of each rank's node)
+        res["tier_only"] = [bool(i.meta.get("tier_only")) for i in infos]
+        res["sent_at_return"] = store._tier.peers.sent  # (a tier-only put returns once its copies are sent)
         res["waited"] = store.wait_durable(timeout=240)
         res["sent"], res["refused"] = store._tier.peers.sent, store._tier.peers.refused
         dist.barrier()

@@ -10,6 +10,8 @@ of tests/helpers/dist_worker.py and against the remote store as it sees it after
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -290,6 +292,42 @@ def test_a_lost_node_restores_from_the_copies_placed_on_other_nodes(tmp_path, s3
             assert res[r]["remote_opened"] is False, (r, res[r])
         else:
             assert said == "local" and res[r]["fetched"] == 0, (r, said)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="this machine has no tmpfs at /dev/shm for a memory tier")
+def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory(tmp_path, s3_url, s3_server):
+    """The memory tier: 4 ranks on 2 simulated nodes (a, a, b, b), each rank's tier in host
+    memory (memory=, on /dev/shm), replicas=1, durable_every=3. Step 1 is uploaded, step 2
+    stays in memory: every rank's commit says so, and the remote store holds step 1 alone.
+    The put of step 2 returns once each part's copy is on a rank of the other node; a gc of
+    each rank's tier keeps its part and the copies it holds. Node b is lost (its ranks'
+    memory gone) and its ranks come back on new nodes d and e: every rank restores step 2,
+    the newest, bit for bit, ranks 2 and 3 from node a's memory, and no rank reads the
+    remote store."""
+    shm = Path("/dev/shm") / f"tsck-test-{tmp_path.name}"
+    world = 4
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
+           "memory": True, "durable_every": 3, "tiers": str(shm / "nodes")}
+    try:
+        out = _run(tmp_path, "rput", cfg)
+        res = _results(out, "rput", world)
+        assert all(r["tier_only"] == [False, True] for r in res), [r["tier_only"] for r in res]
+        assert all(r["waited"] is True and r["sent"] > 0 and r["refused"] == 0 for r in res)
+        assert all(r["sent_at_return"] == r["sent"] for r in res), [(r["sent_at_return"], r["sent"]) for r in res]
+        assert all(r["gc"] == "ran" and r["gc_lost"] == [] for r in res), [(r["gc"], r["gc_lost"]) for r in res]
+        with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+            assert [h.step for h in remote.log(REF)] == [1]
+        phase = "memlost"
+        out = _run(tmp_path, "rload", {**cfg, "lost": [2, 3], "nodes": ["a", "a", "d", "e"], "phase": phase})
+        res = _results(out, phase, world)
+        _check_view(out, phase, world, 1)
+        for r in range(world):
+            assert res[r]["remote_reads"] == [], (r, res[r])
+            if r in (2, 3):
+                assert res[r]["streamed"] > 0 and "peer" in res[r]["sources"][0].split("+"), (r, res[r])
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -1,0 +1,116 @@
+"""The memory tier (open_store(remote, memory=DIR, replicas=k, durable_every=N);
+docs/design/memtier.md): a local tier whose directory is in host memory, and the
+schedule on which a tier's snapshots reach the remote store.
+
+Where the bytes live: a node's tmpfs (/dev/shm), not the training process. A restart
+ends every worker of the job, and memory a worker held would be gone on every node
+exactly when a restore needs it; a tmpfs file outlives the worker, a restarted worker
+on the same node opens it again, and it is lost with its node, the failure the copies
+on other nodes (replicas=k, placed by node) are there for.
+
+The schedule: with durable_every=N the first snapshot of a ref a process puts through
+the tier, and then every N-th, is uploaded; the others stay in the tiers, their commit
+marked `tier_only` (docs/FORMAT.md). Rank 0 decides for a collective snapshot (the mark
+is in the commit every rank adopts). A tier-only snapshot is kept while it is its ref's
+newest in the tier, with its copies on the holders; once a newer snapshot of the ref is
+published it is expired from the tier (gc.retention_plan), whatever retention's rules
+say: the rules keep durable snapshots, and a tier-only one must never become the only
+copy of a snapshot they keep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+from ..core.validate import TIER_ONLY
+from ..errors import GcBusy, InvalidArgument, TsckError
+
+__all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "fs_type", "Schedule", "tier_only", "drop_superseded"]
+
+log = logging.getLogger(__name__)
+MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose files are host memory
+DEFAULT_ROOT = "/dev/shm"
+
+
+def tier_only(meta) -> bool:
+    """Whether a commit's (or catalog row's) meta marks a tier-only snapshot. Stored bytes:
+    anything but a true bool is not the mark."""
+    return isinstance(meta, dict) and meta.get(TIER_ONLY) is True
+
+
+def fs_type(path: str) -> str | None:
+    """The file system type of the mount holding `path` (its nearest existing ancestor),
+    from /proc/self/mountinfo; None where that cannot be read (not Linux)."""
+    p = os.path.realpath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _sep, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                if (p == point or p.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+    except OSError:
+        return None
+    return kind
+
+
+def memory_dir(memory, url: str) -> str:
+    """open_store(memory=) -> the tier's directory: True is a directory of this store under
+    /dev/shm, one per rank ($RANK, else 0) and user; a path must be on a file system whose
+    files are host memory (InvalidArgument naming what it is on: a disk tier is local=)."""
+    if memory is True:
+        if fs_type(DEFAULT_ROOT) not in MEMORY_FS:
+            raise InvalidArgument(f"memory=True keeps the tier under {DEFAULT_ROOT}, which is not a tmpfs here: "
+                                  "give memory= a directory on one (mount -t tmpfs), or use local= for a disk tier")
+        tag = hashlib.blake2b(str(url).encode(), digest_size=8).hexdigest()
+        return os.path.join(DEFAULT_ROOT, f"tsck-{os.getuid()}", tag, f"rank{int(os.environ.get('RANK', '0'))}")
+    if not isinstance(memory, (str, os.PathLike)) or not os.fspath(memory):
+        raise InvalidArgument(f"memory must be True or a directory path on a tmpfs, got {memory!r}")
+    path = os.fspath(memory)
+    kind = fs_type(path)
+    if kind not in MEMORY_FS:
+        raise InvalidArgument(f"memory={path!r} is on {kind or 'a file system that cannot be named'}, not in host "
+                              f"memory ({' or '.join(MEMORY_FS)}): give a directory under a tmpfs such as "
+                              f"{DEFAULT_ROOT}, or use local= for a disk tier")
+    return path
+
+
+class Schedule:
+    """Which snapshots of a tier reach the remote: the first of each ref this process
+    puts, then every `every`-th (the others are tier-only)."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self._since: dict[str, int] = {}  # ref -> tier-only snapshots put since its last durable one
+
+    def durable(self, ref: str) -> bool:
+        """Decide for the next snapshot of `ref` (and count it)."""
+        n = self._since.get(ref)
+        if n is None or n + 1 >= self.every:
+            self._since[ref] = 0
+            return True
+        self._since[ref] = n + 1
+        return False
+
+
+def drop_superseded(core, job: str) -> None:
+    """The tier-only snapshots of `job` a newer snapshot of their ref superseded, expired
+    from the tier and their objects deleted (gc.prune_job): the tier holds each ref's
+    newest, not every snapshot the schedule kept out of the remote. A gc holding the
+    tier leaves them to the next put (or that gc)."""
+    from ..maintain.gc import prune_job
+    try:
+        prune_job(core, job)
+    except GcBusy as e:
+        log.debug("local tier: superseded tier-only snapshots of job %s left to the next put: %s", job, e)
+    except TsckError as e:
+        log.warning("local tier: superseded tier-only snapshots of job %s could not be dropped (%s); the next put "
+                    "or `tsck gc` of the tier does it", job, e)

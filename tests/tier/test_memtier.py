@@ -1,0 +1,109 @@
+"""The memory tier and the schedule of durable snapshots (open_store(remote, memory=DIR,
+durable_every=N); tier/memory.py, docs/design/memtier.md), in one process against a
+remote on this machine's disk: where the tier may live, which snapshots reach the
+remote, and that a snapshot kept out of it holds its tier's room only until a newer one
+of its ref is published. Across ranks and nodes: tests/tier/test_tier_dist.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import pytest
+import torch
+
+import tensorstore_ck as tsck
+from tensorstore_ck.errors import InvalidArgument
+from tensorstore_ck.tier.memory import fs_type, memory_dir
+
+SHM = "/dev/shm"
+pytestmark = pytest.mark.skipif(fs_type(SHM) not in ("tmpfs", "ramfs"),
+                                reason="this machine has no tmpfs at /dev/shm for a memory tier")
+
+
+@pytest.fixture
+def shm():
+    d = os.path.join(SHM, f"tsck-test-{uuid.uuid4().hex[:12]}")
+    os.makedirs(d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _state(v: int) -> dict:
+    # each step's own bytes (a block of its own) and one tensor every step shares
+    return {"w": torch.full((4096,), float(v)), "frozen": torch.arange(4096, dtype=torch.float32)}
+
+
+def _open(tmp_path, shm, **kw) -> tsck.Store:
+    return tsck.open_store(str(tmp_path / "remote"), memory=os.path.join(shm, "tier"), block_size=16384, **kw)
+
+
+def _blocks(d: str) -> set:
+    return {f for _r, _d, fs in os.walk(os.path.join(d, "blocks")) for f in fs}
+
+
+def test_the_tier_must_be_in_host_memory(tmp_path, shm):
+    assert fs_type(str(tmp_path)) not in ("tmpfs", "ramfs")  # (this machine's /tmp is a disk)
+    with pytest.raises(InvalidArgument, match="not in host memory"):
+        tsck.open_store(str(tmp_path / "remote"), memory=str(tmp_path / "tier"))
+    assert not (tmp_path / "remote").exists()  # refused before anything was made
+    assert memory_dir(os.path.join(shm, "a", "b"), "x").startswith(shm)  # (a directory not made yet)
+    here = memory_dir(True, str(tmp_path / "remote"))
+    assert here.startswith(SHM + "/") and here.endswith("/rank0")
+    for bad in (dict(memory=os.path.join(shm, "t"), local=str(tmp_path / "nvme")), dict(memory=7),
+                dict(durable_every=2), dict(local=str(tmp_path / "nvme"), durable_every=0),
+                dict(local=str(tmp_path / "nvme"), durable_every=True)):
+        with pytest.raises(InvalidArgument):
+            tsck.open_store(str(tmp_path / "remote"), **bad)
+    with _open(tmp_path, shm) as store, pytest.raises(InvalidArgument, match="tier_only"):
+        store.put_snapshot(_state(0), ref="j/main", meta={"tier_only": True})  # the store's own mark
+
+
+def test_every_nth_snapshot_reaches_the_remote_and_the_others_hold_the_tier_until_superseded(tmp_path, shm):
+    """durable_every=3: steps 1 and 4 are uploaded, 2, 3 and 5 stay in memory (their commit
+    says so). Each tier-only snapshot is dropped from the tier, its own blocks deleted, once
+    the next snapshot of its ref is published there; the durable ones stay (no budget), and
+    the newest, step 5, is what a checkout of the ref reads, from memory. A new process
+    (the same tier reopened) queues none of the tier-only snapshots."""
+    tier = os.path.join(shm, "tier")
+    with _open(tmp_path, shm, durable_every=3) as store:
+        infos = []
+        for step in range(1, 6):
+            infos.append(store.put_snapshot(_state(step), ref="j/main", step=step))
+            if step == 2:
+                mine = _blocks(tier)
+        assert store.wait_durable(timeout=60)
+        only = [i.step for i in infos if i.meta.get("tier_only")]
+        assert only == [2, 3, 5], only
+        assert [h.step for h in store.log("j/main")] == [5, 4, 1]  # 2 and 3 superseded, gone
+        assert [h.durable for h in store.log("j/main")] == [False, True, True]
+        assert torch.equal(store.checkout("j/main")["w"], _state(5)["w"])
+        # step 2's own block left the tier with it (the shared one stays)
+        gone = mine - _blocks(tier)
+        assert len(gone) == 1, gone
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert [h.step for h in remote.log("j/main")] == [4, 1]
+        assert remote.resolve("j/main") == infos[3].root
+    with _open(tmp_path, shm, durable_every=3) as store:  # a new process: nothing tier-only queued
+        assert store.wait_durable(timeout=60)
+        assert store.resolve("j/main") == infos[4].root
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert [h.step for h in remote.log("j/main")] == [4, 1]
+
+
+def test_a_tag_on_a_tier_only_snapshot_makes_it_durable(tmp_path, shm):
+    """A tag is a promise to keep: the tier-only snapshot it names is sent to the remote
+    (with the tag), and the tier keeps it after a newer snapshot supersedes it."""
+    with _open(tmp_path, shm, durable_every=5) as store:
+        store.put_snapshot(_state(1), ref="j/main", step=1)
+        two = store.put_snapshot(_state(2), ref="j/main", step=2)
+        assert two.meta.get("tier_only") is True
+        store.tag("best", "j/main")
+        assert store.wait_durable(timeout=60)
+        store.put_snapshot(_state(3), ref="j/main", step=3)
+        assert [h.step for h in store.log("j/main")] == [3, 2, 1]  # the tag keeps 2 here too
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert remote.resolve("best") == two.root
+        assert torch.equal(remote.checkout("best")["w"], _state(2)["w"])
+        assert remote.resolve("j/main") != two.root  # held, not moved to: the remote ref stays on step 1
