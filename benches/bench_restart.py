@@ -32,6 +32,8 @@ Places (--modes):
             there, before the rendezvous and the model): the rank's part read into the page
             cache while the job joins the group and builds its objects (read/prefetch.py)
   peer      the same, rank 1's tier deleted: its part comes from its peer's replica
+  memory    the same with the tiers in host memory (open_store(memory=DIR on /dev/shm)): rank
+            1's lost, its part from its peer's memory
   s3        open_store(s3://...) alone (a moto server started here)
 Before each restart every file of the stores and tiers on disk has its page-cache pages
 dropped (posix_fadvise DONTNEED), so reads come from the disk. In the tier mode each rank
@@ -129,7 +131,7 @@ def rank_main(cfg: dict) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     kw = dict(refs=cfg["refs"], storage_options=cfg["opts"]) if cfg["url"].startswith("s3://") else {}
     if cfg["tiers"]:
-        kw.update(local=os.path.join(cfg["tiers"], f"node{rank}"), replicas=1)
+        kw.update({"memory" if cfg.get("memory") else "local": os.path.join(cfg["tiers"], f"node{rank}")}, replicas=1)
     store = pf = None
     if cfg.get("prefetch") and cfg["phase"] == "restart":  # first thing: the store opened, the reads begun
         store = tsck.open_store(cfg["url"], **kw)
@@ -302,12 +304,13 @@ def main() -> int:
         rank_main(json.load(open(a.rank_main)))
         return 0
     modes = [m for m in a.modes.split(",") if m]
-    if set(modes) - {"disk", "tier", "tierpf", "peer", "s3"}:
-        ap.error("--modes: disk, tier, tierpf, peer, s3")
+    if set(modes) - {"disk", "tier", "tierpf", "peer", "memory", "s3"}:
+        ap.error("--modes: disk, tier, tierpf, peer, memory, s3")
     import torch
     scratch = tempfile.mkdtemp(prefix="tsck-bench-restart-", dir=a.dir)
+    shm = tempfile.mkdtemp(prefix="tsck-bench-restart-", dir="/dev/shm") if "memory" in modes else None
     moto, opts = (None, None)
-    if set(modes) & {"tier", "tierpf", "peer", "s3"}:
+    if set(modes) & {"tier", "tierpf", "peer", "memory", "s3"}:
         moto, opts = start_moto()
         import s3fs
         s3fs.S3FileSystem(**opts).mkdir("bench-restart")
@@ -326,10 +329,12 @@ def main() -> int:
                 url = os.path.join(d, "store") if mode == "disk" else f"s3://bench-restart/{mode}-{world}-{int(mb)}-{rep}"
                 cfg = {"url": url, "opts": opts, "refs": os.path.join(d, "refs.lmdb"), "mb": mb,
                        "tiers": os.path.join(d, "tiers") if mode in ("tier", "tierpf", "peer") else None,
-                       "out": d, "plain": False, "prefetch": mode == "tierpf"}
+                       "out": d, "plain": False, "prefetch": mode == "tierpf", "memory": mode == "memory"}
+                if mode == "memory":  # the tiers in host memory (a tmpfs), as open_store(memory=) keeps them
+                    cfg["tiers"] = os.path.join(shm, f"{mode}-{world}-{mb:g}-{rep}")
                 launch(world, dict(cfg, phase="save"))
-                if mode == "peer":
-                    shutil.rmtree(os.path.join(d, "tiers", "node1"))
+                if mode in ("peer", "memory"):
+                    shutil.rmtree(os.path.join(cfg["tiers"], "node1"))
                 _evict(d)
                 got = launch(world, dict(cfg, phase="restart", plain=mode == "tier"))
                 assert all(r["same"] for r in got), f"{mode} at {world}: a rank restored other bytes"
@@ -346,6 +351,8 @@ def main() -> int:
             moto.terminate()
             moto.wait()
         shutil.rmtree(scratch, ignore_errors=True)
+        if shm:
+            shutil.rmtree(shm, ignore_errors=True)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(rows, f)
