@@ -70,8 +70,12 @@ def memory_dir(memory, url: str) -> str:
         if fs_type(DEFAULT_ROOT) not in MEMORY_FS:
             raise InvalidArgument(f"memory=True keeps the tier under {DEFAULT_ROOT}, which is not a tmpfs here: "
                                   "give memory= a directory on one (mount -t tmpfs), or use local= for a disk tier")
+        rank = os.environ.get("RANK", "0")
+        if not rank.isdigit():
+            raise InvalidArgument(f"memory=True names the tier by this process's rank, and RANK={rank!r} is not one: "
+                                  "give memory= a directory of this rank's own")
         tag = hashlib.blake2b(str(url).encode(), digest_size=8).hexdigest()
-        return os.path.join(DEFAULT_ROOT, f"tsck-{os.getuid()}", tag, f"rank{int(os.environ.get('RANK', '0'))}")
+        return os.path.join(DEFAULT_ROOT, f"tsck-{os.getuid()}", tag, f"rank{int(rank)}")
     if not isinstance(memory, (str, os.PathLike)) or not os.fspath(memory):
         raise InvalidArgument(f"memory must be True or a directory path on a tmpfs, got {memory!r}")
     path = os.fspath(memory)

@@ -152,13 +152,6 @@ def _read_table(sock, max_block: int, *, allow_missing: bool):
     return entries, total
 
 
-def _uninitialised(n: int):
-    """A writable buffer of n bytes, not zeroed first: the socket writes every byte of it
-    (bytearray(n) would be one more pass over a batch's 16 MiB)."""
-    import numpy as np
-    return np.empty(n, dtype=np.uint8)
-
-
 def raw_block(d: bytes, mv):
     """The default check: the bytes are the block itself, whose BLAKE3 is its address ->
     the bytes; IntegrityError if they are not."""
@@ -235,7 +228,9 @@ class _Receiver:
 
     def _buffer(self, n: int):
         if self.into is None:
-            return memoryview(_uninitialised(n) if self.alloc is None else self.alloc(n)).cast("B")[:n]
+            # (bytearray, zeroed: a numpy buffer this large asks for huge pages, whose
+            # compaction stalled fresh batches to under half bytearray's rate here)
+            return memoryview(bytearray(n) if self.alloc is None else self.alloc(n)).cast("B")[:n]
         if self.at + n > self.into.nbytes:
             raise FormatError(f"a peer sent more bytes than the {self.into.nbytes} the caller made room for")
         mv = self.into[self.at:self.at + n]

@@ -43,7 +43,7 @@ def _blocks(d: str) -> set:
     return {f for _r, _d, fs in os.walk(os.path.join(d, "blocks")) for f in fs}
 
 
-def test_the_tier_must_be_in_host_memory(tmp_path, shm):
+def test_the_tier_must_be_in_host_memory(tmp_path, shm, monkeypatch):
     assert fs_type(str(tmp_path)) not in ("tmpfs", "ramfs")  # (this machine's /tmp is a disk)
     with pytest.raises(InvalidArgument, match="not in host memory"):
         tsck.open_store(str(tmp_path / "remote"), memory=str(tmp_path / "tier"))
@@ -51,6 +51,12 @@ def test_the_tier_must_be_in_host_memory(tmp_path, shm):
     assert memory_dir(os.path.join(shm, "a", "b"), "x").startswith(shm)  # (a directory not made yet)
     here = memory_dir(True, str(tmp_path / "remote"))
     assert here.startswith(SHM + "/") and here.endswith("/rank0")
+    monkeypatch.setenv("RANK", "3")
+    assert memory_dir(True, str(tmp_path / "remote")) == here[:-1] + "3"
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(InvalidArgument, match="RANK"):
+        memory_dir(True, str(tmp_path / "remote"))
+    monkeypatch.delenv("RANK")
     for bad in (dict(memory=os.path.join(shm, "t"), local=str(tmp_path / "nvme")), dict(memory=7),
                 dict(durable_every=2), dict(local=str(tmp_path / "nvme"), durable_every=0),
                 dict(local=str(tmp_path / "nvme"), durable_every=True)):
