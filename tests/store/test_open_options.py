@@ -73,13 +73,15 @@ def test_the_options_in_groups_keep_their_names(tmp_path):
              if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert names == ["create", "block_size", "inline_threshold", "compression", "verify", "pack_size", "refs",
                      "create_refs",
-                     "read_only", "local", "local_budget", "replicas", "early_upload", "write_bandwidth",
+                     "read_only", "local", "local_budget", "replicas", "early_upload", "memory", "durable_every",
+                     "write_bandwidth",
                      "write_concurrency", "workers", "max_inflight", "retry_budget", "when_busy", "saver",
                      "saver_nice", "host_memory", "storage_options", "wrap_storage", "gc_lease", "shared_reads",
                      "watch_writes"]
     with tsck.open_store(tmp_path / "s", create=True, block_size=4096, inline_threshold=64, compression="lz4",
                          verify=True, pack_size=1 << 20, refs=None, create_refs=False, read_only=False, local=tmp_path / "tier",
-                         local_budget=1 << 30, replicas=0, early_upload=False, write_bandwidth=1e9,
+                         local_budget=1 << 30, replicas=0, early_upload=False, memory=None, durable_every=1,
+                         write_bandwidth=1e9,
                          write_concurrency=4, workers=2, max_inflight=2, retry_budget=1.0, when_busy="wait",
                          saver="thread", saver_nice=10, host_memory=1 << 30, storage_options=None,
                          wrap_storage=lambda s: s, gc_lease=30.0, shared_reads=False, watch_writes=True) as s:
