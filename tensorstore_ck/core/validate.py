@@ -14,7 +14,13 @@ from ..util.ids import parse_hex
 # kept it out of the remote store (tier/memory.py); no caller's meta may hold it.
 TIER_ONLY = "tier_only"
 
-__all__ = ["UNSET", "SnapshotArgs", "check_snapshot_args", "check_plain", "check_step", "TIER_ONLY"]
+
+def tier_only(meta) -> bool:
+    """Whether a commit's (or catalog row's) meta marks a tier-only snapshot. Stored bytes:
+    anything but a true bool is not the mark."""
+    return isinstance(meta, dict) and meta.get(TIER_ONLY) is True
+
+__all__ = ["UNSET", "SnapshotArgs", "check_snapshot_args", "check_plain", "check_step", "TIER_ONLY", "tier_only"]
 
 class _Unset:
     """expected= not given: the ref moves wherever it points. A singleton that stays

@@ -50,7 +50,7 @@ import numpy as np
 
 from ..core.core import DEFAULT_LEASE, Core
 from ..core.roles import GcTable
-from ..core.validate import TIER_ONLY
+from ..core.validate import tier_only
 from ..core.walk import walk_commit
 from ..errors import (FormatError, GcBusy, IntegrityError, InvalidArgument, RebuildUnfinished, TsckError,
                       UnreadableObject)
@@ -152,7 +152,7 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
         for sr, row in rows if tier else ():
             newest[sr.ref] = max(newest.get(sr.ref, sr.time), sr.time)
         for sr, row in rows:
-            superseded = (tier and _tier_only(row) and sr.root not in protected
+            superseded = (tier and tier_only(row.get("meta")) and sr.root not in protected
                           and newest.get(sr.ref, sr.time) > sr.time)
             reasons = protected.get(sr.root, []) + ([] if superseded else why.get(sr.root, []))
             out.append({"root": sr.root, "ref": row.get("ref"), "job": job, "step": sr.step, "time": sr.time,
@@ -166,11 +166,6 @@ def is_tier_table(core: Core) -> bool:
     """Whether `core`'s table is a local tier's (it has queued uploads): where tier-only
     snapshots are expired once superseded."""
     return core.refs.tier_rows.upload_last_seq() > 0
-
-
-def _tier_only(row: dict) -> bool:
-    meta = row.get("meta")
-    return isinstance(meta, dict) and meta.get(TIER_ONLY) is True
 
 
 def superseded_tier_only(core: Core, job: str) -> bool:

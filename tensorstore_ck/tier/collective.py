@@ -40,6 +40,7 @@ import msgpack
 
 from ..core.walk import by_kind, walk_commit, walk_tree
 from ..errors import IntegrityError, TsckError, UnreadableObject
+from .memory import TIER_ONLY, drop_superseded, tier_only
 from .reads import Here, ReadChain, Remote, missing_only
 
 __all__ = ["CollectiveTier", "upload_part", "upload_world", "PART_WAIT", "KEEP_PREFIX"]
@@ -81,7 +82,6 @@ class CollectiveTier:
         rank's node (Peers.commit_meta: whom a restore asks for its copies); tier-only
         when the schedule keeps the snapshot out of the remote (every rank learns it
         from the commit it adopts)."""
-        from .memory import TIER_ONLY
         meta = {} if self.peers is None else self.peers.commit_meta()
         if self.schedule is not None and not self.schedule.durable(ref):
             meta[TIER_ONLY] = True
@@ -178,7 +178,6 @@ class CollectiveTier:
         """Every rank once the snapshot is published locally: queue its upload (rank 0: the
         snapshot; another rank: its part, the sub-tree `tree`); with replicas, send the
         part to the peers in the background."""
-        from .memory import drop_superseded, tier_only
         root = bytes.fromhex(info.root)  # (rank 0's part is marked with its move, the others' by adopt)
         only = tier_only(info.meta)
         if not only:

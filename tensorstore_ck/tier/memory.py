@@ -24,7 +24,7 @@ import hashlib
 import logging
 import os
 
-from ..core.validate import TIER_ONLY
+from ..core.validate import TIER_ONLY, tier_only
 from ..errors import GcBusy, InvalidArgument, TsckError
 
 __all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "fs_type", "Schedule", "tier_only", "drop_superseded"]
@@ -32,12 +32,6 @@ __all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "fs_type", "Schedule", "tier_
 log = logging.getLogger(__name__)
 MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose files are host memory
 DEFAULT_ROOT = "/dev/shm"
-
-
-def tier_only(meta) -> bool:
-    """Whether a commit's (or catalog row's) meta marks a tier-only snapshot. Stored bytes:
-    anything but a true bool is not the mark."""
-    return isinstance(meta, dict) and meta.get(TIER_ONLY) is True
 
 
 def fs_type(path: str) -> str | None:

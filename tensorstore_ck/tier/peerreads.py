@@ -105,7 +105,8 @@ class FromPeers(Source):
         import numpy as np
         # Each block is decoded and checked in its first destination, on the fetch's
         # checking thread while the socket reads on: no pass over it here but the copies
-        # into any other destinations.
+        # into any other destinations. (A block of another length is decoded apart and
+        # passed over below.)
         into = {d: memoryview(outs[0]).cast("B") for d, outs in by_digest.items()}
 
         def check(d, mv):
@@ -122,11 +123,9 @@ class FromPeers(Source):
                 src = memoryview(raw).cast("B")
                 if any(memoryview(o).cast("B").nbytes != src.nbytes for o in outs):
                     continue  # (a length the manifest does not give it: the chain reports it)
-                for o in outs:
-                    dst = memoryview(o).cast("B")
-                    if not _same_memory(dst, src):
-                        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-                    filled.add((d, id(o)))
+                for o in outs[1:]:  # (src is outs[0]'s memory)
+                    np.copyto(np.frombuffer(memoryview(o).cast("B"), dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+                filled.update((d, id(o)) for o in outs)
                 if tally is not None:
                     for _o in outs:
                         tally.add(self.name, "block", d)
@@ -155,13 +154,6 @@ class FromPeers(Source):
             finally:
                 for f in flight:
                     f.cancel()
-
-
-def _same_memory(a: memoryview, b: memoryview) -> bool:
-    """Whether two byte views of one length are the same memory."""
-    import numpy as np
-    pa, pb = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
-    return pa.__array_interface__["data"][0] == pb.__array_interface__["data"][0]
 
 
 class _Filled:

@@ -40,6 +40,7 @@ from ..write.saver import Saver, executor_for
 from .budget import fit_budget, tier_bytes
 from .collective import KEEP_PREFIX
 from .holds import held, publish_holds, upload_hold
+from .memory import tier_only
 from .outage import Outage, heals, said_after_stop
 
 __all__ = ["Uploader", "RETRY_PAUSE", "BUDGET_WAIT", "TEE_BYTES", "early_default"]
@@ -229,7 +230,6 @@ class Uploader:
         snapshot of that ref superseded before the kill is not sent). The same for a
         rank's part of a collective snapshot (its row is written before the enqueue). A
         tier-only snapshot (durable_every) was never to be queued: it is left."""
-        from .memory import tier_only
         refs = self.local.refs
         for part in refs.tier_rows.intents_queue():
             log.debug("local tier: queueing this rank's part %s of a collective snapshot: it was written, and the "
