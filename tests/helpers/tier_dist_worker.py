@@ -307,6 +307,14 @@ def rput_body(rank, world, out, res, cfg):
         res["placed"] = infos[-1].meta.get("nodes")  # (the commit's record of each rank's node)
         res["tier_only"] = [bool(i.meta.get("tier_only")) for i in infos]
         res["sent_at_return"] = store._tier.peers.sent  # (a tier-only put returns once its copies are sent)
+        if cfg.get("durable_every") and rank == 0:  # a tag on the tier-only tip: refused, nothing tagged
+            import tensorstore_ck as tsck
+            try:
+                store.tag("keep", REF)
+                res["tag"] = "made"
+            except tsck.InvalidArgument as e:
+                res["tag"] = f"refused: {e}"
+            res["tags"] = sorted(store.reftable.tags())
         res["waited"] = store.wait_durable(timeout=240)
         res["sent"], res["refused"] = store._tier.peers.sent, store._tier.peers.refused
         dist.barrier()

@@ -300,8 +300,9 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
     """The memory tier: 4 ranks on 2 simulated nodes (a, a, b, b), each rank's tier in host
     memory (memory=, on /dev/shm), replicas=1, durable_every=3. Step 1 is uploaded, step 2
     stays in memory: every rank's commit says so, and the remote store holds step 1 alone.
-    The put of step 2 returns once each part's copy is on a rank of the other node; a gc of
-    each rank's tier keeps its part and the copies it holds. Node b is lost (its ranks'
+    The put of step 2 returns once each part's copy is on a rank of the other node; a tag
+    on it is refused (the other ranks' parts would never be sent); a gc of each rank's
+    tier keeps its part and the copies it holds. Node b is lost (its ranks'
     memory gone) and its ranks come back on new nodes d and e: every rank restores step 2,
     the newest, bit for bit, ranks 2 and 3 from node a's memory, and no rank reads the
     remote store."""
@@ -315,6 +316,9 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
         assert all(r["tier_only"] == [False, True] for r in res), [r["tier_only"] for r in res]
         assert all(r["waited"] is True and r["sent"] > 0 and r["refused"] == 0 for r in res)
         assert all(r["sent_at_return"] == r["sent"] for r in res), [(r["sent_at_return"], r["sent"]) for r in res]
+        # a tag must keep its snapshot durable, and no rank would send the others' parts: refused, nothing made
+        assert res[0]["tag"].startswith("refused: ") and "tier-only" in res[0]["tag"], res[0]["tag"]
+        assert res[0]["tags"] == [], res[0]["tags"]
         assert all(r["gc"] == "ran" and r["gc_lost"] == [] for r in res), [(r["gc"], r["gc_lost"]) for r in res]
         with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
             assert [h.step for h in remote.log(REF)] == [1]
