@@ -158,8 +158,9 @@ def test_the_client_slows_down_while_throttled(tmp_path, throttle, s3_url, statu
         assert _equal(store.checkout("j/main"), st)
 
 
-# (the 70% share with fewer objects: its put runs about three times as long per object)
-@pytest.mark.parametrize("share,n", [(0.5, 100), (0.7, 40)])
+# (a 70% share passes too, but its put's time is its unluckiest request's run of refusals
+# and backoffs: 84-264 s for 6 to 40 objects, against 47 s for this one)
+@pytest.mark.parametrize("share,n", [(0.5, 100)])
 def test_a_steady_share_of_slowdown_answers_slows_the_put_but_never_starves_it(tmp_path, throttle, s3_url, share, n):
     """Every request of a put of n objects (their HEADs and PUTs, the nodes', the
     commit's) answered SlowDown with a seeded probability, from its first request to

@@ -39,8 +39,8 @@ def _proxied(pg_dsn: str) -> tuple[NetProxy, str]:
 def test_puts_through_a_tier_go_on_while_the_remote_ref_table_is_away(tmp_path, pg_dsn, away, early):
     """The remote table stops answering (blackout) or refuses connections (outage) after
     step 0 is durable. Steps 1 and 2 put through the tier return, not durable, without a
-    request to the remote table: with the default retry budget (60 s) a put that asked it
-    would wait out the budget and fail. close(timeout=1) returns within its bound
+    request to the remote table: a put that asked it would wait out the retry budget (5 s
+    here: show() resolves the ref in both tables and waits it out) and fail. close(timeout=1) returns within its bound
     (timeout, the uploader's stop grace, a margin: its pool's threads in a connect are not
     waited for) and says that 2 snapshots stay queued. With the server back, a fresh open
     of the tier makes step 2 durable. With the early upload too (its fence is the one the
@@ -48,7 +48,7 @@ def test_puts_through_a_tier_go_on_while_the_remote_ref_table_is_away(tmp_path, 
     proxy, dsn = _proxied(pg_dsn)
     remote, tier = f"file://{tmp_path}/remote", str(tmp_path / "tier")
     try:
-        s = tsck.open_store(remote, refs=dsn, local=tier, early_upload=early)
+        s = tsck.open_store(remote, refs=dsn, local=tier, early_upload=early, retry_budget=5)
         s.put_snapshot(counter_state(0, 4096), ref="job/main", step=0)
         assert s.wait_durable(timeout=120)
         proxy.blackout() if away == "blackout" else proxy.outage(float("inf"))
