@@ -824,7 +824,8 @@ class Store:
             # Rank 0 resolves the target in both tiers (the newer snapshot, as for one
             # process); every rank reads its region through its own tier, the remote behind.
             return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root, read=read,
-                                                     share=self._share_for, shares=self._shares), target)
+                                                     share=self._share_for, shares=self._shares,
+                                                     tip=self._tier.own_tip, newest=self._tier.newest_of), target)
         roots = self._tier_roots(target)
         for i, root in enumerate(roots):
             try:

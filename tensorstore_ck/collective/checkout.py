@@ -15,6 +15,7 @@ from .naming import ranks_named
 # The shared keys of a checkout whose root was posted (no abort).
 _CHECKOUT_KEYS = ["hello_n", "hello_all", "tsum", "root", "acked", "ack_all"]
 _SHARED = "+shared"  # after the root: the ranks read the blocks several of them read once (shared.py)
+_TIP = b"\0"  # in a hello, after the target: the rank's own tier's newest snapshot of it (job.tip)
 
 
 def _target_hash(spelled: str) -> int:
@@ -28,7 +29,8 @@ def _target_disagreement(ch: Channel, root: Digest, spelled: str, resolve) -> st
     (its ref, its root) is agreement. -> the refusal, or None."""
     asked: dict = {}
     for r in range(ch.world):
-        t = ch.get(f"hello/{r}").decode(errors="replace") if ch.kv.check([ch.pfx + f"hello/{r}"]) else "?"
+        t = (ch.get(f"hello/{r}").partition(_TIP)[0].decode(errors="replace") if ch.kv.check([ch.pfx + f"hello/{r}"])
+             else "?")
         asked.setdefault(t, []).append(r)
     roots = {spelled: root.hex()}
     for t in list(asked)[:8]:
@@ -59,9 +61,16 @@ def collective_checkout(job: CollectiveJob, target):
     resolve, read = job.resolve, job.read
     spelled = target if isinstance(target, str) else repr(target)
 
+    tip = job.tip(spelled) if job.tip is not None and ch.rank != 0 else b""
+
     def hello():
         ch.add("tsum", _target_hash(spelled))
-        ch.arrive("hello", spelled.encode(), ch.world)  # (after tsum: rank 0 reads it once all arrived)
+        # (after tsum: rank 0 reads it once all arrived)
+        ch.arrive("hello", spelled.encode() + (_TIP + tip if tip else b""), ch.world)
+
+    def tips() -> list:
+        """Rank 0: the tips the other ranks posted (one request for all)."""
+        return [v.partition(_TIP)[2] for v in ch.get_many([f"hello/{r}" for r in range(1, ch.world)])]
 
     def sharing(shares: bool):
         return job.share(ch) if shares else None
@@ -82,6 +91,8 @@ def collective_checkout(job: CollectiveJob, target):
     def agree():
         ch.wait_for(["hello_all"], "arrive", "hello", of_ranks=True)  # (the hellos are read only if they differ)
         root = resolve(target)
+        if job.newest is not None:
+            root = job.newest(spelled, root, tips)
         if ch.add("tsum", 0) != ch.world * _target_hash(spelled):
             problem = _target_disagreement(ch, root, spelled, resolve)
             if problem is not None:  # every rank raises it as what it is

@@ -315,13 +315,17 @@ class PutCall:
         except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
             warnings.warn(f"snapshot {info.root[:16]} was published locally, but its top nodes could not be "
                           f"handed to the other ranks: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
-        info = tier.published(info, self.part["tree"], True)
-        ch.ack()  # (it holds the outcome and reads nothing of the call's after: the others' acks come after)
+        agree = tier.agrees_after(info)  # (a tier-only snapshot's copies: agreed after the others hold the result)
+        if not agree:
+            info = tier.published(info, self.part["tree"], True)
+            ch.ack()  # (it holds the outcome and reads nothing of the call's after: the others' acks come after)
         try:
             ch.set(result_key(ch.round), info.root.encode())
         except Exception as e:  # noqa: BLE001 - the ref moved: this rank's outcome is a success
             warnings.warn(f"snapshot {info.root[:16]} was published, but the other ranks could not be told: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+        if agree:
+            info = tier.published(info, self.part["tree"], True, ch)
         return info
 
     def revalidation_round(self, body: bytes, fence: int) -> None:
@@ -382,7 +386,7 @@ class PutCall:
             raise
         self.publisher.assets.presence.settle(part.get("fence", self.fence))  # published: what this rank wrote is there
         _published(ch, self.need, tier.own_tables)
-        return tier.published(info, part["tree"], False)
+        return tier.published(info, part["tree"], False, ch)
 
     def serve_revalidation(self, done: int) -> int:
         """A rank other than 0, woken by REVAL while waiting for the outcome: do the round

@@ -18,6 +18,7 @@ calls nothing else here.
     placement.py    which ranks of other nodes hold the copies of each rank's part
     stream.py       blocks streamed between peers, many in flight, each checked on arrival
     memory.py       the memory tier's place (a tmpfs) and the schedule of durable snapshots
+    keeper.py       the copies a restore fetched from peers, kept in the tier in the background
 
 Each room imports only those listed below it (pyproject.toml, import-linter).
 """

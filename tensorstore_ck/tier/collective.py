@@ -174,21 +174,63 @@ class CollectiveTier:
             self.uploader.follow(c.get("job"), {kept[i:i + KEEP_PREFIX] for i in range(0, len(kept), KEEP_PREFIX)}
                                  | {root[:KEEP_PREFIX]})
 
-    def published(self, info, tree: bytes, rank0: bool):
+    def agrees_after(self, info) -> bool:
+        """Rank 0: whether this snapshot's publication ends in the copies' agreement
+        (published(ch=)), which the others join once they hold the result: rank 0 posts
+        the result first."""
+        return self.peers is not None and tier_only(info.meta)
+
+    def published(self, info, tree: bytes, rank0: bool, ch=None):
         """Every rank once the snapshot is published locally: queue its upload (rank 0: the
         snapshot; another rank: its part, the sub-tree `tree`); with replicas, send the
-        part to the peers in the background."""
+        part to the peers in the background. A tier-only snapshot with replicas is not
+        queued: its part's copies are sent now, and the ranks agree through `ch` (the
+        call's channel) whether every part has its copies; where one lacks them, every
+        rank queues its part after all (the remote is then the copy the lost one was)."""
         root = bytes.fromhex(info.root)  # (rank 0's part is marked with its move, the others' by adopt)
         only = tier_only(info.meta)
         if not only:
             self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.peers is not None:
-            self.peers.replicate(root, tree)
-            if only:  # its copies are all it has besides this tier: in memory once they are sent
-                self.peers.wait()
+            sent = self.peers.replicate(root, tree)
+            if only and not self.copies_agreed(ch, sent.result(), f"snapshot {info.root[:16]} of ref {info.ref}"):
+                self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.schedule is not None and rank0:  # (the other ranks follow rank 0's tier: top_blob)
             drop_superseded(self.core, info.job)
         return dataclasses.replace(info, durable=False)
+
+    @staticmethod
+    def copies_agreed(ch, mine: bool, what: str) -> bool:
+        """Every rank says whether its part's copies reached all its holders (`mine`); ->
+        whether every rank's did. O(1) requests a rank: a counter of the ranks that said
+        and one of those that failed; the rank that makes the first W posts the second's
+        value, which every rank waits for (up to the call's timeout: a rank that never says
+        counts as a failure). Without a channel (no other rank to ask), this rank's own."""
+        if ch is None:
+            return mine
+        ch.extra += [k for k in _AGREE_KEYS if k not in ch.extra]  # (deleted with the call's keys)
+        try:
+            if not mine:
+                ch.add("copies_bad", 1)
+            if ch.add("copies_n", 1) == ch.world:
+                ch.set("copies_all", str(ch.add("copies_bad", 0)).encode())
+            until = time.monotonic() + ch.timeout
+            while not ch.block(["copies_all"], until):
+                if time.monotonic() >= until:
+                    raise TsckError(f"not every rank said within {ch.timeout:g}s")
+            bad = int(ch.get("copies_all"))
+        except Exception as e:  # noqa: BLE001 - unknown is a failure: the snapshot goes to the remote
+            log.warning("%s (tier-only): the ranks' agreement on their copies failed (%s: %s); this rank's part "
+                        "is queued for upload", what, type(e).__name__, e)
+            return False
+        if bad:
+            log.warning("%s (tier-only): %d rank(s)' part(s) lack a copy on a peer; every rank queues its part "
+                        "for upload: the remote store keeps the snapshot in their place", what, bad)
+        return bad == 0
+
+
+# The keys of the copies' agreement (CollectiveTier.copies_agreed), in the call's channel.
+_AGREE_KEYS = ("copies_n", "copies_bad", "copies_all")
 
 
 class _Pending(TsckError):

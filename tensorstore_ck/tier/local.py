@@ -14,8 +14,11 @@ import logging
 import time
 import warnings
 
+import msgpack
+
 from ..core.core import Core
 from ..errors import InvalidArgument, RefNotFound, SnapshotWarning, StorageError, TsckError
+from ..util.ids import DIGEST_SIZE, Digest
 from ..write.saver import Saver
 from .collective import CollectiveTier
 from .holds import (delete_ref_both, forget_both, held, pin_both, tag_both, undelete_both, unheld, unpin_both,
@@ -221,6 +224,50 @@ class LocalTier:
         if len(found) == 2 and newer(found[1][2], found[0][2]):
             found.reverse()
         return [root for _, root, _ in found]
+
+    def own_tip(self, target: str) -> bytes:
+        """A collective checkout's hello (with replicas): this rank's tier's newest snapshot
+        of ref `target` (a rank other than 0 keeps its part's row, not the ref), as its
+        root and msgpack [step, time]; b"" for none, or without replicas (a part lost with
+        rank 0's node would have no copy to read it from)."""
+        if self.peers is None:
+            return b""
+        best = None
+        for root, row in self.core.refs.catalog_iter(bad=[]):
+            if row.get("ref") == target and newer(row, best and best[1]):
+                best = (root, row)
+        return b"" if best is None else bytes(best[0]) + msgpack.packb([best[1].get("step"), best[1].get("time")])
+
+    def newest_of(self, target: str, root, posted) -> Digest:
+        """Rank 0 of a collective checkout (with replicas), `root` resolved through its
+        tiers: where this rank's own tier lacks ref `target` (its node lost: a new one),
+        the newest snapshot another rank's tier holds (posted(): their own_tip, read only
+        on this path), if it is newer than `root`. A tier-only snapshot is then read, rank
+        0's part from the peers holding its copies, not the older durable one the remote
+        names; every rank reads the one root rank 0 names (never a mix)."""
+        if self.peers is None:
+            return root
+        try:
+            self.core.resolve(target)
+            return root  # (the tier knows the ref: roots() already chose the newer)
+        except RefNotFound:
+            pass
+        best, best_row = root, self.remote.refs.catalog_get(root, checked=False)
+        for tip in posted():
+            if len(tip) <= DIGEST_SIZE:
+                continue
+            try:  # (another rank's word: anything but [step, time] is passed over)
+                step, when = msgpack.unpackb(tip[DIGEST_SIZE:])
+                row = {"step": step if type(step) is int else None, "time": float(when)}
+            except (ValueError, TypeError, msgpack.ExtraData, msgpack.UnpackException):
+                continue
+            if newer(row, best_row):
+                best, best_row = Digest(tip[:DIGEST_SIZE]), row
+        if best != root:
+            log.info("collective checkout of %s: this rank's tier lost it; snapshot %s (step %s), which the other "
+                     "ranks' tiers hold, is newer than what the remote store names", target, best.hex()[:16],
+                     best_row.get("step"))
+        return best
 
     def read_core(self) -> Core:
         """The Core to read a snapshot roots() named through: the tier's objects, the

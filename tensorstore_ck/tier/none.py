@@ -63,6 +63,8 @@ class NoTier:
     def reads_for(self, collective: bool):
         return self.core.assets
 
+    own_tip = newest_of = None  # (one table for all ranks: rank 0 resolves what every rank holds)
+
     @staticmethod
     def served(reads):
         return reads
@@ -145,7 +147,11 @@ class NoCollective:
     def adopt_posted(self, ch, root: bytes, part: bytes) -> None:
         pass
 
-    def published(self, info, tree: bytes, rank0: bool):
+    @staticmethod
+    def agrees_after(info) -> bool:
+        return False
+
+    def published(self, info, tree: bytes, rank0: bool, ch=None):
         return info
 
     def abandon(self, part: bytes) -> None:

@@ -16,9 +16,10 @@ from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
 from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, serve
+from .keeper import Keeper, keep_copy
 from .stream import StreamServer, fetch as stream_fetch
 
-__all__ = ["Peers", "PEER_TIMEOUT", "KEEP_QUEUED", "FETCH_BYTES", "FETCH_DEPTH", "decoded_frame"]
+__all__ = ["Peers", "PEER_TIMEOUT", "FETCH_BYTES", "FETCH_DEPTH", "decoded_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Peers:
         self.strangers = 0  # connections refused for not proving they are of the job (util/net.py)
         self._secret: bytes | None = None
         self._idle: dict[int, list] = {}  # peer -> connections between two requests (fetch_checked)
-        self._keeper = _Keeper(core.storage)
+        self._keeper = Keeper(core.storage)
         self._stream = None  # the StreamServer a restore's batched fetches ask (stream.py)
         self.streamed = self.stream_fetches = 0  # blocks got by batched fetches, and the fetches
         self._stream_dead: set[int] = set()  # holders whose block stream failed (not asked again)
@@ -273,12 +274,15 @@ class Peers:
     def _ask(conn, op: bytes, kind: str, d: bytes, data: bytes = b""):
         conn.sendall(op + _CODES[kind] + d + len(data).to_bytes(8, "big") + data)
 
-    def replicate(self, root: bytes, tree: bytes) -> None:
+    def replicate(self, root: bytes, tree: bytes):
         """In the background: send the objects of this rank's part (sub-tree `tree` of
-        snapshot `root`) that its tier holds to each holder that lacks them."""
+        snapshot `root`) that its tier holds to each holder that lacks them. -> a future:
+        True once every holder took the whole part, False when one did not (or none was
+        there to take it)."""
         fut = self._send.submit(self._replicate, root, tree)
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()] + [fut]
+        return fut
 
     def wait(self, timeout: float | None = None) -> None:
         from concurrent.futures import wait
@@ -319,14 +323,15 @@ class Peers:
         # got another path from rank 0 (collective.put.rank_paths), and this rank, its tier lost,
         # reads the path from its holders before its part.
         objs += [("node", d) for d in self._path(root) if d not in seen]
-        for peer in self.holders():
+        holders, whole = self.holders(), 0
+        for peer in holders:
             conn = self._connect(peer)
             if conn is None:
                 continue
             with self._lock:
                 if self._cut:
                     conn.close()
-                    return
+                    return False
                 self._live = conn
             try:
                 with conn:
@@ -345,6 +350,7 @@ class Peers:
                     _recv(conn, 1)
                 with self._lock:
                     self.sent += n
+                whole += 1
                 log.debug("peer replicas: snapshot %s: %d object(s) of this rank's part sent to rank %d",
                           root.hex()[:16], n, peer)
             except (OSError, TsckError) as e:
@@ -353,6 +359,7 @@ class Peers:
             finally:
                 with self._lock:
                     self._live = None
+        return bool(holders) and whole == len(holders)
 
     def fetch(self, kind: str, d: bytes, holders: list | None = None) -> bool:
         """Get object `d` from a holder into this rank's tier, checked against its address
@@ -361,7 +368,7 @@ class Peers:
         got = self.fetch_checked(kind, d, holders)
         if got is None:
             return False
-        kept = _keep(self.core.storage, Assets.object_key(kind + "s", d), got[0])
+        kept = keep_copy(self.core.storage, Assets.object_key(kind + "s", d), got[0])
         if kept:
             self._keeper.wrote()
         return kept
@@ -447,7 +454,7 @@ class Peers:
 
     def keep(self, key: str, frame) -> None:
         """Keep a copy fetched from a holder (checked) in this rank's tier, in the
-        background (_Keeper): a cache for the next restore."""
+        background (keeper.py): a cache for the next restore."""
         self._keeper.keep(key, frame)
 
     @contextmanager
@@ -531,120 +538,5 @@ def decoded_frame(d: bytes, mv, out=None):
     return mv, raw
 
 
-class _Keeper:
-    """Keeps the blocks a checkout fetched from peers in this rank's tier, off the
-    checkout's path: a background thread writes them (and makes them durable once it has
-    nothing queued), so the restore spends its CPU and disk on the restore. Only a cache
-    for the next restore: past KEEP_QUEUED bytes waiting, a copy is not kept; a tier that
-    cannot take one costs a warning (_keep)."""
-
-    def __init__(self, storage):
-        import threading
-        self.storage = storage
-        self._queue: list = []
-        self._queued = 0
-        self._cond = threading.Condition()
-        self._thread = None
-        self._closed = self._dirty = False
-        self._paused = 0  # restores fetching now: the writes wait for them (the disk is theirs)
-
-    def pause(self) -> None:
-        """A restore's batched fetches begin: what is queued meanwhile is written once they
-        end (resume), not on the disk and cores the restore is using."""
-        with self._cond:
-            self._paused += 1
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused -= 1
-            self._cond.notify()
-
-    def keep(self, key: str, data) -> None:
-        n = len(data)
-        with self._cond:
-            if self._closed or self._queued + n > KEEP_QUEUED:
-                log.debug("peer replicas: %s fetched from a peer is not kept (%d bytes wait already)", key,
-                          self._queued)
-                return
-            self._queue.append((key, data))
-            self._queued += n
-            self._start()
-            self._cond.notify()
-
-    def wrote(self) -> None:
-        """A copy was written into the tier by the caller (a node, read back at once): the
-        thread makes it durable with the rest."""
-        with self._cond:
-            if self._closed:
-                return
-            self._dirty = True
-            self._start()
-            self._cond.notify()
-
-    def _start(self) -> None:
-        import threading
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tsck-peer-keep", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        import os
-        import threading
-        try:  # a cache's writes yield the CPU to the restore and the training it serves
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), KEEP_NICE)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            with self._cond:
-                if not self._queue and self._dirty and not self._closed:
-                    self._cond.wait(KEEP_SETTLE)  # more may come: one sync for a checkout's copies
-                while (self._paused or (not self._queue and not self._dirty)) and not self._closed:
-                    self._cond.wait()
-                batch, self._queue, self._queued = self._queue, [], 0
-                closed = self._closed
-            wrote = False
-            for key, data in batch:
-                wrote = _keep(self.storage, key, data) or wrote
-            with self._cond:
-                self._dirty = self._dirty or wrote
-                sync = self._dirty and (closed or not self._queue)
-                if sync:
-                    self._dirty = False
-            if sync:  # nothing more came: the copies are named and durable
-                try:
-                    self.storage.sync()
-                except (OSError, TsckError) as e:
-                    log.warning("peer replicas: the copies fetched from peers could not be synced in this "
-                                "rank's tier (%s)", e)
-            if closed:
-                with self._cond:
-                    if not self._queue and not self._dirty:
-                        return
-
-    def close(self) -> None:
-        """Write and sync what is queued, then stop."""
-        with self._cond:
-            thread, self._closed = self._thread, True
-            self._cond.notify()
-        if thread is not None:
-            thread.join()
-
-
-KEEP_QUEUED = 256 << 20  # bytes of fetched copies that may wait to be kept
 FETCH_BYTES = 64 << 20   # a restore's batched fetch from a holder asks about this many bytes at once
 FETCH_DEPTH = 2          # a restore's batched fetches in flight
-KEEP_SETTLE = 0.5  # seconds without a new copy before the kept ones are synced
-KEEP_NICE = 10  # the keeping thread's nice value (Linux: per thread)
-
-
-def _keep(storage, key: str, data) -> bool:
-    """Keep a checked copy fetched from a peer in this rank's tier -> whether it is there.
-    Only a cache for the next restore: a tier that cannot take it (a full disk) costs a
-    warning, never the restore, which has the checked bytes (a node or commit not kept is
-    read from the remote)."""
-    try:
-        storage.put_addressed(key, [data])
-        return True
-    except (OSError, TsckError) as e:
-        log.warning("peer replicas: %s fetched from a peer could not be kept in this rank's tier (%s)", key, e)
-        return False

@@ -301,8 +301,15 @@ def rput_body(rank, world, out, res, cfg):
     import torch.distributed as dist
     holder: dict = {}
     with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
-        infos = [store.put_snapshot(dw.sharded_state(rank, world, v), REF, step=v + 1, timeout=60)
-                 for v in (0, 1)]
+        infos = [store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=60)]
+        if cfg.get("deaf") is not None:  # rank cfg["deaf"]'s peer server stops listening: copies to it fail
+            store._tier.peers.wait()
+            dist.barrier()
+            if rank == cfg["deaf"]:
+                import socket
+                store._tier.peers._sock.shutdown(socket.SHUT_RDWR)
+            dist.barrier()
+        infos.append(store.put_snapshot(dw.sharded_state(rank, world, 1), REF, step=2, timeout=60))
         res["roots"] = [i.root for i in infos]
         res["placed"] = infos[-1].meta.get("nodes")  # (the commit's record of each rank's node)
         res["tier_only"] = [bool(i.meta.get("tier_only")) for i in infos]

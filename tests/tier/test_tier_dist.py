@@ -296,16 +296,18 @@ def test_a_lost_node_restores_from_the_copies_placed_on_other_nodes(tmp_path, s3
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="this machine has no tmpfs at /dev/shm for a memory tier")
-def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory(tmp_path, s3_url, s3_server):
+@pytest.mark.parametrize("lost", [(2, 3), (0, 1)], ids=["node-b", "node-a-with-rank-0"])
+def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory(tmp_path, s3_url, s3_server, lost):
     """The memory tier: 4 ranks on 2 simulated nodes (a, a, b, b), each rank's tier in host
     memory (memory=, on /dev/shm), replicas=1, durable_every=3. Step 1 is uploaded, step 2
     stays in memory: every rank's commit says so, and the remote store holds step 1 alone.
     The put of step 2 returns once each part's copy is on a rank of the other node; a tag
     on it is refused (the other ranks' parts would never be sent); a gc of each rank's
-    tier keeps its part and the copies it holds. Node b is lost (its ranks'
-    memory gone) and its ranks come back on new nodes d and e: every rank restores step 2,
-    the newest, bit for bit, ranks 2 and 3 from node a's memory, and no rank reads the
-    remote store."""
+    tier keeps its part and the copies it holds. A node is lost (its ranks' memory gone)
+    and its ranks come back on new nodes d and e: every rank restores step 2, the newest,
+    bit for bit, the lost node's ranks from the other node's memory, and no rank reads the
+    remote store. With node a lost, rank 0's new tier knows only the remote's step 1: it
+    names step 2 from the tips the other ranks post with their hello."""
     shm = Path("/dev/shm") / f"tsck-test-{tmp_path.name}"
     world = 4
     cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
@@ -323,13 +325,36 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
         with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
             assert [h.step for h in remote.log(REF)] == [1]
         phase = "memlost"
-        out = _run(tmp_path, "rload", {**cfg, "lost": [2, 3], "nodes": ["a", "a", "d", "e"], "phase": phase})
+        nodes = ["d", "e", "b", "b"] if lost == (0, 1) else ["a", "a", "d", "e"]
+        out = _run(tmp_path, "rload", {**cfg, "lost": list(lost), "nodes": nodes, "phase": phase})
         res = _results(out, phase, world)
         _check_view(out, phase, world, 1)
         for r in range(world):
             assert res[r]["remote_reads"] == [], (r, res[r])
-            if r in (2, 3):
+            if r in lost:
                 assert res[r]["streamed"] > 0 and "peer" in res[r]["sources"][0].split("+"), (r, res[r])
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_memory_only_snapshot_one_of_whose_copies_failed_is_uploaded_in_its_place(tmp_path, s3_url, s3_server):
+    """As above (4 ranks on nodes a, a, b, b, memory tiers, replicas=1, durable_every=3),
+    but rank 3's peer server stops listening after step 1: the copy of step 2's part
+    that a rank of node a sends it fails. The ranks agree that a part lacks its copy, and
+    every rank queues its part after all: the remote store lists step 2 (its commit still
+    says the schedule kept it out), so losing node a now would not lose it."""
+    shm = Path("/dev/shm") / f"tsck-test-{tmp_path.name}"
+    world = 4
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
+           "memory": True, "durable_every": 3, "tiers": str(shm / "nodes"), "deaf": 3}
+    try:
+        res = _results(_run(tmp_path, "rput", cfg), "rput", world)
+        assert all(r["tier_only"] == [False, True] for r in res), [r["tier_only"] for r in res]
+        assert all(r["waited"] is True for r in res), [r["waited"] for r in res]
+        with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+            assert [h.step for h in remote.log(REF)] == [2, 1]
+            assert remote.show(REF).root == res[0]["roots"][1]
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 
