@@ -130,8 +130,8 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
     tip, tag target or pin is kept whatever the rules say; a job without rules keeps
     everything. In a tier's table, a tier-only snapshot (its commit kept out of the remote
     by open_store(durable_every=): tier/memory.py) that is none of those and has a newer
-    snapshot of its ref here is not kept, whatever the rules say: it was superseded, and
-    the rules keep durable snapshots. A catalog row that does not decode is never expired
+    snapshot of its ref here that is safe (_safe_times) is not kept, whatever the rules
+    say: it was superseded, and the rules keep durable snapshots. A catalog row that does not decode is never expired
     (its snapshot stays kept; fsck reports it); it goes to `bad` as (root, error)."""
     records = core.refs.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
@@ -148,17 +148,35 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
     out = []
     for job, rows in by_job.items():
         why = explain_kept([sr for sr, _row in rows], rules.get(job), now)
-        newest: dict = {}  # ref -> the newest commit time of its rows here (a tier-only one older is superseded)
-        for sr, row in rows if tier else ():
-            newest[sr.ref] = max(newest.get(sr.ref, sr.time), sr.time)
+        safe = _safe_times(core, rows) if tier else {}
         for sr, row in rows:
             superseded = (tier and tier_only(row.get("meta")) and sr.root not in protected
-                          and newest.get(sr.ref, sr.time) > sr.time)
+                          and safe.get(sr.ref, sr.time) > sr.time)
             reasons = protected.get(sr.root, []) + ([] if superseded else why.get(sr.root, []))
             out.append({"root": sr.root, "ref": row.get("ref"), "job": job, "step": sr.step, "time": sr.time,
                         "metrics": sr.metrics, "keep": bool(reasons),
                         "why": reasons or ["tier-only, superseded" if superseded else "no rule keeps it"]})
     out.sort(key=lambda d: (d["job"], str(d["ref"]), d["time"]))
+    return out
+
+
+def _safe_times(core: Core, rows: list) -> dict:
+    """ref -> the commit time of its newest snapshot in this tier that stands in for an
+    older tier-only one: durable (uploaded), or tier-only with a newer snapshot after it
+    (its put returned, so its parts' copies were agreed: tier/collective.py). Not the newest
+    tier-only snapshot (its copies may still be in flight), nor one queued for upload and
+    not there yet: a node lost then would leave the older one the newest whole snapshot."""
+    durable = core.refs.tier_rows.durable([sr.root for sr, _row in rows])
+    by_ref: dict = {}
+    for sr, row in rows:
+        by_ref.setdefault(sr.ref, []).append((sr.time, sr.root, tier_only(row.get("meta"))))
+    out = {}
+    for ref, snaps in by_ref.items():
+        snaps.sort(key=lambda t: t[0], reverse=True)
+        for i, (when, root, only) in enumerate(snaps):
+            if root in durable or (only and i > 0):
+                out[ref] = when
+                break
     return out
 
 

@@ -11,11 +11,11 @@ on other nodes (replicas=k, placed by node) are there for.
 The schedule: with durable_every=N the first snapshot of a ref a process puts through
 the tier, and then every N-th, is uploaded; the others stay in the tiers, their commit
 marked `tier_only` (docs/FORMAT.md). Rank 0 decides for a collective snapshot (the mark
-is in the commit every rank adopts). A tier-only snapshot is kept while it is its ref's
-newest in the tier, with its copies on the holders; once a newer snapshot of the ref is
-published it is expired from the tier (gc.retention_plan), whatever retention's rules
-say: the rules keep durable snapshots, and a tier-only one must never become the only
-copy of a snapshot they keep.
+is in the commit every rank adopts). A tier-only snapshot is kept, with its copies on
+the holders, until a newer snapshot of the ref stands in for it (durable, or a later
+tier-only one whose put returned); then it is expired from the tier (gc.retention_plan),
+whatever retention's rules say: the rules keep durable snapshots, and a tier-only one
+must never become the only copy of a snapshot they keep.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class Schedule:
 
 
 def drop_superseded(core, job: str) -> None:
-    """The tier-only snapshots of `job` a newer snapshot of their ref superseded, expired
+    """The tier-only snapshots of `job` a newer snapshot of their ref stands in for, expired
     from the tier and their objects deleted (gc.prune_job): the tier holds each ref's
     newest, not every snapshot the schedule kept out of the remote. A gc holding the
     tier leaves them to the next put (or that gc)."""

@@ -892,13 +892,15 @@ class Uploader:
         queue entry said "spared", held while it was sent: TierTable.upload_begin) and the
         rules keep it no more, so what that prune would have done is done now."""
         refs = self.local.refs
+        from ..maintain.gc import retention_plan, superseded_tier_only
+        if superseded_tier_only(self.local, job):  # (this upload may be what lets an older tier-only one go)
+            return True
         if job not in refs.retention_all():
             return False
         if expired and refs.catalog_which(expired):
             return True
         if root is None:
             return False
-        from ..maintain.gc import retention_plan
         plan = next((d for d in retention_plan(self.local, refs.wall_now()) if d["root"] == root), None)
         return plan is not None and not plan["keep"]
 

@@ -29,7 +29,7 @@ from tests.sim import check, content  # noqa: E402
 
 import _zygote as zygote
 
-SEEDS = {"file": 20275, "pg": 20262, "s3": 20263, "tier": 20288, "step": 2, "tier-down": 20294, "rollback": 5}
+SEEDS = {"memtier": 4, "file": 20275, "pg": 20262, "s3": 20263, "tier": 20288, "step": 2, "tier-down": 20294, "rollback": 5}
 
 
 # The harness bounds its own rounds (a stuck worker is killed and judged); this limit only
@@ -618,3 +618,21 @@ def test_checker_judges_removals_answers_and_outages_through_tiers(tmp_path):
     ops = check.load_ops(str(tmp_path))
     with tsck.open_store(remote) as s:
         assert check.check_removed(s, ops, []) + tierops.check_tier_ops({"t0": str(tier)}, ops, []) == []
+
+
+@pytest.mark.slow
+def test_harness_memtier():
+    """The memory tier's harness (tests/sim/memtier.py): rounds of a 4-rank job on two
+    simulated nodes, killed (ranks, or a whole node and its memory) at seeded moments,
+    some with a lying peer; M1-M4 after every round. Its seed finds M2 broken (round 2)
+    when a tier-only snapshot is expired as soon as a newer one is published."""
+    seed = int(os.environ.get("SIM_SEED", SEEDS["memtier"]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_", "TEST_S3_"))}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-W", "ignore::UserWarning", "-m", "tests.sim.memtier", "--seed", str(seed),
+           "--rounds", "8"]
+    p = zygote.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "memtier: 8 rounds OK" in out, out[-8000:]
+    ended = re.findall(r"ended (node [ab]|ranks|cleanly)", out)
+    assert len(ended) == 8 and any(e.startswith("node") for e in ended), out[-3000:]

@@ -2,12 +2,13 @@
 durable_every=N); tier/memory.py, docs/design/memtier.md), in one process against a
 remote on this machine's disk: where the tier may live, which snapshots reach the
 remote, and that a snapshot kept out of it holds its tier's room only until a newer one
-of its ref is published. Across ranks and nodes: tests/tier/test_tier_dist.py."""
+of its ref stands in for it. Across ranks and nodes: tests/tier/test_tier_dist.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import tensorstore_ck as tsck
 from tensorstore_ck.errors import InvalidArgument
 from tensorstore_ck.tier.memory import fs_type, memory_dir
+from tensorstore_ck.tier.uploader import Uploader
 
 SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(fs_type(SHM) not in ("tmpfs", "ramfs"),
@@ -113,3 +115,31 @@ def test_a_tag_on_a_tier_only_snapshot_makes_it_durable(tmp_path, shm):
         assert remote.resolve("best") == two.root
         assert torch.equal(remote.checkout("best")["w"], _state(2)["w"])
         assert remote.resolve("j/main") != two.root  # held, not moved to: the remote ref stays on step 1
+
+
+def test_a_tier_only_snapshot_stays_until_a_newer_one_is_safe(tmp_path, shm, monkeypatch):
+    """durable_every=2: step 2 stays in memory, step 3 goes to the remote. While step 3's
+    upload is held back (at the uploader's door), step 2 stays in the tier: lost then, a
+    node would leave step 1 as the newest whole snapshot, though step 2 was committed.
+    Once step 3 is durable, step 2 goes. A tier-only step 4 does not drop step 3 (durable),
+    and step 4 itself stays, the newest."""
+    gate, upload = threading.Event(), Uploader._upload
+
+    def held_back(up, seq, entry):
+        assert gate.wait(60)
+        return upload(up, seq, entry)
+    with _open(tmp_path, shm, durable_every=2) as store:
+        store.put_snapshot(_state(1), ref="j/main", step=1)
+        assert store.wait_durable(timeout=60)
+        monkeypatch.setattr(Uploader, "_upload", held_back)
+        assert store.put_snapshot(_state(2), ref="j/main", step=2).meta.get("tier_only") is True
+        assert not store.put_snapshot(_state(3), ref="j/main", step=3).meta.get("tier_only")
+        assert [h.step for h in store.log("j/main")] == [3, 2, 1]  # (3 queued, held back: 2 stays)
+        store.prune("j")  # (a prune now, as a CheckpointManager runs one: 3 is not durable yet)
+        assert [h.step for h in store.log("j/main")] == [3, 2, 1]
+        gate.set()
+        assert store.wait_durable(timeout=60)
+        assert [h.step for h in store.log("j/main")] == [3, 1]
+        store.put_snapshot(_state(4), ref="j/main", step=4)
+        assert [h.step for h in store.log("j/main")] == [4, 3, 1]
+        assert torch.equal(store.checkout("j/main")["w"], _state(4)["w"])
