@@ -299,6 +299,9 @@ def main() -> int:
                     help="the --big-mb runs, each place this many times (the read rate: their median)")
     ap.add_argument("--dir", default=None, help="where stores and tiers go (default: a temporary folder)")
     ap.add_argument("--json-out", default=None, help="also every rank's figures, as JSON, in this file")
+    ap.add_argument("--s3-endpoint", default=None,
+                    help="an S3 server already running (e.g. radosgw from .ci/start-rgw.sh: $TEST_S3_ENDPOINT, "
+                         "keys from $TEST_S3_KEY and $TEST_S3_SECRET) instead of a moto server started here")
     a = ap.parse_args()
     if a.rank_main:
         rank_main(json.load(open(a.rank_main)))
@@ -311,12 +314,17 @@ def main() -> int:
     shm = tempfile.mkdtemp(prefix="tsck-bench-restart-", dir="/dev/shm") if "memory" in modes else None
     moto, opts = (None, None)
     if set(modes) & {"tier", "tierpf", "peer", "memory", "s3"}:
-        moto, opts = start_moto()
+        if a.s3_endpoint:
+            opts = {"endpoint_url": a.s3_endpoint, "key": os.environ.get("TEST_S3_KEY", "x"),
+                    "secret": os.environ.get("TEST_S3_SECRET", "x")}
+        else:
+            moto, opts = start_moto()
         import s3fs
         s3fs.S3FileSystem(**opts).mkdir("bench-restart")
     print(f"# {os.cpu_count()} cores, torch {torch.__version__}, python {sys.version.split()[0]}; "
-          f"{a.mb_per_rank:g} MB fp32 per rank (4 tensors, different on every rank); S3: moto server "
-          f"{opts['endpoint_url'] if opts else '-'}; stores under {scratch}")
+          f"{a.mb_per_rank:g} MB fp32 per rank (4 tensors, different on every rank); S3: "
+          f"{'the server at' if a.s3_endpoint else 'moto server'} {opts['endpoint_url'] if opts else '-'}; "
+          f"stores under {scratch}")
     print(f"# uptime before: {os.popen('uptime').read().strip()}")
     rows = []
     try:
