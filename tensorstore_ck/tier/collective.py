@@ -193,7 +193,7 @@ class CollectiveTier:
             self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.peers is not None:
             sent = self.peers.replicate(root, tree)
-            if only and not self.copies_agreed(ch, sent.result(), f"snapshot {info.root[:16]} of ref {info.ref}"):
+            if only and not self.copies_agreed(ch, _sent_whole(sent), f"snapshot {info.root[:16]} of ref {info.ref}"):
                 self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.schedule is not None and rank0:  # (the other ranks follow rank 0's tier: top_blob)
             drop_superseded(self.core, info.job)
@@ -231,6 +231,17 @@ class CollectiveTier:
 
 # The keys of the copies' agreement (CollectiveTier.copies_agreed), in the call's channel.
 _AGREE_KEYS = ("copies_n", "copies_bad", "copies_all")
+
+
+def _sent_whole(sent) -> bool:
+    """Whether Peers.replicate's future says every holder took the part; its failure
+    (this rank's part unreadable in its own tier) is a copy missing, never the put's
+    error: the snapshot is published."""
+    try:
+        return bool(sent.result())
+    except Exception as e:  # noqa: BLE001 - told by copies_agreed's warning
+        log.warning("this rank's part could not be sent to its holders: %s: %s", type(e).__name__, e)
+        return False
 
 
 class _Pending(TsckError):

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 from ..core.walk import walk_tree
 from ..errors import IntegrityError, TsckError
+from ..format.chunker import DEFAULT_PACK_SIZE
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
 from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, serve
@@ -47,9 +48,15 @@ PEER_TIMEOUT = 60.0  # seconds a connection to a peer may stay silent, and a ran
 
 def _limit(core, kind: str) -> int:
     """The most bytes a stored object of `kind` can take: what a peer may send or be
-    asked to receive (a length past it is refused before any buffer is made)."""
-    body = max(core.settings.block_size, 1 << 20) if kind == "block" else MAX_NODE_BYTES
-    return HEADER_SIZE + body
+    asked to receive (a length past it is refused before any buffer is made). A block is
+    at most the larger of the block size and the pack size (small tensors packed into one
+    block: a tier's default is an object store's, DEFAULT_PACK_SIZE), framed (a frame is
+    kept compressed only when smaller than its raw bytes)."""
+    if kind != "block":
+        return HEADER_SIZE + MAX_NODE_BYTES
+    st = core.settings
+    pack = DEFAULT_PACK_SIZE if st.pack_size is None else st.pack_size
+    return HEADER_SIZE + max(st.block_size, pack, 1 << 20)
 
 
 class Peers:

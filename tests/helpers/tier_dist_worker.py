@@ -294,14 +294,26 @@ def tidy_body(rank, world, out, res, cfg):
         res["fsck_after_gc"] = [str(f) for f in t.fsck(full=True).findings]
 
 
+def many_tensors(rank: int, version: int, n: int) -> dict:
+    """n tensors of one block each (4 KiB), each the rank's and version's own: a put packs
+    them (a tier's pack size is an object store's) into one block of n x 4 KiB."""
+    g = torch.Generator().manual_seed(rank * 1000 + version)  # (random: the pack does not compress)
+    return {f"t{i}": torch.randn(1024, generator=g) for i in range(n)}
+
+
 def rput_body(rank, world, out, res, cfg):
     """Two collective puts with replicas=cfg["replicas"]; every rank waits until durable
     (its replicas sent first), then a barrier: no rank closes its peer server while
     another still sends to it."""
     import torch.distributed as dist
     holder: dict = {}
+    def state(v: int) -> dict:
+        st = dw.sharded_state(rank, world, v)
+        if cfg.get("many"):  # small tensors, packed into one block past the block size
+            st["local"]["many"] = many_tensors(rank, v, cfg["many"])
+        return st
     with _open(cfg, out, rank, "tier", holder, replicas=cfg["replicas"]) as store:
-        infos = [store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=60)]
+        infos = [store.put_snapshot(state(0), REF, step=1, timeout=60)]
         if cfg.get("deaf") is not None:  # rank cfg["deaf"]'s peer server stops listening: copies to it fail
             store._tier.peers.wait()
             dist.barrier()
@@ -309,7 +321,7 @@ def rput_body(rank, world, out, res, cfg):
                 import socket
                 store._tier.peers._sock.shutdown(socket.SHUT_RDWR)
             dist.barrier()
-        infos.append(store.put_snapshot(dw.sharded_state(rank, world, 1), REF, step=2, timeout=60))
+        infos.append(store.put_snapshot(state(1), REF, step=2, timeout=60))
         res["roots"] = [i.root for i in infos]
         res["placed"] = infos[-1].meta.get("nodes")  # (the commit's record of each rank's node)
         res["tier_only"] = [bool(i.meta.get("tier_only")) for i in infos]

@@ -25,6 +25,7 @@ import tensorstore_ck as tsck
 HERE = Path(__file__).resolve().parents[1]
 WORKER = HERE / "helpers" / "tier_dist_worker.py"
 dw = load_helper(HERE / "helpers" / "dist_worker.py")
+tdw = load_helper(WORKER, sibling_imports=True)
 REF = dw.REF
 
 
@@ -311,7 +312,7 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
     shm = Path("/dev/shm") / f"tsck-test-{tmp_path.name}"
     world = 4
     cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
-           "memory": True, "durable_every": 3, "tiers": str(shm / "nodes")}
+           "memory": True, "durable_every": 3, "tiers": str(shm / "nodes"), "many": 400}
     try:
         out = _run(tmp_path, "rput", cfg)
         res = _results(out, "rput", world)
@@ -329,7 +330,10 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
         out = _run(tmp_path, "rload", {**cfg, "lost": list(lost), "nodes": nodes, "phase": phase})
         res = _results(out, phase, world)
         _check_view(out, phase, world, 1)
-        for r in range(world):
+        for r in range(world):  # (each part's 400 small tensors, one packed block of 1.6 MB: copied whole)
+            many = torch.load(out / f"{phase}_rank{r}.pt", weights_only=False)["local"]["many"]
+            want = tdw.many_tensors(r, 1, 400)
+            assert many.keys() == want.keys() and all(same_bits(many[k], want[k]) for k in want), r
             assert res[r]["remote_reads"] == [], (r, res[r])
             if r in lost:
                 assert res[r]["streamed"] > 0 and "peer" in res[r]["sources"][0].split("+"), (r, res[r])
