@@ -471,7 +471,7 @@ def _open(url, create: bool, stored: _Stored, refs_at: _Refs, tier: _Tier | _NoT
                          host_memory=network.host_memory,
                          tier=LocalTier(lcore, remote, budget=tier.budget, early=tier.early_upload,
                                         stop=backoff.stop, replicas=tier.replicas, saver=saver,
-                                        durable_every=tier.durable_every),
+                                        durable_every=tier.durable_every, memory=tier.memory),
                          saver=saver)
         return make
 

@@ -180,6 +180,20 @@ def _safe_times(core: Core, rows: list) -> dict:
     return out
 
 
+def superseded_copies(core: Core) -> list[bytes]:
+    """In a tier's table, the durable snapshots a newer snapshot of their ref stands in for
+    (_safe_times), none a ref tip, tag or pin target nor already evicted: what a memory
+    tier drops its copy of (the remote holds them; tier.uploader.Uploader.lean)."""
+    refs = core.refs
+    rows = [(SnapRow(root, row.get("step"), float(row.get("time", 0.0)), {}, None, str(row.get("ref", "")), False),
+             row) for root, row in refs.catalog_iter(bad=[])]
+    held = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins() | refs.tier_rows.evicted()
+    durable = refs.tier_rows.durable([sr.root for sr, _row in rows])
+    safe = _safe_times(core, rows)
+    return [sr.root for sr, _row in rows
+            if sr.root in durable and sr.root not in held and safe.get(sr.ref, sr.time) > sr.time]
+
+
 def is_tier_table(core: Core) -> bool:
     """Whether `core`'s table is a local tier's (it has queued uploads): where tier-only
     snapshots are expired once superseded."""

@@ -45,13 +45,15 @@ class LocalTier:
     learns_parts = False    # a checkout's parts may be the remote's, not this store's own
 
     def __init__(self, core: Core, remote: Core, *, budget: int | None = None, early: bool | None = None,
-                 stop=None, replicas: int = 0, saver: Saver | None = None, durable_every: int = 1):
+                 stop=None, replicas: int = 0, saver: Saver | None = None, durable_every: int = 1,
+                 memory: bool = False):
         """saver: the saver process (open_store(saver="process")) runs the uploads; the
         tier's puts write its disk on threads. durable_every: which snapshots the remote
-        gets (memory.Schedule; 1: every one)."""
+        gets (memory.Schedule; 1: every one). memory: the tier is host memory (memory=):
+        a durable snapshot's copy is dropped once a newer one of its ref stands in for it."""
         self.core = core
         self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop,
-                                 saver=saver)
+                                 saver=saver, lean=memory)
         self.reads = read_through(core.assets, remote, evicted=core.refs.tier_rows.evicted)
         self.schedule = Schedule(durable_every) if durable_every > 1 else None
         self.peers = None

@@ -89,7 +89,8 @@ class Uploader:
     the remote had, `superseded` snapshots not sent (Uploader.skip_superseded)."""
 
     def __init__(self, local: Core[UploadQueue], remote: Core[RefTable], budget: int | None = None,
-                 early: bool = True, stop: threading.Event | None = None, saver: Saver | None = None):
+                 early: bool = True, stop: threading.Event | None = None, saver: Saver | None = None,
+                 lean: bool = False):
         """stop: the remote's retry policy's stop event (retry.Backoff.stoppable), set by
         close(): a request being retried gives up then instead of waiting out its budget.
         saver: a saver process (open_store(saver="process")): the uploads' copies run
@@ -98,6 +99,10 @@ class Uploader:
         self.local, self.remote = local, remote
         self._retry_stop = stop
         self.budget = budget  # the tier's byte budget (open_store(local_budget=)); None: none
+        # A memory tier (lean): after each upload, the durable copies a newer snapshot of
+        # their ref stands in for are dropped (gc.superseded_copies): host memory holds
+        # what a restore needs first, the remote the rest.
+        self.lean = lean
         # An eviction to the budget is due or running (at open, after each upload):
         # wait_durable() returns once it is done, so the budget holds when it returns.
         self._fitting = budget is not None
@@ -907,21 +912,38 @@ class Uploader:
     def _fit(self) -> None:
         """Keep the tier under its budget; a failure here is logged, never fatal (an
         eviction left undone is retried after the next upload)."""
-        if self.budget is None:
+        if self.budget is None and not self.lean:
             with self._cond:
                 self._fitting = False
                 self._cond.notify_all()
             return
         try:
             with self._fit_lock:
-                fit_budget(self.local, self.budget, listed=self.remote.refs.catalog_which)
+                if self.lean:
+                    self._drop_superseded_copies()
+                if self.budget is not None:
+                    fit_budget(self.local, self.budget, listed=self.remote.refs.catalog_which)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the budget
-            log.warning("local tier: could not evict to the budget of %d bytes (%s: %s); retried after the next "
+            log.warning("local tier: could not evict to the budget of %s bytes (%s: %s); retried after the next "
                         "upload", self.budget, type(e).__name__, e)
         finally:
             with self._cond:
                 self._fitting = False
                 self._cond.notify_all()
+
+    def _drop_superseded_copies(self) -> None:
+        """A memory tier: evict the local copies of the durable snapshots a newer snapshot
+        of their ref stands in for (gc.superseded_copies), those the remote still lists
+        (the local gc's eviction: their rows stay, their reads go to the remote)."""
+        from ..maintain.gc import evict_snapshots, superseded_copies
+        queued = {e["root"] for _, e in self.local.refs.tier_rows.upload_pending()}
+        doomed = [r for r in superseded_copies(self.local) if r not in queued]
+        if doomed:
+            doomed = list(self.remote.refs.catalog_which(doomed))
+        if doomed:
+            rep = evict_snapshots(self.local, doomed)
+            log.debug("memory tier: dropped the copies of %d superseded durable snapshot(s) (%d bytes)",
+                      len(rep.expired), rep.deleted_bytes)
 
     def walk(self, root: bytes) -> dict:
         """The snapshot's objects in the tier (by_kind)."""
