@@ -163,10 +163,12 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
 def _safe_times(core: Core, rows: list) -> dict:
     """ref -> the commit time of its newest snapshot in this tier that stands in for an
     older tier-only one: durable (uploaded), or tier-only with a newer snapshot after it
-    (its put returned, so its parts' copies were agreed: tier/collective.py). Not the newest
-    tier-only snapshot (its copies may still be in flight), nor one queued for upload and
-    not there yet: a node lost then would leave the older one the newest whole snapshot."""
+    (its put returned, so its parts' copies were agreed: tier/collective.py), or one this
+    process saw committed (TierTable.committed). Not the newest tier-only snapshot while
+    its copies may be in flight, nor one queued for upload and not there yet: a node lost
+    then would leave the older one the newest whole snapshot."""
     durable = core.refs.tier_rows.durable([sr.root for sr, _row in rows])
+    committed = core.refs.tier_rows.committed
     by_ref: dict = {}
     for sr, row in rows:
         by_ref.setdefault(sr.ref, []).append((sr.time, sr.root, tier_only(row.get("meta"))))
@@ -174,7 +176,7 @@ def _safe_times(core: Core, rows: list) -> dict:
     for ref, snaps in by_ref.items():
         snaps.sort(key=lambda t: t[0], reverse=True)
         for i, (when, root, only) in enumerate(snaps):
-            if root in durable or (only and i > 0):
+            if root in durable or (only and (i > 0 or root in committed)):
                 out[ref] = when
                 break
     return out

@@ -46,6 +46,10 @@ class TierTable:
     def __init__(self, read: Callable[[Callable[[Txn], object]], object],
                  write: Callable[[Callable[[Txn], object]], object]):
         self._read, self._write = read, write
+        # Tier-only snapshots this process saw committed (one process's put returned; a
+        # collective one's copies agreed): gc.retention_plan lets them stand in for older
+        # ones at once. Not stored: a new process waits for the next snapshot after them.
+        self.committed: set[bytes] = set()
 
     # -- a rank's part of collective snapshots in its local tier (tier/collective.py) -----
     def catalog_put_part(self, root: bytes, row: dict, part: bytes) -> None:

@@ -193,8 +193,12 @@ class CollectiveTier:
             self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.peers is not None:
             sent = self.peers.replicate(root, tree)
-            if only and not self.copies_agreed(ch, _sent_whole(sent), f"snapshot {info.root[:16]} of ref {info.ref}"):
-                self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
+            if only:
+                if self.copies_agreed(ch, _sent_whole(sent), f"snapshot {info.root[:16]} of ref {info.ref}"):
+                    self.core.refs.tier_rows.committed.add(root)  # (it stands in for the older ones now)
+                    self.uploader.lean_due()
+                else:
+                    self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.schedule is not None and rank0:  # (the other ranks follow rank 0's tier: top_blob)
             drop_superseded(self.core, info.job)
         return dataclasses.replace(info, durable=False)

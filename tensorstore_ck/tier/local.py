@@ -95,6 +95,9 @@ class LocalTier:
         if not tier_only(info.meta):
             self.uploader.enqueue(bytes.fromhex(info.root), info.ref, info.step)
             self.tell_lag()
+        elif self.peers is None:  # (no copies to wait for: committed as published)
+            self.core.refs.tier_rows.committed.add(bytes.fromhex(info.root))
+            self.uploader.lean_due()
         if self.schedule is not None:
             drop_superseded(self.core, info.job)
         return dataclasses.replace(info, durable=False)

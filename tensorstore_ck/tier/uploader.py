@@ -103,6 +103,7 @@ class Uploader:
         # their ref stands in for are dropped (gc.superseded_copies): host memory holds
         # what a restore needs first, the remote the rest.
         self.lean = lean
+        self._lean_due = False  # (lean_due)
         # An eviction to the budget is due or running (at open, after each upload):
         # wait_durable() returns once it is done, so the budget holds when it returns.
         self._fitting = budget is not None
@@ -172,6 +173,15 @@ class Uploader:
         with self._cond:
             self._cond.notify_all()
         return seq
+
+    def lean_due(self) -> None:
+        """A memory tier, a tier-only snapshot committed: the durable copies it now stands
+        in for go, on this thread once no upload is pending (wait_durable waits for it)."""
+        if not self.lean:
+            return
+        with self._cond:
+            self._lean_due = self._fitting = True
+            self._cond.notify_all()
 
     def follow(self, job, keep: set) -> None:
         """A rank other than 0 (tier.collective.CollectiveTier.adopt): `keep` is what rank 0's tier
@@ -637,6 +647,11 @@ class Uploader:
             if self._follow and (not pending or self._since_tidy >= TIDY_EVERY):
                 self._tidy()
                 continue
+            if not pending and self._lean_due:
+                with self._cond:
+                    self._lean_due = False
+                self._fit()
+                continue
             if not pending:
                 with self._cond:
                     if not self._stop and not self._follow:
@@ -920,7 +935,12 @@ class Uploader:
         try:
             with self._fit_lock:
                 if self.lean:
-                    self._drop_superseded_copies()
+                    try:  # (a put's prune of the tier holds its gc lock for a moment: waited out)
+                        self._waiting_out_gc(self._drop_superseded_copies)
+                    except GcBusy:
+                        with self._cond:
+                            self._lean_due = True  # the next turn tries again
+                        log.debug("memory tier: a gc holds the tier; its superseded copies go at the next turn")
                 if self.budget is not None:
                     fit_budget(self.local, self.budget, listed=self.remote.refs.catalog_which)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the budget
@@ -928,7 +948,7 @@ class Uploader:
                         "upload", self.budget, type(e).__name__, e)
         finally:
             with self._cond:
-                self._fitting = False
+                self._fitting = self._lean_due  # (a memory tier's copies still to go: wait_durable waits)
                 self._cond.notify_all()
 
     def _drop_superseded_copies(self) -> None:

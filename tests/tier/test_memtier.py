@@ -147,19 +147,20 @@ def test_a_tier_only_snapshot_stays_until_a_newer_one_is_safe(tmp_path, shm, mon
 
 def test_a_memory_tier_drops_the_copies_of_superseded_durable_snapshots(tmp_path, shm):
     """Host memory holds what a restore needs first: durable_every=2 over six steps leaves
-    the remote with 1, 3 and 5 and the tier with 5 (the newest durable, standing in for the
-    older ones) and 6 (the newest, tier-only): the copies of 1 and 3 are evicted once 5 is
-    uploaded (their rows stay, their reads go to the remote), 2 and 4 expired. A disk tier
+    the remote with 1, 3 and 5 and the tier with 6 alone (the newest, tier-only, committed
+    as its put returned: it stands in for every older one). The copies of 1, 3 and 5 are
+    evicted (their rows stay, their reads go to the remote), 2 and 4 expired. A disk tier
     (local=) keeps its durable copies (a budget evicts them)."""
     tier = os.path.join(shm, "tier")
     with _open(tmp_path, shm, durable_every=2) as store:
         infos = [store.put_snapshot(_state(s), ref="j/main", step=s) for s in range(1, 7)]
         assert store.wait_durable(timeout=60)
         evicted = store.core.refs.tier_rows.evicted()
-        assert evicted == {bytes.fromhex(infos[0].root), bytes.fromhex(infos[2].root)}, evicted
+        assert evicted == {bytes.fromhex(infos[i].root) for i in (0, 2, 4)}, evicted
         assert [h.step for h in store.log("j/main")] == [6, 5, 3, 1]
-        assert torch.equal(store.checkout(infos[2].root)["w"], _state(3)["w"])  # (from the remote)
-        assert len(_blocks(tier)) == 3  # 5's and 6's own blocks and the shared one
+        assert torch.equal(store.checkout(infos[4].root)["w"], _state(5)["w"])  # (from the remote)
+        assert torch.equal(store.checkout("j/main")["w"], _state(6)["w"])
+        assert len(_blocks(tier)) == 2  # 6's own block and the shared one
     with tsck.open_store(str(tmp_path / "remote2"), local=str(tmp_path / "disk"), block_size=16384,
                          durable_every=2) as disk:
         for s in range(1, 7):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -309,7 +310,7 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
     bit for bit, the lost node's ranks from the other node's memory, and no rank reads the
     remote store. With node a lost, rank 0's new tier knows only the remote's step 1: it
     names step 2 from the tips the other ranks post with their hello."""
-    shm = Path("/dev/shm") / f"tsck-test-{tmp_path.name}"
+    shm = Path("/dev/shm") / f"tsck-test-{uuid.uuid4().hex[:12]}"  # (tmp_path names repeat across xdist workers)
     world = 4
     cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
            "memory": True, "durable_every": 3, "tiers": str(shm / "nodes"), "many": 400}
@@ -348,7 +349,7 @@ def test_a_memory_only_snapshot_one_of_whose_copies_failed_is_uploaded_in_its_pl
     that a rank of node a sends it fails. The ranks agree that a part lacks its copy, and
     every rank queues its part after all: the remote store lists step 2 (its commit still
     says the schedule kept it out), so losing node a now would not lose it."""
-    shm = Path("/dev/shm") / f"tsck-test-{tmp_path.name}"
+    shm = Path("/dev/shm") / f"tsck-test-{uuid.uuid4().hex[:12]}"  # (tmp_path names repeat across xdist workers)
     world = 4
     cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
            "memory": True, "durable_every": 3, "tiers": str(shm / "nodes"), "deaf": 3}
