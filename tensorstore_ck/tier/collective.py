@@ -329,7 +329,7 @@ def _nearest(up) -> ReadChain:
     def pending(kind, d, path, err):
         return _Pending(f"{kind} {d.hex()[:16]} at {path or '(top)'}")
     return ReadChain([Here(up.local.assets), Remote(up.remote)], falls=missing_only,
-                     exhausted=pending).tallied(record="remote")
+                     exhausted=pending, lacks_by_design=True).tallied(record="remote")
 
 
 def _survey(up, root: bytes, fence: int):

@@ -177,10 +177,13 @@ class ReadChain:
 
     def __init__(self, sources: list[Source], *, falls: Callable[[BaseException], bool] = any_fault,
                  exhausted: Callable | None = None, evicted: Callable[[], set] | None = None,
-                 tally: Tally | None = None, notes: _Notes | None = None):
+                 tally: Tally | None = None, notes: _Notes | None = None, lacks_by_design: bool = False):
         self.sources = list(sources)
         self.falls, self.exhausted, self.evicted, self.tally = falls, exhausted, evicted, tally
         self._notes = notes or _Notes()
+        # An object the first source lacks is the plan, not news (rank 0's uploader walking
+        # a collective snapshot: the other ranks' parts are in their tiers): logged at debug.
+        self.lacks_by_design = lacks_by_design
 
     @property
     def missing(self) -> int:
@@ -190,12 +193,13 @@ class ReadChain:
     def with_source(self, at: int, source: Source) -> "ReadChain":
         """This chain with `source` asked at position `at` (the same notes)."""
         return ReadChain(self.sources[:at] + [source] + self.sources[at:], falls=self.falls,
-                         exhausted=self.exhausted, evicted=self.evicted, tally=self.tally, notes=self._notes)
+                         exhausted=self.exhausted, evicted=self.evicted, tally=self.tally, notes=self._notes,
+                         lacks_by_design=self.lacks_by_design)
 
     def tallied(self, record: str | None = None) -> "ReadChain":
         """This chain with a Tally of its own (one checkout's: its log line names the sources)."""
         return ReadChain(self.sources, falls=self.falls, exhausted=self.exhausted, evicted=self.evicted,
-                         tally=Tally(record), notes=self._notes)
+                         tally=Tally(record), notes=self._notes, lacks_by_design=self.lacks_by_design)
 
     def after_fork(self) -> None:
         self._notes.lock = threading.Lock()  # the parent's may have been held by a thread not here
@@ -256,13 +260,14 @@ class ReadChain:
         # snapshot the budget evicted is the plan, not news: counted, not told.
         n, behind = self._notes, " then ".join(_where(s) for s in self.sources[1:])
         if missing_only(err):
-            evicted = self.evicted is not None and self._was_evicted(d, err)
+            evicted = self.lacks_by_design or (self.evicted is not None and self._was_evicted(d, err))
             with n.lock:
                 n.missing += 1
                 quiet = evicted or n.told_missing
                 n.told_missing = n.told_missing or not evicted
             if evicted:
-                log.debug("local tier: %s %s of an evicted snapshot: reading it from %s", what, d.hex()[:16], behind)
+                log.debug("local tier: %s %s %s: reading it from %s", what, d.hex()[:16],
+                          "is another rank's" if self.lacks_by_design else "of an evicted snapshot", behind)
             if not quiet:
                 log.warning("local tier: %s %s is missing; reading it, and any other object the tier lacks, "
                             "from %s", what, d.hex()[:16], behind)
