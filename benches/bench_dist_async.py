@@ -109,6 +109,31 @@ def part_stall(tsck, dist, rank, world, args, base) -> dict:
     return out
 
 
+def train_steps(run, n: int) -> float:
+    """n training steps of run's model (its batches seeded by rank and step), its manager's
+    step() after each (the seconds inside it noted where it snapshotted), then its
+    snapshots waited for -> the seconds of it all. run: .args, .rank, .step, .model, .opt,
+    .mgr (None: no snapshots), .in_step, .snapshots."""
+    V, a = run.args.vocab, run.args
+    t0 = time.perf_counter()
+    for _ in range(n):
+        g = torch.Generator().manual_seed(1_000_003 * run.rank + run.step)
+        x = torch.randint(0, V, (a.batch, a.ctx + 1), generator=g)
+        loss = F.cross_entropy(run.model(x[:, :-1]).reshape(-1, V), x[:, 1:].reshape(-1))
+        loss.backward()
+        run.opt.step()
+        run.opt.zero_grad(set_to_none=True)
+        if run.mgr is not None:
+            s0 = time.perf_counter()
+            if run.mgr.step(run.step) is not None:
+                run.in_step.append(time.perf_counter() - s0)
+                run.snapshots += 1
+        run.step += 1
+    if run.mgr is not None:
+        run.mgr.wait()
+    return time.perf_counter() - t0
+
+
 class Run:
     """One DDP training run on this rank: "none", "async" (the manager's default) or "sync"."""
 
@@ -129,24 +154,7 @@ class Run:
         self.in_step: list[float] = []  # seconds inside mgr.step() when it snapshotted
 
     def segment(self) -> float:
-        V, a = self.args.vocab, self.args
-        t0 = time.perf_counter()
-        for _ in range(a.every):
-            g = torch.Generator().manual_seed(1_000_003 * self.rank + self.step)
-            x = torch.randint(0, V, (a.batch, a.ctx + 1), generator=g)
-            loss = F.cross_entropy(self.model(x[:, :-1]).reshape(-1, V), x[:, 1:].reshape(-1))
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            if self.mgr is not None:
-                s0 = time.perf_counter()
-                if self.mgr.step(self.step) is not None:
-                    self.in_step.append(time.perf_counter() - s0)
-                    self.snapshots += 1
-            self.step += 1
-        if self.mgr is not None:
-            self.mgr.wait()
-        return time.perf_counter() - t0
+        return train_steps(self, self.args.every)
 
     def close(self) -> dict:
         out = {"snapshots": self.snapshots, "in_step": self.in_step}

@@ -77,13 +77,12 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_core import GPT, build_state, iter_tensors  # noqa: E402
 from bench_dist import free_port  # noqa: E402
-from bench_dist_async import log, med, pause  # noqa: E402
+from bench_dist_async import log, med, pause, train_steps  # noqa: E402
 
 REF = "bench/main"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -361,24 +360,7 @@ class TrainRun:
         self.in_step: list[float] = []
 
     def segment(self) -> float:
-        V, a = self.args.vocab, self.args
-        t0 = time.perf_counter()
-        for _ in range(a.seg):
-            g = torch.Generator().manual_seed(1_000_003 * self.rank + self.step)
-            x = torch.randint(0, V, (a.batch, a.ctx + 1), generator=g)
-            loss = F.cross_entropy(self.model(x[:, :-1]).reshape(-1, V), x[:, 1:].reshape(-1))
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            if self.mgr is not None:
-                s0 = time.perf_counter()
-                if self.mgr.step(self.step) is not None:
-                    self.in_step.append(time.perf_counter() - s0)
-                    self.snapshots += 1
-            self.step += 1
-        if self.mgr is not None:
-            self.mgr.wait()
-        return time.perf_counter() - t0
+        return train_steps(self, self.args.seg)
 
     def close(self, dist) -> dict:
         out = {"snapshots": self.snapshots, "in_step": self.in_step}
