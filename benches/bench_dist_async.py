@@ -203,32 +203,46 @@ def rank_main(rank, world, port, args, base, out_path):
     os._exit(0)
 
 
-def run_world(world, args) -> list[dict]:
+def launch_ranks(world: int, target, rank_args: tuple, base: str, limit: float) -> list[dict]:
+    """Fork `world` ranks running target(rank, world, port, *rank_args, out) with the c10d
+    Store hosted here; each writes its result (JSON, "ok" and "rank" at least) to `out`
+    under `base`. All are killed past `limit` seconds; a rank that failed ends the run."""
     from torch.distributed import TCPStore
-    base = tempfile.mkdtemp(prefix=f"tsck-bench-async{world}-", dir=args.dir)
     port = free_port()
     ctx = mp.get_context("fork")
     outs = [os.path.join(base, f"rank{r}.json") for r in range(world)]
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, args, base, outs[r])) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *rank_args, outs[r])) for r in range(world)]
     for p in procs:
         p.start()
     master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=120),
                       wait_for_workers=False)
-    deadline = time.monotonic() + args.limit
+    deadline = time.monotonic() + limit
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
         if p.is_alive():
             for q in procs:
                 if q.is_alive():
                     os.kill(q.pid, signal.SIGKILL)
-            raise SystemExit(f"W={world}: ranks ran past {args.limit}s")
+            raise SystemExit(f"W={world}: ranks ran past {limit}s")
     del master
-    res = [json.load(open(o)) for o in outs]
-    shutil.rmtree(base, ignore_errors=True)
+    res = []
+    for r, o in enumerate(outs):
+        try:
+            res.append(json.load(open(o)))
+        except (OSError, ValueError):
+            res.append({"rank": r, "ok": False, "error": f"no result file (exit code {procs[r].exitcode})"})
     for r in res:
         if not r["ok"]:
             raise SystemExit(f"W={world} rank {r['rank']} failed:\n{r['error']}")
     return res
+
+
+def run_world(world, args) -> list[dict]:
+    base = tempfile.mkdtemp(prefix=f"tsck-bench-async{world}-", dir=args.dir)
+    try:
+        return launch_ranks(world, rank_main, (args, base), base, args.limit)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def med(xs):

@@ -66,10 +66,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -81,8 +79,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_core import GPT, build_state, iter_tensors  # noqa: E402
-from bench_dist import free_port  # noqa: E402
-from bench_dist_async import log, med, pause, train_steps  # noqa: E402
+from bench_dist_async import launch_ranks, log, med, pause, train_steps  # noqa: E402
 
 REF = "bench/main"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -427,40 +424,13 @@ def rank_main(rank, world, port, args, base, shm, out_path):
 
 
 def run_world(world, args) -> list[dict]:
-    from torch.distributed import TCPStore
     base = tempfile.mkdtemp(prefix=f"tsck-bench-memtier{world}-", dir=args.dir)
     shm = tempfile.mkdtemp(prefix=f"tsck-bench-memtier{world}-", dir="/dev/shm")
     try:
-        port = free_port()
-        ctx = mp.get_context("fork")
-        outs = [os.path.join(base, f"rank{r}.json") for r in range(world)]
-        procs = [ctx.Process(target=rank_main, args=(r, world, port, args, base, shm, outs[r])) for r in range(world)]
-        for p in procs:
-            p.start()
-        master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=120),
-                          wait_for_workers=False)
-        deadline = time.monotonic() + args.limit
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                for q in procs:
-                    if q.is_alive():
-                        os.kill(q.pid, signal.SIGKILL)
-                raise SystemExit(f"W={world}: ranks ran past {args.limit}s")
-        del master
-        res = []
-        for r, o in enumerate(outs):
-            try:
-                res.append(json.load(open(o)))
-            except (OSError, ValueError):
-                res.append({"rank": r, "ok": False, "error": f"no result file (exit code {procs[r].exitcode})"})
+        return launch_ranks(world, rank_main, (args, base, shm), base, args.limit)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
-    for r in res:
-        if not r["ok"]:
-            raise SystemExit(f"W={world} rank {r['rank']} failed:\n{r['error']}")
-    return res
 
 
 def rng(xs, f=1e3, fmt="{:.0f}"):
