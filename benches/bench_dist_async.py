@@ -165,17 +165,23 @@ class Run:
         return out
 
 
-def part_train(tsck, dist, rank, world, args, base) -> dict:
-    runs = {m: Run(tsck, m, args, base, rank) for m in ("none", "async", "sync")}
-    order = list(runs)
-    per_round = []
-    for r in range(args.rounds):
+def rotated_rounds(dist, runs: dict, rounds: int, rest: float) -> list[dict]:
+    """`rounds` rounds of one segment of each run, their order rotated every round, a pause
+    (and barrier) before each -> per round, {mode: the segment's seconds}."""
+    order, per_round = list(runs), []
+    for r in range(rounds):
         k = r % len(order)
         secs = {}
         for m in order[k:] + order[:k]:
-            pause(dist, args.rest / 5)
+            pause(dist, rest)
             secs[m] = runs[m].segment()
         per_round.append(secs)
+    return per_round
+
+
+def part_train(tsck, dist, rank, world, args, base) -> dict:
+    runs = {m: Run(tsck, m, args, base, rank) for m in ("none", "async", "sync")}
+    per_round = rotated_rounds(dist, runs, args.rounds, args.rest / 5)
     return {"rounds": per_round, **{m: run.close() for m, run in runs.items()}}
 
 

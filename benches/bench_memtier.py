@@ -79,7 +79,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_core import GPT, build_state, iter_tensors  # noqa: E402
-from bench_dist_async import launch_ranks, log, med, pause, train_steps  # noqa: E402
+from bench_dist_async import launch_ranks, log, med, pause, rotated_rounds, train_steps  # noqa: E402
 
 REF = "bench/main"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -382,15 +382,7 @@ class TrainRun:
 
 def part_train(tsck, dist, rank, world, args, base, shm) -> dict:
     runs = {m: TrainRun(tsck, m, args, base, shm, rank) for m in ("none", "mem", "plain")}
-    order = list(runs)
-    per_round = []
-    for r in range(args.train_rounds):
-        k = r % len(order)
-        secs = {}
-        for m in order[k:] + order[:k]:
-            pause(dist, args.rest / 5)
-            secs[m] = runs[m].segment()
-        per_round.append(secs)
+    per_round = rotated_rounds(dist, runs, args.train_rounds, args.rest / 5)
     return {"rounds": per_round, **{m: run.close(dist) for m, run in runs.items()}}
 
 
