@@ -608,6 +608,14 @@ def test_checker_judges_removals_answers_and_outages_through_tiers(tmp_path):
                        ("T20", "refused (RefConflict) but the local tier table lost ref"),
                        ("T21", "resolve none"), ("T22", "was not told"), ("T22", "did not resume")]:
         assert any(b.startswith(code) and what in b for b in bad), (code, what, bad)
+    # The refused delete_ref that lost the tier's ref, with a rollback of the ref in the
+    # remote overlapping it: the tier's ref went first, then the moved remote ref refused
+    # it (tier/holds.py delete_ref_both says so): explained.
+    moved = [{"w": "u", "i": 7, "op": "rollback", "args": {"ref": "jt0/main", "root": root}, "start": t + 3.1},
+             {"w": "u", "i": 7, "end": t + 3.2, "result": "ok", "root": root}]
+    _journal(tmp_path, put + calls[4:6] + moved)
+    ops = check.load_ops(str(tmp_path))
+    assert not [b for b in tierops.check_tier_ops({"t0": str(tier)}, ops, []) if "refused" in b]
     # The same calls where both tables are as they say (the ref and the tag gone from
     # both), and an answer that found no ref where checkout found none, are no violation.
     with tsck.open_store(remote, local=tier) as s:

@@ -325,14 +325,22 @@ def _name_of(o) -> tuple[str, str]:
 
 def _refusal_explained(ops: list, o, kind: str, name: str, side: str, appeared: bool) -> bool:
     """Whether another call explains a change of `name` in table `side` during the refused
-    call `o`: a removal of it overlapping `o` (it went), or a call that makes it that may
-    have taken effect after `o` began (it came: a put's upload lands when it lands)."""
+    call `o`: a removal of it overlapping `o` (it went; or, for a delete_ref through a tier,
+    a call that moved the remote's ref meanwhile, which refused it after the tier's went),
+    or a call that makes it that may have taken effect after `o` began (it came: a put's
+    upload lands when it lands)."""
     from .check import _may_follow
     for p in ops:
         if p is o:
             continue
         if kind == "ref" and p.args.get("ref") == name:
             if not appeared and p.op == "delete_ref" and _overlaps(o, p):
+                return True
+            # A delete_ref through a tier removes the tier's ref first; when another call
+            # moved the remote's meanwhile it refuses (RefConflict: "the local tier's ref
+            # was deleted, the remote's is left", tier/holds.py delete_ref_both).
+            if (not appeared and o.op == "delete_ref" and side == "tier"
+                    and p.op in ("put", "rollback", "undelete") and _overlaps(o, p)):
                 return True
             if appeared and p.op in ("put", "undelete", "rollback") and _may_follow(p, o.start):
                 return True
