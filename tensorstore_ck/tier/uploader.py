@@ -952,10 +952,20 @@ class Uploader:
                 self._cond.notify_all()
 
     def _drop_superseded_copies(self) -> None:
-        """A memory tier: evict the local copies of the durable snapshots a newer snapshot
-        of their ref stands in for (gc.superseded_copies), those the remote still lists
-        (the local gc's eviction: their rows stay, their reads go to the remote)."""
-        from ..maintain.gc import evict_snapshots, superseded_copies
+        """A memory tier: drop this rank's superseded tier-only parts (a rank other than 0),
+        then evict the local copies of the durable snapshots a newer snapshot of their ref
+        stands in for (gc.superseded_copies), those the remote still lists (the local gc's
+        eviction: their rows stay, their reads go to the remote)."""
+        from ..maintain.gc import drop_parts, evict_snapshots, retention_plan, superseded_copies
+        # A rank other than 0: its parts of tier-only snapshots a committed newer one stands
+        # in for go now, the copies it held of them too, not at rank 0's next word, which
+        # comes after this rank made room for that snapshot (the same rule as rank 0's).
+        parts = self.local.refs.tier_rows.parts(rank0=False)
+        if parts:
+            gone = [d["root"] for d in retention_plan(self.local, self.local.refs.wall_now())
+                    if d["root"] in parts and d["why"] == ["tier-only, superseded"]]
+            if gone:
+                drop_parts(self.local, gone, lease=self.local.settings.gc_lease)
         queued = {e["root"] for _, e in self.local.refs.tier_rows.upload_pending()}
         doomed = [r for r in superseded_copies(self.local) if r not in queued]
         if doomed:

@@ -321,7 +321,8 @@ def rput_body(rank, world, out, res, cfg):
                 import socket
                 store._tier.peers._sock.shutdown(socket.SHUT_RDWR)
             dist.barrier()
-        infos.append(store.put_snapshot(state(1), REF, step=2, timeout=60))
+        for v in range(1, cfg.get("puts", 2)):
+            infos.append(store.put_snapshot(state(v), REF, step=v + 1, timeout=60))
         res["roots"] = [i.root for i in infos]
         res["placed"] = infos[-1].meta.get("nodes")  # (the commit's record of each rank's node)
         res["tier_only"] = [bool(i.meta.get("tier_only")) for i in infos]
@@ -335,6 +336,7 @@ def rput_body(rank, world, out, res, cfg):
                 res["tag"] = f"refused: {e}"
             res["tags"] = sorted(store.reftable.tags())
         res["waited"] = store.wait_durable(timeout=240)
+        res["rows"] = sorted(r.hex() for r in store.core.refs.catalog_roots())  # (its tier's, after the cleanups)
         res["sent"], res["refused"] = store._tier.peers.sent, store._tier.peers.refused
         dist.barrier()
         # A gc of each rank's own tier keeps its part and the replicas it holds.

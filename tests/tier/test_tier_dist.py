@@ -345,6 +345,27 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
 
 
 @pytest.mark.slow
+def test_every_rank_drops_a_superseded_memory_only_part_once_a_newer_one_is_committed(tmp_path, s3_url, s3_server):
+    """4 ranks on nodes a, a, b, b, memory tiers, replicas=1, durable_every=3: step 1 is
+    durable, 2 and 3 stay in memory. Once step 3's put returned (its copies agreed), step 2
+    is gone from every rank's tier (its part and the copies held of it), not only rank 0's:
+    a rank other than 0 applies the same rule itself instead of waiting for rank 0's word
+    with the next snapshot, after it made room for that one."""
+    shm = Path("/dev/shm") / f"tsck-test-{uuid.uuid4().hex[:12]}"  # (tmp_path names repeat across xdist workers)
+    world = 4
+    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
+           "memory": True, "durable_every": 3, "tiers": str(shm / "nodes"), "puts": 3}
+    try:
+        res = _results(_run(tmp_path, "rput", cfg), "rput", world)
+        assert all(r["tier_only"] == [False, True, True] for r in res), [r["tier_only"] for r in res]
+        one, two, three = res[0]["roots"]
+        for r in res:
+            assert two not in r["rows"] and three in r["rows"], (r["rank"], r["rows"], two)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_a_memory_only_snapshot_one_of_whose_copies_failed_is_uploaded_in_its_place(tmp_path, s3_url, s3_server):
     """As above (4 ranks on nodes a, a, b, b, memory tiers, replicas=1, durable_every=3),
     but rank 3's peer server stops listening after step 1: the copy of step 2's part
