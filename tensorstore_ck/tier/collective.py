@@ -196,11 +196,12 @@ class CollectiveTier:
             if only:
                 if self.copies_agreed(ch, _sent_whole(sent), f"snapshot {info.root[:16]} of ref {info.ref}"):
                     self.core.refs.tier_rows.committed.add(root)  # (it stands in for the older ones now)
-                    self.uploader.lean_due()
                 else:
                     self.uploader.enqueue(root, info.ref, info.step, part=None if rank0 else tree)
         if self.schedule is not None and rank0:  # (the other ranks follow rank 0's tier: top_blob)
             drop_superseded(self.core, info.job)
+        if root in self.core.refs.tier_rows.committed:
+            self.uploader.lean_due()  # (after the prune: a budget's check then sees what stays)
         return dataclasses.replace(info, durable=False)
 
     @staticmethod

@@ -97,9 +97,10 @@ class LocalTier:
             self.tell_lag()
         elif self.peers is None:  # (no copies to wait for: committed as published)
             self.core.refs.tier_rows.committed.add(bytes.fromhex(info.root))
-            self.uploader.lean_due()
         if self.schedule is not None:
             drop_superseded(self.core, info.job)
+        if bytes.fromhex(info.root) in self.core.refs.tier_rows.committed:
+            self.uploader.lean_due()  # (after the prune: a budget's check then sees what stays)
         return dataclasses.replace(info, durable=False)
 
     def tell_lag(self) -> None:
