@@ -10,6 +10,7 @@ a checkout's resolution and reads, tags and pins, close) and knows nothing else 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 import warnings
@@ -59,7 +60,9 @@ class LocalTier:
         self.peers = None
         if replicas:
             from .replicas import Peers  # (the side channel's server starts at the first collective put)
-            self.peers = Peers(core, replicas)
+            # (keyed by the remote's URL in the c10d Store: each store with replicas its own channel)
+            ident = hashlib.blake2b(str(remote.url).encode(), digest_size=6).hexdigest()
+            self.peers = Peers(core, replicas, ident=ident)
 
     @property
     def remote(self) -> Core:

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 # order, so sends from two threads would pair with the wrong receives; a group of our own
 # (new_group) must be made by every rank at one point of the program, which open_store is
 # not. Point-to-point connections have no order to keep: a rank's server answers whoever
-# asks, whenever. The addresses go through the c10d Store (key tsck/peer/<rank>).
+# asks, whenever. The addresses go through the c10d Store (key tsck/peer/<store>/<rank>,
+# <store> the remote's URL hashed: two stores with replicas in one job keep theirs apart).
 #
 # Requests: op (1 byte) kind (1 byte: b, n, c) address (32 bytes) length (8 bytes) data.
 #   H  has it?            -> 1 byte (1 yes, 0 no)
@@ -67,10 +68,14 @@ class Peers:
     `sent` replicas sent, `refused` copies refused for not matching their address, `bad`
     fetched copies not used for the same reason."""
 
-    def __init__(self, core, k: int):
+    def __init__(self, core, k: int, ident: str = ""):
+        """ident: what tells this store's side channel from another's in the job's c10d
+        Store (the remote's URL, hashed: every rank's Store of it has the same), so two
+        stores with replicas in one process each send copies to their own tiers."""
         import threading
         from concurrent.futures import ThreadPoolExecutor
         self.core, self.k = core, k
+        self._key = f"{ident}/" if ident else ""
         self._sock = None
         self._lock = threading.Lock()
         self._addrs: dict[int, tuple[str, int]] = {}
@@ -110,7 +115,7 @@ class Peers:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             from .placement import this_node
             self.kv.set(f"tsck/node/{self.rank}", this_node().encode())
-            self.kv.set(f"tsck/peer/{self.rank}", self._listen().encode())
+            self.kv.set(f"tsck/peer/{self._key}{self.rank}", self._listen().encode())
             return True
 
     def _listen(self) -> str:
@@ -123,7 +128,7 @@ class Peers:
         # stored, looked up as they are sent; the asker checks each against its address.
         self._stream = StreamServer(lookup=self._stored_block, max_block=_limit(self.core, "block"),
                                     timeout=PEER_TIMEOUT, on_stranger=self._stranger)
-        self.kv.set(f"tsck/peerstream/{self.rank}", self._stream.listen(self.kv).encode())
+        self.kv.set(f"tsck/peerstream/{self._key}{self.rank}", self._stream.listen(self.kv).encode())
         return addr
 
     def _stored_block(self, d: bytes):
@@ -260,7 +265,7 @@ class Peers:
             return None
         try:
             if peer not in self._addrs:
-                key = f"tsck/peer/{peer}"
+                key = f"tsck/peer/{self._key}{peer}"
                 import datetime
                 self.kv.wait([key], datetime.timedelta(seconds=PEER_TIMEOUT))
                 host, port = self.kv.get(key).decode().rsplit(":", 1)
@@ -526,7 +531,7 @@ class Peers:
 
     def _stream_addr(self, peer: int) -> str | None:
         import datetime
-        key = f"tsck/peerstream/{peer}"
+        key = f"tsck/peerstream/{self._key}{peer}"
         try:
             self.kv.wait([key], datetime.timedelta(seconds=PEER_TIMEOUT))
             return self.kv.get(key).decode()

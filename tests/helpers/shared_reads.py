@@ -202,8 +202,9 @@ def stranger_case(rank, world, out, res, arg):
             kv.set("test/pid0", str(os.getpid()))
         dist.barrier()
         if rank == 1:
-            share0, peer0 = kv.get("test/share0").decode(), kv.get("tsck/peer/0").decode()
-            stream0 = kv.get("tsck/peerstream/0").decode()
+            key = t._tier.peers._key  # (the store's own part of the key: its remote's URL, hashed)
+            share0, peer0 = kv.get("test/share0").decode(), kv.get(f"tsck/peer/{key}0").decode()
+            stream0 = kv.get(f"tsck/peerstream/{key}0").decode()
             digest = bytes(range(32))
             g_share = b"G" + bytes(16) + digest + (1 << 20).to_bytes(8, "big")
             frame = bytes(100)

@@ -343,6 +343,33 @@ def rput_body(rank, world, out, res, cfg):
         res["gc"], res["gc_lost"] = _gc(store, os.path.join(cfg["tiers"], f"tier{rank}"))
 
 
+def twostores_body(rank, world, out, res, cfg):
+    """Two tiered stores with replicas=1 in each rank (remotes A and B), both joined to the
+    job's side channel before either sends a copy; then a collective put into A. Each rank
+    lists the blocks of its tiers A and B."""
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    stores = {n: tsck.open_store(os.path.join(cfg["tiers"], f"remote{n}"),
+                                 local=os.path.join(cfg["tiers"], f"{n}{rank}"), replicas=1, block_size=dw.BLOCK,
+                                 inline_threshold=dw.INLINE) for n in "AB"}
+    try:
+        for n in "AB":  # (as a first collective call of each does)
+            assert stores[n]._tier.peers.join()
+        dist.barrier()
+        stores["A"].put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=60)
+        stores["A"]._tier.peers.wait()
+        dist.barrier()
+        res["blocks"] = {n: sorted(_blocks_of(os.path.join(cfg["tiers"], f"{n}{rank}"))) for n in "AB"}
+        dist.barrier()
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def _blocks_of(tier: str) -> set:
+    return {f for _d, _s, fs in os.walk(os.path.join(tier, "blocks")) for f in fs}
+
+
 def _gc(store, tier: str) -> tuple[str, list]:
     """store.gc() -> ("ran" or its error, the object files of `tier` it removed)."""
     before = _objects(tier)
@@ -512,6 +539,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         return [dw.launch("put", world, put_body, out, cfg, limit=300)]
     if scenario == "rput":
         return [dw.launch("rput", world, rput_body, out, cfg, limit=300)]
+    if scenario == "twostores":
+        return [dw.launch("twostores", world, twostores_body, out, cfg, limit=200)]
     if scenario == "rload":
         return [dw.launch(cfg["phase"], world, rload_body, out, cfg, limit=200)]
     if scenario == "stuckkill":

@@ -173,10 +173,6 @@ def _draw(seed: int, i: int) -> dict:
             "liar": rng.randrange(WORLD) if rng.random() < 0.25 else None}
 
 
-def cfg_steps(d: dict) -> int:
-    return d["steps"]
-
-
 def _read(path: str) -> list:
     if not os.path.exists(path):
         return []
@@ -203,8 +199,8 @@ class Run:
     def round(self, i: int) -> None:
         d = _draw(self.seed, i)
         nodes = [f"a{self.gen['a']}"] * 2 + [f"b{self.gen['b']}"] * 2
-        cfg = dict(d, round=i, next_step=self.next_step, dir=self.work, shm=self.shm, nodes=nodes, remote=os.path.join(self.work, "remote"),
-                   refs=os.path.join(self.work, "refs.lmdb"))
+        cfg = dict(d, round=i, next_step=self.next_step, dir=self.work, shm=self.shm, nodes=nodes,
+                   remote=os.path.join(self.work, "remote"), refs=os.path.join(self.work, "refs.lmdb"))
         from torch.distributed import TCPStore
         port = _free_port()
         ctx = mp.get_context("fork")
@@ -274,12 +270,13 @@ class Run:
         # (a durable-scheduled snapshot is safe once uploaded, which nothing here waits for)
         ok_steps = [e["committed"] for e in commits if e["tier_only"] and not fails]
         base = max([e["committed"] for e in commits] + [x["restored"] or 0 for x in restored if x] + [0])
-        self.next_step = max(self.next_step, base + cfg_steps(d) + 1)
+        self.next_step = max(self.next_step, base + d["steps"] + 1)
         lost_a = d["kill"] == "node" and d["victim"] == "a"
         self.prev = {"committed": max(ok_steps) if ok_steps else 0, "killed": killed or "nothing",
                      "judge_m2": not lost_a}
         self.summary.append(f"round {i}: restored {restored[0]['restored'] if restored[0] else '-'}, committed up to "
-                            f"{base}, ended {killed or 'cleanly'}{', liar ' + str(d['liar']) if d['liar'] is not None else ''}")
+                            f"{base}, ended {killed or 'cleanly'}"
+                            + ("" if d["liar"] is None else f", liar {d['liar']}"))
 
     def finish(self) -> None:
         import tensorstore_ck as tsck

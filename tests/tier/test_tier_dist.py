@@ -345,6 +345,23 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
 
 
 @pytest.mark.slow
+def test_two_stores_with_replicas_in_one_job_send_their_copies_to_their_own_tiers(tmp_path):
+    """Each of 2 ranks holds two tiered stores with replicas=1 (remotes A and B, tiers of
+    their own), both joined to the job's side channel; a put into A sends each rank's part
+    to the other rank's tier A, and nothing into the tiers B (the stores' addresses are
+    apart in the c10d Store: with one key per rank, B's servers would have taken A's
+    copies)."""
+    world = 2
+    cfg = {"world": world, "tiers": str(tmp_path / "nodes")}
+    (tmp_path / "out").mkdir()
+    res = _results(_run(tmp_path, "twostores", cfg), "twostores", world)
+    for r in range(world):
+        other = res[1 - r]["blocks"]["A"]
+        assert other and set(other) <= set(res[r]["blocks"]["A"]), (r, res[r]["blocks"])
+        assert res[r]["blocks"]["B"] == [], (r, res[r]["blocks"]["B"][:3])
+
+
+@pytest.mark.slow
 def test_every_rank_drops_a_superseded_memory_only_part_once_a_newer_one_is_committed(tmp_path, s3_url, s3_server):
     """4 ranks on nodes a, a, b, b, memory tiers, replicas=1, durable_every=3: step 1 is
     durable, 2 and 3 stay in memory. Once step 3's put returned (its copies agreed), step 2
