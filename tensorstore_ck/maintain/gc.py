@@ -131,8 +131,9 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
     everything. In a tier's table, a tier-only snapshot (its commit kept out of the remote
     by open_store(durable_every=): tier/memory.py) that is none of those and has a newer
     snapshot of its ref here that is safe (_safe_times) is not kept, whatever the rules
-    say: it was superseded, and the rules keep durable snapshots. A catalog row that does not decode is never expired
-    (its snapshot stays kept; fsck reports it); it goes to `bad` as (root, error)."""
+    say: it was superseded, and the rules keep durable snapshots. A catalog row that does
+    not decode is never expired (its snapshot stays kept; fsck reports it); it goes to
+    `bad` as (root, error)."""
     records = core.refs.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
     order = core.refs.publication_record()

@@ -944,8 +944,8 @@ class Uploader:
                 if self.budget is not None:
                     fit_budget(self.local, self.budget, listed=self.remote.refs.catalog_which)
         except Exception as e:  # noqa: BLE001 - the uploads matter more than the budget
-            log.warning("local tier: could not evict to the budget of %s bytes (%s: %s); retried after the next "
-                        "upload", self.budget, type(e).__name__, e)
+            what = "drop superseded copies" if self.budget is None else f"evict to the budget of {self.budget} bytes"
+            log.warning("local tier: could not %s (%s: %s); retried after the next upload", what, type(e).__name__, e)
         finally:
             with self._cond:
                 self._fitting = self._lean_due  # (a memory tier's copies still to go: wait_durable waits)
