@@ -298,6 +298,14 @@ def test_a_lost_node_restores_from_the_copies_placed_on_other_nodes(tmp_path, s3
             assert said == "local" and res[r]["fetched"] == 0, (r, said)
 
 
+def _memtier(tmp_path, s3_url, s3_server, **extra) -> tuple[dict, Path]:
+    """The memory tier's 4 ranks on nodes a, a, b, b: tiers on /dev/shm, replicas=1,
+    durable_every=3. -> (the config, the /dev/shm folder to remove after)."""
+    shm = Path("/dev/shm") / f"tsck-test-{uuid.uuid4().hex[:12]}"  # (tmp_path names repeat across xdist workers)
+    return ({**_config(tmp_path, s3_url, s3_server, 4), "replicas": 1, "nodes": ["a", "a", "b", "b"], "memory": True,
+             "durable_every": 3, "tiers": str(shm / "nodes"), **extra}, shm)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="this machine has no tmpfs at /dev/shm for a memory tier")
 @pytest.mark.parametrize("lost", [(2, 3), (0, 1)], ids=["node-b", "node-a-with-rank-0"])
@@ -312,10 +320,8 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
     bit for bit, the lost node's ranks from the other node's memory, and no rank reads the
     remote store. With node a lost, rank 0's new tier knows only the remote's step 1: it
     names step 2 from the tips the other ranks post with their hello."""
-    shm = Path("/dev/shm") / f"tsck-test-{uuid.uuid4().hex[:12]}"  # (tmp_path names repeat across xdist workers)
     world = 4
-    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
-           "memory": True, "durable_every": 3, "tiers": str(shm / "nodes"), "many": 400}
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server, many=400)
     try:
         out = _run(tmp_path, "rput", cfg)
         res = _results(out, "rput", world)
@@ -368,10 +374,8 @@ def test_every_rank_drops_a_superseded_memory_only_part_once_a_newer_one_is_comm
     is gone from every rank's tier (its part and the copies held of it), not only rank 0's:
     a rank other than 0 applies the same rule itself instead of waiting for rank 0's word
     with the next snapshot, after it made room for that one."""
-    shm = Path("/dev/shm") / f"tsck-test-{uuid.uuid4().hex[:12]}"  # (tmp_path names repeat across xdist workers)
     world = 4
-    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
-           "memory": True, "durable_every": 3, "tiers": str(shm / "nodes"), "puts": 3}
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server, puts=3)
     try:
         res = _results(_run(tmp_path, "rput", cfg), "rput", world)
         assert all(r["tier_only"] == [False, True, True] for r in res), [r["tier_only"] for r in res]
@@ -389,10 +393,8 @@ def test_a_memory_only_snapshot_one_of_whose_copies_failed_is_uploaded_in_its_pl
     that a rank of node a sends it fails. The ranks agree that a part lacks its copy, and
     every rank queues its part after all: the remote store lists step 2 (its commit still
     says the schedule kept it out), so losing node a now would not lose it."""
-    shm = Path("/dev/shm") / f"tsck-test-{uuid.uuid4().hex[:12]}"  # (tmp_path names repeat across xdist workers)
     world = 4
-    cfg = {**_config(tmp_path, s3_url, s3_server, world), "replicas": 1, "nodes": ["a", "a", "b", "b"],
-           "memory": True, "durable_every": 3, "tiers": str(shm / "nodes"), "deaf": 3}
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server, deaf=3)
     try:
         res = _results(_run(tmp_path, "rput", cfg), "rput", world)
         assert all(r["tier_only"] == [False, True] for r in res), [r["tier_only"] for r in res]
