@@ -177,7 +177,7 @@ class Uploader:
     def lean_due(self) -> None:
         """A memory tier, a tier-only snapshot committed: the durable copies it now stands
         in for go, on this thread once no upload is pending (wait_durable waits for it)."""
-        if not self.lean:
+        if not self.lean or self._forked:  # (a forked child has no thread of its own: its parent's cleans up)
             return
         with self._cond:
             self._lean_due = self._fitting = True
