@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import tensorstore_ck as tsck
+from tensorstore_ck.tier.memory import fs_type
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -629,6 +630,8 @@ def test_checker_judges_removals_answers_and_outages_through_tiers(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(fs_type("/dev/shm") not in ("tmpfs", "ramfs"),
+                    reason="this machine has no tmpfs at /dev/shm for a memory tier")
 def test_harness_memtier():
     """The memory tier's harness (tests/sim/memtier.py): rounds of a 4-rank job on two
     simulated nodes, killed (ranks, or a whole node and its memory) at seeded moments,
