@@ -161,14 +161,16 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
     return out
 
 
-def _safe_times(core: Core, rows: list) -> dict:
+def _safe_times(core: Core, rows: list, durable: set | None = None) -> dict:
     """ref -> the commit time of its newest snapshot in this tier that stands in for an
     older tier-only one: durable (uploaded), or tier-only with a newer snapshot after it
     (its put returned, so its parts' copies were agreed: tier/collective.py), or one this
     process saw committed (TierTable.committed). Not the newest tier-only snapshot while
     its copies may be in flight, nor one queued for upload and not there yet: a node lost
-    then would leave the older one the newest whole snapshot."""
-    durable = core.refs.tier_rows.durable([sr.root for sr, _row in rows])
+    then would leave the older one the newest whole snapshot. durable: the rows' durable
+    marks, where the caller read them already."""
+    if durable is None:
+        durable = core.refs.tier_rows.durable([sr.root for sr, _row in rows])
     committed = core.refs.tier_rows.committed
     by_ref: dict = {}
     for sr, row in rows:
@@ -192,7 +194,7 @@ def superseded_copies(core: Core) -> list[bytes]:
              row) for root, row in refs.catalog_iter(bad=[])]
     held = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins() | refs.tier_rows.evicted()
     durable = refs.tier_rows.durable([sr.root for sr, _row in rows])
-    safe = _safe_times(core, rows)
+    safe = _safe_times(core, rows, durable)
     return [sr.root for sr, _row in rows
             if sr.root in durable and sr.root not in held and safe.get(sr.ref, sr.time) > sr.time]
 

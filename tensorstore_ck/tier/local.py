@@ -54,7 +54,7 @@ class LocalTier:
         a durable snapshot's copy is dropped once a newer one of its ref stands in for it."""
         self.core = core
         self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop,
-                                 saver=saver, lean=memory)
+                                 saver=saver, lean=memory, schedules=durable_every > 1)
         self.reads = read_through(core.assets, remote, evicted=core.refs.tier_rows.evicted)
         self.schedule = Schedule(durable_every) if durable_every > 1 else None
         self.peers = None

@@ -90,7 +90,7 @@ class Uploader:
 
     def __init__(self, local: Core[UploadQueue], remote: Core[RefTable], budget: int | None = None,
                  early: bool = True, stop: threading.Event | None = None, saver: Saver | None = None,
-                 lean: bool = False):
+                 lean: bool = False, schedules: bool = False):
         """stop: the remote's retry policy's stop event (retry.Backoff.stoppable), set by
         close(): a request being retried gives up then instead of waiting out its budget.
         saver: a saver process (open_store(saver="process")): the uploads' copies run
@@ -104,6 +104,9 @@ class Uploader:
         # what a restore needs first, the remote the rest.
         self.lean = lean
         self._lean_due = False  # (lean_due)
+        # durable_every=N: the tier holds tier-only snapshots, which an upload may let go
+        # (_prune_here); without a schedule none is made, and no upload asks.
+        self.schedules = schedules
         # An eviction to the budget is due or running (at open, after each upload):
         # wait_durable() returns once it is done, so the budget holds when it returns.
         self._fitting = budget is not None
@@ -913,7 +916,7 @@ class Uploader:
         rules keep it no more, so what that prune would have done is done now."""
         refs = self.local.refs
         from ..maintain.gc import retention_plan, superseded_tier_only
-        if superseded_tier_only(self.local, job):  # (this upload may be what lets an older tier-only one go)
+        if self.schedules and superseded_tier_only(self.local, job):  # (this upload may let an older one go)
             return True
         if job not in refs.retention_all():
             return False
