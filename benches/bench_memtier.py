@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The memory tier's overhead and memory bound (issue 68 item 5), on 2 (and 4) forked gloo ranks.
+"""The memory tier's overhead and memory bound, on 2 (and 4) forked gloo ranks.
 
 Each rank opens `open_store(file://REMOTE, memory=/dev/shm/..., replicas=1, durable_every=N)`,
 its node simulated by $TSCK_NODE (2 ranks: a, b; 4 ranks: a, a, b, b), so each rank's part is
