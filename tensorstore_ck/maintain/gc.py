@@ -124,7 +124,8 @@ class GCPlan:
         self.spool.close()
 
 
-def retention_plan(core: Core, now: float, records: dict | None = None, bad: list | None = None) -> list[dict]:
+def retention_plan(core: Core, now: float, records: dict | None = None, bad: list | None = None, *,
+                   durable: set | None = None) -> list[dict]:
     """Every kept snapshot with what retention (`records`, default: the stored rules)
     decides for it and why: {root, ref, job, step, time, metrics, keep, why}. A ref
     tip, tag target or pin is kept whatever the rules say; a job without rules keeps
@@ -133,7 +134,8 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
     snapshot of its ref here that is safe (_safe_times) is not kept, whatever the rules
     say: it was superseded, and the rules keep durable snapshots. A catalog row that does
     not decode is never expired (its snapshot stays kept; fsck reports it); it goes to
-    `bad` as (root, error)."""
+    `bad` as (root, error). durable: the snapshots that count as durable (_safe_times;
+    default: the tier's durable marks)."""
     records = core.refs.retention_all() if records is None else records
     rules = {job: Retention.from_dict(r) for job, r in records.items()}
     order = core.refs.publication_record()
@@ -149,7 +151,7 @@ def retention_plan(core: Core, now: float, records: dict | None = None, bad: lis
     out = []
     for job, rows in by_job.items():
         why = explain_kept([sr for sr, _row in rows], rules.get(job), now)
-        safe = _safe_times(core, rows) if tier else {}
+        safe = _safe_times(core, rows, durable) if tier else {}
         for sr, row in rows:
             superseded = (tier and tier_only(row.get("meta")) and sr.root not in protected
                           and safe.get(sr.ref, sr.time) > sr.time)
@@ -185,15 +187,17 @@ def _safe_times(core: Core, rows: list, durable: set | None = None) -> dict:
     return out
 
 
-def superseded_copies(core: Core) -> list[bytes]:
+def superseded_copies(core: Core, durable: set | None = None) -> list[bytes]:
     """In a tier's table, the durable snapshots a newer snapshot of their ref stands in for
     (_safe_times), none a ref tip, tag or pin target nor already evicted: what a memory
-    tier drops its copy of (the remote holds them; tier.uploader.Uploader.lean)."""
+    tier drops its copy of (the remote holds them; tier.uploader.Uploader.lean).
+    durable: the snapshots that count as durable (default: the tier's durable marks)."""
     refs = core.refs
     rows = [(SnapRow(root, row.get("step"), float(row.get("time", 0.0)), {}, None, str(row.get("ref", "")), False),
              row) for root, row in refs.catalog_iter(bad=[])]
     held = {r for _, r in refs.list()} | {r for _, r in refs.tags()} | refs.pins() | refs.tier_rows.evicted()
-    durable = refs.tier_rows.durable([sr.root for sr, _row in rows])
+    if durable is None:
+        durable = refs.tier_rows.durable([sr.root for sr, _row in rows])
     safe = _safe_times(core, rows, durable)
     return [sr.root for sr, _row in rows
             if sr.root in durable and sr.root not in held and safe.get(sr.ref, sr.time) > sr.time]

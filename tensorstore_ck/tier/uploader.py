@@ -104,6 +104,7 @@ class Uploader:
         # what a restore needs first, the remote the rest.
         self.lean = lean
         self._lean_due = False  # (lean_due)
+        self._listed: set = set()  # parts marked durable whose snapshot the remote catalog lists (_published)
         # durable_every=N: the tier holds tier-only snapshots, which an upload may let go
         # (_prune_here); without a schedule none is made, and no upload asks.
         self.schedules = schedules
@@ -960,23 +961,45 @@ class Uploader:
         stands in for (gc.superseded_copies), those the remote still lists (the local gc's
         eviction: their rows stay, their reads go to the remote)."""
         from ..maintain.gc import drop_parts, evict_snapshots, retention_plan, superseded_copies
+        refs = self.local.refs
+        durable = self._published()
         # A rank other than 0: its parts of tier-only snapshots a committed newer one stands
         # in for go now, the copies it held of them too, not at rank 0's next word, which
         # comes after this rank made room for that snapshot (the same rule as rank 0's).
-        parts = self.local.refs.tier_rows.parts(rank0=False)
+        parts = refs.tier_rows.parts(rank0=False)
         if parts:
-            gone = [d["root"] for d in retention_plan(self.local, self.local.refs.wall_now())
+            gone = [d["root"] for d in retention_plan(self.local, refs.wall_now(), durable=durable)
                     if d["root"] in parts and d["why"] == ["tier-only, superseded"]]
             if gone:
                 drop_parts(self.local, gone, lease=self.local.settings.gc_lease)
-        queued = {e["root"] for _, e in self.local.refs.tier_rows.upload_pending()}
-        doomed = [r for r in superseded_copies(self.local) if r not in queued]
+        queued = {e["root"] for _, e in refs.tier_rows.upload_pending()}
+        doomed = [r for r in superseded_copies(self.local, durable) if r not in queued]
         if doomed:
             doomed = list(self.remote.refs.catalog_which(doomed))
         if doomed:
             rep = evict_snapshots(self.local, doomed)
             log.debug("memory tier: dropped the copies of %d superseded durable snapshot(s) (%d bytes)",
                       len(rep.expired), rep.deleted_bytes)
+
+    def _published(self) -> set:
+        """The tier's snapshots marked durable that stand for a snapshot in the remote. A
+        rank other than 0 marks its part of a collective snapshot durable once the part is
+        sent (collective.upload_part), before rank 0 moves the remote ref, which needs
+        every rank's part: until the remote catalog lists it, such a snapshot stands in for
+        no older tier-only one (whose copies are then the newest whole snapshot a lost
+        node leaves). Asked once per snapshot; unanswered (the remote away), it does not count."""
+        refs = self.local.refs
+        marked = refs.tier_rows.durable(refs.catalog_roots())
+        self._listed &= marked  # (rows gone since: forgotten)
+        unsure = (marked & set(refs.tier_rows.parts(rank0=False))) - self._listed
+        if unsure:
+            try:
+                self._listed |= set(self.remote.refs.catalog_which(unsure))
+            except Exception as e:  # noqa: BLE001 - unknown: not counted, asked again at the next turn
+                log.debug("memory tier: could not ask %s which snapshots it lists (%s: %s)", self.remote.url,
+                          type(e).__name__, e)
+            marked -= unsure - self._listed
+        return marked
 
     def walk(self, root: bytes) -> dict:
         """The snapshot's objects in the tier (by_kind)."""

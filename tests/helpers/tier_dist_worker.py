@@ -343,6 +343,45 @@ def rput_body(rank, world, out, res, cfg):
         res["gc"], res["gc_lost"] = _gc(store, os.path.join(cfg["tiers"], f"tier{rank}"))
 
 
+def heldmove_body(rank, world, out, res, cfg):
+    """durable_every=2: step 1 durable, step 2 tier-only, step 3 durable, with rank 0's
+    move of the remote ref to step 3 held (its uploader waits at the move until every
+    other rank looked). The other ranks send their parts of step 3 (each marks its part
+    durable), then each one's memory tier drops what a newer snapshot stands in for (as
+    a lean still due from step 2's commit would run then): res["held"] is its tier's rows
+    then. After the release, res["rows"]: its rows once rank 0 moved the ref."""
+    import threading
+
+    import torch.distributed as dist
+    release = threading.Event()
+    with _open(cfg, out, rank, "tier", {}, replicas=cfg["replicas"]) as store:
+        infos = [store.put_snapshot(dw.sharded_state(rank, world, 0), REF, step=1, timeout=60)]
+        store.wait_durable(timeout=120)
+        dist.barrier()
+        up = store._tier.uploader
+        if rank == 0:
+            real = up.publisher.move_to
+
+            def held(*a, **k):
+                release.wait(180)
+                return real(*a, **k)
+            up.publisher.move_to = held
+        for v in (1, 2):
+            infos.append(store.put_snapshot(dw.sharded_state(rank, world, v), REF, step=v + 1, timeout=60))
+        res["roots"] = [i.root for i in infos]
+        res["tier_only"] = [bool(i.meta.get("tier_only")) for i in infos]
+        if rank != 0:
+            store.wait_durable(timeout=120)  # (its part of step 3 sent and marked durable)
+            up.lean_due()
+            store.wait_durable(timeout=120)  # (the lean done)
+            res["held"] = sorted(r.hex() for r in store.core.refs.catalog_roots())
+        dist.barrier()
+        release.set()
+        res["waited"] = store.wait_durable(timeout=240)
+        dist.barrier()
+        res["rows"] = sorted(r.hex() for r in store.core.refs.catalog_roots())
+
+
 def twostores_body(rank, world, out, res, cfg):
     """Two tiered stores with replicas=1 in each rank (remotes A and B), both joined to the
     job's side channel before either sends a copy; then a collective put into A. Each rank
@@ -539,6 +578,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         return [dw.launch("put", world, put_body, out, cfg, limit=300)]
     if scenario == "rput":
         return [dw.launch("rput", world, rput_body, out, cfg, limit=300)]
+    if scenario == "heldmove":
+        return [dw.launch("heldmove", world, heldmove_body, out, cfg, limit=300)]
     if scenario == "twostores":
         return [dw.launch("twostores", world, twostores_body, out, cfg, limit=200)]
     if scenario == "rload":
