@@ -387,6 +387,29 @@ def test_every_rank_drops_a_superseded_memory_only_part_once_a_newer_one_is_comm
 
 
 @pytest.mark.slow
+def test_a_memory_only_snapshot_stays_until_the_remote_lists_the_durable_one_after_it(tmp_path, s3_url, s3_server):
+    """4 ranks on nodes a, a, b, b, memory tiers, replicas=1, durable_every=2: step 1 is
+    durable, step 2 stays in memory, step 3 is durable, but rank 0's move of the remote ref
+    to step 3 is held. Ranks 1-3 have sent their parts of step 3 (each part marked durable
+    in its own tier) and applied their tier's rule: step 2, its parts and the copies they
+    hold, stays in every tier, since step 3 is not in the remote yet (node b lost now would
+    leave step 2 the newest whole snapshot). Once rank 0 moved the ref, step 3 is durable."""
+    world = 4
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server, durable_every=2)
+    try:
+        res = _results(_run(tmp_path, "heldmove", cfg), "heldmove", world)
+        assert all(r["tier_only"] == [False, True, False] for r in res), [r["tier_only"] for r in res]
+        one, two, three = res[0]["roots"]
+        for r in res[1:]:
+            assert two in r["held"] and three in r["held"], (r["rank"], r["held"])
+        assert all(r["waited"] is True for r in res)
+        with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+            assert [h.step for h in remote.log(REF)] == [3, 1]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_a_memory_only_snapshot_one_of_whose_copies_failed_is_uploaded_in_its_place(tmp_path, s3_url, s3_server):
     """As above (4 ranks on nodes a, a, b, b, memory tiers, replicas=1, durable_every=3),
     but rank 3's peer server stops listening after step 1: the copy of step 2's part
@@ -563,6 +586,58 @@ def test_a_peer_refuses_a_copy_that_is_not_the_object_of_its_address(tmp_path, s
             assert ask(b"H", d) == b"\x01"
         finally:
             peers.close()
+
+
+def test_a_part_goes_to_its_holder_whole_and_a_damaged_copy_in_it_is_refused(tmp_path, side):
+    """A rank's part sent to its holder (real servers, real sockets), its requests in a row
+    and its copies sent from their files: every object arrives whole and checked; a part
+    the holder has whole sends nothing; a block damaged in the sender's own tier is not
+    checked by the sender but refused by the holder, which keeps the rest of the part, and
+    the send reports the part not whole (the remote store stays its copy)."""
+    from tensorstore_ck.core.assets import Assets
+    from tensorstore_ck.core.walk import walk_tree
+    from tensorstore_ck.format.manifest import decode_commit
+
+    def part(store, ref):
+        root = bytes.fromhex(store.resolve(ref))
+        tree = decode_commit(store.assets.get_commit(root))["tree"]
+        return root, tree, {(o.kind, o.digest) for o in walk_tree(store.assets, tree, snapshot=root.hex())}
+
+    with tsck.open_store(str(tmp_path / "a"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as a, \
+            tsck.open_store(str(tmp_path / "b"), block_size=dw.BLOCK, inline_threshold=dw.INLINE) as b:
+        gen = torch.Generator().manual_seed(0)
+        state = {f"w{i}": torch.randn(5 * dw.BLOCK // 4, generator=gen) for i in range(12)}  # 60 blocks
+        a.put_snapshot(state, "r")
+        root, tree, objs = part(a, "r")
+        holder, port = _peers(b.core, side, listen=True)
+        sender, _ = _peers(a.core, side)
+        sender.rank, sender.world, sender._addrs[1] = 0, 2, ("127.0.0.1", port)
+        try:
+            assert sender.replicate(root, tree).result(60) is True
+            assert sender.sent == len(objs) > 60
+            for kind, d in objs:
+                assert b.assets.storage.exists(Assets.object_key(kind + "s", d)), (kind, d.hex())
+                assert Assets.object_frame_error(kind, d, b.assets.stored_frame(kind, d)) is None
+            assert sender.replicate(root, tree).result(60) is True and sender.sent == len(objs)  # (it has them all)
+
+            state["w3"] = torch.randn(5 * dw.BLOCK // 4, generator=gen)
+            a.put_snapshot(state, "r")
+            root2, tree2, objs2 = part(a, "r")
+            new = objs2 - objs
+            bad = next(d for kind, d in sorted(new) if kind == "block")
+            path = tmp_path / "a" / Assets.object_key("blocks", bad)
+            frame = bytearray(path.read_bytes())
+            frame[-1] ^= 1
+            path.chmod(0o644)
+            path.write_bytes(bytes(frame))
+            assert sender.replicate(root2, tree2).result(60) is False
+            assert holder.refused == 1
+            assert not b.assets.block_exists(bad)
+            for kind, d in new - {("block", bad)}:
+                assert b.assets.storage.exists(Assets.object_key(kind + "s", d)), (kind, d.hex())
+        finally:
+            sender.close()
+            holder.close()
 
 
 def test_a_copy_from_a_peer_is_used_when_the_tier_cannot_keep_it(tmp_path, side):
