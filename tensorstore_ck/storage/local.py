@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Iterator, Sequence
 
 from ..errors import no_space, storage_error
-from ..util.localfile import not_regular, open_regular
+from ..util.localfile import in_memory, not_regular, open_regular
 from .base import BlockStore, Deadline, ObjectInfo, check_deadline
 
 __all__ = ["LocalBlockStore"]
@@ -167,8 +167,10 @@ class LocalBlockStore(BlockStore):
         self._pending: dict[str, str] = {}
         self._pending_since: float | None = None  # monotonic time of the oldest pending write
         self._flush_lock = threading.Lock()  # one naming pass at a time (sync())
-        # O_DIRECT for large pending objects, until the filesystem refuses it once
-        self._direct = bool(_O_DIRECT) and fsync
+        # O_DIRECT for large pending objects, until the filesystem refuses it once; never
+        # on a file system whose files are memory (tmpfs: a memory tier), where it would
+        # only add a copy through the bounce buffer. None: not decided yet (first large put).
+        self._direct: bool | None = None if _O_DIRECT and fsync else False
         # Keys put_addressed said it wrote whose naming another writer won (take_lost)
         self._lost: set[str] = set()
 
@@ -280,6 +282,8 @@ class LocalBlockStore(BlockStore):
         self._ensure_dir(tmpdir)
         tmp = os.path.join(tmpdir, f"{os.getpid()}-{uuid.uuid4().hex}{self.PENDING_SUFFIX}")
         total = sum(memoryview(b).nbytes for b in bufs)
+        if self._direct is None and total >= DIRECT_MIN:
+            self._direct = not in_memory(self.root)
         if not (self._direct and total >= DIRECT_MIN and self._put_direct(tmp, bufs, total)):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:

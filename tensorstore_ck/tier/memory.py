@@ -26,34 +26,12 @@ import os
 
 from ..core.validate import TIER_ONLY, tier_only
 from ..errors import GcBusy, InvalidArgument, TsckError
+from ..util.localfile import MEMORY_FS, fs_type
 
 __all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "fs_type", "Schedule", "tier_only", "drop_superseded"]
 
 log = logging.getLogger(__name__)
-MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose files are host memory
 DEFAULT_ROOT = "/dev/shm"
-
-
-def fs_type(path: str) -> str | None:
-    """The file system type of the mount holding `path` (its nearest existing ancestor),
-    from /proc/self/mountinfo; None where that cannot be read (not Linux)."""
-    p = os.path.realpath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    best, kind = "", None
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                left, _sep, right = line.partition(" - ")
-                fields = left.split()
-                if len(fields) < 5 or not right:
-                    continue
-                point = fields[4].replace("\\040", " ")
-                if (p == point or p.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                    best, kind = point, right.split()[0]
-    except OSError:
-        return None
-    return kind
 
 
 def memory_dir(memory, url: str) -> str:

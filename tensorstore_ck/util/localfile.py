@@ -18,7 +18,8 @@ import uuid
 
 from ..errors import InvalidArgument, StorageError, TsckError, no_space, storage_error
 
-__all__ = ["write_atomic", "write_dir", "umask", "sync_dir", "open_regular", "NotRegularFile", "reopen_path"]
+__all__ = ["write_atomic", "write_dir", "umask", "sync_dir", "open_regular", "NotRegularFile", "reopen_path", "MEMORY_FS",
+           "fs_type", "in_memory"]
 
 _NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -32,6 +33,36 @@ class NotRegularFile(OSError):
 
 class _NotRegularDir(NotRegularFile, IsADirectoryError):
     pass
+
+
+MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose files are host memory
+
+
+def fs_type(path: str) -> str | None:
+    """The file system type of the mount holding `path` (its nearest existing ancestor),
+    from /proc/self/mountinfo; None where that cannot be read (not Linux)."""
+    p = os.path.realpath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _sep, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                if (p == point or p.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+    except OSError:
+        return None
+    return kind
+
+
+def in_memory(path: str) -> bool:
+    """Whether `path` is on a file system whose files are host memory (MEMORY_FS)."""
+    return fs_type(path) in MEMORY_FS
 
 
 def not_regular(path: str, mode: int, note: str = "") -> NotRegularFile:

@@ -88,3 +88,31 @@ def test_a_put_writes_its_blocks_direct_and_checks_out_bit_identical(tmp_path):
             assert cached_pages(p)[0] == 0, p
         got = s.checkout("j/main")
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_store_on_a_memory_file_system_writes_buffered_and_one_on_a_disk_direct(tmp_path, monkeypatch):
+    """On a tmpfs (a memory tier) the page cache is the storage: O_DIRECT would only add a
+    copy through the bounce buffer, so large objects are written as they are; on a disk
+    they go direct. Every write read back whole."""
+    import uuid
+
+    from tensorstore_ck.util.localfile import in_memory
+    if not in_memory("/dev/shm"):
+        pytest.skip("/dev/shm is not a tmpfs here")
+    direct = []
+    real = local._write_direct
+    monkeypatch.setattr(local, "_write_direct", lambda fd, bufs, total: (direct.append(total), real(fd, bufs, total)))
+    data = os.urandom(local.DIRECT_MIN + 4096)
+    shm = f"/dev/shm/tsck-direct-{uuid.uuid4().hex}"
+    try:
+        mem = LocalBlockStore(shm)
+        assert mem.put_addressed("blocks/ab/m", [data])
+        mem.sync()
+        assert direct == [] and mem.get("blocks/ab/m") == data
+    finally:
+        import shutil
+        shutil.rmtree(shm, ignore_errors=True)
+    disk = LocalBlockStore(str(tmp_path / "s"))
+    assert disk.put_addressed("blocks/ab/d", [data])
+    disk.sync()
+    assert direct == [len(data)] and disk.get("blocks/ab/d") == data
