@@ -16,7 +16,7 @@ from ..errors import IntegrityError, TsckError
 from ..format.chunker import DEFAULT_PACK_SIZE
 from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
-from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, serve
+from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, recv_into, serve
 from .keeper import Keeper, keep_copy
 from .stream import StreamServer, fetch as stream_fetch
 
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 #   G  get it             -> 8-byte length (all ones: not here) + the bytes as stored (the asker checks them)
 #   P  store this copy    -> 1 byte (1 stored, 0 refused: it is not the object of that address)
 #   S  sync what was put  -> 1 byte
+# A connection's requests are answered in order, so a client sends many before it reads
+# their answers (a part's copies: no round trip per object).
 
 _KINDS = {b"b": "block", b"n": "node", b"c": "commit"}
 _CODES = {v: k for k, v in _KINDS.items()}
@@ -96,6 +98,7 @@ class Peers:
         self._secret: bytes | None = None
         self._idle: dict[int, list] = {}  # peer -> connections between two requests (fetch_checked)
         self._keeper = Keeper(core.storage)
+        self._rx: bytearray | None = None  # the copies' receive buffer, between connections (_rx_buffer)
         self._stream = None  # the StreamServer a restore's batched fetches ask (stream.py)
         self.streamed = self.stream_fetches = 0  # blocks got by batched fetches, and the fetches
         self._stream_dead: set[int] = set()  # holders whose block stream failed (not asked again)
@@ -214,6 +217,7 @@ class Peers:
     def _answer(self, conn) -> None:
         from ..core.assets import Assets
         assets, storage = self.core.assets, self.core.storage
+        buf = None  # this connection's receive buffer (_rx_buffer)
         try:
             while True:
                 try:
@@ -240,7 +244,10 @@ class Peers:
                         log.warning("peer replicas: a peer offered %d bytes for %s %s, more than such an object "
                                     "can take; connection closed", n, kind, d.hex()[:16])
                         return
-                    data = _recv(conn, n)
+                    if buf is None or len(buf) < n:
+                        buf = self._rx_buffer(n, kind)
+                    data = memoryview(buf)[:n]
+                    recv_into(conn, data)
                     if Assets.object_frame_error(kind, d, data) is not None:
                         with self._lock:
                             self.refused += 1
@@ -257,6 +264,23 @@ class Peers:
                     return
         except (OSError, TsckError) as e:
             log.debug("peer replicas: a connection ended: %s", e)
+        finally:
+            if buf is not None:
+                with self._lock:
+                    if self._rx is None or len(self._rx) < len(buf):
+                        self._rx = buf
+
+    def _rx_buffer(self, n: int, kind: str):
+        """A receive buffer of at least n bytes for a connection's copy of a `kind`: the one
+        the last copy left (a fresh buffer of a pack's size is a page fault per 4 KiB, more
+        than the copy's own time here), else a new one, for a block of a block's largest
+        size (grown once). One is kept between copies: this process's memory beyond its
+        tier is one block's."""
+        with self._lock:
+            buf, self._rx = self._rx, None
+        if buf is None or len(buf) < n:
+            buf = bytearray(max(n, _limit(self.core, "block")) if kind == "block" else n)
+        return buf
 
     # -- the client ----------------------------------------------------------------------
     def _connect(self, peer: int):
@@ -347,19 +371,7 @@ class Peers:
                 self._live = conn
             try:
                 with conn:
-                    n = 0
-                    for kind, d in objs:
-                        if self._cut:
-                            raise TsckError("the store is closing")
-                        self._ask(conn, b"H", kind, d)
-                        if _recv(conn, 1) == b"\x01":
-                            continue
-                        self._ask(conn, b"P", kind, d, assets.stored_frame(kind, d))
-                        if _recv(conn, 1) != b"\x01":
-                            raise TsckError(f"rank {peer} refused the copy of {kind} {d.hex()[:16]}")
-                        n += 1
-                    self._ask(conn, b"S", "block", bytes(32))
-                    _recv(conn, 1)
+                    n = self._send_part(conn, peer, objs)
                 with self._lock:
                     self.sent += n
                 whole += 1
@@ -372,6 +384,52 @@ class Peers:
                 with self._lock:
                     self._live = None
         return bool(holders) and whole == len(holders)
+
+    def _send_part(self, conn, peer: int, objs: list) -> int:
+        """Send `peer` the objects of `objs` it lacks, pipelined: the questions in a row,
+        then the copies in a row (each from its file, sendfile), then the answers; a run
+        of SEND_RUN at a time, so neither side's unread answers outgrow a socket's
+        buffer -> how many were sent. TsckError when the holder refused one."""
+        lack = []
+        for i in range(0, len(objs), SEND_RUN):
+            run = objs[i:i + SEND_RUN]
+            conn.sendall(b"".join(b"H" + _CODES[kind] + d + bytes(8) for kind, d in run))
+            answers = _recv(conn, len(run))
+            lack += [o for o, a in zip(run, answers) if a != 1]
+        for i in range(0, len(lack), SEND_RUN):
+            run = lack[i:i + SEND_RUN]
+            for kind, d in run:
+                if self._cut:
+                    raise TsckError("the store is closing")
+                self._send_copy(conn, kind, d)
+            answers = _recv(conn, len(run))
+            for (kind, d), a in zip(run, answers):
+                if a != 1:
+                    raise TsckError(f"rank {peer} refused the copy of {kind} {d.hex()[:16]}")
+        self._ask(conn, b"S", "block", bytes(32))
+        _recv(conn, 1)
+        return len(lack)
+
+    def _send_copy(self, conn, kind: str, d: bytes) -> None:
+        """One P request: object `d` as this tier stores it, unchecked here (the holder
+        checks it against its address before keeping it, and refuses a damaged one), sent
+        from its file by the kernel (sendfile: no copy through this process)."""
+        import io
+        import os
+        from ..core.assets import Assets
+        limit = _limit(self.core, kind)
+        with self.core.storage.open_read(Assets.object_key(kind + "s", d), limit + 1) as f:
+            try:
+                n = os.fstat(f.fileno()).st_size
+            except (io.UnsupportedOperation, AttributeError):  # (no file of this host's behind it)
+                self._ask(conn, b"P", kind, d, f.read(limit + 1))
+                return
+            if n > limit:
+                raise TsckError(f"{kind} {d.hex()[:16]} in this tier is {n} bytes, more than such an object "
+                                "can take")
+            conn.sendall(b"P" + _CODES[kind] + d + n.to_bytes(8, "big"))
+            if conn.sendfile(f, 0, n) != n:
+                raise OSError(f"{kind} {d.hex()[:16]} ended before its {n} bytes were sent")
 
     def fetch(self, kind: str, d: bytes, holders: list | None = None) -> bool:
         """Get object `d` from a holder into this rank's tier, checked against its address
@@ -552,3 +610,4 @@ def decoded_frame(d: bytes, mv, out=None):
 
 FETCH_BYTES = 64 << 20   # a restore's batched fetch from a holder asks about this many bytes at once
 FETCH_DEPTH = 2          # a restore's batched fetches in flight
+SEND_RUN = 4096          # requests a copy sends before it reads their answers

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 import blake3
 
 from ..errors import FormatError, IntegrityError, StorageError, TsckError
-from ..util.net import job_secret, listen_on, peer_name, prove, recv_exact, serve
+from ..util.net import job_secret, listen_on, peer_name, prove, recv_exact, recv_into, serve
 
 __all__ = ["push", "fetch", "raw_block", "StreamServer", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK", "STREAM_TIMEOUT",
            "VERIFY_DEPTH"]
@@ -112,16 +112,6 @@ def _send_all(sock, bufs: list) -> None:
             else:
                 bufs[i] = bufs[i][sent:]
                 sent = 0
-
-
-def _recv_into(sock, mv) -> None:
-    """Fill memoryview `mv` from `sock` (ConnectionError if the peer closes first)."""
-    got, n = 0, mv.nbytes
-    while got < n:
-        k = sock.recv_into(mv[got:])
-        if not k:
-            raise ConnectionError("the peer closed the connection")
-        got += k
 
 
 def _read_table(sock, max_block: int, *, allow_missing: bool):
@@ -209,7 +199,7 @@ class _Receiver:
                         raise FormatError("a peer's answer names blocks that were not asked for, or not in "
                                           "the order asked")
                 buf = self._buffer(total)
-                _recv_into(self.sock, buf)
+                recv_into(self.sock, buf)
                 self.blocks += len(entries)
                 if self.pool is None:
                     out += _check(entries, buf, self.check)

@@ -19,8 +19,8 @@ import secrets
 import socket
 import threading
 
-__all__ = ["local_host", "recv_exact", "listen_on", "serve", "close_all", "job_secret", "prove", "proven", "peer_name",
-           "SECRET_KEY", "HANDSHAKE_TIMEOUT"]
+__all__ = ["local_host", "recv_exact", "recv_into", "listen_on", "serve", "close_all", "job_secret", "prove", "proven",
+           "peer_name", "SECRET_KEY", "HANDSHAKE_TIMEOUT"]
 
 SECRET_KEY = "tsck/secret"  # the job's secret, in the c10d Store
 HANDSHAKE_TIMEOUT = 10.0  # seconds a server has to send its challenge (one that accepts and says nothing is away)
@@ -151,10 +151,16 @@ def recv_exact(sock, n: int) -> bytearray:
     """Exactly n bytes from `sock` (the caller has bounded n before this allocation);
     ConnectionError if the peer closes first."""
     buf = bytearray(n)
-    mv, got = memoryview(buf), 0
+    recv_into(sock, memoryview(buf))
+    return buf
+
+
+def recv_into(sock, mv: memoryview) -> None:
+    """Fill memoryview `mv` (bytes) from `sock`: a caller's buffer, reused (a fresh one
+    of many MiB is a page fault per 4 KiB); ConnectionError if the peer closes first."""
+    got, n = 0, mv.nbytes
     while got < n:
         k = sock.recv_into(mv[got:], min(n - got, 1 << 22))
         if not k:
             raise ConnectionError("the peer closed the connection")
         got += k
-    return buf
