@@ -17,6 +17,7 @@ tier (_Tier), the network's limits (_Network), and the lease of the gcs it runs.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import os
@@ -76,7 +77,7 @@ def open_store(url, *, create: bool = True,
                refs=None, create_refs: bool = False, read_only: bool | None = None,
                # the local tier
                local=None, local_budget: int | None = None, replicas: int = 0, early_upload: bool | None = None,
-               memory=None, durable_every: int = 1,
+               memory=None, durable_every: int | datetime.timedelta = 1,
                # the network's limits
                write_bandwidth: float | None = None, write_concurrency: int | None = None,
                workers: int | None = None, max_inflight: int = 2, retry_budget: float | None = None,
@@ -154,7 +155,9 @@ def open_store(url, *, create: bool = True,
     With replicas=k each rank's part has k copies on ranks of other nodes; a snapshot
     the schedule keeps out of the remote (durable_every) is published once they are sent.
     durable_every: with a tier (local= or memory=), the remote store gets the first
-    snapshot of each ref this process puts, then every N-th; the others stay in the tiers
+    snapshot of each ref this process puts, then every N-th (an int), or, given a
+    datetime.timedelta, the first put once that long passed since the ref's last uploaded
+    one (rank 0's clock decides for a collective snapshot); the others stay in the tiers
     (their commit's meta marks them `tier_only`), each until a newer snapshot of its ref
     is published there. Default 1: every snapshot is uploaded.
     early_upload: with local=, send each new block to the remote store from memory while
@@ -315,7 +318,7 @@ class _Tier:
     budget: int | None
     replicas: int
     early_upload: bool | None
-    durable_every: int = 1
+    durable_every: int | datetime.timedelta = 1
     memory: bool = False
 
     def read_only(self, read_only: bool | None) -> bool:
@@ -337,16 +340,20 @@ class _Tier:
 
     @classmethod
     def checked(cls, url, local, local_budget, replicas, early_upload, refs_at: _Refs, memory=None,
-                durable_every: int = 1) -> "_Tier | _NoTier":
+                durable_every=1) -> "_Tier | _NoTier":
         """_NoTier without local= or memory= (then each tier option is refused, naming local=)."""
-        if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
-            raise InvalidArgument(f"durable_every must be an int >= 1, got {durable_every!r}")
+        if isinstance(durable_every, datetime.timedelta):
+            if durable_every.total_seconds() <= 0:
+                raise InvalidArgument(f"durable_every as a time must be more than none, got {durable_every!r}")
+        elif isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
+            raise InvalidArgument(f"durable_every must be an int >= 1 (every N-th snapshot) or a datetime.timedelta "
+                                  f"(the first snapshot once that long passed), got {durable_every!r}")
         if memory is not None and memory is not False:
             if local is not None:
                 raise InvalidArgument("local= and memory= each name the store's tier: give one of them")
             from .tier.memory import memory_dir
             local = memory_dir(memory, url)
-        if durable_every > 1 and local is None:
+        if (isinstance(durable_every, datetime.timedelta) or durable_every > 1) and local is None:
             raise InvalidArgument("durable_every= keeps snapshots in a tier between uploads: it needs local= or "
                                   "memory=")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:

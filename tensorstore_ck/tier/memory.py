@@ -9,7 +9,8 @@ on the same node opens it again, and it is lost with its node, the failure the c
 on other nodes (replicas=k, placed by node) are there for.
 
 The schedule: with durable_every=N the first snapshot of a ref a process puts through
-the tier, and then every N-th, is uploaded; the others stay in the tiers, their commit
+the tier, and then every N-th, is uploaded (with durable_every=timedelta(minutes=10),
+the first put of the ref once ten minutes passed since its last uploaded one); the others stay in the tiers, their commit
 marked `tier_only` (docs/FORMAT.md). Rank 0 decides for a collective snapshot (the mark
 is in the commit every rank adopts). A tier-only snapshot is kept, with its copies on
 the holders, until a newer snapshot of the ref stands in for it (durable, or a later
@@ -20,15 +21,18 @@ must never become the only copy of a snapshot they keep.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import os
+import time
 
 from ..core.validate import TIER_ONLY, tier_only
 from ..errors import GcBusy, InvalidArgument, TsckError
 from ..util.localfile import MEMORY_FS, fs_type
 
-__all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "fs_type", "Schedule", "tier_only", "drop_superseded"]
+__all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "fs_type", "Schedule", "scheduled", "tier_only",
+           "drop_superseded"]
 
 log = logging.getLogger(__name__)
 DEFAULT_ROOT = "/dev/shm"
@@ -59,16 +63,33 @@ def memory_dir(memory, url: str) -> str:
     return path
 
 
+def scheduled(every) -> bool:
+    """Whether open_store(durable_every=) keeps some snapshots out of the remote: an int
+    above 1, or a time (datetime.timedelta)."""
+    return isinstance(every, datetime.timedelta) or every > 1
+
+
 class Schedule:
     """Which snapshots of a tier reach the remote: the first of each ref this process
-    puts, then every `every`-th (the others are tier-only)."""
+    puts, then every `every`-th (an int), or the first put once `every` (a
+    datetime.timedelta) has passed since the ref's last durable one, by this process's
+    monotonic clock (`clock`); the others are tier-only. Rank 0 decides for a collective
+    snapshot, so one clock decides for the job."""
 
-    def __init__(self, every: int):
+    def __init__(self, every, clock=time.monotonic):
         self.every = every
+        self._clock = clock
         self._since: dict[str, int] = {}  # ref -> tier-only snapshots put since its last durable one
+        self._last: dict[str, float] = {}  # ref -> clock() at its last durable one (a time schedule)
 
     def durable(self, ref: str) -> bool:
         """Decide for the next snapshot of `ref` (and count it)."""
+        if isinstance(self.every, datetime.timedelta):
+            now, last = self._clock(), self._last.get(ref)
+            if last is None or now - last >= self.every.total_seconds():
+                self._last[ref] = now
+                return True
+            return False
         n = self._since.get(ref)
         if n is None or n + 1 >= self.every:
             self._since[ref] = 0

@@ -6,6 +6,7 @@ of its ref stands in for it. Across ranks and nodes: tests/tier/test_tier_dist.p
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import threading
@@ -61,7 +62,9 @@ def test_the_tier_must_be_in_host_memory(tmp_path, shm, monkeypatch):
     monkeypatch.delenv("RANK")
     for bad in (dict(memory=os.path.join(shm, "t"), local=str(tmp_path / "nvme")), dict(memory=7),
                 dict(durable_every=2), dict(local=str(tmp_path / "nvme"), durable_every=0),
-                dict(local=str(tmp_path / "nvme"), durable_every=True)):
+                dict(local=str(tmp_path / "nvme"), durable_every=True), dict(durable_every=datetime.timedelta(0)),
+                dict(durable_every=datetime.timedelta(minutes=5)), dict(local=str(tmp_path / "nvme"), durable_every=2.5),
+                dict(local=str(tmp_path / "nvme"), durable_every=datetime.timedelta(seconds=-1))):
         with pytest.raises(InvalidArgument):
             tsck.open_store(str(tmp_path / "remote"), **bad)
     with _open(tmp_path, shm) as store, pytest.raises(InvalidArgument, match="tier_only"):
@@ -98,6 +101,27 @@ def test_every_nth_snapshot_reaches_the_remote_and_the_others_hold_the_tier_unti
         assert store.resolve("j/main") == infos[4].root
     with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
         assert [h.step for h in remote.log("j/main")] == [4, 1]
+
+
+def test_a_time_schedule_uploads_the_first_snapshot_once_its_time_passed(tmp_path, shm):
+    """durable_every=timedelta(minutes=10): the first snapshot of each ref is uploaded, then
+    the first put once ten minutes passed since the ref's last uploaded one (the tier's
+    schedule reads the process's monotonic clock, here a clock the test moves); the puts
+    between stay in memory, each until the next is published."""
+    now = [1000.0]
+    with _open(tmp_path, shm, durable_every=datetime.timedelta(minutes=10)) as store:
+        store._tier.schedule._clock = lambda: now[0]
+        infos = []
+        for step, minutes in [(1, 0), (2, 4), (3, 9.9), (4, 10.1), (5, 15), (6, 20.1)]:
+            now[0] = 1000.0 + 60 * minutes
+            infos.append(store.put_snapshot(_state(step), ref="j/main", step=step))
+        other = store.put_snapshot(_state(7), ref="j/other", step=1)  # (its own first: uploaded)
+        assert store.wait_durable(timeout=60)
+        assert [i.step for i in infos if i.meta.get("tier_only")] == [2, 3, 5], [i.meta for i in infos]
+        assert not other.meta.get("tier_only")
+        assert torch.equal(store.checkout("j/main")["w"], _state(6)["w"])
+    with tsck.open_store(str(tmp_path / "remote"), create=False) as remote:
+        assert [h.step for h in remote.log("j/main")] == [6, 4, 1]
 
 
 def test_a_tag_on_a_tier_only_snapshot_makes_it_durable(tmp_path, shm):
