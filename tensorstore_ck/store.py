@@ -593,6 +593,13 @@ class Store:
         """The remote store's Core behind a local tier (None without one)."""
         return self._tier.remote
 
+    @property
+    def replicas(self) -> int:
+        """open_store(replicas=k): the copies of each rank's part of a collective snapshot
+        held on other nodes' tiers (0: none)."""
+        peers = getattr(self._tier, "peers", None)
+        return 0 if peers is None else peers.k
+
     def _is_tier(self) -> bool:
         """Whether this store is a local tier (with its uploader, or opened by itself):
         asked of the table once per Store, not once per snapshot described."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..errors import InvalidArgument, TsckError
+from ..errors import InvalidArgument, RefNotFound, TsckError
 from ..util.ids import Digest
 from .channel import Channel, guard, open_channel, outcome_round
 from .job import CollectiveJob
@@ -90,9 +90,19 @@ def collective_checkout(job: CollectiveJob, target):
 
     def agree():
         ch.wait_for(["hello_all"], "arrive", "hello", of_ranks=True)  # (the hellos are read only if they differ)
-        root = resolve(target)
-        if job.newest is not None:
-            root = job.newest(spelled, root, tips)
+        try:
+            root = resolve(target)
+        except RefNotFound:
+            if job.newest is None:
+                raise
+            # Rank 0's tier lost with its node, the remote holding none of the ref yet:
+            # the other ranks' tiers may (their tips).
+            root = job.newest(spelled, None, tips)
+            if root is None:
+                raise
+        else:
+            if job.newest is not None:
+                root = job.newest(spelled, root, tips)
         if ch.add("tsum", 0) != ch.world * _target_hash(spelled):
             problem = _target_disagreement(ch, root, spelled, resolve)
             if problem is not None:  # every rank raises it as what it is

@@ -39,9 +39,10 @@ class CollectiveJob:
     # checkout through tiers with replicas: tip(target) -> this rank's own tier's newest snapshot of
     # the ref (bytes, b"" for none), posted with its hello; newest(target, root, posted) -> what rank 0
     # reads instead of `root` when its own tier lost the ref (its node lost) and another rank's tier
-    # holds a newer snapshot of it (posted() reads the others' tips: O(W), on that path only)
+    # holds a newer snapshot of it (posted() reads the others' tips: O(W), on that path only);
+    # root None: no tier knows the ref (-> None where no other rank's tier does either)
     tip: "Callable[[str], bytes] | None" = None
-    newest: "Callable[[str, Digest, Callable[[], list]], Digest] | None" = None
+    newest: "Callable[[str, Digest | None, Callable[[], list]], Digest | None] | None" = None
     # checkout: Channel -> a SharedRead (shared.py: the ranks read each block several of them read
     # once), made on every rank when rank 0's `shares` says so (one rank's choice for all)
     share: "Callable[[Any], Any] | None" = None

@@ -24,7 +24,7 @@ from ..write.saver import Saver
 from .collective import CollectiveTier
 from .holds import (delete_ref_both, forget_both, held, pin_both, tag_both, undelete_both, unheld, unpin_both,
                     untag_both)
-from .memory import TIER_ONLY, Schedule, drop_superseded, tier_only
+from .memory import TIER_ONLY, Schedule, drop_superseded, scheduled, tier_only
 from .outage import Lag, caller_level, measure
 from .reads import ReadChain, newer, read_through
 from .uploader import Uploader, early_default
@@ -46,17 +46,17 @@ class LocalTier:
     learns_parts = False    # a checkout's parts may be the remote's, not this store's own
 
     def __init__(self, core: Core, remote: Core, *, budget: int | None = None, early: bool | None = None,
-                 stop=None, replicas: int = 0, saver: Saver | None = None, durable_every: int = 1,
+                 stop=None, replicas: int = 0, saver: Saver | None = None, durable_every=1,
                  memory: bool = False):
         """saver: the saver process (open_store(saver="process")) runs the uploads; the
         tier's puts write its disk on threads. durable_every: which snapshots the remote
-        gets (memory.Schedule; 1: every one). memory: the tier is host memory (memory=):
+        gets (memory.Schedule: an int N or a timedelta; 1: every one). memory: the tier is host memory (memory=):
         a durable snapshot's copy is dropped once a newer one of its ref stands in for it."""
         self.core = core
         self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop,
-                                 saver=saver, lean=memory, schedules=durable_every > 1)
+                                 saver=saver, lean=memory, schedules=scheduled(durable_every))
         self.reads = read_through(core.assets, remote, evicted=core.refs.tier_rows.evicted)
-        self.schedule = Schedule(durable_every) if durable_every > 1 else None
+        self.schedule = Schedule(durable_every) if scheduled(durable_every) else None
         self.peers = None
         if replicas:
             from .replicas import Peers  # (the side channel's server starts at the first collective put)
@@ -247,13 +247,15 @@ class LocalTier:
                 best = (root, row)
         return b"" if best is None else bytes(best[0]) + msgpack.packb([best[1].get("step"), best[1].get("time")])
 
-    def newest_of(self, target: str, root, posted) -> Digest:
+    def newest_of(self, target: str, root, posted) -> Digest | None:
         """Rank 0 of a collective checkout (with replicas), `root` resolved through its
-        tiers: where this rank's own tier lacks ref `target` (its node lost: a new one),
-        the newest snapshot another rank's tier holds (posted(): their own_tip, read only
-        on this path), if it is newer than `root`. A tier-only snapshot is then read, rank
-        0's part from the peers holding its copies, not the older durable one the remote
-        names; every rank reads the one root rank 0 names (never a mix)."""
+        tiers (None: neither tier knows ref `target`): where this rank's own tier lacks
+        the ref (its node lost: a new one), the newest snapshot another rank's tier holds
+        (posted(): their own_tip, read only on this path), if it is newer than `root`. A
+        tier-only snapshot is then read, rank 0's part from the peers holding its copies,
+        not the older durable one the remote names, or no snapshot at all where the remote
+        holds none of the ref yet (its first upload was not done when the node was lost);
+        every rank reads the one root rank 0 names (never a mix). None: none anywhere."""
         if self.peers is None:
             return root
         try:
@@ -261,7 +263,7 @@ class LocalTier:
             return root  # (the tier knows the ref: roots() already chose the newer)
         except RefNotFound:
             pass
-        best, best_row = root, self.remote.refs.catalog_get(root, checked=False)
+        best, best_row = root, None if root is None else self.remote.refs.catalog_get(root, checked=False)
         for tip in posted():
             if len(tip) <= DIGEST_SIZE:
                 continue
@@ -274,8 +276,8 @@ class LocalTier:
                 best, best_row = Digest(tip[:DIGEST_SIZE]), row
         if best != root:
             log.info("collective checkout of %s: this rank's tier lost it; snapshot %s (step %s), which the other "
-                     "ranks' tiers hold, is newer than what the remote store names", target, best.hex()[:16],
-                     best_row.get("step"))
+                     "ranks' tiers hold, is newer than what the remote store names (%s)", target, best.hex()[:16],
+                     best_row.get("step"), "nothing" if root is None else root.hex()[:16])
         return best
 
     def read_core(self) -> Core:

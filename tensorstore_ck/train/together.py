@@ -119,8 +119,11 @@ class Together:
         """restore_latest() under torch.distributed (see the module)."""
         history = self._history()
         # What to try, as rank 0 lists it: the ref itself (what a checkout of it reads: with
-        # a local tier, the newer tier's tip), then its older kept snapshots by root.
-        targets = self._rank0_says(lambda: [self.ref] + [h.root for h in history[1:]] if history else [])
+        # a local tier, the newer tier's tip), then its older kept snapshots by root. With
+        # peer copies, the ref even where rank 0 knows none of it (its node lost before the
+        # remote held any): the other ranks' tiers may (collective checkout's tips).
+        targets = self._rank0_says(lambda: [self.ref] + [h.root for h in history[1:]] if history
+                                   else [self.ref] if self.store.replicas else [])
         if not targets:
             if must_exist:
                 raise self._nothing_to_resume()

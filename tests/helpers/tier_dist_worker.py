@@ -382,6 +382,61 @@ def heldmove_body(rank, world, out, res, cfg):
         res["rows"] = sorted(r.hex() for r in store.core.refs.catalog_roots())
 
 
+class _Part:
+    """A rank's state for a CheckpointManager: one tensor of several blocks, its own."""
+
+    def __init__(self):
+        self.t = torch.zeros(3 * dw.BLOCK // 4)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, sd):
+        self.t.copy_(sd["t"])
+
+
+def _part_at(rank: int, step: int):
+    return torch.randn(3 * dw.BLOCK // 4, generator=torch.Generator().manual_seed(rank * 1000 + step))
+
+
+def noremote_body(rank, world, out, res, cfg):
+    """A CheckpointManager (synchronous, a snapshot each step) over memory tiers with
+    replicas. cfg["mode"] "train": rank 0's moves of the remote ref all fail (its remote
+    ref table away for it alone), so the remote lists nothing of the job's ref; steps 1
+    (durable by the schedule, never moved) and 2 (tier-only, its copies agreed) are put.
+    "resume": the tiers of the ranks cfg["lost"] removed (their node lost), restore_latest."""
+    import shutil
+
+    import torch.distributed as dist
+    import tensorstore_ck as tsck
+    if cfg["mode"] == "resume" and rank in cfg["lost"]:
+        shutil.rmtree(os.path.join(cfg["tiers"], f"tier{rank}"))
+    dist.barrier()  # (every loss before any rank opens: a lost tier must not serve the old copies)
+    with _open(cfg, out, rank, "tier", {}, replicas=1) as store:
+        part = _Part()
+        mgr = tsck.CheckpointManager(store, job="nr", state=tsck.TrainState(part=part), every_steps=1, async_=False,
+                                     timeout=60)
+        if cfg["mode"] == "train":
+            if rank == 0:
+                def away(*a, **k):
+                    raise tsck.StorageError("the remote ref table is away (for rank 0, in this test)")
+                store._tier.uploader.publisher.move_to = away
+            for step in (1, 2):
+                part.t.copy_(_part_at(rank, step))
+                mgr.step(step)
+            if rank == 0:  # (the others' tiers keep their parts' rows, not the ref)
+                res["tier_only"] = [bool(h.meta.get("tier_only")) for h in store.log(mgr.ref)][::-1]
+            else:
+                store.wait_durable(timeout=120)  # (its part of step 1 sent: the remote has objects, no ref)
+            dist.barrier()
+            mgr.close()
+            store.close(timeout=5)
+        else:
+            res["restored"] = mgr.restore_latest()
+            res["exact"] = bool(res["restored"] is not None and torch.equal(part.t, _part_at(rank, res["restored"])))
+            dist.barrier()
+
+
 def twostores_body(rank, world, out, res, cfg):
     """Two tiered stores with replicas=1 in each rank (remotes A and B), both joined to the
     job's side channel before either sends a copy; then a collective put into A. Each rank
@@ -578,6 +633,8 @@ def scenarios(scenario: str, out: str, argv: list) -> list | None:
         return [dw.launch("put", world, put_body, out, cfg, limit=300)]
     if scenario == "rput":
         return [dw.launch("rput", world, rput_body, out, cfg, limit=300)]
+    if scenario == "noremote":
+        return [dw.launch(cfg["phase"], world, noremote_body, out, cfg, limit=300)]
     if scenario == "heldmove":
         return [dw.launch("heldmove", world, heldmove_body, out, cfg, limit=300)]
     if scenario == "twostores":

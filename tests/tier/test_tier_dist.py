@@ -351,6 +351,28 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
 
 
 @pytest.mark.slow
+def test_a_job_whose_remote_holds_nothing_yet_resumes_from_the_other_nodes_memory(tmp_path, s3_url, s3_server):
+    """A CheckpointManager over memory tiers (4 ranks on nodes a, a, b, b, replicas=1,
+    durable_every=3): step 1 is scheduled durable, but rank 0's moves of the remote ref all
+    fail, so the remote lists nothing of the ref; step 2 stays in memory with its copies.
+    Node a (rank 0's) is lost and its ranks come back on new nodes: restore_latest on
+    every rank resumes step 2, bit for bit, from node b's tiers and copies (rank 0 knows no
+    snapshot of the ref: the other ranks' tips name it), not from nothing."""
+    world = 4
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server)
+    try:
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "train", "phase": "nrtrain"}), "nrtrain", world)
+        assert res[0]["tier_only"] == [False, True], res[0]["tier_only"]
+        with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+            assert not remote.refs()
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "resume", "phase": "nrresume", "lost": [0, 1],
+                                                   "nodes": ["d", "e", "b", "b"]}), "nrresume", world)
+        assert [(r["restored"], r["exact"]) for r in res] == [(2, True)] * world, res
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_two_stores_with_replicas_in_one_job_send_their_copies_to_their_own_tiers(tmp_path):
     """Each of 2 ranks holds two tiered stores with replicas=1 (remotes A and B, tiers of
     their own), both joined to the job's side channel; a put into A sends each rank's part
