@@ -28,9 +28,10 @@ Invariants, judged after each round and at the end:
      least the newest tier-only step committed on some rank of the previous round (no
      rank reporting a copy missing), when the previous round lost at most node b's
      memory, or only processes, and no peer lies in this one. (A loss of node a, rank 0's, is judged by M1 alone: rank 0's new
-     tier names the newest snapshot the others hold, and when that one cannot be read
-     whole, restore_latest falls back through rank 0's history, which is the remote's:
-     the last durable snapshot, not a tier-only one before it. A known gap.)
+     tier names the newest snapshot the others hold, even where the remote holds none of
+     the ref yet, but when that one cannot be read whole, restore_latest falls back
+     through rank 0's history, which is the remote's: the last durable snapshot, not a
+     tier-only one before it. A known gap.)
   M3 no liar's bytes are used: the checks of M1 hold in liar rounds too;
   M4 durable snapshots never depend on memory: at the end the remote store alone passes
      a full fsck, and every snapshot it lists that is marked tier_only was named by a
