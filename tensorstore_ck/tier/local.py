@@ -50,8 +50,9 @@ class LocalTier:
                  memory: bool = False):
         """saver: the saver process (open_store(saver="process")) runs the uploads; the
         tier's puts write its disk on threads. durable_every: which snapshots the remote
-        gets (memory.Schedule: an int N or a timedelta; 1: every one). memory: the tier is host memory (memory=):
-        a durable snapshot's copy is dropped once a newer one of its ref stands in for it."""
+        gets (memory.Schedule: an int N or a timedelta; 1: every one). memory: the tier is
+        host memory (memory=): a durable snapshot's copy is dropped once a newer one of its
+        ref stands in for it."""
         self.core = core
         self.uploader = Uploader(core, remote, budget, early=early_default() if early is None else early, stop=stop,
                                  saver=saver, lean=memory, schedules=scheduled(durable_every))

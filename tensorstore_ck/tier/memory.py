@@ -10,13 +10,14 @@ on other nodes (replicas=k, placed by node) are there for.
 
 The schedule: with durable_every=N the first snapshot of a ref a process puts through
 the tier, and then every N-th, is uploaded (with durable_every=timedelta(minutes=10),
-the first put of the ref once ten minutes passed since its last uploaded one); the others stay in the tiers, their commit
-marked `tier_only` (docs/FORMAT.md). Rank 0 decides for a collective snapshot (the mark
-is in the commit every rank adopts). A tier-only snapshot is kept, with its copies on
-the holders, until a newer snapshot of the ref stands in for it (durable, or a later
-tier-only one whose put returned); then it is expired from the tier (gc.retention_plan),
-whatever retention's rules say: the rules keep durable snapshots, and a tier-only one
-must never become the only copy of a snapshot they keep.
+the first put of the ref once ten minutes passed since its last uploaded one); the
+others stay in the tiers, their commit marked `tier_only` (docs/FORMAT.md). Rank 0
+decides for a collective snapshot (the mark is in the commit every rank adopts). A
+tier-only snapshot is kept, with its copies on the holders, until a newer snapshot of
+the ref stands in for it (durable, or a later tier-only one whose put returned); then it
+is expired from the tier (gc.retention_plan), whatever retention's rules say: the rules
+keep durable snapshots, and a tier-only one must never become the only copy of a
+snapshot they keep.
 """
 
 from __future__ import annotations

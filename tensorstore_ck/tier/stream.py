@@ -47,7 +47,8 @@ import blake3
 from ..errors import FormatError, IntegrityError, StorageError, TsckError
 from ..util.net import job_secret, listen_on, peer_name, prove, recv_exact, recv_into, serve
 
-__all__ = ["push", "fetch", "raw_block", "StreamServer", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK", "STREAM_TIMEOUT",
+__all__ = ["push", "fetch", "raw_block", "StreamServer", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK",
+           "STREAM_TIMEOUT",
            "VERIFY_DEPTH"]
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import uuid
 
 from ..errors import InvalidArgument, StorageError, TsckError, no_space, storage_error
 
-__all__ = ["write_atomic", "write_dir", "umask", "sync_dir", "open_regular", "NotRegularFile", "reopen_path", "MEMORY_FS",
-           "fs_type", "in_memory"]
+__all__ = ["write_atomic", "write_dir", "umask", "sync_dir", "open_regular", "NotRegularFile", "reopen_path",
+           "MEMORY_FS", "fs_type", "in_memory"]
 
 _NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))

@@ -63,7 +63,8 @@ def test_the_tier_must_be_in_host_memory(tmp_path, shm, monkeypatch):
     for bad in (dict(memory=os.path.join(shm, "t"), local=str(tmp_path / "nvme")), dict(memory=7),
                 dict(durable_every=2), dict(local=str(tmp_path / "nvme"), durable_every=0),
                 dict(local=str(tmp_path / "nvme"), durable_every=True), dict(durable_every=datetime.timedelta(0)),
-                dict(durable_every=datetime.timedelta(minutes=5)), dict(local=str(tmp_path / "nvme"), durable_every=2.5),
+                dict(durable_every=datetime.timedelta(minutes=5)),
+                dict(local=str(tmp_path / "nvme"), durable_every=2.5),
                 dict(local=str(tmp_path / "nvme"), durable_every=datetime.timedelta(seconds=-1))):
         with pytest.raises(InvalidArgument):
             tsck.open_store(str(tmp_path / "remote"), **bad)

@@ -640,7 +640,8 @@ def test_a_part_goes_to_its_holder_whole_and_a_damaged_copy_in_it_is_refused(tmp
             for kind, d in objs:
                 assert b.assets.storage.exists(Assets.object_key(kind + "s", d)), (kind, d.hex())
                 assert Assets.object_frame_error(kind, d, b.assets.stored_frame(kind, d)) is None
-            assert sender.replicate(root, tree).result(60) is True and sender.sent == len(set(objs))  # (it has them all)
+            # (the holder has them all: nothing more is sent)
+            assert sender.replicate(root, tree).result(60) is True and sender.sent == len(set(objs))
 
             state["w3"] = torch.randn(5 * dw.BLOCK // 4, generator=gen)
             a.put_snapshot(state, "r")
