@@ -452,11 +452,14 @@ def test_a_part_intent_left_by_a_killed_rank_is_sent_at_open(tmp_path):
         assert refs.tier_rows.intents() == {}
 
 
-def test_a_snapshot_expired_locally_during_its_upload_is_dropped_not_fatal(tmp_path):
+def test_a_snapshot_expired_locally_during_its_upload_is_dropped_not_fatal(tmp_path, monkeypatch):
     """A local prune or gc may remove a queued snapshot before or while it is sent (here:
     forget + gc while its upload waits on its first remote question). The uploader finds
     its objects gone and its catalog row too: it drops it from the queue and goes on
-    with the next, instead of stopping on the missing objects."""
+    with the next, instead of stopping on the missing objects. (The forget waits for the
+    upload in flight until REMOVE_WAIT, then goes on: a second here, not a minute.)"""
+    from tensorstore_ck.tier import holds
+    monkeypatch.setattr(holds, "REMOVE_WAIT", 1.0)
     wrapped = []
     store = tsck.open_store(str(tmp_path / "remote"), local=str(tmp_path / "nvme"), block_size=BS,
                             inline_threshold=256, wrap_storage=lambda s: wrapped.append(HoldLookups(s)) or wrapped[-1])
