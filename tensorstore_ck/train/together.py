@@ -118,12 +118,7 @@ class Together:
     def _restore_latest_together(self, state, must_exist: bool, progress: bool) -> int | None:
         """restore_latest() under torch.distributed (see the module)."""
         history = self._history()
-        # What to try, as rank 0 lists it: the ref itself (what a checkout of it reads: with
-        # a local tier, the newer tier's tip), then its older kept snapshots by root. With
-        # peer copies, the ref even where rank 0 knows none of it (its node lost before the
-        # remote held any): the other ranks' tiers may (collective checkout's tips).
-        targets = self._rank0_says(lambda: [self.ref] + [h.root for h in history[1:]] if history
-                                   else [self.ref] if self.store.replicas else [])
+        targets = self._rank0_says(lambda: self._targets(history))
         if not targets:
             if must_exist:
                 raise self._nothing_to_resume()
@@ -137,6 +132,18 @@ class Together:
         state.load_checked_out(sd)
         self._restored(state, self._history())
         return state.step
+
+    def _targets(self, history: list) -> list:
+        """Rank 0: what restore_latest tries, in order: the ref itself (what a checkout of it
+        reads: with a local tier, the newer tier's tip), then its older kept snapshots by
+        root. With peer copies and the ref unknown to rank 0's own tier (its node lost), a
+        checkout of the ref may name a newer snapshot the other ranks' tiers hold (their
+        tips), so the newest of `history` (the remote's) is a target of its own after it,
+        and the ref is tried even with no history (the remote held none of it yet)."""
+        elsewhere = bool(self.store.replicas) and self.store.core.refs.get_or_none(self.ref) is None
+        if not history:
+            return [self.ref] if elsewhere else []
+        return [self.ref] + [h.root for h in (history if elsewhere else history[1:])]
 
     def _restore_step_together(self, state, step: int, progress: bool) -> int:
         """restore(step) under torch.distributed: REF@STEP read by every rank, then rank 0

@@ -404,20 +404,24 @@ def noremote_body(rank, world, out, res, cfg):
     replicas. cfg["mode"] "train": rank 0's moves of the remote ref all fail (its remote
     ref table away for it alone), so the remote lists nothing of the job's ref; steps 1
     (durable by the schedule, never moved) and 2 (tier-only, its copies agreed) are put.
-    "resume": the tiers of the ranks cfg["lost"] removed (their node lost), restore_latest."""
+    cfg["moves"]: rank 0's moves go through (step 1 reaches the remote).
+    "resume": the tiers of the ranks cfg["lost"] removed (their node lost), the blocks of
+    those of cfg["damaged"] damaged, restore_latest."""
     import shutil
 
     import torch.distributed as dist
     import tensorstore_ck as tsck
     if cfg["mode"] == "resume" and rank in cfg["lost"]:
         shutil.rmtree(os.path.join(cfg["tiers"], f"tier{rank}"))
+    if cfg["mode"] == "resume" and rank in cfg.get("damaged", []):  # every block its tier holds, a byte flipped
+        _damage_blocks(os.path.join(cfg["tiers"], f"tier{rank}"))
     dist.barrier()  # (every loss before any rank opens: a lost tier must not serve the old copies)
     with _open(cfg, out, rank, "tier", {}, replicas=1) as store:
         part = _Part()
         mgr = tsck.CheckpointManager(store, job="nr", state=tsck.TrainState(part=part), every_steps=1, async_=False,
                                      timeout=60)
         if cfg["mode"] == "train":
-            if rank == 0:
+            if rank == 0 and not cfg.get("moves"):
                 def away(*a, **k):
                     raise tsck.StorageError("the remote ref table is away (for rank 0, in this test)")
                 store._tier.uploader.publisher.move_to = away
@@ -480,6 +484,19 @@ def _objects(tier: str) -> set:
             for d, _s, fs in os.walk(os.path.join(tier, kind)) for f in fs}
 
 
+def _damage_blocks(tier: str) -> None:
+    """Every block file under `tier`, its last byte flipped."""
+    for d, _s, fs in os.walk(os.path.join(tier, "blocks")):
+        for f in fs:
+            path = os.path.join(d, f)
+            os.chmod(path, 0o644)
+            with open(path, "r+b") as fh:
+                fh.seek(-1, os.SEEK_END)
+                last = fh.read(1)
+                fh.seek(-1, os.SEEK_END)
+                fh.write(bytes([last[0] ^ 1]))
+
+
 def rload_body(rank, world, out, res, cfg):
     """The job restarted after the nodes of cfg["lost"] lost their tiers (removed here,
     before the store opens): a collective checkout with replicas."""
@@ -489,15 +506,7 @@ def rload_body(rank, world, out, res, cfg):
     if rank in cfg["lost"]:
         shutil.rmtree(os.path.join(cfg["tiers"], f"tier{rank}"))
     if rank in cfg.get("damaged", []):  # every block this node's tier holds, its last byte flipped
-        for d, _s, fs in os.walk(os.path.join(cfg["tiers"], f"tier{rank}", "blocks")):
-            for f in fs:
-                path = os.path.join(d, f)
-                os.chmod(path, 0o644)
-                with open(path, "r+b") as fh:
-                    fh.seek(-1, os.SEEK_END)
-                    last = fh.read(1)
-                    fh.seek(-1, os.SEEK_END)
-                    fh.write(bytes([last[0] ^ 1]))
+        _damage_blocks(os.path.join(cfg["tiers"], f"tier{rank}"))
     dist.barrier()  # (every loss before any rank reads: a lost tier must not serve the old copies)
     import logging
     sources = res["sources"] = []

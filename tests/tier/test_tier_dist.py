@@ -373,6 +373,30 @@ def test_a_job_whose_remote_holds_nothing_yet_resumes_from_the_other_nodes_memor
 
 
 @pytest.mark.slow
+def test_a_job_whose_lost_rank_0_names_an_unreadable_snapshot_falls_back_to_the_remotes_newest(tmp_path, s3_url,
+                                                                                              s3_server):
+    """As above, but rank 0's moves go through: step 1 is in the remote, step 2 stays in
+    memory. Node a (rank 0's) is lost and every block node b's tiers hold is damaged, so
+    step 2, which the other ranks' tips name, reads whole nowhere. restore_latest falls
+    back to step 1, the remote's newest, on every rank, bit for bit (rank 0's history is
+    the remote's: its newest is a target of its own after the ref, not skipped)."""
+    world = 4
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server)
+    try:
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "train", "moves": True, "phase": "fbtrain"}),
+                       "fbtrain", world)
+        assert res[0]["tier_only"] == [False, True], res[0]["tier_only"]
+        with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+            assert [h.step for h in remote.log("nr/main")] == [1]
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "resume", "phase": "fbresume", "lost": [0, 1],
+                                                   "damaged": [2, 3], "nodes": ["d", "e", "b", "b"]}),
+                       "fbresume", world)
+        assert [(r["restored"], r["exact"]) for r in res] == [(1, True)] * world, res
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_two_stores_with_replicas_in_one_job_send_their_copies_to_their_own_tiers(tmp_path):
     """Each of 2 ranks holds two tiered stores with replicas=1 (remotes A and B, tiers of
     their own), both joined to the job's side channel; a put into A sends each rank's part
