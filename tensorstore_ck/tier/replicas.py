@@ -18,7 +18,7 @@ from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
 from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, recv_into, serve
 from .keeper import Keeper, keep_copy
-from .stream import StreamServer, fetch as stream_fetch
+from .stream import FileBlock, StreamServer, fetch as stream_fetch
 
 __all__ = ["Peers", "PEER_TIMEOUT", "FETCH_BYTES", "FETCH_DEPTH", "decoded_frame"]
 
@@ -133,11 +133,31 @@ class Peers:
         return addr
 
     def _stored_block(self, d: bytes):
+        """A block of this tier as the block stream sends it: from its file (FileBlock),
+        its pages asked of the disk now (the server looks blocks up ahead of the one it
+        sends); None if this tier lacks it, or holds more bytes than a block can take."""
+        import io
+        import os
         from ..core.assets import Assets
+        limit = _limit(self.core, "block")
         try:
-            return self.core.storage.get(Assets.object_key("blocks", d), _limit(self.core, "block") + 1)
+            f = self.core.storage.open_read(Assets.object_key("blocks", d), limit + 1)
         except (FileNotFoundError, OSError, TsckError):
             return None
+        try:
+            n = os.fstat(f.fileno()).st_size
+        except (io.UnsupportedOperation, AttributeError):  # (no file of this host's behind it)
+            with f:
+                data = f.read(limit + 1)
+            return data if len(data) <= limit else None
+        if n > limit:
+            f.close()
+            return None
+        try:
+            os.posix_fadvise(f.fileno(), 0, n, os.POSIX_FADV_WILLNEED)
+        except OSError:  # (a read-ahead the file system does not take: sendfile reads it then)
+            pass
+        return FileBlock(f, n)
 
     def nodes(self) -> list[str]:
         """Each rank's node name (placement.this_node(), posted by every rank as it joins),

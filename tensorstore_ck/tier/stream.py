@@ -22,7 +22,9 @@ length is bounded before a buffer is made (MAX_BATCH_BLOCKS, max_block), so a pe
 header cannot make this process allocate what it likes.
 
 Cost: a sender writes each batch with one sendmsg over the blocks' own buffers (no copy
-to batch them); a receiver reads each batch's payload with recv_into into one buffer (a
+to batch them), or a block from its file with sendfile (a server's lookup may answer a
+FileBlock: no copy through the process), looking blocks up READ_AHEAD ahead of the one
+it sends; a receiver reads each batch's payload with recv_into into one buffer (a
 caller's `into`, or one per batch) and hashes it on a worker thread while the socket
 reads the next batch (`overlap`: BLAKE3 releases the GIL), at most VERIFY_DEPTH batches
 behind. Nothing is hashed twice: a server sends what it holds as it holds it (what it
@@ -36,6 +38,7 @@ silent for `timeout` seconds: StorageError naming the peer and how far the trans
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
@@ -47,7 +50,7 @@ import blake3
 from ..errors import FormatError, IntegrityError, StorageError, TsckError
 from ..util.net import job_secret, listen_on, peer_name, prove, recv_exact, recv_into, serve
 
-__all__ = ["push", "fetch", "raw_block", "StreamServer", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK",
+__all__ = ["push", "fetch", "raw_block", "StreamServer", "FileBlock", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK",
            "STREAM_TIMEOUT",
            "VERIFY_DEPTH"]
 
@@ -59,6 +62,7 @@ MAX_BLOCK = 64 << 20        # the largest block a receiver takes unless told ano
 MAX_FETCH = 1 << 22         # digests in one fetch request
 STREAM_TIMEOUT = 60.0       # seconds a peer may stay silent mid-transfer
 VERIFY_DEPTH = 2            # batches read ahead of the hashing
+READ_AHEAD = 4              # a server's lookups running ahead of the block it sends
 MISSING = (1 << 64) - 1     # a fetched block's length when the server lacks it
 _SOCK_BUF = 4 << 20         # the sockets' kernel buffers: a batch in flight while the next is packed
 _IOV = 1024                 # buffers one sendmsg takes (Linux's IOV_MAX)
@@ -83,16 +87,43 @@ def _batches(blocks, batch_bytes: int):
         yield run
 
 
+class FileBlock:
+    """A block a server sends from its file (a lookup's answer): the kernel copies it to
+    the socket (sendfile), so it passes through no buffer of the process, and a disk's
+    pages are read into the page cache only. `f`: a binary file open for reading, at
+    least `nbytes` long; closed once sent."""
+
+    __slots__ = ("f", "nbytes")
+
+    def __init__(self, f, nbytes: int):
+        self.f, self.nbytes = f, nbytes
+
+    def send(self, sock) -> None:
+        if sock.sendfile(self.f, 0, self.nbytes) != self.nbytes:
+            raise OSError(f"a block's file ended before its {self.nbytes} bytes were sent")
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def _send_batch(sock, run) -> None:
-    """One batch: its header and table, then each block from its own buffer (sendmsg)."""
+    """One batch: its header and table, then each block from its own buffer (sendmsg),
+    or from its file (FileBlock)."""
     table = bytearray()
     total = 0
     for d, mv in run:
         n = MISSING if mv is None else mv.nbytes
         table += d + n.to_bytes(8, "big")
         total += 0 if mv is None else n
-    head = len(run).to_bytes(4, "big") + total.to_bytes(8, "big") + bytes(table)
-    _send_all(sock, [memoryview(head)] + [mv for _d, mv in run if mv is not None and mv.nbytes])
+    bufs = [memoryview(len(run).to_bytes(4, "big") + total.to_bytes(8, "big") + bytes(table))]
+    for _d, mv in run:
+        if isinstance(mv, FileBlock):
+            _send_all(sock, bufs)
+            bufs = []
+            mv.send(sock)
+        elif mv is not None and mv.nbytes:
+            bufs.append(mv)
+    _send_all(sock, bufs)
 
 
 def _send_end(sock) -> None:
@@ -318,8 +349,8 @@ def fetch(addr: str, secret: bytes, digests, *, max_block: int = MAX_BLOCK, into
 # -- the server ----------------------------------------------------------------------------
 
 class StreamServer:
-    """A peer's side of the streams: answers fetches from lookup(digest) -> a bytes-like
-    or None (sent as held: the asker checks), and hands a push, every block checked, to
+    """A peer's side of the streams: answers fetches from lookup(digest) -> a bytes-like,
+    a FileBlock, or None (sent as held: the asker checks), and hands a push, every block checked, to
     accept([(digest, memoryview)]) whole (a push with one bad block is refused and none
     of it accepted; accept raising a TsckError refuses it too, with that reason).
     alloc(nbytes) -> a writable buffer of at least nbytes: where a push's batches land
@@ -334,6 +365,7 @@ class StreamServer:
         self.max_block, self.overlap, self.timeout, self.batch_bytes = max_block, overlap, timeout, batch_bytes
         self._lock = threading.Lock()
         self._sock = None
+        self._readers = None  # the lookups' threads (_looked_up), made on the first fetch
         self.addr: str | None = None
         self.kept = self.served = self.refused = self.strangers = 0
 
@@ -351,8 +383,11 @@ class StreamServer:
     def close(self) -> None:
         with self._lock:
             sock, self._sock = self._sock, None
+            readers, self._readers = self._readers, None
         if sock is not None:
             sock.close()
+        if readers is not None:
+            readers.shutdown(wait=False, cancel_futures=True)
 
     def _stranger(self, who: str) -> None:
         with self._lock:
@@ -426,20 +461,56 @@ class StreamServer:
         raw = recv_exact(conn, n * _DIGEST)
         served = 0
 
+        files: list = []  # the FileBlocks looked up: each closed once sent, or when the fetch ends
+
         def views():
-            # Looked up as the batches are packed: a server whose lookup reads a disk holds
-            # one batch of a fetch at a time, not the whole of it.
             nonlocal served
-            for i in range(0, len(raw), _DIGEST):
-                d = bytes(raw[i:i + _DIGEST])
-                data = self.lookup(d) if self.lookup is not None else None
+            for d, data in self._looked_up([bytes(raw[i:i + _DIGEST]) for i in range(0, len(raw), _DIGEST)]):
                 served += data is not None
-                yield d, None if data is None else memoryview(data).cast("B")
-        for run in _batches(views(), self.batch_bytes):
-            _send_batch(conn, run)
-        _send_end(conn)
+                if isinstance(data, FileBlock):
+                    files.append(data)
+                yield d, data if data is None or isinstance(data, FileBlock) else memoryview(data).cast("B")
+        try:
+            for run in _batches(views(), self.batch_bytes):
+                _send_batch(conn, run)
+                _close_files(mv for _d, mv in run)
+            _send_end(conn)
+        finally:
+            _close_files(files)
         with self._lock:
             self.served += served
+
+    def _looked_up(self, digests: list):
+        """(digest, lookup(digest)) in order, READ_AHEAD lookups running ahead of the one
+        yielded: a server whose lookup reads a disk reads the next blocks while a batch is
+        sent (a disk read one block at a time, then a send, left each idle half the time),
+        and holds one batch of a fetch plus READ_AHEAD blocks, not the whole of it."""
+        if self.lookup is None:
+            yield from ((d, None) for d in digests)
+            return
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="tsck-stream-read")
+            pool = self._readers
+        todo = iter(digests)
+        flight = deque((d, pool.submit(self.lookup, d)) for d in itertools.islice(todo, READ_AHEAD))
+        try:
+            while flight:
+                d, f = flight.popleft()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    flight.append((nxt, pool.submit(self.lookup, nxt)))
+                yield d, f.result()
+        finally:  # (a fetch cut short: what was not begun is not looked up, what was is let go)
+            for _d, f in flight:
+                if not f.cancel():
+                    f.add_done_callback(lambda f: f.exception() is None and _close_files([f.result()]))
+
+
+def _close_files(blocks) -> None:
+    for b in blocks:
+        if isinstance(b, FileBlock):
+            b.close()
 
 
 def _reply(conn, ok: int, count: int, reason: str) -> None:

@@ -4,6 +4,10 @@ of SIZE bytes on 127.0.0.1 for the job whose secret is SECRET (hex), as MODE say
     honest    a StreamServer: fetches answered from the blocks, pushes checked and kept
     flip      a StreamServer whose copy of block 1 has one byte flipped
     longer    a StreamServer whose copy of block 1 has one byte more
+    files     a StreamServer whose lookup answers each block from a file of its own
+              (FileBlock: sent with sendfile)
+    ahead     a StreamServer whose lookup of block i waits until that of block i+1 has
+              begun (as a disk read that only ends if the next one was issued meanwhile)
     huge      by hand: proves nothing wrong, answers a fetch with a batch announcing a
               block of 2**40 bytes
     truncate  by hand: answers a fetch with one batch cut in the middle, then closes
@@ -19,11 +23,12 @@ import os
 import random
 import socket
 import sys
+import tempfile
 import threading
 
 import blake3
 
-from tensorstore_ck.tier.stream import StreamServer
+from tensorstore_ck.tier.stream import FileBlock, StreamServer
 from tensorstore_ck.util.net import proven, recv_exact
 
 
@@ -87,12 +92,43 @@ def main() -> None:
     elif mode == "longer":
         held[first] = data[1] + b"\0"
     kept: dict = {}
-    srv = StreamServer(lookup=lambda d: held.get(d, kept.get(d)),
+    index = {blake3.blake3(b).digest(): i for i, b in enumerate(data)}
+    began = [threading.Event() for _ in data]
+    lock = threading.Lock()
+    now = {"running": 0, "most": 0, "waited_out": 0}
+    opened: list = []
+    if mode == "files":
+        where = tempfile.mkdtemp(prefix="tsck-stream-peer-")
+        for d, b in held.items():
+            with open(os.path.join(where, d.hex()), "wb") as f:
+                f.write(b)
+
+    def lookup(d):
+        with lock:
+            now["running"] += 1
+            now["most"] = max(now["most"], now["running"])
+        try:
+            i = index.get(d)
+            if mode == "ahead" and i is not None:
+                began[i].set()
+                if i + 1 < len(data) and not now["waited_out"] and not began[i + 1].wait(10):
+                    now["waited_out"] += 1  # (once: the rest go on, so a serial server fails fast)
+            if mode == "files" and d in held:
+                f = open(os.path.join(where, d.hex()), "rb")
+                opened.append(f)
+                return FileBlock(f, len(held[d]))
+            return held.get(d, kept.get(d))
+        finally:
+            with lock:
+                now["running"] -= 1
+    srv = StreamServer(lookup=lookup,
                        accept=lambda got: kept.update((d, bytes(mv)) for d, mv in got), max_block=size)
     print("ADDR " + srv.listen(Kv(secret)), flush=True)
     for line in sys.stdin:
         if line.strip() == "stats":
             print(f"STATS {srv.kept} {srv.refused} {srv.strangers} {len(kept)}", flush=True)
+        elif line.strip() == "lookups":
+            print(f"LOOKUPS {now['most']} {now['waited_out']} {sum(not f.closed for f in opened)}", flush=True)
 
 
 if __name__ == "__main__":

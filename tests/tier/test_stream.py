@@ -1,7 +1,8 @@
 """Blocks streamed between peers (tier/stream.py), between real processes: a peer
 (tests/helpers/stream_peer.py) serves blocks; this process fetches and pushes. A round trip
-of many blocks arrives whole and checked; a peer that lies (a flipped byte, a length one
-too long, a length no block can take, a stream cut short) is refused with the project's
+of many blocks arrives whole and checked, the server reading ahead of what it sends; a
+peer that lies (a flipped byte, a length one too long, a length no block can take, a
+stream cut short) is refused with the project's
 errors and nothing it sent is returned or kept; a peer killed mid-transfer is an error
 at once, not a hang (the kill is the event: the timeouts here are only a backstop); a
 connection without the job's secret, or to an address the peer never announced, is
@@ -13,6 +14,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 
 import blake3
 import pytest
@@ -77,6 +79,43 @@ def test_many_blocks_fetched_and_pushed_round_trip_checked(peer):
     back = stream.fetch(p.addr, SECRET, [blake3.blake3(b).digest() for b in tiny], max_block=SIZE, timeout=30)
     assert [bytes(g) for g in back] == tiny
     assert _stats(p) == {"kept": 2540, "refused": 0, "strangers": 0, "held": 2540}
+
+
+def test_a_server_reads_ahead_of_the_block_it_sends_within_its_bound(peer):
+    # Its lookups stand for a disk's reads: a server that looked one block up only after
+    # sending the one before left the disk idle while it sent (and the socket while it read).
+    p = peer("ahead")
+    data = _blocks()
+    got = stream.fetch(p.addr, SECRET, [blake3.blake3(b).digest() for b in data], max_block=SIZE, timeout=60)
+    assert [bytes(g) for g in got] == data
+    most, waited_out, _open = _lookups(p)
+    assert waited_out == 0, "a lookup ran alone: the next block was not read while one was"
+    assert 2 <= most <= stream.READ_AHEAD, most  # (what a fetch holds beyond its batch is bounded)
+
+
+def _lookups(p) -> tuple:
+    p.stdin.write("lookups\n")
+    p.stdin.flush()
+    return tuple(map(int, line_from(p, "LOOKUPS ", 30).split()[1:]))
+
+
+def test_blocks_sent_from_their_files_arrive_whole_and_every_file_is_closed(peer):
+    p = peer("files")
+    data = _blocks()
+    ds = [blake3.blake3(b).digest() for b in data]
+    absent = blake3.blake3(b"not there").digest()
+    got = stream.fetch(p.addr, SECRET, ds[:5] + [absent] + ds[5:], max_block=SIZE, timeout=30)
+    assert [bytes(g) for g in got[:5] + got[6:]] == data and got[5] is None
+    assert _lookups(p)[2] == 0
+    # A fetch its asker cuts short: the files the server had looked up ahead are closed too.
+    sock = stream._connect(p.addr, SECRET, 30)
+    sock.sendall(b"G" + len(ds).to_bytes(4, "big") + b"".join(ds))
+    sock.recv(1 << 16)  # (the first batch has begun)
+    sock.close()
+    deadline = time.monotonic() + 60  # (a backstop: the server's failed send is the event)
+    while _lookups(p)[2] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _lookups(p)[2] == 0, "a file looked up for a fetch cut short stayed open"
 
 
 @pytest.mark.parametrize("mode", ["flip", "longer"])
