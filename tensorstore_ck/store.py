@@ -600,6 +600,14 @@ class Store:
         peers = getattr(self._tier, "peers", None)
         return 0 if peers is None else peers.k
 
+    def _held_elsewhere(self, ref: str) -> list[str]:
+        """Rank 0 of a collective restore whose tier lost ref `ref` (its node lost): the
+        older snapshots of it the other ranks' tiers posted in the last collective
+        checkout, newer than the remote's newest, the newest first, as roots (hex): what
+        restore_latest tries after the newest (LocalTier.held_elsewhere). [] otherwise."""
+        held = getattr(self._tier, "held_elsewhere", None)
+        return [] if held is None else [d.hex() for d in held(ref)]
+
     def _is_tier(self) -> bool:
         """Whether this store is a local tier (with its uploader, or opened by itself):
         asked of the table once per Store, not once per snapshot described."""

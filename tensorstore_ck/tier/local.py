@@ -10,6 +10,7 @@ a checkout's resolution and reads, tags and pins, close) and knows nothing else 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -33,6 +34,7 @@ __all__ = ["LocalTier", "STOP_GRACE"]
 
 log = logging.getLogger(__name__)
 
+TIPS = 4  # snapshots of a ref each rank posts in a collective checkout's hello (own_tip)
 STOP_GRACE = 2.0  # seconds close() gives an uploader still in a request past its deadline
 
 
@@ -64,6 +66,10 @@ class LocalTier:
             # (keyed by the remote's URL in the c10d Store: each store with replicas its own channel)
             ident = hashlib.blake2b(str(remote.url).encode(), digest_size=6).hexdigest()
             self.peers = Peers(core, replicas, ident=ident)
+        # Rank 0 with its tier lost: what the other ranks' tiers posted beyond the newest
+        # (newest_of), by ref, and those roots as hex (a restore's fallbacks name them).
+        self._elsewhere: dict = {}
+        self._elsewhere_roots: set = set()
 
     @property
     def remote(self) -> Core:
@@ -236,50 +242,64 @@ class LocalTier:
         return [root for _, root, _ in found]
 
     def own_tip(self, target: str) -> bytes:
-        """A collective checkout's hello (with replicas): this rank's tier's newest snapshot
-        of ref `target` (a rank other than 0 keeps its part's row, not the ref), as its
-        root and msgpack [step, time]; b"" for none, or without replicas (a part lost with
-        rank 0's node would have no copy to read it from)."""
+        """A collective checkout's hello (with replicas): this rank's tier's newest
+        snapshots of ref `target` (a rank other than 0 keeps its part's rows, not the ref),
+        at most TIPS, the newest first, as msgpack [[root, step, time], ...]; b"" for none,
+        or without replicas (a part lost with rank 0's node would have no copy to read it
+        from)."""
         if self.peers is None:
             return b""
-        best = None
-        for root, row in self.core.refs.catalog_iter(bad=[]):
-            if row.get("ref") == target and newer(row, best and best[1]):
-                best = (root, row)
-        return b"" if best is None else bytes(best[0]) + msgpack.packb([best[1].get("step"), best[1].get("time")])
+        rows = [(root, row) for root, row in self.core.refs.catalog_iter(bad=[]) if row.get("ref") == target]
+        rows.sort(key=functools.cmp_to_key(lambda a, b: -1 if newer(a[1], b[1]) else int(newer(b[1], a[1]))))
+        return msgpack.packb([[bytes(root), row.get("step"), row.get("time")] for root, row in rows[:TIPS]]) \
+            if rows else b""
 
     def newest_of(self, target: str, root, posted) -> Digest | None:
         """Rank 0 of a collective checkout (with replicas), `root` resolved through its
-        tiers (None: neither tier knows ref `target`): where this rank's own tier lacks
-        the ref (its node lost: a new one), the newest snapshot another rank's tier holds
+        tiers (None: neither tier knows `target`): where this rank's own tier lacks the
+        ref (its node lost: a new one), the newest snapshot another rank's tier holds
         (posted(): their own_tip, read only on this path), if it is newer than `root`. A
         tier-only snapshot is then read, rank 0's part from the peers holding its copies,
         not the older durable one the remote names, or no snapshot at all where the remote
         holds none of the ref yet (its first upload was not done when the node was lost);
-        every rank reads the one root rank 0 names (never a mix). None: none anywhere."""
+        every rank reads the one root rank 0 names (never a mix). The others posted that
+        are newer than `root` too are remembered, the newest first (held_elsewhere): a
+        restore that cannot read the newest whole tries them next, by root, and a root
+        this rank's tiers do not know but remembers so is the one named. None: none
+        anywhere."""
         if self.peers is None:
             return root
+        if root is None and target in self._elsewhere_roots:
+            return Digest.parse(target)
         try:
             self.core.resolve(target)
             return root  # (the tier knows the ref: roots() already chose the newer)
         except RefNotFound:
             pass
-        best, best_row = root, None if root is None else self.remote.refs.catalog_get(root, checked=False)
+        floor = None if root is None else self.remote.refs.catalog_get(root, checked=False)
+        seen: dict = {}
         for tip in posted():
-            if len(tip) <= DIGEST_SIZE:
-                continue
-            try:  # (another rank's word: anything but [step, time] is passed over)
-                step, when = msgpack.unpackb(tip[DIGEST_SIZE:])
-                row = {"step": step if type(step) is int else None, "time": float(when)}
-            except (ValueError, TypeError, msgpack.ExtraData, msgpack.UnpackException):
-                continue
-            if newer(row, best_row):
-                best, best_row = Digest(tip[:DIGEST_SIZE]), row
-        if best != root:
-            log.info("collective checkout of %s: this rank's tier lost it; snapshot %s (step %s), which the other "
-                     "ranks' tiers hold, is newer than what the remote store names (%s)", target, best.hex()[:16],
-                     best_row.get("step"), "nothing" if root is None else root.hex()[:16])
+            for root_, row in _posted(tip):
+                if newer(row, floor) and (root_ not in seen or newer(row, seen[root_])):
+                    seen[root_] = row
+        order = sorted(seen, key=functools.cmp_to_key(lambda a, b: -1 if newer(seen[a], seen[b])
+                                                       else int(newer(seen[b], seen[a]))))
+        self._elsewhere[target] = order[1:]
+        self._elsewhere_roots.update(d.hex() for d in order[1:])
+        if not order:
+            return root
+        best = order[0]
+        log.info("collective checkout of %s: this rank's tier lost it; snapshot %s (step %s), which the other "
+                 "ranks' tiers hold, is newer than what the remote store names (%s)", target, best.hex()[:16],
+                 seen[best].get("step"), "nothing" if root is None else root.hex()[:16])
         return best
+
+    def held_elsewhere(self, target: str) -> list:
+        """Rank 0, after a collective checkout of ref `target` that newest_of answered
+        from the other ranks' tips: the older snapshots they posted, still newer than what
+        the remote names, the newest first (roots): what restore_latest tries, by root,
+        when the newest does not read whole on every rank. [] otherwise."""
+        return list(self._elsewhere.get(target, ()))
 
     def read_core(self) -> Core:
         """The Core to read a snapshot roots() named through: the tier's objects, the
@@ -387,3 +407,20 @@ class LocalTier:
     def unheard(self) -> BaseException | None:
         return self.uploader.unheard()
 
+
+def _posted(tip: bytes) -> list:
+    """Another rank's own_tip -> [(root, row)]; anything but a list of [root, step,
+    time] (another rank's word) is passed over."""
+    try:
+        items = msgpack.unpackb(tip) if tip else []
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.UnpackException):
+        return []
+    out = []
+    for item in items[:TIPS] if isinstance(items, list) else []:
+        try:
+            root, step, when = item
+            if type(root) is bytes and len(root) == DIGEST_SIZE:
+                out.append((Digest(root), {"step": step if type(step) is int else None, "time": float(when)}))
+        except (ValueError, TypeError):
+            continue
+    return out

@@ -88,12 +88,19 @@ class Together:
         import torch.distributed as dist
         return dist.get_world_size(self._group())
 
-    def _read_agreed(self, state, targets: list[str], progress: bool, what: str):
+    def _read_agreed(self, state, targets: list[str], progress: bool, what: str, elsewhere: bool = False):
         """Check out targets[0], or the next one when some rank cannot read it whole, on every
         rank alike -> (index of the target read, the tree checkout returned). Raises the same
-        error on every rank when none reads whole, or on any other failure."""
+        error on every rank when none reads whole, or on any other failure. elsewhere: when
+        targets[0] (the ref) does not read whole, the older snapshots the other ranks' tiers
+        posted to a rank 0 whose tier lost the ref are tried next (Store._held_elsewhere,
+        one broadcast on that path only)."""
+        targets = list(targets)
         last_err = None
-        for i, target in enumerate(targets):
+        i = -1
+        while i + 1 < len(targets):
+            i += 1
+            target = targets[i]
             own = sd = None
             try:
                 sd = self.store.checkout(target, into=state.checkout_targets(), group=self.group, progress=progress)
@@ -102,6 +109,9 @@ class Together:
             worst = self._agree(_code(own))
             if worst == OK:
                 return i, sd
+            if elsewhere and i == 0 and worst == DAMAGED:
+                targets[1:1] = self._rank0_says(lambda: [r for r in self.store._held_elsewhere(self.ref)
+                                                         if r not in targets])
             if worst == FAILED or i == len(targets) - 1:
                 lead = "" if worst == FAILED else (
                     f"{what}: no snapshot of ref {self.ref!r} reads whole on every rank ({i + 1} tried); the oldest: ")
@@ -124,7 +134,7 @@ class Together:
                 raise self._nothing_to_resume()
             return None
         try:
-            _i, sd = self._read_agreed(state, targets, progress, "restore_latest")
+            _i, sd = self._read_agreed(state, targets, progress, "restore_latest", elsewhere=bool(self.store.replicas))
         except RefNotFound:
             if must_exist:
                 raise self._nothing_to_resume() from None

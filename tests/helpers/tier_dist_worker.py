@@ -404,7 +404,11 @@ def noremote_body(rank, world, out, res, cfg):
     replicas. cfg["mode"] "train": rank 0's moves of the remote ref all fail (its remote
     ref table away for it alone), so the remote lists nothing of the job's ref; steps 1
     (durable by the schedule, never moved) and 2 (tier-only, its copies agreed) are put.
-    cfg["moves"]: rank 0's moves go through (step 1 reaches the remote).
+    cfg["moves"]: rank 0's moves go through (step 1 reaches the remote). cfg["cut"]: the
+    ranks whose part of a step 3 (tier-only) neither reaches a holder nor the remote
+    (their node cut off from the others and the remote as the step is put: their copies'
+    sends fail, and so does every upload of theirs after), so step 3 is whole nowhere
+    once their node is lost, and step 2 stays in the tiers (nothing newer stands in).
     "resume": the tiers of the ranks cfg["lost"] removed (their node lost), the blocks of
     those of cfg["damaged"] damaged, restore_latest."""
     import shutil
@@ -425,12 +429,14 @@ def noremote_body(rank, world, out, res, cfg):
                 def away(*a, **k):
                     raise tsck.StorageError("the remote ref table is away (for rank 0, in this test)")
                 store._tier.uploader.publisher.move_to = away
-            for step in (1, 2):
+            for step in (1, 2, 3) if cfg.get("cut") else (1, 2):
+                if step == 3 and rank in cfg["cut"]:
+                    _cut_off(store)
                 part.t.copy_(_part_at(rank, step))
                 mgr.step(step)
             if rank == 0:  # (the others' tiers keep their parts' rows, not the ref)
                 res["tier_only"] = [bool(h.meta.get("tier_only")) for h in store.log(mgr.ref)][::-1]
-            else:
+            elif rank not in cfg.get("cut", ()):
                 store.wait_durable(timeout=120)  # (its part of step 1 sent: the remote has objects, no ref)
             dist.barrier()
             mgr.close()
@@ -439,6 +445,24 @@ def noremote_body(rank, world, out, res, cfg):
             res["restored"] = mgr.restore_latest()
             res["exact"] = bool(res["restored"] is not None and torch.equal(part.t, _part_at(rank, res["restored"])))
             dist.barrier()
+
+
+def _cut_off(store) -> None:
+    """This rank's node cut off from the other nodes and the remote store from now on:
+    its part's copies are not sent (the send fails), nor is anything it uploads."""
+    from concurrent.futures import Future
+
+    import tensorstore_ck as tsck
+
+    def no_copies(root, tree):
+        f = Future()
+        f.set_exception(tsck.StorageError("the other nodes are unreachable (this rank's node cut off, in this test)"))
+        return f
+
+    def away(*a, **k):
+        raise tsck.StorageError("the remote store is unreachable (this rank's node cut off, in this test)")
+    store._tier.peers.replicate = no_copies
+    store._tier.uploader._upload = away
 
 
 def twostores_body(rank, world, out, res, cfg):

@@ -397,6 +397,31 @@ def test_a_job_whose_lost_rank_0_names_an_unreadable_snapshot_falls_back_to_the_
 
 
 @pytest.mark.slow
+def test_a_lost_rank_0_whose_newest_snapshot_is_whole_nowhere_falls_back_to_an_older_one_only_memory_holds(
+        tmp_path, s3_url, s3_server):
+    """Steps 1 (in the remote), 2 and 3 (tier-only). Node a (ranks 0 and 1) is cut off as
+    step 3 is put: its parts of step 3 reach neither a holder nor the remote, so step 3 is
+    whole nowhere once node a is lost, and step 2, which node b holds with node a's copies,
+    stays. Rank 0's new tier knows only the remote's step 1; the other ranks post steps 3
+    and 2 with their hello. restore_latest tries step 3, then step 2, which every rank
+    restores bit for bit (not step 1, the remote's newest: a committed memory snapshot is
+    not lost with one node)."""
+    world = 4
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server)
+    try:
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "train", "moves": True, "cut": [0, 1],
+                                                   "phase": "cuttrain"}), "cuttrain", world)
+        assert res[0]["tier_only"] == [False, True, True], res[0]["tier_only"]
+        with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+            assert [h.step for h in remote.log("nr/main")] == [1]
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "resume", "phase": "cutresume", "lost": [0, 1],
+                                                   "nodes": ["d", "e", "b", "b"]}), "cutresume", world)
+        assert [(r["restored"], r["exact"]) for r in res] == [(2, True)] * world, res
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_two_stores_with_replicas_in_one_job_send_their_copies_to_their_own_tiers(tmp_path):
     """Each of 2 ranks holds two tiered stores with replicas=1 (remotes A and B, tiers of
     their own), both joined to the job's side channel; a put into A sends each rank's part
