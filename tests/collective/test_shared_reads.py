@@ -118,6 +118,28 @@ def test_a_rank_killed_while_owners_send_leaves_the_others_reading_storage_withi
         [res[r]["warnings"] for r in (0, 2)]
 
 
+def test_a_rank_killed_before_the_agreement_fails_the_others_checkout_within_its_timeout(tmp_path, counted, s3_url):
+    """3 ranks check out with shared reads; rank 1 is SIGKILLed as it first tells an owner
+    which of its blocks it reads, before the ranks agree that every rank has. Ranks 0 and 2
+    cannot know who reads what (the agreement waits for every rank), so each fails its
+    checkout with a TsckError naming rank 1 as behind once the checkout's timeout passed:
+    no hang, and nothing returned."""
+    proxy, opts = counted
+    world, mb, timeout = 3, 1, 10.0
+    spec = {"url": s3_url, "opts": opts, "refs": str(tmp_path / "refs.lmdb"), "world": world, "mb": mb,
+            "shared": True, "liar": None}
+    _run(tmp_path, "put", spec)
+    spec = {**spec, "killed": 1, "killed_at": "register", "timeout": timeout}
+    out = run_worker_scenario(WORKER, tmp_path / "killed", "killed", json.dumps(spec), limit=300)
+    launcher = json.loads((out / "killed_launcher.json").read_text())
+    assert launcher["exitcodes"][1] == -9, launcher  # killed by its trap, not ended some other way
+    res = rank_results(out, "killed", world, dead=(1,))
+    for r in (0, 2):
+        assert res[r]["failed"] is not None and "ranks [1] are behind" in res[r]["failed"], (r, res[r]["failed"])
+        assert res[r]["seconds"] < 4 * timeout, (r, res[r]["seconds"])  # (its timeout, not the worker's limit)
+        assert not (out / f"killed_rank{r}.pt").exists()
+
+
 def test_a_stranger_is_refused_by_every_side_channel(tmp_path, counted, s3_url):
     """The shared reads' server and the peer replicas' servers (requests, and the block
     stream a restore reads in batches) answer only a connection

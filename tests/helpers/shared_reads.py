@@ -11,7 +11,9 @@ sends damaged copies to the others, or null)}.
   read  every rank checks the snapshot out (collective), saves what it read to
         OUTDIR/read_rank<r>.pt, reports its side channel's counters and its seconds
   killed  every rank checks out with shared reads; rank spec["killed"] is SIGKILLed when it
-        first reads a block for a peer; the others save what they read or the error they got
+        first reads a block for a peer (spec "killed_at": "send", the default), or as it
+        first tells an owner its blocks, before the ranks' agreement ("register"); the
+        others save what they read or the error they got
   stranger  both side channels up on 127.0.0.2 (shared reads; a tier's peer replicas);
         rank 1 knocks at rank 0's servers as a stranger (docs/design/collective.md)
 The ranks are forked by dist_worker.launch (the c10d TCPStore hosted by the launcher).
@@ -111,6 +113,17 @@ def killed_case(rank, world, out, res, arg):
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda rec: said.append(rec.getMessage())
     logging.getLogger("tensorstore_ck.collective.shared").addHandler(handler)
+    if spec.get("killed_at") == "register" and rank == spec["killed"]:
+        import signal
+
+        from tensorstore_ck.collective import shared
+        real = shared.SharedRead._list
+
+        def dies(self, addr, op, digests, answer_len):
+            if op == b"N":  # (its first registration: the others have begun theirs, or will)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, addr, op, digests, answer_len)
+        shared.SharedRead._list = dies
     with _open(spec, rank, shared_reads=True) as store:
         t0 = time.monotonic()
         try:
