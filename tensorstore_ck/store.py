@@ -600,7 +600,7 @@ class Store:
         peers = getattr(self._tier, "peers", None)
         return 0 if peers is None else peers.k
 
-    def _held_elsewhere(self, ref: str) -> list[str]:
+    def held_elsewhere(self, ref: str) -> list[str]:
         """Rank 0 of a collective restore whose tier lost ref `ref` (its node lost): the
         older snapshots of it the other ranks' tiers posted in the last collective
         checkout, newer than the remote's newest, the newest first, as roots (hex): what

@@ -93,7 +93,7 @@ class Together:
         rank alike -> (index of the target read, the tree checkout returned). Raises the same
         error on every rank when none reads whole, or on any other failure. elsewhere: when
         targets[0] (the ref) does not read whole, the older snapshots the other ranks' tiers
-        posted to a rank 0 whose tier lost the ref are tried next (Store._held_elsewhere,
+        posted to a rank 0 whose tier lost the ref are tried next (Store.held_elsewhere,
         one broadcast on that path only)."""
         targets = list(targets)
         last_err = None
@@ -110,7 +110,7 @@ class Together:
             if worst == OK:
                 return i, sd
             if elsewhere and i == 0 and worst == DAMAGED:
-                targets[1:1] = self._rank0_says(lambda: [r for r in self.store._held_elsewhere(self.ref)
+                targets[1:1] = self._rank0_says(lambda: [r for r in self.store.held_elsewhere(self.ref)
                                                          if r not in targets])
             if worst == FAILED or i == len(targets) - 1:
                 lead = "" if worst == FAILED else (
