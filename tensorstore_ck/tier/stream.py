@@ -43,7 +43,7 @@ import logging
 import socket
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import blake3
 
@@ -492,15 +492,24 @@ class StreamServer:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="tsck-stream-read")
             pool = self._readers
+        def ask(d):
+            try:
+                return d, pool.submit(self.lookup, d)
+            except RuntimeError as e:  # (the pool shut down: close() ran meanwhile)
+                raise OSError(f"this block stream's server is closing ({e})") from None
         todo = iter(digests)
-        flight = deque((d, pool.submit(self.lookup, d)) for d in itertools.islice(todo, READ_AHEAD))
+        flight = deque(ask(d) for d in itertools.islice(todo, READ_AHEAD))
         try:
             while flight:
                 d, f = flight.popleft()
                 nxt = next(todo, None)
                 if nxt is not None:
-                    flight.append((nxt, pool.submit(self.lookup, nxt)))
-                yield d, f.result()
+                    flight.append(ask(nxt))
+                try:
+                    got = f.result()
+                except CancelledError:
+                    raise OSError("this block stream's server is closing") from None
+                yield d, got
         finally:  # (a fetch cut short: what was not begun is not looked up, what was is let go)
             for _d, f in flight:
                 if not f.cancel():
