@@ -35,6 +35,7 @@ __all__ = ["LocalTier", "STOP_GRACE"]
 log = logging.getLogger(__name__)
 
 TIPS = 4  # snapshots of a ref each rank posts in a collective checkout's hello (own_tip)
+_newest_first = functools.cmp_to_key(lambda a, b: -1 if newer(a, b) else int(newer(b, a)))  # catalog rows
 STOP_GRACE = 2.0  # seconds close() gives an uploader still in a request past its deadline
 
 
@@ -67,9 +68,8 @@ class LocalTier:
             ident = hashlib.blake2b(str(remote.url).encode(), digest_size=6).hexdigest()
             self.peers = Peers(core, replicas, ident=ident)
         # Rank 0 with its tier lost: what the other ranks' tiers posted beyond the newest
-        # (newest_of), by ref, and those roots as hex (a restore's fallbacks name them).
+        # (newest_of), by ref (a restore's fallbacks name them by root).
         self._elsewhere: dict = {}
-        self._elsewhere_roots: set = set()
 
     @property
     def remote(self) -> Core:
@@ -250,7 +250,7 @@ class LocalTier:
         if self.peers is None:
             return b""
         rows = [(root, row) for root, row in self.core.refs.catalog_iter(bad=[]) if row.get("ref") == target]
-        rows.sort(key=functools.cmp_to_key(lambda a, b: -1 if newer(a[1], b[1]) else int(newer(b[1], a[1]))))
+        rows.sort(key=lambda r: _newest_first(r[1]))
         return msgpack.packb([[bytes(root), row.get("step"), row.get("time")] for root, row in rows[:TIPS]]) \
             if rows else b""
 
@@ -269,7 +269,7 @@ class LocalTier:
         anywhere."""
         if self.peers is None:
             return root
-        if root is None and target in self._elsewhere_roots:
+        if root is None and any(d.hex() == target for held in self._elsewhere.values() for d in held):
             return Digest.parse(target)
         try:
             self.core.resolve(target)
@@ -282,10 +282,8 @@ class LocalTier:
             for root_, row in _posted(tip):
                 if newer(row, floor) and (root_ not in seen or newer(row, seen[root_])):
                     seen[root_] = row
-        order = sorted(seen, key=functools.cmp_to_key(lambda a, b: -1 if newer(seen[a], seen[b])
-                                                       else int(newer(seen[b], seen[a]))))
+        order = sorted(seen, key=lambda d: _newest_first(seen[d]))
         self._elsewhere[target] = order[1:]
-        self._elsewhere_roots.update(d.hex() for d in order[1:])
         if not order:
             return root
         best = order[0]
