@@ -26,6 +26,7 @@ import datetime
 import hashlib
 import logging
 import os
+import re
 import time
 
 from ..core.validate import TIER_ONLY, tier_only
@@ -41,18 +42,28 @@ DEFAULT_ROOT = "/dev/shm"
 
 def memory_dir(memory, url: str) -> str:
     """open_store(memory=) -> the tier's directory: True is a directory of this store under
-    /dev/shm, one per rank ($RANK, else 0) and user; a path must be on a file system whose
-    files are host memory (InvalidArgument naming what it is on: a disk tier is local=)."""
+    /dev/shm, one per node and local rank ($LOCAL_RANK, torchrun's; else $RANK, else 0) and
+    user; a path must be on a file system whose files are host memory (InvalidArgument
+    naming what it is on: a disk tier is local=).
+
+    By local rank, not rank: a restarted job may number its nodes otherwise (torchrun's
+    rendezvous orders them anew, an elastic restart has fewer or more), and a node's i-th
+    rank must open the tier its i-th rank had, the one the peers' reads look for
+    (placement.read_from). The node's name is in it too: nodes simulated on one host
+    ($TSCK_NODE) share its /dev/shm."""
     if memory is True:
+        from .placement import this_node
         if fs_type(DEFAULT_ROOT) not in MEMORY_FS:
             raise InvalidArgument(f"memory=True keeps the tier under {DEFAULT_ROOT}, which is not a tmpfs here: "
                                   "give memory= a directory on one (mount -t tmpfs), or use local= for a disk tier")
-        rank = os.environ.get("RANK", "0")
+        var = "LOCAL_RANK" if "LOCAL_RANK" in os.environ else "RANK"
+        rank = os.environ.get(var, "0")
         if not rank.isdigit():
-            raise InvalidArgument(f"memory=True names the tier by this process's rank, and RANK={rank!r} is not one: "
-                                  "give memory= a directory of this rank's own")
+            raise InvalidArgument(f"memory=True names the tier by this process's local rank, and {var}={rank!r} is "
+                                  "not one: give memory= a directory of this rank's own")
         tag = hashlib.blake2b(str(url).encode(), digest_size=8).hexdigest()
-        return os.path.join(DEFAULT_ROOT, f"tsck-{os.getuid()}", tag, f"rank{int(rank)}")
+        node = re.sub(r"[^A-Za-z0-9._-]", "_", this_node())[:64].lstrip(".") or "_"
+        return os.path.join(DEFAULT_ROOT, f"tsck-{os.getuid()}", tag, f"{node}.{int(rank)}")
     if not isinstance(memory, (str, os.PathLike)) or not os.fspath(memory):
         raise InvalidArgument(f"memory must be True or a directory path on a tmpfs, got {memory!r}")
     path = os.fspath(memory)

@@ -44,7 +44,7 @@ class FromPeers(Source):
             pass
 
     def _holders(self) -> list[int]:
-        return self.peers.holders(self.nodes)
+        return self.peers.read_holders(self.nodes)
 
     def read_block_into(self, d, out, *, verify, snapshot, path, bounce, fence):
         import numpy as np
@@ -69,7 +69,11 @@ class FromPeers(Source):
         return self.local.get_node(d, verify=verify, snapshot=snapshot, path=path, fence=fence)
 
     def get_commit(self, d, *, verify):
-        if not self.peers.fetch("commit", d, self._holders()):  # (every rank's tier holds it)
+        # Every tier of a part holds its snapshot's commit. Read before the commit's record
+        # of the nodes is (learn), so asked of this rank's holders now, then of any rank: a
+        # rank on a node new to the job may have only new nodes among its holders.
+        near = self._holders()
+        if not (self.peers.fetch("commit", d, near) or self.peers.fetch("commit", d, self.peers.others(near))):
             raise NotHere(d)
         return self.local.get_commit(d, verify=verify)
 

@@ -4,6 +4,7 @@ its ranks at once) never loses a part's only copy, and the copies spread so that
 node holds about as many parts as any other.
 
     holders(nodes, k)    nodes: one node name per rank -> for each rank, its k holders
+    read_from(put, now, rank, k)   the ranks of a restarted job to ask for a snapshot's parts
     this_node()          this process's node name ($TSCK_NODE, else the host's name)
 
 A pure function of its arguments: every rank computes the same answer from the same
@@ -26,7 +27,7 @@ from collections import deque
 
 from ..errors import InvalidArgument
 
-__all__ = ["holders", "this_node"]
+__all__ = ["holders", "read_from", "this_node"]
 
 
 def this_node() -> str:
@@ -66,6 +67,54 @@ def holders(nodes, k: int) -> list[list[int]]:
             h = min(ranks[v], key=lambda c: (held[c], c))
             held[h] += 1
             out[r].append(h)
+    return out
+
+
+def read_from(put, now, rank: int, k: int) -> list[int]:
+    """The ranks of the job now (rank r on node now[r]) that hold the parts rank `rank` reads
+    of a snapshot put by ranks on nodes `put` with k copies of each part, in the order to
+    ask them; never `rank` itself (its own tier is read first anyway).
+
+    A tier is its node's i-th rank's, not a rank number's: memory=True names it by node and
+    local rank, because a restarted job may number its nodes otherwise (torchrun's
+    rendezvous orders them anew; an elastic restart has fewer or more), and the node's
+    i-th rank opens the same tier again. So the tier of rank h at the put is the one of the
+    rank now that is the i-th of h's node, i the place of h among its node's ranks; none
+    when that node is gone or has fewer ranks now.
+
+    Which parts: the rank's own (its private state, at any world size), the parts whose
+    share of a split over len(put) ranks overlaps this rank's share of a split over
+    len(now) ranks, and their neighbours (a row split resharded), then part 0 (a rank
+    beyond the saved world reads rank 0's tree). Each part from its own tier first, then
+    its holders. Parts read other than these (another layout's) come from the remote."""
+    put, now = [str(n) for n in put], [str(n) for n in now]
+    w, v = len(put), len(now)
+    if not w or not v:
+        return []
+    if k and len(set(put)) > k:
+        place = holders(put, k)
+    else:  # (one host at the put: the next k ranks held the copies, Peers.holders' rule)
+        place = [[(j + i) % w for i in range(1, min(k, w - 1) + 1)] for j in range(w)]
+    at_now = {slot: r for r, slot in enumerate(_slots(now))}
+    was = _slots(put)
+    lo, hi = rank * w // v, -(-(rank + 1) * w // v)  # parts [lo, hi) overlap this rank's share
+    parts = ([rank] if rank < w else []) + list(range(lo, min(hi, w))) + [lo - 1, hi, 0]
+    out: list[int] = []
+    for j in dict.fromkeys(p for p in parts if 0 <= p < w):
+        for h in (j, *place[j]):
+            r = at_now.get(was[h])
+            if r is not None and r != rank and r not in out:
+                out.append(r)
+    return out
+
+
+def _slots(nodes: list[str]) -> list[tuple[str, int]]:
+    """Each rank's (node, its place among that node's ranks, in rank order)."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in nodes:
+        out.append((n, seen.get(n, 0)))
+        seen[n] = out[-1][1] + 1
     return out
 
 

@@ -187,6 +187,23 @@ class Peers:
                         self.k + 1, len(set(nodes)))
         return [(self.rank + i) % self.world for i in range(1, min(self.k, self.world - 1) + 1)]
 
+    def read_holders(self, nodes: list | None) -> list[int]:
+        """The ranks to ask for what this rank reads of a snapshot whose commit recorded
+        each rank's node (`nodes`; None: no record, the job's placement now): the tiers now
+        of the ranks that held those parts then, by node and place on it
+        (placement.read_from), so a restart with new machines, renumbered or fewer or more
+        nodes still finds them."""
+        from .placement import read_from
+        if nodes is None or self.kv is None:
+            return self.holders(nodes)
+        return read_from(nodes, self.nodes(), self.rank, self.k)
+
+    def others(self, skip=()) -> list[int]:
+        """Every other rank of the job but `skip`, the next ones first."""
+        if self.world is None:
+            return []
+        return [r for r in ((self.rank + i) % self.world for i in range(1, self.world)) if r not in skip]
+
     def commit_meta(self) -> dict:
         """What a collective snapshot's commit records of its replicas' placement (rank 0,
         put.py's meta_extra): each rank's node, as the names and each rank's index into

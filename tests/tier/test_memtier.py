@@ -52,14 +52,24 @@ def test_the_tier_must_be_in_host_memory(tmp_path, shm, monkeypatch):
         tsck.open_store(str(tmp_path / "remote"), memory=str(tmp_path / "tier"))
     assert not (tmp_path / "remote").exists()  # refused before anything was made
     assert memory_dir(os.path.join(shm, "a", "b"), "x").startswith(shm)  # (a directory not made yet)
+    # One tier per node and local rank: a restart that numbers the nodes otherwise finds
+    # each node's tiers again (placement.read_from).
+    for var in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TSCK_NODE", "node/a")
     here = memory_dir(True, str(tmp_path / "remote"))
-    assert here.startswith(SHM + "/") and here.endswith("/rank0")
+    assert here.startswith(SHM + "/") and here.endswith("/node_a.0")
     monkeypatch.setenv("RANK", "3")
     assert memory_dir(True, str(tmp_path / "remote")) == here[:-1] + "3"
-    monkeypatch.setenv("RANK", "x")
-    with pytest.raises(InvalidArgument, match="RANK"):
+    monkeypatch.setenv("LOCAL_RANK", "1")  # (torchrun's: the node's 2nd rank, whatever its rank)
+    assert memory_dir(True, str(tmp_path / "remote")) == here[:-1] + "1"
+    monkeypatch.setenv("TSCK_NODE", "b")
+    assert memory_dir(True, str(tmp_path / "remote")) == here[:-len("node_a.0")] + "b.1"
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(InvalidArgument, match="LOCAL_RANK"):
         memory_dir(True, str(tmp_path / "remote"))
-    monkeypatch.delenv("RANK")
+    for var in ("RANK", "LOCAL_RANK", "TSCK_NODE"):
+        monkeypatch.delenv(var)
     for bad in (dict(memory=os.path.join(shm, "t"), local=str(tmp_path / "nvme")), dict(memory=7),
                 dict(durable_every=2), dict(local=str(tmp_path / "nvme"), durable_every=0),
                 dict(local=str(tmp_path / "nvme"), durable_every=True), dict(durable_every=datetime.timedelta(0)),
