@@ -59,7 +59,9 @@ def _open(cfg, out, rank, tier, holder, **kw):
             def on_write(self, key):
                 while not os.path.exists(cfg["gate"]):
                     time.sleep(0.05)
-    where = os.path.join(cfg["tiers"], f"{tier}{rank}")
+    # cfg["tier_of"][r]: the tier rank r opens (a restart whose ranks' numbers changed: a
+    # node's i-th rank opens the tier its i-th rank had, as memory=True names them)
+    where = os.path.join(cfg["tiers"], f"{tier}{(cfg.get('tier_of') or range(rank + 1))[rank]}")
     place = {"memory": where} if cfg.get("memory") else {"local": where}  # (memory: cfg["tiers"] on a tmpfs)
     if cfg.get("durable_every"):
         place["durable_every"] = cfg["durable_every"]
@@ -409,6 +411,7 @@ def noremote_body(rank, world, out, res, cfg):
     (their node cut off from the others and the remote as the step is put: their copies'
     sends fail, and so does every upload of theirs after), so step 3 is whole nowhere
     once their node is lost, and step 2 stays in the tiers (nothing newer stands in).
+    cfg["steps"]: the steps put instead, after restore_latest (a later run of the job).
     "resume": the tiers of the ranks cfg["lost"] removed (their node lost), the blocks of
     those of cfg["damaged"] damaged, restore_latest."""
     import shutil
@@ -429,14 +432,16 @@ def noremote_body(rank, world, out, res, cfg):
                 def away(*a, **k):
                     raise tsck.StorageError("the remote ref table is away (for rank 0, in this test)")
                 store._tier.uploader.publisher.move_to = away
-            for step in (1, 2, 3) if cfg.get("cut") else (1, 2):
-                if step == 3 and rank in cfg["cut"]:
+            if cfg.get("steps"):  # (a later run resumes first)
+                res["restored"] = mgr.restore_latest()
+            for step in cfg.get("steps") or ((1, 2, 3) if cfg.get("cut") else (1, 2)):
+                if step == 3 and rank in cfg.get("cut", ()):
                     _cut_off(store)
                 part.t.copy_(_part_at(rank, step))
                 mgr.step(step)
             if rank == 0:  # (the others' tiers keep their parts' rows, not the ref)
                 res["tier_only"] = [bool(h.meta.get("tier_only")) for h in store.log(mgr.ref)][::-1]
-            elif rank not in cfg.get("cut", ()):
+            if rank not in cfg.get("cut", ()) and (rank != 0 or cfg.get("moves")):
                 store.wait_durable(timeout=120)  # (its part of step 1 sent: the remote has objects, no ref)
             dist.barrier()
             mgr.close()

@@ -422,6 +422,81 @@ def test_a_lost_rank_0_whose_newest_snapshot_is_whole_nowhere_falls_back_to_an_o
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="this machine has no tmpfs at /dev/shm for a memory tier")
+@pytest.mark.parametrize("change", ["fewer", "more"])
+def test_a_restart_on_fewer_or_more_nodes_restores_the_memory_only_snapshot_from_the_nodes_that_hold_it(
+        tmp_path, s3_url, s3_server, change):
+    """A memory-only snapshot (step 2; step 1 in the remote), replicas=1. "fewer": 6 ranks
+    on nodes a, a, b, b, c, c; node b is lost and the job restarts on a and c alone, 4
+    ranks: c's ranks are ranks 2 and 3 now, and open the tiers c's first and second ranks
+    had (ranks 4 and 5's). "more": 4 ranks on a, a, b, b restart as 8, nodes d and e added
+    (empty tiers; d's ranks' holders now are e's, which lack even the snapshot's commit).
+    Every rank reads its rows of the resharded tensors (and its private state: rank r's,
+    a rank past the saved world rank 0's) bit for bit from the tiers that hold them now,
+    found by node and place on it, not by rank number, and no rank reads the remote
+    store."""
+    put_nodes, now_nodes, tier_of = {
+        "fewer": (["a", "a", "b", "b", "c", "c"], ["a", "a", "c", "c"], [0, 1, 4, 5]),
+        "more": (["a", "a", "b", "b"], ["a", "a", "b", "b", "d", "d", "e", "e"], list(range(8)))}[change]
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server)
+    cfg.update(world=len(put_nodes), nodes=put_nodes)
+    try:
+        res = _results(_run(tmp_path, "rput", cfg), "rput", len(put_nodes))
+        assert all(r["tier_only"] == [False, True] and r["sent"] > 0 for r in res), res
+        with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+            assert [h.step for h in remote.log(REF)] == [1]
+        for r in range(len(put_nodes)):  # (node b's tiers gone with it)
+            if put_nodes[r] not in now_nodes:
+                shutil.rmtree(os.path.join(cfg["tiers"], f"tier{r}"))
+        world, phase = len(now_nodes), f"{change}nodes"
+        out = _run(tmp_path, "rload", {**cfg, "world": world, "nodes": now_nodes, "tier_of": tier_of, "lost": [],
+                                       "phase": phase})
+        res = _results(out, phase, world)
+        for r in range(world):
+            got = torch.load(out / f"{phase}_rank{r}.pt", weights_only=False)
+            for path, (rows, _cols, _dt) in dw.SHARDED.items():
+                a, b = dw.row_split(rows, world, r)
+                assert same_bits(dw.global_tensor(path, 1)[a:b], got["sharded"]["/".join(path)]), (r, path)
+            want = dw.rank_local(r if r < len(put_nodes) else 0, 1)
+            assert same_bits(want["rng"], got["local"]["rng"]), r
+            assert res[r]["remote_reads"] == [], (r, res[r])
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_rank_0_whose_tier_was_another_ranks_since_restores_the_newest_the_others_hold(tmp_path, s3_url,
+                                                                                        s3_server):
+    """Nodes numbered anew at each restart (torchrun's rendezvous may): a run on a, a, b, b
+    puts steps 1 (to the remote) and 2 (tier-only); the next on b, b, a, a puts steps 3
+    (to the remote) to 5, rank 0 on b; the third is on a, a, b, b again. Rank 0's tier (a's
+    first) names step 2, its last move of the ref, and the remote step 3, but the tiers
+    hold step 5, committed after that move: every rank restores step 5, bit for bit (not
+    step 3, which a rank-0 tier left behind by the renumbering would name). With steps 5
+    and 4 unreadable, step 3 is the one restored."""
+    world = 4
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server)
+    cfg = {**cfg, "moves": True, "lost": []}
+    try:
+        _run(tmp_path, "noremote", {**cfg, "mode": "train", "steps": [1, 2], "phase": "run1"})
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "train", "steps": [3, 4, 5],
+                                                   "nodes": ["b", "b", "a", "a"], "tier_of": [2, 3, 0, 1],
+                                                   "phase": "run2"}), "run2", world)
+        assert [r["restored"] for r in res] == [2] * world, res
+        with tsck.open_store(s3_url, refs=cfg["refs"], storage_options=s3_server) as remote:
+            assert [h.step for h in remote.log("nr/main")] == [3, 1]
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "resume", "phase": "run3"}), "run3", world)
+        assert [(r["restored"], r["exact"]) for r in res] == [(5, True)] * world, res
+        # Every tier's blocks damaged: steps 5 and 4 read whole nowhere, and the next is the
+        # remote's step 3 (not step 1, which rank 0's tier's history of the ref goes on to).
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "resume", "damaged": [0, 1, 2, 3],
+                                                   "phase": "run4"}), "run4", world)
+        assert [(r["restored"], r["exact"]) for r in res] == [(3, True)] * world, res
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_two_stores_with_replicas_in_one_job_send_their_copies_to_their_own_tiers(tmp_path):
     """Each of 2 ranks holds two tiered stores with replicas=1 (remotes A and B, tiers of
     their own), both joined to the job's side channel; a put into A sends each rank's part
