@@ -601,9 +601,10 @@ class Store:
         return 0 if peers is None else peers.k
 
     def held_elsewhere(self, ref: str) -> list[str]:
-        """Rank 0 of a collective restore whose tier lost ref `ref` (its node lost): the
-        older snapshots of it the other ranks' tiers posted in the last collective
-        checkout, newer than the remote's newest, the newest first, as roots (hex): what
+        """Rank 0 of a collective restore whose tier lost ref `ref` (its node lost) or names
+        an older snapshot of it (the tier was another rank's since): the older snapshots of
+        it the other ranks' tiers posted in the last collective checkout, newer than what
+        the tiers name, the newest first, then the one the tiers name, as roots (hex): what
         restore_latest tries after the newest (LocalTier.held_elsewhere). [] otherwise."""
         held = getattr(self._tier, "held_elsewhere", None)
         return [] if held is None else [d.hex() for d in held(ref)]

@@ -258,7 +258,11 @@ class LocalTier:
         """Rank 0 of a collective checkout (with replicas), `root` resolved through its
         tiers (None: neither tier knows `target`): where this rank's own tier lacks the
         ref (its node lost: a new one), the newest snapshot another rank's tier holds
-        (posted(): their own_tip, read only on this path), if it is newer than `root`. A
+        (posted(): their own_tip), if it is newer than `root`; where its tier knows the
+        ref, the newest of those committed after the tier's last move of it (a restart
+        that numbered the nodes otherwise: this tier was another rank's since, and a
+        rank's tier other than 0's keeps its part's rows, not the ref; a move after them,
+        a rollback, keeps the ref where it put it). A
         tier-only snapshot is then read, rank 0's part from the peers holding its copies,
         not the older durable one the remote names, or no snapshot at all where the remote
         holds none of the ref yet (its first upload was not done when the node was lost);
@@ -273,30 +277,40 @@ class LocalTier:
             return Digest.parse(target)
         try:
             self.core.resolve(target)
-            return root  # (the tier knows the ref: roots() already chose the newer)
+            moved = [e.time for e in self.core.refs.reflog(target) if e.op == "move"]
+            since = moved[-1] if moved else None  # (this host's clock; a row's is its rank 0's then)
         except RefNotFound:
-            pass
-        floor = None if root is None else self.remote.refs.catalog_get(root, checked=False)
+            since = None
+        else:
+            if since is None:
+                return root
+        floor = None if root is None else (self.core.refs.catalog_get(root, checked=False)
+                                           or self.remote.refs.catalog_get(root, checked=False))
         seen: dict = {}
         for tip in posted():
             for root_, row in _posted(tip):
+                if since is not None and not row["time"] > since:
+                    continue  # (committed before this tier's last move of the ref: the ref says)
                 if newer(row, floor) and (root_ not in seen or newer(row, seen[root_])):
                     seen[root_] = row
         order = sorted(seen, key=lambda d: _newest_first(seen[d]))
-        self._elsewhere[target] = order[1:]
+        # (then what the tiers name: restore_latest's history goes on after the newest of it)
+        self._elsewhere[target] = order[1:] + ([root] if order and root is not None else [])
         if not order:
             return root
         best = order[0]
-        log.info("collective checkout of %s: this rank's tier lost it; snapshot %s (step %s), which the other "
-                 "ranks' tiers hold, is newer than what the remote store names (%s)", target, best.hex()[:16],
-                 seen[best].get("step"), "nothing" if root is None else root.hex()[:16])
+        log.info("collective checkout of %s: this rank's tier %s; snapshot %s (step %s), which the other ranks' "
+                 "tiers hold, is newer than what the tiers name (%s)", target,
+                 "lost it" if since is None else "names an older one (it was another rank's tier since)",
+                 best.hex()[:16], seen[best].get("step"), "nothing" if root is None else root.hex()[:16])
         return best
 
     def held_elsewhere(self, target: str) -> list:
         """Rank 0, after a collective checkout of ref `target` that newest_of answered
         from the other ranks' tips: the older snapshots they posted, still newer than what
-        the remote names, the newest first (roots): what restore_latest tries, by root,
-        when the newest does not read whole on every rank. [] otherwise."""
+        the tiers name, the newest first, then the one the tiers name (roots): what
+        restore_latest tries, by root, when the newest does not read whole on every rank.
+        [] otherwise."""
         return list(self._elsewhere.get(target, ()))
 
     def read_core(self) -> Core:
@@ -316,8 +330,15 @@ class LocalTier:
 
     def history_core(self, ref: str) -> Core:
         """Whose history of `ref` log() reads: the remote's where its tip is the newer (the
-        local tier lost, or behind another node's uploads: what checkout(ref) reads)."""
-        return self.remote if not self.core.refs.catalog_has(self.roots(ref)[0]) else self.core
+        local tier lost, or behind another node's uploads: what checkout(ref) reads). Which
+        tier's tip it is, not whether this tier lists that snapshot: a tier that was
+        another rank's than rank 0's holds rows of its part's snapshots, not the ref's
+        moves, and its own tip of the ref can be far older."""
+        newest = self.roots(ref)[0]
+        try:
+            return self.core if self.core.resolve(ref) == newest else self.remote
+        except RefNotFound:
+            return self.remote
 
     def reads_for(self, collective: bool):
         """What a checkout reads through: the tier, the remote behind; a collective

@@ -30,7 +30,8 @@ from tests.sim import check, content  # noqa: E402
 
 import _zygote as zygote
 
-SEEDS = {"memtier": 4, "file": 20275, "pg": 20262, "s3": 20263, "tier": 20288, "step": 2, "tier-down": 20294, "rollback": 5}
+SEEDS = {"memtier": 4, "memtier-nodes": 1, "file": 20275, "pg": 20262, "s3": 20263, "tier": 20288, "step": 2,
+         "tier-down": 20294, "rollback": 5}
 
 
 # The harness bounds its own rounds (a stuck worker is killed and judged); this limit only
@@ -632,18 +633,26 @@ def test_checker_judges_removals_answers_and_outages_through_tiers(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(fs_type("/dev/shm") not in ("tmpfs", "ramfs"),
                     reason="this machine has no tmpfs at /dev/shm for a memory tier")
-def test_harness_memtier():
-    """The memory tier's harness (tests/sim/memtier.py): rounds of a 4-rank job on two
-    simulated nodes, killed (ranks, or a whole node and its memory) at seeded moments,
-    some with a lying peer; M1-M4 after every round. Its seed finds M2 broken (round 2)
-    when a tier-only snapshot is expired as soon as a newer one is published."""
-    seed = int(os.environ.get("SIM_SEED", SEEDS["memtier"]))
+@pytest.mark.parametrize("nodes", ["same", "changing"])
+def test_harness_memtier(nodes):
+    """The memory tier's harness (tests/sim/memtier.py): rounds of a job of two ranks a
+    node, killed (ranks, or a whole node and its memory) at seeded moments, some with a
+    lying peer; M1-M4 after every round. "same": every round on nodes a and b; its seed
+    finds M2 broken (round 2) when a tier-only snapshot is expired as soon as a newer one
+    is published. "changing": 2 or 3 of the nodes a, b, c a round, numbered anew; its seed
+    finds M2 broken (round 5) when rank 0's tier, another rank's in the round before,
+    names the ref's older tip and the newer snapshot the other tiers hold is not read."""
+    key = "memtier" if nodes == "same" else "memtier-nodes"
+    seed = int(os.environ.get("SIM_SEED", SEEDS[key]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TSCK_", "TEST_S3_"))}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-W", "ignore::UserWarning", "-m", "tests.sim.memtier", "--seed", str(seed),
-           "--rounds", "8"]
+           "--rounds", "8"] + (["--same-nodes"] if nodes == "same" else [])
     p = zygote.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "memtier: 8 rounds OK" in out, out[-8000:]
-    ended = re.findall(r"ended (node [ab]|ranks|cleanly)", out)
+    ended = re.findall(r"ended (node [abc]|ranks|cleanly)", out)
     assert len(ended) == 8 and any(e.startswith("node") for e in ended), out[-3000:]
+    if nodes == "changing":  # (the draws it is there for: fewer nodes, more, rank 0's node another)
+        shapes = re.findall(r"nodes ([abc]+),", out)
+        assert {len(x) for x in shapes} == {2, 3} and len({x[0] for x in shapes}) > 1, shapes

@@ -1,20 +1,24 @@
-"""The memory tier in the harness: rounds of a 4-rank job on 2 simulated nodes, each
-rank's tier in host memory (/dev/shm), replicas=1, durable_every 2 or 3, killed at seeded
-moments and restarted, as a node loss does to a job.
+"""The memory tier in the harness: rounds of a job of 2 ranks a node on 2 or 3 simulated
+nodes, each rank's tier in host memory (/dev/shm), replicas=1, durable_every 2 or 3,
+killed at seeded moments and restarted, as a node loss does to a job, on the same nodes
+or on fewer or more, numbered anew each round (as torchrun's rendezvous may).
 
     python -m tests.sim.memtier --seed 7 --rounds 8
 
-A round: 4 real gloo ranks (forked, the c10d Store hosted here), ranks 0-1 on node a,
-2-3 on node b (TSCK_NODE), each with a CheckpointManager over open_store(remote,
-memory=, replicas=1, durable_every=N) on a file remote and an LMDB ref table. Each rank
-restores the newest snapshot (restore_latest), checks its part bit for bit against the
-step it names, then takes a snapshot at each of a few steps (blocking or not, seeded).
-Seeded per round, then:
+A round: real gloo ranks (forked, the c10d Store hosted here), two on each of the
+round's nodes (TSCK_NODE; 2 or 3 of the nodes a, b, c, or only a and b with --same-nodes,
+in a seeded order: the node that is rank 0's changes), each with a CheckpointManager over
+open_store(remote, memory=<the node's tier of its local rank>, replicas=1,
+durable_every=N) on a file remote and an LMDB ref table. Each rank restores the newest
+snapshot (restore_latest), checks its part bit for bit against the step it names (its
+own part, or rank 0's for a rank past the world that put it), then takes a snapshot at
+each of a few steps (blocking or not, seeded). Seeded per round, then:
   - nothing: the ranks finish (close() waits for the uploads);
   - ranks: every rank SIGKILLed at a moment of the puts (their tmpfs stays: a job's
     restart);
-  - node: the ranks of node a or b SIGKILLed at a moment of the puts, then the others,
-    and that node's memory erased (a lost node: its ranks come back on a new node);
+  - node: the ranks of one of the round's nodes SIGKILLed at a moment of the puts, then
+    the others, and that node's memory erased (a lost node: a new machine of that name
+    comes back, empty);
   - liar: one rank's peer server serves every block with a byte flipped (a peer that
     lies), beside any of the above.
 Each rank journals (an fsynced line each) what it restored and checked, each snapshot
@@ -23,11 +27,13 @@ lacked its copy (the ranks' agreement: tier/collective.py).
 
 Invariants, judged after each round and at the end:
   M1 every rank of a round restores the same step and its part is that step's, bit for
-     bit (never a mix of steps, never bytes of another);
+     bit (never a mix of steps, never bytes of another): its own part, or rank 0's for
+     the ranks past the world that put it, which are the ranks from some number up;
   M2 a committed memory snapshot survives the loss of k=1 node: the step restored is at
      least the newest tier-only step committed on some rank of the previous round (no
-     rank reporting a copy missing), when the previous round lost at most one node's
-     memory (a or b), or only processes, and no peer lies in this one. After a loss of
+     rank reporting a copy missing), when at most one of that round's nodes is away
+     from this one (its memory lost, or the node not in the job), and no peer lies in
+     this one. After a loss of
      node a, rank 0's new tier knows nothing: the snapshots the other ranks' tiers hold
      are named by their tips, and where the newest of them cannot be read whole (its
      copies were in flight), restore_latest tries the older ones they posted before the
@@ -55,7 +61,7 @@ import traceback
 
 import torch
 
-WORLD = 4
+PER_NODE = 2  # ranks a node
 REF, JOB = "mk/main", "mk"
 N = 12 * 1024  # float32 elements of a rank's part: 48 KiB, three 16 KiB blocks
 BLOCK = 16 * 1024
@@ -93,6 +99,7 @@ def _journal(path: str, rec: dict) -> None:
 
 
 def _rank(rank: int, port: int, cfg: dict) -> None:
+    world = len(cfg["nodes"])
     code = 1
     jpath = os.path.join(cfg["dir"], f"r{cfg['round']}_rank{rank}.jsonl")
     try:
@@ -104,8 +111,8 @@ def _rank(rank: int, port: int, cfg: dict) -> None:
         import tensorstore_ck as tsck
         from tensorstore_ck.tier.stream import FileBlock
         torch.set_num_threads(1)
-        kv = dist.TCPStore("127.0.0.1", port, WORLD, False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=kv, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+        kv = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=kv, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
 
         class Missing(logging.Handler):  # the agreement's word: a part lacked its copy
             def emit(self, record):
@@ -113,7 +120,11 @@ def _rank(rank: int, port: int, cfg: dict) -> None:
                 if "lack a copy" in msg or "agreement on their copies failed" in msg:
                     _journal(jpath, {"copyfail": msg[:120]})
         logging.getLogger("tensorstore_ck.tier.collective").addHandler(Missing(logging.WARNING))
-        store = tsck.open_store(cfg["remote"], refs=cfg["refs"], memory=os.path.join(cfg["shm"], f"tier{rank}"),
+        # The node's tier of this local rank (as memory=True names them): a renumbered
+        # job's rank opens the tier the node's rank of its place had.
+        local = cfg["nodes"][:rank].count(cfg["nodes"][rank])
+        store = tsck.open_store(cfg["remote"], refs=cfg["refs"],
+                                memory=os.path.join(cfg["shm"], f"{cfg['nodes'][rank]}.{local}"),
                                 replicas=1, durable_every=cfg["durable_every"], block_size=BLOCK)
         if rank == cfg.get("liar"):
             stored = store._tier.peers._stored_block
@@ -138,8 +149,11 @@ def _rank(rank: int, port: int, cfg: dict) -> None:
                                      on_commit=committed, timeout=30)
         try:
             step = mgr.restore_latest() or 0
-            _journal(jpath, {"restored": step, "exact": bool(torch.equal(part.t, content(rank, step)) if step
-                                                             else torch.equal(part.t, torch.zeros(N)))})
+            # (a rank past the world that put the step reads rank 0's part: judged across ranks)
+            whose = (None if not step else rank if torch.equal(part.t, content(rank, step))
+                     else 0 if torch.equal(part.t, content(0, step)) else None)
+            _journal(jpath, {"restored": step, "whose": whose,
+                             "exact": whose is not None if step else bool(torch.equal(part.t, torch.zeros(N)))})
         except tsck.IntegrityError as e:
             # No kept snapshot is whole anywhere (the newest lost with a node before its
             # copies or upload, and none older): every rank says so; the job goes on from
@@ -170,12 +184,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _draw(seed: int, i: int) -> dict:
+def _draw(seed: int, i: int, same_nodes: bool) -> dict:
     rng = random.Random(seed * 1000 + i)
     kill = rng.choice(["nothing", "ranks", "node", "node"])
-    return {"durable_every": rng.choice([2, 3]), "steps": rng.randint(2, 6), "async": rng.random() < 0.5,
-            "kill": kill, "victim": rng.choice("ab"), "kill_after": rng.uniform(0.0, 0.8),
-            "liar": rng.randrange(WORLD) if rng.random() < 0.25 else None}
+    d = {"durable_every": rng.choice([2, 3]), "steps": rng.randint(2, 6), "async": rng.random() < 0.5,
+         "kill": kill, "victim": rng.choice("ab"), "kill_after": rng.uniform(0.0, 0.8),
+         "liar": rng.randrange(2 * PER_NODE) if rng.random() < 0.25 else None}
+    if same_nodes:  # (the draws above as they were before the nodes changed: a seed's rounds replay)
+        d["letters"] = ["a", "b"]
+        return d
+    d["letters"] = rng.sample("abc", rng.choice([2, 3]))  # the round's nodes, in rank order
+    d["victim"] = rng.choice(d["letters"])
+    return d
 
 
 def _read(path: str) -> list:
@@ -192,24 +212,27 @@ def _read(path: str) -> list:
 
 
 class Run:
-    def __init__(self, seed: int, rounds: int, work: str, shm: str):
+    def __init__(self, seed: int, rounds: int, work: str, shm: str, same_nodes: bool = False):
         self.seed, self.rounds, self.work, self.shm = seed, rounds, work, shm
-        self.gen = {"a": 0, "b": 0}
+        self.same_nodes = same_nodes
+        self.gen = {"a": 0, "b": 0, "c": 0}
         self.violations: list[str] = []
         self.copyfail_roots: set = set()
         self.prev: dict | None = None  # what the last round committed, and how it ended
         self.next_step = 1  # past every step a rank began
         self.summary: list[str] = []
+        self.worlds: set = set()  # the world sizes the job has had (whose parts a snapshot may hold)
 
     def round(self, i: int) -> None:
-        d = _draw(self.seed, i)
-        nodes = [f"a{self.gen['a']}"] * 2 + [f"b{self.gen['b']}"] * 2
+        d = _draw(self.seed, i, self.same_nodes)
+        nodes = [f"{x}{self.gen[x]}" for x in d["letters"] for _ in range(PER_NODE)]
+        world = len(nodes)
         cfg = dict(d, round=i, next_step=self.next_step, dir=self.work, shm=self.shm, nodes=nodes,
                    remote=os.path.join(self.work, "remote"), refs=os.path.join(self.work, "refs.lmdb"))
         from torch.distributed import TCPStore
         port = _free_port()
         ctx = mp.get_context("fork")
-        procs = [ctx.Process(target=_rank, args=(r, port, cfg)) for r in range(WORLD)]
+        procs = [ctx.Process(target=_rank, args=(r, port, cfg)) for r in range(world)]
         for p in procs:
             p.start()
         master = TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
@@ -217,12 +240,13 @@ class Run:
         deadline = time.monotonic() + ROUND_LIMIT
         killed = None
         if d["kill"] != "nothing":
-            started = [os.path.join(self.work, f"r{i}_started{r}") for r in range(WORLD)]
+            started = [os.path.join(self.work, f"r{i}_started{r}") for r in range(world)]
             while (not all(map(os.path.exists, started)) and time.monotonic() < deadline
                    and all(p.is_alive() for p in procs)):
                 time.sleep(0.01)
             time.sleep(d["kill_after"])
-            victims = range(WORLD) if d["kill"] == "ranks" else ([0, 1] if d["victim"] == "a" else [2, 3])
+            lost = f"{d['victim']}{self.gen[d['victim']]}"
+            victims = range(world) if d["kill"] == "ranks" else [r for r in range(world) if nodes[r] == lost]
             for r in victims:
                 if procs[r].is_alive():
                     os.kill(procs[r].pid, signal.SIGKILL)
@@ -237,14 +261,16 @@ class Run:
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()
         del master
-        if d["kill"] == "node":  # the node's memory is gone; its ranks come back on a new node
-            for r in ([0, 1] if d["victim"] == "a" else [2, 3]):
-                shutil.rmtree(os.path.join(self.shm, f"tier{r}"), ignore_errors=True)
+        if d["kill"] == "node":  # the node's memory is gone; a new machine takes its name
+            for local in range(PER_NODE):
+                shutil.rmtree(os.path.join(self.shm, f"{d['victim']}{self.gen[d['victim']]}.{local}"),
+                              ignore_errors=True)
             self.gen[d["victim"]] += 1
         self.judge(i, d, killed, [p.exitcode for p in procs])
 
     def judge(self, i: int, d: dict, killed, codes: list) -> None:
-        js = [_read(os.path.join(self.work, f"r{i}_rank{r}.jsonl")) for r in range(WORLD)]
+        world = len(d["letters"]) * PER_NODE
+        js = [_read(os.path.join(self.work, f"r{i}_rank{r}.jsonl")) for r in range(world)]
         where = f"seed {self.seed} round {i} ({d})"
         restored = [next((e for e in j if "restored" in e), None) for j in js]
         if not killed:
@@ -262,10 +288,19 @@ class Run:
             if bad:
                 self.violations.append(f"M1/M3 {where}: ranks {bad} restored a part that is not step "
                                        f"{restored[0]['restored']}'s bit for bit")
+            whose = [x.get("whose") for x in restored]
+            past = [r for r, w in enumerate(whose) if w is not None and w != r]  # (rank 0's part: past the world)
+            if past and (past != list(range(past[0], world)) or past[0] not in self.worlds):
+                self.violations.append(f"M1 {where}: ranks {past} restored rank 0's part, not their own: not the "
+                                       f"ranks past a world the job had ({sorted(self.worlds)})")
             got = min(steps)
-            if self.prev is not None and d["liar"] is None and got < self.prev["committed"]:
+            # The previous round's nodes away now: its lost one's memory, those not in this job.
+            away = (set(self.prev["letters"]) - set(d["letters"])) | self.prev["lost"] if self.prev else set()
+            if (self.prev is not None and d["liar"] is None and len(away) <= 1
+                    and got < self.prev["committed"]):
                 self.violations.append(f"M2 {where}: restored step {got}, but step {self.prev['committed']} was "
-                                       f"committed in memory in round {i - 1} (ended: {self.prev['killed']})")
+                                       f"committed in memory in round {i - 1} (ended: {self.prev['killed']}; "
+                                       f"nodes away now: {sorted(away) or 'none'})")
         elif not killed:
             self.violations.append(f"{where}: a rank journaled no restore")
         fails = [e for j in js for e in j if "copyfail" in e]
@@ -276,9 +311,12 @@ class Run:
         ok_steps = [e["committed"] for e in commits if e["tier_only"] and not fails]
         base = max([e["committed"] for e in commits] + [x["restored"] or 0 for x in restored if x] + [0])
         self.next_step = max(self.next_step, base + d["steps"] + 1)
-        self.prev = {"committed": max(ok_steps) if ok_steps else 0, "killed": killed or "nothing"}
-        self.summary.append(f"round {i}: restored {restored[0]['restored'] if restored[0] else '-'}, committed up to "
-                            f"{base}, ended {killed or 'cleanly'}"
+        self.prev = {"committed": max(ok_steps) if ok_steps else 0, "killed": killed or "nothing",
+                     "letters": d["letters"], "lost": {d["victim"]} if d["kill"] == "node" else set()}
+        self.worlds.add(world)
+        self.summary.append(f"round {i}: nodes {''.join(d['letters'])}, restored "
+                            f"{restored[0]['restored'] if restored[0] else '-'}, committed up to {base}, ended "
+                            f"{killed or 'cleanly'}"
                             + ("" if d["liar"] is None else f", liar {d['liar']}"))
 
     def finish(self) -> None:
@@ -302,7 +340,8 @@ class Run:
         for v in self.violations:
             print("VIOLATION", v, flush=True)
         if self.violations:
-            print(f"replay: python -m tests.sim.memtier --seed {self.seed} --rounds {self.rounds}", flush=True)
+            print(f"replay: python -m tests.sim.memtier --seed {self.seed} --rounds {self.rounds}"
+                  + (" --same-nodes" if self.same_nodes else ""), flush=True)
             return 1
         print(f"memtier: {self.rounds} rounds OK", flush=True)
         return 0
@@ -313,6 +352,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--same-nodes", action="store_true",
+                    help="every round on nodes a and b, in that order (the rounds before the nodes changed)")
     ap.add_argument("--dir", default=None, help="where the journals go (default: a temp dir, removed if all pass)")
     a = ap.parse_args(argv)
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -321,7 +362,7 @@ def main(argv=None) -> int:
     shm = os.path.join("/dev/shm", f"tsck-memtier-{os.getpid()}")
     os.makedirs(shm, exist_ok=True)
     try:
-        rc = Run(seed, a.rounds, work, shm).run()
+        rc = Run(seed, a.rounds, work, shm, a.same_nodes).run()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     if rc == 0 and a.dir is None:
