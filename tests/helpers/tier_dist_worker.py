@@ -447,6 +447,8 @@ def noremote_body(rank, world, out, res, cfg):
             mgr.close()
             store.close(timeout=5)
         else:
+            if rank == 0:  # (what log() lists before the restore: the history of the newer tip)
+                res["log"] = [h.step for h in store.log(mgr.ref)]
             res["restored"] = mgr.restore_latest()
             res["exact"] = bool(res["restored"] is not None and torch.equal(part.t, _part_at(rank, res["restored"])))
             dist.barrier()

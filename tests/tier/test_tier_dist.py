@@ -487,6 +487,9 @@ def test_a_rank_0_whose_tier_was_another_ranks_since_restores_the_newest_the_oth
             assert [h.step for h in remote.log("nr/main")] == [3, 1]
         res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "resume", "phase": "run3"}), "run3", world)
         assert [(r["restored"], r["exact"]) for r in res] == [(5, True)] * world, res
+        # log() on rank 0 is the remote's history (its tip the newer), not the one of the
+        # ref in its tier (step 2), which lists step 3 as a part's row only
+        assert res[0]["log"] == [3, 1], res[0]["log"]
         # Every tier's blocks damaged: steps 5 and 4 read whole nowhere, and the next is the
         # remote's step 3 (not step 1, which rank 0's tier's history of the ref goes on to).
         res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "resume", "damaged": [0, 1, 2, 3],
