@@ -135,7 +135,8 @@ def open_store(url, *, create: bool = True,
     the tier cannot serve) once the tier has found its store at that URL and endpoint:
     a restore from the tier makes no request to S3, and a server that is down at open
     fails that first use instead (docs/design/tiers.md, "Opening the remote on first use").
-    local_budget: bytes the local tier's objects may take (default: no limit). After a
+    local_budget: bytes the local tier's objects may take (default: no limit; a memory
+    tier, half its tmpfs shared by the node's ranks: tier.memory.default_budget). After a
     snapshot becomes durable, and at open, the local copies of durable snapshots are
     evicted, the older first, each ref's newest durable tip last (their reads go to the
     remote store); never what a queued upload or a local-only snapshot needs. A put
@@ -351,8 +352,10 @@ class _Tier:
         if memory is not None and memory is not False:
             if local is not None:
                 raise InvalidArgument("local= and memory= each name the store's tier: give one of them")
-            from .tier.memory import memory_dir
+            from .tier.memory import default_budget, memory_dir
             local = memory_dir(memory, url)
+            if local_budget is None:
+                local_budget = default_budget(local)
         if (isinstance(durable_every, datetime.timedelta) or durable_every > 1) and local is None:
             raise InvalidArgument("durable_every= keeps snapshots in a tier between uploads: it needs local= or "
                                   "memory=")

@@ -33,8 +33,8 @@ from ..core.validate import TIER_ONLY, tier_only
 from ..errors import GcBusy, InvalidArgument, TsckError
 from ..util.localfile import MEMORY_FS, fs_type
 
-__all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "fs_type", "Schedule", "scheduled", "tier_only",
-           "drop_superseded"]
+__all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "default_budget", "fs_type", "Schedule", "scheduled",
+           "tier_only", "drop_superseded"]
 
 log = logging.getLogger(__name__)
 DEFAULT_ROOT = "/dev/shm"
@@ -73,6 +73,26 @@ def memory_dir(memory, url: str) -> str:
                               f"memory ({' or '.join(MEMORY_FS)}): give a directory under a tmpfs such as "
                               f"{DEFAULT_ROOT}, or use local= for a disk tier")
     return path
+
+
+NODE_SHARE = 0.5  # of a tmpfs: what the memory tiers of a node's ranks may take by default
+
+
+def default_budget(path: str) -> int:
+    """A memory tier's byte budget when open_store(local_budget=) is not given: half the
+    tmpfs it is on, shared by the node's ranks ($LOCAL_WORLD_SIZE, torchrun's; 1 without
+    it). A tmpfs is host memory that nothing frees: filled, its writers get ENOSPC (NCCL's
+    and DataLoader workers' shared memory too, on /dev/shm) and the node's processes
+    compete with it for RAM. The tier needs about (k+1) x a rank's share of the state
+    (docs/design/memtier.md, "Where the memory lives"), far below this on a node fit for
+    the job; past it, a put raises TierFull instead of the node running out."""
+    p = os.path.realpath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
+    return max(1, int(st.f_blocks * st.f_frsize * NODE_SHARE) // ranks)
 
 
 def scheduled(every) -> bool:

@@ -72,8 +72,9 @@ class FromPeers(Source):
         # Every tier of a part holds its snapshot's commit. Read before the commit's record
         # of the nodes is (learn), so asked of this rank's holders now, then of any rank: a
         # rank on a node new to the job may have only new nodes among its holders.
-        near = self._holders()
-        if not (self.peers.fetch("commit", d, near) or self.peers.fetch("commit", d, self.peers.others(near))):
+        near, p = self._holders(), self.peers
+        others = [r for r in ((p.rank + i) % p.world for i in range(1, p.world or 0)) if r not in near]
+        if not (p.fetch("commit", d, near) or p.fetch("commit", d, others)):
             raise NotHere(d)
         return self.local.get_commit(d, verify=verify)
 

@@ -198,12 +198,6 @@ class Peers:
             return self.holders(nodes)
         return read_from(nodes, self.nodes(), self.rank, self.k)
 
-    def others(self, skip=()) -> list[int]:
-        """Every other rank of the job but `skip`, the next ones first."""
-        if self.world is None:
-            return []
-        return [r for r in ((self.rank + i) % self.world for i in range(1, self.world)) if r not in skip]
-
     def commit_meta(self) -> dict:
         """What a collective snapshot's commit records of its replicas' placement (rank 0,
         put.py's meta_extra): each rank's node, as the names and each rank's index into

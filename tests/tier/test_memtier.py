@@ -202,3 +202,29 @@ def test_a_memory_tier_drops_the_copies_of_superseded_durable_snapshots(tmp_path
             disk.put_snapshot(_state(s), ref="j/main", step=s)
         assert disk.wait_durable(timeout=60)
         assert disk.core.refs.tier_rows.evicted() == set()
+
+
+def test_a_memory_tiers_default_budget_is_half_its_tmpfs_shared_by_the_nodes_ranks(tmp_path, shm, monkeypatch):
+    """Without local_budget=, a memory tier may take half its tmpfs, shared by the node's
+    ranks ($LOCAL_WORLD_SIZE); local_budget= given wins. Past it a put raises TierFull
+    (a node's memory does not run out): here a node of so many ranks that a tier's share
+    is below a snapshot, whose tier-only snapshot cannot be evicted to make room."""
+    st = os.statvfs(shm)
+    half = int(st.f_blocks * st.f_frsize * 0.5)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with _open(tmp_path, shm) as s:
+        assert s._tier.uploader.budget == half
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with _open(tmp_path, shm) as s:
+        assert s._tier.uploader.budget == half // 8
+    with _open(tmp_path, shm, local_budget=1 << 30) as s:
+        assert s._tier.uploader.budget == 1 << 30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(half // (48 << 10)))  # a tier's share: about 48 KiB
+    with _open(tmp_path, shm, durable_every=3) as s:
+        s.put_snapshot(_state(1), ref="r", step=1)
+        # tier-only, 256 KiB: the tier fitted its budget when the put began
+        s.put_snapshot({"big": torch.randn(64 << 10)}, ref="r", step=2)
+        assert s.wait_durable(timeout=60)
+        with pytest.raises(tsck.TierFull):
+            s.put_snapshot(_state(3), ref="r", step=3)
+        assert [h.step for h in s.log("r")] == [2, 1]
