@@ -101,7 +101,10 @@ def run_reads(assets: ObjectReader, pool: ThreadPoolExecutor, jobs: list, *, sna
     tasks: list = []  # (future, [(path, bounce, bytes)])
     grouped: dict = {}
     blocks: list = []
+    filled = getattr(assets, "filled_job", None)  # (a plan that filled packs' parts already: tier/peerreads.py)
     for job in jobs:
+        if type(job[1]) is PackPart and filled is not None and filled(job[0], job[1]):
+            continue
         if type(job[1]) is PackPart:
             grouped.setdefault((job[0], job[1].glen), []).append(job[1:])
         else:

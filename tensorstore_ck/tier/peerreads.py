@@ -83,36 +83,43 @@ class FromPeers(Source):
         return [d for d in digests if d not in at_peers]
 
     def plan(self, jobs: list, base, tally=None):
-        """A checkout's reads planned (Reader's plan): the blocks its tier lacks are fetched
-        from the holders in batches (Peers.fetch_stream), checked, and copied into their
-        destinations now; -> the reader that runs the rest through `base` (the chain),
-        the jobs already filled passed over."""
+        """A checkout's reads planned (Reader's plan): the blocks its tier lacks, and the
+        packs of the packed tensors it lacks, are fetched from the holders in batches
+        (Peers.fetch_stream), checked, and copied into their destinations now (a pack's
+        parts each checked against its leaf's content hash first); -> the reader that
+        runs the rest through `base` (the chain), the jobs already filled passed over."""
         from ..read.readjobs import PackPart
-        wanted = [job for job in jobs if type(job[1]) is not PackPart]
-        digests = list(dict.fromkeys(job[0] for job in wanted))
+        digests = list(dict.fromkeys(job[0] for job in jobs))
         if not digests:
             return base
         lacked = [d for d, here in zip(digests, map(self.local.block_exists, digests)) if not here]
         if not lacked:
             return base
         by_digest: dict = {}
-        for d, out, _p, _b in wanted:
-            by_digest.setdefault(d, []).append(out)
+        parts: dict = {}  # pack digest -> its parts' jobs' destinations (PackPart)
+        for d, out, _p, _b in jobs:
+            if type(out) is PackPart:
+                parts.setdefault(d, []).append(out)
+            else:
+                by_digest.setdefault(d, []).append(out)
         filled: set = set()
         per = max(1, FETCH_BYTES // max(self.peers.core.settings.block_size, 1))
         with self.peers.keeping_after():
-            self._fill([lacked[i:i + per] for i in range(0, len(lacked), per)], by_digest, filled, tally)
+            self._fill([lacked[i:i + per] for i in range(0, len(lacked), per)], by_digest, parts, filled, tally)
         return base if not filled else _Filled(base, filled)
 
-    def _fill(self, requests: list, by_digest: dict, filled: set, tally) -> None:
-        """Fetch `requests` from the holders and copy each block into its destinations,
-        noting (digest, id of the destination) in `filled`."""
+    def _fill(self, requests: list, by_digest: dict, parts: dict, filled: set, tally) -> None:
+        """Fetch `requests` from the holders and copy each block into its destinations, and
+        each pack's checked parts into theirs, noting (digest, id of the destination) in
+        `filled`."""
         import numpy as np
+        from ..core.partindex import part_matches
         # Each block is decoded and checked in its first destination, on the fetch's
         # checking thread while the socket reads on: no pass over it here but the copies
         # into any other destinations. (A block of another length is decoded apart and
-        # passed over below.)
-        into = {d: memoryview(outs[0]).cast("B") for d, outs in by_digest.items()}
+        # passed over below.) A pack is checked as it arrives, in the frame when stored
+        # raw: its parts are copied out of it here.
+        into = {d: memoryview(outs[0]).cast("B") for d, outs in by_digest.items() if d not in parts}
 
         def check(d, mv):
             out = into.get(d)
@@ -124,6 +131,20 @@ class FromPeers(Source):
             return decoded_frame(d, mv, out)
         for got in self._fetched(requests, check):
             for d, (frame, raw) in got.items():
+                if d in parts:
+                    pack = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
+                    for part in parts[d]:
+                        end = part.off + part.dst.nbytes
+                        if part.glen != pack.nbytes or end > pack.nbytes or (
+                                part.h is not None and not part_matches(pack, part.off, part.dst.nbytes, part.h)):
+                            continue  # (the chain reads it, and names what is wrong)
+                        np.copyto(part.dst, pack[part.off:end])
+                        filled.add((d, id(part)))
+                        if tally is not None:
+                            tally.add(self.name, "block", d)
+                    self.peers.keep(self.local.object_key("blocks", d), frame)
+                    if d not in by_digest:
+                        continue
                 outs = by_digest[d]
                 src = memoryview(raw).cast("B")
                 if any(memoryview(o).cast("B").nbytes != src.nbytes for o in outs):
@@ -163,11 +184,17 @@ class FromPeers(Source):
 
 class _Filled:
     """An ObjectReader: `base`, except for the reads a plan already filled (digest, id of
-    the destination), which it passes over once."""
+    the destination), which it passes over once; a pack's filled parts are jobs run_reads
+    leaves out (filled_job)."""
 
     def __init__(self, base, filled: set):
         self.base, self.filled = base, filled
         self._lock = threading.Lock()
+
+    def filled_job(self, d: bytes, part) -> bool:
+        """Whether the part of pack `d` a job reads into (a PackPart) was filled."""
+        with self._lock:
+            return (d, id(part)) in self.filled
 
     def read_block_into(self, d: bytes, out, **kw) -> None:
         with self._lock:

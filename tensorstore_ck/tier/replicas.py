@@ -99,6 +99,7 @@ class Peers:
         self._rx: bytearray | None = None  # the copies' receive buffer, between connections (_rx_buffer)
         self._stream = None  # the StreamServer a restore's batched fetches ask (stream.py)
         self.streamed = self.stream_fetches = 0  # blocks got by batched fetches, and the fetches
+        self.blocks_alone = 0  # blocks got one request each (fetch_checked): what the batches missed
         self._stream_dead: set[int] = set()  # holders whose block stream failed (not asked again)
 
     # -- set-up --------------------------------------------------------------------------
@@ -553,6 +554,7 @@ class Peers:
                 continue
             with self._lock:
                 self.fetched += 1
+                self.blocks_alone += kind == "block"
             return data, raw
         return None
 

@@ -448,7 +448,10 @@ def noremote_body(rank, world, out, res, cfg):
             store.close(timeout=5)
         else:
             if rank == 0:  # (what log() lists before the restore: the history of the newer tip)
-                res["log"] = [h.step for h in store.log(mgr.ref)]
+                try:
+                    res["log"] = [h.step for h in store.log(mgr.ref)]
+                except tsck.RefNotFound:
+                    res["log"] = None
             res["restored"] = mgr.restore_latest()
             res["exact"] = bool(res["restored"] is not None and torch.equal(part.t, _part_at(rank, res["restored"])))
             dist.barrier()
@@ -554,6 +557,7 @@ def rload_body(rank, world, out, res, cfg):
         peers = store._tier.peers
         res["fetched"], res["bad_copies"] = peers.fetched, peers.bad
         res["streamed"], res["stream_fetches"] = peers.streamed, peers.stream_fetches
+        res["blocks_alone"] = peers.blocks_alone
         dist.barrier()  # (the others may still be fetching from this rank)
 
 

@@ -344,8 +344,9 @@ def test_a_lost_node_restores_a_memory_only_snapshot_from_the_other_nodes_memory
             want = tdw.many_tensors(r, 1, 400)
             assert many.keys() == want.keys() and all(same_bits(many[k], want[k]) for k in want), r
             assert res[r]["remote_reads"] == [], (r, res[r])
-            if r in lost:
+            if r in lost:  # (the pack too: in the batches, none of its blocks asked for alone)
                 assert res[r]["streamed"] > 0 and "peer" in res[r]["sources"][0].split("+"), (r, res[r])
+                assert res[r]["blocks_alone"] == 0, (r, res[r])
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 
