@@ -149,7 +149,8 @@ def rank_main(cfg: dict) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", c10d), rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     marks["rdzv"], cpu["rdzv"] = time.time(), time.process_time()
-    n_t, numel = 4, int(cfg["mb"] * 1e6 / 4 / 4)
+    n_t = cfg.get("tensors", 4)
+    numel = int(cfg["mb"] * 1e6 / 4 / n_t)
     g = torch.Generator().manual_seed(1000 + rank)
     params = [torch.randn(numel, generator=g) if cfg["phase"] == "save" else torch.zeros(numel)
               for _ in range(n_t)]
@@ -297,6 +298,9 @@ def main() -> int:
                     help="also each place at the fewest ranks with this many MB per rank (the read and load rates)")
     ap.add_argument("--big-repeats", type=int, default=3,
                     help="the --big-mb runs, each place this many times (the read rate: their median)")
+    ap.add_argument("--tensors", type=int, default=4,
+                    help="the state's tensors per rank (64 at 256 MB: 4 MB each, packed with a tier's default pack "
+                         "size, as a sharded state's small tensors are)")
     ap.add_argument("--dir", default=None, help="where stores and tiers go (default: a temporary folder)")
     ap.add_argument("--json-out", default=None, help="also every rank's figures, as JSON, in this file")
     ap.add_argument("--s3-endpoint", default=None,
@@ -322,7 +326,7 @@ def main() -> int:
         import s3fs
         s3fs.S3FileSystem(**opts).mkdir("bench-restart")
     print(f"# {os.cpu_count()} cores, torch {torch.__version__}, python {sys.version.split()[0]}; "
-          f"{a.mb_per_rank:g} MB fp32 per rank (4 tensors, different on every rank); S3: "
+          f"{a.mb_per_rank:g} MB fp32 per rank ({a.tensors} tensors, different on every rank); S3: "
           f"{'the server at' if a.s3_endpoint else 'moto server'} {opts['endpoint_url'] if opts else '-'}; "
           f"stores under {scratch}")
     print(f"# uptime before: {os.popen('uptime').read().strip()}")
@@ -335,7 +339,7 @@ def main() -> int:
                 d = os.path.join(scratch, f"{mode}-{world}-{mb:g}-{rep}")
                 os.makedirs(d)
                 url = os.path.join(d, "store") if mode == "disk" else f"s3://bench-restart/{mode}-{world}-{int(mb)}-{rep}"
-                cfg = {"url": url, "opts": opts, "refs": os.path.join(d, "refs.lmdb"), "mb": mb,
+                cfg = {"url": url, "opts": opts, "refs": os.path.join(d, "refs.lmdb"), "mb": mb, "tensors": a.tensors,
                        "tiers": os.path.join(d, "tiers") if mode in ("tier", "tierpf", "peer") else None,
                        "out": d, "plain": False, "prefetch": mode == "tierpf", "memory": mode == "memory"}
                 if mode == "memory":  # the tiers in host memory (a tmpfs), as open_store(memory=) keeps them
