@@ -142,8 +142,8 @@ class FromPeers(Source):
                         filled.add((d, id(part)))
                         if tally is not None:
                             tally.add(self.name, "block", d)
-                    self.peers.keep(self.local.object_key("blocks", d), frame)
-                    if d not in by_digest:
+                    if d not in by_digest:  # (else kept below, with its block's destinations)
+                        self.peers.keep(self.local.object_key("blocks", d), frame)
                         continue
                 outs = by_digest[d]
                 src = memoryview(raw).cast("B")
