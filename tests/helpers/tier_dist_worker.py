@@ -413,7 +413,7 @@ def noremote_body(rank, world, out, res, cfg):
     once their node is lost, and step 2 stays in the tiers (nothing newer stands in).
     cfg["steps"]: the steps put instead, after restore_latest (a later run of the job).
     "resume": the tiers of the ranks cfg["lost"] removed (their node lost), the blocks of
-    those of cfg["damaged"] damaged, restore_latest."""
+    those of cfg["damaged"] damaged, restore_latest. "rollback": restore(cfg["to"]) instead."""
     import shutil
 
     import torch.distributed as dist
@@ -452,7 +452,10 @@ def noremote_body(rank, world, out, res, cfg):
                     res["log"] = [h.step for h in store.log(mgr.ref)]
                 except tsck.RefNotFound:
                     res["log"] = None
-            res["restored"] = mgr.restore_latest()
+            if cfg["mode"] == "rollback":  # restore(cfg["to"]): the ref moves back to it
+                res["restored"] = mgr.restore(cfg["to"])
+            else:
+                res["restored"] = mgr.restore_latest()
             res["exact"] = bool(res["restored"] is not None and torch.equal(part.t, _part_at(rank, res["restored"])))
             dist.barrier()
 

@@ -501,6 +501,29 @@ def test_a_rank_0_whose_tier_was_another_ranks_since_restores_the_newest_the_oth
 
 
 @pytest.mark.slow
+def test_a_rollback_holds_against_the_newer_snapshots_the_other_tiers_post(tmp_path, s3_url, s3_server):
+    """Steps 1 and 4 reach the remote, 2 and 3 stay in memory; restore(1) moves the ref back
+    (in rank 0's tier and the remote). The next restore_latest restores step 1 on every
+    rank, not step 4: the other ranks' tiers post their rows of step 4 (and of the
+    tier-only steps still kept), committed before the rollback's move, so rank 0's tier
+    keeps its ref where the rollback put it."""
+    world = 4
+    cfg, shm = _memtier(tmp_path, s3_url, s3_server)
+    cfg = {**cfg, "moves": True, "lost": []}
+    try:
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "train", "steps": [1, 2, 3, 4], "phase": "rb1"}),
+                       "rb1", world)
+        # (steps 1 and 4 durable; the tier-only ones a newer snapshot stood in for may be gone)
+        assert res[0]["tier_only"][0] is False and res[0]["tier_only"][-1] is False, res[0]["tier_only"]
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "rollback", "to": 1, "phase": "rb2"}), "rb2", world)
+        assert [(r["restored"], r["exact"]) for r in res] == [(1, True)] * world, res
+        res = _results(_run(tmp_path, "noremote", {**cfg, "mode": "resume", "phase": "rb3"}), "rb3", world)
+        assert [(r["restored"], r["exact"]) for r in res] == [(1, True)] * world, res
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_two_stores_with_replicas_in_one_job_send_their_copies_to_their_own_tiers(tmp_path):
     """Each of 2 ranks holds two tiered stores with replicas=1 (remotes A and B, tiers of
     their own), both joined to the job's side channel; a put into A sends each rank's part
