@@ -31,7 +31,7 @@ import time
 
 from ..core.validate import TIER_ONLY, tier_only
 from ..errors import GcBusy, InvalidArgument, TsckError
-from ..util.localfile import MEMORY_FS, fs_type
+from ..util.localfile import MEMORY_FS, existing_ancestor, fs_type
 
 __all__ = ["TIER_ONLY", "MEMORY_FS", "memory_dir", "default_budget", "fs_type", "Schedule", "scheduled",
            "tier_only", "drop_superseded"]
@@ -86,10 +86,7 @@ def default_budget(path: str) -> int:
     compete with it for RAM. The tier needs about (k+1) x a rank's share of the state
     (docs/design/memtier.md, "Where the memory lives"), far below this on a node fit for
     the job; past it, a put raises TierFull instead of the node running out."""
-    p = os.path.realpath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    st = os.statvfs(p)
+    st = os.statvfs(existing_ancestor(path))
     ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
     ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
     return max(1, int(st.f_blocks * st.f_frsize * NODE_SHARE) // ranks)

@@ -27,7 +27,7 @@ from collections import deque
 
 from ..errors import InvalidArgument
 
-__all__ = ["holders", "read_from", "this_node"]
+__all__ = ["holders", "next_ranks", "read_from", "this_node"]
 
 
 def this_node() -> str:
@@ -70,6 +70,12 @@ def holders(nodes, k: int) -> list[list[int]]:
     return out
 
 
+def next_ranks(world: int, k: int) -> list[list[int]]:
+    """For each of `world` ranks, the next k (mod world): where copies go when the job has
+    fewer than k+1 nodes (copies a lost node takes with it)."""
+    return [[(r + i) % world for i in range(1, min(k, world - 1) + 1)] for r in range(world)]
+
+
 def read_from(put, now, rank: int, k: int) -> list[int]:
     """The ranks of the job now (rank r on node now[r]) that hold the parts rank `rank` reads
     of a snapshot put by ranks on nodes `put` with k copies of each part, in the order to
@@ -91,10 +97,7 @@ def read_from(put, now, rank: int, k: int) -> list[int]:
     w, v = len(put), len(now)
     if not w or not v:
         return []
-    if k and len(set(put)) > k:
-        place = holders(put, k)
-    else:  # (one host at the put: the next k ranks held the copies, Peers.holders' rule)
-        place = [[(j + i) % w for i in range(1, min(k, w - 1) + 1)] for j in range(w)]
+    place = holders(put, k) if k and len(set(put)) > k else next_ranks(w, k)  # (Peers.holders' rule)
     at_now = {slot: r for r, slot in enumerate(_slots(now))}
     was = _slots(put)
     lo, hi = rank * w // v, -(-(rank + 1) * w // v)  # parts [lo, hi) overlap this rank's share

@@ -175,7 +175,7 @@ class Peers:
         other nodes, never this rank's own) given each rank's node name (`nodes`: a
         snapshot's, as its commit recorded them; None: the job's now). With fewer than k+1
         nodes (one host), the ranks r+1 .. r+k (mod W): copies a lost node takes with it."""
-        from .placement import holders as by_node
+        from .placement import holders as by_node, next_ranks
         if nodes is None and self.kv is not None:  # (no c10d Store: a Peers made by hand, in tests)
             nodes = self.nodes()
         nodes = nodes or []
@@ -186,7 +186,7 @@ class Peers:
             log.warning("peer replicas: replicas=%d needs %d nodes to keep a copy of each part off its own node; the "
                         "job's ranks are on %d: copies go to the next ranks, some on the same node", self.k,
                         self.k + 1, len(set(nodes)))
-        return [(self.rank + i) % self.world for i in range(1, min(self.k, self.world - 1) + 1)]
+        return next_ranks(self.world, self.k)[self.rank]
 
     def read_holders(self, nodes: list | None) -> list[int]:
         """The ranks to ask for what this rank reads of a snapshot whose commit recorded

@@ -38,12 +38,18 @@ class _NotRegularDir(NotRegularFile, IsADirectoryError):
 MEMORY_FS = ("tmpfs", "ramfs")  # file systems whose files are host memory
 
 
-def fs_type(path: str) -> str | None:
-    """The file system type of the mount holding `path` (its nearest existing ancestor),
-    from /proc/self/mountinfo; None where that cannot be read (not Linux)."""
+def existing_ancestor(path: str) -> str:
+    """`path` resolved, or its nearest ancestor that exists (a directory not made yet)."""
     p = os.path.realpath(path)
     while not os.path.exists(p):
         p = os.path.dirname(p)
+    return p
+
+
+def fs_type(path: str) -> str | None:
+    """The file system type of the mount holding `path` (its nearest existing ancestor),
+    from /proc/self/mountinfo; None where that cannot be read (not Linux)."""
+    p = existing_ancestor(path)
     best, kind = "", None
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
