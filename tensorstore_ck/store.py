@@ -839,9 +839,11 @@ class Store:
         if is_collective(group):
             # Rank 0 resolves the target in both tiers (the newer snapshot, as for one
             # process); every rank reads its region through its own tier, the remote behind.
-            return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root, read=read,
-                                                     share=self._share_for, shares=self._shares,
-                                                     tip=self._tier.own_tip, newest=self._tier.newest_of), target)
+            # What its peers gave is kept in its tier once the checkout is done (reading).
+            with self._tier.reading():
+                return collective_checkout(CollectiveJob(self._collective, group, timeout, resolve=self._root,
+                                                         read=read, share=self._share_for, shares=self._shares,
+                                                         tip=self._tier.own_tip, newest=self._tier.newest_of), target)
         roots = self._tier_roots(target)
         for i, root in enumerate(roots):
             try:

@@ -84,7 +84,6 @@ _.reconnects  # PostgresRefTable (test_hostile_refs)
 _.unknown_commits  # PostgresRefTable (test_hostile_refs, test_pg_unknown_outcome)
 _.retries  # RetryingStore's count (test_blockstore); also s3fs's own attribute, set by S3BlockStore.fs
 _.faults  # FaultInjectingStore: faults injected (test_faults, tests/sim)
-_.fetched  # Peers (tier/replicas.py): objects fetched from peers (test_tier_dist, bench_tier_peer)
 _.streamed  # Peers: blocks a restore got by batched fetches from the holders (tier_dist_worker)
 _.stream_fetches  # Peers: those batched fetches (tier_dist_worker: fewer than the blocks)
 _.blocks_alone  # Peers: blocks a restore got one request each (tier_dist_worker: none for a lost node's ranks)

@@ -704,6 +704,21 @@ class Assets:
         out: decode into that buffer (of the object's length), checked there."""
         return frame_payload(kind + "s", d, data, _key(kind + "s", d), out)
 
+    @staticmethod
+    def block_in_place(d: bytes, head, body):
+        """object_from_frame for a block's frame received in two parts, its header `head`
+        and the rest already in the block's destination `body` -> (error, None) or (None,
+        body): a block stored raw is checked where it is (no copy); a coded one is decoded
+        from a copy into `body`."""
+        where = _key("blocks", d)
+        if frame.is_raw_block(head) and frame.decode_header(head).raw_len == memoryview(body).nbytes:
+            got = blake3.blake3(body).digest()
+            if got != d:
+                return IntegrityError("content does not match its address", key=where, expected=d.hex(),
+                                      got=got.hex()), None
+            return None, body
+        return frame_payload("blocks", d, bytes(head) + bytes(body), where, body)
+
     def move_aside(self, key: str, *, deadline=None) -> str | None:
         """Move the object `key` to a fresh quarantine name -> that name, or None if
         `key` was absent. Nothing under quarantine/ is ever read as an object or deleted

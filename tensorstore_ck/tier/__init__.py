@@ -7,7 +7,8 @@ calls nothing else here.
     none.py         NoTier: what a Store without one holds in its place (the same calls, its own store)
     opening.py      the tier's Core made (and the remote opened on first use)
     peerreads.py    a checkout's reads from the peers holding its replicas (batched, by placement)
-    replicas.py     peer replicas over a TCP side channel: placed by node, sent, served
+    replicas.py     peer replicas over a TCP side channel: placed by node, sent, served,
+                    fetched back (one job over ~650 lines: a rank's part on its peers)
     uploader.py     the queue and its thread: objects the remote lacks, then its ref moved
                     (one job over ~600 lines: a queued snapshot until it is durable)
     collective.py   a collective put through tiers: each rank's part, rank 0's move

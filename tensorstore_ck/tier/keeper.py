@@ -1,6 +1,9 @@
 """The copies a restore fetched from peers, kept in the rank's tier off the restore's path
-(tier/replicas.py's Peers.keep): a cache for the next restore, written by a background
-thread at a low priority once the restore's fetches are done, synced once they settle."""
+(tier/replicas.py's Peers.keep and keep_from_holders): a cache for the next restore,
+written by a background thread at a low priority once the checkout is done, synced once
+they settle. A batched restore uses each block up as it arrives (one buffer per fetching
+thread, reused), so what it fetched is fetched again from the holders to be kept; a single
+fetch's frame is kept as it was received."""
 
 from __future__ import annotations
 
@@ -53,6 +56,17 @@ class Keeper:
             self._start()
             self._cond.notify()
 
+    def refetch(self, digests: list, fetch, per: int) -> None:
+        """Keep the blocks `digests` by fetching them again, `per` at a time, once no
+        checkout pauses this (fetch(some digests, take): each checked frame given to
+        take(digest, frame) as it arrives): a restore that used them up held no frame."""
+        with self._cond:
+            if self._closed:
+                return
+            self._queue.append((None, (list(digests), fetch, per)))
+            self._start()
+            self._cond.notify()
+
     def wrote(self) -> None:
         """A copy was written into the tier by the caller (a node, read back at once): the
         thread makes it durable with the rest."""
@@ -86,7 +100,7 @@ class Keeper:
                 closed = self._closed
             wrote = False
             for key, data in batch:
-                wrote = keep_copy(self.storage, key, data) or wrote
+                wrote = (self._fetched(*data) if key is None else keep_copy(self.storage, key, data)) or wrote
             with self._cond:
                 self._dirty = self._dirty or wrote
                 sync = self._dirty and (closed or not self._queue)
@@ -103,8 +117,22 @@ class Keeper:
                     if not self._queue and not self._dirty:
                         return
 
+    def _fetched(self, digests: list, fetch, per: int) -> bool:
+        from ..core.assets import Assets
+        wrote = []
+
+        def take(d, frame):
+            wrote.append(keep_copy(self.storage, Assets.object_key("blocks", d), frame))
+        for i in range(0, len(digests), per):
+            try:
+                fetch(digests[i:i + per], take)
+            except (OSError, TsckError) as e:
+                log.debug("peer replicas: %d block(s) to keep could not be fetched again (%s)", len(digests) - i, e)
+                break
+        return any(wrote)
+
     def close(self) -> None:
-        """Write and sync what is queued, then stop."""
+        """Write and sync what is queued (fetching again what is to be), then stop."""
         with self._cond:
             thread, self._closed = self._thread, True
             self._cond.notify()

@@ -349,6 +349,12 @@ class LocalTier:
             return peer_reads(self.reads, self.peers)
         return self.reads
 
+    def reading(self):
+        """While a checkout reads: the copies its peers gave are kept in the tier once it
+        is done (Peers.keeping_after), not on the cores and the holders it reads from."""
+        import contextlib
+        return contextlib.nullcontext() if self.peers is None else self.peers.keeping_after()
+
     @staticmethod
     def read_plan(served: ReadChain, commit: dict):
         """What plans a checkout's block reads through `served` (Reader's plan) of the

@@ -70,6 +70,11 @@ class NoTier:
         return reads
 
     @staticmethod
+    def reading():
+        import contextlib
+        return contextlib.nullcontext()
+
+    @staticmethod
     def read_plan(served, commit):
         return None
 

@@ -97,67 +97,93 @@ class FromPeers(Source):
             return base
         by_digest: dict = {}
         parts: dict = {}  # pack digest -> its parts' jobs' destinations (PackPart)
-        for d, out, _p, _b in jobs:
+        bounce: set = set()  # ids of the destinations that are the caller's memory (read/read.py)
+        for d, out, _p, b in jobs:
             if type(out) is PackPart:
                 parts.setdefault(d, []).append(out)
             else:
                 by_digest.setdefault(d, []).append(out)
+                if b:
+                    bounce.add(id(out))
         filled: set = set()
         per = max(1, FETCH_BYTES // max(self.peers.core.settings.block_size, 1))
         with self.peers.keeping_after():
-            self._fill([lacked[i:i + per] for i in range(0, len(lacked), per)], by_digest, parts, filled, tally)
+            fetched = self._fill([lacked[i:i + per] for i in range(0, len(lacked), per)], by_digest, parts, bounce,
+                                 filled, tally)
+            self.peers.keep_from_holders(fetched, self._holders())
         return base if not filled else _Filled(base, filled)
 
-    def _fill(self, requests: list, by_digest: dict, parts: dict, filled: set, tally) -> None:
-        """Fetch `requests` from the holders and copy each block into its destinations, and
-        each pack's checked parts into theirs, noting (digest, id of the destination) in
-        `filled`."""
+    def _fill(self, requests: list, by_digest: dict, parts: dict, bounce: set, filled: set, tally) -> list:
+        """Fetch `requests` from the holders, each block used up by its check: checked and
+        copied into its destinations (a pack's parts each checked against its leaf's hash
+        first), noting (digest, id of the destination) in `filled` -> the digests fetched
+        (no frame of them held: kept by fetching them again, Peers.keep_from_holders)."""
+        import threading
+
         import numpy as np
+        from ..core.assets import Assets
         from ..core.partindex import part_matches
-        # Each block is decoded and checked in its first destination, on the fetch's
-        # checking thread while the socket reads on: no pass over it here but the copies
-        # into any other destinations. (A block of another length is decoded apart and
-        # passed over below.) A pack is checked as it arrives, in the frame when stored
-        # raw: its parts are copied out of it here.
-        into = {d: memoryview(outs[0]).cast("B") for d, outs in by_digest.items() if d not in parts}
+        # Nothing of a batch is used after its check, so each fetching thread receives
+        # every batch into one buffer it reuses (alloc: its pages faulted in once, not per
+        # batch). A block bound for fresh memory goes straight into it (place: no buffer,
+        # no copy) or is decoded into it, and is checked there; one bound for the caller's
+        # memory (bounce) is checked first and only then copied (read/read.py's promise).
+        direct = {d: memoryview(outs[0]).cast("B") for d, outs in by_digest.items()
+                  if d not in parts and not any(id(o) in bounce for o in outs)}
+        scratch = threading.local()
 
-        def check(d, mv):
-            out = into.get(d)
-            try:
-                if out is not None and decode_header(mv[:HEADER_SIZE]).raw_len != out.nbytes:
-                    out = None  # (a length the manifest does not give it: the chain reports it)
-            except TsckError:
-                out = None  # (decoded_frame names what is wrong with it)
-            return decoded_frame(d, mv, out)
-        for got in self._fetched(requests, check):
-            for d, (frame, raw) in got.items():
-                if d in parts:
-                    pack = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
-                    for part in parts[d]:
-                        end = part.off + part.dst.nbytes
-                        if part.glen != pack.nbytes or end > pack.nbytes or (
-                                part.h is not None and not part_matches(pack, part.off, part.dst.nbytes, part.h)):
-                            continue  # (the chain reads it, and names what is wrong)
-                        np.copyto(part.dst, pack[part.off:end])
-                        filled.add((d, id(part)))
-                        if tally is not None:
-                            tally.add(self.name, "block", d)
-                    if d not in by_digest:  # (else kept below, with its block's destinations)
-                        self.peers.keep(self.local.object_key("blocks", d), frame)
-                        continue
-                outs = by_digest[d]
-                src = memoryview(raw).cast("B")
-                if any(memoryview(o).cast("B").nbytes != src.nbytes for o in outs):
-                    continue  # (a length the manifest does not give it: the chain reports it)
-                for o in outs[1:]:  # (src is outs[0]'s memory)
-                    np.copyto(np.frombuffer(memoryview(o).cast("B"), dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-                filled.update((d, id(o)) for o in outs)
+        def alloc(n: int):
+            buf = getattr(scratch, "buf", None)
+            if buf is None or len(buf) < n:
+                buf = scratch.buf = bytearray(n)
+            return buf
+
+        def place(d, n):
+            out = direct.get(d)
+            return None if out is None or n != HEADER_SIZE + out.nbytes else [memoryview(bytearray(HEADER_SIZE)), out]
+
+        def check(d, mv) -> list:
+            """Block d's bytes checked and copied where they go -> the destinations filled."""
+            into = direct.get(d)
+            if type(mv) is list:  # (placed: in `into` already)
+                err, raw = Assets.block_in_place(d, *mv)
+                if err is not None:
+                    raise err
+            else:
+                try:
+                    if into is not None and decode_header(mv[:HEADER_SIZE]).raw_len != into.nbytes:
+                        into = None  # (a length the manifest does not give it: the chain reports it)
+                except TsckError:
+                    into = None  # (decoded_frame names what is wrong with it)
+                _frame, raw = decoded_frame(d, mv, into)
+            src = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
+            done = []
+            for part in parts.get(d, ()):
+                end = part.off + part.dst.nbytes
+                if part.glen != src.nbytes or end > src.nbytes or (
+                        part.h is not None and not part_matches(src, part.off, part.dst.nbytes, part.h)):
+                    continue  # (the chain reads it, and names what is wrong)
+                np.copyto(part.dst, src[part.off:end])
+                done.append(part)
+            outs = by_digest.get(d, ())
+            if any(memoryview(o).cast("B").nbytes != src.nbytes for o in outs):
+                return done  # (a length the manifest does not give it: the chain reports it)
+            for i, o in enumerate(outs):
+                if i or into is None:  # (into is outs[0]'s memory)
+                    np.copyto(np.frombuffer(memoryview(o).cast("B"), dtype=np.uint8), src)
+                done.append(o)
+            return done
+        fetched: list = []
+        for got in self._fetched(requests, check, place, alloc):
+            for d, done in got.items():
+                filled.update((d, id(o)) for o in done)
                 if tally is not None:
-                    for _o in outs:
+                    for _o in done:
                         tally.add(self.name, "block", d)
-                self.peers.keep(self.local.object_key("blocks", d), frame)
+                fetched.append(d)
+        return fetched
 
-    def _fetched(self, requests: list, check):
+    def _fetched(self, requests: list, check, place, alloc):
         """Peers.fetch_stream of each request, in order, FETCH_DEPTH of them in flight (a
         holder reads its disk for one while it sends another and this rank checks a
         third): the restore holds at most FETCH_DEPTH + 1 requests' blocks."""
@@ -165,17 +191,18 @@ class FromPeers(Source):
         from concurrent.futures import ThreadPoolExecutor
         holders = self._holders()
         if len(requests) == 1:
-            yield self.peers.fetch_stream(requests[0], holders, check)
+            yield self.peers.fetch_stream(requests[0], holders, check, place, alloc)
             return
         todo = iter(requests)
         with ThreadPoolExecutor(FETCH_DEPTH, thread_name_prefix="tsck-peer-fetch") as pool:
-            flight = deque(pool.submit(self.peers.fetch_stream, r, holders, check) for r in islice(todo, FETCH_DEPTH))
+            flight = deque(pool.submit(self.peers.fetch_stream, r, holders, check, place, alloc)
+                           for r in islice(todo, FETCH_DEPTH))
             try:
                 while flight:
                     got = flight.popleft().result()
                     nxt = next(todo, None)
                     if nxt is not None:
-                        flight.append(pool.submit(self.peers.fetch_stream, nxt, holders, check))
+                        flight.append(pool.submit(self.peers.fetch_stream, nxt, holders, check, place, alloc))
                     yield got
             finally:
                 for f in flight:

@@ -574,14 +574,53 @@ class Peers:
         finally:
             self._keeper.resume()
 
-    def fetch_stream(self, digests: list, holders: list | None = None, check=None) -> dict:
+    def keep_from_holders(self, digests: list, holders: list) -> None:
+        """Keep copies of the blocks `digests` a restore fetched and used up (no frame of
+        them held): the keeper fetches them again from `holders` once the checkout is done,
+        and writes them to this rank's tier (a cache, as keep's)."""
+        if not digests:
+            return
+        with self._lock:
+            peers = [p for p in holders if p not in self._stream_dead]
+        addrs = [a for a in map(self._stream_addr, peers) if a is not None]
+        per = max(1, FETCH_BYTES // max(self.core.settings.block_size, 1))
+        self._keeper.refetch(digests, lambda ds, take: self._fetch_again(addrs, ds, take), per)
+
+    def _fetch_again(self, addrs: list, digests: list, take) -> None:
+        """The blocks `digests` from the first of the streams `addrs` that answers, each
+        frame checked and given to take(digest, frame) as it arrives (in one buffer
+        reused: nothing of it is held); counted nowhere (no restore's)."""
+        buf = bytearray()
+
+        def alloc(n):
+            nonlocal buf
+            if len(buf) < n:
+                buf = bytearray(n)
+            return buf
+
+        def check(d, mv):
+            take(d, decoded_frame(d, mv)[0])
+            return True
+        for addr in addrs:
+            try:
+                stream_fetch(addr, self._secret, digests, max_block=_limit(self.core, "block"), timeout=PEER_TIMEOUT,
+                             check=check, alloc=alloc, overlap=False)
+                return
+            except TsckError as e:
+                log.debug("peer replicas: fetching %d block(s) again from %s to keep them failed (%s)", len(digests),
+                          addr, e)
+
+    def fetch_stream(self, digests: list, holders: list | None = None, check=None, place=None, alloc=None) -> dict:
         """The blocks `digests` from their holders, in batches of many blocks on one
         connection per holder and request (stream.py), each checked against its address
         (decoded from the frame a holder stores) -> digest -> (stored frame, its bytes)
         for those some holder gave whole. Fetched in requests of about FETCH_BYTES, so
         a restore holds one request's blocks beyond what it fills; a holder that lies
         (bytes not their address's, lengths past a block's) loses that request to the
-        next holder, one that fails is not asked again. check(d, frame): decoded_frame's."""
+        next holder, one that fails is not asked again. check(d, frame): decoded_frame's;
+        place: stream.fetch's (a block received in its destination: check gets the list);
+        alloc: stream.fetch's, with each batch checked before the next is read (overlap
+        off), so that alloc may give one buffer again and again."""
         got: dict = {}
         per = max(1, FETCH_BYTES // max(self.core.settings.block_size, 1))
         todo = list(dict.fromkeys(digests))
@@ -598,7 +637,8 @@ class Peers:
                 ask = todo[i:i + per]
                 try:
                     answer = stream_fetch(addr, self._secret, ask, max_block=_limit(self.core, "block"),
-                                          timeout=PEER_TIMEOUT, check=frame)
+                                          timeout=PEER_TIMEOUT, check=frame, place=place, alloc=alloc,
+                                          overlap=alloc is None)
                 except TsckError as e:
                     with self._lock:
                         self.bad += isinstance(e, IntegrityError)

@@ -25,7 +25,8 @@ Cost: a sender writes each batch with one sendmsg over the blocks' own buffers (
 to batch them), or a block from its file with sendfile (a server's lookup may answer a
 FileBlock: no copy through the process), looking blocks up READ_AHEAD ahead of the one
 it sends; a receiver reads each batch's payload with recv_into into one buffer (a
-caller's `into`, or one per batch) and hashes it on a worker thread while the socket
+caller's `into`, or one per batch), or a block where the caller's `place` puts it (a
+restore's destination), and hashes it on a worker thread while the socket
 reads the next batch (`overlap`: BLAKE3 releases the GIL), at most VERIFY_DEPTH batches
 behind. Nothing is hashed twice: a server sends what it holds as it holds it (what it
 keeps was checked on arrival, and the receiver checks again anyway: peers are untrusted).
@@ -184,31 +185,47 @@ def raw_block(d: bytes, mv):
     return mv
 
 
-def _check(entries, buf, check=raw_block) -> list:
+def _check(items, check=raw_block) -> list:
     """The blocks of one batch, each checked against its address -> [(digest, what
-    check(digest, memoryview) gave, or None)]; IntegrityError on the first that is not
+    check(digest, its bytes) gave, or None)]; IntegrityError on the first that is not
     its address's."""
-    out, at = [], 0
-    for d, n in entries:
+    return [(d, None if mv is None else check(d, mv)) for d, mv in items]
+
+
+def _lay(entries, places, buf) -> tuple[list, list]:
+    """Where a batch's payload lands: each block in the buffers its place gave (a list),
+    the others back to back in `buf` -> ([(digest, memoryview, list or None)], the views
+    to receive into in the wire's order, neighbours in `buf` as one)."""
+    items, views, at, start = [], [], 0, 0
+    for (d, n), p in zip(entries, places):
         if n is None:
-            out.append((d, None))
-            continue
-        mv = buf[at:at + n]
-        at += n
-        out.append((d, check(d, mv)))
-    return out
+            items.append((d, None))
+        elif p is None:
+            items.append((d, buf[at:at + n]))
+            at += n
+        else:
+            if sum(v.nbytes for v in p) != n:
+                raise ValueError(f"a place for block {d.hex()[:16]} is not its {n} bytes")
+            if at > start:
+                views.append(buf[start:at])
+            views += p
+            start = at
+            items.append((d, p))
+    if at > start:
+        views.append(buf[start:at])
+    return items, views
 
 
 class _Receiver:
     """Reads batches from a socket and checks them, the hashing of one batch overlapped
     with the reading of the next (on a worker thread, at most VERIFY_DEPTH behind) or
-    inline (overlap=False). Payload lands in `into` (consecutive, when given) or in one
-    fresh buffer per batch."""
+    inline (overlap=False). Payload lands where `place` puts a block, else in `into`
+    (consecutive, when given) or in one fresh buffer per batch."""
 
     def __init__(self, sock, max_block: int, *, overlap: bool, into=None, alloc=None, allow_missing: bool = False,
-                 check=raw_block):
+                 check=raw_block, place=None):
         self.sock, self.max_block, self.allow_missing, self.alloc = sock, max_block, allow_missing, alloc
-        self.check = check
+        self.check, self.place = check, place
         self.into = None if into is None else memoryview(into).cast("B")
         self.at = 0
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tsck-stream-check") if overlap else None
@@ -230,13 +247,16 @@ class _Receiver:
                     if [d for d, _n in entries] != want:
                         raise FormatError("a peer's answer names blocks that were not asked for, or not in "
                                           "the order asked")
-                buf = self._buffer(total)
-                recv_into(self.sock, buf)
+                places = [None if n is None or self.place is None else self.place(d, n) for d, n in entries]
+                placed = sum(n for (_d, n), p in zip(entries, places) if p is not None)
+                items, views = _lay(entries, places, self._buffer(total - placed))
+                for v in views:
+                    recv_into(self.sock, v)
                 self.blocks += len(entries)
                 if self.pool is None:
-                    out += _check(entries, buf, self.check)
+                    out += _check(items, self.check)
                     continue
-                pending.append(self.pool.submit(_check, entries, buf, self.check))
+                pending.append(self.pool.submit(_check, items, self.check))
                 while len(pending) > VERIFY_DEPTH or (pending and pending[0].done()):
                     out += pending.popleft().result()
             while pending:
@@ -315,14 +335,21 @@ def push(addr: str, secret: bytes, blocks, *, timeout: float = STREAM_TIMEOUT,
 
 
 def fetch(addr: str, secret: bytes, digests, *, max_block: int = MAX_BLOCK, into=None, overlap: bool = True,
-          timeout: float = STREAM_TIMEOUT, check=raw_block) -> list:
+          timeout: float = STREAM_TIMEOUT, check=raw_block, place=None, alloc=None) -> list:
     """The blocks `digests` from the StreamServer at `addr`, each checked against its
     address -> a list in the order asked: a memoryview of the block's bytes, or None
     where the peer lacks it. into: a writable buffer the blocks land in, back to back
     (the caller's memory: nothing else is allocated for them); else one buffer per batch.
+    place(digest, length) -> None, or writable memoryviews of `length` bytes in all that
+    the block's bytes are received into, in turn (a restore's destination: no buffer
+    between the socket and it, nor pages faulted in for one); check then gets that list.
+    alloc(n) -> a writable buffer of n bytes or more for a batch's other blocks: with
+    overlap=False each batch is checked before the next is read, so it may give one
+    buffer again and again when check keeps nothing of it.
     check(digest, memoryview) -> what the list holds for the block, or IntegrityError:
     the default takes the bytes as the block itself; a peer sending stored frames is
-    checked by decoding them (tier/replicas.py).
+    checked by decoding them (tier/replicas.py). After a failure the places hold what
+    arrived, unchecked: not the blocks.
     IntegrityError or FormatError when the peer lies (wrong bytes, a length past
     max_block or past `into`, blocks not asked): nothing is returned then. StorageError
     when it cannot be reached, closes or stays silent for `timeout` seconds."""
@@ -335,7 +362,8 @@ def fetch(addr: str, secret: bytes, digests, *, max_block: int = MAX_BLOCK, into
     try:
         with _connect(addr, secret, timeout) as conn:
             conn.sendall(b"G" + len(want).to_bytes(4, "big") + b"".join(want))
-            rx = _Receiver(conn, max_block, overlap=overlap, into=into, allow_missing=True, check=check)
+            rx = _Receiver(conn, max_block, overlap=overlap, into=into, alloc=alloc, allow_missing=True, check=check,
+                           place=place)
             got = rx.run(expect=want)
     except OSError as e:
         done = 0 if rx is None else rx.blocks
