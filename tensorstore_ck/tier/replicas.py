@@ -589,7 +589,8 @@ class Peers:
     def _fetch_again(self, addrs: list, digests: list, take) -> None:
         """The blocks `digests` from the first of the streams `addrs` that answers, each
         frame checked and given to take(digest, frame) as it arrives (in one buffer
-        reused: nothing of it is held); counted nowhere (no restore's)."""
+        reused: nothing of it is held), sent by the holder at a low priority; counted
+        nowhere (no restore's)."""
         buf = bytearray()
 
         def alloc(n):
@@ -604,7 +605,7 @@ class Peers:
         for addr in addrs:
             try:
                 stream_fetch(addr, self._secret, digests, max_block=_limit(self.core, "block"), timeout=PEER_TIMEOUT,
-                             check=check, alloc=alloc, overlap=False)
+                             check=check, alloc=alloc, overlap=False, low=True)
                 return
             except TsckError as e:
                 log.debug("peer replicas: fetching %d block(s) again from %s to keep them failed (%s)", len(digests),

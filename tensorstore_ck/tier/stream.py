@@ -16,6 +16,8 @@ Wire, after the proof: a request's first byte is its op.
                                               reason's length (2), reason (utf-8)
     G  n (4), n digests                    -> batches naming the asked digests in order,
                                               then an empty batch
+    g  as G                                 -> as G, sent by a thread at nice LOW_NICE (a
+                                              copy to keep, not a restore waiting for it)
 A batch: n (4), payload bytes (8), n x (digest 32, length 8), then the n blocks back to
 back. A fetched block the server lacks has length MISSING and no bytes. Every count and
 length is bounded before a buffer is made (MAX_BATCH_BLOCKS, max_block), so a peer's
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import threading
 from collections import deque
@@ -64,6 +67,7 @@ MAX_FETCH = 1 << 22         # digests in one fetch request
 STREAM_TIMEOUT = 60.0       # seconds a peer may stay silent mid-transfer
 VERIFY_DEPTH = 2            # batches read ahead of the hashing
 READ_AHEAD = 4              # a server's lookups running ahead of the block it sends
+LOW_NICE = 10               # a low-priority fetch's sending thread's nice value (Linux: per thread)
 MISSING = (1 << 64) - 1     # a fetched block's length when the server lacks it
 _SOCK_BUF = 4 << 20         # the sockets' kernel buffers: a batch in flight while the next is packed
 _IOV = 1024                 # buffers one sendmsg takes (Linux's IOV_MAX)
@@ -335,7 +339,7 @@ def push(addr: str, secret: bytes, blocks, *, timeout: float = STREAM_TIMEOUT,
 
 
 def fetch(addr: str, secret: bytes, digests, *, max_block: int = MAX_BLOCK, into=None, overlap: bool = True,
-          timeout: float = STREAM_TIMEOUT, check=raw_block, place=None, alloc=None) -> list:
+          timeout: float = STREAM_TIMEOUT, check=raw_block, place=None, alloc=None, low: bool = False) -> list:
     """The blocks `digests` from the StreamServer at `addr`, each checked against its
     address -> a list in the order asked: a memoryview of the block's bytes, or None
     where the peer lacks it. into: a writable buffer the blocks land in, back to back
@@ -345,7 +349,8 @@ def fetch(addr: str, secret: bytes, digests, *, max_block: int = MAX_BLOCK, into
     between the socket and it, nor pages faulted in for one); check then gets that list.
     alloc(n) -> a writable buffer of n bytes or more for a batch's other blocks: with
     overlap=False each batch is checked before the next is read, so it may give one
-    buffer again and again when check keeps nothing of it.
+    buffer again and again when check keeps nothing of it. low: the server sends at a low
+    priority (op g: background work, e.g. a copy to keep, yields its cores to the job).
     check(digest, memoryview) -> what the list holds for the block, or IntegrityError:
     the default takes the bytes as the block itself; a peer sending stored frames is
     checked by decoding them (tier/replicas.py). After a failure the places hold what
@@ -361,7 +366,7 @@ def fetch(addr: str, secret: bytes, digests, *, max_block: int = MAX_BLOCK, into
     rx = None
     try:
         with _connect(addr, secret, timeout) as conn:
-            conn.sendall(b"G" + len(want).to_bytes(4, "big") + b"".join(want))
+            conn.sendall((b"g" if low else b"G") + len(want).to_bytes(4, "big") + b"".join(want))
             rx = _Receiver(conn, max_block, overlap=overlap, into=into, alloc=alloc, allow_missing=True, check=check,
                            place=place)
             got = rx.run(expect=want)
@@ -433,7 +438,13 @@ class StreamServer:
             op = bytes(recv_exact(conn, 1))
             if op == b"P":
                 self._take(conn)
-            elif op == b"G":
+            elif op in (b"G", b"g"):
+                if op == b"g":  # (this connection's own thread, gone once it is answered)
+                    try:
+                        me = threading.get_native_id()
+                        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), LOW_NICE))
+                    except (AttributeError, OSError):
+                        pass
                 self._give(conn)
         except (OSError, TsckError) as e:
             log.debug("block streams: a connection ended: %s", e)

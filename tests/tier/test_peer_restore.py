@@ -126,3 +126,35 @@ def test_the_callers_memory_never_holds_a_liars_bytes(tmp_path, side):
         finally:
             asker.close()
             holder.close()
+
+
+def test_a_fetch_to_keep_is_sent_at_a_low_priority_and_a_restores_at_the_servers(tmp_path, side):
+    """The keeper's fetch (stream.fetch(low=True), op g) is sent by a server thread at
+    nice LOW_NICE or more, so a holder's second sending of a part yields its cores to the
+    job; a restore's fetch (op G) is sent at the server's own priority."""
+    import os
+    import threading
+
+    import blake3
+
+    from tensorstore_ck.tier.stream import LOW_NICE, FileBlock, StreamServer, fetch
+
+    nice: list = []
+
+    class Noted(FileBlock):
+        def send(self, sock):
+            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            super().send(sock)
+
+    data = os.urandom(1 << 16)
+    d = blake3.blake3(data).digest()
+    (tmp_path / "block").write_bytes(data)
+    server = StreamServer(lookup=lambda x: Noted(open(tmp_path / "block", "rb"), len(data)) if x == d else None)
+    try:
+        addr = server.listen(side)
+        own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert bytes(fetch(addr, job_secret(side), [d])[0]) == data
+        assert bytes(fetch(addr, job_secret(side), [d], low=True)[0]) == data
+        assert nice == [own, max(own, LOW_NICE)], nice
+    finally:
+        server.close()
