@@ -578,19 +578,16 @@ class Peers:
         """Keep copies of the blocks `digests` a restore fetched and used up (no frame of
         them held): the keeper fetches them again from `holders` once the checkout is done,
         and writes them to this rank's tier (a cache, as keep's)."""
-        if not digests:
-            return
-        with self._lock:
-            peers = [p for p in holders if p not in self._stream_dead]
-        addrs = [a for a in map(self._stream_addr, peers) if a is not None]
-        per = max(1, FETCH_BYTES // max(self.core.settings.block_size, 1))
-        self._keeper.refetch(digests, lambda ds, take: self._fetch_again(addrs, ds, take), per)
+        if digests:
+            per = max(1, FETCH_BYTES // max(self.core.settings.block_size, 1))
+            self._keeper.refetch(digests, lambda ds, take: self._fetch_again(holders, ds, take), per)
 
-    def _fetch_again(self, addrs: list, digests: list, take) -> None:
-        """The blocks `digests` from the first of the streams `addrs` that answers, each
-        frame checked and given to take(digest, frame) as it arrives (in one buffer
-        reused: nothing of it is held), sent by the holder at a low priority; counted
-        nowhere (no restore's)."""
+    def _fetch_again(self, holders: list, digests: list, take) -> None:
+        """The blocks `digests` from the first of `holders` whose stream answers (on the
+        keeper's thread: an address the restore lacked is waited for there, not on its
+        path), each frame checked and given to take(digest, frame) as it arrives (in one
+        buffer reused: nothing of it is held), sent by the holder at a low priority;
+        counted nowhere (no restore's)."""
         buf = bytearray()
 
         def alloc(n):
@@ -602,14 +599,22 @@ class Peers:
         def check(d, mv):
             take(d, decoded_frame(d, mv)[0])
             return True
-        for addr in addrs:
+        for peer in holders:
+            with self._lock:
+                dead = peer in self._stream_dead
+            addr = None if dead else self._stream_addr(peer)
+            if addr is None:
+                continue
             try:
                 stream_fetch(addr, self._secret, digests, max_block=_limit(self.core, "block"), timeout=PEER_TIMEOUT,
                              check=check, alloc=alloc, overlap=False, low=True)
                 return
             except TsckError as e:
-                log.debug("peer replicas: fetching %d block(s) again from %s to keep them failed (%s)", len(digests),
-                          addr, e)
+                log.debug("peer replicas: fetching %d block(s) again from rank %d to keep them failed (%s)",
+                          len(digests), peer, e)
+                if not isinstance(e, IntegrityError):
+                    with self._lock:
+                        self._stream_dead.add(peer)  # (unreachable or cut off: not asked again)
 
     def fetch_stream(self, digests: list, holders: list | None = None, check=None, place=None, alloc=None) -> dict:
         """The blocks `digests` from their holders, in batches of many blocks on one

@@ -27,8 +27,8 @@ Cost: a sender writes each batch with one sendmsg over the blocks' own buffers (
 to batch them), or a block from its file with sendfile (a server's lookup may answer a
 FileBlock: no copy through the process), looking blocks up READ_AHEAD ahead of the one
 it sends; a receiver reads each batch's payload with recv_into into one buffer (a
-caller's `into`, or one per batch), or a block where the caller's `place` puts it (a
-restore's destination), and hashes it on a worker thread while the socket
+caller's `into` or `alloc`'s, or one per batch), or a block where the caller's `place`
+puts it (a restore's destination), and hashes it on a worker thread while the socket
 reads the next batch (`overlap`: BLAKE3 releases the GIL), at most VERIFY_DEPTH batches
 behind. Nothing is hashed twice: a server sends what it holds as it holds it (what it
 keeps was checked on arrival, and the receiver checks again anyway: peers are untrusted).

@@ -158,3 +158,37 @@ def test_a_fetch_to_keep_is_sent_at_a_low_priority_and_a_restores_at_the_servers
         assert nice == [own, max(own, LOW_NICE)], nice
     finally:
         server.close()
+
+
+def test_a_block_with_a_place_is_received_into_it_and_checked_there(side):
+    """stream.fetch(place=): a block whose place names buffers is received into them (no
+    buffer between: the check gets that list, and its bytes are the block's there); one
+    without a place lands in the batch's buffer; a place of the wrong length is the
+    caller's error."""
+    import os
+
+    import blake3
+
+    from tensorstore_ck.tier.stream import StreamServer, fetch, raw_block
+
+    data = [os.urandom(1000 + i) for i in range(3)]
+    ds = [blake3.blake3(b).digest() for b in data]
+    server = StreamServer(lookup=dict(zip(ds, data)).get)
+    try:
+        addr, secret = server.listen(side), job_secret(side)
+        head, body = bytearray(10), bytearray(len(data[1]) - 10)
+        got = []
+
+        def check(d, mv):
+            got.append(type(mv) is list)
+            if type(mv) is list:
+                return raw_block(d, memoryview(bytes(mv[0]) + bytes(mv[1])))
+            return raw_block(d, mv)
+        out = fetch(addr, secret, ds, check=check,
+                    place=lambda d, n: [memoryview(head), memoryview(body)] if d == ds[1] else None)
+        assert [bytes(b) for b in out] == data and got == [False, True, False]
+        assert bytes(head) + bytes(body) == data[1]
+        with pytest.raises(ValueError):
+            fetch(addr, secret, ds, place=lambda d, n: [memoryview(bytearray(n + 1))])
+    finally:
+        server.close()
