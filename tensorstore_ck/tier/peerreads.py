@@ -185,8 +185,8 @@ class FromPeers(Source):
 
     def _fetched(self, requests: list, check, place, alloc):
         """Peers.fetch_stream of each request, in order, FETCH_DEPTH of them in flight (a
-        holder reads its disk for one while it sends another and this rank checks a
-        third): the restore holds at most FETCH_DEPTH + 1 requests' blocks."""
+        holder reads its disk for one while it sends another): each fetching thread holds
+        one batch buffer (alloc), the blocks used up by their checks."""
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
         holders = self._holders()

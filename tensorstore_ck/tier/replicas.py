@@ -620,8 +620,9 @@ class Peers:
         """The blocks `digests` from their holders, in batches of many blocks on one
         connection per holder and request (stream.py), each checked against its address
         (decoded from the frame a holder stores) -> digest -> (stored frame, its bytes)
-        for those some holder gave whole. Fetched in requests of about FETCH_BYTES, so
-        a restore holds one request's blocks beyond what it fills; a holder that lies
+        for those some holder gave whole (or what check gave). Fetched in requests of
+        about FETCH_BYTES, so a restore holds at most one request's blocks (one batch's
+        with alloc, the blocks used up by check); a holder that lies
         (bytes not their address's, lengths past a block's) loses that request to the
         next holder, one that fails is not asked again. check(d, frame): decoded_frame's;
         place: stream.fetch's (a block received in its destination: check gets the list);
