@@ -198,8 +198,9 @@ def _check(items, check=raw_block) -> list:
 
 def _lay(entries, places, buf) -> tuple[list, list]:
     """Where a batch's payload lands: each block in the buffers its place gave (a list),
-    the others back to back in `buf` -> ([(digest, memoryview, list or None)], the views
-    to receive into in the wire's order, neighbours in `buf` as one)."""
+    the others back to back in `buf` -> ([(digest, its memoryview in `buf`, its place's
+    list, or None: missing)], the views to receive into in the wire's order, neighbours in
+    `buf` as one)."""
     items, views, at, start = [], [], 0, 0
     for (d, n), p in zip(entries, places):
         if n is None:
