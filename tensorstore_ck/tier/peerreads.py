@@ -13,6 +13,7 @@ from ..errors import IntegrityError, TsckError
 from ..format.frame import HEADER_SIZE, decode_header
 from .reads import NotHere, ReadChain, Source
 from .replicas import FETCH_BYTES, FETCH_DEPTH, Peers, decoded_frame
+from .stream import ReusedBuffers
 
 __all__ = ["FromPeers", "peer_reads"]
 
@@ -118,8 +119,6 @@ class FromPeers(Source):
         copied into its destinations (a pack's parts each checked against its leaf's hash
         first), noting (digest, id of the destination) in `filled` -> the digests fetched
         (no frame of them held: kept by fetching them again, Peers.keep_from_holders)."""
-        import threading
-
         import numpy as np
         from ..core.assets import Assets
         from ..core.partindex import part_matches
@@ -130,13 +129,7 @@ class FromPeers(Source):
         # memory (bounce) is checked first and only then copied (read/read.py's promise).
         direct = {d: memoryview(outs[0]).cast("B") for d, outs in by_digest.items()
                   if d not in parts and not any(id(o) in bounce for o in outs)}
-        scratch = threading.local()
-
-        def alloc(n: int):
-            buf = getattr(scratch, "buf", None)
-            if buf is None or len(buf) < n:
-                buf = scratch.buf = bytearray(n)
-            return buf
+        alloc = ReusedBuffers()
 
         def place(d, n):
             out = direct.get(d)

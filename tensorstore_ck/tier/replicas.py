@@ -18,7 +18,7 @@ from ..format.frame import HEADER_SIZE
 from ..format.manifest import MAX_NODE_BYTES
 from ..util.net import close_all, job_secret, listen_on, prove, recv_exact as _recv, recv_into, serve
 from .keeper import Keeper, keep_copy
-from .stream import FileBlock, StreamServer, fetch as stream_fetch
+from .stream import FileBlock, ReusedBuffers, StreamServer, fetch as stream_fetch
 
 __all__ = ["Peers", "PEER_TIMEOUT", "FETCH_BYTES", "FETCH_DEPTH", "decoded_frame"]
 
@@ -588,13 +588,7 @@ class Peers:
         path), each frame checked and given to take(digest, frame) as it arrives (in one
         buffer reused: nothing of it is held), sent by the holder at a low priority;
         counted nowhere (no restore's)."""
-        buf = bytearray()
-
-        def alloc(n):
-            nonlocal buf
-            if len(buf) < n:
-                buf = bytearray(n)
-            return buf
+        alloc = ReusedBuffers()
 
         def check(d, mv):
             take(d, decoded_frame(d, mv)[0])

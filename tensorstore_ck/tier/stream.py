@@ -54,7 +54,7 @@ import blake3
 from ..errors import FormatError, IntegrityError, StorageError, TsckError
 from ..util.net import job_secret, listen_on, peer_name, prove, recv_exact, recv_into, serve
 
-__all__ = ["push", "fetch", "raw_block", "StreamServer", "FileBlock", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK",
+__all__ = ["push", "fetch", "raw_block", "StreamServer", "FileBlock", "ReusedBuffers", "BATCH_BYTES", "MAX_BATCH_BLOCKS", "MAX_BLOCK",
            "STREAM_TIMEOUT",
            "VERIFY_DEPTH"]
 
@@ -283,6 +283,21 @@ class _Receiver:
         mv = self.into[self.at:self.at + n]
         self.at += n
         return mv
+
+
+class ReusedBuffers:
+    """An alloc= for a receiver that checks each batch before it reads the next
+    (overlap=False) and whose check keeps nothing of it: one buffer per thread, grown to
+    the largest batch and given again (its pages faulted in once); gone with this object."""
+
+    def __init__(self):
+        self._mine = threading.local()
+
+    def __call__(self, n: int):
+        buf = getattr(self._mine, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._mine.buf = bytearray(n)
+        return buf
 
 
 # -- the client ----------------------------------------------------------------------------
